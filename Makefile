@@ -1,0 +1,88 @@
+# moonshard — one build: build/libmoonshard.so (C core, plus CUDA kernels when
+# nvcc is present and kernels/*.cu exist).
+#   make            build the library and the FFI definitions
+#   make test       install missing Debian packages, build, run the CPU specs
+#   make test-gpu   run the #gpu specs (on a GPU host)
+#   make test-asan  run the CPU specs against an AddressSanitizer build
+CC      ?= gcc
+BUILD   ?= build
+CFLAGS  ?= -O3
+CFLAGS  += -std=c99 -D_GNU_SOURCE -fPIC -fopenmp -Wall -Wextra -Werror -Wno-unused-parameter \
+           -I/usr/include/x86_64-linux-gnu/openblas-pthread
+LDLIBS  += -lopenblas -lm -fopenmp
+
+C_SRCS  := $(wildcard core/*.c core/io/*.c)
+HEADERS := core/tensor.h core/ops.h $(wildcard core/io/*.h)
+C_OBJS  := $(patsubst %.c,$(BUILD)/%.o,$(C_SRCS))
+
+NVCC    ?= $(shell command -v nvcc 2>/dev/null)
+CU_SRCS := $(wildcard kernels/*.cu)
+ifneq ($(NVCC),)
+ifneq ($(CU_SRCS),)
+CU_OBJS := $(patsubst %.cu,$(BUILD)/%.o,$(CU_SRCS))
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -Wall -Werror all-warnings \
+           -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
+CFLAGS  += -DMS_WITH_CUDA
+LDLIBS  += -L$(CUDA_HOME)/lib64 -lcudart -lcublasLt -lcublas
+endif
+endif
+
+LIB     := $(BUILD)/libmoonshard.so
+FFI     := $(BUILD)/ffi_cdef.lua
+PROBE   := $(BUILD)/ffi_probe
+
+all: $(LIB) $(FFI) $(PROBE)
+
+$(BUILD)/%.o: %.c $(HEADERS) core/internal.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/%.o: %.cu $(wildcard kernels/*.h) $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -Icore -c $< -o $@
+
+$(LIB): $(C_OBJS) $(CU_OBJS)
+	$(CC) -shared -o $@ $^ $(LDLIBS)
+
+$(FFI) $(BUILD)/ffi_probe.c: tools/gen_ffi.lua $(HEADERS)
+	@mkdir -p $(BUILD)
+	luajit tools/gen_ffi.lua $(FFI) $(BUILD)/ffi_probe.c $(HEADERS)
+
+$(PROBE): $(BUILD)/ffi_probe.c $(HEADERS)
+	$(CC) -std=c99 -Wall -Werror -I. $< -o $@
+
+# Debian packages the build and the specs need; installed only when missing
+DEBS := luajit libluajit-5.1-dev lua-busted lua-dkjson libopenblas-dev openmpi-bin libopenmpi-dev
+deps:
+	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
+	fi
+
+test: deps
+	$(MAKE) all
+	bash tools/run_specs.sh --exclude-tags=gpu,multi,slow spec
+
+test-all: deps
+	$(MAKE) all
+	bash tools/run_specs.sh --exclude-tags=gpu,multi spec
+
+test-gpu: all
+	bash tools/run_specs.sh --tags=gpu --exclude-tags=multi spec
+
+test-multi: all
+	bash tools/run_specs.sh --tags=multi spec
+
+test-asan: deps
+	$(MAKE) BUILD=build-asan CFLAGS="-O1 -g -fsanitize=address -fno-omit-frame-pointer" \
+	  LDLIBS="-lopenblas -lm -fopenmp -fsanitize=address" all
+	MS_BUILD=build-asan LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+	  bash tools/run_specs.sh --exclude-tags=gpu,multi,slow,noasan spec
+
+clean:
+	rm -rf build build-asan
+
+.PHONY: all deps test test-all test-gpu test-multi test-asan clean

@@ -1,0 +1,46 @@
+-- moonshard — the Lua face of the engine.
+--
+--   local ms = require 'moonshard'
+--   local x = ms.randn({4, 8}, {seed = 1})
+--   local w = ms.randn({8, 2})
+--   print(ms.matmul(x, w):sum())
+--
+-- Layers (each a module of its own, all reachable from here):
+--   moonshard.tensor       the Tensor metatype, constructors, views, printing
+--   moonshard.ops          tensor operations (raw, no autograd)
+--   moonshard.safetensors  load/save .safetensors files
+local T = require 'moonshard.tensor'
+
+local ms = {}
+ms.C, ms.ffi = T.C, T.ffi
+ms.Tensor = T
+
+-- constructors
+for _, k in ipairs({ 'tensor', 'empty', 'zeros', 'ones', 'full', 'arange', 'rand', 'randn',
+  'zeros_like', 'ones_like', 'empty_like', 'manual_seed', 'rng_state', 'set_rng_state',
+  'is_tensor', 'uniform_', 'normal_' }) do
+  ms[k] = T[k]
+end
+
+-- raw ops: functional forms, also installed as tensor methods by moonshard.ops
+local okops, F = pcall(require, 'moonshard.ops')
+if okops then
+  ms.raw = F
+  for k, f in pairs(F) do ms[k] = f end
+elseif not tostring(F):find("module 'moonshard.ops' not found", 1, true) then
+  error(F, 0)
+end
+
+local okst, st = pcall(require, 'moonshard.safetensors')
+if okst then
+  ms.load_safetensors, ms.save_safetensors = st.load, st.save
+elseif not tostring(st):find("module 'moonshard.safetensors' not found", 1, true) then
+  error(st, 0)
+end
+
+function ms.set_num_threads(n) T.C.ms_set_num_threads(n) end
+function ms.get_num_threads() return T.C.ms_get_num_threads() end
+function ms.live_storages() return tonumber(T.C.ms_live_storages()) end
+function ms.live_bytes(device) return tonumber(T.C.ms_live_bytes(device or -1)) end
+
+return ms

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs busted under LuaJIT with the repository's paths and prints a closing
+# line "N passed, N failed" (errors count as failed). Exit status 1 on any failure
+# or when no spec ran at all.
+set -u
+cd "$(dirname "$0")/.."
+export LUA_PATH="./lua/?.lua;./lua/?/init.lua;./?.lua;${LUA_PATH:-;}"
+busted_bin=$(command -v busted || echo /usr/bin/busted)
+log=$(mktemp)
+luajit "$busted_bin" --lpath='./lua/?.lua;./lua/?/init.lua;./?.lua' -o utfTerminal "$@" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+line=$(grep -aE '[0-9]+ success(es)? / [0-9]+ failures? / [0-9]+ errors?' "$log" | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g')
+rm -f "$log"
+ok=$(echo "$line" | sed -nE 's/.*([^0-9]|^)([0-9]+) success.*/\2/p')
+fail=$(echo "$line" | sed -nE 's/.* ([0-9]+) failures?.*/\1/p')
+err=$(echo "$line" | sed -nE 's/.* ([0-9]+) errors?.*/\1/p')
+ok=${ok:-0}; fail=${fail:-0}; err=${err:-0}
+if [ -z "$line" ]; then err=1; echo "busted printed no summary (exit status $status)"; fi
+echo "$ok passed, $((fail + err)) failed"
+if [ "$((fail + err))" -gt 0 ] || [ "$ok" -eq 0 ] || [ "$status" -ne 0 ]; then exit 1; fi
