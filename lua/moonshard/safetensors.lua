@@ -1,0 +1,328 @@
+-- moonshard.safetensors — read and write .safetensors files.
+--
+--   local st = require 'moonshard.safetensors'
+--   local tensors, metadata = st.load('model.safetensors')
+--   print(tensors['transformer.wte.weight'].shape[1], metadata.format)
+--   st.save('out.safetensors', { w = w, b = b }, { format = 'pt' })
+--
+-- The format (https://huggingface.co/docs/safetensors): 8 bytes of header
+-- length N (little-endian u64), N bytes of JSON header, then the data bytes.
+-- The header maps each tensor name to {dtype, shape, data_offsets = [begin,
+-- end)} (offsets relative to the start of the data), plus an optional
+-- "__metadata__" object of string -> string. The header is padded with spaces
+-- to a multiple of 8 bytes.
+--
+-- load() validates the whole header before it reads any data (bounded header
+-- size, JSON that parses, every entry complete, offsets inside the file and
+-- consistent with shape × dtype size, no two tensors overlapping): a malformed
+-- file raises a Lua error "safetensors: <path>: <what is wrong>", never a
+-- crash. Tensor data is read by C (ms_file_read_into) straight into a fresh
+-- tensor: a big file never becomes a Lua string.
+--
+-- save() writes tensors sorted by name, back to back, from contiguous CPU
+-- copies where needed, into `path .. '.tmp'`, then renames it over `path`: a
+-- failed save leaves an existing file untouched.
+local ffi = require 'ffi'
+local json = require 'dkjson'
+local T = require 'moonshard.tensor'
+local C = T.C
+
+local S = {}
+
+-- dkjson's LPeg parser is stricter and faster; its plain-Lua one is the fallback
+local okl, jsonlpeg = pcall(json.use_lpeg)
+local json_decode = okl and jsonlpeg.decode or json.decode
+
+-- safetensors dtype codes <-> moonshard dtype names
+local from_code = {
+  F64 = 'f64', F32 = 'f32', BF16 = 'bf16', F16 = 'f16',
+  I64 = 'i64', I32 = 'i32', U8 = 'u8', BOOL = 'bool',
+}
+local to_code = {}
+for code, name in pairs(from_code) do to_code[name] = code end
+S.dtype_codes = to_code
+local dtype_size = { f64 = 8, f32 = 4, bf16 = 2, f16 = 2, i64 = 8, i32 = 4, u8 = 1, bool = 1 }
+
+-- a header longer than this is refused (real headers are a few hundred KB)
+S.max_header_bytes = 100 * 2 ^ 20
+-- save() writes data in pieces of this many bytes (bounds the Lua strings)
+S.write_chunk_bytes = 16 * 2 ^ 20
+
+local function fail(path, fmt, ...)
+  error(('safetensors: %s: ' .. fmt):format(path, ...), 3)
+end
+
+local function is_int(v) return type(v) == 'number' and v == math.floor(v) and v >= 0 and v < 2 ^ 53 end
+
+local function jsontype(v)
+  if type(v) ~= 'table' then return type(v) end
+  local m = getmetatable(v)
+  return m and m.__jsontype or 'table'
+end
+
+-- Reads and validates the header. Returns entries (list of {name, dtype,
+-- shape, begin, finish} sorted by begin), the metadata table and the absolute
+-- offset of the data section.
+local function read_header(path)
+  if type(path) ~= 'string' then
+    error(('safetensors: expected a file path, got %s'):format(type(path)), 3)
+  end
+  local f, err = io.open(path, 'rb')
+  if not f then fail(path, 'cannot open: %s', err) end
+  local size = f:seek('end')
+  f:seek('set', 0)
+  if not size or size < 8 then
+    f:close()
+    fail(path, 'file is %d bytes, too short for the 8-byte header length (truncated?)', size or 0)
+  end
+  local b = f:read(8)
+  local n = 0
+  for i = 8, 1, -1 do n = n * 256 + b:byte(i) end
+  if n < 2 or n > S.max_header_bytes then
+    f:close()
+    fail(path, 'header length %.0f is invalid (must be 2..%d bytes; not a safetensors file?)', n, S.max_header_bytes)
+  end
+  if 8 + n > size then
+    f:close()
+    fail(path, 'header length %.0f runs past the end of the %d-byte file (truncated?)', n, size)
+  end
+  local text = f:read(n)
+  f:close()
+  if not text or #text ~= n then fail(path, 'could not read the %.0f-byte header', n) end
+  if text:sub(1, 1) ~= '{' then fail(path, 'header does not start with "{" (not a safetensors file?)') end
+  local ok, hdr, pos, jerr = pcall(json_decode, text, 1, nil)
+  if not ok then fail(path, 'header is not valid JSON: %s', tostring(hdr)) end
+  if hdr == nil then fail(path, 'header is not valid JSON: %s', tostring(jerr)) end
+  if jsontype(hdr) ~= 'object' then fail(path, 'header is a JSON %s, expected an object', jsontype(hdr)) end
+  if text:find('[^ \t\r\n]', pos) then
+    fail(path, 'header has trailing bytes after the JSON object at byte %d', pos)
+  end
+
+  local data_start, data_size = 8 + n, size - 8 - n
+  local metadata = {}
+  local entries = {}
+  for name, e in pairs(hdr) do
+    if name == '__metadata__' then
+      if jsontype(e) ~= 'object' then fail(path, '__metadata__ is a JSON %s, expected an object', jsontype(e)) end
+      for k, v in pairs(e) do
+        if type(v) ~= 'string' then
+          fail(path, '__metadata__ value for %q is a %s, expected a string', k, jsontype(v))
+        end
+        metadata[k] = v
+      end
+    else
+      if jsontype(e) ~= 'object' then fail(path, 'entry %q is a JSON %s, expected an object', name, jsontype(e)) end
+      local code, shape, offs = e.dtype, e.shape, e.data_offsets
+      if code == nil then fail(path, 'tensor %q has no dtype', name) end
+      if shape == nil then fail(path, 'tensor %q has no shape', name) end
+      if offs == nil then fail(path, 'tensor %q has no data_offsets', name) end
+      local dtype = from_code[code]
+      if not dtype then
+        fail(path, 'tensor %q has unsupported dtype %s (supported: F64, F32, BF16, F16, I64, I32, U8, BOOL)',
+          name, tostring(code))
+      end
+      if jsontype(shape) ~= 'array' or #shape > 8 then
+        fail(path, 'tensor %q: shape must be an array of at most 8 sizes', name)
+      end
+      local numel = 1
+      for i = 1, #shape do
+        if not is_int(shape[i]) then
+          fail(path, 'tensor %q: shape entry %d is %s, expected a non-negative integer', name, i, tostring(shape[i]))
+        end
+        numel = numel * shape[i]
+      end
+      if jsontype(offs) ~= 'array' or #offs ~= 2 or not is_int(offs[1]) or not is_int(offs[2]) then
+        fail(path, 'tensor %q: data_offsets must be two non-negative integers', name)
+      end
+      local b0, b1 = offs[1], offs[2]
+      if b1 < b0 then fail(path, 'tensor %q: data_offsets [%.0f, %.0f] end before they begin', name, b0, b1) end
+      if b1 > data_size then
+        fail(path, 'tensor %q: data_offsets [%.0f, %.0f] lie outside the %.0f data bytes of the file (truncated?)',
+          name, b0, b1, data_size)
+      end
+      local want = numel * dtype_size[dtype]
+      if b1 - b0 ~= want then
+        fail(path, 'tensor %q: data_offsets [%.0f, %.0f] hold %.0f bytes, but shape (%s) of %s needs %.0f',
+          name, b0, b1, b1 - b0, table.concat(shape, ','), code, want)
+      end
+      entries[#entries + 1] = { name = name, dtype = dtype, shape = shape, begin = b0, finish = b1 }
+    end
+  end
+  table.sort(entries, function(a, c)
+    if a.begin ~= c.begin then return a.begin < c.begin end
+    return a.name < c.name
+  end)
+  local last -- the non-empty entry reaching furthest so far
+  for _, q in ipairs(entries) do
+    if q.finish > q.begin then
+      if last and q.begin < last.finish then
+        fail(path, 'tensors %q [%.0f, %.0f] and %q [%.0f, %.0f] overlap', last.name, last.begin, last.finish,
+          q.name, q.begin, q.finish)
+      end
+      if not last or q.finish > last.finish then last = q end
+    end
+  end
+  return entries, metadata, data_start
+end
+
+-- load(path [, opts]) -> { name = tensor }, metadata
+--   opts.names   list (or set) of names to load; a missing one is an error
+--   opts.device  device to move the tensors to ('cpu', 'cuda', 'cuda:N')
+function S.load(path, opts)
+  opts = opts or {}
+  if not ffi.abi('le') then error('safetensors: only little-endian hosts are supported', 2) end
+  local entries, metadata, data_start = read_header(path)
+  local want
+  if opts.names ~= nil then
+    if type(opts.names) ~= 'table' then error('safetensors: opts.names must be a table of names', 2) end
+    want = {}
+    for k, v in pairs(opts.names) do
+      if type(k) == 'number' then want[v] = true elseif v then want[k] = true end
+    end
+    local have = {}
+    for _, e in ipairs(entries) do have[e.name] = true end
+    local missing = {}
+    for name in pairs(want) do if not have[name] then missing[#missing + 1] = tostring(name) end end
+    table.sort(missing)
+    if #missing > 0 then fail(path, 'no tensor named %s in the file', table.concat(missing, ', ')) end
+  end
+  local device = opts.device and T.device_id(opts.device, 2) or -1
+  local out = {}
+  for _, e in ipairs(entries) do
+    if not want or want[e.name] then
+      local t = T.empty(e.shape, { dtype = e.dtype })
+      if C.ms_file_read_into(path, data_start + e.begin, e.finish - e.begin, t) ~= 0 then
+        error(('safetensors: %s: tensor %q: %s'):format(path, e.name, ffi.string(C.ms_last_error())), 2)
+      end
+      if device >= 0 then
+        local d = t:to({ device = device })
+        t:free()
+        t = d
+      end
+      out[e.name] = t
+    end
+  end
+  return out, metadata
+end
+
+-- header(path) -> { name = {dtype=, shape=, data_offsets=} }, metadata:
+-- what load() would read, without reading any data.
+function S.header(path)
+  local entries, metadata = read_header(path)
+  local r = {}
+  for _, e in ipairs(entries) do
+    r[e.name] = { dtype = e.dtype, shape = e.shape, data_offsets = { e.begin, e.finish } }
+  end
+  return r, metadata
+end
+
+local function u64le(n)
+  local b = {}
+  for i = 1, 8 do
+    b[i] = string.char(n % 256)
+    n = math.floor(n / 256)
+  end
+  return table.concat(b)
+end
+
+-- save(path, { name = tensor }, metadata)
+--   metadata: nil or a table of string -> string
+function S.save(path, tbl, metadata)
+  if type(path) ~= 'string' then error(('safetensors: save: expected a file path, got %s'):format(type(path)), 2) end
+  if type(tbl) ~= 'table' then
+    error(('safetensors: save %s: expected a table of name -> tensor, got %s'):format(path, type(tbl)), 2)
+  end
+  -- validate everything before touching the disk
+  local names = {}
+  for name, t in pairs(tbl) do
+    if type(name) ~= 'string' then
+      error(('safetensors: save %s: tensor names must be strings, got %s %s'):format(path, type(name), tostring(name)), 2)
+    end
+    if name == '__metadata__' then error(('safetensors: save %s: "__metadata__" is reserved'):format(path), 2) end
+    if not T.is_tensor(t) then
+      error(('safetensors: save %s: value for %q is a %s, expected a tensor'):format(path, name, type(t)), 2)
+    end
+    if t.storage == nil then error(('safetensors: save %s: tensor %q was freed'):format(path, name), 2) end
+    names[#names + 1] = name
+  end
+  table.sort(names)
+  local meta_keys = {}
+  if metadata ~= nil then
+    if type(metadata) ~= 'table' then
+      error(('safetensors: save %s: metadata must be a table of string -> string, got %s'):format(path, type(metadata)), 2)
+    end
+    for k, v in pairs(metadata) do
+      if type(k) ~= 'string' or type(v) ~= 'string' then
+        error(('safetensors: save %s: metadata must map strings to strings, got %s %s -> %s %s'):format(
+          path, type(k), tostring(k), type(v), tostring(v)), 2)
+      end
+      meta_keys[#meta_keys + 1] = k
+    end
+    table.sort(meta_keys)
+  end
+
+  -- header
+  local q = json.quotestring
+  local parts, offset = {}, 0
+  if #meta_keys > 0 then
+    local kv = {}
+    for i, k in ipairs(meta_keys) do kv[i] = q(k) .. ':' .. q(metadata[k]) end
+    parts[#parts + 1] = '"__metadata__":{' .. table.concat(kv, ',') .. '}'
+  end
+  for _, name in ipairs(names) do
+    local t = tbl[name]
+    local shape = t.shape
+    local nbytes = t:numel() * dtype_size[t.dtype]
+    local dims = {}
+    for i, s in ipairs(shape) do dims[i] = ('%d'):format(s) end
+    parts[#parts + 1] = ('%s:{"dtype":"%s","shape":[%s],"data_offsets":[%.0f,%.0f]}'):format(
+      q(name), to_code[t.dtype], table.concat(dims, ','), offset, offset + nbytes)
+    offset = offset + nbytes
+  end
+  local header = '{' .. table.concat(parts, ',') .. '}'
+  header = header .. (' '):rep((8 - #header % 8) % 8)
+
+  -- data, into path.tmp, then rename
+  local tmp = path .. '.tmp'
+  local f, err = io.open(tmp, 'wb')
+  if not f then error(('safetensors: save %s: cannot open %s for writing: %s'):format(path, tmp, tostring(err)), 2) end
+  local function write(s)
+    local ok, werr = f:write(s)
+    if not ok then error(('cannot write %s: %s'):format(tmp, tostring(werr)), 0) end
+  end
+  local ok, perr = pcall(function()
+    write(u64le(#header))
+    write(header)
+    local chunk = S.write_chunk_bytes
+    for _, name in ipairs(names) do
+      local t = tbl[name]
+      -- a contiguous CPU copy when t is a view or lives on a GPU
+      local h, copied = t, false
+      if not h:is_contiguous() then h, copied = h:clone(), true end
+      if h.device_id >= 0 then
+        local c = h:to({ device = 'cpu' })
+        if copied then h:free() end
+        h, copied = c, true
+      end
+      local nbytes = h:numel() * dtype_size[h.dtype]
+      local p = ffi.cast('const char *', C.ms_tensor_data(h))
+      for off = 0, nbytes - 1, chunk do
+        write(ffi.string(p + off, math.min(chunk, nbytes - off)))
+      end
+      if copied then h:free() end
+    end
+    local cok, cerr = f:close()
+    f = nil
+    if not cok then error(('cannot close %s: %s'):format(tmp, tostring(cerr)), 0) end
+    local rok, rerr = os.rename(tmp, path)
+    if not rok then error(('cannot rename %s to %s: %s'):format(tmp, path, tostring(rerr)), 0) end
+  end)
+  if not ok then
+    if f then f:close() end
+    os.remove(tmp)
+    error(('safetensors: save %s: %s'):format(path, tostring(perr)), 2)
+  end
+  return true
+end
+
+return S
