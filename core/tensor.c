@@ -155,12 +155,27 @@ double ms_load(const void *p, int dtype) {
     return 0;
 }
 
+/* f64 -> f32 rounding to odd: when v is not exact in f32, the result is the
+ * f32 neighbour toward zero with its lowest bit set. Rounding that to bf16 or
+ * f16 (nearest even) then equals rounding v once, with no double rounding,
+ * because f32 keeps more than two extra bits of both. */
+static float f64_to_f32_odd(double v) {
+    float f = (float)v;
+    if ((double)f == v || v != v) return f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (fabs((double)f) > fabs(v)) u -= 1; /* rounded away from zero: step back */
+    u |= 1u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 void ms_store(void *p, int dtype, double v) {
     switch (dtype) {
     case MS_F64: *(double *)p = v; break;
     case MS_F32: *(float *)p = (float)v; break;
-    case MS_BF16: *(uint16_t *)p = ms_f32_to_bf16((float)v); break;
-    case MS_F16: *(uint16_t *)p = ms_f32_to_f16((float)v); break;
+    case MS_BF16: *(uint16_t *)p = ms_f32_to_bf16(f64_to_f32_odd(v)); break;
+    case MS_F16: *(uint16_t *)p = ms_f32_to_f16(f64_to_f32_odd(v)); break;
     case MS_I64: *(int64_t *)p = (int64_t)v; break;
     case MS_I32: *(int32_t *)p = (int32_t)v; break;
     case MS_U8: *(uint8_t *)p = (uint8_t)(int64_t)v; break;
