@@ -40,6 +40,8 @@ typedef struct ms_device_backend {
     int (*alloc)(void **ptr, int64_t nbytes, int device);
     void (*free)(void *ptr, int64_t nbytes, int device);
     int (*copy)(void *dst, int dst_device, const void *src, int src_device, int64_t nbytes);
+    /* dst = src (same device, same shape after broadcasting), any strides and dtypes */
+    int (*convert)(ms_tensor *dst, const ms_tensor *src);
 } ms_device_backend;
 extern ms_device_backend *ms_cuda_backend;
 

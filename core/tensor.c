@@ -632,6 +632,40 @@ static void convert_contig(void *dst, int ddt, const void *src, int sdt, int64_t
     }
 }
 
+/* copies that involve a device: on one device the backend's convert kernel
+ * does strides and dtypes; across devices the data is first made contiguous
+ * in dst's dtype on the source side, moved as bytes, then converted into
+ * dst's strides on the destination side. */
+static int device_copy(ms_tensor *dst, const ms_tensor *src) {
+    char a[200], b[200];
+    if (!ms_cuda_backend)
+        return ms_errorf("copy_: %s to %s needs CUDA, and moonshard was built without it",
+                         ms_desc(src, a, sizeof a), ms_desc(dst, b, sizeof b));
+    if (dst->device_id == src->device_id) return ms_cuda_backend->convert(dst, src);
+    int rc = -1;
+    ms_tensor *s = NULL, *d = NULL;
+    /* s: src's values in dst's dtype, contiguous, on src's device */
+    if (src->dtype_id == dst->dtype_id && ms_tensor_is_contiguous(src)) {
+        if (ms_tensor_alias(&s, src)) return -1;
+    } else if (ms_tensor_to(&s, src, dst->dtype_id, src->device_id)) {
+        return -1;
+    }
+    /* d: a contiguous buffer on dst's device (dst itself when contiguous) */
+    if (ms_tensor_is_contiguous(dst)) {
+        if (ms_tensor_alias(&d, dst)) goto out;
+    } else if (ms_tensor_empty(&d, dst->ndim, dst->sizes, dst->dtype_id, dst->device_id)) {
+        goto out;
+    }
+    if (ms_cuda_backend->copy(ms_tensor_data(d), d->device_id, ms_tensor_data(s), s->device_id,
+                              ms_tensor_numel(d) * ms_dtype_size(d->dtype_id)))
+        goto out;
+    rc = (d->storage == dst->storage && d->offset == dst->offset) ? 0 : ms_tensor_copy_(dst, d);
+out:
+    ms_tensor_free(s);
+    ms_tensor_free(d);
+    return rc;
+}
+
 int ms_tensor_copy_(ms_tensor *dst, const ms_tensor *src) {
     char a[200], b[200];
     if (ms_tensor_check_live(dst, "copy_") || ms_tensor_check_live(src, "copy_")) return -1;
@@ -649,18 +683,7 @@ int ms_tensor_copy_(ms_tensor *dst, const ms_tensor *src) {
     int rc = 0;
     if (n == 0) goto done;
     if (dst->device_id != src->device_id || dst->device_id >= 0) {
-        if (!ms_cuda_backend) {
-            rc = ms_errorf("copy_: %s to %s needs CUDA, and moonshard was built without it",
-                           ms_desc(src, a, sizeof a), ms_desc(dst, b, sizeof b));
-            goto done;
-        }
-        if (!ms_tensor_is_contiguous(dst) || !ms_tensor_is_contiguous(src) || dst->dtype_id != src->dtype_id) {
-            rc = ms_errorf("copy_: device copy from %s to %s needs contiguous tensors of one dtype",
-                           ms_desc(src, a, sizeof a), ms_desc(dst, b, sizeof b));
-            goto done;
-        }
-        rc = ms_cuda_backend->copy(ms_tensor_data(dst), dst->device_id, ms_tensor_data(src), src->device_id,
-                                   n * ms_dtype_size(dst->dtype_id));
+        rc = device_copy(dst, src);
         goto done;
     }
     if (ms_tensor_is_contiguous(dst) && ms_tensor_is_contiguous(src)) {

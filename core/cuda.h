@@ -1,0 +1,84 @@
+/* core/cuda.h — the CUDA runtime of moonshard: devices, the caching
+ * allocator, streams and events. Kernels live in kernels/ (one .cu file per op).
+ *
+ *   if (ms_cuda_device_count() > 0) {
+ *       ms_tensor *t = NULL;
+ *       int64_t shape[1] = {1024};
+ *       ms_tensor_empty(&t, 1, shape, MS_BF16, 0);   // cuda:0, from the cache
+ *       ms_cuda_memory_stats st; ms_cuda_get_memory_stats(0, &st);
+ *   }
+ *
+ * Allocator: requests are rounded up to a size class (512 B minimum, then
+ * four classes per power of two, so at most 25% is wasted); a freed block
+ * goes back to its class's free list and is reused by the next request of
+ * that class without a cudaMalloc. Blocks are stream-ordered: a block is
+ * reused on the stream it was allocated for; when another stream used it
+ * (ms_cuda_record_stream), its reuse waits for an event recorded on that
+ * stream at free time. On cudaMalloc failure the cache is emptied and the
+ * request retried once; a second failure is an error stating the request
+ * and the stats — the process stays usable.
+ *
+ * Streams: each device has one compute stream (non-blocking), the default
+ * for every kernel launch; ms_cuda_set_current_stream switches it. Nothing
+ * here synchronises the host except ms_cuda_synchronize, event waits on the
+ * host, and device-to-host copies.
+ *
+ * In a build without CUDA these functions exist and report no devices.
+ */
+#ifndef MS_CUDA_H
+#define MS_CUDA_H
+
+#include <stdint.h>
+
+/* FFI-BEGIN */
+typedef struct ms_cuda_memory_stats {
+    int64_t allocated;       /* bytes in live blocks (rounded sizes) */
+    int64_t requested;       /* bytes asked for by live blocks */
+    int64_t reserved;        /* bytes obtained with cudaMalloc and not released */
+    int64_t peak_allocated;
+    int64_t peak_reserved;
+    int64_t num_mallocs;     /* cudaMalloc calls */
+    int64_t num_frees;       /* cudaFree calls */
+    int64_t num_allocs;      /* allocation requests served */
+    int64_t num_ooms;        /* requests that failed even after emptying the cache */
+} ms_cuda_memory_stats;
+
+typedef struct ms_cuda_stream ms_cuda_stream;  /* opaque */
+typedef struct ms_cuda_event ms_cuda_event;    /* opaque */
+
+int ms_cuda_available(void);           /* 1 when built with CUDA and a device is present */
+int ms_cuda_device_count(void);
+int ms_cuda_set_device(int device);
+int ms_cuda_get_device(void);
+int ms_cuda_device_name(int device, char *buf, int n);
+int ms_cuda_synchronize(int device);
+int ms_cuda_get_memory_stats(int device, ms_cuda_memory_stats *out);
+int ms_cuda_reset_peak_stats(int device);
+int ms_cuda_empty_cache(int device);
+/* check and clear a sticky device-side error flag (bad token ids, bad
+ * targets): returns 0 when clear, -1 with the message set otherwise */
+int ms_cuda_check_device_flags(int device);
+
+int ms_cuda_stream_new(ms_cuda_stream **out, int device, int priority);
+void ms_cuda_stream_free(ms_cuda_stream *s);
+ms_cuda_stream *ms_cuda_current_stream(int device);
+int ms_cuda_set_current_stream(ms_cuda_stream *s);   /* NULL: back to the compute stream */
+int ms_cuda_stream_synchronize(ms_cuda_stream *s);
+int ms_cuda_stream_wait_event(ms_cuda_stream *s, ms_cuda_event *e);
+
+int ms_cuda_event_new(ms_cuda_event **out, int device, int timing);
+void ms_cuda_event_free(ms_cuda_event *e);
+int ms_cuda_event_record(ms_cuda_event *e, ms_cuda_stream *s);   /* NULL: current stream */
+int ms_cuda_event_synchronize(ms_cuda_event *e);
+int ms_cuda_event_query(ms_cuda_event *e);                        /* 1 done, 0 pending, -1 error */
+int ms_cuda_event_elapsed_ms(ms_cuda_event *start, ms_cuda_event *end, float *ms);
+
+/* the storage of t was used on stream s: its reuse after free waits for s */
+int ms_cuda_record_stream(const struct ms_tensor *t, ms_cuda_stream *s);
+
+/* page-locked host memory for fast, asynchronous transfers */
+int ms_cuda_host_alloc(void **out, int64_t nbytes);
+void ms_cuda_host_free(void *p);
+/* FFI-END */
+
+#endif

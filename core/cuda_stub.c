@@ -1,0 +1,43 @@
+/* core/cuda_stub.c — the core/cuda.h API in a build without CUDA: no
+ * devices, and every device call is an error saying so. */
+#ifndef MS_WITH_CUDA
+#include "cuda.h"
+#include "internal.h"
+
+#include <string.h>
+
+static int no_cuda(const char *op) {
+    return ms_errorf("%s: moonshard was built without CUDA (no nvcc at build time)", op);
+}
+
+int ms_cuda_available(void) { return 0; }
+int ms_cuda_device_count(void) { return 0; }
+int ms_cuda_set_device(int device) { return no_cuda("set_device"); }
+int ms_cuda_get_device(void) { return -1; }
+int ms_cuda_device_name(int device, char *buf, int n) { return no_cuda("device_name"); }
+int ms_cuda_synchronize(int device) { return no_cuda("synchronize"); }
+int ms_cuda_get_memory_stats(int device, ms_cuda_memory_stats *out) {
+    memset(out, 0, sizeof *out);
+    return no_cuda("memory_stats");
+}
+int ms_cuda_reset_peak_stats(int device) { return no_cuda("reset_peak_stats"); }
+int ms_cuda_empty_cache(int device) { return no_cuda("empty_cache"); }
+int ms_cuda_check_device_flags(int device) { return 0; }
+int ms_cuda_stream_new(ms_cuda_stream **out, int device, int priority) { return no_cuda("stream"); }
+void ms_cuda_stream_free(ms_cuda_stream *s) {}
+ms_cuda_stream *ms_cuda_current_stream(int device) { return NULL; }
+int ms_cuda_set_current_stream(ms_cuda_stream *s) { return no_cuda("set_stream"); }
+int ms_cuda_stream_synchronize(ms_cuda_stream *s) { return no_cuda("stream_synchronize"); }
+int ms_cuda_stream_wait_event(ms_cuda_stream *s, ms_cuda_event *e) { return no_cuda("stream_wait"); }
+int ms_cuda_event_new(ms_cuda_event **out, int device, int timing) { return no_cuda("event"); }
+void ms_cuda_event_free(ms_cuda_event *e) {}
+int ms_cuda_event_record(ms_cuda_event *e, ms_cuda_stream *s) { return no_cuda("event_record"); }
+int ms_cuda_event_synchronize(ms_cuda_event *e) { return no_cuda("event_synchronize"); }
+int ms_cuda_event_query(ms_cuda_event *e) { return no_cuda("event_query"); }
+int ms_cuda_event_elapsed_ms(ms_cuda_event *a, ms_cuda_event *b, float *ms) { return no_cuda("elapsed"); }
+int ms_cuda_record_stream(const struct ms_tensor *t, ms_cuda_stream *s) { return no_cuda("record_stream"); }
+int ms_cuda_host_alloc(void **out, int64_t nbytes) { return no_cuda("host_alloc"); }
+void ms_cuda_host_free(void *p) {}
+#else
+typedef int ms_cuda_stub_unused; /* keeps the translation unit non-empty */
+#endif

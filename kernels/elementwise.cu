@@ -1,0 +1,449 @@
+// kernels/elementwise.cu — every pointwise op on the GPU: dtype-converting
+// strided copy, unary, binary (broadcast), binary with a scalar, clamp,
+// where, fill, arange, and Philox random numbers.
+//
+// Two paths. The fast path covers what a training step does: contiguous
+// operands of one float dtype and one shape; it moves 16 bytes per thread
+// per access (8 bf16 / 4 f32) and computes in f32. The general path takes
+// any strides (broadcast operands have stride 0), any dtypes, and computes
+// in f64 with a per-launch dtype switch; it is what the CPU reference is
+// compared against for odd layouts, not a hot path.
+// Bytes: each input read once, the output written once.
+#include "common.cuh"
+#include "kernels.h"
+
+#include <math.h>
+
+// ---------------------------------------------------------------- kernels
+
+template <typename F>
+__device__ __forceinline__ F gelu_tanh(F x) {
+    const F k = (F)0.7978845608028654, c = (F)0.044715;
+    return (F)0.5 * x * ((F)1 + tanh(k * (x + c * x * x * x)));
+}
+
+template <typename F>
+__device__ __forceinline__ F gelu_tanh_grad(F x) {
+    const F k = (F)0.7978845608028654, c = (F)0.044715;
+    F u = k * (x + c * x * x * x);
+    F t = tanh(u);
+    return (F)0.5 * ((F)1 + t) + (F)0.5 * x * ((F)1 - t * t) * k * ((F)1 + (F)3 * c * x * x);
+}
+
+template <typename F>
+__device__ __forceinline__ F sigmoid_f(F x) { return (F)1 / ((F)1 + exp(-x)); }
+
+template <typename F>
+__device__ __forceinline__ F unary_f(int op, F x) {
+    switch (op) {
+    case MS_OP_NEG: return -x;
+    case MS_OP_EXP: return exp(x);
+    case MS_OP_LOG: return log(x);
+    case MS_OP_SQRT: return sqrt(x);
+    case MS_OP_RSQRT: return (F)1 / sqrt(x);
+    case MS_OP_TANH: return tanh(x);
+    case MS_OP_SIGMOID: return sigmoid_f(x);
+    case MS_OP_RELU: return x > (F)0 ? x : (x != x ? x : (F)0);
+    case MS_OP_GELU: return gelu_tanh(x);
+    case MS_OP_SILU: return x * sigmoid_f(x);
+    case MS_OP_ABS: return fabs(x);
+    case MS_OP_SIN: return sin(x);
+    case MS_OP_COS: return cos(x);
+    case MS_OP_SQUARE: return x * x;
+    case MS_OP_RECIP: return (F)1 / x;
+    case MS_OP_SIGN: return x > (F)0 ? (F)1 : (x < (F)0 ? (F)-1 : x);
+    }
+    return x;
+}
+
+template <typename F>
+__device__ __forceinline__ F binary_f(int op, F a, F b) {
+    switch (op) {
+    case MS_OP_ADD: return a + b;
+    case MS_OP_SUB: return a - b;
+    case MS_OP_MUL: return a * b;
+    case MS_OP_DIV: return a / b;
+    case MS_OP_POW: return pow(a, b);
+    case MS_OP_MAXIMUM: return (a != a || b != b) ? a + b : (a > b ? a : b);
+    case MS_OP_MINIMUM: return (a != a || b != b) ? a + b : (a < b ? a : b);
+    case MS_OP_EQ: return a == b;
+    case MS_OP_NE: return a != b;
+    case MS_OP_LT: return a < b;
+    case MS_OP_LE: return a <= b;
+    case MS_OP_GT: return a > b;
+    case MS_OP_GE: return a >= b;
+    case MS_OP_GELU_BWD: return b * gelu_tanh_grad(a);
+    case MS_OP_SILU_BWD: {
+        F s = sigmoid_f(a);
+        return b * s * ((F)1 + a * ((F)1 - s));
+    }
+    case MS_OP_SIGMOID_BWD: {
+        F s = sigmoid_f(a);
+        return b * s * ((F)1 - s);
+    }
+    case MS_OP_TANH_BWD: {
+        F t = tanh(a);
+        return b * ((F)1 - t * t);
+    }
+    case MS_OP_RELU_BWD: return a > (F)0 ? b : (F)0;
+    }
+    return a;
+}
+
+// general path: out[i] = f(a[...], b[...]) with per-operand layouts
+struct ew_args {
+    ms_layout out, a, b, c;
+    void *po;
+    const void *pa, *pb, *pc;
+    int dto, dta, dtb, dtc;
+    int kind;     // 0 copy, 1 unary, 2 binary, 3 scalar, 4 clamp, 5 where
+    int op;
+    int reverse;
+    double s0, s1;
+};
+
+__global__ void ew_general_kernel(ew_args p, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        double a = ld_any(p.pa, p.dta, ms_offset(p.a, i)), r;
+        switch (p.kind) {
+        case 0: r = a; break;
+        case 1: r = unary_f<double>(p.op, a); break;
+        case 2: r = binary_f<double>(p.op, a, ld_any(p.pb, p.dtb, ms_offset(p.b, i))); break;
+        case 3: r = p.reverse ? binary_f<double>(p.op, p.s0, a) : binary_f<double>(p.op, a, p.s0); break;
+        case 4: r = a < p.s0 ? p.s0 : (a > p.s1 ? p.s1 : a); break;
+        default: {  // where(cond=a, b, c)
+            r = a != 0 ? ld_any(p.pb, p.dtb, ms_offset(p.b, i)) : ld_any(p.pc, p.dtc, ms_offset(p.c, i));
+        }
+        }
+        st_any(p.po, p.dto, ms_offset(p.out, i), r);
+    }
+}
+
+// fast path: contiguous, one float dtype T, 16-byte vectors of V elements
+template <typename T>
+struct vec16 {
+    static const int V = 16 / sizeof(T);
+    T v[V];
+};
+
+template <typename T>
+__global__ void unary_fast_kernel(T *out, const T *a, int64_t n, int op) {
+    const int V = vec16<T>::V;
+    int64_t nv = n / V;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nv;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        vec16<T> x = ((const vec16<T> *)a)[i], y;
+#pragma unroll
+        for (int k = 0; k < V; k++) ms_st(&y.v[k], unary_f<float>(op, ms_ld(&x.v[k])));
+        ((vec16<T> *)out)[i] = y;
+    }
+    for (int64_t i = nv * V + blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        ms_st(&out[i], unary_f<float>(op, ms_ld(&a[i])));
+}
+
+template <typename T>
+__global__ void binary_fast_kernel(T *out, const T *a, const T *b, int64_t n, int op) {
+    const int V = vec16<T>::V;
+    int64_t nv = n / V;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nv;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        vec16<T> x = ((const vec16<T> *)a)[i], z = ((const vec16<T> *)b)[i], y;
+#pragma unroll
+        for (int k = 0; k < V; k++) ms_st(&y.v[k], binary_f<float>(op, ms_ld(&x.v[k]), ms_ld(&z.v[k])));
+        ((vec16<T> *)out)[i] = y;
+    }
+    for (int64_t i = nv * V + blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        ms_st(&out[i], binary_f<float>(op, ms_ld(&a[i]), ms_ld(&b[i])));
+}
+
+template <typename T>
+__global__ void scalar_fast_kernel(T *out, const T *a, int64_t n, int op, float s, int reverse) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float x = ms_ld(&a[i]);
+        ms_st(&out[i], reverse ? binary_f<float>(op, s, x) : binary_f<float>(op, x, s));
+    }
+}
+
+__global__ void fill_kernel(void *p, int dtype, ms_layout l, int64_t n, double v) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        st_any(p, dtype, ms_offset(l, i), v);
+}
+
+__global__ void arange_kernel(void *p, int dtype, ms_layout l, int64_t n, double start, double step) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        st_any(p, dtype, ms_offset(l, i), start + (double)i * step);
+}
+
+// Philox4x32-10, the same function as core/rng.c: element i of the tensor
+// uses counter (offset + i) / 4 and lane (offset + i) % 4
+__device__ void philox(uint64_t seed, uint64_t counter, uint32_t out[4]) {
+    uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = 0, c3 = 0;
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (int r = 0; r < 10; r++) {
+        uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        uint32_t n0 = hi1 ^ c1 ^ k0, n1 = lo1, n2 = hi0 ^ c3 ^ k1, n3 = lo0;
+        c0 = n0; c1 = n1; c2 = n2; c3 = n3;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    out[0] = c0; out[1] = c1; out[2] = c2; out[3] = c3;
+}
+
+__device__ __forceinline__ double u01(uint32_t x) { return ((double)(x >> 8) + 0.5) * (1.0 / 16777216.0); }
+
+__global__ void rand_kernel(void *p, int dtype, ms_layout l, int64_t n, uint64_t seed, uint64_t offset,
+                            double a, double b, int normal) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        uint64_t k = offset + (uint64_t)i;
+        uint32_t r[4];
+        philox(seed, k / 4, r);
+        int lane = (int)(k % 4);
+        double v;
+        if (!normal) {
+            v = a + (b - a) * u01(r[lane]);
+        } else {
+            int pair = lane & 2;
+            double u1 = u01(r[pair]), u2 = u01(r[pair + 1]);
+            double rad = sqrt(-2.0 * log(u1)), th = 6.283185307179586 * u2;
+            v = a + b * ((lane & 1) ? rad * sin(th) : rad * cos(th));
+        }
+        st_any(p, dtype, ms_offset(l, i), v);
+    }
+}
+
+// -------------------------------------------------------------- launchers
+
+namespace {
+
+bool fast_float(int dt) { return dt == MS_F32 || dt == MS_BF16 || dt == MS_F16; }
+
+bool same_contig(const ms_tensor *o, const ms_tensor *a) {
+    if (!ms_tensor_is_contiguous(o) || !ms_tensor_is_contiguous(a)) return false;
+    if (o->ndim != a->ndim || o->dtype_id != a->dtype_id) return false;
+    for (int i = 0; i < o->ndim; i++)
+        if (o->sizes[i] != a->sizes[i]) return false;
+    return true;
+}
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+// broadcast `t` to out's shape (ndim aligned at the right, stride 0 where 1)
+ms_layout bcast_layout(const ms_tensor *t, const ms_tensor *out) {
+    ms_layout l;
+    l.ndim = out->ndim;
+    int lead = out->ndim - t->ndim;
+    for (int i = 0; i < 8; i++) {
+        l.sizes[i] = i < out->ndim ? out->sizes[i] : 1;
+        l.strides[i] = 0;
+        if (i < out->ndim && i >= lead) {
+            int j = i - lead;
+            l.strides[i] = t->sizes[j] == 1 ? 0 : t->strides[j];
+        }
+    }
+    return l;
+}
+
+int launch_general(ew_args &p, const ms_tensor *out) {
+    int64_t n = ms_tensor_numel(out);
+    if (n == 0) return 0;
+    if (ms_cuda_activate(out->device_id)) return -1;
+    cudaStream_t s = ms_cuda_stream_of(out->device_id);
+    p.out = ms_layout_of(out);
+    p.po = ms_tensor_data(out);
+    p.dto = out->dtype_id;
+    ew_general_kernel<<<ms_grid(n, 256), 256, 0, s>>>(p, n);
+    LAUNCH_CHECK("ew_general_kernel");
+    return 0;
+}
+
+}  // namespace
+
+extern "C" int ms_cuda_convert(ms_tensor *dst, const ms_tensor *src) {
+    int64_t n = ms_tensor_numel(dst);
+    if (n == 0) return 0;
+    if (same_contig(dst, src)) {
+        if (ms_cuda_activate(dst->device_id)) return -1;
+        CUDA_CHECK(cudaMemcpyAsync(ms_tensor_data(dst), ms_tensor_data(src),
+                                   (size_t)(n * ms_dtype_size(dst->dtype_id)), cudaMemcpyDeviceToDevice,
+                                   ms_cuda_stream_of(dst->device_id)));
+        return 0;
+    }
+    ew_args p = {};
+    p.kind = 0;
+    p.a = bcast_layout(src, dst);
+    p.pa = ms_tensor_data(src);
+    p.dta = src->dtype_id;
+    return launch_general(p, dst);
+}
+
+extern "C" int ms_cuda_unary(ms_tensor *out, int op, const ms_tensor *a) {
+    int64_t n = ms_tensor_numel(out);
+    if (n == 0) return 0;
+    if (fast_float(a->dtype_id) && same_contig(out, a) && aligned16(ms_tensor_data(out)) &&
+        aligned16(ms_tensor_data(a))) {
+        if (ms_cuda_activate(out->device_id)) return -1;
+        cudaStream_t s = ms_cuda_stream_of(out->device_id);
+        int g = ms_grid(n / (16 / ms_dtype_size(a->dtype_id)) + 1, 256);
+        switch (a->dtype_id) {
+        case MS_F32:
+            unary_fast_kernel<float><<<g, 256, 0, s>>>((float *)ms_tensor_data(out),
+                                                       (const float *)ms_tensor_data(a), n, op);
+            break;
+        case MS_BF16:
+            unary_fast_kernel<__nv_bfloat16><<<g, 256, 0, s>>>((__nv_bfloat16 *)ms_tensor_data(out),
+                                                               (const __nv_bfloat16 *)ms_tensor_data(a), n, op);
+            break;
+        default:
+            unary_fast_kernel<__half><<<g, 256, 0, s>>>((__half *)ms_tensor_data(out),
+                                                        (const __half *)ms_tensor_data(a), n, op);
+        }
+        LAUNCH_CHECK("unary_fast_kernel");
+        return 0;
+    }
+    ew_args p = {};
+    p.kind = 1;
+    p.op = op;
+    p.a = bcast_layout(a, out);
+    p.pa = ms_tensor_data(a);
+    p.dta = a->dtype_id;
+    return launch_general(p, out);
+}
+
+extern "C" int ms_cuda_binary(ms_tensor *out, int op, const ms_tensor *a, const ms_tensor *b) {
+    int64_t n = ms_tensor_numel(out);
+    if (n == 0) return 0;
+    if (fast_float(a->dtype_id) && same_contig(out, a) && same_contig(out, b) &&
+        aligned16(ms_tensor_data(out)) && aligned16(ms_tensor_data(a)) && aligned16(ms_tensor_data(b))) {
+        if (ms_cuda_activate(out->device_id)) return -1;
+        cudaStream_t s = ms_cuda_stream_of(out->device_id);
+        int g = ms_grid(n / (16 / ms_dtype_size(a->dtype_id)) + 1, 256);
+        switch (a->dtype_id) {
+        case MS_F32:
+            binary_fast_kernel<float><<<g, 256, 0, s>>>((float *)ms_tensor_data(out), (const float *)ms_tensor_data(a),
+                                                        (const float *)ms_tensor_data(b), n, op);
+            break;
+        case MS_BF16:
+            binary_fast_kernel<__nv_bfloat16><<<g, 256, 0, s>>>(
+                (__nv_bfloat16 *)ms_tensor_data(out), (const __nv_bfloat16 *)ms_tensor_data(a),
+                (const __nv_bfloat16 *)ms_tensor_data(b), n, op);
+            break;
+        default:
+            binary_fast_kernel<__half><<<g, 256, 0, s>>>((__half *)ms_tensor_data(out), (const __half *)ms_tensor_data(a),
+                                                         (const __half *)ms_tensor_data(b), n, op);
+        }
+        LAUNCH_CHECK("binary_fast_kernel");
+        return 0;
+    }
+    ew_args p = {};
+    p.kind = 2;
+    p.op = op;
+    p.a = bcast_layout(a, out);
+    p.b = bcast_layout(b, out);
+    p.pa = ms_tensor_data(a);
+    p.pb = ms_tensor_data(b);
+    p.dta = a->dtype_id;
+    p.dtb = b->dtype_id;
+    return launch_general(p, out);
+}
+
+extern "C" int ms_cuda_binary_scalar(ms_tensor *out, int op, const ms_tensor *a, double s, int reverse) {
+    int64_t n = ms_tensor_numel(out);
+    if (n == 0) return 0;
+    if (fast_float(a->dtype_id) && same_contig(out, a)) {
+        if (ms_cuda_activate(out->device_id)) return -1;
+        cudaStream_t st = ms_cuda_stream_of(out->device_id);
+        int g = ms_grid(n, 256);
+        switch (a->dtype_id) {
+        case MS_F32:
+            scalar_fast_kernel<float><<<g, 256, 0, st>>>((float *)ms_tensor_data(out),
+                                                         (const float *)ms_tensor_data(a), n, op, (float)s, reverse);
+            break;
+        case MS_BF16:
+            scalar_fast_kernel<__nv_bfloat16><<<g, 256, 0, st>>>(
+                (__nv_bfloat16 *)ms_tensor_data(out), (const __nv_bfloat16 *)ms_tensor_data(a), n, op, (float)s, reverse);
+            break;
+        default:
+            scalar_fast_kernel<__half><<<g, 256, 0, st>>>((__half *)ms_tensor_data(out),
+                                                          (const __half *)ms_tensor_data(a), n, op, (float)s, reverse);
+        }
+        LAUNCH_CHECK("scalar_fast_kernel");
+        return 0;
+    }
+    ew_args p = {};
+    p.kind = 3;
+    p.op = op;
+    p.reverse = reverse;
+    p.s0 = s;
+    p.a = bcast_layout(a, out);
+    p.pa = ms_tensor_data(a);
+    p.dta = a->dtype_id;
+    return launch_general(p, out);
+}
+
+extern "C" int ms_cuda_clamp(ms_tensor *out, const ms_tensor *a, double lo, double hi) {
+    ew_args p = {};
+    p.kind = 4;
+    p.s0 = lo;
+    p.s1 = hi;
+    p.a = bcast_layout(a, out);
+    p.pa = ms_tensor_data(a);
+    p.dta = a->dtype_id;
+    return launch_general(p, out);
+}
+
+extern "C" int ms_cuda_where(ms_tensor *out, const ms_tensor *cond, const ms_tensor *a, const ms_tensor *b) {
+    ew_args p = {};
+    p.kind = 5;
+    p.a = bcast_layout(cond, out);
+    p.b = bcast_layout(a, out);
+    p.c = bcast_layout(b, out);
+    p.pa = ms_tensor_data(cond);
+    p.pb = ms_tensor_data(a);
+    p.pc = ms_tensor_data(b);
+    p.dta = cond->dtype_id;
+    p.dtb = a->dtype_id;
+    p.dtc = b->dtype_id;
+    return launch_general(p, out);
+}
+
+extern "C" int ms_cuda_fill(ms_tensor *t, double v) {
+    int64_t n = ms_tensor_numel(t);
+    if (n == 0) return 0;
+    if (ms_cuda_activate(t->device_id)) return -1;
+    cudaStream_t s = ms_cuda_stream_of(t->device_id);
+    if (v == 0 && ms_tensor_is_contiguous(t)) {
+        CUDA_CHECK(cudaMemsetAsync(ms_tensor_data(t), 0, (size_t)(n * ms_dtype_size(t->dtype_id)), s));
+        return 0;
+    }
+    fill_kernel<<<ms_grid(n, 256), 256, 0, s>>>(ms_tensor_data(t), t->dtype_id, ms_layout_of(t), n, v);
+    LAUNCH_CHECK("fill_kernel");
+    return 0;
+}
+
+extern "C" int ms_cuda_arange(ms_tensor *t, double start, double step) {
+    int64_t n = ms_tensor_numel(t);
+    if (n == 0) return 0;
+    if (ms_cuda_activate(t->device_id)) return -1;
+    arange_kernel<<<ms_grid(n, 256), 256, 0, ms_cuda_stream_of(t->device_id)>>>(
+        ms_tensor_data(t), t->dtype_id, ms_layout_of(t), n, start, step);
+    LAUNCH_CHECK("arange_kernel");
+    return 0;
+}
+
+extern "C" int ms_cuda_rand(ms_tensor *t, uint64_t seed, uint64_t offset, double a, double b, int normal) {
+    int64_t n = ms_tensor_numel(t);
+    if (n == 0) return 0;
+    if (ms_cuda_activate(t->device_id)) return -1;
+    rand_kernel<<<ms_grid(n, 256), 256, 0, ms_cuda_stream_of(t->device_id)>>>(
+        ms_tensor_data(t), t->dtype_id, ms_layout_of(t), n, seed, offset, a, b, normal);
+    LAUNCH_CHECK("rand_kernel");
+    return 0;
+}

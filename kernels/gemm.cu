@@ -1,0 +1,240 @@
+// kernels/gemm.cu — matrix products through cuBLASLt.
+//
+// out (batch, M, N) = alpha * op(a) (batch, M, K) @ op(b) (batch, K, N) + beta * out
+// bf16/f16 operands with f32 accumulation, f32 with f32 (no TF32 unless
+// ms_cuda_gemm_allow_tf32(1)), f64 with f64. Row-major tensors are handed
+// to the column-major library as their transposes: out^T = op(b)^T op(a)^T,
+// so no operand is copied when its last two dims have a unit stride on
+// either side (plain or transposed views). Batch dims must collapse into one
+// stride per operand (stride 0 for a broadcast operand); otherwise the
+// operand is copied to contiguous first. Cost: 2*batch*M*N*K flops.
+#include "common.cuh"
+#include "kernels.h"
+
+#include <cublasLt.h>
+
+#define CUBLAS_CHECK(call)                                                                     \
+    do {                                                                                       \
+        cublasStatus_t st_ = (call);                                                           \
+        if (st_ != CUBLAS_STATUS_SUCCESS)                                                      \
+            return ms_errorf("%s:%d: %s failed: cublas status %d (%s)", __FILE__, __LINE__, #call, \
+                             (int)st_, cublasGetStatusString(st_));                            \
+    } while (0)
+
+namespace {
+
+const size_t kWorkspace = 32u << 20;
+
+struct LtState {
+    cublasLtHandle_t handle = nullptr;
+    void *workspace = nullptr;
+};
+LtState g_lt[64];
+int g_allow_tf32 = 0;
+
+int lt_ready(int device) {
+    LtState &s = g_lt[device];
+    if (s.handle) return 0;
+    CUBLAS_CHECK(cublasLtCreate(&s.handle));
+    CUDA_CHECK(cudaMalloc(&s.workspace, kWorkspace));
+    return 0;
+}
+
+// One operand as the column-major library sees it.
+struct operand {
+    const void *ptr;
+    int64_t rows, cols, ld;  // stored column-major matrix
+    cublasOperation_t op;
+    int64_t batch_stride;
+};
+
+// Can the batch dims (all but the last two) of t be walked with one stride?
+bool batch_stride_of(const ms_tensor *t, int64_t *stride) {
+    int nb = t->ndim - 2;
+    int64_t st = 0;
+    bool have = false;
+    int64_t expect = 0;
+    for (int i = nb - 1; i >= 0; i--) {
+        if (t->sizes[i] == 1) continue;
+        if (!have) {
+            st = t->strides[i];
+            expect = st * t->sizes[i];
+            have = true;
+        } else {
+            if (t->strides[i] != expect) return false;
+            expect *= t->sizes[i];
+        }
+    }
+    *stride = st;
+    return true;
+}
+
+// Describe x (logical (..., p, q) in memory, used as op(x) in the row-major
+// product) as the column-major operand op(x)^T. Returns false when the
+// layout is not one the library takes.
+bool describe(const ms_tensor *x, int trans, operand *o) {
+    int nd = x->ndim;
+    int64_t p = x->sizes[nd - 2], q = x->sizes[nd - 1];
+    int64_t sp = x->strides[nd - 2], sq = x->strides[nd - 1];
+    if (!batch_stride_of(x, &o->batch_stride)) return false;
+    o->ptr = ms_tensor_data(x);
+    bool rowmajor = (q == 1 || sq == 1) && (p == 1 || sp >= q);
+    bool colmajor = (p == 1 || sp == 1) && (q == 1 || sq >= p);
+    if (rowmajor) {
+        // stored column-major matrix S = x^T (q x p), ld = sp
+        o->rows = q;
+        o->cols = p;
+        o->ld = p == 1 ? (q > 1 ? q : 1) : sp;
+        // op(x)^T = trans ? S^T : S
+        o->op = trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+        return true;
+    }
+    if (colmajor) {
+        // stored column-major matrix S = x (p x q), ld = sq
+        o->rows = p;
+        o->cols = q;
+        o->ld = q == 1 ? (p > 1 ? p : 1) : sq;
+        o->op = trans ? CUBLAS_OP_N : CUBLAS_OP_T;
+        return true;
+    }
+    return false;
+}
+
+cudaDataType_t cuda_type(int dtype) {
+    switch (dtype) {
+    case MS_F64: return CUDA_R_64F;
+    case MS_F32: return CUDA_R_32F;
+    case MS_BF16: return CUDA_R_16BF;
+    default: return CUDA_R_16F;
+    }
+}
+
+struct holder {
+    ms_tensor *t = nullptr;
+    ~holder() { ms_tensor_free(t); }
+};
+
+int run_lt(int device, int dtype, const operand &A, const operand &B, void *C, int64_t ldc, int64_t c_batch,
+           int64_t m, int64_t n, int64_t k, int64_t batch, double alpha, double beta) {
+    LtState &s = g_lt[device];
+    cublasComputeType_t compute = dtype == MS_F64 ? CUBLAS_COMPUTE_64F
+                                  : (dtype == MS_F32 && !g_allow_tf32) ? CUBLAS_COMPUTE_32F
+                                  : dtype == MS_F32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                    : CUBLAS_COMPUTE_32F;
+    cudaDataType_t scale = dtype == MS_F64 ? CUDA_R_64F : CUDA_R_32F;
+    cudaDataType_t dt = cuda_type(dtype);
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+    cublasLtMatmulPreference_t pref = nullptr;
+    int rc = -1;
+    cublasLtMatmulHeuristicResult_t heur;
+    int found = 0;
+    int32_t bc = (int32_t)batch;
+    float af = (float)alpha, bf = (float)beta;
+    const void *pa = dtype == MS_F64 ? (const void *)&alpha : (const void *)&af;
+    const void *pb = dtype == MS_F64 ? (const void *)&beta : (const void *)&bf;
+#define LT(call)                                                                                   \
+    do {                                                                                           \
+        cublasStatus_t st_ = (call);                                                               \
+        if (st_ != CUBLAS_STATUS_SUCCESS) {                                                        \
+            ms_errorf("%s:%d: %s failed: %s (M=%lld N=%lld K=%lld batch=%lld)", __FILE__, __LINE__, #call, \
+                      cublasGetStatusString(st_), (long long)m, (long long)n, (long long)k, (long long)batch); \
+            goto done;                                                                             \
+        }                                                                                          \
+    } while (0)
+    // column-major product: C^T (n x m) = op(b)^T (n x k) * op(a)^T (k x m)
+    LT(cublasLtMatmulDescCreate(&desc, compute, scale));
+    LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &B.op, sizeof B.op));
+    LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &A.op, sizeof A.op));
+    LT(cublasLtMatrixLayoutCreate(&la, dt, (uint64_t)B.rows, (uint64_t)B.cols, B.ld));
+    LT(cublasLtMatrixLayoutCreate(&lb, dt, (uint64_t)A.rows, (uint64_t)A.cols, A.ld));
+    LT(cublasLtMatrixLayoutCreate(&lc, dt, (uint64_t)n, (uint64_t)m, ldc));
+    if (batch > 1) {
+        LT(cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc));
+        LT(cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &B.batch_stride,
+                                            sizeof B.batch_stride));
+        LT(cublasLtMatrixLayoutSetAttribute(lb, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc));
+        LT(cublasLtMatrixLayoutSetAttribute(lb, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &A.batch_stride,
+                                            sizeof A.batch_stride));
+        LT(cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc));
+        LT(cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &c_batch,
+                                            sizeof c_batch));
+    }
+    LT(cublasLtMatmulPreferenceCreate(&pref));
+    {
+        uint64_t ws = kWorkspace;
+        LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    }
+    LT(cublasLtMatmulAlgoGetHeuristic(s.handle, desc, la, lb, lc, lc, pref, 1, &heur, &found));
+    if (found == 0) {
+        ms_errorf("matmul: cuBLASLt found no algorithm for %s M=%lld N=%lld K=%lld batch=%lld",
+                  ms_dtype_name(dtype), (long long)m, (long long)n, (long long)k, (long long)batch);
+        goto done;
+    }
+    LT(cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo, s.workspace,
+                      kWorkspace, ms_cuda_stream_of(device)));
+    rc = 0;
+done:
+#undef LT
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    return rc;
+}
+
+}  // namespace
+
+extern "C" int ms_cuda_gemm_allow_tf32(int on) {
+    int old = g_allow_tf32;
+    g_allow_tf32 = on;
+    return old;
+}
+
+// a, b, out: same ndim >= 2, batch dims already broadcast to out's (stride 0
+// where an operand is broadcast); a is (..., M, K) after transa, b (..., K, N)
+// after transb, out (..., M, N).
+extern "C" int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                            double alpha, double beta) {
+    int nd = out->ndim;
+    int device = out->device_id;
+    int64_t m = out->sizes[nd - 2], n = out->sizes[nd - 1];
+    int64_t k = transa ? a->sizes[nd - 2] : a->sizes[nd - 1];
+    int64_t batch = 1;
+    for (int i = 0; i < nd - 2; i++) batch *= out->sizes[i];
+    if (m == 0 || n == 0 || batch == 0) return 0;
+    if (ms_cuda_activate(device) || lt_ready(device)) return -1;
+    if (k == 0) return ms_cuda_binary_scalar(out, MS_OP_MUL, out, beta, 0);
+    holder ca, cb, co;
+    operand A, B;
+    if (!describe(a, transa, &A)) {
+        if (ms_tensor_clone(&ca.t, a)) return -1;
+        describe(ca.t, transa, &A);
+    }
+    if (!describe(b, transb, &B)) {
+        if (ms_tensor_clone(&cb.t, b)) return -1;
+        describe(cb.t, transb, &B);
+    }
+    ms_tensor *dst = out;
+    int64_t c_batch = 0;
+    bool out_ok = out->strides[nd - 1] == 1 && (m == 1 || out->strides[nd - 2] >= n) &&
+                  batch_stride_of(out, &c_batch) && (batch == 1 || c_batch != 0);
+    if (!out_ok) {
+        if (beta != 0) {
+            if (ms_tensor_clone(&co.t, out)) return -1;
+        } else if (ms_tensor_empty(&co.t, nd, out->sizes, out->dtype_id, device)) {
+            return -1;
+        }
+        dst = co.t;
+        batch_stride_of(dst, &c_batch);
+    }
+    int64_t ldc = m == 1 ? (n > 1 ? n : 1) : dst->strides[nd - 2];
+    if (batch == 1) {
+        A.batch_stride = B.batch_stride = c_batch = 0;
+    }
+    if (run_lt(device, out->dtype_id, A, B, ms_tensor_data(dst), ldc, c_batch, m, n, k, batch, alpha, beta))
+        return -1;
+    if (dst != out) return ms_cuda_convert(out, dst);
+    return 0;
+}

@@ -1,0 +1,48 @@
+/* kernels/kernels.h — the CUDA launchers core/ops.c dispatches to. Each
+ * takes tensors already checked and allocated by core/ops.c (shapes, dtypes,
+ * devices agree; `out` has the result's shape and dtype), launches on the
+ * current stream of the tensors' device, checks the launch, and returns 0 or
+ * -1 with the message set. */
+#ifndef MS_KERNELS_H
+#define MS_KERNELS_H
+
+#include <stdint.h>
+#include "../core/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* elementwise.cu */
+int ms_cuda_convert(ms_tensor *dst, const ms_tensor *src);
+int ms_cuda_unary(ms_tensor *out, int op, const ms_tensor *a);
+int ms_cuda_binary(ms_tensor *out, int op, const ms_tensor *a, const ms_tensor *b);
+int ms_cuda_binary_scalar(ms_tensor *out, int op, const ms_tensor *a, double s, int reverse);
+int ms_cuda_clamp(ms_tensor *out, const ms_tensor *a, double lo, double hi);
+int ms_cuda_where(ms_tensor *out, const ms_tensor *cond, const ms_tensor *a, const ms_tensor *b);
+int ms_cuda_fill(ms_tensor *t, double v);
+int ms_cuda_arange(ms_tensor *t, double start, double step);
+int ms_cuda_rand(ms_tensor *t, uint64_t seed, uint64_t offset, double a, double b, int normal);
+
+/* reduce.cu: a is viewed as (outer, n, inner) around the reduced dim
+ * (dim = -1000: all elements); out has outer*inner elements */
+int ms_cuda_reduce(ms_tensor *out, int op, const ms_tensor *a, int dim);
+int ms_cuda_softmax(ms_tensor *out, const ms_tensor *a, int dim, int log);
+int ms_cuda_softmax_backward(ms_tensor *out, const ms_tensor *y, const ms_tensor *g, int dim, int log);
+
+/* gemm.cu: cuBLASLt, f32 accumulation; out = alpha*op(a)@op(b) + beta*out
+ * over batch dims already broadcast by the caller (a, b, out 3-D views) */
+int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                 double alpha, double beta);
+
+/* index.cu */
+int ms_cuda_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);
+int ms_cuda_index_add(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src);
+int ms_cuda_gather(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);
+int ms_cuda_scatter_add(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

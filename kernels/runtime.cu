@@ -1,0 +1,470 @@
+// kernels/runtime.cu — devices, the caching allocator, streams and events
+// (the contract is in core/cuda.h). This file has no kernels: it is the
+// host side every kernel file stands on.
+//
+// Allocator data structures, per device:
+//   classes: request -> size class (512 B minimum; then 4 classes per power
+//            of two: 2^k, 1.25*2^k, 1.5*2^k, 1.75*2^k), so waste <= 25%;
+//   free lists: class size -> cached blocks (cudaMalloc'ed, idle);
+//   live map: device pointer -> block (size, class, stream, pending streams);
+//   pending: blocks freed while another stream may still use them, each with
+//            an event; they move to the free lists once the event completes.
+// No cudaMalloc/cudaFree on the steady-state path: after step 1 of a
+// training loop every request finds a block of its class.
+#include "common.cuh"
+#include "kernels.h"
+
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include <stdio.h>
+#include <string.h>
+
+namespace {
+
+struct Block {
+    void *ptr;
+    int64_t size;       // class size (bytes obtained from cudaMalloc)
+    int64_t requested;  // bytes asked for
+    std::vector<cudaStream_t> used_on;  // other streams that used it
+};
+
+struct Pending {
+    Block block;
+    std::vector<cudaEvent_t> events;
+};
+
+struct DeviceState {
+    bool ready = false;
+    cudaStream_t compute = nullptr;
+    cudaStream_t current = nullptr;
+    std::multimap<int64_t, void *> free_blocks;   // class size -> ptr
+    std::map<void *, Block> live;
+    std::vector<Pending> pending;
+    ms_cuda_memory_stats stats;
+    ms_device_flag *flag = nullptr;                // device memory
+};
+
+const int kMaxDevices = 64;
+DeviceState g_dev[kMaxDevices];
+std::mutex g_mu;
+int g_count = -1;
+
+int64_t size_class(int64_t n) {
+    if (n <= 512) return 512;
+    int64_t p = 512;
+    while (p * 2 < n) p *= 2;   // p < n <= 2p
+    int64_t step = p / 4;
+    return (n + step - 1) / step * step;
+}
+
+int device_count() {
+    if (g_count < 0) {
+        int n = 0;
+        if (cudaGetDeviceCount(&n) != cudaSuccess) {
+            cudaGetLastError();
+            n = 0;
+        }
+        g_count = n;
+    }
+    return g_count;
+}
+
+int check_device(int device, const char *op) {
+    int n = device_count();
+    if (device < 0 || device >= n || device >= kMaxDevices)
+        return ms_errorf("%s: cuda:%d requested but %d CUDA device%s present", op, device, n,
+                         n == 1 ? " is" : "s are");
+    return 0;
+}
+
+int ensure_ready(int device) {
+    if (check_device(device, "cuda")) return -1;
+    DeviceState &d = g_dev[device];
+    if (d.ready) return 0;
+    CUDA_CHECK(cudaSetDevice(device));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&d.compute, cudaStreamNonBlocking));
+    d.current = d.compute;
+    memset(&d.stats, 0, sizeof d.stats);
+    CUDA_CHECK(cudaMalloc((void **)&d.flag, sizeof(ms_device_flag)));
+    CUDA_CHECK(cudaMemset(d.flag, 0, sizeof(ms_device_flag)));
+    d.ready = true;
+    return 0;
+}
+
+// move pending blocks whose events have completed back to the free lists
+void reap_pending(DeviceState &d) {
+    for (size_t i = 0; i < d.pending.size();) {
+        Pending &p = d.pending[i];
+        bool done = true;
+        for (cudaEvent_t e : p.events) {
+            cudaError_t q = cudaEventQuery(e);
+            if (q == cudaErrorNotReady) { done = false; break; }
+            if (q != cudaSuccess) cudaGetLastError();
+        }
+        if (done) {
+            for (cudaEvent_t e : p.events) cudaEventDestroy(e);
+            d.free_blocks.emplace(p.block.size, p.block.ptr);
+            d.pending[i] = d.pending.back();
+            d.pending.pop_back();
+        } else {
+            i++;
+        }
+    }
+}
+
+int release_cached(int device) {
+    DeviceState &d = g_dev[device];
+    CUDA_CHECK(cudaSetDevice(device));
+    // wait for pending blocks first: they are cached memory too
+    for (Pending &p : d.pending) {
+        for (cudaEvent_t e : p.events) {
+            cudaEventSynchronize(e);
+            cudaEventDestroy(e);
+        }
+        d.free_blocks.emplace(p.block.size, p.block.ptr);
+    }
+    d.pending.clear();
+    for (auto &kv : d.free_blocks) {
+        CUDA_CHECK(cudaFree(kv.second));
+        d.stats.reserved -= kv.first;
+        d.stats.num_frees++;
+    }
+    d.free_blocks.clear();
+    return 0;
+}
+
+int cuda_alloc(void **ptr, int64_t nbytes, int device) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (ensure_ready(device)) return -1;
+    DeviceState &d = g_dev[device];
+    int64_t cls = size_class(nbytes);
+    if (!d.pending.empty()) reap_pending(d);
+    void *p = nullptr;
+    auto it = d.free_blocks.find(cls);
+    if (it != d.free_blocks.end()) {
+        p = it->second;
+        d.free_blocks.erase(it);
+    } else {
+        CUDA_CHECK(cudaSetDevice(device));
+        cudaError_t err = cudaMalloc(&p, (size_t)cls);
+        if (err != cudaSuccess) {
+            cudaGetLastError();
+            if (release_cached(device)) return -1;
+            err = cudaMalloc(&p, (size_t)cls);
+            if (err != cudaSuccess) {
+                cudaGetLastError();
+                d.stats.num_ooms++;
+                size_t free_b = 0, total_b = 0;
+                cudaMemGetInfo(&free_b, &total_b);
+                return ms_errorf("cuda:%d out of memory: tried to allocate %lld bytes (%.2f MiB); "
+                                 "allocated %.2f MiB, reserved %.2f MiB, peak %.2f MiB, "
+                                 "device free %.2f of %.2f MiB",
+                                 device, (long long)nbytes, nbytes / 1048576.0,
+                                 d.stats.allocated / 1048576.0, d.stats.reserved / 1048576.0,
+                                 d.stats.peak_allocated / 1048576.0, free_b / 1048576.0,
+                                 total_b / 1048576.0);
+            }
+        }
+        d.stats.num_mallocs++;
+        d.stats.reserved += cls;
+        if (d.stats.reserved > d.stats.peak_reserved) d.stats.peak_reserved = d.stats.reserved;
+    }
+    Block b;
+    b.ptr = p;
+    b.size = cls;
+    b.requested = nbytes;
+    d.live[p] = b;
+    d.stats.allocated += cls;
+    d.stats.requested += nbytes;
+    d.stats.num_allocs++;
+    if (d.stats.allocated > d.stats.peak_allocated) d.stats.peak_allocated = d.stats.allocated;
+    *ptr = p;
+    return 0;
+}
+
+void cuda_free(void *ptr, int64_t nbytes, int device) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    DeviceState &d = g_dev[device];
+    auto it = d.live.find(ptr);
+    if (it == d.live.end()) return;
+    Block b = it->second;
+    d.live.erase(it);
+    d.stats.allocated -= b.size;
+    d.stats.requested -= b.requested;
+    if (b.used_on.empty()) {
+        // work queued on the compute stream that uses this block runs before
+        // any later work on that stream, so the block is free for it now
+        d.free_blocks.emplace(b.size, b.ptr);
+        return;
+    }
+    Pending pend;
+    pend.block = b;
+    cudaSetDevice(device);
+    for (cudaStream_t s : b.used_on) {
+        cudaEvent_t e;
+        if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+            cudaGetLastError();
+            cudaStreamSynchronize(s);
+            continue;
+        }
+        cudaEventRecord(e, s);
+        pend.events.push_back(e);
+    }
+    pend.block.used_on.clear();
+    d.pending.push_back(pend);
+}
+
+int cuda_copy(void *dst, int dst_device, const void *src, int src_device, int64_t nbytes) {
+    if (nbytes == 0) return 0;
+    if (dst_device >= 0 && src_device >= 0) {
+        cudaStream_t s = ms_cuda_stream_of(dst_device);
+        if (dst_device == src_device) {
+            CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)nbytes, cudaMemcpyDeviceToDevice, s));
+        } else {
+            CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device, src, src_device, (size_t)nbytes, s));
+        }
+        return 0;
+    }
+    if (dst_device >= 0) {
+        // host -> device: ordered on the compute stream; the host buffer may be
+        // reused by the caller at once, so wait for the copy to finish reading it
+        cudaStream_t s = ms_cuda_stream_of(dst_device);
+        CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)nbytes, cudaMemcpyHostToDevice, s));
+        CUDA_CHECK(cudaStreamSynchronize(s));
+        return 0;
+    }
+    cudaStream_t s = ms_cuda_stream_of(src_device);
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)nbytes, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    return ms_cuda_check_device_flags(src_device);
+}
+
+ms_device_backend g_backend = {cuda_alloc, cuda_free, cuda_copy, ms_cuda_convert};
+
+// register the backend when the library is loaded
+struct Registrar {
+    Registrar() { ms_cuda_backend = &g_backend; }
+} g_registrar;
+
+}  // namespace
+
+struct ms_cuda_stream {
+    cudaStream_t s;
+    int device;
+    bool owned;
+};
+
+struct ms_cuda_event {
+    cudaEvent_t e;
+    int device;
+};
+
+cudaStream_t ms_cuda_stream_of(int device) {
+    if (device < 0 || device >= kMaxDevices) return nullptr;
+    if (!g_dev[device].ready) {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (ensure_ready(device)) return nullptr;
+    }
+    return g_dev[device].current;
+}
+
+int ms_cuda_activate(int device) {
+    int cur = -1;
+    CUDA_CHECK(cudaGetDevice(&cur));
+    if (cur != device) CUDA_CHECK(cudaSetDevice(device));
+    std::lock_guard<std::mutex> lock(g_mu);
+    return ensure_ready(device);
+}
+
+ms_device_flag *ms_cuda_device_flag(int device) {
+    if (ms_cuda_activate(device)) return nullptr;
+    return g_dev[device].flag;
+}
+
+extern "C" {
+
+int ms_cuda_available(void) { return device_count() > 0; }
+int ms_cuda_device_count(void) { return device_count(); }
+
+int ms_cuda_set_device(int device) {
+    if (check_device(device, "set_device")) return -1;
+    CUDA_CHECK(cudaSetDevice(device));
+    std::lock_guard<std::mutex> lock(g_mu);
+    return ensure_ready(device);
+}
+
+int ms_cuda_get_device(void) {
+    int d = 0;
+    if (cudaGetDevice(&d) != cudaSuccess) return -1;
+    return d;
+}
+
+int ms_cuda_device_name(int device, char *buf, int n) {
+    if (check_device(device, "device_name")) return -1;
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, device));
+    snprintf(buf, (size_t)n, "%s", p.name);
+    return 0;
+}
+
+int ms_cuda_synchronize(int device) {
+    if (ms_cuda_activate(device)) return -1;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return ms_cuda_check_device_flags(device);
+}
+
+int ms_cuda_get_memory_stats(int device, ms_cuda_memory_stats *out) {
+    if (check_device(device, "memory_stats")) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_dev[device].ready) *out = g_dev[device].stats;
+    else memset(out, 0, sizeof *out);
+    return 0;
+}
+
+int ms_cuda_reset_peak_stats(int device) {
+    if (check_device(device, "reset_peak_stats")) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    DeviceState &d = g_dev[device];
+    d.stats.peak_allocated = d.stats.allocated;
+    d.stats.peak_reserved = d.stats.reserved;
+    return 0;
+}
+
+int ms_cuda_empty_cache(int device) {
+    if (check_device(device, "empty_cache")) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_dev[device].ready) return 0;
+    return release_cached(device);
+}
+
+int ms_cuda_check_device_flags(int device) {
+    if (device < 0 || device >= kMaxDevices || !g_dev[device].ready) return 0;
+    ms_device_flag f;
+    CUDA_CHECK(cudaMemcpy(&f, g_dev[device].flag, sizeof f, cudaMemcpyDeviceToHost));
+    if (f.code == 0) return 0;
+    CUDA_CHECK(cudaMemset(g_dev[device].flag, 0, sizeof f));
+    return ms_errorf("cuda:%d: index %lld at position %lld is out of range [0, %lld) (found by a kernel; "
+                     "the results of the op that read it are invalid)",
+                     device, f.value, f.position, f.limit);
+}
+
+int ms_cuda_stream_new(ms_cuda_stream **out, int device, int priority) {
+    if (ms_cuda_activate(device)) return -1;
+    ms_cuda_stream *s = new ms_cuda_stream;
+    s->device = device;
+    s->owned = true;
+    cudaError_t err = cudaStreamCreateWithPriority(&s->s, cudaStreamNonBlocking, priority);
+    if (err != cudaSuccess) {
+        delete s;
+        return ms_errorf("stream_new: cudaStreamCreateWithPriority failed: %s", cudaGetErrorString(err));
+    }
+    *out = s;
+    return 0;
+}
+
+void ms_cuda_stream_free(ms_cuda_stream *s) {
+    if (!s) return;
+    if (s->owned) {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (g_dev[s->device].current == s->s) g_dev[s->device].current = g_dev[s->device].compute;
+        cudaStreamDestroy(s->s);
+    }
+    delete s;
+}
+
+ms_cuda_stream *ms_cuda_current_stream(int device) {
+    if (ms_cuda_activate(device)) return nullptr;
+    ms_cuda_stream *s = new ms_cuda_stream;
+    s->s = g_dev[device].current;
+    s->device = device;
+    s->owned = false;
+    return s;
+}
+
+int ms_cuda_set_current_stream(ms_cuda_stream *s) {
+    int device = s ? s->device : ms_cuda_get_device();
+    if (ms_cuda_activate(device)) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_dev[device].current = s ? s->s : g_dev[device].compute;
+    return 0;
+}
+
+int ms_cuda_stream_synchronize(ms_cuda_stream *s) {
+    CUDA_CHECK(cudaStreamSynchronize(s->s));
+    return ms_cuda_check_device_flags(s->device);
+}
+
+int ms_cuda_stream_wait_event(ms_cuda_stream *s, ms_cuda_event *e) {
+    cudaStream_t st = s ? s->s : ms_cuda_stream_of(e->device);
+    CUDA_CHECK(cudaStreamWaitEvent(st, e->e, 0));
+    return 0;
+}
+
+int ms_cuda_event_new(ms_cuda_event **out, int device, int timing) {
+    if (ms_cuda_activate(device)) return -1;
+    ms_cuda_event *e = new ms_cuda_event;
+    e->device = device;
+    cudaError_t err = cudaEventCreateWithFlags(&e->e, timing ? cudaEventDefault : cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+        delete e;
+        return ms_errorf("event_new: cudaEventCreate failed: %s", cudaGetErrorString(err));
+    }
+    *out = e;
+    return 0;
+}
+
+void ms_cuda_event_free(ms_cuda_event *e) {
+    if (!e) return;
+    cudaEventDestroy(e->e);
+    delete e;
+}
+
+int ms_cuda_event_record(ms_cuda_event *e, ms_cuda_stream *s) {
+    cudaStream_t st = s ? s->s : ms_cuda_stream_of(e->device);
+    CUDA_CHECK(cudaEventRecord(e->e, st));
+    return 0;
+}
+
+int ms_cuda_event_synchronize(ms_cuda_event *e) {
+    CUDA_CHECK(cudaEventSynchronize(e->e));
+    return 0;
+}
+
+int ms_cuda_event_query(ms_cuda_event *e) {
+    cudaError_t q = cudaEventQuery(e->e);
+    if (q == cudaSuccess) return 1;
+    if (q == cudaErrorNotReady) return 0;
+    return ms_errorf("event_query: %s", cudaGetErrorString(q));
+}
+
+int ms_cuda_event_elapsed_ms(ms_cuda_event *start, ms_cuda_event *end, float *ms) {
+    CUDA_CHECK(cudaEventElapsedTime(ms, start->e, end->e));
+    return 0;
+}
+
+int ms_cuda_record_stream(const ms_tensor *t, ms_cuda_stream *s) {
+    if (ms_tensor_check_live(t, "record_stream")) return -1;
+    if (t->device_id < 0) return ms_errorf("record_stream: tensor is on the cpu");
+    std::lock_guard<std::mutex> lock(g_mu);
+    DeviceState &d = g_dev[t->device_id];
+    auto it = d.live.find(t->storage->data);
+    if (it == d.live.end()) return 0;
+    if (s->s == d.compute) return 0;
+    for (cudaStream_t x : it->second.used_on)
+        if (x == s->s) return 0;
+    it->second.used_on.push_back(s->s);
+    return 0;
+}
+
+int ms_cuda_host_alloc(void **out, int64_t nbytes) {
+    CUDA_CHECK(cudaHostAlloc(out, (size_t)nbytes, cudaHostAllocDefault));
+    return 0;
+}
+
+void ms_cuda_host_free(void *p) {
+    if (p) cudaFreeHost(p);
+}
+
+}  // extern "C"

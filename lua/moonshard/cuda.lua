@@ -1,0 +1,102 @@
+-- moonshard.cuda — devices, memory statistics, streams and events.
+--
+--   local ms = require 'moonshard'
+--   if ms.cuda.is_available() then
+--     local x = ms.randn({1024, 1024}, {device = 'cuda'})
+--     print(ms.cuda.memory_stats())          -- allocated, reserved, peak, mallocs...
+--     local s, ev = ms.cuda.stream(), ms.cuda.event()
+--     ev:record()                             -- on the current (compute) stream
+--     s:wait(ev)                              -- s waits for it, the host does not
+--   end
+--
+-- The contract (caching allocator, stream-ordered reuse, out-of-memory as a
+-- Lua error) is in core/cuda.h.
+local ffi = require 'ffi'
+local T = require 'moonshard.tensor'
+local C = T.C
+local check = T.check
+
+local cuda = {}
+
+function cuda.is_available() return C.ms_cuda_available() ~= 0 end
+function cuda.device_count() return C.ms_cuda_device_count() end
+function cuda.set_device(d)
+  check(C.ms_cuda_set_device(d), 2)
+  T.current_cuda_device = d
+end
+function cuda.current_device() return T.current_cuda_device or 0 end
+function cuda.get_device_name(d)
+  local buf = ffi.new('char[256]')
+  check(C.ms_cuda_device_name(d or cuda.current_device(), buf, 256), 2)
+  return ffi.string(buf)
+end
+function cuda.synchronize(d) check(C.ms_cuda_synchronize(d or cuda.current_device()), 2) end
+function cuda.empty_cache(d) check(C.ms_cuda_empty_cache(d or cuda.current_device()), 2) end
+function cuda.reset_peak_memory_stats(d) check(C.ms_cuda_reset_peak_stats(d or cuda.current_device()), 2) end
+
+local stats_t = ffi.typeof('ms_cuda_memory_stats')
+function cuda.memory_stats(d)
+  local s = stats_t()
+  check(C.ms_cuda_get_memory_stats(d or cuda.current_device(), s), 2)
+  return {
+    allocated = tonumber(s.allocated), requested = tonumber(s.requested), reserved = tonumber(s.reserved),
+    peak_allocated = tonumber(s.peak_allocated), peak_reserved = tonumber(s.peak_reserved),
+    num_mallocs = tonumber(s.num_mallocs), num_frees = tonumber(s.num_frees),
+    num_allocs = tonumber(s.num_allocs), num_ooms = tonumber(s.num_ooms),
+  }
+end
+function cuda.max_memory_allocated(d) return cuda.memory_stats(d).peak_allocated end
+function cuda.memory_allocated(d) return cuda.memory_stats(d).allocated end
+
+-- streams and events: handles freed by __gc or :free()
+local Stream = {}
+Stream.__index = Stream
+function cuda.stream(opts)
+  opts = opts or {}
+  local box = ffi.new('ms_cuda_stream*[1]')
+  check(C.ms_cuda_stream_new(box, opts.device or cuda.current_device(), opts.priority or 0), 2)
+  return setmetatable({ p = ffi.gc(box[0], C.ms_cuda_stream_free) }, Stream)
+end
+function cuda.current_stream(d)
+  local p = C.ms_cuda_current_stream(d or cuda.current_device())
+  if p == nil then error(ffi.string(C.ms_last_error()), 2) end
+  return setmetatable({ p = ffi.gc(p, C.ms_cuda_stream_free) }, Stream)
+end
+function Stream:wait(ev) check(C.ms_cuda_stream_wait_event(self.p, ev.p), 2); return self end
+function Stream:synchronize() check(C.ms_cuda_stream_synchronize(self.p), 2) end
+function Stream:free()
+  if self.p ~= nil then C.ms_cuda_stream_free(ffi.gc(self.p, nil)); self.p = nil end
+end
+local function pack(...) return { n = select('#', ...), ... } end
+-- run fn with s as the current stream: kernels launched inside go to s
+function cuda.with_stream(s, fn, ...)
+  check(C.ms_cuda_set_current_stream(s.p), 2)
+  local res = pack(pcall(fn, ...))
+  C.ms_cuda_set_current_stream(nil)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, res.n)
+end
+function cuda.record_stream(t, s) check(C.ms_cuda_record_stream(t, s.p), 2) end
+
+local Event = {}
+Event.__index = Event
+function cuda.event(opts)
+  opts = opts or {}
+  local box = ffi.new('ms_cuda_event*[1]')
+  check(C.ms_cuda_event_new(box, opts.device or cuda.current_device(), opts.timing and 1 or 0), 2)
+  return setmetatable({ p = ffi.gc(box[0], C.ms_cuda_event_free) }, Event)
+end
+function Event:record(s) check(C.ms_cuda_event_record(self.p, s and s.p or nil), 2); return self end
+function Event:synchronize() check(C.ms_cuda_event_synchronize(self.p), 2) end
+function Event:query()
+  local r = C.ms_cuda_event_query(self.p)
+  if r < 0 then error(ffi.string(C.ms_last_error()), 2) end
+  return r == 1
+end
+function Event:elapsed_ms(later)
+  local f = ffi.new('float[1]')
+  check(C.ms_cuda_event_elapsed_ms(self.p, later.p, f), 2)
+  return f[0]
+end
+
+return cuda
