@@ -38,6 +38,8 @@ elseif not tostring(st):find("module 'moonshard.safetensors' not found", 1, true
   error(st, 0)
 end
 
+ms.cuda = require 'moonshard.cuda'
+
 function ms.set_num_threads(n) T.C.ms_set_num_threads(n) end
 function ms.get_num_threads() return T.C.ms_get_num_threads() end
 function ms.live_storages() return tonumber(T.C.ms_live_storages()) end

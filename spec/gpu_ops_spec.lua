@@ -1,0 +1,215 @@
+-- GPU ops against the CPU reference, on random data, with dtype-aware
+-- bounds: ‖gpu − cpu‖ / ‖cpu‖ ≤ 1e-5 (f32), 1e-2 (bf16). Run on a GPU host
+-- with `make test-gpu`.
+local ms = require 'moonshard'
+
+local function relerr(got, want)
+  local g, w = got:to('cpu'):double(), want:double()
+  local num = ((g - w) * (g - w)):sum():item()
+  local den = (w * w):sum():item()
+  if den == 0 then return math.sqrt(num) end
+  return math.sqrt(num / den)
+end
+
+local bound = { f32 = 1e-5, bf16 = 1e-2, f16 = 2e-3, f64 = 1e-12 }
+
+local seed = 1000
+local function randn(shape, dtype)
+  seed = seed + 1
+  return ms.randn(shape, { seed = seed }):to(dtype or 'f32')
+end
+
+describe('cuda ops #gpu', function()
+  setup(function()
+    assert.is_true(ms.cuda.is_available(), 'no CUDA device')
+  end)
+
+  describe('elementwise', function()
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      for _, name in ipairs({ 'neg', 'exp', 'tanh', 'sigmoid', 'relu', 'gelu', 'silu', 'abs', 'square' }) do
+        it(name .. ' ' .. dt, function()
+          local x = randn({ 37, 129 }, dt)
+          local want = ms[name](x)
+          local got = ms[name](x:to('cuda'))
+          assert.are.equal('cuda:0', got.device)
+          assert.is_true(relerr(got, want) <= bound[dt], name .. ' ' .. relerr(got, want))
+        end)
+      end
+      for _, name in ipairs({ 'add', 'sub', 'mul', 'div', 'maximum', 'minimum' }) do
+        it(name .. ' ' .. dt .. ' with broadcasting and views', function()
+          local a, b = randn({ 8, 1, 33 }, dt), randn({ 5, 33 }, dt)
+          if name == 'div' then b = b:abs() + 0.5 end
+          local want = ms[name](a, b)
+          local got = ms[name](a:to('cuda'), b:to('cuda'))
+          assert.is_true(relerr(got, want) <= bound[dt])
+          -- contiguous same-shape fast path
+          local c, d = randn({ 1000 }, dt), randn({ 1000 }, dt)
+          if name == 'div' then d = d:abs() + 0.5 end
+          assert.is_true(relerr(ms[name](c:cuda(), d:cuda()), ms[name](c, d)) <= bound[dt])
+          -- transposed operand
+          local e, f = randn({ 17, 9 }, dt), randn({ 9, 17 }, dt)
+          if name == 'div' then f = f:abs() + 0.5 end
+          assert.is_true(relerr(ms[name](e:cuda(), f:cuda():t()), ms[name](e, f:t())) <= bound[dt])
+        end)
+      end
+    end
+    it('scalar ops, clamp, where, comparisons', function()
+      local x = randn({ 64, 65 })
+      local g = x:cuda()
+      assert.is_true(relerr(g * 3 + 1, x * 3 + 1) <= 1e-6)
+      assert.is_true(relerr(2 - g, 2 - x) <= 1e-6)
+      assert.is_true(relerr(ms.clamp(g, -0.5, 0.5), ms.clamp(x, -0.5, 0.5)) <= 1e-6)
+      local m = ms.gt(x, 0)
+      assert.are.same(ms.gt(g, 0):to('cpu'):totable(), m:totable())
+      assert.is_true(relerr(ms.where(m:cuda(), g, g * 2), ms.where(m, x, x * 2)) <= 1e-6)
+    end)
+    it('activation backward helpers', function()
+      local x, gr = randn({ 300 }), randn({ 300 })
+      for _, name in ipairs({ 'gelu_backward', 'silu_backward', 'sigmoid_backward', 'tanh_backward' }) do
+        assert.is_true(relerr(ms[name](x:cuda(), gr:cuda()), ms[name](x, gr)) <= 1e-5, name)
+      end
+    end)
+    it('dtype conversion rounds like the CPU', function()
+      local x = randn({ 4096 }) * 100
+      assert.are.same(x:bf16():to('f32'):totable(), x:cuda():bf16():to('cpu'):to('f32'):totable())
+      assert.are.same(x:half():to('f32'):totable(), x:cuda():half():to('cpu'):to('f32'):totable())
+    end)
+    it('random numbers equal the CPU stream', function()
+      local a = ms.rand({ 1001 }, { seed = 7, offset = 3 })
+      local b = ms.rand({ 1001 }, { seed = 7, offset = 3, device = 'cuda' })
+      assert.is_true(relerr(b, a) <= 1e-6)
+      local c = ms.randn({ 999 }, { seed = 9 })
+      local d = ms.randn({ 999 }, { seed = 9, device = 'cuda' })
+      assert.is_true(relerr(d, c) <= 1e-5)
+    end)
+  end)
+
+  describe('reductions and softmax', function()
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      it('sum/mean/max/min/logsumexp over each dim ' .. dt, function()
+        local x = randn({ 6, 70, 13 }, dt)
+        local g = x:cuda()
+        for _, name in ipairs({ 'sum', 'mean', 'logsumexp' }) do
+          for d = 1, 3 do
+            assert.is_true(relerr(ms[name](g, d), ms[name](x, d)) <= bound[dt], name .. d)
+          end
+          assert.is_true(relerr(ms[name](g), ms[name](x)) <= bound[dt], name)
+        end
+        for d = 1, 3 do
+          local v1 = ms.max(g, d)
+          local v2 = ms.max(x, d)
+          assert.is_true(relerr(v1, v2) <= bound[dt])
+          assert.are.same(ms.argmax(g, d):to('cpu'):totable(), ms.argmax(x, d):totable())
+        end
+      end)
+      it('softmax and log_softmax forward/backward ' .. dt, function()
+        local x, gr = randn({ 5, 300 }, dt), randn({ 5, 300 }, dt)
+        for _, d in ipairs({ 1, 2 }) do
+          local y, ly = ms.softmax(x, d), ms.log_softmax(x, d)
+          assert.is_true(relerr(ms.softmax(x:cuda(), d), y) <= bound[dt])
+          assert.is_true(relerr(ms.log_softmax(x:cuda(), d), ly) <= bound[dt])
+          assert.is_true(relerr(ms.softmax_backward(y:cuda(), gr:cuda(), d, false),
+            ms.softmax_backward(y, gr, d, false)) <= bound[dt])
+          assert.is_true(relerr(ms.softmax_backward(ly:cuda(), gr:cuda(), d, true),
+            ms.softmax_backward(ly, gr, d, true)) <= bound[dt])
+        end
+      end)
+    end
+  end)
+
+  describe('matmul through cuBLASLt', function()
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      it('2-D, transposed, batched and broadcast ' .. dt, function()
+        local a, b = randn({ 65, 33 }, dt), randn({ 33, 47 }, dt)
+        assert.is_true(relerr(ms.matmul(a:cuda(), b:cuda()), ms.matmul(a, b)) <= bound[dt])
+        local at, bt = randn({ 33, 65 }, dt), randn({ 47, 33 }, dt)
+        assert.is_true(relerr(ms.matmul(at:cuda(), bt:cuda(), true, true), ms.matmul(at, bt, true, true)) <= bound[dt])
+        assert.is_true(relerr(ms.matmul(at:cuda():t(), b:cuda()), ms.matmul(at:t(), b)) <= bound[dt])
+        local x, w = randn({ 3, 4, 17, 24 }, dt), randn({ 3, 4, 24, 9 }, dt)
+        assert.is_true(relerr(ms.matmul(x:cuda(), w:cuda()), ms.matmul(x, w)) <= bound[dt])
+        local w2 = randn({ 24, 9 }, dt)
+        assert.is_true(relerr(ms.matmul(x:cuda(), w2:cuda()), ms.matmul(x, w2)) <= bound[dt])
+        local v = randn({ 24 }, dt)
+        assert.is_true(relerr(ms.matmul(x:cuda(), v:cuda()), ms.matmul(x, v)) <= bound[dt])
+      end)
+    end
+    it('gemm_ accumulates with beta', function()
+      local a, b = randn({ 20, 30 }), randn({ 30, 10 })
+      local c = randn({ 20, 10 })
+      local cg = c:cuda()
+      ms.gemm_(cg, a:cuda(), b:cuda(), false, false, 0.5, 1.0)
+      local cc = c:clone()
+      ms.gemm_(cc, a, b, false, false, 0.5, 1.0)
+      assert.is_true(relerr(cg, cc) <= 1e-5)
+    end)
+  end)
+
+  describe('indexing', function()
+    it('index_select, index_add (deterministic), gather, scatter_add', function()
+      local w = randn({ 50, 16 })
+      local ids = (ms.rand({ 200 }, { seed = 3 }) * 50):long()
+      assert.is_true(relerr(ms.index_select(w:cuda(), 1, ids:cuda()), ms.index_select(w, 1, ids)) <= 1e-7)
+      local src = randn({ 200, 16 })
+      local d1, d2 = ms.zeros({ 50, 16 }), ms.zeros({ 50, 16 }, { device = 'cuda' })
+      ms.index_add_(d1, 1, ids, src)
+      ms.index_add_(d2, 1, ids:cuda(), src:cuda())
+      assert.is_true(relerr(d2, d1) <= 1e-6)
+      local d3 = ms.zeros({ 50, 16 }, { device = 'cuda' })
+      ms.index_add_(d3, 1, ids:cuda(), src:cuda())
+      assert.are.same(d2:to('cpu'):totable(), d3:to('cpu'):totable())
+      local x = randn({ 8, 30 })
+      local t = (ms.rand({ 8, 1 }, { seed = 4 }) * 30):long()
+      assert.is_true(relerr(ms.gather(x:cuda(), 2, t:cuda()), ms.gather(x, 2, t)) <= 1e-7)
+      local s1, s2 = ms.zeros({ 8, 30 }), ms.zeros({ 8, 30 }, { device = 'cuda' })
+      local v = randn({ 8, 1 })
+      ms.scatter_add_(s1, 2, t, v)
+      ms.scatter_add_(s2, 2, t:cuda(), v:cuda())
+      assert.is_true(relerr(s2, s1) <= 1e-7)
+    end)
+    it('an out-of-range id is a Lua error at the next sync, not a crash', function()
+      local w = randn({ 10, 4 }):cuda()
+      local ids = ms.tensor({ 1, 2, 99 }, { dtype = 'i64' }):cuda()
+      local ok, err = pcall(function() return ms.index_select(w, 1, ids):to('cpu') end)
+      assert.is_false(ok)
+      assert.matches('99', tostring(err))
+      -- the device stays usable
+      assert.is_true(relerr(w * 2, w:to('cpu') * 2) <= 1e-7)
+    end)
+  end)
+
+  describe('errors', function()
+    it('mixing devices names both', function()
+      local a, b = randn({ 3 }), randn({ 3 }):cuda()
+      local ok, err = pcall(ms.add, a, b)
+      assert.is_false(ok)
+      assert.matches('cpu', err)
+      assert.matches('cuda:0', err)
+    end)
+    it('out of memory is a Lua error and the process stays usable', function()
+      local ok, err = pcall(ms.empty, { 1024 * 1024 * 1024 * 1024 }, { device = 'cuda', dtype = 'u8' })
+      assert.is_false(ok)
+      assert.matches('out of memory', err)
+      local x = randn({ 4 }):cuda()
+      assert.are.equal(4, x:numel())
+    end)
+  end)
+
+  describe('allocator', function()
+    it('reuses blocks: no cudaMalloc in a steady loop', function()
+      local x = randn({ 256, 256 }):cuda()
+      local function step()
+        local y = ms.matmul(x, x)
+        local z = (y * 2 + 1):sum()
+        return z
+      end
+      step(); step()
+      collectgarbage()
+      local before = ms.cuda.memory_stats().num_mallocs
+      for _ = 1, 50 do step() end
+      collectgarbage()
+      local after = ms.cuda.memory_stats()
+      assert.are.equal(before, after.num_mallocs)
+      assert.is_true(after.peak_allocated >= after.allocated)
+    end)
+  end)
+end)
