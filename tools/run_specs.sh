@@ -5,7 +5,7 @@
 set -u
 cd "$(dirname "$0")/.."
 export LUA_PATH="./lua/?.lua;./lua/?/init.lua;./?.lua;${LUA_PATH:-;}"
-busted_bin=$(command -v busted || echo /usr/bin/busted)
+busted_bin=${BUSTED_LUA:-$(command -v busted || echo /usr/bin/busted)}
 log=$(mktemp)
 luajit "$busted_bin" --lpath='./lua/?.lua;./lua/?/init.lua;./?.lua' -o utfTerminal "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
