@@ -1,0 +1,627 @@
+/* core/ops.c — the entry points of core/ops.h: argument checks, output
+ * allocation, dtype promotion, then the kernel of the tensors' device.
+ *
+ * Every entry point checks that its tensors are live and on one device,
+ * that shapes and dtypes fit, and prepares *out (ms_prepare_out) before any
+ * kernel runs; an error leaves *out as it was (an output allocated here is
+ * freed again). Messages name the op and the shapes, dtypes and devices:
+ *   "add: shapes (2,3) and (4,3) cannot be broadcast"
+ * CPU tensors go to core/ops_cpu.c (rand_/randn_: core/rng.c); CUDA tensors
+ * get an error until the CUDA backend adds its branch here.
+ */
+#include "internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+/* kernels: core/ops_cpu.c and core/rng.c; arguments already checked */
+int ms_cpu_unary(ms_tensor *out, int op, const ms_tensor *a);
+int ms_cpu_binary(ms_tensor *out, int op, const ms_tensor *a, const ms_tensor *b);
+int ms_cpu_binary_scalar(ms_tensor *out, int op, const ms_tensor *a, double s, int reverse);
+int ms_cpu_clamp(ms_tensor *out, const ms_tensor *a, double lo, double hi);
+int ms_cpu_where(ms_tensor *out, const ms_tensor *cond, const ms_tensor *a, const ms_tensor *b);
+int ms_cpu_reduce(ms_tensor *out, int op, const ms_tensor *a, int dim, int keepdim);
+int ms_cpu_softmax(ms_tensor *out, const ms_tensor *a, int dim, int log);
+int ms_cpu_softmax_backward(ms_tensor *out, const ms_tensor *y, const ms_tensor *g, int dim, int log);
+int ms_cpu_matmul(ms_tensor *c, const ms_tensor *a, const ms_tensor *b);
+int ms_cpu_gemm_(ms_tensor *c, const ms_tensor *a, const ms_tensor *b, double alpha, double beta);
+int ms_cpu_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);
+int ms_cpu_index_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src);
+int ms_cpu_gather(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);
+int ms_cpu_scatter_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src);
+int ms_cpu_fill_(ms_tensor *t, double value);
+int ms_cpu_arange_(ms_tensor *t, double start, double step);
+int ms_cpu_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi);
+int ms_cpu_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std);
+
+enum { DESC = 200 }; /* room for ms_desc/ms_shape_str text */
+
+static const char *const g_unary_names[MS_OP_UNARY_END] = {
+    "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu", "abs",
+    "sin", "cos", "square", "reciprocal", "sign"};
+static const char *const g_binary_names[MS_OP_BINARY_END] = {
+    "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
+    "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward", "relu_backward"};
+static const char *const g_reduce_names[MS_RED_END] = {
+    "sum", "mean", "max", "min", "argmax", "argmin", "logsumexp", "prod"};
+
+/* ============================================================ helpers */
+
+int ms_prepare_out(ms_tensor **out, const char *op, int ndim, const int64_t *shape, int dtype, int device) {
+    char have[DESC], want[DESC], s[DESC], d[32];
+    if (!out) return ms_errorf("%s: no output slot given", op);
+    if (!*out) {
+        if (ms_tensor_empty(out, ndim, shape, dtype, device)) {
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%s: %s", op, ms_last_error());
+            ms_set_error(msg);
+            return -1;
+        }
+        return 0;
+    }
+    if (ms_tensor_check_live(*out, op)) return -1;
+    int same = (*out)->ndim == ndim && (*out)->dtype_id == dtype && (*out)->device_id == device;
+    for (int i = 0; same && i < ndim; i++) same = (*out)->sizes[i] == shape[i];
+    if (!same) {
+        snprintf(want, sizeof want, "%s %s %s", ms_dtype_name(dtype), ms_dims_str(ndim, shape, s, sizeof s),
+                 ms_device_str(device, d, sizeof d));
+        return ms_errorf("%s: out is %s, expected %s", op, ms_desc(*out, have, sizeof have), want);
+    }
+    return 0;
+}
+
+/* on failure, free an output this call allocated and leave *out NULL */
+static int finish(ms_tensor **out, int allocated, int rc) {
+    if (rc && allocated && out && *out) {
+        ms_tensor_free(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+/* all n tensors live and on one device; CUDA tensors are not supported yet */
+static int check_tensors(const char *op, int n, const ms_tensor *const *ts) {
+    char a[DESC], b[DESC];
+    for (int i = 0; i < n; i++)
+        if (ms_tensor_check_live(ts[i], op)) return -1;
+    for (int i = 1; i < n; i++)
+        if (ts[i]->device_id != ts[0]->device_id)
+            return ms_errorf("%s: tensors on different devices: %s and %s", op, ms_desc(ts[0], a, sizeof a),
+                             ms_desc(ts[i], b, sizeof b));
+    if (ts[0]->device_id >= 0) return ms_errorf("%s: cuda tensors are not supported in this build", op);
+    return 0;
+}
+
+static int check1(const char *op, const ms_tensor *a) {
+    const ms_tensor *ts[1] = {a};
+    return check_tensors(op, 1, ts);
+}
+
+static int check2(const char *op, const ms_tensor *a, const ms_tensor *b) {
+    const ms_tensor *ts[2] = {a, b};
+    return check_tensors(op, 2, ts);
+}
+
+static int check3(const char *op, const ms_tensor *a, const ms_tensor *b, const ms_tensor *c) {
+    const ms_tensor *ts[3] = {a, b, c};
+    return check_tensors(op, 3, ts);
+}
+
+/* numpy broadcast of two shapes into (*nd, shape) */
+static int broadcast_dims(const char *op, int na, const int64_t *sa, int nb, const int64_t *sb, int *nd,
+                          int64_t *shape) {
+    char x[DESC], y[DESC];
+    int n = na > nb ? na : nb;
+    for (int i = 0; i < n; i++) {
+        int ia = na - n + i, ib = nb - n + i;
+        int64_t da = ia >= 0 ? sa[ia] : 1, db = ib >= 0 ? sb[ib] : 1;
+        if (da == db || db == 1) shape[i] = da;
+        else if (da == 1) shape[i] = db;
+        else
+            return ms_errorf("%s: shapes %s and %s cannot be broadcast", op, ms_dims_str(na, sa, x, sizeof x),
+                             ms_dims_str(nb, sb, y, sizeof y));
+    }
+    *nd = n;
+    return 0;
+}
+
+static int broadcast2(const char *op, const ms_tensor *a, const ms_tensor *b, int *nd, int64_t *shape) {
+    return broadcast_dims(op, a->ndim, a->sizes, b->ndim, b->sizes, nd, shape);
+}
+
+static int need_float(const char *op, const ms_tensor *t) {
+    char d[DESC];
+    if (!ms_is_float(t->dtype_id)) return ms_errorf("%s: needs a float tensor, got %s", op, ms_desc(t, d, sizeof d));
+    return 0;
+}
+
+static int same_shape(const ms_tensor *a, const ms_tensor *b) {
+    if (a->ndim != b->ndim) return 0;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->sizes[i] != b->sizes[i]) return 0;
+    return 1;
+}
+
+/* a destination written in place must not have elements that alias
+ * each other (an expanded view) */
+static int check_no_self_overlap(const char *op, const ms_tensor *t) {
+    char d[DESC];
+    for (int i = 0; i < t->ndim; i++)
+        if (t->strides[i] == 0 && t->sizes[i] > 1)
+            return ms_errorf("%s: destination %s has overlapping elements (an expanded view)", op,
+                             ms_desc(t, d, sizeof d));
+    return 0;
+}
+
+/* ========================================================= elementwise */
+
+/* ops that keep an integer dtype (the rest give f32 for integer inputs) */
+static int unary_keeps_int(int op) {
+    return op == MS_OP_NEG || op == MS_OP_ABS || op == MS_OP_SQUARE || op == MS_OP_SIGN || op == MS_OP_RELU;
+}
+
+int ms_unary(ms_tensor **out, int op, const ms_tensor *a) {
+    if (op < 0 || op >= MS_OP_UNARY_END) return ms_errorf("unary: invalid op %d", op);
+    const char *name = g_unary_names[op];
+    if (check1(name, a)) return -1;
+    int dtype = a->dtype_id;
+    if (ms_is_int(dtype) && !unary_keeps_int(op)) dtype = MS_F32;
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, name, a->ndim, a->sizes, dtype, a->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_unary(*out, op, a));
+}
+
+static int binary_is_comparison(int op) { return op >= MS_OP_EQ && op <= MS_OP_GE; }
+static int binary_is_backward(int op) { return op >= MS_OP_GELU_BWD; }
+
+/* result dtype of a op b for operand dtype `dtype` (already promoted) */
+static int binary_result_dtype(int op, int dtype) {
+    if (binary_is_comparison(op)) return MS_BOOL;
+    if (ms_is_int(dtype) && (op == MS_OP_DIV || binary_is_backward(op))) return MS_F32;
+    return dtype;
+}
+
+int ms_binary(ms_tensor **out, int op, const ms_tensor *a, const ms_tensor *b) {
+    if (op < 0 || op >= MS_OP_BINARY_END) return ms_errorf("binary: invalid op %d", op);
+    const char *name = g_binary_names[op];
+    int nd;
+    int64_t shape[MS_MAX_DIMS];
+    if (check2(name, a, b) || broadcast2(name, a, b, &nd, shape)) return -1;
+    int dtype = binary_result_dtype(op, ms_promote(a->dtype_id, b->dtype_id));
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, name, nd, shape, dtype, a->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_binary(*out, op, a, b));
+}
+
+int ms_binary_scalar(ms_tensor **out, int op, const ms_tensor *a, double s, int reverse) {
+    if (op < 0 || op >= MS_OP_BINARY_END) return ms_errorf("binary: invalid op %d", op);
+    const char *name = g_binary_names[op];
+    if (check1(name, a)) return -1;
+    int dtype = binary_result_dtype(op, a->dtype_id);
+    if (ms_is_int(dtype) && dtype != MS_BOOL && !(isfinite(s) && s == floor(s))) dtype = MS_F32;
+    if (dtype == MS_BOOL && !binary_is_comparison(op) && !(s == 0 || s == 1)) dtype = MS_F32;
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, name, a->ndim, a->sizes, dtype, a->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_binary_scalar(*out, op, a, s, reverse));
+}
+
+int ms_clamp(ms_tensor **out, const ms_tensor *a, double lo, double hi) {
+    if (check1("clamp", a)) return -1;
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, "clamp", a->ndim, a->sizes, a->dtype_id, a->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_clamp(*out, a, lo, hi));
+}
+
+int ms_where(ms_tensor **out, const ms_tensor *cond, const ms_tensor *a, const ms_tensor *b) {
+    char d[DESC];
+    int nd, nd2;
+    int64_t s1[MS_MAX_DIMS], shape[MS_MAX_DIMS];
+    if (check3("where", cond, a, b)) return -1;
+    if (cond->dtype_id != MS_BOOL && cond->dtype_id != MS_U8)
+        return ms_errorf("where: condition must be bool or u8, got %s", ms_desc(cond, d, sizeof d));
+    if (broadcast2("where", a, b, &nd, s1) || broadcast_dims("where", cond->ndim, cond->sizes, nd, s1, &nd2, shape))
+        return -1;
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, "where", nd2, shape, ms_promote(a->dtype_id, b->dtype_id), a->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_where(*out, cond, a, b));
+}
+
+/* ========================================================== reductions */
+
+int ms_reduce(ms_tensor **out, int op, const ms_tensor *a, int dim, int keepdim) {
+    char s[DESC], d[DESC];
+    if (op < 0 || op >= MS_RED_END) return ms_errorf("reduce: invalid op %d", op);
+    const char *name = g_reduce_names[op];
+    if (check1(name, a)) return -1;
+    int all = dim == MS_ALL_DIMS || (a->ndim == 0 && (dim == 0 || dim == -1));
+    int cd = -1;
+    if (!all && ms_wrap_dim(name, dim, a->ndim, &cd)) return -1;
+    /* result dtype */
+    int dtype = a->dtype_id;
+    if (op == MS_RED_SUM || op == MS_RED_PROD) dtype = ms_is_int(a->dtype_id) ? MS_I64 : a->dtype_id;
+    else if (op == MS_RED_MEAN || op == MS_RED_LOGSUMEXP) {
+        if (need_float(name, a)) return -1;
+    } else if (op == MS_RED_ARGMAX || op == MS_RED_ARGMIN) dtype = MS_I64;
+    /* max/min/arg* of nothing is undefined */
+    int extremum = op == MS_RED_MAX || op == MS_RED_MIN || op == MS_RED_ARGMAX || op == MS_RED_ARGMIN;
+    if (extremum && (all ? ms_tensor_numel(a) == 0 : a->sizes[cd] == 0)) {
+        if (all) return ms_errorf("%s: cannot reduce an empty tensor %s", name, ms_desc(a, d, sizeof d));
+        return ms_errorf("%s: cannot reduce over dim %d of size 0 (shape %s)", name, dim, ms_shape_str(a, s, sizeof s));
+    }
+    int64_t shape[MS_MAX_DIMS];
+    int nd = 0;
+    for (int i = 0; i < a->ndim; i++) {
+        if (all || i == cd) {
+            if (keepdim) shape[nd++] = 1;
+        } else {
+            shape[nd++] = a->sizes[i];
+        }
+    }
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, name, nd, shape, dtype, a->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_reduce(*out, op, a, all ? -1 : cd, keepdim));
+}
+
+int ms_softmax(ms_tensor **out, const ms_tensor *a, int dim, int log) {
+    const char *name = log ? "log_softmax" : "softmax";
+    int cd;
+    if (check1(name, a) || need_float(name, a)) return -1;
+    if (a->ndim == 0 && (dim == 0 || dim == -1)) { /* a scalar is its own row */
+        int allocated = out && !*out;
+        if (ms_prepare_out(out, name, 0, a->sizes, a->dtype_id, a->device_id)) return -1;
+        return finish(out, allocated, ms_cpu_fill_(*out, log ? 0.0 : 1.0));
+    }
+    if (ms_wrap_dim(name, dim, a->ndim, &cd)) return -1;
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, name, a->ndim, a->sizes, a->dtype_id, a->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_softmax(*out, a, cd, log));
+}
+
+int ms_softmax_backward(ms_tensor **out, const ms_tensor *y, const ms_tensor *g, int dim, int log) {
+    const char *name = log ? "log_softmax_backward" : "softmax_backward";
+    char s1[DESC], s2[DESC];
+    int cd;
+    if (check2(name, y, g) || need_float(name, y) || need_float(name, g)) return -1;
+    if (!same_shape(y, g))
+        return ms_errorf("%s: output %s and gradient %s differ in shape", name, ms_shape_str(y, s1, sizeof s1),
+                         ms_shape_str(g, s2, sizeof s2));
+    int dtype = ms_promote(y->dtype_id, g->dtype_id);
+    if (y->ndim == 0 && (dim == 0 || dim == -1)) {
+        int allocated = out && !*out;
+        if (ms_prepare_out(out, name, 0, y->sizes, dtype, y->device_id)) return -1;
+        return finish(out, allocated, ms_cpu_fill_(*out, 0.0));
+    }
+    if (ms_wrap_dim(name, dim, y->ndim, &cd)) return -1;
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, name, y->ndim, y->sizes, dtype, y->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_softmax_backward(*out, y, g, cd, log));
+}
+
+/* ============================================================== matmul */
+
+/* views freed together at the end of a call */
+typedef struct view_list {
+    ms_tensor *v[8];
+    int n;
+} view_list;
+
+static ms_tensor *keep(view_list *l, ms_tensor *t) {
+    l->v[l->n++] = t;
+    return t;
+}
+
+static void free_views(view_list *l) {
+    for (int i = 0; i < l->n; i++) ms_tensor_free(l->v[i]);
+    l->n = 0;
+}
+
+/* rows and cols of a 2-D-or-more operand after an optional transpose */
+static void matrix_dims(const ms_tensor *t, int trans, int64_t *rows, int64_t *cols) {
+    int64_t r = t->sizes[t->ndim - 2], c = t->sizes[t->ndim - 1];
+    *rows = trans ? c : r;
+    *cols = trans ? r : c;
+}
+
+static int mismatch(const char *op, const ms_tensor *a, const ms_tensor *b, int transa, int transb) {
+    char x[DESC], y[DESC];
+    if (transa || transb)
+        return ms_errorf("%s: shapes %s and %s do not match (transa=%d, transb=%d)", op,
+                         ms_shape_str(a, x, sizeof x), ms_shape_str(b, y, sizeof y), transa ? 1 : 0, transb ? 1 : 0);
+    return ms_errorf("%s: shapes %s and %s do not match", op, ms_shape_str(a, x, sizeof x), ms_shape_str(b, y, sizeof y));
+}
+
+/* low-precision matmul: in f32, rounded once into out */
+static int matmul_lowp(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb) {
+    ms_tensor *a32 = NULL, *b32 = NULL, *c32 = NULL;
+    int rc = ms_tensor_to(&a32, a, MS_F32, a->device_id);
+    if (!rc) rc = ms_tensor_to(&b32, b, MS_F32, b->device_id);
+    if (!rc) rc = ms_matmul(&c32, a32, b32, transa, transb);
+    if (!rc) rc = ms_tensor_copy_(out, c32);
+    ms_tensor_free(a32);
+    ms_tensor_free(b32);
+    ms_tensor_free(c32);
+    return rc;
+}
+
+int ms_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int transa, int transb) {
+    const char *op = "matmul";
+    char x[DESC], y[DESC];
+    if (check2(op, a, b)) return -1;
+    if (a->dtype_id != b->dtype_id)
+        return ms_errorf("matmul: dtypes differ: %s and %s", ms_desc(a, x, sizeof x), ms_desc(b, y, sizeof y));
+    if (!ms_is_float(a->dtype_id))
+        return ms_errorf("matmul: integer tensors are not supported: %s and %s", ms_desc(a, x, sizeof x),
+                         ms_desc(b, y, sizeof y));
+    if (a->ndim == 0 || b->ndim == 0)
+        return ms_errorf("matmul: 0-dim operands are not supported: shapes %s and %s", ms_shape_str(a, x, sizeof x),
+                         ms_shape_str(b, y, sizeof y));
+    int a1 = a->ndim == 1, b1 = b->ndim == 1;
+    int64_t M = 1, K, Kb, N = 1;
+    if (a1) K = a->sizes[0];
+    else matrix_dims(a, transa, &M, &K);
+    if (b1) Kb = b->sizes[0];
+    else matrix_dims(b, transb, &Kb, &N);
+    if (K != Kb) return mismatch(op, a, b, transa && !a1, transb && !b1);
+    /* batch dims */
+    int nba = a1 ? 0 : a->ndim - 2, nbb = b1 ? 0 : b->ndim - 2, nb;
+    int64_t batch[MS_MAX_DIMS];
+    if (broadcast_dims(op, nba, a->sizes, nbb, b->sizes, &nb, batch))
+        return ms_errorf("matmul: batch dims of shapes %s and %s cannot be broadcast", ms_shape_str(a, x, sizeof x),
+                         ms_shape_str(b, y, sizeof y));
+    int64_t shape[MS_MAX_DIMS];
+    int nd = nb;
+    memcpy(shape, batch, sizeof(int64_t) * (size_t)nb);
+    if (!a1) shape[nd++] = M;
+    if (!b1) shape[nd++] = N;
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, op, nd, shape, a->dtype_id, a->device_id)) return -1;
+    if (a->dtype_id == MS_BF16 || a->dtype_id == MS_F16)
+        return finish(out, allocated, matmul_lowp(*out, a, b, transa, transb));
+
+    /* views: a3 (batch, M, K), b3 (batch, K, N), c3 (batch, M, N) */
+    view_list vl = {.n = 0};
+    ms_tensor *t = NULL, *a3 = NULL, *b3 = NULL, *c3 = NULL;
+    int rc = 0;
+    int64_t full[MS_MAX_DIMS];
+    memcpy(full, batch, sizeof(int64_t) * (size_t)nb);
+    if (a1) rc = ms_tensor_unsqueeze(&t, a, 0);
+    else if (transa) rc = ms_tensor_transpose(&t, a, -2, -1);
+    else rc = ms_tensor_alias(&t, a);
+    if (rc) goto done;
+    a3 = keep(&vl, t);
+    if (b1) rc = ms_tensor_unsqueeze(&t, b, 1);
+    else if (transb) rc = ms_tensor_transpose(&t, b, -2, -1);
+    else rc = ms_tensor_alias(&t, b);
+    if (rc) goto done;
+    b3 = keep(&vl, t);
+    c3 = *out;
+    if (a1) {
+        if ((rc = ms_tensor_unsqueeze(&t, c3, nb))) goto done;
+        c3 = keep(&vl, t);
+    }
+    if (b1) {
+        if ((rc = ms_tensor_unsqueeze(&t, c3, c3->ndim))) goto done;
+        c3 = keep(&vl, t);
+    }
+    /* a plain (..., M, K) @ (K, N): fold the batch into M for one GEMM */
+    if (nb > 0 && nbb == 0 && !a1) {
+        int64_t ak[2] = {-1, K}, cn[2] = {-1, N};
+        ms_tensor *af = NULL, *cf = NULL;
+        if (ms_tensor_view(&af, a3, 2, ak) == 0) {
+            if (ms_tensor_view(&cf, c3, 2, cn) == 0) {
+                keep(&vl, af);
+                keep(&vl, cf);
+                rc = ms_cpu_matmul(cf, af, b3);
+                goto done;
+            }
+            ms_tensor_free(af);
+        }
+        ms_set_error("");
+    }
+    full[nb] = M; full[nb + 1] = K;
+    if ((rc = ms_tensor_expand(&t, a3, nb + 2, full))) goto done;
+    a3 = keep(&vl, t);
+    full[nb] = K; full[nb + 1] = N;
+    if ((rc = ms_tensor_expand(&t, b3, nb + 2, full))) goto done;
+    b3 = keep(&vl, t);
+    rc = ms_cpu_matmul(c3, a3, b3);
+done:
+    free_views(&vl);
+    return finish(out, allocated, rc);
+}
+
+int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb, double alpha,
+             double beta) {
+    const char *op = "gemm_";
+    char x[DESC], y[DESC], z[DESC];
+    if (check3(op, out, a, b)) return -1;
+    if (a->dtype_id != b->dtype_id || out->dtype_id != a->dtype_id)
+        return ms_errorf("gemm_: dtypes differ: out %s, a %s, b %s", ms_desc(out, z, sizeof z), ms_desc(a, x, sizeof x),
+                         ms_desc(b, y, sizeof y));
+    if (!ms_is_float(a->dtype_id)) return ms_errorf("gemm_: integer tensors are not supported: %s", ms_desc(a, x, sizeof x));
+    if (a->ndim != 2 || b->ndim != 2 || out->ndim != 2)
+        return ms_errorf("gemm_: needs 2-D tensors, got out %s, a %s, b %s", ms_shape_str(out, z, sizeof z),
+                         ms_shape_str(a, x, sizeof x), ms_shape_str(b, y, sizeof y));
+    if (check_no_self_overlap(op, out)) return -1;
+    int64_t M, K, Kb, N;
+    matrix_dims(a, transa, &M, &K);
+    matrix_dims(b, transb, &Kb, &N);
+    if (K != Kb) return mismatch(op, a, b, transa, transb);
+    int64_t shape[2] = {M, N};
+    ms_tensor *o = out;
+    if (ms_prepare_out(&o, op, 2, shape, a->dtype_id, a->device_id)) return -1;
+    ms_tensor *at = NULL, *bt = NULL;
+    int rc = transa ? ms_tensor_transpose(&at, a, 0, 1) : ms_tensor_alias(&at, a);
+    if (!rc) rc = transb ? ms_tensor_transpose(&bt, b, 0, 1) : ms_tensor_alias(&bt, b);
+    if (!rc) rc = ms_cpu_gemm_(out, at, bt, alpha, beta);
+    ms_tensor_free(at);
+    ms_tensor_free(bt);
+    return rc;
+}
+
+/* ============================================================ indexing */
+
+static int check_index_tensor(const char *op, const ms_tensor *idx, int max_ndim) {
+    char d[DESC];
+    if (idx->dtype_id != MS_I64 && idx->dtype_id != MS_I32)
+        return ms_errorf("%s: indices must be i64 or i32, got %s", op, ms_desc(idx, d, sizeof d));
+    if (max_ndim >= 0 && idx->ndim > max_ndim)
+        return ms_errorf("%s: indices must be 1-D, got %s", op, ms_desc(idx, d, sizeof d));
+    return 0;
+}
+
+/* every id in idx within [0, size), checked before anything is written */
+static int check_ids(const char *op, const ms_tensor *idx, int dim, int64_t size) {
+    char pos[DESC];
+    int64_t n = ms_tensor_numel(idx), index[MS_MAX_DIMS] = {0};
+    int es = ms_dtype_size(idx->dtype_id);
+    const char *base = ms_tensor_data(idx);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t off = 0;
+        for (int d = 0; d < idx->ndim; d++) off += index[d] * idx->strides[d];
+        int64_t v = idx->dtype_id == MS_I64 ? *(const int64_t *)(base + off * es) : *(const int32_t *)(base + off * es);
+        if (v < 0 || v >= size) {
+            if (idx->ndim <= 1) snprintf(pos, sizeof pos, "%lld", (long long)i);
+            else ms_dims_str(idx->ndim, index, pos, sizeof pos);
+            return ms_errorf("%s: index %lld at position %s is out of range for dim %d of size %lld", op, (long long)v,
+                             pos, dim, (long long)size);
+        }
+        for (int d = idx->ndim - 1; d >= 0; d--) {
+            if (++index[d] < idx->sizes[d]) break;
+            index[d] = 0;
+        }
+    }
+    return 0;
+}
+
+int ms_index_select(ms_tensor **out, const ms_tensor *a, int dim, const ms_tensor *idx) {
+    const char *op = "index_select";
+    int cd;
+    if (check2(op, a, idx) || check_index_tensor(op, idx, 1) || ms_wrap_dim(op, dim, a->ndim, &cd)) return -1;
+    if (check_ids(op, idx, cd, a->sizes[cd])) return -1;
+    int64_t shape[MS_MAX_DIMS];
+    memcpy(shape, a->sizes, sizeof shape);
+    shape[cd] = ms_tensor_numel(idx);
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, op, a->ndim, shape, a->dtype_id, a->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_index_select(*out, a, cd, idx));
+}
+
+int ms_index_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src) {
+    const char *op = "index_add_";
+    char x[DESC], y[DESC];
+    int cd;
+    if (check3(op, dst, idx, src) || check_index_tensor(op, idx, 1) || ms_wrap_dim(op, dim, dst->ndim, &cd)) return -1;
+    if (dst->dtype_id != src->dtype_id)
+        return ms_errorf("index_add_: dtypes differ: destination %s, source %s", ms_desc(dst, x, sizeof x),
+                         ms_desc(src, y, sizeof y));
+    int ok = src->ndim == dst->ndim;
+    for (int i = 0; ok && i < dst->ndim; i++)
+        ok = src->sizes[i] == (i == cd ? ms_tensor_numel(idx) : dst->sizes[i]);
+    if (!ok)
+        return ms_errorf("index_add_: source shape %s does not fit destination %s with %lld indices along dim %d",
+                         ms_shape_str(src, x, sizeof x), ms_shape_str(dst, y, sizeof y), (long long)ms_tensor_numel(idx),
+                         dim);
+    if (check_no_self_overlap(op, dst) || check_ids(op, idx, cd, dst->sizes[cd])) return -1;
+    return ms_cpu_index_add_(dst, cd, idx, src);
+}
+
+int ms_gather(ms_tensor **out, const ms_tensor *a, int dim, const ms_tensor *idx) {
+    const char *op = "gather";
+    char x[DESC], y[DESC];
+    int cd;
+    if (check2(op, a, idx) || check_index_tensor(op, idx, -1) || ms_wrap_dim(op, dim, a->ndim, &cd)) return -1;
+    int ok = idx->ndim == a->ndim;
+    for (int i = 0; ok && i < a->ndim; i++) ok = i == cd || idx->sizes[i] <= a->sizes[i];
+    if (!ok)
+        return ms_errorf("gather: index shape %s does not fit input shape %s along dim %d", ms_shape_str(idx, x, sizeof x),
+                         ms_shape_str(a, y, sizeof y), dim);
+    if (check_ids(op, idx, cd, a->sizes[cd])) return -1;
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, op, idx->ndim, idx->sizes, a->dtype_id, a->device_id)) return -1;
+    return finish(out, allocated, ms_cpu_gather(*out, a, cd, idx));
+}
+
+int ms_scatter_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src) {
+    const char *op = "scatter_add_";
+    char x[DESC], y[DESC], z[DESC];
+    int cd;
+    if (check3(op, dst, idx, src) || check_index_tensor(op, idx, -1) || ms_wrap_dim(op, dim, dst->ndim, &cd)) return -1;
+    if (dst->dtype_id != src->dtype_id)
+        return ms_errorf("scatter_add_: dtypes differ: destination %s, source %s", ms_desc(dst, x, sizeof x),
+                         ms_desc(src, y, sizeof y));
+    int ok = idx->ndim == dst->ndim && src->ndim == dst->ndim;
+    for (int i = 0; ok && i < dst->ndim; i++)
+        ok = idx->sizes[i] <= src->sizes[i] && (i == cd || idx->sizes[i] <= dst->sizes[i]);
+    if (!ok)
+        return ms_errorf("scatter_add_: index shape %s does not fit source %s and destination %s along dim %d",
+                         ms_shape_str(idx, x, sizeof x), ms_shape_str(src, y, sizeof y), ms_shape_str(dst, z, sizeof z),
+                         dim);
+    if (check_no_self_overlap(op, dst) || check_ids(op, idx, cd, dst->sizes[cd])) return -1;
+    return ms_cpu_scatter_add_(dst, cd, idx, src);
+}
+
+int ms_cat(ms_tensor **out, int n, ms_tensor *const *ts, int dim) {
+    char x[DESC], y[DESC];
+    int cd;
+    if (n <= 0 || !ts) return ms_errorf("cat: needs at least one tensor");
+    for (int i = 0; i < n; i++)
+        if (ms_tensor_check_live(ts[i], "cat")) return -1;
+    const ms_tensor *t0 = ts[0];
+    if (t0->ndim == 0) return ms_errorf("cat: 0-dim tensors cannot be concatenated");
+    if (ms_wrap_dim("cat", dim, t0->ndim, &cd)) return -1;
+    int64_t shape[MS_MAX_DIMS];
+    memcpy(shape, t0->sizes, sizeof shape);
+    shape[cd] = 0;
+    for (int i = 0; i < n; i++) {
+        const ms_tensor *t = ts[i];
+        if (t->device_id != t0->device_id)
+            return ms_errorf("cat: tensors on different devices: %s and %s", ms_desc(t0, x, sizeof x),
+                             ms_desc(t, y, sizeof y));
+        if (t->dtype_id != t0->dtype_id)
+            return ms_errorf("cat: dtypes differ: %s and %s (tensor %d)", ms_desc(t0, x, sizeof x),
+                             ms_desc(t, y, sizeof y), i);
+        int ok = t->ndim == t0->ndim;
+        for (int d = 0; ok && d < t0->ndim; d++) ok = d == cd || t->sizes[d] == t0->sizes[d];
+        if (!ok)
+            return ms_errorf("cat: shapes %s and %s (tensor %d) differ outside dim %d", ms_shape_str(t0, x, sizeof x),
+                             ms_shape_str(t, y, sizeof y), i, dim);
+        shape[cd] += t->sizes[cd];
+    }
+    if (t0->device_id >= 0) return ms_errorf("cat: cuda tensors are not supported in this build");
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, "cat", t0->ndim, shape, t0->dtype_id, t0->device_id)) return -1;
+    int rc = 0;
+    int64_t at = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        ms_tensor *part = NULL;
+        rc = ms_tensor_narrow(&part, *out, cd, at, ts[i]->sizes[cd]);
+        if (!rc) rc = ms_tensor_copy_(part, ts[i]);
+        ms_tensor_free(part);
+        at += ts[i]->sizes[cd];
+    }
+    return finish(out, allocated, rc);
+}
+
+/* ====================================================== fills and rng */
+
+int ms_fill_(ms_tensor *t, double value) {
+    if (check1("fill_", t)) return -1;
+    return ms_cpu_fill_(t, value);
+}
+
+int ms_arange_(ms_tensor *t, double start, double step) {
+    if (check1("arange_", t)) return -1;
+    return ms_cpu_arange_(t, start, step);
+}
+
+int ms_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi) {
+    if (check1("rand_", t) || need_float("rand_", t)) return -1;
+    return ms_cpu_rand_(t, seed, offset, lo, hi);
+}
+
+int ms_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std) {
+    if (check1("randn_", t) || need_float("randn_", t)) return -1;
+    return ms_cpu_randn_(t, seed, offset, mean, std);
+}

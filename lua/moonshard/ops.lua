@@ -1,0 +1,354 @@
+-- moonshard.ops — tensor operations, functional forms (no autograd).
+--
+--   local F = require 'moonshard.ops'
+--   local y = F.add(x, 1)                -- or x:add(1), or x + 1
+--   local v, i = F.max(x, -1)            -- values and indices along the last dim
+--   local p = F.softmax(logits, -1)
+--   local c = F.matmul(a, b, false, true) -- a @ b^T without a copy
+--
+-- Every op is also a Tensor method (x:sum(2), x:matmul(w)), and add_, sub_,
+-- mul_, div_ write into their first operand. The autograd layer wraps these.
+--
+-- Conventions: dims are 1-based (1 is the first, -1 the last); index values
+-- (index_select, gather, argmax, ...) are 0-based ids, as in the C core and in
+-- PyTorch. A Lua number may stand for either operand of a binary op. Errors
+-- are raised with the C core's message, which names the op and the shapes,
+-- dtypes and devices involved.
+local ffi = require 'ffi'
+local T = require 'moonshard.tensor'
+local C = T.C
+
+local F = {}
+
+local box_t = ffi.typeof('ms_tensor*[1]')
+local tensor_list_t = ffi.typeof('ms_tensor*[?]')
+local is_tensor, cdim, wrap = T.is_tensor, T.cdim, T.wrap
+local ALL_DIMS = -1000
+local NAN = 0 / 0
+
+-- ----------------------------------------------------------------- helpers
+
+-- cfn(box, ...) into a new tensor; errors point at the caller of the op
+local function run(cfn, ...)
+  local box = box_t()
+  if cfn(box, ...) ~= 0 then error(ffi.string(C.ms_last_error()), 3) end
+  return wrap(box[0])
+end
+
+-- cfn(box, ...) with the box pre-set to `out` (in place); returns out
+local function run_into(out, cfn, ...)
+  local box = box_t()
+  box[0] = out
+  if cfn(box, ...) ~= 0 then error(ffi.string(C.ms_last_error()), 3) end
+  return out
+end
+
+-- rc of an in-place C call
+local function check(rc)
+  if rc ~= 0 then error(ffi.string(C.ms_last_error()), 3) end
+end
+
+local function need_tensor(name, x, what)
+  if not is_tensor(x) then
+    error(('%s: expected a tensor for %s, got %s'):format(name, what or 'the input', type(x)), 3)
+  end
+  return x
+end
+
+local function flag(b) return (b and b ~= 0) and 1 or 0 end
+
+-- Lua dim -> C dim, naming the op on error
+local function dim_of(name, t, d, ndim_plus)
+  local ok, r = pcall(cdim, t, d, ndim_plus)
+  if not ok then error(name .. ': ' .. tostring(r):gsub('^.-:%d+: ', ''), 3) end
+  return r
+end
+
+-- an index argument: a tensor of i64/i32 ids, or a Lua table of 0-based ids
+local function index_arg(name, idx)
+  if is_tensor(idx) then return idx end
+  if type(idx) == 'table' then return T.tensor(idx, { dtype = 'i64' }) end
+  error(('%s: expected an index tensor or a table of ids, got %s'):format(name, type(idx)), 3)
+end
+
+-- ------------------------------------------------------------------- unary
+
+local unary_ops = {
+  neg = C.MS_OP_NEG, exp = C.MS_OP_EXP, log = C.MS_OP_LOG, sqrt = C.MS_OP_SQRT,
+  rsqrt = C.MS_OP_RSQRT, tanh = C.MS_OP_TANH, sigmoid = C.MS_OP_SIGMOID, relu = C.MS_OP_RELU,
+  gelu = C.MS_OP_GELU, silu = C.MS_OP_SILU, abs = C.MS_OP_ABS, sin = C.MS_OP_SIN,
+  cos = C.MS_OP_COS, square = C.MS_OP_SQUARE, reciprocal = C.MS_OP_RECIP, sign = C.MS_OP_SIGN,
+}
+for name, id in pairs(unary_ops) do
+  F[name] = function(a)
+    need_tensor(name, a)
+    return run(C.ms_unary, id, a)
+  end
+end
+
+-- ------------------------------------------------------------------ binary
+
+local binary_ops = {
+  add = C.MS_OP_ADD, sub = C.MS_OP_SUB, mul = C.MS_OP_MUL, div = C.MS_OP_DIV, pow = C.MS_OP_POW,
+  maximum = C.MS_OP_MAXIMUM, minimum = C.MS_OP_MINIMUM,
+  eq = C.MS_OP_EQ, ne = C.MS_OP_NE, lt = C.MS_OP_LT, le = C.MS_OP_LE, gt = C.MS_OP_GT, ge = C.MS_OP_GE,
+}
+
+local function scalar_of(name, x)
+  if type(x) == 'number' then return x end
+  if type(x) == 'boolean' then return x and 1 or 0 end
+  error(('%s: expected a tensor or a number, got %s'):format(name, type(x)), 4)
+end
+
+-- a op b into a new tensor (out == nil) or into out
+local function binary(name, id, a, b, out)
+  local ta, tb = is_tensor(a), is_tensor(b)
+  local box = box_t()
+  box[0] = out
+  local rc
+  if ta and tb then rc = C.ms_binary(box, id, a, b)
+  elseif ta then rc = C.ms_binary_scalar(box, id, a, scalar_of(name, b), 0)
+  elseif tb then rc = C.ms_binary_scalar(box, id, b, scalar_of(name, a), 1)
+  else
+    error(('%s: expected at least one tensor, got %s and %s'):format(name, type(a), type(b)), 3)
+  end
+  if rc ~= 0 then error(ffi.string(C.ms_last_error()), 3) end
+  if out ~= nil then return out end
+  return wrap(box[0])
+end
+
+for name, id in pairs(binary_ops) do
+  F[name] = function(a, b) return binary(name, id, a, b, nil) end
+end
+
+-- in place: a op= b (a keeps its shape and dtype)
+for _, name in ipairs({ 'add', 'sub', 'mul', 'div' }) do
+  local id = binary_ops[name]
+  F[name .. '_'] = function(a, b)
+    need_tensor(name .. '_', a, 'the destination')
+    return binary(name .. '_', id, a, b, a)
+  end
+end
+
+-- activation backward helpers: grad * f'(x)
+local backward_ops = {
+  gelu_backward = C.MS_OP_GELU_BWD, silu_backward = C.MS_OP_SILU_BWD,
+  sigmoid_backward = C.MS_OP_SIGMOID_BWD, tanh_backward = C.MS_OP_TANH_BWD,
+  relu_backward = C.MS_OP_RELU_BWD,
+}
+for name, id in pairs(backward_ops) do
+  F[name] = function(x, g)
+    need_tensor(name, x, 'x')
+    need_tensor(name, g, 'the gradient')
+    return run(C.ms_binary, id, x, g)
+  end
+end
+
+-- clamp(a, lo, hi): a missing bound is no bound
+function F.clamp(a, lo, hi)
+  need_tensor('clamp', a)
+  return run(C.ms_clamp, a, lo == nil and NAN or lo, hi == nil and NAN or hi)
+end
+
+-- where(cond, a, b): a and b may be numbers
+function F.where(cond, a, b)
+  need_tensor('where', cond, 'the condition')
+  local ref = is_tensor(a) and a or (is_tensor(b) and b or nil)
+  local function as_tensor(x)
+    if is_tensor(x) then return x end
+    local v = scalar_of('where', x)
+    return T.full({}, v, { dtype = ref and ref.dtype_id or 'f32', device = cond.device_id })
+  end
+  return run(C.ms_where, cond, as_tensor(a), as_tensor(b))
+end
+
+-- -------------------------------------------------------------- reductions
+
+local function reduce(name, id, a, dim, keepdim)
+  need_tensor(name, a)
+  local d = ALL_DIMS
+  if dim ~= nil then d = a.ndim == 0 and -1 or dim_of(name, a, dim) end
+  return run(C.ms_reduce, id, a, d, flag(keepdim))
+end
+
+local reduce_ops = {
+  sum = C.MS_RED_SUM, mean = C.MS_RED_MEAN, argmax = C.MS_RED_ARGMAX, argmin = C.MS_RED_ARGMIN,
+  logsumexp = C.MS_RED_LOGSUMEXP, prod = C.MS_RED_PROD,
+}
+for name, id in pairs(reduce_ops) do
+  F[name] = function(a, dim, keepdim) return reduce(name, id, a, dim, keepdim) end
+end
+
+-- max(a) -> value; max(a, dim[, keepdim]) -> values, indices; max(a, b) -> maximum
+local function extremum(name, vid, iid, pair)
+  return function(a, dim, keepdim)
+    if is_tensor(dim) then return binary(name, pair, a, dim, nil) end
+    if dim == nil then return reduce(name, vid, a, nil, false) end
+    return reduce(name, vid, a, dim, keepdim), reduce(name, iid, a, dim, keepdim)
+  end
+end
+F.max = extremum('max', C.MS_RED_MAX, C.MS_RED_ARGMAX, C.MS_OP_MAXIMUM)
+F.min = extremum('min', C.MS_RED_MIN, C.MS_RED_ARGMIN, C.MS_OP_MINIMUM)
+
+-- softmax(a, dim = -1), log_softmax(a, dim = -1)
+function F.softmax(a, dim)
+  need_tensor('softmax', a)
+  local d = a.ndim == 0 and -1 or dim_of('softmax', a, dim or -1)
+  return run(C.ms_softmax, a, d, 0)
+end
+function F.log_softmax(a, dim)
+  need_tensor('log_softmax', a)
+  local d = a.ndim == 0 and -1 or dim_of('log_softmax', a, dim or -1)
+  return run(C.ms_softmax, a, d, 1)
+end
+-- gradient wrt the input of softmax (log = false) or log_softmax (log = true),
+-- from its output y and the incoming gradient g
+function F.softmax_backward(y, g, dim, log)
+  need_tensor('softmax_backward', y, 'the output')
+  need_tensor('softmax_backward', g, 'the gradient')
+  local d = y.ndim == 0 and -1 or dim_of('softmax_backward', y, dim or -1)
+  return run(C.ms_softmax_backward, y, g, d, flag(log))
+end
+
+-- ------------------------------------------------------------------ matmul
+
+-- matmul(a, b, transa, transb): numpy.matmul of op(a), op(b), where trans
+-- swaps the last two dims (read in place: no copy)
+function F.matmul(a, b, transa, transb)
+  need_tensor('matmul', a, 'a')
+  need_tensor('matmul', b, 'b')
+  return run(C.ms_matmul, a, b, flag(transa), flag(transb))
+end
+
+-- gemm_(out, a, b, transa, transb, alpha = 1, beta = 1):
+-- out = beta * out + alpha * op(a) @ op(b), 2-D; accumulates by default
+function F.gemm_(out, a, b, transa, transb, alpha, beta)
+  need_tensor('gemm_', out, 'out')
+  need_tensor('gemm_', a, 'a')
+  need_tensor('gemm_', b, 'b')
+  check(C.ms_gemm_(out, a, b, flag(transa), flag(transb), alpha or 1, beta or 1))
+  return out
+end
+
+-- ---------------------------------------------------------------- indexing
+
+function F.index_select(a, dim, idx)
+  need_tensor('index_select', a)
+  idx = index_arg('index_select', idx)
+  return run(C.ms_index_select, a, dim_of('index_select', a, dim), idx)
+end
+
+-- dst:index_add_(dim, idx, src): dst.narrow(dim, idx[i]) += src.narrow(dim, i)
+function F.index_add_(dst, dim, idx, src)
+  need_tensor('index_add_', dst, 'the destination')
+  need_tensor('index_add_', src, 'the source')
+  idx = index_arg('index_add_', idx)
+  check(C.ms_index_add_(dst, dim_of('index_add_', dst, dim), idx, src))
+  return dst
+end
+
+function F.gather(a, dim, idx)
+  need_tensor('gather', a)
+  idx = index_arg('gather', idx)
+  return run(C.ms_gather, a, dim_of('gather', a, dim), idx)
+end
+
+function F.scatter_add_(dst, dim, idx, src)
+  need_tensor('scatter_add_', dst, 'the destination')
+  need_tensor('scatter_add_', src, 'the source')
+  idx = index_arg('scatter_add_', idx)
+  check(C.ms_scatter_add_(dst, dim_of('scatter_add_', dst, dim), idx, src))
+  return dst
+end
+
+-- ------------------------------------------------------ joining, splitting
+
+-- cat({a, b, ...}, dim = 1)
+function F.cat(list, dim)
+  if is_tensor(list) then error('cat: expected a list of tensors, got a tensor', 2) end
+  if type(list) ~= 'table' or #list == 0 then error('cat: expected a non-empty list of tensors', 2) end
+  local n = #list
+  local arr = tensor_list_t(n)
+  for i = 1, n do
+    if not is_tensor(list[i]) then
+      error(('cat: element %d of the list is a %s, not a tensor'):format(i, type(list[i])), 2)
+    end
+    arr[i - 1] = list[i]
+  end
+  local d = dim_of('cat', list[1], dim or 1)
+  return run(C.ms_cat, n, arr, d)
+end
+
+-- stack({a, b, ...}, dim = 1): a new dim of size #list
+function F.stack(list, dim)
+  if type(list) ~= 'table' or is_tensor(list) or #list == 0 then
+    error('stack: expected a non-empty list of tensors', 2)
+  end
+  local first = need_tensor('stack', list[1], 'element 1')
+  local d = dim_of('stack', first, dim or 1, 1)
+  local shape0 = table.concat(first.shape, ',')
+  local parts = {}
+  for i = 1, #list do
+    local t = need_tensor('stack', list[i], 'element ' .. i)
+    local shape = table.concat(t.shape, ',')
+    if shape ~= shape0 then
+      error(('stack: shapes (%s) and (%s) (element %d) differ'):format(shape0, shape, i), 2)
+    end
+    parts[i] = run(C.ms_tensor_unsqueeze, t, d)
+  end
+  local arr = tensor_list_t(#parts)
+  for i = 1, #parts do arr[i - 1] = parts[i] end
+  return run(C.ms_cat, #parts, arr, d)
+end
+
+-- split(t, size, dim = 1): views of `size` along dim (the last may be
+-- shorter); split(t, {s1, s2, ...}, dim): views of those sizes
+function F.split(t, sizes, dim)
+  need_tensor('split', t)
+  local d = dim_of('split', t, dim or 1)
+  local n = tonumber(t.sizes[d])
+  local list = {}
+  if type(sizes) == 'number' then
+    if sizes <= 0 or sizes ~= math.floor(sizes) then
+      error(('split: size must be a positive integer, got %s'):format(tostring(sizes)), 2)
+    end
+    for s = 0, n - 1, sizes do list[#list + 1] = math.min(sizes, n - s) end
+    if n == 0 then list[1] = 0 end
+  elseif type(sizes) == 'table' then
+    local total = 0
+    for i, s in ipairs(sizes) do
+      if type(s) ~= 'number' or s < 0 or s ~= math.floor(s) then
+        error(('split: size %d must be a non-negative integer, got %s'):format(i, tostring(s)), 2)
+      end
+      list[i] = s
+      total = total + s
+    end
+    if total ~= n then
+      error(('split: sizes {%s} sum to %d but dim %d of shape (%s) has size %d'):format(
+        table.concat(sizes, ','), total, dim or 1, table.concat(t.shape, ','), n), 2)
+    end
+  else
+    error(('split: expected a size or a table of sizes, got %s'):format(type(sizes)), 2)
+  end
+  local out, at = {}, 0
+  for i, s in ipairs(list) do
+    out[i] = run(C.ms_tensor_narrow, t, d, at, s)
+    at = at + s
+  end
+  return out
+end
+
+-- ------------------------------------------------------------------- fills
+
+function F.fill_(t, v)
+  need_tensor('fill_', t)
+  if type(v) == 'boolean' then v = v and 1 or 0 end
+  check(C.ms_fill_(t, v))
+  return t
+end
+
+-- --------------------------------------------------------------- as methods
+
+for k, f in pairs(F) do T.methods[k] = f end
+
+return F
