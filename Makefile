@@ -24,7 +24,7 @@ CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -Wall -Werror all-warnings \
            -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 CFLAGS  += -DMS_WITH_CUDA
-LDLIBS  += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublasLt
+LDLIBS  += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublasLt -lstdc++
 endif
 endif
 

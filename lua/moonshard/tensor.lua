@@ -108,10 +108,15 @@ local function gc_nudge()
   end
 end
 
+-- A tensor handle is a reference (ms_tensor &) to the C struct, not a
+-- pointer: LuaJIT gives `pointer + number` and `pointer - pointer` built-in
+-- pointer-arithmetic meanings that would bypass __add/__sub, so `x + 1` on a
+-- pointer handle would silently yield a pointer past x. A reference converts
+-- to ms_tensor* wherever C expects one.
 function T.wrap(p)
   if p == nil then error('moonshard: a C call returned no tensor', 2) end
   gc_nudge()
-  return ffi.gc(p, free_handle)
+  return ffi.gc(p[0], free_handle)
 end
 local wrap = T.wrap
 
@@ -134,15 +139,31 @@ function T.op_into(out, cfn, ...)
   return out
 end
 
+-- "name: " of the method or function that called the caller of this helper
+-- (looked up by identity, so tail calls and wrappers such as autograd's do
+-- not hide it; T.op_names is filled with the methods at the end of this file)
+local op_names = setmetatable({}, { __mode = 'k' })
+T.op_names = op_names
+local function caller_op()
+  local info = debug.getinfo(3, 'fn')
+  if not info then return '' end
+  local name = op_names[info.func]
+  if not name then
+    for k, v in pairs(T.methods or {}) do if v == info.func then name = k; break end end
+  end
+  name = name or info.name
+  return name and (name .. ': ') or ''
+end
+
 -- Lua dim (1-based, negatives from the end) -> C dim (0-based); range checked.
 function T.cdim(t, d, ndim_plus)
   local n = t.ndim + (ndim_plus or 0)
   if type(d) ~= 'number' or d ~= math.floor(d) then
-    error(('dim must be an integer, got %s'):format(tostring(d)), 3)
+    error(('%sdim must be an integer, got %s'):format(caller_op(), tostring(d)), 3)
   end
   if d > 0 and d <= n then return d - 1 end
   if d < 0 and d >= -n then return n + d end
-  error(('dim %d out of range for a tensor of %d dims (use 1..%d or -%d..-1)'):format(d, t.ndim, n, n), 3)
+  error(('%sdim %d out of range for a tensor of %d dims (use 1..%d or -%d..-1)'):format(caller_op(), d, t.ndim, n, n), 3)
 end
 local cdim = T.cdim
 
@@ -375,8 +396,13 @@ function M.flatten(t, d0, d1)
 end
 -- narrow(dim, start, length): start is 1-based
 function M.narrow(t, d, start, length)
+  live(t, 'narrow')
   local n = tonumber(t.sizes[cdim(t, d)])
   if start < 0 then start = n + start + 1 end
+  if start < 1 or length < 0 or start - 1 + length > n then  -- 1-based in the message too
+    error(('narrow: start %d length %d out of range for dim %d of size %d (shape (%s))'):format(
+      start, length, d, n, table.concat(t.shape, ',')), 2)
+  end
   return op(C.ms_tensor_narrow, t, cdim(t, d), start - 1, length)
 end
 function M.select(t, d, i)
@@ -414,6 +440,7 @@ function M.alias(t) return op(C.ms_tensor_alias, t) end
 
 -- copies
 function M.contiguous(t)
+  live(t, 'contiguous')
   if C.ms_tensor_is_contiguous(t) ~= 0 then return t end
   return op(C.ms_tensor_clone, t)
 end
@@ -436,6 +463,9 @@ function M.to(t, a, b)
       if x.device then device = T.device_id(x.device, 4) end
       copy = x.copy or copy
     elseif dtype_ids[x] then dtype = dtype_ids[x]
+    elseif type(x) == 'string' and x ~= 'cpu' and not x:match('^cuda') then
+      error(('to: unknown dtype or device %s (dtypes: f64, f32, bf16, f16, i64, i32, u8, bool; '
+        .. 'devices: cpu, cuda, cuda:N)'):format(x), 4)
     else device = T.device_id(x, 4) end
   end
   take(a); take(b)
@@ -451,7 +481,7 @@ function M.int(t) return M.to(t, 'i32') end
 function M.bool(t) return M.to(t, 'bool') end
 function M.cpu(t) return M.to(t, 'cpu') end
 function M.cuda(t, n) return M.to(t, n and ('cuda:' .. n) or 'cuda') end
-function M.type_as(t, o) return M.to(t, o.dtype_id) end
+function M.type_as(t, o) return M.to(t, { dtype = o.dtype_id }) end
 
 -- host values
 local function host_f64(t)
@@ -531,8 +561,9 @@ local function choose_format(vals, dtype_id)
       if a > 0 and a < minabs then minabs = a end
     end
   end
-  if all_int and maxabs < 1e8 then return function(v) return fmt_number(v, '%.0f.') end end
-  if maxabs >= 1e8 or (minabs < 1e-4) or (minabs ~= math.huge and maxabs / minabs > 1e3) then
+  local wide = minabs ~= math.huge and maxabs / minabs > 1e3
+  if all_int and maxabs < 1e8 and not wide then return function(v) return fmt_number(v, '%.0f.') end end
+  if maxabs >= 1e8 or (minabs < 1e-4) or wide then
     return function(v) return fmt_number(v, '%.4e') end
   end
   return function(v) return fmt_number(v, '%.4f') end
@@ -643,6 +674,8 @@ local mt = {
 }
 T.mt = mt
 ffi.metatype(tensor_ct, mt)
+for k, f in pairs(M) do op_names[f] = k end
+for k, f in pairs(T) do if type(f) == 'function' then op_names[f] = op_names[f] or k end end
 
 -- flags bits shared with other layers
 T.FLAG_REQUIRES_GRAD = 1
