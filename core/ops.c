@@ -348,14 +348,14 @@ int ms_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int trans
     const char *op = "matmul";
     char x[DESC], y[DESC];
     if (check2(op, a, b)) return -1;
+    if (a->ndim == 0 || b->ndim == 0)
+        return ms_errorf("matmul: 0-dim operands are not supported: shapes %s and %s", ms_shape_str(a, x, sizeof x),
+                         ms_shape_str(b, y, sizeof y));
     if (a->dtype_id != b->dtype_id)
         return ms_errorf("matmul: dtypes differ: %s and %s", ms_desc(a, x, sizeof x), ms_desc(b, y, sizeof y));
     if (!ms_is_float(a->dtype_id))
         return ms_errorf("matmul: integer tensors are not supported: %s and %s", ms_desc(a, x, sizeof x),
                          ms_desc(b, y, sizeof y));
-    if (a->ndim == 0 || b->ndim == 0)
-        return ms_errorf("matmul: 0-dim operands are not supported: shapes %s and %s", ms_shape_str(a, x, sizeof x),
-                         ms_shape_str(b, y, sizeof y));
     int a1 = a->ndim == 1, b1 = b->ndim == 1;
     int64_t M = 1, K, Kb, N = 1;
     if (a1) K = a->sizes[0];

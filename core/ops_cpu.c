@@ -1114,17 +1114,6 @@ static int gemm_strided(int dtype, int64_t M, int64_t N, int64_t K, double alpha
     return rc;
 }
 
-/* offsets (in elements) of batch index `bi` (row-major over the leading
- * nb dims of shape) in each of 3 tensors */
-static void batch_offsets(int nb, const int64_t *shape, int64_t bi, const ms_tensor *const *ts, int64_t *off) {
-    for (int k = 0; k < 3; k++) off[k] = 0;
-    for (int d = nb - 1; d >= 0; d--) {
-        int64_t i = bi % shape[d];
-        bi /= shape[d];
-        for (int k = 0; k < 3; k++) off[k] += i * ts[k]->strides[d];
-    }
-}
-
 static int out_blas_ok(const ms_tensor *c) {
     int trans;
     int64_t ld;
@@ -1132,12 +1121,101 @@ static int out_blas_ok(const ms_tensor *c) {
     return blas_layout(c->sizes[n - 2], c->sizes[n - 1], c->strides[n - 2], c->strides[n - 1], &trans, &ld);
 }
 
+/* t itself when BLAS can read its last two dims, else a contiguous copy in
+ * *copy (caller frees) */
+static int blas_ready(const ms_tensor *t, ms_tensor **copy, const ms_tensor **use) {
+    *copy = NULL;
+    *use = t;
+    if (out_blas_ok(t)) return 0;
+    if (ms_tensor_clone(copy, t)) return -1;
+    *use = *copy;
+    return 0;
+}
+
+/* Matmuls are split into tiles of the output, each one single-threaded
+ * BLAS call, run in parallel by OpenMP. The tiles depend only on the
+ * shapes, so results do not depend on the number of threads (OpenBLAS's own
+ * threading takes another path with one thread than with several, which
+ * changes the last bits), and batches of small matrices (attention heads)
+ * run in parallel too. OpenBLAS itself is kept at one thread. */
+enum { GEMM_TILE_MIN = 64, GEMM_TILE_MAX = 512, GEMM_TASKS = 64 };
+
+static void blas_single_thread(void) {
+    static int done = 0;
+    if (!__atomic_load_n(&done, __ATOMIC_ACQUIRE)) {
+        openblas_set_num_threads(1);
+        __atomic_store_n(&done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+/* tile sizes from the shapes alone: at most GEMM_TILE_MAX, halved (down
+ * to GEMM_TILE_MIN) until there are GEMM_TASKS tasks */
+static void gemm_tiles(int64_t nbatch, int64_t M, int64_t N, int64_t *tm, int64_t *tn) {
+    int64_t a = M > 0 ? M : 1, b = N > 0 ? N : 1;
+    while (a > GEMM_TILE_MAX) a = (a + 1) / 2;
+    while (b > GEMM_TILE_MAX) b = (b + 1) / 2;
+    for (;;) {
+        int64_t tasks = nbatch * ((M + a - 1) / a) * ((N + b - 1) / b);
+        if (tasks >= GEMM_TASKS) break;
+        if (a >= b && a > GEMM_TILE_MIN) a = (a + 1) / 2;
+        else if (b > GEMM_TILE_MIN) b = (b + 1) / 2;
+        else if (a > GEMM_TILE_MIN) a = (a + 1) / 2;
+        else break;
+    }
+    *tm = a;
+    *tn = b;
+}
+
+/* c = alpha * a @ b + beta * c over the batch dims of c (a and b have the
+ * same batch dims, possibly with stride 0); the last two dims of all three
+ * are BLAS-readable. f32 or f64. */
+static int gemm_batched(const ms_tensor *c, const ms_tensor *a, const ms_tensor *b, double alpha, double beta) {
+    int nd = c->ndim, nb = nd - 2, dtype = c->dtype_id, es = ms_dtype_size(dtype);
+    int64_t M = c->sizes[nd - 2], N = c->sizes[nd - 1], K = a->sizes[nd - 1];
+    int64_t nbatch = 1;
+    for (int d = 0; d < nb; d++) nbatch *= c->sizes[d];
+    if (nbatch == 0 || M == 0 || N == 0) return 0;
+    /* every ld and size must fit BLAS's int */
+    const ms_tensor *ts[3] = {c, a, b};
+    for (int k = 0; k < 3; k++)
+        for (int d = nd - 2; d < nd; d++)
+            if (!blas_int_ok(ts[k]->sizes[d]) || (ts[k]->sizes[d] > 1 && !blas_int_ok(ts[k]->strides[d])))
+                return ms_errorf("matmul: sizes (%lld,%lld,%lld) or strides exceed BLAS's 32-bit integers",
+                                 (long long)M, (long long)N, (long long)K);
+    blas_single_thread();
+    int64_t tm, tn;
+    gemm_tiles(nbatch, M, N, &tm, &tn);
+    int64_t mt = (M + tm - 1) / tm, nt = (N + tn - 1) / tn, ntasks = nbatch * mt * nt;
+    double work = (double)M * (double)N * (double)(K > 0 ? K : 1) * (double)nbatch;
+    char *cbase = ms_tensor_data(c);
+    const char *abase = ms_tensor_data(a), *bbase = ms_tensor_data(b);
+    int64_t crs = c->strides[nd - 2], ccs = c->strides[nd - 1], ars = a->strides[nd - 2], acs = a->strides[nd - 1];
+    int64_t brs = b->strides[nd - 2], bcs = b->strides[nd - 1];
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) if (ntasks > 1 && work > 65536.0)
+    for (int64_t t = 0; t < ntasks; t++) {
+        int64_t bi = t / (mt * nt), r = t % (mt * nt);
+        int64_t m0 = (r / nt) * tm, n0 = (r % nt) * tn;
+        int64_t m = M - m0 < tm ? M - m0 : tm, n = N - n0 < tn ? N - n0 : tn;
+        int64_t off[3] = {0, 0, 0};
+        for (int d = nb - 1; d >= 0; d--) {
+            int64_t i = bi % c->sizes[d];
+            bi /= c->sizes[d];
+            for (int k = 0; k < 3; k++) off[k] += i * ts[k]->strides[d];
+        }
+        int rc = gemm_strided(dtype, m, n, K, alpha, abase + (off[1] + m0 * ars) * es, ars, acs,
+                              bbase + (off[2] + n0 * bcs) * es, brs, bcs, beta,
+                              cbase + (off[0] + m0 * crs + n0 * ccs) * es, crs, ccs);
+        if (rc) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+    }
+    if (failed) return ms_errorf("matmul: a BLAS tile failed (out of host memory?)");
+    return 0;
+}
+
 // https://pytorch.org/docs/stable/generated/torch.matmul.html
 // a: (*, M, K), b: (*, K, N), c: (*, M, N), the same batch dims (ops.c has
 // applied transposes, 1-D promotion and batch broadcasting as views); f32/f64
 int ms_cpu_matmul(ms_tensor *c, const ms_tensor *a, const ms_tensor *b) {
-    int nd = c->ndim, nb = nd - 2;
-    int64_t M = c->sizes[nd - 2], N = c->sizes[nd - 1], K = a->sizes[nd - 1];
     if (!out_blas_ok(c)) { /* compute into a contiguous temporary */
         ms_tensor *t = NULL;
         if (ms_tensor_empty(&t, c->ndim, c->sizes, c->dtype_id, c->device_id)) return -1;
@@ -1146,20 +1224,14 @@ int ms_cpu_matmul(ms_tensor *c, const ms_tensor *a, const ms_tensor *b) {
         ms_tensor_free(t);
         return rc;
     }
-    int64_t nbatch = 1;
-    for (int d = 0; d < nb; d++) nbatch *= c->sizes[d];
-    int es = ms_dtype_size(c->dtype_id);
-    const ms_tensor *ts[3] = {c, a, b};
-    for (int64_t bi = 0; bi < nbatch; bi++) {
-        int64_t off[3];
-        batch_offsets(nb, c->sizes, bi, ts, off);
-        int rc = gemm_strided(c->dtype_id, M, N, K, 1.0, (const char *)ms_tensor_data(a) + off[1] * es,
-                              a->strides[nd - 2], a->strides[nd - 1], (const char *)ms_tensor_data(b) + off[2] * es,
-                              b->strides[nd - 2], b->strides[nd - 1], 0.0, (char *)ms_tensor_data(c) + off[0] * es,
-                              c->strides[nd - 2], c->strides[nd - 1]);
-        if (rc) return rc;
-    }
-    return 0;
+    ms_tensor *ca = NULL, *cb = NULL;
+    const ms_tensor *ua, *ub;
+    int rc = blas_ready(a, &ca, &ua);
+    if (!rc) rc = blas_ready(b, &cb, &ub);
+    if (!rc) rc = gemm_batched(c, ua, ub, 1.0, 0.0);
+    ms_tensor_free(ca);
+    ms_tensor_free(cb);
+    return rc;
 }
 
 // https://pytorch.org/docs/stable/generated/torch.addmm.html
@@ -1167,10 +1239,16 @@ int ms_cpu_matmul(ms_tensor *c, const ms_tensor *a, const ms_tensor *b) {
 // (views); all one dtype. bf16/f16 or a non-BLAS c: the product goes through
 // an f32/f64 temporary and is combined with c in one rounding.
 int ms_cpu_gemm_(ms_tensor *c, const ms_tensor *a, const ms_tensor *b, double alpha, double beta) {
-    if ((c->dtype_id == MS_F32 || c->dtype_id == MS_F64) && out_blas_ok(c))
-        return gemm_strided(c->dtype_id, c->sizes[0], c->sizes[1], a->sizes[1], alpha, ms_tensor_data(a), a->strides[0],
-                            a->strides[1], ms_tensor_data(b), b->strides[0], b->strides[1], beta, ms_tensor_data(c),
-                            c->strides[0], c->strides[1]);
+    if ((c->dtype_id == MS_F32 || c->dtype_id == MS_F64) && out_blas_ok(c)) {
+        ms_tensor *ca = NULL, *cb = NULL;
+        const ms_tensor *ua, *ub;
+        int rc = blas_ready(a, &ca, &ua);
+        if (!rc) rc = blas_ready(b, &cb, &ub);
+        if (!rc) rc = gemm_batched(c, ua, ub, alpha, beta);
+        ms_tensor_free(ca);
+        ms_tensor_free(cb);
+        return rc;
+    }
     int wide = c->dtype_id == MS_F64 ? MS_F64 : MS_F32;
     ms_tensor *ta = NULL, *tb = NULL, *tp = NULL;
     int rc = 0;
@@ -1400,7 +1478,7 @@ void ms_set_num_threads(int n) {
     if (g_default_threads == 0) g_default_threads = omp_get_max_threads();
     if (n <= 0) n = g_default_threads;
     omp_set_num_threads(n);
-    openblas_set_num_threads(n);
+    blas_single_thread(); /* BLAS runs inside our threads: see gemm_batched */
 }
 
 int ms_get_num_threads(void) { return omp_get_max_threads(); }

@@ -22,7 +22,7 @@ local F = {}
 
 local box_t = ffi.typeof('ms_tensor*[1]')
 local tensor_list_t = ffi.typeof('ms_tensor*[?]')
-local is_tensor, cdim, wrap = T.is_tensor, T.cdim, T.wrap
+local is_tensor, wrap = T.is_tensor, T.wrap
 local ALL_DIMS = -1000
 local NAN = 0 / 0
 
@@ -57,11 +57,15 @@ end
 
 local function flag(b) return (b and b ~= 0) and 1 or 0 end
 
--- Lua dim -> C dim, naming the op on error
+-- Lua dim (1-based, negatives from the end) -> C dim, naming the op on error
 local function dim_of(name, t, d, ndim_plus)
-  local ok, r = pcall(cdim, t, d, ndim_plus)
-  if not ok then error(name .. ': ' .. tostring(r):gsub('^.-:%d+: ', ''), 3) end
-  return r
+  local n = t.ndim + (ndim_plus or 0)
+  if type(d) ~= 'number' or d ~= math.floor(d) then
+    error(('%s: dim must be an integer, got %s'):format(name, tostring(d)), 3)
+  end
+  if d > 0 and d <= n then return d - 1 end
+  if d < 0 and d >= -n then return n + d end
+  error(('%s: dim %d out of range for a tensor of %d dims (use 1..%d or -%d..-1)'):format(name, d, t.ndim, n, n), 3)
 end
 
 -- an index argument: a tensor of i64/i32 ids, or a Lua table of 0-based ids
@@ -112,7 +116,11 @@ local function binary(name, id, a, b, out)
   else
     error(('%s: expected at least one tensor, got %s and %s'):format(name, type(a), type(b)), 3)
   end
-  if rc ~= 0 then error(ffi.string(C.ms_last_error()), 3) end
+  if rc ~= 0 then
+    local msg = ffi.string(C.ms_last_error())
+    if out ~= nil then msg = msg:gsub('^%a+:', name .. ':') end -- name the in-place form
+    error(msg, 3)
+  end
   if out ~= nil then return out end
   return wrap(box[0])
 end
@@ -183,7 +191,7 @@ end
 local function extremum(name, vid, iid, pair)
   return function(a, dim, keepdim)
     if is_tensor(dim) then return binary(name, pair, a, dim, nil) end
-    if dim == nil then return reduce(name, vid, a, nil, false) end
+    if dim == nil then return reduce(name, vid, a, nil, keepdim) end
     return reduce(name, vid, a, dim, keepdim), reduce(name, iid, a, dim, keepdim)
   end
 end
