@@ -29,6 +29,7 @@
 #define MS_CUDA_H
 
 #include <stdint.h>
+#include "tensor.h"
 
 /* FFI-BEGIN */
 typedef struct ms_cuda_memory_stats {
