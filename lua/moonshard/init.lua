@@ -31,6 +31,18 @@ elseif not tostring(F):find("module 'moonshard.ops' not found", 1, true) then
   error(F, 0)
 end
 
+-- autograd: recording versions of the differentiable ops replace the raw ones
+-- (ms.raw keeps the raw layer), plus grad mode, checkpointing, nn and optim
+if okops then
+  local A = require 'moonshard.autograd'
+  ms.autograd = A
+  for k, f in pairs(A.ops) do ms[k] = f end
+  ms.no_grad, ms.enable_grad, ms.is_grad_enabled = A.no_grad, A.enable_grad, A.is_grad_enabled
+  ms.set_grad_enabled, ms.checkpoint = A.set_grad_enabled, A.checkpoint
+  ms.nn = require 'moonshard.nn'
+  ms.optim = require 'moonshard.optim'
+end
+
 local okst, st = pcall(require, 'moonshard.safetensors')
 if okst then
   ms.load_safetensors, ms.save_safetensors = st.load, st.save

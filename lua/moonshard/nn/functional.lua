@@ -1,0 +1,744 @@
+-- moonshard.nn.functional — the differentiable building blocks of nn modules.
+--
+--   local nnf = require 'moonshard.nn.functional'   -- also nn.functional
+--   local y = nnf.linear(x, w, b)                    -- x @ w^T + b, w (out, in)
+--   local loss = nnf.cross_entropy(logits, targets)  -- mean over non-ignored
+--
+-- Each function here is one autograd node built from a few raw ops (forward
+-- and backward written together), not a long chain of recorded ops: fewer
+-- nodes, fewer saved tensors, fewer intermediate gradients. Where the GPU
+-- later gets a fused kernel (norms, attention, the LM loss), the function
+-- here is the single place to swap it in.
+--
+--   linear(x, w, b)                 x @ w^T + b       w: (out, in)  (torch)
+--   conv1d_linear(x, w, b)          x @ w + b         w: (in, out)  (GPT-2 Conv1D)
+--   embedding(ids, w)               w[ids]            ids: i64, 0-based
+--   layer_norm(x, w, b, eps)        over the last dim
+--   rms_norm(x, w, eps)             over the last dim, computed in f32 (HF Llama)
+--   dropout(x, p, training, {seed=, offset=})
+--   gelu(x) (tanh form), silu(x), softmax(x, dim), log_softmax(x, dim)
+--   cross_entropy(logits (N, V), targets (N), {ignore_index = -100,
+--                 reduction = 'mean'|'sum'|'none', label_smoothing = 0})
+--   scaled_dot_product_attention(q (B,H,Tq,D), k (B,Hkv,Tk,D), v, {causal = true, scale =})
+--   apply_rotary(x (..., T, D), cos (T, D), sin (T, D))   (HF rotate_half)
+--   rope_cache(T, head_dim, theta, dtype, device) -> cos, sin (cached)
+--   lm_loss(hidden (B,T,C), weight (V,C), targets (B,T), opts)
+--
+-- Low-precision inputs (bf16/f16) of the norms, softmax-based losses and
+-- attention are computed in f32 here and the result cast back where the
+-- output is an activation (losses stay f32).
+--
+-- lm_loss is looked up at call time (models call nn.functional.lm_loss), so a
+-- fused linear cross-entropy can replace it: nn.functional.lm_loss = flce.
+local T = require 'moonshard.tensor'
+local F = require 'moonshard.ops'
+local A = require 'moonshard.autograd'
+
+local R = A.raw_views
+local W = A.W
+local record1 = A.record1
+local want = A.want
+local free = A.free
+local is_tensor = T.is_tensor
+local shape_of = A.shape_of
+
+local nnf = {}
+
+local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
+local function dims(t) return shape_str(shape_of(t)) end
+local function lowp(t) return t.dtype_id == 2 or t.dtype_id == 3 end
+
+local function need_tensor(fname, x, what)
+  if not is_tensor(x) then
+    error(('%s: expected a tensor for %s, got %s'):format(fname, what, type(x)), 3)
+  end
+end
+
+-- rows(x): x as (N, last) (a view when possible) and N
+local function rows(x)
+  local s = shape_of(x)
+  local last = s[#s]
+  local n = 1
+  for i = 1, #s - 1 do n = n * s[i] end
+  if x.ndim == 2 then return x, n end
+  return R.reshape(x, { n, last }), n
+end
+
+-- --------------------------------------------------------------- linear
+local function bwd_linear(node, g)
+  local x2, w = node.saved[1], node.saved[2]
+  local g2 = rows(g)
+  local dx, dw, db
+  if node.need[1] then
+    local d2 = F.matmul(g2, w) -- (N, in)
+    dx = R.reshape(d2, node.ishape[1])
+    if dx ~= d2 then free(d2) end
+  end
+  if node.need[2] then dw = F.matmul(g2, x2, true, false) end -- (out, in)
+  if node.need[3] then db = F.sum(g2, 1) end
+  if g2 ~= g then free(g2) end
+  return dx, dw, db
+end
+
+-- x (..., in) @ w^T (in, out) + b (out)
+function nnf.linear(x, w, b)
+  need_tensor('linear', x, 'the input')
+  need_tensor('linear', w, 'the weight')
+  if w.ndim ~= 2 then error(('linear: weight must be 2-D (out, in), got %s'):format(dims(w)), 2) end
+  local in_f, out_f = tonumber(w.sizes[1]), tonumber(w.sizes[0])
+  if x.ndim < 1 or tonumber(x.sizes[x.ndim - 1]) ~= in_f then
+    error(('linear: input of shape %s does not end in in_features = %d (weight %s)'):format(
+      dims(x), in_f, dims(w)), 2)
+  end
+  if b ~= nil and (b.ndim ~= 1 or tonumber(b.sizes[0]) ~= out_f) then
+    error(('linear: bias of shape %s for out_features = %d'):format(dims(b), out_f), 2)
+  end
+  local x2 = rows(x)
+  local y2 = F.matmul(x2, w, false, true)
+  if b ~= nil then F.add_(y2, b) end
+  local y = y2
+  if x.ndim ~= 2 then
+    local s = shape_of(x)
+    s[#s] = out_f
+    y = R.view(y2, s)
+    free(y2)
+  end
+  if want(x, w, b) then
+    local own = nil
+    if x2 ~= x then own = { x2 } end
+    record1('linear', y, bwd_linear, { A.needs_grad(w) and x2 or nil, A.needs_grad(x) and w or nil },
+      own, x, w, b)
+  elseif x2 ~= x then
+    free(x2)
+  end
+  return y
+end
+
+local function bwd_conv1d(node, g)
+  local x2, w = node.saved[1], node.saved[2]
+  local g2 = rows(g)
+  local dx, dw, db
+  if node.need[1] then
+    local d2 = F.matmul(g2, w, false, true) -- (N, in)
+    dx = R.reshape(d2, node.ishape[1])
+    if dx ~= d2 then free(d2) end
+  end
+  if node.need[2] then dw = F.matmul(x2, g2, true, false) end -- (in, out)
+  if node.need[3] then db = F.sum(g2, 1) end
+  if g2 ~= g then free(g2) end
+  return dx, dw, db
+end
+
+-- x (..., in) @ w (in, out) + b (out): Hugging Face's GPT-2 Conv1D
+function nnf.conv1d_linear(x, w, b)
+  need_tensor('conv1d_linear', x, 'the input')
+  need_tensor('conv1d_linear', w, 'the weight')
+  if w.ndim ~= 2 then error(('conv1d_linear: weight must be 2-D (in, out), got %s'):format(dims(w)), 2) end
+  local in_f, out_f = tonumber(w.sizes[0]), tonumber(w.sizes[1])
+  if x.ndim < 1 or tonumber(x.sizes[x.ndim - 1]) ~= in_f then
+    error(('conv1d_linear: input of shape %s does not end in in_features = %d (weight %s)'):format(
+      dims(x), in_f, dims(w)), 2)
+  end
+  if b ~= nil and (b.ndim ~= 1 or tonumber(b.sizes[0]) ~= out_f) then
+    error(('conv1d_linear: bias of shape %s for out_features = %d'):format(dims(b), out_f), 2)
+  end
+  local x2 = rows(x)
+  local y2 = F.matmul(x2, w)
+  if b ~= nil then F.add_(y2, b) end
+  local y = y2
+  if x.ndim ~= 2 then
+    local s = shape_of(x)
+    s[#s] = out_f
+    y = R.view(y2, s)
+    free(y2)
+  end
+  if want(x, w, b) then
+    local own = nil
+    if x2 ~= x then own = { x2 } end
+    record1('conv1d_linear', y, bwd_conv1d,
+      { A.needs_grad(w) and x2 or nil, A.needs_grad(x) and w or nil }, own, x, w, b)
+  elseif x2 ~= x then
+    free(x2)
+  end
+  return y
+end
+
+-- ------------------------------------------------------------ embedding
+local function bwd_embedding(node, g)
+  local flat = node.saved[1]
+  local g2 = rows(g)
+  local z = T.zeros(node.ishape[2], { dtype = g.dtype_id, device = g.device_id })
+  F.index_add_(z, 1, flat, g2)
+  if g2 ~= g then free(g2) end
+  return nil, z
+end
+
+-- ids (any shape, i64/i32, 0-based) -> (ids..., dim)
+function nnf.embedding(ids, w)
+  need_tensor('embedding', ids, 'the token ids')
+  need_tensor('embedding', w, 'the weight')
+  if ids.dtype_id ~= 4 and ids.dtype_id ~= 5 then
+    error(('embedding: token ids must be i64 or i32, got %s %s'):format(ids.dtype, dims(ids)), 2)
+  end
+  if w.ndim ~= 2 then error(('embedding: weight must be 2-D (vocab, dim), got %s'):format(dims(w)), 2) end
+  local vocab = tonumber(w.sizes[0])
+  local flat = ids.ndim == 1 and ids or R.reshape(ids, { -1 })
+  local ok, y2 = pcall(F.index_select, w, 1, flat)
+  if not ok then
+    local id, pos = tostring(y2):match('index (%-?%d+) at position (%S+) is out of range')
+    if id then
+      error(('embedding: token id %s (at flat position %s of ids %s) is out of range for a vocabulary '
+        .. 'of %d (ids must be in 0..%d)'):format(id, pos, dims(ids), vocab, vocab - 1), 2)
+    end
+    error(y2, 0)
+  end
+  local s = shape_of(ids)
+  s[#s + 1] = tonumber(w.sizes[1])
+  local y = y2
+  if ids.ndim ~= 1 then
+    y = R.view(y2, s)
+    free(y2)
+  end
+  if want(w) then
+    record1('embedding', y, bwd_embedding, { flat }, flat ~= ids and { flat } or nil, ids, w)
+  elseif flat ~= ids then
+    free(flat)
+  end
+  return y
+end
+
+-- ----------------------------------------------------------------- norms
+local function bwd_layer_norm(node, g)
+  local xhat, rstd, w = node.saved[1], node.saved[2], node.saved[3]
+  local gf = g
+  if g.dtype_id ~= xhat.dtype_id then gf = R.to(g, { dtype = xhat.dtype_id }) end
+  local dx, dw, db
+  if node.need[1] then
+    local dxhat = w and F.mul(gf, w) or gf
+    local a = F.mean(dxhat, -1, true)
+    local t = F.mul(dxhat, xhat)
+    local b = F.mean(t, -1, true)
+    free(t)
+    local xb = F.mul(xhat, b)
+    free(b)
+    local d = F.sub(dxhat, a)
+    free(a)
+    F.sub_(d, xb)
+    free(xb)
+    if dxhat ~= gf then free(dxhat) end
+    dx = F.mul(d, rstd)
+    free(d)
+  end
+  if node.need[2] then
+    local t = F.mul(gf, xhat)
+    local t2 = rows(t)
+    dw = F.sum(t2, 1)
+    if t2 ~= t then free(t2) end
+    free(t)
+  end
+  if node.need[3] then
+    local g2 = rows(gf)
+    db = F.sum(g2, 1)
+    if g2 ~= gf then free(g2) end
+  end
+  if gf ~= g then free(gf) end
+  return dx, dw, db
+end
+
+-- y = (x - mean) / sqrt(var + eps) * w + b over the last dim (biased var)
+function nnf.layer_norm(x, w, b, eps)
+  need_tensor('layer_norm', x, 'the input')
+  eps = eps or 1e-5
+  local C = tonumber(x.sizes[x.ndim - 1])
+  if w ~= nil and (w.ndim ~= 1 or tonumber(w.sizes[0]) ~= C) then
+    error(('layer_norm: weight %s for an input %s (normalized dim %d)'):format(dims(w), dims(x), C), 2)
+  end
+  if b ~= nil and (b.ndim ~= 1 or tonumber(b.sizes[0]) ~= C) then
+    error(('layer_norm: bias %s for an input %s (normalized dim %d)'):format(dims(b), dims(x), C), 2)
+  end
+  local xf = lowp(x) and R.to(x, 'f32') or x
+  local mu = F.mean(xf, -1, true)
+  local xc = F.sub(xf, mu)
+  free(mu)
+  if xf ~= x then free(xf) end
+  local sq = F.square(xc)
+  local var = F.mean(sq, -1, true)
+  free(sq)
+  F.add_(var, eps)
+  local rstd = F.rsqrt(var)
+  free(var)
+  local xhat = F.mul(xc, rstd)
+  free(xc)
+  local y = w ~= nil and F.mul(xhat, w) or F.mul(xhat, 1)
+  if b ~= nil then F.add_(y, b) end
+  if y.dtype_id ~= x.dtype_id then
+    local yc = R.to(y, { dtype = x.dtype_id })
+    free(y)
+    y = yc
+  end
+  if want(x, w, b) then
+    record1('layer_norm', y, bwd_layer_norm, { xhat, rstd, w }, { xhat, rstd }, x, w, b)
+  else
+    free(xhat); free(rstd)
+  end
+  return y
+end
+
+local function bwd_rms_norm(node, g)
+  local xhat, rstd, w = node.saved[1], node.saved[2], node.saved[3]
+  local gf = g
+  if g.dtype_id ~= xhat.dtype_id then gf = R.to(g, { dtype = xhat.dtype_id }) end
+  local dx, dw
+  if node.need[1] then
+    local dxhat = w and F.mul(gf, w) or gf
+    local t = F.mul(dxhat, xhat)
+    local b = F.mean(t, -1, true)
+    free(t)
+    local xb = F.mul(xhat, b)
+    free(b)
+    local d = F.sub(dxhat, xb)
+    free(xb)
+    if dxhat ~= gf then free(dxhat) end
+    dx = F.mul(d, rstd)
+    free(d)
+  end
+  if node.need[2] then
+    local t = F.mul(gf, xhat)
+    local t2 = rows(t)
+    dw = F.sum(t2, 1)
+    if t2 ~= t then free(t2) end
+    free(t)
+  end
+  if gf ~= g then free(gf) end
+  return dx, dw
+end
+
+-- y = x / sqrt(mean(x^2) + eps) * w over the last dim, in f32 at least (as
+-- Hugging Face's LlamaRMSNorm: the normalised x is cast back to x's dtype
+-- before the weight multiplies it)
+function nnf.rms_norm(x, w, eps)
+  need_tensor('rms_norm', x, 'the input')
+  eps = eps or 1e-6
+  local C = tonumber(x.sizes[x.ndim - 1])
+  if w ~= nil and (w.ndim ~= 1 or tonumber(w.sizes[0]) ~= C) then
+    error(('rms_norm: weight %s for an input %s (normalized dim %d)'):format(dims(w), dims(x), C), 2)
+  end
+  local xf = lowp(x) and R.to(x, 'f32') or x
+  local sq = F.square(xf)
+  local ms_ = F.mean(sq, -1, true)
+  free(sq)
+  F.add_(ms_, eps)
+  local rstd = F.rsqrt(ms_)
+  free(ms_)
+  local xhat = F.mul(xf, rstd)
+  if xf ~= x then free(xf) end
+  local y
+  if lowp(x) then
+    local xh = R.to(xhat, { dtype = x.dtype_id })
+    y = w ~= nil and F.mul(xh, w) or xh
+    if y ~= xh then free(xh) end
+  else
+    y = w ~= nil and F.mul(xhat, w) or F.mul(xhat, 1)
+  end
+  if want(x, w) then
+    record1('rms_norm', y, bwd_rms_norm, { xhat, rstd, w }, { xhat, rstd }, x, w)
+  else
+    free(xhat); free(rstd)
+  end
+  return y
+end
+
+-- -------------------------------------------------------------- dropout
+local function bwd_dropout(node, g) return F.mul(g, node.saved[1]) end
+
+-- zeroes each element with probability p and scales the rest by 1/(1-p);
+-- identity when not training or p == 0. The mask draws from the global RNG
+-- (ms.manual_seed) unless opts.seed is given.
+function nnf.dropout(x, p, training, opts)
+  need_tensor('dropout', x, 'the input')
+  p = p or 0.5
+  if p < 0 or p > 1 then error(('dropout: p must be in [0, 1], got %s'):format(tostring(p)), 2) end
+  if training == false or p == 0 then return x end
+  local mask
+  if p == 1 then
+    mask = T.zeros(shape_of(x), { dtype = x.dtype_id, device = x.device_id })
+  else
+    local u = T.rand(shape_of(x), { dtype = lowp(x) and 'f32' or x.dtype_id, device = x.device_id,
+      seed = opts and opts.seed, offset = opts and opts.offset })
+    local keep = F.ge(u, p)
+    free(u)
+    local kf = R.to(keep, { dtype = x.dtype_id })
+    free(keep)
+    mask = F.mul(kf, 1 / (1 - p))
+    free(kf)
+  end
+  local y = F.mul(x, mask)
+  if want(x) then
+    record1('dropout', y, bwd_dropout, { mask }, { mask }, x)
+  else
+    free(mask)
+  end
+  return y
+end
+
+-- ---------------------------------------------------------- activations
+function nnf.gelu(x, approximate)
+  if approximate ~= nil and approximate ~= 'tanh' then
+    error(("gelu: only approximate = 'tanh' is implemented (got %s)"):format(tostring(approximate)), 2)
+  end
+  return W.gelu(x)
+end
+function nnf.silu(x) return W.silu(x) end
+function nnf.relu(x) return W.relu(x) end
+function nnf.tanh(x) return W.tanh(x) end
+function nnf.sigmoid(x) return W.sigmoid(x) end
+function nnf.softmax(x, dim) return W.softmax(x, dim or -1) end
+function nnf.log_softmax(x, dim) return W.log_softmax(x, dim or -1) end
+
+-- ------------------------------------------------------- cross entropy
+local function bwd_cross_entropy(node, g)
+  local s = node.saved
+  local lsm, tcol, vf, cnt = s[1], s[2], s[3], s[4]
+  local p = F.exp(lsm)                           -- softmax (N, V)
+  local N = tonumber(lsm.sizes[0])
+  local hit = T.full({ N, 1 }, -(1 - s.ls), { dtype = p.dtype_id, device = p.device_id })
+  F.scatter_add_(p, 2, tcol, hit)                -- p - (1-ls) * onehot
+  free(hit)
+  if s.ls > 0 then F.sub_(p, s.ls / s.V) end     -- - ls / V
+  -- per-row weight: valid * g (/ count for the mean)
+  local gf = g
+  if g.dtype_id ~= p.dtype_id then gf = R.to(g, { dtype = p.dtype_id }) end
+  local wrow = F.mul(vf, gf)                     -- (N)
+  if gf ~= g then free(gf) end
+  if s.reduction == 'mean' then F.div_(wrow, cnt) end
+  local wcol = R.view(wrow, { N, 1 })
+  free(wrow)
+  F.mul_(p, wcol)
+  free(wcol)
+  local d = p
+  if s.shape then d = R.view(p, s.shape); free(p) end
+  return d
+end
+
+-- logits (N, V) or (..., V); targets (N) or (...) integer class ids
+function nnf.cross_entropy(logits, targets, opts)
+  opts = opts or {}
+  need_tensor('cross_entropy', logits, 'the logits')
+  need_tensor('cross_entropy', targets, 'the targets')
+  local ignore = opts.ignore_index or -100
+  local reduction = opts.reduction or 'mean'
+  local ls = opts.label_smoothing or 0
+  if reduction ~= 'mean' and reduction ~= 'sum' and reduction ~= 'none' then
+    error(("cross_entropy: reduction must be 'mean', 'sum' or 'none', got %s"):format(tostring(reduction)), 2)
+  end
+  if targets.dtype_id ~= 4 and targets.dtype_id ~= 5 then
+    error(('cross_entropy: targets must be i64 or i32 class ids, got %s %s'):format(targets.dtype, dims(targets)), 2)
+  end
+  if logits.ndim < 1 then error('cross_entropy: logits must have a class dim', 2) end
+  local V = tonumber(logits.sizes[logits.ndim - 1])
+  local N = math.floor(logits:numel() / math.max(V, 1))
+  local ts = shape_of(targets)
+  local tn = 1
+  for i = 1, #ts do tn = tn * ts[i] end
+  if targets.ndim ~= logits.ndim - 1 or tn ~= N then
+    error(('cross_entropy: logits %s and targets %s: targets must have the logits\' shape without '
+      .. 'the class dim'):format(dims(logits), dims(targets)), 2)
+  end
+  local l2 = rows(logits)
+  local lf = lowp(l2) and R.to(l2, 'f32') or l2
+  local lsm = F.log_softmax(lf, -1)
+  if lf ~= l2 then free(lf) end
+  if l2 ~= logits then free(l2) end
+  local t1 = targets.ndim == 1 and targets or R.reshape(targets, { -1 })
+  local valid = F.ne(t1, ignore)
+  local tcl = F.where(valid, t1, 0)
+  if t1 ~= targets then free(t1) end
+  local tcol = R.view(tcl, { N, 1 })
+  free(tcl)
+  local ok, picked = pcall(F.gather, lsm, 2, tcol)
+  if not ok then
+    local id = tostring(picked):match('index (%-?%d+) at position')
+    free(lsm); free(tcol); free(valid)
+    if id then
+      error(('cross_entropy: target %s is out of range for %d classes (and is not ignore_index = %d)')
+        :format(id, V, ignore), 2)
+    end
+    error(picked, 0)
+  end
+  local vf = R.to(valid, { dtype = lsm.dtype_id })
+  free(valid)
+  local loss_i = F.mul(picked, -(1 - ls))            -- (N, 1)
+  free(picked)
+  if ls > 0 then
+    local m = F.mean(lsm, -1, true)                  -- (N, 1)
+    F.mul_(m, -ls)
+    F.add_(loss_i, m)
+    free(m)
+  end
+  local li = R.view(loss_i, { N })
+  free(loss_i)
+  F.mul_(li, vf)
+  local out, cnt
+  if reduction == 'none' then
+    out = li
+    if targets.ndim ~= 1 then out = R.view(li, ts); free(li) end
+  else
+    out = F.sum(li)
+    free(li)
+    if reduction == 'mean' then
+      local c = F.sum(vf)
+      cnt = F.clamp(c, 1, nil)                       -- all ignored: 0 / 1 = 0
+      free(c)
+      F.div_(out, cnt)
+    end
+  end
+  if want(logits) then
+    local shape = logits.ndim ~= 2 and shape_of(logits) or nil
+    record1('cross_entropy', out, bwd_cross_entropy,
+      { lsm, tcol, vf, cnt, ls = ls, V = V, reduction = reduction, shape = shape },
+      { lsm, tcol, vf, cnt }, logits)
+  else
+    free(lsm); free(tcol); free(vf); free(cnt)
+  end
+  return out
+end
+
+-- hidden (B, T, C) @ weight^T (V, C) -> logits -> cross entropy with targets
+-- (B, T). The logits are freed before returning (nothing keeps them), so the
+-- loss costs one (B*T, V) log-softmax of memory until backward.
+function nnf.lm_loss(hidden, weight, targets, opts)
+  need_tensor('lm_loss', hidden, 'the hidden states')
+  local logits = nnf.linear(hidden, weight)
+  local loss = nnf.cross_entropy(logits, targets, opts)
+  free(logits)
+  return loss
+end
+
+-- ------------------------------------------------------------ attention
+local mask_cache = {}
+-- additive causal mask (Tq, Tk): 0 where key j <= query i + (Tk - Tq), -inf above
+function nnf.causal_mask(Tq, Tk, dtype, device)
+  local key = Tq .. ':' .. Tk .. ':' .. dtype .. ':' .. device
+  local m = mask_cache[key]
+  if m and m.storage ~= nil then return m end
+  local r = T.arange(Tq, { dtype = 'f64', device = device })
+  local rv = R.view(r, { Tq, 1 })
+  local c = T.arange(Tk, { dtype = 'f64', device = device })
+  local cv = R.view(c, { 1, Tk })
+  local shifted = F.add(rv, Tk - Tq)
+  local above = F.gt(cv, shifted)
+  m = F.where(above, -math.huge, 0)
+  if m.dtype_id ~= T.dtype_id(dtype) then
+    local mc = R.to(m, dtype)
+    free(m)
+    m = mc
+  end
+  for _, t in ipairs({ r, rv, c, cv, shifted, above }) do free(t) end
+  mask_cache[key] = m
+  return m
+end
+function nnf.clear_caches()
+  for k, m in pairs(mask_cache) do free(m); mask_cache[k] = nil end
+  nnf.clear_rope_cache()
+end
+
+-- repeat kv heads: (B, Hkv, T, D) -> (B, Hkv*rep, T, D), a fresh tensor
+local function repeat_kv(k, rep)
+  local s = shape_of(k)
+  local k5 = R.view(k, { s[1], s[2], 1, s[3], s[4] })
+  local e = R.expand(k5, { s[1], s[2], rep, s[3], s[4] })
+  local r = R.reshape(e, { s[1], s[2] * rep, s[3], s[4] })
+  if r.storage == k.storage then
+    -- rep == 1 gives a view: make a handle the node may free
+    local c = R.clone(r)
+    free(r)
+    r = c
+  end
+  free(k5); free(e)
+  return r
+end
+
+-- (B, H, T, D) -> (B, Hkv, T, D): sum the gradients of repeated kv heads
+local function fold_heads(t, s)
+  if s.rep == 1 then return t end
+  local v5 = R.view(t, s.kv5)
+  local r = F.sum(v5, 3)
+  free(v5); free(t)
+  return r
+end
+
+local function bwd_sdpa(node, g)
+  local s = node.saved
+  local q, k, v, att = s[1], s[2], s[3], s[4]
+  local gf = g
+  if g.dtype_id ~= att.dtype_id then gf = R.to(g, { dtype = att.dtype_id }) end
+  local dq, dk, dv
+  local gc = R.contiguous(gf)
+  if node.need[3] then
+    dv = fold_heads(F.matmul(att, gc, true, false), s)  -- (B, Hkv, Tk, D)
+  end
+  if node.need[1] or node.need[2] then
+    local datt = F.matmul(gc, v, false, true)       -- (B, H, Tq, Tk)
+    local ds = F.softmax_backward(att, datt, -1, false)
+    free(datt)
+    F.mul_(ds, s.scale)
+    if node.need[1] then dq = F.matmul(ds, k) end    -- (B, H, Tq, D)
+    if node.need[2] then
+      dk = fold_heads(F.matmul(ds, q, true, false), s) -- (B, Hkv, Tk, D)
+    end
+    free(ds)
+  end
+  if gc ~= gf then free(gc) end
+  if gf ~= g then free(gf) end
+  local function back(t, i)
+    if t == nil then return nil end
+    if t.dtype_id ~= node.idtype[i] then
+      local c = R.to(t, { dtype = node.idtype[i] })
+      free(t)
+      return c
+    end
+    return t
+  end
+  return back(dq, 1), back(dk, 2), back(dv, 3)
+end
+
+-- softmax(q k^T * scale + causal mask) v, heads of k/v repeated for GQA.
+-- q (B, H, Tq, D), k and v (B, Hkv, Tk, D) with H a multiple of Hkv.
+function nnf.scaled_dot_product_attention(q, k, v, opts)
+  opts = opts or {}
+  need_tensor('scaled_dot_product_attention', q, 'q')
+  need_tensor('scaled_dot_product_attention', k, 'k')
+  need_tensor('scaled_dot_product_attention', v, 'v')
+  if q.ndim ~= 4 or k.ndim ~= 4 or v.ndim ~= 4 then
+    error(('scaled_dot_product_attention: q, k, v must be (B, H, T, D), got %s, %s, %s'):format(
+      dims(q), dims(k), dims(v)), 2)
+  end
+  local qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+  local B, H, Tq, D = qs[1], qs[2], qs[3], qs[4]
+  local Hkv, Tk = ks[2], ks[3]
+  if ks[1] ~= B or vs[1] ~= B or ks[4] ~= D or vs[2] ~= Hkv or vs[3] ~= Tk or H % Hkv ~= 0 then
+    error(('scaled_dot_product_attention: shapes q %s, k %s, v %s do not fit (k and v (B, Hkv, Tk, D) '
+      .. 'with H a multiple of Hkv)'):format(dims(q), dims(k), dims(v)), 2)
+  end
+  local rep = H / Hkv
+  local scale = opts.scale or 1 / math.sqrt(D)
+  local causal = opts.causal ~= false
+  local cdt = lowp(q) and 'f32' or q.dtype
+  local function prep(t, r)
+    local x = t
+    if t.dtype ~= cdt then x = R.to(t, cdt) end
+    if r > 1 then
+      local e = repeat_kv(x, r)
+      if x ~= t then free(x) end
+      return e
+    end
+    local c = R.contiguous(x)
+    if c == t then c = R.alias(t) end      -- a handle the node owns
+    if x ~= t and x ~= c then free(x) end
+    return c
+  end
+  local qc, ke, ve = prep(q, 1), prep(k, rep), prep(v, rep)
+  local sc = F.matmul(qc, ke, false, true)  -- (B, H, Tq, Tk)
+  F.mul_(sc, scale)
+  if causal then F.add_(sc, nnf.causal_mask(Tq, Tk, cdt, q.device_id)) end
+  if opts.mask ~= nil then F.add_(sc, opts.mask) end
+  local att = F.softmax(sc, -1)
+  free(sc)
+  local y = F.matmul(att, ve)               -- (B, H, Tq, D)
+  if y.dtype_id ~= q.dtype_id then
+    local yc = R.to(y, { dtype = q.dtype_id })
+    free(y)
+    y = yc
+  end
+  if want(q, k, v) then
+    record1('scaled_dot_product_attention', y, bwd_sdpa,
+      { qc, ke, ve, att, scale = scale, rep = rep, kv5 = { B, Hkv, rep, Tk, D } },
+      { qc, ke, ve, att }, q, k, v)
+  else
+    free(qc); free(ke); free(ve); free(att)
+  end
+  return y
+end
+
+-- ----------------------------------------------------------------- RoPE
+-- rotate_half(x) = cat(-x2, x1) with x1, x2 the halves of the last dim
+local function rotate_half(x, sign)
+  local D = tonumber(x.sizes[x.ndim - 1])
+  local h = D / 2
+  local x1 = R.narrow(x, -1, 1, h)
+  local x2 = R.narrow(x, -1, h + 1, h)
+  local r
+  if sign > 0 then
+    local n2 = F.neg(x2)
+    r = F.cat({ n2, x1 }, -1)            -- R x  = (-x2, x1)
+    free(n2)
+  else
+    local n1 = F.neg(x1)
+    r = F.cat({ x2, n1 }, -1)            -- R^T u = (u2, -u1)
+    free(n1)
+  end
+  free(x1); free(x2)
+  return r
+end
+
+local function bwd_rotary(node, g)
+  local cos, sin = node.saved[1], node.saved[2]
+  local a = F.mul(g, cos)
+  local u = F.mul(g, sin)
+  local ru = rotate_half(u, -1)
+  free(u)
+  F.add_(a, ru)
+  free(ru)
+  return a
+end
+
+-- x * cos + rotate_half(x) * sin (Hugging Face Llama's apply_rotary_pos_emb);
+-- cos and sin (T, D) broadcast over x (..., T, D) and are constants
+function nnf.apply_rotary(x, cos, sin)
+  need_tensor('apply_rotary', x, 'x')
+  local D = tonumber(x.sizes[x.ndim - 1])
+  if D % 2 ~= 0 then error(('apply_rotary: the last dim of x %s must be even'):format(dims(x)), 2) end
+  local rh = rotate_half(x, 1)
+  local y = F.mul(x, cos)
+  local t = F.mul(rh, sin)
+  free(rh)
+  F.add_(y, t)
+  free(t)
+  if want(x) then record1('apply_rotary', y, bwd_rotary, { cos, sin }, nil, x) end
+  return y
+end
+
+-- cos, sin (T, head_dim) for positions 0..T-1: inv_freq = theta^(-2i/d),
+-- emb = cat(freqs, freqs) as Hugging Face builds it; computed in f64 and
+-- cast to dtype; cached
+local rope_cache = {}
+function nnf.rope_cache(T_, head_dim, theta, dtype, device)
+  dtype = dtype or 'f32'
+  device = device or -1
+  local key = T_ .. ':' .. head_dim .. ':' .. theta .. ':' .. tostring(dtype) .. ':' .. tostring(device)
+  local c = rope_cache[key]
+  if c and c[1].storage ~= nil then return c[1], c[2] end
+  local h = head_dim / 2
+  local inv = {}
+  for i = 0, h - 1 do inv[i + 1] = 1 / theta ^ (2 * i / head_dim) end
+  local pos = T.arange(T_, { dtype = 'f64' })
+  local pv = R.view(pos, { T_, 1 })
+  local iv = T.tensor({ inv }, { dtype = 'f64' })        -- (1, h)
+  local fr = F.mul(pv, iv)                               -- (T, h)
+  local emb = F.cat({ fr, fr }, -1)                      -- (T, d)
+  local cs, sn = F.cos(emb), F.sin(emb)
+  for _, t in ipairs({ pos, pv, iv, fr, emb }) do free(t) end
+  local function fin(t)
+    local r = R.to(t, { dtype = dtype, device = device })
+    if r ~= t then free(t) end
+    return r
+  end
+  cs, sn = fin(cs), fin(sn)
+  rope_cache[key] = { cs, sn }
+  return cs, sn
+end
+function nnf.clear_rope_cache()
+  for k, c in pairs(rope_cache) do free(c[1]); free(c[2]); rope_cache[k] = nil end
+end
+
+return nnf

@@ -1,0 +1,811 @@
+-- moonshard.nn — modules: parameters, children, hooks, state dicts.
+--
+--   local nn = require 'moonshard.nn'          -- also ms.nn
+--   local Block = nn.Module:extend('Block')
+--   function Block:init(dim)
+--     self:register_module('ln', nn.LayerNorm(dim))
+--     self:register_module('fc', nn.Linear(dim, dim))
+--   end
+--   function Block:forward(x) return x + self.fc(self.ln(x)) end
+--   local b = Block(8)
+--   for name, p in b:named_parameters() do print(name, p.shape) end
+--   local y = b(ms.randn({2, 8}))             -- __call: hooks + forward
+--
+-- Registration is explicit and ordered: register_parameter(name, t) (sets
+-- requires_grad, stores self[name]), register_buffer(name, t, persistent),
+-- register_module(name, child). The field self[name] is the source of truth:
+-- assigning self.weight = other after registration replaces the parameter
+-- everywhere (named_parameters, state_dict), which is how the sharding layer
+-- swaps in views of its flat buffers. Names match the Hugging Face checkpoints
+-- of the same model, so state dicts load without a renaming table.
+--
+-- Hooks (docs/autograd.md):
+--   m:register_forward_pre_hook(fn(m, inputs) -> inputs?)  inputs = {n=, ...}
+--   m:register_forward_hook(fn(m, inputs, output) -> output?)
+--   m:register_backward_pre_hook(fn(m))  about to run backward of m
+--   m:register_backward_hook(fn(m))      backward of m done, its grads final
+-- each returns a handle with :remove().
+local T = require 'moonshard.tensor'
+local A = require 'moonshard.autograd'
+local nnf = require 'moonshard.nn.functional'
+local ffi = require 'ffi'
+
+local R = A.raw_views
+local is_tensor = T.is_tensor
+local unpack = unpack or table.unpack
+local pack = function(...) return { n = select('#', ...), ... } end
+
+local nn = {}
+nn.functional = nnf
+nn.F = nnf
+
+local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
+
+-- ------------------------------------------------------------------ Module
+local Module = {}
+Module.__index = Module
+Module.__name = 'Module'
+nn.Module = Module
+
+local function construct(cls, ...)
+  local o = setmetatable({}, cls)
+  rawset(o, '_param_names', {})
+  rawset(o, '_buffer_names', {})
+  rawset(o, '_buffer_persistent', {})
+  rawset(o, '_module_names', {})
+  rawset(o, 'training', true)
+  o:init(...)
+  return o
+end
+
+local class_mt = {
+  __call = construct,
+  __tostring = function(cls) return 'class ' .. rawget(cls, '__name') end,
+}
+
+-- local Block = nn.Module:extend('Block'); Block(...) builds one (init(...))
+function Module:extend(name)
+  if type(name) ~= 'string' then error('extend: a class needs a name (a string)', 2) end
+  local cls = {}
+  for k, v in pairs(self) do
+    if type(k) == 'string' and k:sub(1, 2) == '__' and k ~= '__index' and k ~= '__name' then
+      cls[k] = v
+    end
+  end
+  cls.__index = cls
+  cls.__name = name
+  cls.super = self
+  return setmetatable(cls, {
+    __index = self,
+    __call = construct,
+    __tostring = class_mt.__tostring,
+  })
+end
+setmetatable(Module, class_mt)
+
+function Module:init() end
+function Module:forward()
+  error(('%s: forward is not implemented'):format(self:class_name()), 2)
+end
+function Module:class_name() return rawget(getmetatable(self), '__name') or 'Module' end
+
+local function check_name(kind, name)
+  if type(name) == 'number' then name = tostring(name) end
+  if type(name) ~= 'string' or name == '' or name:find('.', 1, true) then
+    error(('%s: name must be a non-empty string without dots, got %s'):format(kind, tostring(name)), 3)
+  end
+  return name
+end
+local function add_name(list, name)
+  for i = 1, #list do if list[i] == name then return end end
+  list[#list + 1] = name
+end
+
+function Module:register_parameter(name, t)
+  name = check_name('register_parameter', name)
+  if t ~= nil then
+    if not is_tensor(t) then
+      error(('register_parameter: %s must be a tensor or nil, got %s'):format(name, type(t)), 2)
+    end
+    if t.dtype_id <= 3 then t.requires_grad = true end
+  end
+  add_name(self._param_names, name)
+  rawset(self, name, t)
+  return t
+end
+
+function Module:register_buffer(name, t, persistent)
+  name = check_name('register_buffer', name)
+  if t ~= nil and not is_tensor(t) then
+    error(('register_buffer: %s must be a tensor or nil, got %s'):format(name, type(t)), 2)
+  end
+  add_name(self._buffer_names, name)
+  self._buffer_persistent[name] = persistent ~= false
+  rawset(self, name, t)
+  return t
+end
+
+function Module:register_module(name, child)
+  name = check_name('register_module', name)
+  if child ~= nil and not nn.is_module(child) then
+    error(('register_module: %s must be a module, got %s'):format(name, type(child)), 2)
+  end
+  add_name(self._module_names, name)
+  rawset(self, name, child)
+  return child
+end
+
+function nn.is_module(x)
+  if type(x) ~= 'table' then return false end
+  local mt = getmetatable(x)
+  while mt do
+    if mt == Module then return true end
+    local parent = rawget(mt, 'super')
+    if parent == nil then return false end
+    mt = parent
+  end
+  return false
+end
+
+-- ------------------------------------------------------------- traversal
+-- named_modules: (dotted name, module) depth first, self first as '', each
+-- module object once
+function Module:named_modules(prefix)
+  local list, seen = {}, {}
+  local function walk(m, name)
+    if seen[m] then return end
+    seen[m] = true
+    list[#list + 1] = { name, m }
+    for _, cn in ipairs(m._module_names) do
+      local c = rawget(m, cn)
+      if c ~= nil then walk(c, name == '' and cn or (name .. '.' .. cn)) end
+    end
+  end
+  walk(self, prefix or '')
+  local i = 0
+  return function()
+    i = i + 1
+    local e = list[i]
+    if e then return e[1], e[2] end
+  end
+end
+function Module:modules()
+  local it = self:named_modules()
+  return function()
+    local _, m = it()
+    return m
+  end
+end
+function Module:named_children()
+  local names, i = self._module_names, 0
+  return function()
+    while true do
+      i = i + 1
+      local n = names[i]
+      if n == nil then return nil end
+      local c = rawget(self, n)
+      if c ~= nil then return n, c end
+    end
+  end
+end
+function Module:children()
+  local it = self:named_children()
+  return function()
+    local _, c = it()
+    return c
+  end
+end
+
+local function collect(self, kind, prefix, recurse)
+  local list, seen = {}, {}
+  local function walk(m, pre, mseen)
+    if mseen[m] then return end
+    mseen[m] = true
+    local names = kind == 'param' and m._param_names or m._buffer_names
+    for _, n in ipairs(names) do
+      local t = rawget(m, n)
+      if t ~= nil then
+        local id = tonumber(t.id)
+        if not seen[id] then
+          seen[id] = true
+          list[#list + 1] = { pre .. n, t, m, n }
+        end
+      end
+    end
+    if recurse ~= false then
+      for _, cn in ipairs(m._module_names) do
+        local c = rawget(m, cn)
+        if c ~= nil then walk(c, pre .. cn .. '.', mseen) end
+      end
+    end
+  end
+  walk(self, (prefix and prefix ~= '') and (prefix .. '.') or '', {})
+  return list
+end
+
+-- for name, p in m:named_parameters() do ... end: dotted names in
+-- registration order (own parameters first, then children), each tensor once
+function Module:named_parameters(prefix, recurse)
+  local list = collect(self, 'param', prefix, recurse)
+  local i = 0
+  return function()
+    i = i + 1
+    local e = list[i]
+    if e then return e[1], e[2] end
+  end
+end
+function Module:parameters(recurse)
+  local list = collect(self, 'param', nil, recurse)
+  local r = {}
+  for i = 1, #list do r[i] = list[i][2] end
+  return r
+end
+function Module:named_buffers(prefix, recurse)
+  local list = collect(self, 'buffer', prefix, recurse)
+  local i = 0
+  return function()
+    i = i + 1
+    local e = list[i]
+    if e then return e[1], e[2] end
+  end
+end
+function Module:buffers(recurse)
+  local list = collect(self, 'buffer', nil, recurse)
+  local r = {}
+  for i = 1, #list do r[i] = list[i][2] end
+  return r
+end
+function Module:num_parameters()
+  local n = 0
+  for _, p in ipairs(self:parameters()) do n = n + p:numel() end
+  return n
+end
+
+-- fn(m) for every module, children before parents (as torch)
+function Module:apply(fn)
+  for _, c in ipairs(self._module_names) do
+    local m = rawget(self, c)
+    if m ~= nil then m:apply(fn) end
+  end
+  fn(self)
+  return self
+end
+
+function Module:train(mode)
+  if mode == nil then mode = true end
+  for m in self:modules() do rawset(m, 'training', mode and true or false) end
+  return self
+end
+function Module:eval() return self:train(false) end
+
+-- drops every parameter's .grad (freed at once); {set_to_none = false}
+-- zeroes them in place instead
+function Module:zero_grad(opts)
+  local keep = opts and opts.set_to_none == false
+  for _, p in ipairs(self:parameters()) do
+    if keep then
+      local g = p.grad
+      if g ~= nil then A.F.fill_(g, 0) end
+    else
+      p:zero_grad()
+    end
+  end
+end
+
+-- ------------------------------------------------------------ state dict
+-- every (name, tensor) of parameters and persistent buffers, including every
+-- name of a shared tensor (as torch); returns the table and the names in order
+function Module:state_dict(prefix)
+  local sd, keys = {}, {}
+  local function walk(m, pre, mseen)
+    if mseen[m] then return end
+    mseen[m] = true
+    for _, n in ipairs(m._param_names) do
+      local t = rawget(m, n)
+      if t ~= nil then sd[pre .. n] = t; keys[#keys + 1] = pre .. n end
+    end
+    for _, n in ipairs(m._buffer_names) do
+      local t = rawget(m, n)
+      if t ~= nil and m._buffer_persistent[n] then sd[pre .. n] = t; keys[#keys + 1] = pre .. n end
+    end
+    for _, cn in ipairs(m._module_names) do
+      local c = rawget(m, cn)
+      if c ~= nil then walk(c, pre .. cn .. '.', mseen) end
+    end
+  end
+  walk(self, (prefix and prefix ~= '') and (prefix .. '.') or '', {})
+  return sd, keys
+end
+
+-- Copies sd's tensors into the module's (converting dtype/device). Checks
+-- everything before copying anything; strict (the default) reports missing,
+-- unexpected and mis-shaped keys all together in one error. A name missing
+-- from sd is fine when the same tensor is loaded under another name (tied
+-- weights). Mis-shaped keys are an error even when not strict.
+-- Returns {missing = {...}, unexpected = {...}}.
+function Module:load_state_dict(sd, opts)
+  opts = opts or {}
+  local strict = opts.strict ~= false
+  if type(sd) ~= 'table' then error('load_state_dict: expected a table of name -> tensor', 2) end
+  local own, keys = self:state_dict()
+  local missing, unexpected, misshaped = {}, {}, {}
+  local loaded = {}
+  local todo = {}
+  for _, k in ipairs(keys) do
+    local dst, src = own[k], sd[k]
+    if src == nil then
+      missing[#missing + 1] = k
+    elseif not is_tensor(src) then
+      misshaped[#misshaped + 1] = ('%s: expected a tensor, got %s'):format(k, type(src))
+    else
+      local a, b = dst.shape, src.shape
+      local same = #a == #b
+      if same then for i = 1, #a do if a[i] ~= b[i] then same = false; break end end end
+      if not same then
+        misshaped[#misshaped + 1] = ('%s: checkpoint %s, model %s'):format(k, shape_str(b), shape_str(a))
+      else
+        todo[#todo + 1] = { dst, src }
+        loaded[tonumber(dst.id)] = true
+      end
+    end
+  end
+  local m2 = {}
+  for _, k in ipairs(missing) do
+    if not loaded[tonumber(own[k].id)] then m2[#m2 + 1] = k end
+  end
+  missing = m2
+  for k in pairs(sd) do
+    if own[k] == nil then unexpected[#unexpected + 1] = tostring(k) end
+  end
+  table.sort(unexpected)
+  if #misshaped > 0 or (strict and (#missing > 0 or #unexpected > 0)) then
+    local parts = { ('load_state_dict: %s does not match the checkpoint'):format(self:class_name()) }
+    if #missing > 0 then
+      parts[#parts + 1] = ('  missing keys (%d): %s'):format(#missing, table.concat(missing, ', '))
+    end
+    if #unexpected > 0 then
+      parts[#parts + 1] = ('  unexpected keys (%d): %s'):format(#unexpected, table.concat(unexpected, ', '))
+    end
+    if #misshaped > 0 then
+      parts[#parts + 1] = ('  mis-shaped keys (%d): %s'):format(#misshaped, table.concat(misshaped, '; '))
+    end
+    error(table.concat(parts, '\n'), 2)
+  end
+  A.no_grad(function()
+    for _, e in ipairs(todo) do
+      if e[1] ~= e[2] then e[1]:copy_(e[2]) end
+    end
+  end)
+  return { missing = missing, unexpected = unexpected }
+end
+
+-- ------------------------------------------------------------- dtype/device
+-- Exchange the views of two handles: a keeps its identity (id, flags, Lua
+-- metadata) and takes b's storage, shape, dtype and device; b gets a's.
+local function swap_contents(a, b)
+  a.storage, b.storage = b.storage, a.storage
+  a.offset, b.offset = b.offset, a.offset
+  for i = 0, 7 do
+    a.sizes[i], b.sizes[i] = b.sizes[i], a.sizes[i]
+    a.strides[i], b.strides[i] = b.strides[i], a.strides[i]
+  end
+  a.ndim, b.ndim = b.ndim, a.ndim
+  a.dtype_id, b.dtype_id = b.dtype_id, a.dtype_id
+  a.device_id, b.device_id = b.device_id, a.device_id
+end
+nn.swap_contents = swap_contents
+
+-- converts t in place (same handle) to dtype/device `spec` (as t:to(spec))
+local function to_in_place(t, spec)
+  local n = R.to(t, spec)
+  if n == t then return end
+  swap_contents(t, n)
+  n:free()
+end
+nn.to_in_place = to_in_place
+
+-- m:to('bf16') / m:to('cuda') / m:to{dtype=, device=}: moves parameters,
+-- their grads and buffers in place, so tensors held elsewhere stay valid.
+-- Integer buffers keep their dtype on a dtype change.
+function Module:to(spec)
+  local dtype_only = type(spec) == 'string' and pcall(T.dtype_id, spec)
+  for _, p in ipairs(self:parameters()) do
+    to_in_place(p, spec)
+    local g = p.grad
+    if g ~= nil then to_in_place(g, spec) end
+  end
+  for _, b in ipairs(self:buffers()) do
+    local is_float = b.dtype_id <= 3
+    if is_float or not dtype_only then
+      if is_float or type(spec) ~= 'table' then to_in_place(b, spec)
+      else to_in_place(b, { device = spec.device }) end
+    end
+  end
+  return self
+end
+
+-- ------------------------------------------------------------- forward
+local function hook_list(self, key)
+  local l = rawget(self, key)
+  if l == nil then l = {}; rawset(self, key, l) end
+  return l
+end
+function Module:register_forward_pre_hook(fn)
+  return A.hook_handle(hook_list(self, '_forward_pre_hooks'), { fn = fn })
+end
+function Module:register_forward_hook(fn)
+  return A.hook_handle(hook_list(self, '_forward_hooks'), { fn = fn })
+end
+function Module:register_backward_pre_hook(fn)
+  return A.hook_handle(hook_list(self, '_backward_pre_hooks'), { fn = fn })
+end
+function Module:register_backward_hook(fn)
+  return A.hook_handle(hook_list(self, '_backward_hooks'), { fn = fn })
+end
+
+function Module:__call(...)
+  local pre, post = rawget(self, '_forward_pre_hooks'), rawget(self, '_forward_hooks')
+  local mark = A.should_mark(self)
+  if not mark and (pre == nil or #pre == 0) and (post == nil or #post == 0) then
+    return self:forward(...)
+  end
+  local inputs = pack(...)
+  if pre then
+    for i = 1, #pre do
+      local h = pre[i]
+      if h then
+        local r = h.fn(self, inputs)
+        if r ~= nil then
+          if type(r) ~= 'table' or is_tensor(r) then
+            error('forward pre-hook: return nil or a table {n = k, ...} of new inputs', 2)
+          end
+          inputs = r
+          inputs.n = inputs.n or #r
+        end
+      end
+    end
+  end
+  if mark then A.mark_module_begin(self) end
+  local out = pack(self:forward(unpack(inputs, 1, inputs.n)))
+  if mark then A.mark_module_end(self) end
+  if post then
+    for i = 1, #post do
+      local h = post[i]
+      if h then
+        local r = h.fn(self, inputs, out[1])
+        if r ~= nil then out[1] = r end
+      end
+    end
+  end
+  return unpack(out, 1, out.n)
+end
+
+-- -------------------------------------------------------------- printing
+local function fmt_count(n)
+  if n >= 1e9 then return ('%.2fB'):format(n / 1e9) end
+  if n >= 1e6 then return ('%.2fM'):format(n / 1e6) end
+  if n >= 1e3 then return ('%.1fK'):format(n / 1e3) end
+  return tostring(n)
+end
+nn.format_count = fmt_count
+
+function Module:extra_repr() return '' end
+
+function Module:__tostring()
+  local lines = {}
+  local function line(m, name, depth)
+    local ind = ('  '):rep(depth)
+    local extra = m:extra_repr()
+    local n = m:num_parameters()
+    local head = ind .. (name and (name .. ': ') or '') .. m:class_name()
+    if extra ~= '' then head = head .. '(' .. extra .. ')' end
+    if n > 0 then head = head .. '  ' .. fmt_count(n) .. (depth == 0 and ' parameters' or '') end
+    lines[#lines + 1] = head
+    -- runs of children of one class with the same count print once
+    local names = {}
+    for cn, c in m:named_children() do names[#names + 1] = { cn, c } end
+    local i = 1
+    while i <= #names do
+      local cn, c = names[i][1], names[i][2]
+      local j = i
+      while j < #names and names[j + 1][2]:class_name() == c:class_name()
+          and names[j + 1][2]:num_parameters() == c:num_parameters() and tonumber(names[j + 1][1]) do
+        j = j + 1
+      end
+      if j - i >= 2 and tonumber(cn) then
+        line(c, cn .. '..' .. names[j][1], depth + 1)
+        lines[#lines] = lines[#lines] .. ('  (x%d)'):format(j - i + 1)
+        i = j + 1
+      else
+        line(c, cn, depth + 1)
+        i = i + 1
+      end
+    end
+  end
+  line(self, nil, 0)
+  return table.concat(lines, '\n')
+end
+Module.summary = Module.__tostring
+
+-- --------------------------------------------------------------- helpers
+local function opt(o, k, d)
+  if o == nil or o[k] == nil then return d end
+  return o[k]
+end
+local function topts(o)
+  return { dtype = opt(o, 'dtype', 'f32'), device = opt(o, 'device', nil) }
+end
+local function check_int(cls, what, v)
+  if type(v) ~= 'number' or v ~= math.floor(v) or v <= 0 then
+    error(('%s: %s must be a positive integer, got %s'):format(cls, what, tostring(v)), 3)
+  end
+end
+
+-- ---------------------------------------------------------------- Linear
+-- y = x @ weight^T + bias; weight (out, in) as torch.nn.Linear, both drawn
+-- from U(-1/sqrt(in), 1/sqrt(in))
+local Linear = Module:extend('Linear')
+nn.Linear = Linear
+function Linear:init(in_features, out_features, opts)
+  check_int('Linear', 'in_features', in_features)
+  check_int('Linear', 'out_features', out_features)
+  self.in_features, self.out_features = in_features, out_features
+  local k = 1 / math.sqrt(in_features)
+  local w = T.empty({ out_features, in_features }, topts(opts))
+  T.uniform_(w, -k, k)
+  self:register_parameter('weight', w)
+  if opt(opts, 'bias', true) then
+    local b = T.empty({ out_features }, topts(opts))
+    T.uniform_(b, -k, k)
+    self:register_parameter('bias', b)
+  else
+    self:register_parameter('bias', nil)
+  end
+end
+function Linear:forward(x) return nnf.linear(x, self.weight, self.bias) end
+function Linear:extra_repr()
+  return ('%d, %d%s'):format(self.in_features, self.out_features, self.bias == nil and ', bias=false' or '')
+end
+
+-- ---------------------------------------------------------------- Conv1D
+-- GPT-2's Conv1D: y = x @ weight + bias, weight (in, out) ~ N(0, 0.02), bias 0
+local Conv1D = Module:extend('Conv1D')
+nn.Conv1D = Conv1D
+function Conv1D:init(in_features, out_features, opts)
+  check_int('Conv1D', 'in_features', in_features)
+  check_int('Conv1D', 'out_features', out_features)
+  self.in_features, self.out_features = in_features, out_features
+  local w = T.empty({ in_features, out_features }, topts(opts))
+  T.normal_(w, 0, opt(opts, 'std', 0.02))
+  self:register_parameter('weight', w)
+  if opt(opts, 'bias', true) then
+    self:register_parameter('bias', T.zeros({ out_features }, topts(opts)))
+  else
+    self:register_parameter('bias', nil)
+  end
+end
+function Conv1D:forward(x) return nnf.conv1d_linear(x, self.weight, self.bias) end
+function Conv1D:extra_repr() return ('%d, %d'):format(self.in_features, self.out_features) end
+
+-- ------------------------------------------------------------- Embedding
+-- weight (num_embeddings, dim) ~ N(0, std = 1)
+local Embedding = Module:extend('Embedding')
+nn.Embedding = Embedding
+function Embedding:init(num_embeddings, dim, opts)
+  check_int('Embedding', 'num_embeddings', num_embeddings)
+  check_int('Embedding', 'embedding_dim', dim)
+  self.num_embeddings, self.embedding_dim = num_embeddings, dim
+  local w = T.empty({ num_embeddings, dim }, topts(opts))
+  T.normal_(w, 0, opt(opts, 'std', 1))
+  self:register_parameter('weight', w)
+end
+function Embedding:forward(ids) return nnf.embedding(ids, self.weight) end
+function Embedding:extra_repr() return ('%d, %d'):format(self.num_embeddings, self.embedding_dim) end
+
+-- ------------------------------------------------------------- LayerNorm
+local LayerNorm = Module:extend('LayerNorm')
+nn.LayerNorm = LayerNorm
+function LayerNorm:init(dim, opts)
+  check_int('LayerNorm', 'dim', dim)
+  self.dim, self.eps = dim, opt(opts, 'eps', 1e-5)
+  self:register_parameter('weight', T.ones({ dim }, topts(opts)))
+  if opt(opts, 'bias', true) then
+    self:register_parameter('bias', T.zeros({ dim }, topts(opts)))
+  else
+    self:register_parameter('bias', nil)
+  end
+end
+function LayerNorm:forward(x) return nnf.layer_norm(x, self.weight, self.bias, self.eps) end
+function LayerNorm:extra_repr() return ('%d, eps=%g'):format(self.dim, self.eps) end
+
+-- --------------------------------------------------------------- RMSNorm
+local RMSNorm = Module:extend('RMSNorm')
+nn.RMSNorm = RMSNorm
+function RMSNorm:init(dim, opts)
+  check_int('RMSNorm', 'dim', dim)
+  self.dim, self.eps = dim, opt(opts, 'eps', 1e-6)
+  self:register_parameter('weight', T.ones({ dim }, topts(opts)))
+end
+function RMSNorm:forward(x) return nnf.rms_norm(x, self.weight, self.eps) end
+function RMSNorm:extra_repr() return ('%d, eps=%g'):format(self.dim, self.eps) end
+
+-- ---------------------------------------------------- Dropout, GELU, SiLU
+local Dropout = Module:extend('Dropout')
+nn.Dropout = Dropout
+function Dropout:init(p) self.p = p or 0.5 end
+function Dropout:forward(x) return nnf.dropout(x, self.p, self.training) end
+function Dropout:extra_repr() return ('p=%g'):format(self.p) end
+
+local GELU = Module:extend('GELU')
+nn.GELU = GELU
+function GELU:init(opts)
+  self.approximate = opt(opts, 'approximate', 'tanh')
+  if self.approximate ~= 'tanh' then
+    error(("GELU: only approximate = 'tanh' is implemented, got %s"):format(tostring(self.approximate)), 3)
+  end
+end
+function GELU:forward(x) return nnf.gelu(x) end
+function GELU:extra_repr() return "approximate='tanh'" end
+
+local SiLU = Module:extend('SiLU')
+nn.SiLU = SiLU
+function SiLU:forward(x) return nnf.silu(x) end
+
+-- ---------------------------------------------------- ModuleList, Sequential
+local ModuleList = Module:extend('ModuleList')
+nn.ModuleList = ModuleList
+-- children named '0', '1', ... (as torch); list[i] (1-based) also works
+function ModuleList:init(list)
+  for _, m in ipairs(list or {}) do self:append(m) end
+end
+function ModuleList:append(m)
+  local i = #self._module_names
+  self:register_module(tostring(i), m)
+  rawset(self, i + 1, m)
+  return self
+end
+function ModuleList:forward()
+  error('ModuleList: has no forward (iterate over it: for i, m in ipairs(list) do ... end)', 2)
+end
+
+local Sequential = Module:extend('Sequential')
+nn.Sequential = Sequential
+function Sequential:init(...)
+  local list = { ... }
+  if #list == 1 and type(list[1]) == 'table' and not nn.is_module(list[1]) then list = list[1] end
+  for i, m in ipairs(list) do
+    self:register_module(tostring(i - 1), m)
+    rawset(self, i, m)
+  end
+end
+function Sequential:forward(x, ...)
+  local n = #self._module_names
+  for i = 1, n do
+    local m = rawget(self, self._module_names[i])
+    if i == 1 then x = m(x, ...) else x = m(x) end
+  end
+  return x
+end
+
+-- --------------------------------------------------------------- MLPs
+-- GPT-2's MLP: c_proj(gelu_tanh(c_fc(x))), Conv1D layers (Linear with conv1d = false)
+local MLP = Module:extend('MLP')
+nn.MLP = MLP
+function MLP:init(cfg)
+  cfg = cfg or {}
+  check_int('MLP', 'dim', cfg.dim)
+  local hidden = cfg.hidden or 4 * cfg.dim
+  self.dim, self.hidden = cfg.dim, hidden
+  local L = cfg.conv1d == false and Linear or Conv1D
+  local o = { dtype = cfg.dtype, device = cfg.device, bias = cfg.bias }
+  self:register_module('c_fc', L(cfg.dim, hidden, o))
+  self:register_module('c_proj', L(hidden, cfg.dim, o))
+end
+function MLP:forward(x) return self.c_proj(nnf.gelu(self.c_fc(x))) end
+function MLP:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, self.hidden) end
+
+-- Llama's SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x))
+local GatedMLP = Module:extend('GatedMLP')
+nn.GatedMLP = GatedMLP
+function GatedMLP:init(cfg)
+  cfg = cfg or {}
+  check_int('GatedMLP', 'dim', cfg.dim)
+  check_int('GatedMLP', 'hidden', cfg.hidden)
+  self.dim, self.hidden = cfg.dim, cfg.hidden
+  local o = { bias = cfg.bias or false, dtype = cfg.dtype, device = cfg.device }
+  self:register_module('gate_proj', Linear(cfg.dim, cfg.hidden, o))
+  self:register_module('up_proj', Linear(cfg.dim, cfg.hidden, o))
+  self:register_module('down_proj', Linear(cfg.hidden, cfg.dim, o))
+end
+function GatedMLP:forward(x)
+  local g = nnf.silu(self.gate_proj(x))
+  return self.down_proj(g * self.up_proj(x))
+end
+function GatedMLP:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, self.hidden) end
+
+-- ------------------------------------------------------ CausalSelfAttention
+-- nn.CausalSelfAttention{dim=, n_head=, n_kv_head=n_head, head_dim=dim/n_head,
+--   bias=false, o_bias=bias, rope_theta=nil, fused_qkv=false}
+-- fused_qkv = false: Llama's q_proj, k_proj, v_proj, o_proj (Linear; bias on
+--   q/k/v when bias, on o_proj when o_bias);
+-- fused_qkv = true: GPT-2's c_attn (Conv1D dim -> 3*dim) and c_proj (Conv1D),
+--   both with bias.
+-- RoPE (rope_theta) as Hugging Face Llama; GQA repeats the kv heads.
+local Attention = Module:extend('CausalSelfAttention')
+nn.CausalSelfAttention = Attention
+function Attention:init(cfg)
+  cfg = cfg or {}
+  check_int('CausalSelfAttention', 'dim', cfg.dim)
+  check_int('CausalSelfAttention', 'n_head', cfg.n_head)
+  local n_kv = cfg.n_kv_head or cfg.n_head
+  check_int('CausalSelfAttention', 'n_kv_head', n_kv)
+  if cfg.n_head % n_kv ~= 0 then
+    error(('CausalSelfAttention: n_head %d is not a multiple of n_kv_head %d'):format(cfg.n_head, n_kv), 3)
+  end
+  local hd = cfg.head_dim or cfg.dim / cfg.n_head
+  check_int('CausalSelfAttention', 'head_dim', hd)
+  self.dim, self.n_head, self.n_kv_head, self.head_dim = cfg.dim, cfg.n_head, n_kv, hd
+  self.rope_theta = cfg.rope_theta
+  self.fused_qkv = cfg.fused_qkv and true or false
+  if self.rope_theta and hd % 2 ~= 0 then
+    error(('CausalSelfAttention: RoPE needs an even head_dim, got %d'):format(hd), 3)
+  end
+  local dt = { dtype = cfg.dtype, device = cfg.device }
+  if self.fused_qkv then
+    if n_kv ~= cfg.n_head or hd * cfg.n_head ~= cfg.dim then
+      error('CausalSelfAttention: fused_qkv (GPT-2 layout) needs n_kv_head = n_head and head_dim = dim / n_head', 3)
+    end
+    self:register_module('c_attn', Conv1D(cfg.dim, 3 * cfg.dim, dt))
+    self:register_module('c_proj', Conv1D(cfg.dim, cfg.dim, dt))
+  else
+    local bias = cfg.bias or false
+    local o_bias = cfg.o_bias
+    if o_bias == nil then o_bias = bias end
+    local function L(i, o, b) return Linear(i, o, { bias = b, dtype = dt.dtype, device = dt.device }) end
+    self:register_module('q_proj', L(cfg.dim, cfg.n_head * hd, bias))
+    self:register_module('k_proj', L(cfg.dim, n_kv * hd, bias))
+    self:register_module('v_proj', L(cfg.dim, n_kv * hd, bias))
+    self:register_module('o_proj', L(cfg.n_head * hd, cfg.dim, o_bias))
+  end
+end
+
+function Attention:forward(x)
+  if x.ndim ~= 3 or x.shape[3] ~= self.dim then
+    error(('CausalSelfAttention: expected x of shape (B, T, %d), got (%s)'):format(
+      self.dim, table.concat(x.shape, ', ')), 2)
+  end
+  local s = x.shape
+  local B, Tn = s[1], s[2]
+  local H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
+  local q, k, v
+  if self.fused_qkv then
+    local qkv = self.c_attn(x)
+    local C = self.dim
+    q, k, v = qkv:narrow(3, 1, C), qkv:narrow(3, C + 1, C), qkv:narrow(3, 2 * C + 1, C)
+  else
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+  end
+  q = q:view(B, Tn, H, hd):transpose(2, 3)     -- (B, H, T, hd)
+  k = k:view(B, Tn, Hkv, hd):transpose(2, 3)   -- (B, Hkv, T, hd)
+  v = v:view(B, Tn, Hkv, hd):transpose(2, 3)
+  if self.rope_theta then
+    local cdt = (q.dtype == 'f64') and 'f64' or 'f32'
+    local cos, sin = nnf.rope_cache(Tn, hd, self.rope_theta, cdt, q.device_id)
+    if q.dtype ~= cdt then
+      cos, sin = cos:to(q.dtype), sin:to(q.dtype)
+    end
+    q = nnf.apply_rotary(q, cos, sin)
+    k = nnf.apply_rotary(k, cos, sin)
+  end
+  local y = nnf.scaled_dot_product_attention(q, k, v, { causal = true })
+  y = y:transpose(2, 3):reshape(B, Tn, H * hd)
+  if self.fused_qkv then return self.c_proj(y) end
+  return self.o_proj(y)
+end
+function Attention:extra_repr()
+  return ('dim=%d, n_head=%d, n_kv_head=%d, head_dim=%d%s%s'):format(self.dim, self.n_head, self.n_kv_head,
+    self.head_dim, self.rope_theta and (', rope_theta=%g'):format(self.rope_theta) or '',
+    self.fused_qkv and ', fused_qkv' or '')
+end
+
+return nn

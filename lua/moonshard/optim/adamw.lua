@@ -1,0 +1,93 @@
+-- moonshard.optim.adamw — AdamW (Loshchilov & Hutter), as torch.optim.AdamW:
+--
+--   p   <- p * (1 - lr * weight_decay)          (decoupled decay)
+--   m   <- beta1 * m + (1 - beta1) * g
+--   v   <- beta2 * v + (1 - beta2) * g^2
+--   p   <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+--
+-- ms.optim.AdamW(params, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8,
+-- weight_decay = 0.01}). Given a module, two groups: decay (2-D+ weights) and
+-- no decay (norms, biases, embeddings; optim.no_decay decides). Moments are
+-- f32 (f64 for f64 parameters); a bf16/f16 parameter is updated in f32 and
+-- rounded once. This file returns a builder: require('moonshard.optim').AdamW
+-- is the class.
+local F = require 'moonshard.ops'
+local A = require 'moonshard.autograd'
+
+local free = A.free
+
+return function(optim)
+  local AdamW = setmetatable({}, { __index = optim.Optimizer })
+  AdamW.__index = AdamW
+  AdamW.__tostring = optim.Optimizer.__tostring
+
+  local defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.01 }
+
+  local function new(params, opts)
+    opts = opts or {}
+    local d = {}
+    for k, v in pairs(defaults) do d[k] = v end
+    for k, v in pairs(opts) do d[k] = v end
+    if type(d.lr) ~= 'number' or d.lr < 0 then error(('AdamW: lr must be a number >= 0, got %s'):format(tostring(d.lr)), 2) end
+    if type(d.betas) ~= 'table' or #d.betas ~= 2 then error('AdamW: betas must be a table {beta1, beta2}', 2) end
+    return optim.new_optimizer(AdamW, 'AdamW', params, d, true)
+  end
+  setmetatable(AdamW, { __index = optim.Optimizer, __call = function(_, ...) return new(...) end })
+
+  local function init_state(p)
+    local dt = optim.state_dtype(p)
+    local o = { dtype = dt, device = p.device_id }
+    local T = require 'moonshard.tensor'
+    return { step = 0, exp_avg = T.zeros(p.shape, o), exp_avg_sq = T.zeros(p.shape, o) }
+  end
+
+  function AdamW:step()
+    A.no_grad(function()
+      for _, group in ipairs(self.param_groups) do
+        local lr, eps, wd = group.lr, group.eps, group.weight_decay or 0
+        local b1, b2 = group.betas[1], group.betas[2]
+        for _, p in ipairs(group.params) do
+          local g = p.grad
+          if g ~= nil then
+            local st = self:state_of(p, init_state)
+            st.step = st.step + 1
+            local m, v = st.exp_avg, st.exp_avg_sq
+            local gf = g
+            if g.dtype_id ~= m.dtype_id then gf = g:to({ dtype = m.dtype_id }) end
+            -- m = b1 m + (1 - b1) g
+            F.mul_(m, b1)
+            local t = F.mul(gf, 1 - b1)
+            F.add_(m, t)
+            free(t)
+            -- v = b2 v + (1 - b2) g^2
+            F.mul_(v, b2)
+            t = F.square(gf)
+            F.mul_(t, 1 - b2)
+            F.add_(v, t)
+            free(t)
+            if gf ~= g then free(gf) end
+            local bc1 = 1 - b1 ^ st.step
+            local bc2 = 1 - b2 ^ st.step
+            local denom = F.sqrt(v)
+            F.div_(denom, math.sqrt(bc2))
+            F.add_(denom, eps)
+            local upd = F.div(m, denom)
+            free(denom)
+            F.mul_(upd, lr / bc1)
+            local pw = p
+            if p.dtype_id ~= m.dtype_id then pw = p:to({ dtype = m.dtype_id }) end
+            if wd ~= 0 then F.mul_(pw, 1 - lr * wd) end
+            F.sub_(pw, upd)
+            free(upd)
+            if pw ~= p then
+              p:copy_(pw)
+              free(pw)
+            end
+          end
+        end
+      end
+    end)
+  end
+
+  return AdamW
+end
