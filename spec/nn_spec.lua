@@ -1,0 +1,454 @@
+-- nn: the Module base (registration, traversal, state dicts, dtype moves,
+-- printing) and each module against a hand computation; bad input errors.
+local ms = require 'moonshard'
+local nn = require 'moonshard.nn'
+local nnf = nn.functional
+local A = ms.autograd
+local F = ms.raw
+
+local function maxdiff(a, b)
+  return F.max(F.abs(F.sub(a, b))):item()
+end
+local function list_of(it)
+  local r = {}
+  for a, b in it do r[#r + 1] = { a, b } end
+  return r
+end
+local function errmsg(fn)
+  local ok, err = pcall(fn)
+  assert.is_false(ok, 'expected an error')
+  return tostring(err)
+end
+
+-- a two-level model with a tied weight and a buffer
+local Inner = nn.Module:extend('Inner')
+function Inner:init(d)
+  self:register_module('proj', nn.Linear(d, d))
+  self:register_module('norm', nn.LayerNorm(d))
+end
+function Inner:forward(x) return self.norm(self.proj(x)) end
+
+local Net = nn.Module:extend('Net')
+function Net:init(v, d)
+  self:register_module('embed', nn.Embedding(v, d))
+  self:register_module('blocks', nn.ModuleList { Inner(d), Inner(d) })
+  self:register_module('head', nn.Linear(d, v, { bias = false }))
+  self.head.weight = self.embed.weight          -- tie (a plain assignment)
+  self:register_buffer('scale', ms.full({ 1 }, 2))
+  self:register_buffer('scratch', ms.zeros({ 2 }), false)
+end
+function Net:forward(ids)
+  local x = self.embed(ids)
+  for _, b in ipairs(self.blocks) do x = b(x) end
+  return self.head(x)
+end
+
+describe('nn.Module', function()
+  before_each(function() A.clear_tape() end)
+
+  it('classes: extend, init, __call, class names, is_module', function()
+    local n = Net(7, 4)
+    assert.are.equal('Net', n:class_name())
+    assert.is_true(nn.is_module(n))
+    assert.is_true(nn.is_module(n.blocks[1]))
+    assert.is_false(nn.is_module({}))
+    local y = n(ms.tensor({ { 1, 2 } }, { dtype = 'i64' }))
+    assert.are.same({ 1, 2, 7 }, y.shape)
+    assert.matches('class Net', tostring(Net))
+  end)
+
+  it('named_parameters: dotted names in registration order, a shared tensor once', function()
+    local n = Net(7, 4)
+    local names = {}
+    for name, p in n:named_parameters() do names[#names + 1] = name end
+    assert.are.same({ 'embed.weight',
+      'blocks.0.proj.weight', 'blocks.0.proj.bias', 'blocks.0.norm.weight', 'blocks.0.norm.bias',
+      'blocks.1.proj.weight', 'blocks.1.proj.bias', 'blocks.1.norm.weight', 'blocks.1.norm.bias' }, names)
+    assert.are.equal(9, #n:parameters())
+    assert.are.equal(7 * 4 + 2 * (16 + 4 + 4 + 4), n:num_parameters())
+    for _, p in ipairs(n:parameters()) do assert.is_true(p.requires_grad) end
+    local bn = {}
+    for name in n:named_buffers() do bn[#bn + 1] = name end
+    assert.are.same({ 'scale', 'scratch' }, bn)
+  end)
+
+  it('children, modules, apply, train/eval', function()
+    local n = Net(7, 4)
+    local ch = {}
+    for name, c in n:named_children() do ch[#ch + 1] = name .. ':' .. c:class_name() end
+    assert.are.same({ 'embed:Embedding', 'blocks:ModuleList', 'head:Linear' }, ch)
+    local k = 0
+    for _ in n:children() do k = k + 1 end
+    assert.are.equal(3, k)
+    local mods = {}
+    for name in n:named_modules() do mods[#mods + 1] = name end
+    assert.are.same({ '', 'embed', 'blocks', 'blocks.0', 'blocks.0.proj', 'blocks.0.norm',
+      'blocks.1', 'blocks.1.proj', 'blocks.1.norm', 'head' }, mods)
+    local order = {}
+    n.blocks[1]:apply(function(m) order[#order + 1] = m:class_name() end)
+    assert.are.same({ 'Linear', 'LayerNorm', 'Inner' }, order)
+    n:eval()
+    for m in n:modules() do assert.is_false(m.training) end
+    n:train()
+    for m in n:modules() do assert.is_true(m.training) end
+  end)
+
+  it('state_dict has every name (tied ones too) and persistent buffers only', function()
+    local n = Net(7, 4)
+    local sd, keys = n:state_dict()
+    assert.are.equal(n.embed.weight, sd['embed.weight'])
+    assert.are.equal(n.embed.weight, sd['head.weight'])
+    assert.is_not_nil(sd['scale'])
+    assert.is_nil(sd['scratch'])
+    assert.are.equal(11, #keys)
+  end)
+
+  it('load_state_dict copies values; a tied name may be absent', function()
+    local a, b = Net(7, 4), Net(7, 4)
+    ms.no_grad(function() for _, p in ipairs(b:parameters()) do F.add_(p, 1) end end)
+    local sd = b:state_dict()
+    sd['head.weight'] = nil
+    local r = a:load_state_dict(sd)
+    assert.are.same({}, r.missing)
+    for name, p in a:named_parameters() do
+      assert.are.equal(0, maxdiff(p, b:state_dict()[name]), name)
+    end
+  end)
+
+  it('strict load reports missing, unexpected and mis-shaped keys together, and loads nothing', function()
+    local a, b = Net(7, 4), Net(7, 4)
+    local before = a.blocks[1].proj.weight:clone()
+    local sd = b:state_dict()
+    sd['blocks.0.norm.bias'] = nil
+    sd['scale'] = nil
+    sd['extra.weight'] = ms.zeros({ 2 })
+    sd['blocks.1.proj.weight'] = ms.zeros({ 3, 4 })
+    local msg = errmsg(function() a:load_state_dict(sd) end)
+    assert.matches('missing keys %(2%): scale, blocks.0.norm.bias', msg)
+    assert.matches('unexpected keys %(1%): extra.weight', msg)
+    assert.matches('mis%-shaped keys %(1%): blocks.1.proj.weight: checkpoint %(3, 4%), model %(4, 4%)', msg)
+    assert.are.equal(0, maxdiff(a.blocks[1].proj.weight, before))
+    -- not strict: missing/unexpected are returned; mis-shaped is still an error
+    sd['blocks.1.proj.weight'] = nil
+    local r = a:load_state_dict(sd, { strict = false })
+    assert.are.same({ 'blocks.0.norm.bias', 'blocks.1.proj.weight', 'scale' }, (function()
+      table.sort(r.missing); return r.missing end)())
+    assert.are.same({ 'extra.weight' }, r.unexpected)
+    sd['blocks.1.proj.weight'] = ms.zeros({ 4, 5 })
+    assert.has_error(function() a:load_state_dict(sd, { strict = false }) end)
+  end)
+
+  it('zero_grad drops every gradient', function()
+    local n = Net(7, 4)
+    local y = n(ms.tensor({ { 1, 2 } }, { dtype = 'i64' }))
+    y:sum():backward()
+    for _, p in ipairs(n:parameters()) do assert.is_not_nil(p.grad) end
+    n:zero_grad()
+    for _, p in ipairs(n:parameters()) do assert.is_nil(p.grad) end
+  end)
+
+  it('to(dtype) converts in place, so references stay valid', function()
+    local n = Net(7, 4)
+    local w = n.blocks[1].proj.weight
+    local v = w:clone()
+    n(ms.tensor({ { 1 } }, { dtype = 'i64' })):sum():backward()
+    n:to('f64')
+    assert.are.equal(w, n.blocks[1].proj.weight)
+    assert.are.equal('f64', w.dtype)
+    assert.are.equal('f64', w.grad.dtype)
+    assert.is_true(w.requires_grad)
+    assert.are.equal(0, maxdiff(w, v:to('f64')))
+    assert.are.equal('f64', n.scale.dtype)
+    assert.are.equal(n.embed.weight, n.head.weight)
+  end)
+
+  it('tostring summarises the tree with parameter counts', function()
+    local s = tostring(Net(7, 4))
+    assert.matches('^Net  84 parameters', s)
+    assert.matches('embed: Embedding%(7, 4%)  28', s)
+    assert.matches('proj: Linear%(4, 4%)  20', s)
+    local big = nn.ModuleList { nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2) }
+    assert.matches('0%.%.3: Linear%(2, 2%)  6  %(x4%)', tostring(big))
+  end)
+
+  it('register_* validate their arguments', function()
+    local m = nn.Module()
+    assert.has_error(function() m:register_parameter('a.b', ms.zeros({ 1 })) end)
+    assert.has_error(function() m:register_parameter('w', 3) end)
+    assert.has_error(function() m:register_module('c', {}) end)
+    assert.has_error(function() m:forward() end)
+  end)
+end)
+
+describe('nn modules', function()
+  before_each(function() A.clear_tape() end)
+
+  it('Linear: weight (out, in), y = x W^T + b, clear shape errors', function()
+    local l = nn.Linear(3, 2)
+    assert.are.same({ 2, 3 }, l.weight.shape)
+    local x = ms.randn({ 4, 3 })
+    local want = F.add(F.matmul(x, l.weight, false, true), l.bias)
+    assert.is_true(maxdiff(l(x), want) < 1e-6)
+    local msg = errmsg(function() l(ms.randn({ 4, 5 })) end)
+    assert.matches('linear: input of shape %(4, 5%) does not end in in_features = 3', msg)
+    assert.is_nil(nn.Linear(3, 2, { bias = false }).bias)
+    assert.has_error(function() nn.Linear(0, 2) end)
+  end)
+
+  it('Conv1D: weight (in, out) as GPT-2, y = x W + b', function()
+    local c = nn.Conv1D(3, 5)
+    assert.are.same({ 3, 5 }, c.weight.shape)
+    local x = ms.randn({ 2, 3 })
+    assert.is_true(maxdiff(c(x), F.add(F.matmul(x, c.weight), c.bias)) < 1e-6)
+  end)
+
+  it('Embedding: rows of the weight; bad ids name the id and the vocabulary', function()
+    local e = nn.Embedding(5, 3)
+    local ids = ms.tensor({ { 4, 0 } }, { dtype = 'i64' })
+    local y = e(ids)
+    assert.are.same({ 1, 2, 3 }, y.shape)
+    assert.are.equal(0, maxdiff(y:select(1, 1):select(1, 1), e.weight:select(1, 5)))
+    local msg = errmsg(function() e(ms.tensor({ 1, 5 }, { dtype = 'i64' })) end)
+    assert.matches('token id 5', msg)
+    assert.matches('vocabulary of 5', msg)
+    msg = errmsg(function() e(ms.tensor({ -1 }, { dtype = 'i64' })) end)
+    assert.matches('token id %-1', msg)
+    assert.matches('ids must be i64 or i32', errmsg(function() e(ms.tensor({ 1 })) end))
+    assert.are.same({ 1, 3 }, e(ms.tensor({ 2 }, { dtype = 'i32' })).shape)
+  end)
+
+  it('LayerNorm and RMSNorm match their formulas', function()
+    local x = ms.randn({ 2, 5 }, { dtype = 'f64' })
+    local ln = nn.LayerNorm(5, { eps = 1e-5 }):to('f64')
+    ms.no_grad(function()
+      ln.weight:copy_(ms.randn({ 5 }, { dtype = 'f64', seed = 2 }))
+      ln.bias:copy_(ms.randn({ 5 }, { dtype = 'f64', seed = 3 }))
+    end)
+    local mu = F.mean(x, -1, true)
+    local var = F.mean(F.square(F.sub(x, mu)), -1, true)
+    local want = F.add(F.mul(F.div(F.sub(x, mu), F.sqrt(F.add(var, 1e-5))), ln.weight), ln.bias)
+    assert.is_true(maxdiff(ln(x), want) < 1e-12)
+    local rn = nn.RMSNorm(5, { eps = 1e-6 }):to('f64')
+    local want2 = F.mul(F.div(x, F.sqrt(F.add(F.mean(F.square(x), -1, true), 1e-6))), rn.weight)
+    assert.is_true(maxdiff(rn(x), want2) < 1e-12)
+    assert.has_error(function() ln(ms.randn({ 2, 4 }, { dtype = 'f64' })) end)
+  end)
+
+  it('Dropout: identity in eval, zeros about p and scales the rest in training', function()
+    local d = nn.Dropout(0.25)
+    local x = ms.ones({ 10000 })
+    d:eval()
+    assert.are.equal(x, d(x))
+    d:train()
+    local y = d(x)
+    local zeros = F.sum(F.eq(y, 0):to('f32')):item()
+    assert.is_true(math.abs(zeros / 10000 - 0.25) < 0.02)
+    local kept = F.sum(y):item() / (10000 - zeros)
+    assert.is_true(math.abs(kept - 1 / 0.75) < 1e-5)
+    local a = nnf.dropout(x, 0.5, true, { seed = 3 })
+    local b = nnf.dropout(x, 0.5, true, { seed = 3 })
+    assert.are.equal(0, maxdiff(a, b))
+  end)
+
+  it('GELU (tanh form) and SiLU match their formulas', function()
+    local x = ms.randn({ 7 }, { dtype = 'f64' })
+    local c = math.sqrt(2 / math.pi)
+    local inner = F.mul(F.add(x, F.mul(F.pow(x, 3), 0.044715)), c)
+    local want = F.mul(F.mul(x, 0.5), F.add(F.tanh(inner), 1))
+    assert.is_true(maxdiff(nn.GELU()(x), want) < 1e-12)
+    assert.is_true(maxdiff(nn.SiLU()(x), F.mul(x, F.sigmoid(x))) < 1e-12)
+    assert.has_error(function() nn.GELU { approximate = 'none' } end)
+  end)
+
+  it('MLP, GatedMLP, Sequential, ModuleList use the Hugging Face names', function()
+    local names = function(m)
+      local r = {}
+      for n, p in m:named_parameters() do r[#r + 1] = n .. ':' .. table.concat(p.shape, 'x') end
+      return table.concat(r, ' ')
+    end
+    assert.are.equal('c_fc.weight:4x16 c_fc.bias:16 c_proj.weight:16x4 c_proj.bias:4',
+      names(nn.MLP { dim = 4 }))
+    assert.are.equal('gate_proj.weight:6x4 up_proj.weight:6x4 down_proj.weight:4x6',
+      names(nn.GatedMLP { dim = 4, hidden = 6 }))
+    local s = nn.Sequential(nn.Linear(2, 3), nn.SiLU(), nn.Linear(3, 1))
+    assert.are.equal('0.weight:3x2 0.bias:3 2.weight:1x3 2.bias:1', names(s))
+    assert.are.equal(s[3], s['2'])
+    local l = nn.ModuleList { nn.Linear(2, 2) }
+    l:append(nn.Linear(2, 2))
+    assert.are.equal(2, #l)
+    assert.has_error(function() l(ms.zeros({ 2 })) end)
+    local x = ms.randn({ 5, 2 })
+    assert.are.equal(0, maxdiff(s(x), s[3](s[2](s[1](x)))))
+  end)
+
+  it('GatedMLP computes down(silu(gate x) * up x)', function()
+    local m = nn.GatedMLP { dim = 3, hidden = 5 }
+    local x = ms.randn({ 2, 3 })
+    local g = F.silu(F.matmul(x, m.gate_proj.weight, false, true))
+    local u = F.matmul(x, m.up_proj.weight, false, true)
+    local want = F.matmul(F.mul(g, u), m.down_proj.weight, false, true)
+    assert.is_true(maxdiff(m(x), want) < 1e-5)
+  end)
+end)
+
+describe('attention', function()
+  before_each(function() A.clear_tape() end)
+
+  it('parameter names: Llama (q/k/v/o_proj) and GPT-2 (c_attn, c_proj)', function()
+    local names = function(m)
+      local r = {}
+      for n, p in m:named_parameters() do r[#r + 1] = n .. ':' .. table.concat(p.shape, 'x') end
+      return table.concat(r, ' ')
+    end
+    assert.are.equal('q_proj.weight:8x8 k_proj.weight:4x8 v_proj.weight:4x8 o_proj.weight:8x8',
+      names(nn.CausalSelfAttention { dim = 8, n_head = 4, n_kv_head = 2 }))
+    assert.are.equal('c_attn.weight:8x24 c_attn.bias:24 c_proj.weight:8x8 c_proj.bias:8',
+      names(nn.CausalSelfAttention { dim = 8, n_head = 2, fused_qkv = true }))
+    assert.matches('q_proj.bias:8', names(nn.CausalSelfAttention { dim = 8, n_head = 4, bias = true, o_bias = false }))
+    assert.has_error(function() nn.CausalSelfAttention { dim = 8, n_head = 3 } end)
+    assert.has_error(function() nn.CausalSelfAttention { dim = 8, n_head = 4, n_kv_head = 3 } end)
+  end)
+
+  it('scaled_dot_product_attention equals softmax(q k^T / sqrt(d) + mask) v', function()
+    local q = ms.randn({ 1, 2, 3, 4 }, { dtype = 'f64', seed = 1 })
+    local k = ms.randn({ 1, 2, 3, 4 }, { dtype = 'f64', seed = 2 })
+    local v = ms.randn({ 1, 2, 3, 4 }, { dtype = 'f64', seed = 3 })
+    local s = F.mul(F.matmul(q, k, false, true), 0.5)
+    -- mask by hand: -inf where key > query
+    local m = ms.zeros({ 3, 3 }, { dtype = 'f64' })
+    for i = 1, 3 do for j = i + 1, 3 do m:set(i, j, -math.huge) end end
+    local want = F.matmul(F.softmax(F.add(s, m), -1), v)
+    assert.is_true(maxdiff(nnf.scaled_dot_product_attention(q, k, v), want) < 1e-12)
+    local want2 = F.matmul(F.softmax(s, -1), v)
+    assert.is_true(maxdiff(nnf.scaled_dot_product_attention(q, k, v, { causal = false }), want2) < 1e-12)
+    assert.has_error(function() nnf.scaled_dot_product_attention(q, k:narrow(2, 1, 1), v) end)
+  end)
+
+  it('grouped-query attention equals multi-head attention with repeated kv heads', function()
+    ms.manual_seed(5)
+    local gqa = nn.CausalSelfAttention { dim = 8, n_head = 4, n_kv_head = 2, rope_theta = 10000 }
+    local mha = nn.CausalSelfAttention { dim = 8, n_head = 4, rope_theta = 10000 }
+    local function rep(w) -- (2 heads * 2, 8) -> (4 heads * 2, 8): head h uses kv head floor(h / 2)
+      local rows = {}
+      for h = 0, 3 do rows[#rows + 1] = w:narrow(1, math.floor(h / 2) * 2 + 1, 2) end
+      return F.cat(rows, 1)
+    end
+    ms.no_grad(function()
+      mha.q_proj.weight:copy_(gqa.q_proj.weight)
+      mha.o_proj.weight:copy_(gqa.o_proj.weight)
+      mha.k_proj.weight:copy_(rep(gqa.k_proj.weight))
+      mha.v_proj.weight:copy_(rep(gqa.v_proj.weight))
+    end)
+    local x = ms.randn({ 2, 5, 8 })
+    assert.is_true(maxdiff(gqa(x), mha(x)) < 1e-5)
+  end)
+
+  it('RoPE follows Hugging Face Llama (rotate_half, inv_freq = theta^(-2i/d))', function()
+    local T_, d, theta = 4, 6, 100
+    local cos, sin = nnf.rope_cache(T_, d, theta, 'f64')
+    local x = ms.randn({ 1, 1, T_, d }, { dtype = 'f64', seed = 4 })
+    local y = nnf.apply_rotary(x, cos, sin)
+    for t = 0, T_ - 1 do
+      for j = 0, d - 1 do
+        local i = j % (d / 2)
+        local ang = t * theta ^ (-2 * i / d)
+        local rot = j < d / 2 and -x:get(1, 1, t + 1, j + 1 + d / 2) or x:get(1, 1, t + 1, j + 1 - d / 2)
+        local want = x:get(1, 1, t + 1, j + 1) * math.cos(ang) + rot * math.sin(ang)
+        assert.is_true(math.abs(y:get(1, 1, t + 1, j + 1) - want) < 1e-12)
+      end
+    end
+  end)
+
+  it('is causal: outputs do not depend on later positions', function()
+    for _, cfg in ipairs({ { dim = 8, n_head = 2, fused_qkv = true },
+      { dim = 8, n_head = 4, n_kv_head = 2, rope_theta = 10000 } }) do
+      local m = nn.CausalSelfAttention(cfg)
+      local x = ms.randn({ 1, 4, 8 })
+      local y1 = m(x)
+      local x2 = x:clone()
+      ms.no_grad(function() F.add_(x2:narrow(2, 4, 1), 1) end)
+      local y2 = m(x2)
+      assert.is_true(maxdiff(y1:narrow(2, 1, 3), y2:narrow(2, 1, 3)) < 1e-6)
+      assert.is_true(maxdiff(y1:narrow(2, 4, 1), y2:narrow(2, 4, 1)) > 1e-4)
+    end
+    local m = nn.CausalSelfAttention { dim = 8, n_head = 2 }
+    assert.matches('expected x of shape %(B, T, 8%)', errmsg(function() m(ms.randn({ 1, 4, 6 })) end))
+  end)
+end)
+
+describe('losses', function()
+  before_each(function() A.clear_tape() end)
+
+  local function ce_by_hand(logits, targets, ignore, ls)
+    local L, V = logits:totable(), logits.shape[2]
+    local total, n = 0, 0
+    for i, row in ipairs(L) do
+      local t = targets[i]
+      if t ~= ignore then
+        local mx = -math.huge
+        for _, v in ipairs(row) do mx = math.max(mx, v) end
+        local s = 0
+        for _, v in ipairs(row) do s = s + math.exp(v - mx) end
+        local lse = mx + math.log(s)
+        local nll = lse - row[t + 1]
+        local smooth = 0
+        for _, v in ipairs(row) do smooth = smooth + (lse - v) end
+        total = total + (1 - ls) * nll + ls * smooth / V
+        n = n + 1
+      end
+    end
+    return total, n
+  end
+
+  it('cross_entropy matches a hand computation (ignore_index, label smoothing, reductions)', function()
+    local logits = ms.randn({ 4, 6 }, { dtype = 'f64', seed = 8 })
+    local tt = { 2, -100, 5, 0 }
+    local t = ms.tensor(tt, { dtype = 'i64' })
+    local tot, n = ce_by_hand(logits, tt, -100, 0)
+    assert.is_true(math.abs(nnf.cross_entropy(logits, t):item() - tot / n) < 1e-12)
+    assert.is_true(math.abs(nnf.cross_entropy(logits, t, { reduction = 'sum' }):item() - tot) < 1e-12)
+    local none = nnf.cross_entropy(logits, t, { reduction = 'none' })
+    assert.are.same({ 4 }, none.shape)
+    assert.are.equal(0, none:get(2))
+    local tot2, n2 = ce_by_hand(logits, tt, -100, 0.2)
+    assert.is_true(math.abs(nnf.cross_entropy(logits, t, { label_smoothing = 0.2 }):item() - tot2 / n2) < 1e-12)
+    local tt3 = { 2, 1, 5, 0 }
+    local tot3, n3 = ce_by_hand(logits, tt3, 5, 0)
+    assert.are.equal(3, n3)
+    assert.is_true(math.abs(nnf.cross_entropy(logits, ms.tensor(tt3, { dtype = 'i64' }),
+      { ignore_index = 5 }):item() - tot3 / n3) < 1e-12)
+  end)
+
+  it('cross_entropy with every target ignored is 0 with a zero gradient, not NaN', function()
+    local logits = ms.randn({ 3, 4 }, { dtype = 'f64' }):requires_grad_()
+    local t = ms.tensor({ -100, -100, -100 }, { dtype = 'i64' })
+    local loss = nnf.cross_entropy(logits, t)
+    assert.are.equal(0, loss:item())
+    loss:backward()
+    assert.are.equal(0, F.sum(F.abs(logits.grad)):item())
+  end)
+
+  it('cross_entropy errors: out-of-range target, wrong target shape or dtype', function()
+    local logits = ms.randn({ 3, 4 })
+    assert.matches('target 4 is out of range for 4 classes',
+      errmsg(function() nnf.cross_entropy(logits, ms.tensor({ 0, 4, 1 }, { dtype = 'i64' })) end))
+    assert.has_error(function() nnf.cross_entropy(logits, ms.tensor({ 0, 1 }, { dtype = 'i64' })) end)
+    assert.has_error(function() nnf.cross_entropy(logits, ms.tensor({ 0, 1, 2 })) end)
+  end)
+
+  it('lm_loss is cross_entropy of hidden @ W^T, and looked up at call time', function()
+    local h = ms.randn({ 2, 3, 4 }, { dtype = 'f64' })
+    local w = ms.randn({ 5, 4 }, { dtype = 'f64' })
+    local t = ms.tensor({ { 1, 2, 3 }, { 4, 0, -100 } }, { dtype = 'i64' })
+    local want = nnf.cross_entropy(F.matmul(h, w, false, true):view(6, 5), t:view(6))
+    assert.is_true(math.abs(nnf.lm_loss(h, w, t):item() - want:item()) < 1e-12)
+    local M = nn.Module:extend('UsesLoss')
+    function M:forward(x) return nn.functional.lm_loss(x, w, t) end
+    local saved = nn.functional.lm_loss
+    nn.functional.lm_loss = function() return 'fused' end
+    local ok, r = pcall(function() return M()(h) end)
+    nn.functional.lm_loss = saved
+    assert.is_true(ok)
+    assert.are.equal('fused', r)
+  end)
+end)
