@@ -253,24 +253,31 @@ static const double GELU_A = 0.044715;
 static float sigmoid_f32(float x) { return 1.0f / (1.0f + expf(-x)); }
 static double sigmoid_f64(double x) { return 1.0 / (1.0 + exp(-x)); }
 
-/* gelu, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+/* gelu, tanh form: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3),
+ * computed as x * sigmoid(2u) (the same function: 0.5 (1 + tanh u) =
+ * sigmoid(2u)), which needs one exp instead of a tanh and does not cancel
+ * for negative x */
 static float gelu_f32(float x) {
     float u = (float)GELU_C * (x + (float)GELU_A * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(u));
+    return x / (1.0f + expf(-2.0f * u));
 }
 static double gelu_f64(double x) {
     double u = GELU_C * (x + GELU_A * x * x * x);
-    return 0.5 * x * (1.0 + tanh(u));
+    return x / (1.0 + exp(-2.0 * u));
 }
 
-/* d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 0.044715 x^2) */
+/* d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) u', t = tanh(u),
+ * u' = sqrt(2/pi) (1 + 3 0.044715 x^2); with s = sigmoid(2u):
+ * 0.5 (1 + t) = s and 0.5 (1 - t^2) = 2 s (1 - s) */
 static float gelu_grad_f32(float x) {
-    float t = tanhf((float)GELU_C * (x + (float)GELU_A * x * x * x));
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (float)GELU_C * (1.0f + 3.0f * (float)GELU_A * x * x);
+    float u = (float)GELU_C * (x + (float)GELU_A * x * x * x);
+    float s = 1.0f / (1.0f + expf(-2.0f * u));
+    return s + 2.0f * x * s * (1.0f - s) * (float)GELU_C * (1.0f + 3.0f * (float)GELU_A * x * x);
 }
 static double gelu_grad_f64(double x) {
-    double t = tanh(GELU_C * (x + GELU_A * x * x * x));
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * x * x);
+    double u = GELU_C * (x + GELU_A * x * x * x);
+    double s = 1.0 / (1.0 + exp(-2.0 * u));
+    return s + 2.0 * x * s * (1.0 - s) * GELU_C * (1.0 + 3.0 * GELU_A * x * x);
 }
 
 /* d silu / dx = s (1 + x (1 - s)), s = sigmoid(x) */
@@ -905,13 +912,40 @@ static double row_max(const char *p, int64_t st, int dtype, int64_t n) {
     return val;
 }
 
+/* one contiguous f32 row (y may be x): max, then exp(x - max) stored and
+ * summed in double, then scaled; log_softmax needs no stored exp */
+static void softmax_row_f32(const float *x, float *y, int64_t n, int take_log) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m; /* a NaN spreads through the sum */
+    if (m == -INFINITY) m = 0; /* an all -inf row: 0/0 = NaN as in torch */
+    double sum = 0;
+    if (take_log) {
+        for (int64_t i = 0; i < n; i++) sum += expf(x[i] - m);
+        float lse = (float)log(sum);
+        for (int64_t i = 0; i < n; i++) y[i] = (x[i] - m) - lse;
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            float e = expf(x[i] - m);
+            y[i] = e;
+            sum += e;
+        }
+        float inv = (float)(1.0 / sum);
+        for (int64_t i = 0; i < n; i++) y[i] *= inv;
+    }
+}
+
 /* operands: out, a (row starts). out = exp(x - max) / sum, or x - max - log(sum) */
 static void softmax_run(void *vctx, int64_t len, char *const *p, const int64_t *st, int64_t linear) {
     const softmax_ctx *c = vctx;
     double buf[BLOCK], o[BLOCK];
+    int fast = c->out_dtype == MS_F32 && c->y_dtype == MS_F32 && c->out_st == 4 && c->y_st == 4;
     for (int64_t r = 0; r < len; r++) {
         char *po = p[0] + r * st[0];
         const char *pa = p[1] + r * st[1];
+        if (fast) {
+            softmax_row_f32((const float *)pa, (float *)po, c->n, c->log);
+            continue;
+        }
         double m = row_max(pa, c->y_st, c->y_dtype, c->n), sum = 0;
         if (m == -INFINITY) m = 0; /* an all -inf row: exp gives 0s, 0/0 = NaN as in torch */
         for (int64_t i = 0; i < c->n; i += BLOCK) {
@@ -930,15 +964,35 @@ static void softmax_run(void *vctx, int64_t len, char *const *p, const int64_t *
     }
 }
 
+/* one contiguous f32 row; out may alias y or g */
+static void softmax_backward_row_f32(const float *y, const float *g, float *out, int64_t n, int take_log) {
+    double s = 0;
+    if (take_log) {
+        for (int64_t i = 0; i < n; i++) s += g[i];
+        float fs = (float)s;
+        for (int64_t i = 0; i < n; i++) out[i] = g[i] - expf(y[i]) * fs;
+    } else {
+        for (int64_t i = 0; i < n; i++) s += (double)g[i] * y[i];
+        float fs = (float)s;
+        for (int64_t i = 0; i < n; i++) out[i] = y[i] * (g[i] - fs);
+    }
+}
+
 /* operands: out, y, g (row starts).
  * softmax:     gx = y * (g - sum(g * y))
  * log_softmax: gx = g - exp(y) * sum(g) */
 static void softmax_backward_run(void *vctx, int64_t len, char *const *p, const int64_t *st, int64_t linear) {
     const softmax_ctx *c = vctx;
     double by[BLOCK], bg[BLOCK], o[BLOCK];
+    int fast = c->out_dtype == MS_F32 && c->y_dtype == MS_F32 && c->g_dtype == MS_F32 && c->out_st == 4 &&
+               c->y_st == 4 && c->g_st == 4;
     for (int64_t r = 0; r < len; r++) {
         char *po = p[0] + r * st[0];
         const char *py = p[1] + r * st[1], *pg = p[2] + r * st[2];
+        if (fast) {
+            softmax_backward_row_f32((const float *)py, (const float *)pg, (float *)po, c->n, c->log);
+            continue;
+        }
         double s = 0;
         for (int64_t i = 0; i < c->n; i += BLOCK) {
             int64_t k = c->n - i < BLOCK ? c->n - i : BLOCK;

@@ -713,6 +713,34 @@ describe('softmax', function()
     end
   end)
 
+  it('backward in f32 (the contiguous-row path) agrees with f64', function()
+    math.randomseed(63)
+    local x = rand_tensor({ 6, 33 }, 'f32', -4, 4)
+    local g = rand_tensor({ 6, 33 }, 'f32', -1, 1)
+    for _, log in ipairs({ false, true }) do
+      local y32 = log and F.log_softmax(x, 2) or F.softmax(x, 2)
+      local y64 = log and F.log_softmax(x:to('f64'), 2) or F.softmax(x:to('f64'), 2)
+      assert_close(vals(y32), vals(y64), 2e-6, 1e-7, 'forward f32 log=' .. tostring(log))
+      local g32 = F.softmax_backward(y32, g, 2, log)
+      local g64 = F.softmax_backward(y64, g:to('f64'), 2, log)
+      assert.are.equal('f32', g32.dtype)
+      assert_close(vals(g32), vals(g64), 1e-5, 1e-6, 'backward f32 log=' .. tostring(log))
+    end
+  end)
+
+  it('gives NaN rows for NaN inputs and all -inf rows, in f32 and f64', function()
+    for _, dt in ipairs({ 'f32', 'f64' }) do
+      local x = make({ 3, 3 }, { 1, 0 / 0, 2, -math.huge, -math.huge, -math.huge, -math.huge, 0, 1 }, dt)
+      for _, log in ipairs({ false, true }) do
+        local y = vals(log and F.log_softmax(x, 2) or F.softmax(x, 2))
+        for i = 1, 6 do assert.is_true(y[i] ~= y[i], dt .. ' element ' .. i .. ' should be NaN') end
+        local e1, e2 = math.exp(-1), 1
+        local want = log and { -math.huge, -1 - math.log(e1 + e2), -math.log(e1 + e2) } or { 0, e1 / (e1 + e2), e2 / (e1 + e2) }
+        assert_close({ y[7], y[8], y[9] }, want, 1e-6, 0, dt .. ' row with -inf')
+      end
+    end
+  end)
+
   it('names the op on errors', function()
     expect_error(function() F.softmax(make({ 2 }, { 1, 2 }, 'i64')) end, 'softmax: needs a float tensor')
     expect_error(function() F.log_softmax(make({ 2, 2 }, { 1, 2, 3, 4 }), 3) end, 'log_softmax: dim 3 out of range')
