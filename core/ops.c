@@ -35,6 +35,143 @@ int ms_cpu_arange_(ms_tensor *t, double start, double step);
 int ms_cpu_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi);
 int ms_cpu_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std);
 
+/* Device dispatch: CUDA tensors go to kernels/ (declared in kernels/kernels.h),
+ * CPU tensors to core/ops_cpu.c. Arguments are checked before these run. */
+#ifdef MS_WITH_CUDA
+#include "../kernels/kernels.h"
+#endif
+
+static int dev_unary(ms_tensor *out, int op, const ms_tensor *a) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_unary(out, op, a);
+#endif
+    return ms_cpu_unary(out, op, a);
+}
+
+static int dev_binary(ms_tensor *out, int op, const ms_tensor *a, const ms_tensor *b) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_binary(out, op, a, b);
+#endif
+    return ms_cpu_binary(out, op, a, b);
+}
+
+static int dev_binary_scalar(ms_tensor *out, int op, const ms_tensor *a, double s, int reverse) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_binary_scalar(out, op, a, s, reverse);
+#endif
+    return ms_cpu_binary_scalar(out, op, a, s, reverse);
+}
+
+static int dev_clamp(ms_tensor *out, const ms_tensor *a, double lo, double hi) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_clamp(out, a, lo, hi);
+#endif
+    return ms_cpu_clamp(out, a, lo, hi);
+}
+
+static int dev_where(ms_tensor *out, const ms_tensor *cond, const ms_tensor *a, const ms_tensor *b) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_where(out, cond, a, b);
+#endif
+    return ms_cpu_where(out, cond, a, b);
+}
+
+/* dim -1: all elements */
+static int dev_reduce(ms_tensor *out, int op, const ms_tensor *a, int dim, int keepdim) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_reduce(out, op, a, dim < 0 ? MS_ALL_DIMS : dim);
+#endif
+    return ms_cpu_reduce(out, op, a, dim, keepdim);
+}
+
+static int dev_softmax(ms_tensor *out, const ms_tensor *a, int dim, int log) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_softmax(out, a, dim, log);
+#endif
+    return ms_cpu_softmax(out, a, dim, log);
+}
+
+static int dev_softmax_backward(ms_tensor *out, const ms_tensor *y, const ms_tensor *g, int dim, int log) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) {
+        /* the kernel reads y and g in out's dtype */
+        ms_tensor *yc = NULL, *gc = NULL;
+        int rc = 0;
+        if (y->dtype_id != out->dtype_id) rc = ms_tensor_to(&yc, y, out->dtype_id, out->device_id);
+        if (!rc && g->dtype_id != out->dtype_id) rc = ms_tensor_to(&gc, g, out->dtype_id, out->device_id);
+        if (!rc) rc = ms_cuda_softmax_backward(out, yc ? yc : y, gc ? gc : g, dim, log);
+        ms_tensor_free(yc);
+        ms_tensor_free(gc);
+        return rc;
+    }
+#endif
+    return ms_cpu_softmax_backward(out, y, g, dim, log);
+}
+
+/* c3, a3, b3: views with transposes applied and batch dims broadcast */
+static int dev_matmul(ms_tensor *c, const ms_tensor *a, const ms_tensor *b) {
+#ifdef MS_WITH_CUDA
+    if (c->device_id >= 0) return ms_cuda_gemm(c, a, b, 0, 0, 1.0, 0.0);
+#endif
+    return ms_cpu_matmul(c, a, b);
+}
+
+static int dev_gemm_(ms_tensor *c, const ms_tensor *a, const ms_tensor *b, double alpha, double beta) {
+#ifdef MS_WITH_CUDA
+    if (c->device_id >= 0) return ms_cuda_gemm(c, a, b, 0, 0, alpha, beta);
+#endif
+    return ms_cpu_gemm_(c, a, b, alpha, beta);
+}
+
+static int dev_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_index_select(out, a, dim, idx);
+#endif
+    return ms_cpu_index_select(out, a, dim, idx);
+}
+
+static int dev_index_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src) {
+#ifdef MS_WITH_CUDA
+    if (dst->device_id >= 0) return ms_cuda_index_add(dst, dim, idx, src);
+#endif
+    return ms_cpu_index_add_(dst, dim, idx, src);
+}
+
+static int dev_gather(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_gather(out, a, dim, idx);
+#endif
+    return ms_cpu_gather(out, a, dim, idx);
+}
+
+static int dev_scatter_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src) {
+#ifdef MS_WITH_CUDA
+    if (dst->device_id >= 0) return ms_cuda_scatter_add(dst, dim, idx, src);
+#endif
+    return ms_cpu_scatter_add_(dst, dim, idx, src);
+}
+
+static int dev_fill_(ms_tensor *t, double value) {
+#ifdef MS_WITH_CUDA
+    if (t->device_id >= 0) return ms_cuda_fill(t, value);
+#endif
+    return ms_cpu_fill_(t, value);
+}
+
+static int dev_arange_(ms_tensor *t, double start, double step) {
+#ifdef MS_WITH_CUDA
+    if (t->device_id >= 0) return ms_cuda_arange(t, start, step);
+#endif
+    return ms_cpu_arange_(t, start, step);
+}
+
+static int dev_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double a, double b, int normal) {
+#ifdef MS_WITH_CUDA
+    if (t->device_id >= 0) return ms_cuda_rand(t, seed, offset, a, b, normal);
+#endif
+    return normal ? ms_cpu_randn_(t, seed, offset, a, b) : ms_cpu_rand_(t, seed, offset, a, b);
+}
+
 enum { DESC = 200 }; /* room for ms_desc/ms_shape_str text */
 
 static const char *const g_unary_names[MS_OP_UNARY_END] = {
@@ -89,7 +226,9 @@ static int check_tensors(const char *op, int n, const ms_tensor *const *ts) {
         if (ts[i]->device_id != ts[0]->device_id)
             return ms_errorf("%s: tensors on different devices: %s and %s", op, ms_desc(ts[0], a, sizeof a),
                              ms_desc(ts[i], b, sizeof b));
-    if (ts[0]->device_id >= 0) return ms_errorf("%s: cuda tensors are not supported in this build", op);
+#ifndef MS_WITH_CUDA
+    if (ts[0]->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
     return 0;
 }
 
@@ -169,7 +308,7 @@ int ms_unary(ms_tensor **out, int op, const ms_tensor *a) {
     if (ms_is_int(dtype) && !unary_keeps_int(op)) dtype = MS_F32;
     int allocated = out && !*out;
     if (ms_prepare_out(out, name, a->ndim, a->sizes, dtype, a->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_unary(*out, op, a));
+    return finish(out, allocated, dev_unary(*out, op, a));
 }
 
 static int binary_is_comparison(int op) { return op >= MS_OP_EQ && op <= MS_OP_GE; }
@@ -191,7 +330,7 @@ int ms_binary(ms_tensor **out, int op, const ms_tensor *a, const ms_tensor *b) {
     int dtype = binary_result_dtype(op, ms_promote(a->dtype_id, b->dtype_id));
     int allocated = out && !*out;
     if (ms_prepare_out(out, name, nd, shape, dtype, a->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_binary(*out, op, a, b));
+    return finish(out, allocated, dev_binary(*out, op, a, b));
 }
 
 int ms_binary_scalar(ms_tensor **out, int op, const ms_tensor *a, double s, int reverse) {
@@ -203,14 +342,14 @@ int ms_binary_scalar(ms_tensor **out, int op, const ms_tensor *a, double s, int 
     if (dtype == MS_BOOL && !binary_is_comparison(op) && !(s == 0 || s == 1)) dtype = MS_F32;
     int allocated = out && !*out;
     if (ms_prepare_out(out, name, a->ndim, a->sizes, dtype, a->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_binary_scalar(*out, op, a, s, reverse));
+    return finish(out, allocated, dev_binary_scalar(*out, op, a, s, reverse));
 }
 
 int ms_clamp(ms_tensor **out, const ms_tensor *a, double lo, double hi) {
     if (check1("clamp", a)) return -1;
     int allocated = out && !*out;
     if (ms_prepare_out(out, "clamp", a->ndim, a->sizes, a->dtype_id, a->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_clamp(*out, a, lo, hi));
+    return finish(out, allocated, dev_clamp(*out, a, lo, hi));
 }
 
 int ms_where(ms_tensor **out, const ms_tensor *cond, const ms_tensor *a, const ms_tensor *b) {
@@ -224,7 +363,7 @@ int ms_where(ms_tensor **out, const ms_tensor *cond, const ms_tensor *a, const m
         return -1;
     int allocated = out && !*out;
     if (ms_prepare_out(out, "where", nd2, shape, ms_promote(a->dtype_id, b->dtype_id), a->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_where(*out, cond, a, b));
+    return finish(out, allocated, dev_where(*out, cond, a, b));
 }
 
 /* ========================================================== reductions */
@@ -260,7 +399,7 @@ int ms_reduce(ms_tensor **out, int op, const ms_tensor *a, int dim, int keepdim)
     }
     int allocated = out && !*out;
     if (ms_prepare_out(out, name, nd, shape, dtype, a->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_reduce(*out, op, a, all ? -1 : cd, keepdim));
+    return finish(out, allocated, dev_reduce(*out, op, a, all ? -1 : cd, keepdim));
 }
 
 int ms_softmax(ms_tensor **out, const ms_tensor *a, int dim, int log) {
@@ -270,12 +409,12 @@ int ms_softmax(ms_tensor **out, const ms_tensor *a, int dim, int log) {
     if (a->ndim == 0 && (dim == 0 || dim == -1)) { /* a scalar is its own row */
         int allocated = out && !*out;
         if (ms_prepare_out(out, name, 0, a->sizes, a->dtype_id, a->device_id)) return -1;
-        return finish(out, allocated, ms_cpu_fill_(*out, log ? 0.0 : 1.0));
+        return finish(out, allocated, dev_fill_(*out, log ? 0.0 : 1.0));
     }
     if (ms_wrap_dim(name, dim, a->ndim, &cd)) return -1;
     int allocated = out && !*out;
     if (ms_prepare_out(out, name, a->ndim, a->sizes, a->dtype_id, a->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_softmax(*out, a, cd, log));
+    return finish(out, allocated, dev_softmax(*out, a, cd, log));
 }
 
 int ms_softmax_backward(ms_tensor **out, const ms_tensor *y, const ms_tensor *g, int dim, int log) {
@@ -290,12 +429,12 @@ int ms_softmax_backward(ms_tensor **out, const ms_tensor *y, const ms_tensor *g,
     if (y->ndim == 0 && (dim == 0 || dim == -1)) {
         int allocated = out && !*out;
         if (ms_prepare_out(out, name, 0, y->sizes, dtype, y->device_id)) return -1;
-        return finish(out, allocated, ms_cpu_fill_(*out, 0.0));
+        return finish(out, allocated, dev_fill_(*out, 0.0));
     }
     if (ms_wrap_dim(name, dim, y->ndim, &cd)) return -1;
     int allocated = out && !*out;
     if (ms_prepare_out(out, name, y->ndim, y->sizes, dtype, y->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_softmax_backward(*out, y, g, cd, log));
+    return finish(out, allocated, dev_softmax_backward(*out, y, g, cd, log));
 }
 
 /* ============================================================== matmul */
@@ -376,7 +515,7 @@ int ms_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int trans
     if (!b1) shape[nd++] = N;
     int allocated = out && !*out;
     if (ms_prepare_out(out, op, nd, shape, a->dtype_id, a->device_id)) return -1;
-    if (a->dtype_id == MS_BF16 || a->dtype_id == MS_F16)
+    if ((a->dtype_id == MS_BF16 || a->dtype_id == MS_F16) && a->device_id < 0)
         return finish(out, allocated, matmul_lowp(*out, a, b, transa, transb));
 
     /* views: a3 (batch, M, K), b3 (batch, K, N), c3 (batch, M, N) */
@@ -412,7 +551,7 @@ int ms_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int trans
             if (ms_tensor_view(&cf, c3, 2, cn) == 0) {
                 keep(&vl, af);
                 keep(&vl, cf);
-                rc = ms_cpu_matmul(cf, af, b3);
+                rc = dev_matmul(cf, af, b3);
                 goto done;
             }
             ms_tensor_free(af);
@@ -425,7 +564,7 @@ int ms_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int trans
     full[nb] = K; full[nb + 1] = N;
     if ((rc = ms_tensor_expand(&t, b3, nb + 2, full))) goto done;
     b3 = keep(&vl, t);
-    rc = ms_cpu_matmul(c3, a3, b3);
+    rc = dev_matmul(c3, a3, b3);
 done:
     free_views(&vl);
     return finish(out, allocated, rc);
@@ -454,7 +593,7 @@ int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa,
     ms_tensor *at = NULL, *bt = NULL;
     int rc = transa ? ms_tensor_transpose(&at, a, 0, 1) : ms_tensor_alias(&at, a);
     if (!rc) rc = transb ? ms_tensor_transpose(&bt, b, 0, 1) : ms_tensor_alias(&bt, b);
-    if (!rc) rc = ms_cpu_gemm_(out, at, bt, alpha, beta);
+    if (!rc) rc = dev_gemm_(out, at, bt, alpha, beta);
     ms_tensor_free(at);
     ms_tensor_free(bt);
     return rc;
@@ -474,6 +613,9 @@ static int check_index_tensor(const char *op, const ms_tensor *idx, int max_ndim
 /* every id in idx within [0, size), checked before anything is written */
 static int check_ids(const char *op, const ms_tensor *idx, int dim, int64_t size) {
     char pos[DESC];
+    /* CUDA ids are checked by the kernel that reads them (a device flag the
+     * host checks at its next sync point): reading them here would sync */
+    if (idx->device_id >= 0) return 0;
     int64_t n = ms_tensor_numel(idx), index[MS_MAX_DIMS] = {0};
     int es = ms_dtype_size(idx->dtype_id);
     const char *base = ms_tensor_data(idx);
@@ -505,7 +647,7 @@ int ms_index_select(ms_tensor **out, const ms_tensor *a, int dim, const ms_tenso
     shape[cd] = ms_tensor_numel(idx);
     int allocated = out && !*out;
     if (ms_prepare_out(out, op, a->ndim, shape, a->dtype_id, a->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_index_select(*out, a, cd, idx));
+    return finish(out, allocated, dev_index_select(*out, a, cd, idx));
 }
 
 int ms_index_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src) {
@@ -524,7 +666,7 @@ int ms_index_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor
                          ms_shape_str(src, x, sizeof x), ms_shape_str(dst, y, sizeof y), (long long)ms_tensor_numel(idx),
                          dim);
     if (check_no_self_overlap(op, dst) || check_ids(op, idx, cd, dst->sizes[cd])) return -1;
-    return ms_cpu_index_add_(dst, cd, idx, src);
+    return dev_index_add_(dst, cd, idx, src);
 }
 
 int ms_gather(ms_tensor **out, const ms_tensor *a, int dim, const ms_tensor *idx) {
@@ -540,7 +682,7 @@ int ms_gather(ms_tensor **out, const ms_tensor *a, int dim, const ms_tensor *idx
     if (check_ids(op, idx, cd, a->sizes[cd])) return -1;
     int allocated = out && !*out;
     if (ms_prepare_out(out, op, idx->ndim, idx->sizes, a->dtype_id, a->device_id)) return -1;
-    return finish(out, allocated, ms_cpu_gather(*out, a, cd, idx));
+    return finish(out, allocated, dev_gather(*out, a, cd, idx));
 }
 
 int ms_scatter_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src) {
@@ -559,7 +701,7 @@ int ms_scatter_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tens
                          ms_shape_str(idx, x, sizeof x), ms_shape_str(src, y, sizeof y), ms_shape_str(dst, z, sizeof z),
                          dim);
     if (check_no_self_overlap(op, dst) || check_ids(op, idx, cd, dst->sizes[cd])) return -1;
-    return ms_cpu_scatter_add_(dst, cd, idx, src);
+    return dev_scatter_add_(dst, cd, idx, src);
 }
 
 int ms_cat(ms_tensor **out, int n, ms_tensor *const *ts, int dim) {
@@ -580,16 +722,14 @@ int ms_cat(ms_tensor **out, int n, ms_tensor *const *ts, int dim) {
             return ms_errorf("cat: tensors on different devices: %s and %s", ms_desc(t0, x, sizeof x),
                              ms_desc(t, y, sizeof y));
         if (t->dtype_id != t0->dtype_id)
-            return ms_errorf("cat: dtypes differ: %s and %s (tensor %d)", ms_desc(t0, x, sizeof x),
-                             ms_desc(t, y, sizeof y), i);
+            return ms_errorf("cat: dtypes differ: %s and %s", ms_desc(t0, x, sizeof x), ms_desc(t, y, sizeof y));
         int ok = t->ndim == t0->ndim;
         for (int d = 0; ok && d < t0->ndim; d++) ok = d == cd || t->sizes[d] == t0->sizes[d];
         if (!ok)
-            return ms_errorf("cat: shapes %s and %s (tensor %d) differ outside dim %d", ms_shape_str(t0, x, sizeof x),
-                             ms_shape_str(t, y, sizeof y), i, dim);
+            return ms_errorf("cat: shapes %s and %s differ outside dim %d", ms_shape_str(t0, x, sizeof x),
+                             ms_shape_str(t, y, sizeof y), dim);
         shape[cd] += t->sizes[cd];
     }
-    if (t0->device_id >= 0) return ms_errorf("cat: cuda tensors are not supported in this build");
     int allocated = out && !*out;
     if (ms_prepare_out(out, "cat", t0->ndim, shape, t0->dtype_id, t0->device_id)) return -1;
     int rc = 0;
@@ -608,20 +748,20 @@ int ms_cat(ms_tensor **out, int n, ms_tensor *const *ts, int dim) {
 
 int ms_fill_(ms_tensor *t, double value) {
     if (check1("fill_", t)) return -1;
-    return ms_cpu_fill_(t, value);
+    return dev_fill_(t, value);
 }
 
 int ms_arange_(ms_tensor *t, double start, double step) {
     if (check1("arange_", t)) return -1;
-    return ms_cpu_arange_(t, start, step);
+    return dev_arange_(t, start, step);
 }
 
 int ms_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi) {
     if (check1("rand_", t) || need_float("rand_", t)) return -1;
-    return ms_cpu_rand_(t, seed, offset, lo, hi);
+    return dev_rand_(t, seed, offset, lo, hi, 0);
 }
 
 int ms_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std) {
     if (check1("randn_", t) || need_float("randn_", t)) return -1;
-    return ms_cpu_randn_(t, seed, offset, mean, std);
+    return dev_rand_(t, seed, offset, mean, std, 1);
 }
