@@ -28,10 +28,24 @@ local NAN = 0 / 0
 
 -- ----------------------------------------------------------------- helpers
 
+-- error(msg) at the first caller outside lua/moonshard/ (the user's line,
+-- also when a wrapper tail-called or the call came through an operator or
+-- the autograd layer)
+local function raise(msg)
+  local level = 2
+  while true do
+    local info = debug.getinfo(level, 'S')
+    if not info then level = 1; break end
+    if info.what == 'C' or not info.source:find('moonshard/[%w_/]*%.lua$') then break end
+    level = level + 1
+  end
+  error(msg, level)
+end
+
 -- cfn(box, ...) into a new tensor; errors point at the caller of the op
 local function run(cfn, ...)
   local box = box_t()
-  if cfn(box, ...) ~= 0 then error(ffi.string(C.ms_last_error()), 3) end
+  if cfn(box, ...) ~= 0 then raise(ffi.string(C.ms_last_error())) end
   return wrap(box[0])
 end
 
@@ -39,18 +53,36 @@ end
 local function run_into(out, cfn, ...)
   local box = box_t()
   box[0] = out
-  if cfn(box, ...) ~= 0 then error(ffi.string(C.ms_last_error()), 3) end
+  if cfn(box, ...) ~= 0 then raise(ffi.string(C.ms_last_error())) end
   return out
 end
 
 -- rc of an in-place C call
 local function check(rc)
-  if rc ~= 0 then error(ffi.string(C.ms_last_error()), 3) end
+  if rc ~= 0 then raise(ffi.string(C.ms_last_error())) end
+end
+
+-- The C core names dims 0-based; for an op given the Lua dim d (C dim cd),
+-- its message names the dim as the caller wrote it.
+local function dim_error(cd, d)
+  local msg = ffi.string(C.ms_last_error())
+  msg = (msg .. ' '):gsub('dim ' .. cd .. '([^%d])', 'dim ' .. d .. '%1')
+  return msg:sub(1, -2)
+end
+
+-- run() and check() for ops that take a dim
+local function run_dim(cd, d, cfn, ...)
+  local box = box_t()
+  if cfn(box, ...) ~= 0 then raise(dim_error(cd, d)) end
+  return wrap(box[0])
+end
+local function check_dim(cd, d, rc)
+  if rc ~= 0 then raise(dim_error(cd, d)) end
 end
 
 local function need_tensor(name, x, what)
   if not is_tensor(x) then
-    error(('%s: expected a tensor for %s, got %s'):format(name, what or 'the input', type(x)), 3)
+    raise(('%s: expected a tensor for %s, got %s'):format(name, what or 'the input', type(x)))
   end
   return x
 end
@@ -61,18 +93,18 @@ local function flag(b) return (b and b ~= 0) and 1 or 0 end
 local function dim_of(name, t, d, ndim_plus)
   local n = t.ndim + (ndim_plus or 0)
   if type(d) ~= 'number' or d ~= math.floor(d) then
-    error(('%s: dim must be an integer, got %s'):format(name, tostring(d)), 3)
+    raise(('%s: dim must be an integer, got %s'):format(name, tostring(d)))
   end
   if d > 0 and d <= n then return d - 1 end
   if d < 0 and d >= -n then return n + d end
-  error(('%s: dim %d out of range for a tensor of %d dims (use 1..%d or -%d..-1)'):format(name, d, t.ndim, n, n), 3)
+  raise(('%s: dim %d out of range for a tensor of %d dims (use 1..%d or -%d..-1)'):format(name, d, t.ndim, n, n))
 end
 
 -- an index argument: a tensor of i64/i32 ids, or a Lua table of 0-based ids
 local function index_arg(name, idx)
   if is_tensor(idx) then return idx end
   if type(idx) == 'table' then return T.tensor(idx, { dtype = 'i64' }) end
-  error(('%s: expected an index tensor or a table of ids, got %s'):format(name, type(idx)), 3)
+  raise(('%s: expected an index tensor or a table of ids, got %s'):format(name, type(idx)))
 end
 
 -- ------------------------------------------------------------------- unary
@@ -101,7 +133,7 @@ local binary_ops = {
 local function scalar_of(name, x)
   if type(x) == 'number' then return x end
   if type(x) == 'boolean' then return x and 1 or 0 end
-  error(('%s: expected a tensor or a number, got %s'):format(name, type(x)), 4)
+  raise(('%s: expected a tensor or a number, got %s'):format(name, type(x)))
 end
 
 -- a op b into a new tensor (out == nil) or into out
@@ -114,12 +146,12 @@ local function binary(name, id, a, b, out)
   elseif ta then rc = C.ms_binary_scalar(box, id, a, scalar_of(name, b), 0)
   elseif tb then rc = C.ms_binary_scalar(box, id, b, scalar_of(name, a), 1)
   else
-    error(('%s: expected at least one tensor, got %s and %s'):format(name, type(a), type(b)), 3)
+    raise(('%s: expected at least one tensor, got %s and %s'):format(name, type(a), type(b)))
   end
   if rc ~= 0 then
     local msg = ffi.string(C.ms_last_error())
     if out ~= nil then msg = msg:gsub('^%a+:', name .. ':') end -- name the in-place form
-    error(msg, 3)
+    raise(msg)
   end
   if out ~= nil then return out end
   return wrap(box[0])
@@ -174,9 +206,9 @@ end
 
 local function reduce(name, id, a, dim, keepdim)
   need_tensor(name, a)
-  local d = ALL_DIMS
-  if dim ~= nil then d = a.ndim == 0 and -1 or dim_of(name, a, dim) end
-  return run(C.ms_reduce, id, a, d, flag(keepdim))
+  if dim == nil then return run(C.ms_reduce, id, a, ALL_DIMS, flag(keepdim)) end
+  local cd = a.ndim == 0 and -1 or dim_of(name, a, dim)
+  return run_dim(cd, dim, C.ms_reduce, id, a, cd, flag(keepdim))
 end
 
 local reduce_ops = {
@@ -243,7 +275,8 @@ end
 function F.index_select(a, dim, idx)
   need_tensor('index_select', a)
   idx = index_arg('index_select', idx)
-  return run(C.ms_index_select, a, dim_of('index_select', a, dim), idx)
+  local cd = dim_of('index_select', a, dim)
+  return run_dim(cd, dim, C.ms_index_select, a, cd, idx)
 end
 
 -- dst:index_add_(dim, idx, src): dst.narrow(dim, idx[i]) += src.narrow(dim, i)
@@ -251,21 +284,24 @@ function F.index_add_(dst, dim, idx, src)
   need_tensor('index_add_', dst, 'the destination')
   need_tensor('index_add_', src, 'the source')
   idx = index_arg('index_add_', idx)
-  check(C.ms_index_add_(dst, dim_of('index_add_', dst, dim), idx, src))
+  local cd = dim_of('index_add_', dst, dim)
+  check_dim(cd, dim, C.ms_index_add_(dst, cd, idx, src))
   return dst
 end
 
 function F.gather(a, dim, idx)
   need_tensor('gather', a)
   idx = index_arg('gather', idx)
-  return run(C.ms_gather, a, dim_of('gather', a, dim), idx)
+  local cd = dim_of('gather', a, dim)
+  return run_dim(cd, dim, C.ms_gather, a, cd, idx)
 end
 
 function F.scatter_add_(dst, dim, idx, src)
   need_tensor('scatter_add_', dst, 'the destination')
   need_tensor('scatter_add_', src, 'the source')
   idx = index_arg('scatter_add_', idx)
-  check(C.ms_scatter_add_(dst, dim_of('scatter_add_', dst, dim), idx, src))
+  local cd = dim_of('scatter_add_', dst, dim)
+  check_dim(cd, dim, C.ms_scatter_add_(dst, cd, idx, src))
   return dst
 end
 
@@ -273,24 +309,24 @@ end
 
 -- cat({a, b, ...}, dim = 1)
 function F.cat(list, dim)
-  if is_tensor(list) then error('cat: expected a list of tensors, got a tensor', 2) end
-  if type(list) ~= 'table' or #list == 0 then error('cat: expected a non-empty list of tensors', 2) end
+  if is_tensor(list) then raise('cat: expected a list of tensors, got a tensor') end
+  if type(list) ~= 'table' or #list == 0 then raise('cat: expected a non-empty list of tensors') end
   local n = #list
   local arr = tensor_list_t(n)
   for i = 1, n do
     if not is_tensor(list[i]) then
-      error(('cat: element %d of the list is a %s, not a tensor'):format(i, type(list[i])), 2)
+      raise(('cat: element %d of the list is a %s, not a tensor'):format(i, type(list[i])))
     end
     arr[i - 1] = list[i]
   end
   local d = dim_of('cat', list[1], dim or 1)
-  return run(C.ms_cat, n, arr, d)
+  return run_dim(d, dim or 1, C.ms_cat, n, arr, d)
 end
 
 -- stack({a, b, ...}, dim = 1): a new dim of size #list
 function F.stack(list, dim)
   if type(list) ~= 'table' or is_tensor(list) or #list == 0 then
-    error('stack: expected a non-empty list of tensors', 2)
+    raise('stack: expected a non-empty list of tensors')
   end
   local first = need_tensor('stack', list[1], 'element 1')
   local d = dim_of('stack', first, dim or 1, 1)
@@ -300,7 +336,7 @@ function F.stack(list, dim)
     local t = need_tensor('stack', list[i], 'element ' .. i)
     local shape = table.concat(t.shape, ',')
     if shape ~= shape0 then
-      error(('stack: shapes (%s) and (%s) (element %d) differ'):format(shape0, shape, i), 2)
+      raise(('stack: shapes (%s) and (%s) (element %d) differ'):format(shape0, shape, i))
     end
     parts[i] = run(C.ms_tensor_unsqueeze, t, d)
   end
@@ -318,7 +354,7 @@ function F.split(t, sizes, dim)
   local list = {}
   if type(sizes) == 'number' then
     if sizes <= 0 or sizes ~= math.floor(sizes) then
-      error(('split: size must be a positive integer, got %s'):format(tostring(sizes)), 2)
+      raise(('split: size must be a positive integer, got %s'):format(tostring(sizes)))
     end
     for s = 0, n - 1, sizes do list[#list + 1] = math.min(sizes, n - s) end
     if n == 0 then list[1] = 0 end
@@ -326,17 +362,17 @@ function F.split(t, sizes, dim)
     local total = 0
     for i, s in ipairs(sizes) do
       if type(s) ~= 'number' or s < 0 or s ~= math.floor(s) then
-        error(('split: size %d must be a non-negative integer, got %s'):format(i, tostring(s)), 2)
+        raise(('split: size %d must be a non-negative integer, got %s'):format(i, tostring(s)))
       end
       list[i] = s
       total = total + s
     end
     if total ~= n then
-      error(('split: sizes {%s} sum to %d but dim %d of shape (%s) has size %d'):format(
-        table.concat(sizes, ','), total, dim or 1, table.concat(t.shape, ','), n), 2)
+      raise(('split: sizes {%s} sum to %d but dim %d of shape (%s) has size %d'):format(
+        table.concat(sizes, ','), total, dim or 1, table.concat(t.shape, ','), n))
     end
   else
-    error(('split: expected a size or a table of sizes, got %s'):format(type(sizes)), 2)
+    raise(('split: expected a size or a table of sizes, got %s'):format(type(sizes)))
   end
   local out, at = {}, 0
   for i, s in ipairs(list) do
