@@ -293,6 +293,50 @@ static int check_no_self_overlap(const char *op, const ms_tensor *t) {
     return 0;
 }
 
+/* the bytes [*lo, *hi) a non-empty view can touch */
+static void view_bytes(const ms_tensor *t, int64_t *lo, int64_t *hi) {
+    int64_t a = t->offset, b = t->offset;
+    for (int i = 0; i < t->ndim; i++) {
+        int64_t span = t->strides[i] * (t->sizes[i] - 1);
+        if (span < 0) a += span;
+        else b += span;
+    }
+    int es = ms_dtype_size(t->dtype_id);
+    *lo = a * es;
+    *hi = (b + 1) * es;
+}
+
+static int same_view(const ms_tensor *a, const ms_tensor *b) {
+    if (a->offset != b->offset || a->dtype_id != b->dtype_id || !same_shape(a, b)) return 0;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->sizes[i] > 1 && a->strides[i] != b->strides[i]) return 0;
+    return 1;
+}
+
+/* out is written while `in` is read. Elementwise ops (same_ok) may write
+ * over the very same view (in place); any other overlap would read elements
+ * already written, so it is an error (as in PyTorch) rather than a wrong
+ * answer. Only called for outputs given by the caller. */
+static int check_overlap(const char *op, const ms_tensor *out, const ms_tensor *in, int same_ok) {
+    char x[DESC], y[DESC];
+    if (!in || in->storage != out->storage || ms_tensor_numel(out) == 0 || ms_tensor_numel(in) == 0) return 0;
+    if (same_ok && same_view(out, in)) return 0;
+    int64_t olo, ohi, ilo, ihi;
+    view_bytes(out, &olo, &ohi);
+    view_bytes(in, &ilo, &ihi);
+    if (ohi <= ilo || ihi <= olo) return 0;
+    return ms_errorf("%s: the output %s overlaps an input %s in another layout; write into a separate tensor", op,
+                     ms_desc(out, x, sizeof x), ms_desc(in, y, sizeof y));
+}
+
+/* check_overlap for up to three inputs of an output given by the caller */
+static int check_given_out(const char *op, int allocated, const ms_tensor *out, const ms_tensor *a,
+                           const ms_tensor *b, const ms_tensor *c, int same_ok) {
+    if (allocated) return 0;
+    return check_overlap(op, out, a, same_ok) || check_overlap(op, out, b, same_ok) ||
+           check_overlap(op, out, c, same_ok);
+}
+
 /* ========================================================= elementwise */
 
 /* ops that keep an integer dtype (the rest give f32 for integer inputs) */
@@ -307,7 +351,9 @@ int ms_unary(ms_tensor **out, int op, const ms_tensor *a) {
     int dtype = a->dtype_id;
     if (ms_is_int(dtype) && !unary_keeps_int(op)) dtype = MS_F32;
     int allocated = out && !*out;
-    if (ms_prepare_out(out, name, a->ndim, a->sizes, dtype, a->device_id)) return -1;
+    if (ms_prepare_out(out, name, a->ndim, a->sizes, dtype, a->device_id) ||
+        check_given_out(name, allocated, *out, a, NULL, NULL, 1))
+        return -1;
     return finish(out, allocated, dev_unary(*out, op, a));
 }
 
@@ -329,7 +375,9 @@ int ms_binary(ms_tensor **out, int op, const ms_tensor *a, const ms_tensor *b) {
     if (check2(name, a, b) || broadcast2(name, a, b, &nd, shape)) return -1;
     int dtype = binary_result_dtype(op, ms_promote(a->dtype_id, b->dtype_id));
     int allocated = out && !*out;
-    if (ms_prepare_out(out, name, nd, shape, dtype, a->device_id)) return -1;
+    if (ms_prepare_out(out, name, nd, shape, dtype, a->device_id) ||
+        check_given_out(name, allocated, *out, a, b, NULL, 1))
+        return -1;
     return finish(out, allocated, dev_binary(*out, op, a, b));
 }
 
@@ -339,16 +387,21 @@ int ms_binary_scalar(ms_tensor **out, int op, const ms_tensor *a, double s, int 
     if (check1(name, a)) return -1;
     int dtype = binary_result_dtype(op, a->dtype_id);
     if (ms_is_int(dtype) && dtype != MS_BOOL && !(isfinite(s) && s == floor(s))) dtype = MS_F32;
-    if (dtype == MS_BOOL && !binary_is_comparison(op) && !(s == 0 || s == 1)) dtype = MS_F32;
+    if (dtype == MS_BOOL && !binary_is_comparison(op)) /* bool with a number: i64, or f32 */
+        dtype = (isfinite(s) && s == floor(s)) ? MS_I64 : MS_F32;
     int allocated = out && !*out;
-    if (ms_prepare_out(out, name, a->ndim, a->sizes, dtype, a->device_id)) return -1;
+    if (ms_prepare_out(out, name, a->ndim, a->sizes, dtype, a->device_id) ||
+        check_given_out(name, allocated, *out, a, NULL, NULL, 1))
+        return -1;
     return finish(out, allocated, dev_binary_scalar(*out, op, a, s, reverse));
 }
 
 int ms_clamp(ms_tensor **out, const ms_tensor *a, double lo, double hi) {
     if (check1("clamp", a)) return -1;
     int allocated = out && !*out;
-    if (ms_prepare_out(out, "clamp", a->ndim, a->sizes, a->dtype_id, a->device_id)) return -1;
+    if (ms_prepare_out(out, "clamp", a->ndim, a->sizes, a->dtype_id, a->device_id) ||
+        check_given_out("clamp", allocated, *out, a, NULL, NULL, 1))
+        return -1;
     return finish(out, allocated, dev_clamp(*out, a, lo, hi));
 }
 
@@ -362,7 +415,9 @@ int ms_where(ms_tensor **out, const ms_tensor *cond, const ms_tensor *a, const m
     if (broadcast2("where", a, b, &nd, s1) || broadcast_dims("where", cond->ndim, cond->sizes, nd, s1, &nd2, shape))
         return -1;
     int allocated = out && !*out;
-    if (ms_prepare_out(out, "where", nd2, shape, ms_promote(a->dtype_id, b->dtype_id), a->device_id)) return -1;
+    if (ms_prepare_out(out, "where", nd2, shape, ms_promote(a->dtype_id, b->dtype_id), a->device_id) ||
+        check_given_out("where", allocated, *out, cond, a, b, 1))
+        return -1;
     return finish(out, allocated, dev_where(*out, cond, a, b));
 }
 
@@ -398,7 +453,9 @@ int ms_reduce(ms_tensor **out, int op, const ms_tensor *a, int dim, int keepdim)
         }
     }
     int allocated = out && !*out;
-    if (ms_prepare_out(out, name, nd, shape, dtype, a->device_id)) return -1;
+    if (ms_prepare_out(out, name, nd, shape, dtype, a->device_id) ||
+        check_given_out(name, allocated, *out, a, NULL, NULL, 0))
+        return -1;
     return finish(out, allocated, dev_reduce(*out, op, a, all ? -1 : cd, keepdim));
 }
 
@@ -413,7 +470,9 @@ int ms_softmax(ms_tensor **out, const ms_tensor *a, int dim, int log) {
     }
     if (ms_wrap_dim(name, dim, a->ndim, &cd)) return -1;
     int allocated = out && !*out;
-    if (ms_prepare_out(out, name, a->ndim, a->sizes, a->dtype_id, a->device_id)) return -1;
+    if (ms_prepare_out(out, name, a->ndim, a->sizes, a->dtype_id, a->device_id) ||
+        check_given_out(name, allocated, *out, a, NULL, NULL, 1))
+        return -1;
     return finish(out, allocated, dev_softmax(*out, a, cd, log));
 }
 
@@ -433,7 +492,9 @@ int ms_softmax_backward(ms_tensor **out, const ms_tensor *y, const ms_tensor *g,
     }
     if (ms_wrap_dim(name, dim, y->ndim, &cd)) return -1;
     int allocated = out && !*out;
-    if (ms_prepare_out(out, name, y->ndim, y->sizes, dtype, y->device_id)) return -1;
+    if (ms_prepare_out(out, name, y->ndim, y->sizes, dtype, y->device_id) ||
+        check_given_out(name, allocated, *out, y, g, NULL, 1))
+        return -1;
     return finish(out, allocated, dev_softmax_backward(*out, y, g, cd, log));
 }
 
@@ -514,7 +575,9 @@ int ms_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int trans
     if (!a1) shape[nd++] = M;
     if (!b1) shape[nd++] = N;
     int allocated = out && !*out;
-    if (ms_prepare_out(out, op, nd, shape, a->dtype_id, a->device_id)) return -1;
+    if (ms_prepare_out(out, op, nd, shape, a->dtype_id, a->device_id) ||
+        check_given_out(op, allocated, *out, a, b, NULL, 0))
+        return -1;
     if ((a->dtype_id == MS_BF16 || a->dtype_id == MS_F16) && a->device_id < 0)
         return finish(out, allocated, matmul_lowp(*out, a, b, transa, transb));
 
@@ -589,7 +652,8 @@ int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa,
     if (K != Kb) return mismatch(op, a, b, transa, transb);
     int64_t shape[2] = {M, N};
     ms_tensor *o = out;
-    if (ms_prepare_out(&o, op, 2, shape, a->dtype_id, a->device_id)) return -1;
+    if (ms_prepare_out(&o, op, 2, shape, a->dtype_id, a->device_id) || check_given_out(op, 0, out, a, b, NULL, 0))
+        return -1;
     ms_tensor *at = NULL, *bt = NULL;
     int rc = transa ? ms_tensor_transpose(&at, a, 0, 1) : ms_tensor_alias(&at, a);
     if (!rc) rc = transb ? ms_tensor_transpose(&bt, b, 0, 1) : ms_tensor_alias(&bt, b);
@@ -646,7 +710,9 @@ int ms_index_select(ms_tensor **out, const ms_tensor *a, int dim, const ms_tenso
     memcpy(shape, a->sizes, sizeof shape);
     shape[cd] = ms_tensor_numel(idx);
     int allocated = out && !*out;
-    if (ms_prepare_out(out, op, a->ndim, shape, a->dtype_id, a->device_id)) return -1;
+    if (ms_prepare_out(out, op, a->ndim, shape, a->dtype_id, a->device_id) ||
+        check_given_out(op, allocated, *out, a, idx, NULL, 0))
+        return -1;
     return finish(out, allocated, dev_index_select(*out, a, cd, idx));
 }
 
@@ -665,7 +731,9 @@ int ms_index_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor
         return ms_errorf("index_add_: source shape %s does not fit destination %s with %lld indices along dim %d",
                          ms_shape_str(src, x, sizeof x), ms_shape_str(dst, y, sizeof y), (long long)ms_tensor_numel(idx),
                          dim);
-    if (check_no_self_overlap(op, dst) || check_ids(op, idx, cd, dst->sizes[cd])) return -1;
+    if (check_no_self_overlap(op, dst) || check_given_out(op, 0, dst, idx, src, NULL, 0) ||
+        check_ids(op, idx, cd, dst->sizes[cd]))
+        return -1;
     return dev_index_add_(dst, cd, idx, src);
 }
 
@@ -681,7 +749,9 @@ int ms_gather(ms_tensor **out, const ms_tensor *a, int dim, const ms_tensor *idx
                          ms_shape_str(a, y, sizeof y), dim);
     if (check_ids(op, idx, cd, a->sizes[cd])) return -1;
     int allocated = out && !*out;
-    if (ms_prepare_out(out, op, idx->ndim, idx->sizes, a->dtype_id, a->device_id)) return -1;
+    if (ms_prepare_out(out, op, idx->ndim, idx->sizes, a->dtype_id, a->device_id) ||
+        check_given_out(op, allocated, *out, a, idx, NULL, 0))
+        return -1;
     return finish(out, allocated, dev_gather(*out, a, cd, idx));
 }
 
@@ -700,7 +770,9 @@ int ms_scatter_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tens
         return ms_errorf("scatter_add_: index shape %s does not fit source %s and destination %s along dim %d",
                          ms_shape_str(idx, x, sizeof x), ms_shape_str(src, y, sizeof y), ms_shape_str(dst, z, sizeof z),
                          dim);
-    if (check_no_self_overlap(op, dst) || check_ids(op, idx, cd, dst->sizes[cd])) return -1;
+    if (check_no_self_overlap(op, dst) || check_given_out(op, 0, dst, idx, src, NULL, 0) ||
+        check_ids(op, idx, cd, dst->sizes[cd]))
+        return -1;
     return dev_scatter_add_(dst, cd, idx, src);
 }
 
@@ -732,6 +804,8 @@ int ms_cat(ms_tensor **out, int n, ms_tensor *const *ts, int dim) {
     }
     int allocated = out && !*out;
     if (ms_prepare_out(out, "cat", t0->ndim, shape, t0->dtype_id, t0->device_id)) return -1;
+    for (int i = 0; i < n && !allocated; i++)
+        if (check_overlap("cat", *out, ts[i], 0)) return -1;
     int rc = 0;
     int64_t at = 0;
     for (int i = 0; i < n && !rc; i++) {
