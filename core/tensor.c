@@ -188,10 +188,14 @@ void ms_store(void *p, int dtype, double v) {
 ms_device_backend *ms_cuda_backend = NULL;
 static int64_t g_live_storages = 0;
 static int64_t g_live_bytes_cpu = 0;
+static int64_t g_live_bytes_dev = 0;   /* all devices together */
+static int64_t g_alloc_total = 0;      /* bytes ever allocated, all devices */
+
+int64_t ms_bytes_allocated_total(void) { return __atomic_load_n(&g_alloc_total, __ATOMIC_RELAXED); }
 
 int64_t ms_live_storages(void) { return __atomic_load_n(&g_live_storages, __ATOMIC_RELAXED); }
 int64_t ms_live_bytes(int device) {
-    (void)device;
+    if (device >= 0) return __atomic_load_n(&g_live_bytes_dev, __ATOMIC_RELAXED);
     return __atomic_load_n(&g_live_bytes_cpu, __ATOMIC_RELAXED);
 }
 
@@ -222,8 +226,10 @@ int ms_storage_new(ms_storage **out, int64_t nbytes, int device) {
             free(s);
             return -1;
         }
+        __atomic_add_fetch(&g_live_bytes_dev, nbytes, __ATOMIC_RELAXED);
     }
     __atomic_add_fetch(&g_live_storages, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&g_alloc_total, nbytes, __ATOMIC_RELAXED);
     *out = s;
     return 0;
 }
@@ -239,6 +245,7 @@ void ms_storage_release(ms_storage *s) {
             __atomic_sub_fetch(&g_live_bytes_cpu, s->nbytes, __ATOMIC_RELAXED);
         } else if (ms_cuda_backend) {
             ms_cuda_backend->free(s->data, s->nbytes, s->device);
+            __atomic_sub_fetch(&g_live_bytes_dev, s->nbytes, __ATOMIC_RELAXED);
         }
     }
     __atomic_sub_fetch(&g_live_storages, 1, __ATOMIC_RELAXED);

@@ -66,7 +66,8 @@ void ms_set_error(const char *msg);
 int ms_dtype_size(int dtype);
 const char *ms_dtype_name(int dtype);
 int64_t ms_live_storages(void);   /* storages allocated and not yet freed */
-int64_t ms_live_bytes(int device);
+int64_t ms_live_bytes(int device);   /* device -1: CPU; >= 0: all CUDA devices */
+int64_t ms_bytes_allocated_total(void); /* bytes ever allocated (drives the Lua GC nudge) */
 
 /* creation and lifetime */
 int ms_tensor_empty(ms_tensor **out, int ndim, const int64_t *shape, int dtype, int device);

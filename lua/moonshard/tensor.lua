@@ -90,29 +90,27 @@ local int_arr = ffi.typeof('int[?]')
 T.meta = {}
 local meta = T.meta
 
--- Memory the GC cannot see: nudge a full collection when C allocations grew a
--- lot since the last one, so dropped tensors are not kept alive by a lazy GC.
-local gc_threshold = 256 * 2 ^ 20
-local last_bytes = 0
+-- Memory the GC cannot see: LuaJIT's collector counts a tensor handle as a
+-- few bytes, whatever its storage holds. So the allocator's own counters
+-- drive it, the way Lua's GC pause works: a full collection runs once the
+-- bytes allocated since the last one exceed what was live after it (at
+-- least 64 MiB). Memory then stays within about twice the live set, and
+-- a steady loop reaches a steady cache (no new cudaMalloc) after one cycle.
+local gc_min = 64 * 2 ^ 20
+local next_gc = gc_min
 local function free_handle(t)
   meta[tonumber(t.id)] = nil
   C.ms_tensor_free(t)
 end
 local function gc_nudge()
-  local live = tonumber(C.ms_live_bytes(-1))
-  if live > last_bytes + gc_threshold then
+  local total = tonumber(C.ms_bytes_allocated_total())
+  if total > next_gc then
     collectgarbage()
-    last_bytes = tonumber(C.ms_live_bytes(-1))
-  elseif live < last_bytes then
-    last_bytes = live
+    local live = tonumber(C.ms_live_bytes(-1)) + tonumber(C.ms_live_bytes(0))
+    next_gc = tonumber(C.ms_bytes_allocated_total()) + math.max(gc_min, live)
   end
 end
 
--- A tensor handle is a reference (ms_tensor &) to the C struct, not a
--- pointer: LuaJIT gives `pointer + number` and `pointer - pointer` built-in
--- pointer-arithmetic meanings that would bypass __add/__sub, so `x + 1` on a
--- pointer handle would silently yield a pointer past x. A reference converts
--- to ms_tensor* wherever C expects one.
 function T.wrap(p)
   if p == nil then error('moonshard: a C call returned no tensor', 2) end
   gc_nudge()
