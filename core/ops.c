@@ -6,8 +6,11 @@
  * kernel runs; an error leaves *out as it was (an output allocated here is
  * freed again). Messages name the op and the shapes, dtypes and devices:
  *   "add: shapes (2,3) and (4,3) cannot be broadcast"
- * CPU tensors go to core/ops_cpu.c (rand_/randn_: core/rng.c); CUDA tensors
- * get an error until the CUDA backend adds its branch here.
+ * An output given by the caller (in-place and out= forms) must have the
+ * shape, dtype and device the op would allocate, and may not overlap an
+ * input except as the very same view in elementwise ops.
+ * CPU tensors go to core/ops_cpu.c (rand_/randn_: core/rng.c), CUDA tensors
+ * to kernels/ (the dev_* functions below; builds without CUDA refuse them).
  */
 #include "internal.h"
 
