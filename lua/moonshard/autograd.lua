@@ -153,9 +153,37 @@ local function want(a, b, c)
 end
 A.want = want
 
+-- A.release_activations = true (opt-in): once backward has consumed a node,
+-- the storages of its outputs are freed at once (t:free()) instead of when
+-- Lua collects their handles, so memory does not wait for the GC. Every
+-- intermediate tensor of the consumed tape is then unusable (except the
+-- tensor backward was called on and tensors marked retain_grad): do not
+-- keep activations (e.g. logits) across backward with this on.
+A.release_activations = false
+local weak_v = { __mode = 'v' }
+
 local function mark_output(t, node)
   t.flags = bor(t.flags, RG)
   getmeta(t).grad_fn = node
+  if A.release_activations then
+    local o = node.outs
+    if o == nil then o = setmetatable({}, weak_v); node.outs = o end
+    o[#o + 1] = t
+  end
+end
+
+local function release_outputs(node, root)
+  local o = node.outs
+  if o == nil then return end
+  node.outs = nil
+  for i = 1, table.maxn(o) do
+    local t = o[i]
+    if t ~= nil then
+      local id = tonumber(t.id)
+      local m = meta[id]
+      if id ~= root and not (m and m.retain) then M.free(t) end
+    end
+  end
 end
 
 -- node fields: name, bwd, nin, need[i], leaf[i] (handle of a leaf input or
@@ -303,7 +331,7 @@ end
 
 -- Walk `tape` in reverse. grads: id -> gradient (owned by the walk unless
 -- borrowed[id]). Leaves up to the caller: clearing the tape.
-local function walk(tape, grads, borrowed)
+local function walk(tape, grads, borrowed, root)
   local taken = {}
   -- hand g to input i of node; g is owned by this walk unless borrowed
   local function deliver(node, i, g)
@@ -454,6 +482,8 @@ local function walk(tape, grads, borrowed)
         node.own, node.saved = nil, nil
       end
       node.done = true
+      node.leaf = nil   -- a consumed node holds no tensor handle
+      if node.outs then release_outputs(node, root) end
     end
   end
   -- gradients that reached no node (intermediates of earlier, consumed tapes)
@@ -508,14 +538,15 @@ local function backward(t, grad)
   enabled = false
   local ok, err = pcall(function()
     run_hooks(hooks.backward_begin, tape)
-    walk(tape, { [tonumber(t.id)] = grad }, borrowed)
+    walk(tape, { [tonumber(t.id)] = grad }, borrowed, tonumber(t.id))
   end)
   -- whatever happened, the tape is consumed
   for k = #tape, 1, -1 do
     local n = tape[k]
     tape[k] = nil
     if n.own then for j = 1, #n.own do free(n.own[j]) end end
-    n.own, n.saved, n.done = nil, nil, true
+    n.own, n.saved, n.done, n.leaf = nil, nil, true, nil
+    if n.outs then release_outputs(n, tonumber(t.id)) end
   end
   active = nil
   local ok2, err2 = true, nil
@@ -542,7 +573,8 @@ function A.clear_tape()
     local n = tape[k]
     tape[k] = nil
     if n.own then for j = 1, #n.own do free(n.own[j]) end end
-    n.own, n.saved, n.done = nil, nil, true
+    n.own, n.saved, n.done, n.leaf = nil, nil, true, nil
+    if n.outs then release_outputs(n) end
   end
 end
 function A.tape_size() return #A.tape end
@@ -1273,10 +1305,16 @@ end
 local function bwd_narrow(node, g)
   local z = T.zeros(node.ishape[1], { dtype = g.dtype_id, device = g.device_id })
   local s = node.saved
-  local v
-  if s.select then v = R.select(z, s.dim, s.start) else v = R.narrow(z, s.dim, s.start, s.len) end
-  M.copy_(v, g)
-  free(v)
+  if s.select then
+    local v = R.narrow(z, s.dim, s.start, 1)
+    local gu = R.unsqueeze(g, s.dim)
+    M.copy_(v, gu)
+    free(v); free(gu)
+  else
+    local v = R.narrow(z, s.dim, s.start, s.len)
+    M.copy_(v, g)
+    free(v)
+  end
   return z
 end
 function W.narrow(t, d, start, length)

@@ -451,7 +451,9 @@ function nnf.cross_entropy(logits, targets, opts)
   if l2 ~= logits then free(l2) end
   local t1 = targets.ndim == 1 and targets or R.reshape(targets, { -1 })
   local valid = F.ne(t1, ignore)
-  local tcl = F.where(valid, t1, 0)
+  local vi = R.to(valid, { dtype = t1.dtype_id })
+  local tcl = F.mul(t1, vi)                          -- ignored targets -> class 0
+  free(vi)
   if t1 ~= targets then free(t1) end
   local tcol = R.view(tcl, { N, 1 })
   free(tcl)
