@@ -25,9 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* kernels called by core/ops.c (declared there) */
-int ms_cpu_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi);
-int ms_cpu_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std);
+#include "ops_cpu.h"
 
 enum { PHILOX_ROUNDS = 10 };
 static const uint32_t PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;
