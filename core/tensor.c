@@ -210,7 +210,13 @@ int ms_storage_new(ms_storage **out, int64_t nbytes, int device) {
     if (device < 0) {
         size_t n = (size_t)((nbytes + 63) / 64 * 64);
         if (n == 0) n = 64;
+#ifdef __SANITIZE_ADDRESS__
+        /* the exact size, so AddressSanitizer sees any access past nbytes */
+        if (posix_memalign(&s->data, 64, nbytes ? (size_t)nbytes : 1) != 0) s->data = NULL;
+        (void)n;
+#else
         s->data = aligned_alloc(64, n);
+#endif
         if (!s->data) {
             free(s);
             return ms_errorf("alloc: out of host memory allocating %lld bytes", (long long)nbytes);

@@ -7,7 +7,10 @@ cd "$(dirname "$0")/.."
 export LUA_PATH="./lua/?.lua;./lua/?/init.lua;./?.lua;${LUA_PATH:-;}"
 busted_bin=${BUSTED_LUA:-$(command -v busted || echo /usr/bin/busted)}
 log=$(mktemp)
-luajit "$busted_bin" --lpath='./lua/?.lua;./lua/?/init.lua;./?.lua' -o utfTerminal --no-auto-insulate "$@" 2>&1 | tee "$log"
+# MS_PRELOAD: a library preloaded into luajit alone (make test-asan: libasan)
+preload=()
+if [ -n "${MS_PRELOAD:-}" ]; then preload=(env "LD_PRELOAD=$MS_PRELOAD"); fi
+"${preload[@]}" luajit "$busted_bin" --lpath='./lua/?.lua;./lua/?/init.lua;./?.lua' -o utfTerminal --no-auto-insulate "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 line=$(grep -aE '[0-9]+ success(es)? / [0-9]+ failures? / [0-9]+ errors?' "$log" | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g')
 rm -f "$log"
