@@ -1,0 +1,203 @@
+-- models/gpt2.lua — GPT-2 (Radford et al. 2019), as Hugging Face's
+-- GPT2LMHeadModel: the same config.json fields, the same parameter names and
+-- layouts (Conv1D weights stored (in, out)), the LM head tied to wte.
+--
+--   local gpt2 = require 'models.gpt2'
+--   local model = gpt2.new('tiny')                      -- a preset, or a config table
+--   local model = gpt2.new{ n_layer = 2, n_embd = 64, vocab_size = 256 }
+--   local model = gpt2.from_pretrained('path/to/gpt2')  -- config.json + model.safetensors
+--   local logits = model(input_ids)                     -- (B, T) i64 -> (B, T, V)
+--   local loss = model(input_ids, targets)              -- mean CE over targets ~= -100
+--   local out = model:generate(ids, 50, { temperature = 0.8, top_k = 40, seed = 1 })
+--   model:save_pretrained('out/dir')                    -- HF transformers loads it back
+--
+-- Structure (HF names):
+--   transformer.wte (V, C)  transformer.wpe (n_positions, C)
+--   transformer.h.N: ln_1 -> attn (c_attn: C -> 3C, c_proj) -> +, ln_2 -> mlp (c_fc, c_proj, GELU tanh) -> +
+--   transformer.ln_f, then logits = h @ wte^T (no lm_head.weight of its own)
+local ms = require 'moonshard'
+local nn = require 'moonshard.nn'
+local hf = require 'models.hf'
+
+local gpt2 = { name = 'gpt2', model_type = 'gpt2' }
+
+-- Config fields: { name, type, default, meaning } (types: models/hf.lua).
+gpt2.fields = {
+  { 'model_type', { 'gpt2' }, 'gpt2', 'always gpt2' },
+  { 'vocab_size', 'int>0', 50257, 'tokens in the vocabulary' },
+  { 'n_positions', 'int>0', 1024, 'longest sequence (learned positions)' },
+  { 'n_embd', 'int>0', 768, 'width of the residual stream' },
+  { 'n_layer', 'int>0', 12, 'transformer blocks' },
+  { 'n_head', 'int>0', 12, 'attention heads' },
+  { 'n_inner', 'int>0?', nil, 'MLP width; nil (null) means 4 * n_embd' },
+  { 'activation_function', { 'gelu_new', 'gelu_pytorch_tanh' }, 'gelu_new', 'MLP activation (the tanh GELU)' },
+  { 'resid_pdrop', 'prob', 0.1, 'dropout after each residual branch' },
+  { 'embd_pdrop', 'prob', 0.1, 'dropout after the embeddings' },
+  { 'attn_pdrop', 'prob', 0.1, 'dropout on attention probabilities' },
+  { 'layer_norm_epsilon', 'number>0', 1e-5, 'LayerNorm epsilon' },
+  { 'initializer_range', 'number>=0', 0.02, 'std of the normal initialisation' },
+  { 'scale_attn_weights', { true }, true, 'scores / sqrt(head_dim) (false is not supported)' },
+  { 'scale_attn_by_inverse_layer_idx', { false }, false, 'not supported' },
+  { 'reorder_and_upcast_attn', 'bool', false, 'numerics only; attention is computed in f32 or wider' },
+  { 'add_cross_attention', { false }, false, 'not supported' },
+  { 'tie_word_embeddings', { true }, true, 'the LM head is wte (GPT-2 checkpoints have no lm_head.weight)' },
+  { 'bos_token_id', 'int>=0?', 50256, 'beginning of text' },
+  { 'eos_token_id', 'int>=0?', 50256, 'end of text' },
+}
+gpt2.config = hf.defaults(gpt2.fields)
+
+gpt2.presets = {
+  -- a byte-level model that trains on a laptop CPU in minutes
+  tiny = { vocab_size = 256, n_positions = 256, n_embd = 128, n_layer = 4, n_head = 4,
+           resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, bos_token_id = nil, eos_token_id = nil },
+  -- the shapes of openai-community/gpt2 (124M parameters)
+  ['gpt2-124m'] = {},
+  ['gpt2-350m'] = { n_embd = 1024, n_layer = 24, n_head = 16 },
+}
+gpt2.presets.gpt2 = gpt2.presets['gpt2-124m']
+
+function gpt2.check(cfg)
+  if cfg.n_embd % cfg.n_head ~= 0 then
+    error(('gpt2 config: n_embd (%d) must be a multiple of n_head (%d)'):format(cfg.n_embd, cfg.n_head), 3)
+  end
+end
+
+-- ------------------------------------------------------------------ model
+local Block = nn.Module:extend('GPT2Block')
+
+function Block:init(cfg)
+  local C = cfg.n_embd
+  self:register_module('ln_1', nn.LayerNorm(C, { eps = cfg.layer_norm_epsilon }))
+  self:register_module('attn', nn.CausalSelfAttention{ dim = C, n_head = cfg.n_head, bias = true,
+                                                       fused_qkv = true })
+  self:register_module('ln_2', nn.LayerNorm(C, { eps = cfg.layer_norm_epsilon }))
+  self:register_module('mlp', nn.MLP{ dim = C, hidden = cfg.n_inner or 4 * C, conv1d = true })
+  self:register_module('drop', nn.Dropout(cfg.resid_pdrop))
+end
+
+function Block:forward(x)
+  x = x + self.drop(self.attn(self.ln_1(x)))
+  return x + self.drop(self.mlp(self.ln_2(x)))
+end
+
+local GPT2Model = nn.Module:extend('GPT2Model')
+
+function GPT2Model:init(cfg)
+  self:register_module('wte', nn.Embedding(cfg.vocab_size, cfg.n_embd))
+  self:register_module('wpe', nn.Embedding(cfg.n_positions, cfg.n_embd))
+  self:register_module('drop', nn.Dropout(cfg.embd_pdrop))
+  local blocks = {}
+  for i = 1, cfg.n_layer do blocks[i] = Block(cfg) end
+  self:register_module('h', nn.ModuleList(blocks))
+  self:register_module('ln_f', nn.LayerNorm(cfg.n_embd, { eps = cfg.layer_norm_epsilon }))
+end
+
+-- input_ids (B, T) -> final hidden states (B, T, C)
+function GPT2Model:forward(input_ids)
+  local Tn = input_ids.shape[2]
+  local pos = ms.arange(Tn, { dtype = 'i64', device = input_ids.device })
+  local x = self.drop(self.wte(input_ids) + self.wpe(pos))
+  for i = 1, #self.h do x = self.h[i](x) end
+  return self.ln_f(x)
+end
+
+local GPT2 = nn.Module:extend('GPT2LMHeadModel')
+gpt2.GPT2LMHeadModel, gpt2.GPT2Model, gpt2.Block = GPT2, GPT2Model, Block
+
+function GPT2:init(cfg)
+  self.config = cfg
+  self.family = gpt2
+  self:register_module('transformer', GPT2Model(cfg))
+end
+
+-- the LM head weight (V, C): tied to the token embedding
+function GPT2:head_weight() return self.transformer.wte.weight end
+function GPT2:max_positions() return self.config.n_positions end
+
+-- model(input_ids) -> logits (B, T, V)
+-- model(input_ids, targets) -> mean cross-entropy over targets ~= -100
+-- The loss goes through nn.functional.lm_loss, looked up at each call, so a
+-- fused linear cross-entropy can replace it without touching this file.
+function GPT2:forward(input_ids, targets)
+  local cfg = self.config
+  local ids, B, Tn = hf.check_ids(input_ids, 'gpt2', 'input_ids', cfg.vocab_size, cfg.n_positions)
+  local h = self.transformer(ids)
+  if targets ~= nil then
+    targets = hf.check_targets(targets, B, Tn, 'gpt2', cfg.vocab_size)
+    return nn.functional.lm_loss(h, self:head_weight(), targets)
+  end
+  return nn.functional.linear(h, self:head_weight())
+end
+
+-- logits of the last position only, (B, V): what generate needs
+function GPT2:last_logits(input_ids)
+  local ids, _, Tn = hf.check_ids(input_ids, 'gpt2', 'input_ids', self.config.vocab_size, self.config.n_positions)
+  local h = self.transformer(ids):narrow(2, Tn, 1):squeeze(2)
+  return nn.functional.linear(h, self:head_weight())
+end
+
+function GPT2:generate(ids, n, opts) return hf.generate(self, ids, n, opts) end
+function GPT2:save_pretrained(dir, opts) return hf.save_pretrained(self, dir, opts) end
+
+-- HF's initialisation: normal(0, initializer_range) for weights and
+-- embeddings, zeros for biases, ones for LayerNorm weights, and the residual
+-- projections (attn.c_proj, mlp.c_proj) scaled by 1/sqrt(2 * n_layer).
+function GPT2:init_weights()
+  local std = self.config.initializer_range
+  local proj_std = std / math.sqrt(2 * self.config.n_layer)
+  for name, p in self:named_parameters() do
+    if name:match('%.ln_[12f]%.weight$') or name:match('ln_f%.weight$') then
+      p:copy_(1)
+    elseif name:match('%.bias$') then
+      p:copy_(0)
+    elseif name:match('c_proj%.weight$') then
+      ms.normal_(p, 0, proj_std)
+    else
+      ms.normal_(p, 0, std)
+    end
+  end
+  return self
+end
+
+-- ------------------------------------------------------------ entry points
+-- gpt2.new(preset name | config table [, overrides]) -> a model with fresh
+-- weights (HF's initialisation, from the global generator: ms.manual_seed)
+function gpt2.new(config, overrides)
+  local cfg
+  if type(config) == 'string' then cfg = hf.config(gpt2, config, overrides)
+  else cfg = hf.config(gpt2, nil, config, nil, overrides) end
+  return gpt2.build(cfg):init_weights()
+end
+
+-- the model for a validated config, weights left as the nn modules made them
+function gpt2.build(cfg) return GPT2(cfg) end
+
+function gpt2.from_pretrained(dir, opts) return hf.from_pretrained(gpt2, dir, opts) end
+
+-- Older GPT-2 checkpoints (openai-community/gpt2 itself) name parameters
+-- without the 'transformer.' prefix, keep the causal-mask buffers attn.bias /
+-- attn.masked_bias, and some save lm_head.weight next to wte: map those onto
+-- the names above; anything else goes to the strict loader as it is.
+function gpt2.fix_state_dict(sd, cfg)
+  local out = {}
+  for k, v in pairs(sd) do
+    local name = k
+    if not name:match('^transformer%.') and not name:match('^lm_head%.') then name = 'transformer.' .. name end
+    if name:match('%.attn%.bias$') or name:match('%.attn%.masked_bias$') or name == 'lm_head.weight' then
+      name = nil
+    end
+    if name then out[name] = v end
+  end
+  return out
+end
+
+-- config.json as transformers writes it for GPT2LMHeadModel
+function gpt2.export_config(cfg)
+  cfg.architectures = { 'GPT2LMHeadModel' }
+  cfg.model_type = 'gpt2'
+  cfg.n_ctx = nil
+  if cfg.n_inner == nil then cfg.n_inner = hf.null end
+  return cfg
+end
+
+return gpt2

@@ -1,0 +1,231 @@
+-- models/llama.lua — Llama (Touvron et al. 2023), as Hugging Face's
+-- LlamaForCausalLM: the same config.json fields, the same parameter names,
+-- RMSNorm, rotary position embeddings (RoPE, rotate-half as HF), SwiGLU MLP,
+-- grouped-query attention, an LM head of its own (unless tie_word_embeddings).
+--
+--   local llama = require 'models.llama'
+--   local model = llama.new('tiny')                       -- a preset, or a config table
+--   local model = llama.from_pretrained('path/to/dir')    -- config.json + model.safetensors
+--   local logits = model(input_ids)                       -- (B, T) i64 -> (B, T, V)
+--   local loss = model(input_ids, targets)                -- mean CE over targets ~= -100
+--   model:save_pretrained('out/dir')
+--
+-- Structure (HF names):
+--   model.embed_tokens (V, C)
+--   model.layers.N: input_layernorm -> self_attn (q_proj, k_proj, v_proj, o_proj; RoPE on q, k) -> +,
+--                   post_attention_layernorm -> mlp (down_proj(silu(gate_proj(x)) * up_proj(x))) -> +
+--   model.norm, lm_head (V, C)
+local ms = require 'moonshard'
+local nn = require 'moonshard.nn'
+local hf = require 'models.hf'
+
+local llama = { name = 'llama', model_type = 'llama' }
+
+-- Config fields: { name, type, default, meaning } (types: models/hf.lua).
+-- The defaults are LlamaConfig's (Llama 2 7B shapes).
+llama.fields = {
+  { 'model_type', { 'llama' }, 'llama', 'always llama' },
+  { 'vocab_size', 'int>0', 32000, 'tokens in the vocabulary' },
+  { 'hidden_size', 'int>0', 4096, 'width of the residual stream' },
+  { 'intermediate_size', 'int>0', 11008, 'width of the gated MLP' },
+  { 'num_hidden_layers', 'int>0', 32, 'decoder layers' },
+  { 'num_attention_heads', 'int>0', 32, 'query heads' },
+  { 'num_key_value_heads', 'int>0?', nil, 'key/value heads (grouped-query attention); nil: num_attention_heads' },
+  { 'head_dim', 'int>0?', nil, 'width of one head; nil: hidden_size / num_attention_heads' },
+  { 'hidden_act', { 'silu' }, 'silu', 'gate activation' },
+  { 'max_position_embeddings', 'int>0', 2048, 'longest sequence' },
+  { 'rms_norm_eps', 'number>0', 1e-6, 'RMSNorm epsilon' },
+  { 'rope_parameters', 'table', { rope_type = 'default', rope_theta = 10000.0 }, 'RoPE: rope_theta (rope_type default only)' },
+  { 'attention_bias', 'bool', false, 'biases on q/k/v/o projections' },
+  { 'attention_dropout', 'prob', 0.0, 'dropout on attention probabilities' },
+  { 'mlp_bias', 'bool', false, 'biases on gate/up/down projections' },
+  { 'initializer_range', 'number>=0', 0.02, 'std of the normal initialisation' },
+  { 'tie_word_embeddings', 'bool', false, 'lm_head shares embed_tokens' },
+  { 'bos_token_id', 'int>=0?', 1, 'beginning of sequence' },
+  { 'eos_token_id', 'int>=0?', 2, 'end of sequence' },
+}
+llama.config = hf.defaults(llama.fields)
+
+llama.presets = {
+  -- a byte-level model that trains on a laptop CPU in minutes
+  tiny = { vocab_size = 256, hidden_size = 128, intermediate_size = 352, num_hidden_layers = 4,
+           num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 256,
+           rms_norm_eps = 1e-5, bos_token_id = nil, eos_token_id = nil },
+  -- ~1.1B parameters, the shapes of TinyLlama-1.1B (Llama 2 architecture)
+  ['llama-1b'] = { vocab_size = 32000, hidden_size = 2048, intermediate_size = 5632, num_hidden_layers = 22,
+                   num_attention_heads = 32, num_key_value_heads = 4, max_position_embeddings = 2048,
+                   rms_norm_eps = 1e-5 },
+}
+llama.presets['1b'] = llama.presets['llama-1b']
+
+-- Older configs (transformers < 5) put rope_theta at the top level and
+-- rope_scaling beside it; bring them into rope_parameters.
+function llama.normalize(cfg)
+  if cfg.rope_parameters == hf.null then cfg.rope_parameters = nil end
+  if cfg.rope_theta ~= nil and cfg.rope_theta ~= hf.null then
+    local rp = type(cfg.rope_parameters) == 'table' and cfg.rope_parameters or {}
+    if type(cfg.rope_theta) ~= 'number' then
+      error(('llama config: rope_theta must be a positive number, got %s'):format(tostring(cfg.rope_theta)), 3)
+    end
+    rp.rope_theta = cfg.rope_theta
+    cfg.rope_parameters = rp
+  end
+  cfg.rope_theta = nil
+  if type(cfg.rope_scaling) == 'table' then
+    local rt = cfg.rope_scaling.rope_type or cfg.rope_scaling.type
+    if rt ~= nil and rt ~= 'default' then
+      error(('llama config: rope_scaling of type %s is not supported (default RoPE only)'):format(tostring(rt)), 3)
+    end
+  end
+  cfg.rope_scaling = nil
+  if cfg.rope_parameters == nil then cfg.rope_parameters = { rope_type = 'default', rope_theta = 10000.0 } end
+end
+
+function llama.check(cfg)
+  local rp = cfg.rope_parameters
+  local rt = rp.rope_type or 'default'
+  if rt ~= 'default' then
+    error(('llama config: rope_parameters.rope_type %s is not supported (default RoPE only)'):format(tostring(rt)), 3)
+  end
+  if type(rp.rope_theta) ~= 'number' or rp.rope_theta <= 0 then
+    error(('llama config: rope_parameters.rope_theta must be a positive number, got %s'):format(tostring(rp.rope_theta)), 3)
+  end
+  rp.rope_type = 'default'
+  local nh = cfg.num_attention_heads
+  local nkv = cfg.num_key_value_heads or nh
+  if nh % nkv ~= 0 then
+    error(('llama config: num_attention_heads (%d) must be a multiple of num_key_value_heads (%d)'):format(nh, nkv), 3)
+  end
+  if cfg.head_dim == nil and cfg.hidden_size % nh ~= 0 then
+    error(('llama config: hidden_size (%d) must be a multiple of num_attention_heads (%d), or give head_dim')
+      :format(cfg.hidden_size, nh), 3)
+  end
+  local hd = cfg.head_dim or math.floor(cfg.hidden_size / nh)
+  if hd % 2 ~= 0 then error(('llama config: head_dim (%d) must be even for RoPE'):format(hd), 3) end
+end
+
+-- ------------------------------------------------------------------ model
+local Layer = nn.Module:extend('LlamaDecoderLayer')
+
+function Layer:init(cfg)
+  local C = cfg.hidden_size
+  self:register_module('self_attn', nn.CausalSelfAttention{
+    dim = C, n_head = cfg.num_attention_heads, n_kv_head = cfg.num_key_value_heads or cfg.num_attention_heads,
+    head_dim = cfg.head_dim or math.floor(C / cfg.num_attention_heads), bias = cfg.attention_bias,
+    rope_theta = cfg.rope_parameters.rope_theta, fused_qkv = false })
+  self:register_module('mlp', nn.GatedMLP{ dim = C, hidden = cfg.intermediate_size, bias = cfg.mlp_bias })
+  self:register_module('input_layernorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
+  self:register_module('post_attention_layernorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
+end
+
+function Layer:forward(x)
+  x = x + self.self_attn(self.input_layernorm(x))
+  return x + self.mlp(self.post_attention_layernorm(x))
+end
+
+local LlamaModel = nn.Module:extend('LlamaModel')
+
+function LlamaModel:init(cfg)
+  self:register_module('embed_tokens', nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+  local layers = {}
+  for i = 1, cfg.num_hidden_layers do layers[i] = Layer(cfg) end
+  self:register_module('layers', nn.ModuleList(layers))
+  self:register_module('norm', nn.RMSNorm(cfg.hidden_size, { eps = cfg.rms_norm_eps }))
+end
+
+-- input_ids (B, T) -> final hidden states (B, T, C)
+function LlamaModel:forward(input_ids)
+  local x = self.embed_tokens(input_ids)
+  for i = 1, #self.layers do x = self.layers[i](x) end
+  return self.norm(x)
+end
+
+local Llama = nn.Module:extend('LlamaForCausalLM')
+llama.LlamaForCausalLM, llama.LlamaModel, llama.Layer = Llama, LlamaModel, Layer
+
+function Llama:init(cfg)
+  self.config = cfg
+  self.family = llama
+  self:register_module('model', LlamaModel(cfg))
+  if not cfg.tie_word_embeddings then
+    self:register_module('lm_head', nn.Linear(cfg.hidden_size, cfg.vocab_size, { bias = false }))
+  end
+end
+
+function Llama:head_weight()
+  if self.config.tie_word_embeddings then return self.model.embed_tokens.weight end
+  return self.lm_head.weight
+end
+function Llama:max_positions() return self.config.max_position_embeddings end
+
+-- model(input_ids) -> logits (B, T, V)
+-- model(input_ids, targets) -> mean cross-entropy over targets ~= -100,
+-- through nn.functional.lm_loss looked up at each call (FLCE replaces it).
+function Llama:forward(input_ids, targets)
+  local cfg = self.config
+  local ids, B, Tn = hf.check_ids(input_ids, 'llama', 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
+  local h = self.model(ids)
+  if targets ~= nil then
+    targets = hf.check_targets(targets, B, Tn, 'llama', cfg.vocab_size)
+    return nn.functional.lm_loss(h, self:head_weight(), targets)
+  end
+  return nn.functional.linear(h, self:head_weight())
+end
+
+function Llama:last_logits(input_ids)
+  local cfg = self.config
+  local ids, _, Tn = hf.check_ids(input_ids, 'llama', 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
+  local h = self.model(ids):narrow(2, Tn, 1):squeeze(2)
+  return nn.functional.linear(h, self:head_weight())
+end
+
+function Llama:generate(ids, n, opts) return hf.generate(self, ids, n, opts) end
+function Llama:save_pretrained(dir, opts) return hf.save_pretrained(self, dir, opts) end
+
+-- HF's initialisation: normal(0, initializer_range) for projections and
+-- embeddings, zeros for biases, ones for RMSNorm weights.
+function Llama:init_weights()
+  local std = self.config.initializer_range
+  for name, p in self:named_parameters() do
+    if name:match('norm%.weight$') then p:copy_(1)
+    elseif name:match('%.bias$') then p:copy_(0)
+    else ms.normal_(p, 0, std) end
+  end
+  return self
+end
+
+-- ------------------------------------------------------------ entry points
+-- llama.new(preset name | config table [, overrides]) -> a model with fresh
+-- weights (HF's initialisation, from the global generator: ms.manual_seed)
+function llama.new(config, overrides)
+  local cfg
+  if type(config) == 'string' then cfg = hf.config(llama, config, overrides)
+  else cfg = hf.config(llama, nil, config, nil, overrides) end
+  return llama.build(cfg):init_weights()
+end
+
+function llama.build(cfg) return Llama(cfg) end
+
+function llama.from_pretrained(dir, opts) return hf.from_pretrained(llama, dir, opts) end
+
+-- A tied checkpoint may carry lm_head.weight next to embed_tokens; HF drops
+-- it on load, and so do we.
+function llama.fix_state_dict(sd, cfg)
+  if cfg.tie_word_embeddings and sd['model.embed_tokens.weight'] then sd['lm_head.weight'] = nil end
+  return sd
+end
+
+-- config.json as transformers writes it for LlamaForCausalLM (rope_theta is
+-- also written at the top level, where transformers < 5 looks for it)
+function llama.export_config(cfg)
+  cfg.architectures = { 'LlamaForCausalLM' }
+  cfg.model_type = 'llama'
+  cfg.rope_theta = cfg.rope_parameters.rope_theta
+  cfg.head_dim = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
+  cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+  cfg.hidden_act = 'silu'
+  cfg.pretraining_tp = 1
+  return cfg
+end
+
+return llama

@@ -1,0 +1,358 @@
+-- Golden runs of models/gpt2.lua and models/llama.lua against the PyTorch
+-- fixtures in ../shared/fixtures (see its README): logits, loss and every
+-- parameter gradient within 1e-5 relative error in f32 and 1e-6 in f64;
+-- 20 AdamW steps against an independent recomputation in plain Lua; configs,
+-- presets, save/load round trips, sampling and the errors bad input gives.
+local ffi = require 'ffi'
+local ms = require 'moonshard'
+local T = require 'moonshard.tensor'
+local nn = require 'moonshard.nn'
+local gpt2 = require 'models.gpt2'
+local llama = require 'models.llama'
+local hf = require 'models.hf'
+local json = require 'dkjson'
+
+local fixtures = T.root .. '/../shared/fixtures'
+local have_fixtures = io.open(fixtures .. '/gpt2-tiny/model.safetensors', 'rb')
+if have_fixtures then have_fixtures:close() end
+
+-- host copy of a tensor as a flat Lua list of doubles (row-major)
+local function values(t)
+  local h = t:to({ dtype = 'f64', device = 'cpu', copy = true }):contiguous()
+  local p = ffi.cast('double*', h:data_ptr())
+  local out = {}
+  for i = 0, h:numel() - 1 do out[i + 1] = p[i] end
+  return out
+end
+
+-- ‖got − expected‖ / ‖expected‖, in double precision
+local function relerr(got, exp)
+  assert(got ~= nil, 'no tensor to compare')
+  assert.are.same(exp.shape, got.shape)
+  local g, e = values(got), values(exp)
+  local num, den = 0, 0
+  for i = 1, #e do
+    local d = g[i] - e[i]
+    num, den = num + d * d, den + e[i] * e[i]
+  end
+  return math.sqrt(num) / math.sqrt(den)
+end
+
+local function tmpdir()
+  local p = io.popen('mktemp -d')
+  local d = p:read('*l')
+  p:close()
+  return d
+end
+
+local families = {
+  { name = 'gpt2-tiny', M = gpt2 },
+  { name = 'llama-tiny', M = llama },
+}
+
+for _, fam in ipairs(families) do
+  local M, dir = fam.M, fixtures .. '/' .. fam.name
+  local function golden(dtype, bound)
+    local model = M.from_pretrained(dir)
+    if dtype ~= 'f32' then model:to(dtype) end
+    model:eval()
+    local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+    local logits = ms.no_grad(function() return model(exp.input_ids) end)
+    assert.are.equal(dtype, logits.dtype)
+    local e = relerr(logits, exp.logits)
+    assert.is_true(e < bound, ('logits: relative error %.3g >= %g'):format(e, bound))
+    model:zero_grad()
+    local loss = model(exp.input_ids, exp.targets)
+    local el = math.abs(loss:item() - exp.loss:item()) / math.abs(exp.loss:item())
+    assert.is_true(el < bound, ('loss: %.9g vs %.9g (relative error %.3g)'):format(loss:item(), exp.loss:item(), el))
+    loss:backward()
+    local n = 0
+    for name, p in model:named_parameters() do
+      local g = exp['grad.' .. name]
+      assert.is_not_nil(g, 'no expected gradient for ' .. name)
+      assert.is_not_nil(p.grad, 'no gradient for ' .. name)
+      local eg = relerr(p.grad, g)
+      assert.is_true(eg < bound, ('grad.%s: relative error %.3g >= %g'):format(name, eg, bound))
+      n = n + 1
+    end
+    local expected_n = 0
+    for k in pairs(exp) do if k:match('^grad%.') then expected_n = expected_n + 1 end end
+    assert.are.equal(expected_n, n)
+  end
+
+  describe(fam.name .. ' golden run', function()
+    if not have_fixtures then
+      pending('fixtures not found under ' .. fixtures)
+      return
+    end
+
+    it('matches logits, loss and every gradient in f32 (1e-5)', function() golden('f32', 1e-5) end)
+    it('matches logits, loss and every gradient in f64 (1e-6)', function() golden('f64', 1e-6) end)
+
+    it('names its parameters exactly as the Hugging Face checkpoint', function()
+      local model = M.from_pretrained(dir)
+      local sd = ms.load_safetensors(dir .. '/model.safetensors')
+      local names, want = {}, {}
+      for name in model:named_parameters() do names[#names + 1] = name end
+      for k in pairs(sd) do want[#want + 1] = k end
+      table.sort(names); table.sort(want)
+      assert.are.same(want, names)
+    end)
+
+    it('20 AdamW steps equal an independent step-by-step recomputation', function()
+      local model = M.from_pretrained(dir):to('f64')
+      model:train()
+      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+      local lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
+      local opt = ms.optim.AdamW(model, { lr = lr, betas = { b1, b2 }, eps = eps, weight_decay = wd })
+      -- the reference: plain Lua lists, decay on matrices that are not embeddings
+      local ref = {}
+      for name, p in model:named_parameters() do
+        local v = values(p)
+        local m, s = {}, {}
+        for i = 1, #v do m[i], s[i] = 0, 0 end
+        local decay = p:dim() >= 2 and not name:match('wte') and not name:match('wpe') and not name:match('embed_tokens')
+        ref[#ref + 1] = { name = name, p = p, v = v, m = m, s = s, decay = decay }
+      end
+      local losses = {}
+      for step = 1, 20 do
+        opt:zero_grad()
+        local loss = model(exp.input_ids, exp.targets)
+        losses[step] = loss:item()
+        loss:backward()
+        for _, r in ipairs(ref) do
+          local g = values(r.p.grad)
+          local bc1, bc2 = 1 - b1 ^ step, 1 - b2 ^ step
+          for i = 1, #r.v do
+            local x = r.v[i]
+            if r.decay then x = x - lr * wd * x end
+            r.m[i] = b1 * r.m[i] + (1 - b1) * g[i]
+            r.s[i] = b2 * r.s[i] + (1 - b2) * g[i] * g[i]
+            local mh, sh = r.m[i] / bc1, r.s[i] / bc2
+            r.v[i] = x - lr * mh / (math.sqrt(sh) + eps)
+          end
+        end
+        opt:step()
+        for _, r in ipairs(ref) do
+          local got = values(r.p)
+          local num, den = 0, 0
+          for i = 1, #got do
+            num = num + (got[i] - r.v[i]) ^ 2
+            den = den + r.v[i] ^ 2
+          end
+          local e = math.sqrt(num / den)
+          assert.is_true(e < 1e-10, ('step %d, %s: relative error %.3g'):format(step, r.name, e))
+        end
+      end
+      assert.is_true(losses[20] < losses[1], ('loss %g -> %g'):format(losses[1], losses[20]))
+    end)
+
+    it('saves what it loads: save_pretrained -> from_pretrained gives the same model', function()
+      local model = M.from_pretrained(dir)
+      local out = tmpdir()
+      model:save_pretrained(out)
+      local cfg = assert(hf.read_json(out .. '/config.json'))
+      assert.are.equal(M.model_type, cfg.model_type)
+      assert.are.equal('float32', cfg.torch_dtype)
+      assert.is_table(cfg.architectures)
+      local saved, meta = ms.load_safetensors(out .. '/model.safetensors')
+      local orig = ms.load_safetensors(dir .. '/model.safetensors')
+      local a, b = {}, {}
+      for k, v in pairs(saved) do a[#a + 1] = k; assert.are.equal('f32', v.dtype) end
+      for k in pairs(orig) do b[#b + 1] = k end
+      table.sort(a); table.sort(b)
+      assert.are.same(b, a) -- HF names; GPT-2's tied head saved once, as wte
+      assert.are.equal('pt', meta and meta.format)
+      for k, v in pairs(orig) do assert.are.equal(0, relerr(saved[k], v)) end
+      local again = M.from_pretrained(out)
+      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+      local l1 = ms.no_grad(function() return model(exp.input_ids) end)
+      local l2 = ms.no_grad(function() return again(exp.input_ids) end)
+      assert.are.equal(0, relerr(l2, l1))
+      os.execute("rm -rf '" .. out .. "'")
+    end)
+
+    it('reports missing and mis-shaped keys of a checkpoint together', function()
+      local out = tmpdir()
+      os.execute(("cp '%s/config.json' '%s/'"):format(dir, out))
+      local sd = ms.load_safetensors(dir .. '/model.safetensors')
+      local names = {}
+      for k in pairs(sd) do names[#names + 1] = k end
+      table.sort(names)
+      local dropped, reshaped = names[1], names[#names]
+      sd[dropped] = nil
+      sd[reshaped] = ms.zeros({ 3 })
+      ms.save_safetensors(out .. '/model.safetensors', sd, { format = 'pt' })
+      local ok, err = pcall(M.from_pretrained, out)
+      assert.is_false(ok)
+      err = tostring(err)
+      assert.is_truthy(err:find(dropped, 1, true), err)
+      assert.is_truthy(err:find(reshaped, 1, true), err)
+      sd = ms.load_safetensors(dir .. '/model.safetensors')
+      sd['extra.weight'] = ms.zeros({ 2 })
+      ms.save_safetensors(out .. '/model.safetensors', sd, { format = 'pt' })
+      ok, err = pcall(M.from_pretrained, out)
+      assert.is_false(ok)
+      assert.is_truthy(tostring(err):find('extra.weight', 1, true), tostring(err))
+      os.execute("rm -rf '" .. out .. "'")
+    end)
+
+    it('rejects bad input with clear errors', function()
+      local model = M.from_pretrained(dir)
+      local cfg = model.config
+      local max_len = model:max_positions()
+      local function fails(pat, ...)
+        local ok, err = pcall(model, ...)
+        assert.is_false(ok)
+        assert.is_truthy(tostring(err):find(pat), ('expected /%s/, got: %s'):format(pat, tostring(err)))
+      end
+      fails('%(B, T%)', ms.zeros({ 4 }, { dtype = 'i64' }))
+      fails('%(B, T%)', ms.zeros({ 1, 2, 3 }, { dtype = 'i64' }))
+      fails('i64 or i32', ms.zeros({ 1, 4 }))
+      fails('exceeds', ms.zeros({ 1, max_len + 1 }, { dtype = 'i64' }))
+      fails('token id ' .. cfg.vocab_size, ms.full({ 1, 4 }, cfg.vocab_size, { dtype = 'i64' }))
+      fails('token id %-1', ms.full({ 1, 4 }, -1, { dtype = 'i64' }))
+      fails('targets have shape', ms.zeros({ 1, 4 }, { dtype = 'i64' }), ms.zeros({ 1, 5 }, { dtype = 'i64' }))
+      fails('a %(B, T%) integer tensor', 'hello')
+    end)
+
+    it('generates: greedy follows the argmax, sampling repeats for a seed', function()
+      local model = M.from_pretrained(dir)
+      local prompt = { { 1, 2, 3, 4 }, { 5, 6, 7, 8 } }
+      local out = model:generate(prompt, 5, { temperature = 0 })
+      assert.are.same({ 2, 9 }, out.shape)
+      assert.are.equal('i64', out.dtype)
+      local rows = out:totable()
+      -- the first new token is the argmax of the last logits of the prompt
+      local logits = ms.no_grad(function() return model(ms.tensor(prompt, { dtype = 'i64' })) end):totable()
+      for b = 1, 2 do
+        local last, best, bi = logits[b][4], -math.huge, 0
+        for v = 1, #last do if last[v] > best then best, bi = last[v], v - 1 end end
+        assert.are.equal(bi, rows[b][5])
+      end
+      local s1 = model:generate(prompt, 8, { temperature = 1, top_k = 10, seed = 7 }):totable()
+      local s2 = model:generate(prompt, 8, { temperature = 1, top_k = 10, seed = 7 }):totable()
+      assert.are.same(s1, s2)
+      -- longer than the model's positions: the context is cropped
+      local long = model:generate({ 1 }, model:max_positions() + 2, { temperature = 0.5, seed = 1 })
+      assert.are.same({ 1, model:max_positions() + 3 }, long.shape)
+      local ok, err = pcall(model.generate, model, prompt, 2, { temperature = -1 })
+      assert.is_false(ok)
+      assert.is_truthy(tostring(err):find('temperature'))
+    end)
+  end)
+end
+
+describe('model configs', function()
+  it('carry Hugging Face field names and defaults', function()
+    assert.are.equal(50257, gpt2.config.vocab_size)
+    assert.are.equal(1024, gpt2.config.n_positions)
+    assert.are.equal(768, gpt2.config.n_embd)
+    assert.are.equal(1e-5, gpt2.config.layer_norm_epsilon)
+    assert.are.equal('gelu_new', gpt2.config.activation_function)
+    assert.is_true(gpt2.config.tie_word_embeddings)
+    assert.are.equal(10000, llama.config.rope_parameters.rope_theta)
+    assert.is_false(llama.config.tie_word_embeddings)
+    assert.are.equal(1e-6, llama.config.rms_norm_eps)
+  end)
+
+  it('name the field of the wrong type', function()
+    local function fails(M, cfg, pat)
+      local ok, err = pcall(M.new, cfg)
+      assert.is_false(ok)
+      assert.is_truthy(tostring(err):find(pat), ('expected /%s/, got: %s'):format(pat, tostring(err)))
+    end
+    fails(gpt2, { n_embd = '64' }, 'n_embd must be a positive integer')
+    fails(gpt2, { n_layer = 2.5 }, 'n_layer must be a positive integer')
+    fails(gpt2, { activation_function = 'relu' }, "activation_function must be one of 'gelu_new'")
+    fails(gpt2, { layer_norm_epsilon = -1 }, 'layer_norm_epsilon must be a positive number')
+    fails(gpt2, { tie_word_embeddings = false }, 'tie_word_embeddings')
+    fails(gpt2, { n_embd = 65, n_head = 4 }, 'multiple of n_head')
+    fails(gpt2, { n_layers = 2 }, 'did you mean n_layer')
+    fails(gpt2, 42, 'expected a table')
+    fails(llama, { num_key_value_heads = 3 }, 'multiple of num_key_value_heads')
+    fails(llama, { rope_theta = 'big' }, 'rope_theta must be a positive number')
+    fails(llama, { hidden_act = 'gelu' }, 'hidden_act must be one of')
+    fails(llama, { rope_parameters = { rope_type = 'yarn', rope_theta = 1e4 } }, 'not supported')
+    local ok, err = pcall(gpt2.new, 'huge')
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find('unknown preset huge'))
+  end)
+
+  it('accept old-style rope_theta and unknown HF fields', function()
+    local cfg = hf.config(llama, 'tiny', { rope_theta = 5e5, pretraining_tp = 1 })
+    assert.are.equal(5e5, cfg.rope_parameters.rope_theta)
+    assert.is_nil(cfg.rope_theta)
+    assert.are.equal(1, cfg.pretraining_tp)
+  end)
+
+  it('have presets: tiny for CPU, gpt2-124m, a ~1B llama', function()
+    local m = gpt2.new('tiny')
+    local n = 0
+    for _, p in ipairs(m:parameters()) do n = n + p:numel() end
+    local c = m.config
+    local C, L = c.n_embd, c.n_layer
+    assert.are.equal(c.vocab_size * C + c.n_positions * C + L * (12 * C * C + 13 * C) + 2 * C, n)
+    local big = hf.config(gpt2, 'gpt2-124m')
+    local Cb, Lb = big.n_embd, big.n_layer
+    local nb = big.vocab_size * Cb + big.n_positions * Cb + Lb * (12 * Cb * Cb + 13 * Cb) + 2 * Cb
+    assert.are.equal(124439808, nb)
+    local l1 = hf.config(llama, 'llama-1b')
+    local H, I, Lk = l1.hidden_size, l1.intermediate_size, l1.num_hidden_layers
+    local kv = l1.num_key_value_heads * (H / l1.num_attention_heads)
+    local nl = 2 * l1.vocab_size * H + Lk * (2 * H * H + 2 * H * kv + 3 * H * I + 2 * H) + H
+    assert.is_true(nl > 1.0e9 and nl < 1.2e9, tostring(nl))
+    local lt = llama.new('tiny')
+    assert.is_not_nil(lt.lm_head)
+  end)
+
+  it('tie llama\'s head when asked, and save it once', function()
+    ms.manual_seed(3)
+    local m = llama.new('tiny', { tie_word_embeddings = true, num_hidden_layers = 1 })
+    local names = {}
+    for name in m:named_parameters() do names[name] = true end
+    assert.is_nil(names['lm_head.weight'])
+    local out = tmpdir()
+    m:save_pretrained(out)
+    local sd = ms.load_safetensors(out .. '/model.safetensors')
+    assert.is_nil(sd['lm_head.weight'])
+    local again = llama.from_pretrained(out)
+    local x = ms.tensor({ { 1, 2, 3 } }, { dtype = 'i64' })
+    local a = ms.no_grad(function() return m(x) end)
+    local b = ms.no_grad(function() return again(x) end)
+    assert.are.equal(0, relerr(b, a))
+    os.execute("rm -rf '" .. out .. "'")
+  end)
+
+  it('read older GPT-2 checkpoints (no transformer. prefix, mask buffers)', function()
+    if not have_fixtures then return pending('no fixtures') end
+    local dir = fixtures .. '/gpt2-tiny'
+    local sd = ms.load_safetensors(dir .. '/model.safetensors')
+    local old = {}
+    for k, v in pairs(sd) do old[(k:gsub('^transformer%.', ''))] = v end
+    old['h.0.attn.bias'] = ms.ones({ 1, 1, 64, 64 })
+    local out = tmpdir()
+    os.execute(("cp '%s/config.json' '%s/'"):format(dir, out))
+    ms.save_safetensors(out .. '/model.safetensors', old, { format = 'pt' })
+    local m = gpt2.from_pretrained(out)
+    assert.are.equal(0, relerr(m.transformer.wte.weight, sd['transformer.wte.weight']))
+    os.execute("rm -rf '" .. out .. "'")
+  end)
+
+  it('compute the loss through nn.functional.lm_loss, looked up at call time', function()
+    ms.manual_seed(1)
+    local m = gpt2.new('tiny', { n_layer = 1 })
+    local saw
+    local orig = nn.functional.lm_loss
+    nn.functional.lm_loss = function(h, w, y, o)
+      saw = { h = h.shape, w = w }
+      return orig(h, w, y, o)
+    end
+    local x = ms.tensor({ { 1, 2, 3 } }, { dtype = 'i64' })
+    local ok, err = pcall(m, x, x)
+    nn.functional.lm_loss = orig
+    assert.is_true(ok, tostring(err))
+    assert.are.same({ 1, 3, 128 }, saw.h)
+    assert.is_true(rawequal(saw.w, m.transformer.wte.weight) or saw.w.id == m.transformer.wte.weight.id)
+  end)
+end)

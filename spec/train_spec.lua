@@ -1,0 +1,262 @@
+-- bin/train and moonshard.train: a short run learns (the loss falls), writes
+-- well-formed JSONL metrics, saves weights from_pretrained reads, samples; bad
+-- flags and files are clear errors with a non-zero exit; the byte corpus and
+-- the batch loader are deterministic.
+local ms = require 'moonshard'
+local T = require 'moonshard.tensor'
+local json = require 'dkjson'
+local train = require 'moonshard.train'
+local data = require 'moonshard.data'
+
+local root = T.root
+local function tmpdir()
+  local p = io.popen('mktemp -d')
+  local d = p:read('*l')
+  p:close()
+  return d
+end
+local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+-- runs bin/train with the given argument string; returns exit status, output
+local function bin_train(args)
+  local p = io.popen(('cd %s && bin/train %s 2>&1; echo "__status=$?"'):format(q(root), args))
+  local out = p:read('*a')
+  p:close()
+  local status = tonumber(out:match('__status=(%d+)%s*$'))
+  return status, out:gsub('__status=%d+%s*$', '')
+end
+
+local function read_jsonl(path)
+  local f = assert(io.open(path, 'rb'))
+  local rows = {}
+  for line in f:lines() do
+    local obj, _, err = json.decode(line, 1, nil)
+    assert(type(obj) == 'table', ('%s: a line that is not a JSON object: %s (%s)'):format(path, line, tostring(err)))
+    rows[#rows + 1] = obj
+  end
+  f:close()
+  return rows
+end
+
+-- a model small enough that a few steps take well under a second
+local small = '--preset tiny --model.n_layer 1 --model.n_embd 32 --model.n_head 2 --seq-len 32 --batch-size 8'
+
+describe('bin/train', function()
+  it('trains a model file: the loss falls, metrics.jsonl is well-formed, weights and a sample come out', function()
+    local out = tmpdir()
+    local status, text = bin_train(('models/gpt2.lua %s --steps 30 --lr 1e-2 --warmup 3 --log-every 10 '
+      .. '--eval-every 10 --eval-iters 2 --sample-tokens 20 --out %s'):format(small, q(out)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('step 10/30 | loss', 1, true), text)
+    assert.is_truthy(text:find('tok/s', 1, true), text)
+    assert.is_truthy(text:find('ETA', 1, true), text)
+    assert.is_truthy(text:find('---- sample', 1, true), text)
+    local rows = read_jsonl(out .. '/metrics.jsonl')
+    assert.are.equal(30, #rows)
+    for i, r in ipairs(rows) do
+      assert.are.equal(i, r.step)
+      assert.is_number(r.loss)
+      assert.is_number(r.lr)
+      assert.is_number(r.grad_norm)
+      assert.is_number(r.elapsed_s)
+    end
+    assert.is_number(rows[10].val_loss)
+    assert.is_number(rows[30].val_loss)
+    assert.is_number(rows[10].tokens_per_s)
+    local function mean(a, b)
+      local s = 0
+      for i = a, b do s = s + rows[i].loss end
+      return s / (b - a + 1)
+    end
+    assert.is_true(rows[1].loss > 5, tostring(rows[1].loss)) -- about ln(256) = 5.55 at the start
+    assert.is_true(mean(26, 30) < mean(1, 5) - 1, ('loss %.3f -> %.3f'):format(mean(1, 5), mean(26, 30)))
+    -- the run's options and the final weights
+    local run = assert(json.decode(assert(io.open(out .. '/run.json')):read('*a')))
+    assert.are.equal(30, run.options.steps)
+    assert.are.equal(32, run.model_config.n_embd)
+    local gpt2 = require 'models.gpt2'
+    local m = gpt2.from_pretrained(out)
+    assert.are.equal(1, m.config.n_layer)
+    os.execute('rm -rf ' .. q(out))
+  end)
+
+  it('trains llama too', function()
+    local out = tmpdir()
+    local status, text = bin_train(('models/llama.lua --preset tiny --model.num_hidden_layers 1 '
+      .. '--model.hidden_size 32 --model.intermediate_size 64 --seq-len 32 --batch-size 8 --steps 4 '
+      .. '--sample-tokens 4 --no-save --quiet --out %s'):format(q(out)))
+    assert.are.equal(0, status, text)
+    assert.are.equal(4, #read_jsonl(out .. '/metrics.jsonl'))
+    assert.is_nil(io.open(out .. '/model.safetensors'))
+    os.execute('rm -rf ' .. q(out))
+  end)
+
+  it('gives clear errors for bad flags and files, with exit status 2', function()
+    local cases = {
+      { 'models/gpt2.lua --steps abc', '--steps expects a number' },
+      { 'models/gpt2.lua --steps 2.5', '--steps expects an integer' },
+      { 'models/gpt2.lua --steps 0', '--steps must be > 0' },
+      { 'models/gpt2.lua --lr -1', '--lr must be >= 0' },
+      { 'models/gpt2.lua --stpes 10', 'unknown option --stpes' },
+      { 'models/gpt2.lua --steps', '--steps needs a value' },
+      { 'models/gpt2.lua stray', 'unexpected argument' },
+      { 'models/gpt2.lua --preset huge --steps 1', 'unknown preset huge' },
+      { 'models/gpt2.lua --model.n_layerz 2', 'has no config field n_layerz' },
+      { 'models/gpt2.lua --model.n_embd wide', '--model.n_embd expects a number' },
+      { 'models/gpt2.lua --seq-len 4096 --steps 1', 'exceeds the model' },
+      { 'models/gpt2.lua --data /nonexistent/file --steps 1', 'cannot read /nonexistent/file' },
+      { 'models/gpt2.lua --dtype bf17', 'dtype must be f32 or f64' },
+      { 'no/such/file.lua', 'cannot open no/such/file.lua' },
+      { '--frobnicate models/gpt2.lua', 'unknown launcher option --frobnicate' },
+      { '', 'usage: bin/train' },
+    }
+    for _, c in ipairs(cases) do
+      local status, text = bin_train(c[1])
+      assert.are.equal(2, status, c[1] .. ': ' .. text)
+      assert.is_truthy(text:find(c[2], 1, true), ('%s: expected "%s" in: %s'):format(c[1], c[2], text))
+      assert.is_falsy(text:find('stack traceback', 1, true), c[1] .. ': ' .. text)
+    end
+  end)
+
+  it('a model config error names the field', function()
+    local status, text = bin_train('models/gpt2.lua --model.activation_function relu --steps 1')
+    assert.are_not.equal(0, status)
+    assert.is_truthy(text:find("activation_function must be one of 'gelu_new'", 1, true), text)
+  end)
+
+  it('prints help with the options and the model\'s presets', function()
+    local status, text = bin_train('models/llama.lua --help')
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('--batch-size', 1, true), text)
+    assert.is_truthy(text:find('llama presets: 1b, llama-1b, tiny', 1, true), text)
+    status, text = bin_train('--help')
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('usage: bin/train FILE', 1, true), text)
+  end)
+
+  it('runs a training script as it is, with its arguments', function()
+    local dir = tmpdir()
+    local script = dir .. '/script.lua'
+    local f = assert(io.open(script, 'w'))
+    f:write([[
+local ms = require 'moonshard'
+local gpt2 = require 'models.gpt2'
+local a, b = ...
+print('script args', a, b, arg[0] ~= nil)
+ms.manual_seed(1)
+local m = gpt2.new('tiny', { n_layer = 1 })
+print('loss', m(ms.tensor({ { 1, 2, 3 } }, { dtype = 'i64' }), ms.tensor({ { 2, 3, 4 } }, { dtype = 'i64' })):item())
+]])
+    f:close()
+    local status, text = bin_train(q(script) .. ' --foo bar')
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('script args\t--foo\tbar\ttrue', 1, true), text)
+    assert.is_truthy(text:find('loss\t5%.'), text)
+    -- a script that fails exits non-zero with its message
+    f = assert(io.open(script, 'w'))
+    f:write("error('the script failed on purpose')\n")
+    f:close()
+    status, text = bin_train(q(script))
+    assert.are.equal(1, status, text)
+    assert.is_truthy(text:find('the script failed on purpose', 1, true), text)
+    os.execute('rm -rf ' .. q(dir))
+  end)
+
+  it('runs a run config file (a Lua table of options), flags override it', function()
+    local dir = tmpdir()
+    local cfg = dir .. '/run.lua'
+    local f = assert(io.open(cfg, 'w'))
+    f:write(([[
+return { model = 'models/gpt2.lua', preset = 'tiny', steps = 5, seq_len = 16, batch_size = 2,
+         model_config = { n_layer = 1, n_embd = 32, n_head = 2 }, sample_tokens = 0, save = false,
+         quiet = true, out = %q }
+]]):format(dir .. '/out'))
+    f:close()
+    local status, text = bin_train(q(cfg) .. ' --steps 3')
+    assert.are.equal(0, status, text)
+    assert.are.equal(3, #read_jsonl(dir .. '/out/metrics.jsonl'))
+    os.execute('rm -rf ' .. q(dir))
+  end)
+end)
+
+describe('moonshard.train', function()
+  it('runs in-process and returns a summary; the same seed gives the same losses', function()
+    local dir = tmpdir()
+    local function run()
+      return train.run{ model = 'models.gpt2', preset = 'tiny', steps = 6, seq_len = 16, batch_size = 4,
+                        model_config = { n_layer = 1, n_embd = 32, n_head = 2 }, lr = 1e-2, warmup = 1,
+                        sample_tokens = 8, temperature = 0, save = false, quiet = true, out = dir, seed = 5 }
+    end
+    local a = run()
+    local la = read_jsonl(dir .. '/metrics.jsonl')
+    local b = run()
+    local lb = read_jsonl(dir .. '/metrics.jsonl')
+    assert.are.equal(6, a.steps)
+    assert.is_true(a.final_loss < a.first_loss)
+    for i = 1, 6 do assert.are.equal(la[i].loss, lb[i].loss) end
+    assert.are.equal(a.sample, b.sample)
+    assert.are.equal(8, #a.sample - 1) -- the prompt "\n" and 8 sampled bytes
+    os.execute('rm -rf ' .. q(dir))
+  end)
+
+  it('parses flags: --key value, --key=value, dashes or underscores, --no-bool, model fields', function()
+    local gpt2 = require 'models.gpt2'
+    local o = train.parse_args({ '--steps', '10', '--batch_size=4', '--seq-len', '64', '--no-save', '--quiet',
+      '--model.n_layer', '2', '--n-head', '2', '--lr', '3e-4' }, gpt2)
+    assert.are.equal(10, o.steps)
+    assert.are.equal(4, o.batch_size)
+    assert.are.equal(64, o.seq_len)
+    assert.is_false(o.save)
+    assert.is_true(o.quiet)
+    assert.are.equal(3e-4, o.lr)
+    assert.are.same({ n_layer = 2, n_head = 2 }, o.model_config)
+  end)
+
+  it('tells model files, run configs and scripts apart by what they return', function()
+    assert.are.equal('model', train.kind_of(require 'models.gpt2'))
+    assert.are.equal('model', train.kind_of(require 'models.llama'))
+    assert.are.equal('script', train.kind_of(nil))
+    assert.are.equal('script', train.kind_of(function() end))
+    assert.are.equal('config', train.kind_of({ model = 'models/gpt2.lua' }))
+  end)
+end)
+
+describe('moonshard.data', function()
+  it('builds the default corpus from the repository sources in sorted order', function()
+    local files = data.source_files()
+    assert.is_true(#files > 5)
+    for i = 2, #files do assert.is_true(files[i - 1] < files[i]) end
+    for _, f in ipairs(files) do
+      assert.is_truthy(f:match('%.lua$') or f:match('%.[ch]$') or f:match('%.md$'), f)
+      assert.is_falsy(f:match('^build'), f)
+    end
+    local c = data.corpus{ val_fraction = 0.1 }
+    assert.are.equal(c.n, c.train.n + c.val.n)
+    assert.are.equal(math.floor(c.n * 0.1), c.val.n)
+  end)
+
+  it('draws batch k as a pure function of (seed, k); y is x shifted by one', function()
+    local c = data.corpus{ text = ('abcdefghijklmnopqrstuvwxyz'):rep(20), val_fraction = 0.1 }
+    local L1 = data.Loader(c.train, { batch_size = 3, seq_len = 8, seed = 4 })
+    local L2 = data.Loader(c.train, { batch_size = 3, seq_len = 8, seed = 4 })
+    local x1, y1 = L1:next()
+    L1:next()
+    local x3 = L1:next()
+    L2:set_state({ step = 2 })
+    assert.are.same(x3:totable(), L2:next():totable())
+    assert.are.equal('i64', x1.dtype)
+    assert.are.same({ 3, 8 }, x1.shape)
+    local xs, ys = x1:totable(), y1:totable()
+    for b = 1, 3 do
+      for t = 1, 7 do assert.are.equal(xs[b][t + 1], ys[b][t]) end
+      -- consecutive letters
+      assert.are.equal((xs[b][8] - 97 + 1) % 26 + 97, ys[b][8])
+    end
+  end)
+
+  it('refuses data too short for the sequence length', function()
+    local ok, err = pcall(data.corpus, { text = 'short', min_len = 33 })
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find('needs at least 33'))
+  end)
+end)
