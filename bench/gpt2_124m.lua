@@ -1,0 +1,92 @@
+-- bench/gpt2_124m.lua — GPT-2 124M training throughput on one GPU.
+--
+--   luajit bench/gpt2_124m.lua [--batch 32] [--seq 1024] [--dtype bf16|f32]
+--                              [--steps 30] [--warmup 5]
+--
+-- The model of models/gpt2.lua (12 layers, 12 heads, 768 wide, vocab 50304,
+-- T=1024, tied embeddings), random tokens, AdamW. Prints tokens/s (median of
+-- the timed steps), model TFLOP/s (6·N·tokens plus attention's
+-- 6·L·T·C per token, llm.c's count) and MFU against the bf16 matmul rate
+-- measured here with the production GEMM, and the allocator's peak memory.
+package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
+local ffi = require 'ffi'
+local ms = require 'moonshard'
+local gpt2 = require 'models.gpt2'
+
+local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5 }
+local i = 1
+while i <= #arg do
+  local k = arg[i]:match('^%-%-(.+)$')
+  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|f32] [--steps N] [--warmup N]') end
+  opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
+  i = i + 2
+end
+
+ffi.cdef [[
+typedef struct { long tv_sec; long tv_nsec; } ms_bench_timespec;
+int clock_gettime(int clk, ms_bench_timespec *ts);
+]]
+local ts = ffi.new('ms_bench_timespec')
+local function now()
+  ffi.C.clock_gettime(1, ts)
+  return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
+end
+
+assert(ms.cuda.is_available(), 'bench/gpt2_124m.lua needs a CUDA device')
+local dev = ms.cuda.get_device_name(0)
+
+-- the measured bf16 matmul ceiling, through the same GEMM the model uses
+local function matmul_rate()
+  local n = 8192
+  local a = ms.randn({ n, n }, { seed = 1, device = 'cuda' }):bf16()
+  local b = ms.randn({ n, n }, { seed = 2, device = 'cuda' }):bf16()
+  local c = ms.matmul(a, b)
+  ms.cuda.synchronize()
+  local reps = 20
+  local t0 = now()
+  for _ = 1, reps do c = ms.matmul(a, b) end
+  ms.cuda.synchronize()
+  local dt = (now() - t0) / reps
+  return 2 * n ^ 3 / dt / 1e12
+end
+local peak = matmul_rate()
+
+ms.manual_seed(0)
+local model = gpt2.new('gpt2-124m', { vocab_size = 50304, n_positions = opts.seq })
+local nparams = 0
+for _, p in model:named_parameters() do nparams = nparams + p:numel() end
+model:to('cuda')
+if opts.dtype ~= 'f32' then model:to(opts.dtype) end
+model:train()
+local opt = ms.optim.AdamW(model, { lr = 6e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
+
+local B, Tn = opts.batch, opts.seq
+local ids = (ms.rand({ B, Tn }, { seed = 3, device = 'cuda' }) * 50257):long()
+local tg = (ms.rand({ B, Tn }, { seed = 4, device = 'cuda' }) * 50257):long()
+
+ms.cuda.reset_peak_memory_stats()
+local times = {}
+local loss
+for step = 1, opts.warmup + opts.steps do
+  ms.cuda.synchronize()
+  local t0 = now()
+  opt:zero_grad()
+  loss = model(ids, tg)
+  loss:backward()
+  opt:step()
+  ms.cuda.synchronize()
+  if step > opts.warmup then times[#times + 1] = now() - t0 end
+end
+table.sort(times)
+local med = times[math.floor((#times + 1) / 2)]
+local tokens = B * Tn
+local cfg = model.config
+local flops_per_token = 6 * nparams + 6 * cfg.n_layer * Tn * cfg.n_embd
+local tflops = flops_per_token * tokens / med / 1e12
+local st = ms.cuda.memory_stats()
+print(('device: %s'):format(dev))
+print(('GPT-2 124M (%d params), B=%d T=%d %s, AdamW'):format(nparams, B, Tn, opts.dtype))
+print(('| tokens/s | step ms | model TFLOP/s | MFU (vs %.0f TFLOP/s bf16 matmul) | peak allocated GiB | peak reserved GiB | loss |'):format(peak))
+print('|---|---|---|---|---|---|---|')
+print(('| %.0f | %.1f | %.1f | %.1f%% | %.2f | %.2f | %.3f |'):format(tokens / med, med * 1e3, tflops,
+  100 * tflops / peak, st.peak_allocated / 2 ^ 30, st.peak_reserved / 2 ^ 30, loss:item()))
