@@ -222,6 +222,29 @@ describe('hooks for a sharding runtime', function()
     assert.has_error(function() A.queue_callback(function() end) end)
   end)
 
+  it('gradients accumulate into views of a flat buffer preset as .grad', function()
+    local m, ids, tg = make(false)
+    m(ids, tg):backward()
+    local want = grads(m)
+    m:zero_grad()
+    local ps = m:parameters()
+    local n = 0
+    for _, p in ipairs(ps) do n = n + p:numel() end
+    local flat = ms.zeros({ n }, { dtype = 'f64' })
+    local off = 1
+    for _, p in ipairs(ps) do
+      p.grad = flat:narrow(1, off, p:numel()):view(p.shape)
+      off = off + p:numel()
+    end
+    m(ids, tg):backward()
+    off = 1
+    for name, p in m:named_parameters() do
+      local part = flat:narrow(1, off, p:numel()):view(p.shape)
+      assert.are.equal(0, F.max(F.abs(F.sub(part, want[name]))):item(), name)
+      off = off + p:numel()
+    end
+  end)
+
   it('forward hooks can replace inputs and outputs', function()
     local lin = nn.Linear(3, 2)
     local x = ms.randn({ 1, 3 })
