@@ -175,6 +175,23 @@ __global__ void softmax_bwd_kernel(void *out, const void *y, const void *g, int 
     }
 }
 
+// softmax backward over contiguous rows (inner == 1): warp per row
+__global__ void softmax_bwd_rows_kernel(void *out, const void *y, const void *g, int dt, long long rows, long long n,
+                                        int lg) {
+    long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const long long base = row * n;
+    double dot = 0;
+    for (long long k = lane; k < n; k += 32)
+        dot += lg ? ld_any(g, dt, base + k) : ld_any(g, dt, base + k) * ld_any(y, dt, base + k);
+    for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    for (long long k = lane; k < n; k += 32) {
+        double yv = ld_any(y, dt, base + k), gv = ld_any(g, dt, base + k);
+        st_any(out, dt, base + k, lg ? gv - exp(yv) * dot : yv * (gv - dot));
+    }
+}
+
 // -------------------------------------------------------------- launchers
 
 namespace {
@@ -272,9 +289,17 @@ extern "C" int ms_cuda_softmax_backward(ms_tensor *out, const ms_tensor *y, cons
         dst = tmp.t;
     }
     if (ms_cuda_activate(out->device_id)) return -1;
-    softmax_bwd_kernel<<<(unsigned)((nout + 255) / 256), 256, 0, ms_cuda_stream_of(out->device_id)>>>(
-        ms_tensor_data(dst), ms_tensor_data(cy.t), ms_tensor_data(cg.t), cy.t->dtype_id, outer, n, inner, log);
-    LAUNCH_CHECK("softmax_bwd_kernel");
+    cudaStream_t s = ms_cuda_stream_of(out->device_id);
+    if (inner == 1) {
+        long long threads = nout * 32;
+        softmax_bwd_rows_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, s>>>(
+            ms_tensor_data(dst), ms_tensor_data(cy.t), ms_tensor_data(cg.t), cy.t->dtype_id, nout, n, log);
+        LAUNCH_CHECK("softmax_bwd_rows_kernel");
+    } else {
+        softmax_bwd_kernel<<<(unsigned)((nout + 255) / 256), 256, 0, s>>>(
+            ms_tensor_data(dst), ms_tensor_data(cy.t), ms_tensor_data(cg.t), cy.t->dtype_id, outer, n, inner, log);
+        LAUNCH_CHECK("softmax_bwd_kernel");
+    }
     if (dst != out) return ms_cuda_convert(out, dst);
     return 0;
 }
