@@ -49,7 +49,7 @@ gpt2.config = hf.defaults(gpt2.fields)
 gpt2.presets = {
   -- a byte-level model that trains on a laptop CPU in minutes
   tiny = { vocab_size = 256, n_positions = 256, n_embd = 128, n_layer = 4, n_head = 4,
-           resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, bos_token_id = nil, eos_token_id = nil },
+           resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, bos_token_id = hf.null, eos_token_id = hf.null },
   -- the shapes of openai-community/gpt2 (124M parameters)
   ['gpt2-124m'] = {},
   ['gpt2-350m'] = { n_embd = 1024, n_layer = 24, n_head = 16 },
@@ -197,6 +197,8 @@ function gpt2.export_config(cfg)
   cfg.model_type = 'gpt2'
   cfg.n_ctx = nil
   if cfg.n_inner == nil then cfg.n_inner = hf.null end
+  if cfg.bos_token_id == nil then cfg.bos_token_id = hf.null end
+  if cfg.eos_token_id == nil then cfg.eos_token_id = hf.null end
   return cfg
 end
 

@@ -22,7 +22,7 @@ hf.null = json.null
 
 -- ---------------------------------------------------------------- configs
 local function deepcopy(v)
-  if type(v) ~= 'table' then return v end
+  if type(v) ~= 'table' or v == json.null then return v end
   local r = {}
   for k, x in pairs(v) do r[k] = deepcopy(x) end
   return r
@@ -180,18 +180,60 @@ function hf.read_json(path)
   return obj
 end
 
--- sorted keys, two-space indent, as HF writes config.json
-function hf.write_json(path, obj)
-  local keys = {}
-  local function collect(t)
-    for k, v in pairs(t) do
-      if type(k) == 'string' then keys[#keys + 1] = k end
-      if type(v) == 'table' then collect(v) end
+-- JSON as transformers writes config.json: sorted keys, two-space indent,
+-- "key": value. Numbers print in their shortest round-trip form; fields
+-- that are floats in Python (float_keys) keep a decimal point (10000.0), so
+-- Python reads them back as floats.
+hf.float_keys = {
+  rope_theta = true, rms_norm_eps = true, layer_norm_epsilon = true, initializer_range = true,
+  resid_pdrop = true, embd_pdrop = true, attn_pdrop = true, attention_dropout = true,
+  summary_first_dropout = true,
+}
+local function json_number(v, float)
+  if v ~= v or v == math.huge or v == -math.huge then
+    error('hf: cannot write ' .. tostring(v) .. ' to JSON', 4)
+  end
+  local s
+  if v == math.floor(v) and math.abs(v) < 1e15 then
+    s = ('%d'):format(v)
+  else
+    for prec = 15, 17 do
+      s = ('%.' .. prec .. 'g'):format(v)
+      if tonumber(s) == v then break end
     end
   end
-  collect(obj)
+  if float and not s:find('[%.eEn]') then s = s .. '.0' end
+  return s
+end
+
+function hf.encode_json(v, indent, key)
+  indent = indent or ''
+  if v == nil or v == json.null then return 'null' end
+  local t = type(v)
+  if t == 'boolean' then return tostring(v) end
+  if t == 'number' then return json_number(v, hf.float_keys[key]) end
+  if t == 'string' then return json.encode(v) end
+  if t ~= 'table' then error('hf: cannot write a ' .. t .. ' to JSON', 3) end
+  local inner = indent .. '  '
+  if #v > 0 or next(v) == nil then
+    if next(v) == nil then return '{}' end
+    local items = {}
+    for i = 1, #v do items[i] = inner .. hf.encode_json(v[i], inner, key) end
+    return '[\n' .. table.concat(items, ',\n') .. '\n' .. indent .. ']'
+  end
+  local keys = {}
+  for k in pairs(v) do keys[#keys + 1] = tostring(k) end
   table.sort(keys)
-  local s = json.encode(obj, { indent = true, keyorder = keys })
+  local items = {}
+  for i, k in ipairs(keys) do
+    items[i] = inner .. json.encode(k) .. ': ' .. hf.encode_json(v[k], inner, k)
+  end
+  return '{\n' .. table.concat(items, ',\n') .. '\n' .. indent .. '}'
+end
+
+-- writes obj as JSON to path (through a temporary file and a rename)
+function hf.write_json(path, obj)
+  local s = hf.encode_json(obj)
   local tmp = path .. '.tmp'
   local f, err = io.open(tmp, 'wb')
   if not f then error(('cannot write %s: %s'):format(tmp, tostring(err)), 2) end
@@ -246,8 +288,9 @@ function hf.save_pretrained(model, dir, opts)
   local cfg = deepcopy(model.config)
   if M.export_config then cfg = M.export_config(cfg) end
   local dtype = opts.dtype or 'f32'
-  cfg.torch_dtype = ({ f32 = 'float32', bf16 = 'bfloat16', f16 = 'float16', f64 = 'float64' })[dtype]
-  cfg.dtype = cfg.torch_dtype
+  -- transformers 5 reads `dtype` (and warns about the older `torch_dtype`)
+  cfg.torch_dtype = nil
+  cfg.dtype = ({ f32 = 'float32', bf16 = 'bfloat16', f16 = 'float16', f64 = 'float64' })[dtype]
   hf.write_json(dir .. '/config.json', cfg)
   local out = {}
   for name, t in pairs(model:state_dict()) do

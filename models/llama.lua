@@ -50,7 +50,7 @@ llama.presets = {
   -- a byte-level model that trains on a laptop CPU in minutes
   tiny = { vocab_size = 256, hidden_size = 128, intermediate_size = 352, num_hidden_layers = 4,
            num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 256,
-           rms_norm_eps = 1e-5, bos_token_id = nil, eos_token_id = nil },
+           rms_norm_eps = 1e-5, bos_token_id = hf.null, eos_token_id = hf.null },
   -- ~1.1B parameters, the shapes of TinyLlama-1.1B (Llama 2 architecture)
   ['llama-1b'] = { vocab_size = 32000, hidden_size = 2048, intermediate_size = 5632, num_hidden_layers = 22,
                    num_attention_heads = 32, num_key_value_heads = 4, max_position_embeddings = 2048,
@@ -225,6 +225,8 @@ function llama.export_config(cfg)
   cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
   cfg.hidden_act = 'silu'
   cfg.pretraining_tp = 1
+  if cfg.bos_token_id == nil then cfg.bos_token_id = hf.null end
+  if cfg.eos_token_id == nil then cfg.eos_token_id = hf.null end
   return cfg
 end
 

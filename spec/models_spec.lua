@@ -153,7 +153,7 @@ for _, fam in ipairs(families) do
       model:save_pretrained(out)
       local cfg = assert(hf.read_json(out .. '/config.json'))
       assert.are.equal(M.model_type, cfg.model_type)
-      assert.are.equal('float32', cfg.torch_dtype)
+      assert.are.equal('float32', cfg.dtype)
       assert.is_table(cfg.architectures)
       local saved, meta = ms.load_safetensors(out .. '/model.safetensors')
       local orig = ms.load_safetensors(dir .. '/model.safetensors')
