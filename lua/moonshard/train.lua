@@ -35,7 +35,7 @@ train.options = {
   { 'config', 'string?', nil, 'a Lua file returning a table of these options' },
   { 'data', 'string?', nil, 'training text (bytes); default: the repository\'s own source and docs' },
   { 'val_fraction', 'number>=0', 0.1, 'share of the data held out for validation (the tail)' },
-  { 'steps', 'int>0', 300, 'optimizer steps' },
+  { 'steps', 'int>0', 500, 'optimizer steps' },
   { 'batch_size', 'int>0', 16, 'sequences per step' },
   { 'seq_len', 'int>0', 128, 'tokens per sequence' },
   { 'lr', 'number>=0', 3e-3, 'peak learning rate' },
@@ -371,6 +371,20 @@ local function sanitize(s)
   return (s:gsub('[%z\1-\8\11-\31\127]', '?'))
 end
 
+-- JSON with every object's keys sorted (run.json)
+function train.encode_sorted(obj)
+  local keys, seen = {}, {}
+  local function collect(t)
+    for k, v in pairs(t) do
+      if type(k) == 'string' and not seen[k] then seen[k] = true; keys[#keys + 1] = k end
+      if type(v) == 'table' then collect(v) end
+    end
+  end
+  collect(obj)
+  table.sort(keys)
+  return json.encode(obj, { indent = true, keyorder = keys })
+end
+
 local function jsonl_line(f, obj)
   local keys = {}
   for k in pairs(obj) do keys[#keys + 1] = k end
@@ -442,8 +456,8 @@ function train.run(opts)
   do
     local rf = io.open(o.out .. '/run.json', 'w')
     if rf then
-      rf:write(json.encode({ options = o, model_config = cfg, parameters = nparams,
-                             data = corpus.name, data_bytes = corpus.n }, { indent = true }), '\n')
+      rf:write(train.encode_sorted({ options = o, model_config = cfg, parameters = nparams,
+                                     data = corpus.name, data_bytes = corpus.n }), '\n')
       rf:close()
     end
   end
