@@ -41,8 +41,8 @@ gpt2.fields = {
   { 'reorder_and_upcast_attn', 'bool', false, 'numerics only; attention is computed in f32 or wider' },
   { 'add_cross_attention', { false }, false, 'not supported' },
   { 'tie_word_embeddings', { true }, true, 'the LM head is wte (GPT-2 checkpoints have no lm_head.weight)' },
-  { 'bos_token_id', 'int>=0?', 50256, 'beginning of text' },
-  { 'eos_token_id', 'int>=0?', 50256, 'end of text' },
+  { 'bos_token_id', 'ids?', 50256, 'beginning of text' },
+  { 'eos_token_id', 'ids?', 50256, 'end of text' },
 }
 gpt2.config = hf.defaults(gpt2.fields)
 
@@ -195,7 +195,6 @@ end
 function gpt2.export_config(cfg)
   cfg.architectures = { 'GPT2LMHeadModel' }
   cfg.model_type = 'gpt2'
-  cfg.n_ctx = nil
   if cfg.n_inner == nil then cfg.n_inner = hf.null end
   if cfg.bos_token_id == nil then cfg.bos_token_id = hf.null end
   if cfg.eos_token_id == nil then cfg.eos_token_id = hf.null end

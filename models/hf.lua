@@ -11,7 +11,8 @@
 -- A model file describes its config as a list of fields,
 --   { name, type, default, help }
 -- where type is one of 'int>0', 'int>=0', 'number>0', 'number>=0', 'prob'
--- (0 <= p < 1), 'bool', 'string', 'table', or a list of allowed strings; a
+-- (0 <= p < 1), 'bool', 'string', 'table', 'ids' (a token id or a list of
+-- them, as HF's eos_token_id), or a list of allowed values; a
 -- trailing '?' (or a list with optional = true) lets the field be nil (JSON null).
 local json = require 'dkjson'
 local ms = require 'moonshard'
@@ -46,6 +47,7 @@ local type_words = {
   ['int>0'] = 'a positive integer', ['int>=0'] = 'a non-negative integer',
   ['number>0'] = 'a positive number', ['number>=0'] = 'a non-negative number',
   prob = 'a number in [0, 1)', bool = 'a boolean', string = 'a string', table = 'a table (JSON object)',
+  ids = 'a token id or a list of token ids',
 }
 
 local function is_int(v) return type(v) == 'number' and v == math.floor(v) and v > -2 ^ 53 and v < 2 ^ 53 end
@@ -67,6 +69,13 @@ local function mismatch(ty, v)
   elseif ty == 'bool' then ok = type(v) == 'boolean'
   elseif ty == 'string' then ok = type(v) == 'string'
   elseif ty == 'table' then ok = type(v) == 'table'
+  elseif ty == 'ids' then
+    ok = (is_int(v) and v >= 0) or type(v) == 'table'
+    if type(v) == 'table' then
+      for k, x in pairs(v) do
+        if type(k) ~= 'number' or not is_int(x) or x < 0 then ok = false end
+      end
+    end
   else error('hf: unknown field type ' .. tostring(ty)) end
   if ok then return nil end
   return type_words[ty]

@@ -41,8 +41,8 @@ llama.fields = {
   { 'mlp_bias', 'bool', false, 'biases on gate/up/down projections' },
   { 'initializer_range', 'number>=0', 0.02, 'std of the normal initialisation' },
   { 'tie_word_embeddings', 'bool', false, 'lm_head shares embed_tokens' },
-  { 'bos_token_id', 'int>=0?', 1, 'beginning of sequence' },
-  { 'eos_token_id', 'int>=0?', 2, 'end of sequence' },
+  { 'bos_token_id', 'ids?', 1, 'beginning of sequence' },
+  { 'eos_token_id', 'ids?', 2, 'end of sequence' },
 }
 llama.config = hf.defaults(llama.fields)
 

@@ -284,6 +284,12 @@ describe('model configs', function()
     assert.are.equal(5e5, cfg.rope_parameters.rope_theta)
     assert.is_nil(cfg.rope_theta)
     assert.are.equal(1, cfg.pretraining_tp)
+    -- Llama 3 style: a list of eos ids, rope_scaling null
+    cfg = hf.config(llama, 'tiny', { eos_token_id = { 1, 2 }, rope_scaling = hf.null }, { from_json = true })
+    assert.are.same({ 1, 2 }, cfg.eos_token_id)
+    local ok, err = pcall(hf.config, llama, 'tiny', { rope_scaling = { rope_type = 'llama3', factor = 8 } })
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find('rope_scaling of type llama3 is not supported', 1, true))
   end)
 
   it('have presets: tiny for CPU, gpt2-124m, a ~1B llama', function()

@@ -133,7 +133,7 @@ local function model_value(M, field, v, flag)
         return v -- the model's validation names what is allowed
       end
       ty = ty:gsub('%?$', '')
-      if ty:match('^int') or ty:match('^number') or ty == 'prob' then
+      if ty:match('^int') or ty:match('^number') or ty == 'prob' or (ty == 'ids' and tonumber(v)) then
         local n = tonumber(v)
         if not n then usage('%s expects a number, got %s', flag, describe(v)) end
         return n
