@@ -168,6 +168,8 @@ describe('errors', function()
       fails(function() return y:item() end, { 'item', 'freed' })
       fails(function() return y:contiguous() end, { 'freed' })
       fails(function() return ms.zeros({ 2 }):copy_(y) end, { 'copy_', 'freed' })
+      fails(function() return y + 1 end, { 'freed' })
+      fails(function() return y - y end, { 'freed' })
     end)
 
     it('a nil tensor handed to the C layer', function()
