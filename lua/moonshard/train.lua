@@ -474,7 +474,7 @@ function train.run(opts)
 
   local tokens_per_step = o.batch_size * o.seq_len
   local t0 = now()
-  local t_window, window_loss, window_n = t0, 0, 0
+  local t_window, window_loss, window_n, eval_s = t0, 0, 0, 0
   local first_loss, last_loss, val_loss
   local steady_t0, steady_step -- timing from step 2 on (step 1 warms up)
   for step = 1, o.steps do
@@ -497,17 +497,16 @@ function train.run(opts)
     local t = now()
     if step == 1 then steady_t0, steady_step = t, 1 end
     local rec = { step = step, loss = lv, lr = lr, grad_norm = gnorm, elapsed_s = t - t0 }
-    if o.eval_every > 0 and step % o.eval_every == 0 and step < o.steps and val_loader then
+    if val_loader and (step == o.steps or (o.eval_every > 0 and step % o.eval_every == 0)) then
+      local te = now()
       val_loss = train.evaluate(model, val_loader, o.eval_iters)
       rec.val_loss = val_loss
-    end
-    if step == o.steps and val_loader then
-      val_loss = train.evaluate(model, val_loader, o.eval_iters)
-      rec.val_loss = val_loss
+      eval_s = eval_s + (now() - te)
     end
     local log_now = step % o.log_every == 0 or step == o.steps or step == 1
     if log_now then
-      local dt = now() - t_window
+      -- throughput of the training steps alone (validation time left out)
+      local dt = now() - t_window - eval_s
       local rate = window_n * tokens_per_step / math.max(dt, 1e-9)
       rec.tokens_per_s = rate
       local per_step = step > steady_step and (t - steady_t0) / (step - steady_step) or dt
@@ -515,7 +514,7 @@ function train.run(opts)
         step, o.steps, window_loss / window_n, lr, fmt_rate(rate),
         fmt_duration(t - t0), fmt_duration(per_step * (o.steps - step)),
         rec.val_loss and (' | val %.4f'):format(rec.val_loss) or '')
-      t_window, window_loss, window_n = now(), 0, 0
+      t_window, window_loss, window_n, eval_s = now(), 0, 0, 0
     end
     jsonl_line(mf, rec)
   end
