@@ -12,7 +12,7 @@ CFLAGS  += -std=c99 -D_GNU_SOURCE -fPIC -fopenmp -Wall -Wextra -Werror -Wno-unus
 LDLIBS  += -lopenblas -lm -fopenmp
 
 C_SRCS  := $(wildcard core/*.c core/io/*.c)
-HEADERS := core/tensor.h core/ops.h core/cuda.h $(wildcard core/io/*.h)
+HEADERS := core/tensor.h core/ops.h core/cuda.h core/flce.h $(wildcard core/io/*.h)
 C_OBJS  := $(patsubst %.c,$(BUILD)/%.o,$(C_SRCS))
 
 NVCC    ?= $(shell command -v nvcc 2>/dev/null)

@@ -29,10 +29,14 @@
 -- output is an activation (losses stay f32).
 --
 -- lm_loss is looked up at call time (models call nn.functional.lm_loss), so a
--- fused linear cross-entropy can replace it: nn.functional.lm_loss = flce.
+-- model's loss can be replaced. By default it is the fused linear
+-- cross-entropy (moonshard.flce, also nnf.fused_linear_cross_entropy): no
+-- logits in memory; nnf.use_fused_lm_loss(false) or opts.fused = false
+-- take the plain path (linear, then cross_entropy).
 local T = require 'moonshard.tensor'
 local F = require 'moonshard.ops'
 local A = require 'moonshard.autograd'
+local flce = require 'moonshard.flce'
 
 local R = A.raw_views
 local W = A.W
@@ -506,10 +510,22 @@ function nnf.cross_entropy(logits, targets, opts)
 end
 
 -- hidden (B, T, C) @ weight^T (V, C) -> logits -> cross entropy with targets
--- (B, T). The logits are freed before returning (nothing keeps them), so the
--- loss costs one (B*T, V) log-softmax of memory until backward.
+-- (B, T). Fused by default (see the top of this file); on the plain path the
+-- logits are freed before returning (nothing keeps them), so the loss costs
+-- one (B*T, V) log-softmax of memory until backward.
+nnf.fused_linear_cross_entropy = flce.fused_linear_cross_entropy
+local fused_lm_loss = true
+-- use_fused_lm_loss(on): set the default (on ~= nil); returns the previous one
+function nnf.use_fused_lm_loss(on)
+  local prev = fused_lm_loss
+  if on ~= nil then fused_lm_loss = on and true or false end
+  return prev
+end
 function nnf.lm_loss(hidden, weight, targets, opts)
   need_tensor('lm_loss', hidden, 'the hidden states')
+  if fused_lm_loss and not (opts and opts.fused == false) then
+    return flce.lm_loss(hidden, weight, targets, opts)
+  end
   local logits = nnf.linear(hidden, weight)
   local loss = nnf.cross_entropy(logits, targets, opts)
   free(logits)

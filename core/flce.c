@@ -1,0 +1,584 @@
+/* core/flce.c — fused linear cross-entropy (core/flce.h): argument checks,
+ * the chunk loop shared by both devices, and the CPU reference of the
+ * per-device steps.
+ *
+ * One loop drives CPU and CUDA tensors alike: per chunk of rows a GEMM
+ * writes the logits into a reused (rows, V) buffer, the fused row pass turns
+ * them into d loss / d logits in place (and leaves per-row ce, z-loss and
+ * hit in `rows`), and GEMMs take grad_x's rows and add into grad_W. The
+ * steps that differ by device are the dev_* functions below: CPU ones are
+ * here (with shape comments), CUDA ones in kernels/flce.cu; the GEMMs are
+ * the production ones (ms_gemm_ / OpenBLAS on the CPU, ms_cuda_gemm /
+ * cuBLASLt on CUDA).
+ *
+ * Reference: https://pytorch.org/docs/stable/generated/torch.nn.functional.cross_entropy.html
+ * (weight, ignore_index, label_smoothing, reduction), plus the z-loss and
+ * logit softcap of Liger Kernel's LigerFusedLinearCrossEntropyLoss.
+ *
+ * Threads: the row pass runs rows in parallel (each row by one thread, in
+ * index order), the bias column sums run columns in parallel (rows in
+ * order), the GEMMs are thread-count independent (core/ops_cpu.c), and the
+ * final sums run in row order: the bits do not depend on the thread count.
+ */
+#include "internal.h"
+#include "flce.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef MS_WITH_CUDA
+#include "../kernels/flce.h"
+#include "../kernels/kernels.h"
+/* kernels/gemm.cu defines this once ms_cuda_gemm takes an f32 output with
+ * bf16/f16 operands (f32 accumulation of grad_W across chunks); until then
+ * the weak reference is NULL and flce falls back to f32 operand copies */
+extern int ms_cuda_gemm_mixed_ok(void) __attribute__((weak));
+#endif
+
+static const char *const OP = "fused_linear_cross_entropy";
+enum { DESC = 200 };
+
+void ms_flce_opts_init(ms_flce_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->ignore_index = -100;
+    o->reduction = MS_FLCE_MEAN;
+    o->accum_dtype = -1;
+}
+
+/* dtype the logits are stored and multiplied in: CUDA keeps the input dtype
+ * (bf16 logits, as x@Wᵀ in bf16 gives); the CPU computes bf16/f16 in f32 */
+static int logits_dtype(int dtype, int device) {
+    if (device >= 0) return dtype;
+    return dtype == MS_F64 ? MS_F64 : MS_F32;
+}
+
+int64_t ms_flce_chunk_rows(const ms_flce_opts *o, int64_t bt, int64_t h, int64_t v, int dtype, int device) {
+    if (bt <= 0) return 1;
+    if (o && o->chunk_size > 0) return o->chunk_size < bt ? o->chunk_size : bt;
+    int64_t es = ms_dtype_size(logits_dtype(dtype, device));
+    int64_t budget = (o && o->memory_budget > 0) ? o->memory_budget : bt * (h > 0 ? h : 1) * es;
+    if (device >= 0 && !(o && o->memory_budget > 0) && budget < ((int64_t)256 << 20)) budget = (int64_t)256 << 20;
+    int64_t rows = budget / ((v > 0 ? v : 1) * es);
+    if (rows < 1) rows = 1;
+    if (rows >= bt) return bt;
+    if (device >= 0 && rows > 128) rows -= rows % 128;
+    return rows;
+}
+
+/* ================================================================ job */
+
+/* Everything one call needs, in the form the device steps read it. */
+typedef struct flce_job {
+    const ms_flce_opts *o;
+    int64_t bt, h, v;
+    int device;
+    int ldt;                 /* dtype of the logits buffer and GEMM operands */
+    const ms_tensor *x, *w;  /* (BT, H), (V, H) in ldt */
+    const ms_tensor *bias;   /* (V) contiguous, in ldt, or NULL */
+    const ms_tensor *cew;    /* (V) contiguous ce_weight (f64 CPU, f32 CUDA) or NULL */
+    const ms_tensor *tg;     /* (BT) contiguous targets, i64/i32 */
+    const ms_tensor *gs;     /* (1) or (BT) contiguous grad_scale (f64 CPU, f32 CUDA) or NULL */
+    ms_tensor *scal;         /* CUDA: f64 (3) on the device: D, N, Σw */
+    double D, N, wsum;       /* CPU: the same, on the host */
+    ms_tensor *rows;         /* (BT, 3): ce_i, zl_i, hit_i (f64 CPU, f32 CUDA) */
+    int want_grad;
+} flce_job;
+
+/* ============================================================ CPU steps */
+
+static int64_t target_at(const ms_tensor *tg, int64_t i) {
+    const char *p = ms_tensor_data(tg);
+    return tg->dtype_id == MS_I64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
+}
+
+// targets (BT); ce_weight (V) or none: every target valid or ignored, then
+// D = Σ_valid w_y (N without weights), N = #valid, Σw (V without weights)
+static int cpu_prep(flce_job *j) {
+    const double *w = j->cew ? (const double *)ms_tensor_data(j->cew) : NULL;
+    double n = 0, d = 0, ws = 0;
+    for (int64_t i = 0; i < j->bt; i++) {
+        int64_t y = target_at(j->tg, i);
+        if (y == j->o->ignore_index) continue;
+        if (y < 0 || y >= j->v)
+            return ms_errorf("%s: target %lld at position %lld is out of range for %lld classes (and is not "
+                             "ignore_index = %lld)", OP, (long long)y, (long long)i, (long long)j->v,
+                             (long long)j->o->ignore_index);
+        n += 1;
+        d += w ? w[y] : 1.0;
+    }
+    if (w)
+        for (int64_t k = 0; k < j->v; k++) ws += w[k];
+    else
+        ws = (double)j->v;
+    j->N = n;
+    j->D = d;
+    j->wsum = ws;
+    return 0;
+}
+
+static double row_value(const void *p, int dtype, int64_t k) {
+    return dtype == MS_F64 ? ((const double *)p)[k] : (double)((const float *)p)[k];
+}
+
+// One token: lg (V) holds x_i·Wᵀ on entry and d(scaled loss)/d logits on
+// exit (when grads are wanted); out[0..2] = ce_i, zl_i, hit_i. z (V) is
+// scratch. Math in f64.
+static void cpu_row(const flce_job *j, int64_t i, void *lg, double *z, double *out) {
+    const ms_flce_opts *o = j->o;
+    int64_t V = j->v, y = target_at(j->tg, i);
+    int dt = j->ldt;
+    const void *b = j->bias ? ms_tensor_data(j->bias) : NULL;
+    const double *w = j->cew ? (const double *)ms_tensor_data(j->cew) : NULL;
+    double s = o->softcap, eps = o->label_smoothing;
+    out[0] = out[1] = out[2] = 0;
+    if (y == o->ignore_index) {
+        if (j->want_grad) memset(lg, 0, (size_t)(V * ms_dtype_size(dt)));
+        return;
+    }
+    // logits with bias and softcap; max and first argmax
+    double m = -INFINITY;
+    int64_t am = 0;
+    for (int64_t k = 0; k < V; k++) {
+        double v = row_value(lg, dt, k) + (b ? row_value(b, dt, k) : 0.0);
+        if (s > 0) v = s * tanh(v / s);
+        z[k] = v;
+        if (v > m) { m = v; am = k; }
+    }
+    double se = 0;
+    for (int64_t k = 0; k < V; k++) se += exp(z[k] - m);
+    double lse = m + log(se);
+    double wy = w ? w[y] : 1.0;
+    // grad_scale and the reduction's divisor
+    double g = 1.0;
+    if (j->gs) {
+        const double *gp = ms_tensor_data(j->gs);
+        g = ms_tensor_numel(j->gs) == 1 ? gp[0] : gp[i];
+    }
+    double c = g, cz = g;
+    if (o->reduction == MS_FLCE_MEAN) {
+        c = j->D > 0 ? g / j->D : 0.0;
+        cz = j->N > 0 ? g / j->N : 0.0;
+    }
+    double zs = o->lse_square_scale;
+    double coef_a = c * ((1 - eps) * wy + (eps / (double)V) * j->wsum) + cz * 2 * zs * lse;
+    double coef_y = c * (1 - eps) * wy, coef_s = c * eps / (double)V;
+    double smooth = 0;
+    for (int64_t k = 0; k < V; k++) {
+        double wk = w ? w[k] : 1.0;
+        if (eps > 0) smooth += wk * (lse - z[k]);
+        if (!j->want_grad) continue;
+        double d = coef_a * exp(z[k] - lse) - coef_s * wk - (k == y ? coef_y : 0.0);
+        if (s > 0) {
+            double t = z[k] / s;
+            d *= 1 - t * t;
+        }
+        if (dt == MS_F64) ((double *)lg)[k] = d;
+        else ((float *)lg)[k] = (float)d;
+    }
+    out[0] = (1 - eps) * wy * (lse - z[y]) + (eps / (double)V) * smooth;
+    out[1] = zs * lse * lse;
+    out[2] = am == y ? 1.0 : 0.0;
+}
+
+// lg (n, V) contiguous: the chunk of rows [row0, row0 + n)
+static int cpu_rows(flce_job *j, ms_tensor *lg, int64_t row0, int64_t n) {
+    int64_t V = j->v;
+    int es = ms_dtype_size(j->ldt);
+    char *base = ms_tensor_data(lg);
+    double *rows = (double *)ms_tensor_data(j->rows);
+    int failed = 0;
+#pragma omp parallel if (n > 1 && n * V > 32768)
+    {
+        double *z = malloc((size_t)V * sizeof(double));
+        if (!z) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++)
+            if (z) cpu_row(j, row0 + r, base + r * V * es, z, rows + (row0 + r) * 3);
+        free(z);
+    }
+    if (failed) return ms_errorf("%s: out of host memory for a row of %lld logits", OP, (long long)V);
+    return 0;
+}
+
+// acc (V) f64 += column sums of dl (n, V), rows in order
+static void cpu_colsum(double *acc, const ms_tensor *dl, int dt) {
+    int64_t n = dl->sizes[0], V = dl->sizes[1];
+    const char *p = ms_tensor_data(dl);
+    int es = ms_dtype_size(dt);
+#pragma omp parallel for schedule(static) if (n * V > 32768)
+    for (int64_t k = 0; k < V; k++) {
+        double a = acc[k];
+        for (int64_t r = 0; r < n; r++) a += row_value(p + r * V * es, dt, k);
+        acc[k] = a;
+    }
+}
+
+// rows (BT, 3) -> loss, z_loss (scalars, or (BT) for 'none'), accuracy
+static int cpu_finish(const flce_job *j, ms_tensor *loss, ms_tensor *z_loss, ms_tensor *acc) {
+    const double *rows = ms_tensor_data(j->rows);
+    int red = j->o->reduction;
+    double ce = 0, zl = 0, hit = 0;
+    for (int64_t i = 0; i < j->bt; i++) {
+        ce += rows[3 * i];
+        zl += rows[3 * i + 1];
+        hit += rows[3 * i + 2];
+        if (red == MS_FLCE_NONE) {
+            if (loss) ms_store((char *)ms_tensor_data(loss) + i * loss->strides[0] * ms_dtype_size(loss->dtype_id),
+                               loss->dtype_id, rows[3 * i] + rows[3 * i + 1]);
+            if (z_loss)
+                ms_store((char *)ms_tensor_data(z_loss) + i * z_loss->strides[0] * ms_dtype_size(z_loss->dtype_id),
+                         z_loss->dtype_id, rows[3 * i + 1]);
+        }
+    }
+    if (red == MS_FLCE_MEAN) {
+        ce = j->D > 0 ? ce / j->D : 0.0;
+        zl = j->N > 0 ? zl / j->N : 0.0;
+    }
+    if (red != MS_FLCE_NONE) {
+        if (loss) ms_store(ms_tensor_data(loss), loss->dtype_id, ce + zl);
+        if (z_loss) ms_store(ms_tensor_data(z_loss), z_loss->dtype_id, zl);
+    }
+    if (acc) ms_store(ms_tensor_data(acc), acc->dtype_id, j->N > 0 ? hit / j->N : 0.0);
+    return 0;
+}
+
+/* ========================================================= device steps */
+
+static int dev_prep(flce_job *j) {
+#ifdef MS_WITH_CUDA
+    if (j->device >= 0) return ms_cuda_flce_prep(j->tg, j->cew, j->v, j->o->ignore_index, j->scal);
+#endif
+    return cpu_prep(j);
+}
+
+static int dev_rows(flce_job *j, ms_tensor *lg, int64_t row0, int64_t n) {
+#ifdef MS_WITH_CUDA
+    if (j->device >= 0) {
+        ms_flce_params p = {.n = n,
+                            .row0 = row0,
+                            .v = j->v,
+                            .ignore_index = j->o->ignore_index,
+                            .label_smoothing = (float)j->o->label_smoothing,
+                            .lse_square_scale = (float)j->o->lse_square_scale,
+                            .softcap = (float)j->o->softcap,
+                            .reduction = j->o->reduction,
+                            .want_grad = j->want_grad};
+        return ms_cuda_flce_rows(lg, j->bias, j->cew, j->tg, j->gs, j->scal, j->rows, &p);
+    }
+#endif
+    return cpu_rows(j, lg, row0, n);
+}
+
+/* out = alpha·op(a)@op(b) + beta·out; out may be f32 with bf16/f16
+ * operands on CUDA (grad_W's f32 accumulation) */
+static int dev_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb, double beta) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) {
+        if (out->dtype_id == a->dtype_id || (ms_cuda_gemm_mixed_ok && ms_cuda_gemm_mixed_ok()))
+            return ms_cuda_gemm(out, a, b, transa, transb, 1.0, beta);
+        /* no mixed-dtype GEMM yet: f32 copies of the operands (slow, exact) */
+        ms_tensor *a32 = NULL, *b32 = NULL;
+        int rc = ms_tensor_to(&a32, a, out->dtype_id, a->device_id);
+        if (!rc) rc = ms_tensor_to(&b32, b, out->dtype_id, b->device_id);
+        if (!rc) rc = ms_cuda_gemm(out, a32, b32, transa, transb, 1.0, beta);
+        ms_tensor_free(a32);
+        ms_tensor_free(b32);
+        return rc;
+    }
+#endif
+    return ms_gemm_(out, a, b, transa, transb, 1.0, beta);
+}
+
+/* ============================================================== checks */
+
+static int same_device(const ms_tensor *x, const ms_tensor *t, const char *what) {
+    char a[DESC], b[DESC];
+    if (!t) return 0;
+    if (ms_tensor_check_live(t, OP)) return -1;
+    if (t->device_id != x->device_id)
+        return ms_errorf("%s: %s %s is not on the device of x %s", OP, what, ms_desc(t, a, sizeof a),
+                         ms_desc(x, b, sizeof b));
+    return 0;
+}
+
+static int check_args(const ms_flce_opts *o, const ms_tensor *x, const ms_tensor *w, const ms_tensor *tg,
+                      const ms_tensor *bias, const ms_tensor *cew, const ms_tensor *gs) {
+    char a[DESC], b[DESC];
+    if (!x || !w || !tg) return ms_errorf("%s: x, W and targets are required", OP);
+    if (ms_tensor_check_live(x, OP) || same_device(x, w, "W") || same_device(x, tg, "targets") ||
+        same_device(x, bias, "bias") || same_device(x, cew, "ce_weight") || same_device(x, gs, "grad_scale"))
+        return -1;
+#ifndef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", OP);
+#endif
+    if (x->ndim != 2) return ms_errorf("%s: x must be 2-D (BT, H), got %s", OP, ms_desc(x, a, sizeof a));
+    if (w->ndim != 2) return ms_errorf("%s: W must be 2-D (V, H), got %s", OP, ms_desc(w, a, sizeof a));
+    if (!ms_is_float(x->dtype_id)) return ms_errorf("%s: x must be a float tensor, got %s", OP, ms_desc(x, a, sizeof a));
+    if (w->dtype_id != x->dtype_id)
+        return ms_errorf("%s: x %s and W %s differ in dtype", OP, ms_desc(x, a, sizeof a), ms_desc(w, b, sizeof b));
+    if (x->device_id >= 0 && x->dtype_id == MS_F64)
+        return ms_errorf("%s: f64 is not supported on cuda (x %s); use f32, bf16 or f16", OP, ms_desc(x, a, sizeof a));
+    if (w->sizes[1] != x->sizes[1])
+        return ms_errorf("%s: x %s and W %s differ in the hidden size (%lld vs %lld)", OP, ms_desc(x, a, sizeof a),
+                         ms_desc(w, b, sizeof b), (long long)x->sizes[1], (long long)w->sizes[1]);
+    if (w->sizes[0] < 1) return ms_errorf("%s: W %s has no classes", OP, ms_desc(w, a, sizeof a));
+    if (tg->dtype_id != MS_I64 && tg->dtype_id != MS_I32)
+        return ms_errorf("%s: targets must be i64 or i32 class ids, got %s", OP, ms_desc(tg, a, sizeof a));
+    if (tg->ndim != 1 || tg->sizes[0] != x->sizes[0])
+        return ms_errorf("%s: targets %s must be 1-D with one id per row of x %s", OP, ms_desc(tg, a, sizeof a),
+                         ms_desc(x, b, sizeof b));
+    int64_t V = w->sizes[0];
+    if (bias && (bias->ndim != 1 || bias->sizes[0] != V || bias->dtype_id != x->dtype_id))
+        return ms_errorf("%s: bias %s must be (%lld) and of x's dtype %s", OP, ms_desc(bias, a, sizeof a),
+                         (long long)V, ms_dtype_name(x->dtype_id));
+    if (cew && (cew->ndim != 1 || cew->sizes[0] != V || !ms_is_float(cew->dtype_id)))
+        return ms_errorf("%s: ce_weight %s must be a float tensor of shape (%lld), one weight per class", OP,
+                         ms_desc(cew, a, sizeof a), (long long)V);
+    if (gs && (!ms_is_float(gs->dtype_id) ||
+               !(ms_tensor_numel(gs) == 1 || (gs->ndim == 1 && gs->sizes[0] == x->sizes[0]))))
+        return ms_errorf("%s: grad_scale %s must be a float tensor of one element or of shape (%lld)", OP,
+                         ms_desc(gs, a, sizeof a), (long long)x->sizes[0]);
+    if (o->reduction != MS_FLCE_MEAN && o->reduction != MS_FLCE_SUM && o->reduction != MS_FLCE_NONE)
+        return ms_errorf("%s: reduction %d is not one of mean (0), sum (1), none (2)", OP, (int)o->reduction);
+    if (!(o->label_smoothing >= 0 && o->label_smoothing <= 1))
+        return ms_errorf("%s: label_smoothing must be in [0, 1], got %g", OP, o->label_smoothing);
+    if (!(o->softcap >= 0) || isinf(o->softcap))
+        return ms_errorf("%s: softcap must be a finite number >= 0 (0: off), got %g", OP, o->softcap);
+    if (!isfinite(o->lse_square_scale))
+        return ms_errorf("%s: lse_square_scale must be finite, got %g", OP, o->lse_square_scale);
+    if (o->chunk_size < 0 || o->memory_budget < 0)
+        return ms_errorf("%s: chunk_size (%lld) and memory_budget (%lld) must be >= 0", OP, (long long)o->chunk_size,
+                         (long long)o->memory_budget);
+    if (o->accum_dtype != -1 && o->accum_dtype != w->dtype_id && o->accum_dtype != MS_F32 &&
+        !(o->accum_dtype == MS_F64 && w->dtype_id == MS_F64))
+        return ms_errorf("%s: accum_dtype must be f32 or W's dtype %s, got %s", OP, ms_dtype_name(w->dtype_id),
+                         o->accum_dtype >= 0 && o->accum_dtype < MS_NUM_DTYPES ? ms_dtype_name(o->accum_dtype) : "?");
+    return 0;
+}
+
+/* a contiguous copy of t in dtype (t itself when it already is one) */
+static int as_dense(const ms_tensor *t, int dtype, ms_tensor **tmp, const ms_tensor **use) {
+    *tmp = NULL;
+    *use = t;
+    if (!t) return 0;
+    if (t->dtype_id == dtype && ms_tensor_is_contiguous(t)) return 0;
+    if (t->dtype_id == dtype) {
+        if (ms_tensor_contiguous(tmp, t)) return -1;
+    } else if (ms_tensor_to(tmp, t, dtype, t->device_id)) {
+        return -1;
+    }
+    *use = *tmp;
+    return 0;
+}
+
+/* allocate *slot (when it holds NULL) or check the given tensor */
+static int prepare(ms_tensor **slot, int ndim, const int64_t *shape, int dtype, int device, int *allocated) {
+    *allocated = 0;
+    if (!slot) return 0;
+    *allocated = *slot == NULL;
+    return ms_prepare_out(slot, OP, ndim, shape, dtype, device);
+}
+
+/* ================================================================ entry */
+
+int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, const ms_tensor *targets,
+            const ms_tensor *bias, const ms_tensor *ce_weight, const ms_tensor *grad_scale, ms_tensor **loss,
+            ms_tensor **z_loss, ms_tensor **accuracy, ms_tensor **grad_x, ms_tensor **grad_w,
+            ms_tensor **grad_bias) {
+    ms_flce_opts defaults;
+    if (!opts) {
+        ms_flce_opts_init(&defaults);
+        opts = &defaults;
+    }
+    if (check_args(opts, x, w, targets, bias, ce_weight, grad_scale)) return -1;
+
+    const int64_t BT = x->sizes[0], H = x->sizes[1], V = w->sizes[0];
+    const int device = x->device_id, xdt = x->dtype_id;
+    const int ldt = logits_dtype(xdt, device);
+    const int sdt = device >= 0 ? MS_F32 : MS_F64;     /* per-row statistics */
+    const int odt = xdt == MS_F64 ? MS_F64 : MS_F32;   /* loss outputs */
+    const int red = opts->reduction;
+    int acc_dt = opts->accum_dtype < 0 ? (ldt == MS_F64 ? MS_F64 : MS_F32) : opts->accum_dtype;
+    if (device < 0) acc_dt = ldt; /* the CPU computes bf16/f16 in f32 anyway */
+    const int want_grad = grad_x || grad_w || grad_bias;
+
+    flce_job j = {.o = opts, .bt = BT, .h = H, .v = V, .device = device, .ldt = ldt, .want_grad = want_grad};
+    ms_tensor *owned[12] = {NULL};
+    int nowned = 0;
+#define OWN(t) (owned[nowned++] = (t))
+    ms_tensor *tmp = NULL, *lbuf = NULL, *gx = NULL, *gw_acc = NULL, *gb_acc = NULL;
+    const ms_tensor *use = NULL;
+    int al[6] = {0};
+    ms_tensor **outs[6] = {loss, z_loss, accuracy, grad_x, grad_w, grad_bias};
+    int rc = -1;
+
+    /* outputs: loss-like ones now, gradients now too (a given one is checked
+     * before any work; grad_W/grad_bias are written only at the end) */
+    int64_t bt_shape[1] = {BT};
+    int lnd = red == MS_FLCE_NONE ? 1 : 0;
+    if (grad_bias && !bias) {
+        ms_errorf("%s: grad_bias asked for without a bias", OP);
+        goto done;
+    }
+    if (prepare(loss, lnd, bt_shape, odt, device, &al[0]) || prepare(z_loss, lnd, bt_shape, odt, device, &al[1]) ||
+        prepare(accuracy, 0, bt_shape, odt, device, &al[2]) || prepare(grad_x, 2, x->sizes, xdt, device, &al[3]) ||
+        prepare(grad_w, 2, w->sizes, w->dtype_id, device, &al[4]) ||
+        (bias && prepare(grad_bias, 1, w->sizes, bias->dtype_id, device, &al[5])))
+        goto done;
+
+    /* inputs in the form the steps read */
+    if (as_dense(x, ldt, &tmp, &use)) goto done;
+    if (tmp) OWN(tmp);
+    j.x = use;
+    if (ldt != xdt) { /* CPU bf16/f16: W in f32 too (x was converted above) */
+        if (ms_tensor_to(&tmp, w, ldt, device)) goto done;
+        OWN(tmp);
+        j.w = tmp;
+    } else {
+        j.w = w;
+    }
+    if (as_dense(bias, ldt, &tmp, &use)) goto done;
+    if (tmp) OWN(tmp);
+    j.bias = use;
+    if (as_dense(ce_weight, sdt, &tmp, &use)) goto done;
+    if (tmp) OWN(tmp);
+    j.cew = use;
+    if (as_dense(targets, targets->dtype_id, &tmp, &use)) goto done;
+    if (tmp) OWN(tmp);
+    j.tg = use;
+    if (grad_scale) {
+        int64_t n1 = ms_tensor_numel(grad_scale);
+        ms_tensor *flat = NULL;
+        if (ms_tensor_reshape(&flat, grad_scale, 1, &n1)) goto done;
+        OWN(flat);
+        if (as_dense(flat, sdt, &tmp, &use)) goto done;
+        if (tmp) OWN(tmp);
+        j.gs = use;
+    }
+    int64_t rshape[2] = {BT, 3};
+    if (ms_tensor_empty(&j.rows, 2, rshape, sdt, device)) goto done;
+    OWN(j.rows);
+    if (device >= 0) {
+        int64_t three = 3;
+        if (ms_tensor_empty(&j.scal, 1, &three, MS_F64, device)) goto done;
+        OWN(j.scal);
+    }
+    if (dev_prep(&j)) goto done;
+
+    /* gradient destinations: grad_x rows are written chunk by chunk (in the
+     * logits dtype when that differs: CPU bf16/f16); grad_W and grad_bias
+     * accumulate in acc_dt, into the output itself when the dtypes agree */
+    if (grad_x) {
+        if (ldt == xdt) {
+            gx = *grad_x;
+        } else {
+            if (ms_tensor_empty(&gx, 2, x->sizes, ldt, device)) goto done;
+            OWN(gx);
+        }
+    }
+    if (grad_w) {
+        if (acc_dt == w->dtype_id) {
+            gw_acc = *grad_w;
+        } else {
+            if (ms_tensor_empty(&gw_acc, 2, w->sizes, acc_dt, device)) goto done;
+            OWN(gw_acc);
+        }
+    }
+    double *gb_host = NULL; /* CPU grad_bias accumulator (f64) */
+    if (grad_bias) {
+        if (device < 0) {
+            if (ms_tensor_empty(&gb_acc, 1, w->sizes, MS_F64, device)) goto done;
+            OWN(gb_acc);
+            gb_host = ms_tensor_data(gb_acc);
+            memset(gb_host, 0, (size_t)V * sizeof(double));
+        } else if (acc_dt == bias->dtype_id) {
+            gb_acc = *grad_bias;
+        } else {
+            if (ms_tensor_empty(&gb_acc, 1, w->sizes, acc_dt, device)) goto done;
+            OWN(gb_acc);
+        }
+    }
+
+    /* the chunk loop */
+    int64_t chunk = ms_flce_chunk_rows(opts, BT, H, V, xdt, device);
+    int64_t bshape[2] = {chunk, V};
+    if (BT > 0 && ms_tensor_empty(&lbuf, 2, bshape, ldt, device)) goto done;
+    if (lbuf) OWN(lbuf);
+    if (BT == 0 && grad_w && ms_fill_(gw_acc, 0.0)) goto done;
+    if (BT == 0 && gb_acc && device >= 0 && ms_fill_(gb_acc, 0.0)) goto done;
+    for (int64_t r0 = 0; r0 < BT; r0 += chunk) {
+        int64_t n = BT - r0 < chunk ? BT - r0 : chunk;
+        ms_tensor *lg = NULL, *xc = NULL, *gxc = NULL;
+        rc = ms_tensor_narrow(&lg, lbuf, 0, 0, n);
+        if (!rc) rc = ms_tensor_narrow(&xc, j.x, 0, r0, n);
+        if (!rc) rc = dev_gemm(lg, xc, j.w, 0, 1, 0.0);                 /* logits (n, V) = x_c Wᵀ */
+        if (!rc) rc = dev_rows(&j, lg, r0, n);                          /* -> dlogits, rows */
+        if (!rc && gx) {
+            rc = ms_tensor_narrow(&gxc, gx, 0, r0, n);
+            if (!rc) rc = dev_gemm(gxc, lg, j.w, 0, 0, 0.0);            /* grad_x (n, H) = dl W */
+        }
+        if (!rc && gw_acc) rc = dev_gemm(gw_acc, lg, xc, 1, 0, r0 == 0 ? 0.0 : 1.0); /* grad_W += dlᵀ x_c */
+        if (!rc && gb_acc) {
+#ifdef MS_WITH_CUDA
+            if (device >= 0) rc = ms_cuda_flce_colsum(gb_acc, lg, r0 > 0);
+            else
+#endif
+                cpu_colsum(gb_host, lg, ldt);
+        }
+        ms_tensor_free(lg);
+        ms_tensor_free(xc);
+        ms_tensor_free(gxc);
+        if (rc) goto done;
+    }
+    rc = -1;
+    if (lbuf) { /* give the chunk's memory back before the casts below */
+        ms_tensor_release(lbuf);
+    }
+
+    /* outputs */
+#ifdef MS_WITH_CUDA
+    if (device >= 0) {
+        if (ms_cuda_flce_finish(j.rows, j.scal, red, loss ? *loss : NULL, z_loss ? *z_loss : NULL,
+                                accuracy ? *accuracy : NULL))
+            goto done;
+    } else
+#endif
+        if (cpu_finish(&j, loss ? *loss : NULL, z_loss ? *z_loss : NULL, accuracy ? *accuracy : NULL))
+        goto done;
+    if (grad_x && gx != *grad_x && ms_tensor_copy_(*grad_x, gx)) goto done;
+    if (grad_w && gw_acc != *grad_w && ms_tensor_copy_(*grad_w, gw_acc)) goto done;
+    if (grad_bias && gb_acc != *grad_bias && ms_tensor_copy_(*grad_bias, gb_acc)) goto done;
+    rc = 0;
+done:
+#undef OWN
+    for (int k = 0; k < nowned; k++) ms_tensor_free(owned[k]);
+    if (rc)
+        for (int k = 0; k < 6; k++)
+            if (al[k] && outs[k] && *outs[k]) {
+                ms_tensor_free(*outs[k]);
+                *outs[k] = NULL;
+            }
+    return rc;
+}
+
+/* ================================================================ scale */
+
+int ms_flce_scale_(ms_tensor *t, const ms_tensor *g) {
+    char a[DESC], b[DESC];
+    if (ms_tensor_check_live(t, "flce_scale_") || ms_tensor_check_live(g, "flce_scale_")) return -1;
+    if (t->device_id != g->device_id || ms_tensor_numel(g) != 1 || !ms_is_float(g->dtype_id) ||
+        !ms_is_float(t->dtype_id))
+        return ms_errorf("flce_scale_: needs a float tensor and a float scale of one element on its device, got %s "
+                         "and %s", ms_desc(t, a, sizeof a), ms_desc(g, b, sizeof b));
+#ifdef MS_WITH_CUDA
+    if (t->device_id >= 0) return ms_cuda_flce_scale(t, g);
+#else
+    if (t->device_id >= 0) return ms_errorf("flce_scale_: cuda tensors need a build with CUDA");
+#endif
+    double s = ms_load(ms_tensor_data(g), g->dtype_id);
+    if (s == 1.0) return 0;
+    return ms_binary_scalar(&t, MS_OP_MUL, t, s, 0);
+}

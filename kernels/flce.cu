@@ -1,0 +1,452 @@
+// kernels/flce.cu — fused linear cross-entropy on CUDA: the steps between
+// the GEMMs (core/flce.h has the semantics, core/flce.c the chunk loop).
+//
+// Per chunk of n tokens, core/flce.c runs
+//   logits (n, V) = x_c Wᵀ                  cuBLASLt, 2·n·V·H flops
+//   flce_rows_kernel                        this file: the fused row pass
+//   grad_x[c] (n, H) = dlogits W            cuBLASLt, 2·n·V·H flops
+//   grad_W (V, H) += dlogitsᵀ x_c           cuBLASLt, 2·n·V·H flops, f32 accumulator
+//   grad_bias (V) += Σ_rows dlogits         flce_colsum_kernel (with a bias only)
+// so the whole op costs the three GEMMs' 6·BT·V·H flops plus, per chunk, one
+// read and write of the grad_W accumulator (2·V·H·4 bytes; hence chunks of
+// ~1k rows, see ms_flce_chunk_rows) and the row pass's 3·n·V·2 bytes (bf16).
+//
+// Why fused: the row pass is the whole of softmax + cross-entropy + z-loss +
+// accuracy + softmax backward in one kernel, one block per token, with the
+// logits read twice (online max/sum-exp, then the gradient) and overwritten
+// once by d loss / d logits. Nothing of size (n, V) is allocated besides the
+// chunk buffer, and the (BT, V) logits never exist. Math is f32, exponentials
+// in base 2 (exp2f of logits pre-scaled by log2 e); the logits and their
+// gradient are stored in the input dtype (bf16 for bf16 inputs, as x@Wᵀ in
+// PyTorch stores them), so the GEMMs read bf16 and accumulate in f32.
+//
+// No host sync: the valid-token count and the summed target weights (the
+// divisors of 'mean') are computed on the device by flce_prep_kernel before
+// the first chunk and read by the row pass; out-of-range targets set the
+// device flag (kernels/common.cuh) with position and value, raised at the
+// next sync point, and count as ignored meanwhile. Reductions run in a fixed
+// order (warp butterflies, one block for the final sums): the same bits on
+// every run.
+#include "common.cuh"
+#include "kernels.h"
+#include "flce.h"
+
+extern "C" {
+#include "../core/flce.h"
+}
+
+#include <limits.h>
+
+// ---------------------------------------------------------------- kernels
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kRowThreads = 512;
+constexpr int kOneBlock = 1024;
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ void flce_flag_bad(ms_device_flag *f, long long pos, long long v, long long lim) {
+    if (atomicCAS(&f->code, 0, 1) == 0) {
+        f->position = pos;
+        f->value = v;
+        f->limit = lim;
+    }
+}
+
+__device__ __forceinline__ long long target_at(const void *tg, int tdt, long long i) {
+    return tdt == MS_I64 ? ((const long long *)tg)[i] : (long long)((const int *)tg)[i];
+}
+
+// VEC elements loaded or stored in one instruction (16 bytes when VEC·sizeof(T) is)
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+    T v[VEC];
+};
+
+// (m, s) of a base-2 online sum-exp: Σ 2^(u - m) = s
+__device__ __forceinline__ void merge_sumexp(float &m, float &s, float m2, float s2) {
+    float mm = fmaxf(m, m2);
+    if (mm == -INFINITY) return;
+    s = s * exp2f(m - mm) + s2 * exp2f(m2 - mm);
+    m = mm;
+}
+
+// larger value wins, the smaller index on ties (torch.argmax: the first)
+__device__ __forceinline__ void merge_argmax(float &b, int &i, float b2, int i2) {
+    if (b2 > b || (b2 == b && i2 < i)) {
+        b = b2;
+        i = i2;
+    }
+}
+
+// One block per token of the chunk. Row r of `logits` (V) holds x_i·Wᵀ on
+// entry and d(Σ grad_scale·loss)/d logits on exit (want_grad); rows[i] gets
+// (ce_i, zl_i, hit_i). scal: Σ_valid w_y, #valid, Σ w (flce_prep_kernel).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRowThreads)
+flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int tdt, const float *gs,
+                 int gs_per_row, const double *scal, float *rows, ms_flce_params p) {
+    const long long r = blockIdx.x, i = p.row0 + r;
+    const int V = (int)p.v;
+    T *row = logits + r * p.v;
+    const long long y = target_at(tg, tdt, i);
+    const bool valid = y != p.ignore_index && y >= 0 && y < p.v;
+    if (!valid) {  // ignored (or flagged by prep): no loss, no gradient
+        if (p.want_grad) {
+            Pack<T, VEC> zero;
+#pragma unroll
+            for (int e = 0; e < VEC; e++) ms_st(&zero.v[e], 0.0f);
+            for (int k = threadIdx.x * VEC; k < V; k += blockDim.x * VEC) *(Pack<T, VEC> *)(row + k) = zero;
+        }
+        if (threadIdx.x == 0) rows[3 * i] = rows[3 * i + 1] = rows[3 * i + 2] = 0.0f;
+        return;
+    }
+    const float cap = p.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
+    const float eps = p.label_smoothing;
+    __shared__ float s_m[32], s_s[32], s_b[32], s_w[32], s_zy;
+    __shared__ int s_i[32];
+
+    // pass 1: online max / sum-exp (base 2), first argmax, Σ w z, z_y
+    float m = -INFINITY, s = 0.0f, best = -INFINITY, swz = 0.0f;
+    int bidx = INT_MAX;
+    for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
+        Pack<T, VEC> pk = *(const Pack<T, VEC> *)(row + k0);
+        float u[VEC];
+        float vmax = -INFINITY;
+#pragma unroll
+        for (int e = 0; e < VEC; e++) {
+            float z = ms_ld(&pk.v[e]);
+            if (bias) z += ms_ld(bias + k0 + e);
+            if (cap > 0) z = cap * tanhf(z * inv_cap);
+            if (z > best) {
+                best = z;
+                bidx = k0 + e;
+            }
+            if (eps > 0) swz += (cew ? cew[k0 + e] : 1.0f) * z;
+            if (k0 + e == y) s_zy = z;
+            u[e] = z * kLog2e;
+            vmax = fmaxf(vmax, u[e]);
+        }
+        float mm = fmaxf(m, vmax);
+        if (mm == -INFINITY) continue;
+        float acc = s * exp2f(m - mm);
+#pragma unroll
+        for (int e = 0; e < VEC; e++) acc += exp2f(u[e] - mm);
+        s = acc;
+        m = mm;
+    }
+    // block reduction: warp butterflies, then warp 0 over the warps
+    for (int off = 16; off > 0; off >>= 1) {
+        merge_sumexp(m, s, __shfl_xor_sync(kFull, m, off), __shfl_xor_sync(kFull, s, off));
+        merge_argmax(best, bidx, __shfl_xor_sync(kFull, best, off), __shfl_xor_sync(kFull, bidx, off));
+        swz += __shfl_xor_sync(kFull, swz, off);
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_s[warp] = s;
+        s_b[warp] = best;
+        s_i[warp] = bidx;
+        s_w[warp] = swz;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < nwarps ? s_m[lane] : -INFINITY;
+        s = lane < nwarps ? s_s[lane] : 0.0f;
+        best = lane < nwarps ? s_b[lane] : -INFINITY;
+        bidx = lane < nwarps ? s_i[lane] : INT_MAX;
+        swz = lane < nwarps ? s_w[lane] : 0.0f;
+        for (int off = 16; off > 0; off >>= 1) {
+            merge_sumexp(m, s, __shfl_xor_sync(kFull, m, off), __shfl_xor_sync(kFull, s, off));
+            merge_argmax(best, bidx, __shfl_xor_sync(kFull, best, off), __shfl_xor_sync(kFull, bidx, off));
+            swz += __shfl_xor_sync(kFull, swz, off);
+        }
+        if (lane == 0) {
+            s_m[0] = m;
+            s_s[0] = s;
+            s_i[0] = bidx;
+            s_w[0] = swz;
+        }
+    }
+    __syncthreads();
+    const float lse2 = s_m[0] + log2f(s_s[0]), lse = lse2 * kLn2;
+
+    // coefficients of d(g·loss)/dz_j = A·p_j - S·w_j - [j == y]·Y
+    const double D = scal[0], N = scal[1], wsum = scal[2];
+    const float wy = cew ? cew[y] : 1.0f;
+    const float g = gs ? gs[gs_per_row ? i : 0] : 1.0f;
+    float c = g, cz = g;
+    if (p.reduction == MS_FLCE_MEAN) {
+        c = D > 0 ? (float)(g / D) : 0.0f;
+        cz = N > 0 ? (float)(g / N) : 0.0f;
+    }
+    const float zs = p.lse_square_scale, inv_v = 1.0f / (float)p.v;
+    if (threadIdx.x == 0) {
+        float ce = (1 - eps) * wy * (lse - s_zy) + eps * inv_v * ((float)wsum * lse - s_w[0]);
+        rows[3 * i] = ce;
+        rows[3 * i + 1] = zs * lse * lse;
+        rows[3 * i + 2] = s_i[0] == y ? 1.0f : 0.0f;
+    }
+    if (!p.want_grad) return;
+    const float coef_a = c * ((1 - eps) * wy + eps * inv_v * (float)wsum) + cz * 2 * zs * lse;
+    const float coef_y = c * (1 - eps) * wy, coef_s = c * eps * inv_v;
+
+    // pass 2: the gradient, in place
+    for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
+        Pack<T, VEC> pk = *(const Pack<T, VEC> *)(row + k0);
+#pragma unroll
+        for (int e = 0; e < VEC; e++) {
+            const int k = k0 + e;
+            float z = ms_ld(&pk.v[e]), t = 0.0f;
+            if (bias) z += ms_ld(bias + k);
+            if (cap > 0) {
+                t = tanhf(z * inv_cap);
+                z = cap * t;
+            }
+            float d = coef_a * exp2f(z * kLog2e - lse2);
+            if (coef_s != 0.0f) d -= coef_s * (cew ? cew[k] : 1.0f);
+            if (k == y) d -= coef_y;
+            if (cap > 0) d *= 1.0f - t * t;
+            ms_st(&pk.v[e], d);
+        }
+        *(Pack<T, VEC> *)(row + k0) = pk;
+    }
+}
+
+// sum of a double over one block, in a fixed order; the result in thread 0
+__device__ double block_sum(double v, double *sh) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = 0;
+    if (warp == 0) {
+        v = lane < nwarps ? sh[lane] : 0.0;
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
+    }
+    return v;
+}
+
+// one block: scal = (Σ_valid w_y, #valid, Σ_k w_k); bad targets flagged
+__global__ void __launch_bounds__(kOneBlock)
+flce_prep_kernel(const void *tg, int tdt, long long bt, const float *cew, long long v, long long ignore,
+                 double *scal, ms_device_flag *flag) {
+    __shared__ double sh[32];
+    double d = 0, n = 0, ws = 0;
+    for (long long i = threadIdx.x; i < bt; i += blockDim.x) {
+        long long y = target_at(tg, tdt, i);
+        if (y == ignore) continue;
+        if (y < 0 || y >= v) {
+            flce_flag_bad(flag, i, y, v);
+            continue;
+        }
+        n += 1;
+        d += cew ? (double)cew[y] : 1.0;
+    }
+    if (cew)
+        for (long long k = threadIdx.x; k < v; k += blockDim.x) ws += cew[k];
+    d = block_sum(d, sh);
+    n = block_sum(n, sh);
+    ws = block_sum(ws, sh);
+    if (threadIdx.x == 0) {
+        scal[0] = d;
+        scal[1] = n;
+        scal[2] = cew ? ws : (double)v;
+    }
+}
+
+// acc (V) = (accumulate ? acc : 0) + Σ_r dl[r, :], rows in order
+template <typename T, typename A>
+__global__ void flce_colsum_kernel(A *acc, const T *dl, long long n, long long v, int accumulate) {
+    for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < v;
+         k += (long long)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (long long r = 0; r < n; r++) s += ms_ld(dl + r * v + k);
+        ms_st(acc + k, (accumulate ? ms_ld(acc + k) : 0.0f) + s);
+    }
+}
+
+// one block: rows (BT, 3) -> loss, z-loss, accuracy (null pointers skipped)
+__global__ void __launch_bounds__(kOneBlock)
+flce_finish_kernel(const float *rows, long long bt, const double *scal, int reduction, float *loss,
+                   long long loss_st, float *zl, long long zl_st, float *acc) {
+    __shared__ double sh[32];
+    double ce = 0, z = 0, hit = 0;
+    for (long long i = threadIdx.x; i < bt; i += blockDim.x) {
+        float a = rows[3 * i], b = rows[3 * i + 1];
+        ce += a;
+        z += b;
+        hit += rows[3 * i + 2];
+        if (reduction == MS_FLCE_NONE) {
+            if (loss) loss[i * loss_st] = a + b;
+            if (zl) zl[i * zl_st] = b;
+        }
+    }
+    ce = block_sum(ce, sh);
+    z = block_sum(z, sh);
+    hit = block_sum(hit, sh);
+    if (threadIdx.x != 0) return;
+    const double D = scal[0], N = scal[1];
+    if (reduction == MS_FLCE_MEAN) {
+        ce = D > 0 ? ce / D : 0.0;
+        z = N > 0 ? z / N : 0.0;
+    }
+    if (reduction != MS_FLCE_NONE) {
+        if (loss) *loss = (float)(ce + z);
+        if (zl) *zl = (float)z;
+    }
+    if (acc) *acc = N > 0 ? (float)(hit / N) : 0.0f;
+}
+
+// t *= g[0], skipped (every block returns at once) when g[0] == 1
+template <typename T>
+__global__ void flce_scale_kernel(T *t, long long n, const void *g, int gdt) {
+    const float s = (float)ld_any(g, gdt, 0);
+    if (s == 1.0f) return;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        ms_st(t + i, ms_ld(t + i) * s);
+}
+
+}  // namespace
+
+// -------------------------------------------------------------- launchers
+
+namespace {
+
+template <typename T>
+int launch_rows(ms_tensor *lg, const ms_tensor *bias, const ms_tensor *cew, const ms_tensor *tg,
+                const ms_tensor *gs, const ms_tensor *scal, ms_tensor *rows, const ms_flce_params *p,
+                cudaStream_t st) {
+    constexpr int VEC = 16 / sizeof(T);
+    T *l = (T *)ms_tensor_data(lg);
+    const T *b = bias ? (const T *)ms_tensor_data(bias) : nullptr;
+    const float *w = cew ? (const float *)ms_tensor_data(cew) : nullptr;
+    const float *g = gs ? (const float *)ms_tensor_data(gs) : nullptr;
+    int per_row = gs && ms_tensor_numel(gs) > 1;
+    bool vec = p->v % VEC == 0 && ((uintptr_t)l % 16) == 0;
+    dim3 grid((unsigned)p->n), block(kRowThreads);
+    if (vec)
+        flce_rows_kernel<T, VEC><<<grid, block, 0, st>>>(l, b, w, ms_tensor_data(tg), tg->dtype_id, g, per_row,
+                                                         (const double *)ms_tensor_data(scal),
+                                                         (float *)ms_tensor_data(rows), *p);
+    else
+        flce_rows_kernel<T, 1><<<grid, block, 0, st>>>(l, b, w, ms_tensor_data(tg), tg->dtype_id, g, per_row,
+                                                       (const double *)ms_tensor_data(scal),
+                                                       (float *)ms_tensor_data(rows), *p);
+    LAUNCH_CHECK("flce_rows_kernel");
+    return 0;
+}
+
+template <typename T>
+int launch_colsum(ms_tensor *acc, const ms_tensor *dl, int accumulate, cudaStream_t st) {
+    long long n = dl->sizes[0], v = dl->sizes[1];
+    const T *d = (const T *)ms_tensor_data(dl);
+    int grid = ms_grid(v, 256);
+    if (acc->dtype_id == MS_F32)
+        flce_colsum_kernel<T, float><<<grid, 256, 0, st>>>((float *)ms_tensor_data(acc), d, n, v, accumulate);
+    else if (acc->dtype_id == dl->dtype_id)
+        flce_colsum_kernel<T, T><<<grid, 256, 0, st>>>((T *)ms_tensor_data(acc), d, n, v, accumulate);
+    else
+        return ms_errorf("flce_colsum: accumulator %s for gradients in %s", ms_dtype_name(acc->dtype_id),
+                         ms_dtype_name(dl->dtype_id));
+    LAUNCH_CHECK("flce_colsum_kernel");
+    return 0;
+}
+
+int need_contiguous(const char *what, const ms_tensor *t) {
+    char d[200];
+    if (t && !ms_tensor_is_contiguous(t))
+        return ms_errorf("flce: %s %s must be contiguous here", what, ms_desc(t, d, sizeof d));
+    return 0;
+}
+
+}  // namespace
+
+extern "C" int ms_cuda_flce_prep(const ms_tensor *targets, const ms_tensor *ce_weight, int64_t v,
+                                 int64_t ignore_index, ms_tensor *scal) {
+    int device = targets->device_id;
+    if (ms_cuda_activate(device) || need_contiguous("targets", targets) || need_contiguous("ce_weight", ce_weight))
+        return -1;
+    if (ce_weight && ce_weight->dtype_id != MS_F32) return ms_errorf("flce_prep: ce_weight must be f32");
+    ms_device_flag *flag = ms_cuda_device_flag(device);
+    if (!flag) return -1;
+    flce_prep_kernel<<<1, kOneBlock, 0, ms_cuda_stream_of(device)>>>(
+        ms_tensor_data(targets), targets->dtype_id, (long long)targets->sizes[0],
+        ce_weight ? (const float *)ms_tensor_data(ce_weight) : nullptr, (long long)v, (long long)ignore_index,
+        (double *)ms_tensor_data(scal), flag);
+    LAUNCH_CHECK("flce_prep_kernel");
+    return 0;
+}
+
+extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const ms_tensor *ce_weight,
+                                 const ms_tensor *targets, const ms_tensor *grad_scale, const ms_tensor *scal,
+                                 ms_tensor *rows, const ms_flce_params *p) {
+    int device = logits->device_id;
+    if (p->n == 0) return 0;
+    if (p->v > INT_MAX / 2) return ms_errorf("flce: %lld classes are more than the row pass handles", (long long)p->v);
+    if (ms_cuda_activate(device) || need_contiguous("logits", logits) || need_contiguous("bias", bias) ||
+        need_contiguous("targets", targets) || need_contiguous("grad_scale", grad_scale))
+        return -1;
+    if ((ce_weight && ce_weight->dtype_id != MS_F32) || (grad_scale && grad_scale->dtype_id != MS_F32) ||
+        (bias && bias->dtype_id != logits->dtype_id))
+        return ms_errorf("flce_rows: ce_weight and grad_scale must be f32, bias in the logits' dtype");
+    cudaStream_t st = ms_cuda_stream_of(device);
+    switch (logits->dtype_id) {
+    case MS_F32: return launch_rows<float>(logits, bias, ce_weight, targets, grad_scale, scal, rows, p, st);
+    case MS_BF16: return launch_rows<__nv_bfloat16>(logits, bias, ce_weight, targets, grad_scale, scal, rows, p, st);
+    case MS_F16: return launch_rows<__half>(logits, bias, ce_weight, targets, grad_scale, scal, rows, p, st);
+    default: return ms_errorf("flce: logits of dtype %s are not supported on cuda", ms_dtype_name(logits->dtype_id));
+    }
+}
+
+extern "C" int ms_cuda_flce_colsum(ms_tensor *acc, const ms_tensor *dl, int accumulate) {
+    int device = dl->device_id;
+    if (dl->sizes[1] == 0) return 0;
+    if (ms_cuda_activate(device) || need_contiguous("dlogits", dl) || need_contiguous("grad_bias", acc)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(device);
+    switch (dl->dtype_id) {
+    case MS_F32: return launch_colsum<float>(acc, dl, accumulate, st);
+    case MS_BF16: return launch_colsum<__nv_bfloat16>(acc, dl, accumulate, st);
+    case MS_F16: return launch_colsum<__half>(acc, dl, accumulate, st);
+    default: return ms_errorf("flce: dtype %s is not supported on cuda", ms_dtype_name(dl->dtype_id));
+    }
+}
+
+extern "C" int ms_cuda_flce_finish(const ms_tensor *rows, const ms_tensor *scal, int reduction, ms_tensor *loss,
+                                   ms_tensor *z_loss, ms_tensor *accuracy) {
+    int device = rows->device_id;
+    if (ms_cuda_activate(device)) return -1;
+    const ms_tensor *outs[3] = {loss, z_loss, accuracy};
+    for (int k = 0; k < 3; k++)
+        if (outs[k] && outs[k]->dtype_id != MS_F32) return ms_errorf("flce_finish: outputs must be f32");
+    flce_finish_kernel<<<1, kOneBlock, 0, ms_cuda_stream_of(device)>>>(
+        (const float *)ms_tensor_data(rows), (long long)rows->sizes[0], (const double *)ms_tensor_data(scal),
+        reduction, loss ? (float *)ms_tensor_data(loss) : nullptr, loss && loss->ndim == 1 ? loss->strides[0] : 0,
+        z_loss ? (float *)ms_tensor_data(z_loss) : nullptr, z_loss && z_loss->ndim == 1 ? z_loss->strides[0] : 0,
+        accuracy ? (float *)ms_tensor_data(accuracy) : nullptr);
+    LAUNCH_CHECK("flce_finish_kernel");
+    return 0;
+}
+
+extern "C" int ms_cuda_flce_scale(ms_tensor *t, const ms_tensor *g) {
+    int device = t->device_id;
+    long long n = ms_tensor_numel(t);
+    if (n == 0) return 0;
+    if (ms_cuda_activate(device) || need_contiguous("the scaled tensor", t)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(device);
+    int grid = ms_grid(n, 256);
+    const void *gp = ms_tensor_data(g);
+    switch (t->dtype_id) {
+    case MS_F32: flce_scale_kernel<<<grid, 256, 0, st>>>((float *)ms_tensor_data(t), n, gp, g->dtype_id); break;
+    case MS_BF16:
+        flce_scale_kernel<<<grid, 256, 0, st>>>((__nv_bfloat16 *)ms_tensor_data(t), n, gp, g->dtype_id);
+        break;
+    case MS_F16: flce_scale_kernel<<<grid, 256, 0, st>>>((__half *)ms_tensor_data(t), n, gp, g->dtype_id); break;
+    default: return ms_errorf("flce_scale_: dtype %s is not supported on cuda", ms_dtype_name(t->dtype_id));
+    }
+    LAUNCH_CHECK("flce_scale_kernel");
+    return 0;
+}

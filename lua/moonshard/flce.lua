@@ -1,0 +1,226 @@
+-- moonshard.flce — fused linear cross-entropy (core/flce.h) with autograd:
+-- the loss of x·Wᵀ (+ b) against class targets, without the logits.
+--
+--   local nnf = require 'moonshard.nn.functional'
+--   local loss, z_loss, acc = nnf.fused_linear_cross_entropy(x, W, targets, {
+--     bias = b,                  -- (V), optional
+--     ignore_index = -100,
+--     label_smoothing = 0.1,
+--     lse_square_scale = 1e-4,   -- z-loss
+--     softcap = 30,              -- logits = 30·tanh(logits / 30)
+--     ce_weight = w,             -- (V) per-class weights, optional
+--     reduction = 'mean',        -- 'mean' | 'sum' | 'none'
+--     return_z_loss = true, return_accuracy = true,
+--     chunk_size = nil,          -- rows per chunk (default: from memory_budget)
+--     memory_budget = nil,       -- bytes for a chunk's logits (ms_flce_chunk_rows)
+--     accum_dtype = nil,         -- grad_W/grad_bias accumulation: 'f32' (default) or W's dtype
+--   })
+--
+-- x is (BT, H) or (..., H) with targets (...) (i64/i32 ids); W is (V, H).
+-- loss is a scalar for 'mean'/'sum' and has targets' shape for 'none';
+-- z_loss (same shape) and accuracy (a scalar) only when asked for, else nil,
+-- and they carry no gradient. Semantics, chunking and precision: core/flce.h
+-- and docs/flce.md. 'mean' with every target ignored is 0 (and so are the
+-- gradients), not NaN.
+--
+-- Autograd: for 'mean' and 'sum' the forward computes the gradients of x, W
+-- and bias (those that require grad) while it computes the loss, and keeps
+-- only them; the backward multiplies them by the incoming gradient on the
+-- device (ms_flce_scale_: nothing happens when it is 1, no host sync) and
+-- hands them on without a copy. For 'none' the gradient of Σ g_i·loss_i
+-- cannot be known before g, so the forward computes the loss alone and the
+-- backward runs the fused pass once, with g as per-token weights.
+-- The node is recorded with A.record_list (as nn.functional's ops are), not
+-- A.Function: the Function layer treats a backward's results as borrowed
+-- and copies them into .grad, which for an LM head's grad_W is a second
+-- copy of the largest gradient in the model.
+local ffi = require 'ffi'
+local T = require 'moonshard.tensor'
+local A = require 'moonshard.autograd'
+
+local C = T.C
+local R = A.raw_views
+local free = A.free
+local needs = A.needs_grad
+local is_tensor = T.is_tensor
+
+local M = {}
+
+local box_t = ffi.typeof('ms_tensor*[1]')
+local opts_t = ffi.typeof('ms_flce_opts')
+local reductions = { mean = C.MS_FLCE_MEAN, sum = C.MS_FLCE_SUM, none = C.MS_FLCE_NONE }
+local NAME = 'fused_linear_cross_entropy'
+
+-- error(msg) at the first caller outside lua/moonshard/ (the user's line)
+local function raise(msg)
+  local level = 2
+  while true do
+    local info = debug.getinfo(level, 'S')
+    if not info then level = 1; break end
+    if info.what == 'C' or not info.source:find('moonshard/[%w_/]*%.lua$') then break end
+    level = level + 1
+  end
+  error(msg, level)
+end
+
+local function shape_str(s) return '(' .. table.concat(s, ',') .. ')' end
+
+local function need_tensor(x, what)
+  if not is_tensor(x) then raise(('%s: expected a tensor for %s, got %s'):format(NAME, what, type(x))) end
+  if x.storage == nil then raise(('%s: %s was freed'):format(NAME, what)) end
+end
+
+local function number_opt(opts, k, default)
+  local v = opts[k]
+  if v == nil then return default end
+  if type(v) ~= 'number' then raise(('%s: opts.%s must be a number, got %s'):format(NAME, k, type(v))) end
+  return v
+end
+
+local function int_opt(opts, k, default)
+  local v = number_opt(opts, k, default)
+  if v ~= math.floor(v) then raise(('%s: opts.%s must be an integer, got %s'):format(NAME, k, tostring(v))) end
+  return v
+end
+
+-- the C options from a Lua opts table
+function M.options(opts)
+  opts = opts or {}
+  if type(opts) ~= 'table' then raise(('%s: opts must be a table, got %s'):format(NAME, type(opts))) end
+  local o = opts_t()
+  C.ms_flce_opts_init(o)
+  local red = opts.reduction or 'mean'
+  if reductions[red] == nil then
+    raise(("%s: reduction must be 'mean', 'sum' or 'none', got %s"):format(NAME, tostring(red)))
+  end
+  o.reduction = reductions[red]
+  o.ignore_index = int_opt(opts, 'ignore_index', -100)
+  o.label_smoothing = number_opt(opts, 'label_smoothing', 0)
+  o.lse_square_scale = number_opt(opts, 'lse_square_scale', 0)
+  o.softcap = number_opt(opts, 'softcap', 0)
+  o.chunk_size = int_opt(opts, 'chunk_size', 0)
+  o.memory_budget = int_opt(opts, 'memory_budget', 0)
+  if opts.accum_dtype ~= nil then o.accum_dtype = T.dtype_id(opts.accum_dtype, 3) end
+  return o, red
+end
+
+-- rows per chunk the C core picks for x (BT, H), W (V, H) with these opts
+function M.chunk_rows(x, W, opts)
+  local o = M.options(opts)
+  local bt = math.floor(x:numel() / math.max(1, x.shape[x.ndim]))
+  return tonumber(C.ms_flce_chunk_rows(o, bt, x.shape[x.ndim], W.shape[1], x.dtype_id, x.device_id))
+end
+
+-- one call of ms_flce; want: which outputs (loss, z, acc, gx, gw, gb) to make
+local function run(o, x2, W, t1, bias, cew, gs, want)
+  local slots = {}
+  for k = 1, 6 do slots[k] = want[k] and box_t() or nil end
+  local rc = C.ms_flce(o, x2, W, t1, bias, cew, gs, slots[1], slots[2], slots[3], slots[4], slots[5], slots[6])
+  if rc ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  local r = {}
+  for k = 1, 6 do if slots[k] then r[k] = T.wrap(slots[k][0]) end end
+  return r
+end
+
+-- x (..., H) -> (BT, H), targets (...) -> (BT): views when possible
+local function flatten(x, targets)
+  local H = x.shape[x.ndim]
+  local x2, t1 = x, targets
+  if x.ndim ~= 2 then
+    if x.ndim < 1 then raise(('%s: x must have a hidden dim, got a scalar'):format(NAME)) end
+    local lead = {}
+    for i = 1, x.ndim - 1 do lead[i] = x.shape[i] end
+    if shape_str(lead) ~= shape_str(targets.shape) then
+      raise(('%s: targets %s must have the shape of x %s without its last (hidden) dim'):format(
+        NAME, shape_str(targets.shape), shape_str(x.shape)))
+    end
+    x2 = R.reshape(x, { -1, H })
+  end
+  if targets.ndim ~= 1 then t1 = R.reshape(targets, { -1 }) end
+  return x2, t1
+end
+
+-- backward of 'mean'/'sum': the gradients were computed in the forward
+local function bwd_reduced(node, g)
+  local s = node.saved
+  local out = {}
+  for k, t in pairs({ s.gx, s.gw, s.gb }) do
+    if C.ms_flce_scale_(t, g) ~= 0 then error(ffi.string(C.ms_last_error()), 0) end
+    -- a new handle on the same storage: node.own releases the saved one
+    -- right after this returns, so the walk can take the storage as .grad
+    out[k] = (k == 1 and s.xshape) and R.view(t, s.xshape) or R.alias(t)
+  end
+  return out[1], out[2], out[3]
+end
+
+-- backward of 'none': one fused pass with g as per-token weights
+local function bwd_none(node, g)
+  local s = node.saved
+  local g1 = g.ndim == 1 and g or R.reshape(g, { -1 })
+  local need = node.need
+  local r = run(s.o, s.x2, s.W, s.t1, s.bias, s.cew, g1,
+    { false, false, false, need[1], need[2], s.bias ~= nil and need[3] })
+  if g1 ~= g then free(g1) end
+  local gx = r[4]
+  if gx and s.xshape then
+    local v = R.view(gx, s.xshape)
+    free(gx)
+    gx = v
+  end
+  return gx, r[5], r[6]
+end
+
+function M.fused_linear_cross_entropy(x, W, targets, opts)
+  need_tensor(x, 'x')
+  need_tensor(W, 'W')
+  need_tensor(targets, 'targets')
+  opts = opts or {}
+  local o, red = M.options(opts)
+  local bias, cew = opts.bias, opts.ce_weight
+  if bias ~= nil then need_tensor(bias, 'opts.bias') end
+  if cew ~= nil then need_tensor(cew, 'opts.ce_weight') end
+  local x2, t1 = flatten(x, targets)
+  local record = A.want(x, W, bias)
+  local grads = record and red ~= 'none'
+  local r = run(o, x2, W, t1, bias, cew, nil, {
+    true, opts.return_z_loss and true or false, opts.return_accuracy and true or false,
+    grads and needs(x), grads and needs(W), grads and bias ~= nil and needs(bias) })
+  local loss, z, acc = r[1], r[2], r[3]
+  if red == 'none' and targets.ndim ~= 1 then
+    local l = R.view(loss, targets.shape)
+    free(loss)
+    loss = l
+    if z then
+      local zz = R.view(z, targets.shape)
+      free(z)
+      z = zz
+    end
+  end
+  local xshape = x.ndim ~= 2 and x.shape or nil
+  if record then
+    local list = bias ~= nil and { x, W, bias } or { x, W }
+    if red == 'none' then
+      local own = {}
+      if x2 ~= x then own[#own + 1] = x2 end
+      if t1 ~= targets then own[#own + 1] = t1 end
+      A.record_list(NAME, loss, bwd_none,
+        { o = o, x2 = x2, W = W, t1 = t1, bias = bias, cew = cew, xshape = xshape }, own, list)
+      return loss, z, acc
+    end
+    local own = {}
+    for k = 4, 6 do if r[k] then own[#own + 1] = r[k] end end
+    A.record_list(NAME, loss, bwd_reduced, { gx = r[4], gw = r[5], gb = r[6], xshape = xshape }, own, list)
+  end
+  if x2 ~= x then free(x2) end
+  if t1 ~= targets then free(t1) end
+  return loss, z, acc
+end
+
+-- nn.functional.lm_loss's fused form: hidden (B, T, C), weight (V, C),
+-- targets (B, T); opts as cross_entropy's (ignore_index, reduction,
+-- label_smoothing) plus the options above
+function M.lm_loss(hidden, weight, targets, opts)
+  return (M.fused_linear_cross_entropy(hidden, weight, targets, opts))
+end
+
+return M
