@@ -11,16 +11,36 @@ CFLAGS  += -std=c99 -D_GNU_SOURCE -fPIC -fopenmp -Wall -Wextra -Werror -Wno-unus
            -I/usr/include/x86_64-linux-gnu/openblas-pthread
 LDLIBS  += -lopenblas -lm -fopenmp
 
-C_SRCS  := $(wildcard core/*.c core/io/*.c)
-HEADERS := core/tensor.h core/ops.h core/cuda.h core/flce.h $(wildcard core/io/*.h)
+C_SRCS  := $(wildcard core/*.c core/io/*.c core/dist/*.c)
+HEADERS := core/tensor.h core/ops.h core/cuda.h core/flce.h core/dist/comm.h $(wildcard core/io/*.h)
 C_OBJS  := $(patsubst %.c,$(BUILD)/%.o,$(C_SRCS))
+
+# MPI, the CPU collectives (core/dist/mpi.c): built when mpicc is present
+# (Debian: libopenmpi-dev); `make MPICC=` builds without it
+MPICC   ?= $(shell command -v mpicc 2>/dev/null)
+ifneq ($(MPICC),)
+CFLAGS  += -DMS_WITH_MPI $(patsubst -I%,-isystem %,$(shell $(MPICC) --showme:compile))
+LDLIBS  += $(shell $(MPICC) --showme:link)
+endif
 
 NVCC    ?= $(shell command -v nvcc 2>/dev/null)
 CU_SRCS := $(wildcard kernels/*.cu)
 ifneq ($(NVCC),)
 ifneq ($(CU_SRCS),)
-CU_OBJS := $(patsubst %.cu,$(BUILD)/%.o,$(CU_SRCS))
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+# NCCL, the GPU collectives (core/dist/nccl.cu): built when nccl.h is found
+NCCL_HOME ?= $(CUDA_HOME)
+NCCL_H  := $(firstword $(wildcard $(NCCL_HOME)/include/nccl.h /usr/include/nccl.h /usr/local/include/nccl.h))
+ifneq ($(NCCL_H),)
+NCCL_LIB := $(firstword $(wildcard $(NCCL_HOME)/lib64/libnccl.so $(NCCL_HOME)/lib/libnccl.so \
+              /usr/lib/x86_64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so))
+ifneq ($(NCCL_LIB),)
+CU_SRCS += $(wildcard core/dist/*.cu)
+NCCL_FLAGS := -DMS_WITH_NCCL -isystem $(dir $(NCCL_H))
+LDLIBS  += -L$(dir $(NCCL_LIB)) -Wl,-rpath,$(dir $(NCCL_LIB)) -lnccl
+endif
+endif
+CU_OBJS := $(patsubst %.cu,$(BUILD)/%.o,$(CU_SRCS))
 NVFLAGS ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -Wall -Werror all-warnings \
            -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 CFLAGS  += -DMS_WITH_CUDA
@@ -40,7 +60,9 @@ $(BUILD)/%.o: %.c $(HEADERS) core/internal.h core/ops_cpu.h
 
 $(BUILD)/%.o: %.cu $(wildcard kernels/*.h) $(HEADERS)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -Icore -c $< -o $@
+	$(NVCC) $(NVFLAGS) -Icore $(NCCL_FLAGS) -c $< -o $@
+
+$(BUILD)/core/dist/%.o: core/dist/dist_internal.h
 
 $(LIB): $(C_OBJS) $(CU_OBJS)
 	$(CC) -shared -Wl,-z,nodelete -o $@ $^ $(LDLIBS)
@@ -62,13 +84,15 @@ deps:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
 	fi
 
+# the CPU specs, then the multi-rank ones (#mpi) under mpirun with 1-4 ranks;
+# one closing line adds both up (tools/run_all_specs.sh)
 test: deps
 	$(MAKE) all
-	bash tools/run_specs.sh --exclude-tags=gpu,multi,slow spec
+	bash tools/run_all_specs.sh --exclude-tags=gpu,multi,slow,mpi spec
 
 test-all: deps
 	$(MAKE) all
-	bash tools/run_specs.sh --exclude-tags=gpu,multi spec
+	bash tools/run_all_specs.sh --exclude-tags=gpu,multi,mpi spec
 
 test-gpu: all
 	bash tools/run_specs.sh --tags=gpu --exclude-tags=multi spec

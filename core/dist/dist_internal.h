@@ -1,0 +1,78 @@
+/* core/dist/dist_internal.h — what comm.c shares with the backends (mpi.c,
+ * nccl.cu); not public, not seen by the FFI.
+ *
+ * comm.c owns everything backend-independent: the environment, the
+ * rendezvous, argument checks, group bookkeeping (member lists, refcounts,
+ * the broken flag) and the work handles. A backend fills an ms_dist_backend
+ * table and registers it when the library loads (a constructor), so a build
+ * without MPI or NCCL simply has no table and ms_dist_init says so. */
+#ifndef MS_DIST_INTERNAL_H
+#define MS_DIST_INTERNAL_H
+
+#include "comm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "../internal.h"
+
+enum { MS_COLL_ALL_GATHER = 0, MS_COLL_REDUCE_SCATTER, MS_COLL_ALL_REDUCE, MS_COLL_BROADCAST };
+
+struct ms_comm {
+    const struct ms_dist_backend *be;
+    int64_t refs;
+    int rank, size;            /* in this group */
+    int *world_ranks;          /* size entries: the world rank of each member */
+    int device;                /* NCCL: the GPU; MPI: -1 */
+    double timeout_s;
+    int destroyed;             /* ms_dist_destroy ran: the backend state is gone */
+    volatile int broken;       /* a failure made the group unusable */
+    char broken_msg[768];
+    char name[96];             /* "world", "group [0,2]", "mesh shard row 1" */
+    void *impl;                /* the backend's */
+    struct ms_comm *next;      /* every live group, for ms_dist_destroy */
+};
+
+struct ms_work {
+    ms_comm *comm;             /* one reference */
+    int kind;                  /* MS_COLL_* */
+    int op;                    /* MS_REDUCE_* */
+    int done;                  /* completed and finished (avg divided, storages released) */
+    int failed;
+    int in_place;              /* in is out's chunk (all_gather) or out in's (reduce_scatter) */
+    double t_start;            /* monotonic seconds */
+    char desc[160];            /* "all_reduce sum of bf16 (1000) on world" */
+    ms_storage *keep[2];       /* MPI: buffers kept alive until completion */
+    void *impl;                /* the backend's */
+};
+
+typedef struct ms_dist_backend {
+    const char *name;
+    /* sets c->rank/size/device/impl for the world; info is the environment,
+     * store the rendezvous store (NULL for MPI without one) */
+    int (*init_world)(ms_comm *c, const ms_dist_env *info, const ms_dist_options *o, ms_store_client *store);
+    /* collective over parent: color < 0 means "not a member" (*impl stays NULL) */
+    int (*split)(ms_comm *parent, int color, int key, void **impl);
+    /* start a collective: fill w->impl; in-place ops pass in == out */
+    int (*start)(ms_work *w, ms_tensor *out, const ms_tensor *in, int root_group_rank);
+    int (*wait)(ms_work *w, int stream_only);   /* stream_only: NCCL's "now" calls */
+    int (*test)(ms_work *w);                    /* 1 done, 0 pending, -1 error */
+    void (*work_free)(ms_work *w);
+    int (*barrier)(ms_comm *c);
+    void (*comm_free)(ms_comm *c);              /* frees c->impl */
+    void (*finalize)(void);                     /* ms_dist_destroy, after every comm_free */
+} ms_dist_backend;
+
+extern const ms_dist_backend *ms_dist_mpi_backend;   /* NULL: built without MPI */
+extern const ms_dist_backend *ms_dist_nccl_backend;  /* NULL: built without NCCL */
+
+double ms_dist_now(void);   /* monotonic seconds */
+/* mark c broken with a message (kept, and set as the error); returns -1 */
+int ms_comm_fail(ms_comm *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

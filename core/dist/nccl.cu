@@ -1,0 +1,528 @@
+// core/dist/nccl.cu — the NCCL backend: collectives on CUDA tensors.
+//
+// Each communicator has its own high-priority stream. A collective:
+//   1. records `ready` on the current (compute) stream and makes the
+//      communication stream wait for it: the inputs are complete;
+//   2. enqueues the NCCL call on the communication stream;
+//   3. records its own `end` event there, and marks every tensor it touches
+//      as used on that stream (ms_cuda_record_stream), so the caching
+//      allocator does not hand their memory out again before `end`.
+// Waiting is cudaStreamWaitEvent(current stream, end): the host never
+// blocks, and compute overlaps communication until the result is needed.
+//
+// Failures: communicators are created non-blocking (ncclConfig_t.blocking =
+// 0), so start-up and every call can be given a deadline instead of hanging.
+// A watchdog thread wakes every 100 ms (MS_NCCL_WATCHDOG_MS), polls
+// ncclCommGetAsyncError and the `end` event of the oldest collective in
+// flight of each communicator; an error or a collective older than the
+// group's time-out aborts the communicator (ncclCommAbort: NCCL's kernels
+// return, so a host blocked on the compute stream wakes up), prints why on
+// stderr and marks the group broken, so the next call on it fails with the
+// same message.
+//
+// NVLink SHARP (multicast) stays off: NCCL_NVLS_ENABLE=0 is set before the
+// first communicator unless the environment already chose.
+//
+// The CUDA runtime (kernels/runtime.cu) owns streams and devices; this file
+// only adds the communicator's stream through its public API.
+#include "../../kernels/common.cuh"
+#include "dist_internal.h"
+
+#ifdef MS_WITH_NCCL
+#include <nccl.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+namespace {
+
+// one collective in flight: shared by its work handle and the watchdog
+struct OpRec {
+    cudaEvent_t end = nullptr;
+    double t_enq = 0;
+    char desc[160];
+    std::atomic<int> refs{1};
+};
+
+void op_release(OpRec *op) {
+    if (op && --op->refs == 0) {
+        if (op->end) cudaEventDestroy(op->end);
+        delete op;
+    }
+}
+
+struct NcclComm {
+    ncclComm_t comm = nullptr;
+    int device = -1;
+    int world_rank = 0;
+    ms_cuda_stream *mstream = nullptr;   // owns the stream
+    cudaStream_t stream = nullptr;       // its raw handle
+    cudaEvent_t ready = nullptr;
+    float *barrier_buf = nullptr;        // one float for barriers
+    ms_comm *owner = nullptr;            // the group (valid while registered)
+    std::mutex mu;                       // enqueue and abort exclude each other
+    std::deque<OpRec *> inflight;
+    bool aborted = false;
+};
+
+std::mutex g_mu;                          // g_comms and the watchdog's life
+std::vector<NcclComm *> g_comms;
+std::thread g_watchdog;
+std::condition_variable g_cv;
+bool g_stop = false;
+
+#define NCCL_CHECK(call, comm)                                                                   \
+    do {                                                                                         \
+        ncclResult_t r_ = (call);                                                                \
+        if (r_ != ncclSuccess && r_ != ncclInProgress) return nccl_error(r_, #call, comm, __LINE__); \
+    } while (0)
+
+int nccl_error(ncclResult_t r, const char *what, ncclComm_t comm, int line) {
+    const char *last = ncclGetLastError(comm);
+    return ms_errorf("%s:%d: %s failed: %s%s%s", __FILE__, line, what, ncclGetErrorString(r),
+                     last && *last ? ": " : "", last ? last : "");
+}
+
+// a non-blocking communicator's call returned ncclInProgress: poll until it
+// settles or the deadline passes (then ncclInProgress is returned)
+ncclResult_t settle(ncclComm_t comm, ncclResult_t r, double deadline) {
+    int spins = 0;
+    while (r == ncclInProgress) {
+        if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) return ncclInternalError;
+        if (r != ncclInProgress) break;
+        if (ms_dist_now() > deadline) return ncclInProgress;
+        if (spins++ < 100) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 100 * 1000};
+            nanosleep(&ts, nullptr);
+        }
+    }
+    return r;
+}
+
+// abort under nc->mu; the message goes to stderr and into the group
+void abort_locked(NcclComm *nc, const char *msg) {
+    if (nc->aborted) return;
+    nc->aborted = true;
+    fprintf(stderr, "moonshard dist (rank %d, cuda:%d): %s\n", nc->world_rank, nc->device, msg);
+    fflush(stderr);
+    ncclCommAbort(nc->comm);
+    nc->comm = nullptr;
+    if (nc->owner) ms_comm_fail(nc->owner, "%s", msg);
+    for (OpRec *op : nc->inflight) op_release(op);
+    nc->inflight.clear();
+}
+
+int watchdog_period_ms() {
+    const char *v = getenv("MS_NCCL_WATCHDOG_MS");
+    int ms = v ? atoi(v) : 0;
+    return ms > 0 ? ms : 100;
+}
+
+void watchdog_main() {
+    int period = watchdog_period_ms();
+    std::unique_lock<std::mutex> lock(g_mu);
+    while (!g_stop) {
+        g_cv.wait_for(lock, std::chrono::milliseconds(period));
+        if (g_stop) break;
+        for (NcclComm *nc : g_comms) {
+            std::lock_guard<std::mutex> cl(nc->mu);
+            if (nc->aborted || !nc->comm) continue;
+            cudaSetDevice(nc->device);
+            char msg[768];
+            ncclResult_t ae = ncclSuccess;
+            if (ncclCommGetAsyncError(nc->comm, &ae) == ncclSuccess && ae != ncclSuccess && ae != ncclInProgress) {
+                const char *last = ncclGetLastError(nc->comm);
+                snprintf(msg, sizeof msg, "NCCL reported an asynchronous error on %s: %s%s%s; the communicator "
+                         "was aborted", nc->owner ? nc->owner->name : "a group", ncclGetErrorString(ae),
+                         last && *last ? ": " : "", last ? last : "");
+                abort_locked(nc, msg);
+                continue;
+            }
+            double timeout = nc->owner ? nc->owner->timeout_s : 600;
+            while (!nc->inflight.empty()) {
+                OpRec *op = nc->inflight.front();
+                cudaError_t q = cudaEventQuery(op->end);
+                if (q == cudaSuccess) {
+                    nc->inflight.pop_front();
+                    op_release(op);
+                    continue;
+                }
+                if (q != cudaErrorNotReady) {
+                    cudaGetLastError();
+                    snprintf(msg, sizeof msg, "%s failed on the GPU: %s; the communicator was aborted", op->desc,
+                             cudaGetErrorString(q));
+                    abort_locked(nc, msg);
+                } else if (ms_dist_now() - op->t_enq > timeout) {
+                    snprintf(msg, sizeof msg, "%s did not complete within %g s (a rank died, hangs, or called "
+                             "another collective): the communicator was aborted and the group is unusable",
+                             op->desc, timeout);
+                    abort_locked(nc, msg);
+                }
+                break;
+            }
+        }
+    }
+}
+
+void register_comm(NcclComm *nc) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_comms.push_back(nc);
+    if (!g_watchdog.joinable()) {
+        g_stop = false;
+        // the watchdog takes no signal meant for the main thread
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        g_watchdog = std::thread(watchdog_main);
+        pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    }
+}
+
+void unregister_comm(NcclComm *nc) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (size_t i = 0; i < g_comms.size(); i++)
+        if (g_comms[i] == nc) {
+            g_comms.erase(g_comms.begin() + (long)i);
+            break;
+        }
+}
+
+ncclDataType_t nccl_type(int dtype) {
+    switch (dtype) {
+    case MS_F32: return ncclFloat32;
+    case MS_F64: return ncclFloat64;
+    case MS_I64: return ncclInt64;
+    default: return ncclBfloat16;
+    }
+}
+
+ncclRedOp_t nccl_op(int op) {
+    switch (op) {
+    case MS_REDUCE_AVG: return ncclAvg;
+    case MS_REDUCE_MAX: return ncclMax;
+    case MS_REDUCE_MIN: return ncclMin;
+    default: return ncclSum;
+    }
+}
+
+// the communicator's stream and events; nc->comm is already made
+int make_streams(NcclComm *nc) {
+    int lo = 0, hi = 0;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    if (ms_cuda_stream_new(&nc->mstream, nc->device, hi)) return -1;
+    // the raw handle, through the runtime's public API: make it current for
+    // a moment and read it back
+    ms_cuda_stream *prev = ms_cuda_current_stream(nc->device);
+    if (!prev) return -1;
+    int rc = ms_cuda_set_current_stream(nc->mstream);
+    nc->stream = ms_cuda_stream_of(nc->device);
+    ms_cuda_set_current_stream(prev);
+    ms_cuda_stream_free(prev);
+    if (rc) return -1;
+    CUDA_CHECK(cudaEventCreateWithFlags(&nc->ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaMalloc((void **)&nc->barrier_buf, sizeof(float)));
+    return 0;
+}
+
+void destroy_nccl(NcclComm *nc, double timeout) {
+    unregister_comm(nc);
+    {
+        std::lock_guard<std::mutex> cl(nc->mu);
+        if (nc->comm && !nc->aborted) {
+            cudaSetDevice(nc->device);
+            // flush what was issued, then free; a peer that is gone must not
+            // hang the exit: past the deadline the communicator is aborted
+            ncclResult_t r = ncclCommFinalize(nc->comm);
+            r = settle(nc->comm, r, ms_dist_now() + timeout);
+            if (r == ncclSuccess) ncclCommDestroy(nc->comm);
+            else ncclCommAbort(nc->comm);
+            nc->comm = nullptr;
+        }
+        for (OpRec *op : nc->inflight) op_release(op);
+        nc->inflight.clear();
+    }
+    if (nc->ready) cudaEventDestroy(nc->ready);
+    if (nc->barrier_buf) cudaFree(nc->barrier_buf);
+    ms_cuda_stream_free(nc->mstream);
+    delete nc;
+}
+
+int finish_comm(ms_comm *c, NcclComm *nc, ncclComm_t comm, ncclResult_t r, double deadline, const char *what) {
+    r = settle(comm, r, deadline);
+    if (r == ncclInProgress) {
+        ncclCommAbort(comm);
+        return ms_errorf("%s: NCCL did not finish creating the communicator within the time-out (a rank died or "
+                         "cannot be reached); aborted", what);
+    }
+    if (r != ncclSuccess) {
+        int rc = nccl_error(r, what, comm, __LINE__);
+        ncclCommAbort(comm);
+        return rc;
+    }
+    nc->comm = comm;
+    if (make_streams(nc)) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", ms_last_error());
+        ncclCommAbort(comm);
+        nc->comm = nullptr;
+        return ms_errorf("%s: %s", what, msg);
+    }
+    register_comm(nc);
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+static int nccl_init_world(ms_comm *c, const ms_dist_env *e, const ms_dist_options *o, ms_store_client *store) {
+    int ndev = ms_cuda_device_count();
+    int device = o->device >= 0 ? o->device : e->local_rank;
+    if (ndev <= 0) return ms_errorf("dist.init: backend 'nccl' needs a GPU and none is visible");
+    if (device >= ndev)
+        return ms_errorf("dist.init: rank %d would use cuda:%d (LOCAL_RANK=%d) but %d GPU%s visible", e->rank, device,
+                         e->local_rank, ndev, ndev == 1 ? " is" : "s are");
+    if (ms_cuda_set_device(device)) return -1;
+    setenv("NCCL_NVLS_ENABLE", "0", 0);
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (e->rank == 0) {
+        ncclResult_t r = ncclGetUniqueId(&id);
+        if (r != ncclSuccess) return nccl_error(r, "ncclGetUniqueId", nullptr, __LINE__);
+        if (e->world_size > 1 && ms_store_set(store, "ms/nccl/world", &id, sizeof id)) return -1;
+    } else {
+        int64_t n = 0;
+        if (ms_store_get(store, "ms/nccl/world", &id, sizeof id, &n, o->rendezvous_timeout_s)) return -1;
+        if (n != (int64_t)sizeof id) return ms_errorf("dist.init: the NCCL id from the store has %lld bytes", (long long)n);
+    }
+    NcclComm *nc = new NcclComm;
+    nc->device = device;
+    nc->world_rank = e->rank;
+    nc->owner = c;
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclComm_t comm = nullptr;
+    ncclResult_t r = ncclCommInitRankConfig(&comm, e->world_size, id, e->rank, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        delete nc;
+        return nccl_error(r, "ncclCommInitRankConfig", comm, __LINE__);
+    }
+    if (finish_comm(c, nc, comm, r, ms_dist_now() + o->rendezvous_timeout_s, "dist.init (ncclCommInitRankConfig)")) {
+        delete nc;
+        return -1;
+    }
+    c->impl = nc;
+    c->device = device;
+    return 0;
+}
+
+static int nccl_split(ms_comm *parent, int color, int key, void **impl) {
+    *impl = nullptr;
+#if NCCL_VERSION_CODE >= 21800
+    NcclComm *p = (NcclComm *)parent->impl;
+    if (ms_cuda_activate(p->device)) return -1;
+    ncclComm_t comm = nullptr;
+    ncclResult_t r;
+    {
+        std::lock_guard<std::mutex> cl(p->mu);
+        if (p->aborted) return ms_errorf("new_group: the parent group is broken: %s", parent->broken_msg);
+        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+        cfg.blocking = 0;
+        r = ncclCommSplit(p->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &cfg);
+        if (r != ncclSuccess && r != ncclInProgress) return nccl_error(r, "ncclCommSplit", p->comm, __LINE__);
+        r = settle(p->comm, r, ms_dist_now() + parent->timeout_s);
+        if (r != ncclSuccess) return nccl_error(r == ncclInProgress ? ncclInternalError : r, "ncclCommSplit (timed out?)",
+                                                p->comm, __LINE__);
+    }
+    if (color < 0) return 0;
+    NcclComm *nc = new NcclComm;
+    nc->device = p->device;
+    nc->world_rank = p->world_rank;
+    if (finish_comm(parent, nc, comm, ncclInProgress, ms_dist_now() + parent->timeout_s, "new_group (ncclCommSplit)")) {
+        delete nc;
+        return -1;
+    }
+    *impl = nc;
+    return 0;
+#else
+    return ms_errorf("new_group: needs NCCL 2.18 or later (ncclCommSplit); this build has %d", NCCL_VERSION_CODE);
+#endif
+}
+
+static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root) {
+    NcclComm *nc = (NcclComm *)w->comm->impl;
+    if (ms_cuda_activate(nc->device)) return -1;
+    cudaStream_t compute = ms_cuda_stream_of(nc->device);
+    int64_t n_in = ms_tensor_numel(in), n_out = ms_tensor_numel(out);
+    ncclDataType_t t = nccl_type(out->dtype_id);
+    void *po = ms_tensor_data(out);
+    const void *pi = ms_tensor_data(in);
+    OpRec *op = new OpRec;
+    snprintf(op->desc, sizeof op->desc, "%s", w->desc);
+    {
+        std::lock_guard<std::mutex> cl(nc->mu);
+        nc->owner = w->comm;   // a group made by split learns its owner at its first call
+        if (nc->aborted || !nc->comm) {
+            delete op;
+            return ms_errorf("%s: the group is broken: %s", w->desc, w->comm->broken_msg);
+        }
+        cudaError_t ce = cudaEventRecord(nc->ready, compute);
+        if (ce == cudaSuccess) ce = cudaStreamWaitEvent(nc->stream, nc->ready, 0);
+        if (ce == cudaSuccess) ce = cudaEventCreateWithFlags(&op->end, cudaEventDisableTiming);
+        if (ce != cudaSuccess) {
+            delete op;
+            return ms_errorf("%s: ordering against the compute stream failed: %s", w->desc, cudaGetErrorString(ce));
+        }
+        ncclResult_t r;
+        switch (w->kind) {
+        case MS_COLL_ALL_GATHER: r = ncclAllGather(pi, po, (size_t)n_in, t, nc->comm, nc->stream); break;
+        case MS_COLL_REDUCE_SCATTER:
+            r = ncclReduceScatter(pi, po, (size_t)n_out, t, nccl_op(w->op), nc->comm, nc->stream);
+            break;
+        case MS_COLL_ALL_REDUCE: r = ncclAllReduce(po, po, (size_t)n_out, t, nccl_op(w->op), nc->comm, nc->stream); break;
+        default: r = ncclBroadcast(po, po, (size_t)n_out, t, root, nc->comm, nc->stream); break;
+        }
+        r = settle(nc->comm, r, ms_dist_now() + w->comm->timeout_s);
+        if (r != ncclSuccess) {
+            char msg[600];
+            nccl_error(r == ncclInProgress ? ncclInternalError : r, w->desc, nc->comm, __LINE__);
+            snprintf(msg, sizeof msg, "%s%s", ms_last_error(), r == ncclInProgress ? " (timed out enqueuing)" : "");
+            op_release(op);
+            abort_locked(nc, msg);
+            return -1;
+        }
+        ce = cudaEventRecord(op->end, nc->stream);
+        if (ce != cudaSuccess) {
+            op_release(op);
+            return ms_errorf("%s: cudaEventRecord failed: %s", w->desc, cudaGetErrorString(ce));
+        }
+        op->t_enq = ms_dist_now();
+        op->refs = 2;   // the work and the watchdog
+        nc->inflight.push_back(op);
+    }
+    // the allocator must not reuse these before `end`
+    if (ms_cuda_record_stream(out, nc->mstream)) return -1;
+    if (in != out && ms_cuda_record_stream(in, nc->mstream)) return -1;
+    w->impl = op;
+    return 0;
+}
+
+static int nccl_wait(ms_work *w, int stream_only) {
+    NcclComm *nc = (NcclComm *)w->comm->impl;
+    OpRec *op = (OpRec *)w->impl;
+    if (w->comm->broken) return ms_errorf("%s: the group is broken: %s", w->desc, w->comm->broken_msg);
+    if (ms_cuda_activate(nc->device)) return -1;
+    CUDA_CHECK(cudaStreamWaitEvent(ms_cuda_stream_of(nc->device), op->end, 0));
+    return 0;
+}
+
+static int nccl_test(ms_work *w) {
+    OpRec *op = (OpRec *)w->impl;
+    if (w->comm->broken) return ms_errorf("%s: the group is broken: %s", w->desc, w->comm->broken_msg);
+    cudaError_t q = cudaEventQuery(op->end);
+    if (q == cudaSuccess) {
+        w->done = 1;
+        return 1;
+    }
+    if (q == cudaErrorNotReady) return 0;
+    cudaGetLastError();
+    return ms_errorf("%s: %s", w->desc, cudaGetErrorString(q));
+}
+
+static void nccl_work_free(ms_work *w) {
+    op_release((OpRec *)w->impl);
+    w->impl = nullptr;
+}
+
+static int nccl_barrier(ms_comm *c) {
+    NcclComm *nc = (NcclComm *)c->impl;
+    if (ms_cuda_activate(nc->device)) return -1;
+    cudaEvent_t done = nullptr;
+    {
+        std::lock_guard<std::mutex> cl(nc->mu);
+        nc->owner = c;
+        if (nc->aborted || !nc->comm) return ms_errorf("barrier: the group is broken: %s", c->broken_msg);
+        ncclResult_t r = ncclAllReduce(nc->barrier_buf, nc->barrier_buf, 1, ncclFloat32, ncclSum, nc->comm, nc->stream);
+        r = settle(nc->comm, r, ms_dist_now() + c->timeout_s);
+        if (r != ncclSuccess) return nccl_error(r == ncclInProgress ? ncclInternalError : r, "barrier", nc->comm, __LINE__);
+        CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventRecord(done, nc->stream));
+    }
+    // the host waits, with the group's deadline
+    double deadline = ms_dist_now() + c->timeout_s;
+    int spins = 0;
+    for (;;) {
+        cudaError_t q = cudaEventQuery(done);
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady || c->broken || ms_dist_now() > deadline) {
+            cudaEventDestroy(done);
+            if (c->broken) return ms_errorf("barrier on %s: %s", c->name, c->broken_msg);
+            char msg[400];
+            snprintf(msg, sizeof msg, "barrier on %s did not complete within %g s: the communicator was aborted",
+                     c->name, c->timeout_s);
+            std::lock_guard<std::mutex> cl(nc->mu);
+            abort_locked(nc, msg);
+            return -1;
+        }
+        if (spins++ < 100) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 200 * 1000};
+            nanosleep(&ts, nullptr);
+        }
+    }
+    cudaEventDestroy(done);
+    return 0;
+}
+
+static void nccl_comm_free(ms_comm *c) {
+    NcclComm *nc = (NcclComm *)c->impl;
+    if (!nc) return;
+    {
+        std::lock_guard<std::mutex> cl(nc->mu);
+        nc->owner = nullptr;
+    }
+    destroy_nccl(nc, c->timeout_s < 30 ? c->timeout_s : 30);
+    c->impl = nullptr;
+}
+
+static void nccl_finalize(void) {
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        g_stop = true;
+    }
+    g_cv.notify_all();
+    if (g_watchdog.joinable()) g_watchdog.join();
+}
+
+static const ms_dist_backend g_nccl = {
+    "nccl", nccl_init_world, nccl_split, nccl_start, nccl_wait, nccl_test, nccl_work_free,
+    nccl_barrier, nccl_comm_free, nccl_finalize,
+};
+
+}  // extern "C"
+
+namespace {
+struct NcclRegistrar {
+    NcclRegistrar() { ms_dist_nccl_backend = &g_nccl; }
+} g_nccl_registrar;
+}  // namespace
+
+#else
+namespace {
+int ms_dist_nccl_unused;  // keeps the translation unit non-empty
+}
+#endif

@@ -1,0 +1,430 @@
+-- moonshard.dist — collectives between ranks: NCCL for CUDA tensors, MPI for
+-- CPU tensors, process groups and the rendezvous store (core/dist/comm.h).
+--
+--   local ms = require 'moonshard'
+--   local dist = ms.dist
+--   dist.init{ backend = 'nccl', timeout = 600 }     -- ranks from RANK/WORLD_SIZE/...
+--   local g = ms.ones({1000}, { device = 'cuda' })
+--   dist.all_reduce(g, 'avg')                        -- stream-ordered, the host does not wait
+--   local full = ms.empty({ 4 * 250 }, { device = 'cuda', dtype = 'bf16' })
+--   local w = dist.all_gather_into(full, shard, { async = true })
+--   ...                                               -- compute meanwhile
+--   w:wait()                                          -- the current stream waits, not the host
+--   local mesh = dist.mesh{ replicate = 2, shard = 4 } -- hybrid sharding: mesh.shard, mesh.replicate
+--   dist.destroy()
+--
+-- Ranks are 0-based world ranks, as in the environment (RANK=0 is the first).
+-- Reductions are named 'sum', 'avg', 'max', 'min'. Every operation takes an
+-- optional table: group = a group (default: the world), async = true to get
+-- a Work back (w:wait(), w:is_done()). Tensors are contiguous f32, bf16, f64
+-- or i64 on the backend's device; all_gather_into(out, in) needs
+-- out:numel() == group size * in:numel() (rank i's input lands at offset
+-- i * in:numel()), reduce_scatter(out, in, op) the reverse. broadcast's root
+-- is a world rank.
+--
+-- dist.init raises on failure (a rank that cannot join has nothing else to
+-- do, and the message names the ranks that never arrived); the store's
+-- get/wait/barrier return nil, err on a time-out.
+local ffi = require 'ffi'
+local T = require 'moonshard.tensor'
+local C = T.C
+
+local dist = {}
+
+local function cerr() return ffi.string(C.ms_last_error()) end
+local function check(rc, level)
+  if rc ~= 0 then error(cerr(), (level or 1) + 1) end
+end
+
+local backend_ids = { mpi = 0, nccl = 1 }
+local backend_names = { [0] = 'mpi', [1] = 'nccl' }
+local op_ids = { sum = 0, avg = 1, max = 2, min = 3 }
+
+local function op_id(name, fname)
+  local id = op_ids[name]
+  if not id then
+    error(('%s: unknown reduction %s (use \'sum\', \'avg\', \'max\' or \'min\')'):format(fname, tostring(name)), 3)
+  end
+  return id
+end
+
+-- ------------------------------------------------------------ environment
+
+-- the run's shape as the environment gives it (no init needed)
+function dist.env()
+  local e = ffi.new('ms_dist_env')
+  check(C.ms_dist_read_env(e), 2)
+  return {
+    rank = e.rank, world_size = e.world_size, local_rank = e.local_rank,
+    local_world_size = e.local_world_size, source = ffi.string(e.source),
+    master_addr = e.has_master ~= 0 and ffi.string(e.master_addr) or nil,
+    master_port = e.has_master ~= 0 and e.master_port or nil,
+  }
+end
+
+function dist.is_available(backend)
+  return C.ms_dist_backend_available(backend_ids[backend or 'mpi'] or -1) ~= 0
+end
+
+-- ----------------------------------------------------------------- groups
+
+local Group = {}
+Group.__index = Group
+dist.Group = Group
+
+local function wrap_group(p, ranks)
+  local g = setmetatable({ ranks_ = ranks }, Group)
+  if p ~= nil then g.p = ffi.gc(p, C.ms_comm_free) end
+  return g
+end
+
+local function live(g, fname)
+  if not g.p then
+    if g.ranks_ then
+      error(('%s: this rank (%d) is not a member of the group [%s]'):format(fname, dist.rank(),
+        table.concat(g.ranks_, ',')), 3)
+    end
+    error(fname .. ': the group was freed', 3)
+  end
+  return g.p
+end
+
+function Group:is_member() return self.p ~= nil end
+function Group:rank() return self.p and C.ms_comm_rank(self.p) or -1 end
+function Group:size()
+  if self.p then return C.ms_comm_size(self.p) end
+  return #self.ranks_
+end
+-- world ranks of the members, in group-rank order
+function Group:ranks()
+  if not self.p then return { unpack(self.ranks_) } end
+  local r = {}
+  for i = 0, C.ms_comm_size(self.p) - 1 do r[#r + 1] = C.ms_comm_world_rank(self.p, i) end
+  return r
+end
+function Group:is_broken() return self.p ~= nil and C.ms_comm_is_broken(self.p) ~= 0 end
+function Group:set_timeout(s) check(C.ms_comm_set_timeout(live(self, 'set_timeout'), s), 2) end
+function Group:free()
+  if self.p then C.ms_comm_free(ffi.gc(self.p, nil)); self.p = nil end
+end
+function Group:__tostring()
+  return ('dist.Group(ranks [%s]%s)'):format(table.concat(self:ranks(), ','), self.p and '' or ', not a member')
+end
+
+-- ------------------------------------------------------------------- work
+
+local Work = {}
+Work.__index = Work
+dist.Work = Work
+
+function Work:wait()
+  if not self.p then return true end
+  check(C.ms_work_wait(self.p), 2)
+  return true
+end
+function Work:is_done()
+  if not self.p then return true end
+  local r = C.ms_work_is_done(self.p)
+  if r < 0 then error(cerr(), 2) end
+  return r == 1
+end
+function Work:free()
+  if self.p then C.ms_work_free(ffi.gc(self.p, nil)); self.p = nil end
+  self.tensors = nil
+end
+
+local work_box = ffi.typeof('ms_work*[1]')
+
+-- run a collective: `fn(box_or_nil, comm, ...)`; async returns a Work that
+-- also keeps the tensors' handles alive until it is freed
+local function run(fname, opts, fn, tensors, ...)
+  opts = opts or {}
+  local g = opts.group or dist.world_group
+  if not g then error(fname .. ': dist is not initialised (call ms.dist.init first)', 3) end
+  local p = live(g, fname)
+  if opts.async then
+    local box = work_box()
+    if fn(box, p, ...) ~= 0 then error(cerr(), 3) end
+    return setmetatable({ p = ffi.gc(box[0], C.ms_work_free), tensors = tensors }, Work)
+  end
+  if fn(nil, p, ...) ~= 0 then error(cerr(), 3) end
+  return nil
+end
+
+local function tensor_arg(t, fname, what)
+  if not T.is_tensor(t) then error(('%s: %s must be a tensor, got %s'):format(fname, what, type(t)), 3) end
+  return t
+end
+
+-- out = concatenation of every rank's `inp` (group-rank order)
+function dist.all_gather_into(out, inp, opts)
+  tensor_arg(out, 'all_gather_into', 'out'); tensor_arg(inp, 'all_gather_into', 'in')
+  return run('all_gather_into', opts, C.ms_comm_all_gather_into, { out, inp }, out, inp)
+end
+
+-- out = reduction over ranks of chunk `group rank` of `inp`
+function dist.reduce_scatter(out, inp, op, opts)
+  tensor_arg(out, 'reduce_scatter', 'out'); tensor_arg(inp, 'reduce_scatter', 'in')
+  return run('reduce_scatter', opts, C.ms_comm_reduce_scatter, { out, inp }, out, inp, op_id(op or 'sum', 'reduce_scatter'))
+end
+
+function dist.all_reduce(t, op, opts)
+  tensor_arg(t, 'all_reduce', 'the tensor')
+  return run('all_reduce', opts, C.ms_comm_all_reduce, { t }, t, op_id(op or 'sum', 'all_reduce'))
+end
+
+function dist.broadcast(t, root, opts)
+  tensor_arg(t, 'broadcast', 'the tensor')
+  if type(root) ~= 'number' then error('broadcast: root must be a world rank (a number)', 2) end
+  return run('broadcast', opts, C.ms_comm_broadcast, { t }, t, root)
+end
+
+function dist.barrier(opts)
+  opts = opts or {}
+  local g = opts.group or dist.world_group
+  if not g then error('barrier: dist is not initialised (call ms.dist.init first)', 2) end
+  check(C.ms_comm_barrier(live(g, 'barrier')), 2)
+end
+
+-- the same operations as methods of a group
+for _, name in ipairs({ 'all_gather_into', 'reduce_scatter', 'all_reduce', 'broadcast' }) do
+  local f = dist[name]
+  local nargs = (name == 'all_reduce' or name == 'broadcast') and 2 or (name == 'reduce_scatter' and 3 or 2)
+  Group[name] = function(self, a, b, c, d)
+    local args = { a, b, c, d }
+    local opts = {}
+    for k, v in pairs(args[nargs + 1] or {}) do opts[k] = v end
+    opts.group = self
+    args[nargs + 1] = opts
+    return f(unpack(args, 1, nargs + 1))
+  end
+end
+function Group:barrier() return dist.barrier({ group = self }) end
+
+-- -------------------------------------------------------------- lifetime
+
+local state = nil   -- { backend, device, rank, world_size, local_rank, local_world_size }
+
+local function default_backend(opts)
+  local dev = opts.device or os.getenv('MS_DEVICE')
+  if type(dev) == 'string' then
+    if dev:match('^cuda') then return 'nccl' end
+    if dev == 'cpu' then return 'mpi' end
+  end
+  if type(dev) == 'number' then return dev >= 0 and 'nccl' or 'mpi' end
+  return C.ms_cuda_available() ~= 0 and 'nccl' or 'mpi'
+end
+
+-- dist.init{ backend = 'nccl'|'mpi', timeout = seconds, rendezvous_timeout =
+-- seconds, device = 'cuda:N' } -> the world group. The backend defaults
+-- from `device`, then MS_DEVICE (bin/train --device), then whether a GPU is
+-- present; NCCL's GPU is cuda:LOCAL_RANK unless `device` names one.
+function dist.init(opts)
+  opts = opts or {}
+  if state then error('dist.init: already initialised (call dist.destroy first)', 2) end
+  local bname = opts.backend or default_backend(opts)
+  local bid = backend_ids[bname]
+  if not bid then error(("dist.init: unknown backend %s (use 'nccl' or 'mpi')"):format(tostring(bname)), 2) end
+  local o = ffi.new('ms_dist_options')
+  C.ms_dist_options_default(o)
+  o.backend = bid
+  if opts.timeout ~= nil then
+    if type(opts.timeout) ~= 'number' or opts.timeout <= 0 then
+      error('dist.init: timeout must be a number of seconds > 0', 2)
+    end
+    o.timeout_s = opts.timeout
+    o.rendezvous_timeout_s = math.min(opts.timeout, 300)
+  end
+  if opts.rendezvous_timeout ~= nil then
+    if type(opts.rendezvous_timeout) ~= 'number' or opts.rendezvous_timeout <= 0 then
+      error('dist.init: rendezvous_timeout must be a number of seconds > 0', 2)
+    end
+    o.rendezvous_timeout_s = opts.rendezvous_timeout
+  end
+  if bid == 1 and opts.device ~= nil and opts.device ~= 'cuda' then o.device = T.device_id(opts.device, 2) end
+  local box = ffi.new('ms_comm*[1]')
+  check(C.ms_dist_init(box, o), 2)
+  local env = dist.env()
+  local world = wrap_group(box[0])
+  state = {
+    backend = bname, rank = world:rank(), world_size = world:size(), local_rank = env.local_rank,
+    local_world_size = env.local_world_size, device = C.ms_comm_device(box[0]),
+  }
+  if state.device >= 0 then
+    C.ms_cuda_set_device(state.device)
+    T.current_cuda_device = state.device
+  end
+  dist.world_group = world
+  return world
+end
+
+function dist.is_initialized() return state ~= nil end
+
+local function need(fname)
+  if not state then error(fname .. ': dist is not initialised (call ms.dist.init first)', 3) end
+  return state
+end
+
+function dist.rank() return need('rank').rank end
+function dist.world_size() return need('world_size').world_size end
+-- local_rank works before init too (it picks the GPU)
+function dist.local_rank() return state and state.local_rank or dist.env().local_rank end
+function dist.local_world_size() return state and state.local_world_size or dist.env().local_world_size end
+function dist.backend() return need('backend').backend end
+function dist.device() return T.device_name(need('device').device) end
+function dist.get_world_group() need('get_world_group'); return dist.world_group end
+
+-- frees every group's backend state (MPI: MPI_Finalize; NCCL: the
+-- communicators and the watchdog) and stops the store; group handles still
+-- held answer "destroyed"
+function dist.destroy()
+  if not state then return end
+  check(C.ms_dist_destroy(), 2)
+  state = nil
+  if dist.world_group then dist.world_group:free() end
+  dist.world_group = nil
+  collectgarbage()
+end
+
+-- a group of the given world ranks; every rank of the world calls it (ranks
+-- outside get a group whose is_member() is false)
+function dist.new_group(ranks, opts)
+  need('new_group')
+  if type(ranks) ~= 'table' or #ranks == 0 then error('new_group: expects a list of world ranks', 2) end
+  local parent = (opts and opts.group) or dist.world_group
+  local arr = ffi.new('int[?]', #ranks)
+  for i, r in ipairs(ranks) do
+    if type(r) ~= 'number' or r ~= math.floor(r) then error('new_group: ranks must be integers', 2) end
+    arr[i - 1] = r
+  end
+  local box = ffi.new('ms_comm*[1]')
+  check(C.ms_comm_new_group(box, live(parent, 'new_group'), #ranks, arr), 2)
+  local sorted = { unpack(ranks) }
+  table.sort(sorted)
+  return wrap_group(box[0] ~= nil and box[0] or nil, sorted)
+end
+
+-- the 2-D mesh of hybrid sharding: world rank r at (r // shard, r % shard).
+-- mesh.shard: the `shard` ranks of r's row (parameters are sharded among
+-- them); mesh.replicate: the `replicate` ranks of r's column (they hold the
+-- same shard; gradients are all-reduced among them).
+function dist.mesh(opts)
+  need('mesh')
+  opts = opts or {}
+  local W = dist.world_size()
+  local R, S = opts.replicate, opts.shard
+  if R == nil and S ~= nil and S > 0 then R = W / S end
+  if S == nil and R ~= nil and R > 0 then S = W / R end
+  if type(R) ~= 'number' or type(S) ~= 'number' or R ~= math.floor(R) or S ~= math.floor(S) or R * S ~= W then
+    error(('mesh: replicate (%s) x shard (%s) must equal the world size %d'):format(tostring(R), tostring(S), W), 2)
+  end
+  local rb, sb = ffi.new('ms_comm*[1]'), ffi.new('ms_comm*[1]')
+  check(C.ms_comm_mesh(rb, sb, live(dist.world_group, 'mesh'), R, S), 2)
+  local r = dist.rank()
+  return {
+    replicate = wrap_group(rb[0]), shard = wrap_group(sb[0]),
+    shape = { R, S }, coord = { math.floor(r / S), r % S },
+  }
+end
+
+-- ------------------------------------------------------------------ store
+
+local Store = {}
+Store.__index = Store
+dist.Store = Store
+
+local function store_p(s, fname)
+  if s.p == nil then error(fname .. ': the store connection was closed', 3) end
+  return s.p
+end
+
+function Store:set(key, value)
+  value = tostring(value)
+  check(C.ms_store_set(store_p(self, 'set'), key, value, #value), 2)
+end
+-- the value (waits up to timeout seconds for the key), or nil, err
+function Store:get(key, timeout)
+  local p = store_p(self, 'get')
+  local n = ffi.new('int64_t[1]')
+  local cap = 4096
+  for _ = 1, 2 do
+    local buf = ffi.new('char[?]', cap)
+    if C.ms_store_get(p, key, buf, cap, n, timeout or 300) ~= 0 then return nil, cerr() end
+    if tonumber(n[0]) <= cap then return ffi.string(buf, tonumber(n[0])) end
+    cap = tonumber(n[0])
+  end
+  return nil, 'get: the value changed size while it was read'
+end
+function Store:add(key, delta)
+  local r = ffi.new('int64_t[1]')
+  check(C.ms_store_add(store_p(self, 'add'), key, delta or 1, r), 2)
+  return tonumber(r[0])
+end
+-- true, or nil, err naming the missing keys
+function Store:wait(keys, timeout)
+  local arr = ffi.new('const char*[?]', #keys)
+  for i, k in ipairs(keys) do arr[i - 1] = k end
+  if C.ms_store_wait(store_p(self, 'wait'), #keys, arr, timeout or 300) ~= 0 then return nil, cerr() end
+  return true
+end
+-- true, or nil, err naming the ranks that never arrived
+function Store:barrier(name, rank, world_size, timeout)
+  if C.ms_store_barrier(store_p(self, 'barrier'), name, rank, world_size, timeout or 300) ~= 0 then
+    return nil, cerr()
+  end
+  return true
+end
+function Store:ping()
+  if C.ms_store_ping(store_p(self, 'ping')) ~= 0 then return nil, cerr() end
+  return true
+end
+function Store:close()
+  if self.owned and self.p ~= nil then C.ms_store_free(ffi.gc(self.p, nil)) end
+  self.p = nil
+end
+
+-- the run's rendezvous store (nil when the run has none: one rank, or MPI
+-- started by mpirun without MASTER_ADDR)
+function dist.store()
+  local p = C.ms_dist_store()
+  if p == nil then return nil end
+  return setmetatable({ p = p, owned = false }, Store)
+end
+
+-- a client of a store: { host=, port=, token=, rank=, timeout= } -> Store or nil, err
+function dist.store_connect(o)
+  local box = ffi.new('ms_store_client*[1]')
+  if C.ms_store_connect(box, o.host or '127.0.0.1', o.port, o.token or os.getenv('MS_DIST_TOKEN'), o.rank or -1,
+      o.timeout or 30) ~= 0 then
+    return nil, cerr()
+  end
+  return setmetatable({ p = ffi.gc(box[0], C.ms_store_free), owned = true }, Store)
+end
+
+local Server = {}
+Server.__index = Server
+dist.StoreServer = Server
+
+-- a store served by this process: { host=, port= (0: any free one), token= }
+function dist.store_server(o)
+  local box = ffi.new('ms_store_server*[1]')
+  check(C.ms_store_server_start(box, o.host or '127.0.0.1', o.port or 0, o.token or os.getenv('MS_DIST_TOKEN')), 2)
+  return setmetatable({ p = ffi.gc(box[0], C.ms_store_server_stop) }, Server)
+end
+function Server:port() return C.ms_store_server_port(self.p) end
+function Server:stats()
+  local s = ffi.new('ms_store_stats')
+  check(C.ms_store_server_stats(self.p, s), 2)
+  local r = {}
+  for _, k in ipairs({ 'connections', 'authenticated', 'requests', 'rejected_auth', 'rejected_oversize',
+    'rejected_malformed', 'truncated', 'timed_out', 'keys', 'bytes' }) do
+    r[k] = tonumber(s[k])
+  end
+  return r
+end
+function Server:stop()
+  if self.p ~= nil then C.ms_store_server_stop(ffi.gc(self.p, nil)); self.p = nil end
+end
+
+dist.backend_names = backend_names
+return dist
