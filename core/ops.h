@@ -89,6 +89,77 @@ void ms_philox(uint64_t seed, uint64_t counter, uint32_t out[4]);
 /* threads used by the CPU ops (OpenMP and OpenBLAS); 0 = the default */
 void ms_set_num_threads(int n);
 int ms_get_num_threads(void);
+
+/* ---- fused ops: norms, AdamW, grad norm, RoPE -------------------------
+ * CPU references in core/norm_cpu.c, core/adamw_cpu.c, core/rope_cpu.c;
+ * CUDA kernels in kernels/norm.cu, kernels/adamw.cu, kernels/rope.cu.
+ * Output slots as everywhere (*out NULL: allocated; a tensor: written after
+ * its shape, dtype and device are checked, and it must be contiguous); a
+ * slot pointer that is NULL means "not wanted" and skips that work.
+ *
+ * Norms over the last dim of x (..., C), seen as N = numel/C rows:
+ *   layer_norm  mean = Σx/C, rstd = 1/sqrt(Σ(x-mean)²/C + eps),
+ *               y = (x - mean)·rstd·w + b
+ *   rms_norm    rstd = 1/sqrt(Σx²/C + eps), y = round_x(x·rstd)·w, where
+ *               round_x rounds to x's dtype (Hugging Face LlamaRMSNorm
+ *               casts the normalised x back before the weight multiplies)
+ * x, g: any float dtype and layout; w, b (C): any float dtype, or NULL.
+ * Math in f32 at least (f64 for f64 x); storage dtypes are converted on
+ * load and the result rounded once into y's dtype `out_dtype` (-1: x's),
+ * so a norm can read an f32 residual and emit bf16 for the next matmul.
+ * mean, rstd: (N) in the compute dtype (f32; f64 for f64 x) — what the
+ * backward needs besides x (mean is LayerNorm's only).
+ * Backward: g (..., C) the gradient of y -> dx (x's dtype) and the column
+ * sums dw, db (w's dtype; f32/f64 without w). All are overwritten (=):
+ * accumulating into .grad is the autograd's job. Deterministic: dw and db
+ * add up rows in a fixed order (no float atomics on the GPU). */
+int ms_layer_norm(ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w,
+                  const ms_tensor *b, double eps, int out_dtype);
+int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g, const ms_tensor *x,
+                           const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w);
+int ms_rms_norm(ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w, double eps,
+                int out_dtype);
+int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,
+                         const ms_tensor *rstd, const ms_tensor *w);
+
+/* AdamW (torch.optim.AdamW) in place, one pass over each tensor:
+ *   p <- p·(1 - lr·wd);  m <- β1·m + (1-β1)·g;  v <- β2·v + (1-β2)·g²
+ *   p <- p - lr/(1-β1^step) · m / (sqrt(v)/sqrt(1-β2^step) + eps)
+ * step >= 1 counts this update. p: f32, bf16/f16 (updated in f32, rounded
+ * once) or f64; g: any float dtype; m, v: f32 (f64 for f64 p). Each group
+ * p[i], g[i], m[i], v[i] contiguous, of one numel, on one device. The
+ * multi form steps n tensors (the parameters of a group) in one launch on
+ * CUDA (a few when they are very many or of mixed dtypes); ms_adamw_ is
+ * n = 1, e.g. a flat parameter shard. */
+int ms_adamw_(ms_tensor *param, const ms_tensor *grad, ms_tensor *exp_avg, ms_tensor *exp_avg_sq, double lr,
+              double beta1, double beta2, double eps, double weight_decay, int64_t step);
+int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms_tensor *const *exp_avg,
+                    ms_tensor *const *exp_avg_sq, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, int64_t step);
+/* out: 0-dim f64 = Σ_i Σ_j ts[i][j]² over n float tensors of one device,
+ * accumulated in f64 in a fixed order (the global grad norm is its square
+ * root); no host sync on CUDA */
+int ms_sum_squares(ms_tensor **out, int n, ms_tensor *const *ts);
+
+/* Rotary position embedding, Hugging Face's rotate_half convention over the
+ * last dim D (even, h = D/2) of x (..., T, D); cos, sin (T, D), any float
+ * dtype, constants:
+ *   y[i] = x[i]·cos[i] - x[i+h]·sin[i];  y[i+h] = x[i+h]·cos[i+h] + x[i]·sin[i+h]
+ * backward = 1 applies the transpose (dx from g):
+ *   dx[i] = g[i]·cos[i] + g[i+h]·sin[i+h];  dx[i+h] = g[i+h]·cos[i+h] - g[i]·sin[i]
+ * x any layout (a (B, H, T, D) view of (B, T, H, D) is read in place on
+ * CUDA); out: x's shape and dtype. Math in f32 (f64 for f64). */
+int ms_rope(ms_tensor **out, const ms_tensor *x, const ms_tensor *cos, const ms_tensor *sin, int backward);
+/* fused attention (core/attention_cpu.c, kernels/attention.cu): q (B, H, Tq, D),
+ * k and v (B, Hkv, Tk, D) with H a multiple of Hkv (grouped-query), out like q,
+ * lse (B, H, Tq) f32 saved for backward; causal: key j visible to query i when
+ * j <= i + Tk - Tq (bottom-right, as Hugging Face). No T x T matrix is kept.
+ * Backward writes dq, dk, dv (like q, k, v). */
+int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
+                 double scale, int causal);
+int ms_attention_backward(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q, const ms_tensor *k,
+                          const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
+                          double scale, int causal);
 /* FFI-END */
 
 #define MS_ALL_DIMS (-1000)

@@ -41,6 +41,30 @@ int ms_cuda_index_add(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_te
 int ms_cuda_gather(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);
 int ms_cuda_scatter_add(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src);
 
+/* norm.cu, adamw.cu, rope.cu: the fused ops (contracts in core/ops.h; the
+ * CPU references and what core/ops.c prepares in core/fused_cpu.h): x, g,
+ * y, dx contiguous; w, b, mean, rstd, dw, db, cos, sin contiguous in the
+ * compute dtype (f64 for f64 x, else f32); optional ones may be NULL */
+int ms_cuda_layer_norm(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w,
+                       const ms_tensor *b, double eps);
+int ms_cuda_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
+                                const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w);
+int ms_cuda_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps);
+int ms_cuda_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *g, const ms_tensor *x,
+                              const ms_tensor *rstd, const ms_tensor *w);
+int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
+                  double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step);
+int ms_cuda_sum_squares(ms_tensor *out, int n, ms_tensor *const *ts);
+/* x: any layout with a unit-stride last dim (read in place); out contiguous */
+int ms_cuda_rope(ms_tensor *out, const ms_tensor *x, const ms_tensor *cos, const ms_tensor *sin, int backward);
+
+/* attention.cu: flash-style fused attention (contract in core/ops.h) */
+int ms_cuda_attention(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
+                      double scale, int causal);
+int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k,
+                               const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
+                               double scale, int causal);
+
 #ifdef __cplusplus
 }
 #endif

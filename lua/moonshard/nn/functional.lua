@@ -47,6 +47,7 @@ local is_tensor = T.is_tensor
 local shape_of = A.shape_of
 
 local nnf = {}
+local fused_attention -- defined before scaled_dot_product_attention
 
 local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
 local function dims(t) return shape_str(shape_of(t)) end
@@ -620,6 +621,38 @@ local function bwd_sdpa(node, g)
   return back(dq, 1), back(dk, 2), back(dv, 3)
 end
 
+-- The fused path (ms_attention: core/attention_cpu.c on the CPU, the
+-- flash-style kernels of kernels/attention.cu on the GPU): one node that
+-- saves q, k, v (aliases of the inputs), the output and the per-row
+-- log-sum-exp; no (Tq, Tk) matrix is kept for backward.
+local attn_box = T.ffi.typeof('ms_tensor*[1]')
+local function bwd_fused_attention(node, g)
+  local s = node.saved
+  if g.dtype_id ~= s.q.dtype_id then g = R.to(g, { dtype = s.q.dtype_id }) end
+  local dq, dk, dv = attn_box(), attn_box(), attn_box()
+  T.check(T.C.ms_attention_backward(dq, dk, dv, s.q, s.k, s.v, s.out, s.lse, g, s.scale, s.causal and 1 or 0))
+  dq, dk, dv = T.wrap(dq[0]), T.wrap(dk[0]), T.wrap(dv[0])
+  if not node.need[1] then free(dq); dq = nil end
+  if not node.need[2] then free(dk); dk = nil end
+  if not node.need[3] then free(dv); dv = nil end
+  return dq, dk, dv
+end
+
+fused_attention = function(q, k, v, scale, causal)
+  local out, lse = attn_box(), attn_box()
+  T.check(T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0), 3)
+  local y, l = T.wrap(out[0]), T.wrap(lse[0])
+  if want(q, k, v) then
+    local qa, ka, va, ya = R.alias(q), R.alias(k), R.alias(v), R.alias(y)
+    record1('scaled_dot_product_attention', y, bwd_fused_attention,
+      { q = qa, k = ka, v = va, out = ya, lse = l, scale = scale, causal = causal },
+      { qa, ka, va, ya, l }, q, k, v)
+  else
+    free(l)
+  end
+  return y
+end
+
 -- softmax(q k^T * scale + causal mask) v, heads of k/v repeated for GQA.
 -- q (B, H, Tq, D), k and v (B, Hkv, Tk, D) with H a multiple of Hkv.
 function nnf.scaled_dot_product_attention(q, k, v, opts)
@@ -641,6 +674,9 @@ function nnf.scaled_dot_product_attention(q, k, v, opts)
   local rep = H / Hkv
   local scale = opts.scale or 1 / math.sqrt(D)
   local causal = opts.causal ~= false
+  if opts.mask == nil and not opts.unfused then
+    return fused_attention(q, k, v, scale, causal)
+  end
   local cdt = lowp(q) and 'f32' or q.dtype
   local function prep(t, r)
     local x = t

@@ -1,0 +1,265 @@
+/* core/attention_cpu.c — the CPU reference of fused causal attention, and
+ * the entry points ms_attention / ms_attention_backward (declared in ops.h).
+ *
+ * Mirrors torch.nn.functional.scaled_dot_product_attention
+ * (https://pytorch.org/docs/stable/generated/torch.nn.functional.scaled_dot_product_attention.html)
+ * and grouped-query attention (query head h reads kv head h / (H / Hkv)).
+ * causal: key j is visible to query i when j <= i + (Tk - Tq), the
+ * bottom-right alignment Hugging Face uses (queries are the last Tq of Tk
+ * positions, as with a KV cache); for Tq == Tk it is PyTorch's is_causal.
+ * A query that sees no key gets a zero output and lse = -inf.
+ *   q (B, H, Tq, D), k and v (B, Hkv, Tk, D), out (B, H, Tq, D),
+ *   lse (B, H, Tq) f32: log-sum-exp of the scaled scores of each query row.
+ * The reference computes in f64 on contiguous f64 copies and rounds once into
+ * the outputs; the CUDA kernels (kernels/attention.cu) never hold a T x T
+ * matrix. Backward (FlashAttention-2's equations, with P recomputed from lse):
+ *   D_i = dout_i . out_i,  P_ij = exp(scale q_i.k_j - lse_i),
+ *   dv_j = sum_i P_ij dout_i,  dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i),
+ *   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i
+ * (dk, dv summed over the query heads sharing a kv head). Gradients are
+ * written (=), not accumulated: they are activation gradients.
+ */
+#include "internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef MS_WITH_CUDA
+#include "../kernels/kernels.h"
+#endif
+
+typedef struct attn_dims {
+    int64_t B, H, Hkv, Tq, Tk, D;
+} attn_dims;
+
+static int check_qkv(const char *op, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, attn_dims *d) {
+    char a[200], b[200], c[200];
+    if (ms_tensor_check_live(q, op) || ms_tensor_check_live(k, op) || ms_tensor_check_live(v, op)) return -1;
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
+        return ms_errorf("%s: q, k, v must be (B, H, T, D), got %s, %s, %s", op, ms_desc(q, a, sizeof a),
+                         ms_desc(k, b, sizeof b), ms_desc(v, c, sizeof c));
+    if (q->device_id != k->device_id || q->device_id != v->device_id)
+        return ms_errorf("%s: tensors on different devices: %s, %s, %s", op, ms_desc(q, a, sizeof a),
+                         ms_desc(k, b, sizeof b), ms_desc(v, c, sizeof c));
+    if (q->dtype_id != k->dtype_id || q->dtype_id != v->dtype_id || !ms_is_float(q->dtype_id))
+        return ms_errorf("%s: q, k, v need one float dtype, got %s, %s, %s", op, ms_desc(q, a, sizeof a),
+                         ms_desc(k, b, sizeof b), ms_desc(v, c, sizeof c));
+    d->B = q->sizes[0]; d->H = q->sizes[1]; d->Tq = q->sizes[2]; d->D = q->sizes[3];
+    d->Hkv = k->sizes[1]; d->Tk = k->sizes[2];
+    if (k->sizes[0] != d->B || v->sizes[0] != d->B || k->sizes[3] != d->D || v->sizes[3] != d->D ||
+        v->sizes[1] != d->Hkv || v->sizes[2] != d->Tk || d->Hkv == 0 || d->H % d->Hkv != 0)
+        return ms_errorf("%s: shapes q %s, k %s, v %s do not fit (k and v (B, Hkv, Tk, D), H a multiple of Hkv)", op,
+                         ms_shape_str(q, a, sizeof a), ms_shape_str(k, b, sizeof b), ms_shape_str(v, c, sizeof c));
+    return 0;
+}
+
+static int same_shape_as(const char *op, const char *what, const ms_tensor *t, const ms_tensor *like) {
+    char a[200], b[200];
+    int ok = t->ndim == like->ndim && t->device_id == like->device_id;
+    for (int i = 0; ok && i < t->ndim; i++) ok = t->sizes[i] == like->sizes[i];
+    if (!ok) return ms_errorf("%s: %s is %s, expected the shape and device of %s", op, what, ms_desc(t, a, sizeof a),
+                              ms_desc(like, b, sizeof b));
+    return 0;
+}
+
+/* contiguous f64 copy of t (freed by the caller) */
+static double *f64_copy(const ms_tensor *t, ms_tensor **hold) {
+    if (ms_tensor_to(hold, t, MS_F64, MS_CPU)) return NULL;
+    return (double *)ms_tensor_data(*hold);
+}
+
+/* write a contiguous f64 buffer of dst's shape into dst (one rounding) */
+static int store_f64(ms_tensor *dst, double *buf) {
+    ms_tensor *src = NULL;
+    if (ms_tensor_empty(&src, dst->ndim, dst->sizes, MS_F64, MS_CPU)) return -1;
+    memcpy(ms_tensor_data(src), buf, (size_t)ms_tensor_numel(dst) * sizeof(double));
+    int rc = ms_tensor_copy_(dst, src);
+    ms_tensor_free(src);
+    return rc;
+}
+
+/* number of keys query i sees */
+static int64_t visible(int64_t i, int64_t Tq, int64_t Tk, int causal) {
+    if (!causal) return Tk;
+    int64_t n = i + 1 + (Tk - Tq);
+    return n < 0 ? 0 : (n < Tk ? n : Tk);
+}
+
+static int attention_cpu(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k,
+                         const ms_tensor *v, double scale, int causal, const attn_dims *d) {
+    ms_tensor *hq = NULL, *hk = NULL, *hv = NULL;
+    double *Q = f64_copy(q, &hq), *K = Q ? f64_copy(k, &hk) : NULL, *V = K ? f64_copy(v, &hv) : NULL;
+    double *O = NULL, *L = NULL;
+    int rc = -1;
+    if (!V) goto done;
+    O = calloc((size_t)(d->B * d->H * d->Tq * d->D), sizeof(double));
+    L = calloc((size_t)(d->B * d->H * d->Tq) + 1, sizeof(double));
+    if (!O || !L) { ms_errorf("attention: out of host memory"); goto done; }
+    int64_t rep = d->H / d->Hkv, D = d->D;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < d->B; b++)
+        for (int64_t h = 0; h < d->H; h++) {
+            double *s = malloc(sizeof(double) * (size_t)(d->Tk ? d->Tk : 1));
+            const double *Kb = K + ((b * d->Hkv + h / rep) * d->Tk) * D;
+            const double *Vb = V + ((b * d->Hkv + h / rep) * d->Tk) * D;
+            for (int64_t i = 0; i < d->Tq; i++) {
+                const double *qi = Q + ((b * d->H + h) * d->Tq + i) * D;
+                double *oi = O + ((b * d->H + h) * d->Tq + i) * D;
+                int64_t n = visible(i, d->Tq, d->Tk, causal);
+                double m = -INFINITY, sum = 0;
+                for (int64_t j = 0; j < n; j++) {
+                    double dot = 0;
+                    for (int64_t e = 0; e < D; e++) dot += qi[e] * Kb[j * D + e];
+                    s[j] = dot * scale;
+                    if (s[j] > m) m = s[j];
+                }
+                for (int64_t j = 0; j < n; j++) {
+                    s[j] = exp(s[j] - m);
+                    sum += s[j];
+                }
+                for (int64_t j = 0; j < n; j++)
+                    for (int64_t e = 0; e < D; e++) oi[e] += s[j] / sum * Vb[j * D + e];
+                L[(b * d->H + h) * d->Tq + i] = n ? m + log(sum) : -INFINITY;
+            }
+            free(s);
+        }
+    rc = store_f64(out, O);
+    if (!rc) rc = store_f64(lse, L);
+done:
+    free(O);
+    free(L);
+    ms_tensor_free(hq);
+    ms_tensor_free(hk);
+    ms_tensor_free(hv);
+    return rc;
+}
+
+static int attention_backward_cpu(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q,
+                                  const ms_tensor *k, const ms_tensor *v, const ms_tensor *out,
+                                  const ms_tensor *lse, const ms_tensor *dout, double scale, int causal,
+                                  const attn_dims *d) {
+    ms_tensor *h[6] = {NULL};
+    double *Q = f64_copy(q, &h[0]), *K = Q ? f64_copy(k, &h[1]) : NULL, *V = K ? f64_copy(v, &h[2]) : NULL;
+    double *O = V ? f64_copy(out, &h[3]) : NULL, *L = O ? f64_copy(lse, &h[4]) : NULL; /* checked, not used */
+    double *G = L ? f64_copy(dout, &h[5]) : NULL;
+    double *dQ = NULL, *dK = NULL, *dV = NULL;
+    int rc = -1;
+    if (!G) goto done;
+    int64_t D = d->D, rep = d->H / d->Hkv;
+    dQ = calloc((size_t)(d->B * d->H * d->Tq * D) + 1, sizeof(double));
+    dK = calloc((size_t)(d->B * d->Hkv * d->Tk * D) + 1, sizeof(double));
+    dV = calloc((size_t)(d->B * d->Hkv * d->Tk * D) + 1, sizeof(double));
+    if (!dQ || !dK || !dV) { ms_errorf("attention_backward: out of host memory"); goto done; }
+    /* parallel over kv heads: the query heads of one group write the same dk/dv */
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < d->B; b++)
+        for (int64_t g = 0; g < d->Hkv; g++) {
+            const double *Kb = K + (b * d->Hkv + g) * d->Tk * D, *Vb = V + (b * d->Hkv + g) * d->Tk * D;
+            double *dKb = dK + (b * d->Hkv + g) * d->Tk * D, *dVb = dV + (b * d->Hkv + g) * d->Tk * D;
+            for (int64_t h = g * rep; h < (g + 1) * rep; h++)
+                for (int64_t i = 0; i < d->Tq; i++) {
+                    int64_t row = (b * d->H + h) * d->Tq + i;
+                    const double *qi = Q + row * D, *oi = O + row * D, *gi = G + row * D;
+                    double *dqi = dQ + row * D;
+                    double Di = 0;
+                    for (int64_t e = 0; e < D; e++) Di += gi[e] * oi[e];
+                    int64_t n = visible(i, d->Tq, d->Tk, causal);
+                    /* the row's log-sum-exp again, in f64 (the saved lse is f32) */
+                    double m = -INFINITY, sum = 0, Li;
+                    for (int64_t j = 0; j < n; j++) {
+                        double s = 0;
+                        for (int64_t e = 0; e < D; e++) s += qi[e] * Kb[j * D + e];
+                        if (s * scale > m) m = s * scale;
+                    }
+                    for (int64_t j = 0; j < n; j++) {
+                        double s = 0;
+                        for (int64_t e = 0; e < D; e++) s += qi[e] * Kb[j * D + e];
+                        sum += exp(s * scale - m);
+                    }
+                    Li = m + log(sum);
+                    for (int64_t j = 0; j < n; j++) {
+                        double s = 0, dp = 0;
+                        for (int64_t e = 0; e < D; e++) {
+                            s += qi[e] * Kb[j * D + e];
+                            dp += gi[e] * Vb[j * D + e];
+                        }
+                        double p = exp(s * scale - Li);
+                        double ds = p * (dp - Di);
+                        for (int64_t e = 0; e < D; e++) {
+                            dVb[j * D + e] += p * gi[e];
+                            dqi[e] += scale * ds * Kb[j * D + e];
+                            dKb[j * D + e] += scale * ds * qi[e];
+                        }
+                    }
+                }
+        }
+    rc = store_f64(dq, dQ);
+    if (!rc) rc = store_f64(dk, dK);
+    if (!rc) rc = store_f64(dv, dV);
+done:
+    free(dQ);
+    free(dK);
+    free(dV);
+    for (int i = 0; i < 6; i++) ms_tensor_free(h[i]);
+    return rc;
+}
+
+/* ========================================================== entry points */
+
+int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
+                 double scale, int causal) {
+    attn_dims d;
+    if (check_qkv("attention", q, k, v, &d)) return -1;
+    int alloc_out = !*out, alloc_lse = !*lse;
+    int64_t ls[3] = {d.B, d.H, d.Tq};
+    if (ms_prepare_out(out, "attention", 4, q->sizes, q->dtype_id, q->device_id)) return -1;
+    if (ms_prepare_out(lse, "attention", 3, ls, MS_F32, q->device_id)) {
+        if (alloc_out) { ms_tensor_free(*out); *out = NULL; }
+        return -1;
+    }
+    int rc;
+#ifdef MS_WITH_CUDA
+    if (q->device_id >= 0) rc = ms_cuda_attention(*out, *lse, q, k, v, scale, causal);
+    else
+#endif
+        rc = attention_cpu(*out, *lse, q, k, v, scale, causal, &d);
+    if (rc) {
+        if (alloc_out) { ms_tensor_free(*out); *out = NULL; }
+        if (alloc_lse) { ms_tensor_free(*lse); *lse = NULL; }
+    }
+    return rc;
+}
+
+int ms_attention_backward(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q, const ms_tensor *k,
+                          const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
+                          double scale, int causal) {
+    const char *op = "attention_backward";
+    attn_dims d;
+    if (check_qkv(op, q, k, v, &d)) return -1;
+    if (ms_tensor_check_live(out, op) || ms_tensor_check_live(lse, op) || ms_tensor_check_live(dout, op)) return -1;
+    if (same_shape_as(op, "out", out, q) || same_shape_as(op, "dout", dout, q)) return -1;
+    if (lse->ndim != 3 || lse->sizes[0] != d.B || lse->sizes[1] != d.H || lse->sizes[2] != d.Tq ||
+        lse->dtype_id != MS_F32 || lse->device_id != q->device_id) {
+        char a[200];
+        return ms_errorf("%s: lse is %s, expected f32 (%lld,%lld,%lld) on q's device", op, ms_desc(lse, a, sizeof a),
+                         (long long)d.B, (long long)d.H, (long long)d.Tq);
+    }
+    ms_tensor **outs[3] = {dq, dk, dv};
+    int alloc[3] = {!*dq, !*dk, !*dv};
+    if (ms_prepare_out(dq, op, 4, q->sizes, q->dtype_id, q->device_id) ||
+        ms_prepare_out(dk, op, 4, k->sizes, k->dtype_id, k->device_id) ||
+        ms_prepare_out(dv, op, 4, v->sizes, v->dtype_id, v->device_id))
+        goto fail;
+    int rc;
+#ifdef MS_WITH_CUDA
+    if (q->device_id >= 0) rc = ms_cuda_attention_backward(*dq, *dk, *dv, q, k, v, out, lse, dout, scale, causal);
+    else
+#endif
+        rc = attention_backward_cpu(*dq, *dk, *dv, q, k, v, out, lse, dout, scale, causal, &d);
+    if (!rc) return 0;
+fail:
+    for (int i = 0; i < 3; i++)
+        if (alloc[i] && *outs[i]) { ms_tensor_free(*outs[i]); *outs[i] = NULL; }
+    return -1;
+}

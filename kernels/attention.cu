@@ -1,0 +1,419 @@
+// kernels/attention.cu — fused causal attention, forward and backward,
+// flash-style: scores live only in 64x64 tiles in shared memory, never as a
+// T x T matrix in device memory (FlashAttention-2's algorithm).
+//
+//   q (B, H, Tq, D), k and v (B, Hkv, Tk, D) (query head h reads kv head
+//   h / (H/Hkv)), out like q, lse (B, H, Tq) f32; unit stride along D, any
+//   strides for B, H, T (the views models make by transposing (B,T,H,D)).
+//
+// Forward: a block owns 64 query rows of one (b, h); it streams 64-key tiles
+// of K and V through shared memory, keeps a running max and sum per row
+// (online softmax in the exp2 domain) and the output row in registers.
+// Backward: Delta_i = dout_i . out_i; one kernel per 64-key tile (dk, dv in
+// registers, looping over the query tiles and query heads that see it) and
+// one per 64-query tile (dq), recomputing P from lse: no atomics, so the
+// gradients are the same bits on every run.
+// This is the portable SIMT version (f32 math on CUDA cores, any head dim up
+// to 128, f32/bf16/f16). Flops: forward 4*B*H*Tq*Tk*D (halved when causal),
+// backward 2.5x that; bytes: q, k, v, out read/written once per pass plus
+// K/V re-reads per query tile (from L2).
+#include "common.cuh"
+#include "kernels.h"
+
+#include <math.h>
+
+namespace {
+
+const int kTile = 64;     // query rows and key columns per tile
+const int kThreads = 128; // two threads per tile row, each with half of D
+const int kMaxD = 128;
+
+struct qkv_layout {
+    long long sb, sh, st;  // strides of B, H, T (elements); D has stride 1
+};
+
+qkv_layout layout4(const ms_tensor *t) { return {t->strides[0], t->strides[1], t->strides[2]}; }
+
+__device__ __forceinline__ long long at(const qkv_layout &l, long long b, long long h, long long t) {
+    return b * l.sb + h * l.sh + t * l.st;
+}
+
+// load rows [t0, t0+64) of (b, h) into s (64 x ld floats, zero past T),
+// multiplied by mul
+template <typename T>
+__device__ void load_tile(float *s, int ld, const T *src, const qkv_layout &l, long long b, long long h, long long t0,
+                          long long Tn, int D, float mul) {
+    for (int e = threadIdx.x; e < kTile * D; e += kThreads) {
+        int r = e / D, d = e - r * D;
+        long long t = t0 + r;
+        s[r * ld + d] = t < Tn ? ms_ld(src + at(l, b, h, t) + d) * mul : 0.f;
+    }
+}
+
+const float kLog2e = 1.4426950408889634f;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(
+    T *out, float *lse, const T *q, const T *k, const T *v, qkv_layout lq, qkv_layout lk, qkv_layout lo, int H,
+    int Hkv, long long Tq, long long Tk, int D, float scale, int causal) {
+    extern __shared__ float smem[];
+    const int ld = D + 1;
+    float *Qs = smem, *Ks = Qs + kTile * ld, *Vs = Ks + kTile * ld, *Ps = Vs + kTile * ld;
+    const long long i0 = (long long)blockIdx.x * kTile;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const int dh = (D + 1) / 2, d0 = half * dh, d1 = min(D, d0 + dh);
+    load_tile(Qs, ld, q, lq, b, h, i0, Tq, D, scale * kLog2e);
+    float m = -INFINITY, l = 0.f;
+    float o[kMaxD / 2];
+#pragma unroll
+    for (int x = 0; x < kMaxD / 2; x++) o[x] = 0.f;
+    const long long i = i0 + r, off = Tk - Tq;  // causal: j <= i + off
+    long long kend = causal ? max(0ll, min(Tk, i0 + kTile + off)) : Tk;
+    for (long long j0 = 0; j0 < kend; j0 += kTile) {
+        __syncthreads();
+        load_tile(Ks, ld, k, lk, b, g, j0, Tk, D, 1.f);
+        load_tile(Vs, ld, v, lk, b, g, j0, Tk, D, 1.f);
+        __syncthreads();
+        float sv[kTile / 2];
+        float tmax = -INFINITY;
+#pragma unroll 4
+        for (int cc = 0; cc < kTile / 2; cc++) {
+            int c = half * (kTile / 2) + cc;
+            long long j = j0 + c;
+            float s = -INFINITY;
+            if (j < Tk && (!causal || j <= i + off)) {
+                s = 0.f;
+                for (int e = 0; e < D; e++) s += Qs[r * ld + e] * Ks[c * ld + e];
+            }
+            sv[cc] = s;
+            tmax = fmaxf(tmax, s);
+        }
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+        float mnew = fmaxf(m, tmax);
+        float alpha = mnew == -INFINITY ? 1.f : exp2f(m - mnew);
+        float psum = 0.f;
+        for (int cc = 0; cc < kTile / 2; cc++) {
+            float p = mnew == -INFINITY ? 0.f : exp2f(sv[cc] - mnew);
+            psum += p;
+            Ps[r * (kTile + 1) + half * (kTile / 2) + cc] = p;
+        }
+        psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+        l = l * alpha + psum;
+        m = mnew;
+        __syncwarp();
+#pragma unroll
+        for (int x = 0; x < kMaxD / 2; x++) o[x] *= alpha;
+        for (int c = 0; c < kTile; c++) {
+            float p = Ps[r * (kTile + 1) + c];
+            if (p == 0.f) continue;
+#pragma unroll
+            for (int x = 0; x < kMaxD / 2; x++)
+                if (d0 + x < d1) o[x] += p * Vs[c * ld + d0 + x];
+        }
+    }
+    if (i < Tq) {
+        float inv = l > 0.f ? 1.f / l : 0.f;
+        T *dst = out + at(lo, b, h, i);
+#pragma unroll
+        for (int x = 0; x < kMaxD / 2; x++)
+            if (d0 + x < d1) ms_st(dst + d0 + x, o[x] * inv);
+        if (half == 0) lse[((long long)b * H + h) * Tq + i] = l > 0.f ? (m + log2f(l)) / kLog2e : -INFINITY;
+    }
+}
+
+// Delta_i = sum_d dout_i,d * out_i,d (warp per row)
+template <typename T>
+__global__ void attention_delta_kernel(float *delta, const T *out, const T *dout, qkv_layout lo, qkv_layout lg, int H,
+                                       long long Tq, int D, long long rows) {
+    long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    long long b = row / (H * Tq), rem = row % (H * Tq), h = rem / Tq, t = rem % Tq;
+    const T *o = out + at(lo, b, h, t), *g = dout + at(lg, b, h, t);
+    float acc = 0.f;
+    for (int d = lane; d < D; d += 32) acc += ms_ld(o + d) * ms_ld(g + d);
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) delta[row] = acc;
+}
+
+// dk, dv for 64 keys of one (b, kv head): loop over the query heads of the
+// group and the query tiles that see these keys
+template <typename T>
+__global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(
+    T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta,
+    qkv_layout lq, qkv_layout lk, qkv_layout lg, qkv_layout ldk, int H, int Hkv, long long Tq, long long Tk, int D,
+    float scale, int causal) {
+    extern __shared__ float smem[];
+    const int ld = D + 1, lp = kTile + 1;
+    float *Ks = smem, *Vs = Ks + kTile * ld, *Qs = Vs + kTile * ld, *Gs = Qs + kTile * ld;
+    float *Ps = Gs + kTile * ld, *Ss = Ps + kTile * lp, *Ls = Ss + kTile * lp, *Ds = Ls + kTile;
+    const long long j0 = (long long)blockIdx.x * kTile;
+    const int bg = blockIdx.y, b = bg / Hkv, g = bg % Hkv, rep = H / Hkv;
+    const int c = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const int dh = (D + 1) / 2, d0 = half * dh, d1 = min(D, d0 + dh);
+    const long long j = j0 + c;
+    load_tile(Ks, ld, k, lk, b, g, j0, Tk, D, 1.f);
+    load_tile(Vs, ld, v, lk, b, g, j0, Tk, D, 1.f);
+    float dkr[kMaxD / 2], dvr[kMaxD / 2];
+#pragma unroll
+    for (int x = 0; x < kMaxD / 2; x++) dkr[x] = dvr[x] = 0.f;
+    const long long off = Tk - Tq;  // causal: j <= i + off
+    const long long istart = causal ? max(0ll, (j0 - off) / kTile * kTile) : 0;
+    for (int h = g * rep; h < (g + 1) * rep; h++) {
+        for (long long i0 = istart; i0 < Tq; i0 += kTile) {
+            __syncthreads();
+            load_tile(Qs, ld, q, lq, b, h, i0, Tq, D, 1.f);
+            load_tile(Gs, ld, dout, lg, b, h, i0, Tq, D, 1.f);
+            for (int e = threadIdx.x; e < kTile; e += kThreads) {
+                long long i = i0 + e;
+                Ls[e] = i < Tq ? lse[((long long)b * H + h) * Tq + i] : INFINITY;
+                Ds[e] = i < Tq ? delta[((long long)b * H + h) * Tq + i] : 0.f;
+            }
+            __syncthreads();
+            // P and dS for rows r of this thread's half, column c
+            for (int rr = 0; rr < kTile / 2; rr++) {
+                int r = half * (kTile / 2) + rr;
+                long long i = i0 + r;
+                float p = 0.f, ds = 0.f;
+                if (i < Tq && j < Tk && (!causal || j <= i + off) && Ls[r] != -INFINITY) {
+                    float s = 0.f, dp = 0.f;
+                    for (int e = 0; e < D; e++) {
+                        s += Qs[r * ld + e] * Ks[c * ld + e];
+                        dp += Gs[r * ld + e] * Vs[c * ld + e];
+                    }
+                    p = expf(s * scale - Ls[r]);
+                    ds = p * (dp - Ds[r]);
+                }
+                Ps[r * lp + c] = p;
+                Ss[r * lp + c] = ds;
+            }
+            __syncwarp();
+            for (int r = 0; r < kTile; r++) {
+                float p = Ps[r * lp + c], ds = Ss[r * lp + c];
+                if (p == 0.f && ds == 0.f) continue;
+#pragma unroll
+                for (int x = 0; x < kMaxD / 2; x++)
+                    if (d0 + x < d1) {
+                        dvr[x] += p * Gs[r * ld + d0 + x];
+                        dkr[x] += ds * Qs[r * ld + d0 + x];
+                    }
+            }
+        }
+    }
+    if (j < Tk) {
+#pragma unroll
+        for (int x = 0; x < kMaxD / 2; x++)
+            if (d0 + x < d1) {
+                ms_st(dk + at(ldk, b, g, j) + d0 + x, dkr[x] * scale);
+                ms_st(dv + at(ldk, b, g, j) + d0 + x, dvr[x]);
+            }
+    }
+}
+
+// dq for 64 queries of one (b, h): loop over the key tiles it sees
+template <typename T>
+__global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(
+    T *dq, const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta, qkv_layout lq,
+    qkv_layout lk, qkv_layout lg, qkv_layout ldq, int H, int Hkv, long long Tq, long long Tk, int D, float scale,
+    int causal) {
+    extern __shared__ float smem[];
+    const int ld = D + 1, lp = kTile + 1;
+    float *Qs = smem, *Gs = Qs + kTile * ld, *Ks = Gs + kTile * ld, *Vs = Ks + kTile * ld, *Ss = Vs + kTile * ld;
+    const long long i0 = (long long)blockIdx.x * kTile;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const int dh = (D + 1) / 2, d0 = half * dh, d1 = min(D, d0 + dh);
+    const long long i = i0 + r;
+    load_tile(Qs, ld, q, lq, b, h, i0, Tq, D, 1.f);
+    load_tile(Gs, ld, dout, lg, b, h, i0, Tq, D, 1.f);
+    const float L = i < Tq ? lse[((long long)b * H + h) * Tq + i] : -INFINITY;
+    const float Dl = i < Tq ? delta[((long long)b * H + h) * Tq + i] : 0.f;
+    float dqr[kMaxD / 2];
+#pragma unroll
+    for (int x = 0; x < kMaxD / 2; x++) dqr[x] = 0.f;
+    const long long off = Tk - Tq;  // causal: j <= i + off
+    long long kend = causal ? max(0ll, min(Tk, i0 + kTile + off)) : Tk;
+    for (long long j0 = 0; j0 < kend; j0 += kTile) {
+        __syncthreads();
+        load_tile(Ks, ld, k, lk, b, g, j0, Tk, D, 1.f);
+        load_tile(Vs, ld, v, lk, b, g, j0, Tk, D, 1.f);
+        __syncthreads();
+        for (int cc = 0; cc < kTile / 2; cc++) {
+            int c = half * (kTile / 2) + cc;
+            long long j = j0 + c;
+            float ds = 0.f;
+            if (i < Tq && j < Tk && (!causal || j <= i + off) && L != -INFINITY) {
+                float s = 0.f, dp = 0.f;
+                for (int e = 0; e < D; e++) {
+                    s += Qs[r * ld + e] * Ks[c * ld + e];
+                    dp += Gs[r * ld + e] * Vs[c * ld + e];
+                }
+                float p = expf(s * scale - L);
+                ds = p * (dp - Dl);
+            }
+            Ss[r * lp + c] = ds;
+        }
+        __syncwarp();
+        for (int c = 0; c < kTile; c++) {
+            float ds = Ss[r * lp + c];
+            if (ds == 0.f) continue;
+#pragma unroll
+            for (int x = 0; x < kMaxD / 2; x++)
+                if (d0 + x < d1) dqr[x] += ds * Ks[c * ld + d0 + x];
+        }
+    }
+    if (i < Tq) {
+#pragma unroll
+        for (int x = 0; x < kMaxD / 2; x++)
+            if (d0 + x < d1) ms_st(dq + at(ldq, b, h, i) + d0 + x, dqr[x] * scale);
+    }
+}
+
+struct holder {
+    ms_tensor *t = nullptr;
+    ~holder() { ms_tensor_free(t); }
+};
+
+// a view with unit stride along D (copy when not)
+int unit_d(const ms_tensor *t, holder &h, const ms_tensor **res) {
+    if (t->strides[3] == 1 || t->sizes[3] == 1) {
+        *res = t;
+        return 0;
+    }
+    if (ms_tensor_clone(&h.t, t)) return -1;
+    *res = h.t;
+    return 0;
+}
+
+int check_kernel_args(const char *op, const ms_tensor *q) {
+    char d[200];
+    if (q->dtype_id != MS_F32 && q->dtype_id != MS_BF16 && q->dtype_id != MS_F16)
+        return ms_errorf("%s: cuda kernel takes f32, bf16 or f16, got %s", op, ms_desc(q, d, sizeof d));
+    if (q->sizes[3] > kMaxD || q->sizes[3] < 1)
+        return ms_errorf("%s: head dim %lld is above this kernel's %d", op, (long long)q->sizes[3], kMaxD);
+    if (q->sizes[0] * q->sizes[1] > 65535)
+        return ms_errorf("%s: B*H = %lld is above 65535", op, (long long)(q->sizes[0] * q->sizes[1]));
+    return 0;
+}
+
+template <typename T, typename K>
+int set_smem(K kernel, size_t bytes) {
+    if (bytes > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    return 0;
+}
+
+template <typename T>
+int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
+        int causal) {
+    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1], D = (int)q->sizes[3];
+    long long Tq = q->sizes[2], Tk = k->sizes[2];
+    if (Tq == 0) return 0;
+    size_t smem = sizeof(float) * (3 * kTile * (D + 1) + kTile * (kTile + 1));
+    if (set_smem<T>(attention_fwd_kernel<T>, smem)) return -1;
+    dim3 grid((unsigned)((Tq + kTile - 1) / kTile), (unsigned)(B * H));
+    attention_fwd_kernel<T><<<grid, kThreads, smem, ms_cuda_stream_of(q->device_id)>>>(
+        (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
+        (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(out), H, Hkv, Tq,
+        Tk, D, scale, causal);
+    LAUNCH_CHECK("attention_fwd_kernel");
+    return 0;
+}
+
+template <typename T>
+int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
+        const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout, float scale, int causal) {
+    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1], D = (int)q->sizes[3];
+    long long Tq = q->sizes[2], Tk = k->sizes[2];
+    int device = q->device_id;
+    cudaStream_t s = ms_cuda_stream_of(device);
+    holder delta, clse;
+    int64_t dshape[1] = {(int64_t)B * H * Tq};
+    if (ms_tensor_empty(&delta.t, 1, dshape, MS_F32, device)) return -1;
+    const ms_tensor *l = lse;
+    if (!ms_tensor_is_contiguous(lse)) {
+        if (ms_tensor_clone(&clse.t, lse)) return -1;
+        l = clse.t;
+    }
+    if (Tq > 0) {
+        long long rows = (long long)B * H * Tq;
+        attention_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, s>>>(
+            (float *)ms_tensor_data(delta.t), (const T *)ms_tensor_data(out), (const T *)ms_tensor_data(dout),
+            layout4(out), layout4(dout), H, Tq, D, rows);
+        LAUNCH_CHECK("attention_delta_kernel");
+    }
+    if (Tk > 0) {
+        size_t smem = sizeof(float) * (4 * kTile * (D + 1) + 2 * kTile * (kTile + 1) + 2 * kTile);
+        if (set_smem<T>(attention_bwd_dkdv_kernel<T>, smem)) return -1;
+        dim3 grid((unsigned)((Tk + kTile - 1) / kTile), (unsigned)(B * Hkv));
+        attention_bwd_dkdv_kernel<T><<<grid, kThreads, smem, s>>>(
+            (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), (const float *)ms_tensor_data(l),
+            (const float *)ms_tensor_data(delta.t), layout4(q), layout4(k), layout4(dout), layout4(dk), H, Hkv, Tq, Tk,
+            D, scale, causal);
+        LAUNCH_CHECK("attention_bwd_dkdv_kernel");
+    }
+    if (Tq > 0) {
+        size_t smem = sizeof(float) * (4 * kTile * (D + 1) + kTile * (kTile + 1));
+        if (set_smem<T>(attention_bwd_dq_kernel<T>, smem)) return -1;
+        dim3 grid((unsigned)((Tq + kTile - 1) / kTile), (unsigned)(B * H));
+        attention_bwd_dq_kernel<T><<<grid, kThreads, smem, s>>>(
+            (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), (const float *)ms_tensor_data(l),
+            (const float *)ms_tensor_data(delta.t), layout4(q), layout4(k), layout4(dout), layout4(dq), H, Hkv, Tq, Tk,
+            D, scale, causal);
+        LAUNCH_CHECK("attention_bwd_dq_kernel");
+    }
+    return 0;
+}
+
+}  // namespace
+
+extern "C" int ms_cuda_attention(ms_tensor *out, ms_tensor *lse, const ms_tensor *q_in, const ms_tensor *k_in,
+                                 const ms_tensor *v_in, double scale, int causal) {
+    if (check_kernel_args("attention", q_in)) return -1;
+    if (ms_cuda_activate(q_in->device_id)) return -1;
+    holder hq, hk, hv, ho;
+    const ms_tensor *q, *k, *v;
+    if (unit_d(q_in, hq, &q) || unit_d(k_in, hk, &k) || unit_d(v_in, hv, &v)) return -1;
+    ms_tensor *o = out;
+    if (out->strides[3] != 1 && out->sizes[3] != 1) {
+        if (ms_tensor_empty(&ho.t, 4, out->sizes, out->dtype_id, out->device_id)) return -1;
+        o = ho.t;
+    }
+    if (!ms_tensor_is_contiguous(lse)) return ms_errorf("attention: lse must be contiguous");
+    int rc;
+    switch (q->dtype_id) {
+    case MS_F32: rc = fwd<float>(o, lse, q, k, v, (float)scale, causal); break;
+    case MS_BF16: rc = fwd<__nv_bfloat16>(o, lse, q, k, v, (float)scale, causal); break;
+    default: rc = fwd<__half>(o, lse, q, k, v, (float)scale, causal); break;
+    }
+    if (!rc && o != out) rc = ms_cuda_convert(out, o);
+    return rc;
+}
+
+extern "C" int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q_in,
+                                          const ms_tensor *k_in, const ms_tensor *v_in, const ms_tensor *out_in,
+                                          const ms_tensor *lse, const ms_tensor *dout_in, double scale, int causal) {
+    if (check_kernel_args("attention_backward", q_in)) return -1;
+    if (ms_cuda_activate(q_in->device_id)) return -1;
+    holder hq, hk, hv, ho, hg, hdq, hdk, hdv;
+    const ms_tensor *q, *k, *v, *out, *dout;
+    if (unit_d(q_in, hq, &q) || unit_d(k_in, hk, &k) || unit_d(v_in, hv, &v) || unit_d(out_in, ho, &out) ||
+        unit_d(dout_in, hg, &dout))
+        return -1;
+    ms_tensor *gq = dq, *gk = dk, *gv = dv;
+    if (dq->strides[3] != 1 && ms_tensor_empty(&hdq.t, 4, dq->sizes, dq->dtype_id, dq->device_id) == 0) gq = hdq.t;
+    if (dk->strides[3] != 1 && ms_tensor_empty(&hdk.t, 4, dk->sizes, dk->dtype_id, dk->device_id) == 0) gk = hdk.t;
+    if (dv->strides[3] != 1 && ms_tensor_empty(&hdv.t, 4, dv->sizes, dv->dtype_id, dv->device_id) == 0) gv = hdv.t;
+    int rc;
+    switch (q->dtype_id) {
+    case MS_F32: rc = bwd<float>(gq, gk, gv, q, k, v, out, lse, dout, (float)scale, causal); break;
+    case MS_BF16: rc = bwd<__nv_bfloat16>(gq, gk, gv, q, k, v, out, lse, dout, (float)scale, causal); break;
+    default: rc = bwd<__half>(gq, gk, gv, q, k, v, out, lse, dout, (float)scale, causal); break;
+    }
+    if (!rc && gq != dq) rc = ms_cuda_convert(dq, gq);
+    if (!rc && gk != dk) rc = ms_cuda_convert(dk, gk);
+    if (!rc && gv != dv) rc = ms_cuda_convert(dv, gv);
+    return rc;
+}

@@ -1,0 +1,71 @@
+-- Fused attention (ms_attention, core/attention_cpu.c) against the composed
+-- path (matmul, mask, softmax, matmul) and float64 finite differences.
+local ms = require 'moonshard'
+local nnf = require 'moonshard.nn.functional'
+
+local function relerr(a, b)
+  local d = (a:double() - b:double())
+  local n = (b:double() * b:double()):sum():item()
+  return math.sqrt((d * d):sum():item() / n)
+end
+
+local seed = 500
+local function randn(shape, dtype)
+  seed = seed + 1
+  return ms.randn(shape, { seed = seed }):to(dtype or 'f64')
+end
+
+local cases = {
+  { B = 2, H = 4, Hkv = 4, T = 13, Tk = 13, D = 8, causal = true },
+  { B = 1, H = 6, Hkv = 2, T = 70, Tk = 70, D = 16, causal = true },   -- GQA, T past one 64-tile
+  { B = 2, H = 2, Hkv = 1, T = 5, Tk = 9, D = 4, causal = false },     -- Tq != Tk
+  { B = 1, H = 3, Hkv = 3, T = 4, Tk = 9, D = 6, causal = true },      -- the last 4 of 9 positions (KV cache)
+}
+
+describe('fused attention', function()
+  for n, c in ipairs(cases) do
+    it(('matches the composed path, forward and backward (case %d)'):format(n), function()
+      local q = randn({ c.B, c.H, c.T, c.D }):requires_grad_()
+      local k = randn({ c.B, c.Hkv, c.Tk, c.D }):requires_grad_()
+      local v = randn({ c.B, c.Hkv, c.Tk, c.D }):requires_grad_()
+      local g = randn({ c.B, c.H, c.T, c.D })
+      local y1 = nnf.scaled_dot_product_attention(q, k, v, { causal = c.causal })
+      ms.sum(y1 * g):backward()
+      local gq, gk, gv = q.grad:clone(), k.grad:clone(), v.grad:clone()
+      q.grad, k.grad, v.grad = nil, nil, nil
+      local y2 = nnf.scaled_dot_product_attention(q, k, v, { causal = c.causal, unfused = true })
+      ms.sum(y2 * g):backward()
+      assert.is_true(relerr(y1, y2) < 1e-12, 'out ' .. relerr(y1, y2))
+      assert.is_true(relerr(gq, q.grad) < 1e-12, 'dq ' .. relerr(gq, q.grad))
+      assert.is_true(relerr(gk, k.grad) < 1e-12, 'dk ' .. relerr(gk, k.grad))
+      assert.is_true(relerr(gv, v.grad) < 1e-12, 'dv ' .. relerr(gv, v.grad))
+    end)
+  end
+
+  it('passes a float64 finite-difference check', function()
+    local q = randn({ 1, 2, 6, 4 }):requires_grad_()
+    local k, v = randn({ 1, 1, 6, 4 }):requires_grad_(), randn({ 1, 1, 6, 4 }):requires_grad_()
+    local worst = ms.autograd.gradcheck(function()
+      return nnf.scaled_dot_product_attention(q, k, v, { causal = true })
+    end, { q, k, v })
+    assert.is_true(worst < 1e-6, 'relative error ' .. worst)
+  end)
+
+  it('keeps f32 and bf16 within their bounds of the f64 result', function()
+    local q, k, v = randn({ 2, 2, 20, 8 }), randn({ 2, 2, 20, 8 }), randn({ 2, 2, 20, 8 })
+    local ref = ms.no_grad(nnf.scaled_dot_product_attention, q, k, v)
+    for dt, bound in pairs({ f32 = 1e-6, bf16 = 1e-2 }) do
+      local y = ms.no_grad(nnf.scaled_dot_product_attention, q:to(dt), k:to(dt), v:to(dt))
+      assert.are.equal(dt, y.dtype)
+      assert.is_true(relerr(y, ref) < bound, dt .. ' ' .. relerr(y, ref))
+    end
+  end)
+
+  it('rejects shapes that do not fit, naming them', function()
+    local ok, err = pcall(function()
+      return nnf.scaled_dot_product_attention(randn({ 1, 3, 4, 8 }), randn({ 1, 2, 4, 8 }), randn({ 1, 2, 4, 8 }))
+    end)
+    assert.is_false(ok)
+    assert.matches('%(1, 3, 4, 8%)', err)
+  end)
+end)
