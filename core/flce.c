@@ -423,10 +423,14 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
         ms_errorf("%s: grad_bias asked for without a bias", OP);
         goto done;
     }
+    /* grad_W / grad_bias accumulated apart from the output: a new output is
+     * allocated only after the chunk buffer is given back (a lower peak) */
+    const int late_w = grad_w && !*grad_w && acc_dt != w->dtype_id;
+    const int late_b = grad_bias && !*grad_bias && (device < 0 || acc_dt != bias->dtype_id);
     if (prepare(loss, lnd, bt_shape, odt, device, &al[0]) || prepare(z_loss, lnd, bt_shape, odt, device, &al[1]) ||
         prepare(accuracy, 0, bt_shape, odt, device, &al[2]) || prepare(grad_x, 2, x->sizes, xdt, device, &al[3]) ||
-        prepare(grad_w, 2, w->sizes, w->dtype_id, device, &al[4]) ||
-        (bias && prepare(grad_bias, 1, w->sizes, bias->dtype_id, device, &al[5])))
+        prepare(late_w ? NULL : grad_w, 2, w->sizes, w->dtype_id, device, &al[4]) ||
+        (bias && prepare(late_b ? NULL : grad_bias, 1, w->sizes, bias->dtype_id, device, &al[5])))
         goto done;
 
     /* inputs in the form the steps read */
@@ -549,7 +553,10 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
         if (cpu_finish(&j, loss ? *loss : NULL, z_loss ? *z_loss : NULL, accuracy ? *accuracy : NULL))
         goto done;
     if (grad_x && gx != *grad_x && ms_tensor_copy_(*grad_x, gx)) goto done;
+    if (late_w && prepare(grad_w, 2, w->sizes, w->dtype_id, device, &al[4])) goto done;
     if (grad_w && gw_acc != *grad_w && ms_tensor_copy_(*grad_w, gw_acc)) goto done;
+    if (gw_acc && gw_acc != *grad_w) ms_tensor_release(gw_acc); /* before grad_bias: a lower peak */
+    if (late_b && prepare(grad_bias, 1, w->sizes, bias->dtype_id, device, &al[5])) goto done;
     if (grad_bias && gb_acc != *grad_bias && ms_tensor_copy_(*grad_bias, gb_acc)) goto done;
     rc = 0;
 done:

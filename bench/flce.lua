@@ -1,0 +1,213 @@
+-- bench/flce.lua — fused linear cross-entropy vs our unfused path (GEMM +
+-- cross_entropy), forward + backward, on one GPU.
+--
+--   luajit bench/flce.lua [--iters 20] [--warmup 3] [--chunk 0]
+--                         [--shapes 8192x4096x128256,8192x2560x151936]
+--                         [--methods fused,fused_bf16acc,unfused] [--json out.json]
+--
+-- The methodology of ../shared/bench/torch_flce.py, so the rows sit beside
+-- its output: x (BT, H) ~ N(0, 1) bf16 and W (V, H) ~ N(0, 0.02) bf16, both
+-- requiring grad, targets uniform in [0, V), reduction mean. Time: x.grad and
+-- W.grad cleared, then loss = f(x, W, y); loss:backward(); CUDA events around
+-- it, 3 warm-up runs, the median of 20, L2 flushed (a 256 MiB fill) before
+-- each. Memory: allocated after the inputs exist (no grads) is the base; the
+-- peak of one step minus the base is "peak above inputs" (it includes the
+-- bf16 grads of x and W that every method must produce, also given apart).
+-- Floor: 6·BT·H·V flops (logits, grad_x, grad_W) at the bf16 matmul rate
+-- measured here with the production GEMM (8192³, as ../shared/bench/ceilings.py).
+-- Accuracy: loss and gradients against an f32 reference (f32 GEMMs, TF32
+-- off: the unfused path in f32) as relative errors ‖a − ref‖ / ‖ref‖.
+--
+-- Methods: fused = nn.functional.fused_linear_cross_entropy (grad_W
+-- accumulated in f32 across chunks, the default); fused_bf16acc = the same
+-- with accum_dtype = 'bf16' (accumulated in the bf16 output: no f32 copy of
+-- grad_W); unfused = ms.matmul(x, W, false, true) then
+-- nn.functional.cross_entropy (f32 softmax of the bf16 logits), the path
+-- lm_loss takes with use_fused_lm_loss(false).
+package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
+local ffi = require 'ffi'
+local ms = require 'moonshard'
+local T = require 'moonshard.tensor'
+local flce = require 'moonshard.flce'
+
+local nnf = ms.nn.functional
+local F = ms.raw
+
+local opts = { iters = 20, warmup = 3, chunk = 0, shapes = '8192x4096x128256,8192x2560x151936',
+  methods = 'fused,fused_bf16acc,unfused', json = '' }
+local i = 1
+while i <= #arg do
+  local k = arg[i]:match('^%-%-(.+)$')
+  if not k or opts[k] == nil then
+    error('usage: luajit bench/flce.lua [--iters N] [--warmup N] [--chunk ROWS] [--shapes BTxHxV,...] '
+      .. '[--methods fused,fused_bf16acc,unfused] [--json FILE]')
+  end
+  opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
+  i = i + 2
+end
+
+assert(ms.cuda.is_available(), 'bench/flce.lua needs a CUDA device')
+local dev = ms.cuda.get_device_name(0)
+pcall(ffi.cdef, 'int ms_cuda_gemm_mixed_ok(void);')
+local mixed_gemm = pcall(function() return T.C.ms_cuda_gemm_mixed_ok end)
+
+local flush_buf = ms.empty({ 64 * 2 ^ 20 }, { device = 'cuda' })   -- 256 MiB of f32
+local function flush_l2() F.fill_(flush_buf, 0) end
+
+local function median(t)
+  local s = {}
+  for k, v in ipairs(t) do s[k] = v end
+  table.sort(s)
+  return s[math.floor((#s + 1) / 2)]
+end
+
+-- median ms of fn() over iters runs after warmup, CUDA events, L2 flushed
+local function timed(fn, warmup, iters)
+  for _ = 1, warmup do fn() end
+  ms.cuda.synchronize()
+  local ts = {}
+  local e0, e1 = ms.cuda.event({ timing = true }), ms.cuda.event({ timing = true })
+  for k = 1, iters do
+    flush_l2()
+    e0:record()
+    fn()
+    e1:record()
+    e1:synchronize()
+    ts[k] = e0:elapsed_ms(e1)
+  end
+  return median(ts), ts
+end
+
+-- the bf16 matmul rate through the production GEMM (8192³, 3 operand pairs)
+local function matmul_rate()
+  local n = 8192
+  local pairs_ = {}
+  for k = 1, 3 do
+    pairs_[k] = { ms.randn({ n, n }, { seed = 10 + k, device = 'cuda' }):bf16(),
+      ms.randn({ n, n }, { seed = 20 + k, device = 'cuda' }):bf16() }
+  end
+  local out = ms.empty({ n, n }, { dtype = 'bf16', device = 'cuda' })
+  local k = 0
+  local med = timed(function()
+    k = k + 1
+    local p = pairs_[k % 3 + 1]
+    F.gemm_(out, p[1], p[2], false, false, 1, 0)
+  end, 5, 20)
+  for _, p in ipairs(pairs_) do p[1]:free(); p[2]:free() end
+  out:free()
+  return 2 * n ^ 3 / (med * 1e-3) / 1e12
+end
+
+local function relerr(a, b)
+  local d = F.sub(a:float(), b:float())
+  local num = F.sum(F.mul(d, d)):item()
+  local bf = b:float()
+  local den = F.sum(F.mul(bf, bf)):item()
+  return math.sqrt(num / den)
+end
+
+local rate = matmul_rate()
+print(('device: %s; bf16 matmul rate %.0f TFLOP/s (8192^3, production GEMM)'):format(dev, rate))
+print(('grad_W f32 accumulation: %s'):format(mixed_gemm and 'mixed-dtype cuBLASLt GEMM (bf16 in, f32 out)'
+  or 'f32 operand copies: kernels/gemm.cu lacks ms_cuda_gemm_mixed_ok (fused rows are not representative)'))
+
+local methods = {}
+for m in opts.methods:gmatch('[^,]+') do methods[#methods + 1] = m end
+local rows = {}
+for spec in opts.shapes:gmatch('[^,]+') do
+  local BT, H, V = spec:match('^(%d+)x(%d+)x(%d+)$')
+  BT, H, V = tonumber(BT), tonumber(H), tonumber(V)
+  assert(BT and H and V, 'bad shape ' .. spec .. ' (use BTxHxV)')
+  local x = ms.randn({ BT, H }, { seed = 1, device = 'cuda' }):bf16():requires_grad_()
+  local W = F.mul(ms.randn({ V, H }, { seed = 2, device = 'cuda' }), 0.02):bf16():requires_grad_()
+  local y = F.mul(ms.rand({ BT }, { seed = 3, device = 'cuda' }), V):long()
+  local floor_ms = 6 * BT * H * V / (rate * 1e12) * 1e3
+  local grads_bytes = (BT * H + V * H) * 2
+
+  -- the f32 reference (unfused, f32 GEMMs)
+  local ref
+  do
+    local xr, Wr = x:detach():float():requires_grad_(), W:detach():float():requires_grad_()
+    local lr = nnf.cross_entropy(ms.matmul(xr, Wr, false, true), y)
+    lr:backward()
+    ref = { loss = lr:detach(), gx = xr.grad, gW = Wr.grad }
+    xr:free(); Wr:free()
+    collectgarbage(); collectgarbage()
+    ms.cuda.empty_cache()
+  end
+
+  for _, name in ipairs(methods) do
+    local fo = { chunk_size = opts.chunk > 0 and opts.chunk or nil }
+    if name == 'fused_bf16acc' then fo.accum_dtype = 'bf16' end
+    local fn
+    if name == 'fused' or name == 'fused_bf16acc' then
+      fn = function(a, b, t) return nnf.fused_linear_cross_entropy(a, b, t, fo) end
+    elseif name == 'unfused' then
+      fn = function(a, b, t) return nnf.cross_entropy(ms.matmul(a, b, false, true), t) end
+    else
+      error('unknown method ' .. name)
+    end
+    local loss
+    local function step()
+      x.grad, W.grad = nil, nil
+      loss = fn(x, W, y)
+      loss:backward()
+    end
+    local row = { BT = BT, H = H, V = V, method = name }
+    local ok, err = pcall(function()
+      local med, ts = timed(step, opts.warmup, opts.iters)
+      x.grad, W.grad = nil, nil
+      loss = nil
+      collectgarbage(); collectgarbage()
+      ms.cuda.synchronize()
+      ms.cuda.empty_cache()
+      local base = ms.cuda.memory_allocated()
+      ms.cuda.reset_peak_memory_stats()
+      step()
+      ms.cuda.synchronize()
+      local peak = ms.cuda.memory_stats().peak_allocated - base
+      row.ms_median, row.ms_min = med, math.min(unpack(ts))
+      row.x_floor = med / floor_ms
+      row.tflops_3gemm = 6 * BT * H * V / (med * 1e-3) / 1e12
+      row.peak_above_inputs_GiB = peak / 2 ^ 30
+      row.peak_minus_grads_GiB = (peak - grads_bytes) / 2 ^ 30
+      row.loss = loss:item()
+      row.loss_rel_vs_fp32 = math.abs(row.loss - ref.loss:item()) / math.abs(ref.loss:item())
+      row.dx_rel_vs_fp32 = relerr(x.grad, ref.gx)
+      row.dW_rel_vs_fp32 = relerr(W.grad, ref.gW)
+      if name ~= 'unfused' then row.chunk_rows = flce.chunk_rows(x, W, fo) end
+    end)
+    if not ok then row.error = tostring(err):sub(1, 300) end
+    x.grad, W.grad, loss = nil, nil, nil
+    collectgarbage(); collectgarbage()
+    ms.cuda.empty_cache()
+    rows[#rows + 1] = row
+    row.floor_ms = floor_ms
+    io.write('.'); io.flush()
+  end
+  x:free(); W:free(); y:free()
+  ref.gx:free(); ref.gW:free()
+  collectgarbage(); collectgarbage()
+  ms.cuda.empty_cache()
+end
+print()
+
+print(('| BT | H | V | method | chunk | ms (median) | floor ms | × floor | TFLOP/s | peak above inputs GiB | '
+  .. 'peak − grads GiB | loss | loss rel f32 | dx rel f32 | dW rel f32 |'))
+print('|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|')
+for _, r in ipairs(rows) do
+  if r.error then
+    print(('| %d | %d | %d | %s | | ERROR: %s |'):format(r.BT, r.H, r.V, r.method, r.error))
+  else
+    print(('| %d | %d | %d | %s | %s | %.2f | %.2f | %.3f | %.0f | %.2f | %.2f | %.4f | %.1e | %.1e | %.1e |'):format(
+      r.BT, r.H, r.V, r.method, r.chunk_rows and tostring(r.chunk_rows) or '-', r.ms_median, r.floor_ms, r.x_floor,
+      r.tflops_3gemm, r.peak_above_inputs_GiB, r.peak_minus_grads_GiB, r.loss, r.loss_rel_vs_fp32,
+      r.dx_rel_vs_fp32, r.dW_rel_vs_fp32))
+  end
+end
+if opts.json ~= '' then
+  local json = require 'dkjson'
+  local f = assert(io.open(opts.json, 'w'))
+  f:write(json.encode({ device = dev, matmul_tflops = rate, mixed_gemm = mixed_gemm, rows = rows }, { indent = true }))
+  f:close()
+end

@@ -1,0 +1,217 @@
+-- Fused linear cross-entropy on CUDA (kernels/flce.cu through core/flce.c):
+-- the fixtures of ../shared/fixtures/flce in f32 (≤ 1e-4) and with bf16
+-- inputs (≤ 2e-2), agreement with the CPU reference on random shapes (V
+-- prime and V a multiple of 8: the scalar and the vectorised row pass;
+-- chunks that do not divide BT), both grad_W accumulations, 'none' with a
+-- random grad_output, all targets ignored, bad targets raised at the next
+-- sync with position and value, and memory: no (BT, V) logits, no growth and
+-- no cudaMalloc over steps. Run on a GPU host: `make test-gpu`.
+local ffi = require 'ffi'
+local ms = require 'moonshard'
+local T = require 'moonshard.tensor'
+local json = require 'dkjson'
+
+local F = ms.raw
+local FLCE = ms.nn.functional.fused_linear_cross_entropy
+local fixtures = T.root .. '/../shared/fixtures'
+
+local function values(t)
+  local h = t:to({ dtype = 'f64', device = 'cpu', copy = true }):contiguous()
+  local p = ffi.cast('double*', h:data_ptr())
+  local out = {}
+  for i = 0, h:numel() - 1 do out[i + 1] = p[i] end
+  return out
+end
+
+local function relerr(got, want)
+  assert(got ~= nil, 'no tensor to compare')
+  local g, w = values(got), values(want)
+  assert.are.equal(#w, #g)
+  local num, den = 0, 0
+  for i = 1, #w do num, den = num + (g[i] - w[i]) ^ 2, den + w[i] ^ 2 end
+  if den == 0 then return math.sqrt(num) end
+  return math.sqrt(num / den)
+end
+
+local function finite(t)
+  for _, v in ipairs(values(t)) do if v ~= v or v == math.huge or v == -math.huge then return false end end
+  return true
+end
+
+-- does kernels/gemm.cu take an f32 out with bf16 operands (f32 grad_W
+-- accumulation without operand copies)?
+pcall(ffi.cdef, 'int ms_cuda_gemm_mixed_ok(void);')
+local mixed_gemm = pcall(function() return T.C.ms_cuda_gemm_mixed_ok end)
+
+local seed = 9000
+local function randn(shape, scale)
+  seed = seed + 1
+  local t = ms.randn(shape, { seed = seed })
+  return scale and F.mul(t, scale) or t
+end
+local function targets(n, V, ignored)
+  seed = seed + 1
+  local ids = F.mul(ms.rand({ n }, { dtype = 'f64', seed = seed }), V):to('i64')
+  local drop = F.lt(ms.rand({ n }, { dtype = 'f64', seed = seed + 7 }), ignored or 0)
+  return F.where(drop, ms.full({ n }, -100, { dtype = 'i64' }), ids)
+end
+
+-- loss, z, acc and the grads of x, W, bias for inputs placed on `device`
+-- in `dtype` (ce_weight stays f32)
+local function run(x, W, t, o, device, dtype, g)
+  local function leaf(v) return v and v:to({ dtype = dtype, device = device, copy = true }):requires_grad_() end
+  local xd, Wd = leaf(x), leaf(W)
+  local od = {}
+  for k, v in pairs(o) do od[k] = v end
+  od.bias = leaf(o.bias)
+  if o.ce_weight then od.ce_weight = o.ce_weight:to(device) end
+  od.return_z_loss, od.return_accuracy = true, true
+  local loss, z, acc = FLCE(xd, Wd, t:to(device), od)
+  loss:backward(g and g:to({ device = device }) or nil)
+  return { loss = loss, z = z, acc = acc:item(), gx = xd.grad, gW = Wd.grad, gb = od.bias and od.bias.grad }
+end
+
+local function compare(a, b, bound, what)
+  for _, k in ipairs({ 'loss', 'z', 'gx', 'gW', 'gb' }) do
+    if b[k] ~= nil then
+      local e = relerr(a[k], b[k])
+      assert.is_true(e <= bound, ('%s %s: relative error %.3g > %g'):format(what, k, e, bound))
+    end
+  end
+end
+
+describe('fused_linear_cross_entropy on cuda #gpu', function()
+  setup(function()
+    assert.is_true(ms.cuda.is_available(), 'no CUDA device')
+    print(('\n  grad_W f32 accumulation: %s'):format(mixed_gemm and 'mixed-dtype cuBLASLt GEMM'
+      or 'f32 operand copies (kernels/gemm.cu has no ms_cuda_gemm_mixed_ok yet: slow)'))
+  end)
+
+  describe('fixtures', function()
+    local f = io.open(fixtures .. '/flce/cases.json', 'rb')
+    local cases = f and json.decode(f:read('*a')) or {}
+    if f then f:close() end
+    local names = {}
+    for name in pairs(cases) do names[#names + 1] = name end
+    table.sort(names)
+    for _, dtype in ipairs({ 'f32', 'bf16' }) do
+      local bound = dtype == 'f32' and 1e-4 or 2e-2
+      for _, name in ipairs(names) do
+        it(('%s in %s within %g'):format(name, dtype, bound), function()
+          local c = cases[name]
+          local st = ms.load_safetensors(fixtures .. '/flce/' .. name .. '.safetensors')
+          local o = { reduction = c.reduction, ignore_index = c.ignore_index, label_smoothing = c.label_smoothing,
+            lse_square_scale = c.lse_square_scale, softcap = c.softcap }
+          if c.bias then o.bias = st.bias end
+          if c.ce_weight then o.ce_weight = st.ce_weight end
+          local g = c.reduction == 'none' and st.grad_output or st.grad_output:reshape({})
+          local r = run(st.x, st.W, st.targets, o, 'cuda', dtype, g)
+          assert.are.equal('cuda:0', r.loss.device)
+          compare(r, { loss = st.loss, z = st.z_loss, gx = st.grad_x, gW = st.grad_W,
+            gb = c.bias and st.grad_bias or nil }, bound, name .. ' ' .. dtype)
+          local nvalid = F.sum(F.ne(st.targets, -100):to('f64')):item()
+          assert.is_true(math.abs(r.acc - st.accuracy:item()) <= (dtype == 'f32' and 1e-6 or 1 / nvalid + 1e-6))
+        end)
+      end
+    end
+  end)
+
+  describe('against the CPU reference', function()
+    for _, shape in ipairs({ { 300, 64, 1009 }, { 257, 96, 4096 }, { 1, 32, 777 }, { 64, 48, 2000 } }) do
+      local BT, H, V = shape[1], shape[2], shape[3]
+      it(('BT=%d H=%d V=%d: every option, chunks not dividing BT, f32 ≤ 1e-4, bf16 ≤ 2e-2'):format(BT, H, V), function()
+        local x, W = randn({ BT, H }), randn({ V, H }, 0.3)
+        local t = targets(BT, V, 0.1)
+        local bias, cw = randn({ V }, 0.2), F.add(F.abs(randn({ V })), 0.1)
+        for _, o in ipairs({
+          {},
+          { reduction = 'sum', chunk_size = 37 },
+          { bias = bias, softcap = 5, label_smoothing = 0.1, lse_square_scale = 1e-3, ce_weight = cw, chunk_size = 100 },
+          { reduction = 'none', softcap = 3, lse_square_scale = 1e-3, chunk_size = 64 },
+        }) do
+          local g = o.reduction == 'none' and randn({ BT }) or nil
+          local cpu = run(x, W, t, o, 'cpu', 'f32', g)
+          compare(run(x, W, t, o, 'cuda', 'f32', g), cpu, 1e-4, 'f32')
+          compare(run(x, W, t, o, 'cuda', 'bf16', g), cpu, 2e-2, 'bf16')
+          compare(run(x, W, t, o, 'cuda', 'f16', g), cpu, 1e-2, 'f16')
+          local ob = {}
+          for k, v in pairs(o) do ob[k] = v end
+          ob.accum_dtype = 'bf16'   -- grad_W / grad_bias accumulated in bf16, in the output
+          compare(run(x, W, t, ob, 'cuda', 'bf16', g), cpu, 2e-2, 'bf16 accumulation')
+        end
+      end)
+    end
+
+    it('gives the same bits on every run, and results independent of the chunk size', function()
+      local x, W, t = randn({ 200, 64 }), randn({ 3001, 64 }, 0.3), targets(200, 3001, 0.1)
+      local a = run(x, W, t, { chunk_size = 50 }, 'cuda', 'bf16')
+      local b = run(x, W, t, { chunk_size = 50 }, 'cuda', 'bf16')
+      for _, k in ipairs({ 'loss', 'gx', 'gW' }) do assert.are.equal(0, relerr(a[k], b[k]), k) end
+      local c = run(x, W, t, { chunk_size = 77 }, 'cuda', 'f32')
+      local d = run(x, W, t, { chunk_size = 200 }, 'cuda', 'f32')
+      compare(c, d, 1e-6, 'chunk 77 vs 200')
+    end)
+  end)
+
+  describe('edge cases', function()
+    it('all targets ignored: 0 for mean and sum, zero gradients, no NaN', function()
+      local x, W = randn({ 16, 32 }), randn({ 100, 32 })
+      local t = ms.full({ 16 }, -100, { dtype = 'i64' })
+      for _, red in ipairs({ 'mean', 'sum' }) do
+        local r = run(x, W, t, { reduction = red, lse_square_scale = 1e-2 }, 'cuda', 'bf16')
+        assert.is_true(finite(r.loss) and finite(r.gW))
+        assert.are.equal(0, r.loss:item())
+        assert.are.equal(0, F.sum(F.abs(r.gW:float())):item())
+        assert.are.equal(0, r.acc)
+      end
+    end)
+
+    it('raises a bad target at the next sync, naming position and value', function()
+      local x, W = randn({ 8, 16 }):cuda(), randn({ 50, 16 }):cuda()
+      local t = ms.tensor({ 1, 2, 3, 4, 77, 6, -100, 8 }, { dtype = 'i64' }):cuda()
+      local loss = FLCE(x, W, t)   -- queued: no sync, no error yet
+      local ok, err = pcall(function() return loss:item() end)
+      assert.is_false(ok)
+      assert.matches('index 77 at position 4 is out of range %[0, 50%)', tostring(err))
+      -- the flag was cleared: the device goes on working
+      assert.is_true(finite(FLCE(x, W, ms.tensor({ 1, 2, 3, 4, 5, 6, -100, 8 }, { dtype = 'i64' }):cuda())))
+    end)
+  end)
+
+  describe('memory', function()
+    it('keeps no (BT, V) logits: peak above the inputs within grads + f32 grad_W + one chunk', function()
+      local BT, H, V = 4096, 512, 50000
+      local x = randn({ BT, H }):cuda():bf16():requires_grad_()
+      local W = randn({ V, H }, 0.02):cuda():bf16():requires_grad_()
+      local t = targets(BT, V, 0):cuda()
+      local step = function()
+        x.grad, W.grad = nil, nil
+        FLCE(x, W, t):backward()
+      end
+      step()
+      x.grad, W.grad = nil, nil
+      collectgarbage(); collectgarbage()
+      ms.cuda.synchronize()
+      local base = ms.cuda.memory_allocated()
+      ms.cuda.reset_peak_memory_stats()
+      step()
+      ms.cuda.synchronize()
+      local peak = ms.cuda.memory_stats().peak_allocated - base
+      local rows = require('moonshard.flce').chunk_rows(x, W)
+      local allowed = (BT * H + V * H) * 2 + V * H * 4 + rows * V * 2 + (16 * 2 ^ 20)
+      if not mixed_gemm then allowed = allowed + (rows * V + rows * H) * 4 end -- f32 operand copies
+      print(('\n  peak above inputs %.1f MiB (allowed %.1f; logits would be %.1f)'):format(
+        peak / 2 ^ 20, allowed / 2 ^ 20, BT * V * 2 / 2 ^ 20))
+      assert.is_true(peak <= allowed)
+      -- steady: no growth, no cudaMalloc from here on
+      for _ = 1, 3 do step() end
+      collectgarbage(); collectgarbage()
+      local s0 = ms.cuda.memory_stats()
+      for _ = 1, 10 do step() end
+      collectgarbage(); collectgarbage()
+      local s1 = ms.cuda.memory_stats()
+      assert.are.equal(s0.num_mallocs, s1.num_mallocs)
+      assert.are.equal(s0.allocated, s1.allocated)
+    end)
+  end)
+end)
