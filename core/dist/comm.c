@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 const ms_dist_backend *ms_dist_mpi_backend = NULL;
 const ms_dist_backend *ms_dist_nccl_backend = NULL;
@@ -241,8 +242,9 @@ int ms_comm_new_group(ms_comm **out, ms_comm *parent, int n, const int *ranks) {
                              ranks[i], parent->name);
         }
         if (i > 0 && sorted[i] == sorted[i - 1]) {
+            int dup = sorted[i];
             free(sorted);
-            return ms_errorf("new_group: rank %d is listed twice", sorted[i]);
+            return ms_errorf("new_group: rank %d is listed twice", dup);
         }
         if (sorted[i] == me) key = i;
     }
@@ -328,6 +330,15 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
             char msg[1024];
             snprintf(msg, sizeof msg, "%s", ms_last_error());
             ms_store_free(store);
+            if (server) {
+                /* rank 0 keeps the store up until the other ranks' own waits
+                 * have ended (their deadlines are a little later than ours),
+                 * so every rank reports which ranks never arrived */
+                double until = ms_dist_now() + 5;
+                struct timespec ts = {0, 20 * 1000 * 1000};
+                do nanosleep(&ts, NULL);
+                while (ms_store_server_waiting(server) > 0 && ms_dist_now() < until);
+            }
             ms_store_server_stop(server);
             return ms_errorf("dist.init (rank %d of %d): %s", e.rank, e.world_size, msg);
         }

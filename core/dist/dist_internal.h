@@ -68,6 +68,8 @@ extern const ms_dist_backend *ms_dist_mpi_backend;   /* NULL: built without MPI 
 extern const ms_dist_backend *ms_dist_nccl_backend;  /* NULL: built without NCCL */
 
 double ms_dist_now(void);   /* monotonic seconds */
+/* connections of the server that wait in a GET/WAIT (as of its last loop) */
+int ms_store_server_waiting(const ms_store_server *s);
 /* mark c broken with a message (kept, and set as the error); returns -1 */
 int ms_comm_fail(ms_comm *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

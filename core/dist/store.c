@@ -181,6 +181,7 @@ struct ms_store_server {
     pthread_t thread;
     pthread_mutex_t mu;      /* guards stats for readers on other threads */
     ms_store_stats stats;
+    int waiting;             /* connections with a GET/WAIT pending (under mu) */
     entry *buckets[NBUCKETS];
     int64_t nkeys, nbytes;
     conn *conns[MS_STORE_MAX_CONNS];
@@ -611,9 +612,12 @@ static void *server_main(void *arg) {
             if (dead) conn_close(s, i);
         }
         if (rc > 0 && (pfd[1].revents & POLLIN)) server_accept(s);
+        int waiting = 0;
+        for (int i = 0; i < s->nconns; i++) waiting += s->conns[i]->waiting != 0;
         pthread_mutex_lock(&s->mu);
         s->stats.keys = s->nkeys;
         s->stats.bytes = s->nbytes;
+        s->waiting = waiting;
         pthread_mutex_unlock(&s->mu);
     }
     free(pfd);
@@ -699,6 +703,14 @@ int ms_store_server_stats(const ms_store_server *s, ms_store_stats *out) {
     *out = s->stats;
     pthread_mutex_unlock((pthread_mutex_t *)&s->mu);
     return 0;
+}
+
+int ms_store_server_waiting(const ms_store_server *s) {
+    if (!s) return 0;
+    pthread_mutex_lock((pthread_mutex_t *)&s->mu);
+    int n = s->waiting;
+    pthread_mutex_unlock((pthread_mutex_t *)&s->mu);
+    return n;
 }
 
 void ms_store_server_stop(ms_store_server *s) {
