@@ -97,8 +97,9 @@ test-all: deps
 test-gpu: all
 	bash tools/run_specs.sh --tags=gpu --exclude-tags=multi spec
 
+# the #multi specs: NCCL with one rank per GPU, started by the launcher
 test-multi: all
-	bash tools/run_specs.sh --tags=multi spec
+	bash tools/run_multi_specs.sh $(or $(NP),2)
 
 # AddressSanitizer over the CPU specs: a CPU-only build in build-asan/ with
 # -fsanitize=address (CFLAGS/LDLIBS passed through the environment so the

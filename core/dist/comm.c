@@ -181,6 +181,14 @@ int ms_comm_set_timeout(ms_comm *c, double t) {
     return 0;
 }
 
+int ms_comm_abort(ms_comm *c) {
+    if (!c) return ms_errorf("abort: no group");
+    if (c->destroyed || c->broken) return 0;
+    if (c->be->abort) c->be->abort(c, "aborted by this rank (ms_comm_abort)");
+    if (!c->broken) ms_comm_fail(c, "aborted by this rank (ms_comm_abort)");
+    return 0;
+}
+
 static int usable(ms_comm *c, const char *op) {
     if (!c) return ms_errorf("%s: no group (dist not initialised, or this rank is not a member)", op);
     if (c->destroyed) return ms_errorf("%s: the group %s was destroyed (dist.destroy)", op, c->name);

@@ -141,6 +141,9 @@ int ms_comm_backend(const ms_comm *c);
 int ms_comm_device(const ms_comm *c);      /* -1 for MPI */
 int ms_comm_is_broken(const ms_comm *c);
 int ms_comm_set_timeout(ms_comm *c, double timeout_s);
+/* gives the group up at once: NCCL aborts the communicator (what is in
+ * flight is cancelled); every later call on it fails. Local, not collective. */
+int ms_comm_abort(ms_comm *c);
 /* collective over `parent` (every rank of it calls): ranks (world ranks of
  * parent's members, any order, no duplicates) form a group ordered by
  * world rank. A rank outside `ranks` gets *out = NULL. */

@@ -62,6 +62,7 @@ typedef struct ms_dist_backend {
     int (*barrier)(ms_comm *c);
     void (*comm_free)(ms_comm *c);              /* frees c->impl */
     void (*finalize)(void);                     /* ms_dist_destroy, after every comm_free */
+    void (*abort)(ms_comm *c, const char *why); /* NULL: nothing to abort */
 } ms_dist_backend;
 
 extern const ms_dist_backend *ms_dist_mpi_backend;   /* NULL: built without MPI */

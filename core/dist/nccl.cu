@@ -508,9 +508,17 @@ static void nccl_finalize(void) {
     if (g_watchdog.joinable()) g_watchdog.join();
 }
 
+static void nccl_abort(ms_comm *c, const char *why) {
+    NcclComm *nc = (NcclComm *)c->impl;
+    if (!nc) return;
+    std::lock_guard<std::mutex> cl(nc->mu);
+    nc->owner = c;
+    abort_locked(nc, why);
+}
+
 static const ms_dist_backend g_nccl = {
     "nccl", nccl_init_world, nccl_split, nccl_start, nccl_wait, nccl_test, nccl_work_free,
-    nccl_barrier, nccl_comm_free, nccl_finalize,
+    nccl_barrier, nccl_comm_free, nccl_finalize, nccl_abort,
 };
 
 }  // extern "C"

@@ -104,6 +104,8 @@ function Group:ranks()
 end
 function Group:is_broken() return self.p ~= nil and C.ms_comm_is_broken(self.p) ~= 0 end
 function Group:set_timeout(s) check(C.ms_comm_set_timeout(live(self, 'set_timeout'), s), 2) end
+-- gives the group up at once (NCCL: ncclCommAbort); later calls on it fail
+function Group:abort() check(C.ms_comm_abort(live(self, 'abort')), 2) end
 function Group:free()
   if self.p then C.ms_comm_free(ffi.gc(self.p, nil)); self.p = nil end
 end

@@ -1,0 +1,245 @@
+-- Collectives over NCCL on CUDA tensors, one GPU per rank (#multi: run by
+-- tools/run_multi_specs.sh on a host with 2 or more GPUs, every rank running
+-- this file under the launcher). The same checks as the MPI spec — every
+-- op and dtype on sizes that do not divide evenly, sub-groups, the mesh,
+-- values each rank computes alone — plus what only the GPU path has: the
+-- communication stream waits for the compute stream (no host sync), the
+-- allocator does not reuse a buffer a collective still reads, and a
+-- collective that a peer never joins is aborted by the watchdog.
+local ms = require 'moonshard'
+local dist = require 'moonshard.dist'
+
+local launched = os.getenv('RANK') ~= nil and os.getenv('MS_DEVICE') == 'cuda'
+
+local dtypes = { 'f32', 'bf16', 'f64', 'i64' }
+local sizes = { 1, 7, 1001, 1000003 }
+local ops = { 'sum', 'avg', 'max', 'min' }
+
+local function val(r, i, dtype)
+  local v = ((r * 7 + i * 3) % 23) - 11
+  if dtype ~= 'i64' and (i % 2 == 1) then v = v + 0.5 end
+  return v
+end
+
+-- val(r, i) depends on i mod 46 only: big tensors are one period, tiled
+local function fill(n, dtype, r)
+  local period = {}
+  for j = 0, 45 do period[j + 1] = val(r, j, dtype) end
+  local k = math.ceil(n / 46)
+  local t = ms.tensor(period, { dtype = 'f64' }):view(1, 46):expand(k, 46):contiguous():view(k * 46)
+  return t:narrow(1, 1, n):contiguous():to(dtype):cuda()
+end
+
+local function reduce(op, vals, dtype)
+  local acc = vals[1]
+  for k = 2, #vals do
+    local v = vals[k]
+    if op == 'sum' or op == 'avg' then acc = acc + v
+    elseif op == 'max' then acc = math.max(acc, v)
+    else acc = math.min(acc, v) end
+  end
+  if op == 'avg' then
+    if dtype == 'i64' then
+      local q = acc / #vals
+      acc = q >= 0 and math.floor(q) or math.ceil(q)
+    else
+      acc = acc / #vals
+    end
+  end
+  return acc
+end
+
+local bounds = { f32 = 1e-6, bf16 = 1e-2, f64 = 1e-12, i64 = 0 }
+
+-- compares on the host, at most 4096 positions spread over the tensor
+local function check(t, n, expect_at, dtype, what)
+  local host = t:cpu():to('f64')
+  local step = math.max(1, math.floor(n / 4096))
+  for i = 0, n - 1, step do
+    local got, want = host:get(i + 1), expect_at(i)
+    local tol = bounds[dtype] * math.max(1, math.abs(want))
+    if math.abs(got - want) > tol then
+      error(('%s: element %d is %s, expected %s'):format(what, i + 1, tostring(got), tostring(want)), 2)
+    end
+  end
+end
+
+describe('dist over NCCL #multi', function()
+  if not launched then
+    it('runs under the launcher on a multi-GPU host (tools/run_multi_specs.sh)', function()
+      pending('not started by bin/train --device cuda')
+    end)
+    return
+  end
+
+  local R, W
+  setup(function()
+    dist.init { backend = 'nccl', timeout = 120 }
+    R, W = dist.rank(), dist.world_size()
+  end)
+  teardown(function() dist.destroy() end)
+
+  it('uses the GPU of its local rank', function()
+    assert.are.equal('nccl', dist.backend())
+    assert.are.equal('cuda:' .. dist.local_rank(), dist.device())
+    assert.are.equal(tonumber(os.getenv('RANK')), R)
+    assert.are.equal('0', os.getenv('NCCL_NVLS_ENABLE'))
+  end)
+
+  for _, dtype in ipairs(dtypes) do
+    for _, n in ipairs(sizes) do
+      it(('all_gather_into %s, %d per rank'):format(dtype, n), function()
+        local out = ms.empty({ n * W }, { dtype = dtype, device = 'cuda' })
+        dist.all_gather_into(out, fill(n, dtype, R))
+        check(out, n * W, function(k) return val(math.floor(k / n), k % n, dtype) end, dtype, 'all_gather_into')
+      end)
+
+      for _, op in ipairs(ops) do
+        it(('reduce_scatter %s %s, %d per rank'):format(op, dtype, n), function()
+          local out = ms.empty({ n }, { dtype = dtype, device = 'cuda' })
+          dist.reduce_scatter(out, fill(n * W, dtype, R), op)
+          check(out, n, function(i)
+            local vals = {}
+            for r = 0, W - 1 do vals[#vals + 1] = val(r, R * n + i, dtype) end
+            return reduce(op, vals, dtype)
+          end, dtype, 'reduce_scatter ' .. op)
+        end)
+
+        it(('all_reduce %s %s, %d elements'):format(op, dtype, n), function()
+          local t = fill(n, dtype, R)
+          dist.all_reduce(t, op)
+          check(t, n, function(i)
+            local vals = {}
+            for r = 0, W - 1 do vals[#vals + 1] = val(r, i, dtype) end
+            return reduce(op, vals, dtype)
+          end, dtype, 'all_reduce ' .. op)
+        end)
+      end
+
+      it(('broadcast %s, %d elements'):format(dtype, n), function()
+        for _, root in ipairs({ 0, W - 1 }) do
+          local t = fill(n, dtype, R)
+          dist.broadcast(t, root)
+          check(t, n, function(i) return val(root, i, dtype) end, dtype, 'broadcast from ' .. root)
+        end
+      end)
+    end
+  end
+
+  it('orders the collective after the compute stream\'s work, without a host sync', function()
+    -- a long chain of GEMMs writes the input; all_reduce is issued at once
+    local a = ms.randn({ 4096, 4096 }, { seed = 7, device = 'cuda' })
+    local x = a
+    local t0 = os.clock()
+    for _ = 1, 30 do x = ms.raw.matmul(x, a) * (1 / 64) end
+    local y = x:mul(0) + (R + 1)
+    local w = dist.all_reduce(y, 'sum', { async = true })
+    local issued = os.clock() - t0
+    local done_at_once = w:is_done()
+    w:wait()
+    assert.is_false(done_at_once, 'the collective finished before the GEMMs it depends on')
+    assert.is_true(issued < 1.0, ('issuing took %.2f s of CPU: something synchronised'):format(issued))
+    local s = W * (W + 1) / 2
+    check(y, 4096 * 4096, function() return s end, 'f32', 'ordered all_reduce')
+  end)
+
+  it('keeps a buffer the collective reads from being reused when its tensor is freed', function()
+    local n = 4194304
+    local out = ms.empty({ n * W }, { dtype = 'bf16', device = 'cuda' })
+    local a = ms.randn({ 4096, 4096 }, { seed = 3, device = 'cuda' })
+    for _ = 1, 10 do a = ms.raw.matmul(a, a) * (1 / 64) end   -- keep the compute stream busy
+    local inp = ms.full({ n }, R + 1, { dtype = 'bf16', device = 'cuda' })
+    local w = dist.all_gather_into(out, inp, { async = true })
+    inp:free()
+    -- a new tensor of the same size, written at once on the compute stream
+    local other = ms.full({ n }, -5, { dtype = 'bf16', device = 'cuda' })
+    w:wait()
+    check(out, n * W, function(k) return math.floor(k / n) + 1 end, 'bf16', 'all_gather of a freed input')
+    assert.are.equal(-5, other:float():get(1))
+  end)
+
+  it('runs asynchronously on its own stream; wait orders the current stream', function()
+    local n = 1048576
+    local works, outs = {}, {}
+    for k = 1, 4 do
+      outs[k] = ms.empty({ n * W }, { dtype = 'bf16', device = 'cuda' })
+      works[k] = dist.all_gather_into(outs[k], ms.full({ n }, R + k, { dtype = 'bf16', device = 'cuda' }),
+        { async = true })
+    end
+    for k = 4, 1, -1 do works[k]:wait() end
+    for k = 1, 4 do
+      check(outs[k], n * W, function(i) return math.floor(i / n) + k end, 'bf16', 'async all_gather ' .. k)
+    end
+    ms.cuda.synchronize()
+    for k = 1, 4 do assert.is_true(works[k]:is_done()) end
+  end)
+
+  it('works in place as NCCL defines it', function()
+    local n = 1001
+    local out = ms.zeros({ n * W }, { dtype = 'f32', device = 'cuda' })
+    out:narrow(1, R * n + 1, n):copy_(fill(n, 'f32', R))
+    dist.all_gather_into(out, out:narrow(1, R * n + 1, n))
+    check(out, n * W, function(k) return val(math.floor(k / n), k % n, 'f32') end, 'f32', 'in-place all_gather')
+  end)
+
+  it('refuses CPU tensors and tensors on another GPU', function()
+    local ok, err = pcall(dist.all_reduce, ms.ones({ 3 }), 'sum')
+    assert.is_false(ok)
+    assert.matches('works on cuda:' .. dist.local_rank(), err, 1, true)
+  end)
+
+  it('makes sub-groups and every mesh of the world', function()
+    for r = 0, W - 1 do
+      local g = dist.new_group({ r })
+      assert.are.equal(r == R, g:is_member())
+      if g:is_member() then
+        local t = ms.full({ 9 }, 4, { dtype = 'f32', device = 'cuda' })
+        g:all_reduce(t, 'sum')
+        check(t, 9, function() return 4 end, 'f32', 'group of one')
+      end
+    end
+    for S = 1, W do
+      if W % S == 0 then
+        local m = dist.mesh { replicate = W / S, shard = S }
+        local col = R % S
+        local n = 5
+        local part = ms.empty({ n }, { dtype = 'f64', device = 'cuda' })
+        m.shard:reduce_scatter(part, fill(n * S, 'f64', R), 'sum')
+        m.replicate:all_reduce(part, 'sum')
+        check(part, n, function(i)
+          local s = 0
+          for r = 0, W - 1 do s = s + val(r, col * n + i, 'f64') end
+          return s
+        end, 'f64', ('mesh %dx%d'):format(W / S, S))
+        m.shard:free()
+        m.replicate:free()
+      end
+    end
+    dist.barrier()
+  end)
+
+  it('aborts a collective that a peer never joins, with a message naming it; the world carries on', function()
+    local g = dist.new_group({ 0, 1 })
+    if R == 0 then
+      g:set_timeout(3)
+      local t = ms.ones({ 5 }, { device = 'cuda' })
+      local w = dist.all_reduce(t, 'sum', { group = g, async = true })
+      local t0 = os.time()
+      while not g:is_broken() and os.time() - t0 < 20 do os.execute('sleep 0.1') end
+      assert.is_true(g:is_broken(), 'the watchdog did not abort within 20 s')
+      local ok, err = pcall(w.wait, w)
+      assert.is_false(ok)
+      assert.matches('did not complete within 3 s', err, 1, true)
+      ok, err = pcall(dist.all_reduce, t, 'sum', { group = g })
+      assert.is_false(ok)
+      assert.matches('is broken', err, 1, true)
+    elseif R == 1 then
+      os.execute('sleep 5')
+      g:abort()   -- rank 1 never joins; it gives its side up
+    end
+    dist.barrier()
+    local t = ms.ones({ 3 }, { device = 'cuda' })
+    dist.all_reduce(t, 'sum')
+    check(t, 3, function() return W end, 'f32', 'world after the abort')
+  end)
+end)
