@@ -62,7 +62,9 @@ $(BUILD)/%.o: %.cu $(wildcard kernels/*.h) $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -Icore $(NCCL_FLAGS) -c $< -o $@
 
-$(BUILD)/core/dist/%.o: core/dist/dist_internal.h
+# the communicator's objects share its internal header (nccl.o: the CUDA runtime's too)
+$(patsubst %.c,$(BUILD)/%.o,$(wildcard core/dist/*.c)) $(patsubst %.cu,$(BUILD)/%.o,$(wildcard core/dist/*.cu)): \
+  core/dist/dist_internal.h kernels/common.cuh
 
 $(LIB): $(C_OBJS) $(CU_OBJS)
 	$(CC) -shared -Wl,-z,nodelete -o $@ $^ $(LDLIBS)

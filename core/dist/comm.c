@@ -161,6 +161,15 @@ static void comm_unlink(ms_comm *c) {
 
 void ms_comm_free(ms_comm *c) {
     if (!c || --c->refs > 0) return;
+    if (!c->destroyed && c->impl && g_dist.initialized) {
+        /* The backend state is freed at ms_dist_destroy, by every rank in
+         * the same order: ranks drop their handles at different times
+         * (Lua's GC), and freeing a communicator may wait for its peers
+         * (ncclCommFinalize), which would deadlock two ranks freeing two
+         * groups in opposite orders. */
+        c->released = 1;
+        return;
+    }
     if (!c->destroyed && c->be && c->impl) c->be->comm_free(c);
     comm_unlink(c);
     free(c->world_ranks);
@@ -392,6 +401,17 @@ int ms_dist_destroy(void) {
         if (!c->destroyed && c->impl) c->be->comm_free(c);
         c->impl = NULL;
         c->destroyed = 1;
+    }
+    /* the groups no handle refers to any more go now */
+    for (ms_comm **p = &g_dist.all; *p;) {
+        ms_comm *c = *p;
+        if (c->released) {
+            *p = c->next;
+            free(c->world_ranks);
+            free(c);
+        } else {
+            p = &c->next;
+        }
     }
     const ms_dist_backend *be = g_dist.be;
     ms_comm *w = g_dist.world;

@@ -27,6 +27,7 @@ struct ms_comm {
     int device;                /* NCCL: the GPU; MPI: -1 */
     double timeout_s;
     int destroyed;             /* ms_dist_destroy ran: the backend state is gone */
+    int released;              /* no handle left; the backend state waits for ms_dist_destroy */
     volatile int broken;       /* a failure made the group unusable */
     char broken_msg[768];
     char name[96];             /* "world", "group [0,2]", "mesh shard row 1" */
