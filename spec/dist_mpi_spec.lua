@@ -78,6 +78,7 @@ describe('dist over MPI #mpi', function()
 
   it('knows its rank from the Open MPI environment', function()
     assert.is_true(dist.is_initialized())
+    assert.are.equal(dist, ms.dist)
     assert.are.equal(tonumber(os.getenv('OMPI_COMM_WORLD_RANK')), R)
     assert.are.equal(tonumber(os.getenv('OMPI_COMM_WORLD_SIZE')), W)
     assert.are.equal(tonumber(os.getenv('OMPI_COMM_WORLD_LOCAL_RANK')), dist.local_rank())

@@ -9,6 +9,7 @@
 --   moonshard.tensor       the Tensor metatype, constructors, views, printing
 --   moonshard.ops          tensor operations (raw, no autograd)
 --   moonshard.safetensors  load/save .safetensors files
+--   moonshard.dist         collectives between ranks (NCCL on GPU, MPI on CPU)
 local T = require 'moonshard.tensor'
 
 local ms = {}
@@ -51,6 +52,7 @@ elseif not tostring(st):find("module 'moonshard.safetensors' not found", 1, true
 end
 
 ms.cuda = require 'moonshard.cuda'
+ms.dist = require 'moonshard.dist'   -- collectives, groups, the rendezvous store (docs/dist.md)
 
 function ms.set_num_threads(n) T.C.ms_set_num_threads(n) end
 function ms.get_num_threads() return T.C.ms_get_num_threads() end
