@@ -102,21 +102,23 @@ struct ew_args {
     double s0, s1;
 };
 
+// F: the compute type — float unless an operand is f64 or i64 (then double)
+template <typename F>
 __global__ void ew_general_kernel(ew_args p, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
-        double a = ld_any(p.pa, p.dta, ms_offset(p.a, i)), r;
+        F a = (F)ld_any(p.pa, p.dta, ms_offset(p.a, i)), r;
         switch (p.kind) {
         case 0: r = a; break;
-        case 1: r = unary_f<double>(p.op, a); break;
-        case 2: r = binary_f<double>(p.op, a, ld_any(p.pb, p.dtb, ms_offset(p.b, i))); break;
-        case 3: r = p.reverse ? binary_f<double>(p.op, p.s0, a) : binary_f<double>(p.op, a, p.s0); break;
-        case 4: r = a < p.s0 ? p.s0 : (a > p.s1 ? p.s1 : a); break;
+        case 1: r = unary_f<F>(p.op, a); break;
+        case 2: r = binary_f<F>(p.op, a, (F)ld_any(p.pb, p.dtb, ms_offset(p.b, i))); break;
+        case 3: r = p.reverse ? binary_f<F>(p.op, (F)p.s0, a) : binary_f<F>(p.op, a, (F)p.s0); break;
+        case 4: r = a < (F)p.s0 ? (F)p.s0 : (a > (F)p.s1 ? (F)p.s1 : a); break;
         default: {  // where(cond=a, b, c)
-            r = a != 0 ? ld_any(p.pb, p.dtb, ms_offset(p.b, i)) : ld_any(p.pc, p.dtc, ms_offset(p.c, i));
+            r = a != (F)0 ? (F)ld_any(p.pb, p.dtb, ms_offset(p.b, i)) : (F)ld_any(p.pc, p.dtc, ms_offset(p.c, i));
         }
         }
-        st_any(p.po, p.dto, ms_offset(p.out, i), r);
+        st_any(p.po, p.dto, ms_offset(p.out, i), (double)r);
     }
 }
 
@@ -251,6 +253,38 @@ ms_layout bcast_layout(const ms_tensor *t, const ms_tensor *out) {
     return l;
 }
 
+// Merge neighbouring dims that every operand walks contiguously (and drop
+// size-1 dims), so the per-element index arithmetic runs over as few dims as
+// the layouts allow: a bias add (B,T,C)+(C) becomes (B*T, C).
+void collapse(ms_layout *ls[], int n) {
+    ms_layout &o = *ls[0];
+    int nd = 0;
+    int64_t sizes[8], strides[4][8];
+    for (int d = 0; d < o.ndim; d++) {
+        if (o.sizes[d] == 1) continue;
+        bool merge = nd > 0;
+        for (int k = 0; merge && k < n; k++)
+            merge = strides[k][nd - 1] == ls[k]->strides[d] * o.sizes[d];
+        if (merge) {
+            sizes[nd - 1] *= o.sizes[d];
+            for (int k = 0; k < n; k++) strides[k][nd - 1] = ls[k]->strides[d];
+        } else {
+            sizes[nd] = o.sizes[d];
+            for (int k = 0; k < n; k++) strides[k][nd] = ls[k]->strides[d];
+            nd++;
+        }
+    }
+    for (int k = 0; k < n; k++) {
+        ls[k]->ndim = nd;
+        for (int d = 0; d < 8; d++) {
+            ls[k]->sizes[d] = d < nd ? sizes[d] : 1;
+            ls[k]->strides[d] = d < nd ? strides[k][d] : 0;
+        }
+    }
+}
+
+bool wide(int dt) { return dt == MS_F64 || dt == MS_I64 || dt == MS_I32; }
+
 int launch_general(ew_args &p, const ms_tensor *out) {
     int64_t n = ms_tensor_numel(out);
     if (n == 0) return 0;
@@ -259,7 +293,13 @@ int launch_general(ew_args &p, const ms_tensor *out) {
     p.out = ms_layout_of(out);
     p.po = ms_tensor_data(out);
     p.dto = out->dtype_id;
-    ew_general_kernel<<<ms_grid(n, 256), 256, 0, s>>>(p, n);
+    // operands in use: a always; b for binary and where; c for where
+    ms_layout *ls[4] = {&p.out, &p.a, &p.b, &p.c};
+    int nops = p.kind == 2 ? 3 : (p.kind == 5 ? 4 : 2);
+    collapse(ls, nops);
+    bool dbl = wide(p.dto) || wide(p.dta) || (nops > 2 && wide(p.dtb)) || (nops > 3 && wide(p.dtc));
+    if (dbl) ew_general_kernel<double><<<ms_grid(n, 256), 256, 0, s>>>(p, n);
+    else ew_general_kernel<float><<<ms_grid(n, 256), 256, 0, s>>>(p, n);
     LAUNCH_CHECK("ew_general_kernel");
     return 0;
 }

@@ -124,6 +124,33 @@ __global__ void reduce_cols_kernel(void *out, int dto, const void *in, int dti, 
     st_any(out, dto, j, red_final(op, r, n));
 }
 
+// Two passes for few, long columns (a bias gradient: (B*T, C) summed over
+// the rows): pass 1 splits the n rows into `groups` slices, one thread per
+// (output, slice) folding its slice into a partial state; pass 2 merges the
+// partial states of each output in slice order — deterministic, and enough
+// threads to fill the GPU where one thread per output would not.
+__global__ void reduce_cols_partial_kernel(red_state *part, const void *in, int dti, long long outer, long long n,
+                                           long long inner, int op, long long groups) {
+    long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    long long g = blockIdx.y;
+    if (j >= outer * inner) return;
+    long long o = j / inner, i = j - o * inner;
+    long long per = (n + groups - 1) / groups, lo = g * per, hi = lo + per < n ? lo + per : n;
+    red_state r = red_init(op);
+    const long long base = o * n * inner + i;
+    for (long long k = lo; k < hi; k++) red_add(op, r, ld_any(in, dti, base + k * inner), k);
+    part[g * outer * inner + j] = r;
+}
+
+__global__ void reduce_cols_final_kernel(void *out, int dto, const red_state *part, long long nout, long long n,
+                                         int op, long long groups) {
+    long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (j >= nout) return;
+    red_state r = part[j];
+    for (long long g = 1; g < groups; g++) red_merge(op, r, part[g * nout + j]);
+    st_any(out, dto, j, red_final(op, r, n));
+}
+
 // softmax over rows (inner == 1): warp per row, online max/sum then write
 __global__ void softmax_rows_kernel(void *out, const void *in, int dt, long long rows, long long n, int lg) {
     long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
@@ -234,11 +261,27 @@ extern "C" int ms_cuda_reduce(ms_tensor *out, int op, const ms_tensor *a, int di
         if (ms_tensor_empty(&tmp.t, out->ndim, out->sizes, out->dtype_id, out->device_id)) return -1;
         dst = tmp.t;
     }
-    if (inner == 1) {
+    bool long_rows = inner == 1 && nout < 1024 && n >= 65536;  // e.g. a sum over all of a big tensor
+    if (inner == 1 && !long_rows) {
         long long threads = nout * 32;
         reduce_rows_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, s>>>(
             ms_tensor_data(dst), dst->dtype_id, ms_tensor_data(c.t), c.t->dtype_id, nout, n, op);
         LAUNCH_CHECK("reduce_rows_kernel");
+    } else if (long_rows || (nout < 32768 && n >= 256)) {
+        long long groups = (65536 * 4) / nout;
+        if (groups > n / 64) groups = n / 64;
+        if (groups > 65535) groups = 65535;
+        if (groups < 2) groups = 2;
+        contig_input part;
+        int64_t bytes = (int64_t)(groups * nout * (long long)sizeof(red_state));
+        if (ms_tensor_empty(&part.t, 1, &bytes, MS_U8, out->device_id)) return -1;
+        dim3 grid((unsigned)((nout + 255) / 256), (unsigned)groups);
+        reduce_cols_partial_kernel<<<grid, 256, 0, s>>>((red_state *)ms_tensor_data(part.t), ms_tensor_data(c.t),
+                                                        c.t->dtype_id, outer, n, inner, op, groups);
+        LAUNCH_CHECK("reduce_cols_partial_kernel");
+        reduce_cols_final_kernel<<<(unsigned)((nout + 255) / 256), 256, 0, s>>>(
+            ms_tensor_data(dst), dst->dtype_id, (const red_state *)ms_tensor_data(part.t), nout, n, op, groups);
+        LAUNCH_CHECK("reduce_cols_final_kernel");
     } else {
         reduce_cols_kernel<<<(unsigned)((nout + 255) / 256), 256, 0, s>>>(
             ms_tensor_data(dst), dst->dtype_id, ms_tensor_data(c.t), c.t->dtype_id, outer, n, inner, op);
