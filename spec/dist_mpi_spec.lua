@@ -356,3 +356,17 @@ describe('dist over MPI #mpi', function()
     assert.are.same({ W, W }, t:totable())
   end)
 end)
+
+describe('dist over MPI, initialised again after destroy #mpi', function()
+  if not under_mpi then return end
+  it('runs collectives in a second init of the same process (MPI stays up until exit)', function()
+    assert.is_false(dist.is_initialized())
+    dist.init { backend = 'mpi', timeout = 60 }
+    local W = dist.world_size()
+    local t = ms.full({ 7 }, dist.rank(), { dtype = 'i64' })
+    dist.all_reduce(t, 'sum')
+    assert.are.equal(W * (W - 1) / 2, t:get(7))
+    dist.destroy()
+    assert.is_false(dist.is_initialized())
+  end)
+end)

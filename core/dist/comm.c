@@ -300,9 +300,14 @@ int ms_comm_mesh(ms_comm **rep, ms_comm **shard, ms_comm *world, int R, int S) {
 
 /* ------------------------------------------------------------- rendezvous */
 
-static void dist_atexit(void) {
-    /* a process that exits without ms_dist_destroy: MPI wants MPI_Finalize,
-     * and the NCCL watchdog must stop before the CUDA runtime tears down */
+int ms_dist_exiting_with_error = 0;
+
+static void dist_on_exit(int status, void *arg) {
+    /* a process that exits without ms_dist_destroy: the NCCL watchdog must
+     * stop before the CUDA runtime tears down. On a failure exit nothing may
+     * wait for the peers (they may never come): communicators are aborted,
+     * not finalised, and MPI is not finalised (mpi.c) */
+    if (status != 0) ms_dist_exiting_with_error = 1;
     if (g_dist.initialized) ms_dist_destroy();
 }
 
@@ -385,7 +390,7 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
     g_dist.store = store;
     g_dist.server = server;
     if (!g_dist.atexit_done) {
-        atexit(dist_atexit);
+        on_exit(dist_on_exit, NULL);
         g_dist.atexit_done = 1;
     }
     c->refs++;   /* one for the caller, one for the library */

@@ -129,7 +129,7 @@ int ms_dist_read_env(ms_dist_env *out);
 void ms_dist_options_default(ms_dist_options *o);
 int ms_dist_init(ms_comm **world, const ms_dist_options *o);
 int ms_dist_is_initialized(void);
-int ms_dist_destroy(void);     /* frees every group's backend state, MPI_Finalize, stops the store */
+int ms_dist_destroy(void);     /* frees every group's backend state, stops the store; MPI stays up until exit */
 int ms_dist_backend_available(int backend);   /* 1 when built in */
 ms_store_client *ms_dist_store(void); /* the rendezvous store of this run (NULL without one) */
 

@@ -70,6 +70,9 @@ extern const ms_dist_backend *ms_dist_mpi_backend;   /* NULL: built without MPI 
 extern const ms_dist_backend *ms_dist_nccl_backend;  /* NULL: built without NCCL */
 
 double ms_dist_now(void);   /* monotonic seconds */
+/* set while the process exits with a non-zero status: tear down without
+ * waiting for peers */
+extern int ms_dist_exiting_with_error;
 /* connections of the server that wait in a GET/WAIT (as of its last loop) */
 int ms_store_server_waiting(const ms_store_server *s);
 /* mark c broken with a message (kept, and set as the error); returns -1 */

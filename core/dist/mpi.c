@@ -41,6 +41,7 @@ typedef struct mpi_work {
 } mpi_work;
 
 static int g_we_initialized;
+static void mpi_on_exit(int status, void *arg);
 static int g_types_ready;
 static MPI_Datatype g_bf16;
 static MPI_Op g_bf16_op[3];   /* sum, max, min */
@@ -113,6 +114,7 @@ static int mpi_init_world(ms_comm *c, const ms_dist_env *e, const ms_dist_option
         int provided = 0;
         MPI_CHECK(MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &provided));
         g_we_initialized = 1;
+        on_exit(mpi_on_exit, NULL);
     }
     int size = 0, rank = 0;
     MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
@@ -166,16 +168,24 @@ static void mpi_comm_free(ms_comm *c) {
     c->impl = NULL;
 }
 
-static void mpi_finalize(void) {
+/* dist.destroy: the groups are gone (comm_free); MPI itself stays up, so
+ * dist.init can run again in this process (MPI starts once per process) */
+static void mpi_finalize(void) {}
+
+/* MPI_Finalize at exit, only on success: Open MPI's finalize waits for
+ * every rank (a fence), and a rank that fails must exit at once so that
+ * mpirun (or bin/train) stops the others */
+static void mpi_on_exit(int status, void *arg) {
     int fin = 0, init = 0;
     MPI_Initialized(&init);
     MPI_Finalized(&fin);
-    if (g_types_ready && init && !fin) {
+    if (!g_we_initialized || !init || fin || status != 0) return;
+    if (g_types_ready) {
         for (int i = 0; i < 3; i++) MPI_Op_free(&g_bf16_op[i]);
         MPI_Type_free(&g_bf16);
         g_types_ready = 0;
     }
-    if (g_we_initialized && init && !fin) MPI_Finalize();
+    MPI_Finalize();
 }
 
 /* ----------------------------------------------------------- collectives */

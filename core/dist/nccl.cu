@@ -241,6 +241,10 @@ void destroy_nccl(NcclComm *nc, double timeout) {
     unregister_comm(nc);
     {
         std::lock_guard<std::mutex> cl(nc->mu);
+        if (nc->comm && !nc->aborted && ms_dist_exiting_with_error) {
+            ncclCommAbort(nc->comm);   // a failing process waits for no peer
+            nc->comm = nullptr;
+        }
         if (nc->comm && !nc->aborted) {
             cudaSetDevice(nc->device);
             // flush what was issued, then free; a peer that is gone must not
