@@ -54,7 +54,7 @@ PROBE   := $(BUILD)/ffi_probe
 
 all: $(LIB) $(FFI) $(PROBE)
 
-$(BUILD)/%.o: %.c $(HEADERS) core/internal.h core/ops_cpu.h
+$(BUILD)/%.o: %.c $(HEADERS) core/internal.h core/ops_cpu.h core/fused_cpu.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 

@@ -16,9 +16,11 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ops_cpu.h"
+#include "fused_cpu.h"
 
 /* Device dispatch: CUDA tensors go to kernels/ (declared in kernels/kernels.h),
  * CPU tensors to core/ops_cpu.c. Arguments are checked before these run. */
@@ -823,4 +825,363 @@ int ms_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi)
 int ms_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std) {
     if (check1("randn_", t) || need_float("randn_", t)) return -1;
     return dev_rand_(t, seed, offset, mean, std, 1);
+}
+
+/* ============================================================ fused ops
+ * Norms, AdamW, sum of squares, RoPE (contracts in core/ops.h). The kernels
+ * (core/fused_cpu.h, kernels/kernels.h) take contiguous tensors, with the
+ * per-column operands (w, b, cos, sin) and the statistics in the compute
+ * dtype (f64 for f64 x, else f32); the conversions are made here. */
+
+static int dev_layer_norm(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w,
+                          const ms_tensor *b, double eps) {
+#ifdef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_cuda_layer_norm(y, mean, rstd, x, w, b, eps);
+#endif
+    return ms_cpu_layer_norm(y, mean, rstd, x, w, b, eps);
+}
+
+static int dev_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g,
+                                   const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd,
+                                   const ms_tensor *w) {
+#ifdef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_cuda_layer_norm_backward(dx, dw, db, g, x, mean, rstd, w);
+#endif
+    return ms_cpu_layer_norm_backward(dx, dw, db, g, x, mean, rstd, w);
+}
+
+static int dev_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps) {
+#ifdef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_cuda_rms_norm(y, rstd, x, w, eps);
+#endif
+    return ms_cpu_rms_norm(y, rstd, x, w, eps);
+}
+
+static int dev_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *g, const ms_tensor *x,
+                                 const ms_tensor *rstd, const ms_tensor *w) {
+#ifdef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_cuda_rms_norm_backward(dx, dw, g, x, rstd, w);
+#endif
+    return ms_cpu_rms_norm_backward(dx, dw, g, x, rstd, w);
+}
+
+static int dev_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
+                     double lr, double beta1, double beta2, double eps, double wd, int64_t step) {
+#ifdef MS_WITH_CUDA
+    if (p[0]->device_id >= 0) return ms_cuda_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step);
+#endif
+    return ms_cpu_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step);
+}
+
+static int dev_sum_squares(ms_tensor *out, int n, ms_tensor *const *ts) {
+#ifdef MS_WITH_CUDA
+    if (out->device_id >= 0) return ms_cuda_sum_squares(out, n, ts);
+#endif
+    return ms_cpu_sum_squares(out, n, ts);
+}
+
+static int dev_rope(ms_tensor *out, const ms_tensor *x, const ms_tensor *cos, const ms_tensor *sin, int backward) {
+#ifdef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_cuda_rope(out, x, cos, sin, backward);
+#endif
+    return ms_cpu_rope(out, x, cos, sin, backward);
+}
+
+/* f64 math for f64 inputs, f32 for the rest */
+static int compute_dtype_of(int dtype) { return dtype == MS_F64 ? MS_F64 : MS_F32; }
+
+/* up to 8 optional tensors (NULL skipped): live and on one device */
+static int check_opt(const char *op, int n, const ms_tensor *const *ts) {
+    const ms_tensor *live[8];
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        if (ts[i]) live[k++] = ts[i];
+    return check_tensors(op, k, live);
+}
+
+/* *tmp = t contiguous in dtype (an alias when it already is); NULL for NULL */
+static int contiguous_as(ms_tensor **tmp, const ms_tensor *t, int dtype) {
+    *tmp = NULL;
+    if (!t) return 0;
+    if (t->dtype_id == dtype) return ms_tensor_contiguous(tmp, t);
+    return ms_tensor_to(tmp, t, dtype, t->device_id);
+}
+
+/* an output slot: prepared like any other and, for these kernels, contiguous */
+static int prepare_contig(ms_tensor **slot, const char *op, const char *what, int ndim, const int64_t *shape,
+                          int dtype, int device, int *allocated) {
+    char d[DESC];
+    *allocated = slot && !*slot;
+    if (ms_prepare_out(slot, op, ndim, shape, dtype, device)) return -1;
+    if (!*allocated && !ms_tensor_is_contiguous(*slot))
+        return ms_errorf("%s: %s %s must be contiguous", op, what, ms_desc(*slot, d, sizeof d));
+    return 0;
+}
+
+/* a (C) per-column operand: float, 1-D, C elements */
+static int check_column(const char *op, const char *what, const ms_tensor *t, int64_t C, const ms_tensor *x) {
+    char d[DESC], e[DESC];
+    if (!t) return 0;
+    if (!ms_is_float(t->dtype_id) || t->ndim != 1 || t->sizes[0] != C)
+        return ms_errorf("%s: %s %s does not fit an input %s (expected a float (%lld))", op, what,
+                         ms_desc(t, d, sizeof d), ms_desc(x, e, sizeof e), (long long)C);
+    return 0;
+}
+
+/* shared checks of the norms' forward: x float with a last dim; out dtype */
+static int norm_checks(const char *op, const ms_tensor *x, const ms_tensor *w, const ms_tensor *b, int *out_dtype,
+                       int64_t *N, int64_t *C) {
+    const ms_tensor *ts[3] = {x, w, b};
+    char d[DESC];
+    if (!x) return ms_errorf("%s: no input given", op);
+    if (check_opt(op, 3, ts) || need_float(op, x)) return -1;
+    if (x->ndim < 1) return ms_errorf("%s: needs an input with a last dim to normalise, got %s", op, ms_desc(x, d, sizeof d));
+    *C = x->sizes[x->ndim - 1];
+    *N = *C ? ms_tensor_numel(x) / *C : 0;
+    if (check_column(op, "weight", w, *C, x) || check_column(op, "bias", b, *C, x)) return -1;
+    if (*out_dtype < 0) *out_dtype = x->dtype_id;
+    if (*out_dtype >= MS_NUM_DTYPES || !ms_is_float(*out_dtype))
+        return ms_errorf("%s: out_dtype %d is not a float dtype", op, *out_dtype);
+    return 0;
+}
+
+/* shared checks of the norms' backward: g like x, float; statistics (N) */
+static int norm_backward_checks(const char *op, const ms_tensor *g, const ms_tensor *x, const ms_tensor *mean,
+                                const ms_tensor *rstd, const ms_tensor *w, int64_t *N, int64_t *C) {
+    const ms_tensor *ts[5] = {g, x, mean, rstd, w};
+    char s1[DESC], s2[DESC];
+    if (!g || !x || !rstd) return ms_errorf("%s: needs g, x and the saved rstd", op);
+    if (check_opt(op, 5, ts) || need_float(op, x) || need_float(op, g)) return -1;
+    if (x->ndim < 1 || !same_shape(g, x))
+        return ms_errorf("%s: gradient %s and input %s differ in shape", op, ms_desc(g, s1, sizeof s1),
+                         ms_desc(x, s2, sizeof s2));
+    *C = x->sizes[x->ndim - 1];
+    *N = *C ? ms_tensor_numel(x) / *C : 0;
+    const ms_tensor *stats[2] = {mean, rstd};
+    for (int i = 0; i < 2; i++) {
+        const ms_tensor *s = stats[i];
+        if (s && (!ms_is_float(s->dtype_id) || ms_tensor_numel(s) != *N))
+            return ms_errorf("%s: saved %s %s does not fit an input %s (%lld rows)", op, i ? "rstd" : "mean",
+                             ms_desc(s, s1, sizeof s1), ms_desc(x, s2, sizeof s2), (long long)*N);
+    }
+    return check_column(op, "weight", w, *C, x);
+}
+
+/* a (C) parameter gradient computed into `tmp` (compute dtype) handed to
+ * its slot in `dtype`: taken over when the slot is empty and the dtypes
+ * agree, else copied into a prepared output */
+static int deliver_column(ms_tensor **slot, const char *op, const char *what, ms_tensor **tmp, int dtype) {
+    int allocated = 0;
+    if (!*slot && (*tmp)->dtype_id == dtype) {
+        *slot = *tmp;
+        *tmp = NULL;
+        return 0;
+    }
+    if (prepare_contig(slot, op, what, 1, (*tmp)->sizes, dtype, (*tmp)->device_id, &allocated)) return -1;
+    return finish(slot, allocated, ms_tensor_copy_(*slot, *tmp));
+}
+
+int ms_layer_norm(ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w,
+                  const ms_tensor *b, double eps, int out_dtype) {
+    const char *op = "layer_norm";
+    int64_t N, C;
+    if (norm_checks(op, x, w, b, &out_dtype, &N, &C)) return -1;
+    int cdt = compute_dtype_of(x->dtype_id), ay = 0, am = 0, ar = 0;
+    ms_tensor *xc = NULL, *wc = NULL, *bc = NULL;
+    int rc = prepare_contig(out, op, "out", x->ndim, x->sizes, out_dtype, x->device_id, &ay);
+    if (!rc) rc = check_given_out(op, ay, *out, x, w, b, 0);
+    if (!rc && mean) rc = prepare_contig(mean, op, "mean", 1, &N, cdt, x->device_id, &am);
+    if (!rc && rstd) rc = prepare_contig(rstd, op, "rstd", 1, &N, cdt, x->device_id, &ar);
+    if (!rc) rc = ms_tensor_contiguous(&xc, x);
+    if (!rc) rc = contiguous_as(&wc, w, cdt);
+    if (!rc) rc = contiguous_as(&bc, b, cdt);
+    if (!rc) rc = dev_layer_norm(*out, mean ? *mean : NULL, rstd ? *rstd : NULL, xc, wc, bc, eps);
+    ms_tensor_free(xc);
+    ms_tensor_free(wc);
+    ms_tensor_free(bc);
+    finish(mean, am, rc);
+    finish(rstd, ar, rc);
+    return finish(out, ay, rc);
+}
+
+int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g, const ms_tensor *x,
+                           const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w) {
+    const char *op = "layer_norm_backward";
+    int64_t N, C;
+    if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
+    if (!mean) return ms_errorf("%s: needs the saved mean", op);
+    int cdt = compute_dtype_of(x->dtype_id), pdt = w ? w->dtype_id : cdt, ax = 0;
+    ms_tensor *gc = NULL, *xc = NULL, *mc = NULL, *rc_ = NULL, *wc = NULL, *dwt = NULL, *dbt = NULL;
+    int rc = 0;
+    if (dx) {
+        rc = prepare_contig(dx, op, "dx", x->ndim, x->sizes, x->dtype_id, x->device_id, &ax);
+        if (!rc) rc = check_given_out(op, ax, *dx, g, x, w, 0);
+    }
+    if (!rc) rc = ms_tensor_contiguous(&gc, g);
+    if (!rc) rc = ms_tensor_contiguous(&xc, x);
+    if (!rc) rc = contiguous_as(&mc, mean, cdt);
+    if (!rc) rc = contiguous_as(&rc_, rstd, cdt);
+    if (!rc) rc = contiguous_as(&wc, w, cdt);
+    if (!rc && dw) rc = ms_tensor_empty(&dwt, 1, &C, cdt, x->device_id);
+    if (!rc && db) rc = ms_tensor_empty(&dbt, 1, &C, cdt, x->device_id);
+    if (!rc) rc = dev_layer_norm_backward(dx ? *dx : NULL, dwt, dbt, gc, xc, mc, rc_, wc);
+    if (!rc && dw) rc = deliver_column(dw, op, "dw", &dwt, pdt);
+    if (!rc && db) rc = deliver_column(db, op, "db", &dbt, pdt);
+    ms_tensor_free(gc);
+    ms_tensor_free(xc);
+    ms_tensor_free(mc);
+    ms_tensor_free(rc_);
+    ms_tensor_free(wc);
+    ms_tensor_free(dwt);
+    ms_tensor_free(dbt);
+    return finish(dx, ax, rc);
+}
+
+int ms_rms_norm(ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w, double eps,
+                int out_dtype) {
+    const char *op = "rms_norm";
+    int64_t N, C;
+    if (norm_checks(op, x, w, NULL, &out_dtype, &N, &C)) return -1;
+    int cdt = compute_dtype_of(x->dtype_id), ay = 0, ar = 0;
+    ms_tensor *xc = NULL, *wc = NULL;
+    int rc = prepare_contig(out, op, "out", x->ndim, x->sizes, out_dtype, x->device_id, &ay);
+    if (!rc) rc = check_given_out(op, ay, *out, x, w, NULL, 0);
+    if (!rc && rstd) rc = prepare_contig(rstd, op, "rstd", 1, &N, cdt, x->device_id, &ar);
+    if (!rc) rc = ms_tensor_contiguous(&xc, x);
+    if (!rc) rc = contiguous_as(&wc, w, cdt);
+    if (!rc) rc = dev_rms_norm(*out, rstd ? *rstd : NULL, xc, wc, eps);
+    ms_tensor_free(xc);
+    ms_tensor_free(wc);
+    finish(rstd, ar, rc);
+    return finish(out, ay, rc);
+}
+
+int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,
+                         const ms_tensor *rstd, const ms_tensor *w) {
+    const char *op = "rms_norm_backward";
+    int64_t N, C;
+    if (norm_backward_checks(op, g, x, NULL, rstd, w, &N, &C)) return -1;
+    int cdt = compute_dtype_of(x->dtype_id), pdt = w ? w->dtype_id : cdt, ax = 0;
+    ms_tensor *gc = NULL, *xc = NULL, *rc_ = NULL, *wc = NULL, *dwt = NULL;
+    int rc = 0;
+    if (dx) {
+        rc = prepare_contig(dx, op, "dx", x->ndim, x->sizes, x->dtype_id, x->device_id, &ax);
+        if (!rc) rc = check_given_out(op, ax, *dx, g, x, w, 0);
+    }
+    if (!rc) rc = ms_tensor_contiguous(&gc, g);
+    if (!rc) rc = ms_tensor_contiguous(&xc, x);
+    if (!rc) rc = contiguous_as(&rc_, rstd, cdt);
+    if (!rc) rc = contiguous_as(&wc, w, cdt);
+    if (!rc && dw) rc = ms_tensor_empty(&dwt, 1, &C, cdt, x->device_id);
+    if (!rc) rc = dev_rms_norm_backward(dx ? *dx : NULL, dwt, gc, xc, rc_, wc);
+    if (!rc && dw) rc = deliver_column(dw, op, "dw", &dwt, pdt);
+    ms_tensor_free(gc);
+    ms_tensor_free(xc);
+    ms_tensor_free(rc_);
+    ms_tensor_free(wc);
+    ms_tensor_free(dwt);
+    return finish(dx, ax, rc);
+}
+
+int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms_tensor *const *exp_avg,
+                    ms_tensor *const *exp_avg_sq, double lr, double beta1, double beta2, double eps,
+                    double weight_decay, int64_t step) {
+    const char *op = "adamw_";
+    char a[DESC], b[DESC];
+    if (n < 1 || !params || !grads || !exp_avg || !exp_avg_sq) return ms_errorf("adamw_: needs n >= 1 tensors of each kind");
+    if (step < 1) return ms_errorf("adamw_: step must be >= 1 (the count including this update), got %lld", (long long)step);
+    if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1))
+        return ms_errorf("adamw_: betas must be in [0, 1), got %g and %g", beta1, beta2);
+    for (int i = 0; i < n; i++) {
+        const ms_tensor *ts[5] = {params[0], params[i], grads[i], exp_avg[i], exp_avg_sq[i]};
+        for (int k = 1; k < 5; k++)
+            if (!ts[k]) return ms_errorf("adamw_: tensor group %d has a NULL tensor", i);
+        if (check_tensors(op, 5, ts)) return -1;
+        const ms_tensor *p = params[i], *g = grads[i], *m = exp_avg[i], *v = exp_avg_sq[i];
+        int sdt = compute_dtype_of(p->dtype_id);
+        if (!ms_is_float(p->dtype_id) || !ms_is_float(g->dtype_id))
+            return ms_errorf("adamw_: parameter %s and gradient %s must be float (group %d)", ms_desc(p, a, sizeof a),
+                             ms_desc(g, b, sizeof b), i);
+        if (m->dtype_id != sdt || v->dtype_id != sdt)
+            return ms_errorf("adamw_: moments must be %s for a %s parameter, got %s and %s (group %d)",
+                             ms_dtype_name(sdt), ms_dtype_name(p->dtype_id), ms_dtype_name(m->dtype_id),
+                             ms_dtype_name(v->dtype_id), i);
+        int64_t np = ms_tensor_numel(p);
+        if (ms_tensor_numel(g) != np || ms_tensor_numel(m) != np || ms_tensor_numel(v) != np)
+            return ms_errorf("adamw_: parameter %s, gradient %s and moments of %lld and %lld elements differ in size "
+                             "(group %d)", ms_desc(p, a, sizeof a), ms_desc(g, b, sizeof b),
+                             (long long)ms_tensor_numel(m), (long long)ms_tensor_numel(v), i);
+        for (int k = 1; k < 5; k++)
+            if (!ms_tensor_is_contiguous(ts[k]))
+                return ms_errorf("adamw_: %s %s must be contiguous (group %d)",
+                                 k == 1 ? "parameter" : k == 2 ? "gradient" : "moment", ms_desc(ts[k], a, sizeof a), i);
+        if (p->storage == m->storage || p->storage == v->storage || m->storage == v->storage ||
+            g->storage == p->storage)
+            return ms_errorf("adamw_: parameter, gradient and moments must be separate tensors (group %d)", i);
+    }
+    return dev_adamw(n, params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step);
+}
+
+int ms_adamw_(ms_tensor *param, const ms_tensor *grad, ms_tensor *exp_avg, ms_tensor *exp_avg_sq, double lr,
+              double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+    ms_tensor *g = (ms_tensor *)grad; /* read only: the list form takes no const */
+    return ms_adamw_multi_(1, &param, &g, &exp_avg, &exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step);
+}
+
+int ms_sum_squares(ms_tensor **out, int n, ms_tensor *const *ts) {
+    const char *op = "sum_squares";
+    char d[DESC];
+    if (n < 1 || !ts) return ms_errorf("sum_squares: needs at least one tensor");
+    for (int i = 0; i < n; i++) {
+        if (!ts[i]) return ms_errorf("sum_squares: tensor %d is NULL", i);
+        const ms_tensor *pair[2] = {ts[0], ts[i]};
+        if (check_tensors(op, 2, pair)) return -1;
+        if (!ms_is_float(ts[i]->dtype_id))
+            return ms_errorf("sum_squares: tensor %d %s is not a float tensor", i, ms_desc(ts[i], d, sizeof d));
+    }
+    int allocated = 0;
+    int64_t scalar[1] = {1};
+    if (prepare_contig(out, op, "out", 0, scalar, MS_F64, ts[0]->device_id, &allocated)) return -1;
+    /* the kernels read contiguous tensors: copy the others (rare) */
+    ms_tensor *tmp[64], **list = tmp;
+    int rc = 0;
+    if (n > 64) {
+        list = calloc((size_t)n, sizeof *list);
+        if (!list) return finish(out, allocated, ms_errorf("sum_squares: out of host memory for %d tensors", n));
+    } else {
+        memset(tmp, 0, sizeof tmp);
+    }
+    for (int i = 0; i < n && !rc; i++) rc = ms_tensor_contiguous(&list[i], ts[i]);
+    if (!rc) rc = dev_sum_squares(*out, n, list);
+    for (int i = 0; i < n; i++) ms_tensor_free(list[i]);
+    if (list != tmp) free(list);
+    return finish(out, allocated, rc);
+}
+
+int ms_rope(ms_tensor **out, const ms_tensor *x, const ms_tensor *cos, const ms_tensor *sin, int backward) {
+    const char *op = backward ? "rope_backward" : "rope";
+    char s1[DESC], s2[DESC], s3[DESC];
+    if (!x || !cos || !sin) return ms_errorf("%s: needs x, cos and sin", op);
+    if (check3(op, x, cos, sin) || need_float(op, x) || need_float(op, cos) || need_float(op, sin)) return -1;
+    if (x->ndim < 2 || x->sizes[x->ndim - 1] % 2 != 0)
+        return ms_errorf("%s: x must be (..., T, D) with an even D, got %s", op, ms_desc(x, s1, sizeof s1));
+    int64_t T = x->sizes[x->ndim - 2], D = x->sizes[x->ndim - 1];
+    if (cos->ndim != 2 || sin->ndim != 2 || cos->sizes[0] != T || cos->sizes[1] != D || !same_shape(cos, sin))
+        return ms_errorf("%s: cos %s and sin %s must be (T, D) = (%lld, %lld) for x %s", op,
+                         ms_desc(cos, s1, sizeof s1), ms_desc(sin, s2, sizeof s2), (long long)T, (long long)D,
+                         ms_desc(x, s3, sizeof s3));
+    int cdt = compute_dtype_of(x->dtype_id), allocated = 0;
+    ms_tensor *xc = NULL, *cc = NULL, *sc = NULL;
+    int rc = prepare_contig(out, op, "out", x->ndim, x->sizes, x->dtype_id, x->device_id, &allocated);
+    if (!rc) rc = check_given_out(op, allocated, *out, x, cos, sin, 0);
+    /* CUDA reads any layout with a unit-stride last dim in place */
+    if (!rc && x->device_id >= 0 && x->strides[x->ndim - 1] == 1) rc = ms_tensor_alias(&xc, x);
+    else if (!rc) rc = ms_tensor_contiguous(&xc, x);
+    if (!rc) rc = contiguous_as(&cc, cos, cdt);
+    if (!rc) rc = contiguous_as(&sc, sin, cdt);
+    if (!rc) rc = dev_rope(*out, xc, cc, sc, backward);
+    ms_tensor_free(xc);
+    ms_tensor_free(cc);
+    ms_tensor_free(sc);
+    return finish(out, allocated, rc);
 }

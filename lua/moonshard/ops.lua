@@ -391,6 +391,131 @@ function F.fill_(t, v)
   return t
 end
 
+-- --------------------------------------------------------------- fused ops
+-- Norms, AdamW, the sum of squares of a gradient list, rotary embeddings
+-- (contracts in core/ops.h). No autograd here: nn.functional.layer_norm,
+-- rms_norm and apply_rotary are the differentiable forms built on these.
+
+local function opt_tensor(name, t, what)
+  if t ~= nil then need_tensor(name, t, what) end
+  return t
+end
+local function out_dtype_of(d)
+  if d == nil then return -1 end
+  return T.dtype_id(d, 4)
+end
+local function wrap_opt(box) return box[0] ~= nil and wrap(box[0]) or nil end
+
+-- native_layer_norm(x, w?, b?, eps = 1e-5, out_dtype?) -> y, mean, rstd
+-- over the last dim; mean/rstd (N rows) f32 (f64 for f64 x); y in out_dtype
+-- (default x's dtype)
+function F.native_layer_norm(x, w, b, eps, out_dtype)
+  need_tensor('layer_norm', x)
+  opt_tensor('layer_norm', w, 'the weight')
+  opt_tensor('layer_norm', b, 'the bias')
+  local y, m, r = box_t(), box_t(), box_t()
+  if C.ms_layer_norm(y, m, r, x, w, b, eps or 1e-5, out_dtype_of(out_dtype)) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  return wrap(y[0]), wrap(m[0]), wrap(r[0])
+end
+
+-- native_layer_norm_backward(g, x, mean, rstd, w?, {dx=, dw=, db=}) -> dx, dw, db
+-- (each true by default; a false one is not computed and comes back nil)
+function F.native_layer_norm_backward(g, x, mean, rstd, w, want)
+  need_tensor('layer_norm_backward', g, 'the gradient')
+  need_tensor('layer_norm_backward', x, 'x')
+  need_tensor('layer_norm_backward', mean, 'the saved mean')
+  need_tensor('layer_norm_backward', rstd, 'the saved rstd')
+  opt_tensor('layer_norm_backward', w, 'the weight')
+  want = want or {}
+  local dx = want.dx ~= false and box_t() or nil
+  local dw = want.dw ~= false and box_t() or nil
+  local db = want.db ~= false and box_t() or nil
+  if C.ms_layer_norm_backward(dx, dw, db, g, x, mean, rstd, w) ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  return dx and wrap_opt(dx), dw and wrap_opt(dw), db and wrap_opt(db)
+end
+
+-- native_rms_norm(x, w?, eps = 1e-6, out_dtype?) -> y, rstd
+function F.native_rms_norm(x, w, eps, out_dtype)
+  need_tensor('rms_norm', x)
+  opt_tensor('rms_norm', w, 'the weight')
+  local y, r = box_t(), box_t()
+  if C.ms_rms_norm(y, r, x, w, eps or 1e-6, out_dtype_of(out_dtype)) ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  return wrap(y[0]), wrap(r[0])
+end
+
+-- native_rms_norm_backward(g, x, rstd, w?, {dx=, dw=}) -> dx, dw
+function F.native_rms_norm_backward(g, x, rstd, w, want)
+  need_tensor('rms_norm_backward', g, 'the gradient')
+  need_tensor('rms_norm_backward', x, 'x')
+  need_tensor('rms_norm_backward', rstd, 'the saved rstd')
+  opt_tensor('rms_norm_backward', w, 'the weight')
+  want = want or {}
+  local dx = want.dx ~= false and box_t() or nil
+  local dw = want.dw ~= false and box_t() or nil
+  if C.ms_rms_norm_backward(dx, dw, g, x, rstd, w) ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  return dx and wrap_opt(dx), dw and wrap_opt(dw)
+end
+
+-- a tensor or a list of tensors -> a C array and its length
+local function tensor_array(name, what, list)
+  if is_tensor(list) then list = { list } end
+  if type(list) ~= 'table' or #list == 0 then
+    raise(('%s: expected a tensor or a non-empty list of tensors for %s'):format(name, what))
+  end
+  local arr = tensor_list_t(#list)
+  for i = 1, #list do
+    if not is_tensor(list[i]) then
+      raise(('%s: element %d of %s is a %s, not a tensor'):format(name, i, what, type(list[i])))
+    end
+    arr[i - 1] = list[i]
+  end
+  return arr, #list, list
+end
+
+-- adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps,
+-- weight_decay, step): one AdamW step in place (torch.optim.AdamW's math;
+-- step counts this update, from 1). Each of the first four is a tensor or a
+-- list of tensors (one launch on CUDA for the whole list); the arrays keep
+-- their tensors alive until the call returns.
+function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step)
+  local pa, n = tensor_array('adamw_', 'the parameters', params)
+  local ga, ng = tensor_array('adamw_', 'the gradients', grads)
+  local ma, nm = tensor_array('adamw_', 'exp_avg', exp_avg)
+  local va, nv = tensor_array('adamw_', 'exp_avg_sq', exp_avg_sq)
+  if ng ~= n or nm ~= n or nv ~= n then
+    raise(('adamw_: %d parameters, %d gradients, %d exp_avg and %d exp_avg_sq'):format(n, ng, nm, nv))
+  end
+  for k, v in pairs({ lr = lr, beta1 = beta1, beta2 = beta2, eps = eps, weight_decay = weight_decay, step = step }) do
+    if type(v) ~= 'number' then raise(('adamw_: %s must be a number, got %s'):format(k, type(v))) end
+  end
+  check(C.ms_adamw_multi_(n, pa, ga, ma, va, lr, beta1, beta2, eps, weight_decay, step))
+  return params
+end
+
+-- sum_squares(t | {t1, t2, ...}) -> 0-dim f64 tensor Σ t_ij² (on the
+-- tensors' device; the global grad norm is its square root)
+function F.sum_squares(list)
+  local arr, n = tensor_array('sum_squares', 'the tensors', list)
+  return run(C.ms_sum_squares, n, arr)
+end
+
+-- rope(x (..., T, D), cos (T, D), sin (T, D)): x·cos + rotate_half(x)·sin
+-- (Hugging Face's convention); rope_backward(g, cos, sin): its transpose
+function F.rope(x, cos, sin)
+  need_tensor('rope', x, 'x')
+  need_tensor('rope', cos, 'cos')
+  need_tensor('rope', sin, 'sin')
+  return run(C.ms_rope, x, cos, sin, 0)
+end
+function F.rope_backward(g, cos, sin)
+  need_tensor('rope_backward', g, 'the gradient')
+  need_tensor('rope_backward', cos, 'cos')
+  need_tensor('rope_backward', sin, 'sin')
+  return run(C.ms_rope, g, cos, sin, 1)
+end
+
 -- --------------------------------------------------------------- as methods
 
 for k, f in pairs(F) do T.methods[k] = f end

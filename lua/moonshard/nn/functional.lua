@@ -28,6 +28,13 @@
 -- attention are computed in f32 here and the result cast back where the
 -- output is an activation (losses stay f32).
 --
+-- Mixed precision (moonshard.amp, docs/precision.md): inside
+-- nnf.autocast('bf16', fn, ...) the matmul-like functions (linear,
+-- conv1d_linear, scaled_dot_product_attention, lm_loss) cast their float
+-- inputs to bf16 with a recorded cast (f32 parameters get f32 gradients),
+-- and the norms emit bf16 from f32 math; nnf.set_precision(model,
+-- {compute = 'bf16'}) puts every call of a model in such a region.
+--
 -- lm_loss is looked up at call time (models call nn.functional.lm_loss), so a
 -- model's loss can be replaced. By default it is the fused linear
 -- cross-entropy (moonshard.flce, also nnf.fused_linear_cross_entropy): no
@@ -37,6 +44,7 @@ local T = require 'moonshard.tensor'
 local F = require 'moonshard.ops'
 local A = require 'moonshard.autograd'
 local flce = require 'moonshard.flce'
+local amp = require 'moonshard.amp'
 
 local R = A.raw_views
 local W = A.W
@@ -89,6 +97,7 @@ end
 function nnf.linear(x, w, b)
   need_tensor('linear', x, 'the input')
   need_tensor('linear', w, 'the weight')
+  x, w, b = amp.cast(x, w, b)     -- autocast region: bf16 compute, recorded casts
   if w.ndim ~= 2 then error(('linear: weight must be 2-D (out, in), got %s'):format(dims(w)), 2) end
   local in_f, out_f = tonumber(w.sizes[1]), tonumber(w.sizes[0])
   if x.ndim < 1 or tonumber(x.sizes[x.ndim - 1]) ~= in_f then
@@ -138,6 +147,7 @@ end
 function nnf.conv1d_linear(x, w, b)
   need_tensor('conv1d_linear', x, 'the input')
   need_tensor('conv1d_linear', w, 'the weight')
+  x, w, b = amp.cast(x, w, b)     -- autocast region: bf16 compute, recorded casts
   if w.ndim ~= 2 then error(('conv1d_linear: weight must be 2-D (in, out), got %s'):format(dims(w)), 2) end
   local in_f, out_f = tonumber(w.sizes[0]), tonumber(w.sizes[1])
   if x.ndim < 1 or tonumber(x.sizes[x.ndim - 1]) ~= in_f then
@@ -213,44 +223,19 @@ function nnf.embedding(ids, w)
 end
 
 -- ----------------------------------------------------------------- norms
+-- One node each on the fused ops (F.native_layer_norm / native_rms_norm:
+-- core/norm_cpu.c, kernels/norm.cu): math in f32 (f64 for f64 x), the
+-- forward saves x and the per-row mean/rstd only, the backward is one op
+-- giving dx, dw and db. Inside an autocast region the output is the
+-- region's dtype (computed in f32, rounded once).
 local function bwd_layer_norm(node, g)
-  local xhat, rstd, w = node.saved[1], node.saved[2], node.saved[3]
-  local gf = g
-  if g.dtype_id ~= xhat.dtype_id then gf = R.to(g, { dtype = xhat.dtype_id }) end
-  local dx, dw, db
-  if node.need[1] then
-    local dxhat = w and F.mul(gf, w) or gf
-    local a = F.mean(dxhat, -1, true)
-    local t = F.mul(dxhat, xhat)
-    local b = F.mean(t, -1, true)
-    free(t)
-    local xb = F.mul(xhat, b)
-    free(b)
-    local d = F.sub(dxhat, a)
-    free(a)
-    F.sub_(d, xb)
-    free(xb)
-    if dxhat ~= gf then free(dxhat) end
-    dx = F.mul(d, rstd)
-    free(d)
-  end
-  if node.need[2] then
-    local t = F.mul(gf, xhat)
-    local t2 = rows(t)
-    dw = F.sum(t2, 1)
-    if t2 ~= t then free(t2) end
-    free(t)
-  end
-  if node.need[3] then
-    local g2 = rows(gf)
-    db = F.sum(g2, 1)
-    if g2 ~= gf then free(g2) end
-  end
-  if gf ~= g then free(gf) end
-  return dx, dw, db
+  local s = node.saved
+  return F.native_layer_norm_backward(g, s[1], s[2], s[3], s[4],
+    { dx = node.need[1] == true, dw = node.need[2] == true, db = node.need[3] == true })
 end
 
--- y = (x - mean) / sqrt(var + eps) * w + b over the last dim (biased var)
+-- y = (x - mean) / sqrt(var + eps) * w + b over the last dim (biased var);
+-- y in x's dtype (the region's inside autocast)
 function nnf.layer_norm(x, w, b, eps)
   need_tensor('layer_norm', x, 'the input')
   eps = eps or 1e-5
@@ -261,66 +246,31 @@ function nnf.layer_norm(x, w, b, eps)
   if b ~= nil and (b.ndim ~= 1 or tonumber(b.sizes[0]) ~= C) then
     error(('layer_norm: bias %s for an input %s (normalized dim %d)'):format(dims(b), dims(x), C), 2)
   end
-  local xf = lowp(x) and R.to(x, 'f32') or x
-  local mu = F.mean(xf, -1, true)
-  local xc = F.sub(xf, mu)
-  free(mu)
-  if xf ~= x then free(xf) end
-  local sq = F.square(xc)
-  local var = F.mean(sq, -1, true)
-  free(sq)
-  F.add_(var, eps)
-  local rstd = F.rsqrt(var)
-  free(var)
-  local xhat = F.mul(xc, rstd)
-  free(xc)
-  local y = w ~= nil and F.mul(xhat, w) or F.mul(xhat, 1)
-  if b ~= nil then F.add_(y, b) end
-  if y.dtype_id ~= x.dtype_id then
-    local yc = R.to(y, { dtype = x.dtype_id })
-    free(y)
-    y = yc
-  end
+  local y, mean, rstd = F.native_layer_norm(x, w, b, eps, amp.norm_out_dtype(x))
   if want(x, w, b) then
-    record1('layer_norm', y, bwd_layer_norm, { xhat, rstd, w }, { xhat, rstd }, x, w, b)
+    record1('layer_norm', y, bwd_layer_norm, { x, mean, rstd, w }, { mean, rstd }, x, w, b)
   else
-    free(xhat); free(rstd)
+    free(mean); free(rstd)
   end
   return y
 end
 
 local function bwd_rms_norm(node, g)
-  local xhat, rstd, w = node.saved[1], node.saved[2], node.saved[3]
-  local gf = g
-  if g.dtype_id ~= xhat.dtype_id then gf = R.to(g, { dtype = xhat.dtype_id }) end
-  local dx, dw
-  if node.need[1] then
-    local dxhat = w and F.mul(gf, w) or gf
-    local t = F.mul(dxhat, xhat)
-    local b = F.mean(t, -1, true)
-    free(t)
-    local xb = F.mul(xhat, b)
-    free(b)
-    local d = F.sub(dxhat, xb)
-    free(xb)
-    if dxhat ~= gf then free(dxhat) end
-    dx = F.mul(d, rstd)
-    free(d)
-  end
-  if node.need[2] then
-    local t = F.mul(gf, xhat)
-    local t2 = rows(t)
-    dw = F.sum(t2, 1)
-    if t2 ~= t then free(t2) end
-    free(t)
-  end
-  if gf ~= g then free(gf) end
-  return dx, dw
+  local s = node.saved
+  return F.native_rms_norm_backward(g, s[1], s[2], s[3], { dx = node.need[1] == true, dw = node.need[2] == true })
+end
+
+-- the dtype a * b has (both float): the wider, f32 for bf16 with f16
+local function promote_float(a, b)
+  if a == b then return a end
+  if a == 0 or b == 0 then return 0 end
+  return 1
 end
 
 -- y = x / sqrt(mean(x^2) + eps) * w over the last dim, in f32 at least (as
--- Hugging Face's LlamaRMSNorm: the normalised x is cast back to x's dtype
--- before the weight multiplies it)
+-- Hugging Face's LlamaRMSNorm: the normalised x is rounded to x's dtype
+-- before the weight multiplies it); y in the dtype of x * w (the region's
+-- inside autocast)
 function nnf.rms_norm(x, w, eps)
   need_tensor('rms_norm', x, 'the input')
   eps = eps or 1e-6
@@ -328,27 +278,12 @@ function nnf.rms_norm(x, w, eps)
   if w ~= nil and (w.ndim ~= 1 or tonumber(w.sizes[0]) ~= C) then
     error(('rms_norm: weight %s for an input %s (normalized dim %d)'):format(dims(w), dims(x), C), 2)
   end
-  local xf = lowp(x) and R.to(x, 'f32') or x
-  local sq = F.square(xf)
-  local ms_ = F.mean(sq, -1, true)
-  free(sq)
-  F.add_(ms_, eps)
-  local rstd = F.rsqrt(ms_)
-  free(ms_)
-  local xhat = F.mul(xf, rstd)
-  if xf ~= x then free(xf) end
-  local y
-  if lowp(x) then
-    local xh = R.to(xhat, { dtype = x.dtype_id })
-    y = w ~= nil and F.mul(xh, w) or xh
-    if y ~= xh then free(xh) end
-  else
-    y = w ~= nil and F.mul(xhat, w) or F.mul(xhat, 1)
-  end
+  local odt = amp.norm_out_dtype(x, w ~= nil and promote_float(x.dtype_id, w.dtype_id) or nil)
+  local y, rstd = F.native_rms_norm(x, w, eps, odt)
   if want(x, w) then
-    record1('rms_norm', y, bwd_rms_norm, { xhat, rstd, w }, { xhat, rstd }, x, w)
+    record1('rms_norm', y, bwd_rms_norm, { x, rstd, w }, { rstd }, x, w)
   else
-    free(xhat); free(rstd)
+    free(rstd)
   end
   return y
 end
@@ -746,12 +681,30 @@ local function bwd_rotary(node, g)
   return a
 end
 
+local function bwd_rope(node, g) return F.rope_backward(g, node.saved[1], node.saved[2]) end
+
+-- cos and sin fit the fused op: (T, D) for x (..., T, D), on x's device
+local function rope_fits(x, cos, sin)
+  if not (is_tensor(cos) and is_tensor(sin)) or x.ndim < 2 or cos.ndim ~= 2 or sin.ndim ~= 2 then return false end
+  local T_, D = x.sizes[x.ndim - 2], x.sizes[x.ndim - 1]
+  return cos.sizes[0] == T_ and cos.sizes[1] == D and sin.sizes[0] == T_ and sin.sizes[1] == D
+    and cos.device_id == x.device_id and sin.device_id == x.device_id
+end
+
 -- x * cos + rotate_half(x) * sin (Hugging Face Llama's apply_rotary_pos_emb);
--- cos and sin (T, D) broadcast over x (..., T, D) and are constants
+-- cos and sin (T, D) broadcast over x (..., T, D) and are constants. With
+-- (T, D) cos/sin this is the fused op (F.rope: core/rope_cpu.c,
+-- kernels/rope.cu; x read in place in any layout on the GPU, y in x's
+-- dtype); other shapes of cos/sin take the composed path.
 function nnf.apply_rotary(x, cos, sin)
   need_tensor('apply_rotary', x, 'x')
   local D = tonumber(x.sizes[x.ndim - 1])
   if D % 2 ~= 0 then error(('apply_rotary: the last dim of x %s must be even'):format(dims(x)), 2) end
+  if rope_fits(x, cos, sin) then
+    local y = F.rope(x, cos, sin)
+    if want(x) then record1('apply_rotary', y, bwd_rope, { cos, sin }, nil, x) end
+    return y
+  end
   local rh = rotate_half(x, 1)
   local y = F.mul(x, cos)
   local t = F.mul(rh, sin)
@@ -793,6 +746,24 @@ function nnf.rope_cache(T_, head_dim, theta, dtype, device)
 end
 function nnf.clear_rope_cache()
   for k, c in pairs(rope_cache) do free(c[1]); free(c[2]); rope_cache[k] = nil end
+end
+
+-- ------------------------------------------------------------- autocast
+-- (moonshard.amp) linear and conv1d_linear cast their own inputs; the
+-- other matmul-like entry points are wrapped here, so they cast whatever
+-- their definitions above become. lm_loss stays looked up at call time.
+nnf.autocast, nnf.set_precision = amp.autocast, amp.set_precision
+do
+  local sdpa = nnf.scaled_dot_product_attention
+  function nnf.scaled_dot_product_attention(q, k, v, opts)
+    if amp.dtype() ~= nil then q, k, v = amp.cast(q, k, v) end
+    return sdpa(q, k, v, opts)
+  end
+  local lm_loss = nnf.lm_loss
+  function nnf.lm_loss(hidden, weight, targets, opts)
+    if amp.dtype() ~= nil then hidden, weight = amp.cast(hidden, weight) end
+    return lm_loss(hidden, weight, targets, opts)
+  end
 end
 
 return nnf

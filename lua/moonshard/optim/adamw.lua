@@ -11,6 +11,13 @@
 -- f32 (f64 for f64 parameters); a bf16/f16 parameter is updated in f32 and
 -- rounded once. This file returns a builder: require('moonshard.optim').AdamW
 -- is the class.
+--
+-- The step is the fused op F.adamw_ (core/adamw_cpu.c, kernels/adamw.cu):
+-- the parameters of a group that share a device and a step count are
+-- updated in one call — one launch on CUDA, one pass over p, g, m, v — with
+-- the math in f64 on the CPU and f32 on the GPU (f64 for f64 parameters).
+-- A non-contiguous parameter or gradient takes the composed path instead
+-- (a dozen raw ops, the same math).
 local F = require 'moonshard.ops'
 local A = require 'moonshard.autograd'
 
@@ -41,52 +48,82 @@ return function(optim)
     return { step = 0, exp_avg = T.zeros(p.shape, o), exp_avg_sq = T.zeros(p.shape, o) }
   end
 
+  -- the fused op takes contiguous tensors of one numel (and on CUDA an f64
+  -- parameter with an f64 gradient)
+  local function fusable(p, g, st)
+    return p:is_contiguous() and g:is_contiguous() and g:numel() == p:numel()
+      and g.device_id == p.device_id and st.exp_avg:is_contiguous() and st.exp_avg_sq:is_contiguous()
+      and (p.dtype_id ~= 0 or g.dtype_id == 0 or p.device_id < 0)
+  end
+
   function AdamW:step()
     A.no_grad(function()
       for _, group in ipairs(self.param_groups) do
         local lr, eps, wd = group.lr, group.eps, group.weight_decay or 0
         local b1, b2 = group.betas[1], group.betas[2]
+        local batches, order = {}, {}   -- (device, step) -> lists for F.adamw_
         for _, p in ipairs(group.params) do
           local g = p.grad
           if g ~= nil then
             local st = self:state_of(p, init_state)
             st.step = st.step + 1
-            local m, v = st.exp_avg, st.exp_avg_sq
-            local gf = g
-            if g.dtype_id ~= m.dtype_id then gf = g:to({ dtype = m.dtype_id }) end
-            -- m = b1 m + (1 - b1) g
-            F.mul_(m, b1)
-            local t = F.mul(gf, 1 - b1)
-            F.add_(m, t)
-            free(t)
-            -- v = b2 v + (1 - b2) g^2
-            F.mul_(v, b2)
-            t = F.square(gf)
-            F.mul_(t, 1 - b2)
-            F.add_(v, t)
-            free(t)
-            if gf ~= g then free(gf) end
-            local bc1 = 1 - b1 ^ st.step
-            local bc2 = 1 - b2 ^ st.step
-            local denom = F.sqrt(v)
-            F.div_(denom, math.sqrt(bc2))
-            F.add_(denom, eps)
-            local upd = F.div(m, denom)
-            free(denom)
-            F.mul_(upd, lr / bc1)
-            local pw = p
-            if p.dtype_id ~= m.dtype_id then pw = p:to({ dtype = m.dtype_id }) end
-            if wd ~= 0 then F.mul_(pw, 1 - lr * wd) end
-            F.sub_(pw, upd)
-            free(upd)
-            if pw ~= p then
-              p:copy_(pw)
-              free(pw)
+            if fusable(p, g, st) then
+              local key = p.device_id .. ':' .. st.step
+              local b = batches[key]
+              if b == nil then
+                b = { step = st.step, p = {}, g = {}, m = {}, v = {} }
+                batches[key] = b
+                order[#order + 1] = key
+              end
+              local k = #b.p + 1
+              b.p[k], b.g[k], b.m[k], b.v[k] = p, g, st.exp_avg, st.exp_avg_sq
+            else
+              self:_composed_update(p, g, st, lr, b1, b2, eps, wd)
             end
           end
         end
+        for _, key in ipairs(order) do
+          local b = batches[key]
+          F.adamw_(b.p, b.g, b.m, b.v, lr, b1, b2, eps, wd, b.step)
+        end
       end
     end)
+  end
+
+  -- the same update with raw ops (any layout)
+  function AdamW:_composed_update(p, g, st, lr, b1, b2, eps, wd)
+    local m, v = st.exp_avg, st.exp_avg_sq
+    local gf = g
+    if g.dtype_id ~= m.dtype_id then gf = g:to({ dtype = m.dtype_id }) end
+    -- m = b1 m + (1 - b1) g
+    F.mul_(m, b1)
+    local t = F.mul(gf, 1 - b1)
+    F.add_(m, t)
+    free(t)
+    -- v = b2 v + (1 - b2) g^2
+    F.mul_(v, b2)
+    t = F.square(gf)
+    F.mul_(t, 1 - b2)
+    F.add_(v, t)
+    free(t)
+    if gf ~= g then free(gf) end
+    local bc1 = 1 - b1 ^ st.step
+    local bc2 = 1 - b2 ^ st.step
+    local denom = F.sqrt(v)
+    F.div_(denom, math.sqrt(bc2))
+    F.add_(denom, eps)
+    local upd = F.div(m, denom)
+    free(denom)
+    F.mul_(upd, lr / bc1)
+    local pw = p
+    if p.dtype_id ~= m.dtype_id then pw = p:to({ dtype = m.dtype_id }) end
+    if wd ~= 0 then F.mul_(pw, 1 - lr * wd) end
+    F.sub_(pw, upd)
+    free(upd)
+    if pw ~= p then
+      p:copy_(pw)
+      free(pw)
+    end
   end
 
   return AdamW

@@ -1,0 +1,373 @@
+// kernels/norm.cu — fused LayerNorm and RMSNorm, forward and backward
+// (contract in core/ops.h; CPU reference core/norm_cpu.c).
+//
+// Over the last dim C of x, seen as N rows:
+//   LayerNorm  y = (x - mean)·rstd·w + b     rstd = 1/sqrt(var + eps)
+//   RMSNorm    y = round_x(x·rstd)·w          rstd = 1/sqrt(mean(x²) + eps)
+// Why fused: the composed path (mean, sub, square, mean, rsqrt, mul, mul,
+// add, and as many ops again in backward) reads and writes N·C elements
+// about ten times and keeps an f32 copy of xhat for backward. Here the
+// forward reads x and writes y once (its second and third passes over a row
+// hit L1) and saves only mean and rstd (N values); the backward reads g and
+// x once and writes dx once.
+// Shapes: x, y, g, dx (N, C); mean, rstd (N); w, b, dw, db (C).
+// Bytes: forward N·C·(|x| + |y|); backward N·C·(|g| + |x| + |dx|) plus the
+// dw/db partial sums (blocks·C·8 written and read). Flops are negligible.
+// Math in f32 (f64 for f64 x); bf16/f16 storage is converted on load and
+// rounded once on store.
+//
+// Forward: one warp per row, lanes moving 16-byte vectors (8 bf16 / 4 f32)
+// when the rows allow it; two reductions (mean, then the centred variance,
+// which is exact where E[x²]-E[x]² would cancel) by warp shuffles.
+// Backward: one block per row at a time, blocks striding over the rows;
+// each thread owns the same columns in every row, so its dw/db partial sums
+// live in shared memory without atomics; at the end each block writes its
+// partial row, and column_sum_kernel adds the blocks' rows in a fixed order.
+// No float atomics anywhere: the result is the same on every run.
+#include "common.cuh"
+#include "kernels.h"
+#include "vec.cuh"
+
+// ---------------------------------------------------------------- kernels
+
+// one warp per row; lane l takes the V-element chunks l·V, (l+32)·V, ...
+template <typename X, typename Y, typename A, int V, bool RMS>
+__global__ void norm_fwd_kernel(Y *__restrict__ y, A *__restrict__ mean, A *__restrict__ rstd,
+                                const X *__restrict__ x, const A *__restrict__ w, const A *__restrict__ b,
+                                long long N, int C, A eps) {
+    const int lane = threadIdx.x & 31;
+    const long long wpb = blockDim.x >> 5;
+    for (long long row = blockIdx.x * wpb + (threadIdx.x >> 5); row < N; row += (long long)gridDim.x * wpb) {
+        const X *xr = x + row * C;
+        A s = 0;
+        for (int i = lane * V; i < C; i += 32 * V) {
+            A v[V];
+            load_v<A, X, V>(v, xr + i);
+#pragma unroll
+            for (int k = 0; k < V; k++) s += RMS ? v[k] * v[k] : v[k];
+        }
+        s = warp_sum(s);
+        A mu = 0, var = s / (A)C;
+        if (!RMS) {
+            mu = s / (A)C;
+            A q = 0;
+            for (int i = lane * V; i < C; i += 32 * V) {
+                A v[V];
+                load_v<A, X, V>(v, xr + i);
+#pragma unroll
+                for (int k = 0; k < V; k++) q += (v[k] - mu) * (v[k] - mu);
+            }
+            var = warp_sum(q) / (A)C;
+        }
+        const A rs = (A)1 / sqrt(var + eps);
+        Y *yr = y + row * C;
+        for (int i = lane * V; i < C; i += 32 * V) {
+            A v[V];
+            load_v<A, X, V>(v, xr + i);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                A t = (v[k] - mu) * rs;
+                if (RMS) t = round_as<X>(t);
+                if (w) t *= w[i + k];
+                if (b) t += b[i + k];
+                v[k] = t;
+            }
+            store_v<Y, V>(yr + i, v);
+        }
+        if (lane == 0) {
+            if (mean) mean[row] = mu;
+            if (rstd) rstd[row] = rs;
+        }
+    }
+}
+
+// the sums of a and b over the block, handed to every thread; red holds 64
+// values. Warps add in a fixed order.
+template <typename A>
+__device__ __forceinline__ void block_sum2(A &a, A &b, A *red) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (lane == 0) {
+        red[wid] = a;
+        red[32 + wid] = b;
+    }
+    __syncthreads();
+    a = 0;
+    b = 0;
+    for (int k = 0; k < nw; k++) {
+        a += red[k];
+        b += red[32 + k];
+    }
+    __syncthreads();  // red is reused by the next row
+}
+
+// one block per row, striding; thread t owns the chunks t·V, (t+nt)·V, ...
+// of every row. acc: 2·C partial sums (dw then db) in shared memory, or at
+// gacc + blockIdx.x·2C when they do not fit.
+template <typename G, typename X, typename A, int V, bool RMS>
+__global__ void norm_bwd_kernel(X *__restrict__ dx, A *__restrict__ part_w, A *__restrict__ part_b,
+                                A *__restrict__ gacc, const G *__restrict__ g, const X *__restrict__ x,
+                                const A *__restrict__ mean, const A *__restrict__ rstd, const A *__restrict__ w,
+                                long long N, int C) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A *red = reinterpret_cast<A *>(smem_raw);
+    A *acc = gacc ? gacc + (long long)blockIdx.x * 2 * C : red + 64;
+    const bool pw = part_w != nullptr, pb = part_b != nullptr;
+    const int step = blockDim.x * V;
+    const bool one = C <= step;  // at most one chunk per thread: keep it in registers
+    if (pw || pb)
+        for (int i = threadIdx.x * V; i < C; i += step)
+#pragma unroll
+            for (int k = 0; k < V; k++) acc[i + k] = acc[C + i + k] = 0;
+    for (long long row = blockIdx.x; row < N; row += gridDim.x) {
+        const G *gr = g + row * C;
+        const X *xr = x + row * C;
+        const A mu = RMS ? (A)0 : mean[row], rs = rstd[row];
+        A a = 0, bsum = 0;
+        A gv[V], xv[V];
+        if (dx) {
+            for (int i = threadIdx.x * V; i < C; i += step) {
+                load_v<A, G, V>(gv, gr + i);
+                load_v<A, X, V>(xv, xr + i);
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const A xh = (xv[k] - mu) * rs, d = w ? gv[k] * w[i + k] : gv[k];
+                    a += d;
+                    bsum += d * xh;
+                }
+            }
+            block_sum2(a, bsum, red);
+            a /= (A)C;
+            bsum /= (A)C;
+        }
+        for (int i = threadIdx.x * V; i < C; i += step) {
+            if (!(one && dx)) {
+                load_v<A, G, V>(gv, gr + i);
+                load_v<A, X, V>(xv, xr + i);
+            }
+            A o[V];
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                const A xh = (xv[k] - mu) * rs;
+                if (dx) {
+                    const A d = w ? gv[k] * w[i + k] : gv[k];
+                    o[k] = RMS ? rs * (d - xh * bsum) : rs * (d - a - xh * bsum);
+                }
+                if (pw) acc[i + k] += gv[k] * (RMS ? round_as<X>(xh) : xh);
+                if (pb) acc[C + i + k] += gv[k];
+            }
+            if (dx) store_v<X, V>(dx + row * C + i, o);
+        }
+    }
+    if (pw || pb)
+        for (int i = threadIdx.x * V; i < C; i += step)
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                if (pw) part_w[(long long)blockIdx.x * C + i + k] = acc[i + k];
+                if (pb) part_b[(long long)blockIdx.x * C + i + k] = acc[C + i + k];
+            }
+}
+
+// out[c] = Σ_k part[k·C + c], k in a fixed order: blocks of 32 columns ×
+// 32 row lanes, each lane summing every 32nd row, then the lanes in order
+template <typename A>
+__global__ void column_sum_kernel(A *__restrict__ out, const A *__restrict__ part, int nrows, int C) {
+    __shared__ A buf[32][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    A s = 0;
+    if (c < C)
+        for (int k = threadIdx.y; k < nrows; k += 32) s += part[(long long)k * C + c];
+    buf[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        A t = 0;
+        for (int k = 0; k < 32; k++) t += buf[k][threadIdx.x];
+        out[c] = t;
+    }
+}
+
+// -------------------------------------------------------------- launchers
+
+namespace {
+
+struct tmp_tensor {
+    ms_tensor *t = nullptr;
+    ~tmp_tensor() { ms_tensor_free(t); }
+};
+
+template <typename T> T *ptr(const ms_tensor *t) { return t ? (T *)ms_tensor_data(t) : nullptr; }
+
+void rows_of(const ms_tensor *x, long long *N, int *C) {
+    *C = (int)x->sizes[x->ndim - 1];
+    *N = *C ? (long long)(ms_tensor_numel(x) / *C) : 0;
+}
+
+template <typename X, typename Y, typename A, bool RMS>
+int launch_fwd(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w,
+               const ms_tensor *b, double eps, long long N, int C) {
+    constexpr int VV = 16 / (sizeof(X) > sizeof(Y) ? sizeof(X) : sizeof(Y));
+    const bool vec = C % VV == 0 && ms_aligned16(ms_tensor_data(x)) && ms_aligned16(ms_tensor_data(y));
+    cudaStream_t s = ms_cuda_stream_of(x->device_id);
+    const int threads = 256;
+    long long blocks = (N + threads / 32 - 1) / (threads / 32);
+    if (blocks > 65535LL * 32) blocks = 65535LL * 32;
+    if (vec)
+        norm_fwd_kernel<X, Y, A, VV, RMS><<<(unsigned)blocks, threads, 0, s>>>(
+            ptr<Y>(y), ptr<A>(mean), ptr<A>(rstd), ptr<X>(x), ptr<A>(w), ptr<A>(b), N, C, (A)eps);
+    else
+        norm_fwd_kernel<X, Y, A, 1, RMS><<<(unsigned)blocks, threads, 0, s>>>(
+            ptr<Y>(y), ptr<A>(mean), ptr<A>(rstd), ptr<X>(x), ptr<A>(w), ptr<A>(b), N, C, (A)eps);
+    LAUNCH_CHECK("norm_fwd_kernel");
+    return 0;
+}
+
+// y in any float dtype: f32/bf16/f16 x and y directly, f64 x with f64 y;
+// other pairs through a temporary of a supported dtype
+template <bool RMS>
+int norm_forward(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w,
+                 const ms_tensor *b, double eps) {
+    const char *op = RMS ? "rms_norm" : "layer_norm";
+    long long N;
+    int C;
+    rows_of(x, &N, &C);
+    if (N == 0 || C == 0) return 0;
+    if (ms_cuda_activate(x->device_id)) return -1;
+    const bool x64 = x->dtype_id == MS_F64, y64 = y->dtype_id == MS_F64;
+    if (x64 != y64) {
+        tmp_tensor t;
+        if (ms_tensor_empty(&t.t, y->ndim, y->sizes, x64 ? MS_F64 : MS_F32, y->device_id)) return -1;
+        if (norm_forward<RMS>(t.t, mean, rstd, x, w, b, eps)) return -1;
+        return ms_cuda_convert(y, t.t);
+    }
+    if (x64) return launch_fwd<double, double, double, RMS>(y, mean, rstd, x, w, b, eps, N, C);
+    return with_float32_type(x->dtype_id, op, [&](auto xt) {
+        using X = decltype(xt);
+        return with_float32_type(y->dtype_id, op, [&](auto yt) {
+            using Y = decltype(yt);
+            return launch_fwd<X, Y, float, RMS>(y, mean, rstd, x, w, b, eps, N, C);
+        });
+    });
+}
+
+template <typename G, typename X, typename A, int V, bool RMS>
+int launch_bwd_v(ms_tensor *dx, A *part_w, A *part_b, A *gacc, const ms_tensor *g, const ms_tensor *x,
+                 const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C, int blocks,
+                 int threads, size_t smem) {
+    auto kernel = norm_bwd_kernel<G, X, A, V, RMS>;
+    if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<blocks, threads, smem, ms_cuda_stream_of(x->device_id)>>>(
+        ptr<X>(dx), part_w, part_b, gacc, ptr<G>(g), ptr<X>(x), ptr<A>(mean), ptr<A>(rstd), ptr<A>(w), N, C);
+    LAUNCH_CHECK("norm_bwd_kernel");
+    return 0;
+}
+
+template <typename G, typename X, typename A, bool RMS>
+int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
+               const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C) {
+    const int dev = x->device_id, adt = sizeof(A) == 8 ? MS_F64 : MS_F32;
+    constexpr int VV = 16 / (sizeof(X) > sizeof(G) ? sizeof(X) : sizeof(G));
+    const bool vec = C % VV == 0 && ms_aligned16(ms_tensor_data(x)) && ms_aligned16(ms_tensor_data(g)) &&
+                     (!dx || ms_aligned16(ms_tensor_data(dx)));
+    const int V = vec ? VV : 1;
+    // threads: enough for one chunk per thread, a multiple of 32, at most 1024
+    long long chunks = (C + V - 1) / V;
+    int threads = (int)((chunks + 31) / 32 * 32);
+    if (threads > 1024) threads = 1024;
+    // blocks: fill the GPU (up to 8 resident blocks per SM), no more than rows
+    int per_sm = 2048 / threads;
+    per_sm = per_sm < 1 ? 1 : (per_sm > 8 ? 8 : per_sm);
+    long long nb = (long long)ms_sm_count(dev) * per_sm;
+    if (nb > N) nb = N;
+    const int blocks = (int)nb;
+    const bool params = dw || db;
+    // the per-column partial sums: shared memory when they fit the device's
+    // opt-in limit, else a global scratch row per block
+    size_t smem = sizeof(A) * 64;
+    int optin = 48 * 1024;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    bool global_acc = false;
+    if (params) {
+        size_t need = smem + sizeof(A) * 2 * (size_t)C;
+        if (need <= (size_t)optin) smem = need;
+        else global_acc = true;
+    }
+    tmp_tensor pw, pb, ga;
+    if (params) {
+        int64_t ps[1] = {(int64_t)blocks * C};
+        if (dw && ms_tensor_empty(&pw.t, 1, ps, adt, dev)) return -1;
+        if (db && ms_tensor_empty(&pb.t, 1, ps, adt, dev)) return -1;
+        int64_t gs[1] = {(int64_t)blocks * 2 * C};
+        if (global_acc && ms_tensor_empty(&ga.t, 1, gs, adt, dev)) return -1;
+    }
+    int rc = vec ? launch_bwd_v<G, X, A, VV, RMS>(dx, ptr<A>(pw.t), ptr<A>(pb.t), ptr<A>(ga.t), g, x, mean, rstd, w,
+                                                   N, C, blocks, threads, smem)
+                 : launch_bwd_v<G, X, A, 1, RMS>(dx, ptr<A>(pw.t), ptr<A>(pb.t), ptr<A>(ga.t), g, x, mean, rstd, w,
+                                                  N, C, blocks, threads, smem);
+    if (rc) return rc;
+    cudaStream_t s = ms_cuda_stream_of(dev);
+    dim3 cb(32, 32), cg((unsigned)((C + 31) / 32));
+    if (dw) {
+        column_sum_kernel<A><<<cg, cb, 0, s>>>(ptr<A>(dw), ptr<A>(pw.t), blocks, C);
+        LAUNCH_CHECK("column_sum_kernel");
+    }
+    if (db) {
+        column_sum_kernel<A><<<cg, cb, 0, s>>>(ptr<A>(db), ptr<A>(pb.t), blocks, C);
+        LAUNCH_CHECK("column_sum_kernel");
+    }
+    return 0;
+}
+
+// dx in x's dtype; g any float dtype (an f64 g with an f32 x, or the
+// reverse, goes through a converted copy of g)
+template <bool RMS>
+int norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
+                  const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w) {
+    const char *op = RMS ? "rms_norm_backward" : "layer_norm_backward";
+    long long N;
+    int C;
+    rows_of(x, &N, &C);
+    if (C == 0) return 0;
+    if (ms_cuda_activate(x->device_id)) return -1;
+    if (N == 0) {
+        if (dw && ms_cuda_fill(dw, 0)) return -1;
+        if (db && ms_cuda_fill(db, 0)) return -1;
+        return 0;
+    }
+    const bool x64 = x->dtype_id == MS_F64;
+    if ((g->dtype_id == MS_F64) != x64) {
+        tmp_tensor t;
+        if (ms_tensor_to(&t.t, g, x64 ? MS_F64 : MS_F32, g->device_id)) return -1;
+        return norm_backward<RMS>(dx, dw, db, t.t, x, mean, rstd, w);
+    }
+    if (x64) return launch_bwd<double, double, double, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C);
+    return with_float32_type(g->dtype_id, op, [&](auto gt) {
+        using G = decltype(gt);
+        return with_float32_type(x->dtype_id, op, [&](auto xt) {
+            using X = decltype(xt);
+            return launch_bwd<G, X, float, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C);
+        });
+    });
+}
+
+}  // namespace
+
+extern "C" int ms_cuda_layer_norm(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x,
+                                  const ms_tensor *w, const ms_tensor *b, double eps) {
+    return norm_forward<false>(y, mean, rstd, x, w, b, eps);
+}
+
+extern "C" int ms_cuda_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g,
+                                           const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd,
+                                           const ms_tensor *w) {
+    return norm_backward<false>(dx, dw, db, g, x, mean, rstd, w);
+}
+
+extern "C" int ms_cuda_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps) {
+    return norm_forward<true>(y, nullptr, rstd, x, w, nullptr, eps);
+}
+
+extern "C" int ms_cuda_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *g, const ms_tensor *x,
+                                         const ms_tensor *rstd, const ms_tensor *w) {
+    return norm_backward<true>(dx, dw, nullptr, g, x, nullptr, rstd, w);
+}

@@ -1,0 +1,206 @@
+-- Mixed precision (moonshard.amp, docs/precision.md) on the CPU: the
+-- autocast region's rules (what is cast, what stays f32, how the region is
+-- entered and left), gradients landing in f32 parameters in f32, and the
+-- fixture models in a bf16 region within bf16 bounds of their f32 runs.
+local ms = require 'moonshard'
+local T = require 'moonshard.tensor'
+local amp = require 'moonshard.amp'
+local nn = ms.nn
+local nnf = nn.functional
+local A = ms.autograd
+local F = ms.raw
+
+local fixtures = T.root .. '/../shared/fixtures'
+
+local function relerr(got, want)
+  local g, w = got:to('f64'), want:to('f64')
+  local d = F.sub(g, w)
+  return math.sqrt(F.sum(F.mul(d, d)):item() / F.sum(F.mul(w, w)):item())
+end
+
+local seed = 700
+local function randn(shape, dtype)
+  seed = seed + 1
+  return ms.randn(shape, { seed = seed }):to(dtype or 'f32')
+end
+
+describe('autocast region', function()
+  before_each(function() A.clear_tape() end)
+
+  it('sets the compute dtype while fn runs and returns its results', function()
+    assert.is_nil(amp.dtype())
+    local a, b = nnf.autocast('bf16', function(x, y)
+      assert.are.equal('bf16', amp.dtype_name())
+      return x + 1, y
+    end, 1, 'two')
+    assert.are.equal(2, a)
+    assert.are.equal('two', b)
+    assert.is_nil(amp.dtype())
+  end)
+
+  it('is left on an error, and nests (false leaves the region for a part)', function()
+    local ok, err = pcall(nnf.autocast, 'bf16', function() error('boom') end)
+    assert.is_false(ok)
+    assert.matches('boom', err)
+    assert.is_nil(amp.dtype())
+    nnf.autocast('bf16', function()
+      nnf.autocast(false, function() assert.is_nil(amp.dtype()) end)
+      nnf.autocast('f16', function() assert.are.equal('f16', amp.dtype_name()) end)
+      assert.are.equal('bf16', amp.dtype_name())
+    end)
+  end)
+
+  it('refuses a compute dtype that is not a low-precision float', function()
+    local ok, err = pcall(nnf.autocast, 'i64', function() end)
+    assert.is_false(ok)
+    assert.matches("must be 'bf16' or 'f16'", err)
+    ok, err = pcall(nnf.autocast, 'bf16', 42)
+    assert.is_false(ok)
+    assert.matches('expected a function', err)
+  end)
+
+  it('linear computes in bf16 and its f32 parameters get f32 gradients', function()
+    local x = randn({ 6, 16 }):requires_grad_()
+    local w, b = randn({ 8, 16 }):requires_grad_(), randn({ 8 }):requires_grad_()
+    local y = nnf.autocast('bf16', nnf.linear, x, w, b)
+    assert.are.equal('bf16', y.dtype)
+    y:to('f32'):sum():backward()
+    assert.are.equal('f32', w.grad.dtype)
+    assert.are.equal('f32', b.grad.dtype)
+    assert.are.equal('f32', x.grad.dtype)
+    assert.are.equal('f32', w.dtype)
+    -- the same as the f32 computation within bf16 bounds
+    local gw, gx = w.grad:clone(), x.grad:clone()
+    w:zero_grad(); x:zero_grad(); b:zero_grad()
+    local y32 = nnf.linear(x, w, b)
+    y32:sum():backward()
+    assert.is_true(relerr(y, y32) <= 1e-2)
+    assert.is_true(relerr(gw, w.grad) <= 1e-2)
+    assert.is_true(relerr(gx, x.grad) <= 1e-2)
+  end)
+
+  it('norms compute in f32 and emit the region dtype; f64 is never cast', function()
+    local x = randn({ 4, 32 }):requires_grad_()
+    local w = randn({ 32 }):requires_grad_()
+    local y = nnf.autocast('bf16', nnf.layer_norm, x, w, w)
+    assert.are.equal('bf16', y.dtype)
+    assert.are.same(nnf.layer_norm(x, w, w):to('bf16'):to('f64'):totable(), y:to('f64'):totable())
+    assert.are.equal('bf16', nnf.autocast('bf16', nnf.rms_norm, x, w).dtype)
+    y:to('f32'):sum():backward()
+    assert.are.equal('f32', x.grad.dtype)
+    assert.are.equal('f32', w.grad.dtype)
+    local x64, w64 = randn({ 3, 8 }, 'f64'), randn({ 5, 8 }, 'f64')
+    nnf.autocast('bf16', function()
+      assert.are.equal('f64', nnf.linear(x64, w64).dtype)
+      assert.are.equal('f64', nnf.layer_norm(x64).dtype)
+    end)
+  end)
+
+  it('attention and the LM loss take bf16 inputs in a region', function()
+    local q, k, v = randn({ 1, 2, 5, 8 }), randn({ 1, 2, 5, 8 }), randn({ 1, 2, 5, 8 })
+    local y = nnf.autocast('bf16', nnf.scaled_dot_product_attention, q, k, v)
+    assert.are.equal('bf16', y.dtype)
+    assert.is_true(relerr(y, nnf.scaled_dot_product_attention(q, k, v)) <= 2e-2)
+    local h, W = randn({ 2, 3, 8 }):requires_grad_(), randn({ 11, 8 }):requires_grad_()
+    local tg = ms.tensor({ { 1, 2, 3 }, { 4, 5, 10 } }, { dtype = 'i64' })
+    local loss = nnf.autocast('bf16', nnf.lm_loss, h, W, tg)
+    assert.are.equal('f32', loss.dtype)
+    assert.is_true(math.abs(loss:item() - nnf.lm_loss(h, W, tg):item()) <= 1e-2 * loss:item())
+    loss:backward()
+    assert.are.equal('f32', W.grad.dtype)
+    assert.are.equal('f32', h.grad.dtype)
+  end)
+
+  for _, name in ipairs({ 'gpt2-tiny', 'llama-tiny' }) do
+    it(name .. ': loss, logits and every gradient within bf16 bounds of f32; grads f32', function()
+      local M = require(name:match('^gpt2') and 'models.gpt2' or 'models.llama')
+      local dir = fixtures .. '/' .. name
+      local model = M.from_pretrained(dir)
+      model:eval()
+      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+      model:zero_grad()
+      local l32 = model(exp.input_ids, exp.targets)
+      l32:backward()
+      local g32 = {}
+      for pname, p in model:named_parameters() do g32[pname] = p.grad:clone() end
+      model:zero_grad()
+      local loss = nnf.autocast('bf16', model, exp.input_ids, exp.targets)
+      assert.are.equal('f32', loss.dtype)
+      local el = math.abs(loss:item() - l32:item()) / l32:item()
+      assert.is_true(el <= 1e-2, 'loss ' .. el)
+      loss:backward()
+      for pname, p in model:named_parameters() do
+        assert.are.equal('f32', p.dtype, pname)
+        assert.are.equal('f32', p.grad.dtype, pname)
+        local e = relerr(p.grad, g32[pname])
+        assert.is_true(e <= 3e-2, pname .. ' ' .. e)
+      end
+      local logits = ms.no_grad(function() return nnf.autocast('bf16', model, exp.input_ids) end)
+      assert.are.equal('bf16', logits.dtype)
+      assert.is_true(relerr(logits, exp.logits) <= 2e-2, 'logits ' .. relerr(logits, exp.logits))
+    end)
+  end
+
+  it('keeps the residual stream in f32 (GPT-2 blocks return f32)', function()
+    local gpt2 = require 'models.gpt2'
+    local model = gpt2.from_pretrained(fixtures .. '/gpt2-tiny')
+    local ids = ms.tensor({ { 1, 2, 3, 4 } }, { dtype = 'i64' })
+    nnf.autocast('bf16', function()
+      local tr = model.transformer
+      local x = tr.wte(ids) + tr.wpe(ms.arange(4, { dtype = 'i64' }))
+      assert.are.equal('f32', x.dtype)
+      assert.are.equal('f32', tr.h[1](x).dtype)
+      assert.are.equal('bf16', tr.ln_f(x).dtype)
+    end)
+  end)
+end)
+
+describe('set_precision', function()
+  it('runs every call of the model in a region and can be undone', function()
+    local gpt2 = require 'models.gpt2'
+    local dir = fixtures .. '/gpt2-tiny'
+    local model = gpt2.from_pretrained(dir)
+    model:eval()
+    local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+    local want = nnf.autocast('bf16', model, exp.input_ids, exp.targets):item()
+    assert.are.equal(model, nnf.set_precision(model, { compute = 'bf16' }))
+    assert.are.equal('bf16', amp.precision(model))
+    assert.are.equal(want, model(exp.input_ids, exp.targets):item())
+    assert.is_nil(amp.dtype())
+    nnf.set_precision(model, { compute = 'f32' })
+    assert.is_nil(amp.precision(model))
+    local l32 = model(exp.input_ids, exp.targets)
+    assert.is_true(math.abs(l32:item() - exp.loss:item()) <= 1e-5 * exp.loss:item())
+  end)
+
+  it('trains with f32 master weights and f32 AdamW state', function()
+    local gpt2 = require 'models.gpt2'
+    local dir = fixtures .. '/gpt2-tiny'
+    local model = nnf.set_precision(gpt2.from_pretrained(dir), { compute = 'bf16' })
+    model:train()
+    local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+    local opt = ms.optim.AdamW(model, { lr = 1e-3 })
+    local first, last
+    for step = 1, 5 do
+      opt:zero_grad()
+      local loss = model(exp.input_ids, exp.targets)
+      loss:backward()
+      opt:step()
+      if step == 1 then first = loss:item() end
+      last = loss:item()
+    end
+    assert.is_true(last < first)
+    for pname, p in model:named_parameters() do
+      assert.are.equal('f32', p.dtype, pname)
+      local st = opt.state[tonumber(p.id)]
+      assert.are.equal('f32', st.exp_avg.dtype)
+      assert.are.equal('f32', st.exp_avg_sq.dtype)
+    end
+  end)
+
+  it('refuses what is not a module', function()
+    local ok, err = pcall(nnf.set_precision, 42, { compute = 'bf16' })
+    assert.is_false(ok)
+    assert.matches('expected a module', err)
+  end)
+end)

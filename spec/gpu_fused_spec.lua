@@ -1,0 +1,263 @@
+-- The fused kernels (kernels/norm.cu, adamw.cu, rope.cu) against their CPU
+-- references on random data, ‖gpu − cpu‖ / ‖cpu‖ within the dtype bounds
+-- (f32 ≤ 1e-5, bf16 ≤ 1e-2); determinism of the reductions; the autograd
+-- nodes and the autocast region on the GPU. Run with `make test-gpu`.
+local ms = require 'moonshard'
+local T = require 'moonshard.tensor'
+local F = ms.raw
+local nnf = ms.nn.functional
+
+local function relerr(got, want)
+  local g, w = got:to('cpu'):to('f64'), want:to('cpu'):to('f64')
+  local d = F.sub(g, w)
+  local num = F.sum(F.mul(d, d)):item()
+  local den = F.sum(F.mul(w, w)):item()
+  if den == 0 then return math.sqrt(num) end
+  return math.sqrt(num / den)
+end
+local function same_bits(a, b)
+  return table.concat(a:to('cpu'):to('f64'):view(-1):totable(), ',') ==
+      table.concat(b:to('cpu'):to('f64'):view(-1):totable(), ',')
+end
+
+local bound = { f32 = 1e-5, bf16 = 1e-2, f16 = 2e-3, f64 = 1e-12 }
+local seed = 3000
+local function randn(shape, dtype)
+  seed = seed + 1
+  return ms.randn(shape, { seed = seed }):to(dtype or 'f32')
+end
+local function cu(t) return t and t:to('cuda') or nil end
+
+describe('fused kernels #gpu', function()
+  setup(function() assert.is_true(ms.cuda.is_available(), 'no CUDA device') end)
+
+  describe('layer_norm and rms_norm', function()
+    -- rows x C: GPT-2 width, an odd width (scalar path), Llama widths
+    -- (block-wide backward), and one wider than the shared-memory partials
+    local shapes = { { 64, 768 }, { 33, 37 }, { 16, 4096 }, { 9, 8192 }, { 3, 30000 } }
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      for _, sh in ipairs(shapes) do
+        it(('layer_norm forward/backward %s (%d, %d)'):format(dt, sh[1], sh[2]), function()
+          local x, g = randn(sh, dt), randn(sh, dt)
+          local w, b = randn({ sh[2] }, dt), randn({ sh[2] }, dt)
+          local y, mean, rstd = F.native_layer_norm(x, w, b, 1e-5)
+          local yg, meang, rstdg = F.native_layer_norm(cu(x), cu(w), cu(b), 1e-5)
+          assert.are.equal('cuda:0', yg.device)
+          assert.is_true(relerr(yg, y) <= bound[dt], 'y ' .. relerr(yg, y))
+          assert.is_true(relerr(meang, mean) <= 1e-5)
+          assert.is_true(relerr(rstdg, rstd) <= 1e-5)
+          local dx, dw, db = F.native_layer_norm_backward(g, x, mean, rstd, w)
+          local dxg, dwg, dbg = F.native_layer_norm_backward(cu(g), cu(x), meang, rstdg, cu(w))
+          assert.is_true(relerr(dxg, dx) <= bound[dt], 'dx ' .. relerr(dxg, dx))
+          assert.is_true(relerr(dwg, dw) <= bound[dt], 'dw ' .. relerr(dwg, dw))
+          assert.is_true(relerr(dbg, db) <= bound[dt], 'db ' .. relerr(dbg, db))
+          -- deterministic: the same bits again
+          local dx2, dw2, db2 = F.native_layer_norm_backward(cu(g), cu(x), meang, rstdg, cu(w))
+          assert.is_true(same_bits(dxg, dx2) and same_bits(dwg, dw2) and same_bits(dbg, db2))
+        end)
+        it(('rms_norm forward/backward %s (%d, %d)'):format(dt, sh[1], sh[2]), function()
+          local x, g, w = randn(sh, dt), randn(sh, dt), randn({ sh[2] }, dt)
+          local y, rstd = F.native_rms_norm(x, w, 1e-6)
+          local yg, rstdg = F.native_rms_norm(cu(x), cu(w), 1e-6)
+          assert.is_true(relerr(yg, y) <= bound[dt], 'y ' .. relerr(yg, y))
+          assert.is_true(relerr(rstdg, rstd) <= 1e-5)
+          local dx, dw = F.native_rms_norm_backward(g, x, rstd, w)
+          local dxg, dwg = F.native_rms_norm_backward(cu(g), cu(x), rstdg, cu(w))
+          assert.is_true(relerr(dxg, dx) <= bound[dt], 'dx ' .. relerr(dxg, dx))
+          assert.is_true(relerr(dwg, dw) <= bound[dt], 'dw ' .. relerr(dwg, dw))
+          local _, dw2 = F.native_rms_norm_backward(cu(g), cu(x), rstdg, cu(w))
+          assert.is_true(same_bits(dwg, dw2))
+        end)
+      end
+    end
+
+    it('mixed dtypes: f32 residual in, bf16 out (autocast), bf16 gradient in', function()
+      local x, w, b = randn({ 40, 768 }), randn({ 768 }), randn({ 768 })
+      local y = F.native_layer_norm(x, w, b, 1e-5, 'bf16')
+      local yg, meang, rstdg = F.native_layer_norm(cu(x), cu(w), cu(b), 1e-5, 'bf16')
+      assert.are.equal('bf16', yg.dtype)
+      assert.is_true(relerr(yg, y) <= 1e-2)
+      local g = randn({ 40, 768 }, 'bf16')
+      local _, mean, rstd = F.native_layer_norm(x, w, b)
+      local dx = F.native_layer_norm_backward(g, x, mean, rstd, w)
+      local dxg = F.native_layer_norm_backward(cu(g), cu(x), meang, rstdg, cu(w))
+      assert.are.equal('f32', dxg.dtype)
+      assert.is_true(relerr(dxg, dx) <= 1e-5, 'dx ' .. relerr(dxg, dx))
+      local yr = F.native_rms_norm(cu(x), cu(w):to('bf16'), 1e-6, 'bf16')
+      assert.is_true(relerr(yr, F.native_rms_norm(x, w:to('bf16'), 1e-6, 'bf16')) <= 1e-2)
+    end)
+
+    it('f64 on the GPU, and no weight or bias', function()
+      local x, g = randn({ 7, 50 }, 'f64'), randn({ 7, 50 }, 'f64')
+      local y, mean, rstd = F.native_layer_norm(x)
+      local yg, meang, rstdg = F.native_layer_norm(cu(x))
+      assert.is_true(relerr(yg, y) <= 1e-12)
+      local dx, dw, db = F.native_layer_norm_backward(g, x, mean, rstd)
+      local dxg, dwg, dbg = F.native_layer_norm_backward(cu(g), cu(x), meang, rstdg)
+      assert.is_true(relerr(dxg, dx) <= 1e-12 and relerr(dwg, dw) <= 1e-12 and relerr(dbg, db) <= 1e-12)
+    end)
+
+    it('nn.functional nodes and modules: forward and backward match the CPU', function()
+      for _, dt in ipairs({ 'f32', 'bf16' }) do
+        local x = randn({ 2, 9, 64 }, dt)
+        local ln, rms = ms.nn.LayerNorm(64), ms.nn.RMSNorm(64)
+        ms.no_grad(function()
+          F.add_(ln.weight, randn({ 64 })); F.add_(ln.bias, randn({ 64 })); F.add_(rms.weight, randn({ 64 }))
+        end)
+        ln:to(dt); rms:to(dt)
+        local xc = x:requires_grad_()
+        local yc = rms(ln(xc))
+        yc:to('f32'):sum():backward()
+        local ln2, rms2 = ms.nn.LayerNorm(64), ms.nn.RMSNorm(64)
+        ln2:load_state_dict(ln:state_dict()); rms2:load_state_dict(rms:state_dict())
+        ln2:to(dt):to('cuda'); rms2:to(dt):to('cuda')
+        local xg = x:detach():to('cuda'):requires_grad_()
+        local yg = rms2(ln2(xg))
+        yg:to('f32'):sum():backward()
+        assert.is_true(relerr(yg, yc) <= bound[dt])
+        assert.is_true(relerr(xg.grad, xc.grad) <= bound[dt])
+        assert.is_true(relerr(ln2.weight.grad, ln.weight.grad) <= bound[dt])
+        assert.is_true(relerr(ln2.bias.grad, ln.bias.grad) <= bound[dt])
+        assert.is_true(relerr(rms2.weight.grad, rms.weight.grad) <= bound[dt])
+      end
+    end)
+
+    it('a CPU weight with a GPU input is a Lua error naming both devices', function()
+      local ok, err = pcall(F.native_layer_norm, cu(randn({ 4, 8 })), randn({ 8 }))
+      assert.is_false(ok)
+      assert.matches('cpu', err)
+      assert.matches('cuda:0', err)
+    end)
+  end)
+
+  describe('adamw_ and sum_squares', function()
+    for _, c in ipairs({ { 'f32', 'f32' }, { 'f32', 'bf16' }, { 'bf16', 'bf16' }, { 'f64', 'f64' } }) do
+      it(('adamw_ %s parameters, %s gradients: 3 steps equal the CPU reference'):format(c[1], c[2]), function()
+        local n = { 1000, 77, 65536 + 5, 3 }
+        local ps, gs, ms_, vs = {}, {}, {}, {}
+        local sdt = c[1] == 'f64' and 'f64' or 'f32'
+        for i, k in ipairs(n) do
+          ps[i] = randn({ k }, c[1])
+          ms_[i], vs[i] = ms.zeros({ k }, { dtype = sdt }), ms.zeros({ k }, { dtype = sdt })
+        end
+        local gp, gm, gv = {}, {}, {}
+        for i = 1, #n do gp[i], gm[i], gv[i] = cu(ps[i]), cu(ms_[i]), cu(vs[i]) end
+        for step = 1, 3 do
+          for i, k in ipairs(n) do gs[i] = randn({ k }, c[2]) end
+          local gg = {}
+          for i = 1, #n do gg[i] = cu(gs[i]) end
+          F.adamw_(ps, gs, ms_, vs, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
+          F.adamw_(gp, gg, gm, gv, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
+        end
+        local b = c[1] == 'bf16' and 1e-2 or (c[1] == 'f64' and 1e-12 or 1e-5)
+        for i = 1, #n do
+          assert.is_true(relerr(gp[i], ps[i]) <= b, 'p ' .. i .. ' ' .. relerr(gp[i], ps[i]))
+          assert.is_true(relerr(gm[i], ms_[i]) <= math.max(b, 1e-6), 'm ' .. i)
+          assert.is_true(relerr(gv[i], vs[i]) <= math.max(b, 1e-6), 'v ' .. i)
+        end
+      end)
+    end
+
+    it('adamw_ over 130 tensors of mixed dtypes (several launches)', function()
+      local ps, gs, ms_, vs, gp, gg, gm, gv = {}, {}, {}, {}, {}, {}, {}, {}
+      for i = 1, 130 do
+        local k = 10 + (i * 37) % 300
+        ps[i] = randn({ k }, i % 3 == 0 and 'bf16' or 'f32')
+        gs[i] = randn({ k }, i % 2 == 0 and 'bf16' or 'f32')
+        ms_[i], vs[i] = ms.zeros({ k }), ms.zeros({ k })
+        gp[i], gg[i], gm[i], gv[i] = cu(ps[i]), cu(gs[i]), cu(ms_[i]), cu(vs[i])
+      end
+      F.adamw_(ps, gs, ms_, vs, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
+      F.adamw_(gp, gg, gm, gv, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1)
+      for i = 1, 130 do
+        assert.is_true(relerr(gp[i], ps[i]) <= (ps[i].dtype == 'bf16' and 1e-2 or 1e-5), 'tensor ' .. i)
+      end
+    end)
+
+    it('sum_squares over many tensors of mixed dtypes, deterministic', function()
+      local ts, tg = {}, {}
+      for i = 1, 100 do
+        ts[i] = randn({ 1 + (i * 911) % 40000 }, ({ 'f32', 'bf16', 'f64' })[i % 3 + 1])
+        tg[i] = cu(ts[i])
+      end
+      local want = F.sum_squares(ts)
+      local got = F.sum_squares(tg)
+      assert.are.equal('cuda:0', got.device)
+      assert.are.equal('f64', got.dtype)
+      assert.is_true(relerr(got, want) <= 1e-12, relerr(got, want))
+      assert.are.equal(got:item(), F.sum_squares(tg):item())
+    end)
+
+    it('the optimizer steps GPU parameters like CPU ones', function()
+      local function model()
+        ms.manual_seed(5)
+        return ms.nn.Sequential(ms.nn.Linear(16, 32), ms.nn.GELU(), ms.nn.LayerNorm(32), ms.nn.Linear(32, 4))
+      end
+      local mc, mg = model(), model():to('cuda')
+      local oc = ms.optim.AdamW(mc, { lr = 1e-2, weight_decay = 0.1 })
+      local og = ms.optim.AdamW(mg, { lr = 1e-2, weight_decay = 0.1 })
+      local x, y = randn({ 8, 16 }), randn({ 8, 4 })
+      for _ = 1, 5 do
+        for _, pair in ipairs({ { mc, oc, x, y }, { mg, og, cu(x), cu(y) } }) do
+          local m, o = pair[1], pair[2]
+          o:zero_grad()
+          local d = m(pair[3]) - pair[4]
+          ;(d * d):mean():backward()
+          o:step()
+        end
+      end
+      local pc, pg = mc:parameters(), mg:parameters()
+      for i = 1, #pc do assert.is_true(relerr(pg[i], pc[i]) <= 1e-4, 'param ' .. i .. ' ' .. relerr(pg[i], pc[i])) end
+    end)
+  end)
+
+  describe('rope', function()
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      it('forward and backward on a transposed (B, H, T, D) view ' .. dt, function()
+        local q = randn({ 2, 33, 4, 64 }, dt)               -- (B, T, H, D)
+        local g = randn({ 2, 4, 33, 64 }, dt)
+        local cos, sin = nnf.rope_cache(33, 64, 10000, 'f32')
+        local want = F.rope(q:transpose(2, 3), cos, sin)
+        local got = F.rope(cu(q):transpose(2, 3), cu(cos), cu(sin))
+        assert.are.same({ 2, 4, 33, 64 }, got.shape)
+        assert.is_true(relerr(got, want) <= bound[dt], relerr(got, want))
+        local gb = F.rope_backward(cu(g), cu(cos), cu(sin))
+        assert.is_true(relerr(gb, F.rope_backward(g, cos, sin)) <= bound[dt])
+        -- bf16 cos/sin are read as f32
+        local got2 = F.rope(cu(q):transpose(2, 3), cu(cos):to(dt), cu(sin):to(dt))
+        assert.is_true(relerr(got2, F.rope(q:transpose(2, 3), cos:to(dt), sin:to(dt))) <= bound[dt])
+      end)
+    end
+    it('apply_rotary backward on the GPU equals the CPU', function()
+      local x = randn({ 1, 2, 17, 32 }):requires_grad_()
+      local xg = cu(x:detach()):requires_grad_()
+      local cos, sin = nnf.rope_cache(17, 32, 10000, 'f32')
+      local w = randn({ 1, 2, 17, 32 })
+      ;(nnf.apply_rotary(x, cos, sin) * w):sum():backward()
+      ;(nnf.apply_rotary(xg, cu(cos), cu(sin)) * cu(w)):sum():backward()
+      assert.is_true(relerr(xg.grad, x.grad) <= 1e-5)
+    end)
+  end)
+
+  describe('autocast on the GPU', function()
+    local fixtures = T.root .. '/../shared/fixtures'
+    for _, name in ipairs({ 'gpt2-tiny', 'llama-tiny' }) do
+      it(name .. ': f32 master weights, bf16 compute: loss within 1e-2, f32 grads within 3e-2', function()
+        local M = require(name:match('^gpt2') and 'models.gpt2' or 'models.llama')
+        local dir = fixtures .. '/' .. name
+        local model = nnf.set_precision(M.from_pretrained(dir):to('cuda'), { compute = 'bf16' })
+        model:eval()
+        local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+        local loss = model(cu(exp.input_ids), cu(exp.targets))
+        local el = math.abs(loss:item() - exp.loss:item()) / exp.loss:item()
+        assert.is_true(el <= 1e-2, 'loss ' .. el)
+        loss:backward()
+        for pname, p in model:named_parameters() do
+          assert.are.equal('f32', p.grad.dtype, pname)
+          local e = relerr(p.grad, exp['grad.' .. pname])
+          assert.is_true(e <= 3e-2, pname .. ' ' .. e)
+        end
+      end)
+    end
+  end)
+end)
