@@ -15,6 +15,16 @@
  * (weight, ignore_index, label_smoothing, reduction), plus the z-loss and
  * logit softcap of Liger Kernel's LigerFusedLinearCrossEntropyLoss.
  *
+ * Vocabulary-parallel (o->group): the row pass is split in two around the
+ * collectives. vp_rows: the statistics of this rank's classes (dev_vp_stats)
+ * go into st (7, n): max, argmax value, sum-exp, target logit, Σ w z,
+ * target weight, argmax index; (max, argmax value) are all-reduced with
+ * MAX into mx (2, n), each rank rescales its sum-exp to the global max and
+ * keeps its argmax index only if it holds the global best (dev_vp_fix), the
+ * next four rows are all-reduced with SUM and the index with MIN (the first
+ * maximal class, as torch.argmax); dev_vp_grad then computes rows and the
+ * gradient of the local classes from the global statistics.
+ *
  * Threads: the row pass runs rows in parallel (each row by one thread, in
  * index order), the bias column sums run columns in parallel (rows in
  * order), the GEMMs are thread-count independent (core/ops_cpu.c), and the
@@ -22,6 +32,7 @@
  */
 #include "internal.h"
 #include "flce.h"
+#include "dist/comm.h"
 
 #include <math.h>
 #include <omp.h>
@@ -81,11 +92,26 @@ typedef struct flce_job {
     const ms_tensor *cew;    /* (V) contiguous ce_weight (f64 CPU, f32 CUDA) or NULL */
     const ms_tensor *tg;     /* (BT) contiguous targets, i64/i32 */
     const ms_tensor *gs;     /* (1) or (BT) contiguous grad_scale (f64 CPU, f32 CUDA) or NULL */
-    ms_tensor *scal;         /* CUDA: f64 (3) on the device: D, N, Σw */
+    ms_tensor *scal;         /* f64 (3) on x's device: D = Σ_valid w_y, Σw, N = #valid */
     double D, N, wsum;       /* CPU: the same, on the host */
     ms_tensor *rows;         /* (BT, 3): ce_i, zl_i, hit_i (f64 CPU, f32 CUDA) */
     int want_grad;
+    /* vocabulary-parallel: this rank holds classes [v0, v0 + v) of vtot
+     * (v0 = 0, vtot = v otherwise); vst (7·chunk), vmx (2·chunk): the
+     * per-chunk statistics (f64 CPU, f32 CUDA) */
+    struct ms_comm *comm;
+    int64_t v0, vtot;
+    ms_tensor *vst, *vmx;
 } flce_job;
+
+void ms_flce_vocab_shard(int64_t v, int rank, int size, int64_t *start, int64_t *rows) {
+    int64_t per = size > 0 ? (v + size - 1) / size : v;
+    int64_t a = per * rank, b = a + per;
+    if (a > v) a = v;
+    if (b > v) b = v;
+    if (start) *start = a;
+    if (rows) *rows = b - a;
+}
 
 /* ============================================================ CPU steps */
 
@@ -95,27 +121,30 @@ static int64_t target_at(const ms_tensor *tg, int64_t i) {
 }
 
 // targets (BT); ce_weight (V) or none: every target valid or ignored, then
-// D = Σ_valid w_y (N without weights), N = #valid, Σw (V without weights)
+// scal = (D, Σw, N): D = Σ_valid w_y (N without weights), Σw (V without
+// weights), N = #valid. With a vocabulary split, D and Σw are this rank's
+// parts (targets and classes it holds), summed over the group afterwards.
 static int cpu_prep(flce_job *j) {
     const double *w = j->cew ? (const double *)ms_tensor_data(j->cew) : NULL;
     double n = 0, d = 0, ws = 0;
     for (int64_t i = 0; i < j->bt; i++) {
         int64_t y = target_at(j->tg, i);
         if (y == j->o->ignore_index) continue;
-        if (y < 0 || y >= j->v)
+        if (y < 0 || y >= j->vtot)
             return ms_errorf("%s: target %lld at position %lld is out of range for %lld classes (and is not "
-                             "ignore_index = %lld)", OP, (long long)y, (long long)i, (long long)j->v,
+                             "ignore_index = %lld)", OP, (long long)y, (long long)i, (long long)j->vtot,
                              (long long)j->o->ignore_index);
         n += 1;
-        d += w ? w[y] : 1.0;
+        if (y >= j->v0 && y < j->v0 + j->v) d += w ? w[y - j->v0] : 1.0;
     }
     if (w)
         for (int64_t k = 0; k < j->v; k++) ws += w[k];
     else
         ws = (double)j->v;
-    j->N = n;
-    j->D = d;
-    j->wsum = ws;
+    double *sc = ms_tensor_data(j->scal);
+    sc[0] = d;
+    sc[1] = ws;
+    sc[2] = n;
     return 0;
 }
 
@@ -163,8 +192,8 @@ static void cpu_row(const flce_job *j, int64_t i, void *lg, double *z, double *o
         cz = j->N > 0 ? g / j->N : 0.0;
     }
     double zs = o->lse_square_scale;
-    double coef_a = c * ((1 - eps) * wy + (eps / (double)V) * j->wsum) + cz * 2 * zs * lse;
-    double coef_y = c * (1 - eps) * wy, coef_s = c * eps / (double)V;
+    double coef_a = c * ((1 - eps) * wy + (eps / (double)j->vtot) * j->wsum) + cz * 2 * zs * lse;
+    double coef_y = c * (1 - eps) * wy, coef_s = c * eps / (double)j->vtot;
     double smooth = 0;
     for (int64_t k = 0; k < V; k++) {
         double wk = w ? w[k] : 1.0;
@@ -178,7 +207,7 @@ static void cpu_row(const flce_job *j, int64_t i, void *lg, double *z, double *o
         if (dt == MS_F64) ((double *)lg)[k] = d;
         else ((float *)lg)[k] = (float)d;
     }
-    out[0] = (1 - eps) * wy * (lse - z[y]) + (eps / (double)V) * smooth;
+    out[0] = (1 - eps) * wy * (lse - z[y]) + (eps / (double)j->vtot) * smooth;
     out[1] = zs * lse * lse;
     out[2] = am == y ? 1.0 : 0.0;
 }
@@ -216,6 +245,145 @@ static void cpu_colsum(double *acc, const ms_tensor *dl, int dt) {
     }
 }
 
+/* rows of the vocabulary-parallel statistics st (7, n) */
+enum { ST_M = 0, ST_BEST, ST_S, ST_ZY, ST_SWZ, ST_WY, ST_IDX, ST_ROWS };
+
+// z (V) = this rank's logits of row lg with bias and softcap (f64)
+static void cpu_capped(const flce_job *j, const void *lg, double *z) {
+    const void *b = j->bias ? ms_tensor_data(j->bias) : NULL;
+    double s = j->o->softcap;
+    for (int64_t k = 0; k < j->v; k++) {
+        double v = row_value(lg, j->ldt, k) + (b ? row_value(b, j->ldt, k) : 0.0);
+        z[k] = s > 0 ? s * tanh(v / s) : v;
+    }
+}
+
+// this rank's part of token i: lg (V) raw logits -> column r of st (7, n):
+// max, best (the same value on the CPU), Σ exp(z - max), z_y, Σ w z, w_y
+// (0 where this rank does not hold y), global index of the first max
+static void cpu_vp_stats_row(const flce_job *j, int64_t i, const void *lg, double *z, double *st, int64_t n,
+                             int64_t r) {
+    const double *w = j->cew ? (const double *)ms_tensor_data(j->cew) : NULL;
+    int64_t y = target_at(j->tg, i), yl = y - j->v0;
+    double v[ST_ROWS] = {0, 0, 0, 0, 0, 0, INFINITY};
+    if (y != j->o->ignore_index) {
+        cpu_capped(j, lg, z);
+        double m = -INFINITY, se = 0, swz = 0;
+        int64_t am = -1;
+        for (int64_t k = 0; k < j->v; k++)
+            if (z[k] > m) { m = z[k]; am = k; }
+        for (int64_t k = 0; k < j->v; k++) {
+            se += exp(z[k] - m);
+            swz += (w ? w[k] : 1.0) * z[k];
+        }
+        int local = yl >= 0 && yl < j->v;
+        v[ST_M] = v[ST_BEST] = m;
+        v[ST_S] = se;
+        v[ST_ZY] = local ? z[yl] : 0.0;
+        v[ST_SWZ] = swz;
+        v[ST_WY] = local ? (w ? w[yl] : 1.0) : 0.0;
+        v[ST_IDX] = am >= 0 ? (double)(j->v0 + am) : INFINITY;
+    }
+    for (int k = 0; k < ST_ROWS; k++) st[k * n + r] = v[k];
+}
+
+static int cpu_vp_stats(const flce_job *j, const ms_tensor *lg, ms_tensor *st, int64_t row0, int64_t n) {
+    int64_t V = j->v;
+    int es = ms_dtype_size(j->ldt);
+    const char *base = ms_tensor_data(lg);
+    double *sp = ms_tensor_data(st);
+    int failed = 0;
+#pragma omp parallel if (n > 1 && n * V > 32768)
+    {
+        double *z = malloc((size_t)(V > 0 ? V : 1) * sizeof(double));
+        if (!z) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++)
+            if (z) cpu_vp_stats_row(j, row0 + r, base + r * V * es, z, sp, n, r);
+        free(z);
+    }
+    if (failed) return ms_errorf("%s: out of host memory for a row of %lld logits", OP, (long long)V);
+    return 0;
+}
+
+// mx (2, n): the group's max of (max, best); each rank's sum-exp moves to
+// the global max, and its index stays only where it holds the global best
+static void cpu_vp_fix(ms_tensor *st, const ms_tensor *mx, int64_t n) {
+    double *sp = ms_tensor_data(st);
+    const double *mp = ms_tensor_data(mx);
+    for (int64_t r = 0; r < n; r++) {
+        double m = sp[ST_M * n + r];
+        sp[ST_S * n + r] = m == -INFINITY ? 0.0 : sp[ST_S * n + r] * exp(m - mp[r]);
+        if (sp[ST_BEST * n + r] != mp[n + r]) sp[ST_IDX * n + r] = INFINITY;
+    }
+}
+
+// token i from the group's statistics: rows (ce, zl, hit) and, in lg (this
+// rank's V logits), d(g·loss)/d logits
+static void cpu_vp_grad_row(const flce_job *j, int64_t i, void *lg, double *z, const double *st, const double *mx,
+                            int64_t n, int64_t r, double *out) {
+    const ms_flce_opts *o = j->o;
+    const double *w = j->cew ? (const double *)ms_tensor_data(j->cew) : NULL;
+    int64_t y = target_at(j->tg, i);
+    int dt = j->ldt;
+    out[0] = out[1] = out[2] = 0;
+    if (y == o->ignore_index) {
+        if (j->want_grad) memset(lg, 0, (size_t)(j->v * ms_dtype_size(dt)));
+        return;
+    }
+    double eps = o->label_smoothing, zs = o->lse_square_scale, s = o->softcap;
+    double lse = mx[r] + log(st[ST_S * n + r]);
+    double wy = st[ST_WY * n + r];
+    out[0] = (1 - eps) * wy * (lse - st[ST_ZY * n + r]) +
+             (eps / (double)j->vtot) * (j->wsum * lse - st[ST_SWZ * n + r]);
+    out[1] = zs * lse * lse;
+    out[2] = st[ST_IDX * n + r] == (double)y ? 1.0 : 0.0;
+    if (!j->want_grad) return;
+    double g = 1.0;
+    if (j->gs) {
+        const double *gp = ms_tensor_data(j->gs);
+        g = ms_tensor_numel(j->gs) == 1 ? gp[0] : gp[i];
+    }
+    double c = g, cz = g;
+    if (o->reduction == MS_FLCE_MEAN) {
+        c = j->D > 0 ? g / j->D : 0.0;
+        cz = j->N > 0 ? g / j->N : 0.0;
+    }
+    double coef_a = c * ((1 - eps) * wy + (eps / (double)j->vtot) * j->wsum) + cz * 2 * zs * lse;
+    double coef_y = c * (1 - eps) * wy, coef_s = c * eps / (double)j->vtot;
+    cpu_capped(j, lg, z);
+    for (int64_t k = 0; k < j->v; k++) {
+        double d = coef_a * exp(z[k] - lse) - coef_s * (w ? w[k] : 1.0) - (k + j->v0 == y ? coef_y : 0.0);
+        if (s > 0) {
+            double t = z[k] / s;
+            d *= 1 - t * t;
+        }
+        if (dt == MS_F64) ((double *)lg)[k] = d;
+        else ((float *)lg)[k] = (float)d;
+    }
+}
+
+static int cpu_vp_grad(const flce_job *j, ms_tensor *lg, const ms_tensor *st, const ms_tensor *mx, int64_t row0,
+                       int64_t n) {
+    int64_t V = j->v;
+    int es = ms_dtype_size(j->ldt);
+    char *base = ms_tensor_data(lg);
+    const double *sp = ms_tensor_data(st), *mp = ms_tensor_data(mx);
+    double *rows = (double *)ms_tensor_data(j->rows);
+    int failed = 0;
+#pragma omp parallel if (n > 1 && n * V > 32768)
+    {
+        double *z = malloc((size_t)(V > 0 ? V : 1) * sizeof(double));
+        if (!z) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++)
+            if (z) cpu_vp_grad_row(j, row0 + r, base + r * V * es, z, sp, mp, n, r, rows + (row0 + r) * 3);
+        free(z);
+    }
+    if (failed) return ms_errorf("%s: out of host memory for a row of %lld logits", OP, (long long)V);
+    return 0;
+}
+
 // rows (BT, 3) -> loss, z_loss (scalars, or (BT) for 'none'), accuracy
 static int cpu_finish(const flce_job *j, ms_tensor *loss, ms_tensor *z_loss, ms_tensor *acc) {
     const double *rows = ms_tensor_data(j->rows);
@@ -249,27 +417,90 @@ static int cpu_finish(const flce_job *j, ms_tensor *loss, ms_tensor *z_loss, ms_
 
 static int dev_prep(flce_job *j) {
 #ifdef MS_WITH_CUDA
-    if (j->device >= 0) return ms_cuda_flce_prep(j->tg, j->cew, j->v, j->o->ignore_index, j->scal);
+    if (j->device >= 0)
+        return ms_cuda_flce_prep(j->tg, j->cew, j->v0, j->v, j->vtot, j->o->ignore_index, j->scal);
 #endif
     return cpu_prep(j);
 }
 
+#ifdef MS_WITH_CUDA
+static ms_flce_params cuda_params(const flce_job *j, int64_t row0, int64_t n) {
+    ms_flce_params p = {.n = n,
+                        .row0 = row0,
+                        .v = j->v,
+                        .ignore_index = j->o->ignore_index,
+                        .label_smoothing = (float)j->o->label_smoothing,
+                        .lse_square_scale = (float)j->o->lse_square_scale,
+                        .softcap = (float)j->o->softcap,
+                        .reduction = j->o->reduction,
+                        .want_grad = j->want_grad,
+                        .v0 = j->v0,
+                        .vtot = j->vtot};
+    return p;
+}
+#endif
+
 static int dev_rows(flce_job *j, ms_tensor *lg, int64_t row0, int64_t n) {
 #ifdef MS_WITH_CUDA
     if (j->device >= 0) {
-        ms_flce_params p = {.n = n,
-                            .row0 = row0,
-                            .v = j->v,
-                            .ignore_index = j->o->ignore_index,
-                            .label_smoothing = (float)j->o->label_smoothing,
-                            .lse_square_scale = (float)j->o->lse_square_scale,
-                            .softcap = (float)j->o->softcap,
-                            .reduction = j->o->reduction,
-                            .want_grad = j->want_grad};
+        ms_flce_params p = cuda_params(j, row0, n);
         return ms_cuda_flce_rows(lg, j->bias, j->cew, j->tg, j->gs, j->scal, j->rows, &p);
     }
 #endif
     return cpu_rows(j, lg, row0, n);
+}
+
+static int dev_vp_stats(flce_job *j, const ms_tensor *lg, ms_tensor *st, int64_t row0, int64_t n) {
+#ifdef MS_WITH_CUDA
+    if (j->device >= 0) {
+        ms_flce_params p = cuda_params(j, row0, n);
+        return ms_cuda_flce_vp_stats(lg, j->bias, j->cew, j->tg, st, &p);
+    }
+#endif
+    return cpu_vp_stats(j, lg, st, row0, n);
+}
+
+static int dev_vp_fix(ms_tensor *st, const ms_tensor *mx, int64_t n) {
+#ifdef MS_WITH_CUDA
+    if (st->device_id >= 0) return ms_cuda_flce_vp_fix(st, mx);
+#endif
+    cpu_vp_fix(st, mx, n);
+    return 0;
+}
+
+static int dev_vp_grad(flce_job *j, ms_tensor *lg, const ms_tensor *st, const ms_tensor *mx, int64_t row0, int64_t n) {
+#ifdef MS_WITH_CUDA
+    if (j->device >= 0) {
+        ms_flce_params p = cuda_params(j, row0, n);
+        return ms_cuda_flce_vp_grad(lg, j->bias, j->cew, j->tg, j->gs, j->scal, st, mx, j->rows, &p);
+    }
+#endif
+    return cpu_vp_grad(j, lg, st, mx, row0, n);
+}
+
+/* the vocabulary-parallel row pass of one chunk (see the top of this file):
+ * local statistics, three all-reduces of a few values per token, gradient */
+static int vp_rows(flce_job *j, ms_tensor *lg, int64_t row0, int64_t n) {
+    ms_tensor *st = NULL, *mx = NULL, *top = NULL, *sums = NULL, *idx = NULL;
+    int64_t s7[2] = {ST_ROWS, n}, s2[2] = {2, n}, stride[2] = {n, 1};
+    int rc = ms_tensor_as_strided(&st, j->vst, 2, s7, stride, j->vst->offset);
+    if (!rc) rc = ms_tensor_as_strided(&mx, j->vmx, 2, s2, stride, j->vmx->offset);
+    if (!rc) rc = ms_tensor_narrow(&top, st, 0, ST_M, 2);
+    if (!rc) rc = ms_tensor_narrow(&sums, st, 0, ST_S, 4);
+    if (!rc) rc = ms_tensor_narrow(&idx, st, 0, ST_IDX, 1);
+    if (!rc) rc = dev_vp_stats(j, lg, st, row0, n);
+    if (!rc) rc = ms_tensor_copy_(mx, top);
+    if (!rc) rc = ms_comm_all_reduce(NULL, j->comm, mx, MS_REDUCE_MAX);
+    if (!rc) rc = dev_vp_fix(st, mx, n);
+    if (!rc) rc = ms_comm_all_reduce(NULL, j->comm, sums, MS_REDUCE_SUM);
+    if (!rc) rc = ms_comm_all_reduce(NULL, j->comm, idx, MS_REDUCE_MIN);
+    if (!rc) rc = dev_vp_grad(j, lg, st, mx, row0, n);
+    ms_tensor_free(st);
+    ms_tensor_free(mx);
+    ms_tensor_free(top);
+    ms_tensor_free(sums);
+    ms_tensor_free(idx);
+    return rc;
 }
 
 /* out = alpha·op(a)@op(b) + beta·out; out may be f32 with bf16/f16
@@ -324,7 +555,21 @@ static int check_args(const ms_flce_opts *o, const ms_tensor *x, const ms_tensor
     if (w->sizes[1] != x->sizes[1])
         return ms_errorf("%s: x %s and W %s differ in the hidden size (%lld vs %lld)", OP, ms_desc(x, a, sizeof a),
                          ms_desc(w, b, sizeof b), (long long)x->sizes[1], (long long)w->sizes[1]);
-    if (w->sizes[0] < 1) return ms_errorf("%s: W %s has no classes", OP, ms_desc(w, a, sizeof a));
+    if (o->group) {
+        int gdev = ms_comm_device(o->group);
+        if (gdev != x->device_id)
+            return ms_errorf("%s: the group's collectives run on %s but x is %s (MPI groups take CPU tensors, NCCL "
+                             "groups those of their GPU)", OP, gdev < 0 ? "the CPU" : "a GPU", ms_desc(x, a, sizeof a));
+        if (o->vocab_size < 1 || o->vocab_start < 0 || o->vocab_start + w->sizes[0] > o->vocab_size)
+            return ms_errorf("%s: W %s holds classes [%lld, %lld), not within a vocabulary of %lld", OP,
+                             ms_desc(w, a, sizeof a), (long long)o->vocab_start,
+                             (long long)(o->vocab_start + w->sizes[0]), (long long)o->vocab_size);
+        if (x->device_id >= 0 && o->vocab_size >= ((int64_t)1 << 24))
+            return ms_errorf("%s: a vocabulary of %lld classes is too large for the vocabulary-parallel mode on "
+                             "cuda (class ids travel as f32)", OP, (long long)o->vocab_size);
+    } else if (w->sizes[0] < 1) {
+        return ms_errorf("%s: W %s has no classes", OP, ms_desc(w, a, sizeof a));
+    }
     if (tg->dtype_id != MS_I64 && tg->dtype_id != MS_I32)
         return ms_errorf("%s: targets must be i64 or i32 class ids, got %s", OP, ms_desc(tg, a, sizeof a));
     if (tg->ndim != 1 || tg->sizes[0] != x->sizes[0])
@@ -405,8 +650,10 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
     if (device < 0) acc_dt = ldt; /* the CPU computes bf16/f16 in f32 anyway */
     const int want_grad = grad_x || grad_w || grad_bias;
 
-    flce_job j = {.o = opts, .bt = BT, .h = H, .v = V, .device = device, .ldt = ldt, .want_grad = want_grad};
-    ms_tensor *owned[12] = {NULL};
+    flce_job j = {.o = opts, .bt = BT, .h = H, .v = V, .device = device, .ldt = ldt, .want_grad = want_grad,
+                  .comm = opts->group, .v0 = opts->group ? opts->vocab_start : 0,
+                  .vtot = opts->group ? opts->vocab_size : V};
+    ms_tensor *owned[20] = {NULL};
     int nowned = 0;
 #define OWN(t) (owned[nowned++] = (t))
     ms_tensor *tmp = NULL, *lbuf = NULL, *gx = NULL, *gw_acc = NULL, *gb_acc = NULL;
@@ -465,12 +712,23 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
     int64_t rshape[2] = {BT, 3};
     if (ms_tensor_empty(&j.rows, 2, rshape, sdt, device)) goto done;
     OWN(j.rows);
-    if (device >= 0) {
-        int64_t three = 3;
-        if (ms_tensor_empty(&j.scal, 1, &three, MS_F64, device)) goto done;
-        OWN(j.scal);
-    }
+    int64_t three = 3;
+    if (ms_tensor_empty(&j.scal, 1, &three, MS_F64, device)) goto done;
+    OWN(j.scal);
     if (dev_prep(&j)) goto done;
+    if (j.comm) { /* D and Σw from every rank's classes */
+        ms_tensor *part = NULL;
+        int r = ms_tensor_narrow(&part, j.scal, 0, 0, 2);
+        if (!r) r = ms_comm_all_reduce(NULL, j.comm, part, MS_REDUCE_SUM);
+        ms_tensor_free(part);
+        if (r) goto done;
+    }
+    if (device < 0) {
+        const double *sc = ms_tensor_data(j.scal);
+        j.D = sc[0];
+        j.wsum = sc[1];
+        j.N = sc[2];
+    }
 
     /* gradient destinations: grad_x rows are written chunk by chunk (in the
      * logits dtype when that differs: CPU bf16/f16); grad_W and grad_bias
@@ -507,10 +765,20 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
     }
 
     /* the chunk loop */
-    int64_t chunk = ms_flce_chunk_rows(opts, BT, H, V, xdt, device);
+    /* the same chunks on every rank of a group (their collectives must
+     * match): from the classes per rank, not from this rank's count */
+    int64_t vchunk = j.comm ? (j.vtot + ms_comm_size(j.comm) - 1) / ms_comm_size(j.comm) : V;
+    int64_t chunk = ms_flce_chunk_rows(opts, BT, H, vchunk, xdt, device);
     int64_t bshape[2] = {chunk, V};
     if (BT > 0 && ms_tensor_empty(&lbuf, 2, bshape, ldt, device)) goto done;
     if (lbuf) OWN(lbuf);
+    if (j.comm && BT > 0) {
+        int64_t n7 = ST_ROWS * chunk, n2 = 2 * chunk;
+        if (ms_tensor_empty(&j.vst, 1, &n7, sdt, device)) goto done;
+        OWN(j.vst);
+        if (ms_tensor_empty(&j.vmx, 1, &n2, sdt, device)) goto done;
+        OWN(j.vmx);
+    }
     if (BT == 0 && grad_w && ms_fill_(gw_acc, 0.0)) goto done;
     if (BT == 0 && gb_acc && device >= 0 && ms_fill_(gb_acc, 0.0)) goto done;
     for (int64_t r0 = 0; r0 < BT; r0 += chunk) {
@@ -519,7 +787,7 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
         rc = ms_tensor_narrow(&lg, lbuf, 0, 0, n);
         if (!rc) rc = ms_tensor_narrow(&xc, j.x, 0, r0, n);
         if (!rc) rc = dev_gemm(lg, xc, j.w, 0, 1, 0.0);                 /* logits (n, V) = x_c Wᵀ */
-        if (!rc) rc = dev_rows(&j, lg, r0, n);                          /* -> dlogits, rows */
+        if (!rc) rc = j.comm ? vp_rows(&j, lg, r0, n) : dev_rows(&j, lg, r0, n); /* -> dlogits, rows */
         if (!rc && gx) {
             rc = ms_tensor_narrow(&gxc, gx, 0, r0, n);
             if (!rc) rc = dev_gemm(gxc, lg, j.w, 0, 0, 0.0);            /* grad_x (n, H) = dl W */
@@ -552,6 +820,13 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
 #endif
         if (cpu_finish(&j, loss ? *loss : NULL, z_loss ? *z_loss : NULL, accuracy ? *accuracy : NULL))
         goto done;
+    if (j.comm && gx) { /* every rank's classes' part of grad_x */
+        if (!ms_tensor_is_contiguous(gx)) {
+            ms_errorf("%s: grad_x must be contiguous in the vocabulary-parallel mode", OP);
+            goto done;
+        }
+        if (ms_comm_all_reduce(NULL, j.comm, gx, MS_REDUCE_SUM)) goto done;
+    }
     if (grad_x && gx != *grad_x && ms_tensor_copy_(*grad_x, gx)) goto done;
     if (late_w && prepare(grad_w, 2, w->sizes, w->dtype_id, device, &al[4])) goto done;
     if (grad_w && gw_acc != *grad_w && ms_tensor_copy_(*grad_w, gw_acc)) goto done;

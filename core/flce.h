@@ -76,6 +76,11 @@ typedef struct ms_flce_opts {
     int64_t chunk_size;       /* rows per chunk; 0: from memory_budget */
     int64_t memory_budget;    /* bytes of the chunk's logits; 0: the default
                                  (ms_flce_chunk_rows) */
+    /* vocabulary-parallel (group != NULL, see below): W, bias and ce_weight
+       hold the classes [vocab_start, vocab_start + V) of vocab_size */
+    struct ms_comm *group;
+    int64_t vocab_start;
+    int64_t vocab_size;
 } ms_flce_opts;
 
 void ms_flce_opts_init(ms_flce_opts *o);
@@ -88,8 +93,25 @@ void ms_flce_opts_init(ms_flce_opts *o);
  * Clamped to [1, BT]; on CUDA rounded down to a multiple of 128 when larger. */
 int64_t ms_flce_chunk_rows(const ms_flce_opts *o, int64_t bt, int64_t h, int64_t v, int dtype, int device);
 
+/* the classes [*start, *start + *rows) of a vocabulary of v held by group
+ * rank `rank` of `size` in the vocabulary-parallel mode: ceil(v / size) rows
+ * per rank, the last ranks fewer (possibly none) — the flat-parameter rule,
+ * right-padded to a multiple of the group size, applied to whole rows */
+void ms_flce_vocab_shard(int64_t v, int rank, int size, int64_t *start, int64_t *rows);
+
 /* x (BT, H), w (V, H), targets (BT) i64/i32; bias (V), ce_weight (V) float,
- * grad_scale (1) or (BT): optional (NULL). See the top of this file. */
+ * grad_scale (1) or (BT): optional (NULL). See the top of this file.
+ *
+ * Vocabulary-parallel mode (o->group set, a process group of core/dist/comm.h
+ * on x's device: MPI for CPU tensors, NCCL for CUDA ones): every rank of the
+ * group calls with the same x, targets (ids in [0, vocab_size)) and options,
+ * and its own rows of W (V = its row count, 0 allowed), bias and ce_weight.
+ * Per chunk, each rank's row statistics (max and sum-exp, target logit,
+ * Σ w·z, the target's weight, argmax) are combined with three all-reduces
+ * (max, sum, min) of a few values per token, so loss, z-loss and accuracy
+ * are those of the full vocabulary, identical on every rank; grad_W and
+ * grad_bias are this rank's rows; grad_x is all-reduced (summed) at the end,
+ * complete on every rank. */
 int ms_flce(const ms_flce_opts *o, const ms_tensor *x, const ms_tensor *w, const ms_tensor *targets,
             const ms_tensor *bias, const ms_tensor *ce_weight, const ms_tensor *grad_scale,
             ms_tensor **loss, ms_tensor **z_loss, ms_tensor **accuracy,

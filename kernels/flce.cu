@@ -37,6 +37,8 @@ extern "C" {
 
 #include <limits.h>
 
+#include <type_traits>
+
 // ---------------------------------------------------------------- kernels
 
 namespace {
@@ -81,36 +83,25 @@ __device__ __forceinline__ void merge_argmax(float &b, int &i, float b2, int i2)
     }
 }
 
-// One block per token of the chunk. Row r of `logits` (V) holds x_i·Wᵀ on
-// entry and d(Σ grad_scale·loss)/d logits on exit (want_grad); rows[i] gets
-// (ce_i, zl_i, hit_i). scal: Σ_valid w_y, #valid, Σ w (flce_prep_kernel).
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kRowThreads)
-flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int tdt, const float *gs,
-                 int gs_per_row, const double *scal, float *rows, ms_flce_params p) {
-    const long long r = blockIdx.x, i = p.row0 + r;
-    const int V = (int)p.v;
-    T *row = logits + r * p.v;
-    const long long y = target_at(tg, tdt, i);
-    const bool valid = y != p.ignore_index && y >= 0 && y < p.v;
-    if (!valid) {  // ignored (or flagged by prep): no loss, no gradient
-        if (p.want_grad) {
-            Pack<T, VEC> zero;
-#pragma unroll
-            for (int e = 0; e < VEC; e++) ms_st(&zero.v[e], 0.0f);
-            for (int k = threadIdx.x * VEC; k < V; k += blockDim.x * VEC) *(Pack<T, VEC> *)(row + k) = zero;
-        }
-        if (threadIdx.x == 0) rows[3 * i] = rows[3 * i + 1] = rows[3 * i + 2] = 0.0f;
-        return;
-    }
-    const float cap = p.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
-    const float eps = p.label_smoothing;
-    __shared__ float s_m[32], s_s[32], s_b[32], s_w[32], s_zy;
-    __shared__ int s_i[32];
+// What one thread (then, reduced, one block) knows of its row after pass 1.
+struct RowStat {
+    float m;    // max of u = z·log2 e (base 2)
+    float s;    // Σ 2^(u - m)
+    float best; // max z
+    int idx;    // the first index of best (INT_MAX: none seen)
+    float swz;  // Σ w z (label smoothing only)
+    float zy;   // z of the target (0 where the target is not among the row's classes; summed)
+};
 
-    // pass 1: online max / sum-exp (base 2), first argmax, Σ w z, z_y
-    float m = -INFINITY, s = 0.0f, best = -INFINITY, swz = 0.0f;
-    int bidx = INT_MAX;
+__device__ __forceinline__ RowStat row_stat_empty() { return RowStat{-INFINITY, 0.0f, -INFINITY, INT_MAX, 0.0f, 0.0f}; }
+
+// pass 1 over a row of V classes (bias and softcap applied): this thread's
+// elements. yl: the target's index among these classes (any other value:
+// not here).
+template <typename T, int VEC>
+__device__ __forceinline__ RowStat row_pass1(const T *row, const T *bias, const float *cew, int V, long long yl,
+                                             float cap, float inv_cap, bool smooth) {
+    RowStat st = row_stat_empty();
     for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
         Pack<T, VEC> pk = *(const Pack<T, VEC> *)(row + k0);
         float u[VEC];
@@ -120,99 +111,211 @@ flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int
             float z = ms_ld(&pk.v[e]);
             if (bias) z += ms_ld(bias + k0 + e);
             if (cap > 0) z = cap * tanhf(z * inv_cap);
-            if (z > best) {
-                best = z;
-                bidx = k0 + e;
+            if (z > st.best) {
+                st.best = z;
+                st.idx = k0 + e;
             }
-            if (eps > 0) swz += (cew ? cew[k0 + e] : 1.0f) * z;
-            if (k0 + e == y) s_zy = z;
+            if (smooth) st.swz += (cew ? cew[k0 + e] : 1.0f) * z;
+            if (k0 + e == yl) st.zy = z;
             u[e] = z * kLog2e;
             vmax = fmaxf(vmax, u[e]);
         }
-        float mm = fmaxf(m, vmax);
+        float mm = fmaxf(st.m, vmax);
         if (mm == -INFINITY) continue;
-        float acc = s * exp2f(m - mm);
+        float acc = st.s * exp2f(st.m - mm);
 #pragma unroll
         for (int e = 0; e < VEC; e++) acc += exp2f(u[e] - mm);
-        s = acc;
-        m = mm;
+        st.s = acc;
+        st.m = mm;
     }
-    // block reduction: warp butterflies, then warp 0 over the warps
+    return st;
+}
+
+__device__ __forceinline__ void warp_merge(RowStat &a) {
     for (int off = 16; off > 0; off >>= 1) {
-        merge_sumexp(m, s, __shfl_xor_sync(kFull, m, off), __shfl_xor_sync(kFull, s, off));
-        merge_argmax(best, bidx, __shfl_xor_sync(kFull, best, off), __shfl_xor_sync(kFull, bidx, off));
-        swz += __shfl_xor_sync(kFull, swz, off);
+        merge_sumexp(a.m, a.s, __shfl_xor_sync(kFull, a.m, off), __shfl_xor_sync(kFull, a.s, off));
+        merge_argmax(a.best, a.idx, __shfl_xor_sync(kFull, a.best, off), __shfl_xor_sync(kFull, a.idx, off));
+        a.swz += __shfl_xor_sync(kFull, a.swz, off);
+        a.zy += __shfl_xor_sync(kFull, a.zy, off);
     }
+}
+
+// the block's statistics of its row, in every thread (warp butterflies,
+// then warp 0 over the warps: a fixed order, the same bits on every run);
+// called once per kernel
+__device__ RowStat block_reduce_row(RowStat st) {
+    __shared__ RowStat sh[32];
+    warp_merge(st);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-    if (lane == 0) {
-        s_m[warp] = m;
-        s_s[warp] = s;
-        s_b[warp] = best;
-        s_i[warp] = bidx;
-        s_w[warp] = swz;
-    }
+    if (lane == 0) sh[warp] = st;
     __syncthreads();
     if (warp == 0) {
-        m = lane < nwarps ? s_m[lane] : -INFINITY;
-        s = lane < nwarps ? s_s[lane] : 0.0f;
-        best = lane < nwarps ? s_b[lane] : -INFINITY;
-        bidx = lane < nwarps ? s_i[lane] : INT_MAX;
-        swz = lane < nwarps ? s_w[lane] : 0.0f;
-        for (int off = 16; off > 0; off >>= 1) {
-            merge_sumexp(m, s, __shfl_xor_sync(kFull, m, off), __shfl_xor_sync(kFull, s, off));
-            merge_argmax(best, bidx, __shfl_xor_sync(kFull, best, off), __shfl_xor_sync(kFull, bidx, off));
-            swz += __shfl_xor_sync(kFull, swz, off);
-        }
-        if (lane == 0) {
-            s_m[0] = m;
-            s_s[0] = s;
-            s_i[0] = bidx;
-            s_w[0] = swz;
-        }
+        st = lane < nwarps ? sh[lane] : row_stat_empty();
+        warp_merge(st);
+        if (lane == 0) sh[0] = st;
     }
     __syncthreads();
-    const float lse2 = s_m[0] + log2f(s_s[0]), lse = lse2 * kLn2;
+    return sh[0];
+}
 
-    // coefficients of d(g·loss)/dz_j = A·p_j - S·w_j - [j == y]·Y
-    const double D = scal[0], N = scal[1], wsum = scal[2];
-    const float wy = cew ? cew[y] : 1.0f;
-    const float g = gs ? gs[gs_per_row ? i : 0] : 1.0f;
+// d(g·loss)/dz_j = a·p_j - s·w_j - [j == y]·y, from scal = (D, Σw, N)
+struct Coefs {
+    float a, s, y;
+};
+
+__device__ __forceinline__ Coefs row_coefs(const ms_flce_params &p, const double *scal, float g, float wy, float lse) {
+    const double D = scal[0], wsum = scal[1], N = scal[2];
     float c = g, cz = g;
     if (p.reduction == MS_FLCE_MEAN) {
         c = D > 0 ? (float)(g / D) : 0.0f;
         cz = N > 0 ? (float)(g / N) : 0.0f;
     }
-    const float zs = p.lse_square_scale, inv_v = 1.0f / (float)p.v;
-    if (threadIdx.x == 0) {
-        float ce = (1 - eps) * wy * (lse - s_zy) + eps * inv_v * ((float)wsum * lse - s_w[0]);
-        rows[3 * i] = ce;
-        rows[3 * i + 1] = zs * lse * lse;
-        rows[3 * i + 2] = s_i[0] == y ? 1.0f : 0.0f;
-    }
-    if (!p.want_grad) return;
-    const float coef_a = c * ((1 - eps) * wy + eps * inv_v * (float)wsum) + cz * 2 * zs * lse;
-    const float coef_y = c * (1 - eps) * wy, coef_s = c * eps * inv_v;
+    const float eps = p.label_smoothing, inv_v = 1.0f / (float)p.vtot;
+    Coefs k;
+    k.a = c * ((1 - eps) * wy + eps * inv_v * (float)wsum) + cz * 2 * p.lse_square_scale * lse;
+    k.y = c * (1 - eps) * wy;
+    k.s = c * eps * inv_v;
+    return k;
+}
 
-    // pass 2: the gradient, in place
+// ce_i = (1-ε)·w_y·(lse - z_y) + (ε/V)·(Σw·lse - Σ w z)
+__device__ __forceinline__ float row_ce(const ms_flce_params &p, float wsum, float wy, float lse, float zy, float swz) {
+    const float eps = p.label_smoothing;
+    return (1 - eps) * wy * (lse - zy) + eps / (float)p.vtot * (wsum * lse - swz);
+}
+
+// pass 2: the row's logits become the gradient, in place
+template <typename T, int VEC>
+__device__ __forceinline__ void row_pass2(T *row, const T *bias, const float *cew, int V, long long yl, float cap,
+                                          float inv_cap, float lse2, const Coefs &k) {
     for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
         Pack<T, VEC> pk = *(const Pack<T, VEC> *)(row + k0);
 #pragma unroll
         for (int e = 0; e < VEC; e++) {
-            const int k = k0 + e;
+            const int j = k0 + e;
             float z = ms_ld(&pk.v[e]), t = 0.0f;
-            if (bias) z += ms_ld(bias + k);
+            if (bias) z += ms_ld(bias + j);
             if (cap > 0) {
                 t = tanhf(z * inv_cap);
                 z = cap * t;
             }
-            float d = coef_a * exp2f(z * kLog2e - lse2);
-            if (coef_s != 0.0f) d -= coef_s * (cew ? cew[k] : 1.0f);
-            if (k == y) d -= coef_y;
+            float d = k.a * exp2f(z * kLog2e - lse2);
+            if (k.s != 0.0f) d -= k.s * (cew ? cew[j] : 1.0f);
+            if (j == yl) d -= k.y;
             if (cap > 0) d *= 1.0f - t * t;
             ms_st(&pk.v[e], d);
         }
         *(Pack<T, VEC> *)(row + k0) = pk;
     }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void row_zero(T *row, int V) {
+    Pack<T, VEC> zero;
+#pragma unroll
+    for (int e = 0; e < VEC; e++) ms_st(&zero.v[e], 0.0f);
+    for (int k = threadIdx.x * VEC; k < V; k += blockDim.x * VEC) *(Pack<T, VEC> *)(row + k) = zero;
+}
+
+__device__ __forceinline__ bool target_valid(const ms_flce_params &p, long long y) {
+    return y != p.ignore_index && y >= 0 && y < p.vtot;
+}
+
+// One block per token of the chunk. Row r of `logits` (V) holds x_i·Wᵀ on
+// entry and d(Σ grad_scale·loss)/d logits on exit (want_grad); rows[i] gets
+// (ce_i, zl_i, hit_i). scal: (D, Σw, N) from flce_prep_kernel.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRowThreads)
+flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int tdt, const float *gs,
+                 int gs_per_row, const double *scal, float *rows, ms_flce_params p) {
+    const long long r = blockIdx.x, i = p.row0 + r;
+    const int V = (int)p.v;
+    T *row = logits + r * p.v;
+    const long long y = target_at(tg, tdt, i);
+    if (!target_valid(p, y)) {  // ignored (or flagged by prep): no loss, no gradient
+        if (p.want_grad) row_zero<T, VEC>(row, V);
+        if (threadIdx.x == 0) rows[3 * i] = rows[3 * i + 1] = rows[3 * i + 2] = 0.0f;
+        return;
+    }
+    const float cap = p.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
+    const RowStat st = block_reduce_row(row_pass1<T, VEC>(row, bias, cew, V, y, cap, inv_cap, p.label_smoothing > 0));
+    const float lse2 = st.m + log2f(st.s), lse = lse2 * kLn2;
+    const float wy = cew ? cew[y] : 1.0f;
+    if (threadIdx.x == 0) {
+        rows[3 * i] = row_ce(p, (float)scal[1], wy, lse, st.zy, st.swz);
+        rows[3 * i + 1] = p.lse_square_scale * lse * lse;
+        rows[3 * i + 2] = st.idx == y ? 1.0f : 0.0f;
+    }
+    if (!p.want_grad) return;
+    const float g = gs ? gs[gs_per_row ? i : 0] : 1.0f;
+    row_pass2<T, VEC>(row, bias, cew, V, y, cap, inv_cap, lse2, row_coefs(p, scal, g, wy, lse));
+}
+
+// Vocabulary-parallel, step 1: this rank's statistics of each row into
+// st (7, n): m (base 2), best, s, z_y, Σ w z, w_y (0 when the target is
+// another rank's), the global index of the first best (+inf: none).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRowThreads)
+flce_vp_stats_kernel(const T *logits, const T *bias, const float *cew, const void *tg, int tdt, float *st,
+                     ms_flce_params p) {
+    const long long r = blockIdx.x, i = p.row0 + r, n = p.n;
+    const long long y = target_at(tg, tdt, i), yl = y - p.v0;
+    float v[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, INFINITY};
+    if (target_valid(p, y)) {  // the same rows on every rank: ignored ones stay zeros
+        const float cap = p.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
+        const RowStat s = block_reduce_row(
+            row_pass1<T, VEC>(logits + r * p.v, bias, cew, (int)p.v, yl, cap, inv_cap, p.label_smoothing > 0));
+        const bool local = yl >= 0 && yl < p.v;
+        v[0] = s.m;
+        v[1] = s.best;
+        v[2] = s.s;
+        v[3] = s.zy;
+        v[4] = s.swz;
+        v[5] = local ? (cew ? cew[yl] : 1.0f) : 0.0f;
+        v[6] = s.idx == INT_MAX ? INFINITY : (float)(p.v0 + s.idx);
+    }
+    if (threadIdx.x == 0)
+        for (int k = 0; k < 7; k++) st[k * n + r] = v[k];
+}
+
+// step 2, after the MAX all-reduce of st's first two rows into mx: each
+// rank's sum-exp moves to the group's max; its index stays only where it
+// holds the group's best (then the MIN all-reduce picks the first one)
+__global__ void flce_vp_fix_kernel(float *st, const float *mx, long long n) {
+    for (long long r = blockIdx.x * (long long)blockDim.x + threadIdx.x; r < n; r += (long long)gridDim.x * blockDim.x) {
+        const float m = st[r];
+        st[2 * n + r] = m == -INFINITY ? 0.0f : st[2 * n + r] * exp2f(m - mx[r]);
+        if (st[n + r] != mx[n + r]) st[6 * n + r] = INFINITY;
+    }
+}
+
+// step 3, after the SUM (rows 2..5) and MIN (row 6) all-reduces: rows and
+// this rank's part of the gradient, from the group's statistics
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kRowThreads)
+flce_vp_grad_kernel(T *logits, const T *bias, const float *cew, const void *tg, int tdt, const float *gs,
+                    int gs_per_row, const double *scal, const float *st, const float *mx, float *rows,
+                    ms_flce_params p) {
+    const long long r = blockIdx.x, i = p.row0 + r, n = p.n;
+    const int V = (int)p.v;
+    T *row = logits + r * p.v;
+    const long long y = target_at(tg, tdt, i);
+    if (!target_valid(p, y)) {
+        if (p.want_grad) row_zero<T, VEC>(row, V);
+        if (threadIdx.x == 0) rows[3 * i] = rows[3 * i + 1] = rows[3 * i + 2] = 0.0f;
+        return;
+    }
+    const float lse2 = mx[r] + log2f(st[2 * n + r]), lse = lse2 * kLn2;
+    const float wy = st[5 * n + r];
+    if (threadIdx.x == 0) {
+        rows[3 * i] = row_ce(p, (float)scal[1], wy, lse, st[3 * n + r], st[4 * n + r]);
+        rows[3 * i + 1] = p.lse_square_scale * lse * lse;
+        rows[3 * i + 2] = st[6 * n + r] == (float)y ? 1.0f : 0.0f;
+    }
+    if (!p.want_grad) return;
+    const float cap = p.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
+    const float g = gs ? gs[gs_per_row ? i : 0] : 1.0f;
+    row_pass2<T, VEC>(row, bias, cew, V, y - p.v0, cap, inv_cap, lse2, row_coefs(p, scal, g, wy, lse));
 }
 
 // sum of a double over one block, in a fixed order; the result in thread 0
@@ -230,21 +333,22 @@ __device__ double block_sum(double v, double *sh) {
     return v;
 }
 
-// one block: scal = (Σ_valid w_y, #valid, Σ_k w_k); bad targets flagged
+// one block: scal = (Σ w_y over valid targets among the classes [v0, v0+v),
+// Σ_k w_k, #valid); targets outside [0, vtot) flagged
 __global__ void __launch_bounds__(kOneBlock)
-flce_prep_kernel(const void *tg, int tdt, long long bt, const float *cew, long long v, long long ignore,
-                 double *scal, ms_device_flag *flag) {
+flce_prep_kernel(const void *tg, int tdt, long long bt, const float *cew, long long v0, long long v, long long vtot,
+                 long long ignore, double *scal, ms_device_flag *flag) {
     __shared__ double sh[32];
     double d = 0, n = 0, ws = 0;
     for (long long i = threadIdx.x; i < bt; i += blockDim.x) {
         long long y = target_at(tg, tdt, i);
         if (y == ignore) continue;
-        if (y < 0 || y >= v) {
-            flce_flag_bad(flag, i, y, v);
+        if (y < 0 || y >= vtot) {
+            flce_flag_bad(flag, i, y, vtot);
             continue;
         }
         n += 1;
-        d += cew ? (double)cew[y] : 1.0;
+        if (y >= v0 && y < v0 + v) d += cew ? (double)cew[y - v0] : 1.0;
     }
     if (cew)
         for (long long k = threadIdx.x; k < v; k += blockDim.x) ws += cew[k];
@@ -253,8 +357,8 @@ flce_prep_kernel(const void *tg, int tdt, long long bt, const float *cew, long l
     ws = block_sum(ws, sh);
     if (threadIdx.x == 0) {
         scal[0] = d;
-        scal[1] = n;
-        scal[2] = cew ? ws : (double)v;
+        scal[1] = cew ? ws : (double)v;
+        scal[2] = n;
     }
 }
 
@@ -289,7 +393,7 @@ flce_finish_kernel(const float *rows, long long bt, const double *scal, int redu
     z = block_sum(z, sh);
     hit = block_sum(hit, sh);
     if (threadIdx.x != 0) return;
-    const double D = scal[0], N = scal[1];
+    const double D = scal[0], N = scal[2];
     if (reduction == MS_FLCE_MEAN) {
         ce = D > 0 ? ce / D : 0.0;
         z = N > 0 ? z / N : 0.0;
@@ -317,26 +421,29 @@ __global__ void flce_scale_kernel(T *t, long long n, const void *g, int gdt) {
 namespace {
 
 template <typename T>
-int launch_rows(ms_tensor *lg, const ms_tensor *bias, const ms_tensor *cew, const ms_tensor *tg,
-                const ms_tensor *gs, const ms_tensor *scal, ms_tensor *rows, const ms_flce_params *p,
-                cudaStream_t st) {
+struct tag {
+    using type = T;
+};
+
+// f(tag<T>{}) for the float dtypes the row pass takes
+template <typename F>
+int by_dtype(int dtype, F f) {
+    switch (dtype) {
+    case MS_F32: return f(tag<float>{});
+    case MS_BF16: return f(tag<__nv_bfloat16>{});
+    case MS_F16: return f(tag<__half>{});
+    default: return ms_errorf("flce: dtype %s is not supported on cuda", ms_dtype_name(dtype));
+    }
+}
+
+// launch(vec) with vec = std::integral_constant<int, VEC>: 16-byte loads
+// when every row starts 16-byte aligned (V a multiple of VEC), else one
+// element at a time
+template <typename T, typename L>
+int row_launch(const ms_tensor *lg, const ms_flce_params *p, L launch) {
     constexpr int VEC = 16 / sizeof(T);
-    T *l = (T *)ms_tensor_data(lg);
-    const T *b = bias ? (const T *)ms_tensor_data(bias) : nullptr;
-    const float *w = cew ? (const float *)ms_tensor_data(cew) : nullptr;
-    const float *g = gs ? (const float *)ms_tensor_data(gs) : nullptr;
-    int per_row = gs && ms_tensor_numel(gs) > 1;
-    bool vec = p->v % VEC == 0 && ((uintptr_t)l % 16) == 0;
-    dim3 grid((unsigned)p->n), block(kRowThreads);
-    if (vec)
-        flce_rows_kernel<T, VEC><<<grid, block, 0, st>>>(l, b, w, ms_tensor_data(tg), tg->dtype_id, g, per_row,
-                                                         (const double *)ms_tensor_data(scal),
-                                                         (float *)ms_tensor_data(rows), *p);
-    else
-        flce_rows_kernel<T, 1><<<grid, block, 0, st>>>(l, b, w, ms_tensor_data(tg), tg->dtype_id, g, per_row,
-                                                       (const double *)ms_tensor_data(scal),
-                                                       (float *)ms_tensor_data(rows), *p);
-    LAUNCH_CHECK("flce_rows_kernel");
+    if (p->v % VEC == 0 && ((uintptr_t)ms_tensor_data(lg) % 16) == 0) launch(std::integral_constant<int, VEC>{});
+    else launch(std::integral_constant<int, 1>{});
     return 0;
 }
 
@@ -363,10 +470,29 @@ int need_contiguous(const char *what, const ms_tensor *t) {
     return 0;
 }
 
+// the checks every row-pass launcher makes
+int row_pass_ready(const ms_tensor *logits, const ms_tensor *bias, const ms_tensor *ce_weight,
+                   const ms_tensor *targets, const ms_tensor *grad_scale, const ms_flce_params *p) {
+    if (p->v > INT_MAX / 2) return ms_errorf("flce: %lld classes are more than the row pass handles", (long long)p->v);
+    if (ms_cuda_activate(logits->device_id) || need_contiguous("logits", logits) || need_contiguous("bias", bias) ||
+        need_contiguous("targets", targets) || need_contiguous("grad_scale", grad_scale) ||
+        need_contiguous("ce_weight", ce_weight))
+        return -1;
+    if ((ce_weight && ce_weight->dtype_id != MS_F32) || (grad_scale && grad_scale->dtype_id != MS_F32) ||
+        (bias && bias->dtype_id != logits->dtype_id))
+        return ms_errorf("flce: ce_weight and grad_scale must be f32, bias in the logits' dtype");
+    return 0;
+}
+
+template <typename T>
+const T *data_or_null(const ms_tensor *t) {
+    return t ? (const T *)ms_tensor_data(t) : nullptr;
+}
+
 }  // namespace
 
-extern "C" int ms_cuda_flce_prep(const ms_tensor *targets, const ms_tensor *ce_weight, int64_t v,
-                                 int64_t ignore_index, ms_tensor *scal) {
+extern "C" int ms_cuda_flce_prep(const ms_tensor *targets, const ms_tensor *ce_weight, int64_t v0, int64_t v,
+                                 int64_t vtot, int64_t ignore_index, ms_tensor *scal) {
     int device = targets->device_id;
     if (ms_cuda_activate(device) || need_contiguous("targets", targets) || need_contiguous("ce_weight", ce_weight))
         return -1;
@@ -374,9 +500,8 @@ extern "C" int ms_cuda_flce_prep(const ms_tensor *targets, const ms_tensor *ce_w
     ms_device_flag *flag = ms_cuda_device_flag(device);
     if (!flag) return -1;
     flce_prep_kernel<<<1, kOneBlock, 0, ms_cuda_stream_of(device)>>>(
-        ms_tensor_data(targets), targets->dtype_id, (long long)targets->sizes[0],
-        ce_weight ? (const float *)ms_tensor_data(ce_weight) : nullptr, (long long)v, (long long)ignore_index,
-        (double *)ms_tensor_data(scal), flag);
+        ms_tensor_data(targets), targets->dtype_id, (long long)targets->sizes[0], data_or_null<float>(ce_weight),
+        (long long)v0, (long long)v, (long long)vtot, (long long)ignore_index, (double *)ms_tensor_data(scal), flag);
     LAUNCH_CHECK("flce_prep_kernel");
     return 0;
 }
@@ -384,22 +509,77 @@ extern "C" int ms_cuda_flce_prep(const ms_tensor *targets, const ms_tensor *ce_w
 extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const ms_tensor *ce_weight,
                                  const ms_tensor *targets, const ms_tensor *grad_scale, const ms_tensor *scal,
                                  ms_tensor *rows, const ms_flce_params *p) {
-    int device = logits->device_id;
     if (p->n == 0) return 0;
-    if (p->v > INT_MAX / 2) return ms_errorf("flce: %lld classes are more than the row pass handles", (long long)p->v);
-    if (ms_cuda_activate(device) || need_contiguous("logits", logits) || need_contiguous("bias", bias) ||
-        need_contiguous("targets", targets) || need_contiguous("grad_scale", grad_scale))
+    if (row_pass_ready(logits, bias, ce_weight, targets, grad_scale, p)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(logits->device_id);
+    const int per_row = grad_scale && ms_tensor_numel(grad_scale) > 1;
+    int rc = by_dtype(logits->dtype_id, [&](auto t) {
+        using T = typename decltype(t)::type;
+        return row_launch<T>(logits, p, [&](auto vec) {
+            flce_rows_kernel<T, decltype(vec)::value><<<(unsigned)p->n, kRowThreads, 0, st>>>(
+                (T *)ms_tensor_data(logits), data_or_null<T>(bias), data_or_null<float>(ce_weight),
+                ms_tensor_data(targets), targets->dtype_id, data_or_null<float>(grad_scale), per_row,
+                (const double *)ms_tensor_data(scal), (float *)ms_tensor_data(rows), *p);
+        });
+    });
+    if (rc) return rc;
+    LAUNCH_CHECK("flce_rows_kernel");
+    return 0;
+}
+
+extern "C" int ms_cuda_flce_vp_stats(const ms_tensor *logits, const ms_tensor *bias, const ms_tensor *ce_weight,
+                                     const ms_tensor *targets, ms_tensor *st, const ms_flce_params *p) {
+    if (p->n == 0) return 0;
+    if (row_pass_ready(logits, bias, ce_weight, targets, NULL, p) || need_contiguous("statistics", st)) return -1;
+    if (st->dtype_id != MS_F32) return ms_errorf("flce_vp_stats: statistics must be f32");
+    cudaStream_t s = ms_cuda_stream_of(logits->device_id);
+    int rc = by_dtype(logits->dtype_id, [&](auto t) {
+        using T = typename decltype(t)::type;
+        return row_launch<T>(logits, p, [&](auto vec) {
+            flce_vp_stats_kernel<T, decltype(vec)::value><<<(unsigned)p->n, kRowThreads, 0, s>>>(
+                data_or_null<T>(logits), data_or_null<T>(bias), data_or_null<float>(ce_weight),
+                ms_tensor_data(targets), targets->dtype_id, (float *)ms_tensor_data(st), *p);
+        });
+    });
+    if (rc) return rc;
+    LAUNCH_CHECK("flce_vp_stats_kernel");
+    return 0;
+}
+
+extern "C" int ms_cuda_flce_vp_fix(ms_tensor *st, const ms_tensor *mx) {
+    long long n = st->sizes[1];
+    if (n == 0) return 0;
+    if (ms_cuda_activate(st->device_id) || need_contiguous("statistics", st) || need_contiguous("maxima", mx))
         return -1;
-    if ((ce_weight && ce_weight->dtype_id != MS_F32) || (grad_scale && grad_scale->dtype_id != MS_F32) ||
-        (bias && bias->dtype_id != logits->dtype_id))
-        return ms_errorf("flce_rows: ce_weight and grad_scale must be f32, bias in the logits' dtype");
-    cudaStream_t st = ms_cuda_stream_of(device);
-    switch (logits->dtype_id) {
-    case MS_F32: return launch_rows<float>(logits, bias, ce_weight, targets, grad_scale, scal, rows, p, st);
-    case MS_BF16: return launch_rows<__nv_bfloat16>(logits, bias, ce_weight, targets, grad_scale, scal, rows, p, st);
-    case MS_F16: return launch_rows<__half>(logits, bias, ce_weight, targets, grad_scale, scal, rows, p, st);
-    default: return ms_errorf("flce: logits of dtype %s are not supported on cuda", ms_dtype_name(logits->dtype_id));
-    }
+    flce_vp_fix_kernel<<<ms_grid(n, 256), 256, 0, ms_cuda_stream_of(st->device_id)>>>(
+        (float *)ms_tensor_data(st), (const float *)ms_tensor_data(mx), n);
+    LAUNCH_CHECK("flce_vp_fix_kernel");
+    return 0;
+}
+
+extern "C" int ms_cuda_flce_vp_grad(ms_tensor *logits, const ms_tensor *bias, const ms_tensor *ce_weight,
+                                    const ms_tensor *targets, const ms_tensor *grad_scale, const ms_tensor *scal,
+                                    const ms_tensor *st, const ms_tensor *mx, ms_tensor *rows,
+                                    const ms_flce_params *p) {
+    if (p->n == 0) return 0;
+    if (row_pass_ready(logits, bias, ce_weight, targets, grad_scale, p) || need_contiguous("statistics", st) ||
+        need_contiguous("maxima", mx))
+        return -1;
+    cudaStream_t s = ms_cuda_stream_of(logits->device_id);
+    const int per_row = grad_scale && ms_tensor_numel(grad_scale) > 1;
+    int rc = by_dtype(logits->dtype_id, [&](auto t) {
+        using T = typename decltype(t)::type;
+        return row_launch<T>(logits, p, [&](auto vec) {
+            flce_vp_grad_kernel<T, decltype(vec)::value><<<(unsigned)p->n, kRowThreads, 0, s>>>(
+                (T *)ms_tensor_data(logits), data_or_null<T>(bias), data_or_null<float>(ce_weight),
+                ms_tensor_data(targets), targets->dtype_id, data_or_null<float>(grad_scale), per_row,
+                (const double *)ms_tensor_data(scal), (const float *)ms_tensor_data(st),
+                (const float *)ms_tensor_data(mx), (float *)ms_tensor_data(rows), *p);
+        });
+    });
+    if (rc) return rc;
+    LAUNCH_CHECK("flce_vp_grad_kernel");
+    return 0;
 }
 
 extern "C" int ms_cuda_flce_colsum(ms_tensor *acc, const ms_tensor *dl, int accumulate) {

@@ -14,6 +14,8 @@
 --     chunk_size = nil,          -- rows per chunk (default: from memory_budget)
 --     memory_budget = nil,       -- bytes for a chunk's logits (ms_flce_chunk_rows)
 --     accum_dtype = nil,         -- grad_W/grad_bias accumulation: 'f32' (default) or W's dtype
+--     group = nil,               -- vocabulary-parallel: a dist.Group (see below)
+--     vocab_start = nil, vocab_size = nil,
 --   })
 --
 -- x is (BT, H) or (..., H) with targets (...) (i64/i32 ids); W is (V, H).
@@ -30,6 +32,17 @@
 -- hands them on without a copy. For 'none' the gradient of Σ g_i·loss_i
 -- cannot be known before g, so the forward computes the loss alone and the
 -- backward runs the fused pass once, with g as per-token weights.
+-- Vocabulary-parallel (opts.group, a ms.dist group whose ranks hold the
+-- same x and targets): W (and bias, ce_weight) are this rank's rows, the
+-- classes [vocab_start, vocab_start + V) of vocab_size. The loss, z-loss and
+-- accuracy are those of the full vocabulary (per-token statistics are
+-- all-reduced), grad_W has W's shape, grad_x is complete on every rank.
+-- Without vocab_start, the split is the flat-parameter rule of
+-- flce.vocab_shard(vocab_size, rank, size) when vocab_size is given, else
+-- found by gathering every rank's row count (one more collective per call,
+-- and a host sync on GPUs: pass vocab_size). Every rank must call (and run
+-- backward) together.
+--
 -- The node is recorded with A.record_list (as nn.functional's ops are), not
 -- A.Function: the Function layer treats a backward's results as borrowed
 -- and copies them into .grad, which for an LM head's grad_W is a second
@@ -102,6 +115,53 @@ function M.options(opts)
   o.memory_budget = int_opt(opts, 'memory_budget', 0)
   if opts.accum_dtype ~= nil then o.accum_dtype = T.dtype_id(opts.accum_dtype, 3) end
   return o, red
+end
+
+-- the classes {start, rows} of a vocabulary of V held by group rank `rank`
+-- of `size` (0-based rank): ceil(V / size) rows each, the last ranks fewer
+function M.vocab_shard(V, rank, size)
+  local a, n = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
+  C.ms_flce_vocab_shard(V, rank, size, a, n)
+  return tonumber(a[0]), tonumber(n[0])
+end
+
+-- (vocab_start, vocab_size) of this rank's V rows in `group`
+local function vocab_layout(group, V, opts)
+  if type(group) ~= 'table' or type(group.rank) ~= 'function' then
+    raise(('%s: opts.group must be a ms.dist group, got %s'):format(NAME, type(group)))
+  end
+  if not group.p then raise(('%s: this rank is not a member of opts.group'):format(NAME)) end
+  local rank, size = group:rank(), group:size()
+  local v0, vt = opts.vocab_start, opts.vocab_size
+  if v0 ~= nil then
+    if vt == nil then raise(('%s: opts.vocab_start needs opts.vocab_size'):format(NAME)) end
+    return v0, vt
+  end
+  if vt ~= nil then
+    local a, n = M.vocab_shard(vt, rank, size)
+    if n ~= V then
+      raise(('%s: W has %d rows, but rank %d of %d holds %d classes [%d, %d) of a vocabulary of %d '
+        .. '(flce.vocab_shard); pass opts.vocab_start for another split'):format(NAME, V, rank, size, n, a, a + n, vt))
+    end
+    return a, vt
+  end
+  -- neither given: every rank's row count, gathered (a collective and, on
+  -- GPUs, a host sync per call; nothing that differs between ranks could
+  -- key a cache of it safely)
+  local dist = require 'moonshard.dist'
+  local dev = dist.device()
+  local mine = T.full({ 1 }, V, { dtype = 'i64', device = dev })
+  local all = T.empty({ size }, { dtype = 'i64', device = dev })
+  dist.all_gather_into(all, mine, { group = group })
+  local c = all:totable()
+  mine:free()
+  all:free()
+  local a, total = 0, 0
+  for r = 1, size do
+    if r - 1 < rank then a = a + c[r] end
+    total = total + c[r]
+  end
+  return a, total
 end
 
 -- rows per chunk the C core picks for x (BT, H), W (V, H) with these opts
@@ -180,6 +240,10 @@ function M.fused_linear_cross_entropy(x, W, targets, opts)
   if bias ~= nil then need_tensor(bias, 'opts.bias') end
   if cew ~= nil then need_tensor(cew, 'opts.ce_weight') end
   local x2, t1 = flatten(x, targets)
+  if opts.group ~= nil then
+    local v0, vt = vocab_layout(opts.group, W.shape[1], opts)
+    o.group, o.vocab_start, o.vocab_size = opts.group.p, v0, vt
+  end
   local record = A.want(x, W, bias)
   local grads = record and red ~= 'none'
   local r = run(o, x2, W, t1, bias, cew, nil, {
@@ -203,8 +267,8 @@ function M.fused_linear_cross_entropy(x, W, targets, opts)
       local own = {}
       if x2 ~= x then own[#own + 1] = x2 end
       if t1 ~= targets then own[#own + 1] = t1 end
-      A.record_list(NAME, loss, bwd_none,
-        { o = o, x2 = x2, W = W, t1 = t1, bias = bias, cew = cew, xshape = xshape }, own, list)
+      A.record_list(NAME, loss, bwd_none, { o = o, x2 = x2, W = W, t1 = t1, bias = bias, cew = cew,
+        xshape = xshape, group = opts.group }, own, list)
       return loss, z, acc
     end
     local own = {}

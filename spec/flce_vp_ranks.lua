@@ -1,0 +1,182 @@
+-- Vocabulary-parallel fused linear cross-entropy over MPI on CPU tensors:
+-- what every rank checks. spec/flce_vp_spec.lua runs this file under its
+-- own mpirun with 1, 2, 3 and 4 ranks (one busted per rank), so that this
+-- file has MPI to itself: MPI can start only once per process. Every rank
+-- draws the whole problem from the same seeds, computes the unsharded
+-- result alone, and checks what the group computes from its rows of W
+-- against it: loss, z-loss and accuracy (the full vocabulary's, on every
+-- rank), grad_x (complete on every rank), grad_W and grad_bias (its rows).
+-- Vocabularies are prime or smaller than the group (a rank with no rows),
+-- chunks do not divide BT, and every option is used.
+local ffi = require 'ffi'
+local ms = require 'moonshard'
+local dist = require 'moonshard.dist'
+local flce = require 'moonshard.flce'
+
+local F = ms.raw
+local FLCE = ms.nn.functional.fused_linear_cross_entropy
+local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
+
+local function values(t)
+  local h = t:to({ dtype = 'f64', copy = true }):contiguous()
+  local p = ffi.cast('double*', h:data_ptr())
+  local out = {}
+  for i = 0, h:numel() - 1 do out[i + 1] = p[i] end
+  return out
+end
+
+local function relerr(got, want)
+  assert(got ~= nil and want ~= nil, 'no tensor to compare')
+  local g, w = values(got), values(want)
+  assert.are.equal(#w, #g)
+  local num, den = 0, 0
+  for i = 1, #w do num, den = num + (g[i] - w[i]) ^ 2, den + w[i] ^ 2 end
+  if den == 0 then return math.sqrt(num) end
+  return math.sqrt(num / den)
+end
+
+local function errmsg(fn)
+  local ok, e = pcall(fn)
+  assert.is_false(ok, 'expected an error')
+  return tostring(e)
+end
+
+-- the same problem on every rank
+local function problem(BT, H, V, seed, ignored)
+  local x = ms.randn({ BT, H }, { dtype = 'f64', seed = seed })
+  local W = F.mul(ms.randn({ V, H }, { dtype = 'f64', seed = seed + 1 }), 0.5)
+  local ids = F.mul(ms.rand({ BT }, { dtype = 'f64', seed = seed + 2 }), V):to('i64')
+  local drop = F.lt(ms.rand({ BT }, { dtype = 'f64', seed = seed + 3 }), ignored or 0.15)
+  local t = F.where(drop, ms.full({ BT }, -100, { dtype = 'i64' }), ids)
+  local bias = F.mul(ms.randn({ V }, { dtype = 'f64', seed = seed + 4 }), 0.3)
+  local cw = F.add(F.abs(ms.randn({ V }, { dtype = 'f64', seed = seed + 5 })), 0.1)
+  return x, W, t, bias, cw
+end
+
+local function leaf(t, dtype) return t:to({ dtype = dtype, copy = true }):requires_grad_() end
+
+-- loss, z, acc and gradients; `rows` = {start, n} takes W's rows (and
+-- bias', ce_weight's) [start, start + n) and runs on the world group
+local function run(x, W, t, o, dtype, g, rows, layout)
+  local xl = leaf(x, dtype)
+  local Wsrc, bsrc, csrc = W, o.bias, o.ce_weight
+  if rows then
+    Wsrc = W:narrow(1, rows[1] + 1, rows[2])
+    bsrc = bsrc and bsrc:narrow(1, rows[1] + 1, rows[2])
+    csrc = csrc and csrc:narrow(1, rows[1] + 1, rows[2])
+  end
+  local Wl = leaf(Wsrc, dtype)
+  local oo = {}
+  for k, v in pairs(o) do oo[k] = v end
+  oo.bias = bsrc and leaf(bsrc, dtype) or nil
+  oo.ce_weight = csrc and csrc:to(dtype) or nil
+  oo.return_z_loss, oo.return_accuracy = true, true
+  if rows then
+    oo.group = dist.get_world_group()
+    for k, v in pairs(layout or {}) do oo[k] = v end
+  end
+  local loss, z, acc = FLCE(xl, Wl, t, oo)
+  loss:backward(g and g:to(dtype) or nil)
+  return { loss = loss, z = z, acc = acc:item(), gx = xl.grad, gW = Wl.grad, gb = oo.bias and oo.bias.grad }
+end
+
+describe('vocabulary-parallel fused_linear_cross_entropy on this rank', function()
+  if not under_mpi then
+    it('runs under mpirun (spec/flce_vp_spec.lua starts it)', function() pending('not started by mpirun') end)
+    return
+  end
+
+  local R, G
+  setup(function()
+    dist.init { backend = 'mpi', timeout = 60 }
+    R, G = dist.rank(), dist.world_size()
+  end)
+  teardown(function() dist.destroy() end)
+
+  -- the group's result for this rank against the whole problem's
+  local function check(x, W, t, o, dtype, bound, layout, rows)
+    local V = W.shape[1]
+    local g = o.reduction == 'none' and ms.randn({ t:numel() }, { dtype = 'f64', seed = 77 }) or nil
+    local whole = run(x, W, t, o, dtype, g)
+    local a, n
+    if rows then a, n = rows[1], rows[2] else a, n = flce.vocab_shard(V, R, G) end
+    local part = run(x, W, t, o, dtype, g, { a, n }, layout)
+    local what = ('V=%d rank %d/%d rows [%d,%d) %s'):format(V, R, G, a, a + n, dtype)
+    for _, k in ipairs({ 'loss', 'z', 'gx' }) do
+      local e = relerr(part[k], whole[k])
+      assert.is_true(e <= bound, ('%s: %s relative error %.3g'):format(what, k, e))
+    end
+    assert.are.equal(whole.acc, part.acc, what .. ': accuracy')
+    if n > 0 then
+      local e = relerr(part.gW, whole.gW:narrow(1, a + 1, n))
+      assert.is_true(e <= bound, ('%s: grad_W relative error %.3g'):format(what, e))
+      if o.bias then
+        e = relerr(part.gb, whole.gb:narrow(1, a + 1, n))
+        assert.is_true(e <= bound, ('%s: grad_bias relative error %.3g'):format(what, e))
+      end
+    else
+      assert.are.same({ 0, W.shape[2] }, part.gW.shape)
+    end
+  end
+
+  it('equals the unsharded loss and gradients for every option and reduction (f64 and f32)', function()
+    for _, shape in ipairs({ { 37, 9, 1009 }, { 20, 6, 3 }, { 1, 5, 64 } }) do
+      local x, W, t, bias, cw = problem(shape[1], shape[2], shape[3], 100 + shape[3])
+      for _, o in ipairs({
+        {},
+        { reduction = 'sum', chunk_size = 7 },
+        { reduction = 'none', softcap = 3, chunk_size = 5 },
+        { label_smoothing = 0.1, lse_square_scale = 1e-3 },
+        { bias = bias, ce_weight = cw, label_smoothing = 0.05, softcap = 4, lse_square_scale = 1e-3, chunk_size = 11 },
+        { bias = bias, ce_weight = cw, reduction = 'none', label_smoothing = 0.2 },
+      }) do
+        check(x, W, t, o, 'f64', 1e-12)
+        check(x, W, t, o, 'f32', 1e-5)
+      end
+    end
+  end)
+
+  it('finds the split from vocab_size (flat-parameter rule), from the row counts, or takes vocab_start', function()
+    local x, W, t = problem(16, 4, 101, 300)
+    local a, n = flce.vocab_shard(101, R, G)
+    check(x, W, t, {}, 'f64', 1e-12, { vocab_size = 101 })
+    check(x, W, t, {}, 'f64', 1e-12, {})   -- counts gathered from the group
+    -- another uneven split: rank r holds r + 1 units of rows, the last one the rest
+    local unit = math.floor(101 / (G * (G + 1) / 2))
+    local start = unit * R * (R + 1) / 2
+    local rows = R == G - 1 and 101 - start or unit * (R + 1)
+    check(x, W, t, { label_smoothing = 0.1 }, 'f64', 1e-12, { vocab_start = start, vocab_size = 101 }, { start, rows })
+    assert.are.equal(math.min(101, a + n) - a, n)
+  end)
+
+  it('gives the ranks without rows a (0, H) grad_W, and all-ignored targets a 0 loss', function()
+    local x, W, t = problem(12, 5, 2, 400)
+    check(x, W, t, { ce_weight = F.add(F.abs(ms.randn({ 2 }, { dtype = 'f64', seed = 9 })), 0.5) }, 'f64', 1e-12)
+    local xa, Wa, ta = problem(6, 3, 50, 500, 1.0)
+    local a, n = flce.vocab_shard(50, R, G)
+    local r = run(xa, Wa, ta, { lse_square_scale = 1e-2 }, 'f64', nil, { a, n })
+    assert.are.equal(0, r.loss:item())
+    assert.are.equal(0, F.sum(F.abs(r.gx)):item())
+  end)
+
+  it('refuses a split that does not fit and bad targets, on every rank alike', function()
+    local x, W, t = problem(8, 4, 40, 600)
+    local a, n = flce.vocab_shard(40, R, G)
+    local Wl = W:narrow(1, a + 1, n)
+    local group = dist.get_world_group()
+    if G > 1 then
+      assert.matches('rank %d+ of %d+ holds', errmsg(function()
+        FLCE(x, W, t, { group = group, vocab_size = 40 })   -- every rank passes all 40 rows
+      end))
+    end
+    assert.matches('not within a vocabulary of 40', errmsg(function()
+      FLCE(x, Wl, t, { group = group, vocab_start = 40 - n + 1, vocab_size = 40 })
+    end))
+    local bad = ms.tensor({ 1, 2, 3, 40, 5, 6, 7, 8 }, { dtype = 'i64' })
+    assert.matches('target 40 at position 3 is out of range for 40 classes', errmsg(function()
+      FLCE(x, Wl, bad, { group = group, vocab_size = 40 })
+    end))
+    -- the group still works afterwards
+    check(x, W, t, {}, 'f64', 1e-12, { vocab_size = 40 })
+  end)
+end)
