@@ -1,0 +1,109 @@
+-- bench/profile_step.lua — where a training step's GPU time goes, by module
+-- class, forward and backward, measured with CUDA events from the modules'
+-- hooks (no profiler needed on the host).
+--
+--   luajit bench/profile_step.lua [models/gpt2.lua] [--preset gpt2-124m] [--batch 8]
+--                                 [--seq 1024] [--precision bf16|f32] [--steps 3]
+--
+-- Times of nested modules include their children (a Block contains its
+-- attention and MLP); "step" is the whole step between two synchronisations,
+-- "optimizer" the AdamW step, "outside modules" what is left (loss, casts,
+-- gradient accumulation, the Lua GC).
+package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
+local ms = require 'moonshard'
+
+local opts = { model = 'models/gpt2.lua', preset = 'gpt2-124m', batch = 8, seq = 1024, precision = 'bf16', steps = 3 }
+local i = 1
+while i <= #arg do
+  local k = arg[i]:match('^%-%-(.+)$')
+  if k then
+    if opts[k] == nil then error('unknown option --' .. k) end
+    opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
+    i = i + 2
+  else
+    opts.model = arg[i]
+    i = i + 1
+  end
+end
+assert(ms.cuda.is_available(), 'bench/profile_step.lua needs a CUDA device')
+
+local M = dofile(opts.model)
+local over = {}
+if M.config.n_positions ~= nil then over.n_positions = opts.seq end
+if M.config.max_position_embeddings ~= nil then over.max_position_embeddings = opts.seq end
+if opts.preset == 'gpt2-124m' then over.vocab_size = 50304 end  -- llm.c's padded vocabulary
+local model = M.new(opts.preset, over)
+model:to('cuda')
+if opts.precision ~= 'f32' then
+  local nnf = require 'moonshard.nn.functional'
+  if nnf.set_precision then model = nnf.set_precision(model, { compute = opts.precision }) end
+end
+model:train()
+local opt = ms.optim.AdamW(model, { lr = 1e-4 })
+local V = model.config.vocab_size
+local ids = (ms.rand({ opts.batch, opts.seq }, { seed = 1, device = 'cuda' }) * (V - 1)):long()
+local tg = (ms.rand({ opts.batch, opts.seq }, { seed = 2, device = 'cuda' }) * (V - 1)):long()
+
+-- event pairs per (class, phase)
+local pending, totals, counts = {}, {}, {}
+local recording = false
+local function start(key, m)
+  if not recording then return end
+  local e = ms.cuda.event({ timing = true }):record()
+  pending[m] = pending[m] or {}
+  pending[m][key] = e
+end
+local function stop(key, m)
+  if not recording then return end
+  local s = pending[m] and pending[m][key]
+  if not s then return end
+  pending[m][key] = nil
+  local e = ms.cuda.event({ timing = true }):record()
+  local name = m:class_name() .. ' ' .. key
+  totals[#totals + 1] = { name, s, e }
+end
+for _, m in model:named_modules() do
+  if m ~= model then
+    m:register_forward_pre_hook(function(mod) start('forward', mod) end)
+    m:register_forward_hook(function(mod) stop('forward', mod) end)
+    m:register_backward_pre_hook(function(mod) start('backward', mod) end)
+    m:register_backward_hook(function(mod) stop('backward', mod) end)
+  end
+end
+
+local function step(rec)
+  recording = rec
+  local t0 = ms.cuda.event({ timing = true }):record()
+  opt:zero_grad()
+  local loss = model(ids, tg)
+  loss:backward()
+  local o0 = ms.cuda.event({ timing = true }):record()
+  opt:step()
+  local t1 = ms.cuda.event({ timing = true }):record()
+  if rec then
+    totals[#totals + 1] = { 'optimizer', o0, t1 }
+    totals[#totals + 1] = { 'step', t0, t1 }
+  end
+  ms.cuda.synchronize()
+  recording = false
+  return loss
+end
+
+step(false)
+step(false)
+for _ = 1, opts.steps do step(true) end
+ms.cuda.synchronize()
+local sum = {}
+for _, r in ipairs(totals) do
+  local name = r[1]
+  sum[name] = (sum[name] or 0) + r[2]:elapsed_ms(r[3])
+  counts[name] = (counts[name] or 0) + 1
+end
+local rows = {}
+for k, v in pairs(sum) do rows[#rows + 1] = { k, v / opts.steps, counts[k] / opts.steps } end
+table.sort(rows, function(a, b) return a[2] > b[2] end)
+print(('%s %s, B=%d T=%d, %s; ms per step (of %d steps)'):format(opts.model, opts.preset, opts.batch, opts.seq,
+  opts.precision, opts.steps))
+print('| what | ms/step | calls/step |')
+print('|---|---|---|')
+for _, r in ipairs(rows) do print(('| %s | %.2f | %d |'):format(r[1], r[2], r[3])) end
