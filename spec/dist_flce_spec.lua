@@ -1,13 +1,11 @@
--- Vocabulary-parallel fused linear cross-entropy over MPI on CPU tensors:
--- what every rank checks. spec/flce_vp_spec.lua runs this file under its
--- own mpirun with 1, 2, 3 and 4 ranks (one busted per rank), so that this
--- file has MPI to itself: MPI can start only once per process. Every rank
--- draws the whole problem from the same seeds, computes the unsharded
--- result alone, and checks what the group computes from its rows of W
--- against it: loss, z-loss and accuracy (the full vocabulary's, on every
--- rank), grad_x (complete on every rank), grad_W and grad_bias (its rows).
--- Vocabularies are prime or smaller than the group (a rank with no rows),
--- chunks do not divide BT, and every option is used.
+-- Vocabulary-parallel fused linear cross-entropy over MPI on CPU tensors,
+-- run by every rank under mpirun (tools/run_mpi_specs.sh: 1, 2, 3 and 4
+-- ranks). Every rank draws the whole problem from the same seeds, computes
+-- the unsharded result alone, and checks what the group computes from its
+-- rows of W against it: loss, z-loss and accuracy (the full vocabulary's,
+-- on every rank), grad_x (complete on every rank), grad_W and grad_bias (its
+-- rows). Vocabularies are prime or smaller than the group (a rank with no
+-- rows), chunks do not divide BT, and every option is used.
 local ffi = require 'ffi'
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
@@ -80,9 +78,9 @@ local function run(x, W, t, o, dtype, g, rows, layout)
   return { loss = loss, z = z, acc = acc:item(), gx = xl.grad, gW = Wl.grad, gb = oo.bias and oo.bias.grad }
 end
 
-describe('vocabulary-parallel fused_linear_cross_entropy on this rank', function()
+describe('vocabulary-parallel fused_linear_cross_entropy over MPI #mpi', function()
   if not under_mpi then
-    it('runs under mpirun (spec/flce_vp_spec.lua starts it)', function() pending('not started by mpirun') end)
+    it('runs under mpirun (tools/run_mpi_specs.sh)', function() pending('not started by mpirun') end)
     return
   end
 
