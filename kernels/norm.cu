@@ -169,12 +169,17 @@ __global__ void norm_bwd_kernel(X *__restrict__ dx, A *__restrict__ part_w, A *_
             }
 }
 
-// out[c] = Σ_k part[k·C + c], k in a fixed order: blocks of 32 columns ×
-// 32 row lanes, each lane summing every 32nd row, then the lanes in order
+// out[c] = Σ_k part[k·C + c], k in a fixed order, for dw (blockIdx.y 0)
+// and db (1): blocks of 8 columns (one 32-byte sector of a row) × 32 row
+// lanes, each lane summing every 32nd row, then the lanes in order
 template <typename A>
-__global__ void column_sum_kernel(A *__restrict__ out, const A *__restrict__ part, int nrows, int C) {
-    __shared__ A buf[32][33];
-    const int c = blockIdx.x * 32 + threadIdx.x;
+__global__ void column_sum_kernel(A *__restrict__ out_w, const A *__restrict__ part_w, A *__restrict__ out_b,
+                                  const A *__restrict__ part_b, int nrows, int C) {
+    __shared__ A buf[32][9];
+    A *out = blockIdx.y ? out_b : out_w;
+    const A *part = blockIdx.y ? part_b : part_w;
+    if (!out) return;  // the same for the whole block
+    const int c = blockIdx.x * 8 + threadIdx.x;
     A s = 0;
     if (c < C)
         for (int k = threadIdx.y; k < nrows; k += 32) s += part[(long long)k * C + c];
@@ -305,14 +310,10 @@ int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, 
                  : launch_bwd_v<G, X, A, 1, RMS>(dx, ptr<A>(pw.t), ptr<A>(pb.t), ptr<A>(ga.t), g, x, mean, rstd, w,
                                                   N, C, blocks, threads, smem);
     if (rc) return rc;
-    cudaStream_t s = ms_cuda_stream_of(dev);
-    dim3 cb(32, 32), cg((unsigned)((C + 31) / 32));
-    if (dw) {
-        column_sum_kernel<A><<<cg, cb, 0, s>>>(ptr<A>(dw), ptr<A>(pw.t), blocks, C);
-        LAUNCH_CHECK("column_sum_kernel");
-    }
-    if (db) {
-        column_sum_kernel<A><<<cg, cb, 0, s>>>(ptr<A>(db), ptr<A>(pb.t), blocks, C);
+    if (params) {
+        dim3 cb(8, 32), cg((unsigned)((C + 7) / 8), 2);
+        column_sum_kernel<A><<<cg, cb, 0, ms_cuda_stream_of(dev)>>>(ptr<A>(dw), ptr<A>(pw.t), ptr<A>(db),
+                                                                    ptr<A>(pb.t), blocks, C);
         LAUNCH_CHECK("column_sum_kernel");
     }
     return 0;

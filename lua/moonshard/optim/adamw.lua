@@ -48,12 +48,12 @@ return function(optim)
     return { step = 0, exp_avg = T.zeros(p.shape, o), exp_avg_sq = T.zeros(p.shape, o) }
   end
 
-  -- the fused op takes contiguous tensors of one numel (and on CUDA an f64
-  -- parameter with an f64 gradient)
+  -- the fused op takes contiguous tensors of one numel (and on CUDA f64
+  -- gradients for f64 parameters only)
   local function fusable(p, g, st)
     return p:is_contiguous() and g:is_contiguous() and g:numel() == p:numel()
       and g.device_id == p.device_id and st.exp_avg:is_contiguous() and st.exp_avg_sq:is_contiguous()
-      and (p.dtype_id ~= 0 or g.dtype_id == 0 or p.device_id < 0)
+      and (p.device_id < 0 or (p.dtype_id == 0) == (g.dtype_id == 0))
   end
 
   function AdamW:step()
