@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs the #multi specs (spec/dist_nccl_spec.lua: NCCL, one GPU per rank)
-# with NP ranks started by moonshard.launch as bin/train --device cuda starts
-# them, and prints "N passed, N failed" over every rank's outcome.
+# Runs the #multi specs (spec/dist_*_spec.lua files tagged #multi: NCCL, one
+# GPU per rank) with NP ranks started by moonshard.launch as bin/train
+# --device cuda starts them, and prints "N passed, N failed" over every
+# rank's outcome.
 #   tools/run_multi_specs.sh [NP]          (default 2; on a host with NP GPUs)
 # Each rank's busted output is in a log; the logs are printed on a failure.
 set -u
@@ -9,6 +10,7 @@ cd "$(dirname "$0")/.."
 export LUA_PATH="./lua/?.lua;./lua/?/init.lua;./?.lua;${LUA_PATH:-;}"
 busted_bin=${BUSTED_LUA:-$(command -v busted || echo /usr/bin/busted)}
 np=${1:-2}
+specs=$(ls spec/dist_*_spec.lua 2>/dev/null | xargs grep -l '#multi' 2>/dev/null | sed "s/.*/'&',/" | tr -d '\n')
 logdir=$(mktemp -d)
 trap 'rm -rf "$logdir"' EXIT
 export NCCL_NVLS_ENABLE=0
@@ -16,7 +18,7 @@ timeout -k 10 "${MS_MULTI_SPEC_TIMEOUT:-900}" luajit -e "
   local launch = require 'moonshard.launch'
   local o = { nproc = $np, nnodes = 1, node_rank = 0, device = 'cuda', spawn = 'direct', log_dir = '$logdir' }
   os.exit(launch.run(o, { 'luajit', '$busted_bin', '--lpath=./lua/?.lua;./lua/?/init.lua;./?.lua',
-    '-o', 'utfTerminal', '--no-auto-insulate', '--tags=multi', 'spec/dist_nccl_spec.lua' }))"
+    '-o', 'utfTerminal', '--no-auto-insulate', '--tags=multi', $specs }))"
 status=$?
 ok=0; fail=0
 for r in $(seq 0 $((np - 1))); do
