@@ -24,6 +24,8 @@
 // live in shared memory without atomics; at the end each block writes its
 // partial row, and column_sum_kernel adds the blocks' rows in a fixed order.
 // No float atomics anywhere: the result is the same on every run.
+// Gradient rule (core/ops.h, lua/moonshard/autograd.lua): dx, dw and db are
+// written (=), never accumulated; adding dw/db into .grad is the autograd's.
 #include "common.cuh"
 #include "kernels.h"
 #include "vec.cuh"
