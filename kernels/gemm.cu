@@ -2,7 +2,9 @@
 //
 // out (batch, M, N) = alpha * op(a) (batch, M, K) @ op(b) (batch, K, N) + beta * out
 // bf16/f16 operands with f32 accumulation, f32 with f32 (no TF32 unless
-// ms_cuda_gemm_allow_tf32(1)), f64 with f64. Row-major tensors are handed
+// ms_cuda_gemm_allow_tf32(1)), f64 with f64; out may also be f32 with
+// bf16/f16 operands (a sum kept in f32 across calls: the fused
+// cross-entropy's grad_W; ms_cuda_gemm_mixed_ok). Row-major tensors are handed
 // to the column-major library as their transposes: out^T = op(b)^T op(a)^T,
 // so no operand is copied when its last two dims have a unit stride on
 // either side (plain or transposed views). Batch dims must collapse into one
@@ -114,8 +116,8 @@ struct holder {
     ~holder() { ms_tensor_free(t); }
 };
 
-int run_lt(int device, int dtype, const operand &A, const operand &B, void *C, int64_t ldc, int64_t c_batch,
-           int64_t m, int64_t n, int64_t k, int64_t batch, double alpha, double beta) {
+int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand &B, void *C, int64_t ldc,
+           int64_t c_batch, int64_t m, int64_t n, int64_t k, int64_t batch, double alpha, double beta) {
     LtState &s = g_lt[device];
     cublasComputeType_t compute = dtype == MS_F64 ? CUBLAS_COMPUTE_64F
                                   : (dtype == MS_F32 && !g_allow_tf32) ? CUBLAS_COMPUTE_32F
@@ -148,7 +150,7 @@ int run_lt(int device, int dtype, const operand &A, const operand &B, void *C, i
     LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &A.op, sizeof A.op));
     LT(cublasLtMatrixLayoutCreate(&la, dt, (uint64_t)B.rows, (uint64_t)B.cols, B.ld));
     LT(cublasLtMatrixLayoutCreate(&lb, dt, (uint64_t)A.rows, (uint64_t)A.cols, A.ld));
-    LT(cublasLtMatrixLayoutCreate(&lc, dt, (uint64_t)n, (uint64_t)m, ldc));
+    LT(cublasLtMatrixLayoutCreate(&lc, cuda_type(out_dtype), (uint64_t)n, (uint64_t)m, ldc));
     if (batch > 1) {
         LT(cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc));
         LT(cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &B.batch_stride,
@@ -186,6 +188,9 @@ done:
 
 }  // namespace
 
+// 1: ms_cuda_gemm takes an f32 out with bf16/f16 operands (core/flce.c asks)
+extern "C" int ms_cuda_gemm_mixed_ok(void) { return 1; }
+
 extern "C" int ms_cuda_gemm_allow_tf32(int on) {
     int old = g_allow_tf32;
     g_allow_tf32 = on;
@@ -203,6 +208,10 @@ extern "C" int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor 
     int64_t k = transa ? a->sizes[nd - 2] : a->sizes[nd - 1];
     int64_t batch = 1;
     for (int i = 0; i < nd - 2; i++) batch *= out->sizes[i];
+    if (a->dtype_id != out->dtype_id &&
+        !(out->dtype_id == MS_F32 && (a->dtype_id == MS_BF16 || a->dtype_id == MS_F16) && b->dtype_id == a->dtype_id))
+        return ms_errorf("matmul: out %s with operands %s and %s (mixed: only an f32 out of bf16/f16 operands)",
+                         ms_dtype_name(out->dtype_id), ms_dtype_name(a->dtype_id), ms_dtype_name(b->dtype_id));
     if (m == 0 || n == 0 || batch == 0) return 0;
     if (ms_cuda_activate(device) || lt_ready(device)) return -1;
     if (k == 0) return ms_cuda_binary_scalar(out, MS_OP_MUL, out, beta, 0);
@@ -233,7 +242,8 @@ extern "C" int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor 
     if (batch == 1) {
         A.batch_stride = B.batch_stride = c_batch = 0;
     }
-    if (run_lt(device, out->dtype_id, A, B, ms_tensor_data(dst), ldc, c_batch, m, n, k, batch, alpha, beta))
+    if (run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(dst), ldc, c_batch, m, n, k, batch, alpha,
+               beta))
         return -1;
     if (dst != out) return ms_cuda_convert(out, dst);
     return 0;
