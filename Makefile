@@ -36,7 +36,8 @@ NCCL_LIB := $(firstword $(wildcard $(NCCL_HOME)/lib64/libnccl.so $(NCCL_HOME)/li
               /usr/lib/x86_64-linux-gnu/libnccl.so /usr/local/lib/libnccl.so))
 ifneq ($(NCCL_LIB),)
 CU_SRCS += $(wildcard core/dist/*.cu)
-NCCL_FLAGS := -DMS_WITH_NCCL -isystem $(dir $(NCCL_H))
+# (no -isystem for /usr/include: it would break the compilers' include_next)
+NCCL_FLAGS := -DMS_WITH_NCCL $(if $(filter /usr/include/,$(dir $(NCCL_H))),,-isystem $(dir $(NCCL_H)))
 LDLIBS  += -L$(dir $(NCCL_LIB)) -Wl,-rpath,$(dir $(NCCL_LIB)) -lnccl
 endif
 endif
