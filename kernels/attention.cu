@@ -54,8 +54,8 @@ const float kLog2e = 1.4426950408889634f;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(
-    T *out, float *lse, const T *q, const T *k, const T *v, qkv_layout lq, qkv_layout lk, qkv_layout lo, int H,
-    int Hkv, long long Tq, long long Tk, int D, float scale, int causal) {
+    T *out, float *lse, const T *q, const T *k, const T *v, qkv_layout lq, qkv_layout lk, qkv_layout lv,
+    qkv_layout lo, int H, int Hkv, long long Tq, long long Tk, int D, float scale, int causal) {
     extern __shared__ float smem[];
     const int ld = D + 1;
     float *Qs = smem, *Ks = Qs + kTile * ld, *Vs = Ks + kTile * ld, *Ps = Vs + kTile * ld;
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(
     for (long long j0 = 0; j0 < kend; j0 += kTile) {
         __syncthreads();
         load_tile(Ks, ld, k, lk, b, g, j0, Tk, D, 1.f);
-        load_tile(Vs, ld, v, lk, b, g, j0, Tk, D, 1.f);
+        load_tile(Vs, ld, v, lv, b, g, j0, Tk, D, 1.f);
         __syncthreads();
         float sv[kTile / 2];
         float tmax = -INFINITY;
@@ -142,8 +142,8 @@ __global__ void attention_delta_kernel(float *delta, const T *out, const T *dout
 template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(
     T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta,
-    qkv_layout lq, qkv_layout lk, qkv_layout lg, qkv_layout ldk, int H, int Hkv, long long Tq, long long Tk, int D,
-    float scale, int causal) {
+    qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H, int Hkv,
+    long long Tq, long long Tk, int D, float scale, int causal) {
     extern __shared__ float smem[];
     const int ld = D + 1, lp = kTile + 1;
     float *Ks = smem, *Vs = Ks + kTile * ld, *Qs = Vs + kTile * ld, *Gs = Qs + kTile * ld;
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(
     const int dh = (D + 1) / 2, d0 = half * dh, d1 = min(D, d0 + dh);
     const long long j = j0 + c;
     load_tile(Ks, ld, k, lk, b, g, j0, Tk, D, 1.f);
-    load_tile(Vs, ld, v, lk, b, g, j0, Tk, D, 1.f);
+    load_tile(Vs, ld, v, lv, b, g, j0, Tk, D, 1.f);
     float dkr[kMaxD / 2], dvr[kMaxD / 2];
 #pragma unroll
     for (int x = 0; x < kMaxD / 2; x++) dkr[x] = dvr[x] = 0.f;
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(
         for (int x = 0; x < kMaxD / 2; x++)
             if (d0 + x < d1) {
                 ms_st(dk + at(ldk, b, g, j) + d0 + x, dkr[x] * scale);
-                ms_st(dv + at(ldk, b, g, j) + d0 + x, dvr[x]);
+                ms_st(dv + at(ldv, b, g, j) + d0 + x, dvr[x]);
             }
     }
 }
@@ -215,8 +215,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(
 template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(
     T *dq, const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta, qkv_layout lq,
-    qkv_layout lk, qkv_layout lg, qkv_layout ldq, int H, int Hkv, long long Tq, long long Tk, int D, float scale,
-    int causal) {
+    qkv_layout lk, qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv, long long Tq, long long Tk, int D,
+    float scale, int causal) {
     extern __shared__ float smem[];
     const int ld = D + 1, lp = kTile + 1;
     float *Qs = smem, *Gs = Qs + kTile * ld, *Ks = Gs + kTile * ld, *Vs = Ks + kTile * ld, *Ss = Vs + kTile * ld;
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(
     for (long long j0 = 0; j0 < kend; j0 += kTile) {
         __syncthreads();
         load_tile(Ks, ld, k, lk, b, g, j0, Tk, D, 1.f);
-        load_tile(Vs, ld, v, lk, b, g, j0, Tk, D, 1.f);
+        load_tile(Vs, ld, v, lv, b, g, j0, Tk, D, 1.f);
         __syncthreads();
         for (int cc = 0; cc < kTile / 2; cc++) {
             int c = half * (kTile / 2) + cc;
@@ -314,8 +314,8 @@ int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, 
     dim3 grid((unsigned)((Tq + kTile - 1) / kTile), (unsigned)(B * H));
     attention_fwd_kernel<T><<<grid, kThreads, smem, ms_cuda_stream_of(q->device_id)>>>(
         (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
-        (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(out), H, Hkv, Tq,
-        Tk, D, scale, causal);
+        (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(v), layout4(out), H,
+        Hkv, Tq, Tk, D, scale, causal);
     LAUNCH_CHECK("attention_fwd_kernel");
     return 0;
 }
@@ -349,8 +349,8 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         attention_bwd_dkdv_kernel<T><<<grid, kThreads, smem, s>>>(
             (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), (const float *)ms_tensor_data(l),
-            (const float *)ms_tensor_data(delta.t), layout4(q), layout4(k), layout4(dout), layout4(dk), H, Hkv, Tq, Tk,
-            D, scale, causal);
+            (const float *)ms_tensor_data(delta.t), layout4(q), layout4(k), layout4(v), layout4(dout), layout4(dk),
+            layout4(dv), H, Hkv, Tq, Tk, D, scale, causal);
         LAUNCH_CHECK("attention_bwd_dkdv_kernel");
     }
     if (Tq > 0) {
@@ -360,8 +360,8 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         attention_bwd_dq_kernel<T><<<grid, kThreads, smem, s>>>(
             (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), (const float *)ms_tensor_data(l),
-            (const float *)ms_tensor_data(delta.t), layout4(q), layout4(k), layout4(dout), layout4(dq), H, Hkv, Tq, Tk,
-            D, scale, causal);
+            (const float *)ms_tensor_data(delta.t), layout4(q), layout4(k), layout4(v), layout4(dout), layout4(dq), H,
+            Hkv, Tq, Tk, D, scale, causal);
         LAUNCH_CHECK("attention_bwd_dq_kernel");
     }
     return 0;
