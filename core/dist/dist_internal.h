@@ -9,12 +9,11 @@
 #ifndef MS_DIST_INTERNAL_H
 #define MS_DIST_INTERNAL_H
 
-#include "comm.h"
-
 #ifdef __cplusplus
 extern "C" {
 #endif
 
+#include "comm.h"   /* C linkage for the .cu backend too (nccl.cu calls the store) */
 #include "../internal.h"
 
 enum { MS_COLL_ALL_GATHER = 0, MS_COLL_REDUCE_SCATTER, MS_COLL_ALL_REDUCE, MS_COLL_BROADCAST };
