@@ -263,7 +263,10 @@ local function spawn(cmd, env, stdin_path)
     C.ms_launch_prctl(PR_SET_PDEATHSIG, SIGTERM, 0, 0, 0)
     if C.ms_launch_getppid() ~= parent then C.ms_launch__exit(1) end
     local fd = C.ms_launch_open(stdin_path or '/dev/null', O_RDONLY, 0)
-    if fd >= 0 then C.ms_launch_dup2(fd, 0) end
+    if fd > 0 then
+      C.ms_launch_dup2(fd, 0)
+      C.ms_launch_close(fd)
+    end
     C.ms_launch_dup2(out[1], 1)
     C.ms_launch_dup2(err[1], 2)
     C.ms_launch_sigprocmask(SIG_SETMASK, empty, nil)

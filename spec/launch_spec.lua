@@ -1,0 +1,233 @@
+-- bin/train's launcher (lua/moonshard/launch.lua): ranks get the
+-- environment, their output is prefixed, a failing rank stops the run within
+-- 10 s and is named, a rank missing at the rendezvous is named by the others,
+-- and SIGINT stops every rank. CPU only: through mpirun (the default for
+-- --device cpu) and with --spawn direct (how CUDA ranks start).
+local T = require 'moonshard.tensor'
+local launch = require 'moonshard.launch'
+
+local root = T.root
+local dir = os.tmpname()
+os.remove(dir)
+os.execute("mkdir -p '" .. dir .. "'")
+
+local function write(name, text)
+  local f = assert(io.open(dir .. '/' .. name, 'w'))
+  f:write(text)
+  f:close()
+  return dir .. '/' .. name
+end
+
+local function slurp(path)
+  local f = io.open(path, 'r')
+  if not f then return nil end
+  local s = f:read('*a')
+  f:close()
+  return s
+end
+
+-- runs bin/train with `args`; returns output (stdout+stderr), exit code, seconds
+local function train(args)
+  local t0 = launch.now()
+  local p = assert(io.popen(("cd '%s' && luajit bin/train %s 2>&1; echo \"__exit $?\""):format(root, args)))
+  local out = p:read('*a')
+  p:close()
+  local code = tonumber(out:match('__exit (%d+)%s*$'))
+  return out:gsub('__exit %d+%s*$', ''), code, launch.now() - t0
+end
+
+local function alive(pid) return os.execute(('kill -0 %d 2>/dev/null'):format(pid)) == 0 end
+
+local function wait_until(f, secs)
+  local t0 = launch.now()
+  while launch.now() - t0 < secs do
+    if f() then return true end
+    os.execute('sleep 0.05')
+  end
+  return f()
+end
+
+-- a script that writes its pid, then sleeps (the rank to be stopped)
+local function pid_script(tag)
+  return write(tag .. '.lua', ([[
+    local pid = io.open('/proc/self/stat'):read('*l'):match('^(%%d+)')
+    local f = io.open('%s/%s.pid.' .. os.getenv('RANK'), 'w'); f:write(pid, '\n'); f:close()
+    %s
+  ]]):format(dir, tag, "os.execute('sleep 60')"))
+end
+
+local function pids(tag, n)
+  local list = {}
+  for r = 0, n - 1 do
+    local s = slurp(('%s/%s.pid.%d'):format(dir, tag, r))
+    list[#list + 1] = s and tonumber(s:match('%d+'))
+  end
+  return list
+end
+
+describe('bin/train launcher', function()
+  teardown(function() os.execute("rm -rf '" .. dir .. "'") end)
+
+  it('starts N ranks through mpirun with the environment ms.dist reads; output is prefixed by rank', function()
+    local s = write('ok.lua', [[
+      local ms = require 'moonshard'
+      local dist = require 'moonshard.dist'
+      dist.init{ timeout = 30 }
+      local t = ms.full({ 5 }, dist.rank() + 1, { dtype = 'bf16' })
+      dist.all_reduce(t, 'sum')
+      print(('env %s %s %s %s %s %s %s'):format(os.getenv('RANK'), os.getenv('WORLD_SIZE'), os.getenv('LOCAL_RANK'),
+        os.getenv('LOCAL_WORLD_SIZE'), os.getenv('MASTER_ADDR'), os.getenv('MS_DEVICE'), os.getenv('NCCL_NVLS_ENABLE')))
+      print('token', #os.getenv('MS_DIST_TOKEN'), 'sum', t:float():totable()[5])
+      io.stderr:write('to stderr\n')
+      dist.destroy()
+    ]])
+    local out, code = train('--nproc-per-node 3 --device cpu ' .. s)
+    assert.are.equal(0, code, out)
+    for r = 0, 2 do
+      assert.matches(('[rank %d] env %d 3 %d 3 127.0.0.1 cpu 0'):format(r, r, r), out, 1, true)
+      assert.matches(('[rank %d] token\t32\tsum\t6'):format(r), out, 1, true)
+      assert.matches(('[rank %d] to stderr'):format(r), out, 1, true)
+    end
+  end)
+
+  for _, spawn in ipairs({ 'mpirun', 'direct' }) do
+    it(('stops the run within 10 s when a rank fails, and names it (--spawn %s)'):format(spawn), function()
+      local tag = 'fail_' .. spawn
+      local s = write(tag .. '.lua', ([[
+        local pid = io.open('/proc/self/stat'):read('*l'):match('^(%%d+)')
+        local f = io.open('%s/%s.pid.' .. os.getenv('RANK'), 'w'); f:write(pid, '\n'); f:close()
+        if os.getenv('RANK') == '1' then os.execute('sleep 0.5'); os.exit(3) end
+        os.execute('sleep 60')
+      ]]):format(dir, tag))
+      local out, code, secs = train(('--nproc-per-node 3 --device cpu --spawn %s %s'):format(spawn, s))
+      assert.are_not.equal(0, code)
+      assert.is_true(secs < 10, ('took %.1f s'):format(secs))
+      assert.matches('rank 1 failed (exit status 3)', out, 1, true)
+      for r, pid in ipairs(pids(tag, 3)) do
+        assert.is_true(wait_until(function() return not alive(pid) end, 2), 'rank ' .. (r - 1) .. ' still runs')
+      end
+    end)
+  end
+
+  it('stops the run within 10 s when a rank fails after dist.init (no MPI_Finalize waits for the others)', function()
+    local tag = 'late'
+    local s = write(tag .. '.lua', ([[
+      local dist = require 'moonshard.dist'
+      dist.init{ timeout = 30 }
+      local pid = io.open('/proc/self/stat'):read('*l'):match('^(%%d+)')
+      local f = io.open('%s/%s.pid.' .. dist.rank(), 'w'); f:write(pid, '\n'); f:close()
+      dist.barrier()
+      if dist.rank() == 2 then error('rank two gives up') end
+      os.execute('sleep 60')
+    ]]):format(dir, tag))
+    local out, code, secs = train('--nproc-per-node 3 --device cpu ' .. s)
+    assert.are_not.equal(0, code)
+    assert.is_true(secs < 10, ('took %.1f s'):format(secs))
+    assert.matches('rank two gives up', out, 1, true)
+    assert.matches('rank 2 failed (exit status 1)', out, 1, true)
+    for r, pid in ipairs(pids(tag, 3)) do
+      assert.is_true(wait_until(function() return not alive(pid) end, 2), 'rank ' .. (r - 1) .. ' still runs')
+    end
+  end)
+
+  for _, spawn in ipairs({ 'mpirun', 'direct' }) do
+    it(('names the ranks that never reach the rendezvous (--spawn %s)'):format(spawn), function()
+      local s = write('hang.lua', [[
+        local dist = require 'moonshard.dist'
+        if os.getenv('RANK') == '2' then os.execute('sleep 60') end
+        dist.init{ backend = 'mpi', timeout = 2 }
+      ]])
+      local out, code, secs = train(('--nproc-per-node 3 --device cpu --spawn %s %s'):format(spawn, s))
+      assert.are_not.equal(0, code)
+      assert.is_true(secs < 10, ('took %.1f s'):format(secs))
+      -- the first rank to fail stops the other, which may not have printed yet
+      local lines = 0
+      for r, line in out:gmatch('%[rank (%d)%]([^\n]*dist%.init[^\n]*)') do
+        lines = lines + 1
+        assert.matches(("dist.init (rank %s of 3): rendezvous 'init' timed out after 2 s: rank 2 of 3 never arrived")
+          :format(r), line, 1, true)
+      end
+      assert.is_true(lines >= 1, out)
+      assert.matches('bin/train: rank [01] failed %(exit status 1%)', out)
+    end)
+  end
+
+  for _, spawn in ipairs({ 'mpirun', 'direct' }) do
+    it(('stops every rank on SIGINT (--spawn %s)'):format(spawn), function()
+      local tag = 'int_' .. spawn
+      local s = pid_script(tag)
+      local lpid, status = dir .. '/' .. tag .. '.launcher', dir .. '/' .. tag .. '.status'
+      os.execute(("cd '%s' && (luajit bin/train --nproc-per-node 3 --device cpu --spawn %s %s >'%s.out' 2>&1 & "
+        .. "echo $! >'%s'; wait $!; echo $? >'%s') >/dev/null 2>&1 &"):format(root, spawn, s, lpid, lpid, status))
+      assert.is_true(wait_until(function()
+        local p = pids(tag, 3)
+        return p[1] and p[2] and p[3]
+      end, 10), 'the ranks did not start')
+      local launcher = tonumber(slurp(lpid))
+      local t0 = launch.now()
+      os.execute(('kill -INT %d'):format(launcher))
+      assert.is_true(wait_until(function() return slurp(status) ~= nil and slurp(status) ~= '' end, 12),
+        'the launcher did not exit')
+      assert.is_true(launch.now() - t0 < 10.5)
+      assert.are.equal(130, tonumber(slurp(status)))
+      for r, pid in ipairs(pids(tag, 3)) do
+        assert.is_true(wait_until(function() return not alive(pid) end, 2), 'rank ' .. (r - 1) .. ' still runs')
+      end
+      assert.matches('stopped by SIGINT', slurp(lpid .. '.out'), 1, true)
+    end)
+  end
+
+  it('writes per-rank logs with --log-dir and shows only rank 0 on the console', function()
+    local s = write('logs.lua', [[ print('line of rank ' .. os.getenv('RANK')) ]])
+    local logs = dir .. '/logs'
+    local out, code = train(('--nproc-per-node 2 --device cpu --spawn direct --log-dir %s %s'):format(logs, s))
+    assert.are.equal(0, code, out)
+    assert.matches('[rank 0] line of rank 0', out, 1, true)
+    assert.is_nil(out:find('line of rank 1', 1, true))
+    assert.are.equal('line of rank 0\n', slurp(logs .. '/rank0.log'))
+    assert.are.equal('line of rank 1\n', slurp(logs .. '/rank1.log'))
+  end)
+
+  it('gives direct ranks RANK, LOCAL_RANK, GROUP_RANK and the node\'s offset', function()
+    local s = write('env.lua', [[ print(os.getenv('RANK'), os.getenv('LOCAL_RANK'), os.getenv('WORLD_SIZE'), os.getenv('GROUP_RANK')) ]])
+    -- several nodes need the shared secret
+    local out, code = train(('--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --nproc-per-node 2 --device cpu '
+      .. '--spawn direct %s'):format(s))
+    assert.are.equal(2, code, out)
+    assert.matches('MS_DIST_TOKEN', out, 1, true)
+    local p = assert(io.popen(("cd '%s' && MS_DIST_TOKEN=abc luajit bin/train --nnodes 2 --node-rank 1 "
+      .. "--master-addr 127.0.0.1 --nproc-per-node 2 --device cpu --spawn direct %s 2>&1"):format(root, s)))
+    out = p:read('*a')
+    p:close()
+    assert.matches('[rank 2] 2\t0\t4\t1', out, 1, true)
+    assert.matches('[rank 3] 3\t1\t4\t1', out, 1, true)
+  end)
+
+  it('refuses bad launcher options with exit status 2', function()
+    local s = write('noop.lua', 'print(1)')
+    local out, code = train('--nproc-per-node 0 ' .. s)
+    assert.are.equal(2, code)
+    assert.matches('--nproc-per-node expects an integer >= 1', out, 1, true)
+    out, code = train('--nnodes 2 --nproc-per-node 1 ' .. s)
+    assert.are.equal(2, code)
+    assert.matches('needs --master-addr', out, 1, true)
+    out, code = train('--nproc-per-node 2 --device tpu ' .. s)
+    assert.are.equal(2, code)
+    assert.matches('--device is cpu or cuda', out, 1, true)
+  end)
+
+  it('trains a model file with the built-in loop in every rank', function()
+    local out, code = train(('--nproc-per-node 2 --device cpu models/gpt2.lua --steps 2 --log-every 1 --eval-iters 1 '
+      .. '--sample-tokens 0 --save false --out %s/run'):format(dir))
+    assert.are.equal(0, code, out)
+    assert.matches('[rank 0] done: 2 steps', out, 1, true)
+    assert.matches('[rank 1] done: 2 steps', out, 1, true)
+  end)
+
+  it('runs one process as before without --nproc-per-node', function()
+    local s = write('single.lua', [[ print('single', os.getenv('RANK'), ...) ]])
+    local out, code = train(s .. ' a b')
+    assert.are.equal(0, code, out)
+    assert.matches('^single\tnil\ta\tb', out)
+  end)
+end)
