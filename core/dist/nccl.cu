@@ -343,8 +343,17 @@ static int nccl_split(ms_comm *parent, int color, int key, void **impl) {
     {
         std::lock_guard<std::mutex> cl(p->mu);
         if (p->aborted) return ms_errorf("new_group: the parent group is broken: %s", parent->broken_msg);
+        // a blocking split: in non-blocking mode NCCL 2.28 handed back a NULL
+        // communicator on some ranks while the split was in progress (seen on
+        // 2 H200s); the group's own operations stay non-blocking
         ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-        cfg.blocking = 0;
+        cfg.blocking = 1;
+        // a non-blocking communicator takes no new call before its last one
+        // has settled (NCCL: poll ncclCommGetAsyncError until ncclSuccess)
+        r = settle(p->comm, ncclInProgress, ms_dist_now() + parent->timeout_s);
+        if (r != ncclSuccess)
+            return nccl_error(r == ncclInProgress ? ncclInternalError : r, "new_group: the parent group is busy",
+                              p->comm, __LINE__);
         r = ncclCommSplit(p->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &cfg);
         if (r != ncclSuccess && r != ncclInProgress) return nccl_error(r, "ncclCommSplit", p->comm, __LINE__);
         r = settle(p->comm, r, ms_dist_now() + parent->timeout_s);
