@@ -59,6 +59,16 @@ train.options = {
   { 'temperature', 'number>=0', 0.8, 'sampling temperature (0: greedy)' },
   { 'top_k', 'int>=0', 0, 'sample from the k most likely tokens (0: all)' },
   { 'quiet', 'bool', false, 'no progress lines' },
+  { 'progress', 'string', 'auto', 'progress display: auto (a line redrawn in place on a terminal, plain lines otherwise), tty or plain' },
+  { 'device', 'string', 'cpu', 'where the model runs: cpu or cuda (MFU and GPU memory on the progress line)' },
+  { 'peak_tflops', 'number>=0', 989, 'the device\'s peak TFLOP/s for MFU (H100 bf16 dense: 989)' },
+  { 'tokens_per_step', 'int>=0', 0, 'accumulate micro-batches (batch_size x seq_len tokens each) until this many tokens per optimizer step (0: one micro-batch)' },
+  { 'max_bad_steps', 'int>0', 5, 'stop after this many steps in a row with a NaN/inf loss or grad norm (each is skipped)' },
+  { 'save_every', 'int>=0', 0, 'steps between checkpoints in out/ckpt-<step>/ (0: only on SIGINT/SIGTERM and --stop-at)' },
+  { 'keep_checkpoints', 'int>=0', 3, 'keep the newest K checkpoints (0: all)' },
+  { 'resume', 'string?', nil, 'continue from the newest complete checkpoint in out (bare --resume) or in DIR (a run folder or a ckpt-<step> folder)' },
+  { 'stop_at', 'int>=0', 0, 'stop after this step with a checkpoint, as if interrupted (0: run to --steps)' },
+  { 'inject_nan', 'string?', nil, 'test hook: comma-separated steps whose loss is made NaN' },
 }
 local option_by_name = {}
 for _, o in ipairs(train.options) do option_by_name[o[1]] = o end
@@ -223,6 +233,9 @@ function train.parse_args(args, M)
     local opt = option_by_name[key]
     local mfield = key:match('^model%.(.+)$')
     if opt then
+      if key == 'resume' and val == nil and (args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
+        val = 'latest' -- a bare --resume: the newest checkpoint in --out
+      end
       if opt[2] == 'bool' and val == nil and (neg or args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
         val = not neg
       elseif val == nil then
@@ -272,6 +285,12 @@ function train.check_options(o, where)
   end
   if o.dtype and o.dtype ~= 'f32' and o.dtype ~= 'f64' then
     usage('%s: dtype must be f32 or f64 on CPU, got %s', where, describe(o.dtype))
+  end
+  if o.device and o.device ~= 'cpu' and o.device ~= 'cuda' and not o.device:match('^cuda:%d+$') then
+    usage('%s: device must be cpu or cuda, got %s', where, describe(o.device))
+  end
+  if o.progress and o.progress ~= 'auto' and o.progress ~= 'tty' and o.progress ~= 'plain' then
+    usage('%s: progress must be auto, tty or plain, got %s', where, describe(o.progress))
   end
   return o
 end
@@ -385,6 +404,15 @@ function train.encode_sorted(obj)
   return json.encode(obj, { indent = true, keyorder = keys })
 end
 
+-- one JSON object per line, "step" first, the other keys sorted; numbers
+-- with 17 significant digits, so a loss read back is the loss computed
+-- (bitwise comparisons of runs, resume specs)
+local function json_number(v)
+  if v ~= v or v == math.huge or v == -math.huge then return 'null' end
+  if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ('%d'):format(v) end
+  return ('%.17g'):format(v)
+end
+train.json_number = json_number
 local function jsonl_line(f, obj)
   local keys = {}
   for k in pairs(obj) do keys[#keys + 1] = k end
@@ -393,18 +421,32 @@ local function jsonl_line(f, obj)
     if b == 'step' then return false end
     return a < b
   end)
-  f:write(json.encode(obj, { keyorder = keys }), '\n')
+  local parts = {}
+  for _, k in ipairs(keys) do
+    local v = obj[k]
+    local enc
+    if type(v) == 'number' then enc = json_number(v)
+    elseif type(v) == 'table' then enc = json.encode(v)
+    else enc = json.encode(v) end
+    parts[#parts + 1] = json.quotestring(k) .. ':' .. enc
+  end
+  f:write('{', table.concat(parts, ','), '}\n')
   f:flush()
 end
 
 -- mean loss over a fixed set of validation batches (the same every time)
 function train.evaluate(model, loader, iters)
+  return train.evaluate_on(model, loader, iters)
+end
+-- the same, with batches moved by to_device(x, y) -> x, y
+function train.evaluate_on(model, loader, iters, to_device)
   local was = model.training
   model:eval()
   local total = 0
   ms.no_grad(function()
     for k = 0, iters - 1 do
       local x, y = loader:batch(k)
+      if to_device then x, y = to_device(x, y) end
       total = total + model(x, y):item()
     end
   end)
@@ -412,14 +454,148 @@ function train.evaluate(model, loader, iters)
   return total / iters
 end
 
+-- ---------------------------------------------------------------- signals
+-- SIGINT and SIGTERM stop a run cleanly: the step in flight finishes, a
+-- checkpoint is written, the run returns (bin/train exits 0). No work, and
+-- no Lua, runs in a signal handler: a LuaJIT callback cannot safely run as a
+-- handler (it may interrupt compiled code, or land on one of OpenBLAS's or
+-- OpenMP's threads). Instead bin/train blocks both signals before the
+-- library starts any thread (every thread inherits the mask, so the kernel
+-- keeps the signal pending for the process instead of killing it), and the
+-- loop takes a pending one with a zero-timeout sigtimedwait between steps:
+-- the "flag" is the kernel's pending set. train.run handles signals only
+-- when its caller blocked them, so in a REPL Ctrl-C interrupts as usual.
+pcall(ffi.cdef, [[
+typedef struct { unsigned long val[16]; } ms_train_sigset;
+int ms_train_sigemptyset(ms_train_sigset *s) asm("sigemptyset");
+int ms_train_sigaddset(ms_train_sigset *s, int sig) asm("sigaddset");
+int ms_train_sigismember(const ms_train_sigset *s, int sig) asm("sigismember");
+int ms_train_sigprocmask(int how, const ms_train_sigset *set, ms_train_sigset *old) asm("pthread_sigmask");
+int ms_train_sigtimedwait(const ms_train_sigset *set, void *info, const ms_train_timespec *t) asm("sigtimedwait");
+int ms_train_isatty(int fd) asm("isatty");
+]])
+local SIGINT, SIGTERM, SIG_BLOCK, SIG_UNBLOCK = 2, 15, 0, 1
+local stop_set = ffi.new('ms_train_sigset')
+ffi.C.ms_train_sigemptyset(stop_set)
+ffi.C.ms_train_sigaddset(stop_set, SIGINT)
+ffi.C.ms_train_sigaddset(stop_set, SIGTERM)
+train.signal_names = { [SIGINT] = 'SIGINT', [SIGTERM] = 'SIGTERM' }
+
+-- block (true) or unblock (false) SIGINT/SIGTERM in the calling thread
+function train.block_signals(on)
+  ffi.C.ms_train_sigprocmask(on == false and SIG_UNBLOCK or SIG_BLOCK, stop_set, nil)
+end
+-- are SIGINT and SIGTERM blocked in the calling thread?
+function train.signals_blocked()
+  local cur = ffi.new('ms_train_sigset')
+  ffi.C.ms_train_sigprocmask(SIG_BLOCK, nil, cur)
+  return ffi.C.ms_train_sigismember(cur, SIGINT) == 1 and ffi.C.ms_train_sigismember(cur, SIGTERM) == 1
+end
+-- the number of a pending SIGINT/SIGTERM (taken off the pending set), or nil
+local zero_ts = ffi.new('ms_train_timespec')
+function train.take_signal()
+  local sig = ffi.C.ms_train_sigtimedwait(stop_set, nil, zero_ts)
+  if sig > 0 then return sig end
+  return nil
+end
+
+function train.isatty(fd) return ffi.C.ms_train_isatty(fd or 1) == 1 end
+
 -- ------------------------------------------------------------------- run
+local ckpt = require 'moonshard.checkpoint'
+
+local function finite(v) return v == v and v ~= math.huge and v ~= -math.huge end
+
+local function read_lines(path)
+  local f = io.open(path, 'rb')
+  if not f then return {} end
+  local lines = {}
+  for line in f:lines() do lines[#lines + 1] = line end
+  f:close()
+  return lines
+end
+
+-- where a --resume points: the folder holding ckpt-<step>/ folders, and the
+-- newest step allowed (a ckpt-<step> folder given itself)
+local function resume_root(o)
+  local r = o.resume
+  if r == 'latest' or r == 'true' then
+    if not o.out then usage('--resume needs --out (the run folder) or a folder: --resume DIR') end
+    return o.out, nil
+  end
+  r = r:gsub('/+$', '')
+  local parent, step = r:match('^(.*)/ckpt%-(%d+)$')
+  if not parent and r:match('^ckpt%-%d+$') then parent, step = '.', r:match('(%d+)$') end
+  if parent then return parent, tonumber(step) end
+  return r, nil
+end
+
+-- the newest complete checkpoint for a --resume, corrupt ones reported and skipped
+local function find_resume(o, warn)
+  local root, max_step = resume_root(o)
+  local skipped = {}
+  for _, c in ipairs(ckpt.list(root)) do
+    if not max_step or c.step <= max_step then
+      local ok, err = ckpt.verify(c.path)
+      if ok then return c, root end
+      skipped[#skipped + 1] = err
+      warn(('checkpoint %s is corrupt: %s; using the previous one'):format(c.path, err))
+    end
+  end
+  if #skipped > 0 then
+    usage('--resume: no complete checkpoint in %s (%s)', root, table.concat(skipped, '; '))
+  end
+  usage('--resume: no checkpoint in %s (ckpt-<step>/ folders)', root)
+end
+
+-- options a resumed run takes from the command line rather than from the
+-- checkpoint even when not given: none; these are dropped from the saved ones
+local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true }
+
 -- train.run(options) -> summary { steps, final_loss, first_loss, val_loss,
--- elapsed_s, tokens_per_s, out, sample, model }
+-- elapsed_s, tokens_per_s, out, sample, model, interrupted, bad_steps,
+-- checkpoint }
 -- options as train.options (model: a path, a module name or a model table).
 function train.run(opts)
+  opts = opts or {}
   local M, o = train.resolve(opts)
-  local log = o.quiet and function() end or function(...) io.stdout:write(string.format(...), '\n'); io.stdout:flush() end
+  local warn = function(msg) io.stderr:write('bin/train: ', msg, '\n'); io.stderr:flush() end
+
+  -- resume: the checkpoint's options, then the ones given now
+  local resume
+  if o.resume then
+    local c = find_resume(o, warn)
+    local st = ckpt.load(c.path).state
+    local merged = {}
+    for k, v in pairs(st.options or {}) do
+      if option_by_name[k] and not not_resumed[k] or k == 'model_config' then merged[k] = v end
+    end
+    for k, v in pairs(opts) do if k ~= 'config' then merged[k] = v end end
+    merged.resume = nil
+    if type(opts.model) == 'table' then merged.model = opts.model end
+    M, o = train.resolve(merged)
+    o.resume = opts.resume or 'latest'
+    resume = { path = c.path, state = st }
+  end
+
+  local tty = o.progress == 'tty' or (o.progress == 'auto' and train.isatty(1))
+  local status_shown = false
+  local function out_line(s)
+    if tty and status_shown then io.stdout:write('\r\27[K') end
+    status_shown = false
+    io.stdout:write(s, '\n')
+    io.stdout:flush()
+  end
+  local log = o.quiet and function() end or function(...) out_line(string.format(...)) end
+  local function status(s) -- the redrawn line
+    if o.quiet then return end
+    io.stdout:write('\r', s, '\27[K')
+    io.stdout:flush()
+    status_shown = true
+  end
   if o.threads > 0 then ms.set_num_threads(o.threads) end
+  local handle_signals = train.signals_blocked()
+  local on_gpu = o.device ~= 'cpu'
 
   -- model
   ms.manual_seed(o.seed)
@@ -428,6 +604,7 @@ function train.run(opts)
   local okm, model = pcall(M.new, o.preset, o.model_config)
   if not okm then usage('%s', (tostring(model):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
   if o.dtype ~= 'f32' then model:to(o.dtype) end
+  if on_gpu then model:to(o.device) end
   model:train()
   local cfg = model.config
   local max_pos = model.max_positions and model:max_positions() or math.huge
@@ -445,14 +622,64 @@ function train.run(opts)
   if not okc then usage('%s', (tostring(corpus):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
   local train_loader = data.Loader(corpus.train, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed })
   local val_loader = corpus.val and data.Loader(corpus.val, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed + 1 })
+  local function to_device(x, y)
+    if not on_gpu then return x, y end
+    local dx, dy = x:to(o.device), y:to(o.device)
+    x:free(); y:free()
+    return dx, dy
+  end
+
+  -- gradient accumulation: micro-batches of batch_size x seq_len tokens
+  local micro_tokens = o.batch_size * o.seq_len
+  local accum = 1
+  if o.tokens_per_step > 0 then
+    if o.tokens_per_step % micro_tokens ~= 0 then
+      usage('--tokens-per-step %d is not a multiple of the micro-batch (--batch-size %d x --seq-len %d = %d tokens)',
+        o.tokens_per_step, o.batch_size, o.seq_len, micro_tokens)
+    end
+    accum = o.tokens_per_step / micro_tokens
+  end
+  local tokens_per_step = micro_tokens * accum
+
+  local inject = {}
+  for n in tostring(o.inject_nan or ''):gmatch('%d+') do inject[tonumber(n)] = true end
 
   -- output
   local name = (M.name or 'model') .. '-' .. tostring(o.preset or 'custom')
   o.out = o.out or ('runs/' .. name .. '-' .. os.date('%Y%m%d-%H%M%S'))
   local ok_mk = os.execute('mkdir -p ' .. data.shell_quote(o.out))
   if ok_mk ~= 0 and ok_mk ~= true then usage('cannot create the output folder %s', o.out) end
-  local mf, merr = io.open(o.out .. '/metrics.jsonl', 'w')
-  if not mf then usage('cannot write %s/metrics.jsonl: %s', o.out, tostring(merr)) end
+
+  -- optimizer
+  local opt = ms.optim.AdamW(model, { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = o.eps, weight_decay = o.weight_decay })
+  local lr_at = train.schedule(o)
+  local params = model:parameters()
+
+  -- resume: weights, optimizer state, RNG, data position, counters
+  local start_step, bad_run, bad_total = 1, 0, 0
+  if resume then
+    local okl, err = pcall(ckpt.load, resume.path, { model = model, optimizer = opt })
+    if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
+    local st = resume.state
+    start_step = st.step + 1
+    T.set_rng_state(st.rng)
+    train_loader:set_state(st.data)
+    bad_run, bad_total = st.bad_steps_in_a_row or 0, st.bad_steps or 0
+  end
+
+  -- metrics: a resumed run keeps the lines up to its checkpoint
+  local metrics_path = o.out .. '/metrics.jsonl'
+  local kept = {}
+  if resume then
+    for _, line in ipairs(read_lines(metrics_path)) do
+      local s = tonumber(line:match('^{"step":(%d+)'))
+      if s and s < start_step then kept[#kept + 1] = line end
+    end
+  end
+  local mf, merr = io.open(metrics_path, 'w')
+  if not mf then usage('cannot write %s: %s', metrics_path, tostring(merr)) end
+  for _, line in ipairs(kept) do mf:write(line, '\n') end
+  mf:flush()
   do
     local rf = io.open(o.out .. '/run.json', 'w')
     if rf then
@@ -462,66 +689,135 @@ function train.run(opts)
     end
   end
 
-  -- optimizer
-  local opt = ms.optim.AdamW(model, { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = o.eps, weight_decay = o.weight_decay })
-  local lr_at = train.schedule(o)
-  local params = model:parameters()
-
   log('moonshard train: %s (%s), %.2fM parameters, %s', o.model, tostring(o.preset), nparams / 1e6, o.dtype)
   log('data: %s, %d bytes (train %d, val %d)', corpus.name, corpus.n, corpus.train.n, corpus.val and corpus.val.n or 0)
-  log('%d steps x %d sequences x %d tokens, lr %g, threads %d, out %s',
-    o.steps, o.batch_size, o.seq_len, o.lr, ms.get_num_threads(), o.out)
+  log('%d steps x %d tokens (%d x %d x %d micro-batches), lr %g, threads %d, out %s',
+    o.steps, tokens_per_step, o.batch_size, o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
+  if resume then log('resumed from %s at step %d', resume.path, start_step - 1) end
 
-  local tokens_per_step = o.batch_size * o.seq_len
+  local function save_checkpoint(step)
+    local saved = {}
+    for k, v in pairs(o) do saved[k] = v end
+    if type(saved.model) ~= 'string' then saved.model = nil end
+    local path = ckpt.save(o.out, step, {
+      model = model, optimizer = opt,
+      state = { step = step, scheduler = { step = step, lr = lr_at(math.min(step, o.steps)) },
+                rng = T.rng_state(), data = train_loader:state(), options = saved,
+                bad_steps = bad_total, bad_steps_in_a_row = bad_run },
+    }, { keep = o.keep_checkpoints })
+    return path
+  end
+
+  local flops_per_token = 6 * nparams
   local t0 = now()
-  local t_window, window_loss, window_n, eval_s = t0, 0, 0, 0
-  local first_loss, last_loss, val_loss
-  local steady_t0, steady_step -- timing from step 2 on (step 1 warms up)
-  for step = 1, o.steps do
+  local t_window, window_loss, window_n, window_steps, eval_s = t0, 0, 0, 0, 0
+  local first_loss, last_loss, val_loss, last_ckpt, interrupted
+  local steady_t0, steady_step -- timing from the first step on (it warms up)
+  local last_step = start_step - 1
+  local rate = 0
+  for step = start_step, o.steps do
     local lr = lr_at(step)
     set_lr(opt, lr)
-    local x, y = train_loader:next()
-    local loss = model(x, y)
     opt:zero_grad()
-    loss:backward()
-    local gnorm
-    if o.grad_clip > 0 then gnorm = ms.optim.clip_grad_norm(params, o.grad_clip) end
-    opt:step()
-    local lv = loss:item()
-    if lv ~= lv or lv == math.huge or lv == -math.huge then
-      error(('train: the loss is %s at step %d (try a lower --lr)'):format(tostring(lv), step), 0)
+    local lsum = 0
+    for _ = 1, accum do
+      local x, y = to_device(train_loader:next())
+      local loss = model(x, y)
+      if inject[step] then loss = loss * (0 / 0) end
+      lsum = lsum + loss:item()
+      if accum > 1 then loss = loss * (1 / accum) end -- a power of two scales exactly
+      loss:backward()
     end
-    first_loss = first_loss or lv
-    last_loss = lv
-    window_loss, window_n = window_loss + lv, window_n + 1
+    local lv = lsum / accum
+    local gnorm = ms.optim.clip_grad_norm(params, o.grad_clip > 0 and o.grad_clip or nil)
+    local rec = { step = step, lr = lr, elapsed_s = now() - t0 }
+    if finite(lv) and finite(gnorm) then
+      opt:step()
+      bad_run = 0
+      first_loss = first_loss or lv
+      last_loss = lv
+      window_loss, window_n = window_loss + lv, window_n + 1
+      rec.loss, rec.grad_norm = lv, gnorm
+    else
+      -- no update: the gradients are dropped, the step (its data, its lr) is spent
+      opt:zero_grad()
+      bad_run, bad_total = bad_run + 1, bad_total + 1
+      rec.skipped = true
+      rec.bad_loss, rec.bad_grad_norm = tostring(lv), tostring(gnorm)
+      log('step %d: loss %s, grad norm %s: skipped (%d in a row, %d in all)', step, tostring(lv), tostring(gnorm), bad_run, bad_total)
+      if bad_run >= o.max_bad_steps then
+        rec.bad_steps = bad_total
+        jsonl_line(mf, rec)
+        mf:close()
+        error(('train: %d steps in a row with a NaN/inf loss or gradient norm (steps %d-%d, %d in all): stopping '
+          .. '(--max-bad-steps %d); try a lower --lr or --grad-clip, or resume from the last checkpoint'):format(
+          bad_run, step - bad_run + 1, step, bad_total, o.max_bad_steps), 0)
+      end
+    end
+    if bad_total > 0 then rec.bad_steps = bad_total end
+    window_steps = window_steps + 1
     local t = now()
-    if step == 1 then steady_t0, steady_step = t, 1 end
-    local rec = { step = step, loss = lv, lr = lr, grad_norm = gnorm, elapsed_s = t - t0 }
+    if not steady_t0 then steady_t0, steady_step = t, step end
     if val_loader and (step == o.steps or (o.eval_every > 0 and step % o.eval_every == 0)) then
       local te = now()
-      val_loss = train.evaluate(model, val_loader, o.eval_iters)
+      val_loss = train.evaluate_on(model, val_loader, o.eval_iters, to_device)
       rec.val_loss = val_loss
       eval_s = eval_s + (now() - te)
     end
-    local log_now = step % o.log_every == 0 or step == o.steps or step == 1
-    if log_now then
+    local log_now = step % o.log_every == 0 or step == o.steps or step == start_step
+    if log_now or tty then
       -- throughput of the training steps alone (validation time left out)
       local dt = now() - t_window - eval_s
-      local rate = window_n * tokens_per_step / math.max(dt, 1e-9)
-      rec.tokens_per_s = rate
-      local per_step = step > steady_step and (t - steady_t0) / (step - steady_step) or dt
-      log('step %' .. #tostring(o.steps) .. 'd/%d | loss %.4f | lr %.2e | %s tok/s | %s elapsed | ETA %s%s',
-        step, o.steps, window_loss / window_n, lr, fmt_rate(rate),
+      rate = window_steps * tokens_per_step / math.max(dt, 1e-9)
+      if log_now then rec.tokens_per_s = rate end
+      local per_step = step > steady_step and (t - steady_t0) / (step - steady_step) or dt / window_steps
+      local extra = ''
+      if on_gpu then
+        local mfu = rate * flops_per_token / (o.peak_tflops * 1e12)
+        local cuda = require 'moonshard.cuda'
+        local mem = cuda.memory_allocated()
+        rec.mfu, rec.gpu_mem_bytes = mfu, mem
+        extra = (' | MFU %.1f%% | mem %.2f GiB'):format(100 * mfu, mem / 2 ^ 30)
+      end
+      local line = ('step %' .. #tostring(o.steps) .. 'd/%d | loss %s | lr %.2e | %s tok/s%s | %s elapsed | ETA %s%s'):format(
+        step, o.steps, window_n > 0 and ('%.4f'):format(window_loss / window_n) or 'skipped', lr, fmt_rate(rate), extra,
         fmt_duration(t - t0), fmt_duration(per_step * (o.steps - step)),
         rec.val_loss and (' | val %.4f'):format(rec.val_loss) or '')
-      t_window, window_loss, window_n, eval_s = now(), 0, 0, 0
+      if tty then
+        status(line)
+        if rec.val_loss and not o.quiet then out_line(line) end -- validations stay on screen
+      elseif log_now then
+        log('%s', line)
+      end
+      if log_now then t_window, window_loss, window_n, window_steps, eval_s = now(), 0, 0, 0, 0 end
     end
     jsonl_line(mf, rec)
+    last_step = step
+    local sig = handle_signals and train.take_signal()
+    if sig then interrupted = train.signal_names[sig] or ('signal ' .. sig) end
+    if o.stop_at > 0 and step >= o.stop_at and step < o.steps then interrupted = interrupted or ('--stop-at ' .. o.stop_at) end
+    if interrupted or (o.save_every > 0 and step % o.save_every == 0 and step < o.steps) then
+      last_ckpt = save_checkpoint(step)
+      if not interrupted then log('checkpoint %s', last_ckpt) end
+    end
+    if interrupted then break end
   end
   local elapsed = now() - t0
   mf:close()
+  if tty and status_shown then io.stdout:write('\n'); status_shown = false end
+  local steps_run = last_step - start_step + 1
+
+  if interrupted then
+    log('stopped by %s after step %d/%d: checkpoint %s (continue with --resume)', interrupted, last_step, o.steps, last_ckpt)
+    return {
+      steps = last_step, first_loss = first_loss, final_loss = last_loss, val_loss = val_loss, elapsed_s = elapsed,
+      tokens_per_s = steps_run * tokens_per_step / math.max(elapsed, 1e-9), out = o.out, model = model, options = o,
+      interrupted = interrupted, checkpoint = last_ckpt, bad_steps = bad_total,
+    }
+  end
 
   if o.save then model:save_pretrained(o.out) end
+  if o.save_every > 0 and last_step >= start_step then last_ckpt = save_checkpoint(last_step) end
 
   local sample
   if o.sample_tokens > 0 then
@@ -535,19 +831,22 @@ function train.run(opts)
     sample = o.sample_prompt .. data.decode(new)
     log('---- sample (%d tokens, temperature %g) ----\n%s\n----', o.sample_tokens, o.temperature, sanitize(sample))
   end
-  log('done: %d steps in %s (%s tok/s), loss %.4f -> %.4f%s; metrics %s/metrics.jsonl',
-    o.steps, fmt_duration(elapsed), fmt_rate(o.steps * tokens_per_step / elapsed), first_loss, last_loss,
-    val_loss and (', val %.4f'):format(val_loss) or '', o.out)
+  log('done: %d steps in %s (%s tok/s), loss %s -> %s%s%s; metrics %s/metrics.jsonl',
+    steps_run, fmt_duration(elapsed), fmt_rate(steps_run * tokens_per_step / math.max(elapsed, 1e-9)),
+    first_loss and ('%.4f'):format(first_loss) or '-', last_loss and ('%.4f'):format(last_loss) or '-',
+    val_loss and (', val %.4f'):format(val_loss) or '', bad_total > 0 and (', %d bad steps skipped'):format(bad_total) or '',
+    o.out)
   return {
     steps = o.steps, first_loss = first_loss, final_loss = last_loss, val_loss = val_loss,
-    elapsed_s = elapsed, tokens_per_s = o.steps * tokens_per_step / elapsed,
-    out = o.out, sample = sample, model = model, options = o,
+    elapsed_s = elapsed, tokens_per_s = steps_run * tokens_per_step / math.max(elapsed, 1e-9),
+    out = o.out, sample = sample, model = model, options = o, bad_steps = bad_total, checkpoint = last_ckpt,
   }
 end
 
 -- ------------------------------------------------------------------ main
 train.help = [[
 usage: bin/train FILE [options]
+       bin/train --config CONFIG [options]       (configs/tiny.lua, configs/gpt2-124m.lua, configs/llama-1b.lua)
 
 FILE is a model file (models/gpt2.lua, models/llama.lua: trained by the
 built-in loop with the options below), a run config (a Lua file returning a
@@ -580,6 +879,30 @@ function train.usage_text(M)
   return table.concat(lines, '\n')
 end
 
+-- train.main_args(args) -> exit status: `bin/train --config FILE [options]`
+-- (the options name the config; the config names the model)
+function train.main_args(args)
+  local ok, status = xpcall(function()
+    for _, a in ipairs(args) do
+      if a == '--help' or a == '-h' then print(train.usage_text()); return 0 end
+    end
+    train.run(train.parse_args(args))
+    return 0
+  end, function(e)
+    if train.is_usage_error(e) then return e end
+    return { msg = tostring(e), tb = debug.traceback(tostring(e), 2) }
+  end)
+  if ok then return status end
+  if train.is_usage_error(status) then
+    io.stderr:write('bin/train: ', status.msg, '\n')
+    return 2
+  end
+  io.stderr:write('bin/train: ', status.msg, '\n')
+  if os.getenv('MS_TRACEBACK') then io.stderr:write(status.tb, '\n')
+  else io.stderr:write('(MS_TRACEBACK=1 prints the traceback)\n') end
+  return 1
+end
+
 -- train.main_file(path, args) -> exit status. Runs a model file through the
 -- built-in loop, a run config likewise, or a training script as it is.
 function train.main_file(path, args)
@@ -605,9 +928,14 @@ function train.main_file(path, args)
     for i, a in ipairs(args) do script_arg[i] = a end
     local env_arg = _G.arg
     _G.arg = script_arg
+    -- bin/train blocked SIGINT/SIGTERM for the built-in loop (see signals);
+    -- a training script gets the default behaviour back
+    local blocked = train.signals_blocked()
+    if blocked then train.block_signals(false) end
     local rets = { chunk(unpack(args)) }
     local v = rets[1]
     local kind = train.kind_of(v)
+    if blocked and (kind == 'model' or kind == 'config') then train.block_signals(true) end
     if kind == 'model' then
       _G.arg = env_arg
       local M = train.load_model(path)
