@@ -1,0 +1,349 @@
+-- Checkpoints and resume (moonshard.checkpoint, moonshard.train): a run
+-- stopped and resumed is bitwise the run that never stopped; a corrupt or
+-- truncated checkpoint is named and the previous one used; only the last K
+-- are kept; SIGINT leaves a complete checkpoint and exit status 0; NaN steps
+-- are skipped and counted; gradient accumulation equals one big batch;
+-- configs and overrides; bin/plot draws a PNG.
+local ffi = require 'ffi'
+local T = require 'moonshard.tensor'
+local S = require 'moonshard.safetensors'
+local json = require 'dkjson'
+local train = require 'moonshard.train'
+local ckpt = require 'moonshard.checkpoint'
+pcall(ffi.cdef, 'int memcmp(const void *a, const void *b, size_t n);')
+
+local root = T.root
+local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local function tmpdir()
+  local p = io.popen('mktemp -d')
+  local d = p:read('*l')
+  p:close()
+  return d
+end
+local function rm(d) os.execute('rm -rf ' .. q(d)) end
+local function slurp(path)
+  local f = io.open(path, 'rb')
+  if not f then return nil end
+  local s = f:read('*a')
+  f:close()
+  return s
+end
+local function spit(path, s)
+  local f = assert(io.open(path, 'wb'))
+  f:write(s)
+  f:close()
+end
+local function exists(path) local f = io.open(path, 'rb'); if f then f:close() end; return f ~= nil end
+local function read_jsonl(path)
+  local rows = {}
+  for line in assert(io.open(path, 'rb')):lines() do rows[#rows + 1] = assert(json.decode(line, 1, nil)) end
+  return rows
+end
+-- the "loss" field of each line, as written (17 significant digits)
+local function loss_fields(path)
+  local out = {}
+  for line in assert(io.open(path, 'rb')):lines() do
+    out[#out + 1] = line:match('^{"step":(%d+)') .. ' ' .. tostring(line:match('"loss":([^,}]*)'))
+  end
+  return out
+end
+local function bin_train(args)
+  local p = io.popen(('cd %s && bin/train %s 2>&1; echo "__status=$?"'):format(q(root), args))
+  local out = p:read('*a')
+  p:close()
+  return tonumber(out:match('__status=(%d+)%s*$')), out:gsub('__status=%d+%s*$', '')
+end
+local function dirs(path)
+  local p = io.popen('ls -1 ' .. q(path))
+  local out = {}
+  for l in p:lines() do out[#out + 1] = l end
+  p:close()
+  table.sort(out)
+  return out
+end
+
+-- a tiny GPT-2 with dropout on, so the RNG matters to every step
+local function opts(t)
+  local o = { model = 'models.gpt2', preset = 'tiny', steps = 40, seq_len = 16, batch_size = 4, lr = 1e-2, warmup = 3,
+              model_config = { n_layer = 1, n_embd = 32, n_head = 2, resid_pdrop = 0.1, embd_pdrop = 0.1, attn_pdrop = 0.1 },
+              eval_every = 10, eval_iters = 1, sample_tokens = 0, quiet = true, seed = 7 }
+  for k, v in pairs(t or {}) do o[k] = v end
+  return o
+end
+local small_flags = '--preset tiny --model.n_layer 1 --model.n_embd 32 --model.n_head 2 --seq-len 16 --batch-size 4 '
+  .. '--sample-tokens 0 --eval-iters 1'
+
+describe('checkpoint', function()
+  it('computes the CRC-32 of zlib and PNG (zlib and the LuaJIT fallback agree)', function()
+    assert.are.equal(0xCBF43926, ckpt.crc32_string('123456789'))
+    assert.are.equal(0xCBF43926, ckpt.crc32_string('6789', ckpt.crc32_string('12345')))
+    local dir = tmpdir()
+    spit(dir .. '/f', ('moonshard'):rep(1000))
+    local saved = ckpt.chunk_bytes
+    ckpt.chunk_bytes = 77 -- many chunks
+    local crc, n = ckpt.crc32_file(dir .. '/f')
+    ckpt.chunk_bytes = saved
+    assert.are.equal(9000, n)
+    assert.are.equal(ckpt.crc32_string(('moonshard'):rep(1000)), crc)
+    rm(dir)
+  end)
+
+  it('resumes bitwise: 40 steps straight = 20 steps, stop, 20 more (losses and parameters)', function()
+    local a, b = tmpdir(), tmpdir()
+    train.run(opts{ out = a })
+    local s1 = train.run(opts{ out = b, stop_at = 20 })
+    assert.are.equal('--stop-at 20', s1.interrupted)
+    assert.are.equal(b .. '/ckpt-20', s1.checkpoint)
+    assert.is_true(ckpt.verify(s1.checkpoint))
+    assert.are.equal(20, #read_jsonl(b .. '/metrics.jsonl'))
+    assert.is_nil(io.open(b .. '/model.safetensors')) -- no final weights: the run is not done
+    T.manual_seed(12345) -- the resumed run must not depend on the RNG it finds
+    local s2 = train.run{ out = b, resume = 'latest', model = 'models.gpt2' }
+    assert.are.equal(40, s2.steps)
+    local la, lb = loss_fields(a .. '/metrics.jsonl'), loss_fields(b .. '/metrics.jsonl')
+    assert.are.equal(40, #la)
+    assert.are.same(la, lb)
+    -- validation losses too (the val loader is a pure function of the step)
+    local ra, rb = read_jsonl(a .. '/metrics.jsonl'), read_jsonl(b .. '/metrics.jsonl')
+    for _, s in ipairs({ 10, 20, 30, 40 }) do assert.are.equal(ra[s].val_loss, rb[s].val_loss) end
+    -- the final parameters, tensor by tensor, byte for byte
+    local ta, tb = S.load(a .. '/model.safetensors'), S.load(b .. '/model.safetensors')
+    local n = 0
+    for name, t in pairs(ta) do
+      local u = assert(tb[name], name)
+      local bytes = t:numel() * 4
+      assert.are.equal(0, ffi.C.memcmp(t:data_ptr(), u:data_ptr(), bytes), name)
+      n = n + 1
+    end
+    assert.is_true(n > 5)
+    -- and the losses do depend on the dropout RNG: another seed differs
+    local c = tmpdir()
+    train.run(opts{ out = c, steps = 3, seed = 8 })
+    assert.are_not.equal(la[2], loss_fields(c .. '/metrics.jsonl')[2])
+    rm(a); rm(b); rm(c)
+  end)
+
+  it('detects a flipped byte, a truncated file and a missing manifest, names the file, uses the previous one', function()
+    local dir = tmpdir()
+    train.run(opts{ out = dir, steps = 15, save_every = 5, keep_checkpoints = 0, eval_every = 0 })
+    assert.are.same({ 'ckpt-10', 'ckpt-15', 'ckpt-5' }, (function()
+      local d = {}
+      for _, x in ipairs(dirs(dir)) do if x:match('^ckpt') then d[#d + 1] = x end end
+      return d
+    end)())
+    -- flip one byte in the middle of ckpt-15's weights
+    local p15 = dir .. '/ckpt-15/model.safetensors'
+    local s = slurp(p15)
+    local k = math.floor(#s / 2)
+    spit(p15, s:sub(1, k - 1) .. string.char((s:byte(k) + 1) % 256) .. s:sub(k + 1))
+    local ok, err = ckpt.verify(dir .. '/ckpt-15')
+    assert.is_nil(ok)
+    assert.is_truthy(err:find('ckpt-15/model.safetensors: checksum mismatch', 1, true), err)
+    local warned = {}
+    local c = ckpt.latest(dir, function(m) warned[#warned + 1] = m end)
+    assert.are.equal(10, c.step)
+    assert.is_truthy(warned[1]:find('model.safetensors', 1, true), warned[1])
+    -- bin/train --resume says so and continues from ckpt-10
+    local status, text = bin_train(('models/gpt2.lua --out %s --resume --steps 16 --quiet'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('ckpt-15/model.safetensors: checksum mismatch', 1, true), text)
+    local rows = read_jsonl(dir .. '/metrics.jsonl')
+    assert.are.equal(16, #rows)
+    for i, r in ipairs(rows) do assert.are.equal(i, r.step) end
+    -- the resumed run wrote a good ckpt-15 and ckpt-16; drop them, then
+    -- truncate ckpt-10's optimizer state: ckpt-5 next
+    assert.is_true(ckpt.verify(dir .. '/ckpt-15'))
+    rm(dir .. '/ckpt-15'); rm(dir .. '/ckpt-16')
+    local p10 = dir .. '/ckpt-10/optimizer.safetensors'
+    s = slurp(p10)
+    spit(p10, s:sub(1, #s - 100))
+    warned = {}
+    c = ckpt.latest(dir, function(m) warned[#warned + 1] = m end)
+    assert.are.equal(5, c.step)
+    assert.is_truthy(warned[1]:find('ckpt-10/optimizer.safetensors has ' .. (#s - 100) .. ' bytes', 1, true), warned[1])
+    -- no manifest (a copy cut short): nothing left
+    os.remove(dir .. '/ckpt-5/manifest.json')
+    c = ckpt.latest(dir)
+    assert.is_nil(c)
+    status, text = bin_train(('models/gpt2.lua --out %s --resume --quiet'):format(q(dir)))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('ckpt-5/manifest.json is missing', 1, true), text)
+    assert.is_truthy(text:find('no complete checkpoint', 1, true), text)
+    rm(dir)
+  end)
+
+  it('keeps the last K checkpoints and leaves no temporary folder', function()
+    local dir = tmpdir()
+    train.run(opts{ out = dir, steps = 12, save_every = 2, keep_checkpoints = 2, eval_every = 0 })
+    local found = {}
+    for _, x in ipairs(dirs(dir)) do if x:match('^ckpt') then found[#found + 1] = x end end
+    assert.are.same({ 'ckpt-10', 'ckpt-12' }, found)
+    for _, x in ipairs(found) do
+      assert.is_true(ckpt.verify(dir .. '/' .. x))
+      local man = json.decode(slurp(dir .. '/' .. x .. '/manifest.json'))
+      for _, f in ipairs({ 'model.safetensors', 'optimizer.safetensors', 'optimizer.json', 'state.json' }) do
+        assert.is_number(man.files[f].crc32, f)
+      end
+    end
+    local st = json.decode(slurp(dir .. '/ckpt-12/state.json'))
+    assert.are.equal(12, st.step)
+    assert.are.equal(12, st.scheduler.step)
+    assert.are.equal(12, st.data.step)
+    assert.is_number(st.rng.offset)
+    assert.are.equal(12, st.options.steps)
+    rm(dir)
+  end)
+
+  it('bin/train stops on SIGINT after the step in flight: a complete checkpoint, exit status 0', function()
+    local dir = tmpdir()
+    local cmd = ('cd %s && ( bin/train models/gpt2.lua %s --steps 100000 --log-every 1 --out %s > %s 2>&1 & '
+      .. 'echo $! > %s; wait $!; echo $? > %s ) > /dev/null 2>&1 &'):format(
+      q(root), small_flags, q(dir .. '/run'), q(dir .. '/log'), q(dir .. '/pid'), q(dir .. '/status'))
+    os.execute(cmd)
+    local function wait_for(pred, what)
+      for _ = 1, 600 do
+        if pred() then return true end
+        os.execute('sleep 0.05')
+      end
+      error('timed out waiting for ' .. what .. '; log: ' .. tostring(slurp(dir .. '/log')))
+    end
+    wait_for(function() return (slurp(dir .. '/log') or ''):find('step%s+%d+/100000') end, 'the first progress line')
+    local pid = tonumber(slurp(dir .. '/pid'))
+    assert.is_number(pid)
+    os.execute('kill -INT ' .. pid)
+    wait_for(function() return (slurp(dir .. '/status') or ''):match('%d') end, 'the exit status')
+    local log = slurp(dir .. '/log')
+    assert.are.equal(0, tonumber(slurp(dir .. '/status')), log)
+    assert.is_truthy(log:find('stopped by SIGINT after step', 1, true), log)
+    local c = ckpt.latest(dir .. '/run')
+    assert.is_table(c, log)
+    assert.is_true(ckpt.verify(c.path))
+    local rows = read_jsonl(dir .. '/run/metrics.jsonl')
+    assert.are.equal(c.step, rows[#rows].step)
+    rm(dir)
+  end)
+
+  it('skips NaN steps without an update, counts them, stops after --max-bad-steps in a row', function()
+    local a, b = tmpdir(), tmpdir()
+    train.run(opts{ out = a, steps = 6, stop_at = 3 })
+    local s = train.run(opts{ out = b, steps = 6, stop_at = 4, inject_nan = '4' })
+    assert.are.equal(1, s.bad_steps)
+    -- step 4 changed nothing: the weights after it are those after step 3
+    assert.are.equal(slurp(a .. '/ckpt-3/model.safetensors'), slurp(b .. '/ckpt-4/model.safetensors'))
+    local rows = read_jsonl(b .. '/metrics.jsonl')
+    assert.is_true(rows[4].skipped)
+    assert.is_nil(rows[4].loss)
+    assert.are.equal('nan', rows[4].bad_loss:gsub('^%-', ''))
+    assert.are.equal(1, rows[4].bad_steps)
+    -- a run of them stops with a clear message
+    local ok, err = pcall(train.run, opts{ out = b, steps = 10, inject_nan = '2,3,5,6,7', max_bad_steps = 3 })
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find('3 steps in a row with a NaN/inf loss or gradient norm (steps 5-7, 5 in all)', 1, true), tostring(err))
+    assert.is_truthy(tostring(err):find('--max-bad-steps 3', 1, true), tostring(err))
+    -- and bin/train exits 1 with it
+    local status, text = bin_train(('models/gpt2.lua %s --steps 5 --inject-nan 1,2 --max-bad-steps 2 --out %s'):format(small_flags, q(b)))
+    assert.are.equal(1, status, text)
+    assert.is_truthy(text:find('step 1: loss nan', 1, true) or text:find('step 1: loss -nan', 1, true), text)
+    assert.is_truthy(text:find('2 steps in a row', 1, true), text)
+    rm(a); rm(b)
+  end)
+
+  it('accumulates 4 micro-batches to the gradient of one big batch (f64)', function()
+    local a, b = tmpdir(), tmpdir()
+    local base = { steps = 3, dtype = 'f64', eval_every = 0, save = true, warmup = 1,
+                   model_config = { n_layer = 1, n_embd = 32, n_head = 2 } }
+    local function with(t) local o = opts(base); for k, v in pairs(t) do o[k] = v end; return o end
+    train.run(with{ out = a, batch_size = 8 })
+    local s = train.run(with{ out = b, batch_size = 2, tokens_per_step = 8 * 16 })
+    assert.are.equal(3, s.steps)
+    local ra, rb = read_jsonl(a .. '/metrics.jsonl'), read_jsonl(b .. '/metrics.jsonl')
+    for i = 1, 3 do
+      assert.is_true(math.abs(ra[i].loss - rb[i].loss) < 1e-9, ('step %d: %.17g vs %.17g'):format(i, ra[i].loss, rb[i].loss))
+      assert.is_true(math.abs(ra[i].grad_norm - rb[i].grad_norm) < 1e-9 * ra[i].grad_norm,
+        ('step %d grad norm: %.17g vs %.17g'):format(i, ra[i].grad_norm, rb[i].grad_norm))
+    end
+    local ta, tb = S.load(a .. '/model.safetensors'), S.load(b .. '/model.safetensors')
+    for name, t in pairs(ta) do
+      local x, y = t:totable(), tb[name]:totable()
+      local function walk(u, v)
+        if type(u) == 'table' then for i = 1, #u do walk(u[i], v[i]) end
+        else assert.is_true(math.abs(u - v) < 1e-6, ('%s: %.17g vs %.17g'):format(name, u, v)) end
+      end
+      walk(x, y)
+    end
+    local ok, err = pcall(train.run, with{ out = b, batch_size = 3, tokens_per_step = 100 })
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find('not a multiple of the micro-batch', 1, true), tostring(err))
+    rm(a); rm(b)
+  end)
+end)
+
+describe('run configs', function()
+  it('bin/train --config FILE takes --key value and --model.FIELD overrides', function()
+    local dir = tmpdir()
+    local status, text = bin_train(('--config configs/tiny.lua --steps 3 --seq-len 16 --batch-size 2 '
+      .. '--model.n_layer 1 --model.n_embd 32 --model.n_head 2 --sample-tokens 0 --no-save --out %s'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    local run = json.decode(slurp(dir .. '/run.json'))
+    assert.are.equal(3, run.options.steps)
+    assert.are.equal(100, run.options.save_every) -- from the config
+    assert.are.equal('models/gpt2.lua', run.options.model)
+    assert.are.equal(1, run.model_config.n_layer)
+    assert.are.equal(32, run.model_config.n_embd)
+    assert.are.equal(3, #read_jsonl(dir .. '/metrics.jsonl'))
+    -- not a terminal: plain lines, no carriage returns
+    assert.is_truthy(text:find('step 1/3 | loss', 1, true), text)
+    assert.is_falsy(text:find('\r', 1, true))
+    -- a bad key in the config or the flags is named
+    status, text = bin_train('--config configs/tiny.lua --stepz 3')
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('unknown option --stepz', 1, true), text)
+    rm(dir)
+  end)
+
+  it('--progress tty redraws one line in place', function()
+    local dir = tmpdir()
+    local status, text = bin_train(('models/gpt2.lua %s --steps 4 --progress tty --eval-every 0 --no-save --out %s'):format(small_flags, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('\rstep 2/4 | loss', 1, true), text)
+    assert.is_truthy(text:find('\27[K', 1, true), text)
+    rm(dir)
+  end)
+
+  it('the presets load and pass the option checks', function()
+    for _, f in ipairs({ 'tiny', 'gpt2-124m', 'llama-1b' }) do
+      local M, o = train.resolve{ config = root .. '/configs/' .. f .. '.lua' }
+      assert.is_table(M, f)
+      assert.is_number(o.steps, f)
+      if o.tokens_per_step > 0 then assert.are.equal(0, o.tokens_per_step % (o.batch_size * o.seq_len), f) end
+    end
+  end)
+end)
+
+describe('bin/plot', function()
+  it('writes a PNG of loss and throughput from metrics.jsonl', function()
+    local have = os.execute('command -v gnuplot > /dev/null 2>&1')
+    assert.is_true(have == 0 or have == true, 'gnuplot is not installed: `make deps` installs gnuplot-nox')
+    local dir = tmpdir()
+    local rows = {}
+    for s = 1, 20 do
+      rows[#rows + 1] = ('{"step":%d,"loss":%g,"lr":0.001%s%s}'):format(s, 5 - s / 10,
+        s % 5 == 0 and (',"val_loss":%g'):format(5.1 - s / 10) or '', s % 4 == 0 and ',"tokens_per_s":1000' or '')
+    end
+    rows[#rows + 1] = '{"step":21,"skipped":true,"bad_loss":"nan"}'
+    spit(dir .. '/metrics.jsonl', table.concat(rows, '\n') .. '\n')
+    local p = io.popen(('%s/bin/plot %s 2>&1; echo "__status=$?"'):format(q(root), q(dir)))
+    local out = p:read('*a')
+    p:close()
+    assert.is_truthy(out:find('__status=0', 1, true), out)
+    local png = slurp(dir .. '/metrics.png')
+    assert.is_truthy(png and #png > 1000, out)
+    assert.are.equal('\137PNG', png:sub(1, 4))
+    -- a folder without metrics is a usage error
+    p = io.popen(('%s/bin/plot %s 2>&1; echo "__status=$?"'):format(q(root), q(dir .. '/nope')))
+    out = p:read('*a')
+    p:close()
+    assert.is_truthy(out:find('cannot read', 1, true) and out:find('__status=2', 1, true), out)
+    rm(dir)
+  end)
+end)
