@@ -119,27 +119,35 @@ describe('repl chunks', function()
   end)
 end)
 
+local function includes(list, x)
+  for _, v in ipairs(list) do if v == x then return true end end
+  return false
+end
+
 describe('repl completion', function()
   local ms = require 'moonshard'
   local env = setmetatable({ ms = ms, t = ms.ones({ 2 }), cfg = { model = { n_layer = 2, n_head = 4 } },
     obj = setmetatable({ own = 1 }, { __index = { method_a = function() end, field_b = 2 } }) }, { __index = _G })
 
   it('completes globals, keywords and fields walked through a.b.c', function()
-    assert.same({ 'ms.zeros', 'ms.zeros_like' }, R.complete('ms.zer', '', env))
+    local m = R.complete('ms.zer', '', env)
+    assert.truthy(includes(m, 'ms.zeros')); assert.truthy(includes(m, 'ms.zeros_like'))
+    for _, c in ipairs(m) do assert.equal('ms.zer', c:sub(1, 6)) end
     assert.same({ 'cfg.model.n_head', 'cfg.model.n_layer' }, R.complete('cfg.model.n_', '', env))
     local g = R.complete('cf', '', env)
     assert.same({ 'cfg' }, g)
     assert.same({ 'function' }, R.complete('functi', '', env))
-    assert.same({ 'ms.nn' }, R.complete('ms.nn', 'x = ', env))
+    assert.truthy(includes(R.complete('ms.nn', 'x = ', env), 'ms.nn'))
     -- the word may carry text before the name (readline breaks on fewer characters)
-    assert.same({ '-ms.zeros', '-ms.zeros_like' }, R.complete('-ms.zer', '', env))
+    assert.truthy(includes(R.complete('-ms.zer', '', env), '-ms.zeros'))
     assert.same({}, R.complete('nothere.x', '', env))
   end)
 
   it('completes tensor methods through the metatype, and table methods through __index', function()
-    assert.same({ 't:reshape' }, R.complete('t:resh', '', env))
-    local dot = R.complete('t.sha', '', env)
-    assert.same({ 't.shape' }, dot)
+    assert.truthy(includes(R.complete('t:resh', '', env), 't:reshape'))
+    assert.truthy(includes(R.complete('t:', '', env), 't:matmul'))
+    assert.falsy(includes(R.complete('t:', '', env), 't:shape'))   -- a property, not a method
+    assert.truthy(includes(R.complete('t.sha', '', env), 't.shape'))
     assert.same({ 'obj:method_a' }, R.complete('obj:m', '', env))
     assert.same({ 'obj.field_b' }, R.complete('obj.f', '', env))
     assert.same({ 'obj.own' }, R.complete('obj.o', '', env))
@@ -149,14 +157,12 @@ describe('repl completion', function()
     assert.is_true(R.in_string('dofile("'))
     assert.is_true(R.in_string("x = 'a\\'b"))
     assert.is_false(R.in_string('x = "a" .. '))
-    local old = io.popen('pwd'):read('*l')
     local m = R.complete(root .. '/spec/repl_sp', 'dofile("', env)
     assert.same({ root .. '/spec/repl_spec.lua' }, m)
-    m = R.complete(root .. '/li', "require('", env)
+    m = R.complete(root .. '/no_such_prefix_zq', "require('", env)
     assert.same({}, m)
     m = R.complete(root .. '/bi', "f('", env)
     assert.same({ root .. '/bin/' }, m)
-    assert.truthy(old)
   end)
 end)
 

@@ -101,6 +101,22 @@ function M.block_sigint()
   return sigfd >= 0
 end
 
+-- Runs fn(...) with SIGINT unblocked (after dropping a pending one): for
+-- os.execute, whose system() ignores SIGINT in this process while the child
+-- runs and gives the child the default action, so Ctrl-C stops the child.
+function M.with_sigint(fn, ...)
+  if sigfd < 0 then return fn(...) end
+  M.interrupt_pending()
+  local set = ffi.new('ms_rl_sigset_t')
+  C.ms_rl_sigemptyset(set)
+  C.ms_rl_sigaddset(set, SIGINT)
+  C.ms_rl_sigprocmask(1, set, nil)               -- SIG_UNBLOCK
+  local res = { pcall(fn, ...) }
+  C.ms_rl_sigprocmask(SIG_BLOCK, set, nil)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
 local siginfo = ffi.new('uint8_t[128]')
 local pfd1 = ffi.new('ms_rl_pollfd[1]')
 
