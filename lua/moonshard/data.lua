@@ -180,4 +180,36 @@ end
 function Loader:state() return { step = self.step, seed = self.seed } end
 function Loader:set_state(s) self.step, self.seed = s.step, s.seed or self.seed end
 
+-- ----------------------------------------------------------------- shards
+-- data.open{ train = 'dir|glob|file', val = ..., dir = DIR, batch_size =, seq_len =,
+--            seed = 0, rank = 0, world_size = 1, device = }
+-- -> { train = loader, val = loader | nil, name = , n = train tokens }
+-- Token shards (llm.c's format, bin/tokenize) through moonshard.shards:
+-- dir = DIR means train = DIR/train_*.bin and val = DIR/val_*.bin (when
+-- any). The loaders have the interface of data.Loader (next, batch(k),
+-- state, set_state); the train loader shuffles with `seed`, the val loader
+-- reads in order (batch k is the same every evaluation).
+function data.open(opts)
+  local shards = require 'moonshard.shards'
+  local train_spec, val_spec = opts.train, opts.val
+  if opts.dir then
+    train_spec = train_spec or (opts.dir .. '/train_*.bin')
+    if val_spec == nil then
+      local ok, list = pcall(shards.list, opts.dir .. '/val_*.bin')
+      val_spec = ok and list or nil
+    end
+  end
+  if not train_spec then error('data.open: no train shards (give train = or dir =)', 2) end
+  local function loader(spec, seed, shuffle, name)
+    local ok, l = pcall(shards.Loader, { files = spec, batch_size = opts.batch_size, seq_len = opts.seq_len,
+      seed = seed, shuffle = shuffle, rank = opts.rank, world_size = opts.world_size, device = opts.device, name = name })
+    if not ok then error(l, 3) end
+    return l
+  end
+  local seed = opts.seed or 0
+  local tr = loader(train_spec, seed, opts.shuffle ~= false)
+  local va = val_spec and loader(val_spec, seed + 1, false) or nil
+  return { train = tr, val = va, name = tr.name, n = tr.tokens }
+end
+
 return data
