@@ -318,6 +318,20 @@ describe('bin/repl in a terminal (tmux)', function()
     wait(has('> x = io.open("spec/repl_spec.lua'), 'the path completed')
   end)
 
+  it('completes after hundreds of keys (the key loop stays off the JIT: no "bad callback")', function()
+    for _ = 1, 12 do type_text(('x = 1 + 2 + 3 + 4 + 5 '):rep(2)); key('C-u') end
+    type_text('xx')
+    wait(has('> xx'), 'the keys read')
+    key('C-u')
+    for i = 1, 3 do
+      type_text('ms.zer')
+      key('Tab')
+      type_text(('({%d})'):format(i))
+      key('Enter')
+    end
+    wait(has('> ms.zeros({3})\ntensor([0., 0., 0.])'), 'three completed calls')
+  end)
+
   it('silences a value with ;', function()
     line('ms.ones({3});')
     line('7')

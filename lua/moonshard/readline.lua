@@ -22,7 +22,7 @@
 --
 -- The completion callbacks are ffi.cast pointers kept alive in this module;
 -- readline calls them synchronously from rl_callback_read_char, which is
--- safe. All C names are declared with asm aliases so they cannot clash with
+-- safe as long as the caller is not JIT-compiled (M.read is kept off the JIT). All C names are declared with asm aliases so they cannot clash with
 -- declarations made by other modules.
 local ffi = require 'ffi'
 
@@ -231,6 +231,12 @@ function M.read(prompt)
   if got_line == nil then io.stdout:write('\n'); io.stdout:flush(); return nil, 'eof' end
   return got_line
 end
+
+-- rl_callback_read_char calls back into Lua (the line handler, completion):
+-- LuaJIT forbids that from a C call made by JIT-compiled code ("bad
+-- callback", a panic), and the key loop above gets hot after a few dozen
+-- keys. So the functions that make such calls stay in the interpreter.
+if jit then jit.off(M.read, true) end
 
 -- writes the history file (keeping the last history_size lines)
 function M.save_history()
