@@ -77,6 +77,8 @@ describe('checkpoint', function()
   it('computes the CRC-32 of zlib and PNG (zlib and the LuaJIT fallback agree)', function()
     assert.are.equal(0xCBF43926, ckpt.crc32_string('123456789'))
     assert.are.equal(0xCBF43926, ckpt.crc32_string('6789', ckpt.crc32_string('12345')))
+    assert.are.equal(0xCBF43926, ckpt.crc32_lua(0, '123456789'))
+    assert.are.equal(ckpt.crc32_string(('moonshard'):rep(1000)), ckpt.crc32_lua(0, ('moonshard'):rep(1000)))
     local dir = tmpdir()
     spit(dir .. '/f', ('moonshard'):rep(1000))
     local saved = ckpt.chunk_bytes

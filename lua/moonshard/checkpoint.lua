@@ -60,6 +60,8 @@ local function crc32_lua(crc, s)
   return tonumber(ffi.cast('uint32_t', bit.bnot(c)))
 end
 
+ckpt.crc32_lua = crc32_lua -- the fallback, for the spec
+
 -- CRC-32 (the zlib/PNG polynomial) of a string, continuing from crc
 function ckpt.crc32_string(s, crc)
   crc = crc or 0

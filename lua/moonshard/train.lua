@@ -564,13 +564,16 @@ function train.run(opts)
   -- resume: the checkpoint's options, then the ones given now
   local resume
   if o.resume then
-    local c = find_resume(o, warn)
+    local c, root = find_resume(o, warn)
     local st = ckpt.load(c.path).state
     local merged = {}
     for k, v in pairs(st.options or {}) do
       if option_by_name[k] and not not_resumed[k] or k == 'model_config' then merged[k] = v end
     end
     for k, v in pairs(opts) do if k ~= 'config' then merged[k] = v end end
+    -- the run goes on in the folder its checkpoint was found in (it may
+    -- have moved since), unless --out says otherwise
+    if not opts.out then merged.out = root end
     merged.resume = nil
     if type(opts.model) == 'table' then merged.model = opts.model end
     M, o = train.resolve(merged)
@@ -794,7 +797,8 @@ function train.run(opts)
     jsonl_line(mf, rec)
     last_step = step
     local sig = handle_signals and train.take_signal()
-    if sig then interrupted = train.signal_names[sig] or ('signal ' .. sig) end
+    -- (a signal during the last step: the run ends as it would anyway)
+    if sig and step < o.steps then interrupted = train.signal_names[sig] or ('signal ' .. sig) end
     if o.stop_at > 0 and step >= o.stop_at and step < o.steps then interrupted = interrupted or ('--stop-at ' .. o.stop_at) end
     if interrupted or (o.save_every > 0 and step % o.save_every == 0 and step < o.steps) then
       last_ckpt = save_checkpoint(step)
