@@ -319,7 +319,7 @@ describe('bin/repl in a terminal (tmux)', function()
   end)
 
   it('completes after hundreds of keys (the key loop stays off the JIT: no "bad callback")', function()
-    for _ = 1, 12 do type_text(('x = 1 + 2 + 3 + 4 + 5 '):rep(2)); key('C-u') end
+    for _ = 1, 40 do type_text(('x = 1 + 2 + 3 + 4 + 5 '):rep(2)); key('C-u') end
     type_text('xx')
     wait(has('> xx'), 'the keys read')
     key('C-u')
