@@ -146,7 +146,7 @@ describe('checkpoint', function()
     assert.are.equal(10, c.step)
     assert.is_truthy(warned[1]:find('model.safetensors', 1, true), warned[1])
     -- bin/train --resume says so and continues from ckpt-10
-    local status, text = bin_train(('models/gpt2.lua --out %s --resume --steps 16 --quiet'):format(q(dir)))
+    local status, text = bin_train(('--resume %s --steps 16 --quiet'):format(q(dir)))
     assert.are.equal(0, status, text)
     assert.is_truthy(text:find('ckpt-15/model.safetensors: checksum mismatch', 1, true), text)
     local rows = read_jsonl(dir .. '/metrics.jsonl')

@@ -60,7 +60,7 @@ train.options = {
   { 'top_k', 'int>=0', 0, 'sample from the k most likely tokens (0: all)' },
   { 'quiet', 'bool', false, 'no progress lines' },
   { 'progress', 'string', 'auto', 'progress display: auto (a line redrawn in place on a terminal, plain lines otherwise), tty or plain' },
-  { 'device', 'string', 'cpu', 'where the model runs: cpu or cuda (MFU and GPU memory on the progress line)' },
+  { 'device', 'string', os.getenv('MS_DEVICE') or 'cpu', 'where the model runs: cpu or cuda (MFU and GPU memory on the progress line); default: MS_DEVICE (bin/train --device) or cpu' },
   { 'peak_tflops', 'number>=0', 989, 'the device\'s peak TFLOP/s for MFU (H100 bf16 dense: 989)' },
   { 'tokens_per_step', 'int>=0', 0, 'accumulate micro-batches (batch_size x seq_len tokens each) until this many tokens per optimizer step (0: one micro-batch)' },
   { 'max_bad_steps', 'int>0', 5, 'stop after this many steps in a row with a NaN/inf loss or grad norm (each is skipped)' },
@@ -558,8 +558,14 @@ local not_resumed = { resume = true, stop_at = true, config = true, inject_nan =
 -- options as train.options (model: a path, a module name or a model table).
 function train.run(opts)
   opts = opts or {}
-  local M, o = train.resolve(opts)
   local warn = function(msg) io.stderr:write('bin/train: ', msg, '\n'); io.stderr:flush() end
+  local M, o
+  if opts.resume and opts.model == nil and opts.config == nil then
+    -- `bin/train --resume DIR`: the checkpoint names the model
+    o = { resume = coerce('string', opts.resume, '--resume', 'options'), out = opts.out }
+  else
+    M, o = train.resolve(opts)
+  end
 
   -- resume: the checkpoint's options, then the ones given now
   local resume
@@ -851,6 +857,7 @@ end
 train.help = [[
 usage: bin/train FILE [options]
        bin/train --config CONFIG [options]       (configs/tiny.lua, configs/gpt2-124m.lua, configs/llama-1b.lua)
+       bin/train --resume RUN_DIR [options]      (continue from its newest complete checkpoint)
 
 FILE is a model file (models/gpt2.lua, models/llama.lua: trained by the
 built-in loop with the options below), a run config (a Lua file returning a
