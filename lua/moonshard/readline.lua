@@ -152,7 +152,7 @@ local generator = ffi.cast('ms_rl_compentry_func_t *', function(_, state)
   if m == nil then return nil end
   return C.ms_rl_strdup(m)
 end)
-local attempted = ffi.cast('ms_rl_completion_func_t *', function(text, start, finish)
+local function attempted_fn(text, start, finish)
   L.rl_attempted_completion_over = 1       -- never fall back to readline's filenames
   L.rl_completion_append_character = 0
   local line = ffi.string(L.rl_line_buffer, finish)
@@ -161,7 +161,10 @@ local attempted = ffi.cast('ms_rl_completion_func_t *', function(text, start, fi
   matches = okc and type(res) == 'table' and res or {}
   if #matches == 0 then return nil end
   return L.rl_completion_matches(text, generator)
-end)
+end
+-- it calls C that calls back (the generator): never JIT-compiled (see M.read)
+if jit then jit.off(attempted_fn) end
+local attempted = ffi.cast('ms_rl_completion_func_t *', attempted_fn)
 M._callbacks = { generator, attempted }   -- kept alive with the module
 
 -- Characters that end a word for completion. '.', ':' are absent so `t:me`
