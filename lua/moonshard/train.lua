@@ -734,7 +734,7 @@ function train.run(opts)
       local loss = model(x, y)
       if inject[step] then loss = loss * (0 / 0) end
       lsum = lsum + loss:item()
-      if accum > 1 then loss = loss * (1 / accum) end -- a power of two scales exactly
+      if accum > 1 then loss = loss * (1 / accum) end -- the mean over all micro-batches (exact for a power of two)
       loss:backward()
     end
     local lv = lsum / accum
