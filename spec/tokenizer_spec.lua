@@ -149,6 +149,22 @@ describe('pre-tokenizer patterns', function()
     assert.are.same({ 'I', "'LL", ' ', '123', '45', ' go', '.\n\n', '  ', ' x' },
       pieces(tok.LLAMA3_PATTERN, "I'LL 12345 go.\n\n   x"))
   end)
+  it('the compiled engine agrees with the reference matcher on random text', function()
+    local alphabet = { 'a', 'Z', ' ', '  ', '\n', '\r\n', '\t', '1', '23', "'", "'s", "'LL", '.', ',', '!',
+                       'é', '²', '—', '“', '日本', '🙂', '\194\160' }
+    math.randomseed(11)
+    local patterns = { tok.GPT2_PATTERN, tok.LLAMA3_PATTERN, 'a+?Z|(?:a|1)+Z?|\\s{2,3}(?=\\S)|.',
+                       '(?:ab|a)*?b|[^a-c\\d]{1,2}' }
+    for _, pat in ipairs(patterns) do
+      local re = tok.regex(pat)
+      for _ = 1, 40 do
+        local parts = {}
+        for k = 1, math.random(0, 30) do parts[k] = alphabet[math.random(#alphabet)] end
+        local cps = tok.utf8_decode(table.concat(parts))
+        assert.are.same(re:find_all_reference(cps), re:find_all(cps))
+      end
+    end
+  end)
   it('supports classes, counted and lazy repeats, lookahead and anchors', function()
     assert.are.same({ 'ab', 'ab', 'a' }, pieces('a[b-c]?', 'ababa'))
     assert.are.same({ '12', '34', '5' }, pieces('\\d{1,2}', '12345'))
@@ -157,6 +173,7 @@ describe('pre-tokenizer patterns', function()
     assert.are.same({ 'aB', 'Ab' }, pieces('(?i:ab)', 'aBAb'))
     assert.are.same({ 'a', 'a' }, pieces('a+?', 'aa'))
     assert.has_error(function() tok.regex('\\p{Greek}') end)
+    assert.has_error(function() tok.regex('(?:a*)*') end)
     assert.has_error(function() tok.regex('(ab') end)
   end)
 end)

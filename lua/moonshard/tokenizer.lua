@@ -414,12 +414,198 @@ end
 
 local function ident(j) return j end
 
+-- The engine that runs: the tree compiled to a backtracking VM (no closures
+-- per step, so LuaJIT compiles its loop; the continuation matcher above is
+-- the reference it is checked against). Instructions, in parallel arrays:
+--   PRED f            the code point at i satisfies f: i + 1
+--   SPLIT x y         try x, and y on failure
+--   JMP x
+--   MATCH             success: the end is i
+--   REPSET f min max mode   a run of f (mode 0 greedy, 1 lazy, 2 possessive),
+--                     backtracking one code point at a time
+--   LOOK sub neg      sub matches at i (neg: does not); i unchanged
+--   ATOMIC sub        sub's first match, never given back (possessive groups)
+--   BOL, EOL
+local PRED, SPLIT, JMP, MATCH, REPSET, LOOK, ATOMIC, BOL, EOL = 1, 2, 3, 4, 5, 6, 7, 8, 9
+
+local function nullable(node)
+  local t = node.t
+  if t == 'set' then return false end
+  if t == 'seq' then
+    for _, x in ipairs(node.items) do if not nullable(x) then return false end end
+    return true
+  end
+  if t == 'alt' then
+    for _, x in ipairs(node.alts) do if nullable(x) then return true end end
+    return false
+  end
+  if t == 'rep' then return node.min == 0 or nullable(node.node) end
+  return true
+end
+
+local function new_prog() return { op = {}, a = {}, b = {}, c = {}, d = {}, n = 0 } end
+local function emit(P, op, a, b, c, d)
+  local k = P.n + 1
+  P.n = k
+  P.op[k], P.a[k], P.b[k], P.c[k], P.d[k] = op, a, b, c, d
+  return k
+end
+
+local gen
+local function sub_prog(node)
+  local P = new_prog()
+  gen(P, node)
+  emit(P, MATCH)
+  return P
+end
+function gen(P, node)
+  local t = node.t
+  if t == 'set' then emit(P, PRED, node.f)
+  elseif t == 'seq' then for _, x in ipairs(node.items) do gen(P, x) end
+  elseif t == 'alt' then
+    local jumps = {}
+    for k, x in ipairs(node.alts) do
+      if k < #node.alts then
+        local sp = emit(P, SPLIT, P.n + 2, nil)
+        gen(P, x)
+        jumps[#jumps + 1] = emit(P, JMP, nil)
+        P.b[sp] = P.n + 1
+      else
+        gen(P, x)
+      end
+    end
+    for _, j in ipairs(jumps) do P.a[j] = P.n + 1 end
+  elseif t == 'rep' then
+    local sub, min, max = node.node, node.min, node.max
+    if sub.t == 'set' then
+      emit(P, REPSET, sub.f, min, max, node.poss and 2 or node.lazy and 1 or 0)
+      return
+    end
+    if node.poss then
+      emit(P, ATOMIC, sub_prog({ t = 'rep', node = sub, min = min, max = max }))
+      return
+    end
+    if max == math.huge and nullable(sub) then
+      error('tokenizer: regex: a repeated group that can match the empty string is not supported', 0)
+    end
+    for _ = 1, min do gen(P, sub) end
+    if max == math.huge then
+      local loop = emit(P, SPLIT, nil, nil)
+      gen(P, sub)
+      emit(P, JMP, loop)
+      local out = P.n + 1
+      if node.lazy then P.a[loop], P.b[loop] = out, loop + 1 else P.a[loop], P.b[loop] = loop + 1, out end
+    else
+      local splits = {}
+      for _ = min + 1, max do
+        splits[#splits + 1] = emit(P, SPLIT, nil, nil)
+        gen(P, sub)
+      end
+      local out = P.n + 1
+      for _, sp in ipairs(splits) do
+        if node.lazy then P.a[sp], P.b[sp] = out, sp + 1 else P.a[sp], P.b[sp] = sp + 1, out end
+      end
+    end
+  elseif t == 'look' then emit(P, LOOK, sub_prog(node.node), node.neg)
+  elseif t == 'bol' then emit(P, BOL)
+  elseif t == 'eol' then emit(P, EOL)
+  else error('tokenizer: regex node ' .. tostring(t)) end
+end
+
+-- backtrack stacks, one per nesting depth (lookaheads, atomic groups)
+local stacks, depth = {}, 0
+local CPS, N -- the code points being matched
+
+-- the end of P's first match at i (exclusive), or nil
+local function run(P, i)
+  depth = depth + 1
+  local st = stacks[depth]
+  if not st then st = { k = {}, pc = {}, i = {}, x = {} }; stacks[depth] = st end
+  local sk, spc, si, sx = st.k, st.pc, st.i, st.x
+  local top = 0
+  local op, A, Bv, Cv, Dv = P.op, P.a, P.b, P.c, P.d
+  local cps, n = CPS, N
+  local pc = 1
+  while true do
+    local o = op[pc]
+    local ok = true
+    if o == PRED then
+      if i <= n and A[pc](cps[i]) then i = i + 1; pc = pc + 1 else ok = false end
+    elseif o == REPSET then
+      local f, min, max, mode = A[pc], Bv[pc], Cv[pc], Dv[pc]
+      local c = 0
+      while c < max and i + c <= n and f(cps[i + c]) do c = c + 1 end
+      if c < min then ok = false
+      else
+        if mode == 0 then
+          if c > min then top = top + 1; sk[top], spc[top], si[top], sx[top] = 2, pc + 1, i + c - 1, i + min end
+          i = i + c
+        elseif mode == 1 then
+          if c > min then top = top + 1; sk[top], spc[top], si[top], sx[top] = 3, pc + 1, i + min + 1, i + c end
+          i = i + min
+        else
+          i = i + c
+        end
+        pc = pc + 1
+      end
+    elseif o == SPLIT then
+      top = top + 1
+      sk[top], spc[top], si[top] = 1, Bv[pc], i
+      pc = A[pc]
+    elseif o == JMP then pc = A[pc]
+    elseif o == MATCH then
+      depth = depth - 1
+      return i
+    elseif o == LOOK then
+      local r = run(A[pc], i)
+      if (r ~= nil) ~= (Bv[pc] and true or false) then pc = pc + 1 else ok = false end
+    elseif o == ATOMIC then
+      local r = run(A[pc], i)
+      if r then i = r; pc = pc + 1 else ok = false end
+    elseif o == BOL then
+      if i == 1 then pc = pc + 1 else ok = false end
+    elseif o == EOL then
+      if i == n + 1 then pc = pc + 1 else ok = false end
+    end
+    if not ok then -- backtrack
+      if top == 0 then depth = depth - 1; return nil end
+      local kind = sk[top]
+      pc, i = spc[top], si[top]
+      if kind == 1 then top = top - 1
+      elseif kind == 2 then
+        if i - 1 >= sx[top] then si[top] = i - 1 else top = top - 1 end
+      else
+        if i + 1 <= sx[top] then si[top] = i + 1 else top = top - 1 end
+      end
+    end
+  end
+end
+
 function tok.regex(pattern)
-  return setmetatable({ pattern = pattern, root = compile(pattern) }, Regex)
+  local root = compile(pattern)
+  return setmetatable({ pattern = pattern, root = root, prog = sub_prog(root) }, Regex)
 end
 
 -- every non-empty match, leftmost first: { {first, last}, ... }
 function Regex:find_all(cps)
+  local n, out, i = #cps, {}, 1
+  local prog = self.prog
+  CPS, N, depth = cps, n, 0
+  while i <= n do
+    local e = run(prog, i)
+    if e and e > i then
+      out[#out + 1] = { i, e - 1 }
+      i = e
+    else
+      i = i + 1
+    end
+  end
+  CPS = nil
+  return out
+end
+
+-- the same with the continuation matcher (the reference, for the specs)
+function Regex:find_all_reference(cps)
   local n, out, i = #cps, {}, 1
   local root = self.root
   while i <= n do
