@@ -262,8 +262,8 @@ describe('bin/repl in a terminal (tmux)', function()
     n = n + 1
     sock = base .. '_' .. n
     hist = os.tmpname()
-    -- bounded: a REPL left behind by an interrupted spec run ends by itself
     os.remove(hist)
+    -- bounded: a REPL left behind by an interrupted spec run ends by itself
     local cmd = ('cd %s && MS_REPL_HISTORY=%s timeout --foreground 300 luajit bin/repl; echo "__exited $?"; sleep 30'):format(q(root), q(hist))
     local ok, err = pcall(function()
       local out = tmux('-f /dev/null new-session -d -s repl -x 120 -y 40 ' .. q(cmd))
