@@ -118,6 +118,15 @@ describe('bin/tokenize', function()
     assert.are.equal(texts[1], bpe:decode({ unpack(got, 2, 1 + #bpe:encode(texts[1])) }))
     assert.are.equal(1, shards.open(out .. '/train_000000.bin').version)
     assert.has_error(function() shards.list(out .. '/val_*.bin') end)
+    -- a second run into the same folder, with smaller shards then larger:
+    -- no shard of the earlier run is left to join the glob
+    assert.are.equal(0, (tokenize(('--tokenizer %s --out %s --shard-size 100 %s'):format(q(tj), q(out), docs))))
+    assert.is_true(#shards.list(out .. '/train_*.bin') > 3)
+    local rc2, msg2 = tokenize(('--tokenizer %s --out %s --val-fraction 0 %s'):format(q(tj), q(out), docs))
+    assert.are.equal(0, rc2, msg2)
+    assert.truthy(msg2:find('removed', 1, true), msg2)
+    assert.are.same(want, all_tokens(out .. '/train_*.bin'))
+    assert.has_error(function() shards.list(out .. '/val_*.bin') end)
   end)
 
   it('writes uint32 shards when the vocabulary exceeds 65,536 ids', function()
@@ -326,6 +335,18 @@ describe('shards.Loader', function()
       'shards.Loader:set_state: the state has batch_size 2, this loader 4')
     local moved = { step = st.step, epoch = st.epoch, shard = st.shard, sample = st.sample + 1, seed = 3 }
     assert.has_error(function() loader({ seed = 3 }):set_state(moved) end)
+  end)
+
+  it('puts the batches on the requested GPU #gpu', function()
+    local cpu, gpu = loader({ seed = 4 }), loader({ seed = 4, device = 'cuda' })
+    for _ = 1, 3 do
+      local x, y = cpu:next()
+      local gx, gy = gpu:next()
+      assert.are.equal('cuda:0', gx.device)
+      assert.are.equal('i64', gx.dtype)
+      assert.are.same(as_list(x), as_list(gx:to('cpu')))
+      assert.are.same(as_list(y), as_list(gy:to('cpu')))
+    end
   end)
 
   it('refuses shards too small for one batch, with the numbers', function()

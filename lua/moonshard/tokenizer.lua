@@ -747,6 +747,9 @@ function tok.from_table(t, name)
     fail('%s: model type %s is not supported (only BPE)', name, tostring(model.type))
   end
   if type(model.vocab) ~= 'table' then fail('%s: model.vocab is missing', name) end
+  if (model.continuing_subword_prefix or '') ~= '' or (model.end_of_word_suffix or '') ~= '' then
+    fail('%s: continuing_subword_prefix / end_of_word_suffix are not supported (byte-level BPE has none)', name)
+  end
   if model.byte_fallback then fail('%s: byte_fallback BPE (SentencePiece style) is not supported; only byte-level BPE', name) end
   local norm = t.normalizer
   if type(norm) == 'table' and not (norm.type == 'Sequence' and #(norm.normalizers or {}) == 0) then
