@@ -13,14 +13,17 @@
 // registers, looping over the query tiles and query heads that see it) and
 // one per 64-query tile (dq), recomputing P from lse: no atomics, so the
 // gradients are the same bits on every run.
-// This is the portable SIMT version (f32 math on CUDA cores, any head dim up
-// to 128, f32/bf16/f16). Flops: forward 4*B*H*Tq*Tk*D (halved when causal),
+// Two implementations: bf16/f16 with head dims 16/32/64/128 run every tile
+// product on the tensor cores (attention_tc.cuh, WMMA); f32 and other head
+// dims up to 128 use the SIMT kernels below (f32 math on CUDA cores). Flops: forward 4*B*H*Tq*Tk*D (halved when causal),
 // backward 2.5x that; bytes: q, k, v, out read/written once per pass plus
 // K/V re-reads per query tile (from L2).
 #include "common.cuh"
 #include "kernels.h"
 
 #include <math.h>
+#include <mma.h>
+#include <stdlib.h>
 
 namespace {
 
@@ -303,12 +306,93 @@ int set_smem(K kernel, size_t bytes) {
     return 0;
 }
 
+#include "attention_tc.cuh"
+
+// the tensor-core path takes bf16/f16 with head dims 16, 32, 64 or 128
+// (MS_ATTENTION_SIMT=1 forces the SIMT kernels, for comparison)
+template <typename T>
+bool use_tc(int D) {
+    static int simt = -1;
+    if (simt < 0) simt = getenv("MS_ATTENTION_SIMT") != nullptr;
+    return !simt && sizeof(T) == 2 && (D == 16 || D == 32 || D == 64 || D == 128);
+}
+
+template <typename T, int D>
+int tc_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
+           int causal) {
+    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
+    long long Tq = q->sizes[2], Tk = k->sizes[2];
+    size_t smem = tc::fwd_smem<T, D>();
+    if (set_smem<T>(tc::fwd_kernel<T, D>, smem)) return -1;
+    dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
+    tc::fwd_kernel<T, D><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
+        (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
+        (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(v), layout4(out), H,
+        Hkv, Tq, Tk, scale, causal);
+    LAUNCH_CHECK("tc::fwd_kernel");
+    return 0;
+}
+
+template <typename T, int D>
+int tc_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
+           const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s) {
+    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
+    long long Tq = q->sizes[2], Tk = k->sizes[2];
+    if (Tk > 0) {
+        size_t smem = tc::dkdv_smem<T, D>();
+        if (set_smem<T>(tc::dkdv_kernel<T, D>, smem)) return -1;
+        dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));
+        tc::dkdv_kernel<T, D><<<grid, 128, smem, s>>>(
+            (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
+            layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal);
+        LAUNCH_CHECK("tc::dkdv_kernel");
+    }
+    if (Tq > 0) {
+        size_t smem = tc::dq_smem<T, D>();
+        if (set_smem<T>(tc::dq_kernel<T, D>, smem)) return -1;
+        dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
+        tc::dq_kernel<T, D><<<grid, 128, smem, s>>>(
+            (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
+            layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal);
+        LAUNCH_CHECK("tc::dq_kernel");
+    }
+    return 0;
+}
+
+template <typename T>
+int tc_fwd_any(int D, ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
+               float scale, int causal) {
+    switch (D) {
+    case 16: return tc_fwd<T, 16>(out, lse, q, k, v, scale, causal);
+    case 32: return tc_fwd<T, 32>(out, lse, q, k, v, scale, causal);
+    case 64: return tc_fwd<T, 64>(out, lse, q, k, v, scale, causal);
+    default: return tc_fwd<T, 128>(out, lse, q, k, v, scale, causal);
+    }
+}
+
+template <typename T>
+int tc_bwd_any(int D, ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k,
+               const ms_tensor *v, const ms_tensor *dout, const float *l, const float *delta, float scale, int causal,
+               cudaStream_t s) {
+    switch (D) {
+    case 16: return tc_bwd<T, 16>(dq, dk, dv, q, k, v, dout, l, delta, scale, causal, s);
+    case 32: return tc_bwd<T, 32>(dq, dk, dv, q, k, v, dout, l, delta, scale, causal, s);
+    case 64: return tc_bwd<T, 64>(dq, dk, dv, q, k, v, dout, l, delta, scale, causal, s);
+    default: return tc_bwd<T, 128>(dq, dk, dv, q, k, v, dout, l, delta, scale, causal, s);
+    }
+}
+
 template <typename T>
 int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
         int causal) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1], D = (int)q->sizes[3];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     if (Tq == 0) return 0;
+    if constexpr (sizeof(T) == 2) {
+        if (use_tc<T>(D)) return tc_fwd_any<T>(D, out, lse, q, k, v, scale, causal);
+    }
     size_t smem = sizeof(float) * (3 * kTile * (D + 1) + kTile * (kTile + 1));
     if (set_smem<T>(attention_fwd_kernel<T>, smem)) return -1;
     dim3 grid((unsigned)((Tq + kTile - 1) / kTile), (unsigned)(B * H));
@@ -341,6 +425,11 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
             (float *)ms_tensor_data(delta.t), (const T *)ms_tensor_data(out), (const T *)ms_tensor_data(dout),
             layout4(out), layout4(dout), H, Tq, D, rows);
         LAUNCH_CHECK("attention_delta_kernel");
+    }
+    if constexpr (sizeof(T) == 2) {
+        if (use_tc<T>(D))
+            return tc_bwd_any<T>(D, dq, dk, dv, q, k, v, dout, (const float *)ms_tensor_data(l),
+                                 (const float *)ms_tensor_data(delta.t), scale, causal, s);
     }
     if (Tk > 0) {
         size_t smem = sizeof(float) * (4 * kTile * (D + 1) + 2 * kTile * (kTile + 1) + 2 * kTile);
