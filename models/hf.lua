@@ -331,7 +331,9 @@ function hf.check_ids(ids, name, what, vocab, max_len, level)
   if max_len and Tn > max_len then
     error(('%s: sequence length %d exceeds the model\'s %d positions'):format(name, Tn, max_len), level)
   end
-  if vocab then
+  -- on the GPU the embedding kernel checks every id (a device flag raised at
+  -- the next sync point): reading max/min here would sync every forward
+  if vocab and ids.device_id < 0 then
     local hi, lo = ms.max(ids):item(), ms.min(ids):item()
     if hi >= vocab or lo < 0 then
       local bad = hi >= vocab and hi or lo
