@@ -125,6 +125,26 @@ describe('checkpoint', function()
     rm(a); rm(b); rm(c)
   end)
 
+  it('resumes bitwise on token shards too (the shard loader\'s position is in the checkpoint)', function()
+    local shards = require 'moonshard.shards'
+    local d, a, b = tmpdir(), tmpdir(), tmpdir()
+    local text = slurp(root .. '/lua/moonshard/train.lua')
+    local tr, va = {}, {}
+    for i = 1, 20000 do tr[i] = text:byte(i) end
+    for i = 20001, 24000 do va[#va + 1] = text:byte(i) end
+    shards.write(d .. '/train_000000.bin', tr)
+    shards.write(d .. '/val_000000.bin', va)
+    train.run(opts{ out = a, steps = 16, data = d })
+    train.run(opts{ out = b, steps = 16, data = d, stop_at = 7 })
+    local st = json.decode(slurp(b .. '/ckpt-7/state.json'))
+    assert.are.equal(7, st.data.step)
+    assert.are.equal(0, st.data.epoch)
+    train.run{ resume = b }
+    assert.are.same(loss_fields(a .. '/metrics.jsonl'), loss_fields(b .. '/metrics.jsonl'))
+    assert.are.equal(slurp(a .. '/model.safetensors'), slurp(b .. '/model.safetensors'))
+    rm(d); rm(a); rm(b)
+  end)
+
   it('detects a flipped byte, a truncated file and a missing manifest, names the file, uses the previous one', function()
     local dir = tmpdir()
     train.run(opts{ out = dir, steps = 15, save_every = 5, keep_checkpoints = 0, eval_every = 0 })

@@ -33,8 +33,9 @@ train.options = {
   { 'model', 'string?', nil, 'model file (models/gpt2.lua) or module name (models.gpt2)' },
   { 'preset', 'string?', 'tiny', 'model preset (see the model file\'s presets)' },
   { 'config', 'string?', nil, 'a Lua file returning a table of these options' },
-  { 'data', 'string?', nil, 'training text (bytes); default: the repository\'s own source and docs' },
-  { 'val_fraction', 'number>=0', 0.1, 'share of the data held out for validation (the tail)' },
+  { 'data', 'string?', nil, 'token shards (a folder of train_*.bin/val_*.bin from bin/tokenize, a glob, a .bin file) or training text (bytes); default: the repository\'s own source and docs' },
+  { 'val_fraction', 'number>=0', 0.1, 'share of the data held out for validation (the tail; byte-level data)' },
+  { 'val_data', 'string?', nil, 'validation token shards (a glob or a file) when --data is a glob of train shards' },
   { 'steps', 'int>0', 500, 'optimizer steps' },
   { 'batch_size', 'int>0', 16, 'sequences per step' },
   { 'seq_len', 'int>0', 128, 'tokens per sequence' },
@@ -504,6 +505,15 @@ function train.isatty(fd) return ffi.C.ms_train_isatty(fd or 1) == 1 end
 -- ------------------------------------------------------------------- run
 local ckpt = require 'moonshard.checkpoint'
 
+-- --data names token shards (read by moonshard.shards through data.open)
+-- when it is a folder, a glob or a .bin file; anything else is text
+function train.is_shard_data(spec)
+  if type(spec) ~= 'string' then return false end
+  if spec:match('%.bin$') or spec:find('[%*%?]') then return true end
+  local r = os.execute('test -d ' .. data.shell_quote(spec))
+  return r == 0 or r == true
+end
+
 local function finite(v) return v == v and v ~= math.huge and v ~= -math.huge end
 
 local function read_lines(path)
@@ -620,17 +630,31 @@ function train.run(opts)
   if o.seq_len > max_pos then
     usage('--seq-len %d exceeds the model\'s %d positions (raise the model\'s positions with --model.<field>)', o.seq_len, max_pos)
   end
-  if (cfg.vocab_size or 256) < 256 then
+  local sharded = train.is_shard_data(o.data)
+  if not sharded and (cfg.vocab_size or 256) < 256 then
     usage('byte-level data needs a vocabulary of at least 256 tokens; the model has %d', cfg.vocab_size)
   end
   local nparams = 0
   for _, p in pairs(model:parameters()) do nparams = nparams + p:numel() end
 
-  -- data
-  local okc, corpus = pcall(data.corpus, { path = o.data, val_fraction = o.val_fraction, min_len = o.seq_len + 1 })
-  if not okc then usage('%s', (tostring(corpus):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
-  local train_loader = data.Loader(corpus.train, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed })
-  local val_loader = corpus.val and data.Loader(corpus.val, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed + 1 })
+  -- data: token shards (a folder from bin/tokenize, a glob, .bin files) or bytes
+  local corpus, train_loader, val_loader
+  if sharded then
+    local isdir = os.execute("test -d " .. data.shell_quote(o.data))
+    isdir = isdir == 0 or isdir == true
+    local okd, d = pcall(data.open, { dir = isdir and o.data or nil, train = not isdir and o.data or nil,
+      val = o.val_data, batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed })
+    if not okd then usage('%s', (tostring(d):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    train_loader, val_loader = d.train, d.val
+    corpus = { name = d.name, n = d.n, unit = 'tokens', train = { n = d.n }, val = d.val and { n = d.val.tokens } }
+  else
+    local okc, c = pcall(data.corpus, { path = o.data, val_fraction = o.val_fraction, min_len = o.seq_len + 1 })
+    if not okc then usage('%s', (tostring(c):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    corpus = c
+    corpus.unit = 'bytes'
+    train_loader = data.Loader(corpus.train, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed })
+    val_loader = corpus.val and data.Loader(corpus.val, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed + 1 })
+  end
   local function to_device(x, y)
     if not on_gpu then return x, y end
     local dx, dy = x:to(o.device), y:to(o.device)
@@ -699,7 +723,7 @@ function train.run(opts)
   end
 
   log('moonshard train: %s (%s), %.2fM parameters, %s', o.model, tostring(o.preset), nparams / 1e6, o.dtype)
-  log('data: %s, %d bytes (train %d, val %d)', corpus.name, corpus.n, corpus.train.n, corpus.val and corpus.val.n or 0)
+  log('data: %s, %d %s (train %d, val %d)', corpus.name, corpus.n, corpus.unit, corpus.train.n, corpus.val and corpus.val.n or 0)
   log('%d steps x %d tokens (%d x %d x %d micro-batches), lr %g, threads %d, out %s',
     o.steps, tokens_per_step, o.batch_size, o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
   if resume then log('resumed from %s at step %d', resume.path, start_step - 1) end
@@ -830,7 +854,7 @@ function train.run(opts)
   if o.save_every > 0 and last_step >= start_step then last_ckpt = save_checkpoint(last_step) end
 
   local sample
-  if o.sample_tokens > 0 then
+  if o.sample_tokens > 0 and not sharded then -- (a sample of byte-level models only: shards carry no tokenizer)
     local prompt = data.encode(o.sample_prompt)
     if #prompt == 0 then prompt = { 10 } end
     local ids = model:generate({ prompt }, o.sample_tokens, {
