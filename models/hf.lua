@@ -383,6 +383,8 @@ function hf.generate(model, ids, n, opts)
   model:eval()
   local rows = ids:to('i64'):totable()
   local B = #rows
+  local device = 'cpu'  -- the model's: the context goes where its weights are
+  for _, p in model:named_parameters() do device = p.device; break end
   local ok, err = pcall(ms.no_grad, function()
     for step = 1, n do
       local Tn = #rows[1]
@@ -393,7 +395,7 @@ function hf.generate(model, ids, n, opts)
         for t = start, Tn do r[#r + 1] = rows[b][t] end
         ctx[b] = r
       end
-      local x = ms.tensor(ctx, { dtype = 'i64' })
+      local x = ms.tensor(ctx, { dtype = 'i64', device = device })
       local logits = model:last_logits(x) -- (B, V)
       local lt = logits:to('f64'):totable()
       local u = ms.rand({ B }, { seed = seed, offset = (step - 1) * B * 4, dtype = 'f64' }):totable()

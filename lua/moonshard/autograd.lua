@@ -1111,6 +1111,7 @@ local function reduction(name, bwd, save_x, save_y)
       record1(name, out, bwd, { save_x and a or nil, save_y and out or nil,
         dim = d, keepdim = keepdim and true or false, n = n }, nil, a)
     end
+    if extra == nil then return out end -- one value for sum/mean/...: a REPL prints what is returned
     return out, extra
   end
 end
