@@ -11,8 +11,8 @@ CFLAGS  += -std=c99 -D_GNU_SOURCE -fPIC -fopenmp -Wall -Wextra -Werror -Wno-unus
            -I/usr/include/x86_64-linux-gnu/openblas-pthread
 LDLIBS  += -lopenblas -lm -fopenmp
 
-C_SRCS  := $(wildcard core/*.c core/io/*.c core/dist/*.c)
-HEADERS := core/tensor.h core/ops.h core/cuda.h core/flce.h core/dist/comm.h $(wildcard core/io/*.h)
+C_SRCS  := $(wildcard core/*.c core/io/*.c core/dist/*.c core/fsdp/*.c)
+HEADERS := core/tensor.h core/ops.h core/cuda.h core/flce.h core/dist/comm.h core/fsdp/flat.h $(wildcard core/io/*.h)
 C_OBJS  := $(patsubst %.c,$(BUILD)/%.o,$(C_SRCS))
 
 # MPI, the CPU collectives (core/dist/mpi.c): built when mpicc is present

@@ -53,6 +53,8 @@ end
 
 ms.cuda = require 'moonshard.cuda'
 ms.dist = require 'moonshard.dist'   -- collectives, groups, the rendezvous store (docs/dist.md)
+local okfs, fs = pcall(require, 'moonshard.fsdp')   -- flat parameters (docs/fsdp.md)
+if okfs then ms.fsdp = fs elseif not tostring(fs):find("module 'moonshard.fsdp' not found", 1, true) then error(fs, 0) end
 
 function ms.set_num_threads(n) T.C.ms_set_num_threads(n) end
 function ms.get_num_threads() return T.C.ms_get_num_threads() end
