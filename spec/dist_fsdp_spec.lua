@@ -122,6 +122,18 @@ describe('flat parameters over MPI #mpi', function()
     end
   end
 
+  it('all-gathers the bf16 copy of the f32 master shards', function()
+    local ps = make_params(uneven, 500)
+    local fp = fsdp.FlatParam.new(ps, { dtype = 'bf16' })
+    assert.are.equal('f32', fp.shard.dtype)
+    local vs = fp:unshard()
+    for i, p in ipairs(ps) do
+      assert.are.equal('bf16', vs[i].dtype)
+      assert.are.same(p:bf16():totable(), vs[i]:totable())
+    end
+    fp:reshard()
+  end)
+
   it('reduce-scatters a bf16 gradient buffer into the f32 shard', function()
     local shapes = uneven
     local fp = fsdp.FlatParam.new(make_params(shapes, 300))

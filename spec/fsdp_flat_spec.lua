@@ -200,6 +200,23 @@ describe('FlatParam (one process)', function()
     assert.are.same(fp.shard:totable(), gs:totable())
   end)
 
+  it('keeps an f32 master shard and gathers its bf16 copy', function()
+    local ps = params(41)
+    local fp = fsdp.FlatParam.new(ps, { world_size = 1, rank = 0, dtype = 'bf16' })
+    assert.are.equal('f32', fp.shard.dtype)
+    assert.are.equal('bf16', fp.dtype)
+    assert.are.equal(8, fp.layout.align)   -- 16 bytes of bf16
+    local flat32 = fp:flatten(ps, 'f32')
+    assert.are.same(flat32:totable(), fp.shard:totable())
+    local vs = fp:unshard()
+    for i, p in ipairs(ps) do
+      assert.are.equal('bf16', vs[i].dtype)
+      assert.are.same(p:bf16():totable(), vs[i]:totable())
+    end
+    local f64 = fsdp.FlatParam.new({ ms.randn({ 3 }, { dtype = 'f64' }) }, { world_size = 1, rank = 0 })
+    assert.are.equal('f64', f64.shard.dtype)
+  end)
+
   it('names the parameter that is not a tensor or has the wrong size', function()
     local ok, e = pcall(fsdp.FlatParam.new, { ms.randn({ 2 }), 3 })
     assert.is_false(ok); assert.matches('parameter 2 is a number', e)

@@ -6,7 +6,7 @@
 --   local ms = require 'moonshard'
 --   ms.dist.init{ backend = 'mpi' }
 --   local fp = ms.fsdp.FlatParam.new({ w1, b1, w2 })      -- the group: the world
---   fp.shard                          -- this rank's shard (a copy; the optimizer's view)
+--   fp.shard                          -- this rank's f32 master shard (the optimizer's view)
 --   local views = fp:unshard()        -- all-gather: every parameter, original shapes
 --   ...                               -- compute with views[i]
 --   local g, gviews = fp:grad_buffer()   -- zeroed unsharded gradient, views into it
@@ -93,11 +93,14 @@ local FlatParam = {}
 FlatParam.__index = FlatParam
 fsdp.FlatParam = FlatParam
 
--- FlatParam.new(params, { group =, dtype =, align = 16, rank =, world_size = })
+-- FlatParam.new(params, { group =, dtype =, master_dtype =, align = 16, rank =,
+-- world_size = })
 -- params: a list of CPU tensors (any shapes). group: a dist group (default:
 -- the world when dist is initialised, else one rank); rank/world_size
--- override it for layouts without collectives. dtype: the flat buffer's
--- (default: the first parameter's). The shard is filled from `params`.
+-- override it for layouts without collectives. dtype: the unsharded buffer's,
+-- the one all-gathered (default: the first parameter's). master_dtype: the
+-- shard's (default f32, f64 when dtype is f64). The shard is filled from
+-- `params`.
 function FlatParam.new(params, opts)
   opts = opts or {}
   if type(params) ~= 'table' or #params == 0 then
@@ -124,21 +127,23 @@ function FlatParam.new(params, opts)
   if not ok then error('FlatParam.new: ' .. tostring(layout), 2) end
   local self = setmetatable({
     layout = layout, group = group, rank = rank, world_size = world_size, dtype = dtype,
+    master_dtype = opts.master_dtype or (dtype == 'f64' and 'f64' or 'f32'),
     shapes = shapes, numels = numels, nparams = #params,
     shard_numel = layout.shard_numel, total = layout.total,
   }, FlatParam)
-  local flat = self:flatten(params)
+  local flat = self:flatten(params, self.master_dtype)
   self.shard = self:local_shard(flat):clone()
   flat:free()
   return self
 end
 
--- a new zero-padded flat tensor (layout.total elements) holding `params`
-function FlatParam:flatten(params)
+-- a new zero-padded flat tensor (layout.total elements, dtype: self.dtype
+-- unless given) holding `params`
+function FlatParam:flatten(params, dtype)
   if #params ~= self.nparams then
     error(('flatten: %d tensors for a flat parameter of %d'):format(#params, self.nparams), 2)
   end
-  local flat = T.zeros({ self.total }, { dtype = self.dtype })
+  local flat = T.zeros({ self.total }, { dtype = dtype or self.dtype })
   for i, p in ipairs(params) do
     if p:numel() ~= self.numels[i] then
       error(('flatten: parameter %d has %d elements, the layout %d'):format(i, p:numel(), self.numels[i]), 2)
@@ -178,9 +183,10 @@ local function gather(self, out, inp)
   dist.all_gather_into(out, inp, { group = self.group })
 end
 
--- all-gather every rank's shard into the unsharded flat buffer (self.flat)
--- and return the parameter views (also self.param_views). A second call
--- while unsharded returns the same views.
+-- all-gather every rank's shard, cast to self.dtype (the low-precision copy,
+-- made here on each call), into the unsharded flat buffer (self.flat) and
+-- return the parameter views (also self.param_views). A second call while
+-- unsharded returns the same views.
 function FlatParam:unshard()
   if self.flat then return self.param_views end
   local flat = T.empty({ self.total }, { dtype = self.dtype })
