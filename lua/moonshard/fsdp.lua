@@ -1,7 +1,8 @@
--- moonshard.fsdp — fully sharded data parallel. This is its foundation: the
--- flat parameter (core/fsdp/flat.h) and its three collective steps. The
--- wrapping (fully_shard, policies, strategies, prefetch) is still to come
--- (docs/fsdp.md).
+-- moonshard.fsdp — fully sharded data parallel: the flat parameter
+-- (core/fsdp/flat.h) and its three collective steps, and on top of them
+-- fully_shard (units by policy, FULL_SHARD / NO_SHARD, CPU) with
+-- fsdp.AdamW over the master shards. Prefetch, the GPU buffers and the
+-- other strategies are still to come (docs/fsdp.md).
 --
 --   local ms = require 'moonshard'
 --   ms.dist.init{ backend = 'mpi' }
@@ -24,6 +25,7 @@ local ffi = require 'ffi'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local C = T.C
+local function no_grad(fn) return require('moonshard.autograd').no_grad(fn) end
 
 local fsdp = {}
 
@@ -236,6 +238,203 @@ function FlatParam:reduce_scatter(grad_flat, op)
   end
   self.grad_shard = out
   return out
+end
+
+-- ------------------------------------------------------------ fully_shard
+-- fsdp.fully_shard(model, { policy =, strategy = 'FULL_SHARD'|'NO_SHARD',
+-- group =, dtype = }) -> model. Every module the policy picks (and the root,
+-- taking the parameters no unit took and every parameter shared between
+-- units) becomes a unit with one FlatParam. The module's parameters are
+-- replaced by views of the unit's unsharded buffer (leaves, requires_grad),
+-- so model:named_parameters() keeps the names and shapes. On CPU the
+-- unsharded buffer stays allocated (the tape keeps the views it saved);
+-- "reshard" marks the unit sharded and the next unshard all-gathers again.
+fsdp.policy = {}
+
+local function is_instance(m, cls)
+  if type(cls) == 'string' then return m:class_name() == cls end
+  local mt = getmetatable(m)
+  while mt do
+    if mt == cls then return true end
+    mt = rawget(mt, 'super')
+  end
+  return false
+end
+
+-- fsdp.policy.by_class{ Class or 'ClassName', ... } -> function(module, name) -> bool
+function fsdp.policy.by_class(classes)
+  if type(classes) ~= 'table' then error('policy.by_class: need a list of classes', 2) end
+  return function(m)
+    for _, c in ipairs(classes) do if is_instance(m, c) then return true end end
+    return false
+  end
+end
+
+local Unit = {}
+Unit.__index = Unit
+
+function Unit:unshard()
+  if self.unsharded then return end
+  local fp = self.fp
+  local src = fp.shard.dtype == fp.dtype and fp.shard or fp.shard:to(fp.dtype)
+  no_grad(function()
+    if fp.world_size == 1 then self.flat:copy_(src)
+    else dist.all_gather_into(self.flat, src, { group = fp.group }) end
+  end)
+  self.unsharded = true
+end
+
+function Unit:reshard() self.unsharded = false end
+
+-- every view's .grad into a zeroed f32 buffer, then reduce-scatter 'avg'
+-- (FULL_SHARD) or all-reduce 'avg' (NO_SHARD); shard.grad is the result
+function Unit:reduce_grads()
+  local fp = self.fp
+  local g, gviews = fp:grad_buffer('f32')
+  local any = false
+  for i, v in ipairs(self.views) do
+    local pg = v.grad
+    if pg ~= nil then
+      gviews[i]:copy_(pg)
+      any = true
+      v.grad = nil
+    end
+  end
+  if self.strategy == 'NO_SHARD' then
+    if self.group and self.group:size() > 1 then dist.all_reduce(g, 'avg', { group = self.group }) end
+    fp.shard.grad = g
+  else
+    fp.shard.grad = fp:reduce_scatter(g, 'avg')
+  end
+  self.has_grad = any
+end
+
+function fsdp.fully_shard(model, opts)
+  opts = opts or {}
+  local nn = require 'moonshard.nn'
+  if not nn.is_module(model) then error('fully_shard: model must be a module', 2) end
+  if rawget(model, '_fsdp') then error('fully_shard: model is already sharded', 2) end
+  local strategy = opts.strategy or 'FULL_SHARD'
+  if strategy ~= 'FULL_SHARD' and strategy ~= 'NO_SHARD' then
+    error(("fully_shard: strategy %s (use 'FULL_SHARD' or 'NO_SHARD')"):format(tostring(strategy)), 2)
+  end
+  local policy = opts.policy or function() return false end
+  if type(policy) ~= 'function' then error('fully_shard: policy must be a function(module, name) -> bool', 2) end
+  local group = opts.group
+  if group == nil and dist.is_initialized() then group = dist.world_group end
+
+  -- units in forward-declaration order; the root first. Each slot is
+  -- (module, parameter name, full name); a tensor used by two units goes to the root.
+  local units = { { module = model, name = '', slots = {} } }
+  local slot_unit, tensor_units, order = {}, {}, {}
+  local seen_m = {}
+  local function walk(m, name, unit)
+    if seen_m[m] then return end
+    seen_m[m] = true
+    if m ~= model and policy(m, name) then
+      unit = { module = m, name = name, slots = {} }
+      units[#units + 1] = unit
+    end
+    for _, pn in ipairs(m._param_names) do
+      local t = rawget(m, pn)
+      if t ~= nil then
+        local slot = { m = m, pn = pn, name = (name == '' and pn or name .. '.' .. pn), t = t }
+        local id = tonumber(t.id)
+        if not tensor_units[id] then tensor_units[id] = {}; order[#order + 1] = id end
+        tensor_units[id][unit] = true
+        slot.unit, slot.id = unit, id
+        slot_unit[#slot_unit + 1] = slot
+      end
+    end
+    for _, cn in ipairs(m._module_names) do
+      local c = rawget(m, cn)
+      if c ~= nil then walk(c, name == '' and cn or (name .. '.' .. cn), unit) end
+    end
+  end
+  walk(model, '', units[1])
+  local owner = {}
+  for _, id in ipairs(order) do
+    local n, u1 = 0, nil
+    for u in pairs(tensor_units[id]) do n = n + 1; u1 = u end   -- only counted: order-free
+    owner[id] = n == 1 and u1 or units[1]
+  end
+  for _, slot in ipairs(slot_unit) do table.insert(owner[slot.id].slots, slot) end
+
+  local state = { units = {}, strategy = strategy, group = group }
+  for _, u in ipairs(units) do
+    -- distinct tensors of the unit, in first-use order
+    local tensors, index = {}, {}
+    for _, slot in ipairs(u.slots) do
+      if not index[slot.id] then tensors[#tensors + 1] = slot.t; index[slot.id] = #tensors end
+      slot.k = index[slot.id]
+    end
+    if #tensors > 0 then
+      local fopts = { dtype = opts.dtype or tensors[1].dtype }
+      if strategy == 'NO_SHARD' then fopts.world_size, fopts.rank = 1, 0 else fopts.group = group end
+      local fp = FlatParam.new(tensors, fopts)
+      local unit = setmetatable({ module = u.module, name = u.name, fp = fp, strategy = strategy,
+        group = group, slots = u.slots, unsharded = false }, Unit)
+      unit.flat = T.empty({ fp.total }, { dtype = fp.dtype })
+      unit.views = fp:views(unit.flat)
+      for _, v in ipairs(unit.views) do v.requires_grad = true end
+      for _, slot in ipairs(u.slots) do rawset(slot.m, slot.pn, unit.views[slot.k]) end
+      unit:unshard()
+      if strategy == 'FULL_SHARD' then unit:reshard() end
+      local m = u.module
+      m:register_forward_pre_hook(function() unit:unshard() end)
+      m:register_forward_hook(function() if strategy == 'FULL_SHARD' then unit:reshard() end end)
+      m:register_backward_pre_hook(function() unit:unshard() end)
+      m:register_backward_hook(function()
+        unit:reduce_grads()
+        if strategy == 'FULL_SHARD' then unit:reshard() end
+      end)
+      state.units[#state.units + 1] = unit
+    end
+  end
+  rawset(model, '_fsdp', state)
+  return model
+end
+
+local function state_of(model, fname)
+  local st = type(model) == 'table' and rawget(model, '_fsdp')
+  if not st then error(fname .. ': model was not passed to fsdp.fully_shard', 3) end
+  return st
+end
+
+-- the units (each: .fp the FlatParam, .module, .name, .views)
+function fsdp.units(model) return state_of(model, 'fsdp.units').units end
+
+-- all-gather every unit (after an optimizer step, before reading
+-- model:named_parameters() outside forward)
+function fsdp.unshard(model)
+  for _, u in ipairs(state_of(model, 'fsdp.unshard').units) do u:reshard(); u:unshard() end
+  return model
+end
+
+-- every unit's master shard with its gradient (shard.grad), a list
+function fsdp.shards(model)
+  local r = {}
+  for i, u in ipairs(state_of(model, 'fsdp.shards').units) do r[i] = u.fp.shard end
+  return r
+end
+
+-- fsdp.AdamW(model, opts): ms.optim.AdamW over the master shards (one group:
+-- weight decay applies to every element; per-parameter no-decay groups are
+-- still to come). The next unshard all-gathers the updated shards.
+function fsdp.AdamW(model, opts)
+  local optim = require 'moonshard.optim'
+  local units = state_of(model, 'fsdp.AdamW').units
+  local opt = optim.AdamW(fsdp.shards(model), opts)
+  -- after a step every unit's unsharded copy is stale: the next forward
+  -- (or fsdp.unshard) gathers the new shards (NO_SHARD keeps its buffer
+  -- unsharded between steps, so it must be told too)
+  local step = opt.step
+  rawset(opt, 'step', function(self, ...)
+    local r = step(self, ...)
+    for _, u in ipairs(units) do u:reshard() end
+    return r
+  end)
+  return opt
 end
 
 function FlatParam:__tostring()
