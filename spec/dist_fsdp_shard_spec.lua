@@ -97,6 +97,17 @@ describe('fsdp.fully_shard over MPI #mpi', function()
         assert.is_true(rel(l, ref_losses[s]) < 1e-5,
           ('step %d: loss %.9g, one process %.9g'):format(s, l, ref_losses[s]))
         loss:backward()
+        -- every unit's backward ended: its gradient is this rank's shard
+        -- (the whole flat parameter under NO_SHARD), and FULL_SHARD resharded
+        for _, u in ipairs(fsdp.units(model)) do
+          assert.are.equal(u.fp.shard_numel, u.fp.shard.grad:numel())
+          if strategy == 'FULL_SHARD' then
+            assert.is_false(u.unsharded)
+            assert.are.equal(u.fp.total, dist.world_size() * u.fp.shard_numel)
+          else
+            assert.are.equal(u.fp.total, u.fp.shard_numel)
+          end
+        end
         opt:step()
       end
       fsdp.unshard(model)
