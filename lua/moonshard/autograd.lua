@@ -1201,30 +1201,22 @@ function W.matmul(a, b, ta, tb)
 end
 
 -- -- indexing
-local function bwd_index_select(node, g)
-  local z = T.zeros(node.ishape[1], { dtype = g.dtype_id, device = g.device_id })
-  F.index_add_(z, node.saved.dim, node.saved[1], g)
-  return z
-end
-function W.index_select(a, dim, idx)
-  local out = F.index_select(a, dim, idx)
-  if enabled and needs(a) then
-    record1('index_select', out, bwd_index_select, { idx, dim = dim }, nil, a)
+-- index_select and gather: the backward adds g back at the indices into
+-- zeros of the input's shape (index_add_ / scatter_add_ respectively)
+local function indexing(name, add_back)
+  local function bwd(node, g)
+    local z = T.zeros(node.ishape[1], { dtype = g.dtype_id, device = g.device_id })
+    add_back(z, node.saved.dim, node.saved[1], g)
+    return z
   end
-  return out
-end
-local function bwd_gather(node, g)
-  local z = T.zeros(node.ishape[1], { dtype = g.dtype_id, device = g.device_id })
-  F.scatter_add_(z, node.saved.dim, node.saved[1], g)
-  return z
-end
-function W.gather(a, dim, idx)
-  local out = F.gather(a, dim, idx)
-  if enabled and needs(a) then
-    record1('gather', out, bwd_gather, { idx, dim = dim }, nil, a)
+  W[name] = function(a, dim, idx)
+    local out = F[name](a, dim, idx)
+    if enabled and needs(a) then record1(name, out, bwd, { idx, dim = dim }, nil, a) end
+    return out
   end
-  return out
 end
+indexing('index_select', function(...) return F.index_add_(...) end)
+indexing('gather', function(...) return F.scatter_add_(...) end)
 
 local function bwd_cat(node, g)
   local d = node.saved.dim

@@ -225,8 +225,8 @@ end
 
 -- for name, p in m:named_parameters() do ... end: dotted names in
 -- registration order (own parameters first, then children), each tensor once
-function Module:named_parameters(prefix, recurse)
-  local list = collect(self, 'param', prefix, recurse)
+-- (name, tensor) pairs of a collect() list as an iterator, or the tensors as a list
+local function pairs_of(list)
   local i = 0
   return function()
     i = i + 1
@@ -234,27 +234,15 @@ function Module:named_parameters(prefix, recurse)
     if e then return e[1], e[2] end
   end
 end
-function Module:parameters(recurse)
-  local list = collect(self, 'param', nil, recurse)
+local function tensors_of(list)
   local r = {}
   for i = 1, #list do r[i] = list[i][2] end
   return r
 end
-function Module:named_buffers(prefix, recurse)
-  local list = collect(self, 'buffer', prefix, recurse)
-  local i = 0
-  return function()
-    i = i + 1
-    local e = list[i]
-    if e then return e[1], e[2] end
-  end
-end
-function Module:buffers(recurse)
-  local list = collect(self, 'buffer', nil, recurse)
-  local r = {}
-  for i = 1, #list do r[i] = list[i][2] end
-  return r
-end
+function Module:named_parameters(prefix, recurse) return pairs_of(collect(self, 'param', prefix, recurse)) end
+function Module:parameters(recurse) return tensors_of(collect(self, 'param', nil, recurse)) end
+function Module:named_buffers(prefix, recurse) return pairs_of(collect(self, 'buffer', prefix, recurse)) end
+function Module:buffers(recurse) return tensors_of(collect(self, 'buffer', nil, recurse)) end
 function Module:num_parameters()
   local n = 0
   for _, p in ipairs(self:parameters()) do n = n + p:numel() end
