@@ -3,7 +3,7 @@
 -- hooks (no profiler needed on the host).
 --
 --   luajit bench/profile_step.lua [models/gpt2.lua] [--preset gpt2-124m] [--batch 8]
---                                 [--seq 1024] [--precision bf16|f32] [--steps 3]
+--                                 [--seq 1024] [--precision bf16|f32] [--steps 3] [--hooks 0|1]
 --
 -- Times of nested modules include their children (a Block contains its
 -- attention and MLP); "step" is the whole step between two synchronisations,
@@ -12,7 +12,7 @@
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ms = require 'moonshard'
 
-local opts = { model = 'models/gpt2.lua', preset = 'gpt2-124m', batch = 8, seq = 1024, precision = 'bf16', steps = 3 }
+local opts = { model = 'models/gpt2.lua', preset = 'gpt2-124m', batch = 8, seq = 1024, precision = 'bf16', steps = 3, hooks = 1 }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
@@ -63,7 +63,7 @@ local function stop(key, m)
   totals[#totals + 1] = { name, s, e }
 end
 for _, m in model:named_modules() do
-  if m ~= model then
+  if m ~= model and opts.hooks ~= 0 then
     m:register_forward_pre_hook(function(mod) start('forward', mod) end)
     m:register_forward_hook(function(mod) stop('forward', mod) end)
     m:register_backward_pre_hook(function(mod) start('backward', mod) end)
@@ -71,8 +71,21 @@ for _, m in model:named_modules() do
   end
 end
 
+local ffi = require 'ffi'
+ffi.cdef [[
+typedef struct { long tv_sec; long tv_nsec; } ms_prof_timespec;
+int ms_prof_clock_gettime(int clk, ms_prof_timespec *t) asm("clock_gettime");
+]]
+local ts = ffi.new('ms_prof_timespec')
+local function now_ms()
+  ffi.C.ms_prof_clock_gettime(1, ts)
+  return tonumber(ts.tv_sec) * 1e3 + tonumber(ts.tv_nsec) * 1e-6
+end
+local host_issue, host_wall = 0, 0
+
 local function step(rec)
   recording = rec
+  local h0 = now_ms()
   local t0 = ms.cuda.event({ timing = true }):record()
   opt:zero_grad()
   local loss = model(ids, tg)
@@ -84,7 +97,9 @@ local function step(rec)
     totals[#totals + 1] = { 'optimizer', o0, t1 }
     totals[#totals + 1] = { 'step', t0, t1 }
   end
+  local h1 = now_ms()
   ms.cuda.synchronize()
+  if rec then host_issue, host_wall = host_issue + (h1 - h0), host_wall + (now_ms() - h0) end
   recording = false
   return loss
 end
@@ -107,3 +122,7 @@ print(('%s %s, B=%d T=%d, %s; ms per step (of %d steps)'):format(opts.model, opt
 print('| what | ms/step | calls/step |')
 print('|---|---|---|')
 for _, r in ipairs(rows) do print(('| %s | %.2f | %d |'):format(r[1], r[2], r[3])) end
+-- when the host takes about as long to issue a step as the GPU takes to run
+-- it, the step is bound by Lua and launch overhead, not by the kernels
+print(('host: %.2f ms/step to issue the step (until opt:step() returns), %.2f ms/step wall with the sync')
+  :format(host_issue / opts.steps, host_wall / opts.steps))
