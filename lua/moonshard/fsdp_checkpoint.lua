@@ -1,0 +1,791 @@
+-- moonshard.fsdp_checkpoint — checkpoints of fully sharded models
+-- (ms.fsdp.fully_shard): sharded (every rank writes its own shards) and
+-- full (gathered, a Hugging Face safetensors file written by rank 0).
+-- A sharded checkpoint loads into any world size, any strategy and any
+-- wrapping policy: pieces are described by parameter name and element
+-- range, never by flat offsets. docs/fsdp-checkpoints.md has the details.
+--
+--   local ckpt = require 'moonshard.fsdp_checkpoint'   -- (ms.fsdp.checkpoint)
+--   ckpt.save_sharded(model, 'runs/x/step-200', { optimizer = opt, step = 200, extra = { data = loader:state() } })
+--   local info = ckpt.load_sharded(model, 'runs/x/step-200', { optimizer = opt })  -- info.step, info.extra
+--   ckpt.save_full(model, 'runs/x/model.safetensors')  -- rank 0 writes; HF names, tied weights once
+--   ckpt.load_full(model, 'runs/x/model.safetensors')  -- each rank reads only its slices
+--
+-- Every call is collective when the model is sharded: all ranks of the
+-- world call it with the same arguments. A model that was not passed to
+-- fully_shard is handled as one rank holding every parameter whole (so a
+-- sharded checkpoint loads into a plain model in one process, and a plain
+-- model saves one that loads into a sharded one).
+--
+-- A sharded checkpoint is a folder:
+--   rank-<r>-of-<W>.safetensors  rank r's pieces: 'param:<name>:<start>' (f32,
+--                                1-d, numel elements of parameter <name> from
+--                                element <start>), 'exp_avg:<name>:<start>',
+--                                'exp_avg_sq:<name>:<start>' (AdamW), and in
+--                                __metadata__['moonshard.fsdp'] the JSON
+--                                description (parameters, pieces, steps)
+--   index.json                   written last by rank 0: format, world size,
+--                                strategy, step, extra, parameters (name,
+--                                shape, dtype), files (bytes, crc32), the
+--                                piece table, the optimizer's hyper-parameters
+-- Saving writes <dir>.tmp/ and swaps it with <dir> only once index.json is
+-- in it (renameat2 RENAME_EXCHANGE: atomic), so a failed save leaves the
+-- previous checkpoint as it was; a folder without index.json is incomplete.
+local ffi = require 'ffi'
+local json = require 'dkjson'
+local T = require 'moonshard.tensor'
+local S = require 'moonshard.safetensors'
+local dist = require 'moonshard.dist'
+local C = T.C
+
+local M = {}
+M.format = 'moonshard.fsdp_checkpoint'
+M.version = 1
+M.index_name = 'index.json'
+
+local function no_grad(fn) return require('moonshard.autograd').no_grad(fn) end
+local function fsdp() return require 'moonshard.fsdp' end
+local function crc32_file(path) return require('moonshard.checkpoint').crc32_file(path) end
+
+local function fail(fmt, ...) error('fsdp_checkpoint: ' .. fmt:format(...), 0) end
+
+local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
+local function same_shape(a, b)
+  if #a ~= #b then return false end
+  for i = 1, #a do if a[i] ~= b[i] then return false end end
+  return true
+end
+local function numel_of(shape)
+  local n = 1
+  for _, s in ipairs(shape) do n = n * s end
+  return n
+end
+
+-- ------------------------------------------------------------- files
+
+local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local function sh(cmd)
+  local r = os.execute(cmd)
+  return r == 0 or r == true
+end
+
+local function file_size(path)
+  local f = io.open(path, 'rb')
+  if not f then return nil end
+  local n = f:seek('end')
+  f:close()
+  return n
+end
+
+local function is_dir(path) return sh('test -d ' .. q(path)) end
+
+local function write_atomic(path, s)
+  local tmp = path .. '.tmp'
+  local f, err = io.open(tmp, 'wb')
+  if not f then fail('cannot write %s: %s', tmp, tostring(err)) end
+  local ok, werr = f:write(s)
+  local cok, cerr = f:close()
+  if not ok or not cok then os.remove(tmp); fail('cannot write %s: %s', tmp, tostring(werr or cerr)) end
+  local rok, rerr = os.rename(tmp, path)
+  if not rok then os.remove(tmp); fail('cannot rename %s to %s: %s', tmp, path, tostring(rerr)) end
+end
+
+-- JSON with sorted keys (stable files)
+local function encode(obj) return require('moonshard.checkpoint').encode(obj) end
+
+local function read_json(path, what)
+  local f, err = io.open(path, 'rb')
+  if not f then return nil, err end
+  local s = f:read('*a')
+  f:close()
+  local v, _, jerr = json.decode(s, 1, nil)
+  if type(v) ~= 'table' then fail('%s is not valid JSON (%s)', path, tostring(jerr or what)) end
+  return v
+end
+
+-- exchange two folders atomically where the kernel can (Linux renameat2
+-- RENAME_EXCHANGE); else two renames, with the old one put back on failure
+local renameat2
+do
+  pcall(ffi.cdef, 'int renameat2(int olddirfd, const char *oldpath, int newdirfd, const char *newpath, unsigned int flags);')
+  local ok, fn = pcall(function() return ffi.C.renameat2 end)
+  if ok then renameat2 = fn end
+end
+local AT_FDCWD, RENAME_EXCHANGE = -100, 2
+
+-- put folder `tmp` in place of `dir` (which may not exist); the old
+-- contents are removed afterwards
+local function swap_in(tmp, dir)
+  if is_dir(dir) then
+    if renameat2 and renameat2(AT_FDCWD, tmp, AT_FDCWD, dir, RENAME_EXCHANGE) == 0 then
+      sh('rm -rf ' .. q(tmp))
+      return
+    end
+    local old = dir .. '.old'
+    sh('rm -rf ' .. q(old))
+    local ok, err = os.rename(dir, old)
+    if not ok then fail('cannot move %s aside to %s: %s', dir, old, tostring(err)) end
+    ok, err = os.rename(tmp, dir)
+    if not ok then
+      os.rename(old, dir)
+      fail('cannot rename %s to %s: %s', tmp, dir, tostring(err))
+    end
+    sh('rm -rf ' .. q(old))
+  else
+    local ok, err = os.rename(tmp, dir)
+    if not ok then fail('cannot rename %s to %s: %s', tmp, dir, tostring(err)) end
+  end
+end
+
+-- the safetensors header of a file: entries by name, its metadata and the
+-- absolute offset of the data section (cached per call through `cache`)
+local function header_of(path, cache)
+  local h = cache and cache[path]
+  if h then return h end
+  local entries, meta = S.header(path)
+  local f = io.open(path, 'rb')
+  if not f then fail('cannot open %s', path) end
+  local b = f:read(8)
+  f:close()
+  local n = 0
+  for i = 8, 1, -1 do n = n * 256 + b:byte(i) end
+  h = { path = path, entries = entries, meta = meta, data_start = 8 + n }
+  if cache then cache[path] = h end
+  return h
+end
+
+local esize = { f64 = 8, f32 = 4, bf16 = 2, f16 = 2, i64 = 8, i32 = 4, u8 = 1, bool = 1 }
+
+-- copy elements [off, off + n) of tensor entry `name` of the file into
+-- dest (a 1-d tensor of n elements, any dtype: converted)
+local function read_range(h, name, off, n, dest)
+  local e = h.entries[name]
+  if not e then fail('%s has no tensor %s', h.path, name) end
+  local es = esize[e.dtype]
+  local pos = h.data_start + e.data_offsets[1] + off * es
+  if off + n > (e.data_offsets[2] - e.data_offsets[1]) / es then
+    fail('%s: tensor %s has %d elements, asked for [%d, %d)', h.path, name,
+      (e.data_offsets[2] - e.data_offsets[1]) / es, off, off + n)
+  end
+  if n == 0 then return end
+  if dest.dtype == e.dtype and dest:is_contiguous() then
+    if C.ms_file_read_into(h.path, pos, n * es, dest) ~= 0 then
+      fail('%s: tensor %s: %s', h.path, name, ffi.string(C.ms_last_error()))
+    end
+  else
+    local tmp = T.empty({ n }, { dtype = e.dtype })
+    if C.ms_file_read_into(h.path, pos, n * es, tmp) ~= 0 then
+      tmp:free()
+      fail('%s: tensor %s: %s', h.path, name, ffi.string(C.ms_last_error()))
+    end
+    dest:copy_(tmp)
+    tmp:free()
+  end
+end
+
+-- --------------------------------------------------------- the model side
+
+local function fsdp_state(model) return type(model) == 'table' and rawget(model, '_fsdp') or nil end
+M.is_sharded = function(model) return fsdp_state(model) ~= nil end
+
+local function world()
+  if dist.is_initialized() then return dist.rank(), dist.world_size() end
+  return 0, 1
+end
+
+-- the model's parameters (named_parameters order, a tied tensor once):
+-- list of { name =, shape =, dtype =, numel =, t = }, and id -> entry
+local function model_params(model)
+  local list, by_id = {}, {}
+  for name, p in model:named_parameters() do
+    local id = tonumber(p.id)
+    if not by_id[id] then
+      local e = { name = name, shape = p.shape, dtype = p.dtype, numel = p:numel(), t = p }
+      list[#list + 1] = e
+      by_id[id] = e
+    end
+  end
+  return list, by_id
+end
+
+-- the persistent buffers (state_dict entries that are no parameter)
+local function model_buffers(model, by_id)
+  local sd, keys = model:state_dict()
+  local out, seen = {}, {}
+  for _, k in ipairs(keys) do
+    local t = sd[k]
+    local id = tonumber(t.id)
+    if not by_id[id] and not seen[id] then
+      seen[id] = true
+      out[#out + 1] = { name = k, shape = t.shape, dtype = t.dtype, numel = t:numel(), t = t }
+    end
+  end
+  return out
+end
+
+-- the parameter names of a unit, in the order of its flat parameter:
+-- unit.param_names when fsdp gives them, else its views matched to
+-- model:named_parameters() by tensor identity
+local function unit_names(u, by_id)
+  local fp = u.fp
+  if type(u.param_names) == 'table' and #u.param_names == fp.nparams then return u.param_names end
+  local views = u.views or fp.param_views
+  local names = {}
+  if views then
+    for i = 1, fp.nparams do
+      local e = views[i] and by_id[tonumber(views[i].id)]
+      if not e then break end
+      names[i] = e.name
+    end
+  end
+  if #names ~= fp.nparams and u.slots then  -- fsdp's own bookkeeping (module, name, index)
+    names = {}
+    for _, s in ipairs(u.slots) do if s.k and not names[s.k] then names[s.k] = s.name end end
+  end
+  if #names ~= fp.nparams then
+    fail('cannot name the %d parameters of unit %q (no param_names, views or slots match named_parameters())',
+      fp.nparams, tostring(u.name))
+  end
+  return names
+end
+
+-- the optimizer's state of one tensor (a master shard, or a parameter of a
+-- plain model) and whether the optimizer steps it at all
+local held = setmetatable({}, { __mode = 'k' })
+local function opt_holds(opt, t)
+  local set = held[opt]
+  if not set then
+    set = {}
+    for _, g in ipairs(opt.param_groups or {}) do
+      for _, p in ipairs(g.params) do set[tonumber(p.id)] = true end
+    end
+    held[opt] = set
+  end
+  return set[tonumber(t.id)] == true
+end
+local function opt_state(opt, t) return opt.state and opt.state[tonumber(t.id)] end
+
+-- This rank's part of the model, as "regions": each a range of elements of
+-- one named parameter and where it lives here:
+--   { name =, start =, numel =, dest = (1-d view, numel elements), holder = (the
+--     tensor the optimizer steps), hoff = (offset of dest in holder, 0-based),
+--     unit = }
+-- plus `params` (every parameter of the model), the world, the strategy.
+local regions_
+local function regions(model)
+  local ctx
+  no_grad(function() ctx = regions_(model) end)
+  return ctx
+end
+function regions_(model)
+  local params, by_id = model_params(model)
+  local st = fsdp_state(model)
+  local ctx = { params = params, by_id = by_id, buffers = model_buffers(model, by_id), regions = {}, param = {} }
+  for _, e in ipairs(params) do ctx.param[e.name] = e end
+  if not st then
+    ctx.rank, ctx.world_size, ctx.strategy, ctx.sharded = 0, 1, 'NONE', false
+    -- a plain model is one process's: under mpirun only rank 0 writes
+    ctx.skip_write = dist.is_initialized() and dist.rank() ~= 0
+    for _, e in ipairs(params) do
+      if not e.t:is_contiguous() then fail('parameter %s is not contiguous', e.name) end
+      ctx.regions[#ctx.regions + 1] = { name = e.name, start = 0, numel = e.numel,
+        dest = e.t:view({ e.numel }), holder = e.t, hoff = 0, write = true }
+    end
+    return ctx
+  end
+  ctx.rank, ctx.world_size = world()
+  ctx.sharded = true
+  local units = fsdp().units(model)
+  ctx.strategy = st.strategy or (units[1] and units[1].strategy) or 'FULL_SHARD'
+  ctx.units = units
+  for _, u in ipairs(units) do
+    local fp = u.fp
+    local names = unit_names(u, by_id)
+    u._ckpt_names = names
+    -- replicas (NO_SHARD, or the replica groups of a hybrid layout) hold
+    -- the same shard: the first one writes it
+    local write = fp.world_size >= ctx.world_size or ctx.rank < fp.world_size
+    for i = 1, fp.nparams do
+      local sl = fp.layout:slice(fp.rank, i)
+      if sl.numel > 0 then
+        ctx.regions[#ctx.regions + 1] = { name = names[i], start = sl.param_start, numel = sl.numel,
+          dest = fp.shard:narrow(1, sl.shard_offset + 1, sl.numel), holder = fp.shard,
+          hoff = sl.shard_offset, unit = u, write = write }
+      end
+    end
+  end
+  return ctx
+end
+
+-- agree over the world on success: raises on every rank when any failed
+-- (the failing rank with its own message)
+local function agree(ctx, ok, err, what)
+  if ctx.sharded and ctx.world_size > 1 then
+    local t = T.tensor({ ok and 1 or 0 }, { dtype = 'f32' })
+    dist.all_reduce(t, 'min')
+    local all = t:item() == 1
+    t:free()
+    if not all then
+      if not ok then error(err, 0) end
+      fail('%s failed on another rank (see its error)', what)
+    end
+  end
+  if not ok then error(err, 0) end
+end
+
+local function rank_file(r, W) return ('rank-%05d-of-%05d.safetensors'):format(r, W) end
+M.rank_file = rank_file
+
+local function hyper_of(opt)
+  local groups = {}
+  for i, g in ipairs(opt.param_groups or {}) do
+    groups[i] = { lr = g.lr, betas = g.betas, eps = g.eps, weight_decay = g.weight_decay }
+  end
+  return { type = opt.type, groups = groups }
+end
+
+-- ------------------------------------------------------------ sharded save
+
+-- save_sharded(model, dir, { optimizer =, step =, extra = }) -> dir
+-- Collective. `extra`: a JSON-able table stored in index.json. `step`:
+-- defaults to the optimizer's step count.
+function M.save_sharded(model, dir, opts)
+  opts = opts or {}
+  if type(dir) ~= 'string' or dir == '' then fail('save_sharded: dir must be a folder path, got %s', tostring(dir)) end
+  dir = dir:gsub('/+$', '')
+  local ctx = regions(model)
+  if ctx.skip_write then return dir end
+  local opt = opts.optimizer
+  if opt then held[opt] = nil end
+  local rank, W = ctx.rank, ctx.world_size
+  local tmp = dir .. '.tmp'
+  local inject = M._inject_failure   -- specs: { stage =, rank = }
+  local function injected(stage)
+    if inject and inject.stage == stage and (inject.rank == nil or inject.rank == rank) then
+      fail('injected failure at %s on rank %d', stage, rank)
+    end
+  end
+
+  -- 1. rank 0 makes a clean <dir>.tmp/
+  local ok, err = true, nil
+  if rank == 0 then
+    ok, err = pcall(function()
+      if opts.extra ~= nil and type(opts.extra) ~= 'table' then fail('save_sharded: extra must be a table') end
+      sh('rm -rf ' .. q(tmp))
+      if not sh('mkdir -p ' .. q(tmp)) then fail('cannot create %s', tmp) end
+    end)
+  end
+  agree(ctx, ok, err, 'save_sharded (creating ' .. tmp .. ')')
+
+  -- 2. every rank writes its pieces
+  local path = tmp .. '/' .. rank_file(rank, W)
+  local steps = {}
+  ok, err = pcall(function()
+    local tensors, pieces = {}, {}
+    for _, r in ipairs(ctx.regions) do
+      if r.write then
+        local key = r.name .. ':' .. r.start
+        local pc = { param = r.name, start = r.start, numel = r.numel, tensor = 'param:' .. key }
+        tensors[pc.tensor] = r.dest
+        if opt then
+          if not opt_holds(opt, r.holder) then
+            fail('save_sharded: the optimizer does not step %s (for a sharded model use ms.fsdp.AdamW(model))', r.name)
+          end
+          local s = opt_state(opt, r.holder)
+          if s and s.exp_avg and s.exp_avg_sq then
+            pc.exp_avg, pc.exp_avg_sq, pc.step = 'exp_avg:' .. key, 'exp_avg_sq:' .. key, s.step or 0
+            tensors[pc.exp_avg] = s.exp_avg:view({ s.exp_avg:numel() }):narrow(1, r.hoff + 1, r.numel)
+            tensors[pc.exp_avg_sq] = s.exp_avg_sq:view({ s.exp_avg_sq:numel() }):narrow(1, r.hoff + 1, r.numel)
+          else
+            pc.step = 0     -- never stepped: no moments yet
+          end
+          steps[#steps + 1] = pc.step
+        end
+        pieces[#pieces + 1] = pc
+      end
+    end
+    if rank == 0 then
+      for _, b in ipairs(ctx.buffers) do
+        local pc = { param = b.name, start = 0, numel = b.numel, tensor = 'buffer:' .. b.name, buffer = true }
+        tensors[pc.tensor] = b.t:contiguous():view({ b.numel })
+        pieces[#pieces + 1] = pc
+      end
+    end
+    local desc = { format = M.format, version = M.version, rank = rank, world_size = W, strategy = ctx.strategy,
+      pieces = pieces, params = {} }
+    for i, e in ipairs(ctx.params) do desc.params[i] = { name = e.name, shape = e.shape, dtype = e.dtype } end
+    injected('rank_file')
+    S.save(path, tensors, { ['moonshard.fsdp'] = json.encode(desc) })
+    injected('after_rank_file')
+  end)
+  if not ok then os.remove(path) end
+  -- what every rank wrote: ok, bytes, crc32 (the all-gather is also the
+  -- barrier after which rank 0 may write the index)
+  local info = { ok and 1 or 0, 0, 0 }
+  if ok then
+    local crc, n = crc32_file(path)
+    if crc then info[2], info[3] = n, crc else info[1] = 0; ok, err = false, ('fsdp_checkpoint: cannot read back %s'):format(path) end
+  end
+  local all = {}
+  if ctx.sharded and W > 1 then
+    local mine = T.tensor(info, { dtype = 'f64' })
+    local g = T.empty({ 3 * W }, { dtype = 'f64' })
+    dist.all_gather_into(g, mine)
+    local v = g:totable()
+    for r = 0, W - 1 do all[r] = { v[3 * r + 1], v[3 * r + 2], v[3 * r + 3] } end
+    mine:free(); g:free()
+  else
+    all[0] = info
+  end
+  local failed = {}
+  for r = 0, W - 1 do if all[r][1] ~= 1 then failed[#failed + 1] = r end end
+  if #failed > 0 then
+    if rank == 0 then sh('rm -rf ' .. q(tmp)) end
+    if not ok then error(err, 0) end
+    fail('save_sharded %s: rank(s) %s could not write their files; %s is unchanged', dir,
+      table.concat(failed, ', '), dir)
+  end
+
+  -- 3. rank 0 writes the index, then swaps <dir>.tmp in
+  ok, err = true, nil
+  if rank == 0 then
+    ok, err = pcall(function()
+      local index = { format = M.format, version = M.version, world_size = W, strategy = ctx.strategy,
+        extra = opts.extra, params = {}, buffers = {}, files = {}, pieces = {} }
+      for i, e in ipairs(ctx.params) do
+        index.params[i] = { name = e.name, shape = e.shape, dtype = e.dtype, numel = e.numel }
+      end
+      for i, b in ipairs(ctx.buffers) do index.buffers[i] = { name = b.name, shape = b.shape, dtype = b.dtype } end
+      local max_step = 0
+      for r = 0, W - 1 do
+        local name = rank_file(r, W)
+        index.files[r + 1] = { rank = r, file = name, bytes = all[r][2], crc32 = all[r][3] }
+        local h = header_of(tmp .. '/' .. name)
+        local desc = json.decode(h.meta['moonshard.fsdp'] or 'null', 1, nil)
+        if type(desc) ~= 'table' then fail('%s/%s has no moonshard.fsdp description', tmp, name) end
+        for _, pc in ipairs(desc.pieces) do
+          local list = index.pieces[pc.param]
+          if not list then list = {}; index.pieces[pc.param] = list end
+          list[#list + 1] = { rank = r, start = pc.start, numel = pc.numel, tensor = pc.tensor,
+            exp_avg = pc.exp_avg, exp_avg_sq = pc.exp_avg_sq, step = pc.step }
+          if pc.step and pc.step > max_step then max_step = pc.step end
+        end
+      end
+      for _, list in pairs(index.pieces) do table.sort(list, function(a, b) return a.start < b.start end) end
+      if opt then index.optimizer = hyper_of(opt); index.optimizer.step = max_step end
+      index.step = opts.step or (opt and max_step) or nil
+      injected('index')
+      local s = encode(index)
+      write_atomic(tmp .. '/' .. M.index_name, s .. '\n')
+      sh('sync -f ' .. q(tmp) .. ' 2>/dev/null')
+      swap_in(tmp, dir)
+    end)
+    if not ok then sh('rm -rf ' .. q(tmp)) end
+  end
+  agree(ctx, ok, err, 'save_sharded (index of ' .. dir .. ')')
+  return dir
+end
+
+-- ------------------------------------------------------------ sharded load
+
+-- read_index(dir) -> the index table, or raises naming what is wrong
+function M.read_index(dir)
+  local path = dir .. '/' .. M.index_name
+  local index, err = read_json(path)
+  if not index then
+    if not is_dir(dir) then fail('%s: no such checkpoint folder', dir) end
+    fail('%s is missing: %s is incomplete (a save that did not finish?) or not a sharded checkpoint%s',
+      path, dir, is_dir(dir .. '.tmp') and (' (an unfinished save is in ' .. dir .. '.tmp)') or '')
+  end
+  if index.format ~= M.format then fail('%s: format %s, expected %s', path, tostring(index.format), M.format) end
+  if type(index.version) ~= 'number' or index.version > M.version then
+    fail('%s: version %s, this moonshard reads up to %d', path, tostring(index.version), M.version)
+  end
+  return index
+end
+
+-- check the checkpoint's parameters against the model's: every model
+-- parameter present with its shape (and, strict, nothing else)
+local function check_params(ctx, saved, where, strict)
+  local have = {}
+  for _, e in ipairs(saved) do have[e.name] = e end
+  local used = {}
+  for _, e in ipairs(ctx.params) do
+    local s = have[e.name]
+    if not s then fail('%s has no parameter %s (shape %s in the model)', where, e.name, shape_str(e.shape)) end
+    if not same_shape(s.shape, e.shape) then
+      fail('parameter %s has shape %s in %s, %s in the model', e.name, shape_str(s.shape), where, shape_str(e.shape))
+    end
+    used[e.name] = true
+  end
+  if strict then
+    for _, s in ipairs(saved) do
+      if not used[s.name] then
+        fail('%s has parameter %s %s, which the model does not have (strict = false ignores it)', where, s.name,
+          shape_str(s.shape))
+      end
+    end
+  end
+end
+
+-- fill dest (1-d, elements [start, start + numel) of parameter `name`)
+-- from the pieces that overlap it; `field`: 'tensor', 'exp_avg' or 'exp_avg_sq'
+local function fill(dest, name, start, numel, pieces, open, field, where)
+  local covered = start
+  for _, pc in ipairs(pieces or {}) do
+    local a = math.max(start, pc.start)
+    local b = math.min(start + numel, pc.start + pc.numel)
+    if b > a then
+      if a > covered then break end
+      local tname = pc[field]
+      if not tname then fail('%s has no %s for parameter %s (elements [%d, %d))', where, field, name, pc.start, pc.start + pc.numel) end
+      read_range(open(pc), tname, a - pc.start, b - a, dest:narrow(1, a - start + 1, b - a))
+      if b > covered then covered = b end
+    end
+  end
+  if covered < start + numel then
+    fail('%s holds no data for parameter %s elements [%d, %d)', where, name, covered, start + numel)
+  end
+end
+
+-- the moments of a tensor the optimizer steps (a master shard or a
+-- parameter), created zero when it has never stepped
+local function ensure_state(opt, holder, name)
+  if not opt_holds(opt, holder) then
+    fail('the optimizer does not step %s (for a sharded model use ms.fsdp.AdamW(model))', name)
+  end
+  local id = tonumber(holder.id)
+  local s = opt.state[id]
+  local dt = holder.dtype == 'f64' and 'f64' or 'f32'
+  if not s or not s.exp_avg then
+    s = s or {}
+    s.step = s.step or 0
+    s.exp_avg = T.zeros(holder.shape, { dtype = dt })
+    s.exp_avg_sq = T.zeros(holder.shape, { dtype = dt })
+    opt.state[id] = s
+  end
+  return s
+end
+
+-- after the shards changed: every unit all-gathers again
+local function refresh(model, ctx)
+  if ctx.sharded then fsdp().unshard(model) end
+end
+
+local function apply_hyper(opt, saved)
+  if not saved or type(saved.groups) ~= 'table' or #saved.groups ~= #(opt.param_groups or {}) then return end
+  for i, g in ipairs(opt.param_groups) do
+    for k, v in pairs(saved.groups[i]) do g[k] = v end
+  end
+end
+
+-- load_sharded(model, dir, { optimizer =, strict = true }) -> { step =,
+-- extra =, world_size =, strategy = } (the index's). Collective.
+function M.load_sharded(model, dir, opts)
+  opts = opts or {}
+  if type(dir) ~= 'string' then fail('load_sharded: dir must be a folder path, got %s', tostring(dir)) end
+  dir = dir:gsub('/+$', '')
+  local ctx = regions(model)
+  local opt = opts.optimizer
+  if opt then held[opt] = nil end
+  local ok, res = pcall(function()
+    local index = M.read_index(dir)
+    check_params(ctx, index.params or {}, dir, opts.strict ~= false)
+    -- every rank file there, with the size the index gives
+    local files = {}
+    for r = 0, index.world_size - 1 do
+      local f = index.files[r + 1]
+      local path = dir .. '/' .. (f and f.file or rank_file(r, index.world_size))
+      local n = file_size(path)
+      if not n then fail('%s is missing (the file of rank %d of the %d that saved %s)', path, r, index.world_size, dir) end
+      if f and f.bytes and n ~= f.bytes then
+        fail('%s has %d bytes, the index says %d (truncated?)', path, n, f.bytes)
+      end
+      files[r] = path
+    end
+    if opt and not index.optimizer then fail('%s holds no optimizer state (saved without one)', dir) end
+    local cache = {}
+    local function open(pc) return header_of(files[pc.rank], cache) end
+    no_grad(function()
+      local F = require 'moonshard.ops'
+      for _, u in ipairs(ctx.units or {}) do F.fill_(u.fp.shard, 0) end   -- padding stays zero
+      for _, r in ipairs(ctx.regions) do
+        fill(r.dest, r.name, r.start, r.numel, index.pieces[r.name], open, 'tensor', dir)
+      end
+      for _, b in ipairs(ctx.buffers) do
+        local pcs = index.pieces[b.name]
+        if pcs then
+          local tmp = T.empty({ b.numel }, { dtype = b.dtype })
+          fill(tmp, b.name, 0, b.numel, pcs, open, 'tensor', dir)
+          b.t:copy_(tmp:view(b.shape))
+          tmp:free()
+        elseif opts.strict ~= false then
+          fail('%s has no buffer %s', dir, b.name)
+        end
+      end
+      if opt then
+        local seen = {}
+        for _, r in ipairs(ctx.regions) do
+          local s = ensure_state(opt, r.holder, r.name)
+          local id = tonumber(r.holder.id)
+          if not seen[id] then
+            seen[id] = true
+            F.fill_(s.exp_avg, 0); F.fill_(s.exp_avg_sq, 0)
+            s.step = 0
+          end
+          local ea = s.exp_avg:view({ s.exp_avg:numel() }):narrow(1, r.hoff + 1, r.numel)
+          local eq = s.exp_avg_sq:view({ s.exp_avg_sq:numel() }):narrow(1, r.hoff + 1, r.numel)
+          local pcs = index.pieces[r.name]
+          local step = 0
+          for _, pc in ipairs(pcs or {}) do
+            if pc.start < r.start + r.numel and pc.start + pc.numel > r.start then step = math.max(step, pc.step or 0) end
+          end
+          if step > 0 then
+            fill(ea, r.name, r.start, r.numel, pcs, open, 'exp_avg', dir)
+            fill(eq, r.name, r.start, r.numel, pcs, open, 'exp_avg_sq', dir)
+          end
+          s.step = math.max(s.step, step)
+        end
+        apply_hyper(opt, index.optimizer)
+      end
+    end)
+    return index
+  end)
+  agree(ctx, ok, res, 'load_sharded ' .. dir)
+  local index = res
+  refresh(model, ctx)
+  return { step = index.step, extra = index.extra, world_size = index.world_size, strategy = index.strategy }
+end
+
+-- ------------------------------------------------------------ full state
+
+local function gather_flat(fp, src)
+  local flat = T.empty({ fp.total }, { dtype = src.dtype })
+  if fp.world_size == 1 then flat:copy_(src)
+  else dist.all_gather_into(flat, src, { group = fp.group }) end
+  return flat
+end
+
+-- gather(model, { optimizer = }) -> params, state. Collective. params: a
+-- list of { name =, tensor = } (the model's named_parameters order, a tied
+-- tensor once, full shapes, the master dtype), every rank; state (with an
+-- optimizer): name -> { exp_avg =, exp_avg_sq =, step = }.
+function M.gather(model, opts)
+  opts = opts or {}
+  local ctx = regions(model)
+  local opt = opts.optimizer
+  local out, state = {}, opt and {} or nil
+  local full = {}
+  no_grad(function()
+    if not ctx.sharded then
+      for _, e in ipairs(ctx.params) do
+        full[e.name] = e.t:clone()
+        if opt then
+          local s = opt_state(opt, e.t)
+          if s and s.exp_avg then
+            state[e.name] = { exp_avg = s.exp_avg:clone(), exp_avg_sq = s.exp_avg_sq:clone(), step = s.step }
+          end
+        end
+      end
+    else
+      for _, u in ipairs(ctx.units) do
+        local fp = u.fp
+        local names = u._ckpt_names
+        local flat = gather_flat(fp, fp.shard)
+        local s = opt and opt_state(opt, fp.shard)
+        local fa, fq
+        if s and s.exp_avg then fa, fq = gather_flat(fp, s.exp_avg), gather_flat(fp, s.exp_avg_sq) end
+        for i = 1, fp.nparams do
+          local function piece(f) return f:narrow(1, fp.layout.offsets[i] + 1, fp.layout.numels[i]):clone():view(fp.shapes[i]) end
+          full[names[i]] = piece(flat)
+          if fa then state[names[i]] = { exp_avg = piece(fa), exp_avg_sq = piece(fq), step = s.step } end
+        end
+        flat:free()
+        if fa then fa:free(); fq:free() end
+      end
+    end
+  end)
+  for _, e in ipairs(ctx.params) do out[#out + 1] = { name = e.name, tensor = full[e.name] } end
+  return out, state, ctx
+end
+
+-- save_full(model, path, { dtype = }) -> path. Collective: every unit is
+-- all-gathered (f32 master values), rank 0 writes one safetensors file
+-- with the model's names (those of the Hugging Face checkpoints: the
+-- state_dict names, a tied tensor once under its first name, metadata
+-- format = pt), then a barrier. dtype: converts on the way (default: the
+-- master dtype, f32).
+function M.save_full(model, path, opts)
+  opts = opts or {}
+  if type(path) ~= 'string' or path == '' then fail('save_full: path must be a file path, got %s', tostring(path)) end
+  local params, _, ctx = M.gather(model)
+  local ok, err = true, nil
+  if ctx.rank == 0 and not ctx.skip_write then
+    ok, err = pcall(function()
+      local out = {}
+      for _, e in ipairs(params) do
+        out[e.name] = opts.dtype and e.tensor:to({ dtype = opts.dtype, copy = true }) or e.tensor
+      end
+      for _, b in ipairs(ctx.buffers) do out[b.name] = b.t:contiguous() end
+      S.save(path, out, { format = 'pt' })
+    end)
+  end
+  for _, e in ipairs(params) do e.tensor:free() end
+  agree(ctx, ok, err, 'save_full ' .. path)
+  return path
+end
+
+-- load_full(model, path, { strict = true }): a full safetensors file (as
+-- save_full or Hugging Face write it) into the model; a sharded model's
+-- ranks each read only their slices. Names go through the model family's
+-- fix_state_dict (older HF names) when it has one. Collective.
+function M.load_full(model, path, opts)
+  opts = opts or {}
+  if type(path) ~= 'string' then fail('load_full: path must be a file path, got %s', tostring(path)) end
+  local ctx = regions(model)
+  local ok, err = pcall(function()
+    if not file_size(path) then fail('%s: no such file', path) end
+    local h = header_of(path)
+    -- model name -> file name
+    local names = {}
+    for k in pairs(h.entries) do names[k] = k end
+    local fam = model.family
+    if fam and fam.fix_state_dict then names = fam.fix_state_dict(names, model.config) end
+    local saved = {}
+    for mname, fname in pairs(names) do
+      local e = h.entries[fname]
+      saved[#saved + 1] = { name = mname, shape = e.shape }
+    end
+    table.sort(saved, function(a, b) return a.name < b.name end)
+    check_params(ctx, saved, path, opts.strict == true)   -- HF files may carry more (strict = true refuses)
+    local function pieces_of(name)
+      local e = h.entries[names[name]]
+      if not e then return nil end
+      return { { rank = 0, start = 0, numel = numel_of(e.shape), tensor = names[name] } }
+    end
+    local function open() return h end
+    no_grad(function()
+      local F = require 'moonshard.ops'
+      for _, u in ipairs(ctx.units or {}) do F.fill_(u.fp.shard, 0) end
+      for _, r in ipairs(ctx.regions) do
+        fill(r.dest, r.name, r.start, r.numel, pieces_of(r.name), open, 'tensor', path)
+      end
+      for _, b in ipairs(ctx.buffers) do
+        local pcs = pieces_of(b.name)
+        if pcs then
+          local tmp = T.empty({ b.numel }, { dtype = b.dtype })
+          fill(tmp, b.name, 0, b.numel, pcs, open, 'tensor', path)
+          b.t:copy_(tmp:view(b.shape))
+          tmp:free()
+        elseif opts.strict ~= false then
+          fail('%s has no buffer %s', path, b.name)
+        end
+      end
+    end)
+  end)
+  agree(ctx, ok, err, 'load_full ' .. path)
+  refresh(model, ctx)
+  return model
+end
+
+return M
