@@ -61,7 +61,9 @@ end
 local peak = matmul_rate()
 
 ms.manual_seed(0)
-local model = gpt2.new('gpt2-124m', { vocab_size = 50304, n_positions = opts.seq })
+-- no dropout, as ../shared/bench/torch_gpt2.py
+local model = gpt2.new('gpt2-124m', { vocab_size = 50304, n_positions = opts.seq,
+                                      resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0 })
 local nparams = 0
 for _, p in model:named_parameters() do nparams = nparams + p:numel() end
 model:to('cuda')

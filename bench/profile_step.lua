@@ -4,6 +4,7 @@
 --
 --   luajit bench/profile_step.lua [models/gpt2.lua] [--preset gpt2-124m] [--batch 8]
 --                                 [--seq 1024] [--precision bf16|f32] [--steps 3] [--hooks 0|1]
+--                                 [--layers N] (fewer blocks, e.g. for ncu)
 --
 -- Times of nested modules include their children (a Block contains its
 -- attention and MLP); "step" is the whole step between two synchronisations,
@@ -12,7 +13,7 @@
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ms = require 'moonshard'
 
-local opts = { model = 'models/gpt2.lua', preset = 'gpt2-124m', batch = 8, seq = 1024, precision = 'bf16', steps = 3, hooks = 1 }
+local opts = { model = 'models/gpt2.lua', preset = 'gpt2-124m', batch = 8, seq = 1024, precision = 'bf16', steps = 3, hooks = 1, layers = 0 }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
@@ -32,6 +33,13 @@ local over = {}
 if M.config.n_positions ~= nil then over.n_positions = opts.seq end
 if M.config.max_position_embeddings ~= nil then over.max_position_embeddings = opts.seq end
 if opts.preset == 'gpt2-124m' then over.vocab_size = 50304 end  -- llm.c's padded vocabulary
+-- the PyTorch reference (../shared/bench/torch_gpt2.py) trains without dropout
+for _, k in ipairs { 'resid_pdrop', 'embd_pdrop', 'attn_pdrop', 'attention_dropout', 'hidden_dropout' } do
+  if M.config[k] ~= nil then over[k] = 0 end
+end
+if opts.layers > 0 then
+  if M.config.n_layer ~= nil then over.n_layer = opts.layers else over.num_hidden_layers = opts.layers end
+end
 local model = M.new(opts.preset, over)
 model:to('cuda')
 if opts.precision ~= 'f32' then

@@ -129,6 +129,90 @@ struct vec16 {
     T v[V];
 };
 
+// strided path for float dtypes: each thread takes 8 neighbouring elements of
+// the innermost (collapsed) dim, which the output walks with stride 1 and
+// every input with stride 1 (loaded as 16-byte vectors) or 0 (a broadcast
+// scalar, as a bias row seen from (N, C)); the index arithmetic runs once per
+// 8 elements and the loads/stores are typed, so a transpose-copy, a cast or a
+// broadcast bias add moves at copy speed. Math in f32, as the general path.
+template <typename T>
+__device__ __forceinline__ void ld8(float v[8], const T *p, int64_t stride) {
+    if (stride == 0) {
+        float x = ms_ld(p);
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = x;
+        return;
+    }
+    const int V = 16 / sizeof(T);  // elements per 16-byte load
+#pragma unroll
+    for (int h = 0; h < 8 / V; h++) {
+        vec16<T> x = ((const vec16<T> *)p)[h];
+#pragma unroll
+        for (int k = 0; k < V; k++) v[h * V + k] = ms_ld(&x.v[k]);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void st8(T *p, const float v[8]) {
+    const int V = 16 / sizeof(T);
+#pragma unroll
+    for (int h = 0; h < 8 / V; h++) {
+        vec16<T> x;
+#pragma unroll
+        for (int k = 0; k < V; k++) ms_st(&x.v[k], v[h * V + k]);
+        ((vec16<T> *)p)[h] = x;
+    }
+}
+
+template <typename TA, typename TB, typename TO>
+__global__ void ew_vec8_kernel(ew_args p, int64_t nvec) {
+    const ms_layout &o = p.out;
+    const int nd = o.ndim;
+    for (int64_t v = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; v < nvec;
+         v += (int64_t)gridDim.x * blockDim.x) {
+        int64_t i = v * 8, oo = 0, oa = 0, ob = 0;
+        for (int d = nd - 1; d >= 0; d--) {
+            int64_t sz = o.sizes[d], q = i / sz, c = i - q * sz;
+            oo += c * o.strides[d];
+            oa += c * p.a.strides[d];
+            ob += c * p.b.strides[d];
+            i = q;
+        }
+        float a[8], r[8];
+        ld8(a, (const TA *)p.pa + oa, p.a.strides[nd - 1]);
+        switch (p.kind) {
+        case 0:
+#pragma unroll
+            for (int k = 0; k < 8; k++) r[k] = a[k];
+            break;
+        case 1:
+#pragma unroll
+            for (int k = 0; k < 8; k++) r[k] = unary_f<float>(p.op, a[k]);
+            break;
+        case 2: {
+            float b[8];
+            ld8(b, (const TB *)p.pb + ob, p.b.strides[nd - 1]);
+#pragma unroll
+            for (int k = 0; k < 8; k++) r[k] = binary_f<float>(p.op, a[k], b[k]);
+            break;
+        }
+        case 3: {
+            float s = (float)p.s0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) r[k] = p.reverse ? binary_f<float>(p.op, s, a[k]) : binary_f<float>(p.op, a[k], s);
+            break;
+        }
+        default: {
+            float lo = (float)p.s0, hi = (float)p.s1;
+#pragma unroll
+            for (int k = 0; k < 8; k++) r[k] = a[k] < lo ? lo : (a[k] > hi ? hi : a[k]);
+        }
+        }
+        st8((TO *)p.po + oo, r);
+    }
+}
+
+
 template <typename T>
 __global__ void unary_fast_kernel(T *out, const T *a, int64_t n, int op) {
     const int V = vec16<T>::V;
@@ -285,6 +369,59 @@ void collapse(ms_layout *ls[], int n) {
 
 bool wide(int dt) { return dt == MS_F64 || dt == MS_I64 || dt == MS_I32; }
 
+// can the vec8 kernel take these (collapsed) layouts? Float dtypes, kinds
+// copy/unary/binary/scalar/clamp, output inner stride 1 and inner size a
+// multiple of 8, every input's inner stride 1 or 0, and every 16-byte access
+// aligned (base pointer and each outer stride, in bytes, multiples of 16).
+bool vec8_layout_ok(const ms_layout &l, const void *ptr, int dt, bool out) {
+    int nd = l.ndim;
+    int64_t inner = l.strides[nd - 1];
+    if (inner == 0 && !out) return true;
+    if (inner != 1) return false;
+    int64_t es = ms_dtype_size(dt);
+    if (((uintptr_t)ptr & 15) != 0) return false;
+    for (int d = 0; d < nd - 1; d++)
+        if ((l.strides[d] * es) % 16 != 0) return false;
+    return true;
+}
+
+template <typename TA, typename TB>
+bool vec8_go_o(ew_args &p, int64_t nvec, cudaStream_t s) {
+    int g = ms_grid(nvec, 256);
+    switch (p.dto) {
+    case MS_F32: ew_vec8_kernel<TA, TB, float><<<g, 256, 0, s>>>(p, nvec); return true;
+    case MS_BF16: ew_vec8_kernel<TA, TB, __nv_bfloat16><<<g, 256, 0, s>>>(p, nvec); return true;
+    case MS_F16: ew_vec8_kernel<TA, TB, __half><<<g, 256, 0, s>>>(p, nvec); return true;
+    }
+    return false;
+}
+
+template <typename TA>
+bool vec8_go_b(ew_args &p, int64_t nvec, cudaStream_t s) {
+    if (p.kind != 2) return vec8_go_o<TA, TA>(p, nvec, s);
+    switch (p.dtb) {
+    case MS_F32: return vec8_go_o<TA, float>(p, nvec, s);
+    case MS_BF16: return vec8_go_o<TA, __nv_bfloat16>(p, nvec, s);
+    case MS_F16: return vec8_go_o<TA, __half>(p, nvec, s);
+    }
+    return false;
+}
+
+bool launch_vec8(ew_args &p, int nops, int64_t n, cudaStream_t s) {
+    if (p.kind > 4 || p.out.ndim < 1 || p.out.sizes[p.out.ndim - 1] % 8 != 0) return false;
+    if (!fast_float(p.dto) || !fast_float(p.dta) || (nops > 2 && !fast_float(p.dtb))) return false;
+    if (!vec8_layout_ok(p.out, p.po, p.dto, true) || !vec8_layout_ok(p.a, p.pa, p.dta, false)) return false;
+    if (nops > 2 && !vec8_layout_ok(p.b, p.pb, p.dtb, false)) return false;
+    if (nops <= 2) p.b = p.a;  // the kernel walks b's strides too; keep them valid
+    int64_t nvec = n / 8;
+    switch (p.dta) {
+    case MS_F32: return vec8_go_b<float>(p, nvec, s);
+    case MS_BF16: return vec8_go_b<__nv_bfloat16>(p, nvec, s);
+    case MS_F16: return vec8_go_b<__half>(p, nvec, s);
+    }
+    return false;
+}
+
 int launch_general(ew_args &p, const ms_tensor *out) {
     int64_t n = ms_tensor_numel(out);
     if (n == 0) return 0;
@@ -297,6 +434,10 @@ int launch_general(ew_args &p, const ms_tensor *out) {
     ms_layout *ls[4] = {&p.out, &p.a, &p.b, &p.c};
     int nops = p.kind == 2 ? 3 : (p.kind == 5 ? 4 : 2);
     collapse(ls, nops);
+    if (launch_vec8(p, nops, n, s)) {
+        LAUNCH_CHECK("ew_vec8_kernel");
+        return 0;
+    }
     bool dbl = wide(p.dto) || wide(p.dta) || (nops > 2 && wide(p.dtb)) || (nops > 3 && wide(p.dtc));
     if (dbl) ew_general_kernel<double><<<ms_grid(n, 256), 256, 0, s>>>(p, n);
     else ew_general_kernel<float><<<ms_grid(n, 256), 256, 0, s>>>(p, n);
