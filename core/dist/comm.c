@@ -210,7 +210,7 @@ static int make_group(ms_comm **out, ms_comm *parent, int color, int key, int n,
                       const char *name) {
     *out = NULL;
     void *impl = NULL;
-    if (parent->be->split(parent, color, key, &impl)) return -1;
+    if (parent->be->split(parent, color, key, n, &impl)) return -1;
     if (color < 0) return 0;
     ms_comm *c = comm_alloc(parent->be, n);
     if (!c) {

@@ -53,7 +53,7 @@ typedef struct ms_dist_backend {
      * store the rendezvous store (NULL for MPI without one) */
     int (*init_world)(ms_comm *c, const ms_dist_env *info, const ms_dist_options *o, ms_store_client *store);
     /* collective over parent: color < 0 means "not a member" (*impl stays NULL) */
-    int (*split)(ms_comm *parent, int color, int key, void **impl);
+    int (*split)(ms_comm *parent, int color, int key, int n, void **impl);  /* n: members of this rank's new group */
     /* start a collective: fill w->impl; in-place ops pass in == out */
     int (*start)(ms_work *w, ms_tensor *out, const ms_tensor *in, int root_group_rank);
     int (*wait)(ms_work *w, int stream_only);   /* stream_only: NCCL's "now" calls */

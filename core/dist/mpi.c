@@ -143,7 +143,8 @@ static int mpi_init_world(ms_comm *c, const ms_dist_env *e, const ms_dist_option
     return 0;
 }
 
-static int mpi_split(ms_comm *parent, int color, int key, void **impl) {
+static int mpi_split(ms_comm *parent, int color, int key, int n, void **impl) {
+    (void)n;
     mpi_comm *p = parent->impl;
     MPI_Comm nc = MPI_COMM_NULL;
     int rc = MPI_Comm_split(p->comm, color < 0 ? MPI_UNDEFINED : color, key, &nc);

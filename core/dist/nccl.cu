@@ -74,6 +74,7 @@ struct NcclComm {
     std::mutex mu;                       // enqueue and abort exclude each other
     std::deque<OpRec *> inflight;
     bool aborted = false;
+    int splits = 0;                      // new_group calls on this parent (the store key's count)
 };
 
 std::mutex g_mu;                          // g_comms and the watchdog's life
@@ -333,46 +334,63 @@ static int nccl_init_world(ms_comm *c, const ms_dist_env *e, const ms_dist_optio
     return 0;
 }
 
-static int nccl_split(ms_comm *parent, int color, int key, void **impl) {
+// A new group is a communicator of its own, made like the world's: its
+// first member (key 0) draws a unique id and publishes it through the
+// rendezvous store under a key naming the parent (its member list), the
+// parent's split count and the colour; the others read it and every member
+// joins with ncclCommInitRankConfig (non-blocking, settled within the
+// parent's time-out). This is what torch.distributed does by default;
+// ncclCommSplit was tried first and, on NCCL 2.28 with two H200s, handed back
+// a NULL communicator on one rank.
+static int nccl_split(ms_comm *parent, int color, int key, int n, void **impl) {
     *impl = nullptr;
-#if NCCL_VERSION_CODE >= 21800
     NcclComm *p = (NcclComm *)parent->impl;
-    if (ms_cuda_activate(p->device)) return -1;
-    ncclComm_t comm = nullptr;
-    ncclResult_t r;
-    {
-        std::lock_guard<std::mutex> cl(p->mu);
-        if (p->aborted) return ms_errorf("new_group: the parent group is broken: %s", parent->broken_msg);
-        // a blocking split: in non-blocking mode NCCL 2.28 handed back a NULL
-        // communicator on some ranks while the split was in progress (seen on
-        // 2 H200s); the group's own operations stay non-blocking
-        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-        cfg.blocking = 1;
-        // a non-blocking communicator takes no new call before its last one
-        // has settled (NCCL: poll ncclCommGetAsyncError until ncclSuccess)
-        r = settle(p->comm, ncclInProgress, ms_dist_now() + parent->timeout_s);
-        if (r != ncclSuccess)
-            return nccl_error(r == ncclInProgress ? ncclInternalError : r, "new_group: the parent group is busy",
-                              p->comm, __LINE__);
-        r = ncclCommSplit(p->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &comm, &cfg);
-        if (r != ncclSuccess && r != ncclInProgress) return nccl_error(r, "ncclCommSplit", p->comm, __LINE__);
-        r = settle(p->comm, r, ms_dist_now() + parent->timeout_s);
-        if (r != ncclSuccess) return nccl_error(r == ncclInProgress ? ncclInternalError : r, "ncclCommSplit (timed out?)",
-                                                p->comm, __LINE__);
-    }
+    int seq = p->splits++;   // every member of the parent calls split, in the same order
     if (color < 0) return 0;
+    if (ms_cuda_activate(p->device)) return -1;
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (n > 1) {
+        ms_store_client *st = ms_dist_store();
+        if (!st) return ms_errorf("new_group: no rendezvous store to publish the group's NCCL id (dist.init without one?)");
+        uint64_t h = 1469598103934665603ull;   // FNV-1a of the parent's members
+        for (int i = 0; i < parent->size; i++) {
+            h ^= (uint64_t)(uint32_t)parent->world_ranks[i];
+            h *= 1099511628211ull;
+        }
+        char k[128];
+        snprintf(k, sizeof k, "ms/nccl/split/%016llx/%d/%d", (unsigned long long)h, seq, color);
+        if (key == 0) {
+            ncclResult_t r = ncclGetUniqueId(&id);
+            if (r != ncclSuccess) return nccl_error(r, "new_group (ncclGetUniqueId)", nullptr, __LINE__);
+            if (ms_store_set(st, k, &id, sizeof id)) return -1;
+        } else {
+            int64_t got = 0;
+            if (ms_store_get(st, k, &id, sizeof id, &got, parent->timeout_s)) return -1;
+            if (got != (int64_t)sizeof id)
+                return ms_errorf("new_group: the NCCL id under %s has %lld bytes", k, (long long)got);
+        }
+    } else {
+        ncclResult_t r = ncclGetUniqueId(&id);
+        if (r != ncclSuccess) return nccl_error(r, "new_group (ncclGetUniqueId)", nullptr, __LINE__);
+    }
     NcclComm *nc = new NcclComm;
     nc->device = p->device;
     nc->world_rank = p->world_rank;
-    if (finish_comm(parent, nc, comm, ncclInProgress, ms_dist_now() + parent->timeout_s, "new_group (ncclCommSplit)")) {
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclComm_t comm = nullptr;
+    ncclResult_t r = ncclCommInitRankConfig(&comm, n, id, key, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        delete nc;
+        return nccl_error(r, "new_group (ncclCommInitRankConfig)", comm, __LINE__);
+    }
+    if (finish_comm(parent, nc, comm, r, ms_dist_now() + parent->timeout_s, "new_group (ncclCommInitRankConfig)")) {
         delete nc;
         return -1;
     }
     *impl = nc;
     return 0;
-#else
-    return ms_errorf("new_group: needs NCCL 2.18 or later (ncclCommSplit); this build has %d", NCCL_VERSION_CODE);
-#endif
 }
 
 static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root) {
