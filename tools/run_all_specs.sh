@@ -39,5 +39,6 @@ part() {
 }
 part specs bash tools/run_specs.sh "$@"
 if [ "${MS_MPI_SPECS:-1}" != 0 ]; then part "mpi specs" bash tools/run_mpi_specs.sh; fi
+if [ "${MS_MPI_SPECS:-1}" != 0 ]; then part "fsdp checkpoint specs" bash tools/run_fsdp_ckpt_specs.sh; fi
 echo "$total_ok passed, $total_fail failed"
 if [ "$status" -ne 0 ] || [ "$total_fail" -gt 0 ]; then exit 1; fi

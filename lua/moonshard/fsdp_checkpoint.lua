@@ -442,7 +442,7 @@ function M.save_sharded(model, dir, opts)
   if #failed > 0 then
     if rank == 0 then sh('rm -rf ' .. q(tmp)) end
     if not ok then error(err, 0) end
-    fail('save_sharded %s: rank(s) %s could not write their files; %s is unchanged', dir,
+    fail('save_sharded %s: rank(s) %s could not write their files (see their errors); %s is unchanged', dir,
       table.concat(failed, ', '), dir)
   end
 
