@@ -87,6 +87,10 @@ describe('fsdp checkpoints at one world size #mpi', function()
     { 'root', 'FULL_SHARD with one unit (another policy)', 1e-6 },
     { 'plain', 'a plain model and optimizer (no FSDP)', 1e-6 },
   }
+  if H.more_strategies then
+    cases[#cases + 1] = { 'grad_op', 'SHARD_GRAD_OP by Block', 1e-6 }
+    cases[#cases + 1] = { 'hybrid', 'HYBRID_SHARD by Block', 1e-6 }
+  end
   for _, c in ipairs(cases) do
     it(('a sharded save after 2 steps loads into %s: identical parameters, moments and logits; the next step matches'):format(c[2]),
       function()
@@ -102,6 +106,22 @@ describe('fsdp checkpoints at one world size #mpi', function()
         continues(model, opt, c[1], c[3])
       end)
   end
+
+  it('a bf16 mixed-precision model loads the f32 masters and its all-gathered bf16 copy is refreshed', function()
+    if not H.more_strategies then pending('fsdp without mixed precision'); return end
+    local model, opt = H.build('bf16')
+    ck.load_sharded(model, D .. '/a', { optimizer = opt })
+    same_state(model, opt, 'bf16')
+    for _, u in ipairs(ms.fsdp.units(model)) do
+      if u.lp then assert.are.equal(0, H.max_abs(u.lp, u.fp.shard:to('bf16')), 'the bf16 copy of ' .. u.name) end
+    end
+    local other = H.build('bf16')
+    ck.load_full(other, D .. '/full.safetensors')
+    local a, b = H.logits(model), H.logits(other)
+    assert.are.equal(0, H.max_abs(a, b))
+    local d = H.max_rel(a, reference().logits)
+    assert.is_true(d < 2e-2, ('bf16 logits differ from the f32 ones by %.3g'):format(d))
+  end)
 
   it('every rank writes its own file; the index lists the parameters, files and pieces by name and element range', function()
     reference()

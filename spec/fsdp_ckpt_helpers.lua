@@ -39,13 +39,21 @@ end
 -- kind: 'full' (FULL_SHARD, units by gpt2.Block), 'noshard' (NO_SHARD, by
 -- Block), 'root' (FULL_SHARD, one unit: the root), 'plain' (no FSDP, the
 -- ordinary AdamW with its decay / no-decay groups). -> model, optimizer
+-- With the later fsdp (H.more_strategies): 'grad_op' (SHARD_GRAD_OP),
+-- 'hybrid' (HYBRID_SHARD, shards of 2 ranks where the world size is even,
+-- else of 1), 'bf16' (FULL_SHARD, mixed_precision param = bf16).
+H.more_strategies = ms.fsdp.after_step ~= nil
 function H.build(kind, overrides)
   local model = H.load_model(overrides)
   local fsdp = ms.fsdp
   if kind == 'plain' then return model, ms.optim.AdamW(model, H.OPTS) end
-  local policy = fsdp.policy.by_class { H.gpt2().Block }
-  if kind == 'root' then policy = function() return false end end
-  fsdp.fully_shard(model, { policy = policy, strategy = kind == 'noshard' and 'NO_SHARD' or 'FULL_SHARD' })
+  local o = { policy = fsdp.policy.by_class { H.gpt2().Block }, strategy = 'FULL_SHARD' }
+  if kind == 'root' then o.policy = function() return false end end
+  if kind == 'noshard' then o.strategy = 'NO_SHARD' end
+  if kind == 'grad_op' then o.strategy = 'SHARD_GRAD_OP' end
+  if kind == 'hybrid' then o.strategy, o.shard_size = 'HYBRID_SHARD', dist.world_size() % 2 == 0 and 2 or 1 end
+  if kind == 'bf16' then o.mixed_precision = { param = 'bf16' } end
+  fsdp.fully_shard(model, o)
   return model, fsdp.AdamW(model, H.OPTS)
 end
 
@@ -58,7 +66,9 @@ function H.train(model, opt, n)
     losses[s] = loss:item()
     loss:backward()
     opt:step()
-    if not rawget(model, '_fsdp') then opt:zero_grad() end   -- fsdp: each backward overwrites shard.grad
+    -- gradients accumulate over backwards until dropped (fsdp too, since
+    -- it has fsdp.zero_grad; before, each backward overwrote shard.grad)
+    if not rawget(model, '_fsdp') or ms.fsdp.zero_grad then opt:zero_grad() end
   end
   return losses
 end

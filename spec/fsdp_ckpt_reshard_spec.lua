@@ -92,8 +92,13 @@ describe('fsdp checkpoints across world sizes #mpi', function()
     end
   end
 
-  for _, c in ipairs({ { 'full', 'FULL_SHARD by Block' }, { 'noshard', 'NO_SHARD by Block' }, { 'root', 'FULL_SHARD, one unit' },
-                       { 'plain', 'a plain model and optimizer (no FSDP)' } }) do
+  local cases = { { 'full', 'FULL_SHARD by Block' }, { 'noshard', 'NO_SHARD by Block' }, { 'root', 'FULL_SHARD, one unit' },
+                  { 'plain', 'a plain model and optimizer (no FSDP)' } }
+  if H.more_strategies then
+    cases[#cases + 1] = { 'grad_op', 'SHARD_GRAD_OP by Block' }
+    cases[#cases + 1] = { 'hybrid', 'HYBRID_SHARD by Block' }
+  end
+  for _, c in ipairs(cases) do
     it(('the sharded checkpoint of 4 ranks loads into %s here: identical parameters, moments, logits; the next step matches'):format(c[2]),
       function()
         local model, opt = H.build(c[1])

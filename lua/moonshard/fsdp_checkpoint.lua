@@ -249,21 +249,63 @@ local function unit_names(u, by_id)
   return names
 end
 
--- the optimizer's state of one tensor (a master shard, or a parameter of a
--- plain model) and whether the optimizer steps it at all
-local held = setmetatable({}, { __mode = 'k' })
-local function opt_holds(opt, t)
-  local set = held[opt]
-  if not set then
-    set = {}
-    for _, g in ipairs(opt.param_groups or {}) do
-      for _, p in ipairs(g.params) do set[tonumber(p.id)] = true end
+-- What the optimizer steps, per "holder" (a unit's master shard, or a
+-- parameter of a plain model): a list of ranges { off =, n =, t = } of the
+-- holder's elements, t the tensor the optimizer steps (the holder itself,
+-- or a view of it: fsdp.AdamW steps a decay and a no-decay range of each
+-- shard), sorted by off. Found by storage: any optimizer parameter that is
+-- a contiguous view of a holder's storage is a range of it.
+local function opt_ranges(opt, ctx)
+  local by_storage = {}
+  local holders = {}
+  for _, r in ipairs(ctx.regions) do
+    local h = r.holder
+    local id = tonumber(h.id)
+    if not holders[id] then
+      holders[id] = { h = h, ranges = {} }
+      local key = tostring(ffi.cast('void *', h.storage))
+      by_storage[key] = by_storage[key] or {}
+      table.insert(by_storage[key], holders[id])
     end
-    held[opt] = set
   end
-  return set[tonumber(t.id)] == true
+  for _, g in ipairs(opt.param_groups or {}) do
+    for _, p in ipairs(g.params) do
+      for _, e in ipairs(by_storage[tostring(ffi.cast('void *', p.storage))] or {}) do
+        local off = tonumber(p.offset) - tonumber(e.h.offset)
+        local n = p:numel()
+        if off >= 0 and off + n <= e.h:numel() and p:is_contiguous() then
+          table.insert(e.ranges, { off = off, n = n, t = p })
+        end
+      end
+    end
+  end
+  for _, e in pairs(holders) do table.sort(e.ranges, function(a, b) return a.off < b.off end) end
+  return holders
 end
-local function opt_state(opt, t) return opt.state and opt.state[tonumber(t.id)] end
+
+-- the parts of a region [r.hoff, r.hoff + r.numel) of its holder that the
+-- optimizer steps: list of { range =, a =, b = } (a, b: 0-based, in the
+-- region); an error names the parameter when some part is not stepped
+local function region_ranges(map, r)
+  local e = map[tonumber(r.holder.id)]
+  local out, at = {}, r.hoff
+  for _, rg in ipairs(e and e.ranges or {}) do
+    local a, b = math.max(at, rg.off), math.min(r.hoff + r.numel, rg.off + rg.n)
+    if b > a then
+      if a > at then break end
+      out[#out + 1] = { range = rg, a = a - r.hoff, b = b - r.hoff }
+      at = b
+    end
+  end
+  if at < r.hoff + r.numel then
+    fail('the optimizer does not step parameter %s (elements [%d, %d)); for a sharded model use ms.fsdp.AdamW(model)',
+      r.name, r.start + at - r.hoff, r.start + r.numel)
+  end
+  return out
+end
+
+-- a 1-d view of elements [a, b) of a state tensor
+local function flat_range(t, a, b) return t:view({ t:numel() }):narrow(1, a + 1, b - a) end
 
 -- This rank's part of the model, as "regions": each a range of elements of
 -- one named parameter and where it lives here:
@@ -302,9 +344,13 @@ function regions_(model)
     local fp = u.fp
     local names = unit_names(u, by_id)
     u._ckpt_names = names
-    -- replicas (NO_SHARD, or the replica groups of a hybrid layout) hold
-    -- the same shard: the first one writes it
-    local write = fp.world_size >= ctx.world_size or ctx.rank < fp.world_size
+    -- replicas (NO_SHARD, or the replica groups of HYBRID_SHARD) hold the
+    -- same shard: the first one writes it (rank 0 of the replicate group
+    -- where fsdp names one, else the lowest ranks)
+    local write
+    local rg = st.replicate_group
+    if type(rg) == 'table' and rg.is_member and rg:is_member() and rg:size() > 1 then write = rg:rank() == 0
+    else write = fp.world_size >= ctx.world_size or ctx.rank < fp.world_size end
     for i = 1, fp.nparams do
       local sl = fp.layout:slice(fp.rank, i)
       if sl.numel > 0 then
@@ -356,7 +402,6 @@ function M.save_sharded(model, dir, opts)
   local ctx = regions(model)
   if ctx.skip_write then return dir end
   local opt = opts.optimizer
-  if opt then held[opt] = nil end
   local rank, W = ctx.rank, ctx.world_size
   local tmp = dir .. '.tmp'
   local inject = M._inject_failure   -- specs: { stage =, rank = }
@@ -379,8 +424,9 @@ function M.save_sharded(model, dir, opts)
 
   -- 2. every rank writes its pieces
   local path = tmp .. '/' .. rank_file(rank, W)
-  local steps = {}
+  local owned = {}
   ok, err = pcall(function()
+    local omap = opt and opt_ranges(opt, ctx)
     local tensors, pieces = {}, {}
     for _, r in ipairs(ctx.regions) do
       if r.write then
@@ -388,18 +434,34 @@ function M.save_sharded(model, dir, opts)
         local pc = { param = r.name, start = r.start, numel = r.numel, tensor = 'param:' .. key }
         tensors[pc.tensor] = r.dest
         if opt then
-          if not opt_holds(opt, r.holder) then
-            fail('save_sharded: the optimizer does not step %s (for a sharded model use ms.fsdp.AdamW(model))', r.name)
+          -- the moments of the region: a view when one optimizer range
+          -- holds it (the usual case), else a copy joined from several
+          local parts = region_ranges(omap, r)
+          local step, have = 0, true
+          for _, pt in ipairs(parts) do
+            local st = opt.state and opt.state[tonumber(pt.range.t.id)]
+            if st and st.exp_avg and st.exp_avg_sq then step = math.max(step, st.step or 0) else have = false end
           end
-          local s = opt_state(opt, r.holder)
-          if s and s.exp_avg and s.exp_avg_sq then
-            pc.exp_avg, pc.exp_avg_sq, pc.step = 'exp_avg:' .. key, 'exp_avg_sq:' .. key, s.step or 0
-            tensors[pc.exp_avg] = s.exp_avg:view({ s.exp_avg:numel() }):narrow(1, r.hoff + 1, r.numel)
-            tensors[pc.exp_avg_sq] = s.exp_avg_sq:view({ s.exp_avg_sq:numel() }):narrow(1, r.hoff + 1, r.numel)
-          else
-            pc.step = 0     -- never stepped: no moments yet
+          pc.step = have and step or 0
+          if have and step > 0 then
+            pc.exp_avg, pc.exp_avg_sq = 'exp_avg:' .. key, 'exp_avg_sq:' .. key
+            for _, f in ipairs({ 'exp_avg', 'exp_avg_sq' }) do
+              local t
+              if #parts == 1 then
+                local pt = parts[1]
+                local o = r.hoff + pt.a - pt.range.off
+                t = flat_range(opt.state[tonumber(pt.range.t.id)][f], o, o + r.numel)
+              else
+                t = T.zeros({ r.numel }, { dtype = 'f32' })
+                owned[#owned + 1] = t
+                for _, pt in ipairs(parts) do
+                  local o = r.hoff + pt.a - pt.range.off
+                  t:narrow(1, pt.a + 1, pt.b - pt.a):copy_(flat_range(opt.state[tonumber(pt.range.t.id)][f], o, o + pt.b - pt.a))
+                end
+              end
+              tensors[pc[f]] = t
+            end
           end
-          steps[#steps + 1] = pc.step
         end
         pieces[#pieces + 1] = pc
       end
@@ -418,6 +480,7 @@ function M.save_sharded(model, dir, opts)
     S.save(path, tensors, { ['moonshard.fsdp'] = json.encode(desc) })
     injected('after_rank_file')
   end)
+  for _, t in ipairs(owned) do t:free() end
   if not ok then os.remove(path) end
   -- what every rank wrote: ok, bytes, crc32 (the all-gather is also the
   -- barrier after which rank 0 may write the index)
@@ -548,28 +611,55 @@ local function fill(dest, name, start, numel, pieces, open, field, where)
   end
 end
 
--- the moments of a tensor the optimizer steps (a master shard or a
--- parameter), created zero when it has never stepped
-local function ensure_state(opt, holder, name)
-  if not opt_holds(opt, holder) then
-    fail('the optimizer does not step %s (for a sharded model use ms.fsdp.AdamW(model))', name)
-  end
-  local id = tonumber(holder.id)
+-- the moments of one optimizer range (created zero when it never stepped)
+local function range_state(opt, rg)
+  local id = tonumber(rg.t.id)
   local s = opt.state[id]
-  local dt = holder.dtype == 'f64' and 'f64' or 'f32'
-  if not s or not s.exp_avg then
+  if not s or not s.exp_avg or not s.exp_avg_sq then
+    local dt = rg.t.dtype == 'f64' and 'f64' or 'f32'
     s = s or {}
     s.step = s.step or 0
-    s.exp_avg = T.zeros(holder.shape, { dtype = dt })
-    s.exp_avg_sq = T.zeros(holder.shape, { dtype = dt })
+    s.exp_avg = T.zeros(rg.t.shape, { dtype = dt, device = rg.t.device_id })
+    s.exp_avg_sq = T.zeros(rg.t.shape, { dtype = dt, device = rg.t.device_id })
     opt.state[id] = s
   end
   return s
 end
 
--- after the shards changed: every unit all-gathers again
+-- the moments of a whole holder (fresh tensors shaped like it, zero where
+-- the optimizer has no state) and the largest step; nil when none at all
+local function holder_state(opt, map, h)
+  local e = map[tonumber(h.id)]
+  local ea, eq, step, any
+  for _, rg in ipairs(e and e.ranges or {}) do
+    local s = opt.state and opt.state[tonumber(rg.t.id)]
+    if s and s.exp_avg and s.exp_avg_sq then
+      if not any then
+        any = true
+        ea = T.zeros({ h:numel() }, { dtype = s.exp_avg.dtype })
+        eq = T.zeros({ h:numel() }, { dtype = s.exp_avg_sq.dtype })
+        step = 0
+      end
+      ea:narrow(1, rg.off + 1, rg.n):copy_(flat_range(s.exp_avg, 0, rg.n))
+      eq:narrow(1, rg.off + 1, rg.n):copy_(flat_range(s.exp_avg_sq, 0, rg.n))
+      step = math.max(step, s.step or 0)
+    end
+  end
+  if not any then return nil end
+  return ea, eq, step
+end
+
+-- after the shards changed, as after an optimizer step: the low-precision
+-- copies are refreshed and every unsharded copy is stale (the next forward
+-- all-gathers the loaded values)
 local function refresh(model, ctx)
-  if ctx.sharded then fsdp().unshard(model) end
+  if not ctx.sharded then return end
+  local f = fsdp()
+  if f.after_step then f.after_step(model)
+  else
+    for _, u in ipairs(ctx.units) do if u.reshard then u:reshard() end end
+    f.unshard(model)
+  end
 end
 
 local function apply_hyper(opt, saved)
@@ -587,7 +677,6 @@ function M.load_sharded(model, dir, opts)
   dir = dir:gsub('/+$', '')
   local ctx = regions(model)
   local opt = opts.optimizer
-  if opt then held[opt] = nil end
   local ok, res = pcall(function()
     local index = M.read_index(dir)
     check_params(ctx, index.params or {}, dir, opts.strict ~= false)
@@ -624,27 +713,31 @@ function M.load_sharded(model, dir, opts)
         end
       end
       if opt then
+        local omap = opt_ranges(opt, ctx)
         local seen = {}
         for _, r in ipairs(ctx.regions) do
-          local s = ensure_state(opt, r.holder, r.name)
-          local id = tonumber(r.holder.id)
-          if not seen[id] then
-            seen[id] = true
-            F.fill_(s.exp_avg, 0); F.fill_(s.exp_avg_sq, 0)
-            s.step = 0
-          end
-          local ea = s.exp_avg:view({ s.exp_avg:numel() }):narrow(1, r.hoff + 1, r.numel)
-          local eq = s.exp_avg_sq:view({ s.exp_avg_sq:numel() }):narrow(1, r.hoff + 1, r.numel)
           local pcs = index.pieces[r.name]
-          local step = 0
-          for _, pc in ipairs(pcs or {}) do
-            if pc.start < r.start + r.numel and pc.start + pc.numel > r.start then step = math.max(step, pc.step or 0) end
+          for _, pt in ipairs(region_ranges(omap, r)) do
+            local s = range_state(opt, pt.range)
+            local id = tonumber(pt.range.t.id)
+            if not seen[id] then
+              seen[id] = true
+              F.fill_(s.exp_avg, 0); F.fill_(s.exp_avg_sq, 0)
+              s.step = 0
+            end
+            -- parameter elements [p0, p1) <-> range elements [o, o + p1 - p0)
+            local p0, p1 = r.start + pt.a, r.start + pt.b
+            local o = r.hoff + pt.a - pt.range.off
+            local step = 0
+            for _, pc in ipairs(pcs or {}) do
+              if pc.start < p1 and pc.start + pc.numel > p0 then step = math.max(step, pc.step or 0) end
+            end
+            if step > 0 then
+              fill(flat_range(s.exp_avg, o, o + p1 - p0), r.name, p0, p1 - p0, pcs, open, 'exp_avg', dir)
+              fill(flat_range(s.exp_avg_sq, o, o + p1 - p0), r.name, p0, p1 - p0, pcs, open, 'exp_avg_sq', dir)
+            end
+            s.step = math.max(s.step, step)
           end
-          if step > 0 then
-            fill(ea, r.name, r.start, r.numel, pcs, open, 'exp_avg', dir)
-            fill(eq, r.name, r.start, r.numel, pcs, open, 'exp_avg_sq', dir)
-          end
-          s.step = math.max(s.step, step)
         end
         apply_hyper(opt, index.optimizer)
       end
@@ -677,14 +770,13 @@ function M.gather(model, opts)
   local out, state = {}, opt and {} or nil
   local full = {}
   no_grad(function()
+    local omap = opt and opt_ranges(opt, ctx)
     if not ctx.sharded then
       for _, e in ipairs(ctx.params) do
         full[e.name] = e.t:clone()
         if opt then
-          local s = opt_state(opt, e.t)
-          if s and s.exp_avg then
-            state[e.name] = { exp_avg = s.exp_avg:clone(), exp_avg_sq = s.exp_avg_sq:clone(), step = s.step }
-          end
+          local ea, eq, step = holder_state(opt, omap, e.t)
+          if ea then state[e.name] = { exp_avg = ea:view(e.shape), exp_avg_sq = eq:view(e.shape), step = step } end
         end
       end
     else
@@ -692,13 +784,31 @@ function M.gather(model, opts)
         local fp = u.fp
         local names = u._ckpt_names
         local flat = gather_flat(fp, fp.shard)
-        local s = opt and opt_state(opt, fp.shard)
-        local fa, fq
-        if s and s.exp_avg then fa, fq = gather_flat(fp, s.exp_avg), gather_flat(fp, s.exp_avg_sq) end
+        local fa, fq, step
+        if opt then
+          -- collective: every rank gathers, also one whose shard never stepped
+          local ea, eq
+          ea, eq, step = holder_state(opt, omap, fp.shard)
+          local has = T.tensor({ ea and 1 or 0 }, { dtype = 'f32' })
+          local st = T.tensor({ step or 0 }, { dtype = 'f64' })
+          if fp.world_size > 1 then
+            dist.all_reduce(has, 'max', { group = fp.group })
+            dist.all_reduce(st, 'max', { group = fp.group })
+          end
+          if has:item() == 1 then
+            ea = ea or T.zeros({ fp.shard:numel() }, { dtype = 'f32' })
+            eq = eq or T.zeros({ fp.shard:numel() }, { dtype = 'f32' })
+            fa, fq, step = gather_flat(fp, ea), gather_flat(fp, eq), st:item()
+          end
+          if ea then ea:free(); eq:free() end
+          has:free(); st:free()
+        end
         for i = 1, fp.nparams do
-          local function piece(f) return f:narrow(1, fp.layout.offsets[i] + 1, fp.layout.numels[i]):clone():view(fp.shapes[i]) end
+          local function piece(f)
+            return f:narrow(1, fp.layout.offsets[i] + 1, fp.layout.numels[i]):clone():view(ctx.param[names[i]].shape)
+          end
           full[names[i]] = piece(flat)
-          if fa then state[names[i]] = { exp_avg = piece(fa), exp_avg_sq = piece(fq), step = s.step } end
+          if fa then state[names[i]] = { exp_avg = piece(fa), exp_avg_sq = piece(fq), step = step } end
         end
         flat:free()
         if fa then fa:free(); fq:free() end
