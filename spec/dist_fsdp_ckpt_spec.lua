@@ -225,6 +225,39 @@ describe('fsdp checkpoints at one world size #mpi', function()
     assert.is_nil(io.open(d2 .. '.tmp/index.json'))
   end)
 
+  it('llama-tiny: a sharded save loads back into NO_SHARD, and the full save has the names of the fixture (untied lm_head)', function()
+    local llama = require 'models.llama'
+    local dir = H.fixture:gsub('gpt2%-tiny$', 'llama-tiny')
+    local function build(strategy)
+      local m = llama.from_pretrained(dir, { dtype = 'f32' })
+      ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class { llama.Layer }, strategy = strategy })
+      return m, ms.fsdp.AdamW(m, H.OPTS)
+    end
+    local ex = ms.load_safetensors(dir .. '/expected.safetensors')
+    local m, opt = build('FULL_SHARD')
+    for _ = 1, 2 do
+      local loss = m(ex.input_ids, ex.targets); loss:backward(); opt:step(); opt:zero_grad()
+    end
+    ck.save_sharded(m, D .. '/llama', { optimizer = opt })
+    ck.save_full(m, D .. '/llama.safetensors')
+    local want = S.header(dir .. '/model.safetensors')
+    local have = S.header(D .. '/llama.safetensors')
+    for name, e in pairs(want) do
+      assert.is_not_nil(have[name], 'missing ' .. name)
+      assert.are.same(e.shape, have[name].shape)
+    end
+    for name in pairs(have) do assert.is_not_nil(want[name], 'unexpected ' .. name) end
+    assert.is_not_nil(have['lm_head.weight'])
+    local m2, opt2 = build('NO_SHARD')
+    ck.load_sharded(m2, D .. '/llama', { optimizer = opt2 })
+    local a, b = ck.gather(m, { optimizer = opt }), nil
+    b = ck.gather(m2)
+    for i, e in ipairs(a) do assert.are.equal(0, H.max_abs(e.tensor, b[i].tensor), e.name) end
+    local la, lb
+    ms.no_grad(function() la = m(ex.input_ids):clone(); lb = m2(ex.input_ids):clone() end)
+    assert.are.equal(0, H.max_abs(la, lb))
+  end)
+
   describe('errors name the file and the parameter', function()
     local function copy(name)
       local d = D .. '/' .. name
@@ -272,6 +305,26 @@ describe('fsdp checkpoints at one world size #mpi', function()
       err = H.error_of(function() ck.load_full(model, full) end)
       assert.matches(full, err, 1, true)
       assert.matches('truncated', err, 1, true)
+    end)
+
+    it('a corrupt rank file of the right size fails verify = true', function()
+      reference()
+      local d = copy('corrupt')
+      local path = d .. '/' .. ck.rank_file(0, dist.world_size())
+      H.on_rank0(function()
+        local f = assert(io.open(path, 'r+b'))
+        local n = f:seek('end')
+        f:seek('set', n - 4)
+        f:write('\255\255\127\127')
+        f:close()
+      end)
+      local model = H.build('full')
+      local err = H.error_of(function() ck.load_sharded(model, d, { verify = true }) end)
+      -- rank 0 checks every file; the others the files they read
+      if dist.rank() == 0 or not err:find('another rank', 1, true) then
+        assert.matches(path .. ': checksum mismatch', err, 1, true)
+      end
+      ck.load_sharded(model, D .. '/a', { verify = true })
     end)
 
     it('a parameter of another shape, a missing parameter, one the model lacks', function()

@@ -669,8 +669,10 @@ local function apply_hyper(opt, saved)
   end
 end
 
--- load_sharded(model, dir, { optimizer =, strict = true }) -> { step =,
--- extra =, world_size =, strategy = } (the index's). Collective.
+-- load_sharded(model, dir, { optimizer =, strict = true, verify = false })
+-- -> { step =, extra =, world_size =, strategy = } (the index's).
+-- Collective. strict: a parameter of the checkpoint that the model lacks is
+-- an error; verify: compare the CRC-32 of the files read with the index's.
 function M.load_sharded(model, dir, opts)
   opts = opts or {}
   if type(dir) ~= 'string' then fail('load_sharded: dir must be a folder path, got %s', tostring(dir)) end
@@ -691,6 +693,23 @@ function M.load_sharded(model, dir, opts)
         fail('%s has %d bytes, the index says %d (truncated?)', path, n, f.bytes)
       end
       files[r] = path
+    end
+    -- verify: the CRC-32 of the files this rank reads (rank 0: all of them)
+    if opts.verify then
+      local need = {}
+      if ctx.rank == 0 then for r = 0, index.world_size - 1 do need[r] = true end end
+      for _, r in ipairs(ctx.regions) do
+        for _, pc in ipairs(index.pieces[r.name] or {}) do
+          if pc.start < r.start + r.numel and pc.start + pc.numel > r.start then need[pc.rank] = true end
+        end
+      end
+      for rk in pairs(need) do
+        local f = index.files[rk + 1]
+        local crc = crc32_file(files[rk])
+        if f and f.crc32 and crc ~= f.crc32 then
+          fail('%s: checksum mismatch (crc32 %08x, the index says %08x)', files[rk], crc, f.crc32)
+        end
+      end
     end
     if opt and not index.optimizer then fail('%s holds no optimizer state (saved without one)', dir) end
     local cache = {}
