@@ -43,6 +43,7 @@
 #ifdef MS_WITH_CUDA
 #include "../kernels/flce.h"
 #include "../kernels/kernels.h"
+#include "cuda.h"
 /* kernels/gemm.cu defines this once ms_cuda_gemm takes an f32 output with
  * bf16/f16 operands (f32 accumulation of grad_W across chunks); until then
  * the weak reference is NULL and flce falls back to f32 operand copies */
@@ -71,13 +72,39 @@ int64_t ms_flce_chunk_rows(const ms_flce_opts *o, int64_t bt, int64_t h, int64_t
     if (o && o->chunk_size > 0) return o->chunk_size < bt ? o->chunk_size : bt;
     int64_t es = ms_dtype_size(logits_dtype(dtype, device));
     int64_t budget = (o && o->memory_budget > 0) ? o->memory_budget : bt * (h > 0 ? h : 1) * es;
-    if (device >= 0 && !(o && o->memory_budget > 0) && budget < ((int64_t)256 << 20)) budget = (int64_t)256 << 20;
+    /* on the GPU at least 480 MiB of logits: fewer chunks mean fewer passes
+     * over the f32 grad_W accumulator (2·V·H·4 bytes each), and the issue's
+     * bound is the gradients plus 512 MiB */
+    if (device >= 0 && !(o && o->memory_budget > 0) && budget < ((int64_t)480 << 20)) budget = (int64_t)480 << 20;
     int64_t rows = budget / ((v > 0 ? v : 1) * es);
     if (rows < 1) rows = 1;
     if (rows >= bt) return bt;
     if (device >= 0 && rows > 128) rows -= rows % 128;
     return rows;
 }
+
+/* ================================================================ side stream
+ * On the GPU the grad_W GEMM of a chunk (and its bias column sum) runs on a
+ * side stream while grad_x's GEMM runs on the current one: both only read the
+ * chunk's dlogits, and the f32 accumulator's read-modify-write of the one
+ * overlaps the other's math. The next chunk's logits GEMM, which overwrites
+ * the buffer, waits for the side stream's event. */
+#ifdef MS_WITH_CUDA
+typedef struct flce_side {
+    ms_cuda_stream *stream;
+    ms_cuda_event *rows_done, *gw_done;
+} flce_side;
+static flce_side g_side[64];
+
+static flce_side *side_of(int device) {
+    if (device < 0 || device >= 64 || getenv("MS_FLCE_ONE_STREAM")) return NULL;
+    flce_side *s = &g_side[device];
+    if (!s->stream && ms_cuda_stream_new(&s->stream, device, 0)) return NULL;
+    if (!s->rows_done && ms_cuda_event_new(&s->rows_done, device, 0)) return NULL;
+    if (!s->gw_done && ms_cuda_event_new(&s->gw_done, device, 0)) return NULL;
+    return s;
+}
+#endif
 
 /* ================================================================ job */
 
@@ -788,18 +815,43 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
         if (!rc) rc = ms_tensor_narrow(&xc, j.x, 0, r0, n);
         if (!rc) rc = dev_gemm(lg, xc, j.w, 0, 1, 0.0);                 /* logits (n, V) = x_c Wᵀ */
         if (!rc) rc = j.comm ? vp_rows(&j, lg, r0, n) : dev_rows(&j, lg, r0, n); /* -> dlogits, rows */
+#ifdef MS_WITH_CUDA
+        ms_cuda_stream *prev = NULL;
+        flce_side *sd = (!rc && device >= 0 && !j.comm && gx && (gw_acc || gb_acc)) ? side_of(device) : NULL;
+        if (sd) { /* grad_W (and grad_bias) on the side stream, after the row pass */
+            prev = ms_cuda_current_stream(device);
+            rc = ms_cuda_event_record(sd->rows_done, prev);
+            if (!rc) rc = ms_cuda_stream_wait_event(sd->stream, sd->rows_done);
+            if (!rc) rc = ms_cuda_set_current_stream(sd->stream);
+            if (!rc) {
+                if (gw_acc) rc = dev_gemm(gw_acc, lg, xc, 1, 0, r0 == 0 ? 0.0 : 1.0);
+                if (!rc && gb_acc) rc = ms_cuda_flce_colsum(gb_acc, lg, r0 > 0);
+                if (!rc) rc = ms_cuda_event_record(sd->gw_done, sd->stream);
+                if (ms_cuda_set_current_stream(prev) && !rc) rc = -1;
+            }
+        }
+#else
+        void *sd = NULL;
+#endif
         if (!rc && gx) {
             rc = ms_tensor_narrow(&gxc, gx, 0, r0, n);
             if (!rc) rc = dev_gemm(gxc, lg, j.w, 0, 0, 0.0);            /* grad_x (n, H) = dl W */
         }
-        if (!rc && gw_acc) rc = dev_gemm(gw_acc, lg, xc, 1, 0, r0 == 0 ? 0.0 : 1.0); /* grad_W += dlᵀ x_c */
-        if (!rc && gb_acc) {
+        if (!sd) {
+            if (!rc && gw_acc) rc = dev_gemm(gw_acc, lg, xc, 1, 0, r0 == 0 ? 0.0 : 1.0); /* grad_W += dlᵀ x_c */
+            if (!rc && gb_acc) {
 #ifdef MS_WITH_CUDA
-            if (device >= 0) rc = ms_cuda_flce_colsum(gb_acc, lg, r0 > 0);
-            else
+                if (device >= 0) rc = ms_cuda_flce_colsum(gb_acc, lg, r0 > 0);
+                else
 #endif
-                cpu_colsum(gb_host, lg, ldt);
+                    cpu_colsum(gb_host, lg, ldt);
+            }
         }
+#ifdef MS_WITH_CUDA
+        /* the next chunk's GEMM overwrites the buffer the side stream reads */
+        if (sd && ms_cuda_stream_wait_event(prev, sd->gw_done) && !rc) rc = -1;
+        if (prev) ms_cuda_stream_free(prev); /* the handle only: not an owned stream */
+#endif
         ms_tensor_free(lg);
         ms_tensor_free(xc);
         ms_tensor_free(gxc);

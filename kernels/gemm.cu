@@ -27,9 +27,14 @@ namespace {
 
 const size_t kWorkspace = 32u << 20;
 
+// one workspace per stream that ran a GEMM (two GEMMs on two streams must
+// not share one); a device rarely sees more than a few streams
+const int kStreams = 8;
 struct LtState {
     cublasLtHandle_t handle = nullptr;
-    void *workspace = nullptr;
+    cudaStream_t streams[kStreams] = {};
+    void *workspaces[kStreams] = {};
+    int n = 0;
 };
 LtState g_lt[64];
 int g_allow_tf32 = 0;
@@ -38,7 +43,22 @@ int lt_ready(int device) {
     LtState &s = g_lt[device];
     if (s.handle) return 0;
     CUBLAS_CHECK(cublasLtCreate(&s.handle));
-    CUDA_CHECK(cudaMalloc(&s.workspace, kWorkspace));
+    return 0;
+}
+
+// the workspace of `stream` on `device` (allocated on its first GEMM)
+int lt_workspace(int device, cudaStream_t stream, void **ws) {
+    LtState &s = g_lt[device];
+    for (int i = 0; i < s.n; i++)
+        if (s.streams[i] == stream) {
+            *ws = s.workspaces[i];
+            return 0;
+        }
+    if (s.n == kStreams)
+        return ms_errorf("matmul: GEMMs on more than %d streams of cuda:%d (one workspace each)", kStreams, device);
+    CUDA_CHECK(cudaMalloc(&s.workspaces[s.n], kWorkspace));
+    s.streams[s.n] = stream;
+    *ws = s.workspaces[s.n++];
     return 0;
 }
 
@@ -173,8 +193,13 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
                   ms_dtype_name(dtype), (long long)m, (long long)n, (long long)k, (long long)batch);
         goto done;
     }
-    LT(cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo, s.workspace,
-                      kWorkspace, ms_cuda_stream_of(device)));
+    {
+        cudaStream_t st = ms_cuda_stream_of(device);
+        void *ws = nullptr;
+        if (lt_workspace(device, st, &ws)) goto done;
+        LT(cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo, ws, kWorkspace,
+                          st));
+    }
     rc = 0;
 done:
 #undef LT
