@@ -50,16 +50,48 @@ namespace {
 // one collective in flight: shared by its work handle and the watchdog
 struct OpRec {
     cudaEvent_t end = nullptr;
+    int device = -1;
     double t_enq = 0;
     char desc[160];
     std::atomic<int> refs{1};
 };
 
+// the end events of finished collectives, per device, for the next ones (an
+// event made and destroyed per collective costs host time in the enqueue,
+// which the GPU waits for when the comm stream is idle)
+std::mutex g_ev_mu;
+std::vector<cudaEvent_t> g_ev_pool[64];
+
+cudaError_t event_get(int device, cudaEvent_t *e) {
+    {
+        std::lock_guard<std::mutex> l(g_ev_mu);
+        if (device >= 0 && device < 64 && !g_ev_pool[device].empty()) {
+            *e = g_ev_pool[device].back();
+            g_ev_pool[device].pop_back();
+            return cudaSuccess;
+        }
+    }
+    return cudaEventCreateWithFlags(e, cudaEventDisableTiming);
+}
+
 void op_release(OpRec *op) {
     if (op && --op->refs == 0) {
-        if (op->end) cudaEventDestroy(op->end);
+        if (op->end) {
+            std::lock_guard<std::mutex> l(g_ev_mu);
+            if (op->device >= 0 && op->device < 64 && g_ev_pool[op->device].size() < 64)
+                g_ev_pool[op->device].push_back(op->end);
+            else
+                cudaEventDestroy(op->end);
+        }
         delete op;
     }
+}
+
+// MS_NCCL_BLOCKING=1: blocking communicators (NCCL's default) instead of
+// non-blocking ones; the watchdog still aborts from its thread
+int blocking_config() {
+    const char *v = getenv("MS_NCCL_BLOCKING");
+    return v && v[0] == '1';
 }
 
 struct NcclComm {
@@ -318,7 +350,7 @@ static int nccl_init_world(ms_comm *c, const ms_dist_env *e, const ms_dist_optio
     nc->world_rank = e->rank;
     nc->owner = c;
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.blocking = 0;
+    cfg.blocking = blocking_config();
     ncclComm_t comm = nullptr;
     ncclResult_t r = ncclCommInitRankConfig(&comm, e->world_size, id, e->rank, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
@@ -378,7 +410,7 @@ static int nccl_split(ms_comm *parent, int color, int key, int n, void **impl) {
     nc->device = p->device;
     nc->world_rank = p->world_rank;
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.blocking = 0;
+    cfg.blocking = blocking_config();
     ncclComm_t comm = nullptr;
     ncclResult_t r = ncclCommInitRankConfig(&comm, n, id, key, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
@@ -412,7 +444,8 @@ static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root)
         }
         cudaError_t ce = cudaEventRecord(nc->ready, compute);
         if (ce == cudaSuccess) ce = cudaStreamWaitEvent(nc->stream, nc->ready, 0);
-        if (ce == cudaSuccess) ce = cudaEventCreateWithFlags(&op->end, cudaEventDisableTiming);
+        if (ce == cudaSuccess) ce = event_get(nc->device, &op->end);
+        op->device = nc->device;
         if (ce != cudaSuccess) {
             delete op;
             return ms_errorf("%s: ordering against the compute stream failed: %s", w->desc, cudaGetErrorString(ce));
