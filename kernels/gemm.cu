@@ -11,6 +11,10 @@
 // stride per operand (stride 0 for a broadcast operand); otherwise the
 // operand is copied to contiguous first. Cost: 2*batch*M*N*K flops.
 #include "common.cuh"
+
+#include <mutex>
+#include <string.h>
+#include <unordered_map>
 #include "kernels.h"
 
 #include <cublasLt.h>
@@ -136,9 +140,69 @@ struct holder {
     ~holder() { ms_tensor_free(t); }
 };
 
+// Plans: the descriptors, layouts and heuristic's algorithm of a GEMM shape,
+// made once and kept (a training step repeats the same few dozen shapes; the
+// heuristic query alone costs tens of microseconds of host time per call).
+// The key is every value the objects are built from; pointers are not in it
+// (the heuristic never saw them).
+struct PlanKey {
+    int64_t v[22];
+};
+struct Plan {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulAlgo_t algo;
+};
+struct PlanKeyHash {
+    size_t operator()(const PlanKey &k) const {
+        uint64_t h = 1469598103934665603ull;
+        for (int64_t x : k.v) h = (h ^ (uint64_t)x) * 1099511628211ull;
+        return (size_t)h;
+    }
+};
+struct PlanKeyEq {
+    bool operator()(const PlanKey &a, const PlanKey &b) const { return memcmp(a.v, b.v, sizeof a.v) == 0; }
+};
+std::mutex g_plan_mu;
+std::unordered_map<PlanKey, Plan, PlanKeyHash, PlanKeyEq> g_plans;
+const size_t kMaxPlans = 4096;
+
 int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand &B, void *C, int64_t ldc,
            int64_t c_batch, int64_t m, int64_t n, int64_t k, int64_t batch, double alpha, double beta) {
     LtState &s = g_lt[device];
+    PlanKey key;
+    {
+        int64_t kv[22] = {device, dtype, out_dtype, g_allow_tf32, (int64_t)A.op, (int64_t)B.op, A.rows, A.cols,
+                          A.ld, B.rows, B.cols, B.ld, ldc, m, n, k, batch, A.batch_stride, B.batch_stride, c_batch,
+                          0, 0};
+        memcpy(key.v, kv, sizeof kv);
+    }
+    float af0 = (float)alpha, bf0 = (float)beta;
+    const void *pa0 = dtype == MS_F64 ? (const void *)&alpha : (const void *)&af0;
+    const void *pb0 = dtype == MS_F64 ? (const void *)&beta : (const void *)&bf0;
+    {
+        Plan plan;
+        bool have = false;
+        {
+            std::lock_guard<std::mutex> l(g_plan_mu);
+            auto it = g_plans.find(key);
+            if (it != g_plans.end()) {
+                plan = it->second;
+                have = true;
+            }
+        }
+        if (have) {
+            cudaStream_t st = ms_cuda_stream_of(device);
+            void *ws = nullptr;
+            if (lt_workspace(device, st, &ws)) return -1;
+            cublasStatus_t r = cublasLtMatmul(s.handle, plan.desc, pa0, B.ptr, plan.la, A.ptr, plan.lb, pb0, C,
+                                              plan.lc, C, plan.lc, &plan.algo, ws, kWorkspace, st);
+            if (r != CUBLAS_STATUS_SUCCESS)
+                return ms_errorf("matmul: cublasLtMatmul failed: %s (M=%lld N=%lld K=%lld batch=%lld)",
+                                 cublasGetStatusString(r), (long long)m, (long long)n, (long long)k, (long long)batch);
+            return 0;
+        }
+    }
     cublasComputeType_t compute = dtype == MS_F64 ? CUBLAS_COMPUTE_64F
                                   : (dtype == MS_F32 && !g_allow_tf32) ? CUBLAS_COMPUTE_32F
                                   : dtype == MS_F32 ? CUBLAS_COMPUTE_32F_FAST_TF32
@@ -201,6 +265,14 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
                           st));
     }
     rc = 0;
+    {
+        std::lock_guard<std::mutex> l(g_plan_mu);
+        if (g_plans.size() < kMaxPlans && g_plans.find(key) == g_plans.end()) {
+            g_plans[key] = Plan{desc, la, lb, lc, heur.algo};
+            desc = nullptr;   // kept by the plan
+            la = lb = lc = nullptr;
+        }
+    }
 done:
 #undef LT
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
