@@ -199,41 +199,42 @@ int64_t ms_live_bytes(int device) {
     return __atomic_load_n(&g_live_bytes_cpu, __ATOMIC_RELAXED);
 }
 
-int ms_storage_new(ms_storage **out, int64_t nbytes, int device) {
+/* the data of a storage of nbytes on device (64-byte aligned on the CPU;
+ * the caching allocator on CUDA) */
+static int storage_data_alloc(void **out, int64_t nbytes, int device) {
     char d[32];
+    *out = NULL;
+    if (device < 0) {
+        size_t n = (size_t)((nbytes + 63) / 64 * 64);
+        if (n == 0) n = 64;
+#ifdef __SANITIZE_ADDRESS__
+        /* the exact size, so AddressSanitizer sees any access past nbytes */
+        if (posix_memalign(out, 64, nbytes ? (size_t)nbytes : 1) != 0) *out = NULL;
+        (void)n;
+#else
+        *out = aligned_alloc(64, n);
+#endif
+        if (!*out) return ms_errorf("alloc: out of host memory allocating %lld bytes", (long long)nbytes);
+        return 0;
+    }
+    if (!ms_cuda_backend)
+        return ms_errorf("alloc: device %s requested but moonshard was built without CUDA",
+                         ms_device_str(device, d, sizeof d));
+    return ms_cuda_backend->alloc(out, nbytes, device) != 0 ? -1 : 0;
+}
+
+int ms_storage_new(ms_storage **out, int64_t nbytes, int device) {
     if (nbytes < 0) return ms_errorf("alloc: negative size %lld", (long long)nbytes);
     ms_storage *s = calloc(1, sizeof *s);
     if (!s) return ms_errorf("alloc: out of host memory for a storage header");
     s->nbytes = nbytes;
     s->refcount = 1;
     s->device = device;
-    if (device < 0) {
-        size_t n = (size_t)((nbytes + 63) / 64 * 64);
-        if (n == 0) n = 64;
-#ifdef __SANITIZE_ADDRESS__
-        /* the exact size, so AddressSanitizer sees any access past nbytes */
-        if (posix_memalign(&s->data, 64, nbytes ? (size_t)nbytes : 1) != 0) s->data = NULL;
-        (void)n;
-#else
-        s->data = aligned_alloc(64, n);
-#endif
-        if (!s->data) {
-            free(s);
-            return ms_errorf("alloc: out of host memory allocating %lld bytes", (long long)nbytes);
-        }
-        __atomic_add_fetch(&g_live_bytes_cpu, nbytes, __ATOMIC_RELAXED);
-    } else {
-        if (!ms_cuda_backend) {
-            free(s);
-            return ms_errorf("alloc: device %s requested but moonshard was built without CUDA",
-                             ms_device_str(device, d, sizeof d));
-        }
-        if (ms_cuda_backend->alloc(&s->data, nbytes, device) != 0) {
-            free(s);
-            return -1;
-        }
-        __atomic_add_fetch(&g_live_bytes_dev, nbytes, __ATOMIC_RELAXED);
+    if (storage_data_alloc(&s->data, nbytes, device)) {
+        free(s);
+        return -1;
     }
+    __atomic_add_fetch(device < 0 ? &g_live_bytes_cpu : &g_live_bytes_dev, nbytes, __ATOMIC_RELAXED);
     __atomic_add_fetch(&g_live_storages, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&g_alloc_total, nbytes, __ATOMIC_RELAXED);
     *out = s;
@@ -245,7 +246,7 @@ void ms_storage_retain(ms_storage *s) { __atomic_add_fetch(&s->refcount, 1, __AT
 void ms_storage_release(ms_storage *s) {
     if (!s) return;
     if (__atomic_sub_fetch(&s->refcount, 1, __ATOMIC_ACQ_REL) != 0) return;
-    if (!s->external) {
+    if (!s->external && s->data) {   /* no data: released by ms_storage_free_data */
         if (s->device < 0) {
             free(s->data);
             __atomic_sub_fetch(&g_live_bytes_cpu, s->nbytes, __ATOMIC_RELAXED);
@@ -344,6 +345,45 @@ void *ms_tensor_data(const ms_tensor *t) {
 int ms_tensor_check_live(const ms_tensor *t, const char *op) {
     if (!t) return ms_errorf("%s: tensor is nil", op);
     if (!t->storage) return ms_errorf("%s: tensor was freed", op);
+    if (!t->storage->data && t->storage->nbytes > 0)
+        return ms_errorf("%s: the tensor's storage data (%lld bytes) was released by ms_storage_free_data "
+                         "(a resharded FSDP unit's parameter? unshard it first)",
+                         op, (long long)t->storage->nbytes);
+    return 0;
+}
+
+/* ------------------------------------------------- storage data release */
+
+int ms_storage_has_data(const ms_tensor *t) {
+    return t && t->storage && (t->storage->data != NULL || t->storage->nbytes == 0);
+}
+
+int ms_storage_free_data(ms_tensor *t) {
+    if (!t || !t->storage) return ms_errorf("storage_free_data: tensor was freed");
+    ms_storage *s = t->storage;
+    if (s->external) return ms_errorf("storage_free_data: the storage's data is not ours (mmap or borrowed)");
+    if (!s->data || s->nbytes == 0) return 0;
+    if (s->device < 0) {
+        free(s->data);
+        __atomic_sub_fetch(&g_live_bytes_cpu, s->nbytes, __ATOMIC_RELAXED);
+    } else {
+        if (!ms_cuda_backend) return ms_errorf("storage_free_data: a CUDA storage in a build without CUDA");
+        ms_cuda_backend->free(s->data, s->nbytes, s->device);
+        __atomic_sub_fetch(&g_live_bytes_dev, s->nbytes, __ATOMIC_RELAXED);
+    }
+    s->data = NULL;
+    return 0;
+}
+
+int ms_storage_alloc_data(ms_tensor *t) {
+    if (!t || !t->storage) return ms_errorf("storage_alloc_data: tensor was freed");
+    ms_storage *s = t->storage;
+    if (s->data || s->nbytes == 0) return 0;
+    void *p = NULL;
+    if (storage_data_alloc(&p, s->nbytes, s->device)) return -1;
+    s->data = p;
+    __atomic_add_fetch(s->device < 0 ? &g_live_bytes_cpu : &g_live_bytes_dev, s->nbytes, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&g_alloc_total, s->nbytes, __ATOMIC_RELAXED);
     return 0;
 }
 
@@ -753,7 +793,7 @@ static int elem_offset(const ms_tensor *t, const int64_t *index, int64_t *off) {
 
 double ms_tensor_get(const ms_tensor *t, const int64_t *index) {
     int64_t o = 0;
-    if (!t || !t->storage || t->device_id >= 0 || elem_offset(t, index, &o)) return NAN;
+    if (!t || !t->storage || !t->storage->data || t->device_id >= 0 || elem_offset(t, index, &o)) return NAN;
     return ms_load((char *)t->storage->data + o * ms_dtype_size(t->dtype_id), t->dtype_id);
 }
 

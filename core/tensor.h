@@ -78,6 +78,17 @@ int ms_tensor_is_contiguous(const ms_tensor *t);
 void *ms_tensor_data(const ms_tensor *t); /* address of element 0 of the view */
 int ms_tensor_check_live(const ms_tensor *t, const char *op);
 
+/* Releasing a storage's data but keeping the storage (FSDP's reshard): every
+ * tensor on it stays a valid handle, but any use of its data is an error
+ * ("... was released by ms_storage_free_data ...") until ms_storage_alloc_data
+ * gives the same storage new data (uninitialised; on CUDA from the caching
+ * allocator, stream-ordered as any free/alloc). Both are no-ops when there is
+ * nothing to do; an external (mmap, borrowed) storage cannot be released.
+ * ms_live_bytes counts the released bytes out and the new ones in. */
+int ms_storage_free_data(ms_tensor *t);
+int ms_storage_alloc_data(ms_tensor *t);
+int ms_storage_has_data(const ms_tensor *t);   /* 1: data present (or 0 bytes) */
+
 /* views (share storage) */
 int ms_tensor_as_strided(ms_tensor **out, const ms_tensor *t, int ndim, const int64_t *shape,
                          const int64_t *stride, int64_t offset);

@@ -109,6 +109,7 @@ describe('fsdp.fully_shard over MPI #mpi', function()
           end
         end
         opt:step()
+        opt:zero_grad()
       end
       fsdp.unshard(model)
       local k = 0
@@ -160,7 +161,7 @@ describe('fsdp.fully_shard over MPI #mpi', function()
     for s = 1, 3 do
       local l = m(x)
       assert.is_true(rel(l:item(), ref_losses[s]) < 1e-5, ('step %d: %.9g vs %.9g'):format(s, l:item(), ref_losses[s]))
-      l:backward(); opt:step()
+      l:backward(); opt:step(); opt:zero_grad()
     end
     fsdp.unshard(m)
     local rp = ref:parameters()

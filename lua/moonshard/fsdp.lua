@@ -97,7 +97,7 @@ fsdp.FlatParam = FlatParam
 
 -- FlatParam.new(params, { group =, dtype =, master_dtype =, align = 16, rank =,
 -- world_size = })
--- params: a list of CPU tensors (any shapes). group: a dist group (default:
+-- params: a list of tensors (any shapes) on one device (CPU: MPI; CUDA: NCCL). group: a dist group (default:
 -- the world when dist is initialised, else one rank); rank/world_size
 -- override it for layouts without collectives. dtype: the unsharded buffer's,
 -- the one all-gathered (default: the first parameter's). master_dtype: the
@@ -119,8 +119,9 @@ function FlatParam.new(params, opts)
   local shapes, numels = {}, {}
   for i, p in ipairs(params) do
     if not T.is_tensor(p) then error(('FlatParam.new: parameter %d is a %s, not a tensor'):format(i, type(p)), 2) end
-    if p.device ~= 'cpu' then
-      error(('FlatParam.new: parameter %d is on %s (only CPU flat parameters so far)'):format(i, p.device), 2)
+    if p.device_id ~= params[1].device_id then
+      error(('FlatParam.new: parameter %d is on %s, parameter 1 on %s (one device per flat parameter)'):format(
+        i, p.device, params[1].device), 2)
     end
     shapes[i], numels[i] = p.shape, p:numel()
   end
@@ -130,7 +131,7 @@ function FlatParam.new(params, opts)
   local self = setmetatable({
     layout = layout, group = group, rank = rank, world_size = world_size, dtype = dtype,
     master_dtype = opts.master_dtype or (dtype == 'f64' and 'f64' or 'f32'),
-    shapes = shapes, numels = numels, nparams = #params,
+    shapes = shapes, numels = numels, nparams = #params, device = params[1].device_id,
     shard_numel = layout.shard_numel, total = layout.total,
   }, FlatParam)
   local flat = self:flatten(params, self.master_dtype)
@@ -145,7 +146,7 @@ function FlatParam:flatten(params, dtype)
   if #params ~= self.nparams then
     error(('flatten: %d tensors for a flat parameter of %d'):format(#params, self.nparams), 2)
   end
-  local flat = T.zeros({ self.total }, { dtype = dtype or self.dtype })
+  local flat = T.zeros({ self.total }, { dtype = dtype or self.dtype, device = self.device })
   for i, p in ipairs(params) do
     if p:numel() ~= self.numels[i] then
       error(('flatten: parameter %d has %d elements, the layout %d'):format(i, p:numel(), self.numels[i]), 2)
@@ -191,7 +192,7 @@ end
 -- unsharded returns the same views.
 function FlatParam:unshard()
   if self.flat then return self.param_views end
-  local flat = T.empty({ self.total }, { dtype = self.dtype })
+  local flat = T.empty({ self.total }, { dtype = self.dtype, device = self.device })
   local src = self.shard.dtype == self.dtype and self.shard or self.shard:to(self.dtype)
   gather(self, flat, src)
   self.flat = flat
@@ -213,7 +214,7 @@ end
 -- a zeroed unsharded gradient buffer (dtype: self.dtype unless given) and
 -- views of it in the parameters' shapes; the padding stays zero
 function FlatParam:grad_buffer(dtype)
-  local g = T.zeros({ self.total }, { dtype = dtype or self.dtype })
+  local g = T.zeros({ self.total }, { dtype = dtype or self.dtype, device = self.device })
   return g, self:views(g)
 end
 
@@ -229,7 +230,7 @@ function FlatParam:reduce_scatter(grad_flat, op)
   end
   local src = grad_flat.dtype == 'f32' and grad_flat or grad_flat:to('f32')
   src = src:contiguous()
-  local out = self.grad_shard or T.empty({ self.shard_numel }, { dtype = 'f32' })
+  local out = self.grad_shard or T.empty({ self.shard_numel }, { dtype = 'f32', device = self.device })
   if self.world_size == 1 then
     out:copy_(src)
   else
@@ -241,14 +242,14 @@ function FlatParam:reduce_scatter(grad_flat, op)
 end
 
 -- ------------------------------------------------------------ fully_shard
--- fsdp.fully_shard(model, { policy =, strategy = 'FULL_SHARD'|'NO_SHARD',
--- group =, dtype = }) -> model. Every module the policy picks (and the root,
--- taking the parameters no unit took and every parameter shared between
--- units) becomes a unit with one FlatParam. The module's parameters are
--- replaced by views of the unit's unsharded buffer (leaves, requires_grad),
--- so model:named_parameters() keeps the names and shapes. On CPU the
--- unsharded buffer stays allocated (the tape keeps the views it saved);
--- "reshard" marks the unit sharded and the next unshard all-gathers again.
+-- fsdp.fully_shard(model, opts) -> model. Every module the policy picks (and
+-- the root, taking the parameters no unit took and every parameter shared
+-- between units) becomes a unit with one FlatParam. The modules' parameters
+-- are replaced by views of the unit's unsharded buffer (leaves,
+-- requires_grad), so model:named_parameters() keeps the names and shapes.
+-- The runtime lives in module hooks (docs/autograd.md): unshard before a
+-- unit's forward and backward, reshard per strategy, reduce the gradients
+-- when a unit's backward ends. docs/fsdp.md describes the options.
 fsdp.policy = {}
 
 local function is_instance(m, cls)
@@ -270,58 +271,361 @@ function fsdp.policy.by_class(classes)
   end
 end
 
+-- fsdp.policy.by_size(n): a module (not the root) becomes a unit when the
+-- numel of the parameters in its subtree that no nested unit took is >= n;
+-- children are decided first (PyTorch's size_based_auto_wrap_policy). A
+-- tensor reached twice (tied) counts once.
+local SizePolicy = {}
+SizePolicy.__index = SizePolicy
+SizePolicy.__call = function(self, m) return self.picked ~= nil and self.picked[m] == true end
+function fsdp.policy.by_size(n)
+  if type(n) ~= 'number' or n < 1 then
+    error(('policy.by_size: min numel must be a number >= 1, got %s'):format(tostring(n)), 2)
+  end
+  return setmetatable({ min_numel = n }, SizePolicy)
+end
+
+-- the set of modules a size policy picks in `model`
+local function size_pick(model, n)
+  local picked, taken, seen = {}, {}, {}
+  local function visit(m)
+    local ids = {}
+    if seen[m] then return ids end
+    seen[m] = true
+    for _, cn in ipairs(m._module_names) do
+      local c = rawget(m, cn)
+      if c ~= nil then for id, k in pairs(visit(c)) do ids[id] = k end end
+    end
+    for _, pn in ipairs(m._param_names) do
+      local t = rawget(m, pn)
+      if t ~= nil then ids[tonumber(t.id)] = t:numel() end
+    end
+    local total = 0
+    for id, k in pairs(ids) do if not taken[id] then total = total + k end end
+    if m ~= model and total >= n then
+      picked[m] = true
+      for id in pairs(ids) do taken[id] = true end
+      return {}
+    end
+    return ids
+  end
+  visit(model)
+  return picked
+end
+
+local STRATEGIES = { FULL_SHARD = true, SHARD_GRAD_OP = true, NO_SHARD = true, HYBRID_SHARD = true }
+
+-- the pre-divide factor of a reduction over n ranks: the largest power of 2
+-- <= sqrt(n); the gradient is divided by it before the reduction and by
+-- n / factor after (overflow and underflow stay away from bf16's ends)
+function fsdp.predivide_factor(n)
+  local f = 1
+  while (2 * f) * (2 * f) <= n do f = 2 * f end
+  return f
+end
+
+local function pack(...) return { n = select('#', ...), ... } end
+local function A() return require('moonshard.autograd') end
+local function F() return require('moonshard.ops') end
+
 local Unit = {}
 Unit.__index = Unit
+fsdp.Unit = Unit
 
-function Unit:unshard()
-  if self.unsharded then return end
-  local fp = self.fp
-  local src = fp.shard.dtype == fp.dtype and fp.shard or fp.shard:to(fp.dtype)
-  no_grad(function()
-    if fp.world_size == 1 then self.flat:copy_(src)
-    else dist.all_gather_into(self.flat, src, { group = fp.group }) end
-  end)
-  self.unsharded = true
+local function trace(st, what, u)
+  local tr = st.trace
+  if tr then tr[#tr + 1] = what .. ' ' .. u.label end
 end
 
-function Unit:reshard() self.unsharded = false end
+local function storage_check(rc, what, u)
+  if rc ~= 0 then error(('fsdp unit %s: %s: %s'):format(u.label, what, ffi.string(C.ms_last_error())), 3) end
+end
 
--- every view's .grad into a zeroed f32 buffer, then reduce-scatter 'avg'
--- (FULL_SHARD) or all-reduce 'avg' (NO_SHARD); shard.grad is the result
-function Unit:reduce_grads()
+-- the tensor the all-gather reads: the low-precision copy of the shard
+-- (refreshed after each optimizer step) or the f32 master shard itself
+function Unit:gather_source()
+  if self.lp == nil then return self.fp.shard end
+  if self.lp_stale then
+    no_grad(function() self.lp:copy_(self.fp.shard) end)
+    self.lp_stale = false
+  end
+  return self.lp
+end
+
+-- issue the all-gather (async) into the unsharded buffer; no-op unless sharded
+function Unit:gather_start()
+  if self.status ~= 'sharded' then return end
+  local st, fp = self.st, self.fp
+  if self.free_data then storage_check(C.ms_storage_alloc_data(self.flat), 'allocating the unsharded buffer', self) end
+  local src = self:gather_source()
+  if fp.world_size == 1 then
+    no_grad(function() self.flat:copy_(src) end)
+  else
+    self.work = dist.all_gather_into(self.flat, src, { group = fp.group, async = true })
+  end
+  self.status, self.unsharded = 'gathering', true
+  if self.reshards then
+    st.inflight = st.inflight + 1
+    if st.inflight > st.max_inflight then st.max_inflight = st.inflight end
+  end
+  trace(st, 'all_gather', self)
+end
+
+-- the unit's parameters usable now (waits for its all-gather: on CUDA the
+-- current stream waits, the host does not)
+function Unit:unshard()
+  if self.status == 'unsharded' then return end
+  if self.status == 'sharded' then self:gather_start() end
+  if self.work then self.work:wait(); self.work:free(); self.work = nil end
+  self.status = 'unsharded'
+  trace(self.st, 'unshard', self)
+end
+
+-- back to the shard: the unsharded buffer's data is released (free_data),
+-- the storage and the views on it stay
+function Unit:reshard()
+  if self.status == 'sharded' then return end
+  if self.work then self.work:wait(); self.work:free(); self.work = nil end
+  if self.free_data then storage_check(C.ms_storage_free_data(self.flat), 'releasing the unsharded buffer', self) end
+  self.status, self.unsharded = 'sharded', false
+  if self.reshards then self.st.inflight = self.st.inflight - 1 end
+  trace(self.st, 'reshard', self)
+end
+
+-- the unsharded f32 gradient buffer (zeroed on creation; kept across the
+-- backwards of no_sync) and, when the parameters are f32, the views' .grad
+-- pointed into it so autograd accumulates there with no copy
+function Unit:prepare_grads()
   local fp = self.fp
-  local g, gviews = fp:grad_buffer('f32')
-  local any = false
-  for i, v in ipairs(self.views) do
-    local pg = v.grad
-    if pg ~= nil then
-      gviews[i]:copy_(pg)
-      any = true
-      v.grad = nil
+  if self.gbuf == nil then
+    self.gbuf = T.zeros({ fp.total }, { dtype = 'f32', device = fp.device })
+    self.gviews = fp:views(self.gbuf)
+  else
+    for i, gv in ipairs(self.gviews) do
+      if gv.storage == nil then self.gviews = fp:views(self.gbuf); break end   -- a zero_grad freed a view
     end
   end
-  if self.strategy == 'NO_SHARD' then
-    if self.group and self.group:size() > 1 then dist.all_reduce(g, 'avg', { group = self.group }) end
-    fp.shard.grad = g
-  else
-    fp.shard.grad = fp:reduce_scatter(g, 'avg')
+  if self.grad_direct then
+    for i, v in ipairs(self.views) do v.grad = self.gviews[i] end
   end
-  self.has_grad = any
 end
 
+-- gradients autograd left in the views' .grad (low-precision parameters)
+-- into the f32 buffer; the views drop their .grad
+function Unit:collect_grads()
+  for i, v in ipairs(self.views) do
+    local g = v.grad
+    if g ~= nil then
+      v.grad = nil
+      if not self.grad_direct and self.gbuf ~= nil then
+        local g32 = g.dtype == 'f32' and g or g:to('f32')
+        F().add_(self.gviews[i], g32)
+        if g32 ~= g then g32:free() end
+        g:free()
+      end
+    end
+  end
+end
+
+-- reduce the unsharded gradient: in the reduce dtype, divided by the
+-- pre-divide factor, reduce-scatter 'sum' over the shard group (all-reduce
+-- over the replicate group for NO_SHARD), async; finish_reductions completes it
+function Unit:reduce_grads()
+  local st, fp = self.st, self.fp
+  local g = self.gbuf
+  if g == nil then return end
+  self.gbuf, self.gviews = nil, nil
+  local src = g
+  if st.dp_size > 1 then
+    if st.reduce_dtype ~= 'f32' then src = g:to(st.reduce_dtype); g:free() end
+    if st.predivide > 1 then F().div_(src, st.predivide) end
+  end
+  local pend = { unit = self, src = src }
+  if self.strategy == 'NO_SHARD' then
+    pend.out = src
+    if st.replicate_group and st.replicate_group:size() > 1 then
+      pend.work = dist.all_reduce(src, 'sum', { group = st.replicate_group, async = true })
+    end
+    trace(st, 'all_reduce', self)
+  else
+    if fp.world_size == 1 then
+      pend.out = src
+    else
+      pend.out = T.empty({ fp.shard_numel }, { dtype = src.dtype, device = fp.device })
+      pend.work = dist.reduce_scatter(pend.out, src, 'sum', { group = fp.group, async = true })
+    end
+    trace(st, 'reduce_scatter', self)
+  end
+  st.pending[#st.pending + 1] = pend
+end
+
+-- wait for the reductions in flight; HYBRID_SHARD all-reduces each shard
+-- over the replicate group; post-divide; add into shard.grad (f32)
+local function finish_reductions(st)
+  local pend = st.pending
+  st.pending = {}
+  for _, p in ipairs(pend) do
+    local u = p.unit
+    if p.work then p.work:wait(); p.work:free() end
+    if p.src ~= p.out then p.src:free() end
+    local out = p.out
+    if u.strategy == 'HYBRID_SHARD' and st.replicate_group:size() > 1 then
+      dist.all_reduce(out, 'sum', { group = st.replicate_group })
+    end
+    if out.dtype ~= 'f32' then local o = out:to('f32'); out:free(); out = o end
+    if st.dp_size > 1 then
+      local post = st.dp_size / st.predivide
+      if post ~= 1 then F().div_(out, post) end
+    end
+    local shard = u.fp.shard
+    local cur = shard.grad
+    if cur == nil then shard.grad = out
+    else F().add_(cur, out); out:free() end
+    u.fp.grad_shard = shard.grad
+  end
+end
+
+-- the next unit to prefetch after u in an order (a list and its positions)
+local function next_in(order, pos, u)
+  local i = pos and pos[u]
+  return i and order[i + 1] or nil
+end
+
+local function prefetch(st, u)
+  if u == nil or u.status ~= 'sharded' then return end
+  if st.inflight >= st.limit then
+    trace(st, 'limit', u)
+    return
+  end
+  u:gather_start()
+end
+
+local function index_of(list)
+  local pos = {}
+  for i, u in ipairs(list) do if pos[u] == nil then pos[u] = i end end
+  return pos
+end
+
+local function on_backward_end(st)
+  finish_reductions(st)
+  st.in_backward = false
+  for _, u in ipairs(st.units) do
+    if u.reshards and u.status ~= 'sharded' then u:reshard() end
+    if u.work then u.work:wait(); u.work:free(); u.work = nil end
+  end
+end
+
+local function install_hooks(st, u)
+  local m = u.module
+  local Ad = A()
+  m:register_forward_pre_hook(function()
+    if not st.in_backward then
+      local cur = st.cur_fwd
+      if not st.cur_fwd_pos[u] then cur[#cur + 1] = u; st.cur_fwd_pos[u] = #cur end
+    end
+    trace(st, 'forward', u)
+    u:gather_start()
+    if st.forward_prefetch and not st.in_backward then prefetch(st, next_in(st.prev_fwd, st.prev_fwd_pos, u)) end
+    u:unshard()
+  end)
+  m:register_forward_hook(function()
+    if st.in_backward then return end        -- a checkpointed region's recompute
+    local e = st.cur_end
+    e[#e + 1] = u
+    if not u.reshards then return end
+    local grad = Ad.is_grad_enabled()
+    -- no backward will come: reshard; otherwise per strategy (the root stays
+    -- unsharded under FULL_SHARD/HYBRID: its backward comes first)
+    if not grad or (u.strategy ~= 'SHARD_GRAD_OP' and u.module ~= st.root) then u:reshard() end
+  end)
+  m:register_backward_pre_hook(function()
+    if not st.in_backward then
+      st.in_backward = true
+      local order = {}
+      for i = #st.cur_end, 1, -1 do order[#order + 1] = st.cur_end[i] end
+      st.bwd_order, st.bwd_pos = order, index_of(order)
+      Ad.queue_callback(function() on_backward_end(st) end)
+    end
+    trace(st, 'backward', u)
+    u:gather_start()
+    if st.backward_prefetch then prefetch(st, next_in(st.bwd_order, st.bwd_pos, u)) end
+    u:unshard()
+    u:prepare_grads()
+  end)
+  m:register_backward_hook(function()
+    u:collect_grads()
+    if st.sync then u:reduce_grads() end
+    if u.reshards then u:reshard() end
+  end)
+end
+
+-- opts: policy, strategy ('FULL_SHARD'|'SHARD_GRAD_OP'|'NO_SHARD'|'HYBRID_SHARD'),
+-- group, mesh / shard_size (HYBRID_SHARD), mixed_precision = {param=, reduce=},
+-- limit_all_gathers (3), forward_prefetch (true), backward_prefetch (true),
+-- free_unsharded (true), trace (true), dtype (the unsharded dtype without
+-- mixed precision)
 function fsdp.fully_shard(model, opts)
   opts = opts or {}
   local nn = require 'moonshard.nn'
+  local optim = require 'moonshard.optim'
   if not nn.is_module(model) then error('fully_shard: model must be a module', 2) end
   if rawget(model, '_fsdp') then error('fully_shard: model is already sharded', 2) end
   local strategy = opts.strategy or 'FULL_SHARD'
-  if strategy ~= 'FULL_SHARD' and strategy ~= 'NO_SHARD' then
-    error(("fully_shard: strategy %s (use 'FULL_SHARD' or 'NO_SHARD')"):format(tostring(strategy)), 2)
+  if not STRATEGIES[strategy] then
+    error(("fully_shard: strategy %s (use 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD' or 'HYBRID_SHARD')")
+      :format(tostring(strategy)), 2)
   end
   local policy = opts.policy or function() return false end
-  if type(policy) ~= 'function' then error('fully_shard: policy must be a function(module, name) -> bool', 2) end
-  local group = opts.group
+  if getmetatable(policy) == SizePolicy then
+    local picked = size_pick(model, policy.min_numel)
+    policy = function(m) return picked[m] == true end
+  elseif type(policy) ~= 'function' and not (type(policy) == 'table' and getmetatable(policy) and getmetatable(policy).__call) then
+    error('fully_shard: policy must be a function(module, name) -> bool or fsdp.policy.by_size(n)', 2)
+  end
+  local mp = opts.mixed_precision or {}
+  if type(mp) ~= 'table' then error('fully_shard: mixed_precision must be a table {param =, reduce =}', 2) end
+  for k, v in pairs(mp) do
+    if (k ~= 'param' and k ~= 'reduce') or (v ~= 'f32' and v ~= 'bf16' and v ~= 'f16' and v ~= 'f64') then
+      error(('fully_shard: mixed_precision.%s = %s (param/reduce: f32, bf16, f16 or f64)'):format(tostring(k), tostring(v)), 2)
+    end
+  end
+  local limit = opts.limit_all_gathers or 3
+  if type(limit) ~= 'number' or limit < 1 then
+    error(('fully_shard: limit_all_gathers must be a number >= 1, got %s'):format(tostring(limit)), 2)
+  end
+
+  -- groups: the shard group (the layout's) and the replicate group
+  local group, shard_group, replicate_group, mesh = opts.group, nil, nil, nil
   if group == nil and dist.is_initialized() then group = dist.world_group end
+  if strategy == 'HYBRID_SHARD' then
+    if opts.group ~= nil then error('fully_shard: HYBRID_SHARD takes mesh = or shard_size =, not group =', 2) end
+    if not dist.is_initialized() then error('fully_shard: HYBRID_SHARD needs ms.dist.init first', 2) end
+    mesh = opts.mesh
+    if mesh == nil then
+      local S = opts.shard_size or dist.local_world_size()
+      local W = dist.world_size()
+      if type(S) ~= 'number' or S < 1 or W % S ~= 0 then
+        error(('fully_shard: shard_size %s does not divide the world size %d'):format(tostring(S), W), 2)
+      end
+      mesh = dist.mesh { replicate = W / S, shard = S }
+    elseif type(mesh) ~= 'table' or mesh.shard == nil or mesh.replicate == nil then
+      error('fully_shard: mesh must come from ms.dist.mesh{replicate =, shard =}', 2)
+    end
+    shard_group, replicate_group = mesh.shard, mesh.replicate
+  elseif strategy == 'NO_SHARD' then
+    replicate_group = group
+  else
+    shard_group = group
+  end
+  local shard_size = shard_group and shard_group:size() or 1
+  local dp_size = shard_size * (replicate_group and replicate_group:size() or 1)
+
+  -- the first name model:named_parameters() gives each tensor
+  local first_name = {}
+  for name, p in model:named_parameters() do
+    local id = tonumber(p.id)
+    if first_name[id] == nil then first_name[id] = name end
+  end
 
   -- units in forward-declaration order; the root first. Each slot is
   -- (module, parameter name, full name); a tensor used by two units goes to the root.
@@ -352,6 +656,13 @@ function fsdp.fully_shard(model, opts)
     end
   end
   walk(model, '', units[1])
+  -- a model's LM head weight (models' head_weight(), GPT-2's tied wte) is
+  -- used by the root's forward after every unit's: it belongs to the root
+  if type(model.head_weight) == 'function' then
+    local ok, hw = pcall(model.head_weight, model)
+    local id = ok and T.is_tensor(hw) and tonumber(hw.id)
+    if id and tensor_units[id] then tensor_units[id][units[1]] = true end
+  end
   local owner = {}
   for _, id in ipairs(order) do
     local n, u1 = 0, nil
@@ -360,38 +671,73 @@ function fsdp.fully_shard(model, opts)
   end
   for _, slot in ipairs(slot_unit) do table.insert(owner[slot.id].slots, slot) end
 
-  local state = { units = {}, strategy = strategy, group = group }
+  local st = {
+    units = {}, strategy = strategy, group = group, shard_group = shard_group,
+    replicate_group = replicate_group, mesh = mesh, dp_size = dp_size,
+    predivide = fsdp.predivide_factor(dp_size), reduce_dtype = mp.reduce or 'f32',
+    param_dtype = mp.param, limit = limit, inflight = 0, max_inflight = 0,
+    forward_prefetch = opts.forward_prefetch ~= false, backward_prefetch = opts.backward_prefetch ~= false,
+    sync = true, in_backward = false, pending = {}, root = model,
+    cur_fwd = {}, cur_fwd_pos = {}, prev_fwd = {}, prev_fwd_pos = {}, cur_end = {},
+    trace = opts.trace ~= false and {} or nil,
+  }
+  -- step bookkeeping first (hooks run in registration order): a forward of
+  -- the root outside backward starts a step
+  model:register_forward_pre_hook(function()
+    if st.in_backward then return end
+    if #st.cur_fwd > 0 then st.prev_fwd, st.prev_fwd_pos = st.cur_fwd, st.cur_fwd_pos end
+    st.cur_fwd, st.cur_fwd_pos, st.cur_end = {}, {}, {}
+    if st.trace then st.trace = {} end
+  end)
   for _, u in ipairs(units) do
-    -- distinct tensors of the unit, in first-use order
-    local tensors, index = {}, {}
+    -- distinct tensors of the unit: the decayed ones (optim.no_decay says
+    -- no) first, each group in first-use order
+    local decay, nodecay, index = {}, {}, {}
     for _, slot in ipairs(u.slots) do
-      if not index[slot.id] then tensors[#tensors + 1] = slot.t; index[slot.id] = #tensors end
-      slot.k = index[slot.id]
+      if not index[slot.id] then
+        index[slot.id] = true
+        local name = first_name[slot.id] or slot.name
+        local e = { t = slot.t, id = slot.id, name = name }
+        if optim.no_decay(name, slot.t) then nodecay[#nodecay + 1] = e else decay[#decay + 1] = e end
+      end
     end
+    local tensors, names, k_of = {}, {}, {}
+    for _, list in ipairs({ decay, nodecay }) do
+      for _, e in ipairs(list) do
+        tensors[#tensors + 1] = e.t; names[#tensors] = e.name; k_of[e.id] = #tensors
+      end
+    end
+    for _, slot in ipairs(u.slots) do slot.k = k_of[slot.id] end
     if #tensors > 0 then
-      local fopts = { dtype = opts.dtype or tensors[1].dtype }
-      if strategy == 'NO_SHARD' then fopts.world_size, fopts.rank = 1, 0 else fopts.group = group end
-      local fp = FlatParam.new(tensors, fopts)
-      local unit = setmetatable({ module = u.module, name = u.name, fp = fp, strategy = strategy,
-        group = group, slots = u.slots, unsharded = false }, Unit)
-      unit.flat = T.empty({ fp.total }, { dtype = fp.dtype })
+      local dtype = mp.param or opts.dtype or tensors[1].dtype
+      local fopts = { dtype = dtype }
+      if shard_group then fopts.group = shard_group else fopts.world_size, fopts.rank = 1, 0 end
+      local ok, fp = pcall(FlatParam.new, tensors, fopts)
+      if not ok then error('fully_shard: unit ' .. (u.name == '' and 'root' or u.name) .. ': ' .. tostring(fp), 2) end
+      local unit = setmetatable({
+        module = u.module, name = u.name, label = u.name == '' and 'root' or u.name, fp = fp, st = st,
+        strategy = strategy, group = fp.group, slots = u.slots, param_names = names,
+        reshards = strategy ~= 'NO_SHARD', status = 'sharded', unsharded = false,
+        grad_direct = dtype == 'f32',
+        decay_end = #decay == 0 and 0 or (#nodecay == 0 and fp.total or fp.layout.offsets[#decay + 1]),
+      }, Unit)
+      unit.free_data = unit.reshards and opts.free_unsharded ~= false
+      if fp.shard.dtype ~= dtype then unit.lp = fp.shard:to(dtype) end
+      unit.flat = T.empty({ fp.total }, { dtype = dtype, device = fp.device })
       unit.views = fp:views(unit.flat)
       for _, v in ipairs(unit.views) do v.requires_grad = true end
       for _, slot in ipairs(u.slots) do rawset(slot.m, slot.pn, unit.views[slot.k]) end
-      unit:unshard()
-      if strategy == 'FULL_SHARD' then unit:reshard() end
-      local m = u.module
-      m:register_forward_pre_hook(function() unit:unshard() end)
-      m:register_forward_hook(function() if strategy == 'FULL_SHARD' then unit:reshard() end end)
-      m:register_backward_pre_hook(function() unit:unshard() end)
-      m:register_backward_hook(function()
-        unit:reduce_grads()
-        if strategy == 'FULL_SHARD' then unit:reshard() end
-      end)
-      state.units[#state.units + 1] = unit
+      if unit.free_data then storage_check(C.ms_storage_free_data(unit.flat), 'releasing the unsharded buffer', unit) end
+      st.units[#st.units + 1] = unit
+      install_hooks(st, unit)
     end
   end
-  rawset(model, '_fsdp', state)
+  for _, unit in ipairs(st.units) do
+    if not unit.reshards then unit:unshard() end
+  end
+  if st.trace then st.trace = {} end
+  rawset(model, '_fsdp', st)
+  rawset(model, 'no_sync', function(self, fn, ...) return fsdp.no_sync(self, fn, ...) end)
   return model
 end
 
@@ -400,14 +746,33 @@ local function state_of(model, fname)
   if not st then error(fname .. ': model was not passed to fsdp.fully_shard', 3) end
   return st
 end
+fsdp.state_of = function(model) return state_of(model, 'fsdp.state_of') end
 
--- the units (each: .fp the FlatParam, .module, .name, .views)
+-- the units (each: .fp the FlatParam, .module, .name, .views, .param_names)
 function fsdp.units(model) return state_of(model, 'fsdp.units').units end
+
+-- the debug trace of the last step (forward and backward): a list of
+-- 'forward X', 'all_gather X', 'unshard X', 'reshard X', 'backward X',
+-- 'reduce_scatter X' / 'all_reduce X', 'limit X' (a prefetch the limit held
+-- back); X is the unit's name ('root' for the root)
+function fsdp.trace(model) return state_of(model, 'fsdp.trace').trace or {} end
+
+-- the most units unsharded or being gathered at once since fully_shard
+-- (NO_SHARD units, never resharded, do not count)
+function fsdp.max_inflight(model) return state_of(model, 'fsdp.max_inflight').max_inflight end
 
 -- all-gather every unit (after an optimizer step, before reading
 -- model:named_parameters() outside forward)
 function fsdp.unshard(model)
-  for _, u in ipairs(state_of(model, 'fsdp.unshard').units) do u:reshard(); u:unshard() end
+  for _, u in ipairs(state_of(model, 'fsdp.unshard').units) do u:unshard() end
+  return model
+end
+
+-- release every unit's unsharded buffer (NO_SHARD units keep theirs)
+function fsdp.reshard(model)
+  for _, u in ipairs(state_of(model, 'fsdp.reshard').units) do
+    if u.reshards then u:reshard() end
+  end
   return model
 end
 
@@ -418,22 +783,133 @@ function fsdp.shards(model)
   return r
 end
 
--- fsdp.AdamW(model, opts): ms.optim.AdamW over the master shards (one group:
--- weight decay applies to every element; per-parameter no-decay groups are
--- still to come). The next unshard all-gathers the updated shards.
+-- fsdp.no_sync(model, fn, ...) (also model:no_sync(fn, ...)): the backwards
+-- inside fn keep their gradients unsharded (f32, summed over the backwards)
+-- and communicate nothing; the first backward after it reduces the sum.
+-- Returns fn's results.
+function fsdp.no_sync(model, fn, ...)
+  local st = state_of(model, 'fsdp.no_sync')
+  if type(fn) ~= 'function' then error('fsdp.no_sync: need a function', 2) end
+  local prev = st.sync
+  st.sync = false
+  local r = pack(pcall(fn, ...))
+  st.sync = prev
+  if not r[1] then error(r[2], 0) end
+  return unpack(r, 2, r.n)
+end
+
+-- drop every gradient: the sharded ones and the unsharded ones no_sync kept
+function fsdp.zero_grad(model)
+  for _, u in ipairs(state_of(model, 'fsdp.zero_grad').units) do
+    u.fp.shard:zero_grad()
+    u.fp.grad_shard = nil
+    for _, v in ipairs(u.views) do v.grad = nil end
+    if u.gbuf then u.gbuf:free(); u.gbuf, u.gviews = nil, nil end
+  end
+end
+
+-- after an optimizer stepped the master shards: refresh each unit's
+-- low-precision copy, and make every unsharded copy stale (the next
+-- unshard gathers the new values)
+function fsdp.after_step(model)
+  for _, u in ipairs(state_of(model, 'fsdp.after_step').units) do
+    if u.lp then
+      no_grad(function() u.lp:copy_(u.fp.shard) end)
+      u.lp_stale = false
+    end
+    if u.reshards then u:reshard()
+    else u.status = 'sharded'; u:unshard() end
+  end
+end
+
+-- fsdp.clip_grad_norm(model, max_norm) -> the total 2-norm of the gradient
+-- (a 0-dim f64 tensor, on the model's device; no host read), after scaling
+-- every gradient shard by min(1, max_norm / (norm + 1e-6)) as
+-- ms.optim.clip_grad_norm does. The sum of squares of the local shards
+-- (padding is zero) is all-reduced over the shard group only, so replicas
+-- (NO_SHARD, HYBRID_SHARD's replicate group) are not counted twice.
+function fsdp.clip_grad_norm(model, max_norm, opts)
+  local st = state_of(model, 'fsdp.clip_grad_norm')
+  if type(max_norm) ~= 'number' or max_norm <= 0 then
+    error(('fsdp.clip_grad_norm: max_norm must be a number > 0, got %s'):format(tostring(max_norm)), 2)
+  end
+  if opts and opts.norm_type and opts.norm_type ~= 2 then error('fsdp.clip_grad_norm: only norm_type 2', 2) end
+  local Fo = F()
+  local grads = {}
+  for _, u in ipairs(st.units) do
+    local g = u.fp.shard.grad
+    if g ~= nil then grads[#grads + 1] = g end
+  end
+  local device = st.units[1] and st.units[1].fp.device or -1
+  local sq
+  if #grads > 0 then sq = Fo.sum_squares(grads):reshape({ 1 })
+  else sq = T.zeros({ 1 }, { dtype = 'f64', device = device }) end
+  if st.shard_group and st.shard_group:size() > 1 then dist.all_reduce(sq, 'sum', { group = st.shard_group }) end
+  local total = Fo.sqrt(sq)
+  sq:free()
+  if #grads > 0 then
+    local denom = Fo.add(total, 1e-6)
+    local coef = Fo.div(max_norm, denom)
+    denom:free()
+    local c1 = Fo.clamp(coef, nil, 1.0)
+    coef:free()
+    local c32 = c1:to('f32')
+    c1:free()
+    no_grad(function() for _, g in ipairs(grads) do Fo.mul_(g, c32) end end)
+    c32:free()
+  end
+  local r = total:reshape({})
+  total:free()
+  return r
+end
+
+-- fsdp.AdamW(model, opts): ms.optim.AdamW over the master shards. Each
+-- unit's flat layout puts the decayed parameters first, so this rank's
+-- shard splits into at most one decayed range and one no-decay range; the
+-- optimizer has two groups of such ranges (narrow views of the shards,
+-- weight_decay = opts.weight_decay and 0) and steps each group in one fused
+-- call. opt:zero_grad() is fsdp.zero_grad(model); after each step the next
+-- unshard gathers the new values.
 function fsdp.AdamW(model, opts)
   local optim = require 'moonshard.optim'
-  local units = state_of(model, 'fsdp.AdamW').units
-  local opt = optim.AdamW(fsdp.shards(model), opts)
-  -- after a step every unit's unsharded copy is stale: the next forward
-  -- (or fsdp.unshard) gathers the new shards (NO_SHARD keeps its buffer
-  -- unsharded between steps, so it must be told too)
+  local st = state_of(model, 'fsdp.AdamW')
+  opts = opts or {}
+  local wd = opts.weight_decay
+  if wd == nil then wd = 0.01 end
+  local decay, nodecay, pieces = {}, {}, {}
+  for _, u in ipairs(st.units) do
+    local fp = u.fp
+    local S = fp.shard_numel
+    local nd = math.max(0, math.min(S, u.decay_end - fp.rank * S))   -- decayed elements of this shard
+    local function piece(off, n, list)
+      local p = fp.shard:narrow(1, off + 1, n)
+      pieces[#pieces + 1] = { p = p, unit = u, off = off, n = n, decay = list == decay }
+      list[#list + 1] = p
+    end
+    if nd > 0 then piece(0, nd, decay) end
+    if S - nd > 0 then piece(nd, S - nd, nodecay) end
+  end
+  local groups = {}
+  if #decay > 0 then groups[#groups + 1] = { params = decay, weight_decay = wd } end
+  if #nodecay > 0 then groups[#groups + 1] = { params = nodecay, weight_decay = 0 } end
+  if #groups == 0 then error('fsdp.AdamW: the model has no parameters', 2) end
+  local opt = optim.AdamW(groups, opts)
+  rawset(opt, 'fsdp_pieces', pieces)
   local step = opt.step
   rawset(opt, 'step', function(self, ...)
-    local r = step(self, ...)
-    for _, u in ipairs(units) do u:reshard() end
-    return r
+    for _, pc in ipairs(pieces) do
+      local g = pc.unit.fp.shard.grad
+      pc.p.grad = g ~= nil and g:narrow(1, pc.off + 1, pc.n) or nil
+    end
+    local ok, err = pcall(step, self, ...)
+    for _, pc in ipairs(pieces) do
+      local g = pc.p.grad
+      if g ~= nil then pc.p.grad = nil; g:free() end
+    end
+    if not ok then error(err, 0) end
+    fsdp.after_step(model)
   end)
+  rawset(opt, 'zero_grad', function() fsdp.zero_grad(model) end)
   return opt
 end
 
