@@ -172,6 +172,13 @@ describe('fsdp checkpoints at one world size #mpi', function()
     assert.are.equal('pt', meta.format)
     local t = ms.load_safetensors(path)
     for _, e in ipairs(r.params) do assert.are.equal(0, H.max_abs(t[e.name], e.tensor), e.name) end
+    -- bf16 on request
+    local p16 = D .. '/full-bf16.safetensors'
+    ck.save_full(r.model, p16, { dtype = 'bf16' })
+    for name, e in pairs(S.header(p16)) do
+      assert.are.equal('bf16', e.dtype, name)
+      assert.are.same(want[name].shape, e.shape)
+    end
     -- and it loads into a plain model as a state dict would
     local plain = H.load_model()
     plain:load_state_dict(t, { strict = true })

@@ -168,7 +168,7 @@ local function read_range(h, name, off, n, dest)
       (e.data_offsets[2] - e.data_offsets[1]) / es, off, off + n)
   end
   if n == 0 then return end
-  if dest.dtype == e.dtype and dest:is_contiguous() then
+  if dest.dtype == e.dtype and dest:is_contiguous() and dest.device_id < 0 then
     if C.ms_file_read_into(h.path, pos, n * es, dest) ~= 0 then
       fail('%s: tensor %s: %s', h.path, name, ffi.string(C.ms_last_error()))
     end
@@ -851,12 +851,19 @@ function M.save_full(model, path, opts)
   local ok, err = true, nil
   if ctx.rank == 0 and not ctx.skip_write then
     ok, err = pcall(function()
-      local out = {}
+      local out, conv = {}, {}
       for _, e in ipairs(params) do
-        out[e.name] = opts.dtype and e.tensor:to({ dtype = opts.dtype, copy = true }) or e.tensor
+        if opts.dtype and opts.dtype ~= e.tensor.dtype then
+          out[e.name] = e.tensor:to({ dtype = opts.dtype, copy = true })
+          conv[#conv + 1] = out[e.name]
+        else
+          out[e.name] = e.tensor
+        end
       end
       for _, b in ipairs(ctx.buffers) do out[b.name] = b.t:contiguous() end
-      S.save(path, out, { format = 'pt' })
+      local sok, serr = pcall(S.save, path, out, { format = 'pt' })
+      for _, t in ipairs(conv) do t:free() end
+      if not sok then error(serr, 0) end
     end)
   end
   for _, e in ipairs(params) do e.tensor:free() end
