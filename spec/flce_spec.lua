@@ -327,6 +327,24 @@ describe('fused_linear_cross_entropy', function()
       assert.are.equal(10, flce.chunk_rows(xx, WW, { memory_budget = 3000 * 4 * 10 }))
       assert.are.equal(1, flce.chunk_rows(xx, ms.empty({ 10 ^ 6, 64 })))
     end)
+
+    it('on the GPU: equal chunks of a multiple of 128 rows within 512 MiB of bf16 logits', function()
+      -- the arithmetic of ms_flce_chunk_rows for device 0 (no GPU needed)
+      local bf16 = ms.empty({ 1 }, { dtype = 'bf16' }).dtype_id
+      local function rows(bt, h, v) return tonumber(ms.C.ms_flce_chunk_rows(nil, bt, h, v, bf16, 0)) end
+      for _, c in ipairs({ { 8192, 4096, 128256, 2048 }, { 8192, 2560, 151936, 1664 }, { 8192, 768, 50304, 4096 },
+                           { 1000, 64, 3000, 1000 }, { 8192, 4096, 10 ^ 7, 26 } }) do
+        local bt, h, v, want = c[1], c[2], c[3], c[4]
+        local r = rows(bt, h, v)
+        assert.are.equal(want, r, ('BT=%d V=%d'):format(bt, v))
+        if r < bt and r > 128 then
+          assert.are.equal(0, r % 128)
+          assert.is_true(r * v * 2 <= 512 * 2 ^ 20)
+          local n = math.ceil(bt / r)
+          assert.is_true(bt - (n - 1) * r >= r - 128 * n, 'the last chunk is about as long as the others')
+        end
+      end
+    end)
   end)
 
   describe('edge cases', function()
