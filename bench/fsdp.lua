@@ -1,0 +1,156 @@
+-- bench/fsdp.lua — FSDP training throughput on one or more GPUs, shaped as
+-- the PyTorch references (../shared/bench/torch_gpt2.py, torch_llama.py):
+--
+--   luajit bench/fsdp.lua --model gpt2 --no-fsdp            one GPU, plain bf16 autocast
+--   luajit bench/fsdp.lua --model gpt2                      fully_shard on a world of one
+--   bin/train --nproc-per-node 2 bench/fsdp.lua --model llama
+--
+-- Options: --model gpt2|llama, --batch (per GPU; 32 for gpt2, 4 for llama),
+-- --seq (1024 / 2048), --steps (20), --warmup (5), --strategy (FULL_SHARD),
+-- --no-fsdp, --no-skip (do not measure the step with communication skipped).
+--
+-- Models: GPT-2 124M (12 x 768, vocab 50304, tied, no dropout) units by
+-- GPT2Block; Llama 1.25B (hidden 2048, 16 layers, 32 heads / 8 kv, MLP 5632,
+-- vocab 128256 untied, RoPE theta 5e5) units by LlamaDecoderLayer. bf16
+-- parameters for compute, f32 reduce and master weights, AdamW (betas 0.9 /
+-- 0.95, weight decay 0.1 on matrices for gpt2 as torch_gpt2.py; lr 3e-4 and
+-- torch's default decay 0.01 for llama), grad-norm clip 1.0.
+--
+-- Prints, on rank 0: ms per step (median of the steps after the warm-up,
+-- each step ended by loss:item()), tokens/s per GPU, model TFLOP/s per GPU,
+-- peak allocated memory per GPU, and the exposed communication: the same
+-- steps with every collective skipped (ms.fsdp.set_skip_comm: the
+-- numerics are then meaningless, the kernels the same) subtracted from the
+-- real step time.
+package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
+local ffi = require 'ffi'
+local ms = require 'moonshard'
+
+local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD' }
+local flags = { ['no-fsdp'] = false, ['no-skip'] = false }
+do
+  local i = 1
+  while i <= #arg do
+    local k = arg[i]:match('^%-%-(.+)$')
+    if k and flags[k] ~= nil then
+      flags[k] = true
+      i = i + 1
+    elseif k and opts[k] ~= nil then
+      opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
+      i = i + 2
+    else
+      error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
+        .. '[--strategy S] [--no-fsdp] [--no-skip]; got ' .. tostring(arg[i]))
+    end
+  end
+end
+if opts.model ~= 'gpt2' and opts.model ~= 'llama' then error('bench/fsdp.lua: --model gpt2 or llama') end
+if opts.batch == 0 then opts.batch = opts.model == 'gpt2' and 32 or 4 end
+if opts.seq == 0 then opts.seq = opts.model == 'gpt2' and 1024 or 2048 end
+assert(ms.cuda.is_available(), 'bench/fsdp.lua needs a CUDA device')
+
+ffi.cdef [[
+typedef struct { long tv_sec; long tv_nsec; } ms_fsdpb_timespec;
+int ms_fsdpb_clock_gettime(int clk, ms_fsdpb_timespec *t) asm("clock_gettime");
+]]
+local tsp = ffi.new('ms_fsdpb_timespec')
+local function now()
+  ffi.C.ms_fsdpb_clock_gettime(1, tsp)
+  return tonumber(tsp.tv_sec) + tonumber(tsp.tv_nsec) * 1e-9
+end
+
+local use_fsdp = not flags['no-fsdp']
+local world, rank = 1, 0
+if use_fsdp then
+  ms.dist.init { backend = 'nccl' }
+  world, rank = ms.dist.world_size(), ms.dist.rank()
+end
+local function say(...) if rank == 0 then print(...) end; io.stdout:flush() end
+
+-- the model
+local M, model, block, decay_all
+if opts.model == 'gpt2' then
+  M = require 'models.gpt2'
+  model = M.new('gpt2-124m', { vocab_size = 50304, n_positions = opts.seq, resid_pdrop = 0, embd_pdrop = 0,
+                               attn_pdrop = 0 })
+  block = M.Block
+else
+  M = require 'models.llama'
+  model = M.new({ vocab_size = 128256, hidden_size = 2048, intermediate_size = 5632, num_hidden_layers = 16,
+                  num_attention_heads = 32, num_key_value_heads = 8, max_position_embeddings = opts.seq,
+                  rope_parameters = { rope_type = 'default', rope_theta = 500000.0 }, tie_word_embeddings = false,
+                  rms_norm_eps = 1e-5 })
+  block = M.Layer
+end
+local nparams = 0
+for _, p in model:named_parameters() do nparams = nparams + p:numel() end
+model:to('cuda')
+model:train()
+
+local adam = opts.model == 'gpt2' and { lr = 6e-4, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
+  or { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.01 }
+local opt, clip
+if use_fsdp then
+  ms.fsdp.fully_shard(model, { policy = ms.fsdp.policy.by_class { block }, strategy = opts.strategy,
+                               mixed_precision = { param = 'bf16', reduce = 'f32' } })
+  opt = ms.fsdp.AdamW(model, adam)
+  clip = function() return ms.fsdp.clip_grad_norm(model, 1.0) end
+else
+  model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
+  opt = ms.optim.AdamW(model, adam)
+  clip = function() return ms.optim.clip_grad_norm(model, 1.0) end
+end
+
+-- random tokens, four batches cycled, a different stream per rank
+local V = model.config.vocab_size
+local data = {}
+for k = 1, 4 do
+  local d = (ms.rand({ opts.batch, opts.seq + 1 }, { seed = 100 * (rank + 1) + k, device = 'cuda' }) * (V - 1)):long()
+  data[k] = { d:narrow(2, 1, opts.seq):contiguous(), d:narrow(2, 2, opts.seq):contiguous() }
+end
+
+local function step(k)
+  local d = data[(k - 1) % 4 + 1]
+  opt:zero_grad()
+  local loss = model(d[1], d[2])
+  loss:backward()
+  clip()
+  opt:step()
+  return loss:item()
+end
+
+local function measure(label)
+  local times, loss = {}, nil
+  for k = 1, opts.steps do
+    local t0 = now()
+    loss = step(k)
+    times[#times + 1] = now() - t0
+    if k == 1 or k == opts.steps then say(('%s step %d loss %.4f dt %.1f ms'):format(label, k, loss, times[k] * 1e3)) end
+  end
+  local tail = {}
+  for k = opts.warmup + 1, #times do tail[#tail + 1] = times[k] end
+  table.sort(tail)
+  return tail[math.floor((#tail + 1) / 2)]
+end
+
+ms.cuda.reset_peak_memory_stats()
+local med = measure('real')
+local peak = ms.cuda.memory_stats().peak_allocated / 2 ^ 30
+local skipped
+if use_fsdp and world > 1 and not flags['no-skip'] and ms.fsdp.set_skip_comm then
+  ms.fsdp.set_skip_comm(model, true)
+  skipped = measure('no-comm')
+  ms.fsdp.set_skip_comm(model, false)
+end
+
+local cfg = model.config
+local L = cfg.n_layer or cfg.num_hidden_layers
+local C = cfg.n_embd or cfg.hidden_size
+local tok = opts.batch * opts.seq / med
+local flops_tok = 6 * nparams + 6 * L * C * opts.seq
+say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLOP/s/GPU | peak GiB/GPU | exposed comm ms |'))
+say('|---|---|---|---|---|---|---|---|---|---|---|')
+say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
+  use_fsdp and opts.strategy or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
+  peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))
+if use_fsdp then ms.dist.destroy() end
