@@ -80,6 +80,17 @@ int ms_cuda_record_stream(const struct ms_tensor *t, ms_cuda_stream *s);
 /* page-locked host memory for fast, asynchronous transfers */
 int ms_cuda_host_alloc(void **out, int64_t nbytes);
 void ms_cuda_host_free(void *p);
+
+/* which kernels run ms_attention on CUDA (kernels/attention.cu): for bf16/f16,
+ * MMA (mma.sync FlashAttention-2; head dims 64, 128), WMMA (head dims 16, 32,
+ * 64, 128) or SIMT (any head dim up to 128); f32 always runs SIMT. AUTO: the
+ * environment's MS_ATTENTION_IMPL=mma|wmma|simt (or MS_ATTENTION_SIMT=1),
+ * else the fastest that fits. A forced one that does not fit a call falls back
+ * MMA -> WMMA -> SIMT; last_impl says what the latest call ran. */
+enum { MS_ATTENTION_AUTO = 0, MS_ATTENTION_MMA, MS_ATTENTION_WMMA, MS_ATTENTION_SIMT };
+int ms_cuda_attention_set_impl(int impl);   /* 0, or -1 for a value not above */
+int ms_cuda_attention_get_impl(void);
+int ms_cuda_attention_last_impl(void);
 /* FFI-END */
 
 #endif

@@ -13,17 +13,26 @@
 // registers, looping over the query tiles and query heads that see it) and
 // one per 64-query tile (dq), recomputing P from lse: no atomics, so the
 // gradients are the same bits on every run.
-// Two implementations: bf16/f16 with head dims 16/32/64/128 run every tile
-// product on the tensor cores (attention_tc.cuh, WMMA); f32 and other head
-// dims up to 128 use the SIMT kernels below (f32 math on CUDA cores). Flops: forward 4*B*H*Tq*Tk*D (halved when causal),
-// backward 2.5x that; bytes: q, k, v, out read/written once per pass plus
-// K/V re-reads per query tile (from L2).
+// Three implementations, picked per call (pick_impl below; forced with
+// ms_cuda_attention_set_impl or MS_ATTENTION_IMPL=mma|wmma|simt):
+//   mma   bf16/f16, head dims 64 and 128, sm_80+, 16-byte aligned rows:
+//         FlashAttention-2 on mma.sync.m16n8k16 with scores, softmax and P
+//         in registers (attention_mma.cuh) — the default where it fits;
+//   wmma  bf16/f16, head dims 16/32/64/128: WMMA tile products with the
+//         score tile round-tripping through shared memory (attention_tc.cuh);
+//   simt  f32 and any head dim up to 128: the kernels below (f32 math on
+//         CUDA cores).
+// Flops: forward 4*B*H*Tq*Tk*D (halved when causal), backward 2.5x that
+// (the mma/wmma backward recompute S and dP in the dq pass: 3.5x); bytes:
+// q, k, v, out read/written once per pass plus K/V re-reads per query tile
+// (from L2).
 #include "common.cuh"
 #include "kernels.h"
 
 #include <math.h>
 #include <mma.h>
 #include <stdlib.h>
+#include <string.h>
 
 namespace {
 
@@ -307,14 +316,106 @@ int set_smem(K kernel, size_t bytes) {
 }
 
 #include "attention_tc.cuh"
+#include "attention_mma.cuh"
 
-// the tensor-core path takes bf16/f16 with head dims 16, 32, 64 or 128
-// (MS_ATTENTION_SIMT=1 forces the SIMT kernels, for comparison)
+// Which kernels run a call. bf16/f16: mma (attention_mma.cuh, head dims 64
+// and 128, sm_80+, 16-byte aligned rows), else wmma (attention_tc.cuh, head
+// dims 16/32/64/128), else simt; f32 always simt. ms_cuda_attention_set_impl
+// forces one (what does not fit the call falls back along that order), else
+// the environment does: MS_ATTENTION_IMPL=mma|wmma|simt, or MS_ATTENTION_SIMT
+// (any value) for simt.
+int g_impl_set = MS_ATTENTION_AUTO, g_impl_last = MS_ATTENTION_AUTO;
+
+int impl_requested() {
+    if (g_impl_set != MS_ATTENTION_AUTO) return g_impl_set;
+    static int env = -1;
+    if (env < 0) {
+        const char *s = getenv("MS_ATTENTION_IMPL");
+        env = MS_ATTENTION_AUTO;
+        if (s && !strcmp(s, "mma")) env = MS_ATTENTION_MMA;
+        else if (s && !strcmp(s, "wmma")) env = MS_ATTENTION_WMMA;
+        else if (s && !strcmp(s, "simt")) env = MS_ATTENTION_SIMT;
+        else if (getenv("MS_ATTENTION_SIMT")) env = MS_ATTENTION_SIMT;
+    }
+    return env;
+}
+
+// rows of 16-byte-aligned 16-bit elements: cp.async and vector stores apply
+bool rows_aligned16(const ms_tensor *t) {
+    if (((uintptr_t)ms_tensor_data(t) & 15) != 0) return false;
+    for (int d = 0; d < 3; d++)
+        if (t->sizes[d] > 1 && t->strides[d] % 8 != 0) return false;
+    return true;
+}
+
+int cc_major(int device) {
+    static int cache[64];
+    if (device < 0 || device >= 64) return 0;
+    if (!cache[device] && cudaDeviceGetAttribute(&cache[device], cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+        cache[device] = 0;
+    return cache[device];
+}
+
+// the implementation for a call on tensors ts[0..n) (q first), remembered
+// for ms_cuda_attention_last_impl
 template <typename T>
-bool use_tc(int D) {
-    static int simt = -1;
-    if (simt < 0) simt = getenv("MS_ATTENTION_SIMT") != nullptr;
-    return !simt && sizeof(T) == 2 && (D == 16 || D == 32 || D == 64 || D == 128);
+int pick_impl(int D, const ms_tensor *const *ts, int n, bool auto_mma) {
+    int want = impl_requested(), got = MS_ATTENTION_SIMT;
+    if (want == MS_ATTENTION_AUTO && !auto_mma) want = MS_ATTENTION_WMMA;
+    if (sizeof(T) == 2 && want != MS_ATTENTION_SIMT) {
+        bool mma_ok = want != MS_ATTENTION_WMMA && (D == 64 || D == 128) && cc_major(ts[0]->device_id) >= 8;
+        for (int i = 0; i < n && mma_ok; i++) mma_ok = rows_aligned16(ts[i]);
+        if (mma_ok) got = MS_ATTENTION_MMA;
+        else if (D == 16 || D == 32 || D == 64 || D == 128) got = MS_ATTENTION_WMMA;
+    }
+    g_impl_last = got;
+    return got;
+}
+
+template <typename T, int D>
+int mma_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
+            int causal) {
+    constexpr int MT = D == 64 ? 2 : 1, BM = 64 * MT;  // query rows a block
+    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
+    long long Tq = q->sizes[2], Tk = k->sizes[2];
+    size_t smem = mma::fwd_smem<T, D, MT>();
+    if (set_smem<T>(mma::fwd_kernel<T, D, MT>, smem)) return -1;
+    dim3 grid((unsigned)((Tq + BM - 1) / BM), (unsigned)(B * H));
+    mma::fwd_kernel<T, D, MT><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
+        (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
+        (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(v), layout4(out), H,
+        Hkv, Tq, Tk, scale, causal);
+    LAUNCH_CHECK("mma::fwd_kernel");
+    return 0;
+}
+
+template <typename T, int D>
+int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
+            const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s) {
+    constexpr int BQ = D == 64 ? 64 : 32;  // queries per dk/dv step (register budget at D = 128)
+    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
+    long long Tq = q->sizes[2], Tk = k->sizes[2];
+    if (Tk > 0) {
+        size_t smem = mma::dkdv_smem<T, D, BQ>();
+        if (set_smem<T>(mma::dkdv_kernel<T, D, BQ>, smem)) return -1;
+        dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));
+        mma::dkdv_kernel<T, D, BQ><<<grid, 128, smem, s>>>(
+            (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
+            layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal);
+        LAUNCH_CHECK("mma::dkdv_kernel");
+    }
+    if (Tq > 0) {
+        size_t smem = mma::dq_smem<T, D>();
+        if (set_smem<T>(mma::dq_kernel<T, D>, smem)) return -1;
+        dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
+        mma::dq_kernel<T, D><<<grid, 128, smem, s>>>(
+            (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
+            layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal);
+        LAUNCH_CHECK("mma::dq_kernel");
+    }
+    return 0;
 }
 
 template <typename T, int D>
@@ -390,8 +491,13 @@ int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, 
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1], D = (int)q->sizes[3];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     if (Tq == 0) return 0;
+    const ms_tensor *ts[4] = {q, k, v, out};
+    int impl = pick_impl<T>(D, ts, 4, true);
     if constexpr (sizeof(T) == 2) {
-        if (use_tc<T>(D)) return tc_fwd_any<T>(D, out, lse, q, k, v, scale, causal);
+        if (impl == MS_ATTENTION_MMA)
+            return D == 64 ? mma_fwd<T, 64>(out, lse, q, k, v, scale, causal)
+                           : mma_fwd<T, 128>(out, lse, q, k, v, scale, causal);
+        if (impl == MS_ATTENTION_WMMA) return tc_fwd_any<T>(D, out, lse, q, k, v, scale, causal);
     }
     size_t smem = sizeof(float) * (3 * kTile * (D + 1) + kTile * (kTile + 1));
     if (set_smem<T>(attention_fwd_kernel<T>, smem)) return -1;
@@ -426,10 +532,14 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
             layout4(out), layout4(dout), H, Tq, D, rows);
         LAUNCH_CHECK("attention_delta_kernel");
     }
+    const ms_tensor *ts[7] = {q, k, v, dout, dq, dk, dv};
+    int impl = pick_impl<T>(D, ts, 7, false);  // mma backward: only when asked for, until measured
     if constexpr (sizeof(T) == 2) {
-        if (use_tc<T>(D))
-            return tc_bwd_any<T>(D, dq, dk, dv, q, k, v, dout, (const float *)ms_tensor_data(l),
-                                 (const float *)ms_tensor_data(delta.t), scale, causal, s);
+        const float *lp = (const float *)ms_tensor_data(l), *dp = (const float *)ms_tensor_data(delta.t);
+        if (impl == MS_ATTENTION_MMA)
+            return D == 64 ? mma_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
+                           : mma_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
+        if (impl == MS_ATTENTION_WMMA) return tc_bwd_any<T>(D, dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
     }
     if (Tk > 0) {
         size_t smem = sizeof(float) * (4 * kTile * (D + 1) + 2 * kTile * (kTile + 1) + 2 * kTile);
@@ -506,3 +616,14 @@ extern "C" int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tenso
     if (!rc && gv != dv) rc = ms_cuda_convert(dv, gv);
     return rc;
 }
+
+extern "C" int ms_cuda_attention_set_impl(int impl) {
+    if (impl < MS_ATTENTION_AUTO || impl > MS_ATTENTION_SIMT)
+        return ms_errorf("attention_set_impl: %d is not one of MS_ATTENTION_AUTO/MMA/WMMA/SIMT (0-3)", impl);
+    g_impl_set = impl;
+    return 0;
+}
+
+extern "C" int ms_cuda_attention_get_impl(void) { return g_impl_set; }
+
+extern "C" int ms_cuda_attention_last_impl(void) { return g_impl_last; }

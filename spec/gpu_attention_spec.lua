@@ -1,10 +1,14 @@
 -- The flash-style attention kernels (kernels/attention.cu) against the CPU
 -- reference (core/attention_cpu.c): forward output, lse and dq/dk/dv on
--- random data, f32 ≤ 1e-5 and bf16 ≤ 1e-2 relative, for tile-straddling
--- lengths, grouped-query heads, head dims 32/64/128 and Tq != Tk.
+-- random data, f32 ≤ 1e-5 and bf16/f16 ≤ 1e-2 relative, lse ≤ 1e-5, for
+-- every implementation (mma, wmma, simt: ms_cuda_attention_set_impl), head
+-- dims 64 and 128 (and 32, which only wmma/simt take), lengths 1 to 1024
+-- across the tile edges, causal or not, Tq != Tk (bottom-right causal, rows
+-- that see no key), grouped-query heads and strided (B, T, H, D) views.
 local ms = require 'moonshard'
 local ffi = require 'ffi'
 local T = require 'moonshard.tensor'
+local C = T.C
 
 local function relerr(got, want)
   local g, w = got:to('cpu'):double(), want:to('cpu'):double()
@@ -12,86 +16,205 @@ local function relerr(got, want)
   return math.sqrt((d * d):sum():item() / (w * w):sum():item())
 end
 
+local function flat(t, acc)
+  acc = acc or {}
+  if type(t) ~= 'table' then acc[#acc + 1] = t return acc end
+  for _, x in ipairs(t) do flat(x, acc) end
+  return acc
+end
+-- lse: relative error over the finite entries; a row without keys must be
+-- -inf in both
+local function lse_err(got, want)
+  local g, w = flat(got:to('cpu'):double():totable()), flat(want:to('cpu'):double():totable())
+  local num, den = 0, 0
+  for i = 1, #w do
+    if w[i] == -math.huge or g[i] == -math.huge then
+      if w[i] ~= g[i] then return math.huge end
+    else
+      num, den = num + (g[i] - w[i]) ^ 2, den + w[i] ^ 2
+    end
+  end
+  return den > 0 and math.sqrt(num / den) or math.sqrt(num)
+end
+
 local box = ffi.typeof('ms_tensor*[1]')
 local function attention(q, k, v, scale, causal)
   local o, l = box(), box()
-  T.check(T.C.ms_attention(o, l, q, k, v, scale, causal and 1 or 0))
+  T.check(C.ms_attention(o, l, q, k, v, scale, causal and 1 or 0))
   return T.wrap(o[0]), T.wrap(l[0])
 end
 local function attention_backward(q, k, v, o, l, g, scale, causal)
   local a, b, c = box(), box(), box()
-  T.check(T.C.ms_attention_backward(a, b, c, q, k, v, o, l, g, scale, causal and 1 or 0))
+  T.check(C.ms_attention_backward(a, b, c, q, k, v, o, l, g, scale, causal and 1 or 0))
   return T.wrap(a[0]), T.wrap(b[0]), T.wrap(c[0])
 end
 
-local cases = {
+local impl_ids = { mma = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA, simt = C.MS_ATTENTION_SIMT }
+local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt' }
+-- fn() with `impl` forced, back to auto afterwards even on error
+local function with_impl(impl, fn)
+  T.check(C.ms_cuda_attention_set_impl(impl_ids[impl]))
+  local ok, err = pcall(fn)
+  C.ms_cuda_attention_set_impl(C.MS_ATTENTION_AUTO)
+  if not ok then error(err, 0) end
+end
+-- what a call with `impl` forced should run (falls back mma -> wmma -> simt)
+local function expected_impl(impl, dt, D)
+  if dt == 'f32' or impl == 'simt' then return 'simt' end
+  if impl == 'mma' and (D == 64 or D == 128) then return 'mma' end
+  if D == 16 or D == 32 or D == 64 or D == 128 then return 'wmma' end
+  return 'simt'
+end
+local function last_impl() return impl_names[tonumber(C.ms_cuda_attention_last_impl())] end
+
+local cases = {}
+-- every length across the tile edges, both head dims, causal or not; GQA on
+-- every other case
+for _, D in ipairs({ 64, 128 }) do
+  for _, Tn in ipairs({ 1, 17, 64, 130, 1024 }) do
+    for _, causal in ipairs({ true, false }) do
+      local gqa = #cases % 2 == 0
+      cases[#cases + 1] = { B = Tn >= 1024 and 1 or 2, H = 2, Hkv = gqa and 1 or 2, Tq = Tn, Tk = Tn, D = D,
+        causal = causal }
+    end
+  end
+end
+for _, c in ipairs({
+  -- Tq != Tk: queries are the last Tq positions (decode-like), or Tq > Tk
+  -- with causal rows that see no key (zero output, lse = -inf)
+  { B = 1, H = 4, Hkv = 2, Tq = 20, Tk = 150, D = 64, causal = true },
+  { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, D = 64, causal = false },
+  { B = 1, H = 2, Hkv = 1, Tq = 150, Tk = 70, D = 64, causal = true },
+  { B = 1, H = 2, Hkv = 2, Tq = 1, Tk = 130, D = 64, causal = true },
+  { B = 1, H = 4, Hkv = 1, Tq = 70, Tk = 200, D = 128, causal = true },
+  { B = 1, H = 2, Hkv = 2, Tq = 200, Tk = 70, D = 128, causal = false },
+  { B = 1, H = 2, Hkv = 1, Tq = 200, Tk = 130, D = 128, causal = true },
+  -- the older set (head dim 32: wmma and simt only)
   { B = 2, H = 4, Hkv = 4, Tq = 100, Tk = 100, D = 64, causal = true },
   { B = 1, H = 8, Hkv = 2, Tq = 130, Tk = 130, D = 32, causal = true },
-  { B = 1, H = 2, Hkv = 1, Tq = 64, Tk = 64, D = 128, causal = true },
-  { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, D = 64, causal = false },
-  { B = 1, H = 4, Hkv = 2, Tq = 20, Tk = 150, D = 64, causal = true },
-}
+}) do cases[#cases + 1] = c end
+
+-- the reference (f64, from the inputs rounded to dt) once per case and dtype;
+-- its backward takes the reference output rounded to dt, as a kernel's is
+local function reference(c, dt, seed)
+  local q = ms.randn({ c.B, c.H, c.Tq, c.D }, { seed = seed }):to(dt)
+  local k = ms.randn({ c.B, c.Hkv, c.Tk, c.D }, { seed = seed + 1 }):to(dt)
+  local v = ms.randn({ c.B, c.Hkv, c.Tk, c.D }, { seed = seed + 2 }):to(dt)
+  local g = ms.randn({ c.B, c.H, c.Tq, c.D }, { seed = seed + 3 }):to(dt)
+  local scale = 1 / math.sqrt(c.D)
+  local o1, l1 = attention(q:double(), k:double(), v:double(), scale, c.causal)
+  local dq1, dk1, dv1 = attention_backward(q:double(), k:double(), v:double(), o1:to(dt):double(), l1, g:double(),
+    scale, c.causal)
+  return { q = q, k = k, v = v, g = g, scale = scale, o = o1, l = l1, dq = dq1, dk = dk1, dv = dv1 }
+end
+
+local function check_case(c, dt, ref, impl)
+  local bound = dt == 'f32' and 1e-5 or 1e-2
+  local want = expected_impl(impl, dt, c.D)
+  local qg, kg, vg = ref.q:cuda(), ref.k:cuda(), ref.v:cuda()
+  local o2, l2
+  with_impl(impl, function() o2, l2 = attention(qg, kg, vg, ref.scale, c.causal) end)
+  assert.are.equal(want, last_impl(), 'forward ran ' .. tostring(last_impl()))
+  assert.is_true(relerr(o2, ref.o) <= bound, 'out ' .. relerr(o2, ref.o))
+  assert.is_true(lse_err(l2, ref.l) <= 1e-5, 'lse ' .. lse_err(l2, ref.l))
+  local dq2, dk2, dv2
+  with_impl(impl, function()
+    dq2, dk2, dv2 = attention_backward(qg, kg, vg, o2, l2, ref.g:cuda(), ref.scale, c.causal)
+  end)
+  assert.are.equal(want, last_impl(), 'backward ran ' .. tostring(last_impl()))
+  assert.is_true(relerr(dq2, ref.dq) <= bound, 'dq ' .. relerr(dq2, ref.dq))
+  assert.is_true(relerr(dk2, ref.dk) <= bound, 'dk ' .. relerr(dk2, ref.dk))
+  assert.is_true(relerr(dv2, ref.dv) <= bound, 'dv ' .. relerr(dv2, ref.dv))
+end
 
 describe('fused attention on cuda #gpu', function()
   local seed = 900
   for n, c in ipairs(cases) do
-    for _, dt in ipairs({ 'f32', 'bf16' }) do
-      it(('case %d in %s matches the CPU reference'):format(n, dt), function()
-        local bound = dt == 'f32' and 1e-5 or 1e-2
-        seed = seed + 10
-        local q = ms.randn({ c.B, c.H, c.Tq, c.D }, { seed = seed }):to(dt)
-        local k = ms.randn({ c.B, c.Hkv, c.Tk, c.D }, { seed = seed + 1 }):to(dt)
-        local v = ms.randn({ c.B, c.Hkv, c.Tk, c.D }, { seed = seed + 2 }):to(dt)
-        local g = ms.randn({ c.B, c.H, c.Tq, c.D }, { seed = seed + 3 }):to(dt)
-        local scale = 1 / math.sqrt(c.D)
-        -- the reference in f64 from the same (rounded) inputs
-        local o1, l1 = attention(q:double(), k:double(), v:double(), scale, c.causal)
-        local qg, kg, vg = q:cuda(), k:cuda(), v:cuda()
-        local o2, l2 = attention(qg, kg, vg, scale, c.causal)
-        assert.is_true(relerr(o2, o1) <= bound, 'out ' .. relerr(o2, o1))
-        assert.is_true(relerr(l2, l1) <= 1e-5, 'lse ' .. relerr(l2, l1))
-        local dq1, dk1, dv1 = attention_backward(q:double(), k:double(), v:double(), o2:to('cpu'):double(),
-          l1, g:double(), scale, c.causal)
-        local dq2, dk2, dv2 = attention_backward(qg, kg, vg, o2, l2, g:cuda(), scale, c.causal)
-        assert.is_true(relerr(dq2, dq1) <= bound, 'dq ' .. relerr(dq2, dq1))
-        assert.is_true(relerr(dk2, dk1) <= bound, 'dk ' .. relerr(dk2, dk1))
-        assert.is_true(relerr(dv2, dv1) <= bound, 'dv ' .. relerr(dv2, dv1))
-      end)
+    for _, dt in ipairs({ 'bf16', 'f16', 'f32' }) do
+      local name = ('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d%s'):format(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D,
+        c.causal and ' causal' or '')
+      -- f32 runs simt whatever is asked: once, on the shorter cases
+      local impls = dt == 'f32' and (c.Tq < 1024 and { 'simt' } or {}) or { 'mma', 'wmma', 'simt' }
+      local ref
+      seed = seed + 10
+      local case_seed = seed
+      for _, impl in ipairs(impls) do
+        it(('case %d (%s) in %s with %s matches the CPU reference'):format(n, name, dt, impl), function()
+          ref = ref or reference(c, dt, case_seed)
+          check_case(c, dt, ref, impl)
+        end)
+      end
     end
   end
 
-  it('transposed (B, T, H, D) views work without copies and give the same result', function()
-    local x = ms.randn({ 2, 70, 3, 3 * 32 }, { seed = 77 }):cuda()
-    local q = x:narrow(4, 1, 32):transpose(2, 3)
-    local k = x:narrow(4, 33, 32):transpose(2, 3)
-    local v = x:narrow(4, 65, 32):transpose(2, 3)
-    local o1 = attention(q, k, v, 0.2, true)
-    local o2 = attention(q:contiguous(), k:contiguous(), v:contiguous(), 0.2, true)
-    assert.is_true(relerr(o1, o2) <= 1e-7)
-  end)
+  for _, impl in ipairs({ 'mma', 'wmma', 'simt' }) do
+    it(('transposed (B, T, H, D) views work without copies and give the same result (%s)'):format(impl), function()
+      for _, c in ipairs({ { 'f32', 32 }, { 'bf16', 32 }, { 'bf16', 64 }, { 'f16', 128 } }) do
+        local dt, D = c[1], c[2]
+        local x = ms.randn({ 2, 70, 3, 3 * D }, { seed = 77 }):to(dt):cuda()
+        local q = x:narrow(4, 1, D):transpose(2, 3)
+        local k = x:narrow(4, D + 1, D):transpose(2, 3)
+        local v = x:narrow(4, 2 * D + 1, D):transpose(2, 3)
+        local o1, o2
+        with_impl(impl, function()
+          o1 = attention(q, k, v, 0.2, true)
+          assert.are.equal(expected_impl(impl, dt, D), last_impl())
+          o2 = attention(q:contiguous(), k:contiguous(), v:contiguous(), 0.2, true)
+        end)
+        assert.is_true(relerr(o1, o2) <= 1e-7)
+      end
+    end)
 
-  it('takes q, k and v in different layouts (k contiguous, v a transposed view, GQA)', function()
-    local q = ms.randn({ 2, 32, 4, 16 }, { seed = 41 }):transpose(2, 3)
-    local k = ms.randn({ 2, 2, 32, 16 }, { seed = 42 })
-    local v = ms.randn({ 2, 32, 2, 16 }, { seed = 43 }):transpose(2, 3)
-    local g = ms.randn({ 2, 4, 32, 16 }, { seed = 44 })
-    local o1, l1 = attention(q:double(), k:double(), v:double(), 0.25, true)
-    local o2, l2 = attention(q:cuda(), k:cuda(), v:cuda(), 0.25, true)
-    assert.is_true(relerr(o2, o1) <= 1e-5, 'out ' .. relerr(o2, o1))
-    local a1, b1, c1 = attention_backward(q:double(), k:double(), v:double(), o1, l1, g:double(), 0.25, true)
-    local a2, b2, c2 = attention_backward(q:cuda(), k:cuda(), v:cuda(), o2, l2, g:cuda():transpose(3, 4):contiguous():transpose(3, 4), 0.25, true)
-    assert.is_true(relerr(a2, a1) <= 1e-5 and relerr(b2, b1) <= 1e-5 and relerr(c2, c1) <= 1e-5)
-  end)
+    it(('takes q, k and v in different layouts (k contiguous, v a transposed view, GQA; %s)'):format(impl), function()
+      for _, c in ipairs({ { dt = 'f32', D = 16, bound = 1e-5 }, { dt = 'bf16', D = 64, bound = 1e-2 },
+        { dt = 'f16', D = 128, bound = 1e-2 } }) do
+        local D = c.D
+        local q = ms.randn({ 2, 32, 4, D }, { seed = 41 }):to(c.dt):transpose(2, 3)
+        local k = ms.randn({ 2, 2, 32, D }, { seed = 42 }):to(c.dt)
+        local v = ms.randn({ 2, 32, 2, D }, { seed = 43 }):to(c.dt):transpose(2, 3)
+        local g = ms.randn({ 2, 4, 32, D }, { seed = 44 }):to(c.dt)
+        local s = 1 / math.sqrt(D)
+        local o1, l1 = attention(q:double(), k:double(), v:double(), s, true)
+        local a1, b1, c1 = attention_backward(q:double(), k:double(), v:double(), o1:to(c.dt):double(), l1,
+          g:double(), s, true)
+        local o2, l2, a2, b2, c2
+        with_impl(impl, function()
+          o2, l2 = attention(q:cuda(), k:cuda(), v:cuda(), s, true)
+          a2, b2, c2 = attention_backward(q:cuda(), k:cuda(), v:cuda(), o2, l2,
+            g:cuda():transpose(3, 4):contiguous():transpose(3, 4), s, true)
+        end)
+        assert.is_true(relerr(o2, o1) <= c.bound, c.dt .. ' out ' .. relerr(o2, o1))
+        assert.is_true(relerr(a2, a1) <= c.bound and relerr(b2, b1) <= c.bound and relerr(c2, c1) <= c.bound,
+          ('%s dq %g dk %g dv %g'):format(c.dt, relerr(a2, a1), relerr(b2, b1), relerr(c2, c1)))
+      end
+    end)
 
-  it('is deterministic: the same gradients bit for bit', function()
-    local q = ms.randn({ 1, 4, 200, 64 }, { seed = 5, device = 'cuda' })
-    local k = ms.randn({ 1, 4, 200, 64 }, { seed = 6, device = 'cuda' })
-    local v = ms.randn({ 1, 4, 200, 64 }, { seed = 7, device = 'cuda' })
-    local g = ms.randn({ 1, 4, 200, 64 }, { seed = 8, device = 'cuda' })
-    local o, l = attention(q, k, v, 0.125, true)
-    local a1, b1 = attention_backward(q, k, v, o, l, g, 0.125, true)
-    local a2, b2 = attention_backward(q, k, v, o, l, g, 0.125, true)
-    assert.are.same(a1:to('cpu'):totable(), a2:to('cpu'):totable())
-    assert.are.same(b1:to('cpu'):totable(), b2:to('cpu'):totable())
+    it(('is deterministic: the same gradients bit for bit (%s)'):format(impl), function()
+      for _, dt in ipairs({ 'f32', 'bf16' }) do
+        local q = ms.randn({ 1, 4, 200, 64 }, { seed = 5, device = 'cuda' }):to(dt)
+        local k = ms.randn({ 1, 2, 200, 64 }, { seed = 6, device = 'cuda' }):to(dt)
+        local v = ms.randn({ 1, 2, 200, 64 }, { seed = 7, device = 'cuda' }):to(dt)
+        local g = ms.randn({ 1, 4, 200, 64 }, { seed = 8, device = 'cuda' }):to(dt)
+        with_impl(impl, function()
+          local o, l = attention(q, k, v, 0.125, true)
+          local a1, b1, c1 = attention_backward(q, k, v, o, l, g, 0.125, true)
+          local a2, b2, c2 = attention_backward(q, k, v, o, l, g, 0.125, true)
+          assert.are.same(a1:to('cpu'):double():totable(), a2:to('cpu'):double():totable())
+          assert.are.same(b1:to('cpu'):double():totable(), b2:to('cpu'):double():totable())
+          assert.are.same(c1:to('cpu'):double():totable(), c2:to('cpu'):double():totable())
+        end)
+      end
+    end)
+  end
+
+  it('runs mma by default for bf16/f16 at head dims 64 and 128, and rejects an unknown implementation', function()
+    local q = ms.randn({ 1, 2, 40, 64 }, { seed = 3, device = 'cuda' }):to('bf16')
+    attention(q, q, q, 0.125, true)
+    -- (MS_ATTENTION_IMPL / MS_ATTENTION_SIMT in the environment change the default)
+    if not os.getenv('MS_ATTENTION_IMPL') and not os.getenv('MS_ATTENTION_SIMT') then
+      assert.are.equal('mma', last_impl())
+    end
+    assert.are.equal(-1, C.ms_cuda_attention_set_impl(7))
+    assert.are.equal(C.MS_ATTENTION_AUTO, C.ms_cuda_attention_get_impl())
   end)
 end)

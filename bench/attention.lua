@@ -1,0 +1,128 @@
+-- bench/attention.lua — the fused attention kernels (kernels/attention.cu) on
+-- one GPU, each implementation (mma: attention_mma.cuh, wmma:
+-- attention_tc.cuh, simt) forced in turn through ms_cuda_attention_set_impl,
+-- at GPT-2 124M's attention (B=8, H=12, T=1024, D=64) and a longer one
+-- (B=4, H=32, T=2048, D=64), causal.
+--
+--   luajit bench/attention.lua [--iters 20] [--warmup 3] [--dtype bf16] [--impls mma,wmma,simt]
+--
+-- Before timing, each implementation's out, lse and dq/dk/dv on the first
+-- (b, two heads) are checked against the CPU reference (f64, bound 1e-2).
+-- Time: CUDA events, median of the runs, L2 flushed (a 256 MiB fill) before
+-- each; the backward includes its delta pre-pass. Flops (causal, FA2's
+-- count): forward 2·2·B·H·T²·D / 2, backward 2.5x that; TFLOP/s against the
+-- bf16 matmul rate measured here (8192³ through ms.matmul, cuBLASLt).
+package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
+local ms = require 'moonshard'
+local ffi = require 'ffi'
+local T = require 'moonshard.tensor'
+local C = T.C
+local F = ms.raw
+
+local opts = { iters = 20, warmup = 3, dtype = 'bf16', impls = 'mma,wmma,simt' }
+local i = 1
+while i <= #arg do
+  local k = arg[i]:match('^%-%-(.+)$')
+  if not k or opts[k] == nil then
+    error('usage: luajit bench/attention.lua [--iters N] [--warmup N] [--dtype bf16|f16] [--impls mma,wmma,simt]')
+  end
+  opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
+  i = i + 2
+end
+assert(ms.cuda.is_available(), 'bench/attention.lua needs a CUDA device')
+
+local flush_buf = ms.empty({ 64 * 2 ^ 20 }, { device = 'cuda' })
+local function flush_l2() F.fill_(flush_buf, 0) end
+local function median(t)
+  table.sort(t)
+  return t[math.floor((#t + 1) / 2)]
+end
+-- median ms of fn() (its results freed after each run)
+local function timed(fn)
+  for _ = 1, opts.warmup do fn() end
+  ms.cuda.synchronize()
+  local e0, e1 = ms.cuda.event({ timing = true }), ms.cuda.event({ timing = true })
+  local ts = {}
+  for k = 1, opts.iters do
+    flush_l2()
+    e0:record()
+    fn()
+    e1:record()
+    e1:synchronize()
+    ts[k] = e0:elapsed_ms(e1)
+    collectgarbage('step')
+  end
+  return median(ts)
+end
+local function relerr(got, want)
+  local g, w = got:to('cpu'):to('f64'), want:to('cpu'):to('f64')
+  local d = F.sub(g, w)
+  return math.sqrt(F.sum(F.mul(d, d)):item() / F.sum(F.mul(w, w)):item())
+end
+
+local box = ffi.typeof('ms_tensor*[1]')
+local function attention(q, k, v, scale)
+  local o, l = box(), box()
+  T.check(C.ms_attention(o, l, q, k, v, scale, 1))
+  return T.wrap(o[0]), T.wrap(l[0])
+end
+local function attention_backward(q, k, v, o, l, g, scale)
+  local a, b, c = box(), box(), box()
+  T.check(C.ms_attention_backward(a, b, c, q, k, v, o, l, g, scale, 1))
+  return T.wrap(a[0]), T.wrap(b[0]), T.wrap(c[0])
+end
+local impl_ids = { mma = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA, simt = C.MS_ATTENTION_SIMT }
+local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt' }
+
+-- the bf16 matmul ceiling through the production GEMM
+local function matmul_rate()
+  local n = 8192
+  local a = ms.randn({ n, n }, { seed = 1, device = 'cuda' }):bf16()
+  local b = ms.randn({ n, n }, { seed = 2, device = 'cuda' }):bf16()
+  local t = timed(function() ms.matmul(a, b) end)
+  return 2 * n ^ 3 / (t * 1e-3) / 1e12
+end
+local peak = matmul_rate()
+
+print(('device: %s; bf16 matmul %.0f TFLOP/s; %s, causal'):format(ms.cuda.get_device_name(0), peak, opts.dtype))
+print('| impl | B x H x T x D | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd % of matmul | rel. err (out, dq, dk, dv) |')
+print('|---|---|---|---|---|---|---|---|')
+local seed = 10
+for _, s in ipairs({ { B = 8, H = 12, T = 1024, D = 64 }, { B = 4, H = 32, T = 2048, D = 64 } }) do
+  local shape = { s.B, s.H, s.T, s.D }
+  local function randn()
+    seed = seed + 1
+    return ms.randn(shape, { seed = seed, device = 'cuda' }):to(opts.dtype)
+  end
+  local q, k, v, g = randn(), randn(), randn(), randn()
+  local scale = 1 / math.sqrt(s.D)
+  -- the reference on (b = 1, heads 1-2): those rows' gradients depend on them alone
+  local function part(x) return x:narrow(1, 1, 1):narrow(2, 1, 2) end
+  local qs, ks, vs, gs = part(q):to('cpu'):to('f64'), part(k):to('cpu'):to('f64'), part(v):to('cpu'):to('f64'),
+    part(g):to('cpu'):to('f64')
+  local o_ref, l_ref = attention(qs, ks, vs, scale)
+  local dq_ref, dk_ref, dv_ref = attention_backward(qs, ks, vs, o_ref:to(opts.dtype):to('f64'), l_ref, gs, scale)
+  local fwd_flops = 4 * s.B * s.H * s.T * s.T * s.D / 2
+  for impl in opts.impls:gmatch('[^,]+') do
+    T.check(C.ms_cuda_attention_set_impl(assert(impl_ids[impl], 'unknown implementation ' .. impl)))
+    local o, l = attention(q, k, v, scale)
+    local ran = impl_names[tonumber(C.ms_cuda_attention_last_impl())]
+    local dq, dk, dv = attention_backward(q, k, v, o, l, g, scale)
+    local errs = { relerr(part(o), o_ref), relerr(part(dq), dq_ref), relerr(part(dk), dk_ref),
+      relerr(part(dv), dv_ref) }
+    for n, e in ipairs(errs) do
+      if not (e <= 1e-2) then
+        error(('%s: %s is %.3e from the CPU reference'):format(impl, ({ 'out', 'dq', 'dk', 'dv' })[n], e))
+      end
+    end
+    dq:free(); dk:free(); dv:free()
+    local tf = timed(function() attention(q, k, v, scale) end)
+    local tb = timed(function() attention_backward(q, k, v, o, l, g, scale) end)
+    local ff, fb = fwd_flops / (tf * 1e-3) / 1e12, 2.5 * fwd_flops / (tb * 1e-3) / 1e12
+    print(('| %s%s | %dx%dx%dx%d | %.3f | %.1f | %.3f | %.1f | %.1f%% | %.1e, %.1e, %.1e, %.1e |'):format(impl,
+      ran ~= impl and (' (ran ' .. tostring(ran) .. ')') or '', s.B, s.H, s.T, s.D, tf, ff, tb, fb,
+      100 * 3.5 * fwd_flops / ((tf + tb) * 1e-3) / 1e12 / peak, errs[1], errs[2], errs[3], errs[4]))
+    o:free(); l:free()
+  end
+  T.check(C.ms_cuda_attention_set_impl(C.MS_ATTENTION_AUTO))
+end

@@ -1,0 +1,647 @@
+// kernels/attention_mma.cuh — the default tensor-core path of kernels/attention.cu
+// for bf16/f16 with head dims 64 and 128 on sm_80+: FlashAttention-2 written on
+// raw mma.sync.m16n8k16 (inline PTX, f32 accumulation). Unlike the WMMA path
+// (attention_tc.cuh) no score tile ever leaves the registers: S = Q.K^T lands
+// in accumulator fragments, the online softmax runs on them (row max and sum
+// over the four lanes of a quad), and P, rounded to 16 bits, is used in place
+// as the A operand of P.V (the fragment identity below). K/V (forward, dq) and
+// Q/dO (dk/dv) tiles stream through shared memory with cp.async, double
+// buffered; rows are padded to D+8 elements so every ldmatrix phase (8 rows of
+// 16 bytes) hits 32 distinct banks.
+//
+//   forward  4 warps; 16*MT query rows per warp (MT = 2 for D = 64: 128 rows a
+//            block, so each K/V fragment feeds two MMAs; MT = 1 for D = 128);
+//            64-key tiles; causal tiles past the diagonal are never loaded,
+//            only the diagonal ones are masked.
+//   dk, dv   4 warps x 16 keys (64 keys a block), looping over the query heads
+//            of the kv group and their BQ-query tiles: S^T = K.Q^T and
+//            dP^T = V.dO^T have keys as rows, so P^T and dS^T are already A
+//            fragments for dV += P^T.dO and dK += dS^T.Q.
+//   dq       4 warps x 16 queries, looping over 64-key tiles: dQ += dS.K.
+// No atomics: every gradient element is owned by one thread, so the results
+// are the same bits on every run. Included by attention.cu only (it uses that
+// file's qkv_layout, at() and kLog2e).
+namespace mma {
+
+// ------------------------------------------------------------ fragments
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32, per warp:
+// D (16x8) = A (16x16) . B (16x8) + C. Lane = 4*g + t (g = lane >> 2 is PTX's
+// groupID, t = lane & 3 its threadID_in_group). A 32-bit register holds two
+// 16-bit elements, the one with the lower column (A) or row (B) index in the
+// low half.
+//   A (M x K = 16 x 16, row-major), a0..a3:
+//     a0 = A[g][2t, 2t+1]       a1 = A[g+8][2t, 2t+1]
+//     a2 = A[g][2t+8, 2t+9]     a3 = A[g+8][2t+8, 2t+9]
+//   B (K x N = 16 x 8, "col"), b0, b1:
+//     b0 = B[2t, 2t+1][g]       b1 = B[2t+8, 2t+9][g]
+//   C, D (16 x 8, f32), c0..c3:
+//     c0, c1 = C[g][2t, 2t+1]   c2, c3 = C[g+8][2t, 2t+1]
+// FA2's identity: the C fragments of two adjacent n-tiles (columns 0-7 and
+// 8-15 of a 16 x 16 block), packed in pairs, are the A fragment of that block:
+//     a0 = (c0, c1) of tile 0   a1 = (c2, c3) of tile 0
+//     a2 = (c0, c1) of tile 1   a3 = (c2, c3) of tile 1
+// ldmatrix.sync.aligned.m8n8.x4.b16: lanes 8i..8i+7 give the row addresses of
+// 8x8 matrix i; each lane receives r_i = M_i[g][2t, 2t+1], or with .trans
+// r_i = M_i[2t, 2t+1][g]. Hence the three loads used below (tiles in shared
+// memory with row stride LD elements):
+//   lda   A fragment of rows R..R+15, cols C..C+15 of a row-major tile:
+//         lane -> row R + (lane & 15), col C + (lane >> 4) * 8; r0..r3 = a0..a3
+//         (M_0 rows 0-7/cols 0-7, M_1 rows 8-15, M_2 cols 8-15, M_3 both).
+//   ldb   B fragments of n-tiles N..N+7 and N+8..N+15 for k = C..C+15 from a
+//         tile stored [n][k] (K in Q.K^T, Q in K.Q^T): lane -> row
+//         N + (lane & 7) + (lane >> 4) * 8, col C + ((lane >> 3) & 1) * 8;
+//         {r0, r1} = (b0, b1) of the first n-tile, {r2, r3} of the second
+//         (plain: M[n = g][k = 2t, 2t+1] is exactly b0's B[2t, 2t+1][g]).
+//   ldbt  the same from a tile stored [k][n] (V in P.V, dO in P^T.dO, K in
+//         dS.K), with .trans: lane -> row C + (lane & 7) + ((lane >> 3) & 1) * 8,
+//         col N + (lane >> 4) * 8; {r0, r1} first n-tile, {r2, r3} second
+//         (.trans: M[k = 2t, 2t+1][n = g] = b0).
+
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(unsigned r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+// A fragment of rows R..R+15, cols C..C+15 (see lda above)
+template <typename T, int LD>
+__device__ __forceinline__ void lda(unsigned r[4], const T *s, int R, int C, int lane) {
+    ldsm_x4(r, s + (R + (lane & 15)) * LD + C + (lane >> 4) * 8);
+}
+// B fragments of n-tiles N, N+8 and k-chunk C from a tile stored [n][k]
+template <typename T, int LD>
+__device__ __forceinline__ void ldb(unsigned r[4], const T *s, int N, int C, int lane) {
+    ldsm_x4(r, s + (N + (lane & 7) + (lane >> 4) * 8) * LD + C + ((lane >> 3) & 1) * 8);
+}
+// B fragments of n-tiles N, N+8 and k-chunk C from a tile stored [k][n]
+template <typename T, int LD>
+__device__ __forceinline__ void ldbt(unsigned r[4], const T *s, int N, int C, int lane) {
+    ldsm_x4_t(r, s + (C + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + N + (lane >> 4) * 8);
+}
+
+// 16 bytes global -> shared, asynchronous; zero-filled when !pred (src must
+// still be a valid address: callers pass the tensor's base)
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(pred ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));  // ex2(-inf) = +0
+    return y;
+}
+
+template <typename T> struct op;
+template <> struct op<__nv_bfloat16> {
+    // c += a . b (16x8x16)
+    static __device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // (x, y) rounded to bf16, x in the low half
+    static __device__ __forceinline__ unsigned pack(float x, float y) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+        return *reinterpret_cast<unsigned *>(&v);
+    }
+};
+template <> struct op<__half> {
+    static __device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ unsigned pack(float x, float y) {
+        __half2 v = __floats2half2_rn(x, y);
+        return *reinterpret_cast<unsigned *>(&v);
+    }
+};
+
+// the A fragment of the 16 x 16 block made of C tiles c[2kk], c[2kk+1]
+// (the identity above), rounded to T
+template <typename T>
+__device__ __forceinline__ void c_to_a(unsigned a[4], const float (*c)[4], int kk) {
+    a[0] = op<T>::pack(c[2 * kk][0], c[2 * kk][1]);
+    a[1] = op<T>::pack(c[2 * kk][2], c[2 * kk][3]);
+    a[2] = op<T>::pack(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[3] = op<T>::pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+// rows [t0, t0+R) of (b, h), all D columns, into s (R x LD, LD = D + 8) with
+// cp.async, 16 bytes a lane; rows past Tn are zero-filled (so masked keys
+// multiply zeros, never stale data)
+template <typename T, int R, int D, int NT>
+__device__ __forceinline__ void load_rows(T *s, const T *src, const qkv_layout &l, long long b, long long h,
+                                          long long t0, long long Tn) {
+    constexpr int CPR = D / 8, N = R * CPR, LD = D + 8;
+#pragma unroll
+    for (int it = 0; it < (N + NT - 1) / NT; it++) {
+        const int e = threadIdx.x + it * NT;
+        if (N % NT == 0 || e < N) {
+            const int r = e / CPR, c = e - r * CPR;
+            const long long t = t0 + r;
+            const bool ok = t < Tn;
+            cp_async16(s + r * LD + c * 8, ok ? src + at(l, b, h, t) + c * 8 : src, ok);
+        }
+    }
+}
+
+// a warp's 16*NR rows (from row R0 of tile s, LD = D + 8) to rows t0+R0.. of
+// (b, h) in dst, 16 bytes a lane, rows past Tn skipped
+template <typename T, int D, int NR>
+__device__ __forceinline__ void store_rows(T *dst, const qkv_layout &l, long long b, long long h, long long t0,
+                                           long long Tn, const T *s, int R0, int lane) {
+    constexpr int CPR = D / 8, LD = D + 8;
+    static_assert(16 * NR * CPR % 32 == 0, "whole rounds of 32 lanes");
+#pragma unroll
+    for (int it = 0; it < 16 * NR * CPR / 32; it++) {
+        const int e = lane + it * 32, r = e / CPR, c = e - r * CPR;
+        const long long t = t0 + R0 + r;
+        if (t < Tn)
+            *reinterpret_cast<uint4 *>(dst + at(l, b, h, t) + c * 8) =
+                *reinterpret_cast<const uint4 *>(s + (R0 + r) * LD + c * 8);
+    }
+}
+
+// C fragments (n-tiles 0..D/8 of rows R, R+8 where R = R0 + g) scaled by
+// mul[0] (row R) and mul[1] (row R+8), rounded, into rows of tile s
+template <typename T, int D>
+__device__ __forceinline__ void frag_to_smem(T *s, const float (*c)[4], int R0, int lane, float mul0, float mul1) {
+    constexpr int LD = D + 8;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn++) {
+        *reinterpret_cast<unsigned *>(s + (R0 + g) * LD + dn * 8 + 2 * t) =
+            op<T>::pack(c[dn][0] * mul0, c[dn][1] * mul0);
+        *reinterpret_cast<unsigned *>(s + (R0 + g + 8) * LD + dn * 8 + 2 * t) =
+            op<T>::pack(c[dn][2] * mul1, c[dn][3] * mul1);
+    }
+}
+
+// --------------------------------------------------------------- forward
+template <typename T, int D, int MT>
+size_t fwd_smem() {
+    return (size_t)(64 * MT + 4 * 64) * (D + 8) * sizeof(T);  // Q, then K and V double-buffered
+}
+
+template <typename T, int D, int MT>
+__global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
+                                                  qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo, int H,
+                                                  int Hkv, long long Tq, long long Tk, float scale, int causal) {
+    constexpr int BM = 64 * MT, BN = 64, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16;
+    extern __shared__ __align__(128) unsigned char sm[];
+    T *Qs = (T *)sm, *Ks = Qs + BM * LD, *Vs = Ks + 2 * BN * LD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const int wrow = warp * 16 * MT;                                    // this warp's first row in the tile
+    const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * BM;  // longest causal rows first
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
+    const long long off = Tk - Tq;  // causal: key j visible to query i when j <= i + off
+    const long long kend = causal ? max(0ll, min(Tk, i0 + BM + off)) : Tk;
+    const int ntiles = (int)((kend + BN - 1) / BN);
+    const float sl = scale * kLog2e;
+
+    load_rows<T, BM, D, NT>(Qs, q, lq, b, h, i0, Tq);
+    if (ntiles > 0) {
+        load_rows<T, BN, D, NT>(Ks, k, lk, b, g, 0, Tk);
+        load_rows<T, BN, D, NT>(Vs, v, lv, b, g, 0, Tk);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    unsigned qa[MT][NK][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++) lda<T, LD>(qa[mt][kk], Qs, wrow + mt * 16, kk * 16, lane);
+    float o[MT][ND][4], m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int dn = 0; dn < ND; dn++) o[mt][dn][0] = o[mt][dn][1] = o[mt][dn][2] = o[mt][dn][3] = 0.f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
+
+    for (int t = 0; t < ntiles; t++) {
+        if (t > 0) {
+            cp_async_wait_all();  // tile t has landed (this thread's part) ...
+            __syncthreads();      // ... everyone's, and tile t-1's buffer is free
+        }
+        if (t + 1 < ntiles) {
+            const int nb = (t + 1) & 1;
+            load_rows<T, BN, D, NT>(Ks + nb * BN * LD, k, lk, b, g, (long long)(t + 1) * BN, Tk);
+            load_rows<T, BN, D, NT>(Vs + nb * BN * LD, v, lv, b, g, (long long)(t + 1) * BN, Tk);
+        }
+        cp_async_commit();
+        const long long j0 = (long long)t * BN;
+        // a warp whose rows see none of these keys (causal) skips the tile
+        if (causal && j0 > i0 + wrow + 16 * MT - 1 + off) continue;
+        const T *Kb = Ks + (t & 1) * BN * LD, *Vb = Vs + (t & 1) * BN * LD;
+
+        // S = Q K^T: 16*MT rows x 64 keys (8 n-tiles) in registers
+        float s[MT][8][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int n = 0; n < 8; n++) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++)
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                unsigned kb[4];
+                ldb<T, LD>(kb, Kb, np * 16, kk * 16, lane);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    op<T>::mma(s[mt][2 * np], qa[mt][kk], kb[0], kb[1]);
+                    op<T>::mma(s[mt][2 * np + 1], qa[mt][kk], kb[2], kb[3]);
+                }
+            }
+
+        // online softmax in the exp2 domain; masks only on edge/diagonal tiles
+        const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + wrow + off);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int r = 0; r < 2; r++) {  // row g8 (c0, c1) and row g8 + 8 (c2, c3)
+                // the last key column this row sees in the tile (-1: none)
+                int cmax = (int)min((long long)BN, Tk - j0) - 1;
+                if (causal) cmax = (int)min((long long)cmax, max(-1ll, i0 + wrow + mt * 16 + g8 + 8 * r + off - j0));
+                float mx = -INFINITY;
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float x = s[mt][n][2 * r + e] * sl;
+                        if (edge && n * 8 + 2 * t4 + e > cmax) x = -INFINITY;
+                        s[mt][n][2 * r + e] = x;
+                        mx = fmaxf(mx, x);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mnew = fmaxf(m[mt][r], mx);
+                const float mu = mnew == -INFINITY ? 0.f : mnew;  // a row with no key yet: p = 0
+                const float alpha = fast_exp2(m[mt][r] - mu);
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float p = fast_exp2(s[mt][n][2 * r + e] - mu);
+                        s[mt][n][2 * r + e] = p;
+                        sum += p;  // f32 row sum of this lane's columns; the quad adds up at the end
+                    }
+                l[mt][r] = l[mt][r] * alpha + sum;
+                m[mt][r] = mnew;
+#pragma unroll
+                for (int dn = 0; dn < ND; dn++) {
+                    o[mt][dn][2 * r] *= alpha;
+                    o[mt][dn][2 * r + 1] *= alpha;
+                }
+            }
+        }
+
+        // O += P V, P straight from the S registers
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            unsigned pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) c_to_a<T>(pa[mt], s[mt], kk);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                unsigned vb[4];
+                ldbt<T, LD>(vb, Vb, dp * 16, kk * 16, lane);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    op<T>::mma(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                    op<T>::mma(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                }
+            }
+        }
+    }
+
+    // out = O / l through this warp's rows of the Q tile (only it read them);
+    // lse in natural log as the other kernels
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float inv[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float lt = l[mt][r];
+            lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+            lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+            inv[r] = lt > 0.f ? 1.f / lt : 0.f;
+            const long long i = i0 + wrow + mt * 16 + g8 + 8 * r;
+            if (t4 == 0 && i < Tq)
+                lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[mt][r] + log2f(lt)) / kLog2e : -INFINITY;
+        }
+        frag_to_smem<T, D>(Qs, o[mt], wrow + mt * 16, lane, inv[0], inv[1]);
+    }
+    __syncwarp();
+    store_rows<T, D, MT>(out, lo, b, h, i0, Tq, Qs, wrow, lane);
+}
+
+// -------------------------------------------------------------- backward
+// dk, dv for 64 keys of one (b, kv head); warp w owns keys 16w..16w+15 and
+// sees BQ queries at a time
+template <typename T, int D, int BQ>
+size_t dkdv_smem() {
+    return (size_t)(2 * 64 + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * sizeof(float);
+}
+
+template <typename T, int D, int BQ>
+__global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
+                                                   const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
+                                                   qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
+                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
+    constexpr int BN = 64, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16, NQ = BQ / 8;
+    constexpr bool KREG = D <= 64;  // K, V fragments live in registers (else re-read from shared)
+    extern __shared__ __align__(128) unsigned char sm[];
+    T *Ks = (T *)sm, *Vs = Ks + BN * LD, *Qs = Vs + BN * LD, *Gs = Qs + 2 * BQ * LD;
+    float *Ls = (float *)(Gs + 2 * BQ * LD), *Ds = Ls + 2 * BQ;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const int wrow = warp * 16;
+    const long long j0 = (long long)blockIdx.x * BN;
+    const int bg = blockIdx.y, b = bg / Hkv, g = bg % Hkv, rep = H / Hkv;
+    const long long off = Tk - Tq;  // causal: j <= i + off
+    const long long istart = causal && j0 - off > 0 ? (j0 - off) / BQ * BQ : 0;
+    const long long nq = istart < Tq ? (Tq - istart + BQ - 1) / BQ : 0;
+    const long long total = rep * nq;  // (query head, query tile) pairs, head-major
+    const float sl = scale * kLog2e;
+
+    // Q, dO rows and lse (log2 domain; +inf for rows past Tq or without keys:
+    // p = 0) and delta of step `it` into buffer `buf`
+    auto issue = [&](long long it, int buf) {
+        const int hq = g * rep + (int)(it / nq);
+        const long long ib = istart + (it % nq) * BQ;
+        load_rows<T, BQ, D, NT>(Qs + buf * BQ * LD, q, lq, b, hq, ib, Tq);
+        load_rows<T, BQ, D, NT>(Gs + buf * BQ * LD, dout, lg, b, hq, ib, Tq);
+        for (int e = threadIdx.x; e < BQ; e += NT) {
+            const long long i = ib + e, row = ((long long)b * H + hq) * Tq + i;
+            const float L = i < Tq ? lse[row] : INFINITY;
+            Ls[buf * BQ + e] = L == -INFINITY ? INFINITY : L * kLog2e;
+            Ds[buf * BQ + e] = i < Tq ? delta[row] : 0.f;
+        }
+    };
+    load_rows<T, BN, D, NT>(Ks, k, lk, b, g, j0, Tk);
+    load_rows<T, BN, D, NT>(Vs, v, lv, b, g, j0, Tk);
+    if (total > 0) issue(0, 0);
+    cp_async_commit();
+
+    float dka[ND][4], dva[ND][4];
+#pragma unroll
+    for (int dn = 0; dn < ND; dn++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dka[dn][e] = dva[dn][e] = 0.f;
+    unsigned ka[KREG ? NK : 1][4], va[KREG ? NK : 1][4];
+
+    for (long long it = 0; it < total; it++) {
+        const int buf = (int)(it & 1);
+        cp_async_wait_all();
+        __syncthreads();
+        if constexpr (KREG) {
+            if (it == 0) {
+#pragma unroll
+                for (int kk = 0; kk < NK; kk++) {
+                    lda<T, LD>(ka[kk], Ks, wrow, kk * 16, lane);
+                    lda<T, LD>(va[kk], Vs, wrow, kk * 16, lane);
+                }
+            }
+        }
+        if (it + 1 < total) issue(it + 1, buf ^ 1);
+        cp_async_commit();
+        const long long i0 = istart + (it % nq) * BQ;
+        // causal: this warp's keys are after every query of the tile
+        if (causal && j0 + wrow > i0 + BQ - 1 + off) continue;
+        const T *Qb = Qs + buf * BQ * LD, *Gb = Gs + buf * BQ * LD;
+        const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
+
+        // S^T = K_w Q^T and dP^T = V_w dO^T: 16 keys x BQ queries
+        float st[NQ][4], dpt[NQ][4];
+#pragma unroll
+        for (int n = 0; n < NQ; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) st[n][e] = dpt[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++) {
+            unsigned akr[4], avr[4];
+            const unsigned *ak = akr, *av = avr;
+            if constexpr (KREG) {
+                ak = ka[kk];
+                av = va[kk];
+            } else {
+                lda<T, LD>(akr, Ks, wrow, kk * 16, lane);
+                lda<T, LD>(avr, Vs, wrow, kk * 16, lane);
+            }
+#pragma unroll
+            for (int np = 0; np < NQ / 2; np++) {
+                unsigned qb[4], gb[4];
+                ldb<T, LD>(qb, Qb, np * 16, kk * 16, lane);
+                ldb<T, LD>(gb, Gb, np * 16, kk * 16, lane);
+                op<T>::mma(st[2 * np], ak, qb[0], qb[1]);
+                op<T>::mma(st[2 * np + 1], ak, qb[2], qb[3]);
+                op<T>::mma(dpt[2 * np], av, gb[0], gb[1]);
+                op<T>::mma(dpt[2 * np + 1], av, gb[2], gb[3]);
+            }
+        }
+        // P^T = exp2(S^T sl - L), dS^T = P^T (dP^T - delta); columns are queries
+        const bool edge = i0 + BQ > Tq || j0 + BN > Tk || (causal && j0 + wrow + 15 > i0 + off);
+        // query columns [cmin[r], cmax) of the tile see key row r (g8, g8 + 8)
+        int cmin[2], cmax[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const long long j = j0 + wrow + g8 + 8 * r;
+            cmin[r] = causal ? (int)min((long long)BQ, max(0ll, j - off - i0)) : 0;
+            cmax[r] = j < Tk ? (int)min((long long)BQ, Tq - i0) : 0;
+        }
+#pragma unroll
+        for (int n = 0; n < NQ; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = n * 8 + 2 * t4 + (e & 1);
+                float p = fast_exp2(st[n][e] * sl - Lb[c]);
+                if (edge && (c < cmin[e >> 1] || c >= cmax[e >> 1])) p = 0.f;
+                st[n][e] = p;
+                dpt[n][e] = p * (dpt[n][e] - Db[c]);
+            }
+        // dV_w += P^T dO, dK_w += dS^T Q (A operands straight from registers)
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; kk++) {
+            unsigned pa[4], da[4];
+            c_to_a<T>(pa, st, kk);
+            c_to_a<T>(da, dpt, kk);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                unsigned gb[4], qb[4];
+                ldbt<T, LD>(gb, Gb, dp * 16, kk * 16, lane);
+                ldbt<T, LD>(qb, Qb, dp * 16, kk * 16, lane);
+                op<T>::mma(dva[2 * dp], pa, gb[0], gb[1]);
+                op<T>::mma(dva[2 * dp + 1], pa, gb[2], gb[3]);
+                op<T>::mma(dka[2 * dp], da, qb[0], qb[1]);
+                op<T>::mma(dka[2 * dp + 1], da, qb[2], qb[3]);
+            }
+        }
+    }
+
+    // out through this warp's rows of the K and V tiles (only it read them);
+    // the wait covers K/V copies still in flight when the loop never ran
+    cp_async_wait_all();
+    __syncthreads();
+    frag_to_smem<T, D>(Ks, dka, wrow, lane, scale, scale);
+    frag_to_smem<T, D>(Vs, dva, wrow, lane, 1.f, 1.f);
+    __syncwarp();
+    store_rows<T, D, 1>(dk, ldk, b, g, j0, Tk, Ks, wrow, lane);
+    store_rows<T, D, 1>(dv, ldv, b, g, j0, Tk, Vs, wrow, lane);
+}
+
+// dq for 64 queries of one (b, h); warp w owns queries 16w..16w+15
+template <typename T, int D>
+size_t dq_smem() {
+    return (size_t)(2 * 64 + 4 * 64) * (D + 8) * sizeof(T);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, const T *v, const T *dout,
+                                                 const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
+                                                 qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv,
+                                                 long long Tq, long long Tk, float scale, int causal) {
+    constexpr int BM = 64, BN = 64, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16;
+    constexpr bool QREG = D <= 64;  // Q, dO fragments live in registers (else re-read from shared)
+    extern __shared__ __align__(128) unsigned char sm[];
+    T *Qs = (T *)sm, *Gs = Qs + BM * LD, *Ks = Gs + BM * LD, *Vs = Ks + 2 * BN * LD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const int wrow = warp * 16;
+    const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * BM;  // longest causal rows first
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
+    const long long off = Tk - Tq;
+    const long long kend = causal ? max(0ll, min(Tk, i0 + BM + off)) : Tk;
+    const int ntiles = (int)((kend + BN - 1) / BN);
+    const float sl = scale * kLog2e;
+
+    // lse (log2 domain, +inf: p = 0) and delta of this lane's rows g8, g8 + 8
+    float Lr[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = i0 + wrow + g8 + 8 * r, row = ((long long)b * H + h) * Tq + i;
+        const float L = i < Tq ? lse[row] : INFINITY;
+        Lr[r] = L == -INFINITY ? INFINITY : L * kLog2e;
+        Dr[r] = i < Tq ? delta[row] : 0.f;
+    }
+    load_rows<T, BM, D, NT>(Qs, q, lq, b, h, i0, Tq);
+    load_rows<T, BM, D, NT>(Gs, dout, lg, b, h, i0, Tq);
+    if (ntiles > 0) {
+        load_rows<T, BN, D, NT>(Ks, k, lk, b, g, 0, Tk);
+        load_rows<T, BN, D, NT>(Vs, v, lv, b, g, 0, Tk);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    unsigned qa[QREG ? NK : 1][4], ga[QREG ? NK : 1][4];
+    if constexpr (QREG) {
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++) {
+            lda<T, LD>(qa[kk], Qs, wrow, kk * 16, lane);
+            lda<T, LD>(ga[kk], Gs, wrow, kk * 16, lane);
+        }
+    }
+    float dqa[ND][4];
+#pragma unroll
+    for (int dn = 0; dn < ND; dn++) dqa[dn][0] = dqa[dn][1] = dqa[dn][2] = dqa[dn][3] = 0.f;
+
+    for (int t = 0; t < ntiles; t++) {
+        if (t > 0) {
+            cp_async_wait_all();
+            __syncthreads();
+        }
+        if (t + 1 < ntiles) {
+            const int nb = (t + 1) & 1;
+            load_rows<T, BN, D, NT>(Ks + nb * BN * LD, k, lk, b, g, (long long)(t + 1) * BN, Tk);
+            load_rows<T, BN, D, NT>(Vs + nb * BN * LD, v, lv, b, g, (long long)(t + 1) * BN, Tk);
+        }
+        cp_async_commit();
+        const long long j0 = (long long)t * BN;
+        if (causal && j0 > i0 + wrow + 15 + off) continue;
+        const T *Kb = Ks + (t & 1) * BN * LD, *Vb = Vs + (t & 1) * BN * LD;
+
+        // S = Q_w K^T, dP = dO_w V^T: 16 queries x 64 keys
+        float s[8][4], dp[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++) {
+            unsigned aqr[4], agr[4];
+            const unsigned *aq = aqr, *ag = agr;
+            if constexpr (QREG) {
+                aq = qa[kk];
+                ag = ga[kk];
+            } else {
+                lda<T, LD>(aqr, Qs, wrow, kk * 16, lane);
+                lda<T, LD>(agr, Gs, wrow, kk * 16, lane);
+            }
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                unsigned kb[4], vb[4];
+                ldb<T, LD>(kb, Kb, np * 16, kk * 16, lane);
+                ldb<T, LD>(vb, Vb, np * 16, kk * 16, lane);
+                op<T>::mma(s[2 * np], aq, kb[0], kb[1]);
+                op<T>::mma(s[2 * np + 1], aq, kb[2], kb[3]);
+                op<T>::mma(dp[2 * np], ag, vb[0], vb[1]);
+                op<T>::mma(dp[2 * np + 1], ag, vb[2], vb[3]);
+            }
+        }
+        // dS = P (dP - delta), P = exp2(S sl - L); kept in s
+        const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + wrow + off);
+        int cmax[2];  // the last key column row r (g8, g8 + 8) sees in the tile (-1: none)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            cmax[r] = (int)min((long long)BN, Tk - j0) - 1;
+            if (causal) cmax[r] = (int)min((long long)cmax[r], max(-1ll, i0 + wrow + g8 + 8 * r + off - j0));
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e >> 1;
+                float p = fast_exp2(s[n][e] * sl - Lr[r]);
+                if (edge && n * 8 + 2 * t4 + (e & 1) > cmax[r]) p = 0.f;
+                s[n][e] = p * (dp[n][e] - Dr[r]);
+            }
+        // dQ_w += dS K
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            unsigned da[4];
+            c_to_a<T>(da, s, kk);
+#pragma unroll
+            for (int dn = 0; dn < D / 16; dn++) {
+                unsigned kb[4];
+                ldbt<T, LD>(kb, Kb, dn * 16, kk * 16, lane);
+                op<T>::mma(dqa[2 * dn], da, kb[0], kb[1]);
+                op<T>::mma(dqa[2 * dn + 1], da, kb[2], kb[3]);
+            }
+        }
+    }
+
+    // out through this warp's rows of the Q tile (only it reads them)
+    __syncwarp();
+    frag_to_smem<T, D>(Qs, dqa, wrow, lane, scale, scale);
+    __syncwarp();
+    store_rows<T, D, 1>(dq, ldq, b, h, i0, Tq, Qs, wrow, lane);
+}
+
+}  // namespace mma
