@@ -134,9 +134,13 @@ function FlatParam.new(params, opts)
     shapes = shapes, numels = numels, nparams = #params, device = params[1].device_id,
     shard_numel = layout.shard_numel, total = layout.total,
   }, FlatParam)
-  local flat = self:flatten(params, self.master_dtype)
-  self.shard = self:local_shard(flat):clone()
-  flat:free()
+  -- no recording: the parameters may require grad (a reshape would put
+  -- them on the tape and keep them alive)
+  no_grad(function()
+    local flat = self:flatten(params, self.master_dtype)
+    self.shard = self:local_shard(flat):clone()
+    flat:free()
+  end)
   return self
 end
 
@@ -726,7 +730,10 @@ function fsdp.fully_shard(model, opts)
       unit.flat = T.empty({ fp.total }, { dtype = dtype, device = fp.device })
       unit.views = fp:views(unit.flat)
       for _, v in ipairs(unit.views) do v.requires_grad = true end
-      for _, slot in ipairs(u.slots) do rawset(slot.m, slot.pn, unit.views[slot.k]) end
+      for _, slot in ipairs(u.slots) do
+        rawset(slot.m, slot.pn, unit.views[slot.k])
+        slot.t = nil     -- the original tensor: no reference kept
+      end
       if unit.free_data then storage_check(C.ms_storage_free_data(unit.flat), 'releasing the unsharded buffer', unit) end
       st.units[#st.units + 1] = unit
       install_hooks(st, unit)

@@ -1,0 +1,406 @@
+-- fsdp runtime over MPI (#mpi, 1-4 ranks): the sharded AdamW's decay split,
+-- mixed precision, memory released at reshard (read from the allocator's
+-- byte counter), and prefetch with its limit (read from the debug trace).
+local ms = require 'moonshard'
+local T = require 'moonshard.tensor'
+local dist = require 'moonshard.dist'
+local F = require 'moonshard.ops'
+local fsdp = ms.fsdp
+
+local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
+local dir = T.root .. '/../shared/fixtures/gpt2-tiny'
+local have_fixture = io.open(dir .. '/model.safetensors', 'rb')
+if have_fixture then have_fixture:close() end
+
+local SEQ = 16
+local function load_model()
+  return require('models.gpt2').from_pretrained(dir, { dtype = 'f32' })
+end
+local function rows(key, n)
+  local seed = 777 + 7919 * key
+  local ids, tg = {}, {}
+  for i = 1, n do
+    ids[i], tg[i] = {}, {}
+    for j = 1, SEQ + 1 do
+      seed = (seed * 1103515245 + 12345) % 2147483648
+      local v = math.floor(seed / 65536) % 256
+      if j <= SEQ then ids[i][j] = v end
+      if j > 1 then tg[i][j - 1] = v end
+    end
+  end
+  return ms.tensor(ids, { dtype = 'i64' }), ms.tensor(tg, { dtype = 'i64' })
+end
+local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
+local function max_rel(a, b)
+  local d = (a:to('f64') - b:to('f64')):abs():max():item()
+  local s = b:to('f64'):abs():max():item()
+  return d / math.max(s, 1e-30)
+end
+-- ||a - b|| / ||b|| (DESIGN.md's measure for dtype bounds)
+local function norm_rel(a, b)
+  local a64, b64 = a:to('f64'), b:to('f64')
+  return math.sqrt((a64 - b64):square():sum():item()) / math.max(math.sqrt(b64:square():sum():item()), 1e-30)
+end
+-- the CPU bytes of live storages once the collector has nothing more to free
+-- (a tensor handle's finalizer may free a storage other handles share, so
+-- one cycle can free no bytes and the next some: 4 quiet cycles in a row)
+local function live()
+  ms.autograd.clear_tape()     -- a forward without backward keeps its tape
+  local prev, quiet = -1, 0
+  for _ = 1, 40 do
+    collectgarbage('collect')
+    local now = ms.live_bytes(-1)
+    if now == prev then quiet = quiet + 1 else quiet = 0 end
+    if quiet >= 4 then return now end
+    prev = now
+  end
+  return prev
+end
+
+-- run fn() (it returns a list of failed checks) up to 3 times, all ranks
+-- together, until no rank fails: an allocator reading counts every CPU
+-- storage of the process, so garbage of earlier specs that the collector
+-- only reaches later can spoil one attempt
+local function measured(fn)
+  local fails
+  for _ = 1, 3 do
+    fails = fn()
+    local f = ms.tensor({ #fails }, { dtype = 'f64' })
+    dist.all_reduce(f, 'max')
+    if f:item() == 0 then return fails end
+  end
+  return fails
+end
+
+-- a small model with four blocks (units) and the root's own layers
+local function toy()
+  local nn = ms.nn
+  local Blk = nn.Module:extend('FsdpRtBlock')
+  function Blk:init(d) self:register_module('fc', nn.Linear(d, d)) end
+  function Blk:forward(x) return self.fc(x):tanh() + x end
+  local Toy = nn.Module:extend('FsdpRtToy')
+  function Toy:init(d, n)
+    self:register_module('inp', nn.Linear(d, d))
+    local b = {}
+    for i = 1, n do b[i] = Blk(d) end
+    self:register_module('blocks', nn.ModuleList(b))
+    self:register_module('out', nn.Linear(d, 1))
+  end
+  function Toy:forward(x)
+    local h = self.inp(x)
+    for _, blk in ipairs(self.blocks) do h = blk(h) end
+    return self.out(h):square():mean()
+  end
+  local m = Toy(12, 4)
+  ms.no_grad(function()
+    for i, p in ipairs(m:parameters()) do p:copy_(ms.randn(p.shape, { seed = 31 + i }) * 0.3) end
+  end)
+  return m, Blk
+end
+
+describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', function()
+  if not under_mpi then
+    it('runs under mpirun (tools/run_mpi_specs.sh)', function() pending('not started by mpirun') end)
+    return
+  end
+  if not have_fixture then
+    it('needs the gpt2-tiny fixture', function() pending('no ' .. dir) end)
+    return
+  end
+  setup(function() dist.init { backend = 'mpi', timeout = 300 } end)
+  teardown(function() dist.destroy() end)
+
+  local W = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE'))
+  local R = tonumber(os.getenv('OMPI_COMM_WORLD_RANK'))
+  local report = {}
+  local block_policy = function() return fsdp.policy.by_class { 'GPT2Block' } end
+
+  it('fsdp.AdamW: decayed parameters first in every layout, at most two ranges per shard, one fused call per group', function()
+    local optim = ms.optim
+    local model = fsdp.fully_shard(load_model(), { policy = block_policy() })
+    for _, u in ipairs(fsdp.units(model)) do
+      local seen_nodecay = false
+      for i, name in ipairs(u.param_names) do
+        local nd = optim.no_decay(name, u.views[i])
+        if seen_nodecay then assert.is_true(nd, name .. ' (decayed) after a no-decay parameter') end
+        seen_nodecay = seen_nodecay or nd
+      end
+    end
+    local opt = fsdp.AdamW(model, { lr = 1e-3, weight_decay = 0.1 })
+    assert.is_true(#opt.param_groups <= 2)
+    local per_unit = {}
+    for _, pc in ipairs(opt.fsdp_pieces) do
+      per_unit[pc.unit] = (per_unit[pc.unit] or 0) + 1
+      -- a decayed range covers only decayed parameters' elements (and padding)
+      local lo = pc.unit.fp.rank * pc.unit.fp.shard_numel + pc.off
+      if pc.decay then assert.is_true(lo + pc.n <= pc.unit.decay_end)
+      else assert.is_true(lo >= pc.unit.decay_end) end
+    end
+    for _, u in ipairs(fsdp.units(model)) do assert.is_true(per_unit[u] >= 1 and per_unit[u] <= 2) end
+    for _, g in ipairs(opt.param_groups) do
+      assert.are.equal(g.params[1] == opt.fsdp_pieces[1].p and (opt.fsdp_pieces[1].decay and 0.1 or 0) or g.weight_decay,
+        g.weight_decay)
+    end
+    -- count the fused calls of one step
+    local calls, orig = 0, F.adamw_
+    F.adamw_ = function(...) calls = calls + 1; return orig(...) end
+    local x, y = rows(10 + R, 2)
+    model(x, y):backward()
+    local ok, err = pcall(opt.step, opt)
+    F.adamw_ = orig
+    assert.is_true(ok, tostring(err))
+    assert.are.equal(#opt.param_groups, calls)
+    opt:zero_grad()
+  end)
+
+  it('predivide_factor is the largest power of 2 <= sqrt(n)', function()
+    local want = { [1] = 1, [2] = 1, [3] = 1, [4] = 2, [8] = 2, [9] = 2, [15] = 2, [16] = 4, [64] = 8, [100] = 8 }
+    for n, f in pairs(want) do assert.are.equal(f, fsdp.predivide_factor(n), 'n = ' .. n) end
+  end)
+
+  local STEPS = 5
+  local f32_run
+  local function run(mp, strategy)
+    local model = fsdp.fully_shard(load_model(), { policy = block_policy(), mixed_precision = mp,
+      strategy = strategy or 'FULL_SHARD' })
+    local opt = fsdp.AdamW(model, { lr = 1e-3, eps = 1e-6, weight_decay = 0.1 })
+    local x, y = rows(40 + R, 2)
+    local losses = {}
+    for s = 1, STEPS do
+      local loss = model(x, y)
+      local l = loss:detach():reshape({ 1 }):to('f32')
+      dist.all_reduce(l, 'avg')
+      losses[s] = l:item()
+      loss:backward()
+      opt:step()
+      opt:zero_grad()
+    end
+    fsdp.unshard(model)
+    local params = {}
+    for name, p in model:named_parameters() do params[#params + 1] = { name, p:to('f32'):clone() } end
+    fsdp.reshard(model)
+    return { losses = losses, params = params, model = model }
+  end
+
+  for _, reduce in ipairs({ 'f32', 'bf16' }) do
+    it(('mixed precision {param = bf16, reduce = %s}: within bf16 bounds (1e-2) of the f32 run; f32 master shards'):format(reduce), function()
+      f32_run = f32_run or run(nil)
+      -- the reductions run in the reduce dtype
+      local seen, orig = {}, dist.reduce_scatter
+      dist.reduce_scatter = function(out, inp, op, o) seen[inp.dtype] = true; return orig(out, inp, op, o) end
+      local ok, got = pcall(run, { param = 'bf16', reduce = reduce })
+      dist.reduce_scatter = orig
+      assert.is_true(ok, tostring(got))
+      if W > 1 then assert.are.same({ [reduce] = true }, seen) end
+      local wl = 0
+      for s = 1, STEPS do wl = math.max(wl, rel(got.losses[s], f32_run.losses[s])) end
+      -- every parameter as one vector: ||bf16 run - f32 run|| / ||f32 run||
+      -- (one tensor alone can be noise: the attention key bias's gradient is
+      -- rounding noise, and Adam steps it by +-lr whatever its size)
+      local d2, r2 = 0, 0
+      for k, e in ipairs(got.params) do
+        assert.are.equal(f32_run.params[k][1], e[1])
+        local a, b = e[2]:to('f64'), f32_run.params[k][2]:to('f64')
+        d2 = d2 + (a - b):square():sum():item()
+        r2 = r2 + b:square():sum():item()
+      end
+      local wp = math.sqrt(d2 / r2)
+      report[#report + 1] = ('mixed precision reduce=%s W=%d: loss %.2g, parameters %.2g'):format(reduce, W, wl, wp)
+      assert.is_true(wl < 1e-2, ('loss relative difference %.3g'):format(wl))
+      assert.is_true(wp < 1e-2, ('parameter relative difference %.3g'):format(wp))
+      assert.is_true(wl > 0)        -- bf16 did change something
+      for _, u in ipairs(fsdp.units(got.model)) do
+        assert.are.equal('f32', u.fp.shard.dtype)
+        assert.are.equal('bf16', u.flat.dtype)
+        assert.are.equal('bf16', u.lp.dtype)
+        -- the low-precision copy was refreshed after the last step
+        assert.are.equal(0, (u.lp:to('f32') - u.fp.shard:to('bf16'):to('f32')):abs():max():item())
+        assert.is_false(u.lp_stale == true)
+      end
+    end)
+  end
+
+  it('an unshard gathers the kept low-precision copy: no cast of the shard per unshard', function()
+    local model = fsdp.fully_shard(load_model(), { policy = block_policy(), mixed_precision = { param = 'bf16' } })
+    local casts, orig = 0, T.methods.to
+    local shards = {}
+    for _, u in ipairs(fsdp.units(model)) do shards[tonumber(u.fp.shard.id)] = true end
+    T.methods.to = function(t, ...) if shards[tonumber(t.id)] then casts = casts + 1 end; return orig(t, ...) end
+    local ok, err = pcall(function()
+      local x, y = rows(3, 1)
+      for _ = 1, 2 do model(x, y):backward() end
+    end)
+    T.methods.to = orig
+    assert.is_true(ok, tostring(err))
+    assert.are.equal(0, casts)
+  end)
+
+  it('memory: per-rank parameter bytes are total / world, plus the unsharded units in flight', function()
+    -- checks are collected and asserted at the end: a rank failing early
+    -- would leave the others in a collective
+    local fails
+    local function eq(want, got, what)
+      if want ~= got then fails[#fails + 1] = ('%s: %s, expected %s'):format(what, tostring(got), tostring(want)) end
+    end
+    measured(function()
+    fails = {}
+    local L0 = live()
+    local model = fsdp.fully_shard(load_model(), { policy = block_policy() })
+    local units = fsdp.units(model)
+    local shard_bytes, flat_bytes, total_bytes = 0, {}, 0
+    for i, u in ipairs(units) do
+      shard_bytes = shard_bytes + u.fp.shard_numel * 4
+      total_bytes = total_bytes + u.fp.total * 4
+      flat_bytes[i] = u.fp.total * u.flat:element_size()
+      eq(0, T.C.ms_storage_has_data(u.flat), 'data of a unit after fully_shard')
+    end
+    eq(total_bytes / W, shard_bytes, 'shard bytes')
+    local L1 = live()
+    report[#report + 1] = ('memory W=%d: %d parameter bytes after fully_shard, total %d'):format(W, L1 - L0, total_bytes)
+    eq(shard_bytes, L1 - L0, 'bytes after fully_shard')
+    -- unshard units one by one: each adds its unsharded buffer
+    local extra = 0
+    for i, u in ipairs(units) do
+      u:unshard()
+      extra = extra + flat_bytes[i]
+      eq(shard_bytes + extra, live() - L0, 'bytes with units 1..' .. i .. ' unsharded')
+    end
+    fsdp.reshard(model)
+    eq(shard_bytes, live() - L0, 'bytes after reshard')
+    -- during a forward at most the root, the running block and the prefetched one hold data
+    local during = {}
+    for k, u in ipairs(units) do
+      if k > 1 then
+        u.module:register_forward_pre_hook(function()
+          local n = 0
+          for _, v in ipairs(units) do n = n + T.C.ms_storage_has_data(v.flat) end
+          during[#during + 1] = n
+        end)
+      end
+    end
+    local opt = fsdp.AdamW(model, { lr = 1e-3 })
+    local x, y = rows(20 + R, 2)
+    for _ = 1, 2 do
+      local loss = model(x, y)
+      loss:backward()
+      opt:step()
+      opt:zero_grad()
+      loss = nil
+    end
+    for _, n in ipairs(during) do eq(true, n >= 2 and n <= 3, 'units with data in forward: ' .. n) end
+    -- after the steps: master shards + AdamW's two moments (and the batch),
+    -- nothing unsharded
+    ms.autograd.clear_tape()
+    eq(3 * shard_bytes + 8 * (x:numel() + y:numel()), live() - L0, 'bytes after two steps')
+    -- a released parameter is an error naming the release, not a crash
+    local w = model.transformer.h[1].attn.c_attn.weight
+    for _, f in ipairs({ function() return w:sum() end, function() return w + 1 end,
+      function() return tostring(w) end, function() return ms.matmul(w, w:t()) end }) do
+      local ok, e = pcall(f)
+      eq(false, ok, 'use of a released parameter')
+      eq(true, tostring(e):find('released by ms_storage_free_data', 1, true) ~= nil, tostring(e))
+    end
+    fsdp.unshard(model)
+    eq(true, w:sum():item() == w:sum():item(), 'usable again')
+    fsdp.reshard(model)
+    opt = nil
+    return fails
+    end)
+    assert.are.same({}, fails)
+  end)
+
+  it('memory: NO_SHARD keeps every unit unsharded (total bytes in the buffers, total in the shards)', function()
+    local fails = measured(function()
+      local L0 = live()
+      local model = fsdp.fully_shard(load_model(), { policy = block_policy(), strategy = 'NO_SHARD' })
+      local total, r = 0, {}
+      for _, u in ipairs(fsdp.units(model)) do
+        total = total + u.fp.total * 4
+        if T.C.ms_storage_has_data(u.flat) ~= 1 then r[#r + 1] = u.label .. ' has no data' end
+      end
+      local got = live() - L0
+      if got ~= 2 * total then r[#r + 1] = ('%d bytes, expected %d'):format(got, 2 * total) end
+      return r
+    end)
+    assert.are.same({}, fails)
+  end)
+
+  -- prefetch: the toy model's units are the root and four blocks
+  local function toy_trace(o)
+    local m, Blk = toy()
+    o.policy = fsdp.policy.by_class { Blk }
+    fsdp.fully_shard(m, o)
+    local x = ms.randn({ 3, 12 }, { seed = 5 + R })
+    local opt = fsdp.AdamW(m, { lr = 1e-2 })
+    local losses = {}
+    for s = 1, 3 do
+      local l = m(x)
+      local v = l:detach():reshape({ 1 }):clone()
+      dist.all_reduce(v, 'avg')
+      losses[s] = v:item()
+      l:backward(); opt:step(); opt:zero_grad()
+    end
+    return fsdp.trace(m), losses, m
+  end
+  local function pos(tr, ev)
+    for i, e in ipairs(tr) do if e == ev then return i end end
+    return nil
+  end
+  -- the most units gathered or being gathered at once, replayed from a trace
+  local function replay_max(tr)
+    local n, mx, held = 0, 0, {}
+    for _, e in ipairs(tr) do
+      local what, name = e:match('^(%S+) (.+)$')
+      if what == 'all_gather' then held[name] = true; n = n + 1
+      elseif what == 'reshard' and held[name] then held[name] = nil; n = n - 1 end
+      mx = math.max(mx, n)
+    end
+    return mx
+  end
+
+  it('forward and backward prefetch follow the recorded order; the limit holds', function()
+    local tr, losses, m = toy_trace { limit_all_gathers = 3 }
+    local blocks = {}
+    for i = 0, 3 do blocks[i] = 'blocks.' .. i end
+    -- forward: block k+1 is gathered when block k's forward starts, before its own forward
+    for k = 1, 3 do
+      local g, f = pos(tr, 'all_gather ' .. blocks[k]), pos(tr, 'forward ' .. blocks[k])
+      assert.is_truthy(g); assert.is_truthy(f)
+      assert.is_true(g < f, blocks[k] .. ' was not prefetched in forward')
+      assert.is_true(pos(tr, 'forward ' .. blocks[k - 1]) < g)
+    end
+    -- backward order is the reverse; block k-1 gathered before its backward starts
+    local bw = {}
+    for _, e in ipairs(tr) do local n = e:match('^backward (.+)$'); if n then bw[#bw + 1] = n end end
+    assert.are.same({ 'root', blocks[3], blocks[2], blocks[1], blocks[0] }, bw)
+    for k = 2, 0, -1 do
+      local b = pos(tr, 'backward ' .. blocks[k])
+      local g
+      for i = b, 1, -1 do if tr[i] == 'all_gather ' .. blocks[k] then g = i; break end end
+      assert.is_truthy(g)
+      assert.is_true(g > pos(tr, 'backward ' .. blocks[k + 1]), 'gathered in backward after the block before it started')
+    end
+    local rs = {}
+    for _, e in ipairs(tr) do local n = e:match('^reduce_scatter (.+)$'); if n then rs[#rs + 1] = n end end
+    assert.are.same({ blocks[3], blocks[2], blocks[1], blocks[0], 'root' }, rs)
+    assert.is_true(replay_max(tr) <= 3)
+    assert.is_true(fsdp.max_inflight(m) <= 3)
+    -- the same losses without prefetch, and the gathers then follow the forwards
+    local tr0, losses0 = toy_trace { forward_prefetch = false, backward_prefetch = false }
+    for s = 1, 3 do assert.are.equal(losses0[s], losses[s]) end
+    for k = 1, 3 do assert.is_true(pos(tr0, 'all_gather ' .. blocks[k]) > pos(tr0, 'forward ' .. blocks[k])) end
+    assert.is_nil(pos(tr0, 'limit ' .. blocks[1]))
+    -- limit 2: the root and the running block; every prefetch is held back
+    local tr2, losses2, m2 = toy_trace { limit_all_gathers = 2 }
+    for s = 1, 3 do assert.are.equal(losses2[s], losses[s]) end
+    assert.are.equal(2, replay_max(tr2))
+    assert.are.equal(2, fsdp.max_inflight(m2))
+    assert.is_truthy(pos(tr2, 'limit ' .. blocks[1]))
+    report[#report + 1] = ('prefetch W=%d: trace of %d events, at most %d units gathered (limit 3), %d (limit 2)'):format(
+      W, #tr, replay_max(tr), replay_max(tr2))
+  end)
+
+  it('reports the measured figures (rank 0, MS_FSDP_REPORT=1)', function()
+    if R == 0 and os.getenv('MS_FSDP_REPORT') == '1' then io.stderr:write('\n' .. table.concat(report, '\n') .. '\n') end
+  end)
+end)
