@@ -400,6 +400,30 @@ describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', func
       W, #tr, replay_max(tr), replay_max(tr2))
   end)
 
+  it('activation checkpointing inside units matches one process; a forward under no_grad leaves every unit sharded', function()
+    local x, y = rows(60, 2)      -- the same rows on every rank
+    local ref = load_model()
+    local m = fsdp.fully_shard(load_model(), { policy = block_policy() })
+    for _, blk in ipairs(m.transformer.h) do
+      local f = blk.forward
+      blk.forward = function(self, h) return ms.checkpoint(function(v) return f(self, v) end, h) end
+    end
+    local o = { lr = 1e-3, eps = 1e-6, weight_decay = 0.1 }
+    local ropt, opt = ms.optim.AdamW(ref, o), fsdp.AdamW(m, o)
+    for s = 1, 3 do
+      local lr = ref(x, y); local a = lr:item(); lr:backward(); ropt:step(); ropt:zero_grad()
+      local l = m(x, y); local b = l:item(); l:backward(); opt:step(); opt:zero_grad()
+      assert.is_true(rel(b, a) < 1e-5, ('step %d: %.9g vs %.9g'):format(s, b, a))
+    end
+    local v = ms.no_grad(function() return m(x, y) end)
+    local rv = ms.no_grad(function() return ref(x, y) end)
+    assert.is_true(rel(v:item(), rv:item()) < 1e-5)
+    for _, u in ipairs(fsdp.units(m)) do
+      assert.are.equal('sharded', u.status)
+      assert.are.equal(0, T.C.ms_storage_has_data(u.flat))
+    end
+  end)
+
   it('reports the measured figures (rank 0, MS_FSDP_REPORT=1)', function()
     if R == 0 and os.getenv('MS_FSDP_REPORT') == '1' then io.stderr:write('\n' .. table.concat(report, '\n') .. '\n') end
   end)

@@ -742,6 +742,13 @@ function fsdp.fully_shard(model, opts)
   for _, unit in ipairs(st.units) do
     if not unit.reshards then unit:unshard() end
   end
+  -- after the root's forward (its own units' hooks ran first): without grad
+  -- no backward will come, so nothing stays gathered (a prefetch that was
+  -- not used included)
+  model:register_forward_hook(function()
+    if st.in_backward or A().is_grad_enabled() then return end
+    for _, u in ipairs(st.units) do if u.reshards then u:reshard() end end
+  end)
   if st.trace then st.trace = {} end
   rawset(model, '_fsdp', st)
   rawset(model, 'no_sync', function(self, fn, ...) return fsdp.no_sync(self, fn, ...) end)
