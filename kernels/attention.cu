@@ -359,9 +359,8 @@ int cc_major(int device) {
 // the implementation for a call on tensors ts[0..n) (q first), remembered
 // for ms_cuda_attention_last_impl
 template <typename T>
-int pick_impl(int D, const ms_tensor *const *ts, int n, bool auto_mma) {
+int pick_impl(int D, const ms_tensor *const *ts, int n) {
     int want = impl_requested(), got = MS_ATTENTION_SIMT;
-    if (want == MS_ATTENTION_AUTO && !auto_mma) want = MS_ATTENTION_WMMA;
     if (sizeof(T) == 2 && want != MS_ATTENTION_SIMT) {
         bool mma_ok = want != MS_ATTENTION_WMMA && (D == 64 || D == 128) && cc_major(ts[0]->device_id) >= 8;
         for (int i = 0; i < n && mma_ok; i++) mma_ok = rows_aligned16(ts[i]);
@@ -492,7 +491,7 @@ int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, 
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     if (Tq == 0) return 0;
     const ms_tensor *ts[4] = {q, k, v, out};
-    int impl = pick_impl<T>(D, ts, 4, true);
+    int impl = pick_impl<T>(D, ts, 4);
     if constexpr (sizeof(T) == 2) {
         if (impl == MS_ATTENTION_MMA)
             return D == 64 ? mma_fwd<T, 64>(out, lse, q, k, v, scale, causal)
@@ -533,7 +532,7 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         LAUNCH_CHECK("attention_delta_kernel");
     }
     const ms_tensor *ts[7] = {q, k, v, dout, dq, dk, dv};
-    int impl = pick_impl<T>(D, ts, 7, false);  // mma backward: only when asked for, until measured
+    int impl = pick_impl<T>(D, ts, 7);
     if constexpr (sizeof(T) == 2) {
         const float *lp = (const float *)ms_tensor_data(l), *dp = (const float *)ms_tensor_data(delta.t);
         if (impl == MS_ATTENTION_MMA)

@@ -6,6 +6,8 @@
 // pass). Scores and probabilities pass through a per-warp shared-memory tile
 // for the row-wise softmax; the forward keeps its output rows in shared
 // memory (rescaled per row), dk/dv/dq stay in accumulator fragments.
+// Since attention_mma.cuh it runs the head dims mma does not take (16, 32),
+// rows that are not 16-byte aligned, and MS_ATTENTION_IMPL=wmma.
 // Included by attention.cu only (it uses that file's helpers).
 namespace tc {
 
@@ -27,6 +29,26 @@ __device__ void load64(T *s, const T *src, const qkv_layout &l, long long b, lon
         int r = e / D, d = e - r * D;
         long long t = t0 + r;
         s[r * LDT + d] = t < Tn ? src[at(l, b, h, t) + d] : T(0.f);
+    }
+}
+
+// dst (16 x 64 f32, ld LDS) = A . B^T over D, with A the 16 rows at a and B
+// the 64 rows at b (both 64 x LDT bf16/f16 tiles): S = Q K^T, S^T = K Q^T,
+// dP = dO V^T and dP^T = V dO^T are all this product
+template <typename T, int D>
+__device__ __forceinline__ void rows_times_rows_t(float *dst, const T *a, const T *b) {
+    typedef dims<D> S;
+    for (int n = 0; n < 4; n++) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::fill_fragment(acc, 0.f);
+        for (int kk = 0; kk < D / 16; kk++) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+            wmma::load_matrix_sync(fa, a + kk * 16, S::LDT);
+            wmma::load_matrix_sync(fb, b + n * 16 * S::LDT + kk * 16, S::LDT);
+            wmma::mma_sync(acc, fa, fb, acc);
+        }
+        wmma::store_matrix_sync(dst + n * 16, acc, S::LDS, wmma::mem_row_major);
     }
 }
 
@@ -64,18 +86,7 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
         load64<T, D>(Ks, k, lk, b, g, j0, Tk);
         load64<T, D>(Vs, v, lv, b, g, j0, Tk);
         __syncthreads();
-        for (int n = 0; n < 4; n++) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
-            for (int kk = 0; kk < D / 16; kk++) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-                wmma::load_matrix_sync(fa, Qs + warp * 16 * S::LDT + kk * 16, S::LDT);
-                wmma::load_matrix_sync(fb, Ks + n * 16 * S::LDT + kk * 16, S::LDT);
-                wmma::mma_sync(acc, fa, fb, acc);
-            }
-            wmma::store_matrix_sync(Sw + n * 16, acc, S::LDS, wmma::mem_row_major);
-        }
+        rows_times_rows_t<T, D>(Sw, Qs + warp * 16 * S::LDT, Ks);
         __syncwarp();
         float sv[32], tmax = -INFINITY;
 #pragma unroll
@@ -171,18 +182,7 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
             }
             __syncthreads();
             // S^T (16 keys x 64 queries) = K_w Q^T
-            for (int n = 0; n < 4; n++) {
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-                wmma::fill_fragment(acc, 0.f);
-                for (int kk = 0; kk < D / 16; kk++) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-                    wmma::load_matrix_sync(fa, Ks + warp * 16 * S::LDT + kk * 16, S::LDT);
-                    wmma::load_matrix_sync(fb, Qs + n * 16 * S::LDT + kk * 16, S::LDT);
-                    wmma::mma_sync(acc, fa, fb, acc);
-                }
-                wmma::store_matrix_sync(Sw + n * 16, acc, S::LDS, wmma::mem_row_major);
-            }
+            rows_times_rows_t<T, D>(Sw, Ks + warp * 16 * S::LDT, Qs);
             __syncwarp();
             float p[32];
 #pragma unroll
@@ -195,18 +195,7 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
             }
             __syncwarp();
             // dP^T (16 x 64) = V_w dO^T
-            for (int n = 0; n < 4; n++) {
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-                wmma::fill_fragment(acc, 0.f);
-                for (int kk = 0; kk < D / 16; kk++) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-                    wmma::load_matrix_sync(fa, Vs + warp * 16 * S::LDT + kk * 16, S::LDT);
-                    wmma::load_matrix_sync(fb, Gs + n * 16 * S::LDT + kk * 16, S::LDT);
-                    wmma::mma_sync(acc, fa, fb, acc);
-                }
-                wmma::store_matrix_sync(Sw + n * 16, acc, S::LDS, wmma::mem_row_major);
-            }
+            rows_times_rows_t<T, D>(Sw, Vs + warp * 16 * S::LDT, Gs);
             __syncwarp();
 #pragma unroll
             for (int cc = 0; cc < 32; cc++) {
@@ -284,18 +273,7 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
         load64<T, D>(Ks, k, lk, b, g, j0, Tk);
         load64<T, D>(Vs, v, lv, b, g, j0, Tk);
         __syncthreads();
-        for (int n = 0; n < 4; n++) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
-            for (int kk = 0; kk < D / 16; kk++) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-                wmma::load_matrix_sync(fa, Qs + warp * 16 * S::LDT + kk * 16, S::LDT);
-                wmma::load_matrix_sync(fb, Ks + n * 16 * S::LDT + kk * 16, S::LDT);
-                wmma::mma_sync(acc, fa, fb, acc);
-            }
-            wmma::store_matrix_sync(Sw + n * 16, acc, S::LDS, wmma::mem_row_major);
-        }
+        rows_times_rows_t<T, D>(Sw, Qs + warp * 16 * S::LDT, Ks);
         __syncwarp();
         float p[32];
 #pragma unroll
@@ -306,18 +284,7 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
             p[cc] = vis ? expf(Sw[r * S::LDS + c] * scale - L) : 0.f;
         }
         __syncwarp();
-        for (int n = 0; n < 4; n++) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
-            for (int kk = 0; kk < D / 16; kk++) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-                wmma::load_matrix_sync(fa, Gs + warp * 16 * S::LDT + kk * 16, S::LDT);
-                wmma::load_matrix_sync(fb, Vs + n * 16 * S::LDT + kk * 16, S::LDT);
-                wmma::mma_sync(acc, fa, fb, acc);
-            }
-            wmma::store_matrix_sync(Sw + n * 16, acc, S::LDS, wmma::mem_row_major);
-        }
+        rows_times_rows_t<T, D>(Sw, Gs + warp * 16 * S::LDT, Vs);
         __syncwarp();
 #pragma unroll
         for (int cc = 0; cc < 32; cc++) {

@@ -207,13 +207,36 @@ describe('fused attention on cuda #gpu', function()
     end)
   end
 
-  it('runs mma by default for bf16/f16 at head dims 64 and 128, and rejects an unknown implementation', function()
-    local q = ms.randn({ 1, 2, 40, 64 }, { seed = 3, device = 'cuda' }):to('bf16')
-    attention(q, q, q, 0.125, true)
-    -- (MS_ATTENTION_IMPL / MS_ATTENTION_SIMT in the environment change the default)
-    if not os.getenv('MS_ATTENTION_IMPL') and not os.getenv('MS_ATTENTION_SIMT') then
+  it('falls back from mma to wmma for rows that are not 16-byte aligned, with the same result', function()
+    local x = ms.randn({ 2, 70, 3, 3 * 64 + 1 }, { seed = 78 }):to('bf16'):cuda()
+    local q = x:narrow(4, 2, 64):transpose(2, 3)  -- odd element offset and strides
+    local k = x:narrow(4, 66, 64):transpose(2, 3)
+    local v = x:narrow(4, 130, 64):transpose(2, 3)
+    local o1, o2
+    with_impl('mma', function()
+      o1 = attention(q, k, v, 0.2, true)
+      assert.are.equal('wmma', last_impl())
+      o2 = attention(q:contiguous(), k:contiguous(), v:contiguous(), 0.2, true)
       assert.are.equal('mma', last_impl())
+    end)
+    assert.is_true(relerr(o1, o2) <= 1e-2)
+  end)
+
+  it('runs mma by default for bf16/f16 at head dims 64 and 128, and rejects an unknown implementation', function()
+    -- (MS_ATTENTION_IMPL / MS_ATTENTION_SIMT in the environment change the default)
+    local default = not os.getenv('MS_ATTENTION_IMPL') and not os.getenv('MS_ATTENTION_SIMT')
+    for _, D in ipairs({ 64, 128 }) do
+      for _, dt in ipairs({ 'bf16', 'f16' }) do
+        local q = ms.randn({ 1, 2, 40, D }, { seed = 3, device = 'cuda' }):to(dt)
+        local o, l = attention(q, q, q, 0.125, true)
+        if default then assert.are.equal('mma', last_impl()) end
+        attention_backward(q, q, q, o, l, q, 0.125, true)
+        if default then assert.are.equal('mma', last_impl()) end
+      end
     end
+    local q = ms.randn({ 1, 2, 40, 32 }, { seed = 3, device = 'cuda' }):to('bf16')
+    attention(q, q, q, 0.125, true)
+    if default then assert.are.equal('wmma', last_impl()) end
     assert.are.equal(-1, C.ms_cuda_attention_set_impl(7))
     assert.are.equal(C.MS_ATTENTION_AUTO, C.ms_cuda_attention_get_impl())
   end)
