@@ -13,6 +13,14 @@
 -- A loader draws windows at offsets from a counter-based generator keyed by
 -- (seed, step): batch k is a pure function of the seed and k, so a loader's
 -- whole position is `loader.step` (state()/set_state() for checkpoints).
+--
+-- Data parallel: with { rank = r, world_size = W }, batch k of rank r is
+-- rows r*B .. r*B+B-1 of the global batch k of W*B rows, the one a single
+-- loader with batch_size W*B draws: row i of the stream is a pure function
+-- of (seed, i), and global batch k holds rows k*W*B .. (k+1)*W*B-1. So the
+-- ranks' batches are disjoint and together are one process's big batch.
+-- state() also carries `rows` (the global rows consumed), so a position
+-- taken at one world size or batch size resumes at another.
 local ffi = require 'ffi'
 local T = require 'moonshard.tensor'
 
@@ -140,20 +148,27 @@ local Loader = {}
 Loader.__index = Loader
 data.Loader_mt = Loader
 
--- data.Loader(bytes, { batch_size =, seq_len =, seed =, step = 0 })
+-- data.Loader(bytes, { batch_size =, seq_len =, seed =, step = 0, rank = 0, world_size = 1 })
 function data.Loader(bytes, opts)
   opts = opts or {}
   local B, Tn = opts.batch_size or 8, opts.seq_len or 64
+  local rank, W = opts.rank or 0, opts.world_size or 1
   if not bytes then error('data.Loader: no bytes (an empty split?)', 2) end
   if bytes.n < Tn + 1 then
     error(('data.Loader: %s has %d bytes, fewer than seq_len + 1 = %d'):format(bytes.name or 'data', bytes.n, Tn + 1), 2)
   end
-  return setmetatable({ bytes = bytes, B = B, T = Tn, seed = opts.seed or 0, step = opts.step or 0 }, Loader)
+  if type(W) ~= 'number' or W < 1 or type(rank) ~= 'number' or rank < 0 or rank >= W then
+    error(('data.Loader: rank %s must be in [0, world_size = %s)'):format(tostring(rank), tostring(W)), 2)
+  end
+  return setmetatable({ bytes = bytes, B = B, T = Tn, seed = opts.seed or 0, step = opts.step or 0,
+    rank = rank, world_size = W }, Loader)
 end
 
--- the k-th batch (0-based) of this loader's stream, without moving it
+-- the k-th batch (0-based) of this loader's stream (this rank's rows of
+-- global batch k), without moving it
 function Loader:batch(k)
   local B, Tn, bytes = self.B, self.T, self.bytes
+  local first = (k * self.world_size + self.rank) * B -- the stream's row index of this batch's row 0
   local x = T.empty({ B, Tn }, { dtype = 'i64' })
   local y = T.empty({ B, Tn }, { dtype = 'i64' })
   local px = ffi.cast('int64_t*', x:data_ptr())
@@ -161,7 +176,7 @@ function Loader:batch(k)
   local src = bytes.ptr
   local span = bytes.n - Tn -- offsets 0 .. span-1
   for b = 0, B - 1 do
-    local off = math.floor(data.uniform(self.seed, k * B + b) * span)
+    local off = math.floor(data.uniform(self.seed, first + b) * span)
     local row = b * Tn
     for t = 0, Tn - 1 do
       px[row + t] = src[off + t]
@@ -177,8 +192,25 @@ function Loader:next()
   return x, y
 end
 
-function Loader:state() return { step = self.step, seed = self.seed } end
-function Loader:set_state(s) self.step, self.seed = s.step, s.seed or self.seed end
+-- the position: step (batches of this loader), seed, and rows (the global
+-- rows consumed: step x world_size x batch_size), which set_state prefers,
+-- so a state resumes at another world size or batch size when the global
+-- rows fall on a batch boundary there
+function Loader:state()
+  return { step = self.step, seed = self.seed, rows = self.step * self.world_size * self.B }
+end
+function Loader:set_state(s)
+  local step = s.step
+  if s.rows then
+    local per = self.world_size * self.B
+    if s.rows % per ~= 0 then
+      error(('data.Loader:set_state: %d rows consumed is not a whole number of batches of %d ranks x %d rows'):format(
+        s.rows, self.world_size, self.B), 2)
+    end
+    step = s.rows / per
+  end
+  self.step, self.seed = step, s.seed or self.seed
+end
 
 -- ----------------------------------------------------------------- shards
 -- data.open{ train = 'dir|glob|file', val = ..., dir = DIR, batch_size =, seq_len =,

@@ -70,6 +70,10 @@ train.options = {
   { 'resume', 'string?', nil, 'continue from the newest complete checkpoint in out (bare --resume) or in DIR (a run folder or a ckpt-<step> folder)' },
   { 'stop_at', 'int>=0', 0, 'stop after this step with a checkpoint, as if interrupted (0: run to --steps)' },
   { 'inject_nan', 'string?', nil, 'test hook: comma-separated steps whose loss is made NaN' },
+  { 'fsdp', 'string?', nil, 'shard the model with ms.fsdp.fully_shard: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or off (a bare --fsdp: FULL_SHARD); default: off in one process, NO_SHARD (plain data parallel) with several ranks' },
+  { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
+  { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
+  { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
 }
 local option_by_name = {}
 for _, o in ipairs(train.options) do option_by_name[o[1]] = o end
@@ -237,6 +241,9 @@ function train.parse_args(args, M)
       if key == 'resume' and val == nil and (args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
         val = 'latest' -- a bare --resume: the newest checkpoint in --out
       end
+      if key == 'fsdp' and val == nil and (args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
+        val = 'FULL_SHARD' -- a bare --fsdp
+      end
       if opt[2] == 'bool' and val == nil and (neg or args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
         val = not neg
       elseif val == nil then
@@ -270,6 +277,26 @@ function train.parse_args(args, M)
   return opts
 end
 
+train.fsdp_strategies = { FULL_SHARD = true, SHARD_GRAD_OP = true, NO_SHARD = true, HYBRID_SHARD = true }
+
+-- fsdp_mixed_precision -> nil (none) or { param =, reduce = }; auto: bf16 /
+-- f32 on a GPU, none on the CPU
+local mp_dtypes = { f32 = true, bf16 = true, f16 = true, f64 = true }
+function train.mixed_precision(spec, device)
+  spec = spec or 'auto'
+  if spec == 'auto' then
+    if device and device ~= 'cpu' then return { param = 'bf16', reduce = 'f32' } end
+    return nil
+  end
+  if spec == 'none' or spec == 'off' then return nil end
+  local p, r = spec:match('^([%w]+)/([%w]+)$')
+  if not p then p, r = spec, 'f32' end
+  if not mp_dtypes[p] or not mp_dtypes[r] then
+    error(('expected PARAM/REDUCE dtypes (f32, bf16, f16, f64: bf16/f32), none or auto, got %s'):format(describe(spec)), 0)
+  end
+  return { param = p, reduce = r }
+end
+
 -- checks a whole options table (from a script, a config file or flags)
 function train.check_options(o, where)
   where = where or 'train'
@@ -292,6 +319,26 @@ function train.check_options(o, where)
   end
   if o.progress and o.progress ~= 'auto' and o.progress ~= 'tty' and o.progress ~= 'plain' then
     usage('%s: progress must be auto, tty or plain, got %s', where, describe(o.progress))
+  end
+  if o.fsdp ~= nil then
+    local v = o.fsdp:upper():gsub('-', '_')
+    if v == 'OFF' or v == 'NONE' or v == 'FALSE' or v == 'NO' then v = 'off'
+    elseif v == 'TRUE' or v == 'YES' or v == 'ON' then v = 'FULL_SHARD' end
+    if v ~= 'off' and not train.fsdp_strategies[v] then
+      usage('%s: fsdp must be FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or off, got %s', where, describe(o.fsdp))
+    end
+    o.fsdp = v
+  end
+  if o.fsdp_mixed_precision ~= nil then
+    local ok, err = pcall(train.mixed_precision, o.fsdp_mixed_precision, 'cpu')
+    if not ok then usage('%s: fsdp_mixed_precision: %s', where, tostring(err)) end
+  end
+  if o.fsdp_policy ~= nil then
+    local v = o.fsdp_policy
+    local n = v:match('^size:(.*)$')
+    if n and not (tonumber(n) and tonumber(n) >= 1) then
+      usage('%s: fsdp_policy size:N needs a number N >= 1, got %s', where, describe(v))
+    end
   end
   return o
 end
@@ -505,6 +552,77 @@ function train.isatty(fd) return ffi.C.ms_train_isatty(fd or 1) == 1 end
 -- ------------------------------------------------------------------- run
 local ckpt = require 'moonshard.checkpoint'
 
+-- ------------------------------------------------------------------- fsdp
+-- The class of a model's blocks, the FSDP units of `--fsdp-policy auto`:
+-- the model file's `fsdp_block` (a class or a class name) when it declares
+-- one, else found in the model: among the children of every module, grouped
+-- by class, the largest group of one class (a list container's children
+-- first: nn.ModuleList / Sequential, so `transformer.h`'s GPT2Blocks and
+-- `model.layers`' LlamaDecoderLayers win even at one layer; ties go to the
+-- group with more parameters). nil when the model has no such children.
+local function numel_of(m)
+  local n = 0
+  for _, p in m:named_parameters() do n = n + p:numel() end
+  return n
+end
+function train.block_class(M, model)
+  if M and M.fsdp_block then
+    local b = M.fsdp_block
+    return type(b) == 'string' and b or (rawget(b, '__name') or b)
+  end
+  local best
+  local function better(c)
+    if not best then return true end
+    if c.list ~= best.list then return c.list end
+    if c.count ~= best.count then return c.count > best.count end
+    return c.params > best.params
+  end
+  for _, m in model:named_modules() do
+    local cls = m:class_name()
+    local is_list = cls == 'ModuleList' or cls == 'Sequential'
+    local groups, order = {}, {}
+    for _, cn in ipairs(m._module_names) do
+      local c = rawget(m, cn)
+      if c ~= nil then
+        local k = c:class_name()
+        if not groups[k] then groups[k] = { class = k, count = 0, params = 0, list = is_list }; order[#order + 1] = k end
+        groups[k].count = groups[k].count + 1
+      end
+    end
+    for _, k in ipairs(order) do
+      local g = groups[k]
+      -- a group counts when a list holds it or a module has two or more alike
+      if (g.list or g.count >= 2) and k ~= 'ModuleList' and k ~= 'Sequential' then
+        for _, cn in ipairs(m._module_names) do
+          local c = rawget(m, cn)
+          if c ~= nil and c:class_name() == k then g.params = g.params + numel_of(c); break end
+        end
+        if better(g) then best = g end
+      end
+    end
+  end
+  return best and best.class or nil
+end
+
+-- --fsdp-policy -> a policy for fully_shard and a description for the log
+function train.fsdp_policy(M, model, spec)
+  local fsdp = ms.fsdp
+  spec = spec or 'auto'
+  if spec == 'none' then return function() return false end, 'none (one unit)' end
+  local n = spec:match('^size:(.*)$')
+  if n then return fsdp.policy.by_size(tonumber(n)), ('modules of >= %s parameters'):format(n) end
+  local cls = spec
+  if spec == 'auto' then
+    cls = train.block_class(M, model)
+    if not cls then return function() return false end, 'none found (one unit)' end
+  else
+    local found = false
+    for _, m in model:named_modules() do if m:class_name() == cls then found = true; break end end
+    if not found then usage('--fsdp-policy: the model has no module of class %s', cls) end
+  end
+  return fsdp.policy.by_class { cls }, cls
+end
+
 -- --data names token shards (read by moonshard.shards through data.open)
 -- when it is a folder, a glob or a .bin file; anything else is text
 function train.is_shard_data(spec)
@@ -546,7 +664,7 @@ local function find_resume(o, warn)
   local skipped = {}
   for _, c in ipairs(ckpt.list(root)) do
     if not max_step or c.step <= max_step then
-      local ok, err = ckpt.verify(c.path)
+      local ok, err = train.verify_checkpoint(c.path)
       if ok then return c, root end
       skipped[#skipped + 1] = err
       warn(('checkpoint %s is corrupt: %s; using the previous one'):format(c.path, err))
@@ -558,6 +676,173 @@ local function find_resume(o, warn)
   usage('--resume: no checkpoint in %s (ckpt-<step>/ folders)', root)
 end
 
+-- ---------------------------------------------------- several ranks
+-- One process per rank (bin/train --nproc-per-node N, mpirun, srun): the
+-- loop joins ms.dist (MPI on the CPU, NCCL on CUDA), shards the model with
+-- ms.fsdp.fully_shard, gives each rank its own rows of every batch, and
+-- keeps the ranks in step: rank 0 logs and writes the run's files, the
+-- numbers it prints are reduced over the ranks.
+local dist = require 'moonshard.dist'
+
+-- every rank's numbers reduced ('sum', 'avg', 'max'): one collective of
+-- f64 on the backend's device
+local function reduce_numbers(list, op)
+  local host = T.tensor(list, { dtype = 'f64' })
+  local dev = dist.device()
+  local t = dev ~= 'cpu' and host:to(dev) or host
+  dist.all_reduce(t, op)
+  local back = t ~= host and t:to('cpu') or t
+  local r = back:totable()
+  if back ~= t then back:free() end
+  if t ~= host then t:free() end
+  host:free()
+  return r
+end
+-- rank 0's numbers on every rank
+local function broadcast_numbers(list)
+  local host = T.tensor(list, { dtype = 'f64' })
+  local dev = dist.device()
+  local t = dev ~= 'cpu' and host:to(dev) or host
+  dist.broadcast(t, 0)
+  local back = t ~= host and t:to('cpu') or t
+  local r = back:totable()
+  if back ~= t then back:free() end
+  if t ~= host then t:free() end
+  host:free()
+  return r
+end
+train.reduce_numbers, train.broadcast_numbers = reduce_numbers, broadcast_numbers
+
+-- ------------------------------------------------ sharded checkpoints
+-- A run whose model is sharded (--fsdp, or several ranks) checkpoints
+-- through moonshard.fsdp_checkpoint, in the run's layout: DIR/ckpt-<step>/
+-- holds the sharded checkpoint (rank-<r>-of-<W>.safetensors from every
+-- rank, index.json), state.json as one process writes it, and
+-- manifest.json, written last by rank 0 with every file's bytes and CRC-32
+-- and `sharded = true`. It is written into ckpt-<step>.tmp/ and renamed,
+-- then the newest --keep-checkpoints are kept, as checkpoint.save does. It
+-- loads at any world size and strategy, and into a model without FSDP.
+local function fck() return require 'moonshard.fsdp_checkpoint' end
+
+local function read_json_file(path)
+  local f = io.open(path, 'rb')
+  if not f then return nil end
+  local s = f:read('*a')
+  f:close()
+  local v = json.decode(s, 1, nil)
+  return type(v) == 'table' and v or nil
+end
+
+local function sh_ok(cmd)
+  local r = os.execute(cmd)
+  return r == 0 or r == true
+end
+
+-- is dir a sharded checkpoint (written by an FSDP run)?
+function train.is_sharded_checkpoint(dir)
+  local f = io.open(dir .. '/index.json', 'rb')
+  if f then f:close(); return true end
+  return false
+end
+
+-- verify_checkpoint(dir) -> true | nil, message: checkpoint.verify for
+-- either kind (a sharded one needs index.json and state.json)
+function train.verify_checkpoint(dir)
+  local man = read_json_file(dir .. '/manifest.json')
+  if not (man and man.sharded) then return ckpt.verify(dir) end
+  if type(man.files) ~= 'table' then return nil, ('%s/manifest.json is not a valid manifest'):format(dir) end
+  local names = {}
+  for name in pairs(man.files) do names[#names + 1] = name end
+  table.sort(names)
+  for _, name in ipairs(names) do
+    local e = man.files[name]
+    local path = dir .. '/' .. name
+    local crc, n = ckpt.crc32_file(path)
+    if not crc then return nil, ('%s is missing or unreadable (%s)'):format(path, tostring(n)) end
+    if n ~= e.bytes then
+      return nil, ('%s has %d bytes, the manifest says %d (truncated?)'):format(path, n, e.bytes)
+    end
+    if crc ~= e.crc32 then
+      return nil, ('%s: checksum mismatch (crc32 %08x, the manifest says %08x)'):format(path, crc, e.crc32)
+    end
+  end
+  for _, need in ipairs({ 'index.json', 'state.json' }) do
+    if not man.files[need] then return nil, ('%s/manifest.json does not list %s'):format(dir, need) end
+  end
+  return true
+end
+
+-- save_sharded_checkpoint(root, step, { model =, optimizer =, state = }, { keep = }) -> path
+-- Collective: every rank of a sharded model calls it.
+function train.save_sharded_checkpoint(root, step, parts, opts)
+  opts = opts or {}
+  local final = root .. '/' .. ckpt.name(step)
+  local tmp = final .. '.tmp'
+  fck().save_sharded(parts.model, tmp, { optimizer = parts.optimizer, step = step })
+  local rank = dist.is_initialized() and dist.rank() or 0
+  local ok, err = true, nil
+  if rank == 0 then
+    ok, err = pcall(function()
+      local state = parts.state or {}
+      state.step = state.step or step
+      local f = assert(io.open(tmp .. '/state.json', 'wb'))
+      f:write(ckpt.encode(state), '\n')
+      f:close()
+      local index = fck().read_index(tmp)
+      local man = { step = step, format = 1, sharded = true, world_size = index.world_size, files = {} }
+      for _, e in ipairs(index.files) do man.files[e.file] = { bytes = e.bytes, crc32 = e.crc32 } end
+      for _, name in ipairs({ 'index.json', 'state.json' }) do
+        local crc, n = ckpt.crc32_file(tmp .. '/' .. name)
+        if not crc then error(('checkpoint: cannot read back %s/%s: %s'):format(tmp, name, tostring(n)), 0) end
+        man.files[name] = { bytes = n, crc32 = crc }
+      end
+      local mf = assert(io.open(tmp .. '/manifest.json', 'wb'))
+      mf:write(ckpt.encode(man), '\n')
+      mf:close()
+      sh_ok('sync -f ' .. data.shell_quote(tmp) .. ' 2>/dev/null')
+      sh_ok('rm -rf ' .. data.shell_quote(final))
+      local rok, rerr = os.rename(tmp, final)
+      if not rok then error(('checkpoint: cannot rename %s to %s: %s'):format(tmp, final, tostring(rerr)), 0) end
+      ckpt.prune(root, opts.keep)
+    end)
+  end
+  if dist.is_initialized() and dist.world_size() > 1 then
+    local flag = reduce_numbers({ ok and 0 or 1 }, 'max')[1]
+    if flag > 0 and ok then error(('checkpoint: rank 0 could not write %s (see its error)'):format(final), 0) end
+  end
+  if not ok then error(err, 0) end
+  return final
+end
+
+-- a checkpoint of a single-process run (model.safetensors) into a sharded
+-- model: the plain model, before fully_shard, takes the weights; rank 0
+-- rewrites them with the optimizer state as a sharded checkpoint in a
+-- temporary folder, which every rank loads after fully_shard. Returns a
+-- function(model, opt) that loads it and removes the folder.
+local function plain_to_sharded(path, model, plain_optimizer)
+  local rank = dist.is_initialized() and dist.rank() or 0
+  local tmp = path .. '.sharded'
+  local ok, err = true, nil
+  if rank == 0 then
+    ok, err = pcall(function()
+      local opt = plain_optimizer()
+      ckpt.load(path, { model = model, optimizer = opt })
+      fck().save_sharded(model, tmp, { optimizer = opt })
+    end)
+  end
+  if dist.is_initialized() and dist.world_size() > 1 then
+    local flag = reduce_numbers({ ok and 0 or 1 }, 'max')[1]
+    if flag > 0 and ok then error(('resume from %s: rank 0 could not convert it (see its error)'):format(path), 0) end
+  end
+  if not ok then error(('resume from %s: %s'):format(path, tostring(err)), 0) end
+  return function(m, opt)
+    local info = fck().load_sharded(m, tmp, { optimizer = opt })
+    if dist.is_initialized() and dist.world_size() > 1 then dist.barrier() end
+    if rank == 0 then sh_ok('rm -rf ' .. data.shell_quote(tmp)) end
+    return info
+  end
+end
+
 -- options a resumed run takes from the command line rather than from the
 -- checkpoint even when not given: none; these are dropped from the saved ones
 local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true }
@@ -566,6 +851,8 @@ local not_resumed = { resume = true, stop_at = true, config = true, inject_nan =
 -- elapsed_s, tokens_per_s, out, sample, model, interrupted, bad_steps,
 -- checkpoint }
 -- options as train.options (model: a path, a module name or a model table).
+-- With several ranks in the environment (RANK/WORLD_SIZE, mpirun, srun)
+-- it joins ms.dist first (unless the caller did) and trains data-parallel.
 function train.run(opts)
   opts = opts or {}
   local warn = function(msg) io.stderr:write('bin/train: ', msg, '\n'); io.stderr:flush() end
@@ -577,14 +864,44 @@ function train.run(opts)
     M, o = train.resolve(opts)
   end
 
+  -- several ranks: join the run (MPI on the CPU, NCCL on CUDA)
+  local env_world = dist.env().world_size
+  local want_device = o.device or opts.device or os.getenv('MS_DEVICE') or 'cpu'
+  if not dist.is_initialized() and (env_world > 1 or o.fsdp == 'HYBRID_SHARD') then
+    dist.init { backend = want_device == 'cpu' and 'mpi' or 'nccl', device = want_device ~= 'cpu' and want_device or nil }
+  end
+  local rank = dist.is_initialized() and dist.rank() or 0
+  local world = dist.is_initialized() and dist.world_size() or 1
+  local multi = world > 1
+
   -- resume: the checkpoint's options, then the ones given now
   local resume
   if o.resume then
-    local c, root = find_resume(o, warn)
+    local c, root
+    if multi then
+      -- rank 0 verifies the checkpoints; every rank takes the one it chose
+      local okr, a, b = true, nil, nil
+      if rank == 0 then okr, a, b = pcall(find_resume, o, warn) end
+      local step = broadcast_numbers({ (rank ~= 0 or okr) and (rank == 0 and a.step or 0) or -1 })[1]
+      if step < 0 then
+        if rank == 0 then error(a, 0) end
+        usage('--resume: rank 0 found no checkpoint to resume from (see its message)')
+      end
+      root = resume_root(o)
+      c = { step = step, path = root .. '/' .. ckpt.name(step) }
+    else
+      c, root = find_resume(o, warn)
+    end
     local st = ckpt.load(c.path).state
     local merged = {}
     for k, v in pairs(st.options or {}) do
       if option_by_name[k] and not not_resumed[k] or k == 'model_config' then merged[k] = v end
+    end
+    -- at another world size the global batch stays the checkpoint's
+    -- (tokens per step), unless the batch is given now
+    if st.world_size and st.world_size ~= world and st.tokens_per_step and opts.tokens_per_step == nil
+       and opts.batch_size == nil and opts.seq_len == nil then
+      merged.tokens_per_step = st.tokens_per_step
     end
     for k, v in pairs(opts) do if k ~= 'config' then merged[k] = v end end
     -- the run goes on in the folder its checkpoint was found in (it may
@@ -594,7 +911,14 @@ function train.run(opts)
     if type(opts.model) == 'table' then merged.model = opts.model end
     M, o = train.resolve(merged)
     o.resume = opts.resume or 'latest'
-    resume = { path = c.path, state = st }
+    resume = { path = c.path, state = st, sharded = train.is_sharded_checkpoint(c.path) }
+  end
+
+  -- sharding: --fsdp, or plain data parallel (NO_SHARD) with several ranks
+  local strategy = o.fsdp
+  if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
+  if o.fsdp == 'off' and multi then
+    warn('--fsdp off with several ranks: training data-parallel (NO_SHARD)')
   end
 
   local tty = o.progress == 'tty' or (o.progress == 'auto' and train.isatty(1))
@@ -605,9 +929,10 @@ function train.run(opts)
     io.stdout:write(s, '\n')
     io.stdout:flush()
   end
-  local log = o.quiet and function() end or function(...) out_line(string.format(...)) end
+  -- rank 0 logs (every rank prints its errors, and its closing line)
+  local log = (o.quiet or rank ~= 0) and function() end or function(...) out_line(string.format(...)) end
   local function status(s) -- the redrawn line
-    if o.quiet then return end
+    if o.quiet or rank ~= 0 then return end
     io.stdout:write('\r', s, '\27[K')
     io.stdout:flush()
     status_shown = true
@@ -615,6 +940,8 @@ function train.run(opts)
   if o.threads > 0 then ms.set_num_threads(o.threads) end
   local handle_signals = train.signals_blocked()
   local on_gpu = o.device ~= 'cpu'
+  local device = o.device
+  if on_gpu and multi and dist.is_initialized() then device = dist.device() end -- cuda:LOCAL_RANK
 
   -- model
   ms.manual_seed(o.seed)
@@ -623,7 +950,7 @@ function train.run(opts)
   local okm, model = pcall(M.new, o.preset, o.model_config)
   if not okm then usage('%s', (tostring(model):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
   if o.dtype ~= 'f32' then model:to(o.dtype) end
-  if on_gpu then model:to(o.device) end
+  if on_gpu then model:to(device) end
   model:train()
   local cfg = model.config
   local max_pos = model.max_positions and model:max_positions() or math.huge
@@ -636,14 +963,34 @@ function train.run(opts)
   end
   local nparams = 0
   for _, p in pairs(model:parameters()) do nparams = nparams + p:numel() end
+  local adamw_opts = { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = o.eps, weight_decay = o.weight_decay }
 
-  -- data: token shards (a folder from bin/tokenize, a glob, .bin files) or bytes
+  -- a single-process checkpoint resumed by a sharded run goes in before fully_shard
+  local load_converted
+  if resume and strategy and not resume.sharded then
+    load_converted = plain_to_sharded(resume.path, model, function() return ms.optim.AdamW(model, adamw_opts) end)
+  end
+
+  -- FSDP: units by --fsdp-policy, --fsdp-mixed-precision, --shard-size
+  local fsdp_desc
+  if strategy then
+    local policy, pdesc = train.fsdp_policy(M, model, o.fsdp_policy)
+    local mp = train.mixed_precision(o.fsdp_mixed_precision, device)
+    local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
+      shard_size = strategy == 'HYBRID_SHARD' and o.shard_size > 0 and o.shard_size or nil })
+    if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, world, world == 1 and '' or 's', pdesc,
+      #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
+  end
+
+  -- data: token shards (a folder from bin/tokenize, a glob, .bin files) or
+  -- bytes; rank r reads its rows of every batch
   local corpus, train_loader, val_loader
   if sharded then
     local isdir = os.execute("test -d " .. data.shell_quote(o.data))
     isdir = isdir == 0 or isdir == true
     local okd, d = pcall(data.open, { dir = isdir and o.data or nil, train = not isdir and o.data or nil,
-      val = o.val_data, batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed })
+      val = o.val_data, batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed, rank = rank, world_size = world })
     if not okd then usage('%s', (tostring(d):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     train_loader, val_loader = d.train, d.val
     corpus = { name = d.name, n = d.n, unit = 'tokens', train = { n = d.n }, val = d.val and { n = d.val.tokens } }
@@ -652,93 +999,134 @@ function train.run(opts)
     if not okc then usage('%s', (tostring(c):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     corpus = c
     corpus.unit = 'bytes'
-    train_loader = data.Loader(corpus.train, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed })
-    val_loader = corpus.val and data.Loader(corpus.val, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed + 1 })
+    train_loader = data.Loader(corpus.train, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed,
+      rank = rank, world_size = world })
+    val_loader = corpus.val and data.Loader(corpus.val, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed + 1,
+      rank = rank, world_size = world })
   end
   local function to_device(x, y)
     if not on_gpu then return x, y end
-    local dx, dy = x:to(o.device), y:to(o.device)
+    local dx, dy = x:to(device), y:to(device)
     x:free(); y:free()
     return dx, dy
   end
 
-  -- gradient accumulation: micro-batches of batch_size x seq_len tokens
+  -- gradient accumulation: micro-batches of batch_size x seq_len tokens on
+  -- each rank; tokens_per_step counts the whole step (every rank's)
   local micro_tokens = o.batch_size * o.seq_len
   local accum = 1
   if o.tokens_per_step > 0 then
-    if o.tokens_per_step % micro_tokens ~= 0 then
+    if o.tokens_per_step % (micro_tokens * world) ~= 0 then
+      if world > 1 then
+        usage('--tokens-per-step %d is not a multiple of the micro-batches of %d ranks (--batch-size %d x --seq-len %d x %d = %d tokens)',
+          o.tokens_per_step, world, o.batch_size, o.seq_len, world, micro_tokens * world)
+      end
       usage('--tokens-per-step %d is not a multiple of the micro-batch (--batch-size %d x --seq-len %d = %d tokens)',
         o.tokens_per_step, o.batch_size, o.seq_len, micro_tokens)
     end
-    accum = o.tokens_per_step / micro_tokens
+    accum = o.tokens_per_step / (micro_tokens * world)
   end
-  local tokens_per_step = micro_tokens * accum
+  local tokens_per_step = micro_tokens * accum * world
 
   local inject = {}
   for n in tostring(o.inject_nan or ''):gmatch('%d+') do inject[tonumber(n)] = true end
 
-  -- output
+  -- output (the default folder's time is rank 0's)
   local name = (M.name or 'model') .. '-' .. tostring(o.preset or 'custom')
-  o.out = o.out or ('runs/' .. name .. '-' .. os.date('%Y%m%d-%H%M%S'))
+  if not o.out then
+    local t = os.time()
+    if multi then t = broadcast_numbers({ t })[1] end
+    o.out = 'runs/' .. name .. '-' .. os.date('%Y%m%d-%H%M%S', t)
+  end
   local ok_mk = os.execute('mkdir -p ' .. data.shell_quote(o.out))
   if ok_mk ~= 0 and ok_mk ~= true then usage('cannot create the output folder %s', o.out) end
 
   -- optimizer
-  local opt = ms.optim.AdamW(model, { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = o.eps, weight_decay = o.weight_decay })
+  local opt
+  if strategy then opt = ms.fsdp.AdamW(model, adamw_opts)
+  else opt = ms.optim.AdamW(model, adamw_opts) end
   local lr_at = train.schedule(o)
-  local params = model:parameters()
+  local params = not strategy and model:parameters() or nil
 
   -- resume: weights, optimizer state, RNG, data position, counters
   local start_step, bad_run, bad_total = 1, 0, 0
   if resume then
-    local okl, err = pcall(ckpt.load, resume.path, { model = model, optimizer = opt })
+    local okl, err
+    if load_converted then okl, err = pcall(load_converted, model, opt)
+    elseif resume.sharded then okl, err = pcall(fck().load_sharded, model, resume.path, { optimizer = opt })
+    else okl, err = pcall(ckpt.load, resume.path, { model = model, optimizer = opt }) end
     if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
     local st = resume.state
     start_step = st.step + 1
     T.set_rng_state(st.rng)
-    train_loader:set_state(st.data)
+    local okd, derr = pcall(train_loader.set_state, train_loader, st.data)
+    if not okd then
+      usage('resume from %s: the data position does not fit this run (%s)%s', resume.path,
+        (tostring(derr):gsub('^[^:\n]*%.lua:%d+: ', '')),
+        sharded and st.world_size and st.world_size ~= world
+          and ('; token shards resume at the world size that saved them (%d ranks)'):format(st.world_size) or '')
+    end
     bad_run, bad_total = st.bad_steps_in_a_row or 0, st.bad_steps or 0
   end
 
-  -- metrics: a resumed run keeps the lines up to its checkpoint
+  -- metrics (rank 0): a resumed run keeps the lines up to its checkpoint
   local metrics_path = o.out .. '/metrics.jsonl'
-  local kept = {}
-  if resume then
-    for _, line in ipairs(read_lines(metrics_path)) do
-      local s = tonumber(line:match('^{"step":(%d+)'))
-      if s and s < start_step then kept[#kept + 1] = line end
+  local mf
+  if rank == 0 then
+    local kept = {}
+    if resume then
+      for _, line in ipairs(read_lines(metrics_path)) do
+        local s = tonumber(line:match('^{"step":(%d+)'))
+        if s and s < start_step then kept[#kept + 1] = line end
+      end
     end
-  end
-  local mf, merr = io.open(metrics_path, 'w')
-  if not mf then usage('cannot write %s: %s', metrics_path, tostring(merr)) end
-  for _, line in ipairs(kept) do mf:write(line, '\n') end
-  mf:flush()
-  do
+    local merr
+    mf, merr = io.open(metrics_path, 'w')
+    if not mf then usage('cannot write %s: %s', metrics_path, tostring(merr)) end
+    for _, line in ipairs(kept) do mf:write(line, '\n') end
+    mf:flush()
     local rf = io.open(o.out .. '/run.json', 'w')
     if rf then
       rf:write(train.encode_sorted({ options = o, model_config = cfg, parameters = nparams,
-                                     data = corpus.name, data_bytes = corpus.n }), '\n')
+                                     data = corpus.name, data_bytes = corpus.n, world_size = world,
+                                     fsdp = strategy }), '\n')
       rf:close()
     end
   end
 
   log('moonshard train: %s (%s), %.2fM parameters, %s', o.model, tostring(o.preset), nparams / 1e6, o.dtype)
   log('data: %s, %d %s (train %d, val %d)', corpus.name, corpus.n, corpus.unit, corpus.train.n, corpus.val and corpus.val.n or 0)
-  log('%d steps x %d tokens (%d x %d x %d micro-batches), lr %g, threads %d, out %s',
-    o.steps, tokens_per_step, o.batch_size, o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
+  if multi then
+    log('%d steps x %d tokens (%d ranks x %d x %d x %d micro-batches), lr %g, threads %d, out %s',
+      o.steps, tokens_per_step, world, o.batch_size, o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
+  else
+    log('%d steps x %d tokens (%d x %d x %d micro-batches), lr %g, threads %d, out %s',
+      o.steps, tokens_per_step, o.batch_size, o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
+  end
+  if fsdp_desc then log('fsdp: %s', fsdp_desc) end
   if resume then log('resumed from %s at step %d', resume.path, start_step - 1) end
 
   local function save_checkpoint(step)
     local saved = {}
     for k, v in pairs(o) do saved[k] = v end
     if type(saved.model) ~= 'string' then saved.model = nil end
-    local path = ckpt.save(o.out, step, {
-      model = model, optimizer = opt,
-      state = { step = step, scheduler = { step = step, lr = lr_at(math.min(step, o.steps)) },
-                rng = T.rng_state(), data = train_loader:state(), options = saved,
-                bad_steps = bad_total, bad_steps_in_a_row = bad_run },
-    }, { keep = o.keep_checkpoints })
-    return path
+    local state = { step = step, scheduler = { step = step, lr = lr_at(math.min(step, o.steps)) },
+                    rng = T.rng_state(), data = train_loader:state(), options = saved,
+                    bad_steps = bad_total, bad_steps_in_a_row = bad_run }
+    if not strategy then
+      return ckpt.save(o.out, step, { model = model, optimizer = opt, state = state }, { keep = o.keep_checkpoints })
+    end
+    -- the shape of the run, so that another world size keeps the global batch
+    state.world_size, state.tokens_per_step, state.fsdp = world, tokens_per_step, strategy
+    return train.save_sharded_checkpoint(o.out, step, { model = model, optimizer = opt, state = state },
+      { keep = o.keep_checkpoints })
+  end
+
+  -- the mean validation loss over every rank's batches
+  local function validate()
+    local v = train.evaluate_on(model, val_loader, o.eval_iters, to_device)
+    if multi then v = reduce_numbers({ v }, 'avg')[1] end
+    return v
   end
 
   local flops_per_token = 6 * nparams
@@ -748,28 +1136,70 @@ function train.run(opts)
   local steady_t0, steady_step -- timing from the first step on (it warms up)
   local last_step = start_step - 1
   local rate = 0
+  -- the metrics of the steps since the last flush; with several ranks each
+  -- holds this rank's loss until flush() averages them over the ranks (one
+  -- all_reduce per progress line), then the lines are written
+  local pending, settled = {}, 0
+  local function settle() -- the losses of the pending steps, averaged over the ranks
+    if settled == #pending then return end
+    if multi then
+      local locals = {}
+      for i = settled + 1, #pending do local p = pending[i]; locals[#locals + 1] = p.ok and p.loss or 0 end
+      local mean = reduce_numbers(locals, 'avg')
+      for i = settled + 1, #pending do
+        local p = pending[i]
+        if p.ok then p.rec.loss = mean[i - settled] end
+      end
+    end
+    for i = settled + 1, #pending do
+      local p = pending[i]
+      if p.ok then
+        local lv = p.rec.loss
+        first_loss = first_loss or lv
+        last_loss = lv
+        window_loss, window_n = window_loss + lv, window_n + 1
+      end
+    end
+    settled = #pending
+  end
+  local function flush() -- settle, then write the lines
+    settle()
+    if mf then for _, p in ipairs(pending) do jsonl_line(mf, p.rec) end end
+    pending, settled = {}, 0
+  end
+  local grad_clip = o.grad_clip > 0 and o.grad_clip or nil
   for step = start_step, o.steps do
     local lr = lr_at(step)
     set_lr(opt, lr)
     opt:zero_grad()
     local lsum = 0
-    for _ = 1, accum do
+    for k = 1, accum do
       local x, y = to_device(train_loader:next())
-      local loss = model(x, y)
-      if inject[step] then loss = loss * (0 / 0) end
-      lsum = lsum + loss:item()
-      if accum > 1 then loss = loss * (1 / accum) end -- the mean over all micro-batches (exact for a power of two)
-      loss:backward()
+      local function micro()
+        local loss = model(x, y)
+        if inject[step] then loss = loss * (0 / 0) end
+        lsum = lsum + loss:item()
+        if accum > 1 then loss = loss * (1 / accum) end -- the mean over all micro-batches (exact for a power of two)
+        loss:backward()
+      end
+      -- FSDP: the gradients of all but the last micro-batch stay unsharded
+      -- (no communication); the last backward reduces their sum
+      if strategy and k < accum then model:no_sync(micro) else micro() end
     end
     local lv = lsum / accum
-    local gnorm = ms.optim.clip_grad_norm(params, o.grad_clip > 0 and o.grad_clip or nil)
+    local gnorm
+    if strategy then
+      gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge):item()
+    else
+      gnorm = ms.optim.clip_grad_norm(params, grad_clip)
+    end
     local rec = { step = step, lr = lr, elapsed_s = now() - t0 }
-    if finite(lv) and finite(gnorm) then
+    -- several ranks decide on the gradient norm, the same on every rank (a
+    -- NaN loss on one rank makes it NaN)
+    local good = finite(gnorm) and (multi or finite(lv))
+    if good then
       opt:step()
       bad_run = 0
-      first_loss = first_loss or lv
-      last_loss = lv
-      window_loss, window_n = window_loss + lv, window_n + 1
       rec.loss, rec.grad_norm = lv, gnorm
     else
       -- no update: the gradients are dropped, the step (its data, its lr) is spent
@@ -780,25 +1210,28 @@ function train.run(opts)
       log('step %d: loss %s, grad norm %s: skipped (%d in a row, %d in all)', step, tostring(lv), tostring(gnorm), bad_run, bad_total)
       if bad_run >= o.max_bad_steps then
         rec.bad_steps = bad_total
-        jsonl_line(mf, rec)
-        mf:close()
+        pending[#pending + 1] = { rec = rec, ok = false }
+        flush()
+        if mf then mf:close() end
         error(('train: %d steps in a row with a NaN/inf loss or gradient norm (steps %d-%d, %d in all): stopping '
           .. '(--max-bad-steps %d); try a lower --lr or --grad-clip, or resume from the last checkpoint'):format(
           bad_run, step - bad_run + 1, step, bad_total, o.max_bad_steps), 0)
       end
     end
     if bad_total > 0 then rec.bad_steps = bad_total end
+    pending[#pending + 1] = { rec = rec, ok = good, loss = lv }
     window_steps = window_steps + 1
     local t = now()
     if not steady_t0 then steady_t0, steady_step = t, step end
     if val_loader and (step == o.steps or (o.eval_every > 0 and step % o.eval_every == 0)) then
       local te = now()
-      val_loss = train.evaluate_on(model, val_loader, o.eval_iters, to_device)
+      val_loss = validate()
       rec.val_loss = val_loss
       eval_s = eval_s + (now() - te)
     end
     local log_now = step % o.log_every == 0 or step == o.steps or step == start_step
-    if log_now or tty then
+    if log_now or not multi then settle() end
+    if log_now or (tty and not multi) then
       -- throughput of the training steps alone (validation time left out)
       local dt = now() - t_window - eval_s
       rate = window_steps * tokens_per_step / math.max(dt, 1e-9)
@@ -806,7 +1239,7 @@ function train.run(opts)
       local per_step = step > steady_step and (t - steady_t0) / (step - steady_step) or dt / window_steps
       local extra = ''
       if on_gpu then
-        local mfu = rate * flops_per_token / (o.peak_tflops * 1e12)
+        local mfu = rate * flops_per_token / (o.peak_tflops * 1e12 * world)
         local cuda = require 'moonshard.cuda'
         local mem = cuda.memory_allocated()
         rec.mfu, rec.gpu_mem_bytes = mfu, mem
@@ -818,26 +1251,33 @@ function train.run(opts)
         rec.val_loss and (' | val %.4f'):format(rec.val_loss) or '')
       if tty then
         status(line)
-        if rec.val_loss and not o.quiet then out_line(line) end -- validations stay on screen
+        if rec.val_loss and not o.quiet and rank == 0 then out_line(line) end -- validations stay on screen
       elseif log_now then
         log('%s', line)
       end
       if log_now then t_window, window_loss, window_n, window_steps, eval_s = now(), 0, 0, 0, 0 end
     end
-    jsonl_line(mf, rec)
+    if log_now or not multi then flush() end
     last_step = step
     local sig = handle_signals and train.take_signal()
+    -- several ranks stop together: the first signal any rank holds
+    if multi and handle_signals then
+      local s = reduce_numbers({ sig or 0 }, 'max')[1]
+      sig = s > 0 and s or nil
+    end
     -- (a signal during the last step: the run ends as it would anyway)
     if sig and step < o.steps then interrupted = train.signal_names[sig] or ('signal ' .. sig) end
     if o.stop_at > 0 and step >= o.stop_at and step < o.steps then interrupted = interrupted or ('--stop-at ' .. o.stop_at) end
     if interrupted or (o.save_every > 0 and step % o.save_every == 0 and step < o.steps) then
+      flush()
       last_ckpt = save_checkpoint(step)
       if not interrupted then log('checkpoint %s', last_ckpt) end
     end
     if interrupted then break end
   end
+  flush()
   local elapsed = now() - t0
-  mf:close()
+  if mf then mf:close() end
   if tty and status_shown then io.stdout:write('\n'); status_shown = false end
   local steps_run = last_step - start_step + 1
 
@@ -846,34 +1286,51 @@ function train.run(opts)
     return {
       steps = last_step, first_loss = first_loss, final_loss = last_loss, val_loss = val_loss, elapsed_s = elapsed,
       tokens_per_s = steps_run * tokens_per_step / math.max(elapsed, 1e-9), out = o.out, model = model, options = o,
-      interrupted = interrupted, checkpoint = last_ckpt, bad_steps = bad_total,
+      interrupted = interrupted, checkpoint = last_ckpt, bad_steps = bad_total, rank = rank, world_size = world,
     }
   end
 
-  if o.save then model:save_pretrained(o.out) end
+  if o.save then
+    if strategy then
+      -- config.json from rank 0, the weights gathered (fsdp_checkpoint.save_full, rank 0 writes)
+      if rank == 0 then
+        local hf = require 'models.hf'
+        hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return {} end }, o.out)
+      end
+      fck().save_full(model, o.out .. '/model.safetensors')
+    else
+      model:save_pretrained(o.out)
+    end
+  end
   if o.save_every > 0 and last_step >= start_step then last_ckpt = save_checkpoint(last_step) end
 
   local sample
   if o.sample_tokens > 0 and not sharded then -- (a sample of byte-level models only: shards carry no tokenizer)
     local prompt = data.encode(o.sample_prompt)
     if #prompt == 0 then prompt = { 10 } end
+    -- a sharded model: every rank samples the same tokens (its forwards gather the units)
+    if strategy then ms.fsdp.unshard(model) end
     local ids = model:generate({ prompt }, o.sample_tokens, {
       temperature = o.temperature, top_k = o.top_k > 0 and o.top_k or nil, seed = o.seed })
+    if strategy then ms.fsdp.reshard(model) end
     local row = ids:totable()[1]
     local new = {}
     for i = #prompt + 1, #row do new[#new + 1] = row[i] < 256 and row[i] or 63 end
     sample = o.sample_prompt .. data.decode(new)
     log('---- sample (%d tokens, temperature %g) ----\n%s\n----', o.sample_tokens, o.temperature, sanitize(sample))
   end
-  log('done: %d steps in %s (%s tok/s), loss %s -> %s%s%s; metrics %s/metrics.jsonl',
+  local done = ('done: %d steps in %s (%s tok/s), loss %s -> %s%s%s; metrics %s/metrics.jsonl'):format(
     steps_run, fmt_duration(elapsed), fmt_rate(steps_run * tokens_per_step / math.max(elapsed, 1e-9)),
     first_loss and ('%.4f'):format(first_loss) or '-', last_loss and ('%.4f'):format(last_loss) or '-',
     val_loss and (', val %.4f'):format(val_loss) or '', bad_total > 0 and (', %d bad steps skipped'):format(bad_total) or '',
     o.out)
+  if rank == 0 then log('%s', done)
+  elseif not o.quiet then out_line(('%s (rank %d of %d)'):format(done, rank, world)) end -- every rank says it finished
   return {
     steps = o.steps, first_loss = first_loss, final_loss = last_loss, val_loss = val_loss,
     elapsed_s = elapsed, tokens_per_s = steps_run * tokens_per_step / math.max(elapsed, 1e-9),
     out = o.out, sample = sample, model = model, options = o, bad_steps = bad_total, checkpoint = last_ckpt,
+    rank = rank, world_size = world,
   }
 end
 
