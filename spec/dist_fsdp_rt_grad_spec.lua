@@ -276,6 +276,7 @@ describe('fsdp runtime: gradients #mpi', function()
     if W > 1 then assert.matches('shard_size 7 does not divide', err { strategy = 'HYBRID_SHARD', shard_size = 7 }) end
     assert.matches('mixed_precision.param = int8', err { mixed_precision = { param = 'int8' } })
     assert.matches('limit_all_gathers', err { limit_all_gathers = 0 })
+    assert.matches('not a process group', err { group = 'world' })
     assert.matches('policy must be', err { policy = 42 })
     local ok, e = pcall(fsdp.clip_grad_norm, load_model(), 1.0)
     assert.is_false(ok)

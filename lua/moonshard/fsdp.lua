@@ -601,6 +601,9 @@ function fsdp.fully_shard(model, opts)
   -- groups: the shard group (the layout's) and the replicate group
   local group, shard_group, replicate_group, mesh = opts.group, nil, nil, nil
   if group == nil and dist.is_initialized() then group = dist.world_group end
+  if group ~= nil and (type(group) ~= 'table' or type(group.is_member) ~= 'function' or not group:is_member()) then
+    error(('fully_shard: group %s is not a process group this rank belongs to'):format(tostring(group)), 2)
+  end
   if strategy == 'HYBRID_SHARD' then
     if opts.group ~= nil then error('fully_shard: HYBRID_SHARD takes mesh = or shard_size =, not group =', 2) end
     if not dist.is_initialized() then error('fully_shard: HYBRID_SHARD needs ms.dist.init first', 2) end
