@@ -86,9 +86,12 @@ describe('fsdp runtime: gradients #mpi', function()
   local policy = function() return fsdp.policy.by_class { 'GPT2Block' } end
   local strategies = { 'FULL_SHARD', 'NO_SHARD' }
   if W % 2 == 0 then strategies[#strategies + 1] = 'HYBRID_SHARD' end
+  -- 'HYBRID_SHARD': shard_size W / 2; 'HYBRID_SHARD RxS': opts.mesh = dist.mesh{replicate = R, shard = S}
   local function shard_opts(strategy)
-    local o = { policy = policy(), strategy = strategy }
-    if strategy == 'HYBRID_SHARD' then o.shard_size = W / 2 end
+    local R_, S_ = strategy:match('^HYBRID_SHARD (%d+)x(%d+)$')
+    local o = { policy = policy(), strategy = R_ and 'HYBRID_SHARD' or strategy }
+    if R_ then o.mesh = dist.mesh { replicate = tonumber(R_), shard = tonumber(S_) }
+    elseif strategy == 'HYBRID_SHARD' then o.shard_size = W / 2 end
     return o
   end
   local report = {}
@@ -172,6 +175,9 @@ describe('fsdp runtime: gradients #mpi', function()
   end
   local clip_strategies = { 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD' }
   if W % 2 == 0 then clip_strategies[#clip_strategies + 1] = 'HYBRID_SHARD' end
+  -- the two degenerate meshes: all replicas (like NO_SHARD), one shard group (like FULL_SHARD)
+  clip_strategies[#clip_strategies + 1] = ('HYBRID_SHARD %dx1'):format(W)
+  if W > 1 then clip_strategies[#clip_strategies + 1] = ('HYBRID_SHARD 1x%d'):format(W) end
   for _, strategy in ipairs(clip_strategies) do
     it(('clip_grad_norm under %s: the unsharded norm (1e-6) and the clipped gradients'):format(strategy), function()
       local ref = clip_reference()

@@ -728,6 +728,7 @@ function fsdp.fully_shard(model, opts)
         grad_direct = dtype == 'f32',
         decay_end = #decay == 0 and 0 or (#nodecay == 0 and fp.total or fp.layout.offsets[#decay + 1]),
       }, Unit)
+      fp.names = names        -- the same list as unit.param_names
       unit.free_data = unit.reshards and opts.free_unsharded ~= false
       if fp.shard.dtype ~= dtype then unit.lp = fp.shard:to(dtype) end
       unit.flat = T.empty({ fp.total }, { dtype = dtype, device = fp.device })
