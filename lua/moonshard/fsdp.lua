@@ -937,4 +937,14 @@ function FlatParam:__tostring()
     self.flat and ', unsharded' or '')
 end
 
+-- ms.fsdp.checkpoint: sharded and full checkpoints of sharded models
+-- (moonshard.fsdp_checkpoint, docs/fsdp-checkpoints.md), loaded on first use
+setmetatable(fsdp, { __index = function(t, k)
+  if k == 'checkpoint' then
+    local m = require 'moonshard.fsdp_checkpoint'
+    rawset(t, k, m)
+    return m
+  end
+end })
+
 return fsdp
