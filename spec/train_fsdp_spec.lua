@@ -1,0 +1,245 @@
+-- Sharded training in the built-in loop (moonshard.train, docs/train.md
+-- "Sharded training"): bin/train --nproc-per-node N --device cpu starts the
+-- ranks through mpirun; the loop joins ms.dist, wraps the model with
+-- ms.fsdp.fully_shard and gives every rank its own rows of each batch.
+-- Checked against one process over the same global batches: the loss
+-- curve (within 1e-5 relative), micro-batch accumulation under no_sync,
+-- a sharded checkpoint written at 2 ranks resumed at 1 and 3 (and the
+-- corrupt newest one skipped), the final weights gathered into
+-- model.safetensors; plus the pieces in-process: the block class the auto
+-- policy picks, the mixed-precision option, the rank-aware byte loader.
+local T = require 'moonshard.tensor'
+local json = require 'dkjson'
+local train = require 'moonshard.train'
+local data = require 'moonshard.data'
+
+local root = T.root
+local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local dir
+do
+  local p = io.popen('mktemp -d')
+  dir = p:read('*l')
+  p:close()
+end
+
+-- runs bin/train with the given argument string; returns exit status, output
+local function bin_train(args)
+  local p = io.popen(('cd %s && luajit bin/train %s 2>&1; echo "__status=$?"'):format(q(root), args))
+  local out = p:read('*a')
+  p:close()
+  local status = tonumber(out:match('__status=(%d+)%s*$'))
+  return status, out:gsub('__status=%d+%s*$', '')
+end
+
+local function losses(out)
+  local f = assert(io.open(out .. '/metrics.jsonl', 'rb'))
+  local r = {}
+  for line in f:lines() do
+    local obj = assert(json.decode(line, 1, nil), line)
+    r[obj.step] = obj.loss
+  end
+  f:close()
+  return r
+end
+
+local function close_losses(ref, got, from, to, what)
+  for s = from, to do
+    assert.is_number(ref[s], ('%s: reference step %d'):format(what, s))
+    assert.is_number(got[s], ('%s: no loss at step %d'):format(what, s))
+    local rel = math.abs(got[s] - ref[s]) / math.abs(ref[s])
+    assert.is_true(rel <= 1e-5, ('%s: step %d loss %.17g, one process %.17g (relative %.2e)'):format(what, s, got[s], ref[s], rel))
+  end
+end
+
+-- a model small enough that a step takes milliseconds
+local tiny = '--preset tiny --model.n_layer 2 --model.n_embd 32 --model.n_head 2 --seq-len 16 --lr 1e-2 --warmup 1 '
+  .. '--eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2'
+
+describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
+  teardown(function() os.execute('rm -rf ' .. q(dir)) end)
+
+  -- one process, 4 sequences per step: the reference of the first two specs
+  local ref
+  local function reference()
+    if ref then return ref end
+    local status, text = bin_train(('models/gpt2.lua %s --batch-size 4 --steps 4 --out %s/one'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    ref = losses(dir .. '/one')
+    return ref
+  end
+
+  it('--fsdp FULL_SHARD on 2 ranks follows the one-process loss curve over the same global batches', function()
+    local one = reference()
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 '
+      .. '--fsdp FULL_SHARD --out %s/two'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/two'), 1, 4, '2 ranks')
+    -- rank 0 logs (the other ranks only say they are done); the validation is every rank's
+    assert.is_truthy(text:find('[rank 0] fsdp: FULL_SHARD over 2 ranks, units GPT2Block (3)', 1, true), text)
+    assert.is_truthy(text:find('[rank 0] step 4/4 | loss', 1, true), text)
+    assert.is_falsy(text:find('[rank 1] step', 1, true), text)
+    assert.is_truthy(text:find('[rank 1] done: 4 steps', 1, true), text)
+    local v1 = tonumber(text:match('%[rank 0%] done:.-val (%d+%.%d+)'))
+    local f = assert(io.open(dir .. '/one/metrics.jsonl')):read('*a')
+    local vref = tonumber(f:match('"val_loss":([%d%.e%-]+)'))
+    assert.is_true(v1 ~= nil and vref ~= nil and math.abs(v1 - vref) < 1e-4, ('val %s, one process %s'):format(tostring(v1), tostring(vref)))
+    -- the final weights, gathered: those of the one-process run (AdamW at lr
+    -- 1e-2 turns the rounding of the reductions into ~1e-5 absolute; a wrong
+    -- gather would differ by the weights themselves)
+    local gpt2 = require 'models.gpt2'
+    local a, b = gpt2.from_pretrained(dir .. '/one'), gpt2.from_pretrained(dir .. '/two')
+    local pa = {}
+    for name, p in a:named_parameters() do pa[name] = p end
+    local n = 0
+    for name, p in b:named_parameters() do
+      local d = (p - pa[name]):abs():max():item()
+      local m = pa[name]:abs():max():item()
+      assert.is_true(d <= 2e-4 * math.max(m, 1e-2), ('%s differs by %.3g (largest %.3g)'):format(name, d, m))
+      n = n + 1
+    end
+    assert.is_true(n > 10)
+  end)
+
+  it('accumulates micro-batches under no_sync to the big batch (2 ranks x 2 micro-batches of 1 = 4)', function()
+    local one = reference()
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 1 --tokens-per-step 64 '
+      .. '--steps 4 --fsdp SHARD_GRAD_OP --no-save --out %s/accum'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('64 tokens (2 ranks x 1 x 16 x 2 micro-batches)', 1, true), text)
+    close_losses(one, losses(dir .. '/accum'), 1, 4, 'accumulation')
+  end)
+
+  it('a checkpoint saved at 2 ranks resumes at 1 and at 3 ranks with the same losses; the last K kept; a corrupt one skipped', function()
+    -- 6 sequences per step: 2 ranks x 3 micro-batches, 3 x 2, 1 x 6
+    local common = ('models/gpt2.lua %s --batch-size 1 --tokens-per-step 96 --steps 6 --no-save'):format(tiny)
+    local status, text = bin_train(('%s --out %s/straight'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    local straight = losses(dir .. '/straight')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu %s --fsdp FULL_SHARD --save-every 1 --keep-checkpoints 2 '
+      .. '--stop-at 3 --out %s/saved'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('stopped by --stop-at 3 after step 3/6', 1, true), text)
+    close_losses(straight, losses(dir .. '/saved'), 1, 3, 'before the save')
+    -- the run's layout: the newest 2 of ckpt-1..3, each a sharded checkpoint with state and manifest
+    local p = io.popen('ls ' .. q(dir .. '/saved'))
+    local names = p:read('*a')
+    p:close()
+    assert.are.equal('ckpt-2\nckpt-3\nmetrics.jsonl\nrun.json\n', names)
+    local ck = dir .. '/saved/ckpt-3'
+    for _, f in ipairs({ 'index.json', 'state.json', 'manifest.json', 'rank-00000-of-00002.safetensors',
+                         'rank-00001-of-00002.safetensors' }) do
+      assert.is_truthy(io.open(ck .. '/' .. f), ck .. '/' .. f)
+    end
+    assert.is_true(train.verify_checkpoint(ck))
+    local st = json.decode(assert(io.open(ck .. '/state.json')):read('*a'))
+    assert.are.equal(3, st.step)
+    assert.are.equal(2, st.world_size)
+    assert.are.equal(96, st.tokens_per_step)
+    assert.are.equal(3 * 6, st.data.rows)
+
+    for _, np in ipairs({ 1, 3 }) do
+      local out = ('%s/at%d'):format(dir, np)
+      os.execute(('cp -r %s %s'):format(q(dir .. '/saved'), q(out)))
+      local launcher = np > 1 and ('--nproc-per-node %d --device cpu '):format(np) or ''
+      status, text = bin_train(('%s--resume %s'):format(launcher, q(out)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('resumed from ' .. out .. '/ckpt-3 at step 3', 1, true), text)
+      close_losses(straight, losses(out), 1, 6, ('resumed at %d rank(s)'):format(np))
+    end
+
+    -- a flipped byte in a rank file of the newest: reported, the previous one used
+    local out = dir .. '/corrupt'
+    os.execute(('cp -r %s %s'):format(q(dir .. '/saved'), q(out)))
+    local path = out .. '/ckpt-3/rank-00001-of-00002.safetensors'
+    local f = assert(io.open(path, 'r+b'))
+    local size = f:seek('end')
+    f:seek('set', size - 5)
+    local c = f:read(1)
+    f:seek('set', size - 5)
+    f:write(string.char((c:byte() + 1) % 256))
+    f:close()
+    status, text = bin_train(('--resume %s'):format(q(out)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('checkpoint ' .. out .. '/ckpt-3 is corrupt: ' .. path .. ': checksum mismatch', 1, true), text)
+    assert.is_truthy(text:find('at step 2', 1, true), text)
+    close_losses(straight, losses(out), 1, 6, 'resumed from the previous checkpoint')
+  end)
+
+  it('refuses a bad --fsdp, --fsdp-policy or --fsdp-mixed-precision with exit status 2', function()
+    for _, c in ipairs({
+      { 'models/gpt2.lua --fsdp HALF_SHARD --steps 1', 'fsdp must be FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or off' },
+      { 'models/gpt2.lua --fsdp --fsdp-policy NoSuchBlock --steps 1', 'the model has no module of class NoSuchBlock' },
+      { 'models/gpt2.lua --fsdp-policy size:x --steps 1', 'size:N needs a number' },
+      { 'models/gpt2.lua --fsdp-mixed-precision bf17 --steps 1', 'fsdp_mixed_precision: expected PARAM/REDUCE' },
+    }) do
+      local status, text = bin_train(c[1])
+      assert.are.equal(2, status, c[1] .. ': ' .. text)
+      assert.is_truthy(text:find(c[2], 1, true), ('%s: expected "%s" in: %s'):format(c[1], c[2], text))
+    end
+  end)
+end)
+
+describe('moonshard.train FSDP pieces', function()
+  it('finds the block class of a model: GPT2Block, LlamaDecoderLayer, also at one layer', function()
+    local gpt2, llama = require 'models.gpt2', require 'models.llama'
+    for _, c in ipairs({
+      { gpt2, { n_layer = 2, n_embd = 32, n_head = 2 }, 'GPT2Block' },
+      { gpt2, { n_layer = 1, n_embd = 32, n_head = 2 }, 'GPT2Block' },
+      { llama, { num_hidden_layers = 1, hidden_size = 32, intermediate_size = 64 }, 'LlamaDecoderLayer' },
+    }) do
+      local m = c[1].new('tiny', c[2])
+      assert.are.equal(c[3], train.block_class(c[1], m))
+    end
+    -- a model file that names its block wins
+    local m = gpt2.new('tiny', { n_layer = 1, n_embd = 32, n_head = 2 })
+    assert.are.equal('LayerNorm', train.block_class({ fsdp_block = 'LayerNorm' }, m))
+    assert.are.equal('GPT2Block', train.block_class({ fsdp_block = gpt2.Block }, m))
+    local policy, desc = train.fsdp_policy(gpt2, m, 'auto')
+    assert.are.equal('GPT2Block', desc)
+    assert.is_true(policy(m.transformer.h[1]))
+    assert.is_false(policy(m.transformer))
+  end)
+
+  it('reads --fsdp-mixed-precision: auto is bf16/f32 on CUDA and none on the CPU', function()
+    assert.is_nil(train.mixed_precision('auto', 'cpu'))
+    assert.are.same({ param = 'bf16', reduce = 'f32' }, train.mixed_precision('auto', 'cuda'))
+    assert.are.same({ param = 'bf16', reduce = 'bf16' }, train.mixed_precision('bf16/bf16', 'cpu'))
+    assert.are.same({ param = 'bf16', reduce = 'f32' }, train.mixed_precision('bf16', 'cpu'))
+    assert.is_nil(train.mixed_precision('none', 'cuda'))
+    assert.has_error(function() train.mixed_precision('bf16/i8') end)
+    local o = train.parse_args({ '--fsdp', '--shard-size', '2' })
+    assert.are.equal('FULL_SHARD', o.fsdp)
+    o = train.check_options(train.parse_args({ '--fsdp', 'hybrid-shard' }))
+    assert.are.equal('HYBRID_SHARD', o.fsdp)
+  end)
+
+  it('gives rank r of W its rows of the big batch, and a position resumes at another world size', function()
+    local corpus = data.corpus{ text = ('the quick brown fox jumps over the lazy dog. '):rep(40), val_fraction = 0 }
+    local one = data.Loader(corpus.train, { batch_size = 6, seq_len = 8, seed = 3 })
+    local x1 = one:batch(2):totable()
+    for _, W in ipairs({ 2, 3 }) do
+      for r = 0, W - 1 do
+        local l = data.Loader(corpus.train, { batch_size = 6 / W, seq_len = 8, seed = 3, rank = r, world_size = W })
+        local x = l:batch(2):totable()
+        for b = 1, 6 / W do assert.are.same(x1[r * 6 / W + b], x[b]) end
+      end
+    end
+    -- without rank/world_size: the loader as before (batch k is rows k*B ..)
+    local l4 = data.Loader(corpus.train, { batch_size = 3, seq_len = 8, seed = 3 })
+    assert.are.same({ x1[4], x1[5], x1[6] }, l4:batch(5):totable())
+    -- 2 steps of 2 ranks x 3 rows = 12 rows; at 3 ranks x 2 rows that is step 2; at 1 x 4, step 3
+    local a = data.Loader(corpus.train, { batch_size = 3, seq_len = 8, seed = 3, rank = 1, world_size = 2 })
+    a:next(); a:next()
+    local s = a:state()
+    assert.are.equal(12, s.rows)
+    local b = data.Loader(corpus.train, { batch_size = 2, seq_len = 8, seed = 3, rank = 0, world_size = 3 })
+    b:set_state(s)
+    assert.are.equal(2, b.step)
+    local c = data.Loader(corpus.train, { batch_size = 4, seq_len = 8, seed = 3 })
+    c:set_state(s)
+    assert.are.equal(3, c.step)
+    local d = data.Loader(corpus.train, { batch_size = 5, seq_len = 8, seed = 3 })
+    assert.has_error(function() d:set_state(s) end)
+    assert.has_error(function() data.Loader(corpus.train, { rank = 2, world_size = 2 }) end)
+  end)
+end)
