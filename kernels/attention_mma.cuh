@@ -57,6 +57,10 @@ namespace mma {
 //         col N + (lane >> 4) * 8; {r0, r1} first n-tile, {r2, r3} second
 //         (.trans: M[k = 2t, 2t+1][n = g] = b0).
 
+// The PTX below has a CPU stand-in with the same semantics in
+// kernels/attention_mma_emu.cpp (MS_ATTENTION_MMA_EMU), which runs these
+// kernels thread by thread against a reference (spec/attention_mma_emu_spec.lua).
+#ifndef MS_ATTENTION_MMA_EMU
 __device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void ldsm_x4(unsigned r[4], const void *p) {
@@ -70,6 +74,8 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned r[4], const void *p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_u32(p)));
 }
+
+#endif
 
 // A fragment of rows R..R+15, cols C..C+15 (see lda above)
 template <typename T, int LD>
@@ -87,6 +93,7 @@ __device__ __forceinline__ void ldbt(unsigned r[4], const T *s, int N, int C, in
     ldsm_x4_t(r, s + (C + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + N + (lane >> 4) * 8);
 }
 
+#ifndef MS_ATTENTION_MMA_EMU
 // 16 bytes global -> shared, asynchronous; zero-filled when !pred (src must
 // still be a valid address: callers pass the tensor's base)
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool pred) {
@@ -130,6 +137,8 @@ template <> struct op<__half> {
         return *reinterpret_cast<unsigned *>(&v);
     }
 };
+
+#endif
 
 // the A fragment of the 16 x 16 block made of C tiles c[2kk], c[2kk+1]
 // (the identity above), rounded to T

@@ -1,0 +1,380 @@
+// kernels/attention_mma_emu.cpp — runs the mma.sync attention kernels of
+// kernels/attention_mma.cuh on the CPU, thread by thread, and checks out, lse,
+// dq, dk and dv against a double-precision reference. The kernels are
+// compiled as they are; only their PTX wrappers (ldmatrix(.trans),
+// mma.m16n8k16, cp.async, ex2) are replaced (MS_ATTENTION_MMA_EMU) by
+// stand-ins with the semantics of the PTX ISA: a block is 128 fibers
+// (ucontext) switched at every barrier and warp collective; ldmatrix and
+// mma exchange the lanes' addresses and fragments through the warp, so a
+// wrong fragment index, mask or tile bound shows as a wrong result; cp.async
+// lands only when the issuing thread waits, and shared memory starts as
+// NaNs, so a read before the wait or of an unwritten row shows too. What it
+// cannot see: the hardware's timing (races the barriers do not order on the
+// GPU but the fibers' fixed order hides) and the PTX text itself.
+//
+//   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
+//   build/attention_mma_emu [--quick] [--reverse]     (exit status 1 on a mismatch)
+//
+// bf16 only (f16 differs in op<__half>, the PTX type names and the rounding).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+#include <ucontext.h>
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__
+#define __align__(x)
+using std::max;
+using std::min;
+
+struct emu_dim3 {
+    unsigned x, y, z;
+};
+static emu_dim3 threadIdx, blockIdx, gridDim;
+struct uint4 {
+    unsigned x, y, z, w;
+};
+struct __nv_bfloat16 {
+    uint16_t x;
+};
+static float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static uint16_t f2bf(float f) {  // round to nearest even, as __float2bfloat16_rn
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+// ---- a block: 128 fibers, switched only at barriers and collectives
+static const int kThreads = 128;
+static ucontext_t sched_ctx, fiber_ctx[kThreads];
+static bool fiber_done[kThreads];
+static int cur;
+static long progress;
+static bool reverse_order;
+static std::function<void()> kernel_body;
+static void yield_fiber() { swapcontext(&fiber_ctx[cur], &sched_ctx); }
+struct barrier {
+    int n, arrived;
+    long gen;
+    void wait() {
+        long g = gen;
+        progress++;
+        if (++arrived == n) {
+            arrived = 0;
+            gen++;
+        } else {
+            while (gen == g) yield_fiber();
+        }
+    }
+};
+static barrier block_bar = {kThreads, 0, 0}, warp_bar[4] = {{32, 0, 0}, {32, 0, 0}, {32, 0, 0}, {32, 0, 0}};
+static void __syncthreads() { block_bar.wait(); }
+static void __syncwarp() { warp_bar[threadIdx.x / 32].wait(); }
+static float shfl_slot[kThreads];
+static float __shfl_xor_sync(unsigned, float v, int m) {
+    int t = threadIdx.x, w = t / 32, l = t % 32;
+    shfl_slot[t] = v;
+    __syncwarp();
+    float r = shfl_slot[w * 32 + (l ^ m)];
+    __syncwarp();
+    return r;
+}
+
+// what attention.cu defines before including the kernels
+struct qkv_layout {
+    long long sb, sh, st;
+};
+static long long at(const qkv_layout &l, long long b, long long h, long long t) { return b * l.sb + h * l.sh + t * l.st; }
+static const float kLog2e = 1.4426950408889634f;
+
+#define MS_ATTENTION_MMA_EMU
+namespace mma {
+alignas(128) unsigned char sm[256 * 1024];  // the kernels' extern __shared__ buffer
+static const void *addr_slot[kThreads];
+static unsigned a_slot[kThreads][4], b_slot[kThreads][2];
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lanes 8i..8i+7 give the
+// rows of matrix i; lane (g = lane/4, t = lane%4) gets M_i[g][2t, 2t+1]
+// (.trans: M_i[2t, 2t+1][g]) in register i, the lower index in the low half
+static void ldsm(unsigned r[4], const void *p, bool trans) {
+    int t = threadIdx.x, w = t / 32, lane = t % 32;
+    if (((uintptr_t)p & 15) || (const unsigned char *)p < sm || (const unsigned char *)p + 16 > sm + sizeof sm) {
+        printf("ldmatrix: row address %p unaligned or outside shared memory\n", p);
+        exit(1);
+    }
+    addr_slot[t] = p;
+    __syncwarp();
+    int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; i++) {
+        auto row = [&](int rr) { return (const uint16_t *)addr_slot[w * 32 + 8 * i + rr]; };
+        uint16_t lo = trans ? row(2 * q)[g] : row(g)[2 * q], hi = trans ? row(2 * q + 1)[g] : row(g)[2 * q + 1];
+        r[i] = lo | ((unsigned)hi << 16);
+    }
+    __syncwarp();
+}
+static void ldsm_x4(unsigned r[4], const void *p) { ldsm(r, p, false); }
+static void ldsm_x4_t(unsigned r[4], const void *p) { ldsm(r, p, true); }
+
+// cp.async: queued, lands when the issuing thread waits
+struct pending_copy {
+    void *dst;
+    const void *src;
+    bool pred;
+};
+static std::vector<pending_copy> pending[kThreads];
+static void cp_async16(void *dst, const void *src, bool pred) {
+    if (((uintptr_t)dst & 15) || ((uintptr_t)src & 15)) {
+        printf("cp.async: unaligned address\n");
+        exit(1);
+    }
+    pending[threadIdx.x].push_back({dst, src, pred});
+}
+static void cp_async_commit() {}
+static void cp_async_wait_all() {
+    for (auto &c : pending[threadIdx.x]) {
+        if (c.pred) memcpy(c.dst, c.src, 16);
+        else memset(c.dst, 0, 16);
+    }
+    pending[threadIdx.x].clear();
+}
+static float fast_exp2(float x) { return exp2f(x); }
+
+template <typename T> struct op;
+template <> struct op<__nv_bfloat16> {
+    // mma.m16n8k16.row.col: A[r][k] sits in lane (r%8)*4 + (k%8)/2, register
+    // (r>=8) + 2(k>=8); B[k][c] in lane c*4 + (k%8)/2, register (k>=8); half k&1.
+    // Lane (g, t) owns C[g][2t, 2t+1] (c0, c1) and C[g+8][2t, 2t+1] (c2, c3).
+    static void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+        int t = threadIdx.x, w = t / 32, lane = t % 32;
+        for (int i = 0; i < 4; i++) a_slot[t][i] = a[i];
+        b_slot[t][0] = b0;
+        b_slot[t][1] = b1;
+        __syncwarp();
+        auto half = [](unsigned x, int k) { return bf2f((uint16_t)(k & 1 ? x >> 16 : x & 0xffff)); };
+        int g = lane >> 2, q = lane & 3;
+        for (int e = 0; e < 4; e++) {
+            int row = g + 8 * (e >> 1), col = 2 * q + (e & 1);
+            float s = 0;
+            for (int k = 0; k < 16; k++)
+                s += half(a_slot[w * 32 + (row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k) *
+                     half(b_slot[w * 32 + col * 4 + (k % 8) / 2][k >= 8], k);
+            c[e] += s;
+        }
+        __syncwarp();
+    }
+    static unsigned pack(float x, float y) { return f2bf(x) | ((unsigned)f2bf(y) << 16); }
+};
+}  // namespace mma
+
+#include "attention_mma.cuh"
+
+static char stacks[kThreads][128 * 1024];
+static void trampoline() {
+    kernel_body();
+    fiber_done[cur] = true;
+    progress++;
+}
+// run body() as a grid of gx x gy blocks of 128 threads
+static void launch(unsigned gx, unsigned gy, std::function<void()> body) {
+    kernel_body = body;
+    gridDim = {gx, gy, 1};
+    for (unsigned by = 0; by < gy; by++)
+        for (unsigned bx = 0; bx < gx; bx++) {
+            blockIdx = {bx, by, 0};
+            memset(mma::sm, 0xff, sizeof mma::sm);  // bf16 NaNs: a stale read shows
+            for (int t = 0; t < kThreads; t++) {
+                getcontext(&fiber_ctx[t]);
+                fiber_ctx[t].uc_stack.ss_sp = stacks[t];
+                fiber_ctx[t].uc_stack.ss_size = sizeof stacks[t];
+                fiber_ctx[t].uc_link = &sched_ctx;
+                makecontext(&fiber_ctx[t], trampoline, 0);
+                fiber_done[t] = false;
+            }
+            for (;;) {
+                long p = progress;
+                bool all = true;
+                for (int i = 0; i < kThreads; i++) {
+                    int t = reverse_order ? kThreads - 1 - i : i;
+                    if (fiber_done[t]) continue;
+                    all = false;
+                    cur = t;
+                    threadIdx = {(unsigned)t, 0, 0};
+                    swapcontext(&sched_ctx, &fiber_ctx[t]);
+                }
+                if (all) break;
+                if (p == progress) {
+                    printf("deadlock: block (%u, %u) stopped at a barrier not every thread reaches\n", bx, by);
+                    exit(1);
+                }
+            }
+            for (int t = 0; t < kThreads; t++)
+                if (!mma::pending[t].empty()) {
+                    printf("cp.async never waited for (thread %d)\n", t);
+                    exit(1);
+                }
+        }
+}
+
+typedef __nv_bfloat16 bf;
+// a (B, H, T, D) bf16 tensor, contiguous or a (B, T, H, D) layout seen as one
+struct tensor4 {
+    int B, H, T, D;
+    std::vector<bf> v;
+    qkv_layout l;
+    tensor4(int B_, int H_, int T_, int D_, bool bthd) : B(B_), H(H_), T(T_), D(D_) {
+        v.resize((size_t)B * H * T * D + 16);
+        l = bthd ? qkv_layout{(long long)T * H * D, D, (long long)H * D}
+                 : qkv_layout{(long long)H * T * D, (long long)T * D, D};
+    }
+    bf *data() { return (bf *)(((uintptr_t)v.data() + 15) & ~(uintptr_t)15); }
+    float get(int b, int h, int t, int d) { return bf2f(data()[at(l, b, h, t) + d].x); }
+    void set(int b, int h, int t, int d, float x) { data()[at(l, b, h, t) + d].x = f2bf(x); }
+};
+
+struct errsum {
+    double e = 0, n = 0;
+    void add(double got, double want) { e += (got - want) * (got - want), n += want * want; }
+    double rel() const { return n > 0 ? sqrt(e / n) : sqrt(e); }
+};
+
+template <int D>
+static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bthd, unsigned seed) {
+    constexpr int MT = D == 64 ? 2 : 1, BQ = D == 64 ? 64 : 32;  // as attention.cu launches them
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    tensor4 q(B, H, Tq, D, bthd), k(B, Hkv, Tk, D, false), v(B, Hkv, Tk, D, bthd), g(B, H, Tq, D, false);
+    tensor4 o(B, H, Tq, D, false), dq(B, H, Tq, D, bthd), dk(B, Hkv, Tk, D, false), dv(B, Hkv, Tk, D, bthd);
+    for (tensor4 *x : {&q, &k, &v, &g})
+        for (int b = 0; b < x->B; b++)
+            for (int h = 0; h < x->H; h++)
+                for (int t = 0; t < x->T; t++)
+                    for (int d = 0; d < D; d++) x->set(b, h, t, d, nd(rng));
+    for (tensor4 *x : {&o, &dq, &dk, &dv})
+        for (auto &e : x->v) e.x = 0x7fc0;  // NaN: an unwritten element shows
+    const float scale = 1.f / sqrtf((float)D);
+    std::vector<float> lse((size_t)B * H * Tq, NAN), delta((size_t)B * H * Tq);
+    launch((Tq + 64 * MT - 1) / (64 * MT), B * H, [&] {
+        mma::fwd_kernel<bf, D, MT>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv, Tq,
+                                   Tk, scale, causal);
+    });
+    // the reference (double); the backward's delta from the kernel's out, as attention.cu does
+    const int rep = H / Hkv;
+    const long long off = Tk - Tq;
+    errsum eo, el, edq, edk, edv;
+    bool lse_inf_ok = true;
+    std::vector<double> rdq((size_t)B * H * Tq * D), rdk((size_t)B * Hkv * Tk * D), rdv((size_t)B * Hkv * Tk * D);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int i = 0; i < Tq; i++) {
+                const int gk = h / rep;
+                std::vector<double> s(Tk), p(Tk, 0);
+                double m = -INFINITY, sum = 0, dl = 0;
+                for (int j = 0; j < Tk; j++) {
+                    s[j] = -INFINITY;
+                    if (causal && j > i + off) continue;
+                    double a = 0;
+                    for (int d = 0; d < D; d++) a += (double)q.get(b, h, i, d) * k.get(b, gk, j, d);
+                    s[j] = a * scale;
+                    m = max(m, s[j]);
+                }
+                for (int j = 0; j < Tk; j++)
+                    if (s[j] > -INFINITY) sum += p[j] = exp(s[j] - m);
+                const float Lg = lse[((size_t)b * H + h) * Tq + i];
+                if (sum > 0) el.add(Lg, m + log(sum));
+                else lse_inf_ok = lse_inf_ok && std::isinf(Lg) && Lg < 0;
+                for (int d = 0; d < D; d++) {
+                    double od = 0;
+                    for (int j = 0; j < Tk; j++)
+                        if (p[j] > 0) od += p[j] / sum * v.get(b, gk, j, d);
+                    eo.add(o.get(b, h, i, d), od);
+                    dl += (double)g.get(b, h, i, d) * o.get(b, h, i, d);
+                }
+                delta[((size_t)b * H + h) * Tq + i] = (float)dl;
+                for (int j = 0; j < Tk; j++) {
+                    if (p[j] == 0) continue;
+                    double P = p[j] / sum, dp = 0;
+                    for (int d = 0; d < D; d++) dp += (double)g.get(b, h, i, d) * v.get(b, gk, j, d);
+                    const double ds = P * (dp - dl);
+                    for (int d = 0; d < D; d++) {
+                        rdq[(((size_t)b * H + h) * Tq + i) * D + d] += ds * k.get(b, gk, j, d) * scale;
+                        rdk[(((size_t)b * Hkv + gk) * Tk + j) * D + d] += ds * q.get(b, h, i, d) * scale;
+                        rdv[(((size_t)b * Hkv + gk) * Tk + j) * D + d] += P * g.get(b, h, i, d);
+                    }
+                }
+            }
+    launch((Tk + 63) / 64, B * Hkv, [&] {
+        mma::dkdv_kernel<bf, D, BQ>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(),
+                                    delta.data(), q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal);
+    });
+    launch((Tq + 63) / 64, B * H, [&] {
+        mma::dq_kernel<bf, D>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l,
+                              v.l, g.l, dq.l, H, Hkv, Tq, Tk, scale, causal);
+    });
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int i = 0; i < Tq; i++)
+                for (int d = 0; d < D; d++) edq.add(dq.get(b, h, i, d), rdq[(((size_t)b * H + h) * Tq + i) * D + d]);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < Hkv; h++)
+            for (int j = 0; j < Tk; j++)
+                for (int d = 0; d < D; d++) {
+                    edk.add(dk.get(b, h, j, d), rdk[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
+                    edv.add(dv.get(b, h, j, d), rdv[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
+                }
+    // bf16 bounds as spec/gpu_attention_spec.lua; NaN fails every comparison
+    const double r[5] = {eo.rel(), el.rel(), edq.rel(), edk.rel(), edv.rel()};
+    bool ok = lse_inf_ok;
+    for (int i = 0; i < 5; i++) ok = ok && r[i] <= (i == 1 ? 1e-5 : 1e-2);
+    printf("%s D=%d B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e\n",
+           ok ? "ok  " : "FAIL", D, B, H, Hkv, Tq, Tk, causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "",
+           r[0], r[1], r[2], r[3], r[4]);
+    return ok ? 0 : 1;
+}
+
+int main(int argc, char **argv) {
+    bool quick = false;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) quick = true;
+        else if (!strcmp(argv[i], "--reverse")) reverse_order = true;
+        else {
+            fprintf(stderr, "usage: %s [--quick] [--reverse]\n", argv[0]);
+            return 2;
+        }
+    }
+    struct shape {
+        int B, H, Hkv, Tq, Tk;
+        bool causal, bthd, in_quick;
+    } cases[] = {
+        {1, 2, 1, 1, 1, true, false, true},      {1, 2, 2, 17, 17, false, true, true},
+        {1, 2, 1, 130, 130, true, false, true},  {1, 2, 2, 130, 130, false, false, false},
+        {1, 4, 2, 20, 150, true, true, true},    {2, 1, 1, 37, 91, false, false, true},
+        {1, 2, 1, 150, 70, true, false, true},   {1, 1, 1, 1, 130, true, false, false},
+        {1, 2, 2, 200, 70, false, false, false}, {1, 2, 1, 200, 130, true, true, false},
+        {1, 1, 1, 256, 256, true, false, false},
+    };
+    int bad = 0;
+    unsigned seed = 1;
+    for (auto &c : cases) {
+        if (quick && !c.in_quick) continue;
+        bad += run_case<64>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        bad += run_case<128>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+    }
+    printf("%d failed\n", bad);
+    return bad != 0;
+}
