@@ -1,8 +1,10 @@
 -- moonshard.fsdp — fully sharded data parallel: the flat parameter
 -- (core/fsdp/flat.h) and its three collective steps, and on top of them
--- fully_shard (units by policy, FULL_SHARD / NO_SHARD, CPU) with
--- fsdp.AdamW over the master shards. Prefetch, the GPU buffers and the
--- other strategies are still to come (docs/fsdp.md).
+-- the fully_shard runtime (units by policy; FULL_SHARD, SHARD_GRAD_OP,
+-- NO_SHARD, HYBRID_SHARD; prefetch with a limit; mixed precision; no_sync;
+-- clip_grad_norm; fsdp.AdamW with the decay split over the master shards),
+-- the same code for CPU tensors over MPI and CUDA tensors over NCCL
+-- (docs/fsdp.md).
 --
 --   local ms = require 'moonshard'
 --   ms.dist.init{ backend = 'mpi' }
