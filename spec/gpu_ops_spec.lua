@@ -235,11 +235,13 @@ describe('cuda ops #gpu', function()
       local x = randn({ 256, 256 }):cuda()
       local function step()
         local y = ms.matmul(x, x)
-        local z = (y * 2 + 1):sum()
-        return z
+        local a = y * 2
+        local b = a + 1
+        local z = b:sum()
+        -- freed here, not by the Lua GC (whose timing would decide how many
+        -- blocks are live at once): every step then needs the same blocks
+        y:free(); a:free(); b:free(); z:free()
       end
-      -- temporaries die with the Lua GC, which the allocator's counters
-      -- drive (tensor.lua): after one GC cycle the cache holds what a cycle needs
       for _ = 1, 300 do step() end
       local before = ms.cuda.memory_stats().num_mallocs
       for _ = 1, 300 do step() end
