@@ -104,7 +104,7 @@ for _, s in ipairs({ { B = 8, H = 12, T = 1024, D = 64 }, { B = 4, H = 32, T = 2
   local dq_ref, dk_ref, dv_ref = attention_backward(qs, ks, vs, o_ref:to(opts.dtype):to('f64'), l_ref, gs, scale)
   local fwd_flops = 4 * s.B * s.H * s.T * s.T * s.D / 2
   for impl in opts.impls:gmatch('[^,]+') do
-    T.check(C.ms_cuda_attention_set_impl(assert(impl_ids[impl], 'unknown implementation ' .. impl)))
+    T.check(C.ms_cuda_attention_set_impl((assert(impl_ids[impl], 'unknown implementation ' .. impl))))
     local o, l = attention(q, k, v, scale)
     local ran = impl_names[tonumber(C.ms_cuda_attention_last_impl())]
     local dq, dk, dv = attention_backward(q, k, v, o, l, g, scale)
