@@ -5,6 +5,9 @@
 --
 --   bin/train --config configs/gpt2-124m.lua --data corpus.txt --out runs/gpt2-124m
 --   bin/train --config configs/gpt2-124m.lua --out runs/gpt2-124m --resume
+--   bin/train --nproc-per-node 8 --device cuda --config configs/gpt2-124m.lua --fsdp FULL_SHARD
+--       (8 GPUs, the same 0.5M tokens per step: 4 micro-batches of 16 x 1024 per GPU;
+--        bf16 parameters and f32 reductions by default on CUDA: docs/train.md, "Sharded training")
 return {
   model = 'models/gpt2.lua',
   preset = 'gpt2-124m',

@@ -4,6 +4,8 @@
 --
 --   bin/train --config configs/llama-1b.lua --data corpus.txt --out runs/llama-1b
 --   bin/train --config configs/llama-1b.lua --out runs/llama-1b --resume
+--   bin/train --nproc-per-node 8 --device cuda --config configs/llama-1b.lua --fsdp FULL_SHARD
+--       (8 GPUs, LlamaDecoderLayer units, 8 micro-batches per GPU for the same 1M tokens per step)
 return {
   model = 'models/llama.lua',
   preset = '1b',

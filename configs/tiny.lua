@@ -4,6 +4,8 @@
 --   bin/train --config configs/tiny.lua
 --   bin/train --config configs/tiny.lua --steps 2000 --model.n_layer 6 --out runs/tiny6
 --   bin/train --config configs/tiny.lua --out runs/tiny --resume
+--   bin/train --nproc-per-node 2 --device cpu --config configs/tiny.lua --fsdp --out runs/tiny2
+--       (2 ranks through mpirun, 16 sequences each: 32 per step)
 return {
   model = 'models/gpt2.lua',
   preset = 'tiny',

@@ -281,7 +281,7 @@ train.fsdp_strategies = { FULL_SHARD = true, SHARD_GRAD_OP = true, NO_SHARD = tr
 
 -- fsdp_mixed_precision -> nil (none) or { param =, reduce = }; auto: bf16 /
 -- f32 on a GPU, none on the CPU
-local mp_dtypes = { f32 = true, bf16 = true, f16 = true, f64 = true }
+local mp_dtypes = { f32 = true, bf16 = true } -- (what the collectives carry, besides f64)
 function train.mixed_precision(spec, device)
   spec = spec or 'auto'
   if spec == 'auto' then
@@ -292,7 +292,7 @@ function train.mixed_precision(spec, device)
   local p, r = spec:match('^([%w]+)/([%w]+)$')
   if not p then p, r = spec, 'f32' end
   if not mp_dtypes[p] or not mp_dtypes[r] then
-    error(('expected PARAM/REDUCE dtypes (f32, bf16, f16, f64: bf16/f32), none or auto, got %s'):format(describe(spec)), 0)
+    error(('expected PARAM/REDUCE dtypes (f32 or bf16: bf16/f32), none or auto, got %s'):format(describe(spec)), 0)
   end
   return { param = p, reduce = r }
 end
@@ -917,7 +917,7 @@ function train.run(opts)
   -- sharding: --fsdp, or plain data parallel (NO_SHARD) with several ranks
   local strategy = o.fsdp
   if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
-  if o.fsdp == 'off' and multi then
+  if o.fsdp == 'off' and multi and rank == 0 then
     warn('--fsdp off with several ranks: training data-parallel (NO_SHARD)')
   end
 
