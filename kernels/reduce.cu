@@ -10,6 +10,7 @@
 // one write of the output), so results match the CPU reference closely.
 #include "common.cuh"
 #include "kernels.h"
+#include "vec.cuh"
 
 #include <math.h>
 
@@ -151,6 +152,53 @@ __global__ void reduce_cols_final_kernel(void *out, int dto, const red_state *pa
     st_any(out, dto, j, red_final(op, r, n));
 }
 
+// Sums over a middle dim with a contiguous inner part (a bias gradient: the
+// column sums of (N, C)): a thread owns V neighbouring columns (one 16-byte
+// load per row), 8 row-lanes per block walk the rows of one group, the
+// lanes are added in order through shared memory; groups of rows write f64
+// partial sums that a second kernel adds in order (no atomics: the same
+// bits every run). grid (ceil(inner / (32 V)), groups, outer).
+template <typename T>
+__global__ void __launch_bounds__(256) colsum_vec_partial_kernel(double *part, const T *in, long long outer, long long n,
+                                                                 long long inner, long long groups) {
+    const int V = 16 / sizeof(T);
+    __shared__ double sh[8][32][V + 1];
+    const long long c0 = (blockIdx.x * 32LL + threadIdx.x) * V, o = blockIdx.z, g = blockIdx.y;
+    const long long per = (n + groups - 1) / groups, lo = g * per, hi = lo + per < n ? lo + per : n;
+    double acc[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) acc[j] = 0;
+    if (c0 < inner) {
+        const T *base = in + o * n * inner + c0;
+        for (long long k = lo + threadIdx.y; k < hi; k += 8) {
+            float v[V];
+            load_v<float, T, V>(v, base + k * inner);
+#pragma unroll
+            for (int j = 0; j < V; j++) acc[j] += v[j];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < V; j++) sh[threadIdx.y][threadIdx.x][j] = acc[j];
+    __syncthreads();
+    if (threadIdx.y == 0 && c0 < inner) {
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+            double t = 0;
+            for (int y = 0; y < 8; y++) t += sh[y][threadIdx.x][j];
+            part[(g * outer + o) * inner + c0 + j] = t;
+        }
+    }
+}
+
+__global__ void colsum_vec_final_kernel(void *out, int dto, const double *part, long long nout, long long n, int mean,
+                                        long long groups) {
+    long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (j >= nout) return;
+    double t = 0;
+    for (long long g = 0; g < groups; g++) t += part[g * nout + j];
+    st_any(out, dto, j, mean ? t / (double)n : t);
+}
+
 // softmax over rows (inner == 1): warp per row, online max/sum then write
 __global__ void softmax_rows_kernel(void *out, const void *in, int dt, long long rows, long long n, int lg) {
     long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
@@ -260,6 +308,41 @@ extern "C" int ms_cuda_reduce(ms_tensor *out, int op, const ms_tensor *a, int di
     if (!ms_tensor_is_contiguous(out)) {
         if (ms_tensor_empty(&tmp.t, out->ndim, out->sizes, out->dtype_id, out->device_id)) return -1;
         dst = tmp.t;
+    }
+    int es = ms_dtype_size(c.t->dtype_id);
+    if ((op == MS_RED_SUM || op == MS_RED_MEAN) && inner > 1 && n >= 64 && outer <= 65535 &&
+        (c.t->dtype_id == MS_F32 || c.t->dtype_id == MS_BF16 || c.t->dtype_id == MS_F16) &&
+        (inner * es) % 16 == 0 && ms_aligned16(ms_tensor_data(c.t))) {
+        const long long cols_per_block = 32LL * (16 / es);
+        long long bx = (inner + cols_per_block - 1) / cols_per_block;
+        long long groups = (4LL * ms_sm_count(out->device_id)) / (bx * outer);
+        if (groups > n / 64) groups = n / 64;
+        if (groups > 65535) groups = 65535;
+        if (groups < 1) groups = 1;
+        contig_input part;
+        int64_t pn = (int64_t)(groups * nout);
+        if (ms_tensor_empty(&part.t, 1, &pn, MS_F64, out->device_id)) return -1;
+        dim3 grid((unsigned)bx, (unsigned)groups, (unsigned)outer), block(32, 8);
+        double *pp = (double *)ms_tensor_data(part.t);
+        switch (c.t->dtype_id) {
+        case MS_F32:
+            colsum_vec_partial_kernel<float><<<grid, block, 0, s>>>(pp, (const float *)ms_tensor_data(c.t), outer, n,
+                                                                     inner, groups);
+            break;
+        case MS_BF16:
+            colsum_vec_partial_kernel<__nv_bfloat16><<<grid, block, 0, s>>>(
+                pp, (const __nv_bfloat16 *)ms_tensor_data(c.t), outer, n, inner, groups);
+            break;
+        default:
+            colsum_vec_partial_kernel<__half><<<grid, block, 0, s>>>(pp, (const __half *)ms_tensor_data(c.t), outer,
+                                                                      n, inner, groups);
+        }
+        LAUNCH_CHECK("colsum_vec_partial_kernel");
+        colsum_vec_final_kernel<<<(unsigned)((nout + 255) / 256), 256, 0, s>>>(
+            ms_tensor_data(dst), dst->dtype_id, pp, nout, n, op == MS_RED_MEAN, groups);
+        LAUNCH_CHECK("colsum_vec_final_kernel");
+        if (dst != out) return ms_cuda_convert(out, dst);
+        return 0;
     }
     bool long_rows = inner == 1 && nout < 1024 && n >= 65536;  // e.g. a sum over all of a big tensor
     if (inner == 1 && !long_rows) {

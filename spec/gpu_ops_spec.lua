@@ -269,6 +269,22 @@ describe('cuda reductions on long and broadcast shapes #gpu', function()
     assert.is_true(relerr(ms.sum(big:cuda()), ms.sum(big)) <= 1e-5)
     assert.is_true(relerr(ms.max(big:cuda()), ms.max(big)) <= 1e-7)
   end)
+  it('column sums with a contiguous inner part (bias gradients) take the vector path and match the CPU', function()
+    -- inner a multiple of 16 bytes and n >= 64: colsum_vec kernels; the
+    -- others (inner 12 in bf16, n 40) the general one; all the same answers
+    for _, dt in ipairs({ 'f32', 'bf16', 'f16' }) do
+      for _, shape in ipairs({ { 8192, 96 }, { 3, 300, 64 }, { 1000, 2304 }, { 300, 12 }, { 40, 64 } }) do
+        local x = ms.randn(shape, { seed = 35 }):to(dt)
+        local d = #shape - 1
+        local want = ms.sum(x:to('f64'), d)
+        local got = ms.sum(x:cuda(), d)
+        assert.is_true(relerr(got:to('f64'), want) <= (dt == 'f32' and 1e-6 or 1e-2), dt .. ' ' .. table.concat(shape, 'x'))
+        assert.are.same(got:to('cpu'):to('f64'):totable(), ms.sum(x:cuda(), d):to('cpu'):to('f64'):totable())
+        local m = ms.mean(x:cuda(), d)
+        assert.is_true(relerr(m:to('f64'), ms.mean(x:to('f64'), d)) <= (dt == 'f32' and 1e-6 or 1e-2))
+      end
+    end
+  end)
   it('bias-style broadcasts collapse to two dims and keep f32 results', function()
     local x, b = ms.randn({ 4, 33, 70 }, { seed = 33 }), ms.randn({ 70 }, { seed = 34 })
     assert.is_true(relerr(x:cuda() + b:cuda(), x + b) <= 1e-6)
