@@ -18,6 +18,15 @@
 -- step in <out>/metrics.jsonl, the resolved run in <out>/run.json, the final
 -- weights in <out>/ (config.json + model.safetensors, as save_pretrained
 -- writes them) and a sample from the model at the end.
+--
+-- Sharded (docs/train.md, "Sharded training"): with several ranks (bin/train
+-- --nproc-per-node N) the loop joins ms.dist, wraps the model with
+-- ms.fsdp.fully_shard (--fsdp STRATEGY; NO_SHARD, plain data parallel, when
+-- not given), gives each rank its rows of every batch, accumulates
+-- micro-batches under no_sync, steps ms.fsdp.AdamW, averages the logged
+-- losses over the ranks once per progress line, logs on rank 0 and
+-- checkpoints through moonshard.fsdp_checkpoint in the same ckpt-<step>/
+-- layout (resumable at another world size).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local ms = require 'moonshard'
