@@ -591,8 +591,9 @@ function fsdp.fully_shard(model, opts)
   local mp = opts.mixed_precision or {}
   if type(mp) ~= 'table' then error('fully_shard: mixed_precision must be a table {param =, reduce =}', 2) end
   for k, v in pairs(mp) do
-    if (k ~= 'param' and k ~= 'reduce') or (v ~= 'f32' and v ~= 'bf16' and v ~= 'f16' and v ~= 'f64') then
-      error(('fully_shard: mixed_precision.%s = %s (param/reduce: f32, bf16, f16 or f64)'):format(tostring(k), tostring(v)), 2)
+    -- (the collectives carry f32, bf16, f64 and i64: no f16)
+    if (k ~= 'param' and k ~= 'reduce') or (v ~= 'f32' and v ~= 'bf16') then
+      error(('fully_shard: mixed_precision.%s = %s (param and reduce: f32 or bf16)'):format(tostring(k), tostring(v)), 2)
     end
   end
   local limit = opts.limit_all_gathers or 3
