@@ -164,18 +164,21 @@ __device__ __forceinline__ void st8(T *p, const float v[8]) {
     }
 }
 
-template <typename TA, typename TB, typename TO>
+// IX: the index type of the coordinate arithmetic (32-bit when every size
+// and the element count fit: a 64-bit division costs tens of instructions)
+template <typename TA, typename TB, typename TO, typename IX>
 __global__ void ew_vec8_kernel(ew_args p, int64_t nvec) {
     const ms_layout &o = p.out;
     const int nd = o.ndim;
     for (int64_t v = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; v < nvec;
          v += (int64_t)gridDim.x * blockDim.x) {
-        int64_t i = v * 8, oo = 0, oa = 0, ob = 0;
+        IX i = (IX)(v * 8);
+        int64_t oo = 0, oa = 0, ob = 0;
         for (int d = nd - 1; d >= 0; d--) {
-            int64_t sz = o.sizes[d], q = i / sz, c = i - q * sz;
-            oo += c * o.strides[d];
-            oa += c * p.a.strides[d];
-            ob += c * p.b.strides[d];
+            IX sz = (IX)o.sizes[d], q = i / sz, c = i - q * sz;
+            oo += (int64_t)c * o.strides[d];
+            oa += (int64_t)c * p.a.strides[d];
+            ob += (int64_t)c * p.b.strides[d];
             i = q;
         }
         float a[8], r[8];
@@ -385,13 +388,19 @@ bool vec8_layout_ok(const ms_layout &l, const void *ptr, int dt, bool out) {
     return true;
 }
 
+template <typename TA, typename TB, typename TO>
+void vec8_launch(ew_args &p, int64_t nvec, cudaStream_t s) {
+    int g = ms_grid(nvec, 256);
+    if (nvec * 8 < ((int64_t)1 << 31)) ew_vec8_kernel<TA, TB, TO, uint32_t><<<g, 256, 0, s>>>(p, nvec);
+    else ew_vec8_kernel<TA, TB, TO, int64_t><<<g, 256, 0, s>>>(p, nvec);
+}
+
 template <typename TA, typename TB>
 bool vec8_go_o(ew_args &p, int64_t nvec, cudaStream_t s) {
-    int g = ms_grid(nvec, 256);
     switch (p.dto) {
-    case MS_F32: ew_vec8_kernel<TA, TB, float><<<g, 256, 0, s>>>(p, nvec); return true;
-    case MS_BF16: ew_vec8_kernel<TA, TB, __nv_bfloat16><<<g, 256, 0, s>>>(p, nvec); return true;
-    case MS_F16: ew_vec8_kernel<TA, TB, __half><<<g, 256, 0, s>>>(p, nvec); return true;
+    case MS_F32: vec8_launch<TA, TB, float>(p, nvec, s); return true;
+    case MS_BF16: vec8_launch<TA, TB, __nv_bfloat16>(p, nvec, s); return true;
+    case MS_F16: vec8_launch<TA, TB, __half>(p, nvec, s); return true;
     }
     return false;
 }
