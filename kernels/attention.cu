@@ -374,7 +374,7 @@ int pick_impl(int D, const ms_tensor *const *ts, int n) {
 template <typename T, int D>
 int mma_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
             int causal) {
-    constexpr int MT = D == 64 ? 2 : 1, BM = 64 * MT;  // query rows a block
+    constexpr int MT = mma::config<D>::fwd_mt, BM = 64 * MT;  // query rows a block
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     size_t smem = mma::fwd_smem<T, D, MT>();
@@ -391,24 +391,25 @@ int mma_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor 
 template <typename T, int D>
 int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
             const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s) {
-    constexpr int BQ = D == 64 ? 64 : 32;  // queries per dk/dv step (register budget at D = 128)
+    typedef mma::config<D> C;
+    constexpr int BQ = C::dkdv_bq, KMT = C::dkdv_mt, QMT = C::dq_mt;
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     if (Tk > 0) {
-        size_t smem = mma::dkdv_smem<T, D, BQ>();
-        if (set_smem<T>(mma::dkdv_kernel<T, D, BQ>, smem)) return -1;
-        dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));
-        mma::dkdv_kernel<T, D, BQ><<<grid, 128, smem, s>>>(
+        size_t smem = mma::dkdv_smem<T, D, BQ, KMT>();
+        if (set_smem<T>(mma::dkdv_kernel<T, D, BQ, KMT>, smem)) return -1;
+        dim3 grid((unsigned)((Tk + 64 * KMT - 1) / (64 * KMT)), (unsigned)(B * Hkv));
+        mma::dkdv_kernel<T, D, BQ, KMT><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal);
         LAUNCH_CHECK("mma::dkdv_kernel");
     }
     if (Tq > 0) {
-        size_t smem = mma::dq_smem<T, D>();
-        if (set_smem<T>(mma::dq_kernel<T, D>, smem)) return -1;
-        dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
-        mma::dq_kernel<T, D><<<grid, 128, smem, s>>>(
+        size_t smem = mma::dq_smem<T, D, QMT>();
+        if (set_smem<T>(mma::dq_kernel<T, D, QMT>, smem)) return -1;
+        dim3 grid((unsigned)((Tq + 64 * QMT - 1) / (64 * QMT)), (unsigned)(B * H));
+        mma::dq_kernel<T, D, QMT><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal);

@@ -201,6 +201,19 @@ __device__ __forceinline__ void frag_to_smem(T *s, const float (*c)[4], int R0, 
     }
 }
 
+// The tile configuration attention.cu launches per head dim (and the
+// emulator checks): m-tiles (16 rows) per warp, and queries per dk/dv step.
+// More m-tiles per warp feed each ldmatrix'd B fragment to more MMAs (shared
+// memory bandwidth is the limit of mma.sync at one m-tile); these are the
+// largest without register spills (ptxas -v, sm_90a: 222-255 registers).
+template <int D>
+struct config {
+    static const int fwd_mt = D == 64 ? 2 : 1;   // 128 query rows a block at D = 64
+    static const int dkdv_mt = D == 64 ? 2 : 1;  // 128 keys a block at D = 64
+    static const int dkdv_bq = 32;
+    static const int dq_mt = D == 64 ? 2 : 1;    // 128 queries a block at D = 64
+};
+
 // --------------------------------------------------------------- forward
 template <typename T, int D, int MT>
 size_t fwd_smem() {
@@ -231,11 +244,15 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
-    unsigned qa[MT][NK][4];
+    // Q fragments in registers when they fit beside O and S (else re-read per tile)
+    constexpr bool QREG = MT * NK <= 8;
+    unsigned qa[QREG ? MT : 1][QREG ? NK : 1][4];
+    if constexpr (QREG) {
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int kk = 0; kk < NK; kk++) lda<T, LD>(qa[mt][kk], Qs, wrow + mt * 16, kk * 16, lane);
+            for (int kk = 0; kk < NK; kk++) lda<T, LD>(qa[mt][kk], Qs, wrow + mt * 16, kk * 16, lane);
+    }
     float o[MT][ND][4], m[MT][2], l[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
@@ -268,17 +285,29 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
 #pragma unroll
             for (int n = 0; n < 8; n++) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < NK; kk++)
+        for (int kk = 0; kk < NK; kk++) {
+            unsigned aqr[MT][4];
+            const unsigned *aq[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if constexpr (QREG) {
+                    aq[mt] = qa[mt][kk];
+                } else {
+                    lda<T, LD>(aqr[mt], Qs, wrow + mt * 16, kk * 16, lane);
+                    aq[mt] = aqr[mt];
+                }
+            }
 #pragma unroll
             for (int np = 0; np < 4; np++) {
                 unsigned kb[4];
                 ldb<T, LD>(kb, Kb, np * 16, kk * 16, lane);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
-                    op<T>::mma(s[mt][2 * np], qa[mt][kk], kb[0], kb[1]);
-                    op<T>::mma(s[mt][2 * np + 1], qa[mt][kk], kb[2], kb[3]);
+                    op<T>::mma(s[mt][2 * np], aq[mt], kb[0], kb[1]);
+                    op<T>::mma(s[mt][2 * np + 1], aq[mt], kb[2], kb[3]);
                 }
             }
+        }
 
         // online softmax in the exp2 domain; masks only on edge/diagonal tiles
         const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + wrow + off);
@@ -365,25 +394,25 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
 }
 
 // -------------------------------------------------------------- backward
-// dk, dv for 64 keys of one (b, kv head); warp w owns keys 16w..16w+15 and
-// sees BQ queries at a time
-template <typename T, int D, int BQ>
+// dk, dv for 64*MT keys of one (b, kv head); warp w owns keys
+// 16*MT*w..16*MT*(w+1)-1 and sees BQ queries at a time
+template <typename T, int D, int BQ, int MT>
 size_t dkdv_smem() {
-    return (size_t)(2 * 64 + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * sizeof(float);
+    return (size_t)(2 * 64 * MT + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * sizeof(float);
 }
 
-template <typename T, int D, int BQ>
+template <typename T, int D, int BQ, int MT>
 __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
                                                    const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                    qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
                                                    int Hkv, long long Tq, long long Tk, float scale, int causal) {
-    constexpr int BN = 64, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16, NQ = BQ / 8;
-    constexpr bool KREG = D <= 64;  // K, V fragments live in registers (else re-read from shared)
+    constexpr int BN = 64 * MT, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16, NQ = BQ / 8;
+    constexpr bool KREG = D <= 64 && MT == 1;  // K, V fragments live in registers (else re-read from shared)
     extern __shared__ __align__(128) unsigned char sm[];
     T *Ks = (T *)sm, *Vs = Ks + BN * LD, *Qs = Vs + BN * LD, *Gs = Qs + 2 * BQ * LD;
     float *Ls = (float *)(Gs + 2 * BQ * LD), *Ds = Ls + 2 * BQ;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
-    const int wrow = warp * 16;
+    const int wrow = warp * 16 * MT;
     const long long j0 = (long long)blockIdx.x * BN;
     const int bg = blockIdx.y, b = bg / Hkv, g = bg % Hkv, rep = H / Hkv;
     const long long off = Tk - Tq;  // causal: j <= i + off
@@ -411,11 +440,13 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
     if (total > 0) issue(0, 0);
     cp_async_commit();
 
-    float dka[ND][4], dva[ND][4];
+    float dka[MT][ND][4], dva[MT][ND][4];
 #pragma unroll
-    for (int dn = 0; dn < ND; dn++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) dka[dn][e] = dva[dn][e] = 0.f;
+        for (int dn = 0; dn < ND; dn++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) dka[mt][dn][e] = dva[mt][dn][e] = 0.f;
     unsigned ka[KREG ? NK : 1][4], va[KREG ? NK : 1][4];
 
     for (long long it = 0; it < total; it++) {
@@ -439,69 +470,88 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
         const T *Qb = Qs + buf * BQ * LD, *Gb = Gs + buf * BQ * LD;
         const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
 
-        // S^T = K_w Q^T and dP^T = V_w dO^T: 16 keys x BQ queries
-        float st[NQ][4], dpt[NQ][4];
+        // S^T = K_w Q^T and dP^T = V_w dO^T: 16*MT keys x BQ queries
+        float st[MT][NQ][4], dpt[MT][NQ][4];
 #pragma unroll
-        for (int n = 0; n < NQ; n++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) st[n][e] = dpt[n][e] = 0.f;
+            for (int n = 0; n < NQ; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) st[mt][n][e] = dpt[mt][n][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < NK; kk++) {
-            unsigned akr[4], avr[4];
-            const unsigned *ak = akr, *av = avr;
-            if constexpr (KREG) {
-                ak = ka[kk];
-                av = va[kk];
-            } else {
-                lda<T, LD>(akr, Ks, wrow, kk * 16, lane);
-                lda<T, LD>(avr, Vs, wrow, kk * 16, lane);
+            unsigned akr[MT][4], avr[MT][4];
+            const unsigned *ak[MT], *av[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if constexpr (KREG) {
+                    ak[mt] = ka[kk];
+                    av[mt] = va[kk];
+                } else {
+                    lda<T, LD>(akr[mt], Ks, wrow + mt * 16, kk * 16, lane);
+                    lda<T, LD>(avr[mt], Vs, wrow + mt * 16, kk * 16, lane);
+                    ak[mt] = akr[mt];
+                    av[mt] = avr[mt];
+                }
             }
 #pragma unroll
             for (int np = 0; np < NQ / 2; np++) {
                 unsigned qb[4], gb[4];
                 ldb<T, LD>(qb, Qb, np * 16, kk * 16, lane);
                 ldb<T, LD>(gb, Gb, np * 16, kk * 16, lane);
-                op<T>::mma(st[2 * np], ak, qb[0], qb[1]);
-                op<T>::mma(st[2 * np + 1], ak, qb[2], qb[3]);
-                op<T>::mma(dpt[2 * np], av, gb[0], gb[1]);
-                op<T>::mma(dpt[2 * np + 1], av, gb[2], gb[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    op<T>::mma(st[mt][2 * np], ak[mt], qb[0], qb[1]);
+                    op<T>::mma(st[mt][2 * np + 1], ak[mt], qb[2], qb[3]);
+                    op<T>::mma(dpt[mt][2 * np], av[mt], gb[0], gb[1]);
+                    op<T>::mma(dpt[mt][2 * np + 1], av[mt], gb[2], gb[3]);
+                }
             }
         }
         // P^T = exp2(S^T sl - L), dS^T = P^T (dP^T - delta); columns are queries
-        const bool edge = i0 + BQ > Tq || j0 + BN > Tk || (causal && j0 + wrow + 15 > i0 + off);
-        // query columns [cmin[r], cmax) of the tile see key row r (g8, g8 + 8)
-        int cmin[2], cmax[2];
+        const bool edge = i0 + BQ > Tq || j0 + BN > Tk || (causal && j0 + wrow + 16 * MT - 1 > i0 + off);
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const long long j = j0 + wrow + g8 + 8 * r;
-            cmin[r] = causal ? (int)min((long long)BQ, max(0ll, j - off - i0)) : 0;
-            cmax[r] = j < Tk ? (int)min((long long)BQ, Tq - i0) : 0;
-        }
+        for (int mt = 0; mt < MT; mt++) {
+            // query columns [cmin[r], cmax[r]) of the tile see key row r (g8, g8 + 8)
+            int cmin[2], cmax[2];
 #pragma unroll
-        for (int n = 0; n < NQ; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = n * 8 + 2 * t4 + (e & 1);
-                float p = fast_exp2(st[n][e] * sl - Lb[c]);
-                if (edge && (c < cmin[e >> 1] || c >= cmax[e >> 1])) p = 0.f;
-                st[n][e] = p;
-                dpt[n][e] = p * (dpt[n][e] - Db[c]);
+            for (int r = 0; r < 2; r++) {
+                const long long j = j0 + wrow + mt * 16 + g8 + 8 * r;
+                cmin[r] = causal ? (int)min((long long)BQ, max(0ll, j - off - i0)) : 0;
+                cmax[r] = j < Tk ? (int)min((long long)BQ, Tq - i0) : 0;
             }
+#pragma unroll
+            for (int n = 0; n < NQ; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int c = n * 8 + 2 * t4 + (e & 1);
+                    float p = fast_exp2(st[mt][n][e] * sl - Lb[c]);
+                    if (edge && (c < cmin[e >> 1] || c >= cmax[e >> 1])) p = 0.f;
+                    st[mt][n][e] = p;
+                    dpt[mt][n][e] = p * (dpt[mt][n][e] - Db[c]);
+                }
+        }
         // dV_w += P^T dO, dK_w += dS^T Q (A operands straight from registers)
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; kk++) {
-            unsigned pa[4], da[4];
-            c_to_a<T>(pa, st, kk);
-            c_to_a<T>(da, dpt, kk);
+            unsigned pa[MT][4], da[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                c_to_a<T>(pa[mt], st[mt], kk);
+                c_to_a<T>(da[mt], dpt[mt], kk);
+            }
 #pragma unroll
             for (int dp = 0; dp < D / 16; dp++) {
                 unsigned gb[4], qb[4];
                 ldbt<T, LD>(gb, Gb, dp * 16, kk * 16, lane);
                 ldbt<T, LD>(qb, Qb, dp * 16, kk * 16, lane);
-                op<T>::mma(dva[2 * dp], pa, gb[0], gb[1]);
-                op<T>::mma(dva[2 * dp + 1], pa, gb[2], gb[3]);
-                op<T>::mma(dka[2 * dp], da, qb[0], qb[1]);
-                op<T>::mma(dka[2 * dp + 1], da, qb[2], qb[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    op<T>::mma(dva[mt][2 * dp], pa[mt], gb[0], gb[1]);
+                    op<T>::mma(dva[mt][2 * dp + 1], pa[mt], gb[2], gb[3]);
+                    op<T>::mma(dka[mt][2 * dp], da[mt], qb[0], qb[1]);
+                    op<T>::mma(dka[mt][2 * dp + 1], da[mt], qb[2], qb[3]);
+                }
             }
         }
     }
@@ -510,30 +560,33 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
     // the wait covers K/V copies still in flight when the loop never ran
     cp_async_wait_all();
     __syncthreads();
-    frag_to_smem<T, D>(Ks, dka, wrow, lane, scale, scale);
-    frag_to_smem<T, D>(Vs, dva, wrow, lane, 1.f, 1.f);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        frag_to_smem<T, D>(Ks, dka[mt], wrow + mt * 16, lane, scale, scale);
+        frag_to_smem<T, D>(Vs, dva[mt], wrow + mt * 16, lane, 1.f, 1.f);
+    }
     __syncwarp();
-    store_rows<T, D, 1>(dk, ldk, b, g, j0, Tk, Ks, wrow, lane);
-    store_rows<T, D, 1>(dv, ldv, b, g, j0, Tk, Vs, wrow, lane);
+    store_rows<T, D, MT>(dk, ldk, b, g, j0, Tk, Ks, wrow, lane);
+    store_rows<T, D, MT>(dv, ldv, b, g, j0, Tk, Vs, wrow, lane);
 }
 
-// dq for 64 queries of one (b, h); warp w owns queries 16w..16w+15
-template <typename T, int D>
+// dq for 64*MT queries of one (b, h); warp w owns queries 16*MT*w..16*MT*(w+1)-1
+template <typename T, int D, int MT>
 size_t dq_smem() {
-    return (size_t)(2 * 64 + 4 * 64) * (D + 8) * sizeof(T);
+    return (size_t)(2 * 64 * MT + 4 * 64) * (D + 8) * sizeof(T);
 }
 
-template <typename T, int D>
+template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, const T *v, const T *dout,
                                                  const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                  qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv,
                                                  long long Tq, long long Tk, float scale, int causal) {
-    constexpr int BM = 64, BN = 64, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16;
-    constexpr bool QREG = D <= 64;  // Q, dO fragments live in registers (else re-read from shared)
+    constexpr int BM = 64 * MT, BN = 64, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16;
+    constexpr bool QREG = D <= 64 && MT == 1;  // Q, dO fragments live in registers (else re-read from shared)
     extern __shared__ __align__(128) unsigned char sm[];
     T *Qs = (T *)sm, *Gs = Qs + BM * LD, *Ks = Gs + BM * LD, *Vs = Ks + 2 * BN * LD;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
-    const int wrow = warp * 16;
+    const int wrow = warp * 16 * MT;
     const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * BM;  // longest causal rows first
     const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
     const long long off = Tk - Tq;
@@ -541,15 +594,17 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
     const int ntiles = (int)((kend + BN - 1) / BN);
     const float sl = scale * kLog2e;
 
-    // lse (log2 domain, +inf: p = 0) and delta of this lane's rows g8, g8 + 8
-    float Lr[2], Dr[2];
+    // lse (log2 domain, +inf: p = 0) and delta of this lane's rows g8, g8 + 8 of each m-tile
+    float Lr[MT][2], Dr[MT][2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const long long i = i0 + wrow + g8 + 8 * r, row = ((long long)b * H + h) * Tq + i;
-        const float L = i < Tq ? lse[row] : INFINITY;
-        Lr[r] = L == -INFINITY ? INFINITY : L * kLog2e;
-        Dr[r] = i < Tq ? delta[row] : 0.f;
-    }
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const long long i = i0 + wrow + mt * 16 + g8 + 8 * r, row = ((long long)b * H + h) * Tq + i;
+            const float L = i < Tq ? lse[row] : INFINITY;
+            Lr[mt][r] = L == -INFINITY ? INFINITY : L * kLog2e;
+            Dr[mt][r] = i < Tq ? delta[row] : 0.f;
+        }
     load_rows<T, BM, D, NT>(Qs, q, lq, b, h, i0, Tq);
     load_rows<T, BM, D, NT>(Gs, dout, lg, b, h, i0, Tq);
     if (ntiles > 0) {
@@ -567,9 +622,11 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
             lda<T, LD>(ga[kk], Gs, wrow, kk * 16, lane);
         }
     }
-    float dqa[ND][4];
+    float dqa[MT][ND][4];
 #pragma unroll
-    for (int dn = 0; dn < ND; dn++) dqa[dn][0] = dqa[dn][1] = dqa[dn][2] = dqa[dn][3] = 0.f;
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int dn = 0; dn < ND; dn++) dqa[mt][dn][0] = dqa[mt][dn][1] = dqa[mt][dn][2] = dqa[mt][dn][3] = 0.f;
 
     for (int t = 0; t < ntiles; t++) {
         if (t > 0) {
@@ -583,74 +640,93 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
         }
         cp_async_commit();
         const long long j0 = (long long)t * BN;
-        if (causal && j0 > i0 + wrow + 15 + off) continue;
+        if (causal && j0 > i0 + wrow + 16 * MT - 1 + off) continue;
         const T *Kb = Ks + (t & 1) * BN * LD, *Vb = Vs + (t & 1) * BN * LD;
 
-        // S = Q_w K^T, dP = dO_w V^T: 16 queries x 64 keys
-        float s[8][4], dp[8][4];
+        // S = Q_w K^T, dP = dO_w V^T: 16*MT queries x 64 keys
+        float s[MT][8][4], dp[MT][8][4];
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.f;
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[mt][n][e] = dp[mt][n][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < NK; kk++) {
-            unsigned aqr[4], agr[4];
-            const unsigned *aq = aqr, *ag = agr;
-            if constexpr (QREG) {
-                aq = qa[kk];
-                ag = ga[kk];
-            } else {
-                lda<T, LD>(aqr, Qs, wrow, kk * 16, lane);
-                lda<T, LD>(agr, Gs, wrow, kk * 16, lane);
+            unsigned aqr[MT][4], agr[MT][4];
+            const unsigned *aq[MT], *ag[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if constexpr (QREG) {
+                    aq[mt] = qa[kk];
+                    ag[mt] = ga[kk];
+                } else {
+                    lda<T, LD>(aqr[mt], Qs, wrow + mt * 16, kk * 16, lane);
+                    lda<T, LD>(agr[mt], Gs, wrow + mt * 16, kk * 16, lane);
+                    aq[mt] = aqr[mt];
+                    ag[mt] = agr[mt];
+                }
             }
 #pragma unroll
             for (int np = 0; np < 4; np++) {
                 unsigned kb[4], vb[4];
                 ldb<T, LD>(kb, Kb, np * 16, kk * 16, lane);
                 ldb<T, LD>(vb, Vb, np * 16, kk * 16, lane);
-                op<T>::mma(s[2 * np], aq, kb[0], kb[1]);
-                op<T>::mma(s[2 * np + 1], aq, kb[2], kb[3]);
-                op<T>::mma(dp[2 * np], ag, vb[0], vb[1]);
-                op<T>::mma(dp[2 * np + 1], ag, vb[2], vb[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    op<T>::mma(s[mt][2 * np], aq[mt], kb[0], kb[1]);
+                    op<T>::mma(s[mt][2 * np + 1], aq[mt], kb[2], kb[3]);
+                    op<T>::mma(dp[mt][2 * np], ag[mt], vb[0], vb[1]);
+                    op<T>::mma(dp[mt][2 * np + 1], ag[mt], vb[2], vb[3]);
+                }
             }
         }
         // dS = P (dP - delta), P = exp2(S sl - L); kept in s
         const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + wrow + off);
-        int cmax[2];  // the last key column row r (g8, g8 + 8) sees in the tile (-1: none)
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            cmax[r] = (int)min((long long)BN, Tk - j0) - 1;
-            if (causal) cmax[r] = (int)min((long long)cmax[r], max(-1ll, i0 + wrow + g8 + 8 * r + off - j0));
-        }
+        for (int mt = 0; mt < MT; mt++) {
+            int cmax[2];  // the last key column row r (g8, g8 + 8) sees in the tile (-1: none)
 #pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = e >> 1;
-                float p = fast_exp2(s[n][e] * sl - Lr[r]);
-                if (edge && n * 8 + 2 * t4 + (e & 1) > cmax[r]) p = 0.f;
-                s[n][e] = p * (dp[n][e] - Dr[r]);
+            for (int r = 0; r < 2; r++) {
+                cmax[r] = (int)min((long long)BN, Tk - j0) - 1;
+                if (causal)
+                    cmax[r] = (int)min((long long)cmax[r], max(-1ll, i0 + wrow + mt * 16 + g8 + 8 * r + off - j0));
             }
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = e >> 1;
+                    float p = fast_exp2(s[mt][n][e] * sl - Lr[mt][r]);
+                    if (edge && n * 8 + 2 * t4 + (e & 1) > cmax[r]) p = 0.f;
+                    s[mt][n][e] = p * (dp[mt][n][e] - Dr[mt][r]);
+                }
+        }
         // dQ_w += dS K
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            unsigned da[4];
-            c_to_a<T>(da, s, kk);
+            unsigned da[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) c_to_a<T>(da[mt], s[mt], kk);
 #pragma unroll
             for (int dn = 0; dn < D / 16; dn++) {
                 unsigned kb[4];
                 ldbt<T, LD>(kb, Kb, dn * 16, kk * 16, lane);
-                op<T>::mma(dqa[2 * dn], da, kb[0], kb[1]);
-                op<T>::mma(dqa[2 * dn + 1], da, kb[2], kb[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    op<T>::mma(dqa[mt][2 * dn], da[mt], kb[0], kb[1]);
+                    op<T>::mma(dqa[mt][2 * dn + 1], da[mt], kb[2], kb[3]);
+                }
             }
         }
     }
 
     // out through this warp's rows of the Q tile (only it reads them)
     __syncwarp();
-    frag_to_smem<T, D>(Qs, dqa, wrow, lane, scale, scale);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) frag_to_smem<T, D>(Qs, dqa[mt], wrow + mt * 16, lane, scale, scale);
     __syncwarp();
-    store_rows<T, D, 1>(dq, ldq, b, h, i0, Tq, Qs, wrow, lane);
+    store_rows<T, D, MT>(dq, ldq, b, h, i0, Tq, Qs, wrow, lane);
 }
 
 }  // namespace mma

@@ -14,6 +14,8 @@
 //
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
 //   build/attention_mma_emu [--quick] [--reverse]     (exit status 1 on a mismatch)
+// --quick: the launched configurations on 6 shapes; else 11 shapes and the
+// one-m-tile tilings too; --reverse: the fibers of a block run in reverse order.
 //
 // bf16 only (f16 differs in op<__half>, the PTX type names and the rounding).
 #include <algorithm>
@@ -253,9 +255,9 @@ struct errsum {
     double rel() const { return n > 0 ? sqrt(e / n) : sqrt(e); }
 };
 
-template <int D>
+// the kernels at head dim D with m-tiles MT (forward), KMT and BQ (dk/dv), QMT (dq)
+template <int D, int MT, int BQ, int KMT, int QMT>
 static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bthd, unsigned seed) {
-    constexpr int MT = D == 64 ? 2 : 1, BQ = D == 64 ? 64 : 32;  // as attention.cu launches them
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd;
     tensor4 q(B, H, Tq, D, bthd), k(B, Hkv, Tk, D, false), v(B, Hkv, Tk, D, bthd), g(B, H, Tq, D, false);
@@ -318,12 +320,12 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                     }
                 }
             }
-    launch((Tk + 63) / 64, B * Hkv, [&] {
-        mma::dkdv_kernel<bf, D, BQ>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(),
+    launch((Tk + 64 * KMT - 1) / (64 * KMT), B * Hkv, [&] {
+        mma::dkdv_kernel<bf, D, BQ, KMT>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(),
                                     delta.data(), q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal);
     });
-    launch((Tq + 63) / 64, B * H, [&] {
-        mma::dq_kernel<bf, D>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l,
+    launch((Tq + 64 * QMT - 1) / (64 * QMT), B * H, [&] {
+        mma::dq_kernel<bf, D, QMT>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l,
                               v.l, g.l, dq.l, H, Hkv, Tq, Tk, scale, causal);
     });
     for (int b = 0; b < B; b++)
@@ -341,9 +343,9 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     const double r[5] = {eo.rel(), el.rel(), edq.rel(), edk.rel(), edv.rel()};
     bool ok = lse_inf_ok;
     for (int i = 0; i < 5; i++) ok = ok && r[i] <= (i == 1 ? 1e-5 : 1e-2);
-    printf("%s D=%d B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e\n",
-           ok ? "ok  " : "FAIL", D, B, H, Hkv, Tq, Tk, causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "",
-           r[0], r[1], r[2], r[3], r[4]);
+    printf("%s D=%d [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e\n",
+           ok ? "ok  " : "FAIL", D, MT, BQ, KMT, QMT, B, H, Hkv, Tq, Tk, causal ? "causal" : "full",
+           bthd ? " (B,T,H,D) views" : "", r[0], r[1], r[2], r[3], r[4]);
     return ok ? 0 : 1;
 }
 
@@ -372,8 +374,15 @@ int main(int argc, char **argv) {
     unsigned seed = 1;
     for (auto &c : cases) {
         if (quick && !c.in_quick) continue;
-        bad += run_case<64>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
-        bad += run_case<128>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        // the configurations attention.cu launches ...
+        typedef mma::config<64> C64;
+        typedef mma::config<128> C128;
+        bad += run_case<64, C64::fwd_mt, C64::dkdv_bq, C64::dkdv_mt, C64::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
+                                                                                 c.causal, c.bthd, seed++);
+        bad += run_case<128, C128::fwd_mt, C128::dkdv_bq, C128::dkdv_mt, C128::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
+                                                                                       c.causal, c.bthd, seed++);
+        // ... and the other tilings (one m-tile a warp, 64-query dk/dv steps), kept working for tuning
+        if (!quick) bad += run_case<64, 1, 64, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
     }
     printf("%d failed\n", bad);
     return bad != 0;
