@@ -98,7 +98,7 @@ if use_fsdp then
 else
   model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
   opt = ms.optim.AdamW(model, adam)
-  clip = function() return ms.optim.clip_grad_norm(model, 1.0) end
+  clip = function() return ms.optim.clip_grad_norm(model, 1.0, { tensor = true }) end
 end
 
 -- random tokens, four batches cycled, a different stream per rank

@@ -85,6 +85,7 @@ for step = 1, opts.warmup + opts.steps do
   opt:zero_grad()
   loss = model(ids, tg)
   loss:backward()
+  ms.optim.clip_grad_norm(model, 1.0, { tensor = true })   -- as torch_gpt2.py (no host read)
   opt:step()
   ms.cuda.synchronize()
   if step > opts.warmup then times[#times + 1] = now() - t0 end

@@ -285,7 +285,12 @@ end
 -- ---------------------------------------------------------- clip_grad_norm
 -- Scales the gradients of params (a module, a list or one tensor) so that
 -- their joint norm is at most max_norm; returns the norm before clipping as
--- a Lua number (one host read). opts.norm_type: 2 (default) or math.huge.
+-- a Lua number (one host read), or with opts.tensor = true as a 0-dim f64
+-- tensor on the gradients' device (no host read: the step stays
+-- asynchronous). opts.norm_type: 2 (default) or math.huge. The 2-norm is
+-- one fused sum of squares over every gradient (ms.sum_squares, f64
+-- accumulation) and the scaling a multiply by a device scalar, so nothing
+-- but the optional read leaves the device.
 function optim.clip_grad_norm(params, max_norm, opts)
   local list
   if is_module(params) then list = params:parameters()
@@ -298,41 +303,62 @@ function optim.clip_grad_norm(params, max_norm, opts)
     if g ~= nil then grads[#grads + 1] = g end
   end
   if #grads == 0 then return 0 end
-  local acc
-  for _, g in ipairs(grads) do
-    local s
-    if norm_type == math.huge then
+  local total_t
+  if norm_type == math.huge then
+    for _, g in ipairs(grads) do
       local a = F.abs(g)
-      s = F.max(a)
+      local s = F.max(a)
       free(a)
-    else
-      local g64 = g.dtype_id == 0 and g or g:to('f64')
-      local sq = F.square(g64)
-      if g64 ~= g then free(g64) end
-      s = F.sum(sq)
-      free(sq)
+      if s.dtype_id ~= 0 then local s64 = s:to('f64'); free(s); s = s64 end
+      if total_t == nil then total_t = s
+      else local n = F.maximum(total_t, s); free(total_t); free(s); total_t = n end
     end
-    if s.dtype_id ~= 0 then
-      local s64 = s:to('f64')
-      free(s)
-      s = s64
+  else
+    -- one device per call of the fused kernel: group the gradients by device
+    local by_dev, order = {}, {}
+    for _, g in ipairs(grads) do
+      local d = tonumber(g.device_id)
+      if not by_dev[d] then by_dev[d] = {}; order[#order + 1] = d end
+      local l = by_dev[d]
+      l[#l + 1] = g
     end
-    if acc == nil then acc = s
-    else
-      local n = norm_type == math.huge and F.maximum(acc, s) or F.add(acc, s)
-      free(acc); free(s)
-      acc = n
+    local sq
+    for _, d in ipairs(order) do
+      local s = F.sum_squares(by_dev[d])
+      if sq == nil then sq = s
+      else
+        local s2 = s:to(sq.device)
+        free(s)
+        local n = F.add(sq, s2)
+        free(sq); free(s2)
+        sq = n
+      end
     end
+    total_t = F.sqrt(sq)
+    free(sq)
   end
-  local total = acc:item()
-  free(acc)
-  if norm_type ~= math.huge then total = math.sqrt(total) end
   if max_norm ~= nil then
-    local coef = max_norm / (total + 1e-6)
-    if coef < 1 then
-      for _, g in ipairs(grads) do F.mul_(g, coef) end
+    local denom = F.add(total_t, 1e-6)
+    local coef = F.div(max_norm, denom)
+    free(denom)
+    local c1 = F.clamp(coef, nil, 1.0)
+    free(coef)
+    local cast = {}   -- the factor in each gradient's dtype and device
+    for _, g in ipairs(grads) do
+      local key = tostring(g.dtype_id) .. '@' .. tostring(g.device_id)
+      local c = cast[key]
+      if not c then
+        c = c1:to(g.device):to(g.dtype)
+        cast[key] = c
+      end
+      F.mul_(g, c)
     end
+    for _, c in pairs(cast) do if c ~= c1 then free(c) end end
+    free(c1)
   end
+  if opts and opts.tensor then return total_t end
+  local total = total_t:item()
+  free(total_t)
   return total
 end
 
