@@ -421,18 +421,25 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
     const long long total = rep * nq;  // (query head, query tile) pairs, head-major
     const float sl = scale * kLog2e;
 
-    // Q, dO rows and lse (log2 domain; +inf for rows past Tq or without keys:
-    // p = 0) and delta of step `it` into buffer `buf`
+    // step `it`: its Q, dO rows into buffer `buf` (cp.async), and for lane
+    // threadIdx.x < BQ the lse and delta of its query into Lv, Dv; those are
+    // stored (lse in the log2 domain, +inf for rows past Tq or without keys:
+    // p = 0) at the top of the step that uses them, so the load's latency
+    // hides behind this step's products
+    static_assert(BQ <= NT, "one lse/delta per thread");
+    float Lv = INFINITY, Dv = 0.f;
     auto issue = [&](long long it, int buf) {
         const int hq = g * rep + (int)(it / nq);
         const long long ib = istart + (it % nq) * BQ;
         load_rows<T, BQ, D, NT>(Qs + buf * BQ * LD, q, lq, b, hq, ib, Tq);
         load_rows<T, BQ, D, NT>(Gs + buf * BQ * LD, dout, lg, b, hq, ib, Tq);
-        for (int e = threadIdx.x; e < BQ; e += NT) {
-            const long long i = ib + e, row = ((long long)b * H + hq) * Tq + i;
-            const float L = i < Tq ? lse[row] : INFINITY;
-            Ls[buf * BQ + e] = L == -INFINITY ? INFINITY : L * kLog2e;
-            Ds[buf * BQ + e] = i < Tq ? delta[row] : 0.f;
+        const long long i = ib + threadIdx.x, row = ((long long)b * H + hq) * Tq + i;
+        if (threadIdx.x < BQ && i < Tq) {
+            Lv = lse[row];
+            Dv = delta[row];
+        } else {
+            Lv = INFINITY;
+            Dv = 0.f;
         }
     };
     load_rows<T, BN, D, NT>(Ks, k, lk, b, g, j0, Tk);
@@ -452,6 +459,10 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
     for (long long it = 0; it < total; it++) {
         const int buf = (int)(it & 1);
         cp_async_wait_all();
+        if (threadIdx.x < BQ) {  // buffer buf was last read two steps ago
+            Ls[buf * BQ + threadIdx.x] = Lv == -INFINITY ? INFINITY : Lv * kLog2e;
+            Ds[buf * BQ + threadIdx.x] = Dv;
+        }
         __syncthreads();
         if constexpr (KREG) {
             if (it == 0) {
