@@ -364,7 +364,9 @@ function Unit:gather_start()
   local st, fp = self.st, self.fp
   if self.free_data then storage_check(C.ms_storage_alloc_data(self.flat), 'allocating the unsharded buffer', self) end
   local src = self:gather_source()
-  if fp.world_size == 1 then
+  if self.aliased then
+    -- the buffer is the shard
+  elseif fp.world_size == 1 then
     no_grad(function() self.flat:copy_(src) end)
   else
     self.work = dist.all_gather_into(self.flat, src, { group = fp.group, async = true })
@@ -734,7 +736,14 @@ function fsdp.fully_shard(model, opts)
       fp.names = names        -- the same list as unit.param_names
       unit.free_data = unit.reshards and opts.free_unsharded ~= false
       if fp.shard.dtype ~= dtype then unit.lp = fp.shard:to(dtype) end
-      unit.flat = T.empty({ fp.total }, { dtype = dtype, device = fp.device })
+      if not unit.reshards and fp.shard.dtype == dtype then
+        -- NO_SHARD without mixed precision: the master shard is the whole
+        -- flat parameter, so the parameters are views of it (no second copy;
+        -- the optimizer's in-place step is what they see)
+        unit.flat, unit.aliased = fp.shard, true
+      else
+        unit.flat = T.empty({ fp.total }, { dtype = dtype, device = fp.device })
+      end
       unit.views = fp:views(unit.flat)
       for _, v in ipairs(unit.views) do v.requires_grad = true end
       for _, slot in ipairs(u.slots) do
