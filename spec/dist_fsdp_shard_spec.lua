@@ -19,7 +19,8 @@ local STEPS = 4
 -- eps 1e-6, not 1e-8: the gradient of the attention key bias is rounding
 -- noise (softmax ignores a bias added to every key), and with eps near its
 -- size Adam turns the last bit of an average over ranks into a whole step
--- of lr. weight_decay 0: fsdp.AdamW has one group (no no-decay split yet).
+-- of lr. weight_decay 0 here; the decay split is checked by
+-- spec/dist_fsdp_rt_equiv_spec.lua (weight decay 0.1).
 local OPTS = { lr = 1e-3, eps = 1e-6, weight_decay = 0 }
 
 local function load_model()
