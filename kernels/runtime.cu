@@ -368,7 +368,25 @@ void ms_cuda_stream_free(ms_cuda_stream *s) {
     if (!s) return;
     if (s->owned) {
         std::lock_guard<std::mutex> lock(g_mu);
-        if (g_dev[s->device].current == s->s) g_dev[s->device].current = g_dev[s->device].compute;
+        DeviceState &d = g_dev[s->device];
+        if (d.current == s->s) d.current = d.compute;
+        // blocks that recorded this stream would record an event on it when
+        // freed: finish its work and forget it (a tensor used by a NCCL
+        // communicator's stream outliving dist.destroy crashed in
+        // cudaEventRecord at exit)
+        cudaSetDevice(s->device);
+        cudaStreamSynchronize(s->s);
+        cudaGetLastError();
+        for (auto &kv : d.live) {
+            std::vector<cudaStream_t> &u = kv.second.used_on;
+            for (size_t i = 0; i < u.size();)
+                if (u[i] == s->s) {
+                    u[i] = u.back();
+                    u.pop_back();
+                } else {
+                    i++;
+                }
+        }
         cudaStreamDestroy(s->s);
     }
     delete s;
