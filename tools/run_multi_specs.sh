@@ -10,15 +10,19 @@ cd "$(dirname "$0")/.."
 export LUA_PATH="./lua/?.lua;./lua/?/init.lua;./?.lua;${LUA_PATH:-;}"
 busted_bin=${BUSTED_LUA:-$(command -v busted || echo /usr/bin/busted)}
 np=${1:-2}
-specs=$(ls spec/dist_*_spec.lua 2>/dev/null | xargs grep -l '#multi' 2>/dev/null | sed "s/.*/'&',/" | tr -d '\n')
+# MS_MULTI_SPECS: spec files to run instead of every #multi one;
+# MS_MULTI_OUTPUT: busted's output handler (TAP shows each test as it ends,
+# and stdbuf keeps the lines of a rank that dies)
+specs=$(ls ${MS_MULTI_SPECS:-spec/dist_*_spec.lua} 2>/dev/null | xargs grep -l '#multi' 2>/dev/null | sed "s/.*/'&',/" | tr -d '\n')
+out=${MS_MULTI_OUTPUT:-utfTerminal}
 logdir=$(mktemp -d)
 trap 'rm -rf "$logdir"' EXIT
 export NCCL_NVLS_ENABLE=0
 timeout -k 10 "${MS_MULTI_SPEC_TIMEOUT:-900}" luajit -e "
   local launch = require 'moonshard.launch'
   local o = { nproc = $np, nnodes = 1, node_rank = 0, device = 'cuda', spawn = 'direct', log_dir = '$logdir' }
-  os.exit(launch.run(o, { 'luajit', '$busted_bin', '--lpath=./lua/?.lua;./lua/?/init.lua;./?.lua',
-    '-o', 'utfTerminal', '--no-auto-insulate', '--tags=multi', $specs }))"
+  os.exit(launch.run(o, { 'stdbuf', '-o0', '-e0', 'luajit', '$busted_bin', '--lpath=./lua/?.lua;./lua/?/init.lua;./?.lua',
+    '-o', '$out', '--no-auto-insulate', '--tags=multi', $specs }))"
 status=$?
 ok=0; fail=0
 for r in $(seq 0 $((np - 1))); do
