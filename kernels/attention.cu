@@ -351,8 +351,10 @@ bool rows_aligned16(const ms_tensor *t) {
 int cc_major(int device) {
     static int cache[64];
     if (device < 0 || device >= 64) return 0;
-    if (!cache[device] && cudaDeviceGetAttribute(&cache[device], cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+    if (!cache[device] && cudaDeviceGetAttribute(&cache[device], cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
         cache[device] = 0;
+        cudaGetLastError();  // not left for the next launch check to report
+    }
     return cache[device];
 }
 
@@ -395,7 +397,7 @@ int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, con
     constexpr int BQ = C::dkdv_bq, KMT = C::dkdv_mt, QMT = C::dq_mt;
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
-    if (Tk > 0) {
+    if (Tk > 0 && B * Hkv > 0) {
         size_t smem = mma::dkdv_smem<T, D, BQ, KMT>();
         if (set_smem<T>(mma::dkdv_kernel<T, D, BQ, KMT>, smem)) return -1;
         dim3 grid((unsigned)((Tk + 64 * KMT - 1) / (64 * KMT)), (unsigned)(B * Hkv));
@@ -405,7 +407,7 @@ int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, con
             layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal);
         LAUNCH_CHECK("mma::dkdv_kernel");
     }
-    if (Tq > 0) {
+    if (Tq > 0 && B * H > 0) {
         size_t smem = mma::dq_smem<T, D, QMT>();
         if (set_smem<T>(mma::dq_kernel<T, D, QMT>, smem)) return -1;
         dim3 grid((unsigned)((Tq + 64 * QMT - 1) / (64 * QMT)), (unsigned)(B * H));
@@ -439,7 +441,7 @@ int tc_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
            const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
-    if (Tk > 0) {
+    if (Tk > 0 && B * Hkv > 0) {
         size_t smem = tc::dkdv_smem<T, D>();
         if (set_smem<T>(tc::dkdv_kernel<T, D>, smem)) return -1;
         dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));
@@ -449,7 +451,7 @@ int tc_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
             layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal);
         LAUNCH_CHECK("tc::dkdv_kernel");
     }
-    if (Tq > 0) {
+    if (Tq > 0 && B * H > 0) {
         size_t smem = tc::dq_smem<T, D>();
         if (set_smem<T>(tc::dq_kernel<T, D>, smem)) return -1;
         dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
@@ -490,7 +492,7 @@ int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, 
         int causal) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1], D = (int)q->sizes[3];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
-    if (Tq == 0) return 0;
+    if (Tq == 0 || B * H == 0) return 0;  // (an empty grid is a launch error)
     const ms_tensor *ts[4] = {q, k, v, out};
     int impl = pick_impl<T>(D, ts, 4);
     if constexpr (sizeof(T) == 2) {
@@ -525,7 +527,7 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         if (ms_tensor_clone(&clse.t, lse)) return -1;
         l = clse.t;
     }
-    if (Tq > 0) {
+    if (Tq > 0 && B * H > 0) {
         long long rows = (long long)B * H * Tq;
         attention_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, s>>>(
             (float *)ms_tensor_data(delta.t), (const T *)ms_tensor_data(out), (const T *)ms_tensor_data(dout),
@@ -541,7 +543,7 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
                            : mma_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
         if (impl == MS_ATTENTION_WMMA) return tc_bwd_any<T>(D, dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
     }
-    if (Tk > 0) {
+    if (Tk > 0 && B * Hkv > 0) {
         size_t smem = sizeof(float) * (4 * kTile * (D + 1) + 2 * kTile * (kTile + 1) + 2 * kTile);
         if (set_smem<T>(attention_bwd_dkdv_kernel<T>, smem)) return -1;
         dim3 grid((unsigned)((Tk + kTile - 1) / kTile), (unsigned)(B * Hkv));
@@ -552,7 +554,7 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
             layout4(dv), H, Hkv, Tq, Tk, D, scale, causal);
         LAUNCH_CHECK("attention_bwd_dkdv_kernel");
     }
-    if (Tq > 0) {
+    if (Tq > 0 && B * H > 0) {
         size_t smem = sizeof(float) * (4 * kTile * (D + 1) + kTile * (kTile + 1));
         if (set_smem<T>(attention_bwd_dq_kernel<T>, smem)) return -1;
         dim3 grid((unsigned)((Tq + kTile - 1) / kTile), (unsigned)(B * H));
