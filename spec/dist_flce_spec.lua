@@ -19,7 +19,7 @@ local FLCE = ms.nn.functional.fused_linear_cross_entropy
 local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
 
 local function values(t)
-  local h = t:to({ dtype = 'f64', copy = true }):contiguous()
+  local h = t:to({ device = 'cpu', dtype = 'f64', copy = true }):contiguous()  -- a host pointer below
   local p = ffi.cast('double*', h:data_ptr())
   local out = {}
   for i = 0, h:numel() - 1 do out[i + 1] = p[i] end
