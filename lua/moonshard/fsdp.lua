@@ -368,6 +368,10 @@ function Unit:gather_start()
     -- the buffer is the shard
   elseif fp.world_size == 1 then
     no_grad(function() self.flat:copy_(src) end)
+  elseif st.skip_comm then
+    -- set_skip_comm: the buffer is allocated and the source made (cast or
+    -- uploaded), the collective is not issued; the buffer holds whatever
+    -- its memory held
   else
     self.work = dist.all_gather_into(self.flat, src, { group = fp.group, async = true })
   end
@@ -376,7 +380,7 @@ function Unit:gather_start()
     st.inflight = st.inflight + 1
     if st.inflight > st.max_inflight then st.max_inflight = st.inflight end
   end
-  trace(st, 'all_gather', self)
+  if not st.skip_comm then trace(st, 'all_gather', self) end   -- (at one rank: the local copy)
 end
 
 -- the unit's parameters usable now (waits for its all-gather: on CUDA the
@@ -451,18 +455,27 @@ function Unit:reduce_grads()
   local pend = { unit = self, src = src }
   if self.strategy == 'NO_SHARD' then
     pend.out = src
-    if st.replicate_group and st.replicate_group:size() > 1 then
-      pend.work = dist.all_reduce(src, 'sum', { group = st.replicate_group, async = true })
+    if not st.skip_comm then
+      if st.replicate_group and st.replicate_group:size() > 1 then
+        pend.work = dist.all_reduce(src, 'sum', { group = st.replicate_group, async = true })
+      end
+      trace(st, 'all_reduce', self)
     end
-    trace(st, 'all_reduce', self)
   else
     if fp.world_size == 1 then
       pend.out = src
+      if not st.skip_comm then trace(st, 'reduce_scatter', self) end
+    elseif st.skip_comm then
+      -- set_skip_comm: the output buffer is made and filled with this
+      -- rank's own part of the input (a copy, so the gradient stays
+      -- finite), no collective
+      pend.out = T.empty({ fp.shard_numel }, { dtype = src.dtype, device = fp.device })
+      no_grad(function() pend.out:copy_(fp:local_shard(src)) end)
     else
       pend.out = T.empty({ fp.shard_numel }, { dtype = src.dtype, device = fp.device })
       pend.work = dist.reduce_scatter(pend.out, src, 'sum', { group = fp.group, async = true })
+      trace(st, 'reduce_scatter', self)
     end
-    trace(st, 'reduce_scatter', self)
   end
   st.pending[#st.pending + 1] = pend
 end
@@ -477,8 +490,9 @@ local function finish_reductions(st)
     if p.work then p.work:wait(); p.work:free() end
     if p.src ~= p.out then p.src:free() end
     local out = p.out
-    if u.strategy == 'HYBRID_SHARD' and st.replicate_group:size() > 1 then
+    if u.strategy == 'HYBRID_SHARD' and st.replicate_group:size() > 1 and not st.skip_comm then
       dist.all_reduce(out, 'sum', { group = st.replicate_group })
+      trace(st, 'all_reduce', u)
     end
     if out.dtype ~= 'f32' then local o = out:to('f32'); out:free(); out = o end
     if st.dp_size > 1 then
@@ -828,6 +842,33 @@ function fsdp.no_sync(model, fn, ...)
   return unpack(r, 2, r.n)
 end
 
+-- fsdp.set_skip_comm(model, on): while on, the runtime issues no collective
+-- (no all-gather, reduce-scatter, all-reduce of NO_SHARD / HYBRID_SHARD, nor
+-- the all-reduce of clip_grad_norm); everything else runs as usual (buffers,
+-- casts, copies, kernels), so the step time without communication can be
+-- subtracted from the real one (bench/fsdp.lua: exposed communication).
+-- The numerics are meaningless while on: an unsharded buffer of a sharded
+-- unit is not written (it holds whatever its memory held), a
+-- reduce-scatter's output is this rank's own part of its local gradient,
+-- NO_SHARD's gradient is the local one, the norm is the local one. An optimizer step while on changes the master
+-- shards by those gradients. Turning it off (between steps) drops every
+-- unsharded buffer, so the next forward gathers the master shards again.
+-- Returns the previous setting.
+function fsdp.set_skip_comm(model, on)
+  local st = state_of(model, 'fsdp.set_skip_comm')
+  if st.in_backward then error('fsdp.set_skip_comm: not inside a backward', 2) end
+  local prev = st.skip_comm == true
+  st.skip_comm = on and true or false
+  if prev and not st.skip_comm then
+    for _, u in ipairs(st.units) do
+      if u.work then u.work:wait(); u.work:free(); u.work = nil end
+      if u.reshards then u:reshard()
+      elseif not u.aliased then u.status = 'sharded'; u:unshard() end
+    end
+  end
+  return prev
+end
+
 -- drop every gradient: the sharded ones and the unsharded ones no_sync kept
 function fsdp.zero_grad(model)
   for _, u in ipairs(state_of(model, 'fsdp.zero_grad').units) do
@@ -874,7 +915,10 @@ function fsdp.clip_grad_norm(model, max_norm, opts)
   local sq
   if #grads > 0 then sq = Fo.sum_squares(grads):reshape({ 1 })
   else sq = T.zeros({ 1 }, { dtype = 'f64', device = device }) end
-  if st.shard_group and st.shard_group:size() > 1 then dist.all_reduce(sq, 'sum', { group = st.shard_group }) end
+  if st.shard_group and st.shard_group:size() > 1 and not st.skip_comm then
+    dist.all_reduce(sq, 'sum', { group = st.shard_group })
+    if st.trace then st.trace[#st.trace + 1] = 'all_reduce clip_grad_norm' end
+  end
   local total = Fo.sqrt(sq)
   sq:free()
   if #grads > 0 then
