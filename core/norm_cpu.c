@@ -88,11 +88,13 @@ static int oom(const char *op, int64_t n) {
     return ms_errorf("%s: cannot allocate %lld bytes of row buffers", op, (long long)n);
 }
 
-/* ============================================================ LayerNorm */
+/* ====================================================== shared row loops */
 
-/* x (N, C) -> y (N, C) = (x - mean)·rstd·w + b; mean, rstd (N) */
-int ms_cpu_layer_norm(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w,
-                      const ms_tensor *b, double eps) {
+/* the forward of both norms, a row at a time: rms = 0, LayerNorm (y =
+ * (x - mean)·rstd·w + b, mean and rstd saved when given); rms = 1, RMSNorm
+ * (y = round_x(x·rstd)·w, mean unused, b NULL) */
+static int norm_forward(const char *op, int rms, ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x,
+                        const ms_tensor *w, const ms_tensor *b, double eps) {
     int64_t N, C;
     rows_of(x, &N, &C);
     if (N == 0 || C == 0) return 0;
@@ -111,13 +113,17 @@ int ms_cpu_layer_norm(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_t
         for (int64_t r = 0; r < N; r++) {
             if (!row) continue;
             load_row(row, xp + r * C * xs, x->dtype_id, C);
-            double s = 0;
-            for (int64_t c = 0; c < C; c++) s += row[c];
-            double mu = s / (double)C, ss = 0;
+            double mu = 0, ss = 0;
+            if (!rms) {
+                double s = 0;
+                for (int64_t c = 0; c < C; c++) s += row[c];
+                mu = s / (double)C;
+            }
             for (int64_t c = 0; c < C; c++) ss += (row[c] - mu) * (row[c] - mu);
             double rs = 1.0 / sqrt(ss / (double)C + eps);
             for (int64_t c = 0; c < C; c++) {
                 double v = (row[c] - mu) * rs;
+                if (rms) v = round_to(v, x->dtype_id);
                 if (w) v *= at(w, c);
                 if (b) v += at(b, c);
                 row[c] = v;
@@ -128,7 +134,55 @@ int ms_cpu_layer_norm(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_t
         }
         free(row);
     }
-    return failed ? oom("layer_norm", (int64_t)sizeof(double) * C) : 0;
+    return failed ? oom(op, (int64_t)sizeof(double) * C) : 0;
+}
+
+/* dx of both norms, a row at a time, with xhat = (x - mean)·rstd and
+ * dxhat = g·w: LayerNorm dx = rstd·(dxhat - mean(dxhat) - xhat·mean(dxhat·xhat));
+ * RMSNorm (mean NULL) the same without the mean(dxhat) term */
+static int norm_input_grad(const char *op, ms_tensor *dx, const ms_tensor *g, const ms_tensor *x,
+                           const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, int64_t N, int64_t C) {
+    int gs = ms_dtype_size(g->dtype_id), xs = ms_dtype_size(x->dtype_id), ds = ms_dtype_size(dx->dtype_id);
+    const char *gp = ms_tensor_data(g), *xp = ms_tensor_data(x);
+    char *dp = ms_tensor_data(dx);
+    int failed = 0;
+#pragma omp parallel
+    {
+        double *buf = malloc(sizeof(double) * 2 * (size_t)C);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < N; r++) {
+            if (!buf) continue;
+            double *gr = buf, *xr = buf + C;
+            load_row(gr, gp + r * C * gs, g->dtype_id, C);
+            load_row(xr, xp + r * C * xs, x->dtype_id, C);
+            double mu = mean ? at(mean, r) : 0, rs = at(rstd, r), a = 0, bsum = 0;
+            for (int64_t c = 0; c < C; c++) {
+                double xh = (xr[c] - mu) * rs, dxh = w ? gr[c] * at(w, c) : gr[c];
+                xr[c] = xh;
+                gr[c] = dxh;
+                a += dxh;
+                bsum += dxh * xh;
+            }
+            a = mean ? a / (double)C : 0;
+            bsum /= (double)C;
+            for (int64_t c = 0; c < C; c++) gr[c] = rs * (gr[c] - a - xr[c] * bsum);
+            store_row(dp + r * C * ds, dx->dtype_id, gr, C);
+        }
+        free(buf);
+    }
+    return failed ? oom(op, (int64_t)sizeof(double) * 2 * C) : 0;
+}
+
+/* ============================================================ LayerNorm */
+
+/* x (N, C) -> y (N, C) = (x - mean)·rstd·w + b; mean, rstd (N) */
+int ms_cpu_layer_norm(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w,
+                      const ms_tensor *b, double eps) {
+    return norm_forward("layer_norm", 0, y, mean, rstd, x, w, b, eps);
 }
 
 /* column sums over rows for columns [c0, c1): dw += g·xhat, db += g, with
@@ -203,39 +257,8 @@ int ms_cpu_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, cons
         return 0;
     }
     if (dx) {
-        int gs = ms_dtype_size(g->dtype_id), xs = ms_dtype_size(x->dtype_id), ds = ms_dtype_size(dx->dtype_id);
-        const char *gp = ms_tensor_data(g), *xp = ms_tensor_data(x);
-        char *dp = ms_tensor_data(dx);
-        int failed = 0;
-#pragma omp parallel
-        {
-            double *buf = malloc(sizeof(double) * 2 * (size_t)C);
-            if (!buf) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < N; r++) {
-                if (!buf) continue;
-                double *gr = buf, *xr = buf + C;
-                load_row(gr, gp + r * C * gs, g->dtype_id, C);
-                load_row(xr, xp + r * C * xs, x->dtype_id, C);
-                double mu = at(mean, r), rs = at(rstd, r), a = 0, bsum = 0;
-                for (int64_t c = 0; c < C; c++) {
-                    double xh = (xr[c] - mu) * rs, dxh = w ? gr[c] * at(w, c) : gr[c];
-                    xr[c] = xh;
-                    gr[c] = dxh;
-                    a += dxh;
-                    bsum += dxh * xh;
-                }
-                a /= (double)C;
-                bsum /= (double)C;
-                for (int64_t c = 0; c < C; c++) gr[c] = rs * (gr[c] - a - xr[c] * bsum);
-                store_row(dp + r * C * ds, dx->dtype_id, gr, C);
-            }
-            free(buf);
-        }
-        if (failed) return oom("layer_norm_backward", (int64_t)sizeof(double) * 2 * C);
+        int rc = norm_input_grad("layer_norm_backward", dx, g, x, mean, rstd, w, N, C);
+        if (rc) return rc;
     }
     if (dw || db) return param_grads("layer_norm_backward", dw, db, g, x, mean, rstd, N, C);
     return 0;
@@ -245,37 +268,7 @@ int ms_cpu_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, cons
 
 /* x (N, C) -> y (N, C) = round_x(x·rstd)·w; rstd (N) */
 int ms_cpu_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps) {
-    int64_t N, C;
-    rows_of(x, &N, &C);
-    if (N == 0 || C == 0) return 0;
-    int xs = ms_dtype_size(x->dtype_id), ys = ms_dtype_size(y->dtype_id);
-    const char *xp = ms_tensor_data(x);
-    char *yp = ms_tensor_data(y);
-    int failed = 0;
-#pragma omp parallel
-    {
-        double *row = malloc(sizeof(double) * (size_t)C);
-        if (!row) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < N; r++) {
-            if (!row) continue;
-            load_row(row, xp + r * C * xs, x->dtype_id, C);
-            double ss = 0;
-            for (int64_t c = 0; c < C; c++) ss += row[c] * row[c];
-            double rs = 1.0 / sqrt(ss / (double)C + eps);
-            for (int64_t c = 0; c < C; c++) {
-                double v = round_to(row[c] * rs, x->dtype_id);
-                row[c] = w ? v * at(w, c) : v;
-            }
-            store_row(yp + r * C * ys, y->dtype_id, row, C);
-            if (rstd) put(rstd, r, rs);
-        }
-        free(row);
-    }
-    return failed ? oom("rms_norm", (int64_t)sizeof(double) * C) : 0;
+    return norm_forward("rms_norm", 1, y, NULL, rstd, x, w, NULL, eps);
 }
 
 /* g, x (N, C); rstd (N) -> dx (N, C), dw (C) */
@@ -289,37 +282,8 @@ int ms_cpu_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *g, c
         return 0;
     }
     if (dx) {
-        int gs = ms_dtype_size(g->dtype_id), xs = ms_dtype_size(x->dtype_id), ds = ms_dtype_size(dx->dtype_id);
-        const char *gp = ms_tensor_data(g), *xp = ms_tensor_data(x);
-        char *dp = ms_tensor_data(dx);
-        int failed = 0;
-#pragma omp parallel
-        {
-            double *buf = malloc(sizeof(double) * 2 * (size_t)C);
-            if (!buf) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < N; r++) {
-                if (!buf) continue;
-                double *gr = buf, *xr = buf + C;
-                load_row(gr, gp + r * C * gs, g->dtype_id, C);
-                load_row(xr, xp + r * C * xs, x->dtype_id, C);
-                double rs = at(rstd, r), bsum = 0;
-                for (int64_t c = 0; c < C; c++) {
-                    double xh = xr[c] * rs, dxh = w ? gr[c] * at(w, c) : gr[c];
-                    xr[c] = xh;
-                    gr[c] = dxh;
-                    bsum += dxh * xh;
-                }
-                bsum /= (double)C;
-                for (int64_t c = 0; c < C; c++) gr[c] = rs * (gr[c] - xr[c] * bsum);
-                store_row(dp + r * C * ds, dx->dtype_id, gr, C);
-            }
-            free(buf);
-        }
-        if (failed) return oom("rms_norm_backward", (int64_t)sizeof(double) * 2 * C);
+        int rc = norm_input_grad("rms_norm_backward", dx, g, x, NULL, rstd, w, N, C);
+        if (rc) return rc;
     }
     if (dw) return param_grads("rms_norm_backward", dw, NULL, g, x, NULL, rstd, N, C);
     return 0;

@@ -219,27 +219,27 @@ local function push(node)
   tape[#tape + 1] = node
 end
 
--- record a one-output op; returns out
-local function record1(name, out, bwd, saved, own, a, b, c)
-  if out.dtype_id > 3 then return out end -- integer/bool outputs carry no grad
-  local nin = c ~= nil and 3 or (b ~= nil and 2 or 1)
-  local node = new_node(name, bwd, { a, b, c }, nin)
+-- record an op with the inputs ins[1..nin] and one output; returns out
+local function record_out(name, out, bwd, saved, own, ins, nin)
+  local node = new_node(name, bwd, ins, nin)
   node.saved, node.own = saved, own
   node.oid = tonumber(out.id)
   mark_output(out, node)
   push(node)
   return out
 end
+
+-- record a one-output op of up to three inputs; returns out
+local function record1(name, out, bwd, saved, own, a, b, c)
+  if out.dtype_id > 3 then return out end -- integer/bool outputs carry no grad
+  local nin = c ~= nil and 3 or (b ~= nil and 2 or 1)
+  return record_out(name, out, bwd, saved, own, { a, b, c }, nin)
+end
 A.record1 = record1
 
 -- record an op with a list of inputs and one output
 local function record_list(name, out, bwd, saved, own, list)
-  local node = new_node(name, bwd, list, #list)
-  node.saved, node.own = saved, own
-  node.oid = tonumber(out.id)
-  mark_output(out, node)
-  push(node)
-  return out
+  return record_out(name, out, bwd, saved, own, list, #list)
 end
 A.record_list = record_list
 
@@ -272,6 +272,13 @@ local function unbroadcast(g, shape)
   return cur
 end
 A.unbroadcast = unbroadcast
+
+-- unbroadcast a temporary: t is freed when the result is another tensor
+local function unbroadcast_tmp(t, shape)
+  local r = unbroadcast(t, shape)
+  if r ~= t then free(t) end
+  return r
+end
 
 -- float mask (dtype of `like`) from a bool tensor; frees the bool
 local function maskf(b, dtype_id)
@@ -780,8 +787,7 @@ local function bwd_sub(node, g)
   if node.need[1] then r1 = unbroadcast(g, node.ishape[1]) end
   if node.need[2] then
     local n = F.neg(g)
-    r2 = unbroadcast(n, node.ishape[2])
-    if r2 ~= n then free(n) end
+    r2 = unbroadcast_tmp(n, node.ishape[2])
   end
   return r1, r2
 end
@@ -796,13 +802,11 @@ local function bwd_mul(node, g)
   local r1, r2
   if node.need[1] then
     local t = F.mul(g, b)
-    r1 = unbroadcast(t, node.ishape[1])
-    if r1 ~= t then free(t) end
+    r1 = unbroadcast_tmp(t, node.ishape[1])
   end
   if node.need[2] then
     local t = F.mul(g, a)
-    r2 = unbroadcast(t, node.ishape[2])
-    if r2 ~= t then free(t) end
+    r2 = unbroadcast_tmp(t, node.ishape[2])
   end
   return r1, r2
 end
@@ -822,8 +826,7 @@ local function bwd_div(node, g)
   local r1, r2
   if node.need[1] then
     local t = F.div(g, b)
-    r1 = unbroadcast(t, node.ishape[1])
-    if r1 ~= t then free(t) end
+    r1 = unbroadcast_tmp(t, node.ishape[1])
   end
   if node.need[2] then
     -- d(a/b)/db = -a/b^2 = -y/b
@@ -832,8 +835,7 @@ local function bwd_div(node, g)
     free(t1)
     local t3 = F.neg(t2)
     free(t2)
-    r2 = unbroadcast(t3, node.ishape[2])
-    if r2 ~= t3 then free(t3) end
+    r2 = unbroadcast_tmp(t3, node.ishape[2])
   end
   return r1, r2
 end
@@ -864,8 +866,7 @@ local function bwd_pow(node, g)
     end
     local t2 = F.mul(t, g)
     free(t)
-    r1 = unbroadcast(t2, node.ishape[1])
-    if r1 ~= t2 then free(t2) end
+    r1 = unbroadcast_tmp(t2, node.ishape[1])
   end
   if node.need[2] then
     -- y * log(a) * g
@@ -875,8 +876,7 @@ local function bwd_pow(node, g)
     if not num(la) then free(la) end
     local t2 = F.mul(t, g)
     free(t)
-    r2 = unbroadcast(t2, node.ishape[2])
-    if r2 ~= t2 then free(t2) end
+    r2 = unbroadcast_tmp(t2, node.ishape[2])
   end
   return r1, r2
 end
@@ -896,24 +896,17 @@ local function bwd_maxmin(node, g)
   local eq = maskf(F.eq(a, b), g.dtype_id)
   local half = F.mul(eq, 0.5)
   free(eq)
-  if node.need[1] then
-    local m = maskf(sel(a, b), g.dtype_id)
+  -- g * (1[x sel y] + 0.5 * 1[x == y]), summed to x's shape
+  local function grad_of(x, y, shape)
+    local m = maskf(sel(x, y), g.dtype_id)
     local w = F.add(m, half)
     free(m)
     local t = F.mul(g, w)
     free(w)
-    r1 = unbroadcast(t, node.ishape[1])
-    if r1 ~= t then free(t) end
+    return unbroadcast_tmp(t, shape)
   end
-  if node.need[2] then
-    local m = maskf(sel(b, a), g.dtype_id)
-    local w = F.add(m, half)
-    free(m)
-    local t = F.mul(g, w)
-    free(w)
-    r2 = unbroadcast(t, node.ishape[2])
-    if r2 ~= t then free(t) end
-  end
+  if node.need[1] then r1 = grad_of(a, b, node.ishape[1]) end
+  if node.need[2] then r2 = grad_of(b, a, node.ishape[2]) end
   free(half)
   return r1, r2
 end
@@ -931,6 +924,12 @@ end
 -- -- unary
 -- each entry: name -> function(node, g) using node.saved[1] (x) / [2] (y)
 local unary = {}
+-- g * t for a temporary t, which is freed
+local function mul_tmp(g, t)
+  local r = F.mul(g, t)
+  free(t)
+  return r
+end
 unary.neg = { function(node, g) return F.neg(g) end }
 unary.exp = { function(node, g) return F.mul(g, node.saved[2]) end, y = true }
 unary.log = { function(node, g) return F.div(g, node.saved[1]) end, x = true }
@@ -955,18 +954,8 @@ unary.sigmoid = { function(node, g) return F.sigmoid_backward(node.saved[1], g) 
 unary.relu = { function(node, g) return F.relu_backward(node.saved[1], g) end, x = true }
 unary.gelu = { function(node, g) return F.gelu_backward(node.saved[1], g) end, x = true }
 unary.silu = { function(node, g) return F.silu_backward(node.saved[1], g) end, x = true }
-unary.abs = { function(node, g)
-  local s = F.sign(node.saved[1])
-  local r = F.mul(g, s)
-  free(s)
-  return r
-end, x = true }
-unary.sin = { function(node, g)
-  local c = F.cos(node.saved[1])
-  local r = F.mul(g, c)
-  free(c)
-  return r
-end, x = true }
+unary.abs = { function(node, g) return mul_tmp(g, F.sign(node.saved[1])) end, x = true }
+unary.sin = { function(node, g) return mul_tmp(g, F.cos(node.saved[1])) end, x = true }
 unary.cos = { function(node, g)
   local s = F.sin(node.saved[1])
   local t = F.mul(g, s)
@@ -975,12 +964,7 @@ unary.cos = { function(node, g)
   free(t)
   return r
 end, x = true }
-unary.square = { function(node, g)
-  local t = F.mul(node.saved[1], 2)
-  local r = F.mul(g, t)
-  free(t)
-  return r
-end, x = true }
+unary.square = { function(node, g) return mul_tmp(g, F.mul(node.saved[1], 2)) end, x = true }
 unary.reciprocal = { function(node, g)
   -- -y^2 g
   local y = node.saved[2]
@@ -1029,8 +1013,7 @@ local function bwd_where(node, g)
     local mf = R.to(m, { dtype = g.dtype_id })
     local t = F.mul(g, mf)
     free(mf)
-    r2 = unbroadcast(t, node.ishape[2])
-    if r2 ~= t then free(t) end
+    r2 = unbroadcast_tmp(t, node.ishape[2])
   end
   if node.need[3] then
     local mf = R.to(m, { dtype = g.dtype_id })
@@ -1038,8 +1021,7 @@ local function bwd_where(node, g)
     free(mf)
     local t = F.mul(g, inv)
     free(inv)
-    r3 = unbroadcast(t, node.ishape[3])
-    if r3 ~= t then free(t) end
+    r3 = unbroadcast_tmp(t, node.ishape[3])
   end
   return nil, r2, r3
 end
@@ -1155,8 +1137,7 @@ local function bwd_matmul(node, g)
     local t
     if not ta then t = F.matmul(g, b, false, not tb)
     else t = F.matmul(b, g, tb, true) end
-    r1 = unbroadcast(t, node.ishape[1])
-    if r1 ~= t then free(t) end
+    r1 = unbroadcast_tmp(t, node.ishape[1])
   end
   if node.need[2] then
     local bs = node.ishape[2]
@@ -1174,8 +1155,7 @@ local function bwd_matmul(node, g)
       local t
       if not tb then t = F.matmul(a, g, not ta, false)
       else t = F.matmul(g, a, true, ta) end
-      r2 = unbroadcast(t, bs)
-      if r2 ~= t then free(t) end
+      r2 = unbroadcast_tmp(t, bs)
     end
   end
   return r1, r2
@@ -1410,6 +1390,28 @@ function Ctx:save_for_backward(...)
 end
 function Ctx:mark_dirty() end
 
+-- Marks the float tensor outputs (outs, with outs.n) of a node with several
+-- outputs (a Function, a checkpoint); an output that is one of the inputs
+-- (args) gets a fresh handle. A missing output gradient is zeros.
+local function record_outputs(node, outs, args)
+  local oids, oshapes, odtypes, odevs = {}, {}, {}, {}
+  for j = 1, outs.n do
+    local o = outs[j]
+    if is_tensor(o) and o.dtype_id <= 3 then
+      for i = 1, args.n do
+        if rawequal(o, args[i]) then o = R.alias(o); outs[j] = o; break end
+      end
+      oids[#oids + 1] = tonumber(o.id)
+      oshapes[#oshapes + 1] = shape_of(o)
+      odtypes[#odtypes + 1] = o.dtype_id
+      odevs[#odevs + 1] = o.device_id
+      mark_output(o, node)
+    end
+  end
+  node.oids, node.oshapes, node.odtypes, node.odevs = oids, oshapes, odtypes, odevs
+  node.multi_zero = true
+end
+
 local function fn_bwd(node, ...)
   local ctx = node.saved.ctx
   local def = node.saved.def
@@ -1433,24 +1435,8 @@ function FunctionMT:apply(...)
     outs = pack(self.forward(ctx, ...))
   end
   if not anyneed then return unpack(outs, 1, outs.n) end
-  -- outputs that are inputs get a fresh handle
-  local oids, oshapes, odtypes, odevs = {}, {}, {}, {}
   local node = new_node(self.name or 'Function', fn_bwd, args, args.n)
-  for j = 1, outs.n do
-    local o = outs[j]
-    if is_tensor(o) and o.dtype_id <= 3 then
-      for i = 1, args.n do
-        if rawequal(o, args[i]) then o = R.alias(o); outs[j] = o; break end
-      end
-      oids[#oids + 1] = tonumber(o.id)
-      oshapes[#oshapes + 1] = shape_of(o)
-      odtypes[#odtypes + 1] = o.dtype_id
-      odevs[#odevs + 1] = o.device_id
-      mark_output(o, node)
-    end
-  end
-  node.oids, node.oshapes, node.odtypes, node.odevs = oids, oshapes, odtypes, odevs
-  node.multi_zero = true
+  record_outputs(node, outs, args)
   node.borrow_results = true
   node.saved = { ctx = ctx, def = self }
   push(node)
@@ -1548,22 +1534,7 @@ function A.checkpoint(fn, ...)
     for i = 1, #mods do prev_collect[#prev_collect + 1] = mods[i] end
   end
   local node = new_node('checkpoint', ckpt_bwd, args, args.n)
-  local oids, oshapes, odtypes, odevs = {}, {}, {}, {}
-  for j = 1, outs.n do
-    local o = outs[j]
-    if is_tensor(o) and o.dtype_id <= 3 then
-      for i = 1, args.n do
-        if rawequal(o, args[i]) then o = R.alias(o); outs[j] = o; break end
-      end
-      oids[#oids + 1] = tonumber(o.id)
-      oshapes[#oshapes + 1] = shape_of(o)
-      odtypes[#odtypes + 1] = o.dtype_id
-      odevs[#odevs + 1] = o.device_id
-      mark_output(o, node)
-    end
-  end
-  node.oids, node.oshapes, node.odtypes, node.odevs = oids, oshapes, odtypes, odevs
-  node.multi_zero = true
+  record_outputs(node, outs, args)
   node.modules = mods
   node.saved = { fn = fn, args = args, rng = rng }
   push(node)
