@@ -9,15 +9,18 @@
 // buffered; rows are padded to D+8 elements so every ldmatrix phase (8 rows of
 // 16 bytes) hits 32 distinct banks.
 //
-//   forward  4 warps; 16*MT query rows per warp (MT = 2 for D = 64: 128 rows a
-//            block, so each K/V fragment feeds two MMAs; MT = 1 for D = 128);
-//            64-key tiles; causal tiles past the diagonal are never loaded,
-//            only the diagonal ones are masked.
-//   dk, dv   4 warps x 16 keys (64 keys a block), looping over the query heads
-//            of the kv group and their BQ-query tiles: S^T = K.Q^T and
-//            dP^T = V.dO^T have keys as rows, so P^T and dS^T are already A
-//            fragments for dV += P^T.dO and dK += dS^T.Q.
-//   dq       4 warps x 16 queries, looping over 64-key tiles: dQ += dS.K.
+// Every kernel has 4 warps, each owning 16*MT rows (MT m-tiles; config<D>
+// below: MT = 2 at D = 64, so each ldmatrix'd K/V/Q/dO fragment feeds two
+// m-tiles' MMAs; MT = 1 at D = 128):
+//   forward  64*MT query rows a block, 64-key tiles; causal tiles past the
+//            diagonal are never loaded, only the diagonal ones are masked.
+//   dk, dv   64*MT keys a block, looping over the query heads of the kv group
+//            and their BQ-query tiles: S^T = K.Q^T and dP^T = V.dO^T have
+//            keys as rows, so P^T and dS^T are already A fragments for
+//            dV += P^T.dO and dK += dS^T.Q.
+//   dq       64*MT queries a block, looping over 64-key tiles: dQ += dS.K
+//            (S and dP recomputed: 3.5x the forward's flops for the whole
+//            backward, against FA2's 2.5x with atomic dQ).
 // No atomics: every gradient element is owned by one thread, so the results
 // are the same bits on every run. Included by attention.cu only (it uses that
 // file's qkv_layout, at() and kLog2e).
