@@ -8,7 +8,9 @@
 -- strategy within 1e-4 (the GEMMs may use other algorithms per shape), and
 -- bf16 parameters (f32 / bf16 reduce) within bf16 bounds (1e-2, the norm
 -- of the difference over all parameters).
--- Written without a GPU at hand: run it before relying on the GPU path.
+-- Written without a GPU at hand: run it before relying on the GPU path (the
+-- offload and set_skip_comm cases were added after the rest passed on two
+-- H200s, and have not run on a GPU yet).
 local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
@@ -138,6 +140,70 @@ describe('fsdp runtime on GPUs (NCCL) #multi', function()
       assert.is_true(wp < 1e-2, ('parameter relative difference %.3g'):format(wp))
     end)
   end
+
+  -- offload (the master shards, their gradients and Adam's moments in
+  -- pinned host memory, AdamW on the CPU, the all-gather's copy uploaded on
+  -- the copy stream): the same bounds as on the device (CPU and GPU AdamW
+  -- round differently)
+  for _, c in ipairs({ { 'FULL_SHARD' }, { 'SHARD_GRAD_OP' }, { 'FULL_SHARD', 'bf16' } }) do
+    it(('offload, %s%s: 10 AdamW steps match one process on the GPU'):format(c[1], c[2] and ', bf16 parameters' or ''),
+      function()
+        local o = { policy = fsdp.policy.by_class { 'GPT2Block' }, strategy = c[1], offload = true }
+        if c[2] then o.mixed_precision = { param = 'bf16', reduce = 'f32' } end
+        local wl, wp = compare(run(o))
+        if R == 0 then io.stderr:write(('\noffload %s %s: loss %.2g, parameters %.2g\n'):format(c[1], c[2] or 'f32', wl, wp)) end
+        local bound = c[2] and 1e-2 or 1e-4
+        assert.is_true(wl < bound, ('loss relative difference %.3g'):format(wl))
+        assert.is_true(wp < bound, ('parameter relative difference %.3g'):format(wp))
+      end)
+  end
+
+  it('offload keeps the shards, gradients and moments on the host (pinned) and the gathered copy on the GPU', function()
+    local model = fsdp.fully_shard(load_model(), { policy = fsdp.policy.by_class { 'GPT2Block' }, offload = true })
+    local opt = fsdp.AdamW(model, OPTS)
+    local x, y = rows(R)
+    model(x, y):backward()
+    fsdp.clip_grad_norm(model, 1.0)
+    opt:step()
+    for _, u in ipairs(fsdp.units(model)) do
+      assert.are.equal(-1, u.fp.shard.device_id)
+      assert.are.equal(1, u.fp.shard.storage.external)      -- ms_cuda_host_alloc'd
+      assert.are.equal(-1, u.fp.shard.grad.device_id)
+      assert.are.equal(1, u.fp.shard.grad.storage.external)
+      assert.is_true(u.lp.device_id >= 0)
+      assert.are.equal(0, (u.lp:cpu() - u.fp.shard):abs():max():item())
+    end
+    for _, g in ipairs(opt.param_groups) do
+      for _, p in ipairs(g.params) do assert.are.equal(-1, opt.state[tonumber(p.id)].exp_avg.device_id) end
+    end
+    opt:zero_grad()
+  end)
+
+  it('set_skip_comm: no collective while on, steps run; off: the next steps run with them', function()
+    local model = fsdp.fully_shard(load_model(), { policy = fsdp.policy.by_class { 'GPT2Block' },
+      mixed_precision = { param = 'bf16', reduce = 'f32' } })
+    local opt = fsdp.AdamW(model, OPTS)
+    local x, y = rows(R)
+    local function colls()
+      local n = 0
+      for _, ev in ipairs(fsdp.trace(model)) do
+        if ev:match('^all_gather') or ev:match('^reduce_scatter') or ev:match('^all_reduce') then n = n + 1 end
+      end
+      return n
+    end
+    fsdp.set_skip_comm(model, true)
+    for _ = 1, 2 do
+      model(x, y):backward(); fsdp.clip_grad_norm(model, 1.0)
+      assert.are.equal(0, colls())
+      opt:zero_grad()
+    end
+    fsdp.set_skip_comm(model, false)
+    local loss = model(x, y)
+    loss:backward()
+    assert.is_true(colls() > 0)
+    assert.is_true(loss:item() == loss:item())
+    opt:zero_grad()
+  end)
 
   it('a resharded parameter on the GPU is an error naming the release', function()
     local model = fsdp.fully_shard(load_model(), { policy = fsdp.policy.by_class { 'GPT2Block' } })

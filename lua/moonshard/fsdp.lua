@@ -347,15 +347,96 @@ local function storage_check(rc, what, u)
   if rc ~= 0 then error(('fsdp unit %s: %s: %s'):format(u.label, what, ffi.string(C.ms_last_error())), 3) end
 end
 
+-- ------------------------------------------------------------- offload
+-- offload = true keeps the f32 master shard, its gradient and the
+-- optimizer's moments in host memory. Host buffers the device reads or
+-- writes are page-locked (ms_cuda_host_alloc) when the model is on CUDA and
+-- plain CPU tensors in a CPU run, where every "host <-> device" copy below
+-- is a copy between CPU tensors: the same code path.
+
+-- a 1-d host tensor of n elements; pinned (its pointer kept in `keep`, which
+-- must outlive the tensor: the unit's list) when device >= 0
+local function host_empty(n, dtype, device, keep)
+  local t = T.empty({ n }, { dtype = dtype })
+  if device < 0 or n == 0 then return t end
+  check(C.ms_storage_free_data(t), 2)       -- the CPU allocator's data
+  local box = ffi.new('void *[1]')
+  check(C.ms_cuda_host_alloc(box, t.storage.nbytes), 2)
+  local ptr = ffi.gc(box[0], C.ms_cuda_host_free)
+  keep[#keep + 1] = ptr
+  t.storage.data, t.storage.external = ptr, 1   -- not the allocator's to free
+  return t
+end
+
+-- dst:copy_(src) where one of them is on the host and the other on the
+-- device (or both on the CPU: a plain copy). On CUDA the copy runs on the
+-- runtime's copy stream: it waits (event) for the work queued so far on the
+-- compute stream (the producer of a device source, the last reader of a
+-- device destination), and the compute stream waits (event) for the copy.
+-- The core's host <-> device copy (kernels/runtime.cu, cuda_copy) waits on
+-- the host for the stream it runs on: here the copy stream, so the host
+-- waits for the copy and what it waited for (docs/fsdp.md, "Offload").
+local function host_copy(st, dst, src)
+  if dst.device_id < 0 and src.device_id < 0 then
+    no_grad(function() dst:copy_(src) end)
+    return
+  end
+  local cuda = require 'moonshard.cuda'
+  local dev = dst.device_id >= 0 and dst.device_id or src.device_id
+  if st.copy_stream == nil then
+    st.copy_stream = cuda.stream { device = dev }
+    st.copy_before, st.copy_after = cuda.event { device = dev }, cuda.event { device = dev }
+  end
+  check(C.ms_cuda_event_record(st.copy_before.p, nil), 2)            -- on the compute stream
+  st.copy_stream:wait(st.copy_before)
+  cuda.with_stream(st.copy_stream, function() no_grad(function() dst:copy_(src) end) end)
+  st.copy_after:record(st.copy_stream)
+  check(C.ms_cuda_stream_wait_event(C.ms_cuda_current_stream(dev), st.copy_after.p), 2)
+  cuda.record_stream(dst.device_id >= 0 and dst or src, st.copy_stream)
+end
+
 -- the tensor the all-gather reads: the low-precision copy of the shard
 -- (refreshed after each optimizer step) or the f32 master shard itself
 function Unit:gather_source()
   if self.lp == nil then return self.fp.shard end
-  if self.lp_stale then
-    no_grad(function() self.lp:copy_(self.fp.shard) end)
-    self.lp_stale = false
-  end
+  if self.lp_stale then self:refresh_lp() end
   return self.lp
+end
+
+-- the low-precision copy from the master shard: a cast on the device; with
+-- offload, a cast on the host (into a pinned buffer in the parameters'
+-- dtype, unless f32) and an upload
+function Unit:refresh_lp()
+  local shard = self.fp.shard
+  if self.st.offload then
+    local src = shard
+    if self.lp.dtype ~= shard.dtype then
+      self.host_lp = self.host_lp or host_empty(shard:numel(), self.lp.dtype, self.fp.device, self.pinned)
+      no_grad(function() self.host_lp:copy_(shard) end)
+      src = self.host_lp
+    end
+    host_copy(self.st, self.lp, src)
+  else
+    no_grad(function() self.lp:copy_(shard) end)
+  end
+  self.lp_stale = false
+end
+
+-- with offload: a reduced gradient shard (on the device, f32) into the
+-- master shard's gradient on the host (the first one of a step is copied
+-- into the unit's pinned gradient buffer, later ones added); out is freed
+function Unit:offload_grad(out)
+  local shard, n = self.fp.shard, self.fp.shard_numel
+  if shard.grad == nil then
+    self.host_grad = self.host_grad or host_empty(n, 'f32', self.fp.device, self.pinned)
+    host_copy(self.st, self.host_grad, out)
+    shard.grad = self.host_grad:narrow(1, 1, n)     -- a handle of its own (zero_grad frees it)
+  else
+    self.host_stage = self.host_stage or host_empty(n, 'f32', self.fp.device, self.pinned)
+    host_copy(self.st, self.host_stage, out)
+    no_grad(function() F().add_(shard.grad, self.host_stage) end)
+  end
+  out:free()
 end
 
 -- issue the all-gather (async) into the unsharded buffer; no-op unless sharded
@@ -500,9 +581,13 @@ local function finish_reductions(st)
       if post ~= 1 then F().div_(out, post) end
     end
     local shard = u.fp.shard
-    local cur = shard.grad
-    if cur == nil then shard.grad = out
-    else F().add_(cur, out); out:free() end
+    if st.offload then
+      u:offload_grad(out)             -- the host waits here (offload's sync)
+    else
+      local cur = shard.grad
+      if cur == nil then shard.grad = out
+      else F().add_(cur, out); out:free() end
+    end
     u.fp.grad_shard = shard.grad
   end
 end
@@ -585,7 +670,8 @@ end
 -- group, mesh / shard_size (HYBRID_SHARD), mixed_precision = {param=, reduce=},
 -- limit_all_gathers (3), forward_prefetch (true), backward_prefetch (true),
 -- free_unsharded (true), trace (true), dtype (the unsharded dtype without
--- mixed precision)
+-- mixed precision), offload (false: master shards, gradients and optimizer
+-- state in host memory, the optimizer on the CPU)
 function fsdp.fully_shard(model, opts)
   opts = opts or {}
   local nn = require 'moonshard.nn'
@@ -705,7 +791,7 @@ function fsdp.fully_shard(model, opts)
     forward_prefetch = opts.forward_prefetch ~= false, backward_prefetch = opts.backward_prefetch ~= false,
     sync = true, in_backward = false, pending = {}, root = model,
     cur_fwd = {}, cur_fwd_pos = {}, prev_fwd = {}, prev_fwd_pos = {}, cur_end = {},
-    trace = opts.trace ~= false and {} or nil,
+    trace = opts.trace ~= false and {} or nil, offload = opts.offload == true,
   }
   -- step bookkeeping first (hooks run in registration order): a forward of
   -- the root outside backward starts a step
@@ -749,8 +835,19 @@ function fsdp.fully_shard(model, opts)
       }, Unit)
       fp.names = names        -- the same list as unit.param_names
       unit.free_data = unit.reshards and opts.free_unsharded ~= false
-      if fp.shard.dtype ~= dtype then unit.lp = fp.shard:to(dtype) end
-      if not unit.reshards and fp.shard.dtype == dtype then
+      if st.offload then
+        -- the master shard moves to the host; the device keeps only the
+        -- copy the all-gather reads (unit.lp, in the parameters' dtype,
+        -- f32 included)
+        unit.pinned = {}
+        local dev_shard = fp.shard
+        local host = host_empty(fp.shard_numel, dev_shard.dtype, fp.device, unit.pinned)
+        host_copy(st, host, dev_shard)
+        fp.shard = host
+        if dtype == dev_shard.dtype then unit.lp = dev_shard
+        else unit.lp = dev_shard:to(dtype); dev_shard:free() end
+      elseif fp.shard.dtype ~= dtype then unit.lp = fp.shard:to(dtype) end
+      if not unit.reshards and fp.shard.dtype == dtype and not st.offload then
         -- NO_SHARD without mixed precision: the master shard is the whole
         -- flat parameter, so the parameters are views of it (no second copy;
         -- the optimizer's in-place step is what they see)
@@ -884,10 +981,7 @@ end
 -- unshard gathers the new values)
 function fsdp.after_step(model)
   for _, u in ipairs(state_of(model, 'fsdp.after_step').units) do
-    if u.lp then
-      no_grad(function() u.lp:copy_(u.fp.shard) end)
-      u.lp_stale = false
-    end
+    if u.lp then u:refresh_lp() end   -- with offload: the upload (copy stream)
     if u.reshards then u:reshard()
     else u.status = 'sharded'; u:unshard() end
   end
@@ -915,6 +1009,11 @@ function fsdp.clip_grad_norm(model, max_norm, opts)
   local sq
   if #grads > 0 then sq = Fo.sum_squares(grads):reshape({ 1 })
   else sq = T.zeros({ 1 }, { dtype = 'f64', device = device }) end
+  if sq.device_id ~= device then
+    -- offload: the host's sum of squares goes to the device (the
+    -- all-reduce's and the result's)
+    local d = sq:to({ device = device }); sq:free(); sq = d
+  end
   if st.shard_group and st.shard_group:size() > 1 and not st.skip_comm then
     dist.all_reduce(sq, 'sum', { group = st.shard_group })
     if st.trace then st.trace[#st.trace + 1] = 'all_reduce clip_grad_norm' end
@@ -929,6 +1028,10 @@ function fsdp.clip_grad_norm(model, max_norm, opts)
     coef:free()
     local c32 = c1:to('f32')
     c1:free()
+    if grads[1].device_id ~= c32.device_id then
+      -- offload: the coefficient read to the host (clipping's host sync)
+      local h = c32:to({ device = grads[1].device_id }); c32:free(); c32 = h
+    end
     no_grad(function() for _, g in ipairs(grads) do Fo.mul_(g, c32) end end)
     c32:free()
   end
