@@ -769,7 +769,10 @@ function fsdp.fully_shard(model, opts)
   end
   walk(model, '', units[1])
   -- a model's LM head weight (models' head_weight(), GPT-2's tied wte) is
-  -- used by the root's forward after every unit's: it belongs to the root
+  -- used by the root's forward after every unit's (the FLCE loss): it
+  -- belongs to the root, which stays gathered from its forward to the end
+  -- of its backward, so the head is all-gathered once per step
+  -- (docs/fsdp.md, "The LM head"; spec/dist_fsdp_rt_head_spec.lua)
   if type(model.head_weight) == 'function' then
     local ok, hw = pcall(model.head_weight, model)
     local id = ok and T.is_tensor(hw) and tonumber(hw.id)
