@@ -144,14 +144,33 @@ function ckpt.list(root)
   return out
 end
 
--- verify(dir) -> true | nil, message naming the file at fault
-function ckpt.verify(dir)
-  local ms, err = read_file(dir .. '/manifest.json')
-  if not ms then return nil, ('%s/manifest.json is missing or unreadable (%s)'):format(dir, tostring(err)) end
-  local man = json.decode(ms, 1, nil)
-  if type(man) ~= 'table' or type(man.files) ~= 'table' then
-    return nil, ('%s/manifest.json is not a valid manifest'):format(dir)
+-- rm -rf path
+local function remove(path) return sh('rm -rf ' .. q(path)) end
+ckpt.remove = remove
+
+-- man.files[name] = { bytes =, crc32 = } of each file `name` of dir
+function ckpt.manifest_add(man, dir, names)
+  for _, name in ipairs(names) do
+    local crc, n = ckpt.crc32_file(dir .. '/' .. name)
+    if not crc then error(('checkpoint: cannot read back %s/%s: %s'):format(dir, name, tostring(n)), 0) end
+    man.files[name] = { bytes = n, crc32 = crc }
   end
+end
+
+-- the last step of a save, with every other file of tmp written: the
+-- manifest man, then tmp renamed to final and the newest `keep` kept
+function ckpt.finish(root, tmp, final, man, keep)
+  write_file(tmp .. '/manifest.json', encode(man) .. '\n')
+  sh('sync -f ' .. q(tmp) .. ' 2>/dev/null')
+  remove(final)
+  local ok, err = os.rename(tmp, final)
+  if not ok then error(('checkpoint: cannot rename %s to %s: %s'):format(tmp, final, tostring(err)), 0) end
+  ckpt.prune(root, keep)
+end
+
+-- verify_files(dir, man, required) -> true | nil, message: every file the
+-- manifest man lists has its bytes and CRC-32, and it lists the `required`
+function ckpt.verify_files(dir, man, required)
   local names = {}
   for name in pairs(man.files) do names[#names + 1] = name end
   table.sort(names)
@@ -167,10 +186,21 @@ function ckpt.verify(dir)
       return nil, ('%s: checksum mismatch (crc32 %08x, the manifest says %08x)'):format(path, crc, e.crc32)
     end
   end
-  for _, need in ipairs({ 'model.safetensors', 'state.json' }) do
+  for _, need in ipairs(required) do
     if not man.files[need] then return nil, ('%s/manifest.json does not list %s'):format(dir, need) end
   end
   return true
+end
+
+-- verify(dir) -> true | nil, message naming the file at fault
+function ckpt.verify(dir)
+  local ms, err = read_file(dir .. '/manifest.json')
+  if not ms then return nil, ('%s/manifest.json is missing or unreadable (%s)'):format(dir, tostring(err)) end
+  local man = json.decode(ms, 1, nil)
+  if type(man) ~= 'table' or type(man.files) ~= 'table' then
+    return nil, ('%s/manifest.json is not a valid manifest'):format(dir)
+  end
+  return ckpt.verify_files(dir, man, { 'model.safetensors', 'state.json' })
 end
 
 -- latest(root [, warn]) -> {step =, path =} | nil, and the list of
@@ -192,7 +222,7 @@ function ckpt.prune(root, keep)
   if not keep or keep <= 0 then return removed end
   for i, c in ipairs(ckpt.list(root)) do
     if i > keep then
-      sh('rm -rf ' .. q(c.path))
+      remove(c.path)
       removed[#removed + 1] = c.path
     end
   end
@@ -204,7 +234,7 @@ function ckpt.save(root, step, parts, opts)
   opts = opts or {}
   local final = root .. '/' .. ckpt.name(step)
   local tmp = final .. '.tmp'
-  sh('rm -rf ' .. q(tmp))
+  remove(tmp)
   if not sh('mkdir -p ' .. q(tmp)) then error(('checkpoint: cannot create %s'):format(tmp), 0) end
   local files = {}
   if parts.model then
@@ -223,17 +253,8 @@ function ckpt.save(root, step, parts, opts)
   write_file(tmp .. '/state.json', encode(state) .. '\n')
   files[#files + 1] = 'state.json'
   local man = { step = step, format = 1, files = {} }
-  for _, name in ipairs(files) do
-    local crc, n = ckpt.crc32_file(tmp .. '/' .. name)
-    if not crc then error(('checkpoint: cannot read back %s/%s: %s'):format(tmp, name, tostring(n)), 0) end
-    man.files[name] = { bytes = n, crc32 = crc }
-  end
-  write_file(tmp .. '/manifest.json', encode(man) .. '\n')
-  sh('sync -f ' .. q(tmp) .. ' 2>/dev/null')
-  sh('rm -rf ' .. q(final))
-  local ok, err = os.rename(tmp, final)
-  if not ok then error(('checkpoint: cannot rename %s to %s: %s'):format(tmp, final, tostring(err)), 0) end
-  ckpt.prune(root, opts.keep)
+  ckpt.manifest_add(man, tmp, files)
+  ckpt.finish(root, tmp, final, man, opts.keep)
   return final
 end
 

@@ -272,37 +272,39 @@ end
 
 -- ---------------------------------------------------------------- indexing
 
+-- out = cfn(a, dim, idx) (index_select, gather)
+local function index_op(name, cfn, a, dim, idx)
+  need_tensor(name, a)
+  idx = index_arg(name, idx)
+  local cd = dim_of(name, a, dim)
+  return run_dim(cd, dim, cfn, a, cd, idx)
+end
+
+-- cfn(dst, dim, idx, src) in place (index_add_, scatter_add_); returns dst
+local function index_op_(name, cfn, dst, dim, idx, src)
+  need_tensor(name, dst, 'the destination')
+  need_tensor(name, src, 'the source')
+  idx = index_arg(name, idx)
+  local cd = dim_of(name, dst, dim)
+  check_dim(cd, dim, cfn(dst, cd, idx, src))
+  return dst
+end
+
 function F.index_select(a, dim, idx)
-  need_tensor('index_select', a)
-  idx = index_arg('index_select', idx)
-  local cd = dim_of('index_select', a, dim)
-  return run_dim(cd, dim, C.ms_index_select, a, cd, idx)
+  return index_op('index_select', C.ms_index_select, a, dim, idx)
 end
 
 -- dst:index_add_(dim, idx, src): dst.narrow(dim, idx[i]) += src.narrow(dim, i)
 function F.index_add_(dst, dim, idx, src)
-  need_tensor('index_add_', dst, 'the destination')
-  need_tensor('index_add_', src, 'the source')
-  idx = index_arg('index_add_', idx)
-  local cd = dim_of('index_add_', dst, dim)
-  check_dim(cd, dim, C.ms_index_add_(dst, cd, idx, src))
-  return dst
+  return index_op_('index_add_', C.ms_index_add_, dst, dim, idx, src)
 end
 
 function F.gather(a, dim, idx)
-  need_tensor('gather', a)
-  idx = index_arg('gather', idx)
-  local cd = dim_of('gather', a, dim)
-  return run_dim(cd, dim, C.ms_gather, a, cd, idx)
+  return index_op('gather', C.ms_gather, a, dim, idx)
 end
 
 function F.scatter_add_(dst, dim, idx, src)
-  need_tensor('scatter_add_', dst, 'the destination')
-  need_tensor('scatter_add_', src, 'the source')
-  idx = index_arg('scatter_add_', idx)
-  local cd = dim_of('scatter_add_', dst, dim)
-  check_dim(cd, dim, C.ms_scatter_add_(dst, cd, idx, src))
-  return dst
+  return index_op_('scatter_add_', C.ms_scatter_add_, dst, dim, idx, src)
 end
 
 -- ------------------------------------------------------ joining, splitting

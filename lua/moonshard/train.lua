@@ -447,19 +447,8 @@ local function sanitize(s)
   return (s:gsub('[%z\1-\8\11-\31\127]', '?'))
 end
 
--- JSON with every object's keys sorted (run.json)
-function train.encode_sorted(obj)
-  local keys, seen = {}, {}
-  local function collect(t)
-    for k, v in pairs(t) do
-      if type(k) == 'string' and not seen[k] then seen[k] = true; keys[#keys + 1] = k end
-      if type(v) == 'table' then collect(v) end
-    end
-  end
-  collect(obj)
-  table.sort(keys)
-  return json.encode(obj, { indent = true, keyorder = keys })
-end
+-- JSON with every object's keys sorted (run.json): checkpoint.encode
+function train.encode_sorted(obj) return require('moonshard.checkpoint').encode(obj) end
 
 -- one JSON object per line, "step" first, the other keys sorted; numbers
 -- with 17 significant digits, so a loss read back is the loss computed
@@ -742,11 +731,6 @@ local function read_json_file(path)
   return type(v) == 'table' and v or nil
 end
 
-local function sh_ok(cmd)
-  local r = os.execute(cmd)
-  return r == 0 or r == true
-end
-
 -- is dir a sharded checkpoint (written by an FSDP run)?
 function train.is_sharded_checkpoint(dir)
   local f = io.open(dir .. '/index.json', 'rb')
@@ -760,25 +744,7 @@ function train.verify_checkpoint(dir)
   local man = read_json_file(dir .. '/manifest.json')
   if not (man and man.sharded) then return ckpt.verify(dir) end
   if type(man.files) ~= 'table' then return nil, ('%s/manifest.json is not a valid manifest'):format(dir) end
-  local names = {}
-  for name in pairs(man.files) do names[#names + 1] = name end
-  table.sort(names)
-  for _, name in ipairs(names) do
-    local e = man.files[name]
-    local path = dir .. '/' .. name
-    local crc, n = ckpt.crc32_file(path)
-    if not crc then return nil, ('%s is missing or unreadable (%s)'):format(path, tostring(n)) end
-    if n ~= e.bytes then
-      return nil, ('%s has %d bytes, the manifest says %d (truncated?)'):format(path, n, e.bytes)
-    end
-    if crc ~= e.crc32 then
-      return nil, ('%s: checksum mismatch (crc32 %08x, the manifest says %08x)'):format(path, crc, e.crc32)
-    end
-  end
-  for _, need in ipairs({ 'index.json', 'state.json' }) do
-    if not man.files[need] then return nil, ('%s/manifest.json does not list %s'):format(dir, need) end
-  end
-  return true
+  return ckpt.verify_files(dir, man, { 'index.json', 'state.json' })
 end
 
 -- save_sharded_checkpoint(root, step, { model =, optimizer =, state = }, { keep = }) -> path
@@ -800,19 +766,8 @@ function train.save_sharded_checkpoint(root, step, parts, opts)
       local index = fck().read_index(tmp)
       local man = { step = step, format = 1, sharded = true, world_size = index.world_size, files = {} }
       for _, e in ipairs(index.files) do man.files[e.file] = { bytes = e.bytes, crc32 = e.crc32 } end
-      for _, name in ipairs({ 'index.json', 'state.json' }) do
-        local crc, n = ckpt.crc32_file(tmp .. '/' .. name)
-        if not crc then error(('checkpoint: cannot read back %s/%s: %s'):format(tmp, name, tostring(n)), 0) end
-        man.files[name] = { bytes = n, crc32 = crc }
-      end
-      local mf = assert(io.open(tmp .. '/manifest.json', 'wb'))
-      mf:write(ckpt.encode(man), '\n')
-      mf:close()
-      sh_ok('sync -f ' .. data.shell_quote(tmp) .. ' 2>/dev/null')
-      sh_ok('rm -rf ' .. data.shell_quote(final))
-      local rok, rerr = os.rename(tmp, final)
-      if not rok then error(('checkpoint: cannot rename %s to %s: %s'):format(tmp, final, tostring(rerr)), 0) end
-      ckpt.prune(root, opts.keep)
+      ckpt.manifest_add(man, tmp, { 'index.json', 'state.json' })
+      ckpt.finish(root, tmp, final, man, opts.keep)
     end)
   end
   if dist.is_initialized() and dist.world_size() > 1 then
@@ -847,7 +802,7 @@ local function plain_to_sharded(path, model, plain_optimizer)
   return function(m, opt)
     local info = fck().load_sharded(m, tmp, { optimizer = opt })
     if dist.is_initialized() and dist.world_size() > 1 then dist.barrier() end
-    if rank == 0 then sh_ok('rm -rf ' .. data.shell_quote(tmp)) end
+    if rank == 0 then ckpt.remove(tmp) end
     return info
   end
 end

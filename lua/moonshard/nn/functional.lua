@@ -78,105 +78,78 @@ local function rows(x)
 end
 
 -- --------------------------------------------------------------- linear
-local function bwd_linear(node, g)
-  local x2, w = node.saved[1], node.saved[2]
+-- linear and conv1d_linear differ only in the weight's layout: wt = true,
+-- w is (out, in) (nn.Linear); wt = false, w is (in, out) (GPT-2's Conv1D)
+local function bwd_affine(node, g)
+  local x2, w, wt = node.saved[1], node.saved[2], node.saved.wt
   local g2 = rows(g)
   local dx, dw, db
   if node.need[1] then
-    local d2 = F.matmul(g2, w) -- (N, in)
+    local d2 = F.matmul(g2, w, false, not wt) -- (N, in)
     dx = R.reshape(d2, node.ishape[1])
     if dx ~= d2 then free(d2) end
   end
-  if node.need[2] then dw = F.matmul(g2, x2, true, false) end -- (out, in)
+  if node.need[2] then
+    if wt then dw = F.matmul(g2, x2, true, false) -- (out, in)
+    else dw = F.matmul(x2, g2, true, false) end   -- (in, out)
+  end
   if node.need[3] then db = F.sum(g2, 1) end
   if g2 ~= g then free(g2) end
   return dx, dw, db
+end
+
+-- y = x (..., in) times w + b (out), recorded as `name`; errors are raised
+-- at the caller of nnf.linear / nnf.conv1d_linear (level 3: affine is called,
+-- not tail-called, from the function affine_fn makes)
+local function affine(name, x, w, b, wt)
+  if w.ndim ~= 2 then
+    error(('%s: weight must be 2-D %s, got %s'):format(name, wt and '(out, in)' or '(in, out)', dims(w)), 3)
+  end
+  local in_f, out_f = tonumber(w.sizes[wt and 1 or 0]), tonumber(w.sizes[wt and 0 or 1])
+  if x.ndim < 1 or tonumber(x.sizes[x.ndim - 1]) ~= in_f then
+    error(('%s: input of shape %s does not end in in_features = %d (weight %s)'):format(
+      name, dims(x), in_f, dims(w)), 3)
+  end
+  if b ~= nil and (b.ndim ~= 1 or tonumber(b.sizes[0]) ~= out_f) then
+    error(('%s: bias of shape %s for out_features = %d'):format(name, dims(b), out_f), 3)
+  end
+  local x2 = rows(x)
+  local y2 = F.matmul(x2, w, false, wt)
+  if b ~= nil then F.add_(y2, b) end
+  local y = y2
+  if x.ndim ~= 2 then
+    local s = shape_of(x)
+    s[#s] = out_f
+    y = R.view(y2, s)
+    free(y2)
+  end
+  if want(x, w, b) then
+    local own = nil
+    if x2 ~= x then own = { x2 } end
+    record1(name, y, bwd_affine,
+      { A.needs_grad(w) and x2 or nil, A.needs_grad(x) and w or nil, wt = wt }, own, x, w, b)
+  elseif x2 ~= x then
+    free(x2)
+  end
+  return y
+end
+
+-- the public function(x, w, b) of affine `name`
+local function affine_fn(name, wt)
+  return function(x, w, b)
+    need_tensor(name, x, 'the input')
+    need_tensor(name, w, 'the weight')
+    x, w, b = amp.cast(x, w, b)     -- autocast region: bf16 compute, recorded casts
+    local y = affine(name, x, w, b, wt)
+    return y
+  end
 end
 
 -- x (..., in) @ w^T (in, out) + b (out)
-function nnf.linear(x, w, b)
-  need_tensor('linear', x, 'the input')
-  need_tensor('linear', w, 'the weight')
-  x, w, b = amp.cast(x, w, b)     -- autocast region: bf16 compute, recorded casts
-  if w.ndim ~= 2 then error(('linear: weight must be 2-D (out, in), got %s'):format(dims(w)), 2) end
-  local in_f, out_f = tonumber(w.sizes[1]), tonumber(w.sizes[0])
-  if x.ndim < 1 or tonumber(x.sizes[x.ndim - 1]) ~= in_f then
-    error(('linear: input of shape %s does not end in in_features = %d (weight %s)'):format(
-      dims(x), in_f, dims(w)), 2)
-  end
-  if b ~= nil and (b.ndim ~= 1 or tonumber(b.sizes[0]) ~= out_f) then
-    error(('linear: bias of shape %s for out_features = %d'):format(dims(b), out_f), 2)
-  end
-  local x2 = rows(x)
-  local y2 = F.matmul(x2, w, false, true)
-  if b ~= nil then F.add_(y2, b) end
-  local y = y2
-  if x.ndim ~= 2 then
-    local s = shape_of(x)
-    s[#s] = out_f
-    y = R.view(y2, s)
-    free(y2)
-  end
-  if want(x, w, b) then
-    local own = nil
-    if x2 ~= x then own = { x2 } end
-    record1('linear', y, bwd_linear, { A.needs_grad(w) and x2 or nil, A.needs_grad(x) and w or nil },
-      own, x, w, b)
-  elseif x2 ~= x then
-    free(x2)
-  end
-  return y
-end
-
-local function bwd_conv1d(node, g)
-  local x2, w = node.saved[1], node.saved[2]
-  local g2 = rows(g)
-  local dx, dw, db
-  if node.need[1] then
-    local d2 = F.matmul(g2, w, false, true) -- (N, in)
-    dx = R.reshape(d2, node.ishape[1])
-    if dx ~= d2 then free(d2) end
-  end
-  if node.need[2] then dw = F.matmul(x2, g2, true, false) end -- (in, out)
-  if node.need[3] then db = F.sum(g2, 1) end
-  if g2 ~= g then free(g2) end
-  return dx, dw, db
-end
+nnf.linear = affine_fn('linear', true)
 
 -- x (..., in) @ w (in, out) + b (out): Hugging Face's GPT-2 Conv1D
-function nnf.conv1d_linear(x, w, b)
-  need_tensor('conv1d_linear', x, 'the input')
-  need_tensor('conv1d_linear', w, 'the weight')
-  x, w, b = amp.cast(x, w, b)     -- autocast region: bf16 compute, recorded casts
-  if w.ndim ~= 2 then error(('conv1d_linear: weight must be 2-D (in, out), got %s'):format(dims(w)), 2) end
-  local in_f, out_f = tonumber(w.sizes[0]), tonumber(w.sizes[1])
-  if x.ndim < 1 or tonumber(x.sizes[x.ndim - 1]) ~= in_f then
-    error(('conv1d_linear: input of shape %s does not end in in_features = %d (weight %s)'):format(
-      dims(x), in_f, dims(w)), 2)
-  end
-  if b ~= nil and (b.ndim ~= 1 or tonumber(b.sizes[0]) ~= out_f) then
-    error(('conv1d_linear: bias of shape %s for out_features = %d'):format(dims(b), out_f), 2)
-  end
-  local x2 = rows(x)
-  local y2 = F.matmul(x2, w)
-  if b ~= nil then F.add_(y2, b) end
-  local y = y2
-  if x.ndim ~= 2 then
-    local s = shape_of(x)
-    s[#s] = out_f
-    y = R.view(y2, s)
-    free(y2)
-  end
-  if want(x, w, b) then
-    local own = nil
-    if x2 ~= x then own = { x2 } end
-    record1('conv1d_linear', y, bwd_conv1d,
-      { A.needs_grad(w) and x2 or nil, A.needs_grad(x) and w or nil }, own, x, w, b)
-  elseif x2 ~= x then
-    free(x2)
-  end
-  return y
-end
+nnf.conv1d_linear = affine_fn('conv1d_linear', false)
 
 -- ------------------------------------------------------------ embedding
 local function bwd_embedding(node, g)

@@ -523,6 +523,10 @@ end
 local function topts(o)
   return { dtype = opt(o, 'dtype', 'f32'), device = opt(o, 'device', nil) }
 end
+-- the bias parameter: make() when opts.bias (default true), else nil
+local function register_bias(self, opts, make)
+  self:register_parameter('bias', opt(opts, 'bias', true) and make() or nil)
+end
 local function check_int(cls, what, v)
   if type(v) ~= 'number' or v ~= math.floor(v) or v <= 0 then
     error(('%s: %s must be a positive integer, got %s'):format(cls, what, tostring(v)), 3)
@@ -542,13 +546,11 @@ function Linear:init(in_features, out_features, opts)
   local w = T.empty({ out_features, in_features }, topts(opts))
   T.uniform_(w, -k, k)
   self:register_parameter('weight', w)
-  if opt(opts, 'bias', true) then
+  register_bias(self, opts, function()
     local b = T.empty({ out_features }, topts(opts))
     T.uniform_(b, -k, k)
-    self:register_parameter('bias', b)
-  else
-    self:register_parameter('bias', nil)
-  end
+    return b
+  end)
 end
 function Linear:forward(x) return nnf.linear(x, self.weight, self.bias) end
 function Linear:extra_repr()
@@ -566,11 +568,7 @@ function Conv1D:init(in_features, out_features, opts)
   local w = T.empty({ in_features, out_features }, topts(opts))
   T.normal_(w, 0, opt(opts, 'std', 0.02))
   self:register_parameter('weight', w)
-  if opt(opts, 'bias', true) then
-    self:register_parameter('bias', T.zeros({ out_features }, topts(opts)))
-  else
-    self:register_parameter('bias', nil)
-  end
+  register_bias(self, opts, function() return T.zeros({ out_features }, topts(opts)) end)
 end
 function Conv1D:forward(x) return nnf.conv1d_linear(x, self.weight, self.bias) end
 function Conv1D:extra_repr() return ('%d, %d'):format(self.in_features, self.out_features) end
@@ -597,11 +595,7 @@ function LayerNorm:init(dim, opts)
   check_int('LayerNorm', 'dim', dim)
   self.dim, self.eps = dim, opt(opts, 'eps', 1e-5)
   self:register_parameter('weight', T.ones({ dim }, topts(opts)))
-  if opt(opts, 'bias', true) then
-    self:register_parameter('bias', T.zeros({ dim }, topts(opts)))
-  else
-    self:register_parameter('bias', nil)
-  end
+  register_bias(self, opts, function() return T.zeros({ dim }, topts(opts)) end)
 end
 function LayerNorm:forward(x) return nnf.layer_norm(x, self.weight, self.bias, self.eps) end
 function LayerNorm:extra_repr() return ('%d, eps=%g'):format(self.dim, self.eps) end
