@@ -6,6 +6,7 @@
 -- evenly into vector widths, cache lines or the world size.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
+local S = require 'spec.support'
 
 local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
 
@@ -15,11 +16,7 @@ local ops = { 'sum', 'avg', 'max', 'min' }
 
 -- rank r's i-th value (i 0-based): small integers and halves, exact in every
 -- dtype, and sums of four of them too
-local function val(r, i, dtype)
-  local v = ((r * 7 + i * 3) % 23) - 11
-  if dtype ~= 'i64' and (i % 2 == 1) then v = v + 0.5 end
-  return v
-end
+local val = S.collective_val
 
 local function fill(n, dtype, f)
   local v = {}
@@ -27,24 +24,7 @@ local function fill(n, dtype, f)
   return ms.tensor(v, { dtype = dtype })
 end
 
-local function reduce(op, vals, dtype)
-  local acc = vals[1]
-  for k = 2, #vals do
-    local v = vals[k]
-    if op == 'sum' or op == 'avg' then acc = acc + v
-    elseif op == 'max' then acc = math.max(acc, v)
-    else acc = math.min(acc, v) end
-  end
-  if op == 'avg' then
-    if dtype == 'i64' then
-      local q = acc / #vals
-      acc = q >= 0 and math.floor(q) or math.ceil(q)   -- C truncation, as NCCL
-    else
-      acc = acc / #vals
-    end
-  end
-  return acc
-end
+local reduce = S.reduce_expect   -- i64 avg: C truncation, as NCCL
 
 -- the value as the dtype stores it (bf16 rounds to nearest even)
 local function as_dtype(v, dtype)

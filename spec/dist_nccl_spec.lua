@@ -8,6 +8,7 @@
 -- collective that a peer never joins is aborted by the watchdog.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
+local S = require 'spec.support'
 
 local launched = os.getenv('RANK') ~= nil and os.getenv('MS_DEVICE') == 'cuda'
 
@@ -15,11 +16,7 @@ local dtypes = { 'f32', 'bf16', 'f64', 'i64' }
 local sizes = { 1, 7, 1001, 1000003 }
 local ops = { 'sum', 'avg', 'max', 'min' }
 
-local function val(r, i, dtype)
-  local v = ((r * 7 + i * 3) % 23) - 11
-  if dtype ~= 'i64' and (i % 2 == 1) then v = v + 0.5 end
-  return v
-end
+local val = S.collective_val
 
 -- val(r, i) depends on i mod 46 only: big tensors are one period, tiled
 local function fill(n, dtype, r)
@@ -30,24 +27,7 @@ local function fill(n, dtype, r)
   return t:narrow(1, 1, n):contiguous():to(dtype):cuda()
 end
 
-local function reduce(op, vals, dtype)
-  local acc = vals[1]
-  for k = 2, #vals do
-    local v = vals[k]
-    if op == 'sum' or op == 'avg' then acc = acc + v
-    elseif op == 'max' then acc = math.max(acc, v)
-    else acc = math.min(acc, v) end
-  end
-  if op == 'avg' then
-    if dtype == 'i64' then
-      local q = acc / #vals
-      acc = q >= 0 and math.floor(q) or math.ceil(q)
-    else
-      acc = acc / #vals
-    end
-  end
-  return acc
-end
+local reduce = S.reduce_expect
 
 local bounds = { f32 = 1e-6, bf16 = 1e-2, f64 = 1e-12, i64 = 0 }
 

@@ -5,12 +5,11 @@
 -- chunk-size and thread-count independence, the edge cases, autograd (f64
 -- finite differences, scaling, accumulation, memory), lm_loss through the
 -- golden models on both paths, and the errors.
-local ffi = require 'ffi'
 local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
 local nn = require 'moonshard.nn'
-local json = require 'dkjson'
 local flce = require 'moonshard.flce'
+local S = require 'spec.support'
 
 local nnf = nn.functional
 local F = ms.raw
@@ -18,38 +17,14 @@ local FLCE = nnf.fused_linear_cross_entropy
 
 local fixtures = T.root .. '/../shared/fixtures'
 
--- host copy of a tensor as a flat Lua list of doubles
-local function values(t)
-  local h = t:to({ dtype = 'f64', device = 'cpu', copy = true }):contiguous()
-  local p = ffi.cast('double*', h:data_ptr())
-  local out = {}
-  for i = 0, h:numel() - 1 do out[i + 1] = p[i] end
-  return out
-end
-
--- ‖got − want‖ / ‖want‖ over the elements (shapes must hold as many);
--- ‖got‖ when want is all zeros
-local function relerr(got, want)
-  assert(got ~= nil, 'no tensor to compare')
-  local g, w = values(got), values(want)
-  assert.are.equal(#w, #g)
-  local num, den = 0, 0
-  for i = 1, #w do
-    num, den = num + (g[i] - w[i]) ^ 2, den + w[i] ^ 2
-  end
-  if den == 0 then return math.sqrt(num) end
-  return math.sqrt(num / den)
-end
+-- values(t): host copy as a flat Lua list of doubles; relerr(got, want):
+-- ‖got − want‖ / ‖want‖ (‖got‖ when want is all zeros); finite(t)
+local values, relerr, finite = S.values, S.relerr, S.finite
 
 local function bitwise_equal(a, b)
   local x, y = values(a), values(b)
   if #x ~= #y then return false end
   for i = 1, #x do if x[i] ~= y[i] then return false end end
-  return true
-end
-
-local function finite(t)
-  for _, v in ipairs(values(t)) do if v ~= v or v == math.huge or v == -math.huge then return false end end
   return true
 end
 
@@ -162,12 +137,7 @@ end
 
 describe('fused_linear_cross_entropy', function()
   describe('fixtures (../shared/fixtures/flce)', function()
-    local f = io.open(fixtures .. '/flce/cases.json', 'rb')
-    local cases = f and json.decode(f:read('*a')) or {}
-    if f then f:close() end
-    local names = {}
-    for name in pairs(cases) do names[#names + 1] = name end
-    table.sort(names)
+    local cases, names = S.json_cases(fixtures .. '/flce/cases.json')
     it('are all there', function() assert.is_true(#names >= 9, 'missing ' .. fixtures .. '/flce/cases.json') end)
     for _, name in ipairs(names) do
       it(name .. ': loss, z_loss, accuracy, grad_x, grad_W, grad_bias within 1e-5', function()

@@ -9,34 +9,13 @@
 local ffi = require 'ffi'
 local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
-local json = require 'dkjson'
+local S = require 'spec.support'
 
 local F = ms.raw
 local FLCE = ms.nn.functional.fused_linear_cross_entropy
 local fixtures = T.root .. '/../shared/fixtures'
 
-local function values(t)
-  local h = t:to({ dtype = 'f64', device = 'cpu', copy = true }):contiguous()
-  local p = ffi.cast('double*', h:data_ptr())
-  local out = {}
-  for i = 0, h:numel() - 1 do out[i + 1] = p[i] end
-  return out
-end
-
-local function relerr(got, want)
-  assert(got ~= nil, 'no tensor to compare')
-  local g, w = values(got), values(want)
-  assert.are.equal(#w, #g)
-  local num, den = 0, 0
-  for i = 1, #w do num, den = num + (g[i] - w[i]) ^ 2, den + w[i] ^ 2 end
-  if den == 0 then return math.sqrt(num) end
-  return math.sqrt(num / den)
-end
-
-local function finite(t)
-  for _, v in ipairs(values(t)) do if v ~= v or v == math.huge or v == -math.huge then return false end end
-  return true
-end
+local values, relerr, finite = S.values, S.relerr, S.finite
 
 -- does kernels/gemm.cu take an f32 out with bf16 operands (f32 grad_W
 -- accumulation without operand copies)?
@@ -88,12 +67,7 @@ describe('fused_linear_cross_entropy on cuda #gpu', function()
   end)
 
   describe('fixtures', function()
-    local f = io.open(fixtures .. '/flce/cases.json', 'rb')
-    local cases = f and json.decode(f:read('*a')) or {}
-    if f then f:close() end
-    local names = {}
-    for name in pairs(cases) do names[#names + 1] = name end
-    table.sort(names)
+    local cases, names = S.json_cases(fixtures .. '/flce/cases.json')
     for _, dtype in ipairs({ 'f32', 'bf16' }) do
       local bound = dtype == 'f32' and 1e-4 or 2e-2
       for _, name in ipairs(names) do

@@ -9,30 +9,10 @@ local C = T.C
 
 -- ------------------------------------------------------------------ helpers
 
--- a tensor of `shape` holding the row-major values `vals`, in dtype
-local function make(shape, vals, dtype)
-  local t = T.empty(shape, { dtype = 'f64' })
-  local p = ffi.cast('double*', C.ms_tensor_data(t))
-  for i = 1, #vals do p[i - 1] = vals[i] end
-  if (dtype or 'f64') == 'f64' then return t end
-  return t:to(dtype)
-end
-
--- the row-major values of any tensor (any layout, any dtype) as Lua numbers
-local function vals(t)
-  local h = T.empty(t.shape, { dtype = 'f64' })
-  T.check(C.ms_tensor_copy_(h, t))
-  local p = ffi.cast('double*', C.ms_tensor_data(h))
-  local r = {}
-  for i = 1, t:numel() do r[i] = p[i - 1] end
-  return r
-end
-
-local function numel_of(shape)
-  local n = 1
-  for _, s in ipairs(shape) do n = n * s end
-  return n
-end
+-- make(shape, vals, dtype): a tensor of `shape` holding the row-major
+-- values `vals`; vals(t): the row-major values of any tensor as Lua numbers
+local S = require 'spec.support'
+local make, vals, numel_of = S.make, S.vals, S.numel_of
 
 -- n uniform values in [lo, hi), never exactly 0
 local function randoms(n, lo, hi)

@@ -1,0 +1,114 @@
+-- spec/support.lua — small helpers shared by several specs (not a spec
+-- itself: busted runs only *_spec.lua).
+--
+--   local S = require 'spec.support'
+--   local t = S.make({ 2, 3 }, { 1, 2, 3, 4, 5, 6 })   -- a (2, 3) f64 tensor
+--   assert.are.same({ 1, 2, 3, 4, 5, 6 }, S.vals(t))
+--
+-- Tensors in and out of plain Lua lists (make, vals, values), comparisons
+-- (relerr, finite), the expected results of a collective (collective_val,
+-- reduce_expect) and JSON fixture files (json_cases).
+local ffi = require 'ffi'
+local json = require 'dkjson'
+local luassert = require 'luassert'   -- busted's assert (a spec's global)
+local T = require 'moonshard.tensor'
+local C = T.C
+
+local S = {}
+
+-- a tensor of `shape` holding the row-major values `vals`, in dtype (f64)
+function S.make(shape, vals, dtype)
+  local t = T.empty(shape, { dtype = 'f64' })
+  local p = ffi.cast('double*', C.ms_tensor_data(t))
+  for i = 1, #vals do p[i - 1] = vals[i] end
+  if (dtype or 'f64') == 'f64' then return t end
+  return t:to(dtype)
+end
+
+-- the row-major values of a CPU tensor (any layout, any dtype) as Lua numbers
+function S.vals(t)
+  local h = T.empty(t.shape, { dtype = 'f64' })
+  T.check(C.ms_tensor_copy_(h, t))
+  local p = ffi.cast('double*', C.ms_tensor_data(h))
+  local r = {}
+  for i = 1, t:numel() do r[i] = p[i - 1] end
+  return r
+end
+
+function S.numel_of(shape)
+  local n = 1
+  for _, s in ipairs(shape) do n = n * s end
+  return n
+end
+
+-- host copy of a tensor on any device as a flat Lua list of doubles
+function S.values(t)
+  local h = t:to({ dtype = 'f64', device = 'cpu', copy = true }):contiguous()
+  local p = ffi.cast('double*', h:data_ptr())
+  local out = {}
+  for i = 0, h:numel() - 1 do out[i + 1] = p[i] end
+  return out
+end
+
+-- ‖got − want‖ / ‖want‖ over the elements (shapes must hold as many);
+-- ‖got‖ when want is all zeros
+function S.relerr(got, want)
+  assert(got ~= nil, 'no tensor to compare')
+  local g, w = S.values(got), S.values(want)
+  luassert.are.equal(#w, #g)
+  local num, den = 0, 0
+  for i = 1, #w do
+    num, den = num + (g[i] - w[i]) ^ 2, den + w[i] ^ 2
+  end
+  if den == 0 then return math.sqrt(num) end
+  return math.sqrt(num / den)
+end
+
+-- no NaN, no ±inf
+function S.finite(t)
+  for _, v in ipairs(S.values(t)) do if v ~= v or v == math.huge or v == -math.huge then return false end end
+  return true
+end
+
+-- rank r's i-th value (i 0-based) in the collective specs: small integers
+-- and halves, exact in every dtype, and sums of four of them too
+function S.collective_val(r, i, dtype)
+  local v = ((r * 7 + i * 3) % 23) - 11
+  if dtype ~= 'i64' and (i % 2 == 1) then v = v + 0.5 end
+  return v
+end
+
+-- what the reduction `op` ('sum', 'avg', 'max', 'min') of the ranks' values
+-- gives; i64 'avg' truncates as C does (and NCCL)
+function S.reduce_expect(op, vals, dtype)
+  local acc = vals[1]
+  for k = 2, #vals do
+    local v = vals[k]
+    if op == 'sum' or op == 'avg' then acc = acc + v
+    elseif op == 'max' then acc = math.max(acc, v)
+    else acc = math.min(acc, v) end
+  end
+  if op == 'avg' then
+    if dtype == 'i64' then
+      local q = acc / #vals
+      acc = q >= 0 and math.floor(q) or math.ceil(q)
+    else
+      acc = acc / #vals
+    end
+  end
+  return acc
+end
+
+-- the JSON object of fixture cases in `path` ({} when the file is missing)
+-- and its names, sorted
+function S.json_cases(path)
+  local f = io.open(path, 'rb')
+  local cases = f and json.decode(f:read('*a')) or {}
+  if f then f:close() end
+  local names = {}
+  for name in pairs(cases) do names[#names + 1] = name end
+  table.sort(names)
+  return cases, names
+end
+
+return S
