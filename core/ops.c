@@ -1004,12 +1004,12 @@ int ms_layer_norm(ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_
     return finish(out, ay, rc);
 }
 
-int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g, const ms_tensor *x,
-                           const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w) {
-    const char *op = "layer_norm_backward";
-    int64_t N, C;
-    if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
-    if (!mean) return ms_errorf("%s: needs the saved mean", op);
+/* the backward of both norms after their checks: LayerNorm (mean given),
+ * or RMSNorm (mean and db NULL); the statistics and w in the compute dtype,
+ * dw and db computed there and delivered in w's dtype */
+static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
+                         const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
+                         int64_t C) {
     int cdt = compute_dtype_of(x->dtype_id), pdt = w ? w->dtype_id : cdt, ax = 0;
     ms_tensor *gc = NULL, *xc = NULL, *mc = NULL, *rc_ = NULL, *wc = NULL, *dwt = NULL, *dbt = NULL;
     int rc = 0;
@@ -1024,7 +1024,11 @@ int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const
     if (!rc) rc = contiguous_as(&wc, w, cdt);
     if (!rc && dw) rc = ms_tensor_empty(&dwt, 1, &C, cdt, x->device_id);
     if (!rc && db) rc = ms_tensor_empty(&dbt, 1, &C, cdt, x->device_id);
-    if (!rc) rc = dev_layer_norm_backward(dx ? *dx : NULL, dwt, dbt, gc, xc, mc, rc_, wc);
+    if (!rc) {
+        ms_tensor *dxt = dx ? *dx : NULL;
+        rc = mean ? dev_layer_norm_backward(dxt, dwt, dbt, gc, xc, mc, rc_, wc)
+                  : dev_rms_norm_backward(dxt, dwt, gc, xc, rc_, wc);
+    }
     if (!rc && dw) rc = deliver_column(dw, op, "dw", &dwt, pdt);
     if (!rc && db) rc = deliver_column(db, op, "db", &dbt, pdt);
     ms_tensor_free(gc);
@@ -1035,6 +1039,15 @@ int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const
     ms_tensor_free(dwt);
     ms_tensor_free(dbt);
     return finish(dx, ax, rc);
+}
+
+int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g, const ms_tensor *x,
+                           const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w) {
+    const char *op = "layer_norm_backward";
+    int64_t N, C;
+    if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
+    if (!mean) return ms_errorf("%s: needs the saved mean", op);
+    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C);
 }
 
 int ms_rms_norm(ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w, double eps,
@@ -1061,26 +1074,7 @@ int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, con
     const char *op = "rms_norm_backward";
     int64_t N, C;
     if (norm_backward_checks(op, g, x, NULL, rstd, w, &N, &C)) return -1;
-    int cdt = compute_dtype_of(x->dtype_id), pdt = w ? w->dtype_id : cdt, ax = 0;
-    ms_tensor *gc = NULL, *xc = NULL, *rc_ = NULL, *wc = NULL, *dwt = NULL;
-    int rc = 0;
-    if (dx) {
-        rc = prepare_contig(dx, op, "dx", x->ndim, x->sizes, x->dtype_id, x->device_id, &ax);
-        if (!rc) rc = check_given_out(op, ax, *dx, g, x, w, 0);
-    }
-    if (!rc) rc = ms_tensor_contiguous(&gc, g);
-    if (!rc) rc = ms_tensor_contiguous(&xc, x);
-    if (!rc) rc = contiguous_as(&rc_, rstd, cdt);
-    if (!rc) rc = contiguous_as(&wc, w, cdt);
-    if (!rc && dw) rc = ms_tensor_empty(&dwt, 1, &C, cdt, x->device_id);
-    if (!rc) rc = dev_rms_norm_backward(dx ? *dx : NULL, dwt, gc, xc, rc_, wc);
-    if (!rc && dw) rc = deliver_column(dw, op, "dw", &dwt, pdt);
-    ms_tensor_free(gc);
-    ms_tensor_free(xc);
-    ms_tensor_free(rc_);
-    ms_tensor_free(wc);
-    ms_tensor_free(dwt);
-    return finish(dx, ax, rc);
+    return norm_backward(op, dx, dw, NULL, g, x, NULL, rstd, w, C);
 }
 
 /* a and b share bytes of one storage */

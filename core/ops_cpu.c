@@ -1319,6 +1319,13 @@ static int64_t index_at(const char *p, int dtype) {
     return dtype == MS_I64 ? *(const int64_t *)p : (int64_t)*(const int32_t *)p;
 }
 
+/* the i-th id of a 1-D (or 0-dim) index tensor of i64/i32 ids */
+static int64_t id_of(const ms_tensor *idx, int64_t i) {
+    int64_t st = idx->ndim ? idx->strides[0] : 0;
+    const char *p = ms_tensor_data(idx);
+    return index_at(p + i * st * ms_dtype_size(idx->dtype_id), idx->dtype_id);
+}
+
 /* copy one element of es bytes */
 static void copy_elem(char *dst, const char *src, int es) {
     switch (es) {
@@ -1393,15 +1400,13 @@ int ms_cpu_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_te
     iter_t it;
     slice_iter(&it, out, a, dim);
     index_ctx c = {.dtype = a->dtype_id, .es = ms_dtype_size(a->dtype_id)};
-    int64_t n = ms_tensor_numel(idx), ist = idx->ndim ? idx->strides[0] : 0;
-    int ies = ms_dtype_size(idx->dtype_id);
-    const char *pi = ms_tensor_data(idx);
+    int64_t n = ms_tensor_numel(idx);
     int64_t ost = out->strides[dim] * c.es, ast = a->strides[dim] * c.es;
 #pragma omp parallel for schedule(static) if (n * it.numel > GRAIN)
     for (int64_t i = 0; i < n; i++) {
         iter_t local = it;
         local.data[0] += i * ost;
-        local.data[1] += index_at(pi + i * ist * ies, idx->dtype_id) * ast;
+        local.data[1] += id_of(idx, i) * ast;
         iter_chunk(&local, 0, local.numel, copy_run, &c);
     }
     return 0;
@@ -1415,9 +1420,7 @@ int ms_cpu_index_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_te
     iter_t it;
     slice_iter(&it, dst, src, dim);
     index_ctx c = {.dtype = dst->dtype_id, .es = ms_dtype_size(dst->dtype_id)};
-    int64_t n = ms_tensor_numel(idx), ist = idx->ndim ? idx->strides[0] : 0;
-    int ies = ms_dtype_size(idx->dtype_id);
-    const char *pi = ms_tensor_data(idx);
+    int64_t n = ms_tensor_numel(idx);
     int64_t dst_st = dst->strides[dim] * c.es, src_st = src->strides[dim] * c.es;
     int64_t m = it.numel, grain = GRAIN / (n > 0 ? n : 1);
     if (grain < 256) grain = 256;
@@ -1427,7 +1430,7 @@ int ms_cpu_index_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_te
         int64_t begin = ch * grain, end = begin + grain < m ? begin + grain : m;
         for (int64_t i = 0; i < n; i++) {
             iter_t local = it;
-            local.data[0] += index_at(pi + i * ist * ies, idx->dtype_id) * dst_st;
+            local.data[0] += id_of(idx, i) * dst_st;
             local.data[1] += i * src_st;
             iter_chunk(&local, begin, end, add_run, &c);
         }
