@@ -1032,11 +1032,15 @@ function W.where(cond, a, b)
 end
 
 -- -- reductions (1-based dim, nil = all)
+-- t expanded back over the input of a reduction node
+local function expand_input(node, t)
+  return expand_back(t, node.ishape[1], node.saved.dim, node.saved.keepdim)
+end
 local function bwd_sum(node, g)
-  return expand_back(g, node.ishape[1], node.saved.dim, node.saved.keepdim)
+  return expand_input(node, g)
 end
 local function bwd_mean(node, g)
-  local e = expand_back(g, node.ishape[1], node.saved.dim, node.saved.keepdim)
+  local e = expand_input(node, g)
   F.div_(e, node.saved.n)
   return e
 end
@@ -1044,11 +1048,11 @@ local function bwd_maxred(node, g)
   -- ties share the gradient evenly
   local x, y = node.saved[1], node.saved[2]
   local s = node.saved
-  local ye = expand_back(y, node.ishape[1], s.dim, s.keepdim)
+  local ye = expand_input(node, y)
   local m = maskf(F.eq(x, ye), g.dtype_id)
   free(ye)
   local cnt = F.sum(m, s.dim, true)
-  local ge = expand_back(g, node.ishape[1], s.dim, s.keepdim)
+  local ge = expand_input(node, g)
   local t = F.mul(ge, m)
   free(ge); free(m)
   local r = F.div(t, cnt)
@@ -1057,22 +1061,20 @@ local function bwd_maxred(node, g)
 end
 local function bwd_lse(node, g)
   local x, y = node.saved[1], node.saved[2]
-  local s = node.saved
-  local ye = expand_back(y, node.ishape[1], s.dim, s.keepdim)
+  local ye = expand_input(node, y)
   local d = F.sub(x, ye)
   free(ye)
   local p = F.exp(d)
   free(d)
-  local ge = expand_back(g, node.ishape[1], s.dim, s.keepdim)
+  local ge = expand_input(node, g)
   local r = F.mul(ge, p)
   free(ge); free(p)
   return r
 end
 local function bwd_prod(node, g)
   local x, y = node.saved[1], node.saved[2]
-  local s = node.saved
   local t = F.mul(g, y)
-  local te = expand_back(t, node.ishape[1], s.dim, s.keepdim)
+  local te = expand_input(node, t)
   free(t)
   local r = F.div(te, x)
   free(te)
@@ -1108,19 +1110,15 @@ reduction('prod', bwd_prod, true, true)
 local function bwd_softmax(node, g)
   return F.softmax_backward(node.saved[1], g, node.saved.dim, node.saved.log)
 end
-function W.softmax(a, dim)
-  local out = F.softmax(a, dim)
-  if enabled and needs(a) then
-    record1('softmax', out, bwd_softmax, { out, dim = dim, log = false }, nil, a)
+for name, log in pairs({ softmax = false, log_softmax = true }) do
+  local raw = F[name]
+  W[name] = function(a, dim)
+    local out = raw(a, dim)
+    if enabled and needs(a) then
+      record1(name, out, bwd_softmax, { out, dim = dim, log = log }, nil, a)
+    end
+    return out
   end
-  return out
-end
-function W.log_softmax(a, dim)
-  local out = F.log_softmax(a, dim)
-  if enabled and needs(a) then
-    record1('log_softmax', out, bwd_softmax, { out, dim = dim, log = true }, nil, a)
-  end
-  return out
 end
 
 -- -- matmul: out = op(a) @ op(b), batched and broadcast

@@ -272,40 +272,36 @@ end
 
 -- ---------------------------------------------------------------- indexing
 
--- out = cfn(a, dim, idx) (index_select, gather)
-local function index_op(name, cfn, a, dim, idx)
-  need_tensor(name, a)
-  idx = index_arg(name, idx)
-  local cd = dim_of(name, a, dim)
-  return run_dim(cd, dim, cfn, a, cd, idx)
+-- the op function(a, dim, idx) -> out = cfn(a, dim, idx)
+local function index_op(name, cfn)
+  return function(a, dim, idx)
+    need_tensor(name, a)
+    idx = index_arg(name, idx)
+    local cd = dim_of(name, a, dim)
+    return run_dim(cd, dim, cfn, a, cd, idx)
+  end
 end
 
--- cfn(dst, dim, idx, src) in place (index_add_, scatter_add_); returns dst
-local function index_op_(name, cfn, dst, dim, idx, src)
-  need_tensor(name, dst, 'the destination')
-  need_tensor(name, src, 'the source')
-  idx = index_arg(name, idx)
-  local cd = dim_of(name, dst, dim)
-  check_dim(cd, dim, cfn(dst, cd, idx, src))
-  return dst
+-- the in-place op function(dst, dim, idx, src) -> dst, by cfn(dst, dim, idx, src)
+local function index_op_(name, cfn)
+  return function(dst, dim, idx, src)
+    need_tensor(name, dst, 'the destination')
+    need_tensor(name, src, 'the source')
+    idx = index_arg(name, idx)
+    local cd = dim_of(name, dst, dim)
+    check_dim(cd, dim, cfn(dst, cd, idx, src))
+    return dst
+  end
 end
 
-function F.index_select(a, dim, idx)
-  return index_op('index_select', C.ms_index_select, a, dim, idx)
-end
-
+-- index_select(a, dim, idx): the slices idx[i] of a along dim
+F.index_select = index_op('index_select', C.ms_index_select)
+-- gather(a, dim, idx): out[...i...] = a[...idx[...i...]...] along dim
+F.gather = index_op('gather', C.ms_gather)
 -- dst:index_add_(dim, idx, src): dst.narrow(dim, idx[i]) += src.narrow(dim, i)
-function F.index_add_(dst, dim, idx, src)
-  return index_op_('index_add_', C.ms_index_add_, dst, dim, idx, src)
-end
-
-function F.gather(a, dim, idx)
-  return index_op('gather', C.ms_gather, a, dim, idx)
-end
-
-function F.scatter_add_(dst, dim, idx, src)
-  return index_op_('scatter_add_', C.ms_scatter_add_, dst, dim, idx, src)
-end
+F.index_add_ = index_op_('index_add_', C.ms_index_add_)
+-- dst:scatter_add_(dim, idx, src): dst[...idx[...i...]...] += src[...i...] along dim
+F.scatter_add_ = index_op_('scatter_add_', C.ms_scatter_add_)
 
 -- ------------------------------------------------------ joining, splitting
 

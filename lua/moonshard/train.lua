@@ -682,34 +682,39 @@ end
 -- numbers it prints are reduced over the ranks.
 local dist = require 'moonshard.dist'
 
+-- collective(t) run on the numbers of list as one f64 tensor on the
+-- backend's device; returns the numbers it leaves there
+local function numbers_through(list, collective)
+  local host = T.tensor(list, { dtype = 'f64' })
+  local dev = dist.device()
+  local t = dev ~= 'cpu' and host:to(dev) or host
+  collective(t)
+  local back = t ~= host and t:to('cpu') or t
+  local r = back:totable()
+  if back ~= t then back:free() end
+  if t ~= host then t:free() end
+  host:free()
+  return r
+end
 -- every rank's numbers reduced ('sum', 'avg', 'max'): one collective of
 -- f64 on the backend's device
 local function reduce_numbers(list, op)
-  local host = T.tensor(list, { dtype = 'f64' })
-  local dev = dist.device()
-  local t = dev ~= 'cpu' and host:to(dev) or host
-  dist.all_reduce(t, op)
-  local back = t ~= host and t:to('cpu') or t
-  local r = back:totable()
-  if back ~= t then back:free() end
-  if t ~= host then t:free() end
-  host:free()
-  return r
+  return numbers_through(list, function(t) dist.all_reduce(t, op) end)
 end
 -- rank 0's numbers on every rank
 local function broadcast_numbers(list)
-  local host = T.tensor(list, { dtype = 'f64' })
-  local dev = dist.device()
-  local t = dev ~= 'cpu' and host:to(dev) or host
-  dist.broadcast(t, 0)
-  local back = t ~= host and t:to('cpu') or t
-  local r = back:totable()
-  if back ~= t then back:free() end
-  if t ~= host then t:free() end
-  host:free()
-  return r
+  return numbers_through(list, function(t) dist.broadcast(t, 0) end)
 end
 train.reduce_numbers, train.broadcast_numbers = reduce_numbers, broadcast_numbers
+
+-- after a step only rank 0 runs (ok: whether it succeeded on this rank), the
+-- other ranks raise msg when it failed on rank 0 (collective with several ranks)
+local function raise_if_rank0_failed(ok, msg)
+  if dist.is_initialized() and dist.world_size() > 1 then
+    local flag = reduce_numbers({ ok and 0 or 1 }, 'max')[1]
+    if flag > 0 and ok then error(msg, 0) end
+  end
+end
 
 -- ------------------------------------------------ sharded checkpoints
 -- A run whose model is sharded (--fsdp, or several ranks) checkpoints
@@ -770,10 +775,7 @@ function train.save_sharded_checkpoint(root, step, parts, opts)
       ckpt.finish(root, tmp, final, man, opts.keep)
     end)
   end
-  if dist.is_initialized() and dist.world_size() > 1 then
-    local flag = reduce_numbers({ ok and 0 or 1 }, 'max')[1]
-    if flag > 0 and ok then error(('checkpoint: rank 0 could not write %s (see its error)'):format(final), 0) end
-  end
+  raise_if_rank0_failed(ok, ('checkpoint: rank 0 could not write %s (see its error)'):format(final))
   if not ok then error(err, 0) end
   return final
 end
@@ -794,10 +796,7 @@ local function plain_to_sharded(path, model, plain_optimizer)
       fck().save_sharded(model, tmp, { optimizer = opt })
     end)
   end
-  if dist.is_initialized() and dist.world_size() > 1 then
-    local flag = reduce_numbers({ ok and 0 or 1 }, 'max')[1]
-    if flag > 0 and ok then error(('resume from %s: rank 0 could not convert it (see its error)'):format(path), 0) end
-  end
+  raise_if_rank0_failed(ok, ('resume from %s: rank 0 could not convert it (see its error)'):format(path))
   if not ok then error(('resume from %s: %s'):format(path, tostring(err)), 0) end
   return function(m, opt)
     local info = fck().load_sharded(m, tmp, { optimizer = opt })

@@ -207,18 +207,22 @@ local function bwd_layer_norm(node, g)
     { dx = node.need[1] == true, dw = node.need[2] == true, db = node.need[3] == true })
 end
 
+-- a norm's weight or bias p: nil or (C), C = x's last dim; the error is
+-- raised at the caller of the norm (level 3)
+local function norm_param(fname, what, p, x, C)
+  if p ~= nil and (p.ndim ~= 1 or tonumber(p.sizes[0]) ~= C) then
+    error(('%s: %s %s for an input %s (normalized dim %d)'):format(fname, what, dims(p), dims(x), C), 3)
+  end
+end
+
 -- y = (x - mean) / sqrt(var + eps) * w + b over the last dim (biased var);
 -- y in x's dtype (the region's inside autocast)
 function nnf.layer_norm(x, w, b, eps)
   need_tensor('layer_norm', x, 'the input')
   eps = eps or 1e-5
   local C = tonumber(x.sizes[x.ndim - 1])
-  if w ~= nil and (w.ndim ~= 1 or tonumber(w.sizes[0]) ~= C) then
-    error(('layer_norm: weight %s for an input %s (normalized dim %d)'):format(dims(w), dims(x), C), 2)
-  end
-  if b ~= nil and (b.ndim ~= 1 or tonumber(b.sizes[0]) ~= C) then
-    error(('layer_norm: bias %s for an input %s (normalized dim %d)'):format(dims(b), dims(x), C), 2)
-  end
+  norm_param('layer_norm', 'weight', w, x, C)
+  norm_param('layer_norm', 'bias', b, x, C)
   local y, mean, rstd = F.native_layer_norm(x, w, b, eps, amp.norm_out_dtype(x))
   if want(x, w, b) then
     record1('layer_norm', y, bwd_layer_norm, { x, mean, rstd, w }, { mean, rstd }, x, w, b)
@@ -248,9 +252,7 @@ function nnf.rms_norm(x, w, eps)
   need_tensor('rms_norm', x, 'the input')
   eps = eps or 1e-6
   local C = tonumber(x.sizes[x.ndim - 1])
-  if w ~= nil and (w.ndim ~= 1 or tonumber(w.sizes[0]) ~= C) then
-    error(('rms_norm: weight %s for an input %s (normalized dim %d)'):format(dims(w), dims(x), C), 2)
-  end
+  norm_param('rms_norm', 'weight', w, x, C)
   local odt = amp.norm_out_dtype(x, w ~= nil and promote_float(x.dtype_id, w.dtype_id) or nil)
   local y, rstd = F.native_rms_norm(x, w, eps, odt)
   if want(x, w) then
