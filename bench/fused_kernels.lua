@@ -19,44 +19,14 @@ local ms = require 'moonshard'
 local F = ms.raw
 local nnf = ms.nn.functional
 
-local opts = { iters = 20, warmup = 3 }
-local i = 1
-while i <= #arg do
-  local k = arg[i]:match('^%-%-(.+)$')
-  if not k or opts[k] == nil then error('usage: luajit bench/fused_kernels.lua [--iters N] [--warmup N]') end
-  opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
-  i = i + 2
-end
+local B = require 'bench.common'
+
+local opts = B.parse_args({ iters = 20, warmup = 3 },
+  'usage: luajit bench/fused_kernels.lua [--iters N] [--warmup N]')
 assert(ms.cuda.is_available(), 'bench/fused_kernels.lua needs a CUDA device')
 
-local flush_buf = ms.empty({ 64 * 2 ^ 20 }, { device = 'cuda' })
-local function flush_l2() F.fill_(flush_buf, 0) end
-local function median(t)
-  table.sort(t)
-  return t[math.floor((#t + 1) / 2)]
-end
--- median ms of fn() (its results freed after each run)
-local function timed(fn)
-  for _ = 1, opts.warmup do fn() end
-  ms.cuda.synchronize()
-  local e0, e1 = ms.cuda.event({ timing = true }), ms.cuda.event({ timing = true })
-  local ts = {}
-  for k = 1, opts.iters do
-    flush_l2()
-    e0:record()
-    fn()
-    e1:record()
-    e1:synchronize()
-    ts[k] = e0:elapsed_ms(e1)
-    collectgarbage('step')
-  end
-  return median(ts)
-end
-local function relerr(got, want)
-  local g, w = got:to('cpu'):to('f64'), want:to('cpu'):to('f64')
-  local d = F.sub(g, w)
-  return math.sqrt(F.sum(F.mul(d, d)):item() / F.sum(F.mul(w, w)):item())
-end
+local timed = B.timer(opts)   -- median ms of fn() (its results freed after each run)
+local relerr = B.relerr
 local function check(name, got, want, bound)
   local e = relerr(got, want)
   if e > bound then error(('%s: %.3e from the CPU reference (bound %.0e)'):format(name, e, bound)) end
