@@ -501,18 +501,16 @@ end
 
 -- rope(x (..., T, D), cos (T, D), sin (T, D)): x·cos + rotate_half(x)·sin
 -- (Hugging Face's convention); rope_backward(g, cos, sin): its transpose
-function F.rope(x, cos, sin)
-  need_tensor('rope', x, 'x')
-  need_tensor('rope', cos, 'cos')
-  need_tensor('rope', sin, 'sin')
-  return run(C.ms_rope, x, cos, sin, 0)
+local function rope_op(name, what, backward)
+  return function(x, cos, sin)
+    need_tensor(name, x, what)
+    need_tensor(name, cos, 'cos')
+    need_tensor(name, sin, 'sin')
+    return run(C.ms_rope, x, cos, sin, backward)
+  end
 end
-function F.rope_backward(g, cos, sin)
-  need_tensor('rope_backward', g, 'the gradient')
-  need_tensor('rope_backward', cos, 'cos')
-  need_tensor('rope_backward', sin, 'sin')
-  return run(C.ms_rope, g, cos, sin, 1)
-end
+F.rope = rope_op('rope', 'x', 0)
+F.rope_backward = rope_op('rope_backward', 'the gradient', 1)
 
 -- --------------------------------------------------------------- as methods
 

@@ -527,10 +527,19 @@ end
 local function register_bias(self, opts, make)
   self:register_parameter('bias', opt(opts, 'bias', true) and make() or nil)
 end
-local function check_int(cls, what, v)
+-- errors at the caller of the constructor: level 3 from an init, 4 from a
+-- helper an init calls
+local function check_int(cls, what, v, level)
   if type(v) ~= 'number' or v ~= math.floor(v) or v <= 0 then
-    error(('%s: %s must be a positive integer, got %s'):format(cls, what, tostring(v)), 3)
+    error(('%s: %s must be a positive integer, got %s'):format(cls, what, tostring(v)), level or 3)
   end
+end
+
+-- the two sizes of a Linear-like module, checked and kept
+local function init_features(self, cls, in_features, out_features)
+  check_int(cls, 'in_features', in_features, 4)
+  check_int(cls, 'out_features', out_features, 4)
+  self.in_features, self.out_features = in_features, out_features
 end
 
 -- ---------------------------------------------------------------- Linear
@@ -539,9 +548,7 @@ end
 local Linear = Module:extend('Linear')
 nn.Linear = Linear
 function Linear:init(in_features, out_features, opts)
-  check_int('Linear', 'in_features', in_features)
-  check_int('Linear', 'out_features', out_features)
-  self.in_features, self.out_features = in_features, out_features
+  init_features(self, 'Linear', in_features, out_features)
   local k = 1 / math.sqrt(in_features)
   local w = T.empty({ out_features, in_features }, topts(opts))
   T.uniform_(w, -k, k)
@@ -562,9 +569,7 @@ end
 local Conv1D = Module:extend('Conv1D')
 nn.Conv1D = Conv1D
 function Conv1D:init(in_features, out_features, opts)
-  check_int('Conv1D', 'in_features', in_features)
-  check_int('Conv1D', 'out_features', out_features)
-  self.in_features, self.out_features = in_features, out_features
+  init_features(self, 'Conv1D', in_features, out_features)
   local w = T.empty({ in_features, out_features }, topts(opts))
   T.normal_(w, 0, opt(opts, 'std', 0.02))
   self:register_parameter('weight', w)
