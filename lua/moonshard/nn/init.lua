@@ -169,13 +169,14 @@ function Module:named_modules(prefix)
     if e then return e[1], e[2] end
   end
 end
-function Module:modules()
-  local it = self:named_modules()
+-- the values of a (name, value) iterator
+local function values_of(it)
   return function()
-    local _, m = it()
-    return m
+    local _, v = it()
+    return v
   end
 end
+function Module:modules() return values_of(self:named_modules()) end
 function Module:named_children()
   local names, i = self._module_names, 0
   return function()
@@ -188,13 +189,7 @@ function Module:named_children()
     end
   end
 end
-function Module:children()
-  local it = self:named_children()
-  return function()
-    local _, c = it()
-    return c
-  end
-end
+function Module:children() return values_of(self:named_children()) end
 
 local function collect(self, kind, prefix, recurse)
   local list, seen = {}, {}
