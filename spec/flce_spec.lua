@@ -28,11 +28,7 @@ local function bitwise_equal(a, b)
   return true
 end
 
-local function errmsg(fn)
-  local ok, e = pcall(fn)
-  assert.is_false(ok, 'expected an error')
-  return tostring(e)
-end
+local errmsg = S.errmsg   -- the message of the error fn() raises
 
 local seed = 500
 local function randn(shape, dtype, scale)

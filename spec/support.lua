@@ -6,8 +6,8 @@
 --   assert.are.same({ 1, 2, 3, 4, 5, 6 }, S.vals(t))
 --
 -- Tensors in and out of plain Lua lists (make, vals, values), comparisons
--- (relerr, finite), the expected results of a collective (collective_val,
--- reduce_expect) and JSON fixture files (json_cases).
+-- (relerr, finite), errors (errmsg), the expected results of a collective
+-- (collective_val, reduce_expect) and JSON fixture files (json_cases).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local luassert = require 'luassert'   -- busted's assert (a spec's global)
@@ -97,6 +97,13 @@ function S.reduce_expect(op, vals, dtype)
     end
   end
   return acc
+end
+
+-- the message of the error fn() raises (an assertion fails when it raises none)
+function S.errmsg(fn)
+  local ok, e = pcall(fn)
+  luassert.is_false(ok, 'expected an error')
+  return tostring(e)
 end
 
 -- the JSON object of fixture cases in `path` ({} when the file is missing)

@@ -148,6 +148,17 @@ function nn.is_module(x)
 end
 
 -- ------------------------------------------------------------- traversal
+-- a list of {name, value} pairs as a (name, value) iterator: named_modules,
+-- and the collect() lists of named_parameters and named_buffers
+local function pairs_of(list)
+  local i = 0
+  return function()
+    i = i + 1
+    local e = list[i]
+    if e then return e[1], e[2] end
+  end
+end
+
 -- named_modules: (dotted name, module) depth first, self first as '', each
 -- module object once
 function Module:named_modules(prefix)
@@ -162,12 +173,7 @@ function Module:named_modules(prefix)
     end
   end
   walk(self, prefix or '')
-  local i = 0
-  return function()
-    i = i + 1
-    local e = list[i]
-    if e then return e[1], e[2] end
-  end
+  return pairs_of(list)
 end
 -- the values of a (name, value) iterator
 local function values_of(it)
@@ -218,22 +224,14 @@ local function collect(self, kind, prefix, recurse)
   return list
 end
 
--- for name, p in m:named_parameters() do ... end: dotted names in
--- registration order (own parameters first, then children), each tensor once
--- (name, tensor) pairs of a collect() list as an iterator, or the tensors as a list
-local function pairs_of(list)
-  local i = 0
-  return function()
-    i = i + 1
-    local e = list[i]
-    if e then return e[1], e[2] end
-  end
-end
+-- the tensors of a collect() list as a list
 local function tensors_of(list)
   local r = {}
   for i = 1, #list do r[i] = list[i][2] end
   return r
 end
+-- for name, p in m:named_parameters() do ... end: dotted names in
+-- registration order (own parameters first, then children), each tensor once
 function Module:named_parameters(prefix, recurse) return pairs_of(collect(self, 'param', prefix, recurse)) end
 function Module:parameters(recurse) return tensors_of(collect(self, 'param', nil, recurse)) end
 function Module:named_buffers(prefix, recurse) return pairs_of(collect(self, 'buffer', prefix, recurse)) end
