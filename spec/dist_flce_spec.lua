@@ -9,7 +9,6 @@
 -- The #multi part does the same over NCCL with one GPU per rank (f32 and
 -- bf16), under the launcher as tools/run_multi_specs.sh starts
 -- spec/dist_nccl_spec.lua.
-local ffi = require 'ffi'
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
 local flce = require 'moonshard.flce'
@@ -18,29 +17,8 @@ local F = ms.raw
 local FLCE = ms.nn.functional.fused_linear_cross_entropy
 local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
 
-local function values(t)
-  local h = t:to({ device = 'cpu', dtype = 'f64', copy = true }):contiguous()  -- a host pointer below
-  local p = ffi.cast('double*', h:data_ptr())
-  local out = {}
-  for i = 0, h:numel() - 1 do out[i + 1] = p[i] end
-  return out
-end
-
-local function relerr(got, want)
-  assert(got ~= nil and want ~= nil, 'no tensor to compare')
-  local g, w = values(got), values(want)
-  assert.are.equal(#w, #g)
-  local num, den = 0, 0
-  for i = 1, #w do num, den = num + (g[i] - w[i]) ^ 2, den + w[i] ^ 2 end
-  if den == 0 then return math.sqrt(num) end
-  return math.sqrt(num / den)
-end
-
-local function errmsg(fn)
-  local ok, e = pcall(fn)
-  assert.is_false(ok, 'expected an error')
-  return tostring(e)
-end
+local S = require 'spec.support'
+local relerr, errmsg = S.relerr, S.errmsg
 
 -- the same problem on every rank
 local function problem(BT, H, V, seed, ignored)
