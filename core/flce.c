@@ -58,6 +58,7 @@ void ms_flce_opts_init(ms_flce_opts *o) {
     o->ignore_index = -100;
     o->reduction = MS_FLCE_MEAN;
     o->accum_dtype = -1;
+    o->grad_dtype = -1;
 }
 
 /* dtype the logits are stored and multiplied in: CUDA keeps the input dtype
@@ -636,6 +637,10 @@ static int check_args(const ms_flce_opts *o, const ms_tensor *x, const ms_tensor
         !(o->accum_dtype == MS_F64 && w->dtype_id == MS_F64))
         return ms_errorf("%s: accum_dtype must be f32 or W's dtype %s, got %s", OP, ms_dtype_name(w->dtype_id),
                          o->accum_dtype >= 0 && o->accum_dtype < MS_NUM_DTYPES ? ms_dtype_name(o->accum_dtype) : "?");
+    if (o->grad_dtype != -1 && o->grad_dtype != w->dtype_id && o->grad_dtype != MS_F32 &&
+        !(o->grad_dtype == MS_F64 && w->dtype_id == MS_F64))
+        return ms_errorf("%s: grad_dtype must be f32 or W's dtype %s, got %s", OP, ms_dtype_name(w->dtype_id),
+                         o->grad_dtype >= 0 && o->grad_dtype < MS_NUM_DTYPES ? ms_dtype_name(o->grad_dtype) : "?");
     return 0;
 }
 
@@ -707,12 +712,15 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
     }
     /* grad_W / grad_bias accumulated apart from the output: a new output is
      * allocated only after the chunk buffer is given back (a lower peak) */
-    const int late_w = grad_w && !*grad_w && acc_dt != w->dtype_id;
-    const int late_b = grad_bias && !*grad_bias && (device < 0 || acc_dt != bias->dtype_id);
+    /* the gradients' dtypes: W's and bias's, or opts->grad_dtype */
+    const int gdt = opts->grad_dtype < 0 ? w->dtype_id : opts->grad_dtype;
+    const int gbdt = !bias ? gdt : (opts->grad_dtype < 0 ? bias->dtype_id : opts->grad_dtype);
+    const int late_w = grad_w && !*grad_w && acc_dt != gdt;
+    const int late_b = grad_bias && !*grad_bias && (device < 0 || acc_dt != gbdt);
     if (prepare(loss, lnd, bt_shape, odt, device, &al[0]) || prepare(z_loss, lnd, bt_shape, odt, device, &al[1]) ||
         prepare(accuracy, 0, bt_shape, odt, device, &al[2]) || prepare(grad_x, 2, x->sizes, xdt, device, &al[3]) ||
-        prepare(late_w ? NULL : grad_w, 2, w->sizes, w->dtype_id, device, &al[4]) ||
-        (bias && prepare(late_b ? NULL : grad_bias, 1, w->sizes, bias->dtype_id, device, &al[5])))
+        prepare(late_w ? NULL : grad_w, 2, w->sizes, gdt, device, &al[4]) ||
+        (bias && prepare(late_b ? NULL : grad_bias, 1, w->sizes, gbdt, device, &al[5])))
         goto done;
 
     /* inputs in the form the steps read */
@@ -777,7 +785,7 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
         }
     }
     if (grad_w) {
-        if (acc_dt == w->dtype_id) {
+        if (acc_dt == gdt) {
             gw_acc = *grad_w;
         } else {
             if (ms_tensor_empty(&gw_acc, 2, w->sizes, acc_dt, device)) goto done;
@@ -791,7 +799,7 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
             OWN(gb_acc);
             gb_host = ms_tensor_data(gb_acc);
             memset(gb_host, 0, (size_t)V * sizeof(double));
-        } else if (acc_dt == bias->dtype_id) {
+        } else if (acc_dt == gbdt) {
             gb_acc = *grad_bias;
         } else {
             if (ms_tensor_empty(&gb_acc, 1, w->sizes, acc_dt, device)) goto done;
@@ -888,10 +896,10 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
         if (ms_comm_all_reduce(NULL, j.comm, gx, MS_REDUCE_SUM)) goto done;
     }
     if (grad_x && gx != *grad_x && ms_tensor_copy_(*grad_x, gx)) goto done;
-    if (late_w && prepare(grad_w, 2, w->sizes, w->dtype_id, device, &al[4])) goto done;
+    if (late_w && prepare(grad_w, 2, w->sizes, gdt, device, &al[4])) goto done;
     if (grad_w && gw_acc != *grad_w && ms_tensor_copy_(*grad_w, gw_acc)) goto done;
     if (gw_acc && gw_acc != *grad_w) ms_tensor_release(gw_acc); /* before grad_bias: a lower peak */
-    if (late_b && prepare(grad_bias, 1, w->sizes, bias->dtype_id, device, &al[5])) goto done;
+    if (late_b && prepare(grad_bias, 1, w->sizes, gbdt, device, &al[5])) goto done;
     if (grad_bias && gb_acc != *grad_bias && ms_tensor_copy_(*grad_bias, gb_acc)) goto done;
     rc = 0;
 done:

@@ -73,6 +73,11 @@ typedef struct ms_flce_opts {
     int32_t accum_dtype;      /* dtype of grad_W/grad_bias accumulation across
                                  chunks: -1 (default) f32 (f64 for f64); or the
                                  dtype of W (accumulate in the output, no copy) */
+    int32_t grad_dtype;       /* dtype of grad_W and grad_bias: -1 (default) W's
+                                 and bias's; f32 (f64 for f64) for a low-precision
+                                 W standing for an f32 master weight (autocast):
+                                 with f32 accumulation the output is the
+                                 accumulator, no cast and no second copy */
     int64_t chunk_size;       /* rows per chunk; 0: from memory_budget */
     int64_t memory_budget;    /* bytes of the chunk's logits; 0: the default
                                  (ms_flce_chunk_rows) */

@@ -111,6 +111,40 @@ describe('autocast region', function()
     assert.are.equal('f32', h.grad.dtype)
   end)
 
+  it('the fused LM loss gives an f32 head weight its gradient in f32, not through a bf16 round trip', function()
+    local h0, W0 = randn({ 2, 5, 16 }), randn({ 37, 16 })
+    local tg = (ms.rand({ 2, 5 }, { seed = 77 }) * 36):long()
+    -- the master-weight path (what autocast does now)
+    local h1, W1 = h0:clone():requires_grad_(), W0:clone():requires_grad_()
+    local l1 = nnf.autocast('bf16', nnf.lm_loss, h1, W1, tg)
+    l1:backward()
+    -- the recorded-cast path: grad_W made in bf16, cast back to f32
+    local h2, W2 = h0:clone():requires_grad_(), W0:clone():requires_grad_()
+    local l2 = nnf.lm_loss(h2:to('bf16'), W2:to('bf16'), tg)
+    l2:backward()
+    -- the exact gradient, f64 throughout, of the same bf16-rounded inputs
+    local h3 = h0:to('bf16'):to('f64'):requires_grad_()
+    local W3 = W0:to('bf16'):to('f64'):requires_grad_()
+    local l3 = nnf.lm_loss(h3, W3, tg)
+    l3:backward()
+    assert.are.equal('f32', W1.grad.dtype)
+    assert.are.equal(l2:item(), l1:item())
+    assert.is_true(relerr(h1.grad, h2.grad) <= 1e-6)
+    local e1, e2 = relerr(W1.grad, W3.grad), relerr(W2.grad, W3.grad)
+    assert.is_true(e1 <= 1e-5, 'f32 gradient error ' .. e1)
+    assert.is_true(e2 > 1e-4, 'the bf16 round trip should show: ' .. e2)
+    -- the plain path, a bias, reduction 'none' and a given master keep the recorded cast
+    local W4 = W0:clone():requires_grad_()
+    local l4 = nnf.autocast('bf16', nnf.lm_loss, h0, W4, tg, { fused = false })
+    l4:backward()
+    assert.are.equal('f32', W4.grad.dtype)
+    assert.is_true(relerr(W4.grad, W3.grad) <= 1e-2)
+    -- a master weight of another shape is an error naming both
+    local e = select(2, pcall(ms.nn.functional.fused_linear_cross_entropy, h0:view(10, 16), W0,
+      tg:view(10), { master_weight = randn({ 36, 16 }) }))
+    assert.matches('master_weight has shape (36, 16), W (37, 16)', tostring(e), 1, true)
+  end)
+
   for _, name in ipairs({ 'gpt2-tiny', 'llama-tiny' }) do
     it(name .. ': loss, logits and every gradient within bf16 bounds of f32; grads f32', function()
       local M = require(name:match('^gpt2') and 'models.gpt2' or 'models.llama')

@@ -114,6 +114,7 @@ function M.options(opts)
   o.chunk_size = int_opt(opts, 'chunk_size', 0)
   o.memory_budget = int_opt(opts, 'memory_budget', 0)
   if opts.accum_dtype ~= nil then o.accum_dtype = T.dtype_id(opts.accum_dtype, 3) end
+  if opts.grad_dtype ~= nil then o.grad_dtype = T.dtype_id(opts.grad_dtype, 3) end
   return o, red
 end
 
@@ -244,11 +245,27 @@ function M.fused_linear_cross_entropy(x, W, targets, opts)
     local v0, vt = vocab_layout(opts.group, W.shape[1], opts)
     o.group, o.vocab_start, o.vocab_size = opts.group.p, v0, vt
   end
-  local record = A.want(x, W, bias)
+  -- opts.master_weight: W is a low-precision copy of this tensor (autocast's
+  -- cast of an f32 weight); the W gradient is computed in its dtype and
+  -- belongs to it (no bf16 gradient, no cast back)
+  local wt = W
+  if opts.master_weight ~= nil then
+    wt = opts.master_weight
+    need_tensor(wt, 'opts.master_weight')
+    if wt.ndim ~= 2 or wt.shape[1] ~= W.shape[1] or wt.shape[2] ~= W.shape[2] then
+      raise(('%s: opts.master_weight has shape (%s), W (%s)'):format(NAME, table.concat(wt.shape, ', '),
+        table.concat(W.shape, ', ')))
+    end
+    if bias ~= nil and bias.dtype ~= wt.dtype then
+      raise(('%s: with opts.master_weight (%s) the bias must have its dtype, got %s'):format(NAME, wt.dtype, bias.dtype))
+    end
+    o.grad_dtype = wt.dtype_id
+  end
+  local record = A.want(x, wt, bias)
   local grads = record and red ~= 'none'
   local r = run(o, x2, W, t1, bias, cew, nil, {
     true, opts.return_z_loss and true or false, opts.return_accuracy and true or false,
-    grads and needs(x), grads and needs(W), grads and bias ~= nil and needs(bias) })
+    grads and needs(x), grads and needs(wt), grads and bias ~= nil and needs(bias) })
   local loss, z, acc = r[1], r[2], r[3]
   if red == 'none' and targets.ndim ~= 1 then
     local l = R.view(loss, targets.shape)
@@ -262,7 +279,7 @@ function M.fused_linear_cross_entropy(x, W, targets, opts)
   end
   local xshape = x.ndim ~= 2 and x.shape or nil
   if record then
-    local list = bias ~= nil and { x, W, bias } or { x, W }
+    local list = bias ~= nil and { x, wt, bias } or { x, wt }
     if red == 'none' then
       local own = {}
       if x2 ~= x then own[#own + 1] = x2 end

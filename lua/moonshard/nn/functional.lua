@@ -736,7 +736,24 @@ do
   end
   local lm_loss = nnf.lm_loss
   function nnf.lm_loss(hidden, weight, targets, opts)
-    if amp.dtype() ~= nil then hidden, weight = amp.cast(hidden, weight) end
+    local region = amp.dtype()
+    if region ~= nil then
+      hidden = amp.cast(hidden)
+      -- the fused loss of an f32 weight: compute with an unrecorded bf16
+      -- copy and give the f32 gradient straight to the weight
+      -- (opts.master_weight): no bf16 grad_W, no cast back, and with f32
+      -- accumulation the accumulator is the gradient itself
+      if is_tensor(weight) and weight.dtype_id == 1 and fused_lm_loss and not (opts and (opts.fused == false
+          or opts.master_weight ~= nil or opts.group ~= nil or opts.reduction == 'none' or opts.bias ~= nil)) then
+        local wl = R.to(weight, { dtype = region })
+        local o = { master_weight = weight }
+        for k, v in pairs(opts or {}) do o[k] = v end
+        local loss = lm_loss(hidden, wl, targets, o)
+        free(wl)   -- the fused loss keeps no reference to W (its gradients are made in the forward)
+        return loss
+      end
+      weight = amp.cast(weight)
+    end
     return lm_loss(hidden, weight, targets, opts)
   end
 end
