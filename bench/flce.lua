@@ -3,7 +3,7 @@
 --
 --   luajit bench/flce.lua [--iters 20] [--warmup 3] [--chunk 0]
 --                         [--shapes 8192x4096x128256,8192x2560x151936]
---                         [--methods fused,fused_bf16acc,unfused] [--json out.json]
+--                         [--methods fused,fused_master,fused_bf16acc,unfused] [--json out.json]
 --
 -- The methodology of ../shared/bench/torch_flce.py, so the rows sit beside
 -- its output: x (BT, H) ~ N(0, 1) bf16 and W (V, H) ~ N(0, 0.02) bf16, both
@@ -19,7 +19,10 @@
 -- off: the unfused path in f32) as relative errors ‖a − ref‖ / ‖ref‖.
 --
 -- Methods: fused = nn.functional.fused_linear_cross_entropy (grad_W
--- accumulated in f32 across chunks, the default); fused_bf16acc = the same
+-- accumulated in f32 across chunks, the default); fused_master = the same
+-- with W the bf16 copy of an f32 master weight whose f32 gradient the loss
+-- writes directly (autocast's lm_loss; "grads" are then bf16 grad_x and the
+-- f32 grad_W, the master an input); fused_bf16acc = the same
 -- with accum_dtype = 'bf16' (accumulated in the bf16 output: no f32 copy of
 -- grad_W); unfused = ms.matmul(x, W, false, true) then
 -- nn.functional.cross_entropy (f32 softmax of the bf16 logits), the path
@@ -34,13 +37,13 @@ local nnf = ms.nn.functional
 local F = ms.raw
 
 local opts = { iters = 20, warmup = 3, chunk = 0, shapes = '8192x4096x128256,8192x2560x151936',
-  methods = 'fused,fused_bf16acc,unfused', json = '' }
+  methods = 'fused,fused_master,fused_bf16acc,unfused', json = '' }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
   if not k or opts[k] == nil then
     error('usage: luajit bench/flce.lua [--iters N] [--warmup N] [--chunk ROWS] [--shapes BTxHxV,...] '
-      .. '[--methods fused,fused_bf16acc,unfused] [--json FILE]')
+      .. '[--methods fused,fused_master,fused_bf16acc,unfused] [--json FILE]')
   end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
@@ -140,7 +143,16 @@ for spec in opts.shapes:gmatch('[^,]+') do
     local fo = { chunk_size = opts.chunk > 0 and opts.chunk or nil }
     if name == 'fused_bf16acc' then fo.accum_dtype = 'bf16' end
     local fn
-    if name == 'fused' or name == 'fused_bf16acc' then
+    -- fused_master: W (bf16) is the copy of an f32 master weight (autocast's
+    -- case) whose f32 gradient the loss writes directly; the master is an
+    -- input (allocated before the peak is read) and grad_W is f32
+    local Wm, gbytes = nil, grads_bytes
+    if name == 'fused_master' then
+      Wm = W:detach():float():requires_grad_()
+      fo.master_weight = Wm
+      gbytes = BT * H * 2 + V * H * 4
+    end
+    if name == 'fused' or name == 'fused_bf16acc' or name == 'fused_master' then
       fn = function(a, b, t) return nnf.fused_linear_cross_entropy(a, b, t, fo) end
     elseif name == 'unfused' then
       fn = function(a, b, t) return nnf.cross_entropy(ms.matmul(a, b, false, true), t) end
@@ -150,6 +162,7 @@ for spec in opts.shapes:gmatch('[^,]+') do
     local loss
     local function step()
       x.grad, W.grad = nil, nil
+      if Wm then Wm.grad = nil end
       loss = fn(x, W, y)
       loss:backward()
     end
@@ -157,6 +170,7 @@ for spec in opts.shapes:gmatch('[^,]+') do
     local ok, err = pcall(function()
       local med, ts = timed(step, opts.warmup, opts.iters)
       x.grad, W.grad = nil, nil
+      if Wm then Wm.grad = nil end
       loss = nil
       collectgarbage(); collectgarbage()
       ms.cuda.synchronize()
@@ -170,15 +184,16 @@ for spec in opts.shapes:gmatch('[^,]+') do
       row.x_floor = med / floor_ms
       row.tflops_3gemm = 6 * BT * H * V / (med * 1e-3) / 1e12
       row.peak_above_inputs_GiB = peak / 2 ^ 30
-      row.peak_minus_grads_GiB = (peak - grads_bytes) / 2 ^ 30
+      row.peak_minus_grads_GiB = (peak - gbytes) / 2 ^ 30
       row.loss = loss:item()
       row.loss_rel_vs_fp32 = math.abs(row.loss - ref.loss:item()) / math.abs(ref.loss:item())
       row.dx_rel_vs_fp32 = relerr(x.grad, ref.gx)
-      row.dW_rel_vs_fp32 = relerr(W.grad, ref.gW)
+      row.dW_rel_vs_fp32 = relerr(Wm and Wm.grad or W.grad, ref.gW)
       if name ~= 'unfused' then row.chunk_rows = flce.chunk_rows(x, W, fo) end
     end)
     if not ok then row.error = tostring(err):sub(1, 300) end
     x.grad, W.grad, loss = nil, nil, nil
+    if Wm then Wm:free(); fo.master_weight = nil end
     collectgarbage(); collectgarbage()
     ms.cuda.empty_cache()
     rows[#rows + 1] = row
