@@ -12,6 +12,7 @@
 -- ten steps). 3 ranks give uneven shards and parameters
 -- straddling shard boundaries; GPT-2's tied head lives in the root unit.
 local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local fsdp = ms.fsdp
@@ -39,18 +40,7 @@ end
 -- the rows of rank r: token ids from a fixed LCG (vocab 256)
 local function rows_of(r)
   local seed = 12345 + 7919 * r
-  local ids, tg = {}, {}
-  for i = 1, ROWS do
-    ids[i], tg[i] = {}, {}
-    local prev
-    for j = 1, SEQ + 1 do
-      seed = (seed * 1103515245 + 12345) % 2147483648
-      local v = math.floor(seed / 65536) % 256
-      if j <= SEQ then ids[i][j] = v end
-      if j > 1 then tg[i][j - 1] = v end
-      prev = v
-    end
-  end
+  local ids, tg = FS.lcg_rows(seed, ROWS, SEQ)
   return ids, tg
 end
 
@@ -63,12 +53,8 @@ local function batch(ranks)
   return ms.tensor(ids, { dtype = 'i64' }), ms.tensor(tg, { dtype = 'i64' })
 end
 
-local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
-local function max_rel(a, b)
-  local d = (a:to('f64') - b:to('f64')):abs():max():item()
-  local s = b:to('f64'):abs():max():item()
-  return d / math.max(s, 1e-30)
-end
+local rel = FS.rel
+local max_rel = FS.max_rel
 
 describe('fsdp runtime: 10 AdamW steps under every strategy match one process #mpi', function()
   if not under_mpi then

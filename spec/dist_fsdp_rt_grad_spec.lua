@@ -4,6 +4,7 @@
 -- shared fixtures; each rank has rows of its own and the one-process
 -- references see every rank's rows.
 local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local fsdp = ms.fsdp
@@ -21,23 +22,14 @@ end
 -- `n` rows of token ids and targets from a fixed LCG, keyed by `key`
 local function rows(key, n)
   local seed = 4242 + 7919 * key
-  local ids, tg = {}, {}
-  for i = 1, n do
-    ids[i], tg[i] = {}, {}
-    for j = 1, SEQ + 1 do
-      seed = (seed * 1103515245 + 12345) % 2147483648
-      local v = math.floor(seed / 65536) % 256
-      if j <= SEQ then ids[i][j] = v end
-      if j > 1 then tg[i][j - 1] = v end
-    end
-  end
+  local ids, tg = FS.lcg_rows(seed, n, SEQ)
   return ids, tg
 end
 local function tensors(ids, tg) return ms.tensor(ids, { dtype = 'i64' }), ms.tensor(tg, { dtype = 'i64' }) end
 -- micro-batch k (1-4) of rank r: one row
 local function micro(r, k) return tensors(rows(100 * r + k, 1)) end
 
-local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
+local rel = FS.rel
 
 -- every parameter's full gradient (gathered from the shards), by name
 local function gathered_grads(model)

@@ -11,6 +11,7 @@
 -- NO_SHARD every unit once, a local refresh after the optimizer step (its
 -- layout is one rank: no collective); offload changes none of these.
 local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local fsdp = ms.fsdp
@@ -29,16 +30,7 @@ local FAMILIES = {
 
 local function batch(r)
   local seed = 31337 + 7919 * r
-  local ids, tg = {}, {}
-  for i = 1, 2 do
-    ids[i], tg[i] = {}, {}
-    for j = 1, 17 do
-      seed = (seed * 1103515245 + 12345) % 2147483648
-      local v = math.floor(seed / 65536) % 256
-      if j <= 16 then ids[i][j] = v end
-      if j > 1 then tg[i][j - 1] = v end
-    end
-  end
+  local ids, tg = FS.lcg_rows(seed, 2, 16)
   return ms.tensor(ids, { dtype = 'i64' }), ms.tensor(tg, { dtype = 'i64' })
 end
 

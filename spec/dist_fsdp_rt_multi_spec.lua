@@ -12,6 +12,7 @@
 -- offload and set_skip_comm cases were added after the rest passed on two
 -- H200s, and have not run on a GPU yet).
 local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local fsdp = ms.fsdp
@@ -29,19 +30,10 @@ local function load_model()
 end
 local function rows(r)
   local seed = 999 + 7919 * r
-  local ids, tg = {}, {}
-  for i = 1, ROWS do
-    ids[i], tg[i] = {}, {}
-    for j = 1, SEQ + 1 do
-      seed = (seed * 1103515245 + 12345) % 2147483648
-      local v = math.floor(seed / 65536) % 256
-      if j <= SEQ then ids[i][j] = v end
-      if j > 1 then tg[i][j - 1] = v end
-    end
-  end
+  local ids, tg = FS.lcg_rows(seed, ROWS, SEQ)
   return ms.tensor(ids, { dtype = 'i64' }):cuda(), ms.tensor(tg, { dtype = 'i64' }):cuda()
 end
-local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
+local rel = FS.rel
 
 describe('fsdp runtime on GPUs (NCCL) #multi', function()
   if not launched then

@@ -2,6 +2,7 @@
 -- mixed precision, memory released at reshard (read from the allocator's
 -- byte counter), and prefetch with its limit (read from the debug trace).
 local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local F = require 'moonshard.ops'
@@ -18,24 +19,11 @@ local function load_model()
 end
 local function rows(key, n)
   local seed = 777 + 7919 * key
-  local ids, tg = {}, {}
-  for i = 1, n do
-    ids[i], tg[i] = {}, {}
-    for j = 1, SEQ + 1 do
-      seed = (seed * 1103515245 + 12345) % 2147483648
-      local v = math.floor(seed / 65536) % 256
-      if j <= SEQ then ids[i][j] = v end
-      if j > 1 then tg[i][j - 1] = v end
-    end
-  end
+  local ids, tg = FS.lcg_rows(seed, n, SEQ)
   return ms.tensor(ids, { dtype = 'i64' }), ms.tensor(tg, { dtype = 'i64' })
 end
-local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
-local function max_rel(a, b)
-  local d = (a:to('f64') - b:to('f64')):abs():max():item()
-  local s = b:to('f64'):abs():max():item()
-  return d / math.max(s, 1e-30)
-end
+local rel = FS.rel
+local max_rel = FS.max_rel
 -- ||a - b|| / ||b|| (DESIGN.md's measure for dtype bounds)
 local function norm_rel(a, b)
   local a64, b64 = a:to('f64'), b:to('f64')

@@ -8,6 +8,7 @@
 -- more than one rank the skipped run's gradients really differ (the test
 -- can fail: the collectives were skipped, not merely untraced).
 local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local fsdp = ms.fsdp
@@ -27,16 +28,7 @@ end
 -- rank r's rows of step s (vocab 256)
 local function batch(r, s)
   local seed = 4242 + 7919 * r + 104729 * s
-  local ids, tg = {}, {}
-  for i = 1, ROWS do
-    ids[i], tg[i] = {}, {}
-    for j = 1, SEQ + 1 do
-      seed = (seed * 1103515245 + 12345) % 2147483648
-      local v = math.floor(seed / 65536) % 256
-      if j <= SEQ then ids[i][j] = v end
-      if j > 1 then tg[i][j - 1] = v end
-    end
-  end
+  local ids, tg = FS.lcg_rows(seed, ROWS, SEQ)
   return ms.tensor(ids, { dtype = 'i64' }), ms.tensor(tg, { dtype = 'i64' })
 end
 

@@ -6,6 +6,7 @@
 -- rank alone: the loss each step, and every parameter after the steps
 -- (gathered). 3 ranks give uneven shards.
 local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local fsdp = ms.fsdp
@@ -28,14 +29,9 @@ local function load_model()
   return gpt2.from_pretrained(dir, { dtype = 'f32' })
 end
 
-local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
+local rel = FS.rel
 
--- max |a - b| / max(|b|) over a tensor, in double
-local function max_rel(a, b)
-  local d = (a:to('f64') - b:to('f64')):abs():max():item()
-  local s = b:to('f64'):abs():max():item()
-  return d / math.max(s, 1e-30)
-end
+local max_rel = FS.max_rel
 
 describe('fsdp.fully_shard over MPI #mpi', function()
   if not under_mpi then

@@ -1,0 +1,56 @@
+-- spec/fsdp_support.lua — what the fsdp runtime specs share: the tiny
+-- fixture models, token rows from a fixed generator, and the relative
+-- differences they compare with.
+local T = require 'moonshard.tensor'
+
+local S = {}
+
+S.fixtures = T.root .. '/../shared/fixtures'
+
+-- is the fixture model `name` (gpt2-tiny, llama-tiny) there?
+function S.have_fixture(name)
+  local f = io.open(S.fixtures .. '/' .. (name or 'gpt2-tiny') .. '/model.safetensors', 'rb')
+  if f then f:close() end
+  return f ~= nil
+end
+
+-- the fixture model `name` in f32 (gpt2-tiny by default)
+function S.load_model(name)
+  name = name or 'gpt2-tiny'
+  local M = require(name:match('^llama') and 'models.llama' or 'models.gpt2')
+  return M.from_pretrained(S.fixtures .. '/' .. name, { dtype = 'f32' })
+end
+
+-- n rows of `seq` token ids in [0, 256) and their next-token targets, from
+-- the LCG x -> (1103515245 x + 12345) mod 2^31 started at `seed` (Lua tables)
+function S.lcg_rows(seed, n, seq)
+  local ids, tg = {}, {}
+  for i = 1, n do
+    ids[i], tg[i] = {}, {}
+    for j = 1, seq + 1 do
+      seed = (seed * 1103515245 + 12345) % 2147483648
+      local v = math.floor(seed / 65536) % 256
+      if j <= seq then ids[i][j] = v end
+      if j > 1 then tg[i][j - 1] = v end
+    end
+  end
+  return ids, tg
+end
+
+-- the same rows as i64 tensors
+function S.lcg_batch(seed, n, seq)
+  local ids, tg = S.lcg_rows(seed, n, seq)
+  return T.tensor(ids, { dtype = 'i64' }), T.tensor(tg, { dtype = 'i64' })
+end
+
+-- |a − b| / |b| of numbers
+function S.rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
+
+-- max |a − b| / max |b| of tensors
+function S.max_rel(a, b)
+  local d = (a:to('f64') - b:to('f64')):abs():max():item()
+  local s = b:to('f64'):abs():max():item()
+  return d / math.max(s, 1e-30)
+end
+
+return S
