@@ -30,8 +30,7 @@ local FAMILIES = {
 
 local function batch(r)
   local seed = 31337 + 7919 * r
-  local ids, tg = FS.lcg_rows(seed, 2, 16)
-  return ms.tensor(ids, { dtype = 'i64' }), ms.tensor(tg, { dtype = 'i64' })
+  return FS.lcg_batch(seed, 2, 16)
 end
 
 describe('fsdp: the LM head is gathered once per step #mpi', function()

@@ -19,8 +19,7 @@ local function load_model()
 end
 local function rows(key, n)
   local seed = 777 + 7919 * key
-  local ids, tg = FS.lcg_rows(seed, n, SEQ)
-  return ms.tensor(ids, { dtype = 'i64' }), ms.tensor(tg, { dtype = 'i64' })
+  return FS.lcg_batch(seed, n, SEQ)
 end
 local rel = FS.rel
 local max_rel = FS.max_rel
