@@ -153,6 +153,30 @@ __device__ __forceinline__ void c_to_a(unsigned a[4], const float (*c)[4], int k
     a[3] = op<T>::pack(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
+// acc[mt] += C[mt] · Bᵀ over one 64-wide step: C the f32 accumulators of
+// the warp's MT m-tiles (16 x 64 each, turned into A fragments in
+// registers), B the D x 64 tile in shared memory (row stride LD) read
+// transposed: the P·V of the forward and the dS·K of the dq pass
+template <typename T, int LD, int MT, int D>
+__device__ __forceinline__ void acc_c_times_bt(float (*acc)[D / 8][4], float (*c)[8][4], const T *B, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) c_to_a<T>(a[mt], c[mt], kk);
+#pragma unroll
+        for (int dn = 0; dn < D / 16; dn++) {
+            unsigned b[4];
+            ldbt<T, LD>(b, B, dn * 16, kk * 16, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                op<T>::mma(acc[mt][2 * dn], a[mt], b[0], b[1]);
+                op<T>::mma(acc[mt][2 * dn + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // rows [t0, t0+R) of (b, h), all D columns, into s (R x LD, LD = D + 8) with
 // cp.async, 16 bytes a lane; rows past Tn are zero-filled (so masked keys
 // multiply zeros, never stale data)
@@ -356,22 +380,7 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
         }
 
         // O += P V, P straight from the S registers
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            unsigned pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) c_to_a<T>(pa[mt], s[mt], kk);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; dp++) {
-                unsigned vb[4];
-                ldbt<T, LD>(vb, Vb, dp * 16, kk * 16, lane);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    op<T>::mma(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
-                    op<T>::mma(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
-                }
-            }
-        }
+        acc_c_times_bt<T, LD, MT, D>(o, s, Vb, lane);
     }
 
     // out = O / l through this warp's rows of the Q tile (only it read them);
@@ -717,22 +726,7 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
                 }
         }
         // dQ_w += dS K
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            unsigned da[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) c_to_a<T>(da[mt], s[mt], kk);
-#pragma unroll
-            for (int dn = 0; dn < D / 16; dn++) {
-                unsigned kb[4];
-                ldbt<T, LD>(kb, Kb, dn * 16, kk * 16, lane);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    op<T>::mma(dqa[mt][2 * dn], da[mt], kb[0], kb[1]);
-                    op<T>::mma(dqa[mt][2 * dn + 1], da[mt], kb[2], kb[3]);
-                }
-            }
-        }
+        acc_c_times_bt<T, LD, MT, D>(dqa, s, Kb, lane);
     }
 
     // out through this warp's rows of the Q tile (only it reads them)
