@@ -10,12 +10,14 @@
 -- gets size / world); algbw = size / time; busbw = algbw * (world - 1) /
 -- world. Time: CUDA events on the current stream around one call — the
 -- call's full cost (ordering events, the communication stream waiting on the
--- compute stream and back); median of `iters` after `warmup`. Each size's
+-- compute stream and back); median of `iters` after `warmup`. The last
+-- column is the host time the call took to enqueue (median). Each size's
 -- result is checked first (all_gather: rank r's chunk holds r + 1;
 -- reduce_scatter of rank + 1 everywhere: every element is the sum).
 -- No L2 flush: nccl-tests does none, and these sizes stream from HBM.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
+local now = require('moonshard.launch').now
 
 local function parse_size(s)
   local n, u = tostring(s):match('^(%d+)([KMG]?)i?B?$')
@@ -48,18 +50,21 @@ local function median(t)
   return n % 2 == 1 and t[(n + 1) / 2] or (t[n / 2] + t[n / 2 + 1]) / 2
 end
 
+-- GPU time of one call (CUDA events) and the host time its enqueue took
 local function time_ms(fn)
   for _ = 1, warmup do fn() end
-  local ts = {}
+  local ts, hs = {}, {}
   local a, b = ms.cuda.event { timing = true }, ms.cuda.event { timing = true }
   for k = 1, iters do
     a:record()
+    local h0 = now()
     fn()
+    hs[k] = (now() - h0) * 1e6
     b:record()
     b:synchronize()
     ts[k] = a:elapsed_ms(b)
   end
-  return median(ts)
+  return median(ts), median(hs)
 end
 
 -- a few elements of each rank's chunk, on the host
@@ -77,7 +82,7 @@ local dev = ms.cuda.get_device_name(dist.local_rank())
 if R == 0 then
   print(('# moonshard collectives: %d ranks, %s, %s; median of %d after %d warm-ups'):format(W, dev, opts.dtype,
     iters, warmup))
-  print(('%12s %15s %9s %11s %11s'):format('bytes', 'op', 'ms', 'algbw GB/s', 'busbw GB/s'))
+  print(('%12s %15s %9s %11s %11s %11s'):format('bytes', 'op', 'ms', 'algbw GB/s', 'busbw GB/s', 'enqueue us'))
 end
 
 local size = lo
@@ -92,17 +97,17 @@ while size <= hi do
   for _, rv in ipairs(chunk_values(full, n / W)) do
     assert(rv[2] == rv[1] + 1, ('all_gather at %d bytes: rank %d\'s chunk holds %s'):format(bytes, rv[1], rv[2]))
   end
-  local t_ag = time_ms(function() dist.all_gather_into(full, part) end)
+  local t_ag, h_ag = time_ms(function() dist.all_gather_into(full, part) end)
   full:fill_(R + 1)
   dist.reduce_scatter(part, full, 'sum')
   local want = W * (W + 1) / 2
   assert(part:narrow(1, 1, 1):float():item() == want and part:narrow(1, n / W, 1):float():item() == want,
     ('reduce_scatter at %d bytes: wrong sum'):format(bytes))
-  local t_rs = time_ms(function() dist.reduce_scatter(part, full, 'sum') end)
+  local t_rs, h_rs = time_ms(function() dist.reduce_scatter(part, full, 'sum') end)
   if R == 0 then
-    for _, row in ipairs({ { 'all_gather', t_ag }, { 'reduce_scatter', t_rs } }) do
+    for _, row in ipairs({ { 'all_gather', t_ag, h_ag }, { 'reduce_scatter', t_rs, h_rs } }) do
       local algbw = bytes / (row[2] * 1e-3) / 1e9
-      print(('%12d %15s %9.3f %11.1f %11.1f'):format(bytes, row[1], row[2], algbw, algbw * (W - 1) / W))
+      print(('%12d %15s %9.3f %11.1f %11.1f %11.1f'):format(bytes, row[1], row[2], algbw, algbw * (W - 1) / W, row[3]))
     end
     io.stdout:flush()
   end
