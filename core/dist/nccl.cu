@@ -306,6 +306,39 @@ void destroy_nccl(NcclComm *nc, double timeout) {
     delete nc;
 }
 
+// NCCL connects a communicator's peers at the first collective that needs
+// each algorithm, inside the enqueue. A blocking communicator would then
+// wait in the host, holding nc->mu, for a peer that may never come, out of
+// the watchdog's reach. So every member connects right after creation, when
+// all of them are known to be here (the store barrier before the init): a
+// small and a 4 MiB all-reduce (ring and tree), an all-gather, a
+// reduce-scatter and a broadcast, then a sync. Later collectives are only
+// enqueued, and a peer that never joins one leaves a kernel the watchdog
+// can abort.
+int connect_eagerly(NcclComm *nc) {
+    int n = 0;
+    ncclResult_t r = ncclCommCount(nc->comm, &n);
+    if (r != ncclSuccess) return nccl_error(r, "ncclCommCount", nc->comm, __LINE__);
+    const size_t big = (size_t)1 << 20;   // floats
+    float *buf = nullptr;
+    CUDA_CHECK(cudaMalloc((void **)&buf, (big + (size_t)n) * sizeof(float)));
+    cudaError_t me = cudaMemsetAsync(buf, 0, (big + (size_t)n) * sizeof(float), nc->stream);
+    if (me != cudaSuccess) {
+        cudaFree(buf);
+        return ms_errorf("connecting the peers: cudaMemsetAsync: %s", cudaGetErrorString(me));
+    }
+    r = ncclAllReduce(buf, buf, 1, ncclFloat32, ncclSum, nc->comm, nc->stream);
+    if (r == ncclSuccess) r = ncclAllReduce(buf, buf, big, ncclFloat32, ncclSum, nc->comm, nc->stream);
+    if (r == ncclSuccess) r = ncclAllGather(buf, buf + 1, 1, ncclFloat32, nc->comm, nc->stream);
+    if (r == ncclSuccess) r = ncclReduceScatter(buf + 1, buf, 1, ncclFloat32, ncclSum, nc->comm, nc->stream);
+    if (r == ncclSuccess) r = ncclBroadcast(buf, buf, 1, ncclFloat32, 0, nc->comm, nc->stream);
+    cudaError_t ce = cudaStreamSynchronize(nc->stream);
+    cudaFree(buf);
+    if (r != ncclSuccess) return nccl_error(r, "connecting the peers", nc->comm, __LINE__);
+    if (ce != cudaSuccess) return ms_errorf("connecting the peers: %s", cudaGetErrorString(ce));
+    return 0;
+}
+
 int finish_comm(ms_comm *c, NcclComm *nc, ncclComm_t comm, ncclResult_t r, double deadline, const char *what) {
     r = settle(comm, r, deadline);
     if (r == ncclInProgress) {
@@ -319,7 +352,7 @@ int finish_comm(ms_comm *c, NcclComm *nc, ncclComm_t comm, ncclResult_t r, doubl
         return rc;
     }
     nc->comm = comm;
-    if (make_streams(nc)) {
+    if (make_streams(nc) || (blocking_config() && connect_eagerly(nc))) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", ms_last_error());
         ncclCommAbort(comm);
