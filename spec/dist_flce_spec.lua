@@ -170,7 +170,7 @@ describe('vocabulary-parallel fused_linear_cross_entropy over NCCL #multi', func
     return
   end
   setup(function()
-    dist.init { backend = 'nccl', timeout = 120 }
+    dist.init { backend = 'nccl', timeout = 30 }
     DEV = dist.device()
   end)
   teardown(function()
@@ -179,6 +179,7 @@ describe('vocabulary-parallel fused_linear_cross_entropy over NCCL #multi', func
   end)
 
   it('equals the unsharded result on the GPU: f32 within 1e-4, bf16 within 2e-2, every option', function()
+    local fails = {}
     for _, shape in ipairs({ { 37, 64, 1009 }, { 64, 32, 4096 }, { 20, 16, 1 } }) do
       local x, W, t, bias, cw = problem(shape[1], shape[2], shape[3], 700 + shape[3])
       for _, o in ipairs({
@@ -187,9 +188,14 @@ describe('vocabulary-parallel fused_linear_cross_entropy over NCCL #multi', func
         { reduction = 'none', softcap = 3, chunk_size = 16 },
         { bias = bias, ce_weight = cw, label_smoothing = 0.05, softcap = 4, lse_square_scale = 1e-3, chunk_size = 11 },
       }) do
-        check(x, W, t, o, 'f32', 1e-4, { vocab_size = shape[3] })
-        check(x, W, t, o, 'bf16', 2e-2, { vocab_size = shape[3] })
+        -- a failed check is kept, not raised: the ranks stay in step (the
+        -- collectives of the next case), and every failure is reported
+        for _, c in ipairs({ { 'f32', 1e-4 }, { 'bf16', 2e-2 } }) do
+          local ok, err = pcall(check, x, W, t, o, c[1], c[2], { vocab_size = shape[3] })
+          if not ok then fails[#fails + 1] = tostring(err) end
+        end
       end
     end
+    assert.are.same({}, fails)
   end)
 end)
