@@ -329,6 +329,8 @@ int64_t ms_tensor_numel(const ms_tensor *t) {
 }
 
 int ms_tensor_is_contiguous(const ms_tensor *t) {
+    for (int i = 0; i < t->ndim; i++)
+        if (t->sizes[i] == 0) return 1; /* no element: any strides will do (as torch) */
     int64_t st = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
         if (t->sizes[i] != 1 && t->strides[i] != st) return 0;
