@@ -69,3 +69,55 @@ describe('fused attention', function()
     assert.matches('%(1, 3, 4, 8%)', err)
   end)
 end)
+
+describe('qkv_attention (GPT-2 fused projection, one node)', function()
+  -- the chain it replaces: narrow, view, transpose, attention, merge
+  local function chain(qkv, H, causal)
+    local B, T, C = qkv.shape[1], qkv.shape[2], qkv.shape[3] / 3
+    local function head(i)
+      return qkv:narrow(3, (i - 1) * C + 1, C):view(B, T, H, C / H):transpose(2, 3)
+    end
+    local y = nnf.scaled_dot_product_attention(head(1), head(2), head(3), { causal = causal, unfused = true })
+    return y:transpose(2, 3):reshape(B, T, C)
+  end
+
+  for _, c in ipairs({ { B = 2, T = 13, H = 3, D = 4, causal = true }, { B = 1, T = 70, H = 2, D = 8, causal = false } }) do
+    it(('equals the chain forward and backward (B=%d T=%d H=%d D=%d)'):format(c.B, c.T, c.H, c.D), function()
+      local qkv = randn({ c.B, c.T, 3 * c.H * c.D }):requires_grad_()
+      local g = randn({ c.B, c.T, c.H * c.D })
+      local y1 = nnf.qkv_attention(qkv, c.H, { causal = c.causal })
+      assert.are.same({ c.B, c.T, c.H * c.D }, y1.shape)
+      assert.is_true(y1:is_contiguous())
+      ms.sum(y1 * g):backward()
+      local g1 = qkv.grad:clone()
+      qkv.grad = nil
+      local y2 = chain(qkv, c.H, c.causal)
+      ms.sum(y2 * g):backward()
+      assert.is_true(relerr(y1, y2) < 1e-12, 'out ' .. relerr(y1, y2))
+      assert.is_true(relerr(g1, qkv.grad) < 1e-12, 'dqkv ' .. relerr(g1, qkv.grad))
+    end)
+  end
+
+  it('passes a float64 finite-difference check', function()
+    local qkv = randn({ 2, 5, 3 * 2 * 3 }):requires_grad_()
+    local worst = ms.autograd.gradcheck(function() return nnf.qkv_attention(qkv, 2) end, { qkv })
+    assert.is_true(worst < 1e-6, 'relative error ' .. worst)
+  end)
+
+  it('keeps f32 and bf16 within their bounds of the f64 result', function()
+    local qkv = randn({ 2, 20, 3 * 2 * 8 })
+    local ref = ms.no_grad(nnf.qkv_attention, qkv, 2)
+    for dt, bound in pairs({ f32 = 1e-6, bf16 = 1e-2 }) do
+      local y = ms.no_grad(nnf.qkv_attention, qkv:to(dt), 2)
+      assert.are.equal(dt, y.dtype)
+      assert.is_true(relerr(y, ref) < bound, dt .. ' ' .. relerr(y, ref))
+    end
+  end)
+
+  it('rejects a width that is not 3 * n_head * head_dim, naming the shape', function()
+    local ok, err = pcall(nnf.qkv_attention, randn({ 1, 4, 20 }), 3)
+    assert.is_false(ok)
+    assert.matches('%(1, 4, 20%)', err)
+    assert.matches('n_head 3', err, 1, true)
+  end)
+end)

@@ -245,3 +245,28 @@ describe('fused attention on cuda #gpu', function()
     assert.are.equal(C.MS_ATTENTION_AUTO, C.ms_cuda_attention_get_impl())
   end)
 end)
+
+describe('nnf.qkv_attention on cuda #gpu', function()
+  local nnf = require 'moonshard.nn.functional'
+  -- the GPT-2 layout: q, k, v read in place from (B, T, 3*H*D), the output
+  -- written (B, T, H, D), dq/dk/dv straight into one (B, T, 3*H*D) gradient
+  for _, c in ipairs({ { dt = 'bf16', D = 64, bound = 1e-2 }, { dt = 'f16', D = 128, bound = 1e-2 },
+    { dt = 'f32', D = 32, bound = 1e-5 } }) do
+    it(('%s, head dim %d: output and dqkv match the CPU f64 reference'):format(c.dt, c.D), function()
+      local B, Tn, H = 2, 130, 3
+      local x = ms.randn({ B, Tn, 3 * H * c.D }, { seed = 41 }):to(c.dt)
+      local g = ms.randn({ B, Tn, H * c.D }, { seed = 42 }):to(c.dt)
+      local function run(dev, dt)
+        local qkv = x:to({ dtype = dt, device = dev, copy = true }):requires_grad_()
+        local y = nnf.qkv_attention(qkv, H)
+        assert.is_true(y:is_contiguous())
+        y:backward(g:to({ dtype = dt, device = dev }))
+        return y:detach():double(), qkv.grad:double()
+      end
+      local y1, d1 = run('cpu', 'f64')
+      local y2, d2 = run('cuda', c.dt)
+      assert.is_true(relerr(y2, y1) <= c.bound, 'out ' .. relerr(y2, y1))
+      assert.is_true(relerr(d2, d1) <= c.bound, 'dqkv ' .. relerr(d2, d1))
+    end)
+  end
+end)

@@ -20,6 +20,7 @@
 --   cross_entropy(logits (N, V), targets (N), {ignore_index = -100,
 --                 reduction = 'mean'|'sum'|'none', label_smoothing = 0})
 --   scaled_dot_product_attention(q (B,H,Tq,D), k (B,Hkv,Tk,D), v, {causal = true, scale =})
+--   qkv_attention(qkv (B,T,3*H*D), H, {causal = true, scale =}) -> (B,T,H*D)
 --   apply_rotary(x (..., T, D), cos (T, D), sin (T, D))   (HF rotate_half)
 --   rope_cache(T, head_dim, theta, dtype, device) -> cos, sin (cached)
 --   lm_loss(hidden (B,T,C), weight (V,C), targets (B,T), opts)
@@ -548,10 +549,23 @@ local function bwd_fused_attention(node, g)
   return dq, dk, dv
 end
 
+-- The output's memory is laid out (B, Tq, H, D) and y is its (B, H, Tq, D)
+-- transposed view (as torch's flash attention returns it): the heads merge
+-- back into (B, Tq, H*D) with a transpose and a view, no copy.
+local function out_bthd(q)
+  local s = shape_of(q)
+  local buf = T.empty({ s[1], s[3], s[2], s[4] }, { dtype = q.dtype_id, device = q.device_id })
+  local y = R.transpose(buf, 2, 3)
+  free(buf)
+  return y
+end
+
 fused_attention = function(q, k, v, scale, causal)
   local out, lse = attn_box(), attn_box()
+  local y = out_bthd(q)
+  out[0] = y
   T.check(T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0), 3)
-  local y, l = T.wrap(out[0]), T.wrap(lse[0])
+  local l = T.wrap(lse[0])
   if want(q, k, v) then
     local qa, ka, va, ya = R.alias(q), R.alias(k), R.alias(v), R.alias(y)
     record1('scaled_dot_product_attention', y, bwd_fused_attention,
@@ -621,6 +635,78 @@ function nnf.scaled_dot_product_attention(q, k, v, opts)
   else
     free(qc); free(ke); free(ve); free(att)
   end
+  return y
+end
+
+-- qkv_attention(qkv (B, T, 3*H*D), n_head, {causal = true, scale =}) ->
+-- (B, T, H*D): GPT-2's fused projection split into q, k, v heads, causal
+-- attention, heads merged, as one node. q, k and v are views of qkv read
+-- in place; the output is written in (B, T, H, D) order, so the merge is
+-- a view; the backward writes dq, dk and dv straight into their columns of
+-- one (B, T, 3*H*D) gradient. The same result as the narrow / view /
+-- transpose / scaled_dot_product_attention chain, whose backward pays for
+-- three zero-filled (B, T, 3*H*D) gradients, the copies into them, their
+-- sum and a copy per head split.
+local function qkv_views(t, H)
+  local s = shape_of(t)
+  local B, Tn, C = s[1], s[2], s[3] / 3
+  local D = C / H
+  local vs = {}
+  for i = 1, 3 do
+    local n = R.narrow(t, 3, (i - 1) * C + 1, C)
+    local v4 = R.view(n, { B, Tn, H, D })
+    vs[i] = R.transpose(v4, 2, 3)             -- (B, H, T, D), strides of t
+    free(n); free(v4)
+  end
+  return vs[1], vs[2], vs[3]
+end
+
+local function bwd_qkv_attention(node, g)
+  local s = node.saved
+  local y4 = s.y4
+  if g.dtype_id ~= y4.dtype_id then g = R.to(g, { dtype = y4.dtype_id }) end
+  local gs = shape_of(y4)                      -- (B, H, T, D)
+  local g4 = R.reshape(g, { gs[1], gs[3], gs[2], gs[4] })
+  local gt = R.transpose(g4, 2, 3)
+  local dqkv = T.empty(shape_of(s.qkv), { dtype = s.qkv.dtype_id, device = s.qkv.device_id })
+  local dq, dk, dv = qkv_views(dqkv, gs[2])
+  local bq, bk, bv = attn_box(), attn_box(), attn_box()
+  bq[0], bk[0], bv[0] = dq, dk, dv
+  local q, k, v = qkv_views(s.qkv, gs[2])
+  T.check(T.C.ms_attention_backward(bq, bk, bv, q, k, v, y4, s.lse, gt, s.scale, s.causal and 1 or 0))
+  free(q); free(k); free(v); free(dq); free(dk); free(dv); free(g4); free(gt)
+  return dqkv
+end
+
+function nnf.qkv_attention(qkv, n_head, opts)
+  opts = opts or {}
+  need_tensor('qkv_attention', qkv, 'qkv')
+  local s = shape_of(qkv)
+  if qkv.ndim ~= 3 or type(n_head) ~= 'number' or n_head < 1 or n_head % 1 ~= 0 or s[3] % (3 * n_head) ~= 0 then
+    error(('qkv_attention: qkv must be (B, T, 3 * n_head * head_dim), got %s with n_head %s'):format(
+      dims(qkv), tostring(n_head)), 2)
+  end
+  local B, Tn, C = s[1], s[2], s[3] / 3
+  local scale = opts.scale or 1 / math.sqrt(C / n_head)
+  local causal = opts.causal ~= false
+  local q, k, v = qkv_views(qkv, n_head)
+  local out, lse = attn_box(), attn_box()
+  local y4 = out_bthd(q)
+  out[0] = y4
+  T.check(T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0), 2)
+  free(q); free(k); free(v)
+  local l = T.wrap(lse[0])
+  local yt = R.transpose(y4, 2, 3)             -- (B, T, H, D), contiguous
+  local y = R.view(yt, { B, Tn, C })
+  free(yt)
+  if want(qkv) then
+    local qa, ya = R.alias(qkv), R.alias(y4)
+    record1('qkv_attention', y, bwd_qkv_attention,
+      { qkv = qa, y4 = ya, lse = l, scale = scale, causal = causal }, { qa, ya, l }, qkv)
+  else
+    free(l)
+  end
+  free(y4)
   return y
 end
 
@@ -733,6 +819,11 @@ do
   function nnf.scaled_dot_product_attention(q, k, v, opts)
     if amp.dtype() ~= nil then q, k, v = amp.cast(q, k, v) end
     return sdpa(q, k, v, opts)
+  end
+  local qkv_attention = nnf.qkv_attention
+  function nnf.qkv_attention(qkv, n_head, opts)
+    if amp.dtype() ~= nil then qkv = amp.cast(qkv) end
+    return qkv_attention(qkv, n_head, opts)
   end
   local lm_loss = nnf.lm_loss
   function nnf.lm_loss(hidden, weight, targets, opts)

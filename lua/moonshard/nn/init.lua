@@ -758,6 +758,11 @@ function Attention:forward(x)
   local B, Tn = s[1], s[2]
   local H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
   local q, k, v
+  if self.fused_qkv and not self.rope_theta and Hkv == H then
+    -- one node: q, k, v read in place from c_attn's output, dq, dk, dv
+    -- written into one gradient (nnf.qkv_attention)
+    return self.c_proj(nnf.qkv_attention(self.c_attn(x), H, { causal = true }))
+  end
   if self.fused_qkv then
     local qkv = self.c_attn(x)
     local C = self.dim
