@@ -650,6 +650,61 @@ int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa,
     return rc;
 }
 
+int ms_matmul_epilogue(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                       ms_tensor **bias, int mode) {
+    const char *op = mode == MS_GEMM_BIAS ? "matmul (bias)" : "matmul (bias gradient)";
+    char x[DESC], y[DESC];
+    if (mode != MS_GEMM_BIAS && mode != MS_GEMM_BGRAD_A && mode != MS_GEMM_BGRAD_B)
+        return ms_errorf("matmul_epilogue: mode %d is not MS_GEMM_BIAS, _BGRAD_A or _BGRAD_B", mode);
+    if (!bias) return ms_errorf("%s: no bias box", op);
+    if (check2(op, a, b)) return -1;
+    if (a->ndim != 2 || b->ndim != 2)
+        return ms_errorf("%s: needs 2-D operands, got %s and %s", op, ms_shape_str(a, x, sizeof x),
+                         ms_shape_str(b, y, sizeof y));
+    if (a->dtype_id != b->dtype_id || !ms_is_float(a->dtype_id))
+        return ms_errorf("%s: operands must be floats of one dtype, got %s and %s", op, ms_desc(a, x, sizeof x),
+                         ms_desc(b, y, sizeof y));
+    int64_t M, K, Kb, N;
+    matrix_dims(a, transa, &M, &K);
+    matrix_dims(b, transb, &Kb, &N);
+    if (K != Kb) return mismatch(op, a, b, transa, transb);
+    int64_t blen = mode == MS_GEMM_BGRAD_A ? M : N;
+    if (mode == MS_GEMM_BIAS) {
+        const ms_tensor *bv = *bias;
+        if (check2(op, a, bv)) return -1;
+        if (bv->ndim != 1 || bv->sizes[0] != N || bv->dtype_id != a->dtype_id)
+            return ms_errorf("%s: bias must be a %s vector of %lld (the columns of the product), got %s", op,
+                             ms_dtype_name(a->dtype_id), (long long)N, ms_desc(bv, x, sizeof x));
+    }
+    int allocated = out && !*out;
+    int64_t shape[2] = {M, N};
+    if (ms_prepare_out(out, op, 2, shape, a->dtype_id, a->device_id) ||
+        check_given_out(op, allocated, *out, a, b, NULL, 0))
+        return -1;
+    int bias_alloc = mode != MS_GEMM_BIAS && !*bias;
+    if (mode != MS_GEMM_BIAS && ms_prepare_out(bias, op, 1, &blen, a->dtype_id, a->device_id))
+        return finish(out, allocated, -1);
+    int rc = 1;
+#ifdef MS_WITH_CUDA
+    if (a->device_id >= 0) rc = ms_cuda_gemm_epilogue(*out, a, b, transa, transb, *bias, mode);
+#endif
+    if (rc == 1) { /* two passes: the product, then the bias or its gradient */
+        rc = ms_matmul(out, a, b, transa, transb);
+        if (!rc && mode == MS_GEMM_BIAS) rc = ms_binary(out, MS_OP_ADD, *out, *bias);
+        if (!rc && mode != MS_GEMM_BIAS) {
+            /* op(a) (M, K) summed over k: a stored (K, M) when transposed */
+            const ms_tensor *src = mode == MS_GEMM_BGRAD_A ? a : b;
+            int dim = mode == MS_GEMM_BGRAD_A ? (transa ? 0 : 1) : (transb ? 1 : 0);
+            rc = ms_reduce(bias, MS_RED_SUM, src, dim, 0);
+        }
+    }
+    if (rc && bias_alloc && *bias) {
+        ms_tensor_free(*bias);
+        *bias = NULL;
+    }
+    return finish(out, allocated, rc);
+}
+
 /* ============================================================ indexing */
 
 static int check_index_tensor(const char *op, const ms_tensor *idx, int max_ndim) {

@@ -64,6 +64,18 @@ int ms_softmax_backward(ms_tensor **out, const ms_tensor *y, const ms_tensor *g,
  * dims broadcast; 1-D operands as in numpy.matmul. f32/f64 through OpenBLAS,
  * bf16/f16 computed in f32. */
 int ms_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int transa, int transb);
+/* 2-D out (M, N) = op(a) @ op(b) with a bias epilogue, in the GEMM's own
+ * pass on CUDA when cuBLASLt has one (kernels/gemm.cu), else as a second
+ * pass (and always on the CPU, the reference):
+ *   MS_GEMM_BIAS     out = op(a) @ op(b) + bias (N) on every row; bias given
+ *   MS_GEMM_BGRAD_A  also *bias (M) = sum over k of op(a) (M, K)
+ *   MS_GEMM_BGRAD_B  also *bias (N) = sum over k of op(b) (K, N)
+ * (a linear layer's bias in the forward, and its bias gradient beside the
+ * weight gradient g^T x or x^T g). bias has out's dtype; sums accumulate in
+ * f32 or wider and round once. */
+enum { MS_GEMM_BIAS = 1, MS_GEMM_BGRAD_A = 2, MS_GEMM_BGRAD_B = 3 };
+int ms_matmul_epilogue(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                       ms_tensor **bias, int mode);
 /* out = beta*out + alpha * op(a) @ op(b), 2-D only; out must exist (used for
  * accumulating gradients without a temporary) */
 int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,

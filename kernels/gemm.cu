@@ -16,6 +16,7 @@
 #include <string.h>
 #include <unordered_map>
 #include "kernels.h"
+#include "ops.h"
 
 #include <cublasLt.h>
 
@@ -167,14 +168,18 @@ std::mutex g_plan_mu;
 std::unordered_map<PlanKey, Plan, PlanKeyHash, PlanKeyEq> g_plans;
 const size_t kMaxPlans = 4096;
 
+// epi: the library's epilogue (CUBLASLT_EPILOGUE_DEFAULT, or BIAS / BGRADA /
+// BGRADB with `bias` a vector of out_dtype). Returns 0, -1 on an error, or
+// 1 when cuBLASLt has no algorithm for that epilogue (the caller falls back).
 int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand &B, void *C, int64_t ldc,
-           int64_t c_batch, int64_t m, int64_t n, int64_t k, int64_t batch, double alpha, double beta) {
+           int64_t c_batch, int64_t m, int64_t n, int64_t k, int64_t batch, double alpha, double beta,
+           cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT, void *bias = nullptr) {
     LtState &s = g_lt[device];
     PlanKey key;
     {
         int64_t kv[22] = {device, dtype, out_dtype, g_allow_tf32, (int64_t)A.op, (int64_t)B.op, A.rows, A.cols,
                           A.ld, B.rows, B.cols, B.ld, ldc, m, n, k, batch, A.batch_stride, B.batch_stride, c_batch,
-                          0, 0};
+                          (int64_t)epi, 0};
         memcpy(key.v, kv, sizeof kv);
     }
     float af0 = (float)alpha, bf0 = (float)beta;
@@ -195,6 +200,9 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
             cudaStream_t st = ms_cuda_stream_of(device);
             void *ws = nullptr;
             if (lt_workspace(device, st, &ws)) return -1;
+            if (epi != CUBLASLT_EPILOGUE_DEFAULT)
+                CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                            sizeof bias));
             cublasStatus_t r = cublasLtMatmul(s.handle, plan.desc, pa0, B.ptr, plan.la, A.ptr, plan.lb, pb0, C,
                                               plan.lc, C, plan.lc, &plan.algo, ws, kWorkspace, st);
             if (r != CUBLAS_STATUS_SUCCESS)
@@ -232,6 +240,12 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
     LT(cublasLtMatmulDescCreate(&desc, compute, scale));
     LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &B.op, sizeof B.op));
     LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &A.op, sizeof A.op));
+    if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
+        cudaDataType_t bt = cuda_type(out_dtype);
+        LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+        LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+        LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt));
+    }
     LT(cublasLtMatrixLayoutCreate(&la, dt, (uint64_t)B.rows, (uint64_t)B.cols, B.ld));
     LT(cublasLtMatrixLayoutCreate(&lb, dt, (uint64_t)A.rows, (uint64_t)A.cols, A.ld));
     LT(cublasLtMatrixLayoutCreate(&lc, cuda_type(out_dtype), (uint64_t)n, (uint64_t)m, ldc));
@@ -251,7 +265,15 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
         uint64_t ws = kWorkspace;
         LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
     }
-    LT(cublasLtMatmulAlgoGetHeuristic(s.handle, desc, la, lb, lc, lc, pref, 1, &heur, &found));
+    if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
+        cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(s.handle, desc, la, lb, lc, lc, pref, 1, &heur, &found);
+        if (hs == CUBLAS_STATUS_NOT_SUPPORTED || (hs == CUBLAS_STATUS_SUCCESS && found == 0)) {
+            rc = 1;   // no algorithm with this epilogue: the caller does it in two passes
+            goto done;
+        }
+    }
+    if (epi == CUBLASLT_EPILOGUE_DEFAULT)
+        LT(cublasLtMatmulAlgoGetHeuristic(s.handle, desc, la, lb, lc, lc, pref, 1, &heur, &found));
     if (found == 0) {
         ms_errorf("matmul: cuBLASLt found no algorithm for %s M=%lld N=%lld K=%lld batch=%lld",
                   ms_dtype_name(dtype), (long long)m, (long long)n, (long long)k, (long long)batch);
@@ -344,4 +366,40 @@ extern "C" int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor 
         return -1;
     if (dst != out) return ms_cuda_convert(out, dst);
     return 0;
+}
+
+// out (M, N) = op(a) @ op(b) with an epilogue (2-D, one pass over out):
+//   MS_GEMM_BIAS     out += bias (N) on every row
+//   MS_GEMM_BGRAD_A  bias (M) = sum over k of op(a) (M, K): the bias
+//                    gradient of a layer whose weight gradient is g^T x
+//   MS_GEMM_BGRAD_B  bias (N) = sum over k of op(b) (K, N): ... x^T g
+// The product is handed to the library transposed (see the top), so its
+// D is out^T: our N is its rows (BIAS, BGRADA), our M its columns (BGRADB).
+// Returns 1, having done nothing, when the layout or dtypes are not ones the
+// epilogue takes (bias not a contiguous vector of out's dtype, an out the
+// library cannot write in place, mixed dtypes) or cuBLASLt has no algorithm
+// for it: the caller then runs the GEMM and the bias pass apart.
+extern "C" int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                                     ms_tensor *bias, int mode) {
+    if (out->ndim != 2 || a->ndim != 2 || b->ndim != 2 || !bias || bias->ndim != 1) return 1;
+    int device = out->device_id;
+    int64_t m = out->sizes[0], n = out->sizes[1];
+    int64_t k = transa ? a->sizes[0] : a->sizes[1];
+    int64_t want = mode == MS_GEMM_BGRAD_A ? m : n;
+    if (bias->sizes[0] != want || bias->dtype_id != out->dtype_id || bias->device_id != device ||
+        (bias->strides[0] != 1 && want > 1) || a->dtype_id != out->dtype_id || b->dtype_id != out->dtype_id ||
+        out->dtype_id == MS_F64 || m == 0 || n == 0 || k == 0)
+        return 1;
+    if (!(out->strides[1] == 1 && (m == 1 || out->strides[0] >= n))) return 1;
+    if (((uintptr_t)ms_tensor_data(bias) | (uintptr_t)ms_tensor_data(out)) % 16 != 0) return 1;
+    operand A, B;
+    if (!describe(a, transa, &A) || !describe(b, transb, &B)) return 1;
+    A.batch_stride = B.batch_stride = 0;
+    if (ms_cuda_activate(device) || lt_ready(device)) return -1;
+    cublasLtEpilogue_t epi = mode == MS_GEMM_BIAS      ? CUBLASLT_EPILOGUE_BIAS
+                             : mode == MS_GEMM_BGRAD_A ? CUBLASLT_EPILOGUE_BGRADB
+                                                       : CUBLASLT_EPILOGUE_BGRADA;
+    int64_t ldc = m == 1 ? (n > 1 ? n : 1) : out->strides[0];
+    return run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, 0.0, epi,
+                  ms_tensor_data(bias));
 }

@@ -34,6 +34,9 @@ int ms_cuda_softmax_backward(ms_tensor *out, const ms_tensor *y, const ms_tensor
  * over batch dims already broadcast by the caller (a, b, out 3-D views) */
 int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
                  double alpha, double beta);
+/* 2-D with a cuBLASLt epilogue (MS_GEMM_* of ops.h); 1: not taken, nothing done */
+int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                          ms_tensor *bias, int mode);
 
 /* index.cu */
 int ms_cuda_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);

@@ -169,6 +169,41 @@ describe('cuda ops #gpu', function()
         assert.is_true(relerr(ms.matmul(x:cuda(), v:cuda()), ms.matmul(x, v)) <= bound[dt])
       end)
     end
+    -- the epilogues (ops.h MS_GEMM_*): bias in the forward GEMM, the bias
+    -- gradient from the weight-gradient GEMM, every transpose; the CPU's two
+    -- passes are the reference. A strided bias or f64 takes the two-pass
+    -- path on the GPU too.
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      it('matmul_bias and matmul_bgrad (cuBLASLt epilogues) ' .. dt, function()
+        local F = ms.raw
+        local M, K, N = 70, 129, 48
+        for _, ta in ipairs({ false, true }) do
+          for _, tb in ipairs({ false, true }) do
+            local a = randn(ta and { K, M } or { M, K }, dt)
+            local b = randn(tb and { N, K } or { K, N }, dt)
+            local bias = randn({ N }, dt)
+            local want = F.matmul_bias(a, b, ta, tb, bias)
+            local got = F.matmul_bias(a:cuda(), b:cuda(), ta, tb, bias:cuda())
+            local what = ('%s ta=%s tb=%s'):format(dt, tostring(ta), tostring(tb))
+            assert.is_true(relerr(got, want) <= bound[dt], 'bias ' .. what .. ' ' .. relerr(got, want))
+            for _, side in ipairs({ 'a', 'b' }) do
+              local w1, s1 = F.matmul_bgrad(a, b, ta, tb, side)
+              local w2, s2 = F.matmul_bgrad(a:cuda(), b:cuda(), ta, tb, side)
+              assert.are.same(s1.shape, s2.shape)
+              assert.is_true(relerr(w2, w1) <= bound[dt], 'bgrad out ' .. what .. side .. ' ' .. relerr(w2, w1))
+              assert.is_true(relerr(s2, s1) <= bound[dt], 'bgrad sum ' .. what .. side .. ' ' .. relerr(s2, s1))
+            end
+          end
+        end
+        -- the two-pass path on the GPU: a strided bias
+        local a, b = randn({ 33, 20 }, dt), randn({ 20, 9 }, dt)
+        local wide = randn({ 18 }, dt)
+        local strided = wide:view(9, 2):select(2, 1)
+        local want = F.matmul_bias(a, b, false, false, strided)
+        local got = F.matmul_bias(a:cuda(), b:cuda(), false, false, wide:cuda():view(9, 2):select(2, 1))
+        assert.is_true(relerr(got, want) <= bound[dt], 'strided bias ' .. relerr(got, want))
+      end)
+    end
     it('gemm_ accumulates with beta', function()
       local a, b = randn({ 20, 30 }), randn({ 30, 10 })
       local c = randn({ 20, 10 })

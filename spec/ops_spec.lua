@@ -1211,3 +1211,57 @@ describe('threads', function()
     C.ms_set_num_threads(n0)
   end)
 end)
+
+describe('matmul_bias and matmul_bgrad (the GEMM epilogues)', function()
+  local seed = 7300
+  local function rnd(shape, dt)
+    seed = seed + 1
+    return T.randn(shape, { seed = seed }):to(dt or 'f64')
+  end
+  local function maxdiff(a, b) return (a:double() - b:double()):abs():max():item() end
+
+  for _, dt in ipairs({ 'f64', 'f32', 'bf16' }) do
+    it('equal the product plus the bias, and the product with its sums over k (' .. dt .. ')', function()
+      local tol = ({ f64 = 1e-12, f32 = 1e-4, bf16 = 0.1 })[dt]
+      local M, K, N = 9, 13, 6
+      for _, ta in ipairs({ false, true }) do
+        for _, tb in ipairs({ false, true }) do
+          local a = rnd(ta and { K, M } or { M, K }, dt)
+          local b = rnd(tb and { N, K } or { K, N }, dt)
+          local bias = rnd({ N }, dt)
+          local p = F.matmul(a, b, ta, tb)
+          local y = F.matmul_bias(a, b, ta, tb, bias)
+          assert.are.same({ M, N }, y.shape)
+          assert.is_true(maxdiff(y, p:double() + bias:double():view(1, N)) <= tol)
+          local opa = ta and a:t() or a       -- (M, K)
+          local opb = tb and b:t() or b       -- (K, N)
+          local w1, sa = F.matmul_bgrad(a, b, ta, tb, 'a')
+          local w2, sb = F.matmul_bgrad(a, b, ta, tb, 'b')
+          assert.is_true(maxdiff(w1, p) == 0 and maxdiff(w2, p) == 0)
+          assert.are.same({ M }, sa.shape)
+          assert.are.same({ N }, sb.shape)
+          assert.are.equal(dt, sa.dtype)
+          assert.is_true(maxdiff(sa, opa:double():sum(2)) <= tol, 'sum of op(a)')
+          assert.is_true(maxdiff(sb, opb:double():sum(1)) <= tol, 'sum of op(b)')
+        end
+      end
+    end)
+  end
+
+  it('rejects a bias that does not fit and an unknown side, naming them', function()
+    local a, b = rnd({ 4, 3 }), rnd({ 3, 5 })
+    local ok, err = pcall(F.matmul_bias, a, b, false, false, rnd({ 4 }))
+    assert.is_false(ok)
+    assert.matches('vector of 5', err, 1, true)
+    assert.matches('(4)', err, 1, true)
+    ok, err = pcall(F.matmul_bias, a, b, false, false, rnd({ 5 }, 'f32'))
+    assert.is_false(ok)
+    assert.matches('f64 vector', err, 1, true)
+    ok, err = pcall(F.matmul_bgrad, a, b, false, false, 'c')
+    assert.is_false(ok)
+    assert.matches("side must be 'a' or 'b'", err, 1, true)
+    ok, err = pcall(F.matmul_bias, rnd({ 2, 4, 3 }), b, false, false, rnd({ 5 }))
+    assert.is_false(ok)
+    assert.matches('2-D operands', err, 1, true)
+  end)
+end)

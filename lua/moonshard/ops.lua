@@ -260,6 +260,33 @@ function F.matmul(a, b, transa, transb)
   return run(C.ms_matmul, a, b, flag(transa), flag(transb))
 end
 
+-- matmul_bias(a, b, transa, transb, bias): 2-D op(a) @ op(b) + bias (N) on
+-- every row, in the GEMM's epilogue on CUDA when cuBLASLt has one
+function F.matmul_bias(a, b, transa, transb, bias)
+  need_tensor('matmul_bias', a, 'a')
+  need_tensor('matmul_bias', b, 'b')
+  need_tensor('matmul_bias', bias, 'bias')
+  local bb = box_t()
+  bb[0] = bias
+  return run(C.ms_matmul_epilogue, a, b, flag(transa), flag(transb), bb, C.MS_GEMM_BIAS)
+end
+
+-- matmul_bgrad(a, b, transa, transb, side): 2-D op(a) @ op(b) and the sum
+-- over k of op(a) (side 'a': M values) or of op(b) (side 'b': N values), a
+-- layer's weight gradient and its bias gradient in one GEMM on CUDA when
+-- cuBLASLt has the epilogue; returns out, bias_grad
+function F.matmul_bgrad(a, b, transa, transb, side)
+  need_tensor('matmul_bgrad', a, 'a')
+  need_tensor('matmul_bgrad', b, 'b')
+  if side ~= 'a' and side ~= 'b' then
+    raise(('matmul_bgrad: side must be \'a\' or \'b\', got %s'):format(tostring(side)))
+  end
+  local bb = box_t()
+  local out = run(C.ms_matmul_epilogue, a, b, flag(transa), flag(transb), bb,
+    side == 'a' and C.MS_GEMM_BGRAD_A or C.MS_GEMM_BGRAD_B)
+  return out, wrap(bb[0])
+end
+
 -- gemm_(out, a, b, transa, transb, alpha = 1, beta = 1):
 -- out = beta * out + alpha * op(a) @ op(b), 2-D; accumulates by default
 function F.gemm_(out, a, b, transa, transb, alpha, beta)

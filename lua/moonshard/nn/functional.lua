@@ -90,11 +90,17 @@ local function bwd_affine(node, g)
     dx = R.reshape(d2, node.ishape[1])
     if dx ~= d2 then free(d2) end
   end
-  if node.need[2] then
-    if wt then dw = F.matmul(g2, x2, true, false) -- (out, in)
-    else dw = F.matmul(x2, g2, true, false) end   -- (in, out)
+  if node.need[2] and node.need[3] and g2.dtype_id == x2.dtype_id then
+    -- the bias gradient from the weight gradient's GEMM (its epilogue on CUDA)
+    if wt then dw, db = F.matmul_bgrad(g2, x2, true, false, 'a')
+    else dw, db = F.matmul_bgrad(x2, g2, true, false, 'b') end
+  else
+    if node.need[2] then
+      if wt then dw = F.matmul(g2, x2, true, false) -- (out, in)
+      else dw = F.matmul(x2, g2, true, false) end   -- (in, out)
+    end
+    if node.need[3] then db = F.sum(g2, 1) end
   end
-  if node.need[3] then db = F.sum(g2, 1) end
   if g2 ~= g then free(g2) end
   return dx, dw, db
 end
@@ -115,8 +121,13 @@ local function affine(name, x, w, b, wt)
     error(('%s: bias of shape %s for out_features = %d'):format(name, dims(b), out_f), 3)
   end
   local x2 = rows(x)
-  local y2 = F.matmul(x2, w, false, wt)
-  if b ~= nil then F.add_(y2, b) end
+  local y2
+  if b ~= nil and b.dtype_id == x2.dtype_id and b.dtype_id == w.dtype_id and b.device_id == x2.device_id then
+    y2 = F.matmul_bias(x2, w, false, wt, b)   -- the bias in the GEMM's epilogue on CUDA
+  else
+    y2 = F.matmul(x2, w, false, wt)
+    if b ~= nil then F.add_(y2, b) end
+  end
   local y = y2
   if x.ndim ~= 2 then
     local s = shape_of(x)
