@@ -260,8 +260,10 @@ template <int D, int MT, int BQ, int KMT, int QMT>
 static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bthd, unsigned seed) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd;
-    tensor4 q(B, H, Tq, D, bthd), k(B, Hkv, Tk, D, false), v(B, Hkv, Tk, D, bthd), g(B, H, Tq, D, false);
-    tensor4 o(B, H, Tq, D, false), dq(B, H, Tq, D, bthd), dk(B, Hkv, Tk, D, false), dv(B, Hkv, Tk, D, bthd);
+    // bthd: every tensor a (B, T, H, D) layout, as nnf.qkv_attention hands
+    // them over (views of GPT-2's fused projection, its output and gradient)
+    tensor4 q(B, H, Tq, D, bthd), k(B, Hkv, Tk, D, bthd), v(B, Hkv, Tk, D, bthd), g(B, H, Tq, D, bthd);
+    tensor4 o(B, H, Tq, D, bthd), dq(B, H, Tq, D, bthd), dk(B, Hkv, Tk, D, bthd), dv(B, Hkv, Tk, D, bthd);
     for (tensor4 *x : {&q, &k, &v, &g})
         for (int b = 0; b < x->B; b++)
             for (int h = 0; h < x->H; h++)

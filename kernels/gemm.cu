@@ -153,6 +153,7 @@ struct Plan {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
+    bool unsupported;   // an epilogue the library has no algorithm for: two passes
 };
 struct PlanKeyHash {
     size_t operator()(const PlanKey &k) const {
@@ -196,6 +197,7 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
                 have = true;
             }
         }
+        if (have && plan.unsupported) return 1;
         if (have) {
             cudaStream_t st = ms_cuda_stream_of(device);
             void *ws = nullptr;
@@ -205,6 +207,7 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
                                                             sizeof bias));
             cublasStatus_t r = cublasLtMatmul(s.handle, plan.desc, pa0, B.ptr, plan.la, A.ptr, plan.lb, pb0, C,
                                               plan.lc, C, plan.lc, &plan.algo, ws, kWorkspace, st);
+            if (r == CUBLAS_STATUS_NOT_SUPPORTED && epi != CUBLASLT_EPILOGUE_DEFAULT) return 1;
             if (r != CUBLAS_STATUS_SUCCESS)
                 return ms_errorf("matmul: cublasLtMatmul failed: %s (M=%lld N=%lld K=%lld batch=%lld)",
                                  cublasGetStatusString(r), (long long)m, (long long)n, (long long)k, (long long)batch);
@@ -283,20 +286,36 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
         cudaStream_t st = ms_cuda_stream_of(device);
         void *ws = nullptr;
         if (lt_workspace(device, st, &ws)) goto done;
-        LT(cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo, ws, kWorkspace,
-                          st));
+        if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
+            // an epilogue the library turns down at launch (an operand's
+            // alignment, say): the caller's two passes, and no plan kept
+            cublasStatus_t r = cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo,
+                                              ws, kWorkspace, st);
+            if (r == CUBLAS_STATUS_NOT_SUPPORTED) {
+                rc = 1;
+                goto done;
+            }
+            LT(r);
+        } else {
+            LT(cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo, ws, kWorkspace,
+                              st));
+        }
     }
     rc = 0;
     {
         std::lock_guard<std::mutex> l(g_plan_mu);
         if (g_plans.size() < kMaxPlans && g_plans.find(key) == g_plans.end()) {
-            g_plans[key] = Plan{desc, la, lb, lc, heur.algo};
+            g_plans[key] = Plan{desc, la, lb, lc, heur.algo, false};
             desc = nullptr;   // kept by the plan
             la = lb = lc = nullptr;
         }
     }
 done:
 #undef LT
+    if (rc == 1) {   // remember the refusal: no heuristic query on the next call
+        std::lock_guard<std::mutex> l(g_plan_mu);
+        if (g_plans.size() < kMaxPlans) g_plans[key] = Plan{nullptr, nullptr, nullptr, nullptr, {}, true};
+    }
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (la) cublasLtMatrixLayoutDestroy(la);
     if (lb) cublasLtMatrixLayoutDestroy(lb);
@@ -375,12 +394,18 @@ extern "C" int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor 
 //   MS_GEMM_BGRAD_B  bias (N) = sum over k of op(b) (K, N): ... x^T g
 // The product is handed to the library transposed (see the top), so its
 // D is out^T: our N is its rows (BIAS, BGRADA), our M its columns (BGRADB).
+// MS_GEMM_EPILOGUE=0 in the environment turns the fused path off.
 // Returns 1, having done nothing, when the layout or dtypes are not ones the
 // epilogue takes (bias not a contiguous vector of out's dtype, an out the
 // library cannot write in place, mixed dtypes) or cuBLASLt has no algorithm
 // for it: the caller then runs the GEMM and the bias pass apart.
 extern "C" int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
                                      ms_tensor *bias, int mode) {
+    static const int off = [] {   // MS_GEMM_EPILOGUE=0: always the two passes (to compare)
+        const char *e = getenv("MS_GEMM_EPILOGUE");
+        return e && e[0] == '0';
+    }();
+    if (off) return 1;
     if (out->ndim != 2 || a->ndim != 2 || b->ndim != 2 || !bias || bias->ndim != 1) return 1;
     int device = out->device_id;
     int64_t m = out->sizes[0], n = out->sizes[1];
