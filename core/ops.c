@@ -705,6 +705,90 @@ int ms_matmul_epilogue(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, 
     return finish(out, allocated, rc);
 }
 
+/* the (M, N) product's shape after the checks every 2-D epilogue makes */
+static int epilogue_dims(const char *op, const ms_tensor *a, const ms_tensor *b, int transa, int transb, int64_t *M,
+                         int64_t *N) {
+    char x[DESC], y[DESC];
+    if (check2(op, a, b)) return -1;
+    if (a->ndim != 2 || b->ndim != 2)
+        return ms_errorf("%s: needs 2-D operands, got %s and %s", op, ms_shape_str(a, x, sizeof x),
+                         ms_shape_str(b, y, sizeof y));
+    if (a->dtype_id != b->dtype_id || !ms_is_float(a->dtype_id))
+        return ms_errorf("%s: operands must be floats of one dtype, got %s and %s", op, ms_desc(a, x, sizeof x),
+                         ms_desc(b, y, sizeof y));
+    int64_t K, Kb;
+    matrix_dims(a, transa, M, &K);
+    matrix_dims(b, transb, &Kb, N);
+    if (K != Kb) return mismatch(op, a, b, transa, transb);
+    return 0;
+}
+
+int ms_matmul_gelu(ms_tensor **out, ms_tensor **pre, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                   const ms_tensor *bias) {
+    const char *op = "matmul (gelu)";
+    char x[DESC];
+    int64_t M, N;
+    if (!out || !pre) return ms_errorf("%s: no output box", op);
+    if (epilogue_dims(op, a, b, transa, transb, &M, &N)) return -1;
+    if (bias) {
+        if (check2(op, a, bias)) return -1;
+        if (bias->ndim != 1 || bias->sizes[0] != N || bias->dtype_id != a->dtype_id)
+            return ms_errorf("%s: bias must be a %s vector of %lld (the columns of the product), got %s", op,
+                             ms_dtype_name(a->dtype_id), (long long)N, ms_desc(bias, x, sizeof x));
+    }
+    int64_t shape[2] = {M, N};
+    int alloc_out = !*out, alloc_pre = !*pre;
+    if (ms_prepare_out(out, op, 2, shape, a->dtype_id, a->device_id) ||
+        check_given_out(op, alloc_out, *out, a, b, NULL, 0))
+        return -1;
+    if (ms_prepare_out(pre, op, 2, shape, a->dtype_id, a->device_id)) return finish(out, alloc_out, -1);
+    int rc = 1;
+#ifdef MS_WITH_CUDA
+    if (a->device_id >= 0) rc = ms_cuda_gemm_gelu(*out, *pre, a, b, transa, transb, (ms_tensor *)bias, 0);
+#endif
+    if (rc == 1) {
+        ms_tensor *bb = (ms_tensor *)bias;
+        rc = bias ? ms_matmul_epilogue(pre, a, b, transa, transb, &bb, MS_GEMM_BIAS)
+                  : ms_matmul(pre, a, b, transa, transb);
+        if (!rc) rc = ms_unary(out, MS_OP_GELU, *pre);
+    }
+    if (rc) (void)finish(pre, alloc_pre, rc);
+    return finish(out, alloc_out, rc);
+}
+
+int ms_matmul_dgelu(ms_tensor **out, ms_tensor **bias_grad, const ms_tensor *a, const ms_tensor *b, int transa,
+                    int transb, const ms_tensor *pre) {
+    const char *op = "matmul (gelu backward)";
+    char x[DESC];
+    int64_t M, N;
+    if (!out) return ms_errorf("%s: no output box", op);
+    if (epilogue_dims(op, a, b, transa, transb, &M, &N)) return -1;
+    if (check2(op, a, pre)) return -1;
+    if (pre->ndim != 2 || pre->sizes[0] != M || pre->sizes[1] != N || pre->dtype_id != a->dtype_id)
+        return ms_errorf("%s: the pre-activation must be %s (%lld, %lld), got %s", op, ms_dtype_name(a->dtype_id),
+                         (long long)M, (long long)N, ms_desc(pre, x, sizeof x));
+    int64_t shape[2] = {M, N};
+    int alloc_out = !*out, alloc_bg = bias_grad && !*bias_grad;
+    if (ms_prepare_out(out, op, 2, shape, a->dtype_id, a->device_id) ||
+        check_given_out(op, alloc_out, *out, a, b, NULL, 0))
+        return -1;
+    if (bias_grad && ms_prepare_out(bias_grad, op, 1, &N, a->dtype_id, a->device_id)) return finish(out, alloc_out, -1);
+    int rc = 1;
+#ifdef MS_WITH_CUDA
+    if (a->device_id >= 0)
+        rc = ms_cuda_gemm_gelu(*out, (ms_tensor *)pre, a, b, transa, transb, bias_grad ? *bias_grad : NULL, 1);
+#endif
+    if (rc == 1) {
+        ms_tensor *g = NULL;
+        rc = ms_matmul(&g, a, b, transa, transb);
+        if (!rc) rc = ms_binary(out, MS_OP_GELU_BWD, pre, g);   /* g * gelu'(pre) */
+        ms_tensor_free(g);
+        if (!rc && bias_grad) rc = ms_reduce(bias_grad, MS_RED_SUM, *out, 0, 0);
+    }
+    if (rc && bias_grad) (void)finish(bias_grad, alloc_bg, rc);
+    return finish(out, alloc_out, rc);
+}
+
 /* ============================================================ indexing */
 
 static int check_index_tensor(const char *op, const ms_tensor *idx, int max_ndim) {

@@ -76,6 +76,17 @@ int ms_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int trans
 enum { MS_GEMM_BIAS = 1, MS_GEMM_BGRAD_A = 2, MS_GEMM_BGRAD_B = 3 };
 int ms_matmul_epilogue(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
                        ms_tensor **bias, int mode);
+/* 2-D with the tanh GELU (as unary MS_OP_GELU), in the GEMM's epilogue on
+ * CUDA when cuBLASLt has it, else in separate passes (the CPU's reference):
+ *   ms_matmul_gelu:  *pre = op(a) @ op(b) + bias (bias may be NULL),
+ *                    *out = gelu(*pre)  (pre is what the backward needs)
+ *   ms_matmul_dgelu: *out = (op(a) @ op(b)) * gelu'(pre), pre (M, N); with
+ *                    bias_grad non-NULL also *bias_grad (N) = column sums
+ *                    of *out (the bias gradient of the layer before the GELU) */
+int ms_matmul_gelu(ms_tensor **out, ms_tensor **pre, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                   const ms_tensor *bias);
+int ms_matmul_dgelu(ms_tensor **out, ms_tensor **bias_grad, const ms_tensor *a, const ms_tensor *b, int transa,
+                    int transb, const ms_tensor *pre);
 /* out = beta*out + alpha * op(a) @ op(b), 2-D only; out must exist (used for
  * accumulating gradients without a temporary) */
 int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,

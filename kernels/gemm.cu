@@ -174,13 +174,14 @@ const size_t kMaxPlans = 4096;
 // 1 when cuBLASLt has no algorithm for that epilogue (the caller falls back).
 int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand &B, void *C, int64_t ldc,
            int64_t c_batch, int64_t m, int64_t n, int64_t k, int64_t batch, double alpha, double beta,
-           cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT, void *bias = nullptr) {
+           cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT, void *bias = nullptr, void *aux = nullptr,
+           int64_t aux_ld = 0) {
     LtState &s = g_lt[device];
     PlanKey key;
     {
         int64_t kv[22] = {device, dtype, out_dtype, g_allow_tf32, (int64_t)A.op, (int64_t)B.op, A.rows, A.cols,
                           A.ld, B.rows, B.cols, B.ld, ldc, m, n, k, batch, A.batch_stride, B.batch_stride, c_batch,
-                          (int64_t)epi, 0};
+                          (int64_t)epi, aux_ld};
         memcpy(key.v, kv, sizeof kv);
     }
     float af0 = (float)alpha, bf0 = (float)beta;
@@ -202,9 +203,12 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
             cudaStream_t st = ms_cuda_stream_of(device);
             void *ws = nullptr;
             if (lt_workspace(device, st, &ws)) return -1;
-            if (epi != CUBLASLT_EPILOGUE_DEFAULT)
+            if (bias)
                 CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                             sizeof bias));
+            if (aux)
+                CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                                            sizeof aux));
             cublasStatus_t r = cublasLtMatmul(s.handle, plan.desc, pa0, B.ptr, plan.la, A.ptr, plan.lb, pb0, C,
                                               plan.lc, C, plan.lc, &plan.algo, ws, kWorkspace, st);
             if (r == CUBLAS_STATUS_NOT_SUPPORTED && epi != CUBLASLT_EPILOGUE_DEFAULT) return 1;
@@ -246,8 +250,15 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
     if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
         cudaDataType_t bt = cuda_type(out_dtype);
         LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
-        LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
-        LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt));
+        if (bias) {
+            LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+            LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt));
+        }
+        if (aux) {
+            LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
+            LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld));
+            LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &bt, sizeof bt));
+        }
     }
     LT(cublasLtMatrixLayoutCreate(&la, dt, (uint64_t)B.rows, (uint64_t)B.cols, B.ld));
     LT(cublasLtMatrixLayoutCreate(&lb, dt, (uint64_t)A.rows, (uint64_t)A.cols, A.ld));
@@ -427,4 +438,48 @@ extern "C" int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const m
     int64_t ldc = m == 1 ? (n > 1 ? n : 1) : out->strides[0];
     return run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, 0.0, epi,
                   ms_tensor_data(bias));
+}
+
+// The GELU epilogues (the tanh form, as GPT-2's gelu_new), 2-D, bf16/f16/f32:
+//   backward = 0: out = gelu(op(a) @ op(b) + bias), aux = the pre-activation
+//                 (GELU_AUX_BIAS; GELU_AUX without a bias)
+//   backward = 1: out = (op(a) @ op(b)) * gelu'(aux), and with bias (N) given
+//                 bias = the column sums of out (DGELU_BGRAD; DGELU without)
+// aux is (M, N) row-major with a row stride that is a multiple of 8 (the
+// library's). Returns 1, having done nothing, where the epilogue does not
+// apply (then the caller runs the passes apart), as ms_cuda_gemm_epilogue.
+extern "C" int ms_cuda_gemm_gelu(ms_tensor *out, ms_tensor *aux, const ms_tensor *a, const ms_tensor *b, int transa,
+                                 int transb, ms_tensor *bias, int backward) {
+    static const int off = [] {
+        const char *e = getenv("MS_GEMM_EPILOGUE");
+        return e && e[0] == '0';
+    }();
+    if (off) return 1;
+    if (out->ndim != 2 || a->ndim != 2 || b->ndim != 2 || aux->ndim != 2) return 1;
+    int device = out->device_id;
+    int64_t m = out->sizes[0], n = out->sizes[1];
+    int64_t k = transa ? a->sizes[0] : a->sizes[1];
+    int dt = out->dtype_id;
+    if (a->dtype_id != dt || b->dtype_id != dt || aux->dtype_id != dt || dt == MS_F64 || m == 0 || n == 0 || k == 0)
+        return 1;
+    if (aux->sizes[0] != m || aux->sizes[1] != n || aux->device_id != device || aux->strides[1] != 1 ||
+        (m > 1 && aux->strides[0] < n) || (m > 1 ? aux->strides[0] : n) % 8 != 0)
+        return 1;
+    if (bias && (bias->ndim != 1 || bias->sizes[0] != n || bias->dtype_id != dt || bias->device_id != device ||
+                 (bias->strides[0] != 1 && n > 1)))
+        return 1;
+    if (!(out->strides[1] == 1 && (m == 1 || out->strides[0] >= n))) return 1;
+    uintptr_t al = (uintptr_t)ms_tensor_data(out) | (uintptr_t)ms_tensor_data(aux) |
+                   (bias ? (uintptr_t)ms_tensor_data(bias) : 0);
+    if (al % 16 != 0) return 1;
+    operand A, B;
+    if (!describe(a, transa, &A) || !describe(b, transb, &B)) return 1;
+    A.batch_stride = B.batch_stride = 0;
+    if (ms_cuda_activate(device) || lt_ready(device)) return -1;
+    cublasLtEpilogue_t epi = backward ? (bias ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU)
+                                      : (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX);
+    int64_t ldc = m == 1 ? (n > 1 ? n : 1) : out->strides[0];
+    int64_t ald = m == 1 ? n : aux->strides[0];
+    return run_lt(device, dt, dt, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, 0.0, epi,
+                  bias ? ms_tensor_data(bias) : nullptr, ms_tensor_data(aux), ald);
 }

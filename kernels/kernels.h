@@ -37,6 +37,10 @@ int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int tra
 /* 2-D with a cuBLASLt epilogue (MS_GEMM_* of ops.h); 1: not taken, nothing done */
 int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
                           ms_tensor *bias, int mode);
+/* 2-D with the GELU epilogues (forward with the pre-activation as aux, or
+ * the backward's dgelu with the bias gradient); 1: not taken */
+int ms_cuda_gemm_gelu(ms_tensor *out, ms_tensor *aux, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                      ms_tensor *bias, int backward);
 
 /* index.cu */
 int ms_cuda_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);

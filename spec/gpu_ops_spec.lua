@@ -204,6 +204,54 @@ describe('cuda ops #gpu', function()
         assert.is_true(relerr(got, want) <= bound[dt], 'strided bias ' .. relerr(got, want))
       end)
     end
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      it('matmul_gelu and matmul_dgelu (cuBLASLt GELU epilogues) ' .. dt, function()
+        local F = ms.raw
+        local M, K, N = 70, 96, 64
+        for _, ta in ipairs({ false, true }) do
+          for _, tb in ipairs({ false, true }) do
+            local a = randn(ta and { K, M } or { M, K }, dt)
+            local b = randn(tb and { N, K } or { K, N }, dt)
+            local bias = randn({ N }, dt)
+            local what = ('%s ta=%s tb=%s'):format(dt, tostring(ta), tostring(tb))
+            local o1, p1 = F.matmul_gelu(a, b, ta, tb, bias)
+            local o2, p2 = F.matmul_gelu(a:cuda(), b:cuda(), ta, tb, bias:cuda())
+            assert.is_true(relerr(p2, p1) <= bound[dt], 'pre ' .. what .. ' ' .. relerr(p2, p1))
+            assert.is_true(relerr(o2, o1) <= bound[dt], 'gelu ' .. what .. ' ' .. relerr(o2, o1))
+            local z = randn({ M, N }, dt)
+            local d1, s1 = F.matmul_dgelu(a, b, ta, tb, z, true)
+            local d2, s2 = F.matmul_dgelu(a:cuda(), b:cuda(), ta, tb, z:cuda(), true)
+            assert.is_true(relerr(d2, d1) <= bound[dt], 'dgelu ' .. what .. ' ' .. relerr(d2, d1))
+            assert.is_true(relerr(s2, s1) <= bound[dt], 'bias grad ' .. what .. ' ' .. relerr(s2, s1))
+          end
+        end
+      end)
+    end
+    it('an MLP (gelu_mlp node) on cuda matches the CPU in f32 and bf16 autocast', function()
+      local nn = ms.nn
+      local m = nn.MLP { dim = 64, hidden = 256 }
+      local x = randn({ 4, 33, 64 })
+      local g = randn({ 4, 33, 64 })
+      local function run(dev, bf16)
+        local mm = dev == 'cuda' and m:to('cuda') or m
+        mm:zero_grad()
+        local xx = x:to(dev):requires_grad_()
+        local y = bf16 and nn.functional.autocast('bf16', mm, xx) or mm(xx)
+        y:backward(g:to(dev):to(y.dtype))
+        local out = { y = y:detach():to('cpu'), x = xx.grad:to('cpu') }
+        for n, p in mm:named_parameters() do out[n] = p.grad:to('cpu') end
+        if dev == 'cuda' then m:to('cpu') end
+        return out
+      end
+      local ref = run('cpu', false)
+      for _, bf16 in ipairs({ false, true }) do
+        local got = run('cuda', bf16)
+        local b = bf16 and 2e-2 or 1e-5
+        for k, v in pairs(ref) do
+          assert.is_true(relerr(got[k], v) <= b, k .. (bf16 and ' bf16 ' or ' f32 ') .. relerr(got[k], v))
+        end
+      end
+    end)
     it('gemm_ accumulates with beta', function()
       local a, b = randn({ 20, 30 }), randn({ 30, 10 })
       local c = randn({ 20, 10 })

@@ -281,6 +281,53 @@ describe('nn modules', function()
     assert.are.equal(0, maxdiff(s(x), s[3](s[2](s[1](x)))))
   end)
 
+  for _, conv in ipairs({ true, false }) do
+    it(('MLP (%s) runs one gelu_mlp node, equal to the layers one by one; a hooked layer takes the chain')
+      :format(conv and 'Conv1D' or 'Linear'), function()
+      local m = nn.MLP { dim = 4, hidden = 8, conv1d = conv, dtype = 'f64' }
+      for i, p in ipairs(m:parameters()) do p:copy_(ms.randn(p.shape, { seed = 30 + i }):double()) end
+      local x = ms.randn({ 2, 3, 4 }, { seed = 32 }):double():requires_grad_()
+      local g = ms.randn({ 2, 3, 4 }, { seed = 33 }):double()
+      local function run()
+        m:zero_grad()
+        x.grad = nil
+        local y = m(x)
+        local ops = {}
+        for _, node in ipairs(A.tape) do ops[#ops + 1] = node.name end
+        y:backward(g)
+        local gs = { x = x.grad:clone() }
+        for n, p in m:named_parameters() do gs[n] = p.grad:clone() end
+        return y:detach(), gs, table.concat(ops, ' ')
+      end
+      A.clear_tape()
+      local y1, g1, ops1 = run()
+      assert.are.equal('gelu_mlp', ops1)
+      -- the chain, forced by a hook on c_fc
+      local seen = 0
+      local h = m.c_fc:register_forward_hook(function() seen = seen + 1 end)
+      local y2, g2, ops2 = run()
+      h:remove()
+      assert.are.equal(1, seen)
+      assert.matches('gelu', ops2, 1, true)
+      assert.are_not.equal('gelu_mlp', ops2)
+      assert.is_true(maxdiff(y1, y2) < 1e-12)
+      for k, v in pairs(g1) do assert.is_true(maxdiff(v, g2[k]) < 1e-12, k) end
+      -- and by hand
+      local lin = conv and nnf.conv1d_linear or nnf.linear
+      local want = lin(nnf.gelu(lin(x:detach(), m.c_fc.weight:detach(), m.c_fc.bias:detach())),
+        m.c_proj.weight:detach(), m.c_proj.bias:detach())
+      assert.is_true(maxdiff(y1, want) < 1e-12)
+    end)
+  end
+
+  it('gelu_mlp names mismatched shapes', function()
+    local ok, err = pcall(nnf.gelu_mlp, ms.randn({ 2, 4 }), ms.randn({ 4, 8 }), ms.randn({ 8 }), ms.randn({ 7, 4 }),
+      ms.randn({ 4 }), false)
+    assert.is_false(ok)
+    assert.matches('shapes do not chain', err, 1, true)
+    assert.matches('w2 (7, 4)', err, 1, true)
+  end)
+
   it('GatedMLP computes down(silu(gate x) * up x)', function()
     local m = nn.GatedMLP { dim = 3, hidden = 5 }
     local x = ms.randn({ 2, 3 })

@@ -1265,3 +1265,53 @@ describe('matmul_bias and matmul_bgrad (the GEMM epilogues)', function()
     assert.matches('2-D operands', err, 1, true)
   end)
 end)
+
+describe('matmul_gelu and matmul_dgelu (the GELU epilogues)', function()
+  local seed = 7400
+  local function rnd(shape, dt)
+    seed = seed + 1
+    return T.randn(shape, { seed = seed }):to(dt or 'f64')
+  end
+  local function maxdiff(a, b) return (a:double() - b:double()):abs():max():item() end
+
+  for _, dt in ipairs({ 'f64', 'f32', 'bf16' }) do
+    it('equal the product, bias and tanh GELU, and the product times gelu\' (' .. dt .. ')', function()
+      local tol = ({ f64 = 1e-12, f32 = 1e-4, bf16 = 0.1 })[dt]
+      local M, K, N = 7, 11, 16
+      for _, ta in ipairs({ false, true }) do
+        for _, tb in ipairs({ false, true }) do
+          local a = rnd(ta and { K, M } or { M, K }, dt)
+          local b = rnd(tb and { N, K } or { K, N }, dt)
+          local bias = rnd({ N }, dt)
+          local p = F.matmul(a, b, ta, tb)
+          local want_pre = F.add(p, bias)
+          local out, pre = F.matmul_gelu(a, b, ta, tb, bias)
+          assert.is_true(maxdiff(pre, want_pre) <= tol, 'pre')
+          assert.is_true(maxdiff(out, F.gelu(want_pre)) <= tol, 'gelu')
+          local out0, pre0 = F.matmul_gelu(a, b, ta, tb)
+          assert.is_true(maxdiff(pre0, p) == 0 and maxdiff(out0, F.gelu(p)) <= tol, 'no bias')
+          -- backward: (a b) * gelu'(pre) and its column sums
+          local z = rnd({ M, N }, dt)
+          local d, bg = F.matmul_dgelu(a, b, ta, tb, z, true)
+          -- gelu' by a central difference in f64
+          local gp = F.mul(p:double(), F.sub(F.gelu(F.add(z:double(), 1e-6)), F.gelu(F.sub(z:double(), 1e-6))) / 2e-6)
+          assert.is_true(maxdiff(d, gp) <= (dt == 'f64' and 1e-6 or tol), 'dgelu ' .. maxdiff(d, gp))
+          assert.is_true(maxdiff(bg, d:double():sum(1)) <= tol, 'bias grad')
+          local d2, none = F.matmul_dgelu(a, b, ta, tb, z)
+          assert.is_nil(none)
+          assert.is_true(maxdiff(d2, d) == 0)
+        end
+      end
+    end)
+  end
+
+  it('rejects a pre-activation or bias that does not fit, naming them', function()
+    local a, b = rnd({ 4, 3 }), rnd({ 3, 5 })
+    local ok, err = pcall(F.matmul_dgelu, a, b, false, false, rnd({ 5, 4 }))
+    assert.is_false(ok)
+    assert.matches('pre-activation must be f64 (4, 5)', err, 1, true)
+    ok, err = pcall(F.matmul_gelu, a, b, false, false, rnd({ 3 }))
+    assert.is_false(ok)
+    assert.matches('vector of 5', err, 1, true)
+  end)
+end)

@@ -73,9 +73,9 @@ local function cast1(t)
   if d == region or d == 0 or d > 3 then return t end
   return t:to(T.dtype_name(region))
 end
-function amp.cast(a, b, c, d)
-  if region == nil then return a, b, c, d end
-  return cast1(a), cast1(b), cast1(c), cast1(d)
+function amp.cast(a, b, c, d, e)
+  if region == nil then return a, b, c, d, e end
+  return cast1(a), cast1(b), cast1(c), cast1(d), cast1(e)
 end
 
 -- the dtype a norm emits for input x: the region's for f32/f16/bf16 input

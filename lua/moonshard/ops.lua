@@ -271,6 +271,31 @@ function F.matmul_bias(a, b, transa, transb, bias)
   return run(C.ms_matmul_epilogue, a, b, flag(transa), flag(transb), bb, C.MS_GEMM_BIAS)
 end
 
+-- matmul_gelu(a, b, transa, transb, bias?): 2-D gelu(op(a) @ op(b) + bias)
+-- (the tanh form) and the pre-activation; returns out, pre
+function F.matmul_gelu(a, b, transa, transb, bias)
+  need_tensor('matmul_gelu', a, 'a')
+  need_tensor('matmul_gelu', b, 'b')
+  if bias ~= nil then need_tensor('matmul_gelu', bias, 'bias') end
+  local ob, pb = box_t(), box_t()
+  if C.ms_matmul_gelu(ob, pb, a, b, flag(transa), flag(transb), bias) ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  return wrap(ob[0]), wrap(pb[0])
+end
+
+-- matmul_dgelu(a, b, transa, transb, pre, bias_grad?): 2-D (op(a) @ op(b)) *
+-- gelu'(pre), and with bias_grad true the column sums of that; returns out,
+-- bias_grad (or nil)
+function F.matmul_dgelu(a, b, transa, transb, pre, bias_grad)
+  need_tensor('matmul_dgelu', a, 'a')
+  need_tensor('matmul_dgelu', b, 'b')
+  need_tensor('matmul_dgelu', pre, 'pre')
+  local ob, gb = box_t(), box_t()
+  if C.ms_matmul_dgelu(ob, bias_grad and gb or nil, a, b, flag(transa), flag(transb), pre) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  return wrap(ob[0]), bias_grad and wrap(gb[0]) or nil
+end
+
 -- matmul_bgrad(a, b, transa, transb, side): 2-D op(a) @ op(b) and the sum
 -- over k of op(a) (side 'a': M values) or of op(b) (side 'b': N values), a
 -- layer's weight gradient and its bias gradient in one GEMM on CUDA when

@@ -21,6 +21,7 @@
 --                 reduction = 'mean'|'sum'|'none', label_smoothing = 0})
 --   scaled_dot_product_attention(q (B,H,Tq,D), k (B,Hkv,Tk,D), v, {causal = true, scale =})
 --   qkv_attention(qkv (B,T,3*H*D), H, {causal = true, scale =}) -> (B,T,H*D)
+--   gelu_mlp(x, w1, b1, w2, b2, wt): affine(gelu(affine(x, w1, b1)), w2, b2) as one node
 --   apply_rotary(x (..., T, D), cos (T, D), sin (T, D))   (HF rotate_half)
 --   rope_cache(T, head_dim, theta, dtype, device) -> cos, sin (cached)
 --   lm_loss(hidden (B,T,C), weight (V,C), targets (B,T), opts)
@@ -162,6 +163,85 @@ nnf.linear = affine_fn('linear', true)
 
 -- x (..., in) @ w (in, out) + b (out): Hugging Face's GPT-2 Conv1D
 nnf.conv1d_linear = affine_fn('conv1d_linear', false)
+
+-- gelu_mlp(x, w1, b1, w2, b2, wt): GPT-2's MLP, affine2(gelu(affine1(x))),
+-- as one node whose GEMMs carry the rest in their cuBLASLt epilogues on
+-- CUDA: the first GEMM adds b1, applies the (tanh) GELU and keeps the
+-- pre-activation; the second adds b2; in the backward the gradient of the
+-- hidden layer comes out of its GEMM already multiplied by gelu'(pre), with
+-- b1's gradient, and b2's gradient comes with w2's. wt as in affine: false
+-- for Conv1D weights (in, out), true for Linear's (out, in). The CPU runs
+-- the same passes apart (ms_matmul_gelu / _dgelu / _epilogue). Biases are
+-- required; mixed dtypes take the plain chain.
+local function bwd_gelu_mlp(node, g)
+  local s, need = node.saved, node.need
+  local x2, w1, pre, h, w2, wt = s[1], s[2], s[3], s[4], s[5], s.wt
+  if g.dtype_id ~= h.dtype_id then g = R.to(g, { dtype = h.dtype_id }) end
+  local g2 = rows(g)
+  local dx, dw1, db1, dw2, db2
+  if need[4] and need[5] then
+    if wt then dw2, db2 = F.matmul_bgrad(g2, h, true, false, 'a')
+    else dw2, db2 = F.matmul_bgrad(h, g2, true, false, 'b') end
+  else
+    if need[4] then dw2 = wt and F.matmul(g2, h, true, false) or F.matmul(h, g2, true, false) end
+    if need[5] then db2 = F.sum(g2, 1) end
+  end
+  if need[1] or need[2] or need[3] then
+    local dpre
+    dpre, db1 = F.matmul_dgelu(g2, w2, false, not wt, pre, need[3])
+    if need[2] then dw1 = wt and F.matmul(dpre, x2, true, false) or F.matmul(x2, dpre, true, false) end
+    if need[1] then
+      local d2 = F.matmul(dpre, w1, false, not wt)
+      dx = R.reshape(d2, node.ishape[1])
+      if dx ~= d2 then free(d2) end
+    end
+    free(dpre)
+  end
+  if g2 ~= g then free(g2) end
+  return dx, dw1, db1, dw2, db2
+end
+
+function nnf.gelu_mlp(x, w1, b1, w2, b2, wt)
+  local name = 'gelu_mlp'
+  need_tensor(name, x, 'the input')
+  for i, t in ipairs({ w1, b1, w2, b2 }) do need_tensor(name, t, ({ 'w1', 'b1', 'w2', 'b2' })[i]) end
+  x, w1, b1, w2, b2 = amp.cast(x, w1, b1, w2, b2)
+  local dt = x.dtype_id
+  if w1.dtype_id ~= dt or b1.dtype_id ~= dt or w2.dtype_id ~= dt or b2.dtype_id ~= dt then
+    local lin = wt and nnf.linear or nnf.conv1d_linear
+    return lin(nnf.gelu(lin(x, w1, b1)), w2, b2)
+  end
+  if w1.ndim ~= 2 or w2.ndim ~= 2 then
+    error(('%s: weights must be 2-D, got %s and %s'):format(name, dims(w1), dims(w2)), 2)
+  end
+  local in_f = tonumber(w1.sizes[wt and 1 or 0])
+  local hid = tonumber(w1.sizes[wt and 0 or 1])
+  local out_f = tonumber(w2.sizes[wt and 0 or 1])
+  if x.ndim < 1 or tonumber(x.sizes[x.ndim - 1]) ~= in_f or tonumber(w2.sizes[wt and 1 or 0]) ~= hid
+      or b1.ndim ~= 1 or tonumber(b1.sizes[0]) ~= hid or b2.ndim ~= 1 or tonumber(b2.sizes[0]) ~= out_f then
+    error(('%s: shapes do not chain: x %s, w1 %s, b1 %s, w2 %s, b2 %s'):format(name, dims(x), dims(w1), dims(b1),
+      dims(w2), dims(b2)), 2)
+  end
+  local x2 = rows(x)
+  local h, pre = F.matmul_gelu(x2, w1, false, wt, b1)
+  local y2 = F.matmul_bias(h, w2, false, wt, b2)
+  local y = y2
+  if x.ndim ~= 2 then
+    local sh = shape_of(x)
+    sh[#sh] = out_f
+    y = R.view(y2, sh)
+    free(y2)
+  end
+  if want(x, w1, b1) or want(w2, b2) then
+    local own = { pre, h }
+    if x2 ~= x then own[3] = x2 end
+    A.record_list(name, y, bwd_gelu_mlp, { x2, w1, pre, h, w2, wt = wt }, own, { x, w1, b1, w2, b2 })
+  else
+    free(pre); free(h)
+    if x2 ~= x then free(x2) end
+  end
+  return y
+end
 
 -- ------------------------------------------------------------ embedding
 local function bwd_embedding(node, g)

@@ -681,7 +681,23 @@ function MLP:init(cfg)
   self:register_module('c_fc', L(cfg.dim, hidden, o))
   self:register_module('c_proj', L(hidden, cfg.dim, o))
 end
-function MLP:forward(x) return self.c_proj(nnf.gelu(self.c_fc(x))) end
+-- a module whose call is its bare forward (no hooks, no backward marks)
+local function plain(m)
+  local pre, post = rawget(m, '_forward_pre_hooks'), rawget(m, '_forward_hooks')
+  return (pre == nil or #pre == 0) and (post == nil or #post == 0) and not A.should_mark(m)
+end
+function MLP:forward(x)
+  local fc, pr = self.c_fc, self.c_proj
+  -- one node with the bias and GELU in the GEMMs' epilogues (nnf.gelu_mlp)
+  -- when nothing watches the two layers; else the modules one by one
+  -- (exactly Linear or Conv1D: a subclass may have a forward of its own)
+  local cls = getmetatable(fc)
+  if (cls == Conv1D or cls == Linear) and getmetatable(pr) == cls and fc.bias ~= nil and pr.bias ~= nil
+      and plain(fc) and plain(pr) then
+    return nnf.gelu_mlp(x, fc.weight, fc.bias, pr.weight, pr.bias, cls == Linear)
+  end
+  return pr(nnf.gelu(fc(x)))
+end
 function MLP:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, self.hidden) end
 
 -- Llama's SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x))
