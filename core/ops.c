@@ -166,7 +166,7 @@ static const char *const g_unary_names[MS_OP_UNARY_END] = {
     "sin", "cos", "square", "reciprocal", "sign"};
 static const char *const g_binary_names[MS_OP_BINARY_END] = {
     "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
-    "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward", "relu_backward"};
+    "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward", "relu_backward", "swiglu"};
 static const char *const g_reduce_names[MS_RED_END] = {
     "sum", "mean", "max", "min", "argmax", "argmin", "logsumexp", "prod"};
 

@@ -39,6 +39,8 @@ enum {
     MS_OP_EQ, MS_OP_NE, MS_OP_LT, MS_OP_LE, MS_OP_GT, MS_OP_GE,
     /* backward helpers: out = grad * f'(x), a = x, b = grad */
     MS_OP_GELU_BWD, MS_OP_SILU_BWD, MS_OP_SIGMOID_BWD, MS_OP_TANH_BWD, MS_OP_RELU_BWD,
+    /* silu(a) * b: SwiGLU's gate a and up b in one pass */
+    MS_OP_SWIGLU,
     MS_OP_BINARY_END
 };
 enum {

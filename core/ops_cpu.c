@@ -361,6 +361,7 @@ static void binary_f32(int op, int64_t n, const float *a, const float *b, float 
         }
         break;
     case MS_OP_RELU_BWD: for (i = 0; i < n; i++) o[i] = a[i] > 0 ? b[i] : 0.0f; break;
+    case MS_OP_SWIGLU: for (i = 0; i < n; i++) o[i] = a[i] * sigmoid_f32(a[i]) * b[i]; break;
     }
 }
 
@@ -395,6 +396,7 @@ static void binary_f64(int op, int64_t n, const double *a, const double *b, doub
         }
         break;
     case MS_OP_RELU_BWD: for (i = 0; i < n; i++) o[i] = a[i] > 0 ? b[i] : 0.0; break;
+    case MS_OP_SWIGLU: for (i = 0; i < n; i++) o[i] = a[i] * sigmoid_f64(a[i]) * b[i]; break;
     }
 }
 

@@ -86,6 +86,7 @@ __device__ __forceinline__ F binary_f(int op, F a, F b) {
         return b * ((F)1 - t * t);
     }
     case MS_OP_RELU_BWD: return a > (F)0 ? b : (F)0;
+    case MS_OP_SWIGLU: return a * sigmoid_f(a) * b;
     }
     return a;
 }

@@ -252,6 +252,16 @@ describe('cuda ops #gpu', function()
         end
       end
     end)
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      it('swiglu (silu(gate) * up) and its backward ops ' .. dt, function()
+        local F = ms.raw
+        local g, u, d = randn({ 37, 130 }, dt), randn({ 37, 130 }, dt), randn({ 37, 130 }, dt)
+        assert.is_true(relerr(F.swiglu(g:cuda(), u:cuda()), F.swiglu(g, u)) <= bound[dt])
+        local y = ms.nn.functional.swiglu(g:cuda():requires_grad_(), u:cuda())
+        assert.are.equal('cuda:0', y.device)
+        assert.is_true(relerr(F.silu_backward(g:cuda(), d:cuda()), F.silu_backward(g, d)) <= bound[dt])
+      end)
+    end
     it('gemm_ accumulates with beta', function()
       local a, b = randn({ 20, 30 }), randn({ 30, 10 })
       local c = randn({ 20, 10 })

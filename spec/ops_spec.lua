@@ -1315,3 +1315,20 @@ describe('matmul_gelu and matmul_dgelu (the GELU epilogues)', function()
     assert.matches('vector of 5', err, 1, true)
   end)
 end)
+
+describe('swiglu (silu(gate) * up in one pass)', function()
+  it('equals silu(gate) * up in f64, f32 and bf16, with broadcasting', function()
+    for _, dt in ipairs({ 'f64', 'f32', 'bf16' }) do
+      local g = T.randn({ 5, 7 }, { seed = 7501 }):to(dt)
+      local u = T.randn({ 5, 7 }, { seed = 7502 }):to(dt)
+      local want = F.mul(F.silu(g:to('f64')), u:to('f64'))
+      local got = F.swiglu(g, u)
+      assert.are.equal(dt, got.dtype)
+      local tol = ({ f64 = 1e-14, f32 = 1e-6, bf16 = 2e-2 })[dt]
+      assert.is_true(F.sub(got:to('f64'), want):abs():max():item() <= tol, dt)
+      local row = T.randn({ 7 }, { seed = 7503 }):to(dt)
+      local b = F.swiglu(g, row)
+      assert.are.same({ 5, 7 }, b.shape)
+    end
+  end)
+end)

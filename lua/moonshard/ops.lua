@@ -184,6 +184,13 @@ for name, id in pairs(backward_ops) do
   end
 end
 
+-- swiglu(gate, up) = silu(gate) * up in one pass (broadcasting as mul)
+function F.swiglu(gate, up)
+  need_tensor('swiglu', gate, 'the gate')
+  need_tensor('swiglu', up, 'up')
+  return run(C.ms_binary, C.MS_OP_SWIGLU, gate, up)
+end
+
 -- clamp(a, lo, hi): a missing bound is no bound
 function F.clamp(a, lo, hi)
   need_tensor('clamp', a)

@@ -16,7 +16,7 @@
 --   layer_norm(x, w, b, eps)        over the last dim
 --   rms_norm(x, w, eps)             over the last dim, computed in f32 (HF Llama)
 --   dropout(x, p, training, {seed=, offset=})
---   gelu(x) (tanh form), silu(x), softmax(x, dim), log_softmax(x, dim)
+--   gelu(x) (tanh form), silu(x), swiglu(gate, up), softmax(x, dim), log_softmax(x, dim)
 --   cross_entropy(logits (N, V), targets (N), {ignore_index = -100,
 --                 reduction = 'mean'|'sum'|'none', label_smoothing = 0})
 --   scaled_dot_product_attention(q (B,H,Tq,D), k (B,Hkv,Tk,D), v, {causal = true, scale =})
@@ -396,6 +396,33 @@ function nnf.gelu(x, approximate)
   return W.gelu(x)
 end
 function nnf.silu(x) return W.silu(x) end
+
+-- swiglu(gate, up) = silu(gate) * up, Llama's gated activation, as one node
+-- of one pass (F.swiglu): silu(gate) is neither stored nor saved; the
+-- backward gives d up = silu(gate) * g (one pass) and d gate =
+-- silu'(gate) * g * up (two). Same shapes; gate and up may differ in dtype
+-- as for mul.
+local function bwd_swiglu(node, g)
+  local gate, up = node.saved[1], node.saved[2]
+  local dgate, dup
+  if node.need[2] then dup = F.swiglu(gate, g) end
+  if node.need[1] then
+    local t = F.mul(g, up)
+    dgate = F.silu_backward(gate, t)
+    free(t)
+  end
+  return dgate, dup
+end
+function nnf.swiglu(gate, up)
+  need_tensor('swiglu', gate, 'the gate')
+  need_tensor('swiglu', up, 'up')
+  if dims(gate) ~= dims(up) then
+    error(('swiglu: gate %s and up %s must have one shape'):format(dims(gate), dims(up)), 2)
+  end
+  local y = F.swiglu(gate, up)
+  if want(gate, up) then record1('swiglu', y, bwd_swiglu, { gate, up }, nil, gate, up) end
+  return y
+end
 function nnf.relu(x) return W.relu(x) end
 function nnf.tanh(x) return W.tanh(x) end
 function nnf.sigmoid(x) return W.sigmoid(x) end

@@ -714,8 +714,7 @@ function GatedMLP:init(cfg)
   self:register_module('down_proj', Linear(cfg.hidden, cfg.dim, o))
 end
 function GatedMLP:forward(x)
-  local g = nnf.silu(self.gate_proj(x))
-  return self.down_proj(g * self.up_proj(x))
+  return self.down_proj(nnf.swiglu(self.gate_proj(x), self.up_proj(x)))
 end
 function GatedMLP:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, self.hidden) end
 
