@@ -1148,7 +1148,7 @@ int ms_layer_norm(ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_
  * dw and db computed there and delivered in w's dtype */
 static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                          const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                         int64_t C) {
+                         int64_t C, const ms_tensor *gres) {
     int cdt = compute_dtype_of(x->dtype_id), pdt = w ? w->dtype_id : cdt, ax = 0;
     ms_tensor *gc = NULL, *xc = NULL, *mc = NULL, *rc_ = NULL, *wc = NULL, *dwt = NULL, *dbt = NULL;
     int rc = 0;
@@ -1163,10 +1163,24 @@ static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tens
     if (!rc) rc = contiguous_as(&wc, w, cdt);
     if (!rc && dw) rc = ms_tensor_empty(&dwt, 1, &C, cdt, x->device_id);
     if (!rc && db) rc = ms_tensor_empty(&dbt, 1, &C, cdt, x->device_id);
+    int fused = 0;
     if (!rc) {
         ms_tensor *dxt = dx ? *dx : NULL;
-        rc = mean ? dev_layer_norm_backward(dxt, dwt, dbt, gc, xc, mc, rc_, wc)
-                  : dev_rms_norm_backward(dxt, dwt, gc, xc, rc_, wc);
+#ifdef MS_WITH_CUDA
+        /* gres added by the kernel in its own pass when the dtypes allow */
+        if (gres && dx && mean && x->device_id >= 0) {
+            ms_tensor *grc = NULL;
+            rc = ms_tensor_contiguous(&grc, gres);
+            if (!rc) rc = ms_cuda_layer_norm_backward_add(dxt, dwt, dbt, gc, xc, mc, rc_, wc, grc);
+            ms_tensor_free(grc);
+            if (rc == 0) fused = 1;
+            if (rc == 1) rc = 0;
+        }
+#endif
+        if (!rc && !fused)
+            rc = mean ? dev_layer_norm_backward(dxt, dwt, dbt, gc, xc, mc, rc_, wc)
+                      : dev_rms_norm_backward(dxt, dwt, gc, xc, rc_, wc);
+        if (!rc && gres && dx && !fused) rc = ms_binary(dx, MS_OP_ADD, *dx, gres);
     }
     if (!rc && dw) rc = deliver_column(dw, op, "dw", &dwt, pdt);
     if (!rc && db) rc = deliver_column(db, op, "db", &dbt, pdt);
@@ -1186,7 +1200,77 @@ int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const
     int64_t N, C;
     if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
     if (!mean) return ms_errorf("%s: needs the saved mean", op);
-    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C);
+    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, NULL);
+}
+
+int ms_layer_norm_backward_add(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
+                               const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
+                               const ms_tensor *gres) {
+    const char *op = "layer_norm_backward (with a residual gradient)";
+    char a[DESC], b[DESC];
+    int64_t N, C;
+    if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
+    if (!mean) return ms_errorf("%s: needs the saved mean", op);
+    if (!gres) return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, NULL);
+    if (check2(op, x, gres)) return -1;
+    int same = gres->ndim == x->ndim;
+    for (int i = 0; same && i < x->ndim; i++) same = gres->sizes[i] == x->sizes[i];
+    if (!same || !ms_is_float(gres->dtype_id))
+        return ms_errorf("%s: the residual gradient %s must be a float tensor of x's shape %s", op,
+                         ms_desc(gres, a, sizeof a), ms_shape_str(x, b, sizeof b));
+    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, gres);
+}
+
+int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_tensor *x,
+                      const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int out_dtype) {
+    const char *op = "add_layer_norm";
+    char d1[DESC], d2[DESC];
+    int64_t N, C;
+    if (!res) return ms_errorf("%s: no box for the sum", op);
+    if (check2(op, x, h)) return -1;
+    int same = h->ndim == x->ndim;
+    for (int i = 0; same && i < x->ndim; i++) same = h->sizes[i] == x->sizes[i];
+    if (!same || !ms_is_float(x->dtype_id) || !ms_is_float(h->dtype_id))
+        return ms_errorf("%s: x %s and h %s must be float tensors of one shape", op, ms_desc(x, d1, sizeof d1),
+                         ms_desc(h, d2, sizeof d2));
+    if (norm_checks(op, x, w, b, &out_dtype, &N, &C)) return -1;
+    int sdt = ms_promote(x->dtype_id, h->dtype_id);
+    int cdt = compute_dtype_of(sdt), as = 0, ay = 0, am = 0, ar = 0;
+    int rc = prepare_contig(res, op, "sum", x->ndim, x->sizes, sdt, x->device_id, &as);
+    if (!rc) rc = check_given_out(op, as, *res, x, h, NULL, 0);
+    int tried = 0;
+#ifdef MS_WITH_CUDA
+    if (!rc && x->device_id >= 0 && sdt == x->dtype_id && h->dtype_id == out_dtype) {
+        ms_tensor *xc = NULL, *hc = NULL, *wc = NULL, *bc = NULL;
+        rc = prepare_contig(out, op, "out", x->ndim, x->sizes, out_dtype, x->device_id, &ay);
+        if (!rc) rc = check_given_out(op, ay, *out, x, w, b, 0);
+        if (!rc && mean) rc = prepare_contig(mean, op, "mean", 1, &N, cdt, x->device_id, &am);
+        if (!rc && rstd) rc = prepare_contig(rstd, op, "rstd", 1, &N, cdt, x->device_id, &ar);
+        if (!rc) rc = ms_tensor_contiguous(&xc, x);
+        if (!rc) rc = ms_tensor_contiguous(&hc, h);
+        if (!rc) rc = contiguous_as(&wc, w, cdt);
+        if (!rc) rc = contiguous_as(&bc, b, cdt);
+        if (!rc) {
+            rc = ms_cuda_add_layer_norm(*res, *out, mean ? *mean : NULL, rstd ? *rstd : NULL, xc, hc, wc, bc, eps);
+            tried = rc != 1;
+            if (rc == 1) rc = 0;
+        }
+        ms_tensor_free(xc);
+        ms_tensor_free(hc);
+        ms_tensor_free(wc);
+        ms_tensor_free(bc);
+    }
+#endif
+    if (!rc && !tried) { /* two passes (the CPU's reference): the sum, then the norm */
+        rc = ms_binary(res, MS_OP_ADD, x, h);
+        if (!rc) rc = ms_layer_norm(out, mean, rstd, *res, w, b, eps, out_dtype);
+    }
+    if (rc) {
+        if (mean) finish(mean, am, rc);
+        if (rstd) finish(rstd, ar, rc);
+        finish(out, ay, rc);
+    }
+    return finish(res, as, rc);
 }
 
 int ms_rms_norm(ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w, double eps,
@@ -1213,7 +1297,7 @@ int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, con
     const char *op = "rms_norm_backward";
     int64_t N, C;
     if (norm_backward_checks(op, g, x, NULL, rstd, w, &N, &C)) return -1;
-    return norm_backward(op, dx, dw, NULL, g, x, NULL, rstd, w, C);
+    return norm_backward(op, dx, dw, NULL, g, x, NULL, rstd, w, C, NULL);
 }
 
 /* a and b share bytes of one storage */

@@ -142,6 +142,18 @@ int ms_layer_norm(ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_
                   const ms_tensor *b, double eps, int out_dtype);
 int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g, const ms_tensor *x,
                            const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w);
+/* The residual add fused in front of a LayerNorm: *res = x + h (promoted
+ * dtype; h of x's shape), then layer_norm(*res) into out, mean, rstd as
+ * ms_layer_norm. One CUDA pass when res has x's dtype and h out's (an f32
+ * residual stream, a bf16 branch output, a bf16 norm output), else the add
+ * and the norm apart (and always on the CPU, the reference).
+ * ms_layer_norm_backward_add: the backward with gres, a gradient of x from
+ * elsewhere (the residual stream's), added into dx in the same pass. */
+int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_tensor *x,
+                      const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int out_dtype);
+int ms_layer_norm_backward_add(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
+                               const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
+                               const ms_tensor *gres);
 int ms_rms_norm(ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w, double eps,
                 int out_dtype);
 int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,

@@ -33,18 +33,28 @@
 // ---------------------------------------------------------------- kernels
 
 // one warp per row; lane l takes the V-element chunks l·V, (l+32)·V, ...
-template <typename X, typename Y, typename A, int V, bool RMS>
+// RES (the residual add before the norm): the row normalised is
+// s = x + h, rounded to X and written to `res` (h in Y's dtype); the later
+// passes read it back from there (this lane's own writes)
+template <typename X, typename Y, typename A, int V, bool RMS, bool RES>
 __global__ void norm_fwd_kernel(Y *__restrict__ y, A *__restrict__ mean, A *__restrict__ rstd,
                                 const X *__restrict__ x, const A *__restrict__ w, const A *__restrict__ b,
-                                long long N, int C, A eps) {
+                                long long N, int C, A eps, const Y *__restrict__ h, X *__restrict__ res) {
     const int lane = threadIdx.x & 31;
     const long long wpb = blockDim.x >> 5;
     for (long long row = blockIdx.x * wpb + (threadIdx.x >> 5); row < N; row += (long long)gridDim.x * wpb) {
-        const X *xr = x + row * C;
+        const X *xr = RES ? res + row * C : x + row * C;
         A s = 0;
         for (int i = lane * V; i < C; i += 32 * V) {
             A v[V];
-            load_v<A, X, V>(v, xr + i);
+            load_v<A, X, V>(v, x + row * C + i);
+            if (RES) {
+                A hv[V];
+                load_v<A, Y, V>(hv, h + row * C + i);
+#pragma unroll
+                for (int k = 0; k < V; k++) v[k] = round_as<X>(v[k] + hv[k]);
+                store_v<X, V>(res + row * C + i, v);
+            }
 #pragma unroll
             for (int k = 0; k < V; k++) s += RMS ? v[k] * v[k] : v[k];
         }
@@ -107,11 +117,13 @@ __device__ __forceinline__ void block_sum2(A &a, A &b, A *red) {
 // one block per row, striding; thread t owns the chunks t·V, (t+nt)·V, ...
 // of every row. acc: 2·C partial sums (dw then db) in shared memory, or at
 // gacc + blockIdx.x·2C when they do not fit.
+// gres (or NULL): a gradient of x from elsewhere (x's dtype), added to dx
+// (the residual stream's, when x is a residual sum: one pass, not two)
 template <typename G, typename X, typename A, int V, bool RMS>
 __global__ void norm_bwd_kernel(X *__restrict__ dx, A *__restrict__ part_w, A *__restrict__ part_b,
                                 A *__restrict__ gacc, const G *__restrict__ g, const X *__restrict__ x,
                                 const A *__restrict__ mean, const A *__restrict__ rstd, const A *__restrict__ w,
-                                long long N, int C) {
+                                long long N, int C, const X *__restrict__ gres) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A *red = reinterpret_cast<A *>(smem_raw);
     A *acc = gacc ? gacc + (long long)blockIdx.x * 2 * C : red + 64;
@@ -148,13 +160,15 @@ __global__ void norm_bwd_kernel(X *__restrict__ dx, A *__restrict__ part_w, A *_
                 load_v<A, G, V>(gv, gr + i);
                 load_v<A, X, V>(xv, xr + i);
             }
-            A o[V];
+            A o[V], rv[V];
+            if (dx && gres) load_v<A, X, V>(rv, gres + row * C + i);
 #pragma unroll
             for (int k = 0; k < V; k++) {
                 const A xh = (xv[k] - mu) * rs;
                 if (dx) {
                     const A d = w ? gv[k] * w[i + k] : gv[k];
                     o[k] = RMS ? rs * (d - xh * bsum) : rs * (d - a - xh * bsum);
+                    if (gres) o[k] += rv[k];
                 }
                 if (pw) acc[i + k] += gv[k] * (RMS ? round_as<X>(xh) : xh);
                 if (pb) acc[C + i + k] += gv[k];
@@ -212,19 +226,26 @@ void rows_of(const ms_tensor *x, long long *N, int *C) {
 
 template <typename X, typename Y, typename A, bool RMS>
 int launch_fwd(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w,
-               const ms_tensor *b, double eps, long long N, int C) {
+               const ms_tensor *b, double eps, long long N, int C, const ms_tensor *h = nullptr,
+               ms_tensor *res = nullptr) {
     constexpr int VV = 16 / (sizeof(X) > sizeof(Y) ? sizeof(X) : sizeof(Y));
-    const bool vec = C % VV == 0 && ms_aligned16(ms_tensor_data(x)) && ms_aligned16(ms_tensor_data(y));
+    const bool vec = C % VV == 0 && ms_aligned16(ms_tensor_data(x)) && ms_aligned16(ms_tensor_data(y)) &&
+                     (!h || (ms_aligned16(ms_tensor_data(h)) && ms_aligned16(ms_tensor_data(res))));
     cudaStream_t s = ms_cuda_stream_of(x->device_id);
     const int threads = 256;
     long long blocks = (N + threads / 32 - 1) / (threads / 32);
     if (blocks > 65535LL * 32) blocks = 65535LL * 32;
-    if (vec)
-        norm_fwd_kernel<X, Y, A, VV, RMS><<<(unsigned)blocks, threads, 0, s>>>(
-            ptr<Y>(y), ptr<A>(mean), ptr<A>(rstd), ptr<X>(x), ptr<A>(w), ptr<A>(b), N, C, (A)eps);
-    else
-        norm_fwd_kernel<X, Y, A, 1, RMS><<<(unsigned)blocks, threads, 0, s>>>(
-            ptr<Y>(y), ptr<A>(mean), ptr<A>(rstd), ptr<X>(x), ptr<A>(w), ptr<A>(b), N, C, (A)eps);
+#define NORM_FWD(V_, RES_)                                                                                   \
+    norm_fwd_kernel<X, Y, A, V_, RMS, RES_><<<(unsigned)blocks, threads, 0, s>>>(                             \
+        ptr<Y>(y), ptr<A>(mean), ptr<A>(rstd), ptr<X>(x), ptr<A>(w), ptr<A>(b), N, C, (A)eps, ptr<Y>(h), ptr<X>(res))
+    if (h) {
+        if (vec) NORM_FWD(VV, true);
+        else NORM_FWD(1, true);
+    } else {
+        if (vec) NORM_FWD(VV, false);
+        else NORM_FWD(1, false);
+    }
+#undef NORM_FWD
     LAUNCH_CHECK("norm_fwd_kernel");
     return 0;
 }
@@ -260,22 +281,24 @@ int norm_forward(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor
 template <typename G, typename X, typename A, int V, bool RMS>
 int launch_bwd_v(ms_tensor *dx, A *part_w, A *part_b, A *gacc, const ms_tensor *g, const ms_tensor *x,
                  const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C, int blocks,
-                 int threads, size_t smem) {
+                 int threads, size_t smem, const ms_tensor *gres) {
     auto kernel = norm_bwd_kernel<G, X, A, V, RMS>;
     if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<blocks, threads, smem, ms_cuda_stream_of(x->device_id)>>>(
-        ptr<X>(dx), part_w, part_b, gacc, ptr<G>(g), ptr<X>(x), ptr<A>(mean), ptr<A>(rstd), ptr<A>(w), N, C);
+        ptr<X>(dx), part_w, part_b, gacc, ptr<G>(g), ptr<X>(x), ptr<A>(mean), ptr<A>(rstd), ptr<A>(w), N, C,
+        ptr<X>(gres));
     LAUNCH_CHECK("norm_bwd_kernel");
     return 0;
 }
 
 template <typename G, typename X, typename A, bool RMS>
 int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
-               const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C) {
+               const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C,
+               const ms_tensor *gres) {
     const int dev = x->device_id, adt = sizeof(A) == 8 ? MS_F64 : MS_F32;
     constexpr int VV = 16 / (sizeof(X) > sizeof(G) ? sizeof(X) : sizeof(G));
     const bool vec = C % VV == 0 && ms_aligned16(ms_tensor_data(x)) && ms_aligned16(ms_tensor_data(g)) &&
-                     (!dx || ms_aligned16(ms_tensor_data(dx)));
+                     (!dx || ms_aligned16(ms_tensor_data(dx))) && (!gres || ms_aligned16(ms_tensor_data(gres)));
     const int V = vec ? VV : 1;
     // threads: enough for one chunk per thread, a multiple of 32, at most 1024
     long long chunks = (C + V - 1) / V;
@@ -308,9 +331,9 @@ int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, 
         if (global_acc && ms_tensor_empty(&ga.t, 1, gs, adt, dev)) return -1;
     }
     int rc = vec ? launch_bwd_v<G, X, A, VV, RMS>(dx, ptr<A>(pw.t), ptr<A>(pb.t), ptr<A>(ga.t), g, x, mean, rstd, w,
-                                                   N, C, blocks, threads, smem)
+                                                   N, C, blocks, threads, smem, gres)
                  : launch_bwd_v<G, X, A, 1, RMS>(dx, ptr<A>(pw.t), ptr<A>(pb.t), ptr<A>(ga.t), g, x, mean, rstd, w,
-                                                  N, C, blocks, threads, smem);
+                                                  N, C, blocks, threads, smem, gres);
     if (rc) return rc;
     if (params) {
         dim3 cb(8, 32), cg((unsigned)((C + 7) / 8), 2);
@@ -325,7 +348,7 @@ int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, 
 // reverse, goes through a converted copy of g)
 template <bool RMS>
 int norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
-                  const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w) {
+                  const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres = nullptr) {
     const char *op = RMS ? "rms_norm_backward" : "layer_norm_backward";
     long long N;
     int C;
@@ -341,14 +364,14 @@ int norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *
     if ((g->dtype_id == MS_F64) != x64) {
         tmp_tensor t;
         if (ms_tensor_to(&t.t, g, x64 ? MS_F64 : MS_F32, g->device_id)) return -1;
-        return norm_backward<RMS>(dx, dw, db, t.t, x, mean, rstd, w);
+        return norm_backward<RMS>(dx, dw, db, t.t, x, mean, rstd, w, gres);
     }
-    if (x64) return launch_bwd<double, double, double, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C);
+    if (x64) return launch_bwd<double, double, double, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres);
     return with_float32_type(g->dtype_id, op, [&](auto gt) {
         using G = decltype(gt);
         return with_float32_type(x->dtype_id, op, [&](auto xt) {
             using X = decltype(xt);
-            return launch_bwd<G, X, float, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C);
+            return launch_bwd<G, X, float, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres);
         });
     });
 }
@@ -364,6 +387,38 @@ extern "C" int ms_cuda_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tens
                                            const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd,
                                            const ms_tensor *w) {
     return norm_backward<false>(dx, dw, db, g, x, mean, rstd, w);
+}
+
+// the residual add fused in front of the LayerNorm (core/ops.h,
+// ms_add_layer_norm): res = x + h, y = layer_norm(res). Returns 1 (nothing
+// done) for the dtype pairs the kernel does not take: h must have y's dtype
+// and res x's, f32/bf16/f16 (the caller then adds and normalises apart).
+extern "C" int ms_cuda_add_layer_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, ms_tensor *rstd,
+                                      const ms_tensor *x, const ms_tensor *h, const ms_tensor *w, const ms_tensor *b,
+                                      double eps) {
+    if (h->dtype_id != y->dtype_id || res->dtype_id != x->dtype_id || x->dtype_id == MS_F64 ||
+        y->dtype_id == MS_F64)
+        return 1;
+    long long N;
+    int C;
+    rows_of(x, &N, &C);
+    if (N == 0 || C == 0) return 1;
+    if (ms_cuda_activate(x->device_id)) return -1;
+    return with_float32_type(x->dtype_id, "add_layer_norm", [&](auto xt) {
+        using X = decltype(xt);
+        return with_float32_type(y->dtype_id, "add_layer_norm", [&](auto yt) {
+            using Y = decltype(yt);
+            return launch_fwd<X, Y, float, false>(y, mean, rstd, x, w, b, eps, N, C, h, res);
+        });
+    });
+}
+
+// layer_norm_backward with dx += gres in the same pass (gres in x's dtype)
+extern "C" int ms_cuda_layer_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g,
+                                               const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd,
+                                               const ms_tensor *w, const ms_tensor *gres) {
+    if (!dx || gres->dtype_id != x->dtype_id) return 1;
+    return norm_backward<false>(dx, dw, db, g, x, mean, rstd, w, gres);
 }
 
 extern "C" int ms_cuda_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps) {

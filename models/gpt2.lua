@@ -76,8 +76,15 @@ function Block:init(cfg)
 end
 
 function Block:forward(x)
-  x = x + self.drop(self.attn(self.ln_1(x)))
-  return x + self.drop(self.mlp(self.ln_2(x)))
+  local a = self.drop(self.attn(self.ln_1(x)))
+  local ln = self.ln_2
+  if getmetatable(ln) == nn.LayerNorm and nn.plain(ln) then
+    -- the residual add and ln_2 in one node (one pass on CUDA)
+    local r, y = nn.functional.add_layer_norm(x, a, ln.weight, ln.bias, ln.eps)
+    return r + self.drop(self.mlp(y))
+  end
+  x = x + a
+  return x + self.drop(self.mlp(ln(x)))
 end
 
 local GPT2Model = nn.Module:extend('GPT2Model')

@@ -477,6 +477,40 @@ function F.native_layer_norm(x, w, b, eps, out_dtype)
   return wrap(y[0]), wrap(m[0]), wrap(r[0])
 end
 
+-- native_add_layer_norm(x, h, w?, b?, eps = 1e-5, out_dtype?) -> res, y,
+-- mean, rstd: res = x + h and y = layer_norm(res), one pass on CUDA when
+-- res has x's dtype and h out_dtype's (ms_add_layer_norm)
+function F.native_add_layer_norm(x, h, w, b, eps, out_dtype)
+  need_tensor('add_layer_norm', x, 'x')
+  need_tensor('add_layer_norm', h, 'h')
+  opt_tensor('add_layer_norm', w, 'the weight')
+  opt_tensor('add_layer_norm', b, 'the bias')
+  local s, y, m, r = box_t(), box_t(), box_t(), box_t()
+  if C.ms_add_layer_norm(s, y, m, r, x, h, w, b, eps or 1e-5, out_dtype_of(out_dtype)) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  return wrap(s[0]), wrap(y[0]), wrap(m[0]), wrap(r[0])
+end
+
+-- native_layer_norm_backward_add(g, x, mean, rstd, w?, gres, {dx=, dw=, db=})
+-- -> dx (+ gres, in the same pass on CUDA), dw, db
+function F.native_layer_norm_backward_add(g, x, mean, rstd, w, gres, want)
+  need_tensor('layer_norm_backward', g, 'the gradient')
+  need_tensor('layer_norm_backward', x, 'x')
+  need_tensor('layer_norm_backward', mean, 'the saved mean')
+  need_tensor('layer_norm_backward', rstd, 'the saved rstd')
+  opt_tensor('layer_norm_backward', w, 'the weight')
+  opt_tensor('layer_norm_backward', gres, 'the residual gradient')
+  want = want or {}
+  local dx = want.dx ~= false and box_t() or nil
+  local dw = want.dw ~= false and box_t() or nil
+  local db = want.db ~= false and box_t() or nil
+  if C.ms_layer_norm_backward_add(dx, dw, db, g, x, mean, rstd, w, gres) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  return dx and wrap_opt(dx), dw and wrap_opt(dw), db and wrap_opt(db)
+end
+
 -- native_layer_norm_backward(g, x, mean, rstd, w?, {dx=, dw=, db=}) -> dx, dw, db
 -- (each true by default; a false one is not computed and comes back nil)
 function F.native_layer_norm_backward(g, x, mean, rstd, w, want)

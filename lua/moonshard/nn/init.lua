@@ -681,11 +681,14 @@ function MLP:init(cfg)
   self:register_module('c_fc', L(cfg.dim, hidden, o))
   self:register_module('c_proj', L(hidden, cfg.dim, o))
 end
--- a module whose call is its bare forward (no hooks, no backward marks)
+-- nn.plain(m): m's call is its bare forward (no hooks, no backward marks),
+-- so a caller may fuse it with its neighbours (nnf.gelu_mlp,
+-- nnf.add_layer_norm) without anyone noticing
 local function plain(m)
   local pre, post = rawget(m, '_forward_pre_hooks'), rawget(m, '_forward_hooks')
   return (pre == nil or #pre == 0) and (post == nil or #post == 0) and not A.should_mark(m)
 end
+nn.plain = plain
 function MLP:forward(x)
   local fc, pr = self.c_fc, self.c_proj
   -- one node with the bias and GELU in the GEMMs' epilogues (nnf.gelu_mlp)
