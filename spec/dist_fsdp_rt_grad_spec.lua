@@ -236,6 +236,24 @@ describe('fsdp runtime: gradients #mpi', function()
     end
   end)
 
+  it('fsdp.SGD (momentum, nesterov, L2 decay on every element) matches optim.SGD in one process', function()
+    local opts = { lr = 0.05, momentum = 0.9, nesterov = true, weight_decay = 0.01 }
+    local ref = load_model()
+    local ropt = ms.optim.SGD(ref, opts)
+    local m = fsdp.fully_shard(load_model(), shard_opts('FULL_SHARD'))
+    local opt = fsdp.SGD(m, opts)
+    local x, y = tensors(rows(800, 2))
+    for s = 1, 4 do
+      local lr = ref(x, y); local vr = lr:item(); lr:backward(); ropt:step(); ropt:zero_grad()
+      local l = m(x, y)
+      assert.is_true(rel(l:item(), vr) < 1e-5, ('step %d: %.9g vs %.9g'):format(s, l:item(), vr))
+      l:backward(); opt:step(); opt:zero_grad()
+    end
+    local ok, err = pcall(fsdp.optimizer, m, 'AdamW', {})
+    assert.is_false(ok)
+    assert.matches('optimizer class', err, 1, true)
+  end)
+
   it('opts.group: FULL_SHARD within pairs of ranks, each pair trains alone', function()
     local groups = {}
     for a = 0, W - 1, 2 do

@@ -2,7 +2,7 @@
 -- (core/fsdp/flat.h) and its three collective steps, and on top of them
 -- the fully_shard runtime (units by policy; FULL_SHARD, SHARD_GRAD_OP,
 -- NO_SHARD, HYBRID_SHARD; prefetch with a limit; mixed precision; no_sync;
--- clip_grad_norm; fsdp.AdamW with the decay split over the master shards),
+-- clip_grad_norm; fsdp.AdamW / fsdp.SGD / fsdp.optimizer over the master shards),
 -- the same code for CPU tensors over MPI and CUDA tensors over NCCL
 -- (docs/fsdp.md).
 --
@@ -1043,24 +1043,37 @@ function fsdp.clip_grad_norm(model, max_norm, opts)
   return r
 end
 
--- fsdp.AdamW(model, opts): ms.optim.AdamW over the master shards. Each
--- unit's flat layout puts the decayed parameters first, so this rank's
--- shard splits into at most one decayed range and one no-decay range; the
--- optimizer has two groups of such ranges (narrow views of the shards,
--- weight_decay = opts.weight_decay and 0) and steps each group in one fused
--- call. opt:zero_grad() is fsdp.zero_grad(model); after each step the next
--- unshard gathers the new values.
-function fsdp.AdamW(model, opts)
-  local optim = require 'moonshard.optim'
-  local st = state_of(model, 'fsdp.AdamW')
+-- Optimizers over the master shards. Each unit's flat layout puts the
+-- decayed parameters first, so this rank's shard splits into at most one
+-- decayed range and one no-decay range; the optimizer has two groups of
+-- such ranges (narrow views of the shards, weight_decay = opts.weight_decay
+-- and 0) and steps each group in one fused call (AdamW). opt:zero_grad() is
+-- fsdp.zero_grad(model); after each step the next unshard gathers the new
+-- values.
+--
+-- fsdp.optimizer(model, cls, opts, split_decay): optimizer class `cls`
+-- (ms.optim.AdamW, ms.optim.SGD, or any built by optim.new_optimizer) over
+-- the units' flat f32 shards, one parameter group per decay kind. With
+-- split_decay (AdamW's default, as for a whole model) the decayed part of
+-- each shard (the 2-D weights, laid out first) gets opts.weight_decay and
+-- the rest none; without it every element decays (SGD's default, as
+-- optim.SGD(model) does). step() hands each piece its slice of the shard's
+-- gradient, steps, then refreshes the low-precision copies and unsharded
+-- buffers (fsdp.after_step); zero_grad() clears the units' gradients.
+function fsdp.optimizer(model, cls, opts, split_decay)
+  local st = state_of(model, 'fsdp.optimizer')
+  if type(cls) ~= 'table' or getmetatable(cls) == nil then
+    error('fsdp.optimizer: cls must be an optimizer class (ms.optim.AdamW, ms.optim.SGD, ...)', 2)
+  end
   opts = opts or {}
   local wd = opts.weight_decay
-  if wd == nil then wd = 0.01 end
+  if wd == nil then wd = cls == require('moonshard.optim').AdamW and 0.01 or 0 end
   local decay, nodecay, pieces = {}, {}, {}
   for _, u in ipairs(st.units) do
     local fp = u.fp
     local S = fp.shard_numel
-    local nd = math.max(0, math.min(S, u.decay_end - fp.rank * S))   -- decayed elements of this shard
+    local nd = S   -- decayed elements of this shard
+    if split_decay then nd = math.max(0, math.min(S, u.decay_end - fp.rank * S)) end
     local function piece(off, n, list)
       local p = fp.shard:narrow(1, off + 1, n)
       pieces[#pieces + 1] = { p = p, unit = u, off = off, n = n, decay = list == decay }
@@ -1072,8 +1085,8 @@ function fsdp.AdamW(model, opts)
   local groups = {}
   if #decay > 0 then groups[#groups + 1] = { params = decay, weight_decay = wd } end
   if #nodecay > 0 then groups[#groups + 1] = { params = nodecay, weight_decay = 0 } end
-  if #groups == 0 then error('fsdp.AdamW: the model has no parameters', 2) end
-  local opt = optim.AdamW(groups, opts)
+  if #groups == 0 then error('fsdp.optimizer: the model has no parameters', 2) end
+  local opt = cls(groups, opts)
   rawset(opt, 'fsdp_pieces', pieces)
   local step = opt.step
   rawset(opt, 'step', function(self, ...)
@@ -1091,6 +1104,17 @@ function fsdp.AdamW(model, opts)
   end)
   rawset(opt, 'zero_grad', function() fsdp.zero_grad(model) end)
   return opt
+end
+
+-- the fused AdamW over the shards, decay split as optim.AdamW(model)
+function fsdp.AdamW(model, opts)
+  return fsdp.optimizer(model, require('moonshard.optim').AdamW, opts, true)
+end
+
+-- SGD (momentum, nesterov, L2 weight decay) over the shards, every element
+-- decayed as optim.SGD(model)
+function fsdp.SGD(model, opts)
+  return fsdp.optimizer(model, require('moonshard.optim').SGD, opts, false)
 end
 
 function FlatParam:__tostring()
