@@ -90,6 +90,10 @@ void ms_cuda_host_free(void *p);
 enum { MS_ATTENTION_AUTO = 0, MS_ATTENTION_MMA, MS_ATTENTION_WMMA, MS_ATTENTION_SIMT };
 int ms_cuda_attention_set_impl(int impl);   /* 0, or -1 for a value not above */
 int ms_cuda_attention_get_impl(void);
+/* 1: the mma backward in one pass (FA2: dq through f32 atomics inside the
+ * dk/dv kernel), 0: two deterministic kernels (the default; the environment's
+ * MS_ATTENTION_BWD=onepass chooses the first); returns the previous one */
+int ms_cuda_attention_set_onepass(int on);
 int ms_cuda_attention_last_impl(void);
 /* FFI-END */
 

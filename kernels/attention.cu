@@ -390,6 +390,33 @@ int mma_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor 
     return 0;
 }
 
+// the one-pass backward's dq: the f32 sums (B, H, Tq, D) rounded into dq's
+// dtype and layout, 8 elements a thread
+template <typename T>
+__global__ void dq_store_kernel(T *dq, const float *acc, qkv_layout l, int H, long long Tq, int D, long long n8) {
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n8) return;
+    const long long idx = e * 8, row = idx / D;
+    const int d = (int)(idx - row * D);
+    const long long t = row % Tq, bh = row / Tq;
+    T *dst = dq + at(l, bh / H, bh % H, t) + d;
+#pragma unroll
+    for (int i = 0; i < 8; i++) dst[i] = (T)acc[idx + i];
+}
+
+// MS_ATTENTION_BWD=onepass: the mma backward as FA2's one pass (dq summed
+// with float atomics inside the dk/dv kernel: fewer flops, run-to-run
+// variation in dq's last bits); the default is the deterministic pair of
+// kernels. ms_cuda_attention_set_onepass overrides the environment.
+int g_onepass = -1;
+bool onepass() {
+    if (g_onepass < 0) {
+        const char *e = getenv("MS_ATTENTION_BWD");
+        g_onepass = e && strcmp(e, "onepass") == 0;
+    }
+    return g_onepass == 1;
+}
+
 template <typename T, int D>
 int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
             const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s) {
@@ -397,6 +424,27 @@ int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, con
     constexpr int BQ = C::dkdv_bq, KMT = C::dkdv_mt, QMT = C::dq_mt;
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
+    if (onepass() && Tk > 0 && Tq > 0 && B * Hkv > 0) {
+        holder acc;
+        int64_t shape[4] = {B, H, Tq, D};
+        if (ms_tensor_empty(&acc.t, 4, shape, MS_F32, q->device_id)) return -1;
+        CUDA_CHECK(cudaMemsetAsync(ms_tensor_data(acc.t), 0, (size_t)B * H * Tq * D * sizeof(float), s));
+        size_t smem = mma::dkdv_smem<T, D, BQ, KMT, true>();
+        if (set_smem<T>(mma::dkdv_kernel<T, D, BQ, KMT, true>, smem)) return -1;
+        dim3 grid((unsigned)((Tk + 64 * KMT - 1) / (64 * KMT)), (unsigned)(B * Hkv));
+        mma::dkdv_kernel<T, D, BQ, KMT, true><<<grid, 128, smem, s>>>(
+            (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
+            layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal, (float *)ms_tensor_data(acc.t));
+        LAUNCH_CHECK("mma::dkdv_kernel (one pass)");
+        long long n8 = (long long)B * H * Tq * D / 8;
+        dq_store_kernel<T><<<(unsigned)((n8 + 255) / 256), 256, 0, s>>>((T *)ms_tensor_data(dq),
+                                                                       (const float *)ms_tensor_data(acc.t),
+                                                                       layout4(dq), H, Tq, D, n8);
+        LAUNCH_CHECK("dq_store_kernel");
+        // the buffer goes back to the allocator in stream order (holder frees it)
+        return 0;
+    }
     if (Tk > 0 && B * Hkv > 0) {
         size_t smem = mma::dkdv_smem<T, D, BQ, KMT>();
         if (set_smem<T>(mma::dkdv_kernel<T, D, BQ, KMT>, smem)) return -1;
@@ -627,5 +675,13 @@ extern "C" int ms_cuda_attention_set_impl(int impl) {
 }
 
 extern "C" int ms_cuda_attention_get_impl(void) { return g_impl_set; }
+
+// 1: the one-pass mma backward (dq through f32 atomics), 0: the deterministic
+// two kernels; returns the previous setting
+extern "C" int ms_cuda_attention_set_onepass(int on) {
+    int old = onepass() ? 1 : 0;
+    g_onepass = on ? 1 : 0;
+    return old;
+}
 
 extern "C" int ms_cuda_attention_last_impl(void) { return g_impl_last; }

@@ -21,8 +21,10 @@
 //   dq       64*MT queries a block, looping over 64-key tiles: dQ += dS.K
 //            (S and dP recomputed: 3.5x the forward's flops for the whole
 //            backward, against FA2's 2.5x with atomic dQ).
-// No atomics: every gradient element is owned by one thread, so the results
-// are the same bits on every run. Included by attention.cu only (it uses that
+// No atomics by default: every gradient element is owned by one thread, so
+// the results are the same bits on every run. MS_ATTENTION_BWD=onepass (or
+// ms_cuda_attention_set_onepass) runs FA2's one pass instead: the dk/dv
+// kernel also sums dq with f32 atomics (dkdv_kernel's DQ). Included by attention.cu only (it uses that
 // file's qkv_layout, at() and kLog2e).
 namespace mma {
 
@@ -94,6 +96,15 @@ __device__ __forceinline__ void ldb(unsigned r[4], const T *s, int N, int C, int
 template <typename T, int LD>
 __device__ __forceinline__ void ldbt(unsigned r[4], const T *s, int N, int C, int lane) {
     ldsm_x4_t(r, s + (C + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + N + (lane >> 4) * 8);
+}
+
+// A fragment of rows R..R+15 (m), cols C..C+15 (k) from a tile stored
+// [k][m] (dS^T in the one-pass backward), with .trans: matrix i = lane >> 3
+// covers m half i & 1 and k half i >> 1; lane -> row C + (lane & 7) +
+// (lane >> 4) * 8, col R + ((lane >> 3) & 1) * 8 (.trans: M[k = 2t, 2t+1][m = g] = a0)
+template <typename T, int LD>
+__device__ __forceinline__ void ldat(unsigned r[4], const T *s, int R, int C, int lane) {
+    ldsm_x4_t(r, s + (C + (lane & 7) + (lane >> 4) * 8) * LD + R + ((lane >> 3) & 1) * 8);
 }
 
 #ifndef MS_ATTENTION_MMA_EMU
@@ -407,22 +418,76 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
 
 // -------------------------------------------------------------- backward
 // dk, dv for 64*MT keys of one (b, kv head); warp w owns keys
-// 16*MT*w..16*MT*(w+1)-1 and sees BQ queries at a time
-template <typename T, int D, int BQ, int MT>
+// 16*MT*w..16*MT*(w+1)-1 and sees BQ queries at a time.
+// DQ (the one-pass backward, FA2's): the block also adds its keys' share
+// of dQ = scale dS K into dqacc, an f32 (B, H, Tq, D) buffer zeroed
+// before, with float atomics: each step's dS^T tile goes to shared memory
+// (double-buffered Ss, [key][query]), and at the top of the next step,
+// after the barrier, warp w multiplies it by columns [w D/4, (w+1) D/4) of
+// the block's K tile (the step's Q tile is B/4 x D; the last one after the
+// loop). 2.5x the forward's flops instead of 3.5x; the sums' order, and so
+// dq's last bits, then vary from run to run.
+template <typename T, int D, int BQ, int MT, bool DQ = false>
 size_t dkdv_smem() {
-    return (size_t)(2 * 64 * MT + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * sizeof(float);
+    return (size_t)(2 * 64 * MT + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * sizeof(float) +
+           (DQ ? (size_t)2 * 64 * MT * (BQ + 8) * sizeof(T) : 0);
 }
 
-template <typename T, int D, int BQ, int MT>
+// dQ (+)= scale dS K for the BQ queries of step `it` (see dkdv_kernel):
+// this warp's D/4 columns, dS^T from Ss ([key][query], row stride BQ + 8)
+template <typename T, int D, int BQ, int BN>
+__device__ __forceinline__ void dq_from_ds(float *dqacc, const T *Ss, const T *Ks, int warp, int lane, long long b,
+                                           int hq, long long i0, int H, long long Tq, float scale) {
+    constexpr int LD = D + 8, LS = BQ + 8, NC = D / 4, NNT = NC / 8, MQ = BQ / 16;
+    float acc[MQ][NNT][4];
+#pragma unroll
+    for (int mq = 0; mq < MQ; mq++)
+#pragma unroll
+        for (int n = 0; n < NNT; n++) acc[mq][n][0] = acc[mq][n][1] = acc[mq][n][2] = acc[mq][n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) {
+        unsigned a[MQ][4];
+#pragma unroll
+        for (int mq = 0; mq < MQ; mq++) ldat<T, LS>(a[mq], Ss, mq * 16, kk * 16, lane);
+#pragma unroll
+        for (int np = 0; np < NNT / 2; np++) {
+            unsigned kb[4];
+            ldbt<T, LD>(kb, Ks, warp * NC + np * 16, kk * 16, lane);
+#pragma unroll
+            for (int mq = 0; mq < MQ; mq++) {
+                op<T>::mma(acc[mq][2 * np], a[mq], kb[0], kb[1]);
+                op<T>::mma(acc[mq][2 * np + 1], a[mq], kb[2], kb[3]);
+            }
+        }
+    }
+    const int g8 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int mq = 0; mq < MQ; mq++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const long long i = i0 + mq * 16 + g8 + 8 * r;
+            if (i >= Tq) continue;
+            float *row = dqacc + (((long long)b * H + hq) * Tq + i) * D + warp * NC + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < NNT; n++) {
+                atomicAdd(row + n * 8, acc[mq][n][2 * r] * scale);
+                atomicAdd(row + n * 8 + 1, acc[mq][n][2 * r + 1] * scale);
+            }
+        }
+}
+
+template <typename T, int D, int BQ, int MT, bool DQ = false>
 __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
                                                    const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                    qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
-                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
-    constexpr int BN = 64 * MT, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16, NQ = BQ / 8;
+                                                   int Hkv, long long Tq, long long Tk, float scale, int causal,
+                                                   float *dqacc = nullptr) {
+    constexpr int BN = 64 * MT, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16, NQ = BQ / 8, LS = BQ + 8;
     constexpr bool KREG = D <= 64 && MT == 1;  // K, V fragments live in registers (else re-read from shared)
     extern __shared__ __align__(128) unsigned char sm[];
     T *Ks = (T *)sm, *Vs = Ks + BN * LD, *Qs = Vs + BN * LD, *Gs = Qs + 2 * BQ * LD;
     float *Ls = (float *)(Gs + 2 * BQ * LD), *Ds = Ls + 2 * BQ;
+    T *Ss = (T *)(Ds + 2 * BQ);   // DQ: dS^T of the last two steps, BN x LS each
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
     const int wrow = warp * 16 * MT;
     const long long j0 = (long long)blockIdx.x * BN;
@@ -485,11 +550,25 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
                 }
             }
         }
+        if constexpr (DQ) {   // the previous step's dQ: every warp wrote its rows of that Ss before the barrier
+            if (it > 0)
+                dq_from_ds<T, D, BQ, BN>(dqacc, Ss + (buf ^ 1) * BN * LS, Ks, warp, lane, b,
+                                         g * rep + (int)((it - 1) / nq), istart + ((it - 1) % nq) * BQ, H, Tq, scale);
+        }
         if (it + 1 < total) issue(it + 1, buf ^ 1);
         cp_async_commit();
         const long long i0 = istart + (it % nq) * BQ;
         // causal: this warp's keys are after every query of the tile
-        if (causal && j0 + wrow > i0 + BQ - 1 + off) continue;
+        if (causal && j0 + wrow > i0 + BQ - 1 + off) {
+            if constexpr (DQ) {   // its rows of dS^T are zero
+                T *Sb = Ss + buf * BN * LS;
+                for (int e = lane; e < 16 * MT * (BQ / 8); e += 32) {
+                    const int r = e / (BQ / 8), c = (e - r * (BQ / 8)) * 8;
+                    *reinterpret_cast<uint4 *>(Sb + (wrow + r) * LS + c) = uint4{0u, 0u, 0u, 0u};
+                }
+            }
+            continue;
+        }
         const T *Qb = Qs + buf * BQ * LD, *Gb = Gs + buf * BQ * LD;
         const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
 
@@ -554,6 +633,10 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
                     dpt[mt][n][e] = p * (dpt[mt][n][e] - Db[c]);
                 }
         }
+        if constexpr (DQ) {
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) frag_to_smem<T, BQ>(Ss + buf * BN * LS, dpt[mt], wrow + mt * 16, lane, 1.f, 1.f);
+        }
         // dV_w += P^T dO, dK_w += dS^T Q (A operands straight from registers)
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; kk++) {
@@ -583,6 +666,13 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
     // the wait covers K/V copies still in flight when the loop never ran
     cp_async_wait_all();
     __syncthreads();
+    if constexpr (DQ) {   // the last step's dQ, before K's tile is reused
+        if (total > 0) {
+            dq_from_ds<T, D, BQ, BN>(dqacc, Ss + ((total - 1) & 1) * BN * LS, Ks, warp, lane, b,
+                                     g * rep + (int)((total - 1) / nq), istart + ((total - 1) % nq) * BQ, H, Tq, scale);
+            __syncthreads();
+        }
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         frag_to_smem<T, D>(Ks, dka[mt], wrow + mt * 16, lane, scale, scale);

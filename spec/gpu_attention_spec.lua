@@ -53,19 +53,23 @@ local function attention_backward(q, k, v, o, l, g, scale, causal)
   return T.wrap(a[0]), T.wrap(b[0]), T.wrap(c[0])
 end
 
-local impl_ids = { mma = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA, simt = C.MS_ATTENTION_SIMT }
+-- mma1: mma with the one-pass backward (ms_cuda_attention_set_onepass)
+local impl_ids = { mma = C.MS_ATTENTION_MMA, mma1 = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA,
+  simt = C.MS_ATTENTION_SIMT }
 local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt' }
 -- fn() with `impl` forced, back to auto afterwards even on error
 local function with_impl(impl, fn)
   T.check(C.ms_cuda_attention_set_impl(impl_ids[impl]))
+  local prev = C.ms_cuda_attention_set_onepass(impl == 'mma1' and 1 or 0)
   local ok, err = pcall(fn)
+  C.ms_cuda_attention_set_onepass(prev)
   C.ms_cuda_attention_set_impl(C.MS_ATTENTION_AUTO)
   if not ok then error(err, 0) end
 end
 -- what a call with `impl` forced should run (falls back mma -> wmma -> simt)
 local function expected_impl(impl, dt, D)
   if dt == 'f32' or impl == 'simt' then return 'simt' end
-  if impl == 'mma' and (D == 64 or D == 128) then return 'mma' end
+  if (impl == 'mma' or impl == 'mma1') and (D == 64 or D == 128) then return 'mma' end
   if D == 16 or D == 32 or D == 64 or D == 128 then return 'wmma' end
   return 'simt'
 end
@@ -138,7 +142,7 @@ describe('fused attention on cuda #gpu', function()
       local name = ('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d%s'):format(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D,
         c.causal and ' causal' or '')
       -- f32 runs simt whatever is asked: once, on the shorter cases
-      local impls = dt == 'f32' and (c.Tq < 1024 and { 'simt' } or {}) or { 'mma', 'wmma', 'simt' }
+      local impls = dt == 'f32' and (c.Tq < 1024 and { 'simt' } or {}) or { 'mma', 'mma1', 'wmma', 'simt' }
       local ref
       seed = seed + 10
       local case_seed = seed
