@@ -1168,10 +1168,10 @@ static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tens
         ms_tensor *dxt = dx ? *dx : NULL;
 #ifdef MS_WITH_CUDA
         /* gres added by the kernel in its own pass when the dtypes allow */
-        if (gres && dx && mean && x->device_id >= 0) {
+        if (gres && dx && x->device_id >= 0) {
             ms_tensor *grc = NULL;
             rc = ms_tensor_contiguous(&grc, gres);
-            if (!rc) rc = ms_cuda_layer_norm_backward_add(dxt, dwt, dbt, gc, xc, mc, rc_, wc, grc);
+            if (!rc) rc = ms_cuda_norm_backward_add(dxt, dwt, dbt, gc, xc, mc, rc_, wc, grc, mean == NULL);
             ms_tensor_free(grc);
             if (rc == 0) fused = 1;
             if (rc == 1) rc = 0;
@@ -1203,27 +1203,40 @@ int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const
     return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, NULL);
 }
 
+static int norm_backward_add(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
+                             const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
+                             const ms_tensor *gres) {
+    char a[DESC], b[DESC];
+    int64_t N, C;
+    if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
+    if (gres) {
+        if (check2(op, x, gres)) return -1;
+        int same = gres->ndim == x->ndim;
+        for (int i = 0; same && i < x->ndim; i++) same = gres->sizes[i] == x->sizes[i];
+        if (!same || !ms_is_float(gres->dtype_id))
+            return ms_errorf("%s: the residual gradient %s must be a float tensor of x's shape %s", op,
+                             ms_desc(gres, a, sizeof a), ms_shape_str(x, b, sizeof b));
+    }
+    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, gres);
+}
+
 int ms_layer_norm_backward_add(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                                const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
                                const ms_tensor *gres) {
     const char *op = "layer_norm_backward (with a residual gradient)";
-    char a[DESC], b[DESC];
-    int64_t N, C;
-    if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
     if (!mean) return ms_errorf("%s: needs the saved mean", op);
-    if (!gres) return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, NULL);
-    if (check2(op, x, gres)) return -1;
-    int same = gres->ndim == x->ndim;
-    for (int i = 0; same && i < x->ndim; i++) same = gres->sizes[i] == x->sizes[i];
-    if (!same || !ms_is_float(gres->dtype_id))
-        return ms_errorf("%s: the residual gradient %s must be a float tensor of x's shape %s", op,
-                         ms_desc(gres, a, sizeof a), ms_shape_str(x, b, sizeof b));
-    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, gres);
+    return norm_backward_add(op, dx, dw, db, g, x, mean, rstd, w, gres);
 }
 
-int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_tensor *x,
-                      const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int out_dtype) {
-    const char *op = "add_layer_norm";
+int ms_rms_norm_backward_add(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,
+                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres) {
+    return norm_backward_add("rms_norm_backward (with a residual gradient)", dx, dw, NULL, g, x, NULL, rstd, w, gres);
+}
+
+/* res = x + h, then the norm (rms: RMSNorm, no mean or bias) of res */
+static int add_norm(const char *op, int rms, ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_tensor **rstd,
+                    const ms_tensor *x, const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps,
+                    int out_dtype) {
     char d1[DESC], d2[DESC];
     int64_t N, C;
     if (!res) return ms_errorf("%s: no box for the sum", op);
@@ -1251,7 +1264,7 @@ int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_ten
         if (!rc) rc = contiguous_as(&wc, w, cdt);
         if (!rc) rc = contiguous_as(&bc, b, cdt);
         if (!rc) {
-            rc = ms_cuda_add_layer_norm(*res, *out, mean ? *mean : NULL, rstd ? *rstd : NULL, xc, hc, wc, bc, eps);
+            rc = ms_cuda_add_norm(*res, *out, mean ? *mean : NULL, rstd ? *rstd : NULL, xc, hc, wc, bc, eps, rms);
             tried = rc != 1;
             if (rc == 1) rc = 0;
         }
@@ -1263,7 +1276,8 @@ int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_ten
 #endif
     if (!rc && !tried) { /* two passes (the CPU's reference): the sum, then the norm */
         rc = ms_binary(res, MS_OP_ADD, x, h);
-        if (!rc) rc = ms_layer_norm(out, mean, rstd, *res, w, b, eps, out_dtype);
+        if (!rc) rc = rms ? ms_rms_norm(out, rstd, *res, w, eps, out_dtype)
+                          : ms_layer_norm(out, mean, rstd, *res, w, b, eps, out_dtype);
     }
     if (rc) {
         if (mean) finish(mean, am, rc);
@@ -1271,6 +1285,16 @@ int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_ten
         finish(out, ay, rc);
     }
     return finish(res, as, rc);
+}
+
+int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_tensor *x,
+                      const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int out_dtype) {
+    return add_norm("add_layer_norm", 0, res, out, mean, rstd, x, h, w, b, eps, out_dtype);
+}
+
+int ms_add_rms_norm(ms_tensor **res, ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *h,
+                    const ms_tensor *w, double eps, int out_dtype) {
+    return add_norm("add_rms_norm", 1, res, out, NULL, rstd, x, h, w, NULL, eps, out_dtype);
 }
 
 int ms_rms_norm(ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w, double eps,

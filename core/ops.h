@@ -154,6 +154,11 @@ int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_ten
 int ms_layer_norm_backward_add(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                                const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
                                const ms_tensor *gres);
+/* the same before an RMSNorm (Llama's post-attention norm) */
+int ms_add_rms_norm(ms_tensor **res, ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *h,
+                    const ms_tensor *w, double eps, int out_dtype);
+int ms_rms_norm_backward_add(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,
+                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres);
 int ms_rms_norm(ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w, double eps,
                 int out_dtype);
 int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,

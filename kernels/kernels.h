@@ -56,12 +56,13 @@ int ms_cuda_layer_norm(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_
                        const ms_tensor *b, double eps);
 int ms_cuda_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
                                 const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w);
-/* the residual add fused into the LayerNorm; 1: not taken (dtypes) */
-int ms_cuda_add_layer_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x,
-                           const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps);
-int ms_cuda_layer_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
-                                    const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                                    const ms_tensor *gres);
+/* the residual add fused into the norm (rms: RMSNorm, else LayerNorm);
+ * 1: not taken (dtypes) */
+int ms_cuda_add_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x,
+                     const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int rms);
+int ms_cuda_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
+                              const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres,
+                              int rms);
 int ms_cuda_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps);
 int ms_cuda_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *g, const ms_tensor *x,
                               const ms_tensor *rstd, const ms_tensor *w);

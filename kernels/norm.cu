@@ -389,13 +389,13 @@ extern "C" int ms_cuda_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tens
     return norm_backward<false>(dx, dw, db, g, x, mean, rstd, w);
 }
 
-// the residual add fused in front of the LayerNorm (core/ops.h,
-// ms_add_layer_norm): res = x + h, y = layer_norm(res). Returns 1 (nothing
-// done) for the dtype pairs the kernel does not take: h must have y's dtype
-// and res x's, f32/bf16/f16 (the caller then adds and normalises apart).
-extern "C" int ms_cuda_add_layer_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, ms_tensor *rstd,
-                                      const ms_tensor *x, const ms_tensor *h, const ms_tensor *w, const ms_tensor *b,
-                                      double eps) {
+// the residual add fused in front of the norm (core/ops.h,
+// ms_add_layer_norm / ms_add_rms_norm): res = x + h, y = norm(res). Returns
+// 1 (nothing done) for the dtype pairs the kernel does not take: h must have
+// y's dtype and res x's, f32/bf16/f16 (the caller then adds and normalises
+// apart).
+extern "C" int ms_cuda_add_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x,
+                                const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int rms) {
     if (h->dtype_id != y->dtype_id || res->dtype_id != x->dtype_id || x->dtype_id == MS_F64 ||
         y->dtype_id == MS_F64)
         return 1;
@@ -404,21 +404,23 @@ extern "C" int ms_cuda_add_layer_norm(ms_tensor *res, ms_tensor *y, ms_tensor *m
     rows_of(x, &N, &C);
     if (N == 0 || C == 0) return 1;
     if (ms_cuda_activate(x->device_id)) return -1;
-    return with_float32_type(x->dtype_id, "add_layer_norm", [&](auto xt) {
+    return with_float32_type(x->dtype_id, "add_norm", [&](auto xt) {
         using X = decltype(xt);
-        return with_float32_type(y->dtype_id, "add_layer_norm", [&](auto yt) {
+        return with_float32_type(y->dtype_id, "add_norm", [&](auto yt) {
             using Y = decltype(yt);
-            return launch_fwd<X, Y, float, false>(y, mean, rstd, x, w, b, eps, N, C, h, res);
+            return rms ? launch_fwd<X, Y, float, true>(y, nullptr, rstd, x, w, nullptr, eps, N, C, h, res)
+                       : launch_fwd<X, Y, float, false>(y, mean, rstd, x, w, b, eps, N, C, h, res);
         });
     });
 }
 
-// layer_norm_backward with dx += gres in the same pass (gres in x's dtype)
-extern "C" int ms_cuda_layer_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g,
-                                               const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd,
-                                               const ms_tensor *w, const ms_tensor *gres) {
+// a norm's backward with dx += gres in the same pass (gres in x's dtype)
+extern "C" int ms_cuda_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g,
+                                         const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd,
+                                         const ms_tensor *w, const ms_tensor *gres, int rms) {
     if (!dx || gres->dtype_id != x->dtype_id) return 1;
-    return norm_backward<false>(dx, dw, db, g, x, mean, rstd, w, gres);
+    return rms ? norm_backward<true>(dx, dw, nullptr, g, x, nullptr, rstd, w, gres)
+               : norm_backward<false>(dx, dw, db, g, x, mean, rstd, w, gres);
 }
 
 extern "C" int ms_cuda_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps) {

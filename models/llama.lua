@@ -119,8 +119,15 @@ function Layer:init(cfg)
 end
 
 function Layer:forward(x)
-  x = x + self.self_attn(self.input_layernorm(x))
-  return x + self.mlp(self.post_attention_layernorm(x))
+  local a = self.self_attn(self.input_layernorm(x))
+  local ln = self.post_attention_layernorm
+  if getmetatable(ln) == nn.RMSNorm and nn.plain(ln) then
+    -- the residual add and the norm in one node (one pass on CUDA)
+    local r, y = nn.functional.add_rms_norm(x, a, ln.weight, ln.eps)
+    return r + self.mlp(y)
+  end
+  x = x + a
+  return x + self.mlp(ln(x))
 end
 
 local LlamaModel = nn.Module:extend('LlamaModel')

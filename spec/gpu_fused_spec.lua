@@ -284,3 +284,21 @@ describe('the residual add fused into LayerNorm on cuda #gpu', function()
     end)
   end
 end)
+
+describe('the residual add fused into RMSNorm on cuda #gpu', function()
+  for _, c in ipairs({ { 'f32', 'bf16', 'bf16' }, { 'f32', 'f32', 'f32' } }) do
+    it(('x %s + h %s -> y %s, forward and backward with the residual gradient'):format(c[1], c[2], c[3]), function()
+      local x, h, w = randn({ 29, 2048 }, c[1]), randn({ 29, 2048 }, c[2]), randn({ 2048 })
+      local r1, y1, s1 = F.native_add_rms_norm(x, h, w, 1e-6, c[3])
+      local r2, y2, s2 = F.native_add_rms_norm(cu(x), cu(h), cu(w), 1e-6, c[3])
+      assert.is_true(relerr(r2, r1) <= bound[c[1]], 'res ' .. relerr(r2, r1))
+      assert.is_true(relerr(y2, y1) <= bound[c[3]], 'y ' .. relerr(y2, y1))
+      assert.is_true(relerr(s2, s1) <= 1e-5, 'rstd ' .. relerr(s2, s1))
+      local g, gres = randn({ 29, 2048 }, c[3]), randn({ 29, 2048 }, r1.dtype)
+      local dx1, dw1 = F.native_rms_norm_backward_add(g, r1, s1, w, gres)
+      local dx2, dw2 = F.native_rms_norm_backward_add(cu(g), r2, s2, cu(w), cu(gres))
+      assert.is_true(relerr(dx2, dx1) <= bound[r1.dtype] * 10, 'dx ' .. relerr(dx2, dx1))
+      assert.is_true(relerr(dw2, dw1) <= 1e-4, 'dw ' .. relerr(dw2, dw1))
+    end)
+  end
+end)

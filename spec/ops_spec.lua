@@ -1367,3 +1367,24 @@ describe('native_add_layer_norm and native_layer_norm_backward_add (the residual
     assert.matches('residual gradient', err, 1, true)
   end)
 end)
+
+describe('native_add_rms_norm and native_rms_norm_backward_add', function()
+  local function maxdiff(a, b) return F.sub(a:to('f64'), b:to('f64')):abs():max():item() end
+  it('equal the add and the RMSNorm apart, and the backward plus the residual gradient', function()
+    for _, c in ipairs({ { 'f64', 'f64', nil, 1e-12 }, { 'f32', 'f32', nil, 1e-5 }, { 'f32', 'bf16', 'bf16', 2e-2 } }) do
+      local x = T.randn({ 5, 16 }, { seed = 7701 }):to(c[1])
+      local h = T.randn({ 5, 16 }, { seed = 7702 }):to(c[2])
+      local w = T.randn({ 16 }, { seed = 7703 }):to(c[1])
+      local res, y, rstd = F.native_add_rms_norm(x, h, w, 1e-6, c[3])
+      local r2 = F.add(x, h)
+      local y2, s2 = F.native_rms_norm(r2, w, 1e-6, c[3])
+      assert.is_true(maxdiff(res, r2) == 0 and maxdiff(rstd, s2) == 0 and maxdiff(y, y2) == 0, c[1])
+      local g = T.randn({ 5, 16 }, { seed = 7704 }):to(c[3] or c[1])
+      local gres = T.randn({ 5, 16 }, { seed = 7705 }):to(res.dtype)
+      local dx, dw = F.native_rms_norm_backward_add(g, res, rstd, w, gres)
+      local dx2, dw2 = F.native_rms_norm_backward(g, res, rstd, w)
+      assert.is_true(maxdiff(dx, F.add(dx2, gres)) <= c[4] * 10, c[1] .. ' dx')
+      assert.is_true(maxdiff(dw, dw2) == 0)
+    end
+  end)
+end)

@@ -536,6 +536,33 @@ function F.native_rms_norm(x, w, eps, out_dtype)
   return wrap(y[0]), wrap(r[0])
 end
 
+-- native_add_rms_norm(x, h, w?, eps = 1e-6, out_dtype?) -> res, y, rstd:
+-- res = x + h and y = rms_norm(res) (ms_add_rms_norm)
+function F.native_add_rms_norm(x, h, w, eps, out_dtype)
+  need_tensor('add_rms_norm', x, 'x')
+  need_tensor('add_rms_norm', h, 'h')
+  opt_tensor('add_rms_norm', w, 'the weight')
+  local s, y, r = box_t(), box_t(), box_t()
+  if C.ms_add_rms_norm(s, y, r, x, h, w, eps or 1e-6, out_dtype_of(out_dtype)) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  return wrap(s[0]), wrap(y[0]), wrap(r[0])
+end
+
+-- native_rms_norm_backward_add(g, x, rstd, w?, gres, {dx=, dw=}) -> dx (+ gres), dw
+function F.native_rms_norm_backward_add(g, x, rstd, w, gres, want)
+  need_tensor('rms_norm_backward', g, 'the gradient')
+  need_tensor('rms_norm_backward', x, 'x')
+  need_tensor('rms_norm_backward', rstd, 'the saved rstd')
+  opt_tensor('rms_norm_backward', w, 'the weight')
+  opt_tensor('rms_norm_backward', gres, 'the residual gradient')
+  want = want or {}
+  local dx = want.dx ~= false and box_t() or nil
+  local dw = want.dw ~= false and box_t() or nil
+  if C.ms_rms_norm_backward_add(dx, dw, g, x, rstd, w, gres) ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  return dx and wrap_opt(dx), dw and wrap_opt(dw)
+end
+
 -- native_rms_norm_backward(g, x, rstd, w?, {dx=, dw=}) -> dx, dw
 function F.native_rms_norm_backward(g, x, rstd, w, want)
   need_tensor('rms_norm_backward', g, 'the gradient')

@@ -23,6 +23,7 @@
 --   qkv_attention(qkv (B,T,3*H*D), H, {causal = true, scale =}) -> (B,T,H*D)
 --   gelu_mlp(x, w1, b1, w2, b2, wt): affine(gelu(affine(x, w1, b1)), w2, b2) as one node
 --   add_layer_norm(x, h, w?, b?, eps) -> x + h, layer_norm(x + h): one node, two outputs
+--   add_rms_norm(x, h, w?, eps) -> x + h, rms_norm(x + h): the same
 --   apply_rotary(x (..., T, D), cos (T, D), sin (T, D))   (HF rotate_half)
 --   rope_cache(T, head_dim, theta, dtype, device) -> cos, sin (cached)
 --   lm_loss(hidden (B,T,C), weight (V,C), targets (B,T), opts)
@@ -310,32 +311,6 @@ end
 
 -- y = (x - mean) / sqrt(var + eps) * w + b over the last dim (biased var);
 -- y in x's dtype (the region's inside autocast)
--- add_layer_norm(x, h, w?, b?, eps) -> res, y: the residual add and the
--- LayerNorm after it (a pre-norm block's x + branch, then the next norm),
--- one node of two outputs: res = x + h, y = layer_norm(res). On CUDA one
--- pass reads x and h and writes res and y; the backward adds res's own
--- gradient (the residual stream's) into dx in the norm's pass.
-local AddLayerNorm = A.Function {
-  name = 'add_layer_norm',
-  forward = function(ctx, x, h, w, b, eps)
-    local res, y, mean, rstd = F.native_add_layer_norm(x, h, w, b, eps, amp.norm_out_dtype(x))
-    ctx:save_for_backward(res, mean, rstd, w)
-    return res, y
-  end,
-  backward = function(ctx, g_res, g_y)
-    local st = ctx.saved_tensors
-    local need = ctx.needs_input_grad
-    local dx, dw, db = F.native_layer_norm_backward_add(g_y, st[1], st[2], st[3], st[4], g_res,
-      { dx = need[1] or need[2], dw = need[3] == true, db = need[4] == true })
-    return need[1] and dx or nil, need[2] and dx or nil, dw, db
-  end,
-}
-function nnf.add_layer_norm(x, h, w, b, eps)
-  need_tensor('add_layer_norm', x, 'x')
-  need_tensor('add_layer_norm', h, 'h')
-  return AddLayerNorm(x, h, w, b, eps or 1e-5)
-end
-
 function nnf.layer_norm(x, w, b, eps)
   need_tensor('layer_norm', x, 'the input')
   eps = eps or 1e-5
@@ -380,6 +355,58 @@ function nnf.rms_norm(x, w, eps)
     free(rstd)
   end
   return y
+end
+
+-- add_layer_norm(x, h, w?, b?, eps) -> res, y: the residual add and the
+-- LayerNorm after it (a pre-norm block's x + branch, then the next norm),
+-- one node of two outputs: res = x + h, y = layer_norm(res). On CUDA one
+-- pass reads x and h and writes res and y; the backward adds res's own
+-- gradient (the residual stream's) into dx in the norm's pass.
+local AddLayerNorm = A.Function {
+  name = 'add_layer_norm',
+  forward = function(ctx, x, h, w, b, eps)
+    local odt = amp.norm_out_dtype(x, promote_float(x.dtype_id, h.dtype_id))   -- the sum's, as layer_norm(x + h)
+    local res, y, mean, rstd = F.native_add_layer_norm(x, h, w, b, eps, odt)
+    ctx:save_for_backward(res, mean, rstd, w)
+    return res, y
+  end,
+  backward = function(ctx, g_res, g_y)
+    local st = ctx.saved_tensors
+    local need = ctx.needs_input_grad
+    local dx, dw, db = F.native_layer_norm_backward_add(g_y, st[1], st[2], st[3], st[4], g_res,
+      { dx = need[1] or need[2], dw = need[3] == true, db = need[4] == true })
+    return need[1] and dx or nil, need[2] and dx or nil, dw, db
+  end,
+}
+function nnf.add_layer_norm(x, h, w, b, eps)
+  need_tensor('add_layer_norm', x, 'x')
+  need_tensor('add_layer_norm', h, 'h')
+  return AddLayerNorm(x, h, w, b, eps or 1e-5)
+end
+
+-- add_rms_norm(x, h, w?, eps) -> res, y: the same before an RMSNorm
+-- (Llama's residual add and post_attention_layernorm)
+local AddRMSNorm = A.Function {
+  name = 'add_rms_norm',
+  forward = function(ctx, x, h, w, eps)
+    local sdt = promote_float(x.dtype_id, h.dtype_id)
+    local odt = amp.norm_out_dtype(x, w ~= nil and promote_float(sdt, w.dtype_id) or sdt)
+    local res, y, rstd = F.native_add_rms_norm(x, h, w, eps, odt)
+    ctx:save_for_backward(res, rstd, w)
+    return res, y
+  end,
+  backward = function(ctx, g_res, g_y)
+    local st = ctx.saved_tensors
+    local need = ctx.needs_input_grad
+    local dx, dw = F.native_rms_norm_backward_add(g_y, st[1], st[2], st[3], g_res,
+      { dx = need[1] or need[2], dw = need[3] == true })
+    return need[1] and dx or nil, need[2] and dx or nil, dw
+  end,
+}
+function nnf.add_rms_norm(x, h, w, eps)
+  need_tensor('add_rms_norm', x, 'x')
+  need_tensor('add_rms_norm', h, 'h')
+  return AddRMSNorm(x, h, w, eps or 1e-6)
 end
 
 -- -------------------------------------------------------------- dropout
