@@ -1248,12 +1248,13 @@ static int add_norm(const char *op, int rms, ms_tensor **res, ms_tensor **out, m
                          ms_desc(h, d2, sizeof d2));
     if (norm_checks(op, x, w, b, &out_dtype, &N, &C)) return -1;
     int sdt = ms_promote(x->dtype_id, h->dtype_id);
-    int cdt = compute_dtype_of(sdt), as = 0, ay = 0, am = 0, ar = 0;
+    int as = 0, ay = 0, am = 0, ar = 0;
     int rc = prepare_contig(res, op, "sum", x->ndim, x->sizes, sdt, x->device_id, &as);
     if (!rc) rc = check_given_out(op, as, *res, x, h, NULL, 0);
     int tried = 0;
 #ifdef MS_WITH_CUDA
     if (!rc && x->device_id >= 0 && sdt == x->dtype_id && h->dtype_id == out_dtype) {
+        int cdt = compute_dtype_of(sdt);
         ms_tensor *xc = NULL, *hc = NULL, *wc = NULL, *bc = NULL;
         rc = prepare_contig(out, op, "out", x->ndim, x->sizes, out_dtype, x->device_id, &ay);
         if (!rc) rc = check_given_out(op, ay, *out, x, w, b, 0);
