@@ -19,11 +19,11 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 local gpt2 = require 'models.gpt2'
 
-local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5 }
+local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5, ablate = 0 }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
-  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-pure|f32] [--steps N] [--warmup N]') end
+  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-pure|f32] [--steps N] [--warmup N] [--ablate 0|1]') end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
 end
@@ -77,21 +77,25 @@ local ids = (ms.rand({ B, Tn }, { seed = 3, device = 'cuda' }) * 50257):long()
 local tg = (ms.rand({ B, Tn }, { seed = 4, device = 'cuda' }) * 50257):long()
 
 ms.cuda.reset_peak_memory_stats()
-local times = {}
 local loss
-for step = 1, opts.warmup + opts.steps do
-  ms.cuda.synchronize()
-  local t0 = now()
-  opt:zero_grad()
-  loss = model(ids, tg)
-  loss:backward()
-  ms.optim.clip_grad_norm(model, 1.0, { tensor = true })   -- as torch_gpt2.py (no host read)
-  opt:step()
-  ms.cuda.synchronize()
-  if step > opts.warmup then times[#times + 1] = now() - t0 end
+-- the median step time of `opts.steps` steps after `opts.warmup`
+local function measure()
+  local times = {}
+  for step = 1, opts.warmup + opts.steps do
+    ms.cuda.synchronize()
+    local t0 = now()
+    opt:zero_grad()
+    loss = model(ids, tg)
+    loss:backward()
+    ms.optim.clip_grad_norm(model, 1.0, { tensor = true })   -- as torch_gpt2.py (no host read)
+    opt:step()
+    ms.cuda.synchronize()
+    if step > opts.warmup then times[#times + 1] = now() - t0 end
+  end
+  table.sort(times)
+  return times[math.floor((#times + 1) / 2)]
 end
-table.sort(times)
-local med = times[math.floor((#times + 1) / 2)]
+local med = measure()
 local tokens = B * Tn
 local cfg = model.config
 local flops_per_token = 6 * nparams + 6 * cfg.n_layer * Tn * cfg.n_embd
@@ -105,3 +109,23 @@ print(('| tokens/s | step ms | model TFLOP/s | MFU (vs %.0f TFLOP/s bf16 matmul)
 print('|---|---|---|---|---|---|---|')
 print(('| %.0f | %.1f | %.1f | %.1f%% | %.2f | %.2f | %.3f |'):format(tokens / med, med * 1e3, tflops,
   100 * tflops / peak, st.peak_allocated / 2 ^ 30, st.peak_reserved / 2 ^ 30, loss:item()))
+
+-- --ablate 1: the same training continued with one switch flipped at a
+-- time: the cuBLASLt epilogues off (separate bias / GELU / bias-gradient
+-- passes), and the one-pass attention backward on
+if opts.ablate == 1 then
+  local C = require('moonshard.tensor').C
+  print('')
+  print('| variant | step ms | tokens/s | vs default |')
+  print('|---|---|---|---|')
+  print(('| default | %.1f | %.0f | 1.000 |'):format(med * 1e3, tokens / med))
+  for _, v in ipairs({
+    { 'cuBLASLt epilogues off', function(on) return C.ms_cuda_gemm_set_epilogue(on and 0 or 1) end },
+    { 'one-pass attention backward', function(on) return C.ms_cuda_attention_set_onepass(on and 1 or 0) end },
+  }) do
+    v[2](true)
+    local m = measure()
+    v[2](false)
+    print(('| %s | %.1f | %.0f | %.3f |'):format(v[1], m * 1e3, tokens / m, med / m))
+  end
+end

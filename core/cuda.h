@@ -94,6 +94,10 @@ int ms_cuda_attention_get_impl(void);
  * dk/dv kernel), 0: two deterministic kernels (the default; the environment's
  * MS_ATTENTION_BWD=onepass chooses the first); returns the previous one */
 int ms_cuda_attention_set_onepass(int on);
+/* 1: bias / bias-gradient / GELU in cuBLASLt epilogues where they apply (the
+ * default; MS_GEMM_EPILOGUE=0 in the environment turns them off), 0: the
+ * separate passes; returns the previous setting */
+int ms_cuda_gemm_set_epilogue(int on);
 int ms_cuda_attention_last_impl(void);
 /* FFI-END */
 

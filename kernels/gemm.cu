@@ -337,6 +337,22 @@ done:
 
 }  // namespace
 
+// the epilogue paths: on unless MS_GEMM_EPILOGUE=0 or ms_cuda_gemm_set_epilogue(0)
+static int g_epilogue = -1;
+static bool epilogues_on() {
+    if (g_epilogue < 0) {
+        const char *e = getenv("MS_GEMM_EPILOGUE");
+        g_epilogue = !(e && e[0] == '0');
+    }
+    return g_epilogue == 1;
+}
+
+extern "C" int ms_cuda_gemm_set_epilogue(int on) {
+    int old = epilogues_on() ? 1 : 0;
+    g_epilogue = on ? 1 : 0;
+    return old;
+}
+
 // 1: ms_cuda_gemm takes an f32 out with bf16/f16 operands (core/flce.c asks)
 extern "C" int ms_cuda_gemm_mixed_ok(void) { return 1; }
 
@@ -412,11 +428,7 @@ extern "C" int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor 
 // for it: the caller then runs the GEMM and the bias pass apart.
 extern "C" int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
                                      ms_tensor *bias, int mode) {
-    static const int off = [] {   // MS_GEMM_EPILOGUE=0: always the two passes (to compare)
-        const char *e = getenv("MS_GEMM_EPILOGUE");
-        return e && e[0] == '0';
-    }();
-    if (off) return 1;
+    if (!epilogues_on()) return 1;   // MS_GEMM_EPILOGUE=0: always the two passes (to compare)
     if (out->ndim != 2 || a->ndim != 2 || b->ndim != 2 || !bias || bias->ndim != 1) return 1;
     int device = out->device_id;
     int64_t m = out->sizes[0], n = out->sizes[1];
@@ -450,11 +462,7 @@ extern "C" int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const m
 // apply (then the caller runs the passes apart), as ms_cuda_gemm_epilogue.
 extern "C" int ms_cuda_gemm_gelu(ms_tensor *out, ms_tensor *aux, const ms_tensor *a, const ms_tensor *b, int transa,
                                  int transb, ms_tensor *bias, int backward) {
-    static const int off = [] {
-        const char *e = getenv("MS_GEMM_EPILOGUE");
-        return e && e[0] == '0';
-    }();
-    if (off) return 1;
+    if (!epilogues_on()) return 1;
     if (out->ndim != 2 || a->ndim != 2 || b->ndim != 2 || aux->ndim != 2) return 1;
     int device = out->device_id;
     int64_t m = out->sizes[0], n = out->sizes[1];
