@@ -1223,14 +1223,15 @@ static int norm_backward_add(const char *op, ms_tensor **dx, ms_tensor **dw, ms_
 int ms_layer_norm_backward_add(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                                const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
                                const ms_tensor *gres) {
-    const char *op = "layer_norm_backward (with a residual gradient)";
+    const char *op = gres ? "layer_norm_backward (with a residual gradient)" : "layer_norm_backward";
     if (!mean) return ms_errorf("%s: needs the saved mean", op);
     return norm_backward_add(op, dx, dw, db, g, x, mean, rstd, w, gres);
 }
 
 int ms_rms_norm_backward_add(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,
                              const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres) {
-    return norm_backward_add("rms_norm_backward (with a residual gradient)", dx, dw, NULL, g, x, NULL, rstd, w, gres);
+    return norm_backward_add(gres ? "rms_norm_backward (with a residual gradient)" : "rms_norm_backward", dx, dw, NULL,
+                             g, x, NULL, rstd, w, gres);
 }
 
 /* res = x + h, then the norm (rms: RMSNorm, no mean or bias) of res */

@@ -514,17 +514,7 @@ end
 -- native_layer_norm_backward(g, x, mean, rstd, w?, {dx=, dw=, db=}) -> dx, dw, db
 -- (each true by default; a false one is not computed and comes back nil)
 function F.native_layer_norm_backward(g, x, mean, rstd, w, want)
-  need_tensor('layer_norm_backward', g, 'the gradient')
-  need_tensor('layer_norm_backward', x, 'x')
-  need_tensor('layer_norm_backward', mean, 'the saved mean')
-  need_tensor('layer_norm_backward', rstd, 'the saved rstd')
-  opt_tensor('layer_norm_backward', w, 'the weight')
-  want = want or {}
-  local dx = want.dx ~= false and box_t() or nil
-  local dw = want.dw ~= false and box_t() or nil
-  local db = want.db ~= false and box_t() or nil
-  if C.ms_layer_norm_backward(dx, dw, db, g, x, mean, rstd, w) ~= 0 then raise(ffi.string(C.ms_last_error())) end
-  return dx and wrap_opt(dx), dw and wrap_opt(dw), db and wrap_opt(db)
+  return F.native_layer_norm_backward_add(g, x, mean, rstd, w, nil, want)
 end
 
 -- native_rms_norm(x, w?, eps = 1e-6, out_dtype?) -> y, rstd
@@ -565,15 +555,7 @@ end
 
 -- native_rms_norm_backward(g, x, rstd, w?, {dx=, dw=}) -> dx, dw
 function F.native_rms_norm_backward(g, x, rstd, w, want)
-  need_tensor('rms_norm_backward', g, 'the gradient')
-  need_tensor('rms_norm_backward', x, 'x')
-  need_tensor('rms_norm_backward', rstd, 'the saved rstd')
-  opt_tensor('rms_norm_backward', w, 'the weight')
-  want = want or {}
-  local dx = want.dx ~= false and box_t() or nil
-  local dw = want.dw ~= false and box_t() or nil
-  if C.ms_rms_norm_backward(dx, dw, g, x, rstd, w) ~= 0 then raise(ffi.string(C.ms_last_error())) end
-  return dx and wrap_opt(dx), dw and wrap_opt(dw)
+  return F.native_rms_norm_backward_add(g, x, rstd, w, nil, want)
 end
 
 -- a tensor or a list of tensors -> a C array and its length
