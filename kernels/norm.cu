@@ -30,6 +30,8 @@
 #include "kernels.h"
 #include "vec.cuh"
 
+#include <stdlib.h>
+
 // ---------------------------------------------------------------- kernels
 
 // one warp per row; lane l takes the V-element chunks l·V, (l+32)·V, ...
@@ -394,8 +396,18 @@ extern "C" int ms_cuda_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tens
 // 1 (nothing done) for the dtype pairs the kernel does not take: h must have
 // y's dtype and res x's, f32/bf16/f16 (the caller then adds and normalises
 // apart).
+// MS_FUSED_ADD_NORM=0 in the environment: always the separate add and norm
+static bool add_norm_on() {
+    static const bool on = [] {
+        const char *e = getenv("MS_FUSED_ADD_NORM");
+        return !(e && e[0] == '0');
+    }();
+    return on;
+}
+
 extern "C" int ms_cuda_add_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x,
                                 const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int rms) {
+    if (!add_norm_on()) return 1;
     if (h->dtype_id != y->dtype_id || res->dtype_id != x->dtype_id || x->dtype_id == MS_F64 ||
         y->dtype_id == MS_F64)
         return 1;
@@ -418,7 +430,7 @@ extern "C" int ms_cuda_add_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, m
 extern "C" int ms_cuda_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g,
                                          const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd,
                                          const ms_tensor *w, const ms_tensor *gres, int rms) {
-    if (!dx || gres->dtype_id != x->dtype_id) return 1;
+    if (!add_norm_on() || !dx || gres->dtype_id != x->dtype_id) return 1;
     return rms ? norm_backward<true>(dx, dw, nullptr, g, x, nullptr, rstd, w, gres)
                : norm_backward<false>(dx, dw, db, g, x, mean, rstd, w, gres);
 }
