@@ -279,15 +279,15 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
         uint64_t ws = kWorkspace;
         LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
     }
-    if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
+    {
         cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(s.handle, desc, la, lb, lc, lc, pref, 1, &heur, &found);
-        if (hs == CUBLAS_STATUS_NOT_SUPPORTED || (hs == CUBLAS_STATUS_SUCCESS && found == 0)) {
+        if (epi != CUBLASLT_EPILOGUE_DEFAULT &&
+            (hs == CUBLAS_STATUS_NOT_SUPPORTED || (hs == CUBLAS_STATUS_SUCCESS && found == 0))) {
             rc = 1;   // no algorithm with this epilogue: the caller does it in two passes
             goto done;
         }
+        LT(hs);
     }
-    if (epi == CUBLASLT_EPILOGUE_DEFAULT)
-        LT(cublasLtMatmulAlgoGetHeuristic(s.handle, desc, la, lb, lc, lc, pref, 1, &heur, &found));
     if (found == 0) {
         ms_errorf("matmul: cuBLASLt found no algorithm for %s M=%lld N=%lld K=%lld batch=%lld",
                   ms_dtype_name(dtype), (long long)m, (long long)n, (long long)k, (long long)batch);
@@ -297,20 +297,13 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
         cudaStream_t st = ms_cuda_stream_of(device);
         void *ws = nullptr;
         if (lt_workspace(device, st, &ws)) goto done;
-        if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
-            // an epilogue the library turns down at launch (an operand's
-            // alignment, say): the caller's two passes, and no plan kept
-            cublasStatus_t r = cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo,
-                                              ws, kWorkspace, st);
-            if (r == CUBLAS_STATUS_NOT_SUPPORTED) {
-                rc = 1;
-                goto done;
-            }
-            LT(r);
-        } else {
-            LT(cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo, ws, kWorkspace,
-                              st));
+        cublasStatus_t r = cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo, ws,
+                                          kWorkspace, st);
+        if (epi != CUBLASLT_EPILOGUE_DEFAULT && r == CUBLAS_STATUS_NOT_SUPPORTED) {
+            rc = 1;   // an epilogue the library turns down at launch (an operand's alignment, say)
+            goto done;
         }
+        LT(r);
     }
     rc = 0;
     {
