@@ -84,26 +84,33 @@ end
 -- --------------------------------------------------------------- linear
 -- linear and conv1d_linear differ only in the weight's layout: wt = true,
 -- w is (out, in) (nn.Linear); wt = false, w is (in, out) (GPT-2's Conv1D)
+-- an affine layer's weight and bias gradients from its input rows x2 and
+-- output gradient rows g2 (each when wanted): both from one GEMM when both
+-- are (the bias gradient in its epilogue on CUDA)
+local function weight_bias_grads(x2, g2, wt, want_w, want_b)
+  if want_w and want_b and g2.dtype_id == x2.dtype_id then
+    if wt then return F.matmul_bgrad(g2, x2, true, false, 'a') end
+    return F.matmul_bgrad(x2, g2, true, false, 'b')
+  end
+  local dw, db
+  if want_w then
+    if wt then dw = F.matmul(g2, x2, true, false) -- (out, in)
+    else dw = F.matmul(x2, g2, true, false) end   -- (in, out)
+  end
+  if want_b then db = F.sum(g2, 1) end
+  return dw, db
+end
+
 local function bwd_affine(node, g)
   local x2, w, wt = node.saved[1], node.saved[2], node.saved.wt
   local g2 = rows(g)
-  local dx, dw, db
+  local dx
   if node.need[1] then
     local d2 = F.matmul(g2, w, false, not wt) -- (N, in)
     dx = R.reshape(d2, node.ishape[1])
     if dx ~= d2 then free(d2) end
   end
-  if node.need[2] and node.need[3] and g2.dtype_id == x2.dtype_id then
-    -- the bias gradient from the weight gradient's GEMM (its epilogue on CUDA)
-    if wt then dw, db = F.matmul_bgrad(g2, x2, true, false, 'a')
-    else dw, db = F.matmul_bgrad(x2, g2, true, false, 'b') end
-  else
-    if node.need[2] then
-      if wt then dw = F.matmul(g2, x2, true, false) -- (out, in)
-      else dw = F.matmul(x2, g2, true, false) end   -- (in, out)
-    end
-    if node.need[3] then db = F.sum(g2, 1) end
-  end
+  local dw, db = weight_bias_grads(x2, g2, wt, node.need[2], node.need[3])
   if g2 ~= g then free(g2) end
   return dx, dw, db
 end
@@ -180,14 +187,8 @@ local function bwd_gelu_mlp(node, g)
   local x2, w1, pre, h, w2, wt = s[1], s[2], s[3], s[4], s[5], s.wt
   if g.dtype_id ~= h.dtype_id then g = R.to(g, { dtype = h.dtype_id }) end
   local g2 = rows(g)
-  local dx, dw1, db1, dw2, db2
-  if need[4] and need[5] then
-    if wt then dw2, db2 = F.matmul_bgrad(g2, h, true, false, 'a')
-    else dw2, db2 = F.matmul_bgrad(h, g2, true, false, 'b') end
-  else
-    if need[4] then dw2 = wt and F.matmul(g2, h, true, false) or F.matmul(h, g2, true, false) end
-    if need[5] then db2 = F.sum(g2, 1) end
-  end
+  local dx, dw1, db1
+  local dw2, db2 = weight_bias_grads(h, g2, wt, need[4], need[5])
   if need[1] or need[2] or need[3] then
     local dpre
     dpre, db1 = F.matmul_dgelu(g2, w2, false, not wt, pre, need[3])
