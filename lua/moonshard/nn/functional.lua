@@ -185,14 +185,15 @@ nnf.conv1d_linear = affine_fn('conv1d_linear', false)
 local function bwd_gelu_mlp(node, g)
   local s, need = node.saved, node.need
   local x2, w1, pre, h, w2, wt = s[1], s[2], s[3], s[4], s[5], s.wt
-  if g.dtype_id ~= h.dtype_id then g = R.to(g, { dtype = h.dtype_id }) end
-  local g2 = rows(g)
+  local gc = g
+  if g.dtype_id ~= h.dtype_id then gc = R.to(g, { dtype = h.dtype_id }) end
+  local g2 = rows(gc)
   local dx, dw1, db1
   local dw2, db2 = weight_bias_grads(h, g2, wt, need[4], need[5])
   if need[1] or need[2] or need[3] then
     local dpre
     dpre, db1 = F.matmul_dgelu(g2, w2, false, not wt, pre, need[3])
-    if need[2] then dw1 = wt and F.matmul(dpre, x2, true, false) or F.matmul(x2, dpre, true, false) end
+    dw1 = weight_bias_grads(x2, dpre, wt, need[2], false)
     if need[1] then
       local d2 = F.matmul(dpre, w1, false, not wt)
       dx = R.reshape(d2, node.ishape[1])
@@ -200,7 +201,8 @@ local function bwd_gelu_mlp(node, g)
     end
     free(dpre)
   end
-  if g2 ~= g then free(g2) end
+  if g2 ~= gc then free(g2) end
+  if gc ~= g then free(gc) end
   return dx, dw1, db1, dw2, db2
 end
 
@@ -837,9 +839,10 @@ end
 local function bwd_qkv_attention(node, g)
   local s = node.saved
   local y4 = s.y4
-  if g.dtype_id ~= y4.dtype_id then g = R.to(g, { dtype = y4.dtype_id }) end
+  local gc = g
+  if g.dtype_id ~= y4.dtype_id then gc = R.to(g, { dtype = y4.dtype_id }) end
   local gs = shape_of(y4)                      -- (B, H, T, D)
-  local g4 = R.reshape(g, { gs[1], gs[3], gs[2], gs[4] })
+  local g4 = R.reshape(gc, { gs[1], gs[3], gs[2], gs[4] })
   local gt = R.transpose(g4, 2, 3)
   local dqkv = T.empty(shape_of(s.qkv), { dtype = s.qkv.dtype_id, device = s.qkv.device_id })
   local dq, dk, dv = qkv_views(dqkv, gs[2])
@@ -848,6 +851,7 @@ local function bwd_qkv_attention(node, g)
   local q, k, v = qkv_views(s.qkv, gs[2])
   T.check(T.C.ms_attention_backward(bq, bk, bv, q, k, v, y4, s.lse, gt, s.scale, s.causal and 1 or 0))
   free(q); free(k); free(v); free(dq); free(dk); free(dv); free(g4); free(gt)
+  if gc ~= g then free(gc) end
   return dqkv
 end
 
