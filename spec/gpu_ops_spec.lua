@@ -235,7 +235,7 @@ describe('cuda ops #gpu', function()
       local function run(dev, bf16)
         local mm = dev == 'cuda' and m:to('cuda') or m
         mm:zero_grad()
-        local xx = x:to(dev):requires_grad_()
+        local xx = x:detach():to(dev):requires_grad_()   -- a leaf of its own on either device
         local y = bf16 and nn.functional.autocast('bf16', mm, xx) or mm(xx)
         y:backward(g:to(dev):to(y.dtype))
         local out = { y = y:detach():to('cpu'), x = xx.grad:to('cpu') }
