@@ -112,7 +112,7 @@ print(('| %.0f | %.1f | %.1f | %.1f%% | %.2f | %.2f | %.3f |'):format(tokens / m
 
 -- --ablate 1: the same training continued with one switch flipped at a
 -- time: the cuBLASLt epilogues off (separate bias / GELU / bias-gradient
--- passes), and the one-pass attention backward on
+-- passes), the DGELU epilogue on as well, and the one-pass attention backward on
 if opts.ablate == 1 then
   local C = require('moonshard.tensor').C
   print('')
@@ -120,7 +120,8 @@ if opts.ablate == 1 then
   print('|---|---|---|---|')
   print(('| default | %.1f | %.0f | 1.000 |'):format(med * 1e3, tokens / med))
   for _, v in ipairs({
-    { 'cuBLASLt epilogues off', function(on) return C.ms_cuda_gemm_set_epilogue(on and 0 or 1) end },
+    { 'cuBLASLt epilogues off', function(on) return C.ms_cuda_gemm_set_epilogue(on and 0 or -1) end },
+    { 'cuBLASLt DGELU epilogue on too', function(on) return C.ms_cuda_gemm_set_epilogue(on and C.MS_GEMM_EPI_ALL or -1) end },
     { 'one-pass attention backward', function(on) return C.ms_cuda_attention_set_onepass(on and 1 or 0) end },
   }) do
     v[2](true)

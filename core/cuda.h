@@ -94,10 +94,14 @@ int ms_cuda_attention_get_impl(void);
  * dk/dv kernel), 0: two deterministic kernels (the default; the environment's
  * MS_ATTENTION_BWD=onepass chooses the first); returns the previous one */
 int ms_cuda_attention_set_onepass(int on);
-/* 1: bias / bias-gradient / GELU in cuBLASLt epilogues where they apply (the
- * default; MS_GEMM_EPILOGUE=0 in the environment turns them off), 0: the
- * separate passes; returns the previous setting */
-int ms_cuda_gemm_set_epilogue(int on);
+/* which cuBLASLt epilogues run where they apply, a mask of: BIAS (bias and
+ * bias gradient), GELU (GELU_AUX_BIAS forward), DGELU (DGELU_BGRAD backward);
+ * a path left out runs as separate passes. Default BIAS|GELU; the
+ * environment's MS_GEMM_EPILOGUE=<mask> (0: none) overrides it, -1 restores
+ * it. Returns the previous mask. */
+enum { MS_GEMM_EPI_BIAS = 1, MS_GEMM_EPI_GELU = 2, MS_GEMM_EPI_DGELU = 4, MS_GEMM_EPI_ALL = 7,
+       MS_GEMM_EPI_DEFAULT = 3 };
+int ms_cuda_gemm_set_epilogue(int mask);
 int ms_cuda_attention_last_impl(void);
 /* FFI-END */
 

@@ -28,6 +28,7 @@
 // (from L2).
 #include "common.cuh"
 #include "kernels.h"
+#include "vec.cuh"
 
 #include <math.h>
 #include <mma.h>
@@ -147,6 +148,31 @@ __global__ void attention_delta_kernel(float *delta, const T *out, const T *dout
     for (int d = lane; d < D; d += 32) acc += ms_ld(o + d) * ms_ld(g + d);
     for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (lane == 0) delta[row] = acc;
+}
+
+// the same for 2-byte dtypes with 16-byte aligned rows and D a multiple of
+// 8: TPR threads a row (a power of two, at most 32), 8 elements a load, so a
+// warp keeps 32/TPR rows' loads in flight instead of one row's
+template <typename T, int TPR>
+__global__ void attention_delta_vec_kernel(float *delta, const T *out, const T *dout, qkv_layout lo, qkv_layout lg,
+                                           int H, long long Tq, int D, long long rows) {
+    long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / TPR;
+    int part = threadIdx.x & (TPR - 1);
+    float acc = 0.f;
+    if (row < rows) {
+        long long b = row / (H * Tq), rem = row % (H * Tq), h = rem / Tq, t = rem % Tq;
+        const T *o = out + at(lo, b, h, t), *g = dout + at(lg, b, h, t);
+        for (int d = part * 8; d < D; d += TPR * 8) {
+            float a[8], c[8];
+            load_v<float, T, 8>(a, o + d);
+            load_v<float, T, 8>(c, g + d);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc = fmaf(a[i], c[i], acc);
+        }
+    }
+#pragma unroll
+    for (int off = TPR / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (part == 0 && row < rows) delta[row] = acc;
 }
 
 // dk, dv for 64 keys of one (b, kv head): loop over the query heads of the
@@ -577,10 +603,25 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
     }
     if (Tq > 0 && B * H > 0) {
         long long rows = (long long)B * H * Tq;
-        attention_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, s>>>(
-            (float *)ms_tensor_data(delta.t), (const T *)ms_tensor_data(out), (const T *)ms_tensor_data(dout),
-            layout4(out), layout4(dout), H, Tq, D, rows);
-        LAUNCH_CHECK("attention_delta_kernel");
+        float *dd = (float *)ms_tensor_data(delta.t);
+        const T *op = (const T *)ms_tensor_data(out), *gp = (const T *)ms_tensor_data(dout);
+        if (sizeof(T) == 2 && D % 8 == 0 && rows_aligned16(out) && rows_aligned16(dout)) {
+            int tpr = 1;
+            while (tpr * 2 <= D / 8 && tpr < 32) tpr *= 2;
+            unsigned blocks = (unsigned)((rows * tpr + 255) / 256);
+            switch (tpr) {
+            case 1: attention_delta_vec_kernel<T, 1><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
+            case 2: attention_delta_vec_kernel<T, 2><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
+            case 4: attention_delta_vec_kernel<T, 4><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
+            case 8: attention_delta_vec_kernel<T, 8><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
+            default: attention_delta_vec_kernel<T, 16><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
+            }
+            LAUNCH_CHECK("attention_delta_vec_kernel");
+        } else {
+            attention_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, s>>>(
+                dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows);
+            LAUNCH_CHECK("attention_delta_kernel");
+        }
     }
     const ms_tensor *ts[7] = {q, k, v, dout, dq, dk, dv};
     int impl = pick_impl<T>(D, ts, 7);

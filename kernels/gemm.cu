@@ -330,19 +330,23 @@ done:
 
 }  // namespace
 
-// the epilogue paths: on unless MS_GEMM_EPILOGUE=0 or ms_cuda_gemm_set_epilogue(0)
+// which epilogue paths run (MS_GEMM_EPI_* bits): MS_GEMM_EPILOGUE=<mask> in
+// the environment (0: none), or ms_cuda_gemm_set_epilogue; the default is
+// bias/bias-gradient and the GELU forward, not the DGELU backward (on an H100
+// cuBLASLt runs DGELU_BGRAD as a separate pass over the product that takes
+// about three times our GELU-backward kernel, see docs/perf-notes.md)
 static int g_epilogue = -1;
-static bool epilogues_on() {
+static int epilogue_mask() {
     if (g_epilogue < 0) {
         const char *e = getenv("MS_GEMM_EPILOGUE");
-        g_epilogue = !(e && e[0] == '0');
+        g_epilogue = e && e[0] ? (int)strtol(e, NULL, 0) & MS_GEMM_EPI_ALL : MS_GEMM_EPI_DEFAULT;
     }
-    return g_epilogue == 1;
+    return g_epilogue;
 }
 
-extern "C" int ms_cuda_gemm_set_epilogue(int on) {
-    int old = epilogues_on() ? 1 : 0;
-    g_epilogue = on ? 1 : 0;
+extern "C" int ms_cuda_gemm_set_epilogue(int mask) {
+    int old = epilogue_mask();
+    g_epilogue = mask < 0 ? MS_GEMM_EPI_DEFAULT : mask & MS_GEMM_EPI_ALL;
     return old;
 }
 
@@ -414,14 +418,14 @@ extern "C" int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor 
 //   MS_GEMM_BGRAD_B  bias (N) = sum over k of op(b) (K, N): ... x^T g
 // The product is handed to the library transposed (see the top), so its
 // D is out^T: our N is its rows (BIAS, BGRADA), our M its columns (BGRADB).
-// MS_GEMM_EPILOGUE=0 in the environment turns the fused path off.
+// Off without MS_GEMM_EPI_BIAS in the epilogue mask.
 // Returns 1, having done nothing, when the layout or dtypes are not ones the
 // epilogue takes (bias not a contiguous vector of out's dtype, an out the
 // library cannot write in place, mixed dtypes) or cuBLASLt has no algorithm
 // for it: the caller then runs the GEMM and the bias pass apart.
 extern "C" int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
                                      ms_tensor *bias, int mode) {
-    if (!epilogues_on()) return 1;   // MS_GEMM_EPILOGUE=0: always the two passes (to compare)
+    if (!(epilogue_mask() & MS_GEMM_EPI_BIAS)) return 1;   // off: always the two passes (to compare)
     if (out->ndim != 2 || a->ndim != 2 || b->ndim != 2 || !bias || bias->ndim != 1) return 1;
     int device = out->device_id;
     int64_t m = out->sizes[0], n = out->sizes[1];
@@ -455,7 +459,7 @@ extern "C" int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const m
 // apply (then the caller runs the passes apart), as ms_cuda_gemm_epilogue.
 extern "C" int ms_cuda_gemm_gelu(ms_tensor *out, ms_tensor *aux, const ms_tensor *a, const ms_tensor *b, int transa,
                                  int transb, ms_tensor *bias, int backward) {
-    if (!epilogues_on()) return 1;
+    if (!(epilogue_mask() & (backward ? MS_GEMM_EPI_DGELU : MS_GEMM_EPI_GELU))) return 1;
     if (out->ndim != 2 || a->ndim != 2 || b->ndim != 2 || aux->ndim != 2) return 1;
     int device = out->device_id;
     int64_t m = out->sizes[0], n = out->sizes[1];

@@ -205,15 +205,19 @@ describe('cuda ops #gpu', function()
       end)
     end
     for _, dt in ipairs({ 'f32', 'bf16' }) do
-      it('matmul_gelu and matmul_dgelu (cuBLASLt GELU epilogues) ' .. dt, function()
+      it('matmul_gelu and matmul_dgelu (cuBLASLt GELU epilogues, and the separate passes) ' .. dt, function()
         local F = ms.raw
+        local C = require('moonshard.tensor').C
         local M, K, N = 70, 96, 64
+        -- every epilogue (DGELU's is off by default), then none
+        for _, mask in ipairs({ C.MS_GEMM_EPI_ALL, 0 }) do
+        local old = C.ms_cuda_gemm_set_epilogue(mask)
         for _, ta in ipairs({ false, true }) do
           for _, tb in ipairs({ false, true }) do
             local a = randn(ta and { K, M } or { M, K }, dt)
             local b = randn(tb and { N, K } or { K, N }, dt)
             local bias = randn({ N }, dt)
-            local what = ('%s ta=%s tb=%s'):format(dt, tostring(ta), tostring(tb))
+            local what = ('%s ta=%s tb=%s epilogues %d'):format(dt, tostring(ta), tostring(tb), mask)
             local o1, p1 = F.matmul_gelu(a, b, ta, tb, bias)
             local o2, p2 = F.matmul_gelu(a:cuda(), b:cuda(), ta, tb, bias:cuda())
             assert.is_true(relerr(p2, p1) <= bound[dt], 'pre ' .. what .. ' ' .. relerr(p2, p1))
@@ -224,6 +228,8 @@ describe('cuda ops #gpu', function()
             assert.is_true(relerr(d2, d1) <= bound[dt], 'dgelu ' .. what .. ' ' .. relerr(d2, d1))
             assert.is_true(relerr(s2, s1) <= bound[dt], 'bias grad ' .. what .. ' ' .. relerr(s2, s1))
           end
+        end
+        C.ms_cuda_gemm_set_epilogue(old)
         end
       end)
     end
