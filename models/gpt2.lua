@@ -75,10 +75,36 @@ function Block:init(cfg)
   self:register_module('drop', nn.Dropout(cfg.resid_pdrop))
 end
 
+-- a LayerNorm that can take the residual add before it (nnf.add_layer_norm)
+local function fusable_norm(ln) return getmetatable(ln) == nn.LayerNorm and nn.plain(ln) end
+
+-- true when the model may run this block through forward_deferred: exactly
+-- a GPT2Block with nothing watching it or its norms (hooks, FSDP, activation
+-- checkpointing see the plain forward)
+function Block:deferrable()
+  return getmetatable(self) == Block and nn.plain(self) and fusable_norm(self.ln_1) and fusable_norm(self.ln_2)
+end
+
+-- forward_deferred(x, pending?) -> r, m: the block's output is r + m, the
+-- add left to the next norm; with pending, the block's input is x + pending
+-- (the previous block's deferred add, done here with ln_1 in one pass)
+function Block:forward_deferred(x, pending)
+  local ln1, ln2 = self.ln_1, self.ln_2
+  local h
+  if pending ~= nil then
+    x, h = nn.functional.add_layer_norm(x, pending, ln1.weight, ln1.bias, ln1.eps)
+  else
+    h = ln1(x)
+  end
+  local a = self.drop(self.attn(h))
+  local r, y = nn.functional.add_layer_norm(x, a, ln2.weight, ln2.bias, ln2.eps)
+  return r, self.drop(self.mlp(y))
+end
+
 function Block:forward(x)
   local a = self.drop(self.attn(self.ln_1(x)))
   local ln = self.ln_2
-  if getmetatable(ln) == nn.LayerNorm and nn.plain(ln) then
+  if fusable_norm(ln) then
     -- the residual add and ln_2 in one node (one pass on CUDA)
     local r, y = nn.functional.add_layer_norm(x, a, ln.weight, ln.bias, ln.eps)
     return r + self.drop(self.mlp(y))
@@ -104,7 +130,18 @@ function GPT2Model:forward(input_ids)
   local Tn = input_ids.shape[2]
   local pos = ms.arange(Tn, { dtype = 'i64', device = input_ids.device })
   local x = self.drop(self.wte(input_ids) + self.wpe(pos))
-  for i = 1, #self.h do x = self.h[i](x) end
+  local n, deferred = #self.h, fusable_norm(self.ln_f)
+  for i = 1, n do deferred = deferred and self.h[i]:deferrable() end
+  if deferred and n > 0 then
+    -- every residual add but the attention's goes into the next norm's pass
+    -- (ln_1 of the next block, ln_f after the last): one pass fewer a block
+    local pending
+    for i = 1, n do x, pending = self.h[i]:forward_deferred(x, pending) end
+    local lf = self.ln_f
+    local _, y = nn.functional.add_layer_norm(x, pending, lf.weight, lf.bias, lf.eps)
+    return y
+  end
+  for i = 1, n do x = self.h[i](x) end
   return self.ln_f(x)
 end
 

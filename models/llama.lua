@@ -118,10 +118,36 @@ function Layer:init(cfg)
   self:register_module('post_attention_layernorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
 end
 
+-- an RMSNorm that can take the residual add before it (nnf.add_rms_norm)
+local function fusable_norm(ln) return getmetatable(ln) == nn.RMSNorm and nn.plain(ln) end
+
+-- true when the model may run this layer through forward_deferred (exactly
+-- a LlamaDecoderLayer, nothing watching it or its norms)
+function Layer:deferrable()
+  return getmetatable(self) == Layer and nn.plain(self) and fusable_norm(self.input_layernorm)
+    and fusable_norm(self.post_attention_layernorm)
+end
+
+-- forward_deferred(x, pending?) -> r, m: the layer's output is r + m, the
+-- add left to the next norm; with pending the input is x + pending, added
+-- in input_layernorm's pass
+function Layer:forward_deferred(x, pending)
+  local ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+  local h
+  if pending ~= nil then
+    x, h = nn.functional.add_rms_norm(x, pending, ln1.weight, ln1.eps)
+  else
+    h = ln1(x)
+  end
+  local a = self.self_attn(h)
+  local r, y = nn.functional.add_rms_norm(x, a, ln2.weight, ln2.eps)
+  return r, self.mlp(y)
+end
+
 function Layer:forward(x)
   local a = self.self_attn(self.input_layernorm(x))
   local ln = self.post_attention_layernorm
-  if getmetatable(ln) == nn.RMSNorm and nn.plain(ln) then
+  if fusable_norm(ln) then
     -- the residual add and the norm in one node (one pass on CUDA)
     local r, y = nn.functional.add_rms_norm(x, a, ln.weight, ln.eps)
     return r + self.mlp(y)
@@ -143,7 +169,16 @@ end
 -- input_ids (B, T) -> final hidden states (B, T, C)
 function LlamaModel:forward(input_ids)
   local x = self.embed_tokens(input_ids)
-  for i = 1, #self.layers do x = self.layers[i](x) end
+  local n, deferred = #self.layers, fusable_norm(self.norm)
+  for i = 1, n do deferred = deferred and self.layers[i]:deferrable() end
+  if deferred and n > 0 then
+    -- each layer's last residual add goes into the next norm's pass
+    local pending
+    for i = 1, n do x, pending = self.layers[i]:forward_deferred(x, pending) end
+    local _, y = nn.functional.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
+    return y
+  end
+  for i = 1, n do x = self.layers[i](x) end
   return self.norm(x)
 end
 

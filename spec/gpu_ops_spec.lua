@@ -244,8 +244,10 @@ describe('cuda ops #gpu', function()
         local xx = x:detach():to(dev):requires_grad_()   -- a leaf of its own on either device
         local y = bf16 and nn.functional.autocast('bf16', mm, xx) or mm(xx)
         y:backward(g:to(dev):to(y.dtype))
-        local out = { y = y:detach():to('cpu'), x = xx.grad:to('cpu') }
-        for n, p in mm:named_parameters() do out[n] = p.grad:to('cpu') end
+        -- copies: on the CPU :to('cpu') is the tensor itself, which the next
+        -- run's zero_grad and m:to() reuse or free
+        local out = { y = y:detach():to('cpu'):clone(), x = xx.grad:to('cpu'):clone() }
+        for n, p in mm:named_parameters() do out[n] = p.grad:to('cpu'):clone() end
         if dev == 'cuda' then m:to('cpu') end
         return out
       end

@@ -52,9 +52,19 @@ local families = {
 
 for _, fam in ipairs(families) do
   local M, dir = fam.M, fixtures .. '/' .. fam.name
-  local function golden(dtype, bound)
+  local function golden(dtype, bound, hooked)
     local model = M.from_pretrained(dir)
     if dtype ~= 'f32' then model:to(dtype) end
+    local blocks, seen = model.transformer and model.transformer.h or model.model.layers, 0
+    if hooked then
+      -- a hook on every block: the model then runs each block's own forward,
+      -- not the deferred residual adds (forward_deferred)
+      for i = 1, #blocks do
+        assert.is_true(blocks[i]:deferrable())
+        blocks[i]:register_forward_hook(function() seen = seen + 1 end)
+        assert.is_false(blocks[i]:deferrable())
+      end
+    end
     model:eval()
     local exp = ms.load_safetensors(dir .. '/expected.safetensors')
     local logits = ms.no_grad(function() return model(exp.input_ids) end)
@@ -78,6 +88,7 @@ for _, fam in ipairs(families) do
     local expected_n = 0
     for k in pairs(exp) do if k:match('^grad%.') then expected_n = expected_n + 1 end end
     assert.are.equal(expected_n, n)
+    assert.are.equal(hooked and 2 * #blocks or 0, seen)
   end
 
   describe(fam.name .. ' golden run', function()
@@ -88,6 +99,9 @@ for _, fam in ipairs(families) do
 
     it('matches logits, loss and every gradient in f32 (1e-5)', function() golden('f32', 1e-5) end)
     it('matches logits, loss and every gradient in f64 (1e-6)', function() golden('f64', 1e-6) end)
+    it('matches them with a hook on every block (no deferred residual adds), f64', function()
+      golden('f64', 1e-6, true)
+    end)
 
     it('names its parameters exactly as the Hugging Face checkpoint', function()
       local model = M.from_pretrained(dir)
