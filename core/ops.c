@@ -779,11 +779,22 @@ int ms_matmul_dgelu(ms_tensor **out, ms_tensor **bias_grad, const ms_tensor *a, 
         rc = ms_cuda_gemm_gelu(*out, (ms_tensor *)pre, a, b, transa, transb, bias_grad ? *bias_grad : NULL, 1);
 #endif
     if (rc == 1) {
+        /* the GEMM, then g * gelu'(pre) with the bias gradient in the same
+         * pass on CUDA (ms_cuda_gelu_backward_bgrad), else the op and a sum */
         ms_tensor *g = NULL;
         rc = ms_matmul(&g, a, b, transa, transb);
-        if (!rc) rc = ms_binary(out, MS_OP_GELU_BWD, pre, g);   /* g * gelu'(pre) */
+        int apart = 1;
+#ifdef MS_WITH_CUDA
+        if (!rc && a->device_id >= 0) {
+            apart = ms_cuda_gelu_backward_bgrad(*out, bias_grad ? *bias_grad : NULL, pre, g);
+            if (apart < 0) rc = -1;
+        }
+#endif
+        if (!rc && apart) {
+            rc = ms_binary(out, MS_OP_GELU_BWD, pre, g);   /* g * gelu'(pre) */
+            if (!rc && bias_grad) rc = ms_reduce(bias_grad, MS_RED_SUM, *out, 0, 0);
+        }
         ms_tensor_free(g);
-        if (!rc && bias_grad) rc = ms_reduce(bias_grad, MS_RED_SUM, *out, 0, 0);
     }
     if (rc && bias_grad) (void)finish(bias_grad, alloc_bg, rc);
     return finish(out, alloc_out, rc);

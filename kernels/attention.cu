@@ -308,10 +308,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(
     }
 }
 
-struct holder {
-    ms_tensor *t = nullptr;
-    ~holder() { ms_tensor_free(t); }
-};
+typedef ms_tmp holder;
 
 // a view with unit stride along D (copy when not)
 int unit_d(const ms_tensor *t, holder &h, const ms_tensor **res) {

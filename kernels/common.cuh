@@ -56,6 +56,13 @@ __device__ __forceinline__ void ms_st(float *p, float v) { *p = v; }
 __device__ __forceinline__ void ms_st(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void ms_st(__half *p, float v) { *p = __float2half_rn(v); }
 
+// a scratch tensor freed (back to the caching allocator, in stream order)
+// when it goes out of scope
+struct ms_tmp {
+    ms_tensor *t = nullptr;
+    ~ms_tmp() { ms_tensor_free(t); }
+};
+
 static inline int ms_grid(int64_t n, int block) {
     int64_t g = (n + block - 1) / block;
     return (int)(g > 65535 * 32 ? 65535 * 32 : (g < 1 ? 1 : g));

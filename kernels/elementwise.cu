@@ -11,6 +11,7 @@
 // Bytes: each input read once, the output written once.
 #include "common.cuh"
 #include "kernels.h"
+#include "vec.cuh"
 
 #include <math.h>
 
@@ -523,6 +524,97 @@ void binary_fast(int g, cudaStream_t s, T *out, const T *a, const T *b, int64_t 
 #undef MS_BINARY_FAST
     default: binary_fast_kernel<T><<<g, 256, 0, s>>>(out, a, b, n, op);
     }
+}
+
+// ---------------------------------------------- GELU backward with its bias
+// out (M, N) = g * gelu'(pre), and with part: part[b][n] the sum of out's
+// column n over block b's rows. The rows are split evenly over the blocks;
+// a thread owns 8 columns (one 16-byte access of 2-byte dtypes) and walks
+// its block's rows, so the bias gradient of the layer before a GELU comes
+// out of the pass that makes its input gradient (no second read of it).
+template <typename T>
+__global__ void dgelu_bgrad_kernel(T *__restrict__ out, float *__restrict__ part, const T *__restrict__ pre,
+                                   const T *__restrict__ g, long long M, int N, long long rows_per_block) {
+    const long long r0 = (long long)blockIdx.x * rows_per_block;
+    const long long r1 = r0 + rows_per_block < M ? r0 + rows_per_block : M;
+    for (int c0 = threadIdx.x * 8; c0 < N; c0 += blockDim.x * 8) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (long long r = r0; r < r1; r++) {
+            float x[8], d[8];
+            load_v<float, T, 8>(x, pre + r * N + c0);
+            load_v<float, T, 8>(d, g + r * N + c0);
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                d[k] = round_as<T>(d[k] * gelu_tanh_grad(x[k]));   // the stored value is what is summed
+                acc[k] += d[k];
+            }
+            store_v<T, 8>(out + r * N + c0, d);
+        }
+        if (part)
+#pragma unroll
+            for (int k = 0; k < 8; k++) part[(long long)blockIdx.x * N + c0 + k] = acc[k];
+    }
+}
+
+// bias[n] = the sum over blocks b (in order) of part[b][n]
+template <typename T>
+__global__ void part_sum_kernel(T *bias, const float *part, int nblocks, int N) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    float s = 0.f;
+    for (int b = 0; b < nblocks; b++) s += part[(long long)b * N + n];
+    bias[n] = conv<T>::store(s);
+}
+
+// out = g * gelu'(pre) for 2-D contiguous (M, N) operands of one float dtype
+// (f32, bf16, f16), N a multiple of 8 and 16-byte aligned rows, and with
+// bias_grad (N) its column sums in the same pass (f32 sums, a fixed order).
+// Returns 1, having done nothing, for anything else (core/ops.c then runs
+// the elementwise op and the reduction apart).
+extern "C" int ms_cuda_gelu_backward_bgrad(ms_tensor *out, ms_tensor *bias_grad, const ms_tensor *pre,
+                                           const ms_tensor *g) {
+    int dt = out->dtype_id;
+    if (out->ndim != 2 || pre->dtype_id != dt || g->dtype_id != dt || (dt != MS_F32 && dt != MS_BF16 && dt != MS_F16))
+        return 1;
+    if (!ms_tensor_is_contiguous(out) || !ms_tensor_is_contiguous(pre) || !ms_tensor_is_contiguous(g)) return 1;
+    long long M = out->sizes[0];
+    int N = (int)out->sizes[1];
+    size_t al = 8 * ms_dtype_size(dt);   // one thread's 8 elements, aligned as load_v needs
+    if (N % 8 != 0 || M == 0 || N == 0 || ((uintptr_t)ms_tensor_data(out) | (uintptr_t)ms_tensor_data(pre) |
+                                           (uintptr_t)ms_tensor_data(g)) % al != 0)
+        return 1;
+    if (bias_grad && (bias_grad->ndim != 1 || bias_grad->sizes[0] != N || bias_grad->dtype_id != dt ||
+                      !ms_tensor_is_contiguous(bias_grad)))
+        return 1;
+    int device = out->device_id;
+    if (ms_cuda_activate(device)) return -1;
+    cudaStream_t s = ms_cuda_stream_of(device);
+    int threads = (N / 8 + 31) / 32 * 32;
+    if (threads > 1024) threads = 1024;
+    long long blocks = (long long)ms_sm_count(device) * (2048 / threads);
+    if (blocks > M) blocks = M;
+    long long rpb = (M + blocks - 1) / blocks;
+    blocks = (M + rpb - 1) / rpb;
+    ms_tmp part;
+    if (bias_grad) {
+        int64_t ps[1] = {blocks * N};
+        if (ms_tensor_empty(&part.t, 1, ps, MS_F32, device)) return -1;
+    }
+    float *pp = bias_grad ? (float *)ms_tensor_data(part.t) : nullptr;
+    return with_float32_type(dt, "gelu_backward", [&](auto t) -> int {
+        using T = decltype(t);
+        dgelu_bgrad_kernel<T><<<(unsigned)blocks, threads, 0, s>>>((T *)ms_tensor_data(out), pp,
+                                                                   (const T *)ms_tensor_data(pre),
+                                                                   (const T *)ms_tensor_data(g), M, N, rpb);
+        LAUNCH_CHECK("dgelu_bgrad_kernel");
+        if (bias_grad) {
+            part_sum_kernel<T><<<(unsigned)((N + 255) / 256), 256, 0, s>>>((T *)ms_tensor_data(bias_grad), pp,
+                                                                          (int)blocks, N);
+            LAUNCH_CHECK("part_sum_kernel");
+        }
+        return 0;
+    });
 }
 
 extern "C" int ms_cuda_unary(ms_tensor *out, int op, const ms_tensor *a) {

@@ -30,7 +30,6 @@
 #include "common.cuh"
 #include "kernels.h"
 #include "flce.h"
-#include "vec.cuh"
 
 extern "C" {
 #include "../core/flce.h"
@@ -226,7 +225,7 @@ __device__ __forceinline__ bool target_valid(const ms_flce_params &p, long long 
 // entry and d(Σ grad_scale·loss)/d logits on exit (want_grad); rows[i] gets
 // (ce_i, zl_i, hit_i). scal: (D, Σw, N) from flce_prep_kernel.
 template <typename T, int VEC>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(kRowThreads)
 flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int tdt, const float *gs,
                  int gs_per_row, const double *scal, float *rows, ms_flce_params p) {
     const long long r = blockIdx.x, i = p.row0 + r;
@@ -507,31 +506,6 @@ extern "C" int ms_cuda_flce_prep(const ms_tensor *targets, const ms_tensor *ce_w
     return 0;
 }
 
-// threads and dynamic shared memory of a row-pass launch. Pass 2 re-reads
-// the row pass 1 read: from L2 when the rows in flight fit in it, else from
-// memory again (a third of the pass's traffic). 1024 threads a block (two
-// blocks an SM) halve the rows in flight against 512; where those still
-// take more than 60% of L2, shared memory the kernel does not use keeps one
-// block an SM. MS_FLCE_ROW_THREADS=512 is the older launch (to compare).
-struct row_cfg {
-    int threads;
-    size_t smem;
-};
-row_cfg row_config(int device, long long row_bytes) {
-    static int env = -1;
-    if (env < 0) {
-        const char *e = getenv("MS_FLCE_ROW_THREADS");
-        env = e && atoi(e) == 512 ? 512 : 1024;
-    }
-    row_cfg c = {env, 0};
-    if (env == 512) return c;
-    int l2 = 0, smem_sm = 0;
-    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
-    cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-    if ((double)ms_sm_count(device) * 2 * row_bytes > 0.6 * l2 && smem_sm > 0) c.smem = (size_t)smem_sm / 2 + 1024;
-    return c;
-}
-
 extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const ms_tensor *ce_weight,
                                  const ms_tensor *targets, const ms_tensor *grad_scale, const ms_tensor *scal,
                                  ms_tensor *rows, const ms_flce_params *p) {
@@ -541,13 +515,8 @@ extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const
     const int per_row = grad_scale && ms_tensor_numel(grad_scale) > 1;
     int rc = by_dtype(logits->dtype_id, [&](auto t) {
         using T = typename decltype(t)::type;
-        const row_cfg rc = row_config(logits->device_id, p->v * (long long)sizeof(T));
         return row_launch<T>(logits, p, [&](auto vec) {
-            auto kernel = flce_rows_kernel<T, decltype(vec)::value>;
-            if (rc.smem > 48 * 1024 &&
-                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)rc.smem) != cudaSuccess)
-                return;   // the launch below is skipped; LAUNCH_CHECK reports the error
-            kernel<<<(unsigned)p->n, rc.threads, rc.smem, st>>>(
+            flce_rows_kernel<T, decltype(vec)::value><<<(unsigned)p->n, kRowThreads, 0, st>>>(
                 (T *)ms_tensor_data(logits), data_or_null<T>(bias), data_or_null<float>(ce_weight),
                 ms_tensor_data(targets), targets->dtype_id, data_or_null<float>(grad_scale), per_row,
                 (const double *)ms_tensor_data(scal), (float *)ms_tensor_data(rows), *p);

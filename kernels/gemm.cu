@@ -136,10 +136,7 @@ cudaDataType_t cuda_type(int dtype) {
     }
 }
 
-struct holder {
-    ms_tensor *t = nullptr;
-    ~holder() { ms_tensor_free(t); }
-};
+typedef ms_tmp holder;
 
 // Plans: the descriptors, layouts and heuristic's algorithm of a GEMM shape,
 // made once and kept (a training step repeats the same few dozen shapes; the

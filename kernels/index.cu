@@ -121,10 +121,7 @@ __global__ void scatter_add_kernel(T *dst, const T *src, const void *idx, int id
 
 namespace {
 
-struct holder {
-    ms_tensor *t = nullptr;
-    ~holder() { ms_tensor_free(t); }
-};
+typedef ms_tmp holder;
 
 // gather/scatter_add here need idx shaped like `like` except along dim
 int same_but_dim(const char *op, const ms_tensor *idx, const ms_tensor *like, int dim) {

@@ -23,6 +23,9 @@ int ms_cuda_where(ms_tensor *out, const ms_tensor *cond, const ms_tensor *a, con
 int ms_cuda_fill(ms_tensor *t, double v);
 int ms_cuda_arange(ms_tensor *t, double start, double step);
 int ms_cuda_rand(ms_tensor *t, uint64_t seed, uint64_t offset, double a, double b, int normal);
+/* out = g * gelu'(pre) (2-D) with, given bias_grad, its column sums in the
+ * same pass; 1: layout or dtype not taken, nothing done */
+int ms_cuda_gelu_backward_bgrad(ms_tensor *out, ms_tensor *bias_grad, const ms_tensor *pre, const ms_tensor *g);
 
 /* reduce.cu: a is viewed as (outer, n, inner) around the reduced dim
  * (dim = -1000: all elements); out has outer*inner elements */

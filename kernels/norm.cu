@@ -214,10 +214,7 @@ __global__ void column_sum_kernel(A *__restrict__ out_w, const A *__restrict__ p
 
 namespace {
 
-struct tmp_tensor {
-    ms_tensor *t = nullptr;
-    ~tmp_tensor() { ms_tensor_free(t); }
-};
+typedef ms_tmp tmp_tensor;
 
 template <typename T> T *ptr(const ms_tensor *t) { return t ? (T *)ms_tensor_data(t) : nullptr; }
 

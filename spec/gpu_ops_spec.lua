@@ -233,6 +233,26 @@ describe('cuda ops #gpu', function()
         end
       end)
     end
+    it('matmul_dgelu without the epilogue: one pass for the gradient and its column sums, any row count', function()
+      local F = ms.raw
+      local C = require('moonshard.tensor').C
+      local old = C.ms_cuda_gemm_set_epilogue(0)
+      -- (M, N): many rows a block; N/8 not a multiple of 32; N not a multiple of 8 (the op and a sum apart)
+      for _, mn in ipairs({ { 3001, 264 }, { 517, 3072 }, { 64, 20 } }) do
+        for _, dt in ipairs({ 'f32', 'bf16' }) do
+          local M, N, K = mn[1], mn[2], 24
+          local a, b, z = randn({ M, K }, dt), randn({ K, N }, dt), randn({ M, N }, dt)
+          local d1, s1 = F.matmul_dgelu(a, b, false, false, z, true)
+          local d2, s2 = F.matmul_dgelu(a:cuda(), b:cuda(), false, false, z:cuda(), true)
+          local d3 = F.matmul_dgelu(a:cuda(), b:cuda(), false, false, z:cuda())
+          local what = ('%s M=%d N=%d'):format(dt, M, N)
+          assert.is_true(relerr(d2, d1) <= bound[dt], 'dgelu ' .. what .. ' ' .. relerr(d2, d1))
+          assert.is_true(relerr(d3, d1) <= bound[dt], 'dgelu, no bias ' .. what .. ' ' .. relerr(d3, d1))
+          assert.is_true(relerr(s2, s1) <= bound[dt], 'bias grad ' .. what .. ' ' .. relerr(s2, s1))
+        end
+      end
+      C.ms_cuda_gemm_set_epilogue(old)
+    end)
     it('an MLP (gelu_mlp node) on cuda matches the CPU in f32 and bf16 autocast', function()
       local nn = ms.nn
       local m = nn.MLP { dim = 64, hidden = 256 }
