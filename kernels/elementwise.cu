@@ -557,14 +557,23 @@ __global__ void dgelu_bgrad_kernel(T *__restrict__ out, float *__restrict__ part
     }
 }
 
-// bias[n] = the sum over blocks b (in order) of part[b][n]
+// bias[n] = the sum over blocks b of part[b][n] in a fixed order: blocks of
+// 8 columns (a 32-byte sector of a partial row) x 32 lanes, lane l summing
+// rows l, l+32, ..., then lane 0 the 32 lane sums in order
 template <typename T>
 __global__ void part_sum_kernel(T *bias, const float *part, int nblocks, int N) {
-    const int n = blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= N) return;
+    __shared__ float sh[32][8];
+    const int n = blockIdx.x * 8 + threadIdx.x, l = threadIdx.y;
     float s = 0.f;
-    for (int b = 0; b < nblocks; b++) s += part[(long long)b * N + n];
-    bias[n] = conv<T>::store(s);
+    if (n < N)
+        for (int b = l; b < nblocks; b += 32) s += part[(long long)b * N + n];
+    sh[l][threadIdx.x] = s;
+    __syncthreads();
+    if (l == 0 && n < N) {
+        float t = 0.f;
+        for (int k = 0; k < 32; k++) t += sh[k][threadIdx.x];
+        bias[n] = conv<T>::store(t);
+    }
 }
 
 // out = g * gelu'(pre) for 2-D contiguous (M, N) operands of one float dtype
@@ -609,8 +618,8 @@ extern "C" int ms_cuda_gelu_backward_bgrad(ms_tensor *out, ms_tensor *bias_grad,
                                                                    (const T *)ms_tensor_data(g), M, N, rpb);
         LAUNCH_CHECK("dgelu_bgrad_kernel");
         if (bias_grad) {
-            part_sum_kernel<T><<<(unsigned)((N + 255) / 256), 256, 0, s>>>((T *)ms_tensor_data(bias_grad), pp,
-                                                                          (int)blocks, N);
+            part_sum_kernel<T><<<(unsigned)((N + 7) / 8), dim3(8, 32), 0, s>>>((T *)ms_tensor_data(bias_grad), pp,
+                                                                              (int)blocks, N);
             LAUNCH_CHECK("part_sum_kernel");
         }
         return 0;
