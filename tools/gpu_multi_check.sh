@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# A session's two-GPU run in one call on the lent host (after tools/gpu_run.sh's
+# setup: bash tools/gpu_run.sh "bash tools/gpu_multi_check.sh"): the #multi
+# specs named in MULTI_SPECS (default: every one), bench/fsdp.lua for GPT-2
+# 124M and the 1.25B Llama on 1 and 2 GPUs, and PyTorch FSDP2 (per-block
+# torch.compile) under torchrun for both. Logs in $OUT; MULTI_SKIP="torch
+# llama" leaves parts out.
+set -u
+out=${OUT:-/tmp/gpu_multi_check}
+mkdir -p "$out"
+skip=" ${MULTI_SKIP:-} "
+step() {   # step NAME COMMAND...
+  local name=$1; shift
+  case "$skip" in *" $name "*) echo "=== $name: skipped"; return ;; esac
+  echo "=== $name"
+  "$@" > "$out/$name.log" 2>&1
+  echo "(exit $?)"
+  tail -n "${TAIL:-8}" "$out/$name.log"
+}
+export NCCL_NVLS_ENABLE=0
+step specs env MS_MULTI_OUTPUT=TAP MS_MULTI_SPEC_TIMEOUT=240 MS_MULTI_SPECS="${MULTI_SPECS:-spec/dist_*_spec.lua}" \
+  bash tools/run_multi_specs.sh 2
+step gpt2-2 timeout 150 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model gpt2
+step gpt2-1 timeout 120 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model gpt2
+step llama-2 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama
+step llama-1 timeout 150 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model llama
+. .carry/device/gpu-env.sh .debs >/dev/null 2>&1
+step torch timeout 200 torchrun --nproc_per_node 2 .carry/bench/torch_gpt2.py --compile blocks
+step torch-llama timeout 240 torchrun --nproc_per_node 2 .carry/bench/torch_llama.py --compile blocks
