@@ -21,8 +21,8 @@ export NCCL_NVLS_ENABLE=0
 step specs env MS_MULTI_OUTPUT=TAP MS_MULTI_SPEC_TIMEOUT=240 MS_MULTI_SPECS="${MULTI_SPECS:-spec/dist_*_spec.lua}" \
   bash tools/run_multi_specs.sh 2
 step gpt2-2 timeout 150 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model gpt2
-step gpt2-1 timeout 120 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model gpt2
 step llama-2 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama
+step gpt2-1 timeout 120 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model gpt2
 step llama-1 timeout 150 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model llama
 . .carry/device/gpu-env.sh .debs >/dev/null 2>&1
 step torch timeout 200 torchrun --nproc_per_node 2 .carry/bench/torch_gpt2.py --compile blocks
