@@ -1159,13 +1159,18 @@ int ms_layer_norm(ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_
  * dw and db computed there and delivered in w's dtype */
 static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                          const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                         int64_t C, const ms_tensor *gres) {
-    int cdt = compute_dtype_of(x->dtype_id), pdt = w ? w->dtype_id : cdt, ax = 0;
+                         int64_t C, const ms_tensor *gres, ms_tensor **dxl) {
+    int cdt = compute_dtype_of(x->dtype_id), pdt = w ? w->dtype_id : cdt, ax = 0, al = 0;
     ms_tensor *gc = NULL, *xc = NULL, *mc = NULL, *rc_ = NULL, *wc = NULL, *dwt = NULL, *dbt = NULL;
     int rc = 0;
     if (dx) {
         rc = prepare_contig(dx, op, "dx", x->ndim, x->sizes, x->dtype_id, x->device_id, &ax);
         if (!rc) rc = check_given_out(op, ax, *dx, g, x, w, 0);
+    }
+    if (!rc && dxl) {
+        if (!dx) rc = ms_errorf("%s: dx in g's dtype asked for without dx", op);
+        if (!rc) rc = prepare_contig(dxl, op, "dx (g's dtype)", x->ndim, x->sizes, g->dtype_id, x->device_id, &al);
+        if (!rc) rc = check_given_out(op, al, *dxl, g, x, w, 0);
     }
     if (!rc) rc = ms_tensor_contiguous(&gc, g);
     if (!rc) rc = ms_tensor_contiguous(&xc, x);
@@ -1182,9 +1187,14 @@ static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tens
         if (gres && dx && x->device_id >= 0) {
             ms_tensor *grc = NULL;
             rc = ms_tensor_contiguous(&grc, gres);
-            if (!rc) rc = ms_cuda_norm_backward_add(dxt, dwt, dbt, gc, xc, mc, rc_, wc, grc, mean == NULL);
+            if (!rc) rc = ms_cuda_norm_backward_add(dxt, dwt, dbt, gc, xc, mc, rc_, wc, grc, mean == NULL,
+                                                    dxl ? *dxl : NULL);
+            if (rc == 1 && dxl)   /* not with the second output: without it, then a conversion */
+                rc = ms_cuda_norm_backward_add(dxt, dwt, dbt, gc, xc, mc, rc_, wc, grc, mean == NULL, NULL);
+            else if (rc == 0 && dxl)
+                fused = 2;
             ms_tensor_free(grc);
-            if (rc == 0) fused = 1;
+            if (rc == 0 && !fused) fused = 1;
             if (rc == 1) rc = 0;
         }
 #endif
@@ -1192,6 +1202,7 @@ static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tens
             rc = mean ? dev_layer_norm_backward(dxt, dwt, dbt, gc, xc, mc, rc_, wc)
                       : dev_rms_norm_backward(dxt, dwt, gc, xc, rc_, wc);
         if (!rc && gres && dx && !fused) rc = ms_binary(dx, MS_OP_ADD, *dx, gres);
+        if (!rc && dxl && fused != 2) rc = ms_tensor_copy_(*dxl, *dx);   /* the CPU reference: a rounding copy */
     }
     if (!rc && dw) rc = deliver_column(dw, op, "dw", &dwt, pdt);
     if (!rc && db) rc = deliver_column(db, op, "db", &dbt, pdt);
@@ -1202,6 +1213,7 @@ static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tens
     ms_tensor_free(wc);
     ms_tensor_free(dwt);
     ms_tensor_free(dbt);
+    if (dxl) finish(dxl, al, rc);
     return finish(dx, ax, rc);
 }
 
@@ -1211,12 +1223,12 @@ int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const
     int64_t N, C;
     if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
     if (!mean) return ms_errorf("%s: needs the saved mean", op);
-    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, NULL);
+    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, NULL, NULL);
 }
 
 static int norm_backward_add(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                              const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                             const ms_tensor *gres) {
+                             const ms_tensor *gres, ms_tensor **dxl) {
     char a[DESC], b[DESC];
     int64_t N, C;
     if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
@@ -1228,21 +1240,21 @@ static int norm_backward_add(const char *op, ms_tensor **dx, ms_tensor **dw, ms_
             return ms_errorf("%s: the residual gradient %s must be a float tensor of x's shape %s", op,
                              ms_desc(gres, a, sizeof a), ms_shape_str(x, b, sizeof b));
     }
-    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, gres);
+    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, gres, dxl);
 }
 
 int ms_layer_norm_backward_add(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                                const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                               const ms_tensor *gres) {
+                               const ms_tensor *gres, ms_tensor **dxl) {
     const char *op = gres ? "layer_norm_backward (with a residual gradient)" : "layer_norm_backward";
     if (!mean) return ms_errorf("%s: needs the saved mean", op);
-    return norm_backward_add(op, dx, dw, db, g, x, mean, rstd, w, gres);
+    return norm_backward_add(op, dx, dw, db, g, x, mean, rstd, w, gres, dxl);
 }
 
 int ms_rms_norm_backward_add(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,
-                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres) {
+                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres, ms_tensor **dxl) {
     return norm_backward_add(gres ? "rms_norm_backward (with a residual gradient)" : "rms_norm_backward", dx, dw, NULL,
-                             g, x, NULL, rstd, w, gres);
+                             g, x, NULL, rstd, w, gres, dxl);
 }
 
 /* res = x + h, then the norm (rms: RMSNorm, no mean or bias) of res */
@@ -1334,7 +1346,7 @@ int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, con
     const char *op = "rms_norm_backward";
     int64_t N, C;
     if (norm_backward_checks(op, g, x, NULL, rstd, w, &N, &C)) return -1;
-    return norm_backward(op, dx, dw, NULL, g, x, NULL, rstd, w, C, NULL);
+    return norm_backward(op, dx, dw, NULL, g, x, NULL, rstd, w, C, NULL, NULL);
 }
 
 /* a and b share bytes of one storage */

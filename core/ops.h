@@ -148,17 +148,19 @@ int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const
  * residual stream, a bf16 branch output, a bf16 norm output), else the add
  * and the norm apart (and always on the CPU, the reference).
  * ms_layer_norm_backward_add: the backward with gres, a gradient of x from
- * elsewhere (the residual stream's), added into dx in the same pass. */
+ * elsewhere (the residual stream's), added into dx in the same pass; with
+ * dxl (or NULL) dx once more in g's dtype (the gradient of a bf16 branch
+ * output h, which x + h made: one pass writes both on CUDA). */
 int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_tensor *x,
                       const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int out_dtype);
 int ms_layer_norm_backward_add(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                                const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                               const ms_tensor *gres);
+                               const ms_tensor *gres, ms_tensor **dxl);
 /* the same before an RMSNorm (Llama's post-attention norm) */
 int ms_add_rms_norm(ms_tensor **res, ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *h,
                     const ms_tensor *w, double eps, int out_dtype);
 int ms_rms_norm_backward_add(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,
-                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres);
+                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres, ms_tensor **dxl);
 int ms_rms_norm(ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w, double eps,
                 int out_dtype);
 int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,

@@ -125,7 +125,7 @@ template <typename G, typename X, typename A, int V, bool RMS>
 __global__ void norm_bwd_kernel(X *__restrict__ dx, A *__restrict__ part_w, A *__restrict__ part_b,
                                 A *__restrict__ gacc, const G *__restrict__ g, const X *__restrict__ x,
                                 const A *__restrict__ mean, const A *__restrict__ rstd, const A *__restrict__ w,
-                                long long N, int C, const X *__restrict__ gres) {
+                                long long N, int C, const X *__restrict__ gres, G *__restrict__ dxl) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A *red = reinterpret_cast<A *>(smem_raw);
     A *acc = gacc ? gacc + (long long)blockIdx.x * 2 * C : red + 64;
@@ -176,6 +176,7 @@ __global__ void norm_bwd_kernel(X *__restrict__ dx, A *__restrict__ part_w, A *_
                 if (pb) acc[C + i + k] += gv[k];
             }
             if (dx) store_v<X, V>(dx + row * C + i, o);
+            if (dxl) store_v<G, V>(dxl + row * C + i, o);   // dx again in g's dtype (a branch's gradient)
         }
     }
     if (pw || pb)
@@ -280,12 +281,12 @@ int norm_forward(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor
 template <typename G, typename X, typename A, int V, bool RMS>
 int launch_bwd_v(ms_tensor *dx, A *part_w, A *part_b, A *gacc, const ms_tensor *g, const ms_tensor *x,
                  const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C, int blocks,
-                 int threads, size_t smem, const ms_tensor *gres) {
+                 int threads, size_t smem, const ms_tensor *gres, ms_tensor *dxl) {
     auto kernel = norm_bwd_kernel<G, X, A, V, RMS>;
     if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<blocks, threads, smem, ms_cuda_stream_of(x->device_id)>>>(
         ptr<X>(dx), part_w, part_b, gacc, ptr<G>(g), ptr<X>(x), ptr<A>(mean), ptr<A>(rstd), ptr<A>(w), N, C,
-        ptr<X>(gres));
+        ptr<X>(gres), ptr<G>(dxl));
     LAUNCH_CHECK("norm_bwd_kernel");
     return 0;
 }
@@ -293,11 +294,12 @@ int launch_bwd_v(ms_tensor *dx, A *part_w, A *part_b, A *gacc, const ms_tensor *
 template <typename G, typename X, typename A, bool RMS>
 int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
                const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C,
-               const ms_tensor *gres) {
+               const ms_tensor *gres, ms_tensor *dxl = nullptr) {
     const int dev = x->device_id, adt = sizeof(A) == 8 ? MS_F64 : MS_F32;
     constexpr int VV = 16 / (sizeof(X) > sizeof(G) ? sizeof(X) : sizeof(G));
     const bool vec = C % VV == 0 && ms_aligned16(ms_tensor_data(x)) && ms_aligned16(ms_tensor_data(g)) &&
-                     (!dx || ms_aligned16(ms_tensor_data(dx))) && (!gres || ms_aligned16(ms_tensor_data(gres)));
+                     (!dx || ms_aligned16(ms_tensor_data(dx))) && (!gres || ms_aligned16(ms_tensor_data(gres))) &&
+                     (!dxl || ms_aligned16(ms_tensor_data(dxl)));
     const int V = vec ? VV : 1;
     // threads: enough for one chunk per thread, a multiple of 32, at most 1024
     long long chunks = (C + V - 1) / V;
@@ -330,9 +332,9 @@ int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, 
         if (global_acc && ms_tensor_empty(&ga.t, 1, gs, adt, dev)) return -1;
     }
     int rc = vec ? launch_bwd_v<G, X, A, VV, RMS>(dx, ptr<A>(pw.t), ptr<A>(pb.t), ptr<A>(ga.t), g, x, mean, rstd, w,
-                                                   N, C, blocks, threads, smem, gres)
+                                                   N, C, blocks, threads, smem, gres, dxl)
                  : launch_bwd_v<G, X, A, 1, RMS>(dx, ptr<A>(pw.t), ptr<A>(pb.t), ptr<A>(ga.t), g, x, mean, rstd, w,
-                                                  N, C, blocks, threads, smem, gres);
+                                                  N, C, blocks, threads, smem, gres, dxl);
     if (rc) return rc;
     if (params) {
         dim3 cb(8, 32), cg((unsigned)((C + 7) / 8), 2);
@@ -347,7 +349,8 @@ int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, 
 // reverse, goes through a converted copy of g)
 template <bool RMS>
 int norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
-                  const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres = nullptr) {
+                  const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres = nullptr,
+                  ms_tensor *dxl = nullptr) {
     const char *op = RMS ? "rms_norm_backward" : "layer_norm_backward";
     long long N;
     int C;
@@ -365,12 +368,12 @@ int norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *
         if (ms_tensor_to(&t.t, g, x64 ? MS_F64 : MS_F32, g->device_id)) return -1;
         return norm_backward<RMS>(dx, dw, db, t.t, x, mean, rstd, w, gres);
     }
-    if (x64) return launch_bwd<double, double, double, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres);
+    if (x64) return launch_bwd<double, double, double, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
     return with_float32_type(g->dtype_id, op, [&](auto gt) {
         using G = decltype(gt);
         return with_float32_type(x->dtype_id, op, [&](auto xt) {
             using X = decltype(xt);
-            return launch_bwd<G, X, float, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres);
+            return launch_bwd<G, X, float, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
         });
     });
 }
@@ -423,13 +426,17 @@ extern "C" int ms_cuda_add_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, m
     });
 }
 
-// a norm's backward with dx += gres in the same pass (gres in x's dtype)
+// a norm's backward with dx += gres in the same pass (gres in x's dtype),
+// and with dxl (or NULL) dx written a second time in g's dtype
 extern "C" int ms_cuda_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g,
                                          const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd,
-                                         const ms_tensor *w, const ms_tensor *gres, int rms) {
+                                         const ms_tensor *w, const ms_tensor *gres, int rms, ms_tensor *dxl) {
     if (!add_norm_on() || !dx || gres->dtype_id != x->dtype_id) return 1;
-    return rms ? norm_backward<true>(dx, dw, nullptr, g, x, nullptr, rstd, w, gres)
-               : norm_backward<false>(dx, dw, db, g, x, mean, rstd, w, gres);
+    if (dxl && (dxl->dtype_id != g->dtype_id || (g->dtype_id == MS_F64) != (x->dtype_id == MS_F64) ||
+                !ms_tensor_is_contiguous(dxl) || !ms_tensor_is_contiguous(g)))
+        return 1;
+    return rms ? norm_backward<true>(dx, dw, nullptr, g, x, nullptr, rstd, w, gres, dxl)
+               : norm_backward<false>(dx, dw, db, g, x, mean, rstd, w, gres, dxl);
 }
 
 extern "C" int ms_cuda_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps) {

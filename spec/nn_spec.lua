@@ -362,6 +362,34 @@ describe('nn modules', function()
     assert.is_true(worst < 1e-6, 'relative error ' .. worst)
   end)
 
+  it('add_layer_norm / add_rms_norm give a bf16 h its gradient in bf16 beside an f32 x (one pass)', function()
+    for _, rms in ipairs({ false, true }) do
+      for _, both in ipairs({ true, false }) do
+        local x = ms.randn({ 3, 16 }, { seed = 91 })
+        local h = ms.randn({ 3, 16 }, { seed = 92 }):to('bf16'):requires_grad_()
+        local w = ms.randn({ 16 }, { seed = 93 })
+        local g = ms.randn({ 3, 16 }, { seed = 94 })
+        if both then x:requires_grad_() end
+        A.clear_tape()
+        local res, y
+        -- under autocast the norm emits bf16, so its gradient comes in bf16 (h's dtype)
+        nnf.autocast('bf16', function()
+          if rms then res, y = nnf.add_rms_norm(x, h, w, 1e-6) else res, y = nnf.add_layer_norm(x, h, w, nil, 1e-5) end
+        end)
+        assert.are.equal('f32', res.dtype)
+        assert.are.equal('bf16', y.dtype)
+        ms.sum(y:to('f32') * g):backward()
+        assert.are.equal('bf16', h.grad.dtype)
+        if both then
+          assert.are.equal('f32', x.grad.dtype)
+          assert.is_true(maxdiff(h.grad, x.grad:to('bf16')) == 0)
+        else
+          assert.is_nil(x.grad)
+        end
+      end
+    end
+  end)
+
   it('add_rms_norm is one node of two outputs with their gradients (f64 finite differences)', function()
     local x = ms.randn({ 2, 3, 6 }, { seed = 81 }):double():requires_grad_()
     local h = ms.randn({ 2, 3, 6 }, { seed = 82 }):double():requires_grad_()

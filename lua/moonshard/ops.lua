@@ -492,8 +492,9 @@ function F.native_add_layer_norm(x, h, w, b, eps, out_dtype)
   return wrap(s[0]), wrap(y[0]), wrap(m[0]), wrap(r[0])
 end
 
--- native_layer_norm_backward_add(g, x, mean, rstd, w?, gres, {dx=, dw=, db=})
--- -> dx (+ gres, in the same pass on CUDA), dw, db
+-- native_layer_norm_backward_add(g, x, mean, rstd, w?, gres, {dx=, dw=, db=, dxl=})
+-- -> dx (+ gres, in the same pass on CUDA), dw, db, and with dxl = true dx
+-- once more in g's dtype (from the same pass on CUDA)
 function F.native_layer_norm_backward_add(g, x, mean, rstd, w, gres, want)
   need_tensor('layer_norm_backward', g, 'the gradient')
   need_tensor('layer_norm_backward', x, 'x')
@@ -505,10 +506,11 @@ function F.native_layer_norm_backward_add(g, x, mean, rstd, w, gres, want)
   local dx = want.dx ~= false and box_t() or nil
   local dw = want.dw ~= false and box_t() or nil
   local db = want.db ~= false and box_t() or nil
-  if C.ms_layer_norm_backward_add(dx, dw, db, g, x, mean, rstd, w, gres) ~= 0 then
+  local dxl = want.dxl and box_t() or nil
+  if C.ms_layer_norm_backward_add(dx, dw, db, g, x, mean, rstd, w, gres, dxl) ~= 0 then
     raise(ffi.string(C.ms_last_error()))
   end
-  return dx and wrap_opt(dx), dw and wrap_opt(dw), db and wrap_opt(db)
+  return dx and wrap_opt(dx), dw and wrap_opt(dw), db and wrap_opt(db), dxl and wrap_opt(dxl)
 end
 
 -- native_layer_norm_backward(g, x, mean, rstd, w?, {dx=, dw=, db=}) -> dx, dw, db
@@ -539,7 +541,7 @@ function F.native_add_rms_norm(x, h, w, eps, out_dtype)
   return wrap(s[0]), wrap(y[0]), wrap(r[0])
 end
 
--- native_rms_norm_backward_add(g, x, rstd, w?, gres, {dx=, dw=}) -> dx (+ gres), dw
+-- native_rms_norm_backward_add(g, x, rstd, w?, gres, {dx=, dw=, dxl=}) -> dx (+ gres), dw, dxl
 function F.native_rms_norm_backward_add(g, x, rstd, w, gres, want)
   need_tensor('rms_norm_backward', g, 'the gradient')
   need_tensor('rms_norm_backward', x, 'x')
@@ -549,8 +551,9 @@ function F.native_rms_norm_backward_add(g, x, rstd, w, gres, want)
   want = want or {}
   local dx = want.dx ~= false and box_t() or nil
   local dw = want.dw ~= false and box_t() or nil
-  if C.ms_rms_norm_backward_add(dx, dw, g, x, rstd, w, gres) ~= 0 then raise(ffi.string(C.ms_last_error())) end
-  return dx and wrap_opt(dx), dw and wrap_opt(dw)
+  local dxl = want.dxl and box_t() or nil
+  if C.ms_rms_norm_backward_add(dx, dw, g, x, rstd, w, gres, dxl) ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  return dx and wrap_opt(dx), dw and wrap_opt(dw), dxl and wrap_opt(dxl)
 end
 
 -- native_rms_norm_backward(g, x, rstd, w?, {dx=, dw=}) -> dx, dw

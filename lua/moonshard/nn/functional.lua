@@ -371,14 +371,19 @@ local AddLayerNorm = A.Function {
     local odt = amp.norm_out_dtype(x, promote_float(x.dtype_id, h.dtype_id))   -- the sum's, as layer_norm(x + h)
     local res, y, mean, rstd = F.native_add_layer_norm(x, h, w, b, eps, odt)
     ctx:save_for_backward(res, mean, rstd, w)
+    ctx.hdt = h.dtype_id
     return res, y
   end,
   backward = function(ctx, g_res, g_y)
     local st = ctx.saved_tensors
     local need = ctx.needs_input_grad
-    local dx, dw, db = F.native_layer_norm_backward_add(g_y, st[1], st[2], st[3], st[4], g_res,
-      { dx = need[1] or need[2], dw = need[3] == true, db = need[4] == true })
-    return need[1] and dx or nil, need[2] and dx or nil, dw, db
+    -- h's gradient in its own dtype from the same pass (a bf16 branch output
+    -- beside an f32 residual stream: no separate cast of dx)
+    local low = need[2] and ctx.hdt ~= st[1].dtype_id and ctx.hdt == g_y.dtype_id
+    local dx, dw, db, dxl = F.native_layer_norm_backward_add(g_y, st[1], st[2], st[3], st[4], g_res,
+      { dx = need[1] or need[2], dw = need[3] == true, db = need[4] == true, dxl = low })
+    if low and not need[1] then free(dx) end
+    return need[1] and dx or nil, need[2] and (dxl or dx) or nil, dw, db
   end,
 }
 function nnf.add_layer_norm(x, h, w, b, eps)
@@ -396,14 +401,17 @@ local AddRMSNorm = A.Function {
     local odt = amp.norm_out_dtype(x, w ~= nil and promote_float(sdt, w.dtype_id) or sdt)
     local res, y, rstd = F.native_add_rms_norm(x, h, w, eps, odt)
     ctx:save_for_backward(res, rstd, w)
+    ctx.hdt = h.dtype_id
     return res, y
   end,
   backward = function(ctx, g_res, g_y)
     local st = ctx.saved_tensors
     local need = ctx.needs_input_grad
-    local dx, dw = F.native_rms_norm_backward_add(g_y, st[1], st[2], st[3], g_res,
-      { dx = need[1] or need[2], dw = need[3] == true })
-    return need[1] and dx or nil, need[2] and dx or nil, dw
+    local low = need[2] and ctx.hdt ~= st[1].dtype_id and ctx.hdt == g_y.dtype_id   -- as add_layer_norm
+    local dx, dw, dxl = F.native_rms_norm_backward_add(g_y, st[1], st[2], st[3], g_res,
+      { dx = need[1] or need[2], dw = need[3] == true, dxl = low })
+    if low and not need[1] then free(dx) end
+    return need[1] and dx or nil, need[2] and (dxl or dx) or nil, dw
   end,
 }
 function nnf.add_rms_norm(x, h, w, eps)
