@@ -98,12 +98,16 @@ __device__ __forceinline__ RowStat row_stat_empty() { return RowStat{-INFINITY, 
 // pass 1 over a row of V classes (bias and softcap applied): this thread's
 // elements. yl: the target's index among these classes (any other value:
 // not here).
+// cache (or NULL): shared memory of V elements that keeps what this thread
+// read, for row_pass2 (each thread reads back only its own elements: no
+// barrier needed between the passes for it)
 template <typename T, int VEC>
 __device__ __forceinline__ RowStat row_pass1(const T *row, const T *bias, const float *cew, int V, long long yl,
-                                             float cap, float inv_cap, bool smooth) {
+                                             float cap, float inv_cap, bool smooth, T *cache = nullptr) {
     RowStat st = row_stat_empty();
     for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
         Pack<T, VEC> pk = *(const Pack<T, VEC> *)(row + k0);
+        if (cache) *(Pack<T, VEC> *)(cache + k0) = pk;
         float u[VEC];
         float vmax = -INFINITY;
 #pragma unroll
@@ -187,9 +191,9 @@ __device__ __forceinline__ float row_ce(const ms_flce_params &p, float wsum, flo
 // pass 2: the row's logits become the gradient, in place
 template <typename T, int VEC>
 __device__ __forceinline__ void row_pass2(T *row, const T *bias, const float *cew, int V, long long yl, float cap,
-                                          float inv_cap, float lse2, const Coefs &k) {
+                                          float inv_cap, float lse2, const Coefs &k, const T *cache = nullptr) {
     for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
-        Pack<T, VEC> pk = *(const Pack<T, VEC> *)(row + k0);
+        Pack<T, VEC> pk = *(const Pack<T, VEC> *)((cache ? cache : row) + k0);
 #pragma unroll
         for (int e = 0; e < VEC; e++) {
             const int j = k0 + e;
@@ -227,7 +231,7 @@ __device__ __forceinline__ bool target_valid(const ms_flce_params &p, long long 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kRowThreads)
 flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int tdt, const float *gs,
-                 int gs_per_row, const double *scal, float *rows, ms_flce_params p) {
+                 int gs_per_row, const double *scal, float *rows, ms_flce_params p, int row_cached) {
     const long long r = blockIdx.x, i = p.row0 + r;
     const int V = (int)p.v;
     T *row = logits + r * p.v;
@@ -238,7 +242,12 @@ flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int
         return;
     }
     const float cap = p.softcap, inv_cap = cap > 0 ? 1.0f / cap : 0.0f;
-    const RowStat st = block_reduce_row(row_pass1<T, VEC>(row, bias, cew, V, y, cap, inv_cap, p.label_smoothing > 0));
+    // the row in shared memory between the passes when the launch gave room
+    // for it (row_cache_bytes): pass 2 then reads no device memory
+    extern __shared__ __align__(16) unsigned char row_smem[];
+    T *cache = p.want_grad && row_cached ? reinterpret_cast<T *>(row_smem) : nullptr;
+    const RowStat st =
+        block_reduce_row(row_pass1<T, VEC>(row, bias, cew, V, y, cap, inv_cap, p.label_smoothing > 0, cache));
     const float lse2 = st.m + log2f(st.s), lse = lse2 * kLn2;
     const float wy = cew ? cew[y] : 1.0f;
     if (threadIdx.x == 0) {
@@ -248,7 +257,7 @@ flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int
     }
     if (!p.want_grad) return;
     const float g = gs ? gs[gs_per_row ? i : 0] : 1.0f;
-    row_pass2<T, VEC>(row, bias, cew, V, y, cap, inv_cap, lse2, row_coefs(p, scal, g, wy, lse));
+    row_pass2<T, VEC>(row, bias, cew, V, y, cap, inv_cap, lse2, row_coefs(p, scal, g, wy, lse), cache);
 }
 
 // Vocabulary-parallel, step 1: this rank's statistics of each row into
@@ -506,6 +515,24 @@ extern "C" int ms_cuda_flce_prep(const ms_tensor *targets, const ms_tensor *ce_w
     return 0;
 }
 
+// Shared memory for a row between the two passes of flce_rows_kernel: its
+// bytes when two blocks of an SM can each hold one (V up to ~56k in bf16:
+// GPT-2's 50304), else 0 and pass 2 reads the row again (from L2 when the
+// rows in flight fit there). MS_FLCE_ROW_CACHE=0 turns it off.
+size_t row_cache_bytes(int device, long long row_bytes) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MS_FLCE_ROW_CACHE");
+        on = !(e && e[0] == '0');
+    }
+    int smem_sm = 0, optin = 0;
+    cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    size_t need = ((size_t)row_bytes + 15) / 16 * 16, stat = 1024;   // + the block's static reduction arrays
+    if (!on || need + stat > (size_t)optin || 2 * (need + stat) > (size_t)smem_sm) return 0;
+    return need;
+}
+
 extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const ms_tensor *ce_weight,
                                  const ms_tensor *targets, const ms_tensor *grad_scale, const ms_tensor *scal,
                                  ms_tensor *rows, const ms_flce_params *p) {
@@ -515,11 +542,16 @@ extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const
     const int per_row = grad_scale && ms_tensor_numel(grad_scale) > 1;
     int rc = by_dtype(logits->dtype_id, [&](auto t) {
         using T = typename decltype(t)::type;
+        const size_t cache = row_cache_bytes(logits->device_id, p->v * (long long)sizeof(T));
         return row_launch<T>(logits, p, [&](auto vec) {
-            flce_rows_kernel<T, decltype(vec)::value><<<(unsigned)p->n, kRowThreads, 0, st>>>(
+            auto kernel = flce_rows_kernel<T, decltype(vec)::value>;
+            if (cache > 48 * 1024 &&
+                cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cache) != cudaSuccess)
+                return;   // reported by LAUNCH_CHECK below
+            kernel<<<(unsigned)p->n, kRowThreads, cache, st>>>(
                 (T *)ms_tensor_data(logits), data_or_null<T>(bias), data_or_null<float>(ce_weight),
                 ms_tensor_data(targets), targets->dtype_id, data_or_null<float>(grad_scale), per_row,
-                (const double *)ms_tensor_data(scal), (float *)ms_tensor_data(rows), *p);
+                (const double *)ms_tensor_data(scal), (float *)ms_tensor_data(rows), *p, cache > 0);
         });
     });
     if (rc) return rc;
