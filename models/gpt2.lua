@@ -78,17 +78,21 @@ end
 -- a LayerNorm that can take the residual add before it (nnf.add_layer_norm)
 local function fusable_norm(ln) return getmetatable(ln) == nn.LayerNorm and nn.plain(ln) end
 
--- true when the model may run this block through forward_deferred: exactly
--- a GPT2Block with nothing watching it or its norms (hooks, FSDP, activation
--- checkpointing see the plain forward)
+-- true when the model may call this block with a deferred residual add
+-- (block(x, pending, true), below): exactly a GPT2Block with its own
+-- forward, norms that take the add (no hooks on them), and only passive
+-- forward hooks on the block (FSDP's: they do not touch inputs or outputs)
 function Block:deferrable()
-  return getmetatable(self) == Block and nn.plain(self) and fusable_norm(self.ln_1) and fusable_norm(self.ln_2)
+  return getmetatable(self) == Block and rawget(self, 'forward') == nil and nn.passive_hooks_only(self)
+    and fusable_norm(self.ln_1) and fusable_norm(self.ln_2)
 end
 
--- forward_deferred(x, pending?) -> r, m: the block's output is r + m, the
--- add left to the next norm; with pending, the block's input is x + pending
--- (the previous block's deferred add, done here with ln_1 in one pass)
-function Block:forward_deferred(x, pending)
+-- block(x) -> x + attn(ln_1(x)) + mlp(ln_2(...)), the block's output.
+-- block(x, pending, true) -> r, m with the output r + m left unsummed for
+-- the next norm, the input being x + pending (the previous block's deferred
+-- add, done here with ln_1 in one pass; pending may be nil): the model's
+-- deferred residual adds, one pass over the f32 stream fewer a block
+function Block:forward(x, pending, defer)
   local ln1, ln2 = self.ln_1, self.ln_2
   local h
   if pending ~= nil then
@@ -97,20 +101,17 @@ function Block:forward_deferred(x, pending)
     h = ln1(x)
   end
   local a = self.drop(self.attn(h))
-  local r, y = nn.functional.add_layer_norm(x, a, ln2.weight, ln2.bias, ln2.eps)
-  return r, self.drop(self.mlp(y))
-end
-
-function Block:forward(x)
-  local a = self.drop(self.attn(self.ln_1(x)))
-  local ln = self.ln_2
-  if fusable_norm(ln) then
+  local r, y
+  if fusable_norm(ln2) then
     -- the residual add and ln_2 in one node (one pass on CUDA)
-    local r, y = nn.functional.add_layer_norm(x, a, ln.weight, ln.bias, ln.eps)
-    return r + self.drop(self.mlp(y))
+    r, y = nn.functional.add_layer_norm(x, a, ln2.weight, ln2.bias, ln2.eps)
+  else
+    r = x + a
+    y = ln2(r)
   end
-  x = x + a
-  return x + self.drop(self.mlp(ln(x)))
+  local m = self.drop(self.mlp(y))
+  if defer then return r, m end
+  return r + m
 end
 
 local GPT2Model = nn.Module:extend('GPT2Model')
@@ -136,7 +137,7 @@ function GPT2Model:forward(input_ids)
     -- every residual add but the attention's goes into the next norm's pass
     -- (ln_1 of the next block, ln_f after the last): one pass fewer a block
     local pending
-    for i = 1, n do x, pending = self.h[i]:forward_deferred(x, pending) end
+    for i = 1, n do x, pending = self.h[i](x, pending, true) end
     local lf = self.ln_f
     local _, y = nn.functional.add_layer_norm(x, pending, lf.weight, lf.bias, lf.eps)
     return y

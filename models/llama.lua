@@ -121,17 +121,18 @@ end
 -- an RMSNorm that can take the residual add before it (nnf.add_rms_norm)
 local function fusable_norm(ln) return getmetatable(ln) == nn.RMSNorm and nn.plain(ln) end
 
--- true when the model may run this layer through forward_deferred (exactly
--- a LlamaDecoderLayer, nothing watching it or its norms)
+-- true when the model may call this layer with a deferred residual add
+-- (layer(x, pending, true)): exactly a LlamaDecoderLayer with its own
+-- forward, norms that take the add, only passive forward hooks (FSDP's)
 function Layer:deferrable()
-  return getmetatable(self) == Layer and nn.plain(self) and fusable_norm(self.input_layernorm)
-    and fusable_norm(self.post_attention_layernorm)
+  return getmetatable(self) == Layer and rawget(self, 'forward') == nil and nn.passive_hooks_only(self)
+    and fusable_norm(self.input_layernorm) and fusable_norm(self.post_attention_layernorm)
 end
 
--- forward_deferred(x, pending?) -> r, m: the layer's output is r + m, the
--- add left to the next norm; with pending the input is x + pending, added
--- in input_layernorm's pass
-function Layer:forward_deferred(x, pending)
+-- layer(x) -> the layer's output; layer(x, pending, true) -> r, m with the
+-- output r + m left for the next norm, the input being x + pending (added
+-- in input_layernorm's pass; pending may be nil), as GPT-2's blocks
+function Layer:forward(x, pending, defer)
   local ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
   local h
   if pending ~= nil then
@@ -140,20 +141,17 @@ function Layer:forward_deferred(x, pending)
     h = ln1(x)
   end
   local a = self.self_attn(h)
-  local r, y = nn.functional.add_rms_norm(x, a, ln2.weight, ln2.eps)
-  return r, self.mlp(y)
-end
-
-function Layer:forward(x)
-  local a = self.self_attn(self.input_layernorm(x))
-  local ln = self.post_attention_layernorm
-  if fusable_norm(ln) then
+  local r, y
+  if fusable_norm(ln2) then
     -- the residual add and the norm in one node (one pass on CUDA)
-    local r, y = nn.functional.add_rms_norm(x, a, ln.weight, ln.eps)
-    return r + self.mlp(y)
+    r, y = nn.functional.add_rms_norm(x, a, ln2.weight, ln2.eps)
+  else
+    r = x + a
+    y = ln2(r)
   end
-  x = x + a
-  return x + self.mlp(ln(x))
+  local m = self.mlp(y)
+  if defer then return r, m end
+  return r + m
 end
 
 local LlamaModel = nn.Module:extend('LlamaModel')
@@ -174,7 +172,7 @@ function LlamaModel:forward(input_ids)
   if deferred and n > 0 then
     -- each layer's last residual add goes into the next norm's pass
     local pending
-    for i = 1, n do x, pending = self.layers[i]:forward_deferred(x, pending) end
+    for i = 1, n do x, pending = self.layers[i](x, pending, true) end
     local _, y = nn.functional.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
     return y
   end

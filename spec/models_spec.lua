@@ -57,12 +57,14 @@ for _, fam in ipairs(families) do
     if dtype ~= 'f32' then model:to(dtype) end
     local blocks, seen = model.transformer and model.transformer.h or model.model.layers, 0
     if hooked then
-      -- a hook on every block: the model then runs each block's own forward,
-      -- not the deferred residual adds (forward_deferred)
+      -- a hook on every block: an ordinary one makes the model run each
+      -- block's plain forward, not the deferred residual adds; a passive
+      -- one (as FSDP's) keeps them
+      local passive = hooked == 'passive'
       for i = 1, #blocks do
         assert.is_true(blocks[i]:deferrable())
-        blocks[i]:register_forward_hook(function() seen = seen + 1 end)
-        assert.is_false(blocks[i]:deferrable())
+        blocks[i]:register_forward_hook(function() seen = seen + 1 end, passive)
+        assert.are.equal(passive, blocks[i]:deferrable())
       end
     end
     model:eval()
@@ -100,7 +102,10 @@ for _, fam in ipairs(families) do
     it('matches logits, loss and every gradient in f32 (1e-5)', function() golden('f32', 1e-5) end)
     it('matches logits, loss and every gradient in f64 (1e-6)', function() golden('f64', 1e-6) end)
     it('matches them with a hook on every block (no deferred residual adds), f64', function()
-      golden('f64', 1e-6, true)
+      golden('f64', 1e-6, 'plain')
+    end)
+    it('matches them with a passive hook on every block (the deferred adds kept), f64', function()
+      golden('f64', 1e-6, 'passive')
     end)
 
     it('names its parameters exactly as the Hugging Face checkpoint', function()

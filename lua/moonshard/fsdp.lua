@@ -634,7 +634,7 @@ local function install_hooks(st, u)
     u:gather_start()
     if st.forward_prefetch and not st.in_backward then prefetch(st, next_in(st.prev_fwd, st.prev_fwd_pos, u)) end
     u:unshard()
-  end)
+  end, true)   -- passive: the unit's inputs and outputs pass untouched
   m:register_forward_hook(function()
     if st.in_backward then return end        -- a checkpointed region's recompute
     local e = st.cur_end
@@ -644,7 +644,7 @@ local function install_hooks(st, u)
     -- no backward will come: reshard; otherwise per strategy (the root stays
     -- unsharded under FULL_SHARD/HYBRID: its backward comes first)
     if not grad or (u.strategy ~= 'SHARD_GRAD_OP' and u.module ~= st.root) then u:reshard() end
-  end)
+  end, true)
   m:register_backward_pre_hook(function()
     if not st.in_backward then
       st.in_backward = true
@@ -803,7 +803,7 @@ function fsdp.fully_shard(model, opts)
     if #st.cur_fwd > 0 then st.prev_fwd, st.prev_fwd_pos = st.cur_fwd, st.cur_fwd_pos end
     st.cur_fwd, st.cur_fwd_pos, st.cur_end = {}, {}, {}
     if st.trace then st.trace = {} end
-  end)
+  end, true)
   for _, u in ipairs(units) do
     -- distinct tensors of the unit: the decayed ones (optim.no_decay says
     -- no) first, each group in first-use order
@@ -878,7 +878,7 @@ function fsdp.fully_shard(model, opts)
   model:register_forward_hook(function()
     if st.in_backward or A().is_grad_enabled() then return end
     for _, u in ipairs(st.units) do if u.reshards then u:reshard() end end
-  end)
+  end, true)
   if st.trace then st.trace = {} end
   rawset(model, '_fsdp', st)
   rawset(model, 'no_sync', function(self, fn, ...) return fsdp.no_sync(self, fn, ...) end)

@@ -411,11 +411,27 @@ local function hook_list(self, key)
   if l == nil then l = {}; rawset(self, key, l) end
   return l
 end
-function Module:register_forward_pre_hook(fn)
-  return A.hook_handle(hook_list(self, '_forward_pre_hooks'), { fn = fn })
+-- passive = true: the hook neither replaces the inputs or the output nor
+-- reads them (FSDP's gather and release); a module whose forward hooks are
+-- all passive may be called with a different signature (the models'
+-- deferred residual adds, nn.passive_hooks_only)
+function Module:register_forward_pre_hook(fn, passive)
+  return A.hook_handle(hook_list(self, '_forward_pre_hooks'), { fn = fn, passive = passive == true })
 end
-function Module:register_forward_hook(fn)
-  return A.hook_handle(hook_list(self, '_forward_hooks'), { fn = fn })
+function Module:register_forward_hook(fn, passive)
+  return A.hook_handle(hook_list(self, '_forward_hooks'), { fn = fn, passive = passive == true })
+end
+-- true when every forward (pre-)hook of m was registered passive
+function nn.passive_hooks_only(m)
+  for _, key in ipairs({ '_forward_pre_hooks', '_forward_hooks' }) do
+    local l = rawget(m, key)
+    if l then
+      for i = 1, #l do
+        if l[i] and not l[i].passive then return false end
+      end
+    end
+  end
+  return true
 end
 function Module:register_backward_pre_hook(fn)
   return A.hook_handle(hook_list(self, '_backward_pre_hooks'), { fn = fn })
