@@ -225,10 +225,73 @@ __device__ __forceinline__ bool target_valid(const ms_flce_params &p, long long 
     return y != p.ignore_index && y >= 0 && y < p.vtot;
 }
 
+// The plain case (no bias, class weights, softcap or label smoothing; the
+// z-loss and every reduction allowed), with the per-element work cut to
+// what the math needs (the row pass was bound by integer/logic issue, not
+// by memory): pass 1 keeps the max and the first pack that reaches it, not
+// a per-element argmax, and neither pass compares indices with the target
+// (its logit is read once, its gradient fixed up by the thread that owns
+// it). Same results as the general passes.
+template <typename T, int VEC>
+__device__ __forceinline__ RowStat row_pass1_plain(const T *row, int V, T *cache) {
+    RowStat st = row_stat_empty();
+    for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
+        Pack<T, VEC> pk = *(const Pack<T, VEC> *)(row + k0);
+        if (cache) *(Pack<T, VEC> *)(cache + k0) = pk;
+        float z[VEC];
+        float zmax = -INFINITY;
+#pragma unroll
+        for (int e = 0; e < VEC; e++) {
+            z[e] = ms_ld(&pk.v[e]);
+            zmax = fmaxf(zmax, z[e]);
+        }
+        if (zmax > st.best) {   // the first pack of this thread's max (its exact index: row_first_max)
+            st.best = zmax;
+            st.idx = k0;
+        }
+        const float mm = fmaxf(st.m, zmax * kLog2e);
+        if (mm == -INFINITY) continue;
+        float acc = st.s * exp2f(st.m - mm);
+#pragma unroll
+        for (int e = 0; e < VEC; e++) acc += exp2f(fmaf(z[e], kLog2e, -mm));
+        st.s = acc;
+        st.m = mm;
+    }
+    return st;
+}
+
+// the first index in the pack at k0 whose logit equals best (the block's
+// argmax, torch's first-index rule: packs are merged smaller-k0-first)
+template <typename T, int VEC>
+__device__ __forceinline__ int row_first_max(const T *src, int k0, float best) {
+    Pack<T, VEC> pk = *(const Pack<T, VEC> *)(src + k0);
+#pragma unroll
+    for (int e = 0; e < VEC; e++)
+        if (ms_ld(&pk.v[e]) == best) return k0 + e;
+    return k0;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void row_pass2_plain(T *row, int V, int yl, float lse2, const Coefs &k, const T *cache) {
+    const T *src = cache ? cache : row;
+    // the target's element belongs to this thread's packs or to no other:
+    // its logit read before the loop overwrites it, its gradient rewritten
+    // after (the same thread's stores, in order)
+    const bool owner = ((yl / VEC) % (int)blockDim.x) == (int)threadIdx.x;
+    const float zy = owner ? ms_ld(src + yl) : 0.0f;
+    for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
+        Pack<T, VEC> pk = *(const Pack<T, VEC> *)(src + k0);
+#pragma unroll
+        for (int e = 0; e < VEC; e++) ms_st(&pk.v[e], k.a * exp2f(fmaf(ms_ld(&pk.v[e]), kLog2e, -lse2)));
+        *(Pack<T, VEC> *)(row + k0) = pk;
+    }
+    if (owner) ms_st(row + yl, k.a * exp2f(fmaf(zy, kLog2e, -lse2)) - k.y);
+}
+
 // One block per token of the chunk. Row r of `logits` (V) holds x_i·Wᵀ on
 // entry and d(Σ grad_scale·loss)/d logits on exit (want_grad); rows[i] gets
 // (ce_i, zl_i, hit_i). scal: (D, Σw, N) from flce_prep_kernel.
-template <typename T, int VEC>
+template <typename T, int VEC, bool PLAIN>
 __global__ void __launch_bounds__(kRowThreads)
 flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int tdt, const float *gs,
                  int gs_per_row, const double *scal, float *rows, ms_flce_params p, int row_cached) {
@@ -246,6 +309,25 @@ flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int
     // for it (row_cache_bytes): pass 2 then reads no device memory
     extern __shared__ __align__(16) unsigned char row_smem[];
     T *cache = p.want_grad && row_cached ? reinterpret_cast<T *>(row_smem) : nullptr;
+    if constexpr (PLAIN) {
+        const RowStat st = block_reduce_row(row_pass1_plain<T, VEC>(row, V, cache));
+        const float lse2 = st.m + log2f(st.s), lse = lse2 * kLn2;
+        const T *src = cache ? cache : row;   // (block_reduce_row's barrier: every thread's copy is in)
+        const int yl = (int)y;
+        if (threadIdx.x == 0) {
+            rows[3 * i] = row_ce(p, (float)scal[1], 1.0f, lse, ms_ld(src + yl), 0.0f);
+            rows[3 * i + 1] = p.lse_square_scale * lse * lse;
+        }
+        // the pack holding the first max: its owner finds the index and writes the hit
+        if (st.idx != INT_MAX && ((st.idx / VEC) % (int)blockDim.x) == (int)threadIdx.x)
+            rows[3 * i + 2] = row_first_max<T, VEC>(src, st.idx, st.best) == yl ? 1.0f : 0.0f;
+        else if (st.idx == INT_MAX && threadIdx.x == 0)
+            rows[3 * i + 2] = 0.0f;
+        if (!p.want_grad) return;
+        const float g = gs ? gs[gs_per_row ? i : 0] : 1.0f;
+        row_pass2_plain<T, VEC>(row, V, yl, lse2, row_coefs(p, scal, g, 1.0f, lse), cache);
+        return;
+    }
     const RowStat st =
         block_reduce_row(row_pass1<T, VEC>(row, bias, cew, V, y, cap, inv_cap, p.label_smoothing > 0, cache));
     const float lse2 = st.m + log2f(st.s), lse = lse2 * kLn2;
@@ -533,6 +615,16 @@ size_t row_cache_bytes(int device, long long row_bytes) {
     return need;
 }
 
+// MS_FLCE_PLAIN_ROWS=0: the general row pass for every call (to compare)
+bool plain_rows_on() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MS_FLCE_PLAIN_ROWS");
+        on = !(e && e[0] == '0');
+    }
+    return on == 1;
+}
+
 extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const ms_tensor *ce_weight,
                                  const ms_tensor *targets, const ms_tensor *grad_scale, const ms_tensor *scal,
                                  ms_tensor *rows, const ms_flce_params *p) {
@@ -543,8 +635,10 @@ extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const
     int rc = by_dtype(logits->dtype_id, [&](auto t) {
         using T = typename decltype(t)::type;
         const size_t cache = row_cache_bytes(logits->device_id, p->v * (long long)sizeof(T));
+        const bool plain = !bias && !ce_weight && !(p->softcap > 0) && p->label_smoothing == 0 && plain_rows_on();
         return row_launch<T>(logits, p, [&](auto vec) {
-            auto kernel = flce_rows_kernel<T, decltype(vec)::value>;
+            auto kernel = plain ? flce_rows_kernel<T, decltype(vec)::value, true>
+                                : flce_rows_kernel<T, decltype(vec)::value, false>;
             if (cache > 48 * 1024 &&
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cache) != cudaSuccess)
                 return;   // reported by LAUNCH_CHECK below

@@ -119,6 +119,31 @@ describe('fused_linear_cross_entropy on cuda #gpu', function()
       end)
     end
 
+    it('accuracy takes the first of tied maxima (the plain and the general row pass)', function()
+      -- W rows 100 and 2500 the same and the largest logit of every token:
+      -- a tie; torch.argmax (and accuracy) takes 100. Half the targets are
+      -- 100, half 2500, so accuracy is exactly 0.5; with a zero bias the
+      -- general pass runs, without it the plain one.
+      local BT, H, V = 64, 16, 3000
+      local x = F.add(F.abs(randn({ BT, H })), 0.1)
+      local W = randn({ V, H }, 0.05)
+      local big = F.add(F.abs(randn({ 1, H })), 1)
+      W:narrow(1, 101, 1):copy_(big)
+      W:narrow(1, 2501, 1):copy_(big)
+      local tt = {}
+      for k = 1, BT do tt[k] = k % 2 == 0 and 100 or 2500 end
+      local t = ms.tensor(tt, { dtype = 'i64' })
+      for _, dt in ipairs({ 'f32', 'bf16' }) do
+        for _, o in ipairs({ {}, { bias = ms.zeros({ V }) } }) do
+          local r = run(x, W, t, o, 'cuda', dt)
+          assert.are.equal(0.5, r.acc, dt .. (o.bias and ' general' or ' plain'))
+          local c = run(x, W, t, o, 'cpu', 'f32')
+          assert.are.equal(0.5, c.acc)
+          compare(r, c, dt == 'f32' and 1e-4 or 2e-2, dt)
+        end
+      end
+    end)
+
     it('gives the same bits on every run, and results independent of the chunk size', function()
       local x, W, t = randn({ 200, 64 }), randn({ 3001, 64 }, 0.3), targets(200, 3001, 0.1)
       local a = run(x, W, t, { chunk_size = 50 }, 'cuda', 'bf16')
