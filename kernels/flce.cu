@@ -314,11 +314,13 @@ flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int
         const float lse2 = st.m + log2f(st.s), lse = lse2 * kLn2;
         const T *src = cache ? cache : row;   // (block_reduce_row's barrier: every thread's copy is in)
         const int yl = (int)y;
-        if (threadIdx.x == 0) {
+        // reads of the row here are each by the thread that overwrites that
+        // pack in pass 2, before it does (without the shared copy, src is the
+        // row itself): the target's owner writes the loss, the max's owner
+        // the hit
+        if (((yl / VEC) % (int)blockDim.x) == (int)threadIdx.x)
             rows[3 * i] = row_ce(p, (float)scal[1], 1.0f, lse, ms_ld(src + yl), 0.0f);
-            rows[3 * i + 1] = p.lse_square_scale * lse * lse;
-        }
-        // the pack holding the first max: its owner finds the index and writes the hit
+        if (threadIdx.x == 0) rows[3 * i + 1] = p.lse_square_scale * lse * lse;
         if (st.idx != INT_MAX && ((st.idx / VEC) % (int)blockDim.x) == (int)threadIdx.x)
             rows[3 * i + 2] = row_first_max<T, VEC>(src, st.idx, st.best) == yl ? 1.0f : 0.0f;
         else if (st.idx == INT_MAX && threadIdx.x == 0)
