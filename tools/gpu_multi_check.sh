@@ -6,17 +6,9 @@
 # torch.compile) under torchrun for both. Logs in $OUT; MULTI_SKIP="torch
 # llama" leaves parts out.
 set -u
-out=${OUT:-/tmp/gpu_multi_check}
-mkdir -p "$out"
-skip=" ${MULTI_SKIP:-} "
-step() {   # step NAME COMMAND...
-  local name=$1; shift
-  case "$skip" in *" $name "*) echo "=== $name: skipped"; return ;; esac
-  echo "=== $name"
-  "$@" > "$out/$name.log" 2>&1
-  echo "(exit $?)"
-  tail -n "${TAIL:-8}" "$out/$name.log"
-}
+skip=${MULTI_SKIP:-}
+TAIL=${TAIL:-8}
+. "$(dirname "$0")/gpu_steps.sh" /tmp/gpu_multi_check
 export NCCL_NVLS_ENABLE=0
 step specs env MS_MULTI_OUTPUT=TAP MS_MULTI_SPEC_TIMEOUT=240 MS_MULTI_SPECS="${MULTI_SPECS:-spec/dist_*_spec.lua}" \
   bash tools/run_multi_specs.sh 2
