@@ -609,9 +609,13 @@ size_t row_cache_bytes(int device, long long row_bytes) {
         const char *e = getenv("MS_FLCE_ROW_CACHE");
         on = !(e && e[0] == '0');
     }
-    int smem_sm = 0, optin = 0;
-    cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    static int smem_of[64], optin_of[64];   // per device, read once
+    if (device < 0 || device >= 64) return 0;
+    if (!optin_of[device]) {
+        cudaDeviceGetAttribute(&smem_of[device], cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+        cudaDeviceGetAttribute(&optin_of[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
+    const int smem_sm = smem_of[device], optin = optin_of[device];
     size_t need = ((size_t)row_bytes + 15) / 16 * 16, stat = 1024;   // + the block's static reduction arrays
     if (!on || need + stat > (size_t)optin || 2 * (need + stat) > (size_t)smem_sm) return 0;
     return need;
