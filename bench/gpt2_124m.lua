@@ -1,11 +1,15 @@
 -- bench/gpt2_124m.lua — GPT-2 124M training throughput on one GPU.
 --
---   luajit bench/gpt2_124m.lua [--batch 32] [--seq 1024] [--dtype bf16|bf16-pure|f32]
+--   luajit bench/gpt2_124m.lua [--batch 32] [--seq 1024] [--dtype bf16|bf16-master|bf16-pure|f32]
 --                              [--steps 30] [--warmup 5]
 --
 -- --dtype bf16 (the default) is mixed precision: f32 master weights and f32
 -- AdamW state, the model's forward in a bf16 autocast region
--- (nn.functional.set_precision, docs/precision.md). bf16-pure is the whole
+-- (nn.functional.set_precision, docs/precision.md). bf16-master is the same
+-- arithmetic with the Linear/Conv1D weights stored in bf16 and their f32
+-- masters in AdamW (set_precision's weights = 'bf16', AdamW's
+-- master_weights): no weight casts forward, no gradient casts backward, the
+-- same losses step for step (spec/amp_spec.lua). bf16-pure is the whole
 -- model in bf16 (weights, grads, activations; AdamW moments still f32);
 -- f32 is f32 throughout.
 --
@@ -23,12 +27,12 @@ local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5, a
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
-  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-pure|f32] [--steps N] [--warmup N] [--ablate 0|1]') end
+  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-master|bf16-pure|f32] [--steps N] [--warmup N] [--ablate 0|1]') end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
 end
-if opts.dtype ~= 'bf16' and opts.dtype ~= 'bf16-pure' and opts.dtype ~= 'f32' then
-  error(('bench/gpt2_124m.lua: --dtype must be bf16, bf16-pure or f32, got %s'):format(tostring(opts.dtype)))
+if opts.dtype ~= 'bf16' and opts.dtype ~= 'bf16-master' and opts.dtype ~= 'bf16-pure' and opts.dtype ~= 'f32' then
+  error(('bench/gpt2_124m.lua: --dtype must be bf16, bf16-master, bf16-pure or f32, got %s'):format(tostring(opts.dtype)))
 end
 
 ffi.cdef [[
@@ -68,9 +72,11 @@ local nparams = 0
 for _, p in model:named_parameters() do nparams = nparams + p:numel() end
 model:to('cuda')
 if opts.dtype == 'bf16-pure' then model:to('bf16')
-elseif opts.dtype == 'bf16' then ms.nn.functional.set_precision(model, { compute = 'bf16' }) end
+elseif opts.dtype == 'bf16' then ms.nn.functional.set_precision(model, { compute = 'bf16' })
+elseif opts.dtype == 'bf16-master' then ms.nn.functional.set_precision(model, { compute = 'bf16', weights = 'bf16' }) end
 model:train()
-local opt = ms.optim.AdamW(model, { lr = 6e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
+local opt = ms.optim.AdamW(model, { lr = 6e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1,
+                                    master_weights = opts.dtype == 'bf16-master' })
 
 local B, Tn = opts.batch, opts.seq
 local ids = (ms.rand({ B, Tn }, { seed = 3, device = 'cuda' }) * 50257):long()
@@ -102,7 +108,8 @@ local flops_per_token = 6 * nparams + 6 * cfg.n_layer * Tn * cfg.n_embd
 local tflops = flops_per_token * tokens / med / 1e12
 local st = ms.cuda.memory_stats()
 print(('device: %s'):format(dev))
-local precision = ({ bf16 = 'bf16 compute, f32 master weights', ['bf16-pure'] = 'bf16 weights and compute',
+local precision = ({ bf16 = 'bf16 compute, f32 master weights',
+  ['bf16-master'] = 'bf16 compute, bf16 weights with f32 masters in AdamW', ['bf16-pure'] = 'bf16 weights and compute',
   f32 = 'f32' })[opts.dtype]
 print(('GPT-2 124M (%d params), B=%d T=%d %s, AdamW'):format(nparams, B, Tn, precision))
 print(('| tokens/s | step ms | model TFLOP/s | MFU (vs %.0f TFLOP/s bf16 matmul) | peak allocated GiB | peak reserved GiB | loss |'):format(peak))

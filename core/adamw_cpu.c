@@ -47,9 +47,12 @@ static void st(void *p, int dtype, int64_t i, double v) {
     }
 }
 
-/* p, g, m, v: n tensors each (checked by core/ops.c) */
+/* p, g, m, v: n tensors each, w NULL or n masters (each NULL or the f32
+ * master of p[t]: read and written instead of p, p stored as its rounding);
+ * checked by core/ops.c */
 int ms_cpu_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
-                 double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+                 double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                 ms_tensor *const *w) {
     const double decay = 1.0 - lr * weight_decay;
     const double step_size = lr / (1.0 - pow(beta1, (double)step));
     const double bc2_sqrt = sqrt(1.0 - pow(beta2, (double)step));
@@ -58,15 +61,21 @@ int ms_cpu_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *con
         void *pp = ms_tensor_data(p[t]), *mp = ms_tensor_data(m[t]), *vp = ms_tensor_data(v[t]);
         const void *gp = ms_tensor_data(g[t]);
         int pd = p[t]->dtype_id, gd = g[t]->dtype_id, md = m[t]->dtype_id, vd = v[t]->dtype_id;
+        void *wp = w && w[t] ? ms_tensor_data(w[t]) : NULL;
+        int wd = wp ? w[t]->dtype_id : pd;
 #pragma omp parallel for schedule(static) if (numel > GRAIN)
         for (int64_t i = 0; i < numel; i++) {
             double gi = ld(gp, gd, i);
             double mi = beta1 * ld(mp, md, i) + (1.0 - beta1) * gi;
             double vi = beta2 * ld(vp, vd, i) + (1.0 - beta2) * gi * gi;
-            double pi = ld(pp, pd, i) * decay;
+            double pi = ld(wp ? wp : pp, wd, i) * decay;
             pi -= step_size * mi / (sqrt(vi) / bc2_sqrt + eps);
             st(mp, md, i, mi);
             st(vp, vd, i, vi);
+            if (wp) {
+                st(wp, wd, i, pi);
+                pi = ld(wp, wd, i);   /* p: the rounding of the stored master */
+            }
             st(pp, pd, i, pi);
         }
     }

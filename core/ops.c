@@ -1016,11 +1016,12 @@ static int dev_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *
 }
 
 static int dev_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
-                     double lr, double beta1, double beta2, double eps, double wd, int64_t step) {
+                     double lr, double beta1, double beta2, double eps, double wd, int64_t step,
+                     ms_tensor *const *w) {
 #ifdef MS_WITH_CUDA
-    if (p[0]->device_id >= 0) return ms_cuda_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step);
+    if (p[0]->device_id >= 0) return ms_cuda_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step, w);
 #endif
-    return ms_cpu_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step);
+    return ms_cpu_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step, w);
 }
 
 static int dev_sum_squares(ms_tensor *out, int n, ms_tensor *const *ts) {
@@ -1360,7 +1361,7 @@ static int bytes_overlap(const ms_tensor *a, const ms_tensor *b) {
 
 int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms_tensor *const *exp_avg,
                     ms_tensor *const *exp_avg_sq, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, int64_t step) {
+                    double weight_decay, int64_t step, ms_tensor *const *masters) {
     const char *op = "adamw_";
     char a[DESC], b[DESC];
     if (n < 1 || !params || !grads || !exp_avg || !exp_avg_sq) return ms_errorf("adamw_: needs n >= 1 tensors of each kind");
@@ -1395,14 +1396,26 @@ int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms
             for (int b = a + 1; b < 5; b++)
                 if (bytes_overlap(ts[a], ts[b]))
                     return ms_errorf("adamw_: parameter, gradient and moments must not overlap in memory (group %d)", i);
+        const ms_tensor *w = masters ? masters[i] : NULL;
+        if (w) {
+            const ms_tensor *pw[2] = {p, w};
+            if (check_tensors(op, 2, pw)) return -1;
+            if (w->dtype_id != sdt || p->dtype_id == sdt || ms_tensor_numel(w) != np || !ms_tensor_is_contiguous(w))
+                return ms_errorf("adamw_: the master of parameter %s must be a contiguous %s tensor of its %lld "
+                                 "elements, for a bf16/f16 parameter; got %s (group %d)", ms_desc(p, a, sizeof a),
+                                 ms_dtype_name(sdt), (long long)np, ms_desc(w, b, sizeof b), i);
+            for (int k = 1; k < 5; k++)
+                if (bytes_overlap(ts[k], w))
+                    return ms_errorf("adamw_: the master overlaps the parameter, gradient or moments (group %d)", i);
+        }
     }
-    return dev_adamw(n, params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step);
+    return dev_adamw(n, params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, masters);
 }
 
 int ms_adamw_(ms_tensor *param, const ms_tensor *grad, ms_tensor *exp_avg, ms_tensor *exp_avg_sq, double lr,
               double beta1, double beta2, double eps, double weight_decay, int64_t step) {
     ms_tensor *g = (ms_tensor *)grad; /* read only: the list form takes no const */
-    return ms_adamw_multi_(1, &param, &g, &exp_avg, &exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step);
+    return ms_adamw_multi_(1, &param, &g, &exp_avg, &exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, NULL);
 }
 
 int ms_sum_squares(ms_tensor **out, int n, ms_tensor *const *ts) {

@@ -174,12 +174,16 @@ int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, con
  * p[i], g[i], m[i], v[i] contiguous, of one numel, on one device. The
  * multi form steps n tensors (the parameters of a group) in one launch on
  * CUDA (a few when they are very many or of mixed dtypes); ms_adamw_ is
- * n = 1, e.g. a flat parameter shard. */
+ * n = 1, e.g. a flat parameter shard. masters (NULL, or n entries each NULL
+ * or a tensor): f32 master weights of bf16/f16 parameters (Megatron's
+ * fp32 main parameters): the update reads and writes masters[i] in place of
+ * p[i] and stores p[i] as its rounding, so the parameter's own precision
+ * never holds the running value. */
 int ms_adamw_(ms_tensor *param, const ms_tensor *grad, ms_tensor *exp_avg, ms_tensor *exp_avg_sq, double lr,
               double beta1, double beta2, double eps, double weight_decay, int64_t step);
 int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms_tensor *const *exp_avg,
                     ms_tensor *const *exp_avg_sq, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, int64_t step);
+                    double weight_decay, int64_t step, ms_tensor *const *masters);
 /* out: 0-dim f64 = Σ_i Σ_j ts[i][j]² over n float tensors of one device,
  * accumulated in f64 in a fixed order (the global grad norm is its square
  * root); no host sync on CUDA */

@@ -41,6 +41,7 @@ struct adam_list {
     const void *g[MAX_TENSORS];
     void *m[MAX_TENSORS];
     void *v[MAX_TENSORS];
+    void *w[MAX_TENSORS];   // the f32 master of p (or NULL): read and written instead of p
     long long n[MAX_TENSORS];
     int block_start[MAX_TENSORS + 1];  // block_start[count] = blocks of the launch
     int count;
@@ -71,6 +72,7 @@ __global__ void adamw_kernel(adam_list L, S beta1, S beta2, S eps, S decay, S st
     const G *g = (const G *)L.g[t];
     S *m = (S *)L.m[t];
     S *v = (S *)L.v[t];
+    S *w = (S *)L.w[t];
     const long long lo = (long long)(blockIdx.x - L.block_start[t]) * CHUNK;
     const long long hi = lo + CHUNK < L.n[t] ? lo + CHUNK : L.n[t];
     for (long long base = lo + threadIdx.x; base < hi; base += (long long)blockDim.x * ILP) {
@@ -82,7 +84,7 @@ __global__ void adamw_kernel(adam_list L, S beta1, S beta2, S eps, S decay, S st
                 gi[k] = (S)conv<G>::load(g[i]);
                 mi[k] = m[i];
                 vi[k] = v[i];
-                pi[k] = (S)conv<P>::load(p[i]);
+                pi[k] = w ? w[i] : (S)conv<P>::load(p[i]);
             }
         }
 #pragma unroll
@@ -94,6 +96,7 @@ __global__ void adamw_kernel(adam_list L, S beta1, S beta2, S eps, S decay, S st
                 const S pk = pi[k] * decay - step_size * mk / (sqrt(vk) / bc2_sqrt + eps);
                 m[i] = mk;
                 v[i] = vk;
+                if (w) w[i] = pk;
                 p[i] = conv<P>::store(pk);
             }
         }
@@ -190,7 +193,7 @@ const long long MAX_BLOCKS = 1LL << 30;
 
 extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m,
                              ms_tensor *const *v, double lr, double beta1, double beta2, double eps,
-                             double weight_decay, int64_t step) {
+                             double weight_decay, int64_t step, ms_tensor *const *w) {
     const int dev = p[0]->device_id;
     if (ms_cuda_activate(dev)) return -1;
     cudaStream_t s = ms_cuda_stream_of(dev);
@@ -218,6 +221,7 @@ extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms
         L.g[k] = ms_tensor_data(g[i]);
         L.m[k] = ms_tensor_data(m[i]);
         L.v[k] = ms_tensor_data(v[i]);
+        L.w[k] = w && w[i] ? ms_tensor_data(w[i]) : nullptr;
         L.n[k] = numel;
         L.block_start[k + 1] = L.block_start[k] + (int)nb;
     }

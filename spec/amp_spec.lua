@@ -232,6 +232,74 @@ describe('set_precision', function()
     end
   end)
 
+  it('bf16 weights with f32 masters in AdamW train step for step as f32 weights in the region', function()
+    -- the region casts f32 weights to bf16 for the GEMMs and their bf16
+    -- gradients back to f32; bf16 Linear/Conv1D weights with AdamW's f32
+    -- masters skip both casts and give the same numbers: the same losses,
+    -- the masters equal to the f32 weights, the weights their rounding
+    for _, fam in ipairs({ 'gpt2', 'llama' }) do
+      local M = require('models.' .. fam)
+      local dir = fixtures .. '/' .. fam .. '-tiny'
+      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+      local a = nnf.set_precision(M.from_pretrained(dir), { compute = 'bf16' })
+      local b = nnf.set_precision(M.from_pretrained(dir), { compute = 'bf16', weights = 'bf16' })
+      local oa = ms.optim.AdamW(a, { lr = 1e-3 })
+      local ob = ms.optim.AdamW(b, { lr = 1e-3, master_weights = true })
+      for step = 1, 4 do
+        for _, pair in ipairs({ { a, oa }, { b, ob } }) do
+          pair[2]:zero_grad()
+          pair.loss = pair[1](exp.input_ids, exp.targets)
+          pair.loss:backward()
+          pair[2]:step()
+        end
+      end
+      local pb = {}
+      for n, p in b:named_parameters() do pb[n] = p end
+      local lowered = 0
+      for n, p in a:named_parameters() do
+        local q = pb[n]
+        if q.dtype == 'bf16' then
+          lowered = lowered + 1
+          local st = ob.state[tonumber(q.id)]
+          assert.are.equal('f32', st.master.dtype, n)
+          assert.are.equal(0, relerr(st.master, p), n .. ' master')
+          assert.are.equal(0, relerr(q, p:to('bf16')), n .. ' weight')
+        else
+          assert.are.equal('f32', q.dtype, n)
+          assert.are.equal(0, relerr(q, p), n)
+        end
+      end
+      assert.is_true(lowered > 0, fam)
+      local la, lb = a(exp.input_ids, exp.targets):item(), b(exp.input_ids, exp.targets):item()
+      assert.are.equal(la, lb, fam .. ' loss after 4 steps')
+    end
+  end)
+
+  it('takes weights only as the compute dtype, and master copies survive a state round trip', function()
+    local gpt2 = require 'models.gpt2'
+    local dir = fixtures .. '/gpt2-tiny'
+    local ok, err = pcall(nnf.set_precision, gpt2.from_pretrained(dir), { compute = 'bf16', weights = 'f16' })
+    assert.is_false(ok)
+    assert.matches("needs compute = 'f16'", err, 1, true)
+    ok, err = pcall(ms.optim.AdamW, gpt2.from_pretrained(dir), { master_weights = 1 })
+    assert.is_false(ok)
+    assert.matches('master_weights must be true or false', err, 1, true)
+    local m = nnf.set_precision(gpt2.from_pretrained(dir), { compute = 'bf16', weights = 'bf16' })
+    local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+    local o = ms.optim.AdamW(m, { lr = 1e-2, master_weights = true })
+    m(exp.input_ids, exp.targets):backward()
+    o:step()
+    local sd = o:state_dict()
+    local w = m.transformer.h[1].mlp.c_fc.weight
+    local keep = w:to({ dtype = 'f32', copy = true })
+    w:copy_(F.mul(w, 0))                      -- the weight lost, its master kept in the state
+    local o2 = ms.optim.AdamW(m, { lr = 1e-2, master_weights = true })
+    o2:load_state_dict(sd)
+    assert.are.equal(0, relerr(w, keep))   -- written back from the loaded master
+    local st = o2.state[tonumber(w.id)]
+    assert.are.equal('f32', st.master.dtype)
+  end)
+
   it('refuses what is not a module', function()
     local ok, err = pcall(nnf.set_precision, 42, { compute = 'bf16' })
     assert.is_false(ok)

@@ -273,6 +273,29 @@ describe('fused adamw_ (CPU)', function()
     end)
   end
 
+  it('with f32 masters of bf16 parameters: the master takes the f32 update, the parameter its rounding', function()
+    local f = randn({ 1000 }, 'f32')
+    local p, w = f:to('bf16'), f:clone()
+    local q = f:clone()                               -- an f32 parameter stepped alongside
+    local m, v = ms.zeros({ 1000 }), ms.zeros({ 1000 })
+    local m2, v2 = ms.zeros({ 1000 }), ms.zeros({ 1000 })
+    local p0 = p:clone()
+    for step = 1, 3 do
+      local g = randn({ 1000 }, 'bf16')
+      F.adamw_({ p, p0 }, { g, g }, { m, m2:clone() }, { v, v2:clone() }, 1e-2, 0.8, 0.99, 1e-6, 0.05, step,
+        { w, false })
+      F.adamw_(q, g:to('f32'), m2, v2, 1e-2, 0.8, 0.99, 1e-6, 0.05, step)
+    end
+    assert.are.same(flat(q), flat(w))                 -- the same f32 values step for step
+    assert.are.same(flat(w:to('bf16')), flat(p))      -- p is the rounded master
+    local ok, err = pcall(F.adamw_, p, randn({ 1000 }, 'bf16'), m, v, 1e-2, 0.9, 0.99, 1e-8, 0, 4, { f:to('bf16') })
+    assert.is_false(ok)
+    assert.matches('the master of parameter', err, 1, true)
+    ok, err = pcall(F.adamw_, q, randn({ 1000 }, 'f32'), m2, v2, 1e-2, 0.9, 0.99, 1e-8, 0, 4, { w })
+    assert.is_false(ok)
+    assert.matches('for a bf16/f16 parameter', err, 1, true)
+  end)
+
   it('takes the moments as views of one flat buffer', function()
     local p, g = randn({ 6 }, 'f32'), randn({ 6 }, 'f32')
     local state = ms.zeros({ 2, 6 })

@@ -158,6 +158,31 @@ describe('fused kernels #gpu', function()
       end)
     end
 
+    it('adamw_ with f32 masters of bf16 parameters (some without): 3 steps equal the CPU reference', function()
+      local n = { 1000, 77, 65536 + 5, 3 }
+      local ps, ws, ms_, vs, gp, gw, gm, gv = {}, {}, {}, {}, {}, {}, {}, {}
+      for i, k in ipairs(n) do
+        local f = randn({ k })
+        ps[i] = f:to('bf16')
+        ws[i] = i ~= 2 and f or false            -- parameter 2 runs without a master
+        ms_[i], vs[i] = ms.zeros({ k }), ms.zeros({ k })
+        gp[i], gw[i], gm[i], gv[i] = cu(ps[i]), ws[i] and cu(ws[i]) or false, cu(ms_[i]), cu(vs[i])
+      end
+      for step = 1, 3 do
+        local gs, gg = {}, {}
+        for i, k in ipairs(n) do gs[i] = randn({ k }, 'bf16'); gg[i] = cu(gs[i]) end
+        F.adamw_(ps, gs, ms_, vs, 1e-2, 0.9, 0.95, 1e-8, 0.1, step, ws)
+        F.adamw_(gp, gg, gm, gv, 1e-2, 0.9, 0.95, 1e-8, 0.1, step, gw)
+      end
+      for i = 1, #n do
+        if ws[i] then
+          assert.is_true(relerr(gw[i], ws[i]) <= 1e-5, 'master ' .. i .. ' ' .. relerr(gw[i], ws[i]))
+          assert.are.equal(0, relerr(gp[i], gw[i]:to('bf16')), 'p is the rounded master ' .. i)
+        end
+        assert.is_true(relerr(gp[i], ps[i]) <= 1e-2, 'p ' .. i)
+      end
+    end)
+
     it('adamw_ over 130 tensors of mixed dtypes (several launches)', function()
       local ps, gs, ms_, vs, gp, gg, gm, gv = {}, {}, {}, {}, {}, {}, {}, {}
       for i = 1, 130 do

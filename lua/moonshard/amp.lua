@@ -89,12 +89,57 @@ end
 -- forward) runs in an autocast region; {compute = 'f32'} (or nil) undoes
 -- it. The parameters are not touched: keep them f32 (the master weights).
 -- Returns model.
+--
+-- opts.weights = 'bf16' (or 'f16', with compute): the weights and biases of
+-- every Linear and Conv1D are converted to that dtype in place, so the
+-- region casts none of them (no cast kernels forward, and their gradients
+-- come out of the GEMMs in that dtype, no cast back). The values the GEMMs
+-- see are the same as the region's casts give; pair it with
+-- ms.optim.AdamW{master_weights = true} so the updates run on f32 master
+-- copies. Embeddings, norms and the model's LM head (head_weight()) stay
+-- f32 (the residual stream too).
+-- f32 copies of the weights set_precision lowered, until an optimizer takes
+-- them as its master copies (weak keys: a parameter dropped drops its copy)
+local pending_masters = setmetatable({}, { __mode = 'k' })
+
+-- amp.take_master(p) -> the f32 values p had before set_precision{weights}
+-- lowered it (once; nil when there are none): AdamW{master_weights} starts
+-- its master there, so the masters hold what the f32 weights held
+function amp.take_master(p)
+  local w = pending_masters[p]
+  pending_masters[p] = nil
+  return w
+end
+
 function amp.set_precision(model, opts)
   if type(model) ~= 'table' or type(model.forward) ~= 'function' then
     error('set_precision: expected a module (a table with forward)', 2)
   end
   local compute = opts and opts.compute
   local id = region_dtype(compute, 2)
+  local weights = opts and opts.weights
+  if weights ~= nil then
+    if weights ~= 'bf16' and weights ~= 'f16' then
+      error(("set_precision: weights must be 'bf16' or 'f16', got %s"):format(tostring(weights)), 2)
+    end
+    if id == nil or T.dtype_name(id) ~= weights then
+      error(("set_precision: weights = '%s' needs compute = '%s'"):format(weights, weights), 2)
+    end
+    local nn = require 'moonshard.nn'
+    -- the LM head stays f32: the fused LM loss accumulates an f32 weight's
+    -- gradient in f32 over its chunks (a bf16 one would be rounded there)
+    local head = type(model.head_weight) == 'function' and model:head_weight() or nil
+    for _, m in model:named_modules() do
+      local cls = getmetatable(m)
+      if (cls == nn.Linear or cls == nn.Conv1D) and (head == nil or rawget(m, 'weight') ~= head) then
+        -- the f32 values, for the optimizer's masters (amp.take_master)
+        for _, p in ipairs(m:parameters()) do
+          if p.dtype_id == 1 then pending_masters[p] = p:to({ dtype = 'f32', copy = true }) end
+        end
+        m:to(weights)
+      end
+    end
+  end
   rawset(model, 'forward', nil)          -- back to the class's forward
   if id ~= nil then
     local fwd = model.forward

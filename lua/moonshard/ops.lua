@@ -578,11 +578,13 @@ local function tensor_array(name, what, list)
 end
 
 -- adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps,
--- weight_decay, step): one AdamW step in place (torch.optim.AdamW's math;
--- step counts this update, from 1). Each of the first four is a tensor or a
--- list of tensors (one launch on CUDA for the whole list); the arrays keep
--- their tensors alive until the call returns.
-function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step)
+-- weight_decay, step, masters?): one AdamW step in place (torch.optim.AdamW's
+-- math; step counts this update, from 1). Each of the first four is a tensor
+-- or a list of tensors (one launch on CUDA for the whole list); the arrays
+-- keep their tensors alive until the call returns. masters: a list of the
+-- same length whose entries are false or the f32 master of a bf16/f16
+-- parameter (updated in its place; the parameter gets its rounding).
+function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, masters)
   local pa, n = tensor_array('adamw_', 'the parameters', params)
   local ga, ng = tensor_array('adamw_', 'the gradients', grads)
   local ma, nm = tensor_array('adamw_', 'exp_avg', exp_avg)
@@ -593,7 +595,18 @@ function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, wei
   for k, v in pairs({ lr = lr, beta1 = beta1, beta2 = beta2, eps = eps, weight_decay = weight_decay, step = step }) do
     if type(v) ~= 'number' then raise(('adamw_: %s must be a number, got %s'):format(k, type(v))) end
   end
-  check(C.ms_adamw_multi_(n, pa, ga, ma, va, lr, beta1, beta2, eps, weight_decay, step))
+  local wa = nil
+  if masters ~= nil then
+    if is_tensor(masters) then masters = { masters } end
+    if type(masters) ~= 'table' then raise('adamw_: masters must be a list (false where a parameter has none)') end
+    wa = tensor_list_t(n)
+    for i = 1, n do
+      local w = masters[i]
+      if w and not is_tensor(w) then raise(('adamw_: master %d is a %s, not a tensor or false'):format(i, type(w))) end
+      wa[i - 1] = w or nil
+    end
+  end
+  check(C.ms_adamw_multi_(n, pa, ga, ma, va, lr, beta1, beta2, eps, weight_decay, step, wa))
   return params
 end
 

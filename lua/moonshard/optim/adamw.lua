@@ -12,6 +12,14 @@
 -- rounded once. This file returns a builder: require('moonshard.optim').AdamW
 -- is the class.
 --
+-- master_weights = true: each bf16/f16 parameter gets an f32 master copy in
+-- its state (`master`, made from the parameter at its first step and saved
+-- with the state): the update runs on the master and the parameter becomes
+-- its rounding (Megatron's fp32 main parameters; with bf16 weights the
+-- forward needs no weight casts and the gradients stay bf16, see
+-- nn.functional.set_precision's `weights`). load_state_dict writes the
+-- loaded masters back into the parameters.
+--
 -- The step is the fused op F.adamw_ (core/adamw_cpu.c, kernels/adamw.cu):
 -- the parameters of a group that share a device and a step count are
 -- updated in one call — one launch on CUDA, one pass over p, g, m, v — with
@@ -28,7 +36,7 @@ return function(optim)
   AdamW.__index = AdamW
   AdamW.__tostring = optim.Optimizer.__tostring
 
-  local defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.01 }
+  local defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.01, master_weights = false }
 
   local function new(params, opts)
     opts = opts or {}
@@ -37,7 +45,12 @@ return function(optim)
     for k, v in pairs(opts) do d[k] = v end
     if type(d.lr) ~= 'number' or d.lr < 0 then error(('AdamW: lr must be a number >= 0, got %s'):format(tostring(d.lr)), 2) end
     if type(d.betas) ~= 'table' or #d.betas ~= 2 then error('AdamW: betas must be a table {beta1, beta2}', 2) end
-    return optim.new_optimizer(AdamW, 'AdamW', params, d, true)
+    if type(d.master_weights) ~= 'boolean' then
+      error(('AdamW: master_weights must be true or false, got %s'):format(tostring(d.master_weights)), 2)
+    end
+    local self = optim.new_optimizer(AdamW, 'AdamW', params, d, true)
+    self.master_weights = d.master_weights
+    return self
   end
   setmetatable(AdamW, { __index = optim.Optimizer, __call = function(_, ...) return new(...) end })
 
@@ -47,6 +60,19 @@ return function(optim)
     local T = require 'moonshard.tensor'
     return { step = 0, exp_avg = T.zeros(p.shape, o), exp_avg_sq = T.zeros(p.shape, o) }
   end
+  -- bf16 and f16 parameters (the ones a master helps)
+  local function wants_master(p) return p.dtype_id == 2 or p.dtype_id == 3 end
+  -- the master: the f32 values set_precision{weights} kept for p, else p's own
+  local function new_master(p)
+    local w = require('moonshard.amp').take_master(p)
+    if w ~= nil and w:numel() == p:numel() and w.device_id == p.device_id then return w:contiguous() end
+    return p:to({ dtype = 'f32', copy = true }):contiguous()
+  end
+  local function init_state_master(p)
+    local st = init_state(p)
+    if wants_master(p) then st.master = new_master(p) end
+    return st
+  end
 
   -- the fused op takes contiguous tensors of one numel (and on CUDA f64
   -- gradients for f64 parameters only)
@@ -54,6 +80,7 @@ return function(optim)
     return p:is_contiguous() and g:is_contiguous() and g:numel() == p:numel()
       and g.device_id == p.device_id and st.exp_avg:is_contiguous() and st.exp_avg_sq:is_contiguous()
       and (p.device_id < 0 or (p.dtype_id == 0) == (g.dtype_id == 0))
+      and (st.master == nil or st.master:is_contiguous())
   end
 
   function AdamW:step()
@@ -65,18 +92,23 @@ return function(optim)
         for _, p in ipairs(group.params) do
           local g = p.grad
           if g ~= nil then
-            local st = self:state_of(p, init_state)
+            local st = self:state_of(p, self.master_weights and init_state_master or init_state)
+            if self.master_weights and st.master == nil and wants_master(p) then   -- (a state loaded without one)
+              st.master = new_master(p)
+            end
             st.step = st.step + 1
             if fusable(p, g, st) then
               local key = p.device_id .. ':' .. st.step
               local b = batches[key]
               if b == nil then
-                b = { step = st.step, p = {}, g = {}, m = {}, v = {} }
+                b = { step = st.step, p = {}, g = {}, m = {}, v = {}, w = {}, any_w = false }
                 batches[key] = b
                 order[#order + 1] = key
               end
               local k = #b.p + 1
               b.p[k], b.g[k], b.m[k], b.v[k] = p, g, st.exp_avg, st.exp_avg_sq
+              b.w[k] = st.master or false
+              if st.master then b.any_w = true end
             else
               self:_composed_update(p, g, st, lr, b1, b2, eps, wd)
             end
@@ -84,7 +116,7 @@ return function(optim)
         end
         for _, key in ipairs(order) do
           local b = batches[key]
-          F.adamw_(b.p, b.g, b.m, b.v, lr, b1, b2, eps, wd, b.step)
+          F.adamw_(b.p, b.g, b.m, b.v, lr, b1, b2, eps, wd, b.step, b.any_w and b.w or nil)
         end
       end
     end)
@@ -115,15 +147,28 @@ return function(optim)
     local upd = F.div(m, denom)
     free(denom)
     F.mul_(upd, lr / bc1)
-    local pw = p
-    if p.dtype_id ~= m.dtype_id then pw = p:to({ dtype = m.dtype_id }) end
+    local pw = st.master or p   -- with a master: the update runs there, p gets its rounding
+    if pw.dtype_id ~= m.dtype_id then pw = p:to({ dtype = m.dtype_id }) end
     if wd ~= 0 then F.mul_(pw, 1 - lr * wd) end
     F.sub_(pw, upd)
     free(upd)
     if pw ~= p then
       p:copy_(pw)
-      free(pw)
+      if pw ~= st.master then free(pw) end
     end
+  end
+
+  -- the base load, then the loaded masters written into their parameters
+  function AdamW:load_state_dict(sd)
+    optim.Optimizer.load_state_dict(self, sd)
+    A.no_grad(function()
+      for _, group in ipairs(self.param_groups) do
+        for _, p in ipairs(group.params) do
+          local st = self.state[tonumber(p.id)]
+          if st and st.master then p:copy_(st.master) end
+        end
+      end
+    end)
   end
 
   return AdamW
