@@ -48,6 +48,38 @@ describe('fixture models on cuda #gpu', function()
     end)
   end
 
+  it('bf16 weights with AdamW f32 masters train as the bf16 region with f32 weights (gpt2-tiny, llama-tiny)', function()
+    local nnf = ms.nn.functional
+    for _, fam in ipairs({ 'gpt2', 'llama' }) do
+      local M = require('models.' .. fam)
+      local dir = fixtures .. '/' .. fam .. '-tiny'
+      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+      local ids, tg = exp.input_ids:to('cuda'), exp.targets:to('cuda')
+      local a = nnf.set_precision(M.from_pretrained(dir):to('cuda'), { compute = 'bf16' })
+      local b = nnf.set_precision(M.from_pretrained(dir):to('cuda'), { compute = 'bf16', weights = 'bf16' })
+      local oa = ms.optim.AdamW(a, { lr = 1e-3 })
+      local ob = ms.optim.AdamW(b, { lr = 1e-3, master_weights = true })
+      for step = 1, 3 do
+        local l = {}
+        for k, pair in ipairs({ { a, oa }, { b, ob } }) do
+          pair[2]:zero_grad()
+          local loss = pair[1](ids, tg)
+          loss:backward()
+          pair[2]:step()
+          l[k] = loss:item()
+        end
+        assert.is_true(math.abs(l[1] - l[2]) <= 1e-6 * math.abs(l[1]), ('%s step %d: %.9g vs %.9g'):format(fam, step, l[1], l[2]))
+      end
+      local pb = {}
+      for n, p in b:named_parameters() do pb[n] = p end
+      for n, p in a:named_parameters() do
+        local st = ob.state[tonumber(pb[n].id)]
+        local got = st.master or pb[n]
+        assert.is_true(relerr(got, p) <= 1e-6, fam .. ' ' .. n .. ' ' .. relerr(got, p))
+      end
+    end
+  end)
+
   it('a 200-step AdamW run: allocated memory never grows past step 2, no cudaMalloc after warm-up', function()
     local M = require 'models.gpt2'
     local model = M.from_pretrained(fixtures .. '/gpt2-tiny'):to('cuda')
