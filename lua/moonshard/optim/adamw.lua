@@ -98,7 +98,10 @@ return function(optim)
             end
             st.step = st.step + 1
             if fusable(p, g, st) then
-              local key = p.device_id .. ':' .. st.step
+              -- one fused call per (device, step, dtypes): a launch takes one
+              -- parameter and one gradient dtype, so mixing them in one list
+              -- (f32 norms between bf16 weights) would cut it into many
+              local key = p.device_id .. ':' .. st.step .. ':' .. p.dtype_id .. ':' .. g.dtype_id
               local b = batches[key]
               if b == nil then
                 b = { step = st.step, p = {}, g = {}, m = {}, v = {}, w = {}, any_w = false }
