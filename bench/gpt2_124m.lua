@@ -85,10 +85,15 @@ local tg = (ms.rand({ B, Tn }, { seed = 4, device = 'cuda' }) * 50257):long()
 ms.cuda.reset_peak_memory_stats()
 local loss
 -- the median step time of `opts.steps` steps after `opts.warmup`
+-- (and the host syncs a timed step made: copies between host and device
+-- that blocked the host, ms.cuda.memory_stats().num_host_syncs; should be 0)
+local host_syncs = 0
 local function measure()
   local times = {}
+  host_syncs = 0
   for step = 1, opts.warmup + opts.steps do
     ms.cuda.synchronize()
+    local s0 = ms.cuda.memory_stats().num_host_syncs
     local t0 = now()
     opt:zero_grad()
     loss = model(ids, tg)
@@ -96,8 +101,12 @@ local function measure()
     ms.optim.clip_grad_norm(model, 1.0, { tensor = true })   -- as torch_gpt2.py (no host read)
     opt:step()
     ms.cuda.synchronize()
-    if step > opts.warmup then times[#times + 1] = now() - t0 end
+    if step > opts.warmup then
+      times[#times + 1] = now() - t0
+      host_syncs = host_syncs + ms.cuda.memory_stats().num_host_syncs - s0
+    end
   end
+  host_syncs = host_syncs / opts.steps
   table.sort(times)
   return times[math.floor((#times + 1) / 2)]
 end
@@ -116,6 +125,7 @@ print(('| tokens/s | step ms | model TFLOP/s | MFU (vs %.0f TFLOP/s bf16 matmul)
 print('|---|---|---|---|---|---|---|')
 print(('| %.0f | %.1f | %.1f | %.1f%% | %.2f | %.2f | %.3f |'):format(tokens / med, med * 1e3, tflops,
   100 * tflops / peak, st.peak_allocated / 2 ^ 30, st.peak_reserved / 2 ^ 30, loss:item()))
+print(('host syncs in a timed step: %g'):format(host_syncs))
 
 -- --ablate 1: the same training continued with one switch flipped at a
 -- time: the cuBLASLt epilogues off (separate bias / GELU / bias-gradient

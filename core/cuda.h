@@ -42,6 +42,8 @@ typedef struct ms_cuda_memory_stats {
     int64_t num_frees;       /* cudaFree calls */
     int64_t num_allocs;      /* allocation requests served */
     int64_t num_ooms;        /* requests that failed even after emptying the cache */
+    int64_t num_host_syncs;  /* times a copy between host and device blocked the host
+                                on the stream (the training step should make none) */
 } ms_cuda_memory_stats;
 
 typedef struct ms_cuda_stream ms_cuda_stream;  /* opaque */

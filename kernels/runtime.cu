@@ -232,11 +232,13 @@ int cuda_copy(void *dst, int dst_device, const void *src, int src_device, int64_
         // reused by the caller at once, so wait for the copy to finish reading it
         cudaStream_t s = ms_cuda_stream_of(dst_device);
         CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)nbytes, cudaMemcpyHostToDevice, s));
+        g_dev[dst_device].stats.num_host_syncs++;
         CUDA_CHECK(cudaStreamSynchronize(s));
         return 0;
     }
     cudaStream_t s = ms_cuda_stream_of(src_device);
     CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)nbytes, cudaMemcpyDeviceToHost, s));
+    g_dev[src_device].stats.num_host_syncs++;
     CUDA_CHECK(cudaStreamSynchronize(s));
     return ms_cuda_check_device_flags(src_device);
 }

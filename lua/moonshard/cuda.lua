@@ -43,6 +43,7 @@ function cuda.memory_stats(d)
     peak_allocated = tonumber(s.peak_allocated), peak_reserved = tonumber(s.peak_reserved),
     num_mallocs = tonumber(s.num_mallocs), num_frees = tonumber(s.num_frees),
     num_allocs = tonumber(s.num_allocs), num_ooms = tonumber(s.num_ooms),
+    num_host_syncs = tonumber(s.num_host_syncs),
   }
 end
 function cuda.max_memory_allocated(d) return cuda.memory_stats(d).peak_allocated end
