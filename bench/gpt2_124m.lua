@@ -23,11 +23,11 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 local gpt2 = require 'models.gpt2'
 
-local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5, ablate = 0 }
+local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5, ablate = 0, phases = 0 }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
-  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-master|bf16-pure|f32] [--steps N] [--warmup N] [--ablate 0|1]') end
+  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-master|bf16-pure|f32] [--steps N] [--warmup N] [--ablate 0|1] [--phases 0|1]') end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
 end
@@ -126,6 +126,43 @@ print('|---|---|---|---|---|---|---|')
 print(('| %.0f | %.1f | %.1f | %.1f%% | %.2f | %.2f | %.3f |'):format(tokens / med, med * 1e3, tflops,
   100 * tflops / peak, st.peak_allocated / 2 ^ 30, st.peak_reserved / 2 ^ 30, loss:item()))
 print(('host syncs in a timed step: %g'):format(host_syncs))
+
+-- --phases 1: where a step's time goes between host and GPU: CUDA events at
+-- the phase boundaries (GPU time of forward, backward, clip + optimizer)
+-- beside the host's time to issue each phase; a phase whose GPU time is
+-- about its host time is bound by the host's issue rate
+if opts.phases == 1 then
+  local ev = {}
+  for k = 1, 4 do ev[k] = ms.cuda.event({ timing = true }) end
+  local gpu, host, wall = { 0, 0, 0 }, { 0, 0, 0 }, 0
+  local n = 10
+  for _ = 1, n do
+    ms.cuda.synchronize()
+    local t = { now() }
+    ev[1]:record()
+    opt:zero_grad()
+    loss = model(ids, tg)
+    ev[2]:record(); t[2] = now()
+    loss:backward()
+    ev[3]:record(); t[3] = now()
+    ms.optim.clip_grad_norm(model, 1.0, { tensor = true })
+    opt:step()
+    ev[4]:record(); t[4] = now()
+    ms.cuda.synchronize()
+    wall = wall + now() - t[1]
+    for k = 1, 3 do
+      gpu[k] = gpu[k] + ev[k]:elapsed_ms(ev[k + 1])
+      host[k] = host[k] + (t[k + 1] - t[k]) * 1e3
+    end
+  end
+  print('')
+  print('| phase | GPU ms (events) | host issue ms |')
+  print('|---|---|---|')
+  for k, name in ipairs({ 'forward + loss', 'backward', 'clip + AdamW' }) do
+    print(('| %s | %.1f | %.1f |'):format(name, gpu[k] / n, host[k] / n))
+  end
+  print(('| step (wall, synced) | %.1f | |'):format(wall / n * 1e3))
+end
 
 -- --ablate 1: the same training continued with one switch flipped at a
 -- time: the cuBLASLt epilogues off (separate bias / GELU / bias-gradient
