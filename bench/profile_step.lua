@@ -3,7 +3,7 @@
 -- hooks (no profiler needed on the host).
 --
 --   luajit bench/profile_step.lua [models/gpt2.lua] [--preset gpt2-124m] [--batch 8]
---                                 [--seq 1024] [--precision bf16|f32] [--steps 3] [--hooks 0|1]
+--                                 [--seq 1024] [--precision bf16|bf16-master|f32] [--steps 3] [--hooks 0|1]
 --                                 [--layers N] (fewer blocks, e.g. for ncu)
 --
 -- Times of nested modules include their children (a Block contains its
@@ -44,10 +44,12 @@ local model = M.new(opts.preset, over)
 model:to('cuda')
 if opts.precision ~= 'f32' then
   local nnf = require 'moonshard.nn.functional'
-  if nnf.set_precision then model = nnf.set_precision(model, { compute = opts.precision }) end
+  -- bf16-master: the weights in bf16, their f32 masters in AdamW (docs/precision.md)
+  local master = opts.precision == 'bf16-master'
+  model = nnf.set_precision(model, { compute = 'bf16', weights = master and 'bf16' or nil })
 end
 model:train()
-local opt = ms.optim.AdamW(model, { lr = 1e-4 })
+local opt = ms.optim.AdamW(model, { lr = 1e-4, master_weights = opts.precision == 'bf16-master' })
 local V = model.config.vocab_size
 local ids = (ms.rand({ opts.batch, opts.seq }, { seed = 1, device = 'cuda' }) * (V - 1)):long()
 local tg = (ms.rand({ opts.batch, opts.seq }, { seed = 2, device = 'cuda' }) * (V - 1)):long()
