@@ -46,7 +46,7 @@ if opts.precision ~= 'f32' then
   local nnf = require 'moonshard.nn.functional'
   -- bf16-master: the weights in bf16, their f32 masters in AdamW (docs/precision.md)
   local master = opts.precision == 'bf16-master'
-  model = nnf.set_precision(model, { compute = 'bf16', weights = master and 'bf16' or nil })
+  model = nnf.set_precision(model, { compute = master and 'bf16' or opts.precision, weights = master and 'bf16' or nil })
 end
 model:train()
 local opt = ms.optim.AdamW(model, { lr = 1e-4, master_weights = opts.precision == 'bf16-master' })
