@@ -87,13 +87,14 @@ local loss
 -- the median step time of `opts.steps` steps after `opts.warmup`
 -- (and the host syncs a timed step made: copies between host and device
 -- that blocked the host, ms.cuda.memory_stats().num_host_syncs; should be 0)
-local host_syncs = 0
+local host_syncs, mallocs = 0, 0
 local function measure()
   local times = {}
-  host_syncs = 0
+  host_syncs, mallocs = 0, 0
   for step = 1, opts.warmup + opts.steps do
     ms.cuda.synchronize()
-    local s0 = ms.cuda.memory_stats().num_host_syncs
+    local st0 = ms.cuda.memory_stats()
+    local s0, a0 = st0.num_host_syncs, st0.num_mallocs
     local t0 = now()
     opt:zero_grad()
     loss = model(ids, tg)
@@ -103,10 +104,12 @@ local function measure()
     ms.cuda.synchronize()
     if step > opts.warmup then
       times[#times + 1] = now() - t0
-      host_syncs = host_syncs + ms.cuda.memory_stats().num_host_syncs - s0
+      local st1 = ms.cuda.memory_stats()
+      host_syncs = host_syncs + st1.num_host_syncs - s0
+      mallocs = mallocs + st1.num_mallocs - a0
     end
   end
-  host_syncs = host_syncs / opts.steps
+  host_syncs, mallocs = host_syncs / opts.steps, mallocs / opts.steps
   table.sort(times)
   return times[math.floor((#times + 1) / 2)]
 end
@@ -125,7 +128,7 @@ print(('| tokens/s | step ms | model TFLOP/s | MFU (vs %.0f TFLOP/s bf16 matmul)
 print('|---|---|---|---|---|---|---|')
 print(('| %.0f | %.1f | %.1f | %.1f%% | %.2f | %.2f | %.3f |'):format(tokens / med, med * 1e3, tflops,
   100 * tflops / peak, st.peak_allocated / 2 ^ 30, st.peak_reserved / 2 ^ 30, loss:item()))
-print(('host syncs in a timed step: %g'):format(host_syncs))
+print(('host syncs in a timed step: %g; cudaMalloc calls: %g'):format(host_syncs, mallocs))
 
 -- --phases 1: where a step's time goes between host and GPU: CUDA events at
 -- the phase boundaries (GPU time of forward, backward, clip + optimizer)
