@@ -85,19 +85,6 @@ function amp.norm_out_dtype(x, default)
   return default or x.dtype_id
 end
 
--- set_precision(model, {compute = 'bf16'}): every call of model (its
--- forward) runs in an autocast region; {compute = 'f32'} (or nil) undoes
--- it. The parameters are not touched: keep them f32 (the master weights).
--- Returns model.
---
--- opts.weights = 'bf16' (or 'f16', with compute): the weights and biases of
--- every Linear and Conv1D are converted to that dtype in place, so the
--- region casts none of them (no cast kernels forward, and their gradients
--- come out of the GEMMs in that dtype, no cast back). The values the GEMMs
--- see are the same as the region's casts give; pair it with
--- ms.optim.AdamW{master_weights = true} so the updates run on f32 master
--- copies. Embeddings, norms and the model's LM head (head_weight()) stay
--- f32 (the residual stream too).
 -- f32 copies of the weights set_precision lowered, until an optimizer takes
 -- them as its master copies (weak keys: a parameter dropped drops its copy)
 local pending_masters = setmetatable({}, { __mode = 'k' })
@@ -111,6 +98,19 @@ function amp.take_master(p)
   return w
 end
 
+-- set_precision(model, {compute = 'bf16'}): every call of model (its
+-- forward) runs in an autocast region; {compute = 'f32'} (or nil) undoes
+-- it. Without opts.weights the parameters are not touched: keep them f32
+-- (the master weights). Returns model.
+--
+-- opts.weights = 'bf16' (or 'f16', with compute): the weights and biases of
+-- every Linear and Conv1D are converted to that dtype in place, so the
+-- region casts none of them (no cast kernels forward, and their gradients
+-- come out of the GEMMs in that dtype, no cast back). The values the GEMMs
+-- see are the same as the region's casts give; pair it with
+-- ms.optim.AdamW{master_weights = true} so the updates run on f32 master
+-- copies. Embeddings, norms and the model's LM head (head_weight()) stay
+-- f32 (the residual stream too).
 function amp.set_precision(model, opts)
   if type(model) ~= 'table' or type(model.forward) ~= 'function' then
     error('set_precision: expected a module (a table with forward)', 2)
