@@ -650,13 +650,10 @@ int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa,
     return rc;
 }
 
-int ms_matmul_epilogue(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
-                       ms_tensor **bias, int mode) {
-    const char *op = mode == MS_GEMM_BIAS ? "matmul (bias)" : "matmul (bias gradient)";
+/* the (M, N) product's shape after the checks every 2-D epilogue makes */
+static int epilogue_dims(const char *op, const ms_tensor *a, const ms_tensor *b, int transa, int transb, int64_t *M,
+                         int64_t *N) {
     char x[DESC], y[DESC];
-    if (mode != MS_GEMM_BIAS && mode != MS_GEMM_BGRAD_A && mode != MS_GEMM_BGRAD_B)
-        return ms_errorf("matmul_epilogue: mode %d is not MS_GEMM_BIAS, _BGRAD_A or _BGRAD_B", mode);
-    if (!bias) return ms_errorf("%s: no bias box", op);
     if (check2(op, a, b)) return -1;
     if (a->ndim != 2 || b->ndim != 2)
         return ms_errorf("%s: needs 2-D operands, got %s and %s", op, ms_shape_str(a, x, sizeof x),
@@ -664,18 +661,33 @@ int ms_matmul_epilogue(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, 
     if (a->dtype_id != b->dtype_id || !ms_is_float(a->dtype_id))
         return ms_errorf("%s: operands must be floats of one dtype, got %s and %s", op, ms_desc(a, x, sizeof x),
                          ms_desc(b, y, sizeof y));
-    int64_t M, K, Kb, N;
-    matrix_dims(a, transa, &M, &K);
-    matrix_dims(b, transb, &Kb, &N);
+    int64_t K, Kb;
+    matrix_dims(a, transa, M, &K);
+    matrix_dims(b, transb, &Kb, N);
     if (K != Kb) return mismatch(op, a, b, transa, transb);
+    return 0;
+}
+
+/* bias, when given: a vector of the N columns in a's dtype, on a's device */
+static int check_bias_vec(const char *op, const ms_tensor *a, const ms_tensor *bias, int64_t N) {
+    char x[DESC];
+    if (check2(op, a, bias)) return -1;
+    if (bias->ndim != 1 || bias->sizes[0] != N || bias->dtype_id != a->dtype_id)
+        return ms_errorf("%s: bias must be a %s vector of %lld (the columns of the product), got %s", op,
+                         ms_dtype_name(a->dtype_id), (long long)N, ms_desc(bias, x, sizeof x));
+    return 0;
+}
+
+int ms_matmul_epilogue(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
+                       ms_tensor **bias, int mode) {
+    const char *op = mode == MS_GEMM_BIAS ? "matmul (bias)" : "matmul (bias gradient)";
+    if (mode != MS_GEMM_BIAS && mode != MS_GEMM_BGRAD_A && mode != MS_GEMM_BGRAD_B)
+        return ms_errorf("matmul_epilogue: mode %d is not MS_GEMM_BIAS, _BGRAD_A or _BGRAD_B", mode);
+    if (!bias) return ms_errorf("%s: no bias box", op);
+    int64_t M, N;
+    if (epilogue_dims(op, a, b, transa, transb, &M, &N)) return -1;
     int64_t blen = mode == MS_GEMM_BGRAD_A ? M : N;
-    if (mode == MS_GEMM_BIAS) {
-        const ms_tensor *bv = *bias;
-        if (check2(op, a, bv)) return -1;
-        if (bv->ndim != 1 || bv->sizes[0] != N || bv->dtype_id != a->dtype_id)
-            return ms_errorf("%s: bias must be a %s vector of %lld (the columns of the product), got %s", op,
-                             ms_dtype_name(a->dtype_id), (long long)N, ms_desc(bv, x, sizeof x));
-    }
+    if (mode == MS_GEMM_BIAS && check_bias_vec(op, a, *bias, N)) return -1;
     int allocated = out && !*out;
     int64_t shape[2] = {M, N};
     if (ms_prepare_out(out, op, 2, shape, a->dtype_id, a->device_id) ||
@@ -705,37 +717,13 @@ int ms_matmul_epilogue(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, 
     return finish(out, allocated, rc);
 }
 
-/* the (M, N) product's shape after the checks every 2-D epilogue makes */
-static int epilogue_dims(const char *op, const ms_tensor *a, const ms_tensor *b, int transa, int transb, int64_t *M,
-                         int64_t *N) {
-    char x[DESC], y[DESC];
-    if (check2(op, a, b)) return -1;
-    if (a->ndim != 2 || b->ndim != 2)
-        return ms_errorf("%s: needs 2-D operands, got %s and %s", op, ms_shape_str(a, x, sizeof x),
-                         ms_shape_str(b, y, sizeof y));
-    if (a->dtype_id != b->dtype_id || !ms_is_float(a->dtype_id))
-        return ms_errorf("%s: operands must be floats of one dtype, got %s and %s", op, ms_desc(a, x, sizeof x),
-                         ms_desc(b, y, sizeof y));
-    int64_t K, Kb;
-    matrix_dims(a, transa, M, &K);
-    matrix_dims(b, transb, &Kb, N);
-    if (K != Kb) return mismatch(op, a, b, transa, transb);
-    return 0;
-}
-
 int ms_matmul_gelu(ms_tensor **out, ms_tensor **pre, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
                    const ms_tensor *bias) {
     const char *op = "matmul (gelu)";
-    char x[DESC];
     int64_t M, N;
     if (!out || !pre) return ms_errorf("%s: no output box", op);
     if (epilogue_dims(op, a, b, transa, transb, &M, &N)) return -1;
-    if (bias) {
-        if (check2(op, a, bias)) return -1;
-        if (bias->ndim != 1 || bias->sizes[0] != N || bias->dtype_id != a->dtype_id)
-            return ms_errorf("%s: bias must be a %s vector of %lld (the columns of the product), got %s", op,
-                             ms_dtype_name(a->dtype_id), (long long)N, ms_desc(bias, x, sizeof x));
-    }
+    if (bias && check_bias_vec(op, a, bias, N)) return -1;
     int64_t shape[2] = {M, N};
     int alloc_out = !*out, alloc_pre = !*pre;
     if (ms_prepare_out(out, op, 2, shape, a->dtype_id, a->device_id) ||

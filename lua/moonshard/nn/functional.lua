@@ -81,6 +81,17 @@ local function rows(x)
   return R.reshape(x, { n, last }), n
 end
 
+-- y2 (n, out_f), the rows of an affine map of x (..., in): viewed as
+-- (..., out_f) when x is not 2-D (y2 freed, the view returned)
+local function unrows(y2, x, out_f)
+  if x.ndim == 2 then return y2 end
+  local sh = shape_of(x)
+  sh[#sh] = out_f
+  local y = R.view(y2, sh)
+  free(y2)
+  return y
+end
+
 -- --------------------------------------------------------------- linear
 -- linear and conv1d_linear differ only in the weight's layout: wt = true,
 -- w is (out, in) (nn.Linear); wt = false, w is (in, out) (GPT-2's Conv1D)
@@ -138,13 +149,7 @@ local function affine(name, x, w, b, wt)
     y2 = F.matmul(x2, w, false, wt)
     if b ~= nil then F.add_(y2, b) end
   end
-  local y = y2
-  if x.ndim ~= 2 then
-    local s = shape_of(x)
-    s[#s] = out_f
-    y = R.view(y2, s)
-    free(y2)
-  end
+  local y = unrows(y2, x, out_f)
   if want(x, w, b) then
     local own = nil
     if x2 ~= x then own = { x2 } end
@@ -230,13 +235,7 @@ function nnf.gelu_mlp(x, w1, b1, w2, b2, wt)
   local x2 = rows(x)
   local h, pre = F.matmul_gelu(x2, w1, false, wt, b1)
   local y2 = F.matmul_bias(h, w2, false, wt, b2)
-  local y = y2
-  if x.ndim ~= 2 then
-    local sh = shape_of(x)
-    sh[#sh] = out_f
-    y = R.view(y2, sh)
-    free(y2)
-  end
+  local y = unrows(y2, x, out_f)
   if want(x, w1, b1) or want(w2, b2) then
     local own = { pre, h }
     if x2 ~= x then own[3] = x2 end
