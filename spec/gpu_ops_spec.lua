@@ -370,6 +370,20 @@ describe('cuda ops #gpu', function()
       assert.are.equal(before, after.num_mallocs)
       assert.is_true(after.peak_allocated >= after.allocated)
     end)
+
+    it('counts the copies that block the host (num_host_syncs), and only those', function()
+      local x = randn({ 64, 64 }):cuda()
+      local s0 = ms.cuda.memory_stats().num_host_syncs
+      local y = ms.matmul(x, x) * 2 + 1          -- device work only
+      local z = y:sum()
+      assert.are.equal(s0, ms.cuda.memory_stats().num_host_syncs)
+      z:item()                                    -- a read: one
+      assert.are.equal(s0 + 1, ms.cuda.memory_stats().num_host_syncs)
+      local h = randn({ 4 }):cuda()               -- a host tensor uploaded: one more
+      y:to('cpu')                                 -- a download: one more
+      assert.are.equal(s0 + 3, ms.cuda.memory_stats().num_host_syncs)
+      assert.are.equal('cuda:0', h.device)
+    end)
   end)
 end)
 
