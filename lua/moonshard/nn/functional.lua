@@ -364,6 +364,19 @@ end
 -- one node of two outputs: res = x + h, y = layer_norm(res). On CUDA one
 -- pass reads x and h and writes res and y; the backward adds res's own
 -- gradient (the residual stream's) into dx in the norm's pass.
+-- the two norms' shared backward bookkeeping. h's gradient comes from the
+-- norm's pass in h's own dtype (dxl) when h is a low-precision branch
+-- output beside a wider residual stream and the incoming gradient already
+-- has h's dtype: no separate cast of dx.
+local function wants_low(ctx, res, g_y)
+  return ctx.needs_input_grad[2] and ctx.hdt ~= res.dtype_id and ctx.hdt == g_y.dtype_id
+end
+-- the gradients of x and h from dx (and dxl): dx freed when only h needs one
+local function add_norm_grads(need, dx, dxl)
+  if dxl and not need[1] then free(dx) end
+  return need[1] and dx or nil, need[2] and (dxl or dx) or nil
+end
+
 local AddLayerNorm = A.Function {
   name = 'add_layer_norm',
   forward = function(ctx, x, h, w, b, eps)
@@ -376,13 +389,10 @@ local AddLayerNorm = A.Function {
   backward = function(ctx, g_res, g_y)
     local st = ctx.saved_tensors
     local need = ctx.needs_input_grad
-    -- h's gradient in its own dtype from the same pass (a bf16 branch output
-    -- beside an f32 residual stream: no separate cast of dx)
-    local low = need[2] and ctx.hdt ~= st[1].dtype_id and ctx.hdt == g_y.dtype_id
     local dx, dw, db, dxl = F.native_layer_norm_backward_add(g_y, st[1], st[2], st[3], st[4], g_res,
-      { dx = need[1] or need[2], dw = need[3] == true, db = need[4] == true, dxl = low })
-    if low and not need[1] then free(dx) end
-    return need[1] and dx or nil, need[2] and (dxl or dx) or nil, dw, db
+      { dx = need[1] or need[2], dw = need[3] == true, db = need[4] == true, dxl = wants_low(ctx, st[1], g_y) })
+    local gx, gh = add_norm_grads(need, dx, dxl)
+    return gx, gh, dw, db
   end,
 }
 function nnf.add_layer_norm(x, h, w, b, eps)
@@ -406,11 +416,10 @@ local AddRMSNorm = A.Function {
   backward = function(ctx, g_res, g_y)
     local st = ctx.saved_tensors
     local need = ctx.needs_input_grad
-    local low = need[2] and ctx.hdt ~= st[1].dtype_id and ctx.hdt == g_y.dtype_id   -- as add_layer_norm
     local dx, dw, dxl = F.native_rms_norm_backward_add(g_y, st[1], st[2], st[3], g_res,
-      { dx = need[1] or need[2], dw = need[3] == true, dxl = low })
-    if low and not need[1] then free(dx) end
-    return need[1] and dx or nil, need[2] and (dxl or dx) or nil, dw
+      { dx = need[1] or need[2], dw = need[3] == true, dxl = wants_low(ctx, st[1], g_y) })
+    local gx, gh = add_norm_grads(need, dx, dxl)
+    return gx, gh, dw
   end,
 }
 function nnf.add_rms_norm(x, h, w, eps)
