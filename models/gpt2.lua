@@ -153,7 +153,15 @@ function GPT2:init(cfg)
   self.config = cfg
   self.family = gpt2
   self:register_module('transformer', GPT2Model(cfg))
+  -- the head, called as a module (nn.LMHead, a plain field: it owns no
+  -- parameters). Tied to wte, so no norm in it: ln_f stays the end of
+  -- transformer's forward, and under fully_shard the head stays in the root
+  -- with wte, exactly as before the head was a module.
+  rawset(self, '_head', nn.LMHead { proj = self.transformer.wte, tied = true, name = 'lm_head' })
 end
+
+-- the nn.LMHead the forward calls (tied: no unit of its own under fully_shard)
+function GPT2:head_module() return rawget(self, '_head') end
 
 -- the LM head weight (V, C): tied to the token embedding
 function GPT2:head_weight() return self.transformer.wte.weight end
@@ -169,9 +177,8 @@ function GPT2:forward(input_ids, targets)
   local h = self.transformer(ids)
   if targets ~= nil then
     targets = hf.check_targets(targets, B, Tn, 'gpt2', cfg.vocab_size)
-    return nn.functional.lm_loss(h, self:head_weight(), targets)
   end
-  return nn.functional.linear(h, self:head_weight())
+  return rawget(self, '_head')(h, nil, targets)
 end
 
 -- logits of the last position only, (B, V): what generate needs

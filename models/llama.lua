@@ -14,7 +14,8 @@
 --   model.embed_tokens (V, C)
 --   model.layers.N: input_layernorm -> self_attn (q_proj, k_proj, v_proj, o_proj; RoPE on q, k) -> +,
 --                   post_attention_layernorm -> mlp (down_proj(silu(gate_proj(x)) * up_proj(x))) -> +
---   model.norm, lm_head (V, C)
+--   model.norm, lm_head (V, C): called as one module, model:head_module()
+--   (nn.LMHead: the norm and the loss; it owns no parameters of its own)
 local ms = require 'moonshard'
 local nn = require 'moonshard.nn'
 local hf = require 'models.hf'
@@ -165,7 +166,10 @@ function LlamaModel:init(cfg)
 end
 
 -- input_ids (B, T) -> final hidden states (B, T, C)
-function LlamaModel:forward(input_ids)
+-- (input_ids, true) -> x, pending: the residual stream before the final
+-- norm, its last add possibly left pending (nil when not), for the LM head
+-- module that holds the norm (nn.LMHead: norm(x + pending))
+function LlamaModel:forward(input_ids, prenorm)
   local x = self.embed_tokens(input_ids)
   local n, deferred = #self.layers, fusable_norm(self.norm)
   for i = 1, n do deferred = deferred and self.layers[i]:deferrable() end
@@ -173,10 +177,12 @@ function LlamaModel:forward(input_ids)
     -- each layer's last residual add goes into the next norm's pass
     local pending
     for i = 1, n do x, pending = self.layers[i](x, pending, true) end
+    if prenorm then return x, pending end
     local _, y = nn.functional.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
     return y
   end
   for i = 1, n do x = self.layers[i](x) end
+  if prenorm then return x end
   return self.norm(x)
 end
 
@@ -190,7 +196,15 @@ function Llama:init(cfg)
   if not cfg.tie_word_embeddings then
     self:register_module('lm_head', nn.Linear(cfg.hidden_size, cfg.vocab_size, { bias = false }))
   end
+  -- the final norm and the head, called as one module (a plain field, not a
+  -- child: the parameters keep their names model.norm.weight, lm_head.weight)
+  rawset(self, '_head', nn.LMHead { norm = self.model.norm, name = 'lm_head',
+    proj = cfg.tie_word_embeddings and self.model.embed_tokens or self.lm_head, tied = cfg.tie_word_embeddings })
 end
+
+-- the nn.LMHead the forward calls (model.norm and the head weight; fully_shard
+-- makes it a unit of its own when untied)
+function Llama:head_module() return rawget(self, '_head') end
 
 function Llama:head_weight()
   if self.config.tie_word_embeddings then return self.model.embed_tokens.weight end
@@ -201,15 +215,16 @@ function Llama:max_positions() return self.config.max_position_embeddings end
 -- model(input_ids) -> logits (B, T, V)
 -- model(input_ids, targets) -> mean cross-entropy over targets ~= -100,
 -- through nn.functional.lm_loss looked up at each call (FLCE replaces it).
+-- The final norm and the loss (or logits) are the head module's forward
+-- (nn.LMHead), so an FSDP unit's hooks can fire around them.
 function Llama:forward(input_ids, targets)
   local cfg = self.config
   local ids, B, Tn = hf.check_ids(input_ids, 'llama', 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
-  local h = self.model(ids)
+  local x, pending = self.model(ids, true)
   if targets ~= nil then
     targets = hf.check_targets(targets, B, Tn, 'llama', cfg.vocab_size)
-    return nn.functional.lm_loss(h, self:head_weight(), targets)
   end
-  return nn.functional.linear(h, self:head_weight())
+  return rawget(self, '_head')(x, pending, targets)
 end
 
 function Llama:last_logits(input_ids)

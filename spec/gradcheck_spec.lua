@@ -334,6 +334,25 @@ describe('gradcheck: nn modules', function()
     module_check(nn.GELU(), rnd({ 3, 4 }))
     module_check(nn.SiLU(), rnd({ 3, 4 }))
   end)
+  it('LMHead: the final norm (with and without the pending add) and the loss, or the logits', function()
+    local t = ms.tensor({ { 1, 6, 0 }, { 2, -100, 5 } }, { dtype = 'i64' })
+    for _, Norm in ipairs({ nn.RMSNorm, nn.LayerNorm }) do
+      local norm, proj = Norm(4), nn.Linear(4, 7, { bias = false })
+      local ps = concat(f64_module(norm), f64_module(proj))
+      local head = nn.LMHead { norm = norm, proj = proj }
+      assert.are.equal(0, #head:parameters())      -- refers to them, owns none
+      local x, pend = rnd({ 2, 3, 4 }), rnd({ 2, 3, 4 })
+      check(function() return head(x, pend, t) end, concat({ x, pend }, ps))
+      check(function() return head(x, nil, t) end, concat({ x }, ps))
+      check(function() return head(x, pend) end, concat({ x, pend }, ps))
+    end
+    -- tied: no norm, the embedding's weight
+    local emb = nn.Embedding(7, 4)
+    local ps = f64_module(emb)
+    local head = nn.LMHead { proj = emb, tied = true }
+    local x = rnd({ 2, 3, 4 })
+    check(function() return head(x, nil, t) end, concat({ x }, ps))
+  end)
   it('MLP (Conv1D and Linear) and GatedMLP', function()
     module_check(nn.MLP { dim = 4, hidden = 6 }, rnd({ 1, 2, 4 }))
     module_check(nn.MLP { dim = 4, hidden = 6, conv1d = false }, rnd({ 2, 4 }))

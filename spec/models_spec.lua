@@ -331,6 +331,33 @@ describe('model configs', function()
     assert.is_not_nil(lt.lm_head)
   end)
 
+  it('call the final norm and the head through model:head_module(), a plain field owning no names', function()
+    ms.manual_seed(4)
+    for _, tied in ipairs({ false, true }) do
+      local m = llama.new('tiny', { tie_word_embeddings = tied, num_hidden_layers = 2 })
+      local head = m:head_module()
+      assert.are.equal('LMHead', head:class_name())
+      assert.are.equal(tied, head.tied)
+      assert.are.equal(m.model.norm, head.norm)
+      assert.are.equal(tied and m.model.embed_tokens or m.lm_head, head.proj)
+      for name, mod in m:named_modules() do assert.are_not.equal(head, mod, name) end
+      local sd, keys = m:state_dict()
+      assert.are.equal(tied and 20 or 21, #keys)   -- embed, 2 x 9, norm (, lm_head)
+      -- the same loss as the norm and lm_loss called by hand
+      local x = ms.tensor({ { 1, 2, 3, 4 } }, { dtype = 'i64' })
+      local y = ms.tensor({ { 2, 3, 4, 5 } }, { dtype = 'i64' })
+      local want = ms.no_grad(function()
+        return nn.functional.lm_loss(m.model(x), m:head_weight(), y):item()
+      end)
+      local got = ms.no_grad(function() return m(x, y):item() end)
+      assert.is_true(math.abs(got - want) <= 1e-6 * math.abs(want), ('%.9g vs %.9g'):format(got, want))
+    end
+    local g = gpt2.new('tiny')
+    assert.is_true(g:head_module().tied)
+    assert.is_nil(g:head_module().norm)
+    assert.are.equal(g.transformer.wte, g:head_module().proj)
+  end)
+
   it('tie llama\'s head when asked, and save it once', function()
     ms.manual_seed(3)
     local m = llama.new('tiny', { tie_word_embeddings = true, num_hidden_layers = 1 })

@@ -641,9 +641,10 @@ local function install_hooks(st, u)
     e[#e + 1] = u
     if not u.reshards then return end
     local grad = Ad.is_grad_enabled()
-    -- no backward will come: reshard; otherwise per strategy (the root stays
-    -- unsharded under FULL_SHARD/HYBRID: its backward comes first)
-    if not grad or (u.strategy ~= 'SHARD_GRAD_OP' and u.module ~= st.root) then u:reshard() end
+    -- no backward will come: reshard; otherwise per strategy (the root and
+    -- the head unit stay unsharded under FULL_SHARD/HYBRID: their backwards
+    -- come first, the head's reshards when its backward ends)
+    if not grad or (u.strategy ~= 'SHARD_GRAD_OP' and u.module ~= st.root and not u.head) then u:reshard() end
   end, true)
   m:register_backward_pre_hook(function()
     if not st.in_backward then
@@ -671,7 +672,9 @@ end
 -- limit_all_gathers (3), forward_prefetch (true), backward_prefetch (true),
 -- free_unsharded (true), trace (true), dtype (the unsharded dtype without
 -- mixed precision), offload (false: master shards, gradients and optimizer
--- state in host memory, the optimizer on the CPU)
+-- state in host memory, the optimizer on the CPU), head_unit (nil: the
+-- model's untied nn.LMHead, model:head_module(), is a unit of its own;
+-- false: it stays in the root; true: it must be one)
 function fsdp.fully_shard(model, opts)
   opts = opts or {}
   local nn = require 'moonshard.nn'
@@ -697,6 +700,9 @@ function fsdp.fully_shard(model, opts)
     if (k ~= 'param' and k ~= 'reduce') or (v ~= 'f32' and v ~= 'bf16') then
       error(('fully_shard: mixed_precision.%s = %s (param and reduce: f32 or bf16)'):format(tostring(k), tostring(v)), 2)
     end
+  end
+  if opts.head_unit ~= nil and type(opts.head_unit) ~= 'boolean' then
+    error(('fully_shard: head_unit must be true, false or nil, got %s'):format(tostring(opts.head_unit)), 2)
   end
   local limit = opts.limit_all_gathers or 3
   if type(limit) ~= 'number' or limit < 1 then
@@ -768,15 +774,50 @@ function fsdp.fully_shard(model, opts)
     end
   end
   walk(model, '', units[1])
-  -- a model's LM head weight (models' head_weight(), GPT-2's tied wte) is
-  -- used by the root's forward after every unit's (the FLCE loss): it
-  -- belongs to the root, which stays gathered from its forward to the end
-  -- of its backward, so the head is all-gathered once per step
-  -- (docs/fsdp.md, "The LM head"; spec/dist_fsdp_rt_head_spec.lua)
-  if type(model.head_weight) == 'function' then
-    local ok, hw = pcall(model.head_weight, model)
-    local id = ok and T.is_tensor(hw) and tonumber(hw.id)
-    if id and tensor_units[id] then tensor_units[id][units[1]] = true end
+  -- The LM head (docs/fsdp.md, "The LM head"; spec/dist_fsdp_rt_head_spec.lua).
+  -- A model whose head_module() is an nn.LMHead (the final norm and the
+  -- head weight, whose forward is the FLCE loss) gets it as a unit of its
+  -- own when the head is untied (Llama's lm_head; opts.head_unit = false
+  -- keeps it in the root): its tensors go to that unit whatever the policy
+  -- picked around them. A tied head (GPT-2's wte), or none with
+  -- head_unit = false, and a model's head_weight() without a head module,
+  -- go to the root: it is used by the root's forward after every unit's,
+  -- and the root stays gathered from its forward to the end of its
+  -- backward, so the head is all-gathered once per step.
+  local hm = type(model.head_module) == 'function' and model:head_module() or nil
+  if hm ~= nil and not (nn.is_module(hm) and type(hm.params) == 'function') then
+    error('fully_shard: model:head_module() must return an nn.LMHead (a module with params())', 2)
+  end
+  local head_ids = {}
+  if hm then
+    for _, ref in ipairs(hm:params()) do
+      local t = rawget(ref[1], ref[2])
+      local id = T.is_tensor(t) and tonumber(t.id)
+      if id then
+        if not tensor_units[id] then
+          error(('fully_shard: the LM head uses a %s.%s that is not a parameter of the model'):format(
+            ref[1]:class_name(), ref[2]), 2)
+        end
+        head_ids[#head_ids + 1] = id
+      end
+    end
+  end
+  local want_head = opts.head_unit
+  if want_head == nil then want_head = hm ~= nil and not hm.tied end
+  if want_head and (hm == nil or hm.tied) then
+    error('fully_shard: head_unit = true needs an untied LM head (model:head_module(), not tied)', 2)
+  end
+  local head_unit = nil
+  if want_head then
+    head_unit = { module = hm, name = hm.name or 'lm_head', slots = {}, head = true }
+    units[#units + 1] = head_unit
+  else
+    for _, id in ipairs(head_ids) do tensor_units[id][units[1]] = true end
+    if type(model.head_weight) == 'function' then
+      local ok, hw = pcall(model.head_weight, model)
+      local id = ok and T.is_tensor(hw) and tonumber(hw.id)
+      if id and tensor_units[id] then tensor_units[id][units[1]] = true end
+    end
   end
   local owner = {}
   for _, id in ipairs(order) do
@@ -784,6 +825,7 @@ function fsdp.fully_shard(model, opts)
     for u in pairs(tensor_units[id]) do n = n + 1; u1 = u end   -- only counted: order-free
     owner[id] = n == 1 and u1 or units[1]
   end
+  if head_unit then for _, id in ipairs(head_ids) do owner[id] = head_unit end end
   for _, slot in ipairs(slot_unit) do table.insert(owner[slot.id].slots, slot) end
 
   local st = {
@@ -831,6 +873,7 @@ function fsdp.fully_shard(model, opts)
       if not ok then error('fully_shard: unit ' .. (u.name == '' and 'root' or u.name) .. ': ' .. tostring(fp), 2) end
       local unit = setmetatable({
         module = u.module, name = u.name, label = u.name == '' and 'root' or u.name, fp = fp, st = st,
+        head = u.head == true,
         strategy = strategy, group = fp.group, slots = u.slots, param_names = names,
         reshards = strategy ~= 'NO_SHARD', status = 'sharded', unsharded = false,
         grad_direct = dtype == 'f32',

@@ -827,4 +827,77 @@ function Attention:extra_repr()
     self.fused_qkv and ', fused_qkv' or '')
 end
 
+-- ------------------------------------------------------------------ LMHead
+-- nn.LMHead{proj = m, norm = m?, tied = false, name = 'lm_head'}: the end of
+-- a causal LM, the final norm and the LM head, called as one module:
+--   head(x, pending, targets) -> nnf.lm_loss(h, proj.weight, targets)
+--   head(x, pending)          -> logits h @ proj.weightᵀ
+-- with h = norm(x + pending) (pending may be nil: h = norm(x); no norm:
+-- h = x + pending). A plain LayerNorm / RMSNorm takes the add in its own
+-- pass (nnf.add_layer_norm / add_rms_norm), as the models' deferred
+-- residual adds do. lm_loss is the fused linear cross-entropy (looked up at
+-- each call: autocast and use_fused_lm_loss still apply).
+-- The head owns no parameters: `norm` and `proj` (a module whose .weight is
+-- (V, C): a Linear, or the tied Embedding) stay registered where the model
+-- put them, so named_parameters, state dicts and checkpoints keep their
+-- names; the head refers to the modules and reads their .weight at each
+-- call (fully_shard swaps the tensors inside the modules). The model keeps
+-- it as a plain field, not a child (a child would add its names), and
+-- hands it out with model:head_module(). `tied`: proj.weight is also used
+-- elsewhere (the token embedding). head:params() lists its tensors'
+-- places, {module, parameter name}, the norm's first. fully_shard makes an
+-- untied head a unit of its own (docs/fsdp.md, "The LM head unit").
+local LMHead = Module:extend('LMHead')
+nn.LMHead = LMHead
+function LMHead:init(cfg)
+  cfg = cfg or {}
+  if not nn.is_module(cfg.proj) then error('LMHead: proj must be a module with a (V, C) weight', 3) end
+  if cfg.norm ~= nil and not nn.is_module(cfg.norm) then error('LMHead: norm must be a module or nil', 3) end
+  -- plain fields, not register_module: the modules stay the model's
+  rawset(self, 'proj', cfg.proj)
+  rawset(self, 'norm', cfg.norm)
+  self.tied = cfg.tied == true
+  self.name = cfg.name or 'lm_head'
+end
+
+-- {module, parameter name} of every tensor the head uses: the norm's
+-- (weight, bias) first, then the projection's weight
+function LMHead:params()
+  local r = {}
+  local norm = rawget(self, 'norm')
+  if norm ~= nil then
+    for _, pn in ipairs(norm._param_names) do
+      if rawget(norm, pn) ~= nil then r[#r + 1] = { norm, pn } end
+    end
+  end
+  r[#r + 1] = { rawget(self, 'proj'), 'weight' }
+  return r
+end
+
+function LMHead:forward(x, pending, targets)
+  local norm, h = rawget(self, 'norm'), nil
+  if norm == nil then
+    h = pending ~= nil and x + pending or x
+  elseif pending ~= nil then
+    local cls = getmetatable(norm)
+    if cls == RMSNorm and plain(norm) then
+      local _, y = nnf.add_rms_norm(x, pending, norm.weight, norm.eps)
+      h = y
+    elseif cls == LayerNorm and plain(norm) then
+      local _, y = nnf.add_layer_norm(x, pending, norm.weight, norm.bias, norm.eps)
+      h = y
+    else
+      h = norm(x + pending)
+    end
+  else
+    h = norm(x)
+  end
+  local w = rawget(self, 'proj').weight
+  if targets ~= nil then return nn.functional.lm_loss(h, w, targets) end
+  return nnf.linear(h, w)
+end
+function LMHead:extra_repr()
+  return ('%s%s'):format(self.name, self.tied and ', tied' or '')
+end
+
 return nn
