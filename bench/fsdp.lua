@@ -7,7 +7,11 @@
 --
 -- Options: --model gpt2|llama, --batch (per GPU; 32 for gpt2, 4 for llama),
 -- --seq (1024 / 2048), --steps (20), --warmup (5), --strategy (FULL_SHARD),
--- --no-fsdp, --no-skip (do not measure the step with communication skipped).
+-- --no-fsdp, --no-skip (do not measure the step with communication skipped),
+-- --head-in-root (fully_shard's head_unit = false: Llama's untied head and
+-- final norm in the root unit, as before the head unit; docs/fsdp.md "The
+-- LM head"), --prefetch-root (the root's all-gather of the next step issued
+-- at the end of the optimizer step).
 --
 -- Models: GPT-2 124M (12 x 768, vocab 50304, tied, no dropout) units by
 -- GPT2Block; Llama 1.25B (hidden 2048, 16 layers, 32 heads / 8 kv, MLP 5632,
@@ -27,7 +31,7 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD' }
-local flags = { ['no-fsdp'] = false, ['no-skip'] = false }
+local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false }
 do
   local i = 1
   while i <= #arg do
@@ -40,7 +44,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--no-fsdp] [--no-skip]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -91,8 +95,11 @@ local adam = opts.model == 'gpt2' and { lr = 6e-4, betas = { 0.9, 0.95 }, eps = 
   or { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.01 }
 local opt, clip
 if use_fsdp then
+  local head_unit = nil                              -- the default: a unit for an untied head
+  if flags['head-in-root'] then head_unit = false end
   ms.fsdp.fully_shard(model, { policy = ms.fsdp.policy.by_class { block }, strategy = opts.strategy,
-                               mixed_precision = { param = 'bf16', reduce = 'f32' } })
+                               mixed_precision = { param = 'bf16', reduce = 'f32' },
+                               head_unit = head_unit, prefetch_root = flags['prefetch-root'] })
   opt = ms.fsdp.AdamW(model, adam)
   clip = function() return ms.fsdp.clip_grad_norm(model, 1.0) end
 else
@@ -151,6 +158,7 @@ local flops_tok = 6 * nparams + 6 * L * C * opts.seq
 say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLOP/s/GPU | peak GiB/GPU | exposed comm ms |'))
 say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
-  use_fsdp and opts.strategy or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
+  use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
+    .. (flags['prefetch-root'] and ', root prefetch' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
   peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))
 if use_fsdp then ms.dist.destroy() end

@@ -299,6 +299,60 @@ describe('fsdp: the LM head #mpi', function()
     end
   end)
 
+  -- prefetch_root: the root's all-gather of the next step issued at the end
+  -- of the optimizer step (fsdp.after_step)
+  local pcases = { { 'FULL_SHARD' }, { 'SHARD_GRAD_OP' }, { 'FULL_SHARD', true } }
+  if W % 2 == 0 then pcases[#pcases + 1] = { 'HYBRID_SHARD' } end
+  for _, name in ipairs({ 'gpt2-tiny', 'llama-tiny' }) do
+    for _, c in ipairs(pcases) do
+      local strategy, offload = c[1], c[2]
+      it(('%s, %s%s, prefetch_root: the root gathered at the optimizer step\'s end, the same numbers'):format(
+        name, strategy, offload and ' with offload' or ''), function()
+        local function run(prefetch_root)
+          local o = { policy = fsdp.policy.by_class { name:match('^llama') and 'LlamaDecoderLayer' or 'GPT2Block' },
+                      strategy = strategy, offload = offload, prefetch_root = prefetch_root }
+          if strategy == 'HYBRID_SHARD' then o.shard_size = W / 2 end
+          local model = fsdp.fully_shard(FS.load_model(name), o)
+          local root = fsdp.units(model)[1]
+          local opt = fsdp.AdamW(model, { lr = 1e-3, eps = 1e-6, weight_decay = 0.1 })
+          local x, y = batch(R)
+          local losses = {}
+          for s = 1, 4 do
+            local loss = model(x, y)
+            losses[s] = loss:item()
+            loss:backward()
+            opt:step()
+            opt:zero_grad()
+            if prefetch_root then
+              -- issued, its event kept for the next step's trace
+              assert.are.equal('gathering', root.status)
+              if s > 1 then
+                local tr = fsdp.trace(model)
+                assert.are.equal('all_gather root', tr[1], table.concat(tr, ', '))
+                assert.is_true(index_of(tr, 'forward root') > 1)
+              end
+            else
+              assert.are.equal('sharded', root.status)
+            end
+            assert.are.equal(1, gathers(fsdp.trace(model)).root, ('step %d'):format(s))
+          end
+          fsdp.unshard(model)
+          local params = {}
+          for pn, p in model:named_parameters() do params[#params + 1] = { pn, p:clone() } end
+          fsdp.reshard(model)
+          return losses, params
+        end
+        local la, pa = run(true)
+        local lb, pb = run(false)
+        for s = 1, 4 do assert.are.equal(lb[s], la[s]) end
+        for i = 1, #pa do
+          assert.are.equal(pb[i][1], pa[i][1])
+          assert.are.equal(0, (pa[i][2] - pb[i][2]):abs():max():item(), pa[i][1])
+        end
+      end)
+    end
+  end
+
   it('reports the measured differences (rank 0, MS_FSDP_REPORT=1)', function()
     if R == 0 and os.getenv('MS_FSDP_REPORT') == '1' then io.stderr:write('\n' .. table.concat(report, '\n') .. '\n') end
   end)

@@ -14,6 +14,10 @@ step specs env MS_MULTI_OUTPUT=TAP MS_MULTI_SPEC_TIMEOUT=240 MS_MULTI_SPECS="${M
   bash tools/run_multi_specs.sh 2
 step gpt2-2 timeout 150 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model gpt2
 step llama-2 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama
+# the LM head unit against the head in the root, and the root's prefetch at
+# the optimizer step's end (docs/fsdp.md, "The LM head")
+step llama-2-head-in-root timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --head-in-root
+step llama-2-prefetch-root timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --prefetch-root
 step gpt2-1 timeout 120 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model gpt2
 step llama-1 timeout 150 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model llama
 . .carry/device/gpu-env.sh .debs >/dev/null 2>&1

@@ -1,6 +1,7 @@
 -- moonshard.fsdp — fully sharded data parallel: the flat parameter
 -- (core/fsdp/flat.h) and its three collective steps, and on top of them
--- the fully_shard runtime (units by policy; FULL_SHARD, SHARD_GRAD_OP,
+-- the fully_shard runtime (units by policy, an untied LM head a unit of its
+-- own; FULL_SHARD, SHARD_GRAD_OP,
 -- NO_SHARD, HYBRID_SHARD; prefetch with a limit; mixed precision; no_sync;
 -- clip_grad_norm; fsdp.AdamW / fsdp.SGD / fsdp.optimizer over the master shards),
 -- the same code for CPU tensors over MPI and CUDA tensors over NCCL
@@ -674,7 +675,9 @@ end
 -- mixed precision), offload (false: master shards, gradients and optimizer
 -- state in host memory, the optimizer on the CPU), head_unit (nil: the
 -- model's untied nn.LMHead, model:head_module(), is a unit of its own;
--- false: it stays in the root; true: it must be one)
+-- false: it stays in the root; true: it must be one), prefetch_root
+-- (false: true issues the root's all-gather for the next step at the end of
+-- the optimizer step, fsdp.after_step)
 function fsdp.fully_shard(model, opts)
   opts = opts or {}
   local nn = require 'moonshard.nn'
@@ -837,6 +840,7 @@ function fsdp.fully_shard(model, opts)
     sync = true, in_backward = false, pending = {}, root = model,
     cur_fwd = {}, cur_fwd_pos = {}, prev_fwd = {}, prev_fwd_pos = {}, cur_end = {},
     trace = opts.trace ~= false and {} or nil, offload = opts.offload == true,
+    prefetch_root = opts.prefetch_root == true,
   }
   -- step bookkeeping first (hooks run in registration order): a forward of
   -- the root outside backward starts a step
@@ -844,7 +848,10 @@ function fsdp.fully_shard(model, opts)
     if st.in_backward then return end
     if #st.cur_fwd > 0 then st.prev_fwd, st.prev_fwd_pos = st.cur_fwd, st.cur_fwd_pos end
     st.cur_fwd, st.cur_fwd_pos, st.cur_end = {}, {}, {}
-    if st.trace then st.trace = {} end
+    -- (a root all-gather issued by after_step for this step, prefetch_root,
+    -- opens its trace)
+    if st.trace then st.trace = st.trace_carry or {} end
+    st.trace_carry = nil
   end, true)
   for _, u in ipairs(units) do
     -- distinct tensors of the unit: the decayed ones (optim.no_decay says
@@ -1024,11 +1031,22 @@ end
 
 -- after an optimizer stepped the master shards: refresh each unit's
 -- low-precision copy, and make every unsharded copy stale (the next
--- unshard gathers the new values)
+-- unshard gathers the new values). With prefetch_root the root's
+-- all-gather for the next step is issued as soon as its copy is refreshed,
+-- ahead of the other units' refreshes and of whatever the caller does
+-- before the next forward (its trace event opens the next step's trace).
 function fsdp.after_step(model)
-  for _, u in ipairs(state_of(model, 'fsdp.after_step').units) do
+  local st = state_of(model, 'fsdp.after_step')
+  for _, u in ipairs(st.units) do
     if u.lp then u:refresh_lp() end   -- with offload: the upload (copy stream)
-    if u.reshards then u:reshard()
+    if u.reshards then
+      u:reshard()
+      if st.prefetch_root and u.module == st.root then
+        local tr = st.trace
+        if tr then st.trace = {} end
+        u:gather_start()
+        if tr then st.trace_carry, st.trace = st.trace, tr end
+      end
     else u.status = 'sharded'; u:unshard() end
   end
 end

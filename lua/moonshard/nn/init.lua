@@ -853,6 +853,7 @@ function LMHead:init(cfg)
   cfg = cfg or {}
   if not nn.is_module(cfg.proj) then error('LMHead: proj must be a module with a (V, C) weight', 3) end
   if cfg.norm ~= nil and not nn.is_module(cfg.norm) then error('LMHead: norm must be a module or nil', 3) end
+  if rawget(cfg.proj, 'bias') ~= nil then error('LMHead: proj has a bias (the head takes a weight only)', 3) end
   -- plain fields, not register_module: the modules stay the model's
   rawset(self, 'proj', cfg.proj)
   rawset(self, 'norm', cfg.norm)
