@@ -57,6 +57,22 @@ function H.build(kind, overrides)
   return model, fsdp.AdamW(model, H.OPTS)
 end
 
+-- llama-tiny (untied head): kind 'head' (FULL_SHARD by decoder layer, the
+-- LM head a unit of its own), 'head_in_root' (the same, head_unit = false),
+-- 'noshard' (NO_SHARD by layer: the head unit too), 'plain' (no FSDP).
+-- -> model, optimizer
+H.llama_fixture = T.root .. '/../shared/fixtures/llama-tiny'
+function H.build_llama(kind)
+  local model = require('models.llama').from_pretrained(H.llama_fixture, { dtype = 'f32' })
+  local fsdp = ms.fsdp
+  if kind == 'plain' then return model, ms.optim.AdamW(model, H.OPTS) end
+  local o = { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = 'FULL_SHARD' }
+  if kind == 'head_in_root' then o.head_unit = false end
+  if kind == 'noshard' then o.strategy = 'NO_SHARD' end
+  fsdp.fully_shard(model, o)
+  return model, fsdp.AdamW(model, H.OPTS)
+end
+
 -- n AdamW steps on the fixture batch; the losses
 function H.train(model, opt, n)
   local x, y = H.batch()

@@ -14,6 +14,10 @@
 --     ranks; at 3 ranks the parameters after the next step differ by up to
 --     3.6e-8 (wte), the gradient average over 3 ranks rounding differently
 --     from the one over 4.
+-- The same for llama-tiny (untied head), saved at 4 ranks with its LM head
+-- a unit of its own, loaded into the head unit, the head in the root
+-- (head_unit = false: another layout of the same names), NO_SHARD and a
+-- plain model.
 local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
@@ -36,38 +40,52 @@ describe('fsdp checkpoints across world sizes #mpi', function()
   setup(function() dist.init { backend = 'mpi', timeout = 120 } end)
   teardown(function() dist.destroy() end)
 
+  -- what is saved: gpt2-tiny under D/sharded, full.safetensors,
+  -- reference.safetensors; llama-tiny under D/llama-*
+  local FAMS = {
+    { prefix = '', build = function(kind) return H.build(kind == 'head' and 'full' or kind) end, name = 'gpt2-tiny' },
+    { prefix = 'llama-', build = H.build_llama, name = 'llama-tiny' },
+  }
+
   if phase == 'save' then
-    it('trains 2 steps, saves sharded and full checkpoints and the reference, then takes one more step', function()
-      local model, opt = H.build('full')
-      H.train(model, opt, 2)
-      local W = dist.world_size()
-      ck.save_sharded(model, D .. '/sharded', { optimizer = opt, extra = { saved_at = W } })
-      ck.save_full(model, D .. '/full.safetensors')
-      local params, state = ck.gather(model, { optimizer = opt })
-      local ref = { logits = H.logits(model) }
-      for _, e in ipairs(params) do
-        ref['param.' .. e.name] = e.tensor
-        ref['exp_avg.' .. e.name] = state[e.name].exp_avg
-        ref['exp_avg_sq.' .. e.name] = state[e.name].exp_avg_sq
-      end
-      local loss3 = H.train(model, opt, 1)[1]
-      ref.loss3 = T.tensor({ loss3 }, { dtype = 'f64' })
-      for _, e in ipairs(ck.gather(model)) do ref['after.' .. e.name] = e.tensor end
-      if dist.rank() == 0 then S.save(D .. '/reference.safetensors', ref) end
-      dist.barrier()
-      assert.are.equal(W, ck.read_index(D .. '/sharded').world_size)
-    end)
+    for _, fam in ipairs(FAMS) do
+      it(fam.name .. ': trains 2 steps, saves sharded and full checkpoints and the reference, then takes one more step', function()
+        local model, opt = fam.build('head')
+        local units = ms.fsdp.units(model)
+        -- llama-tiny's head is a unit of its own, gpt2-tiny's (tied) is not
+        assert.are.equal(fam.prefix == 'llama-', units[#units].head)
+        H.train(model, opt, 2)
+        local W = dist.world_size()
+        local P = D .. '/' .. fam.prefix
+        ck.save_sharded(model, P .. 'sharded', { optimizer = opt, extra = { saved_at = W } })
+        ck.save_full(model, P .. 'full.safetensors')
+        local params, state = ck.gather(model, { optimizer = opt })
+        local ref = { logits = H.logits(model) }
+        for _, e in ipairs(params) do
+          ref['param.' .. e.name] = e.tensor
+          ref['exp_avg.' .. e.name] = state[e.name].exp_avg
+          ref['exp_avg_sq.' .. e.name] = state[e.name].exp_avg_sq
+        end
+        local loss3 = H.train(model, opt, 1)[1]
+        ref.loss3 = T.tensor({ loss3 }, { dtype = 'f64' })
+        for _, e in ipairs(ck.gather(model)) do ref['after.' .. e.name] = e.tensor end
+        if dist.rank() == 0 then S.save(P .. 'reference.safetensors', ref) end
+        dist.barrier()
+        assert.are.equal(W, ck.read_index(P .. 'sharded').world_size)
+      end)
+    end
     return
   end
 
-  local ref
-  local function reference()
-    ref = ref or ms.load_safetensors(D .. '/reference.safetensors')
-    return ref
+  local refs = {}
+  local function reference(prefix)
+    prefix = prefix or ''
+    refs[prefix] = refs[prefix] or ms.load_safetensors(D .. '/' .. prefix .. 'reference.safetensors')
+    return refs[prefix]
   end
 
-  local function check_loaded(model, opt, what)
-    local r = reference()
+  local function check_loaded(model, opt, what, prefix)
+    local r = reference(prefix)
     local params, state = ck.gather(model, { optimizer = opt })
     for _, e in ipairs(params) do
       assert.are.equal(0, H.max_abs(e.tensor, r['param.' .. e.name]), what .. ': ' .. e.name)
@@ -81,8 +99,8 @@ describe('fsdp checkpoints across world sizes #mpi', function()
     assert.is_true(d == 0, ('%s: logits differ by %.3g'):format(what, d))
   end
 
-  local function check_next_step(model, opt, what)
-    local r = reference()
+  local function check_next_step(model, opt, what, prefix)
+    local r = reference(prefix)
     local loss3 = H.train(model, opt, 1)[1]
     local want = r.loss3:item()
     assert.is_true(loss3 == want, ('%s: next loss %.9g, the run that never saved %.9g'):format(what, loss3, want))
@@ -107,6 +125,20 @@ describe('fsdp checkpoints across world sizes #mpi', function()
         assert.are.equal(2, info.step)
         check_loaded(model, opt, c[1] .. ' at ' .. dist.world_size())
         check_next_step(model, opt, c[1] .. ' at ' .. dist.world_size())
+      end)
+  end
+
+  local llama_cases = { { 'head', 'FULL_SHARD by layer, the LM head a unit' },
+    { 'head_in_root', 'FULL_SHARD by layer, the LM head in the root' }, { 'noshard', 'NO_SHARD by layer' },
+    { 'plain', 'a plain model and optimizer (no FSDP)' } }
+  for _, c in ipairs(llama_cases) do
+    it(('llama-tiny: the sharded checkpoint of 4 ranks (head unit) loads into %s here; the next step matches'):format(c[2]),
+      function()
+        local model, opt = H.build_llama(c[1])
+        local info = ck.load_sharded(model, D .. '/llama-sharded', { optimizer = opt })
+        assert.are.equal(info.world_size, info.extra.saved_at)
+        check_loaded(model, opt, 'llama ' .. c[1] .. ' at ' .. dist.world_size(), 'llama-')
+        check_next_step(model, opt, 'llama ' .. c[1] .. ' at ' .. dist.world_size(), 'llama-')
       end)
   end
 
