@@ -4,7 +4,7 @@
 -- at GPT-2 124M's attention (B=8, H=12, T=1024, D=64) and a longer one
 -- (B=4, H=32, T=2048, D=64), causal.
 --
---   luajit bench/attention.lua [--iters 20] [--warmup 3] [--dtype bf16] [--impls mma,wmma,simt]
+--   luajit bench/attention.lua [--iters 20] [--warmup 3] [--dtype bf16] [--impls wgmma,mma,wmma,simt]
 --
 -- Before timing, each implementation's out, lse and dq/dk/dv on the first
 -- (b, two heads) are checked against the CPU reference (f64, bound 1e-2).
@@ -19,12 +19,12 @@ local T = require 'moonshard.tensor'
 local C = T.C
 local F = ms.raw
 
-local opts = { iters = 20, warmup = 3, dtype = 'bf16', impls = 'mma,mma1,wmma,simt' }
+local opts = { iters = 20, warmup = 3, dtype = 'bf16', impls = 'wgmma,mma,mma1,wmma,simt' }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
   if not k or opts[k] == nil then
-    error('usage: luajit bench/attention.lua [--iters N] [--warmup N] [--dtype bf16|f16] [--impls mma,wmma,simt]')
+    error('usage: luajit bench/attention.lua [--iters N] [--warmup N] [--dtype bf16|f16] [--impls wgmma,mma,wmma,simt]')
   end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
@@ -71,8 +71,10 @@ local function attention_backward(q, k, v, o, l, g, scale)
   T.check(C.ms_attention_backward(a, b, c, q, k, v, o, l, g, scale, 1))
   return T.wrap(a[0]), T.wrap(b[0]), T.wrap(c[0])
 end
-local impl_ids = { mma = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA, simt = C.MS_ATTENTION_SIMT }
-local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt' }
+local impl_ids = { mma = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA, simt = C.MS_ATTENTION_SIMT,
+  wgmma = C.MS_ATTENTION_WGMMA }
+local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt',
+  [C.MS_ATTENTION_WGMMA] = 'wgmma' }
 
 -- the bf16 matmul ceiling through the production GEMM
 local function matmul_rate()

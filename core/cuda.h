@@ -54,6 +54,7 @@ int ms_cuda_device_count(void);
 int ms_cuda_set_device(int device);
 int ms_cuda_get_device(void);
 int ms_cuda_device_name(int device, char *buf, int n);
+int ms_cuda_device_capability(int device, int *major, int *minor);  /* e.g. 9, 0 on an H100 */
 int ms_cuda_synchronize(int device);
 int ms_cuda_get_memory_stats(int device, ms_cuda_memory_stats *out);
 int ms_cuda_reset_peak_stats(int device);
@@ -84,12 +85,13 @@ int ms_cuda_host_alloc(void **out, int64_t nbytes);
 void ms_cuda_host_free(void *p);
 
 /* which kernels run ms_attention on CUDA (kernels/attention.cu): for bf16/f16,
- * MMA (mma.sync FlashAttention-2; head dims 64, 128), WMMA (head dims 16, 32,
+ * WGMMA (Hopper's wgmma FlashAttention-2; head dim 64, sm_90 devices), MMA
+ * (mma.sync FlashAttention-2; head dims 64, 128), WMMA (head dims 16, 32,
  * 64, 128) or SIMT (any head dim up to 128); f32 always runs SIMT. AUTO: the
- * environment's MS_ATTENTION_IMPL=mma|wmma|simt (or MS_ATTENTION_SIMT=1),
+ * environment's MS_ATTENTION_IMPL=wgmma|mma|wmma|simt (or MS_ATTENTION_SIMT=1),
  * else the fastest that fits. A forced one that does not fit a call falls back
- * MMA -> WMMA -> SIMT; last_impl says what the latest call ran. */
-enum { MS_ATTENTION_AUTO = 0, MS_ATTENTION_MMA, MS_ATTENTION_WMMA, MS_ATTENTION_SIMT };
+ * WGMMA -> MMA -> WMMA -> SIMT; last_impl says what the latest call ran. */
+enum { MS_ATTENTION_AUTO = 0, MS_ATTENTION_MMA, MS_ATTENTION_WMMA, MS_ATTENTION_SIMT, MS_ATTENTION_WGMMA };
 int ms_cuda_attention_set_impl(int impl);   /* 0, or -1 for a value not above */
 int ms_cuda_attention_get_impl(void);
 /* 1: the mma backward in one pass (FA2: dq through f32 atomics inside the

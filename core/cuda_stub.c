@@ -15,6 +15,7 @@ int ms_cuda_device_count(void) { return 0; }
 int ms_cuda_set_device(int device) { return no_cuda("set_device"); }
 int ms_cuda_get_device(void) { return -1; }
 int ms_cuda_device_name(int device, char *buf, int n) { return no_cuda("device_name"); }
+int ms_cuda_device_capability(int device, int *major, int *minor) { return no_cuda("device_capability"); }
 int ms_cuda_synchronize(int device) { return no_cuda("synchronize"); }
 int ms_cuda_get_memory_stats(int device, ms_cuda_memory_stats *out) {
     memset(out, 0, sizeof *out);

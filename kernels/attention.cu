@@ -32,6 +32,7 @@
 
 #include <math.h>
 #include <mma.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -340,6 +341,7 @@ int set_smem(K kernel, size_t bytes) {
 
 #include "attention_tc.cuh"
 #include "attention_mma.cuh"
+#include "attention_wgmma.cuh"
 
 // Which kernels run a call. bf16/f16: mma (attention_mma.cuh, head dims 64
 // and 128, sm_80+, 16-byte aligned rows), else wmma (attention_tc.cuh, head
@@ -358,6 +360,7 @@ int impl_requested() {
         if (s && !strcmp(s, "mma")) env = MS_ATTENTION_MMA;
         else if (s && !strcmp(s, "wmma")) env = MS_ATTENTION_WMMA;
         else if (s && !strcmp(s, "simt")) env = MS_ATTENTION_SIMT;
+        else if (s && !strcmp(s, "wgmma")) env = MS_ATTENTION_WGMMA;
         else if (getenv("MS_ATTENTION_SIMT")) env = MS_ATTENTION_SIMT;
     }
     return env;
@@ -389,7 +392,10 @@ int pick_impl(int D, const ms_tensor *const *ts, int n) {
     if (sizeof(T) == 2 && want != MS_ATTENTION_SIMT) {
         bool mma_ok = want != MS_ATTENTION_WMMA && (D == 64 || D == 128) && cc_major(ts[0]->device_id) >= 8;
         for (int i = 0; i < n && mma_ok; i++) mma_ok = rows_aligned16(ts[i]);
-        if (mma_ok) got = MS_ATTENTION_MMA;
+        const bool wg_ok = mma_ok && (want == MS_ATTENTION_AUTO || want == MS_ATTENTION_WGMMA) && D == 64 &&
+                           cc_major(ts[0]->device_id) == 9;
+        if (wg_ok) got = MS_ATTENTION_WGMMA;
+        else if (mma_ok) got = MS_ATTENTION_MMA;
         else if (D == 16 || D == 32 || D == 64 || D == 128) got = MS_ATTENTION_WMMA;
     }
     g_impl_last = got;
@@ -491,6 +497,68 @@ int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, con
     return 0;
 }
 
+// the wgmma kernels (attention_wgmma.cuh: sm_90a, D = 64). Forward key tile
+// 64 (MS_ATTENTION_WG_BN=128 for 128)
+int wg_bn() {
+    static int bn = 0;
+    if (!bn) {
+        const char *e = getenv("MS_ATTENTION_WG_BN");
+        bn = e && atoi(e) == 128 ? 128 : 64;
+    }
+    return bn;
+}
+
+template <typename T, int BN>
+int wg_fwd_bn(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
+              int causal) {
+    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
+    long long Tq = q->sizes[2], Tk = k->sizes[2];
+    size_t smem = wg::fwd_smem<BN>();
+    if (set_smem<T>(wg::fwd_kernel<T, BN>, smem)) return -1;
+    dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
+    wg::fwd_kernel<T, BN><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
+        (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
+        (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(v), layout4(out), H,
+        Hkv, Tq, Tk, scale, causal);
+    LAUNCH_CHECK("wg::fwd_kernel");
+    return 0;
+}
+
+template <typename T>
+int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
+           int causal) {
+    return wg_bn() == 64 ? wg_fwd_bn<T, 64>(out, lse, q, k, v, scale, causal)
+                         : wg_fwd_bn<T, 128>(out, lse, q, k, v, scale, causal);
+}
+
+template <typename T>
+int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
+           const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s) {
+    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
+    long long Tq = q->sizes[2], Tk = k->sizes[2];
+    if (Tk > 0 && B * Hkv > 0) {
+        size_t smem = wg::dkdv_smem();
+        if (set_smem<T>(wg::dkdv_kernel<T>, smem)) return -1;
+        dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));
+        wg::dkdv_kernel<T><<<grid, 128, smem, s>>>(
+            (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
+            layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal);
+        LAUNCH_CHECK("wg::dkdv_kernel");
+    }
+    if (Tq > 0 && B * H > 0) {
+        size_t smem = wg::dq_smem();
+        if (set_smem<T>(wg::dq_kernel<T>, smem)) return -1;
+        dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
+        wg::dq_kernel<T><<<grid, 128, smem, s>>>(
+            (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
+            layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal);
+        LAUNCH_CHECK("wg::dq_kernel");
+    }
+    return 0;
+}
+
 template <typename T, int D>
 int tc_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
            int causal) {
@@ -567,6 +635,7 @@ int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, 
     const ms_tensor *ts[4] = {q, k, v, out};
     int impl = pick_impl<T>(D, ts, 4);
     if constexpr (sizeof(T) == 2) {
+        if (impl == MS_ATTENTION_WGMMA) return wg_fwd<T>(out, lse, q, k, v, scale, causal);
         if (impl == MS_ATTENTION_MMA)
             return D == 64 ? mma_fwd<T, 64>(out, lse, q, k, v, scale, causal)
                            : mma_fwd<T, 128>(out, lse, q, k, v, scale, causal);
@@ -624,6 +693,7 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
     int impl = pick_impl<T>(D, ts, 7);
     if constexpr (sizeof(T) == 2) {
         const float *lp = (const float *)ms_tensor_data(l), *dp = (const float *)ms_tensor_data(delta.t);
+        if (impl == MS_ATTENTION_WGMMA) return wg_bwd<T>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
         if (impl == MS_ATTENTION_MMA)
             return D == 64 ? mma_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
                            : mma_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
@@ -706,8 +776,8 @@ extern "C" int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tenso
 }
 
 extern "C" int ms_cuda_attention_set_impl(int impl) {
-    if (impl < MS_ATTENTION_AUTO || impl > MS_ATTENTION_SIMT)
-        return ms_errorf("attention_set_impl: %d is not one of MS_ATTENTION_AUTO/MMA/WMMA/SIMT (0-3)", impl);
+    if (impl < MS_ATTENTION_AUTO || impl > MS_ATTENTION_WGMMA)
+        return ms_errorf("attention_set_impl: %d is not one of MS_ATTENTION_AUTO/MMA/WMMA/SIMT/WGMMA (0-4)", impl);
     g_impl_set = impl;
     return 0;
 }

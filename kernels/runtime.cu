@@ -311,6 +311,13 @@ int ms_cuda_device_name(int device, char *buf, int n) {
     return 0;
 }
 
+int ms_cuda_device_capability(int device, int *major, int *minor) {
+    if (check_device(device, "device_capability")) return -1;
+    CUDA_CHECK(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device));
+    CUDA_CHECK(cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device));
+    return 0;
+}
+
 int ms_cuda_synchronize(int device) {
     if (ms_cuda_activate(device)) return -1;
     CUDA_CHECK(cudaDeviceSynchronize());

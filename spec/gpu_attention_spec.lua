@@ -1,7 +1,7 @@
 -- The flash-style attention kernels (kernels/attention.cu) against the CPU
 -- reference (core/attention_cpu.c): forward output, lse and dq/dk/dv on
 -- random data, f32 ≤ 1e-5 and bf16/f16 ≤ 1e-2 relative, lse ≤ 1e-5, for
--- every implementation (mma, wmma, simt: ms_cuda_attention_set_impl), head
+-- every implementation (wgmma, mma, wmma, simt: ms_cuda_attention_set_impl), head
 -- dims 64 and 128 (and 32, which only wmma/simt take), lengths 1 to 1024
 -- across the tile edges, causal or not, Tq != Tk (bottom-right causal, rows
 -- that see no key), grouped-query heads and strided (B, T, H, D) views.
@@ -55,8 +55,11 @@ end
 
 -- mma1: mma with the one-pass backward (ms_cuda_attention_set_onepass)
 local impl_ids = { mma = C.MS_ATTENTION_MMA, mma1 = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA,
-  simt = C.MS_ATTENTION_SIMT }
-local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt' }
+  simt = C.MS_ATTENTION_SIMT, wgmma = C.MS_ATTENTION_WGMMA }
+local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt',
+  [C.MS_ATTENTION_WGMMA] = 'wgmma' }
+-- wgmma runs on Hopper (compute capability 9.x) only
+local hopper = ms.cuda.is_available() and ms.cuda.get_device_capability(0) == 9
 -- fn() with `impl` forced, back to auto afterwards even on error
 local function with_impl(impl, fn)
   T.check(C.ms_cuda_attention_set_impl(impl_ids[impl]))
@@ -66,9 +69,12 @@ local function with_impl(impl, fn)
   C.ms_cuda_attention_set_impl(C.MS_ATTENTION_AUTO)
   if not ok then error(err, 0) end
 end
--- what a call with `impl` forced should run (falls back mma -> wmma -> simt)
+-- what a call with `impl` forced should run (falls back wgmma -> mma -> wmma
+-- -> simt)
 local function expected_impl(impl, dt, D)
   if dt == 'f32' or impl == 'simt' then return 'simt' end
+  if impl == 'wgmma' and D == 64 and hopper then return 'wgmma' end
+  if impl == 'wgmma' then impl = 'mma' end
   if (impl == 'mma' or impl == 'mma1') and (D == 64 or D == 128) then return 'mma' end
   if D == 16 or D == 32 or D == 64 or D == 128 then return 'wmma' end
   return 'simt'
@@ -142,7 +148,7 @@ describe('fused attention on cuda #gpu', function()
       local name = ('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d%s'):format(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D,
         c.causal and ' causal' or '')
       -- f32 runs simt whatever is asked: once, on the shorter cases
-      local impls = dt == 'f32' and (c.Tq < 1024 and { 'simt' } or {}) or { 'mma', 'mma1', 'wmma', 'simt' }
+      local impls = dt == 'f32' and (c.Tq < 1024 and { 'simt' } or {}) or { 'wgmma', 'mma', 'mma1', 'wmma', 'simt' }
       local ref
       seed = seed + 10
       local case_seed = seed
@@ -155,7 +161,7 @@ describe('fused attention on cuda #gpu', function()
     end
   end
 
-  for _, impl in ipairs({ 'mma', 'wmma', 'simt' }) do
+  for _, impl in ipairs({ 'wgmma', 'mma', 'wmma', 'simt' }) do
     it(('transposed (B, T, H, D) views work without copies and give the same result (%s)'):format(impl), function()
       for _, c in ipairs({ { 'f32', 32 }, { 'bf16', 32 }, { 'bf16', 64 }, { 'f16', 128 } }) do
         local dt, D = c[1], c[2]
@@ -230,16 +236,17 @@ describe('fused attention on cuda #gpu', function()
     assert.is_true(relerr(o1, o2) <= 1e-2)
   end)
 
-  it('runs mma by default for bf16/f16 at head dims 64 and 128, and rejects an unknown implementation', function()
+  it('runs wgmma (Hopper, head dim 64) or mma by default for bf16/f16 at head dims 64 and 128, and rejects an unknown implementation', function()
     -- (MS_ATTENTION_IMPL / MS_ATTENTION_SIMT in the environment change the default)
     local default = not os.getenv('MS_ATTENTION_IMPL') and not os.getenv('MS_ATTENTION_SIMT')
     for _, D in ipairs({ 64, 128 }) do
       for _, dt in ipairs({ 'bf16', 'f16' }) do
+        local want = (D == 64 and hopper) and 'wgmma' or 'mma'
         local q = ms.randn({ 1, 2, 40, D }, { seed = 3, device = 'cuda' }):to(dt)
         local o, l = attention(q, q, q, 0.125, true)
-        if default then assert.are.equal('mma', last_impl()) end
+        if default then assert.are.equal(want, last_impl()) end
         attention_backward(q, q, q, o, l, q, 0.125, true)
-        if default then assert.are.equal('mma', last_impl()) end
+        if default then assert.are.equal(want, last_impl()) end
       end
     end
     local q = ms.randn({ 1, 2, 40, 32 }, { seed = 3, device = 'cuda' }):to('bf16')

@@ -30,6 +30,12 @@ function cuda.get_device_name(d)
   check(C.ms_cuda_device_name(d or cuda.current_device(), buf, 256), 2)
   return ffi.string(buf)
 end
+-- (major, minor): 9, 0 on Hopper, 8, 0 on an A100
+function cuda.get_device_capability(d)
+  local a, b = ffi.new('int[1]'), ffi.new('int[1]')
+  check(C.ms_cuda_device_capability(d or cuda.current_device(), a, b), 2)
+  return a[0], b[0]
+end
 function cuda.synchronize(d) check(C.ms_cuda_synchronize(d or cuda.current_device()), 2) end
 function cuda.empty_cache(d) check(C.ms_cuda_empty_cache(d or cuda.current_device()), 2) end
 function cuda.reset_peak_memory_stats(d) check(C.ms_cuda_reset_peak_stats(d or cuda.current_device()), 2) end

@@ -1,0 +1,513 @@
+// kernels/attention_wgmma.cuh — the sm_90a path of kernels/attention.cu for
+// bf16/f16 at head dim 64: the same FlashAttention-2 algorithm and the same
+// three kernels as attention_mma.cuh (forward; dk/dv per key block; dq per
+// query block, no atomics), with every tile product on Hopper's warpgroup
+// MMA (wgmma.mma_async, f32 accumulation) instead of mma.sync.
+//
+// A block is one warpgroup (128 threads, 4 warps) owning 64 rows (queries in
+// the forward and dq kernels, keys in dk/dv): wgmma's M = 64. Several blocks
+// share an SM (2-4, by registers and shared memory), so one block's softmax
+// runs while another's wgmmas do.
+//
+// Shared-memory tiles are rows of 64 16-bit elements (128 bytes) with the
+// 128-byte swizzle: the 16-byte chunk c of row r lies at r*128 + ((c ^ (r&7))
+// << 4), in tiles aligned to 1024 bytes (cp.async writes them in that order,
+// zero-filled past the sequence's end). wgmma reads them through matrix
+// descriptors (desc below), as
+//   K-major   the tile is M x K or N x K with K (= D) along the row: Q, K in
+//             S = Q.K^T; K, Q in S^T = K.Q^T; V, dO in dP^T = V.dO^T; dO, V in
+//             dP = dO.V^T. 8-row groups 1024 bytes apart (SBO); a k16 step
+//             is +32 bytes into the row (the swizzle is a function of the
+//             address, so the offset start composes with it).
+//   MN-major  the tile is K x N with N (= D) along the row: V in P.V, dO in
+//             dV = P^T.dO, Q in dK = dS^T.Q, K in dQ = dS.K ("transposed B",
+//             imm-trans-b = 1). 8-row (k) groups 1024 bytes apart (SBO), one
+//             64-wide atom along N; a k16 step is +2048 bytes.
+// The second operand of P.V, dV, dK, dQ comes from registers: wgmma's A
+// fragment for m64k16 is mma.sync's m16k16 A fragment per warp (rows 16w..),
+// and its f32 accumulator for m64nN is mma.sync's C fragment per warp and
+// n8 block (d[4j..4j+3]: rows g, g+8, columns 8j+2t, +1), so the same
+// identity as attention_mma.cuh turns S into P's A fragment in place.
+// Included by attention.cu only (it uses mma:: helpers and qkv_layout).
+namespace wg {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MS_WG_ENABLED 1
+#endif
+
+// ------------------------------------------------------------------ PTX
+using mma::smem_u32;
+
+// the descriptor of a 128-byte-swizzled tile at p (1024-byte aligned, or an
+// offset of one inside its rows): start address, leading byte offset 16
+// (unused by these layouts), stride byte offset 1024, swizzle mode 1 (128 B)
+__device__ __forceinline__ uint64_t desc(const void *p) {
+    return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void fence() {
+#ifdef MS_WG_ENABLED
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void commit() {
+#ifdef MS_WG_ENABLED
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wait() {
+#ifdef MS_WG_ENABLED
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// the generic proxy's writes to shared memory (cp.async) made visible to
+// wgmma's reads (the async proxy)
+__device__ __forceinline__ void fence_proxy() {
+#ifdef MS_WG_ENABLED
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// registers an in-flight wgmma writes: the compiler may not move their
+// reads or writes across this point
+template <int N>
+__device__ __forceinline__ void pin(float *d) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void pin_u(unsigned *d) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// d (64 x N f32, the warpgroup's accumulators) (+)= A . B over k16, A and B
+// from shared memory (both K-major); acc = 0: d = A . B
+template <typename T, int N>
+__device__ __forceinline__ void mma_ss(float *d, uint64_t a, uint64_t b, int acc);
+// d (64 x N) (+)= A . B over k16, A from registers (a[4]: this warp's m16k16
+// fragment), B MN-major from shared memory
+template <typename T, int N>
+__device__ __forceinline__ void mma_rs_t(float *d, const unsigned *a, uint64_t b, int acc);
+
+#ifdef MS_WG_ENABLED
+#include "attention_wgmma_ops.inc"
+#else
+template <typename T, int N>
+__device__ __forceinline__ void mma_ss(float *, uint64_t, uint64_t, int) { __trap(); }
+template <typename T, int N>
+__device__ __forceinline__ void mma_rs_t(float *, const unsigned *, uint64_t, int) { __trap(); }
+#endif
+
+// ------------------------------------------------------------ helpers
+__device__ __forceinline__ unsigned char *align1024(unsigned char *p) {
+    const unsigned a = smem_u32(p);
+    return p + ((1024 - (a & 1023)) & 1023);
+}
+
+// rows [t0, t0+R) of (b, h) (64 elements each) into the swizzled tile s,
+// cp.async 16 bytes a thread, zero past Tn
+template <typename T, int R>
+__device__ __forceinline__ void load_sw(T *s, const T *src, const qkv_layout &l, long long b, long long h,
+                                        long long t0, long long Tn) {
+#pragma unroll
+    for (int it = 0; it < R / 16; it++) {
+        const int e = threadIdx.x + it * 128, r = e >> 3, c = e & 7;
+        const long long t = t0 + r;
+        const bool ok = t < Tn;
+        mma::cp_async16((unsigned char *)s + r * 128 + ((c ^ (r & 7)) << 4), ok ? src + at(l, b, h, t) + c * 8 : src,
+                        ok);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// the A fragment (k16 block kk) of the 64 x N accumulators c, rounded to T
+template <typename T>
+__device__ __forceinline__ void c_to_a(unsigned a[4], const float *c, int kk) {
+    a[0] = mma::op<T>::pack(c[8 * kk + 0], c[8 * kk + 1]);
+    a[1] = mma::op<T>::pack(c[8 * kk + 2], c[8 * kk + 3]);
+    a[2] = mma::op<T>::pack(c[8 * kk + 4], c[8 * kk + 5]);
+    a[3] = mma::op<T>::pack(c[8 * kk + 6], c[8 * kk + 7]);
+}
+
+// the 64 x 64 accumulators c (this warp's 16 rows) times mul[r] into rows
+// warp*16.. of s (padded [64][72] tile), then to global rows t0.. of (b, h)
+template <typename T>
+__device__ __forceinline__ void store_acc(T *dst, const qkv_layout &l, long long b, long long h, long long t0,
+                                          long long Tn, T *s, const float *c, float mul0, float mul1) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    mma::frag_to_smem<T, 64>(s, reinterpret_cast<const float(*)[4]>(c), warp * 16, lane, mul0, mul1);
+    __syncwarp();
+    mma::store_rows<T, 64, 1>(dst, l, b, h, t0, Tn, s, warp * 16, lane);
+}
+
+const int kD = 64;
+
+// --------------------------------------------------------------- forward
+// 64 query rows a block, BN-key tiles of K and V double-buffered. (FA3's
+// in-warpgroup pipelining, S_{t+1} issued before P_t.V_t with O rescaled
+// after it, was measured slower here: 0.106 against 0.074 ms at GPT-2's
+// shape, B = 8; its registers cost a block per SM.)
+template <int BN>
+size_t fwd_smem() {
+    return 1024 + (size_t)(64 + 4 * BN) * 128;
+}
+
+template <typename T, int BN>
+__global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
+                                                  qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo, int H,
+                                                  int Hkv, long long Tq, long long Tk, float scale, int causal) {
+    constexpr int NS = BN / 8, NA = BN / 16;
+    extern __shared__ unsigned char wg_smem[];
+    unsigned char *sm = align1024(wg_smem);
+    T *Qs = (T *)sm, *Ks = Qs + 64 * kD, *Vs = Ks + 2 * BN * kD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * 64;  // longest causal rows first
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
+    const long long off = Tk - Tq;
+    const long long kend = causal ? max(0ll, min(Tk, i0 + 64 + off)) : Tk;
+    const int ntiles = (int)((kend + BN - 1) / BN);
+    const float sl = scale * kLog2e;
+    const long long row0 = i0 + warp * 16 + g8;  // this thread's rows row0, row0 + 8
+
+    load_sw<T, 64>(Qs, q, lq, b, h, i0, Tq);
+    if (ntiles > 0) {
+        load_sw<T, BN>(Ks, k, lk, b, g, 0, Tk);
+        load_sw<T, BN>(Vs, v, lv, b, g, 0, Tk);
+    }
+    mma::cp_async_commit();
+    float o[32], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 32; i++) o[i] = 0.f;
+    const uint64_t dq = desc(Qs);
+
+    for (int t = 0; t < ntiles; t++) {
+        const int buf = t & 1;
+        __syncthreads();  // every wgmma on tile t-1 (buffer buf ^ 1) has completed
+        if (t + 1 < ntiles) {
+            load_sw<T, BN>(Ks + (buf ^ 1) * BN * kD, k, lk, b, g, (long long)(t + 1) * BN, Tk);
+            load_sw<T, BN>(Vs + (buf ^ 1) * BN * kD, v, lv, b, g, (long long)(t + 1) * BN, Tk);
+        }
+        mma::cp_async_commit();
+        cp_async_wait<1>();  // tile t (and Q) landed: this thread's copies ...
+        fence_proxy();
+        __syncthreads();     // ... and everyone's
+        const long long j0 = (long long)t * BN;
+        const T *Kb = Ks + buf * BN * kD, *Vb = Vs + buf * BN * kD;
+
+        // S = Q K^T
+        float s[BN / 2];
+        fence();
+        const uint64_t dk = desc(Kb);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) mma_ss<T, BN>(s, dq + 2 * kk, dk + 2 * kk, kk);
+        commit();
+        wait<0>();
+        pin<BN / 2>(s);
+
+        // online softmax in the exp2 domain; masks only on edge/diagonal tiles
+        const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + off);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int cmax = (int)min((long long)BN, Tk - j0) - 1;  // the last key column row r sees (-1: none)
+            if (causal) cmax = (int)min((long long)cmax, max(-1ll, row0 + 8 * r + off - j0));
+            float mx = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < NS; n++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float x = s[4 * n + 2 * r + e] * sl;
+                    if (edge && n * 8 + 2 * t4 + e > cmax) x = -INFINITY;
+                    s[4 * n + 2 * r + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(m[r], mx);
+            const float mu = mnew == -INFINITY ? 0.f : mnew;  // a row with no key yet: p = 0
+            const float alpha = mma::fast_exp2(m[r] - mu);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < NS; n++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float p = mma::fast_exp2(s[4 * n + 2 * r + e] - mu);
+                    s[4 * n + 2 * r + e] = p;
+                    sum += p;
+                }
+            l[r] = l[r] * alpha + sum;
+            m[r] = mnew;
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                o[4 * n + 2 * r] *= alpha;
+                o[4 * n + 2 * r + 1] *= alpha;
+            }
+        }
+
+        // O += P V, P from the S registers
+        unsigned pa[NA][4];
+#pragma unroll
+        for (int kk = 0; kk < NA; kk++) c_to_a<T>(pa[kk], s, kk);
+        pin<32>(o);
+        fence();
+        const uint64_t dv = desc(Vb);
+#pragma unroll
+        for (int kk = 0; kk < NA; kk++) mma_rs_t<T, 64>(o, pa[kk], dv + kk * (2048 >> 4), 1);
+        commit();
+        wait<0>();
+        pin<32>(o);
+        pin_u<NA * 4>(&pa[0][0]);
+    }
+
+    mma::cp_async_wait_all();
+    __syncthreads();  // K/V buffers free for the output
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lt = l[r];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        inv[r] = lt > 0.f ? 1.f / lt : 0.f;
+        const long long i = row0 + 8 * r;
+        if (t4 == 0 && i < Tq)
+            lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
+    }
+    store_acc<T>(out, lo, b, h, i0, Tq, Ks, o, inv[0], inv[1]);
+}
+
+// -------------------------------------------------------------- backward
+// dk, dv for 64 keys of one (b, kv head), over the query heads of its group
+// and their 64-query tiles (Q, dO double-buffered; lse, delta per tile)
+inline size_t dkdv_smem() {
+    return 1024 + (size_t)(2 * 64 + 4 * 64) * 128 + 4 * 64 * sizeof(float);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
+                                                   const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
+                                                   qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
+                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
+    constexpr int BQ = 64;
+    extern __shared__ unsigned char wg_smem[];
+    unsigned char *sm = align1024(wg_smem);
+    T *Ks = (T *)sm, *Vs = Ks + 64 * kD, *Qs = Vs + 64 * kD, *Gs = Qs + 2 * BQ * kD;
+    float *Ls = (float *)(Gs + 2 * BQ * kD), *Ds = Ls + 2 * BQ;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const long long j0 = (long long)blockIdx.x * 64;
+    const int bg = blockIdx.y, b = bg / Hkv, g = bg % Hkv, rep = H / Hkv;
+    const long long off = Tk - Tq;
+    const long long istart = causal && j0 - off > 0 ? (j0 - off) / BQ * BQ : 0;
+    const long long nq = istart < Tq ? (Tq - istart + BQ - 1) / BQ : 0;
+    const long long total = rep * nq;
+    const float sl = scale * kLog2e;
+    const long long key0 = j0 + warp * 16 + g8;  // this thread's keys key0, key0 + 8
+
+    float Lv = INFINITY, Dv = 0.f;
+    auto issue = [&](long long it, int buf) {
+        const int hq = g * rep + (int)(it / nq);
+        const long long ib = istart + (it % nq) * BQ;
+        load_sw<T, BQ>(Qs + buf * BQ * kD, q, lq, b, hq, ib, Tq);
+        load_sw<T, BQ>(Gs + buf * BQ * kD, dout, lg, b, hq, ib, Tq);
+        const long long i = ib + threadIdx.x, row = ((long long)b * H + hq) * Tq + i;
+        if (threadIdx.x < BQ && i < Tq) {
+            Lv = lse[row];
+            Dv = delta[row];
+        } else {
+            Lv = INFINITY;
+            Dv = 0.f;
+        }
+    };
+    load_sw<T, 64>(Ks, k, lk, b, g, j0, Tk);
+    load_sw<T, 64>(Vs, v, lv, b, g, j0, Tk);
+    if (total > 0) issue(0, 0);
+    mma::cp_async_commit();
+
+    float dka[32], dva[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) dka[i] = dva[i] = 0.f;
+    const uint64_t dK = desc(Ks), dV = desc(Vs);
+
+    for (long long it = 0; it < total; it++) {
+        const int buf = (int)(it & 1);
+        mma::cp_async_wait_all();
+        if (threadIdx.x < BQ) {  // buffer buf was last read two steps ago
+            Ls[buf * BQ + threadIdx.x] = Lv == -INFINITY ? INFINITY : Lv * kLog2e;
+            Ds[buf * BQ + threadIdx.x] = Dv;
+        }
+        fence_proxy();
+        __syncthreads();  // step it's tiles visible; step it-1's wgmmas (buffer buf ^ 1) completed
+        if (it + 1 < total) issue(it + 1, buf ^ 1);
+        mma::cp_async_commit();
+        const long long i0 = istart + (it % nq) * BQ;
+        if (causal && j0 > i0 + BQ - 1 + off) continue;  // every key after every query of the tile
+        const T *Qb = Qs + buf * BQ * kD, *Gb = Gs + buf * BQ * kD;
+        const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
+
+        // S^T = K Q^T, dP^T = V dO^T: 64 keys x 64 queries
+        float st[32], dpt[32];
+        fence();
+        const uint64_t dQb = desc(Qb), dGb = desc(Gb);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) mma_ss<T, 64>(st, dK + 2 * kk, dQb + 2 * kk, kk);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) mma_ss<T, 64>(dpt, dV + 2 * kk, dGb + 2 * kk, kk);
+        commit();
+        wait<0>();
+        pin<32>(st);
+        pin<32>(dpt);
+
+        const bool edge = i0 + BQ > Tq || j0 + 64 > Tk || (causal && j0 + 63 > i0 + off);
+        int cmin[2], cmax[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const long long j = key0 + 8 * r;
+            cmin[r] = causal ? (int)min((long long)BQ, max(0ll, j - off - i0)) : 0;
+            cmax[r] = j < Tk ? (int)min((long long)BQ, Tq - i0) : 0;
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = n * 8 + 2 * t4 + (e & 1);
+                float p = mma::fast_exp2(st[4 * n + e] * sl - Lb[c]);
+                if (edge && (c < cmin[e >> 1] || c >= cmax[e >> 1])) p = 0.f;
+                st[4 * n + e] = p;
+                dpt[4 * n + e] = p * (dpt[4 * n + e] - Db[c]);
+            }
+        unsigned pa[4][4], da[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            c_to_a<T>(pa[kk], st, kk);
+            c_to_a<T>(da[kk], dpt, kk);
+        }
+        // dV += P^T dO, dK += dS^T Q
+        pin<32>(dva);
+        pin<32>(dka);
+        fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dva, pa[kk], dGb + kk * (2048 >> 4), 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dka, da[kk], dQb + kk * (2048 >> 4), 1);
+        commit();
+        wait<0>();
+        pin<32>(dva);
+        pin<32>(dka);
+        pin_u<16>(&pa[0][0]);
+        pin_u<16>(&da[0][0]);
+    }
+
+    mma::cp_async_wait_all();
+    __syncthreads();  // Q/dO buffers free for the outputs
+    store_acc<T>(dk, ldk, b, g, j0, Tk, Qs, dka, scale, scale);
+    store_acc<T>(dv, ldv, b, g, j0, Tk, Qs + 64 * (kD + 8), dva, 1.f, 1.f);
+}
+
+// dq for 64 queries of one (b, h), 64-key tiles of K and V double-buffered
+inline size_t dq_smem() {
+    return 1024 + (size_t)(2 * 64 + 4 * 64) * 128;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, const T *v, const T *dout,
+                                                 const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
+                                                 qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv,
+                                                 long long Tq, long long Tk, float scale, int causal) {
+    constexpr int BN = 64;
+    extern __shared__ unsigned char wg_smem[];
+    unsigned char *sm = align1024(wg_smem);
+    T *Qs = (T *)sm, *Gs = Qs + 64 * kD, *Ks = Gs + 64 * kD, *Vs = Ks + 2 * BN * kD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * 64;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
+    const long long off = Tk - Tq;
+    const long long kend = causal ? max(0ll, min(Tk, i0 + 64 + off)) : Tk;
+    const int ntiles = (int)((kend + BN - 1) / BN);
+    const float sl = scale * kLog2e;
+    const long long row0 = i0 + warp * 16 + g8;
+
+    float Lr[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = row0 + 8 * r, row = ((long long)b * H + h) * Tq + i;
+        const float L = i < Tq ? lse[row] : INFINITY;
+        Lr[r] = L == -INFINITY ? INFINITY : L * kLog2e;
+        Dr[r] = i < Tq ? delta[row] : 0.f;
+    }
+    load_sw<T, 64>(Qs, q, lq, b, h, i0, Tq);
+    load_sw<T, 64>(Gs, dout, lg, b, h, i0, Tq);
+    if (ntiles > 0) {
+        load_sw<T, BN>(Ks, k, lk, b, g, 0, Tk);
+        load_sw<T, BN>(Vs, v, lv, b, g, 0, Tk);
+    }
+    mma::cp_async_commit();
+    float dqa[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) dqa[i] = 0.f;
+    const uint64_t dQ = desc(Qs), dG = desc(Gs);
+
+    for (int t = 0; t < ntiles; t++) {
+        const int buf = t & 1;
+        __syncthreads();
+        if (t + 1 < ntiles) {
+            load_sw<T, BN>(Ks + (buf ^ 1) * BN * kD, k, lk, b, g, (long long)(t + 1) * BN, Tk);
+            load_sw<T, BN>(Vs + (buf ^ 1) * BN * kD, v, lv, b, g, (long long)(t + 1) * BN, Tk);
+        }
+        mma::cp_async_commit();
+        cp_async_wait<1>();
+        fence_proxy();
+        __syncthreads();
+        const long long j0 = (long long)t * BN;
+        const T *Kb = Ks + buf * BN * kD, *Vb = Vs + buf * BN * kD;
+        const uint64_t dKb = desc(Kb), dVb = desc(Vb);
+
+        float s[32], dp[32];
+        fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) mma_ss<T, 64>(s, dQ + 2 * kk, dKb + 2 * kk, kk);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) mma_ss<T, 64>(dp, dG + 2 * kk, dVb + 2 * kk, kk);
+        commit();
+        wait<0>();
+        pin<32>(s);
+        pin<32>(dp);
+
+        const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + off);
+        int cmax[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            cmax[r] = (int)min((long long)BN, Tk - j0) - 1;
+            if (causal) cmax[r] = (int)min((long long)cmax[r], max(-1ll, row0 + 8 * r + off - j0));
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e >> 1;
+                float p = mma::fast_exp2(s[4 * n + e] * sl - Lr[r]);
+                if (edge && n * 8 + 2 * t4 + (e & 1) > cmax[r]) p = 0.f;
+                s[4 * n + e] = p * (dp[4 * n + e] - Dr[r]);
+            }
+        unsigned da[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) c_to_a<T>(da[kk], s, kk);
+        pin<32>(dqa);
+        fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dqa, da[kk], dKb + kk * (2048 >> 4), 1);
+        commit();
+        wait<0>();
+        pin<32>(dqa);
+        pin_u<16>(&da[0][0]);
+    }
+
+    mma::cp_async_wait_all();
+    __syncthreads();
+    store_acc<T>(dq, ldq, b, h, i0, Tq, Ks, dqa, scale, scale);
+}
+
+}  // namespace wg
