@@ -373,7 +373,9 @@ extern "C" int ms_cuda_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor 
                          ms_dtype_name(out->dtype_id), ms_dtype_name(a->dtype_id), ms_dtype_name(b->dtype_id));
     if (m == 0 || n == 0 || batch == 0) return 0;
     if (ms_cuda_activate(device) || lt_ready(device)) return -1;
-    if (k == 0) return ms_cuda_binary_scalar(out, MS_OP_MUL, out, beta, 0);
+    // an empty sum: out = beta out, and with beta = 0 out's old contents
+    // (NaN included) are ignored, as BLAS does
+    if (k == 0) return beta == 0.0 ? ms_cuda_fill(out, 0.0) : ms_cuda_binary_scalar(out, MS_OP_MUL, out, beta, 0);
     holder ca, cb, co;
     operand A, B;
     if (!describe(a, transa, &A)) {

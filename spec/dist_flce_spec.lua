@@ -72,7 +72,13 @@ local function check(x, W, t, o, dtype, bound, layout, rows)
   local what = ('V=%d rank %d/%d rows [%d,%d) %s'):format(V, R, G, a, a + n, dtype)
   for _, k in ipairs({ 'loss', 'z', 'gx' }) do
     local e = relerr(part[k], whole[k])
-    assert.is_true(e <= bound, ('%s: %s relative error %.3g'):format(what, k, e))
+    -- V = 1: the exact loss and grad_x are 0 and both results are rounding
+    -- noise (~1e-8 here), which the two paths round differently: a relative
+    -- error of noise says nothing, so an absolute difference under 1e-6
+    -- passes too (grad_x entries are ~1e-2 otherwise)
+    local abs = relerr(F.sub(part[k]:to('cpu'):double(), whole[k]:to('cpu'):double()),
+      ms.zeros(whole[k].shape, { dtype = 'f64' }))
+    assert.is_true(e <= bound or abs <= 1e-6, ('%s: %s relative error %.3g (absolute %.3g)'):format(what, k, e, abs))
   end
   -- on the GPU the two GEMMs' shapes differ: a near-tie may round apart
   local tol = DEV == 'cpu' and 0 or 1 / t:numel() + 1e-9
@@ -182,7 +188,7 @@ describe('vocabulary-parallel fused_linear_cross_entropy over NCCL #multi', func
     local fails = {}
     for _, shape in ipairs({ { 37, 64, 1009 }, { 64, 32, 4096 }, { 20, 16, 1 } }) do
       local x, W, t, bias, cw = problem(shape[1], shape[2], shape[3], 700 + shape[3])
-      for _, o in ipairs({
+      for oi, o in ipairs({
         {},
         { reduction = 'sum', chunk_size = 7 },
         { reduction = 'none', softcap = 3, chunk_size = 16 },
@@ -192,7 +198,7 @@ describe('vocabulary-parallel fused_linear_cross_entropy over NCCL #multi', func
         -- collectives of the next case), and every failure is reported
         for _, c in ipairs({ { 'f32', 1e-4 }, { 'bf16', 2e-2 } }) do
           local ok, err = pcall(check, x, W, t, o, c[1], c[2], { vocab_size = shape[3] })
-          if not ok then fails[#fails + 1] = tostring(err) end
+          if not ok then fails[#fails + 1] = ('option %d: %s'):format(oi, tostring(err)) end
         end
       end
     end
