@@ -188,6 +188,93 @@ __global__ void norm_bwd_kernel(X *__restrict__ dx, A *__restrict__ part_w, A *_
             }
 }
 
+// The same backward with one warp per row (rows up to 32·V·NCH wide): lane
+// l owns the chunks (j·32 + l)·V of every row, its x and g stay in
+// registers between the two passes, the row sums are warp shuffles (no
+// block barrier per row), and the dw/db partial sums live in registers
+// until the end, where the block's warps add theirs into shared memory in
+// warp order (acc, 2·C) and the block writes its partial row: deterministic
+// as the block kernel. Chosen for rows up to 1024 f32 / 2048 bf16 wide
+// (GPT-2's 768: 1.3x the block kernel's bandwidth, see docs/perf-notes.md).
+template <typename G, typename X, int V, int NCH, bool RMS>
+__global__ void __launch_bounds__(256) norm_bwd_warp_kernel(X *__restrict__ dx, float *__restrict__ part_w,
+                                     float *__restrict__ part_b, const G *__restrict__ g, const X *__restrict__ x,
+                                     const float *__restrict__ mean, const float *__restrict__ rstd,
+                                     const float *__restrict__ w, long long N, int C, const X *__restrict__ gres,
+                                     G *__restrict__ dxl) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float *acc = reinterpret_cast<float *>(smem_raw);
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+    const bool pw = part_w != nullptr, pb = part_b != nullptr;
+    float aw[NCH][V], ab[NCH][V];
+#pragma unroll
+    for (int j = 0; j < NCH; j++)
+#pragma unroll
+        for (int k = 0; k < V; k++) aw[j][k] = ab[j][k] = 0.f;
+    for (long long row = (long long)blockIdx.x * wpb + wib; row < N; row += (long long)gridDim.x * wpb) {
+        const G *gr = g + row * C;
+        const X *xr = x + row * C;
+        const float mu = RMS ? 0.f : mean[row], rs = rstd[row];
+        float gv[NCH][V], xv[NCH][V], a = 0.f, bsum = 0.f;
+#pragma unroll
+        for (int j = 0; j < NCH; j++) {
+            const int i = (j * 32 + lane) * V;
+            if (i < C) {
+                load_v<float, G, V>(gv[j], gr + i);
+                load_v<float, X, V>(xv[j], xr + i);
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const float xh = (xv[j][k] - mu) * rs, d = w ? gv[j][k] * w[i + k] : gv[j][k];
+                    a += d;
+                    bsum += d * xh;
+                }
+            }
+        }
+        a = warp_sum(a) / (float)C;
+        bsum = warp_sum(bsum) / (float)C;
+#pragma unroll
+        for (int j = 0; j < NCH; j++) {
+            const int i = (j * 32 + lane) * V;
+            if (i < C) {
+                float o[V], rv[V];
+                if (dx && gres) load_v<float, X, V>(rv, gres + row * C + i);
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const float xh = (xv[j][k] - mu) * rs;
+                    const float d = w ? gv[j][k] * w[i + k] : gv[j][k];
+                    o[k] = RMS ? rs * (d - xh * bsum) : rs * (d - a - xh * bsum);
+                    if (gres) o[k] += rv[k];
+                    aw[j][k] += gv[j][k] * (RMS ? round_as<X>(xh) : xh);
+                    ab[j][k] += gv[j][k];
+                }
+                if (dx) store_v<X, V>(dx + row * C + i, o);
+                if (dxl) store_v<G, V>(dxl + row * C + i, o);
+            }
+        }
+    }
+    if (!pw && !pb) return;
+    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) acc[i] = 0.f;
+    for (int ww = 0; ww < wpb; ww++) {  // the warps' partial sums in warp order
+        __syncthreads();
+        if (wib == ww)
+#pragma unroll
+            for (int j = 0; j < NCH; j++) {
+                const int i = (j * 32 + lane) * V;
+                if (i < C)
+#pragma unroll
+                    for (int k = 0; k < V; k++) {
+                        acc[i + k] += aw[j][k];
+                        acc[C + i + k] += ab[j][k];
+                    }
+            }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < C; i += blockDim.x) {
+        if (pw) part_w[(long long)blockIdx.x * C + i] = acc[i];
+        if (pb) part_b[(long long)blockIdx.x * C + i] = acc[C + i];
+    }
+}
+
 // out[c] = Σ_k part[k·C + c], k in a fixed order, for dw (blockIdx.y 0)
 // and db (1): blocks of 8 columns (one 32-byte sector of a row) × 32 row
 // lanes, each lane summing every 32nd row, then the lanes in order
@@ -291,6 +378,49 @@ int launch_bwd_v(ms_tensor *dx, A *part_w, A *part_b, A *gacc, const ms_tensor *
     return 0;
 }
 
+// MS_NORM_BWD_WARP=0: the block-per-row backward for every shape (to compare)
+bool warp_rows_on() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MS_NORM_BWD_WARP");
+        on = !(e && e[0] == '0');
+    }
+    return on == 1;
+}
+
+template <typename G, typename X, int V, int NCH, bool RMS>
+int launch_bwd_warp(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
+                    const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C,
+                    const ms_tensor *gres, ms_tensor *dxl) {
+    const int dev = x->device_id, threads = 256;
+    long long nb = (long long)ms_sm_count(dev) * 4;  // 4 blocks (32 warps) an SM
+    const long long need = (N + threads / 32 - 1) / (threads / 32);
+    if (nb > need) nb = need;
+    if (nb < 1) nb = 1;
+    const int blocks = (int)nb;
+    const bool params = dw || db;
+    tmp_tensor pw, pb;
+    if (params) {
+        int64_t ps[1] = {(int64_t)blocks * C};
+        if (dw && ms_tensor_empty(&pw.t, 1, ps, MS_F32, dev)) return -1;
+        if (db && ms_tensor_empty(&pb.t, 1, ps, MS_F32, dev)) return -1;
+    }
+    const size_t smem = params ? sizeof(float) * 2 * (size_t)C : 0;
+    auto kernel = norm_bwd_warp_kernel<G, X, V, NCH, RMS>;
+    if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<blocks, threads, smem, ms_cuda_stream_of(dev)>>>(ptr<X>(dx), ptr<float>(pw.t), ptr<float>(pb.t), ptr<G>(g),
+                                                              ptr<X>(x), ptr<float>(mean), ptr<float>(rstd),
+                                                              ptr<float>(w), N, C, ptr<X>(gres), ptr<G>(dxl));
+    LAUNCH_CHECK("norm_bwd_warp_kernel");
+    if (params) {
+        dim3 cb(8, 32), cg((unsigned)((C + 7) / 8), 2);
+        column_sum_kernel<float><<<cg, cb, 0, ms_cuda_stream_of(dev)>>>(ptr<float>(dw), ptr<float>(pw.t),
+                                                                        ptr<float>(db), ptr<float>(pb.t), blocks, C);
+        LAUNCH_CHECK("column_sum_kernel");
+    }
+    return 0;
+}
+
 template <typename G, typename X, typename A, bool RMS>
 int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
                const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C,
@@ -301,6 +431,20 @@ int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, 
                      (!dx || ms_aligned16(ms_tensor_data(dx))) && (!gres || ms_aligned16(ms_tensor_data(gres))) &&
                      (!dxl || ms_aligned16(ms_tensor_data(dxl)));
     const int V = vec ? VV : 1;
+    if constexpr (sizeof(A) == 4) {
+        // rows of up to 32 values a lane (C <= 1024): x, g and the partial
+        // sums in registers without spills
+        constexpr int MAXCH = 32 / VV;
+        const int nch = vec ? (C + 32 * VV - 1) / (32 * VV) : 0;
+        if (vec && nch <= MAXCH && warp_rows_on()) {
+            if (nch <= 2) return launch_bwd_warp<G, X, VV, 2, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
+            if (nch <= 4) return launch_bwd_warp<G, X, VV, 4, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
+            if constexpr (MAXCH >= 8) {
+                if (nch <= 6) return launch_bwd_warp<G, X, VV, 6, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
+                return launch_bwd_warp<G, X, VV, 8, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
+            }
+        }
+    }
     // threads: enough for one chunk per thread, a multiple of 32, at most 1024
     long long chunks = (C + V - 1) / V;
     int threads = (int)((chunks + 31) / 32 * 32);

@@ -33,8 +33,12 @@ describe('fused kernels #gpu', function()
 
   describe('layer_norm and rms_norm', function()
     -- rows x C: GPT-2 width, an odd width (scalar path), Llama widths
-    -- (block-wide backward), and one wider than the shared-memory partials
-    local shapes = { { 64, 768 }, { 33, 37 }, { 16, 4096 }, { 9, 8192 }, { 3, 30000 } }
+    -- (block-wide backward), and one wider than the shared-memory partials;
+    -- widths up to 1024 run the warp-per-row backward: more rows than the
+    -- grid's warps (each warp's dw/db sums over several rows), 2, 4 and 8
+    -- chunks a lane, a last chunk cut short (1000)
+    local shapes = { { 64, 768 }, { 33, 37 }, { 16, 4096 }, { 9, 8192 }, { 3, 30000 }, { 4100, 256 },
+      { 2500, 1000 }, { 700, 512 } }
     for _, dt in ipairs({ 'f32', 'bf16' }) do
       for _, sh in ipairs(shapes) do
         it(('layer_norm forward/backward %s (%d, %d)'):format(dt, sh[1], sh[2]), function()
