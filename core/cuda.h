@@ -106,6 +106,12 @@ int ms_cuda_attention_set_onepass(int on);
 enum { MS_GEMM_EPI_BIAS = 1, MS_GEMM_EPI_GELU = 2, MS_GEMM_EPI_DGELU = 4, MS_GEMM_EPI_ALL = 7,
        MS_GEMM_EPI_DEFAULT = 3 };
 int ms_cuda_gemm_set_epilogue(int mask);
+/* SMs the GEMMs leave free (cuBLASLt's SM count target = the device's SMs
+ * less this), for collectives running beside them: a GEMM sized for every
+ * SM that finds some taken by NCCL runs a second, mostly empty wave. 0 (the
+ * default, or the environment's MS_GEMM_SM_MARGIN) leaves it to cuBLASLt.
+ * Returns the previous margin. */
+int ms_cuda_gemm_set_sm_margin(int sms);
 int ms_cuda_attention_last_impl(void);
 /* FFI-END */
 

@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include "kernels.h"
 #include "ops.h"
+#include "vec.cuh"
 
 #include <cublasLt.h>
 
@@ -162,6 +163,15 @@ struct PlanKeyHash {
 struct PlanKeyEq {
     bool operator()(const PlanKey &a, const PlanKey &b) const { return memcmp(a.v, b.v, sizeof a.v) == 0; }
 };
+int g_sm_margin = -1;   // ms_cuda_gemm_set_sm_margin (-1: not read from the environment yet)
+int sm_margin() {
+    if (g_sm_margin < 0) {
+        const char *e = getenv("MS_GEMM_SM_MARGIN");
+        g_sm_margin = e && e[0] ? atoi(e) : 0;
+        if (g_sm_margin < 0) g_sm_margin = 0;
+    }
+    return g_sm_margin;
+}
 std::mutex g_plan_mu;
 std::unordered_map<PlanKey, Plan, PlanKeyHash, PlanKeyEq> g_plans;
 const size_t kMaxPlans = 4096;
@@ -178,7 +188,7 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
     {
         int64_t kv[22] = {device, dtype, out_dtype, g_allow_tf32, (int64_t)A.op, (int64_t)B.op, A.rows, A.cols,
                           A.ld, B.rows, B.cols, B.ld, ldc, m, n, k, batch, A.batch_stride, B.batch_stride, c_batch,
-                          (int64_t)epi, aux_ld};
+                          (int64_t)epi | ((int64_t)sm_margin() << 32), aux_ld};
         memcpy(key.v, kv, sizeof kv);
     }
     float af0 = (float)alpha, bf0 = (float)beta;
@@ -244,6 +254,11 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
     LT(cublasLtMatmulDescCreate(&desc, compute, scale));
     LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &B.op, sizeof B.op));
     LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &A.op, sizeof A.op));
+    if (sm_margin() > 0) {
+        int32_t target = ms_sm_count(device) - sm_margin();
+        if (target < 1) target = 1;
+        LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &target, sizeof target));
+    }
     if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
         cudaDataType_t bt = cuda_type(out_dtype);
         LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
@@ -344,6 +359,12 @@ static int epilogue_mask() {
 extern "C" int ms_cuda_gemm_set_epilogue(int mask) {
     int old = epilogue_mask();
     g_epilogue = mask < 0 ? MS_GEMM_EPI_DEFAULT : mask & MS_GEMM_EPI_ALL;
+    return old;
+}
+
+extern "C" int ms_cuda_gemm_set_sm_margin(int sms) {
+    int old = sm_margin();
+    g_sm_margin = sms < 0 ? 0 : sms;
     return old;
 }
 

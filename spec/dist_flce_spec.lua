@@ -70,26 +70,22 @@ local function check(x, W, t, o, dtype, bound, layout, rows)
   if rows then a, n = rows[1], rows[2] else a, n = flce.vocab_shard(V, R, G) end
   local part = run(x, W, t, o, dtype, g, { a, n }, layout)
   local what = ('V=%d rank %d/%d rows [%d,%d) %s'):format(V, R, G, a, a + n, dtype)
-  for _, k in ipairs({ 'loss', 'z', 'gx' }) do
-    local e = relerr(part[k], whole[k])
-    -- V = 1: the exact loss and grad_x are 0 and both results are rounding
-    -- noise (~1e-8 here), which the two paths round differently: a relative
-    -- error of noise says nothing, so an absolute difference under 1e-6
-    -- passes too (grad_x entries are ~1e-2 otherwise)
-    local abs = relerr(F.sub(part[k]:to('cpu'):double(), whole[k]:to('cpu'):double()),
-      ms.zeros(whole[k].shape, { dtype = 'f64' }))
-    assert.is_true(e <= bound or abs <= 1e-6, ('%s: %s relative error %.3g (absolute %.3g)'):format(what, k, e, abs))
+  -- V = 1: the exact loss and gradients are 0 and both results are rounding
+  -- noise (~1e-8 here), which the two paths round differently: a relative
+  -- error of noise says nothing, so an absolute difference under 1e-6
+  -- passes too (gradient entries are ~1e-2 otherwise)
+  local function close(got, want, name)
+    local e = relerr(got, want)
+    local abs = relerr(F.sub(got:to('cpu'):double(), want:to('cpu'):double()), ms.zeros(want.shape, { dtype = 'f64' }))
+    assert.is_true(e <= bound or abs <= 1e-6, ('%s: %s relative error %.3g (absolute %.3g)'):format(what, name, e, abs))
   end
+  for _, k in ipairs({ 'loss', 'z', 'gx' }) do close(part[k], whole[k], k) end
   -- on the GPU the two GEMMs' shapes differ: a near-tie may round apart
   local tol = DEV == 'cpu' and 0 or 1 / t:numel() + 1e-9
   assert.is_true(math.abs(whole.acc - part.acc) <= tol, what .. ': accuracy')
   if n > 0 then
-    local e = relerr(part.gW, whole.gW:narrow(1, a + 1, n))
-    assert.is_true(e <= bound, ('%s: grad_W relative error %.3g'):format(what, e))
-    if o.bias then
-      e = relerr(part.gb, whole.gb:narrow(1, a + 1, n))
-      assert.is_true(e <= bound, ('%s: grad_bias relative error %.3g'):format(what, e))
-    end
+    close(part.gW, whole.gW:narrow(1, a + 1, n), 'grad_W')
+    if o.bias then close(part.gb, whole.gb:narrow(1, a + 1, n), 'grad_bias') end
   else
     assert.are.same({ 0, W.shape[2] }, part.gW.shape)
   end

@@ -233,6 +233,32 @@ describe('cuda ops #gpu', function()
         end
       end)
     end
+    it('GEMMs with an SM margin (cuBLASLt SM count target) give the same products; an empty sum with beta 0 writes zeros', function()
+      local F = ms.raw
+      local C = require('moonshard.tensor').C
+      for _, margin in ipairs({ 16, 100 }) do
+        local old = C.ms_cuda_gemm_set_sm_margin(margin)
+        local ok, err = pcall(function()
+          for _, dt in ipairs({ 'f32', 'bf16' }) do
+            local a, b = randn({ 1000, 384 }, dt), randn({ 384, 2048 }, dt)
+            local bias = randn({ 2048 }, dt)
+            assert.is_true(relerr(F.matmul(a:cuda(), b:cuda()), F.matmul(a, b)) <= bound[dt], dt .. ' matmul')
+            local o1 = F.matmul_bias(a, b, false, false, bias)
+            local o2 = F.matmul_bias(a:cuda(), b:cuda(), false, false, bias:cuda())
+            assert.is_true(relerr(o2, o1) <= bound[dt], dt .. ' matmul_bias')
+          end
+        end)
+        assert.are.equal(margin, C.ms_cuda_gemm_set_sm_margin(old))
+        assert(ok, err)
+      end
+      -- k = 0: the product is zeros whatever its memory held before (NaN
+      -- here: the caching allocator hands the freed block back), not NaN * 0
+      for _ = 1, 3 do
+        ms.full({ 5, 7 }, 0 / 0, { device = 'cuda' }):free()
+        local a, b = ms.empty({ 5, 0 }, { device = 'cuda' }), ms.empty({ 0, 7 }, { device = 'cuda' })
+        assert.are.same(ms.zeros({ 5, 7 }):totable(), F.matmul(a, b):to('cpu'):totable())
+      end
+    end)
     it('matmul_dgelu without the epilogue: one pass for the gradient and its column sums, any row count', function()
       local F = ms.raw
       local C = require('moonshard.tensor').C
