@@ -95,6 +95,71 @@ __global__ void norm_fwd_kernel(Y *__restrict__ y, A *__restrict__ mean, A *__re
     }
 }
 
+// The same forward with the row kept in registers (rows up to 32·V·NCH
+// wide): lane l holds the chunks (j·32 + l)·V, the chunk order of the kernel
+// above, so the sums are added in the same order and the results are the
+// same bits; the variance and output passes read registers instead of
+// re-reading the row.
+template <typename X, typename Y, int V, int NCH, bool RMS, bool RES>
+__global__ void norm_fwd_reg_kernel(Y *__restrict__ y, float *__restrict__ mean, float *__restrict__ rstd,
+                                    const X *__restrict__ x, const float *__restrict__ w, const float *__restrict__ b,
+                                    long long N, int C, float eps, const Y *__restrict__ h, X *__restrict__ res) {
+    const int lane = threadIdx.x & 31;
+    const long long wpb = blockDim.x >> 5;
+    for (long long row = blockIdx.x * wpb + (threadIdx.x >> 5); row < N; row += (long long)gridDim.x * wpb) {
+        float v[NCH][V], s = 0.f;
+#pragma unroll
+        for (int j = 0; j < NCH; j++) {
+            const int i = (j * 32 + lane) * V;
+            if (i < C) {
+                load_v<float, X, V>(v[j], x + row * C + i);
+                if (RES) {
+                    float hv[V];
+                    load_v<float, Y, V>(hv, h + row * C + i);
+#pragma unroll
+                    for (int k = 0; k < V; k++) v[j][k] = round_as<X>(v[j][k] + hv[k]);
+                    store_v<X, V>(res + row * C + i, v[j]);
+                }
+#pragma unroll
+                for (int k = 0; k < V; k++) s += RMS ? v[j][k] * v[j][k] : v[j][k];
+            }
+        }
+        s = warp_sum(s);
+        float mu = 0.f, var = s / (float)C;
+        if (!RMS) {
+            mu = s / (float)C;
+            float q = 0.f;
+#pragma unroll
+            for (int j = 0; j < NCH; j++)
+                if ((j * 32 + lane) * V < C)
+#pragma unroll
+                    for (int k = 0; k < V; k++) q += (v[j][k] - mu) * (v[j][k] - mu);
+            var = warp_sum(q) / (float)C;
+        }
+        const float rs = 1.f / sqrtf(var + eps);
+#pragma unroll
+        for (int j = 0; j < NCH; j++) {
+            const int i = (j * 32 + lane) * V;
+            if (i < C) {
+                float o[V];
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    float t = (v[j][k] - mu) * rs;
+                    if (RMS) t = round_as<X>(t);
+                    if (w) t *= w[i + k];
+                    if (b) t += b[i + k];
+                    o[k] = t;
+                }
+                store_v<Y, V>(y + row * C + i, o);
+            }
+        }
+        if (lane == 0) {
+            if (mean) mean[row] = mu;
+            if (rstd) rstd[row] = rs;
+        }
+    }
+}
+
 // the sums of a and b over the block, handed to every thread; red holds 64
 // values. Warps add in a fixed order.
 template <typename A>
@@ -311,6 +376,17 @@ void rows_of(const ms_tensor *x, long long *N, int *C) {
     *N = *C ? (long long)(ms_tensor_numel(x) / *C) : 0;
 }
 
+// MS_NORM_WARP_ROWS=0: the block-per-row backward and the forward that
+// re-reads the row, for every shape (to compare)
+bool warp_rows_on() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MS_NORM_WARP_ROWS");
+        on = !(e && e[0] == '0');
+    }
+    return on == 1;
+}
+
 template <typename X, typename Y, typename A, bool RMS>
 int launch_fwd(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w,
                const ms_tensor *b, double eps, long long N, int C, const ms_tensor *h = nullptr,
@@ -322,6 +398,31 @@ int launch_fwd(ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *
     const int threads = 256;
     long long blocks = (N + threads / 32 - 1) / (threads / 32);
     if (blocks > 65535LL * 32) blocks = 65535LL * 32;
+    if constexpr (sizeof(A) == 4) {   // rows up to 32 values a lane: in registers
+        constexpr int MAXCH = 32 / VV;
+        const int nch = vec ? (C + 32 * VV - 1) / (32 * VV) : 0;
+        if (vec && nch <= MAXCH && warp_rows_on()) {
+            auto go = [&](auto nc) {
+                constexpr int NC = decltype(nc)::value;
+                if (h)
+                    norm_fwd_reg_kernel<X, Y, VV, NC, RMS, true><<<(unsigned)blocks, threads, 0, s>>>(
+                        ptr<Y>(y), ptr<float>(mean), ptr<float>(rstd), ptr<X>(x), ptr<float>(w), ptr<float>(b), N, C,
+                        (float)eps, ptr<Y>(h), ptr<X>(res));
+                else
+                    norm_fwd_reg_kernel<X, Y, VV, NC, RMS, false><<<(unsigned)blocks, threads, 0, s>>>(
+                        ptr<Y>(y), ptr<float>(mean), ptr<float>(rstd), ptr<X>(x), ptr<float>(w), ptr<float>(b), N, C,
+                        (float)eps, ptr<Y>(h), ptr<X>(res));
+            };
+            if (nch <= 2) go(std::integral_constant<int, 2>());
+            else if (nch <= 4) go(std::integral_constant<int, 4>());
+            else if constexpr (MAXCH >= 8) {
+                if (nch <= 6) go(std::integral_constant<int, 6>());
+                else go(std::integral_constant<int, 8>());
+            }
+            LAUNCH_CHECK("norm_fwd_reg_kernel");
+            return 0;
+        }
+    }
 #define NORM_FWD(V_, RES_)                                                                                   \
     norm_fwd_kernel<X, Y, A, V_, RMS, RES_><<<(unsigned)blocks, threads, 0, s>>>(                             \
         ptr<Y>(y), ptr<A>(mean), ptr<A>(rstd), ptr<X>(x), ptr<A>(w), ptr<A>(b), N, C, (A)eps, ptr<Y>(h), ptr<X>(res))
@@ -376,16 +477,6 @@ int launch_bwd_v(ms_tensor *dx, A *part_w, A *part_b, A *gacc, const ms_tensor *
         ptr<X>(gres), ptr<G>(dxl));
     LAUNCH_CHECK("norm_bwd_kernel");
     return 0;
-}
-
-// MS_NORM_BWD_WARP=0: the block-per-row backward for every shape (to compare)
-bool warp_rows_on() {
-    static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("MS_NORM_BWD_WARP");
-        on = !(e && e[0] == '0');
-    }
-    return on == 1;
 }
 
 template <typename G, typename X, int V, int NCH, bool RMS>
