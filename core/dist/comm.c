@@ -23,6 +23,7 @@ static struct {
     ms_store_client *store;
     ms_store_server *server;
     int atexit_done;
+    int epoch;   /* inits so far in this process: the rendezvous keys carry it */
 } g_dist;
 
 /* ------------------------------------------------------------ environment */
@@ -347,8 +348,29 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
             snprintf(msg, sizeof msg, "%s", ms_last_error());
             return ms_errorf("dist.init (rank 0): %s", msg);
         }
-        if (ms_store_connect(&store, e.master_addr, e.master_port, token, e.rank, o.rendezvous_timeout_s) ||
-            ms_store_barrier(store, "init", e.rank, e.world_size, o.rendezvous_timeout_s)) {
+        /* after a dist.destroy() in the same processes, another rank may
+         * reach its next init while rank 0 still serves the old store on the
+         * same port: the barrier key carries the init's number (every rank
+         * inits as often), so a rank that reached the old store waits there
+         * for a key that never comes, loses the connection when rank 0 stops
+         * it, and connects again, to the new one */
+        char key[32];
+        snprintf(key, sizeof key, "init/%d", ++g_dist.epoch);
+        const double deadline = ms_dist_now() + o.rendezvous_timeout_s;
+        int failed;
+        for (;;) {
+            const double left = deadline - ms_dist_now();
+            failed = ms_store_connect(&store, e.master_addr, e.master_port, token, e.rank, left > 1 ? left : 1) ||
+                     ms_store_barrier(store, key, e.rank, e.world_size, left > 1 ? left : 1);
+            if (!failed || e.rank == 0 || ms_dist_now() > deadline) break;
+            const char *m = ms_last_error();
+            if (!strstr(m, "closed the connection") && !strstr(m, "lost the connection")) break;
+            ms_store_free(store);
+            store = NULL;
+            struct timespec ts = {0, 50 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        if (failed) {
             char msg[1024];
             snprintf(msg, sizeof msg, "%s", ms_last_error());
             ms_store_free(store);
