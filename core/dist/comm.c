@@ -350,12 +350,13 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
         }
         /* after a dist.destroy() in the same processes, another rank may
          * reach its next init while rank 0 still serves the old store on the
-         * same port: the barrier key carries the init's number (every rank
-         * inits as often), so a rank that reached the old store waits there
-         * for a key that never comes, loses the connection when rank 0 stops
-         * it, and connects again, to the new one */
+         * same port: the barrier key carries the init's number ("init", then
+         * "init/2", ...: every rank inits as often), so a rank that reached
+         * the old store waits there for a key that never comes, loses the
+         * connection when rank 0 stops it, and connects again, to the new one */
         char key[32];
-        snprintf(key, sizeof key, "init/%d", ++g_dist.epoch);
+        if (++g_dist.epoch == 1) snprintf(key, sizeof key, "init");
+        else snprintf(key, sizeof key, "init/%d", g_dist.epoch);
         const double deadline = ms_dist_now() + o.rendezvous_timeout_s;
         int failed;
         for (;;) {
