@@ -1,21 +1,25 @@
 // kernels/attention_mma_emu.cpp — runs the mma.sync attention kernels of
-// kernels/attention_mma.cuh on the CPU, thread by thread, and checks out, lse,
-// dq, dk and dv against a double-precision reference. The kernels are
-// compiled as they are; only their PTX wrappers (ldmatrix(.trans),
-// mma.m16n8k16, cp.async, ex2) are replaced (MS_ATTENTION_MMA_EMU) by
-// stand-ins with the semantics of the PTX ISA: a block is 128 fibers
+// kernels/attention_mma.cuh and the wgmma ones of kernels/attention_wgmma.cuh
+// on the CPU, thread by thread, and checks out, lse, dq, dk and dv against a
+// double-precision reference. The kernels are compiled as they are; only
+// their PTX wrappers (ldmatrix(.trans), mma.m16n8k16, wgmma.mma_async with
+// its matrix descriptors and 128-byte swizzle, cp.async groups, ex2) are
+// replaced (MS_ATTENTION_MMA_EMU) by stand-ins with the semantics of the
+// PTX ISA: a block is 128 fibers
 // (ucontext) switched at every barrier and warp collective; ldmatrix and
 // mma exchange the lanes' addresses and fragments through the warp, so a
 // wrong fragment index, mask or tile bound shows as a wrong result; cp.async
 // lands only when the issuing thread waits, and shared memory starts as
 // NaNs, so a read before the wait or of an unwritten row shows too. What it
 // cannot see: the hardware's timing (races the barriers do not order on the
-// GPU but the fibers' fixed order hides) and the PTX text itself.
+// GPU but the fibers' fixed order hides; a wgmma here reads shared memory
+// when issued, not until its wait) and the PTX text itself.
 //
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
 //   build/attention_mma_emu [--quick] [--reverse]     (exit status 1 on a mismatch)
-// --quick: the launched configurations on 6 shapes; else 11 shapes and the
-// one-m-tile tilings too; --reverse: the fibers of a block run in reverse order.
+// --quick: the launched configurations on 6 shapes (mma at head dims 64 and
+// 128, wgmma at 64); else 11 shapes, the one-m-tile tilings and wgmma's
+// 128-key forward too; --reverse: the fibers of a block run in reverse order.
 //
 // bf16 only (f16 differs in op<__half>, the PTX type names and the rounding).
 #include <algorithm>
@@ -107,7 +111,8 @@ static const float kLog2e = 1.4426950408889634f;
 
 #define MS_ATTENTION_MMA_EMU
 namespace mma {
-alignas(128) unsigned char sm[256 * 1024];  // the kernels' extern __shared__ buffer
+alignas(1024) unsigned char sm[256 * 1024];  // the kernels' extern __shared__ buffer
+static unsigned smem_u32(const void *p) { return (unsigned)((const unsigned char *)p - sm); }
 static const void *addr_slot[kThreads];
 static unsigned a_slot[kThreads][4], b_slot[kThreads][2];
 
@@ -133,28 +138,38 @@ static void ldsm(unsigned r[4], const void *p, bool trans) {
 static void ldsm_x4(unsigned r[4], const void *p) { ldsm(r, p, false); }
 static void ldsm_x4_t(unsigned r[4], const void *p) { ldsm(r, p, true); }
 
-// cp.async: queued, lands when the issuing thread waits
+// cp.async: queued in the thread's open group, lands when the issuing thread
+// waits for that group (cp.async.wait_group N: all but its N most recent
+// committed groups; copies not yet committed are not waited for)
 struct pending_copy {
     void *dst;
     const void *src;
     bool pred;
+    int group;
 };
 static std::vector<pending_copy> pending[kThreads];
+static int committed[kThreads];
 static void cp_async16(void *dst, const void *src, bool pred) {
     if (((uintptr_t)dst & 15) || ((uintptr_t)src & 15)) {
         printf("cp.async: unaligned address\n");
         exit(1);
     }
-    pending[threadIdx.x].push_back({dst, src, pred});
+    pending[threadIdx.x].push_back({dst, src, pred, committed[threadIdx.x]});
 }
-static void cp_async_commit() {}
-static void cp_async_wait_all() {
-    for (auto &c : pending[threadIdx.x]) {
+static void cp_async_commit() { committed[threadIdx.x]++; }
+static void cp_async_wait_groups(int n) {
+    std::vector<pending_copy> &q = pending[threadIdx.x], left;
+    for (auto &c : q) {
+        if (c.group >= committed[threadIdx.x] - n) {
+            left.push_back(c);
+            continue;
+        }
         if (c.pred) memcpy(c.dst, c.src, 16);
         else memset(c.dst, 0, 16);
     }
-    pending[threadIdx.x].clear();
+    q.swap(left);
 }
+static void cp_async_wait_all() { cp_async_wait_groups(0); }
 static float fast_exp2(float x) { return exp2f(x); }
 // fibers switch only at barriers and warp collectives: a read-modify-write
 // is atomic here
@@ -192,6 +207,75 @@ template <> struct op<__nv_bfloat16> {
 }  // namespace mma
 
 #include "attention_mma.cuh"
+
+// wgmma.mma_async and friends (attention_wgmma.cuh): the warpgroup is the
+// block's 128 fibers. A descriptor (start address >> 4 in bits 0-13, leading
+// byte offset >> 4 in 16-29, stride byte offset >> 4 in 32-45, swizzle mode
+// in 62-63) is decoded as the PTX ISA's 128-byte-swizzle layouts: element
+// (row r, column c) of a K-major tile at start + (r / 8) SBO + (r % 8) 128 +
+// 2c, of an MN-major one (k, n) at start + (k / 8) SBO + (k % 8) 128 + 2n,
+// and the byte address then swizzled: bits 4-6 XOR bits 7-9.
+namespace wg {
+static void fence() {}
+static void commit() {}
+template <int N> static void wait() {}
+static void fence_proxy() {}
+template <int N> static void pin(float *) {}
+template <int N> static void pin_u(unsigned *) {}
+template <int N> static void cp_async_wait() { mma::cp_async_wait_groups(N); }
+#define WG_SMEM unsigned char *wg_smem = mma::sm
+static float sw_at(uint64_t d, int row, int col) {
+    const unsigned start = (unsigned)(d & 0x3fff) << 4, lbo = (unsigned)((d >> 16) & 0x3fff) << 4,
+                   sbo = (unsigned)((d >> 32) & 0x3fff) << 4, mode = (unsigned)(d >> 62);
+    if (mode != 1 || sbo != 1024 || lbo != 16 || col >= 64) {
+        printf("wgmma: descriptor %llx (mode %u, LBO %u, SBO %u) or column %d outside the 128-byte-swizzle layout\n",
+               (unsigned long long)d, mode, lbo, sbo, col);
+        exit(1);
+    }
+    unsigned a = start + (unsigned)(row / 8) * sbo + (unsigned)(row % 8) * 128 + (unsigned)col * 2;
+    a ^= ((a >> 7) & 7) << 4;
+    if (a + 2 > sizeof mma::sm) {
+        printf("wgmma: operand address %u outside shared memory\n", a);
+        exit(1);
+    }
+    uint16_t v;
+    memcpy(&v, mma::sm + a, 2);
+    return bf2f(v);
+}
+static unsigned ra_slot[kThreads][4];
+// d (64 x N) (+)= A . B, k16: A (64 x 16) and B (N x 16) K-major
+template <typename T, int N> static void mma_ss(float *d, uint64_t a, uint64_t b, int acc) {
+    const int t = threadIdx.x, w = t / 32, lane = t % 32, g = lane >> 2, q = lane & 3;
+    for (int j = 0; j < N / 8; j++)
+        for (int e = 0; e < 4; e++) {
+            const int row = w * 16 + g + 8 * (e >> 1), col = 8 * j + 2 * q + (e & 1);
+            float s = 0;
+            for (int k = 0; k < 16; k++) s += sw_at(a, row, k) * sw_at(b, col, k);
+            d[4 * j + e] = (acc ? d[4 * j + e] : 0.f) + s;
+        }
+}
+// d (64 x N) (+)= A . B, k16: A from the warpgroup's registers (warp w's
+// m16k16 fragment of rows 16w..), B (16 x N) MN-major
+template <typename T, int N> static void mma_rs_t(float *d, const unsigned *a, uint64_t b, int acc) {
+    const int t = threadIdx.x, w = t / 32, lane = t % 32, g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; i++) ra_slot[t][i] = a[i];
+    __syncthreads();
+    auto A = [](int m, int k) {
+        const int r = m % 16;
+        const unsigned x = ra_slot[(m / 16) * 32 + (r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
+        return bf2f((uint16_t)(k & 1 ? x >> 16 : x & 0xffff));
+    };
+    for (int j = 0; j < N / 8; j++)
+        for (int e = 0; e < 4; e++) {
+            const int row = w * 16 + g + 8 * (e >> 1), col = 8 * j + 2 * q + (e & 1);
+            float s = 0;
+            for (int k = 0; k < 16; k++) s += A(row, k) * sw_at(b, k, col);
+            d[4 * j + e] = (acc ? d[4 * j + e] : 0.f) + s;
+        }
+    __syncthreads();
+}
+}  // namespace wg
+#include "attention_wgmma.cuh"
 
 static char stacks[kThreads][128 * 1024];
 static void trampoline() {
@@ -262,8 +346,9 @@ struct errsum {
     double rel() const { return n > 0 ? sqrt(e / n) : sqrt(e); }
 };
 
-// the kernels at head dim D with m-tiles MT (forward), KMT and BQ (dk/dv), QMT (dq)
-template <int D, int MT, int BQ, int KMT, int QMT>
+// the kernels at head dim D with m-tiles MT (forward), KMT and BQ (dk/dv), QMT
+// (dq); wg: the wgmma kernels instead (D = 64; MT is the forward's key tile)
+template <int D, int MT, int BQ, int KMT, int QMT, bool WG = false>
 static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bthd, unsigned seed) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd;
@@ -280,10 +365,18 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
         for (auto &e : x->v) e.x = 0x7fc0;  // NaN: an unwritten element shows
     const float scale = 1.f / sqrtf((float)D);
     std::vector<float> lse((size_t)B * H * Tq, NAN), delta((size_t)B * H * Tq);
-    launch((Tq + 64 * MT - 1) / (64 * MT), B * H, [&] {
-        mma::fwd_kernel<bf, D, MT>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv, Tq,
+    if constexpr (WG) {
+        static_assert(D == 64, "wgmma kernels: head dim 64");
+        launch((Tq + 63) / 64, B * H, [&] {
+            wg::fwd_kernel<bf, MT>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv, Tq,
                                    Tk, scale, causal);
-    });
+        });
+    } else {
+        launch((Tq + 64 * MT - 1) / (64 * MT), B * H, [&] {
+            mma::fwd_kernel<bf, D, MT>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv,
+                                       Tq, Tk, scale, causal);
+        });
+    }
     // the reference (double); the backward's delta from the kernel's out, as attention.cu does
     const int rep = H / Hkv;
     const long long off = Tk - Tq;
@@ -329,26 +422,37 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                     }
                 }
             }
-    launch((Tk + 64 * KMT - 1) / (64 * KMT), B * Hkv, [&] {
-        mma::dkdv_kernel<bf, D, BQ, KMT>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(),
-                                    delta.data(), q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal);
-    });
-    launch((Tq + 64 * QMT - 1) / (64 * QMT), B * H, [&] {
-        mma::dq_kernel<bf, D, QMT>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l,
-                              v.l, g.l, dq.l, H, Hkv, Tq, Tk, scale, causal);
-    });
+    if constexpr (WG) {
+        launch((Tk + 63) / 64, B * Hkv, [&] {
+            wg::dkdv_kernel<bf>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(),
+                                q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal);
+        });
+        launch((Tq + 63) / 64, B * H, [&] {
+            wg::dq_kernel<bf>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l, v.l,
+                              g.l, dq.l, H, Hkv, Tq, Tk, scale, causal);
+        });
+    } else {
+        launch((Tk + 64 * KMT - 1) / (64 * KMT), B * Hkv, [&] {
+            mma::dkdv_kernel<bf, D, BQ, KMT>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(),
+                                             delta.data(), q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal);
+        });
+        launch((Tq + 64 * QMT - 1) / (64 * QMT), B * H, [&] {
+            mma::dq_kernel<bf, D, QMT>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l,
+                                       k.l, v.l, g.l, dq.l, H, Hkv, Tq, Tk, scale, causal);
+        });
+    }
     // the one-pass backward: dk, dv again and dq through f32 atomics
     tensor4 dk1(B, Hkv, Tk, D, bthd), dv1(B, Hkv, Tk, D, bthd);
     for (tensor4 *x : {&dk1, &dv1})
         for (auto &e : x->v) e.x = 0x7fc0;
     std::vector<float> dqacc((size_t)B * H * Tq * D, 0.f);
-    launch((Tk + 64 * KMT - 1) / (64 * KMT), B * Hkv, [&] {
+    if (!WG) launch((Tk + 64 * KMT - 1) / (64 * KMT), B * Hkv, [&] {
         mma::dkdv_kernel<bf, D, BQ, KMT, true>(dk1.data(), dv1.data(), q.data(), k.data(), v.data(), g.data(),
                                                lse.data(), delta.data(), q.l, k.l, v.l, g.l, dk1.l, dv1.l, H, Hkv, Tq,
                                                Tk, scale, causal, dqacc.data());
     });
     errsum edq1, edk1, edv1;
-    for (int b = 0; b < B; b++)
+    for (int b = 0; b < B && !WG; b++)
         for (int h = 0; h < H; h++)
             for (int i = 0; i < Tq; i++)
                 for (int d = 0; d < D; d++) {
@@ -356,7 +460,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                     const float x = bf2f(f2bf(dqacc[(((size_t)b * H + h) * Tq + i) * D + d]));
                     edq1.add(x, rdq[(((size_t)b * H + h) * Tq + i) * D + d]);
                 }
-    for (int b = 0; b < B; b++)
+    for (int b = 0; b < B && !WG; b++)
         for (int h = 0; h < Hkv; h++)
             for (int j = 0; j < Tk; j++)
                 for (int d = 0; d < D; d++) {
@@ -378,10 +482,11 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     const double r[8] = {eo.rel(), el.rel(), edq.rel(), edk.rel(), edv.rel(), edq1.rel(), edk1.rel(), edv1.rel()};
     bool ok = lse_inf_ok;
     for (int i = 0; i < 8; i++) ok = ok && r[i] <= (i == 1 ? 1e-5 : 1e-2);
-    printf("%s D=%d [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e; "
-           "one pass dq %.1e dk %.1e dv %.1e\n",
-           ok ? "ok  " : "FAIL", D, MT, BQ, KMT, QMT, B, H, Hkv, Tq, Tk, causal ? "causal" : "full",
-           bthd ? " (B,T,H,D) views" : "", r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    printf("%s %s D=%d [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e",
+           ok ? "ok  " : "FAIL", WG ? "wgmma" : "mma  ", D, MT, BQ, KMT, QMT, B, H, Hkv, Tq, Tk,
+           causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "", r[0], r[1], r[2], r[3], r[4]);
+    if (WG) printf("\n");
+    else printf("; one pass dq %.1e dk %.1e dv %.1e\n", r[5], r[6], r[7]);
     return ok ? 0 : 1;
 }
 
@@ -419,6 +524,9 @@ int main(int argc, char **argv) {
                                                                                        c.causal, c.bthd, seed++);
         // ... and the other tilings (one m-tile a warp, 64-query dk/dv steps), kept working for tuning
         if (!quick) bad += run_case<64, 1, 64, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        // the wgmma kernels (64-key forward tiles as launched; 128 kept for tuning)
+        bad += run_case<64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        if (!quick) bad += run_case<64, 128, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
     }
     printf("%d failed\n", bad);
     return bad != 0;

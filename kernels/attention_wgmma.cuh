@@ -28,7 +28,10 @@
 // and its f32 accumulator for m64nN is mma.sync's C fragment per warp and
 // n8 block (d[4j..4j+3]: rows g, g+8, columns 8j+2t, +1), so the same
 // identity as attention_mma.cuh turns S into P's A fragment in place.
-// Included by attention.cu only (it uses mma:: helpers and qkv_layout).
+// Included by attention.cu (it uses mma:: helpers and qkv_layout), and by
+// kernels/attention_mma_emu.cpp, which defines MS_ATTENTION_MMA_EMU and its
+// own stand-ins for the PTX below (wgmma reading the swizzled tiles through
+// the descriptors, the register fragments exchanged across the warpgroup).
 namespace wg {
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -45,6 +48,8 @@ __device__ __forceinline__ uint64_t desc(const void *p) {
     return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
            ((uint64_t)1 << 62);
 }
+
+#ifndef MS_ATTENTION_MMA_EMU
 
 __device__ __forceinline__ void fence() {
 #ifdef MS_WG_ENABLED
@@ -100,6 +105,13 @@ template <typename T, int N>
 __device__ __forceinline__ void mma_rs_t(float *, const unsigned *, uint64_t, int) { __trap(); }
 #endif
 
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#define WG_SMEM extern __shared__ unsigned char wg_smem[]
+#endif  // MS_ATTENTION_MMA_EMU
+
 // ------------------------------------------------------------ helpers
 __device__ __forceinline__ unsigned char *align1024(unsigned char *p) {
     const unsigned a = smem_u32(p);
@@ -119,11 +131,6 @@ __device__ __forceinline__ void load_sw(T *s, const T *src, const qkv_layout &l,
         mma::cp_async16((unsigned char *)s + r * 128 + ((c ^ (r & 7)) << 4), ok ? src + at(l, b, h, t) + c * 8 : src,
                         ok);
     }
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // the A fragment (k16 block kk) of the 64 x N accumulators c, rounded to T
@@ -163,7 +170,7 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
                                                   qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo, int H,
                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
     constexpr int NS = BN / 8, NA = BN / 16;
-    extern __shared__ unsigned char wg_smem[];
+    WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
     T *Qs = (T *)sm, *Ks = Qs + 64 * kD, *Vs = Ks + 2 * BN * kD;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
@@ -293,7 +300,7 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
                                                    qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
                                                    int Hkv, long long Tq, long long Tk, float scale, int causal) {
     constexpr int BQ = 64;
-    extern __shared__ unsigned char wg_smem[];
+    WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
     T *Ks = (T *)sm, *Vs = Ks + 64 * kD, *Qs = Vs + 64 * kD, *Gs = Qs + 2 * BQ * kD;
     float *Ls = (float *)(Gs + 2 * BQ * kD), *Ds = Ls + 2 * BQ;
@@ -418,7 +425,7 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
                                                  qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv,
                                                  long long Tq, long long Tk, float scale, int causal) {
     constexpr int BN = 64;
-    extern __shared__ unsigned char wg_smem[];
+    WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
     T *Qs = (T *)sm, *Gs = Qs + 64 * kD, *Ks = Gs + 64 * kD, *Vs = Ks + 2 * BN * kD;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;

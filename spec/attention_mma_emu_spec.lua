@@ -1,17 +1,19 @@
--- The mma.sync attention kernels (kernels/attention_mma.cuh) on any machine:
--- kernels/attention_mma_emu.cpp compiles them with g++, with the PTX
--- wrappers (ldmatrix, mma.m16n8k16, cp.async) replaced by CPU stand-ins of
--- the same semantics, runs each block as 128 fibers, and checks out, lse,
--- dq, dk and dv against a double-precision reference at head dims 64 and
--- 128 (tile-straddling lengths, Tq != Tk, GQA, (B, T, H, D) views). The GPU
--- runs the real thing in spec/gpu_attention_spec.lua (#gpu).
+-- The mma.sync and wgmma attention kernels (kernels/attention_mma.cuh,
+-- attention_wgmma.cuh) on any machine: kernels/attention_mma_emu.cpp
+-- compiles them with g++, with the PTX wrappers (ldmatrix, mma.m16n8k16,
+-- wgmma.mma_async through its descriptors and the 128-byte swizzle, cp.async
+-- groups) replaced by CPU stand-ins of the same semantics, runs each block as
+-- 128 fibers, and checks out, lse, dq, dk and dv against a double-precision
+-- reference at head dims 64 and 128 (wgmma: 64) with tile-straddling
+-- lengths, Tq != Tk, GQA, (B, T, H, D) views. The GPU runs the real thing
+-- in spec/gpu_attention_spec.lua (#gpu).
 local function sh(cmd)
   local rc = os.execute(cmd)
   return rc == 0 or rc == true
 end
 
-describe('mma.sync attention kernels emulated on the CPU #noasan', function()
-  it('match the reference: out, lse, dq, dk, dv at head dims 64 and 128', function()
+describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', function()
+  it('match the reference: out, lse, dq, dk, dv at head dims 64 and 128 (wgmma: 64)', function()
     if not sh('command -v g++ >/dev/null 2>&1') then
       pending('no g++')
       return
