@@ -11,7 +11,12 @@
 -- --head-in-root (fully_shard's head_unit = false: Llama's untied head and
 -- final norm in the root unit, as before the head unit; docs/fsdp.md "The
 -- LM head"), --prefetch-root (the root's all-gather of the next step issued
--- at the end of the optimizer step).
+-- at the end of the optimizer step), --timeline (after the measured steps,
+-- one more step with every collective timed on the GPU, ms.dist.timing: per
+-- collective when it was issued, ran and waited for, and how long the
+-- compute stream stood still for it; rank 0 prints it), --nccl-gather
+-- (fully_shard's copy_gather = false: the all-gathers through NCCL's kernels
+-- instead of the copy engines; docs/fsdp.md "Copy-engine gathers").
 --
 -- Models: GPT-2 124M (12 x 768, vocab 50304, tied, no dropout) units by
 -- GPT2Block; Llama 1.25B (hidden 2048, 16 layers, 32 heads / 8 kv, MLP 5632,
@@ -31,7 +36,7 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD' }
-local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false }
+local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false }
 do
   local i = 1
   while i <= #arg do
@@ -44,7 +49,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -99,7 +104,8 @@ if use_fsdp then
   if flags['head-in-root'] then head_unit = false end
   ms.fsdp.fully_shard(model, { policy = ms.fsdp.policy.by_class { block }, strategy = opts.strategy,
                                mixed_precision = { param = 'bf16', reduce = 'f32' },
-                               head_unit = head_unit, prefetch_root = flags['prefetch-root'] })
+                               head_unit = head_unit, prefetch_root = flags['prefetch-root'],
+                               copy_gather = not flags['nccl-gather'] })
   opt = ms.fsdp.AdamW(model, adam)
   clip = function() return ms.fsdp.clip_grad_norm(model, 1.0) end
 else
@@ -143,6 +149,41 @@ end
 ms.cuda.reset_peak_memory_stats()
 local med = measure('real')
 local peak = ms.cuda.memory_stats().peak_allocated / 2 ^ 30
+
+-- one step with its collectives timed: what ran when on the communication
+-- stream, and where the compute stream waited for it
+local function timeline(k)
+  local ev0, ev1 = ms.cuda.event { timing = true }, ms.cuda.event { timing = true }
+  ms.cuda.synchronize()
+  ms.dist.timing(true)
+  ev0:record()
+  step(k)
+  ev1:record()
+  ev1:synchronize()
+  ms.dist.timing(false)
+  local tl = ms.dist.timeline(ev0)
+  say(('timeline: step of %.2f ms on the GPU, %d collectives (ms after the step start)'):format(ev0:elapsed_ms(ev1), #tl))
+  say('| # | collective | issued | start | end | ms | wait | stood still ms |')
+  say('|---|---|---|---|---|---|---|---|')
+  local busy, still, by = 0, 0, {}
+  for i, e in ipairs(tl) do
+    local d = e.stop - e.start
+    local st = e.wait and math.max(0, e.resumed - e.wait) or 0
+    busy, still = busy + d, still + st
+    local kind = e.desc:match('^(%S+)') or e.desc
+    local b = by[kind] or { n = 0, ms = 0, still = 0 }
+    by[kind] = b
+    b.n, b.ms, b.still = b.n + 1, b.ms + d, b.still + st
+    say(('| %d | %s | %.2f | %.2f | %.2f | %.3f | %s | %s |'):format(i, e.desc, e.issued, e.start, e.stop, d,
+      e.wait and ('%.2f'):format(e.wait) or '-', e.wait and ('%.3f'):format(st) or '-'))
+  end
+  for kind, b in pairs(by) do
+    say(('timeline: %s x%d: %.2f ms on the communication stream, compute stood still %.2f ms'):format(kind, b.n, b.ms, b.still))
+  end
+  say(('timeline: communication stream busy %.2f ms, compute stood still %.2f ms in all'):format(busy, still))
+end
+if use_fsdp and world > 1 and flags.timeline then timeline(opts.steps + 1) end
+
 local skipped
 if use_fsdp and world > 1 and not flags['no-skip'] and ms.fsdp.set_skip_comm then
   ms.fsdp.set_skip_comm(model, true)
@@ -159,6 +200,6 @@ say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLO
 say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
   use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
-    .. (flags['prefetch-root'] and ', root prefetch' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
+    .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
   peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))
 if use_fsdp then ms.dist.destroy() end

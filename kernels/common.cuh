@@ -37,6 +37,8 @@ extern "C" {
 // the stream kernels for `device` launch on
 cudaStream_t ms_cuda_stream_of(int device);
 int ms_cuda_activate(int device);  // cudaSetDevice when needed
+// the CUDA event behind a Lua-visible one (core/cuda.h)
+extern "C" cudaEvent_t ms_cuda_event_raw(const struct ms_cuda_event *e);
 
 // a device-side int flag per device for errors found inside kernels
 // (out-of-range ids): kernels atomically set it, the host checks it at sync

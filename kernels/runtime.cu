@@ -466,6 +466,8 @@ int ms_cuda_event_query(ms_cuda_event *e) {
     return ms_errorf("event_query: %s", cudaGetErrorString(q));
 }
 
+cudaEvent_t ms_cuda_event_raw(const ms_cuda_event *e) { return e ? e->e : nullptr; }
+
 int ms_cuda_event_elapsed_ms(ms_cuda_event *start, ms_cuda_event *end, float *ms) {
     CUDA_CHECK(cudaEventElapsedTime(ms, start->e, end->e));
     return 0;

@@ -207,6 +207,61 @@ describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', func
     end)
   end
 
+  -- copy-engine gathers (docs/fsdp.md): the copy itself needs CUDA IPC, its
+  -- bookkeeping ('emulate': the same fences, the copy an all_gather_into)
+  -- runs here
+  it('copy_gather: a fence before the first gather after every refresh, and before a refresh that copies may still read; the steps equal the plain gathers', function()
+    local function fences(tr)
+      local out = {}
+      for _, ev in ipairs(tr) do if ev:match('^fence ') then out[#out + 1] = ev end end
+      return out
+    end
+    local function steps(cg, forward_only_at)
+      local model = fsdp.fully_shard(load_model(), { policy = block_policy(), mixed_precision = { param = 'bf16' },
+        copy_gather = cg })
+      local opt = fsdp.AdamW(model, { lr = 1e-3, eps = 1e-6 })
+      local x, y = rows(60 + R, 2)
+      local losses, fl = {}, {}
+      for s = 1, 3 do
+        local loss = model(x, y)
+        losses[s] = loss:item()
+        if s == forward_only_at then
+          fsdp.after_step(model)          -- no backward: the copies the forward read are still in flight
+        else
+          loss:backward()
+          opt:step()
+          opt:zero_grad()
+        end
+        fl[s] = fences(fsdp.trace(model))
+      end
+      fsdp.unshard(model)
+      local params = {}
+      for name, p in model:named_parameters() do params[#params + 1] = { name, p:to('f32'):clone() } end
+      fsdp.reshard(model)
+      return losses, params, fl
+    end
+    local l0, p0 = steps(false)
+    local l1, p1, f1 = steps('emulate')
+    local l2, _, f2 = steps('emulate', 2)
+    for s = 1, 3 do assert.are.equal(l0[s], l1[s]) end
+    for k = 1, #p0 do assert.are.equal(0, (p0[k][2] - p1[k][2]):abs():max():item(), p0[k][1]) end
+    if W == 1 then
+      -- one rank gathers nothing: no registration, no fence
+      for s = 1, 3 do assert.are.same({}, f1[s]) end
+      return
+    end
+    -- one fence per step, at the root's gather (the first after the refresh);
+    -- the reduce-scatters made the before-refresh fence unnecessary
+    for s = 1, 3 do assert.are.same({ 'fence root' }, f1[s], table.concat(f1[s], ', ')) end
+    -- a forward without a backward: after_step fences (and waits) before the refresh
+    assert.are.same({ 'fence root', 'fence after_step' }, f2[2], table.concat(f2[2], ', '))
+    assert.are.same({ 'fence root' }, f2[3])
+    assert.are.equal(l1[1], l2[1])
+    local ok, err = pcall(fsdp.fully_shard, load_model(), { policy = block_policy(), copy_gather = 'yes' })
+    assert.is_false(ok)
+    assert.matches("copy_gather must be true, false or 'emulate'", err, 1, true)
+  end)
+
   it('an unshard gathers the kept low-precision copy: no cast of the shard per unshard', function()
     local model = fsdp.fully_shard(load_model(), { policy = block_policy(), mixed_precision = { param = 'bf16' } })
     local casts, orig = 0, T.methods.to

@@ -154,6 +154,73 @@ describe('dist over NCCL #multi', function()
     for k = 1, 4 do assert.is_true(works[k]:is_done()) end
   end)
 
+  it('times its collectives on the GPU when asked (dist.timing / dist.timeline)', function()
+    local n = 4194304
+    local a = ms.randn({ 4096, 4096 }, { seed = 5, device = 'cuda' })
+    local ref = ms.cuda.event { timing = true }
+    ms.cuda.synchronize()
+    dist.timing(true)
+    ref:record()
+    for _ = 1, 10 do a = ms.raw.matmul(a, a) * (1 / 64) end   -- the compute stream is busy when they are issued
+    local out = ms.empty({ n * W }, { dtype = 'bf16', device = 'cuda' })
+    local w1 = dist.all_gather_into(out, ms.full({ n }, R + 1, { dtype = 'bf16', device = 'cuda' }), { async = true })
+    local y = ms.full({ 1001 }, R + 1, { device = 'cuda' })
+    local w2 = dist.all_reduce(y, 'sum', { async = true })
+    w1:wait()
+    dist.timing(false)
+    local w3 = dist.all_reduce(ms.ones({ 7 }, { device = 'cuda' }), 'sum', { async = true })   -- not logged
+    w2:wait(); w3:wait()
+    ms.cuda.synchronize()
+    local tl = dist.timeline(ref)
+    assert.are.equal(2, #tl)
+    assert.is_truthy(tl[1].desc:find('all_gather', 1, true), tl[1].desc)
+    assert.is_truthy(tl[2].desc:find('all_reduce', 1, true), tl[2].desc)
+    local eps = 0.05   -- event timestamps have ~0.5 us resolution; streams are not exactly simultaneous
+    for i, e in ipairs(tl) do
+      assert.is_true(e.issued > 1, ('entry %d issued at %.3f ms: before the GEMMs it follows'):format(i, e.issued))
+      assert.is_true(e.start >= e.issued - eps and e.stop >= e.start, ('entry %d: %.3f %.3f %.3f'):format(i, e.issued, e.start, e.stop))
+    end
+    assert.is_true(tl[2].start >= tl[1].stop - eps, 'one communication stream: the second starts after the first')
+    assert.is_number(tl[1].wait)
+    assert.is_true(tl[1].resumed >= tl[1].stop - eps and tl[1].resumed >= tl[1].wait - eps)
+    assert.is_number(tl[2].wait)   -- a logged collective's wait is timed even after the timing stopped
+    check(out, n * W, function(i) return math.floor(i / n) + 1 end, 'bf16', 'timed all_gather')
+    -- a new timing clears the log
+    dist.timing(true); dist.timing(false)
+    assert.are.equal(0, #dist.timeline(ref))
+  end)
+
+  it('gathers registered tensors with the copy engines (copy_register / gather_into), after a fence', function()
+    local n = 3000001   -- odd byte counts: the copies need no alignment
+    for _, dtype in ipairs({ 'bf16', 'f32' }) do
+      local src = fill(n, dtype, R)
+      local reg = dist.copy_register(src)
+      assert.is_not_nil(reg, 'every rank on one host: the registration must succeed')
+      local out = ms.empty({ n * W }, { dtype = dtype, device = 'cuda' })
+      dist.all_reduce(ms.zeros({ 1 }, { device = 'cuda' }), 'max')   -- fence: every member's src is written
+      local w = reg:gather_into(out)
+      w:wait(); w:free()
+      check(out, n * W, function(i) return val(math.floor(i / n), i % n % 46, dtype) end, dtype, 'copy_gather ' .. dtype)
+      -- the members write their tensors again (in place), fence, gather: the new values
+      ms.cuda.synchronize()
+      dist.barrier()   -- every copy that read the old values is done (the host saw its work end)
+      src:copy_(fill(n, dtype, R + W))
+      dist.all_reduce(ms.zeros({ 1 }, { device = 'cuda' }), 'max')
+      w = reg:gather_into(out)
+      w:wait(); w:free()
+      check(out, n * W, function(i) return val(math.floor(i / n) + W, i % n % 46, dtype) end, dtype,
+        'copy_gather after a rewrite ' .. dtype)
+      local ok, err = pcall(reg.gather_into, reg, ms.empty({ n }, { dtype = dtype, device = 'cuda' }))
+      assert.is_false(ok)
+      assert.matches('must hold', err, 1, true)
+      reg:free()
+    end
+    -- an MPI-only argument error names the tensor
+    local ok, err = pcall(dist.copy_register, ms.ones({ 4 }))
+    assert.is_false(ok)
+    assert.matches('copy_register', err, 1, true)
+  end)
+
   it('works in place as NCCL defines it', function()
     local n = 1001
     local out = ms.zeros({ n * W }, { dtype = 'f32', device = 'cuda' })
@@ -232,5 +299,26 @@ describe('dist over NCCL #multi', function()
     local t = ms.ones({ 3 }, { device = 'cuda' })
     dist.all_reduce(t, 'sum')
     check(t, 3, function() return W end, 'f32', 'world after the abort')
+  end)
+end)
+
+-- the collective timeline's switch and its argument checks, on any machine
+describe('dist.timing and dist.timeline (the collective timeline)', function()
+  local ffi = require 'ffi'
+  it('turns on and off with the NCCL backend built, logging nothing without collectives; says why without it', function()
+    if dist.is_available('nccl') then
+      dist.timing(true)
+      dist.timing(false)
+      assert.are.same({}, dist.timeline({ p = ffi.cast('struct ms_cuda_event *', 1) }))   -- no entry: never read
+    else
+      local ok, err = pcall(dist.timing, true)
+      assert.is_false(ok)
+      assert.matches('needs the NCCL backend', err, 1, true)
+    end
+  end)
+  it('needs a timed cuda.event as its reference', function()
+    local ok, err = pcall(dist.timeline, 'now')
+    assert.is_false(ok)
+    assert.matches('need a timed cuda.event', err, 1, true)
   end)
 end)

@@ -123,6 +123,24 @@ int ms_dist_backend_available(int backend) {
 }
 
 int ms_dist_is_initialized(void) { return g_dist.initialized; }
+
+int ms_dist_timing(int on) {
+    const ms_dist_backend *be = ms_dist_nccl_backend;
+    if (!be || !be->timing_set) return ms_errorf("dist timing: the collective timeline needs the NCCL backend (not built)");
+    return be->timing_set(on);
+}
+
+int ms_dist_timing_count(void) {
+    const ms_dist_backend *be = ms_dist_nccl_backend;
+    return be && be->timing_count ? be->timing_count() : 0;
+}
+
+int ms_dist_timing_entry(int i, struct ms_cuda_event *ref, char *desc, int desc_len, double *t) {
+    const ms_dist_backend *be = ms_dist_nccl_backend;
+    if (!be || !be->timing_entry) return ms_errorf("dist timing: the collective timeline needs the NCCL backend (not built)");
+    if (!ref || !desc || desc_len <= 0 || !t) return ms_errorf("dist timing: entry %d: NULL argument", i);
+    return be->timing_entry(i, ref, desc, desc_len, t);
+}
 ms_store_client *ms_dist_store(void) { return g_dist.store; }
 
 /* ----------------------------------------------------------------- groups */
@@ -457,7 +475,7 @@ int ms_dist_destroy(void) {
 /* ------------------------------------------------------------ collectives */
 
 static const char *op_names[4] = {"sum", "avg", "max", "min"};
-static const char *kind_names[4] = {"all_gather_into", "reduce_scatter", "all_reduce", "broadcast"};
+static const char *kind_names[5] = {"all_gather_into", "reduce_scatter", "all_reduce", "broadcast", "copy_gather"};
 
 static int check_tensor(ms_comm *c, const char *op, const char *what, const ms_tensor *t) {
     char d[200];
@@ -476,7 +494,8 @@ static int check_tensor(ms_comm *c, const char *op, const char *what, const ms_t
     return 0;
 }
 
-static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, const ms_tensor *in, int root) {
+static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, const ms_tensor *in, int root,
+                 void *aux) {
     const char *name = kind_names[kind];
     if (work) *work = NULL;
     if (usable(c, name)) return -1;
@@ -490,7 +509,7 @@ static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, c
     if (in->dtype_id != out->dtype_id)
         return ms_errorf("%s: out is %s but in is %s (the same dtype is needed)", name, ms_desc(out, a, sizeof a),
                          ms_desc(in, b, sizeof b));
-    if (kind == MS_COLL_ALL_GATHER && n_out != n_in * c->size)
+    if ((kind == MS_COLL_ALL_GATHER || kind == MS_COLL_COPY_GATHER) && n_out != n_in * c->size)
         return ms_errorf("%s: out (%s) must hold %d x %lld = %lld elements for in (%s) on the group %s of %d ranks",
                          name, ms_desc(out, a, sizeof a), c->size, (long long)n_in, (long long)(n_in * c->size),
                          ms_desc(in, b, sizeof b), c->name, c->size);
@@ -500,6 +519,8 @@ static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, c
                          name, ms_desc(in, b, sizeof b), c->size, (long long)n_out, (long long)(n_out * c->size),
                          ms_desc(out, a, sizeof a), c->name, c->size);
     int in_place = 0;
+    if (kind == MS_COLL_COPY_GATHER && in->storage == out->storage)
+        return ms_errorf("%s: out shares the registered tensor's storage", name);
     if (kind != MS_COLL_ALL_REDUCE && kind != MS_COLL_BROADCAST && in->storage == out->storage) {
         /* in place as NCCL defines it: in is this rank's chunk of out
          * (all_gather) or out is this rank's chunk of in (reduce_scatter);
@@ -526,6 +547,7 @@ static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, c
     w->op = op;
     w->in_place = in_place;
     w->t_start = ms_dist_now();
+    w->aux = aux;
     if (kind == MS_COLL_REDUCE_SCATTER || kind == MS_COLL_ALL_REDUCE)
         snprintf(w->desc, sizeof w->desc, "%s %s of %s on %s", name, op_names[op], ms_desc(in, a, sizeof a), c->name);
     else
@@ -550,16 +572,61 @@ static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, c
 }
 
 int ms_comm_all_gather_into(ms_work **work, ms_comm *c, ms_tensor *out, const ms_tensor *in) {
-    return start(work, c, MS_COLL_ALL_GATHER, 0, out, in, 0);
+    return start(work, c, MS_COLL_ALL_GATHER, 0, out, in, 0, NULL);
 }
 int ms_comm_reduce_scatter(ms_work **work, ms_comm *c, ms_tensor *out, const ms_tensor *in, int op) {
-    return start(work, c, MS_COLL_REDUCE_SCATTER, op, out, in, 0);
+    return start(work, c, MS_COLL_REDUCE_SCATTER, op, out, in, 0, NULL);
 }
 int ms_comm_all_reduce(ms_work **work, ms_comm *c, ms_tensor *t, int op) {
-    return start(work, c, MS_COLL_ALL_REDUCE, op, t, t, 0);
+    return start(work, c, MS_COLL_ALL_REDUCE, op, t, t, 0, NULL);
 }
 int ms_comm_broadcast(ms_work **work, ms_comm *c, ms_tensor *t, int root) {
-    return start(work, c, MS_COLL_BROADCAST, 0, t, t, root);
+    return start(work, c, MS_COLL_BROADCAST, 0, t, t, root, NULL);
+}
+
+struct ms_copy_buf {
+    ms_comm *c;          /* one reference */
+    const ms_tensor *t;  /* the registered tensor (the caller keeps it alive) */
+    void *impl;          /* the backend's */
+};
+
+int ms_comm_copy_register(ms_copy_buf **out, ms_comm *c, ms_tensor *t) {
+    const char *name = "copy_register";
+    char d[200];
+    if (!out) return ms_errorf("%s: no output handle", name);
+    *out = NULL;
+    if (usable(c, name)) return -1;
+    if (!c->be->copy_register)
+        return ms_errorf("%s: copy-engine gathers need the NCCL backend (the group %s is %s)", name, c->name,
+                         c->be->name);
+    if (check_tensor(c, name, "the tensor", t)) return -1;
+    if (t->storage->external)
+        return ms_errorf("%s: %s is not memory of the caching allocator", name, ms_desc(t, d, sizeof d));
+    ms_copy_buf *b = calloc(1, sizeof *b);
+    if (!b) return ms_errorf("%s: out of memory", name);
+    int rc = c->be->copy_register(c, t, &b->impl);
+    if (rc != 0) {
+        free(b);
+        return rc;
+    }
+    b->c = c;
+    c->refs++;
+    b->t = t;
+    *out = b;
+    return 0;
+}
+
+int ms_comm_copy_gather(ms_work **work, ms_copy_buf *b, ms_tensor *out) {
+    if (!b || !b->impl) return ms_errorf("copy_gather: no registration");
+    if (ms_tensor_check_live(b->t, "copy_gather (the registered tensor)")) return -1;
+    return start(work, b->c, MS_COLL_COPY_GATHER, 0, out, b->t, 0, b->impl);
+}
+
+void ms_copy_buf_free(ms_copy_buf *b) {
+    if (!b) return;
+    if (b->impl && b->c && b->c->be->copy_free) b->c->be->copy_free(b->impl);   /* closes its mappings */
+    if (b->c) ms_comm_free(b->c);
+    free(b);
 }
 
 int ms_comm_barrier(ms_comm *c) {

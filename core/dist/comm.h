@@ -89,6 +89,8 @@ enum { MS_REDUCE_SUM = 0, MS_REDUCE_AVG = 1, MS_REDUCE_MAX = 2, MS_REDUCE_MIN = 
 
 typedef struct ms_comm ms_comm;        /* a process group (opaque, refcounted) */
 typedef struct ms_work ms_work;        /* an asynchronous collective (opaque) */
+struct ms_cuda_event;                  /* core/cuda.h */
+typedef struct ms_copy_buf ms_copy_buf;  /* a tensor every member of a group can copy from (opaque) */
 typedef struct ms_store_client ms_store_client;      /* a client of the TCP store (opaque) */
 typedef struct ms_store_server ms_store_server;  /* the store itself (opaque) */
 
@@ -161,6 +163,38 @@ int ms_comm_reduce_scatter(ms_work **work, ms_comm *c, ms_tensor *out, const ms_
 int ms_comm_all_reduce(ms_work **work, ms_comm *c, ms_tensor *t, int op);
 int ms_comm_broadcast(ms_work **work, ms_comm *c, ms_tensor *t, int root);
 int ms_comm_barrier(ms_comm *c);           /* host-blocking on both backends */
+
+/* Copy-engine all-gathers (NCCL groups whose members share one host; FSDP's
+ * unshard): ms_comm_copy_register, collective over c, makes t (a contiguous
+ * CUDA tensor of the caching allocator, the same numel and dtype on every
+ * member, that stays allocated and in place while registered) readable by
+ * every member through CUDA IPC. It returns 0 with *out set, or 1 with *out
+ * NULL on every member when one of them cannot (another host, no peer
+ * access, a tensor the allocator did not make): use ms_comm_all_gather_into
+ * then. ms_comm_copy_gather: out (size x numel) = every member's registered
+ * tensor, member r's at r x numel, as cudaMemcpyAsync copies on the group's
+ * communication stream (the copy engines: no SM does it), ordered after this
+ * rank's compute stream as any collective. It reads the peers' tensors as
+ * they are when the copy runs: after a member changes its tensor, a
+ * collective on c (a fence: any all_reduce) must complete between the change
+ * and the copy, and before the next change every copy that read it. */
+int ms_comm_copy_register(ms_copy_buf **out, ms_comm *c, ms_tensor *t);
+int ms_comm_copy_gather(ms_work **work, ms_copy_buf *b, ms_tensor *out);
+void ms_copy_buf_free(ms_copy_buf *b);
+
+/* The collective timeline, for benchmarks (NCCL only): ms_dist_timing(1)
+ * clears the log and makes every later collective record timed CUDA events:
+ * when the compute stream issued it, when its communication stream started
+ * it, when it ended, and, at its first wait, when the compute stream reached
+ * the wait and when it went on. ms_dist_timing(0) stops logging (the log
+ * stays). ms_dist_timing_entry(i, ref, ...) gives entry i (0-based) of
+ * ms_dist_timing_count(): its description and t[0..4] = issued, started,
+ * ended, wait reached, resumed, in ms after `ref` (an event recorded on the
+ * same device before them; every event must have completed: synchronize
+ * first); t[3] = t[4] = NaN when it was never waited for. */
+int ms_dist_timing(int on);
+int ms_dist_timing_count(void);
+int ms_dist_timing_entry(int i, struct ms_cuda_event *ref, char *desc, int desc_len, double *t);
 
 int ms_work_wait(ms_work *w);
 int ms_work_is_done(ms_work *w);           /* 1 done, 0 pending, -1 error */

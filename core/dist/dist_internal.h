@@ -16,7 +16,7 @@ extern "C" {
 #include "comm.h"   /* C linkage for the .cu backend too (nccl.cu calls the store) */
 #include "../internal.h"
 
-enum { MS_COLL_ALL_GATHER = 0, MS_COLL_REDUCE_SCATTER, MS_COLL_ALL_REDUCE, MS_COLL_BROADCAST };
+enum { MS_COLL_ALL_GATHER = 0, MS_COLL_REDUCE_SCATTER, MS_COLL_ALL_REDUCE, MS_COLL_BROADCAST, MS_COLL_COPY_GATHER };
 
 struct ms_comm {
     const struct ms_dist_backend *be;
@@ -44,6 +44,7 @@ struct ms_work {
     double t_start;            /* monotonic seconds */
     char desc[160];            /* "all_reduce sum of bf16 (1000) on world" */
     ms_storage *keep[2];       /* MPI: buffers kept alive until completion */
+    void *aux;                 /* MS_COLL_COPY_GATHER: the registration's backend state */
     void *impl;                /* the backend's */
 };
 
@@ -63,6 +64,13 @@ typedef struct ms_dist_backend {
     void (*comm_free)(ms_comm *c);              /* frees c->impl */
     void (*finalize)(void);                     /* ms_dist_destroy, after every comm_free */
     void (*abort)(ms_comm *c, const char *why); /* NULL: nothing to abort */
+    /* the collective timeline (ms_dist_timing); NULL: not kept by this backend */
+    int (*timing_set)(int on);
+    int (*timing_count)(void);
+    int (*timing_entry)(int i, const void *ref_event, char *desc, int desc_len, double t[5]);
+    /* copy-engine gathers: 0 (*impl set), 1 not possible on some member, -1 error */
+    int (*copy_register)(ms_comm *c, const ms_tensor *t, void **impl);
+    void (*copy_free)(void *impl);
 } ms_dist_backend;
 
 extern const ms_dist_backend *ms_dist_mpi_backend;   /* NULL: built without MPI */

@@ -41,6 +41,8 @@
 #include <thread>
 #include <vector>
 
+#include <math.h>
+#include <unistd.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -50,8 +52,76 @@
 
 namespace {
 
+// The collective timeline (ms_dist_timing): one entry per collective
+// started while it is on, owned by the log (not by the work), with timed
+// events: `issued` on the compute stream where the collective was called,
+// `start` and `end` on the communication stream around the NCCL call, and at
+// the first wait `wait0` / `wait1` on the compute stream around the
+// cudaStreamWaitEvent (wait1 - wait0 is the time the compute stream stood
+// still for it). Events made per entry: benchmarks only.
+struct TimedOp {
+    char desc[160];
+    cudaEvent_t ev[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};   // issued start end wait0 wait1
+    bool waited = false;
+};
+std::mutex g_tl_mu;
+bool g_tl_on = false;
+std::vector<TimedOp *> g_tl;
+
+void timeline_clear_locked() {
+    for (TimedOp *t : g_tl) {
+        for (cudaEvent_t e : t->ev)
+            if (e) cudaEventDestroy(e);
+        delete t;
+    }
+    g_tl.clear();
+}
+
+// a new entry with its events made (the caller records them), or NULL when
+// the timeline is off
+TimedOp *timeline_new(const char *desc, cudaError_t *err) {
+    std::lock_guard<std::mutex> l(g_tl_mu);
+    *err = cudaSuccess;
+    if (!g_tl_on) return nullptr;
+    TimedOp *t = new TimedOp;
+    snprintf(t->desc, sizeof t->desc, "%s", desc);
+    for (cudaEvent_t &e : t->ev) {
+        *err = cudaEventCreate(&e);
+        if (*err != cudaSuccess) {
+            e = nullptr;
+            for (cudaEvent_t x : t->ev)
+                if (x) cudaEventDestroy(x);
+            delete t;
+            return nullptr;
+        }
+    }
+    g_tl.push_back(t);
+    return t;
+}
+
+// a copy-engine registration (ms_comm_copy_register): member r's bytes at
+// src[r] (ours in place, the peers' through their IPC mappings)
+struct CopyBuf {
+    int64_t bytes = 0;
+    std::vector<void *> src;
+    std::vector<void *> opened;   // what cudaIpcOpenMemHandle returned (closed on free)
+};
+
+cudaError_t copy_gather(const CopyBuf *b, void *out, cudaStream_t s) {
+    for (size_t r = 0; r < b->src.size(); r++) {
+        cudaError_t e = cudaMemcpyAsync((char *)out + (int64_t)r * b->bytes, b->src[r], (size_t)b->bytes,
+                                        cudaMemcpyDeviceToDevice, s);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return e;
+        }
+    }
+    return cudaSuccess;
+}
+
 // one collective in flight: shared by its work handle and the watchdog
 struct OpRec {
+    TimedOp *tl = nullptr;   // its timeline entry (owned by the log), or NULL
     cudaEvent_t end = nullptr;
     int device = -1;
     double t_enq = 0;
@@ -101,6 +171,29 @@ void op_release(OpRec *op) {
 int blocking_config() {
     const char *v = getenv("MS_NCCL_BLOCKING");
     return !(v && v[0] == '0');
+}
+
+// A new communicator's configuration: blocking as above; NCCL's CTA policy
+// from MS_NCCL_CTA_POLICY = default | efficiency (fewer CTAs, for overlap
+// with compute) | zero (copy engines where NCCL can), NCCL >= 2.27.
+int make_config(ncclConfig_t *cfg, const char *what) {
+    cfg->blocking = blocking_config();
+    const char *p = getenv("MS_NCCL_CTA_POLICY");
+    if (!p || !*p || !strcmp(p, "default")) return 0;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+    if (!strcmp(p, "efficiency")) {
+        cfg->CTAPolicy = NCCL_CTA_POLICY_EFFICIENCY;
+        return 0;
+    }
+    if (!strcmp(p, "zero")) {
+        cfg->CTAPolicy = NCCL_CTA_POLICY_ZERO;
+        return 0;
+    }
+    return ms_errorf("%s: MS_NCCL_CTA_POLICY=%s (use default, efficiency or zero)", what, p);
+#else
+    return ms_errorf("%s: MS_NCCL_CTA_POLICY=%s needs NCCL 2.27 or later (built with %d.%d)", what, p, NCCL_MAJOR,
+                     NCCL_MINOR);
+#endif
 }
 
 struct NcclComm {
@@ -376,6 +469,8 @@ static int nccl_init_world(ms_comm *c, const ms_dist_env *e, const ms_dist_optio
                          e->local_rank, ndev, ndev == 1 ? " is" : "s are");
     if (ms_cuda_set_device(device)) return -1;
     setenv("NCCL_NVLS_ENABLE", "0", 0);
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;   // checked before any rendezvous
+    if (make_config(&cfg, "dist.init")) return -1;
     ncclUniqueId id;
     memset(&id, 0, sizeof id);
     if (e->rank == 0) {
@@ -391,8 +486,6 @@ static int nccl_init_world(ms_comm *c, const ms_dist_env *e, const ms_dist_optio
     nc->device = device;
     nc->world_rank = e->rank;
     nc->owner = c;
-    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.blocking = blocking_config();
     ncclComm_t comm = nullptr;
     ncclResult_t r = ncclCommInitRankConfig(&comm, e->world_size, id, e->rank, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
@@ -460,7 +553,10 @@ static int nccl_split(ms_comm *parent, int color, int key, int n, void **impl) {
     nc->device = p->device;
     nc->world_rank = p->world_rank;
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.blocking = blocking_config();
+    if (make_config(&cfg, "new_group")) {   // dist.init checked it: cannot fail here
+        delete nc;
+        return -1;
+    }
     ncclComm_t comm = nullptr;
     ncclResult_t r = ncclCommInitRankConfig(&comm, n, id, key, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
@@ -493,7 +589,10 @@ static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root)
             return ms_errorf("%s: the group is broken: %s", w->desc, w->comm->broken_msg);
         }
         cudaError_t ce = cudaEventRecord(nc->ready, compute);
+        if (ce == cudaSuccess) op->tl = timeline_new(w->desc, &ce);
+        if (ce == cudaSuccess && op->tl) ce = cudaEventRecord(op->tl->ev[0], compute);
         if (ce == cudaSuccess) ce = cudaStreamWaitEvent(nc->stream, nc->ready, 0);
+        if (ce == cudaSuccess && op->tl) ce = cudaEventRecord(op->tl->ev[1], nc->stream);
         if (ce == cudaSuccess) ce = event_get(nc->device, &op->end);
         op->device = nc->device;
         if (ce != cudaSuccess) {
@@ -507,6 +606,15 @@ static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root)
             r = ncclReduceScatter(pi, po, (size_t)n_out, t, nccl_op(w->op), nc->comm, nc->stream);
             break;
         case MS_COLL_ALL_REDUCE: r = ncclAllReduce(po, po, (size_t)n_out, t, nccl_op(w->op), nc->comm, nc->stream); break;
+        case MS_COLL_COPY_GATHER: {
+            cudaError_t me = copy_gather((const CopyBuf *)w->aux, po, nc->stream);
+            if (me != cudaSuccess) {
+                op_release(op);
+                return ms_errorf("%s: cudaMemcpyAsync failed: %s", w->desc, cudaGetErrorString(me));
+            }
+            r = ncclSuccess;
+            break;
+        }
         default: r = ncclBroadcast(po, po, (size_t)n_out, t, root, nc->comm, nc->stream); break;
         }
         r = settle(nc->comm, r, ms_dist_now() + w->comm->timeout_s);
@@ -519,6 +627,7 @@ static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root)
             return -1;
         }
         ce = cudaEventRecord(op->end, nc->stream);
+        if (ce == cudaSuccess && op->tl) ce = cudaEventRecord(op->tl->ev[2], nc->stream);
         if (ce != cudaSuccess) {
             op_release(op);
             return ms_errorf("%s: cudaEventRecord failed: %s", w->desc, cudaGetErrorString(ce));
@@ -539,7 +648,194 @@ static int nccl_wait(ms_work *w, int stream_only) {
     OpRec *op = (OpRec *)w->impl;
     if (w->comm->broken) return ms_errorf("%s: the group is broken: %s", w->desc, w->comm->broken_msg);
     if (ms_cuda_activate(nc->device)) return -1;
-    CUDA_CHECK(cudaStreamWaitEvent(ms_cuda_stream_of(nc->device), op->end, 0));
+    cudaStream_t compute = ms_cuda_stream_of(nc->device);
+    bool timed = false;
+    if (op->tl) {
+        std::lock_guard<std::mutex> l(g_tl_mu);   // the log may have been cleared since
+        for (TimedOp *t : g_tl)
+            if (t == op->tl && !t->waited) timed = t->waited = true;
+        if (!timed) op->tl = nullptr;
+    }
+    if (timed) CUDA_CHECK(cudaEventRecord(op->tl->ev[3], compute));
+    CUDA_CHECK(cudaStreamWaitEvent(compute, op->end, 0));
+    if (timed) CUDA_CHECK(cudaEventRecord(op->tl->ev[4], compute));
+    return 0;
+}
+
+// ---- copy-engine gathers: every member's registered tensor, mapped here
+// through CUDA IPC, copied with cudaMemcpyAsync on the communication stream
+
+// a member's registration record, all-gathered at registration
+struct CopyRec {
+    int32_t ok;          // this member could export its tensor
+    int32_t device;
+    uint64_t host;       // a hash of the host name and boot id
+    int64_t offset;      // bytes from the allocation's start
+    int64_t bytes;
+    cudaIpcMemHandle_t handle;
+};
+
+uint64_t host_id() {
+    char buf[512] = {0};
+    gethostname(buf, 255);
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f) {
+        size_t n = strlen(buf);
+        if (!fgets(buf + n, (int)(sizeof buf - n), f)) buf[n] = 0;
+        fclose(f);
+    }
+    uint64_t h = 1469598103934665603ull;   // FNV-1a
+    for (const char *p = buf; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
+    return h;
+}
+
+// every member's `bytes` bytes of `mine` into `all` (host memory), through
+// an NCCL all-gather the host waits for (the group's deadline)
+int sync_all_gather(NcclComm *nc, ms_comm *c, const void *mine, void *all, size_t bytes, const char *what) {
+    if (ms_cuda_activate(nc->device)) return -1;
+    char *dbuf = nullptr;
+    size_t total = bytes * (size_t)(c->size + 1);
+    CUDA_CHECK(cudaMalloc((void **)&dbuf, total));
+    cudaError_t ce = cudaMemcpy(dbuf, mine, bytes, cudaMemcpyHostToDevice);
+    cudaEvent_t done = nullptr;
+    if (ce == cudaSuccess) ce = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+    if (ce != cudaSuccess) {
+        cudaFree(dbuf);
+        return ms_errorf("%s: %s", what, cudaGetErrorString(ce));
+    }
+    {
+        std::lock_guard<std::mutex> cl(nc->mu);
+        if (nc->aborted || !nc->comm) {
+            cudaFree(dbuf);
+            cudaEventDestroy(done);
+            return ms_errorf("%s: the group is broken: %s", what, c->broken_msg);
+        }
+        ncclResult_t r = ncclAllGather(dbuf, dbuf + bytes, bytes, ncclUint8, nc->comm, nc->stream);
+        r = settle(nc->comm, r, ms_dist_now() + c->timeout_s);
+        if (r != ncclSuccess) {
+            cudaEventDestroy(done);
+            return nccl_error(r == ncclInProgress ? ncclInternalError : r, what, nc->comm, __LINE__);
+        }
+        ce = cudaEventRecord(done, nc->stream);
+    }
+    double deadline = ms_dist_now() + c->timeout_s;
+    while (ce == cudaSuccess) {
+        cudaError_t q = cudaEventQuery(done);
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) { ce = q; break; }
+        if (c->broken || ms_dist_now() > deadline) {
+            cudaEventDestroy(done);
+            char msg[400];
+            snprintf(msg, sizeof msg, "%s on %s did not complete within %g s: the communicator was aborted", what,
+                     c->name, c->timeout_s);
+            std::lock_guard<std::mutex> cl(nc->mu);
+            abort_locked(nc, msg);
+            return -1;   // dbuf stays (NCCL may still write it)
+        }
+        struct timespec ts = {0, 100 * 1000};
+        nanosleep(&ts, nullptr);
+    }
+    if (ce == cudaSuccess) ce = cudaMemcpy(all, dbuf + bytes, bytes * (size_t)c->size, cudaMemcpyDeviceToHost);
+    cudaEventDestroy(done);
+    cudaFree(dbuf);
+    if (ce != cudaSuccess) return ms_errorf("%s: %s", what, cudaGetErrorString(ce));
+    return 0;
+}
+
+static void nccl_copy_free(void *impl) {
+    CopyBuf *b = (CopyBuf *)impl;
+    if (!b) return;
+    for (void *p : b->opened)
+        if (p) cudaIpcCloseMemHandle(p);
+    delete b;
+}
+
+static int nccl_copy_register(ms_comm *c, const ms_tensor *t, void **impl) {
+    NcclComm *nc = (NcclComm *)c->impl;
+    const char *what = "copy_register";
+    if (ms_cuda_activate(nc->device)) return -1;
+    // what this rank can offer: its tensor's allocation (one cudaMalloc per
+    // block of the caching allocator) and the offset into it
+    CopyRec mine;
+    memset(&mine, 0, sizeof mine);
+    mine.device = nc->device;
+    mine.host = host_id();
+    mine.bytes = ms_tensor_numel(t) * (int64_t)ms_dtype_size(t->dtype_id);
+    mine.offset = t->offset * (int64_t)ms_dtype_size(t->dtype_id);
+    cudaError_t ce = cudaIpcGetMemHandle(&mine.handle, t->storage->data);
+    if (ce == cudaSuccess) mine.ok = 1;
+    else cudaGetLastError();
+    std::vector<CopyRec> all((size_t)c->size);
+    if (sync_all_gather(nc, c, &mine, all.data(), sizeof mine, what)) return -1;
+    bool ok = true;
+    for (const CopyRec &r : all)
+        ok = ok && r.ok && r.host == mine.host && r.bytes == mine.bytes;
+    CopyBuf *b = new CopyBuf;
+    b->bytes = mine.bytes;
+    b->src.assign((size_t)c->size, nullptr);
+    b->opened.assign((size_t)c->size, nullptr);
+    for (int r = 0; ok && r < c->size; r++) {
+        if (r == c->rank) {
+            b->src[r] = (char *)t->storage->data + mine.offset;
+            continue;
+        }
+        void *p = nullptr;
+        ce = cudaIpcOpenMemHandle(&p, all[r].handle, cudaIpcMemLazyEnablePeerAccess);
+        if (ce != cudaSuccess) {
+            cudaGetLastError();
+            ok = false;
+            break;
+        }
+        b->opened[r] = p;
+        b->src[r] = (char *)p + all[r].offset;
+    }
+    // every member takes the same road
+    int32_t mine_ok = ok ? 1 : 0;
+    std::vector<int32_t> oks((size_t)c->size);
+    if (sync_all_gather(nc, c, &mine_ok, oks.data(), sizeof mine_ok, what)) {
+        nccl_copy_free(b);
+        return -1;
+    }
+    for (int32_t o : oks) ok = ok && o;
+    if (!ok) {
+        nccl_copy_free(b);
+        return 1;
+    }
+    *impl = b;
+    return 0;
+}
+
+static int nccl_timing_set(int on) {
+    std::lock_guard<std::mutex> l(g_tl_mu);
+    if (on) timeline_clear_locked();
+    g_tl_on = on != 0;
+    return 0;
+}
+
+static int nccl_timing_count(void) {
+    std::lock_guard<std::mutex> l(g_tl_mu);
+    return (int)g_tl.size();
+}
+
+static int nccl_timing_entry(int i, const void *ref, char *desc, int desc_len, double t[5]) {
+    std::lock_guard<std::mutex> l(g_tl_mu);
+    if (i < 0 || i >= (int)g_tl.size())
+        return ms_errorf("dist timing: entry %d of %d", i, (int)g_tl.size());
+    TimedOp *op = g_tl[i];
+    snprintf(desc, (size_t)desc_len, "%s", op->desc);
+    cudaEvent_t r = ms_cuda_event_raw((const struct ms_cuda_event *)ref);
+    for (int k = 0; k < 5; k++) {
+        t[k] = NAN;
+        if (k >= 3 && !op->waited) continue;
+        float ms = 0;
+        cudaError_t e = cudaEventElapsedTime(&ms, r, op->ev[k]);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return ms_errorf("dist timing: entry %d (%s): %s (every event must have completed, and the reference "
+                             "be a timed event of the same device)", i, op->desc, cudaGetErrorString(e));
+        }
+        t[k] = ms;
+    }
     return 0;
 }
 
@@ -633,6 +929,7 @@ static void nccl_abort(ms_comm *c, const char *why) {
 static const ms_dist_backend g_nccl = {
     "nccl", nccl_init_world, nccl_split, nccl_start, nccl_wait, nccl_test, nccl_work_free,
     nccl_barrier, nccl_comm_free, nccl_finalize, nccl_abort,
+    nccl_timing_set, nccl_timing_count, nccl_timing_entry, nccl_copy_register, nccl_copy_free,
 };
 
 }  // extern "C"

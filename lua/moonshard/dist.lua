@@ -203,6 +203,67 @@ for _, name in ipairs({ 'all_gather_into', 'reduce_scatter', 'all_reduce', 'broa
 end
 function Group:barrier() return dist.barrier({ group = self }) end
 
+-- Copy-engine all-gathers (NCCL groups on one host; core/dist/comm.h):
+-- dist.copy_register(t, opts) — collective over opts.group (the world by
+-- default) — makes t readable by every member's copy engines and returns a
+-- registration, or nil on every member when one of them cannot (another
+-- host, no peer access): then use dist.all_gather_into. t must stay
+-- allocated and in place (the registration keeps its handle); every member
+-- registers the same numel and dtype. reg:gather_into(out) -> an async Work:
+-- out = every member's t, member r's at r·numel, copied on the group's
+-- communication stream with no SM. It reads the peers' tensors as they are
+-- when the copy runs: after a member writes its t, a collective on the group
+-- (a fence, e.g. an all_reduce) must complete before the copy reads it, and
+-- every copy that read it before the member writes it again.
+local CopyReg = {}
+CopyReg.__index = CopyReg
+dist.CopyReg = CopyReg
+function dist.copy_register(t, opts)
+  tensor_arg(t, 'copy_register', 'the tensor')
+  opts = opts or {}
+  local g = opts.group or dist.world_group
+  if not g then error('copy_register: dist is not initialised (call ms.dist.init first)', 2) end
+  local box = ffi.new('ms_copy_buf*[1]')
+  local rc = C.ms_comm_copy_register(box, live(g, 'copy_register'), t)
+  if rc < 0 then error(cerr(), 2) end
+  if rc == 1 then return nil end
+  return setmetatable({ p = ffi.gc(box[0], C.ms_copy_buf_free), t = t, group = g }, CopyReg)
+end
+function CopyReg:gather_into(out)
+  if not self.p then error('copy_gather: the registration was freed', 2) end
+  tensor_arg(out, 'copy_gather', 'out')
+  local box = work_box()
+  if C.ms_comm_copy_gather(box, self.p, out) ~= 0 then error(cerr(), 2) end
+  return setmetatable({ p = ffi.gc(box[0], C.ms_work_free), tensors = { out, self.t } }, Work)
+end
+function CopyReg:free()
+  if self.p then C.ms_copy_buf_free(ffi.gc(self.p, nil)); self.p = nil end
+  self.t = nil
+end
+
+-- The collective timeline (benchmarks; NCCL only, core/dist/comm.h):
+-- dist.timing(true) clears the log and times every later collective;
+-- dist.timing(false) stops. dist.timeline(ref) after a synchronize: one
+-- table per collective, in issue order, { desc, issued, start, stop, wait,
+-- resumed } in ms after `ref` (a timed cuda.event recorded on the same device
+-- before them): issued where the compute stream called it, start/stop on its
+-- communication stream, wait/resumed around its first wait on the compute
+-- stream (nil when never waited for; resumed - wait is the time the compute
+-- stream stood still for it).
+function dist.timing(on) check(C.ms_dist_timing(on and 1 or 0), 2) end
+function dist.timeline(ref)
+  if type(ref) ~= 'table' or ref.p == nil then error('dist.timeline: need a timed cuda.event as the reference', 2) end
+  local n = C.ms_dist_timing_count()
+  local buf, t, out = ffi.new('char[160]'), ffi.new('double[5]'), {}
+  for i = 0, n - 1 do
+    check(C.ms_dist_timing_entry(i, ref.p, buf, 160, t), 2)
+    local w = t[3] == t[3] and t[3] or nil
+    out[#out + 1] = { desc = ffi.string(buf), issued = t[0], start = t[1], stop = t[2], wait = w,
+                      resumed = w and t[4] or nil }
+  end
+  return out
+end
+
 -- -------------------------------------------------------------- lifetime
 
 local state = nil   -- { backend, device, rank, world_size, local_rank, local_world_size }

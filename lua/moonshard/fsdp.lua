@@ -409,6 +409,7 @@ end
 -- dtype, unless f32) and an upload
 function Unit:refresh_lp()
   local shard = self.fp.shard
+  self.st.src_gen = self.st.src_gen + 1   -- the next copy-engine gather fences first
   if self.st.offload then
     local src = shard
     if self.lp.dtype ~= shard.dtype then
@@ -440,6 +441,46 @@ function Unit:offload_grad(out)
   out:free()
 end
 
+-- A fence on a group: an all_reduce of one float on its communication
+-- stream (so after the copies issued before it, and before those issued
+-- after it, on every member); with wait the compute stream waits for it.
+-- Traced as 'fence X' (X: the unit whose gather needed it, or after_step).
+local function copy_fence(st, group, wait, label)
+  if st.fence_t == nil then st.fence_t = T.zeros({ 1 }, { dtype = 'f32', device = st.units[1].fp.device }) end
+  local w = dist.all_reduce(st.fence_t, 'max', { group = group, async = true })
+  if wait then w:wait() end
+  w:free()
+  if st.trace then st.trace[#st.trace + 1] = 'fence ' .. label end
+end
+
+-- copy_gather = 'emulate' (specs): the registration's bookkeeping (fences,
+-- their order, the reads in flight) on any backend, the copy itself an
+-- all_gather_into of the source
+local function emulated_reg(src, group)
+  return {
+    gather_into = function(_, out) return dist.all_gather_into(out, src, { group = group, async = true }) end,
+    free = function() end,
+  }
+end
+
+-- The copy-engine registration of the unit's gather source (dist.copy_register,
+-- collective: every rank reaches a unit's first gather in the same order), or
+-- false where there is none: only a low-precision copy (written by
+-- refresh_lp alone, in after_step) on a CUDA device of an NCCL group.
+function Unit:copy_reg(src)
+  if self.creg_src == src then return self.creg end
+  if self.creg then self.creg:free() end
+  local reg = false
+  if self.st.copy_gather == 'emulate' and self.lp ~= nil and src == self.lp then
+    reg = emulated_reg(src, self.fp.group)
+  elseif self.st.copy_gather and self.lp ~= nil and src == self.lp and src.device_id >= 0
+     and dist.backend() == 'nccl' then
+    reg = dist.copy_register(src, { group = self.fp.group }) or false
+  end
+  self.creg, self.creg_src = reg, src
+  return reg
+end
+
 -- issue the all-gather (async) into the unsharded buffer; no-op unless sharded
 function Unit:gather_start()
   if self.status ~= 'sharded' then return end
@@ -455,7 +496,20 @@ function Unit:gather_start()
     -- uploaded), the collective is not issued; the buffer holds whatever
     -- its memory held
   else
-    self.work = dist.all_gather_into(self.flat, src, { group = fp.group, async = true })
+    local reg = self:copy_reg(src)
+    if reg then
+      -- the peers' copies changed since the last fence: fence first (the
+      -- copies then read what every member's refresh wrote)
+      if st.copy_fenced[fp.group] ~= st.src_gen then
+        copy_fence(st, fp.group, false, self.label)
+        st.copy_fenced[fp.group] = st.src_gen
+      end
+      self.work = reg:gather_into(self.flat)
+      st.copy_seq = st.copy_seq + 1
+      st.copy_dirty[fp.group] = st.copy_seq
+    else
+      self.work = dist.all_gather_into(self.flat, src, { group = fp.group, async = true })
+    end
   end
   self.status, self.unsharded = 'gathering', true
   if self.reshards then
@@ -556,6 +610,7 @@ function Unit:reduce_grads()
     else
       pend.out = T.empty({ fp.shard_numel }, { dtype = src.dtype, device = fp.device })
       pend.work = dist.reduce_scatter(pend.out, src, 'sum', { group = fp.group, async = true })
+      pend.copy_seq = st.copy_seq   -- after every copy-engine gather issued so far
       trace(st, 'reduce_scatter', self)
     end
   end
@@ -569,7 +624,13 @@ local function finish_reductions(st)
   st.pending = {}
   for _, p in ipairs(pend) do
     local u = p.unit
-    if p.work then p.work:wait(); p.work:free() end
+    if p.work then
+      p.work:wait(); p.work:free()
+      -- every member's copies issued before this reduce-scatter (on the same
+      -- stream) are done: its sources may be written again
+      local g = u.fp.group
+      if p.copy_seq and st.copy_dirty[g] and st.copy_dirty[g] <= p.copy_seq then st.copy_dirty[g] = nil end
+    end
     if p.src ~= p.out then p.src:free() end
     local out = p.out
     if u.strategy == 'HYBRID_SHARD' and st.replicate_group:size() > 1 and not st.skip_comm then
@@ -711,6 +772,9 @@ function fsdp.fully_shard(model, opts)
   if type(limit) ~= 'number' or limit < 1 then
     error(('fully_shard: limit_all_gathers must be a number >= 1, got %s'):format(tostring(limit)), 2)
   end
+  if opts.copy_gather ~= nil and type(opts.copy_gather) ~= 'boolean' and opts.copy_gather ~= 'emulate' then
+    error(('fully_shard: copy_gather must be true, false or \'emulate\', got %s'):format(tostring(opts.copy_gather)), 2)
+  end
 
   -- groups: the shard group (the layout's) and the replicate group
   local group, shard_group, replicate_group, mesh = opts.group, nil, nil, nil
@@ -841,6 +905,10 @@ function fsdp.fully_shard(model, opts)
     cur_fwd = {}, cur_fwd_pos = {}, prev_fwd = {}, prev_fwd_pos = {}, cur_end = {},
     trace = opts.trace ~= false and {} or nil, offload = opts.offload == true,
     prefetch_root = opts.prefetch_root == true,
+    -- copy-engine all-gathers (docs/fsdp.md "Copy-engine gathers")
+    copy_gather = opts.copy_gather == 'emulate' and 'emulate'
+      or (opts.copy_gather ~= false and os.getenv('MS_FSDP_COPY_GATHER') ~= '0'),
+    src_gen = 1, copy_fenced = {}, copy_seq = 0, copy_dirty = {},
   }
   -- step bookkeeping first (hooks run in registration order): a forward of
   -- the root outside backward starts a step
@@ -1037,6 +1105,10 @@ end
 -- before the next forward (its trace event opens the next step's trace).
 function fsdp.after_step(model)
   local st = state_of(model, 'fsdp.after_step')
+  -- copy-engine gathers since the last reduction (a forward without a
+  -- backward): the peers may still read the copies about to be refreshed
+  for g in pairs(st.copy_dirty) do copy_fence(st, g, true, 'after_step') end
+  st.copy_dirty = {}
   for _, u in ipairs(st.units) do
     if u.lp then u:refresh_lp() end   -- with offload: the upload (copy stream)
     if u.reshards then
