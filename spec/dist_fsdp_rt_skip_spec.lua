@@ -112,6 +112,18 @@ describe('fsdp.set_skip_comm #mpi', function()
             assert.are.equal(u.fp.shard_numel, u.fp.shard.grad:numel())
             if strategy ~= 'NO_SHARD' then assert.are.equal('sharded', u.status) end
           end
+          -- while skipping, an unsharded buffer holds this rank's own shard in
+          -- every member's slot (values of the real kind, no NaN)
+          local u = fsdp.units(model)[1]
+          if strategy ~= 'NO_SHARD' and u.fp.world_size > 1 then
+            u:unshard()
+            local n, src = u.fp.shard_numel, u:gather_source()
+            for r = 0, u.fp.world_size - 1 do
+              local d = (u.flat:narrow(1, r * n + 1, n):to('f64') - src:to('f64')):abs():max():item()
+              assert.are.equal(0, d, ('slot %d of unit %s'):format(r, u.label))
+            end
+            u:reshard()
+          end
           skipped_grads = {}
           for i, u in ipairs(fsdp.units(model)) do skipped_grads[i] = u.fp.shard.grad:clone() end
           opt:zero_grad()

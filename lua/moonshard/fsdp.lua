@@ -493,8 +493,14 @@ function Unit:gather_start()
     no_grad(function() self.flat:copy_(src) end)
   elseif st.skip_comm then
     -- set_skip_comm: the buffer is allocated and the source made (cast or
-    -- uploaded), the collective is not issued; the buffer holds whatever
-    -- its memory held
+    -- uploaded), the collective is not issued; every member's slot gets this
+    -- rank's own shard (a local copy), so the step computes on values of the
+    -- real kind: a buffer left as its memory was (NaN, zeros) made the GPU's
+    -- math draw less power and run faster than on real data (docs/fsdp.md)
+    local n = fp.shard_numel
+    no_grad(function()
+      for r = 0, fp.world_size - 1 do self.flat:narrow(1, r * n + 1, n):copy_(src) end
+    end)
   else
     local reg = self:copy_reg(src)
     if reg then
@@ -1066,7 +1072,7 @@ end
 -- casts, copies, kernels), so the step time without communication can be
 -- subtracted from the real one (bench/fsdp.lua: exposed communication).
 -- The numerics are meaningless while on: an unsharded buffer of a sharded
--- unit is not written (it holds whatever its memory held), a
+-- unit holds this rank's shard in every member's slot (a local copy), a
 -- reduce-scatter's output is this rank's own part of its local gradient,
 -- NO_SHARD's gradient is the local one, the norm is the local one. An optimizer step while on changes the master
 -- shards by those gradients. Turning it off (between steps) drops every
