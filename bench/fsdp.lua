@@ -6,6 +6,7 @@
 --   bin/train --nproc-per-node 2 bench/fsdp.lua --model llama
 --
 -- Options: --model gpt2|llama, --batch (per GPU; 32 for gpt2, 4 for llama),
+-- --layers N (fewer blocks than the model's, e.g. under ncu),
 -- --seq (1024 / 2048), --steps (20), --warmup (5), --strategy (FULL_SHARD),
 -- --no-fsdp, --no-skip (do not measure the step with communication skipped),
 -- --head-in-root (fully_shard's head_unit = false: Llama's untied head and
@@ -35,7 +36,7 @@ package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ffi = require 'ffi'
 local ms = require 'moonshard'
 
-local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD' }
+local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0 }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false }
 do
   local i = 1
@@ -49,7 +50,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -81,11 +82,12 @@ local M, model, block, decay_all
 if opts.model == 'gpt2' then
   M = require 'models.gpt2'
   model = M.new('gpt2-124m', { vocab_size = 50304, n_positions = opts.seq, resid_pdrop = 0, embd_pdrop = 0,
-                               attn_pdrop = 0 })
+                               attn_pdrop = 0, n_layer = opts.layers > 0 and opts.layers or nil })
   block = M.Block
 else
   M = require 'models.llama'
-  model = M.new({ vocab_size = 128256, hidden_size = 2048, intermediate_size = 5632, num_hidden_layers = 16,
+  model = M.new({ vocab_size = 128256, hidden_size = 2048, intermediate_size = 5632,
+                  num_hidden_layers = opts.layers > 0 and opts.layers or 16,
                   num_attention_heads = 32, num_key_value_heads = 8, max_position_embeddings = opts.seq,
                   rope_parameters = { rope_type = 'default', rope_theta = 500000.0 }, tie_word_embeddings = false,
                   rms_norm_eps = 1e-5 })
@@ -122,24 +124,48 @@ for k = 1, 4 do
   data[k] = { d:narrow(2, 1, opts.seq):contiguous(), d:narrow(2, 2, opts.seq):contiguous() }
 end
 
-local function step(k)
+-- phases: CUDA events between the step's parts (GPU ms, summed over the
+-- steps after the warm-up)
+local ph_names = { 'zero_grad', 'forward', 'backward', 'clip', 'optimizer' }
+local ph_ev, ph_sum, ph_n = {}, {}, 0
+for i = 1, #ph_names + 1 do ph_ev[i] = ms.cuda.event { timing = true } end
+local function step(k, timed)
   local d = data[(k - 1) % 4 + 1]
+  if timed then ph_ev[1]:record() end
   opt:zero_grad()
+  if timed then ph_ev[2]:record() end
   local loss = model(d[1], d[2])
+  if timed then ph_ev[3]:record() end
   loss:backward()
+  if timed then ph_ev[4]:record() end
   clip()
+  if timed then ph_ev[5]:record() end
   opt:step()
-  return loss:item()
+  if timed then ph_ev[6]:record() end
+  local l = loss:item()
+  if timed then
+    for i = 1, #ph_names do ph_sum[i] = (ph_sum[i] or 0) + ph_ev[i]:elapsed_ms(ph_ev[i + 1]) end
+    ph_n = ph_n + 1
+  end
+  return l
 end
 
 local function measure(label)
   local times, loss = {}, nil
+  ph_sum, ph_n = {}, 0
+  local s0
   for k = 1, opts.steps do
+    if k == opts.warmup + 1 then s0 = ms.cuda.memory_stats() end
     local t0 = now()
-    loss = step(k)
+    loss = step(k, k > opts.warmup)
     times[#times + 1] = now() - t0
     if k == 1 or k == opts.steps then say(('%s step %d loss %.4f dt %.1f ms'):format(label, k, loss, times[k] * 1e3)) end
   end
+  local s1, parts = ms.cuda.memory_stats(), {}
+  for i, nm in ipairs(ph_names) do parts[#parts + 1] = ('%s %.2f'):format(nm, ph_sum[i] / math.max(ph_n, 1)) end
+  say(('%s: GPU ms a step: %s; over %d steps: %d cudaMalloc, %d cudaFree, %d host syncs'):format(label,
+    table.concat(parts, ', '), ph_n, s1.num_mallocs - s0.num_mallocs, s1.num_frees - s0.num_frees,
+    s1.num_host_syncs - s0.num_host_syncs))
   local tail = {}
   for k = opts.warmup + 1, #times do tail[#tail + 1] = times[k] end
   table.sort(tail)
@@ -157,7 +183,7 @@ local function timeline(k)
   ms.cuda.synchronize()
   ms.dist.timing(true)
   ev0:record()
-  step(k)
+  step(k, false)
   ev1:record()
   ev1:synchronize()
   ms.dist.timing(false)

@@ -56,6 +56,12 @@ llama.presets = {
   ['llama-1b'] = { vocab_size = 32000, hidden_size = 2048, intermediate_size = 5632, num_hidden_layers = 22,
                    num_attention_heads = 32, num_key_value_heads = 4, max_position_embeddings = 2048,
                    rms_norm_eps = 1e-5 },
+  -- the 1.25B benchmark model of ../shared/bench/torch_llama.py (bench/fsdp.lua):
+  -- Llama 3 vocabulary, untied head, GQA 32/8, RoPE theta 5e5
+  ['llama-1.25b'] = { vocab_size = 128256, hidden_size = 2048, intermediate_size = 5632, num_hidden_layers = 16,
+                      num_attention_heads = 32, num_key_value_heads = 8, max_position_embeddings = 2048,
+                      rope_parameters = { rope_type = 'default', rope_theta = 500000.0 },
+                      tie_word_embeddings = false, rms_norm_eps = 1e-5 },
 }
 llama.presets['1b'] = llama.presets['llama-1b']
 

@@ -554,6 +554,7 @@ function Unit:prepare_grads()
   if self.gbuf == nil then
     self.gbuf = T.zeros({ fp.total }, { dtype = 'f32', device = fp.device })
     self.gviews = fp:views(self.gbuf)
+    self.gwritten = {}   -- views collect_grads wrote since the buffer was zeroed
   else
     for i, gv in ipairs(self.gviews) do
       if gv.storage == nil then self.gviews = fp:views(self.gbuf); break end   -- a zero_grad freed a view
@@ -572,9 +573,11 @@ function Unit:collect_grads()
     if g ~= nil then
       v.grad = nil
       if not self.grad_direct and self.gbuf ~= nil then
-        local g32 = g.dtype == 'f32' and g or g:to('f32')
-        F().add_(self.gviews[i], g32)
-        if g32 ~= g then g32:free() end
+        -- the first gradient into the zeroed buffer is a converting copy (6
+        -- bytes a parameter moved, not a cast into a temporary and an add:
+        -- 18); later ones (no_sync's micro-batches) a mixed-dtype add
+        if self.gwritten[i] then F().add_(self.gviews[i], g)
+        else self.gviews[i]:copy_(g); self.gwritten[i] = true end
         g:free()
       end
     end
