@@ -1146,10 +1146,26 @@ int ms_layer_norm(ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_
 /* the backward of both norms after their checks: LayerNorm (mean given),
  * or RMSNorm (mean and db NULL); the statistics and w in the compute dtype,
  * dw and db computed there and delivered in w's dtype */
+/* out (C) = the column sums of d seen as (N, C) rows, added in f32 (f64 for
+ * f64 d) from d's stored values and rounded once into out's dtype: the
+ * reference of dxl_sum, and its path wherever the kernel does not fuse it */
+static int column_sum_rows(ms_tensor *out, const ms_tensor *d, int64_t C) {
+    int64_t shape[2] = {ms_tensor_numel(d) / C, C};
+    ms_tensor *f = NULL, *v = NULL, *s = NULL;
+    int rc = ms_tensor_to(&f, d, d->dtype_id == MS_F64 ? MS_F64 : MS_F32, d->device_id);
+    if (!rc) rc = ms_tensor_view(&v, f, 2, shape);
+    if (!rc) rc = ms_reduce(&s, MS_RED_SUM, v, 0, 0);
+    if (!rc) rc = ms_tensor_copy_(out, s);
+    ms_tensor_free(s);
+    ms_tensor_free(v);
+    ms_tensor_free(f);
+    return rc;
+}
+
 static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                          const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                         int64_t C, const ms_tensor *gres, ms_tensor **dxl) {
-    int cdt = compute_dtype_of(x->dtype_id), pdt = w ? w->dtype_id : cdt, ax = 0, al = 0;
+                         int64_t C, const ms_tensor *gres, ms_tensor **dxl, ms_tensor **dxl_sum) {
+    int cdt = compute_dtype_of(x->dtype_id), pdt = w ? w->dtype_id : cdt, ax = 0, al = 0, as = 0;
     ms_tensor *gc = NULL, *xc = NULL, *mc = NULL, *rc_ = NULL, *wc = NULL, *dwt = NULL, *dbt = NULL;
     int rc = 0;
     if (dx) {
@@ -1160,6 +1176,10 @@ static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tens
         if (!dx) rc = ms_errorf("%s: dx in g's dtype asked for without dx", op);
         if (!rc) rc = prepare_contig(dxl, op, "dx (g's dtype)", x->ndim, x->sizes, g->dtype_id, x->device_id, &al);
         if (!rc) rc = check_given_out(op, al, *dxl, g, x, w, 0);
+    }
+    if (!rc && dxl_sum) {
+        if (!dxl) rc = ms_errorf("%s: the column sums of dx in g's dtype asked for without that dx (dxl)", op);
+        if (!rc) rc = prepare_contig(dxl_sum, op, "dxl_sum", 1, &C, g->dtype_id, x->device_id, &as);
     }
     if (!rc) rc = ms_tensor_contiguous(&gc, g);
     if (!rc) rc = ms_tensor_contiguous(&xc, x);
@@ -1177,9 +1197,9 @@ static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tens
             ms_tensor *grc = NULL;
             rc = ms_tensor_contiguous(&grc, gres);
             if (!rc) rc = ms_cuda_norm_backward_add(dxt, dwt, dbt, gc, xc, mc, rc_, wc, grc, mean == NULL,
-                                                    dxl ? *dxl : NULL);
+                                                    dxl ? *dxl : NULL, dxl_sum ? *dxl_sum : NULL);
             if (rc == 1 && dxl)   /* not with the second output: without it, then a conversion */
-                rc = ms_cuda_norm_backward_add(dxt, dwt, dbt, gc, xc, mc, rc_, wc, grc, mean == NULL, NULL);
+                rc = ms_cuda_norm_backward_add(dxt, dwt, dbt, gc, xc, mc, rc_, wc, grc, mean == NULL, NULL, NULL);
             else if (rc == 0 && dxl)
                 fused = 2;
             ms_tensor_free(grc);
@@ -1192,6 +1212,9 @@ static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tens
                       : dev_rms_norm_backward(dxt, dwt, gc, xc, rc_, wc);
         if (!rc && gres && dx && !fused) rc = ms_binary(dx, MS_OP_ADD, *dx, gres);
         if (!rc && dxl && fused != 2) rc = ms_tensor_copy_(*dxl, *dx);   /* the CPU reference: a rounding copy */
+        /* fused == 2: the kernel summed dxl's columns too (in its pass when
+         * it could, else by its own reduction of dxl) */
+        if (!rc && dxl_sum && fused != 2) rc = column_sum_rows(*dxl_sum, *dxl, C);
     }
     if (!rc && dw) rc = deliver_column(dw, op, "dw", &dwt, pdt);
     if (!rc && db) rc = deliver_column(db, op, "db", &dbt, pdt);
@@ -1202,6 +1225,7 @@ static int norm_backward(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tens
     ms_tensor_free(wc);
     ms_tensor_free(dwt);
     ms_tensor_free(dbt);
+    if (dxl_sum) finish(dxl_sum, as, rc);
     if (dxl) finish(dxl, al, rc);
     return finish(dx, ax, rc);
 }
@@ -1212,12 +1236,12 @@ int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const
     int64_t N, C;
     if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
     if (!mean) return ms_errorf("%s: needs the saved mean", op);
-    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, NULL, NULL);
+    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, NULL, NULL, NULL);
 }
 
 static int norm_backward_add(const char *op, ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                              const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                             const ms_tensor *gres, ms_tensor **dxl) {
+                             const ms_tensor *gres, ms_tensor **dxl, ms_tensor **dxl_sum) {
     char a[DESC], b[DESC];
     int64_t N, C;
     if (norm_backward_checks(op, g, x, mean, rstd, w, &N, &C)) return -1;
@@ -1229,21 +1253,22 @@ static int norm_backward_add(const char *op, ms_tensor **dx, ms_tensor **dw, ms_
             return ms_errorf("%s: the residual gradient %s must be a float tensor of x's shape %s", op,
                              ms_desc(gres, a, sizeof a), ms_shape_str(x, b, sizeof b));
     }
-    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, gres, dxl);
+    return norm_backward(op, dx, dw, db, g, x, mean, rstd, w, C, gres, dxl, dxl_sum);
 }
 
 int ms_layer_norm_backward_add(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                                const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                               const ms_tensor *gres, ms_tensor **dxl) {
+                               const ms_tensor *gres, ms_tensor **dxl, ms_tensor **dxl_sum) {
     const char *op = gres ? "layer_norm_backward (with a residual gradient)" : "layer_norm_backward";
     if (!mean) return ms_errorf("%s: needs the saved mean", op);
-    return norm_backward_add(op, dx, dw, db, g, x, mean, rstd, w, gres, dxl);
+    return norm_backward_add(op, dx, dw, db, g, x, mean, rstd, w, gres, dxl, dxl_sum);
 }
 
 int ms_rms_norm_backward_add(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,
-                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres, ms_tensor **dxl) {
+                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres, ms_tensor **dxl,
+                             ms_tensor **dxl_sum) {
     return norm_backward_add(gres ? "rms_norm_backward (with a residual gradient)" : "rms_norm_backward", dx, dw, NULL,
-                             g, x, NULL, rstd, w, gres, dxl);
+                             g, x, NULL, rstd, w, gres, dxl, dxl_sum);
 }
 
 /* res = x + h, then the norm (rms: RMSNorm, no mean or bias) of res */
@@ -1335,7 +1360,7 @@ int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, con
     const char *op = "rms_norm_backward";
     int64_t N, C;
     if (norm_backward_checks(op, g, x, NULL, rstd, w, &N, &C)) return -1;
-    return norm_backward(op, dx, dw, NULL, g, x, NULL, rstd, w, C, NULL, NULL);
+    return norm_backward(op, dx, dw, NULL, g, x, NULL, rstd, w, C, NULL, NULL, NULL);
 }
 
 /* a and b share bytes of one storage */

@@ -150,17 +150,23 @@ int ms_layer_norm_backward(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const
  * ms_layer_norm_backward_add: the backward with gres, a gradient of x from
  * elsewhere (the residual stream's), added into dx in the same pass; with
  * dxl (or NULL) dx once more in g's dtype (the gradient of a bf16 branch
- * output h, which x + h made: one pass writes both on CUDA). */
+ * output h, which x + h made: one pass writes both on CUDA); with dxl_sum
+ * (or NULL; needs dxl) also the column sums of dxl, (C) in g's dtype,
+ * added in f32 from dxl's rounded values and rounded once: the bias
+ * gradient of the affine layer that made h, computed in the pass that
+ * writes dxl when the CUDA kernel allows (rows up to 1024 f32 / 2048 bf16
+ * wide), else by a separate reduction of dxl (the CPU reference). */
 int ms_add_layer_norm(ms_tensor **res, ms_tensor **out, ms_tensor **mean, ms_tensor **rstd, const ms_tensor *x,
                       const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int out_dtype);
 int ms_layer_norm_backward_add(ms_tensor **dx, ms_tensor **dw, ms_tensor **db, const ms_tensor *g,
                                const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w,
-                               const ms_tensor *gres, ms_tensor **dxl);
+                               const ms_tensor *gres, ms_tensor **dxl, ms_tensor **dxl_sum);
 /* the same before an RMSNorm (Llama's post-attention norm) */
 int ms_add_rms_norm(ms_tensor **res, ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *h,
                     const ms_tensor *w, double eps, int out_dtype);
 int ms_rms_norm_backward_add(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,
-                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres, ms_tensor **dxl);
+                             const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres, ms_tensor **dxl,
+                             ms_tensor **dxl_sum);
 int ms_rms_norm(ms_tensor **out, ms_tensor **rstd, const ms_tensor *x, const ms_tensor *w, double eps,
                 int out_dtype);
 int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, const ms_tensor *x,

@@ -64,10 +64,12 @@ int ms_cuda_layer_norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, con
 int ms_cuda_add_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, ms_tensor *rstd, const ms_tensor *x,
                      const ms_tensor *h, const ms_tensor *w, const ms_tensor *b, double eps, int rms);
 /* the backward with dx += gres in one pass; dxl (or NULL): dx a second time
- * in g's dtype, from the same pass */
+ * in g's dtype, from the same pass; dxl_sum (or NULL; needs dxl): the
+ * column sums of dxl in its dtype, from the same pass when the warp-per-row
+ * kernel runs, else from a separate reduction of dxl */
 int ms_cuda_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
                               const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres,
-                              int rms, ms_tensor *dxl);
+                              int rms, ms_tensor *dxl, ms_tensor *dxl_sum);
 int ms_cuda_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps);
 int ms_cuda_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *g, const ms_tensor *x,
                               const ms_tensor *rstd, const ms_tensor *w);

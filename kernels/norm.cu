@@ -23,6 +23,14 @@
 // each thread owns the same columns in every row, so its dw/db partial sums
 // live in shared memory without atomics; at the end each block writes its
 // partial row, and column_sum_kernel adds the blocks' rows in a fixed order.
+// dxl_sum (the backward with a residual gradient, core/ops.h): the column
+// sums of dxl (dx in g's dtype: the gradient of a branch output h = x·W + b,
+// so its column sums are b's gradient). The warp-per-row kernel adds the
+// values it stores (rounded as stored) into a shared-memory row per warp
+// and writes a partial row per block, as for dw/db: the bias gradient
+// costs no pass of its own over the N·C gradient (cuBLASLt's BGRAD
+// epilogue reads it again). Other shapes: column_rows_kernel, a separate
+// read of dxl (N·C·|g| bytes).
 // No float atomics anywhere: the result is the same on every run.
 // Gradient rule (core/ops.h, lua/moonshard/autograd.lua): dx, dw and db are
 // written (=), never accumulated; adding dw/db into .grad is the autograd's.
@@ -261,21 +269,37 @@ __global__ void norm_bwd_kernel(X *__restrict__ dx, A *__restrict__ part_w, A *_
 // warp order (acc, 2·C) and the block writes its partial row: deterministic
 // as the block kernel. Chosen for rows up to 1024 f32 / 2048 bf16 wide
 // (GPT-2's 768: 1.3x the block kernel's bandwidth, see docs/perf-notes.md).
+// part_l (or NULL; needs dxl): the block's column sums of dxl as stored
+// (rounded to G), kept in shared memory, a row of C per warp (acc + 2·C +
+// wib·C; lane l touches only its own columns there, so no barrier until
+// the end), then added in warp order into the block's partial row.
 template <typename G, typename X, int V, int NCH, bool RMS>
 __global__ void __launch_bounds__(256) norm_bwd_warp_kernel(X *__restrict__ dx, float *__restrict__ part_w,
                                      float *__restrict__ part_b, const G *__restrict__ g, const X *__restrict__ x,
                                      const float *__restrict__ mean, const float *__restrict__ rstd,
                                      const float *__restrict__ w, long long N, int C, const X *__restrict__ gres,
-                                     G *__restrict__ dxl) {
+                                     G *__restrict__ dxl, float *__restrict__ part_l) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float *acc = reinterpret_cast<float *>(smem_raw);
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
-    const bool pw = part_w != nullptr, pb = part_b != nullptr;
+    const bool pw = part_w != nullptr, pb = part_b != nullptr, pl = part_l != nullptr;
+    float *lsum = acc + 2 * C + wib * C;  // this warp's row of dxl's column sums
     float aw[NCH][V], ab[NCH][V];
 #pragma unroll
     for (int j = 0; j < NCH; j++)
 #pragma unroll
         for (int k = 0; k < V; k++) aw[j][k] = ab[j][k] = 0.f;
+    if (pl)
+#pragma unroll
+        for (int j = 0; j < NCH; j++) {
+            const int i = (j * 32 + lane) * V;
+            if (i < C) {
+                float z[V];
+#pragma unroll
+                for (int k = 0; k < V; k++) z[k] = 0.f;
+                store_v<float, V>(lsum + i, z);
+            }
+        }
     for (long long row = (long long)blockIdx.x * wpb + wib; row < N; row += (long long)gridDim.x * wpb) {
         const G *gr = g + row * C;
         const X *xr = x + row * C;
@@ -314,10 +338,17 @@ __global__ void __launch_bounds__(256) norm_bwd_warp_kernel(X *__restrict__ dx, 
                 }
                 if (dx) store_v<X, V>(dx + row * C + i, o);
                 if (dxl) store_v<G, V>(dxl + row * C + i, o);
+                if (pl) {  // the values just stored, as stored
+                    float l[V];
+                    load_v<float, float, V>(l, lsum + i);
+#pragma unroll
+                    for (int k = 0; k < V; k++) l[k] += round_as<G>(o[k]);
+                    store_v<float, V>(lsum + i, l);
+                }
             }
         }
     }
-    if (!pw && !pb) return;
+    if (!pw && !pb && !pl) return;
     for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) acc[i] = 0.f;
     for (int ww = 0; ww < wpb; ww++) {  // the warps' partial sums in warp order
         __syncthreads();
@@ -337,17 +368,23 @@ __global__ void __launch_bounds__(256) norm_bwd_warp_kernel(X *__restrict__ dx, 
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
         if (pw) part_w[(long long)blockIdx.x * C + i] = acc[i];
         if (pb) part_b[(long long)blockIdx.x * C + i] = acc[C + i];
+        if (pl) {  // the warps' rows in warp order
+            float t = 0.f;
+            for (int ww = 0; ww < wpb; ww++) t += acc[2 * C + ww * C + i];
+            part_l[(long long)blockIdx.x * C + i] = t;
+        }
     }
 }
 
 // out[c] = Σ_k part[k·C + c], k in a fixed order, for dw (blockIdx.y 0)
 // and db (1): blocks of 8 columns (one 32-byte sector of a row) × 32 row
-// lanes, each lane summing every 32nd row, then the lanes in order
-template <typename A>
-__global__ void column_sum_kernel(A *__restrict__ out_w, const A *__restrict__ part_w, A *__restrict__ out_b,
+// lanes, each lane summing every 32nd row, then the lanes in order; the
+// sum rounded once into O (dxl_sum: A float, O g's dtype)
+template <typename A, typename O = A>
+__global__ void column_sum_kernel(O *__restrict__ out_w, const A *__restrict__ part_w, O *__restrict__ out_b,
                                   const A *__restrict__ part_b, int nrows, int C) {
     __shared__ A buf[32][9];
-    A *out = blockIdx.y ? out_b : out_w;
+    O *out = blockIdx.y ? out_b : out_w;
     const A *part = blockIdx.y ? part_b : part_w;
     if (!out) return;  // the same for the whole block
     const int c = blockIdx.x * 8 + threadIdx.x;
@@ -359,7 +396,32 @@ __global__ void column_sum_kernel(A *__restrict__ out_w, const A *__restrict__ p
     if (threadIdx.y == 0 && c < C) {
         A t = 0;
         for (int k = 0; k < 32; k++) t += buf[k][threadIdx.x];
-        out[c] = t;
+        out[c] = conv<O>::store(t);
+    }
+}
+
+// part[blockIdx.y·C + c] = Σ of d[r·C + c] over the rows r of slab
+// blockIdx.y (rows_per rows), in f32: blocks of 32 columns (a warp reads
+// a row's contiguous 32 values) × 8 row lanes, each lane taking every 8th
+// row of the slab, then the lanes in order. dxl_sum where the backward
+// kernel does not fuse it (column_sum_kernel adds the slabs after).
+template <typename G>
+__global__ void column_rows_kernel(float *__restrict__ part, const G *__restrict__ d, long long N, int C,
+                                   long long rows_per) {
+    __shared__ float buf[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const long long r0 = (long long)blockIdx.y * rows_per;
+    long long r1 = r0 + rows_per;
+    if (r1 > N) r1 = N;
+    float s = 0.f;
+    if (c < C)
+        for (long long r = r0 + threadIdx.y; r < r1; r += 8) s += conv<G>::load(d[r * C + c]);
+    buf[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float t = 0.f;
+        for (int k = 0; k < 8; k++) t += buf[k][threadIdx.x];
+        part[(long long)blockIdx.y * C + c] = t;
     }
 }
 
@@ -479,30 +541,63 @@ int launch_bwd_v(ms_tensor *dx, A *part_w, A *part_b, A *gacc, const ms_tensor *
     return 0;
 }
 
+// dxl_sum (C, G's dtype) = the column sums of dxl (N, C), by a read of its
+// own: slabs of rows summed by column_rows_kernel, then the slabs in order
+template <typename G>
+int launch_dxl_column_sum(ms_tensor *dxl_sum, const ms_tensor *dxl, long long N, int C) {
+    const int dev = dxl->device_id;
+    cudaStream_t s = ms_cuda_stream_of(dev);
+    long long slabs = (N + 255) / 256;
+    if (slabs > 1024) slabs = 1024;
+    if (slabs < 1) slabs = 1;
+    const long long rows_per = (N + slabs - 1) / slabs;
+    tmp_tensor part;
+    int64_t ps[1] = {(int64_t)slabs * C};
+    if (ms_tensor_empty(&part.t, 1, ps, MS_F32, dev)) return -1;
+    dim3 rb(32, 8), rg((unsigned)((C + 31) / 32), (unsigned)slabs);
+    column_rows_kernel<G><<<rg, rb, 0, s>>>(ptr<float>(part.t), ptr<G>(dxl), N, C, rows_per);
+    LAUNCH_CHECK("column_rows_kernel");
+    dim3 cb(8, 32), cg((unsigned)((C + 7) / 8), 1);
+    column_sum_kernel<float, G><<<cg, cb, 0, s>>>(ptr<G>(dxl_sum), ptr<float>(part.t), nullptr, nullptr, (int)slabs,
+                                                  C);
+    LAUNCH_CHECK("column_sum_kernel (dxl_sum)");
+    return 0;
+}
+
 template <typename G, typename X, int V, int NCH, bool RMS>
 int launch_bwd_warp(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
                     const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C,
-                    const ms_tensor *gres, ms_tensor *dxl) {
+                    const ms_tensor *gres, ms_tensor *dxl, ms_tensor *dxl_sum) {
     const int dev = x->device_id, threads = 256;
     long long nb = (long long)ms_sm_count(dev) * 4;  // 4 blocks (32 warps) an SM
     const long long need = (N + threads / 32 - 1) / (threads / 32);
     if (nb > need) nb = need;
     if (nb < 1) nb = 1;
     const int blocks = (int)nb;
-    const bool params = dw || db;
-    tmp_tensor pw, pb;
+    const bool params = dw || db, lsum = dxl_sum && dxl;
+    tmp_tensor pw, pb, pl;
+    int64_t ps[1] = {(int64_t)blocks * C};
     if (params) {
-        int64_t ps[1] = {(int64_t)blocks * C};
         if (dw && ms_tensor_empty(&pw.t, 1, ps, MS_F32, dev)) return -1;
         if (db && ms_tensor_empty(&pb.t, 1, ps, MS_F32, dev)) return -1;
     }
-    const size_t smem = params ? sizeof(float) * 2 * (size_t)C : 0;
+    if (lsum && ms_tensor_empty(&pl.t, 1, ps, MS_F32, dev)) return -1;
+    // acc (dw, db: 2·C) and, for dxl_sum, a row of C per warp after it
+    // (GPT-2's 768: 6 + 24 KiB)
+    const size_t smem = params || lsum ? sizeof(float) * (2 + (lsum ? threads / 32 : 0)) * (size_t)C : 0;
     auto kernel = norm_bwd_warp_kernel<G, X, V, NCH, RMS>;
     if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<blocks, threads, smem, ms_cuda_stream_of(dev)>>>(ptr<X>(dx), ptr<float>(pw.t), ptr<float>(pb.t), ptr<G>(g),
                                                               ptr<X>(x), ptr<float>(mean), ptr<float>(rstd),
-                                                              ptr<float>(w), N, C, ptr<X>(gres), ptr<G>(dxl));
+                                                              ptr<float>(w), N, C, ptr<X>(gres), ptr<G>(dxl),
+                                                              ptr<float>(pl.t));
     LAUNCH_CHECK("norm_bwd_warp_kernel");
+    if (lsum) {
+        dim3 cb(8, 32), cg((unsigned)((C + 7) / 8), 1);
+        column_sum_kernel<float, G><<<cg, cb, 0, ms_cuda_stream_of(dev)>>>(ptr<G>(dxl_sum), ptr<float>(pl.t),
+                                                                           nullptr, nullptr, blocks, C);
+        LAUNCH_CHECK("column_sum_kernel (dxl_sum)");
+    }
     if (params) {
         dim3 cb(8, 32), cg((unsigned)((C + 7) / 8), 2);
         column_sum_kernel<float><<<cg, cb, 0, ms_cuda_stream_of(dev)>>>(ptr<float>(dw), ptr<float>(pw.t),
@@ -515,7 +610,7 @@ int launch_bwd_warp(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor
 template <typename G, typename X, typename A, bool RMS>
 int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
                const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C,
-               const ms_tensor *gres, ms_tensor *dxl = nullptr) {
+               const ms_tensor *gres, ms_tensor *dxl = nullptr, ms_tensor *dxl_sum = nullptr) {
     const int dev = x->device_id, adt = sizeof(A) == 8 ? MS_F64 : MS_F32;
     constexpr int VV = 16 / (sizeof(X) > sizeof(G) ? sizeof(X) : sizeof(G));
     const bool vec = C % VV == 0 && ms_aligned16(ms_tensor_data(x)) && ms_aligned16(ms_tensor_data(g)) &&
@@ -528,11 +623,15 @@ int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, 
         constexpr int MAXCH = 32 / VV;
         const int nch = vec ? (C + 32 * VV - 1) / (32 * VV) : 0;
         if (vec && nch <= MAXCH && warp_rows_on()) {
-            if (nch <= 2) return launch_bwd_warp<G, X, VV, 2, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
-            if (nch <= 4) return launch_bwd_warp<G, X, VV, 4, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
+            if (nch <= 2) return launch_bwd_warp<G, X, VV, 2, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl,
+                                                            dxl_sum);
+            if (nch <= 4) return launch_bwd_warp<G, X, VV, 4, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl,
+                                                            dxl_sum);
             if constexpr (MAXCH >= 8) {
-                if (nch <= 6) return launch_bwd_warp<G, X, VV, 6, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
-                return launch_bwd_warp<G, X, VV, 8, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
+                if (nch <= 6) return launch_bwd_warp<G, X, VV, 6, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl,
+                                                            dxl_sum);
+                return launch_bwd_warp<G, X, VV, 8, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl,
+                                                         dxl_sum);
             }
         }
     }
@@ -571,6 +670,13 @@ int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, 
                  : launch_bwd_v<G, X, A, 1, RMS>(dx, ptr<A>(pw.t), ptr<A>(pb.t), ptr<A>(ga.t), g, x, mean, rstd, w,
                                                   N, C, blocks, threads, smem, gres, dxl);
     if (rc) return rc;
+    if (dxl_sum && dxl) {  // not fused here: a read of dxl of its own (f32 sums; f64 goes to the caller's)
+        if constexpr (sizeof(G) <= 4) {
+            if (launch_dxl_column_sum<G>(dxl_sum, dxl, N, C)) return -1;
+        } else {
+            return ms_errorf("norm.cu: dxl_sum of an f64 dxl is the caller's");
+        }
+    }
     if (params) {
         dim3 cb(8, 32), cg((unsigned)((C + 7) / 8), 2);
         column_sum_kernel<A><<<cg, cb, 0, ms_cuda_stream_of(dev)>>>(ptr<A>(dw), ptr<A>(pw.t), ptr<A>(db),
@@ -585,7 +691,7 @@ int launch_bwd(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, 
 template <bool RMS>
 int norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
                   const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, const ms_tensor *gres = nullptr,
-                  ms_tensor *dxl = nullptr) {
+                  ms_tensor *dxl = nullptr, ms_tensor *dxl_sum = nullptr) {
     const char *op = RMS ? "rms_norm_backward" : "layer_norm_backward";
     long long N;
     int C;
@@ -595,6 +701,7 @@ int norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *
     if (N == 0) {
         if (dw && ms_cuda_fill(dw, 0)) return -1;
         if (db && ms_cuda_fill(db, 0)) return -1;
+        if (dxl_sum && ms_cuda_fill(dxl_sum, 0)) return -1;
         return 0;
     }
     const bool x64 = x->dtype_id == MS_F64;
@@ -603,12 +710,12 @@ int norm_backward(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *
         if (ms_tensor_to(&t.t, g, x64 ? MS_F64 : MS_F32, g->device_id)) return -1;
         return norm_backward<RMS>(dx, dw, db, t.t, x, mean, rstd, w, gres);
     }
-    if (x64) return launch_bwd<double, double, double, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
+    if (x64) return launch_bwd<double, double, double, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl, dxl_sum);
     return with_float32_type(g->dtype_id, op, [&](auto gt) {
         using G = decltype(gt);
         return with_float32_type(x->dtype_id, op, [&](auto xt) {
             using X = decltype(xt);
-            return launch_bwd<G, X, float, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl);
+            return launch_bwd<G, X, float, RMS>(dx, dw, db, g, x, mean, rstd, w, N, C, gres, dxl, dxl_sum);
         });
     });
 }
@@ -662,16 +769,22 @@ extern "C" int ms_cuda_add_norm(ms_tensor *res, ms_tensor *y, ms_tensor *mean, m
 }
 
 // a norm's backward with dx += gres in the same pass (gres in x's dtype),
-// and with dxl (or NULL) dx written a second time in g's dtype
+// and with dxl (or NULL) dx written a second time in g's dtype; with
+// dxl_sum (or NULL) dxl's column sums (in the warp kernel's pass, else by
+// launch_dxl_column_sum). 1 (nothing done): the caller's path.
 extern "C" int ms_cuda_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g,
                                          const ms_tensor *x, const ms_tensor *mean, const ms_tensor *rstd,
-                                         const ms_tensor *w, const ms_tensor *gres, int rms, ms_tensor *dxl) {
+                                         const ms_tensor *w, const ms_tensor *gres, int rms, ms_tensor *dxl,
+                                         ms_tensor *dxl_sum) {
     if (!add_norm_on() || !dx || gres->dtype_id != x->dtype_id) return 1;
     if (dxl && (dxl->dtype_id != g->dtype_id || (g->dtype_id == MS_F64) != (x->dtype_id == MS_F64) ||
                 !ms_tensor_is_contiguous(dxl) || !ms_tensor_is_contiguous(g)))
         return 1;
-    return rms ? norm_backward<true>(dx, dw, nullptr, g, x, nullptr, rstd, w, gres, dxl)
-               : norm_backward<false>(dx, dw, db, g, x, mean, rstd, w, gres, dxl);
+    if (dxl_sum && (!dxl || dxl_sum->dtype_id != dxl->dtype_id || dxl->dtype_id == MS_F64 ||
+                    !ms_tensor_is_contiguous(dxl_sum) || ms_tensor_numel(dxl_sum) != x->sizes[x->ndim - 1]))
+        return 1;
+    return rms ? norm_backward<true>(dx, dw, nullptr, g, x, nullptr, rstd, w, gres, dxl, dxl_sum)
+               : norm_backward<false>(dx, dw, db, g, x, mean, rstd, w, gres, dxl, dxl_sum);
 }
 
 extern "C" int ms_cuda_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps) {

@@ -339,3 +339,68 @@ describe('the residual add fused into RMSNorm on cuda #gpu', function()
     end)
   end
 end)
+
+describe('the column sums of dxl (a bias gradient) from the norm backward on cuda #gpu', function()
+  -- rows x C, x's and g's dtypes: 768 and 256 wide run the warp-per-row
+  -- kernel (the sums fused into its pass; more rows than the grid's warps),
+  -- 2048 the block kernel and 37 the scalar one (a separate reduction of dxl)
+  local cases = { { 4096, 768, 'f32', 'bf16' }, { 4096, 768, 'f32', 'f32' }, { 4100, 256, 'bf16', 'bf16' },
+    { 512, 2048, 'f32', 'f32' }, { 512, 2048, 'f32', 'bf16' }, { 33, 37, 'f32', 'bf16' } }
+  -- got (C) against the f64 column sums of d (N, C): rel·|sum| plus a floor
+  -- of 1e-5 of the column's absolute sum, column by column
+  local function near_sums(got, d, rel)
+    local d64 = d:to('cpu'):to('f64')
+    local want = F.sum(d64, 1):totable()
+    local mag = F.sum(F.abs(d64), 1):totable()
+    local g = got:to('cpu'):to('f64'):totable()
+    assert.are.equal(#want, #g)
+    for c = 1, #want do
+      local tol = rel * math.abs(want[c]) + 1e-5 * mag[c]
+      if math.abs(g[c] - want[c]) > tol then
+        return false, ('column %d: %.9g vs %.9g (tolerance %.3g)'):format(c, g[c], want[c], tol)
+      end
+    end
+    return true
+  end
+  for _, c in ipairs(cases) do
+    local N, Cw, xdt, gdt = c[1], c[2], c[3], c[4]
+    it(('%dx%d, x %s, g %s: the sums of dxl as stored, deterministic, as the CPU reference'):format(N, Cw, xdt, gdt),
+      function()
+        local x, h = randn({ N, Cw }, xdt), randn({ N, Cw }, xdt)
+        local w, b = randn({ Cw }), randn({ Cw })
+        local res, _, m, s = F.native_add_layer_norm(cu(x), cu(h), cu(w), cu(b), 1e-5)
+        local g, gres = randn({ N, Cw }, gdt), randn({ N, Cw }, res.dtype)
+        local dx, dw, db, dxl, dls = F.native_layer_norm_backward_add(cu(g), res, m, s, cu(w), cu(gres),
+          { dxl = true, dxl_sum = true })
+        assert.are.equal(gdt, dls.dtype)
+        assert.are.same({ Cw }, dls.shape)
+        local ok, msg = near_sums(dls, dxl, gdt == 'f32' and 1e-5 or 1e-2)
+        assert.is_true(ok, msg)
+        -- the other outputs as without the sums, and the same bits again
+        local dx2, dw2, db2, dxl2 = F.native_layer_norm_backward_add(cu(g), res, m, s, cu(w), cu(gres), { dxl = true })
+        assert.is_true(same_bits(dx, dx2) and same_bits(dxl, dxl2), 'dx, dxl')
+        assert.is_true(same_bits(dw, dw2) and same_bits(db, db2), 'dw, db')
+        local _, _, _, _, dls2 = F.native_layer_norm_backward_add(cu(g), res, m, s, cu(w), cu(gres),
+          { dxl = true, dxl_sum = true })
+        assert.is_true(same_bits(dls, dls2), 'not deterministic')
+        -- the CPU reference from the same inputs (its dxl rounds alike up
+        -- to the last bit of a few elements)
+        local cr, cm, cs = res:to('cpu'), m:to('cpu'), s:to('cpu')
+        local _, _, _, _, cdls = F.native_layer_norm_backward_add(g, cr, cm, cs, w, gres, { dxl = true, dxl_sum = true })
+        local e = relerr(dls, cdls)
+        assert.is_true(e <= (gdt == 'f32' and 1e-4 or 1e-2), 'vs cpu ' .. e)
+        -- without a residual gradient: the plain backward, then the sums
+        -- by the generic reduction of dxl
+        local _, _, _, ndxl, ndls = F.native_layer_norm_backward_add(cu(g), res, m, s, cu(w), nil,
+          { dxl = true, dxl_sum = true })
+        ok, msg = near_sums(ndls, ndxl, gdt == 'f32' and 1e-5 or 1e-2)
+        assert.is_true(ok, 'without gres ' .. tostring(msg))
+        -- RMSNorm: the same sums
+        local rr, _, rs = F.native_add_rms_norm(cu(x), cu(h), cu(w), 1e-6)
+        local _, _, rdxl, rdls = F.native_rms_norm_backward_add(cu(g), rr, rs, cu(w), cu(gres),
+          { dxl = true, dxl_sum = true })
+        ok, msg = near_sums(rdls, rdxl, gdt == 'f32' and 1e-5 or 1e-2)
+        assert.is_true(ok, 'rms ' .. tostring(msg))
+      end)
+  end
+end)

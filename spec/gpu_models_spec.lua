@@ -108,3 +108,36 @@ describe('fixture models on cuda #gpu', function()
     assert.is_true(last < first)
   end)
 end)
+
+describe('gpt2-tiny c_proj bias gradients from the norm backward on cuda #gpu', function()
+  it('a bf16 autocast step gives the gradients of the bias epilogue, 2 sums taken a block', function()
+    local nnf = ms.nn.functional
+    local M = require 'models.gpt2'
+    local dir = fixtures .. '/gpt2-tiny'
+    local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+    local ids, tg = exp.input_ids:to('cuda'), exp.targets:to('cuda')
+    local function step(on)
+      local prev = nnf.set_norm_bias_sum(on)
+      local model = nnf.set_precision(M.from_pretrained(dir):to('cuda'), { compute = 'bf16' })
+      model:eval()
+      local before = nnf.norm_bias_sum_count()
+      local ok, err = pcall(function() model(ids, tg):backward() end)
+      nnf.set_norm_bias_sum(prev)
+      assert(ok, err)
+      local grads = {}
+      for n, p in model:named_parameters() do grads[n] = p.grad:to('cpu'):to('f64') end
+      return grads, nnf.norm_bias_sum_count() - before, #model.transformer.h
+    end
+    local on, taken, nl = step(true)
+    local off, none = step(false)
+    assert.are.equal(2 * nl, taken)
+    assert.are.equal(0, none)
+    local nb = 0
+    for n, g in pairs(off) do
+      local e = relerr(on[n], g)
+      assert.is_true(e <= 1e-2, n .. ' ' .. e)
+      if n:match('c_proj%.bias$') then nb = nb + 1 end
+    end
+    assert.are.equal(2 * nl, nb)
+  end)
+end)

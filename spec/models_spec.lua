@@ -408,3 +408,79 @@ describe('model configs', function()
     assert.is_true(rawequal(saw.w, m.transformer.wte.weight) or saw.w.id == m.transformer.wte.weight.id)
   end)
 end)
+
+-- The bias gradients of GPT-2's c_proj layers (attn.c_proj, mlp.c_proj in
+-- gelu_mlp) come from the next norm's backward (its column sums of the
+-- branch gradient) instead of the GEMM's bias epilogue: the same values
+-- with the fusion on and off, and the fused path really taken (2 a block)
+describe('gpt2-tiny: c_proj bias gradients from the norm backward', function()
+  if not have_fixtures then
+    pending('fixtures not found under ' .. fixtures)
+    return
+  end
+  local nnf = nn.functional
+  local dir = fixtures .. '/gpt2-tiny'
+  -- every parameter's gradient (f64 copies) and the sums taken, fusion `on`
+  local function step(on, bf16)
+    local prev = nnf.set_norm_bias_sum(on)
+    local model = gpt2.from_pretrained(dir)
+    if bf16 then nnf.set_precision(model, { compute = 'bf16' }) end
+    model:eval()
+    local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+    local before = nnf.norm_bias_sum_count()
+    local ok, err = pcall(function()
+      model:zero_grad()
+      model(exp.input_ids, exp.targets):backward()
+    end)
+    nnf.set_norm_bias_sum(prev)
+    assert(ok, err)
+    local grads = {}
+    for name, p in model:named_parameters() do grads[name] = p.grad:to({ dtype = 'f64', copy = true }) end
+    return grads, nnf.norm_bias_sum_count() - before, #model.transformer.h
+  end
+  local function compare(bound)
+    local on, taken, nl = step(true, bound > 1e-4)
+    local off, none = step(false, bound > 1e-4)
+    assert.are.equal(2 * nl, taken)
+    assert.are.equal(0, none)
+    local nb = 0
+    for name, g in pairs(off) do
+      local e = relerr(on[name], g)
+      assert.is_true(e <= bound, ('%s: relative error %.3g > %g'):format(name, e, bound))
+      if name:match('c_proj%.bias$') then
+        nb = nb + 1
+        assert.is_true(values(g)[1] ~= 0, name .. ' is zero')
+      end
+    end
+    assert.are.equal(2 * nl, nb)
+  end
+  it('in f32 equal those of the bias epilogue (1e-5)', function() compare(1e-5) end)
+  it('under bf16 autocast equal them within bf16 rounding (1e-2)', function() compare(1e-2) end)
+  it('are not taken when the branch output has another consumer', function()
+    local function run(on, twice)
+      local x = T.randn({ 2, 5, 8 }, { seed = 7901 }):requires_grad_()
+      local w = T.randn({ 8, 8 }, { seed = 7902 }):requires_grad_()
+      local b = T.randn({ 8 }, { seed = 7903 }):requires_grad_()
+      local lw = T.randn({ 8 }, { seed = 7904 })
+      local prev = nnf.set_norm_bias_sum(on)
+      local before = nnf.norm_bias_sum_count()
+      local h = nnf.conv1d_linear(x, w, b)
+      local r, y = nnf.add_layer_norm(x, h, lw, nil, 1e-5)
+      local loss = (y * y):sum() + (r * r):sum()
+      if twice then loss = loss + (h * h):sum() end
+      loss:backward()
+      nnf.set_norm_bias_sum(prev)
+      return b.grad:to({ dtype = 'f64', copy = true }), nnf.norm_bias_sum_count() - before
+    end
+    local db_on, n_on = run(true, false)
+    local db_off, n_off = run(false, false)
+    assert.are.equal(1, n_on)
+    assert.are.equal(0, n_off)
+    assert.is_true(relerr(db_on, db_off) <= 1e-5)
+    local db2_on, n2 = run(true, true)
+    local db2_off = run(false, true)
+    assert.are.equal(0, n2)
+    assert.is_true(relerr(db2_on, db2_off) <= 1e-5)
+    assert.is_true(relerr(db2_on, db_on) > 1e-3)   -- the other consumer's share is in it
+  end)
+end)

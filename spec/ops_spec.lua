@@ -1396,3 +1396,79 @@ describe('native_add_rms_norm and native_rms_norm_backward_add', function()
     end
   end)
 end)
+
+describe('the column sums of dxl from the norm backward (dxl_sum: a bias gradient)', function()
+  -- the f64 column sums of dxl's stored values; |got - want| within the
+  -- output dtype's rounding of the sum plus f32 accumulation over the rows
+  local function check(dls, dxl, what)
+    local C = dxl.shape[#dxl.shape]
+    local n = numel_of(dxl.shape) / C
+    assert.are.same({ C }, dls.shape)
+    assert.are.equal(dxl.dtype, dls.dtype, what)
+    local v, got = vals(dxl), vals(dls)
+    local rel = dls.dtype == 'f32' and 2 ^ -24 or 2 ^ -8
+    local nonzero = 0
+    for c = 1, C do
+      local want, mag = 0, 0
+      for r = 0, n - 1 do
+        want = want + v[r * C + c]
+        mag = mag + math.abs(v[r * C + c])
+      end
+      local tol = rel * math.abs(want) + 1e-6 * mag
+      assert.is_true(math.abs(got[c] - want) <= tol,
+        ('%s: column %d: %.9g vs %.9g (tolerance %.3g)'):format(what, c, got[c], want, tol))
+      if got[c] ~= 0 then nonzero = nonzero + 1 end
+    end
+    assert.is_true(nonzero == C, what .. ': a zero column sum')
+  end
+  it('are the f64 column sums of dxl (LayerNorm, RMSNorm; f32 and bf16 g)', function()
+    for _, c in ipairs({ { 'f32', 'f32' }, { 'f32', 'bf16' }, { 'bf16', 'bf16' }, { 'f64', 'f64' } }) do
+      local sh = { 3, 13, 40 }
+      local x = T.randn(sh, { seed = 7801 }):to(c[1])
+      local h = T.randn(sh, { seed = 7802 }):to(c[1])
+      local w = T.randn({ 40 }, { seed = 7803 }):to(c[1])
+      local b = T.randn({ 40 }, { seed = 7804 }):to(c[1])
+      local g = T.randn(sh, { seed = 7805 }):to(c[2])
+      local gres = T.randn(sh, { seed = 7806 }):to(c[1])
+      local what = c[1] .. ' x, ' .. c[2] .. ' g'
+      local res, _, mean, rstd = F.native_add_layer_norm(x, h, w, b, 1e-5)
+      local dx, dw, db, dxl, dls = F.native_layer_norm_backward_add(g, res, mean, rstd, w, gres,
+        { dxl = true, dxl_sum = true })
+      check(dls, dxl, 'layer_norm, ' .. what)
+      -- the other outputs as without the sums
+      local dx2, dw2, db2, dxl2 = F.native_layer_norm_backward_add(g, res, mean, rstd, w, gres, { dxl = true })
+      assert.are.same(vals(dx2), vals(dx))
+      assert.are.same(vals(dw2), vals(dw))
+      assert.are.same(vals(db2), vals(db))
+      assert.are.same(vals(dxl2), vals(dxl))
+      local rres, _, rrstd = F.native_add_rms_norm(x, h, w, 1e-6)
+      local _, _, rdxl, rdls = F.native_rms_norm_backward_add(g, rres, rrstd, w, gres, { dxl = true, dxl_sum = true })
+      check(rdls, rdxl, 'rms_norm, ' .. what)
+      -- without a residual gradient too
+      local _, _, _, dxl3, dls3 = F.native_layer_norm_backward_add(g, res, mean, rstd, w, nil,
+        { dxl = true, dxl_sum = true })
+      check(dls3, dxl3, 'layer_norm without gres, ' .. what)
+    end
+  end)
+  it('fill a given output, and are refused without dxl', function()
+    local x, g = T.randn({ 4, 8 }, { seed = 7811 }), T.randn({ 4, 8 }, { seed = 7812 })
+    local res, _, m, r = F.native_add_layer_norm(x, x)
+    local ok, err = pcall(F.native_layer_norm_backward_add, g, res, m, r, nil, x, { dxl_sum = true })
+    assert.is_false(ok)
+    assert.matches('without that dx', err, 1, true)
+    local box = ffi.new('ms_tensor*[1]')
+    local out = T.zeros({ 8 }, { dtype = 'bf16' })
+    box[0] = out
+    local dxl = ffi.new('ms_tensor*[1]')
+    assert.are.equal(-1, C.ms_layer_norm_backward_add(nil, nil, nil, g, res, m, r, nil, x, dxl, box))
+    assert.matches('without dx', ffi.string(C.ms_last_error()), 1, true)
+    local dx = ffi.new('ms_tensor*[1]')
+    -- g f32: a bf16 box is the wrong dtype
+    assert.are.equal(-1, C.ms_layer_norm_backward_add(dx, nil, nil, g, res, m, r, nil, x, dxl, box))
+    local good = T.zeros({ 8 })
+    box[0] = good
+    assert.are.equal(0, C.ms_layer_norm_backward_add(dx, nil, nil, g, res, m, r, nil, x, dxl, box))
+    T.wrap(dx[0]):free()
+    check(good, T.wrap(dxl[0]), 'a given output')
+  end)
+end)

@@ -492,9 +492,11 @@ function F.native_add_layer_norm(x, h, w, b, eps, out_dtype)
   return wrap(s[0]), wrap(y[0]), wrap(m[0]), wrap(r[0])
 end
 
--- native_layer_norm_backward_add(g, x, mean, rstd, w?, gres, {dx=, dw=, db=, dxl=})
+-- native_layer_norm_backward_add(g, x, mean, rstd, w?, gres, {dx=, dw=, db=, dxl=, dxl_sum=})
 -- -> dx (+ gres, in the same pass on CUDA), dw, db, and with dxl = true dx
--- once more in g's dtype (from the same pass on CUDA)
+-- once more in g's dtype (from the same pass on CUDA); with dxl_sum = true
+-- (needs dxl) also dxl's column sums (C) in g's dtype, the last value
+-- returned (from the same pass on CUDA where the warp-per-row kernel runs)
 function F.native_layer_norm_backward_add(g, x, mean, rstd, w, gres, want)
   need_tensor('layer_norm_backward', g, 'the gradient')
   need_tensor('layer_norm_backward', x, 'x')
@@ -507,8 +509,12 @@ function F.native_layer_norm_backward_add(g, x, mean, rstd, w, gres, want)
   local dw = want.dw ~= false and box_t() or nil
   local db = want.db ~= false and box_t() or nil
   local dxl = want.dxl and box_t() or nil
-  if C.ms_layer_norm_backward_add(dx, dw, db, g, x, mean, rstd, w, gres, dxl) ~= 0 then
+  local dls = want.dxl_sum and box_t() or nil
+  if C.ms_layer_norm_backward_add(dx, dw, db, g, x, mean, rstd, w, gres, dxl, dls) ~= 0 then
     raise(ffi.string(C.ms_last_error()))
+  end
+  if dls then
+    return dx and wrap_opt(dx), dw and wrap_opt(dw), db and wrap_opt(db), dxl and wrap_opt(dxl), wrap_opt(dls)
   end
   return dx and wrap_opt(dx), dw and wrap_opt(dw), db and wrap_opt(db), dxl and wrap_opt(dxl)
 end
@@ -541,7 +547,8 @@ function F.native_add_rms_norm(x, h, w, eps, out_dtype)
   return wrap(s[0]), wrap(y[0]), wrap(r[0])
 end
 
--- native_rms_norm_backward_add(g, x, rstd, w?, gres, {dx=, dw=, dxl=}) -> dx (+ gres), dw, dxl
+-- native_rms_norm_backward_add(g, x, rstd, w?, gres, {dx=, dw=, dxl=, dxl_sum=}) -> dx (+ gres), dw, dxl,
+-- and with dxl_sum = true dxl's column sums (as native_layer_norm_backward_add)
 function F.native_rms_norm_backward_add(g, x, rstd, w, gres, want)
   need_tensor('rms_norm_backward', g, 'the gradient')
   need_tensor('rms_norm_backward', x, 'x')
@@ -552,7 +559,11 @@ function F.native_rms_norm_backward_add(g, x, rstd, w, gres, want)
   local dx = want.dx ~= false and box_t() or nil
   local dw = want.dw ~= false and box_t() or nil
   local dxl = want.dxl and box_t() or nil
-  if C.ms_rms_norm_backward_add(dx, dw, g, x, rstd, w, gres, dxl) ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  local dls = want.dxl_sum and box_t() or nil
+  if C.ms_rms_norm_backward_add(dx, dw, g, x, rstd, w, gres, dxl, dls) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  if dls then return dx and wrap_opt(dx), dw and wrap_opt(dw), dxl and wrap_opt(dxl), wrap_opt(dls) end
   return dx and wrap_opt(dx), dw and wrap_opt(dw), dxl and wrap_opt(dxl)
 end
 

@@ -95,10 +95,88 @@ end
 -- --------------------------------------------------------------- linear
 -- linear and conv1d_linear differ only in the weight's layout: wt = true,
 -- w is (out, in) (nn.Linear); wt = false, w is (in, out) (GPT-2's Conv1D)
+-- Bias gradients from the norm backward. An affine layer's bias gradient is
+-- the column sum of its output gradient. When that output h went into
+-- add_layer_norm / add_rms_norm (a deferred residual add), h's gradient is
+-- the norm backward's dxl, whose kernel can sum its columns in the pass
+-- that writes it (ms_layer_norm_backward_add's dxl_sum): the affine
+-- backward then takes that sum instead of cuBLASLt's BGRAD epilogue (a
+-- second read of the gradient). The norm backward publishes the sum in a
+-- one-slot pending entry; the affine backward takes it only when it is
+-- provably the sum of the gradient it received: its own output is the h
+-- the norm saw (node.oid == hid), and g is that very gradient, the tensor
+-- the norm returned or an alias of it over the same storage and view
+-- (autograd hands a Function's results on as aliases; a gradient summed
+-- from several consumers or converted to another dtype is a new tensor and
+-- does not match). The entry holds its own alias, so the storage cannot be
+-- freed and reused while it waits; it is dropped when replaced, when
+-- taken, and at the end of every backward. MS_NORM_BIAS_SUM=0 (read once)
+-- or nnf.set_norm_bias_sum(false): never asked for (to compare).
+local norm_bias_sum_on = os.getenv('MS_NORM_BIAS_SUM') ~= '0'
+local norm_bias_sum_taken = 0   -- pending sums consumed (for specs)
+local pending_sum = nil         -- { hid =, g = alias of h's gradient, sum = (C) }
+
+local function drop_pending_sum()
+  local p = pending_sum
+  if p == nil then return end
+  pending_sum = nil
+  free(p.g)
+  free(p.sum)
+end
+A.register_hook('backward_end', drop_pending_sum)
+
+-- nnf.set_norm_bias_sum(on) -> the previous setting
+function nnf.set_norm_bias_sum(on)
+  local prev = norm_bias_sum_on
+  norm_bias_sum_on = on and true or false
+  if not norm_bias_sum_on then drop_pending_sum() end
+  return prev
+end
+-- how many bias gradients came from a norm backward so far
+function nnf.norm_bias_sum_count() return norm_bias_sum_taken end
+
+local function publish_pending_sum(hid, gh, sum)
+  drop_pending_sum()
+  pending_sum = { hid = hid, g = R.alias(gh), sum = sum }
+end
+
+-- g and t the same elements: one handle, or handles of one view of one storage
+local function same_view(g, t)
+  if rawequal(g, t) or g.id == t.id then return true end
+  if g.storage == nil or g.storage ~= t.storage or g.offset ~= t.offset or g.ndim ~= t.ndim
+      or g.dtype_id ~= t.dtype_id or g.device_id ~= t.device_id then
+    return false
+  end
+  for d = 0, g.ndim - 1 do
+    if g.sizes[d] ~= t.sizes[d] or g.strides[d] ~= t.strides[d] then return false end
+  end
+  return true
+end
+
+-- the pending column sums of g when they are g's (node: the affine node that
+-- made h, receiving g), taken out of the slot; else nil
+local function take_pending_sum(node, g)
+  local p = pending_sum
+  if p == nil or p.hid ~= node.oid or not same_view(g, p.g) then return nil end
+  pending_sum = nil
+  free(p.g)
+  norm_bias_sum_taken = norm_bias_sum_taken + 1
+  return p.sum
+end
+
 -- an affine layer's weight and bias gradients from its input rows x2 and
 -- output gradient rows g2 (each when wanted): both from one GEMM when both
--- are (the bias gradient in its epilogue on CUDA)
-local function weight_bias_grads(x2, g2, wt, want_w, want_b)
+-- are (the bias gradient in its epilogue on CUDA). db_given: the bias
+-- gradient already known (a norm backward's column sums): the weight's
+-- from a plain GEMM
+local function weight_bias_grads(x2, g2, wt, want_w, want_b, db_given)
+  if db_given ~= nil then
+    local dw
+    if want_w then
+      if wt then dw = F.matmul(g2, x2, true, false) else dw = F.matmul(x2, g2, true, false) end
+    end
+    return dw, db_given
+  end
   if want_w and want_b and g2.dtype_id == x2.dtype_id then
     if wt then return F.matmul_bgrad(g2, x2, true, false, 'a') end
     return F.matmul_bgrad(x2, g2, true, false, 'b')
@@ -121,7 +199,10 @@ local function bwd_affine(node, g)
     dx = R.reshape(d2, node.ishape[1])
     if dx ~= d2 then free(d2) end
   end
-  local dw, db = weight_bias_grads(x2, g2, wt, node.need[2], node.need[3])
+  -- the bias gradient from the norm backward when it made g (delivered in
+  -- the bias's dtype by the autograd, as any gradient)
+  local dbs = node.need[3] and take_pending_sum(node, g) or nil
+  local dw, db = weight_bias_grads(x2, g2, wt, node.need[2], node.need[3], dbs)
   if g2 ~= g then free(g2) end
   return dx, dw, db
 end
@@ -194,7 +275,8 @@ local function bwd_gelu_mlp(node, g)
   if g.dtype_id ~= h.dtype_id then gc = R.to(g, { dtype = h.dtype_id }) end
   local g2 = rows(gc)
   local dx, dw1, db1
-  local dw2, db2 = weight_bias_grads(h, g2, wt, need[4], need[5])
+  local dbs = need[5] and gc == g and take_pending_sum(node, g) or nil
+  local dw2, db2 = weight_bias_grads(h, g2, wt, need[4], need[5], dbs)
   if need[1] or need[2] or need[3] then
     local dpre
     dpre, db1 = F.matmul_dgelu(g2, w2, false, not wt, pre, need[3])
@@ -376,6 +458,29 @@ local function add_norm_grads(need, dx, dxl)
   if dxl and not need[1] then free(dx) end
   return need[1] and dx or nil, need[2] and (dxl or dx) or nil
 end
+-- the backward nodes of affine layers with a bias, and the bias's input
+-- index: their output's gradient may come with its column sums (above)
+local bias_input = { [bwd_affine] = 3, [bwd_gelu_mlp] = 5 }
+-- forward: whether h is the output of an affine layer whose bias needs a
+-- gradient (its id then, else nil)
+local function biased_branch(h)
+  if not norm_bias_sum_on then return nil end
+  local node = h.grad_fn
+  local bi = node and bias_input[node.bwd]
+  if bi and node.need[bi] and node.oid == tonumber(h.id) then return node.oid end
+  return nil
+end
+-- backward: ask for dxl's column sums when h came from such a layer and its
+-- gradient (dxl, in g_y's dtype) reaches it unconverted
+local function wants_sum(ctx, g_y)
+  return norm_bias_sum_on and ctx.hid ~= nil and ctx.needs_input_grad[2] and ctx.hdt == g_y.dtype_id
+end
+-- after the backward: gh's column sums published for the affine backward
+local function publish_sum(ctx, gh, sum)
+  if sum == nil then return end
+  if gh == nil then free(sum); return end
+  publish_pending_sum(ctx.hid, gh, sum)
+end
 
 local AddLayerNorm = A.Function {
   name = 'add_layer_norm',
@@ -384,14 +489,20 @@ local AddLayerNorm = A.Function {
     local res, y, mean, rstd = F.native_add_layer_norm(x, h, w, b, eps, odt)
     ctx:save_for_backward(res, mean, rstd, w)
     ctx.hdt = h.dtype_id
+    ctx.hid = biased_branch(h)
     return res, y
   end,
   backward = function(ctx, g_res, g_y)
     local st = ctx.saved_tensors
     local need = ctx.needs_input_grad
-    local dx, dw, db, dxl = F.native_layer_norm_backward_add(g_y, st[1], st[2], st[3], st[4], g_res,
-      { dx = need[1] or need[2], dw = need[3] == true, db = need[4] == true, dxl = wants_low(ctx, st[1], g_y) })
+    -- with the column sums, dxl is wanted even in h's dtype = res's (f32):
+    -- the sums are those of the tensor handed on as h's gradient
+    local sum = wants_sum(ctx, g_y)
+    local dx, dw, db, dxl, dls = F.native_layer_norm_backward_add(g_y, st[1], st[2], st[3], st[4], g_res,
+      { dx = need[1] or need[2], dw = need[3] == true, db = need[4] == true,
+        dxl = sum or wants_low(ctx, st[1], g_y), dxl_sum = sum })
     local gx, gh = add_norm_grads(need, dx, dxl)
+    publish_sum(ctx, gh, dls)
     return gx, gh, dw, db
   end,
 }
@@ -411,14 +522,17 @@ local AddRMSNorm = A.Function {
     local res, y, rstd = F.native_add_rms_norm(x, h, w, eps, odt)
     ctx:save_for_backward(res, rstd, w)
     ctx.hdt = h.dtype_id
+    ctx.hid = biased_branch(h)
     return res, y
   end,
   backward = function(ctx, g_res, g_y)
     local st = ctx.saved_tensors
     local need = ctx.needs_input_grad
-    local dx, dw, dxl = F.native_rms_norm_backward_add(g_y, st[1], st[2], st[3], g_res,
-      { dx = need[1] or need[2], dw = need[3] == true, dxl = wants_low(ctx, st[1], g_y) })
+    local sum = wants_sum(ctx, g_y)
+    local dx, dw, dxl, dls = F.native_rms_norm_backward_add(g_y, st[1], st[2], st[3], g_res,
+      { dx = need[1] or need[2], dw = need[3] == true, dxl = sum or wants_low(ctx, st[1], g_y), dxl_sum = sum })
     local gx, gh = add_norm_grads(need, dx, dxl)
+    publish_sum(ctx, gh, dls)
     return gx, gh, dw
   end,
 }
