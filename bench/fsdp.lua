@@ -109,11 +109,11 @@ if use_fsdp then
                                head_unit = head_unit, prefetch_root = flags['prefetch-root'],
                                copy_gather = not flags['nccl-gather'] })
   opt = ms.fsdp.AdamW(model, adam)
-  clip = function() return ms.fsdp.clip_grad_norm(model, 1.0) end
+  clip = function() return ms.fsdp.clip_grad_norm(model, 1.0, { defer = opt }) end
 else
   model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
   opt = ms.optim.AdamW(model, adam)
-  clip = function() return ms.optim.clip_grad_norm(model, 1.0, { tensor = true }) end
+  clip = function() return ms.optim.clip_grad_norm(model, 1.0, { tensor = true, defer = opt }) end
 end
 
 -- random tokens, four batches cycled, a different stream per rank

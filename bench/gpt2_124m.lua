@@ -88,6 +88,8 @@ local loss
 -- (and the host syncs a timed step made: copies between host and device
 -- that blocked the host, ms.cuda.memory_stats().num_host_syncs; should be 0)
 local host_syncs, mallocs = 0, 0
+-- clip_grad_norm's coefficient applied by AdamW's step (defer; --ablate 1 turns it off)
+local defer_clip = true
 local function measure()
   local times = {}
   host_syncs, mallocs = 0, 0
@@ -99,7 +101,8 @@ local function measure()
     opt:zero_grad()
     loss = model(ids, tg)
     loss:backward()
-    ms.optim.clip_grad_norm(model, 1.0, { tensor = true })   -- as torch_gpt2.py (no host read)
+    -- as torch_gpt2.py (no host read); the coefficient applied by AdamW's step
+    ms.optim.clip_grad_norm(model, 1.0, { tensor = true, defer = defer_clip and opt or nil })
     opt:step()
     ms.cuda.synchronize()
     if step > opts.warmup then
@@ -148,7 +151,7 @@ if opts.phases == 1 then
     ev[2]:record(); t[2] = now()
     loss:backward()
     ev[3]:record(); t[3] = now()
-    ms.optim.clip_grad_norm(model, 1.0, { tensor = true })
+    ms.optim.clip_grad_norm(model, 1.0, { tensor = true, defer = defer_clip and opt or nil })
     opt:step()
     ev[4]:record(); t[4] = now()
     ms.cuda.synchronize()
@@ -180,6 +183,8 @@ if opts.ablate == 1 then
     { 'cuBLASLt epilogues off', function(on) return C.ms_cuda_gemm_set_epilogue(on and 0 or -1) end },
     { 'cuBLASLt DGELU epilogue on too', function(on) return C.ms_cuda_gemm_set_epilogue(on and C.MS_GEMM_EPI_ALL or -1) end },
     { 'one-pass attention backward', function(on) return C.ms_cuda_attention_set_onepass(on and 1 or 0) end },
+    { 'clip as a pass over the gradients', function(on) defer_clip = not on end },
+    { 'bias gradients by BGRAD (no norm sums)', function(on) require('moonshard.nn.functional').set_norm_bias_sum(not on) end },
   }) do
     v[2](true)
     local m = measure()

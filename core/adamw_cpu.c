@@ -47,12 +47,23 @@ static void st(void *p, int dtype, int64_t i, double v) {
     }
 }
 
+/* v rounded to dtype's precision (f64: itself) */
+static double round_to(double v, int dtype) {
+    switch (dtype) {
+    case MS_F32: return (double)(float)v;
+    case MS_BF16: return (double)ms_bf16_to_f32(ms_f32_to_bf16((float)v));
+    case MS_F16: return (double)ms_f16_to_f32(ms_f32_to_f16((float)v));
+    default: return v;
+    }
+}
+
 /* p, g, m, v: n tensors each, w NULL or n masters (each NULL or the f32
  * master of p[t]: read and written instead of p, p stored as its rounding);
- * checked by core/ops.c */
+ * with scaled, each gradient element enters as round_g(g·round_g(grad_scale)),
+ * round_g the gradient dtype's rounding; checked by core/ops.c */
 int ms_cpu_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
                  double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                 ms_tensor *const *w) {
+                 ms_tensor *const *w, double grad_scale, int scaled) {
     const double decay = 1.0 - lr * weight_decay;
     const double step_size = lr / (1.0 - pow(beta1, (double)step));
     const double bc2_sqrt = sqrt(1.0 - pow(beta2, (double)step));
@@ -63,9 +74,11 @@ int ms_cpu_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *con
         int pd = p[t]->dtype_id, gd = g[t]->dtype_id, md = m[t]->dtype_id, vd = v[t]->dtype_id;
         void *wp = w && w[t] ? ms_tensor_data(w[t]) : NULL;
         int wd = wp ? w[t]->dtype_id : pd;
+        const double sc = scaled ? round_to(grad_scale, gd) : 1.0;
 #pragma omp parallel for schedule(static) if (numel > GRAIN)
         for (int64_t i = 0; i < numel; i++) {
             double gi = ld(gp, gd, i);
+            if (scaled) gi = round_to(gi * sc, gd);
             double mi = beta1 * ld(mp, md, i) + (1.0 - beta1) * gi;
             double vi = beta2 * ld(vp, vd, i) + (1.0 - beta2) * gi * gi;
             double pi = ld(wp ? wp : pp, wd, i) * decay;

@@ -1005,11 +1005,14 @@ static int dev_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *
 
 static int dev_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
                      double lr, double beta1, double beta2, double eps, double wd, int64_t step,
-                     ms_tensor *const *w) {
+                     ms_tensor *const *w, const ms_tensor *gs) {
 #ifdef MS_WITH_CUDA
-    if (p[0]->device_id >= 0) return ms_cuda_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step, w);
+    if (p[0]->device_id >= 0)
+        return ms_cuda_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step, w,
+                             gs ? (const double *)ms_tensor_data(gs) : NULL);
 #endif
-    return ms_cpu_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step, w);
+    return ms_cpu_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step, w,
+                        gs ? *(const double *)ms_tensor_data(gs) : 1.0, gs != NULL);
 }
 
 static int dev_sum_squares(ms_tensor *out, int n, ms_tensor *const *ts) {
@@ -1374,7 +1377,7 @@ static int bytes_overlap(const ms_tensor *a, const ms_tensor *b) {
 
 int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms_tensor *const *exp_avg,
                     ms_tensor *const *exp_avg_sq, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, int64_t step, ms_tensor *const *masters) {
+                    double weight_decay, int64_t step, ms_tensor *const *masters, const ms_tensor *grad_scale) {
     const char *op = "adamw_";
     char a[DESC], b[DESC];
     if (n < 1 || !params || !grads || !exp_avg || !exp_avg_sq) return ms_errorf("adamw_: needs n >= 1 tensors of each kind");
@@ -1422,13 +1425,22 @@ int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms
                     return ms_errorf("adamw_: the master overlaps the parameter, gradient or moments (group %d)", i);
         }
     }
-    return dev_adamw(n, params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, masters);
+    if (grad_scale) {
+        if (ms_tensor_check_live(grad_scale, op)) return -1;
+        if (grad_scale->dtype_id != MS_F64 || ms_tensor_numel(grad_scale) != 1 ||
+            grad_scale->device_id != params[0]->device_id)
+            return ms_errorf("adamw_: grad_scale must be one f64 element on the parameters' device (%s), got %s",
+                             ms_desc(params[0], a, sizeof a), ms_desc(grad_scale, b, sizeof b));
+    }
+    return dev_adamw(n, params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, masters,
+                     grad_scale);
 }
 
 int ms_adamw_(ms_tensor *param, const ms_tensor *grad, ms_tensor *exp_avg, ms_tensor *exp_avg_sq, double lr,
               double beta1, double beta2, double eps, double weight_decay, int64_t step) {
     ms_tensor *g = (ms_tensor *)grad; /* read only: the list form takes no const */
-    return ms_adamw_multi_(1, &param, &g, &exp_avg, &exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, NULL);
+    return ms_adamw_multi_(1, &param, &g, &exp_avg, &exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, NULL,
+                           NULL);
 }
 
 int ms_sum_squares(ms_tensor **out, int n, ms_tensor *const *ts) {

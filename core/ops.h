@@ -184,12 +184,16 @@ int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, con
  * or a tensor): f32 master weights of bf16/f16 parameters (Megatron's
  * fp32 main parameters): the update reads and writes masters[i] in place of
  * p[i] and stores p[i] as its rounding, so the parameter's own precision
- * never holds the running value. */
+ * never holds the running value. grad_scale (NULL, or one f64 element on
+ * the parameters' device): every gradient enters the update multiplied by it,
+ * as a multiply in the gradient's dtype by the scale rounded to that dtype
+ * would have left it (the same bits as scaling the gradients first):
+ * clip_grad_norm's coefficient without a pass over the gradients. */
 int ms_adamw_(ms_tensor *param, const ms_tensor *grad, ms_tensor *exp_avg, ms_tensor *exp_avg_sq, double lr,
               double beta1, double beta2, double eps, double weight_decay, int64_t step);
 int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms_tensor *const *exp_avg,
                     ms_tensor *const *exp_avg_sq, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, int64_t step, ms_tensor *const *masters);
+                    double weight_decay, int64_t step, ms_tensor *const *masters, const ms_tensor *grad_scale);
 /* out: 0-dim f64 = Σ_i Σ_j ts[i][j]² over n float tensors of one device,
  * accumulated in f64 in a fixed order (the global grad norm is its square
  * root); no host sync on CUDA */

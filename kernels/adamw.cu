@@ -66,8 +66,12 @@ __device__ __forceinline__ int tensor_of(const int *block_start, int count, int 
 }
 
 template <typename P, typename G, typename S>
-__global__ void adamw_kernel(adam_list L, S beta1, S beta2, S eps, S decay, S step_size, S bc2_sqrt) {
+__global__ void adamw_kernel(adam_list L, S beta1, S beta2, S eps, S decay, S step_size, S bc2_sqrt,
+                             const double *__restrict__ gscale) {
     const int t = tensor_of(L.block_start, L.count, blockIdx.x);
+    // the clip coefficient (or 1): g·round_G(scale), rounded to G, as a
+    // multiply of the stored gradient would have left it
+    const S sc = gscale ? (S)conv<G>::load(conv<G>::store((S)gscale[0])) : (S)1;
     P *p = (P *)L.p[t];
     const G *g = (const G *)L.g[t];
     S *m = (S *)L.m[t];
@@ -82,6 +86,7 @@ __global__ void adamw_kernel(adam_list L, S beta1, S beta2, S eps, S decay, S st
             const long long i = base + (long long)k * blockDim.x;
             if (i < hi) {
                 gi[k] = (S)conv<G>::load(g[i]);
+                if (gscale) gi[k] = (S)conv<G>::load(conv<G>::store(gi[k] * sc));
                 mi[k] = m[i];
                 vi[k] = v[i];
                 pi[k] = w ? w[i] : (S)conv<P>::load(p[i]);
@@ -148,26 +153,26 @@ long long blocks_for(long long n) { return (n + CHUNK - 1) / CHUNK; }
 
 template <typename P, typename G, typename S>
 int launch_adamw(const adam_list &L, double beta1, double beta2, double eps, double decay, double step_size,
-                 double bc2_sqrt, cudaStream_t s) {
+                 double bc2_sqrt, const double *gscale, cudaStream_t s) {
     adamw_kernel<P, G, S><<<L.block_start[L.count], THREADS, 0, s>>>(L, (S)beta1, (S)beta2, (S)eps, (S)decay,
-                                                                     (S)step_size, (S)bc2_sqrt);
+                                                                     (S)step_size, (S)bc2_sqrt, gscale);
     LAUNCH_CHECK("adamw_kernel");
     return 0;
 }
 
 int adamw_batch(const adam_list &L, int pdt, int gdt, double beta1, double beta2, double eps, double decay,
-                double step_size, double bc2_sqrt, cudaStream_t s) {
+                double step_size, double bc2_sqrt, const double *gs, cudaStream_t s) {
     if (L.count == 0 || L.block_start[L.count] == 0) return 0;
     if (pdt == MS_F64) {
         if (gdt != MS_F64) return ms_errorf("adamw_: an f64 parameter takes an f64 gradient on cuda, got %s",
                                             ms_dtype_name(gdt));
-        return launch_adamw<double, double, double>(L, beta1, beta2, eps, decay, step_size, bc2_sqrt, s);
+        return launch_adamw<double, double, double>(L, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, s);
     }
     return with_float32_type(pdt, "adamw_", [&](auto pt) {
         using P = decltype(pt);
         return with_float32_type(gdt, "adamw_", [&](auto gt) {
             using G = decltype(gt);
-            return launch_adamw<P, G, float>(L, beta1, beta2, eps, decay, step_size, bc2_sqrt, s);
+            return launch_adamw<P, G, float>(L, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, s);
         });
     });
 }
@@ -193,7 +198,7 @@ const long long MAX_BLOCKS = 1LL << 30;
 
 extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m,
                              ms_tensor *const *v, double lr, double beta1, double beta2, double eps,
-                             double weight_decay, int64_t step, ms_tensor *const *w) {
+                             double weight_decay, int64_t step, ms_tensor *const *w, const double *gs) {
     const int dev = p[0]->device_id;
     if (ms_cuda_activate(dev)) return -1;
     cudaStream_t s = ms_cuda_stream_of(dev);
@@ -210,7 +215,7 @@ extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms
         long long nb = blocks_for(numel);
         bool fits = L.count < MAX_TENSORS && L.block_start[L.count] + nb <= MAX_BLOCKS;
         if (L.count > 0 && (!fits || p[i]->dtype_id != pdt || g[i]->dtype_id != gdt)) {
-            if (adamw_batch(L, pdt, gdt, beta1, beta2, eps, decay, step_size, bc2_sqrt, s)) return -1;
+            if (adamw_batch(L, pdt, gdt, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, s)) return -1;
             L.count = 0;
         }
         if (nb > MAX_BLOCKS) return ms_errorf("adamw_: a tensor of %lld elements is too large for one launch", numel);
@@ -225,7 +230,7 @@ extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms
         L.n[k] = numel;
         L.block_start[k + 1] = L.block_start[k] + (int)nb;
     }
-    return adamw_batch(L, pdt, gdt, beta1, beta2, eps, decay, step_size, bc2_sqrt, s);
+    return adamw_batch(L, pdt, gdt, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, s);
 }
 
 extern "C" int ms_cuda_sum_squares(ms_tensor *out, int n, ms_tensor *const *ts) {

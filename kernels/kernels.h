@@ -75,7 +75,7 @@ int ms_cuda_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *g, 
                               const ms_tensor *rstd, const ms_tensor *w);
 int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
                   double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                  ms_tensor *const *w);
+                  ms_tensor *const *w, const double *grad_scale);
 int ms_cuda_sum_squares(ms_tensor *out, int n, ms_tensor *const *ts);
 /* x: any layout with a unit-stride last dim (read in place); out contiguous */
 int ms_cuda_rope(ms_tensor *out, const ms_tensor *x, const ms_tensor *cos, const ms_tensor *sin, int backward);

@@ -189,6 +189,28 @@ describe('fsdp runtime: gradients #mpi', function()
     end)
   end
 
+  it('clip_grad_norm { defer = the fsdp.AdamW }: the same steps as clipping the shards first, bit for bit', function()
+    local function run(defer)
+      local model = fsdp.fully_shard(load_model(), shard_opts('FULL_SHARD'))
+      local opt = fsdp.AdamW(model, { lr = 1e-2 })
+      for s = 1, 3 do
+        opt:zero_grad()
+        local x, y = tensors(rows(700 + 10 * s + R, 2))
+        model(x, y):backward()
+        fsdp.clip_grad_norm(model, 0.01, { defer = defer and opt or nil })
+        opt:step()
+      end
+      local out = {}
+      for i, u in ipairs(fsdp.units(model)) do out[i] = u.fp.shard:to('f64'):totable() end
+      return out
+    end
+    assert.are.same(run(false), run(true))
+    local model = fsdp.fully_shard(load_model(), shard_opts('FULL_SHARD'))
+    local ok, err = pcall(fsdp.clip_grad_norm, model, 1.0, { defer = {} })
+    assert.is_false(ok)
+    assert.matches('defer must be an optimizer with defer_grad_scale', err, 1, true)
+  end)
+
   it('policy.by_size: children first; a tied tensor stays in the root; training matches one process', function()
     local function unit_names(n)
       local m = fsdp.fully_shard(load_model(), { policy = fsdp.policy.by_size(n) })

@@ -258,6 +258,50 @@ describe('fused adamw_ (CPU)', function()
     end
   end)
 
+  -- grad_scale: the step equals scaling the gradients first (by the scale
+  -- in their dtype), bit for bit
+  for _, gd in ipairs({ 'f32', 'bf16', 'f64' }) do
+    it(('grad_scale with %s gradients: the same bits as scaling the gradients first'):format(gd), function()
+      local pd = gd == 'f64' and 'f64' or 'f32'
+      local n = { 1000, 7 }
+      local p1, p2, m1, m2, v1, v2, gs = {}, {}, {}, {}, {}, {}, {}
+      for i, k in ipairs(n) do
+        p1[i] = randn({ k }):to(pd); p2[i] = p1[i]:clone()
+        m1[i], m2[i] = ms.zeros({ k }, { dtype = pd }), ms.zeros({ k }, { dtype = pd })
+        v1[i], v2[i] = ms.zeros({ k }, { dtype = pd }), ms.zeros({ k }, { dtype = pd })
+      end
+      for step = 1, 3 do
+        local scale = ms.tensor({ 0.3 + 0.17 * step }, { dtype = 'f64' })
+        local g1, g2 = {}, {}
+        for i, k in ipairs(n) do
+          g1[i] = (randn({ k }) * 3):to(gd)
+          g2[i] = g1[i]:clone()
+          F.mul_(g2[i], scale:to(gd))       -- what clip_grad_norm does to the gradients
+        end
+        F.adamw_(p1, g1, m1, v1, 1e-2, 0.9, 0.95, 1e-8, 0.1, step, nil, scale)
+        F.adamw_(p2, g2, m2, v2, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
+        assert.is_true(math.abs(flat(g1[1])[1] - flat(g2[1])[1]) > 0)   -- the gradients themselves stay unscaled
+      end
+      for i = 1, #n do
+        assert.are.same(flat(p2[i]), flat(p1[i]))
+        assert.are.same(flat(m2[i]), flat(m1[i]))
+        assert.are.same(flat(v2[i]), flat(v1[i]))
+      end
+    end)
+  end
+
+  it('grad_scale must be one f64 element', function()
+    local p, g, m, v = randn({ 4 }):to('f32'), randn({ 4 }):to('f32'), ms.zeros({ 4 }), ms.zeros({ 4 })
+    for _, bad in ipairs({ ms.tensor({ 0.5 }), ms.tensor({ 0.5, 0.5 }, { dtype = 'f64' }) }) do
+      local ok, err = pcall(F.adamw_, p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0, 1, nil, bad)
+      assert.is_false(ok)
+      assert.matches('grad_scale must be one f64 element', err, 1, true)
+    end
+    local ok, err = pcall(F.adamw_, p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0, 1, nil, 0.5)
+    assert.is_false(ok)
+    assert.matches('grad_scale must be a tensor', err, 1, true)
+  end)
+
   for _, c in ipairs({ { 'f32', 'f32' }, { 'f32', 'bf16' }, { 'bf16', 'f32' }, { 'bf16', 'bf16' } }) do
     it(('%s parameters with %s gradients and f32 moments, rounded once'):format(c[1], c[2]), function()
       local p = randn({ 1000 }, c[1])

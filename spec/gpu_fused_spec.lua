@@ -162,6 +162,34 @@ describe('fused kernels #gpu', function()
       end)
     end
 
+    it('adamw_ with a grad_scale (clip_grad_norm defer): the same bits as scaling first, and the CPU reference', function()
+      for _, gd in ipairs({ 'f32', 'bf16' }) do
+        local n = { 1000, 65536 + 5 }
+        local p1, p2, pc, m1, m2, mc, v1, v2, vc = {}, {}, {}, {}, {}, {}, {}, {}, {}
+        for i, k in ipairs(n) do
+          pc[i] = randn({ k }, 'f32'); p1[i] = cu(pc[i]); p2[i] = cu(pc[i])
+          mc[i], vc[i] = ms.zeros({ k }), ms.zeros({ k })
+          m1[i], m2[i], v1[i], v2[i] = cu(mc[i]), cu(mc[i]), cu(vc[i]), cu(vc[i])
+        end
+        for step = 1, 3 do
+          local sc = ms.tensor({ 0.25 + 0.2 * step }, { dtype = 'f64' })
+          local g1, g2, gc = {}, {}, {}
+          for i, k in ipairs(n) do
+            gc[i] = randn({ k }, gd); g1[i] = cu(gc[i]); g2[i] = cu(gc[i])
+            F.mul_(g2[i], cu(sc):to(gd))
+          end
+          F.adamw_(p1, g1, m1, v1, 1e-2, 0.9, 0.95, 1e-8, 0.1, step, nil, cu(sc))
+          F.adamw_(p2, g2, m2, v2, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
+          F.adamw_(pc, gc, mc, vc, 1e-2, 0.9, 0.95, 1e-8, 0.1, step, nil, sc)
+        end
+        for i = 1, #n do
+          assert.are.equal(0, relerr(p1[i], p2[i]:cpu()), gd .. ' p ' .. i .. ': scaling first gives other bits')
+          assert.is_true(relerr(p1[i], pc[i]) <= 1e-5, gd .. ' p ' .. i .. ' ' .. relerr(p1[i], pc[i]))
+          assert.is_true(relerr(m1[i], mc[i]) <= 1e-5, gd .. ' m ' .. i)
+        end
+      end
+    end)
+
     it('adamw_ with f32 masters of bf16 parameters (some without): 3 steps equal the CPU reference', function()
       local n = { 1000, 77, 65536 + 5, 3 }
       local ps, ws, ms_, vs, gp, gw, gm, gv = {}, {}, {}, {}, {}, {}, {}, {}

@@ -277,6 +277,39 @@ describe('clip_grad_norm', function()
     assert.is_true(math.abs(b.grad:get(3) - 2 / math.sqrt(34)) < 1e-6)
   end)
 
+  it('opts.defer = an AdamW: the gradients stay, its next step applies the coefficient (the same parameters, bit for bit)', function()
+    local function run(defer)
+      local m = model()
+      local opt = optim.AdamW(m, { lr = 1e-2, weight_decay = 0.1 })
+      local norms = {}
+      for s = 1, 3 do
+        A.clear_tape()
+        opt:zero_grad()
+        local x, y = data()
+        loss_of(m, x, y):backward()
+        local g0 = m:parameters()[1].grad:clone()
+        norms[s] = optim.clip_grad_norm(m, 0.05, { defer = defer and opt or nil })
+        if defer then   -- not scaled here
+          assert.are.equal(0, F.sum(F.abs(F.sub(m:parameters()[1].grad, g0))):item())
+        end
+        opt:step()
+      end
+      local ps = {}
+      for i, p in ipairs(m:parameters()) do ps[i] = p:to('f64'):view(-1):totable() end
+      return ps, norms
+    end
+    local p0, n0 = run(false)
+    local p1, n1 = run(true)
+    assert.are.same(n0, n1)
+    assert.is_true(n0[1] > 0.05)   -- the clipping did scale
+    assert.are.same(p0, p1)
+    local sgd = optim.SGD(model(), { lr = 0.1 })
+    local a, b = with_grads()
+    local ok, err = pcall(optim.clip_grad_norm, { a, b }, 1.0, { defer = sgd })
+    assert.is_false(ok)
+    assert.matches('defer must be an optimizer with defer_grad_scale', err, 1, true)
+  end)
+
   it('leaves gradients alone below max_norm; inf norm; modules', function()
     local a, b = with_grads()
     local n = optim.clip_grad_norm({ a, b }, 100)

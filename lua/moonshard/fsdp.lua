@@ -1138,6 +1138,9 @@ end
 -- ms.optim.clip_grad_norm does. The sum of squares of the local shards
 -- (padding is zero) is all-reduced over the shard group only, so replicas
 -- (NO_SHARD, HYBRID_SHARD's replicate group) are not counted twice.
+-- opts.defer = the fsdp.AdamW: the shards are not scaled here; its next step
+-- applies the coefficient on the way in (AdamW:defer_grad_scale; not with
+-- offload, whose gradients live on the host).
 function fsdp.clip_grad_norm(model, max_norm, opts)
   local st = state_of(model, 'fsdp.clip_grad_norm')
   if type(max_norm) ~= 'number' or max_norm <= 0 then
@@ -1165,7 +1168,19 @@ function fsdp.clip_grad_norm(model, max_norm, opts)
   end
   local total = Fo.sqrt(sq)
   sq:free()
-  if #grads > 0 then
+  local defer = opts and opts.defer
+  if defer ~= nil and (type(defer) ~= 'table' or type(defer.defer_grad_scale) ~= 'function') then
+    error('fsdp.clip_grad_norm: defer must be an optimizer with defer_grad_scale (fsdp.AdamW)', 2)
+  end
+  if #grads > 0 and defer ~= nil and grads[1].device_id == total.device_id then
+    -- the optimizer's next step applies the coefficient (no pass here)
+    local denom = Fo.add(total, 1e-6)
+    local coef = Fo.div(max_norm, denom)
+    denom:free()
+    local c1 = Fo.clamp(coef, nil, 1.0)
+    coef:free()
+    defer:defer_grad_scale(c1:reshape({ 1 }))
+  elseif #grads > 0 then
     local denom = Fo.add(total, 1e-6)
     local coef = Fo.div(max_norm, denom)
     denom:free()

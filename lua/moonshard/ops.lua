@@ -595,7 +595,10 @@ end
 -- keep their tensors alive until the call returns. masters: a list of the
 -- same length whose entries are false or the f32 master of a bf16/f16
 -- parameter (updated in its place; the parameter gets its rounding).
-function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, masters)
+-- grad_scale: nil, or a one-element f64 tensor on the parameters' device
+-- every gradient is multiplied by on the way in (the same bits as scaling
+-- the gradients first; clip_grad_norm's `defer` coefficient).
+function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, masters, grad_scale)
   local pa, n = tensor_array('adamw_', 'the parameters', params)
   local ga, ng = tensor_array('adamw_', 'the gradients', grads)
   local ma, nm = tensor_array('adamw_', 'exp_avg', exp_avg)
@@ -617,7 +620,10 @@ function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, wei
       wa[i - 1] = w or nil
     end
   end
-  check(C.ms_adamw_multi_(n, pa, ga, ma, va, lr, beta1, beta2, eps, weight_decay, step, wa))
+  if grad_scale ~= nil and not is_tensor(grad_scale) then
+    raise(('adamw_: grad_scale must be a tensor (one f64 element), got %s'):format(type(grad_scale)))
+  end
+  check(C.ms_adamw_multi_(n, pa, ga, ma, va, lr, beta1, beta2, eps, weight_decay, step, wa, grad_scale))
   return params
 end
 

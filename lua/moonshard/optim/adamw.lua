@@ -83,7 +83,32 @@ return function(optim)
       and (st.master == nil or st.master:is_contiguous())
   end
 
+  -- opt:defer_grad_scale(t): the next step multiplies every gradient by t
+  -- (one f64 element, on the gradients' device) on the way in, instead of a
+  -- pass scaling them first: clip_grad_norm's { defer = opt }. The
+  -- gradients themselves stay unscaled; the step consumes (and frees) t.
+  function AdamW:defer_grad_scale(t)
+    if type(t) ~= 'cdata' or t.dtype ~= 'f64' or t:numel() ~= 1 then
+      error(('AdamW:defer_grad_scale: needs a one-element f64 tensor, got %s'):format(
+        type(t) == 'cdata' and (t.dtype .. ' of ' .. t:numel() .. ' elements') or type(t)), 2)
+    end
+    if self._grad_scale ~= nil then free(self._grad_scale) end
+    self._grad_scale = t
+  end
+
   function AdamW:step()
+    local gs = self._grad_scale
+    self._grad_scale = nil
+    local gs_on = {}   -- the scale on each device the gradients use
+    local function scale_on(dev)
+      if gs == nil then return nil end
+      local s = gs_on[dev]
+      if s == nil then
+        s = tonumber(gs.device_id) == dev and gs or gs:to({ device = dev })
+        gs_on[dev] = s
+      end
+      return s
+    end
     A.no_grad(function()
       for _, group in ipairs(self.param_groups) do
         local lr, eps, wd = group.lr, group.eps, group.weight_decay or 0
@@ -98,6 +123,7 @@ return function(optim)
             end
             st.step = st.step + 1
             if fusable(p, g, st) then
+              scale_on(tonumber(p.device_id))
               -- one fused call per (device, step, dtypes): a launch takes one
               -- parameter and one gradient dtype, so mixing them in one list
               -- (f32 norms between bf16 weights) would cut it into many
@@ -113,16 +139,26 @@ return function(optim)
               b.w[k] = st.master or false
               if st.master then b.any_w = true end
             else
-              self:_composed_update(p, g, st, lr, b1, b2, eps, wd)
+              local gsc = g
+              if gs ~= nil then   -- the same bits as the fused op: g times the scale in g's dtype
+                local c = scale_on(tonumber(g.device_id)):to(g.dtype)
+                gsc = F.mul(g, c)
+                free(c)
+              end
+              self:_composed_update(p, gsc, st, lr, b1, b2, eps, wd)
+              if gsc ~= g then free(gsc) end
             end
           end
         end
         for _, key in ipairs(order) do
           local b = batches[key]
-          F.adamw_(b.p, b.g, b.m, b.v, lr, b1, b2, eps, wd, b.step, b.any_w and b.w or nil)
+          F.adamw_(b.p, b.g, b.m, b.v, lr, b1, b2, eps, wd, b.step, b.any_w and b.w or nil,
+            scale_on(tonumber(b.p[1].device_id)))
         end
       end
     end)
+    for _, s in pairs(gs_on) do if s ~= gs then free(s) end end
+    if gs ~= nil then free(gs) end
   end
 
   -- the same update with raw ops (any layout)

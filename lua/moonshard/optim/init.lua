@@ -290,7 +290,10 @@ end
 -- asynchronous). opts.norm_type: 2 (default) or math.huge. The 2-norm is
 -- one fused sum of squares over every gradient (ms.sum_squares, f64
 -- accumulation) and the scaling a multiply by a device scalar, so nothing
--- but the optional read leaves the device.
+-- but the optional read leaves the device. opts.defer = opt (an AdamW):
+-- the gradients are not scaled here; the coefficient goes to
+-- opt:defer_grad_scale and its next step applies it on the way in (one pass
+-- over the gradients fewer, the same update bits).
 function optim.clip_grad_norm(params, max_norm, opts)
   local list
   if is_module(params) then list = params:parameters()
@@ -337,7 +340,23 @@ function optim.clip_grad_norm(params, max_norm, opts)
     total_t = F.sqrt(sq)
     free(sq)
   end
-  if max_norm ~= nil then
+  local defer = opts and opts.defer
+  if defer ~= nil and (type(defer) ~= 'table' or type(defer.defer_grad_scale) ~= 'function') then
+    error('clip_grad_norm: defer must be an optimizer with defer_grad_scale (ms.optim.AdamW)', 2)
+  end
+  if max_norm ~= nil and defer ~= nil then
+    local denom = F.add(total_t, 1e-6)
+    local coef = F.div(max_norm, denom)
+    free(denom)
+    local c1 = F.clamp(coef, nil, 1.0)
+    free(coef)
+    if c1.dtype ~= 'f64' then local c = c1:to('f64'); free(c1); c1 = c end
+    defer:defer_grad_scale(c1:reshape({ 1 }))
+    if opts and opts.tensor then return total_t end
+    local total = total_t:item()
+    free(total_t)
+    return total
+  elseif max_norm ~= nil then
     local denom = F.add(total_t, 1e-6)
     local coef = F.div(max_norm, denom)
     free(denom)
