@@ -262,6 +262,33 @@ describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', func
     assert.matches("copy_gather must be true, false or 'emulate'", err, 1, true)
   end)
 
+  it('mixed precision: the unsharded gradient buffer is written by the gradients and zeros, its padding reduced as zero', function()
+    local model = fsdp.fully_shard(load_model(), { policy = block_policy(), mixed_precision = { param = 'bf16' } })
+    local x, y = rows(9 + R, 2)
+    for _ = 1, 2 do   -- the second backward adds into the sharded gradient
+      model(x, y):backward()
+    end
+    for _, u in ipairs(fsdp.units(model)) do
+      local fp, lay = u.fp, u.fp.layout
+      local g = u.fp.shard.grad:to('f64'):totable()
+      local lo = fp.rank * fp.shard_numel
+      local covered = {}
+      for i = 1, fp.nparams do
+        for k = math.max(lay.offsets[i], lo), math.min(lay.offsets[i] + lay.numels[i], lo + fp.shard_numel) - 1 do
+          covered[k - lo + 1] = true
+        end
+      end
+      local pad, nonzero = 0, 0
+      for k = 1, fp.shard_numel do
+        if not covered[k] then
+          pad = pad + 1
+          assert.are.equal(0, g[k], ('unit %s: padding element %d of the shard'):format(u.label, k))
+        elseif g[k] ~= 0 then nonzero = nonzero + 1 end
+      end
+      assert.is_true(nonzero > 0, u.label)
+    end
+  end)
+
   it('an unshard gathers the kept low-precision copy: no cast of the shard per unshard', function()
     local model = fsdp.fully_shard(load_model(), { policy = block_policy(), mixed_precision = { param = 'bf16' } })
     local casts, orig = 0, T.methods.to

@@ -552,9 +552,23 @@ end
 function Unit:prepare_grads()
   local fp = self.fp
   if self.gbuf == nil then
-    self.gbuf = T.zeros({ fp.total }, { dtype = 'f32', device = fp.device })
+    if self.grad_direct then
+      -- autograd accumulates into the views: zeros
+      self.gbuf = T.zeros({ fp.total }, { dtype = 'f32', device = fp.device })
+    else
+      -- every parameter's region is written by collect_grads (its first
+      -- gradient, or zeros when it got none); only the padding is zeroed here
+      self.gbuf = T.empty({ fp.total }, { dtype = 'f32', device = fp.device })
+      local lay, pos = fp.layout, 0
+      for i = 1, fp.nparams do
+        local off = lay.offsets[i]
+        if off > pos then self.gbuf:narrow(1, pos + 1, off - pos):fill_(0) end
+        pos = off + lay.numels[i]
+      end
+      if fp.total > pos then self.gbuf:narrow(1, pos + 1, fp.total - pos):fill_(0) end
+    end
     self.gviews = fp:views(self.gbuf)
-    self.gwritten = {}   -- views collect_grads wrote since the buffer was zeroed
+    self.gwritten = {}   -- views collect_grads wrote since the buffer was made
   else
     for i, gv in ipairs(self.gviews) do
       if gv.storage == nil then self.gviews = fp:views(self.gbuf); break end   -- a zero_grad freed a view
@@ -573,13 +587,16 @@ function Unit:collect_grads()
     if g ~= nil then
       v.grad = nil
       if not self.grad_direct and self.gbuf ~= nil then
-        -- the first gradient into the zeroed buffer is a converting copy (6
-        -- bytes a parameter moved, not a cast into a temporary and an add:
-        -- 18); later ones (no_sync's micro-batches) a mixed-dtype add
+        -- the first gradient into the buffer is a converting copy (6 bytes a
+        -- parameter moved, not a zero fill, a cast into a temporary and an
+        -- add: 22); later ones (no_sync's micro-batches) a mixed-dtype add
         if self.gwritten[i] then F().add_(self.gviews[i], g)
         else self.gviews[i]:copy_(g); self.gwritten[i] = true end
         g:free()
       end
+    elseif not self.grad_direct and self.gbuf ~= nil and not self.gwritten[i] then
+      self.gviews[i]:fill_(0)   -- no gradient: its region of the buffer made zero once
+      self.gwritten[i] = true
     end
   end
 end
@@ -618,7 +635,13 @@ function Unit:reduce_grads()
       no_grad(function() pend.out:copy_(fp:local_shard(src)) end)
     else
       pend.out = T.empty({ fp.shard_numel }, { dtype = src.dtype, device = fp.device })
-      pend.work = dist.reduce_scatter(pend.out, src, 'sum', { group = fp.group, async = true })
+      -- f32, no pre-divide (n <= 3) and the shard group is every data-parallel
+      -- rank: the collective averages (NCCL's avg: no post-divide pass)
+      local op = 'sum'
+      if st.reduce_dtype == 'f32' and st.predivide == 1 and fp.world_size == st.dp_size then
+        op, pend.averaged = 'avg', true
+      end
+      pend.work = dist.reduce_scatter(pend.out, src, op, { group = fp.group, async = true })
       pend.copy_seq = st.copy_seq   -- after every copy-engine gather issued so far
       trace(st, 'reduce_scatter', self)
     end
@@ -647,7 +670,7 @@ local function finish_reductions(st)
       trace(st, 'all_reduce', u)
     end
     if out.dtype ~= 'f32' then local o = out:to('f32'); out:free(); out = o end
-    if st.dp_size > 1 then
+    if st.dp_size > 1 and not p.averaged then
       local post = st.dp_size / st.predivide
       if post ~= 1 then F().div_(out, post) end
     end
