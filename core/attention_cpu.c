@@ -231,9 +231,42 @@ int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_
     return rc;
 }
 
+/* dst[h·D + d] = Σ_{b,t} x[b, h, t, d] as stored (x on the CPU) */
+static void column_sums_cpu(float *dst, const ms_tensor *x) {
+    const int64_t B = x->sizes[0], H = x->sizes[1], Tn = x->sizes[2], D = x->sizes[3];
+    const char *base = (const char *)x->storage->data;
+    const int64_t es = ms_dtype_size(x->dtype_id);
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t d = 0; d < D; d++) {
+            double s = 0;
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t t = 0; t < Tn; t++)
+                    s += ms_load(base + (x->offset + b * x->strides[0] + h * x->strides[1] + t * x->strides[2] +
+                                         d * x->strides[3]) * es, x->dtype_id);
+            dst[h * D + d] = (float)s;
+        }
+}
+
+static int attention_backward_impl(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q,
+                                   const ms_tensor *k, const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse,
+                                   const ms_tensor *dout, double scale, int causal, ms_tensor *dsum);
+
 int ms_attention_backward(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q, const ms_tensor *k,
                           const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
                           double scale, int causal) {
+    return attention_backward_impl(dq, dk, dv, q, k, v, out, lse, dout, scale, causal, NULL) < 0 ? -1 : 0;
+}
+
+int ms_attention_backward_sum(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q, const ms_tensor *k,
+                              const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
+                              double scale, int causal, ms_tensor *dsum) {
+    if (!dsum) return ms_errorf("attention_backward_sum: dsum is NULL (use ms_attention_backward)");
+    return attention_backward_impl(dq, dk, dv, q, k, v, out, lse, dout, scale, causal, dsum);
+}
+
+static int attention_backward_impl(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q,
+                                   const ms_tensor *k, const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse,
+                                   const ms_tensor *dout, double scale, int causal, ms_tensor *dsum) {
     const char *op = "attention_backward";
     attn_dims d;
     if (check_qkv(op, q, k, v, &d)) return -1;
@@ -245,19 +278,38 @@ int ms_attention_backward(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const 
         return ms_errorf("%s: lse is %s, expected f32 (%lld,%lld,%lld) on q's device", op, ms_desc(lse, a, sizeof a),
                          (long long)d.B, (long long)d.H, (long long)d.Tq);
     }
+    if (dsum) {
+        char a[200];
+        if (ms_tensor_check_live(dsum, op)) return -1;
+        if (dsum->dtype_id != MS_F32 || !ms_tensor_is_contiguous(dsum) || dsum->device_id != q->device_id ||
+            ms_tensor_numel(dsum) != (d.H + 2 * d.Hkv) * d.D)
+            return ms_errorf("%s: dsum is %s, expected a contiguous f32 tensor of %lld elements (H·D + 2·Hkv·D) on "
+                             "q's device", op, ms_desc(dsum, a, sizeof a), (long long)((d.H + 2 * d.Hkv) * d.D));
+    }
     ms_tensor **outs[3] = {dq, dk, dv};
     int alloc[3] = {!*dq, !*dk, !*dv};
     if (ms_prepare_out(dq, op, 4, q->sizes, q->dtype_id, q->device_id) ||
         ms_prepare_out(dk, op, 4, k->sizes, k->dtype_id, k->device_id) ||
         ms_prepare_out(dv, op, 4, v->sizes, v->dtype_id, v->device_id))
         goto fail;
-    int rc;
+    int rc, summed = 0;
 #ifdef MS_WITH_CUDA
-    if (q->device_id >= 0) rc = ms_cuda_attention_backward(*dq, *dk, *dv, q, k, v, out, lse, dout, scale, causal);
+    if (q->device_id >= 0)
+        rc = ms_cuda_attention_backward(*dq, *dk, *dv, q, k, v, out, lse, dout, scale, causal,
+                                        dsum ? (float *)ms_tensor_data(dsum) : NULL, &summed);
     else
 #endif
+    {
         rc = attention_backward_cpu(*dq, *dk, *dv, q, k, v, out, lse, dout, scale, causal, &d);
-    if (!rc) return 0;
+        if (!rc && dsum) {
+            float *s = (float *)ms_tensor_data(dsum);
+            column_sums_cpu(s, *dq);
+            column_sums_cpu(s + d.H * d.D, *dk);
+            column_sums_cpu(s + (d.H + d.Hkv) * d.D, *dv);
+            summed = 1;
+        }
+    }
+    if (!rc) return summed;
 fail:
     for (int i = 0; i < 3; i++)
         if (alloc[i] && *outs[i]) { ms_tensor_free(*outs[i]); *outs[i] = NULL; }

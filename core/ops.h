@@ -218,6 +218,17 @@ int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_
 int ms_attention_backward(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q, const ms_tensor *k,
                           const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
                           double scale, int causal);
+/* The same, and dsum (a contiguous f32 tensor of H·D + 2·Hkv·D elements on
+ * q's device): the column sums over (B, T) of dq, dk and dv as stored, in
+ * that order, heads then D (the bias gradient of a fused qkv projection,
+ * GPT-2's c_attn, when the three are views of its output's gradient).
+ * Returns 1 when dsum was written: on the CPU (a pass over the outputs) and
+ * with the wgmma kernels on sm_90 (each block's rows summed in its
+ * epilogue, the blocks in a fixed order); 0 when not (the other CUDA
+ * kernels: sum them another way); -1 on an error. */
+int ms_attention_backward_sum(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q, const ms_tensor *k,
+                              const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
+                              double scale, int causal, ms_tensor *dsum);
 /* FFI-END */
 
 #define MS_ALL_DIMS (-1000)

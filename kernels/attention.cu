@@ -497,6 +497,15 @@ int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, con
     return 0;
 }
 
+// out[c] = Σ_r part[r·cols + c], rows in order (0 for no rows)
+__global__ void part_colsum_kernel(float *out, const float *part, long long rows, int cols) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float s = 0.f;
+    for (long long r = 0; r < rows; r++) s += part[r * cols + c];
+    out[c] = s;
+}
+
 // the wgmma kernels (attention_wgmma.cuh: sm_90a, D = 64). Forward key tile
 // 64 (MS_ATTENTION_WG_BN=128 for 128)
 int wg_bn() {
@@ -532,10 +541,25 @@ int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *
 }
 
 template <typename T>
+// dsum (or NULL): the column sums of dq, dk, dv as stored, [H·D | Hkv·D |
+// Hkv·D] f32, from the kernels' per-block partial rows (part_colsum_kernel
+// adds them in a fixed order)
 int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
-           const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s) {
+           const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s,
+           float *dsum = nullptr) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
+    const long long rq = (long long)B * ((Tq + 63) / 64), rk = (long long)B * ((Tk + 63) / 64);
+    holder part;
+    float *pq = nullptr, *pkv = nullptr;
+    if (dsum) {
+        int64_t n[1] = {(int64_t)(rq * H + 2 * rk * Hkv) * 64};
+        if (n[0] > 0 && ms_tensor_empty(&part.t, 1, n, MS_F32, q->device_id)) return -1;
+        if (n[0] > 0) {
+            pq = (float *)ms_tensor_data(part.t);
+            pkv = pq + rq * H * 64;
+        }
+    }
     if (Tk > 0 && B * Hkv > 0) {
         size_t smem = wg::dkdv_smem();
         if (set_smem<T>(wg::dkdv_kernel<T>, smem)) return -1;
@@ -543,7 +567,7 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
         wg::dkdv_kernel<T><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
-            layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal);
+            layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal, pkv);
         LAUNCH_CHECK("wg::dkdv_kernel");
     }
     if (Tq > 0 && B * H > 0) {
@@ -553,8 +577,19 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
         wg::dq_kernel<T><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
-            layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal);
+            layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal, pq);
         LAUNCH_CHECK("wg::dq_kernel");
+    }
+    if (dsum) {
+        const int cq = H * 64, ckv = Hkv * 64;
+        const struct { float *out; const float *part; long long rows; int cols; } seg[3] = {
+            {dsum, pq, Tq > 0 ? rq : 0, cq},
+            {dsum + cq, pkv, Tk > 0 ? rk : 0, ckv},
+            {dsum + cq + ckv, pkv ? pkv + rk * ckv : nullptr, Tk > 0 ? rk : 0, ckv}};
+        for (const auto &sg : seg) {
+            part_colsum_kernel<<<(unsigned)((sg.cols + 255) / 256), 256, 0, s>>>(sg.out, sg.part, sg.rows, sg.cols);
+            LAUNCH_CHECK("part_colsum_kernel");
+        }
     }
     return 0;
 }
@@ -654,7 +689,8 @@ int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, 
 
 template <typename T>
 int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
-        const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout, float scale, int causal) {
+        const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout, float scale, int causal, float *dsum,
+        int *summed) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1], D = (int)q->sizes[3];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     int device = q->device_id;
@@ -693,7 +729,10 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
     int impl = pick_impl<T>(D, ts, 7);
     if constexpr (sizeof(T) == 2) {
         const float *lp = (const float *)ms_tensor_data(l), *dp = (const float *)ms_tensor_data(delta.t);
-        if (impl == MS_ATTENTION_WGMMA) return wg_bwd<T>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
+        if (impl == MS_ATTENTION_WGMMA) {
+            if (dsum) *summed = 1;
+            return wg_bwd<T>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s, dsum);
+        }
         if (impl == MS_ATTENTION_MMA)
             return D == 64 ? mma_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
                            : mma_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
@@ -751,7 +790,9 @@ extern "C" int ms_cuda_attention(ms_tensor *out, ms_tensor *lse, const ms_tensor
 
 extern "C" int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q_in,
                                           const ms_tensor *k_in, const ms_tensor *v_in, const ms_tensor *out_in,
-                                          const ms_tensor *lse, const ms_tensor *dout_in, double scale, int causal) {
+                                          const ms_tensor *lse, const ms_tensor *dout_in, double scale, int causal,
+                                          float *dsum, int *summed) {
+    if (summed) *summed = 0;
     if (check_kernel_args("attention_backward", q_in)) return -1;
     if (ms_cuda_activate(q_in->device_id)) return -1;
     holder hq, hk, hv, ho, hg, hdq, hdk, hdv;
@@ -763,12 +804,14 @@ extern "C" int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tenso
     if (dq->strides[3] != 1 && ms_tensor_empty(&hdq.t, 4, dq->sizes, dq->dtype_id, dq->device_id) == 0) gq = hdq.t;
     if (dk->strides[3] != 1 && ms_tensor_empty(&hdk.t, 4, dk->sizes, dk->dtype_id, dk->device_id) == 0) gk = hdk.t;
     if (dv->strides[3] != 1 && ms_tensor_empty(&hdv.t, 4, dv->sizes, dv->dtype_id, dv->device_id) == 0) gv = hdv.t;
-    int rc;
+    int rc, sm = 0;
+    float *ds = summed ? dsum : nullptr;
     switch (q->dtype_id) {
-    case MS_F32: rc = bwd<float>(gq, gk, gv, q, k, v, out, lse, dout, (float)scale, causal); break;
-    case MS_BF16: rc = bwd<__nv_bfloat16>(gq, gk, gv, q, k, v, out, lse, dout, (float)scale, causal); break;
-    default: rc = bwd<__half>(gq, gk, gv, q, k, v, out, lse, dout, (float)scale, causal); break;
+    case MS_F32: rc = bwd<float>(gq, gk, gv, q, k, v, out, lse, dout, (float)scale, causal, ds, &sm); break;
+    case MS_BF16: rc = bwd<__nv_bfloat16>(gq, gk, gv, q, k, v, out, lse, dout, (float)scale, causal, ds, &sm); break;
+    default: rc = bwd<__half>(gq, gk, gv, q, k, v, out, lse, dout, (float)scale, causal, ds, &sm); break;
     }
+    if (summed) *summed = sm;
     if (!rc && gq != dq) rc = ms_cuda_convert(dq, gq);
     if (!rc && gk != dk) rc = ms_cuda_convert(dk, gk);
     if (!rc && gv != dv) rc = ms_cuda_convert(dv, gv);

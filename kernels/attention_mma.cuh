@@ -138,6 +138,7 @@ template <> struct op<__nv_bfloat16> {
         __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
         return *reinterpret_cast<unsigned *>(&v);
     }
+    static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 template <> struct op<__half> {
     static __device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
@@ -150,6 +151,7 @@ template <> struct op<__half> {
         __half2 v = __floats2half2_rn(x, y);
         return *reinterpret_cast<unsigned *>(&v);
     }
+    static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 };
 
 #endif

@@ -203,6 +203,7 @@ template <> struct op<__nv_bfloat16> {
         __syncwarp();
     }
     static unsigned pack(float x, float y) { return f2bf(x) | ((unsigned)f2bf(y) << 16); }
+    static float to_float(__nv_bfloat16 x) { return bf2f(x.x); }
 };
 }  // namespace mma
 
@@ -422,14 +423,18 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                     }
                 }
             }
+    // the wgmma kernels' column sums of dq, dk, dv (the fused qkv bias
+    // gradient): a row of partial sums per (batch, tile), NaN-filled
+    const long long tq = (Tq + 63) / 64, tk = (Tk + 63) / 64;
+    std::vector<float> pq((size_t)(B * tq * H * D), NAN), pkv((size_t)(2 * B * tk * Hkv * D), NAN);
     if constexpr (WG) {
         launch((Tk + 63) / 64, B * Hkv, [&] {
             wg::dkdv_kernel<bf>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(),
-                                q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal);
+                                q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal, pkv.data());
         });
         launch((Tq + 63) / 64, B * H, [&] {
             wg::dq_kernel<bf>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l, v.l,
-                              g.l, dq.l, H, Hkv, Tq, Tk, scale, causal);
+                              g.l, dq.l, H, Hkv, Tq, Tk, scale, causal, pq.data());
         });
     } else {
         launch((Tk + 64 * KMT - 1) / (64 * KMT), B * Hkv, [&] {
@@ -478,14 +483,34 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                     edk.add(dk.get(b, h, j, d), rdk[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
                     edv.add(dv.get(b, h, j, d), rdv[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
                 }
+    // the partial rows summed (as attention.cu's part_colsum_kernel) against
+    // the column sums of the stored dq, dk, dv
+    errsum esum;
+    if (WG) {
+        auto check_sums = [&](const std::vector<float> &p, long long rows0, long long rows, int heads, tensor4 &t,
+                              int Tn) {
+            for (int h = 0; h < heads; h++)
+                for (int d = 0; d < D; d++) {
+                    float s = 0;
+                    for (long long r = 0; r < rows; r++) s += p[(size_t)((rows0 + r) * heads * D + h * D + d)];
+                    double want = 0;
+                    for (int b = 0; b < B; b++)
+                        for (int i = 0; i < Tn; i++) want += t.get(b, h, i, d);
+                    esum.add(s, want);
+                }
+        };
+        check_sums(pq, 0, B * tq, H, dq, Tq);
+        check_sums(pkv, 0, B * tk, Hkv, dk, Tk);
+        check_sums(pkv, B * tk, B * tk, Hkv, dv, Tk);
+    }
     // bf16 bounds as spec/gpu_attention_spec.lua; NaN fails every comparison
     const double r[8] = {eo.rel(), el.rel(), edq.rel(), edk.rel(), edv.rel(), edq1.rel(), edk1.rel(), edv1.rel()};
-    bool ok = lse_inf_ok;
+    bool ok = lse_inf_ok && (!WG || esum.rel() <= 1e-5);
     for (int i = 0; i < 8; i++) ok = ok && r[i] <= (i == 1 ? 1e-5 : 1e-2);
     printf("%s %s D=%d [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e",
            ok ? "ok  " : "FAIL", WG ? "wgmma" : "mma  ", D, MT, BQ, KMT, QMT, B, H, Hkv, Tq, Tk,
            causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "", r[0], r[1], r[2], r[3], r[4]);
-    if (WG) printf("\n");
+    if (WG) printf("; column sums %.1e\n", esum.rel());
     else printf("; one pass dq %.1e dk %.1e dv %.1e\n", r[5], r[6], r[7]);
     return ok ? 0 : 1;
 }

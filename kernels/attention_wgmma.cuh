@@ -155,6 +155,22 @@ __device__ __forceinline__ void store_acc(T *dst, const qkv_layout &l, long long
 
 const int kD = 64;
 
+// part (or NULL): the column sums of the tile s as stored (rounded to T) over
+// its rows t0 + r < Tn, into part[0 .. kD): the bias gradient of a fused qkv
+// projection, a block's share (attention.cu adds the blocks' rows in a fixed
+// order). Every thread of the block calls it (a barrier: the warps' rows).
+template <typename T>
+__device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long Tn, float *part) {
+    __syncthreads();
+    if (threadIdx.x < kD) {
+        const long long left = Tn - t0;
+        const int nr = left < 64 ? (int)left : 64;
+        float acc = 0.f;
+        for (int r = 0; r < nr; r++) acc += mma::op<T>::to_float(s[r * (kD + 8) + threadIdx.x]);
+        part[threadIdx.x] = acc;
+    }
+}
+
 // --------------------------------------------------------------- forward
 // 64 query rows a block, BN-key tiles of K and V double-buffered. (FA3's
 // in-warpgroup pipelining, S_{t+1} issued before P_t.V_t with O rescaled
@@ -298,7 +314,8 @@ template <typename T>
 __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
                                                    const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                    qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
-                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
+                                                   int Hkv, long long Tq, long long Tk, float scale, int causal,
+                                                   float *part = nullptr) {
     constexpr int BQ = 64;
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
@@ -412,6 +429,11 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
     __syncthreads();  // Q/dO buffers free for the outputs
     store_acc<T>(dk, ldk, b, g, j0, Tk, Qs, dka, scale, scale);
     store_acc<T>(dv, ldv, b, g, j0, Tk, Qs + 64 * (kD + 8), dva, 1.f, 1.f);
+    if (part) {   // dk's rows of part, then dv's: (B x key tiles) x (Hkv x kD) each
+        const long long row = (long long)b * gridDim.x + blockIdx.x, rows = (long long)(gridDim.y / Hkv) * gridDim.x;
+        tile_colsum<T>(Qs, j0, Tk, part + row * Hkv * kD + g * kD);
+        tile_colsum<T>(Qs + 64 * (kD + 8), j0, Tk, part + (rows + row) * Hkv * kD + g * kD);
+    }
 }
 
 // dq for 64 queries of one (b, h), 64-key tiles of K and V double-buffered
@@ -423,7 +445,8 @@ template <typename T>
 __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, const T *v, const T *dout,
                                                  const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                  qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv,
-                                                 long long Tq, long long Tk, float scale, int causal) {
+                                                 long long Tq, long long Tk, float scale, int causal,
+                                                 float *part = nullptr) {
     constexpr int BN = 64;
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
@@ -515,6 +538,8 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
     mma::cp_async_wait_all();
     __syncthreads();
     store_acc<T>(dq, ldq, b, h, i0, Tq, Ks, dqa, scale, scale);
+    if (part)   // (B x query tiles) x (H x kD)
+        tile_colsum<T>(Ks, i0, Tq, part + ((long long)b * gridDim.x + blockIdx.x) * H * kD + h * kD);
 }
 
 }  // namespace wg

@@ -83,9 +83,11 @@ int ms_cuda_rope(ms_tensor *out, const ms_tensor *x, const ms_tensor *cos, const
 /* attention.cu: flash-style fused attention (contract in core/ops.h) */
 int ms_cuda_attention(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
                       double scale, int causal);
+/* dsum (or NULL): with the wgmma kernels, the column sums of dq, dk, dv as
+ * stored, [H·D | Hkv·D | Hkv·D] f32 on the device, and *summed = 1; else 0 */
 int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k,
                                const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
-                               double scale, int causal);
+                               double scale, int causal, float *dsum, int *summed);
 
 #ifdef __cplusplus
 }

@@ -281,3 +281,42 @@ describe('nnf.qkv_attention on cuda #gpu', function()
     end)
   end
 end)
+
+-- ms_attention_backward_sum: the column sums of dq, dk, dv as stored (a fused
+-- qkv projection's bias gradient), from the wgmma kernels' epilogues on
+-- Hopper at head dim 64, against the sums of the kernels' own outputs
+describe('attention_backward_sum on cuda #gpu', function()
+  local function colsums(t)   -- (B, H, T, D) -> H*D f64 values, h major
+    local x = t:to('cpu'):double():transpose(2, 3):contiguous()   -- (B, T, H, D)
+    local s = x:sum(1):sum(1)                                      -- (H, D)... as (1, 1, H, D)
+    return s:reshape({ -1 })
+  end
+  for _, c in ipairs({ { B = 2, H = 4, Hkv = 4, Tq = 200, Tk = 200, causal = true },
+                       { B = 1, H = 4, Hkv = 2, Tq = 130, Tk = 130, causal = true },
+                       { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false } }) do
+    it(('B=%d H=%d Hkv=%d Tq=%d Tk=%d: the sums of dq, dk, dv (1e-5 of the outputs\' own sums)'):format(
+      c.B, c.H, c.Hkv, c.Tq, c.Tk), function()
+      local D = 64
+      local q = ms.randn({ c.B, c.H, c.Tq, D }, { seed = 11 }):to('bf16'):cuda()
+      local k = ms.randn({ c.B, c.Hkv, c.Tk, D }, { seed = 12 }):to('bf16'):cuda()
+      local v = ms.randn({ c.B, c.Hkv, c.Tk, D }, { seed = 13 }):to('bf16'):cuda()
+      local g = ms.randn({ c.B, c.H, c.Tq, D }, { seed = 14 }):to('bf16'):cuda()
+      local scale = 1 / 8
+      local o, l = attention(q, k, v, scale, c.causal)
+      local a, b, cc = box(), box(), box()
+      local ds = ms.empty({ (c.H + 2 * c.Hkv) * D }, { dtype = 'f32', device = 'cuda' })
+      ds:fill_(0 / 0)
+      local r = C.ms_attention_backward_sum(a, b, cc, q, k, v, o, l, g, scale, c.causal and 1 or 0, ds)
+      assert.is_true(r >= 0, ffi.string(C.ms_last_error()))
+      local dq, dk, dv = T.wrap(a[0]), T.wrap(b[0]), T.wrap(cc[0])
+      if not hopper then
+        assert.are.equal(0, r)   -- only the wgmma kernels sum them
+        return
+      end
+      assert.are.equal(1, r)
+      local want = ms.cat({ colsums(dq), colsums(dk), colsums(dv) }, 1)
+      local e = relerr(ds, want)
+      assert.is_true(e <= 1e-5, ('column sums: relative error %.3g'):format(e))
+    end)
+  end
+end)

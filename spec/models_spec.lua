@@ -421,8 +421,9 @@ describe('gpt2-tiny: c_proj bias gradients from the norm backward', function()
   local nnf = nn.functional
   local dir = fixtures .. '/gpt2-tiny'
   -- every parameter's gradient (f64 copies) and the sums taken, fusion `on`
-  local function step(on, bf16)
+  local function step(on, bf16, attn)
     local prev = nnf.set_norm_bias_sum(on)
+    local prev_attn = nnf.set_attention_bias_sum(attn == true)
     local model = gpt2.from_pretrained(dir)
     if bf16 then nnf.set_precision(model, { compute = 'bf16' }) end
     model:eval()
@@ -433,6 +434,7 @@ describe('gpt2-tiny: c_proj bias gradients from the norm backward', function()
       model(exp.input_ids, exp.targets):backward()
     end)
     nnf.set_norm_bias_sum(prev)
+    nnf.set_attention_bias_sum(prev_attn)
     assert(ok, err)
     local grads = {}
     for name, p in model:named_parameters() do grads[name] = p.grad:to({ dtype = 'f64', copy = true }) end
@@ -455,6 +457,26 @@ describe('gpt2-tiny: c_proj bias gradients from the norm backward', function()
     assert.are.equal(2 * nl, nb)
   end
   it('in f32 equal those of the bias epilogue (1e-5)', function() compare(1e-5) end)
+  -- c_attn's bias gradient from the attention backward's column sums of dq,
+  -- dk, dv (ms_attention_backward_sum): taken once a block, the same values
+  for _, bound in ipairs({ 1e-5, 1e-2 }) do
+    it(('with c_attn\'s from the attention backward too: equal (%g), 3 sums a block'):format(bound), function()
+      local on, taken, nl = step(true, bound > 1e-4, true)
+      local off, none = step(false, bound > 1e-4, false)
+      assert.are.equal(3 * nl, taken)
+      assert.are.equal(0, none)
+      local na = 0
+      for name, g in pairs(off) do
+        local e = relerr(on[name], g)
+        assert.is_true(e <= bound, ('%s: relative error %.3g > %g'):format(name, e, bound))
+        if name:match('c_attn%.bias$') then
+          na = na + 1
+          assert.is_true(values(g)[1] ~= 0, name .. ' is zero')
+        end
+      end
+      assert.are.equal(nl, na)
+    end)
+  end
   it('under bf16 autocast equal them within bf16 rounding (1e-2)', function() compare(1e-2) end)
   it('are not taken when the branch output has another consumer', function()
     local function run(on, twice)

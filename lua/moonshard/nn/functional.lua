@@ -463,12 +463,28 @@ end
 local bias_input = { [bwd_affine] = 3, [bwd_gelu_mlp] = 5 }
 -- forward: whether h is the output of an affine layer whose bias needs a
 -- gradient (its id then, else nil)
-local function biased_branch(h)
-  if not norm_bias_sum_on then return nil end
+local function affine_with_bias(h)
   local node = h.grad_fn
   local bi = node and bias_input[node.bwd]
   if bi and node.need[bi] and node.oid == tonumber(h.id) then return node.oid end
   return nil
+end
+local function biased_branch(h)
+  if not norm_bias_sum_on then return nil end
+  return affine_with_bias(h)
+end
+
+-- The same for GPT-2's c_attn, whose output qkv_attention reads: its bias
+-- gradient is the column sums of dq, dk, dv, which the wgmma backward
+-- kernels add in their epilogues (ms_attention_backward_sum; the CPU sums
+-- its outputs). Off by default until measured on a GPU:
+-- MS_ATTENTION_BIAS_SUM=1 or nnf.set_attention_bias_sum(true).
+local attn_bias_sum_on = os.getenv('MS_ATTENTION_BIAS_SUM') == '1'
+-- nnf.set_attention_bias_sum(on) -> the previous setting
+function nnf.set_attention_bias_sum(on)
+  local prev = attn_bias_sum_on
+  attn_bias_sum_on = on and true or false
+  return prev
 end
 -- backward: ask for dxl's column sums when h came from such a layer and its
 -- gradient (dxl, in g_y's dtype) reaches it unconverted
@@ -979,9 +995,20 @@ local function bwd_qkv_attention(node, g)
   local bq, bk, bv = attn_box(), attn_box(), attn_box()
   bq[0], bk[0], bv[0] = dq, dk, dv
   local q, k, v = qkv_views(s.qkv, gs[2])
-  T.check(T.C.ms_attention_backward(bq, bk, bv, q, k, v, y4, s.lse, gt, s.scale, s.causal and 1 or 0))
+  local sum
+  if s.hid and attn_bias_sum_on then
+    -- c_attn's bias gradient: the column sums of dq, dk, dv (q, k, v heads)
+    local ds = T.empty({ 3 * gs[2] * gs[4] }, { dtype = 'f32', device = s.qkv.device_id })
+    local r = T.C.ms_attention_backward_sum(bq, bk, bv, q, k, v, y4, s.lse, gt, s.scale, s.causal and 1 or 0, ds)
+    if r < 0 then free(ds); T.check(r) end
+    if r == 1 then sum = R.to(ds, { dtype = dqkv.dtype_id }) end
+    if sum ~= ds then free(ds) end
+  else
+    T.check(T.C.ms_attention_backward(bq, bk, bv, q, k, v, y4, s.lse, gt, s.scale, s.causal and 1 or 0))
+  end
   free(q); free(k); free(v); free(dq); free(dk); free(dv); free(g4); free(gt)
   if gc ~= g then free(gc) end
+  if sum ~= nil then publish_pending_sum(s.hid, dqkv, sum) end
   return dqkv
 end
 
@@ -1009,7 +1036,8 @@ function nnf.qkv_attention(qkv, n_head, opts)
   if want(qkv) then
     local qa, ya = R.alias(qkv), R.alias(y4)
     record1('qkv_attention', y, bwd_qkv_attention,
-      { qkv = qa, y4 = ya, lse = l, scale = scale, causal = causal }, { qa, ya, l }, qkv)
+      { qkv = qa, y4 = ya, lse = l, scale = scale, causal = causal, hid = attn_bias_sum_on and affine_with_bias(qkv) or nil },
+      { qa, ya, l }, qkv)
   else
     free(l)
   end
