@@ -440,41 +440,29 @@ describe('gpt2-tiny: c_proj bias gradients from the norm backward', function()
     for name, p in model:named_parameters() do grads[name] = p.grad:to({ dtype = 'f64', copy = true }) end
     return grads, nnf.norm_bias_sum_count() - before, #model.transformer.h
   end
-  local function compare(bound)
-    local on, taken, nl = step(true, bound > 1e-4)
-    local off, none = step(false, bound > 1e-4)
-    assert.are.equal(2 * nl, taken)
+  -- attn: c_attn's bias gradient from the attention backward's column sums
+  -- of dq, dk, dv too (ms_attention_backward_sum): 3 sums a block, not 2
+  local function compare(bound, attn)
+    local on, taken, nl = step(true, bound > 1e-4, attn)
+    local off, none = step(false, bound > 1e-4, false)
+    assert.are.equal((attn and 3 or 2) * nl, taken)
     assert.are.equal(0, none)
-    local nb = 0
+    local nb, na = 0, 0
     for name, g in pairs(off) do
       local e = relerr(on[name], g)
       assert.is_true(e <= bound, ('%s: relative error %.3g > %g'):format(name, e, bound))
-      if name:match('c_proj%.bias$') then
-        nb = nb + 1
+      if name:match('c_proj%.bias$') or name:match('c_attn%.bias$') then
+        if name:match('c_attn') then na = na + 1 else nb = nb + 1 end
         assert.is_true(values(g)[1] ~= 0, name .. ' is zero')
       end
     end
     assert.are.equal(2 * nl, nb)
+    assert.are.equal(nl, na)
   end
   it('in f32 equal those of the bias epilogue (1e-5)', function() compare(1e-5) end)
-  -- c_attn's bias gradient from the attention backward's column sums of dq,
-  -- dk, dv (ms_attention_backward_sum): taken once a block, the same values
   for _, bound in ipairs({ 1e-5, 1e-2 }) do
     it(('with c_attn\'s from the attention backward too: equal (%g), 3 sums a block'):format(bound), function()
-      local on, taken, nl = step(true, bound > 1e-4, true)
-      local off, none = step(false, bound > 1e-4, false)
-      assert.are.equal(3 * nl, taken)
-      assert.are.equal(0, none)
-      local na = 0
-      for name, g in pairs(off) do
-        local e = relerr(on[name], g)
-        assert.is_true(e <= bound, ('%s: relative error %.3g > %g'):format(name, e, bound))
-        if name:match('c_attn%.bias$') then
-          na = na + 1
-          assert.is_true(values(g)[1] ~= 0, name .. ' is zero')
-        end
-      end
-      assert.are.equal(nl, na)
+      compare(bound, true)
     end)
   end
   it('under bf16 autocast equal them within bf16 rounding (1e-2)', function() compare(1e-2) end)
