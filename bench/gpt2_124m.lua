@@ -175,6 +175,7 @@ end
 -- passes), the DGELU epilogue on as well, and the one-pass attention backward on
 if opts.ablate == 1 then
   local C = require('moonshard.tensor').C
+  local lm_loss_default
   print('')
   print('| variant | step ms | tokens/s | vs default |')
   print('|---|---|---|---|')
@@ -185,6 +186,20 @@ if opts.ablate == 1 then
     { 'one-pass attention backward', function(on) return C.ms_cuda_attention_set_onepass(on and 1 or 0) end },
     { 'clip as a pass over the gradients', function(on) defer_clip = not on end },
     { 'bias gradients by BGRAD (no norm sums)', function(on) require('moonshard.nn.functional').set_norm_bias_sum(not on) end },
+    { "c_attn's bias gradient from the attention backward", function(on)
+      require('moonshard.nn.functional').set_attention_bias_sum(on) end },
+    { 'LM loss chunks of 1 GiB of logits (default 512 MiB)', function(on)
+      local nnf = require('moonshard.nn.functional')
+      if on then
+        lm_loss_default = nnf.lm_loss
+        nnf.lm_loss = function(h, w, t, o)
+          local oo = {}
+          for k, v in pairs(o or {}) do oo[k] = v end
+          oo.memory_budget = 2 ^ 30
+          return lm_loss_default(h, w, t, oo)
+        end
+      else nnf.lm_loss = lm_loss_default end
+    end },
   }) do
     v[2](true)
     local m = measure()
