@@ -23,11 +23,12 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 local gpt2 = require 'models.gpt2'
 
-local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5, ablate = 0, phases = 0 }
+local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5, ablate = 0, phases = 0,
+  variants = 'all', ['ablate-steps'] = 10 }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
-  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-master|bf16-pure|f32] [--steps N] [--warmup N] [--ablate 0|1] [--phases 0|1]') end
+  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-master|bf16-pure|f32] [--steps N] [--warmup N] [--ablate R] [--variants 1,2,..] [--ablate-steps N] [--phases 0|1]') end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
 end
@@ -90,10 +91,11 @@ local loss
 local host_syncs, mallocs = 0, 0
 -- clip_grad_norm's coefficient applied by AdamW's step (defer; --ablate 1 turns it off)
 local defer_clip = true
-local function measure()
+local function measure(nsteps, nwarm)
+  nsteps, nwarm = nsteps or opts.steps, nwarm or opts.warmup
   local times = {}
   host_syncs, mallocs = 0, 0
-  for step = 1, opts.warmup + opts.steps do
+  for step = 1, nwarm + nsteps do
     ms.cuda.synchronize()
     local st0 = ms.cuda.memory_stats()
     local s0, a0 = st0.num_host_syncs, st0.num_mallocs
@@ -105,14 +107,14 @@ local function measure()
     ms.optim.clip_grad_norm(model, 1.0, { tensor = true, defer = defer_clip and opt or nil })
     opt:step()
     ms.cuda.synchronize()
-    if step > opts.warmup then
+    if step > nwarm then
       times[#times + 1] = now() - t0
       local st1 = ms.cuda.memory_stats()
       host_syncs = host_syncs + st1.num_host_syncs - s0
       mallocs = mallocs + st1.num_mallocs - a0
     end
   end
-  host_syncs, mallocs = host_syncs / opts.steps, mallocs / opts.steps
+  host_syncs, mallocs = host_syncs / nsteps, mallocs / nsteps
   table.sort(times)
   return times[math.floor((#times + 1) / 2)]
 end
@@ -170,17 +172,40 @@ if opts.phases == 1 then
   print(('| step (wall, synced) | %.1f | |'):format(wall / n * 1e3))
 end
 
--- --ablate 1: the same training continued with one switch flipped at a
--- time: the cuBLASLt epilogues off (separate bias / GELU / bias-gradient
--- passes), the DGELU epilogue on as well, and the one-pass attention backward on
-if opts.ablate == 1 then
+-- --ablate R: the same training continued with one switch flipped at a
+-- time (the rows below; --variants "1,6" picks some), each measured in R
+-- interleaved pairs (default, then the variant: --ablate-steps steps after 3
+-- warm-up steps each), so that drifts of the clock during the run fall on
+-- both sides; "vs default" is the median of the pairs' ratios (the
+-- default's ms over the variant's), with the pairs' lowest and highest, and
+-- the peak is the variant's allocator peak
+if opts.ablate >= 1 then
   local C = require('moonshard.tensor').C
   local lm_loss_default
+  local pick
+  if opts.variants ~= 'all' then
+    pick = {}
+    for n in tostring(opts.variants):gmatch('%d+') do pick[tonumber(n)] = true end
+  end
   print('')
-  print('| variant | step ms | tokens/s | vs default |')
-  print('|---|---|---|---|')
-  print(('| default | %.1f | %.0f | 1.000 |'):format(med * 1e3, tokens / med))
-  for _, v in ipairs({
+  print(('%d interleaved pairs of %d steps a variant'):format(opts.ablate, opts['ablate-steps']))
+  print('| # | variant | default ms | variant ms | vs default (median) | lowest | highest | peak allocated GiB |')
+  print('|---|---|---|---|---|---|---|---|')
+  local function lm_budget(bytes)
+    return function(on)
+      local nnf = require('moonshard.nn.functional')
+      if on then
+        lm_loss_default = nnf.lm_loss
+        nnf.lm_loss = function(h, w, t, o)
+          local oo = {}
+          for k, x in pairs(o or {}) do oo[k] = x end
+          oo.memory_budget = bytes
+          return lm_loss_default(h, w, t, oo)
+        end
+      else nnf.lm_loss = lm_loss_default end
+    end
+  end
+  for vi, v in ipairs({
     { 'cuBLASLt epilogues off', function(on) return C.ms_cuda_gemm_set_epilogue(on and 0 or -1) end },
     { 'cuBLASLt DGELU epilogue on too', function(on) return C.ms_cuda_gemm_set_epilogue(on and C.MS_GEMM_EPI_ALL or -1) end },
     { 'one-pass attention backward', function(on) return C.ms_cuda_attention_set_onepass(on and 1 or 0) end },
@@ -188,22 +213,31 @@ if opts.ablate == 1 then
     { 'bias gradients by BGRAD (no norm sums)', function(on) require('moonshard.nn.functional').set_norm_bias_sum(not on) end },
     { "c_attn's bias gradient from the attention backward", function(on)
       require('moonshard.nn.functional').set_attention_bias_sum(on) end },
-    { 'LM loss chunks of 1 GiB of logits (default 512 MiB)', function(on)
-      local nnf = require('moonshard.nn.functional')
-      if on then
-        lm_loss_default = nnf.lm_loss
-        nnf.lm_loss = function(h, w, t, o)
-          local oo = {}
-          for k, v in pairs(o or {}) do oo[k] = v end
-          oo.memory_budget = 2 ^ 30
-          return lm_loss_default(h, w, t, oo)
-        end
-      else nnf.lm_loss = lm_loss_default end
-    end },
+    { "LM loss chunks of 512 MiB of logits (lm_loss's default: 1 GiB)", lm_budget(2 ^ 29) },
+    { 'LM loss chunks of 2 GiB of logits', lm_budget(2 ^ 31) },
   }) do
-    v[2](true)
-    local m = measure()
-    v[2](false)
-    print(('| %s | %.1f | %.0f | %.3f |'):format(v[1], m * 1e3, tokens / m, med / m))
+    if not pick or pick[vi] then
+      local da, va, ra, peak_v = {}, {}, {}, 0
+      for _ = 1, opts.ablate do
+        local a = measure(opts['ablate-steps'], 3)
+        ms.cuda.reset_peak_memory_stats()
+        v[2](true)
+        local b = measure(opts['ablate-steps'], 3)
+        peak_v = math.max(peak_v, ms.cuda.memory_stats().peak_allocated / 2 ^ 30)
+        v[2](false)
+        da[#da + 1], va[#va + 1], ra[#ra + 1] = a, b, a / b
+      end
+      local function median(t)
+        local c = {}
+        for i2, x in ipairs(t) do c[i2] = x end
+        table.sort(c)
+        local n = #c
+        return n % 2 == 1 and c[(n + 1) / 2] or (c[n / 2] + c[n / 2 + 1]) / 2
+      end
+      local lo, hi = math.huge, -math.huge
+      for _, r in ipairs(ra) do lo, hi = math.min(lo, r), math.max(hi, r) end
+      print(('| %d | %s | %.2f | %.2f | %.3f | %.3f | %.3f | %.2f |'):format(vi, v[1], median(da) * 1e3,
+        median(va) * 1e3, median(ra), lo, hi, peak_v))
+    end
   end
 end

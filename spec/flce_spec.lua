@@ -469,6 +469,29 @@ describe('fused_linear_cross_entropy', function()
       assert.is_false(nnf.use_fused_lm_loss(true))
     end)
 
+    it('set_lm_loss_budget: 1 GiB by default, returns the previous one, rejects bad values; CPU inputs keep their own budget', function()
+      local flce = require 'moonshard.flce'
+      assert.are.equal(2 ^ 30, flce.set_lm_loss_budget())
+      assert.are.equal(2 ^ 30, flce.set_lm_loss_budget(4096))
+      assert.are.equal(4096, flce.set_lm_loss_budget(2 ^ 30))
+      for _, bad in ipairs({ -1, 1.5, 'x' }) do
+        local ok, err = pcall(flce.set_lm_loss_budget, bad)
+        assert.is_false(ok)
+        assert.truthy(tostring(err):find('set_lm_loss_budget: bytes must be an integer >= 0', 1, true))
+      end
+      -- on the CPU the options reach the function as given
+      local seen
+      local real = flce.fused_linear_cross_entropy
+      flce.fused_linear_cross_entropy = function(x, W, t, o) seen = o; return real(x, W, t, o) end
+      local h, w = randn({ 2, 3, 4 }), randn({ 5, 4 })
+      local t = ms.tensor({ { 1, 2, 3 }, { 4, 0, -100 } }, { dtype = 'i64' })
+      local ok, err = pcall(flce.lm_loss, h, w, t, { reduction = 'sum' })
+      flce.fused_linear_cross_entropy = real
+      assert(ok, err)
+      assert.are.equal('sum', seen.reduction)
+      assert.is_nil(seen.memory_budget)
+    end)
+
     local have = io.open(fixtures .. '/gpt2-tiny/model.safetensors', 'rb')
     if have then have:close() end
     for _, fam in ipairs({ { 'gpt2-tiny', 'models.gpt2' }, { 'llama-tiny', 'models.llama' } }) do

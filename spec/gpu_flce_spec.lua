@@ -182,6 +182,33 @@ describe('fused_linear_cross_entropy on cuda #gpu', function()
   end)
 
   describe('memory', function()
+    it("lm_loss on the GPU gives its chunks set_lm_loss_budget's bytes (1 GiB) unless the options say", function()
+      local flce = require 'moonshard.flce'
+      local seen = {}
+      local real = flce.fused_linear_cross_entropy
+      flce.fused_linear_cross_entropy = function(x, W, t, o) seen[#seen + 1] = o or {}; return real(x, W, t, o) end
+      local h = randn({ 2, 300, 64 }, 0.5):to({ device = 'cuda', dtype = 'bf16' })
+      local W = randn({ 1001, 64 }, 0.5):to({ device = 'cuda', dtype = 'bf16' })
+      local t = targets(600, 1001, 0.1):view({ 2, 300 }):to('cuda')
+      local ok, la, lb, lc = pcall(function()
+        local a = flce.lm_loss(h, W, t)
+        local b = flce.lm_loss(h, W, t, { chunk_size = 128 })
+        local prev = flce.set_lm_loss_budget(0)
+        local c = flce.lm_loss(h, W, t)
+        flce.set_lm_loss_budget(prev)
+        return a:item(), b:item(), c:item()
+      end)
+      flce.fused_linear_cross_entropy = real
+      assert(ok, la)
+      -- the loss sums its rows in order: the same bits for any chunk size
+      assert.are.equal(la, lb)
+      assert.are.equal(la, lc)
+      assert.are.equal(2 ^ 30, seen[1].memory_budget)
+      assert.is_nil(seen[2].memory_budget)
+      assert.are.equal(128, seen[2].chunk_size)
+      assert.is_nil(seen[3].memory_budget)
+    end)
+
     it('keeps no (BT, V) logits: peak above the inputs within grads + f32 grad_W + one chunk', function()
       local BT, H, V = 4096, 512, 50000
       local x = randn({ BT, H }):cuda():bf16():requires_grad_()
