@@ -232,30 +232,44 @@ __device__ __forceinline__ bool target_valid(const ms_flce_params &p, long long 
 // a per-element argmax, and neither pass compares indices with the target
 // (its logit is read once, its gradient fixed up by the thread that owns
 // it). Same results as the general passes.
-template <typename T, int VEC>
+template <typename T, int VEC, int U>
 __device__ __forceinline__ RowStat row_pass1_plain(const T *row, int V, T *cache) {
+    // U packs a thread loaded before any is used (more bytes in
+    // flight a thread: the pass was short of memory parallelism with one
+    // 16-byte load between its exps); each thread still takes its packs in
+    // the order k0, k0 + stride, ...: the same bits as one at a time
     RowStat st = row_stat_empty();
-    for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
-        Pack<T, VEC> pk = *(const Pack<T, VEC> *)(row + k0);
-        if (cache) *(Pack<T, VEC> *)(cache + k0) = pk;
-        float z[VEC];
-        float zmax = -INFINITY;
+    const int stride = blockDim.x * VEC;
+    for (int kb = threadIdx.x * VEC; kb < V; kb += U * stride) {
+        Pack<T, VEC> pks[U];
 #pragma unroll
-        for (int e = 0; e < VEC; e++) {
-            z[e] = ms_ld(&pk.v[e]);
-            zmax = fmaxf(zmax, z[e]);
-        }
-        if (zmax > st.best) {   // the first pack of this thread's max (its exact index: row_first_max)
-            st.best = zmax;
-            st.idx = k0;
-        }
-        const float mm = fmaxf(st.m, zmax * kLog2e);
-        if (mm == -INFINITY) continue;
-        float acc = st.s * exp2f(st.m - mm);
+        for (int u = 0; u < U; u++)
+            if (kb + u * stride < V) pks[u] = *(const Pack<T, VEC> *)(row + kb + u * stride);
 #pragma unroll
-        for (int e = 0; e < VEC; e++) acc += exp2f(fmaf(z[e], kLog2e, -mm));
-        st.s = acc;
-        st.m = mm;
+        for (int u = 0; u < U; u++) {
+            const int k0 = kb + u * stride;
+            if (k0 >= V) break;
+            const Pack<T, VEC> &pk = pks[u];
+            if (cache) *(Pack<T, VEC> *)(cache + k0) = pk;
+            float z[VEC];
+            float zmax = -INFINITY;
+#pragma unroll
+            for (int e = 0; e < VEC; e++) {
+                z[e] = ms_ld(&pk.v[e]);
+                zmax = fmaxf(zmax, z[e]);
+            }
+            if (zmax > st.best) {   // the first pack of this thread's max (its exact index: row_first_max)
+                st.best = zmax;
+                st.idx = k0;
+            }
+            const float mm = fmaxf(st.m, zmax * kLog2e);
+            if (mm == -INFINITY) continue;
+            float acc = st.s * exp2f(st.m - mm);
+#pragma unroll
+            for (int e = 0; e < VEC; e++) acc += exp2f(fmaf(z[e], kLog2e, -mm));
+            st.s = acc;
+            st.m = mm;
+        }
     }
     return st;
 }
@@ -271,7 +285,7 @@ __device__ __forceinline__ int row_first_max(const T *src, int k0, float best) {
     return k0;
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, int U>
 __device__ __forceinline__ void row_pass2_plain(T *row, int V, int yl, float lse2, const Coefs &k, const T *cache) {
     const T *src = cache ? cache : row;
     // the target's element belongs to this thread's packs or to no other:
@@ -279,11 +293,20 @@ __device__ __forceinline__ void row_pass2_plain(T *row, int V, int yl, float lse
     // after (the same thread's stores, in order)
     const bool owner = ((yl / VEC) % (int)blockDim.x) == (int)threadIdx.x;
     const float zy = owner ? ms_ld(src + yl) : 0.0f;
-    for (int k0 = threadIdx.x * VEC; k0 < V; k0 += blockDim.x * VEC) {
-        Pack<T, VEC> pk = *(const Pack<T, VEC> *)(src + k0);
+    const int stride = blockDim.x * VEC;
+    for (int kb = threadIdx.x * VEC; kb < V; kb += U * stride) {
+        Pack<T, VEC> pks[U];   // loaded first, as in pass 1
 #pragma unroll
-        for (int e = 0; e < VEC; e++) ms_st(&pk.v[e], k.a * exp2f(fmaf(ms_ld(&pk.v[e]), kLog2e, -lse2)));
-        *(Pack<T, VEC> *)(row + k0) = pk;
+        for (int u = 0; u < U; u++)
+            if (kb + u * stride < V) pks[u] = *(const Pack<T, VEC> *)(src + kb + u * stride);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int k0 = kb + u * stride;
+            if (k0 >= V) break;
+#pragma unroll
+            for (int e = 0; e < VEC; e++) ms_st(&pks[u].v[e], k.a * exp2f(fmaf(ms_ld(&pks[u].v[e]), kLog2e, -lse2)));
+            *(Pack<T, VEC> *)(row + k0) = pks[u];
+        }
     }
     if (owner) ms_st(row + yl, k.a * exp2f(fmaf(zy, kLog2e, -lse2)) - k.y);
 }
@@ -291,7 +314,7 @@ __device__ __forceinline__ void row_pass2_plain(T *row, int V, int yl, float lse
 // One block per token of the chunk. Row r of `logits` (V) holds x_i·Wᵀ on
 // entry and d(Σ grad_scale·loss)/d logits on exit (want_grad); rows[i] gets
 // (ce_i, zl_i, hit_i). scal: (D, Σw, N) from flce_prep_kernel.
-template <typename T, int VEC, bool PLAIN>
+template <typename T, int VEC, bool PLAIN, int U = 1>
 __global__ void __launch_bounds__(kRowThreads)
 flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int tdt, const float *gs,
                  int gs_per_row, const double *scal, float *rows, ms_flce_params p, int row_cached) {
@@ -310,7 +333,7 @@ flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int
     extern __shared__ __align__(16) unsigned char row_smem[];
     T *cache = p.want_grad && row_cached ? reinterpret_cast<T *>(row_smem) : nullptr;
     if constexpr (PLAIN) {
-        const RowStat st = block_reduce_row(row_pass1_plain<T, VEC>(row, V, cache));
+        const RowStat st = block_reduce_row(row_pass1_plain<T, VEC, U>(row, V, cache));
         const float lse2 = st.m + log2f(st.s), lse = lse2 * kLn2;
         const T *src = cache ? cache : row;   // (block_reduce_row's barrier: every thread's copy is in)
         const int yl = (int)y;
@@ -327,7 +350,7 @@ flce_rows_kernel(T *logits, const T *bias, const float *cew, const void *tg, int
             rows[3 * i + 2] = 0.0f;
         if (!p.want_grad) return;
         const float g = gs ? gs[gs_per_row ? i : 0] : 1.0f;
-        row_pass2_plain<T, VEC>(row, V, yl, lse2, row_coefs(p, scal, g, 1.0f, lse), cache);
+        row_pass2_plain<T, VEC, U>(row, V, yl, lse2, row_coefs(p, scal, g, 1.0f, lse), cache);
         return;
     }
     const RowStat st =
@@ -624,6 +647,24 @@ size_t row_cache_bytes(int device, long long row_bytes) {
     return need;
 }
 
+// the plain row pass loads 4 packs a thread before using them (more bytes
+// in flight: it was short of memory parallelism with one 16-byte load
+// between its exps); MS_FLCE_ROW_UNROLL=1 (or ms_cuda_flce_set_row_unroll(1))
+// restores one at a time, to compare. The same bits either way.
+int g_row_unroll = -1;
+int row_unroll() {
+    if (g_row_unroll < 0) {
+        const char *e = getenv("MS_FLCE_ROW_UNROLL");
+        g_row_unroll = (e && e[0] == '1' && e[1] == 0) ? 1 : 4;
+    }
+    return g_row_unroll;
+}
+extern "C" int ms_cuda_flce_set_row_unroll(int u) {
+    const int old = row_unroll();
+    if (u == 1 || u == 4) g_row_unroll = u;
+    return old;
+}
+
 // MS_FLCE_PLAIN_ROWS=0: the general row pass for every call (to compare)
 bool plain_rows_on() {
     static int on = -1;
@@ -646,8 +687,9 @@ extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const
         const size_t cache = row_cache_bytes(logits->device_id, p->v * (long long)sizeof(T));
         const bool plain = !bias && !ce_weight && !(p->softcap > 0) && p->label_smoothing == 0 && plain_rows_on();
         return row_launch<T>(logits, p, [&](auto vec) {
-            auto kernel = plain ? flce_rows_kernel<T, decltype(vec)::value, true>
-                                : flce_rows_kernel<T, decltype(vec)::value, false>;
+            auto kernel = !plain               ? flce_rows_kernel<T, decltype(vec)::value, false>
+                          : row_unroll() == 4 ? flce_rows_kernel<T, decltype(vec)::value, true, 4>
+                                              : flce_rows_kernel<T, decltype(vec)::value, true, 1>;
             if (cache > 48 * 1024 &&
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cache) != cudaSuccess)
                 return;   // reported by LAUNCH_CHECK below

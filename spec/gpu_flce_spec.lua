@@ -145,6 +145,20 @@ describe('fused_linear_cross_entropy on cuda #gpu', function()
       end
     end)
 
+    it('the plain row pass gives the same bits with 4 packs a thread in flight and with 1 (V = 50304 and 3001)', function()
+      for _, V in ipairs({ 50304, 3001 }) do
+        local x, W, t = randn({ 64, 64 }), randn({ V, 64 }, 0.3), targets(64, V, 0.1)
+        local prev = T.C.ms_cuda_flce_set_row_unroll(1)
+        local ok, a = pcall(run, x, W, t, {}, 'cuda', 'bf16')
+        T.C.ms_cuda_flce_set_row_unroll(4)
+        local ok2, b = pcall(run, x, W, t, {}, 'cuda', 'bf16')
+        T.C.ms_cuda_flce_set_row_unroll(prev)
+        assert(ok, a)
+        assert(ok2, b)
+        for _, k in ipairs({ 'loss', 'gx', 'gW' }) do assert.are.equal(0, relerr(a[k], b[k]), k .. ' at V = ' .. V) end
+      end
+    end)
+
     it('gives the same bits on every run, and results independent of the chunk size', function()
       local x, W, t = randn({ 200, 64 }), randn({ 3001, 64 }, 0.3), targets(200, 3001, 0.1)
       local a = run(x, W, t, { chunk_size = 50 }, 'cuda', 'bf16')
