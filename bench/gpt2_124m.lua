@@ -215,7 +215,7 @@ if opts.ablate >= 1 then
       require('moonshard.nn.functional').set_attention_bias_sum(on) end },
     { "LM loss chunks of 512 MiB of logits (lm_loss's default: 1 GiB)", lm_budget(2 ^ 29) },
     { 'LM loss chunks of 2 GiB of logits', lm_budget(2 ^ 31) },
-    { 'FLCE row pass one pack at a time (default 4 in flight)', function(on) C.ms_cuda_flce_set_row_unroll(on and 1 or 4) end },
+    { 'FLCE row pass with 4 packs in flight (default here: 1, the row cached)', function(on) C.ms_cuda_flce_set_row_unroll(on and 4 or 0) end },
   }) do
     if not pick or pick[vi] then
       local da, va, ra, peak_v = {}, {}, {}, 0

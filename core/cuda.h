@@ -98,9 +98,10 @@ int ms_cuda_attention_get_impl(void);
  * dk/dv kernel), 0: two deterministic kernels (the default; the environment's
  * MS_ATTENTION_BWD=onepass chooses the first); returns the previous one */
 int ms_cuda_attention_set_onepass(int on);
-/* FLCE's plain row pass: 4 (the default) loads four 16-byte packs a thread
- * before using them, 1 one at a time (MS_FLCE_ROW_UNROLL=1); the same bits;
- * other values leave it; returns the previous one */
+/* FLCE's plain row pass: 4 loads four 16-byte packs a thread before using
+ * them, 1 one at a time, 0 (the default) 1 when the row is cached in shared
+ * memory and 4 when not (MS_FLCE_ROW_UNROLL=1 or 4 forces one); the same
+ * bits; other values leave it; returns the previous one */
 int ms_cuda_flce_set_row_unroll(int u);
 /* which cuBLASLt epilogues run where they apply, a mask of: BIAS (bias and
  * bias gradient), GELU (GELU_AUX_BIAS forward), DGELU (DGELU_BGRAD backward);

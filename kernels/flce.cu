@@ -647,21 +647,23 @@ size_t row_cache_bytes(int device, long long row_bytes) {
     return need;
 }
 
-// the plain row pass loads 4 packs a thread before using them (more bytes
-// in flight: it was short of memory parallelism with one 16-byte load
-// between its exps); MS_FLCE_ROW_UNROLL=1 (or ms_cuda_flce_set_row_unroll(1))
-// restores one at a time, to compare. The same bits either way.
-int g_row_unroll = -1;
-int row_unroll() {
+// How many 16-byte packs a thread of the plain row pass loads before using
+// them. 4 when pass 2 reads the row from device memory again (V beyond the
+// row cache: more bytes in flight a thread, bench/flce.lua 0.3-0.7% faster
+// on an H100), 1 when the row is cached in shared memory (GPT-2's head: 4
+// was ~1% slower a step there). MS_FLCE_ROW_UNROLL=1 or 4 (or
+// ms_cuda_flce_set_row_unroll) forces one for both; the same bits either way.
+int g_row_unroll = -1;   // 0: by the row cache, else forced
+int row_unroll_forced() {
     if (g_row_unroll < 0) {
         const char *e = getenv("MS_FLCE_ROW_UNROLL");
-        g_row_unroll = (e && e[0] == '1' && e[1] == 0) ? 1 : 4;
+        g_row_unroll = e && strcmp(e, "1") == 0 ? 1 : e && strcmp(e, "4") == 0 ? 4 : 0;
     }
     return g_row_unroll;
 }
 extern "C" int ms_cuda_flce_set_row_unroll(int u) {
-    const int old = row_unroll();
-    if (u == 1 || u == 4) g_row_unroll = u;
+    const int old = row_unroll_forced();
+    if (u == 0 || u == 1 || u == 4) g_row_unroll = u;
     return old;
 }
 
@@ -688,7 +690,8 @@ extern "C" int ms_cuda_flce_rows(ms_tensor *logits, const ms_tensor *bias, const
         const bool plain = !bias && !ce_weight && !(p->softcap > 0) && p->label_smoothing == 0 && plain_rows_on();
         return row_launch<T>(logits, p, [&](auto vec) {
             auto kernel = !plain               ? flce_rows_kernel<T, decltype(vec)::value, false>
-                          : row_unroll() == 4 ? flce_rows_kernel<T, decltype(vec)::value, true, 4>
+                          : (row_unroll_forced() ? row_unroll_forced() : cache ? 1 : 4) == 4
+                              ? flce_rows_kernel<T, decltype(vec)::value, true, 4>
                                               : flce_rows_kernel<T, decltype(vec)::value, true, 1>;
             if (cache > 48 * 1024 &&
                 cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cache) != cudaSuccess)
