@@ -246,6 +246,37 @@ describe('gradcheck: nn.functional', function()
     local ids = ms.tensor({ { 1, 5, 1 }, { 0, 2, 5 } }, { dtype = 'i64' })
     check(function() return nnf.embedding(ids, w) end, { w })
   end)
+  it('embedding whose weight already has a gradient (tied): added into it in place, hooks keep the plain path', function()
+    local w = rnd({ 6, 3 })
+    local ids = ms.tensor({ { 1, 5, 1 }, { 0, 2, 5 } }, { dtype = 'i64' })
+    local c, d = rnd({ 2, 3, 3 }), rnd({ 6, 3 })
+    c:requires_grad_(false); d:requires_grad_(false)
+    -- w * d is recorded after the embedding, so its backward runs first and
+    -- leaves w.grad there for the embedding's
+    local function fn() return (nnf.embedding(ids, w) * c):sum() + (w * d):sum() end
+    local real, used = A.inplace_leaf_grad, 0
+    A.inplace_leaf_grad = function(node, i)
+      local g = real(node, i)
+      if g and node.name == 'embedding' then used = used + 1 end
+      return g
+    end
+    local ok, err = pcall(check, fn, { w })
+    -- the same gradient through the plain path (a tensor hook on w)
+    w.grad = nil
+    A.enable_grad(function() fn():backward() end)
+    local g_inplace = w.grad:clone()
+    local h = w:register_hook(function(g) return g end)
+    w.grad = nil
+    local used_before = used
+    A.enable_grad(function() fn():backward() end)
+    h.remove()
+    A.inplace_leaf_grad = real
+    assert(ok, err)
+    assert.is_true(used >= 1, 'the in-place path never ran')
+    assert.are.equal(used_before, used, 'a hooked weight took the in-place path')
+    assert.is_true(F.max(F.abs(F.sub(g_inplace, w.grad))):item() < 1e-12)
+    w.grad = nil
+  end)
   it('layer_norm and rms_norm', function()
     local x = rnd({ 2, 3, 6 })
     local w, b = rnd({ 6 }), rnd({ 6 })

@@ -336,6 +336,27 @@ local function apply_tensor_hooks(m, g, borrowed)
   return g
 end
 
+-- The gradient a backward function may add its gradient for input i into
+-- in place instead of returning one (nn.functional.embedding: a scatter-add
+-- into the tied weight's gradient the LM head has already left there, with
+-- no zero-filled table and no add): the leaf's current .grad, when input i
+-- is a leaf without tensor hooks or post-accumulate hooks (they see every
+-- gradient handed over) whose grad is there, contiguous, and of the input's
+-- shape, dtype and device; else nil (return the gradient as usual).
+function A.inplace_leaf_grad(node, i)
+  local leaf = node.leaf and node.leaf[i]
+  if not leaf or not node.need[i] then return nil end
+  local m = peekmeta(leaf)
+  if not m or m.hooks or m.post_hooks then return nil end
+  local g = m.grad
+  if g == nil or g.storage == nil then return nil end
+  if g.dtype_id ~= node.idtype[i] or g.device_id ~= node.idev[i] or not same_shape(g, node.ishape[i])
+      or not M.is_contiguous(g) then
+    return nil
+  end
+  return g
+end
+
 -- Walk `tape` in reverse. grads: id -> gradient (owned by the walk unless
 -- borrowed[id]). Leaves up to the caller: clearing the tape.
 local function walk(tape, grads, borrowed, root)

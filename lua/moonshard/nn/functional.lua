@@ -333,6 +333,14 @@ end
 local function bwd_embedding(node, g)
   local flat = node.saved[1]
   local g2 = rows(g)
+  -- the weight's gradient already there (a tied LM head's, or an earlier
+  -- micro-batch's): the rows added into it, nothing returned
+  local into = A.inplace_leaf_grad(node, 2)
+  if into and into.dtype_id == g2.dtype_id then
+    F.index_add_(into, 1, flat, g2)
+    if g2 ~= g then free(g2) end
+    return nil, nil
+  end
   local z = T.zeros(node.ishape[2], { dtype = g.dtype_id, device = g.device_id })
   F.index_add_(z, 1, flat, g2)
   if g2 ~= g then free(g2) end
