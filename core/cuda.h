@@ -98,6 +98,12 @@ int ms_cuda_attention_get_impl(void);
  * dk/dv kernel), 0: two deterministic kernels (the default; the environment's
  * MS_ATTENTION_BWD=onepass chooses the first); returns the previous one */
 int ms_cuda_attention_set_onepass(int on);
+/* 1: the wgmma backward (sm_90a, bf16/f16, D = 64) in one pass, dq added
+ * inside the dk/dv kernel in a fixed order (deterministic; causal with
+ * Tk < Tq and the column-sum option keep two kernels), 0: two kernels (the
+ * default; the environment's MS_ATTENTION_WG_BWD=onepass chooses the
+ * first); returns the previous one */
+int ms_cuda_attention_set_wg_onepass(int on);
 /* FLCE's plain row pass: 4 loads four 16-byte packs a thread before using
  * them, 1 one at a time, 0 (the default) 1 when the row is cached in shared
  * memory and 4 when not (MS_FLCE_ROW_UNROLL=1 or 4 forces one); the same

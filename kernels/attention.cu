@@ -562,6 +562,20 @@ int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *
                          : wg_fwd_bn<T, 128>(out, lse, q, k, v, scale, causal);
 }
 
+// MS_ATTENTION_WG_BWD=onepass: the wgmma backward in one kernel, dq added
+// inside the dk/dv kernel in a fixed key-block order (the same bits run to
+// run; not for causal with Tk < Tq, nor with the column sums); the default
+// is dkdv_kernel then dq_kernel. ms_cuda_attention_set_wg_onepass overrides
+// the environment.
+int g_wg_onepass = -1;
+bool wg_onepass() {
+    if (g_wg_onepass < 0) {
+        const char *e = getenv("MS_ATTENTION_WG_BWD");
+        g_wg_onepass = e && strcmp(e, "onepass") == 0;
+    }
+    return g_wg_onepass == 1;
+}
+
 template <typename T>
 // dsum (or NULL): the column sums of dq, dk, dv as stored, [H·D | Hkv·D |
 // Hkv·D] f32, from the kernels' per-block partial rows (part_colsum_kernel
@@ -572,6 +586,27 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     const long long rq = (long long)B * ((Tq + 63) / 64), rk = (long long)B * ((Tk + 63) / 64);
+    if (wg_onepass() && !dsum && Tq > 0 && Tk > 0 && B * Hkv > 0 && (!causal || Tk >= Tq)) {
+        // dq inside the dk/dv kernel (attention_wgmma.cuh: OP): f32 sums
+        // and the counters that order their additions, zeroed
+        const long long nqt = (Tq + 63) / 64;
+        holder acc, sem;
+        int64_t ashape[4] = {B, H, Tq, 64}, sshape[1] = {1 + (int64_t)B * H * nqt};
+        if (ms_tensor_empty(&acc.t, 4, ashape, MS_F32, q->device_id)) return -1;
+        if (ms_tensor_empty(&sem.t, 1, sshape, MS_I32, q->device_id)) return -1;
+        CUDA_CHECK(cudaMemsetAsync(ms_tensor_data(sem.t), 0, (size_t)sshape[0] * sizeof(int), s));
+        size_t smem = wg::dkdv_smem(true);
+        if (set_smem<T>(wg::dkdv_kernel<T, true>, smem)) return -1;
+        dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));
+        wg::dkdv_kernel<T, true><<<grid, 128, smem, s>>>(
+            (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
+            (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
+            layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal, nullptr, (T *)ms_tensor_data(dq),
+            layout4(dq), (float *)ms_tensor_data(acc.t), (int *)ms_tensor_data(sem.t));
+        LAUNCH_CHECK("wg::dkdv_kernel (one pass)");
+        // the buffers go back to the allocator in stream order (holder frees them)
+        return 0;
+    }
     holder part;
     float *pq = nullptr, *pkv = nullptr;
     if (dsum) {
@@ -855,6 +890,14 @@ extern "C" int ms_cuda_attention_get_impl(void) { return g_impl_set; }
 extern "C" int ms_cuda_attention_set_onepass(int on) {
     int old = onepass() ? 1 : 0;
     g_onepass = on ? 1 : 0;
+    return old;
+}
+
+// 1: the one-pass wgmma backward (dq in the dk/dv kernel, deterministic),
+// 0: dkdv_kernel and dq_kernel; returns the previous setting
+extern "C" int ms_cuda_attention_set_wg_onepass(int on) {
+    int old = wg_onepass() ? 1 : 0;
+    g_wg_onepass = on ? 1 : 0;
     return old;
 }
 

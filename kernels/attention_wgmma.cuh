@@ -95,6 +95,10 @@ __device__ __forceinline__ void mma_ss(float *d, uint64_t a, uint64_t b, int acc
 // fragment), B MN-major from shared memory
 template <typename T, int N>
 __device__ __forceinline__ void mma_rs_t(float *d, const unsigned *a, uint64_t b, int acc);
+// d (64 x N) (+)= A . B over k16, both MN-major from shared memory: A's tile
+// is K x M with M (64) along the row (transposed A, imm-trans-a = 1)
+template <typename T, int N>
+__device__ __forceinline__ void mma_ss_tt(float *d, uint64_t a, uint64_t b, int acc);
 
 #ifdef MS_WG_ENABLED
 #include "attention_wgmma_ops.inc"
@@ -103,7 +107,26 @@ template <typename T, int N>
 __device__ __forceinline__ void mma_ss(float *, uint64_t, uint64_t, int) { __trap(); }
 template <typename T, int N>
 __device__ __forceinline__ void mma_rs_t(float *, const unsigned *, uint64_t, int) { __trap(); }
+template <typename T, int N>
+__device__ __forceinline__ void mma_ss_tt(float *, uint64_t, uint64_t, int) { __trap(); }
 #endif
+
+// the one-pass backward's order (dkdv_kernel<T, true>): one thread waits
+// until the counter at p (global memory, other blocks' increments) reaches
+// v, reading it with acquire semantics at gpu scope; the block's barrier
+// after it hands the order on to the other threads
+__device__ __forceinline__ void spin_until(const int *p, int v) {
+#ifdef MS_WG_ENABLED
+    int x;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(x) : "l"(p) : "memory");
+    } while (x < v);
+#else
+    while (*(const volatile int *)p < v) {
+    }
+    __threadfence();
+#endif
+}
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -140,6 +163,23 @@ __device__ __forceinline__ void c_to_a(unsigned a[4], const float *c, int kk) {
     a[1] = mma::op<T>::pack(c[8 * kk + 2], c[8 * kk + 3]);
     a[2] = mma::op<T>::pack(c[8 * kk + 4], c[8 * kk + 5]);
     a[3] = mma::op<T>::pack(c[8 * kk + 6], c[8 * kk + 7]);
+}
+
+// the A fragments a[kk] (k16 blocks kk of a 64 x 64 tile, this warp's rows
+// 16w..: c_to_a's a[0] row g, columns 16kk + 2t, +1; a[1] row g + 8; a[2],
+// a[3] the same 8 columns on) into the swizzled tile s as they are (rows of
+// 64 elements, the 16-byte chunk c of row r at r*128 + ((c ^ (r&7)) << 4))
+template <typename T>
+__device__ __forceinline__ void a_to_sw(T *s, const unsigned a[4][4]) {
+    const int lane = threadIdx.x & 31, r0 = (threadIdx.x >> 5) * 16 + (lane >> 2), t4 = lane & 3;
+    unsigned char *p = (unsigned char *)s;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + 8 * (i & 1), c = 2 * kk + (i >> 1);
+            *reinterpret_cast<unsigned *>(p + r * 128 + ((c ^ (r & 7)) << 4) + t4 * 4) = a[kk][i];
+        }
 }
 
 // the 64 x 64 accumulators c (this warp's 16 rows) times mul[r] into rows
@@ -305,36 +345,122 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
 
 // -------------------------------------------------------------- backward
 // dk, dv for 64 keys of one (b, kv head), over the query heads of its group
-// and their 64-query tiles (Q, dO double-buffered; lse, delta per tile)
-inline size_t dkdv_smem() {
-    return 1024 + (size_t)(2 * 64 + 4 * 64) * 128 + 4 * 64 * sizeof(float);
+// and their 64-query tiles (Q, dO double-buffered; lse, delta per tile).
+//
+// OP (the one-pass backward, MS_ATTENTION_WG_BWD=onepass): dq too, from the
+// dS^T already in registers (dQ = dS.K: dS^T through the shared tile Ss, read
+// back as a transposed A operand; K is the block's own tile), so dq_kernel's
+// recomputation of S and dP goes (5 tile products a (key tile, query tile)
+// instead of 7). The blocks' 64 x 64 f32 shares of a dq tile are added in a
+// fixed order, key block 0, 1, .., jlast (the same bits every run): block j
+// waits until the tile's counter reads j, adds its share to the f32 sums in
+// dqacc (block 0 writes them), and the last one rounds the sum times scale
+// into dq instead. Deadlock-free as the blocks take their (key block, b, kv
+// head) from a ticket in the order they start: a block waits only on blocks
+// of smaller tickets, which have started and wait only on smaller ones. The
+// query tiles run last first, heads minor, so step s of every key block of a
+// (b, kv head) is the same (tile, head): block j follows block j-1 a step
+// behind. dqacc: (B, H, Tq, 64) f32; sem: 1 + B*H*ceil(Tq/64) ints, zero
+// (sem[0] the ticket, then a counter a (b, h, dq tile)). Only for !causal ||
+// Tk >= Tq (attention.cu checks): key block 0 then sees every query tile.
+inline size_t dkdv_smem(bool op = false) {
+    return 1024 + (size_t)(2 * 64 + 4 * 64 + (op ? 64 : 0)) * 128 + 4 * 64 * sizeof(float);
 }
 
+// OP: this block's share c (64 x 64 accumulators, queries i0.. of (b, h) x
+// D) of a dq tile, j-th in the order of the tile's counter cnt, jlast the
+// last; c is summed in place
 template <typename T>
-__global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
+__device__ __forceinline__ void dq_add(T *dq, const qkv_layout &l, float *dqacc, int *cnt, float *c, long long b,
+                                       int h, int H, long long i0, long long Tq, int j, int jlast, float scale) {
+    const int lane = threadIdx.x & 31, t4 = lane & 3;
+    const long long row0 = i0 + (threadIdx.x >> 5) * 16 + (lane >> 2);
+    if (threadIdx.x == 0) spin_until(cnt, j);
+    __syncthreads();  // blocks 0 .. j-1 have added theirs
+    if (j > 0) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const long long i = row0 + 8 * r;
+            if (i >= Tq) continue;
+            const float2 *src = reinterpret_cast<const float2 *>(dqacc + (((long long)b * H + h) * Tq + i) * kD);
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const float2 x = __ldcg(src + 4 * n + t4);  // L2: another SM's writes
+                c[4 * n + 2 * r] += x.x;
+                c[4 * n + 2 * r + 1] += x.y;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const long long i = row0 + 8 * r;
+        if (i >= Tq) continue;
+        if (j == jlast) {
+            T *dst = dq + at(l, b, h, i) + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+                *reinterpret_cast<unsigned *>(dst + 8 * n) =
+                    mma::op<T>::pack(c[4 * n + 2 * r] * scale, c[4 * n + 2 * r + 1] * scale);
+        } else {
+            float2 *dst = reinterpret_cast<float2 *>(dqacc + (((long long)b * H + h) * Tq + i) * kD);
+#pragma unroll
+            for (int n = 0; n < 8; n++) __stcg(dst + 4 * n + t4, make_float2(c[4 * n + 2 * r], c[4 * n + 2 * r + 1]));
+        }
+    }
+    if (j < jlast) {
+        // every thread's sums visible at gpu scope before the counter moves
+        // on: each thread's fence, and thread 0's after the barrier (the
+        // release of grid-wide barriers: cumulative over what the barrier
+        // ordered before it)
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(cnt, 1);
+        }
+    }
+}
+
+// (OP: at most 168 registers, 3 blocks an SM as the two-pass kernel; ptxas
+// left alone takes 187)
+template <typename T, bool OP = false>
+__global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
                                                    const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                    qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
                                                    int Hkv, long long Tq, long long Tk, float scale, int causal,
-                                                   float *part = nullptr) {
+                                                   float *part = nullptr, T *dq = nullptr, qkv_layout ldq = qkv_layout{},
+                                                   float *dqacc = nullptr, int *sem = nullptr) {
     constexpr int BQ = 64;
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
     T *Ks = (T *)sm, *Vs = Ks + 64 * kD, *Qs = Vs + 64 * kD, *Gs = Qs + 2 * BQ * kD;
     float *Ls = (float *)(Gs + 2 * BQ * kD), *Ds = Ls + 2 * BQ;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
-    const long long j0 = (long long)blockIdx.x * 64;
-    const int bg = blockIdx.y, b = bg / Hkv, g = bg % Hkv, rep = H / Hkv;
+    int jb = blockIdx.x, bg = blockIdx.y;  // key block, (b, kv head)
+    if constexpr (OP) {
+        static __shared__ int ticket;
+        if (threadIdx.x == 0) ticket = atomicAdd(sem, 1);
+        __syncthreads();
+        jb = ticket % gridDim.x;
+        bg = ticket / gridDim.x;
+    }
+    const long long j0 = (long long)jb * 64;
+    const int b = bg / Hkv, g = bg % Hkv, rep = H / Hkv;
     const long long off = Tk - Tq;
     const long long istart = causal && j0 - off > 0 ? (j0 - off) / BQ * BQ : 0;
     const long long nq = istart < Tq ? (Tq - istart + BQ - 1) / BQ : 0;
     const long long total = rep * nq;
     const float sl = scale * kLog2e;
     const long long key0 = j0 + warp * 16 + g8;  // this thread's keys key0, key0 + 8
+    // step it's query head and first query: heads major, tiles ascending;
+    // OP: tiles descending (the last first), heads minor
+    auto head_of = [&](long long it) { return g * rep + (int)(OP ? it % rep : it / nq); };
+    auto tile_of = [&](long long it) { return istart + (OP ? nq - 1 - it / rep : it % nq) * BQ; };
 
     float Lv = INFINITY, Dv = 0.f;
     auto issue = [&](long long it, int buf) {
-        const int hq = g * rep + (int)(it / nq);
-        const long long ib = istart + (it % nq) * BQ;
+        const int hq = head_of(it);
+        const long long ib = tile_of(it);
         load_sw<T, BQ>(Qs + buf * BQ * kD, q, lq, b, hq, ib, Tq);
         load_sw<T, BQ>(Gs + buf * BQ * kD, dout, lg, b, hq, ib, Tq);
         const long long i = ib + threadIdx.x, row = ((long long)b * H + hq) * Tq + i;
@@ -367,8 +493,11 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
         __syncthreads();  // step it's tiles visible; step it-1's wgmmas (buffer buf ^ 1) completed
         if (it + 1 < total) issue(it + 1, buf ^ 1);
         mma::cp_async_commit();
-        const long long i0 = istart + (it % nq) * BQ;
-        if (causal && j0 > i0 + BQ - 1 + off) continue;  // every key after every query of the tile
+        const long long i0 = tile_of(it);
+        // every key after every query of the tile; never with OP (its tiles
+        // start at istart, and istart + 63 + off >= j0), which must not skip
+        // a tile's turn
+        if (!OP && causal && j0 > i0 + BQ - 1 + off) continue;
         const T *Qb = Qs + buf * BQ * kD, *Gb = Gs + buf * BQ * kD;
         const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
 
@@ -410,19 +539,50 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
             c_to_a<T>(da[kk], dpt, kk);
         }
         // dV += P^T dO, dK += dS^T Q
-        pin<32>(dva);
-        pin<32>(dka);
-        fence();
+        auto mma_dvdk = [&] {
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dva, pa[kk], dGb + kk * (2048 >> 4), 1);
+            for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dva, pa[kk], dGb + kk * (2048 >> 4), 1);
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dka, da[kk], dQb + kk * (2048 >> 4), 1);
-        commit();
-        wait<0>();
-        pin<32>(dva);
-        pin<32>(dka);
-        pin_u<16>(&pa[0][0]);
-        pin_u<16>(&da[0][0]);
+            for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dka, da[kk], dQb + kk * (2048 >> 4), 1);
+        };
+        if constexpr (OP) {
+            // dS^T (keys x queries) into Ss as rounded for dK; dQ = dS K with
+            // dS read from it transposed, K MN-major (as V in P V)
+            T *Ss = (T *)(Ds + 2 * BQ);
+            a_to_sw<T>(Ss, da);
+            fence_proxy();
+            __syncthreads();  // every warp's rows of Ss (step it-1's dQ wgmmas completed before)
+            float dqa[32];
+            pin<32>(dva);
+            pin<32>(dka);
+            fence();
+            mma_dvdk();
+            const uint64_t dS = desc(Ss);
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) mma_ss_tt<T, 64>(dqa, dS + kk * (2048 >> 4), dK + kk * (2048 >> 4), kk);
+            commit();
+            wait<0>();
+            pin<32>(dva);
+            pin<32>(dka);
+            pin<32>(dqa);
+            pin_u<16>(&pa[0][0]);
+            pin_u<16>(&da[0][0]);
+            const int hq = head_of(it), nkb = (int)gridDim.x, nqt = (int)((Tq + BQ - 1) / BQ);
+            const int jlast = causal ? (int)min((long long)nkb - 1, (i0 + BQ - 1 + off) / 64) : nkb - 1;
+            dq_add<T>(dq, ldq, dqacc, sem + 1 + ((long long)b * H + hq) * nqt + i0 / BQ, dqa, b, hq, H, i0, Tq, jb,
+                      jlast, scale);
+        } else {
+            pin<32>(dva);
+            pin<32>(dka);
+            fence();
+            mma_dvdk();
+            commit();
+            wait<0>();
+            pin<32>(dva);
+            pin<32>(dka);
+            pin_u<16>(&pa[0][0]);
+            pin_u<16>(&da[0][0]);
+        }
     }
 
     mma::cp_async_wait_all();
@@ -430,7 +590,7 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
     store_acc<T>(dk, ldk, b, g, j0, Tk, Qs, dka, scale, scale);
     store_acc<T>(dv, ldv, b, g, j0, Tk, Qs + 64 * (kD + 8), dva, 1.f, 1.f);
     if (part) {   // dk's rows of part, then dv's: (B x key tiles) x (Hkv x kD) each
-        const long long row = (long long)b * gridDim.x + blockIdx.x, rows = (long long)(gridDim.y / Hkv) * gridDim.x;
+        const long long row = (long long)b * gridDim.x + jb, rows = (long long)(gridDim.y / Hkv) * gridDim.x;
         tile_colsum<T>(Qs, j0, Tk, part + row * Hkv * kD + g * kD);
         tile_colsum<T>(Qs + 64 * (kD + 8), j0, Tk, part + (rows + row) * Hkv * kD + g * kD);
     }
