@@ -106,10 +106,12 @@ for _, s in ipairs({ { B = 8, H = 12, T = 1024, D = 64 }, { B = 4, H = 32, T = 2
   local dq_ref, dk_ref, dv_ref = attention_backward(qs, ks, vs, o_ref:to(opts.dtype):to('f64'), l_ref, gs, scale)
   local fwd_flops = 4 * s.B * s.H * s.T * s.T * s.D / 2
   for impl in opts.impls:gmatch('[^,]+') do
-    -- mma1: mma with the one-pass backward (dq through f32 atomics)
-    local base = impl == 'mma1' and 'mma' or impl
+    -- mma1: mma with the one-pass backward (dq through f32 atomics); wgmma1:
+    -- wgmma with its one-pass backward (dq added in a fixed order)
+    local base = (impl == 'mma1' and 'mma') or (impl == 'wgmma1' and 'wgmma') or impl
     T.check(C.ms_cuda_attention_set_impl((assert(impl_ids[base], 'unknown implementation ' .. impl))))
     local prev_onepass = C.ms_cuda_attention_set_onepass(impl == 'mma1' and 1 or 0)
+    local prev_wg1 = C.ms_cuda_attention_set_wg_onepass(impl == 'wgmma1' and 1 or 0)
     local o, l = attention(q, k, v, scale)
     local ran = impl_names[tonumber(C.ms_cuda_attention_last_impl())]
     local dq, dk, dv = attention_backward(q, k, v, o, l, g, scale)
@@ -125,8 +127,9 @@ for _, s in ipairs({ { B = 8, H = 12, T = 1024, D = 64 }, { B = 4, H = 32, T = 2
     local tb = timed(function() attention_backward(q, k, v, o, l, g, scale) end)
     local ff, fb = fwd_flops / (tf * 1e-3) / 1e12, 2.5 * fwd_flops / (tb * 1e-3) / 1e12
     C.ms_cuda_attention_set_onepass(prev_onepass)
+    C.ms_cuda_attention_set_wg_onepass(prev_wg1)
     print(('| %s%s | %dx%dx%dx%d | %.3f | %.1f | %.3f | %.1f | %.1f%% | %.1e, %.1e, %.1e, %.1e |'):format(
-      impl == 'mma1' and 'mma, one-pass backward' or impl, ran ~= base and (' (ran ' .. tostring(ran) .. ')') or '', s.B, s.H, s.T, s.D, tf, ff, tb, fb,
+      ({ mma1 = 'mma, one-pass backward', wgmma1 = 'wgmma, one-pass backward' })[impl] or impl, ran ~= base and (' (ran ' .. tostring(ran) .. ')') or '', s.B, s.H, s.T, s.D, tf, ff, tb, fb,
       100 * 3.5 * fwd_flops / ((tf + tb) * 1e-3) / 1e12 / peak, errs[1], errs[2], errs[3], errs[4]))
     o:free(); l:free()
   end

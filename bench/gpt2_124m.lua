@@ -208,7 +208,7 @@ if opts.ablate >= 1 then
   for vi, v in ipairs({
     { 'cuBLASLt epilogues off', function(on) return C.ms_cuda_gemm_set_epilogue(on and 0 or -1) end },
     { 'cuBLASLt DGELU epilogue on too', function(on) return C.ms_cuda_gemm_set_epilogue(on and C.MS_GEMM_EPI_ALL or -1) end },
-    { 'one-pass attention backward', function(on) return C.ms_cuda_attention_set_onepass(on and 1 or 0) end },
+    { 'one-pass attention backward (mma.sync path only)', function(on) return C.ms_cuda_attention_set_onepass(on and 1 or 0) end },
     { 'clip as a pass over the gradients', function(on) defer_clip = not on end },
     { 'bias gradients by BGRAD (no norm sums)', function(on) require('moonshard.nn.functional').set_norm_bias_sum(not on) end },
     { "c_attn's bias gradient from the attention backward", function(on)
@@ -216,6 +216,7 @@ if opts.ablate >= 1 then
     { "LM loss chunks of 512 MiB of logits (lm_loss's default: 1 GiB)", lm_budget(2 ^ 29) },
     { 'LM loss chunks of 2 GiB of logits', lm_budget(2 ^ 31) },
     { 'FLCE row pass with 4 packs in flight (default here: 1, the row cached)', function(on) C.ms_cuda_flce_set_row_unroll(on and 4 or 0) end },
+    { 'one-pass wgmma attention backward', function(on) C.ms_cuda_attention_set_wg_onepass(on and 1 or 0) end },
   }) do
     if not pick or pick[vi] then
       local da, va, ra, peak_v = {}, {}, {}, 0

@@ -99,8 +99,9 @@ int ms_cuda_attention_get_impl(void);
  * MS_ATTENTION_BWD=onepass chooses the first); returns the previous one */
 int ms_cuda_attention_set_onepass(int on);
 /* 1: the wgmma backward (sm_90a, bf16/f16, D = 64) in one pass, dq added
- * inside the dk/dv kernel in a fixed order (deterministic; causal with
- * Tk < Tq and the column-sum option keep two kernels), 0: two kernels (the
+ * inside the dk/dv kernel in a fixed order (deterministic; for causal
+ * attention with Tk >= Tq: other shapes and the column-sum option keep two
+ * kernels; measured slower, docs/perf-notes.md), 0: two kernels (the
  * default; the environment's MS_ATTENTION_WG_BWD=onepass chooses the
  * first); returns the previous one */
 int ms_cuda_attention_set_wg_onepass(int on);

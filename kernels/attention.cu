@@ -564,9 +564,10 @@ int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *
 
 // MS_ATTENTION_WG_BWD=onepass: the wgmma backward in one kernel, dq added
 // inside the dk/dv kernel in a fixed key-block order (the same bits run to
-// run; not for causal with Tk < Tq, nor with the column sums); the default
-// is dkdv_kernel then dq_kernel. ms_cuda_attention_set_wg_onepass overrides
-// the environment.
+// run; causal attention with Tk >= Tq only, without the column sums); the
+// default is dkdv_kernel then dq_kernel. ms_cuda_attention_set_wg_onepass overrides
+// the environment. (Measured slower than the two kernels: docs/perf-notes.md;
+// with float atomics for dq instead of the order, slower still.)
 int g_wg_onepass = -1;
 bool wg_onepass() {
     if (g_wg_onepass < 0) {
@@ -586,7 +587,7 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     const long long rq = (long long)B * ((Tq + 63) / 64), rk = (long long)B * ((Tk + 63) / 64);
-    if (wg_onepass() && !dsum && Tq > 0 && Tk > 0 && B * Hkv > 0 && (!causal || Tk >= Tq)) {
+    if (wg_onepass() && !dsum && Tq > 0 && Tk > 0 && B * Hkv > 0 && causal && Tk >= Tq) {
         // dq inside the dk/dv kernel (attention_wgmma.cuh: OP): f32 sums
         // and the counters that order their additions, zeroed
         const long long nqt = (Tq + 63) / 64;
