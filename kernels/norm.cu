@@ -39,6 +39,7 @@
 #include "vec.cuh"
 
 #include <stdlib.h>
+#include <string.h>
 
 // ---------------------------------------------------------------- kernels
 
@@ -564,17 +565,39 @@ int launch_dxl_column_sum(ms_tensor *dxl_sum, const ms_tensor *dxl, long long N,
     return 0;
 }
 
+bool norm_bwd_two_waves() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MS_NORM_BWD_WAVES");
+        on = e && strcmp(e, "2") == 0;
+    }
+    return on == 1;
+}
+
 template <typename G, typename X, int V, int NCH, bool RMS>
 int launch_bwd_warp(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor *g, const ms_tensor *x,
                     const ms_tensor *mean, const ms_tensor *rstd, const ms_tensor *w, long long N, int C,
                     const ms_tensor *gres, ms_tensor *dxl, ms_tensor *dxl_sum) {
     const int dev = x->device_id, threads = 256;
-    long long nb = (long long)ms_sm_count(dev) * 4;  // 4 blocks (32 warps) an SM
+    const bool params = dw || db, lsum = dxl_sum && dxl;
+    // acc (dw, db: 2·C) and, for dxl_sum, a row of C per warp after it
+    // (GPT-2's 768: 6 + 24 KiB)
+    const size_t smem = params || lsum ? sizeof(float) * (2 + (lsum ? threads / 32 : 0)) * (size_t)C : 0;
+    auto kernel = norm_bwd_warp_kernel<G, X, V, NCH, RMS>;
+    if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    // blocks: as many as are resident at once (one wave; the rows are
+    // shared out by a grid-stride loop), which registers and shared memory
+    // decide (GPT-2's LayerNorm: 128 registers, 2 blocks an SM); it was 4
+    // an SM, two waves (MS_NORM_BWD_WAVES=2 restores that, to compare)
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    if (per_sm < 1) per_sm = 1;
+    if (norm_bwd_two_waves()) per_sm = 4;
+    long long nb = (long long)ms_sm_count(dev) * per_sm;
     const long long need = (N + threads / 32 - 1) / (threads / 32);
     if (nb > need) nb = need;
     if (nb < 1) nb = 1;
     const int blocks = (int)nb;
-    const bool params = dw || db, lsum = dxl_sum && dxl;
     tmp_tensor pw, pb, pl;
     int64_t ps[1] = {(int64_t)blocks * C};
     if (params) {
@@ -582,11 +605,6 @@ int launch_bwd_warp(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor
         if (db && ms_tensor_empty(&pb.t, 1, ps, MS_F32, dev)) return -1;
     }
     if (lsum && ms_tensor_empty(&pl.t, 1, ps, MS_F32, dev)) return -1;
-    // acc (dw, db: 2·C) and, for dxl_sum, a row of C per warp after it
-    // (GPT-2's 768: 6 + 24 KiB)
-    const size_t smem = params || lsum ? sizeof(float) * (2 + (lsum ? threads / 32 : 0)) * (size_t)C : 0;
-    auto kernel = norm_bwd_warp_kernel<G, X, V, NCH, RMS>;
-    if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     kernel<<<blocks, threads, smem, ms_cuda_stream_of(dev)>>>(ptr<X>(dx), ptr<float>(pw.t), ptr<float>(pb.t), ptr<G>(g),
                                                               ptr<X>(x), ptr<float>(mean), ptr<float>(rstd),
                                                               ptr<float>(w), N, C, ptr<X>(gres), ptr<G>(dxl),
