@@ -601,18 +601,24 @@ extern "C" int ms_cuda_gelu_backward_bgrad(ms_tensor *out, ms_tensor *bias_grad,
     cudaStream_t s = ms_cuda_stream_of(device);
     int threads = (N / 8 + 31) / 32 * 32;
     if (threads > 1024) threads = 1024;
-    long long blocks = (long long)ms_sm_count(device) * (2048 / threads);
-    if (blocks > M) blocks = M;
-    long long rpb = (M + blocks - 1) / blocks;
-    blocks = (M + rpb - 1) / rpb;
-    ms_tmp part;
-    if (bias_grad) {
-        int64_t ps[1] = {blocks * N};
-        if (ms_tensor_empty(&part.t, 1, ps, MS_F32, device)) return -1;
-    }
-    float *pp = bias_grad ? (float *)ms_tensor_data(part.t) : nullptr;
     return with_float32_type(dt, "gelu_backward", [&](auto t) -> int {
         using T = decltype(t);
+        // one wave of resident blocks (registers decide: GPT-2's 384-thread
+        // blocks fit fewer than the 5 an SM this asked for before), a
+        // contiguous slab of rows each
+        int per_sm = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dgelu_bgrad_kernel<T>, threads, 0));
+        if (per_sm < 1) per_sm = 1;
+        long long blocks = (long long)ms_sm_count(device) * per_sm;
+        if (blocks > M) blocks = M;
+        long long rpb = (M + blocks - 1) / blocks;
+        blocks = (M + rpb - 1) / rpb;
+        ms_tmp part;
+        if (bias_grad) {
+            int64_t ps[1] = {blocks * N};
+            if (ms_tensor_empty(&part.t, 1, ps, MS_F32, device)) return -1;
+        }
+        float *pp = bias_grad ? (float *)ms_tensor_data(part.t) : nullptr;
         dgelu_bgrad_kernel<T><<<(unsigned)blocks, threads, 0, s>>>((T *)ms_tensor_data(out), pp,
                                                                    (const T *)ms_tensor_data(pre),
                                                                    (const T *)ms_tensor_data(g), M, N, rpb);
