@@ -59,7 +59,7 @@ $(BUILD)/%.o: %.c $(HEADERS) core/internal.h core/ops_cpu.h core/fused_cpu.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/%.o: %.cu $(wildcard kernels/*.h kernels/*.cuh) $(HEADERS)
+$(BUILD)/%.o: %.cu $(wildcard kernels/*.h kernels/*.cuh kernels/*.inc) $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -Icore $(NCCL_FLAGS) -c $< -o $@
 
