@@ -234,10 +234,10 @@ __device__ __forceinline__ bool target_valid(const ms_flce_params &p, long long 
 // it). Same results as the general passes.
 template <typename T, int VEC, int U>
 __device__ __forceinline__ RowStat row_pass1_plain(const T *row, int V, T *cache) {
-    // U packs a thread loaded before any is used (more bytes in
-    // flight a thread: the pass was short of memory parallelism with one
-    // 16-byte load between its exps); each thread still takes its packs in
-    // the order k0, k0 + stride, ...: the same bits as one at a time
+    // U packs a thread loaded before any is used (more bytes in flight a
+    // thread; see row_unroll_forced for where it helps); each thread still
+    // takes its packs in the order k0, k0 + stride, ...: the same bits as one
+    // at a time
     RowStat st = row_stat_empty();
     const int stride = blockDim.x * VEC;
     for (int kb = threadIdx.x * VEC; kb < V; kb += U * stride) {

@@ -303,7 +303,7 @@ end
 -- memory_budget, the chunk's logits get lm_loss_budget bytes (1 GiB; the
 -- function's own default is 512 MiB): a model's loss is one call a step
 -- beside activations of many GiB, and each chunk pays a read and a write of
--- the f32 grad_W accumulator (GPT-2 124M on an H100: 1.4% a step faster,
+-- the f32 grad_W accumulator (GPT-2 124M on an H100: 0.9-1.4% a step faster,
 -- 0.37 GiB more at the peak; docs/flce.md)
 local lm_loss_budget = 2 ^ 30
 -- set_lm_loss_budget(bytes) -> the previous one (0: the function's default)
