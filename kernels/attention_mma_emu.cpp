@@ -251,21 +251,26 @@ static float sw_at(uint64_t d, int row, int col) {
     return bf2f(v);
 }
 static unsigned ra_slot[kThreads][4];
-// d (64 x N) (+)= A . B, k16: A (64 x 16) and B (N x 16) K-major
-template <typename T, int N> static void mma_ss(float *d, uint64_t a, uint64_t b, int acc) {
+// d (64 x N) (+)= A(row, k) . B(k, col) over k16, element by element: the
+// thread's accumulators (warp w's rows 16w + g (+8), columns 8j + 2q (+1))
+template <int N, typename FA, typename FB> static void mma_k16(float *d, int acc, FA A, FB B) {
     const int t = threadIdx.x, w = t / 32, lane = t % 32, g = lane >> 2, q = lane & 3;
     for (int j = 0; j < N / 8; j++)
         for (int e = 0; e < 4; e++) {
             const int row = w * 16 + g + 8 * (e >> 1), col = 8 * j + 2 * q + (e & 1);
             float s = 0;
-            for (int k = 0; k < 16; k++) s += sw_at(a, row, k) * sw_at(b, col, k);
+            for (int k = 0; k < 16; k++) s += A(row, k) * B(k, col);
             d[4 * j + e] = (acc ? d[4 * j + e] : 0.f) + s;
         }
+}
+// d (64 x N) (+)= A . B, k16: A (64 x 16) and B (N x 16) K-major
+template <typename T, int N> static void mma_ss(float *d, uint64_t a, uint64_t b, int acc) {
+    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, m, k); }, [&](int k, int n) { return sw_at(b, n, k); });
 }
 // d (64 x N) (+)= A . B, k16: A from the warpgroup's registers (warp w's
 // m16k16 fragment of rows 16w..), B (16 x N) MN-major
 template <typename T, int N> static void mma_rs_t(float *d, const unsigned *a, uint64_t b, int acc) {
-    const int t = threadIdx.x, w = t / 32, lane = t % 32, g = lane >> 2, q = lane & 3;
+    const int t = threadIdx.x;
     for (int i = 0; i < 4; i++) ra_slot[t][i] = a[i];
     __syncthreads();
     auto A = [](int m, int k) {
@@ -273,25 +278,12 @@ template <typename T, int N> static void mma_rs_t(float *d, const unsigned *a, u
         const unsigned x = ra_slot[(m / 16) * 32 + (r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
         return bf2f((uint16_t)(k & 1 ? x >> 16 : x & 0xffff));
     };
-    for (int j = 0; j < N / 8; j++)
-        for (int e = 0; e < 4; e++) {
-            const int row = w * 16 + g + 8 * (e >> 1), col = 8 * j + 2 * q + (e & 1);
-            float s = 0;
-            for (int k = 0; k < 16; k++) s += A(row, k) * sw_at(b, k, col);
-            d[4 * j + e] = (acc ? d[4 * j + e] : 0.f) + s;
-        }
+    mma_k16<N>(d, acc, A, [&](int k, int n) { return sw_at(b, k, n); });
     __syncthreads();
 }
 // d (64 x N) (+)= A . B, k16: A (16 x 64, k x m) and B (16 x N) MN-major
 template <typename T, int N> static void mma_ss_tt(float *d, uint64_t a, uint64_t b, int acc) {
-    const int t = threadIdx.x, w = t / 32, lane = t % 32, g = lane >> 2, q = lane & 3;
-    for (int j = 0; j < N / 8; j++)
-        for (int e = 0; e < 4; e++) {
-            const int row = w * 16 + g + 8 * (e >> 1), col = 8 * j + 2 * q + (e & 1);
-            float s = 0;
-            for (int k = 0; k < 16; k++) s += sw_at(a, k, row) * sw_at(b, k, col);
-            d[4 * j + e] = (acc ? d[4 * j + e] : 0.f) + s;
-        }
+    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, k, m); }, [&](int k, int n) { return sw_at(b, k, n); });
 }
 // the one-pass backward's order between blocks (global memory): the blocks
 // run one after another in the order of their tickets, so a block's turn
