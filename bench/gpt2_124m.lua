@@ -181,7 +181,6 @@ end
 -- the peak is the variant's allocator peak
 if opts.ablate >= 1 then
   local C = require('moonshard.tensor').C
-  local lm_loss_default
   local pick
   if opts.variants ~= 'all' then
     pick = {}
@@ -191,18 +190,11 @@ if opts.ablate >= 1 then
   print(('%d interleaved pairs of %d steps a variant'):format(opts.ablate, opts['ablate-steps']))
   print('| # | variant | default ms | variant ms | vs default (median) | lowest | highest | peak allocated GiB |')
   print('|---|---|---|---|---|---|---|---|')
+  -- the LM loss's chunk budget for the variant, back to the default after
   local function lm_budget(bytes)
+    local flce, prev = require('moonshard.flce'), nil
     return function(on)
-      local nnf = require('moonshard.nn.functional')
-      if on then
-        lm_loss_default = nnf.lm_loss
-        nnf.lm_loss = function(h, w, t, o)
-          local oo = {}
-          for k, x in pairs(o or {}) do oo[k] = x end
-          oo.memory_budget = bytes
-          return lm_loss_default(h, w, t, oo)
-        end
-      else nnf.lm_loss = lm_loss_default end
+      if on then prev = flce.set_lm_loss_budget(bytes) else flce.set_lm_loss_budget(prev) end
     end
   end
   for vi, v in ipairs({
