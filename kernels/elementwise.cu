@@ -606,10 +606,9 @@ extern "C" int ms_cuda_gelu_backward_bgrad(ms_tensor *out, ms_tensor *bias_grad,
         // one wave of resident blocks (registers decide: GPT-2's 384-thread
         // blocks fit fewer than the 5 an SM this asked for before), a
         // contiguous slab of rows each
-        int per_sm = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dgelu_bgrad_kernel<T>, threads, 0));
-        if (per_sm < 1) per_sm = 1;
-        long long blocks = (long long)ms_sm_count(device) * per_sm;
+        long long blocks = ms_one_wave(dgelu_bgrad_kernel<T>, device, threads, 0);
+        if (blocks == 0)
+            return ms_errorf("gelu_backward: the occupancy query failed (%s)", cudaGetErrorString(cudaGetLastError()));
         if (blocks > M) blocks = M;
         long long rpb = (M + blocks - 1) / blocks;
         blocks = (M + rpb - 1) / rpb;

@@ -589,11 +589,8 @@ int launch_bwd_warp(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor
     // shared out by a grid-stride loop), which registers and shared memory
     // decide (GPT-2's LayerNorm: 128 registers, 2 blocks an SM); it was 4
     // an SM, two waves (MS_NORM_BWD_WAVES=2 restores that, to compare)
-    int per_sm = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-    if (per_sm < 1) per_sm = 1;
-    if (norm_bwd_two_waves()) per_sm = 4;
-    long long nb = (long long)ms_sm_count(dev) * per_sm;
+    long long nb = norm_bwd_two_waves() ? (long long)ms_sm_count(dev) * 4 : ms_one_wave(kernel, dev, threads, smem);
+    if (nb == 0) return ms_errorf("norm backward: the occupancy query failed (%s)", cudaGetErrorString(cudaGetLastError()));
     const long long need = (N + threads / 32 - 1) / (threads / 32);
     if (nb > need) nb = need;
     if (nb < 1) nb = 1;

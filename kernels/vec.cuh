@@ -85,3 +85,25 @@ static inline int ms_sm_count(int device) {
     }
     return cache[device];
 }
+
+// blocks of `kernel` (threads, dynamic smem bytes) resident on all of
+// device's SMs at once: one wave, for grid-stride kernels whose blocks each
+// leave a partial row to add up. The occupancy query runs once per (kernel,
+// device, threads, smem) seen, not per launch: the last few are kept (norm
+// and GELU backwards run it every layer). 0 on error.
+template <typename K>
+static inline long long ms_one_wave(K kernel, int device, int threads, size_t smem) {
+    struct entry { const void *fn; int device, threads; size_t smem; long long blocks; };
+    static entry seen[8];
+    static int nseen;
+    const void *fn = (const void *)kernel;
+    for (int i = 0; i < nseen; i++)
+        if (seen[i].fn == fn && seen[i].device == device && seen[i].threads == threads && seen[i].smem == smem)
+            return seen[i].blocks;
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) return 0;
+    if (per_sm < 1) per_sm = 1;
+    const long long blocks = (long long)ms_sm_count(device) * per_sm;
+    seen[nseen < 8 ? nseen++ : 7] = {fn, device, threads, smem, blocks};
+    return blocks;
+}
