@@ -116,6 +116,7 @@ local rate = matmul_rate()
 print(('device: %s; bf16 matmul rate %.0f TFLOP/s (8192^3, production GEMM)'):format(dev, rate))
 print(('grad_W f32 accumulation: %s'):format(mixed_gemm and 'mixed-dtype cuBLASLt GEMM (bf16 in, f32 out)'
   or 'f32 operand copies: kernels/gemm.cu lacks ms_cuda_gemm_mixed_ok (fused rows are not representative)'))
+print(('GEMM tuning: %s (MS_GEMM_TUNE=0 turns it off)'):format(ms.cuda.gemm_tune() and 'on' or 'off'))
 
 local methods = {}
 for m in opts.methods:gmatch('[^,]+') do methods[#methods + 1] = m end
@@ -230,4 +231,9 @@ if opts.json ~= '' then
   local f = assert(io.open(opts.json, 'w'))
   f:write(json.encode({ device = dev, matmul_tflops = rate, mixed_gemm = mixed_gemm, rows = rows }, { indent = true }))
   f:close()
+end
+do
+  local ts = ms.cuda.gemm_tune_stats()
+  print(('GEMM tuning: %d plans timed, %d not on the heuristic\'s first, %.0f ms of host time'):format(ts.tuned, ts.moved,
+    ts.host_ms))
 end

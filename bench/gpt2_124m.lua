@@ -134,6 +134,11 @@ print('|---|---|---|---|---|---|---|')
 print(('| %.0f | %.1f | %.1f | %.1f%% | %.2f | %.2f | %.3f |'):format(tokens / med, med * 1e3, tflops,
   100 * tflops / peak, st.peak_allocated / 2 ^ 30, st.peak_reserved / 2 ^ 30, loss:item()))
 print(('host syncs in a timed step: %g; cudaMalloc calls: %g'):format(host_syncs, mallocs))
+do
+  local ts = ms.cuda.gemm_tune_stats()
+  print(('GEMM tuning (%s): %d plans timed, %d of them not on the heuristic\'s first, %.0f ms of host time'):format(
+    ms.cuda.gemm_tune() and 'on' or 'off', ts.tuned, ts.moved, ts.host_ms))
+end
 
 -- --phases 1: where a step's time goes between host and GPU: CUDA events at
 -- the phase boundaries (GPU time of forward, backward, clip + optimizer)
@@ -209,6 +214,7 @@ if opts.ablate >= 1 then
     { 'LM loss chunks of 2 GiB of logits', lm_budget(2 ^ 31) },
     { 'FLCE row pass with 4 packs in flight (default here: 1, the row cached)', function(on) C.ms_cuda_flce_set_row_unroll(on and 4 or 0) end },
     { 'one-pass wgmma attention backward', function(on) C.ms_cuda_attention_set_wg_onepass(on and 1 or 0) end },
+    { "GEMM tuning off (cuBLASLt heuristic's first)", function(on) ms.cuda.gemm_tune(not on) end },
   }) do
     if not pick or pick[vi] then
       local da, va, ra, peak_v = {}, {}, {}, 0

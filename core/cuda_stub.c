@@ -46,6 +46,8 @@ int ms_cuda_attention_set_wg_onepass(int on) { (void)on; return no_cuda("attenti
 int ms_cuda_flce_set_row_unroll(int u) { (void)u; return no_cuda("flce_set_row_unroll"); }
 int ms_cuda_gemm_set_epilogue(int mask) { (void)mask; return no_cuda("gemm_set_epilogue"); }
 int ms_cuda_gemm_set_sm_margin(int sms) { (void)sms; return no_cuda("gemm_set_sm_margin"); }
+int ms_cuda_gemm_set_tune(int on) { (void)on; return no_cuda("gemm_set_tune"); }
+void ms_cuda_gemm_tune_stats(int64_t *out) { out[0] = out[1] = out[2] = 0; }
 int ms_cuda_attention_last_impl(void) { return MS_ATTENTION_AUTO; }
 #else
 typedef int ms_cuda_stub_unused; /* keeps the translation unit non-empty */

@@ -93,6 +93,11 @@ int ms_matmul_dgelu(ms_tensor **out, ms_tensor **bias_grad, const ms_tensor *a, 
  * accumulating gradients without a temporary) */
 int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
              double alpha, double beta);
+/* GEMM tuning's choice among n candidates timed ms[i] (ms[0] the library
+ * heuristic's first; a negative time is a candidate that did not run): the
+ * fastest, when it is faster than ms[0] by more than margin (a fraction),
+ * else 0 (ms[0] not timed: the fastest that ran; none ran: 0) */
+int ms_gemm_tune_pick(const double *ms, int n, double margin);
 
 /* indexing; idx is i64 or i32, 0-based; out-of-range ids are an error */
 int ms_index_select(ms_tensor **out, const ms_tensor *a, int dim, const ms_tensor *idx);

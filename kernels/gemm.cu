@@ -12,6 +12,7 @@
 // operand is copied to contiguous first. Cost: 2*batch*M*N*K flops.
 #include "common.cuh"
 
+#include <chrono>
 #include <mutex>
 #include <string.h>
 #include <unordered_map>
@@ -172,6 +173,89 @@ int sm_margin() {
     }
     return g_sm_margin;
 }
+int g_tune = -1;   // ms_cuda_gemm_set_tune (-1: not read from the environment yet)
+int tune_mode() {
+    if (g_tune < 0) {
+        const char *e = getenv("MS_GEMM_TUNE");
+        g_tune = e && e[0] ? (atoi(e) != 0) : 1;
+    }
+    return g_tune;
+}
+int64_t g_tune_stats[3];   // plans tuned, plans whose pick is not the heuristic's first, host microseconds spent
+
+// Tuning: the first GEMM of a new plan times each of the heuristic's
+// candidates on the current stream (a warm-up, then kTuneReps runs between
+// two events) and keeps the fastest when it beats the first by the margin
+// (ms_gemm_tune_pick). With beta = 0 the trials write the real output (the
+// real call overwrites it); otherwise they accumulate into a scratch tensor
+// of the output's size, so the output is read only by the real call. When
+// the first candidate takes over 5 ms a run, the others get one timed run. Not
+// done while the stream is being captured into a graph, nor without the
+// scratch memory (the heuristic's first then).
+const int kTuneCandidates = 8;
+const int kTuneReps = 3;
+const double kTuneMargin = 0.02;
+
+int tune_pick(int device, cudaStream_t st, cublasLtHandle_t h, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t la,
+              cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t lc, const void *pa, const void *pb,
+              const void *Bp, const void *Ap, void *C, int out_dtype, int64_t c_elems, bool beta_zero,
+              const cublasLtMatmulHeuristicResult_t *heur, int found) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(st, &cap) != cudaSuccess || cap != cudaStreamCaptureStatusNone) {
+        cudaGetLastError();
+        return 0;
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    ms_tmp scratch;
+    void *out = C;
+    if (!beta_zero) {
+        int64_t shape[1] = {c_elems};
+        if (ms_tensor_empty(&scratch.t, 1, shape, out_dtype, device) != 0) {
+            ms_set_error("");   // no room for the scratch: the heuristic's first, untimed
+            cudaGetLastError();
+            return 0;
+        }
+        out = ms_tensor_data(scratch.t);
+    }
+    void *ws = nullptr;
+    if (lt_workspace(device, st, &ws)) return -1;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    if (cudaEventCreate(&e1) != cudaSuccess) {
+        cudaEventDestroy(e0);
+        return ms_errorf("matmul: cudaEventCreate failed while tuning");
+    }
+    double ms[kTuneCandidates];
+    int rc = 0, reps = kTuneReps;
+    for (int i = 0; i < found && rc == 0; i++) {
+        ms[i] = -1;
+        if (cublasLtMatmul(h, desc, pa, Bp, la, Ap, lb, pb, out, lc, out, lc, &heur[i].algo, ws, kWorkspace, st) !=
+            CUBLAS_STATUS_SUCCESS)
+            continue;   // a candidate the library turns down at launch: not a choice
+        bool ok = cudaEventRecord(e0, st) == cudaSuccess;
+        for (int r = 0; r < reps && ok; r++)
+            ok = cublasLtMatmul(h, desc, pa, Bp, la, Ap, lb, pb, out, lc, out, lc, &heur[i].algo, ws, kWorkspace,
+                                st) == CUBLAS_STATUS_SUCCESS;
+        float el = 0;
+        if (!ok || cudaEventRecord(e1, st) != cudaSuccess || cudaEventSynchronize(e1) != cudaSuccess ||
+            cudaEventElapsedTime(&el, e0, e1) != cudaSuccess) {
+            cudaError_t e = cudaGetLastError();
+            if (e != cudaSuccess) rc = ms_errorf("matmul: tuning candidate %d: %s", i, cudaGetErrorString(e));
+            continue;
+        }
+        ms[i] = el / reps;
+        if (i == 0 && ms[0] > 5.0) reps = 1;   // a long GEMM (f32 without TF32, say): one timed run each
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    if (rc) return rc;
+    int pick = ms_gemm_tune_pick(ms, found, kTuneMargin);
+    g_tune_stats[0]++;
+    if (pick > 0) g_tune_stats[1]++;
+    g_tune_stats[2] += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+    return pick;
+}
+
 std::mutex g_plan_mu;
 std::unordered_map<PlanKey, Plan, PlanKeyHash, PlanKeyEq> g_plans;
 const size_t kMaxPlans = 4096;
@@ -188,7 +272,7 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
     {
         int64_t kv[22] = {device, dtype, out_dtype, g_allow_tf32, (int64_t)A.op, (int64_t)B.op, A.rows, A.cols,
                           A.ld, B.rows, B.cols, B.ld, ldc, m, n, k, batch, A.batch_stride, B.batch_stride, c_batch,
-                          (int64_t)epi | ((int64_t)sm_margin() << 32), aux_ld};
+                          (int64_t)epi | ((int64_t)sm_margin() << 32) | ((int64_t)tune_mode() << 48), aux_ld};
         memcpy(key.v, kv, sizeof kv);
     }
     float af0 = (float)alpha, bf0 = (float)beta;
@@ -235,8 +319,8 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
     cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
     cublasLtMatmulPreference_t pref = nullptr;
     int rc = -1;
-    cublasLtMatmulHeuristicResult_t heur;
-    int found = 0;
+    cublasLtMatmulHeuristicResult_t heurs[kTuneCandidates];
+    int found = 0, pick = 0;
     int32_t bc = (int32_t)batch;
     float af = (float)alpha, bf = (float)beta;
     const void *pa = dtype == MS_F64 ? (const void *)&alpha : (const void *)&af;
@@ -292,7 +376,8 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
         LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
     }
     {
-        cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(s.handle, desc, la, lb, lc, lc, pref, 1, &heur, &found);
+        cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(s.handle, desc, la, lb, lc, lc, pref,
+                                                             tune_mode() ? kTuneCandidates : 1, heurs, &found);
         if (epi != CUBLASLT_EPILOGUE_DEFAULT &&
             (hs == CUBLAS_STATUS_NOT_SUPPORTED || (hs == CUBLAS_STATUS_SUCCESS && found == 0))) {
             rc = 1;   // no algorithm with this epilogue: the caller does it in two passes
@@ -305,12 +390,18 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
                   ms_dtype_name(dtype), (long long)m, (long long)n, (long long)k, (long long)batch);
         goto done;
     }
+    if (found > 1) {
+        int64_t c_elems = (m - 1) * ldc + n + (batch > 1 ? (batch - 1) * c_batch : 0);
+        pick = tune_pick(device, ms_cuda_stream_of(device), s.handle, desc, la, lb, lc, pa, pb, B.ptr, A.ptr, C,
+                         out_dtype, c_elems, beta == 0, heurs, found);
+        if (pick < 0) goto done;
+    }
     {
         cudaStream_t st = ms_cuda_stream_of(device);
         void *ws = nullptr;
         if (lt_workspace(device, st, &ws)) goto done;
-        cublasStatus_t r = cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc, &heur.algo, ws,
-                                          kWorkspace, st);
+        cublasStatus_t r = cublasLtMatmul(s.handle, desc, pa, B.ptr, la, A.ptr, lb, pb, C, lc, C, lc,
+                                          &heurs[pick].algo, ws, kWorkspace, st);
         if (epi != CUBLASLT_EPILOGUE_DEFAULT && r == CUBLAS_STATUS_NOT_SUPPORTED) {
             rc = 1;   // an epilogue the library turns down at launch (an operand's alignment, say)
             goto done;
@@ -321,7 +412,7 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
     {
         std::lock_guard<std::mutex> l(g_plan_mu);
         if (g_plans.size() < kMaxPlans && g_plans.find(key) == g_plans.end()) {
-            g_plans[key] = Plan{desc, la, lb, lc, heur.algo, false};
+            g_plans[key] = Plan{desc, la, lb, lc, heurs[pick].algo, false};
             desc = nullptr;   // kept by the plan
             la = lb = lc = nullptr;
         }
@@ -360,6 +451,16 @@ extern "C" int ms_cuda_gemm_set_epilogue(int mask) {
     int old = epilogue_mask();
     g_epilogue = mask < 0 ? MS_GEMM_EPI_DEFAULT : mask & MS_GEMM_EPI_ALL;
     return old;
+}
+
+extern "C" int ms_cuda_gemm_set_tune(int on) {
+    int old = tune_mode();
+    g_tune = on < 0 ? 1 : (on != 0);
+    return old;
+}
+
+extern "C" void ms_cuda_gemm_tune_stats(int64_t *out) {
+    for (int i = 0; i < 3; i++) out[i] = g_tune_stats[i];
 }
 
 extern "C" int ms_cuda_gemm_set_sm_margin(int sms) {

@@ -233,6 +233,46 @@ describe('cuda ops #gpu', function()
         end
       end)
     end
+    it('GEMM tuning: tuned plans give the products, accumulate into out once (beta = 1), and epilogues', function()
+      local F = ms.raw
+      local old = ms.cuda.gemm_tune(true)
+      local ok, err = pcall(function()
+        local before = ms.cuda.gemm_tune_stats()
+        -- shapes no other spec uses, so each is a new plan and is tuned here
+        for _, dt in ipairs({ 'f32', 'bf16' }) do
+          for _, sh in ipairs({ { 1536, 1040, 776 }, { 2064, 528, 1544 } }) do
+            local M, N, K = sh[1], sh[2], sh[3]
+            local a, b = randn({ M, K }, dt), randn({ N, K }, dt)
+            assert.is_true(relerr(F.matmul(a:cuda(), b:cuda(), false, true), F.matmul(a, b, false, true)) <= bound[dt],
+              dt .. ' matmul ' .. M)
+            -- beta = 1 into an out of random values: the trials must not touch it
+            local c = randn({ M, N }, dt)
+            local want = F.gemm_(c:clone(), a, b, false, true, 0.5, 1)
+            local got = F.gemm_(c:cuda(), a:cuda(), b:cuda(), false, true, 0.5, 1)
+            assert.is_true(relerr(got, want) <= bound[dt], dt .. ' gemm_ beta 1 ' .. relerr(got, want))
+            local bias = randn({ N }, dt)
+            local o1 = F.matmul_bias(a, b, false, true, bias)
+            local o2 = F.matmul_bias(a:cuda(), b:cuda(), false, true, bias:cuda())
+            assert.is_true(relerr(o2, o1) <= bound[dt], dt .. ' matmul_bias')
+            -- the same plan again (cached choice): the same bits
+            local again = F.gemm_(c:cuda(), a:cuda(), b:cuda(), false, true, 0.5, 1)
+            assert.are.equal(0, relerr(again, got:to('cpu')), 'cached plan')
+          end
+        end
+        local after = ms.cuda.gemm_tune_stats()
+        assert.is_true(after.tuned >= before.tuned + 8, 'plans tuned: ' .. before.tuned .. ' -> ' .. after.tuned)
+        assert.is_true(after.host_ms > before.host_ms)
+        -- off: no more plans tuned
+        ms.cuda.gemm_tune(false)
+        local a, b = randn({ 1000, 392 }, 'bf16'), randn({ 392, 776 }, 'bf16')
+        assert.is_true(relerr(F.matmul(a:cuda(), b:cuda()), F.matmul(a, b)) <= bound.bf16)
+        assert.are.equal(after.tuned, ms.cuda.gemm_tune_stats().tuned)
+      end)
+      ms.cuda.gemm_tune(old)
+      assert(ok, err)
+      assert.are.equal(old, ms.cuda.gemm_tune())
+    end)
+
     it('GEMMs with an SM margin (cuBLASLt SM count target) give the same products; an empty sum with beta 0 writes zeros', function()
       local F = ms.raw
       local C = require('moonshard.tensor').C

@@ -106,4 +106,24 @@ function Event:elapsed_ms(later)
   return f[0]
 end
 
+-- GEMM tuning (core/cuda.h, docs/tensors.md): the first GEMM of each new
+-- shape times cuBLASLt's candidates and keeps the fastest. gemm_tune(true
+-- | false | 'default') sets it and returns the previous setting;
+-- gemm_tune() only reads it. gemm_tune_stats() -> {tuned =, moved =,
+-- host_ms =}: plans timed, those not on the heuristic's first, host time.
+function cuda.gemm_tune(on)
+  if on == nil then
+    local prev = C.ms_cuda_gemm_set_tune(1)
+    C.ms_cuda_gemm_set_tune(prev)
+    return prev ~= 0
+  end
+  local v = on == 'default' and -1 or (on and 1 or 0)
+  return C.ms_cuda_gemm_set_tune(v) ~= 0
+end
+function cuda.gemm_tune_stats()
+  local s = ffi.new('int64_t[3]')
+  C.ms_cuda_gemm_tune_stats(s)
+  return { tuned = tonumber(s[0]), moved = tonumber(s[1]), host_ms = tonumber(s[2]) / 1000 }
+end
+
 return cuda
