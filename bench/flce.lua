@@ -40,13 +40,13 @@ local nnf = ms.nn.functional
 local F = ms.raw
 
 local opts = { iters = 20, warmup = 3, chunk = 0, shapes = '8192x4096x128256,8192x2560x151936',
-  methods = 'fused,fused_master,fused_bf16acc,unfused', json = '' }
+  methods = 'fused,fused_master,fused_bf16acc,unfused', json = '', ['tune-ab'] = 0 }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
   if not k or opts[k] == nil then
     error('usage: luajit bench/flce.lua [--iters N] [--warmup N] [--chunk ROWS] [--shapes BTxHxV,...] '
-      .. '[--methods fused,fused_master,fused_bf16acc,unfused] [--json FILE]')
+      .. '[--methods fused,fused_master,fused_bf16acc,unfused] [--json FILE] [--tune-ab R]')
   end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
@@ -112,7 +112,16 @@ local function relerr(a, b)
   return math.sqrt(num / den)
 end
 
-local rate = matmul_rate()
+-- with the cuBLASLt heuristic's first algorithm (not tuned): at 8192³ the
+-- candidates are within ~3% of each other, below what short timings on a
+-- GPU that heats up can rank, and a rate that moves with the choice would
+-- move the floor
+local rate
+do
+  local prev = ms.cuda.gemm_tune(false)
+  rate = matmul_rate()
+  ms.cuda.gemm_tune(prev)
+end
 print(('device: %s; bf16 matmul rate %.0f TFLOP/s (8192^3, production GEMM)'):format(dev, rate))
 print(('grad_W f32 accumulation: %s'):format(mixed_gemm and 'mixed-dtype cuBLASLt GEMM (bf16 in, f32 out)'
   or 'f32 operand copies: kernels/gemm.cu lacks ms_cuda_gemm_mixed_ok (fused rows are not representative)'))
@@ -173,6 +182,22 @@ for spec in opts.shapes:gmatch('[^,]+') do
     local row = { BT = BT, H = H, V = V, method = name }
     local ok, err = pcall(function()
       local med, ts = timed(step, opts.warmup, opts.iters)
+      -- --tune-ab R: the step again with GEMM tuning off and on, in R
+      -- interleaved rounds of 10 runs each (one process, one GPU: the plans
+      -- of both settings are kept side by side)
+      if opts['tune-ab'] > 0 then
+        local prev = ms.cuda.gemm_tune()
+        local off, on = {}, {}
+        for _ = 1, opts['tune-ab'] do
+          ms.cuda.gemm_tune(false)
+          off[#off + 1] = timed(step, 2, 10)
+          ms.cuda.gemm_tune(true)
+          on[#on + 1] = timed(step, 2, 10)
+        end
+        ms.cuda.gemm_tune(prev)
+        print(('tune A/B %dx%dx%d %s: off %.2f ms, on %.2f (medians of %d rounds)')
+          :format(BT, H, V, name, median(off), median(on), opts['tune-ab']))
+      end
       x.grad, W.grad = nil, nil
       if Wm then Wm.grad = nil end
       loss = nil

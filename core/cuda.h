@@ -127,7 +127,7 @@ int ms_cuda_gemm_set_sm_margin(int sms);
 /* GEMM tuning: on (the default; the environment's MS_GEMM_TUNE=0 turns it
  * off), the first GEMM of each new shape/layout/epilogue times the
  * cuBLASLt heuristic's candidates (up to 8) on the current stream and keeps
- * the fastest if it beats the heuristic's first by 2%; off, the first is
+ * the fastest if it beats the heuristic's first by 5%; off, the first is
  * taken untimed. A choice holds for the process's life: the same bits run
  * to run within a process, not necessarily across processes (turn it off
  * for that). Returns the previous setting (-1: restore the default). */

@@ -834,6 +834,9 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
 #ifdef MS_WITH_CUDA
         ms_cuda_stream *prev = NULL;
         flce_side *sd = (!rc && device >= 0 && !j.comm && gx && (gw_acc || gb_acc)) ? side_of(device) : NULL;
+        /* grad_x's and grad_W's GEMMs run side by side: not tuned (a GEMM
+         * timed alone ranks differently beside another; docs/tensors.md) */
+        int tune_was = sd ? ms_cuda_gemm_set_tune(0) : -1;
         if (sd) { /* grad_W (and grad_bias) on the side stream, after the row pass */
             prev = ms_cuda_current_stream(device);
             rc = ms_cuda_event_record(sd->rows_done, prev);
@@ -853,6 +856,9 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
             rc = ms_tensor_narrow(&gxc, gx, 0, r0, n);
             if (!rc) rc = dev_gemm(gxc, lg, j.w, 0, 0, 0.0);            /* grad_x (n, H) = dl W */
         }
+#ifdef MS_WITH_CUDA
+        if (tune_was >= 0) ms_cuda_gemm_set_tune(tune_was);
+#endif
         if (!sd) {
             if (!rc && gw_acc) rc = dev_gemm(gw_acc, lg, xc, 1, 0, r0 == 0 ? 0.0 : 1.0); /* grad_W += dlᵀ x_c */
             if (!rc && gb_acc) {
