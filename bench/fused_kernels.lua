@@ -89,6 +89,24 @@ for _, c in ipairs({ { 'bf16', 'bf16' }, { 'f32', 'bf16' }, { 'f32', 'f32' } }) 
   row('layer_norm bwd', '32768x768', 'g ' .. ydt .. ', x ' .. xdt, t, bytes(g) + bytes(x) + bytes(dx), nil, e)
   dw:free()
 end
+-- GPT-2's backward of the residual add + LayerNorm (f32 residual stream, bf16
+-- branch): dx (+ the stream's gradient gres, f32), dw, db, dxl (dx in bf16,
+-- the branch's gradient) and its column sums (the branch's bias gradient)
+do
+  local N, Cn = 32768, 768
+  local x, g, gres = randn({ N, Cn }, 'f32'), randn({ N, Cn }, 'bf16'), randn({ N, Cn }, 'f32')
+  local w, b = randn({ Cn }), randn({ Cn })
+  local _, mean, rstd = F.native_layer_norm(x, w, b, 1e-5, 'bf16')
+  local want = { dxl = true, dxl_sum = true }
+  local dx, dw, db, dxl, dls = F.native_layer_norm_backward_add(g, x, mean, rstd, w, gres, want)
+  local rdx = F.native_layer_norm_backward_add(g:narrow(1, 1, 64):to('cpu'), x:narrow(1, 1, 64):to('cpu'),
+    mean:narrow(1, 1, 64):to('cpu'), rstd:narrow(1, 1, 64):to('cpu'), w:to('cpu'), gres:narrow(1, 1, 64):to('cpu'))
+  local e = check('layer_norm_backward_add', dx:narrow(1, 1, 64), rdx, 1e-5)
+  local t = timed(function() return F.native_layer_norm_backward_add(g, x, mean, rstd, w, gres, want) end)
+  row('add+layer_norm bwd (GPT-2)', '32768x768', 'g bf16, x/gres/dx f32, dxl bf16 + sums', t,
+    bytes(g) + bytes(x) + bytes(gres) + bytes(dx) + bytes(dxl), nil, e)
+  for _, v in ipairs({ dx, dw, db, dxl, dls }) do v:free() end
+end
 do
   local N, Cn = 8192, 4096
   local x, g, w = randn({ N, Cn }, 'bf16'), randn({ N, Cn }, 'bf16'), randn({ Cn }, 'bf16')

@@ -263,55 +263,66 @@ __global__ void norm_bwd_kernel(X *__restrict__ dx, A *__restrict__ part_w, A *_
 }
 
 // The same backward with one warp per row (rows up to 32·V·NCH wide): lane
-// l owns the chunks (j·32 + l)·V of every row, its x and g stay in
+// l owns the chunks (j·32 + l)·V of every row, its x, g and gres stay in
 // registers between the two passes, the row sums are warp shuffles (no
-// block barrier per row), and the dw/db partial sums live in registers
-// until the end, where the block's warps add theirs into shared memory in
-// warp order (acc, 2·C) and the block writes its partial row: deterministic
-// as the block kernel. Chosen for rows up to 1024 f32 / 2048 bf16 wide
-// (GPT-2's 768: 1.3x the block kernel's bandwidth, see docs/perf-notes.md).
-// part_l (or NULL; needs dxl): the block's column sums of dxl as stored
-// (rounded to G), kept in shared memory, a row of C per warp (acc + 2·C +
-// wib·C; lane l touches only its own columns there, so no barrier until
-// the end), then added in warp order into the block's partial row.
+// block barrier per row), and each warp keeps its dw/db partial sums in
+// its own rows of shared memory until the end, where the block adds them
+// in warp order and writes its partial row: deterministic as the block
+// kernel. Chosen for rows up to 1024 f32 / 2048 bf16 wide (GPT-2's 768:
+// 1.3x the block kernel's bandwidth, see docs/perf-notes.md). part_l (or
+// NULL; needs dxl): the block's column sums of dxl as stored (rounded to
+// G), a row of C per warp in shared memory as well, added the same way.
 template <typename G, typename X, int V, int NCH, bool RMS>
-__global__ void __launch_bounds__(256) norm_bwd_warp_kernel(X *__restrict__ dx, float *__restrict__ part_w,
+__global__ void __launch_bounds__(256, 2) norm_bwd_warp_kernel(X *__restrict__ dx, float *__restrict__ part_w,
                                      float *__restrict__ part_b, const G *__restrict__ g, const X *__restrict__ x,
                                      const float *__restrict__ mean, const float *__restrict__ rstd,
                                      const float *__restrict__ w, long long N, int C, const X *__restrict__ gres,
                                      G *__restrict__ dxl, float *__restrict__ part_l) {
+    // shared memory: per warp its rows of dw and db sums (2·C) when asked,
+    // then per warp its row of dxl's sums (C) when asked; a lane touches only its own columns of its
+    // warp's rows, so no barrier until the end. (The dw/db sums lived in
+    // registers: 48 more a thread, and the row's three loads could not be
+    // in flight together within two blocks an SM.)
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float *acc = reinterpret_cast<float *>(smem_raw);
+    float *sm = reinterpret_cast<float *>(smem_raw);
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
-    const bool pw = part_w != nullptr, pb = part_b != nullptr, pl = part_l != nullptr;
-    float *lsum = acc + 2 * C + wib * C;  // this warp's row of dxl's column sums
-    float aw[NCH][V], ab[NCH][V];
+    const bool pw = part_w != nullptr, pb = part_b != nullptr, pl = part_l != nullptr, pwb = pw || pb;
+    float *wsum = sm + wib * 2 * C;                          // this warp's dw (C) and db (C) sums
+    float *lsum = sm + (pwb ? wpb * 2 * C : 0) + wib * C;  // this warp's row of dxl's column sums
 #pragma unroll
-    for (int j = 0; j < NCH; j++)
+    for (int j = 0; j < NCH; j++) {
+        const int i = (j * 32 + lane) * V;
+        if (i < C) {
+            float z[V];
 #pragma unroll
-        for (int k = 0; k < V; k++) aw[j][k] = ab[j][k] = 0.f;
-    if (pl)
-#pragma unroll
-        for (int j = 0; j < NCH; j++) {
-            const int i = (j * 32 + lane) * V;
-            if (i < C) {
-                float z[V];
-#pragma unroll
-                for (int k = 0; k < V; k++) z[k] = 0.f;
-                store_v<float, V>(lsum + i, z);
+            for (int k = 0; k < V; k++) z[k] = 0.f;
+            if (pwb) {
+                store_v<float, V>(wsum + i, z);
+                store_v<float, V>(wsum + C + i, z);
             }
+            if (pl) store_v<float, V>(lsum + i, z);
         }
+    }
     for (long long row = (long long)blockIdx.x * wpb + wib; row < N; row += (long long)gridDim.x * wpb) {
         const G *gr = g + row * C;
         const X *xr = x + row * C;
         const float mu = RMS ? 0.f : mean[row], rs = rstd[row];
-        float gv[NCH][V], xv[NCH][V], a = 0.f, bsum = 0.f;
+        float gv[NCH][V], xv[NCH][V], rv[NCH][V], a = 0.f, bsum = 0.f;
+        // gres is loaded with g and x, before the row's sums: one wait on
+        // device memory a row, not two (its values are used after them)
 #pragma unroll
         for (int j = 0; j < NCH; j++) {
             const int i = (j * 32 + lane) * V;
             if (i < C) {
                 load_v<float, G, V>(gv[j], gr + i);
                 load_v<float, X, V>(xv[j], xr + i);
+                if (dx && gres) load_v<float, X, V>(rv[j], gres + row * C + i);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NCH; j++) {
+            const int i = (j * 32 + lane) * V;
+            if (i < C) {
 #pragma unroll
                 for (int k = 0; k < V; k++) {
                     const float xh = (xv[j][k] - mu) * rs, d = w ? gv[j][k] * w[i + k] : gv[j][k];
@@ -326,16 +337,23 @@ __global__ void __launch_bounds__(256) norm_bwd_warp_kernel(X *__restrict__ dx, 
         for (int j = 0; j < NCH; j++) {
             const int i = (j * 32 + lane) * V;
             if (i < C) {
-                float o[V], rv[V];
-                if (dx && gres) load_v<float, X, V>(rv, gres + row * C + i);
+                float o[V], sw[V], sb[V];
+                if (pwb) {
+                    load_v<float, float, V>(sw, wsum + i);
+                    load_v<float, float, V>(sb, wsum + C + i);
+                }
 #pragma unroll
                 for (int k = 0; k < V; k++) {
                     const float xh = (xv[j][k] - mu) * rs;
                     const float d = w ? gv[j][k] * w[i + k] : gv[j][k];
                     o[k] = RMS ? rs * (d - xh * bsum) : rs * (d - a - xh * bsum);
-                    if (gres) o[k] += rv[k];
-                    aw[j][k] += gv[j][k] * (RMS ? round_as<X>(xh) : xh);
-                    ab[j][k] += gv[j][k];
+                    if (gres) o[k] += rv[j][k];
+                    sw[k] += gv[j][k] * (RMS ? round_as<X>(xh) : xh);
+                    sb[k] += gv[j][k];
+                }
+                if (pwb) {
+                    store_v<float, V>(wsum + i, sw);
+                    store_v<float, V>(wsum + C + i, sb);
                 }
                 if (dx) store_v<X, V>(dx + row * C + i, o);
                 if (dxl) store_v<G, V>(dxl + row * C + i, o);
@@ -349,29 +367,24 @@ __global__ void __launch_bounds__(256) norm_bwd_warp_kernel(X *__restrict__ dx, 
             }
         }
     }
-    if (!pw && !pb && !pl) return;
-    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) acc[i] = 0.f;
-    for (int ww = 0; ww < wpb; ww++) {  // the warps' partial sums in warp order
-        __syncthreads();
-        if (wib == ww)
-#pragma unroll
-            for (int j = 0; j < NCH; j++) {
-                const int i = (j * 32 + lane) * V;
-                if (i < C)
-#pragma unroll
-                    for (int k = 0; k < V; k++) {
-                        acc[i + k] += aw[j][k];
-                        acc[C + i + k] += ab[j][k];
-                    }
-            }
-    }
+    if (!pwb && !pl) return;
     __syncthreads();
+    // the warps' partial sums in warp order (the same order, and bits, as
+    // when they were added from registers one warp after another)
+    const float *ws0 = sm, *ls0 = sm + (pwb ? wpb * 2 * C : 0);
     for (int i = threadIdx.x; i < C; i += blockDim.x) {
-        if (pw) part_w[(long long)blockIdx.x * C + i] = acc[i];
-        if (pb) part_b[(long long)blockIdx.x * C + i] = acc[C + i];
+        if (pwb) {
+            float tw = 0.f, tb = 0.f;
+            for (int ww = 0; ww < wpb; ww++) {
+                tw += ws0[ww * 2 * C + i];
+                tb += ws0[ww * 2 * C + C + i];
+            }
+            if (pw) part_w[(long long)blockIdx.x * C + i] = tw;
+            if (pb) part_b[(long long)blockIdx.x * C + i] = tb;
+        }
         if (pl) {  // the warps' rows in warp order
             float t = 0.f;
-            for (int ww = 0; ww < wpb; ww++) t += acc[2 * C + ww * C + i];
+            for (int ww = 0; ww < wpb; ww++) t += ls0[ww * C + i];
             part_l[(long long)blockIdx.x * C + i] = t;
         }
     }
@@ -580,9 +593,9 @@ int launch_bwd_warp(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor
                     const ms_tensor *gres, ms_tensor *dxl, ms_tensor *dxl_sum) {
     const int dev = x->device_id, threads = 256;
     const bool params = dw || db, lsum = dxl_sum && dxl;
-    // acc (dw, db: 2·C) and, for dxl_sum, a row of C per warp after it
-    // (GPT-2's 768: 6 + 24 KiB)
-    const size_t smem = params || lsum ? sizeof(float) * (2 + (lsum ? threads / 32 : 0)) * (size_t)C : 0;
+    // per warp its dw and db sums (2·C) and, for dxl_sum, its row of C
+    // (GPT-2's 768: 48 + 24 KiB)
+    const size_t smem = sizeof(float) * ((params ? 2 * threads / 32 : 0) + (lsum ? threads / 32 : 0)) * (size_t)C;
     auto kernel = norm_bwd_warp_kernel<G, X, V, NCH, RMS>;
     if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     // blocks: as many as are resident at once (one wave; the rows are
