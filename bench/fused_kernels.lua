@@ -89,6 +89,20 @@ for _, c in ipairs({ { 'bf16', 'bf16' }, { 'f32', 'bf16' }, { 'f32', 'f32' } }) 
   row('layer_norm bwd', '32768x768', 'g ' .. ydt .. ', x ' .. xdt, t, bytes(g) + bytes(x) + bytes(dx), nil, e)
   dw:free()
 end
+-- GPT-2's residual add + LayerNorm forward: res = x (f32) + h (bf16), y =
+-- LayerNorm(res) in bf16
+do
+  local N, Cn = 32768, 768
+  local x, h = randn({ N, Cn }, 'f32'), randn({ N, Cn }, 'bf16')
+  local w, b = randn({ Cn }), randn({ Cn })
+  local res, y = F.native_add_layer_norm(x, h, w, b, 1e-5, 'bf16')
+  local _, ry = F.native_add_layer_norm(x:narrow(1, 1, 64):to('cpu'), h:narrow(1, 1, 64):to('cpu'), w:to('cpu'),
+    b:to('cpu'), 1e-5, 'bf16')
+  local e = check('add_layer_norm', y:narrow(1, 1, 64), ry, 1e-2)
+  local t = timed(function() return F.native_add_layer_norm(x, h, w, b, 1e-5, 'bf16') end)
+  row('add+layer_norm fwd (GPT-2)', '32768x768', 'x f32 + h bf16 -> res f32, y bf16', t,
+    bytes(x) + bytes(h) + bytes(res) + bytes(y), nil, e)
+end
 -- GPT-2's backward of the residual add + LayerNorm (f32 residual stream, bf16
 -- branch): dx (+ the stream's gradient gres, f32), dw, db, dxl (dx in bf16,
 -- the branch's gradient) and its column sums (the branch's bias gradient)
