@@ -259,6 +259,6 @@ if opts.json ~= '' then
 end
 do
   local ts = ms.cuda.gemm_tune_stats()
-  print(('GEMM tuning: %d plans timed, %d not on the heuristic\'s first, %.0f ms of host time'):format(ts.tuned, ts.moved,
-    ts.host_ms))
+  print(('GEMM tuning: %d plans timed, %d not on the heuristic\'s first, %.0f ms of host time, %d from the tuning file')
+    :format(ts.tuned, ts.moved, ts.host_ms, ts.from_file))
 end

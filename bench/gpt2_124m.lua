@@ -136,8 +136,8 @@ print(('| %.0f | %.1f | %.1f | %.1f%% | %.2f | %.2f | %.3f |'):format(tokens / m
 print(('host syncs in a timed step: %g; cudaMalloc calls: %g'):format(host_syncs, mallocs))
 do
   local ts = ms.cuda.gemm_tune_stats()
-  print(('GEMM tuning (%s): %d plans timed, %d of them not on the heuristic\'s first, %.0f ms of host time'):format(
-    ms.cuda.gemm_tune() and 'on' or 'off', ts.tuned, ts.moved, ts.host_ms))
+  print(('GEMM tuning (%s): %d plans timed, %d of them not on the heuristic\'s first, %.0f ms of host time, %d from the tuning file'):format(
+    ms.cuda.gemm_tune() and 'on' or 'off', ts.tuned, ts.moved, ts.host_ms, ts.from_file))
 end
 
 -- --phases 1: where a step's time goes between host and GPU: CUDA events at

@@ -133,8 +133,17 @@ int ms_cuda_gemm_set_sm_margin(int sms);
  * for that). Returns the previous setting (-1: restore the default). */
 int ms_cuda_gemm_set_tune(int on);
 /* out[0] plans tuned, out[1] of them not on the heuristic's first, out[2]
- * host microseconds spent tuning */
+ * host microseconds spent tuning, out[3] plans whose choice came from the
+ * tuning file */
 void ms_cuda_gemm_tune_stats(int64_t *out);
+/* the tuning file (MS_GEMM_TUNE_FILE sets the first; NULL or "": none):
+ * tuned choices are appended to it and read back, so later runs (and the
+ * other ranks) take the same algorithms untimed (core/gemm_tune.c has the
+ * format). Made if missing; an error naming it if it cannot be. Plans made
+ * before keep their algorithm (ms_cuda_gemm_clear_plans forgets every
+ * plan). */
+int ms_cuda_gemm_set_tune_file(const char *path);
+int ms_cuda_gemm_clear_plans(void);
 int ms_cuda_attention_last_impl(void);
 /* FFI-END */
 

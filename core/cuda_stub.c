@@ -47,7 +47,9 @@ int ms_cuda_flce_set_row_unroll(int u) { (void)u; return no_cuda("flce_set_row_u
 int ms_cuda_gemm_set_epilogue(int mask) { (void)mask; return no_cuda("gemm_set_epilogue"); }
 int ms_cuda_gemm_set_sm_margin(int sms) { (void)sms; return no_cuda("gemm_set_sm_margin"); }
 int ms_cuda_gemm_set_tune(int on) { (void)on; return no_cuda("gemm_set_tune"); }
-void ms_cuda_gemm_tune_stats(int64_t *out) { out[0] = out[1] = out[2] = 0; }
+void ms_cuda_gemm_tune_stats(int64_t *out) { out[0] = out[1] = out[2] = out[3] = 0; }
+int ms_cuda_gemm_set_tune_file(const char *path) { (void)path; return no_cuda("gemm_set_tune_file"); }
+int ms_cuda_gemm_clear_plans(void) { return 0; }
 int ms_cuda_attention_last_impl(void) { return MS_ATTENTION_AUTO; }
 #else
 typedef int ms_cuda_stub_unused; /* keeps the translation unit non-empty */

@@ -620,15 +620,6 @@ done:
     return finish(out, allocated, rc);
 }
 
-int ms_gemm_tune_pick(const double *ms, int n, double margin) {
-    int best = -1;
-    for (int i = 0; i < n; i++)
-        if (ms[i] >= 0 && (best < 0 || ms[i] < ms[best])) best = i;
-    if (best <= 0) return 0;
-    if (ms[0] < 0) return best;
-    return ms[best] < ms[0] * (1.0 - margin) ? best : 0;
-}
-
 int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb, double alpha,
              double beta) {
     const char *op = "gemm_";

@@ -98,6 +98,22 @@ int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa,
  * fastest, when it is faster than ms[0] by more than margin (a fraction),
  * else 0 (ms[0] not timed: the fastest that ran; none ran: 0) */
 int ms_gemm_tune_pick(const double *ms, int n, double margin);
+/* GEMM tuning records (core/gemm_tune.c; the file of MS_GEMM_TUNE_FILE):
+ * a plan's key (MS_GEMM_TUNE_KEY integers), the chosen candidate and how
+ * many the heuristic offered. format: one line into buf (n bytes). read:
+ * the records of (version, device) in path (malloc'd, free with
+ * ms_gemm_tune_free; a missing file has none; a malformed line is an error
+ * naming the file and line). append: one line, one write. */
+enum { MS_GEMM_TUNE_KEY = 22 };
+typedef struct ms_gemm_tune_rec {
+    int64_t key[MS_GEMM_TUNE_KEY];
+    int pick, found;
+} ms_gemm_tune_rec;
+int ms_gemm_tune_format(char *buf, size_t n, uint64_t version, const char *device, const int64_t *key, int pick,
+                        int found);
+int ms_gemm_tune_read(const char *path, uint64_t version, const char *device, ms_gemm_tune_rec **recs, int *count);
+int ms_gemm_tune_append(const char *path, const char *line);
+void ms_gemm_tune_free(ms_gemm_tune_rec *recs);
 
 /* indexing; idx is i64 or i32, 0-based; out-of-range ids are an error */
 int ms_index_select(ms_tensor **out, const ms_tensor *a, int dim, const ms_tensor *idx);

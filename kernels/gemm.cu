@@ -13,8 +13,10 @@
 #include "common.cuh"
 
 #include <chrono>
+#include <errno.h>
 #include <mutex>
 #include <string.h>
+#include <string>
 #include <unordered_map>
 #include "kernels.h"
 #include "ops.h"
@@ -181,7 +183,7 @@ int tune_mode() {
     }
     return g_tune;
 }
-int64_t g_tune_stats[3];   // plans tuned, plans whose pick is not the heuristic's first, host microseconds spent
+int64_t g_tune_stats[4];   // plans tuned, of them not on the heuristic's first, host microseconds, plans from the file
 
 // Tuning: the first GEMM of a new plan times each of the heuristic's
 // candidates on the current stream, the device otherwise idle (a warm-up
@@ -276,6 +278,75 @@ int tune_pick(int device, cudaStream_t st, cublasLtHandle_t h, cublasLtMatmulDes
     if (pick > 0) g_tune_stats[1]++;
     g_tune_stats[2] += std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
     return pick;
+}
+
+// The tuning file (core/gemm_tune.c has the format): the records of each
+// device's name and this library version, read on the device's first
+// tuning; a plan found there takes the recorded candidate untimed, a plan
+// tuned here is appended. The device index is not part of a record (0 in
+// its key): ranks on other GPUs of the same kind share the records.
+std::mutex g_file_mu;
+std::string g_tune_file;
+bool g_tune_file_env = false;   // MS_GEMM_TUNE_FILE read
+bool g_file_loaded[64];
+std::unordered_map<PlanKey, std::pair<int, int>, PlanKeyHash, PlanKeyEq> g_file_recs;   // (pick, found)
+
+const char *tune_file() {
+    if (!g_tune_file_env) {
+        const char *e = getenv("MS_GEMM_TUNE_FILE");
+        if (e && e[0]) g_tune_file = e;
+        g_tune_file_env = true;
+    }
+    return g_tune_file.empty() ? nullptr : g_tune_file.c_str();
+}
+
+int device_name(int device, char *name, size_t n) {
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    snprintf(name, n, "%s", prop.name);
+    return 0;
+}
+
+// 1: the file holds a choice for this plan (*pick), 0: not, -1: an error
+int file_lookup(int device, const PlanKey &key, int found, int *pick) {
+    const char *path = tune_file();
+    if (!path || device < 0 || device >= 64) return 0;
+    std::lock_guard<std::mutex> l(g_file_mu);
+    if (!g_file_loaded[device]) {
+        char name[256];
+        if (device_name(device, name, sizeof name)) return -1;
+        ms_gemm_tune_rec *recs = nullptr;
+        int n = 0;
+        if (ms_gemm_tune_read(path, cublasLtGetVersion(), name, &recs, &n)) return -1;
+        for (int i = 0; i < n; i++) {
+            PlanKey k;
+            memcpy(k.v, recs[i].key, sizeof k.v);
+            k.v[0] = device;
+            g_file_recs.emplace(k, std::make_pair(recs[i].pick, recs[i].found));   // the first line wins
+        }
+        ms_gemm_tune_free(recs);
+        g_file_loaded[device] = true;
+    }
+    auto it = g_file_recs.find(key);
+    if (it == g_file_recs.end() || it->second.second != found) return 0;
+    *pick = it->second.first;
+    return 1;
+}
+
+int file_record(int device, const PlanKey &key, int pick, int found) {
+    const char *path = tune_file();
+    if (!path) return 0;
+    char name[256], line[1024];
+    if (device_name(device, name, sizeof name)) return -1;
+    int64_t k[MS_GEMM_TUNE_KEY];
+    static_assert(sizeof k == sizeof key.v, "the record's key is the plan's");
+    memcpy(k, key.v, sizeof k);
+    k[0] = 0;
+    if (ms_gemm_tune_format(line, sizeof line, cublasLtGetVersion(), name, k, pick, found)) return -1;
+    std::lock_guard<std::mutex> l(g_file_mu);
+    if (ms_gemm_tune_append(path, line)) return -1;
+    g_file_recs.emplace(key, std::make_pair(pick, found));
+    return 0;
 }
 
 std::mutex g_plan_mu;
@@ -414,10 +485,16 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
         goto done;
     }
     if (found > 1) {
-        int64_t c_elems = (m - 1) * ldc + n + (batch > 1 ? (batch - 1) * c_batch : 0);
-        pick = tune_pick(device, ms_cuda_stream_of(device), s.handle, desc, la, lb, lc, pa, pb, B.ptr, A.ptr, C,
-                         out_dtype, c_elems, beta == 0, heurs, found);
-        if (pick < 0) goto done;
+        const int had = file_lookup(device, key, found, &pick);
+        if (had < 0) goto done;
+        if (had) {
+            g_tune_stats[3]++;
+        } else {
+            int64_t c_elems = (m - 1) * ldc + n + (batch > 1 ? (batch - 1) * c_batch : 0);
+            pick = tune_pick(device, ms_cuda_stream_of(device), s.handle, desc, la, lb, lc, pa, pb, B.ptr, A.ptr, C,
+                             out_dtype, c_elems, beta == 0, heurs, found);
+            if (pick < 0 || file_record(device, key, pick, found)) goto done;
+        }
     }
     {
         cudaStream_t st = ms_cuda_stream_of(device);
@@ -483,7 +560,34 @@ extern "C" int ms_cuda_gemm_set_tune(int on) {
 }
 
 extern "C" void ms_cuda_gemm_tune_stats(int64_t *out) {
-    for (int i = 0; i < 3; i++) out[i] = g_tune_stats[i];
+    for (int i = 0; i < 4; i++) out[i] = g_tune_stats[i];
+}
+
+extern "C" int ms_cuda_gemm_set_tune_file(const char *path) {
+    tune_file();   // the environment's, read once, before this one replaces it
+    std::lock_guard<std::mutex> l(g_file_mu);
+    if (path && path[0]) {
+        FILE *f = fopen(path, "a");   // made now if missing: a path that cannot be written fails here, not in a GEMM
+        if (!f) return ms_errorf("gemm tuning file %s: cannot open it for appending: %s", path, strerror(errno));
+        fclose(f);
+    }
+    g_tune_file = path ? path : "";
+    g_file_recs.clear();
+    memset(g_file_loaded, 0, sizeof g_file_loaded);
+    return 0;
+}
+
+extern "C" int ms_cuda_gemm_clear_plans(void) {
+    std::lock_guard<std::mutex> l(g_plan_mu);
+    for (auto &kv : g_plans) {
+        Plan &p = kv.second;
+        if (p.la) cublasLtMatrixLayoutDestroy(p.la);
+        if (p.lb) cublasLtMatrixLayoutDestroy(p.lb);
+        if (p.lc) cublasLtMatrixLayoutDestroy(p.lc);
+        if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+    }
+    g_plans.clear();
+    return 0;
 }
 
 extern "C" int ms_cuda_gemm_set_sm_margin(int sms) {

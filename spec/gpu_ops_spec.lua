@@ -273,6 +273,50 @@ describe('cuda ops #gpu', function()
       assert.are.equal(old, ms.cuda.gemm_tune())
     end)
 
+    it('GEMM tuning file: choices written, then taken from it untimed, the same bits', function()
+      local F = ms.raw
+      local path = os.tmpname()
+      os.remove(path)
+      local old = ms.cuda.gemm_tune(true)
+      local ok, err = pcall(function()
+        ms.cuda.gemm_tune_file(path)
+        ms.cuda.gemm_clear_plans()
+        local shapes = { { 3000, 1000, 520 }, { 1032, 2056, 3080 } }
+        local ins, first = {}, {}
+        local s0 = ms.cuda.gemm_tune_stats()
+        for i, sh in ipairs(shapes) do
+          ins[i] = { randn({ sh[1], sh[3] }, 'bf16'):cuda(), randn({ sh[3], sh[2] }, 'bf16'):cuda() }
+          first[i] = F.matmul(ins[i][1], ins[i][2]):to('cpu')
+        end
+        local s1 = ms.cuda.gemm_tune_stats()
+        local tuned = s1.tuned - s0.tuned
+        assert.is_true(tuned >= 1, 'plans tuned: ' .. tuned)
+        local lines = 0
+        for l in io.lines(path) do
+          assert.is_truthy(l:match('^ms%-gemm%-tune 1 %d+ %S+'), l)
+          lines = lines + 1
+        end
+        assert.are.equal(tuned, lines, 'one record a tuned plan')
+        -- the plans forgotten: made again from the file, nothing timed
+        ms.cuda.gemm_clear_plans()
+        for i = 1, #shapes do
+          assert.are.equal(0, relerr(F.matmul(ins[i][1], ins[i][2]), first[i]), 'the recorded algorithm, shape ' .. i)
+        end
+        local s2 = ms.cuda.gemm_tune_stats()
+        assert.are.equal(s1.tuned, s2.tuned, 'timed again')
+        assert.are.equal(tuned, s2.from_file - s1.from_file)
+        -- a path that cannot be written is an error naming it
+        local bad = path .. '.missing-dir/tune.txt'
+        local ok2, e2 = pcall(ms.cuda.gemm_tune_file, bad)
+        assert.is_false(ok2)
+        assert.is_truthy(tostring(e2):find(bad, 1, true), tostring(e2))
+      end)
+      ms.cuda.gemm_tune_file(nil)
+      ms.cuda.gemm_tune(old)
+      os.remove(path)
+      assert(ok, err)
+    end)
+
     it('GEMMs with an SM margin (cuBLASLt SM count target) give the same products; an empty sum with beta 0 writes zeros', function()
       local F = ms.raw
       local C = require('moonshard.tensor').C

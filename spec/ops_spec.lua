@@ -979,6 +979,59 @@ describe('GEMM tuning choice (ms_gemm_tune_pick)', function()
     assert.are.equal(1, pick({ 1.0, 0.985 }, 0.01))
     assert.are.equal(0, pick({ 1.0 }))
   end)
+  it('tuning records: written, read back for their library version and device only, malformed lines named', function()
+    local path = os.tmpname()
+    os.remove(path)
+    local recs, n = ffi.new('ms_gemm_tune_rec *[1]'), ffi.new('int[1]')
+    local function read(version, device)
+      local rc = C.ms_gemm_tune_read(path, version, device, recs, n)
+      if rc ~= 0 then return nil, ffi.string(C.ms_last_error()) end
+      local out = {}
+      for i = 0, n[0] - 1 do
+        local r = recs[0][i]
+        out[#out + 1] = { key1 = tonumber(r.key[1]), key21 = tonumber(r.key[21]), pick = r.pick, found = r.found }
+      end
+      C.ms_gemm_tune_free(recs[0])
+      return out
+    end
+    assert.are.same({}, read(130100, 'NVIDIA H100 80GB HBM3'), 'a missing file has no records')
+    local buf = ffi.new('char[1024]')
+    local function add(version, device, k1, k21, pick, found)
+      local key = ffi.new('int64_t[22]')
+      for i = 0, 21 do key[i] = 100 + i end
+      key[1], key[21] = k1, k21
+      assert.are.equal(0, C.ms_gemm_tune_format(buf, 1024, version, device, key, pick, found))
+      assert.are.equal(0, C.ms_gemm_tune_append(path, buf))
+      return ffi.string(buf)
+    end
+    local line = add(130100, 'NVIDIA H100 80GB HBM3', 7, -3, 2, 8)
+    assert.is_truthy(line:match('^ms%-gemm%-tune 1 130100 NVIDIA_H100_80GB_HBM3 100 7 102 103 '), line)
+    assert.is_truthy(line:match(' 120 %-3 2 8\n$'), line)
+    add(130100, 'NVIDIA H200', 9, 1, 1, 8)          -- another GPU
+    add(120900, 'NVIDIA H100 80GB HBM3', 9, 1, 1, 8) -- another library
+    local f = assert(io.open(path, 'a'))
+    f:write('# a comment\n\n')
+    f:close()
+    add(130100, 'NVIDIA H100 80GB HBM3', 5, 4294967296, 0, 3)
+    local got = read(130100, 'NVIDIA H100 80GB HBM3')
+    assert.are.same({ { key1 = 7, key21 = -3, pick = 2, found = 8 }, { key1 = 5, key21 = 4294967296, pick = 0, found = 3 } }, got)
+    assert.are.equal(1, #read(130100, 'NVIDIA H200'))
+    -- a broken line: an error naming the file and the line
+    f = assert(io.open(path, 'a'))
+    f:write('ms-gemm-tune 1 130100 NVIDIA_H100_80GB_HBM3 1 2 3\n')
+    f:close()
+    local none, err = read(130100, 'NVIDIA H100 80GB HBM3')
+    assert.is_nil(none)
+    assert.is_truthy(err:find(path .. ' line 7', 1, true), err)
+    os.remove(path)
+    f = assert(io.open(path, 'w'))
+    f:write((line:gsub(' 2 8\n$', ' 8 8\n')))   -- pick out of range
+    f:write('something else\n')
+    f:close()
+    none, err = read(130100, 'NVIDIA H100 80GB HBM3')
+    assert.is_truthy(err:find(path .. ' line 1: a record needs 22 key integers, then 0 <= pick < found', 1, true), err)
+    os.remove(path)
+  end)
   it('skips candidates that did not run, and takes the fastest that did when the first did not', function()
     assert.are.equal(0, pick({ 1.0, -1, -1 }))
     assert.are.equal(3, pick({ 1.0, -1, 0.7, 0.5 }))

@@ -110,7 +110,8 @@ end
 -- shape times cuBLASLt's candidates and keeps the fastest. gemm_tune(true
 -- | false | 'default') sets it and returns the previous setting;
 -- gemm_tune() only reads it. gemm_tune_stats() -> {tuned =, moved =,
--- host_ms =}: plans timed, those not on the heuristic's first, host time.
+-- host_ms =, from_file =}: plans timed, those not on the heuristic's
+-- first, host time, plans whose choice came from the tuning file.
 function cuda.gemm_tune(on)
   if on == nil then
     local prev = C.ms_cuda_gemm_set_tune(1)
@@ -121,9 +122,18 @@ function cuda.gemm_tune(on)
   return C.ms_cuda_gemm_set_tune(v) ~= 0
 end
 function cuda.gemm_tune_stats()
-  local s = ffi.new('int64_t[3]')
+  local s = ffi.new('int64_t[4]')
   C.ms_cuda_gemm_tune_stats(s)
-  return { tuned = tonumber(s[0]), moved = tonumber(s[1]), host_ms = tonumber(s[2]) / 1000 }
+  return { tuned = tonumber(s[0]), moved = tonumber(s[1]), host_ms = tonumber(s[2]) / 1000,
+    from_file = tonumber(s[3]) }
 end
+-- gemm_tune_file(path | nil): tuned choices are appended to path and read
+-- back by later runs and other ranks, which take them untimed (nil: no
+-- file; MS_GEMM_TUNE_FILE sets the first). gemm_clear_plans(): forget every
+-- GEMM plan (the next GEMM of each shape makes it again).
+function cuda.gemm_tune_file(path)
+  check(C.ms_cuda_gemm_set_tune_file(path), 2)
+end
+function cuda.gemm_clear_plans() C.ms_cuda_gemm_clear_plans() end
 
 return cuda
