@@ -1003,6 +1003,14 @@ function train.run(opts)
   end
   local ok_mk = os.execute('mkdir -p ' .. data.shell_quote(o.out))
   if ok_mk ~= 0 and ok_mk ~= true then usage('cannot create the output folder %s', o.out) end
+  -- on a GPU the GEMMs' tuned algorithms are kept with the run
+  -- (docs/tensors.md): a resumed run takes the same ones untimed, so it does
+  -- not depend on timing noise. MS_GEMM_TUNE_FILE names another file;
+  -- MS_GEMM_TUNE=0 turns tuning off.
+  if on_gpu and (os.getenv('MS_GEMM_TUNE_FILE') or '') == '' and ms.cuda.gemm_tune() then
+    local okt, et = pcall(ms.cuda.gemm_tune_file, o.out .. '/gemm_tune.txt')
+    if not okt then warn('GEMM tuning file not kept: ' .. tostring(et)) end
+  end
 
   -- optimizer
   local opt
