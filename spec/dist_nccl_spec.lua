@@ -59,6 +59,45 @@ describe('dist over NCCL #multi', function()
   end)
   teardown(function() dist.destroy() end)
 
+  it('shares a GEMM tuning file between the ranks: both append, both read the records back untimed', function()
+    local path = ('/tmp/ms-gemm-tune-%s-%s.txt'):format(os.getenv('MASTER_PORT') or 'p', os.getenv('MS_DIST_TOKEN') or 't')
+    if R == 0 then os.remove(path) end
+    dist.barrier()
+    local old = ms.cuda.gemm_tune(true)
+    local ok, err = pcall(function()
+      ms.cuda.gemm_tune_file(path)
+      ms.cuda.gemm_clear_plans()
+      local a = ms.randn({ 2056, 776 }, { seed = 7 }):bf16():cuda()
+      local b = ms.randn({ 776, 1544 }, { seed = 8 }):bf16():cuda()
+      local s0 = ms.cuda.gemm_tune_stats()
+      local first = ms.matmul(a, b):cpu()
+      local s1 = ms.cuda.gemm_tune_stats()
+      local mine = s1.tuned - s0.tuned
+      local tot = ms.tensor({ mine }, { dtype = 'f64' }):cuda()
+      dist.all_reduce(tot, 'sum')
+      local all = tot:cpu():get(1)
+      dist.barrier()
+      local n = 0
+      for l in io.lines(path) do
+        assert.is_truthy(l:match('^ms%-gemm%-tune 1 %d+ %S+ 0 '), l)   -- the device index not recorded
+        n = n + 1
+      end
+      assert.are.equal(all, n, 'one whole line a plan each rank tuned')
+      ms.cuda.gemm_clear_plans()
+      ms.cuda.gemm_tune_file(path)   -- read again: the peers' lines too
+      local again = ms.matmul(a, b):cpu()
+      local s2 = ms.cuda.gemm_tune_stats()
+      assert.are.equal(s1.tuned, s2.tuned, 'timed again')
+      assert.is_true(s2.from_file > s1.from_file)
+      assert.are.equal(0, S.relerr(again, first), 'the recorded algorithm: the same bits')
+    end)
+    ms.cuda.gemm_tune_file(nil)
+    ms.cuda.gemm_tune(old)
+    dist.barrier()
+    if R == 0 then os.remove(path) end
+    assert(ok, err)
+  end)
+
   it('uses the GPU of its local rank', function()
     assert.are.equal('nccl', dist.backend())
     assert.are.equal('cuda:' .. dist.local_rank(), dist.device())
