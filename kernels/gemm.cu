@@ -201,7 +201,8 @@ const int kTuneRounds = 2;   // passes over the candidates
 // Candidates within a few percent of the first are not told apart by short
 // timings: the clocks drift as the GPU heats, and a GEMM that runs beside
 // another stream's (the FLCE's grad_x and grad_W) ranks differently than
-// alone (bench/flce.lua --tune-ab: a 4% "winner" lost 5% there)
+// alone (bench/flce.lua --tune-ab: with those two tuned, the FLCE with bf16
+// accumulation ran 5-6% slower than untuned)
 const double kTuneMargin = 0.05;
 
 int tune_pick(int device, cudaStream_t st, cublasLtHandle_t h, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t la,
