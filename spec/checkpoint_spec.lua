@@ -13,13 +13,8 @@ local ckpt = require 'moonshard.checkpoint'
 pcall(ffi.cdef, 'int memcmp(const void *a, const void *b, size_t n);')
 
 local root = T.root
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
-local function tmpdir()
-  local p = io.popen('mktemp -d')
-  local d = p:read('*l')
-  p:close()
-  return d
-end
+local S_ = require 'spec.support'
+local q, tmpdir = S_.shell_quote, S_.tmpdir
 local function rm(d) os.execute('rm -rf ' .. q(d)) end
 local function slurp(path)
   local f = io.open(path, 'rb')

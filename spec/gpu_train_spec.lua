@@ -5,13 +5,8 @@ local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
 
 local root = T.root
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
-local function tmpdir()
-  local p = io.popen('mktemp -d')
-  local d = p:read('*l')
-  p:close()
-  return d
-end
+local S_ = require 'spec.support'
+local q, tmpdir = S_.shell_quote, S_.tmpdir
 local function bin_train(args, env)
   local p = io.popen(('cd %s && %s bin/train %s 2>&1; echo "__status=$?"'):format(q(root), env or '', args))
   local out = p:read('*a')

@@ -38,12 +38,7 @@ local function relerr(got, exp)
   return math.sqrt(num) / math.sqrt(den)
 end
 
-local function tmpdir()
-  local p = io.popen('mktemp -d')
-  local d = p:read('*l')
-  p:close()
-  return d
-end
+local tmpdir = require('spec.support').tmpdir
 
 local families = {
   { name = 'gpt2-tiny', M = gpt2 },

@@ -24,7 +24,7 @@ local function now()
   p:close()
   return s
 end
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local q = require('spec.support').shell_quote
 
 local function run(cmd)
   local p = assert(io.popen('cd ' .. q(root) .. ' && ' .. cmd .. ' 2>&1; echo "__exit $?"'))

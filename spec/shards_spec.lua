@@ -12,13 +12,8 @@ local tok = require 'moonshard.tokenizer'
 local data = require 'moonshard.data'
 
 local root = T.root
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
-local function tmpdir()
-  local p = io.popen('mktemp -d')
-  local d = p:read('*l')
-  p:close()
-  return d
-end
+local S_ = require 'spec.support'
+local q, tmpdir = S_.shell_quote, S_.tmpdir
 local function write_all(path, s)
   local f = assert(io.open(path, 'wb'))
   f:write(s)

@@ -7,7 +7,9 @@
 --
 -- Tensors in and out of plain Lua lists (make, vals, values), comparisons
 -- (relerr, finite), errors (errmsg), the expected results of a collective
--- (collective_val, reduce_expect) and JSON fixture files (json_cases).
+-- (collective_val, reduce_expect), JSON fixture files (json_cases), and
+-- temporary directories and shell quoting for specs that run commands
+-- (tmpdir, shell_quote).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local luassert = require 'luassert'   -- busted's assert (a spec's global)
@@ -15,6 +17,17 @@ local T = require 'moonshard.tensor'
 local C = T.C
 
 local S = {}
+
+-- s as one shell word ('...', a ' inside written '\'')
+function S.shell_quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+-- a new empty directory (mktemp -d)
+function S.tmpdir()
+  local p = io.popen('mktemp -d')
+  local d = p:read('*l')
+  p:close()
+  return d
+end
 
 -- a tensor of `shape` holding the row-major values `vals`, in dtype (f64)
 function S.make(shape, vals, dtype)

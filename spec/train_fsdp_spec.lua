@@ -14,7 +14,7 @@ local train = require 'moonshard.train'
 local data = require 'moonshard.data'
 
 local root = T.root
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local q = require('spec.support').shell_quote
 local dir
 do
   local p = io.popen('mktemp -d')

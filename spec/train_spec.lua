@@ -9,13 +9,8 @@ local train = require 'moonshard.train'
 local data = require 'moonshard.data'
 
 local root = T.root
-local function tmpdir()
-  local p = io.popen('mktemp -d')
-  local d = p:read('*l')
-  p:close()
-  return d
-end
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local S_ = require 'spec.support'
+local q, tmpdir = S_.shell_quote, S_.tmpdir
 
 -- runs bin/train with the given argument string; returns exit status, output
 local function bin_train(args)
