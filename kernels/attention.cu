@@ -438,13 +438,15 @@ __global__ void dq_store_kernel(T *dq, const float *acc, qkv_layout l, int H, lo
 // variation in dq's last bits); the default is the deterministic pair of
 // kernels. ms_cuda_attention_set_onepass overrides the environment.
 int g_onepass = -1;
-bool onepass() {
-    if (g_onepass < 0) {
-        const char *e = getenv("MS_ATTENTION_BWD");
-        g_onepass = e && strcmp(e, "onepass") == 0;
+// a switch read once from the environment: 1 when `name` is "onepass"
+int env_onepass(int &cached, const char *name) {
+    if (cached < 0) {
+        const char *e = getenv(name);
+        cached = e && strcmp(e, "onepass") == 0;
     }
-    return g_onepass == 1;
+    return cached;
 }
+bool onepass() { return env_onepass(g_onepass, "MS_ATTENTION_BWD") == 1; }
 
 template <typename T, int D>
 int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
@@ -569,13 +571,7 @@ int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *
 // the environment. (Measured slower than the two kernels: docs/perf-notes.md;
 // with float atomics for dq instead of the order, slower still.)
 int g_wg_onepass = -1;
-bool wg_onepass() {
-    if (g_wg_onepass < 0) {
-        const char *e = getenv("MS_ATTENTION_WG_BWD");
-        g_wg_onepass = e && strcmp(e, "onepass") == 0;
-    }
-    return g_wg_onepass == 1;
-}
+bool wg_onepass() { return env_onepass(g_wg_onepass, "MS_ATTENTION_WG_BWD") == 1; }
 
 template <typename T>
 // dsum (or NULL): the column sums of dq, dk, dv as stored, [H·D | Hkv·D |

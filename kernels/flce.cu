@@ -232,6 +232,15 @@ __device__ __forceinline__ bool target_valid(const ms_flce_params &p, long long 
 // a per-element argmax, and neither pass compares indices with the target
 // (its logit is read once, its gradient fixed up by the thread that owns
 // it). Same results as the general passes.
+// the U packs of a thread at kb, kb + stride, ... (those below V), all
+// loaded before any is used: more bytes in flight a thread
+template <typename T, int VEC, int U>
+__device__ __forceinline__ void load_packs(Pack<T, VEC> (&pks)[U], const T *src, int kb, int stride, int V) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (kb + u * stride < V) pks[u] = *(const Pack<T, VEC> *)(src + kb + u * stride);
+}
+
 template <typename T, int VEC, int U>
 __device__ __forceinline__ RowStat row_pass1_plain(const T *row, int V, T *cache) {
     // U packs a thread loaded before any is used (more bytes in flight a
@@ -242,9 +251,7 @@ __device__ __forceinline__ RowStat row_pass1_plain(const T *row, int V, T *cache
     const int stride = blockDim.x * VEC;
     for (int kb = threadIdx.x * VEC; kb < V; kb += U * stride) {
         Pack<T, VEC> pks[U];
-#pragma unroll
-        for (int u = 0; u < U; u++)
-            if (kb + u * stride < V) pks[u] = *(const Pack<T, VEC> *)(row + kb + u * stride);
+        load_packs<T, VEC, U>(pks, row, kb, stride, V);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int k0 = kb + u * stride;
@@ -296,9 +303,7 @@ __device__ __forceinline__ void row_pass2_plain(T *row, int V, int yl, float lse
     const int stride = blockDim.x * VEC;
     for (int kb = threadIdx.x * VEC; kb < V; kb += U * stride) {
         Pack<T, VEC> pks[U];   // loaded first, as in pass 1
-#pragma unroll
-        for (int u = 0; u < U; u++)
-            if (kb + u * stride < V) pks[u] = *(const Pack<T, VEC> *)(src + kb + u * stride);
+        load_packs<T, VEC, U>(pks, src, kb, stride, V);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int k0 = kb + u * stride;
