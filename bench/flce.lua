@@ -3,7 +3,8 @@
 --
 --   luajit bench/flce.lua [--iters 20] [--warmup 3] [--chunk 0]
 --                         [--shapes 8192x4096x128256,8192x2560x151936]
---                         [--methods fused,fused_master,fused_bf16acc,unfused] [--json out.json]
+--                         [--methods fused,fused_master,fused_bf16acc,unfused,gemms] [--json out.json]
+--                         [--sustained 700]
 --
 -- The methodology of ../shared/bench/torch_flce.py, so the rows sit beside
 -- its output: x (BT, H) ~ N(0, 1) bf16 and W (V, H) ~ N(0, 0.02) bf16, both
@@ -17,7 +18,11 @@
 -- caching allocator holds them, size-class rounding included: the peak is
 -- read in the same allocated bytes), the step's transient memory.
 -- Floor: 6·BT·H·V flops (logits, grad_x, grad_W) at the bf16 matmul rate
--- measured here with the production GEMM (8192³, as ../shared/bench/ceilings.py).
+-- measured here with the production GEMM (8192³, as ../shared/bench/ceilings.py:
+-- the median of 20 runs after 5, ~35 ms of work). "× sustained floor" puts
+-- the same flops at the rate that product keeps up for ~1 s back to back
+-- (--sustained N runs, the last quarter timed; 0 leaves it out): a GPU at
+-- its power limit runs long GEMM work slower than a 35 ms burst.
 -- Accuracy: loss and gradients against an f32 reference (f32 GEMMs, TF32
 -- off: the unfused path in f32) as relative errors ‖a − ref‖ / ‖ref‖.
 --
@@ -29,7 +34,9 @@
 -- with accum_dtype = 'bf16' (accumulated in the bf16 output: no f32 copy of
 -- grad_W); unfused = ms.matmul(x, W, false, true) then
 -- nn.functional.cross_entropy (f32 softmax of the bf16 logits), the path
--- lm_loss takes with use_fused_lm_loss(false).
+-- lm_loss takes with use_fused_lm_loss(false); gemms = fused_bf16acc's
+-- three GEMMs alone, chunk by chunk, with no row pass and no loss: what
+-- the fused path would take if everything between its GEMMs were free.
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ffi = require 'ffi'
 local ms = require 'moonshard'
@@ -40,13 +47,13 @@ local nnf = ms.nn.functional
 local F = ms.raw
 
 local opts = { iters = 20, warmup = 3, chunk = 0, shapes = '8192x4096x128256,8192x2560x151936',
-  methods = 'fused,fused_master,fused_bf16acc,unfused', json = '', ['tune-ab'] = 0 }
+  methods = 'fused,fused_master,fused_bf16acc,unfused,gemms', json = '', ['tune-ab'] = 0, sustained = 700 }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
   if not k or opts[k] == nil then
     error('usage: luajit bench/flce.lua [--iters N] [--warmup N] [--chunk ROWS] [--shapes BTxHxV,...] '
-      .. '[--methods fused,fused_master,fused_bf16acc,unfused] [--json FILE] [--tune-ab R]')
+      .. '[--methods fused,fused_master,fused_bf16acc,unfused,gemms] [--json FILE] [--tune-ab R] [--sustained N]')
   end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
@@ -85,7 +92,9 @@ local function timed(fn, warmup, iters)
 end
 
 -- the bf16 matmul rate through the production GEMM (8192³, 3 operand pairs)
-local function matmul_rate()
+-- and sustained: the same product back to back for ~1 s (sust runs), timed
+-- over the last quarter, when the GPU has settled at its power limit
+local function matmul_rate(sust)
   local n = 8192
   local pairs_ = {}
   for k = 1, 3 do
@@ -94,14 +103,26 @@ local function matmul_rate()
   end
   local out = ms.empty({ n, n }, { dtype = 'bf16', device = 'cuda' })
   local k = 0
-  local med = timed(function()
+  local function one()
     k = k + 1
     local p = pairs_[k % 3 + 1]
     F.gemm_(out, p[1], p[2], false, false, 1, 0)
-  end, 5, 20)
+  end
+  local med = timed(one, 5, 20)
+  local sustained
+  if sust > 0 then
+    local e0, e1 = ms.cuda.event({ timing = true }), ms.cuda.event({ timing = true })
+    local last = math.max(1, math.floor(sust / 4))
+    for _ = 1, sust - last do one() end
+    e0:record()
+    for _ = 1, last do one() end
+    e1:record()
+    e1:synchronize()
+    sustained = 2 * n ^ 3 * last / (e0:elapsed_ms(e1) * 1e-3) / 1e12
+  end
   for _, p in ipairs(pairs_) do p[1]:free(); p[2]:free() end
   out:free()
-  return 2 * n ^ 3 / (med * 1e-3) / 1e12
+  return 2 * n ^ 3 / (med * 1e-3) / 1e12, sustained
 end
 
 local function relerr(a, b)
@@ -116,13 +137,19 @@ end
 -- candidates are within ~3% of each other, below what short timings on a
 -- GPU that heats up can rank, and a rate that moves with the choice would
 -- move the floor
-local rate
+local rate, rate_sust
 do
   local prev = ms.cuda.gemm_tune(false)
-  rate = matmul_rate()
+  rate, rate_sust = matmul_rate(opts.sustained)
   ms.cuda.gemm_tune(prev)
 end
-print(('device: %s; bf16 matmul rate %.0f TFLOP/s (8192^3, production GEMM)'):format(dev, rate))
+print(('device: %s; bf16 matmul rate %.0f TFLOP/s (8192^3, production GEMM; median of 20, as ceilings.py)')
+  :format(dev, rate))
+if rate_sust then
+  print(('sustained: %.0f TFLOP/s (the last %d of %d back-to-back products, ~%.1f s at the burst rate)')
+    :format(rate_sust, math.max(1, math.floor(opts.sustained / 4)), opts.sustained,
+      opts.sustained * 2 * 8192 ^ 3 / (rate * 1e12)))
+end
 print(('grad_W f32 accumulation: %s'):format(mixed_gemm and 'mixed-dtype cuBLASLt GEMM (bf16 in, f32 out)'
   or 'f32 operand copies: kernels/gemm.cu lacks ms_cuda_gemm_mixed_ok (fused rows are not representative)'))
 print(('GEMM tuning: %s (MS_GEMM_TUNE=0 turns it off)'):format(ms.cuda.gemm_tune() and 'on' or 'off'))
@@ -159,7 +186,7 @@ for spec in opts.shapes:gmatch('[^,]+') do
     -- fused_master: W (bf16) is the copy of an f32 master weight (autocast's
     -- case) whose f32 gradient the loss writes directly; the master is an
     -- input (allocated before the peak is read) and grad_W is f32
-    local Wm, gbytes = nil, grads_bytes
+    local Wm, gbytes, row_chunk = nil, grads_bytes, nil
     if name == 'fused_master' then
       Wm = W:detach():float():requires_grad_()
       fo.master_weight = Wm
@@ -169,6 +196,28 @@ for spec in opts.shapes:gmatch('[^,]+') do
       fn = function(a, b, t) return nnf.fused_linear_cross_entropy(a, b, t, fo) end
     elseif name == 'unfused' then
       fn = function(a, b, t) return nnf.cross_entropy(ms.matmul(a, b, false, true), t) end
+    elseif name == 'gemms' then
+      -- the fused path's three GEMMs alone, chunk by chunk as fused_bf16acc
+      -- runs them (grad_W accumulated in bf16), no row pass: the floor that
+      -- cuBLASLt sustains for these shapes (the loss is not computed)
+      local crow = flce.chunk_rows(x, W, { accum_dtype = 'bf16' })
+      local lbuf
+      fn = function(a, b)
+        local xa, Wa = a:detach(), b:detach()
+        local gx = ms.empty(xa.shape, { dtype = 'bf16', device = 'cuda' })
+        local gW = ms.empty(Wa.shape, { dtype = 'bf16', device = 'cuda' })
+        lbuf = lbuf or ms.empty({ crow, V }, { dtype = 'bf16', device = 'cuda' })
+        for r0 = 0, BT - 1, crow do
+          local n = math.min(crow, BT - r0)
+          local xc, lg = xa:narrow(1, r0 + 1, n), lbuf:narrow(1, 1, n)
+          F.gemm_(lg, xc, Wa, false, true, 1, 0)                       -- logits
+          F.gemm_(gx:narrow(1, r0 + 1, n), lg, Wa, false, false, 1, 0)  -- grad_x
+          F.gemm_(gW, lg, xc, true, false, 1, r0 == 0 and 0 or 1)        -- grad_W +=
+        end
+        a.grad, b.grad = gx, gW
+        return nil
+      end
+      row_chunk = crow
     else
       error('unknown method ' .. name)
     end
@@ -177,7 +226,7 @@ for spec in opts.shapes:gmatch('[^,]+') do
       x.grad, W.grad = nil, nil
       if Wm then Wm.grad = nil end
       loss = fn(x, W, y)
-      loss:backward()
+      if loss then loss:backward() end
     end
     local row = { BT = BT, H = H, V = V, method = name }
     local ok, err = pcall(function()
@@ -216,11 +265,14 @@ for spec in opts.shapes:gmatch('[^,]+') do
       row.peak_above_inputs_GiB = peak / 2 ^ 30
       row.peak_minus_grads_GiB = (peak - held) / 2 ^ 30
       row.grads_held_GiB, row.grads_exact_GiB = held / 2 ^ 30, gbytes / 2 ^ 30
-      row.loss = loss:item()
-      row.loss_rel_vs_fp32 = math.abs(row.loss - ref.loss:item()) / math.abs(ref.loss:item())
-      row.dx_rel_vs_fp32 = relerr(x.grad, ref.gx)
-      row.dW_rel_vs_fp32 = relerr(Wm and Wm.grad or W.grad, ref.gW)
-      if name ~= 'unfused' then row.chunk_rows = flce.chunk_rows(x, W, fo) end
+      row.x_floor_sustained = rate_sust and med / (6 * BT * H * V / (rate_sust * 1e12) * 1e3) or nil
+      if loss then
+        row.loss = loss:item()
+        row.loss_rel_vs_fp32 = math.abs(row.loss - ref.loss:item()) / math.abs(ref.loss:item())
+        row.dx_rel_vs_fp32 = relerr(x.grad, ref.gx)
+        row.dW_rel_vs_fp32 = relerr(Wm and Wm.grad or W.grad, ref.gW)
+      end
+      if name ~= 'unfused' then row.chunk_rows = row_chunk or flce.chunk_rows(x, W, fo) end
     end)
     if not ok then row.error = tostring(err):sub(1, 300) end
     x.grad, W.grad, loss = nil, nil, nil
@@ -238,23 +290,25 @@ for spec in opts.shapes:gmatch('[^,]+') do
 end
 print()
 
-print(('| BT | H | V | method | chunk | ms (median) | floor ms | × floor | TFLOP/s | peak above inputs GiB | '
-  .. 'grads held (exact) GiB | peak − grads GiB | loss | loss rel f32 | dx rel f32 | dW rel f32 |'))
-print('|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|')
+print(('| BT | H | V | method | chunk | ms (median) | floor ms | × floor | × sustained floor | TFLOP/s | '
+  .. 'peak above inputs GiB | grads held (exact) GiB | peak − grads GiB | loss | loss rel f32 | dx rel f32 | dW rel f32 |'))
+print('|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|')
+local function fmt(f, v) return v and f:format(v) or '-' end
 for _, r in ipairs(rows) do
   if r.error then
     print(('| %d | %d | %d | %s | | ERROR: %s |'):format(r.BT, r.H, r.V, r.method, r.error))
   else
-    print(('| %d | %d | %d | %s | %s | %.2f | %.2f | %.3f | %.0f | %.2f | %.3f (%.3f) | %.3f | %.4f | %.1e | %.1e | %.1e |'):format(
+    print(('| %d | %d | %d | %s | %s | %.2f | %.2f | %.3f | %s | %.0f | %.2f | %.3f (%.3f) | %.3f | %s | %s | %s | %s |'):format(
       r.BT, r.H, r.V, r.method, r.chunk_rows and tostring(r.chunk_rows) or '-', r.ms_median, r.floor_ms, r.x_floor,
-      r.tflops_3gemm, r.peak_above_inputs_GiB, r.grads_held_GiB, r.grads_exact_GiB, r.peak_minus_grads_GiB, r.loss, r.loss_rel_vs_fp32,
-      r.dx_rel_vs_fp32, r.dW_rel_vs_fp32))
+      fmt('%.3f', r.x_floor_sustained), r.tflops_3gemm, r.peak_above_inputs_GiB, r.grads_held_GiB, r.grads_exact_GiB,
+      r.peak_minus_grads_GiB, fmt('%.4f', r.loss), fmt('%.1e', r.loss_rel_vs_fp32), fmt('%.1e', r.dx_rel_vs_fp32),
+      fmt('%.1e', r.dW_rel_vs_fp32)))
   end
 end
 if opts.json ~= '' then
   local json = require 'dkjson'
   local f = assert(io.open(opts.json, 'w'))
-  f:write(json.encode({ device = dev, matmul_tflops = rate, mixed_gemm = mixed_gemm, rows = rows }, { indent = true }))
+  f:write(json.encode({ device = dev, matmul_tflops = rate, matmul_tflops_sustained = rate_sust, mixed_gemm = mixed_gemm, rows = rows }, { indent = true }))
   f:close()
 end
 do
