@@ -5,6 +5,7 @@
 //   build/gemm_algos [reps]            # the FLCE and GPT-2 shapes below
 //   build/gemm_algos reps M N K ta tb beta out(bf16|f32)
 //   SUSTAIN_MS=500 build/gemm_algos ...  # also each candidate under load
+//   SM_TARGET=116 build/gemm_algos ...    # for 116 multiprocessors
 //
 // Row-major C (M, N) = op(A) (M, K) · op(B) (K, N) + beta·C, bf16 operands,
 // f32 accumulation; ta/tb: the operand is stored transposed. Operands are
@@ -79,6 +80,12 @@ static void run(cublasLtHandle_t h, const Shape &s, int reps, void *ws, size_t w
     cublasOperation_t oa = s.tb ? CUBLAS_OP_T : CUBLAS_OP_N, ob = s.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     LK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &oa, sizeof oa));
     LK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &ob, sizeof ob));
+    // SM_TARGET=n: the heuristic and the kernels for n multiprocessors (the
+    // rest left to a concurrent kernel)
+    if (const char *sm = getenv("SM_TARGET")) {
+        int32_t n = atoi(sm);
+        LK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &n, sizeof n));
+    }
     cublasLtMatrixLayout_t la, lb, lc;
     // B row-major (k, n) is column-major (n, k); stored transposed it is (k, n)
     if (s.tb) LK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, s.k, s.n, s.k));
