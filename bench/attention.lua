@@ -19,7 +19,7 @@ local T = require 'moonshard.tensor'
 local C = T.C
 local F = ms.raw
 
-local opts = { iters = 20, warmup = 3, dtype = 'bf16', impls = 'wgmma,mma,mma1,wmma,simt' }
+local opts = { iters = 20, warmup = 3, dtype = 'bf16', impls = 'wgmma,wgmma0,mma,mma1,wmma,simt' }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
@@ -107,11 +107,13 @@ for _, s in ipairs({ { B = 8, H = 12, T = 1024, D = 64 }, { B = 4, H = 32, T = 2
   local fwd_flops = 4 * s.B * s.H * s.T * s.T * s.D / 2
   for impl in opts.impls:gmatch('[^,]+') do
     -- mma1: mma with the one-pass backward (dq through f32 atomics); wgmma1:
-    -- wgmma with its one-pass backward (dq added in a fixed order)
-    local base = (impl == 'mma1' and 'mma') or (impl == 'wgmma1' and 'wgmma') or impl
+    -- wgmma with its one-pass backward (dq added in a fixed order); wgmma0:
+    -- wgmma with Delta by its own kernel (plain wgmma: in the dq kernel)
+    local base = (impl == 'mma1' and 'mma') or ((impl == 'wgmma1' or impl == 'wgmma0') and 'wgmma') or impl
     T.check(C.ms_cuda_attention_set_impl((assert(impl_ids[base], 'unknown implementation ' .. impl))))
     local prev_onepass = C.ms_cuda_attention_set_onepass(impl == 'mma1' and 1 or 0)
     local prev_wg1 = C.ms_cuda_attention_set_wg_onepass(impl == 'wgmma1' and 1 or 0)
+    local prev_fd = C.ms_cuda_attention_set_fused_delta(impl == 'wgmma0' and 0 or 1)
     local o, l = attention(q, k, v, scale)
     local ran = impl_names[tonumber(C.ms_cuda_attention_last_impl())]
     local dq, dk, dv = attention_backward(q, k, v, o, l, g, scale)
@@ -128,8 +130,9 @@ for _, s in ipairs({ { B = 8, H = 12, T = 1024, D = 64 }, { B = 4, H = 32, T = 2
     local ff, fb = fwd_flops / (tf * 1e-3) / 1e12, 2.5 * fwd_flops / (tb * 1e-3) / 1e12
     C.ms_cuda_attention_set_onepass(prev_onepass)
     C.ms_cuda_attention_set_wg_onepass(prev_wg1)
+    C.ms_cuda_attention_set_fused_delta(prev_fd)
     print(('| %s%s | %dx%dx%dx%d | %.3f | %.1f | %.3f | %.1f | %.1f%% | %.1e, %.1e, %.1e, %.1e |'):format(
-      ({ mma1 = 'mma, one-pass backward', wgmma1 = 'wgmma, one-pass backward' })[impl] or impl, ran ~= base and (' (ran ' .. tostring(ran) .. ')') or '', s.B, s.H, s.T, s.D, tf, ff, tb, fb,
+      ({ mma1 = 'mma, one-pass backward', wgmma1 = 'wgmma, one-pass backward', wgmma0 = 'wgmma, delta kernel' })[impl] or impl, ran ~= base and (' (ran ' .. tostring(ran) .. ')') or '', s.B, s.H, s.T, s.D, tf, ff, tb, fb,
       100 * 3.5 * fwd_flops / ((tf + tb) * 1e-3) / 1e12 / peak, errs[1], errs[2], errs[3], errs[4]))
     o:free(); l:free()
   end

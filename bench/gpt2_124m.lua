@@ -215,6 +215,8 @@ if opts.ablate >= 1 then
     { 'FLCE row pass with 4 packs in flight (default here: 1, the row cached)', function(on) C.ms_cuda_flce_set_row_unroll(on and 4 or 0) end },
     { 'one-pass wgmma attention backward', function(on) C.ms_cuda_attention_set_wg_onepass(on and 1 or 0) end },
     { "GEMM tuning off (cuBLASLt heuristic's first)", function(on) ms.cuda.gemm_tune(not on) end },
+    { 'attention Delta by its own kernel (default: in the wgmma dq kernel)', function(on)
+      C.ms_cuda_attention_set_fused_delta(on and 0 or 1) end },
   }) do
     if not pick or pick[vi] then
       local da, va, ra, peak_v = {}, {}, {}, 0

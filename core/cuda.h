@@ -105,6 +105,10 @@ int ms_cuda_attention_set_onepass(int on);
  * default; the environment's MS_ATTENTION_WG_BWD=onepass chooses the
  * first); returns the previous one */
 int ms_cuda_attention_set_wg_onepass(int on);
+/* 1 (default; env MS_ATTENTION_FUSED_DELTA=0 for 0): the wgmma backward's dq
+ * kernel computes Delta = rowsum(out * dout) and runs before the dk/dv kernel;
+ * 0: a delta kernel first. Returns the previous setting. */
+int ms_cuda_attention_set_fused_delta(int on);
 /* FLCE's plain row pass: 4 loads four 16-byte packs a thread before using
  * them, 1 one at a time, 0 (the default) 1 when the row is cached in shared
  * memory and 4 when not (MS_FLCE_ROW_UNROLL=1 or 4 forces one); the same

@@ -573,17 +573,37 @@ int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *
 int g_wg_onepass = -1;
 bool wg_onepass() { return env_onepass(g_wg_onepass, "MS_ATTENTION_WG_BWD") == 1; }
 
+// the one-pass backward applies to this call (its conditions in one place)
+bool wg_onepass_for(bool dsum, int B, int Hkv, long long Tq, long long Tk, int causal) {
+    return wg_onepass() && !dsum && Tq > 0 && Tk > 0 && B * Hkv > 0 && causal && Tk >= Tq;
+}
+
+// The wgmma two-kernel backward computes Delta = rowsum(out * dout) inside
+// dq_kernel, which then runs first (no delta kernel; default on).
+// MS_ATTENTION_FUSED_DELTA=0 or ms_cuda_attention_set_fused_delta(0): the
+// delta kernel, then dkdv_kernel and dq_kernel.
+int g_fused_delta = -1;
+bool fused_delta() {
+    if (g_fused_delta < 0) {
+        const char *e = getenv("MS_ATTENTION_FUSED_DELTA");
+        g_fused_delta = (e && e[0] == '0') ? 0 : 1;
+    }
+    return g_fused_delta == 1;
+}
+
 template <typename T>
 // dsum (or NULL): the column sums of dq, dk, dv as stored, [H·D | Hkv·D |
 // Hkv·D] f32, from the kernels' per-block partial rows (part_colsum_kernel
 // adds them in a fixed order)
+// out (or NULL): compute Delta in dq_kernel from out and dout into delta
+// (then written, not read), dq_kernel before dkdv_kernel
 int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
-           const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s,
-           float *dsum = nullptr) {
+           const ms_tensor *dout, const float *l, float *delta, float scale, int causal, cudaStream_t s,
+           float *dsum = nullptr, const ms_tensor *out = nullptr) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     const long long rq = (long long)B * ((Tq + 63) / 64), rk = (long long)B * ((Tk + 63) / 64);
-    if (wg_onepass() && !dsum && Tq > 0 && Tk > 0 && B * Hkv > 0 && causal && Tk >= Tq) {
+    if (wg_onepass_for(dsum != nullptr, B, Hkv, Tq, Tk, causal)) {
         // dq inside the dk/dv kernel (attention_wgmma.cuh: OP): f32 sums
         // and the counters that order their additions, zeroed
         const long long nqt = (Tq + 63) / 64;
@@ -614,7 +634,8 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
             pkv = pq + rq * H * 64;
         }
     }
-    if (Tk > 0 && B * Hkv > 0) {
+    auto run_dkdv = [&]() -> int {
+        if (!(Tk > 0 && B * Hkv > 0)) return 0;
         size_t smem = wg::dkdv_smem();
         if (set_smem<T>(wg::dkdv_kernel<T>, smem)) return -1;
         dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));
@@ -623,17 +644,23 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal, pkv);
         LAUNCH_CHECK("wg::dkdv_kernel");
-    }
-    if (Tq > 0 && B * H > 0) {
+        return 0;
+    };
+    auto run_dq = [&]() -> int {
+        if (!(Tq > 0 && B * H > 0)) return 0;
         size_t smem = wg::dq_smem();
         if (set_smem<T>(wg::dq_kernel<T>, smem)) return -1;
         dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
         wg::dq_kernel<T><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
-            layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal, pq);
+            layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal, pq,
+            out ? (const T *)ms_tensor_data(out) : nullptr, out ? layout4(out) : qkv_layout{}, out ? delta : nullptr);
         LAUNCH_CHECK("wg::dq_kernel");
-    }
+        return 0;
+    };
+    // with the fused Delta, dq_kernel writes what dkdv_kernel reads
+    if (out ? (run_dq() || run_dkdv()) : (run_dkdv() || run_dq())) return -1;
     if (dsum) {
         const int cq = H * 64, ckv = Hkv * 64;
         const struct { float *out; const float *part; long long rows; int cols; } seg[3] = {
@@ -758,7 +785,14 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         if (ms_tensor_clone(&clse.t, lse)) return -1;
         l = clse.t;
     }
-    if (Tq > 0 && B * H > 0) {
+    const ms_tensor *ts[7] = {q, k, v, dout, dq, dk, dv};
+    int impl = pick_impl<T>(D, ts, 7);
+    // the wgmma two-kernel backward computes Delta in its dq kernel
+    bool fuse = false;
+    if constexpr (sizeof(T) == 2)
+        fuse = impl == MS_ATTENTION_WGMMA && fused_delta() && !wg_onepass_for(dsum != nullptr, B, Hkv, Tq, Tk, causal) &&
+               rows_aligned16(out) && rows_aligned16(dout);
+    if (Tq > 0 && B * H > 0 && !fuse) {
         long long rows = (long long)B * H * Tq;
         float *dd = (float *)ms_tensor_data(delta.t);
         const T *op = (const T *)ms_tensor_data(out), *gp = (const T *)ms_tensor_data(dout);
@@ -780,13 +814,12 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
             LAUNCH_CHECK("attention_delta_kernel");
         }
     }
-    const ms_tensor *ts[7] = {q, k, v, dout, dq, dk, dv};
-    int impl = pick_impl<T>(D, ts, 7);
     if constexpr (sizeof(T) == 2) {
         const float *lp = (const float *)ms_tensor_data(l), *dp = (const float *)ms_tensor_data(delta.t);
         if (impl == MS_ATTENTION_WGMMA) {
             if (dsum) *summed = 1;
-            return wg_bwd<T>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s, dsum);
+            return wg_bwd<T>(dq, dk, dv, q, k, v, dout, lp, (float *)ms_tensor_data(delta.t), scale, causal, s, dsum,
+                             fuse ? out : nullptr);
         }
         if (impl == MS_ATTENTION_MMA)
             return D == 64 ? mma_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
@@ -895,6 +928,14 @@ extern "C" int ms_cuda_attention_set_onepass(int on) {
 extern "C" int ms_cuda_attention_set_wg_onepass(int on) {
     int old = wg_onepass() ? 1 : 0;
     g_wg_onepass = on ? 1 : 0;
+    return old;
+}
+
+// 1: the wgmma backward's dq kernel computes Delta (no delta kernel), 0:
+// the delta kernel first; returns the previous setting
+extern "C" int ms_cuda_attention_set_fused_delta(int on) {
+    int old = fused_delta() ? 1 : 0;
+    g_fused_delta = on ? 1 : 0;
     return old;
 }
 

@@ -600,7 +600,10 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
     }
 }
 
-// dq for 64 queries of one (b, h), 64-key tiles of K and V double-buffered
+// dq for 64 queries of one (b, h), 64-key tiles of K and V double-buffered.
+// With delta_out (and out, lo) it computes the rows' Delta itself and
+// stores it there, so it runs before dkdv_kernel and no delta kernel runs
+// (attention.cu); with delta it reads them.
 inline size_t dq_smem() {
     return 1024 + (size_t)(2 * 64 + 4 * 64) * 128;
 }
@@ -612,7 +615,8 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
                                                  const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                  qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv,
                                                  long long Tq, long long Tk, float scale, int causal,
-                                                 float *part = nullptr) {
+                                                 float *part = nullptr, const T *out = nullptr,
+                                                 qkv_layout lo = qkv_layout{}, float *delta_out = nullptr) {
     constexpr int BN = 64;
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
@@ -632,7 +636,32 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
         const long long i = row0 + 8 * r, row = ((long long)b * H + h) * Tq + i;
         const float L = i < Tq ? lse[row] : INFINITY;
         Lr[r] = L == -INFINITY ? INFINITY : L * kLog2e;
-        Dr[r] = i < Tq ? delta[row] : 0.f;
+        if (delta_out) {
+            // Delta_i = out_i . dout_i here (the delta kernel's work): the
+            // row's 4 threads take 16 columns each (two 16-byte loads of
+            // each tensor), summed in a fixed order; lane t4 = 0 stores it
+            // for the dk/dv kernel that runs after this one
+            float acc = 0.f;
+            if (i < Tq) {
+                const T *o = out + at(lo, b, h, i) + 16 * t4, *gg = dout + at(lg, b, h, i) + 16 * t4;
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    const uint4 va = *reinterpret_cast<const uint4 *>(o + 8 * hh);
+                    const uint4 vg = *reinterpret_cast<const uint4 *>(gg + 8 * hh);
+                    T ea[8], eg[8];   // (memcpy: no type punning through pointers)
+                    memcpy(ea, &va, sizeof ea);
+                    memcpy(eg, &vg, sizeof eg);
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc = fmaf(mma::op<T>::to_float(ea[e]), mma::op<T>::to_float(eg[e]), acc);
+                }
+            }
+            acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+            acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+            Dr[r] = acc;
+            if (t4 == 0 && i < Tq) delta_out[row] = acc;
+        } else {
+            Dr[r] = i < Tq ? delta[row] : 0.f;
+        }
     }
     load_sw<T, 64>(Qs, q, lq, b, h, i0, Tq);
     load_sw<T, 64>(Gs, dout, lg, b, h, i0, Tq);

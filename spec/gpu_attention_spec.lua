@@ -54,9 +54,12 @@ local function attention_backward(q, k, v, o, l, g, scale, causal)
 end
 
 -- mma1: mma with the one-pass backward (ms_cuda_attention_set_onepass);
--- wgmma1: wgmma with its one-pass backward (ms_cuda_attention_set_wg_onepass)
+-- wgmma1: wgmma with its one-pass backward (ms_cuda_attention_set_wg_onepass);
+-- wgmma0: wgmma with the delta kernel (ms_cuda_attention_set_fused_delta(0);
+-- plain wgmma computes Delta in its dq kernel)
 local impl_ids = { mma = C.MS_ATTENTION_MMA, mma1 = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA,
-  simt = C.MS_ATTENTION_SIMT, wgmma = C.MS_ATTENTION_WGMMA, wgmma1 = C.MS_ATTENTION_WGMMA }
+  simt = C.MS_ATTENTION_SIMT, wgmma = C.MS_ATTENTION_WGMMA, wgmma1 = C.MS_ATTENTION_WGMMA,
+  wgmma0 = C.MS_ATTENTION_WGMMA }
 local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt',
   [C.MS_ATTENTION_WGMMA] = 'wgmma' }
 -- wgmma runs on Hopper (compute capability 9.x) only
@@ -66,7 +69,9 @@ local function with_impl(impl, fn)
   T.check(C.ms_cuda_attention_set_impl(impl_ids[impl]))
   local prev = C.ms_cuda_attention_set_onepass(impl == 'mma1' and 1 or 0)
   local prev_wg = C.ms_cuda_attention_set_wg_onepass(impl == 'wgmma1' and 1 or 0)
+  local prev_fd = C.ms_cuda_attention_set_fused_delta(impl == 'wgmma0' and 0 or 1)
   local ok, err = pcall(fn)
+  C.ms_cuda_attention_set_fused_delta(prev_fd)
   C.ms_cuda_attention_set_wg_onepass(prev_wg)
   C.ms_cuda_attention_set_onepass(prev)
   C.ms_cuda_attention_set_impl(C.MS_ATTENTION_AUTO)
@@ -76,8 +81,9 @@ end
 -- -> simt)
 local function expected_impl(impl, dt, D)
   if dt == 'f32' or impl == 'simt' then return 'simt' end
-  if (impl == 'wgmma' or impl == 'wgmma1') and D == 64 and hopper then return 'wgmma' end
-  if impl == 'wgmma' or impl == 'wgmma1' then impl = 'mma' end
+  local wg = impl == 'wgmma' or impl == 'wgmma1' or impl == 'wgmma0'
+  if wg and D == 64 and hopper then return 'wgmma' end
+  if wg then impl = 'mma' end
   if (impl == 'mma' or impl == 'mma1') and (D == 64 or D == 128) then return 'mma' end
   if D == 16 or D == 32 or D == 64 or D == 128 then return 'wmma' end
   return 'simt'
@@ -151,7 +157,7 @@ describe('fused attention on cuda #gpu', function()
       local name = ('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d%s'):format(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D,
         c.causal and ' causal' or '')
       -- f32 runs simt whatever is asked: once, on the shorter cases
-      local impls = dt == 'f32' and (c.Tq < 1024 and { 'simt' } or {}) or { 'wgmma', 'wgmma1', 'mma', 'mma1', 'wmma', 'simt' }
+      local impls = dt == 'f32' and (c.Tq < 1024 and { 'simt' } or {}) or { 'wgmma', 'wgmma1', 'wgmma0', 'mma', 'mma1', 'wmma', 'simt' }
       local ref
       seed = seed + 10
       local case_seed = seed
@@ -164,7 +170,7 @@ describe('fused attention on cuda #gpu', function()
     end
   end
 
-  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'mma', 'wmma', 'simt' }) do
+  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'wgmma0', 'mma', 'wmma', 'simt' }) do
     it(('transposed (B, T, H, D) views work without copies and give the same result (%s)'):format(impl), function()
       for _, c in ipairs({ { 'f32', 32 }, { 'bf16', 32 }, { 'bf16', 64 }, { 'f16', 128 } }) do
         local dt, D = c[1], c[2]
