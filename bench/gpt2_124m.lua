@@ -208,8 +208,8 @@ if opts.ablate >= 1 then
     { 'one-pass attention backward (mma.sync path only)', function(on) return C.ms_cuda_attention_set_onepass(on and 1 or 0) end },
     { 'clip as a pass over the gradients', function(on) defer_clip = not on end },
     { 'bias gradients by BGRAD (no norm sums)', function(on) require('moonshard.nn.functional').set_norm_bias_sum(not on) end },
-    { "c_attn's bias gradient from the attention backward", function(on)
-      require('moonshard.nn.functional').set_attention_bias_sum(on) end },
+    { "c_attn's bias gradient by BGRAD (default: from the attention backward)", function(on)
+      require('moonshard.nn.functional').set_attention_bias_sum(not on) end },
     { "LM loss chunks of 512 MiB of logits (lm_loss's default: 1 GiB)", lm_budget(2 ^ 29) },
     { 'LM loss chunks of 2 GiB of logits', lm_budget(2 ^ 31) },
     { 'FLCE row pass with 4 packs in flight (default here: 1, the row cached)', function(on) C.ms_cuda_flce_set_row_unroll(on and 4 or 0) end },

@@ -485,9 +485,10 @@ end
 -- The same for GPT-2's c_attn, whose output qkv_attention reads: its bias
 -- gradient is the column sums of dq, dk, dv, which the wgmma backward
 -- kernels add in their epilogues (ms_attention_backward_sum; the CPU sums
--- its outputs). Off by default until measured on a GPU:
--- MS_ATTENTION_BIAS_SUM=1 or nnf.set_attention_bias_sum(true).
-local attn_bias_sum_on = os.getenv('MS_ATTENTION_BIAS_SUM') == '1'
+-- its outputs). On by default (a GPT-2 step on an H100 0.2% faster than
+-- cuBLASLt's BGRAD pass, docs/perf-notes.md): MS_ATTENTION_BIAS_SUM=0 or
+-- nnf.set_attention_bias_sum(false) for BGRAD.
+local attn_bias_sum_on = os.getenv('MS_ATTENTION_BIAS_SUM') ~= '0'
 -- nnf.set_attention_bias_sum(on) -> the previous setting
 function nnf.set_attention_bias_sum(on)
   local prev = attn_bias_sum_on
