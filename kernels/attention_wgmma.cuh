@@ -201,11 +201,11 @@ const int kD = 64;
 // order). Every thread of the block calls it (a barrier: the warps' rows).
 // Two threads a column, 32 rows each in four independent sums (a serial
 // chain of 64 shared-memory reads and adds on 64 threads cost 1.3 µs a
-// dk/dv block), the upper half's total handed over through `half` (fixed
+// dk/dv block), the upper half's total handed over through `upper` (fixed
 // order: the same bits every run).
 template <typename T>
 __device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long Tn, float *part) {
-    static __shared__ float half[kD];
+    static __shared__ float upper[kD];
     __syncthreads();
     const int c = threadIdx.x & (kD - 1), h = threadIdx.x / kD;   // 128 threads: h = 0, 1
     const long long left = Tn - t0;
@@ -217,9 +217,9 @@ __device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long 
         for (int u = 0; u < 4; u++) a[u] += mma::op<T>::to_float(s[(r + u) * (kD + 8) + c]);
     for (; r < r1; r++) a[0] += mma::op<T>::to_float(s[r * (kD + 8) + c]);
     const float acc = (a[0] + a[1]) + (a[2] + a[3]);
-    if (h == 1) half[c] = acc;
+    if (h == 1) upper[c] = acc;
     __syncthreads();
-    if (h == 0) part[c] = acc + half[c];
+    if (h == 0) part[c] = acc + upper[c];
 }
 
 // --------------------------------------------------------------- forward
