@@ -200,7 +200,7 @@ for spec in opts.shapes:gmatch('[^,]+') do
       -- the fused path's three GEMMs alone, chunk by chunk as fused_bf16acc
       -- runs them (grad_W accumulated in bf16), no row pass: the floor that
       -- cuBLASLt sustains for these shapes (the loss is not computed)
-      local crow = flce.chunk_rows(x, W, { accum_dtype = 'bf16' })
+      local crow = flce.chunk_rows(x, W, { accum_dtype = 'bf16', chunk_size = fo.chunk_size })
       local lbuf
       fn = function(a, b)
         local xa, Wa = a:detach(), b:detach()
