@@ -451,6 +451,13 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                     }
                 }
             }
+    // a dq as stored against the reference
+    auto dq_err = [&](tensor4 &t, errsum &e) {
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++)
+                for (int i = 0; i < Tq; i++)
+                    for (int d = 0; d < D; d++) e.add(t.get(b, h, i, d), rdq[(((size_t)b * H + h) * Tq + i) * D + d]);
+    };
     // the wgmma kernels' column sums of dq, dk, dv (the fused qkv bias
     // gradient): a row of partial sums per (batch, tile), NaN-filled
     const long long tq = (Tq + 63) / 64, tk = (Tk + 63) / 64;
@@ -474,10 +481,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
             wg::dq_kernel<bf>(dq0.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l,
                               v.l, g.l, dq0.l, H, Hkv, Tq, Tk, scale, causal);
         });
-        for (int b = 0; b < B; b++)
-            for (int h = 0; h < H; h++)
-                for (int i = 0; i < Tq; i++)
-                    for (int d = 0; d < D; d++) edq0.add(dq0.get(b, h, i, d), rdq[(((size_t)b * H + h) * Tq + i) * D + d]);
+        dq_err(dq0, edq0);
         launch((Tk + 63) / 64, B * Hkv, [&] {
             wg::dkdv_kernel<bf>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), dfused.data(),
                                 q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal, pkv.data());
@@ -533,10 +537,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                     edk1.add(dk1.get(b, h, j, d), rdk[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
                     edv1.add(dv1.get(b, h, j, d), rdv[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
                 }
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++)
-            for (int i = 0; i < Tq; i++)
-                for (int d = 0; d < D; d++) edq.add(dq.get(b, h, i, d), rdq[(((size_t)b * H + h) * Tq + i) * D + d]);
+    dq_err(dq, edq);
     for (int b = 0; b < B; b++)
         for (int h = 0; h < Hkv; h++)
             for (int j = 0; j < Tk; j++)
