@@ -751,6 +751,8 @@ int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, 
     if (Tq == 0 || B * H == 0) return 0;  // (an empty grid is a launch error)
     const ms_tensor *ts[4] = {q, k, v, out};
     int impl = pick_impl<T>(D, ts, 4);
+    // the wgmma forward scales each row's max after taking it: a positive scale only
+    if (impl == MS_ATTENTION_WGMMA && !(scale > 0.f)) impl = MS_ATTENTION_MMA;
     if constexpr (sizeof(T) == 2) {
         if (impl == MS_ATTENTION_WGMMA) return wg_fwd<T>(out, lse, q, k, v, scale, causal);
         if (impl == MS_ATTENTION_MMA)

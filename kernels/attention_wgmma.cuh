@@ -141,19 +141,42 @@ __device__ __forceinline__ unsigned char *align1024(unsigned char *p) {
     return p + ((1024 - (a & 1023)) & 1023);
 }
 
-// rows [t0, t0+R) of (b, h) (64 elements each) into the swizzled tile s,
-// cp.async 16 bytes a thread, zero past Tn
+// One thread's share of copying R-row tiles (64 elements a row) of one
+// batch index into the swizzled layout, by cp.async, 16 bytes at a time:
+// rows r0 + 16i of a tile (r0 = thread / 8), chunk c = thread % 8. The
+// thread's address is computed once; a tile then costs one offset and a
+// bound (the per-row 64-bit index arithmetic of a tile was ~170
+// instructions a warp, as many as the tile's softmax).
+template <typename T>
+struct sw_src {
+    const T *p;  // row r0 at t = 0 of head 0, chunk c
+    long long sh, st;
+    __device__ __forceinline__ sw_src(const T *src, const qkv_layout &l, long long b)
+        : p(src + b * l.sb + (long long)(threadIdx.x >> 3) * l.st + (threadIdx.x & 7) * 8), sh(l.sh), st(l.st) {}
+    // rows [t0, t0 + R) of head h into the tile s, zero from Tn on (base:
+    // any valid address, the source of the zero-length copies). The rows'
+    // addresses one 64-bit add apart, their bounds one 32-bit compare.
+    template <int R>
+    __device__ __forceinline__ void load(T *s, long long h, long long t0, long long Tn, const T *base) const {
+        const int r0 = threadIdx.x >> 3, c = threadIdx.x & 7;
+        unsigned char *d = (unsigned char *)s + r0 * 128 + ((c ^ (r0 & 7)) << 4);
+        const T *a = p + h * sh + t0 * st;
+        const long long step = 16 * st, left = Tn - t0 - r0;  // row r0 + 16i exists while 16i < left
+        const int n = left <= 0 ? 0 : left >= R ? R : (int)left;
+#pragma unroll
+        for (int i = 0; i < R / 16; i++) {
+            const bool ok = 16 * i < n;
+            mma::cp_async16(d + 2048 * i, ok ? a : base, ok);
+            a += step;
+        }
+    }
+};
+
+// rows [t0, t0+R) of (b, h) into the swizzled tile s, zero past Tn
 template <typename T, int R>
 __device__ __forceinline__ void load_sw(T *s, const T *src, const qkv_layout &l, long long b, long long h,
                                         long long t0, long long Tn) {
-#pragma unroll
-    for (int it = 0; it < R / 16; it++) {
-        const int e = threadIdx.x + it * 128, r = e >> 3, c = e & 7;
-        const long long t = t0 + r;
-        const bool ok = t < Tn;
-        mma::cp_async16((unsigned char *)s + r * 128 + ((c ^ (r & 7)) << 4), ok ? src + at(l, b, h, t) + c * 8 : src,
-                        ok);
-    }
+    sw_src<T>(src, l, b).template load<R>(s, h, t0, Tn, src);
 }
 
 // the A fragment (k16 block kk) of the 64 x N accumulators c, rounded to T
@@ -227,6 +250,11 @@ __device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long 
 // in-warpgroup pipelining, S_{t+1} issued before P_t.V_t with O rescaled
 // after it, was measured slower here: 0.106 against 0.074 ms at GPT-2's
 // shape, B = 8; its registers cost a block per SM.)
+// how far (log2) a row's scores may exceed its running max before the max
+// moves (FA4's conditional rescaling): p stays <= 256, exact in f32 and
+// rounded to bf16/f16 as any p is
+constexpr float kStale = 8.f;
+
 template <int BN>
 size_t fwd_smem() {
     return 1024 + (size_t)(64 + 4 * BN) * 128;
@@ -249,10 +277,11 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
     const float sl = scale * kLog2e;
     const long long row0 = i0 + warp * 16 + g8;  // this thread's rows row0, row0 + 8
 
+    const sw_src<T> ksrc(k, lk, b), vsrc(v, lv, b);
     load_sw<T, 64>(Qs, q, lq, b, h, i0, Tq);
     if (ntiles > 0) {
-        load_sw<T, BN>(Ks, k, lk, b, g, 0, Tk);
-        load_sw<T, BN>(Vs, v, lv, b, g, 0, Tk);
+        ksrc.template load<BN>(Ks, g, 0, Tk, k);
+        vsrc.template load<BN>(Vs, g, 0, Tk, v);
     }
     mma::cp_async_commit();
     float o[32], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -264,8 +293,8 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
         const int buf = t & 1;
         __syncthreads();  // every wgmma on tile t-1 (buffer buf ^ 1) has completed
         if (t + 1 < ntiles) {
-            load_sw<T, BN>(Ks + (buf ^ 1) * BN * kD, k, lk, b, g, (long long)(t + 1) * BN, Tk);
-            load_sw<T, BN>(Vs + (buf ^ 1) * BN * kD, v, lv, b, g, (long long)(t + 1) * BN, Tk);
+            ksrc.template load<BN>(Ks + (buf ^ 1) * BN * kD, g, (long long)(t + 1) * BN, Tk, k);
+            vsrc.template load<BN>(Vs + (buf ^ 1) * BN * kD, g, (long long)(t + 1) * BN, Tk, v);
         }
         mma::cp_async_commit();
         cp_async_wait<1>();  // tile t (and Q) landed: this thread's copies ...
@@ -284,8 +313,12 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
         wait<0>();
         pin<BN / 2>(s);
 
-        // online softmax in the exp2 domain; masks only on edge/diagonal tiles
+        // online softmax in the exp2 domain; masks only on edge/diagonal
+        // tiles. The row max is taken over the raw scores and scaled after
+        // (sl > 0: attention.cu sends other scales to the mma.sync kernel),
+        // so each p is one FFMA and an ex2, scale and shift rounded once.
         const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + off);
+        float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             int cmax = (int)min((long long)BN, Tk - j0) - 1;  // the last key column row r sees (-1: none)
@@ -295,32 +328,37 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
             for (int n = 0; n < NS; n++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    float x = s[4 * n + 2 * r + e] * sl;
+                    float x = s[4 * n + 2 * r + e];
                     if (edge && n * 8 + 2 * t4 + e > cmax) x = -INFINITY;
                     s[4 * n + 2 * r + e] = x;
                     mx = fmaxf(mx, x);
                 }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(m[r], mx);
+            mx *= sl;
+            // the running max moves only when the tile's exceeds it by more
+            // than kStale (p <= 2^kStale until then; the row's 4 threads
+            // agree): O's rescale is then skipped by whole warps (below)
+            const float mnew = mx > m[r] + kStale ? mx : m[r];
             const float mu = mnew == -INFINITY ? 0.f : mnew;  // a row with no key yet: p = 0
-            const float alpha = mma::fast_exp2(m[r] - mu);
+            alpha[r] = mnew == m[r] ? 1.f : mma::fast_exp2(m[r] - mu);
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < NS; n++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const float p = mma::fast_exp2(s[4 * n + 2 * r + e] - mu);
+                    const float p = mma::fast_exp2(fmaf(s[4 * n + 2 * r + e], sl, -mu));
                     s[4 * n + 2 * r + e] = p;
                     sum += p;
                 }
-            l[r] = l[r] * alpha + sum;
+            l[r] = l[r] * alpha[r] + sum;
             m[r] = mnew;
+        }
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-            for (int n = 0; n < 8; n++) {
-                o[4 * n + 2 * r] *= alpha;
-                o[4 * n + 2 * r + 1] *= alpha;
-            }
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) o[4 * n + e] *= alpha[e >> 1];
         }
 
         // O += P V, P from the S registers
@@ -467,17 +505,18 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
     const long long total = rep * nq;
     const float sl = scale * kLog2e;
     const long long key0 = j0 + warp * 16 + g8;  // this thread's keys key0, key0 + 8
-    // step it's query head and first query: tiles ascending, heads major
-    // (OP: minor, so that every head's tile t comes a step after block j+1's)
-    auto head_of = [&](long long it) { return g * rep + (int)(OP ? it % rep : it / nq); };
-    auto tile_of = [&](long long it) { return istart + (OP ? it / rep : it % nq) * BQ; };
-
+    // the steps' query heads and tiles: tiles ascending, heads major (OP:
+    // minor, so that every head's tile t comes a step after block j+1's),
+    // counted along as the steps are issued (no division a step)
+    int nh = 0, hlast = g * rep;         // the next step's head g*rep + nh; the last issued step's
+    long long nt = 0, ilast = istart;    // the next step's tile istart + nt*BQ; the last issued step's
+    const sw_src<T> qsrc(q, lq, b), gsrc(dout, lg, b);
     float Lv = INFINITY, Dv = 0.f;
-    auto issue = [&](long long it, int buf) {
-        const int hq = head_of(it);
-        const long long ib = tile_of(it);
-        load_sw<T, BQ>(Qs + buf * BQ * kD, q, lq, b, hq, ib, Tq);
-        load_sw<T, BQ>(Gs + buf * BQ * kD, dout, lg, b, hq, ib, Tq);
+    auto issue = [&](int buf) {
+        const int hq = g * rep + nh;
+        const long long ib = istart + nt * BQ;
+        qsrc.template load<BQ>(Qs + buf * BQ * kD, hq, ib, Tq, q);
+        gsrc.template load<BQ>(Gs + buf * BQ * kD, hq, ib, Tq, dout);
         const long long i = ib + threadIdx.x, row = ((long long)b * H + hq) * Tq + i;
         if (threadIdx.x < BQ && i < Tq) {
             Lv = lse[row];
@@ -486,10 +525,17 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             Lv = INFINITY;
             Dv = 0.f;
         }
+        hlast = hq;
+        ilast = ib;
+        if (OP) {
+            if (++nh == rep) nh = 0, nt++;
+        } else {
+            if (++nt == nq) nt = 0, nh++;
+        }
     };
     load_sw<T, 64>(Ks, k, lk, b, g, j0, Tk);
     load_sw<T, 64>(Vs, v, lv, b, g, j0, Tk);
-    if (total > 0) issue(0, 0);
+    if (total > 0) issue(0);
     mma::cp_async_commit();
 
     float dka[32], dva[32];
@@ -506,9 +552,10 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
         }
         fence_proxy();
         __syncthreads();  // step it's tiles visible; step it-1's wgmmas (buffer buf ^ 1) completed
-        if (it + 1 < total) issue(it + 1, buf ^ 1);
+        const long long i0 = ilast;  // step it's tile and head, before step it + 1 is issued
+        const int hq = hlast;
+        if (it + 1 < total) issue(buf ^ 1);
         mma::cp_async_commit();
-        const long long i0 = tile_of(it);
         // every key after every query of the tile; never with OP (its tiles
         // start at istart, and istart + 63 + off >= j0), which must not skip
         // a tile's turn
@@ -582,7 +629,7 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             pin<32>(dqa);
             pin_u<16>(&pa[0][0]);
             pin_u<16>(&da[0][0]);
-            const int hq = head_of(it), nkb = (int)gridDim.x, nqt = (int)((Tq + BQ - 1) / BQ);
+            const int nkb = (int)gridDim.x, nqt = (int)((Tq + BQ - 1) / BQ);
             const int jlast = (int)min((long long)nkb - 1, (i0 + BQ - 1 + off) / 64);
             dq_add<T>(dq, ldq, dqacc, sem + 1 + ((long long)b * H + hq) * nqt + i0 / BQ, dqa, b, hq, H, i0, Tq,
                       jlast - jb, jb == 0, scale);
@@ -674,11 +721,12 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
             Dr[r] = i < Tq ? delta[row] : 0.f;
         }
     }
+    const sw_src<T> ksrc(k, lk, b), vsrc(v, lv, b);
     load_sw<T, 64>(Qs, q, lq, b, h, i0, Tq);
     load_sw<T, 64>(Gs, dout, lg, b, h, i0, Tq);
     if (ntiles > 0) {
-        load_sw<T, BN>(Ks, k, lk, b, g, 0, Tk);
-        load_sw<T, BN>(Vs, v, lv, b, g, 0, Tk);
+        ksrc.template load<BN>(Ks, g, 0, Tk, k);
+        vsrc.template load<BN>(Vs, g, 0, Tk, v);
     }
     mma::cp_async_commit();
     float dqa[32];
@@ -690,8 +738,8 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
         const int buf = t & 1;
         __syncthreads();
         if (t + 1 < ntiles) {
-            load_sw<T, BN>(Ks + (buf ^ 1) * BN * kD, k, lk, b, g, (long long)(t + 1) * BN, Tk);
-            load_sw<T, BN>(Vs + (buf ^ 1) * BN * kD, v, lv, b, g, (long long)(t + 1) * BN, Tk);
+            ksrc.template load<BN>(Ks + (buf ^ 1) * BN * kD, g, (long long)(t + 1) * BN, Tk, k);
+            vsrc.template load<BN>(Vs + (buf ^ 1) * BN * kD, g, (long long)(t + 1) * BN, Tk, v);
         }
         mma::cp_async_commit();
         cp_async_wait<1>();
