@@ -2,9 +2,11 @@
 -- one GPU, each implementation (mma: attention_mma.cuh, wmma:
 -- attention_tc.cuh, simt) forced in turn through ms_cuda_attention_set_impl,
 -- at GPT-2 124M's attention (B=8, H=12, T=1024, D=64) and a longer one
--- (B=4, H=32, T=2048, D=64), causal.
+-- (B=4, H=32, T=2048, D=64), causal, or the shapes --shapes names (D = 64;
+-- 32x12x1024 is the GPT-2 bench's B = 32).
 --
 --   luajit bench/attention.lua [--iters 20] [--warmup 3] [--dtype bf16] [--impls wgmma,mma,wmma,simt]
+--                              [--shapes 8x12x1024,4x32x2048]
 --
 -- Before timing, each implementation's out, lse and dq/dk/dv on the first
 -- (b, two heads) are checked against the CPU reference (f64, bound 1e-2).
@@ -19,12 +21,14 @@ local T = require 'moonshard.tensor'
 local C = T.C
 local F = ms.raw
 
-local opts = { iters = 20, warmup = 3, dtype = 'bf16', impls = 'wgmma,wgmma0,mma,mma1,wmma,simt' }
+local opts = { iters = 20, warmup = 3, dtype = 'bf16', impls = 'wgmma,wgmma0,mma,mma1,wmma,simt',
+  shapes = '8x12x1024,4x32x2048' }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
   if not k or opts[k] == nil then
-    error('usage: luajit bench/attention.lua [--iters N] [--warmup N] [--dtype bf16|f16] [--impls wgmma,mma,wmma,simt]')
+    error('usage: luajit bench/attention.lua [--iters N] [--warmup N] [--dtype bf16|f16] [--impls wgmma,mma,wmma,simt]'
+      .. ' [--shapes BxHxT,...]')
   end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
@@ -90,7 +94,12 @@ print(('device: %s; bf16 matmul %.0f TFLOP/s; %s, causal'):format(ms.cuda.get_de
 print('| impl | B x H x T x D | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd % of matmul | rel. err (out, dq, dk, dv) |')
 print('|---|---|---|---|---|---|---|---|')
 local seed = 10
-for _, s in ipairs({ { B = 8, H = 12, T = 1024, D = 64 }, { B = 4, H = 32, T = 2048, D = 64 } }) do
+local shapes = {}
+for b, h, t in tostring(opts.shapes):gmatch('(%d+)x(%d+)x(%d+)') do
+  shapes[#shapes + 1] = { B = tonumber(b), H = tonumber(h), T = tonumber(t), D = 64 }
+end
+assert(#shapes > 0, '--shapes: a list of BxHxT, e.g. 8x12x1024,4x32x2048 (got ' .. tostring(opts.shapes) .. ')')
+for _, s in ipairs(shapes) do
   local shape = { s.B, s.H, s.T, s.D }
   local function randn()
     seed = seed + 1

@@ -261,7 +261,7 @@ size_t fwd_smem() {
 }
 
 template <typename T, int BN>
-__global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
+__global__ void __launch_bounds__(128, BN == 64 ? 5 : 1) fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
                                                   qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo, int H,
                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
     constexpr int NS = BN / 8, NA = BN / 16;
@@ -688,6 +688,15 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
     const float sl = scale * kLog2e;
     const long long row0 = i0 + warp * 16 + g8;
 
+    // the first tiles in flight while the rows' lse and Delta load
+    const sw_src<T> ksrc(k, lk, b), vsrc(v, lv, b);
+    load_sw<T, 64>(Qs, q, lq, b, h, i0, Tq);
+    load_sw<T, 64>(Gs, dout, lg, b, h, i0, Tq);
+    if (ntiles > 0) {
+        ksrc.template load<BN>(Ks, g, 0, Tk, k);
+        vsrc.template load<BN>(Vs, g, 0, Tk, v);
+    }
+    mma::cp_async_commit();
     float Lr[2], Dr[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -721,14 +730,6 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
             Dr[r] = i < Tq ? delta[row] : 0.f;
         }
     }
-    const sw_src<T> ksrc(k, lk, b), vsrc(v, lv, b);
-    load_sw<T, 64>(Qs, q, lq, b, h, i0, Tq);
-    load_sw<T, 64>(Gs, dout, lg, b, h, i0, Tq);
-    if (ntiles > 0) {
-        ksrc.template load<BN>(Ks, g, 0, Tk, k);
-        vsrc.template load<BN>(Vs, g, 0, Tk, v);
-    }
-    mma::cp_async_commit();
     float dqa[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) dqa[i] = 0.f;
