@@ -585,15 +585,20 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             cmax[r] = j < Tk ? (int)min((long long)BQ, Tq - i0) : 0;
         }
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+        for (int n = 0; n < 8; n++) {
+            // the two queries' lse and Delta of columns c0, c0 + 1 in one 8-byte load each
+            const int c0 = n * 8 + 2 * t4;
+            const float2 L2 = *reinterpret_cast<const float2 *>(Lb + c0);
+            const float2 D2 = *reinterpret_cast<const float2 *>(Db + c0);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int c = n * 8 + 2 * t4 + (e & 1);
-                float p = mma::fast_exp2(st[4 * n + e] * sl - Lb[c]);
+                const int c = c0 + (e & 1);
+                float p = mma::fast_exp2(st[4 * n + e] * sl - ((e & 1) ? L2.y : L2.x));
                 if (edge && (c < cmin[e >> 1] || c >= cmax[e >> 1])) p = 0.f;
                 st[4 * n + e] = p;
-                dpt[4 * n + e] = p * (dpt[4 * n + e] - Db[c]);
+                dpt[4 * n + e] = p * (dpt[4 * n + e] - ((e & 1) ? D2.y : D2.x));
             }
+        }
         unsigned pa[4][4], da[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
