@@ -35,21 +35,25 @@ __device__ __forceinline__ F gelu_tanh_grad(F x) {
 // 1 / (1 + e), e = exp(-2u), 1 - tanh^2 u = 4 s (1 - s) and 1 - s = e s:
 // one exp and one reciprocal instead of tanhf (about 3x the instructions,
 // which made the GELU backward of a GPT-2 step compute-bound), no
-// cancellation for large |u|, within a few ulp of the tanh form
+// cancellation for large |u|, within a few ulp of the tanh form. The
+// reciprocal is the approximate one (__fdividef: MUFU.RCP and a multiply,
+// within 2 ulp; __frcp_rn's IEEE rounding added a Newton step and a
+// branch an element, and left the GELU backward issue-bound: ncu, tenth
+// session); 1 + e beyond 2^126 gives 0, as the exact value rounds near it
 template <>
 __device__ __forceinline__ float gelu_tanh(float x) {
     const float k = 0.7978845608028654f, c = 0.044715f;
     float u = k * fmaf(c * x * x, x, x);
-    return x * __frcp_rn(1.f + __expf(-2.f * u));
+    return x * __fdividef(1.f, 1.f + __expf(-2.f * u));
 }
 template <>
 __device__ __forceinline__ float gelu_tanh_grad(float x) {
     const float k = 0.7978845608028654f, c = 0.044715f;
     float u = k * fmaf(c * x * x, x, x);
     float e = __expf(-2.f * u);
-    if (isinf(e)) return 0.f;     // u -> -inf: s = 0 and e s^2 -> 0
-    float sg = __frcp_rn(1.f + e);
-    return fmaf(2.f * x * k * fmaf(3.f * c, x * x, 1.f) * e * sg, sg, sg);
+    float sg = __fdividef(1.f, 1.f + e);
+    float r = fmaf(2.f * x * k * fmaf(3.f * c, x * x, 1.f) * e * sg, sg, sg);
+    return isinf(e) ? 0.f : r;   // u -> -inf: s = 0 and e s^2 -> 0 (e * sg: inf * 0 otherwise)
 }
 
 template <typename F>
