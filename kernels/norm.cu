@@ -289,6 +289,15 @@ __global__ void __launch_bounds__(256, 2) norm_bwd_warp_kernel(X *__restrict__ d
     const bool pw = part_w != nullptr, pb = part_b != nullptr, pl = part_l != nullptr, pwb = pw || pb;
     float *wsum = sm + wib * 2 * C;                          // this warp's dw (C) and db (C) sums
     float *lsum = sm + (pwb ? wpb * 2 * C : 0) + wib * C;  // this warp's row of dxl's column sums
+    // the weight (or NULL), staged in shared memory for the block: read
+    // from device memory (4-byte loads a column, each waited on before its
+    // chunk's math, in both passes) it was a quarter of the kernel's stall
+    // samples (ncu, tenth session)
+    float *wsm = w ? sm + (pwb ? wpb * 2 * C : 0) + (pl ? wpb * C : 0) : nullptr;
+    if (w) {
+        for (int i = threadIdx.x; i < C; i += blockDim.x) wsm[i] = w[i];
+        __syncthreads();
+    }
 #pragma unroll
     for (int j = 0; j < NCH; j++) {
         const int i = (j * 32 + lane) * V;
@@ -323,9 +332,11 @@ __global__ void __launch_bounds__(256, 2) norm_bwd_warp_kernel(X *__restrict__ d
         for (int j = 0; j < NCH; j++) {
             const int i = (j * 32 + lane) * V;
             if (i < C) {
+                float wv[V];
+                if (w) load_v<float, float, V>(wv, wsm + i);
 #pragma unroll
                 for (int k = 0; k < V; k++) {
-                    const float xh = (xv[j][k] - mu) * rs, d = w ? gv[j][k] * w[i + k] : gv[j][k];
+                    const float xh = (xv[j][k] - mu) * rs, d = w ? gv[j][k] * wv[k] : gv[j][k];
                     a += d;
                     bsum += d * xh;
                 }
@@ -337,15 +348,16 @@ __global__ void __launch_bounds__(256, 2) norm_bwd_warp_kernel(X *__restrict__ d
         for (int j = 0; j < NCH; j++) {
             const int i = (j * 32 + lane) * V;
             if (i < C) {
-                float o[V], sw[V], sb[V];
+                float o[V], sw[V], sb[V], wv[V];
                 if (pwb) {
                     load_v<float, float, V>(sw, wsum + i);
                     load_v<float, float, V>(sb, wsum + C + i);
                 }
+                if (w) load_v<float, float, V>(wv, wsm + i);
 #pragma unroll
                 for (int k = 0; k < V; k++) {
                     const float xh = (xv[j][k] - mu) * rs;
-                    const float d = w ? gv[j][k] * w[i + k] : gv[j][k];
+                    const float d = w ? gv[j][k] * wv[k] : gv[j][k];
                     o[k] = RMS ? rs * (d - xh * bsum) : rs * (d - a - xh * bsum);
                     if (gres) o[k] += rv[j][k];
                     sw[k] += gv[j][k] * (RMS ? round_as<X>(xh) : xh);
@@ -593,9 +605,9 @@ int launch_bwd_warp(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const ms_tensor
                     const ms_tensor *gres, ms_tensor *dxl, ms_tensor *dxl_sum) {
     const int dev = x->device_id, threads = 256;
     const bool params = dw || db, lsum = dxl_sum && dxl;
-    // per warp its dw and db sums (2·C) and, for dxl_sum, its row of C
-    // (GPT-2's 768: 48 + 24 KiB)
-    const size_t smem = sizeof(float) * ((params ? 2 * threads / 32 : 0) + (lsum ? threads / 32 : 0)) * (size_t)C;
+    // per warp its dw and db sums (2·C) and, for dxl_sum, its row of C,
+    // then the weight (C) (GPT-2's 768: 48 + 24 + 3 KiB)
+    const size_t smem = sizeof(float) * ((params ? 2 * threads / 32 : 0) + (lsum ? threads / 32 : 0) + (w ? 1 : 0)) * (size_t)C;
     auto kernel = norm_bwd_warp_kernel<G, X, V, NCH, RMS>;
     if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     // blocks: as many as are resident at once (one wave; the rows are
