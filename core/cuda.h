@@ -114,6 +114,11 @@ int ms_cuda_attention_set_fused_delta(int on);
  * memory and 4 when not (MS_FLCE_ROW_UNROLL=1 or 4 forces one); the same
  * bits; other values leave it; returns the previous one */
 int ms_cuda_flce_set_row_unroll(int u);
+/* 1 (default; env MS_FLCE_ROW_PREFETCH=0 for 0): FLCE's plain row pass
+ * copies a row that fits its shared-memory cache whole (cp.async) before pass
+ * 1; 0: pass 1 reads it from device memory pack by pack. The same bits.
+ * Returns the previous setting. */
+int ms_cuda_flce_set_row_prefetch(int on);
 /* which cuBLASLt epilogues run where they apply, a mask of: BIAS (bias and
  * bias gradient), GELU (GELU_AUX_BIAS forward), DGELU (DGELU_BGRAD backward);
  * a path left out runs as separate passes. Default BIAS|GELU; the

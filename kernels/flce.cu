@@ -696,16 +696,21 @@ extern "C" int ms_cuda_flce_set_row_unroll(int u) {
     return old;
 }
 
-// MS_FLCE_ROW_PREFETCH=0: the plain row pass reads the row from device
-// memory pack by pack in pass 1 (to compare) instead of copying it whole into
-// the row cache first
+// MS_FLCE_ROW_PREFETCH=0 (or ms_cuda_flce_set_row_prefetch(0)): the plain
+// row pass reads the row from device memory pack by pack in pass 1 (to
+// compare) instead of copying it whole into the row cache first
+int g_row_prefetch = -1;
 bool row_prefetch_on() {
-    static int on = -1;
-    if (on < 0) {
+    if (g_row_prefetch < 0) {
         const char *e = getenv("MS_FLCE_ROW_PREFETCH");
-        on = !(e && e[0] == '0');
+        g_row_prefetch = !(e && e[0] == '0');
     }
-    return on == 1;
+    return g_row_prefetch == 1;
+}
+extern "C" int ms_cuda_flce_set_row_prefetch(int on) {
+    const int old = row_prefetch_on();
+    g_row_prefetch = on != 0;
+    return old;
 }
 
 // MS_FLCE_PLAIN_ROWS=0: the general row pass for every call (to compare)

@@ -145,17 +145,25 @@ describe('fused_linear_cross_entropy on cuda #gpu', function()
       end
     end)
 
-    it('the plain row pass gives the same bits with 4 packs a thread in flight and with 1 (V = 50304 and 3001)', function()
+    it('the plain row pass gives the same bits with 4 packs a thread in flight and with 1, and with the cached row copied first or not (V = 50304 and 3001)', function()
       for _, V in ipairs({ 50304, 3001 }) do
         local x, W, t = randn({ 64, 64 }), randn({ V, 64 }, 0.3), targets(64, V, 0.1)
-        local prev = T.C.ms_cuda_flce_set_row_unroll(1)
+        local prev, prevp = T.C.ms_cuda_flce_set_row_unroll(1), T.C.ms_cuda_flce_set_row_prefetch(1)
         local ok, a = pcall(run, x, W, t, {}, 'cuda', 'bf16')
         T.C.ms_cuda_flce_set_row_unroll(4)
         local ok2, b = pcall(run, x, W, t, {}, 'cuda', 'bf16')
+        T.C.ms_cuda_flce_set_row_unroll(1)
+        T.C.ms_cuda_flce_set_row_prefetch(0)
+        local ok3, c = pcall(run, x, W, t, {}, 'cuda', 'bf16')
         T.C.ms_cuda_flce_set_row_unroll(prev)
+        T.C.ms_cuda_flce_set_row_prefetch(prevp)
         assert(ok, a)
         assert(ok2, b)
-        for _, k in ipairs({ 'loss', 'gx', 'gW' }) do assert.are.equal(0, relerr(a[k], b[k]), k .. ' at V = ' .. V) end
+        assert(ok3, c)
+        for _, k in ipairs({ 'loss', 'gx', 'gW' }) do
+          assert.are.equal(0, relerr(a[k], b[k]), k .. ' at V = ' .. V)
+          assert.are.equal(0, relerr(a[k], c[k]), k .. ' without the copy at V = ' .. V)
+        end
       end
     end)
 
