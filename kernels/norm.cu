@@ -191,8 +191,10 @@ __device__ __forceinline__ void block_sum2(A &a, A &b, A *red) {
 }
 
 // one block per row, striding; thread t owns the chunks t·V, (t+nt)·V, ...
-// of every row. acc: 2·C partial sums (dw then db) in shared memory, or at
-// gacc + blockIdx.x·2C when they do not fit.
+// of every row. With one chunk a thread, the chunk's weight and dw/db sums
+// live in registers; with several, acc: 2·C partial sums (dw then db) in
+// shared memory, or at gacc + blockIdx.x·2C when they do not fit, and pass 2
+// reads each chunk of the row again.
 // gres (or NULL): a gradient of x from elsewhere (x's dtype), added to dx
 // (the residual stream's, when x is a residual sum: one pass, not two)
 template <typename G, typename X, typename A, int V, bool RMS>
@@ -205,8 +207,7 @@ __global__ void __launch_bounds__(512, 2) norm_bwd_kernel(X *__restrict__ dx, A 
     A *acc = gacc ? gacc + (long long)blockIdx.x * 2 * C : red + 64;
     const bool pw = part_w != nullptr, pb = part_b != nullptr;
     const int step = blockDim.x * V;
-    const bool one = C <= step;  // at most one chunk per thread: keep it in registers
-    if (one) {
+    if (C <= step) {
         // the thread's chunk i of every row: its weight and its dw/db sums
         // in registers across the rows (they lived in shared or global
         // memory behind a generic pointer, with the weight read a column at
@@ -292,10 +293,8 @@ __global__ void __launch_bounds__(512, 2) norm_bwd_kernel(X *__restrict__ dx, A 
             bsum /= (A)C;
         }
         for (int i = threadIdx.x * V; i < C; i += step) {
-            if (!(one && dx)) {
-                load_v<A, G, V>(gv, gr + i);
-                load_v<A, X, V>(xv, xr + i);
-            }
+            load_v<A, G, V>(gv, gr + i);
+            load_v<A, X, V>(xv, xr + i);
             A o[V], rv[V];
             if (dx && gres) load_v<A, X, V>(rv, gres + row * C + i);
 #pragma unroll
