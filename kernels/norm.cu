@@ -190,6 +190,39 @@ __device__ __forceinline__ void block_sum2(A &a, A &b, A *red) {
     __syncthreads();  // red is reused by the next row
 }
 
+// one chunk of a row, pass 1: adds its terms of sum(d) and sum(d·x̂) to a
+// and bsum, d = g·w (g without a weight; wv is the chunk's weight)
+template <typename A, int V, bool RMS>
+__device__ __forceinline__ void norm_bwd_chunk_sums(A &a, A &bsum, const A (&gv)[V], const A (&xv)[V],
+                                                    const A (&wv)[V], bool has_w, A mu, A rs) {
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const A xh = (xv[k] - mu) * rs, d = has_w ? gv[k] * wv[k] : gv[k];
+        a += d;
+        bsum += d * xh;
+    }
+}
+
+// one chunk of a row, pass 2: its dx into o (with rv, a gradient from
+// elsewhere, added when gres), its dw and db terms added to sw and sb
+template <typename X, typename A, int V, bool RMS>
+__device__ __forceinline__ void norm_bwd_chunk_out(A (&o)[V], A (&sw)[V], A (&sb)[V], const A (&gv)[V],
+                                                   const A (&xv)[V], const A (&wv)[V], const A (&rv)[V],
+                                                   bool has_w, bool dx, bool gres, bool pw, bool pb, A mu,
+                                                   A rs, A a, A bsum) {
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const A xh = (xv[k] - mu) * rs;
+        if (dx) {
+            const A d = has_w ? gv[k] * wv[k] : gv[k];
+            o[k] = RMS ? rs * (d - xh * bsum) : rs * (d - a - xh * bsum);
+            if (gres) o[k] += rv[k];
+        }
+        if (pw) sw[k] += gv[k] * (RMS ? round_as<X>(xh) : xh);
+        if (pb) sb[k] += gv[k];
+    }
+}
+
 // one block per row, striding; thread t owns the chunks t·V, (t+nt)·V, ...
 // of every row. With one chunk a thread, the chunk's weight and dw/db sums
 // live in registers; with several, acc: 2·C partial sums (dw then db) in
@@ -232,30 +265,15 @@ __global__ void __launch_bounds__(512, 2) norm_bwd_kernel(X *__restrict__ dx, A 
             }
             A a = 0, bsum = 0;
             if (dx) {
-                if (mine)
-#pragma unroll
-                    for (int k = 0; k < V; k++) {
-                        const A xh = (xv[k] - mu) * rs, d = w ? gv[k] * wv[k] : gv[k];
-                        a += d;
-                        bsum += d * xh;
-                    }
+                if (mine) norm_bwd_chunk_sums<A, V, RMS>(a, bsum, gv, xv, wv, w != nullptr, mu, rs);
                 block_sum2(a, bsum, red);
                 a /= (A)C;
                 bsum /= (A)C;
             }
             if (!mine) continue;
             A o[V];
-#pragma unroll
-            for (int k = 0; k < V; k++) {
-                const A xh = (xv[k] - mu) * rs;
-                if (dx) {
-                    const A d = w ? gv[k] * wv[k] : gv[k];
-                    o[k] = RMS ? rs * (d - xh * bsum) : rs * (d - a - xh * bsum);
-                    if (gres) o[k] += rv[k];
-                }
-                if (pw) sw[k] += gv[k] * (RMS ? round_as<X>(xh) : xh);
-                if (pb) sb[k] += gv[k];
-            }
+            norm_bwd_chunk_out<X, A, V, RMS>(o, sw, sb, gv, xv, wv, rv, w != nullptr, dx != nullptr,
+                                             gres != nullptr, pw, pb, mu, rs, a, bsum);
             if (dx) store_v<X, V>(dx + row * C + i, o);
             if (dxl) store_v<G, V>(dxl + row * C + i, o);
         }
@@ -276,17 +294,14 @@ __global__ void __launch_bounds__(512, 2) norm_bwd_kernel(X *__restrict__ dx, A 
         const X *xr = x + row * C;
         const A mu = RMS ? (A)0 : mean[row], rs = rstd[row];
         A a = 0, bsum = 0;
-        A gv[V], xv[V];
+        A gv[V], xv[V], wv[V];
         if (dx) {
             for (int i = threadIdx.x * V; i < C; i += step) {
                 load_v<A, G, V>(gv, gr + i);
                 load_v<A, X, V>(xv, xr + i);
 #pragma unroll
-                for (int k = 0; k < V; k++) {
-                    const A xh = (xv[k] - mu) * rs, d = w ? gv[k] * w[i + k] : gv[k];
-                    a += d;
-                    bsum += d * xh;
-                }
+                for (int k = 0; k < V; k++) wv[k] = w ? w[i + k] : (A)1;
+                norm_bwd_chunk_sums<A, V, RMS>(a, bsum, gv, xv, wv, w != nullptr, mu, rs);
             }
             block_sum2(a, bsum, red);
             a /= (A)C;
@@ -295,18 +310,20 @@ __global__ void __launch_bounds__(512, 2) norm_bwd_kernel(X *__restrict__ dx, A 
         for (int i = threadIdx.x * V; i < C; i += step) {
             load_v<A, G, V>(gv, gr + i);
             load_v<A, X, V>(xv, xr + i);
-            A o[V], rv[V];
+            A o[V], rv[V], sw[V], sb[V];
             if (dx && gres) load_v<A, X, V>(rv, gres + row * C + i);
 #pragma unroll
             for (int k = 0; k < V; k++) {
-                const A xh = (xv[k] - mu) * rs;
-                if (dx) {
-                    const A d = w ? gv[k] * w[i + k] : gv[k];
-                    o[k] = RMS ? rs * (d - xh * bsum) : rs * (d - a - xh * bsum);
-                    if (gres) o[k] += rv[k];
-                }
-                if (pw) acc[i + k] += gv[k] * (RMS ? round_as<X>(xh) : xh);
-                if (pb) acc[C + i + k] += gv[k];
+                wv[k] = w ? w[i + k] : (A)1;
+                sw[k] = pw ? acc[i + k] : (A)0;
+                sb[k] = pb ? acc[C + i + k] : (A)0;
+            }
+            norm_bwd_chunk_out<X, A, V, RMS>(o, sw, sb, gv, xv, wv, rv, w != nullptr, dx != nullptr,
+                                             gres != nullptr, pw, pb, mu, rs, a, bsum);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                if (pw) acc[i + k] = sw[k];
+                if (pb) acc[C + i + k] = sb[k];
             }
             if (dx) store_v<X, V>(dx + row * C + i, o);
             if (dxl) store_v<G, V>(dxl + row * C + i, o);   // dx again in g's dtype (a branch's gradient)
