@@ -1,6 +1,6 @@
 -- bench/comm_interference.lua — does communication slow the GEMMs beside it?
 --
---   bin/train --nproc-per-node 2 --device cuda bench/comm_interference.lua
+--   bin/train --nproc-per-node 2 --device cuda bench/comm_interference.lua [--work gemm|norm]
 --
 -- One measurement: 13 times, a communication op issued on its own stream and
 -- then 15 GEMMs of 32768 x 3072 x 768 (GPT-2's MLP, B=32) on the compute
@@ -12,11 +12,18 @@
 -- dist.copy_register); add (two adds of a shard-sized f32 tensor on a side
 -- stream, what a copy-engine reduce-scatter would add); ce+add.
 -- The data are meaningless (no fences): only the GEMMs' time is read.
+-- --work norm: instead of the GEMMs, 4 backwards of GPT-2's residual add +
+-- LayerNorm (32768 x 768, ~0.15 ms each: a memory-bound kernel whose grid
+-- is two blocks an SM, one wave) after each op, to see whether kernels
+-- sized to the SM count lose more to NCCL's blocks than the GEMMs do.
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ms = require 'moonshard'
 local F = ms.raw
 ms.dist.init { backend = 'nccl' }
 local rank, world = ms.dist.rank(), ms.dist.world_size()
+local work = 'gemm'
+for i = 1, #arg - 1 do if arg[i] == '--work' then work = arg[i + 1] end end
+assert(work == 'gemm' or work == 'norm', 'bench/comm_interference.lua: --work gemm|norm')
 local a = ms.randn({ 32768, 768 }, { device = 'cuda', seed = 1 }):bf16()
 local w = ms.randn({ 3072, 768 }, { device = 'cuda', seed = 2 }):bf16()
 local n = 7 * 2 ^ 20
@@ -30,6 +37,17 @@ local gout = ms.empty({ n }, { device = 'cuda' })
 local side = ms.cuda.stream()
 local e0, e1 = ms.cuda.event({ timing = true }), ms.cuda.event({ timing = true })
 local function gemms(k) for _ = 1, k do local y = F.matmul(a, w, false, true); y:free() end end
+local nx, ng, ngres, nw, nb = ms.randn({ 32768, 768 }, { device = 'cuda', seed = 3 }),
+  ms.randn({ 32768, 768 }, { device = 'cuda', seed = 4 }):bf16(), ms.randn({ 32768, 768 }, { device = 'cuda', seed = 5 }),
+  ms.randn({ 768 }, { device = 'cuda', seed = 6 }), ms.randn({ 768 }, { device = 'cuda', seed = 7 })
+local _, nmean, nrstd = F.native_layer_norm(nx, nw, nb, 1e-5, 'bf16')
+local function norms(k)
+  for _ = 1, k do
+    local dx, dw, db, dxl, dls = F.native_layer_norm_backward_add(ng, nx, nmean, nrstd, nw, ngres,
+      { dxl = true, dxl_sum = true })
+    for _, v in ipairs({ dx, dw, db, dxl, dls }) do v:free() end
+  end
+end
 local function run(mode)
   ms.dist.barrier()
   ms.cuda.synchronize()
@@ -44,7 +62,7 @@ local function run(mode)
     if mode == 'add' or mode == 'ce+add' then
       ms.cuda.with_stream(side, function() F.add_(acc, half); F.add_(acc, half) end)
     end
-    gemms(15)
+    if work == 'gemm' then gemms(15) else norms(4) end
   end
   e1:record()
   e1:synchronize()
@@ -61,6 +79,6 @@ if rank == 0 then
   local base = med(res.none)
   for _, m in ipairs(modes) do
     local v = med(res[m])
-    print(('%-7s GEMM stream %.2f ms (+%.3f ms, +%.3f ms per op)'):format(m, v, v - base, (v - base) / 13))
+    print(('%-7s ' .. work .. ' stream %.2f ms (+%.3f ms, +%.3f ms per op)'):format(m, v, v - base, (v - base) / 13))
   end
 end

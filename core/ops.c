@@ -103,6 +103,18 @@ static int dev_matmul(ms_tensor *c, const ms_tensor *a, const ms_tensor *b) {
     return ms_cpu_matmul(c, a, b);
 }
 
+#ifdef MS_WITH_CUDA
+extern int ms_cuda_gemm_mixed_ok(void) __attribute__((weak));
+#endif
+/* whether gemm_ on `device` takes an f32 out with bf16/f16 operands: the CPU
+ * always (it widens the operands), CUDA where kernels/gemm.cu has it */
+static int gemm_mixed_ok(int device) {
+#ifdef MS_WITH_CUDA
+    if (device >= 0) return ms_cuda_gemm_mixed_ok && ms_cuda_gemm_mixed_ok();
+#endif
+    return device < 0;
+}
+
 static int dev_gemm_(ms_tensor *c, const ms_tensor *a, const ms_tensor *b, double alpha, double beta) {
 #ifdef MS_WITH_CUDA
     if (c->device_id >= 0) return ms_cuda_gemm(c, a, b, 0, 0, alpha, beta);
@@ -625,9 +637,13 @@ int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa,
     const char *op = "gemm_";
     char x[DESC], y[DESC], z[DESC];
     if (check3(op, out, a, b)) return -1;
-    if (a->dtype_id != b->dtype_id || out->dtype_id != a->dtype_id)
-        return ms_errorf("gemm_: dtypes differ: out %s, a %s, b %s", ms_desc(out, z, sizeof z), ms_desc(a, x, sizeof x),
-                         ms_desc(b, y, sizeof y));
+    /* an f32 out of bf16/f16 operands (a gradient accumulated in f32 straight
+     * from the GEMM) where the device has that GEMM */
+    const int mixed = out->dtype_id == MS_F32 && (a->dtype_id == MS_BF16 || a->dtype_id == MS_F16) &&
+                      b->dtype_id == a->dtype_id && gemm_mixed_ok(out->device_id);
+    if (a->dtype_id != b->dtype_id || (out->dtype_id != a->dtype_id && !mixed))
+        return ms_errorf("gemm_: dtypes differ: out %s, a %s, b %s (an f32 out takes bf16 or f16 operands)",
+                         ms_desc(out, z, sizeof z), ms_desc(a, x, sizeof x), ms_desc(b, y, sizeof y));
     if (!ms_is_float(a->dtype_id)) return ms_errorf("gemm_: integer tensors are not supported: %s", ms_desc(a, x, sizeof x));
     if (a->ndim != 2 || b->ndim != 2 || out->ndim != 2)
         return ms_errorf("gemm_: needs 2-D tensors, got out %s, a %s, b %s", ms_shape_str(out, z, sizeof z),
@@ -639,7 +655,7 @@ int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa,
     if (K != Kb) return mismatch(op, a, b, transa, transb);
     int64_t shape[2] = {M, N};
     ms_tensor *o = out;
-    if (ms_prepare_out(&o, op, 2, shape, a->dtype_id, a->device_id) || check_given_out(op, 0, out, a, b, NULL, 0))
+    if (ms_prepare_out(&o, op, 2, shape, out->dtype_id, a->device_id) || check_given_out(op, 0, out, a, b, NULL, 0))
         return -1;
     ms_tensor *at = NULL, *bt = NULL;
     int rc = transa ? ms_tensor_transpose(&at, a, 0, 1) : ms_tensor_alias(&at, a);

@@ -90,7 +90,8 @@ int ms_matmul_gelu(ms_tensor **out, ms_tensor **pre, const ms_tensor *a, const m
 int ms_matmul_dgelu(ms_tensor **out, ms_tensor **bias_grad, const ms_tensor *a, const ms_tensor *b, int transa,
                     int transb, const ms_tensor *pre);
 /* out = beta*out + alpha * op(a) @ op(b), 2-D only; out must exist (used for
- * accumulating gradients without a temporary) */
+ * accumulating gradients without a temporary). out may be f32 with bf16 or
+ * f16 operands (the product accumulated and kept in f32, not rounded) */
 int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
              double alpha, double beta);
 /* GEMM tuning's choice among n candidates timed ms[i] (ms[0] the library

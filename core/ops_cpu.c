@@ -1282,8 +1282,11 @@ int ms_cpu_gemm_(ms_tensor *c, const ms_tensor *a, const ms_tensor *b, double al
     if ((c->dtype_id == MS_F32 || c->dtype_id == MS_F64) && out_blas_ok(c)) {
         ms_tensor *ca = NULL, *cb = NULL;
         const ms_tensor *ua, *ub;
-        int rc = blas_ready(a, &ca, &ua);
-        if (!rc) rc = blas_ready(b, &cb, &ub);
+        /* bf16/f16 operands of an f32 out: widened first (exact) */
+        int rc = a->dtype_id == c->dtype_id ? blas_ready(a, &ca, &ua) : ms_tensor_to(&ca, a, c->dtype_id, a->device_id);
+        if (a->dtype_id != c->dtype_id) ua = ca;
+        if (!rc) rc = b->dtype_id == c->dtype_id ? blas_ready(b, &cb, &ub) : ms_tensor_to(&cb, b, c->dtype_id, b->device_id);
+        if (!rc && b->dtype_id != c->dtype_id) ub = cb;
         if (!rc) rc = gemm_batched(c, ua, ub, alpha, beta);
         ms_tensor_free(ca);
         ms_tensor_free(cb);

@@ -536,4 +536,45 @@ describe('cuda reductions on long and broadcast shapes #gpu', function()
     local i = ms.arange(0, 1000, { dtype = 'i32' }) * 40000
     assert.are.same((i:cuda() + 7):to('cpu'):totable(), (i + 7):totable())
   end)
+
+  -- ops.gemm_ with an f32 out of bf16 operands (cuBLASLt: bf16 in, f32
+  -- accumulated and kept), and the gradient sinks it serves
+  -- (spec/grad_sink_spec.lua on the CPU)
+  it('gemm_ f32 out of bf16 operands against the CPU (f32 bound), every transpose, beta 0 and 1', function()
+    local F = require 'moonshard.ops'
+    for _, tr in ipairs({ { false, false }, { true, false }, { false, true }, { true, true } }) do
+      local M, K, N = 300, 517, 129
+      local a = randn(tr[1] and { K, M } or { M, K }, 'bf16')
+      local b = randn(tr[2] and { N, K } or { K, N }, 'bf16')
+      local c0 = randn({ M, N })
+      local want = c0:clone()
+      F.gemm_(want, a, b, tr[1], tr[2], 1, 1)
+      local got = c0:cuda()
+      F.gemm_(got, a:cuda(), b:cuda(), tr[1], tr[2], 1, 1)
+      assert.is_true(relerr(got, want) <= bound.f32, 'beta 1: ' .. relerr(got, want))
+      local z = ms.empty({ M, N }, { device = 'cuda' }):fill_(0 / 0)   -- beta 0 never reads it
+      F.gemm_(z, a:cuda(), b:cuda(), tr[1], tr[2], 1, 0)
+      assert.is_true(relerr(z, want - c0) <= bound.f32, 'beta 0: ' .. relerr(z, want - c0))
+    end
+  end)
+
+  it('a gradient sink on cuda: linear\'s weight gradient in f32 from its GEMM, as on the CPU', function()
+    local A = require 'moonshard.autograd'
+    local x, w0, gy = randn({ 4, 256, 384 }, 'bf16'), randn({ 512, 384 }, 'bf16'), randn({ 4, 256, 512 }, 'bf16')
+    local function run(dev)
+      local w = w0:to(dev):requires_grad_()
+      local s = { t = ms.empty({ 512, 384 }, { device = dev }), written = {}, i = 1 }
+      A.set_grad_sink(w, s)
+      ms.nn.functional.linear(x:to(dev), w):backward(gy:to(dev))
+      assert.is_nil(w.grad)
+      assert.is_true(s.written[1])
+      return s.t
+    end
+    local g, c = run('cuda'), run('cpu')
+    assert.is_true(relerr(g, c) <= bound.f32, relerr(g, c))
+    -- and the bf16 gradient without the sink is that, rounded
+    local w = w0:cuda():requires_grad_()
+    ms.nn.functional.linear(x:cuda(), w):backward(gy:cuda())
+    assert.is_true(relerr(w.grad:float(), c) <= bound.bf16)
+  end)
 end)

@@ -357,6 +357,41 @@ function A.inplace_leaf_grad(node, i)
   return g
 end
 
+-- Gradient sinks: a wider buffer a leaf's gradient may be written into
+-- straight from the op that makes it (FSDP's f32 unsharded gradient of a
+-- bf16 parameter: the weight GEMM writes f32, with no bf16 gradient, no
+-- converting copy). A.set_grad_sink(leaf, sink) with sink = { t = tensor of
+-- the leaf's shape (contiguous, on its device), written = table, i = key }:
+-- written[i] says the sink holds a gradient (a writer accumulates into it
+-- then, else overwrites it, and sets it); nil clears it. Gradients the ops
+-- return as usual still go to .grad: the sink's owner adds those itself.
+function A.set_grad_sink(leaf, sink)
+  if sink == nil then
+    local m = peekmeta(leaf)
+    if m then m.sink = nil end
+    return
+  end
+  local t = sink.t
+  if not M.is_contiguous(t) or t.device_id ~= leaf.device_id or not same_shape(t, shape_of(leaf)) then
+    error(('set_grad_sink: the sink must be contiguous and of the leaf\'s shape %s on its device %s, got %s %s%s on %s')
+      :format(shape_str(shape_of(leaf)), leaf.device, t.dtype, shape_str(shape_of(t)),
+        M.is_contiguous(t) and '' or ' (not contiguous)', t.device), 2)
+  end
+  getmeta(leaf).sink = sink
+end
+
+-- The sink of input i of node (see set_grad_sink) when it is a leaf that
+-- needs its gradient and has no tensor or post-accumulate hooks (they see
+-- every gradient handed over); else nil. A backward function that writes
+-- there returns nil for that input.
+function A.grad_sink(node, i)
+  local leaf = node.leaf and node.leaf[i]
+  if not leaf or not node.need[i] then return nil end
+  local m = peekmeta(leaf)
+  if not m or not m.sink or m.hooks or m.post_hooks then return nil end
+  return m.sink
+end
+
 -- Walk `tape` in reverse. grads: id -> gradient (owned by the walk unless
 -- borrowed[id]). Leaves up to the caller: clearing the tape.
 local function walk(tape, grads, borrowed, root)

@@ -576,6 +576,15 @@ function Unit:prepare_grads()
   end
   if self.grad_direct then
     for i, v in ipairs(self.views) do v.grad = self.gviews[i] end
+  elseif self.st.grad_sinks then
+    -- the ops that can (the affine layers' weight GEMMs) write a view's
+    -- gradient into its f32 region of the buffer themselves (A.set_grad_sink),
+    -- marking it in gwritten as collect_grads' copies do
+    for i, v in ipairs(self.views) do
+      if self.gviews[i].device_id == v.device_id then
+        A().set_grad_sink(v, { t = self.gviews[i], written = self.gwritten, i = i })
+      end
+    end
   end
 end
 
@@ -583,6 +592,7 @@ end
 -- into the f32 buffer; the views drop their .grad
 function Unit:collect_grads()
   for i, v in ipairs(self.views) do
+    if not self.grad_direct then A().set_grad_sink(v, nil) end
     local g = v.grad
     if g ~= nil then
       v.grad = nil
@@ -941,6 +951,9 @@ function fsdp.fully_shard(model, opts)
     copy_gather = opts.copy_gather == 'emulate' and 'emulate'
       or (opts.copy_gather ~= false and os.getenv('MS_FSDP_COPY_GATHER') ~= '0'),
     src_gen = 1, copy_fenced = {}, copy_seq = 0, copy_dirty = {},
+    -- low-precision parameters' gradients written by their GEMMs straight
+    -- into the f32 unsharded buffer (docs/fsdp.md "Mixed precision")
+    grad_sinks = opts.grad_sinks ~= false and os.getenv('MS_FSDP_GRAD_SINK') ~= '0',
   }
   -- step bookkeeping first (hooks run in registration order): a forward of
   -- the root outside backward starts a step

@@ -169,23 +169,39 @@ end
 -- are (the bias gradient in its epilogue on CUDA). db_given: the bias
 -- gradient already known (a norm backward's column sums): the weight's
 -- from a plain GEMM
-local function weight_bias_grads(x2, g2, wt, want_w, want_b, db_given)
+-- whether the weight's gradient can go straight into sink (A.grad_sink):
+-- operands of one dtype, the sink in theirs or f32 of bf16/f16 ones
+local function sink_fits(sink, a, b)
+  if not sink or a.dtype_id ~= b.dtype_id or a.device_id ~= sink.t.device_id then return false end
+  local sd, d = sink.t.dtype_id, a.dtype_id
+  return sd == d or (sd == 1 and (d == 2 or d == 3))
+end
+
+-- the weight's gradient: (out, in) = g2ᵀ x2 for wt, else (in, out) = x2ᵀ g2;
+-- into sink when it fits (accumulated when it holds one already; nothing
+-- returned), else a new tensor
+local function weight_grad(x2, g2, wt, sink)
+  local a, b = g2, x2
+  if not wt then a, b = x2, g2 end
+  if sink_fits(sink, a, b) then
+    F.gemm_(sink.t, a, b, true, false, 1, sink.written[sink.i] and 1 or 0)
+    sink.written[sink.i] = true
+    return nil
+  end
+  return F.matmul(a, b, true, false)
+end
+
+-- dw (nil when it went into sink, see weight_grad) and db of an affine
+local function weight_bias_grads(x2, g2, wt, want_w, want_b, db_given, sink)
   if db_given ~= nil then
-    local dw
-    if want_w then
-      if wt then dw = F.matmul(g2, x2, true, false) else dw = F.matmul(x2, g2, true, false) end
-    end
-    return dw, db_given
+    return want_w and weight_grad(x2, g2, wt, sink) or nil, db_given
   end
   if want_w and want_b and g2.dtype_id == x2.dtype_id then
     if wt then return F.matmul_bgrad(g2, x2, true, false, 'a') end
     return F.matmul_bgrad(x2, g2, true, false, 'b')
   end
   local dw, db
-  if want_w then
-    if wt then dw = F.matmul(g2, x2, true, false) -- (out, in)
-    else dw = F.matmul(x2, g2, true, false) end   -- (in, out)
-  end
+  if want_w then dw = weight_grad(x2, g2, wt, sink) end
   if want_b then db = F.sum(g2, 1) end
   return dw, db
 end
@@ -202,7 +218,7 @@ local function bwd_affine(node, g)
   -- the bias gradient from the norm backward when it made g (delivered in
   -- the bias's dtype by the autograd, as any gradient)
   local dbs = node.need[3] and take_pending_sum(node, g) or nil
-  local dw, db = weight_bias_grads(x2, g2, wt, node.need[2], node.need[3], dbs)
+  local dw, db = weight_bias_grads(x2, g2, wt, node.need[2], node.need[3], dbs, A.grad_sink(node, 2))
   if g2 ~= g then free(g2) end
   return dx, dw, db
 end
@@ -276,11 +292,11 @@ local function bwd_gelu_mlp(node, g)
   local g2 = rows(gc)
   local dx, dw1, db1
   local dbs = need[5] and gc == g and take_pending_sum(node, g) or nil
-  local dw2, db2 = weight_bias_grads(h, g2, wt, need[4], need[5], dbs)
+  local dw2, db2 = weight_bias_grads(h, g2, wt, need[4], need[5], dbs, A.grad_sink(node, 4))
   if need[1] or need[2] or need[3] then
     local dpre
     dpre, db1 = F.matmul_dgelu(g2, w2, false, not wt, pre, need[3])
-    dw1 = weight_bias_grads(x2, dpre, wt, need[2], false)
+    dw1 = weight_bias_grads(x2, dpre, wt, need[2], false, nil, A.grad_sink(node, 2))
     if need[1] then
       local d2 = F.matmul(dpre, w1, false, not wt)
       dx = R.reshape(d2, node.ishape[1])
