@@ -17,7 +17,10 @@
 -- collective when it was issued, ran and waited for, and how long the
 -- compute stream stood still for it; rank 0 prints it), --nccl-gather
 -- (fully_shard's copy_gather = false: the all-gathers through NCCL's kernels
--- instead of the copy engines; docs/fsdp.md "Copy-engine gathers").
+-- instead of the copy engines; docs/fsdp.md "Copy-engine gathers"),
+-- --mem-phases (each phase's peak and what it leaves allocated, in the
+-- last step; it resets the peak counter, so the table's peak is then only
+-- the last phase's). MS_FSDP_GRAD_SINK=0: no gradient sinks (docs/fsdp.md).
 --
 -- Models: GPT-2 124M (12 x 768, vocab 50304, tied, no dropout) units by
 -- GPT2Block; Llama 1.25B (hidden 2048, 16 layers, 32 heads / 8 kv, MLP 5632,
@@ -28,7 +31,8 @@
 --
 -- Prints, on rank 0: ms per step (median of the steps after the warm-up,
 -- each step ended by loss:item()), tokens/s per GPU, model TFLOP/s per GPU,
--- peak allocated memory per GPU, and the exposed communication: the same
+-- peak allocated memory per GPU (over every step, and a line with the
+-- timed steps' alone), and the exposed communication: the same
 -- steps with every collective skipped (ms.fsdp.set_skip_comm: the
 -- numerics are then meaningless, the kernels the same) subtracted from the
 -- real step time.
@@ -37,7 +41,7 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0 }
-local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false }
+local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false }
 do
   local i = 1
   while i <= #arg do
@@ -129,19 +133,34 @@ end
 local ph_names = { 'zero_grad', 'forward', 'backward', 'clip', 'optimizer' }
 local ph_ev, ph_sum, ph_n = {}, {}, 0
 for i = 1, #ph_names + 1 do ph_ev[i] = ms.cuda.event { timing = true } end
+-- --mem-phases: each phase's peak and what it leaves allocated (GiB), for
+-- the last step
+local mem = flags['mem-phases'] and {} or nil
+local function mark(i)
+  if not mem then return end
+  local s = ms.cuda.memory_stats()
+  mem[i] = ('%s peak %.2f left %.2f'):format(ph_names[i - 1] or 'start', s.peak_allocated / 2 ^ 30, s.allocated / 2 ^ 30)
+  ms.cuda.reset_peak_memory_stats()
+end
 local function step(k, timed)
   local d = data[(k - 1) % 4 + 1]
   if timed then ph_ev[1]:record() end
+  mark(1)
   opt:zero_grad()
   if timed then ph_ev[2]:record() end
+  mark(2)
   local loss = model(d[1], d[2])
   if timed then ph_ev[3]:record() end
+  mark(3)
   loss:backward()
   if timed then ph_ev[4]:record() end
+  mark(4)
   clip()
   if timed then ph_ev[5]:record() end
+  mark(5)
   opt:step()
   if timed then ph_ev[6]:record() end
+  mark(6)
   local l = loss:item()
   if timed then
     for i = 1, #ph_names do ph_sum[i] = (ph_sum[i] or 0) + ph_ev[i]:elapsed_ms(ph_ev[i + 1]) end
@@ -150,12 +169,17 @@ local function step(k, timed)
   return l
 end
 
+local steady0 = 0   -- the peak of the warm-up steps (measure('real'))
 local function measure(label)
   local times, loss = {}, nil
   ph_sum, ph_n = {}, 0
   local s0
   for k = 1, opts.steps do
-    if k == opts.warmup + 1 then s0 = ms.cuda.memory_stats() end
+    if k == opts.warmup + 1 then
+      s0 = ms.cuda.memory_stats()
+      steady0 = s0.peak_allocated
+      ms.cuda.reset_peak_memory_stats()   -- (the warm-up's peak kept in steady0)
+    end
     local t0 = now()
     loss = step(k, k > opts.warmup)
     times[#times + 1] = now() - t0
@@ -174,7 +198,12 @@ end
 
 ms.cuda.reset_peak_memory_stats()
 local med = measure('real')
-local peak = ms.cuda.memory_stats().peak_allocated / 2 ^ 30
+if mem then say('memory by phase, last step: ' .. table.concat(mem, '; ', 2)) end
+-- the peak of every step (the warm-up's first steps tune each GEMM shape
+-- once) and of the timed steps alone
+local steady = ms.cuda.memory_stats().peak_allocated
+local peak = math.max(steady0, steady) / 2 ^ 30
+say(('peak allocated GiB/GPU: %.2f over all steps, %.2f over the timed steps'):format(peak, steady / 2 ^ 30))
 
 -- one step with its collectives timed: what ran when on the communication
 -- stream, and where the compute stream waited for it

@@ -588,6 +588,18 @@ function Unit:prepare_grads()
   end
 end
 
+-- drop the views into the unsharded gradient buffer: their handles are
+-- released now, so the buffer's memory goes when the buffer's own handle
+-- does, not when the collector reaches the views (which held it for as long
+-- as the Lua heap took to grow enough: gigabytes at the Llama's peak)
+function Unit:drop_gviews()
+  for i, v in ipairs(self.gviews or {}) do
+    A().set_grad_sink(self.views[i], nil)   -- (collect_grads did; a backward cut short did not)
+    if v.storage ~= nil then v:free() end
+  end
+  self.gviews = nil
+end
+
 -- gradients autograd left in the views' .grad (low-precision parameters)
 -- into the f32 buffer; the views drop their .grad
 function Unit:collect_grads()
@@ -618,7 +630,8 @@ function Unit:reduce_grads()
   local st, fp = self.st, self.fp
   local g = self.gbuf
   if g == nil then return end
-  self.gbuf, self.gviews = nil, nil
+  self:drop_gviews()
+  self.gbuf = nil
   local src = g
   if st.dp_size > 1 then
     if st.reduce_dtype ~= 'f32' then src = g:to(st.reduce_dtype); g:free() end
@@ -1138,7 +1151,7 @@ function fsdp.zero_grad(model)
     u.fp.shard:zero_grad()
     u.fp.grad_shard = nil
     for _, v in ipairs(u.views) do v.grad = nil end
-    if u.gbuf then u.gbuf:free(); u.gbuf, u.gviews = nil, nil end
+    if u.gbuf then u:drop_gviews(); u.gbuf:free(); u.gbuf = nil end
   end
 end
 
