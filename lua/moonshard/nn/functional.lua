@@ -164,11 +164,6 @@ local function take_pending_sum(node, g)
   return p.sum
 end
 
--- an affine layer's weight and bias gradients from its input rows x2 and
--- output gradient rows g2 (each when wanted): both from one GEMM when both
--- are (the bias gradient in its epilogue on CUDA). db_given: the bias
--- gradient already known (a norm backward's column sums): the weight's
--- from a plain GEMM
 -- whether the weight's gradient can go straight into sink (A.grad_sink):
 -- operands of one dtype, the sink in theirs or f32 of bf16/f16 ones
 local function sink_fits(sink, a, b)
@@ -191,7 +186,13 @@ local function weight_grad(x2, g2, wt, sink)
   return F.matmul(a, b, true, false)
 end
 
--- dw (nil when it went into sink, see weight_grad) and db of an affine
+-- an affine layer's weight and bias gradients from its input rows x2 and
+-- output gradient rows g2 (each when wanted): both from one GEMM when both
+-- are (the bias gradient in its epilogue on CUDA). db_given: the bias
+-- gradient already known (a norm backward's column sums): the weight's
+-- from a plain GEMM, into sink when there is one (dw then nil, see
+-- weight_grad; not with the BGRAD GEMM: a separate sum over the rows for
+-- the bias would cost more than the copy the sink saves)
 local function weight_bias_grads(x2, g2, wt, want_w, want_b, db_given, sink)
   if db_given ~= nil then
     return want_w and weight_grad(x2, g2, wt, sink) or nil, db_given
