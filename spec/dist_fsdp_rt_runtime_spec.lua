@@ -565,6 +565,52 @@ describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', func
     end
   end)
 
+  -- docs/fsdp.md "Clipping and the optimizer": fsdp.AdamW writes each
+  -- unit's low-precision copy in its fused step (the f32 shard as the
+  -- master), so after_step casts nothing
+  it('fsdp.AdamW writes the bf16 shard copies in its step: no refresh pass, the same parameters and copies as with it, bit for bit', function()
+    local ffi = require 'ffi'
+    pcall(ffi.cdef, 'int setenv(const char *name, const char *value, int overwrite); int unsetenv(const char *name);')
+    local function train(step_lp)
+      if step_lp then ffi.C.unsetenv('MS_FSDP_STEP_LP') else ffi.C.setenv('MS_FSDP_STEP_LP', '0', 1) end
+      local ok, res = pcall(function()
+        local model = fsdp.fully_shard(load_model(), { policy = block_policy(), mixed_precision = { param = 'bf16' } })
+        local opt = fsdp.AdamW(model, { lr = 1e-3, eps = 1e-6, weight_decay = 0.1 })
+        local refreshes = 0
+        for _, u in ipairs(fsdp.units(model)) do
+          local f = u.refresh_lp
+          u.refresh_lp = function(self) refreshes = refreshes + 1; return f(self) end
+        end
+        local x, y = rows(140 + R, 2)
+        for _ = 1, 3 do
+          local loss = model(x, y)
+          loss:backward()
+          opt:step()
+          opt:zero_grad()
+        end
+        local out = {}
+        for _, u in ipairs(fsdp.units(model)) do
+          out[#out + 1] = { u.fp.shard:clone(), u.lp:clone() }
+          assert.is_false(u.lp_stale == true)
+          assert.is_nil(u.lp_written)
+        end
+        return { out = out, refreshes = refreshes }
+      end)
+      ffi.C.unsetenv('MS_FSDP_STEP_LP')
+      assert(ok, res)
+      return res
+    end
+    local a, b = train(true), train(false)
+    assert.are.equal(0, a.refreshes)
+    assert.are.equal(3 * #b.out, b.refreshes)
+    for k = 1, #a.out do
+      assert.are.equal(0, (a.out[k][1] - b.out[k][1]):abs():max():item(), 'master shard ' .. k)
+      assert.are.equal(0, (a.out[k][2]:to('f32') - b.out[k][2]:to('f32')):abs():max():item(), 'bf16 copy ' .. k)
+      -- and the copy is the shard's rounding
+      assert.are.equal(0, (a.out[k][2]:to('f32') - a.out[k][1]:to('bf16'):to('f32')):abs():max():item())
+    end
+  end)
+
   it('reports the measured figures (rank 0, MS_FSDP_REPORT=1)', function()
     if R == 0 and os.getenv('MS_FSDP_REPORT') == '1' then io.stderr:write('\n' .. table.concat(report, '\n') .. '\n') end
   end)

@@ -1161,14 +1161,27 @@ end
 -- all-gather for the next step is issued as soon as its copy is refreshed,
 -- ahead of the other units' refreshes and of whatever the caller does
 -- before the next forward (its trace event opens the next step's trace).
+-- copy-engine gathers since the last reduction (a forward without a
+-- backward): the peers may still read the copies about to be rewritten,
+-- so fence first (once)
+local function fence_dirty_copies(st, label)
+  for g in pairs(st.copy_dirty) do copy_fence(st, g, true, label) end
+  st.copy_dirty = {}
+end
+
 function fsdp.after_step(model)
   local st = state_of(model, 'fsdp.after_step')
-  -- copy-engine gathers since the last reduction (a forward without a
-  -- backward): the peers may still read the copies about to be refreshed
-  for g in pairs(st.copy_dirty) do copy_fence(st, g, true, 'after_step') end
-  st.copy_dirty = {}
+  fence_dirty_copies(st, 'after_step')
   for _, u in ipairs(st.units) do
-    if u.lp then u:refresh_lp() end   -- with offload: the upload (copy stream)
+    if u.lp_written then
+      -- the optimizer's step wrote it (fsdp.optimizer's mirrors): what
+      -- refresh_lp does besides the cast
+      u.lp_written = nil
+      st.src_gen = st.src_gen + 1
+      u.lp_stale = false
+    elseif u.lp then
+      u:refresh_lp()   -- with offload: the upload (copy stream)
+    end
     if u.reshards then
       u:reshard()
       if st.prefetch_root and u.module == st.root then
@@ -1294,18 +1307,44 @@ function fsdp.optimizer(model, cls, opts, split_decay)
   if #groups == 0 then error('fsdp.optimizer: the model has no parameters', 2) end
   local opt = cls(groups, opts)
   rawset(opt, 'fsdp_pieces', pieces)
+  -- an optimizer that can (AdamW: set_mirrors) writes each piece's
+  -- low-precision copy in its own pass, and after_step skips that unit's
+  -- refresh (a cast of the whole shard) when every piece of it was written
+  -- or not stepped. MS_FSDP_STEP_LP=0: the refresh as before (to compare).
+  local mirrors = nil
+  if opt.set_mirrors and not st.offload and os.getenv('MS_FSDP_STEP_LP') ~= '0' then
+    mirrors = {}
+    for _, pc in ipairs(pieces) do
+      local lp = pc.unit.lp
+      if lp ~= nil and lp.device_id == pc.p.device_id then pc.lp = lp:narrow(1, pc.off + 1, pc.n); mirrors[pc.p] = pc.lp end
+    end
+    opt:set_mirrors(mirrors)
+  end
   local step = opt.step
   rawset(opt, 'step', function(self, ...)
     for _, pc in ipairs(pieces) do
       local g = pc.unit.fp.shard.grad
       pc.p.grad = g ~= nil and g:narrow(1, pc.off + 1, pc.n) or nil
     end
+    -- the copies are written in the step: peers' reads of them done first
+    if mirrors then fence_dirty_copies(st, 'step') end
+    local stepped = {}
+    for _, pc in ipairs(pieces) do stepped[pc] = pc.p.grad ~= nil end
     local ok, err = pcall(step, self, ...)
     for _, pc in ipairs(pieces) do
       local g = pc.p.grad
       if g ~= nil then pc.p.grad = nil; g:free() end
     end
     if not ok then error(err, 0) end
+    if mirrors then
+      local fresh = {}
+      for _, pc in ipairs(pieces) do
+        local u = pc.unit
+        if fresh[u] == nil then fresh[u] = u.lp ~= nil and not u.lp_stale end
+        if stepped[pc] and not (pc.lp and self.mirrored and self.mirrored[pc.p]) then fresh[u] = false end
+      end
+      for u, f in pairs(fresh) do if f then u.lp_written = true end end
+    end
     fsdp.after_step(model)
   end)
   rawset(opt, 'zero_grad', function() fsdp.zero_grad(model) end)

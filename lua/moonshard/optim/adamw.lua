@@ -96,9 +96,24 @@ return function(optim)
     self._grad_scale = t
   end
 
+  -- opt:set_mirrors(map) (map: parameter -> tensor, or nil): each step also
+  -- writes a mapped f32 parameter's bf16/f16 rounding into its mirror, in
+  -- the same fused pass (the parameter as the master, the mirror as the
+  -- parameter the op rounds into: FSDP's low-precision shard copies, with
+  -- no refresh pass after the step). opt.mirrored: the parameters whose
+  -- mirror the last step wrote; a parameter stepped by the composed path
+  -- (a layout the fused op does not take) is not among them.
+  function AdamW:set_mirrors(map) self._mirrors = map end
+  local function mirror_fits(mr, p, st)
+    return mr ~= nil and st.master == nil and p.dtype_id == 1 and (mr.dtype_id == 2 or mr.dtype_id == 3)
+      and mr:is_contiguous() and mr:numel() == p:numel() and mr.device_id == p.device_id
+  end
+
   function AdamW:step()
     local gs = self._grad_scale
     self._grad_scale = nil
+    local mirrors, mirrored = self._mirrors, {}
+    self.mirrored = mirrored
     local gs_on = {}   -- the scale on each device the gradients use
     local function scale_on(dev)
       if gs == nil then return nil end
@@ -124,10 +139,14 @@ return function(optim)
             st.step = st.step + 1
             if fusable(p, g, st) then
               scale_on(tonumber(p.device_id))
+              local mr = mirrors and mirrors[p]
+              if not mirror_fits(mr, p, st) then mr = nil end
+              -- (with a mirror the op updates p as the master and rounds into it)
+              local pp, w = mr or p, mr and p or st.master
               -- one fused call per (device, step, dtypes): a launch takes one
               -- parameter and one gradient dtype, so mixing them in one list
               -- (f32 norms between bf16 weights) would cut it into many
-              local key = p.device_id .. ':' .. st.step .. ':' .. p.dtype_id .. ':' .. g.dtype_id
+              local key = p.device_id .. ':' .. st.step .. ':' .. pp.dtype_id .. ':' .. g.dtype_id
               local b = batches[key]
               if b == nil then
                 b = { step = st.step, p = {}, g = {}, m = {}, v = {}, w = {}, any_w = false }
@@ -135,9 +154,10 @@ return function(optim)
                 order[#order + 1] = key
               end
               local k = #b.p + 1
-              b.p[k], b.g[k], b.m[k], b.v[k] = p, g, st.exp_avg, st.exp_avg_sq
-              b.w[k] = st.master or false
-              if st.master then b.any_w = true end
+              b.p[k], b.g[k], b.m[k], b.v[k] = pp, g, st.exp_avg, st.exp_avg_sq
+              b.w[k] = w or false
+              if w then b.any_w = true end
+              if mr then mirrored[p] = true end
             else
               local gsc = g
               if gs ~= nil then   -- the same bits as the fused op: g times the scale in g's dtype
