@@ -497,42 +497,46 @@ describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', func
   -- weight GEMMs write their gradient in f32 straight into the unit's f32
   -- unsharded buffer (A.set_grad_sink), where before a bf16 gradient was
   -- made and copied in. The same gradients, unrounded.
-  it('grad sinks: the weight GEMMs write f32 gradients into the unsharded buffer; one backward\'s gradient shards are those of the bf16 gradients, unrounded (on one rank: equal once rounded to bf16)', function()
-    local function grads(sinks)
-      local model = fsdp.fully_shard(load_model(), { policy = block_policy(), mixed_precision = { param = 'bf16' },
-        grad_sinks = sinks })
-      local x, y = rows(90 + R, 2)
-      local n, orig = 0, F.gemm_
-      F.gemm_ = function(out, ...) if out.dtype == 'f32' then n = n + 1 end; return orig(out, ...) end
-      local ok, err = pcall(function() model(x, y):backward() end)
-      F.gemm_ = orig
-      assert(ok, err)
-      local out = {}
-      for _, u in ipairs(fsdp.units(model)) do
-        out[#out + 1] = u.fp.shard.grad:clone()
-        -- no view keeps a sink after its unit's backward
-        for _, v in ipairs(u.views) do assert.is_nil(v.grad) end
+  local sink_strategies = { 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD' }
+  if W % 2 == 0 then sink_strategies[#sink_strategies + 1] = 'HYBRID_SHARD' end
+  for _, strategy in ipairs(sink_strategies) do
+    it(strategy .. ', grad sinks: the weight GEMMs write f32 gradients into the unsharded buffer; one backward\'s gradient shards are those of the bf16 gradients, unrounded (on one rank: equal once rounded to bf16)', function()
+      local function grads(sinks)
+        local model = fsdp.fully_shard(load_model(), { policy = block_policy(), mixed_precision = { param = 'bf16' },
+          grad_sinks = sinks, strategy = strategy, shard_size = strategy == 'HYBRID_SHARD' and W / 2 or nil })
+        local x, y = rows(90 + R, 2)
+        local n, orig = 0, F.gemm_
+        F.gemm_ = function(out, ...) if out.dtype == 'f32' then n = n + 1 end; return orig(out, ...) end
+        local ok, err = pcall(function() model(x, y):backward() end)
+        F.gemm_ = orig
+        assert(ok, err)
+        local out = {}
+        for _, u in ipairs(fsdp.units(model)) do
+          out[#out + 1] = u.fp.shard.grad:clone()
+          -- no view keeps a sink after its unit's backward
+          for _, v in ipairs(u.views) do assert.is_nil(v.grad) end
+        end
+        return out, n
       end
-      return out, n
-    end
-    local a, na = grads(true)
-    local b, nb = grads(false)
-    -- GPT-2 block: c_attn, attn c_proj, c_fc, mlp c_proj; some rank's
-    -- shard may hold only the root's rows, but every rank ran every GEMM
-    assert.is_true(na >= 4 * 2, 'weight GEMMs into sinks: ' .. na)
-    assert.are.equal(0, nb)
-    local differ = 0
-    for k = 1, #a do
-      assert.is_true(norm_rel(a[k], b[k]) < 1e-2, ('unit %d: %.3g'):format(k, norm_rel(a[k], b[k])))
-      if W == 1 then
-        -- one rank: no sum across ranks, so the bf16 gradient is exactly
-        -- the sink's rounded
-        assert.are.equal(0, (a[k]:to('bf16'):to('f32') - b[k]):abs():max():item(), 'unit ' .. k)
+      local a, na = grads(true)
+      local b, nb = grads(false)
+      -- GPT-2 block: c_attn, attn c_proj, c_fc, mlp c_proj; some rank's
+      -- shard may hold only the root's rows, but every rank ran every GEMM
+      assert.is_true(na >= 4 * 2, 'weight GEMMs into sinks: ' .. na)
+      assert.are.equal(0, nb)
+      local differ = 0
+      for k = 1, #a do
+        assert.is_true(norm_rel(a[k], b[k]) < 1e-2, ('unit %d: %.3g'):format(k, norm_rel(a[k], b[k])))
+        if W == 1 then
+          -- one rank: no sum across ranks, so the bf16 gradient is exactly
+          -- the sink's rounded
+          assert.are.equal(0, (a[k]:to('bf16'):to('f32') - b[k]):abs():max():item(), 'unit ' .. k)
+        end
+        differ = math.max(differ, (a[k] - b[k]):abs():max():item())
       end
-      differ = math.max(differ, (a[k] - b[k]):abs():max():item())
-    end
-    assert.is_true(differ > 0)   -- the sinks' gradients were not rounded
-  end)
+      assert.is_true(differ > 0)   -- the sinks' gradients were not rounded
+    end)
+  end
 
   it('grad sinks under no_sync: the later micro-batches add into the f32 buffer (beta 1); the accumulated shards as the copies\' within bf16 bounds', function()
     local function grads(sinks)
