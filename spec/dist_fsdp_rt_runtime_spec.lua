@@ -3,6 +3,7 @@
 -- byte counter), and prefetch with its limit (read from the debug trace).
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
+local S = require 'spec.support'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local F = require 'moonshard.ops'
@@ -28,20 +29,11 @@ local function norm_rel(a, b)
   local a64, b64 = a:to('f64'), b:to('f64')
   return math.sqrt((a64 - b64):square():sum():item()) / math.max(math.sqrt(b64:square():sum():item()), 1e-30)
 end
--- the CPU bytes of live storages once the collector has nothing more to free
--- (a tensor handle's finalizer may free a storage other handles share, so
--- one cycle can free no bytes and the next some: 4 quiet cycles in a row)
+-- the CPU bytes of live storages once the collector has nothing more to
+-- free (S.settled)
 local function live()
   ms.autograd.clear_tape()     -- a forward without backward keeps its tape
-  local prev, quiet = -1, 0
-  for _ = 1, 40 do
-    collectgarbage('collect')
-    local now = ms.live_bytes(-1)
-    if now == prev then quiet = quiet + 1 else quiet = 0 end
-    if quiet >= 4 then return now end
-    prev = now
-  end
-  return prev
+  return S.settled(function() return ms.live_bytes(-1) end)
 end
 
 -- run fn() (it returns a list of failed checks) up to 3 times, all ranks

@@ -3,6 +3,7 @@
 -- on: no crash, no leaked storage, later calls work.
 local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
+local S = require 'spec.support'
 
 -- runs f, expects an error whose message contains every string in `parts`
 local function fails(f, parts)
@@ -179,21 +180,7 @@ describe('errors', function()
 
   describe('the process survives', function()
     it('hundreds of failing calls leak no storage and leave the library usable', function()
-      -- the count once the collector has nothing more to free: a handle's
-      -- finalizer can free a storage another handle shared, so one cycle may
-      -- free nothing and the next some (garbage of earlier specs): 4 quiet
-      -- cycles in a row
-      local function settled()
-        local prev, quiet = -1, 0
-        for _ = 1, 40 do
-          collectgarbage('collect')
-          local now = ms.live_storages()
-          if now == prev then quiet = quiet + 1 else quiet = 0 end
-          if quiet >= 4 then return now end
-          prev = now
-        end
-        return prev
-      end
+      local settled = function() return S.settled(ms.live_storages) end   -- (earlier specs' garbage)
       local s0 = settled()
       local bad = {
         function() return x:view(4, 2) end,

@@ -112,6 +112,22 @@ function S.reduce_expect(op, vals, dtype)
   return acc
 end
 
+-- count() once the collector has nothing more to free: a handle's
+-- finalizer can free a storage another handle shared, so one cycle may free
+-- nothing and the next some (garbage of earlier specs); 4 quiet full
+-- cycles in a row (at most 40)
+function S.settled(count)
+  local prev, quiet = -1, 0
+  for _ = 1, 40 do
+    collectgarbage('collect')
+    local now = count()
+    if now == prev then quiet = quiet + 1 else quiet = 0 end
+    if quiet >= 4 then return now end
+    prev = now
+  end
+  return prev
+end
+
 -- the message of the error fn() raises (an assertion fails when it raises none)
 function S.errmsg(fn)
   local ok, e = pcall(fn)
