@@ -36,6 +36,16 @@ local function live()
   return S.settled(function() return ms.live_bytes(-1) end)
 end
 
+-- n training steps on one batch (no handle on the loss kept after each)
+local function train_steps(model, opt, x, y, n)
+  for _ = 1, n do
+    local loss = model(x, y)
+    loss:backward()
+    opt:step()
+    opt:zero_grad()
+  end
+end
+
 -- run fn() (it returns a list of failed checks) up to 3 times, all ranks
 -- together, until no rank fails: an allocator reading counts every CPU
 -- storage of the process, so garbage of earlier specs that the collector
@@ -341,13 +351,7 @@ describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', func
     end
     local opt = fsdp.AdamW(model, { lr = 1e-3 })
     local x, y = rows(20 + R, 2)
-    for _ = 1, 2 do
-      local loss = model(x, y)
-      loss:backward()
-      opt:step()
-      opt:zero_grad()
-      loss = nil
-    end
+    train_steps(model, opt, x, y, 2)
     for _, n in ipairs(during) do eq(true, n >= 2 and n <= 3, 'units with data in forward: ' .. n) end
     -- after the steps: master shards + AdamW's two moments (and the batch),
     -- nothing unsharded
@@ -578,12 +582,7 @@ describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', func
           u.refresh_lp = function(self) refreshes = refreshes + 1; return f(self) end
         end
         local x, y = rows(140 + R, 2)
-        for _ = 1, 3 do
-          local loss = model(x, y)
-          loss:backward()
-          opt:step()
-          opt:zero_grad()
-        end
+        train_steps(model, opt, x, y, 3)
         local out = {}
         for _, u in ipairs(fsdp.units(model)) do
           out[#out + 1] = { u.fp.shard:clone(), u.lp:clone() }
