@@ -20,7 +20,11 @@
 -- instead of the copy engines; docs/fsdp.md "Copy-engine gathers"),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
--- the last phase's). MS_FSDP_GRAD_SINK=0: no gradient sinks (docs/fsdp.md).
+-- the last phase's), --release-activations (ms.autograd.release_activations:
+-- each consumed node's outputs freed at once, not when the collector runs;
+-- the loop keeps only the loss). MS_FSDP_GRAD_SINK=0: no gradient sinks,
+-- MS_FSDP_STEP_LP=0: the bf16 shard copies refreshed after the step instead
+-- of written by it (docs/fsdp.md).
 --
 -- Models: GPT-2 124M (12 x 768, vocab 50304, tied, no dropout) units by
 -- GPT2Block; Llama 1.25B (hidden 2048, 16 layers, 32 heads / 8 kv, MLP 5632,
@@ -41,7 +45,8 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0 }
-local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false }
+local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
+  ['release-activations'] = false }
 do
   local i = 1
   while i <= #arg do
@@ -54,7 +59,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--release-activations]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -62,6 +67,7 @@ if opts.model ~= 'gpt2' and opts.model ~= 'llama' then error('bench/fsdp.lua: --
 if opts.batch == 0 then opts.batch = opts.model == 'gpt2' and 32 or 4 end
 if opts.seq == 0 then opts.seq = opts.model == 'gpt2' and 1024 or 2048 end
 assert(ms.cuda.is_available(), 'bench/fsdp.lua needs a CUDA device')
+if flags['release-activations'] then ms.autograd.release_activations = true end
 
 ffi.cdef [[
 typedef struct { long tv_sec; long tv_nsec; } ms_fsdpb_timespec;

@@ -21,8 +21,8 @@ local nnf = ms.nn.functional
 
 local B = require 'bench.common'
 
-local opts = B.parse_args({ iters = 20, warmup = 3 },
-  'usage: luajit bench/fused_kernels.lua [--iters N] [--warmup N]')
+local opts = B.parse_args({ iters = 20, warmup = 3, ['adam-m'] = 200, ['adam-n'] = 8, only = '' },
+  'usage: luajit bench/fused_kernels.lua [--iters N] [--warmup N] [--adam-m M] [--adam-n N] [--only masters]')
 assert(ms.cuda.is_available(), 'bench/fused_kernels.lua needs a CUDA device')
 
 local timed = B.timer(opts)   -- median ms of fn() (its results freed after each run)
@@ -91,7 +91,7 @@ for _, c in ipairs({ { 'bf16', 'bf16' }, { 'f32', 'bf16' }, { 'f32', 'f32' } }) 
 end
 -- GPT-2's residual add + LayerNorm forward: res = x (f32) + h (bf16), y =
 -- LayerNorm(res) in bf16
-do
+if opts.only == '' then
   local N, Cn = 32768, 768
   local x, h = randn({ N, Cn }, 'f32'), randn({ N, Cn }, 'bf16')
   local w, b = randn({ Cn }), randn({ Cn })
@@ -106,7 +106,7 @@ end
 -- GPT-2's backward of the residual add + LayerNorm (f32 residual stream, bf16
 -- branch): dx (+ the stream's gradient gres, f32), dw, db, dxl (dx in bf16,
 -- the branch's gradient) and its column sums (the branch's bias gradient)
-do
+if opts.only == '' then
   local N, Cn = 32768, 768
   local x, g, gres = randn({ N, Cn }, 'f32'), randn({ N, Cn }, 'bf16'), randn({ N, Cn }, 'f32')
   local w, b = randn({ Cn }), randn({ Cn })
@@ -121,7 +121,7 @@ do
     bytes(g) + bytes(x) + bytes(gres) + bytes(dx) + bytes(dxl), nil, e)
   for _, v in ipairs({ dx, dw, db, dxl, dls }) do v:free() end
 end
-do
+if opts.only == '' then
   local N, Cn = 8192, 4096
   local x, g, w = randn({ N, Cn }, 'bf16'), randn({ N, Cn }, 'bf16'), randn({ Cn }, 'bf16')
   local y, rstd = F.native_rms_norm(x, w, 1e-6)
@@ -138,7 +138,7 @@ do
 end
 
 -- ------------------------------------------------------------- RoPE
-do
+if opts.only == '' then
   local q = randn({ 8, 1024, 32, 128 }, 'bf16')            -- (B, T, H, D)
   local qt = q:transpose(2, 3)                             -- (B, H, T, D) view
   local cos, sin = nnf.rope_cache(1024, 128, 500000, 'f32', q.device_id)
@@ -158,7 +158,7 @@ do
 end
 
 -- ------------------------------------------------- AdamW, grad norm
-do
+if opts.only == '' then
   local gpt2 = require 'models.gpt2'
   local model = gpt2.new('gpt2-124m', { vocab_size = 50304, n_positions = 1024 })
   for _, gdt in ipairs({ 'f32', 'bf16' }) do
@@ -202,3 +202,47 @@ do
       timed(composed), e)
   end
 end
+
+-- ------------------------------------------------- AdamW with f32 masters
+-- fsdp.AdamW's flat shards (docs/fsdp.md "Clipping and the optimizer"):
+-- f32 shard ranges and gradients, each range's bf16 copy (the all-gather's
+-- source) either written by the step (the bf16 parameter with its f32
+-- master) or refreshed after it by a cast (the composed form)
+do
+  local ps, lps, gs, m, v = {}, {}, {}, {}, {}
+  local n = 0
+  local nt = opts['adam-n']
+  for k = 1, nt do
+    local len = math.floor(opts['adam-m'] * 1e6 / nt) + 4096 * k   -- --adam-m M elements in --adam-n tensors
+    ps[k] = randn({ len })
+    lps[k] = ps[k]:to('bf16')
+    gs[k] = randn({ len })
+    m[k], v[k] = ms.zeros({ len }, { device = 'cuda' }), ms.zeros({ len }, { device = 'cuda' })
+    n = n + len
+  end
+  local ref = ps[1]:narrow(1, 1, 4096):to('cpu')
+  local g0 = gs[1]:narrow(1, 1, 4096):to('cpu')
+  F.adamw_(ref, g0, ms.zeros({ 4096 }), ms.zeros({ 4096 }), 6e-4, 0.9, 0.95, 1e-8, 0.1, 1)
+  F.adamw_(lps, gs, m, v, 6e-4, 0.9, 0.95, 1e-8, 0.1, 1, ps)
+  local e = check('adamw_ master', ps[1]:narrow(1, 1, 4096), ref, 1e-5)
+  local step = 1
+  -- with a clip coefficient, as fsdp.AdamW after clip_grad_norm{defer}
+  local sc = ms.full({ 1 }, 0.5, { dtype = 'f64', device = 'cuda' })
+  local written = timed(function()
+    step = step + 1
+    F.adamw_(lps, gs, m, v, 6e-4, 0.9, 0.95, 1e-8, 0.1, step, ps, sc)
+  end)
+  local composed = timed(function()
+    step = step + 1
+    F.adamw_(ps, gs, m, v, 6e-4, 0.9, 0.95, 1e-8, 0.1, step, nil, sc)
+    for k = 1, #ps do lps[k]:copy_(ps[k]) end
+  end)
+  local plain = timed(function()
+    step = step + 1
+    F.adamw_(ps, gs, m, v, 6e-4, 0.9, 0.95, 1e-8, 0.1, step, nil, sc)
+  end)
+  row('adamw_ (f32 masters)', (nt .. ' tensors, %.0fM'):format(n / 1e6), 'p bf16 + w f32, g f32', written, n * (4 + 2 + 8 + 8 + 4 + 2),
+    composed, e)
+  row('adamw_ (no copies)', (nt .. ' tensors, %.0fM'):format(n / 1e6), 'p f32, g f32', plain, n * (4 + 4 + 8 + 8 + 4), nil, nil)
+end
+
