@@ -20,9 +20,9 @@
 -- instead of the copy engines; docs/fsdp.md "Copy-engine gathers"),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
--- the last phase's), --release-activations (ms.autograd.release_activations:
--- each consumed node's outputs freed at once, not when the collector runs;
--- the loop keeps only the loss). MS_FSDP_GRAD_SINK=0: no gradient sinks,
+-- the last phase's), --keep-activations (ms.autograd.release_activations
+-- off: tensors no node frees wait for the Lua collector, which adds ~4 GiB
+-- to the Llama's peak; on by default, since the loop keeps only the loss). MS_FSDP_GRAD_SINK=0: no gradient sinks,
 -- MS_FSDP_STEP_LP=0: the bf16 shard copies refreshed after the step instead
 -- of written by it (docs/fsdp.md).
 --
@@ -46,7 +46,7 @@ local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0 }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
-  ['release-activations'] = false }
+  ['keep-activations'] = false }
 do
   local i = 1
   while i <= #arg do
@@ -59,7 +59,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--release-activations]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -67,7 +67,7 @@ if opts.model ~= 'gpt2' and opts.model ~= 'llama' then error('bench/fsdp.lua: --
 if opts.batch == 0 then opts.batch = opts.model == 'gpt2' and 32 or 4 end
 if opts.seq == 0 then opts.seq = opts.model == 'gpt2' and 1024 or 2048 end
 assert(ms.cuda.is_available(), 'bench/fsdp.lua needs a CUDA device')
-if flags['release-activations'] then ms.autograd.release_activations = true end
+ms.autograd.release_activations = not flags['keep-activations']
 
 ffi.cdef [[
 typedef struct { long tv_sec; long tv_nsec; } ms_fsdpb_timespec;
