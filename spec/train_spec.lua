@@ -194,6 +194,47 @@ describe('moonshard.train', function()
     os.execute('rm -rf ' .. q(dir))
   end)
 
+  it('release_activations (on by default) frees at backward: the same losses as without, the setting restored', function()
+    local dir = tmpdir()
+    local function run(rel)
+      local o = { model = 'models.gpt2', preset = 'tiny', steps = 4, seq_len = 16, batch_size = 4, tokens_per_step = 128,
+                  model_config = { n_layer = 1, n_embd = 32, n_head = 2 }, lr = 1e-2, warmup = 1,
+                  sample_tokens = 0, save = false, quiet = true, out = dir, seed = 9 }
+      o.release_activations = rel
+      local r = train.run(o)
+      return r, read_jsonl(dir .. '/metrics.jsonl')
+    end
+    assert.is_false(ms.autograd.release_activations)
+    -- the setting the model's loss sees (models call nn.functional.lm_loss at each step)
+    local nnf = ms.nn.functional
+    local orig, seen = nnf.lm_loss, {}
+    nnf.lm_loss = function(...)
+      seen[#seen + 1] = ms.autograd.release_activations
+      return orig(...)
+    end
+    local ok, a, la, b, lb = pcall(function()
+      local a_, la_ = run(nil)
+      local b_, lb_ = run(false)
+      return a_, la_, b_, lb_
+    end)
+    nnf.lm_loss = orig
+    assert(ok, a)
+    assert.is_true(a.options.release_activations)
+    assert.is_false(b.options.release_activations)
+    assert.is_false(ms.autograd.release_activations)
+    -- 4 steps of 2 micro-batches each run, no validation in between
+    local train_calls = 0
+    for _, v in ipairs(seen) do if v then train_calls = train_calls + 1 end end
+    assert.are.equal(8, train_calls)
+    assert.are.equal(4, #la)
+    for i = 1, 4 do assert.are.equal(lb[i].loss, la[i].loss) end
+    assert.is_true(a.final_loss < a.first_loss)
+    -- the flag is parsed both ways
+    local oa = train.parse_args({ '--no-release-activations' })
+    assert.is_false(oa.release_activations)
+    os.execute('rm -rf ' .. q(dir))
+  end)
+
   it('parses flags: --key value, --key=value, dashes or underscores, --no-bool, model fields', function()
     local gpt2 = require 'models.gpt2'
     local o = train.parse_args({ '--steps', '10', '--batch_size=4', '--seq-len', '64', '--no-save', '--quiet',

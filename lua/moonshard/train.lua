@@ -83,6 +83,7 @@ train.options = {
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
+  { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
 local option_by_name = {}
 for _, o in ipairs(train.options) do option_by_name[o[1]] = o end
@@ -1147,11 +1148,19 @@ function train.run(opts)
     for k = 1, accum do
       local x, y = to_device(train_loader:next())
       local function micro()
-        local loss = model(x, y)
-        if inject[step] then loss = loss * (0 / 0) end
-        lsum = lsum + loss:item()
-        if accum > 1 then loss = loss * (1 / accum) end -- the mean over all micro-batches (exact for a power of two)
-        loss:backward()
+        -- (the loop keeps only the loss's value: every activation can go
+        -- at backward; the setting restored even when the step raises)
+        local prev = ms.autograd.release_activations
+        ms.autograd.release_activations = o.release_activations
+        local ok, err = pcall(function()
+          local loss = model(x, y)
+          if inject[step] then loss = loss * (0 / 0) end
+          lsum = lsum + loss:item()
+          if accum > 1 then loss = loss * (1 / accum) end -- the mean over all micro-batches (exact for a power of two)
+          loss:backward()
+        end)
+        ms.autograd.release_activations = prev
+        if not ok then error(err, 0) end
       end
       -- FSDP: the gradients of all but the last micro-batch stay unsharded
       -- (no communication); the last backward reduces their sum
