@@ -164,3 +164,92 @@ describe('autograd.set_grad_sink', function()
     assert.is_truthy(e:find('contiguous', 1, true), e)
   end)
 end)
+
+describe('fused_linear_cross_entropy into a gradient sink', function()
+  local FLCE = nnf.fused_linear_cross_entropy
+  local BT, H, V = 37, 16, 53
+  local function tg()
+    seed = seed + 1
+    return (ms.rand({ BT }, { seed = seed, dtype = 'f64' }) * V):to('i64')
+  end
+
+  for _, c in ipairs({ { 'bf16', 'f32' }, { 'f32', 'f32' }, { 'f64', 'f64' } }) do
+    local wdt, sdt = c[1], c[2]
+    it(('%s W, %s sink: grad_W accumulated there in the forward, marked until the backward scales it'):format(wdt, sdt), function()
+      local x0, W0, t = randn({ BT, H }, wdt), randn({ V, H }, wdt, 0.3), tg()
+      local function go(with_sink, g)
+        local x, W = x0:clone():requires_grad_(), W0:clone():requires_grad_()
+        local s
+        if with_sink then
+          s = { t = ms.empty({ V, H }, { dtype = sdt }):fill_(0 / 0), written = {}, i = 1 }
+          A.set_grad_sink(W, s)
+        end
+        local loss = FLCE(x, W, t, { chunk_size = 10 })
+        if with_sink then
+          local mark = s.written[1]
+          assert.are.equal('table', type(mark))
+        end
+        if g then loss = loss * g end
+        loss:backward()
+        if with_sink then
+          assert.is_nil(W.grad)
+          assert.is_true(s.written[1])
+          return s.t, x.grad
+        end
+        return W.grad, x.grad
+      end
+      for _, g in ipairs({ false, 0.75 }) do
+        local sw, sx = go(true, g or nil)
+        local bw, bx = go(false, g or nil)
+        assert.are.equal(0, maxdiff(sx, bx))
+        if not g or wdt ~= 'bf16' then
+          -- the same f32 (f64) sums; bf16: the gradient is their rounding
+          assert.are.equal(0, maxdiff(sw:to(wdt), bw))
+        else
+          assert.is_true(maxdiff(sw, bw) <= 1e-2 * bw:abs():max():item())
+        end
+      end
+    end)
+  end
+
+  it('a linear using the weight after the loss leaves the marked sink alone: its gradient goes to .grad', function()
+    local x, W0, t = randn({ BT, H }, 'bf16'), randn({ V, H }, 'bf16', 0.3), tg()
+    local function go(with_linear)
+      local W = W0:clone():requires_grad_()
+      local s = { t = ms.empty({ V, H }), written = {}, i = 1 }
+      A.set_grad_sink(W, s)
+      local loss = FLCE(x, W, t)
+      if with_linear then loss = loss + nnf.linear(x, W):sum() end   -- its backward runs before the loss's
+      loss:backward()
+      assert.is_true(s.written[1])
+      return s.t, W.grad
+    end
+    local s1, g1 = go(true)
+    local s0, g0 = go(false)
+    assert.is_nil(g0)
+    assert.are.equal(0, maxdiff(s1, s0))
+    assert.are.equal(0, maxdiff(g1, F.matmul(ms.ones({ BT, V }, { dtype = 'bf16' }), x, true, false)))
+  end)
+
+  it('a sink already holding a gradient, or of another dtype, is not used: the gradient goes to .grad', function()
+    for _, case in ipairs({ { written = true, dt = 'f32' }, { dt = 'bf16' } }) do
+      local x, W = randn({ BT, H }, 'bf16'), randn({ V, H }, 'bf16', 0.3):requires_grad_()
+      local s = { t = ms.zeros({ V, H }, { dtype = case.dt }), written = { case.written }, i = 1 }
+      A.set_grad_sink(W, s)
+      FLCE(x, W, tg()):backward()
+      assert.is_not_nil(W.grad)
+      assert.are.equal(case.written, s.written[1])
+      assert.are.equal(0, s.t:abs():max():item())
+    end
+  end)
+
+  it('a sink released between the forward and the backward is an error that says the gradient is lost', function()
+    local x, W = randn({ BT, H }, 'bf16'), randn({ V, H }, 'bf16', 0.3):requires_grad_()
+    local s = { t = ms.empty({ V, H }), written = {}, i = 1 }
+    A.set_grad_sink(W, s)
+    local loss = FLCE(x, W, tg())
+    s.written[1] = nil   -- (as an owner's reset would)
+    local e = S.errmsg(function() loss:backward() end)
+    assert.is_truthy(e:find('gradient is lost', 1, true), e)
+  end)
+end)

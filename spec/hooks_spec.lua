@@ -222,6 +222,31 @@ describe('hooks for a sharding runtime', function()
     assert.has_error(function() A.queue_callback(function() end) end)
   end)
 
+  it('a backward that fails runs only the callbacks queued with always; the first error is raised', function()
+    local x = ms.randn({ 3 }, { seed = 5 }):requires_grad_()
+    local ran = {}
+    local y = x * 2
+    y:register_hook(function()
+      A.queue_callback(function() ran[#ran + 1] = 'plain' end)
+      A.queue_callback(function() ran[#ran + 1] = 'always'; error('second') end, { always = true })
+      error('the hook failed')
+    end)
+    local ok, e = pcall(function() y:sum():backward() end)
+    assert.is_false(ok)
+    assert.matches('the hook failed', tostring(e))
+    assert.are.same({ 'always' }, ran)
+    -- and both run after a backward that succeeds
+    ran = {}
+    local z = x * 3
+    z:register_hook(function()
+      A.queue_callback(function() ran[#ran + 1] = 'plain' end)
+      A.queue_callback(function() ran[#ran + 1] = 'always' end, { always = true })
+    end)
+    z:sum():backward()
+    assert.are.same({ 'plain', 'always' }, ran)
+    assert.has_error(function() A.queue_callback('nope') end)
+  end)
+
   it('gradients accumulate into views of a flat buffer preset as .grad', function()
     local m, ids, tg = make(false)
     m(ids, tg):backward()

@@ -56,8 +56,8 @@
 --   forward when the module has backward hooks.
 --   A.tape_modules() lists marked modules in forward order.
 --   A.register_hook(event, fn) for 'backward_begin', 'backward_end',
---   'module_pre_backward', 'module_post_backward'; A.queue_callback(fn) runs
---   fn once when the current backward ends.
+--   'module_pre_backward', 'module_post_backward'; A.queue_callback(fn, opts) runs
+--   fn once when the current backward ends (opts.always: also when it fails).
 --   t:register_hook(fn(grad) -> grad?) on any tensor that requires grad.
 local T = require 'moonshard.tensor'
 local F = require 'moonshard.ops'
@@ -392,6 +392,16 @@ function A.grad_sink(node, i)
   return m.sink
 end
 
+-- The sink of a leaf tensor t (set_grad_sink) when t needs its gradient
+-- and has no hooks; else nil. For ops that make a weight's gradient in
+-- their forward (the fused linear cross-entropy).
+function A.leaf_sink(t)
+  if not needs(t) then return nil end
+  local m = peekmeta(t)
+  if not m or not m.sink or m.hooks or m.post_hooks or m.grad_fn then return nil end
+  return m.sink
+end
+
 -- Walk `tape` in reverse. grads: id -> gradient (owned by the walk unless
 -- borrowed[id]). Leaves up to the caller: clearing the tape.
 local function walk(tape, grads, borrowed, root)
@@ -618,10 +628,14 @@ local function backward(t, grad)
       run_hooks(hooks.backward_end)
       local q = queued
       queued = {}
-      for i = 1, #q do q[i]() end
+      for i = 1, #q do q[i].fn() end
     end)
   else
+    -- a backward cut short: only the callbacks queued with always (their
+    -- own errors dropped: the first error is the one raised)
+    local q = queued
     queued = {}
+    for i = 1, #q do if q[i].always then pcall(q[i].fn) end end
   end
   enabled = prev
   if not ok then error(err, 0) end
@@ -678,9 +692,10 @@ function A.register_hook(event, fn)
   return h
 end
 
-function A.queue_callback(fn)
+function A.queue_callback(fn, opts)
   if active == nil then error('queue_callback: no backward is running', 2) end
-  queued[#queued + 1] = fn
+  if type(fn) ~= 'function' then error('queue_callback: fn must be a function', 2) end
+  queued[#queued + 1] = { fn = fn, always = opts ~= nil and opts.always == true }
 end
 
 -- true when a module's forward should be bracketed by markers

@@ -172,15 +172,43 @@ function M.chunk_rows(x, W, opts)
   return tonumber(C.ms_flce_chunk_rows(o, bt, x.shape[x.ndim], W.shape[1], x.dtype_id, x.device_id))
 end
 
--- one call of ms_flce; want: which outputs (loss, z, acc, gx, gw, gb) to make
-local function run(o, x2, W, t1, bias, cew, gs, want)
+-- one call of ms_flce; want: which outputs (loss, z, acc, gx, gw, gb) to
+-- make; into: tensors to write outputs into (by position; not returned)
+local function run(o, x2, W, t1, bias, cew, gs, want, into)
   local slots = {}
-  for k = 1, 6 do slots[k] = want[k] and box_t() or nil end
+  for k = 1, 6 do
+    if want[k] then
+      slots[k] = box_t()
+      if into and into[k] then slots[k][0] = into[k] end
+    end
+  end
   local rc = C.ms_flce(o, x2, W, t1, bias, cew, gs, slots[1], slots[2], slots[3], slots[4], slots[5], slots[6])
   if rc ~= 0 then raise(ffi.string(C.ms_last_error())) end
   local r = {}
-  for k = 1, 6 do if slots[k] then r[k] = T.wrap(slots[k][0]) end end
+  for k = 1, 6 do if slots[k] and not (into and into[k]) then r[k] = T.wrap(slots[k][0]) end end
   return r
+end
+
+-- The weight's gradient sink (autograd.set_grad_sink: FSDP's f32 region of
+-- the unsharded gradient buffer) when grad_W can be accumulated there in
+-- the forward: the sink empty (written[i] nil: a gradient already there
+-- would be scaled with this one by the backward), in the accumulator's
+-- dtype (f32; f64 for f64 W), on W's device, accumulation not forced to W's
+-- dtype. The sink is then marked with a token until this loss's backward
+-- has scaled it (written[i] = true): a token left at the owner's collect
+-- (FSDP: the unit's backward end) is a forward whose backward never ran,
+-- and its region counts as unwritten; other writers leave a marked sink
+-- alone (nn.functional's weight_grad). MS_FLCE_SINK=0 turns this off.
+local use_sinks = os.getenv('MS_FLCE_SINK') ~= '0'   -- MS_FLCE_SINK=0: never (to compare)
+local function sink_for(wt, W, o)
+  if not use_sinks then return nil end
+  local sink = A.leaf_sink(wt)
+  if sink == nil or sink.written[sink.i] ~= nil then return nil end
+  local acc = W.dtype_id == T.dtype_id('f64') and T.dtype_id('f64') or T.dtype_id('f32')
+  if sink.t.dtype_id ~= acc or sink.t.device_id ~= W.device_id or sink.t.storage == nil then return nil end
+  if o.accum_dtype ~= -1 and o.accum_dtype ~= acc then return nil end
+  if o.grad_dtype ~= -1 and o.grad_dtype ~= acc then return nil end
+  return sink
 end
 
 -- x (..., H) -> (BT, H), targets (...) -> (BT): views when possible
@@ -204,6 +232,15 @@ end
 -- backward of 'mean'/'sum': the gradients were computed in the forward
 local function bwd_reduced(node, g)
   local s = node.saved
+  local sk = s.sink
+  if sk then   -- grad_W is in the sink (sink_for): scaled there, nothing returned
+    if sk.written[sk.i] ~= sk.token or sk.t.storage == nil then
+      error(('%s: the gradient buffer W\'s gradient was written into in the forward was released or reset before '
+        .. 'this backward (a zero_grad between the forward and the backward?): the gradient is lost'):format(NAME), 0)
+    end
+    if C.ms_flce_scale_(sk.t, g) ~= 0 then error(ffi.string(C.ms_last_error()), 0) end
+    sk.written[sk.i] = true
+  end
   local out = {}
   for k, t in pairs({ s.gx, s.gw, s.gb }) do
     if C.ms_flce_scale_(t, g) ~= 0 then error(ffi.string(C.ms_last_error()), 0) end
@@ -263,9 +300,20 @@ function M.fused_linear_cross_entropy(x, W, targets, opts)
   end
   local record = A.want(x, wt, bias)
   local grads = record and red ~= 'none'
+  local sink = grads and needs(wt) and sink_for(wt, W, o) or nil
+  local into = nil
+  if sink then
+    o.grad_dtype = sink.t.dtype_id
+    into = { [5] = sink.t }
+  end
   local r = run(o, x2, W, t1, bias, cew, nil, {
     true, opts.return_z_loss and true or false, opts.return_accuracy and true or false,
-    grads and needs(x), grads and needs(wt), grads and bias ~= nil and needs(bias) })
+    grads and needs(x), grads and needs(wt), grads and bias ~= nil and needs(bias) }, into)
+  local sk = nil
+  if sink then
+    sk = { t = sink.t, written = sink.written, i = sink.i, token = {} }
+    sink.written[sink.i] = sk.token
+  end
   local loss, z, acc = r[1], r[2], r[3]
   if red == 'none' and targets.ndim ~= 1 then
     local l = R.view(loss, targets.shape)
@@ -290,7 +338,7 @@ function M.fused_linear_cross_entropy(x, W, targets, opts)
     end
     local own = {}
     for k = 4, 6 do if r[k] then own[#own + 1] = r[k] end end
-    A.record_list(NAME, loss, bwd_reduced, { gx = r[4], gw = r[5], gb = r[6], xshape = xshape }, own, list)
+    A.record_list(NAME, loss, bwd_reduced, { gx = r[4], gw = r[5], gb = r[6], xshape = xshape, sink = sk }, own, list)
   end
   if x2 ~= x then free(x2) end
   if t1 ~= targets then free(t1) end

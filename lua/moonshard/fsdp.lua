@@ -605,6 +605,10 @@ end
 function Unit:collect_grads()
   for i, v in ipairs(self.views) do
     if not self.grad_direct then A().set_grad_sink(v, nil) end
+    -- a fused linear cross-entropy's mark (moonshard.flce): its forward
+    -- wrote the region, its backward did not run (a forward without
+    -- backward before this one): what is there is no gradient of this pass
+    if type(self.gwritten and self.gwritten[i]) == 'table' then self.gwritten[i] = nil end
     local g = v.grad
     if g ~= nil then
       v.grad = nil
@@ -751,6 +755,13 @@ local function install_hooks(st, u)
     u:gather_start()
     if st.forward_prefetch and not st.in_backward then prefetch(st, next_in(st.prev_fwd, st.prev_fwd_pos, u)) end
     u:unshard()
+    -- the LM head's forward is the fused linear cross-entropy, which makes
+    -- the head weight's gradient there: its sink (the f32 buffer) is
+    -- registered now, so grad_W accumulates there with no f32 accumulator
+    -- and no bf16 gradient of its own (docs/fsdp.md, "Mixed precision")
+    if u.head and st.grad_sinks and not u.grad_direct and not st.in_backward and Ad.is_grad_enabled() then
+      u:prepare_grads()
+    end
   end, true)   -- passive: the unit's inputs and outputs pass untouched
   m:register_forward_hook(function()
     if st.in_backward then return end        -- a checkpointed region's recompute
@@ -769,7 +780,11 @@ local function install_hooks(st, u)
       local order = {}
       for i = #st.cur_end, 1, -1 do order[#order + 1] = st.cur_end[i] end
       st.bwd_order, st.bwd_pos = order, index_of(order)
-      Ad.queue_callback(function() on_backward_end(st) end)
+      -- (also when the backward fails: the collectives in flight are
+      -- waited for and the units resharded, so the next forward starts
+      -- clean; the gradients are then partial, as a failed backward
+      -- leaves them anywhere)
+      Ad.queue_callback(function() on_backward_end(st) end, { always = true })
     end
     trace(st, 'backward', u)
     u:gather_start()

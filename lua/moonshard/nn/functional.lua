@@ -165,9 +165,12 @@ local function take_pending_sum(node, g)
 end
 
 -- whether the weight's gradient can go straight into sink (A.grad_sink):
--- operands of one dtype, the sink in theirs or f32 of bf16/f16 ones
+-- operands of one dtype, the sink in theirs or f32 of bf16/f16 ones, and
+-- the sink not held by a fused linear cross-entropy whose backward is still
+-- to scale it (a table in written: moonshard.flce)
 local function sink_fits(sink, a, b)
   if not sink or a.dtype_id ~= b.dtype_id or a.device_id ~= sink.t.device_id then return false end
+  if type(sink.written[sink.i]) == 'table' then return false end
   local sd, d = sink.t.dtype_id, a.dtype_id
   return sd == d or (sd == 1 and (d == 2 or d == 3))
 end
