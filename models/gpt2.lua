@@ -130,7 +130,9 @@ end
 function GPT2Model:forward(input_ids)
   local Tn = input_ids.shape[2]
   local pos = ms.arange(Tn, { dtype = 'i64', device = input_ids.device })
-  local x = self.drop(self.wte(input_ids) + self.wpe(pos))
+  local pe = self.wpe(pos)
+  pos:free()   -- (the embedding keeps its own handle for its backward)
+  local x = self.drop(self.wte(input_ids) + pe)
   local n, deferred = #self.h, fusable_norm(self.ln_f)
   for i = 1, n do deferred = deferred and self.h[i]:deferrable() end
   if deferred and n > 0 then

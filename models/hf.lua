@@ -334,7 +334,9 @@ function hf.check_ids(ids, name, what, vocab, max_len, level)
   -- on the GPU the embedding kernel checks every id (a device flag raised at
   -- the next sync point): reading max/min here would sync every forward
   if vocab and ids.device_id < 0 then
-    local hi, lo = ms.max(ids):item(), ms.min(ids):item()
+    local th, tl = ms.max(ids), ms.min(ids)
+    local hi, lo = th:item(), tl:item()
+    th:free(); tl:free()
     if hi >= vocab or lo < 0 then
       local bad = hi >= vocab and hi or lo
       error(('%s: %s holds token id %d, outside the vocabulary [0, %d)'):format(name, what, bad, vocab), level)

@@ -638,6 +638,45 @@ describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', func
     end
   end)
 
+  it('with release_activations a step frees everything it made without the collector (gpt2-tiny, llama-tiny; bf16)', function()
+    local FSS = require 'spec.fsdp_support'
+    for _, fam in ipairs({ { 'gpt2-tiny', 'GPT2Block' }, { 'llama-tiny', 'LlamaDecoderLayer' } }) do
+      local prev = ms.autograd.release_activations
+      ms.autograd.release_activations = true
+      local ok, err = pcall(function()
+        local model = fsdp.fully_shard(FSS.load_model(fam[1]), { policy = fsdp.policy.by_class { fam[2] },
+                                                                 mixed_precision = { param = 'bf16' } })
+        local opt = fsdp.AdamW(model, { lr = 1e-3 })
+        local x, y = rows(160 + R, 2)
+        local function step()
+          opt:zero_grad()
+          local loss = model(x, y)
+          loss:backward()
+          fsdp.clip_grad_norm(model, 1.0, { defer = opt }):free()
+          opt:step()
+          loss:free()
+          opt:zero_grad()
+        end
+        step(); step()   -- the optimizer's state made
+        collectgarbage(); collectgarbage()
+        collectgarbage('stop')
+        local base = ms.live_bytes(-1)
+        local grew = {}
+        for k = 1, 4 do
+          step()
+          grew[k] = ms.live_bytes(-1) - base
+        end
+        collectgarbage('restart')
+        for k = 1, 4 do
+          assert.are.equal(0, grew[k], ('%s: %d bytes more after step %d, with the collector stopped'):format(fam[1], grew[k], k))
+        end
+      end)
+      collectgarbage('restart')
+      ms.autograd.release_activations = prev
+      assert(ok, err)
+    end
+  end)
+
   it('reports the measured figures (rank 0, MS_FSDP_REPORT=1)', function()
     if R == 0 and os.getenv('MS_FSDP_REPORT') == '1' then io.stderr:write('\n' .. table.concat(report, '\n') .. '\n') end
   end)

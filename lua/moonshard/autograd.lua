@@ -1506,7 +1506,7 @@ function FunctionMT:apply(...)
   if not anyneed then return unpack(outs, 1, outs.n) end
   local node = new_node(self.name or 'Function', fn_bwd, args, args.n)
   record_outputs(node, outs, args)
-  node.borrow_results = true
+  node.borrow_results = not self.owns_results
   node.saved = { ctx = ctx, def = self }
   push(node)
   return unpack(outs, 1, outs.n)
@@ -1517,7 +1517,8 @@ function A.Function(def)
   if type(def) ~= 'table' or type(def.forward) ~= 'function' or type(def.backward) ~= 'function' then
     error('Function: expected a table with forward(ctx, ...) and backward(ctx, grad) functions', 2)
   end
-  return setmetatable({ forward = def.forward, backward = def.backward, name = def.name }, FunctionMT)
+  return setmetatable({ forward = def.forward, backward = def.backward, name = def.name,
+                        owns_results = def.owns_results == true }, FunctionMT)
 end
 
 -- --------------------------------------------------------------- checkpoint

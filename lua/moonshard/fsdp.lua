@@ -141,7 +141,9 @@ function FlatParam.new(params, opts)
   -- them on the tape and keep them alive)
   no_grad(function()
     local flat = self:flatten(params, self.master_dtype)
-    self.shard = self:local_shard(flat):clone()
+    local mine = self:local_shard(flat)
+    self.shard = mine:clone()
+    mine:free()
     flat:free()
   end)
   return self
@@ -159,21 +161,27 @@ function FlatParam:flatten(params, dtype)
       error(('flatten: parameter %d has %d elements, the layout %d'):format(i, p:numel(), self.numels[i]), 2)
     end
     if self.numels[i] > 0 then
-      flat:narrow(1, self.layout.offsets[i] + 1, self.numels[i]):copy_(p:reshape(self.numels[i]))
+      local dst, src = flat:narrow(1, self.layout.offsets[i] + 1, self.numels[i]), p:reshape(self.numels[i])
+      dst:copy_(src)
+      dst:free(); src:free()
     end
   end
   return flat
 end
 
 -- each parameter as a view of `flat` (a tensor of layout.total elements), in
--- its original shape
+-- its original shape. (Every handle on a view holds the buffer's storage:
+-- an intermediate left to the collector would keep a freed gradient buffer
+-- allocated until it ran, so each is released here.)
 function FlatParam:views(flat)
   if not T.is_tensor(flat) or flat:numel() ~= self.total or flat:dim() ~= 1 then
     error(('views: need a 1-d flat tensor of %d elements'):format(self.total), 2)
   end
   local r = {}
   for i = 1, self.nparams do
-    r[i] = flat:narrow(1, self.layout.offsets[i] + 1, self.numels[i]):view(self.shapes[i])
+    local n = flat:narrow(1, self.layout.offsets[i] + 1, self.numels[i])
+    r[i] = n:view(self.shapes[i])
+    n:free()
   end
   return r
 end
@@ -499,7 +507,11 @@ function Unit:gather_start()
     -- math draw less power and run faster than on real data (docs/fsdp.md)
     local n = fp.shard_numel
     no_grad(function()
-      for r = 0, fp.world_size - 1 do self.flat:narrow(1, r * n + 1, n):copy_(src) end
+      for r = 0, fp.world_size - 1 do
+        local dst = self.flat:narrow(1, r * n + 1, n)
+        dst:copy_(src)
+        dst:free()
+      end
     end)
   else
     local reg = self:copy_reg(src)
@@ -562,10 +574,10 @@ function Unit:prepare_grads()
       local lay, pos = fp.layout, 0
       for i = 1, fp.nparams do
         local off = lay.offsets[i]
-        if off > pos then self.gbuf:narrow(1, pos + 1, off - pos):fill_(0) end
+        if off > pos then local z = self.gbuf:narrow(1, pos + 1, off - pos); z:fill_(0); z:free() end
         pos = off + lay.numels[i]
       end
-      if fp.total > pos then self.gbuf:narrow(1, pos + 1, fp.total - pos):fill_(0) end
+      if fp.total > pos then local z = self.gbuf:narrow(1, pos + 1, fp.total - pos); z:fill_(0); z:free() end
     end
     self.gviews = fp:views(self.gbuf)
     self.gwritten = {}   -- views collect_grads wrote since the buffer was made
@@ -659,7 +671,11 @@ function Unit:reduce_grads()
       -- rank's own part of the input (a copy, so the gradient stays
       -- finite), no collective
       pend.out = T.empty({ fp.shard_numel }, { dtype = src.dtype, device = fp.device })
-      no_grad(function() pend.out:copy_(fp:local_shard(src)) end)
+      no_grad(function()
+        local mine = fp:local_shard(src)
+        pend.out:copy_(mine)
+        mine:free()
+      end)
     else
       pend.out = T.empty({ fp.shard_numel }, { dtype = src.dtype, device = fp.device })
       -- f32, no pre-divide (n <= 3) and the shard group is every data-parallel
@@ -1232,7 +1248,10 @@ function fsdp.clip_grad_norm(model, max_norm, opts)
   end
   local device = st.units[1] and st.units[1].fp.device or -1
   local sq
-  if #grads > 0 then sq = Fo.sum_squares(grads):reshape({ 1 })
+  if #grads > 0 then
+    local s0 = Fo.sum_squares(grads)
+    sq = s0:reshape({ 1 })
+    s0:free()
   else sq = T.zeros({ 1 }, { dtype = 'f64', device = device }) end
   if sq.device_id ~= device then
     -- offload: the host's sum of squares goes to the device (the
@@ -1257,6 +1276,7 @@ function fsdp.clip_grad_norm(model, max_norm, opts)
     local c1 = Fo.clamp(coef, nil, 1.0)
     coef:free()
     defer:defer_grad_scale(c1:reshape({ 1 }))
+    c1:free()
   elseif #grads > 0 then
     local denom = Fo.add(total, 1e-6)
     local coef = Fo.div(max_norm, denom)

@@ -25,7 +25,7 @@
 --   add_layer_norm(x, h, w?, b?, eps) -> x + h, layer_norm(x + h): one node, two outputs
 --   add_rms_norm(x, h, w?, eps) -> x + h, rms_norm(x + h): the same
 --   apply_rotary(x (..., T, D), cos (T, D), sin (T, D))   (HF rotate_half)
---   rope_cache(T, head_dim, theta, dtype, device) -> cos, sin (cached)
+--   rope_cache(T, head_dim, theta, dtype, device, as?) -> cos, sin (cached; as: cast to that dtype, cached too)
 --   lm_loss(hidden (B,T,C), weight (V,C), targets (B,T), opts)
 --
 -- Low-precision inputs (bf16/f16) of the norms, softmax-based losses and
@@ -394,7 +394,9 @@ function nnf.embedding(ids, w)
     free(y2)
   end
   if want(w) then
-    record1('embedding', y, bwd_embedding, { flat }, flat ~= ids and { flat } or nil, ids, w)
+    -- the node's own handle on the ids, so the caller may free theirs
+    local saved = flat ~= ids and flat or R.alias(ids)
+    record1('embedding', y, bwd_embedding, { saved }, { saved }, ids, w)
   elseif flat ~= ids then
     free(flat)
   end
@@ -527,8 +529,12 @@ local function publish_sum(ctx, gh, sum)
   publish_pending_sum(ctx.hid, gh, sum)
 end
 
+-- (owns_results: the backward's gradients are new tensors the walk frees
+-- once handed on, and the saved statistics are freed at its end: nothing of
+-- a step waits for the Lua collector)
 local AddLayerNorm = A.Function {
   name = 'add_layer_norm',
+  owns_results = true,
   forward = function(ctx, x, h, w, b, eps)
     local odt = amp.norm_out_dtype(x, promote_float(x.dtype_id, h.dtype_id))   -- the sum's, as layer_norm(x + h)
     local res, y, mean, rstd = F.native_add_layer_norm(x, h, w, b, eps, odt)
@@ -546,6 +552,7 @@ local AddLayerNorm = A.Function {
     local dx, dw, db, dxl, dls = F.native_layer_norm_backward_add(g_y, st[1], st[2], st[3], st[4], g_res,
       { dx = need[1] or need[2], dw = need[3] == true, db = need[4] == true,
         dxl = sum or wants_low(ctx, st[1], g_y), dxl_sum = sum })
+    free(st[2]); free(st[3])   -- mean, rstd: made by the forward for this alone
     local gx, gh = add_norm_grads(need, dx, dxl)
     publish_sum(ctx, gh, dls)
     return gx, gh, dw, db
@@ -561,6 +568,7 @@ end
 -- (Llama's residual add and post_attention_layernorm)
 local AddRMSNorm = A.Function {
   name = 'add_rms_norm',
+  owns_results = true,
   forward = function(ctx, x, h, w, eps)
     local sdt = promote_float(x.dtype_id, h.dtype_id)
     local odt = amp.norm_out_dtype(x, w ~= nil and promote_float(sdt, w.dtype_id) or sdt)
@@ -576,6 +584,7 @@ local AddRMSNorm = A.Function {
     local sum = wants_sum(ctx, g_y)
     local dx, dw, dxl, dls = F.native_rms_norm_backward_add(g_y, st[1], st[2], st[3], g_res,
       { dx = need[1] or need[2], dw = need[3] == true, dxl = sum or wants_low(ctx, st[1], g_y), dxl_sum = sum })
+    free(st[2])   -- rstd: made by the forward for this alone
     local gx, gh = add_norm_grads(need, dx, dxl)
     publish_sum(ctx, gh, dls)
     return gx, gh, dw
@@ -1144,9 +1153,21 @@ end
 -- emb = cat(freqs, freqs) as Hugging Face builds it; computed in f64 and
 -- cast to dtype; cached
 local rope_cache = {}
-function nnf.rope_cache(T_, head_dim, theta, dtype, device)
+-- as: a dtype the tables are then cast to (from dtype's, cached too: the
+-- bf16 tables of a bf16 model, rounded from the f32 ones, not made again
+-- each forward)
+function nnf.rope_cache(T_, head_dim, theta, dtype, device, as)
   dtype = dtype or 'f32'
   device = device or -1
+  if as ~= nil and as ~= dtype then
+    local key = T_ .. ':' .. head_dim .. ':' .. theta .. ':' .. tostring(dtype) .. ':' .. tostring(device) .. ':as:' .. tostring(as)
+    local c = rope_cache[key]
+    if c and c[1].storage ~= nil then return c[1], c[2] end
+    local cs, sn = nnf.rope_cache(T_, head_dim, theta, dtype, device)
+    c = { R.to(cs, { dtype = as }), R.to(sn, { dtype = as }) }
+    rope_cache[key] = c
+    return c[1], c[2]
+  end
   local key = T_ .. ':' .. head_dim .. ':' .. theta .. ':' .. tostring(dtype) .. ':' .. tostring(device)
   local c = rope_cache[key]
   if c and c[1].storage ~= nil then return c[1], c[2] end

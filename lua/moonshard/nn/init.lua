@@ -809,10 +809,7 @@ function Attention:forward(x)
   v = v:view(B, Tn, Hkv, hd):transpose(2, 3)
   if self.rope_theta then
     local cdt = (q.dtype == 'f64') and 'f64' or 'f32'
-    local cos, sin = nnf.rope_cache(Tn, hd, self.rope_theta, cdt, q.device_id)
-    if q.dtype ~= cdt then
-      cos, sin = cos:to(q.dtype), sin:to(q.dtype)
-    end
+    local cos, sin = nnf.rope_cache(Tn, hd, self.rope_theta, cdt, q.device_id, q.dtype)
     q = nnf.apply_rotary(q, cos, sin)
     k = nnf.apply_rotary(k, cos, sin)
   end
