@@ -68,6 +68,23 @@ describe('gradcheck: fused norms', function()
   end)
 end)
 
+describe('gradcheck: fused add + norm', function()
+  -- x a leaf whose other gradient arrives after the norm's and before h's:
+  -- the norm hands x and h the same dx; x's gradient, added into in place,
+  -- must not be h's storage
+  for _, which in ipairs({ 'add_rms_norm', 'add_layer_norm' }) do
+    it(which .. ': res and y, x a leaf used again, h from an earlier op', function()
+      local x, hh, w = rnd({ 4, 8 }), rnd({ 4, 8 }), rnd({ 8 })
+      check(function()
+        local h = hh * 2
+        local s0 = x:square():sum()
+        local res, y = nnf[which](x, h, w)
+        return s0 + (res * 3):sum() + y:square():sum()
+      end, { x, hh, w })
+    end)
+  end
+end)
+
 describe('gradcheck: fused rotary embedding', function()
   it('apply_rotary with a rope cache, contiguous and transposed inputs', function()
     local cos, sin = nnf.rope_cache(5, 8, 10000, 'f64')

@@ -483,9 +483,13 @@ end
 local function wants_low(ctx, res, g_y)
   return ctx.needs_input_grad[2] and ctx.hdt ~= res.dtype_id and ctx.hdt == g_y.dtype_id
 end
--- the gradients of x and h from dx (and dxl): dx freed when only h needs one
+-- the gradients of x and h from dx (and dxl): dx freed when only h needs one;
+-- when both get dx, h gets a handle of its own (the Functions own their
+-- results: one storage under two handles is never taken as a leaf's .grad,
+-- which backward may add into in place)
 local function add_norm_grads(need, dx, dxl)
   if dxl and not need[1] then free(dx) end
+  if need[1] and need[2] and not dxl then return dx, R.alias(dx) end
   return need[1] and dx or nil, need[2] and (dxl or dx) or nil
 end
 -- the backward nodes of affine layers with a bias, and the bias's input
