@@ -19,11 +19,7 @@ local function batch(r, k)
   return FS.lcg_batch(4242 + 7919 * r + 101 * (k or 0), 2, 16)
 end
 
--- ||a - b|| / ||b||
-local function norm_rel(a, b)
-  local a64, b64 = a:to('f64'), b:to('f64')
-  return math.sqrt((a64 - b64):square():sum():item()) / math.max(math.sqrt(b64:square():sum():item()), 1e-30)
-end
+local norm_rel = FS.norm_rel
 
 describe('fsdp: the LM head unit\'s gradient sink #mpi', function()
   if not under_mpi then

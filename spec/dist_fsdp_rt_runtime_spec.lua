@@ -24,11 +24,7 @@ local function rows(key, n)
 end
 local rel = FS.rel
 local max_rel = FS.max_rel
--- ||a - b|| / ||b|| (DESIGN.md's measure for dtype bounds)
-local function norm_rel(a, b)
-  local a64, b64 = a:to('f64'), b:to('f64')
-  return math.sqrt((a64 - b64):square():sum():item()) / math.max(math.sqrt(b64:square():sum():item()), 1e-30)
-end
+local norm_rel = FS.norm_rel
 -- the CPU bytes of live storages once the collector has nothing more to
 -- free (S.settled)
 local function live()

@@ -43,6 +43,12 @@ function S.lcg_batch(seed, n, seq)
   return T.tensor(ids, { dtype = 'i64' }), T.tensor(tg, { dtype = 'i64' })
 end
 
+-- ||a − b|| / ||b|| of tensors, in f64 (DESIGN.md's measure for dtype bounds)
+function S.norm_rel(a, b)
+  local a64, b64 = a:to('f64'), b:to('f64')
+  return math.sqrt((a64 - b64):square():sum():item()) / math.max(math.sqrt(b64:square():sum():item()), 1e-30)
+end
+
 -- |a − b| / |b| of numbers
 function S.rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
 
