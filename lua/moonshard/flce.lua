@@ -235,8 +235,9 @@ local function bwd_reduced(node, g)
   local sk = s.sink
   if sk then   -- grad_W is in the sink (sink_for): scaled there, nothing returned
     if sk.written[sk.i] ~= sk.token or sk.t.storage == nil then
-      error(('%s: the gradient buffer W\'s gradient was written into in the forward was released or reset before '
-        .. 'this backward (a zero_grad between the forward and the backward?): the gradient is lost'):format(NAME), 0)
+      error(('%s: the forward wrote W\'s gradient %s into its gradient sink, and that buffer was released or '
+        .. 'reset before this backward (a zero_grad between the forward and the backward?): the gradient is lost')
+        :format(NAME, sk.shape), 0)
     end
     if C.ms_flce_scale_(sk.t, g) ~= 0 then error(ffi.string(C.ms_last_error()), 0) end
     sk.written[sk.i] = true
@@ -311,7 +312,7 @@ function M.fused_linear_cross_entropy(x, W, targets, opts)
     grads and needs(x), grads and needs(wt), grads and bias ~= nil and needs(bias) }, into)
   local sk = nil
   if sink then
-    sk = { t = sink.t, written = sink.written, i = sink.i, token = {} }
+    sk = { t = sink.t, written = sink.written, i = sink.i, token = {}, shape = shape_str(W.shape) }
     sink.written[sink.i] = sk.token
   end
   local loss, z, acc = r[1], r[2], r[3]
