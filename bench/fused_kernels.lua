@@ -4,7 +4,13 @@
 -- replace where there is one.
 --
 --   luajit bench/fused_kernels.lua [--iters 20] [--warmup 3]
+--   luajit bench/fused_kernels.lua --only masters --adam-m 1200 --adam-n 17
 --
+-- The last rows: AdamW over --adam-m million elements in --adam-n tensors
+-- (200 in 8) with f32 masters and bf16 parameters (fsdp.AdamW writing the
+-- low-precision shard copies in its step) against the f32 step followed by
+-- a cast (the refresh pass it replaced), with a clip coefficient; --only
+-- masters runs only those.
 -- Shapes: GPT-2 124M at B=32, T=1024 (norms over (32768, 768), AdamW and
 -- the grad norm over its 148 parameter tensors) and a Llama-8B-like layer
 -- (RMSNorm over (8192, 4096), RoPE on q (8, 32, 1024, 128) read through the
