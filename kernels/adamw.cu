@@ -16,7 +16,9 @@
 // dtype pair, their pointers and sizes passed by value; each block owns a
 // CHUNK of one tensor (block_start maps blocks to tensors) and each thread
 // ILP elements spaced a block apart, so loads stay coalesced for any
-// alignment. Longer or mixed lists take several launches.
+// alignment; a tensor whose arrays are all aligned for two elements a load
+// goes in pairs of adjacent elements (PILP pairs a thread a step), the same
+// math. Longer or mixed lists take several launches.
 //
 // Sum of squares: the same list walk; each block adds its chunk's squares
 // in f64 (threads, then warps in order) into one slot of a partial array,
@@ -28,6 +30,9 @@
 #include "vec.cuh"
 
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 namespace {
 
@@ -35,6 +40,7 @@ const int MAX_TENSORS = 48;   // per launch: pointers and sizes fit the kernel's
 const int CHUNK = 16384;      // elements per block
 const int THREADS = 512;
 const int ILP = 4;            // elements per thread per step, a block apart
+const int PILP = 2;           // pairs of adjacent elements per thread per step (the paired form)
 
 struct adam_list {
     void *p[MAX_TENSORS];
@@ -43,6 +49,7 @@ struct adam_list {
     void *v[MAX_TENSORS];
     void *w[MAX_TENSORS];   // the f32 master of p (or NULL): read and written instead of p
     long long n[MAX_TENSORS];
+    unsigned char pairs[MAX_TENSORS];  // every array aligned for two elements a load: the paired form
     int block_start[MAX_TENSORS + 1];  // block_start[count] = blocks of the launch
     int count;
 };
@@ -65,18 +72,43 @@ __device__ __forceinline__ int tensor_of(const int *block_start, int count, int 
     return t;
 }
 
+// the constants of a launch
+template <typename S> struct adam_k {
+    S beta1, beta2, eps, decay, step_size, bc2_sqrt, sc;
+    bool scaled;
+};
+
+// one element: its stored gradient, moments and value in; the moments
+// updated in place, the new value returned (f32 math; f64 for f64)
+template <typename G, typename S>
+__device__ __forceinline__ S adam_one(G gs, S &m, S &v, S p, const adam_k<S> &k) {
+    S g = (S)conv<G>::load(gs);
+    if (k.scaled) g = (S)conv<G>::load(conv<G>::store(g * k.sc));
+    m = k.beta1 * m + ((S)1 - k.beta1) * g;
+    v = k.beta2 * v + ((S)1 - k.beta2) * g * g;
+    return p * k.decay - k.step_size * m / (sqrt(v) / k.bc2_sqrt + k.eps);
+}
+
+// two adjacent elements, loaded and stored as one (8 bytes of f32, 4 of bf16)
+template <typename T> struct alignas(2 * sizeof(T)) pair_of {
+    T a, b;
+};
+
 // Each block's pointers are moved to its chunk's start once, so a thread's
 // elements sit at 32-bit offsets THREADS apart: one 64-bit address per array
 // and immediate offsets (a 64-bit index per element and array took 70
 // registers, one block of 512 threads an SM, 61-65% of the copy bandwidth
-// with bf16 parameters or gradients; bench/fused_kernels.lua).
+// with bf16 parameters or gradients; bench/fused_kernels.lua). A tensor
+// whose arrays are all aligned for it is taken in pairs of adjacent
+// elements (L.pairs): one load or store of two, so a bf16 store moves 4
+// bytes a thread instead of 2; the math and the bits are the same.
 template <typename P, typename G, typename S>
-__global__ void __launch_bounds__(THREADS, 2) adamw_kernel(adam_list L, S beta1, S beta2, S eps, S decay,
-                                                        S step_size, S bc2_sqrt, const double *__restrict__ gscale) {
+__global__ void __launch_bounds__(THREADS, 2) adamw_kernel(adam_list L, adam_k<S> K, const double *__restrict__ gscale) {
     const int t = tensor_of(L.block_start, L.count, blockIdx.x);
     // the clip coefficient (or 1): g·round_G(scale), rounded to G, as a
     // multiply of the stored gradient would have left it
-    const S sc = gscale ? (S)conv<G>::load(conv<G>::store((S)gscale[0])) : (S)1;
+    if (gscale) K.sc = (S)conv<G>::load(conv<G>::store((S)gscale[0]));
+    K.scaled = gscale != nullptr;
     const long long lo = (long long)(blockIdx.x - L.block_start[t]) * CHUNK;
     const int len = (int)(L.n[t] - lo < CHUNK ? L.n[t] - lo : CHUNK);
     P *__restrict__ p = (P *)L.p[t] + lo;
@@ -84,14 +116,60 @@ __global__ void __launch_bounds__(THREADS, 2) adamw_kernel(adam_list L, S beta1,
     S *__restrict__ m = (S *)L.m[t] + lo;
     S *__restrict__ v = (S *)L.v[t] + lo;
     S *__restrict__ w = L.w[t] ? (S *)L.w[t] + lo : nullptr;
-    for (int base = threadIdx.x; base < len; base += THREADS * ILP) {
-        S gi[ILP], mi[ILP], vi[ILP], pi[ILP];
+    int done = 0;   // elements taken in pairs
+    if (L.pairs[t]) {
+        const int np = len >> 1;
+        const pair_of<G> *g2 = (const pair_of<G> *)g;
+        pair_of<S> *m2 = (pair_of<S> *)m, *v2 = (pair_of<S> *)v, *w2 = (pair_of<S> *)w;
+        pair_of<P> *p2 = (pair_of<P> *)p;
+        for (int base = threadIdx.x; base < np; base += THREADS * PILP) {
+            pair_of<G> gi[PILP];
+            pair_of<S> mi[PILP], vi[PILP], pi[PILP];
+#pragma unroll
+            for (int k = 0; k < PILP; k++) {
+                const int j = base + k * THREADS;
+                if (j < np) {
+                    gi[k] = g2[j];
+                    mi[k] = m2[j];
+                    vi[k] = v2[j];
+                    if (w) {
+                        pi[k] = w2[j];
+                    } else {
+                        const pair_of<P> q = p2[j];
+                        pi[k].a = (S)conv<P>::load(q.a);
+                        pi[k].b = (S)conv<P>::load(q.b);
+                    }
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < PILP; k++) {
+                const int j = base + k * THREADS;
+                if (j < np) {
+                    pair_of<S> r;
+                    r.a = adam_one<G, S>(gi[k].a, mi[k].a, vi[k].a, pi[k].a, K);
+                    r.b = adam_one<G, S>(gi[k].b, mi[k].b, vi[k].b, pi[k].b, K);
+                    m2[j] = mi[k];
+                    v2[j] = vi[k];
+                    if (w) w2[j] = r;
+                    pair_of<P> q;
+                    q.a = conv<P>::store(r.a);
+                    q.b = conv<P>::store(r.b);
+                    p2[j] = q;
+                }
+            }
+        }
+        done = np * 2;
+    }
+    // the rest one element at a time (all of it without pairs; an odd
+    // chunk's last element with them)
+    for (int base = done + threadIdx.x; base < len; base += THREADS * ILP) {
+        G gi[ILP];
+        S mi[ILP], vi[ILP], pi[ILP];
 #pragma unroll
         for (int k = 0; k < ILP; k++) {
             const int i = base + k * THREADS;
             if (i < len) {
-                gi[k] = (S)conv<G>::load(g[i]);
-                if (gscale) gi[k] = (S)conv<G>::load(conv<G>::store(gi[k] * sc));
+                gi[k] = g[i];
                 mi[k] = m[i];
                 vi[k] = v[i];
                 pi[k] = w ? w[i] : (S)conv<P>::load(p[i]);
@@ -101,11 +179,9 @@ __global__ void __launch_bounds__(THREADS, 2) adamw_kernel(adam_list L, S beta1,
         for (int k = 0; k < ILP; k++) {
             const int i = base + k * THREADS;
             if (i < len) {
-                const S mk = beta1 * mi[k] + ((S)1 - beta1) * gi[k];
-                const S vk = beta2 * vi[k] + ((S)1 - beta2) * gi[k] * gi[k];
-                const S pk = pi[k] * decay - step_size * mk / (sqrt(vk) / bc2_sqrt + eps);
-                m[i] = mk;
-                v[i] = vk;
+                const S pk = adam_one<G, S>(gi[k], mi[k], vi[k], pi[k], K);
+                m[i] = mi[k];
+                v[i] = vi[k];
                 if (w) w[i] = pk;
                 p[i] = conv<P>::store(pk);
             }
@@ -167,8 +243,16 @@ long long blocks_for(long long n) { return (n + CHUNK - 1) / CHUNK; }
 template <typename P, typename G, typename S>
 int launch_adamw(const adam_list &L, double beta1, double beta2, double eps, double decay, double step_size,
                  double bc2_sqrt, const double *gscale, cudaStream_t s) {
-    adamw_kernel<P, G, S><<<L.block_start[L.count], THREADS, 0, s>>>(L, (S)beta1, (S)beta2, (S)eps, (S)decay,
-                                                                     (S)step_size, (S)bc2_sqrt, gscale);
+    adam_k<S> K;
+    K.beta1 = (S)beta1;
+    K.beta2 = (S)beta2;
+    K.eps = (S)eps;
+    K.decay = (S)decay;
+    K.step_size = (S)step_size;
+    K.bc2_sqrt = (S)bc2_sqrt;
+    K.sc = (S)1;
+    K.scaled = false;
+    adamw_kernel<P, G, S><<<L.block_start[L.count], THREADS, 0, s>>>(L, K, gscale);
     LAUNCH_CHECK("adamw_kernel");
     return 0;
 }
@@ -207,6 +291,17 @@ int sq_batch(const sq_list &L, int dt, double *partial, cudaStream_t s) {
 // a launch holds at most MAX_TENSORS tensors and 2^30 blocks
 const long long MAX_BLOCKS = 1LL << 30;
 
+bool aligned(const void *a, size_t b) { return (uintptr_t)a % b == 0; }
+// MS_ADAMW_PAIRS=0: one element at a time everywhere (to compare)
+bool use_pairs() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("MS_ADAMW_PAIRS");
+        on = !(e && !strcmp(e, "0"));
+    }
+    return on == 1;
+}
+
 }  // namespace
 
 extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m,
@@ -241,6 +336,12 @@ extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms
         L.v[k] = ms_tensor_data(v[i]);
         L.w[k] = w && w[i] ? ms_tensor_data(w[i]) : nullptr;
         L.n[k] = numel;
+        // (chunks start at multiples of CHUNK, an even count: the arrays'
+        // starts decide every chunk's alignment)
+        const size_t psz = (size_t)ms_dtype_size(pdt), gsz = (size_t)ms_dtype_size(gdt),
+                     ssz = (size_t)ms_dtype_size(m[i]->dtype_id);
+        L.pairs[k] = use_pairs() && aligned(L.p[k], 2 * psz) && aligned(L.g[k], 2 * gsz) &&
+                     aligned(L.m[k], 2 * ssz) && aligned(L.v[k], 2 * ssz) && (!L.w[k] || aligned(L.w[k], 2 * ssz));
         L.block_start[k + 1] = L.block_start[k] + (int)nb;
     }
     return adamw_batch(L, pdt, gdt, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, s);

@@ -215,6 +215,52 @@ describe('fused kernels #gpu', function()
       end
     end)
 
+    it('adamw_ in pairs of elements (aligned) and one at a time (misaligned views): the same bits', function()
+      -- the same values through views at element 0 (every array aligned:
+      -- the paired form) and at element 1 (f32 arrays 4 bytes off: one at
+      -- a time); odd lengths across chunks, with and without f32 masters
+      local cases = { { 'bf16', 'f32', true }, { 'f32', 'f32', false }, { 'f32', 'bf16', false },
+        { 'bf16', 'bf16', false }, { 'bf16', 'bf16', true } }
+      for _, c in ipairs(cases) do
+        local pd, gd, master = c[1], c[2], c[3]
+        local n = { 65536 * 2 + 5, 77, 4 }
+        local function views(off)
+          local out = { p = {}, g = {}, m = {}, v = {}, w = {} }
+          for i, k in ipairs(n) do
+            local f = randn({ k + 1 }):cuda()
+            out.w[i] = master and f:narrow(1, 1 + off, k) or false
+            out.p[i] = f:to(pd):narrow(1, 1 + off, k)
+            out.m[i] = ms.zeros({ k + 1 }, { device = 'cuda' }):narrow(1, 1 + off, k)
+            out.v[i] = ms.zeros({ k + 1 }, { device = 'cuda' }):narrow(1, 1 + off, k)
+          end
+          return out
+        end
+        local a, b = views(0), views(1)
+        for i = 1, #n do   -- b holds a's values
+          b.p[i]:copy_(a.p[i])
+          if master then b.w[i]:copy_(a.w[i]) end
+        end
+        for step = 1, 3 do
+          for i, k in ipairs(n) do
+            local gg = randn({ k + 1 }, gd):cuda()
+            a.g[i], b.g[i] = gg:narrow(1, 1, k), gg:clone():narrow(1, 2, k)
+            b.g[i]:copy_(a.g[i])
+          end
+          local sc = cu(ms.tensor({ 0.7 }, { dtype = 'f64' }))
+          F.adamw_(a.p, a.g, a.m, a.v, 1e-2, 0.9, 0.95, 1e-8, 0.1, step, master and a.w or nil, sc)
+          F.adamw_(b.p, b.g, b.m, b.v, 1e-2, 0.9, 0.95, 1e-8, 0.1, step, master and b.w or nil, sc)
+        end
+        for i = 1, #n do
+          local what = ('%s p, %s g%s, tensor %d'):format(pd, gd, master and ', master' or '', i)
+          assert.are.equal(0, (a.p[i]:float() - b.p[i]:float()):abs():max():item(), what .. ': p')
+          assert.are.equal(0, (a.m[i] - b.m[i]):abs():max():item(), what .. ': m')
+          assert.are.equal(0, (a.v[i] - b.v[i]):abs():max():item(), what .. ': v')
+          if master then assert.are.equal(0, (a.w[i] - b.w[i]):abs():max():item(), what .. ': master') end
+          assert.is_true(a.m[i]:abs():max():item() > 0, what .. ': nothing stepped')
+        end
+      end
+    end)
+
     it('adamw_ over 130 tensors of mixed dtypes (several launches)', function()
       local ps, gs, ms_, vs, gp, gg, gm, gv = {}, {}, {}, {}, {}, {}, {}, {}
       for i = 1, 130 do
