@@ -36,10 +36,12 @@ describe('fsdp: the LM head unit\'s gradient sink #mpi', function()
   local W = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE'))
   local R = tonumber(os.getenv('OMPI_COMM_WORLD_RANK'))
 
-  local function wrap(sinks, strategy)
+  local function wrap(sinks, strategy, offload)
     local model = FS.load_model('llama-tiny')
-    fsdp.fully_shard(model, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = strategy or 'FULL_SHARD',
-                              mixed_precision = { param = 'bf16' }, grad_sinks = sinks })
+    local o = { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = strategy or 'FULL_SHARD',
+                mixed_precision = { param = 'bf16' }, grad_sinks = sinks, offload = offload }
+    if strategy == 'HYBRID_SHARD' then o.shard_size = W / 2 end
+    fsdp.fully_shard(model, o)
     local units = fsdp.units(model)
     local head = units[#units]
     assert.is_true(head.head)
@@ -75,10 +77,13 @@ describe('fsdp: the LM head unit\'s gradient sink #mpi', function()
     error('no lm_head.weight in the head unit')
   end
 
-  for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD' }) do
-    it(strategy .. ': the head weight\'s gradient goes into the f32 buffer in the forward; the shards as with the copies', function()
+  local cases = { { 'FULL_SHARD' }, { 'SHARD_GRAD_OP' }, { 'NO_SHARD' }, { 'FULL_SHARD', true } }
+  if W % 2 == 0 then cases[#cases + 1] = { 'HYBRID_SHARD' } end
+  for _, c in ipairs(cases) do
+    local strategy, offload = c[1], c[2]
+    it(strategy .. (offload and ' with offload' or '') .. ': the head weight\'s gradient goes into the f32 buffer in the forward; the shards as with the copies', function()
       local function run(sinks)
-        local model, units, head = wrap(sinks, strategy)
+        local model, units, head = wrap(sinks, strategy, offload)
         local x, y = batch(R)
         local loss = model(x, y)
         local hi = head_index(head)
