@@ -23,6 +23,7 @@
 -- the last phase's), --keep-activations (ms.autograd.release_activations
 -- off: tensors no node frees wait for the Lua collector, which adds ~4 GiB
 -- to the Llama's peak; on by default, since the loop keeps only the loss). MS_FSDP_GRAD_SINK=0: no gradient sinks,
+-- --loss-budget MiB (the LM loss's logits chunk, 1024 by default),
 -- MS_FSDP_STEP_LP=0: the bf16 shard copies refreshed after the step instead
 -- of written by it (docs/fsdp.md).
 --
@@ -44,7 +45,8 @@ package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ffi = require 'ffi'
 local ms = require 'moonshard'
 
-local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0 }
+local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
+  ['loss-budget'] = 0 }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
   ['keep-activations'] = false }
 do
@@ -68,6 +70,8 @@ if opts.batch == 0 then opts.batch = opts.model == 'gpt2' and 32 or 4 end
 if opts.seq == 0 then opts.seq = opts.model == 'gpt2' and 1024 or 2048 end
 assert(ms.cuda.is_available(), 'bench/fsdp.lua needs a CUDA device')
 ms.autograd.release_activations = not flags['keep-activations']
+-- --loss-budget MiB: the LM loss's chunk of logits (flce.set_lm_loss_budget; 1024 by default)
+if opts['loss-budget'] > 0 then require('moonshard.flce').set_lm_loss_budget(math.floor(opts['loss-budget'] * 2 ^ 20)) end
 
 ffi.cdef [[
 typedef struct { long tv_sec; long tv_nsec; } ms_fsdpb_timespec;
