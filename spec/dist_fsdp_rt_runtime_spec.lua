@@ -634,6 +634,28 @@ describe('fsdp runtime: optimizer, mixed precision, memory, prefetch #mpi', func
     end
   end)
 
+  it('fully_shard releases the original parameters at once (not when the collector runs); a handle kept from before is an error to use', function()
+    collectgarbage(); collectgarbage()
+    local model = load_model()
+    local kept = model.transformer.h[1].attn.c_attn.weight
+    local base = live()
+    local total = 0
+    for _, p in model:named_parameters() do total = total + p:numel() * 4 end
+    collectgarbage('stop')
+    local ok, err = pcall(function()
+      fsdp.fully_shard(model, { policy = block_policy() })
+      -- with the collector stopped: the originals gone, the shards (total /
+      -- world, padded) in their place, not a second copy of every parameter
+      local now = ms.live_bytes(-1)
+      assert.is_true(now - base < total / 2, ('%d bytes live, %d before, %d of parameters'):format(now, base, total))
+    end)
+    collectgarbage('restart')
+    assert(ok, err)
+    assert.is_true(kept.storage == nil)
+    local e = S.errmsg(function() return kept + 1 end)
+    assert.is_truthy(e:find('freed', 1, true), e)
+  end)
+
   it('with release_activations a step frees everything it made without the collector (gpt2-tiny, llama-tiny; bf16)', function()
     local FSS = require 'spec.fsdp_support'
     for _, fam in ipairs({ { 'gpt2-tiny', 'GPT2Block' }, { 'llama-tiny', 'LlamaDecoderLayer' } }) do

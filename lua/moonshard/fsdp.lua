@@ -1067,9 +1067,18 @@ function fsdp.fully_shard(model, opts)
       end
       unit.views = fp:views(unit.flat)
       for _, v in ipairs(unit.views) do v.requires_grad = true end
+      -- the original tensors are released now (the flat shard holds their
+      -- values): left to the collector, a model's worth of memory stayed
+      -- allocated for as many steps as it took to run (the Llama 1.25B:
+      -- 4.65 GiB for 8 steps on one H100). A handle on one kept from before
+      -- the wrapping is then released too, as PyTorch FSDP frees the
+      -- original parameters' storage: use model:named_parameters().
+      local released = {}
       for _, slot in ipairs(u.slots) do
         rawset(slot.m, slot.pn, unit.views[slot.k])
+        local t = slot.t
         slot.t = nil     -- the original tensor: no reference kept
+        if t ~= nil and not released[t] and t.storage ~= nil then released[t] = true; t:free() end
       end
       if unit.free_data then storage_check(C.ms_storage_free_data(unit.flat), 'releasing the unsharded buffer', unit) end
       st.units[#st.units + 1] = unit
