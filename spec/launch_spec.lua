@@ -177,6 +177,79 @@ describe('bin/train launcher', function()
     end)
   end
 
+  for _, spawn in ipairs({ 'mpirun', 'direct' }) do
+    it(('serves the rendezvous store itself, its port bound before any rank starts (--spawn %s)'):format(spawn), function()
+      -- each rank first tries to take MASTER_PORT as another program would
+      -- (bound by the launcher, it must be refused), then meets the others
+      -- at the launcher's store
+      local s = write('agent_' .. spawn .. '.lua', [[
+        local ffi = require 'ffi'
+        local bit = require 'bit'
+        local dist = require 'moonshard.dist'
+        ffi.cdef[=[
+          typedef struct { uint16_t family; uint16_t port; uint32_t addr; uint8_t zero[8]; } spec_sin;
+          int spec_socket(int, int, int) asm("socket");
+          int spec_bind(int, const void *, uint32_t) asm("bind");
+          int spec_close(int) asm("close");
+        ]=]
+        local port, rank = tonumber(os.getenv('MASTER_PORT')), tonumber(os.getenv('RANK'))
+        local fd = ffi.C.spec_socket(2, 1, 0)
+        local a = ffi.new('spec_sin')
+        a.family, a.addr = 2, 0x0100007f
+        a.port = bit.bor(bit.rshift(port, 8), bit.lshift(bit.band(port, 0xff), 8))
+        local rc = ffi.C.spec_bind(fd, a, ffi.sizeof(a))
+        local err = ffi.errno()
+        ffi.C.spec_close(fd)
+        print('intruder', rc, err, os.getenv('MS_AGENT_STORE'))
+        local st = assert(dist.store_connect { port = port, rank = rank })
+        st:set('hello/' .. rank, 'from ' .. rank)
+        assert(st:barrier('agent', rank, 3, 20))
+        print('peer', assert(st:get('hello/' .. ((rank + 1) % 3), 5)))
+      ]])
+      local out, code = train(('--nproc-per-node 3 --device cpu --spawn %s %s'):format(spawn, s))
+      assert.are.equal(0, code, out)
+      for r = 0, 2 do
+        assert.matches(('[rank %d] intruder\t-1\t98\t1'):format(r), out, 1, true)   -- EADDRINUSE
+        assert.matches(('[rank %d] peer\tfrom %d'):format(r, (r + 1) % 3), out, 1, true)
+      end
+    end)
+  end
+
+  it('initialises dist again in the same ranks against the one store, with each init\'s own keys', function()
+    -- in the second init rank 1 asks for 'k' before rank 0 sets it again: it
+    -- must wait for the second value, not read the first init's
+    local s = write('reinit.lua', [[
+      local ms = require 'moonshard'
+      local dist = require 'moonshard.dist'
+      for round = 1, 2 do
+        dist.init { timeout = 30 }
+        local st = dist.store()
+        if dist.rank() == 0 then
+          if round == 2 then os.execute('sleep 0.5') end
+          st:set('k', 'round ' .. round)
+        end
+        local v = assert(st:get('k', 10))
+        local t = ms.full({ 3 }, dist.rank() + round)
+        dist.all_reduce(t, 'sum')
+        print(('init %d: %s, sum %g'):format(round, v, t:totable()[3]))
+        dist.destroy()
+      end
+    ]])
+    local out, code = train('--nproc-per-node 2 --device cpu ' .. s)
+    assert.are.equal(0, code, out)
+    for r = 0, 1 do
+      assert.matches(('[rank %d] init 1: round 1, sum 3'):format(r), out, 1, true)
+      assert.matches(('[rank %d] init 2: round 2, sum 5'):format(r), out, 1, true)
+    end
+  end)
+
+  it('says which address it cannot serve the store on', function()
+    local s = write('noop2.lua', 'print(1)')
+    local out, code = train('--nproc-per-node 2 --device cpu --master-addr 192.0.2.1 ' .. s)
+    assert.are.equal(1, code, out)
+    assert.matches('bin/train: cannot serve the rendezvous store on 192.0.2.1:a free port', out, 1, true)
+  end)
+
   it('writes per-rank logs with --log-dir and shows only rank 0 on the console', function()
     local s = write('logs.lua', [[ print('line of rank ' .. os.getenv('RANK')) ]])
     local logs = dir .. '/logs'

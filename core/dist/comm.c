@@ -361,7 +361,11 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
             return ms_errorf("dist.init: MS_DIST_TOKEN is not set: the rendezvous store admits only ranks that "
                              "present the run's secret (bin/train makes one; with srun/mpirun: export "
                              "MS_DIST_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'))");
-        if (e.rank == 0 && ms_store_server_start(&server, e.master_addr, e.master_port, token)) {
+        /* MS_AGENT_STORE=1: the launcher (bin/train) serves the store for
+         * the whole run, as torchrun's agent does; rank 0 only connects */
+        const char *agent = getenv("MS_AGENT_STORE");
+        const int hosted = agent && strcmp(agent, "1") == 0;
+        if (e.rank == 0 && !hosted && ms_store_server_start(&server, e.master_addr, e.master_port, token)) {
             char msg[1024];
             snprintf(msg, sizeof msg, "%s", ms_last_error());
             return ms_errorf("dist.init (rank 0): %s", msg);
@@ -373,13 +377,19 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
          * the old store waits there for a key that never comes, loses the
          * connection when rank 0 stops it, and connects again, to the new one */
         char key[32];
+        char prefix[24] = "";
         if (++g_dist.epoch == 1) snprintf(key, sizeof key, "init");
         else snprintf(key, sizeof key, "init/%d", g_dist.epoch);
+        /* every later init's keys (NCCL's ids too) in a namespace of their
+         * own: a store that outlived the last init (the launcher's) holds
+         * that init's values under the same names */
+        if (g_dist.epoch > 1) snprintf(prefix, sizeof prefix, "e%d/", g_dist.epoch);
         const double deadline = ms_dist_now() + o.rendezvous_timeout_s;
         int failed;
         for (;;) {
             const double left = deadline - ms_dist_now();
             failed = ms_store_connect(&store, e.master_addr, e.master_port, token, e.rank, left > 1 ? left : 1) ||
+                     ms_store_set_prefix(store, prefix) ||
                      ms_store_barrier(store, key, e.rank, e.world_size, left > 1 ? left : 1);
             if (!failed || e.rank == 0 || ms_dist_now() > deadline) break;
             const char *m = ms_last_error();

@@ -20,7 +20,9 @@
  * Ranks are 0-based everywhere, as in the environment.
  *
  * Rendezvous. With more than one rank and MASTER_ADDR/MASTER_PORT set, rank 0
- * serves a small TCP store on MASTER_ADDR:MASTER_PORT (on that address only)
+ * serves a small TCP store on MASTER_ADDR:MASTER_PORT (on that address only;
+ * with MS_AGENT_STORE=1 the launcher serves it, as bin/train does, for the
+ * whole run: no port left free between choosing it and rank 0's bind)
  * and every rank connects to it with the run's secret, MS_DIST_TOKEN
  * (bin/train makes one per run). All ranks then meet at a store barrier:
  * a rank that does not arrive within the rendezvous timeout makes the others
@@ -220,6 +222,10 @@ int ms_store_wait(ms_store_client *s, int n, const char *const *keys, double tim
  * names the ranks that never arrived */
 int ms_store_barrier(ms_store_client *s, const char *name, int rank, int world_size, double timeout_s);
 int ms_store_ping(ms_store_client *s);
+/* every key this client names gets this prefix first (at most 23 bytes; "" for none):
+ * dist.init's later inits in one process use "e<n>/" so that a store that outlives an
+ * init (bin/train's) never answers with an earlier init's values */
+int ms_store_set_prefix(ms_store_client *s, const char *prefix);
 void ms_store_free(ms_store_client *s);
 /* FFI-END */
 

@@ -548,10 +548,11 @@ static int conn_write(conn *c) {
 
 static void server_accept(ms_store_server *s) {
     for (;;) {
-        int fd = accept(s->listen_fd, NULL, NULL);
+        /* close-on-exec: a launcher that serves the store while it starts
+         * ranks must not hand them its end of a connection */
+        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) return;
         if (s->nconns >= MS_STORE_MAX_CONNS) { close(fd); continue; }
-        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         conn *c = calloc(1, sizeof *c);
@@ -744,7 +745,24 @@ struct ms_store_client {
     char where[300];          /* "127.0.0.1:29500" for messages */
     double timeout_s;         /* default for requests that do not wait */
     int broken;
+    char prefix[24];          /* put before every key ("" or "e2/": ms_store_set_prefix) */
 };
+
+/* a key as it goes on the wire: the client's prefix, then the key */
+static void buf_key(buf *b, const ms_store_client *s, const char *key) {
+    size_t p = strlen(s->prefix), n = strlen(key);
+    buf_u32(b, (uint32_t)(p + n));
+    buf_bytes(b, s->prefix, p);
+    buf_bytes(b, key, n);
+}
+
+int ms_store_set_prefix(ms_store_client *s, const char *prefix) {
+    size_t n = prefix ? strlen(prefix) : 0;
+    if (n >= sizeof s->prefix) return ms_errorf("store: a key prefix is at most %d bytes, got %zu", (int)sizeof s->prefix - 1, n);
+    memcpy(s->prefix, prefix ? prefix : "", n);
+    s->prefix[n] = 0;
+    return 0;
+}
 
 static int io_full(ms_store_client *s, void *p, size_t n, int writing, double deadline) {
     size_t done = 0;
@@ -825,8 +843,8 @@ int ms_store_connect(ms_store_client **out, const char *host, int port, const ch
         freeaddrinfo(res);
         if (fd >= 0) break;
         if (ms_dist_now() > deadline)
-            return ms_errorf("store: cannot reach the store at %s:%d within %g s (%s): rank 0, which serves it, "
-                             "never arrived",
+            return ms_errorf("store: cannot reach the store at %s:%d within %g s (%s): what serves it (rank 0, or "
+                             "bin/train's launcher) is not there",
                              host, port, timeout_s, strerror(err));
         struct timespec ts = {0, 50 * 1000 * 1000};
         nanosleep(&ts, NULL);
@@ -859,22 +877,22 @@ int ms_store_connect(ms_store_client **out, const char *host, int port, const ch
     return 0;
 }
 
-static int check_key(const char *key) {
-    size_t n = key ? strlen(key) : 0;
-    if (n == 0 || n > MS_STORE_MAX_KEY)
-        return ms_errorf("store: keys are 1 to %d bytes, got %zu", MS_STORE_MAX_KEY, n);
+static int check_key(const ms_store_client *s, const char *key) {
+    size_t n = key ? strlen(key) : 0, p = strlen(s->prefix);
+    if (n == 0 || n + p > MS_STORE_MAX_KEY)
+        return ms_errorf("store: keys are 1 to %zu bytes, got %zu", MS_STORE_MAX_KEY - p, n);
     return 0;
 }
 
 int ms_store_set(ms_store_client *s, const char *key, const void *value, int64_t n) {
-    if (check_key(key)) return -1;
+    if (check_key(s, key)) return -1;
     if (n < 0 || n > MS_STORE_MAX_MSG - MS_STORE_MAX_KEY - 16)
         return ms_errorf("store: a value of %lld bytes is too large (at most %d)", (long long)n,
                          MS_STORE_MAX_MSG - MS_STORE_MAX_KEY - 16);
     buf b = {0};
     size_t at = buf_begin_frame(&b);
     buf_u8(&b, OP_SET);
-    buf_str(&b, key, strlen(key));
+    buf_key(&b, s, key);
     buf_str(&b, value, (size_t)n);
     buf_end_frame(&b, at);
     unsigned char *rep;
@@ -891,11 +909,11 @@ static uint32_t ms_of(double t) {
 }
 
 int ms_store_get(ms_store_client *s, const char *key, void *out, int64_t cap, int64_t *n, double timeout_s) {
-    if (check_key(key)) return -1;
+    if (check_key(s, key)) return -1;
     buf b = {0};
     size_t at = buf_begin_frame(&b);
     buf_u8(&b, OP_GET);
-    buf_str(&b, key, strlen(key));
+    buf_key(&b, s, key);
     buf_u32(&b, ms_of(timeout_s));
     buf_end_frame(&b, at);
     unsigned char *rep;
@@ -916,11 +934,11 @@ int ms_store_get(ms_store_client *s, const char *key, void *out, int64_t cap, in
 }
 
 int ms_store_add(ms_store_client *s, const char *key, int64_t delta, int64_t *result) {
-    if (check_key(key)) return -1;
+    if (check_key(s, key)) return -1;
     buf b = {0};
     size_t at = buf_begin_frame(&b);
     buf_u8(&b, OP_ADD);
-    buf_str(&b, key, strlen(key));
+    buf_key(&b, s, key);
     buf_u64(&b, (uint64_t)delta);
     buf_end_frame(&b, at);
     unsigned char *rep;
@@ -944,8 +962,8 @@ static int wait_keys(ms_store_client *s, int n, const char *const *keys, double 
     buf_u32(&b, ms_of(timeout_s));
     buf_u32(&b, (uint32_t)n);
     for (int i = 0; i < n; i++) {
-        if (check_key(keys[i])) { free(b.p); return -1; }
-        buf_str(&b, keys[i], strlen(keys[i]));
+        if (check_key(s, keys[i])) { free(b.p); return -1; }
+        buf_key(&b, s, keys[i]);
     }
     buf_end_frame(&b, at);
     if (b.n > MS_STORE_MAX_MSG + 4) { free(b.p); return ms_errorf("store: too many keys in one wait (%d)", n); }

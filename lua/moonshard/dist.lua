@@ -437,6 +437,12 @@ function Store:barrier(name, rank, world_size, timeout)
   end
   return true
 end
+-- every key this client names from now on gets `prefix` first ('' for none;
+-- at most 23 bytes): a namespace of keys on a store shared with others
+function Store:set_prefix(prefix)
+  check(C.ms_store_set_prefix(store_p(self, 'set_prefix'), prefix or ''), 2)
+  return self
+end
 function Store:ping()
   if C.ms_store_ping(store_p(self, 'ping')) ~= 0 then return nil, cerr() end
   return true

@@ -35,7 +35,6 @@ ffi.cdef [[
 typedef struct { unsigned long val[16]; } ms_launch_sigset;
 typedef struct { long tv_sec; long tv_nsec; } ms_launch_timespec;
 typedef struct { int fd; short events; short revents; } ms_launch_pollfd;
-typedef struct { uint16_t family; uint16_t port; uint32_t addr; uint8_t zero[8]; } ms_launch_sockaddr_in;
 int ms_launch_fork(void) asm("fork");
 int ms_launch_execve(const char *path, char *const argv[], char *const envp[]) asm("execve");
 int ms_launch_execvpe(const char *file, char *const argv[], char *const envp[]) asm("execvpe");
@@ -58,9 +57,6 @@ int ms_launch_prctl(int option, unsigned long a2, unsigned long a3, unsigned lon
 int ms_launch_getpid(void) asm("getpid");
 int ms_launch_getppid(void) asm("getppid");
 int ms_launch_clock_gettime(int clk, ms_launch_timespec *t) asm("clock_gettime");
-int ms_launch_socket(int domain, int type, int protocol) asm("socket");
-int ms_launch_bind(int fd, const void *addr, uint32_t len) asm("bind");
-int ms_launch_getsockname(int fd, void *addr, uint32_t *len) asm("getsockname");
 char *ms_launch_strerror(int e) asm("strerror");
 long ms_launch_sysconf(int name) asm("sysconf");
 char *ms_launch_mkdtemp(char *tmpl) asm("mkdtemp");
@@ -94,7 +90,7 @@ launch.usage = [[
 multi-process options (before FILE; any of them starts the launcher):
   --nproc-per-node N   ranks on this node (default 1)
   --nnodes M           nodes (default 1); with --node-rank R (0-based)
-  --master-addr A      address of node 0, where rank 0 serves the rendezvous
+  --master-addr A      address of node 0, whose launcher serves the rendezvous
                        store (default 127.0.0.1 on one node)
   --master-port P      its TCP port (default: a free port on one node, 29500 on several)
   --device cpu|cuda    cuda: one GPU per rank (LOCAL_RANK), NCCL; cpu: MPI
@@ -175,22 +171,24 @@ local function random_token()
   return (bytes:gsub('.', function(c) return ('%02x'):format(c:byte()) end))
 end
 
--- a TCP port free on 127.0.0.1 right now (the ranks start within a second)
-local function free_port()
-  local fd = C.ms_launch_socket(2, 1, 0)
-  if fd < 0 then return 29500 end
-  local a = ffi.new('ms_launch_sockaddr_in')
-  a.family = 2
-  a.addr = 0x0100007f
-  local port = 29500
-  if C.ms_launch_bind(fd, a, ffi.sizeof(a)) == 0 then
-    local len = ffi.new('uint32_t[1]', ffi.sizeof(a))
-    if C.ms_launch_getsockname(fd, a, len) == 0 then
-      port = bit.bor(bit.rshift(a.port, 8), bit.lshift(bit.band(a.port, 0xff), 8))
-    end
+-- The run's rendezvous store, served by the launcher for the whole run
+-- (torchrun's agent store): the port is bound before any rank starts, so
+-- nothing can take it between its choice and the ranks' rendezvous (with a
+-- port chosen first and bound by rank 0, another process could, and rank 0
+-- failed with "Address already in use"). Rank 0 only connects
+-- (MS_AGENT_STORE=1). Port 0: a free one. Returns the server and its port.
+local function serve_store(addr, port, token)
+  local okd, dist = pcall(require, 'moonshard.dist')
+  if not okd then
+    error('bin/train: the launcher serves the ranks\' rendezvous store with moonshard\'s library, '
+      .. 'which did not load: ' .. tostring(dist), 0)
   end
-  C.ms_launch_close(fd)
-  return port
+  local ok, server = pcall(dist.store_server, { host = addr, port = port, token = token })
+  if not ok then
+    error(('bin/train: cannot serve the rendezvous store on %s:%s (--master-addr, --master-port): %s')
+      :format(addr, port == 0 and 'a free port' or tostring(port), tostring(server)), 0)
+  end
+  return server, server:port()
 end
 
 local function cpu_count()
@@ -469,9 +467,6 @@ end
 
 -- runs the job; returns the launcher's exit code
 function launch.run(o, rank_cmd)
-  local nproc = o.nproc or 1
-  local world = nproc * o.nnodes
-  local rank0 = o.node_rank * nproc
   local device = o.device or (file_exists('/dev/nvidia0') and 'cuda' or 'cpu')
   local spawn_mode = o.spawn or (device == 'cuda' and 'direct' or 'mpirun')
   if spawn_mode == 'mpirun' and o.nnodes > 1 then
@@ -487,12 +482,29 @@ function launch.run(o, rank_cmd)
     token = random_token()
   end
   local addr = o.master_addr or '127.0.0.1'
-  local port = o.master_port or (o.nnodes > 1 and 29500 or free_port())
+  local port = o.master_port or (o.nnodes > 1 and 29500 or 0)
+  -- the first node serves the store; the others' ranks connect to it
+  local server
+  if o.node_rank == 0 then server, port = serve_store(addr, port, token) end
+  local ok, code = pcall(launch.run_ranks, o, rank_cmd, addr, port, token)
+  if server then server:stop() end
+  if not ok then error(code, 0) end
+  return code
+end
+
+-- runs the ranks of this node against the store at addr:port
+function launch.run_ranks(o, rank_cmd, addr, port, token)
+  local nproc = o.nproc or 1
+  local world = nproc * o.nnodes
+  local rank0 = o.node_rank * nproc
+  local device = o.device or (file_exists('/dev/nvidia0') and 'cuda' or 'cpu')
+  local spawn_mode = o.spawn or (device == 'cuda' and 'direct' or 'mpirun')
 
   -- the ranks' common environment
   local drop = { RANK = true, LOCAL_RANK = true, WORLD_SIZE = true, LOCAL_WORLD_SIZE = true, GROUP_RANK = true }
   local env = environment(drop)
   env.MASTER_ADDR, env.MASTER_PORT, env.MS_DIST_TOKEN = addr, tostring(port), token
+  env.MS_AGENT_STORE = '1'   -- the first node's launcher serves the store: rank 0 only connects
   env.MS_DEVICE = device
   env.NCCL_NVLS_ENABLE = '0'
   env.OMP_WAIT_POLICY = env.OMP_WAIT_POLICY or 'PASSIVE'
