@@ -243,6 +243,43 @@ describe('bin/train launcher', function()
     end
   end)
 
+  it('runs two nodes against the store of node 0\'s launcher, which waits for the last rank to leave', function()
+    -- a port for --master-port: node 0's launcher binds it (node 1's ranks
+    -- retry their connection until it is there)
+    local dist = require 'moonshard.dist'
+    local probe = dist.store_server { host = '127.0.0.1', port = 0, token = 'probe' }
+    local port = probe:port()
+    probe:stop()
+    local s = write('nodes.lua', [[
+      local dist = require 'moonshard.dist'
+      local rank, world = tonumber(os.getenv('RANK')), tonumber(os.getenv('WORLD_SIZE'))
+      local st = assert(dist.store_connect { port = tonumber(os.getenv('MASTER_PORT')), rank = rank, timeout = 20 })
+      st:set('node/' .. rank, os.getenv('GROUP_RANK'))
+      assert(st:barrier('nodes', rank, world, 20))
+      -- node 0's ranks are gone by now: its launcher keeps the store for us
+      if os.getenv('GROUP_RANK') == '1' then os.execute('sleep 1') end
+      local seen = {}
+      for r = 0, world - 1 do seen[#seen + 1] = assert(st:get('node/' .. r, 5)) end
+      print('nodes', table.concat(seen, ' '), os.getenv('MS_AGENT_STORE'))
+    ]])
+    local cmd = "cd '%s' && MS_DIST_TOKEN=two-nodes luajit bin/train --nnodes 2 --node-rank %d --master-addr 127.0.0.1 "
+      .. "--master-port %d --nproc-per-node 2 --device cpu --spawn direct %s >'%s/node%d.out' 2>&1; echo $? >'%s/node%d.rc'"
+    os.execute(('(%s) &'):format(cmd:format(root, 1, port, s, dir, 1, dir, 1)))   -- node 1 first: it waits
+    os.execute('sleep 0.3')
+    os.execute(cmd:format(root, 0, port, s, dir, 0, dir, 0))
+    assert.is_true(wait_until(function() return (slurp(dir .. '/node1.rc') or '') ~= '' end, 20), 'node 1 did not end')
+    for node = 0, 1 do
+      local out = slurp(('%s/node%d.out'):format(dir, node))
+      assert.are.equal('0', slurp(('%s/node%d.rc'):format(dir, node)):match('%d+'), out)
+      for r = 2 * node, 2 * node + 1 do
+        assert.matches(('[rank %d] nodes\t0 0 1 1\t1'):format(r), out, 1, true)
+      end
+    end
+    -- (2 to 4 connected: node 0's own ranks may not have been seen to leave yet)
+    assert.matches("waiting for the other nodes' ranks to leave the rendezvous store %([234] connected%)",
+      slurp(dir .. '/node0.out'))
+  end)
+
   it('says which address it cannot serve the store on', function()
     local s = write('noop2.lua', 'print(1)')
     local out, code = train('--nproc-per-node 2 --device cpu --master-addr 192.0.2.1 ' .. s)

@@ -285,7 +285,9 @@ describe('rendezvous store', function()
   end)
 
   it('puts a client\'s prefix before every key it names: set, get, add, wait and barrier', function()
+    local open = server:stats().open
     local other = assert(dist.store_connect { port = port, token = TOKEN, rank = 0, timeout = 10 })
+    assert.are.equal(open + 1, server:stats().open)   -- the connections open now
     other:set_prefix('e2/')
     store:set('pk', 'plain')
     other:set('pk', 'prefixed')
@@ -310,6 +312,9 @@ describe('rendezvous store', function()
     other:set_prefix('')
     assert.are.equal('plain', other:get('pk', 1))
     other:close()
+    local t0 = os.clock()
+    while server:stats().open ~= open and os.clock() - t0 < 5 do other = nil end
+    assert.are.equal(open, server:stats().open)
   end)
 
   it('tells a rank that cannot reach the store which rank it was waiting for', function()

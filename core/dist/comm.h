@@ -126,6 +126,7 @@ typedef struct ms_store_stats {
     int64_t timed_out;        /* dropped: silent before HELLO */
     int64_t keys;
     int64_t bytes;
+    int64_t open;             /* authenticated connections open now */
 } ms_store_stats;
 
 /* environment and process-wide state */

@@ -241,6 +241,11 @@ static void conn_clear_wait(conn *c) {
 
 static void conn_close(ms_store_server *s, int i) {
     conn *c = s->conns[i];
+    if (c->authed) {
+        pthread_mutex_lock(&s->mu);
+        s->stats.open--;
+        pthread_mutex_unlock(&s->mu);
+    }
     close(c->fd);
     conn_clear_wait(c);
     free(c->in);
@@ -376,6 +381,7 @@ static void handle_frame(ms_store_server *s, conn *c, const unsigned char *body,
         c->authed = 1;
         c->rank = rank;
         count(s, &s->stats.authenticated);
+        count(s, &s->stats.open);
         reply_status(c, ST_OK);
         return;
     }
@@ -778,7 +784,7 @@ static int io_full(ms_store_client *s, void *p, size_t n, int writing, double de
         ssize_t k = writing ? send(s->fd, (char *)p + done, n - done, MSG_NOSIGNAL)
                             : recv(s->fd, (char *)p + done, n - done, 0);
         if (k == 0 && !writing)
-            return ms_errorf("store: the store at %s closed the connection (rank 0 exited?)", s->where);
+            return ms_errorf("store: the store at %s closed the connection (its host, rank 0 or the launcher, exited?)", s->where);
         if (k < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
             return ms_errorf("store: lost the connection to the store at %s: %s", s->where, strerror(errno));

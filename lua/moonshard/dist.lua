@@ -486,7 +486,7 @@ function Server:stats()
   check(C.ms_store_server_stats(self.p, s), 2)
   local r = {}
   for _, k in ipairs({ 'connections', 'authenticated', 'requests', 'rejected_auth', 'rejected_oversize',
-    'rejected_malformed', 'truncated', 'timed_out', 'keys', 'bytes' }) do
+    'rejected_malformed', 'truncated', 'timed_out', 'keys', 'bytes', 'open' }) do
     r[k] = tonumber(s[k])
   end
   return r

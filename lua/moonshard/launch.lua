@@ -465,6 +465,22 @@ local function supervise(procs, on_data, on_exit, state, mpirun)
   end
 end
 
+-- Node 0's ranks are done, and the store goes with its launcher: the other
+-- nodes' ranks may still be at their last barrier or get. Wait until every
+-- rank has closed its connection (they close at exit), or `secs` (as
+-- torchrun's agents meet at an exit barrier); SIGINT or SIGTERM end the wait.
+local function linger(server, secs)
+  local open = server:stats().open
+  if open == 0 then return end
+  message('waiting for the other nodes\' ranks to leave the rendezvous store (%d connected)', open)
+  local set, tick, t0 = sigset(SIGINT, SIGTERM), ffi.new('ms_launch_timespec', 0, 50 * 1000 * 1000), now()
+  while open > 0 and now() - t0 < secs do
+    if C.ms_launch_sigtimedwait(set, nil, tick) > 0 then return end
+    open = server:stats().open
+  end
+  if open > 0 then message('%d ranks still connected after %d s; the store stops', open, secs) end
+end
+
 -- runs the job; returns the launcher's exit code
 function launch.run(o, rank_cmd)
   local device = o.device or (file_exists('/dev/nvidia0') and 'cuda' or 'cpu')
@@ -487,6 +503,7 @@ function launch.run(o, rank_cmd)
   local server
   if o.node_rank == 0 then server, port = serve_store(addr, port, token) end
   local ok, code = pcall(launch.run_ranks, o, rank_cmd, addr, port, token)
+  if server and ok and code == 0 and o.nnodes > 1 then linger(server, o.store_linger or 60) end
   if server then server:stop() end
   if not ok then error(code, 0) end
   return code
