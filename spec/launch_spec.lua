@@ -280,6 +280,50 @@ describe('bin/train launcher', function()
       slurp(dir .. '/node0.out'))
   end)
 
+  it('--max-restarts starts every rank again after a failure; dist.init meets the new attempt\'s ranks only', function()
+    -- rank 1 fails in attempts 0 and 1 after a collective; attempt 2 ends well
+    local s = write('restart.lua', [[
+      local ms = require 'moonshard'
+      local dist = require 'moonshard.dist'
+      dist.init { timeout = 30 }
+      local t = ms.full({ 2 }, dist.rank() + 1)
+      dist.all_reduce(t, 'sum')
+      -- a key every attempt sets: rank 1 asks before rank 0 sets it, and
+      -- must get this attempt's value, not an earlier one's
+      local st = dist.store()
+      if dist.rank() == 0 then os.execute('sleep 0.3'); st:set('k', os.getenv('MS_RESTART_COUNT')) end
+      print(('attempt %s %s sum %g k %s'):format(os.getenv('MS_RESTART_COUNT'), os.getenv('TORCHELASTIC_RESTART_COUNT'),
+        t:totable()[1], assert(st:get('k', 10))))
+      io.stdout:flush()
+      if os.getenv('MS_RESTART_COUNT') ~= '2' and dist.rank() == 1 then os.exit(3) end
+      dist.destroy()
+    ]])
+    local out, code = train('--nproc-per-node 2 --device cpu --max-restarts 3 ' .. s)
+    assert.are.equal(0, code, out)
+    for a = 0, 2 do assert.matches(('[rank 1] attempt %d %d sum 3 k %d'):format(a, a, a), out, 1, true) end
+    assert.matches('[rank 0] attempt 2 2 sum 3 k 2', out, 1, true)
+    assert.matches('bin/train: restarting every rank (restart 1 of 3)', out, 1, true)
+    assert.matches('bin/train: restarting every rank (restart 2 of 3)', out, 1, true)
+    assert.is_nil(out:find('restart 3 of 3', 1, true))
+    -- restarts used up: the last failure's status
+    local s2 = write('always.lua', [[
+      print('attempt ' .. os.getenv('MS_RESTART_COUNT'))
+      if os.getenv('RANK') == '0' then os.exit(4) end
+    ]])
+    local logs = dir .. '/restart_logs'
+    out, code = train(('--nproc-per-node 2 --device cpu --spawn direct --max-restarts 1 --log-dir %s %s'):format(logs, s2))
+    assert.are.equal(4, code, out)
+    -- each rank's log keeps every attempt
+    assert.are.equal('attempt 0\n--- bin/train: restart 1\nattempt 1\n', slurp(logs .. '/rank1.log'))
+    assert.matches('restarting every rank (restart 1 of 1)', out, 1, true)
+    local _, fails = out:gsub('rank 0 failed %(exit status 4%); the run stopped', '')
+    assert.are.equal(2, fails, out)
+    -- one node only
+    out, code = train('--nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --nproc-per-node 1 --max-restarts 1 ' .. s2)
+    assert.are.equal(2, code, out)
+    assert.matches('--max-restarts restarts the ranks of one node', out, 1, true)
+  end)
+
   it('says which address it cannot serve the store on', function()
     local s = write('noop2.lua', 'print(1)')
     local out, code = train('--nproc-per-node 2 --device cpu --master-addr 192.0.2.1 ' .. s)

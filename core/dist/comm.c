@@ -361,6 +361,9 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
             return ms_errorf("dist.init: MS_DIST_TOKEN is not set: the rendezvous store admits only ranks that "
                              "present the run's secret (bin/train makes one; with srun/mpirun: export "
                              "MS_DIST_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'))");
+        int restart = 0;
+        if (env_int("MS_RESTART_COUNT", &restart) < 0) return -1;
+        if (restart > 999999) return ms_errorf("dist: MS_RESTART_COUNT=%d is above 999999", restart);
         /* MS_AGENT_STORE=1: the launcher (bin/train) serves the store for
          * the whole run, as torchrun's agent does; rank 0 only connects */
         const char *agent = getenv("MS_AGENT_STORE");
@@ -384,6 +387,13 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
          * own: a store that outlived the last init (the launcher's) holds
          * that init's values under the same names */
         if (g_dist.epoch > 1) snprintf(prefix, sizeof prefix, "e%d/", g_dist.epoch);
+        /* and a restarted run's (bin/train --max-restarts): its ranks are new
+         * processes, at their first init again, against the same store */
+        if (restart > 0) {
+            char p2[24];
+            snprintf(p2, sizeof p2, "r%d/%s", restart, prefix);
+            memcpy(prefix, p2, sizeof prefix);
+        }
         const double deadline = ms_dist_now() + o.rendezvous_timeout_s;
         int failed;
         for (;;) {

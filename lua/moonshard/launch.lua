@@ -97,6 +97,8 @@ multi-process options (before FILE; any of them starts the launcher):
                        (default: cuda when /dev/nvidia0 exists)
   --spawn direct|mpirun  how ranks start (default: direct for cuda, mpirun for cpu)
   --log-dir DIR        each rank's output in DIR/rankN.log; the console shows rank 0
+  --max-restarts K     when a rank fails, stop the others and start them all again,
+                       at most K times (one node; MS_RESTART_COUNT tells the ranks)
   (several nodes share a secret: export MS_DIST_TOKEN=... on each node)]]
 
 local flags = {
@@ -104,6 +106,7 @@ local flags = {
   ['--node-rank'] = 'node_rank', ['--node_rank'] = 'node_rank', ['--master-addr'] = 'master_addr',
   ['--master_addr'] = 'master_addr', ['--master-port'] = 'master_port', ['--master_port'] = 'master_port',
   ['--device'] = 'device', ['--spawn'] = 'spawn', ['--log-dir'] = 'log_dir', ['--log_dir'] = 'log_dir',
+  ['--max-restarts'] = 'max_restarts', ['--max_restarts'] = 'max_restarts',
 }
 launch.flags = flags
 
@@ -144,12 +147,16 @@ function launch.parse(argv)
     end
     o[key] = v
   end
-  int('nproc', 1); int('nnodes', 1); int('node_rank', 0); int('master_port', 1)
+  int('nproc', 1); int('nnodes', 1); int('node_rank', 0); int('master_port', 1); int('max_restarts', 0)
   if o.master_port and o.master_port > 65535 then usage('bin/train: --master-port %d is not a TCP port', o.master_port) end
   o.nnodes = o.nnodes or 1
   o.node_rank = o.node_rank or 0
   if o.node_rank >= o.nnodes then usage('bin/train: --node-rank %d with --nnodes %d', o.node_rank, o.nnodes) end
   if o.nnodes > 1 and not o.master_addr then usage('bin/train: --nnodes %d needs --master-addr (node 0\'s address)', o.nnodes) end
+  if (o.max_restarts or 0) > 0 and o.nnodes > 1 then
+    usage('bin/train: --max-restarts restarts the ranks of one node; with --nnodes %d a restart would need every '
+      .. 'node to start again together, which this launcher does not do', o.nnodes)
+  end
   if o.device and o.device ~= 'cpu' and o.device ~= 'cuda' then usage('bin/train: --device is cpu or cuda, got %s', o.device) end
   if o.spawn and o.spawn ~= 'direct' and o.spawn ~= 'mpirun' then usage('bin/train: --spawn is direct or mpirun, got %s', o.spawn) end
   return o
@@ -300,13 +307,15 @@ end
 -- ---------------------------------------------------------------- output
 
 -- a line sink per (rank, stream): prefixes and routes complete lines
-local function make_router(o, nlocal, rank0)
+local function make_router(o, nlocal, rank0, attempt)
   local logs = {}
   if o.log_dir then
     os.execute(("mkdir -p '%s'"):format(o.log_dir:gsub("'", "'\\''")))
     for i = 0, nlocal - 1 do
       local path = ('%s/rank%d.log'):format(o.log_dir, rank0 + i)
-      local f = io.open(path, 'w')
+      -- a restarted run (--max-restarts) appends: the failed attempt's lines stay
+      local f = io.open(path, (attempt or 0) > 0 and 'a' or 'w')
+      if f and (attempt or 0) > 0 then f:write(('--- bin/train: restart %d\n'):format(attempt)) end
       if not f then usage('bin/train: cannot write %s', path) end
       f:setvbuf('line')
       logs[rank0 + i] = f
@@ -502,7 +511,16 @@ function launch.run(o, rank_cmd)
   -- the first node serves the store; the others' ranks connect to it
   local server
   if o.node_rank == 0 then server, port = serve_store(addr, port, token) end
-  local ok, code = pcall(launch.run_ranks, o, rank_cmd, addr, port, token)
+  -- --max-restarts: a failed run starts again, every rank, with
+  -- MS_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT) one more;
+  -- dist.init names its store keys after it, so nothing of the failed
+  -- attempt answers the new one
+  local ok, code, interrupted
+  for attempt = 0, o.max_restarts or 0 do
+    ok, code, interrupted = pcall(launch.run_ranks, o, rank_cmd, addr, port, token, attempt)
+    if not ok or code == 0 or interrupted or attempt == (o.max_restarts or 0) then break end
+    message('restarting every rank (restart %d of %d)', attempt + 1, o.max_restarts)
+  end
   if server and ok and code == 0 and o.nnodes > 1 then linger(server, o.store_linger or 60) end
   if server then server:stop() end
   if not ok then error(code, 0) end
@@ -510,7 +528,7 @@ function launch.run(o, rank_cmd)
 end
 
 -- runs the ranks of this node against the store at addr:port
-function launch.run_ranks(o, rank_cmd, addr, port, token)
+function launch.run_ranks(o, rank_cmd, addr, port, token, attempt)
   local nproc = o.nproc or 1
   local world = nproc * o.nnodes
   local rank0 = o.node_rank * nproc
@@ -522,6 +540,7 @@ function launch.run_ranks(o, rank_cmd, addr, port, token)
   local env = environment(drop)
   env.MASTER_ADDR, env.MASTER_PORT, env.MS_DIST_TOKEN = addr, tostring(port), token
   env.MS_AGENT_STORE = '1'   -- the first node's launcher serves the store: rank 0 only connects
+  env.MS_RESTART_COUNT, env.TORCHELASTIC_RESTART_COUNT = tostring(attempt or 0), tostring(attempt or 0)
   env.MS_DEVICE = device
   env.NCCL_NVLS_ENABLE = '0'
   env.OMP_WAIT_POLICY = env.OMP_WAIT_POLICY or 'PASSIVE'
@@ -538,7 +557,7 @@ function launch.run_ranks(o, rank_cmd, addr, port, token)
   local blocked = sigset(SIGINT, SIGTERM)
   C.ms_launch_sigprocmask(SIG_BLOCK, blocked, nil)
 
-  local router = make_router(o, nproc, rank0)
+  local router = make_router(o, nproc, rank0, attempt)
   local t0 = now()
   local procs = {}
   local state = {}
@@ -657,7 +676,7 @@ function launch.run_ranks(o, rank_cmd, addr, port, token)
   local secs = now() - t0
   if state.interrupted then
     message('stopped by %s after %.1f s', signames[state.interrupted] or state.interrupted, secs)
-    return 128 + state.interrupted
+    return 128 + state.interrupted, true
   end
   local f = state.fail
   if f then

@@ -838,6 +838,15 @@ function train.run(opts)
   local world = dist.is_initialized() and dist.world_size() or 1
   local multi = world > 1
 
+  -- a restarted run (bin/train --max-restarts) goes on from the newest
+  -- checkpoint in its folder when there is one, as if --resume were given
+  local restart = tonumber(os.getenv('MS_RESTART_COUNT') or '') or 0
+  if restart > 0 and not o.resume and o.out and #ckpt.list(o.out) > 0 then
+    o.resume = 'latest'
+    opts.out = opts.out or o.out
+    if rank == 0 then warn(('restart %d: resuming from the newest checkpoint in %s'):format(restart, o.out)) end
+  end
+
   -- resume: the checkpoint's options, then the ones given now
   local resume
   if o.resume then
