@@ -51,3 +51,66 @@ describe('bin/train on cuda #gpu', function()
     os.execute('rm -rf ' .. q(out) .. ' ' .. q(out2))
   end)
 end)
+
+-- two GPUs: NCCL's unique id goes through the launcher's store, and a
+-- restarted attempt must not read the failed one's (the r1/ prefix)
+describe('bin/train --max-restarts on two GPUs #gpu', function()
+  it('restarts NCCL ranks after a failure; FSDP resumes from the checkpoint', function()
+    if ms.cuda.device_count() < 2 then
+      pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
+      return
+    end
+    local dir = tmpdir()
+    local script = dir .. '/nccl_restart.lua'
+    local f = assert(io.open(script, 'w'))
+    f:write([[
+      local ms = require 'moonshard'
+      local dist = require 'moonshard.dist'
+      dist.init { backend = 'nccl' }
+      local t = ms.full({ 1000 }, dist.rank() + 1, { device = 'cuda' })
+      dist.all_reduce(t, 'sum')
+      print(('attempt %s sum %g'):format(os.getenv('MS_RESTART_COUNT'), t:float():cpu():totable()[1000]))
+      io.stdout:flush()
+      if os.getenv('MS_RESTART_COUNT') == '0' and dist.rank() == 1 then os.exit(7) end
+      dist.destroy()
+    ]])
+    f:close()
+    local st, text = bin_train(('--nproc-per-node 2 --device cuda --max-restarts 1 %s'):format(q(script)))
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('[rank 1] attempt 0 sum 3', 1, true), text)
+    assert.is_truthy(text:find('restarting every rank (restart 1 of 1)', 1, true), text)
+    assert.is_truthy(text:find('[rank 0] attempt 1 sum 3', 1, true), text)
+    assert.is_truthy(text:find('[rank 1] attempt 1 sum 3', 1, true), text)
+
+    -- the built-in loop under FSDP: rank 1 dies at its 3rd forward the first time
+    local model = dir .. '/dies.lua'
+    f = assert(io.open(model, 'w'))
+    f:write([[
+      local gpt2 = require 'models.gpt2'
+      local M = {}
+      for k, v in pairs(gpt2) do M[k] = v end
+      function M.new(...)
+        local m = gpt2.new(...)
+        if os.getenv('MS_RESTART_COUNT') == '0' and os.getenv('RANK') == '1' then
+          local calls, forward = 0, m.forward
+          m.forward = function(self, ...)
+            calls = calls + 1
+            if calls == 3 then os.exit(9) end
+            return forward(self, ...)
+          end
+        end
+        return m
+      end
+      return M
+    ]])
+    f:close()
+    st, text = bin_train(('--nproc-per-node 2 --device cuda --max-restarts 1 %s %s --steps 4 --save-every 2 '
+      .. '--fsdp FULL_SHARD --log-every 1 --eval-every 0 --sample-tokens 0 --out %s/run'):format(q(model), small, q(dir)))
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('resumed from ' .. dir .. '/run/ckpt-2 at step 2', 1, true), text)
+    assert.is_truthy(text:find('[rank 0] checkpoint ' .. dir .. '/run/ckpt-2', 1, true), text)
+    assert.is_truthy(text:find('[rank 0] step 4/4', 1, true), text)
+    assert.is_truthy(text:find('[rank 1] done: 2 steps', 1, true), text)   -- the steps after the resume
+    os.execute('rm -rf ' .. q(dir))
+  end)
+end)

@@ -365,12 +365,29 @@ end
 
 -- agree over the world on success: raises on every rank when any failed
 -- (the failing rank with its own message)
+-- a collective over small host tensors, run on the backend's device (NCCL
+-- works on the rank's GPU, MPI on the CPU): fn gets the tensors there; the
+-- results come back as host tables, one per tensor, and nothing is left
+local function host_collective(fn, ...)
+  local dev = dist.device()
+  local hosts, devs = { ... }, {}
+  for i, h in ipairs(hosts) do devs[i] = dev ~= 'cpu' and h:to(dev) or h end
+  fn(unpack(devs))
+  local out = {}
+  for i, d in ipairs(devs) do
+    local back = d ~= hosts[i] and d:to('cpu') or d
+    out[i] = back:totable()
+    if back ~= d then back:free() end
+    if d ~= hosts[i] then d:free() end
+    hosts[i]:free()
+  end
+  return unpack(out)
+end
+
 local function agree(ctx, ok, err, what)
   if ctx.sharded and ctx.world_size > 1 then
-    local t = T.tensor({ ok and 1 or 0 }, { dtype = 'f32' })
-    dist.all_reduce(t, 'min')
-    local all = t:item() == 1
-    t:free()
+    local v = host_collective(function(t) dist.all_reduce(t, 'min') end, T.tensor({ ok and 1 or 0 }, { dtype = 'f32' }))
+    local all = v[1] == 1
     if not all then
       if not ok then error(err, 0) end
       fail('%s failed on another rank (see its error)', what)
@@ -491,12 +508,9 @@ function M.save_sharded(model, dir, opts)
   end
   local all = {}
   if ctx.sharded and W > 1 then
-    local mine = T.tensor(info, { dtype = 'f64' })
-    local g = T.empty({ 3 * W }, { dtype = 'f64' })
-    dist.all_gather_into(g, mine)
-    local v = g:totable()
+    local _, v = host_collective(function(mine, g) dist.all_gather_into(g, mine) end,
+      T.tensor(info, { dtype = 'f64' }), T.empty({ 3 * W }, { dtype = 'f64' }))
     for r = 0, W - 1 do all[r] = { v[3 * r + 1], v[3 * r + 2], v[3 * r + 3] } end
-    mine:free(); g:free()
   else
     all[0] = info
   end
@@ -636,8 +650,8 @@ local function holder_state(opt, map, h)
     if s and s.exp_avg and s.exp_avg_sq then
       if not any then
         any = true
-        ea = T.zeros({ h:numel() }, { dtype = s.exp_avg.dtype })
-        eq = T.zeros({ h:numel() }, { dtype = s.exp_avg_sq.dtype })
+        ea = T.zeros({ h:numel() }, { dtype = s.exp_avg.dtype, device = s.exp_avg.device_id })
+        eq = T.zeros({ h:numel() }, { dtype = s.exp_avg_sq.dtype, device = s.exp_avg_sq.device_id })
         step = 0
       end
       ea:narrow(1, rg.off + 1, rg.n):copy_(flat_range(s.exp_avg, 0, rg.n))
@@ -772,7 +786,7 @@ end
 -- ------------------------------------------------------------ full state
 
 local function gather_flat(fp, src)
-  local flat = T.empty({ fp.total }, { dtype = src.dtype })
+  local flat = T.empty({ fp.total }, { dtype = src.dtype, device = src.device_id })   -- NCCL: on the GPU
   if fp.world_size == 1 then flat:copy_(src)
   else dist.all_gather_into(flat, src, { group = fp.group }) end
   return flat
@@ -808,19 +822,19 @@ function M.gather(model, opts)
           -- collective: every rank gathers, also one whose shard never stepped
           local ea, eq
           ea, eq, step = holder_state(opt, omap, fp.shard)
-          local has = T.tensor({ ea and 1 or 0 }, { dtype = 'f32' })
-          local st = T.tensor({ step or 0 }, { dtype = 'f64' })
+          local has, st = { ea and 1 or 0 }, { step or 0 }
           if fp.world_size > 1 then
-            dist.all_reduce(has, 'max', { group = fp.group })
-            dist.all_reduce(st, 'max', { group = fp.group })
+            has, st = host_collective(function(h, s)
+              dist.all_reduce(h, 'max', { group = fp.group })
+              dist.all_reduce(s, 'max', { group = fp.group })
+            end, T.tensor(has, { dtype = 'f32' }), T.tensor(st, { dtype = 'f64' }))
           end
-          if has:item() == 1 then
-            ea = ea or T.zeros({ fp.shard:numel() }, { dtype = 'f32' })
-            eq = eq or T.zeros({ fp.shard:numel() }, { dtype = 'f32' })
-            fa, fq, step = gather_flat(fp, ea), gather_flat(fp, eq), st:item()
+          if has[1] == 1 then
+            ea = ea or T.zeros({ fp.shard:numel() }, { dtype = 'f32', device = fp.shard.device_id })
+            eq = eq or T.zeros({ fp.shard:numel() }, { dtype = 'f32', device = fp.shard.device_id })
+            fa, fq, step = gather_flat(fp, ea), gather_flat(fp, eq), st[1]
           end
           if ea then ea:free(); eq:free() end
-          has:free(); st:free()
         end
         for i = 1, fp.nparams do
           local function piece(f)
