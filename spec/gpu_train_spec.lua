@@ -83,27 +83,7 @@ describe('bin/train --max-restarts on two GPUs #gpu', function()
     assert.is_truthy(text:find('[rank 1] attempt 1 sum 3', 1, true), text)
 
     -- the built-in loop under FSDP: rank 1 dies at its 3rd forward the first time
-    local model = dir .. '/dies.lua'
-    f = assert(io.open(model, 'w'))
-    f:write([[
-      local gpt2 = require 'models.gpt2'
-      local M = {}
-      for k, v in pairs(gpt2) do M[k] = v end
-      function M.new(...)
-        local m = gpt2.new(...)
-        if os.getenv('MS_RESTART_COUNT') == '0' and os.getenv('RANK') == '1' then
-          local calls, forward = 0, m.forward
-          m.forward = function(self, ...)
-            calls = calls + 1
-            if calls == 3 then os.exit(9) end
-            return forward(self, ...)
-          end
-        end
-        return m
-      end
-      return M
-    ]])
-    f:close()
+    local model = S_.write_dying_model(dir .. '/dies.lua', 1, 3, 9)
     st, text = bin_train(('--nproc-per-node 2 --device cuda --max-restarts 1 %s %s --steps 4 --save-every 2 '
       .. '--fsdp FULL_SHARD --log-every 1 --eval-every 0 --sample-tokens 0 --out %s/run'):format(q(model), small, q(dir)))
     assert.are.equal(0, st, text)

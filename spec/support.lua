@@ -30,6 +30,33 @@ function S.tmpdir()
 end
 
 -- a tensor of `shape` holding the row-major values `vals`, in dtype (f64)
+-- writes a model file at `path`: GPT-2 whose rank `rank` exits with `status`
+-- at its `at`-th forward in a launcher's first attempt (MS_RESTART_COUNT 0),
+-- for the --max-restarts specs
+function S.write_dying_model(path, rank, at, status)
+  local f = assert(io.open(path, 'w'))
+  f:write(([[
+    local gpt2 = require 'models.gpt2'
+    local M = {}
+    for k, v in pairs(gpt2) do M[k] = v end
+    function M.new(...)
+      local m = gpt2.new(...)
+      if os.getenv('MS_RESTART_COUNT') == '0' and os.getenv('RANK') == '%d' then
+        local calls, forward = 0, m.forward
+        m.forward = function(self, ...)
+          calls = calls + 1
+          if calls == %d then io.stderr:write('rank %d dies at forward %d\n'); os.exit(%d) end
+          return forward(self, ...)
+        end
+      end
+      return m
+    end
+    return M
+  ]]):format(rank, at, rank, at, status))
+  f:close()
+  return path
+end
+
 function S.make(shape, vals, dtype)
   local t = T.empty(shape, { dtype = 'f64' })
   local p = ffi.cast('double*', C.ms_tensor_data(t))

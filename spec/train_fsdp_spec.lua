@@ -178,31 +178,11 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
   it('--max-restarts: a rank that dies restarts with the others from the newest checkpoint, with the same losses', function()
     local one = reference()
     -- GPT-2 whose rank 1 dies at its 4th forward in the first attempt only
-    local model = dir .. '/dies.lua'
-    local f = assert(io.open(model, 'w'))
-    f:write([[
-      local gpt2 = require 'models.gpt2'
-      local M = {}
-      for k, v in pairs(gpt2) do M[k] = v end
-      function M.new(...)
-        local m = gpt2.new(...)
-        if os.getenv('MS_RESTART_COUNT') == '0' and os.getenv('RANK') == '1' then
-          local calls, forward = 0, m.forward
-          m.forward = function(self, ...)
-            calls = calls + 1
-            if calls == 4 then io.stderr:write('rank 1 dies at its 4th forward\n'); os.exit(9) end
-            return forward(self, ...)
-          end
-        end
-        return m
-      end
-      return M
-    ]])
-    f:close()
+    local model = require('spec.support').write_dying_model(dir .. '/dies.lua', 1, 4, 9)
     local status, text = bin_train(('--nproc-per-node 2 --device cpu --max-restarts 2 %s %s --batch-size 2 --steps 4 '
       .. '--fsdp FULL_SHARD --save-every 2 --out %s/restarted'):format(q(model), tiny, q(dir)))
     assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('rank 1 dies at its 4th forward', 1, true), text)
+    assert.is_truthy(text:find('rank 1 dies at forward 4', 1, true), text)
     assert.is_truthy(text:find('bin/train: restarting every rank (restart 1 of 2)', 1, true), text)
     assert.is_falsy(text:find('restart 2 of 2', 1, true), text)
     assert.is_truthy(text:find('restart 1: resuming from the newest checkpoint in ' .. dir .. '/restarted', 1, true), text)

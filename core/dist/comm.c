@@ -380,20 +380,18 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
          * the old store waits there for a key that never comes, loses the
          * connection when rank 0 stops it, and connects again, to the new one */
         char key[32];
-        char prefix[24] = "";
         if (++g_dist.epoch == 1) snprintf(key, sizeof key, "init");
         else snprintf(key, sizeof key, "init/%d", g_dist.epoch);
-        /* every later init's keys (NCCL's ids too) in a namespace of their
-         * own: a store that outlived the last init (the launcher's) holds
-         * that init's values under the same names */
-        if (g_dist.epoch > 1) snprintf(prefix, sizeof prefix, "e%d/", g_dist.epoch);
-        /* and a restarted run's (bin/train --max-restarts): its ranks are new
-         * processes, at their first init again, against the same store */
-        if (restart > 0) {
-            char p2[24];
-            snprintf(p2, sizeof p2, "r%d/%s", restart, prefix);
-            memcpy(prefix, p2, sizeof prefix);
-        }
+        /* a restarted run's keys (bin/train --max-restarts: its ranks are
+         * new processes, at their first init again) and every later init's
+         * (NCCL's ids too) in a namespace of their own: a store that
+         * outlived them (the launcher's) holds their values under the same
+         * names. At most "r999999/e2147483647/", within the 23 bytes of a
+         * prefix */
+        char prefix[48] = "";
+        int np = 0;
+        if (restart > 0) np += snprintf(prefix + np, sizeof prefix - (size_t)np, "r%d/", restart);
+        if (g_dist.epoch > 1) snprintf(prefix + np, sizeof prefix - (size_t)np, "e%d/", g_dist.epoch);
         const double deadline = ms_dist_now() + o.rendezvous_timeout_s;
         int failed;
         for (;;) {
