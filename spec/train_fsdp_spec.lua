@@ -175,6 +175,19 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
     close_losses(straight, losses(out), 1, 6, 'resumed from the previous checkpoint')
   end)
 
+  it('a HYBRID_SHARD checkpoint of 2 ranks resumes in one process without a launcher', function()
+    local common = ('models/gpt2.lua %s --batch-size 1 --tokens-per-step 32 --steps 4 --no-save'):format(tiny)
+    local status, text = bin_train(('%s --out %s/hstraight'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu %s --fsdp HYBRID_SHARD --shard-size 1 --save-every 2 '
+      .. '--stop-at 2 --out %s/hsaved'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('--resume %s'):format(q(dir .. '/hsaved')))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('resumed from ' .. dir .. '/hsaved/ckpt-2 at step 2', 1, true), text)
+    close_losses(losses(dir .. '/hstraight'), losses(dir .. '/hsaved'), 1, 4, 'HYBRID_SHARD resumed in one process')
+  end)
+
   it('--max-restarts: a rank that dies restarts with the others from the newest checkpoint, with the same losses', function()
     local one = reference()
     -- GPT-2 whose rank 1 dies at its 4th forward in the first attempt only

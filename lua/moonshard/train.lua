@@ -887,6 +887,13 @@ function train.run(opts)
     resume = { path = c.path, state = st, sharded = train.is_sharded_checkpoint(c.path) }
   end
 
+  -- a HYBRID_SHARD checkpoint resumed in one process (`bin/train --resume
+  -- DIR`): the strategy came from the checkpoint, after the join above
+  if not dist.is_initialized() and o.fsdp == 'HYBRID_SHARD' then
+    local dev = o.device or opts.device or os.getenv('MS_DEVICE') or 'cpu'
+    dist.init { backend = dev == 'cpu' and 'mpi' or 'nccl', device = dev ~= 'cpu' and dev or nil }
+  end
+
   -- sharding: --fsdp, or plain data parallel (NO_SHARD) with several ranks
   local strategy = o.fsdp
   if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
