@@ -143,3 +143,47 @@ describe('bin/train strategies with checkpoints on two GPUs #gpu', function()
     end)
   end
 end)
+
+-- the rest of the loop on two GPUs: llama with its head unit, micro-batches,
+-- evaluation, a sample at the end, the final full save, SIGINT's checkpoint
+describe('bin/train llama on two GPUs #gpu', function()
+  it('accumulates, evaluates, samples and saves under FULL_SHARD; SIGINT stops both ranks with a checkpoint', function()
+    if ms.cuda.device_count() < 2 then
+      pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
+      return
+    end
+    local dir = tmpdir()
+    local args = ('models/llama.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 64 '
+      .. '--model.intermediate_size 128 --seq-len 64 --batch-size 2 --tokens-per-step 512 --device cuda '
+      .. '--fsdp FULL_SHARD --log-every 1 --eval-every 2 --eval-iters 2 --sample-tokens 8 --out %s/run'):format(q(dir))
+    local st, text = bin_train('--nproc-per-node 2 --device cuda ' .. args .. ' --steps 4')
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('2 micro-batches', 1, true), text)
+    assert.is_truthy(text:find('---- sample', 1, true), text)
+    assert.is_truthy(text:find('[rank 1] done: 4 steps', 1, true), text)
+    assert.is_truthy(io.open(dir .. '/run/model.safetensors'), 'no final save')
+    -- SIGINT to the launcher in the middle of a longer run
+    local lpid = dir .. '/launcher.pid'
+    os.execute(("cd %s && (bin/train --nproc-per-node 2 --device cuda %s --steps 100000 --out %s/int >%s/int.out 2>&1 & "
+      .. "echo $! >%s; wait $!; echo $? >%s/int.rc) >/dev/null 2>&1 &"):format(q(root),
+      args:gsub('%-%-out %S+', ''), q(dir), q(dir), q(lpid), q(dir)))
+    local t0 = os.time()
+    local started = false
+    while os.time() - t0 < 120 do
+      local f = io.open(dir .. '/int.out')
+      local out = f and f:read('*a') or ''
+      if f then f:close() end
+      if out:find('step%s+3/') then started = true; break end
+      os.execute('sleep 0.2')
+    end
+    assert.is_true(started, 'the interrupted run never reached step 3: ' .. (io.open(dir .. '/int.out'):read('*a')))
+    local pid = tonumber(io.open(lpid):read('*l'))
+    os.execute('kill -INT ' .. pid)
+    t0 = os.time()
+    while os.time() - t0 < 60 and not io.open(dir .. '/int.rc') do os.execute('sleep 0.2') end
+    local out = io.open(dir .. '/int.out'):read('*a')
+    assert.is_truthy(out:find('stopped by SIGINT after step', 1, true), out)
+    assert.is_truthy(out:find('ckpt%-%d+'), out)
+    os.execute('rm -rf ' .. q(dir))
+  end)
+end)
