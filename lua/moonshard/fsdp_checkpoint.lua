@@ -363,8 +363,6 @@ function regions_(model)
   return ctx
 end
 
--- agree over the world on success: raises on every rank when any failed
--- (the failing rank with its own message)
 -- a collective over small host tensors, run on the backend's device (NCCL
 -- works on the rank's GPU, MPI on the CPU): fn gets the tensors there; the
 -- results come back as host tables, one per tensor, and nothing is left
@@ -384,6 +382,8 @@ local function host_collective(fn, ...)
   return unpack(out)
 end
 
+-- agree over the world on success: raises on every rank when any failed
+-- (the failing rank with its own message)
 local function agree(ctx, ok, err, what)
   if ctx.sharded and ctx.world_size > 1 then
     local v = host_collective(function(t) dist.all_reduce(t, 'min') end, T.tensor({ ok and 1 or 0 }, { dtype = 'f32' }))

@@ -830,10 +830,11 @@ function train.run(opts)
 
   -- several ranks: join the run (MPI on the CPU, NCCL on CUDA)
   local env_world = dist.env().world_size
-  local want_device = o.device or opts.device or os.getenv('MS_DEVICE') or 'cpu'
-  if not dist.is_initialized() and (env_world > 1 or o.fsdp == 'HYBRID_SHARD') then
-    dist.init { backend = want_device == 'cpu' and 'mpi' or 'nccl', device = want_device ~= 'cpu' and want_device or nil }
+  local function join()   -- MPI on the CPU, NCCL on a GPU
+    local dev = o.device or opts.device or os.getenv('MS_DEVICE') or 'cpu'
+    dist.init { backend = dev == 'cpu' and 'mpi' or 'nccl', device = dev ~= 'cpu' and dev or nil }
   end
+  if not dist.is_initialized() and (env_world > 1 or o.fsdp == 'HYBRID_SHARD') then join() end
   local rank = dist.is_initialized() and dist.rank() or 0
   local world = dist.is_initialized() and dist.world_size() or 1
   local multi = world > 1
@@ -843,7 +844,6 @@ function train.run(opts)
   local restart = tonumber(os.getenv('MS_RESTART_COUNT') or '') or 0
   if restart > 0 and not o.resume and o.out and #ckpt.list(o.out) > 0 then
     o.resume = 'latest'
-    opts.out = opts.out or o.out
     if rank == 0 then warn(('restart %d: resuming from the newest checkpoint in %s'):format(restart, o.out)) end
   end
 
@@ -889,10 +889,7 @@ function train.run(opts)
 
   -- a HYBRID_SHARD checkpoint resumed in one process (`bin/train --resume
   -- DIR`): the strategy came from the checkpoint, after the join above
-  if not dist.is_initialized() and o.fsdp == 'HYBRID_SHARD' then
-    local dev = o.device or opts.device or os.getenv('MS_DEVICE') or 'cpu'
-    dist.init { backend = dev == 'cpu' and 'mpi' or 'nccl', device = dev ~= 'cpu' and dev or nil }
-  end
+  if not dist.is_initialized() and o.fsdp == 'HYBRID_SHARD' then join() end
 
   -- sharding: --fsdp, or plain data parallel (NO_SHARD) with several ranks
   local strategy = o.fsdp
