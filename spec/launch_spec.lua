@@ -318,10 +318,64 @@ describe('bin/train launcher', function()
     assert.matches('restarting every rank (restart 1 of 1)', out, 1, true)
     local _, fails = out:gsub('rank 0 failed %(exit status 4%); the run stopped', '')
     assert.are.equal(2, fails, out)
-    -- one node only
-    out, code = train('--nnodes 2 --node-rank 0 --master-addr 127.0.0.1 --nproc-per-node 1 --max-restarts 1 ' .. s2)
-    assert.are.equal(2, code, out)
-    assert.matches('--max-restarts restarts the ranks of one node', out, 1, true)
+  end)
+
+  it('--max-restarts with two nodes: the launchers stop and start again together', function()
+    local dist = require 'moonshard.dist'
+    -- two launchers on this host, one rank each; returns both outputs and exit codes
+    local function two_nodes(tag, script)
+      local probe = dist.store_server { host = '127.0.0.1', port = 0, token = 'probe' }
+      local port = probe:port()
+      probe:stop()
+      local cmd = "cd '%s' && MS_DIST_TOKEN=restarts luajit bin/train --nnodes 2 --node-rank %d --master-addr 127.0.0.1 "
+        .. "--master-port %d --nproc-per-node 1 --device cpu --spawn direct --max-restarts 1 %s >'%s/%s%d.out' 2>&1; "
+        .. "echo $? >'%s/%s%d.rc'"
+      os.execute(('(%s) &'):format(cmd:format(root, 1, port, script, dir, tag, 1, dir, tag, 1)))
+      os.execute(cmd:format(root, 0, port, script, dir, tag, 0, dir, tag, 0))
+      assert.is_true(wait_until(function() return (slurp(('%s/%s1.rc'):format(dir, tag)) or '') ~= '' end, 30))
+      local r = {}
+      for n = 0, 1 do
+        r[n] = { out = slurp(('%s/%s%d.out'):format(dir, tag, n)),
+                 code = tonumber(slurp(('%s/%s%d.rc'):format(dir, tag, n)):match('%d+')) }
+      end
+      return r
+    end
+    -- node 1's rank fails while node 0's still runs: node 0 stops its rank
+    local s = write('nodes_fail.lua', [[
+      print('attempt ' .. os.getenv('MS_RESTART_COUNT'))
+      io.stdout:flush()
+      if os.getenv('MS_RESTART_COUNT') == '0' then
+        if os.getenv('RANK') == '1' then os.execute('sleep 0.5'); os.exit(3) end
+        os.execute('sleep 30')
+      end
+    ]])
+    local t0 = launch.now()
+    local r = two_nodes('nf', s)
+    assert.is_true(launch.now() - t0 < 20, 'took too long')
+    for n = 0, 1 do
+      assert.are.equal(0, r[n].code, r[n].out)
+      assert.matches('restarting every rank (restart 1 of 1)', r[n].out, 1, true)
+      assert.matches(('[rank %d] attempt 1'):format(n), r[n].out, 1, true)
+    end
+    assert.matches("node 1 failed; stopping this node's ranks", r[0].out, 1, true)
+    -- node 0's rank ends well first, then node 1's fails: node 0 starts again too
+    s = write('nodes_late.lua', [[
+      print('attempt ' .. os.getenv('MS_RESTART_COUNT'))
+      io.stdout:flush()
+      if os.getenv('MS_RESTART_COUNT') == '0' and os.getenv('RANK') == '1' then os.execute('sleep 1'); os.exit(3) end
+    ]])
+    r = two_nodes('nl', s)
+    for n = 0, 1 do
+      assert.are.equal(0, r[n].code, r[n].out)
+      assert.matches(('[rank %d] attempt 1'):format(n), r[n].out, 1, true)
+    end
+    assert.matches("node 1 failed; this node's ranks ended well, but every node starts again", r[0].out, 1, true)
+    -- restarts used up: both launchers fail
+    s = write('nodes_always.lua', [[ if os.getenv('RANK') == '1' then os.exit(5) end os.execute('sleep 30') ]])
+    r = two_nodes('na', s)
+    assert.are.equal(5, r[1].code, r[1].out)
+    assert.are.equal(1, r[0].code, r[0].out)
+    assert.matches('node 1 failed', r[0].out, 1, true)
   end)
 
   it('says which address it cannot serve the store on', function()

@@ -98,7 +98,7 @@ multi-process options (before FILE; any of them starts the launcher):
   --spawn direct|mpirun  how ranks start (default: direct for cuda, mpirun for cpu)
   --log-dir DIR        each rank's output in DIR/rankN.log; the console shows rank 0
   --max-restarts K     when a rank fails, stop the others and start them all again,
-                       at most K times (one node; MS_RESTART_COUNT tells the ranks)
+                       at most K times, on every node (MS_RESTART_COUNT tells the ranks)
   (several nodes share a secret: export MS_DIST_TOKEN=... on each node)]]
 
 local flags = {
@@ -153,10 +153,6 @@ function launch.parse(argv)
   o.node_rank = o.node_rank or 0
   if o.node_rank >= o.nnodes then usage('bin/train: --node-rank %d with --nnodes %d', o.node_rank, o.nnodes) end
   if o.nnodes > 1 and not o.master_addr then usage('bin/train: --nnodes %d needs --master-addr (node 0\'s address)', o.nnodes) end
-  if (o.max_restarts or 0) > 0 and o.nnodes > 1 then
-    usage('bin/train: --max-restarts restarts the ranks of one node; with --nnodes %d a restart would need every '
-      .. 'node to start again together, which this launcher does not do', o.nnodes)
-  end
   if o.device and o.device ~= 'cpu' and o.device ~= 'cuda' then usage('bin/train: --device is cpu or cuda, got %s', o.device) end
   if o.spawn and o.spawn ~= 'direct' and o.spawn ~= 'mpirun' then usage('bin/train: --spawn is direct or mpirun, got %s', o.spawn) end
   return o
@@ -414,6 +410,7 @@ local function supervise(procs, on_data, on_exit, state, mpirun)
       if bit.band(pfds[i].revents, POLLIN + POLLHUP + 8) ~= 0 then read_some(map[i][1], map[i][2]) end
     end
     if state.tick then state.tick() end
+    if state.peer then state.peer() end
     for _, p in ipairs(procs) do
       if not p.exited then
         local st = ffi.new('int[1]')
@@ -490,6 +487,34 @@ local function linger(server, secs)
   if open > 0 then message('%d ranks still connected after %d s; the store stops', open, secs) end
 end
 
+-- After an attempt on this node (--max-restarts with several nodes): a
+-- failure is told to the other nodes (an interrupt as 'abort': nobody
+-- restarts); ranks that ended well wait for every node to end well, or for
+-- one to fail (then this node restarts too). Returns true to stop restarting;
+-- sets the attempt's code through `code` when a peer failed.
+local function node_outcome(coord, o, attempt, ok, code, interrupted)
+  local key = 'fail/' .. attempt
+  if not ok or interrupted then coord:set(key, 'abort'); return true end
+  if code ~= 0 then
+    if not coord:get(key, 0.001) then coord:set(key, tostring(o.node_rank)) end
+    return coord:get(key, 0.001) == 'abort'
+  end
+  local n, t0, limit = coord:add('done/' .. attempt, 1), now(), o.store_timeout or 300
+  while n < o.nnodes do
+    local v = coord:get(key, 0.2)
+    if v then
+      message('node %s failed; this node\'s ranks ended well, but every node starts again', v)
+      return v == 'abort', 1
+    end
+    if now() - t0 > limit then
+      message('%d of %d nodes ended well after %d s of waiting; this node is done', n, o.nnodes, limit)
+      return true
+    end
+    n = coord:add('done/' .. attempt, 0)
+  end
+  return false
+end
+
 -- runs the job; returns the launcher's exit code
 function launch.run(o, rank_cmd)
   local device = o.device or (file_exists('/dev/nvidia0') and 'cuda' or 'cpu')
@@ -515,12 +540,42 @@ function launch.run(o, rank_cmd)
   -- MS_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT) one more;
   -- dist.init names its store keys after it, so nothing of the failed
   -- attempt answers the new one
+  -- with several nodes the launchers restart together, through the store:
+  -- a node whose ranks fail says so under fail/<attempt>; the others stop
+  -- theirs (or, done already, wait for every node's outcome) and all meet
+  -- at start/<attempt + 1>
+  local coord
+  if (o.max_restarts or 0) > 0 and o.nnodes > 1 then
+    local ok, c = pcall(function()
+      local dist = require 'moonshard.dist'
+      local st, err = dist.store_connect { host = addr, port = port, token = token, rank = o.node_rank,
+        timeout = o.store_timeout or 300 }
+      if not st then error(err, 0) end
+      return st:set_prefix('launch/')
+    end)
+    if not ok then
+      if server then server:stop() end
+      error('bin/train: the launchers of a run with --max-restarts meet at the store: ' .. tostring(c), 0)
+    end
+    coord = c
+  end
   local ok, code, interrupted
   for attempt = 0, o.max_restarts or 0 do
-    ok, code, interrupted = pcall(launch.run_ranks, o, rank_cmd, addr, port, token, attempt)
-    if not ok or code == 0 or interrupted or attempt == (o.max_restarts or 0) then break end
+    if coord then
+      local met, err = coord:barrier('start/' .. attempt, o.node_rank, o.nnodes, o.store_timeout or 300)
+      if not met then ok, code = true, 1; message('%s', err); break end
+    end
+    ok, code, interrupted = pcall(launch.run_ranks, o, rank_cmd, addr, port, token, attempt, coord)
+    local abort = not ok or interrupted
+    if coord then
+      local stop, peer_code = node_outcome(coord, o, attempt, ok, code, interrupted)
+      abort = abort or stop
+      code = peer_code or code
+    end
+    if abort or code == 0 or attempt == (o.max_restarts or 0) then break end
     message('restarting every rank (restart %d of %d)', attempt + 1, o.max_restarts)
   end
+  if coord then coord:close() end
   if server and ok and code == 0 and o.nnodes > 1 then linger(server, o.store_linger or 60) end
   if server then server:stop() end
   if not ok then error(code, 0) end
@@ -528,7 +583,7 @@ function launch.run(o, rank_cmd)
 end
 
 -- runs the ranks of this node against the store at addr:port
-function launch.run_ranks(o, rank_cmd, addr, port, token, attempt)
+function launch.run_ranks(o, rank_cmd, addr, port, token, attempt, coord)
   local nproc = o.nproc or 1
   local world = nproc * o.nnodes
   local rank0 = o.node_rank * nproc
@@ -561,6 +616,19 @@ function launch.run_ranks(o, rank_cmd, addr, port, token, attempt)
   local t0 = now()
   local procs = {}
   local state = {}
+  if coord then
+    -- another node's failure (--max-restarts): stop this node's ranks too
+    local key, next_at = 'fail/' .. (attempt or 0), 0
+    state.peer = function()
+      if state.fail or state.interrupted or now() < next_at then return end
+      next_at = now() + 0.5
+      local v = coord:get(key, 0.001)
+      if v then
+        state.fail = { code = 1, what = ('node %s failed'):format(v) }
+        message('node %s failed; stopping this node\'s ranks', v)
+      end
+    end
+  end
   if spawn_mode == 'direct' then
     for i = 0, nproc - 1 do
       local e = {}
