@@ -490,8 +490,9 @@ end
 -- After an attempt on this node (--max-restarts with several nodes): a
 -- failure is told to the other nodes (an interrupt as 'abort': nobody
 -- restarts); ranks that ended well wait for every node to end well, or for
--- one to fail (then this node restarts too). Returns true to stop restarting;
--- sets the attempt's code through `code` when a peer failed.
+-- one to fail (then this node restarts too). Returns true to stop
+-- restarting, and the code 1 as the attempt's when a peer failed after this
+-- node's ranks had ended well.
 local function node_outcome(coord, o, attempt, ok, code, interrupted)
   local key = 'fail/' .. attempt
   if not ok or interrupted then coord:set(key, 'abort'); return true end
@@ -539,8 +540,8 @@ function launch.run(o, rank_cmd)
   -- --max-restarts: a failed run starts again, every rank, with
   -- MS_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT) one more;
   -- dist.init names its store keys after it, so nothing of the failed
-  -- attempt answers the new one
-  -- with several nodes the launchers restart together, through the store:
+  -- attempt answers the new one. With several nodes the launchers
+  -- restart together, through the store:
   -- a node whose ranks fail says so under fail/<attempt>; the others stop
   -- theirs (or, done already, wait for every node's outcome) and all meet
   -- at start/<attempt + 1>
