@@ -30,6 +30,29 @@ function S.tmpdir()
 end
 
 -- a tensor of `shape` holding the row-major values `vals`, in dtype (f64)
+-- the fused linear cross-entropy of (x, W, t) times g (nil: 1), then its
+-- backward, with W's gradient into a fresh sink of `sink` (a tensor shaped
+-- like W, NaN-filled: overwritten, never read) or, with sink nil, into
+-- W.grad. Checks the sink's token (marked by the forward, written by the
+-- backward, W.grad left nil) and returns grad_W and x.grad
+function S.flce_sink_run(x, W, t, opts, sink, g)
+  local A = require 'moonshard.autograd'
+  local ms = require 'moonshard'
+  local s
+  if sink then
+    s = { t = sink:fill_(0 / 0), written = {}, i = 1 }
+    A.set_grad_sink(W, s)
+  end
+  local loss = ms.nn.functional.fused_linear_cross_entropy(x, W, t, opts)
+  if s then luassert.are.equal('table', type(s.written[1])) end
+  if g then loss = loss * g end
+  loss:backward()
+  if not s then return W.grad, x.grad end
+  luassert.is_nil(W.grad)
+  luassert.is_true(s.written[1])
+  return s.t, x.grad
+end
+
 -- writes a model file at `path`: GPT-2 whose rank `rank` exits with `status`
 -- at its `at`-th forward in a launcher's first attempt (MS_RESTART_COUNT 0),
 -- for the --max-restarts specs
