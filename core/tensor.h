@@ -44,6 +44,9 @@ typedef struct ms_storage {
     int64_t refcount;
     int32_t device;
     int32_t external;   /* 1: data is not ours to free (mmap, borrowed) */
+    uint32_t version;   /* bumped by the Lua face's in-place writes (autograd's
+                           check of saved tensors); the core never reads it */
+    uint32_t reserved;
 } ms_storage;
 
 /* Field names avoid the Lua face's property and method names (t.shape,

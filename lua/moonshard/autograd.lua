@@ -39,6 +39,16 @@
 -- it raises an error when grad mode is on and its target requires grad (use
 -- ms.no_grad, as optimizers do).
 --
+-- Versions: every in-place write of the Lua face (add_, copy_, fill_, set,
+-- normal_, an optimizer's step, ...) bumps its storage's version
+-- (t._version, shared by all views of the storage). A node notes the version
+-- of each tensor it saved; backward checks them before it starts and again
+-- before each node's backward, and raises an error naming the op and the
+-- tensor when one was changed in place since it was saved (PyTorch's "modified
+-- by an inplace operation"), instead of computing a silently wrong gradient.
+-- The raw layer (F, ms.raw) does not bump: the engine's own writes into
+-- buffers it manages (FSDP's gathers, gradient buffers) are not user edits.
+--
 -- Grad mode: ms.no_grad(fn, ...) / ms.enable_grad(fn, ...) run fn with
 -- recording off / on and return fn's results; ms.is_grad_enabled().
 -- Custom ops: A.Function{forward = function(ctx, ...) end, backward =
@@ -122,6 +132,53 @@ A.shape_of = shape_of
 
 local pack = function(...) return { n = select('#', ...), ... } end
 local unpack = unpack or table.unpack
+
+-- ---------------------------------------------------------------- versions
+-- t's storage version, bumped by each in-place write of the Lua face
+local function bump(t)
+  local st = t.storage
+  if st ~= nil then st.version = (st.version + 1) % 4294967296 end
+  return t
+end
+A.bump_version = bump
+
+-- the versions of the tensors in `saved` (a node's saved table, a
+-- Function's saved_tensors, a checkpoint's arguments), as a flat list
+-- key, tensor, version, ...; nil when none
+local function snap(saved, into)
+  if saved == nil then return into end
+  for k, x in pairs(saved) do
+    if is_tensor(x) then
+      local st = x.storage
+      if st ~= nil then
+        into = into or {}
+        local n = #into
+        into[n + 1], into[n + 2], into[n + 3] = k, x, st.version
+      end
+    end
+  end
+  return into
+end
+
+-- raises when a tensor a node saved was written in place since
+local function check_versions(node)
+  local v = node.vers
+  if v == nil then return end
+  for j = 1, #v, 3 do
+    local x = v[j + 1]
+    local st = x.storage
+    if st ~= nil and st.version ~= v[j + 2] then
+      local k = v[j]
+      error(('autograd: a tensor that the backward of %s needs (%s, shape %s, %s on %s) was '
+        .. 'modified by an in-place operation after the forward saved it: its storage is at '
+        .. 'version %d, saved at version %d. Change a clone instead (x:clone()), or make the '
+        .. 'change after backward'):format(node.name, type(k) == 'number' and ('saved tensor ' .. k)
+          or ('saved ' .. tostring(k)), shape_str(shape_of(x)), T.dtype_name(x.dtype_id),
+          T.device_name(x.device_id), st.version, v[j + 2]), 0)
+    end
+  end
+end
+A.check_versions = check_versions
 
 -- ----------------------------------------------------------------- grad mode
 function A.is_grad_enabled() return enabled end
@@ -223,6 +280,7 @@ end
 local function record_out(name, out, bwd, saved, own, ins, nin)
   local node = new_node(name, bwd, ins, nin)
   node.saved, node.own = saved, own
+  node.vers = snap(saved)
   node.oid = tonumber(out.id)
   mark_output(out, node)
   push(node)
@@ -520,11 +578,12 @@ local function walk(tape, grads, borrowed, root)
             end
           end
         end
+        check_versions(node)
         local r = pack(node.bwd(node, unpack(gl, 1, nout)))
         -- release what the node saved
         local own = node.own
         if own then for j = 1, #own do free(own[j]) end end
-        node.own, node.saved = nil, nil
+        node.own, node.saved, node.vers = nil, nil, nil
         local results_borrowed = node.borrow_results
         for i = 1, node.nin do
           local g = r[i]
@@ -552,7 +611,7 @@ local function walk(tape, grads, borrowed, root)
       else
         local own = node.own
         if own then for j = 1, #own do free(own[j]) end end
-        node.own, node.saved = nil, nil
+        node.own, node.saved, node.vers = nil, nil, nil
       end
       node.done = true
       node.leaf = nil   -- a consumed node holds no tensor handle
@@ -610,6 +669,8 @@ local function backward(t, grad)
   local prev = enabled
   enabled = false
   local ok, err = pcall(function()
+    -- every saved tensor as the forward left it, before any gradient lands
+    for k = 1, #tape do check_versions(tape[k]) end
     run_hooks(hooks.backward_begin, tape)
     walk(tape, { [tonumber(t.id)] = grad }, borrowed, tonumber(t.id))
   end)
@@ -618,7 +679,7 @@ local function backward(t, grad)
     local n = tape[k]
     tape[k] = nil
     if n.own then for j = 1, #n.own do free(n.own[j]) end end
-    n.own, n.saved, n.done, n.leaf = nil, nil, true, nil
+    n.own, n.saved, n.vers, n.done, n.leaf = nil, nil, nil, true, nil
     if n.outs then release_outputs(n, tonumber(t.id)) end
   end
   active = nil
@@ -650,7 +711,7 @@ function A.clear_tape()
     local n = tape[k]
     tape[k] = nil
     if n.own then for j = 1, #n.own do free(n.own[j]) end end
-    n.own, n.saved, n.done, n.leaf = nil, nil, true, nil
+    n.own, n.saved, n.vers, n.done, n.leaf = nil, nil, nil, true, nil
     if n.outs then release_outputs(n) end
   end
 end
@@ -1142,13 +1203,32 @@ local function bwd_lse(node, g)
   free(ge); free(p)
   return r
 end
+-- d prod / d x_i = the product of the other entries of x_i's slice, zeros
+-- included: with p' the product of the slice's nonzero entries and c its
+-- count of zeros, that is p' / x_i when c = 0, p' at the zero when c = 1, and
+-- 0 otherwise (never y / x, which is NaN at a zero)
 local function bwd_prod(node, g)
-  local x, y = node.saved[1], node.saved[2]
-  local t = F.mul(g, y)
-  local te = expand_input(node, t)
-  free(t)
-  local r = F.div(te, x)
-  free(te)
+  local x, s = node.saved[1], node.saved
+  local dt = x.dtype_id
+  local z = maskf(F.eq(x, 0), dt)              -- 1 at the zeros
+  local x1 = F.add(x, z)                        -- the zeros made 1
+  local p1 = F.prod(x1, s.dim, s.keepdim)       -- y's shape
+  local c = F.sum(z, s.dim, s.keepdim)
+  local gp = F.mul(g, p1)
+  free(p1)
+  local gpe = expand_input(node, gp)
+  free(gp)
+  local ce = expand_input(node, c)
+  free(c)
+  local none = maskf(F.eq(ce, 0), dt)
+  local one = maskf(F.eq(ce, 1), dt)
+  free(ce)
+  local r = F.div(gpe, x1)
+  F.mul_(r, none)
+  F.mul_(one, z)                                -- the zero of a slice with one zero
+  F.mul_(one, gpe)
+  F.add_(r, one)
+  free(z); free(x1); free(gpe); free(none); free(one)
   return r
 end
 
@@ -1175,7 +1255,7 @@ reduction('mean', bwd_mean)
 reduction('max', bwd_maxred, true, true)
 reduction('min', bwd_maxred, true, true)
 reduction('logsumexp', bwd_lse, true, true)
-reduction('prod', bwd_prod, true, true)
+reduction('prod', bwd_prod, true, false)
 
 -- -- softmax
 local function bwd_softmax(node, g)
@@ -1429,18 +1509,63 @@ function W.to(t, a, b)
 end
 
 -- ---------------------------------------------------------- in-place guard
-for _, k in ipairs({ 'add_', 'sub_', 'mul_', 'div_', 'clamp_', 'index_add_', 'scatter_add_' }) do
+-- In-place arithmetic on a tensor that requires grad is an error in grad
+-- mode; every in-place write of the Lua face bumps the target's version.
+local inplace = {}
+for _, k in ipairs({ 'add_', 'sub_', 'mul_', 'div_', 'index_add_', 'scatter_add_' }) do
   local raw = M[k] or F[k]
   if raw then
-    M[k] = function(t, ...)
+    inplace[k] = function(t, ...)
       if enabled and needs(t) then
         error(('%s: in-place update of a tensor that requires grad while grad mode is on '
           .. '(wrap it in ms.no_grad, or work on t:detach())'):format(k), 2)
       end
-      return raw(t, ...)
+      local r = raw(t, ...)
+      bump(t)
+      return r
     end
   end
 end
+-- writes whose target is their first argument (copy_, fill_, gemm_'s out,
+-- set) or, for adamw_, every tensor of the list of parameters
+for _, k in ipairs({ 'copy_', 'fill_', 'gemm_', 'set' }) do
+  local raw = M[k] or F[k]
+  if raw then
+    inplace[k] = function(t, ...)
+      local r = raw(t, ...)
+      if is_tensor(t) then bump(t) end
+      return r
+    end
+  end
+end
+if F.adamw_ then
+  local raw = F.adamw_
+  inplace.adamw_ = function(params, ...)
+    local r = raw(params, ...)
+    if type(params) == 'table' then for i = 1, #params do bump(params[i]) end end
+    return r
+  end
+end
+A.raw_inplace = {}          -- the unversioned writes, for the engine's own buffers
+for k, f in pairs(inplace) do
+  A.raw_inplace[k] = M[k] or F[k]
+  M[k] = f
+  if F[k] then A.ops[k] = f end
+end
+-- the module-level initialisers (ms.normal_, ms.uniform_) and their methods
+for _, k in ipairs({ 'normal_', 'uniform_' }) do
+  local raw = T[k]
+  local f = function(t, ...)
+    local r = raw(t, ...)
+    if is_tensor(t) then bump(t) end
+    return r
+  end
+  T[k] = f
+  M[k] = f
+  A.ops[k] = f
+end
+-- t:zero_(): fill_ with 0
+function M.zero_(t) return M.fill_(t, 0) end
 
 -- ------------------------------------------------------------------ Function
 -- Custom differentiable op:
@@ -1508,6 +1633,7 @@ function FunctionMT:apply(...)
   record_outputs(node, outs, args)
   node.borrow_results = not self.owns_results
   node.saved = { ctx = ctx, def = self }
+  node.vers = snap(ctx.saved_tensors)
   push(node)
   return unpack(outs, 1, outs.n)
 end
@@ -1607,6 +1733,7 @@ function A.checkpoint(fn, ...)
   record_outputs(node, outs, args)
   node.modules = mods
   node.saved = { fn = fn, args = args, rng = rng }
+  node.vers = snap(args)
   push(node)
   return unpack(outs, 1, outs.n)
 end

@@ -28,6 +28,9 @@ local ffi = require 'ffi'
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local C = T.C
+-- the engine's writes into its own buffers (unsharded parameters, gradient
+-- buffers, shards) leave the storages' versions alone (docs/autograd.md)
+local raw_copy = T.raw_copy_
 local function no_grad(fn) return require('moonshard.autograd').no_grad(fn) end
 
 local fsdp = {}
@@ -35,6 +38,7 @@ local fsdp = {}
 local function check(rc, level)
   if rc ~= 0 then error(ffi.string(C.ms_last_error()), (level or 1) + 1) end
 end
+local function raw_zero(t) check(C.ms_fill_(t, 0), 2) end
 
 -- ------------------------------------------------------------------ layout
 
@@ -162,7 +166,7 @@ function FlatParam:flatten(params, dtype)
     end
     if self.numels[i] > 0 then
       local dst, src = flat:narrow(1, self.layout.offsets[i] + 1, self.numels[i]), p:reshape(self.numels[i])
-      dst:copy_(src)
+      raw_copy(dst, src)
       dst:free(); src:free()
     end
   end
@@ -196,7 +200,7 @@ end
 function FlatParam:slices(rank) return self.layout:slices(rank or self.rank) end
 
 local function gather(self, out, inp)
-  if self.world_size == 1 then out:copy_(inp); return end
+  if self.world_size == 1 then raw_copy(out, inp); return end
   if not self.group then error('unshard: no process group (dist not initialised?)', 3) end
   dist.all_gather_into(out, inp, { group = self.group })
 end
@@ -247,7 +251,7 @@ function FlatParam:reduce_scatter(grad_flat, op)
   src = src:contiguous()
   local out = self.grad_shard or T.empty({ self.shard_numel }, { dtype = 'f32', device = self.device })
   if self.world_size == 1 then
-    out:copy_(src)
+    raw_copy(out, src)
   else
     if not self.group then error('reduce_scatter: no process group (dist not initialised?)', 2) end
     dist.reduce_scatter(out, src, op, { group = self.group })
@@ -387,7 +391,7 @@ end
 -- waits for the copy and what it waited for (docs/fsdp.md, "Offload").
 local function host_copy(st, dst, src)
   if dst.device_id < 0 and src.device_id < 0 then
-    no_grad(function() dst:copy_(src) end)
+    no_grad(function() raw_copy(dst, src) end)
     return
   end
   local cuda = require 'moonshard.cuda'
@@ -398,7 +402,7 @@ local function host_copy(st, dst, src)
   end
   check(C.ms_cuda_event_record(st.copy_before.p, nil), 2)            -- on the compute stream
   st.copy_stream:wait(st.copy_before)
-  cuda.with_stream(st.copy_stream, function() no_grad(function() dst:copy_(src) end) end)
+  cuda.with_stream(st.copy_stream, function() no_grad(function() raw_copy(dst, src) end) end)
   st.copy_after:record(st.copy_stream)
   check(C.ms_cuda_stream_wait_event(C.ms_cuda_current_stream(dev), st.copy_after.p), 2)
   cuda.record_stream(dst.device_id >= 0 and dst or src, st.copy_stream)
@@ -422,12 +426,12 @@ function Unit:refresh_lp()
     local src = shard
     if self.lp.dtype ~= shard.dtype then
       self.host_lp = self.host_lp or host_empty(shard:numel(), self.lp.dtype, self.fp.device, self.pinned)
-      no_grad(function() self.host_lp:copy_(shard) end)
+      no_grad(function() raw_copy(self.host_lp, shard) end)
       src = self.host_lp
     end
     host_copy(self.st, self.lp, src)
   else
-    no_grad(function() self.lp:copy_(shard) end)
+    no_grad(function() raw_copy(self.lp, shard) end)
   end
   self.lp_stale = false
 end
@@ -498,7 +502,7 @@ function Unit:gather_start()
   if self.aliased then
     -- the buffer is the shard
   elseif fp.world_size == 1 then
-    no_grad(function() self.flat:copy_(src) end)
+    no_grad(function() raw_copy(self.flat, src) end)
   elseif st.skip_comm then
     -- set_skip_comm: the buffer is allocated and the source made (cast or
     -- uploaded), the collective is not issued; every member's slot gets this
@@ -509,7 +513,7 @@ function Unit:gather_start()
     no_grad(function()
       for r = 0, fp.world_size - 1 do
         local dst = self.flat:narrow(1, r * n + 1, n)
-        dst:copy_(src)
+        raw_copy(dst, src)
         dst:free()
       end
     end)
@@ -574,10 +578,10 @@ function Unit:prepare_grads()
       local lay, pos = fp.layout, 0
       for i = 1, fp.nparams do
         local off = lay.offsets[i]
-        if off > pos then local z = self.gbuf:narrow(1, pos + 1, off - pos); z:fill_(0); z:free() end
+        if off > pos then local z = self.gbuf:narrow(1, pos + 1, off - pos); raw_zero(z); z:free() end
         pos = off + lay.numels[i]
       end
-      if fp.total > pos then local z = self.gbuf:narrow(1, pos + 1, fp.total - pos); z:fill_(0); z:free() end
+      if fp.total > pos then local z = self.gbuf:narrow(1, pos + 1, fp.total - pos); raw_zero(z); z:free() end
     end
     self.gviews = fp:views(self.gbuf)
     self.gwritten = {}   -- views collect_grads wrote since the buffer was made
@@ -629,11 +633,11 @@ function Unit:collect_grads()
         -- parameter moved, not a zero fill, a cast into a temporary and an
         -- add: 22); later ones (no_sync's micro-batches) a mixed-dtype add
         if self.gwritten[i] then F().add_(self.gviews[i], g)
-        else self.gviews[i]:copy_(g); self.gwritten[i] = true end
+        else raw_copy(self.gviews[i], g); self.gwritten[i] = true end
         g:free()
       end
     elseif not self.grad_direct and self.gbuf ~= nil and not self.gwritten[i] then
-      self.gviews[i]:fill_(0)   -- no gradient: its region of the buffer made zero once
+      raw_zero(self.gviews[i])   -- no gradient: its region of the buffer made zero once
       self.gwritten[i] = true
     end
   end
@@ -673,7 +677,7 @@ function Unit:reduce_grads()
       pend.out = T.empty({ fp.shard_numel }, { dtype = src.dtype, device = fp.device })
       no_grad(function()
         local mine = fp:local_shard(src)
-        pend.out:copy_(mine)
+        raw_copy(pend.out, mine)
         mine:free()
       end)
     else

@@ -451,6 +451,9 @@ function M.copy_(t, src)
   end
   return t
 end
+-- the same copy, kept unversioned when autograd wraps copy_ (the engine's
+-- own buffers: FSDP's gathers)
+T.raw_copy_ = M.copy_
 -- to('bf16') / to('cuda') / to('cuda:1') / to{dtype=, device=, copy=}
 function M.to(t, a, b)
   local dtype, device, copy = t.dtype_id, t.device_id, false
@@ -645,6 +648,9 @@ local props = {
   dtype = function(t) return dtype_names[t.dtype_id] end,
   device = function(t) return T.device_name(t.device_id) end,
   is_cuda = function(t) return t.device_id >= 0 end,
+  -- the storage's version: bumped by each in-place write of the Lua face
+  -- (autograd checks the tensors a node saved against it)
+  _version = function(t) return t.storage ~= nil and tonumber(t.storage.version) or 0 end,
 }
 T.props = props
 

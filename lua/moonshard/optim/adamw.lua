@@ -137,6 +137,7 @@ return function(optim)
               st.master = new_master(p)
             end
             st.step = st.step + 1
+            A.bump_version(p)   -- p is written in place below (autograd's saved-tensor check)
             if fusable(p, g, st) then
               scale_on(tonumber(p.device_id))
               local mr = mirrors and mirrors[p]

@@ -72,6 +72,7 @@ return function(optim)
             end
             F.mul_(d, lr)
             F.sub_(pw, d)
+            A.bump_version(p)   -- written in place (autograd's saved-tensor check)
             free(d)
             if pw ~= p then
               p:copy_(pw)
