@@ -1,7 +1,12 @@
 -- bench/gpt2_124m.lua — GPT-2 124M training throughput on one GPU.
 --
 --   luajit bench/gpt2_124m.lua [--batch 32] [--seq 1024] [--dtype bf16|bf16-master|bf16-pure|f32]
---                              [--steps 30] [--warmup 5]
+--                              [--steps 30] [--warmup 5] [--ac none|full|N]
+--
+-- --ac checkpoints the blocks' activations (nn.apply_activation_checkpointing:
+-- every block, or every N-th): the forward of those blocks runs again in
+-- backward. Model TFLOP/s and MFU count the model's flops only (6·N plus
+-- attention per token), not the recompute, as llm.c and torchtitan do.
 --
 -- --dtype bf16 (the default) is mixed precision: f32 master weights and f32
 -- AdamW state, the model's forward in a bf16 autocast region
@@ -24,11 +29,11 @@ local ms = require 'moonshard'
 local gpt2 = require 'models.gpt2'
 
 local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5, ablate = 0, phases = 0,
-  variants = 'all', ['ablate-steps'] = 10 }
+  variants = 'all', ['ablate-steps'] = 10, ac = 'none' }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
-  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-master|bf16-pure|f32] [--steps N] [--warmup N] [--ablate R] [--variants 1,2,..] [--ablate-steps N] [--phases 0|1]') end
+  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-master|bf16-pure|f32] [--steps N] [--warmup N] [--ablate R] [--variants 1,2,..] [--ablate-steps N] [--phases 0|1] [--ac none|full|N]') end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
 end
@@ -76,6 +81,12 @@ if opts.dtype == 'bf16-pure' then model:to('bf16')
 elseif opts.dtype == 'bf16' then ms.nn.functional.set_precision(model, { compute = 'bf16' })
 elseif opts.dtype == 'bf16-master' then ms.nn.functional.set_precision(model, { compute = 'bf16', weights = 'bf16' }) end
 model:train()
+local ac_blocks = 0
+if opts.ac ~= 'none' then
+  local every = opts.ac == 'full' and 1 or tonumber(opts.ac)
+  assert(every and every >= 1, 'bench/gpt2_124m.lua: --ac must be none, full or N >= 1')
+  ac_blocks = #ms.nn.apply_activation_checkpointing(model, { class = 'GPT2Block', every = every })
+end
 local opt = ms.optim.AdamW(model, { lr = 6e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1,
                                     master_weights = opts.dtype == 'bf16-master' })
 
@@ -128,7 +139,8 @@ print(('device: %s'):format(dev))
 local precision = ({ bf16 = 'bf16 compute, f32 master weights',
   ['bf16-master'] = 'bf16 compute, bf16 weights with f32 masters in AdamW', ['bf16-pure'] = 'bf16 weights and compute',
   f32 = 'f32' })[opts.dtype]
-print(('GPT-2 124M (%d params), B=%d T=%d %s, AdamW'):format(nparams, B, Tn, precision))
+print(('GPT-2 124M (%d params), B=%d T=%d %s, AdamW%s'):format(nparams, B, Tn, precision,
+  ac_blocks > 0 and (', activation checkpointing of %d of %d blocks'):format(ac_blocks, cfg.n_layer) or ''))
 print(('| tokens/s | step ms | model TFLOP/s | MFU (vs %.0f TFLOP/s bf16 matmul) | peak allocated GiB | peak reserved GiB | loss |'):format(peak))
 print('|---|---|---|---|---|---|---|')
 print(('| %.0f | %.1f | %.1f | %.1f%% | %.2f | %.2f | %.3f |'):format(tokens / med, med * 1e3, tflops,

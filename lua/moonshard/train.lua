@@ -83,6 +83,7 @@ train.options = {
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
+  { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
 local option_by_name = {}
@@ -342,6 +343,14 @@ function train.check_options(o, where)
   if o.fsdp_mixed_precision ~= nil then
     local ok, err = pcall(train.mixed_precision, o.fsdp_mixed_precision, 'cpu')
     if not ok then usage('%s: fsdp_mixed_precision: %s', where, tostring(err)) end
+  end
+  if o.activation_checkpointing ~= nil then
+    local v = tostring(o.activation_checkpointing)
+    local n = tonumber(v)
+    if not (v == 'none' or v == 'full' or (n and n >= 1 and n % 1 == 0)) then
+      usage('%s: activation_checkpointing must be none, full or a whole number N >= 1 (every N-th block), got %s',
+        where, describe(o.activation_checkpointing))
+    end
   end
   if o.fsdp_policy ~= nil then
     local v = o.fsdp_policy
@@ -948,6 +957,19 @@ function train.run(opts)
     load_converted = plain_to_sharded(resume.path, model, function() return ms.optim.AdamW(model, adamw_opts) end)
   end
 
+  -- activation checkpointing of the blocks (before fully_shard: the blocks'
+  -- unit hooks then run around the checkpointed forward)
+  local ac_desc
+  if o.activation_checkpointing ~= 'none' then
+    local cls = train.block_class(M, model)
+    if not cls then usage('--activation-checkpointing: the model has no list of blocks to checkpoint') end
+    local every = o.activation_checkpointing == 'full' and 1 or tonumber(o.activation_checkpointing)
+    local names = ms.nn.apply_activation_checkpointing(model, { class = cls, every = every })
+    local total = 0
+    for _, m in model:named_modules() do if m:class_name() == cls then total = total + 1 end end
+    ac_desc = ('%d of %d %s'):format(#names, total, cls)
+  end
+
   -- FSDP: units by --fsdp-policy, --fsdp-mixed-precision, --shard-size
   local fsdp_desc
   if strategy then
@@ -1089,6 +1111,7 @@ function train.run(opts)
       o.steps, tokens_per_step, o.batch_size, o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
   end
   if fsdp_desc then log('fsdp: %s', fsdp_desc) end
+  if ac_desc then log('activation checkpointing: %s', ac_desc) end
   if resume then log('resumed from %s at step %d', resume.path, start_step - 1) end
 
   local function save_checkpoint(step)

@@ -440,11 +440,32 @@ function Module:register_backward_hook(fn)
   return A.hook_handle(hook_list(self, '_backward_hooks'), { fn = fn })
 end
 
+-- Activation checkpointing: m:set_checkpointing(true) makes every call of m
+-- under grad mode run m's forward through ms.checkpoint (no activation of it
+-- kept; backward re-runs it). The hooks and backward marks stay outside, so
+-- FSDP's unit hooks gather before the forward and again before the
+-- recompute. nn.apply_activation_checkpointing picks the modules.
+function Module:set_checkpointing(on)
+  if on == false then
+    rawset(self, '_checkpoint', nil)
+  else
+    local m = self
+    rawset(self, '_checkpoint', function(...) return m:forward(...) end)
+  end
+  return self
+end
+function Module:is_checkpointing() return rawget(self, '_checkpoint') ~= nil end
+local function run_forward(self, ...)
+  local ck = rawget(self, '_checkpoint')
+  if ck ~= nil and A.is_grad_enabled() then return A.checkpoint(ck, ...) end
+  return self:forward(...)
+end
+
 function Module:__call(...)
   local pre, post = rawget(self, '_forward_pre_hooks'), rawget(self, '_forward_hooks')
   local mark = A.should_mark(self)
   if not mark and (pre == nil or #pre == 0) and (post == nil or #post == 0) then
-    return self:forward(...)
+    return run_forward(self, ...)
   end
   local inputs = pack(...)
   if pre then
@@ -463,7 +484,7 @@ function Module:__call(...)
     end
   end
   if mark then A.mark_module_begin(self) end
-  local out = pack(self:forward(unpack(inputs, 1, inputs.n)))
+  local out = pack(run_forward(self, unpack(inputs, 1, inputs.n)))
   if mark then A.mark_module_end(self) end
   if post then
     for i = 1, #post do
@@ -703,6 +724,7 @@ end
 local function plain(m)
   local pre, post = rawget(m, '_forward_pre_hooks'), rawget(m, '_forward_hooks')
   return (pre == nil or #pre == 0) and (post == nil or #post == 0) and not A.should_mark(m)
+    and rawget(m, '_checkpoint') == nil
 end
 nn.plain = plain
 function MLP:forward(x)
@@ -896,6 +918,49 @@ function LMHead:forward(x, pending, targets)
 end
 function LMHead:extra_repr()
   return ('%s%s'):format(self.name, self.tied and ', tied' or '')
+end
+
+-- ------------------------------------------------- activation checkpointing
+-- nn.apply_activation_checkpointing(model, opts) -> names: sets
+-- m:set_checkpointing(true) on model's modules chosen by opts.class (a class
+-- name or a list of them) or opts.check_fn(m, name) -> bool, in
+-- named_modules order; opts.every = N keeps every N-th of them (N, 2N, ...;
+-- 1: all, torchtitan's full mode; N > 1 its per-layer selective mode). A
+-- module inside one already chosen is skipped (its activations are not kept
+-- anyway). Returns the qualified names chosen.
+function nn.apply_activation_checkpointing(model, opts)
+  opts = opts or {}
+  if not nn.is_module(model) then error('apply_activation_checkpointing: model must be a module', 2) end
+  local every = opts.every or 1
+  if type(every) ~= 'number' or every < 1 or every % 1 ~= 0 then
+    error(('apply_activation_checkpointing: every must be a positive integer, got %s'):format(tostring(every)), 2)
+  end
+  local pick = opts.check_fn
+  if pick == nil then
+    local cls = opts.class
+    if cls == nil then error('apply_activation_checkpointing: give opts.class or opts.check_fn', 2) end
+    local want = {}
+    for _, c in ipairs(type(cls) == 'table' and cls or { cls }) do want[c] = true end
+    pick = function(m) return want[m:class_name()] == true end
+  elseif type(pick) ~= 'function' then
+    error('apply_activation_checkpointing: check_fn must be a function', 2)
+  end
+  local names, k, chosen = {}, 0, {}
+  for name, m in model:named_modules() do
+    local inside = false
+    for _, c in ipairs(chosen) do
+      if c == '' or name:sub(1, #c + 1) == c .. '.' then inside = true; break end
+    end
+    if not inside and pick(m, name) then
+      k = k + 1
+      if k % every == 0 then
+        m:set_checkpointing(true)
+        names[#names + 1] = name
+        chosen[#chosen + 1] = name
+      end
+    end
+  end
+  return names
 end
 
 return nn
