@@ -1654,6 +1654,10 @@ local function ckpt_bwd(node, ...)
   local s = node.saved
   local rng_now = T.rng_state()
   T.set_rng_state(s.rng)
+  -- the forward's autocast region (moonshard.amp) for the recompute
+  local amp = package.loaded['moonshard.amp']
+  local amp_now = amp and amp.state()
+  if amp then amp.set_state(s.amp) end
   local outer = A.tape
   local nested = {}
   A.tape = nested
@@ -1675,6 +1679,7 @@ local function ckpt_bwd(node, ...)
   enabled = prev
   A.tape = outer
   T.set_rng_state(rng_now)
+  if amp then amp.set_state(amp_now) end
   if not ok then error(outs, 0) end
   local grads, borrowed = {}, {}
   local k = 0
@@ -1718,6 +1723,8 @@ function A.checkpoint(fn, ...)
   if not enabled then return fn(...) end
   local args = pack(...)
   local rng = T.rng_state()
+  local amp = package.loaded['moonshard.amp']
+  local amp_state = amp and amp.state()
   local prev_collect = collect
   local mods = {}
   collect = mods
@@ -1732,7 +1739,7 @@ function A.checkpoint(fn, ...)
   local node = new_node('checkpoint', ckpt_bwd, args, args.n)
   record_outputs(node, outs, args)
   node.modules = mods
-  node.saved = { fn = fn, args = args, rng = rng }
+  node.saved = { fn = fn, args = args, rng = rng, amp = amp_state }
   node.vers = snap(args)
   push(node)
   return unpack(outs, 1, outs.n)
