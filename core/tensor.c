@@ -223,6 +223,9 @@ static int storage_data_alloc(void **out, int64_t nbytes, int device) {
     return ms_cuda_backend->alloc(out, nbytes, device) != 0 ? -1 : 0;
 }
 
+static int g_defer_alloc = 0;
+void ms_set_defer_alloc(int on) { g_defer_alloc = on != 0; }
+
 int ms_storage_new(ms_storage **out, int64_t nbytes, int device) {
     if (nbytes < 0) return ms_errorf("alloc: negative size %lld", (long long)nbytes);
     ms_storage *s = calloc(1, sizeof *s);
@@ -230,6 +233,11 @@ int ms_storage_new(ms_storage **out, int64_t nbytes, int device) {
     s->nbytes = nbytes;
     s->refcount = 1;
     s->device = device;
+    if (g_defer_alloc && nbytes > 0) {   /* data later: ms_storage_alloc_data */
+        __atomic_add_fetch(&g_live_storages, 1, __ATOMIC_RELAXED);
+        *out = s;
+        return 0;
+    }
     if (storage_data_alloc(&s->data, nbytes, device)) {
         free(s);
         return -1;
@@ -347,6 +355,10 @@ void *ms_tensor_data(const ms_tensor *t) {
 int ms_tensor_check_live(const ms_tensor *t, const char *op) {
     if (!t) return ms_errorf("%s: tensor is nil", op);
     if (!t->storage) return ms_errorf("%s: tensor was freed", op);
+    if (!t->storage->data && t->storage->nbytes > 0 && t->storage->init_id)
+        return ms_errorf("%s: the tensor (%lld bytes) has no data yet: it was made under nn.deferred_init "
+                         "(give it data with nn.materialize(model), or shard the model with fsdp.fully_shard)",
+                         op, (long long)t->storage->nbytes);
     if (!t->storage->data && t->storage->nbytes > 0)
         return ms_errorf("%s: the tensor's storage data (%lld bytes) was released by ms_storage_free_data "
                          "(a resharded FSDP unit's parameter? unshard it first)",

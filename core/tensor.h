@@ -46,7 +46,8 @@ typedef struct ms_storage {
     int32_t external;   /* 1: data is not ours to free (mmap, borrowed) */
     uint32_t version;   /* bumped by the Lua face's in-place writes (autograd's
                            check of saved tensors); the core never reads it */
-    uint32_t reserved;
+    uint32_t init_id;   /* the Lua face's deferred-initialisation record
+                           (nn.deferred_init; 0: none) */
 } ms_storage;
 
 /* Field names avoid the Lua face's property and method names (t.shape,
@@ -90,7 +91,11 @@ int ms_tensor_check_live(const ms_tensor *t, const char *op);
  * ms_live_bytes counts the released bytes out and the new ones in. */
 int ms_storage_free_data(ms_tensor *t);
 int ms_storage_alloc_data(ms_tensor *t);
-int ms_storage_has_data(const ms_tensor *t);   /* 1: data present (or 0 bytes) */
+int ms_storage_has_data(const ms_tensor *t);
+/* while on, ms_storage_new makes storages without data (nothing allocated,
+ * nothing counted live): the tensors of nn.deferred_init, given data later
+ * by ms_storage_alloc_data */
+void ms_set_defer_alloc(int on);   /* 1: data present (or 0 bytes) */
 
 /* views (share storage) */
 int ms_tensor_as_strided(ms_tensor **out, const ms_tensor *t, int ndim, const int64_t *shape,

@@ -1,8 +1,11 @@
--- Activation checkpointing and saved-tensor versions on the GPU: the fixture
+-- Activation checkpointing, saved-tensor versions and deferred
+-- initialisation on the GPU: the fixture
 -- models on cuda with every block checkpointed match the PyTorch float64
 -- gradients as the plain model does (f32, 1e-4) and the plain model's own
 -- gradients (f32: 1e-6; bf16 autocast: 2e-2), the allocator's peak falls, and
--- an in-place write to a saved cuda tensor is caught.
+-- an in-place write to a saved cuda tensor is caught, and a model built
+-- under nn.deferred_init and moved to cuda gets, materialized or sharded,
+-- the eager build's values.
 local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
 
@@ -14,7 +17,7 @@ local function relerr(got, want)
   return math.sqrt((d * d):sum():item() / (w * w):sum():item())
 end
 
-describe('activation checkpointing and versions on cuda #gpu', function()
+describe('activation checkpointing, versions and deferred init on cuda #gpu', function()
   for _, case in ipairs({ { 'gpt2-tiny', 'GPT2Block' }, { 'llama-tiny', 'LlamaDecoderLayer' } }) do
     local name, block = case[1], case[2]
     local M = require(name:match('^gpt2') and 'models.gpt2' or 'models.llama')
@@ -88,5 +91,31 @@ describe('activation checkpointing and versions on cuda #gpu', function()
     assert.is_false(ok)
     assert.is_truthy(tostring(err):find('shape (16, 64), f32 on cuda:0', 1, true), tostring(err))
     assert.is_nil(w.grad)
+  end)
+
+  it('deferred init moved to cuda: materialized and fully_shard-ed, the eager build\'s values', function()
+    local gpt2 = require 'models.gpt2'
+    local cfg = { n_layer = 2, n_embd = 64, n_head = 4, vocab_size = 256, n_positions = 64 }
+    ms.manual_seed(5)
+    local eager = gpt2.new(cfg):to('cuda')
+    local pe = {}
+    for n, p in eager:named_parameters() do pe[n] = p end
+    ms.manual_seed(5)
+    local m = ms.nn.deferred_init(gpt2.new, cfg):to('cuda')
+    assert.is_true(ms.nn.is_deferred(m))
+    ms.nn.materialize(m)
+    for n, p in m:named_parameters() do
+      assert.are.equal('cuda:0', p.device)
+      local d = ms.no_grad(function() return (p - pe[n]):abs():max():item() end)
+      assert.are.equal(0, d, n)
+    end
+    ms.manual_seed(5)
+    local s = ms.nn.deferred_init(gpt2.new, cfg):to('cuda')
+    ms.fsdp.fully_shard(s, { policy = ms.fsdp.policy.by_class { 'GPT2Block' } })
+    ms.fsdp.unshard(s)
+    for n, p in s:named_parameters() do
+      local d = ms.no_grad(function() return (p - pe[n]):abs():max():item() end)
+      assert.are.equal(0, d, n)
+    end
   end)
 end)

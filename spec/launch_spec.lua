@@ -308,7 +308,10 @@ describe('bin/train launcher', function()
     -- restarts used up: the last failure's status
     local s2 = write('always.lua', [[
       print('attempt ' .. os.getenv('MS_RESTART_COUNT'))
-      if os.getenv('RANK') == '0' then os.exit(4) end
+      io.stdout:flush()
+      -- (rank 0 fails after rank 1 has printed: the launcher stops rank 1
+      -- at once when rank 0 fails, and rank 1's log must hold each attempt)
+      if os.getenv('RANK') == '0' then os.execute('sleep 1'); os.exit(4) end
     ]])
     local logs = dir .. '/restart_logs'
     out, code = train(('--nproc-per-node 2 --device cpu --spawn direct --max-restarts 1 --log-dir %s %s'):format(logs, s2))

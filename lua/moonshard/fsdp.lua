@@ -164,7 +164,12 @@ function FlatParam:flatten(params, dtype)
     if p:numel() ~= self.numels[i] then
       error(('flatten: parameter %d has %d elements, the layout %d'):format(i, p:numel(), self.numels[i]), 2)
     end
-    if self.numels[i] > 0 then
+    if self.numels[i] > 0 and T.is_deferred(p) then
+      -- made under nn.deferred_init: its recorded values, written here
+      local dst = flat:narrow(1, self.layout.offsets[i] + 1, self.numels[i])
+      T.replay(p, dst)
+      dst:free()
+    elseif self.numels[i] > 0 then
       local dst, src = flat:narrow(1, self.layout.offsets[i] + 1, self.numels[i]), p:reshape(self.numels[i])
       raw_copy(dst, src)
       dst:free(); src:free()

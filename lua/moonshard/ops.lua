@@ -444,6 +444,10 @@ end
 function F.fill_(t, v)
   need_tensor('fill_', t)
   if type(v) == 'boolean' then v = v and 1 or 0 end
+  if T.is_deferred(t) then   -- made under nn.deferred_init: its record changes
+    T.set_init_record(t, { kind = 'fill', value = v }, 'fill_')
+    return t
+  end
   check(C.ms_fill_(t, v))
   return t
 end

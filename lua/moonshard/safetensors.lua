@@ -243,6 +243,9 @@ function S.save(path, tbl, metadata)
       error(('safetensors: save %s: value for %q is a %s, expected a tensor'):format(path, name, type(t)), 2)
     end
     if t.storage == nil then error(('safetensors: save %s: tensor %q was freed'):format(path, name), 2) end
+    if C.ms_tensor_check_live(t, 'save') ~= 0 then   -- no data (deferred, released): before anything is written
+      error(('safetensors: save %s: tensor %q: %s'):format(path, name, ffi.string(C.ms_last_error())), 2)
+    end
     names[#names + 1] = name
   end
   table.sort(names)

@@ -199,13 +199,79 @@ T.ptr = ptr
 -- ------------------------------------------------------------ constructors
 local function opts_of(o) return o or {} end
 
+-- ------------------------------------------------------ deferred init
+-- While defer.on (nn.deferred_init), the constructors below (empty, zeros,
+-- ones, full, rand, randn and their _like forms) make tensors whose storage
+-- has no data (ms_set_defer_alloc) and an init record, T.init_records[id]
+-- with id in storage.init_id: {kind = 'empty'}, {kind = 'fill', value},
+-- {kind = 'normal' | 'uniform', seed, offset, a, b}. The in-place
+-- initialisers (fill_, copy_ of a number, zero_, normal_, uniform_) on such
+-- a tensor replace its record instead of writing, and draw from the global
+-- generator exactly as they would have; T.replay(t, dst) writes t's values
+-- into dst later, on any device, element for element what the eager
+-- construction would have written (Philox values depend only on seed and
+-- offset + index). Anything else on such a tensor is an error naming it.
+local defer = { on = false, next_id = 1 }
+T.defer = defer
+T.init_records = {}
+local function is_deferred(t)
+  local st = t.storage
+  return st ~= nil and st.init_id ~= 0 and st.data == nil and st.nbytes > 0
+end
+T.is_deferred = is_deferred
+local function new_deferred(n, arr, dtype, device, rec)
+  C.ms_set_defer_alloc(1)
+  local box = box_t()
+  local rc = C.ms_tensor_empty(box, n, arr, dtype, device)
+  C.ms_set_defer_alloc(0)
+  if rc ~= 0 then error(ffi.string(C.ms_last_error()), 3) end
+  local t = wrap(box[0])
+  if rec.dtype == nil then rec.dtype = dtype end   -- the dtype its values are made in
+  if t.storage.nbytes > 0 then
+    local id = defer.next_id
+    defer.next_id = id + 1
+    t.storage.init_id = id
+    T.init_records[id] = rec
+  end
+  return t
+end
+-- the record of a deferred t, which must be the whole of its storage (an
+-- initialiser on part of one cannot be replayed)
+local function record_of(t, what)
+  if t.offset ~= 0 or C.ms_tensor_is_contiguous(t) == 0
+      or T.methods.numel(t) * C.ms_dtype_size(t.dtype_id) ~= t.storage.nbytes then
+    error(('%s: a tensor made under nn.deferred_init can only be initialised whole, not through a view'):format(what), 3)
+  end
+  return T.init_records[t.storage.init_id]
+end
+local function set_record(t, rec, what)
+  record_of(t, what)
+  if rec.dtype == nil then rec.dtype = t.dtype_id end
+  T.init_records[t.storage.init_id] = rec
+end
+T.set_init_record = set_record
+
+local function raw_empty(shape, opts, name)
+  local arr, n = shape_arr(shape, name or 'empty')
+  return op(C.ms_tensor_empty, n, arr, T.dtype_id(opts.dtype, 3), T.device_id(opts.device, 3))
+end
+
 function T.empty(shape, opts)
   opts = opts_of(opts)
-  local arr, n = shape_arr(shape, 'empty')
-  return op(C.ms_tensor_empty, n, arr, T.dtype_id(opts.dtype, 2), T.device_id(opts.device, 2))
+  if defer.on then
+    local arr, n = shape_arr(shape, 'empty')
+    return new_deferred(n, arr, T.dtype_id(opts.dtype, 2), T.device_id(opts.device, 2), { kind = 'empty' })
+  end
+  return raw_empty(shape, opts)
 end
 
 function T.full(shape, value, opts)
+  if defer.on then
+    opts = opts_of(opts)
+    local arr, n = shape_arr(shape, 'full')
+    if type(value) == 'boolean' then value = value and 1 or 0 end
+    return new_deferred(n, arr, T.dtype_id(opts.dtype, 2), T.device_id(opts.device, 2), { kind = 'fill', value = value })
+  end
   local t = T.empty(shape, opts)
   T.check(C.ms_fill_(t, value), 2)
   return t
@@ -238,7 +304,7 @@ function T.arange(a, b, c, d)
   if dtype == nil then
     dtype = (start % 1 == 0 and step % 1 == 0) and 'i64' or 'f32'
   end
-  local t = T.empty({ n }, { dtype = dtype, device = opts.device })
+  local t = raw_empty({ n }, { dtype = dtype, device = opts.device }, 'arange')
   T.check(C.ms_arange_(t, start, step), 2)
   return t
 end
@@ -263,6 +329,11 @@ local function draw(shape, opts, fn, p1, p2)
     local n = t:numel()
     rng.offset = rng.offset + math.ceil(n / 4) * 4
   end
+  if is_deferred(t) then
+    T.init_records[t.storage.init_id] = { kind = fn == C.ms_randn_ and 'normal' or 'uniform', seed = seed,
+      offset = offset, a = p1, b = p2, dtype = t.dtype_id }
+    return t
+  end
   T.check(fn(t, seed, offset, p1, p2), 3)
   return t
 end
@@ -275,6 +346,10 @@ function T.uniform_(t, lo, hi, opts)
     seed, offset = rng.seed, rng.offset
     rng.offset = rng.offset + math.ceil(t:numel() / 4) * 4
   end
+  if is_deferred(t) then
+    set_record(t, { kind = 'uniform', seed = seed, offset = offset, a = lo, b = hi }, 'uniform_')
+    return t
+  end
   T.check(C.ms_rand_(t, seed, offset, lo, hi), 2)
   return t
 end
@@ -285,8 +360,49 @@ function T.normal_(t, mean, std, opts)
     seed, offset = rng.seed, rng.offset
     rng.offset = rng.offset + math.ceil(t:numel() / 4) * 4
   end
+  if is_deferred(t) then
+    set_record(t, { kind = 'normal', seed = seed, offset = offset, a = mean, b = std }, 'normal_')
+    return t
+  end
   T.check(C.ms_randn_(t, seed, offset, mean, std), 2)
   return t
+end
+
+-- T.replay(t, dst): writes the values deferred t's record gives into dst
+-- (a tensor with data and t's number of elements, any dtype, device and
+-- layout; values made in the record's dtype, then converted)
+function T.replay(t, dst)
+  local rec = T.init_records[t.storage.init_id]
+  if rec == nil then error('replay: the tensor has no deferred-init record', 2) end
+  local n = T.methods.numel(t)
+  if T.methods.numel(dst) ~= n then
+    error(('replay: %d elements into a tensor of %d'):format(n, T.methods.numel(dst)), 2)
+  end
+  -- made in the dtype the record was made in (a deferred tensor moved with
+  -- to('f64') has the values the eager f32 draw, then converted, would have)
+  local mk = rec.dtype or t.dtype_id
+  local tmp = dst
+  if dst.dtype_id ~= mk then tmp = raw_empty({ n }, { dtype = mk, device = dst.device_id }) end
+  if rec.kind == 'normal' then T.check(C.ms_randn_(tmp, rec.seed, rec.offset, rec.a, rec.b), 2)
+  elseif rec.kind == 'uniform' then T.check(C.ms_rand_(tmp, rec.seed, rec.offset, rec.a, rec.b), 2)
+  else T.check(C.ms_fill_(tmp, rec.kind == 'fill' and rec.value or 0), 2) end
+  if tmp ~= dst then
+    local v = T.methods.view(tmp, dst.shape)
+    T.check(C.ms_tensor_copy_(dst, v), 2)
+    v:free(); tmp:free()
+  end
+  return dst
+end
+
+-- T.materialize(t): gives deferred t's storage its data and writes its
+-- values (every view of the storage sees them); false when t was not deferred
+function T.materialize(t)
+  if not is_deferred(t) then return false end
+  record_of(t, 'materialize')
+  T.check(C.ms_storage_alloc_data(t), 2)
+  T.replay(t, t)
+  T.init_records[t.storage.init_id] = nil
+  return true
 end
 
 -- ms.tensor(nested table | number | boolean | tensor, opts)
@@ -325,12 +441,12 @@ function T.tensor(data, opts)
   walk(data, 1, 'data')
   local dtype = opts.dtype or (isbool and 'bool' or 'f32')
   local device = T.device_id(opts.device, 2)
-  local host = T.empty(shape, { dtype = 'f64' })
+  local host = raw_empty(shape, { dtype = 'f64' }, 'tensor')   -- (filled here: never deferred)
   local p = ffi.cast('double*', C.ms_tensor_data(host))
   for i = 1, k do p[i - 1] = flat[i] end
   local id = T.dtype_id(dtype, 2)
   if id == 0 and device < 0 then return host end
-  local out = T.empty(shape, { dtype = id, device = device })
+  local out = raw_empty(shape, { dtype = id, device = device }, 'tensor')
   T.check(C.ms_tensor_copy_(out, host), 2)
   host:free()
   return out
@@ -361,7 +477,10 @@ function M.stride(t, d)
 end
 function M.storage_offset(t) return tonumber(t.offset) end
 function M.is_contiguous(t) return C.ms_tensor_is_contiguous(t) ~= 0 end
-function M.data_ptr(t) return C.ms_tensor_data(t) end
+function M.data_ptr(t)
+  T.check(C.ms_tensor_check_live(t, 'data_ptr'), 2)   -- freed, released or deferred: an error, not NULL
+  return C.ms_tensor_data(t)
+end
 function M.is_floating_point(t) return t.dtype_id <= 3 end
 function M.is_freed(t) return t.storage == nil end
 function M.free(t)
@@ -444,6 +563,18 @@ function M.contiguous(t)
 end
 function M.clone(t) return op(C.ms_tensor_clone, t) end
 function M.copy_(t, src)
+  if is_deferred(t) then
+    if is_tensor(src) then
+      if not is_deferred(src) or M.numel(src) ~= M.numel(t) then
+        error('copy_: a tensor made under nn.deferred_init takes only a number or another such tensor of its size '
+          .. '(materialize it first: nn.materialize)', 2)
+      end
+      set_record(t, T.init_records[src.storage.init_id], 'copy_')
+    else
+      set_record(t, { kind = 'fill', value = type(src) == 'boolean' and (src and 1 or 0) or src }, 'copy_')
+    end
+    return t
+  end
   if not is_tensor(src) then
     T.check(C.ms_fill_(t, src), 2)
   else
@@ -471,6 +602,11 @@ function M.to(t, a, b)
   end
   take(a); take(b)
   if not copy and dtype == t.dtype_id and device == t.device_id then return t end
+  if is_deferred(t) then
+    -- still deferred, on the new device / in the new dtype, the same record
+    local arr, n = shape_arr(t.shape, 'to')
+    return new_deferred(n, arr, dtype, device, record_of(t, 'to'))
+  end
   return op(C.ms_tensor_to, t, dtype, device)
 end
 function M.float(t) return M.to(t, 'f32') end

@@ -933,7 +933,17 @@ function train.run(opts)
   ms.manual_seed(o.seed)
   -- a config the model refuses (a field of the wrong type, an unknown
   -- preset) is the user's to fix: reported as a usage error
-  local okm, model = pcall(M.new, o.preset, o.model_config)
+  -- sharded from scratch (or from a sharded checkpoint): the model is built
+  -- under nn.deferred_init, so no rank holds the whole of it; fully_shard
+  -- writes each rank's shards from the recorded initialisation, the values
+  -- an eager build would have had (docs/nn.md, "Deferred initialisation")
+  local deferred = strategy ~= nil and not (resume and not resume.sharded)
+  local okm, model
+  if deferred then
+    okm, model = pcall(ms.nn.deferred_init, M.new, o.preset, o.model_config)
+  else
+    okm, model = pcall(M.new, o.preset, o.model_config)
+  end
   if not okm then usage('%s', (tostring(model):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
   if o.dtype ~= 'f32' then model:to(o.dtype) end
   if on_gpu then model:to(device) end
@@ -980,6 +990,8 @@ function train.run(opts)
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, world, world == 1 and '' or 's', pdesc,
       #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
+    ms.nn.materialize(model)   -- what no unit took (buffers)
+    if deferred then fsdp_desc = fsdp_desc .. ', deferred init' end
   end
 
   -- data: token shards (a folder from bin/tokenize, a glob, .bin files) or

@@ -920,6 +920,45 @@ function LMHead:extra_repr()
   return ('%s%s'):format(self.name, self.tied and ', tied' or '')
 end
 
+-- ---------------------------------------------------------- deferred init
+-- nn.deferred_init(fn, ...) -> fn(...)'s results: fn builds a model (or
+-- anything) whose new tensors get no memory; their initialisation is
+-- recorded (docs/nn.md "Deferred initialisation"), the global generator
+-- advancing exactly as an eager build would. nn.materialize(model) then
+-- gives every parameter and buffer its data with the values the eager
+-- build would have had; fsdp.fully_shard writes each rank's shards
+-- straight from the records, so no rank ever holds the whole model.
+function nn.deferred_init(fn, ...)
+  if type(fn) ~= 'function' then error('deferred_init: expected a function that builds the model', 2) end
+  local d = T.defer
+  if d.on then return fn(...) end
+  d.on = true
+  local r = pack(pcall(fn, ...))
+  d.on = false
+  if not r[1] then error(r[2], 0) end
+  return unpack(r, 2, r.n)
+end
+
+-- nn.is_deferred(model | tensor): a tensor without data yet, or a module
+-- with one among its parameters and buffers
+function nn.is_deferred(x)
+  if is_tensor(x) then return T.is_deferred(x) end
+  if not nn.is_module(x) then error('is_deferred: expected a module or a tensor', 2) end
+  for _, p in ipairs(x:parameters()) do if T.is_deferred(p) then return true end end
+  for _, b in ipairs(x:buffers()) do if T.is_deferred(b) then return true end end
+  return false
+end
+
+-- nn.materialize(model) -> model: every deferred parameter and buffer gets
+-- its data and its recorded values, in place (handles keep their identity;
+-- move the model first, model:to('cuda'), to make them there)
+function nn.materialize(model)
+  if not nn.is_module(model) then error('materialize: expected a module', 2) end
+  for _, p in ipairs(model:parameters()) do T.materialize(p) end
+  for _, b in ipairs(model:buffers()) do T.materialize(b) end
+  return model
+end
+
 -- ------------------------------------------------- activation checkpointing
 -- nn.apply_activation_checkpointing(model, opts) -> names: sets
 -- m:set_checkpointing(true) on model's modules chosen by opts.class (a class

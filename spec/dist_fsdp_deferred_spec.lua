@@ -1,0 +1,64 @@
+-- fully_shard of a model built under nn.deferred_init on several ranks
+-- (#mpi, 1-4 ranks): every rank's shards are bitwise those of the eagerly
+-- built model, no rank ever allocates the whole model's parameters, and
+-- the two train alike (FULL_SHARD, HYBRID-free: the world group).
+local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
+local dist = require 'moonshard.dist'
+local fsdp = ms.fsdp
+
+local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
+
+describe('fsdp of a deferred model #mpi', function()
+  if not under_mpi then
+    it('runs under mpirun (tools/run_mpi_specs.sh)', function() pending('not started by mpirun') end)
+    return
+  end
+  setup(function() dist.init { backend = 'mpi', timeout = 300 } end)
+  teardown(function() dist.destroy() end)
+  local W = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE'))
+  local R = tonumber(os.getenv('OMPI_COMM_WORLD_RANK'))
+
+  local cases = {
+    { 'models.gpt2', { n_layer = 3, n_embd = 64, n_head = 4, vocab_size = 256, n_positions = 64,
+      resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0 }, 'GPT2Block' },
+    { 'models.llama', { num_hidden_layers = 3, hidden_size = 64, num_attention_heads = 4, num_key_value_heads = 2,
+      intermediate_size = 128, vocab_size = 256, max_position_embeddings = 64 }, 'LlamaDecoderLayer' },
+  }
+  for _, c in ipairs(cases) do
+    it(c[1] .. ': the shards of the eager build, bitwise; the same losses over three steps', function()
+      local M = require(c[1])
+      local function build(deferred)
+        ms.manual_seed(21)
+        for _ = 1, 4 do collectgarbage() end
+        local b0 = ms.live_bytes(-1)
+        local m = deferred and ms.nn.deferred_init(M.new, c[2]) or M.new(c[2])
+        local whole = 0
+        for _, p in ipairs(m:parameters()) do whole = whole + p:numel() * 4 end
+        for _ = 1, 4 do collectgarbage() end
+        local held = ms.live_bytes(-1) - b0
+        fsdp.fully_shard(m, { policy = fsdp.policy.by_class { c[3] } })
+        return m, held, whole
+      end
+      local a, held_a, whole = build(false)
+      local b, held_b = build(true)
+      assert.are.equal(whole, held_a)
+      assert.are.equal(0, held_b)
+      local ua, ub = fsdp.units(a), fsdp.units(b)
+      for i = 1, #ua do
+        local d = ms.no_grad(function() return (ua[i].fp.shard - ub[i].fp.shard):abs():max():item() end)
+        assert.are.equal(0, d, ua[i].label)
+        assert.are.equal(ua[i].fp.shard_numel, ub[i].fp.shard_numel)
+      end
+      local oa = fsdp.optimizer(a, ms.optim.AdamW, { lr = 1e-2 })
+      local ob = fsdp.optimizer(b, ms.optim.AdamW, { lr = 1e-2 })
+      for k = 1, 3 do
+        local x, y = FS.lcg_batch(50 * k + R, 2, 16)
+        local la = a(x, y); la:backward()
+        local lb = b(x, y); lb:backward()
+        assert.are.equal(la:item(), lb:item(), ('rank %d of %d, step %d'):format(R, W, k))
+        oa:step(); ob:step(); oa:zero_grad(); ob:zero_grad()
+      end
+    end)
+  end
+end)
