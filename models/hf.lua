@@ -274,12 +274,15 @@ function hf.from_pretrained(M, dir, opts)
       M.name, dir, tostring(raw.model_type), M.model_type), 3)
   end
   local cfg = hf.config(M, nil, raw, { from_json = true })
-  local model = M.build(cfg)
+  -- opts.deferred: the model built under nn.deferred_init with the file's
+  -- tensors as records (read when materialized, or by fully_shard: each
+  -- rank reads only its shards' bytes)
+  local model = opts.deferred and ms.nn.deferred_init(M.build, cfg) or M.build(cfg)
   local path = dir .. '/model.safetensors'
   local fh = io.open(path, 'rb')
   if not fh then error(('%s.from_pretrained: %s not found (only single-file safetensors checkpoints are read)'):format(M.name, path), 3) end
   fh:close()
-  local sd = ms.load_safetensors(path)
+  local sd = opts.deferred and require('moonshard.safetensors').load_deferred(path) or ms.load_safetensors(path)
   if M.fix_state_dict then sd = M.fix_state_dict(sd, cfg) end
   local ok, lerr = pcall(model.load_state_dict, model, sd, { strict = true })
   if not ok then error(('%s.from_pretrained: %s: %s'):format(M.name, path, tostring(lerr)), 3) end

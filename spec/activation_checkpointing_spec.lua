@@ -13,7 +13,8 @@ local function load(name, dtype)
   return M.from_pretrained(FS.fixtures .. '/' .. name, { dtype = dtype or 'f64' })
 end
 
-local function settle() for _ = 1, 4 do collectgarbage() end end
+local S_ = require 'spec.support'
+local function settle() S_.settled(function() return ms.live_bytes(-1) end) end
 
 -- loss, gradients by name, and the bytes the forward leaves held until backward
 local function run(model, x, y)

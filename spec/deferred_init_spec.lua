@@ -14,7 +14,8 @@ local families = {
     num_key_value_heads = 2, intermediate_size = 128, vocab_size = 256, max_position_embeddings = 64 }, 'LlamaDecoderLayer' },
 }
 
-local function settle() for _ = 1, 4 do collectgarbage() end end
+local S_ = require 'spec.support'
+local function settle() S_.settled(function() return ms.live_bytes(-1) end) end
 local function params_of(m)
   local r = {}
   for n, p in m:named_parameters() do r[n] = p end
@@ -147,4 +148,32 @@ describe('deferred initialisation', function()
     assert.is_true(bitwise_equal(got[3], got[4]))
     assert.are.equal(0, got[5]:sum():item())
   end)
+
+  for _, fam in ipairs({ { 'gpt2-tiny', 'models.gpt2', 'GPT2Block' }, { 'llama-tiny', 'models.llama', 'LlamaDecoderLayer' } }) do
+    it(fam[1] .. ': from_pretrained{deferred = true}: nothing read until materialized or sharded, then the file\'s values', function()
+      local M = require(fam[2])
+      local dir = FS.fixtures .. '/' .. fam[1]
+      local eager = M.from_pretrained(dir)
+      local pe = params_of(eager)
+      settle()
+      local b0, r0 = ms.live_bytes(-1), T.defer.file_bytes
+      local m = M.from_pretrained(dir, { deferred = true })
+      settle()
+      assert.are.equal(0, ms.live_bytes(-1) - b0)
+      assert.are.equal(r0, T.defer.file_bytes)
+      assert.is_true(nn.is_deferred(m))
+      nn.materialize(m)
+      for n, p in m:named_parameters() do assert.is_true(bitwise_equal(p, pe[n]), n) end
+      -- in another dtype: the file's values converted once, as the eager load then to()
+      local e16 = M.from_pretrained(dir, { dtype = 'bf16' })
+      local m16 = nn.materialize(M.from_pretrained(dir, { deferred = true, dtype = 'bf16' }))
+      local p16 = params_of(e16)
+      for n, p in m16:named_parameters() do assert.is_true(bitwise_equal(p, p16[n]), n) end
+      -- sharded in one process: the shards of the eager model's fully_shard
+      local a = ms.fsdp.fully_shard(M.from_pretrained(dir), { policy = ms.fsdp.policy.by_class { fam[3] } })
+      local b = ms.fsdp.fully_shard(M.from_pretrained(dir, { deferred = true }), { policy = ms.fsdp.policy.by_class { fam[3] } })
+      local ua, ub = ms.fsdp.units(a), ms.fsdp.units(b)
+      for k = 1, #ua do assert.is_true(bitwise_equal(ub[k].fp.shard, ua[k].fp.shard), ua[k].label) end
+    end)
+  end
 end)

@@ -30,13 +30,12 @@ describe('fsdp of a deferred model #mpi', function()
       local M = require(c[1])
       local function build(deferred)
         ms.manual_seed(21)
-        for _ = 1, 4 do collectgarbage() end
-        local b0 = ms.live_bytes(-1)
+        local S_ = require 'spec.support'
+        local b0 = S_.settled(function() return ms.live_bytes(-1) end)
         local m = deferred and ms.nn.deferred_init(M.new, c[2]) or M.new(c[2])
         local whole = 0
         for _, p in ipairs(m:parameters()) do whole = whole + p:numel() * 4 end
-        for _ = 1, 4 do collectgarbage() end
-        local held = ms.live_bytes(-1) - b0
+        local held = S_.settled(function() return ms.live_bytes(-1) end) - b0
         fsdp.fully_shard(m, { policy = fsdp.policy.by_class { c[3] } })
         return m, held, whole
       end
@@ -59,6 +58,33 @@ describe('fsdp of a deferred model #mpi', function()
         assert.are.equal(la:item(), lb:item(), ('rank %d of %d, step %d'):format(R, W, k))
         oa:step(); ob:step(); oa:zero_grad(); ob:zero_grad()
       end
+    end)
+  end
+
+  for _, c in ipairs({ { 'gpt2-tiny', 'models.gpt2', 'GPT2Block' }, { 'llama-tiny', 'models.llama', 'LlamaDecoderLayer' } }) do
+    it(c[1] .. ' from_pretrained{deferred = true}: each rank reads only its shards\' bytes, the eager shards bitwise', function()
+      if not FS.have_fixture(c[1]) then pending('no fixture ' .. c[1]); return end
+      local T = require 'moonshard.tensor'
+      local M = require(c[2])
+      local dir = FS.fixtures .. '/' .. c[1]
+      local a = fsdp.fully_shard(M.from_pretrained(dir), { policy = fsdp.policy.by_class { c[3] } })
+      local whole = 0
+      for _, u in ipairs(fsdp.units(a)) do
+        for k = 1, u.fp.nparams do whole = whole + u.fp.numels[k] * 4 end   -- (the fixtures are f32)
+      end
+      local r0 = T.defer.file_bytes
+      local b = fsdp.fully_shard(M.from_pretrained(dir, { deferred = true }), { policy = fsdp.policy.by_class { c[3] } })
+      local read = T.defer.file_bytes - r0
+      local ua, ub = fsdp.units(a), fsdp.units(b)
+      for k = 1, #ua do
+        local d = ms.no_grad(function() return (ua[k].fp.shard - ub[k].fp.shard):abs():max():item() end)
+        assert.are.equal(0, d, ua[k].label)
+      end
+      -- the ranks together read each parameter's bytes once
+      local t = ms.tensor({ read }, { dtype = 'f64' })
+      dist.all_reduce(t, 'sum')
+      assert.are.equal(whole, t:item())
+      assert.is_true(read <= whole / W + 4096 * #ua, ('rank %d read %d of %d bytes'):format(R, read, whole))
     end)
   end
 end)

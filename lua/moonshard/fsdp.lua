@@ -143,7 +143,15 @@ function FlatParam.new(params, opts)
   }, FlatParam)
   -- no recording: the parameters may require grad (a reshape would put
   -- them on the tape and keep them alive)
+  local deferred = false
+  for _, p in ipairs(params) do if T.is_deferred(p) then deferred = true; break end end
   no_grad(function()
+    if deferred then
+      -- (nn.deferred_init) only this rank's shard is made: each parameter's
+      -- part of it written from its record (a file's bytes, a draw, a fill)
+      self.shard = self:shard_of(params)
+      return
+    end
     local flat = self:flatten(params, self.master_dtype)
     local mine = self:local_shard(flat)
     self.shard = mine:clone()
@@ -176,6 +184,32 @@ function FlatParam:flatten(params, dtype)
     end
   end
   return flat
+end
+
+-- this rank's shard (master dtype, zero-padded) of `params`, written part by
+-- part: a deferred parameter's part from its record (T.replay from the
+-- element where the shard starts in it), another's copied
+function FlatParam:shard_of(params)
+  local S = self.shard_numel
+  local s0 = self.rank * S
+  local shard = T.zeros({ S }, { dtype = self.master_dtype, device = self.device })
+  for i, p in ipairs(params) do
+    local o, n = self.layout.offsets[i], self.numels[i]
+    local a, b = math.max(o, s0), math.min(o + n, s0 + S)
+    if b > a then
+      local dst = shard:narrow(1, a - s0 + 1, b - a)
+      if T.is_deferred(p) then
+        T.replay(p, dst, a - o)
+      else
+        local src = p:reshape(n)
+        local part = src:narrow(1, a - o + 1, b - a)
+        raw_copy(dst, part)
+        part:free(); src:free()
+      end
+      dst:free()
+    end
+  end
+  return shard
 end
 
 -- each parameter as a view of `flat` (a tensor of layout.total elements), in

@@ -165,6 +165,21 @@ local function read_header(path)
   return entries, metadata, data_start
 end
 
+-- load_deferred(path) -> { name = tensor }, metadata: every tensor of the
+-- file as a deferred tensor (nn.deferred_init) that holds no data and reads
+-- its bytes only when replayed: copied into a deferred model's parameters
+-- (load_state_dict), they give fsdp.fully_shard each rank's part of the
+-- file, and nn.materialize the whole of it
+function S.load_deferred(path)
+  if not ffi.abi('le') then error('safetensors: only little-endian hosts are supported', 2) end
+  local entries, metadata, data_start = read_header(path)
+  local out = {}
+  for _, e in ipairs(entries) do
+    out[e.name] = T.deferred_file(path, data_start + e.begin, e.dtype, e.shape)
+  end
+  return out, metadata
+end
+
 -- load(path [, opts]) -> { name = tensor }, metadata
 --   opts.names   list (or set) of names to load; a missing one is an error
 --   opts.device  device to move the tensors to ('cpu', 'cuda', 'cuda:N')

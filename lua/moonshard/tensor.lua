@@ -211,7 +211,7 @@ local function opts_of(o) return o or {} end
 -- into dst later, on any device, element for element what the eager
 -- construction would have written (Philox values depend only on seed and
 -- offset + index). Anything else on such a tensor is an error naming it.
-local defer = { on = false, next_id = 1 }
+local defer = { on = false, next_id = 1, file_bytes = 0 }
 T.defer = defer
 T.init_records = {}
 local function is_deferred(t)
@@ -368,23 +368,37 @@ function T.normal_(t, mean, std, opts)
   return t
 end
 
--- T.replay(t, dst): writes the values deferred t's record gives into dst
--- (a tensor with data and t's number of elements, any dtype, device and
--- layout; values made in the record's dtype, then converted)
-function T.replay(t, dst)
+-- T.replay(t, dst, first = 0): writes elements first .. first + #dst - 1
+-- (row-major) of the values deferred t's record gives into dst (a tensor
+-- with data, any dtype, device and layout; values made in the record's
+-- dtype, then converted). A 'file' record ({kind = 'file', path, offset,
+-- dtype}: a tensor of a safetensors file, S.load_deferred) reads just those
+-- elements' bytes.
+function T.replay(t, dst, first)
   local rec = T.init_records[t.storage.init_id]
   if rec == nil then error('replay: the tensor has no deferred-init record', 2) end
-  local n = T.methods.numel(t)
-  if T.methods.numel(dst) ~= n then
-    error(('replay: %d elements into a tensor of %d'):format(n, T.methods.numel(dst)), 2)
+  first = first or 0
+  local n = T.methods.numel(dst)
+  if first < 0 or first + n > T.methods.numel(t) then
+    error(('replay: elements [%d, %d) of a tensor of %d'):format(first, first + n, T.methods.numel(t)), 2)
+  end
+  if rec.kind == 'file' then
+    local esz = C.ms_dtype_size(rec.dtype)
+    local host = raw_empty({ n }, { dtype = rec.dtype })
+    T.check(C.ms_file_read_into(rec.path, rec.offset + first * esz, n * esz, host), 2)
+    defer.file_bytes = defer.file_bytes + n * esz   -- (read from files by replays, for the specs)
+    local v = T.methods.view(host, dst.shape)
+    T.check(C.ms_tensor_copy_(dst, v), 2)
+    v:free(); host:free()
+    return dst
   end
   -- made in the dtype the record was made in (a deferred tensor moved with
   -- to('f64') has the values the eager f32 draw, then converted, would have)
   local mk = rec.dtype or t.dtype_id
   local tmp = dst
   if dst.dtype_id ~= mk then tmp = raw_empty({ n }, { dtype = mk, device = dst.device_id }) end
-  if rec.kind == 'normal' then T.check(C.ms_randn_(tmp, rec.seed, rec.offset, rec.a, rec.b), 2)
-  elseif rec.kind == 'uniform' then T.check(C.ms_rand_(tmp, rec.seed, rec.offset, rec.a, rec.b), 2)
+  if rec.kind == 'normal' then T.check(C.ms_randn_(tmp, rec.seed, rec.offset + first, rec.a, rec.b), 2)
+  elseif rec.kind == 'uniform' then T.check(C.ms_rand_(tmp, rec.seed, rec.offset + first, rec.a, rec.b), 2)
   else T.check(C.ms_fill_(tmp, rec.kind == 'fill' and rec.value or 0), 2) end
   if tmp ~= dst then
     local v = T.methods.view(tmp, dst.shape)
@@ -392,6 +406,14 @@ function T.replay(t, dst)
     v:free(); tmp:free()
   end
   return dst
+end
+
+-- T.deferred_file(path, offset, dtype, shape): a deferred tensor whose
+-- values are the bytes at `offset` of the file (a safetensors entry)
+function T.deferred_file(path, offset, dtype, shape)
+  local arr, n = shape_arr(shape, 'deferred_file')
+  local id = T.dtype_id(dtype, 2)
+  return new_deferred(n, arr, id, -1, { kind = 'file', path = path, offset = offset, dtype = id })
 end
 
 -- T.materialize(t): gives deferred t's storage its data and writes its
