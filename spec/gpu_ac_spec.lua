@@ -118,4 +118,23 @@ describe('activation checkpointing, versions and deferred init on cuda #gpu', fu
       assert.are.equal(0, d, n)
     end
   end)
+
+  it('from_pretrained{deferred = true} moved to cuda, fully_shard-ed with bf16 parameters: the eager load\'s values', function()
+    for _, case in ipairs({ { 'gpt2-tiny', 'models.gpt2', 'GPT2Block' }, { 'llama-tiny', 'models.llama', 'LlamaDecoderLayer' } }) do
+      local M = require(case[2])
+      local dir = fixtures .. '/' .. case[1]
+      local function load(deferred)
+        local m = M.from_pretrained(dir, { deferred = deferred }):to('cuda')
+        ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class { case[3] }, mixed_precision = { param = 'bf16' } })
+        return m
+      end
+      local a, b = load(false), load(true)
+      local ua, ub = ms.fsdp.units(a), ms.fsdp.units(b)
+      for k = 1, #ua do
+        assert.are.equal('cuda:0', ub[k].fp.shard.device)
+        local d = ms.no_grad(function() return (ua[k].fp.shard - ub[k].fp.shard):abs():max():item() end)
+        assert.are.equal(0, d, case[1] .. ' ' .. ua[k].label)
+      end
+    end
+  end)
 end)

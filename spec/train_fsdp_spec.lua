@@ -8,6 +8,7 @@
 -- corrupt newest one skipped), the final weights gathered into
 -- model.safetensors; plus the pieces in-process: the block class the auto
 -- policy picks, the mixed-precision option, the rank-aware byte loader.
+local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
 local json = require 'dkjson'
 local train = require 'moonshard.train'
@@ -108,6 +109,40 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
     local corpus = data.corpus{ path = corpus_path, val_fraction = 0.1, min_len = 17 }
     local v = train.evaluate(m, data.Loader(corpus.val, { batch_size = 4, seq_len = 16, seed = 1337 + 1 }), 2)
     assert.is_true(math.abs(v - v2) <= 1e-5 * v2, ('the saved weights give val %.17g, the run %.17g'):format(v, v2))
+  end)
+
+  it('--init-from a Hugging Face folder: one process, and FULL_SHARD on 2 ranks with deferred loading; lr 0 saves the folder\'s weights', function()
+    local fixture = root .. '/../shared/fixtures/gpt2-tiny'
+    if not io.open(fixture .. '/model.safetensors', 'rb') then pending('no gpt2-tiny fixture'); return end
+    local want = ms.load_safetensors(fixture .. '/model.safetensors')
+    local function same_weights(out)
+      local got = ms.load_safetensors(out .. '/model.safetensors')
+      local n = 0
+      for k, v in pairs(got) do
+        local w = want[k] or want[(k:gsub('^transformer%.', ''))]
+        assert.is_not_nil(w, k)
+        assert.are.equal(0, (v:double() - w:double()):abs():max():item(), k)
+        n = n + 1
+      end
+      assert.is_true(n >= 20)
+    end
+    local common = ('models/gpt2.lua --init-from %s --steps 1 --lr 0 --seq-len 16 --eval-every 0 --sample-tokens 0 '
+      .. '--data %s'):format(q(fixture), q(corpus_path))
+    local status, text = bin_train(('%s --batch-size 4 --out %s/init1'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('from ' .. fixture, 1, true), text)
+    same_weights(dir .. '/init1')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu %s --batch-size 2 --fsdp FULL_SHARD --out %s/init2'):format(
+      common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('deferred init', 1, true), text)
+    same_weights(dir .. '/init2')
+    -- the same first loss as the one process (the same global batch)
+    local l1, l2 = losses(dir .. '/init1'), losses(dir .. '/init2')
+    assert.is_true(math.abs(l2[1] - l1[1]) <= 1e-5 * l1[1], ('%.17g against %.17g'):format(l2[1], l1[1]))
+    status, text = bin_train(('%s --model.n_layer 3 --out %s/init3'):format(common, q(dir)))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('drop the --model.* options', 1, true), text)
   end)
 
   it('accumulates micro-batches under no_sync to the big batch (2 ranks x 2 micro-batches of 1 = 4)', function()

@@ -83,6 +83,7 @@ train.options = {
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
+  { 'init_from', 'string?', nil, 'start from the weights and config of a Hugging Face folder (config.json + model.safetensors, as save_pretrained and --out write) instead of a fresh model: fine-tuning; --preset and --model.* do not apply; sharded runs read only each rank\'s shards' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
@@ -939,7 +940,15 @@ function train.run(opts)
   -- an eager build would have had (docs/nn.md, "Deferred initialisation")
   local deferred = strategy ~= nil and not (resume and not resume.sharded)
   local okm, model
-  if deferred then
+  if o.init_from and not resume then
+    -- fine-tuning: the folder's config and weights (a checkpoint resumed
+    -- brings its own weights, so the folder is not read then)
+    if o.model_config and next(o.model_config) then
+      usage('--init-from: the model config comes from %s/config.json; drop the --model.* options', o.init_from)
+    end
+    if type(M.from_pretrained) ~= 'function' then usage('--init-from: the model file has no from_pretrained') end
+    okm, model = pcall(M.from_pretrained, o.init_from, { deferred = deferred })
+  elseif deferred then
     okm, model = pcall(ms.nn.deferred_init, M.new, o.preset, o.model_config)
   else
     okm, model = pcall(M.new, o.preset, o.model_config)
@@ -1113,7 +1122,8 @@ function train.run(opts)
     end
   end
 
-  log('moonshard train: %s (%s), %.2fM parameters, %s', o.model, tostring(o.preset), nparams / 1e6, o.dtype)
+  log('moonshard train: %s (%s), %.2fM parameters, %s', o.model,
+    (o.init_from and not resume) and ('from ' .. o.init_from) or tostring(o.preset), nparams / 1e6, o.dtype)
   log('data: %s, %d %s (train %d, val %d)', corpus.name, corpus.n, corpus.unit, corpus.train.n, corpus.val and corpus.val.n or 0)
   if multi then
     log('%d steps x %d tokens (%d ranks x %d x %d x %d micro-batches), lr %g, threads %d, out %s',
