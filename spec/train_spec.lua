@@ -104,6 +104,11 @@ describe('bin/train', function()
       { 'no/such/file.lua', 'cannot open no/such/file.lua' },
       { '--frobnicate models/gpt2.lua', 'unknown launcher option --frobnicate' },
       { '', 'usage: bin/train' },
+      { 'models/gpt2.lua --lr-schedule step', 'lr_schedule must be cosine, linear, wsd or constant' },
+      { 'models/gpt2.lua --decay-fraction 1.5', 'decay_fraction must be in (0, 1]' },
+      { 'models/gpt2.lua --decay-shape exp', 'decay_shape must be linear, cosine or sqrt' },
+      { 'models/gpt2.lua --activation-checkpointing half', 'activation_checkpointing must be none, full' },
+      { 'models/gpt2.lua --init-from /nonexistent/dir --steps 1', '/nonexistent/dir/config.json' },
     }
     for _, c in ipairs(cases) do
       local status, text = bin_train(c[1])
@@ -233,6 +238,32 @@ describe('moonshard.train', function()
     local oa = train.parse_args({ '--no-release-activations' })
     assert.is_false(oa.release_activations)
     os.execute('rm -rf ' .. q(dir))
+  end)
+
+  it('--lr-schedule: cosine, linear, wsd (with decay_fraction and decay_shape) and constant at hand-picked steps', function()
+    local base = { lr = 1, min_lr = 0.1, warmup = 2, steps = 10 }
+    local function at(extra)
+      local o = {}
+      for k, v in pairs(base) do o[k] = v end
+      for k, v in pairs(extra) do o[k] = v end
+      local f = train.schedule(o)
+      local r = {}
+      for k = 1, 10 do r[k] = f(k) end
+      return r
+    end
+    local function near(a, b) return math.abs(a - b) <= 1e-12 end
+    local c = at({})                                   -- the default: cosine
+    assert.is_true(near(c[1], 0.5) and near(c[2], 1) and near(c[3], 1))
+    assert.is_true(near(c[7], 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 8))))
+    local l = at({ lr_schedule = 'linear' })
+    assert.is_true(near(l[3], 1) and near(l[7], 1 - 0.9 * 4 / 8) and near(l[10], 1 - 0.9 * 7 / 8))
+    local w = at({ lr_schedule = 'wsd', decay_fraction = 0.3 })   -- 3 decay steps: 9, 10, 11
+    for k = 2, 8 do assert.is_true(near(w[k], 1), k) end
+    assert.is_true(near(w[9], 1 - 0.9 / 3) and near(w[10], 1 - 0.9 * 2 / 3))
+    local q = at({ lr_schedule = 'wsd', decay_fraction = 0.3, decay_shape = 'sqrt' })
+    assert.is_true(near(q[10], 1 - 0.9 * math.sqrt(2 / 3)))
+    local k = at({ lr_schedule = 'constant' })
+    assert.is_true(near(k[1], 0.5) and near(k[10], 1))
   end)
 
   it('parses flags: --key value, --key=value, dashes or underscores, --no-bool, model fields', function()

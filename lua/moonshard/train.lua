@@ -51,6 +51,9 @@ train.options = {
   { 'lr', 'number>=0', 3e-3, 'peak learning rate' },
   { 'min_lr', 'number>=0?', nil, 'final learning rate of the cosine decay (default lr / 10)' },
   { 'warmup', 'int>=0', 30, 'linear warmup steps' },
+  { 'lr_schedule', 'string', 'cosine', 'after the warmup: cosine (to min_lr over the run), linear (to min_lr over the run), wsd (warmup-stable-decay: lr until the last decay_fraction of the steps, then down to min_lr), constant' },
+  { 'decay_fraction', 'number', 0.2, 'wsd: the fraction of the steps at the end that decays' },
+  { 'decay_shape', 'string', 'linear', 'wsd: the decay\'s shape: linear, cosine or sqrt' },
   { 'weight_decay', 'number>=0', 0.1, 'AdamW decoupled weight decay (not on norms, biases, embeddings)' },
   { 'beta1', 'number>=0', 0.9, 'AdamW beta1' },
   { 'beta2', 'number>=0', 0.99, 'AdamW beta2' },
@@ -345,6 +348,15 @@ function train.check_options(o, where)
     local ok, err = pcall(train.mixed_precision, o.fsdp_mixed_precision, 'cpu')
     if not ok then usage('%s: fsdp_mixed_precision: %s', where, tostring(err)) end
   end
+  if o.lr_schedule ~= nil and not ({ cosine = true, linear = true, wsd = true, constant = true })[o.lr_schedule] then
+    usage('%s: lr_schedule must be cosine, linear, wsd or constant, got %s', where, describe(o.lr_schedule))
+  end
+  if o.decay_fraction ~= nil and not (o.decay_fraction > 0 and o.decay_fraction <= 1) then
+    usage('%s: decay_fraction must be in (0, 1], got %s', where, describe(o.decay_fraction))
+  end
+  if o.decay_shape ~= nil and not ({ linear = true, cosine = true, sqrt = true })[o.decay_shape] then
+    usage('%s: decay_shape must be linear, cosine or sqrt, got %s', where, describe(o.decay_shape))
+  end
   if o.activation_checkpointing ~= nil then
     local v = tostring(o.activation_checkpointing)
     local n = tonumber(v)
@@ -450,7 +462,20 @@ function train.schedule(o)
   local min_lr = o.min_lr or o.lr / 10
   local warmup = o.warmup
   if warmup >= o.steps then warmup = math.floor(o.steps / 10) end
-  local f = ms.optim.schedule.cosine{ lr = o.lr, warmup = warmup, total = o.steps, min_lr = min_lr }
+  local S, kind = ms.optim.schedule, o.lr_schedule or 'cosine'
+  local f
+  if kind == 'cosine' then
+    f = S.cosine{ lr = o.lr, warmup = warmup, total = o.steps, min_lr = min_lr }
+  elseif kind == 'linear' then
+    f = S.wsd{ lr = o.lr, warmup = warmup, stable = 0, decay = o.steps - warmup, min_lr = min_lr }
+  elseif kind == 'wsd' then
+    -- the decay: the last decay_fraction of the steps (at least one), after the warmup
+    local decay = math.max(1, math.min(o.steps - warmup, math.floor(o.steps * (o.decay_fraction or 0.2) + 0.5)))
+    f = S.wsd{ lr = o.lr, warmup = warmup, stable = o.steps - warmup - decay, decay = decay, min_lr = min_lr,
+      shape = o.decay_shape or 'linear' }
+  else
+    f = S.constant{ lr = o.lr, warmup = warmup }
+  end
   return function(step) return f(step - 1) end
 end
 
