@@ -1121,7 +1121,11 @@ function fsdp.fully_shard(model, opts)
         rawset(slot.m, slot.pn, unit.views[slot.k])
         local t = slot.t
         slot.t = nil     -- the original tensor: no reference kept
-        if t ~= nil and not released[t] and t.storage ~= nil then released[t] = true; t:free() end
+        if t ~= nil and not released[t] and t.storage ~= nil then
+          released[t] = true
+          if T.is_deferred(t) then T.init_records[t.storage.init_id] = nil end   -- (replayed into the shard)
+          t:free()
+        end
       end
       if unit.free_data then storage_check(C.ms_storage_free_data(unit.flat), 'releasing the unsharded buffer', unit) end
       st.units[#st.units + 1] = unit
