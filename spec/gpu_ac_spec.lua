@@ -11,11 +11,8 @@ local T = require 'moonshard.tensor'
 
 local fixtures = T.root .. '/../shared/fixtures'
 
-local function relerr(got, want)
-  local g, w = got:to('cpu'):double(), want:to('cpu'):double()
-  local d = g - w
-  return math.sqrt((d * d):sum():item() / (w * w):sum():item())
-end
+-- ‖got − want‖ / ‖want‖ on the host, in f64
+local function relerr(got, want) return require('spec.fsdp_support').norm_rel(got:to('cpu'), want:to('cpu')) end
 
 describe('activation checkpointing, versions and deferred init on cuda #gpu', function()
   for _, case in ipairs({ { 'gpt2-tiny', 'GPT2Block' }, { 'llama-tiny', 'LlamaDecoderLayer' } }) do
