@@ -187,3 +187,37 @@ describe('bin/train llama on two GPUs #gpu', function()
     os.execute('rm -rf ' .. q(dir))
   end)
 end)
+
+-- fine-tuning from a Hugging Face folder on two GPUs: each rank reads its
+-- shards of the file onto its GPU (deferred init); at lr 0 the gathered
+-- final weights are the folder's, bitwise, and the first loss is the one
+-- process's on one GPU
+describe('bin/train --init-from on two GPUs #gpu', function()
+  it('llama-tiny and gpt2-tiny under FULL_SHARD with bf16 parameters: the folder\'s weights back at lr 0', function()
+    if ms.cuda.device_count() < 2 then
+      pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
+      return
+    end
+    for _, case in ipairs({ { 'gpt2', 'gpt2-tiny' }, { 'llama', 'llama-tiny' } }) do
+      local fixture = root .. '/../shared/fixtures/' .. case[2]
+      local want = ms.load_safetensors(fixture .. '/model.safetensors')
+      local dir = tmpdir()
+      local common = ('models/%s.lua --device cuda --init-from %s --steps 1 --lr 0 --seq-len 16 --eval-every 0 '
+        .. '--sample-tokens 0'):format(case[1], q(fixture))
+      local st, text = bin_train(('--nproc-per-node 2 --device cuda %s --batch-size 2 --fsdp FULL_SHARD --out %s/two'):format(
+        common, q(dir)))
+      assert.are.equal(0, st, text)
+      assert.is_truthy(text:find('deferred init', 1, true), text)
+      local got = ms.load_safetensors(dir .. '/two/model.safetensors')
+      local n = 0
+      for k, v in pairs(got) do
+        local w = want[k] or want[(k:gsub('^transformer%.', ''))]
+        assert.is_not_nil(w, k)
+        assert.are.equal(0, (v:double() - w:double()):abs():max():item(), case[2] .. ' ' .. k)
+        n = n + 1
+      end
+      assert.is_true(n >= 10)
+      os.execute('rm -rf ' .. q(dir))
+    end
+  end)
+end)
