@@ -145,6 +145,33 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
     assert.is_truthy(text:find('drop the --model.* options', 1, true), text)
   end)
 
+  it('--freeze on 2 ranks under FULL_SHARD: the frozen tensors come out as loaded, a stopped run resumes with the same losses', function()
+    local fixture = root .. '/../shared/fixtures/gpt2-tiny'
+    if not io.open(fixture .. '/model.safetensors', 'rb') then pending('no gpt2-tiny fixture'); return end
+    local want = ms.load_safetensors(fixture .. '/model.safetensors')
+    local common = ('--nproc-per-node 2 --device cpu models/gpt2.lua --init-from %s --freeze wte,ln_f --steps 4 '
+      .. '--seq-len 16 --batch-size 2 --log-every 1 --eval-every 0 --sample-tokens 0 --fsdp FULL_SHARD --data %s'):format(
+      q(fixture), q(corpus_path))
+    local status, text = bin_train(('%s --out %s/fz'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('frozen: 3 tensors', 1, true), text)
+    local got = ms.load_safetensors(dir .. '/fz/model.safetensors')
+    for k, v in pairs(got) do
+      local w = want[k] or want[(k:gsub('^transformer%.', ''))]
+      local d = (v:double() - w:double()):abs():max():item()
+      if k:find('wte', 1, true) or k:find('ln_f', 1, true) then assert.are.equal(0, d, k)
+      else assert.is_true(d > 0, k .. ' did not train') end
+    end
+    status, text = bin_train(('%s --stop-at 2 --out %s/fz2'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/fz2'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(losses(dir .. '/fz'), losses(dir .. '/fz2'), 1, 4, 'resumed with frozen tensors')
+    status, text = bin_train(('models/gpt2.lua --freeze nosuchparam --steps 1 --out %s/fz3'):format(q(dir)))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('the pattern nosuchparam matches no parameter', 1, true), text)
+  end)
+
   it('accumulates micro-batches under no_sync to the big batch (2 ranks x 2 micro-batches of 1 = 4)', function()
     local one = reference()
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 1 --tokens-per-step 64 '

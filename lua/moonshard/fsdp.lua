@@ -1055,20 +1055,26 @@ function fsdp.fully_shard(model, opts)
   end, true)
   for _, u in ipairs(units) do
     -- distinct tensors of the unit: the decayed ones (optim.no_decay says
-    -- no) first, each group in first-use order
-    local decay, nodecay, index = {}, {}, {}
+    -- no) first, then the other trainable ones, then the frozen ones
+    -- (requires_grad off: they keep it, get no gradient, and the
+    -- optimizers leave their part of the shard alone), each group in
+    -- first-use order
+    local decay, nodecay, frozen, index = {}, {}, {}, {}
     for _, slot in ipairs(u.slots) do
       if not index[slot.id] then
         index[slot.id] = true
         local name = first_name[slot.id] or slot.name
         local e = { t = slot.t, id = slot.id, name = name }
-        if optim.no_decay(name, slot.t) then nodecay[#nodecay + 1] = e else decay[#decay + 1] = e end
+        if not slot.t.requires_grad then frozen[#frozen + 1] = e
+        elseif optim.no_decay(name, slot.t) then nodecay[#nodecay + 1] = e
+        else decay[#decay + 1] = e end
       end
     end
-    local tensors, names, k_of = {}, {}, {}
-    for _, list in ipairs({ decay, nodecay }) do
+    local tensors, names, k_of, is_frozen = {}, {}, {}, {}
+    for li, list in ipairs({ decay, nodecay, frozen }) do
       for _, e in ipairs(list) do
         tensors[#tensors + 1] = e.t; names[#tensors] = e.name; k_of[e.id] = #tensors
+        is_frozen[#tensors] = li == 3
       end
     end
     for _, slot in ipairs(u.slots) do slot.k = k_of[slot.id] end
@@ -1084,7 +1090,11 @@ function fsdp.fully_shard(model, opts)
         strategy = strategy, group = fp.group, slots = u.slots, param_names = names,
         reshards = strategy ~= 'NO_SHARD', status = 'sharded', unsharded = false,
         grad_direct = dtype == 'f32',
-        decay_end = #decay == 0 and 0 or (#nodecay == 0 and fp.total or fp.layout.offsets[#decay + 1]),
+        -- flat offsets: [0, decay_end) decayed, [decay_end, train_end) the
+        -- other trainable tensors, [train_end, total) the frozen ones
+        decay_end = #decay < #tensors and fp.layout.offsets[#decay + 1] or fp.total,
+        train_end = #decay + #nodecay < #tensors and fp.layout.offsets[#decay + #nodecay + 1] or fp.total,
+        frozen = is_frozen,
       }, Unit)
       fp.names = names        -- the same list as unit.param_names
       unit.free_data = unit.reshards and opts.free_unsharded ~= false
@@ -1109,7 +1119,7 @@ function fsdp.fully_shard(model, opts)
         unit.flat = T.empty({ fp.total }, { dtype = dtype, device = fp.device })
       end
       unit.views = fp:views(unit.flat)
-      for _, v in ipairs(unit.views) do v.requires_grad = true end
+      for k, v in ipairs(unit.views) do v.requires_grad = not is_frozen[k] end
       -- the original tensors are released now (the flat shard holds their
       -- values): left to the collector, a model's worth of memory stayed
       -- allocated for as many steps as it took to run (the Llama 1.25B:
@@ -1382,20 +1392,23 @@ function fsdp.optimizer(model, cls, opts, split_decay)
   for _, u in ipairs(st.units) do
     local fp = u.fp
     local S = fp.shard_numel
-    local nd = S   -- decayed elements of this shard
-    if split_decay then nd = math.max(0, math.min(S, u.decay_end - fp.rank * S)) end
+    -- this shard's trainable elements (the frozen ones, laid out last, get
+    -- no piece: nothing steps them), the decayed ones first
+    local nt = math.max(0, math.min(S, u.train_end - fp.rank * S))
+    local nd = nt
+    if split_decay then nd = math.max(0, math.min(nt, u.decay_end - fp.rank * S)) end
     local function piece(off, n, list)
       local p = fp.shard:narrow(1, off + 1, n)
       pieces[#pieces + 1] = { p = p, unit = u, off = off, n = n, decay = list == decay }
       list[#list + 1] = p
     end
     if nd > 0 then piece(0, nd, decay) end
-    if S - nd > 0 then piece(nd, S - nd, nodecay) end
+    if nt - nd > 0 then piece(nd, nt - nd, nodecay) end
   end
   local groups = {}
   if #decay > 0 then groups[#groups + 1] = { params = decay, weight_decay = wd } end
   if #nodecay > 0 then groups[#groups + 1] = { params = nodecay, weight_decay = 0 } end
-  if #groups == 0 then error('fsdp.optimizer: the model has no parameters', 2) end
+  if #groups == 0 then error('fsdp.optimizer: the model has no trainable parameters', 2) end
   local opt = cls(groups, opts)
   rawset(opt, 'fsdp_pieces', pieces)
   -- an optimizer that can (AdamW: set_mirrors) writes each piece's

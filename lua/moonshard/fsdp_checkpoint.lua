@@ -285,8 +285,10 @@ end
 
 -- the parts of a region [r.hoff, r.hoff + r.numel) of its holder that the
 -- optimizer steps: list of { range =, a =, b = } (a, b: 0-based, in the
--- region); an error names the parameter when some part is not stepped
+-- region); none for a frozen parameter; an error names the parameter when
+-- some part of a trainable one is not stepped
 local function region_ranges(map, r)
+  if r.frozen then return {} end   -- requires_grad off: no optimizer state, none saved
   local e = map[tonumber(r.holder.id)]
   local out, at = {}, r.hoff
   for _, rg in ipairs(e and e.ranges or {}) do
@@ -331,7 +333,7 @@ function regions_(model)
     for _, e in ipairs(params) do
       if not e.t:is_contiguous() then fail('parameter %s is not contiguous', e.name) end
       ctx.regions[#ctx.regions + 1] = { name = e.name, start = 0, numel = e.numel,
-        dest = e.t:view({ e.numel }), holder = e.t, hoff = 0, write = true }
+        dest = e.t:view({ e.numel }), holder = e.t, hoff = 0, write = true, frozen = not e.t.requires_grad }
     end
     return ctx
   end
@@ -356,7 +358,7 @@ function regions_(model)
       if sl.numel > 0 then
         ctx.regions[#ctx.regions + 1] = { name = names[i], start = sl.param_start, numel = sl.numel,
           dest = fp.shard:narrow(1, sl.shard_offset + 1, sl.numel), holder = fp.shard,
-          hoff = sl.shard_offset, unit = u, write = write }
+          hoff = sl.shard_offset, unit = u, write = write, frozen = u.frozen and u.frozen[i] or false }
       end
     end
   end

@@ -87,6 +87,7 @@ train.options = {
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
   { 'init_from', 'string?', nil, 'start from the weights and config of a Hugging Face folder (config.json + model.safetensors, as save_pretrained and --out write) instead of a fresh model: fine-tuning; --preset and --model.* do not apply; sharded runs read only each rank\'s shards' },
+  { 'freeze', 'string?', nil, 'comma-separated Lua patterns: the parameters whose names match one are frozen (requires_grad off: no gradient, no optimizer step, also under FSDP); each pattern must match a parameter' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
@@ -965,9 +966,10 @@ function train.run(opts)
   -- an eager build would have had (docs/nn.md, "Deferred initialisation")
   local deferred = strategy ~= nil and not (resume and not resume.sharded)
   local okm, model
-  if o.init_from and not resume then
-    -- fine-tuning: the folder's config and weights (a checkpoint resumed
-    -- brings its own weights, so the folder is not read then)
+  if o.init_from then
+    -- fine-tuning: the folder's config and weights (a resumed run builds
+    -- the same model from the folder; the checkpoint's weights replace the
+    -- folder's)
     if o.model_config and next(o.model_config) then
       usage('--init-from: the model config comes from %s/config.json; drop the --model.* options', o.init_from)
     end
@@ -999,6 +1001,27 @@ function train.run(opts)
   local load_converted
   if resume and strategy and not resume.sharded then
     load_converted = plain_to_sharded(resume.path, model, function() return ms.optim.AdamW(model, adamw_opts) end)
+  end
+
+  -- --freeze: requires_grad off for the matching parameters (before
+  -- fully_shard, which lays them out last and keeps them out of the steps)
+  local freeze_desc
+  if o.freeze and o.freeze ~= '' then
+    local pats, nt, ne = {}, 0, 0
+    for pat in o.freeze:gmatch('[^,]+') do pats[#pats + 1] = { pat = pat, hits = 0 } end
+    for name, p in model:named_parameters() do
+      local hit = false
+      for _, e in ipairs(pats) do
+        local okp, m = pcall(string.find, name, e.pat)
+        if not okp then usage('--freeze: bad pattern %s: %s', e.pat, tostring(m)) end
+        if m then e.hits = e.hits + 1; hit = true end
+      end
+      if hit and p.requires_grad then p.requires_grad = false; nt = nt + 1; ne = ne + p:numel() end
+    end
+    for _, e in ipairs(pats) do
+      if e.hits == 0 then usage('--freeze: the pattern %s matches no parameter of the model', e.pat) end
+    end
+    freeze_desc = ('%d tensors, %.2fM parameters'):format(nt, ne / 1e6)
   end
 
   -- activation checkpointing of the blocks (before fully_shard: the blocks'
@@ -1148,7 +1171,7 @@ function train.run(opts)
   end
 
   log('moonshard train: %s (%s), %.2fM parameters, %s', o.model,
-    (o.init_from and not resume) and ('from ' .. o.init_from) or tostring(o.preset), nparams / 1e6, o.dtype)
+    o.init_from and ('from ' .. o.init_from) or tostring(o.preset), nparams / 1e6, o.dtype)
   log('data: %s, %d %s (train %d, val %d)', corpus.name, corpus.n, corpus.unit, corpus.train.n, corpus.val and corpus.val.n or 0)
   if multi then
     log('%d steps x %d tokens (%d ranks x %d x %d x %d micro-batches), lr %g, threads %d, out %s',
@@ -1159,6 +1182,7 @@ function train.run(opts)
   end
   if fsdp_desc then log('fsdp: %s', fsdp_desc) end
   if ac_desc then log('activation checkpointing: %s', ac_desc) end
+  if freeze_desc then log('frozen: %s', freeze_desc) end
   if resume then log('resumed from %s at step %d', resume.path, start_step - 1) end
 
   local function save_checkpoint(step)
