@@ -167,6 +167,13 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
     status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/fz2'):format(q(dir)))
     assert.are.equal(0, status, text)
     close_losses(losses(dir .. '/fz'), losses(dir .. '/fz2'), 1, 4, 'resumed with frozen tensors')
+    -- the sharded checkpoint as a Hugging Face folder, in one process: a
+    -- resume with nothing left to train saves the weights (docs/train.md)
+    status, text = bin_train(('--resume %s/fz2/ckpt-2 --steps 2 --out %s/fzx'):format(q(dir), q(dir)))
+    assert.are.equal(0, status, text)
+    local m = require('models.gpt2').from_pretrained(dir .. '/fzx')
+    local wte = want['wte.weight'] or want['transformer.wte.weight']
+    assert.are.equal(0, ms.no_grad(function() return (m.transformer.wte.weight - wte):abs():max():item() end))
     status, text = bin_train(('models/gpt2.lua --freeze nosuchparam --steps 1 --out %s/fz3'):format(q(dir)))
     assert.are.equal(2, status, text)
     assert.is_truthy(text:find('the pattern nosuchparam matches no parameter', 1, true), text)
