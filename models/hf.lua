@@ -293,6 +293,7 @@ end
 -- Writes dir/config.json and dir/model.safetensors (f32 unless opts.dtype,
 -- names as in HF checkpoints, tied weights once, metadata format = pt) so
 -- that transformers' from_pretrained reads them back.
+local function nn_is_module(x) return type(x) == 'table' and ms.nn.is_module(x) end
 function hf.save_pretrained(model, dir, opts)
   opts = opts or {}
   local M = model.family
@@ -305,9 +306,13 @@ function hf.save_pretrained(model, dir, opts)
   cfg.dtype = ({ f32 = 'float32', bf16 = 'bfloat16', f16 = 'float16', f64 = 'float64' })[dtype]
   hf.write_json(dir .. '/config.json', cfg)
   local out = {}
-  for name, t in pairs(model:state_dict()) do
+  local sd, made = model:state_dict(), {}
+  -- LoRA adapters merged into their weights: a plain model's folder
+  if ms.nn.has_lora and nn_is_module(model) and ms.nn.has_lora(model) then sd, made = ms.nn.lora_merged(model, sd) end
+  for name, t in pairs(sd) do
     out[name] = t:to({ dtype = dtype, device = 'cpu', copy = true }):contiguous()
   end
+  for _, t in ipairs(made) do t:free() end
   ms.save_safetensors(dir .. '/model.safetensors', out, { format = 'pt' })
   return dir
 end

@@ -179,6 +179,40 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
     assert.is_truthy(text:find('the pattern nosuchparam matches no parameter', 1, true), text)
   end)
 
+  it('--lora: one process and FULL_SHARD on 2 ranks train alike, resume, and save a plain folder with only the adapted weights changed', function()
+    local fixture = root .. '/../shared/fixtures/gpt2-tiny'
+    if not io.open(fixture .. '/model.safetensors', 'rb') then pending('no gpt2-tiny fixture'); return end
+    local want = ms.load_safetensors(fixture .. '/model.safetensors')
+    local common = ('models/gpt2.lua --init-from %s --lora 4 --lora-alpha 8 --steps 4 --seq-len 16 --lr 1e-2 '
+      .. '--log-every 1 --eval-every 0 --sample-tokens 0 --data %s'):format(q(fixture), q(corpus_path))
+    local status, text = bin_train(('%s --batch-size 4 --out %s/lo1'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('lora: rank 4, alpha 8, 8 modules', 1, true), text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu %s --batch-size 2 --fsdp FULL_SHARD --out %s/lo2'):format(
+      common, q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(losses(dir .. '/lo1'), losses(dir .. '/lo2'), 1, 4, 'LoRA on 2 ranks')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu %s --batch-size 2 --fsdp FULL_SHARD --stop-at 2 --out %s/lo3'):format(
+      common, q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/lo3'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(losses(dir .. '/lo2'), losses(dir .. '/lo3'), 1, 4, 'LoRA resumed')
+    for _, run in ipairs({ 'lo1', 'lo2', 'lo3' }) do
+      local m = require('models.gpt2').from_pretrained(dir .. '/' .. run)   -- strict: no lora_ tensors in it
+      local changed = 0
+      for k, v in pairs(m:state_dict()) do
+        local w = want[k] or want[(k:gsub('^transformer%.', ''))]
+        local d = ms.no_grad(function() return (v:double() - w:double()):abs():max():item() end)
+        if d > 0 then
+          changed = changed + 1
+          assert.is_truthy(k:match('c_attn%.weight$') or k:match('c_proj%.weight$') or k:match('c_fc%.weight$'), run .. ' ' .. k)
+        end
+      end
+      assert.are.equal(8, changed, run)
+    end
+  end)
+
   it('accumulates micro-batches under no_sync to the big batch (2 ranks x 2 micro-batches of 1 = 4)', function()
     local one = reference()
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 1 --tokens-per-step 64 '

@@ -1408,7 +1408,16 @@ function fsdp.optimizer(model, cls, opts, split_decay)
   local groups = {}
   if #decay > 0 then groups[#groups + 1] = { params = decay, weight_decay = wd } end
   if #nodecay > 0 then groups[#groups + 1] = { params = nodecay, weight_decay = 0 } end
-  if #groups == 0 then error('fsdp.optimizer: the model has no trainable parameters', 2) end
+  if #groups == 0 then
+    -- nothing trainable in this rank's shards: an error only when the
+    -- model has nothing trainable at all (the layout is every rank's);
+    -- else the rank's optimizer has an empty group (a small trainable part,
+    -- LoRA adapters say, laid out first, may all lie in other ranks' shards)
+    local any = false
+    for _, u in ipairs(st.units) do if u.train_end > 0 then any = true end end
+    if not any then error('fsdp.optimizer: the model has no trainable parameters', 2) end
+    groups[1] = { params = {}, weight_decay = wd }
+  end
   local opt = cls(groups, opts)
   rawset(opt, 'fsdp_pieces', pieces)
   -- an optimizer that can (AdamW: set_mirrors) writes each piece's

@@ -877,6 +877,14 @@ function M.save_full(model, path, opts)
         end
       end
       for _, b in ipairs(ctx.buffers) do out[b.name] = b.t:contiguous() end
+      -- LoRA adapters merged into their weights (opts.merge_lora, default
+      -- on): the file is the plain model's
+      local nnm = require('moonshard.nn')
+      if opts.merge_lora ~= false and nnm.has_lora(model) then
+        local made
+        out, made = nnm.lora_merged(model, out)
+        for _, t in ipairs(made) do conv[#conv + 1] = t end
+      end
       local sok, serr = pcall(S.save, path, out, { format = 'pt' })
       for _, t in ipairs(conv) do t:free() end
       if not sok then error(serr, 0) end

@@ -87,6 +87,10 @@ train.options = {
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
   { 'init_from', 'string?', nil, 'start from the weights and config of a Hugging Face folder (config.json + model.safetensors, as save_pretrained and --out write) instead of a fresh model: fine-tuning; --preset and --model.* do not apply; sharded runs read only each rank\'s shards' },
+  { 'lora', 'int>=0', 0, 'LoRA adapters of this rank on the model\'s projections (nn.apply_lora; 0: none): the rest of the model frozen, the final weights saved merged' },
+  { 'lora_alpha', 'number>0?', nil, 'LoRA scale numerator: the update is alpha / r * B A (default: r)' },
+  { 'lora_dropout', 'number>=0', 0, 'dropout on the LoRA branch\'s input' },
+  { 'lora_targets', 'string', 'attn%.,mlp%.', 'comma-separated Lua patterns: the nn.Linear / nn.Conv1D modules whose names match get adapters' },
   { 'freeze', 'string?', nil, 'comma-separated Lua patterns: the parameters whose names match one are frozen (requires_grad off: no gradient, no optimizer step, also under FSDP); each pattern must match a parameter' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
@@ -1003,6 +1007,20 @@ function train.run(opts)
     load_converted = plain_to_sharded(resume.path, model, function() return ms.optim.AdamW(model, adamw_opts) end)
   end
 
+  -- --lora R: adapters on the matching projections, everything else frozen
+  local lora_desc
+  if o.lora > 0 then
+    local targets = {}
+    for pat in o.lora_targets:gmatch('[^,]+') do targets[#targets + 1] = pat end
+    local okl, names = pcall(ms.nn.apply_lora, model, { r = o.lora, alpha = o.lora_alpha, dropout = o.lora_dropout,
+      targets = targets })
+    if not okl then usage('--lora: %s', (tostring(names):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    local n = 0
+    for name, p in model:named_parameters() do if p.requires_grad then n = n + p:numel() end end
+    lora_desc = ('rank %d, alpha %g, %d modules, %.3fM trainable parameters'):format(o.lora, o.lora_alpha or o.lora,
+      #names, n / 1e6)
+  end
+
   -- --freeze: requires_grad off for the matching parameters (before
   -- fully_shard, which lays them out last and keeps them out of the steps)
   local freeze_desc
@@ -1182,6 +1200,7 @@ function train.run(opts)
   end
   if fsdp_desc then log('fsdp: %s', fsdp_desc) end
   if ac_desc then log('activation checkpointing: %s', ac_desc) end
+  if lora_desc then log('lora: %s', lora_desc) end
   if freeze_desc then log('frozen: %s', freeze_desc) end
   if resume then log('resumed from %s at step %d', resume.path, start_step - 1) end
 

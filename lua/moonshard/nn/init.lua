@@ -31,6 +31,7 @@ local nnf = require 'moonshard.nn.functional'
 local ffi = require 'ffi'
 
 local R = A.raw_views
+local F = require 'moonshard.ops'
 local is_tensor = T.is_tensor
 local unpack = unpack or table.unpack
 local pack = function(...) return { n = select('#', ...), ... } end
@@ -724,7 +725,7 @@ end
 local function plain(m)
   local pre, post = rawget(m, '_forward_pre_hooks'), rawget(m, '_forward_hooks')
   return (pre == nil or #pre == 0) and (post == nil or #post == 0) and not A.should_mark(m)
-    and rawget(m, '_checkpoint') == nil
+    and rawget(m, '_checkpoint') == nil and rawget(m, 'forward') == nil   -- (LoRA's forward)
 end
 nn.plain = plain
 function MLP:forward(x)
@@ -957,6 +958,109 @@ function nn.materialize(model)
   for _, p in ipairs(model:parameters()) do T.materialize(p) end
   for _, b in ipairs(model:buffers()) do T.materialize(b) end
   return model
+end
+
+-- ------------------------------------------------------------------- LoRA
+-- nn.apply_lora(model, {r = 8, alpha = r, dropout = 0, targets = {'attn%.',
+-- 'mlp%.'}, freeze = true}) -> names: every nn.Linear / nn.Conv1D whose
+-- qualified name matches one of the Lua patterns `targets` (the LM head
+-- and embeddings never: they are not Linear/Conv1D calls) gets two
+-- parameters, lora_A (r, in) ~ U(+-1/sqrt(in)) and lora_B (out, r) = 0
+-- (PEFT's initialisation, so the model's output is unchanged at first),
+-- and computes y = base(x) + (alpha / r) * lora_B(lora_A(dropout(x))).
+-- With freeze (the default) every other parameter is frozen
+-- (requires_grad off; FSDP keeps them out of the steps). Returns the
+-- qualified names of the adapted modules.
+local function lora_forward(self, x)
+  local lo = rawget(self, '_lora')
+  local y = getmetatable(self).forward(self, x)   -- the layer's own forward
+  local h = x
+  if lo.dropout > 0 and self.training then h = nnf.dropout(x, lo.dropout, true) end
+  local d = nnf.linear(nnf.linear(h, self.lora_A), self.lora_B)
+  return y + d * lo.scale
+end
+
+function nn.apply_lora(model, opts)
+  opts = opts or {}
+  if not nn.is_module(model) then error('apply_lora: model must be a module', 2) end
+  local r = opts.r or 8
+  if type(r) ~= 'number' or r < 1 or r % 1 ~= 0 then
+    error(('apply_lora: r must be a positive integer, got %s'):format(tostring(r)), 2)
+  end
+  local alpha = opts.alpha or r
+  local p = opts.dropout or 0
+  local targets = opts.targets or { 'attn%.', 'mlp%.' }
+  if type(targets) == 'string' then targets = { targets } end
+  local names = {}
+  for name, m in model:named_modules() do
+    local cls = getmetatable(m)
+    local hit = false
+    if (cls == nn.Linear or cls == nn.Conv1D) and rawget(m, '_lora') == nil then
+      for _, pat in ipairs(targets) do
+        local ok, f = pcall(string.find, name, pat)
+        if not ok then error(('apply_lora: bad target pattern %s: %s'):format(tostring(pat), tostring(f)), 2) end
+        if f then hit = true; break end
+      end
+    end
+    if hit then
+      local w = m.weight
+      local in_f, out_f
+      if cls == nn.Linear then out_f, in_f = w.shape[1], w.shape[2] else in_f, out_f = w.shape[1], w.shape[2] end
+      local o = { dtype = w.dtype, device = w.device }
+      local a = T.empty({ r, in_f }, o)
+      T.uniform_(a, -1 / math.sqrt(in_f), 1 / math.sqrt(in_f))
+      m:register_parameter('lora_A', a)
+      m:register_parameter('lora_B', T.zeros({ out_f, r }, o))
+      rawset(m, '_lora', { r = r, alpha = alpha, scale = alpha / r, dropout = p, conv1d = cls == nn.Conv1D })
+      rawset(m, 'forward', lora_forward)
+      names[#names + 1] = name
+    end
+  end
+  if #names == 0 then
+    error(('apply_lora: no nn.Linear or nn.Conv1D of the model matches the targets %s'):format(
+      table.concat(targets, ', ')), 2)
+  end
+  if opts.freeze ~= false then
+    for n, t in model:named_parameters() do
+      if not (n:match('%.lora_A$') or n:match('%.lora_B$')) then t.requires_grad = false end
+    end
+  end
+  return names
+end
+
+-- nn.lora_merged(model, tensors) -> table, made: `tensors` (name -> tensor,
+-- whole: a state_dict, or what fsdp_checkpoint gathers) with every adapted
+-- module's weight replaced by weight + scale * lora_B @ lora_A (transposed
+-- for a Conv1D's (in, out) weight) and its lora_A / lora_B left out: the
+-- plain model's tensors (save_pretrained writes these). `made` lists the
+-- new tensors (the caller frees them once written).
+function nn.lora_merged(model, tensors)
+  local out, made = {}, {}
+  for k, v in pairs(tensors) do out[k] = v end
+  for name, m in model:named_modules() do
+    local lo = rawget(m, '_lora')
+    if lo then
+      local pre = name == '' and '' or name .. '.'
+      local w, a, b = tensors[pre .. 'weight'], tensors[pre .. 'lora_A'], tensors[pre .. 'lora_B']
+      if w and a and b then
+        A.no_grad(function()
+          local d = F.matmul(b:to('f32'), a:to('f32'))          -- (out, in)
+          if lo.conv1d then d = d:t():contiguous() end
+          local merged = (w:to('f32') + d * lo.scale):to(w.dtype)
+          out[pre .. 'weight'] = merged
+          made[#made + 1] = merged
+        end)
+        out[pre .. 'lora_A'], out[pre .. 'lora_B'] = nil, nil
+      end
+    end
+  end
+  return out, made
+end
+
+-- true when apply_lora adapted some module of model
+function nn.has_lora(model)
+  for _, m in model:named_modules() do if rawget(m, '_lora') then return true end end
+  return false
 end
 
 -- ------------------------------------------------- activation checkpointing

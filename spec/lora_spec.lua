@@ -1,0 +1,102 @@
+-- LoRA adapters (nn.apply_lora, nn.lora_merged, save_pretrained merging,
+-- bin/train --lora): the model's output unchanged at first, only the
+-- adapters trained, the fused paths left for the adapted modules' calls,
+-- the merged weights giving the adapted model's output, and the errors.
+local ms = require 'moonshard'
+local nn = ms.nn
+local FS = require 'spec.fsdp_support'
+local S = require 'spec.support'
+
+local cases = {
+  { 'gpt2-tiny', 8, { 'c_attn', 'c_proj', 'c_fc' } },
+  { 'llama-tiny', 14, { 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj' } },
+}
+
+describe('LoRA', function()
+  if not FS.have_fixture('gpt2-tiny') or not FS.have_fixture('llama-tiny') then
+    it('needs the fixtures', function() pending('no ' .. FS.fixtures) end)
+    return
+  end
+
+  for _, c in ipairs(cases) do
+    it(c[1] .. ': unchanged output at first, adapters alone trained, merged weights give the adapted output', function()
+      local x, y = FS.lcg_batch(5, 2, 16)
+      local base = FS.load_model(c[1])
+      local m = FS.load_model(c[1])
+      local names = nn.apply_lora(m, { r = 4, alpha = 8 })
+      assert.are.equal(c[2], #names)
+      for _, n in ipairs(names) do
+        local hit = false
+        for _, leaf in ipairs(c[3]) do if n:sub(-#leaf) == leaf then hit = true end end
+        assert.is_true(hit, n)
+      end
+      assert.are.equal(ms.no_grad(function() return base(x, y):item() end), ms.no_grad(function() return m(x, y):item() end))
+      local trainable = 0
+      for n, p in m:named_parameters() do
+        assert.are.equal(n:match('%.lora_[AB]$') ~= nil, p.requires_grad, n)
+        if p.requires_grad then trainable = trainable + 1 end
+      end
+      assert.are.equal(2 * c[2], trainable)
+      local before = {}
+      for n, p in m:named_parameters() do before[n] = p:clone() end
+      local opt = ms.optim.AdamW(m, { lr = 1e-2 })
+      local first, last
+      for k = 1, 4 do
+        local l = m(x, y)
+        l:backward(); opt:step(); opt:zero_grad()
+        if k == 1 then first = l:item() end
+        last = l:item()
+      end
+      assert.is_true(last < first)
+      for n, p in m:named_parameters() do
+        local d = ms.no_grad(function() return (p - before[n]):abs():max():item() end)
+        if n:match('%.lora_[AB]$') then assert.is_true(d > 0, n) else assert.are.equal(0, d, n) end
+      end
+      -- the merged tensors into a plain model: the adapted model's loss
+      local merged = nn.lora_merged(m, m:state_dict())
+      for k in pairs(merged) do assert.is_nil(k:match('lora_'), k) end
+      local plain = FS.load_model(c[1])
+      plain:load_state_dict(merged)
+      local la = ms.no_grad(function() return m(x, y):item() end)
+      local lb = ms.no_grad(function() return plain(x, y):item() end)
+      assert.is_true(FS.rel(lb, la) <= 1e-5, ('merged %.9g, adapted %.9g'):format(lb, la))
+      -- save_pretrained merges: a plain folder, loaded strictly
+      local dir = S.tmpdir()
+      m:save_pretrained(dir)
+      local back = require(c[1]:match('^gpt2') and 'models.gpt2' or 'models.llama').from_pretrained(dir)
+      local lc = ms.no_grad(function() return back(x, y):item() end)
+      assert.is_true(FS.rel(lc, la) <= 1e-5, ('saved %.9g, adapted %.9g'):format(lc, la))
+      os.execute('rm -rf ' .. S.shell_quote(dir))
+    end)
+  end
+
+  it('the fused MLP and residual paths step aside for an adapted module', function()
+    local m = FS.load_model('gpt2-tiny')
+    local mlp = m.transformer.h[1].mlp
+    assert.is_true(nn.plain(mlp.c_fc))
+    nn.apply_lora(m, { r = 2, targets = { 'h%.0%.mlp%.c_fc$' } })
+    assert.is_false(nn.plain(mlp.c_fc))
+    assert.is_true(nn.plain(m.transformer.h[2].mlp.c_fc))
+    -- with lora_B nonzero the output moves: the adapter is on the path
+    local x, y = FS.lcg_batch(6, 2, 16)
+    local l0 = ms.no_grad(function() return m(x, y):item() end)
+    ms.no_grad(function() mlp.c_fc.lora_B:fill_(0.05) end)
+    local l1 = ms.no_grad(function() return m(x, y):item() end)
+    assert.is_true(math.abs(l1 - l0) > 1e-4)
+  end)
+
+  it('bad arguments are errors that say what is wrong', function()
+    local m = FS.load_model('gpt2-tiny')
+    local cases_ = {
+      { function() nn.apply_lora(m, { targets = { 'nosuchmodule' } }) end, 'no nn.Linear or nn.Conv1D of the model matches' },
+      { function() nn.apply_lora(m, { r = 0 }) end, 'r must be a positive integer, got 0' },
+      { function() nn.apply_lora(m, { targets = { '[' } }) end, 'bad target pattern [' },
+      { function() nn.apply_lora({}, {}) end, 'model must be a module' },
+    }
+    for i, cs in ipairs(cases_) do
+      local ok, err = pcall(cs[1])
+      assert.is_false(ok, 'case ' .. i)
+      assert.is_truthy(tostring(err):find(cs[2], 1, true), tostring(err))
+    end
+  end)
+end)
