@@ -134,4 +134,35 @@ describe('activation checkpointing, versions and deferred init on cuda #gpu', fu
       end
     end
   end)
+
+  it('LoRA on cuda under bf16 autocast: the output unchanged at first, adapters alone trained, merged saves', function()
+    local FS = require 'spec.fsdp_support'
+    local M = require 'models.llama'
+    local dir = fixtures .. '/llama-tiny'
+    local x, y = FS.lcg_batch(5, 2, 16)
+    x, y = x:cuda(), y:cuda()
+    local base = M.from_pretrained(dir):to('cuda')
+    ms.nn.functional.set_precision(base, { compute = 'bf16' })
+    local m = M.from_pretrained(dir):to('cuda')
+    ms.nn.functional.set_precision(m, { compute = 'bf16' })
+    assert.are.equal(14, #ms.nn.apply_lora(m, { r = 4, alpha = 8 }))
+    for n, p in m:named_parameters() do
+      if n:match('lora_') then assert.are.equal('cuda:0', p.device) end
+    end
+    assert.are.equal(ms.no_grad(function() return base(x, y):item() end), ms.no_grad(function() return m(x, y):item() end))
+    local opt = ms.optim.AdamW(m, { lr = 1e-2 })
+    local first, last
+    for k = 1, 4 do
+      local l = m(x, y); l:backward(); opt:step(); opt:zero_grad()
+      if k == 1 then first = l:item() end
+      last = l:item()
+    end
+    assert.is_true(last < first)
+    local plain = M.from_pretrained(dir):to('cuda')
+    ms.nn.functional.set_precision(plain, { compute = 'bf16' })
+    plain:load_state_dict(ms.nn.lora_merged(m, m:state_dict()))
+    local la = ms.no_grad(function() return m(x, y):item() end)
+    local lb = ms.no_grad(function() return plain(x, y):item() end)
+    assert.is_true(math.abs(la - lb) <= 2e-2 * la, ('merged %.6g, adapted %.6g'):format(lb, la))
+  end)
 end)

@@ -220,4 +220,31 @@ describe('bin/train --init-from on two GPUs #gpu', function()
       os.execute('rm -rf ' .. q(dir))
     end
   end)
+
+  it('--lora with --init-from under FULL_SHARD on two GPUs: trains, saves a plain folder with only adapted weights changed', function()
+    if ms.cuda.device_count() < 2 then
+      pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
+      return
+    end
+    local fixture = root .. '/../shared/fixtures/llama-tiny'
+    local want = ms.load_safetensors(fixture .. '/model.safetensors')
+    local dir = tmpdir()
+    local st, text = bin_train(('--nproc-per-node 2 --device cuda models/llama.lua --device cuda --init-from %s --lora 4 '
+      .. '--steps 4 --lr 1e-2 --seq-len 16 --batch-size 2 --eval-every 0 --sample-tokens 0 --fsdp FULL_SHARD --out %s/lo'):format(
+      q(fixture), q(dir)))
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('lora: rank 4', 1, true), text)
+    local m = require('models.llama').from_pretrained(dir .. '/lo')
+    local changed = 0
+    for k, v in pairs(m:state_dict()) do
+      local w = want[k]
+      local d = ms.no_grad(function() return (v:double() - w:double()):abs():max():item() end)
+      if d > 0 then
+        changed = changed + 1
+        assert.is_truthy(k:match('_proj%.weight$'), k)
+      end
+    end
+    assert.are.equal(14, changed)
+    os.execute('rm -rf ' .. q(dir))
+  end)
 end)
