@@ -18,6 +18,9 @@
 -- compute stream stood still for it; rank 0 prints it), --nccl-gather
 -- (fully_shard's copy_gather = false: the all-gathers through NCCL's kernels
 -- instead of the copy engines; docs/fsdp.md "Copy-engine gathers"),
+-- --ac none|full|N (activation checkpointing of every block or every N-th,
+-- nn.apply_activation_checkpointing; tokens/s and TFLOP/s count the model's
+-- flops only, not the recompute),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
 -- the last phase's), --keep-activations (ms.autograd.release_activations
@@ -46,7 +49,7 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
-  ['loss-budget'] = 0 }
+  ['loss-budget'] = 0, ac = 'none' }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
   ['keep-activations'] = false }
 do
@@ -61,7 +64,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--ac none|full|N]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -111,6 +114,13 @@ local nparams = 0
 for _, p in model:named_parameters() do nparams = nparams + p:numel() end
 model:to('cuda')
 model:train()
+-- --ac full|N: the blocks' activations checkpointed (every block, every N-th)
+local ac_blocks = 0
+if opts.ac ~= 'none' then
+  local every = opts.ac == 'full' and 1 or tonumber(opts.ac)
+  assert(every and every >= 1, 'bench/fsdp.lua: --ac must be none, full or N >= 1')
+  ac_blocks = #ms.nn.apply_activation_checkpointing(model, { class = block, every = every })
+end
 
 local adam = opts.model == 'gpt2' and { lr = 6e-4, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
   or { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.01 }
@@ -214,6 +224,7 @@ if mem then say('memory by phase, last step: ' .. table.concat(mem, '; ', 2)) en
 local steady = ms.cuda.memory_stats().peak_allocated
 local peak = math.max(steady0, steady) / 2 ^ 30
 say(('peak allocated GiB/GPU: %.2f over all steps, %.2f over the timed steps'):format(peak, steady / 2 ^ 30))
+if ac_blocks > 0 then say(('activation checkpointing: %d blocks'):format(ac_blocks)) end
 
 -- one step with its collectives timed: what ran when on the communication
 -- stream, and where the compute stream waited for it

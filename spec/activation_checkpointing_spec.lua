@@ -163,6 +163,9 @@ describe('activation checkpointing', function()
       assert.is_truthy(tostring(err):find(c[2], 1, true), tostring(err))
     end
     assert.are.same({}, nn.apply_activation_checkpointing(m, { class = 'NoSuchBlock' }))
+    -- the class itself, as fsdp.policy.by_class takes it
+    assert.are.equal(2, #nn.apply_activation_checkpointing(load('gpt2-tiny'), { class = require('models.gpt2').Block }))
+    assert.are.equal(2, #nn.apply_activation_checkpointing(load('llama-tiny'), { class = { require('models.llama').Layer } }))
   end)
 
   it('FSDP in one process (FULL_SHARD; f32, bf16 parameters): the training steps of the model without it', function()

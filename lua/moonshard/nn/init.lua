@@ -1066,7 +1066,7 @@ end
 -- ------------------------------------------------- activation checkpointing
 -- nn.apply_activation_checkpointing(model, opts) -> names: sets
 -- m:set_checkpointing(true) on model's modules chosen by opts.class (a class
--- name or a list of them) or opts.check_fn(m, name) -> bool, in
+-- or its name, or a list of them) or opts.check_fn(m, name) -> bool, in
 -- named_modules order; opts.every = N keeps every N-th of them (N, 2N, ...;
 -- 1: all, torchtitan's full mode; N > 1 its per-layer selective mode). A
 -- module inside one already chosen is skipped (its activations are not kept
@@ -1083,7 +1083,13 @@ function nn.apply_activation_checkpointing(model, opts)
     local cls = opts.class
     if cls == nil then error('apply_activation_checkpointing: give opts.class or opts.check_fn', 2) end
     local want = {}
-    for _, c in ipairs(type(cls) == 'table' and cls or { cls }) do want[c] = true end
+    -- class names, or the classes themselves (as fsdp.policy.by_class takes)
+    local list = (type(cls) == 'table' and rawget(cls, '__name') == nil) and cls or { cls }
+    for _, c in ipairs(list) do
+      if type(c) == 'table' then c = rawget(c, '__name') end
+      if type(c) ~= 'string' then error('apply_activation_checkpointing: class must be a class or a class name', 2) end
+      want[c] = true
+    end
     pick = function(m) return want[m:class_name()] == true end
   elseif type(pick) ~= 'function' then
     error('apply_activation_checkpointing: check_fn must be a function', 2)
