@@ -60,6 +60,16 @@ describe('LoRA', function()
       local la = ms.no_grad(function() return m(x, y):item() end)
       local lb = ms.no_grad(function() return plain(x, y):item() end)
       assert.is_true(FS.rel(lb, la) <= 1e-5, ('merged %.9g, adapted %.9g'):format(lb, la))
+      -- merged in place: a plain model again, the same loss
+      local m2 = FS.load_model(c[1])
+      nn.apply_lora(m2, { r = 4, alpha = 8 })
+      m2:load_state_dict(m:state_dict())
+      nn.merge_lora(m2)
+      assert.is_false(nn.has_lora(m2))
+      for n in pairs(m2:state_dict()) do assert.is_nil(n:match('lora_'), n) end
+      assert.is_true(nn.plain(m2.transformer and m2.transformer.h[1].mlp.c_fc or m2.model.layers[1].mlp.gate_proj))
+      local ld = ms.no_grad(function() return m2(x, y):item() end)
+      assert.is_true(FS.rel(ld, la) <= 1e-5, ('merged in place %.9g, adapted %.9g'):format(ld, la))
       -- save_pretrained merges: a plain folder, loaded strictly
       local dir = S.tmpdir()
       m:save_pretrained(dir)

@@ -382,6 +382,8 @@ local function to_in_place(t, spec)
   local n = R.to(t, spec)
   if n == t then return end
   swap_contents(t, n)
+  -- (a deferred tensor moved: the old storage's init record goes with it)
+  if T.is_deferred(n) then T.init_records[n.storage.init_id] = nil end
   n:free()
 end
 nn.to_in_place = to_in_place
@@ -1055,6 +1057,37 @@ function nn.lora_merged(model, tensors)
     end
   end
   return out, made
+end
+
+-- nn.merge_lora(model) -> model: in place, each adapter folded into its
+-- weight and removed (the module is a plain Linear / Conv1D again; its
+-- weight keeps its handle and its requires_grad). Not for a model under
+-- fully_shard (its weights are views of shards): save it, merged, instead.
+function nn.merge_lora(model)
+  if rawget(model, '_fsdp') then
+    error('merge_lora: the model is sharded (fully_shard): save it (merged) and load the folder instead', 2)
+  end
+  for _, m in model:named_modules() do
+    local lo = rawget(m, '_lora')
+    if lo then
+      A.no_grad(function()
+        local d = F.matmul(m.lora_B:to('f32'), m.lora_A:to('f32'))
+        if lo.conv1d then d = d:t():contiguous() end
+        local w = m.weight
+        local merged = (w:to('f32') + d * lo.scale):to(w.dtype)
+        T.raw_copy_(w, merged)
+        A.bump_version(w)
+      end)
+      for _, k in ipairs({ 'lora_A', 'lora_B' }) do
+        local names = rawget(m, '_param_names')
+        for i = #names, 1, -1 do if names[i] == k then table.remove(names, i) end end
+        rawset(m, k, nil)
+      end
+      rawset(m, '_lora', nil)
+      rawset(m, 'forward', nil)
+    end
+  end
+  return model
 end
 
 -- true when apply_lora adapted some module of model
