@@ -293,7 +293,6 @@ end
 -- Writes dir/config.json and dir/model.safetensors (f32 unless opts.dtype,
 -- names as in HF checkpoints, tied weights once, metadata format = pt) so
 -- that transformers' from_pretrained reads them back.
-local function nn_is_module(x) return type(x) == 'table' and ms.nn.is_module(x) end
 function hf.save_pretrained(model, dir, opts)
   opts = opts or {}
   local M = model.family
@@ -308,7 +307,7 @@ function hf.save_pretrained(model, dir, opts)
   local out = {}
   local sd, made = model:state_dict(), {}
   -- LoRA adapters merged into their weights: a plain model's folder
-  if ms.nn.has_lora and nn_is_module(model) and ms.nn.has_lora(model) then sd, made = ms.nn.lora_merged(model, sd) end
+  if ms.nn.is_module(model) and ms.nn.has_lora(model) then sd, made = ms.nn.lora_merged(model, sd) end
   for name, t in pairs(sd) do
     out[name] = t:to({ dtype = dtype, device = 'cpu', copy = true }):contiguous()
   end

@@ -1036,6 +1036,23 @@ end
 -- for a Conv1D's (in, out) weight) and its lora_A / lora_B left out: the
 -- plain model's tensors (save_pretrained writes these). `made` lists the
 -- new tensors (the caller frees them once written).
+-- w + scale * b @ a (transposed for a Conv1D's (in, out) weight), in w's
+-- dtype, computed in f32: an adapter folded into its weight (a new tensor)
+local function lora_fold(lo, w, a, b)
+  return A.no_grad(function()
+    local a32, b32, w32 = a:to('f32'), b:to('f32'), w:to('f32')
+    local d = F.matmul(b32, a32)                     -- (out, in)
+    if lo.conv1d then local dt = d:t():contiguous(); d:free(); d = dt end
+    F.mul_(d, lo.scale)
+    F.add_(d, w32)
+    local merged = d:to(w.dtype)
+    for _, t in ipairs({ a32, b32, w32, d }) do
+      if t ~= merged and t ~= a and t ~= b and t ~= w then t:free() end
+    end
+    return merged
+  end)
+end
+
 function nn.lora_merged(model, tensors)
   local out, made = {}, {}
   for k, v in pairs(tensors) do out[k] = v end
@@ -1045,13 +1062,9 @@ function nn.lora_merged(model, tensors)
       local pre = name == '' and '' or name .. '.'
       local w, a, b = tensors[pre .. 'weight'], tensors[pre .. 'lora_A'], tensors[pre .. 'lora_B']
       if w and a and b then
-        A.no_grad(function()
-          local d = F.matmul(b:to('f32'), a:to('f32'))          -- (out, in)
-          if lo.conv1d then d = d:t():contiguous() end
-          local merged = (w:to('f32') + d * lo.scale):to(w.dtype)
-          out[pre .. 'weight'] = merged
-          made[#made + 1] = merged
-        end)
+        local merged = lora_fold(lo, w, a, b)
+        out[pre .. 'weight'] = merged
+        made[#made + 1] = merged
         out[pre .. 'lora_A'], out[pre .. 'lora_B'] = nil, nil
       end
     end
@@ -1070,14 +1083,11 @@ function nn.merge_lora(model)
   for _, m in model:named_modules() do
     local lo = rawget(m, '_lora')
     if lo then
-      A.no_grad(function()
-        local d = F.matmul(m.lora_B:to('f32'), m.lora_A:to('f32'))
-        if lo.conv1d then d = d:t():contiguous() end
-        local w = m.weight
-        local merged = (w:to('f32') + d * lo.scale):to(w.dtype)
-        T.raw_copy_(w, merged)
-        A.bump_version(w)
-      end)
+      local w = m.weight
+      local merged = lora_fold(lo, w, m.lora_A, m.lora_B)
+      T.raw_copy_(w, merged)
+      A.bump_version(w)
+      merged:free()
       for _, k in ipairs({ 'lora_A', 'lora_B' }) do
         local names = rawget(m, '_param_names')
         for i = #names, 1, -1 do if names[i] == k then table.remove(names, i) end end
