@@ -167,6 +167,8 @@ function GPT2:head_module() return rawget(self, '_head') end
 
 -- the LM head weight (V, C): tied to the token embedding
 function GPT2:head_weight() return self.transformer.wte.weight end
+-- the token embedding (moonshard.tp splits it by vocabulary rows)
+function GPT2:token_embedding() return self.transformer.wte end
 function GPT2:max_positions() return self.config.n_positions end
 
 -- model(input_ids) -> logits (B, T, V)
@@ -187,7 +189,7 @@ end
 function GPT2:last_logits(input_ids)
   local ids, _, Tn = hf.check_ids(input_ids, 'gpt2', 'input_ids', self.config.vocab_size, self.config.n_positions)
   local h = self.transformer(ids):narrow(2, Tn, 1):squeeze(2)
-  return nn.functional.linear(h, self:head_weight())
+  return rawget(self, '_head'):logits(h)
 end
 
 function GPT2:generate(ids, n, opts) return hf.generate(self, ids, n, opts) end

@@ -211,6 +211,8 @@ end
 -- the nn.LMHead the forward calls (model.norm and the head weight; fully_shard
 -- makes it a unit of its own when untied)
 function Llama:head_module() return rawget(self, '_head') end
+-- the token embedding (moonshard.tp splits it by vocabulary rows)
+function Llama:token_embedding() return self.model.embed_tokens end
 
 function Llama:head_weight()
   if self.config.tie_word_embeddings then return self.model.embed_tokens.weight end
@@ -237,7 +239,7 @@ function Llama:last_logits(input_ids)
   local cfg = self.config
   local ids, _, Tn = hf.check_ids(input_ids, 'llama', 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
   local h = self.model(ids):narrow(2, Tn, 1):squeeze(2)
-  return nn.functional.linear(h, self:head_weight())
+  return rawget(self, '_head'):logits(h)
 end
 
 function Llama:generate(ids, n, opts) return hf.generate(self, ids, n, opts) end

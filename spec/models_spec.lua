@@ -461,6 +461,29 @@ describe('gpt2-tiny: c_proj bias gradients from the norm backward', function()
     end)
   end
   it('under bf16 autocast equal them within bf16 rounding (1e-2)', function() compare(1e-2) end)
+  -- the attention's sums are f32: an f64 model's c_attn bias gradient is
+  -- the plain column sum of dqkv (they were taken and rounded to f32 before)
+  it('in f64 leave c_attn\'s bias gradient in f64 (1e-13 of the plain sums)', function()
+    local function grads(attn)
+      local prev = nnf.set_attention_bias_sum(attn)
+      local model = gpt2.from_pretrained(dir):to('f64')
+      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+      local ok, err = pcall(function() model(exp.input_ids, exp.targets):backward() end)
+      nnf.set_attention_bias_sum(prev)
+      assert(ok, err)
+      local g = {}
+      for name, p in model:named_parameters() do g[name] = p.grad end
+      return g
+    end
+    local on, off = grads(true), grads(false)
+    local n = 0
+    for name, g in pairs(off) do
+      local e = relerr(on[name], g)
+      assert.is_true(e <= 1e-13, ('%s: relative error %.3g'):format(name, e))
+      if name:match('c_attn%.bias$') then n = n + 1 end
+    end
+    assert.is_true(n >= 2)
+  end)
   it('are not taken when the branch output has another consumer', function()
     local function run(on, twice)
       local x = T.randn({ 2, 5, 8 }, { seed = 7901 }):requires_grad_()

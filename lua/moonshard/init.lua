@@ -56,6 +56,9 @@ ms.dist = require 'moonshard.dist'   -- collectives, groups, the rendezvous stor
 local okfs, fs = pcall(require, 'moonshard.fsdp')   -- flat parameters (docs/fsdp.md)
 if okfs then ms.fsdp = fs elseif not tostring(fs):find("module 'moonshard.fsdp' not found", 1, true) then error(fs, 0) end
 
+local oktp, tpm = pcall(require, 'moonshard.tp')   -- tensor parallelism (docs/tp.md)
+if oktp then ms.tp = tpm elseif not tostring(tpm):find("module 'moonshard.tp' not found", 1, true) then error(tpm, 0) end
+
 function ms.set_num_threads(n) T.C.ms_set_num_threads(n) end
 function ms.get_num_threads() return T.C.ms_get_num_threads() end
 function ms.live_storages() return tonumber(T.C.ms_live_storages()) end

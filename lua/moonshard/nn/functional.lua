@@ -801,6 +801,11 @@ function nnf.lm_loss(hidden, weight, targets, opts)
   if fused_lm_loss and not (opts and opts.fused == false) then
     return flce.lm_loss(hidden, weight, targets, opts)
   end
+  if opts and opts.group ~= nil then
+    error(('lm_loss: a vocabulary-parallel head (opts.group: this rank holds %s of the vocabulary rows) needs '
+      .. 'the fused loss; nn.functional.use_fused_lm_loss(false) or opts.fused = false cannot compute it'):format(
+      is_tensor(weight) and tostring(weight.shape[1]) or '?'), 2)
+  end
   local logits = nnf.linear(hidden, weight)
   local loss = nnf.cross_entropy(logits, targets, opts)
   free(logits)
@@ -1038,8 +1043,10 @@ local function bwd_qkv_attention(node, g)
   bq[0], bk[0], bv[0] = dq, dk, dv
   local q, k, v = qkv_views(s.qkv, gs[2])
   local sum
-  if s.hid and attn_bias_sum_on then
-    -- c_attn's bias gradient: the column sums of dq, dk, dv (q, k, v heads)
+  if s.hid and attn_bias_sum_on and s.qkv.dtype_id ~= 0 then
+    -- c_attn's bias gradient: the column sums of dq, dk, dv (q, k, v heads),
+    -- summed in f64 and stored in f32 (an f64 model's sums stay f64: its
+    -- bias gradient takes the plain column sum of dqkv)
     local ds = T.empty({ 3 * gs[2] * gs[4] }, { dtype = 'f32', device = s.qkv.device_id })
     local r = T.C.ms_attention_backward_sum(bq, bk, bv, q, k, v, y4, s.lse, gt, s.scale, s.causal and 1 or 0, ds)
     if r < 0 then free(ds); T.check(r) end

@@ -732,6 +732,8 @@ end
 nn.plain = plain
 function MLP:forward(x)
   local fc, pr = self.c_fc, self.c_proj
+  local tp = rawget(self, '_tp')
+  if tp ~= nil then x = tp.enter(x) end   -- (moonshard.tp: c_fc column-, c_proj row-parallel)
   -- one node with the bias and GELU in the GEMMs' epilogues (nnf.gelu_mlp)
   -- when nothing watches the two layers; else the modules one by one
   -- (exactly Linear or Conv1D: a subclass may have a forward of its own)
@@ -758,6 +760,8 @@ function GatedMLP:init(cfg)
   self:register_module('down_proj', Linear(cfg.hidden, cfg.dim, o))
 end
 function GatedMLP:forward(x)
+  local tp = rawget(self, '_tp')
+  if tp ~= nil then x = tp.enter(x) end   -- (moonshard.tp)
   return self.down_proj(nnf.swiglu(self.gate_proj(x), self.up_proj(x)))
 end
 function GatedMLP:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, self.hidden) end
@@ -816,6 +820,13 @@ function Attention:forward(x)
   local s = x.shape
   local B, Tn = s[1], s[2]
   local H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
+  -- tensor parallelism (moonshard.tp): this rank's heads; the input's
+  -- gradient is summed over the group
+  local tp = rawget(self, '_tp')
+  if tp ~= nil then
+    H, Hkv = tp.n_head, tp.n_kv_head
+    x = tp.enter(x)
+  end
   local q, k, v
   if self.fused_qkv and not self.rope_theta and Hkv == H then
     -- one node: q, k, v read in place from c_attn's output, dq, dk, dv
@@ -824,7 +835,7 @@ function Attention:forward(x)
   end
   if self.fused_qkv then
     local qkv = self.c_attn(x)
-    local C = self.dim
+    local C = H * hd
     q, k, v = qkv:narrow(3, 1, C), qkv:narrow(3, C + 1, C), qkv:narrow(3, 2 * C + 1, C)
   else
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -915,8 +926,26 @@ function LMHead:forward(x, pending, targets)
   else
     h = norm(x)
   end
+  if targets ~= nil then
+    local w = rawget(self, 'proj').weight
+    local tp = rawget(self, '_tp')
+    if tp ~= nil then
+      -- moonshard.tp: this rank's rows of the vocabulary; the fused loss is
+      -- the whole vocabulary's (its grad of h summed over the group)
+      return nn.functional.lm_loss(h, w, targets, { group = tp.group, vocab_size = tp.total })
+    end
+    return nn.functional.lm_loss(h, w, targets)
+  end
+  return self:logits(h)
+end
+-- head:logits(h) -> h @ proj.weightᵀ, (..., V): the projection without the
+-- norm (under moonshard.tp each rank's columns, gathered)
+function LMHead:logits(h)
   local w = rawget(self, 'proj').weight
-  if targets ~= nil then return nn.functional.lm_loss(h, w, targets) end
+  local tp = rawget(self, '_tp')
+  if tp ~= nil then
+    return require('moonshard.tp').gather_last(nnf.linear(tp.enter(h), w), tp.group, tp.total)
+  end
   return nnf.linear(h, w)
 end
 function LMHead:extra_repr()

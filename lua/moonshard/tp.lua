@@ -1,0 +1,507 @@
+-- moonshard.tp — tensor parallelism: Megatron-LM's layout of a transformer
+-- over a group of ranks that hold the same tokens (docs/tp.md).
+--
+--   ms.dist.init{}
+--   local model = gpt2.new('small')                -- the same weights on every rank (same seed)
+--   local mesh = ms.dist.mesh{ replicate = 2, shard = 4 } -- 8 ranks: 2 data-parallel x 4-way TP
+--   ms.tp.parallelize(model, { group = mesh.shard })
+--   local loss = model(x, y)                        -- x, y the same on the ranks of mesh.shard
+--   loss:backward()
+--   ms.tp.all_reduce_grads(model, mesh.replicate)   -- data parallelism across the other axis
+--   ms.tp.clip_grad_norm_(model, 1.0)
+--
+-- What is split (Megatron-LM; torchtitan's plan for Llama):
+--   attention  q, k, v column-parallel by heads (GPT-2's fused c_attn: each
+--              rank its heads' columns of the q, k and v sections), the
+--              output projection row-parallel: a partial sum all-reduced,
+--              then its bias;
+--   MLPs       the up (and gate) projections column-parallel, the down
+--              projection row-parallel;
+--   vocabulary the token embedding and the LM head by rows
+--              (flce.vocab_shard's split, uneven V allowed): an embedding
+--              lookup is masked to the rank's rows and all-reduced, and the
+--              loss is the vocabulary-parallel fused cross-entropy, exact;
+--   the rest   norms, position embeddings and the row-parallel biases are
+--              replicated, with the same gradient on every rank.
+-- The residual stream is replicated: an attention or MLP block all-reduces
+-- its input's gradient in backward (Megatron's f) and its output in forward
+-- (g): two all-reduces of (B, T, C) a block each way.
+local T = require 'moonshard.tensor'
+local A = require 'moonshard.autograd'
+local dist = require 'moonshard.dist'
+local flce = require 'moonshard.flce'
+local ops = A.ops
+local F = require 'moonshard.ops'
+
+local tp = {}
+
+local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
+
+local function check_group(g, fname)
+  if type(g) ~= 'table' or type(g.rank) ~= 'function' or type(g.size) ~= 'function' then
+    error(('%s: opts.group must be a ms.dist group (ms.dist.get_world_group(), a mesh axis), got %s'):format(
+      fname, type(g)), 3)
+  end
+  if not g:is_member() then error(('%s: this rank is not a member of the group'):format(fname), 3) end
+  return g
+end
+
+-- ------------------------------------------------- differentiable collectives
+
+-- copy_to(x, group): x in forward; the gradient all-reduced (summed) over
+-- the group in backward (Megatron's f: a replicated input of a split layer)
+local CopyTo = A.Function {
+  name = 'tp_copy_to',
+  owns_results = true,
+  forward = function(ctx, x, group)
+    ctx.group = group
+    return x
+  end,
+  backward = function(ctx, g)
+    local s = g:clone()
+    dist.all_reduce(s, 'sum', { group = ctx.group })
+    return s, nil
+  end,
+}
+function tp.copy_to(x, group)
+  if group:size() == 1 then return x end
+  return CopyTo(x, group)
+end
+
+-- reduce_from(x, group): the sum of every rank's x in forward, a new
+-- tensor; the gradient as it comes in backward (Megatron's g: the partial
+-- sums of a row-parallel layer)
+local ReduceFrom = A.Function {
+  name = 'tp_reduce_from',
+  forward = function(_, x, group)
+    local y = x:clone()
+    dist.all_reduce(y, 'sum', { group = group })
+    return y
+  end,
+  backward = function(_, g) return g, nil end,
+}
+function tp.reduce_from(x, group)
+  if group:size() == 1 then return x end
+  return ReduceFrom(x, group)
+end
+
+-- gather_last(x, group, total): x (..., n_r) holds columns [start_r,
+-- start_r + n_r) of a last dimension of `total` split by flce.vocab_shard;
+-- the whole (..., total) on every rank. Backward: the rank's own columns.
+local GatherLast = A.Function {
+  name = 'tp_gather_last',
+  owns_results = true,
+  forward = function(ctx, x, group, total)
+    local size, rank = group:size(), group:rank()
+    local per = math.ceil(total / size)
+    local nd = x.ndim
+    local lead = {}
+    for i = 1, nd - 1 do lead[i] = x.shape[i] end
+    local s = {}
+    for i = 1, nd - 1 do s[i] = lead[i] end
+    -- every rank's columns padded to `per`, as a leading dimension of the buffer
+    local padded = T.zeros({ per, x:numel() / math.max(1, x.shape[nd]) }, { dtype = x.dtype, device = x.device })
+    local n = x.shape[nd]
+    if n > 0 then
+      local xt = x:reshape({ -1, n }):t()
+      padded:narrow(1, 1, n):copy_(xt)
+    end
+    local all = T.empty({ size * per, padded.shape[2] }, { dtype = x.dtype, device = x.device })
+    dist.all_gather_into(all, padded, { group = group })
+    padded:free()
+    local full = all:narrow(1, 1, total):t():contiguous()
+    all:free()
+    s[nd] = total
+    local y = full:view(s)
+    ctx.start, ctx.n, ctx.total, ctx.lead = math.min(rank * per, total), n, total, lead
+    return y
+  end,
+  backward = function(ctx, g)
+    local n = ctx.n
+    local part = g:narrow(g.ndim, ctx.start + 1, math.max(n, 0))
+    return part:contiguous():clone(), nil, nil
+  end,
+}
+function tp.gather_last(x, group, total)
+  if group:size() == 1 then return x end
+  return GatherLast(x, group, total)
+end
+
+-- -------------------------------------------------------------- slicing
+
+-- this rank's piece of a parameter: along `dim` (1-based), `sections`
+-- equal parts (GPT-2's q|k|v), each split evenly over `size` ranks
+local function split_even(t, dim, size, rank, sections, what)
+  sections = sections or 1
+  local n = t.shape[dim]
+  if n % (sections * size) ~= 0 then
+    error(('tp.parallelize: %s %s: dim %d (%d%s) does not split over %d ranks'):format(what, shape_str(t.shape),
+      dim, n, sections > 1 and (' in %d sections'):format(sections) or '', size), 4)
+  end
+  local sec, piece = n / sections, n / (sections * size)
+  local parts = {}
+  for s = 0, sections - 1 do parts[#parts + 1] = t:narrow(dim, s * sec + rank * piece + 1, piece) end
+  if #parts == 1 then return parts[1]:contiguous():clone() end
+  return F.cat(parts, dim)
+end
+
+-- rows [a, a + n) of the vocabulary split (flce.vocab_shard)
+local function split_vocab(t, size, rank)
+  local a, n = flce.vocab_shard(t.shape[1], rank, size)
+  if n == 0 then return T.empty({ 0, t.shape[2] }, { dtype = t.dtype, device = t.device }), a, n end
+  return t:narrow(1, a + 1, n):contiguous():clone(), a, n
+end
+
+-- replaces m[name] by its slice, a new leaf with the old one's requires_grad
+local function replace(m, name, fn, prefix, info, how)
+  local p = rawget(m, name)
+  if p == nil then return end
+  if T.is_deferred(p) then T.materialize(p) end
+  local s = A.no_grad(fn, p)
+  s.requires_grad = p.requires_grad
+  rawset(m, name, s)
+  info.split[prefix .. name] = how
+end
+
+-- ------------------------------------------------------------ the styles
+
+-- a row-parallel Linear / Conv1D: the local product's partial sum, summed
+-- over the group, then the (replicated) bias
+local function rowwise_forward(self, x)
+  local t = rawget(self, '_tp')
+  local nnf = require 'moonshard.nn.functional'
+  local y = t.conv1d and nnf.conv1d_linear(x, self.weight, nil) or nnf.linear(x, self.weight, nil)
+  y = tp.reduce_from(y, t.group)
+  if self.bias ~= nil then y = ops.add(y, self.bias) end
+  return y
+end
+
+-- a vocabulary-parallel embedding: rows [start, start + rows) here; other
+-- ids give zeros, and the ranks' lookups are summed
+local function vocab_embedding_forward(self, ids)
+  local t = rawget(self, '_tp')
+  local nnf = require 'moonshard.nn.functional'
+  local w = self.weight
+  local y
+  if t.rows == 0 then
+    local s = {}
+    for i = 1, ids.ndim do s[i] = ids.shape[i] end
+    s[#s + 1] = w.shape[2]
+    y = T.zeros(s, { dtype = w.dtype, device = w.device })
+  else
+    local rel = ids - t.start
+    local li = rel:clamp(0, t.rows - 1)
+    local inside = li:eq(rel)
+    rel:free()
+    local e = nnf.embedding(li, w)
+    local mask = ops.where(inside, 1, 0):to(w.dtype):unsqueeze(ids.ndim + 1)
+    y = ops.mul(e, mask)
+    li:free(); inside:free()
+  end
+  return tp.reduce_from(y, t.group)
+end
+
+local function enter(group) return function(x) return tp.copy_to(x, group) end end
+
+local function info_of(model)
+  local i = rawget(model, '_tp')
+  if i == nil then error('tp: the model was not given to tp.parallelize', 3) end
+  return i
+end
+
+-- tp.parallelize(model, { group =, plan = }) -> model, in place. Every rank
+-- of the group must hold the same parameters (build the model with the same
+-- seed, or load the same file; a deferred model is materialized one tensor
+-- at a time, so no rank holds more than one whole tensor beyond its slices).
+-- The module classes of moonshard.nn are split by the layout above; the
+-- token embedding is model:token_embedding() when the model has it
+-- (gpt2, llama). The generator's state is made the group's first rank's,
+-- so dropout on the replicated stream draws the same masks everywhere.
+function tp.parallelize(model, opts)
+  local nn = require 'moonshard.nn'
+  opts = opts or {}
+  if not nn.is_module(model) then error('tp.parallelize: model must be a module', 2) end
+  if rawget(model, '_tp') ~= nil then error('tp.parallelize: the model is already tensor-parallel', 2) end
+  local g = check_group(opts.group or dist.get_world_group(), 'tp.parallelize')
+  local size, rank = g:size(), g:rank()
+  local info = { group = g, size = size, rank = rank, split = {}, vocab = {} }
+  local head = model.head_module and model:head_module() or nil
+  local emb = model.token_embedding and model:token_embedding() or nil
+  local names = {}
+  for name, m in model:named_modules() do names[m] = name end
+
+  local function pre(m) local n = names[m]; return (n == nil or n == '') and '' or n .. '.' end
+  -- checks first, so that a model that cannot be split is left whole
+  for _, m in model:named_modules() do
+    local cls = getmetatable(m)
+    if cls == nn.CausalSelfAttention then
+      if m.n_head % size ~= 0 or m.n_kv_head % size ~= 0 then
+        error(('tp.parallelize: %s has %d heads and %d kv heads; both must be multiples of the group size %d'):format(
+          names[m], m.n_head, m.n_kv_head, size), 2)
+      end
+    elseif cls == nn.MLP or cls == nn.GatedMLP then
+      if m.hidden % size ~= 0 then
+        error(('tp.parallelize: %s has a hidden size of %d, not a multiple of the group size %d'):format(
+          names[m], m.hidden, size), 2)
+      end
+    end
+    if rawget(m, '_lora') ~= nil then
+      error(('tp.parallelize: %s has LoRA adapters; merge them (nn.merge_lora) or apply them after'):format(names[m]), 2)
+    end
+    if rawget(m, '_checkpoint') ~= nil and size > 1 then
+      -- (works, but the recompute repeats the forward's all-reduces)
+    end
+  end
+  if rawget(model, '_fsdp') ~= nil then error('tp.parallelize: the model is already sharded by fully_shard', 2) end
+
+  local function column(m, sections)
+    local cls = getmetatable(m)
+    local dim = cls == nn.Conv1D and 2 or 1
+    local p = pre(m)
+    replace(m, 'weight', function(w) return split_even(w, dim, size, rank, sections, p .. 'weight') end, p, info,
+      { dim = dim, sections = sections or 1 })
+    replace(m, 'bias', function(b) return split_even(b, 1, size, rank, sections, p .. 'bias') end, p, info,
+      { dim = 1, sections = sections or 1 })
+  end
+  local function row(m)
+    local cls = getmetatable(m)
+    local dim = cls == nn.Conv1D and 1 or 2
+    local p = pre(m)
+    replace(m, 'weight', function(w) return split_even(w, dim, size, rank, 1, p .. 'weight') end, p, info,
+      { dim = dim, sections = 1 })
+    if size > 1 then
+      rawset(m, '_tp', { group = g, conv1d = cls == nn.Conv1D })
+      rawset(m, 'forward', rowwise_forward)
+    end
+  end
+  local function vocab(m)
+    if info.vocab[m] then return end
+    local p = pre(m)
+    local V = m.weight.shape[1]
+    local a, n
+    replace(m, 'weight', function(w)
+      local s
+      s, a, n = split_vocab(w, size, rank)
+      return s
+    end, p, info, { dim = 1, vocab = V })
+    info.vocab[m] = { start = a, rows = n, total = V }
+    rawset(m, '_tp', { group = g, start = a, rows = n, total = V })
+  end
+
+  A.no_grad(function()
+    for _, m in model:named_modules() do
+      local cls = getmetatable(m)
+      if cls == nn.CausalSelfAttention then
+        if m.fused_qkv then column(m.c_attn, 3); row(m.c_proj)
+        else column(m.q_proj); column(m.k_proj); column(m.v_proj); row(m.o_proj) end
+        rawset(m, '_tp', { n_head = m.n_head / size, n_kv_head = m.n_kv_head / size, enter = enter(g) })
+      elseif cls == nn.MLP then
+        column(m.c_fc); row(m.c_proj)
+        rawset(m, '_tp', { enter = enter(g) })
+      elseif cls == nn.GatedMLP then
+        column(m.gate_proj); column(m.up_proj); row(m.down_proj)
+        rawset(m, '_tp', { enter = enter(g) })
+      end
+    end
+    if emb ~= nil then
+      vocab(emb)
+      rawset(emb, 'forward', vocab_embedding_forward)
+    end
+    if head ~= nil then
+      local proj = rawget(head, 'proj')
+      vocab(proj)
+      local v = info.vocab[proj]
+      rawset(head, '_tp', { group = g, total = v.total, enter = enter(g) })
+    end
+  end)
+  -- the group's generator: the first rank's state everywhere
+  if size > 1 then
+    local s = T.rng_state()
+    local st = T.tensor({ s.seed, s.offset }, { dtype = 'f64' })
+    local dev = dist.device()
+    if dev ~= 'cpu' then st = st:to(dev) end
+    dist.broadcast(st, g:ranks()[1], { group = g })
+    local v = st:to('cpu'):totable()
+    T.set_rng_state({ seed = v[1], offset = v[2] })
+  end
+  rawset(model, '_tp', info)
+  return model
+end
+
+function tp.is_parallel(model) return rawget(model, '_tp') ~= nil end
+
+-- how parameter `name` is split: nil (replicated) or { dim =, sections =,
+-- vocab = V (rows by flce.vocab_shard) }
+function tp.placement(model, name) return info_of(model).split[name] end
+
+-- ------------------------------------------------------------- training
+
+-- tp.clip_grad_norm_(model, max_norm, opts) -> the total 2-norm before
+-- clipping, of the whole (unsplit) model's gradient: the split gradients'
+-- sum of squares (ms.sum_squares, f64) all-reduced over the group, the
+-- replicated ones' added once; the gradients scaled in place by
+-- min(1, max_norm / (norm + 1e-6)) on the device. A Lua number (one host
+-- read), or with opts.tensor = true a 0-dim f64 tensor on the gradients'
+-- device (no host read).
+function tp.clip_grad_norm_(model, max_norm, opts)
+  local info = info_of(model)
+  if type(max_norm) ~= 'number' or max_norm <= 0 then
+    error(('tp.clip_grad_norm_: max_norm must be a positive number, got %s'):format(tostring(max_norm)), 2)
+  end
+  local split, rep, all = {}, {}, {}
+  local dev
+  for name, p in model:named_parameters() do
+    local g = p.grad
+    if g ~= nil then
+      dev = dev or g.device
+      if g.device ~= dev then
+        error(('tp.clip_grad_norm_: gradients on %s and %s'):format(dev, g.device), 2)
+      end
+      all[#all + 1] = g
+      if info.split[name] then split[#split + 1] = g else rep[#rep + 1] = g end
+    end
+  end
+  -- every rank calls the all-reduce, with or without split gradients
+  local sq = #split > 0 and F.sum_squares(split) or T.zeros({}, { dtype = 'f64', device = dev or dist.device() })
+  local s1 = sq:reshape({ 1 }):contiguous()
+  dist.all_reduce(s1, 'sum', { group = info.group })
+  if #rep > 0 then
+    local r = F.sum_squares(rep)
+    F.add_(s1, r)
+    r:free()
+  end
+  local total_t = F.sqrt(s1)
+  if sq ~= s1 then sq:free() end
+  s1:free()
+  local denom = F.add(total_t, 1e-6)
+  local coef = F.div(max_norm, denom)
+  denom:free()
+  local c1 = F.clamp(coef, nil, 1.0)
+  coef:free()
+  local cast = {}
+  for _, g in ipairs(all) do
+    local c = cast[g.dtype]
+    if c == nil then c = c1:to(g.dtype); cast[g.dtype] = c end
+    F.mul_(g, c)
+  end
+  for _, c in pairs(cast) do if c ~= c1 then c:free() end end
+  c1:free()
+  if opts and opts.tensor then return total_t end
+  local v = total_t:item()
+  total_t:free()
+  return v
+end
+
+-- tp.all_reduce_grads(model, group, op = 'avg'): data parallelism over the
+-- other mesh axis: every gradient reduced over `group` (ranks holding the
+-- same slices)
+function tp.all_reduce_grads(model, group, op)
+  check_group(group, 'tp.all_reduce_grads')
+  if group:size() == 1 then return end
+  for _, p in ipairs(model:parameters()) do
+    if p.grad ~= nil then dist.all_reduce(p.grad, op or 'avg', { group = group }) end
+  end
+end
+
+-- the whole of tensor t, split as `how` says, on every rank of the group
+local function gather(info, how, t)
+  local g, size = info.group, info.size
+  if how.vocab then
+    local per = math.ceil(how.vocab / size)
+    local C_ = t.shape[2]
+    local pad = T.zeros({ per, C_ }, { dtype = t.dtype, device = t.device })
+    if t.shape[1] > 0 then pad:narrow(1, 1, t.shape[1]):copy_(t) end
+    local all = T.empty({ per * size, C_ }, { dtype = t.dtype, device = t.device })
+    dist.all_gather_into(all, pad, { group = g })
+    pad:free()
+    local out = all:narrow(1, 1, how.vocab):contiguous():clone()
+    all:free()
+    return out
+  end
+  -- along dim: moved first, gathered (rank-major), put back in section order
+  local d, sec = how.dim, how.sections
+  local src = d ~= 1 and t:transpose(1, d):contiguous() or t:contiguous()
+  local shape = { size * src.shape[1] }
+  for i = 2, src.ndim do shape[i] = src.shape[i] end
+  local all = T.empty(shape, { dtype = t.dtype, device = t.device })
+  dist.all_gather_into(all, src, { group = g })
+  local piece = src.shape[1] / sec
+  local parts = {}
+  for s = 0, sec - 1 do
+    for r = 0, size - 1 do parts[#parts + 1] = all:narrow(1, (r * sec + s) * piece + 1, piece) end
+  end
+  local whole = #parts == 1 and all:clone() or F.cat(parts, 1)
+  all:free()
+  if src ~= t then src:free() end
+  if d ~= 1 then
+    local w = whole:transpose(1, d):contiguous():clone()
+    whole:free()
+    whole = w
+  end
+  return whole
+end
+
+local function sorted_keys(tbl)
+  local names = {}
+  for name in pairs(tbl) do names[#names + 1] = name end
+  table.sort(names)   -- the same order of collectives on every rank
+  return names
+end
+
+-- tp.full_state_dict(model) -> name -> whole tensor, on every rank of the
+-- group (new tensors for the split ones, the model's own for the others):
+-- what save_pretrained and the checkpoints write
+function tp.full_state_dict(model)
+  local info = info_of(model)
+  local sd = model:state_dict()
+  local out = {}
+  for _, name in ipairs(sorted_keys(sd)) do
+    local how = info.split[name]
+    out[name] = (how == nil or info.size == 1) and sd[name] or gather(info, how, sd[name])
+  end
+  return out
+end
+
+-- tp.full_grads(model) -> name -> the whole gradient (of the parameters
+-- that have one), as full_state_dict
+function tp.full_grads(model)
+  local info = info_of(model)
+  local gr = {}
+  for name, p in model:named_parameters() do if p.grad ~= nil then gr[name] = p.grad end end
+  local out = {}
+  for _, name in ipairs(sorted_keys(gr)) do
+    local how = info.split[name]
+    out[name] = (how == nil or info.size == 1) and gr[name] or gather(info, how, gr[name])
+  end
+  return out
+end
+
+-- tp.load_full_state_dict(model, sd): the whole tensors of a full state
+-- dict (every rank holds them: a file read on every rank) copied into the
+-- model's slices
+function tp.load_full_state_dict(model, sd)
+  local info = info_of(model)
+  local size, rank = info.size, info.rank
+  local params = {}
+  for name, t in pairs(model:state_dict()) do params[name] = t end
+  A.no_grad(function()
+    for name, dst in pairs(params) do
+      local src = sd[name]
+      if src == nil then error(('tp.load_full_state_dict: %s is missing'):format(name), 3) end
+      local how = info.split[name]
+      local piece
+      if how == nil or size == 1 then piece = src
+      elseif how.vocab then piece = split_vocab(src, size, rank)
+      else piece = split_even(src, how.dim, size, rank, how.sections, name) end
+      if piece:numel() ~= dst:numel() then
+        error(('tp.load_full_state_dict: %s is %s in the file, this rank holds %s'):format(name,
+          shape_str(src.shape), shape_str(dst.shape)), 3)
+      end
+      if dst:numel() > 0 then T.raw_copy_(dst, piece:view(dst.shape)) end
+      if piece ~= src then piece:free() end
+    end
+  end)
+  return model
+end
+
+return tp
