@@ -21,6 +21,9 @@
 -- --ac none|full|N (activation checkpointing of every block or every N-th,
 -- nn.apply_activation_checkpointing; tokens/s and TFLOP/s count the model's
 -- flops only, not the recompute),
+-- --tp (tensor parallelism instead of FSDP: ms.tp.parallelize over the
+-- world, every rank the same batch; tokens/s per GPU is then the step's
+-- tokens over the GPUs; docs/tp.md),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
 -- the last phase's), --keep-activations (ms.autograd.release_activations
@@ -51,7 +54,7 @@ local ms = require 'moonshard'
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
   ['loss-budget'] = 0, ac = 'none' }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
-  ['keep-activations'] = false }
+  ['keep-activations'] = false, tp = false }
 do
   local i = 1
   while i <= #arg do
@@ -64,7 +67,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--ac none|full|N]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp] [--ac none|full|N]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -86,9 +89,10 @@ local function now()
   return tonumber(tsp.tv_sec) + tonumber(tsp.tv_nsec) * 1e-9
 end
 
-local use_fsdp = not flags['no-fsdp']
+local use_tp = flags.tp
+local use_fsdp = not flags['no-fsdp'] and not use_tp
 local world, rank = 1, 0
-if use_fsdp then
+if use_fsdp or use_tp then
   ms.dist.init { backend = 'nccl' }
   world, rank = ms.dist.world_size(), ms.dist.rank()
 end
@@ -125,7 +129,12 @@ end
 local adam = opts.model == 'gpt2' and { lr = 6e-4, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
   or { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.01 }
 local opt, clip
-if use_fsdp then
+if use_tp then
+  ms.tp.parallelize(model)
+  model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
+  opt = ms.optim.AdamW(model, adam)
+  clip = function() return ms.tp.clip_grad_norm_(model, 1.0, { tensor = true }) end
+elseif use_fsdp then
   local head_unit = nil                              -- the default: a unit for an untied head
   if flags['head-in-root'] then head_unit = false end
   ms.fsdp.fully_shard(model, { policy = ms.fsdp.policy.by_class { block }, strategy = opts.strategy,
@@ -144,7 +153,9 @@ end
 local V = model.config.vocab_size
 local data = {}
 for k = 1, 4 do
-  local d = (ms.rand({ opts.batch, opts.seq + 1 }, { seed = 100 * (rank + 1) + k, device = 'cuda' }) * (V - 1)):long()
+  -- (tensor parallelism: the same tokens on every rank)
+  local d = (ms.rand({ opts.batch, opts.seq + 1 }, { seed = 100 * ((use_tp and 0 or rank) + 1) + k, device = 'cuda' })
+    * (V - 1)):long()
   data[k] = { d:narrow(2, 1, opts.seq):contiguous(), d:narrow(2, 2, opts.seq):contiguous() }
 end
 
@@ -270,12 +281,12 @@ end
 local cfg = model.config
 local L = cfg.n_layer or cfg.num_hidden_layers
 local C = cfg.n_embd or cfg.hidden_size
-local tok = opts.batch * opts.seq / med
+local tok = opts.batch * opts.seq / med / (use_tp and world or 1)
 local flops_tok = 6 * nparams + 6 * L * C * opts.seq
 say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLOP/s/GPU | peak GiB/GPU | exposed comm ms |'))
 say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
-  use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
+  use_tp and 'tensor parallel' or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
     .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
   peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))
-if use_fsdp then ms.dist.destroy() end
+if use_fsdp or use_tp then ms.dist.destroy() end

@@ -191,3 +191,63 @@ describe('tensor parallelism #mpi', function()
     assert.matches('not given to tp.parallelize', err, 1, true)
   end)
 end)
+
+describe('tensor parallelism over NCCL #multi', function()
+  if not (os.getenv('RANK') ~= nil and os.getenv('MS_DEVICE') == 'cuda') then
+    it('runs under the launcher with one GPU per rank', function() pending('not launched on GPUs') end)
+    return
+  end
+  setup(function() dist.init { backend = 'nccl', timeout = 60 } end)
+  teardown(function() dist.destroy() end)
+  local tp = ms.tp
+  local cases = {
+    { 'gpt2', gpt2, { vocab_size = 259, n_positions = 64, n_embd = 128, n_layer = 2, n_head = 4,
+      resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, bos_token_id = hf.null, eos_token_id = hf.null } },
+    { 'llama', llama, { vocab_size = 257, hidden_size = 128, intermediate_size = 256, num_hidden_layers = 2,
+      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64 } },
+  }
+  local function build(case)
+    ms.manual_seed(7)
+    return case[2].new(case[3]):to('cuda')
+  end
+  for _, case in ipairs(cases) do
+    for _, prec in ipairs({ { 'f32', 1e-4 }, { 'bf16', 2e-2 } }) do
+      it(('%s, %s: three AdamW steps with clipping as the unsplit model on the same GPU (%g)'):format(case[1],
+        prec[1], prec[2]), function()
+        local ref = build(case)
+        local m = tp.parallelize(build(case))
+        if prec[1] == 'bf16' then
+          ms.nn.functional.set_precision(ref, { compute = 'bf16' })
+          ms.nn.functional.set_precision(m, { compute = 'bf16' })
+        end
+        local o0 = ms.optim.AdamW(ref:parameters(), { lr = 1e-3 })
+        local o1 = ms.optim.AdamW(m:parameters(), { lr = 1e-3 })
+        local fails = {}
+        for step = 1, 3 do
+          local x, y = FS.lcg_batch(60 + step, 4, 32)
+          x, y = x:to('cuda'), y:to('cuda')
+          local l0 = ref(x, y); l0:backward()
+          local l1 = m(x, y); l1:backward()
+          local e = FS.rel(l1:item(), l0:item())
+          if e > prec[2] then fails[#fails + 1] = ('step %d loss %.6g against %.6g'):format(step, l1:item(), l0:item()) end
+          if step == 1 then
+            local full = tp.full_grads(m)
+            for name, p in ref:named_parameters() do
+              local eg = FS.norm_rel(full[name], p.grad)
+              if eg > prec[2] then fails[#fails + 1] = ('%s grad %.3g'):format(name, eg) end
+            end
+          end
+          local n0 = ms.optim.clip_grad_norm(ref, 0.5)
+          local n1 = tp.clip_grad_norm_(m, 0.5)
+          if FS.rel(n1, n0) > prec[2] then fails[#fails + 1] = ('step %d norm %.6g against %.6g'):format(step, n1, n0) end
+          o0:step(); o0:zero_grad()
+          o1:step(); o1:zero_grad()
+        end
+        local ids = FS.lcg_batch(90, 2, 16):to('cuda')
+        local el = FS.norm_rel(m:last_logits(ids), ref:last_logits(ids))
+        if el > prec[2] then fails[#fails + 1] = ('logits %.3g'):format(el) end
+        assert.are.same({}, fails)
+      end)
+    end
+  end
+end)

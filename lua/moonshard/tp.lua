@@ -172,7 +172,12 @@ local function rowwise_forward(self, x)
   local nnf = require 'moonshard.nn.functional'
   local y = t.conv1d and nnf.conv1d_linear(x, self.weight, nil) or nnf.linear(x, self.weight, nil)
   y = tp.reduce_from(y, t.group)
-  if self.bias ~= nil then y = ops.add(y, self.bias) end
+  if self.bias ~= nil then
+    -- in an autocast region the bias in the region's dtype, as the unsplit
+    -- layer's epilogue adds it
+    local yb, b = require('moonshard.amp').cast(y, self.bias)
+    y = ops.add(yb, b)
+  end
   return y
 end
 
