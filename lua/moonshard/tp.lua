@@ -342,6 +342,7 @@ function tp.placement(model, name) return info_of(model).split[name] end
 -- ------------------------------------------------------------- training
 
 -- tp.clip_grad_norm_(model, max_norm, opts) -> the total 2-norm before
+-- (max_norm nil or math.huge: the norm only, nothing scaled)
 -- clipping, of the whole (unsplit) model's gradient: the split gradients'
 -- sum of squares (ms.sum_squares, f64) all-reduced over the group, the
 -- replicated ones' added once; the gradients scaled in place by
@@ -350,7 +351,7 @@ function tp.placement(model, name) return info_of(model).split[name] end
 -- device (no host read).
 function tp.clip_grad_norm_(model, max_norm, opts)
   local info = info_of(model)
-  if type(max_norm) ~= 'number' or max_norm <= 0 then
+  if max_norm ~= nil and (type(max_norm) ~= 'number' or max_norm <= 0) then
     error(('tp.clip_grad_norm_: max_norm must be a positive number, got %s'):format(tostring(max_norm)), 2)
   end
   local split, rep, all = {}, {}, {}
@@ -378,6 +379,12 @@ function tp.clip_grad_norm_(model, max_norm, opts)
   local total_t = F.sqrt(s1)
   if sq ~= s1 then sq:free() end
   s1:free()
+  if max_norm == nil or max_norm == math.huge then   -- the norm only
+    if opts and opts.tensor then return total_t end
+    local v = total_t:item()
+    total_t:free()
+    return v
+  end
   local denom = F.add(total_t, 1e-6)
   local coef = F.div(max_norm, denom)
   denom:free()
@@ -507,6 +514,68 @@ function tp.load_full_state_dict(model, sd)
     end
   end)
   return model
+end
+
+-- parameter index of opt:state_dict() (over its groups, from 1) -> how
+-- the parameter is split (nil: replicated)
+local function index_placements(model, opt, info)
+  local name_of = {}
+  for name, p in model:named_parameters() do name_of[tonumber(p.id)] = name end
+  local how, i = {}, 0
+  for _, g in ipairs(opt.param_groups) do
+    for _, p in ipairs(g.params) do
+      i = i + 1
+      local n = name_of[tonumber(p.id)]
+      if n == nil then error('tp: the optimizer holds a tensor that is not a parameter of the model', 3) end
+      how[i] = { how = info.split[n], p = p, name = n }
+    end
+  end
+  return how
+end
+
+-- tp.full_optimizer_state(model, opt) -> opt:state_dict() with the state
+-- of every split parameter gathered to the whole parameter's shape: the
+-- state the same optimizer over the unsplit model would have (every rank
+-- of the group gets it; a one-process checkpoint's optimizer part)
+function tp.full_optimizer_state(model, opt)
+  local info = info_of(model)
+  local sd = opt:state_dict()
+  if info.size == 1 then return sd end
+  local how = index_placements(model, opt, info)
+  for _, name in ipairs(sorted_keys(sd.tensors)) do
+    local i = tonumber(name:match('^(%d+)%.'))
+    local e = i and how[i]
+    local t = sd.tensors[name]
+    if e and e.how and t:numel() == e.p:numel() and t.ndim == e.p.ndim then
+      sd.tensors[name] = gather(info, e.how, t)
+    end
+  end
+  return sd
+end
+
+-- tp.load_full_optimizer_state(model, opt, sd): the inverse: a state dict
+-- of the unsplit model's optimizer (a one-process checkpoint's) sliced to
+-- this rank's parameters and loaded
+function tp.load_full_optimizer_state(model, opt, sd)
+  local info = info_of(model)
+  local how = index_placements(model, opt, info)
+  local tensors, made = {}, {}
+  for name, t in pairs(sd.tensors or {}) do
+    local i = tonumber(name:match('^(%d+)%.'))
+    local e = i and how[i]
+    if e and e.how and info.size > 1 and t.ndim == e.p.ndim then
+      local piece
+      if e.how.vocab then piece = split_vocab(t, info.size, info.rank)
+      else piece = split_even(t, e.how.dim, info.size, info.rank, e.how.sections, e.name) end
+      tensors[name] = piece
+      made[#made + 1] = piece
+    else
+      tensors[name] = t
+    end
+  end
+  opt:load_state_dict({ tensors = tensors, meta = sd.meta })
+  for _, t in ipairs(made) do t:free() end
+  return opt
 end
 
 return tp

@@ -85,6 +85,7 @@ train.options = {
   { 'fsdp', 'string?', nil, 'shard the model with ms.fsdp.fully_shard: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or off (a bare --fsdp: FULL_SHARD); default: off in one process, NO_SHARD (plain data parallel) with several ranks' },
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
+  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world plain data parallel; checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
   { 'init_from', 'string?', nil, 'start from the weights and config of a Hugging Face folder (config.json + model.safetensors, as save_pretrained and --out write) instead of a fresh model: fine-tuning; --preset and --model.* do not apply; sharded runs read only each rank\'s shards' },
   { 'lora', 'int>=0', 0, 'LoRA adapters of this rank (R) on the model\'s projections (nn.apply_lora; 0: none): the rest of the model frozen, the final weights saved merged' },
@@ -849,7 +850,7 @@ end
 
 -- options a resumed run takes from the command line rather than from the
 -- checkpoint even when not given: none; these are dropped from the saved ones
-local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true }
+local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true, tp = true }
 
 -- train.run(options) -> summary { steps, final_loss, first_loss, val_loss,
 -- elapsed_s, tokens_per_s, out, sample, model, interrupted, bad_steps,
@@ -933,9 +934,32 @@ function train.run(opts)
 
   -- sharding: --fsdp, or plain data parallel (NO_SHARD) with several ranks
   local strategy = o.fsdp
-  if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
-  if o.fsdp == 'off' and multi and rank == 0 then
-    warn('--fsdp off with several ranks: training data-parallel (NO_SHARD)')
+  -- --tp N: tensor parallel groups of N ranks (mesh.shard), plain data
+  -- parallelism across them (mesh.replicate); whole-model checkpoints
+  local tp_size, tp_mesh = o.tp, nil
+  local data_rank, data_world = rank, world
+  if tp_size > 1 then
+    if world % tp_size ~= 0 then
+      usage('--tp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', tp_size, world,
+        world == 1 and '' or 's')
+    end
+    if strategy ~= nil and strategy ~= 'off' and strategy ~= 'NO_SHARD' then
+      usage('--tp %d with --fsdp %s: not supported; the ranks outside a tensor-parallel group are plain data parallel',
+        tp_size, strategy)
+    end
+    if o.lora > 0 then usage('--tp with --lora: not supported (merge the adapters first)') end
+    if resume and resume.sharded then
+      usage('--tp: %s is a sharded (FSDP) checkpoint; --tp resumes whole-model checkpoints (resume it with --steps '
+        .. 'at its step and --out, then --init-from the folder)', resume.path)
+    end
+    strategy = nil
+    tp_mesh = dist.mesh { replicate = world / tp_size, shard = tp_size }
+    data_rank, data_world = tp_mesh.coord[1], world / tp_size
+  else
+    if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
+    if o.fsdp == 'off' and multi and rank == 0 then
+      warn('--fsdp off with several ranks: training data-parallel (NO_SHARD)')
+    end
   end
 
   local tty = o.progress == 'tty' or (o.progress == 'auto' and train.isatty(1))
@@ -968,7 +992,7 @@ function train.run(opts)
   -- under nn.deferred_init, so no rank holds the whole of it; fully_shard
   -- writes each rank's shards from the recorded initialisation, the values
   -- an eager build would have had (docs/nn.md, "Deferred initialisation")
-  local deferred = strategy ~= nil and not (resume and not resume.sharded)
+  local deferred = (strategy ~= nil or tp_mesh ~= nil) and not (resume and not resume.sharded)
   local okm, model
   if o.init_from then
     -- fine-tuning: the folder's config and weights (a resumed run builds
@@ -1069,6 +1093,19 @@ function train.run(opts)
     if deferred then fsdp_desc = fsdp_desc .. ', deferred init' end
   end
 
+  -- tensor parallelism: each rank keeps its slices (a deferred model is
+  -- materialized a tensor at a time, then the rest of it)
+  local tp_desc
+  if tp_mesh then
+    local okp, perr = pcall(ms.tp.parallelize, model, { group = tp_mesh.shard })
+    if not okp then usage('--tp %d: %s', tp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    ms.nn.materialize(model)
+    local mine = 0
+    for _, p in ipairs(model:parameters()) do mine = mine + p:numel() end
+    tp_desc = ('%d-way over %d ranks, data parallel %d, %.2fM parameters a rank%s'):format(tp_size, world, data_world,
+      mine / 1e6, deferred and ', deferred init' or '')
+  end
+
   -- data: token shards (a folder from bin/tokenize, a glob, .bin files) or
   -- bytes; rank r reads its rows of every batch
   local corpus, train_loader, val_loader
@@ -1076,7 +1113,8 @@ function train.run(opts)
     local isdir = os.execute("test -d " .. data.shell_quote(o.data))
     isdir = isdir == 0 or isdir == true
     local okd, d = pcall(data.open, { dir = isdir and o.data or nil, train = not isdir and o.data or nil,
-      val = o.val_data, batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed, rank = rank, world_size = world })
+      val = o.val_data, batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed, rank = data_rank,
+      world_size = data_world })
     if not okd then usage('%s', (tostring(d):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     train_loader, val_loader = d.train, d.val
     corpus = { name = d.name, n = d.n, unit = 'tokens', train = { n = d.n }, val = d.val and { n = d.val.tokens } }
@@ -1086,9 +1124,9 @@ function train.run(opts)
     corpus = c
     corpus.unit = 'bytes'
     train_loader = data.Loader(corpus.train, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed,
-      rank = rank, world_size = world })
+      rank = data_rank, world_size = data_world })
     val_loader = corpus.val and data.Loader(corpus.val, { batch_size = o.batch_size, seq_len = o.seq_len, seed = o.seed + 1,
-      rank = rank, world_size = world })
+      rank = data_rank, world_size = data_world })
   end
   local function to_device(x, y)
     if not on_gpu then return x, y end
@@ -1102,17 +1140,17 @@ function train.run(opts)
   local micro_tokens = o.batch_size * o.seq_len
   local accum = 1
   if o.tokens_per_step > 0 then
-    if o.tokens_per_step % (micro_tokens * world) ~= 0 then
-      if world > 1 then
-        usage('--tokens-per-step %d is not a multiple of the micro-batches of %d ranks (--batch-size %d x --seq-len %d x %d = %d tokens)',
-          o.tokens_per_step, world, o.batch_size, o.seq_len, world, micro_tokens * world)
+    if o.tokens_per_step % (micro_tokens * data_world) ~= 0 then
+      if data_world > 1 then
+        usage('--tokens-per-step %d is not a multiple of the micro-batches of %d data-parallel ranks (--batch-size %d x --seq-len %d x %d = %d tokens)',
+          o.tokens_per_step, data_world, o.batch_size, o.seq_len, data_world, micro_tokens * data_world)
       end
       usage('--tokens-per-step %d is not a multiple of the micro-batch (--batch-size %d x --seq-len %d = %d tokens)',
         o.tokens_per_step, o.batch_size, o.seq_len, micro_tokens)
     end
-    accum = o.tokens_per_step / (micro_tokens * world)
+    accum = o.tokens_per_step / (micro_tokens * data_world)
   end
-  local tokens_per_step = micro_tokens * accum * world
+  local tokens_per_step = micro_tokens * accum * data_world
 
   local inject = {}
   for n in tostring(o.inject_nan or ''):gmatch('%d+') do inject[tonumber(n)] = true end
@@ -1148,6 +1186,11 @@ function train.run(opts)
     local okl, err
     if load_converted then okl, err = pcall(load_converted, model, opt)
     elseif resume.sharded then okl, err = pcall(fck().load_sharded, model, resume.path, { optimizer = opt })
+    elseif tp_mesh then
+      -- a whole-model checkpoint: every rank reads it and keeps its slices
+      okl, err = pcall(ckpt.load, resume.path, {
+        model = { load_state_dict = function(_, sd) ms.tp.load_full_state_dict(model, sd) end },
+        optimizer = { load_state_dict = function(_, sd) ms.tp.load_full_optimizer_state(model, opt, sd) end } })
     else okl, err = pcall(ckpt.load, resume.path, { model = model, optimizer = opt }) end
     if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
     local st = resume.state
@@ -1199,6 +1242,7 @@ function train.run(opts)
       o.steps, tokens_per_step, o.batch_size, o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
   end
   if fsdp_desc then log('fsdp: %s', fsdp_desc) end
+  if tp_desc then log('tensor parallel: %s', tp_desc) end
   if ac_desc then log('activation checkpointing: %s', ac_desc) end
   if lora_desc then log('lora: %s', lora_desc) end
   if freeze_desc then log('frozen: %s', freeze_desc) end
@@ -1211,6 +1255,24 @@ function train.run(opts)
     local state = { step = step, scheduler = { step = step, lr = lr_at(math.min(step, o.steps)) },
                     rng = T.rng_state(), data = train_loader:state(), options = saved,
                     bad_steps = bad_total, bad_steps_in_a_row = bad_run }
+    if tp_mesh then
+      -- the whole model's and optimizer's state, gathered on every rank;
+      -- rank 0 writes a one-process checkpoint (it resumes at any --tp)
+      state.world_size, state.tokens_per_step, state.tp = data_world, tokens_per_step, tp_size
+      local msd = ms.tp.full_state_dict(model)
+      local osd = ms.tp.full_optimizer_state(model, opt)
+      local okw, path = true, o.out .. '/' .. ckpt.name(step)
+      if rank == 0 then
+        okw, path = pcall(ckpt.save, o.out, step, { model = { state_dict = function() return msd end },
+          optimizer = { state_dict = function() return osd end }, state = state }, { keep = o.keep_checkpoints })
+      end
+      local failed = reduce_numbers({ okw and 0 or 1 }, 'max')[1]
+      if failed > 0 then
+        if rank == 0 then error(path, 0) end
+        error('checkpoint: rank 0 could not write it (see its message)', 0)
+      end
+      return path
+    end
     if not strategy then
       return ckpt.save(o.out, step, { model = model, optimizer = opt, state = state }, { keep = o.keep_checkpoints })
     end
@@ -1296,6 +1358,9 @@ function train.run(opts)
     local gnorm
     if strategy then
       gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge):item()
+    elseif tp_mesh then
+      ms.tp.all_reduce_grads(model, tp_mesh.replicate, 'avg')
+      gnorm = ms.tp.clip_grad_norm_(model, grad_clip)
     else
       gnorm = ms.optim.clip_grad_norm(params, grad_clip)
     end
@@ -1404,6 +1469,12 @@ function train.run(opts)
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return {} end }, o.out)
       end
       fck().save_full(model, o.out .. '/model.safetensors')
+    elseif tp_mesh then
+      local msd = ms.tp.full_state_dict(model)
+      if rank == 0 then
+        local hf = require 'models.hf'
+        hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return msd end }, o.out)
+      end
     else
       model:save_pretrained(o.out)
     end

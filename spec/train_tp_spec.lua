@@ -1,0 +1,153 @@
+-- Tensor parallelism in the built-in loop (bin/train --tp N, docs/tp.md):
+-- CPU ranks through mpirun. Checked against one process over the same
+-- global batches: the loss curve (within 1e-5 relative) at 2 ranks (--tp 2)
+-- and at 4 (--tp 2 x data parallel 2), GPT-2 and Llama; the whole-model
+-- checkpoint a --tp run writes resumes in one process and at --tp 2 with
+-- the losses of the run that never stopped; the final weights are the
+-- whole model; bad layouts exit 2 with a message.
+local T = require 'moonshard.tensor'
+local json = require 'dkjson'
+local train = require 'moonshard.train'
+local data = require 'moonshard.data'
+
+local root = T.root
+local q = require('spec.support').shell_quote
+local dir
+do
+  local p = io.popen('mktemp -d')
+  dir = p:read('*l')
+  p:close()
+end
+
+local function bin_train(args)
+  local p = io.popen(('cd %s && luajit bin/train %s 2>&1; echo "__status=$?"'):format(q(root), args))
+  local out = p:read('*a')
+  p:close()
+  local status = tonumber(out:match('__status=(%d+)%s*$'))
+  return status, out:gsub('__status=%d+%s*$', '')
+end
+
+local function losses(out)
+  local r = {}
+  for line in io.lines(out .. '/metrics.jsonl') do
+    local obj = assert(json.decode(line, 1, nil), line)
+    r[obj.step] = obj.loss
+  end
+  return r
+end
+
+local function close_losses(ref, got, from, to, what)
+  for s = from, to do
+    assert.is_number(ref[s], ('%s: reference step %d'):format(what, s))
+    assert.is_number(got[s], ('%s: no loss at step %d'):format(what, s))
+    local rel = math.abs(got[s] - ref[s]) / math.abs(ref[s])
+    assert.is_true(rel <= 1e-5, ('%s: step %d loss %.17g, one process %.17g (relative %.2e)'):format(what, s, got[s],
+      ref[s], rel))
+  end
+end
+
+local corpus_path = dir .. '/corpus.txt'
+do
+  local parts = {}
+  for _, f in ipairs({ 'README.md', 'docs/train.md', 'lua/moonshard/data.lua' }) do
+    local h = io.open(root .. '/' .. f, 'rb')
+    if h then parts[#parts + 1] = h:read('*a'); h:close() end
+  end
+  local f = assert(io.open(corpus_path, 'wb'))
+  f:write(table.concat(parts, '\n'))
+  f:close()
+end
+
+local tiny = '--preset tiny --model.n_layer 2 --model.n_embd 32 --model.n_head 2 --seq-len 16 --lr 1e-2 --warmup 1 '
+  .. '--eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 --data ' .. q(corpus_path)
+local tiny_llama = '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 --model.intermediate_size 64 '
+  .. '--seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 --data '
+  .. q(corpus_path)
+
+describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
+  teardown(function() os.execute('rm -rf ' .. q(dir)) end)
+
+  local refs = {}
+  local function reference(model, args, name)
+    if refs[name] then return refs[name] end
+    local status, text = bin_train(('%s %s --batch-size 4 --steps 4 --save-every 2 --out %s/%s'):format(model, args,
+      q(dir), name))
+    assert.are.equal(0, status, text)
+    refs[name] = losses(dir .. '/' .. name)
+    return refs[name]
+  end
+
+  it('--tp 2 on 2 ranks follows the one-process loss curve (gpt2, llama); the final weights are the whole model', function()
+    for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
+      local one = reference(c[1], c[2], c[3] .. '1')
+      local status, text = bin_train(('--nproc-per-node 2 --device cpu %s %s --batch-size 4 --steps 4 --tp 2 --out %s/%s2')
+        :format(c[1], c[2], q(dir), c[3]))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(dir .. '/' .. c[3] .. '2'), 1, 4, c[1] .. ' --tp 2')
+      assert.is_truthy(text:find('[rank 0] tensor parallel: 2-way over 2 ranks, data parallel 1', 1, true), text)
+      local ok = text:find('[rank 1] done: 4 steps', 1, true)
+      assert.is_truthy(ok, text)
+      -- the saved folder is the whole model: its validation loss in this process is the run's
+      local M = require(c[1]:gsub('%.lua$', ''):gsub('/', '.'))
+      local m = M.from_pretrained(dir .. '/' .. c[3] .. '2')
+      local m1 = M.from_pretrained(dir .. '/' .. c[3] .. '1')
+      local corpus = data.corpus { path = corpus_path, val_fraction = 0.1, min_len = 17 }
+      local function val(model)
+        return train.evaluate(model, data.Loader(corpus.val, { batch_size = 4, seq_len = 16, seed = 1337 + 1 }), 2)
+      end
+      local v, v1 = val(m), val(m1)
+      assert.is_true(math.abs(v - v1) <= 1e-5 * v1, ('the --tp weights give val %.17g, one process\'s %.17g'):format(v, v1))
+    end
+  end)
+
+  it('--tp 2 on 4 ranks (data parallel 2) follows the one-process curve over the same global batches', function()
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local status, text = bin_train(('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 --tp 2 '
+      .. '--out %s/g4'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2', 1, true), text)
+    close_losses(one, losses(dir .. '/g4'), 1, 4, '--tp 2 x dp 2')
+  end)
+
+  it('a --tp checkpoint is a whole-model one: it resumes in one process and at --tp 2 with the same losses', function()
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --tp 2 '
+      .. '--save-every 1 --stop-at 2 --out %s/gs'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    -- the files of a one-process checkpoint, the whole tensors in them
+    local sd = require('moonshard.safetensors').load(dir .. '/gs/ckpt-2/model.safetensors')
+    assert.are.same({ 256, 32 }, sd['transformer.wte.weight'].shape)
+    assert.are.same({ 32, 96 }, sd['transformer.h.0.attn.c_attn.weight'].shape)
+    local ref2 = require('moonshard.safetensors').load(dir .. '/g1/ckpt-2/model.safetensors')
+    for name, t in pairs(ref2) do
+      local d = (sd[name]:to('f64') - t:to('f64')):abs():max():item()
+      assert.is_true(d <= 1e-5, ('%s differs by %g from the one-process checkpoint'):format(name, d))
+    end
+    os.execute(('cp -r %s/gs %s/gs1'):format(q(dir), q(dir)))
+    status, text = bin_train(('--resume %s/gs1'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/gs1'), 1, 4, 'a --tp checkpoint resumed in one process')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/gs --tp 2'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/gs'), 1, 4, 'a --tp checkpoint resumed at --tp 2')
+    -- and a one-process checkpoint resumes at --tp 2
+    os.execute(('mkdir -p %s/g1r && cp -r %s/g1/ckpt-2 %s/g1r/'):format(q(dir), q(dir), q(dir)))
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/g1r --tp 2'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/g1r'), 3, 4, 'a one-process checkpoint resumed at --tp 2')
+  end)
+
+  it('bad layouts exit 2 and say why', function()
+    local status, text = bin_train(('models/gpt2.lua %s --steps 1 --tp 2 --out %s/b1'):format(tiny, q(dir)))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('--tp 2: the world of 1 rank is not a multiple of it', 1, true), text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --tp 2 --fsdp FULL_SHARD '
+      .. '--out %s/b2'):format(tiny, q(dir)))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('--tp 2 with --fsdp FULL_SHARD: not supported', 1, true), text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --model.n_head 1 --steps 1 --tp 2 '
+      .. '--out %s/b3'):format(tiny, q(dir)))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('1 heads and 1 kv heads; both must be multiples of the group size 2', 1, true), text)
+  end)
+end)
