@@ -277,6 +277,11 @@ if use_fsdp and world > 1 and not flags['no-skip'] and ms.fsdp.set_skip_comm the
   skipped = measure('no-comm')
   ms.fsdp.set_skip_comm(model, false)
 end
+if use_tp and world > 1 and not flags['no-skip'] then
+  ms.tp.set_skip_comm(true)
+  skipped = measure('no-comm')
+  ms.tp.set_skip_comm(false)
+end
 
 local cfg = model.config
 local L = cfg.n_layer or cfg.num_hidden_layers

@@ -48,6 +48,8 @@ end
 
 -- ------------------------------------------------- differentiable collectives
 
+local skip_comm = false
+
 -- copy_to(x, group): x in forward; the gradient all-reduced (summed) over
 -- the group in backward (Megatron's f: a replicated input of a split layer)
 local CopyTo = A.Function {
@@ -59,7 +61,7 @@ local CopyTo = A.Function {
   end,
   backward = function(ctx, g)
     local s = g:clone()
-    dist.all_reduce(s, 'sum', { group = ctx.group })
+    if not skip_comm then dist.all_reduce(s, 'sum', { group = ctx.group }) end
     return s, nil
   end,
 }
@@ -71,18 +73,28 @@ end
 -- reduce_from(x, group): the sum of every rank's x in forward, a new
 -- tensor; the gradient as it comes in backward (Megatron's g: the partial
 -- sums of a row-parallel layer)
+-- (inplace: x is a temporary of the caller's, summed where it is)
 local ReduceFrom = A.Function {
   name = 'tp_reduce_from',
-  forward = function(_, x, group)
-    local y = x:clone()
-    dist.all_reduce(y, 'sum', { group = group })
+  forward = function(_, x, group, inplace)
+    local y = (inplace and x:is_contiguous()) and x or x:clone()
+    if not skip_comm then dist.all_reduce(y, 'sum', { group = group }) end
     return y
   end,
-  backward = function(_, g) return g, nil end,
+  backward = function(_, g) return g, nil, nil end,
 }
-function tp.reduce_from(x, group)
+function tp.reduce_from(x, group, inplace)
   if group:size() == 1 then return x end
-  return ReduceFrom(x, group)
+  return ReduceFrom(x, group, inplace)
+end
+
+-- tp.set_skip_comm(on) -> the previous setting: every collective of the
+-- split layers skipped (benchmarks: the step without its communication;
+-- the numbers are then wrong)
+function tp.set_skip_comm(on)
+  local prev = skip_comm
+  skip_comm = on and true or false
+  return prev
 end
 
 -- gather_last(x, group, total): x (..., n_r) holds columns [start_r,
@@ -171,7 +183,7 @@ local function rowwise_forward(self, x)
   local t = rawget(self, '_tp')
   local nnf = require 'moonshard.nn.functional'
   local y = t.conv1d and nnf.conv1d_linear(x, self.weight, nil) or nnf.linear(x, self.weight, nil)
-  y = tp.reduce_from(y, t.group)
+  y = tp.reduce_from(y, t.group, true)   -- (y is ours: summed in place)
   if self.bias ~= nil then
     -- in an autocast region the bias in the region's dtype, as the unsplit
     -- layer's epilogue adds it
@@ -203,7 +215,7 @@ local function vocab_embedding_forward(self, ids)
     y = ops.mul(e, mask)
     li:free(); inside:free()
   end
-  return tp.reduce_from(y, t.group)
+  return tp.reduce_from(y, t.group, true)
 end
 
 local function enter(group) return function(x) return tp.copy_to(x, group) end end
