@@ -133,7 +133,7 @@ if use_tp then
   ms.tp.parallelize(model)
   model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
   opt = ms.optim.AdamW(model, adam)
-  clip = function() return ms.tp.clip_grad_norm_(model, 1.0, { tensor = true }) end
+  clip = function() return ms.tp.clip_grad_norm_(model, 1.0, { tensor = true, defer = opt }) end
 elseif use_fsdp then
   local head_unit = nil                              -- the default: a unit for an untied head
   if flags['head-in-root'] then head_unit = false end

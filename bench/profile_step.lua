@@ -5,6 +5,9 @@
 --   luajit bench/profile_step.lua [models/gpt2.lua] [--preset gpt2-124m] [--batch 8]
 --                                 [--seq 1024] [--precision bf16|bf16-master|f32] [--steps 3] [--hooks 0|1]
 --                                 [--layers N] (fewer blocks, e.g. for ncu)
+--                                 [--tp 1] (ms.tp.parallelize over the world: bin/train
+--                                 --nproc-per-node N --device cuda bench/profile_step.lua ... --tp 1;
+--                                 rank 0 prints)
 --
 -- Times of nested modules include their children (a Block contains its
 -- attention and MLP); "step" is the whole step between two synchronisations,
@@ -13,7 +16,7 @@
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ms = require 'moonshard'
 
-local opts = { model = 'models/gpt2.lua', preset = 'gpt2-124m', batch = 8, seq = 1024, precision = 'bf16', steps = 3, hooks = 1, layers = 0 }
+local opts = { model = 'models/gpt2.lua', preset = 'gpt2-124m', batch = 8, seq = 1024, precision = 'bf16', steps = 3, hooks = 1, layers = 0, tp = 0 }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
@@ -42,6 +45,13 @@ if opts.layers > 0 then
 end
 local model = M.new(opts.preset, over)
 model:to('cuda')
+local rank = 0
+if opts.tp ~= 0 then
+  ms.dist.init { backend = 'nccl' }
+  rank = ms.dist.rank()
+  ms.tp.parallelize(model)
+end
+local print = rank == 0 and print or function() end
 if opts.precision ~= 'f32' then
   local nnf = require 'moonshard.nn.functional'
   -- bf16-master: the weights in bf16, their f32 masters in AdamW (docs/precision.md)

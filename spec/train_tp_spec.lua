@@ -118,10 +118,13 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     local sd = require('moonshard.safetensors').load(dir .. '/gs/ckpt-2/model.safetensors')
     assert.are.same({ 256, 32 }, sd['transformer.wte.weight'].shape)
     assert.are.same({ 32, 96 }, sd['transformer.h.0.attn.c_attn.weight'].shape)
+    -- the one-process run's weights after 2 steps, within f32 rounding as
+    -- AdamW carries it (an update is ~lr = 1e-2 whatever the gradient's
+    -- size, so rounding-level gradient differences move a weight by ~1e-5)
     local ref2 = require('moonshard.safetensors').load(dir .. '/g1/ckpt-2/model.safetensors')
     for name, t in pairs(ref2) do
       local d = (sd[name]:to('f64') - t:to('f64')):abs():max():item()
-      assert.is_true(d <= 1e-5, ('%s differs by %g from the one-process checkpoint'):format(name, d))
+      assert.is_true(d <= 1e-4, ('%s differs by %g from the one-process checkpoint'):format(name, d))
     end
     os.execute(('cp -r %s/gs %s/gs1'):format(q(dir), q(dir)))
     status, text = bin_train(('--resume %s/gs1'):format(q(dir)))

@@ -354,7 +354,9 @@ function tp.placement(model, name) return info_of(model).split[name] end
 -- ------------------------------------------------------------- training
 
 -- tp.clip_grad_norm_(model, max_norm, opts) -> the total 2-norm before
--- (max_norm nil or math.huge: the norm only, nothing scaled)
+-- (max_norm nil or math.huge: the norm only, nothing scaled; opts.defer =
+-- an AdamW: the scale applied by its next step instead, as
+-- ms.optim.clip_grad_norm's defer)
 -- clipping, of the whole (unsplit) model's gradient: the split gradients'
 -- sum of squares (ms.sum_squares, f64) all-reduced over the group, the
 -- replicated ones' added once; the gradients scaled in place by
@@ -402,6 +404,20 @@ function tp.clip_grad_norm_(model, max_norm, opts)
   denom:free()
   local c1 = F.clamp(coef, nil, 1.0)
   coef:free()
+  local defer = opts and opts.defer
+  if defer ~= nil then
+    -- the coefficient goes to the optimizer's next step (ms.optim.AdamW's
+    -- defer_grad_scale): no pass over the gradients here
+    if type(defer) ~= 'table' or type(defer.defer_grad_scale) ~= 'function' then
+      error('tp.clip_grad_norm_: defer must be an optimizer with defer_grad_scale (ms.optim.AdamW)', 2)
+    end
+    if c1.dtype ~= 'f64' then local c = c1:to('f64'); c1:free(); c1 = c end
+    defer:defer_grad_scale(c1:reshape({ 1 }))
+    if opts.tensor then return total_t end
+    local v = total_t:item()
+    total_t:free()
+    return v
+  end
   local cast = {}
   for _, g in ipairs(all) do
     local c = cast[g.dtype]

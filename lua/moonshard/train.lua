@@ -1360,7 +1360,7 @@ function train.run(opts)
       gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge):item()
     elseif tp_mesh then
       ms.tp.all_reduce_grads(model, tp_mesh.replicate, 'avg')
-      gnorm = ms.tp.clip_grad_norm_(model, grad_clip)
+      gnorm = ms.tp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     else
       gnorm = ms.optim.clip_grad_norm(params, grad_clip)
     end
