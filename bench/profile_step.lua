@@ -43,14 +43,14 @@ end
 if opts.layers > 0 then
   if M.config.n_layer ~= nil then over.n_layer = opts.layers else over.num_hidden_layers = opts.layers end
 end
-local model = M.new(opts.preset, over)
-model:to('cuda')
 local rank = 0
 if opts.tp ~= 0 then
-  ms.dist.init { backend = 'nccl' }
+  ms.dist.init { backend = 'nccl' }   -- (first: 'cuda' is then this rank's GPU)
   rank = ms.dist.rank()
-  ms.tp.parallelize(model)
 end
+local model = M.new(opts.preset, over)
+model:to('cuda')
+if opts.tp ~= 0 then ms.tp.parallelize(model) end
 local print = rank == 0 and print or function() end
 if opts.precision ~= 'f32' then
   local nnf = require 'moonshard.nn.functional'
