@@ -179,6 +179,55 @@ describe('tensor parallelism #mpi', function()
     end
   end)
 
+  -- 2-D: tensor parallel over mesh.shard, fully_shard over mesh.replicate
+  -- (torchtitan's FSDP x TP): every layout of the world, f64 parameters,
+  -- clipped steps equal to one process on the whole batch (FSDP reduces
+  -- gradients into f32 shards: the norms agree to f32 rounding, 1e-6, and
+  -- the losses after AdamW steps to 1e-5)
+  it('composed with fully_shard over the other mesh axis: clipped AdamW steps as one process (f64)', function()
+    local layouts = {}
+    for S = 1, W do
+      if W % S == 0 and 12 % S == 0 then layouts[#layouts + 1] = { W / S, S } end
+    end
+    for _, case in ipairs(cases) do
+      for _, rs in ipairs(layouts) do
+        local R, S = rs[1], rs[2]
+        local mesh = dist.mesh { replicate = R, shard = S }
+        local ref = build(case, 'f64')
+        local m = tp.parallelize(build(case, 'f64'), { group = mesh.shard })
+        local block = case[1] == 'gpt2' and 'GPT2Block' or 'LlamaDecoderLayer'
+        ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class { block }, group = mesh.replicate })
+        local o0 = ms.optim.AdamW(ref, { lr = 1e-2, weight_decay = 0.1 })
+        local o1 = ms.fsdp.AdamW(m, { lr = 1e-2, weight_decay = 0.1 })
+        local what = ('%s, %d x %d'):format(case[1], R, S)
+        for step = 1, 3 do
+          local x, y = FS.lcg_batch(70 + step, 2 * R, 12)
+          local r = mesh.coord[1]
+          local xl, yl = x:narrow(1, 2 * r + 1, 2):contiguous(), y:narrow(1, 2 * r + 1, 2):contiguous()
+          local l0 = ref(x, y); l0:backward()
+          local l1 = m(xl, yl); l1:backward()
+          local lt = ms.tensor({ l1:item() }, { dtype = 'f64' })
+          dist.all_reduce(lt, 'avg', { group = mesh.replicate })
+          assert.is_true(FS.rel(lt:item(), l0:item()) <= 1e-5, ('%s step %d: %.17g against %.17g'):format(what, step,
+            lt:item(), l0:item()))
+          local n0 = ms.optim.clip_grad_norm(ref, 0.05)
+          local n1 = tp.clip_grad_norm_(m, 0.05, { defer = step == 2 and o1 or nil })
+          assert.is_true(n0 > 0.05)
+          assert.is_true(FS.rel(n1, n0) <= 1e-6, ('%s step %d: norm %.17g against %.17g'):format(what, step, n1, n0))
+          o0:step(); o0:zero_grad()
+          o1:step(); o1:zero_grad()
+        end
+        local x, y = FS.lcg_batch(90, 2 * R, 12)
+        local r = mesh.coord[1]
+        local l0 = ref(x, y):item()
+        local l1 = m(x:narrow(1, 2 * r + 1, 2):contiguous(), y:narrow(1, 2 * r + 1, 2):contiguous()):item()
+        local lt = ms.tensor({ l1 }, { dtype = 'f64' })
+        dist.all_reduce(lt, 'avg', { group = mesh.replicate })
+        assert.is_true(FS.rel(lt:item(), l0) <= 1e-5, ('%s after 3 steps: %.17g against %.17g'):format(what, lt:item(), l0))
+      end
+    end
+  end)
+
   it('bad splits and the unfused loss are errors that name the shapes', function()
     if W > 1 then
       -- 4 heads, 2 kv heads: not over 3 ranks; an MLP of 352 not over 3 either

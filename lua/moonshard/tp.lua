@@ -279,7 +279,10 @@ function tp.parallelize(model, opts)
       -- (works, but the recompute repeats the forward's all-reduces)
     end
   end
-  if rawget(model, '_fsdp') ~= nil then error('tp.parallelize: the model is already sharded by fully_shard', 2) end
+  if rawget(model, '_fsdp') ~= nil then
+    error('tp.parallelize: the model is already sharded by fully_shard (split it first, then fully_shard over the '
+      .. 'other mesh axis)', 2)
+  end
 
   local function column(m, sections)
     local cls = getmetatable(m)
@@ -378,30 +381,67 @@ function tp.clip_grad_norm_(model, max_norm, opts)
   if max_norm ~= nil and (type(max_norm) ~= 'number' or max_norm <= 0) then
     error(('tp.clip_grad_norm_: max_norm must be a positive number, got %s'):format(tostring(max_norm)), 2)
   end
-  local split, rep, all = {}, {}, {}
+  local split, rep, all, views = {}, {}, {}, {}
   local dev
-  for name, p in model:named_parameters() do
-    local g = p.grad
-    if g ~= nil then
-      dev = dev or g.device
-      if g.device ~= dev then
-        error(('tp.clip_grad_norm_: gradients on %s and %s'):format(dev, g.device), 2)
+  local st = rawget(model, '_fsdp')
+  if st then
+    -- composed with fully_shard over the other axis: each unit's gradient
+    -- shard, cut at its parameters' bounds (the layout's offsets)
+    for _, u in ipairs(st.units) do
+      local fp = u.fp
+      local g = fp.shard.grad
+      if g ~= nil then
+        dev = dev or g.device
+        all[#all + 1] = g
+        local a0, S = fp.rank * fp.shard_numel, fp.shard_numel
+        for i = 1, fp.nparams do
+          local o, n = fp.layout.offsets[i], fp.layout.numels[i]
+          local lo, hi = math.max(o, a0), math.min(o + n, a0 + S)
+          if hi > lo then
+            local v = g:narrow(1, lo - a0 + 1, hi - lo)
+            views[#views + 1] = v
+            if info.split[u.param_names[i]] then split[#split + 1] = v else rep[#rep + 1] = v end
+          end
+        end
       end
-      all[#all + 1] = g
-      if info.split[name] then split[#split + 1] = g else rep[#rep + 1] = g end
+    end
+  else
+    for name, p in model:named_parameters() do
+      local g = p.grad
+      if g ~= nil then
+        dev = dev or g.device
+        if g.device ~= dev then
+          error(('tp.clip_grad_norm_: gradients on %s and %s'):format(dev, g.device), 2)
+        end
+        all[#all + 1] = g
+        if info.split[name] then split[#split + 1] = g else rep[#rep + 1] = g end
+      end
     end
   end
-  -- every rank calls the all-reduce, with or without split gradients
-  local sq = #split > 0 and F.sum_squares(split) or T.zeros({}, { dtype = 'f64', device = dev or dist.device() })
-  local s1 = sq:reshape({ 1 }):contiguous()
-  dist.all_reduce(s1, 'sum', { group = info.group })
-  if #rep > 0 then
-    local r = F.sum_squares(rep)
-    F.add_(s1, r)
-    r:free()
+  dev = dev or dist.device()
+  local function sumsq(list)
+    if #list == 0 then return T.zeros({ 1 }, { dtype = 'f64', device = dev }) end
+    local s = F.sum_squares(list)
+    local s1 = s:reshape({ 1 }):contiguous()
+    if s1 ~= s then s:free() end
+    return s1
   end
+  -- every rank calls the all-reduces, with or without gradients
+  local s1, r = sumsq(split), sumsq(rep)
+  if st then
+    -- the replicated parameters' sum once over the TP group (each rank
+    -- holds the same values), then over the FSDP group's shards
+    F.mul_(r, 1 / info.size)
+    F.add_(s1, r)
+    dist.all_reduce(s1, 'sum', { group = info.group })
+    if st.shard_group and st.shard_group:size() > 1 then dist.all_reduce(s1, 'sum', { group = st.shard_group }) end
+  else
+    dist.all_reduce(s1, 'sum', { group = info.group })
+    F.add_(s1, r)
+  end
+  r:free()
+  for _, v in ipairs(views) do v:free() end
   local total_t = F.sqrt(s1)
-  if sq ~= s1 then sq:free() end
   s1:free()
   if max_norm == nil or max_norm == math.huge then   -- the norm only
     if opts and opts.tensor then return total_t end
