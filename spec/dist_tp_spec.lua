@@ -319,5 +319,44 @@ describe('tensor parallelism over NCCL #multi', function()
         assert.are.same({}, fails)
       end)
     end
+    -- FSDP x TP on the two GPUs (TP 2 with FSDP groups of one, and TP 1
+    -- with FSDP over both): bf16 parameters, f32 reduction, against the
+    -- unsplit model under bf16 autocast
+    it(('%s: fully_shard over the other axis, bf16, three clipped steps as the unsplit model (2e-2)'):format(case[1]),
+      function()
+        local fails = {}
+        for _, rs in ipairs({ { 1, 2 }, { 2, 1 } }) do
+          local R, S = rs[1], rs[2]
+          local mesh = dist.mesh { replicate = R, shard = S }
+          local ref = build(case)
+          ms.nn.functional.set_precision(ref, { compute = 'bf16' })
+          local m = tp.parallelize(build(case), { group = mesh.shard })
+          local block = case[1] == 'gpt2' and 'GPT2Block' or 'LlamaDecoderLayer'
+          ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class { block }, group = mesh.replicate,
+            mixed_precision = { param = 'bf16', reduce = 'f32' } })
+          local o0 = ms.optim.AdamW(ref, { lr = 1e-3 })
+          local o1 = ms.fsdp.AdamW(m, { lr = 1e-3 })
+          for step = 1, 3 do
+            local x, y = FS.lcg_batch(80 + step, 2 * R, 32)
+            x, y = x:to('cuda'), y:to('cuda')
+            local r = mesh.coord[1]
+            local l0 = ref(x, y); l0:backward()
+            local l1 = m(x:narrow(1, 2 * r + 1, 2):contiguous(), y:narrow(1, 2 * r + 1, 2):contiguous()); l1:backward()
+            local lt = ms.tensor({ l1:item() }, { dtype = 'f64' }):to('cuda')
+            dist.all_reduce(lt, 'avg', { group = mesh.replicate })
+            if FS.rel(lt:item(), l0:item()) > 2e-2 then
+              fails[#fails + 1] = ('%dx%d step %d loss %.6g against %.6g'):format(R, S, step, lt:item(), l0:item())
+            end
+            local n0 = ms.optim.clip_grad_norm(ref, 0.5)
+            local n1 = tp.clip_grad_norm_(m, 0.5, { defer = o1 })
+            if FS.rel(n1, n0) > 2e-2 then
+              fails[#fails + 1] = ('%dx%d step %d norm %.6g against %.6g'):format(R, S, step, n1, n0)
+            end
+            o0:step(); o0:zero_grad()
+            o1:step(); o1:zero_grad()
+          end
+        end
+        assert.are.same({}, fails)
+      end)
   end
 end)
