@@ -219,11 +219,50 @@ describe('tensor parallelism #mpi', function()
         end
         local x, y = FS.lcg_batch(90, 2 * R, 12)
         local r = mesh.coord[1]
-        local l0 = ref(x, y):item()
-        local l1 = m(x:narrow(1, 2 * r + 1, 2):contiguous(), y:narrow(1, 2 * r + 1, 2):contiguous()):item()
-        local lt = ms.tensor({ l1 }, { dtype = 'f64' })
-        dist.all_reduce(lt, 'avg', { group = mesh.replicate })
-        assert.is_true(FS.rel(lt:item(), l0) <= 1e-5, ('%s after 3 steps: %.17g against %.17g'):format(what, lt:item(), l0))
+        local function mean_loss(model, xl, yl)
+          local lt = ms.tensor({ model(xl, yl):item() }, { dtype = 'f64' })
+          dist.all_reduce(lt, 'avg', { group = mesh.replicate })
+          return lt:item()
+        end
+        local xl, yl = x:narrow(1, 2 * r + 1, 2):contiguous(), y:narrow(1, 2 * r + 1, 2):contiguous()
+        local l0, l1 = ref(x, y):item(), mean_loss(m, xl, yl)
+        assert.is_true(FS.rel(l1, l0) <= 1e-5, ('%s after 3 steps: %.17g against %.17g'):format(what, l1, l0))
+        -- a one-process checkpoint's parts, gathered over both axes: the
+        -- reference's weights and AdamW state; loaded into a fresh 2-D
+        -- model (the weights before fully_shard, the moments after), the
+        -- next step is the reference's
+        local g1 = o1.param_groups[1]
+        local msd, osd = tp.full_checkpoint(m, o1, { lr = g1.lr, betas = g1.betas, eps = g1.eps, weight_decay = 0.1 })
+        for name, t in pairs(ref:state_dict()) do
+          local e = FS.max_rel(msd[name], t)
+          -- (FSDP's f32 gradients through AdamW: a weight whose gradients are
+          -- near eps moves by up to ~lr x their rounding; a misplaced piece
+          -- would be off by its whole size)
+          assert.is_true(e <= 1e-3, ('%s: %s %g'):format(what, name, e))
+        end
+        local ref_os = o0:state_dict()
+        assert.are.equal(#ref_os.meta.groups, #osd.meta.groups)
+        for gi, g in ipairs(ref_os.meta.groups) do
+          assert.are.same(g.names, osd.meta.groups[gi].names)
+          assert.are.same(g.params, osd.meta.groups[gi].params)
+          assert.are.equal(g.weight_decay, osd.meta.groups[gi].weight_decay)
+        end
+        local nt = 0
+        for name, t in pairs(ref_os.tensors) do
+          assert.is_not_nil(osd.tensors[name], name)
+          assert.is_true(FS.norm_rel(osd.tensors[name], t) <= 1e-4, ('%s: %s'):format(what, name))
+          nt = nt + 1
+        end
+        assert.is_true(nt >= 20)
+        local m2 = tp.parallelize(build(case, 'f64', 5), { group = mesh.shard })
+        tp.load_full_state_dict(m2, msd)
+        ms.fsdp.fully_shard(m2, { policy = ms.fsdp.policy.by_class { block }, group = mesh.replicate })
+        local o2 = ms.fsdp.AdamW(m2, { lr = 1e-2, weight_decay = 0.1 })
+        tp.load_fsdp_optimizer_state(m2, o2, osd)
+        ref(x, y):backward(); o0:step(); o0:zero_grad()
+        m2(xl, yl):backward(); o2:step(); o2:zero_grad()
+        local a, b = ref(x, y):item(), mean_loss(m2, xl, yl)
+        assert.is_true(FS.rel(b, a) <= 1e-5, ('%s, loaded, a step on: %.17g against %.17g'):format(what, b, a))
       end
     end
   end)

@@ -656,4 +656,142 @@ function tp.load_full_optimizer_state(model, opt, sd)
   return opt
 end
 
+
+-- ------------------------------------------- with fully_shard (FSDP x TP)
+
+-- the one-process optimizer's state dict over the whole model, from
+-- name -> { exp_avg =, exp_avg_sq =, step = } (whole tensors): groups as
+-- ms.optim.AdamW(model) makes them (decayed, then not), hyper-parameters
+-- from `hyper` ({ lr, betas, eps, weight_decay })
+local function one_process_optimizer_state(model, by_name, hyper)
+  local optim = require 'moonshard.optim'
+  local groups = optim.build_groups(model, {}, true)
+  local tensors, meta = {}, { type = 'AdamW', groups = {}, state = {} }
+  local i = 0
+  for gi, g in ipairs(groups) do
+    local mg = { params = {}, names = g.names, lr = hyper.lr, betas = hyper.betas, eps = hyper.eps,
+      weight_decay = g.weight_decay == 0 and 0 or hyper.weight_decay }
+    for k, name in ipairs(g.names) do
+      i = i + 1
+      mg.params[k] = i
+      local e = by_name[name]
+      if e then
+        tensors[i .. '.exp_avg'], tensors[i .. '.exp_avg_sq'] = e.exp_avg, e.exp_avg_sq
+        meta.state[#meta.state + 1] = { index = i, step = e.step }
+      end
+    end
+    meta.groups[gi] = mg
+  end
+  return { tensors = tensors, meta = meta }
+end
+
+-- tp.full_checkpoint(model, opt, hyper) -> model state dict, optimizer
+-- state dict: a one-process checkpoint's two parts, whole tensors, on every
+-- rank (a collective over both axes). Also for a model under fully_shard
+-- over the other axis (fsdp.AdamW; `hyper` = its { lr, betas, eps,
+-- weight_decay }): the units' f32 master shards and AdamW moments are
+-- gathered (fsdp_checkpoint.gather), then the TP slices.
+function tp.full_checkpoint(model, opt, hyper)
+  local info = info_of(model)
+  if rawget(model, '_fsdp') == nil then
+    return tp.full_state_dict(model), opt and tp.full_optimizer_state(model, opt) or nil
+  end
+  local fck = require 'moonshard.fsdp_checkpoint'
+  local params, state = fck.gather(model, { optimizer = opt })
+  local by = {}
+  for _, e in ipairs(params) do by[e.name] = e.tensor end
+  local function whole(name, t)
+    local how = info.split[name]
+    if how == nil or info.size == 1 then return t end
+    local w = gather(info, how, t)
+    t:free()
+    return w
+  end
+  local msd = {}
+  for _, name in ipairs(sorted_keys(by)) do msd[name] = whole(name, by[name]) end
+  -- buffers (not in FSDP's flat parameters): the model's own
+  for name, t in pairs(model:state_dict()) do if msd[name] == nil and by[name] == nil then msd[name] = t end end
+  if not opt then return msd, nil end
+  local st = {}
+  for _, name in ipairs(sorted_keys(state or {})) do
+    local e = state[name]
+    st[name] = { exp_avg = whole(name, e.exp_avg), exp_avg_sq = whole(name, e.exp_avg_sq), step = e.step }
+  end
+  return msd, one_process_optimizer_state(model, st, hyper or {})
+end
+
+-- tp.load_fsdp_optimizer_state(model, opt, sd): a one-process optimizer
+-- state dict (opt:state_dict() of ms.optim.AdamW over the unsplit model,
+-- as a checkpoint holds it) into fsdp.AdamW `opt` of a split model under
+-- fully_shard: each of its pieces of a unit's shard gets the moments of the
+-- elements it holds (the padding zeros) and the step
+function tp.load_fsdp_optimizer_state(model, opt, sd)
+  local info = info_of(model)
+  local st = rawget(model, '_fsdp')
+  if st == nil then error('tp.load_fsdp_optimizer_state: the model is not under fully_shard', 2) end
+  if type(opt.fsdp_pieces) ~= 'table' then error('tp.load_fsdp_optimizer_state: opt is not an fsdp optimizer', 2) end
+  -- the one-process indices -> names (build_groups' order, as the saver's)
+  local optim = require 'moonshard.optim'
+  local name_of, i = {}, 0
+  for _, g in ipairs(optim.build_groups(model, {}, true)) do
+    for _, name in ipairs(g.names) do i = i + 1; name_of[i] = name end
+  end
+  local by_name = {}
+  for _, e in ipairs(sd.meta.state or {}) do
+    local name = name_of[e.index]
+    if name == nil then error(('tp.load_fsdp_optimizer_state: state for parameter %s, which the model does not have'):format(
+      tostring(e.index)), 2) end
+    local ea, eq = sd.tensors[e.index .. '.exp_avg'], sd.tensors[e.index .. '.exp_avg_sq']
+    if ea and eq then by_name[name] = { ea = ea, eq = eq, step = e.step } end
+  end
+  local function local_piece(name, t)
+    local how = info.split[name]
+    if how == nil or info.size == 1 then return t, false end
+    if how.vocab then return (split_vocab(t, info.size, info.rank)), true end
+    return split_even(t, how.dim, info.size, info.rank, how.sections, name), true
+  end
+  A.no_grad(function()
+    local sliced = {}
+    for name, e in pairs(by_name) do
+      local ea, m1 = local_piece(name, e.ea)
+      local eq, m2 = local_piece(name, e.eq)
+      sliced[name] = { ea = ea, eq = eq, step = e.step, made = m1 }
+    end
+    for _, pc in ipairs(opt.fsdp_pieces) do
+      local u, fp = pc.unit, pc.unit.fp
+      local a0 = fp.rank * fp.shard_numel + pc.off   -- the piece's first flat element
+      local ea, eq, step = nil, nil, nil
+      for k = 1, fp.nparams do
+        local s = sliced[u.param_names[k]]
+        local o, n = fp.layout.offsets[k], fp.layout.numels[k]
+        local lo, hi = math.max(o, a0), math.min(o + n, a0 + pc.n)
+        if s and hi > lo then
+          if ea == nil then
+            local dt = optim.state_dtype(pc.p)
+            ea = T.zeros({ pc.n }, { dtype = dt, device = pc.p.device })
+            eq = T.zeros({ pc.n }, { dtype = dt, device = pc.p.device })
+          end
+          local function put(dst, src)
+            local flat = src:contiguous():view({ src:numel() })
+            T.raw_copy_(dst:narrow(1, lo - a0 + 1, hi - lo), flat:narrow(1, lo - o + 1, hi - lo))
+          end
+          put(ea, s.ea); put(eq, s.eq)
+          step = math.max(step or 0, s.step or 0)
+        end
+      end
+      local id = tonumber(pc.p.id)
+      local old = opt.state[id]
+      if old then for _, v in pairs(old) do if T.is_tensor(v) then v:free() end end end
+      opt.state[id] = ea and { exp_avg = ea, exp_avg_sq = eq, step = step } or nil
+    end
+    for _, s in pairs(sliced) do if s.made then s.ea:free(); s.eq:free() end end
+  end)
+  -- the hyper-parameters of the saved groups (decayed first, as fsdp.AdamW's)
+  for gi, g in ipairs(opt.param_groups) do
+    local mg = sd.meta.groups and sd.meta.groups[gi]
+    if mg then for _, k in ipairs({ 'lr', 'betas', 'eps' }) do if mg[k] ~= nil then g[k] = mg[k] end end end
+  end
+  return opt
+end
+
 return tp
