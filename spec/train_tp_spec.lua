@@ -109,6 +109,32 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     close_losses(one, losses(dir .. '/g4'), 1, 4, '--tp 2 x dp 2')
   end)
 
+  it('--tp 2 --fsdp FULL_SHARD on 4 ranks (FSDP x TP): the one-process curve; stopped, it resumes in one process and 2-D', function()
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local common = ('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 --tp 2 --fsdp FULL_SHARD'):format(tiny)
+    local status, text = bin_train(('%s --out %s/f4'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2 (FULL_SHARD)', 1, true), text)
+    assert.is_truthy(text:find('fsdp: FULL_SHARD over 2 ranks', 1, true), text)
+    close_losses(one, losses(dir .. '/f4'), 1, 4, '--tp 2 x FULL_SHARD 2')
+    -- the final weights are the whole model's
+    local gpt2 = require 'models.gpt2'
+    local m, m1 = gpt2.from_pretrained(dir .. '/f4'), gpt2.from_pretrained(dir .. '/g1')
+    for name, t in pairs(m1:state_dict()) do
+      local d = (m:state_dict()[name] - t):abs():max():item()
+      assert.is_true(d <= 1e-4, ('%s differs by %g'):format(name, d))
+    end
+    status, text = bin_train(('%s --save-every 1 --stop-at 2 --out %s/f4s'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    os.execute(('cp -r %s/f4s %s/f4s1'):format(q(dir), q(dir)))
+    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s/f4s --tp 2 --fsdp FULL_SHARD'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/f4s'), 1, 4, 'FSDP x TP resumed as FSDP x TP')
+    status, text = bin_train(('--resume %s/f4s1'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/f4s1'), 1, 4, 'FSDP x TP resumed in one process')
+  end)
+
   it('a --tp checkpoint is a whole-model one: it resumes in one process and at --tp 2 with the same losses', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --tp 2 '
@@ -144,10 +170,10 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     local status, text = bin_train(('models/gpt2.lua %s --steps 1 --tp 2 --out %s/b1'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)
     assert.is_truthy(text:find('--tp 2: the world of 1 rank is not a multiple of it', 1, true), text)
-    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --tp 2 --fsdp FULL_SHARD '
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --tp 2 --fsdp HYBRID_SHARD '
       .. '--out %s/b2'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)
-    assert.is_truthy(text:find('--tp 2 with --fsdp FULL_SHARD: not supported', 1, true), text)
+    assert.is_truthy(text:find('--tp 2 with --fsdp HYBRID_SHARD: not supported', 1, true), text)
     status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --model.n_head 1 --steps 1 --tp 2 '
       .. '--out %s/b3'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)

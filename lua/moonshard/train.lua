@@ -85,7 +85,7 @@ train.options = {
   { 'fsdp', 'string?', nil, 'shard the model with ms.fsdp.fully_shard: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or off (a bare --fsdp: FULL_SHARD); default: off in one process, NO_SHARD (plain data parallel) with several ranks' },
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
-  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world plain data parallel; checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
+  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
   { 'init_from', 'string?', nil, 'start from the weights and config of a Hugging Face folder (config.json + model.safetensors, as save_pretrained and --out write) instead of a fresh model: fine-tuning; --preset and --model.* do not apply; sharded runs read only each rank\'s shards' },
   { 'lora', 'int>=0', 0, 'LoRA adapters of this rank (R) on the model\'s projections (nn.apply_lora; 0: none): the rest of the model frozen, the final weights saved merged' },
@@ -934,8 +934,10 @@ function train.run(opts)
 
   -- sharding: --fsdp, or plain data parallel (NO_SHARD) with several ranks
   local strategy = o.fsdp
-  -- --tp N: tensor parallel groups of N ranks (mesh.shard), plain data
-  -- parallelism across them (mesh.replicate); whole-model checkpoints
+  -- --tp N: tensor parallel groups of N ranks (mesh.shard), data
+  -- parallelism across them (mesh.replicate): plain (gradients all-reduced)
+  -- or, with --fsdp FULL_SHARD / SHARD_GRAD_OP, each rank's slices sharded
+  -- over its mesh.replicate group (FSDP x TP); whole-model checkpoints
   local tp_size, tp_mesh = o.tp, nil
   local data_rank, data_world = rank, world
   if tp_size > 1 then
@@ -943,16 +945,16 @@ function train.run(opts)
       usage('--tp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', tp_size, world,
         world == 1 and '' or 's')
     end
-    if strategy ~= nil and strategy ~= 'off' and strategy ~= 'NO_SHARD' then
-      usage('--tp %d with --fsdp %s: not supported; the ranks outside a tensor-parallel group are plain data parallel',
-        tp_size, strategy)
+    if strategy == 'HYBRID_SHARD' then
+      usage('--tp %d with --fsdp HYBRID_SHARD: not supported (the tensor-parallel groups are the mesh\'s other axis); '
+        .. 'use FULL_SHARD or SHARD_GRAD_OP', tp_size)
     end
     if o.lora > 0 then usage('--tp with --lora: not supported (merge the adapters first)') end
     if resume and resume.sharded then
       usage('--tp: %s is a sharded (FSDP) checkpoint; --tp resumes whole-model checkpoints (resume it with --steps '
         .. 'at its step and --out, then --init-from the folder)', resume.path)
     end
-    strategy = nil
+    if strategy == nil or strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     tp_mesh = dist.mesh { replicate = world / tp_size, shard = tp_size }
     data_rank, data_world = tp_mesh.coord[1], world / tp_size
   else
@@ -1025,9 +1027,29 @@ function train.run(opts)
   for _, p in pairs(model:parameters()) do nparams = nparams + p:numel() end
   local adamw_opts = { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = o.eps, weight_decay = o.weight_decay }
 
+  -- tensor parallelism: each rank keeps its slices (a deferred model is
+  -- materialized a tensor at a time, then the rest of it)
+  local tp_desc
+  if tp_mesh then
+    local okp, perr = pcall(ms.tp.parallelize, model, { group = tp_mesh.shard })
+    if not okp then usage('--tp %d: %s', tp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    ms.nn.materialize(model)
+    local mine = 0
+    for _, p in ipairs(model:parameters()) do mine = mine + p:numel() end
+    tp_desc = ('%d-way over %d ranks, data parallel %d%s, %.2fM parameters a rank%s'):format(tp_size, world, data_world,
+      strategy and (' (%s)'):format(strategy) or '', mine / 1e6, deferred and ', deferred init' or '')
+    -- a whole-model checkpoint's weights go into the slices now (before
+    -- fully_shard, which takes them); its optimizer state after the optimizer
+    if resume then
+      local okl, err = pcall(ckpt.load, resume.path, {
+        model = { load_state_dict = function(_, sd) ms.tp.load_full_state_dict(model, sd) end } })
+      if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
+    end
+  end
+
   -- a single-process checkpoint resumed by a sharded run goes in before fully_shard
   local load_converted
-  if resume and strategy and not resume.sharded then
+  if resume and strategy and not resume.sharded and not tp_mesh then
     load_converted = plain_to_sharded(resume.path, model, function() return ms.optim.AdamW(model, adamw_opts) end)
   end
 
@@ -1085,25 +1107,13 @@ function train.run(opts)
     local policy, pdesc = train.fsdp_policy(M, model, o.fsdp_policy)
     local mp = train.mixed_precision(o.fsdp_mixed_precision, device)
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
-      shard_size = strategy == 'HYBRID_SHARD' and o.shard_size > 0 and o.shard_size or nil })
+      shard_size = strategy == 'HYBRID_SHARD' and o.shard_size > 0 and o.shard_size or nil,
+      group = tp_mesh and tp_mesh.replicate or nil })
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
-    fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, world, world == 1 and '' or 's', pdesc,
+    fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, data_world, data_world == 1 and '' or 's', pdesc,
       #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
     ms.nn.materialize(model)   -- what no unit took (buffers)
-    if deferred then fsdp_desc = fsdp_desc .. ', deferred init' end
-  end
-
-  -- tensor parallelism: each rank keeps its slices (a deferred model is
-  -- materialized a tensor at a time, then the rest of it)
-  local tp_desc
-  if tp_mesh then
-    local okp, perr = pcall(ms.tp.parallelize, model, { group = tp_mesh.shard })
-    if not okp then usage('--tp %d: %s', tp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
-    ms.nn.materialize(model)
-    local mine = 0
-    for _, p in ipairs(model:parameters()) do mine = mine + p:numel() end
-    tp_desc = ('%d-way over %d ranks, data parallel %d, %.2fM parameters a rank%s'):format(tp_size, world, data_world,
-      mine / 1e6, deferred and ', deferred init' or '')
+    if deferred and not tp_mesh then fsdp_desc = fsdp_desc .. ', deferred init' end
   end
 
   -- data: token shards (a folder from bin/tokenize, a glob, .bin files) or
@@ -1187,10 +1197,13 @@ function train.run(opts)
     if load_converted then okl, err = pcall(load_converted, model, opt)
     elseif resume.sharded then okl, err = pcall(fck().load_sharded, model, resume.path, { optimizer = opt })
     elseif tp_mesh then
-      -- a whole-model checkpoint: every rank reads it and keeps its slices
+      -- a whole-model checkpoint (its weights went in before): every rank
+      -- reads the optimizer's state and keeps its slices (of its shards)
       okl, err = pcall(ckpt.load, resume.path, {
-        model = { load_state_dict = function(_, sd) ms.tp.load_full_state_dict(model, sd) end },
-        optimizer = { load_state_dict = function(_, sd) ms.tp.load_full_optimizer_state(model, opt, sd) end } })
+        optimizer = { load_state_dict = function(_, sd)
+          if strategy then ms.tp.load_fsdp_optimizer_state(model, opt, sd)
+          else ms.tp.load_full_optimizer_state(model, opt, sd) end
+        end } })
     else okl, err = pcall(ckpt.load, resume.path, { model = model, optimizer = opt }) end
     if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
     local st = resume.state
@@ -1259,8 +1272,8 @@ function train.run(opts)
       -- the whole model's and optimizer's state, gathered on every rank;
       -- rank 0 writes a one-process checkpoint (it resumes at any --tp)
       state.world_size, state.tokens_per_step, state.tp = data_world, tokens_per_step, tp_size
-      local msd = ms.tp.full_state_dict(model)
-      local osd = ms.tp.full_optimizer_state(model, opt)
+      local msd, osd = ms.tp.full_checkpoint(model, opt, { lr = lr_at(math.min(step, o.steps)), betas = adamw_opts.betas,
+        eps = adamw_opts.eps, weight_decay = adamw_opts.weight_decay })
       local okw, path = true, o.out .. '/' .. ckpt.name(step)
       if rank == 0 then
         okw, path = pcall(ckpt.save, o.out, step, { model = { state_dict = function() return msd end },
@@ -1356,11 +1369,12 @@ function train.run(opts)
     end
     local lv = lsum / accum
     local gnorm
-    if strategy then
-      gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge):item()
-    elseif tp_mesh then
-      ms.tp.all_reduce_grads(model, tp_mesh.replicate, 'avg')
+    if tp_mesh then
+      -- (under FSDP the gradients were reduced over mesh.replicate already)
+      if not strategy then ms.tp.all_reduce_grads(model, tp_mesh.replicate, 'avg') end
       gnorm = ms.tp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
+    elseif strategy then
+      gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge):item()
     else
       gnorm = ms.optim.clip_grad_norm(params, grad_clip)
     end
@@ -1462,19 +1476,19 @@ function train.run(opts)
   end
 
   if o.save then
-    if strategy then
+    if tp_mesh then
+      local msd = ms.tp.full_checkpoint(model)
+      if rank == 0 then
+        local hf = require 'models.hf'
+        hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return msd end }, o.out)
+      end
+    elseif strategy then
       -- config.json from rank 0, the weights gathered (fsdp_checkpoint.save_full, rank 0 writes)
       if rank == 0 then
         local hf = require 'models.hf'
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return {} end }, o.out)
       end
       fck().save_full(model, o.out .. '/model.safetensors')
-    elseif tp_mesh then
-      local msd = ms.tp.full_state_dict(model)
-      if rank == 0 then
-        local hf = require 'models.hf'
-        hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return msd end }, o.out)
-      end
     else
       model:save_pretrained(o.out)
     end
