@@ -107,10 +107,8 @@ local GatherLast = A.Function {
     local size, rank = group:size(), group:rank()
     local per = math.ceil(total / size)
     local nd = x.ndim
-    local lead = {}
-    for i = 1, nd - 1 do lead[i] = x.shape[i] end
     local s = {}
-    for i = 1, nd - 1 do s[i] = lead[i] end
+    for i = 1, nd - 1 do s[i] = x.shape[i] end
     -- every rank's columns padded to `per`, as a leading dimension of the buffer
     local padded = T.zeros({ per, x:numel() / math.max(1, x.shape[nd]) }, { dtype = x.dtype, device = x.device })
     local n = x.shape[nd]
@@ -125,13 +123,11 @@ local GatherLast = A.Function {
     all:free()
     s[nd] = total
     local y = full:view(s)
-    ctx.start, ctx.n, ctx.total, ctx.lead = math.min(rank * per, total), n, total, lead
+    ctx.start, ctx.n = math.min(rank * per, total), n
     return y
   end,
   backward = function(ctx, g)
-    local n = ctx.n
-    local part = g:narrow(g.ndim, ctx.start + 1, math.max(n, 0))
-    return part:contiguous():clone(), nil, nil
+    return g:narrow(g.ndim, ctx.start + 1, ctx.n):contiguous():clone(), nil, nil
   end,
 }
 function tp.gather_last(x, group, total)
@@ -236,7 +232,7 @@ local function info_of(model)
   return i
 end
 
--- tp.parallelize(model, { group =, plan = }) -> model, in place. Every rank
+-- tp.parallelize(model, { group = }) -> model, in place. Every rank
 -- of the group must hold the same parameters (build the model with the same
 -- seed, or load the same file; a deferred model is materialized one tensor
 -- at a time, so no rank holds more than one whole tensor beyond its slices).
@@ -274,9 +270,6 @@ function tp.parallelize(model, opts)
     end
     if rawget(m, '_lora') ~= nil then
       error(('tp.parallelize: %s has LoRA adapters; merge them (nn.merge_lora) or apply them after'):format(names[m]), 2)
-    end
-    if rawget(m, '_checkpoint') ~= nil and size > 1 then
-      -- (works, but the recompute repeats the forward's all-reduces)
     end
   end
   if rawget(model, '_fsdp') ~= nil then
