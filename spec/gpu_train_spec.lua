@@ -144,6 +144,69 @@ describe('bin/train strategies with checkpoints on two GPUs #gpu', function()
   end
 end)
 
+-- tensor parallelism through bin/train on two GPUs (docs/tp.md): --tp 2,
+-- and --tp 2 --fsdp FULL_SHARD (FSDP groups of one), follow one GPU's loss
+-- curve, sample, save the whole model, and a stopped run resumes at --tp 2
+-- and on one GPU
+describe('bin/train --tp on two GPUs #gpu', function()
+  local function losses(out)
+    local r = {}
+    for line in io.lines(out .. '/metrics.jsonl') do
+      local obj = assert(require('dkjson').decode(line), line)
+      if obj.loss then r[obj.step] = obj.loss end
+    end
+    return r
+  end
+  local function close(ref, got, what)
+    for step = 1, 4 do
+      assert.is_number(got[step], ('%s: no loss at step %d'):format(what, step))
+      local rel = math.abs(got[step] - ref[step]) / math.abs(ref[step])
+      assert.is_true(rel <= 2e-2, ('%s: step %d loss %.6g, one GPU %.6g'):format(what, step, got[step], ref[step]))
+    end
+  end
+  local models = {
+    { 'models/gpt2.lua', small },
+    { 'models/llama.lua', '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 128 '
+      .. '--model.intermediate_size 256 --seq-len 64 --batch-size 8' },
+  }
+  for _, mc in ipairs(models) do
+    for _, mode in ipairs({ '--tp 2', '--tp 2 --fsdp FULL_SHARD' }) do
+      it(('%s %s: one GPU\'s curve, a sample, the whole model saved; resumed at --tp 2 and on one GPU'):format(mc[1], mode),
+        function()
+          if ms.cuda.device_count() < 2 then
+            pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
+            return
+          end
+          local dir = tmpdir()
+          local common = ('%s %s --device cuda --steps 4 --log-every 1 --eval-every 0'):format(mc[1], mc[2])
+          local st, text = bin_train(('%s --sample-tokens 0 --out %s/one'):format(common, q(dir)))
+          assert.are.equal(0, st, text)
+          local one = losses(dir .. '/one')
+          st, text = bin_train(('--nproc-per-node 2 --device cuda %s %s --sample-tokens 16 --out %s/tp'):format(common,
+            mode, q(dir)))
+          assert.are.equal(0, st, text)
+          assert.is_truthy(text:find('tensor parallel: 2-way over 2 ranks', 1, true), text)
+          assert.is_truthy(text:find('---- sample (16 tokens', 1, true), text)
+          close(one, losses(dir .. '/tp'), mode)
+          local sd = ms.load_safetensors(dir .. '/tp/model.safetensors')
+          local sd1 = ms.load_safetensors(dir .. '/one/model.safetensors')
+          for name, t in pairs(sd1) do assert.are.same(t.shape, sd[name].shape, name) end
+          st, text = bin_train(('--nproc-per-node 2 --device cuda %s %s --sample-tokens 0 --stop-at 2 --out %s/saved')
+            :format(common, mode, q(dir)))
+          assert.are.equal(0, st, text)
+          os.execute(('cp -r %s %s'):format(q(dir .. '/saved'), q(dir .. '/saved1')))
+          st, text = bin_train(('--nproc-per-node 2 --device cuda --resume %s %s'):format(q(dir .. '/saved'), mode))
+          assert.are.equal(0, st, text)
+          close(one, losses(dir .. '/saved'), mode .. ' resumed at --tp 2')
+          st, text = bin_train(('--resume %s'):format(q(dir .. '/saved1')))
+          assert.are.equal(0, st, text)
+          close(one, losses(dir .. '/saved1'), mode .. ' resumed on one GPU')
+          os.execute('rm -rf ' .. q(dir))
+        end)
+    end
+  end
+end)
+
 -- the rest of the loop on two GPUs: llama with its head unit, micro-batches,
 -- evaluation, a sample at the end, the final full save, SIGINT's checkpoint
 describe('bin/train llama on two GPUs #gpu', function()
