@@ -267,6 +267,72 @@ describe('tensor parallelism #mpi', function()
     end
   end)
 
+  -- plans: a model of one's own split by module name (colwise, rowwise,
+  -- vocab), and GPT-2's MLPs alone by a plan
+  it('a plan splits the modules it names: a model of its own and GPT-2\'s MLPs equal the unsplit ones (f64)', function()
+    local nn, nnf = ms.nn, ms.nn.functional
+    local Net = nn.Module:extend('TPNet')
+    function Net:init()
+      self:register_module('emb', nn.Embedding(259, 24))
+      self:register_module('up', nn.Linear(24, 48))
+      self:register_module('down', nn.Linear(48, 24))
+      self:register_module('gate', nn.Conv1D(24, 48))
+      self:register_module('proj', nn.Conv1D(48, 24))
+    end
+    function Net:forward(ids)
+      local x = self.emb(ids)
+      local y = self.down(nnf.gelu(self.up(x))) + self.proj(nnf.tanh(self.gate(x)))
+      return (y * y):mean()
+    end
+    local function net() ms.manual_seed(3); return Net():to('f64') end
+    local ids = FS.lcg_batch(4, 2, 12)
+    local ref = net()
+    local m = tp.parallelize(net(), { plan = { ['^emb$'] = 'vocab', ['^up$'] = 'colwise', ['^down$'] = 'rowwise',
+      ['^gate$'] = 'colwise', ['^proj$'] = 'rowwise' } })
+    local l0 = ref(ids); l0:backward()   -- (one tape: each backward before the next forward)
+    local l1 = m(ids); l1:backward()
+    assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, ('%.17g against %.17g'):format(l1:item(), l0:item()))
+    local full = tp.full_grads(m)
+    for name, p in ref:named_parameters() do
+      assert.are.same(p.grad.shape, full[name].shape, name)
+      assert.is_true(FS.max_rel(full[name], p.grad) <= 1e-10, name)
+    end
+    if W > 1 then assert.are.equal(48 / W, m.up.weight.shape[1]) end
+    assert.are.same({ dim = 1, sections = 1 }, tp.placement(m, 'up.weight'))
+    assert.is_nil(tp.placement(m, 'down.bias'))   -- a row-parallel bias is replicated
+    -- GPT-2 with only its MLPs split
+    local case = cases[1]
+    local g0 = build(case, 'f64')
+    local g1 = tp.parallelize(build(case, 'f64'), { plan = { ['mlp%.c_fc$'] = 'colwise', ['mlp%.c_proj$'] = 'rowwise' } })
+    local x, y = FS.lcg_batch(6, 2, 12)
+    local a = g0(x, y); a:backward()
+    local b = g1(x, y); b:backward()
+    assert.is_true(FS.rel(b:item(), a:item()) <= 1e-12)
+    local fg = tp.full_grads(g1)
+    for name, p in g0:named_parameters() do assert.is_true(FS.max_rel(fg[name], p.grad) <= 1e-10, name) end
+    -- bad plans: nothing changes, the message names the module
+    local function bad(plan, want)
+      local n = net()
+      local ok, err = pcall(tp.parallelize, n, { plan = plan })
+      assert.is_false(ok)
+      assert.matches(want, err, 1, true)
+      assert.is_nil(rawget(n, '_tp'))
+      assert.are.equal(48, n.up.weight.shape[1])
+    end
+    bad({ ['^nothing$'] = 'colwise' }, 'plan pattern ^nothing$ matches no module')
+    bad({ ['^emb$'] = 'rowwise' }, 'emb is a Embedding; rowwise takes an nn.Linear or nn.Conv1D')
+    bad({ ['^up$'] = 'sideways' }, "the style must be 'colwise', 'rowwise' or 'vocab'")
+    bad({ ['^up$'] = 'colwise', ['u'] = 'rowwise' }, 'up is both')
+    if W == 3 or W == 4 then
+      local n = net()
+      n:register_module('odd', nn.Linear(24, 10))
+      local ok, err = pcall(tp.parallelize, n, { plan = { ['^odd$'] = 'colwise', ['^up$'] = 'colwise' } })
+      assert.is_false(ok)
+      assert.matches('odd.weight (10, 24): dim 1 (10) does not split over ' .. W .. ' ranks', err, 1, true)
+      assert.are.equal(48, n.up.weight.shape[1])
+    end
+  end)
+
   it('bad splits and the unfused loss are errors that name the shapes', function()
     if W > 1 then
       -- 4 heads, 2 kv heads: not over 3 ranks; an MLP of 352 not over 3 either

@@ -189,6 +189,14 @@ local function rowwise_forward(self, x)
   return y
 end
 
+-- a column-parallel Linear / Conv1D of a plan (tp.parallelize's opts.plan):
+-- the input's gradient summed over the group, the output this rank's
+-- features
+local function colwise_forward(self, x)
+  local t = rawget(self, '_tp')
+  return getmetatable(self).forward(self, tp.copy_to(x, t.group))
+end
+
 -- a vocabulary-parallel embedding: rows [start, start + rows) here; other
 -- ids give zeros, and the ranks' lookups are summed
 local function vocab_embedding_forward(self, ids)
@@ -232,13 +240,15 @@ local function info_of(model)
   return i
 end
 
--- tp.parallelize(model, { group = }) -> model, in place. Every rank
+-- tp.parallelize(model, { group =, plan = }) -> model, in place. Every rank
 -- of the group must hold the same parameters (build the model with the same
 -- seed, or load the same file; a deferred model is materialized one tensor
 -- at a time, so no rank holds more than one whole tensor beyond its slices).
 -- The module classes of moonshard.nn are split by the layout above; the
 -- token embedding is model:token_embedding() when the model has it
--- (gpt2, llama). The generator's state is made the group's first rank's,
+-- (gpt2, llama). opts.plan (name pattern -> 'colwise' | 'rowwise' |
+-- 'vocab') splits only the modules it names instead (docs/tp.md, "Plans").
+-- The generator's state is made the group's first rank's,
 -- so dropout on the replicated stream draws the same masks everywhere.
 function tp.parallelize(model, opts)
   local nn = require 'moonshard.nn'
@@ -254,9 +264,57 @@ function tp.parallelize(model, opts)
   for name, m in model:named_modules() do names[m] = name end
 
   local function pre(m) local n = names[m]; return (n == nil or n == '') and '' or n .. '.' end
+  -- opts.plan: module name patterns -> 'colwise' | 'rowwise' | 'vocab', in
+  -- place of the layout by class (models of one's own)
+  local plan = opts.plan
+  local assign = nil
+  if plan ~= nil then
+    if type(plan) ~= 'table' then error('tp.parallelize: opts.plan must be a table of name pattern -> style', 2) end
+    assign = {}
+    local styles = { colwise = true, rowwise = true, vocab = true }
+    local pats = {}
+    for pat in pairs(plan) do pats[#pats + 1] = pat end
+    table.sort(pats)
+    for _, pat in ipairs(pats) do
+      local style = plan[pat]
+      if type(pat) ~= 'string' or not styles[style] then
+        error(("tp.parallelize: plan[%s] = %s: the style must be 'colwise', 'rowwise' or 'vocab'"):format(
+          tostring(pat), tostring(style)), 2)
+      end
+      local hits = 0
+      for name, m in model:named_modules() do
+        local okf, f = pcall(string.find, name, pat)
+        if not okf then error(('tp.parallelize: bad plan pattern %s: %s'):format(pat, tostring(f)), 2) end
+        if f and name ~= '' then
+          hits = hits + 1
+          local cls = getmetatable(m)
+          local linear = cls == nn.Linear or cls == nn.Conv1D
+          if (style ~= 'vocab' and not linear) or (style == 'vocab' and not (linear or cls == nn.Embedding)) then
+            error(('tp.parallelize: plan %s: %s is a %s; %s takes %s'):format(pat, name, m:class_name(), style,
+              style == 'vocab' and 'an nn.Embedding or an LM head\'s nn.Linear' or 'an nn.Linear or nn.Conv1D'), 2)
+          end
+          if assign[m] and assign[m] ~= style then
+            error(('tp.parallelize: %s is both %s and %s in the plan'):format(name, assign[m], style), 2)
+          end
+          assign[m] = style
+          -- the split dimension must divide (checked before anything changes)
+          local w = m.weight
+          local dim
+          if style == 'colwise' then dim = cls == nn.Conv1D and 2 or 1
+          elseif style == 'rowwise' then dim = cls == nn.Conv1D and 1 or 2 end
+          if dim and w.shape[dim] % size ~= 0 then
+            error(('tp.parallelize: plan %s: %s.weight %s: dim %d (%d) does not split over %d ranks'):format(pat, name,
+              shape_str(w.shape), dim, w.shape[dim], size), 2)
+          end
+        end
+      end
+      if hits == 0 then error(('tp.parallelize: plan pattern %s matches no module of the model'):format(pat), 2) end
+    end
+  end
   -- checks first, so that a model that cannot be split is left whole
   for _, m in model:named_modules() do
     local cls = getmetatable(m)
+    if assign then cls = nil end   -- (a plan: only its modules are split)
     if cls == nn.CausalSelfAttention then
       if m.n_head % size ~= 0 or m.n_kv_head % size ~= 0 then
         error(('tp.parallelize: %s has %d heads and %d kv heads; both must be multiples of the group size %d'):format(
@@ -312,6 +370,28 @@ function tp.parallelize(model, opts)
   end
 
   A.no_grad(function()
+    if assign then
+      for _, m in model:named_modules() do
+        local style = assign[m]
+        if style == 'colwise' then
+          column(m)
+          if size > 1 then
+            rawset(m, '_tp', { group = g })
+            rawset(m, 'forward', colwise_forward)
+          end
+        elseif style == 'rowwise' then
+          row(m)
+        elseif style == 'vocab' then
+          vocab(m)
+          if getmetatable(m) == nn.Embedding then rawset(m, 'forward', vocab_embedding_forward) end
+        end
+      end
+      if head ~= nil and info.vocab[rawget(head, 'proj')] then
+        local v = info.vocab[rawget(head, 'proj')]
+        rawset(head, '_tp', { group = g, total = v.total, enter = enter(g) })
+      end
+      return
+    end
     for _, m in model:named_modules() do
       local cls = getmetatable(m)
       if cls == nn.CausalSelfAttention then
