@@ -7,12 +7,7 @@ local T = require 'moonshard.tensor'
 local root = T.root
 local S_ = require 'spec.support'
 local q, tmpdir = S_.shell_quote, S_.tmpdir
-local function bin_train(args, env)
-  local p = io.popen(('cd %s && %s bin/train %s 2>&1; echo "__status=$?"'):format(q(root), env or '', args))
-  local out = p:read('*a')
-  p:close()
-  return tonumber(out:match('__status=(%d+)%s*$')), out
-end
+local bin_train, losses = S_.bin_train, S_.run_losses
 local function lines(path)
   local f = io.open(path)
   if not f then return nil end
@@ -101,14 +96,6 @@ end)
 -- reductions round like the straight run's at two GPUs: bit-exact is not
 -- asked across world sizes)
 describe('bin/train strategies with checkpoints on two GPUs #gpu', function()
-  local function losses(out)
-    local r = {}
-    for line in io.lines(out .. '/metrics.jsonl') do
-      local obj = assert(require('dkjson').decode(line), line)
-      if obj.loss then r[obj.step] = obj.loss end
-    end
-    return r
-  end
   for _, strat in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD', 'HYBRID_SHARD --shard-size 1' }) do
     it(('%s: stop at step 2, resume at two GPUs and at one'):format(strat), function()
       if ms.cuda.device_count() < 2 then
@@ -149,21 +136,7 @@ end)
 -- curve, sample, save the whole model, and a stopped run resumes at --tp 2
 -- and on one GPU
 describe('bin/train --tp on two GPUs #gpu', function()
-  local function losses(out)
-    local r = {}
-    for line in io.lines(out .. '/metrics.jsonl') do
-      local obj = assert(require('dkjson').decode(line), line)
-      if obj.loss then r[obj.step] = obj.loss end
-    end
-    return r
-  end
-  local function close(ref, got, what)
-    for step = 1, 4 do
-      assert.is_number(got[step], ('%s: no loss at step %d'):format(what, step))
-      local rel = math.abs(got[step] - ref[step]) / math.abs(ref[step])
-      assert.is_true(rel <= 2e-2, ('%s: step %d loss %.6g, one GPU %.6g'):format(what, step, got[step], ref[step]))
-    end
-  end
+  local function close(ref, got, what) S_.close_losses(ref, got, 1, 4, what, 2e-2) end
   local models = {
     { 'models/gpt2.lua', small },
     { 'models/llama.lua', '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 128 '

@@ -9,7 +9,8 @@
 -- (relerr, finite), errors (errmsg), the expected results of a collective
 -- (collective_val, reduce_expect), JSON fixture files (json_cases), and
 -- temporary directories and shell quoting for specs that run commands
--- (tmpdir, shell_quote).
+-- (tmpdir, shell_quote), bin/train runs and their loss curves (bin_train,
+-- run_losses, close_losses).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local luassert = require 'luassert'   -- busted's assert (a spec's global)
@@ -27,6 +28,39 @@ function S.tmpdir()
   local d = p:read('*l')
   p:close()
   return d
+end
+
+-- bin/train with the argument string `args` (and `env`, a prefix of
+-- VAR=value words), from the repository's root -> exit status, output
+function S.bin_train(args, env)
+  local p = io.popen(('cd %s && %s luajit bin/train %s 2>&1; echo "__status=$?"'):format(S.shell_quote(T.root),
+    env or '', args))
+  local out = p:read('*a')
+  p:close()
+  local status = tonumber(out:match('__status=(%d+)%s*$'))
+  return status, (out:gsub('__status=%d+%s*$', ''))
+end
+
+-- step -> loss of a run folder's metrics.jsonl (skipped steps have none)
+function S.run_losses(out)
+  local r = {}
+  for line in io.lines(out .. '/metrics.jsonl') do
+    local obj = assert(json.decode(line, 1, nil), line)
+    if obj.loss then r[obj.step] = obj.loss end
+  end
+  return r
+end
+
+-- asserts got[s] within `bound` (relative; 1e-5) of ref[s] for s = from..to
+function S.close_losses(ref, got, from, to, what, bound)
+  bound = bound or 1e-5
+  for s = from, to do
+    luassert.is_number(ref[s], ('%s: reference step %d'):format(what, s))
+    luassert.is_number(got[s], ('%s: no loss at step %d'):format(what, s))
+    local rel = math.abs(got[s] - ref[s]) / math.abs(ref[s])
+    luassert.is_true(rel <= bound, ('%s: step %d loss %.17g, reference %.17g (relative %.2e)'):format(what, s, got[s],
+      ref[s], rel))
+  end
 end
 
 -- a tensor of `shape` holding the row-major values `vals`, in dtype (f64)

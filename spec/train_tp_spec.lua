@@ -6,7 +6,6 @@
 -- the losses of the run that never stopped; the final weights are the
 -- whole model; bad layouts exit 2 with a message.
 local T = require 'moonshard.tensor'
-local json = require 'dkjson'
 local train = require 'moonshard.train'
 local data = require 'moonshard.data'
 
@@ -19,32 +18,8 @@ do
   p:close()
 end
 
-local function bin_train(args)
-  local p = io.popen(('cd %s && luajit bin/train %s 2>&1; echo "__status=$?"'):format(q(root), args))
-  local out = p:read('*a')
-  p:close()
-  local status = tonumber(out:match('__status=(%d+)%s*$'))
-  return status, out:gsub('__status=%d+%s*$', '')
-end
-
-local function losses(out)
-  local r = {}
-  for line in io.lines(out .. '/metrics.jsonl') do
-    local obj = assert(json.decode(line, 1, nil), line)
-    r[obj.step] = obj.loss
-  end
-  return r
-end
-
-local function close_losses(ref, got, from, to, what)
-  for s = from, to do
-    assert.is_number(ref[s], ('%s: reference step %d'):format(what, s))
-    assert.is_number(got[s], ('%s: no loss at step %d'):format(what, s))
-    local rel = math.abs(got[s] - ref[s]) / math.abs(ref[s])
-    assert.is_true(rel <= 1e-5, ('%s: step %d loss %.17g, one process %.17g (relative %.2e)'):format(what, s, got[s],
-      ref[s], rel))
-  end
-end
+local S = require 'spec.support'
+local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
 
 local corpus_path = dir .. '/corpus.txt'
 do

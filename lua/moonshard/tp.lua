@@ -611,32 +611,37 @@ local function sorted_keys(tbl)
   return names
 end
 
--- tp.full_state_dict(model) -> name -> whole tensor, on every rank of the
--- group (new tensors for the split ones, the model's own for the others):
--- what save_pretrained and the checkpoints write
-function tp.full_state_dict(model)
-  local info = info_of(model)
-  local sd = model:state_dict()
+-- name -> whole tensor for name -> this rank's tensor (the replicated ones
+-- as they are), gathered in name order on every rank
+local function gather_all(info, tbl)
   local out = {}
-  for _, name in ipairs(sorted_keys(sd)) do
+  for _, name in ipairs(sorted_keys(tbl)) do
     local how = info.split[name]
-    out[name] = (how == nil or info.size == 1) and sd[name] or gather(info, how, sd[name])
+    out[name] = (how == nil or info.size == 1) and tbl[name] or gather(info, how, tbl[name])
   end
   return out
 end
 
+-- this rank's piece of whole tensor t of parameter `name` (t itself when
+-- the parameter is replicated), and whether it is a new tensor
+local function piece_of(info, name, t)
+  local how = info.split[name]
+  if how == nil or info.size == 1 then return t, false end
+  if how.vocab then return (split_vocab(t, info.size, info.rank)), true end
+  return split_even(t, how.dim, info.size, info.rank, how.sections, name), true
+end
+
+-- tp.full_state_dict(model) -> name -> whole tensor, on every rank of the
+-- group (new tensors for the split ones, the model's own for the others):
+-- what save_pretrained and the checkpoints write
+function tp.full_state_dict(model) return gather_all(info_of(model), model:state_dict()) end
+
 -- tp.full_grads(model) -> name -> the whole gradient (of the parameters
 -- that have one), as full_state_dict
 function tp.full_grads(model)
-  local info = info_of(model)
   local gr = {}
   for name, p in model:named_parameters() do if p.grad ~= nil then gr[name] = p.grad end end
-  local out = {}
-  for _, name in ipairs(sorted_keys(gr)) do
-    local how = info.split[name]
-    out[name] = (how == nil or info.size == 1) and gr[name] or gather(info, how, gr[name])
-  end
-  return out
+  return gather_all(info_of(model), gr)
 end
 
 -- tp.load_full_state_dict(model, sd): the whole tensors of a full state
@@ -644,24 +649,18 @@ end
 -- model's slices
 function tp.load_full_state_dict(model, sd)
   local info = info_of(model)
-  local size, rank = info.size, info.rank
-  local params = {}
-  for name, t in pairs(model:state_dict()) do params[name] = t end
+  local params = model:state_dict()
   A.no_grad(function()
     for name, dst in pairs(params) do
       local src = sd[name]
       if src == nil then error(('tp.load_full_state_dict: %s is missing'):format(name), 3) end
-      local how = info.split[name]
-      local piece
-      if how == nil or size == 1 then piece = src
-      elseif how.vocab then piece = split_vocab(src, size, rank)
-      else piece = split_even(src, how.dim, size, rank, how.sections, name) end
+      local piece, made = piece_of(info, name, src)
       if piece:numel() ~= dst:numel() then
         error(('tp.load_full_state_dict: %s is %s in the file, this rank holds %s'):format(name,
           shape_str(src.shape), shape_str(dst.shape)), 3)
       end
       if dst:numel() > 0 then T.raw_copy_(dst, piece:view(dst.shape)) end
-      if piece ~= src then piece:free() end
+      if made then piece:free() end
     end
   end)
   return model
@@ -715,9 +714,7 @@ function tp.load_full_optimizer_state(model, opt, sd)
     local i = tonumber(name:match('^(%d+)%.'))
     local e = i and how[i]
     if e and e.how and info.size > 1 and t.ndim == e.p.ndim then
-      local piece
-      if e.how.vocab then piece = split_vocab(t, info.size, info.rank)
-      else piece = split_even(t, e.how.dim, info.size, info.rank, e.how.sections, e.name) end
+      local piece = piece_of(info, e.name, t)
       tensors[name] = piece
       made[#made + 1] = piece
     else
@@ -817,18 +814,12 @@ function tp.load_fsdp_optimizer_state(model, opt, sd)
     local ea, eq = sd.tensors[e.index .. '.exp_avg'], sd.tensors[e.index .. '.exp_avg_sq']
     if ea and eq then by_name[name] = { ea = ea, eq = eq, step = e.step } end
   end
-  local function local_piece(name, t)
-    local how = info.split[name]
-    if how == nil or info.size == 1 then return t, false end
-    if how.vocab then return (split_vocab(t, info.size, info.rank)), true end
-    return split_even(t, how.dim, info.size, info.rank, how.sections, name), true
-  end
   A.no_grad(function()
     local sliced = {}
     for name, e in pairs(by_name) do
-      local ea, m1 = local_piece(name, e.ea)
-      local eq, m2 = local_piece(name, e.eq)
-      sliced[name] = { ea = ea, eq = eq, step = e.step, made = m1 }
+      local ea, made = piece_of(info, name, e.ea)
+      local eq = piece_of(info, name, e.eq)
+      sliced[name] = { ea = ea, eq = eq, step = e.step, made = made }
     end
     for _, pc in ipairs(opt.fsdp_pieces) do
       local u, fp = pc.unit, pc.unit.fp
