@@ -9,8 +9,8 @@
 -- (relerr, finite), errors (errmsg), the expected results of a collective
 -- (collective_val, reduce_expect), JSON fixture files (json_cases), and
 -- temporary directories and shell quoting for specs that run commands
--- (tmpdir, shell_quote), bin/train runs and their loss curves (bin_train,
--- run_losses, close_losses).
+-- (tmpdir, shell_quote), bin/train runs, their text and their loss curves
+-- (fixed_corpus, bin_train, run_losses, close_losses).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local luassert = require 'luassert'   -- busted's assert (a spec's global)
@@ -28,6 +28,22 @@ function S.tmpdir()
   local d = p:read('*l')
   p:close()
   return d
+end
+
+-- dir/corpus.txt: the repository files `files` joined, a training text
+-- fixed while a spec runs (the default corpus, the repository's files, may
+-- change between two runs) -> its path
+function S.fixed_corpus(dir, files)
+  local parts = {}
+  for _, f in ipairs(files) do
+    local h = io.open(T.root .. '/' .. f, 'rb')
+    if h then parts[#parts + 1] = h:read('*a'); h:close() end
+  end
+  local path = dir .. '/corpus.txt'
+  local f = assert(io.open(path, 'wb'))
+  f:write(table.concat(parts, '\n'))
+  f:close()
+  return path
 end
 
 -- bin/train with the argument string `args` (and `env`, a prefix of

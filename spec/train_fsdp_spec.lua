@@ -15,30 +15,13 @@ local train = require 'moonshard.train'
 local data = require 'moonshard.data'
 
 local root = T.root
-local q = require('spec.support').shell_quote
-local dir
-do
-  local p = io.popen('mktemp -d')
-  dir = p:read('*l')
-  p:close()
-end
-
 local S = require 'spec.support'
+local q = S.shell_quote
+local dir = S.tmpdir()
 local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
 
--- the text every run reads: fixed while the spec runs (the default corpus
--- is the repository's files, which may change between two runs)
-local corpus_path = dir .. '/corpus.txt'
-do
-  local parts = {}
-  for _, f in ipairs({ 'README.md', 'docs/train.md', 'docs/fsdp.md', 'lua/moonshard/data.lua' }) do
-    local h = io.open(root .. '/' .. f, 'rb')
-    if h then parts[#parts + 1] = h:read('*a'); h:close() end
-  end
-  local f = assert(io.open(corpus_path, 'wb'))
-  f:write(table.concat(parts, '\n'))
-  f:close()
-end
+-- the text every run reads: fixed while the spec runs
+local corpus_path = S.fixed_corpus(dir, { 'README.md', 'docs/train.md', 'docs/fsdp.md', 'lua/moonshard/data.lua' })
 
 -- a model small enough that a step takes milliseconds
 local tiny = '--preset tiny --model.n_layer 2 --model.n_embd 32 --model.n_head 2 --seq-len 16 --lr 1e-2 --warmup 1 '

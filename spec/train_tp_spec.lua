@@ -5,33 +5,15 @@
 -- checkpoint a --tp run writes resumes in one process and at --tp 2 with
 -- the losses of the run that never stopped; the final weights are the
 -- whole model; bad layouts exit 2 with a message.
-local T = require 'moonshard.tensor'
 local train = require 'moonshard.train'
 local data = require 'moonshard.data'
 
-local root = T.root
-local q = require('spec.support').shell_quote
-local dir
-do
-  local p = io.popen('mktemp -d')
-  dir = p:read('*l')
-  p:close()
-end
-
 local S = require 'spec.support'
+local q = S.shell_quote
+local dir = S.tmpdir()
 local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
 
-local corpus_path = dir .. '/corpus.txt'
-do
-  local parts = {}
-  for _, f in ipairs({ 'README.md', 'docs/train.md', 'lua/moonshard/data.lua' }) do
-    local h = io.open(root .. '/' .. f, 'rb')
-    if h then parts[#parts + 1] = h:read('*a'); h:close() end
-  end
-  local f = assert(io.open(corpus_path, 'wb'))
-  f:write(table.concat(parts, '\n'))
-  f:close()
-end
+local corpus_path = S.fixed_corpus(dir, { 'README.md', 'docs/train.md', 'lua/moonshard/data.lua' })
 
 local tiny = '--preset tiny --model.n_layer 2 --model.n_embd 32 --model.n_head 2 --seq-len 16 --lr 1e-2 --warmup 1 '
   .. '--eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 --data ' .. q(corpus_path)
