@@ -23,7 +23,7 @@
 -- flops only, not the recompute),
 -- --tp (tensor parallelism instead of FSDP: ms.tp.parallelize over the
 -- world, every rank the same batch; tokens/s per GPU is then the step's
--- tokens over the GPUs; docs/tp.md),
+-- tokens over the GPUs; docs/tp.md), --sp (with --tp: sequence parallel),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
 -- the last phase's), --keep-activations (ms.autograd.release_activations
@@ -54,7 +54,7 @@ local ms = require 'moonshard'
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
   ['loss-budget'] = 0, ac = 'none' }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
-  ['keep-activations'] = false, tp = false }
+  ['keep-activations'] = false, tp = false, sp = false }
 do
   local i = 1
   while i <= #arg do
@@ -67,7 +67,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp] [--ac none|full|N]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp] [--sp] [--ac none|full|N]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -130,7 +130,7 @@ local adam = opts.model == 'gpt2' and { lr = 6e-4, betas = { 0.9, 0.95 }, eps = 
   or { lr = 3e-4, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0.01 }
 local opt, clip
 if use_tp then
-  ms.tp.parallelize(model)
+  ms.tp.parallelize(model, { sequence_parallel = flags.sp })
   model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
   opt = ms.optim.AdamW(model, adam)
   clip = function() return ms.tp.clip_grad_norm_(model, 1.0, { tensor = true, defer = opt }) end
@@ -291,7 +291,7 @@ local flops_tok = 6 * nparams + 6 * L * C * opts.seq
 say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLOP/s/GPU | peak GiB/GPU | exposed comm ms |'))
 say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
-  use_tp and 'tensor parallel' or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
+  use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
     .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
   peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))
 if use_fsdp or use_tp then ms.dist.destroy() end

@@ -133,19 +133,27 @@ function GPT2Model:forward(input_ids)
   local pe = self.wpe(pos)
   pos:free()   -- (the embedding keeps its own handle for its backward)
   local x = self.drop(self.wte(input_ids) + pe)
+  -- moonshard.tp's sequence parallelism: the blocks see this rank's tokens
+  -- of the residual stream, the whole of it again after ln_f
+  local sp = rawget(self, '_sp')
+  if sp then x = sp.scatter(x) end
   local n, deferred = #self.h, fusable_norm(self.ln_f)
   for i = 1, n do deferred = deferred and self.h[i]:deferrable() end
+  local y
   if deferred and n > 0 then
     -- every residual add but the attention's goes into the next norm's pass
     -- (ln_1 of the next block, ln_f after the last): one pass fewer a block
     local pending
     for i = 1, n do x, pending = self.h[i](x, pending, true) end
     local lf = self.ln_f
-    local _, y = nn.functional.add_layer_norm(x, pending, lf.weight, lf.bias, lf.eps)
-    return y
+    local _, out = nn.functional.add_layer_norm(x, pending, lf.weight, lf.bias, lf.eps)
+    y = out
+  else
+    for i = 1, n do x = self.h[i](x) end
+    y = self.ln_f(x)
   end
-  for i = 1, n do x = self.h[i](x) end
-  return self.ln_f(x)
+  if sp then y = sp.gather(y) end
+  return y
 end
 
 local GPT2 = nn.Module:extend('GPT2LMHeadModel')
@@ -169,6 +177,9 @@ function GPT2:head_module() return rawget(self, '_head') end
 function GPT2:head_weight() return self.transformer.wte.weight end
 -- the token embedding (moonshard.tp splits it by vocabulary rows)
 function GPT2:token_embedding() return self.transformer.wte end
+-- the decoder (embeddings, blocks, ln_f): where moonshard.tp's sequence
+-- parallelism enters and leaves
+function GPT2:decoder() return self.transformer end
 function GPT2:max_positions() return self.config.n_positions end
 
 -- model(input_ids) -> logits (B, T, V)

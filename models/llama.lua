@@ -177,19 +177,27 @@ end
 -- module that holds the norm (nn.LMHead: norm(x + pending))
 function LlamaModel:forward(input_ids, prenorm)
   local x = self.embed_tokens(input_ids)
+  -- moonshard.tp's sequence parallelism: the layers see this rank's tokens
+  -- of the residual stream, the whole of it again after the final norm
+  local sp = rawget(self, '_sp')
+  if sp then x = sp.scatter(x) end
   local n, deferred = #self.layers, fusable_norm(self.norm)
   for i = 1, n do deferred = deferred and self.layers[i]:deferrable() end
+  local y
   if deferred and n > 0 then
     -- each layer's last residual add goes into the next norm's pass
     local pending
     for i = 1, n do x, pending = self.layers[i](x, pending, true) end
     if prenorm then return x, pending end
-    local _, y = nn.functional.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
-    return y
+    local _, out = nn.functional.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
+    y = out
+  else
+    for i = 1, n do x = self.layers[i](x) end
+    if prenorm then return x end
+    y = self.norm(x)
   end
-  for i = 1, n do x = self.layers[i](x) end
-  if prenorm then return x end
-  return self.norm(x)
+  if sp then y = sp.gather(y) end
+  return y
 end
 
 local Llama = nn.Module:extend('LlamaForCausalLM')
@@ -213,6 +221,9 @@ end
 function Llama:head_module() return rawget(self, '_head') end
 -- the token embedding (moonshard.tp splits it by vocabulary rows)
 function Llama:token_embedding() return self.model.embed_tokens end
+-- the decoder (embeddings, layers, final norm): where moonshard.tp's
+-- sequence parallelism enters and leaves
+function Llama:decoder() return self.model end
 
 function Llama:head_weight()
   if self.config.tie_word_embeddings then return self.model.embed_tokens.weight end

@@ -132,6 +132,51 @@ describe('tensor parallelism #mpi', function()
     end)
   end
 
+  -- sequence parallelism: the residual stream split by tokens between the
+  -- split layers; the same numbers, also with dropout (each rank draws its
+  -- rows of the reference's mask) and for a B·T that does not divide (the
+  -- forward then runs replicated)
+  for _, case in ipairs(cases) do
+    it(case[1] .. ', sequence parallel: loss, gradients, logits, steps and dropout as the unsplit model (f64)', function()
+      local over = case[1] == 'gpt2' and { resid_pdrop = 0.2, embd_pdrop = 0.1 } or nil
+      local ref = build(case, 'f64', 7, over)
+      local m = tp.parallelize(build(case, 'f64', 7, over), { sequence_parallel = true })
+      ref:train(); m:train()
+      local o0 = ms.optim.AdamW(ref:parameters(), { lr = 1e-2 })
+      local o1 = ms.optim.AdamW(m:parameters(), { lr = 1e-2 })
+      for step = 1, 3 do
+        local x, y = FS.lcg_batch(30 + step, 2, 12)
+        ms.manual_seed(100 + step)
+        local l0 = ref(x, y); l0:backward()
+        ms.manual_seed(100 + step)
+        local l1 = m(x, y); l1:backward()
+        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, ('step %d: %.17g against %.17g'):format(step,
+          l1:item(), l0:item()))
+        if step == 1 then
+          local full = tp.full_grads(m)
+          for name, p in ref:named_parameters() do
+            assert.is_true(FS.max_rel(full[name], p.grad) <= 1e-10, name)
+          end
+        end
+        o0:step(); o0:zero_grad()
+        o1:step(); o1:zero_grad()
+      end
+      ref:eval(); m:eval()
+      local x = FS.lcg_batch(50, 2, 12)
+      assert.is_true(FS.max_rel(m:last_logits(x), ref:last_logits(x)) <= 1e-12)
+      local odd = FS.lcg_batch(51, 1, 5)   -- B·T = 5: replicated for this forward at 2-4 ranks
+      assert.is_true(FS.max_rel(m:last_logits(odd), ref:last_logits(odd)) <= 1e-12)
+      if W > 1 then
+        -- the stream between the blocks is this rank's tokens
+        local seen
+        local blk = case[1] == 'gpt2' and m.transformer.h[1] or m.model.layers[1]
+        blk:register_forward_pre_hook(function(_, a) seen = a[1].shape end)
+        m(x, FS.lcg_batch(50, 2, 12))
+        assert.are.same({ 24 / W, m.config.n_embd or m.config.hidden_size }, seen)
+      end
+    end)
+  end
+
   it('gpt2 with dropout: every rank draws the reference\'s masks', function()
     local over = { resid_pdrop = 0.2, embd_pdrop = 0.2 }
     local ref = build(cases[1], 'f64', 7, over)
@@ -364,6 +409,14 @@ describe('tensor parallelism #mpi', function()
     ok, err = pcall(tp.full_grads, build(cases[1], 'f64'))
     assert.is_false(ok)
     assert.matches('not given to tp.parallelize', err, 1, true)
+    -- sequence parallelism: not with a plan, and not under fully_shard
+    ok, err = pcall(tp.parallelize, build(cases[1], 'f64'), { sequence_parallel = true, plan = { ['mlp'] = 'colwise' } })
+    assert.is_false(ok)
+    assert.matches('sequence_parallel takes the layout by class', err, 1, true)
+    local spm = tp.parallelize(build(cases[1], 'f64'), { sequence_parallel = true })
+    ok, err = pcall(ms.fsdp.fully_shard, spm, { policy = ms.fsdp.policy.by_class { 'GPT2Block' } })
+    assert.is_false(ok)
+    assert.matches('tensor-parallel with sequence_parallel', err, 1, true)
   end)
 end)
 
@@ -386,11 +439,11 @@ describe('tensor parallelism over NCCL #multi', function()
     return case[2].new(case[3]):to('cuda')
   end
   for _, case in ipairs(cases) do
-    for _, prec in ipairs({ { 'f32', 1e-4 }, { 'bf16', 2e-2 } }) do
-      it(('%s, %s: three AdamW steps with clipping as the unsplit model on the same GPU (%g)'):format(case[1],
-        prec[1], prec[2]), function()
+    for _, prec in ipairs({ { 'f32', 1e-4 }, { 'bf16', 2e-2 }, { 'f32', 1e-4, true }, { 'bf16', 2e-2, true } }) do
+      it(('%s, %s%s: three AdamW steps with clipping as the unsplit model on the same GPU (%g)'):format(case[1],
+        prec[1], prec[3] and ', sequence parallel' or '', prec[2]), function()
         local ref = build(case)
-        local m = tp.parallelize(build(case))
+        local m = tp.parallelize(build(case), { sequence_parallel = prec[3] })
         if prec[1] == 'bf16' then
           ms.nn.functional.set_precision(ref, { compute = 'bf16' })
           ms.nn.functional.set_precision(m, { compute = 'bf16' })

@@ -41,7 +41,8 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
         :format(c[1], c[2], q(dir), c[3]))
       assert.are.equal(0, status, text)
       close_losses(one, losses(dir .. '/' .. c[3] .. '2'), 1, 4, c[1] .. ' --tp 2')
-      assert.is_truthy(text:find('[rank 0] tensor parallel: 2-way over 2 ranks, data parallel 1', 1, true), text)
+      assert.is_truthy(text:find('[rank 0] tensor parallel: 2-way over 2 ranks, data parallel 1, sequence parallel', 1,
+        true), text)
       local ok = text:find('[rank 1] done: 4 steps', 1, true)
       assert.is_truthy(ok, text)
       -- the saved folder is the whole model: its validation loss in this process is the run's
@@ -57,13 +58,16 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     end
   end)
 
-  it('--tp 2 on 4 ranks (data parallel 2) follows the one-process curve over the same global batches', function()
+  it('--tp 2 on 4 ranks (data parallel 2) follows the one-process curve over the same global batches, with and without sequence parallelism', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
-    local status, text = bin_train(('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 --tp 2 '
-      .. '--out %s/g4'):format(tiny, q(dir)))
-    assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2', 1, true), text)
-    close_losses(one, losses(dir .. '/g4'), 1, 4, '--tp 2 x dp 2')
+    for _, sp in ipairs({ '', ' --no-sequence-parallel' }) do
+      local status, text = bin_train(('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 --tp 2%s '
+        .. '--out %s/g4%d'):format(tiny, sp, q(dir), #sp))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2, ' .. (sp == '' and '' or 'no ') .. 'sequence parallel',
+        1, true), text)
+      close_losses(one, losses(('%s/g4%d'):format(dir, #sp)), 1, 4, '--tp 2 x dp 2' .. sp)
+    end
   end)
 
   it('--tp 2 --fsdp FULL_SHARD on 4 ranks (FSDP x TP): the one-process curve; stopped, it resumes in one process and 2-D', function()
@@ -71,7 +75,7 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     local common = ('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 --tp 2 --fsdp FULL_SHARD'):format(tiny)
     local status, text = bin_train(('%s --out %s/f4'):format(common, q(dir)))
     assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2 (FULL_SHARD)', 1, true), text)
+    assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2 (FULL_SHARD), no sequence parallel', 1, true), text)
     assert.is_truthy(text:find('fsdp: FULL_SHARD over 2 ranks', 1, true), text)
     close_losses(one, losses(dir .. '/f4'), 1, 4, '--tp 2 x FULL_SHARD 2')
     -- the final weights are the whole model's

@@ -874,6 +874,12 @@ function fsdp.fully_shard(model, opts)
   local optim = require 'moonshard.optim'
   if not nn.is_module(model) then error('fully_shard: model must be a module', 2) end
   if rawget(model, '_fsdp') then error('fully_shard: model is already sharded', 2) end
+  local tpi = rawget(model, '_tp')
+  if tpi and tpi.sp then
+    -- (its norms' partial gradients are summed by hooks on the parameters,
+    -- which the units' gradient buffers bypass)
+    error('fully_shard: the model is tensor-parallel with sequence_parallel; split it without (docs/tp.md)', 2)
+  end
   local strategy = opts.strategy or 'FULL_SHARD'
   if not STRATEGIES[strategy] then
     error(("fully_shard: strategy %s (use 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD' or 'HYBRID_SHARD')")

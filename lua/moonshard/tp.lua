@@ -135,6 +135,151 @@ function tp.gather_last(x, group, total)
   return GatherLast(x, group, total)
 end
 
+-- ------------------------------------------------ sequence parallelism
+-- The residual stream between the split layers held as each rank's rows of
+-- the flattened tokens: (B·T, C) viewed as N chunks of n = B·T/N rows (a
+-- shard is 2-D, (n, C); the whole stream 3-D, (B, T, C)). Megatron-LM's
+-- sequence parallelism: the norms, residual adds and dropout run on 1/N of
+-- the tokens, an all-gather of the shards replaces the split layers'
+-- input copy and a reduce-scatter their output all-reduce (the same bytes).
+
+-- the whole (B, T, C) from every rank's (n, C); backward: the gradient's
+-- sum over the group, this rank's rows (each rank's split layers give a
+-- partial gradient of the whole input)
+local SeqGather = A.Function {
+  name = 'tp_seq_gather',
+  owns_results = true,
+  forward = function(ctx, x, sp)
+    ctx.sp = sp
+    local all = T.empty({ sp.B * sp.T, x.shape[2] }, { dtype = x.dtype, device = x.device })
+    if skip_comm then all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(x)
+    else dist.all_gather_into(all, x:contiguous(), { group = sp.group }) end
+    return all:view({ sp.B, sp.T, x.shape[2] })
+  end,
+  backward = function(ctx, g)
+    local sp = ctx.sp
+    local C = g.shape[g.ndim]
+    local out = T.empty({ sp.n, C }, { dtype = g.dtype, device = g.device })
+    local gc = g:contiguous()
+    if skip_comm then out:copy_(gc:view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n))
+    else dist.reduce_scatter(out, gc, 'sum', { group = sp.group }) end
+    if gc ~= g then gc:free() end
+    return out, nil
+  end,
+}
+
+-- a split layer's partial sums (B, T, C), summed over the group: this
+-- rank's rows (n, C); backward: every rank's gradient rows gathered
+local SeqReduceScatter = A.Function {
+  name = 'tp_seq_reduce_scatter',
+  owns_results = true,
+  forward = function(ctx, x, sp)
+    ctx.sp = sp
+    local C = x.shape[x.ndim]
+    local out = T.empty({ sp.n, C }, { dtype = x.dtype, device = x.device })
+    local xc = x:contiguous()
+    if skip_comm then out:copy_(xc:view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n))
+    else dist.reduce_scatter(out, xc, 'sum', { group = sp.group }) end
+    if xc ~= x then xc:free() end
+    return out
+  end,
+  backward = function(ctx, g)
+    local sp = ctx.sp
+    local C = g.shape[2]
+    local all = T.empty({ sp.B * sp.T, C }, { dtype = g.dtype, device = g.device })
+    if skip_comm then all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(g)
+    else dist.all_gather_into(all, g:contiguous(), { group = sp.group }) end
+    return all:view({ sp.B, sp.T, C }), nil
+  end,
+}
+
+-- the replicated stream (B, T, C) -> this rank's rows (n, C); backward:
+-- the rows' gradients of every rank gathered (the stream before is
+-- replicated: each rank then holds the whole gradient)
+local SeqSplit = A.Function {
+  name = 'tp_seq_split',
+  owns_results = true,
+  forward = function(ctx, x, sp)
+    ctx.sp = sp
+    local C = x.shape[x.ndim]
+    return x:contiguous():view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n):clone()
+  end,
+  backward = function(ctx, g)
+    local sp = ctx.sp
+    local C = g.shape[2]
+    local all = T.empty({ sp.B * sp.T, C }, { dtype = g.dtype, device = g.device })
+    if skip_comm then all:zero_(); all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(g)
+    else dist.all_gather_into(all, g:contiguous(), { group = sp.group }) end
+    return all:view({ sp.B, sp.T, C }), nil
+  end,
+}
+
+-- this rank's rows (n, C) -> the whole stream (B, T, C), for what follows
+-- the split layers (the LM head, the model's output); backward: this rank's
+-- rows of the gradient, which is the same on every rank there (the
+-- vocabulary-parallel loss and the head's input copy sum it over the group)
+local SeqUnsplit = A.Function {
+  name = 'tp_seq_unsplit',
+  owns_results = true,
+  forward = function(ctx, x, sp)
+    ctx.sp = sp
+    local all = T.empty({ sp.B * sp.T, x.shape[2] }, { dtype = x.dtype, device = x.device })
+    if skip_comm then all:zero_(); all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(x)
+    else dist.all_gather_into(all, x:contiguous(), { group = sp.group }) end
+    return all:view({ sp.B, sp.T, x.shape[2] })
+  end,
+  backward = function(ctx, g)
+    local sp = ctx.sp
+    local C = g.shape[g.ndim]
+    return g:contiguous():view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n):clone(), nil
+  end,
+}
+
+-- the sequence-parallel state of a model: on for a forward whose B·T
+-- divides over the group (set by scatter at the decoder's start); the
+-- split layers, dropout and the head read it
+local function new_sp(group)
+  local sp = { group = group, size = group:size(), rank = group:rank(), active = false }
+  -- (B, T, C) replicated -> this rank's rows, when B·T divides; else the
+  -- forward runs replicated, as without sequence parallelism
+  function sp.scatter(x)
+    local B, Tn = x.shape[1], x.shape[2]
+    sp.active = x.ndim == 3 and (B * Tn) % sp.size == 0 and sp.size > 1
+    if not sp.active then return x end
+    sp.B, sp.T, sp.n = B, Tn, B * Tn / sp.size
+    return SeqSplit(x, sp)
+  end
+  -- a shard back to the whole (B, T, C); a whole tensor as it is
+  function sp.gather(x)
+    if not sp.active or x.ndim ~= 2 then return x end
+    return SeqUnsplit(x, sp)
+  end
+  -- a split layer's input: the shard gathered (its gradient reduce-
+  -- scattered), or the replicated input copied (its gradient all-reduced)
+  function sp.enter(x)
+    if sp.active and x.ndim == 2 then return SeqGather(x, sp) end
+    return tp.copy_to(x, group)
+  end
+  return sp
+end
+
+-- dropout on a shard: the mask the unsplit model draws for the whole
+-- stream, this rank's rows of it (Philox: an element's value depends only
+-- on seed and offset + index), the generator advanced past the whole
+local function sp_dropout_forward(self, x)
+  local sp = rawget(self, '_sp')
+  local nnf = require 'moonshard.nn.functional'
+  if not (sp.active and x.ndim == 2 and self.training and self.p > 0) then
+    return getmetatable(self).forward(self, x)
+  end
+  local st = T.rng_state()
+  local C = x.shape[2]
+  local y = nnf.dropout(x, self.p, true, { seed = st.seed, offset = st.offset + sp.rank * sp.n * C })
+  local total = sp.B * sp.T * C
+  T.set_rng_state({ seed = st.seed, offset = st.offset + math.ceil(total / 4) * 4 })
+  return y
+end
+
 -- -------------------------------------------------------------- slicing
 
 -- this rank's piece of a parameter: along `dim` (1-based), `sections`
@@ -179,7 +324,12 @@ local function rowwise_forward(self, x)
   local t = rawget(self, '_tp')
   local nnf = require 'moonshard.nn.functional'
   local y = t.conv1d and nnf.conv1d_linear(x, self.weight, nil) or nnf.linear(x, self.weight, nil)
-  y = tp.reduce_from(y, t.group, true)   -- (y is ours: summed in place)
+  local sp = t.sp
+  if sp and sp.active and y.ndim == 3 then
+    y = SeqReduceScatter(y, sp)            -- (sequence parallel: this rank's rows)
+  else
+    y = tp.reduce_from(y, t.group, true)   -- (y is ours: summed in place)
+  end
   if self.bias ~= nil then
     -- in an autocast region the bias in the region's dtype, as the unsplit
     -- layer's epilogue adds it
@@ -240,7 +390,7 @@ local function info_of(model)
   return i
 end
 
--- tp.parallelize(model, { group =, plan = }) -> model, in place. Every rank
+-- tp.parallelize(model, { group =, plan =, sequence_parallel = }) -> model, in place. Every rank
 -- of the group must hold the same parameters (build the model with the same
 -- seed, or load the same file; a deferred model is materialized one tensor
 -- at a time, so no rank holds more than one whole tensor beyond its slices).
@@ -258,6 +408,20 @@ function tp.parallelize(model, opts)
   local g = check_group(opts.group or dist.get_world_group(), 'tp.parallelize')
   local size, rank = g:size(), g:rank()
   local info = { group = g, size = size, rank = rank, split = {}, vocab = {} }
+  -- opts.sequence_parallel: the decoder's residual stream split by tokens
+  -- (the model's decoder() reads _sp: gpt2, llama)
+  local sp = nil
+  if opts.sequence_parallel then
+    if opts.plan ~= nil then error('tp.parallelize: sequence_parallel takes the layout by class, not a plan', 2) end
+    local dec = model.decoder and model:decoder() or nil
+    if dec == nil then
+      error('tp.parallelize: sequence_parallel needs a model with decoder() (the module whose forward scatters and '
+        .. 'gathers the stream: gpt2, llama)', 2)
+    end
+    sp = new_sp(g)
+    info.sp = sp
+  end
+  local function entry(grp) return sp and sp.enter or enter(grp) end
   local head = model.head_module and model:head_module() or nil
   local emb = model.token_embedding and model:token_embedding() or nil
   local names = {}
@@ -351,7 +515,7 @@ function tp.parallelize(model, opts)
     replace(m, 'weight', function(w) return split_even(w, dim, size, rank, 1, p .. 'weight') end, p, info,
       { dim = dim, sections = 1 })
     if size > 1 then
-      rawset(m, '_tp', { group = g, conv1d = cls == nn.Conv1D })
+      rawset(m, '_tp', { group = g, conv1d = cls == nn.Conv1D, sp = sp })
       rawset(m, 'forward', rowwise_forward)
     end
   end
@@ -397,13 +561,43 @@ function tp.parallelize(model, opts)
       if cls == nn.CausalSelfAttention then
         if m.fused_qkv then column(m.c_attn, 3); row(m.c_proj)
         else column(m.q_proj); column(m.k_proj); column(m.v_proj); row(m.o_proj) end
-        rawset(m, '_tp', { n_head = m.n_head / size, n_kv_head = m.n_kv_head / size, enter = enter(g) })
+        rawset(m, '_tp', { n_head = m.n_head / size, n_kv_head = m.n_kv_head / size, enter = entry(g) })
       elseif cls == nn.MLP then
         column(m.c_fc); row(m.c_proj)
-        rawset(m, '_tp', { enter = enter(g) })
+        rawset(m, '_tp', { enter = entry(g) })
       elseif cls == nn.GatedMLP then
         column(m.gate_proj); column(m.up_proj); row(m.down_proj)
-        rawset(m, '_tp', { enter = enter(g) })
+        rawset(m, '_tp', { enter = entry(g) })
+      elseif cls == nn.Dropout and sp and size > 1 then
+        rawset(m, '_sp', sp)
+        rawset(m, 'forward', sp_dropout_forward)
+      end
+    end
+    if sp then
+      rawset(model:decoder(), '_sp', sp)
+      -- the parameters used on this rank's tokens (the norms, the
+      -- row-parallel biases) get a partial gradient: summed over the group
+      -- as it arrives (before it is accumulated: micro-batches add up as
+      -- usual), when the forward ran sequence parallel
+      if size > 1 then
+        local function hook(grad)
+          if not sp.active then return nil end
+          local s = grad:clone()
+          if not skip_comm then dist.all_reduce(s, 'sum', { group = g }) end
+          return s
+        end
+        local seen = {}
+        local function partial(t)
+          if t ~= nil and t.requires_grad and not seen[tonumber(t.id)] then
+            seen[tonumber(t.id)] = true
+            t:register_hook(hook)
+          end
+        end
+        for _, m in model:named_modules() do
+          local cls = getmetatable(m)
+          if cls == nn.LayerNorm or cls == nn.RMSNorm then partial(m.weight); partial(rawget(m, 'bias'))
+          elseif rawget(m, 'forward') == rowwise_forward then partial(rawget(m, 'bias')) end
+        end
       end
     end
     if emb ~= nil then
@@ -414,7 +608,7 @@ function tp.parallelize(model, opts)
       local proj = rawget(head, 'proj')
       vocab(proj)
       local v = info.vocab[proj]
-      rawset(head, '_tp', { group = g, total = v.total, enter = enter(g) })
+      rawset(head, '_tp', { group = g, total = v.total, enter = enter(g), sp = sp })
     end
   end)
   -- the group's generator: the first rank's state everywhere

@@ -86,6 +86,7 @@ train.options = {
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
+  { 'sequence_parallel', 'bool', true, 'with --tp and no --fsdp: the residual stream between the split layers held as each rank\'s tokens (norms and dropout on 1/N of them; docs/tp.md)' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
   { 'init_from', 'string?', nil, 'start from the weights and config of a Hugging Face folder (config.json + model.safetensors, as save_pretrained and --out write) instead of a fresh model: fine-tuning; --preset and --model.* do not apply; sharded runs read only each rank\'s shards' },
   { 'lora', 'int>=0', 0, 'LoRA adapters of this rank (R) on the model\'s projections (nn.apply_lora; 0: none): the rest of the model frozen, the final weights saved merged' },
@@ -1031,13 +1032,15 @@ function train.run(opts)
   -- materialized a tensor at a time, then the rest of it)
   local tp_desc
   if tp_mesh then
-    local okp, perr = pcall(ms.tp.parallelize, model, { group = tp_mesh.shard })
+    local seq = o.sequence_parallel and not strategy
+    local okp, perr = pcall(ms.tp.parallelize, model, { group = tp_mesh.shard, sequence_parallel = seq })
     if not okp then usage('--tp %d: %s', tp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     ms.nn.materialize(model)
     local mine = 0
     for _, p in ipairs(model:parameters()) do mine = mine + p:numel() end
-    tp_desc = ('%d-way over %d ranks, data parallel %d%s, %.2fM parameters a rank%s'):format(tp_size, world, data_world,
-      strategy and (' (%s)'):format(strategy) or '', mine / 1e6, deferred and ', deferred init' or '')
+    tp_desc = ('%d-way over %d ranks, data parallel %d%s, %ssequence parallel, %.2fM parameters a rank%s'):format(
+      tp_size, world, data_world, strategy and (' (%s)'):format(strategy) or '', seq and '' or 'no ', mine / 1e6,
+      deferred and ', deferred init' or '')
     -- a whole-model checkpoint's weights go into the slices now (before
     -- fully_shard, which takes them); its optimizer state after the optimizer
     if resume then

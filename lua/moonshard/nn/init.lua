@@ -813,20 +813,21 @@ function Attention:init(cfg)
 end
 
 function Attention:forward(x)
+  local H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
+  -- tensor parallelism (moonshard.tp): this rank's heads; the input's
+  -- gradient is summed over the group (with sequence parallelism the input
+  -- is this rank's tokens, gathered here)
+  local tp = rawget(self, '_tp')
+  if tp ~= nil then
+    H, Hkv = tp.n_head, tp.n_kv_head
+    x = tp.enter(x)
+  end
   if x.ndim ~= 3 or x.shape[3] ~= self.dim then
     error(('CausalSelfAttention: expected x of shape (B, T, %d), got (%s)'):format(
       self.dim, table.concat(x.shape, ', ')), 2)
   end
   local s = x.shape
   local B, Tn = s[1], s[2]
-  local H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
-  -- tensor parallelism (moonshard.tp): this rank's heads; the input's
-  -- gradient is summed over the group
-  local tp = rawget(self, '_tp')
-  if tp ~= nil then
-    H, Hkv = tp.n_head, tp.n_kv_head
-    x = tp.enter(x)
-  end
   local q, k, v
   if self.fused_qkv and not self.rope_theta and Hkv == H then
     -- one node: q, k, v read in place from c_attn's output, dq, dk, dv
@@ -926,9 +927,10 @@ function LMHead:forward(x, pending, targets)
   else
     h = norm(x)
   end
+  local tp = rawget(self, '_tp')
+  if tp ~= nil and tp.sp then h = tp.sp.gather(h) end   -- (sequence parallel: the whole stream)
   if targets ~= nil then
     local w = rawget(self, 'proj').weight
-    local tp = rawget(self, '_tp')
     if tp ~= nil then
       -- moonshard.tp: this rank's rows of the vocabulary; the fused loss is
       -- the whole vocabulary's (its grad of h summed over the group)
