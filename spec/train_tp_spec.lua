@@ -58,6 +58,15 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     end
   end)
 
+  it('--tp 2 with micro-batches (sequence parallel: the norms\' partial gradients summed once a backward) follows the one-process curve', function()
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 2 --tokens-per-step 64 '
+      .. '--steps 4 --tp 2 --out %s/gacc'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('2 x 16 x 2 micro-batches', 1, true), text)
+    close_losses(one, losses(dir .. '/gacc'), 1, 4, '--tp 2, 2 micro-batches')
+  end)
+
   it('--tp 2 on 4 ranks (data parallel 2) follows the one-process curve over the same global batches, with and without sequence parallelism', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
     for _, sp in ipairs({ '', ' --no-sequence-parallel' }) do
