@@ -2,7 +2,7 @@
 -- over a group of ranks that hold the same tokens (docs/tp.md).
 --
 --   ms.dist.init{}
---   local model = gpt2.new('small')                -- the same weights on every rank (same seed)
+--   local model = gpt2.new('gpt2-124m')            -- the same weights on every rank (same seed)
 --   local mesh = ms.dist.mesh{ replicate = 2, shard = 4 } -- 8 ranks: 2 data-parallel x 4-way TP
 --   ms.tp.parallelize(model, { group = mesh.shard })
 --   local loss = model(x, y)                        -- x, y the same on the ranks of mesh.shard
@@ -25,7 +25,16 @@
 --              replicated, with the same gradient on every rank.
 -- The residual stream is replicated: an attention or MLP block all-reduces
 -- its input's gradient in backward (Megatron's f) and its output in forward
--- (g): two all-reduces of (B, T, C) a block each way.
+-- (g): two all-reduces of (B, T, C) a block each way. With
+-- sequence_parallel it is each rank's tokens instead (all-gather and
+-- reduce-scatter in their place). opts.plan splits modules by name; a
+-- model split here can then be given to fsdp.fully_shard over the other
+-- mesh axis (FSDP x TP).
+--
+-- Contents: the differentiable collectives (copy_to, reduce_from,
+-- gather_last, the sequence-parallel four), slicing, the styles' forwards,
+-- parallelize, clipping and data parallelism, whole state dicts and
+-- checkpoints (also of a model under fully_shard).
 local T = require 'moonshard.tensor'
 local A = require 'moonshard.autograd'
 local dist = require 'moonshard.dist'
