@@ -177,6 +177,27 @@ describe('tensor parallelism #mpi', function()
     end)
   end
 
+  it('activation checkpointing of the split blocks (with sequence parallelism and dropout): the unsplit gradients (f64)', function()
+    for _, sp in ipairs({ false, true }) do
+      local over = { resid_pdrop = 0.2, embd_pdrop = 0.1 }
+      local ref = build(cases[1], 'f64', 7, over)
+      local m = tp.parallelize(build(cases[1], 'f64', 7, over), { sequence_parallel = sp })
+      assert.are.equal(2, #ms.nn.apply_activation_checkpointing(m, { class = 'GPT2Block' }))
+      ref:train(); m:train()
+      local x, y = FS.lcg_batch(60, 2, 12)
+      ms.manual_seed(9)
+      local l0 = ref(x, y); l0:backward()
+      ms.manual_seed(9)
+      local l1 = m(x, y); l1:backward()
+      assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, ('sp %s: %.17g against %.17g'):format(tostring(sp),
+        l1:item(), l0:item()))
+      local full = tp.full_grads(m)
+      for name, p in ref:named_parameters() do
+        assert.is_true(FS.max_rel(full[name], p.grad) <= 1e-10, ('sp %s: %s'):format(tostring(sp), name))
+      end
+    end
+  end)
+
   it('gpt2 with dropout: every rank draws the reference\'s masks', function()
     local over = { resid_pdrop = 0.2, embd_pdrop = 0.2 }
     local ref = build(cases[1], 'f64', 7, over)
