@@ -152,97 +152,67 @@ end
 -- the tokens, an all-gather of the shards replaces the split layers'
 -- input copy and a reduce-scatter their output all-reduce (the same bytes).
 
--- the whole (B, T, C) from every rank's (n, C); backward: the gradient's
--- sum over the group, this rank's rows (each rank's split layers give a
--- partial gradient of the whole input)
-local SeqGather = A.Function {
-  name = 'tp_seq_gather',
-  owns_results = true,
-  forward = function(ctx, x, sp)
-    ctx.sp = sp
-    local all = T.empty({ sp.B * sp.T, x.shape[2] }, { dtype = x.dtype, device = x.device })
-    if skip_comm then all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(x)
-    else dist.all_gather_into(all, x:contiguous(), { group = sp.group }) end
-    return all:view({ sp.B, sp.T, x.shape[2] })
-  end,
-  backward = function(ctx, g)
-    local sp = ctx.sp
-    local C = g.shape[g.ndim]
-    local out = T.empty({ sp.n, C }, { dtype = g.dtype, device = g.device })
-    local gc = g:contiguous()
-    if skip_comm then out:copy_(gc:view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n))
-    else dist.reduce_scatter(out, gc, 'sum', { group = sp.group }) end
-    if gc ~= g then gc:free() end
-    return out, nil
-  end,
-}
+-- every rank's rows (n, C) -> the whole stream (B, T, C) (skip_comm: this
+-- rank's rows, zeros elsewhere)
+local function seq_all_gather(x, sp)
+  local C = x.shape[x.ndim]
+  local all = T.empty({ sp.B * sp.T, C }, { dtype = x.dtype, device = x.device })
+  local xc = x:contiguous()
+  if skip_comm then
+    all:zero_()
+    all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(xc)
+  else
+    dist.all_gather_into(all, xc, { group = sp.group })
+  end
+  if xc ~= x then xc:free() end
+  return all:view({ sp.B, sp.T, C })
+end
 
+-- the whole stream (B, T, C) -> this rank's rows (n, C): summed over the
+-- group (reduce) or as they are
+local function seq_rows(x, sp, reduce)
+  local C = x.shape[x.ndim]
+  local xc = x:contiguous()
+  local out
+  if reduce and not skip_comm then
+    out = T.empty({ sp.n, C }, { dtype = x.dtype, device = x.device })
+    dist.reduce_scatter(out, xc, 'sum', { group = sp.group })
+  else
+    out = xc:view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n):clone()
+  end
+  if xc ~= x then xc:free() end
+  return out
+end
+
+local function seq_function(name, fwd, bwd)
+  return A.Function {
+    name = name,
+    owns_results = true,
+    forward = function(ctx, x, sp)
+      ctx.sp = sp
+      return fwd(x, sp)
+    end,
+    backward = function(ctx, g) return bwd(g, ctx.sp), nil end,
+  }
+end
+local function reduced_rows(x, sp) return seq_rows(x, sp, true) end
+local function own_rows(x, sp) return seq_rows(x, sp, false) end
+
+-- a split layer's input: every rank's rows gathered; backward: the
+-- gradient summed over the group (each rank's split layers give a partial
+-- gradient of the whole input), this rank's rows
+local SeqGather = seq_function('tp_seq_gather', seq_all_gather, reduced_rows)
 -- a split layer's partial sums (B, T, C), summed over the group: this
--- rank's rows (n, C); backward: every rank's gradient rows gathered
-local SeqReduceScatter = A.Function {
-  name = 'tp_seq_reduce_scatter',
-  owns_results = true,
-  forward = function(ctx, x, sp)
-    ctx.sp = sp
-    local C = x.shape[x.ndim]
-    local out = T.empty({ sp.n, C }, { dtype = x.dtype, device = x.device })
-    local xc = x:contiguous()
-    if skip_comm then out:copy_(xc:view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n))
-    else dist.reduce_scatter(out, xc, 'sum', { group = sp.group }) end
-    if xc ~= x then xc:free() end
-    return out
-  end,
-  backward = function(ctx, g)
-    local sp = ctx.sp
-    local C = g.shape[2]
-    local all = T.empty({ sp.B * sp.T, C }, { dtype = g.dtype, device = g.device })
-    if skip_comm then all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(g)
-    else dist.all_gather_into(all, g:contiguous(), { group = sp.group }) end
-    return all:view({ sp.B, sp.T, C }), nil
-  end,
-}
-
--- the replicated stream (B, T, C) -> this rank's rows (n, C); backward:
--- the rows' gradients of every rank gathered (the stream before is
--- replicated: each rank then holds the whole gradient)
-local SeqSplit = A.Function {
-  name = 'tp_seq_split',
-  owns_results = true,
-  forward = function(ctx, x, sp)
-    ctx.sp = sp
-    local C = x.shape[x.ndim]
-    return x:contiguous():view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n):clone()
-  end,
-  backward = function(ctx, g)
-    local sp = ctx.sp
-    local C = g.shape[2]
-    local all = T.empty({ sp.B * sp.T, C }, { dtype = g.dtype, device = g.device })
-    if skip_comm then all:zero_(); all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(g)
-    else dist.all_gather_into(all, g:contiguous(), { group = sp.group }) end
-    return all:view({ sp.B, sp.T, C }), nil
-  end,
-}
-
--- this rank's rows (n, C) -> the whole stream (B, T, C), for what follows
--- the split layers (the LM head, the model's output); backward: this rank's
--- rows of the gradient, which is the same on every rank there (the
--- vocabulary-parallel loss and the head's input copy sum it over the group)
-local SeqUnsplit = A.Function {
-  name = 'tp_seq_unsplit',
-  owns_results = true,
-  forward = function(ctx, x, sp)
-    ctx.sp = sp
-    local all = T.empty({ sp.B * sp.T, x.shape[2] }, { dtype = x.dtype, device = x.device })
-    if skip_comm then all:zero_(); all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(x)
-    else dist.all_gather_into(all, x:contiguous(), { group = sp.group }) end
-    return all:view({ sp.B, sp.T, x.shape[2] })
-  end,
-  backward = function(ctx, g)
-    local sp = ctx.sp
-    local C = g.shape[g.ndim]
-    return g:contiguous():view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n):clone(), nil
-  end,
-}
+-- rank's rows; backward: every rank's gradient rows gathered
+local SeqReduceScatter = seq_function('tp_seq_reduce_scatter', reduced_rows, seq_all_gather)
+-- the replicated stream -> this rank's rows; backward: every rank's
+-- gradient rows gathered (the stream before is replicated)
+local SeqSplit = seq_function('tp_seq_split', own_rows, seq_all_gather)
+-- this rank's rows -> the whole stream, for what follows the split layers
+-- (the LM head, the model's output); backward: this rank's rows of the
+-- gradient, the same on every rank there (the vocabulary-parallel loss and
+-- the head's input copy sum it over the group)
+local SeqUnsplit = seq_function('tp_seq_unsplit', seq_all_gather, own_rows)
 
 -- the sequence-parallel state of a model: on for a forward whose B·T
 -- divides over the group (set by scatter at the decoder's start); the
