@@ -55,11 +55,11 @@ PROBE   := $(BUILD)/ffi_probe
 
 all: $(LIB) $(FFI) $(PROBE)
 
-$(BUILD)/%.o: %.c $(HEADERS) core/internal.h core/ops_cpu.h core/fused_cpu.h
+$(BUILD)/%.o: %.c $(HEADERS) core/internal.h core/ops_cpu.h core/fused_cpu.h core/fp8.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/%.o: %.cu $(wildcard kernels/*.h kernels/*.cuh kernels/*.inc) $(HEADERS)
+$(BUILD)/%.o: %.cu $(wildcard kernels/*.h kernels/*.cuh kernels/*.inc) $(HEADERS) core/fp8.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -Icore $(NCCL_FLAGS) -c $< -o $@
 

@@ -16,6 +16,7 @@ const char *ms_device_str(int device, char *buf, size_t n);
 const char *ms_desc(const ms_tensor *t, char *buf, size_t n);
 
 int ms_is_float(int dtype);
+int ms_is_float8(int dtype);   /* f8e4m3, f8e5m2 */
 int ms_is_int(int dtype);
 int ms_promote(int a, int b);
 

@@ -216,11 +216,18 @@ static int finish(ms_tensor **out, int allocated, int rc) {
     return rc;
 }
 
-/* all n tensors live and on one device; CUDA tensors are not supported yet */
+/* all n tensors live, on one device, and none of an 8-bit float dtype (a
+ * storage format: copies, views and the float8 ops of core/float8.c take it,
+ * arithmetic does not) */
 static int check_tensors(const char *op, int n, const ms_tensor *const *ts) {
     char a[DESC], b[DESC];
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         if (ms_tensor_check_live(ts[i], op)) return -1;
+        if (ms_is_float8(ts[i]->dtype_id))
+            return ms_errorf("%s: %s is an 8-bit float tensor; those take copies (to), views and the float8 ops "
+                             "(amax, float8_cast, scaled_matmul) only: convert it first (:to('bf16'))",
+                             op, ms_desc(ts[i], a, sizeof a));
+    }
     for (int i = 1; i < n; i++)
         if (ts[i]->device_id != ts[0]->device_id)
             return ms_errorf("%s: tensors on different devices: %s and %s", op, ms_desc(ts[0], a, sizeof a),

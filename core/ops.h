@@ -251,6 +251,40 @@ int ms_attention_backward(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const 
 int ms_attention_backward_sum(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q, const ms_tensor *k,
                               const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
                               double scale, int causal, ms_tensor *dsum);
+
+/* ---- float8 (core/float8.c; CUDA kernels in kernels/float8.cu, the GEMM
+ * in kernels/gemm.cu): torchao's dynamic tensorwise scaling.
+ *
+ * ms_amax: out 0-dim f32 = max |x| over x (any float dtype, any layout; NaN
+ * when x holds one; 0 for an empty x). No host sync on CUDA.
+ *
+ * ms_float8_cast: x (R, C), any float dtype and layout; amax 0-dim f32 on
+ * x's device (ms_amax of x, or of a larger tensor x is part of). With
+ *   scale = fmax / max(amax, 1e-12)   (f64 math, rounded to f32; pow2: the
+ *                                      power of two at or below it)
+ * writes the slots given (NULL: not wanted, *slot NULL: allocated, else
+ * checked: contiguous, of the shape and dtype below):
+ *   out   (R, C) dtype = saturate(x * scale) rounded to nearest even
+ *   out_t (C, R) dtype, the same values transposed (row-major)
+ *   inv   0-dim f32 = 1 / scale (the dequantisation factor)
+ * dtype MS_F8E4M3 (fmax 448) or MS_F8E5M2 (57344); x * scale in f32.
+ *
+ * ms_scaled_matmul: out (M, N) = ainv * binv * (a @ b^T) [+ bias] [+ beta *
+ * out] with a (M, K) and b (N, K) 8-bit float tensors whose rows are
+ * contiguous (K is the unit-stride dim of both: cuBLASLt's FP8 layout; pass
+ * the transposed copies ms_float8_cast makes for the other products), ainv
+ * and binv 0-dim f32 on their device, bias (N) of out's dtype or NULL.
+ * out_dtype f32, bf16 or f16 (*out NULL) or *out itself (beta != 0 adds
+ * to it: a gradient accumulated in f32). e4m3 with e4m3 or e5m2 either
+ * way; two e5m2 operands are refused (cuBLASLt has no such kernel).
+ * fast_accum: CUDA only, cuBLASLt's FP8 fast accumulation (torchao's choice
+ * for the forward product; the CPU always sums in f32 through OpenBLAS).
+ * CUDA needs compute capability 8.9 or newer and M, N, K multiples of 16. */
+int ms_amax(ms_tensor **out, const ms_tensor *x);
+int ms_float8_cast(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, const ms_tensor *x, const ms_tensor *amax,
+                   int dtype, int pow2);
+int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
+                     const ms_tensor *binv, const ms_tensor *bias, int out_dtype, double beta, int fast_accum);
 /* FFI-END */
 
 #define MS_ALL_DIMS (-1000)

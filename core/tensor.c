@@ -1,5 +1,6 @@
 /* core/tensor.c — storage, tensor handles, views, copies, dtype conversion. */
 #include "internal.h"
+#include "fp8.h"
 
 #include <errno.h>
 #include <math.h>
@@ -54,8 +55,9 @@ const char *ms_desc(const ms_tensor *t, char *buf, size_t n) {
 
 /* ---------------------------------------------------------------- dtypes */
 
-static const int g_sizes[MS_NUM_DTYPES] = {8, 4, 2, 2, 8, 4, 1, 1};
-static const char *g_names[MS_NUM_DTYPES] = {"f64", "f32", "bf16", "f16", "i64", "i32", "u8", "bool"};
+static const int g_sizes[MS_NUM_DTYPES] = {8, 4, 2, 2, 8, 4, 1, 1, 1, 1};
+static const char *g_names[MS_NUM_DTYPES] = {"f64", "f32", "bf16", "f16", "i64", "i32", "u8", "bool",
+                                             "f8e4m3", "f8e5m2"};
 
 int ms_dtype_size(int dtype) {
     return (dtype >= 0 && dtype < MS_NUM_DTYPES) ? g_sizes[dtype] : 0;
@@ -65,7 +67,10 @@ const char *ms_dtype_name(int dtype) {
     return (dtype >= 0 && dtype < MS_NUM_DTYPES) ? g_names[dtype] : "invalid";
 }
 
+/* the float dtypes ops compute with; the 8-bit floats are storage formats
+ * (ms_is_float8) that only copies and the float8 ops take */
 int ms_is_float(int dtype) { return dtype >= MS_F64 && dtype <= MS_F16; }
+int ms_is_float8(int dtype) { return dtype == MS_F8E4M3 || dtype == MS_F8E5M2; }
 int ms_is_int(int dtype) { return dtype >= MS_I64 && dtype <= MS_BOOL; }
 
 /* float beats int; wider float beats narrower; bf16 with f16 gives f32;
@@ -79,7 +84,7 @@ int ms_promote(int a, int b) {
     if (ms_is_float(a)) return a;
     if (ms_is_float(b)) return b;
     /* both integer: i64 > i32 > u8 > bool */
-    static const int rank[MS_NUM_DTYPES] = {0, 0, 0, 0, 4, 3, 2, 1};
+    static const int rank[MS_NUM_DTYPES] = {0, 0, 0, 0, 4, 3, 2, 1, 0, 0};
     return rank[a] >= rank[b] ? a : b;
 }
 
@@ -141,6 +146,9 @@ float ms_f16_to_f32(uint16_t h) {
     return x;
 }
 
+uint8_t ms_f32_to_f8(float x, int e5m2, int sat) { return ms_fp8_from_f32(x, e5m2 != 0, sat != 0); }
+float ms_f8_to_f32(uint8_t c, int e5m2) { return ms_fp8_to_f32(c, e5m2 != 0); }
+
 double ms_load(const void *p, int dtype) {
     switch (dtype) {
     case MS_F64: return *(const double *)p;
@@ -151,6 +159,8 @@ double ms_load(const void *p, int dtype) {
     case MS_I32: return *(const int32_t *)p;
     case MS_U8: return *(const uint8_t *)p;
     case MS_BOOL: return *(const uint8_t *)p ? 1.0 : 0.0;
+    case MS_F8E4M3: return ms_fp8_to_f32(*(const uint8_t *)p, 0);
+    case MS_F8E5M2: return ms_fp8_to_f32(*(const uint8_t *)p, 1);
     }
     return 0;
 }
@@ -180,6 +190,8 @@ void ms_store(void *p, int dtype, double v) {
     case MS_I32: *(int32_t *)p = (int32_t)v; break;
     case MS_U8: *(uint8_t *)p = (uint8_t)(int64_t)v; break;
     case MS_BOOL: *(uint8_t *)p = v != 0; break;
+    case MS_F8E4M3: *(uint8_t *)p = ms_fp8_from_f64(v, 0, 0); break;
+    case MS_F8E5M2: *(uint8_t *)p = ms_fp8_from_f64(v, 1, 0); break;
     }
 }
 

@@ -34,7 +34,10 @@
 enum {
     MS_F64 = 0, MS_F32 = 1, MS_BF16 = 2, MS_F16 = 3,
     MS_I64 = 4, MS_I32 = 5, MS_U8 = 6, MS_BOOL = 7,
-    MS_NUM_DTYPES = 8
+    /* 8-bit floats (core/fp8.h): storage, copies, views and the float8 ops
+     * only (ms_amax, ms_float8_cast, ms_scaled_matmul); other ops refuse them */
+    MS_F8E4M3 = 8, MS_F8E5M2 = 9,
+    MS_NUM_DTYPES = 10
 };
 
 /* device: -1 is the CPU, N >= 0 is cuda:N */
@@ -124,6 +127,11 @@ uint16_t ms_f32_to_bf16(float x);
 float ms_bf16_to_f32(uint16_t h);
 uint16_t ms_f32_to_f16(float x);
 float ms_f16_to_f32(uint16_t h);
+/* f32 <-> f8e4m3 (e5m2 = 0) / f8e5m2 (e5m2 = 1), round to nearest even;
+ * sat = 0: overflow to NaN (e4m3) or infinity (e5m2) as torch's .to();
+ * sat = 1: to the largest finite value (core/fp8.h has the details) */
+uint8_t ms_f32_to_f8(float x, int e5m2, int sat);
+float ms_f8_to_f32(uint8_t c, int e5m2);
 double ms_tensor_get(const ms_tensor *t, const int64_t *index);
 int ms_tensor_set(ms_tensor *t, const int64_t *index, double value);
 

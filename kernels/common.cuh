@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include "fp8.h"
 
 extern "C" {
 #include "tensor.h"
@@ -110,6 +111,8 @@ __device__ __forceinline__ double ld_any(const void *p, int dtype, int64_t i) {
     case MS_I64: return (double)((const long long *)p)[i];
     case MS_I32: return ((const int *)p)[i];
     case MS_U8: return ((const unsigned char *)p)[i];
+    case MS_F8E4M3: return ms_fp8_to_f32(((const unsigned char *)p)[i], 0);
+    case MS_F8E5M2: return ms_fp8_to_f32(((const unsigned char *)p)[i], 1);
     default: return ((const unsigned char *)p)[i] ? 1.0 : 0.0;
     }
 }
@@ -124,6 +127,9 @@ __device__ __forceinline__ void st_any(void *p, int dtype, int64_t i, double v) 
     case MS_I64: ((long long *)p)[i] = (long long)v; break;
     case MS_I32: ((int *)p)[i] = (int)v; break;
     case MS_U8: ((unsigned char *)p)[i] = (unsigned char)(long long)v; break;
+    // one rounding from f64 or f32, as the CPU's (core/fp8.h)
+    case MS_F8E4M3: ((unsigned char *)p)[i] = ms_fp8_from_f64(v, 0, 0); break;
+    case MS_F8E5M2: ((unsigned char *)p)[i] = ms_fp8_from_f64(v, 1, 0); break;
     default: ((unsigned char *)p)[i] = v != 0; break;
     }
 }

@@ -136,9 +136,21 @@ cudaDataType_t cuda_type(int dtype) {
     case MS_F64: return CUDA_R_64F;
     case MS_F32: return CUDA_R_32F;
     case MS_BF16: return CUDA_R_16BF;
+    case MS_F8E4M3: return CUDA_R_8F_E4M3;
+    case MS_F8E5M2: return CUDA_R_8F_E5M2;
     default: return CUDA_R_16F;
     }
 }
+
+// An FP8 product's extras (ms_cuda_scaled_gemm): the operands' dtypes (which
+// may differ: e5m2 gradients with e4m3 weights), the device pointers of
+// their dequantisation factors, and cuBLASLt's fast accumulation. A and B
+// are run_lt's own (A: the row-major product's left operand a).
+struct Fp8 {
+    int dta, dtb;
+    const void *sa, *sb;
+    bool fast;
+};
 
 typedef ms_tmp holder;
 
@@ -360,11 +372,13 @@ const size_t kMaxPlans = 4096;
 int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand &B, void *C, int64_t ldc,
            int64_t c_batch, int64_t m, int64_t n, int64_t k, int64_t batch, double alpha, double beta,
            cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT, void *bias = nullptr, void *aux = nullptr,
-           int64_t aux_ld = 0) {
+           int64_t aux_ld = 0, const Fp8 *f8 = nullptr) {
     LtState &s = g_lt[device];
     PlanKey key;
     {
-        int64_t kv[22] = {device, dtype, out_dtype, g_allow_tf32, (int64_t)A.op, (int64_t)B.op, A.rows, A.cols,
+        const int64_t dkey = f8 ? (int64_t)f8->dta | ((int64_t)f8->dtb << 8) | ((int64_t)f8->fast << 16) | (1LL << 17)
+                                : (int64_t)dtype;
+        int64_t kv[22] = {device, dkey, out_dtype, g_allow_tf32, (int64_t)A.op, (int64_t)B.op, A.rows, A.cols,
                           A.ld, B.rows, B.cols, B.ld, ldc, m, n, k, batch, A.batch_stride, B.batch_stride, c_batch,
                           (int64_t)epi | ((int64_t)sm_margin() << 32) | ((int64_t)tune_mode() << 48) |
                               ((int64_t)(beta != 0) << 49), aux_ld};
@@ -395,6 +409,12 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
             if (aux)
                 CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
                                                             sizeof aux));
+            if (f8) {   // the library's A is our b (see the top)
+                CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &f8->sb,
+                                                            sizeof f8->sb));
+                CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &f8->sa,
+                                                            sizeof f8->sa));
+            }
             cublasStatus_t r = cublasLtMatmul(s.handle, plan.desc, pa0, B.ptr, plan.la, A.ptr, plan.lb, pb0, C,
                                               plan.lc, C, plan.lc, &plan.algo, ws, kWorkspace, st);
             if (r == CUBLAS_STATUS_NOT_SUPPORTED && epi != CUBLASLT_EPILOGUE_DEFAULT) return 1;
@@ -404,7 +424,8 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
             return 0;
         }
     }
-    cublasComputeType_t compute = dtype == MS_F64 ? CUBLAS_COMPUTE_64F
+    cublasComputeType_t compute = f8 ? CUBLAS_COMPUTE_32F
+                                  : dtype == MS_F64 ? CUBLAS_COMPUTE_64F
                                   : (dtype == MS_F32 && !g_allow_tf32) ? CUBLAS_COMPUTE_32F
                                   : dtype == MS_F32 ? CUBLAS_COMPUTE_32F_FAST_TF32
                                                     : CUBLAS_COMPUTE_32F;
@@ -451,8 +472,14 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
             LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &bt, sizeof bt));
         }
     }
-    LT(cublasLtMatrixLayoutCreate(&la, dt, (uint64_t)B.rows, (uint64_t)B.cols, B.ld));
-    LT(cublasLtMatrixLayoutCreate(&lb, dt, (uint64_t)A.rows, (uint64_t)A.cols, A.ld));
+    if (f8) {
+        int8_t fast = f8->fast ? 1 : 0;
+        LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &f8->sb, sizeof f8->sb));
+        LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &f8->sa, sizeof f8->sa));
+        LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
+    }
+    LT(cublasLtMatrixLayoutCreate(&la, f8 ? cuda_type(f8->dtb) : dt, (uint64_t)B.rows, (uint64_t)B.cols, B.ld));
+    LT(cublasLtMatrixLayoutCreate(&lb, f8 ? cuda_type(f8->dta) : dt, (uint64_t)A.rows, (uint64_t)A.cols, A.ld));
     LT(cublasLtMatrixLayoutCreate(&lc, cuda_type(out_dtype), (uint64_t)n, (uint64_t)m, ldc));
     if (batch > 1) {
         LT(cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc));
@@ -481,8 +508,9 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
         LT(hs);
     }
     if (found == 0) {
-        ms_errorf("matmul: cuBLASLt found no algorithm for %s M=%lld N=%lld K=%lld batch=%lld",
-                  ms_dtype_name(dtype), (long long)m, (long long)n, (long long)k, (long long)batch);
+        ms_errorf("matmul: cuBLASLt found no algorithm for %s%s%s M=%lld N=%lld K=%lld batch=%lld -> %s",
+                  ms_dtype_name(f8 ? f8->dta : dtype), f8 ? " x " : "", f8 ? ms_dtype_name(f8->dtb) : "",
+                  (long long)m, (long long)n, (long long)k, (long long)batch, ms_dtype_name(out_dtype));
         goto done;
     }
     if (found > 1) {
@@ -736,4 +764,49 @@ extern "C" int ms_cuda_gemm_gelu(ms_tensor *out, ms_tensor *aux, const ms_tensor
     int64_t ald = m == 1 ? n : aux->strides[0];
     return run_lt(device, dt, dt, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, 0.0, epi,
                   bias ? ms_tensor_data(bias) : nullptr, ms_tensor_data(aux), ald);
+}
+
+// out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta out] with
+// FP8 operands (core/ops.h ms_scaled_matmul; core/float8.c checked the
+// dtypes, shapes, devices and row layouts). cuBLASLt's FP8 kernels take
+// K-major operands only ("TN"), which a and b with contiguous rows are, on
+// devices of compute capability 8.9 and newer, with M, N, K multiples of 16
+// and 16-byte aligned data.
+extern "C" int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
+                                   const ms_tensor *binv, const ms_tensor *bias, double beta, int fast_accum) {
+    const int device = out->device_id;
+    const int64_t m = a->sizes[0], n = b->sizes[0], k = a->sizes[1];
+    int major = 0, minor = 0;
+    if (ms_cuda_device_capability(device, &major, &minor)) return -1;
+    if (major * 10 + minor < 89)
+        return ms_errorf("scaled_matmul: FP8 products need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         "cuda:%d is %d.%d", device, major, minor);
+    if (m % 16 || n % 16 || k % 16)
+        return ms_errorf("scaled_matmul: cuBLASLt's FP8 products need M, N and K multiples of 16, got a (%lld, %lld) "
+                         "and b (%lld, %lld)", (long long)m, (long long)k, (long long)n, (long long)k);
+    const int64_t lda = m > 1 ? a->strides[0] : k, ldb = n > 1 ? b->strides[0] : k;
+    uintptr_t al = (uintptr_t)ms_tensor_data(a) | (uintptr_t)ms_tensor_data(b) | (uintptr_t)ms_tensor_data(out) |
+                   (bias ? (uintptr_t)ms_tensor_data(bias) : 0);
+    if (al % 16 || lda % 16 || ldb % 16)
+        return ms_errorf("scaled_matmul: FP8 operands need 16-byte aligned data and row strides that are multiples "
+                         "of 16 (a row stride %lld, b %lld)", (long long)lda, (long long)ldb);
+    if (ms_cuda_activate(device) || lt_ready(device)) return -1;
+    operand A, B;
+    describe(a, 0, &A);   // (M, K) row-major: the library's B, K x M, not transposed
+    describe(b, 1, &B);   // (N, K) row-major used as (K, N): the library's A, transposed
+    A.batch_stride = B.batch_stride = 0;
+    Fp8 f8{a->dtype_id, b->dtype_id, ms_tensor_data(ainv), ms_tensor_data(binv), fast_accum != 0};
+    const int64_t ldc = m == 1 ? n : out->strides[0];
+    if (bias) {
+        int rc = run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,
+                        CUBLASLT_EPILOGUE_BIAS, (void *)ms_tensor_data(bias), nullptr, 0, &f8);
+        if (rc <= 0) return rc;
+        // no FP8 kernel with the bias epilogue for these dtypes: the product, then the bias
+        if (run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,
+                   CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, &f8))
+            return -1;
+        return ms_binary(&out, MS_OP_ADD, out, bias);
+    }
+    return run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,
+                  CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, &f8);
 }

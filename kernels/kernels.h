@@ -45,6 +45,17 @@ int ms_cuda_gemm_epilogue(ms_tensor *out, const ms_tensor *a, const ms_tensor *b
 int ms_cuda_gemm_gelu(ms_tensor *out, ms_tensor *aux, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
                       ms_tensor *bias, int backward);
 
+/* float8.cu: out 0-dim f32 = max |x| (x contiguous, any float dtype); the
+ * scaled saturating cast of x (R, C) contiguous into out (R, C) and/or
+ * out_t (C, R) (NULL: not wanted) and inv = 1 / scale (core/ops.h) */
+int ms_cuda_amax(ms_tensor *out, const ms_tensor *x);
+int ms_cuda_float8_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const ms_tensor *x, const ms_tensor *amax,
+                        int dtype, int pow2);
+/* gemm.cu: out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta
+ * out], 8-bit float operands with contiguous rows, out contiguous */
+int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
+                        const ms_tensor *binv, const ms_tensor *bias, double beta, int fast_accum);
+
 /* index.cu */
 int ms_cuda_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);
 int ms_cuda_index_add(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src);

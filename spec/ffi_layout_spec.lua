@@ -65,16 +65,18 @@ describe('FFI layout', function()
 
   it('enum values seen by the FFI match the dtype table of the core', function()
     local C = T.C
-    local names = { 'f64', 'f32', 'bf16', 'f16', 'i64', 'i32', 'u8', 'bool' }
-    local sizes = { 8, 4, 2, 2, 8, 4, 1, 1 }
+    local names = { 'f64', 'f32', 'bf16', 'f16', 'i64', 'i32', 'u8', 'bool', 'f8e4m3', 'f8e5m2' }
+    local sizes = { 8, 4, 2, 2, 8, 4, 1, 1, 1, 1 }
     for i, n in ipairs(names) do
       assert.are.equal(n, ffi.string(C.ms_dtype_name(i - 1)))
       assert.are.equal(sizes[i], C.ms_dtype_size(i - 1))
       assert.are.equal(n, T.dtype_names[i - 1])
     end
-    assert.are.equal(8, C.MS_NUM_DTYPES)
+    assert.are.equal(10, C.MS_NUM_DTYPES)
     assert.are.equal(0, C.MS_F64)
     assert.are.equal(7, C.MS_BOOL)
+    assert.are.equal(8, C.MS_F8E4M3)
+    assert.are.equal(9, C.MS_F8E5M2)
   end)
 
   it('every function declared to the FFI exists in libmoonshard.so', function()

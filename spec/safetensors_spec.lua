@@ -428,8 +428,8 @@ describe('safetensors', function()
     end)
 
     it('an unknown or unsupported dtype', function()
-      local err = fails_with(make('dtype.st', '{"x":{"dtype":"F8_E4M3","shape":[2,3],"data_offsets":[0,6]}}',
-        data24), 'unsupported dtype F8_E4M3')
+      local err = fails_with(make('dtype.st', '{"x":{"dtype":"F8_E4M3FNUZ","shape":[2,3],"data_offsets":[0,6]}}',
+        data24), 'unsupported dtype F8_E4M3FNUZ')
       assert.matches('"x"', err, 1, true)
       fails_with(make('dtype2.st', '{"x":{"dtype":"Q4","shape":[2],"data_offsets":[0,1]}}', data24), 'unsupported dtype Q4')
       fails_with(make('dtype3.st', '{"x":{"dtype":7,"shape":[2],"data_offsets":[0,1]}}', data24), 'unsupported dtype 7')

@@ -42,6 +42,7 @@ if okops then
   ms.set_grad_enabled, ms.checkpoint = A.set_grad_enabled, A.checkpoint
   ms.nn = require 'moonshard.nn'
   ms.optim = require 'moonshard.optim'
+  ms.float8 = require 'moonshard.float8'   -- FP8 linear layers (docs/float8.md)
 end
 
 local okst, st = pcall(require, 'moonshard.safetensors')

@@ -329,6 +329,56 @@ function F.gemm_(out, a, b, transa, transb, alpha, beta)
   return out
 end
 
+-- ------------------------------------------------------------------ float8
+-- (core/ops.h has the contracts; moonshard.float8 the training layer)
+
+-- amax(x) -> 0-dim f32 = max |x| (NaN when x holds one), no host sync
+function F.amax(x)
+  need_tensor('amax', x)
+  return run(C.ms_amax, x)
+end
+
+-- float8_cast(x (R, C), amax, dtype, {rows = true, cols = false, inv = true,
+-- pow2 = false}) -> out (R, C) or nil, out_t (C, R) or nil, inv or nil:
+-- x * scale saturated and rounded into dtype ('f8e4m3' | 'f8e5m2') with
+-- scale = fmax / max(amax, 1e-12); out_t the transposed copy; inv = 1/scale
+function F.float8_cast(x, amax, dtype, opts)
+  need_tensor('float8_cast', x, 'x')
+  need_tensor('float8_cast', amax, 'amax')
+  opts = opts or {}
+  local id = T.dtype_id(dtype or 'f8e4m3', 3)
+  local want_r, want_c = opts.rows ~= false, opts.cols and true or false
+  local want_i = opts.inv ~= false
+  local ob, tb, ib = box_t(), box_t(), box_t()
+  if C.ms_float8_cast(want_r and ob or nil, want_c and tb or nil, want_i and ib or nil, x, amax, id,
+      opts.pow2 and 1 or 0) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  return want_r and wrap(ob[0]) or nil, want_c and wrap(tb[0]) or nil, want_i and wrap(ib[0]) or nil
+end
+
+-- scaled_matmul(a (M, K), b (N, K), ainv, binv, {bias =, out_dtype = 'bf16',
+-- out =, beta = 0, fast_accum = false}) -> out (M, N) = ainv * binv * a @ b^T
+-- (+ bias) (+ beta * out): 8-bit float operands with contiguous rows
+function F.scaled_matmul(a, b, ainv, binv, opts)
+  need_tensor('scaled_matmul', a, 'a')
+  need_tensor('scaled_matmul', b, 'b')
+  need_tensor('scaled_matmul', ainv, 'ainv')
+  need_tensor('scaled_matmul', binv, 'binv')
+  opts = opts or {}
+  if opts.bias ~= nil then need_tensor('scaled_matmul', opts.bias, 'bias') end
+  local box = box_t()
+  if opts.out ~= nil then
+    need_tensor('scaled_matmul', opts.out, 'out')
+    box[0] = opts.out
+  end
+  local od = opts.out ~= nil and opts.out.dtype_id or T.dtype_id(opts.out_dtype or 'bf16', 3)
+  if C.ms_scaled_matmul(box, a, b, ainv, binv, opts.bias, od, opts.beta or 0, opts.fast_accum and 1 or 0) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  return opts.out or wrap(box[0])
+end
+
 -- ---------------------------------------------------------------- indexing
 
 -- the op function(a, dim, idx) -> out = cfn(a, dim, idx)

@@ -36,12 +36,12 @@ local json_decode = okl and jsonlpeg.decode or json.decode
 -- safetensors dtype codes <-> moonshard dtype names
 local from_code = {
   F64 = 'f64', F32 = 'f32', BF16 = 'bf16', F16 = 'f16',
-  I64 = 'i64', I32 = 'i32', U8 = 'u8', BOOL = 'bool',
+  I64 = 'i64', I32 = 'i32', U8 = 'u8', BOOL = 'bool', F8_E4M3 = 'f8e4m3', F8_E5M2 = 'f8e5m2',
 }
 local to_code = {}
 for code, name in pairs(from_code) do to_code[name] = code end
 S.dtype_codes = to_code
-local dtype_size = { f64 = 8, f32 = 4, bf16 = 2, f16 = 2, i64 = 8, i32 = 4, u8 = 1, bool = 1 }
+local dtype_size = { f64 = 8, f32 = 4, bf16 = 2, f16 = 2, i64 = 8, i32 = 4, u8 = 1, bool = 1, f8e4m3 = 1, f8e5m2 = 1 }
 
 -- a header longer than this is refused (real headers are a few hundred KB)
 S.max_header_bytes = 100 * 2 ^ 20
@@ -118,7 +118,7 @@ local function read_header(path)
       if offs == nil then fail(path, 'tensor %q has no data_offsets', name) end
       local dtype = from_code[code]
       if not dtype then
-        fail(path, 'tensor %q has unsupported dtype %s (supported: F64, F32, BF16, F16, I64, I32, U8, BOOL)',
+        fail(path, 'tensor %q has unsupported dtype %s (supported: F64, F32, BF16, F16, I64, I32, U8, BOOL, F8_E4M3, F8_E5M2)',
           name, tostring(code))
       end
       if jsontype(shape) ~= 'array' or #shape > 8 then

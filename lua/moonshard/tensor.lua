@@ -45,13 +45,16 @@ function T.check(rc, level)
 end
 
 -- ------------------------------------------------------------------ dtypes
-local dtype_names = { [0] = 'f64', 'f32', 'bf16', 'f16', 'i64', 'i32', 'u8', 'bool' }
+-- f8e4m3 and f8e5m2 (torch's float8_e4m3fn, float8_e5m2) are storage
+-- formats: copies, views and moonshard.float8's ops take them (core/fp8.h)
+local dtype_names = { [0] = 'f64', 'f32', 'bf16', 'f16', 'i64', 'i32', 'u8', 'bool', 'f8e4m3', 'f8e5m2' }
 local dtype_ids = {}
-for id = 0, 7 do dtype_ids[dtype_names[id]] = id end
+for id = 0, 9 do dtype_ids[dtype_names[id]] = id end
 local aliases = {
   float64 = 'f64', double = 'f64', float32 = 'f32', float = 'f32', bfloat16 = 'bf16',
   float16 = 'f16', half = 'f16', int64 = 'i64', long = 'i64', int32 = 'i32', int = 'i32',
-  uint8 = 'u8', byte = 'u8', boolean = 'bool',
+  uint8 = 'u8', byte = 'u8', boolean = 'bool', float8_e4m3fn = 'f8e4m3', float8_e5m2 = 'f8e5m2',
+  e4m3 = 'f8e4m3', e5m2 = 'f8e5m2',
 }
 for k, v in pairs(aliases) do dtype_ids[k] = dtype_ids[v] end
 T.dtype_names = dtype_names
@@ -60,7 +63,7 @@ function T.dtype_id(d, level)
   if d == nil then return 1 end
   if type(d) == 'number' and dtype_names[d] then return d end
   local id = dtype_ids[d]
-  if not id then error(('unknown dtype %s (use f64, f32, bf16, f16, i64, i32, u8 or bool)'):format(tostring(d)), (level or 1) + 1) end
+  if not id then error(('unknown dtype %s (use f64, f32, bf16, f16, i64, i32, u8, bool, f8e4m3 or f8e5m2)'):format(tostring(d)), (level or 1) + 1) end
   return id
 end
 function T.dtype_name(id) return dtype_names[id] end
@@ -503,7 +506,7 @@ function M.data_ptr(t)
   T.check(C.ms_tensor_check_live(t, 'data_ptr'), 2)   -- freed, released or deferred: an error, not NULL
   return C.ms_tensor_data(t)
 end
-function M.is_floating_point(t) return t.dtype_id <= 3 end
+function M.is_floating_point(t) return t.dtype_id <= 3 or t.dtype_id >= 8 end
 function M.is_freed(t) return t.storage == nil end
 function M.free(t)
   C.ms_tensor_release(t)
@@ -618,7 +621,7 @@ function M.to(t, a, b)
       copy = x.copy or copy
     elseif dtype_ids[x] then dtype = dtype_ids[x]
     elseif type(x) == 'string' and x ~= 'cpu' and not x:match('^cuda') then
-      error(('to: unknown dtype or device %s (dtypes: f64, f32, bf16, f16, i64, i32, u8, bool; '
+      error(('to: unknown dtype or device %s (dtypes: f64, f32, bf16, f16, i64, i32, u8, bool, f8e4m3, f8e5m2; '
         .. 'devices: cpu, cuda, cuda:N)'):format(x), 4)
     else device = T.device_id(x, 4) end
   end
@@ -710,7 +713,7 @@ end
 -- choose one format for all printed values, as PyTorch does
 local function choose_format(vals, dtype_id)
   if dtype_id == 7 then return function(v) return v ~= 0 and 'true' or 'false' end end
-  if dtype_id >= 4 then return function(v) return ('%d'):format(v) end end
+  if dtype_id >= 4 and dtype_id <= 6 then return function(v) return ('%d'):format(v) end end
   local all_int, maxabs, minabs = true, 0, math.huge
   for _, v in ipairs(vals) do
     if v == v and v ~= math.huge and v ~= -math.huge then

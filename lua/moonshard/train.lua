@@ -94,6 +94,7 @@ train.options = {
   { 'lora_dropout', 'number>=0', 0, 'dropout on the LoRA branch\'s input' },
   { 'lora_targets', 'string', 'attn%.,mlp%.', 'comma-separated Lua patterns: the nn.Linear / nn.Conv1D modules whose names match get adapters' },
   { 'freeze', 'string?', nil, 'comma-separated Lua patterns: the parameters whose names match one are frozen (requires_grad off: no gradient, no optimizer step, also under FSDP); each pattern must match a parameter' },
+  { 'float8', 'string', 'off', 'FP8 linear layers (moonshard.float8, torchao\'s float8 training): off, or the recipe tensorwise (a bare --float8): every nn.Linear / nn.Conv1D but the LM head computes its three products in FP8 with dynamic scales; CUDA needs an H100-class GPU, the CPU emulates it (docs/float8.md)' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
@@ -266,6 +267,9 @@ function train.parse_args(args, M)
       if key == 'fsdp' and val == nil and (args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
         val = 'FULL_SHARD' -- a bare --fsdp
       end
+      if key == 'float8' and val == nil and (args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
+        val = 'tensorwise' -- a bare --float8
+      end
       if opt[2] == 'bool' and val == nil and (neg or args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
         val = not neg
       elseif val == nil then
@@ -363,6 +367,9 @@ function train.check_options(o, where)
   end
   if o.decay_shape ~= nil and not ({ linear = true, cosine = true, sqrt = true })[o.decay_shape] then
     usage('%s: decay_shape must be linear, cosine or sqrt, got %s', where, describe(o.decay_shape))
+  end
+  if o.float8 ~= nil and o.float8 ~= 'off' and not require('moonshard.float8').recipes[o.float8] then
+    usage('%s: float8 must be off or tensorwise, got %s', where, describe(o.float8))
   end
   if o.activation_checkpointing ~= nil then
     local v = tostring(o.activation_checkpointing)
@@ -1091,6 +1098,21 @@ function train.run(opts)
     freeze_desc = ('%d tensors, %.2fM parameters'):format(nt, ne / 1e6)
   end
 
+  -- --float8: the linear layers' products in FP8 (after LoRA, whose adapted
+  -- layers keep their own forward; before checkpointing and fully_shard,
+  -- which work on the converted modules as on any)
+  local float8_desc
+  if o.float8 ~= 'off' then
+    local okc, names = pcall(ms.float8.convert, model, { recipe = o.float8 })
+    if not okc then usage('--float8: %s', (tostring(names):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    local total = 0
+    for _, m in model:named_modules() do
+      local cls = getmetatable(m)
+      if cls == ms.nn.Linear or cls == ms.nn.Conv1D then total = total + 1 end
+    end
+    float8_desc = ('%s, %d of %d linear layers'):format(o.float8, #names, total)
+  end
+
   -- activation checkpointing of the blocks (before fully_shard: the blocks'
   -- unit hooks then run around the checkpointed forward)
   local ac_desc
@@ -1259,6 +1281,7 @@ function train.run(opts)
   end
   if fsdp_desc then log('fsdp: %s', fsdp_desc) end
   if tp_desc then log('tensor parallel: %s', tp_desc) end
+  if float8_desc then log('float8: %s', float8_desc) end
   if ac_desc then log('activation checkpointing: %s', ac_desc) end
   if lora_desc then log('lora: %s', lora_desc) end
   if freeze_desc then log('frozen: %s', freeze_desc) end

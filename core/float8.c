@@ -1,0 +1,260 @@
+/* core/float8.c — the float8 ops of core/ops.h (ms_amax, ms_float8_cast,
+ * ms_scaled_matmul): argument checks, outputs, the CPU reference, and the
+ * CUDA dispatch (kernels/float8.cu, kernels/gemm.cu).
+ *
+ * The CPU reference is what the GPU is checked against: the cast gives the
+ * same bits (both sides round with core/fp8.h, scale and product in f32), the
+ * product the same values up to the order of the f32 sums (the CPU widens
+ * the 8-bit operands to f32, which is exact, and multiplies through
+ * OpenBLAS in fixed tiles). */
+#include "internal.h"
+#include "fp8.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef MS_WITH_CUDA
+#include "../kernels/kernels.h"
+#endif
+
+#define DESC 200
+
+static int is_e5m2(int dtype) { return dtype == MS_F8E5M2; }
+
+/* a 0-dim (or one-element) f32 scalar on `device` */
+static int check_scalar(const char *op, const char *what, const ms_tensor *s, int device) {
+    char d[DESC], dv[32];
+    if (!s) return ms_errorf("%s: %s is missing", op, what);
+    if (ms_tensor_check_live(s, op)) return -1;
+    if (s->dtype_id != MS_F32 || ms_tensor_numel(s) != 1 || s->device_id != device)
+        return ms_errorf("%s: %s must be one f32 element on %s, got %s", op, what,
+                         ms_device_str(device, dv, sizeof dv), ms_desc(s, d, sizeof d));
+    return 0;
+}
+
+/* the one f32 value of a CPU scalar */
+static float scalar_value(const ms_tensor *s) { return *(const float *)ms_tensor_data(s); }
+
+/* *tmp = t as a contiguous f32 CPU tensor (an alias when it already is) */
+static int f32_contig(ms_tensor **tmp, const ms_tensor *t) {
+    *tmp = NULL;
+    if (t->dtype_id == MS_F32) return ms_tensor_contiguous(tmp, t);
+    return ms_tensor_to(tmp, t, MS_F32, t->device_id);
+}
+
+static int finish(ms_tensor **out, int allocated, int rc) {
+    if (rc && allocated && out && *out) {
+        ms_tensor_free(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+/* ------------------------------------------------------------------ amax */
+
+int ms_amax(ms_tensor **out, const ms_tensor *x) {
+    char d[DESC];
+    if (ms_tensor_check_live(x, "amax")) return -1;
+    if (!ms_is_float(x->dtype_id))
+        return ms_errorf("amax: needs a float tensor (f64, f32, bf16, f16), got %s", ms_desc(x, d, sizeof d));
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, "amax", 0, NULL, MS_F32, x->device_id)) return -1;
+    int rc = 0;
+#ifdef MS_WITH_CUDA
+    if (x->device_id >= 0) {
+        ms_tensor *c = NULL;
+        rc = ms_tensor_contiguous(&c, x);
+        if (!rc) rc = ms_cuda_amax(*out, c);
+        ms_tensor_free(c);
+        return finish(out, allocated, rc);
+    }
+#else
+    if (x->device_id >= 0) return finish(out, allocated, ms_errorf("amax: cuda tensors need a build with CUDA"));
+#endif
+    int64_t n = ms_tensor_numel(x);
+    float m = 0.0f;
+    int nan = 0;
+    if (x->dtype_id == MS_F64) {   /* |x| in f64, rounded once: the f32 amax of the f64 values */
+        ms_tensor *c = NULL;
+        if (ms_tensor_contiguous(&c, x)) return finish(out, allocated, -1);
+        const double *p = ms_tensor_data(c);
+        double md = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            double a = fabs(p[i]);
+            if (a != a) nan = 1;
+            else if (a > md) md = a;
+        }
+        ms_tensor_free(c);
+        m = (float)md;
+    } else {
+        ms_tensor *c = NULL;
+        if (f32_contig(&c, x)) return finish(out, allocated, -1);
+        const float *p = ms_tensor_data(c);
+        for (int64_t i = 0; i < n; i++) {
+            float a = fabsf(p[i]);
+            if (a != a) nan = 1;
+            else if (a > m) m = a;
+        }
+        ms_tensor_free(c);
+    }
+    *(float *)ms_tensor_data(*out) = nan ? NAN : m;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ cast */
+
+/* an output slot of the cast: NULL (not wanted) or prepared, contiguous */
+static int cast_slot(ms_tensor **slot, const char *what, int ndim, const int64_t *shape, int dtype, int device,
+                     int *allocated) {
+    char d[DESC];
+    *allocated = slot && !*slot;
+    if (!slot) return 0;
+    if (ms_prepare_out(slot, "float8_cast", ndim, shape, dtype, device)) return -1;
+    if (!*allocated && !ms_tensor_is_contiguous(*slot))
+        return ms_errorf("float8_cast: %s %s must be contiguous", what, ms_desc(*slot, d, sizeof d));
+    return 0;
+}
+
+int ms_float8_cast(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, const ms_tensor *x, const ms_tensor *amax,
+                   int dtype, int pow2) {
+    char d[DESC];
+    const char *op = "float8_cast";
+    if (ms_tensor_check_live(x, op)) return -1;
+    if (!ms_is_float(x->dtype_id) || x->ndim != 2)
+        return ms_errorf("%s: x must be a 2-D float tensor (f64, f32, bf16, f16), got %s", op,
+                         ms_desc(x, d, sizeof d));
+    if (!ms_is_float8(dtype))
+        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+    if (check_scalar(op, "amax", amax, x->device_id)) return -1;
+    if (!out && !out_t && !inv) return 0;
+    const int64_t R = x->sizes[0], C = x->sizes[1];
+    const int64_t shape[2] = {R, C}, shape_t[2] = {C, R};
+    int a_out = 0, a_t = 0, a_inv = 0, rc;
+    rc = cast_slot(out, "out", 2, shape, dtype, x->device_id, &a_out);
+    if (!rc) rc = cast_slot(out_t, "out_t", 2, shape_t, dtype, x->device_id, &a_t);
+    if (!rc) rc = cast_slot(inv, "inv", 0, NULL, MS_F32, x->device_id, &a_inv);
+    if (!rc) {
+        ms_tensor *o = out ? *out : NULL, *ot = out_t ? *out_t : NULL, *iv = inv ? *inv : NULL;
+        if (x->device_id >= 0) {
+#ifdef MS_WITH_CUDA
+            ms_tensor *c = NULL;
+            rc = ms_tensor_contiguous(&c, x);
+            if (!rc) rc = ms_cuda_float8_cast(o, ot, iv, c, amax, dtype, pow2);
+            ms_tensor_free(c);
+#else
+            rc = ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
+        } else {
+            const int e5 = is_e5m2(dtype);
+            const float scale = ms_fp8_scale(scalar_value(amax), e5, pow2);
+            ms_tensor *c = NULL;
+            rc = f32_contig(&c, x);
+            if (!rc) {
+                const float *p = ms_tensor_data(c);
+                uint8_t *po = o ? ms_tensor_data(o) : NULL, *pt = ot ? ms_tensor_data(ot) : NULL;
+                for (int64_t i = 0; i < R; i++)
+                    for (int64_t j = 0; j < C; j++) {
+                        uint8_t v = ms_fp8_from_f32(p[i * C + j] * scale, e5, 1);
+                        if (po) po[i * C + j] = v;
+                        if (pt) pt[j * R + i] = v;
+                    }
+                if (iv) *(float *)ms_tensor_data(iv) = 1.0f / scale;
+            }
+            ms_tensor_free(c);
+        }
+    }
+    if (rc) {
+        finish(out, a_out, rc);
+        finish(out_t, a_t, rc);
+        finish(inv, a_inv, rc);
+    }
+    return rc;
+}
+
+/* ------------------------------------------------------------- the GEMM */
+
+/* an FP8 GEMM operand: 2-D, 8-bit float, rows contiguous (K the unit-stride dim) */
+static int check_operand(const char *op, const char *what, const ms_tensor *t) {
+    char d[DESC];
+    if (ms_tensor_check_live(t, op)) return -1;
+    if (!ms_is_float8(t->dtype_id) || t->ndim != 2)
+        return ms_errorf("%s: %s must be a 2-D f8e4m3 or f8e5m2 tensor, got %s", op, what, ms_desc(t, d, sizeof d));
+    const int64_t r = t->sizes[0], k = t->sizes[1];
+    if (!((k <= 1 || t->strides[1] == 1) && (r <= 1 || t->strides[0] >= k)))
+        return ms_errorf("%s: %s %s must have contiguous rows (its last dim of unit stride: pass the transposed "
+                         "copy float8_cast makes, not a transposed view)", op, what, ms_desc(t, d, sizeof d));
+    return 0;
+}
+
+int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
+                     const ms_tensor *binv, const ms_tensor *bias, int out_dtype, double beta, int fast_accum) {
+    char x[DESC], y[DESC];
+    const char *op = "scaled_matmul";
+    if (check_operand(op, "a", a) || check_operand(op, "b", b)) return -1;
+    if (a->device_id != b->device_id)
+        return ms_errorf("%s: a and b on different devices: %s and %s", op, ms_desc(a, x, sizeof x),
+                         ms_desc(b, y, sizeof y));
+    if (a->sizes[1] != b->sizes[1])
+        return ms_errorf("%s: a %s and b %s must share their last dim K (out = a @ b^T)", op, ms_desc(a, x, sizeof x),
+                         ms_desc(b, y, sizeof y));
+    if (a->dtype_id == MS_F8E5M2 && b->dtype_id == MS_F8E5M2)
+        return ms_errorf("%s: a and b are both f8e5m2; one of them must be f8e4m3", op);
+    const int dev = a->device_id;
+    if (check_scalar(op, "ainv", ainv, dev) || check_scalar(op, "binv", binv, dev)) return -1;
+    if (out && *out) out_dtype = (*out)->dtype_id;
+    if (out_dtype != MS_F32 && out_dtype != MS_BF16 && out_dtype != MS_F16)
+        return ms_errorf("%s: the output dtype must be f32, bf16 or f16, got %s", op, ms_dtype_name(out_dtype));
+    const int64_t M = a->sizes[0], N = b->sizes[0], K = a->sizes[1];
+    if (bias) {
+        if (ms_tensor_check_live(bias, op)) return -1;
+        if (bias->ndim != 1 || bias->sizes[0] != N || bias->dtype_id != out_dtype || bias->device_id != dev)
+            return ms_errorf("%s: bias must be (%lld) %s on the operands' device, got %s", op, (long long)N,
+                             ms_dtype_name(out_dtype), ms_desc(bias, x, sizeof x));
+    }
+    if (beta != 0 && !(out && *out))
+        return ms_errorf("%s: beta = %g adds to the output, so the output must be given", op, beta);
+    const int64_t shape[2] = {M, N};
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, op, 2, shape, out_dtype, dev)) return -1;
+    if (!ms_tensor_is_contiguous(*out))
+        return finish(out, allocated, ms_errorf("%s: out %s must be contiguous", op, ms_desc(*out, x, sizeof x)));
+    if (M == 0 || N == 0) return 0;
+    if (dev >= 0) {
+#ifdef MS_WITH_CUDA
+        return finish(out, allocated, ms_cuda_scaled_gemm(*out, a, b, ainv, binv, bias, beta, fast_accum));
+#else
+        return finish(out, allocated, ms_errorf("%s: cuda tensors need a build with CUDA", op));
+#endif
+    }
+    /* the CPU: widen both (exact), one f32 product, then scale, bias, beta
+     * in f64 and one rounding into out's dtype */
+    ms_tensor *af = NULL, *bf = NULL, *bt = NULL, *prod = NULL, *bc = NULL;
+    int rc = ms_tensor_to(&af, a, MS_F32, -1);
+    if (!rc) rc = ms_tensor_to(&bf, b, MS_F32, -1);
+    if (!rc) rc = ms_tensor_transpose(&bt, bf, 0, 1);
+    if (!rc && K > 0) rc = ms_matmul(&prod, af, bt, 0, 0);
+    if (!rc && bias) rc = ms_tensor_contiguous(&bc, bias);
+    if (!rc) {
+        const double s = (double)scalar_value(ainv) * (double)scalar_value(binv);
+        const float *pp = prod ? ms_tensor_data(prod) : NULL;
+        char *po = ms_tensor_data(*out);
+        const char *pb = bc ? ms_tensor_data(bc) : NULL;
+        const int es = ms_dtype_size(out_dtype);
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                char *q = po + (i * N + j) * es;
+                double v = (pp ? (double)pp[i * N + j] : 0.0) * s;
+                if (pb) v += ms_load(pb + j * es, out_dtype);
+                if (beta != 0) v += beta * ms_load(q, out_dtype);
+                ms_store(q, out_dtype, v);
+            }
+    }
+    ms_tensor_free(af);
+    ms_tensor_free(bf);
+    ms_tensor_free(bt);
+    ms_tensor_free(prod);
+    ms_tensor_free(bc);
+    return finish(out, allocated, rc);
+}

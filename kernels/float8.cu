@@ -1,0 +1,212 @@
+// kernels/float8.cu — the float8 casts of core/float8.c on the GPU: the
+// absolute maximum of a tensor (the dynamic scale's input) and the scaled,
+// saturating cast to f8e4m3 / f8e5m2 in both layouts at once (the row-major
+// copy for one product, the transposed one for the other: cuBLASLt's FP8
+// GEMMs take K-major operands only).
+//
+// Bytes: amax reads x once; the cast reads x once and writes one byte per
+// element per layout. The rounding is core/fp8.h's (the CPU reference's);
+// on sm_89+ the hardware cvt.rn.satfinite gives the same bits (x * scale is
+// clamped first, so the two differ only in the sign of a NaN).
+#include "common.cuh"
+#include "kernels.h"
+#include "vec.cuh"
+
+#include <cuda_fp8.h>
+
+namespace {
+
+// ---------------------------------------------------------------- amax
+// Each thread keeps the max of |x| over a grid-stride walk (16-byte packs
+// when the tensor is aligned, then the tail), the block reduces, and one
+// atomicMax on the f32 bits (non-negative floats order as their bits; NaN's
+// bits are above infinity's, so a NaN wins) folds the blocks together.
+// The result does not depend on the order: max is exact.
+template <typename T>
+__global__ void amax_kernel(const T *__restrict__ x, long long n, bool vec, unsigned int *__restrict__ out) {
+    const int V = 16 / sizeof(T);
+    float m = 0.f;
+    bool nan = false;
+    long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+    long long nv = vec ? n / V : 0;
+    for (long long i = i0; i < nv; i += step) {
+        vpack<T, V> q = reinterpret_cast<const vpack<T, V> *>(x)[i];
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            float a = fabsf((float)conv<T>::load(q.v[k]));
+            nan |= a != a;
+            m = fmaxf(m, a);
+        }
+    }
+    for (long long i = nv * V + i0; i < n; i += step) {
+        float a = fabsf((float)conv<T>::load(x[i]));
+        nan |= a != a;
+        m = fmaxf(m, a);
+    }
+    if (nan) m = __int_as_float(0x7fc00000);
+    unsigned int b = __float_as_uint(m);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
+    __shared__ unsigned int part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = b;
+    __syncthreads();
+    if (warp == 0) {
+        b = lane < (int)(blockDim.x >> 5) ? part[lane] : 0u;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
+        if (lane == 0 && b) atomicMax(out, b);
+    }
+}
+
+// ---------------------------------------------------------------- cast
+// One 64 x 64 tile a block of 256 threads: thread t converts 16 elements of
+// row t / 4 (columns (t % 4) * 16 ...), writes them to the row-major copy
+// and into a shared tile, and after the barrier writes 16 elements of a
+// column of the tile as a row of the transposed copy (4 threads a row, so
+// a warp stores 8 whole 64-byte rows). Partial tiles and unaligned rows
+// take the same steps element by element.
+const int kTile = 64;
+const int kPitch = kTile + 4;   // bytes a shared row: 2-way bank conflicts at most in the transposed read
+
+__device__ __forceinline__ uint8_t to_fp8(float v, bool e5) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, e5 ? __NV_E5M2 : __NV_E4M3);
+#else
+    return ms_fp8_from_f32(v, e5, 1);
+#endif
+}
+
+template <typename T>
+__global__ void cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+                            uint8_t *__restrict__ out_t, float *__restrict__ inv, const float *__restrict__ amax,
+                            bool e5, bool pow2, bool al) {
+    __shared__ float s_scale;
+    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
+    if (threadIdx.x == 0) {
+        float s = ms_fp8_scale(*amax, e5, pow2);
+        s_scale = s;
+        if (inv && blockIdx.x == 0 && blockIdx.y == 0) *inv = 1.0f / s;
+    }
+    __syncthreads();
+    const float s = s_scale;
+    const long long r0 = (long long)blockIdx.y * kTile, c0 = (long long)blockIdx.x * kTile;
+    const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
+    const long long r = r0 + tr, c = c0 + tc;
+    if (r0 >= R || c0 >= C) return;   // (the scale-only launch)
+    const bool full = al && r0 + kTile <= R && c0 + kTile <= C && (C % 16) == 0;
+    uint8_t v[16];
+    if (full) {
+        const int V = 16 / sizeof(T);   // elements a 16-byte load
+        const T *p = x + r * C + c;
+#pragma unroll
+        for (int j = 0; j < 16; j += V) {
+            float f[V];
+            load_v<float, T, V>(f, p + j);
+#pragma unroll
+            for (int k = 0; k < V; k++) v[j + k] = to_fp8(__fmul_rn(f[k], s), e5);
+        }
+        if (out) *reinterpret_cast<uint4 *>(out + r * C + c) = *reinterpret_cast<const uint4 *>(v);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            v[k] = 0;
+            if (r < R && c + k < C) {
+                v[k] = to_fp8(__fmul_rn((float)conv<T>::load(x[r * C + c + k]), s), e5);
+                if (out) out[r * C + c + k] = v[k];
+            }
+        }
+    }
+    if (!out_t) return;
+#pragma unroll
+    for (int k = 0; k < 16; k++) tile[tr * kPitch + tc + k] = v[k];
+    __syncthreads();
+    // the transposed copy: row c0 + tr of out_t, columns r0 + tc ... + 15
+    const long long orow = c0 + tr, ocol = r0 + tc;
+    uint8_t w[16];
+#pragma unroll
+    for (int k = 0; k < 16; k++) w[k] = tile[(tc + k) * kPitch + tr];
+    if (full && (R % 16) == 0) {
+        *reinterpret_cast<uint4 *>(out_t + orow * R + ocol) = *reinterpret_cast<const uint4 *>(w);
+    } else if (orow < C) {
+#pragma unroll
+        for (int k = 0; k < 16; k++)
+            if (ocol + k < R) out_t[orow * R + ocol + k] = w[k];
+    }
+}
+
+template <typename T>
+int launch_amax(ms_tensor *out, const ms_tensor *x, cudaStream_t st) {
+    const long long n = ms_tensor_numel(x);
+    const T *p = (const T *)ms_tensor_data(x);
+    const bool vec = ms_aligned16(p);
+    const long long V = 16 / sizeof(T);
+    long long blocks = ((vec ? n / V : n) + 255) / 256;
+    const long long cap = (long long)ms_sm_count(x->device_id) * 8;
+    if (blocks > cap) blocks = cap;
+    if (blocks < 1) blocks = 1;
+    amax_kernel<T><<<(int)blocks, 256, 0, st>>>(p, n, vec, (unsigned int *)ms_tensor_data(out));
+    LAUNCH_CHECK("amax_kernel");
+    return 0;
+}
+
+template <typename T>
+int launch_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const ms_tensor *x, const ms_tensor *amax,
+                bool e5, bool pow2, cudaStream_t st) {
+    const long long R = x->sizes[0], C = x->sizes[1];
+    if (R == 0 || C == 0) {   // no tile to run, but the scale is still wanted
+        if (inv) {
+            dim3 one(1, 1);
+            cast_kernel<T><<<one, 256, 0, st>>>(nullptr, 0, 0, nullptr, nullptr, (float *)ms_tensor_data(inv),
+                                                (const float *)ms_tensor_data(amax), e5, pow2, false);
+            LAUNCH_CHECK("cast_kernel");
+        }
+        return 0;
+    }
+    if ((C + kTile - 1) / kTile > 0x7fffffffLL || (R + kTile - 1) / kTile > 65535)
+        return ms_errorf("float8_cast: (%lld, %lld) has too many rows for the kernel's grid (at most %d)", R, C,
+                         65535 * kTile);
+    dim3 grid((unsigned)((C + kTile - 1) / kTile), (unsigned)((R + kTile - 1) / kTile));
+    const T *p = (const T *)ms_tensor_data(x);
+    // the 16-byte path needs every base aligned (rows then are: its tiles ask C % 16 == 0)
+    const bool al = ms_aligned16(p) && (!out || ms_aligned16(ms_tensor_data(out))) &&
+                    (!out_t || ms_aligned16(ms_tensor_data(out_t)));
+    cast_kernel<T><<<grid, 256, 0, st>>>(p, R, C, out ? (uint8_t *)ms_tensor_data(out) : nullptr,
+                                         out_t ? (uint8_t *)ms_tensor_data(out_t) : nullptr,
+                                         inv ? (float *)ms_tensor_data(inv) : nullptr,
+                                         (const float *)ms_tensor_data(amax), e5, pow2, al);
+    LAUNCH_CHECK("cast_kernel");
+    return 0;
+}
+
+}  // namespace
+
+extern "C" int ms_cuda_amax(ms_tensor *out, const ms_tensor *x) {
+    const int dev = x->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    CUDA_CHECK(cudaMemsetAsync(ms_tensor_data(out), 0, sizeof(float), st));
+    if (ms_tensor_numel(x) == 0) return 0;
+    switch (x->dtype_id) {
+    case MS_F64: return launch_amax<double>(out, x, st);
+    case MS_F32: return launch_amax<float>(out, x, st);
+    case MS_BF16: return launch_amax<__nv_bfloat16>(out, x, st);
+    case MS_F16: return launch_amax<__half>(out, x, st);
+    }
+    return ms_errorf("amax: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
+}
+
+extern "C" int ms_cuda_float8_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const ms_tensor *x,
+                                   const ms_tensor *amax, int dtype, int pow2) {
+    const int dev = x->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    const bool e5 = dtype == MS_F8E5M2, p2 = pow2 != 0;
+    switch (x->dtype_id) {
+    case MS_F64: return launch_cast<double>(out, out_t, inv, x, amax, e5, p2, st);
+    case MS_F32: return launch_cast<float>(out, out_t, inv, x, amax, e5, p2, st);
+    case MS_BF16: return launch_cast<__nv_bfloat16>(out, out_t, inv, x, amax, e5, p2, st);
+    case MS_F16: return launch_cast<__half>(out, out_t, inv, x, amax, e5, p2, st);
+    }
+    return ms_errorf("float8_cast: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
+}

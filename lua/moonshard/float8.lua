@@ -1,0 +1,352 @@
+-- moonshard.float8 — float8 training of linear layers (torchao's
+-- convert_to_float8_training, tensorwise dynamic scaling).
+--
+--   local float8 = require 'moonshard.float8'        -- also ms.float8
+--   local names = float8.convert(model)               -- every Linear / Conv1D but the LM head
+--   local y = float8.linear(x, w, b)                  -- one layer, x @ w^T + b through FP8 GEMMs
+--   float8.revert(model)                              -- back to bf16 / f32 GEMMs
+--
+-- A converted layer computes its three products in FP8 on the tensor cores
+-- (docs/float8.md):
+--   forward        y  = x8 @ w8^T        x, w in f8e4m3  (fast accumulation)
+--   input grad     dx = g8 @ w8          g in f8e5m2
+--   weight grad    dw = g8^T @ x8
+-- Each operand is scaled by its own dynamic scale, fmax / amax(tensor),
+-- computed on the device from the tensor's absolute maximum (no host sync),
+-- and the products are rescaled by the inverse scales in the GEMM. The
+-- gradients are the straight-through ones (the products' gradients taken
+-- as if the casts were the identity), as in torchao. The weight keeps its
+-- dtype (an f32 master's gradient comes out of the FP8 GEMM in f32, or goes
+-- into an FSDP unit's f32 gradient sink); the output has the autocast
+-- region's dtype (else x's). Saved for backward: the transposed f8 copies
+-- of x and w (half the bytes of a bf16 x).
+--
+-- Two layers reading the same input tensor (q/k/v, gate/up) share its cast:
+-- the amax pass and the cast run once (the cache is keyed by the tensor's
+-- handle and its version, and dropped at each backward).
+--
+-- CUDA needs compute capability 8.9+ (H100: sm_90) and every dim of the
+-- three products a multiple of 16: a call with a token count that is not
+-- (generation, an odd batch) runs the plain linear instead, as does any call
+-- outside grad-enabled float work that cannot take FP8 (f64 on a GPU). On
+-- the CPU every shape runs (the FP8 values are exact in f32: the CPU
+-- reference widens them and multiplies in f32).
+local T = require 'moonshard.tensor'
+local F = require 'moonshard.ops'
+local A = require 'moonshard.autograd'
+local amp = require 'moonshard.amp'
+
+local R = A.raw_views
+local free = A.free
+local shape_of = A.shape_of
+local is_tensor = T.is_tensor
+
+local float8 = {}
+
+-- ---------------------------------------------------------------- recipes
+-- tensorwise: torchao's default Float8LinearConfig (e4m3 input and weight,
+-- e5m2 output gradient, fast accumulation in the forward product only).
+-- pow2 rounds every scale down to a power of two (torchao's
+-- round_scales_to_power_of_2; then x * scale is exact).
+float8.recipes = {
+  tensorwise = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e5m2', pow2 = false,
+                 fast_accum_output = true, fast_accum_grads = false },
+}
+
+local function recipe_of(opts, level)
+  opts = opts or {}
+  local name = opts.recipe or 'tensorwise'
+  local base = float8.recipes[name]
+  if base == nil then
+    local names = {}
+    for k in pairs(float8.recipes) do names[#names + 1] = k end
+    table.sort(names)
+    error(('float8: unknown recipe %s (recipes: %s)'):format(tostring(name), table.concat(names, ', ')), level + 1)
+  end
+  local cfg = {}
+  for k, v in pairs(base) do cfg[k] = v end
+  for _, k in ipairs({ 'input', 'weight', 'grad_output' }) do
+    if opts[k] ~= nil then
+      local id = T.dtype_id(opts[k], level + 1)
+      if id ~= 8 and id ~= 9 then
+        error(('float8: %s must be f8e4m3 or f8e5m2, got %s'):format(k, tostring(opts[k])), level + 1)
+      end
+      cfg[k] = T.dtype_name(id)
+    end
+  end
+  if opts.pow2 ~= nil then cfg.pow2 = opts.pow2 and true or false end
+  if cfg.input == 'f8e5m2' and cfg.weight == 'f8e5m2' then
+    error('float8: input and weight cannot both be f8e5m2 (no FP8 GEMM takes two e5m2 operands)', level + 1)
+  end
+  if cfg.grad_output == 'f8e5m2' and (cfg.input == 'f8e5m2' or cfg.weight == 'f8e5m2') then
+    error('float8: grad_output f8e5m2 needs input and weight in f8e4m3 (its products take one e4m3 operand)',
+      level + 1)
+  end
+  cfg.recipe = name
+  return cfg
+end
+float8.config = function(opts) return recipe_of(opts, 2) end
+
+-- ------------------------------------------------------------- the casts
+-- amax, then the cast into the layouts wanted: x2 (R, C) -> rows (R, C)
+-- and/or cols (C, R), inv
+local function cast(x2, dtype, pow2, rows, cols)
+  local am = F.amax(x2)
+  local r, c, inv = F.float8_cast(x2, am, dtype, { rows = rows, cols = cols, pow2 = pow2 })
+  free(am)
+  return r, c, inv
+end
+
+-- counters for specs and benches: input casts made (a shared one counts once)
+local stats = { input_casts = 0 }
+function float8.stats() return { input_casts = stats.input_casts } end
+
+-- the last input cast (see the top): { id, version, dtype, pow2, rows, cols, inv }
+local last = nil
+local function drop_last()
+  local l = last
+  if l == nil then return end
+  last = nil
+  free(l.rows); free(l.cols); free(l.inv)
+end
+A.register_hook('backward_begin', drop_last)
+float8.clear_cache = drop_last
+
+-- the cast of input x (its rows x2) with both layouts when both are wanted;
+-- aliases the caller owns
+local function cast_input(x, x2, cfg, want_cols)
+  local l = last
+  local ver = x._version
+  if l and l.id == tonumber(x.id) and l.version == ver and l.dtype == cfg.input and l.pow2 == cfg.pow2
+      and (l.cols ~= nil or not want_cols) then
+    return R.alias(l.rows), l.cols and R.alias(l.cols) or nil, R.alias(l.inv)
+  end
+  drop_last()
+  stats.input_casts = stats.input_casts + 1
+  local r, c, inv = cast(x2, cfg.input, cfg.pow2, true, want_cols)
+  last = { id = tonumber(x.id), version = ver, dtype = cfg.input, pow2 = cfg.pow2, rows = r, cols = c, inv = inv }
+  return R.alias(r), c and R.alias(c) or nil, R.alias(inv)
+end
+
+-- -------------------------------------------------------------- the layer
+local function dims(t) return '(' .. table.concat(shape_of(t), ', ') .. ')' end
+
+-- x as (N, last) and N
+local function rows_of(x)
+  local s = shape_of(x)
+  local n = 1
+  for i = 1, #s - 1 do n = n * s[i] end
+  if x.ndim == 2 then return x, n end
+  return R.reshape(x, { n, s[#s] }), n
+end
+
+local function low_or_f32(id) return id == 1 or id == 2 or id == 3 end
+
+-- whether the FP8 path takes this call (else the plain linear runs)
+local function fp8_fits(x, w, n, in_f, out_f)
+  if x.device_id < 0 then return true end
+  if x.dtype_id == 0 or w.dtype_id == 0 then return false end
+  return n % 16 == 0 and in_f % 16 == 0 and out_f % 16 == 0
+end
+
+-- the weight gradient into its sink when the sink takes it (f32 or w's
+-- dtype, on w's device, not held by a fused loss whose backward is due)
+local function sink_of(node, w)
+  local sink = A.grad_sink(node, 2)
+  if not sink or type(sink.written[sink.i]) == 'table' then return nil end
+  local sd = sink.t.dtype_id
+  if sink.t.device_id ~= w.device_id or not (sd == 1 or sd == w.dtype_id) then return nil end
+  return sink
+end
+
+local function bwd_float8(node, g)
+  local s, need = node.saved, node.need
+  local cfg = s.cfg
+  local g2 = rows_of(g)
+  local want_w = need[2]
+  local g8, g8t, ginv
+  if need[1] or want_w then g8, g8t, ginv = cast(g2, cfg.grad_output, cfg.pow2, need[1], want_w) end
+  local dx, dw, db
+  if need[1] then
+    -- dx (N, in) = g8 (N, out) @ w8 [w8t (in, out) as b]
+    local d2 = F.scaled_matmul(g8, s.w_in, ginv, s.winv,
+      { out_dtype = T.dtype_name(s.dx_dtype), fast_accum = cfg.fast_accum_grads })
+    dx = R.reshape(d2, node.ishape[1])
+    if dx ~= d2 then free(d2) end
+  end
+  if want_w then
+    -- (out, in) = g8t (out, N) @ x8t (in, N)^T  (Conv1D's (in, out) the other way)
+    local a, b, ainv, binv = g8t, s.x8t, ginv, s.xinv
+    if not s.wt then a, b, ainv, binv = s.x8t, g8t, s.xinv, ginv end
+    local sink = sink_of(node, s.w)
+    if sink then
+      F.scaled_matmul(a, b, ainv, binv, { out = sink.t, beta = sink.written[sink.i] and 1 or 0,
+        fast_accum = cfg.fast_accum_grads })
+      sink.written[sink.i] = true
+    else
+      local wd = s.w.dtype_id == 0 and 1 or s.w.dtype_id
+      dw = F.scaled_matmul(a, b, ainv, binv, { out_dtype = T.dtype_name(wd), fast_accum = cfg.fast_accum_grads })
+    end
+  end
+  if need[3] then db = F.sum(g2, 1) end
+  free(g8); free(g8t); free(ginv)
+  if g2 ~= g then free(g2) end
+  return dx, dw, db
+end
+
+-- float8.linear(x (..., in), w, b?, opts?) -> y (..., out): x @ w^T + b
+-- with w (out, in), or x @ w + b with opts.wt == false (w (in, out), GPT-2's
+-- Conv1D); opts: a recipe's fields (float8.config), or opts.config made by it
+function float8.linear(x, w, b, opts)
+  opts = opts or {}
+  local cfg = opts.config or recipe_of(opts, 2)
+  local wt = opts.wt ~= false
+  local name = 'float8_linear'
+  if not is_tensor(x) or not is_tensor(w) then
+    error(('%s: expected tensors for the input and the weight, got %s and %s'):format(name, type(x), type(w)), 2)
+  end
+  if w.ndim ~= 2 then
+    error(('%s: weight must be 2-D %s, got %s'):format(name, wt and '(out, in)' or '(in, out)', dims(w)), 2)
+  end
+  local in_f, out_f = tonumber(w.sizes[wt and 1 or 0]), tonumber(w.sizes[wt and 0 or 1])
+  if x.ndim < 1 or tonumber(x.sizes[x.ndim - 1]) ~= in_f then
+    error(('%s: input of shape %s does not end in in_features = %d (weight %s)'):format(name, dims(x), in_f, dims(w)),
+      2)
+  end
+  if b ~= nil and (not is_tensor(b) or b.ndim ~= 1 or tonumber(b.sizes[0]) ~= out_f) then
+    error(('%s: bias of shape %s for out_features = %d'):format(name, is_tensor(b) and dims(b) or type(b), out_f), 2)
+  end
+  if not low_or_f32(x.dtype_id) and x.dtype_id ~= 0 or not low_or_f32(w.dtype_id) and w.dtype_id ~= 0 then
+    error(('%s: input and weight must be float tensors, got %s and %s'):format(name, x.dtype, w.dtype), 2)
+  end
+  if x.device_id ~= w.device_id then
+    error(('%s: input on %s, weight on %s'):format(name, x.device, w.device), 2)
+  end
+  local x2, n = rows_of(x)
+  if not fp8_fits(x, w, n, in_f, out_f) then
+    if x2 ~= x then free(x2) end
+    local nnf = require 'moonshard.nn.functional'
+    return (wt and nnf.linear or nnf.conv1d_linear)(x, w, b)
+  end
+  -- the output's dtype: the region's, else x's (f64 computes in f32)
+  local od = amp.dtype() or x.dtype_id
+  if od == 0 then od = 1 end
+  local grad = A.want(x, w, b)
+  local need_w = grad and A.needs_grad(w)
+  local need_x = grad and A.needs_grad(x)
+  local x8, x8t, xinv = cast_input(x, x2, cfg, need_w)
+  -- w's two layouts: (out, in) for the forward, (in, out) for dx
+  local w_out, w_in, winv
+  if wt then w_out, w_in, winv = cast(w, cfg.weight, cfg.pow2, true, need_x)
+  else w_in, w_out, winv = cast(w, cfg.weight, cfg.pow2, need_x, true) end
+  local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
+  local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias,
+    fast_accum = cfg.fast_accum_output })
+  if b ~= nil and bias == nil then
+    local bc = R.to(b, { dtype = od, device = x.device_id })
+    F.add_(y2, bc)
+    if bc ~= b then free(bc) end
+  end
+  free(x8); free(w_out)
+  if x.dtype_id == 0 then   -- an f64 model on the CPU: f32 math, f64 out
+    local y64 = R.to(y2, { dtype = 'f64' })
+    free(y2)
+    y2 = y64
+  end
+  local y = y2
+  if x.ndim ~= 2 then
+    local sh = shape_of(x)
+    sh[#sh] = out_f
+    y = R.view(y2, sh)
+    free(y2)
+  end
+  if x2 ~= x then free(x2) end
+  if grad then
+    local saved = { x8t = x8t, xinv = xinv, w_in = w_in, winv = winv, w = w, wt = wt, cfg = cfg,
+      dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id }
+    local own = { xinv, winv }
+    if x8t ~= nil then own[#own + 1] = x8t end
+    if w_in ~= nil then own[#own + 1] = w_in end
+    A.record_list(name, y, bwd_float8, saved, own, { x, w, b })
+  else
+    free(x8t); free(xinv); free(w_in); free(winv)
+  end
+  return y
+end
+
+-- ------------------------------------------------------------- conversion
+local function layer_forward(self, x)
+  local f = rawget(self, '_float8')
+  return float8.linear(x, self.weight, self.bias, { config = f.config, wt = f.wt })
+end
+
+local function matches(name, pats)
+  for _, p in ipairs(pats) do
+    local ok, hit = pcall(string.find, name, p)
+    if not ok then error(('float8.convert: bad pattern %s: %s'):format(tostring(p), tostring(hit)), 4) end
+    if hit then return true end
+  end
+  return false
+end
+
+-- float8.convert(model, opts?) -> names: every nn.Linear / nn.Conv1D of the
+-- model computes in FP8 (float8.linear) except
+--   * the LM head (the module holding model:head_weight(): the fused
+--     cross-entropy reads that weight itself; torchtitan keeps the output
+--     layer in bf16 too),
+--   * layers whose in or out features are not multiples of 16 (the FP8
+--     GEMMs' rule), and modules with a forward of their own (LoRA),
+--   * names matching opts.skip (Lua patterns), or for which
+--     opts.filter(name, module) returns false.
+-- opts also takes a recipe's fields (recipe = 'tensorwise', input, weight,
+-- grad_output, pow2). Returns the qualified names converted; an error when
+-- there are none. Parameters are not touched (float8.revert undoes it).
+function float8.convert(model, opts)
+  opts = opts or {}
+  local nn = require 'moonshard.nn'
+  if not nn.is_module(model) then error('float8.convert: model must be a module', 2) end
+  local cfg = recipe_of(opts, 2)
+  local skip = opts.skip or {}
+  if type(skip) == 'string' then skip = { skip } end
+  local head = type(model.head_weight) == 'function' and model:head_weight() or nil
+  local names = {}
+  for name, m in model:named_modules() do
+    local cls = getmetatable(m)
+    if (cls == nn.Linear or cls == nn.Conv1D) and rawget(m, '_float8') == nil then
+      local w = m.weight
+      local ok = rawget(m, 'forward') == nil and (head == nil or not rawequal(w, head))
+        and m.in_features % 16 == 0 and m.out_features % 16 == 0 and not matches(name, skip)
+      if ok and opts.filter then ok = opts.filter(name, m) and true or false end
+      if ok then
+        rawset(m, '_float8', { config = cfg, wt = cls == nn.Linear })
+        rawset(m, 'forward', layer_forward)
+        names[#names + 1] = name
+      end
+    end
+  end
+  if #names == 0 then
+    error('float8.convert: no nn.Linear or nn.Conv1D of the model can be converted (features multiples of 16, '
+      .. 'not the LM head, not skipped or filtered out)', 2)
+  end
+  return names
+end
+
+-- float8.revert(model) -> names: the converted layers compute in their own
+-- dtype again
+function float8.revert(model)
+  local names = {}
+  for name, m in model:named_modules() do
+    if rawget(m, '_float8') ~= nil then
+      rawset(m, '_float8', nil)
+      rawset(m, 'forward', nil)
+      names[#names + 1] = name
+    end
+  end
+  drop_last()
+  return names
+end
+
+-- float8.converted(module) -> its recipe config, or nil
+function float8.converted(m) return rawget(m, '_float8') and rawget(m, '_float8').config or nil end
+
+return float8

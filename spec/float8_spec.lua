@@ -1,0 +1,547 @@
+-- Float8 on the CPU (core/fp8.h, core/float8.c, lua/moonshard/float8.lua):
+-- the two formats against a decoder and a nearest-even rounding written here
+-- from the formats' definitions (every code, ties, saturation, overflow,
+-- subnormals, f64 sources), amax, the scaled cast in both layouts, the
+-- scaled product against an f64 product of the decoded operands, the FP8
+-- linear layer (Linear and Conv1D layouts, bias, 3-D input, the f32
+-- sink) against the same products written out here, its gradients against
+-- the f64 finite differences of the linear map it approximates, the shared
+-- input cast, float8.convert on the models and through bin/train, and the
+-- errors. The GPU side is spec/gpu_float8_spec.lua.
+local ffi = require 'ffi'
+local ms = require 'moonshard'
+local T = require 'moonshard.tensor'
+local S = require 'spec.support'
+
+local F = ms.raw
+local float8 = ms.float8
+local nnf = ms.nn.functional
+local values, relerr = S.values, S.relerr
+
+-- ---------------------------------------------------- the formats, written out
+local f32buf = ffi.new('float[1]')
+local function f32(v) f32buf[0] = v; return f32buf[0] end
+
+local fmt = {
+  f8e4m3 = { e5 = false, max = 448, max_code = 0x7e },
+  f8e5m2 = { e5 = true, max = 57344, max_code = 0x7b },
+}
+
+-- the value of code c (0..255) from the format's definition
+local function decode(c, name)
+  local neg = c >= 128
+  c = c % 128
+  local v
+  if name == 'f8e4m3' then
+    local e, m = math.floor(c / 8), c % 8
+    if e == 15 and m == 7 then return 0 / 0 end
+    v = e == 0 and m * 2 ^ -9 or (1 + m / 8) * 2 ^ (e - 7)
+  else
+    local e, m = math.floor(c / 4), c % 4
+    if e == 31 then return m == 0 and (neg and -math.huge or math.huge) or 0 / 0 end
+    v = e == 0 and m * 2 ^ -16 or (1 + m / 4) * 2 ^ (e - 15)
+  end
+  return neg and -v or v
+end
+
+-- the positive values by code, 0 .. max_code, and one step past the largest
+-- (e4m3: 480, whose code 0x7f is NaN; e5m2: 65536, the infinity 0x7c)
+local tables = {}
+for name, f in pairs(fmt) do
+  local t = {}
+  for c = 0, f.max_code do t[c] = decode(c, name) end
+  t[f.max_code + 1] = name == 'f8e4m3' and 480 or 65536
+  tables[name] = t
+end
+
+-- x rounded to the nearest value of the format, ties to the even code;
+-- sat: beyond the largest finite value, that value
+local function round8(x, name, sat)
+  if x ~= x then return 0 / 0 end
+  local f, t = fmt[name], tables[name]
+  local a = math.abs(x)
+  local r
+  if sat and a >= f.max then r = f.max
+  else
+    local lo, hi = 0, f.max_code + 1
+    if a >= t[hi] then r = t[hi]
+    else
+      while hi - lo > 1 do
+        local mid = math.floor((lo + hi) / 2)
+        if t[mid] <= a then lo = mid else hi = mid end
+      end
+      local dl, dh = a - t[lo], t[hi] - a
+      local c = (dl < dh or (dl == dh and lo % 2 == 0)) and lo or hi
+      r = t[c]
+    end
+    if r > f.max then r = f.e5 and math.huge or 0 / 0 end   -- past the largest: inf (e5m2), NaN (e4m3)
+  end
+  if x < 0 or (x == 0 and 1 / x < 0) then r = -r end
+  return r
+end
+
+local function same(a, b)   -- equal values, NaN equal to NaN, -0 and 0 apart
+  if a ~= a then return b ~= b end
+  if a == 0 and b == 0 then return 1 / a == 1 / b end
+  return a == b
+end
+
+local seed = 7100
+local function randn(shape, scale, dtype)
+  seed = seed + 1
+  local t = ms.randn(shape, { seed = seed })
+  if scale then t = F.mul(t, scale) end
+  return dtype and dtype ~= 'f32' and t:to(dtype) or t
+end
+
+-- values of every kind: each representable value, the midpoints between
+-- neighbours (ties), values just around them, the overflow thresholds,
+-- zeros, infinities, NaN, f32 subnormals and random magnitudes from 2^-24 to 2^17
+local function probe_values(name)
+  local t, f = tables[name], fmt[name]
+  local v = { 0, -0.0, math.huge, -math.huge, 0 / 0, 1e-45, -1e-45, 1e-40, 3e38, -3e38 }
+  for c = 0, f.max_code do
+    local a, b = t[c], t[c + 1]
+    local mid = (a + b) / 2
+    for _, x in ipairs({ a, mid, f32(mid * (1 + 2 ^ -20)), f32(mid * (1 - 2 ^ -20)) }) do
+      v[#v + 1] = f32(x)
+      v[#v + 1] = -f32(x)
+    end
+  end
+  for _, x in ipairs({ 448, 460, 464, 465, 479, 480, 500, 57344, 61439, 61440, 61441, 65536, 1e5 }) do
+    v[#v + 1] = x
+    v[#v + 1] = -x
+  end
+  local r = ms.rand({ 600 }, { dtype = 'f64', seed = 77 })
+  local u = ms.rand({ 600 }, { dtype = 'f64', seed = 78 })
+  local rv, uv = values(r), values(u)
+  for i = 1, 600 do v[#v + 1] = f32((uv[i] < 0.5 and -1 or 1) * 2 ^ (rv[i] * 41 - 24)) end
+  return v
+end
+
+describe('float8 formats', function()
+  it('every code decodes to the value the format defines (both formats, all 256 codes)', function()
+    for name, f in pairs(fmt) do
+      local e5 = f.e5 and 1 or 0
+      for c = 0, 255 do
+        local want = decode(c, name)
+        local got = T.C.ms_f8_to_f32(c, e5)
+        assert.is_true(same(want, got), ('%s code 0x%02x: %s, want %s'):format(name, c, got, want))
+      end
+    end
+  end)
+
+  it('f32 -> f8 rounds to nearest even (ties, overflow to NaN / inf, subnormals); back to f32 exactly', function()
+    for name in pairs(fmt) do
+      local v = probe_values(name)
+      local x = S.make({ #v }, v, 'f32')
+      local got = values(x:to(name))
+      local xs = values(x)
+      local bad = 0
+      for i = 1, #v do
+        local want = round8(xs[i], name, false)
+        if not same(want, got[i]) then
+          bad = bad + 1
+          if bad <= 5 then print(('%s: %.9g -> %.9g, want %.9g'):format(name, xs[i], got[i], want)) end
+        end
+      end
+      assert.are.equal(0, bad, name .. ': values rounded wrongly')
+      -- the representable values go there and back unchanged, bit for bit
+      local reps = {}
+      for c = 0, 255 do
+        local d = decode(c, name)
+        if d == d then reps[#reps + 1] = d end
+      end
+      local back = values(S.make({ #reps }, reps, 'f32'):to(name):to('f32'))
+      for i = 1, #reps do assert.is_true(same(reps[i], back[i]), name .. ' round trip of ' .. reps[i]) end
+    end
+  end)
+
+  it('the codes themselves: NaN 0x7f with the sign, infinities, signed zeros, the largest values', function()
+    local x = S.make({ 8 }, { 0 / 0, 500, -500, -0.0, 448, 57344, 1e6, -1e6 }, 'f32')
+    local function codes(t)
+      local p = ffi.cast('uint8_t*', t:data_ptr())
+      local r = {}
+      for i = 0, t:numel() - 1 do r[i + 1] = p[i] end
+      return r
+    end
+    local c4, c5 = codes(x:to('f8e4m3')), codes(x:to('f8e5m2'))
+    assert.are.equal(0x7f, c4[1] % 128)
+    assert.are.same({ 0x7f, 0xff, 0x80, 0x7e }, { c4[2], c4[3], c4[4], c4[5] })
+    assert.are.same({ 0x80, 0x7b, 0x7c, 0xfc }, { c5[4], c5[6], c5[7], c5[8] })
+  end)
+
+  it('f64 -> f8 rounds once (not through a rounded f32)', function()
+    -- just above the tie between 1 and 1.125 in e4m3: f32 would round it onto the tie (then to 1)
+    local x = 1.0625 + 2 ^ -40
+    local t = S.make({ 2 }, { x, -x }, 'f64')
+    assert.are.same({ 1.125, -1.125 }, values(t:to('f8e4m3')))
+    assert.are.same({ 1, -1 }, values(S.make({ 2 }, { x, -x }, 'f32'):to('f8e4m3')))
+  end)
+
+  it('views, clones, cat and safetensors carry f8 tensors; printing shows their values', function()
+    local x = randn({ 6, 8 }, 10):to('f8e5m2')
+    assert.are.equal('f8e5m2', x.dtype)
+    assert.are.equal(1, x:element_size())
+    local tt = x:t():contiguous()
+    assert.are.same(values(x:t()), values(tt))
+    local c = ms.cat({ x, x:narrow(1, 1, 2) }, 1)
+    assert.are.same({ 8, 8 }, c.shape)
+    local dir = S.tmpdir()
+    ms.save_safetensors(dir .. '/f8.safetensors', { a = x, b = x:to('f32'):to('f8e4m3') })
+    local back = ms.load_safetensors(dir .. '/f8.safetensors')
+    assert.are.equal('f8e5m2', back.a.dtype)
+    assert.are.equal('f8e4m3', back.b.dtype)
+    assert.are.same(values(x), values(back.a))
+    local f = io.open(dir .. '/f8.safetensors', 'rb')
+    local head = f:read(400)
+    f:close()
+    assert.is_truthy(head:find('"F8_E5M2"', 1, true) and head:find('"F8_E4M3"', 1, true))
+    assert.is_truthy(tostring(S.make({ 2 }, { 1.5, -0.25 }):to('f8e4m3')):find('dtype=f8e4m3', 1, true))
+    assert.are.equal(ms.float8 ~= nil, true)
+  end)
+
+  it('ops refuse f8 tensors with a message naming the tensor; requires_grad and collectives too', function()
+    local x = randn({ 4, 16 }):to('f8e4m3')
+    for _, fn in ipairs({
+      function() return x + 1 end, function() return x:sum() end,
+      function() return ms.matmul(x, x:t()) end, function() return ms.exp(x) end,
+      function() return x:fill_(0) end }) do
+      local e = S.errmsg(fn)
+      assert.is_truthy(e:find('f8e4m3 (4,16) cpu is an 8-bit float tensor', 1, true), e)
+    end
+    assert.is_truthy(S.errmsg(function() x.requires_grad = true end):find('floating point', 1, true))
+    assert.is_truthy(S.errmsg(function() return F.amax(x) end):find('amax: needs a float tensor', 1, true))
+  end)
+end)
+
+-- the cast written out: amax, the scale (f64 division rounded to f32, pow2
+-- rounded down), x * scale in f32, saturated nearest-even rounding
+local function ref_scale(amax, name, pow2)
+  local s = f32(fmt[name].max / math.max(amax, 1e-12))
+  if pow2 then
+    local _, e = math.frexp(s)
+    s = 2 ^ (e - 1)
+  end
+  return s
+end
+
+describe('float8 amax and cast', function()
+  it('amax is max |x| for every float dtype and layout, NaN when x holds one, 0 when empty', function()
+    for _, dt in ipairs({ 'f32', 'bf16', 'f16', 'f64' }) do
+      local x = randn({ 37, 23 }, 3, dt)
+      local want = 0
+      for _, v in ipairs(values(x)) do want = math.max(want, math.abs(v)) end
+      assert.are.equal(f32(want), F.amax(x):item(), dt)
+      local xt = x:t()   -- a transposed view
+      assert.are.equal(f32(want), F.amax(xt):item(), dt .. ' view')
+      assert.are.same({}, F.amax(x).shape)
+      assert.are.equal('f32', F.amax(x).dtype)
+    end
+    local v = values(randn({ 50 }))
+    v[17] = 0 / 0
+    local a = F.amax(S.make({ 50 }, v, 'f32')):item()
+    assert.is_true(a ~= a)
+    assert.are.equal(0, F.amax(ms.zeros({ 0, 3 })):item())
+  end)
+
+  it('the cast is the scaled, saturated nearest-even rounding, in both layouts, for both formats and pow2', function()
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      for name in pairs(fmt) do
+        for _, pow2 in ipairs({ false, true }) do
+          local x = randn({ 19, 45 }, 2.5, dt)
+          local xv = values(x)
+          -- an amax below the true one: the largest values saturate
+          local am = S.make({}, { f32(2.5) }, 'f32')
+          local r, c, inv = F.float8_cast(x, am, name, { cols = true, pow2 = pow2 })
+          assert.are.equal(name, r.dtype)
+          assert.are.same({ 19, 45 }, r.shape)
+          assert.are.same({ 45, 19 }, c.shape)
+          local s = ref_scale(2.5, name, pow2)
+          assert.are.equal(f32(1 / s), inv:item())
+          local rv, cv = values(r), values(c)
+          local sat = 0
+          for i = 0, 18 do
+            for j = 0, 44 do
+              local want = round8(f32(f32(xv[i * 45 + j + 1]) * s), name, true)
+              if math.abs(want) == fmt[name].max then sat = sat + 1 end
+              assert.is_true(same(want, rv[i * 45 + j + 1]), ('%s %s (%d, %d)'):format(dt, name, i, j))
+              assert.is_true(same(want, cv[j * 19 + i + 1]), ('%s %s transposed (%d, %d)'):format(dt, name, i, j))
+            end
+          end
+          assert.is_true(sat > 0, 'some values saturate')
+        end
+      end
+    end
+  end)
+
+  it('rows, cols and inv are each optional; outputs given are checked; bad arguments are errors', function()
+    local x = randn({ 8, 16 })
+    local am = F.amax(x)
+    local r, c, inv = F.float8_cast(x, am, 'f8e4m3', { rows = false, cols = true, inv = false })
+    assert.is_nil(r); assert.is_nil(inv)
+    assert.are.same({ 16, 8 }, c.shape)
+    assert.is_truthy(S.errmsg(function() F.float8_cast(x, am, 'bf16') end):find('f8e4m3 or f8e5m2', 1, true))
+    assert.is_truthy(S.errmsg(function() F.float8_cast(x:view(128), am, 'f8e4m3') end):find('2-D float', 1, true))
+    assert.is_truthy(S.errmsg(function() F.float8_cast(x, am:to('f64'), 'f8e4m3') end)
+      :find('amax must be one f32 element on cpu', 1, true))
+    local out = ms.empty({ 8, 16 }, { dtype = 'f8e5m2' })
+    local e = S.errmsg(function() T.check(T.C.ms_float8_cast(ffi.new('ms_tensor*[1]', out), nil, nil, x, am, 8, 0)) end)
+    assert.is_truthy(e:find('out is f8e5m2 (8,16) cpu, expected f8e4m3 (8,16) cpu', 1, true), e)
+  end)
+end)
+
+-- the product written out: the operands decoded to f64, multiplied in f64
+local function ref_mm(a, b, ainv, binv)
+  return ms.matmul(a:to('f64'), b:to('f64'), false, true) * (ainv:item() * binv:item())
+end
+
+local function cast_of(x, name)
+  local r, _, inv = F.float8_cast(x, F.amax(x), name)
+  return r, inv
+end
+
+describe('float8 scaled_matmul', function()
+  it('equals the f64 product of the decoded operands times the scales (f32 out to 1e-6, bf16 to its rounding)', function()
+    for _, pair in ipairs({ { 'f8e4m3', 'f8e4m3' }, { 'f8e5m2', 'f8e4m3' }, { 'f8e4m3', 'f8e5m2' } }) do
+      local a, ai = cast_of(randn({ 33, 40 }, 3), pair[1])
+      local b, bi = cast_of(randn({ 21, 40 }, 0.1), pair[2])
+      local want = ref_mm(a, b, ai, bi)
+      local y = F.scaled_matmul(a, b, ai, bi, { out_dtype = 'f32' })
+      assert.are.same({ 33, 21 }, y.shape)
+      assert.is_true(relerr(y, want) < 1e-6, pair[1] .. ' x ' .. pair[2])
+      local yb = F.scaled_matmul(a, b, ai, bi)
+      assert.are.equal('bf16', yb.dtype)
+      assert.is_true(relerr(yb, want) < 4e-3)
+      assert.is_true(relerr(yb, want) > 0)
+    end
+  end)
+
+  it('adds a bias, accumulates into a given f32 output with beta, and takes an empty K', function()
+    local a, ai = cast_of(randn({ 16, 32 }), 'f8e4m3')
+    local b, bi = cast_of(randn({ 24, 32 }), 'f8e4m3')
+    local bias = randn({ 24 })
+    local want = ref_mm(a, b, ai, bi) + bias:to('f64')
+    assert.is_true(relerr(F.scaled_matmul(a, b, ai, bi, { out_dtype = 'f32', bias = bias }), want) < 1e-6)
+    local acc = randn({ 16, 24 })
+    local want2 = ref_mm(a, b, ai, bi) + acc:to('f64')
+    F.scaled_matmul(a, b, ai, bi, { out = acc, beta = 1 })
+    assert.is_true(relerr(acc, want2) < 1e-6)
+    local z = F.scaled_matmul(ms.empty({ 4, 0 }, { dtype = 'f8e4m3' }), ms.empty({ 5, 0 }, { dtype = 'f8e4m3' }), ai, bi,
+      { out_dtype = 'f32' })
+    assert.are.same({ 0, 0, 0, 0, 0 }, values(z:narrow(1, 1, 1)))
+  end)
+
+  it('refuses two e5m2 operands, transposed views, mismatched K, a missing out for beta and bad scales', function()
+    local a, ai = cast_of(randn({ 16, 32 }), 'f8e5m2')
+    local b, bi = cast_of(randn({ 16, 32 }), 'f8e4m3')
+    local function err(fn, pat)
+      local e = S.errmsg(fn)
+      assert.is_truthy(e:find(pat, 1, true), e)
+    end
+    err(function() F.scaled_matmul(a, a, ai, ai) end, 'both f8e5m2')
+    err(function() F.scaled_matmul(b, b:t(), bi, bi) end, 'must have contiguous rows')
+    err(function() F.scaled_matmul(b, b:narrow(2, 1, 16):contiguous(), bi, bi) end, 'must share their last dim K')
+    err(function() F.scaled_matmul(b, b, bi, bi, { beta = 1 }) end, 'the output must be given')
+    err(function() F.scaled_matmul(b, b, bi:to('f64'), bi) end, 'ainv must be one f32 element')
+    err(function() F.scaled_matmul(b, b, bi, bi, { out_dtype = 'f64' }) end, 'f32, bf16 or f16')
+    err(function() F.scaled_matmul(b, b, bi, bi, { bias = ms.zeros({ 16 }) }) end, 'bias must be (16) bf16')
+    err(function() F.scaled_matmul(randn({ 16, 32 }), b, bi, bi) end, '2-D f8e4m3 or f8e5m2')
+  end)
+end)
+
+-- the FP8 linear written out: quantise x, w (e4m3) and g (e5m2) as the
+-- recipe says, multiply the decoded values in f64 and rescale
+local function q(x, name)
+  local am = 0
+  for _, v in ipairs(values(x)) do am = math.max(am, math.abs(v)) end
+  local s = ref_scale(f32(am), name, false)
+  local xv = values(x)
+  local out = {}
+  for i = 1, #xv do out[i] = round8(f32(f32(xv[i]) * s), name, true) / s end
+  return S.make(x.shape, out, 'f64')
+end
+
+describe('float8.linear', function()
+  it('forward and backward are the FP8 products of the tensorwise recipe (Linear and Conv1D layouts, bias, 3-D x)', function()
+    for _, wt in ipairs({ true, false }) do
+      for _, with_bias in ipairs({ true, false }) do
+        local x = randn({ 3, 5, 32 }):requires_grad_()
+        local w = (wt and randn({ 48, 32 }, 0.2) or randn({ 32, 48 }, 0.2)):requires_grad_()
+        local b = with_bias and randn({ 48 }):requires_grad_() or nil
+        local y = float8.linear(x, w, b, { wt = wt })
+        assert.are.same({ 3, 5, 48 }, y.shape)
+        assert.are.equal('f32', y.dtype)
+        local g = randn({ 3, 5, 48 })
+        y:backward(g)
+        -- the same in f64 from the quantised operands
+        local x2, g2 = x:detach():view(15, 32), g:view(15, 48)
+        local xq, gq = q(x2, 'f8e4m3'), q(g2, 'f8e5m2')
+        local wo = wt and w:detach() or w:detach():t()   -- (out, in)
+        local wq = q(wo, 'f8e4m3')
+        local want = ms.matmul(xq, wq, false, true)
+        if b then want = want + b:detach():to('f64') end
+        assert.is_true(relerr(y:view(15, 48), want) < 1e-6, 'forward')
+        assert.is_true(relerr(x.grad:view(15, 32), ms.matmul(gq, wq)) < 1e-6, 'dx')
+        local dw = ms.matmul(gq, xq, true, false)   -- (out, in)
+        assert.is_true(relerr(wt and w.grad or w.grad:t(), dw) < 1e-6, 'dw')
+        if b then assert.is_true(relerr(b.grad, g2:sum(1)) < 1e-6, 'db') end
+      end
+    end
+  end)
+
+  it('its gradients match the f64 finite differences of the linear map it approximates, within FP8 rounding', function()
+    local x = randn({ 6, 16 }, 1, 'f64'):requires_grad_()
+    local w = randn({ 16, 16 }, 0.3, 'f64'):requires_grad_()
+    local b = randn({ 16 }, 0.1, 'f64'):requires_grad_()
+    local g = randn({ 6, 16 }, 1, 'f64')
+    local y = float8.linear(x, w, b)
+    assert.are.equal('f64', y.dtype)
+    y:backward(g)
+    -- the f64 linear map's loss sum(g * (x w^T + b)) and its central differences
+    local xd, wd, bd = x:detach(), w:detach(), b:detach()
+    local function L() return (ms.matmul(xd, wd, false, true) + bd):mul(g):sum():item() end
+    local function check(t, grad)
+      local num, den, h = 0, 0, 1e-6
+      for i = 1, t.shape[1] do
+        for j = 1, t.shape[2] do
+          local v = t:get(i, j)
+          t:set(i, j, v + h)
+          local up = L()
+          t:set(i, j, v - h)
+          local dn = L()
+          t:set(i, j, v)
+          local d = (up - dn) / (2 * h)
+          num, den = num + (grad:get(i, j) - d) ^ 2, den + d * d
+        end
+      end
+      return math.sqrt(num / den)
+    end
+    local ex, ew = check(xd, x.grad), check(wd, w.grad)
+    assert.is_true(ex < 0.1 and ew < 0.1, ('dx %.3g, dw %.3g'):format(ex, ew))
+    assert.is_true(ex > 1e-4 and ew > 1e-4, 'the FP8 rounding is there')
+    assert.is_true(relerr(b.grad, g:sum(1)) < 1e-12)
+  end)
+
+  it('writes the weight gradient into an f32 sink (accumulating), as FSDP registers one', function()
+    local x = randn({ 16, 32 }, 1, 'bf16'):requires_grad_()
+    local w = randn({ 16, 32 }, 0.2, 'bf16'):requires_grad_()
+    local sink = { t = ms.zeros({ 16, 32 }), written = {}, i = 1 }
+    ms.autograd.set_grad_sink(w, sink)
+    local g = randn({ 16, 16 }, 1, 'bf16')
+    float8.linear(x, w):backward(g)
+    assert.is_nil(w.grad)
+    assert.is_true(sink.written[1])
+    local want = ms.matmul(q(g:to('f32'), 'f8e5m2'), q(x:detach():to('f32'), 'f8e4m3'), true, false)
+    assert.is_true(relerr(sink.t, want) < 1e-6)
+    float8.linear(x, w):backward(g)
+    assert.is_true(relerr(sink.t, want * 2) < 1e-6)
+    ms.autograd.set_grad_sink(w, nil)
+  end)
+
+  it('inside autocast the output is bf16 and an f32 weight gets an f32 gradient; q/k/v share one input cast', function()
+    local x = randn({ 32, 64 }):requires_grad_()
+    local ws = { randn({ 64, 64 }, 0.1):requires_grad_(), randn({ 32, 64 }, 0.1):requires_grad_(),
+      randn({ 32, 64 }, 0.1):requires_grad_() }
+    local before = float8.stats().input_casts
+    local ys = nnf.autocast('bf16', function()
+      local r = {}
+      for i, w in ipairs(ws) do r[i] = float8.linear(x, w) end
+      return r
+    end)
+    assert.are.equal(1, float8.stats().input_casts - before)
+    assert.are.equal('bf16', ys[1].dtype)
+    local loss = ys[1]:sum() + ys[2]:sum() + ys[3]:sum()
+    loss:backward()
+    assert.are.equal('f32', ws[2].grad.dtype)
+    assert.are.equal('f32', x.grad.dtype)
+    -- an in-place write to x between two layers makes a new cast
+    local before2 = float8.stats().input_casts
+    ms.no_grad(function()
+      float8.linear(x, ws[1])
+      x:add_(1)
+      float8.linear(x, ws[1])
+    end)
+    assert.are.equal(2, float8.stats().input_casts - before2)
+  end)
+
+  it('refuses bad inputs with the shapes named', function()
+    local function err(fn, pat)
+      local e = S.errmsg(fn)
+      assert.is_truthy(e:find(pat, 1, true), e)
+    end
+    err(function() float8.linear(randn({ 4, 8 }), randn({ 16, 32 })) end, 'input of shape (4, 8) does not end in in_features = 32')
+    err(function() float8.linear(randn({ 4, 32 }), randn({ 16, 32 }), randn({ 8 })) end, 'bias of shape (8)')
+    err(function() float8.linear(randn({ 4, 32 }), randn({ 32 })) end, 'weight must be 2-D')
+    err(function() float8.linear(randn({ 4, 32 }):long(), randn({ 16, 32 })) end, 'must be float tensors')
+    err(function() float8.linear(randn({ 4, 32 }), randn({ 16, 32 }), nil, { recipe = 'rowwise' }) end,
+      'unknown recipe rowwise (recipes: tensorwise)')
+    err(function() float8.config { input = 'f8e5m2', weight = 'f8e5m2' } end, 'cannot both be f8e5m2')
+  end)
+end)
+
+describe('float8.convert', function()
+  local llama = require 'models.llama'
+  local gpt2 = require 'models.gpt2'
+
+  it('converts every Linear / Conv1D but the LM head and odd widths; revert undoes it', function()
+    ms.manual_seed(3)
+    local m = llama.new('tiny')
+    local names = float8.convert(m)
+    assert.are.equal(4 * 7, #names)
+    for _, n in ipairs(names) do assert.is_falsy(n:find('lm_head', 1, true)) end
+    assert.is_truthy(float8.converted(m.model.layers[1].mlp.up_proj))
+    assert.are.equal(28, #float8.revert(m))
+    assert.is_nil(float8.converted(m.model.layers[1].mlp.up_proj))
+    local g = gpt2.new('tiny')
+    local gn = float8.convert(g, { skip = { 'c_proj' } })
+    for _, n in ipairs(gn) do assert.is_falsy(n:find('c_proj', 1, true)) end
+    assert.is_true(#gn > 0)
+    local odd = llama.new('tiny', { intermediate_size = 100 })
+    local on = float8.convert(odd)
+    for _, n in ipairs(on) do assert.is_falsy(n:find('mlp', 1, true)) end
+    local e = S.errmsg(function() float8.convert(llama.new('tiny'), { filter = function() return false end }) end)
+    assert.is_truthy(e:find('no nn.Linear or nn.Conv1D', 1, true), e)
+  end)
+
+  it('a converted tiny Llama and GPT-2 follow their f32 losses over training steps', function()
+    for _, M in ipairs({ llama, gpt2 }) do
+      local function run(f8)
+        ms.manual_seed(11)
+        local m = M.new('tiny')
+        if f8 then float8.convert(m) end
+        local opt = ms.optim.AdamW(m, { lr = 3e-3 })
+        local ids = (ms.rand({ 4, 33 }, { seed = 5 }) * 255):long()
+        local x, y = ids:narrow(2, 1, 32):contiguous(), ids:narrow(2, 2, 32):contiguous()
+        local losses = {}
+        for k = 1, 6 do
+          opt:zero_grad()
+          local loss = m(x, y)
+          loss:backward()
+          opt:step()
+          losses[k] = loss:item()
+        end
+        return losses
+      end
+      local a, b = run(false), run(true)
+      assert.is_true(b[6] < b[1] - 0.3, 'float8 trains')
+      for k = 1, 6 do
+        assert.is_true(math.abs(a[k] - b[k]) < 0.05 * a[k], ('%s step %d: %g against %g'):format(M.name, k, b[k], a[k]))
+      end
+      assert.is_true(a[1] ~= b[1], 'the FP8 path ran')
+    end
+  end)
+
+  it('bin/train --float8 trains and logs the converted layers', function()
+    local dir = S.tmpdir()
+    local status, out = S.bin_train(('models/llama.lua --steps 6 --batch-size 4 --seq-len 32 --eval-every 0 '
+      .. '--sample-tokens 0 --log-every 3 --float8 --out %s/run'):format(dir))
+    assert.are.equal(0, status, out)
+    assert.is_truthy(out:find('float8: tensorwise, 28 of 29 linear layers', 1, true), out)
+    local losses = S.run_losses(dir .. '/run')
+    assert.are.equal(6, #losses)
+    local st2, e = S.bin_train('models/llama.lua --steps 1 --float8 rowwise')
+    assert.are_not.equal(0, st2)
+    assert.is_truthy(e:find('float8 must be off or tensorwise', 1, true), e)
+  end)
+end)
