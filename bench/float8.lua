@@ -1,0 +1,86 @@
+-- bench/float8.lua — one linear layer's forward + backward in bf16 against
+-- FP8 (moonshard.float8, tensorwise), at the Llama shapes of the benches:
+--
+--   luajit bench/float8.lua [--tokens 8192] [--iters 50] [--shapes 2048x3072,...]
+--
+-- Per shape (tokens x in -> out), the median over --iters of CUDA-event
+-- timed forward+backward calls (x and the weight bf16, both needing their
+-- gradient; the weight's gradient overwritten each call):
+--   bf16      nn.functional.linear (three cuBLASLt bf16 GEMMs)
+--   float8    float8.linear: amax and cast of x, w and the output gradient
+--             (both layouts), three FP8 GEMMs
+--   gemms     the three FP8 GEMMs alone, on operands cast once
+--   casts     float8 less gemms: what the scaling costs
+-- and TFLOP/s as 6 * tokens * in * out over the time. The default shapes
+-- are the 1.25B Llama's projections (hidden 2048, kv 512, MLP 5632) and
+-- an 8B one's (4096 -> 14336).
+package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
+local ms = require 'moonshard'
+local F = ms.raw
+local float8 = ms.float8
+local nnf = ms.nn.functional
+
+local opts = { tokens = 8192, iters = 50,
+  shapes = '2048x2048,2048x512,2048x5632,5632x2048,4096x14336,14336x4096' }
+do
+  local i = 1
+  while i <= #arg do
+    local k = arg[i]:match('^%-%-(.+)$')
+    if k and opts[k] ~= nil and arg[i + 1] then
+      opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
+      i = i + 2
+    else
+      error('usage: bench/float8.lua [--tokens N] [--iters N] [--shapes INxOUT,...]; got ' .. tostring(arg[i]))
+    end
+  end
+end
+assert(ms.cuda.is_available(), 'bench/float8.lua needs a CUDA device')
+
+local function median(fn, iters)
+  for _ = 1, 5 do fn() end
+  local e0, e1 = ms.cuda.event { timing = true }, ms.cuda.event { timing = true }
+  local ts = {}
+  for i = 1, iters do
+    e0:record()
+    fn()
+    e1:record()
+    e1:synchronize()
+    ts[i] = e0:elapsed_ms(e1)
+  end
+  table.sort(ts)
+  return ts[math.floor((iters + 1) / 2)]
+end
+
+print(('| tokens x in -> out | bf16 ms | float8 ms | speedup | FP8 GEMMs ms | casts ms | bf16 TFLOP/s | float8 TFLOP/s |'))
+print('|---|---|---|---|---|---|---|---|')
+local N = opts.tokens
+for sh in opts.shapes:gmatch('[^,]+') do
+  local in_f, out_f = sh:match('^(%d+)x(%d+)$')
+  in_f, out_f = tonumber(in_f), tonumber(out_f)
+  local x = ms.randn({ N, in_f }, { seed = 1, device = 'cuda' }):to('bf16'):requires_grad_()
+  local w = (ms.randn({ out_f, in_f }, { seed = 2, device = 'cuda' }) * 0.02):to('bf16'):requires_grad_()
+  local g = ms.randn({ N, out_f }, { seed = 3, device = 'cuda' }):to('bf16')
+  local function layer(fn)
+    return function()
+      x.grad, w.grad = nil, nil
+      local y = fn(x, w)
+      y:backward(g)
+      y:free()
+    end
+  end
+  local t16 = median(layer(function(a, b) return nnf.linear(a, b) end), opts.iters)
+  local t8 = median(layer(function(a, b) return float8.linear(a, b) end), opts.iters)
+  -- the three FP8 GEMMs on operands cast once
+  local x8, x8t, xi = F.float8_cast(x:detach(), F.amax(x:detach()), 'f8e4m3', { cols = true })
+  local w8, w8t, wi = F.float8_cast(w:detach(), F.amax(w:detach()), 'f8e4m3', { cols = true })
+  local g8, g8t, gi = F.float8_cast(g, F.amax(g), 'f8e5m2', { cols = true })
+  local tg = median(function()
+    F.scaled_matmul(x8, w8, xi, wi, { fast_accum = true }):free()
+    F.scaled_matmul(g8, w8t, gi, wi):free()
+    F.scaled_matmul(g8t, x8t, gi, xi, { out_dtype = 'f32' }):free()
+  end, opts.iters)
+  local fl = 6 * N * in_f * out_f
+  print(('| %d x %d -> %d | %.3f | %.3f | %.2fx | %.3f | %.3f | %.0f | %.0f |'):format(N, in_f, out_f, t16, t8,
+    t16 / t8, tg, t8 - tg, fl / t16 / 1e9, fl / t8 / 1e9))
+  io.stdout:flush()
+end

@@ -1,0 +1,37 @@
+"""bench/torch_llama_float8.py: the PyTorch side of the float8 rows.
+
+Runs ../shared/bench/torch_llama.py (the 1.25B Llama of Hugging Face
+transformers, bf16 autocast, fused AdamW, its own timing and RESULT line)
+with every nn.Linear but the LM head converted by torchao's
+convert_to_float8_training (the default Float8LinearConfig: tensorwise
+dynamic scaling, e4m3 input and weight, e5m2 output gradient; torchtitan
+keeps the output layer in bf16 too), unless FLOAT8=0. Beside
+`bench/fsdp.lua --model llama --no-fsdp --float8` on the same GPU:
+
+  python3 bench/torch_llama_float8.py DIR_OF_torch_llama.py --compile blocks [--batch 4]
+
+torchao comes from PYTHONPATH (a wheel carried to the GPU host).
+"""
+import os
+import sys
+
+sys.path.insert(0, sys.argv.pop(1))
+import transformers  # noqa: E402
+
+if os.environ.get("FLOAT8", "1") == "1":
+    from torchao.float8 import convert_to_float8_training  # noqa: E402
+
+    Base = transformers.LlamaForCausalLM
+
+    class LlamaFloat8(Base):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            convert_to_float8_training(self, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+            n = sum(1 for m in self.modules() if type(m).__name__ == "Float8Linear")
+            print(f"torchao float8: {n} Float8Linear modules", flush=True)
+
+    transformers.LlamaForCausalLM = LlamaFloat8
+
+import torch_llama as ref  # noqa: E402
+
+ref.main()

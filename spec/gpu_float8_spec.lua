@@ -1,0 +1,238 @@
+-- Float8 on CUDA (kernels/float8.cu, the FP8 GEMM of kernels/gemm.cu)
+-- against the CPU reference (core/float8.c): conversions and casts bit for
+-- bit (every layout path: whole 64 x 64 tiles, partial tiles, unaligned
+-- views), amax exactly, the scaled products within the FP8 GEMMs'
+-- accumulation, the FP8 linear forward and backward, a converted tiny
+-- Llama's training against the CPU's, the fallback for token counts that
+-- are not multiples of 16, and no host sync in a step. Run on a GPU host:
+-- `make test-gpu`.
+local ms = require 'moonshard'
+local S = require 'spec.support'
+
+local F = ms.raw
+local float8 = ms.float8
+local values, relerr = S.values, S.relerr
+
+local seed = 8800
+local function randn(shape, scale, dtype)
+  seed = seed + 1
+  local t = ms.randn(shape, { seed = seed })
+  if scale then t = F.mul(t, scale) end
+  return dtype and dtype ~= 'f32' and t:to(dtype) or t
+end
+
+-- bitwise equal values (NaN equal to NaN), with the first difference named
+local function same_values(a, b, what)
+  local x, y = values(a), values(b)
+  assert.are.equal(#x, #y, what)
+  for i = 1, #x do
+    local ok = (x[i] ~= x[i] and y[i] ~= y[i]) or x[i] == y[i]
+    if not ok then error(('%s: element %d is %.9g on cuda, %.9g on the cpu'):format(what, i, x[i], y[i]), 2) end
+  end
+end
+
+-- the FP8 GEMMs run on compute capability 8.9 and newer
+local function fp8_device()
+  local ffi = require 'ffi'
+  local maj, min = ffi.new('int[1]'), ffi.new('int[1]')
+  ms.C.ms_cuda_device_capability(0, maj, min)
+  return maj[0] * 10 + min[0] >= 89
+end
+
+describe('float8 on cuda #gpu', function()
+  it('has a device', function() assert.is_true(ms.cuda.is_available(), 'no CUDA device') end)
+
+  it('conversions to and from both formats give the CPU bits (ties, overflow, subnormals, f64 sources)', function()
+    local v = {}
+    for e = -24, 17 do
+      for _, m in ipairs({ 1, 1.0625, 1.125, 1.1875, 1.5, 1.75, 1.875, 1.9375 }) do
+        v[#v + 1] = m * 2 ^ e
+        v[#v + 1] = -m * 2 ^ e
+      end
+    end
+    for _, x in ipairs({ 0, -0.0, 1 / 0, -1 / 0, 0 / 0, 464, 465, 480, 61439, 61440, 1e-45 }) do v[#v + 1] = x end
+    local r = values(randn({ 4000 }, 300))
+    for i = 1, #r do v[#v + 1] = r[i] end
+    for _, src in ipairs({ 'f32', 'f64', 'bf16' }) do
+      local x = S.make({ #v }, v, src)
+      for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+        same_values(x:cuda():to(name), x:to(name), src .. ' -> ' .. name)
+        local c8 = x:to(name)
+        same_values(c8:cuda():to('f32'), c8:to('f32'), name .. ' -> f32')
+        same_values(c8:cuda():to('bf16'), c8:to('bf16'), name .. ' -> bf16')
+      end
+    end
+  end)
+
+  it('amax equals the CPU for every float dtype, odd sizes, unaligned views and NaN', function()
+    for _, dt in ipairs({ 'f32', 'bf16', 'f16', 'f64' }) do
+      for _, n in ipairs({ 1, 7, 1000, 2 ^ 20, 2 ^ 20 + 3 }) do
+        local x = randn({ n }, 5, dt)
+        assert.are.equal(F.amax(x):item(), F.amax(x:cuda()):item(), dt .. ' ' .. n)
+        if n > 1 then
+          local v = x:narrow(1, 2, n - 1)   -- an unaligned start
+          assert.are.equal(F.amax(v):item(), F.amax(v:cuda()):item(), dt .. ' view ' .. n)
+        end
+      end
+    end
+    local v = values(randn({ 999 }))
+    v[500] = 0 / 0
+    local a = F.amax(S.make({ 999 }, v, 'f32'):cuda()):item()
+    assert.is_true(a ~= a)
+  end)
+
+  it('the scaled cast gives the CPU bits in both layouts (whole and partial tiles, unaligned, pow2)', function()
+    local shapes = { { 128, 256 }, { 64, 64 }, { 100, 37 }, { 1, 16 }, { 333, 190 }, { 2048, 48 } }
+    for _, sh in ipairs(shapes) do
+      for _, dt in ipairs({ 'f32', 'bf16', 'f16' }) do
+        for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+          for _, pow2 in ipairs({ false, true }) do
+            local x = randn(sh, 3, dt)
+            local am = S.make({}, { 2 }, 'f32')   -- below the true amax: some values saturate
+            local r, c, inv = F.float8_cast(x, am, name, { cols = true, pow2 = pow2 })
+            local rg, cg, ig = F.float8_cast(x:cuda(), am:cuda(), name, { cols = true, pow2 = pow2 })
+            local what = ('%s %s %s pow2=%s'):format(table.concat(sh, 'x'), dt, name, tostring(pow2))
+            same_values(rg, r, what)
+            same_values(cg, c, what .. ' transposed')
+            assert.are.equal(inv:item(), ig:item(), what .. ' inv')
+          end
+        end
+      end
+    end
+    -- an unaligned source (a view one element in): the element-by-element path
+    local big = randn({ 64 * 65 + 1 }, 2, 'bf16')
+    local x = big:narrow(1, 2, 64 * 65):view(64, 65)
+    local am = F.amax(x)
+    local r, c = F.float8_cast(x, am, 'f8e4m3', { cols = true })
+    local rg, cg = F.float8_cast(big:cuda():narrow(1, 2, 64 * 65):view(64, 65), am:cuda(), 'f8e4m3', { cols = true })
+    same_values(rg, r, 'unaligned')
+    same_values(cg, c, 'unaligned transposed')
+  end)
+
+  it('scaled_matmul matches the CPU within the FP8 GEMMs\' accumulation (f32 and bf16 out, bias, beta, e5m2)', function()
+    if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
+    local worst = {}
+    for _, sh in ipairs({ { 256, 512, 1024 }, { 16, 16, 16 }, { 1024, 2048, 4096 }, { 48, 80, 112 } }) do
+      local M, N, K = sh[1], sh[2], sh[3]
+      for _, pair in ipairs({ { 'f8e4m3', 'f8e4m3' }, { 'f8e5m2', 'f8e4m3' }, { 'f8e4m3', 'f8e5m2' } }) do
+        local xa, xb = randn({ M, K }, 2), randn({ N, K }, 0.05)
+        local a, _, ai = F.float8_cast(xa, F.amax(xa), pair[1])
+        local b, _, bi = F.float8_cast(xb, F.amax(xb), pair[2])
+        local ag, bg, aig, big = a:cuda(), b:cuda(), ai:cuda(), bi:cuda()
+        local ref = F.scaled_matmul(a, b, ai, bi, { out_dtype = 'f32' })
+        for _, fast in ipairs({ false, true }) do
+          local e = relerr(F.scaled_matmul(ag, bg, aig, big, { out_dtype = 'f32', fast_accum = fast }), ref)
+          local key = fast and 'f32 fast' or 'f32'
+          worst[key] = math.max(worst[key] or 0, e)
+          assert.is_true(e < (fast and 2e-3 or 1e-5), ('%dx%dx%d %s x %s fast=%s: %.3g'):format(M, N, K, pair[1],
+            pair[2], tostring(fast), e))
+        end
+        local eb = relerr(F.scaled_matmul(ag, bg, aig, big, { out_dtype = 'bf16' }), ref)
+        worst.bf16 = math.max(worst.bf16 or 0, eb)
+        assert.is_true(eb < 1e-2, 'bf16 out ' .. eb)
+      end
+      -- bias in the epilogue, and beta accumulating into f32
+      local xa, xb = randn({ M, K }), randn({ N, K })
+      local a, _, ai = F.float8_cast(xa, F.amax(xa), 'f8e4m3')
+      local b, _, bi = F.float8_cast(xb, F.amax(xb), 'f8e4m3')
+      local bias = randn({ N }, 1, 'bf16')
+      local ref = F.scaled_matmul(a, b, ai, bi, { bias = bias })
+      local got = F.scaled_matmul(a:cuda(), b:cuda(), ai:cuda(), bi:cuda(), { bias = bias:cuda() })
+      assert.is_true(relerr(got, ref) < 1e-2, 'bias')
+      local acc = randn({ M, N })
+      local accg = acc:cuda()
+      F.scaled_matmul(a, b, ai, bi, { out = acc, beta = 1 })
+      F.scaled_matmul(a:cuda(), b:cuda(), ai:cuda(), bi:cuda(), { out = accg, beta = 1 })
+      assert.is_true(relerr(accg, acc) < 1e-5, 'beta')
+    end
+    print(('\nscaled_matmul against the CPU, worst ||d||/||ref||: f32 %.2e, f32 fast accumulation %.2e, bf16 %.2e')
+      :format(worst.f32, worst['f32 fast'], worst.bf16))
+  end)
+
+  it('scaled_matmul names what cuBLASLt cannot take (dims not multiples of 16)', function()
+    if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
+    local x = randn({ 24, 40 })
+    local a, _, ai = F.float8_cast(x:cuda(), F.amax(x:cuda()), 'f8e4m3')
+    local e = S.errmsg(function() F.scaled_matmul(a, a, ai, ai) end)
+    assert.is_truthy(e:find('multiples of 16', 1, true), e)
+  end)
+
+  it('float8.linear forward and backward match the CPU (Linear and Conv1D, bias, bf16 autocast, f32 sink)', function()
+    if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
+    for _, wt in ipairs({ true, false }) do
+      local x = randn({ 4, 64, 128 })
+      local w = wt and randn({ 192, 128 }, 0.05) or randn({ 128, 192 }, 0.05)
+      local b = randn({ 192 }, 0.1)
+      local g = randn({ 4, 64, 192 })
+      local function run(dev)
+        local xx, ww, bb = x:to(dev):requires_grad_(), w:to(dev):requires_grad_(), b:to(dev):requires_grad_()
+        local y = ms.nn.functional.autocast('bf16', function() return float8.linear(xx, ww, bb, { wt = wt }) end)
+        y:backward(g:to(dev):to('bf16'))
+        return y, xx.grad, ww.grad, bb.grad
+      end
+      local yc, dxc, dwc, dbc = run('cpu')
+      local yg, dxg, dwg, dbg = run('cuda')
+      assert.are.equal('bf16', yg.dtype)
+      assert.are.equal('f32', dwg.dtype)
+      assert.is_true(relerr(yg, yc) < 1e-2, 'forward')
+      assert.is_true(relerr(dxg, dxc) < 1e-2, 'dx')
+      assert.is_true(relerr(dwg, dwc) < 1e-3, 'dw')
+      assert.is_true(relerr(dbg, dbc) < 1e-2, 'db')
+    end
+  end)
+
+  it('token counts that are not multiples of 16 run the plain linear; a step makes no host sync', function()
+    local x = randn({ 3, 7, 64 }):cuda()
+    local w = randn({ 32, 64 }, 0.1):cuda()
+    local a = float8.linear(x, w)
+    local want = ms.nn.functional.linear(x, w)
+    assert.are.same(values(want), values(a))
+    if not fp8_device() then return end
+    local llama = require 'models.llama'
+    ms.manual_seed(4)
+    local m = llama.new('tiny'):to('cuda')
+    float8.convert(m)
+    local opt = ms.optim.AdamW(m, { lr = 1e-3 })
+    local ids = (ms.rand({ 4, 33 }, { seed = 9 }) * 255):long():cuda()
+    local xi, yi = ids:narrow(2, 1, 32):contiguous(), ids:narrow(2, 2, 32):contiguous()
+    local function step()
+      opt:zero_grad()
+      local loss = ms.nn.functional.autocast('bf16', m, xi, yi)
+      loss:backward()
+      opt:step()
+      return loss
+    end
+    step(); step()
+    ms.cuda.synchronize()
+    local s0 = ms.cuda.memory_stats().num_host_syncs
+    step()
+    assert.are.equal(s0, ms.cuda.memory_stats().num_host_syncs)
+  end)
+
+  it('a converted tiny Llama trains on the GPU as on the CPU', function()
+    if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
+    local llama = require 'models.llama'
+    local function run(dev)
+      ms.manual_seed(21)
+      local m = llama.new('tiny'):to(dev)
+      float8.convert(m)
+      local opt = ms.optim.AdamW(m, { lr = 2e-3 })
+      local ids = (ms.rand({ 8, 65 }, { seed = 3 }) * 255):long():to(dev)
+      local xi, yi = ids:narrow(2, 1, 64):contiguous(), ids:narrow(2, 2, 64):contiguous()
+      local losses = {}
+      for k = 1, 8 do
+        opt:zero_grad()
+        local loss = m(xi, yi)
+        loss:backward()
+        opt:step()
+        losses[k] = loss:item()
+      end
+      return losses
+    end
+    local c, g = run('cpu'), run('cuda')
+    assert.is_true(g[8] < g[1] - 0.5, 'it trains')
+    for k = 1, 8 do
+      assert.is_true(math.abs(c[k] - g[k]) < 0.02 * c[k], ('step %d: cuda %g, cpu %g'):format(k, g[k], c[k]))
+    end
+  end)
+end)
