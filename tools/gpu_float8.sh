@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The float8 runs on the lent GPU host, in one call, after the setup of
+# tools/gpu_prep.sh (no build: the library comes carried):
+#   bash tools/gpu_float8.sh
+# gpu_float8_spec, bench/float8.lua, the 1.25B Llama's step in bf16 and in
+# float8 (bench/fsdp.lua --no-fsdp), then PyTorch's (torch_llama.py with
+# torchao's float8 and without, per-block compile) when .whl has torchao.
+# Each log goes to $OUT (or /tmp/gpu_float8), its tail to stdout;
+# GPU_CHECK_SKIP="torch ..." leaves parts out.
+set -u
+skip=${GPU_CHECK_SKIP:-}
+. "$(dirname "$0")/gpu_steps.sh" /tmp/gpu_float8
+TAIL=40 step spec bash tools/run_specs.sh --tags=gpu spec/gpu_float8_spec.lua
+TAIL=10 step micro luajit bench/float8.lua
+TAIL=4 step llama luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4
+TAIL=4 step llama8 luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4 --float8
+if ls .whl/torchao-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+  TAIL=3 step torch8 python3 bench/torch_llama_float8.py ../shared/bench --compile blocks --steps 14
+  FLOAT8=0 TAIL=3 step torch python3 bench/torch_llama_float8.py ../shared/bench --compile blocks --steps 14
+fi
