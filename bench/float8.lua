@@ -3,14 +3,17 @@
 --
 --   luajit bench/float8.lua [--tokens 8192] [--iters 50] [--shapes 2048x3072,...]
 --
--- Per shape (tokens x in -> out), the median over --iters of CUDA-event
--- timed forward+backward calls (x and the weight bf16, both needing their
--- gradient; the weight's gradient overwritten each call):
+-- Per shape (tokens x in -> out), forward+backward calls (x and the weight
+-- bf16, both needing their gradient; the weight's gradient made anew each
+-- call), --iters of them back to back between two CUDA events, the best of
+-- three rounds (the GPU's ms a call; the host's ms to queue one is the last
+-- column: where it is the larger, the GPU waited on the host):
 --   bf16      nn.functional.linear (three cuBLASLt bf16 GEMMs)
 --   float8    float8.linear: amax and cast of x, w and the output gradient
 --             (both layouts), three FP8 GEMMs
 --   gemms     the three FP8 GEMMs alone, on operands cast once
 --   casts     float8 less gemms: what the scaling costs
+--   amax + cast of x   x's two passes alone (both layouts)
 -- and TFLOP/s as 6 * tokens * in * out over the time. The default shapes
 -- are the 1.25B Llama's projections (hidden 2048, kv 512, MLP 5632) and
 -- an 8B one's (4096 -> 14336).
@@ -36,23 +39,41 @@ do
 end
 assert(ms.cuda.is_available(), 'bench/float8.lua needs a CUDA device')
 
-local function median(fn, iters)
-  for _ = 1, 5 do fn() end
-  local e0, e1 = ms.cuda.event { timing = true }, ms.cuda.event { timing = true }
-  local ts = {}
-  for i = 1, iters do
-    e0:record()
-    fn()
-    e1:record()
-    e1:synchronize()
-    ts[i] = e0:elapsed_ms(e1)
-  end
-  table.sort(ts)
-  return ts[math.floor((iters + 1) / 2)]
+local ffi = require 'ffi'
+ffi.cdef [[
+typedef struct { long tv_sec; long tv_nsec; } ms_f8b_timespec;
+int ms_f8b_clock_gettime(int clk, ms_f8b_timespec *t) asm("clock_gettime");
+]]
+local tsp = ffi.new('ms_f8b_timespec')
+local function now()
+  ffi.C.ms_f8b_clock_gettime(1, tsp)
+  return tonumber(tsp.tv_sec) + tonumber(tsp.tv_nsec) * 1e-9
 end
 
-print(('| tokens x in -> out | bf16 ms | float8 ms | speedup | FP8 GEMMs ms | casts ms | bf16 TFLOP/s | float8 TFLOP/s |'))
-print('|---|---|---|---|---|---|---|---|')
+-- ms a call on the GPU: `iters` calls back to back between two events (the
+-- host queues ahead while it can), the best of 3 rounds; and the host's ms
+-- a call to queue them (when that is the larger, the GPU waited on the host)
+local function timed(fn, iters)
+  for _ = 1, 5 do fn() end
+  ms.cuda.synchronize()
+  local e0, e1 = ms.cuda.event { timing = true }, ms.cuda.event { timing = true }
+  local best, host = math.huge, math.huge
+  for _ = 1, 3 do
+    local t0 = now()
+    e0:record()
+    for _ = 1, iters do fn() end
+    e1:record()
+    local h = (now() - t0) * 1e3 / iters
+    e1:synchronize()
+    best = math.min(best, e0:elapsed_ms(e1) / iters)
+    host = math.min(host, h)
+  end
+  return best, host
+end
+
+print(('| tokens x in -> out | bf16 ms | float8 ms | speedup | FP8 GEMMs ms | casts ms | amax + cast of x ms | '
+  .. 'bf16 TFLOP/s | float8 TFLOP/s | host ms a float8 call |'))
+print('|---|---|---|---|---|---|---|---|---|---|')
 local N = opts.tokens
 for sh in opts.shapes:gmatch('[^,]+') do
   local in_f, out_f = sh:match('^(%d+)x(%d+)$')
@@ -68,19 +89,25 @@ for sh in opts.shapes:gmatch('[^,]+') do
       y:free()
     end
   end
-  local t16 = median(layer(function(a, b) return nnf.linear(a, b) end), opts.iters)
-  local t8 = median(layer(function(a, b) return float8.linear(a, b) end), opts.iters)
+  local t16 = timed(layer(function(a, b) return nnf.linear(a, b) end), opts.iters)
+  local t8, h8 = timed(layer(function(a, b) return float8.linear(a, b) end), opts.iters)
   -- the three FP8 GEMMs on operands cast once
   local x8, x8t, xi = F.float8_cast(x:detach(), F.amax(x:detach()), 'f8e4m3', { cols = true })
   local w8, w8t, wi = F.float8_cast(w:detach(), F.amax(w:detach()), 'f8e4m3', { cols = true })
   local g8, g8t, gi = F.float8_cast(g, F.amax(g), 'f8e5m2', { cols = true })
-  local tg = median(function()
+  local tg = timed(function()
     F.scaled_matmul(x8, w8, xi, wi, { fast_accum = true }):free()
     F.scaled_matmul(g8, w8t, gi, wi):free()
     F.scaled_matmul(g8t, x8t, gi, xi, { out_dtype = 'f32' }):free()
   end, opts.iters)
+  local xd = x:detach()
+  local tc = timed(function()
+    local am = F.amax(xd)
+    local r, c, i = F.float8_cast(xd, am, 'f8e4m3', { cols = true })
+    am:free(); r:free(); c:free(); i:free()
+  end, opts.iters)
   local fl = 6 * N * in_f * out_f
-  print(('| %d x %d -> %d | %.3f | %.3f | %.2fx | %.3f | %.3f | %.0f | %.0f |'):format(N, in_f, out_f, t16, t8,
-    t16 / t8, tg, t8 - tg, fl / t16 / 1e9, fl / t8 / 1e9))
+  print(('| %d x %d -> %d | %.3f | %.3f | %.2fx | %.3f | %.3f | %.3f | %.0f | %.0f | %.3f |'):format(N, in_f, out_f,
+    t16, t8, t16 / t8, tg, t8 - tg, tc, fl / t16 / 1e9, fl / t8 / 1e9, h8))
   io.stdout:flush()
 end

@@ -95,7 +95,11 @@ __global__ void cast_kernel(const T *__restrict__ x, long long R, long long C, u
     const long long r = r0 + tr, c = c0 + tc;
     if (r0 >= R || c0 >= C) return;   // (the scale-only launch)
     const bool full = al && r0 + kTile <= R && c0 + kTile <= C && (C % 16) == 0;
-    uint8_t v[16];
+    union {
+        uint4 u;
+        uint8_t b[16];
+    } pk;
+    uint8_t *v = pk.b;
     if (full) {
         const int V = 16 / sizeof(T);   // elements a 16-byte load
         const T *p = x + r * C + c;
@@ -106,7 +110,7 @@ __global__ void cast_kernel(const T *__restrict__ x, long long R, long long C, u
 #pragma unroll
             for (int k = 0; k < V; k++) v[j + k] = to_fp8(__fmul_rn(f[k], s), e5);
         }
-        if (out) *reinterpret_cast<uint4 *>(out + r * C + c) = *reinterpret_cast<const uint4 *>(v);
+        if (out) *reinterpret_cast<uint4 *>(out + r * C + c) = pk.u;
     } else {
 #pragma unroll
         for (int k = 0; k < 16; k++) {
@@ -123,11 +127,15 @@ __global__ void cast_kernel(const T *__restrict__ x, long long R, long long C, u
     __syncthreads();
     // the transposed copy: row c0 + tr of out_t, columns r0 + tc ... + 15
     const long long orow = c0 + tr, ocol = r0 + tc;
-    uint8_t w[16];
+    union {
+        uint4 u;
+        uint8_t b[16];
+    } pt;
+    uint8_t *w = pt.b;
 #pragma unroll
     for (int k = 0; k < 16; k++) w[k] = tile[(tc + k) * kPitch + tr];
     if (full && (R % 16) == 0) {
-        *reinterpret_cast<uint4 *>(out_t + orow * R + ocol) = *reinterpret_cast<const uint4 *>(w);
+        *reinterpret_cast<uint4 *>(out_t + orow * R + ocol) = pt.u;
     } else if (orow < C) {
 #pragma unroll
         for (int k = 0; k < 16; k++)

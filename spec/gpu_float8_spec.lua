@@ -124,7 +124,9 @@ describe('float8 on cuda #gpu', function()
           local e = relerr(F.scaled_matmul(ag, bg, aig, big, { out_dtype = 'f32', fast_accum = fast }), ref)
           local key = fast and 'f32 fast' or 'f32'
           worst[key] = math.max(worst[key] or 0, e)
-          assert.is_true(e < (fast and 2e-3 or 1e-5), ('%dx%dx%d %s x %s fast=%s: %.3g'):format(M, N, K, pair[1],
+          -- (Hopper's FP8 MMA accumulates in fewer bits than f32; cuBLASLt adds
+          -- the partial sums into f32 every few steps unless fast_accum)
+          assert.is_true(e < (fast and 5e-3 or 1e-3), ('%dx%dx%d %s x %s fast=%s: %.3g'):format(M, N, K, pair[1],
             pair[2], tostring(fast), e))
         end
         local eb = relerr(F.scaled_matmul(ag, bg, aig, big, { out_dtype = 'bf16' }), ref)
@@ -165,7 +167,8 @@ describe('float8 on cuda #gpu', function()
       local b = randn({ 192 }, 0.1)
       local g = randn({ 4, 64, 192 })
       local function run(dev)
-        local xx, ww, bb = x:to(dev):requires_grad_(), w:to(dev):requires_grad_(), b:to(dev):requires_grad_()
+        local function leaf(t) return t:to({ device = dev, copy = true }):requires_grad_() end
+        local xx, ww, bb = leaf(x), leaf(w), leaf(b)
         local y = ms.nn.functional.autocast('bf16', function() return float8.linear(xx, ww, bb, { wt = wt }) end)
         y:backward(g:to(dev):to('bf16'))
         return y, xx.grad, ww.grad, bb.grad
@@ -174,10 +177,13 @@ describe('float8 on cuda #gpu', function()
       local yg, dxg, dwg, dbg = run('cuda')
       assert.are.equal('bf16', yg.dtype)
       assert.are.equal('f32', dwg.dtype)
-      assert.is_true(relerr(yg, yc) < 1e-2, 'forward')
-      assert.is_true(relerr(dxg, dxc) < 1e-2, 'dx')
-      assert.is_true(relerr(dwg, dwc) < 1e-3, 'dw')
-      assert.is_true(relerr(dbg, dbc) < 1e-2, 'db')
+      local e = { relerr(yg, yc), relerr(dxg, dxc), relerr(dwg, dwc), relerr(dbg, dbc) }
+      print(('\nfloat8.linear %s, cuda against cpu: y %.2e, dx %.2e, dw %.2e, db %.2e'):format(wt and 'Linear' or 'Conv1D',
+        e[1], e[2], e[3], e[4]))
+      assert.is_true(e[1] < 1e-2, 'forward')
+      assert.is_true(e[2] < 1e-2, 'dx')
+      assert.is_true(e[3] < 1e-3, 'dw')
+      assert.is_true(e[4] < 1e-2, 'db')
     end
   end)
 

@@ -12,11 +12,12 @@ skip=${GPU_CHECK_SKIP:-}
 . "$(dirname "$0")/gpu_steps.sh" /tmp/gpu_float8
 TAIL=40 step spec bash tools/run_specs.sh --tags=gpu spec/gpu_float8_spec.lua
 TAIL=10 step micro luajit bench/float8.lua
-TAIL=4 step llama luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4
-TAIL=4 step llama8 luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4 --float8
+TAIL=4 step llama luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4 --mem-phases
+TAIL=4 step llama8 luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4 --float8 --mem-phases
 if ls .whl/torchao-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
   TAIL=3 step torch8 python3 bench/torch_llama_float8.py ../shared/bench --compile blocks --steps 14
   FLOAT8=0 TAIL=3 step torch python3 bench/torch_llama_float8.py ../shared/bench --compile blocks --steps 14
+  TAIL=2 step torch_shared python3 ../shared/bench/torch_llama.py --compile blocks --steps 14
 fi
