@@ -75,6 +75,7 @@ print(('| tokens x in -> out | bf16 ms | float8 ms | speedup | FP8 GEMMs ms | ca
   .. 'bf16 TFLOP/s | float8 TFLOP/s | host ms a float8 call |'))
 print('|---|---|---|---|---|---|---|---|---|---|')
 local N = opts.tokens
+local host = {}
 for sh in opts.shapes:gmatch('[^,]+') do
   local in_f, out_f = sh:match('^(%d+)x(%d+)$')
   in_f, out_f = tonumber(in_f), tonumber(out_f)
@@ -101,13 +102,27 @@ for sh in opts.shapes:gmatch('[^,]+') do
     F.scaled_matmul(g8t, x8t, gi, xi, { out_dtype = 'f32' }):free()
   end, opts.iters)
   local xd = x:detach()
-  local tc = timed(function()
-    local am = F.amax(xd)
-    local r, c, i = F.float8_cast(xd, am, 'f8e4m3', { cols = true })
-    am:free(); r:free(); c:free(); i:free()
+  local tc, hc = timed(function()
+    local r, c, i = F.float8_cast_dynamic(xd, 'f8e4m3', { cols = true })
+    r:free(); c:free(); i:free()
   end, opts.iters)
+  local prev = ms.C.ms_cuda_float8_set_fused(0)
+  local tu = timed(function()
+    local r, c, i = F.float8_cast_dynamic(xd, 'f8e4m3', { cols = true })
+    r:free(); c:free(); i:free()
+  end, opts.iters)
+  ms.C.ms_cuda_float8_set_fused(prev)
+  local _, hg = timed(function() F.scaled_matmul(x8, w8, xi, wi, { fast_accum = true }):free() end, opts.iters)
+  local _, hf = timed(function() float8.linear(xd, w:detach()):free() end, opts.iters)
+  local _, hl = timed(function() nnf.linear(xd, w:detach()):free() end, opts.iters)
+  host[#host + 1] = ('| %d x %d -> %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.3f | %.3f |'):format(N, in_f, out_f,
+    h8 * 1e3, hf * 1e3, hl * 1e3, hc * 1e3, hg * 1e3, tc, tu)
   local fl = 6 * N * in_f * out_f
   print(('| %d x %d -> %d | %.3f | %.3f | %.2fx | %.3f | %.3f | %.3f | %.0f | %.0f | %.3f |'):format(N, in_f, out_f,
     t16, t8, t16 / t8, tg, t8 - tg, tc, fl / t16 / 1e9, fl / t8 / 1e9, h8))
   io.stdout:flush()
 end
+print()
+print('| tokens x in -> out | host us: float8 fwd+bwd | float8 fwd | bf16 fwd | dynamic cast | one FP8 GEMM | GPU ms: cast of x, fused | not fused |')
+print('|---|---|---|---|---|---|---|---|')
+for _, l in ipairs(host) do print(l) end

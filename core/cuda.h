@@ -154,6 +154,12 @@ void ms_cuda_gemm_tune_stats(int64_t *out);
 int ms_cuda_gemm_set_tune_file(const char *path);
 int ms_cuda_gemm_clear_plans(void);
 int ms_cuda_attention_last_impl(void);
+/* float8's dynamic cast (ms_float8_cast_dynamic): 1 (the default; the
+ * environment's MS_FLOAT8_FUSED=0 for 0) one cooperative kernel takes the
+ * amax and casts (the second read of x largely from L2); 0: a memset and the
+ * amax and cast kernels apart. The same bits. Returns the previous setting
+ * (-1 leaves it). */
+int ms_cuda_float8_set_fused(int on);
 /* FFI-END */
 
 #endif

@@ -46,6 +46,7 @@ int ms_cuda_attention_set_wg_onepass(int on) { (void)on; return no_cuda("attenti
 int ms_cuda_attention_set_fused_delta(int on) { (void)on; return no_cuda("attention_set_fused_delta"); }
 int ms_cuda_flce_set_row_unroll(int u) { (void)u; return no_cuda("flce_set_row_unroll"); }
 int ms_cuda_flce_set_row_prefetch(int on) { (void)on; return no_cuda("flce_set_row_prefetch"); }
+int ms_cuda_float8_set_fused(int on) { (void)on; return no_cuda("float8_set_fused"); }
 int ms_cuda_gemm_set_epilogue(int mask) { (void)mask; return no_cuda("gemm_set_epilogue"); }
 int ms_cuda_gemm_set_sm_margin(int sms) { (void)sms; return no_cuda("gemm_set_sm_margin"); }
 int ms_cuda_gemm_set_tune(int on) { (void)on; return no_cuda("gemm_set_tune"); }

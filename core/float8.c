@@ -117,8 +117,10 @@ static int cast_slot(ms_tensor **slot, const char *what, int ndim, const int64_t
     return 0;
 }
 
-int ms_float8_cast(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, const ms_tensor *x, const ms_tensor *amax,
-                   int dtype, int pow2) {
+/* the cast with a given amax (amax) or x's own (dynamic: amax NULL, its
+ * value written to *amax_slot when that slot is given) */
+static int cast_impl(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, ms_tensor **amax_slot,
+                     const ms_tensor *amax, const ms_tensor *x, int dtype, int pow2) {
     char d[DESC];
     const char *op = "float8_cast";
     if (ms_tensor_check_live(x, op)) return -1;
@@ -127,32 +129,39 @@ int ms_float8_cast(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, const ms
                          ms_desc(x, d, sizeof d));
     if (!ms_is_float8(dtype))
         return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
-    if (check_scalar(op, "amax", amax, x->device_id)) return -1;
-    if (!out && !out_t && !inv) return 0;
+    if (amax && check_scalar(op, "amax", amax, x->device_id)) return -1;
+#ifndef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
     const int64_t R = x->sizes[0], C = x->sizes[1];
     const int64_t shape[2] = {R, C}, shape_t[2] = {C, R};
-    int a_out = 0, a_t = 0, a_inv = 0, rc;
+    int a_out = 0, a_t = 0, a_inv = 0, a_am = 0, rc;
     rc = cast_slot(out, "out", 2, shape, dtype, x->device_id, &a_out);
     if (!rc) rc = cast_slot(out_t, "out_t", 2, shape_t, dtype, x->device_id, &a_t);
     if (!rc) rc = cast_slot(inv, "inv", 0, NULL, MS_F32, x->device_id, &a_inv);
+    if (!rc && !amax) rc = cast_slot(amax_slot, "amax", 0, NULL, MS_F32, x->device_id, &a_am);
     if (!rc) {
         ms_tensor *o = out ? *out : NULL, *ot = out_t ? *out_t : NULL, *iv = inv ? *inv : NULL;
-        if (x->device_id >= 0) {
+        ms_tensor *am = !amax && amax_slot ? *amax_slot : NULL;
+        ms_tensor *c = NULL, *own = NULL;
+        rc = ms_tensor_contiguous(&c, x);
 #ifdef MS_WITH_CUDA
-            ms_tensor *c = NULL;
-            rc = ms_tensor_contiguous(&c, x);
-            if (!rc) rc = ms_cuda_float8_cast(o, ot, iv, c, amax, dtype, pow2);
-            ms_tensor_free(c);
-#else
-            rc = ms_errorf("%s: cuda tensors need a build with CUDA", op);
+        if (!rc && x->device_id >= 0) {
+            rc = amax ? ms_cuda_float8_cast(o, ot, iv, c, amax, dtype, pow2)
+                      : ms_cuda_float8_cast_dyn(o, ot, iv, am, c, dtype, pow2);
+        } else
 #endif
-        } else {
+        if (!rc) {
+            if (!amax) {   /* x's own amax first */
+                rc = am ? ms_amax(&am, c) : ms_amax(&own, c);
+                amax = am ? am : own;
+            }
             const int e5 = is_e5m2(dtype);
-            const float scale = ms_fp8_scale(scalar_value(amax), e5, pow2);
-            ms_tensor *c = NULL;
-            rc = f32_contig(&c, x);
+            ms_tensor *f = NULL;
+            if (!rc) rc = f32_contig(&f, c);
             if (!rc) {
-                const float *p = ms_tensor_data(c);
+                const float scale = ms_fp8_scale(scalar_value(amax), e5, pow2);
+                const float *p = ms_tensor_data(f);
                 uint8_t *po = o ? ms_tensor_data(o) : NULL, *pt = ot ? ms_tensor_data(ot) : NULL;
                 for (int64_t i = 0; i < R; i++)
                     for (int64_t j = 0; j < C; j++) {
@@ -162,15 +171,29 @@ int ms_float8_cast(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, const ms
                     }
                 if (iv) *(float *)ms_tensor_data(iv) = 1.0f / scale;
             }
-            ms_tensor_free(c);
+            ms_tensor_free(f);
         }
+        ms_tensor_free(c);
+        ms_tensor_free(own);
     }
     if (rc) {
         finish(out, a_out, rc);
         finish(out_t, a_t, rc);
         finish(inv, a_inv, rc);
+        finish(amax_slot, a_am, rc);
     }
     return rc;
+}
+
+int ms_float8_cast(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, const ms_tensor *x, const ms_tensor *amax,
+                   int dtype, int pow2) {
+    if (!amax) return ms_errorf("float8_cast: amax is missing (ms_float8_cast_dynamic finds x's own)");
+    return cast_impl(out, out_t, inv, NULL, amax, x, dtype, pow2);
+}
+
+int ms_float8_cast_dynamic(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, ms_tensor **amax, const ms_tensor *x,
+                           int dtype, int pow2) {
+    return cast_impl(out, out_t, inv, amax, NULL, x, dtype, pow2);
 }
 
 /* ------------------------------------------------------------- the GEMM */

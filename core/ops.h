@@ -283,6 +283,12 @@ int ms_attention_backward_sum(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, co
 int ms_amax(ms_tensor **out, const ms_tensor *x);
 int ms_float8_cast(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, const ms_tensor *x, const ms_tensor *amax,
                    int dtype, int pow2);
+/* ms_float8_cast_dynamic: the same with the amax of x itself (the dynamic
+ * scale), written to *amax when that slot is given (NULL: not kept); on
+ * CUDA one cooperative kernel finds it and casts (cuda.h:
+ * ms_cuda_float8_set_fused) */
+int ms_float8_cast_dynamic(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, ms_tensor **amax, const ms_tensor *x,
+                           int dtype, int pow2);
 int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
                      const ms_tensor *binv, const ms_tensor *bias, int out_dtype, double beta, int fast_accum);
 /* FFI-END */

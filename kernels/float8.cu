@@ -12,6 +12,7 @@
 #include "kernels.h"
 #include "vec.cuh"
 
+#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 
 namespace {
@@ -77,23 +78,18 @@ __device__ __forceinline__ uint8_t to_fp8(float v, bool e5) {
 #endif
 }
 
+// One 64 x 64 tile (rows r0.., columns c0..) of the cast: thread t converts
+// 16 elements of row t / 4 (columns (t % 4) * 16 ...), writes them to the
+// row-major copy and into the shared tile, and after the barrier writes 16
+// elements of a column of the tile as a row of the transposed copy (4
+// threads a row, so a warp stores 8 whole 64-byte rows). Partial tiles and
+// unaligned rows take the same steps element by element.
 template <typename T>
-__global__ void cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
-                            uint8_t *__restrict__ out_t, float *__restrict__ inv, const float *__restrict__ amax,
-                            bool e5, bool pow2, bool al) {
-    __shared__ float s_scale;
-    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
-    if (threadIdx.x == 0) {
-        float s = ms_fp8_scale(*amax, e5, pow2);
-        s_scale = s;
-        if (inv && blockIdx.x == 0 && blockIdx.y == 0) *inv = 1.0f / s;
-    }
-    __syncthreads();
-    const float s = s_scale;
-    const long long r0 = (long long)blockIdx.y * kTile, c0 = (long long)blockIdx.x * kTile;
+__device__ __forceinline__ void cast_tile(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+                                          uint8_t *__restrict__ out_t, float s, bool e5, bool al, long long r0,
+                                          long long c0, uint8_t *tile) {
     const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
     const long long r = r0 + tr, c = c0 + tc;
-    if (r0 >= R || c0 >= C) return;   // (the scale-only launch)
     const bool full = al && r0 + kTile <= R && c0 + kTile <= C && (C % 16) == 0;
     union {
         uint4 u;
@@ -143,6 +139,100 @@ __global__ void cast_kernel(const T *__restrict__ x, long long R, long long C, u
     }
 }
 
+// the cast with a given amax: one tile a block
+template <typename T>
+__global__ void cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+                            uint8_t *__restrict__ out_t, float *__restrict__ inv, const float *__restrict__ amax,
+                            bool e5, bool pow2, bool al) {
+    __shared__ float s_scale;
+    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
+    if (threadIdx.x == 0) {
+        float s = ms_fp8_scale(*amax, e5, pow2);
+        s_scale = s;
+        if (inv && blockIdx.x == 0 && blockIdx.y == 0) *inv = 1.0f / s;
+    }
+    __syncthreads();
+    const long long r0 = (long long)blockIdx.y * kTile, c0 = (long long)blockIdx.x * kTile;
+    if (r0 >= R || c0 >= C) return;   // (the scale-only launch)
+    cast_tile<T>(x, R, C, out, out_t, s_scale, e5, al, r0, c0, tile);
+}
+
+// amax and the cast in one cooperative launch (every block resident): the
+// blocks' partial maxima (each over a grid-stride walk, 16-byte packs when
+// aligned) go to part[], the grid synchronises, every block folds part[]
+// into the amax (the same order everywhere: exact), and the blocks then
+// walk the 64 x 64 tiles. x is read twice, the second time largely from
+// L2 when it fits there; one launch instead of a memset and two kernels.
+template <typename T>
+__global__ void amax_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+                                 uint8_t *__restrict__ out_t, float *__restrict__ inv, float *__restrict__ amax_out,
+                                 unsigned int *__restrict__ part, bool e5, bool pow2, bool al) {
+    __shared__ unsigned int red[32];
+    __shared__ float s_scale;
+    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const long long n = R * C;
+    {
+        const int V = 16 / sizeof(T);
+        float m = 0.f;
+        bool nan = false;
+        const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+        const long long nv = al ? n / V : 0;
+        for (long long i = i0; i < nv; i += step) {
+            vpack<T, V> q = reinterpret_cast<const vpack<T, V> *>(x)[i];
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                float a = fabsf((float)conv<T>::load(q.v[k]));
+                nan |= a != a;
+                m = fmaxf(m, a);
+            }
+        }
+        for (long long i = nv * V + i0; i < n; i += step) {
+            float a = fabsf((float)conv<T>::load(x[i]));
+            nan |= a != a;
+            m = fmaxf(m, a);
+        }
+        unsigned int b = nan ? 0x7fc00000u : __float_as_uint(m);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
+        if (lane == 0) red[warp] = b;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned int t = 0;
+            for (int w = 0; w < nw; w++) t = max(t, red[w]);
+            part[blockIdx.x] = t;
+        }
+    }
+    cooperative_groups::this_grid().sync();
+    {
+        unsigned int b = 0;
+        for (int i = threadIdx.x; i < (int)gridDim.x; i += blockDim.x) b = max(b, __ldcg(part + i));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
+        __syncthreads();   // (red[] reused)
+        if (lane == 0) red[warp] = b;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned int t = 0;
+            for (int w = 0; w < nw; w++) t = max(t, red[w]);
+            const float a = __uint_as_float(t);
+            const float s = ms_fp8_scale(a, e5, pow2);
+            s_scale = s;
+            if (blockIdx.x == 0) {
+                if (amax_out) *amax_out = a;
+                if (inv) *inv = 1.0f / s;
+            }
+        }
+        __syncthreads();
+    }
+    const float s = s_scale;
+    const long long tx = (C + kTile - 1) / kTile, nt = tx * ((R + kTile - 1) / kTile);
+    for (long long t = blockIdx.x; t < nt; t += gridDim.x) {
+        cast_tile<T>(x, R, C, out, out_t, s, e5, al, (t / tx) * kTile, (t % tx) * kTile, tile);
+        __syncthreads();   // the tile is rewritten by the next one
+    }
+}
+
 template <typename T>
 int launch_amax(ms_tensor *out, const ms_tensor *x, cudaStream_t st) {
     const long long n = ms_tensor_numel(x);
@@ -187,7 +277,97 @@ int launch_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const ms_tenso
     return 0;
 }
 
+// blocks a device keeps resident of amax_cast_kernel<T> (cached per device and T)
+template <typename T>
+int resident_blocks(int dev, int *blocks) {
+    static int cache[64];
+    if (dev >= 0 && dev < 64 && cache[dev] > 0) {
+        *blocks = cache[dev];
+        return 0;
+    }
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, amax_cast_kernel<T>, 256, 0));
+    int b = per_sm * ms_sm_count(dev);
+    if (b < 1) return ms_errorf("float8_cast: the fused amax + cast kernel fits no block on cuda:%d", dev);
+    if (dev >= 0 && dev < 64) cache[dev] = b;
+    *blocks = b;
+    return 0;
+}
+
+template <typename T>
+int launch_amax_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor *amax, const ms_tensor *x, bool e5,
+                     bool pow2, cudaStream_t st) {
+    long long R = x->sizes[0], C = x->sizes[1];
+    const int dev = x->device_id;
+    int cap = 0;
+    if (resident_blocks<T>(dev, &cap)) return -1;
+    // enough blocks for the tiles and the walk, at most the resident ones
+    const long long tiles = ((R + kTile - 1) / kTile) * ((C + kTile - 1) / kTile);
+    long long want = tiles > (R * C + 4095) / 4096 ? tiles : (R * C + 4095) / 4096;
+    int blocks = (int)(want < cap ? (want < 1 ? 1 : want) : cap);
+    ms_tmp part;
+    int64_t np = blocks;
+    if (ms_tensor_empty(&part.t, 1, &np, MS_I32, dev)) return -1;
+    const T *p = (const T *)ms_tensor_data(x);
+    bool al = ms_aligned16(p) && (!out || ms_aligned16(ms_tensor_data(out))) &&
+              (!out_t || ms_aligned16(ms_tensor_data(out_t)));
+    uint8_t *po = out ? (uint8_t *)ms_tensor_data(out) : nullptr;
+    uint8_t *pt = out_t ? (uint8_t *)ms_tensor_data(out_t) : nullptr;
+    float *pi = inv ? (float *)ms_tensor_data(inv) : nullptr;
+    float *pa = amax ? (float *)ms_tensor_data(amax) : nullptr;
+    unsigned int *pp = (unsigned int *)ms_tensor_data(part.t);
+    void *args[] = {(void *)&p, (void *)&R, (void *)&C, (void *)&po, (void *)&pt, (void *)&pi, (void *)&pa,
+                    (void *)&pp, (void *)&e5, (void *)&pow2, (void *)&al};
+    CUDA_CHECK(cudaLaunchCooperativeKernel((const void *)amax_cast_kernel<T>, dim3(blocks), dim3(256), args, 0, st));
+    LAUNCH_CHECK("amax_cast_kernel");
+    return 0;
+}
+
+// 0: amax, then the cast (two kernels and a memset; MS_FLOAT8_FUSED=0 or
+// ms_cuda_float8_set_fused(0)), 1: one cooperative kernel (the default)
+int g_fused = -1;
+bool fused_on() {
+    if (g_fused < 0) {
+        const char *e = getenv("MS_FLOAT8_FUSED");
+        g_fused = !(e && e[0] == '0');
+    }
+    return g_fused != 0;
+}
+
 }  // namespace
+
+extern "C" int ms_cuda_float8_set_fused(int on) {
+    int old = fused_on() ? 1 : 0;
+    if (on >= 0) g_fused = on != 0;
+    return old;
+}
+
+// the cast of x with its own amax (written to amax when given): one
+// cooperative kernel, or ms_cuda_amax then ms_cuda_float8_cast
+extern "C" int ms_cuda_float8_cast_dyn(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor *amax,
+                                       const ms_tensor *x, int dtype, int pow2) {
+    const int dev = x->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    const bool e5 = dtype == MS_F8E5M2, p2 = pow2 != 0;
+    if (!fused_on() || ms_tensor_numel(x) == 0) {
+        ms_tmp a;
+        ms_tensor *am = amax;
+        if (!am) {
+            if (ms_tensor_empty(&a.t, 0, nullptr, MS_F32, dev)) return -1;
+            am = a.t;
+        }
+        if (ms_cuda_amax(am, x)) return -1;
+        return ms_cuda_float8_cast(out, out_t, inv, x, am, dtype, pow2);
+    }
+    switch (x->dtype_id) {
+    case MS_F64: return launch_amax_cast<double>(out, out_t, inv, amax, x, e5, p2, st);
+    case MS_F32: return launch_amax_cast<float>(out, out_t, inv, amax, x, e5, p2, st);
+    case MS_BF16: return launch_amax_cast<__nv_bfloat16>(out, out_t, inv, amax, x, e5, p2, st);
+    case MS_F16: return launch_amax_cast<__half>(out, out_t, inv, amax, x, e5, p2, st);
+    }
+    return ms_errorf("float8_cast: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
+}
 
 extern "C" int ms_cuda_amax(ms_tensor *out, const ms_tensor *x) {
     const int dev = x->device_id;

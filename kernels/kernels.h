@@ -51,6 +51,10 @@ int ms_cuda_gemm_gelu(ms_tensor *out, ms_tensor *aux, const ms_tensor *a, const 
 int ms_cuda_amax(ms_tensor *out, const ms_tensor *x);
 int ms_cuda_float8_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const ms_tensor *x, const ms_tensor *amax,
                         int dtype, int pow2);
+/* the same with x's own amax, found in the same launch (written to amax when
+ * given) */
+int ms_cuda_float8_cast_dyn(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor *amax, const ms_tensor *x,
+                            int dtype, int pow2);
 /* gemm.cu: out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta
  * out], 8-bit float operands with contiguous rows, out contiguous */
 int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,

@@ -275,6 +275,23 @@ describe('float8 amax and cast', function()
     end
   end)
 
+  it('the dynamic cast is amax then the cast, and hands the amax back when asked', function()
+    for _, dt in ipairs({ 'f32', 'bf16', 'f64' }) do
+      local x = randn({ 13, 70 }, 6, dt)
+      local am = F.amax(x)
+      local r, c, inv = F.float8_cast(x, am, 'f8e5m2', { cols = true })
+      local r2, c2, inv2, am2 = F.float8_cast_dynamic(x, 'f8e5m2', { cols = true, amax = true })
+      assert.are.same(values(r), values(r2))
+      assert.are.same(values(c), values(c2))
+      assert.are.equal(inv:item(), inv2:item())
+      assert.are.equal(am:item(), am2:item())
+      local r3, c3, i3, a3 = F.float8_cast_dynamic(x, 'f8e4m3')
+      assert.are.same({ 13, 70 }, r3.shape)
+      assert.is_nil(c3); assert.is_nil(a3)
+      assert.are.equal(f32(1 / ref_scale(am:item(), 'f8e4m3', false)), i3:item())
+    end
+  end)
+
   it('rows, cols and inv are each optional; outputs given are checked; bad arguments are errors', function()
     local x = randn({ 8, 16 })
     local am = F.amax(x)

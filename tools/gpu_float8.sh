@@ -11,9 +11,9 @@ set -u
 skip=${GPU_CHECK_SKIP:-}
 . "$(dirname "$0")/gpu_steps.sh" /tmp/gpu_float8
 TAIL=40 step spec bash tools/run_specs.sh --tags=gpu spec/gpu_float8_spec.lua
-TAIL=10 step micro luajit bench/float8.lua
-TAIL=4 step llama luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4 --mem-phases
-TAIL=4 step llama8 luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4 --float8 --mem-phases
+TAIL=22 step micro luajit bench/float8.lua
+TAIL=4 step llama luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4
+TAIL=4 step llama8 luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4 --float8
 TAIL=3 step gpt2 luajit bench/fsdp.lua --model gpt2 --no-fsdp --steps 14 --warmup 4
 TAIL=3 step gpt2f8 luajit bench/fsdp.lua --model gpt2 --no-fsdp --steps 14 --warmup 4 --float8
 if ls .whl/torchao-*.whl >/dev/null 2>&1; then

@@ -357,6 +357,24 @@ function F.float8_cast(x, amax, dtype, opts)
   return want_r and wrap(ob[0]) or nil, want_c and wrap(tb[0]) or nil, want_i and wrap(ib[0]) or nil
 end
 
+-- float8_cast_dynamic(x (R, C), dtype, {rows, cols, inv, pow2 as above,
+-- amax = false}) -> out, out_t, inv, amax: the same with x's own amax (one
+-- kernel on CUDA), returned when opts.amax
+function F.float8_cast_dynamic(x, dtype, opts)
+  need_tensor('float8_cast', x, 'x')
+  opts = opts or {}
+  local id = T.dtype_id(dtype or 'f8e4m3', 3)
+  local want_r, want_c = opts.rows ~= false, opts.cols and true or false
+  local want_i, want_a = opts.inv ~= false, opts.amax and true or false
+  local ob, tb, ib, ab = box_t(), box_t(), box_t(), box_t()
+  if C.ms_float8_cast_dynamic(want_r and ob or nil, want_c and tb or nil, want_i and ib or nil, want_a and ab or nil,
+      x, id, opts.pow2 and 1 or 0) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  return want_r and wrap(ob[0]) or nil, want_c and wrap(tb[0]) or nil, want_i and wrap(ib[0]) or nil,
+    want_a and wrap(ab[0]) or nil
+end
+
 -- scaled_matmul(a (M, K), b (N, K), ainv, binv, {bias =, out_dtype = 'bf16',
 -- out =, beta = 0, fast_accum = false}) -> out (M, N) = ainv * binv * a @ b^T
 -- (+ bias) (+ beta * out): 8-bit float operands with contiguous rows
