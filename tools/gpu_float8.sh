@@ -2,18 +2,21 @@
 # The float8 runs on the lent GPU host, in one call, after the setup of
 # tools/gpu_prep.sh (no build: the library comes carried):
 #   bash tools/gpu_float8.sh
-# gpu_float8_spec, bench/float8.lua, the 1.25B Llama's step in bf16 and in
-# float8 (bench/fsdp.lua --no-fsdp), then PyTorch's (torch_llama.py with
+# make test-gpu's specs, gpu_float8_spec, bench/float8.lua, the 1.25B Llama's step in bf16 and in
+# float8 (bench/fsdp.lua --no-fsdp, and fully_shard on a world of one), then PyTorch's (torch_llama.py with
 # torchao's float8 and without, per-block compile) when .whl has torchao.
 # Each log goes to $OUT (or /tmp/gpu_float8), its tail to stdout;
 # GPU_CHECK_SKIP="torch ..." leaves parts out.
 set -u
 skip=${GPU_CHECK_SKIP:-}
 . "$(dirname "$0")/gpu_steps.sh" /tmp/gpu_float8
+TAIL=30 step testgpu bash tools/run_specs.sh --tags=gpu --exclude-tags=multi spec
 TAIL=40 step spec bash tools/run_specs.sh --tags=gpu spec/gpu_float8_spec.lua
 TAIL=22 step micro luajit bench/float8.lua
 TAIL=4 step llama luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4
 TAIL=4 step llama8 luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4 --float8
+TAIL=4 step fsdp luajit bench/fsdp.lua --model llama --steps 14 --warmup 4 --no-skip
+TAIL=4 step fsdp8 luajit bench/fsdp.lua --model llama --steps 14 --warmup 4 --no-skip --float8
 TAIL=3 step gpt2 luajit bench/fsdp.lua --model gpt2 --no-fsdp --steps 14 --warmup 4
 TAIL=3 step gpt2f8 luajit bench/fsdp.lua --model gpt2 --no-fsdp --steps 14 --warmup 4 --float8
 if ls .whl/torchao-*.whl >/dev/null 2>&1; then
