@@ -3,7 +3,8 @@
 -- on the same batch (the gathered weight is the plain one, so its amax and
 -- casts are too; the weight gradient goes from the FP8 GEMM into the unit's
 -- gradient sink with bf16 parameters), for GPT-2 (Conv1D) and Llama
--- (Linear, untied head unit), FULL_SHARD and SHARD_GRAD_OP.
+-- (Linear, untied head unit), FULL_SHARD (the weight's f8 copy made again in
+-- the backward, after the unit's gather) and SHARD_GRAD_OP (kept).
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
 local dist = require 'moonshard.dist'
@@ -53,6 +54,10 @@ describe('fsdp with float8 layers #mpi', function()
             local m = FS.load_model(c[1])
             assert.are.same(names, ms.float8.convert(m))
             fsdp.fully_shard(m, { policy = fsdp.policy.by_class { c[2] }, strategy = strategy, mixed_precision = mp or nil })
+            -- a block's weights are released after its forward under FULL_SHARD
+            -- only (float8 then casts them again in the backward)
+            local blk = c[1]:match('^llama') and m.model.layers[1].mlp.up_proj or m.transformer.h[1].mlp.c_fc
+            assert.are.equal(strategy == 'FULL_SHARD', fsdp.releases_after_forward(blk.weight))
             local before = ms.float8.stats().input_casts
             local fl = losses(m, fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 }))
             assert.is_true(ms.float8.stats().input_casts > before, 'the FP8 path ran')

@@ -482,6 +482,31 @@ describe('float8.linear', function()
     assert.are.equal(2, float8.stats().input_casts - before2)
   end)
 
+  it('recompute_weight casts the weight again in the backward: the same gradients, one f8 copy fewer kept', function()
+    local function run(rw)
+      local x = randn({ 32, 48 }, 1)
+      x.requires_grad = true
+      local w = randn({ 64, 48 }, 0.2):requires_grad_()
+      local g = randn({ 32, 64 })
+      float8.clear_cache()
+      local base = ms.live_bytes(-1)
+      local y = float8.linear(x, w, nil, { recompute_weight = rw })
+      float8.clear_cache()
+      local kept = ms.live_bytes(-1) - base
+      y:backward(g)
+      return x.grad, w.grad, kept
+    end
+    seed = seed + 100
+    local s0 = seed
+    local dx1, dw1, k1 = run(false)
+    seed = s0
+    local dx2, dw2, k2 = run(true)
+    assert.are.same(values(dx1), values(dx2))
+    assert.are.same(values(dw1), values(dw2))
+    assert.are.equal(48 * 64, k1 - k2)   -- the kept (in, out) f8 copy
+    assert.is_truthy(S.errmsg(function() float8.config { recompute_weight = 'x' } end):find("true, false or 'auto'", 1, true))
+  end)
+
   it('refuses bad inputs with the shapes named', function()
     local function err(fn, pat)
       local e = S.errmsg(fn)

@@ -50,8 +50,12 @@ local float8 = {}
 -- round_scales_to_power_of_2; then x * scale is exact).
 float8.recipes = {
   tensorwise = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e5m2', pow2 = false,
-                 fast_accum_output = true, fast_accum_grads = false },
+                 fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto' },
 }
+-- recompute_weight: the weight's f8 copy for the input gradient made again
+-- in the backward (true) rather than kept from the forward (false); 'auto':
+-- when FSDP releases the weight after the forward (FULL_SHARD), so the f8
+-- copy would keep a byte a parameter of every unit alive until its backward
 
 local function recipe_of(opts, level)
   opts = opts or {}
@@ -75,6 +79,13 @@ local function recipe_of(opts, level)
     end
   end
   if opts.pow2 ~= nil then cfg.pow2 = opts.pow2 and true or false end
+  if opts.recompute_weight ~= nil then
+    local r = opts.recompute_weight
+    if r ~= 'auto' and r ~= true and r ~= false then
+      error(("float8: recompute_weight must be true, false or 'auto', got %s"):format(tostring(r)), level + 1)
+    end
+    cfg.recompute_weight = r
+  end
   if cfg.input == 'f8e5m2' and cfg.weight == 'f8e5m2' then
     error('float8: input and weight cannot both be f8e5m2 (no FP8 GEMM takes two e5m2 operands)', level + 1)
   end
@@ -165,9 +176,16 @@ local function bwd_float8(node, g)
   if need[1] or want_w then g8, g8t, ginv = cast(g2, cfg.grad_output, cfg.pow2, need[1], want_w) end
   local dx, dw, db
   if need[1] then
-    -- dx (N, in) = g8 (N, out) @ w8 [w8t (in, out) as b]
-    local d2 = F.scaled_matmul(g8, s.w_in, ginv, s.winv,
+    -- dx (N, in) = g8 (N, out) @ w8 [w8t (in, out) as b]; w8t cast again
+    -- from the weight (FSDP gathered it for this backward) when not kept
+    local w_in, winv = s.w_in, s.winv
+    if w_in == nil then
+      local r, c, i = cast(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt)
+      w_in, winv = s.wt and c or r, i
+    end
+    local d2 = F.scaled_matmul(g8, w_in, ginv, winv,
       { out_dtype = T.dtype_name(s.dx_dtype), fast_accum = cfg.fast_accum_grads })
+    if w_in ~= s.w_in then free(w_in); free(winv) end
     dx = R.reshape(d2, node.ishape[1])
     if dx ~= d2 then free(d2) end
   end
@@ -232,10 +250,17 @@ function float8.linear(x, w, b, opts)
   local need_w = grad and A.needs_grad(w)
   local need_x = grad and A.needs_grad(x)
   local x8, x8t, xinv = cast_input(x, x2, cfg, need_w)
-  -- w's two layouts: (out, in) for the forward, (in, out) for dx
+  -- w's two layouts: (out, in) for the forward, (in, out) for dx (kept,
+  -- or made again in the backward: recompute_weight)
+  local recompute = cfg.recompute_weight
+  if recompute == 'auto' then
+    local fs = package.loaded['moonshard.fsdp']
+    recompute = fs ~= nil and fs.releases_after_forward(w)
+  end
+  local keep = need_x and not recompute
   local w_out, w_in, winv
-  if wt then w_out, w_in, winv = cast(w, cfg.weight, cfg.pow2, true, need_x)
-  else w_in, w_out, winv = cast(w, cfg.weight, cfg.pow2, need_x, true) end
+  if wt then w_out, w_in, winv = cast(w, cfg.weight, cfg.pow2, true, keep)
+  else w_in, w_out, winv = cast(w, cfg.weight, cfg.pow2, keep, true) end
   local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
   local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias,
     fast_accum = cfg.fast_accum_output })

@@ -25,6 +25,11 @@
 -- indices are 1-based (Lua lists); ranks, offsets and starts are 0-based
 -- element counts, as in the C API.
 local ffi = require 'ffi'
+-- the units by the address of their unsharded buffer's storage (its views
+-- share it): fsdp.releases_after_forward; weak values, a dropped model's
+-- units go
+local flat_units = setmetatable({}, { __mode = 'v' })
+local function storage_key(t) return tostring(ffi.cast('uintptr_t', t.storage)) end
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local C = T.C
@@ -1125,6 +1130,7 @@ function fsdp.fully_shard(model, opts)
         unit.flat = T.empty({ fp.total }, { dtype = dtype, device = fp.device })
       end
       unit.views = fp:views(unit.flat)
+      flat_units[storage_key(unit.flat)] = unit
       for k, v in ipairs(unit.views) do v.requires_grad = not is_frozen[k] end
       -- the original tensors are released now (the flat shard holds their
       -- values): left to the collector, a model's worth of memory stayed
@@ -1173,6 +1179,18 @@ fsdp.state_of = function(model) return state_of(model, 'fsdp.state_of') end
 
 -- the units (each: .fp the FlatParam, .module, .name, .views, .param_names)
 function fsdp.units(model) return state_of(model, 'fsdp.units').units end
+
+-- fsdp.releases_after_forward(t) -> true when t is a parameter of a unit
+-- whose unsharded buffer is released when its forward ends and gathered
+-- again for its backward (FULL_SHARD and HYBRID_SHARD, but for the root and
+-- the head unit): what an op saves of it for backward is then memory the
+-- resharding meant to free (moonshard.float8 casts such a weight again in
+-- the backward instead of keeping its f8 copy)
+function fsdp.releases_after_forward(t)
+  local u = t.storage ~= nil and flat_units[storage_key(t)] or nil
+  if u == nil or not u.reshards or not u.free_data or u.strategy == 'SHARD_GRAD_OP' or u.head then return false end
+  return u.module ~= u.st.root
+end
 
 -- the debug trace of the last step (forward and backward): a list of
 -- 'forward X', 'all_gather X', 'unshard X', 'reshard X', 'backward X',
