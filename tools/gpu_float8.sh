@@ -17,6 +17,8 @@ TAIL=4 step llama luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --war
 TAIL=4 step llama8 luajit bench/fsdp.lua --model llama --no-fsdp --steps 14 --warmup 4 --float8
 TAIL=4 step fsdp luajit bench/fsdp.lua --model llama --steps 14 --warmup 4 --no-skip
 TAIL=4 step fsdp8 luajit bench/fsdp.lua --model llama --steps 14 --warmup 4 --no-skip --float8
+TAIL=2 step fsdp_mem luajit bench/fsdp.lua --model llama --steps 8 --warmup 4 --no-skip --mem-phases
+TAIL=2 step fsdp8_mem luajit bench/fsdp.lua --model llama --steps 8 --warmup 4 --no-skip --float8 --mem-phases
 TAIL=3 step gpt2 luajit bench/fsdp.lua --model gpt2 --no-fsdp --steps 14 --warmup 4
 TAIL=3 step gpt2f8 luajit bench/fsdp.lua --model gpt2 --no-fsdp --steps 14 --warmup 4 --float8
 if ls .whl/torchao-*.whl >/dev/null 2>&1; then
