@@ -456,11 +456,11 @@ describe('float8.linear', function()
     ms.autograd.set_grad_sink(w, nil)
   end)
 
-  it('inside autocast the output is bf16 and an f32 weight gets an f32 gradient; q/k/v share one input cast', function()
+  it('inside autocast the output is bf16 and an f32 weight gets an f32 gradient; q/k/v share one input cast each way', function()
     local x = randn({ 32, 64 }):requires_grad_()
     local ws = { randn({ 64, 64 }, 0.1):requires_grad_(), randn({ 32, 64 }, 0.1):requires_grad_(),
       randn({ 32, 64 }, 0.1):requires_grad_() }
-    local before = float8.stats().input_casts
+    local before, bbefore = float8.stats().input_casts, float8.stats().backward_casts
     local ys = nnf.autocast('bf16', function()
       local r = {}
       for i, w in ipairs(ws) do r[i] = float8.linear(x, w) end
@@ -470,6 +470,7 @@ describe('float8.linear', function()
     assert.are.equal('bf16', ys[1].dtype)
     local loss = ys[1]:sum() + ys[2]:sum() + ys[3]:sum()
     loss:backward()
+    assert.are.equal(1, float8.stats().backward_casts - bbefore, 'one transposed cast of x for the three')
     assert.are.equal('f32', ws[2].grad.dtype)
     assert.are.equal('f32', x.grad.dtype)
     -- an in-place write to x between two layers makes a new cast

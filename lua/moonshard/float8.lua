@@ -18,12 +18,16 @@
 -- as if the casts were the identity), as in torchao. The weight keeps its
 -- dtype (an f32 master's gradient comes out of the FP8 GEMM in f32, or goes
 -- into an FSDP unit's f32 gradient sink); the output has the autocast
--- region's dtype (else x's). Saved for backward: the transposed f8 copies
--- of x and w (half the bytes of a bf16 x).
+-- region's dtype (else x's). Saved for backward: the input itself (as the
+-- plain linear saves it: its transposed f8 copy is made in the backward with
+-- the forward's amax, the same bits), and the weight's transposed f8 copy
+-- (or, when FSDP releases the weight after the forward, its amax: the copy
+-- is made again from the gathered weight).
 --
--- Two layers reading the same input tensor (q/k/v, gate/up) share its cast:
--- the amax pass and the cast run once (the cache is keyed by the tensor's
--- handle and its version, and dropped at each backward).
+-- Two layers reading the same input tensor (q/k/v, gate/up) share its cast,
+-- in the forward and in the backward: the last cast is kept, keyed by the
+-- tensor's storage, view and version, and dropped when a backward begins
+-- and ends.
 --
 -- CUDA needs compute capability 8.9+ (H100: sm_90) and every dim of the
 -- three products a multiple of 16: a call with a token count that is not
@@ -31,6 +35,7 @@
 -- outside grad-enabled float work that cannot take FP8 (f64 on a GPU). On
 -- the CPU every shape runs (the FP8 values are exact in f32: the CPU
 -- reference widens them and multiplies in f32).
+local ffi = require 'ffi'
 local T = require 'moonshard.tensor'
 local F = require 'moonshard.ops'
 local A = require 'moonshard.autograd'
@@ -100,40 +105,68 @@ float8.config = function(opts) return recipe_of(opts, 2) end
 
 -- ------------------------------------------------------------- the casts
 -- x2's amax and the cast into the layouts wanted (one kernel on CUDA):
--- x2 (R, C) -> rows (R, C) and/or cols (C, R), inv
-local function cast(x2, dtype, pow2, rows, cols)
-  return F.float8_cast_dynamic(x2, dtype, { rows = rows, cols = cols, pow2 = pow2 })
+-- x2 (R, C) -> rows (R, C) and/or cols (C, R), inv, and the amax when asked
+local function cast(x2, dtype, pow2, rows, cols, want_amax)
+  return F.float8_cast_dynamic(x2, dtype, { rows = rows, cols = cols, pow2 = pow2, amax = want_amax })
 end
 
--- counters for specs and benches: input casts made (a shared one counts once)
-local stats = { input_casts = 0 }
-function float8.stats() return { input_casts = stats.input_casts } end
+-- counters for specs and benches: input casts made (a shared one counts
+-- once), in the forward and again in the backward
+local stats = { input_casts = 0, backward_casts = 0 }
+function float8.stats() return { input_casts = stats.input_casts, backward_casts = stats.backward_casts } end
 
--- the last input cast (see the top): { id, version, dtype, pow2, rows, cols, inv }
-local last = nil
-local function drop_last()
-  local l = last
-  if l == nil then return end
-  last = nil
-  free(l.rows); free(l.cols); free(l.inv)
+-- One cast of a tensor several layers read (q/k/v, gate/up): the last one
+-- made, keyed by the tensor's storage, view and version (so another handle
+-- of the same view finds it, and an in-place write misses it). The forward
+-- keeps { rows, inv, amax } of the last input, the backward { cols, inv }
+-- of the last saved input; both are dropped when a backward begins and ends.
+local function view_key(t, dtype, pow2)
+  local k = { tostring(ffi.cast('uintptr_t', t.storage)), tonumber(t.offset), t._version, dtype, tostring(pow2) }
+  for d = 0, t.ndim - 1 do k[#k + 1] = tonumber(t.sizes[d]) .. ':' .. tonumber(t.strides[d]) end
+  return table.concat(k, ',')
 end
-A.register_hook('backward_begin', drop_last)
-float8.clear_cache = drop_last
+local fwd_last, bwd_last = nil, nil
+local function drop(e)
+  if e == nil then return end
+  for _, k in ipairs({ 'rows', 'cols', 'inv', 'amax' }) do free(e[k]) end
+end
+local function drop_caches()
+  drop(fwd_last); drop(bwd_last)
+  fwd_last, bwd_last = nil, nil
+end
+A.register_hook('backward_begin', drop_caches)
+A.register_hook('backward_end', drop_caches)
+float8.clear_cache = drop_caches
 
--- the cast of input x (its rows x2) with both layouts when both are wanted;
--- aliases the caller owns
-local function cast_input(x, x2, cfg, want_cols)
-  local l = last
-  local ver = x._version
-  if l and l.id == tonumber(x.id) and l.version == ver and l.dtype == cfg.input and l.pow2 == cfg.pow2
-      and (l.cols ~= nil or not want_cols) then
-    return R.alias(l.rows), l.cols and R.alias(l.cols) or nil, R.alias(l.inv)
+local function alias(t) return t ~= nil and R.alias(t) or nil end
+
+-- the forward's cast of input rows x2: rows, inv, amax (aliases the caller owns)
+local function cast_input(x2, cfg)
+  local key = view_key(x2, cfg.input, cfg.pow2)
+  local l = fwd_last
+  if l == nil or l.key ~= key then
+    drop(l)
+    stats.input_casts = stats.input_casts + 1
+    local r, _, inv, am = cast(x2, cfg.input, cfg.pow2, true, false, true)
+    l = { key = key, rows = r, inv = inv, amax = am }
+    fwd_last = l
   end
-  drop_last()
-  stats.input_casts = stats.input_casts + 1
-  local r, c, inv = cast(x2, cfg.input, cfg.pow2, true, want_cols)
-  last = { id = tonumber(x.id), version = ver, dtype = cfg.input, pow2 = cfg.pow2, rows = r, cols = c, inv = inv }
-  return R.alias(r), c and R.alias(c) or nil, R.alias(inv)
+  return alias(l.rows), alias(l.inv), alias(l.amax)
+end
+
+-- the backward's transposed cast of the saved input rows x2, with the
+-- forward's amax (so the bits are the forward's): cols, inv
+local function input_cols(x2, amax, cfg)
+  local key = view_key(x2, cfg.input, cfg.pow2)
+  local l = bwd_last
+  if l == nil or l.key ~= key then
+    drop(l)
+    stats.backward_casts = stats.backward_casts + 1
+    local _, c, inv = F.float8_cast(x2, amax, cfg.input, { rows = false, cols = true, pow2 = cfg.pow2 })
+    l = { key = key, cols = c, inv = inv }
+    bwd_last = l
+  end
+  return alias(l.cols), alias(l.inv)
 end
 
 -- -------------------------------------------------------------- the layer
@@ -177,10 +210,11 @@ local function bwd_float8(node, g)
   local dx, dw, db
   if need[1] then
     -- dx (N, in) = g8 (N, out) @ w8 [w8t (in, out) as b]; w8t cast again
-    -- from the weight (FSDP gathered it for this backward) when not kept
+    -- from the weight with its forward amax (the same bits; FSDP gathered
+    -- it for this backward) when not kept
     local w_in, winv = s.w_in, s.winv
     if w_in == nil then
-      local r, c, i = cast(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt)
+      local r, c, i = F.float8_cast(s.w, s.wamax, cfg.weight, { rows = not s.wt, cols = s.wt, pow2 = cfg.pow2 })
       w_in, winv = s.wt and c or r, i
     end
     local d2 = F.scaled_matmul(g8, w_in, ginv, winv,
@@ -190,9 +224,11 @@ local function bwd_float8(node, g)
     if dx ~= d2 then free(d2) end
   end
   if want_w then
-    -- (out, in) = g8t (out, N) @ x8t (in, N)^T  (Conv1D's (in, out) the other way)
-    local a, b, ainv, binv = g8t, s.x8t, ginv, s.xinv
-    if not s.wt then a, b, ainv, binv = s.x8t, g8t, s.xinv, ginv end
+    -- (out, in) = g8t (out, N) @ x8t (in, N)^T  (Conv1D's (in, out) the other
+    -- way), x8t the saved input's transposed cast with its forward amax
+    local x8t, xinv = input_cols(s.x2, s.xamax, cfg)
+    local a, b, ainv, binv = g8t, x8t, ginv, xinv
+    if not s.wt then a, b, ainv, binv = x8t, g8t, xinv, ginv end
     local sink = sink_of(node, s.w)
     if sink then
       F.scaled_matmul(a, b, ainv, binv, { out = sink.t, beta = sink.written[sink.i] and 1 or 0,
@@ -202,6 +238,7 @@ local function bwd_float8(node, g)
       local wd = s.w.dtype_id == 0 and 1 or s.w.dtype_id
       dw = F.scaled_matmul(a, b, ainv, binv, { out_dtype = T.dtype_name(wd), fast_accum = cfg.fast_accum_grads })
     end
+    free(x8t); free(xinv)
   end
   if need[3] then db = F.sum(g2, 1) end
   free(g8); free(g8t); free(ginv)
@@ -247,9 +284,8 @@ function float8.linear(x, w, b, opts)
   local od = amp.dtype() or x.dtype_id
   if od == 0 then od = 1 end
   local grad = A.want(x, w, b)
-  local need_w = grad and A.needs_grad(w)
   local need_x = grad and A.needs_grad(x)
-  local x8, x8t, xinv = cast_input(x, x2, cfg, need_w)
+  local x8, xinv, xamax = cast_input(x2, cfg)
   -- w's two layouts: (out, in) for the forward, (in, out) for dx (kept,
   -- or made again in the backward: recompute_weight)
   local recompute = cfg.recompute_weight
@@ -258,9 +294,9 @@ function float8.linear(x, w, b, opts)
     recompute = fs ~= nil and fs.releases_after_forward(w)
   end
   local keep = need_x and not recompute
-  local w_out, w_in, winv
-  if wt then w_out, w_in, winv = cast(w, cfg.weight, cfg.pow2, true, keep)
-  else w_in, w_out, winv = cast(w, cfg.weight, cfg.pow2, keep, true) end
+  local w_out, w_in, winv, wamax
+  if wt then w_out, w_in, winv, wamax = cast(w, cfg.weight, cfg.pow2, true, keep, true)
+  else w_in, w_out, winv, wamax = cast(w, cfg.weight, cfg.pow2, keep, true, true) end
   local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
   local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias,
     fast_accum = cfg.fast_accum_output })
@@ -282,16 +318,22 @@ function float8.linear(x, w, b, opts)
     y = R.view(y2, sh)
     free(y2)
   end
-  if x2 ~= x then free(x2) end
   if grad then
-    local saved = { x8t = x8t, xinv = xinv, w_in = w_in, winv = winv, w = w, wt = wt, cfg = cfg,
-      dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id }
-    local own = { xinv, winv }
-    if x8t ~= nil then own[#own + 1] = x8t end
+    -- saved: the input itself (its transposed f8 copy is made in the
+    -- backward, with this amax: the tensor is kept for the backward anyway,
+    -- so an f8 copy beside it would be memory on top), the weight's f8 copy
+    -- for dx (or its amax to make it again), the scales
+    local own = { xinv, winv, wamax, xamax }
+    local xs = x2
+    if x2 == x then xs = R.alias(x) end
+    own[#own + 1] = xs
     if w_in ~= nil then own[#own + 1] = w_in end
+    local saved = { x2 = xs, xamax = xamax, w_in = w_in, winv = winv, wamax = wamax, w = w, wt = wt, cfg = cfg,
+      dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id }
     A.record_list(name, y, bwd_float8, saved, own, { x, w, b })
   else
-    free(x8t); free(xinv); free(w_in); free(winv)
+    if x2 ~= x then free(x2) end
+    free(xinv); free(xamax); free(w_in); free(winv); free(wamax)
   end
   return y
 end
@@ -364,7 +406,7 @@ function float8.revert(model)
       names[#names + 1] = name
     end
   end
-  drop_last()
+  drop_caches()
   return names
 end
 
