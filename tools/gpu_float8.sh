@@ -2,7 +2,7 @@
 # The float8 runs on the lent GPU host, in one call, after the setup of
 # tools/gpu_prep.sh (no build: the library comes carried):
 #   bash tools/gpu_float8.sh
-# make test-gpu's specs, gpu_float8_spec, bench/float8.lua, the 1.25B Llama's step in bf16 and in
+# bench/flce.lua beside torch_flce.py (issue #5's rows), make test-gpu's specs, gpu_float8_spec, bench/float8.lua, the 1.25B Llama's step in bf16 and in
 # float8 (bench/fsdp.lua --no-fsdp, and fully_shard on a world of one), then PyTorch's (torch_llama.py with
 # torchao's float8 and without, per-block compile) when .whl has torchao.
 # Each log goes to $OUT (or /tmp/gpu_float8), its tail to stdout;
@@ -10,6 +10,8 @@
 set -u
 skip=${GPU_CHECK_SKIP:-}
 . "$(dirname "$0")/gpu_steps.sh" /tmp/gpu_float8
+TAIL=14 step flce luajit bench/flce.lua --methods fused,fused_master,fused_bf16acc,gemms
+TAIL=8 step torch_flce python3 ../shared/bench/torch_flce.py --methods eager,compile
 TAIL=30 step testgpu bash tools/run_specs.sh --tags=gpu --exclude-tags=multi spec
 TAIL=40 step spec bash tools/run_specs.sh --tags=gpu spec/gpu_float8_spec.lua
 TAIL=22 step micro luajit bench/float8.lua
