@@ -82,7 +82,9 @@ describe('float8 on cuda #gpu', function()
   end)
 
   it('the scaled cast gives the CPU bits in both layouts (whole and partial tiles, unaligned, pow2)', function()
-    local shapes = { { 128, 256 }, { 64, 64 }, { 100, 37 }, { 1, 16 }, { 333, 190 }, { 2048, 48 } }
+    -- whole 128 x 128 tiles (the fast path), edges of 64 x 64 quarters, both
+    local shapes = { { 128, 256 }, { 64, 64 }, { 100, 37 }, { 1, 16 }, { 333, 190 }, { 2048, 48 }, { 384, 512 },
+      { 256, 208 }, { 144, 128 } }
     for _, sh in ipairs(shapes) do
       for _, dt in ipairs({ 'f32', 'bf16', 'f16' }) do
         for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
