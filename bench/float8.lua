@@ -1,7 +1,7 @@
 -- bench/float8.lua — one linear layer's forward + backward in bf16 against
 -- FP8 (moonshard.float8, tensorwise), at the Llama shapes of the benches:
 --
---   luajit bench/float8.lua [--tokens 8192] [--iters 50] [--shapes 2048x3072,...]
+--   luajit bench/float8.lua [--tokens 8192] [--iters 50] [--shapes 2048x3072,...] [--casts]
 --
 -- Per shape (tokens x in -> out), forward+backward calls (x and the weight
 -- bf16, both needing their gradient; the weight's gradient made anew each
@@ -25,11 +25,15 @@ local nnf = ms.nn.functional
 
 local opts = { tokens = 8192, iters = 50,
   shapes = '2048x2048,2048x512,2048x5632,5632x2048,4096x14336,14336x4096' }
+local casts_only = false
 do
   local i = 1
   while i <= #arg do
     local k = arg[i]:match('^%-%-(.+)$')
-    if k and opts[k] ~= nil and arg[i + 1] then
+    if k == 'casts' then
+      casts_only = true
+      i = i + 1
+    elseif k and opts[k] ~= nil and arg[i + 1] then
       opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
       i = i + 2
     else
@@ -38,6 +42,25 @@ do
   end
 end
 assert(ms.cuda.is_available(), 'bench/float8.lua needs a CUDA device')
+
+-- --casts: only the casts of a layer's inputs (tokens x in, bf16), three of
+-- each: the forward's (amax found, the row-major copy) and the backward's
+-- (the transposed copy with a given amax) -- for a profiler's kernel
+-- times (ncu --metrics gpu__time_duration.sum), which the host cannot skew
+if casts_only then
+  for sh in opts.shapes:gmatch('[^,]+') do
+    local in_f = tonumber(sh:match('^(%d+)x'))
+    local x = ms.randn({ opts.tokens, in_f }, { seed = 1, device = 'cuda' }):to('bf16')
+    for _ = 1, 3 do
+      local r, _, i, am = F.float8_cast_dynamic(x, 'f8e4m3', { amax = true })
+      local _, c, i2 = F.float8_cast(x, am, 'f8e4m3', { rows = false, cols = true })
+      r:free(); i:free(); am:free(); c:free(); i2:free()
+    end
+  end
+  ms.cuda.synchronize()
+  print('casts done')
+  os.exit(0)
+end
 
 local ffi = require 'ffi'
 ffi.cdef [[

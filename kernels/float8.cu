@@ -150,6 +150,8 @@ __device__ __forceinline__ void cast_tile(const T *__restrict__ x, long long R, 
 // bytes each: the 8 threads of a row block sit side by side in a warp, so
 // each store instruction writes 4 whole 128-byte rows.
 const int kBig = 128;
+// 0: every tile through the 64 x 64 path (MS_FLOAT8_TILE128=0, to compare)
+__constant__ bool c_big = true;
 
 __device__ __forceinline__ int swz(int row) { return (((row & 7) ^ ((row >> 4) & 7)) << 2); }
 
@@ -222,7 +224,7 @@ template <typename T>
 __device__ __forceinline__ void cast_block(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
                                            uint8_t *__restrict__ out_t, float s, bool e5, bool al, long long r0,
                                            long long c0, uint32_t *tile) {
-    if (al && r0 + kBig <= R && c0 + kBig <= C && C % 16 == 0 && R % 16 == 0) {
+    if (al && c_big && r0 + kBig <= R && c0 + kBig <= C && C % 16 == 0 && R % 16 == 0) {
         cast_tile128<T>(x, R, C, out, out_t, s, e5, r0, c0, tile);
         return;
     }
@@ -430,6 +432,19 @@ bool fused_on() {
 
 }  // namespace
 
+// MS_FLOAT8_TILE128=0: the 64 x 64 tiles only (read once a process, per device)
+static int big_tiles(int dev) {
+    static int done[64];
+    if (dev < 0 || dev >= 64 || done[dev]) return 0;
+    done[dev] = 1;
+    const char *e = getenv("MS_FLOAT8_TILE128");
+    if (e && e[0] == '0') {
+        bool off = false;
+        CUDA_CHECK(cudaMemcpyToSymbol(c_big, &off, sizeof off));
+    }
+    return 0;
+}
+
 extern "C" int ms_cuda_float8_set_fused(int on) {
     int old = fused_on() ? 1 : 0;
     if (on >= 0) g_fused = on != 0;
@@ -442,6 +457,7 @@ extern "C" int ms_cuda_float8_cast_dyn(ms_tensor *out, ms_tensor *out_t, ms_tens
                                        const ms_tensor *x, int dtype, int pow2) {
     const int dev = x->device_id;
     if (ms_cuda_activate(dev)) return -1;
+    if (big_tiles(dev)) return -1;
     cudaStream_t st = ms_cuda_stream_of(dev);
     const bool e5 = dtype == MS_F8E5M2, p2 = pow2 != 0;
     if (!fused_on() || ms_tensor_numel(x) == 0) {
@@ -481,7 +497,7 @@ extern "C" int ms_cuda_amax(ms_tensor *out, const ms_tensor *x) {
 extern "C" int ms_cuda_float8_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const ms_tensor *x,
                                    const ms_tensor *amax, int dtype, int pow2) {
     const int dev = x->device_id;
-    if (ms_cuda_activate(dev)) return -1;
+    if (ms_cuda_activate(dev) || big_tiles(dev)) return -1;
     cudaStream_t st = ms_cuda_stream_of(dev);
     const bool e5 = dtype == MS_F8E5M2, p2 = pow2 != 0;
     switch (x->dtype_id) {
