@@ -139,118 +139,22 @@ __device__ __forceinline__ void cast_tile(const T *__restrict__ x, long long R, 
     }
 }
 
-// A whole 128 x 128 tile (aligned data, R and C multiples of 16), the fast
-// path: thread t converts 64 elements of row t / 2 (8 or 16 loads of 16
-// bytes in flight), stores them as 4 x 16 bytes of the row-major copy and as
-// 16 words of the shared tile (128 rows of 32 words, the word column
-// XOR-swizzled by the row so that neither these vector stores nor the
-// reads below conflict). After the barrier, thread t takes word column wc
-// (4 columns) of 16 rows (block rb), transposes its 4 x 4 byte blocks in
-// registers (__byte_perm) and stores 4 rows of the transposed copy, 16
-// bytes each: the 8 threads of a row block sit side by side in a warp, so
-// each store instruction writes 4 whole 128-byte rows.
-const int kBig = 128;
-// 0: every tile through the 64 x 64 path (MS_FLOAT8_TILE128=0, to compare)
-__constant__ bool c_big = true;
-
-__device__ __forceinline__ int swz(int row) { return (((row & 7) ^ ((row >> 4) & 7)) << 2); }
-
-__device__ __forceinline__ uint32_t pack4(uint8_t a, uint8_t b, uint8_t c, uint8_t d) {
-    return (uint32_t)a | ((uint32_t)b << 8) | ((uint32_t)c << 16) | ((uint32_t)d << 24);
-}
-
-template <typename T>
-__device__ __forceinline__ void cast_tile128(const T *__restrict__ x, long long R, long long C,
-                                             uint8_t *__restrict__ out, uint8_t *__restrict__ out_t, float s, bool e5,
-                                             long long r0, long long c0, uint32_t *tile) {
-    const int tr = threadIdx.x >> 1, h = threadIdx.x & 1;
-    const int V = 16 / sizeof(T);
-    uint32_t w[16];
-    {
-        const T *p = x + (r0 + tr) * C + c0 + h * 64;
-        vpack<T, V> q[64 / V];
-#pragma unroll
-        for (int j = 0; j < 64 / V; j++) q[j] = reinterpret_cast<const vpack<T, V> *>(p)[j];
-#pragma unroll
-        for (int k = 0; k < 16; k++) {
-            uint8_t b[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int e = 4 * k + u;
-                b[u] = to_fp8(__fmul_rn((float)conv<T>::load(q[e / V].v[e % V]), s), e5);
-            }
-            w[k] = pack4(b[0], b[1], b[2], b[3]);
-        }
-    }
-    if (out) {
-        uint4 *o = reinterpret_cast<uint4 *>(out + (r0 + tr) * C + c0 + h * 64);
-#pragma unroll
-        for (int m = 0; m < 4; m++) o[m] = make_uint4(w[4 * m], w[4 * m + 1], w[4 * m + 2], w[4 * m + 3]);
-    }
-    if (!out_t) return;
-    const int sw = swz(tr);
-#pragma unroll
-    for (int m = 0; m < 4; m++)
-        *reinterpret_cast<uint4 *>(tile + tr * 32 + ((h * 16 + 4 * m) ^ sw)) =
-            make_uint4(w[4 * m], w[4 * m + 1], w[4 * m + 2], w[4 * m + 3]);
-    __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int rb = lane & 7, wc = warp * 4 + (lane >> 3);
-    uint32_t col[4][4];   // [column j][row group g]
-#pragma unroll
-    for (int g = 0; g < 4; g++) {
-        uint32_t a[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int row = rb * 16 + g * 4 + u;
-            a[u] = tile[row * 32 + (wc ^ swz(row))];
-        }
-        const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[2], a[3], 0x5140);
-        const uint32_t t2 = __byte_perm(a[0], a[1], 0x7362), t3 = __byte_perm(a[2], a[3], 0x7362);
-        col[0][g] = __byte_perm(t0, t1, 0x5410);
-        col[1][g] = __byte_perm(t0, t1, 0x7632);
-        col[2][g] = __byte_perm(t2, t3, 0x5410);
-        col[3][g] = __byte_perm(t2, t3, 0x7632);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-        *reinterpret_cast<uint4 *>(out_t + (c0 + wc * 4 + j) * R + r0 + rb * 16) =
-            make_uint4(col[j][0], col[j][1], col[j][2], col[j][3]);
-}
-
-// the 128 x 128 tile at (r0, c0): the fast path when it is whole and
-// aligned, else its four 64 x 64 quarters element-safe (cast_tile)
-template <typename T>
-__device__ __forceinline__ void cast_block(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
-                                           uint8_t *__restrict__ out_t, float s, bool e5, bool al, long long r0,
-                                           long long c0, uint32_t *tile) {
-    if (al && c_big && r0 + kBig <= R && c0 + kBig <= C && C % 16 == 0 && R % 16 == 0) {
-        cast_tile128<T>(x, R, C, out, out_t, s, e5, r0, c0, tile);
-        return;
-    }
-    for (int q = 0; q < 4; q++) {
-        const long long rq = r0 + (q >> 1) * kTile, cq = c0 + (q & 1) * kTile;
-        if (rq < R && cq < C) cast_tile<T>(x, R, C, out, out_t, s, e5, al, rq, cq, (uint8_t *)tile);
-        __syncthreads();   // the shared tile is rewritten by the next quarter
-    }
-}
-
 // the cast with a given amax: one tile a block
 template <typename T>
 __global__ void cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
                             uint8_t *__restrict__ out_t, float *__restrict__ inv, const float *__restrict__ amax,
                             bool e5, bool pow2, bool al) {
     __shared__ float s_scale;
-    __shared__ __align__(16) uint32_t tile[kBig * 32];
+    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
     if (threadIdx.x == 0) {
         float s = ms_fp8_scale(*amax, e5, pow2);
         s_scale = s;
         if (inv && blockIdx.x == 0 && blockIdx.y == 0) *inv = 1.0f / s;
     }
     __syncthreads();
-    const long long r0 = (long long)blockIdx.y * kBig, c0 = (long long)blockIdx.x * kBig;
+    const long long r0 = (long long)blockIdx.y * kTile, c0 = (long long)blockIdx.x * kTile;
     if (r0 >= R || c0 >= C) return;   // (the scale-only launch)
-    cast_block<T>(x, R, C, out, out_t, s_scale, e5, al, r0, c0, tile);
+    cast_tile<T>(x, R, C, out, out_t, s_scale, e5, al, r0, c0, tile);
 }
 
 // amax and the cast in one cooperative launch (every block resident): the
@@ -265,7 +169,7 @@ __global__ void amax_cast_kernel(const T *__restrict__ x, long long R, long long
                                  unsigned int *__restrict__ part, bool e5, bool pow2, bool al) {
     __shared__ unsigned int red[32];
     __shared__ float s_scale;
-    __shared__ __align__(16) uint32_t tile[kBig * 32];
+    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const long long n = R * C;
     {
@@ -322,9 +226,9 @@ __global__ void amax_cast_kernel(const T *__restrict__ x, long long R, long long
         __syncthreads();
     }
     const float s = s_scale;
-    const long long tx = (C + kBig - 1) / kBig, nt = tx * ((R + kBig - 1) / kBig);
+    const long long tx = (C + kTile - 1) / kTile, nt = tx * ((R + kTile - 1) / kTile);
     for (long long t = blockIdx.x; t < nt; t += gridDim.x) {
-        cast_block<T>(x, R, C, out, out_t, s, e5, al, (t / tx) * kBig, (t % tx) * kBig, tile);
+        cast_tile<T>(x, R, C, out, out_t, s, e5, al, (t / tx) * kTile, (t % tx) * kTile, tile);
         __syncthreads();   // the tile is rewritten by the next one
     }
 }
@@ -357,10 +261,10 @@ int launch_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const ms_tenso
         }
         return 0;
     }
-    if ((C + kBig - 1) / kBig > 0x7fffffffLL || (R + kBig - 1) / kBig > 65535)
+    if ((C + kTile - 1) / kTile > 0x7fffffffLL || (R + kTile - 1) / kTile > 65535)
         return ms_errorf("float8_cast: (%lld, %lld) has too many rows for the kernel's grid (at most %d)", R, C,
-                         65535 * kBig);
-    dim3 grid((unsigned)((C + kBig - 1) / kBig), (unsigned)((R + kBig - 1) / kBig));
+                         65535 * kTile);
+    dim3 grid((unsigned)((C + kTile - 1) / kTile), (unsigned)((R + kTile - 1) / kTile));
     const T *p = (const T *)ms_tensor_data(x);
     // the 16-byte path needs every base aligned (rows then are: its tiles ask C % 16 == 0)
     const bool al = ms_aligned16(p) && (!out || ms_aligned16(ms_tensor_data(out))) &&
@@ -398,8 +302,8 @@ int launch_amax_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor
     int cap = 0;
     if (resident_blocks<T>(dev, &cap)) return -1;
     // enough blocks for the tiles and the walk, at most the resident ones
-    const long long tiles = ((R + kBig - 1) / kBig) * ((C + kBig - 1) / kBig);
-    long long want = tiles > (R * C + 16383) / 16384 ? tiles : (R * C + 16383) / 16384;
+    const long long tiles = ((R + kTile - 1) / kTile) * ((C + kTile - 1) / kTile);
+    long long want = tiles > (R * C + 4095) / 4096 ? tiles : (R * C + 4095) / 4096;
     int blocks = (int)(want < cap ? (want < 1 ? 1 : want) : cap);
     ms_tmp part;
     int64_t np = blocks;
@@ -432,19 +336,6 @@ bool fused_on() {
 
 }  // namespace
 
-// MS_FLOAT8_TILE128=0: the 64 x 64 tiles only (read once a process, per device)
-static int big_tiles(int dev) {
-    static int done[64];
-    if (dev < 0 || dev >= 64 || done[dev]) return 0;
-    done[dev] = 1;
-    const char *e = getenv("MS_FLOAT8_TILE128");
-    if (e && e[0] == '0') {
-        bool off = false;
-        CUDA_CHECK(cudaMemcpyToSymbol(c_big, &off, sizeof off));
-    }
-    return 0;
-}
-
 extern "C" int ms_cuda_float8_set_fused(int on) {
     int old = fused_on() ? 1 : 0;
     if (on >= 0) g_fused = on != 0;
@@ -457,7 +348,6 @@ extern "C" int ms_cuda_float8_cast_dyn(ms_tensor *out, ms_tensor *out_t, ms_tens
                                        const ms_tensor *x, int dtype, int pow2) {
     const int dev = x->device_id;
     if (ms_cuda_activate(dev)) return -1;
-    if (big_tiles(dev)) return -1;
     cudaStream_t st = ms_cuda_stream_of(dev);
     const bool e5 = dtype == MS_F8E5M2, p2 = pow2 != 0;
     if (!fused_on() || ms_tensor_numel(x) == 0) {
@@ -497,7 +387,7 @@ extern "C" int ms_cuda_amax(ms_tensor *out, const ms_tensor *x) {
 extern "C" int ms_cuda_float8_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const ms_tensor *x,
                                    const ms_tensor *amax, int dtype, int pow2) {
     const int dev = x->device_id;
-    if (ms_cuda_activate(dev) || big_tiles(dev)) return -1;
+    if (ms_cuda_activate(dev)) return -1;
     cudaStream_t st = ms_cuda_stream_of(dev);
     const bool e5 = dtype == MS_F8E5M2, p2 = pow2 != 0;
     switch (x->dtype_id) {

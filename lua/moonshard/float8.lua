@@ -120,10 +120,23 @@ function float8.stats() return { input_casts = stats.input_casts, backward_casts
 -- of the same view finds it, and an in-place write misses it). The forward
 -- keeps { rows, inv, amax } of the last input, the backward { cols, inv }
 -- of the last saved input; both are dropped when a backward begins and ends.
-local function view_key(t, dtype, pow2)
-  local k = { tostring(ffi.cast('uintptr_t', t.storage)), tonumber(t.offset), t._version, dtype, tostring(pow2) }
-  for d = 0, t.ndim - 1 do k[#k + 1] = tonumber(t.sizes[d]) .. ':' .. tonumber(t.strides[d]) end
-  return table.concat(k, ',')
+local intptr = ffi.typeof('intptr_t')
+-- the cache entry's fields for t (numbers: no string is built per call)
+local function same_view(e, t, dtype, pow2)
+  if e == nil or e.dtype ~= dtype or e.pow2 ~= pow2 or e.st ~= tonumber(ffi.cast(intptr, t.storage))
+      or e.off ~= tonumber(t.offset) or e.ver ~= t._version or e.nd ~= t.ndim then
+    return false
+  end
+  for d = 0, t.ndim - 1 do
+    if e.sz[d] ~= tonumber(t.sizes[d]) or e.sd[d] ~= tonumber(t.strides[d]) then return false end
+  end
+  return true
+end
+local function view_entry(t, dtype, pow2)
+  local e = { dtype = dtype, pow2 = pow2, st = tonumber(ffi.cast(intptr, t.storage)), off = tonumber(t.offset),
+    ver = t._version, nd = t.ndim, sz = {}, sd = {} }
+  for d = 0, t.ndim - 1 do e.sz[d], e.sd[d] = tonumber(t.sizes[d]), tonumber(t.strides[d]) end
+  return e
 end
 local fwd_last, bwd_last = nil, nil
 local function drop(e)
@@ -142,13 +155,12 @@ local function alias(t) return t ~= nil and R.alias(t) or nil end
 
 -- the forward's cast of input rows x2: rows, inv, amax (aliases the caller owns)
 local function cast_input(x2, cfg)
-  local key = view_key(x2, cfg.input, cfg.pow2)
-  local l = fwd_last
-  if l == nil or l.key ~= key then
+  local l, _ = fwd_last, nil
+  if not same_view(l, x2, cfg.input, cfg.pow2) then
     drop(l)
     stats.input_casts = stats.input_casts + 1
-    local r, _, inv, am = cast(x2, cfg.input, cfg.pow2, true, false, true)
-    l = { key = key, rows = r, inv = inv, amax = am }
+    l = view_entry(x2, cfg.input, cfg.pow2)
+    l.rows, _, l.inv, l.amax = cast(x2, cfg.input, cfg.pow2, true, false, true)
     fwd_last = l
   end
   return alias(l.rows), alias(l.inv), alias(l.amax)
@@ -157,13 +169,12 @@ end
 -- the backward's transposed cast of the saved input rows x2, with the
 -- forward's amax (so the bits are the forward's): cols, inv
 local function input_cols(x2, amax, cfg)
-  local key = view_key(x2, cfg.input, cfg.pow2)
-  local l = bwd_last
-  if l == nil or l.key ~= key then
+  local l, _ = bwd_last, nil
+  if not same_view(l, x2, cfg.input, cfg.pow2) then
     drop(l)
     stats.backward_casts = stats.backward_casts + 1
-    local _, c, inv = F.float8_cast(x2, amax, cfg.input, { rows = false, cols = true, pow2 = cfg.pow2 })
-    l = { key = key, cols = c, inv = inv }
+    l = view_entry(x2, cfg.input, cfg.pow2)
+    _, l.cols, l.inv = F.float8_cast(x2, amax, cfg.input, { rows = false, cols = true, pow2 = cfg.pow2 })
     bwd_last = l
   end
   return alias(l.cols), alias(l.inv)
@@ -295,8 +306,9 @@ function float8.linear(x, w, b, opts)
   end
   local keep = need_x and not recompute
   local w_out, w_in, winv, wamax
-  if wt then w_out, w_in, winv, wamax = cast(w, cfg.weight, cfg.pow2, true, keep, true)
-  else w_in, w_out, winv, wamax = cast(w, cfg.weight, cfg.pow2, keep, true, true) end
+  local want_amax = need_x and recompute   -- (to make the copy again in the backward)
+  if wt then w_out, w_in, winv, wamax = cast(w, cfg.weight, cfg.pow2, true, keep, want_amax)
+  else w_in, w_out, winv, wamax = cast(w, cfg.weight, cfg.pow2, keep, true, want_amax) end
   local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
   local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias,
     fast_accum = cfg.fast_accum_output })
@@ -323,11 +335,12 @@ function float8.linear(x, w, b, opts)
     -- backward, with this amax: the tensor is kept for the backward anyway,
     -- so an f8 copy beside it would be memory on top), the weight's f8 copy
     -- for dx (or its amax to make it again), the scales
-    local own = { xinv, winv, wamax, xamax }
+    local own = { xinv, winv, xamax }
     local xs = x2
     if x2 == x then xs = R.alias(x) end
     own[#own + 1] = xs
     if w_in ~= nil then own[#own + 1] = w_in end
+    if wamax ~= nil then own[#own + 1] = wamax end
     local saved = { x2 = xs, xamax = xamax, w_in = w_in, winv = winv, wamax = wamax, w = w, wt = wt, cfg = cfg,
       dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id }
     A.record_list(name, y, bwd_float8, saved, own, { x, w, b })
