@@ -61,11 +61,10 @@ int ms_amax(ms_tensor **out, const ms_tensor *x) {
         return ms_errorf("amax: needs a float tensor (f64, f32, bf16, f16), got %s", ms_desc(x, d, sizeof d));
     int allocated = out && !*out;
     if (ms_prepare_out(out, "amax", 0, NULL, MS_F32, x->device_id)) return -1;
-    int rc = 0;
 #ifdef MS_WITH_CUDA
     if (x->device_id >= 0) {
         ms_tensor *c = NULL;
-        rc = ms_tensor_contiguous(&c, x);
+        int rc = ms_tensor_contiguous(&c, x);
         if (!rc) rc = ms_cuda_amax(*out, c);
         ms_tensor_free(c);
         return finish(out, allocated, rc);

@@ -19,17 +19,18 @@ namespace {
 
 // ---------------------------------------------------------------- amax
 // Each thread keeps the max of |x| over a grid-stride walk (16-byte packs
-// when the tensor is aligned, then the tail), the block reduces, and one
-// atomicMax on the f32 bits (non-negative floats order as their bits; NaN's
-// bits are above infinity's, so a NaN wins) folds the blocks together.
-// The result does not depend on the order: max is exact.
+// when the tensor is aligned, then the tail) as f32 bits (non-negative
+// floats order as their bits; NaN's bits are above infinity's, so a NaN
+// wins); the block reduces them, and the blocks fold together by an
+// atomicMax (amax_kernel) or through a grid sync (amax_cast_kernel). The
+// result does not depend on the order: max is exact.
 template <typename T>
-__global__ void amax_kernel(const T *__restrict__ x, long long n, bool vec, unsigned int *__restrict__ out) {
+__device__ __forceinline__ unsigned int thread_amax_bits(const T *__restrict__ x, long long n, bool vec) {
     const int V = 16 / sizeof(T);
     float m = 0.f;
     bool nan = false;
-    long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
-    long long nv = vec ? n / V : 0;
+    const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+    const long long nv = vec ? n / V : 0;
     for (long long i = i0; i < nv; i += step) {
         vpack<T, V> q = reinterpret_cast<const vpack<T, V> *>(x)[i];
 #pragma unroll
@@ -44,20 +45,29 @@ __global__ void amax_kernel(const T *__restrict__ x, long long n, bool vec, unsi
         nan |= a != a;
         m = fmaxf(m, a);
     }
-    if (nan) m = __int_as_float(0x7fc00000);
-    unsigned int b = __float_as_uint(m);
+    return nan ? 0x7fc00000u : __float_as_uint(m);
+}
+
+// the max of b over the block, in thread 0 (red: 32 words of shared memory;
+// the block's threads all call it)
+__device__ __forceinline__ unsigned int block_max(unsigned int b, unsigned int *red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
-    __shared__ unsigned int part[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) part[warp] = b;
+    __syncthreads();   // (red may be in use from a previous call)
+    if (lane == 0) red[warp] = b;
     __syncthreads();
-    if (warp == 0) {
-        b = lane < (int)(blockDim.x >> 5) ? part[lane] : 0u;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
-        if (lane == 0 && b) atomicMax(out, b);
-    }
+    unsigned int t = 0;
+    if (threadIdx.x == 0)
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) t = max(t, red[w]);
+    return t;
+}
+
+template <typename T>
+__global__ void amax_kernel(const T *__restrict__ x, long long n, bool vec, unsigned int *__restrict__ out) {
+    __shared__ unsigned int red[32];
+    const unsigned int b = block_max(thread_amax_bits<T>(x, n, vec), red);
+    if (threadIdx.x == 0 && b) atomicMax(out, b);
 }
 
 // ---------------------------------------------------------------- cast
@@ -170,51 +180,16 @@ __global__ void amax_cast_kernel(const T *__restrict__ x, long long R, long long
     __shared__ unsigned int red[32];
     __shared__ float s_scale;
     __shared__ __align__(16) uint8_t tile[kTile * kPitch];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const long long n = R * C;
     {
-        const int V = 16 / sizeof(T);
-        float m = 0.f;
-        bool nan = false;
-        const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
-        const long long nv = al ? n / V : 0;
-        for (long long i = i0; i < nv; i += step) {
-            vpack<T, V> q = reinterpret_cast<const vpack<T, V> *>(x)[i];
-#pragma unroll
-            for (int k = 0; k < V; k++) {
-                float a = fabsf((float)conv<T>::load(q.v[k]));
-                nan |= a != a;
-                m = fmaxf(m, a);
-            }
-        }
-        for (long long i = nv * V + i0; i < n; i += step) {
-            float a = fabsf((float)conv<T>::load(x[i]));
-            nan |= a != a;
-            m = fmaxf(m, a);
-        }
-        unsigned int b = nan ? 0x7fc00000u : __float_as_uint(m);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
-        if (lane == 0) red[warp] = b;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned int t = 0;
-            for (int w = 0; w < nw; w++) t = max(t, red[w]);
-            part[blockIdx.x] = t;
-        }
+        const unsigned int t = block_max(thread_amax_bits<T>(x, R * C, al), red);
+        if (threadIdx.x == 0) part[blockIdx.x] = t;
     }
     cooperative_groups::this_grid().sync();
     {
         unsigned int b = 0;
         for (int i = threadIdx.x; i < (int)gridDim.x; i += blockDim.x) b = max(b, __ldcg(part + i));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
-        __syncthreads();   // (red[] reused)
-        if (lane == 0) red[warp] = b;
-        __syncthreads();
+        const unsigned int t = block_max(b, red);
         if (threadIdx.x == 0) {
-            unsigned int t = 0;
-            for (int w = 0; w < nw; w++) t = max(t, red[w]);
             const float a = __uint_as_float(t);
             const float s = ms_fp8_scale(a, e5, pow2);
             s_scale = s;

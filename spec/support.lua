@@ -57,6 +57,20 @@ function S.bin_train(args, env)
   return status, (out:gsub('__status=%d+%s*$', ''))
 end
 
+-- the losses of `steps` AdamW steps (lr) of model m on the batch (x, y)
+function S.adamw_losses(m, x, y, steps, lr)
+  local opt = require('moonshard').optim.AdamW(m, { lr = lr })
+  local losses = {}
+  for k = 1, steps do
+    opt:zero_grad()
+    local loss = m(x, y)
+    loss:backward()
+    opt:step()
+    losses[k] = loss:item()
+  end
+  return losses
+end
+
 -- step -> loss of a run folder's metrics.jsonl (skipped steps have none)
 function S.run_losses(out)
   local r = {}
