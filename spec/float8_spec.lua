@@ -508,6 +508,19 @@ describe('float8.linear', function()
     assert.is_truthy(S.errmsg(function() float8.config { recompute_weight = 'x' } end):find("true, false or 'auto'", 1, true))
   end)
 
+  it('without a backward (evaluation), a new input of the same shape is cast anew, never read from the cache', function()
+    local w = randn({ 32, 48 }, 0.2)
+    ms.no_grad(function()
+      for _ = 1, 6 do
+        local x = randn({ 16, 48 })
+        local y = float8.linear(x, w)
+        local want = ms.matmul(q(x, 'f8e4m3'), q(w, 'f8e4m3'), false, true)
+        assert.is_true(relerr(y, want) < 1e-6)
+        y:free(); x:free()   -- the next x may take its memory (and its storage's address)
+      end
+    end)
+  end)
+
   it('refuses bad inputs with the shapes named', function()
     local function err(fn, pat)
       local e = S.errmsg(fn)

@@ -132,16 +132,18 @@ local function same_view(e, t, dtype, pow2)
   end
   return true
 end
+-- (the entry holds an alias of t: its storage, whose address is in the key,
+-- cannot be freed and the address reused by another tensor while cached)
 local function view_entry(t, dtype, pow2)
   local e = { dtype = dtype, pow2 = pow2, st = tonumber(ffi.cast(intptr, t.storage)), off = tonumber(t.offset),
-    ver = t._version, nd = t.ndim, sz = {}, sd = {} }
+    ver = t._version, nd = t.ndim, sz = {}, sd = {}, src = R.alias(t) }
   for d = 0, t.ndim - 1 do e.sz[d], e.sd[d] = tonumber(t.sizes[d]), tonumber(t.strides[d]) end
   return e
 end
 local fwd_last, bwd_last = nil, nil
 local function drop(e)
   if e == nil then return end
-  for _, k in ipairs({ 'rows', 'cols', 'inv', 'amax' }) do free(e[k]) end
+  for _, k in ipairs({ 'rows', 'cols', 'inv', 'amax', 'src' }) do free(e[k]) end
 end
 local function drop_caches()
   drop(fwd_last); drop(bwd_last)
