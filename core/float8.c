@@ -72,32 +72,20 @@ int ms_amax(ms_tensor **out, const ms_tensor *x) {
 #else
     if (x->device_id >= 0) return finish(out, allocated, ms_errorf("amax: cuda tensors need a build with CUDA"));
 #endif
+    /* in f32 (an f64 x is rounded first: rounding is monotonic, so the max
+     * of the rounded values is the rounded max) */
     int64_t n = ms_tensor_numel(x);
     float m = 0.0f;
     int nan = 0;
-    if (x->dtype_id == MS_F64) {   /* |x| in f64, rounded once: the f32 amax of the f64 values */
-        ms_tensor *c = NULL;
-        if (ms_tensor_contiguous(&c, x)) return finish(out, allocated, -1);
-        const double *p = ms_tensor_data(c);
-        double md = 0.0;
-        for (int64_t i = 0; i < n; i++) {
-            double a = fabs(p[i]);
-            if (a != a) nan = 1;
-            else if (a > md) md = a;
-        }
-        ms_tensor_free(c);
-        m = (float)md;
-    } else {
-        ms_tensor *c = NULL;
-        if (f32_contig(&c, x)) return finish(out, allocated, -1);
-        const float *p = ms_tensor_data(c);
-        for (int64_t i = 0; i < n; i++) {
-            float a = fabsf(p[i]);
-            if (a != a) nan = 1;
-            else if (a > m) m = a;
-        }
-        ms_tensor_free(c);
+    ms_tensor *c = NULL;
+    if (f32_contig(&c, x)) return finish(out, allocated, -1);
+    const float *p = ms_tensor_data(c);
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(p[i]);
+        if (a != a) nan = 1;
+        else if (a > m) m = a;
     }
+    ms_tensor_free(c);
     *(float *)ms_tensor_data(*out) = nan ? NAN : m;
     return 0;
 }

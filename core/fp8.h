@@ -15,7 +15,7 @@
  * infinity (e5m2: |x| >= 61440), as torch's .to(float8) does; with
  * saturation (the scaled casts of training) it becomes the largest finite
  * value of its sign. NaN stays NaN (0x7f with x's sign). From f64 the value
-is rounded once (ms_fp8_from_f64).
+ * is rounded once (ms_fp8_from_f64).
  * Not part of the FFI (no FFI-BEGIN): tensor.h's ms_f32_to_f8 and
  * ms_f8_to_f32 are the callable forms. */
 #ifndef MS_FP8_H
@@ -112,7 +112,7 @@ MS_FP8_HD static inline float ms_fp8_to_f32(uint8_t c, int e5m2) {
  * gives a scale of NaN or 0: the cast then gives NaN (every value, or the
  * infinite ones): a bad tensor is not hidden. */
 MS_FP8_HD static inline float ms_fp8_scale(float amax, int e5m2, int pow2) {
-    const double fmax = e5m2 ? 57344.0 : 448.0;
+    const double fmax = e5m2 ? MS_F8E5M2_MAX : MS_F8E4M3_MAX;
     double a = (double)amax;
     if (a < 1e-12) a = 1e-12;                 /* (NaN falls through: NaN) */
     float s = (float)(fmax / a);

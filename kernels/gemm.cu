@@ -776,11 +776,16 @@ extern "C" int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_
                                    const ms_tensor *binv, const ms_tensor *bias, double beta, int fast_accum) {
     const int device = out->device_id;
     const int64_t m = a->sizes[0], n = b->sizes[0], k = a->sizes[1];
-    int major = 0, minor = 0;
-    if (ms_cuda_device_capability(device, &major, &minor)) return -1;
-    if (major * 10 + minor < 89)
+    static int cc[64];   // compute capability x 10 by device (0: not asked yet)
+    if (device < 0 || device >= 64) return ms_errorf("scaled_matmul: cuda:%d is beyond the 64 devices taken", device);
+    if (cc[device] == 0) {
+        int major = 0, minor = 0;
+        if (ms_cuda_device_capability(device, &major, &minor)) return -1;
+        cc[device] = major * 10 + minor;
+    }
+    if (cc[device] < 89)
         return ms_errorf("scaled_matmul: FP8 products need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
-                         "cuda:%d is %d.%d", device, major, minor);
+                         "cuda:%d is %d.%d", device, cc[device] / 10, cc[device] % 10);
     if (m % 16 || n % 16 || k % 16)
         return ms_errorf("scaled_matmul: cuBLASLt's FP8 products need M, N and K multiples of 16, got a (%lld, %lld) "
                          "and b (%lld, %lld)", (long long)m, (long long)k, (long long)n, (long long)k);

@@ -29,7 +29,7 @@ local ffi = require 'ffi'
 -- share it): fsdp.releases_after_forward; weak values, a dropped model's
 -- units go
 local flat_units = setmetatable({}, { __mode = 'v' })
-local function storage_key(t) return tostring(ffi.cast('uintptr_t', t.storage)) end
+local function storage_key(t) return tonumber(ffi.cast('intptr_t', t.storage)) end
 local T = require 'moonshard.tensor'
 local dist = require 'moonshard.dist'
 local C = T.C

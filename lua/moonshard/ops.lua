@@ -338,6 +338,21 @@ function F.amax(x)
   return run(C.ms_amax, x)
 end
 
+-- the slots of a cast (opts: rows = true, cols = false, inv = true, amax =
+-- false) filled by cfn(out, out_t, inv, [amax,] ...), wrapped or nil
+local function cast_op(cfn, opts, with_amax, ...)
+  local want = { opts.rows ~= false, opts.cols and true or false, opts.inv ~= false, with_amax and opts.amax and true }
+  local boxes = {}
+  for i = 1, 4 do boxes[i] = want[i] and box_t() or nil end
+  local rc
+  if with_amax then rc = cfn(boxes[1], boxes[2], boxes[3], boxes[4], ...)
+  else rc = cfn(boxes[1], boxes[2], boxes[3], ...) end
+  if rc ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  local r = {}
+  for i = 1, 4 do r[i] = want[i] and wrap(boxes[i][0]) or nil end
+  return r[1], r[2], r[3], r[4]
+end
+
 -- float8_cast(x (R, C), amax, dtype, {rows = true, cols = false, inv = true,
 -- pow2 = false}) -> out (R, C) or nil, out_t (C, R) or nil, inv or nil:
 -- x * scale saturated and rounded into dtype ('f8e4m3' | 'f8e5m2') with
@@ -346,15 +361,9 @@ function F.float8_cast(x, amax, dtype, opts)
   need_tensor('float8_cast', x, 'x')
   need_tensor('float8_cast', amax, 'amax')
   opts = opts or {}
-  local id = T.dtype_id(dtype or 'f8e4m3', 3)
-  local want_r, want_c = opts.rows ~= false, opts.cols and true or false
-  local want_i = opts.inv ~= false
-  local ob, tb, ib = box_t(), box_t(), box_t()
-  if C.ms_float8_cast(want_r and ob or nil, want_c and tb or nil, want_i and ib or nil, x, amax, id,
-      opts.pow2 and 1 or 0) ~= 0 then
-    raise(ffi.string(C.ms_last_error()))
-  end
-  return want_r and wrap(ob[0]) or nil, want_c and wrap(tb[0]) or nil, want_i and wrap(ib[0]) or nil
+  local r, c, i = cast_op(C.ms_float8_cast, opts, false, x, amax, T.dtype_id(dtype or 'f8e4m3', 3),
+    opts.pow2 and 1 or 0)
+  return r, c, i
 end
 
 -- float8_cast_dynamic(x (R, C), dtype, {rows, cols, inv, pow2 as above,
@@ -363,16 +372,7 @@ end
 function F.float8_cast_dynamic(x, dtype, opts)
   need_tensor('float8_cast', x, 'x')
   opts = opts or {}
-  local id = T.dtype_id(dtype or 'f8e4m3', 3)
-  local want_r, want_c = opts.rows ~= false, opts.cols and true or false
-  local want_i, want_a = opts.inv ~= false, opts.amax and true or false
-  local ob, tb, ib, ab = box_t(), box_t(), box_t(), box_t()
-  if C.ms_float8_cast_dynamic(want_r and ob or nil, want_c and tb or nil, want_i and ib or nil, want_a and ab or nil,
-      x, id, opts.pow2 and 1 or 0) ~= 0 then
-    raise(ffi.string(C.ms_last_error()))
-  end
-  return want_r and wrap(ob[0]) or nil, want_c and wrap(tb[0]) or nil, want_i and wrap(ib[0]) or nil,
-    want_a and wrap(ab[0]) or nil
+  return cast_op(C.ms_float8_cast_dynamic, opts, true, x, T.dtype_id(dtype or 'f8e4m3', 3), opts.pow2 and 1 or 0)
 end
 
 -- scaled_matmul(a (M, K), b (N, K), ainv, binv, {bias =, out_dtype = 'bf16',
