@@ -2,6 +2,7 @@
 -- FP8 (moonshard.float8, tensorwise), at the Llama shapes of the benches:
 --
 --   luajit bench/float8.lua [--tokens 8192] [--iters 50] [--shapes 2048x3072,...] [--casts]
+--                           [--recipe tensorwise|rowwise|rowwise_with_gw_hp]
 --
 -- Per shape (tokens x in -> out), forward+backward calls (x and the weight
 -- bf16, both needing their gradient; the weight's gradient made anew each
@@ -14,7 +15,9 @@
 --   gemms     the three FP8 GEMMs alone, on operands cast once
 --   casts     float8 less gemms: what the scaling costs
 --   amax + cast of x   x's two passes alone (both layouts)
--- and TFLOP/s as 6 * tokens * in * out over the time. The default shapes
+-- and TFLOP/s as 6 * tokens * in * out over the time. With an axiswise
+-- recipe (rowwise) the casts are the axiswise ones and the GEMMs take
+-- vector scales (rowwise_with_gw_hp: the weight gradient's a bf16 GEMM). The default shapes
 -- are the 1.25B Llama's projections (hidden 2048, kv 512, MLP 5632) and
 -- an 8B one's (4096 -> 14336).
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
@@ -23,7 +26,7 @@ local F = ms.raw
 local float8 = ms.float8
 local nnf = ms.nn.functional
 
-local opts = { tokens = 8192, iters = 50,
+local opts = { tokens = 8192, iters = 50, recipe = 'tensorwise',
   shapes = '2048x2048,2048x512,2048x5632,5632x2048,4096x14336,14336x4096' }
 local casts_only = false
 do
@@ -37,7 +40,8 @@ do
       opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
       i = i + 2
     else
-      error('usage: bench/float8.lua [--tokens N] [--iters N] [--shapes INxOUT,...]; got ' .. tostring(arg[i]))
+      error('usage: bench/float8.lua [--tokens N] [--iters N] [--shapes INxOUT,...] [--recipe R] [--casts]; got '
+        .. tostring(arg[i]))
     end
   end
 end
@@ -114,20 +118,35 @@ for sh in opts.shapes:gmatch('[^,]+') do
     end
   end
   local t16 = timed(layer(function(a, b) return nnf.linear(a, b) end), opts.iters)
-  local t8, h8 = timed(layer(function(a, b) return float8.linear(a, b) end), opts.iters)
+  local cfg = float8.config { recipe = opts.recipe }
+  local t8, h8 = timed(layer(function(a, b) return float8.linear(a, b, nil, { config = cfg }) end), opts.iters)
   -- the three FP8 GEMMs on operands cast once
-  local x8, x8t, xi = F.float8_cast(x:detach(), F.amax(x:detach()), 'f8e4m3', { cols = true })
-  local w8, w8t, wi = F.float8_cast(w:detach(), F.amax(w:detach()), 'f8e4m3', { cols = true })
-  local g8, g8t, gi = F.float8_cast(g, F.amax(g), 'f8e5m2', { cols = true })
+  local x8, x8t, xi, xit, w8, w8t, wi, wit, g8, g8t, gi, git
+  if cfg.axiswise then
+    x8, x8t, xi, xit = F.float8_cast_axiswise(x:detach(), 'f8e4m3', { cols = true, pow2 = true })
+    w8, w8t, wi, wit = F.float8_cast_axiswise(w:detach(), 'f8e4m3', { cols = true, pow2 = true })
+    g8, g8t, gi, git = F.float8_cast_axiswise(g, cfg.grad_output, { cols = true, pow2 = true })
+  else
+    x8, x8t, xi = F.float8_cast(x:detach(), F.amax(x:detach()), 'f8e4m3', { cols = true })
+    w8, w8t, wi = F.float8_cast(w:detach(), F.amax(w:detach()), 'f8e4m3', { cols = true })
+    g8, g8t, gi = F.float8_cast(g, F.amax(g), 'f8e5m2', { cols = true })
+    xit, wit, git = xi, wi, gi
+  end
   local tg = timed(function()
     F.scaled_matmul(x8, w8, xi, wi, { fast_accum = true }):free()
-    F.scaled_matmul(g8, w8t, gi, wi):free()
-    F.scaled_matmul(g8t, x8t, gi, xi, { out_dtype = 'f32' }):free()
+    F.scaled_matmul(g8, w8t, gi, wit):free()
+    if cfg.gw_hp then F.matmul(g, x:detach(), true, false):free()
+    else F.scaled_matmul(g8t, x8t, git, xit, { out_dtype = 'f32' }):free() end
   end, opts.iters)
   local xd = x:detach()
   local tc, hc = timed(function()
-    local r, c, i = F.float8_cast_dynamic(xd, 'f8e4m3', { cols = true })
-    r:free(); c:free(); i:free()
+    if cfg.axiswise then
+      local r, c, i, ic = F.float8_cast_axiswise(xd, 'f8e4m3', { cols = true, pow2 = true })
+      r:free(); c:free(); i:free(); ic:free()
+    else
+      local r, c, i = F.float8_cast_dynamic(xd, 'f8e4m3', { cols = true })
+      r:free(); c:free(); i:free()
+    end
   end, opts.iters)
   local prev = ms.C.ms_cuda_float8_set_fused(0)
   local tu = timed(function()
@@ -136,7 +155,7 @@ for sh in opts.shapes:gmatch('[^,]+') do
   end, opts.iters)
   ms.C.ms_cuda_float8_set_fused(prev)
   local _, hg = timed(function() F.scaled_matmul(x8, w8, xi, wi, { fast_accum = true }):free() end, opts.iters)
-  local _, hf = timed(function() float8.linear(xd, w:detach()):free() end, opts.iters)
+  local _, hf = timed(function() float8.linear(xd, w:detach(), nil, { config = cfg }):free() end, opts.iters)
   local _, hl = timed(function() nnf.linear(xd, w:detach()):free() end, opts.iters)
   host[#host + 1] = ('| %d x %d -> %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.3f | %.3f |'):format(N, in_f, out_f,
     h8 * 1e3, hf * 1e3, hl * 1e3, hc * 1e3, hg * 1e3, tc, tu)

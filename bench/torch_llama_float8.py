@@ -3,8 +3,9 @@
 Runs ../shared/bench/torch_llama.py (the 1.25B Llama of Hugging Face
 transformers, bf16 autocast, fused AdamW, its own timing and RESULT line)
 with every nn.Linear but the LM head converted by torchao's
-convert_to_float8_training (the default Float8LinearConfig: tensorwise
-dynamic scaling, e4m3 input and weight, e5m2 output gradient; torchtitan
+convert_to_float8_training (Float8LinearConfig.from_recipe_name of
+FLOAT8_RECIPE: tensorwise by default, dynamic scaling, e4m3 input and
+weight, e5m2 output gradient; or rowwise, rowwise_with_gw_hp; torchtitan
 keeps the output layer in bf16 too), unless FLOAT8=0.
 
 With transformers 5, the model's forward makes a key/value cache
@@ -25,6 +26,7 @@ sys.path.insert(0, sys.argv.pop(1))
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 FLOAT8 = os.environ.get("FLOAT8", "1") == "1"
+RECIPE = os.environ.get("FLOAT8_RECIPE", "tensorwise")  # or rowwise, rowwise_with_gw_hp
 USE_CACHE = os.environ.get("USE_CACHE", "0") == "1"
 init = modeling_llama.LlamaForCausalLM.__init__
 
@@ -34,11 +36,13 @@ def patched_init(self, cfg, *args, **kwargs):
         cfg.use_cache = False
     init(self, cfg, *args, **kwargs)
     if FLOAT8:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(self, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+        config = Float8LinearConfig.from_recipe_name(RECIPE)
+        convert_to_float8_training(self, config=config, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
     n = sum(1 for m in self.modules() if type(m).__name__ == "Float8Linear")
-    print(f"torchao float8: {n} Float8Linear modules; use_cache {cfg.use_cache}", flush=True)
+    print(f"torchao float8 ({RECIPE if FLOAT8 else 'off'}): {n} Float8Linear modules; use_cache {cfg.use_cache}",
+          flush=True)
 
 
 modeling_llama.LlamaForCausalLM.__init__ = patched_init

@@ -183,6 +183,95 @@ int ms_float8_cast_dynamic(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, 
     return cast_impl(out, out_t, inv, amax, NULL, x, dtype, pow2);
 }
 
+/* ---------------------------------------------------------- axiswise */
+
+/* the rowwise / columnwise cast (torchao's axiswise scaling): every row of
+ * out scaled by its own amax, every row of out_t (a column of x) by that
+ * column's; the scales of a pass are those of the CPU loop below */
+int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_rows, ms_tensor **inv_cols,
+                            const ms_tensor *x, int dtype, int pow2) {
+    char d[DESC];
+    const char *op = "float8_cast_axiswise";
+    if (ms_tensor_check_live(x, op)) return -1;
+    if (!ms_is_float(x->dtype_id) || x->ndim != 2)
+        return ms_errorf("%s: x must be a 2-D float tensor (f64, f32, bf16, f16), got %s", op,
+                         ms_desc(x, d, sizeof d));
+    if (!ms_is_float8(dtype))
+        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+    if (inv_rows && !out) return ms_errorf("%s: inv_rows is the scale of out: ask for out too", op);
+    if (inv_cols && !out_t) return ms_errorf("%s: inv_cols is the scale of out_t: ask for out_t too", op);
+#ifndef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
+    const int64_t R = x->sizes[0], C = x->sizes[1];
+    const int64_t shape[2] = {R, C}, shape_t[2] = {C, R};
+    int a_out = 0, a_t = 0, a_ir = 0, a_ic = 0, rc;
+    rc = cast_slot(out, "out", 2, shape, dtype, x->device_id, &a_out);
+    if (!rc) rc = cast_slot(out_t, "out_t", 2, shape_t, dtype, x->device_id, &a_t);
+    if (!rc) rc = cast_slot(inv_rows, "inv_rows", 1, &shape[0], MS_F32, x->device_id, &a_ir);
+    if (!rc) rc = cast_slot(inv_cols, "inv_cols", 1, &shape[1], MS_F32, x->device_id, &a_ic);
+    if (!rc) {
+        ms_tensor *o = out ? *out : NULL, *ot = out_t ? *out_t : NULL;
+        ms_tensor *ir = inv_rows ? *inv_rows : NULL, *ic = inv_cols ? *inv_cols : NULL;
+        ms_tensor *c = NULL;
+        rc = ms_tensor_contiguous(&c, x);
+#ifdef MS_WITH_CUDA
+        if (!rc && x->device_id >= 0) {
+            rc = ms_cuda_float8_cast_axiswise(o, ot, ir, ic, c, dtype, pow2);
+        } else
+#endif
+        if (!rc) {
+            const int e5 = is_e5m2(dtype);
+            ms_tensor *f = NULL;
+            float *sc = NULL;
+            rc = f32_contig(&f, c);
+            if (!rc && (sc = malloc(sizeof(float) * (size_t)(C > 0 ? C : 1))) == NULL)
+                rc = ms_errorf("%s: out of host memory for %lld column scales", op, (long long)C);
+            if (!rc) {
+                const float *p = ms_tensor_data(f);
+                if (o) {   /* rows: max |x| along each row (NaN wins) */
+                    uint8_t *po = ms_tensor_data(o);
+                    for (int64_t i = 0; i < R; i++) {
+                        float m = 0.0f;
+                        for (int64_t j = 0; j < C; j++) {
+                            float a = fabsf(p[i * C + j]);
+                            if (a != a || a > m) m = (m != m) ? m : a;
+                        }
+                        const float s = ms_fp8_scale(m, e5, pow2);
+                        for (int64_t j = 0; j < C; j++) po[i * C + j] = ms_fp8_from_f32(p[i * C + j] * s, e5, 1);
+                        if (ir) ((float *)ms_tensor_data(ir))[i] = 1.0f / s;
+                    }
+                }
+                if (ot) {   /* columns: max |x| down each column */
+                    uint8_t *pt = ms_tensor_data(ot);
+                    for (int64_t j = 0; j < C; j++) sc[j] = 0.0f;
+                    for (int64_t i = 0; i < R; i++)
+                        for (int64_t j = 0; j < C; j++) {
+                            float a = fabsf(p[i * C + j]);
+                            if (sc[j] == sc[j] && (a != a || a > sc[j])) sc[j] = a;
+                        }
+                    for (int64_t j = 0; j < C; j++) {
+                        sc[j] = ms_fp8_scale(sc[j], e5, pow2);
+                        if (ic) ((float *)ms_tensor_data(ic))[j] = 1.0f / sc[j];
+                    }
+                    for (int64_t i = 0; i < R; i++)
+                        for (int64_t j = 0; j < C; j++) pt[j * R + i] = ms_fp8_from_f32(p[i * C + j] * sc[j], e5, 1);
+                }
+            }
+            free(sc);
+            ms_tensor_free(f);
+        }
+        ms_tensor_free(c);
+    }
+    if (rc) {
+        finish(out, a_out, rc);
+        finish(out_t, a_t, rc);
+        finish(inv_rows, a_ir, rc);
+        finish(inv_cols, a_ic, rc);
+    }
+    return rc;
+}
+
 /* ------------------------------------------------------------- the GEMM */
 
 /* an FP8 GEMM operand: 2-D, 8-bit float, rows contiguous (K the unit-stride dim) */
@@ -196,6 +285,27 @@ static int check_operand(const char *op, const char *what, const ms_tensor *t) {
         return ms_errorf("%s: %s %s must have contiguous rows (its last dim of unit stride: pass the transposed "
                          "copy float8_cast makes, not a transposed view)", op, what, ms_desc(t, d, sizeof d));
     return 0;
+}
+
+/* the dequantisation factors: both one f32 element (tensorwise: 0), or ainv
+ * (M) and binv (N) f32 vectors (axiswise, cuBLASLt's outer-vector scaling:
+ * 1); -1 on an error */
+static int check_scales(const char *op, const ms_tensor *ainv, const ms_tensor *binv, int64_t M, int64_t N, int dev) {
+    char x[DESC], y[DESC], dv[32];
+    if (!ainv || !binv) return ms_errorf("%s: %s is missing", op, ainv ? "binv" : "ainv");
+    if (ms_tensor_check_live(ainv, op) || ms_tensor_check_live(binv, op)) return -1;
+    const int sa = ainv->ndim <= 1 && ms_tensor_numel(ainv) == 1, sb = binv->ndim <= 1 && ms_tensor_numel(binv) == 1;
+    const int va = ainv->ndim == 1 && ainv->sizes[0] == M, vb = binv->ndim == 1 && binv->sizes[0] == N;
+    int bad = ainv->dtype_id != MS_F32 || binv->dtype_id != MS_F32 || ainv->device_id != dev ||
+              binv->device_id != dev;
+    if (!bad && ainv->ndim == 1 && !ms_tensor_is_contiguous(ainv)) bad = 1;
+    if (!bad && binv->ndim == 1 && !ms_tensor_is_contiguous(binv)) bad = 1;
+    if (!bad && sa && sb) return 0;
+    if (!bad && va && vb) return 1;
+    return ms_errorf("%s: ainv and binv must both be one f32 element (tensorwise) or contiguous f32 vectors of (%lld) "
+                     "and (%lld) (axiswise: a's rows, b's rows), on %s; got %s and %s",
+                     op, (long long)M, (long long)N, ms_device_str(dev, dv, sizeof dv), ms_desc(ainv, x, sizeof x),
+                     ms_desc(binv, y, sizeof y));
 }
 
 int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
@@ -212,11 +322,12 @@ int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, co
     if (a->dtype_id == MS_F8E5M2 && b->dtype_id == MS_F8E5M2)
         return ms_errorf("%s: a and b are both f8e5m2; one of them must be f8e4m3", op);
     const int dev = a->device_id;
-    if (check_scalar(op, "ainv", ainv, dev) || check_scalar(op, "binv", binv, dev)) return -1;
+    const int64_t M = a->sizes[0], N = b->sizes[0], K = a->sizes[1];
+    const int vec = check_scales(op, ainv, binv, M, N, dev);
+    if (vec < 0) return -1;
     if (out && *out) out_dtype = (*out)->dtype_id;
     if (out_dtype != MS_F32 && out_dtype != MS_BF16 && out_dtype != MS_F16)
         return ms_errorf("%s: the output dtype must be f32, bf16 or f16, got %s", op, ms_dtype_name(out_dtype));
-    const int64_t M = a->sizes[0], N = b->sizes[0], K = a->sizes[1];
     if (bias) {
         if (ms_tensor_check_live(bias, op)) return -1;
         if (bias->ndim != 1 || bias->sizes[0] != N || bias->dtype_id != out_dtype || bias->device_id != dev)
@@ -233,7 +344,7 @@ int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, co
     if (M == 0 || N == 0) return 0;
     if (dev >= 0) {
 #ifdef MS_WITH_CUDA
-        return finish(out, allocated, ms_cuda_scaled_gemm(*out, a, b, ainv, binv, bias, beta, fast_accum));
+        return finish(out, allocated, ms_cuda_scaled_gemm(*out, a, b, ainv, binv, vec, bias, beta, fast_accum));
 #else
         return finish(out, allocated, ms_errorf("%s: cuda tensors need a build with CUDA", op));
 #endif
@@ -247,7 +358,7 @@ int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, co
     if (!rc && K > 0) rc = ms_matmul(&prod, af, bt, 0, 0);
     if (!rc && bias) rc = ms_tensor_contiguous(&bc, bias);
     if (!rc) {
-        const double s = (double)scalar_value(ainv) * (double)scalar_value(binv);
+        const float *ia = ms_tensor_data(ainv), *ib = ms_tensor_data(binv);
         const float *pp = prod ? ms_tensor_data(prod) : NULL;
         char *po = ms_tensor_data(*out);
         const char *pb = bc ? ms_tensor_data(bc) : NULL;
@@ -255,6 +366,7 @@ int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, co
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < N; j++) {
                 char *q = po + (i * N + j) * es;
+                const double s = (double)ia[vec ? i : 0] * (double)ib[vec ? j : 0];
                 double v = (pp ? (double)pp[i * N + j] : 0.0) * s;
                 if (pb) v += ms_load(pb + j * es, out_dtype);
                 if (beta != 0) v += beta * ms_load(q, out_dtype);

@@ -273,7 +273,9 @@ int ms_attention_backward_sum(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, co
  * out] with a (M, K) and b (N, K) 8-bit float tensors whose rows are
  * contiguous (K is the unit-stride dim of both: cuBLASLt's FP8 layout; pass
  * the transposed copies ms_float8_cast makes for the other products), ainv
- * and binv 0-dim f32 on their device, bias (N) of out's dtype or NULL.
+ * and binv 0-dim f32 on their device (tensorwise), or ainv (M) and binv
+ * (N) f32 vectors (axiswise: out[i, j] = ainv[i] * binv[j] * (a @ b^T)[i,
+ * j], cuBLASLt's outer-vector scaling), bias (N) of out's dtype or NULL.
  * out_dtype f32, bf16 or f16 (*out NULL) or *out itself (beta != 0 adds
  * to it: a gradient accumulated in f32). e4m3 with e4m3 or e5m2 either
  * way; two e5m2 operands are refused (cuBLASLt has no such kernel).
@@ -291,6 +293,18 @@ int ms_float8_cast_dynamic(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, 
                            int dtype, int pow2);
 int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
                      const ms_tensor *binv, const ms_tensor *bias, int out_dtype, double beta, int fast_accum);
+/* ms_float8_cast_axiswise: torchao's axiswise (rowwise) scaling of x (R, C)
+ * (any float dtype and layout), each slot as in ms_float8_cast:
+ *   out      (R, C) dtype, row i scaled by fmax / max(amax(x[i, :]), 1e-12)
+ *   out_t    (C, R) dtype, x transposed, row j (x's column j) scaled by
+ *            fmax / max(amax(x[:, j]), 1e-12)
+ *   inv_rows (R) f32 = 1 / out's row scales (needs out)
+ *   inv_cols (C) f32 = 1 / out_t's row scales (needs out_t)
+ * pow2 as in ms_float8_cast. Each layout is K-major with its scales along
+ * K: out feeds a product contracting over C, out_t one contracting over R
+ * (ms_scaled_matmul with vector scales). */
+int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_rows, ms_tensor **inv_cols,
+                            const ms_tensor *x, int dtype, int pow2);
 /* FFI-END */
 
 #define MS_ALL_DIMS (-1000)

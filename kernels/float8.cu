@@ -93,11 +93,12 @@ __device__ __forceinline__ uint8_t to_fp8(float v, bool e5) {
 // row-major copy and into the shared tile, and after the barrier writes 16
 // elements of a column of the tile as a row of the transposed copy (4
 // threads a row, so a warp stores 8 whole 64-byte rows). Partial tiles and
-// unaligned rows take the same steps element by element.
+// unaligned rows take the same steps element by element. cs: the tile's 64
+// column scales (axiswise, in shared memory), else s for every element.
 template <typename T>
 __device__ __forceinline__ void cast_tile(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
                                           uint8_t *__restrict__ out_t, float s, bool e5, bool al, long long r0,
-                                          long long c0, uint8_t *tile) {
+                                          long long c0, uint8_t *tile, const float *cs = nullptr) {
     const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
     const long long r = r0 + tr, c = c0 + tc;
     const bool full = al && r0 + kTile <= R && c0 + kTile <= C && (C % 16) == 0;
@@ -114,7 +115,7 @@ __device__ __forceinline__ void cast_tile(const T *__restrict__ x, long long R, 
             float f[V];
             load_v<float, T, V>(f, p + j);
 #pragma unroll
-            for (int k = 0; k < V; k++) v[j + k] = to_fp8(__fmul_rn(f[k], s), e5);
+            for (int k = 0; k < V; k++) v[j + k] = to_fp8(__fmul_rn(f[k], cs ? cs[tc + j + k] : s), e5);
         }
         if (out) *reinterpret_cast<uint4 *>(out + r * C + c) = pk.u;
     } else {
@@ -122,7 +123,7 @@ __device__ __forceinline__ void cast_tile(const T *__restrict__ x, long long R, 
         for (int k = 0; k < 16; k++) {
             v[k] = 0;
             if (r < R && c + k < C) {
-                v[k] = to_fp8(__fmul_rn((float)conv<T>::load(x[r * C + c + k]), s), e5);
+                v[k] = to_fp8(__fmul_rn((float)conv<T>::load(x[r * C + c + k]), cs ? cs[tc + k] : s), e5);
                 if (out) out[r * C + c + k] = v[k];
             }
         }
@@ -206,6 +207,173 @@ __global__ void amax_cast_kernel(const T *__restrict__ x, long long R, long long
         cast_tile<T>(x, R, C, out, out_t, s, e5, al, (t / tx) * kTile, (t % tx) * kTile, tile);
         __syncthreads();   // the tile is rewritten by the next one
     }
+}
+
+// ------------------------------------------------------------ axiswise
+// Rows: one warp a row. The warp finds the row's amax (16-byte loads when
+// the row is aligned), its scale, then reads the row again (from L1/L2) and
+// writes the bytes; inv_rows[r] = 1 / scale. NaN wins the max as in amax.
+template <typename T>
+__global__ void row_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+                                float *__restrict__ inv, bool e5, bool pow2, bool al) {
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= R) return;
+    const T *p = x + r * C;
+    uint8_t *o = out + r * C;
+    const int V = 16 / sizeof(T);
+    const bool vec = al && (C % 16) == 0;   // rows 16-byte aligned in x and in out
+    float m = 0.f;
+    bool nan = false;
+    if (vec) {
+        for (long long j = (long long)lane * V; j < C; j += 32LL * V) {
+            float f[V];
+            load_v<float, T, V>(f, p + j);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                const float a = fabsf(f[k]);
+                nan |= a != a;
+                m = fmaxf(m, a);
+            }
+        }
+    } else {
+        for (long long j = lane; j < C; j += 32) {
+            const float a = fabsf((float)conv<T>::load(p[j]));
+            nan |= a != a;
+            m = fmaxf(m, a);
+        }
+    }
+    unsigned int b = nan ? 0x7fc00000u : __float_as_uint(m);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, off));
+    const float s = ms_fp8_scale(__uint_as_float(b), e5, pow2);
+    if (lane == 0 && inv) inv[r] = 1.0f / s;
+    if (vec) {
+        for (long long j = (long long)lane * V; j < C; j += 32LL * V) {
+            float f[V];
+            load_v<float, T, V>(f, p + j);
+            union {
+                uint4 u;
+                uint8_t b[16];
+            } pk;
+#pragma unroll
+            for (int k = 0; k < V; k++) pk.b[k] = to_fp8(__fmul_rn(f[k], s), e5);
+            if (V == 16) *reinterpret_cast<uint4 *>(o + j) = pk.u;
+            else if (V == 8) *reinterpret_cast<uint2 *>(o + j) = make_uint2(pk.u.x, pk.u.y);
+            else if (V == 4) *reinterpret_cast<unsigned int *>(o + j) = pk.u.x;
+            else
+#pragma unroll
+                for (int k = 0; k < V; k++) o[j + k] = pk.b[k];
+        }
+    } else {
+        for (long long j = lane; j < C; j += 32) o[j] = to_fp8(__fmul_rn((float)conv<T>::load(p[j]), s), e5);
+    }
+}
+
+// Columns' amax: a block of 256 threads takes 64 columns of kColRows rows;
+// thread t keeps the max of 16 columns ((t % 4) * 16 ...) over rows t / 4,
+// t / 4 + 64, ...; the block folds its 64 partial rows in shared memory and
+// each column's max goes to bits[c] by an atomicMax (f32 bits, as amax).
+const int kColRows = 256;
+template <typename T>
+__global__ void col_amax_kernel(const T *__restrict__ x, long long R, long long C, unsigned int *__restrict__ bits,
+                                bool al) {
+    __shared__ unsigned int part[kTile][kTile + 1];
+    const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
+    const long long c0 = (long long)blockIdx.x * kTile, rb = (long long)blockIdx.y * kColRows;
+    const long long c = c0 + tc;
+    unsigned int m[16];
+#pragma unroll
+    for (int k = 0; k < 16; k++) m[k] = 0;
+    const bool full = al && c0 + kTile <= C && (C % 16) == 0;
+    for (long long r = rb + tr; r < R && r < rb + kColRows; r += kTile) {
+        if (full) {
+            const int V = 16 / sizeof(T);
+#pragma unroll
+            for (int j = 0; j < 16; j += V) {
+                float f[V];
+                load_v<float, T, V>(f, x + r * C + c + j);
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const float a = fabsf(f[k]);
+                    m[j + k] = max(m[j + k], a != a ? 0x7fc00000u : __float_as_uint(a));
+                }
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 16; k++)
+                if (c + k < C) {
+                    const float a = fabsf((float)conv<T>::load(x[r * C + c + k]));
+                    m[k] = max(m[k], a != a ? 0x7fc00000u : __float_as_uint(a));
+                }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 16; k++) part[tr][tc + k] = m[k];
+    __syncthreads();
+    if (threadIdx.x < kTile && c0 + threadIdx.x < C) {
+        unsigned int b = 0;
+        for (int i = 0; i < kTile; i++) b = max(b, part[i][threadIdx.x]);
+        if (b) atomicMax(bits + c0 + threadIdx.x, b);
+    }
+}
+
+// Columns' cast: the tiles of cast_kernel writing the transposed copy only,
+// each column with the scale of its amax (bits); the blocks of the first
+// tile row write inv_cols. R == 0 launches one tile row for the scales.
+template <typename T>
+__global__ void col_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out_t,
+                                float *__restrict__ inv, const unsigned int *__restrict__ bits, bool e5, bool pow2,
+                                bool al) {
+    __shared__ float cs[kTile];
+    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
+    const long long r0 = (long long)blockIdx.y * kTile, c0 = (long long)blockIdx.x * kTile;
+    if (threadIdx.x < kTile) {
+        const long long c = c0 + threadIdx.x;
+        const float s = c < C ? ms_fp8_scale(__uint_as_float(bits[c]), e5, pow2) : 1.f;
+        cs[threadIdx.x] = s;
+        if (inv && blockIdx.y == 0 && c < C) inv[c] = 1.0f / s;
+    }
+    __syncthreads();
+    if (r0 >= R || c0 >= C) return;
+    cast_tile<T>(x, R, C, nullptr, out_t, 1.f, e5, al, r0, c0, tile, cs);
+}
+
+template <typename T>
+int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tensor *inv_c, const ms_tensor *x,
+                    bool e5, bool pow2, cudaStream_t st) {
+    const long long R = x->sizes[0], C = x->sizes[1];
+    const T *p = (const T *)ms_tensor_data(x);
+    if (out && R > 0) {
+        const bool al = ms_aligned16(p) && ms_aligned16(ms_tensor_data(out));
+        const long long blocks = (R + 7) / 8;
+        if (blocks > 0x7fffffffLL) return ms_errorf("float8_cast_axiswise: %lld rows are too many for the grid", R);
+        row_cast_kernel<T><<<(unsigned)blocks, 256, 0, st>>>(p, R, C, (uint8_t *)ms_tensor_data(out),
+                                                             inv_r ? (float *)ms_tensor_data(inv_r) : nullptr, e5,
+                                                             pow2, al);
+        LAUNCH_CHECK("row_cast_kernel");
+    }
+    if (out_t && C > 0) {
+        const long long tx = (C + kTile - 1) / kTile, ty = (R + kTile - 1) / kTile, ay = (R + kColRows - 1) / kColRows;
+        if (tx > 0x7fffffffLL || ty > 65535 || ay > 65535)
+            return ms_errorf("float8_cast_axiswise: (%lld, %lld) has too many rows for the kernels' grid (at most %d)",
+                             R, C, 65535 * kTile);
+        ms_tmp bits;
+        int64_t nc = C;
+        if (ms_tensor_empty(&bits.t, 1, &nc, MS_I32, x->device_id)) return -1;
+        unsigned int *pb = (unsigned int *)ms_tensor_data(bits.t);
+        CUDA_CHECK(cudaMemsetAsync(pb, 0, sizeof(unsigned int) * (size_t)C, st));
+        const bool al = ms_aligned16(p) && ms_aligned16(ms_tensor_data(out_t));
+        if (R > 0) {
+            col_amax_kernel<T><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, pb, ms_aligned16(p));
+            LAUNCH_CHECK("col_amax_kernel");
+        }
+        col_cast_kernel<T><<<dim3((unsigned)tx, (unsigned)(ty > 0 ? ty : 1)), 256, 0, st>>>(
+            p, R, C, (uint8_t *)ms_tensor_data(out_t), inv_c ? (float *)ms_tensor_data(inv_c) : nullptr, pb, e5,
+            pow2, al);
+        LAUNCH_CHECK("col_cast_kernel");
+    }
+    return 0;
 }
 
 template <typename T>
@@ -372,4 +540,19 @@ extern "C" int ms_cuda_float8_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *
     case MS_F16: return launch_cast<__half>(out, out_t, inv, x, amax, e5, p2, st);
     }
     return ms_errorf("float8_cast: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
+}
+
+extern "C" int ms_cuda_float8_cast_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_rows,
+                                            ms_tensor *inv_cols, const ms_tensor *x, int dtype, int pow2) {
+    const int dev = x->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    const bool e5 = dtype == MS_F8E5M2, p2 = pow2 != 0;
+    switch (x->dtype_id) {
+    case MS_F64: return launch_axiswise<double>(out, out_t, inv_rows, inv_cols, x, e5, p2, st);
+    case MS_F32: return launch_axiswise<float>(out, out_t, inv_rows, inv_cols, x, e5, p2, st);
+    case MS_BF16: return launch_axiswise<__nv_bfloat16>(out, out_t, inv_rows, inv_cols, x, e5, p2, st);
+    case MS_F16: return launch_axiswise<__half>(out, out_t, inv_rows, inv_cols, x, e5, p2, st);
+    }
+    return ms_errorf("float8_cast_axiswise: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
 }

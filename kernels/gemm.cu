@@ -150,6 +150,7 @@ struct Fp8 {
     int dta, dtb;
     const void *sa, *sb;
     bool fast;
+    bool vec;   // sa (M) and sb (N) vectors: CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
 };
 
 typedef ms_tmp holder;
@@ -376,7 +377,8 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
     LtState &s = g_lt[device];
     PlanKey key;
     {
-        const int64_t dkey = f8 ? (int64_t)f8->dta | ((int64_t)f8->dtb << 8) | ((int64_t)f8->fast << 16) | (1LL << 17)
+        const int64_t dkey = f8 ? (int64_t)f8->dta | ((int64_t)f8->dtb << 8) | ((int64_t)f8->fast << 16) | (1LL << 17) |
+                                     ((int64_t)f8->vec << 18)
                                 : (int64_t)dtype;
         int64_t kv[22] = {device, dkey, out_dtype, g_allow_tf32, (int64_t)A.op, (int64_t)B.op, A.rows, A.cols,
                           A.ld, B.rows, B.cols, B.ld, ldc, m, n, k, batch, A.batch_stride, B.batch_stride, c_batch,
@@ -477,6 +479,11 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
         LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &f8->sb, sizeof f8->sb));
         LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &f8->sa, sizeof f8->sa));
         LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
+        if (f8->vec) {
+            int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+            LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode));
+            LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode));
+        }
     }
     LT(cublasLtMatrixLayoutCreate(&la, f8 ? cuda_type(f8->dtb) : dt, (uint64_t)B.rows, (uint64_t)B.cols, B.ld));
     LT(cublasLtMatrixLayoutCreate(&lb, f8 ? cuda_type(f8->dta) : dt, (uint64_t)A.rows, (uint64_t)A.cols, A.ld));
@@ -767,13 +774,14 @@ extern "C" int ms_cuda_gemm_gelu(ms_tensor *out, ms_tensor *aux, const ms_tensor
 }
 
 // out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta out] with
-// FP8 operands (core/ops.h ms_scaled_matmul; core/float8.c checked the
+// FP8 operands (vec: ainv[i] * binv[j] for element (i, j)) (core/ops.h ms_scaled_matmul; core/float8.c checked the
 // dtypes, shapes, devices and row layouts). cuBLASLt's FP8 kernels take
 // K-major operands only ("TN"), which a and b with contiguous rows are, on
 // devices of compute capability 8.9 and newer, with M, N, K multiples of 16
 // and 16-byte aligned data.
 extern "C" int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
-                                   const ms_tensor *binv, const ms_tensor *bias, double beta, int fast_accum) {
+                                   const ms_tensor *binv, int vec, const ms_tensor *bias, double beta,
+                                   int fast_accum) {
     const int device = out->device_id;
     const int64_t m = a->sizes[0], n = b->sizes[0], k = a->sizes[1];
     static int cc[64];   // compute capability x 10 by device (0: not asked yet)
@@ -800,7 +808,10 @@ extern "C" int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_
     describe(a, 0, &A);   // (M, K) row-major: the library's B, K x M, not transposed
     describe(b, 1, &B);   // (N, K) row-major used as (K, N): the library's A, transposed
     A.batch_stride = B.batch_stride = 0;
-    Fp8 f8{a->dtype_id, b->dtype_id, ms_tensor_data(ainv), ms_tensor_data(binv), fast_accum != 0};
+    if (vec && cc[device] < 90)
+        return ms_errorf("scaled_matmul: vector (axiswise) scales need cuBLASLt's outer-vector scaling, which takes "
+                         "compute capability 9.0 or newer; cuda:%d is %d.%d", device, cc[device] / 10, cc[device] % 10);
+    Fp8 f8{a->dtype_id, b->dtype_id, ms_tensor_data(ainv), ms_tensor_data(binv), fast_accum != 0, vec != 0};
     const int64_t ldc = m == 1 ? n : out->strides[0];
     if (bias) {
         int rc = run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,

@@ -55,10 +55,16 @@ int ms_cuda_float8_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const 
  * given) */
 int ms_cuda_float8_cast_dyn(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor *amax, const ms_tensor *x,
                             int dtype, int pow2);
+/* the axiswise cast (core/ops.h ms_float8_cast_axiswise; x contiguous, the
+ * slots prepared or NULL) */
+int ms_cuda_float8_cast_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_rows, ms_tensor *inv_cols,
+                                 const ms_tensor *x, int dtype, int pow2);
 /* gemm.cu: out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta
- * out], 8-bit float operands with contiguous rows, out contiguous */
+ * out], 8-bit float operands with contiguous rows, out contiguous; vec:
+ * ainv (M) and binv (N) vectors (cuBLASLt's outer-vector scaling), else
+ * one f32 each */
 int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
-                        const ms_tensor *binv, const ms_tensor *bias, double beta, int fast_accum);
+                        const ms_tensor *binv, int vec, const ms_tensor *bias, double beta, int fast_accum);
 
 /* index.cu */
 int ms_cuda_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);

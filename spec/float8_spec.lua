@@ -360,7 +360,7 @@ describe('float8 scaled_matmul', function()
     err(function() F.scaled_matmul(b, b:t(), bi, bi) end, 'must have contiguous rows')
     err(function() F.scaled_matmul(b, b:narrow(2, 1, 16):contiguous(), bi, bi) end, 'must share their last dim K')
     err(function() F.scaled_matmul(b, b, bi, bi, { beta = 1 }) end, 'the output must be given')
-    err(function() F.scaled_matmul(b, b, bi:to('f64'), bi) end, 'ainv must be one f32 element')
+    err(function() F.scaled_matmul(b, b, bi:to('f64'), bi) end, 'ainv and binv must both be one f32 element')
     err(function() F.scaled_matmul(b, b, bi, bi, { out_dtype = 'f64' }) end, 'f32, bf16 or f16')
     err(function() F.scaled_matmul(b, b, bi, bi, { bias = ms.zeros({ 16 }) }) end, 'bias must be (16) bf16')
     err(function() F.scaled_matmul(randn({ 16, 32 }), b, bi, bi) end, '2-D f8e4m3 or f8e5m2')
@@ -530,9 +530,237 @@ describe('float8.linear', function()
     err(function() float8.linear(randn({ 4, 32 }), randn({ 16, 32 }), randn({ 8 })) end, 'bias of shape (8)')
     err(function() float8.linear(randn({ 4, 32 }), randn({ 32 })) end, 'weight must be 2-D')
     err(function() float8.linear(randn({ 4, 32 }):long(), randn({ 16, 32 })) end, 'must be float tensors')
-    err(function() float8.linear(randn({ 4, 32 }), randn({ 16, 32 }), nil, { recipe = 'rowwise' }) end,
-      'unknown recipe rowwise (recipes: tensorwise)')
+    err(function() float8.linear(randn({ 4, 32 }), randn({ 16, 32 }), nil, { recipe = 'colwise' }) end,
+      'unknown recipe colwise (recipes: rowwise, rowwise_with_gw_hp, tensorwise)')
     err(function() float8.config { input = 'f8e5m2', weight = 'f8e5m2' } end, 'cannot both be f8e5m2')
+  end)
+end)
+
+-- axiswise scaling written out: x (R, C) quantised with one scale a row
+-- (axis 'row': amax along the row) or a column ('col'), as f64 values
+-- (q_parts: the codes' values in x's layout and the f32 inverse scales)
+local function q_parts(x, name, axis, pow2)
+  local R, Cc = x.shape[1], x.shape[2]
+  local xv = values(x)
+  local am, inv, codes, deq = {}, {}, {}, {}
+  for i = 0, R - 1 do
+    for j = 0, Cc - 1 do
+      local k = axis == 'row' and i or j
+      am[k] = math.max(am[k] or 0, math.abs(xv[i * Cc + j + 1]))
+    end
+  end
+  for k, a in pairs(am) do inv[k + 1] = f32(1 / ref_scale(f32(a), name, pow2)) end
+  for i = 0, R - 1 do
+    for j = 0, Cc - 1 do
+      local sc = ref_scale(f32(am[axis == 'row' and i or j]), name, pow2)
+      local c = round8(f32(f32(xv[i * Cc + j + 1]) * sc), name, true)
+      codes[i * Cc + j + 1], deq[i * Cc + j + 1] = c, c / sc
+    end
+  end
+  return codes, inv, S.make(x.shape, deq, 'f64')
+end
+local function q_axis(x, name, axis, pow2)
+  local _, _, d = q_parts(x, name, axis, pow2)
+  return d
+end
+
+describe('float8 axiswise (rowwise) scaling', function()
+  it('the cast scales each row of out by its row amax, each row of out_t by its column amax (formats, pow2, dtypes)', function()
+    for _, dt in ipairs({ 'f32', 'bf16', 'f64' }) do
+      for name in pairs(fmt) do
+        for _, pow2 in ipairs({ false, true }) do
+          -- rows and columns of very different magnitudes
+          local xv = values(randn({ 19, 45 }, 1, 'f64'))
+          local sr, sc = values(ms.rand({ 19 }, { seed = seed })), values(ms.rand({ 45 }, { seed = seed + 1 }))
+          for i = 0, 18 do
+            for j = 0, 44 do xv[i * 45 + j + 1] = xv[i * 45 + j + 1] * 10 ^ (6 * sr[i + 1] - 3) * 10 ^ (6 * sc[j + 1] - 3) end
+          end
+          local x = S.make({ 19, 45 }, xv, dt)
+          local r, c, ir, ic = F.float8_cast_axiswise(x, name, { cols = true, pow2 = pow2 })
+          assert.are.same({ 19, 45 }, r.shape)
+          assert.are.same({ 45, 19 }, c.shape)
+          assert.are.same({ 19 }, ir.shape)
+          assert.are.same({ 45 }, ic.shape)
+          local xf = x:to('f32')
+          local cr, ivr = q_parts(xf, name, 'row', pow2)
+          local cc, ivc = q_parts(xf, name, 'col', pow2)
+          assert.are.same(cr, values(r), dt .. ' ' .. name .. ' rows')
+          assert.are.same(cc, values(c:t()), dt .. ' ' .. name .. ' cols')
+          assert.are.same(ivr, values(ir), dt .. ' ' .. name .. ' row scales')
+          assert.are.same(ivc, values(ic), dt .. ' ' .. name .. ' column scales')
+          -- each row's largest value takes the format's largest code (not pow2)
+          if not pow2 then
+            local m = values(F.amax(r:to('f32'):narrow(1, 3, 1)))
+            assert.are.equal(fmt[name].max, m[1])
+          end
+        end
+      end
+    end
+  end)
+
+  it('a NaN or a zero row touches its own row only; slots are optional; empty dims; bad arguments are errors', function()
+    local v = values(randn({ 6, 16 }))
+    v[2 * 16 + 5] = 0 / 0
+    for j = 1, 16 do v[4 * 16 + j] = 0 end
+    local x = S.make({ 6, 16 }, v, 'f32')
+    local r, _, ir = F.float8_cast_axiswise(x, 'f8e4m3')
+    local irv, rv = values(ir), values(r)
+    assert.is_true(irv[3] ~= irv[3], 'the NaN row has a NaN scale')
+    assert.are.equal(f32(1 / ref_scale(0, 'f8e4m3', false)), irv[5])
+    for j = 1, 16 do assert.are.equal(0, rv[4 * 16 + j]) end
+    for _, i in ipairs({ 1, 2, 4, 6 }) do assert.is_true(irv[i] == irv[i] and irv[i] > 0) end
+    local a, b, c, d = F.float8_cast_axiswise(x, 'f8e4m3', { rows = false, cols = true, inv = false })
+    assert.is_nil(a); assert.is_nil(c); assert.is_nil(d)
+    assert.are.same({ 16, 6 }, b.shape)
+    local _, ct, _, ict = F.float8_cast_axiswise(ms.zeros({ 0, 5 }), 'f8e4m3', { cols = true })
+    assert.are.same({ 5, 0 }, ct.shape)
+    assert.are.same({ 5 }, ict.shape)
+    assert.is_truthy(S.errmsg(function() F.float8_cast_axiswise(x, 'f32') end):find('f8e4m3 or f8e5m2', 1, true))
+    assert.is_truthy(S.errmsg(function() F.float8_cast_axiswise(x:view(96), 'f8e4m3') end):find('2-D float', 1, true))
+    local e = S.errmsg(function()
+      T.check(T.C.ms_float8_cast_axiswise(nil, nil, ffi.new('ms_tensor*[1]'), nil, x, 8, 0))
+    end)
+    assert.is_truthy(e:find('inv_rows is the scale of out', 1, true), e)
+  end)
+
+  it('scaled_matmul with vector scales multiplies element (i, j) by ainv[i] * binv[j] (bias, beta); mixed or wrong scales are refused', function()
+    local a, _, ai = F.float8_cast_axiswise(randn({ 33, 40 }, 3), 'f8e4m3', { pow2 = true })
+    local b, _, bi = F.float8_cast_axiswise(randn({ 21, 40 }, 0.1), 'f8e4m3', { pow2 = true })
+    local want = ms.matmul(a:to('f64') * ai:to('f64'):view(33, 1), b:to('f64') * bi:to('f64'):view(21, 1), false, true)
+    local y = F.scaled_matmul(a, b, ai, bi, { out_dtype = 'f32' })
+    assert.is_true(relerr(y, want) < 1e-6)
+    local bias, acc = randn({ 21 }), randn({ 33, 21 })
+    assert.is_true(relerr(F.scaled_matmul(a, b, ai, bi, { out_dtype = 'f32', bias = bias }), want + bias:to('f64')) < 1e-6)
+    local want2 = want + acc:to('f64')
+    F.scaled_matmul(a, b, ai, bi, { out = acc, beta = 1 })
+    assert.is_true(relerr(acc, want2) < 1e-6)
+    local function err(fn, pat)
+      local e = S.errmsg(fn)
+      assert.is_truthy(e:find(pat, 1, true), e)
+    end
+    local one = F.amax(randn({ 4 }))
+    err(function() F.scaled_matmul(a, b, ai, one) end, 'contiguous f32 vectors of (33) and (21)')
+    err(function() F.scaled_matmul(a, b, bi, ai) end, 'ainv and binv must both be')
+    err(function() F.scaled_matmul(a, b, ai:to('f64'), bi) end, 'f64 (33)')
+  end)
+
+  local function lin_ref(x2, w, g2, wt, recipe)
+    -- the products of the recipe, written out (w as (out, in))
+    local wo = wt and w or w:t():contiguous()
+    local xq, wq = q_axis(x2, 'f8e4m3', 'row', true), q_axis(wo, 'f8e4m3', 'row', true)
+    local y = ms.matmul(xq, wq, false, true)
+    local dx = ms.matmul(q_axis(g2, 'f8e4m3', 'row', true), q_axis(wo, 'f8e4m3', 'col', true))
+    local dw
+    if recipe == 'rowwise' then
+      dw = ms.matmul(q_axis(g2, 'f8e4m3', 'col', true), q_axis(x2, 'f8e4m3', 'col', true), true, false)
+    else
+      dw = ms.matmul(g2:to('f64'), x2:to('f64'), true, false)
+    end
+    return y, dx, dw
+  end
+
+  it('float8.linear with rowwise and rowwise_with_gw_hp computes the products written out (Linear, Conv1D, bias)', function()
+    for _, recipe in ipairs({ 'rowwise', 'rowwise_with_gw_hp' }) do
+      for _, wt in ipairs({ true, false }) do
+        local x = randn({ 3, 5, 32 }):requires_grad_()
+        local w = (wt and randn({ 48, 32 }, 0.2) or randn({ 32, 48 }, 0.2)):requires_grad_()
+        local b = randn({ 48 }):requires_grad_()
+        local y = float8.linear(x, w, b, { wt = wt, recipe = recipe })
+        local g = randn({ 3, 5, 48 })
+        y:backward(g)
+        local x2, g2 = x:detach():view(15, 32), g:view(15, 48)
+        local wy, wdx, wdw = lin_ref(x2, w:detach(), g2, wt, recipe)
+        local tag = recipe .. (wt and ' Linear' or ' Conv1D')
+        assert.is_true(relerr(y:view(15, 48), wy + b:detach():to('f64')) < 1e-6, tag .. ' forward')
+        assert.is_true(relerr(x.grad:view(15, 32), wdx) < 1e-6, tag .. ' dx')
+        assert.is_true(relerr(wt and w.grad or w.grad:t(), wdw) < 1e-6, tag .. ' dw')
+        assert.is_true(relerr(b.grad, g2:sum(1)) < 1e-6, tag .. ' db')
+      end
+    end
+  end)
+
+  it('rowwise gradients match the f64 finite differences of the linear map within FP8 rounding', function()
+    for _, recipe in ipairs({ 'rowwise', 'rowwise_with_gw_hp' }) do
+      local x = randn({ 6, 16 }, 1, 'f64'):requires_grad_()
+      local w = randn({ 16, 16 }, 0.3, 'f64'):requires_grad_()
+      local g = randn({ 6, 16 }, 1, 'f64')
+      float8.linear(x, w, nil, { recipe = recipe }):backward(g)
+      local xd, wd = x:detach(), w:detach()
+      local function L() return ms.matmul(xd, wd, false, true):mul(g):sum():item() end
+      local function check(t, grad)
+        local num, den, h = 0, 0, 1e-6
+        for i = 1, t.shape[1] do
+          for j = 1, t.shape[2] do
+            local v = t:get(i, j)
+            t:set(i, j, v + h)
+            local up = L()
+            t:set(i, j, v - h)
+            local dn = L()
+            t:set(i, j, v)
+            local d = (up - dn) / (2 * h)
+            num, den = num + (grad:get(i, j) - d) ^ 2, den + d * d
+          end
+        end
+        return math.sqrt(num / den)
+      end
+      local ex, ew = check(xd, x.grad), check(wd, w.grad)
+      assert.is_true(ex < 0.1 and ew < 0.1, ('%s dx %.3g, dw %.3g'):format(recipe, ex, ew))
+      assert.is_true(ex > 1e-4, 'the FP8 rounding is there')
+      if recipe == 'rowwise' then assert.is_true(ew > 1e-4) else assert.is_true(ew < 1e-6, 'dw in high precision') end
+    end
+  end)
+
+  it('one outlier token costs its own row only: rowwise keeps the other rows that tensorwise loses', function()
+    local v = values(randn({ 32, 64 }, 1e-3))
+    for j = 1, 64 do v[j] = v[j] * 1e6 end   -- token 1 is 1e6 times the others
+    local x = S.make({ 32, 64 }, v, 'f32')
+    local w = randn({ 16, 64 }, 0.2)
+    local exact = ms.matmul(x:to('f64'), w:to('f64'), false, true)
+    local function rest_err(recipe)
+      local y = ms.no_grad(function() return float8.linear(x, w, nil, { recipe = recipe }) end)
+      return relerr(y:narrow(1, 2, 31), exact:narrow(1, 2, 31))
+    end
+    local et, er = rest_err('tensorwise'), rest_err('rowwise')
+    assert.is_true(er < 0.1, ('rowwise %.3g'):format(er))
+    assert.is_true(et > 0.5, ('tensorwise %.3g: the small rows underflow'):format(et))
+  end)
+
+  it('rowwise: the f32 sink (FP8 and high-precision dW), recompute_weight, and a q/k/v input cast shared', function()
+    for _, recipe in ipairs({ 'rowwise', 'rowwise_with_gw_hp' }) do
+      local x = randn({ 16, 32 }, 1, 'bf16'):requires_grad_()
+      local w = randn({ 16, 32 }, 0.2, 'bf16'):requires_grad_()
+      local sink = { t = ms.zeros({ 16, 32 }), written = {}, i = 1 }
+      ms.autograd.set_grad_sink(w, sink)
+      local g = randn({ 16, 16 }, 1, 'bf16')
+      float8.linear(x, w, nil, { recipe = recipe }):backward(g)
+      assert.is_nil(w.grad)
+      local _, _, want = lin_ref(x:detach():to('f32'), w:detach():to('f32'), g:to('f32'), true, recipe)
+      assert.is_true(relerr(sink.t, want) < 1e-6, recipe .. ' sink')
+      float8.linear(x, w, nil, { recipe = recipe }):backward(g)
+      assert.is_true(relerr(sink.t, want * 2) < 1e-6, recipe .. ' accumulated')
+      ms.autograd.set_grad_sink(w, nil)
+    end
+    local function run(rw)
+      seed = 9000
+      local x = randn({ 32, 48 }):requires_grad_()
+      local w = randn({ 64, 48 }, 0.2):requires_grad_()
+      float8.linear(x, w, nil, { recipe = 'rowwise', recompute_weight = rw }):backward(randn({ 32, 64 }))
+      return values(x.grad), values(w.grad)
+    end
+    local a1, b1 = run(false)
+    local a2, b2 = run(true)
+    assert.are.same(a1, a2)
+    assert.are.same(b1, b2)
+    local x = randn({ 32, 64 }):requires_grad_()
+    local before, bb = float8.stats().input_casts, float8.stats().backward_casts
+    local loss
+    for i = 1, 3 do
+      local y = float8.linear(x, randn({ 32, 64 }, 0.1):requires_grad_(), nil, { recipe = 'rowwise' }):sum()
+      loss = loss and loss + y or y
+    end
+    assert.are.equal(1, float8.stats().input_casts - before)
+    loss:backward()
+    assert.are.equal(1, float8.stats().backward_casts - bb)
   end)
 end)
 
@@ -578,6 +806,25 @@ describe('float8.convert', function()
     end
   end)
 
+  it('a tiny Llama converted with rowwise and rowwise_with_gw_hp follows its f32 losses', function()
+    local function run(recipe)
+      ms.manual_seed(11)
+      local m = llama.new('tiny')
+      if recipe then float8.convert(m, { recipe = recipe }) end
+      local ids = (ms.rand({ 4, 33 }, { seed = 5 }) * 255):long()
+      return S.adamw_losses(m, ids:narrow(2, 1, 32):contiguous(), ids:narrow(2, 2, 32):contiguous(), 6, 3e-3)
+    end
+    local a = run(nil)
+    for _, recipe in ipairs({ 'rowwise', 'rowwise_with_gw_hp' }) do
+      local b = run(recipe)
+      assert.is_true(b[6] < b[1] - 0.3, recipe .. ' trains')
+      for k = 1, 6 do
+        assert.is_true(math.abs(a[k] - b[k]) < 0.05 * a[k], ('%s step %d: %g against %g'):format(recipe, k, b[k], a[k]))
+      end
+      assert.is_true(a[1] ~= b[1], 'the FP8 path ran')
+    end
+  end)
+
   it('bin/train --float8 trains and logs the converted layers', function()
     local dir = S.tmpdir()
     local status, out = S.bin_train(('models/llama.lua --steps 6 --batch-size 4 --seq-len 32 --eval-every 0 '
@@ -586,8 +833,12 @@ describe('float8.convert', function()
     assert.is_truthy(out:find('float8: tensorwise, 28 of 29 linear layers', 1, true), out)
     local losses = S.run_losses(dir .. '/run')
     assert.are.equal(6, #losses)
-    local st2, e = S.bin_train('models/llama.lua --steps 1 --float8 rowwise')
+    local st3, out3 = S.bin_train(('models/llama.lua --steps 2 --batch-size 4 --seq-len 32 --eval-every 0 '
+      .. '--sample-tokens 0 --log-every 1 --float8 rowwise --out %s/run2'):format(dir))
+    assert.are.equal(0, st3, out3)
+    assert.is_truthy(out3:find('float8: rowwise, 28 of 29 linear layers', 1, true), out3)
+    local st2, e = S.bin_train('models/llama.lua --steps 1 --float8 colwise')
     assert.are_not.equal(0, st2)
-    assert.is_truthy(e:find('float8 must be off or tensorwise', 1, true), e)
+    assert.is_truthy(e:find('float8 must be off, tensorwise, rowwise or rowwise_with_gw_hp, got', 1, true) and e:find('colwise', 1, true), e)
   end)
 end)

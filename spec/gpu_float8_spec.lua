@@ -256,4 +256,112 @@ describe('float8 on cuda #gpu', function()
       assert.is_true(math.abs(c[k] - g[k]) < 0.02 * c[k], ('step %d: cuda %g, cpu %g'):format(k, g[k], c[k]))
     end
   end)
+
+  it('the axiswise cast gives the CPU bits and scales (rows and columns; whole, partial and unaligned tiles)', function()
+    local shapes = { { 128, 256 }, { 64, 64 }, { 100, 37 }, { 1, 16 }, { 333, 190 }, { 2048, 48 }, { 8192, 4096 },
+      { 300, 1000 }, { 16, 14336 } }
+    for _, sh in ipairs(shapes) do
+      for _, dt in ipairs({ 'f32', 'bf16', 'f16', 'f64' }) do
+        for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+          if dt == 'bf16' or sh[1] * sh[2] <= 2 ^ 20 then
+            local pow2 = name == 'f8e4m3'
+            local x = randn(sh, 3, dt)
+            local r, c, ir, ic = F.float8_cast_axiswise(x, name, { cols = true, pow2 = pow2 })
+            local rg, cg, irg, icg = F.float8_cast_axiswise(x:cuda(), name, { cols = true, pow2 = pow2 })
+            local what = ('%s %s %s'):format(table.concat(sh, 'x'), dt, name)
+            same_values(rg, r, what .. ' rows')
+            same_values(cg, c, what .. ' cols')
+            same_values(irg, ir, what .. ' row scales')
+            same_values(icg, ic, what .. ' column scales')
+          end
+        end
+      end
+    end
+    local big = randn({ 64 * 65 + 1 }, 2, 'bf16')
+    local x = big:narrow(1, 2, 64 * 65):view(64, 65)
+    local r, c, ir, ic = F.float8_cast_axiswise(x, 'f8e4m3', { cols = true })
+    local rg, cg, irg, icg = F.float8_cast_axiswise(big:cuda():narrow(1, 2, 64 * 65):view(64, 65), 'f8e4m3',
+      { cols = true })
+    same_values(rg, r, 'unaligned rows'); same_values(cg, c, 'unaligned cols')
+    same_values(irg, ir, 'unaligned row scales'); same_values(icg, ic, 'unaligned column scales')
+    local _, ct, _, ict = F.float8_cast_axiswise(ms.zeros({ 0, 40 }):cuda(), 'f8e4m3', { cols = true })
+    assert.are.same({ 40, 0 }, ct.shape)
+    local _, _, _, icc = F.float8_cast_axiswise(ms.zeros({ 0, 40 }), 'f8e4m3', { rows = false, cols = true })
+    same_values(ict, icc, 'empty scales')
+  end)
+
+  it('scaled_matmul with vector scales (cuBLASLt outer-vector scaling) matches the CPU (bias, beta, fast accumulation)', function()
+    if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
+    local ffi = require 'ffi'
+    local maj, min = ffi.new('int[1]'), ffi.new('int[1]')
+    ms.C.ms_cuda_device_capability(0, maj, min)
+    local worst = 0
+    for _, sh in ipairs({ { 256, 512, 1024 }, { 16, 16, 16 }, { 1024, 2048, 4096 }, { 48, 80, 112 } }) do
+      local M, N, K = sh[1], sh[2], sh[3]
+      local a, _, ai = F.float8_cast_axiswise(randn({ M, K }, 2), 'f8e4m3', { pow2 = true })
+      local b, _, bi = F.float8_cast_axiswise(randn({ N, K }, 0.05), 'f8e4m3', { pow2 = true })
+      if maj[0] < 9 then
+        local e = S.errmsg(function() F.scaled_matmul(a:cuda(), b:cuda(), ai:cuda(), bi:cuda()) end)
+        assert.is_truthy(e:find('compute capability 9.0', 1, true), e)
+        return
+      end
+      local ref = F.scaled_matmul(a, b, ai, bi, { out_dtype = 'f32' })
+      local ag, bg, aig, big = a:cuda(), b:cuda(), ai:cuda(), bi:cuda()
+      for _, fast in ipairs({ false, true }) do
+        local e = relerr(F.scaled_matmul(ag, bg, aig, big, { out_dtype = 'f32', fast_accum = fast }), ref)
+        worst = math.max(worst, e)
+        assert.is_true(e < (fast and 5e-3 or 1e-3), ('%dx%dx%d fast=%s: %.3g'):format(M, N, K, tostring(fast), e))
+      end
+      assert.is_true(relerr(F.scaled_matmul(ag, bg, aig, big, { out_dtype = 'bf16' }), ref) < 1e-2, 'bf16 out')
+      local bias = randn({ N }, 1, 'bf16')
+      local rb = F.scaled_matmul(a, b, ai, bi, { bias = bias })
+      assert.is_true(relerr(F.scaled_matmul(ag, bg, aig, big, { bias = bias:cuda() }), rb) < 1e-2, 'bias')
+      local acc = randn({ M, N })
+      local accg = acc:cuda()
+      F.scaled_matmul(a, b, ai, bi, { out = acc, beta = 1 })
+      F.scaled_matmul(ag, bg, aig, big, { out = accg, beta = 1 })
+      assert.is_true(relerr(accg, acc) < 1e-3, 'beta')
+    end
+    print(('\nscaled_matmul with vector scales against the CPU, worst ||d||/||ref||: %.2e'):format(worst))
+  end)
+
+  it('float8.linear rowwise and rowwise_with_gw_hp match the CPU; a converted tiny Llama trains as on the CPU', function()
+    if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
+    for _, recipe in ipairs({ 'rowwise', 'rowwise_with_gw_hp' }) do
+      for _, wt in ipairs({ true, false }) do
+        local x = randn({ 4, 64, 128 })
+        local w = wt and randn({ 192, 128 }, 0.05) or randn({ 128, 192 }, 0.05)
+        local b = randn({ 192 }, 0.1)
+        local g = randn({ 4, 64, 192 })
+        local function run(dev)
+          local function leaf(t) return t:to({ device = dev, copy = true }):requires_grad_() end
+          local xx, ww, bb = leaf(x), leaf(w), leaf(b)
+          local y = ms.nn.functional.autocast('bf16', function()
+            return float8.linear(xx, ww, bb, { wt = wt, recipe = recipe })
+          end)
+          y:backward(g:to(dev):to('bf16'))
+          return y, xx.grad, ww.grad, bb.grad
+        end
+        local yc, dxc, dwc, dbc = run('cpu')
+        local yg, dxg, dwg, dbg = run('cuda')
+        local e = { relerr(yg, yc), relerr(dxg, dxc), relerr(dwg, dwc), relerr(dbg, dbc) }
+        print(('\nfloat8.linear %s %s, cuda against cpu: y %.2e, dx %.2e, dw %.2e, db %.2e'):format(recipe,
+          wt and 'Linear' or 'Conv1D', e[1], e[2], e[3], e[4]))
+        assert.is_true(e[1] < 1e-2 and e[2] < 1e-2 and e[3] < 1e-2 and e[4] < 1e-2, recipe)
+      end
+    end
+    local llama = require 'models.llama'
+    local function run(dev)
+      ms.manual_seed(21)
+      local m = llama.new('tiny'):to(dev)
+      float8.convert(m, { recipe = 'rowwise' })
+      local ids = (ms.rand({ 8, 65 }, { seed = 3 }) * 255):long():to(dev)
+      return S.adamw_losses(m, ids:narrow(2, 1, 64):contiguous(), ids:narrow(2, 2, 64):contiguous(), 8, 2e-3)
+    end
+    local c, gl = run('cpu'), run('cuda')
+    assert.is_true(gl[8] < gl[1] - 0.5, 'it trains')
+    for k = 1, 8 do
+      assert.is_true(math.abs(c[k] - gl[k]) < 0.02 * c[k], ('rowwise step %d: cuda %g, cpu %g'):format(k, gl[k], c[k]))
+    end
+  end)
 end)

@@ -53,9 +53,22 @@ local float8 = {}
 -- e5m2 output gradient, fast accumulation in the forward product only).
 -- pow2 rounds every scale down to a power of two (torchao's
 -- round_scales_to_power_of_2; then x * scale is exact).
+-- rowwise: torchao's ROWWISE (axiswise scaling: every operand of a product
+-- scaled per row along K, the contraction dim, so one outlier token or
+-- channel costs the precision of its own row only; e4m3 everywhere, scales
+-- rounded to powers of two; cuBLASLt's outer-vector scaling, Hopper).
+-- rowwise_with_gw_hp: the same with the weight gradient in high precision
+-- (the activations' dtype, f32 accumulation; torchao's ROWWISE_WITH_GW_HP).
 float8.recipes = {
   tensorwise = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e5m2', pow2 = false,
-                 fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto' },
+                 fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto',
+                 axiswise = false, gw_hp = false },
+  rowwise = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e4m3', pow2 = true,
+              fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto',
+              axiswise = true, gw_hp = false },
+  rowwise_with_gw_hp = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e4m3', pow2 = true,
+                         fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto',
+                         axiswise = true, gw_hp = true },
 }
 -- recompute_weight: the weight's f8 copy for the input gradient made again
 -- in the backward (true) rather than kept from the forward (false); 'auto':
@@ -109,6 +122,11 @@ float8.config = function(opts) return recipe_of(opts, 2) end
 local function cast(x2, dtype, pow2, rows, cols, want_amax)
   return F.float8_cast_dynamic(x2, dtype, { rows = rows, cols = cols, pow2 = pow2, amax = want_amax })
 end
+-- the axiswise cast: rows (R, C) scaled per row, cols (C, R) per column of
+-- x2: rows, cols, inv_rows (R), inv_cols (C)
+local function cast_ax(x2, dtype, pow2, rows, cols)
+  return F.float8_cast_axiswise(x2, dtype, { rows = rows, cols = cols, pow2 = pow2 })
+end
 
 -- counters for specs and benches: input casts made (a shared one counts
 -- once), in the forward and again in the backward
@@ -122,8 +140,8 @@ function float8.stats() return { input_casts = stats.input_casts, backward_casts
 -- of the last saved input; both are dropped when a backward begins and ends.
 local intptr = ffi.typeof('intptr_t')
 -- the cache entry's fields for t (numbers: no string is built per call)
-local function same_view(e, t, dtype, pow2)
-  if e == nil or e.dtype ~= dtype or e.pow2 ~= pow2 or e.st ~= tonumber(ffi.cast(intptr, t.storage))
+local function same_view(e, t, dtype, pow2, ax)
+  if e == nil or e.dtype ~= dtype or e.pow2 ~= pow2 or e.ax ~= ax or e.st ~= tonumber(ffi.cast(intptr, t.storage))
       or e.off ~= tonumber(t.offset) or e.ver ~= t._version or e.nd ~= t.ndim then
     return false
   end
@@ -134,8 +152,8 @@ local function same_view(e, t, dtype, pow2)
 end
 -- (the entry holds an alias of t: its storage, whose address is in the key,
 -- cannot be freed and the address reused by another tensor while cached)
-local function view_entry(t, dtype, pow2)
-  local e = { dtype = dtype, pow2 = pow2, st = tonumber(ffi.cast(intptr, t.storage)), off = tonumber(t.offset),
+local function view_entry(t, dtype, pow2, ax)
+  local e = { dtype = dtype, pow2 = pow2, ax = ax, st = tonumber(ffi.cast(intptr, t.storage)), off = tonumber(t.offset),
     ver = t._version, nd = t.ndim, sz = {}, sd = {}, src = R.alias(t) }
   for d = 0, t.ndim - 1 do e.sz[d], e.sd[d] = tonumber(t.sizes[d]), tonumber(t.strides[d]) end
   return e
@@ -155,28 +173,32 @@ float8.clear_cache = drop_caches
 
 local function alias(t) return t ~= nil and R.alias(t) or nil end
 
--- the forward's cast of input rows x2: rows, inv, amax (aliases the caller owns)
+-- the forward's cast of input rows x2: rows, inv, amax (aliases the caller
+-- owns; axiswise: inv a vector, no amax)
 local function cast_input(x2, cfg)
   local l, _ = fwd_last, nil
-  if not same_view(l, x2, cfg.input, cfg.pow2) then
+  if not same_view(l, x2, cfg.input, cfg.pow2, cfg.axiswise) then
     drop(l)
     stats.input_casts = stats.input_casts + 1
-    l = view_entry(x2, cfg.input, cfg.pow2)
-    l.rows, _, l.inv, l.amax = cast(x2, cfg.input, cfg.pow2, true, false, true)
+    l = view_entry(x2, cfg.input, cfg.pow2, cfg.axiswise)
+    if cfg.axiswise then l.rows, _, l.inv = cast_ax(x2, cfg.input, cfg.pow2, true, false)
+    else l.rows, _, l.inv, l.amax = cast(x2, cfg.input, cfg.pow2, true, false, true) end
     fwd_last = l
   end
   return alias(l.rows), alias(l.inv), alias(l.amax)
 end
 
--- the backward's transposed cast of the saved input rows x2, with the
--- forward's amax (so the bits are the forward's): cols, inv
+-- the backward's transposed cast of the saved input rows x2: cols, inv.
+-- Tensorwise with the forward's amax (so the bits are the forward's);
+-- axiswise scaled per column (per input feature: K is the token dim)
 local function input_cols(x2, amax, cfg)
   local l, _ = bwd_last, nil
-  if not same_view(l, x2, cfg.input, cfg.pow2) then
+  if not same_view(l, x2, cfg.input, cfg.pow2, cfg.axiswise) then
     drop(l)
     stats.backward_casts = stats.backward_casts + 1
-    l = view_entry(x2, cfg.input, cfg.pow2)
-    _, l.cols, l.inv = F.float8_cast(x2, amax, cfg.input, { rows = false, cols = true, pow2 = cfg.pow2 })
+    l = view_entry(x2, cfg.input, cfg.pow2, cfg.axiswise)
+    if cfg.axiswise then _, l.cols, _, l.inv = cast_ax(x2, cfg.input, cfg.pow2, false, true)
+    else _, l.cols, l.inv = F.float8_cast(x2, amax, cfg.input, { rows = false, cols = true, pow2 = cfg.pow2 }) end
     bwd_last = l
   end
   return alias(l.cols), alias(l.inv)
@@ -213,22 +235,57 @@ local function sink_of(node, w)
   return sink
 end
 
+-- the weight gradient in high precision (rowwise_with_gw_hp): g2ᵀ x2 (or
+-- x2ᵀ g2 for Conv1D) in the output gradient's dtype with f32 accumulation,
+-- into the weight's sink when it takes it; else returned in w's dtype
+local function weight_grad_hp(node, s, g2)
+  local x2 = s.x2
+  local xc = x2.dtype_id == g2.dtype_id and x2 or R.to(x2, { dtype = g2.dtype_id })
+  local a, b = g2, xc
+  if not s.wt then a, b = xc, g2 end
+  local sink = sink_of(node, s.w)
+  local sd, d = sink and sink.t.dtype_id, a.dtype_id
+  local dw
+  if sink and (sd == d or (sd == 1 and (d == 2 or d == 3))) then
+    F.gemm_(sink.t, a, b, true, false, 1, sink.written[sink.i] and 1 or 0)
+    sink.written[sink.i] = true
+  else
+    dw = F.matmul(a, b, true, false)
+    if dw.dtype_id ~= s.w.dtype_id then
+      local c = R.to(dw, { dtype = s.w.dtype_id })
+      free(dw)
+      dw = c
+    end
+  end
+  if xc ~= x2 then free(xc) end
+  return dw
+end
+
 local function bwd_float8(node, g)
   local s, need = node.saved, node.need
   local cfg = s.cfg
   local g2 = rows_of(g)
   local want_w = need[2]
-  local g8, g8t, ginv
-  if need[1] or want_w then g8, g8t, ginv = cast(g2, cfg.grad_output, cfg.pow2, need[1], want_w) end
+  local w8 = want_w and not cfg.gw_hp   -- (the weight gradient through an FP8 GEMM)
+  local g8, g8t, ginv, ginv_t
+  if need[1] or w8 then
+    if cfg.axiswise then g8, g8t, ginv, ginv_t = cast_ax(g2, cfg.grad_output, cfg.pow2, need[1], w8)
+    else g8, g8t, ginv = cast(g2, cfg.grad_output, cfg.pow2, need[1], w8); ginv_t = ginv end
+  end
   local dx, dw, db
   if need[1] then
     -- dx (N, in) = g8 (N, out) @ w8 [w8t (in, out) as b]; w8t cast again
-    -- from the weight with its forward amax (the same bits; FSDP gathered
-    -- it for this backward) when not kept
-    local w_in, winv = s.w_in, s.winv
+    -- from the weight (tensorwise with its forward amax: the same bits;
+    -- FSDP gathered it for this backward) when not kept
+    local w_in, winv = s.w_in, s.winv_in
     if w_in == nil then
-      local r, c, i = F.float8_cast(s.w, s.wamax, cfg.weight, { rows = not s.wt, cols = s.wt, pow2 = cfg.pow2 })
-      w_in, winv = s.wt and c or r, i
+      if cfg.axiswise then
+        local r, c, ir, ic = cast_ax(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt)
+        w_in, winv = s.wt and c or r, s.wt and ic or ir
+      else
+        local r, c, i = F.float8_cast(s.w, s.wamax, cfg.weight, { rows = not s.wt, cols = s.wt, pow2 = cfg.pow2 })
+        w_in, winv = s.wt and c or r, i
+      end
     end
     local d2 = F.scaled_matmul(g8, w_in, ginv, winv,
       { out_dtype = T.dtype_name(s.dx_dtype), fast_accum = cfg.fast_accum_grads })
@@ -236,12 +293,14 @@ local function bwd_float8(node, g)
     dx = R.reshape(d2, node.ishape[1])
     if dx ~= d2 then free(d2) end
   end
-  if want_w then
+  if want_w and cfg.gw_hp then
+    dw = weight_grad_hp(node, s, g2)
+  elseif want_w then
     -- (out, in) = g8t (out, N) @ x8t (in, N)^T  (Conv1D's (in, out) the other
-    -- way), x8t the saved input's transposed cast with its forward amax
+    -- way), x8t the saved input's transposed cast (see input_cols)
     local x8t, xinv = input_cols(s.x2, s.xamax, cfg)
-    local a, b, ainv, binv = g8t, x8t, ginv, xinv
-    if not s.wt then a, b, ainv, binv = x8t, g8t, xinv, ginv end
+    local a, b, ainv, binv = g8t, x8t, ginv_t, xinv
+    if not s.wt then a, b, ainv, binv = x8t, g8t, xinv, ginv_t end
     local sink = sink_of(node, s.w)
     if sink then
       F.scaled_matmul(a, b, ainv, binv, { out = sink.t, beta = sink.written[sink.i] and 1 or 0,
@@ -254,7 +313,9 @@ local function bwd_float8(node, g)
     free(x8t); free(xinv)
   end
   if need[3] then db = F.sum(g2, 1) end
-  free(g8); free(g8t); free(ginv)
+  free(g8); free(g8t)
+  if ginv_t ~= ginv then free(ginv_t) end
+  free(ginv)
   if g2 ~= g then free(g2) end
   return dx, dw, db
 end
@@ -307,10 +368,19 @@ function float8.linear(x, w, b, opts)
     recompute = fs ~= nil and fs.releases_after_forward(w)
   end
   local keep = need_x and not recompute
-  local w_out, w_in, winv, wamax
-  local want_amax = need_x and recompute   -- (to make the copy again in the backward)
-  if wt then w_out, w_in, winv, wamax = cast(w, cfg.weight, cfg.pow2, true, keep, want_amax)
-  else w_in, w_out, winv, wamax = cast(w, cfg.weight, cfg.pow2, keep, true, want_amax) end
+  local w_out, w_in, winv, winv_in, wamax
+  if cfg.axiswise then
+    -- the forward's layout scaled per output feature, dx's per input one
+    -- (each along its product's K); made again in the backward when not kept
+    local ir, ic
+    if wt then w_out, w_in, ir, ic = cast_ax(w, cfg.weight, cfg.pow2, true, keep); winv, winv_in = ir, ic
+    else w_in, w_out, ir, ic = cast_ax(w, cfg.weight, cfg.pow2, keep, true); winv, winv_in = ic, ir end
+  else
+    local want_amax = need_x and recompute   -- (to make the copy again in the backward)
+    if wt then w_out, w_in, winv, wamax = cast(w, cfg.weight, cfg.pow2, true, keep, want_amax)
+    else w_in, w_out, winv, wamax = cast(w, cfg.weight, cfg.pow2, keep, true, want_amax) end
+    winv_in = winv
+  end
   local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
   local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias,
     fast_accum = cfg.fast_accum_output })
@@ -337,18 +407,21 @@ function float8.linear(x, w, b, opts)
     -- backward, with this amax: the tensor is kept for the backward anyway,
     -- so an f8 copy beside it would be memory on top), the weight's f8 copy
     -- for dx (or its amax to make it again), the scales
-    local own = { xinv, winv, xamax }
+    local own = { xinv, winv }
+    if xamax ~= nil then own[#own + 1] = xamax end
+    if winv_in ~= winv then own[#own + 1] = winv_in end
     local xs = x2
     if x2 == x then xs = R.alias(x) end
     own[#own + 1] = xs
     if w_in ~= nil then own[#own + 1] = w_in end
     if wamax ~= nil then own[#own + 1] = wamax end
-    local saved = { x2 = xs, xamax = xamax, w_in = w_in, winv = winv, wamax = wamax, w = w, wt = wt, cfg = cfg,
-      dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id }
+    local saved = { x2 = xs, xamax = xamax, w_in = w_in, winv_in = w_in ~= nil and winv_in or nil, wamax = wamax,
+      w = w, wt = wt, cfg = cfg, dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id }
     A.record_list(name, y, bwd_float8, saved, own, { x, w, b })
   else
     if x2 ~= x then free(x2) end
     free(xinv); free(xamax); free(w_in); free(winv); free(wamax)
+    if winv_in ~= winv then free(winv_in) end
   end
   return y
 end

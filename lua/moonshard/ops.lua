@@ -375,9 +375,30 @@ function F.float8_cast_dynamic(x, dtype, opts)
   return cast_op(C.ms_float8_cast_dynamic, opts, true, x, T.dtype_id(dtype or 'f8e4m3', 3), opts.pow2 and 1 or 0)
 end
 
+-- float8_cast_axiswise(x (R, C), dtype, {rows = true, cols = false, inv =
+-- true, pow2 = false}) -> out (R, C), out_t (C, R), inv_rows (R), inv_cols
+-- (C) (each nil when not asked): torchao's axiswise (rowwise) scaling, out's
+-- row i scaled by fmax / amax(x[i, :]), out_t's row j by fmax / amax(x[:, j])
+function F.float8_cast_axiswise(x, dtype, opts)
+  need_tensor('float8_cast_axiswise', x, 'x')
+  opts = opts or {}
+  local rows, cols, inv = opts.rows ~= false, opts.cols and true or false, opts.inv ~= false
+  local want = { rows, cols, rows and inv, cols and inv }
+  local boxes = {}
+  for i = 1, 4 do boxes[i] = want[i] and box_t() or nil end
+  if C.ms_float8_cast_axiswise(boxes[1], boxes[2], boxes[3], boxes[4], x, T.dtype_id(dtype or 'f8e4m3', 3),
+      opts.pow2 and 1 or 0) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  local r = {}
+  for i = 1, 4 do r[i] = want[i] and wrap(boxes[i][0]) or nil end
+  return r[1], r[2], r[3], r[4]
+end
+
 -- scaled_matmul(a (M, K), b (N, K), ainv, binv, {bias =, out_dtype = 'bf16',
 -- out =, beta = 0, fast_accum = false}) -> out (M, N) = ainv * binv * a @ b^T
--- (+ bias) (+ beta * out): 8-bit float operands with contiguous rows
+-- (+ bias) (+ beta * out): 8-bit float operands with contiguous rows; ainv
+-- and binv one f32 each, or (M) and (N) vectors (axiswise scaling)
 function F.scaled_matmul(a, b, ainv, binv, opts)
   need_tensor('scaled_matmul', a, 'a')
   need_tensor('scaled_matmul', b, 'b')

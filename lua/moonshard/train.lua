@@ -94,7 +94,7 @@ train.options = {
   { 'lora_dropout', 'number>=0', 0, 'dropout on the LoRA branch\'s input' },
   { 'lora_targets', 'string', 'attn%.,mlp%.', 'comma-separated Lua patterns: the nn.Linear / nn.Conv1D modules whose names match get adapters' },
   { 'freeze', 'string?', nil, 'comma-separated Lua patterns: the parameters whose names match one are frozen (requires_grad off: no gradient, no optimizer step, also under FSDP); each pattern must match a parameter' },
-  { 'float8', 'string', 'off', 'FP8 linear layers (moonshard.float8, torchao\'s float8 training): off, or the recipe tensorwise (a bare --float8): every nn.Linear / nn.Conv1D but the LM head computes its three products in FP8 with dynamic scales; CUDA needs an H100-class GPU, the CPU emulates it (docs/float8.md)' },
+  { 'float8', 'string', 'off', 'FP8 linear layers (moonshard.float8, torchao\'s float8 training): off, or a recipe: tensorwise (a bare --float8), rowwise, rowwise_with_gw_hp: every nn.Linear / nn.Conv1D but the LM head computes its three products in FP8 with dynamic scales; CUDA needs an H100-class GPU, the CPU emulates it (docs/float8.md)' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
@@ -369,7 +369,7 @@ function train.check_options(o, where)
     usage('%s: decay_shape must be linear, cosine or sqrt, got %s', where, describe(o.decay_shape))
   end
   if o.float8 ~= nil and o.float8 ~= 'off' and not require('moonshard.float8').recipes[o.float8] then
-    usage('%s: float8 must be off or tensorwise, got %s', where, describe(o.float8))
+    usage('%s: float8 must be off, tensorwise, rowwise or rowwise_with_gw_hp, got %s', where, describe(o.float8))
   end
   if o.activation_checkpointing ~= nil then
     local v = tostring(o.activation_checkpointing)

@@ -1,0 +1,112 @@
+-- Float8 layers under FSDP on GPUs over NCCL (#multi: tools/run_multi_specs.sh
+-- on a host with 2 or more GPUs; `make test-multi`). gpt2-tiny converted by
+-- float8.convert (tensorwise and rowwise), fully_shard FULL_SHARD (the
+-- weights' f8 copies made again in the backward from the gathered weight),
+-- each rank its own rows, against one process on the same GPU running every
+-- rank's rows through the converted plain model (so each row block is cast
+-- with its own scales, as on its rank): f32 parameters within 1e-3 (the
+-- reduce-scatter's sums and the GEMMs' algorithms), bf16 parameters with an
+-- f32 reduce within bf16 bounds (3e-2 on the losses: the gathered weights
+-- are bf16 copies of the f32 masters, the plain model casts the masters).
+-- The exact checks of the same paths are the CPU's (#mpi:
+-- spec/dist_fsdp_float8_spec.lua).
+local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
+local T = require 'moonshard.tensor'
+local dist = require 'moonshard.dist'
+local fsdp = ms.fsdp
+
+local launched = os.getenv('RANK') ~= nil and os.getenv('MS_DEVICE') == 'cuda'
+local dir = T.root .. '/../shared/fixtures/gpt2-tiny'
+local have_fixture = io.open(dir .. '/model.safetensors', 'rb')
+if have_fixture then have_fixture:close() end
+
+local STEPS, ROWS, SEQ = 4, 2, 32
+local OPTS = { lr = 1e-3, eps = 1e-6, weight_decay = 0.1 }
+
+local function rows(r)
+  local ids, tg = FS.lcg_rows(4242 + 7919 * r, ROWS, SEQ)
+  return ms.tensor(ids, { dtype = 'i64' }):cuda(), ms.tensor(tg, { dtype = 'i64' }):cuda()
+end
+
+describe('fsdp with float8 layers on GPUs (NCCL) #multi', function()
+  if not launched then
+    it('runs under the launcher on GPUs (tools/run_multi_specs.sh)', function() pending('not launched with --device cuda') end)
+    return
+  end
+  if not have_fixture then
+    it('needs the gpt2-tiny fixture', function() pending('no ' .. dir) end)
+    return
+  end
+  setup(function() dist.init { timeout = 300 } end)
+  teardown(function() dist.destroy() end)
+
+  local W = tonumber(os.getenv('WORLD_SIZE'))
+  local R = tonumber(os.getenv('RANK'))
+  local function load(recipe)
+    local m = require('models.gpt2').from_pretrained(dir, { dtype = 'f32' }):to('cuda')
+    local names = ms.float8.convert(m, { recipe = recipe })
+    assert.is_true(#names >= 8, 'layers converted')
+    return m
+  end
+
+  for _, recipe in ipairs({ 'tensorwise', 'rowwise' }) do
+    for _, mp in ipairs({ false, true }) do
+      local run = function(m, opt, batches)
+        local losses = {}
+        for s = 1, STEPS do
+          local loss
+          for _, b in ipairs(batches) do
+            local l = mp and ms.nn.functional.autocast('bf16', m, b[1], b[2]) or m(b[1], b[2])
+            loss = loss and loss + l or l
+          end
+          loss = loss / #batches
+          losses[s] = loss:item()
+          loss:backward(); opt:step(); opt:zero_grad()
+        end
+        return losses
+      end
+      it(('%s, FULL_SHARD%s: trains as the converted plain model on every rank\'s rows'):format(recipe,
+        mp and ', bf16 parameters' or ''), function()
+        local all = {}
+        for r = 0, W - 1 do all[#all + 1] = { rows(r) } end
+        local plain = load(recipe)
+        local pl = run(plain, ms.optim.AdamW(plain, OPTS), all)
+        local m = load(recipe)
+        fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'GPT2Block' }, strategy = 'FULL_SHARD',
+          mixed_precision = mp and { param = 'bf16', reduce = 'f32' } or nil })
+        assert.is_true(fsdp.releases_after_forward(m.transformer.h[1].mlp.c_fc.weight))
+        local before = ms.float8.stats().input_casts
+        local fl = run(m, fsdp.optimizer(m, ms.optim.AdamW, OPTS), { all[R + 1] })
+        assert.is_true(ms.float8.stats().input_casts > before, 'the FP8 path ran')
+        -- the mean over the ranks of each rank's loss is the plain model's
+        local mean = {}
+        for s = 1, STEPS do
+          local t = ms.tensor({ fl[s] }, { dtype = 'f64' }):cuda()
+          dist.all_reduce(t, 'sum')
+          mean[s] = t:item() / W
+        end
+        local tol = mp and 3e-2 or 1e-3
+        for s = 1, STEPS do
+          assert.is_true(FS.rel(mean[s], pl[s]) <= tol, ('rank %d step %d: %.9g, plain %.9g'):format(R, s, mean[s], pl[s]))
+        end
+        assert.is_true(pl[STEPS] < pl[1], 'it trains')
+        if not mp then
+          -- the parameters, gathered, against the plain model's
+          fsdp.unshard(m)
+          local got = {}
+          for name, p in m:named_parameters() do got[name] = p:to('f64'):cpu() end
+          local num, den = 0, 0
+          for name, p in plain:named_parameters() do
+            local a = p:to('f64'):cpu()
+            local d = got[name] - a
+            num, den = num + d:mul(d):sum():item(), den + a:mul(a):sum():item()
+          end
+          fsdp.reshard(m)
+          local e = math.sqrt(num / den)
+          assert.is_true(e <= 1e-3, ('rank %d parameters: %.3g'):format(R, e))
+        end
+      end)
+    end
+  end
+end)
