@@ -4,10 +4,11 @@
 -- weights' f8 copies made again in the backward from the gathered weight),
 -- each rank its own rows, against one process on the same GPU running every
 -- rank's rows through the converted plain model (so each row block is cast
--- with its own scales, as on its rank): f32 parameters within 1e-3 (the
--- reduce-scatter's sums and the GEMMs' algorithms), bf16 parameters with an
--- f32 reduce within bf16 bounds (3e-2 on the losses: the gathered weights
--- are bf16 copies of the f32 masters, the plain model casts the masters).
+-- with its own scales, as on its rank): the losses within 1e-3 with f32
+-- parameters, within 3e-2 with bf16 ones and an f32 reduce (the gathered
+-- weights are bf16 copies of the f32 masters, the plain model casts the
+-- masters); the parameters after the first step within 1e-5 (f32; bf16
+-- 1e-2), after the last within 1e-2.
 -- The exact checks of the same paths are the CPU's (#mpi:
 -- spec/dist_fsdp_float8_spec.lua).
 local ms = require 'moonshard'
@@ -52,8 +53,9 @@ describe('fsdp with float8 layers on GPUs (NCCL) #multi', function()
 
   for _, recipe in ipairs({ 'tensorwise', 'rowwise' }) do
     for _, mp in ipairs({ false, true }) do
-      local run = function(m, opt, batches)
-        local losses = {}
+      -- the losses, and the parameters (f64, on the host) after the first step
+      local run = function(m, opt, batches, sharded)
+        local losses, first = {}, {}
         for s = 1, STEPS do
           local loss
           for _, b in ipairs(batches) do
@@ -63,21 +65,35 @@ describe('fsdp with float8 layers on GPUs (NCCL) #multi', function()
           loss = loss / #batches
           losses[s] = loss:item()
           loss:backward(); opt:step(); opt:zero_grad()
+          if s == 1 then
+            if sharded then fsdp.unshard(m) end
+            for name, p in m:named_parameters() do first[name] = p:to('f64'):cpu() end
+            if sharded then fsdp.reshard(m) end
+          end
         end
-        return losses
+        return losses, first
+      end
+      -- ||a - b|| / ||b|| over the parameters
+      local function prel(a, b)
+        local num, den = 0, 0
+        for name, v in pairs(b) do
+          local d = a[name] - v
+          num, den = num + d:mul(d):sum():item(), den + v:mul(v):sum():item()
+        end
+        return math.sqrt(num / den)
       end
       it(('%s, FULL_SHARD%s: trains as the converted plain model on every rank\'s rows'):format(recipe,
         mp and ', bf16 parameters' or ''), function()
         local all = {}
         for r = 0, W - 1 do all[#all + 1] = { rows(r) } end
         local plain = load(recipe)
-        local pl = run(plain, ms.optim.AdamW(plain, OPTS), all)
+        local pl, pfirst = run(plain, ms.optim.AdamW(plain, OPTS), all)
         local m = load(recipe)
         fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'GPT2Block' }, strategy = 'FULL_SHARD',
           mixed_precision = mp and { param = 'bf16', reduce = 'f32' } or nil })
         assert.is_true(fsdp.releases_after_forward(m.transformer.h[1].mlp.c_fc.weight))
         local before = ms.float8.stats().input_casts
-        local fl = run(m, fsdp.optimizer(m, ms.optim.AdamW, OPTS), { all[R + 1] })
+        local fl, ffirst = run(m, fsdp.optimizer(m, ms.optim.AdamW, OPTS), { all[R + 1] }, true)
         assert.is_true(ms.float8.stats().input_casts > before, 'the FP8 path ran')
         -- the mean over the ranks of each rank's loss is the plain model's
         local mean = {}
@@ -91,21 +107,21 @@ describe('fsdp with float8 layers on GPUs (NCCL) #multi', function()
           assert.is_true(FS.rel(mean[s], pl[s]) <= tol, ('rank %d step %d: %.9g, plain %.9g'):format(R, s, mean[s], pl[s]))
         end
         assert.is_true(pl[STEPS] < pl[1], 'it trains')
-        if not mp then
-          -- the parameters, gathered, against the plain model's
-          fsdp.unshard(m)
-          local got = {}
-          for name, p in m:named_parameters() do got[name] = p:to('f64'):cpu() end
-          local num, den = 0, 0
-          for name, p in plain:named_parameters() do
-            local a = p:to('f64'):cpu()
-            local d = got[name] - a
-            num, den = num + d:mul(d):sum():item(), den + a:mul(a):sum():item()
-          end
-          fsdp.reshard(m)
-          local e = math.sqrt(num / den)
-          assert.is_true(e <= 1e-3, ('rank %d parameters: %.3g'):format(R, e))
-        end
+        -- the parameters, gathered, against the plain model's: after the
+        -- first step the same computation (f32: to the optimizers' rounding);
+        -- after the last, FP8 amplifies those roundings (a weight that moved
+        -- by one f32 ulp across an f8 rounding boundary is cast to the next
+        -- code, 6% away), as it does for any two runs that differ in rounding
+        fsdp.unshard(m)
+        local last, plast = {}, {}
+        for name, p in m:named_parameters() do last[name] = p:to('f64'):cpu() end
+        for name, p in plain:named_parameters() do plast[name] = p:to('f64'):cpu() end
+        fsdp.reshard(m)
+        local e1, e2 = prel(ffirst, pfirst), prel(last, plast)
+        if R == 0 then io.stderr:write(('\n%s%s: parameters after step 1 %.2g, after %d %.2g\n'):format(recipe,
+          mp and ' bf16' or '', e1, STEPS, e2)) end
+        assert.is_true(e1 <= (mp and 1e-2 or 1e-5), ('rank %d parameters after step 1: %.3g'):format(R, e1))
+        assert.is_true(e2 <= 1e-2, ('rank %d parameters after step %d: %.3g'):format(R, STEPS, e2))
       end)
     end
   end

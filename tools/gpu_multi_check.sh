@@ -18,6 +18,9 @@ step llama-2 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.l
 # the optimizer step's end (docs/fsdp.md, "The LM head")
 step llama-2-head-in-root timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --head-in-root
 step llama-2-prefetch-root timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --prefetch-root
+# float8 under FSDP on two GPUs (docs/float8.md)
+step llama-2-f8 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --float8
+step llama-2-f8r timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --float8 --recipe rowwise
 step gpt2-1 timeout 120 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model gpt2
 step llama-1 timeout 150 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model llama
 . .carry/device/gpu-env.sh .debs >/dev/null 2>&1
