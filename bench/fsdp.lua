@@ -22,7 +22,8 @@
 -- nn.apply_activation_checkpointing; tokens/s and TFLOP/s count the model's
 -- flops only, not the recompute),
 -- --float8 (the blocks' linear layers in FP8: moonshard.float8.convert,
--- docs/float8.md; --recipe names the recipe, tensorwise by default),
+-- docs/float8.md; --recipe names the recipe, tensorwise by default;
+-- --float8-gather: fully_shard's float8_all_gather, docs/fsdp.md),
 -- --tp (tensor parallelism instead of FSDP: ms.tp.parallelize over the
 -- world, every rank the same batch; tokens/s per GPU is then the step's
 -- tokens over the GPUs; docs/tp.md), --sp (with --tp: sequence parallel),
@@ -56,7 +57,7 @@ local ms = require 'moonshard'
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
   ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise' }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
-  ['keep-activations'] = false, tp = false, sp = false, float8 = false }
+  ['keep-activations'] = false, tp = false, sp = false, float8 = false, ['float8-gather'] = false }
 do
   local i = 1
   while i <= #arg do
@@ -69,7 +70,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp] [--sp] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp] [--sp] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -146,7 +147,8 @@ elseif use_fsdp then
   ms.fsdp.fully_shard(model, { policy = ms.fsdp.policy.by_class { block }, strategy = opts.strategy,
                                mixed_precision = { param = 'bf16', reduce = 'f32' },
                                head_unit = head_unit, prefetch_root = flags['prefetch-root'],
-                               copy_gather = not flags['nccl-gather'] })
+                               copy_gather = not flags['nccl-gather'],
+                               float8_all_gather = flags['float8-gather'] or nil })
   opt = ms.fsdp.AdamW(model, adam)
   clip = function() return ms.fsdp.clip_grad_norm(model, 1.0, { defer = opt }) end
 else
@@ -242,7 +244,7 @@ local steady = ms.cuda.memory_stats().peak_allocated
 local peak = math.max(steady0, steady) / 2 ^ 30
 say(('peak allocated GiB/GPU: %.2f over all steps, %.2f over the timed steps'):format(peak, steady / 2 ^ 30))
 if ac_blocks > 0 then say(('activation checkpointing: %d blocks'):format(ac_blocks)) end
-if float8_layers > 0 then say(('float8: %d linear layers (%s)'):format(float8_layers, opts.recipe)) end
+if float8_layers > 0 then say(('float8: %d linear layers (%s%s)'):format(float8_layers, opts.recipe, flags['float8-gather'] and ', f8 all-gathers' or '')) end
 
 -- one step with its collectives timed: what ran when on the communication
 -- stream, and where the compute stream waited for it

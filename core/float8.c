@@ -272,6 +272,37 @@ int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_
     return rc;
 }
 
+/* --------------------------------------------------------- transpose */
+
+int ms_float8_transpose(ms_tensor **out, const ms_tensor *x) {
+    char d[DESC];
+    const char *op = "float8_transpose";
+    if (ms_tensor_check_live(x, op)) return -1;
+    if (!ms_is_float8(x->dtype_id) || x->ndim != 2)
+        return ms_errorf("%s: x must be a 2-D f8e4m3 or f8e5m2 tensor, got %s", op, ms_desc(x, d, sizeof d));
+#ifndef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
+    const int64_t R = x->sizes[0], C = x->sizes[1], shape_t[2] = {C, R};
+    int allocated = 0;
+    if (cast_slot(out, "out", 2, shape_t, x->dtype_id, x->device_id, &allocated)) return finish(out, allocated, -1);
+    ms_tensor *c = NULL;
+    int rc = ms_tensor_contiguous(&c, x);
+#ifdef MS_WITH_CUDA
+    if (!rc && x->device_id >= 0) {
+        rc = ms_cuda_transpose8(*out, c);
+    } else
+#endif
+    if (!rc) {
+        const uint8_t *p = ms_tensor_data(c);
+        uint8_t *o = ms_tensor_data(*out);
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t j = 0; j < C; j++) o[j * R + i] = p[i * C + j];
+    }
+    ms_tensor_free(c);
+    return finish(out, allocated, rc);
+}
+
 /* ------------------------------------------------------------- the GEMM */
 
 /* an FP8 GEMM operand: 2-D, 8-bit float, rows contiguous (K the unit-stride dim) */

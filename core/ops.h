@@ -305,6 +305,10 @@ int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, co
  * (ms_scaled_matmul with vector scales). */
 int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_rows, ms_tensor **inv_cols,
                             const ms_tensor *x, int dtype, int pow2);
+/* ms_float8_transpose: out (C, R) contiguous = x (R, C) transposed, x a 2-D
+ * 8-bit float tensor (any layout); the same bytes (a tiled kernel on CUDA:
+ * the other layout of an f8 weight gathered by FSDP) */
+int ms_float8_transpose(ms_tensor **out, const ms_tensor *x);
 /* FFI-END */
 
 #define MS_ALL_DIMS (-1000)

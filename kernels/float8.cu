@@ -339,6 +339,42 @@ __global__ void col_cast_kernel(const T *__restrict__ x, long long R, long long 
     cast_tile<T>(x, R, C, nullptr, out_t, 1.f, e5, al, r0, c0, tile, cs);
 }
 
+// ------------------------------------------------------------ transpose
+// An 8-bit tensor's transpose (the other layout of an FSDP-gathered f8
+// weight): the tiles of cast_kernel without the conversion, 16-byte loads
+// and stores where the tile is whole and aligned.
+__global__ void transpose8_kernel(const uint8_t *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+                                  bool al) {
+    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
+    const long long r0 = (long long)blockIdx.y * kTile, c0 = (long long)blockIdx.x * kTile;
+    const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
+    const long long r = r0 + tr, c = c0 + tc;
+    const bool full = al && r0 + kTile <= R && c0 + kTile <= C && (C % 16) == 0 && (R % 16) == 0;
+    union {
+        uint4 u;
+        uint8_t b[16];
+    } pk;
+    if (full) {
+        pk.u = *reinterpret_cast<const uint4 *>(x + r * C + c);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 16; k++) pk.b[k] = (r < R && c + k < C) ? x[r * C + c + k] : 0;
+    }
+#pragma unroll
+    for (int k = 0; k < 16; k++) tile[tr * kPitch + tc + k] = pk.b[k];
+    __syncthreads();
+    const long long orow = c0 + tr, ocol = r0 + tc;
+#pragma unroll
+    for (int k = 0; k < 16; k++) pk.b[k] = tile[(tc + k) * kPitch + tr];
+    if (full) {
+        *reinterpret_cast<uint4 *>(out + orow * R + ocol) = pk.u;
+    } else if (orow < C) {
+#pragma unroll
+        for (int k = 0; k < 16; k++)
+            if (ocol + k < R) out[orow * R + ocol + k] = pk.b[k];
+    }
+}
+
 template <typename T>
 int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tensor *inv_c, const ms_tensor *x,
                     bool e5, bool pow2, cudaStream_t st) {
@@ -555,4 +591,22 @@ extern "C" int ms_cuda_float8_cast_axiswise(ms_tensor *out, ms_tensor *out_t, ms
     case MS_F16: return launch_axiswise<__half>(out, out_t, inv_rows, inv_cols, x, e5, p2, st);
     }
     return ms_errorf("float8_cast_axiswise: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
+}
+
+// out (C, R) = x (R, C) transposed, 8-bit elements, both contiguous
+extern "C" int ms_cuda_transpose8(ms_tensor *out, const ms_tensor *x) {
+    const int dev = x->device_id;
+    const long long R = x->sizes[0], C = x->sizes[1];
+    if (R == 0 || C == 0) return 0;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    if ((C + kTile - 1) / kTile > 0x7fffffffLL || (R + kTile - 1) / kTile > 65535)
+        return ms_errorf("float8_transpose: (%lld, %lld) has too many rows for the kernel's grid (at most %d)", R, C,
+                         65535 * kTile);
+    const uint8_t *p = (const uint8_t *)ms_tensor_data(x);
+    uint8_t *o = (uint8_t *)ms_tensor_data(out);
+    dim3 grid((unsigned)((C + kTile - 1) / kTile), (unsigned)((R + kTile - 1) / kTile));
+    transpose8_kernel<<<grid, 256, 0, st>>>(p, R, C, o, ms_aligned16(p) && ms_aligned16(o));
+    LAUNCH_CHECK("transpose8_kernel");
+    return 0;
 }

@@ -59,6 +59,8 @@ int ms_cuda_float8_cast_dyn(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms
  * slots prepared or NULL) */
 int ms_cuda_float8_cast_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_rows, ms_tensor *inv_cols,
                                  const ms_tensor *x, int dtype, int pow2);
+/* out (C, R) = x (R, C) transposed, 8-bit elements, both contiguous */
+int ms_cuda_transpose8(ms_tensor *out, const ms_tensor *x);
 /* gemm.cu: out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta
  * out], 8-bit float operands with contiguous rows, out contiguous; vec:
  * ainv (M) and binv (N) vectors (cuBLASLt's outer-vector scaling), else

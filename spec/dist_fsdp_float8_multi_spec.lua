@@ -7,8 +7,10 @@
 -- with its own scales, as on its rank): the losses within 1e-3 with f32
 -- parameters, within 3e-2 with bf16 ones and an f32 reduce (the gathered
 -- weights are bf16 copies of the f32 masters, the plain model casts the
--- masters); the parameters after the first step within 1e-5 (f32; bf16
--- 1e-2), after the last within 1e-2.
+-- masters); the parameters after the first step within 1e-3 (f32; bf16
+-- 1e-2: AdamW's first step is close to lr * sign(g), so a near-zero
+-- gradient element whose sign the summation order flips moves by 2 lr;
+-- measured 7.6e-5 on two H100s), after the last within 1e-2.
 -- The exact checks of the same paths are the CPU's (#mpi:
 -- spec/dist_fsdp_float8_spec.lua).
 local ms = require 'moonshard'
@@ -108,7 +110,7 @@ describe('fsdp with float8 layers on GPUs (NCCL) #multi', function()
         end
         assert.is_true(pl[STEPS] < pl[1], 'it trains')
         -- the parameters, gathered, against the plain model's: after the
-        -- first step the same computation (f32: to the optimizers' rounding);
+        -- first step the same computation up to the sums' order (see the top);
         -- after the last, FP8 amplifies those roundings (a weight that moved
         -- by one f32 ulp across an f8 rounding boundary is cast to the next
         -- code, 6% away), as it does for any two runs that differ in rounding
@@ -120,9 +122,39 @@ describe('fsdp with float8 layers on GPUs (NCCL) #multi', function()
         local e1, e2 = prel(ffirst, pfirst), prel(last, plast)
         if R == 0 then io.stderr:write(('\n%s%s: parameters after step 1 %.2g, after %d %.2g\n'):format(recipe,
           mp and ' bf16' or '', e1, STEPS, e2)) end
-        assert.is_true(e1 <= (mp and 1e-2 or 1e-5), ('rank %d parameters after step 1: %.3g'):format(R, e1))
+        assert.is_true(e1 <= 1e-2 and (mp or e1 <= 1e-3), ('rank %d parameters after step 1: %.3g'):format(R, e1))
         assert.is_true(e2 <= 1e-2, ('rank %d parameters after step %d: %.3g'):format(R, STEPS, e2))
       end)
     end
+  end
+
+  -- float8_all_gather: the weights gathered as f8 bytes (cast from the
+  -- shards with the all-reduced amax): the same bits as gathering bf16 and
+  -- casting after, so the same losses, exactly
+  for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP' }) do
+    it(('tensorwise, %s, bf16 parameters, float8_all_gather: the losses of the bf16 gathers, exactly'):format(strategy),
+      function()
+        local x, y = rows(R)
+        local function run(f8g)
+          local m = load('tensorwise')
+          fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'GPT2Block' }, strategy = strategy,
+            mixed_precision = { param = 'bf16', reduce = 'f32' }, float8_all_gather = f8g })
+          local opt = fsdp.optimizer(m, ms.optim.AdamW, OPTS)
+          local before = ms.float8.stats().gathered_weights
+          local losses = {}
+          for s = 1, STEPS do
+            local l = ms.nn.functional.autocast('bf16', m, x, y)
+            losses[s] = l:detach():to('f32'):clone()
+            l:backward(); opt:step(); opt:zero_grad()
+          end
+          for s = 1, STEPS do losses[s] = losses[s]:item() end
+          return losses, ms.float8.stats().gathered_weights - before
+        end
+        local a, ga = run(false)
+        local b, gb = run(true)
+        assert.are.equal(0, ga)
+        assert.is_true(gb > 0, 'the f8 gathers ran')
+        assert.are.same(a, b)
+      end)
   end
 end)

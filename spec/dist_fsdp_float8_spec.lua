@@ -72,4 +72,96 @@ describe('fsdp with float8 layers #mpi', function()
       end
     end
   end
+
+  -- float8_all_gather (docs/fsdp.md "Float8 all-gathers"): the weights of
+  -- the float8 layers gathered as f8 bytes, cast from the shards with the
+  -- all-reduced amax. Tensorwise, that is the cast of the gathered weight:
+  -- the same bits, so the same losses and parameters as gathering in full
+  -- precision, exactly; each rank its own rows
+  for _, c in ipairs({ { 'gpt2-tiny', 'GPT2Block' }, { 'llama-tiny', 'LlamaDecoderLayer' } }) do
+    for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP' }) do
+      for _, mp in ipairs({ false, { param = 'bf16', reduce = 'f32' } }) do
+        it(('%s, %s%s, float8_all_gather: the same losses and parameters as gathering in full precision'):format(
+          c[1], strategy, mp and ', bf16 parameters' or ''), function()
+          local x, y = FS.lcg_batch(91 + dist.rank(), 2, 16)
+          local function run(f8g)
+            local m = FS.load_model(c[1])
+            ms.float8.convert(m)
+            fsdp.fully_shard(m, { policy = fsdp.policy.by_class { c[2] }, strategy = strategy, float8_all_gather = f8g,
+              mixed_precision = mp or nil })
+            local opt = fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 })
+            local before = ms.float8.stats()
+            local r = {}
+            for k = 1, 3 do
+              local l = mp and ms.nn.functional.autocast('bf16', m, x, y) or m(x, y)
+              l:backward(); r[k] = l:item(); opt:step(); opt:zero_grad()
+            end
+            local after = ms.float8.stats()
+            fsdp.unshard(m)
+            local ps = {}
+            for name, p in m:named_parameters() do ps[#ps + 1] = { name, p:to('f64') } end
+            fsdp.reshard(m)
+            return r, ps, after.weight_casts - before.weight_casts, after.gathered_weights - before.gathered_weights
+          end
+          local a, pa, wa, ga = run(false)
+          local b, pb, wb, gb = run(true)
+          assert.are.same(a, b)
+          assert.is_true(b[3] < b[1])
+          for i = 1, #pa do
+            assert.are.equal(pa[i][1], pb[i][1])
+            assert.are.equal(0, (pa[i][2] - pb[i][2]):abs():max():item(), pa[i][1])
+          end
+          assert.is_true(wa > 0 and ga == 0, 'full precision: every weight cast')
+          assert.are.equal(0, wb, 'f8 gathers: no weight cast in the layers')
+          assert.are.equal(wa, gb)
+        end)
+      end
+    end
+  end
+
+  it('float8_all_gather: the f8 weight and its scale while gathered, materialized on request; bad options refused', function()
+    local x, y = FS.lcg_batch(5 + dist.rank(), 2, 16)
+    local m = FS.load_model('llama-tiny')
+    ms.float8.convert(m)
+    fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = 'SHARD_GRAD_OP',
+      float8_all_gather = true, mixed_precision = { param = 'bf16', reduce = 'f32' } })
+    local w = m.model.layers[1].mlp.up_proj.weight
+    assert.is_nil(fsdp.float8_weight(w), 'sharded: none')
+    local loss = ms.nn.functional.autocast('bf16', m, x, y)
+    -- SHARD_GRAD_OP keeps the units gathered until their backward
+    local w8, inv = fsdp.float8_weight(w)
+    assert.are.equal('f8e4m3', w8.dtype)
+    assert.are.same(w.shape, w8.shape)
+    assert.are.same({}, inv.shape)
+    local deq = w8:to('f32') * inv
+    assert.is_true(fsdp.float8_materialize(w))
+    assert.are.equal(0, (w:to('f32') - deq:to('bf16'):to('f32')):abs():max():item())
+    assert.is_nil(fsdp.float8_weight(m.model.layers[1].input_layernorm.weight), 'a norm is gathered in bf16')
+    loss:backward()
+    fsdp.unshard(m)
+    -- gathered in full precision: the weight is its master's bf16 copy again
+    assert.is_nil(fsdp.float8_weight(w))
+    assert.is_true((w:to('f32') - deq):abs():max():item() > 0)
+    assert.is_true(FS.norm_rel(deq, w:to('f32')) < 0.1, 'within FP8 rounding')
+    fsdp.reshard(m)
+    local function err(fn, pat)
+      local ok, e = pcall(fn)
+      assert.is_false(ok)
+      assert.is_truthy(tostring(e):find(pat, 1, true), tostring(e))
+    end
+    err(function()
+      local m2 = FS.load_model('llama-tiny')
+      fsdp.fully_shard(m2, { float8_all_gather = true })
+    end, 'found no weight of a tensorwise float8 layer')
+    err(function()
+      local m2 = FS.load_model('llama-tiny')
+      ms.float8.convert(m2, { recipe = 'rowwise' })
+      fsdp.fully_shard(m2, { float8_all_gather = true })
+    end, 'found no weight of a tensorwise float8 layer')
+    err(function()
+      local m2 = FS.load_model('llama-tiny')
+      ms.float8.convert(m2)
+      fsdp.fully_shard(m2, { float8_all_gather = true, strategy = 'NO_SHARD' })
+    end, 'float8_all_gather needs a sharding strategy')
+  end)
 end)

@@ -290,6 +290,16 @@ describe('float8 on cuda #gpu', function()
     same_values(ict, icc, 'empty scales')
   end)
 
+  it('float8_transpose gives the CPU bytes (whole, partial and unaligned tiles)', function()
+    for _, sh in ipairs({ { 2048, 5632 }, { 100, 37 }, { 1, 16 }, { 64, 64 }, { 333, 190 } }) do
+      local x = randn(sh, 4):to('f8e4m3')
+      same_values(F.float8_transpose(x:cuda()), F.float8_transpose(x), table.concat(sh, 'x'))
+    end
+    local big = randn({ 64 * 65 + 1 }, 2):to('f8e4m3')
+    local v = big:narrow(1, 2, 64 * 65):view(64, 65)
+    same_values(F.float8_transpose(big:cuda():narrow(1, 2, 64 * 65):view(64, 65)), F.float8_transpose(v), 'unaligned')
+  end)
+
   it('scaled_matmul with vector scales (cuBLASLt outer-vector scaling) matches the CPU (bias, beta, fast accumulation)', function()
     if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
     local ffi = require 'ffi'

@@ -20,6 +20,7 @@ step llama-2-head-in-root timeout 200 bin/train --nproc-per-node 2 --device cuda
 step llama-2-prefetch-root timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --prefetch-root
 # float8 under FSDP on two GPUs (docs/float8.md)
 step llama-2-f8 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --float8
+step llama-2-f8g timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --float8 --float8-gather
 step llama-2-f8r timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --float8 --recipe rowwise
 step gpt2-1 timeout 120 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model gpt2
 step llama-1 timeout 150 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model llama

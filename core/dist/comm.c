@@ -495,12 +495,17 @@ int ms_dist_destroy(void) {
 static const char *op_names[4] = {"sum", "avg", "max", "min"};
 static const char *kind_names[5] = {"all_gather_into", "reduce_scatter", "all_reduce", "broadcast", "copy_gather"};
 
-static int check_tensor(ms_comm *c, const char *op, const char *what, const ms_tensor *t) {
+/* moves8: a collective that only moves bytes (all_gather_into, broadcast,
+ * copy_gather), which also takes the 8-bit floats (FSDP's float8 gathers) */
+static int check_tensor(ms_comm *c, const char *op, const char *what, const ms_tensor *t, int moves8) {
     char d[200];
     if (!t) return ms_errorf("%s: %s is missing", op, what);
     if (ms_tensor_check_live(t, op)) return -1;
-    if (t->dtype_id != MS_F32 && t->dtype_id != MS_BF16 && t->dtype_id != MS_F64 && t->dtype_id != MS_I64)
-        return ms_errorf("%s: %s is %s; collectives take f32, bf16, f64 or i64", op, what, ms_desc(t, d, sizeof d));
+    if (moves8 && ms_is_float8(t->dtype_id)) {
+        /* (bytes: every backend moves them as such) */
+    } else if (t->dtype_id != MS_F32 && t->dtype_id != MS_BF16 && t->dtype_id != MS_F64 && t->dtype_id != MS_I64)
+        return ms_errorf("%s: %s is %s; collectives take f32, bf16, f64 or i64 (all_gather_into and broadcast "
+                         "also f8e4m3, f8e5m2)", op, what, ms_desc(t, d, sizeof d));
     if (!ms_tensor_is_contiguous(t))
         return ms_errorf("%s: %s (%s) is not contiguous (call :contiguous() first)", op, what, ms_desc(t, d, sizeof d));
     if (c->be == ms_dist_nccl_backend && t->device_id != c->device)
@@ -519,9 +524,11 @@ static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, c
     if (usable(c, name)) return -1;
     if ((kind == MS_COLL_REDUCE_SCATTER || kind == MS_COLL_ALL_REDUCE) && (op < 0 || op > MS_REDUCE_MIN))
         return ms_errorf("%s: unknown reduction %d (sum, avg, max, min)", name, op);
-    if (check_tensor(c, name, kind == MS_COLL_ALL_REDUCE || kind == MS_COLL_BROADCAST ? "the tensor" : "out", out))
+    const int moves8 = kind == MS_COLL_ALL_GATHER || kind == MS_COLL_BROADCAST || kind == MS_COLL_COPY_GATHER;
+    if (check_tensor(c, name, kind == MS_COLL_ALL_REDUCE || kind == MS_COLL_BROADCAST ? "the tensor" : "out", out,
+                     moves8))
         return -1;
-    if (in != out && check_tensor(c, name, "in", in)) return -1;
+    if (in != out && check_tensor(c, name, "in", in, moves8)) return -1;
     char a[200], b[200];
     int64_t n_out = ms_tensor_numel(out), n_in = ms_tensor_numel(in);
     if (in->dtype_id != out->dtype_id)
@@ -617,7 +624,7 @@ int ms_comm_copy_register(ms_copy_buf **out, ms_comm *c, ms_tensor *t) {
     if (!c->be->copy_register)
         return ms_errorf("%s: copy-engine gathers need the NCCL backend (the group %s is %s)", name, c->name,
                          c->be->name);
-    if (check_tensor(c, name, "the tensor", t)) return -1;
+    if (check_tensor(c, name, "the tensor", t, 1)) return -1;
     if (t->storage->external)
         return ms_errorf("%s: %s is not memory of the caching allocator", name, ms_desc(t, d, sizeof d));
     ms_copy_buf *b = calloc(1, sizeof *b);

@@ -92,6 +92,8 @@ static MPI_Datatype mpi_type(int dtype) {
     case MS_F32: return MPI_FLOAT;
     case MS_F64: return MPI_DOUBLE;
     case MS_I64: return MPI_INT64_T;
+    case MS_F8E4M3:
+    case MS_F8E5M2: return MPI_BYTE;
     default: return g_bf16;
     }
 }

@@ -340,6 +340,8 @@ ncclDataType_t nccl_type(int dtype) {
     case MS_F32: return ncclFloat32;
     case MS_F64: return ncclFloat64;
     case MS_I64: return ncclInt64;
+    case MS_F8E4M3:
+    case MS_F8E5M2: return ncclUint8;   // (moved as bytes: all_gather, broadcast)
     default: return ncclBfloat16;
     }
 }

@@ -130,8 +130,13 @@ end
 
 -- counters for specs and benches: input casts made (a shared one counts
 -- once), in the forward and again in the backward
-local stats = { input_casts = 0, backward_casts = 0 }
-function float8.stats() return { input_casts = stats.input_casts, backward_casts = stats.backward_casts } end
+-- and weights: cast in the forward, or taken as gathered f8 (FSDP's
+-- float8_all_gather)
+local stats = { input_casts = 0, backward_casts = 0, weight_casts = 0, gathered_weights = 0 }
+function float8.stats()
+  return { input_casts = stats.input_casts, backward_casts = stats.backward_casts, weight_casts = stats.weight_casts,
+    gathered_weights = stats.gathered_weights }
+end
 
 -- One cast of a tensor several layers read (q/k/v, gate/up): the last one
 -- made, keyed by the tensor's storage, view and version (so another handle
@@ -172,6 +177,8 @@ A.register_hook('backward_end', drop_caches)
 float8.clear_cache = drop_caches
 
 local function alias(t) return t ~= nil and R.alias(t) or nil end
+-- an f8 weight's other layout (a tiled transpose kernel on CUDA)
+local function transposed(t) return F.float8_transpose(t) end
 
 -- the forward's cast of input rows x2: rows, inv, amax (aliases the caller
 -- owns; axiswise: inv a vector, no amax)
@@ -278,7 +285,17 @@ local function bwd_float8(node, g)
     -- from the weight (tensorwise with its forward amax: the same bits;
     -- FSDP gathered it for this backward) when not kept
     local w_in, winv = s.w_in, s.winv_in
-    if w_in == nil then
+    local fs = package.loaded['moonshard.fsdp']
+    local wg8, wg8inv
+    if w_in == nil and s.f8g and fs ~= nil then wg8, wg8inv = fs.float8_weight(s.w) end
+    if wg8 ~= nil then
+      -- gathered again in f8 for this backward: the forward's bits
+      w_in, winv = s.wt and transposed(wg8) or R.alias(wg8), R.alias(wg8inv)
+    elseif w_in == nil and s.f8g then
+      -- (the unit was gathered in full precision since: a cast of its own)
+      local r, c, i = cast(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt, false)
+      w_in, winv = s.wt and c or r, i
+    elseif w_in == nil then
       if cfg.axiswise then
         local r, c, ir, ic = cast_ax(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt)
         w_in, winv = s.wt and c or r, s.wt and ic or ir
@@ -349,8 +366,11 @@ function float8.linear(x, w, b, opts)
     error(('%s: input on %s, weight on %s'):format(name, x.device, w.device), 2)
   end
   local x2, n = rows_of(x)
+  local fs = package.loaded['moonshard.fsdp']
   if not fp8_fits(x, w, n, in_f, out_f) then
     if x2 ~= x then free(x2) end
+    -- (a weight gathered in f8 only: its values written from the f8 copy)
+    if fs ~= nil and not cfg.axiswise then fs.float8_materialize(w) end
     local nnf = require 'moonshard.nn.functional'
     return (wt and nnf.linear or nnf.conv1d_linear)(x, w, b)
   end
@@ -363,19 +383,33 @@ function float8.linear(x, w, b, opts)
   -- w's two layouts: (out, in) for the forward, (in, out) for dx (kept,
   -- or made again in the backward: recompute_weight)
   local recompute = cfg.recompute_weight
-  if recompute == 'auto' then
-    local fs = package.loaded['moonshard.fsdp']
-    recompute = fs ~= nil and fs.releases_after_forward(w)
-  end
+  if recompute == 'auto' then recompute = fs ~= nil and fs.releases_after_forward(w) end
   local keep = need_x and not recompute
   local w_out, w_in, winv, winv_in, wamax
-  if cfg.axiswise then
+  -- FSDP's float8 all-gather: the weight's f8 copy and scale came gathered
+  local g8, g8inv
+  if fs ~= nil and not cfg.axiswise then g8, g8inv = fs.float8_weight(w) end
+  if g8 ~= nil and g8.dtype ~= cfg.weight then g8 = nil end
+  if g8 ~= nil then
+    stats.gathered_weights = stats.gathered_weights + 1
+    if wt then
+      w_out = R.alias(g8)
+      if keep then w_in = transposed(g8) end
+    else
+      w_out = transposed(g8)
+      if keep then w_in = R.clone(g8) end   -- (the gathered buffer may be released before the backward)
+    end
+    winv = R.alias(g8inv)
+    winv_in = winv
+  elseif cfg.axiswise then
+    stats.weight_casts = stats.weight_casts + 1
     -- the forward's layout scaled per output feature, dx's per input one
     -- (each along its product's K); made again in the backward when not kept
     local ir, ic
     if wt then w_out, w_in, ir, ic = cast_ax(w, cfg.weight, cfg.pow2, true, keep); winv, winv_in = ir, ic
     else w_in, w_out, ir, ic = cast_ax(w, cfg.weight, cfg.pow2, keep, true); winv, winv_in = ic, ir end
   else
+    stats.weight_casts = stats.weight_casts + 1
     local want_amax = need_x and recompute   -- (to make the copy again in the backward)
     if wt then w_out, w_in, winv, wamax = cast(w, cfg.weight, cfg.pow2, true, keep, want_amax)
     else w_in, w_out, winv, wamax = cast(w, cfg.weight, cfg.pow2, keep, true, want_amax) end
@@ -416,7 +450,7 @@ function float8.linear(x, w, b, opts)
     if w_in ~= nil then own[#own + 1] = w_in end
     if wamax ~= nil then own[#own + 1] = wamax end
     local saved = { x2 = xs, xamax = xamax, w_in = w_in, winv_in = w_in ~= nil and winv_in or nil, wamax = wamax,
-      w = w, wt = wt, cfg = cfg, dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id }
+      w = w, wt = wt, cfg = cfg, dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id, f8g = g8 ~= nil }
     A.record_list(name, y, bwd_float8, saved, own, { x, w, b })
   else
     if x2 ~= x then free(x2) end

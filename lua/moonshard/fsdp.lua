@@ -537,6 +537,225 @@ function Unit:copy_reg(src)
   return reg
 end
 
+-- ------------------------------------------------- float8 all-gathers
+-- fully_shard{ float8_all_gather = true } (torchao's
+-- enable_fsdp_float8_all_gather with precompute_float8_dynamic_scale_for_fsdp;
+-- docs/fsdp.md, "Float8 all-gathers"): a unit's weights of tensorwise
+-- float8 layers travel as f8 bytes. Once a step (the first gather after an
+-- optimizer step), every unit's local amax of each such weight's part of
+-- the shard, one all_reduce(max) over the shard group for the whole model,
+-- and each part cast with its weight's scale into the unit's f8 shard;
+-- the gather moves that (one byte an element) into the f8 buffer, whose
+-- views are the f8 weights float8.linear takes (fsdp.float8_weight). The
+-- unit's other parameters (norms, biases) go through a second, small
+-- gather of their elements packed in the unit's dtype. The cast of the
+-- shard is the cast of the gathered weight (tensorwise: the same global
+-- amax, an element-wise cast): the same bits as gathering in bf16 and
+-- casting after, 1/W of the casting work and half the bytes on the wire.
+-- The f8 weights' regions of the unit's bf16 buffer are not written by
+-- these gathers (fsdp.unshard(model) gathers them in full precision;
+-- fsdp.float8_materialize(w) writes one from its f8 copy).
+
+-- the gather plan of unit u, or nil when it has no float8 weight: f8 =
+-- { ks (the weights' indices), by_off (flat offset -> k), cfg, piece[k]
+-- (this rank's part: off in the shard, n), hp (the packed gather's pieces
+-- over all ranks: { r, pk, dst, n }), mine (this rank's: { src, pk, n }), P }
+local function f8_plan(u)
+  local f8mod = package.loaded['moonshard.float8']
+  if f8mod == nil then return nil end
+  local fp = u.fp
+  local cfg_of, bad = {}, {}
+  for _, slot in ipairs(u.slots) do
+    local cfg = f8mod.converted(slot.m)
+    if cfg and slot.pn == 'weight' and not cfg.axiswise and not u.frozen[slot.k] then
+      if cfg_of[slot.k] == nil then cfg_of[slot.k] = cfg end
+    else bad[slot.k] = true end
+  end
+  local ks, dtype8 = {}, nil
+  for k = 1, fp.nparams do
+    local cfg = cfg_of[k]
+    if cfg and not bad[k] and fp.numels[k] > 0 then
+      dtype8 = dtype8 or cfg.weight
+      if cfg.weight == dtype8 then ks[#ks + 1] = k else cfg_of[k] = nil end
+    else cfg_of[k] = nil end
+  end
+  if #ks == 0 then return nil end
+  local is8 = {}
+  for _, k in ipairs(ks) do is8[k] = true end
+  local S, W = fp.shard_numel, fp.world_size
+  local plan = { ks = ks, is8 = is8, cfg = cfg_of, dtype8 = dtype8, by_off = {}, piece = {}, hp = {}, mine = {} }
+  for _, k in ipairs(ks) do plan.by_off[fp.layout.offsets[k]] = k end
+  local s0 = fp.rank * S
+  for _, k in ipairs(ks) do
+    local o, n = fp.layout.offsets[k], fp.numels[k]
+    local a, b = math.max(o, s0), math.min(o + n, s0 + S)
+    if b > a then plan.piece[k] = { off = a - s0, n = b - a } end
+  end
+  local P = 0
+  for r = 0, W - 1 do
+    local pk = 0
+    for k = 1, fp.nparams do
+      if not is8[k] then
+        local o, n = fp.layout.offsets[k], fp.numels[k]
+        local a, b = math.max(o, r * S), math.min(o + n, (r + 1) * S)
+        if b > a then
+          plan.hp[#plan.hp + 1] = { r = r, pk = pk, dst = a, n = b - a }
+          if r == fp.rank then plan.mine[#plan.mine + 1] = { src = a - r * S, pk = pk, n = b - a } end
+          pk = pk + (b - a)
+        end
+      end
+    end
+    P = math.max(P, pk)
+  end
+  plan.P = P
+  return plan
+end
+
+-- the f8 state of a unit with a plan: the f8 shard, the unsharded f8 buffer
+-- (its data released with the unit's), the weights' f8 views, their amax
+-- (0-dim views of st.f8_amax at base + j) and inverse scales (0-dim), the
+-- packed source and destination of the other parameters and their views
+function Unit:f8_init(base)
+  local fp, f8 = self.fp, self.f8
+  local S, W, dev = fp.shard_numel, fp.world_size, fp.device
+  f8.shard8 = T.empty({ S }, { dtype = f8.dtype8, device = dev })   -- (the other parameters' elements: never read)
+  f8.flat8 = T.empty({ fp.total }, { dtype = f8.dtype8, device = dev })
+  f8.views8, f8.amax, f8.inv, f8.part8 = {}, {}, {}, {}
+  for j, k in ipairs(f8.ks) do
+    local n = f8.flat8:narrow(1, fp.layout.offsets[k] + 1, fp.numels[k])
+    f8.views8[k] = n:view(fp.shapes[k])
+    n:free()
+    local a = self.st.f8_amax:narrow(1, base + j, 1)
+    f8.amax[k] = a:view({})
+    a:free()
+    f8.inv[k] = T.empty({}, { dtype = 'f32', device = dev })
+    -- this rank's part cast as (n / 64, 64) rows (the cast's 64 x 64 tiles
+    -- full) and the rest as one row: { off, rows, cols, out }
+    local pc = f8.piece[k]
+    if pc then
+      local segs, main = {}, pc.n - pc.n % 64
+      local function seg(off, rows, cols)
+        local d = f8.shard8:narrow(1, pc.off + off + 1, rows * cols)
+        segs[#segs + 1] = { off = pc.off + off, rows = rows, cols = cols, out = d:view({ rows, cols }) }
+        d:free()
+      end
+      if main > 0 then seg(0, main / 64, 64) end
+      if pc.n > main then seg(main, 1, pc.n - main) end
+      f8.part8[k] = segs
+    end
+  end
+  self.st.inv_scratch = self.st.inv_scratch or T.empty({}, { dtype = 'f32', device = dev })
+  if f8.P > 0 then
+    f8.hp_src = T.zeros({ f8.P }, { dtype = fp.dtype, device = dev })
+    f8.hp_all = T.zeros({ W * f8.P }, { dtype = fp.dtype, device = dev })
+  end
+  if self.free_data then storage_check(C.ms_storage_free_data(f8.flat8), 'releasing the f8 buffer', self) end
+end
+
+-- once a step, every float8 unit's local amaxes and one all_reduce(max);
+-- each unit's casts follow at its first gather of the step (Unit:f8_cast)
+local function f8_precompute(st)
+  st.f8_stale, st.f8_gen = false, st.src_gen
+  st.f8_scales = (st.f8_scales or 0) + 1
+  for _, u in ipairs(st.f8_units) do
+    local f8 = u.f8
+    local src = u:gather_source()   -- the low-precision copy (refreshed) or the master shard
+    for _, k in ipairs(f8.ks) do
+      local pc = f8.piece[k]
+      if pc then
+        local part = src:narrow(1, pc.off + 1, pc.n)
+        st.box[0] = f8.amax[k]
+        check(C.ms_amax(st.box, part), 2)
+        part:free()
+      else
+        raw_zero(f8.amax[k])
+      end
+    end
+  end
+  if st.f8_group and st.f8_group:size() > 1 and not st.skip_comm then
+    dist.all_reduce(st.f8_amax, 'max', { group = st.f8_group })
+  end
+end
+
+-- the unit's parts cast with their weights' scales into the f8 shard, and
+-- the other parameters' elements packed
+function Unit:f8_cast()
+  local st, f8 = self.st, self.f8
+  self.f8_cast_at = st.f8_scales
+  local src = self:gather_source()
+  do
+    for _, k in ipairs(f8.ks) do
+      local cfg = f8.cfg[k]
+      local dt, p2 = T.dtype_id(f8.dtype8), cfg.pow2 and 1 or 0
+      local segs = f8.part8[k]
+      if segs == nil then   -- (no part here: the scale alone)
+        local x2 = T.empty({ 0, 0 }, { dtype = src.dtype, device = src.device_id })
+        st.box2[0] = f8.inv[k]
+        check(C.ms_float8_cast(nil, nil, st.box2, x2, f8.amax[k], dt, p2), 2)
+        x2:free()
+      else
+        for i, sg in ipairs(segs) do
+          local part = src:narrow(1, sg.off + 1, sg.rows * sg.cols)
+          local x2 = part:view({ sg.rows, sg.cols })
+          part:free()
+          st.box[0], st.box2[0] = sg.out, i == 1 and f8.inv[k] or st.inv_scratch
+          check(C.ms_float8_cast(st.box, nil, st.box2, x2, f8.amax[k], dt, p2), 2)
+          x2:free()
+        end
+      end
+    end
+    for _, m in ipairs(f8.mine) do
+      local d, sv = f8.hp_src:narrow(1, m.pk + 1, m.n), src:narrow(1, m.src + 1, m.n)
+      no_grad(function() raw_copy(d, sv) end)
+      d:free(); sv:free()
+    end
+  end
+end
+
+-- the f8 path of gather_start (the unit's bf16 buffer allocated already)
+function Unit:f8_gather_start()
+  local st, fp, f8 = self.st, self.fp, self.f8
+  if st.f8_stale or st.f8_gen ~= st.src_gen then f8_precompute(st) end
+  if self.f8_cast_at ~= st.f8_scales then self:f8_cast() end
+  if self.free_data then storage_check(C.ms_storage_alloc_data(f8.flat8), 'allocating the f8 buffer', self) end
+  if fp.world_size == 1 or st.skip_comm then
+    -- (set_skip_comm: every member's slot gets this rank's own shard, as in
+    -- the bf16 path)
+    local n = fp.shard_numel
+    no_grad(function()
+      for r = 0, fp.world_size - 1 do
+        local d = f8.flat8:narrow(1, r * n + 1, n)
+        raw_copy(d, f8.shard8)
+        d:free()
+        if f8.P > 0 then
+          local h = f8.hp_all:narrow(1, r * f8.P + 1, f8.P)
+          raw_copy(h, f8.hp_src)
+          h:free()
+        end
+      end
+    end)
+  else
+    self.work8 = dist.all_gather_into(f8.flat8, f8.shard8, { group = fp.group, async = true })
+    if f8.P > 0 then self.work = dist.all_gather_into(f8.hp_all, f8.hp_src, { group = fp.group, async = true }) end
+  end
+  self.f8_live = true
+end
+
+-- after the f8 gathers: the other parameters' elements into their places
+function Unit:f8_finish()
+  local f8 = self.f8
+  if self.work8 then self.work8:wait(); self.work8:free(); self.work8 = nil end
+  if f8.P > 0 then
+    if f8.unpack == nil then   -- (views made while the buffer holds data; they follow its storage)
+      f8.unpack = {}
+      for i, h in ipairs(f8.hp) do
+        f8.unpack[i] = { src = f8.hp_all:narrow(1, h.r * f8.P + h.pk + 1, h.n), dst = self.flat:narrow(1, h.dst + 1, h.n) }
+      end
+    end
+    no_grad(function() for _, c in ipairs(f8.unpack) do raw_copy(c.dst, c.src) end end)
+  end
+end
+
 -- issue the all-gather (async) into the unsharded buffer; no-op unless sharded
 function Unit:gather_start()
   if self.status ~= 'sharded' then return end
@@ -545,6 +764,8 @@ function Unit:gather_start()
   local src = self:gather_source()
   if self.aliased then
     -- the buffer is the shard
+  elseif self.f8 and not st.f8_hp then
+    self:f8_gather_start()
   elseif fp.world_size == 1 then
     no_grad(function() raw_copy(self.flat, src) end)
   elseif st.skip_comm then
@@ -591,6 +812,7 @@ function Unit:unshard()
   if self.status == 'unsharded' then return end
   if self.status == 'sharded' then self:gather_start() end
   if self.work then self.work:wait(); self.work:free(); self.work = nil end
+  if self.f8_live then self:f8_finish() end
   self.status = 'unsharded'
   trace(self.st, 'unshard', self)
 end
@@ -600,7 +822,14 @@ end
 function Unit:reshard()
   if self.status == 'sharded' then return end
   if self.work then self.work:wait(); self.work:free(); self.work = nil end
+  if self.work8 then self.work8:wait(); self.work8:free(); self.work8 = nil end
   if self.free_data then storage_check(C.ms_storage_free_data(self.flat), 'releasing the unsharded buffer', self) end
+  if self.f8 then
+    if self.f8_live and self.free_data then
+      storage_check(C.ms_storage_free_data(self.f8.flat8), 'releasing the f8 buffer', self)
+    end
+    self.f8_live = false
+  end
   self.status, self.unsharded = 'sharded', false
   if self.reshards then self.st.inflight = self.st.inflight - 1 end
   trace(self.st, 'reshard', self)
@@ -912,6 +1141,10 @@ function fsdp.fully_shard(model, opts)
   if type(limit) ~= 'number' or limit < 1 then
     error(('fully_shard: limit_all_gathers must be a number >= 1, got %s'):format(tostring(limit)), 2)
   end
+  if opts.float8_all_gather and (strategy == 'NO_SHARD' or opts.offload) then
+    error('fully_shard: float8_all_gather needs a sharding strategy (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) '
+      .. 'without offload', 2)
+  end
   if opts.copy_gather ~= nil and type(opts.copy_gather) ~= 'boolean' and opts.copy_gather ~= 'emulate' then
     error(('fully_shard: copy_gather must be true, false or \'emulate\', got %s'):format(tostring(opts.copy_gather)), 2)
   end
@@ -1154,6 +1387,26 @@ function fsdp.fully_shard(model, opts)
       install_hooks(st, unit)
     end
   end
+  if opts.float8_all_gather then
+    -- the float8 units' plans, one amax vector for all (docs/fsdp.md)
+    st.f8_units, st.f8_stale, st.f8_group = {}, true, shard_group
+    st.box, st.box2 = ffi.new('ms_tensor*[1]'), ffi.new('ms_tensor*[1]')
+    local n8 = 0
+    for _, unit in ipairs(st.units) do
+      unit.f8 = f8_plan(unit)
+      if unit.f8 then
+        st.f8_units[#st.f8_units + 1] = unit
+        unit.f8.base = n8
+        n8 = n8 + #unit.f8.ks
+      end
+    end
+    if n8 == 0 then
+      error('fully_shard: float8_all_gather found no weight of a tensorwise float8 layer (float8.convert the model '
+        .. 'first)', 2)
+    end
+    st.f8_amax = T.zeros({ n8 }, { dtype = 'f32', device = st.units[1].fp.device })
+    for _, unit in ipairs(st.f8_units) do unit:f8_init(unit.f8.base) end
+  end
   for _, unit in ipairs(st.units) do
     if not unit.reshards then unit:unshard() end
   end
@@ -1205,8 +1458,47 @@ function fsdp.max_inflight(model) return state_of(model, 'fsdp.max_inflight').ma
 -- all-gather every unit (after an optimizer step, before reading
 -- model:named_parameters() outside forward)
 function fsdp.unshard(model)
-  for _, u in ipairs(state_of(model, 'fsdp.unshard').units) do u:unshard() end
+  local st = state_of(model, 'fsdp.unshard')
+  -- (float8_all_gather: every parameter in full precision, a unit gathered
+  -- in f8 gathered again)
+  st.f8_hp = true
+  local ok, err = pcall(function()
+    for _, u in ipairs(st.units) do
+      if u.f8_live and u.reshards then u:reshard() end
+      u:unshard()
+    end
+  end)
+  st.f8_hp = false
+  if not ok then error(err, 0) end
   return model
+end
+
+-- float8_all_gather: the f8 copy of a float8 layer's weight t (a view of
+-- its gathered f8 buffer, t's shape, the recipe's weight dtype) and its
+-- inverse scale (0-dim f32), while t's unit is gathered in f8; else nil.
+-- moonshard.float8 takes it instead of casting t.
+function fsdp.float8_weight(t)
+  local u = T.is_tensor(t) and t.storage ~= nil and flat_units[storage_key(t)] or nil
+  if u == nil or not u.f8_live or u.status ~= 'unsharded' then return nil end
+  local k = u.f8.by_off[tonumber(t.offset)]
+  if k == nil or t:numel() ~= u.fp.numels[k] or not t:is_contiguous() then return nil end
+  return u.f8.views8[k], u.f8.inv[k]
+end
+
+-- float8_all_gather: write weight t's values from its f8 copy (what the
+-- FP8 products see) into its region of the unit's buffer, which the f8
+-- gather leaves unwritten; true when it did (a plain linear then reads t)
+function fsdp.float8_materialize(t)
+  local w8, inv = fsdp.float8_weight(t)
+  if w8 == nil then return false end
+  no_grad(function()
+    local F = require 'moonshard.ops'
+    local w = w8:to('f32')
+    local d = F.mul(w, inv)
+    raw_copy(t, d)
+    w:free(); d:free()
+  end)
+  return true
 end
 
 -- release every unit's unsharded buffer (NO_SHARD units keep theirs)
@@ -1293,6 +1585,7 @@ end
 function fsdp.after_step(model)
   local st = state_of(model, 'fsdp.after_step')
   fence_dirty_copies(st, 'after_step')
+  st.f8_stale = true   -- (float8_all_gather: the f8 shards are cast again)
   for _, u in ipairs(st.units) do
     if u.lp_written then
       -- the optimizer's step wrote it (fsdp.optimizer's mirrors): what

@@ -395,6 +395,12 @@ function F.float8_cast_axiswise(x, dtype, opts)
   return r[1], r[2], r[3], r[4]
 end
 
+-- float8_transpose(x (R, C) 8-bit float) -> (C, R) contiguous, the same bytes
+function F.float8_transpose(x)
+  need_tensor('float8_transpose', x, 'x')
+  return run(C.ms_float8_transpose, x)
+end
+
 -- scaled_matmul(a (M, K), b (N, K), ainv, binv, {bias =, out_dtype = 'bf16',
 -- out =, beta = 0, fast_accum = false}) -> out (M, N) = ainv * binv * a @ b^T
 -- (+ bias) (+ beta * out): 8-bit float operands with contiguous rows; ainv

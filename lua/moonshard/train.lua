@@ -95,6 +95,7 @@ train.options = {
   { 'lora_targets', 'string', 'attn%.,mlp%.', 'comma-separated Lua patterns: the nn.Linear / nn.Conv1D modules whose names match get adapters' },
   { 'freeze', 'string?', nil, 'comma-separated Lua patterns: the parameters whose names match one are frozen (requires_grad off: no gradient, no optimizer step, also under FSDP); each pattern must match a parameter' },
   { 'float8', 'string', 'off', 'FP8 linear layers (moonshard.float8, torchao\'s float8 training): off, or a recipe: tensorwise (a bare --float8), rowwise, rowwise_with_gw_hp: every nn.Linear / nn.Conv1D but the LM head computes its three products in FP8 with dynamic scales; CUDA needs an H100-class GPU, the CPU emulates it (docs/float8.md)' },
+  { 'float8_all_gather', 'bool', false, 'with --float8 tensorwise and --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD: the float8 layers\' weights all-gathered as f8 bytes, cast from the shards with scales all-reduced once a step (fully_shard\'s float8_all_gather, torchao\'s enable_fsdp_float8_all_gather; docs/fsdp.md)' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
@@ -1132,15 +1133,20 @@ function train.run(opts)
 
   -- FSDP: units by --fsdp-policy, --fsdp-mixed-precision, --shard-size
   local fsdp_desc
+  if o.float8_all_gather and (o.float8 ~= 'tensorwise' or not strategy or strategy == 'NO_SHARD') then
+    usage('--float8-all-gather needs --float8 tensorwise and --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD '
+      .. '(got --float8 %s, --fsdp %s)', o.float8, tostring(strategy or 'off'))
+  end
   if strategy then
     local policy, pdesc = train.fsdp_policy(M, model, o.fsdp_policy)
     local mp = train.mixed_precision(o.fsdp_mixed_precision, device)
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
       shard_size = strategy == 'HYBRID_SHARD' and o.shard_size > 0 and o.shard_size or nil,
-      group = tp_mesh and tp_mesh.replicate or nil })
+      group = tp_mesh and tp_mesh.replicate or nil, float8_all_gather = o.float8_all_gather or nil })
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, data_world, data_world == 1 and '' or 's', pdesc,
       #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
+    if o.float8_all_gather then fsdp_desc = fsdp_desc .. ', float8 all-gathers' end
     ms.nn.materialize(model)   -- what no unit took (buffers)
     if deferred and not tp_mesh then fsdp_desc = fsdp_desc .. ', deferred init' end
   end
