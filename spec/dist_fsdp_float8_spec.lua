@@ -77,7 +77,8 @@ describe('fsdp with float8 layers #mpi', function()
   -- the float8 layers gathered as f8 bytes, cast from the shards with the
   -- all-reduced amax. Tensorwise, that is the cast of the gathered weight:
   -- the same bits, so the same losses and parameters as gathering in full
-  -- precision, exactly; each rank its own rows
+  -- precision, exactly; each rank its own rows (also through the
+  -- copy-engine gathers' bookkeeping, copy_gather = 'emulate')
   for _, c in ipairs({ { 'gpt2-tiny', 'GPT2Block' }, { 'llama-tiny', 'LlamaDecoderLayer' } }) do
     for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP' }) do
       for _, mp in ipairs({ false, { param = 'bf16', reduce = 'f32' } }) do
@@ -87,8 +88,8 @@ describe('fsdp with float8 layers #mpi', function()
           local function run(f8g)
             local m = FS.load_model(c[1])
             ms.float8.convert(m)
-            fsdp.fully_shard(m, { policy = fsdp.policy.by_class { c[2] }, strategy = strategy, float8_all_gather = f8g,
-              mixed_precision = mp or nil })
+            fsdp.fully_shard(m, { policy = fsdp.policy.by_class { c[2] }, strategy = strategy, float8_all_gather = f8g and true,
+              mixed_precision = mp or nil, copy_gather = f8g == 'emulate' and 'emulate' or nil })
             local opt = fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 })
             local before = ms.float8.stats()
             local r = {}
@@ -106,6 +107,9 @@ describe('fsdp with float8 layers #mpi', function()
           local a, pa, wa, ga = run(false)
           local b, pb, wb, gb = run(true)
           assert.are.same(a, b)
+          -- the copy-engine gathers' bookkeeping (fences after the f8 shards
+          -- are cast), emulated by all_gathers
+          assert.are.same(a, (run('emulate')))
           assert.is_true(b[3] < b[1])
           for i = 1, #pa do
             assert.are.equal(pa[i][1], pb[i][1])

@@ -652,21 +652,20 @@ function Unit:f8_init(base)
   if self.free_data then storage_check(C.ms_storage_free_data(f8.flat8), 'releasing the f8 buffer', self) end
 end
 
--- once a step, every float8 unit's local amaxes and one all_reduce(max);
--- each unit's casts follow at its first gather of the step (Unit:f8_cast)
+-- once a step, every float8 unit's local amaxes, one all_reduce(max), and
+-- every unit's casts (Unit:f8_cast): the f8 shards are then sources a
+-- copy-engine gather may read (a new src_gen: the next such gather fences)
 local function f8_precompute(st)
-  st.f8_stale, st.f8_gen = false, st.src_gen
+  st.f8_stale = false
   st.f8_scales = (st.f8_scales or 0) + 1
   for _, u in ipairs(st.f8_units) do
     local f8 = u.f8
-    local src = u:gather_source()   -- the low-precision copy (refreshed) or the master shard
+    local sv = u:f8_src_views()
     for _, k in ipairs(f8.ks) do
-      local pc = f8.piece[k]
-      if pc then
-        local part = src:narrow(1, pc.off + 1, pc.n)
+      local part = sv.part[k]
+      if part then
         st.box[0] = f8.amax[k]
         check(C.ms_amax(st.box, part), 2)
-        part:free()
       else
         raw_zero(f8.amax[k])
       end
@@ -675,48 +674,87 @@ local function f8_precompute(st)
   if st.f8_group and st.f8_group:size() > 1 and not st.skip_comm then
     dist.all_reduce(st.f8_amax, 'max', { group = st.f8_group })
   end
+  for _, u in ipairs(st.f8_units) do u:f8_cast() end
+  st.src_gen = st.src_gen + 1
+  st.f8_gen = st.src_gen
+end
+
+-- the copy-engine registrations of the unit's f8 shard and packed source
+-- ({ f8 =, hp = }), or false (as Unit:copy_reg: NCCL on CUDA, or 'emulate')
+function Unit:f8_copy_reg()
+  if self.f8reg ~= nil then return self.f8reg end
+  local st, f8, g = self.st, self.f8, self.fp.group
+  local reg = false
+  if st.copy_gather == 'emulate' then
+    reg = { f8 = emulated_reg(f8.shard8, g), hp = f8.P > 0 and emulated_reg(f8.hp_src, g) or nil }
+  elseif st.copy_gather and f8.shard8.device_id >= 0 and dist.backend() == 'nccl' then
+    local r8 = dist.copy_register(f8.shard8, { group = g })
+    local rh = r8 and f8.P > 0 and dist.copy_register(f8.hp_src, { group = g }) or nil
+    if r8 and (f8.P == 0 or rh) then reg = { f8 = r8, hp = rh }
+    else
+      if r8 then r8:free() end
+      if rh then rh:free() end
+    end
+  end
+  self.f8reg = reg
+  return reg
+end
+
+-- the views of the gather source the f8 steps read, made once (the source
+-- is the unit's low-precision copy or its master shard, kept across steps):
+-- part[k] (1-d), seg[k][i] (the cast's 2-d pieces), empty (a (0, 0) for a
+-- weight with no part here), mine[i] = { dst, src } of the packed copy
+function Unit:f8_src_views()
+  local f8 = self.f8
+  local src = self:gather_source()   -- (refreshes the low-precision copy when stale)
+  local sv = f8.sv
+  if sv and sv.src == src then return sv end
+  sv = { src = src, part = {}, seg = {}, mine = {} }
+  sv.empty = T.empty({ 0, 0 }, { dtype = src.dtype, device = src.device_id })
+  for _, k in ipairs(f8.ks) do
+    local pc = f8.piece[k]
+    if pc then
+      sv.part[k] = src:narrow(1, pc.off + 1, pc.n)
+      sv.seg[k] = {}
+      for i, sg in ipairs(f8.part8[k]) do
+        local n = src:narrow(1, sg.off + 1, sg.rows * sg.cols)
+        sv.seg[k][i] = n:view({ sg.rows, sg.cols })
+        n:free()
+      end
+    end
+  end
+  for i, m in ipairs(f8.mine) do
+    sv.mine[i] = { dst = f8.hp_src:narrow(1, m.pk + 1, m.n), src = src:narrow(1, m.src + 1, m.n) }
+  end
+  f8.sv = sv
+  return sv
 end
 
 -- the unit's parts cast with their weights' scales into the f8 shard, and
 -- the other parameters' elements packed
 function Unit:f8_cast()
   local st, f8 = self.st, self.f8
-  self.f8_cast_at = st.f8_scales
-  local src = self:gather_source()
-  do
-    for _, k in ipairs(f8.ks) do
-      local cfg = f8.cfg[k]
-      local dt, p2 = T.dtype_id(f8.dtype8), cfg.pow2 and 1 or 0
-      local segs = f8.part8[k]
-      if segs == nil then   -- (no part here: the scale alone)
-        local x2 = T.empty({ 0, 0 }, { dtype = src.dtype, device = src.device_id })
-        st.box2[0] = f8.inv[k]
-        check(C.ms_float8_cast(nil, nil, st.box2, x2, f8.amax[k], dt, p2), 2)
-        x2:free()
-      else
-        for i, sg in ipairs(segs) do
-          local part = src:narrow(1, sg.off + 1, sg.rows * sg.cols)
-          local x2 = part:view({ sg.rows, sg.cols })
-          part:free()
-          st.box[0], st.box2[0] = sg.out, i == 1 and f8.inv[k] or st.inv_scratch
-          check(C.ms_float8_cast(st.box, nil, st.box2, x2, f8.amax[k], dt, p2), 2)
-          x2:free()
-        end
+  local sv = self:f8_src_views()
+  for _, k in ipairs(f8.ks) do
+    local dt, p2 = T.dtype_id(f8.dtype8), f8.cfg[k].pow2 and 1 or 0
+    local segs = f8.part8[k]
+    if segs == nil then   -- (no part here: the scale alone)
+      st.box2[0] = f8.inv[k]
+      check(C.ms_float8_cast(nil, nil, st.box2, sv.empty, f8.amax[k], dt, p2), 2)
+    else
+      for i, sg in ipairs(segs) do
+        st.box[0], st.box2[0] = sg.out, i == 1 and f8.inv[k] or st.inv_scratch
+        check(C.ms_float8_cast(st.box, nil, st.box2, sv.seg[k][i], f8.amax[k], dt, p2), 2)
       end
     end
-    for _, m in ipairs(f8.mine) do
-      local d, sv = f8.hp_src:narrow(1, m.pk + 1, m.n), src:narrow(1, m.src + 1, m.n)
-      no_grad(function() raw_copy(d, sv) end)
-      d:free(); sv:free()
-    end
   end
+  if #sv.mine > 0 then no_grad(function() for _, m in ipairs(sv.mine) do raw_copy(m.dst, m.src) end end) end
 end
 
 -- the f8 path of gather_start (the unit's bf16 buffer allocated already)
 function Unit:f8_gather_start()
   local st, fp, f8 = self.st, self.fp, self.f8
   if st.f8_stale or st.f8_gen ~= st.src_gen then f8_precompute(st) end
-  if self.f8_cast_at ~= st.f8_scales then self:f8_cast() end
   if self.free_data then storage_check(C.ms_storage_alloc_data(f8.flat8), 'allocating the f8 buffer', self) end
   if fp.world_size == 1 or st.skip_comm then
     -- (set_skip_comm: every member's slot gets this rank's own shard, as in
@@ -735,8 +773,21 @@ function Unit:f8_gather_start()
       end
     end)
   else
-    self.work8 = dist.all_gather_into(f8.flat8, f8.shard8, { group = fp.group, async = true })
-    if f8.P > 0 then self.work = dist.all_gather_into(f8.hp_all, f8.hp_src, { group = fp.group, async = true }) end
+    local reg = self:f8_copy_reg()
+    if reg then
+      -- (as the bf16 path's copy gathers: a fence after the sources changed)
+      if st.copy_fenced[fp.group] ~= st.src_gen then
+        copy_fence(st, fp.group, false, self.label)
+        st.copy_fenced[fp.group] = st.src_gen
+      end
+      self.work8 = reg.f8:gather_into(f8.flat8)
+      if f8.P > 0 then self.work = reg.hp:gather_into(f8.hp_all) end
+      st.copy_seq = st.copy_seq + 1
+      st.copy_dirty[fp.group] = st.copy_seq
+    else
+      self.work8 = dist.all_gather_into(f8.flat8, f8.shard8, { group = fp.group, async = true })
+      if f8.P > 0 then self.work = dist.all_gather_into(f8.hp_all, f8.hp_src, { group = fp.group, async = true }) end
+    end
   end
   self.f8_live = true
 end
@@ -1606,6 +1657,10 @@ function fsdp.after_step(model)
       end
     else u.status = 'sharded'; u:unshard() end
   end
+  -- float8_all_gather: the next step's scales and f8 shards now, queued
+  -- behind the optimizer's kernels (not at the next step's first gather,
+  -- which would wait for them)
+  if st.f8_units and (st.f8_stale or st.f8_gen ~= st.src_gen) then f8_precompute(st) end
 end
 
 -- fsdp.clip_grad_norm(model, max_norm) -> the total 2-norm of the gradient
