@@ -123,6 +123,29 @@ describe('fsdp with float8 layers #mpi', function()
     end
   end
 
+  it('llama-tiny, FULL_SHARD, every block checkpointed, float8_all_gather: the losses of bf16 gathers, exactly', function()
+    local x, y = FS.lcg_batch(17 + dist.rank(), 2, 16)
+    local function run(f8g)
+      local m = FS.load_model('llama-tiny')
+      ms.float8.convert(m)
+      ms.nn.apply_activation_checkpointing(m, { class = 'LlamaDecoderLayer' })
+      fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, float8_all_gather = f8g,
+        mixed_precision = { param = 'bf16', reduce = 'f32' } })
+      local opt = fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 })
+      local r = {}
+      for k = 1, 3 do
+        local l = ms.nn.functional.autocast('bf16', m, x, y)
+        l:backward(); r[k] = l:item(); opt:step(); opt:zero_grad()
+      end
+      return r
+    end
+    local before = ms.float8.stats().gathered_weights
+    local a = run(false)
+    assert.are.equal(before, ms.float8.stats().gathered_weights)
+    assert.are.same(a, run(true))
+    assert.is_true(ms.float8.stats().gathered_weights > before)
+  end)
+
   it('float8_all_gather: the f8 weight and its scale while gathered, materialized on request; bad options refused', function()
     local x, y = FS.lcg_batch(5 + dist.rank(), 2, 16)
     local m = FS.load_model('llama-tiny')

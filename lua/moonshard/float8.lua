@@ -481,7 +481,9 @@ end
 --     cross-entropy reads that weight itself; torchtitan keeps the output
 --     layer in bf16 too),
 --   * layers whose in or out features are not multiples of 16 (the FP8
---     GEMMs' rule), and modules with a forward of their own (LoRA),
+--     GEMMs' rule; a tensor-parallel layer's own shard's), and modules with
+--     a forward of their own (LoRA; not tensor parallelism's, which take the
+--     FP8 product: tp.parallelize before or after convert),
 --   * names matching opts.skip (Lua patterns), or for which
 --     opts.filter(name, module) returns false.
 -- opts also takes a recipe's fields (recipe = 'tensorwise', input, weight,
@@ -500,12 +502,17 @@ function float8.convert(model, opts)
     local cls = getmetatable(m)
     if (cls == nn.Linear or cls == nn.Conv1D) and rawget(m, '_float8') == nil then
       local w = m.weight
-      local ok = rawget(m, 'forward') == nil and (head == nil or not rawequal(w, head))
-        and m.in_features % 16 == 0 and m.out_features % 16 == 0 and not matches(name, skip)
+      -- (the weight's own dims: a tensor-parallel layer's are its shard's)
+      local ws = w.shape
+      -- a tensor-parallel layer (tp.parallelize's forward, which calls
+      -- float8.linear for its local product) keeps its forward
+      local tpf = rawget(m, '_tp') ~= nil and rawget(m, 'forward') ~= nil
+      local ok = (rawget(m, 'forward') == nil or tpf) and (head == nil or not rawequal(w, head))
+        and #ws == 2 and ws[1] % 16 == 0 and ws[2] % 16 == 0 and not matches(name, skip)
       if ok and opts.filter then ok = opts.filter(name, m) and true or false end
       if ok then
-        rawset(m, '_float8', { config = cfg, wt = cls == nn.Linear })
-        rawset(m, 'forward', layer_forward)
+        rawset(m, '_float8', { config = cfg, wt = cls == nn.Linear, own_forward = not tpf })
+        if not tpf then rawset(m, 'forward', layer_forward) end
         names[#names + 1] = name
       end
     end
@@ -522,9 +529,10 @@ end
 function float8.revert(model)
   local names = {}
   for name, m in model:named_modules() do
-    if rawget(m, '_float8') ~= nil then
+    local f = rawget(m, '_float8')
+    if f ~= nil then
       rawset(m, '_float8', nil)
-      rawset(m, 'forward', nil)
+      if rawget(m, 'forward') == layer_forward then rawset(m, 'forward', nil) end
       names[#names + 1] = name
     end
   end

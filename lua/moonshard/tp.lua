@@ -299,10 +299,18 @@ end
 
 -- a row-parallel Linear / Conv1D: the local product's partial sum, summed
 -- over the group, then the (replicated) bias
+-- the local product of a split layer: float8.linear when float8.convert
+-- took the layer (scales of this rank's shards), else the plain one
+local function local_linear(self, x, b, conv1d)
+  local f8 = rawget(self, '_float8')
+  if f8 ~= nil then return require('moonshard.float8').linear(x, self.weight, b, { config = f8.config, wt = f8.wt }) end
+  local nnf = require 'moonshard.nn.functional'
+  return conv1d and nnf.conv1d_linear(x, self.weight, b) or nnf.linear(x, self.weight, b)
+end
+
 local function rowwise_forward(self, x)
   local t = rawget(self, '_tp')
-  local nnf = require 'moonshard.nn.functional'
-  local y = t.conv1d and nnf.conv1d_linear(x, self.weight, nil) or nnf.linear(x, self.weight, nil)
+  local y = local_linear(self, x, nil, t.conv1d)
   local sp = t.sp
   if sp and sp.active and y.ndim == 3 then
     y = SeqReduceScatter(y, sp)            -- (sequence parallel: this rank's rows)
@@ -323,7 +331,9 @@ end
 -- features
 local function colwise_forward(self, x)
   local t = rawget(self, '_tp')
-  return getmetatable(self).forward(self, tp.copy_to(x, t.group))
+  x = tp.copy_to(x, t.group)
+  if rawget(self, '_float8') ~= nil then return local_linear(self, x, self.bias, false) end
+  return getmetatable(self).forward(self, x)
 end
 
 -- a vocabulary-parallel embedding: rows [start, start + rows) here; other

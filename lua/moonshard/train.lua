@@ -959,10 +959,6 @@ function train.run(opts)
         .. 'use FULL_SHARD or SHARD_GRAD_OP', tp_size)
     end
     if o.lora > 0 then usage('--tp with --lora: not supported (merge the adapters first)') end
-    if o.float8 ~= 'off' then
-      usage('--tp with --float8: not supported (the tensor-parallel layers have forwards of their own; float8 composes '
-        .. 'with --fsdp)')
-    end
     if resume and resume.sharded then
       usage('--tp: %s is a sharded (FSDP) checkpoint; --tp resumes whole-model checkpoints (resume it with --steps '
         .. 'at its step and --out, then --init-from the folder)', resume.path)
