@@ -375,11 +375,166 @@ __global__ void transpose8_kernel(const uint8_t *__restrict__ x, long long R, lo
     }
 }
 
+// Both layouts at once (the output gradient's two casts, a weight's): one
+// pass for the row and column maxima (the column tiles' walk of
+// col_amax_kernel, each row's max over its 16 elements folded across the
+// 4 threads of the row and atomicMax'ed a tile), then one pass of tiles
+// that writes out with the rows' scales and out_t with the columns'. x
+// read twice instead of four times (the row kernel's second read, the
+// column amax, the column cast).
+template <typename T>
+__global__ void rc_amax_kernel(const T *__restrict__ x, long long R, long long C, unsigned int *__restrict__ rbits,
+                               unsigned int *__restrict__ cbits, bool al) {
+    __shared__ unsigned int part[kTile][kTile + 1];
+    const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
+    const long long c0 = (long long)blockIdx.x * kTile, rb = (long long)blockIdx.y * kColRows;
+    const long long c = c0 + tc;
+    unsigned int m[16];
+#pragma unroll
+    for (int k = 0; k < 16; k++) m[k] = 0;
+    const bool full = al && c0 + kTile <= C && (C % 16) == 0;
+    for (long long r0 = rb; r0 < R && r0 < rb + kColRows; r0 += kTile) {
+        const long long r = r0 + tr;
+        unsigned int rm = 0;
+        if (r < R) {
+            if (full) {
+                const int V = 16 / sizeof(T);
+#pragma unroll
+                for (int j = 0; j < 16; j += V) {
+                    float f[V];
+                    load_v<float, T, V>(f, x + r * C + c + j);
+#pragma unroll
+                    for (int k = 0; k < V; k++) {
+                        const float a = fabsf(f[k]);
+                        const unsigned int b = a != a ? 0x7fc00000u : __float_as_uint(a);
+                        m[j + k] = max(m[j + k], b);
+                        rm = max(rm, b);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < 16; k++)
+                    if (c + k < C) {
+                        const float a = fabsf((float)conv<T>::load(x[r * C + c + k]));
+                        const unsigned int b = a != a ? 0x7fc00000u : __float_as_uint(a);
+                        m[k] = max(m[k], b);
+                        rm = max(rm, b);
+                    }
+            }
+        }
+        // the row's 4 threads are 4 neighbouring lanes
+        rm = max(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
+        rm = max(rm, __shfl_xor_sync(0xffffffffu, rm, 2));
+        if ((threadIdx.x & 3) == 0 && r < R && rm) atomicMax(rbits + r, rm);
+    }
+#pragma unroll
+    for (int k = 0; k < 16; k++) part[tr][tc + k] = m[k];
+    __syncthreads();
+    if (threadIdx.x < kTile && c0 + threadIdx.x < C) {
+        unsigned int b = 0;
+        for (int i = 0; i < kTile; i++) b = max(b, part[i][threadIdx.x]);
+        if (b) atomicMax(cbits + c0 + threadIdx.x, b);
+    }
+}
+
+template <typename T>
+__global__ void rc_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+                               uint8_t *__restrict__ out_t, float *__restrict__ inv_r, float *__restrict__ inv_c,
+                               const unsigned int *__restrict__ rbits, const unsigned int *__restrict__ cbits, bool e5,
+                               bool pow2, bool al) {
+    __shared__ float rs[kTile], cs[kTile];
+    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
+    const long long r0 = (long long)blockIdx.y * kTile, c0 = (long long)blockIdx.x * kTile;
+    if (threadIdx.x < kTile) {
+        const long long c = c0 + threadIdx.x;
+        const float s = c < C ? ms_fp8_scale(__uint_as_float(cbits[c]), e5, pow2) : 1.f;
+        cs[threadIdx.x] = s;
+        if (inv_c && blockIdx.y == 0 && c < C) inv_c[c] = 1.0f / s;
+    } else if (threadIdx.x < 2 * kTile) {
+        const int i = threadIdx.x - kTile;
+        const long long r = r0 + i;
+        const float s = r < R ? ms_fp8_scale(__uint_as_float(rbits[r]), e5, pow2) : 1.f;
+        rs[i] = s;
+        if (inv_r && blockIdx.x == 0 && r < R) inv_r[r] = 1.0f / s;
+    }
+    __syncthreads();
+    const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
+    const long long r = r0 + tr, c = c0 + tc;
+    const bool full = al && r0 + kTile <= R && c0 + kTile <= C && (C % 16) == 0;
+    union {
+        uint4 u;
+        uint8_t b[16];
+    } pk;
+    uint8_t v[16];   // the column-scaled bytes, for the transposed copy
+    const float sr = rs[tr];
+    if (full) {
+        const int V = 16 / sizeof(T);
+        const T *p = x + r * C + c;
+#pragma unroll
+        for (int j = 0; j < 16; j += V) {
+            float f[V];
+            load_v<float, T, V>(f, p + j);
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                pk.b[j + k] = to_fp8(__fmul_rn(f[k], sr), e5);
+                v[j + k] = to_fp8(__fmul_rn(f[k], cs[tc + j + k]), e5);
+            }
+        }
+        *reinterpret_cast<uint4 *>(out + r * C + c) = pk.u;
+    } else {
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            v[k] = 0;
+            if (r < R && c + k < C) {
+                const float f = (float)conv<T>::load(x[r * C + c + k]);
+                out[r * C + c + k] = to_fp8(__fmul_rn(f, sr), e5);
+                v[k] = to_fp8(__fmul_rn(f, cs[tc + k]), e5);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 16; k++) tile[tr * kPitch + tc + k] = v[k];
+    __syncthreads();
+    const long long orow = c0 + tr, ocol = r0 + tc;
+#pragma unroll
+    for (int k = 0; k < 16; k++) pk.b[k] = tile[(tc + k) * kPitch + tr];
+    if (full && (R % 16) == 0) {
+        *reinterpret_cast<uint4 *>(out_t + orow * R + ocol) = pk.u;
+    } else if (orow < C) {
+#pragma unroll
+        for (int k = 0; k < 16; k++)
+            if (ocol + k < R) out_t[orow * R + ocol + k] = pk.b[k];
+    }
+}
+
+bool fused_on();   // (below: MS_FLOAT8_FUSED)
+
 template <typename T>
 int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tensor *inv_c, const ms_tensor *x,
                     bool e5, bool pow2, cudaStream_t st) {
     const long long R = x->sizes[0], C = x->sizes[1];
     const T *p = (const T *)ms_tensor_data(x);
+    if (out && out_t && R > 0 && C > 0 && fused_on()) {
+        // both layouts: the maxima in one pass, the casts in another
+        const long long tx = (C + kTile - 1) / kTile, ty = (R + kTile - 1) / kTile, ay = (R + kColRows - 1) / kColRows;
+        if (tx > 0x7fffffffLL || ty > 65535 || ay > 65535)
+            return ms_errorf("float8_cast_axiswise: (%lld, %lld) has too many rows for the kernels' grid (at most %d)",
+                             R, C, 65535 * kTile);
+        ms_tmp bits;
+        int64_t nb = R + C;
+        if (ms_tensor_empty(&bits.t, 1, &nb, MS_I32, x->device_id)) return -1;
+        unsigned int *pr = (unsigned int *)ms_tensor_data(bits.t), *pc = pr + R;
+        CUDA_CHECK(cudaMemsetAsync(pr, 0, sizeof(unsigned int) * (size_t)(R + C), st));
+        rc_amax_kernel<T><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, pr, pc, ms_aligned16(p));
+        LAUNCH_CHECK("rc_amax_kernel");
+        const bool al = ms_aligned16(p) && ms_aligned16(ms_tensor_data(out)) && ms_aligned16(ms_tensor_data(out_t));
+        rc_cast_kernel<T><<<dim3((unsigned)tx, (unsigned)ty), 256, 0, st>>>(
+            p, R, C, (uint8_t *)ms_tensor_data(out), (uint8_t *)ms_tensor_data(out_t),
+            inv_r ? (float *)ms_tensor_data(inv_r) : nullptr, inv_c ? (float *)ms_tensor_data(inv_c) : nullptr, pr, pc,
+            e5, pow2, al);
+        LAUNCH_CHECK("rc_cast_kernel");
+        return 0;
+    }
     if (out && R > 0) {
         const bool al = ms_aligned16(p) && ms_aligned16(ms_tensor_data(out));
         const long long blocks = (R + 7) / 8;

@@ -267,15 +267,38 @@ describe('float8 on cuda #gpu', function()
             local pow2 = name == 'f8e4m3'
             local x = randn(sh, 3, dt)
             local r, c, ir, ic = F.float8_cast_axiswise(x, name, { cols = true, pow2 = pow2 })
-            local rg, cg, irg, icg = F.float8_cast_axiswise(x:cuda(), name, { cols = true, pow2 = pow2 })
+            local xg = x:cuda()
+            -- both layouts (the fused passes, and apart: MS_FLOAT8_FUSED=0),
+            -- each alone
+            for _, fused in ipairs({ 1, 0 }) do
+              local prev = ms.C.ms_cuda_float8_set_fused(fused)
+              local rg, cg, irg, icg = F.float8_cast_axiswise(xg, name, { cols = true, pow2 = pow2 })
+              ms.C.ms_cuda_float8_set_fused(prev)
+              local what = ('%s %s %s fused=%d'):format(table.concat(sh, 'x'), dt, name, fused)
+              same_values(rg, r, what .. ' rows')
+              same_values(cg, c, what .. ' cols')
+              same_values(irg, ir, what .. ' row scales')
+              same_values(icg, ic, what .. ' column scales')
+            end
             local what = ('%s %s %s'):format(table.concat(sh, 'x'), dt, name)
-            same_values(rg, r, what .. ' rows')
-            same_values(cg, c, what .. ' cols')
-            same_values(irg, ir, what .. ' row scales')
-            same_values(icg, ic, what .. ' column scales')
+            local r1, _, ir1 = F.float8_cast_axiswise(xg, name, { pow2 = pow2 })
+            same_values(r1, r, what .. ' rows alone'); same_values(ir1, ir, what .. ' row scales alone')
+            local _, c1, _, ic1 = F.float8_cast_axiswise(xg, name, { rows = false, cols = true, pow2 = pow2 })
+            same_values(c1, c, what .. ' cols alone'); same_values(ic1, ic, what .. ' column scales alone')
           end
         end
       end
+    end
+    -- a NaN poisons its row's and its column's scale only; a zero row
+    do
+      local v = values(randn({ 96, 80 }, 2))
+      v[2 * 80 + 6] = 0 / 0
+      for j = 1, 80 do v[7 * 80 + j] = 0 end
+      local x = S.make({ 96, 80 }, v, 'bf16')
+      local r, c, ir, ic = F.float8_cast_axiswise(x, 'f8e4m3', { cols = true })
+      local rg, cg, irg, icg = F.float8_cast_axiswise(x:cuda(), 'f8e4m3', { cols = true })
+      same_values(rg, r, 'NaN rows'); same_values(cg, c, 'NaN cols')
+      same_values(irg, ir, 'NaN row scales'); same_values(icg, ic, 'NaN column scales')
     end
     local big = randn({ 64 * 65 + 1 }, 2, 'bf16')
     local x = big:narrow(1, 2, 64 * 65):view(64, 65)
