@@ -541,8 +541,9 @@ end
 -- fully_shard{ float8_all_gather = true } (torchao's
 -- enable_fsdp_float8_all_gather with precompute_float8_dynamic_scale_for_fsdp;
 -- docs/fsdp.md, "Float8 all-gathers"): a unit's weights of tensorwise
--- float8 layers travel as f8 bytes. Once a step (the first gather after an
--- optimizer step), every unit's local amax of each such weight's part of
+-- float8 layers travel as f8 bytes. Once a step (at the end of the
+-- optimizer step, fsdp.after_step; else at the first gather that finds the
+-- shards changed), every unit's local amax of each such weight's part of
 -- the shard, one all_reduce(max) over the shard group for the whole model,
 -- and each part cast with its weight's scale into the unit's f8 shard;
 -- the gather moves that (one byte an element) into the f8 buffer, whose
