@@ -170,6 +170,25 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
     end
   end)
 
+  it('--float8 --float8-all-gather on 2 ranks: the losses of bf16 gathers, exactly, and a checkpoint resumes with them', function()
+    local f8 = ('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 2 --fsdp FULL_SHARD '
+      .. '--fsdp-mixed-precision bf16 --float8 '):format(tiny)
+    local status, text = bin_train(f8 .. ('--steps 4 --out %s/f8'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(f8 .. ('--float8-all-gather --steps 4 --out %s/f8g'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('float8 all-gathers', 1, true), text)
+    local a, b = losses(dir .. '/f8'), losses(dir .. '/f8g')
+    for k = 1, 4 do assert.are.equal(a[k], b[k], 'step ' .. k) end
+    -- stopped after step 2 with a checkpoint, resumed: the same steps 3 and 4
+    status, text = bin_train(f8 .. ('--float8-all-gather --steps 2 --save-every 2 --out %s/f8r'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(f8 .. ('--float8-all-gather --steps 4 --resume --out %s/f8r'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    local c = losses(dir .. '/f8r')
+    for k = 3, 4 do assert.are.equal(b[k], c[k], 'resumed step ' .. k) end
+  end)
+
   it('accumulates micro-batches under no_sync to the big batch (2 ranks x 2 micro-batches of 1 = 4)', function()
     local one = reference()
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 1 --tokens-per-step 64 '
