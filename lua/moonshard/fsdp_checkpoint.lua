@@ -21,7 +21,8 @@
 --   rank-<r>-of-<W>.safetensors  rank r's pieces: 'param:<name>:<start>' (f32,
 --                                1-d, numel elements of parameter <name> from
 --                                element <start>), 'exp_avg:<name>:<start>',
---                                'exp_avg_sq:<name>:<start>' (AdamW), and in
+--                                'exp_avg_sq:<name>:<start>' (AdamW; SGD with
+--                                momentum: 'momentum_buffer:<name>:<start>'), and in
 --                                __metadata__['moonshard.fsdp'] the JSON
 --                                description (parameters, pieces, steps)
 --   index.json                   written last by rank 0: format, world size,
@@ -404,10 +405,28 @@ M.rank_file = rank_file
 local function hyper_of(opt)
   local groups = {}
   for i, g in ipairs(opt.param_groups or {}) do
-    groups[i] = { lr = g.lr, betas = g.betas, eps = g.eps, weight_decay = g.weight_decay }
+    groups[i] = { lr = g.lr, betas = g.betas, eps = g.eps, weight_decay = g.weight_decay, momentum = g.momentum,
+      dampening = g.dampening, nesterov = g.nesterov }
   end
   return { type = opt.type, groups = groups }
 end
+
+-- the per-element state tensors of the optimizer's kind, each saved as
+-- '<field>:<name>:<start>' pieces: AdamW's two moments, SGD's momentum
+-- buffer (none for SGD without momentum)
+local function state_fields(opt)
+  local g = opt.param_groups and opt.param_groups[1] or {}
+  if g.betas ~= nil then return { 'exp_avg', 'exp_avg_sq' } end
+  if g.momentum ~= nil then return (g.momentum or 0) ~= 0 and { 'momentum_buffer' } or {} end
+  return { 'exp_avg', 'exp_avg_sq' }
+end
+-- whether state entry s holds every field
+local function has_fields(s, fields)
+  if not s then return false end
+  for _, f in ipairs(fields) do if not s[f] then return false end end
+  return true
+end
+M.state_fields = state_fields
 
 -- ------------------------------------------------------------ sharded save
 
@@ -446,6 +465,7 @@ function M.save_sharded(model, dir, opts)
   local owned = {}
   ok, err = pcall(function()
     local omap = opt and opt_ranges(opt, ctx)
+    local fields = opt and state_fields(opt) or {}
     local tensors, pieces = {}, {}
     for _, r in ipairs(ctx.regions) do
       if r.write then
@@ -456,15 +476,16 @@ function M.save_sharded(model, dir, opts)
           -- the moments of the region: a view when one optimizer range
           -- holds it (the usual case), else a copy joined from several
           local parts = region_ranges(omap, r)
-          local step, have = 0, true
+          local step, have = 0, #fields > 0
           for _, pt in ipairs(parts) do
             local st = opt.state and opt.state[tonumber(pt.range.t.id)]
-            if st and st.exp_avg and st.exp_avg_sq then step = math.max(step, st.step or 0) else have = false end
+            -- (SGD keeps no step count: a momentum buffer stands for one)
+            if has_fields(st, fields) then step = math.max(step, st.step or 1) else have = false end
           end
           pc.step = have and step or 0
           if have and step > 0 then
-            pc.exp_avg, pc.exp_avg_sq = 'exp_avg:' .. key, 'exp_avg_sq:' .. key
-            for _, f in ipairs({ 'exp_avg', 'exp_avg_sq' }) do
+            for _, f in ipairs(fields) do pc[f] = f .. ':' .. key end
+            for _, f in ipairs(fields) do
               local t
               if #parts == 1 then
                 local pt = parts[1]
@@ -546,7 +567,7 @@ function M.save_sharded(model, dir, opts)
           local list = index.pieces[pc.param]
           if not list then list = {}; index.pieces[pc.param] = list end
           list[#list + 1] = { rank = r, start = pc.start, numel = pc.numel, tensor = pc.tensor,
-            exp_avg = pc.exp_avg, exp_avg_sq = pc.exp_avg_sq, step = pc.step }
+            exp_avg = pc.exp_avg, exp_avg_sq = pc.exp_avg_sq, momentum_buffer = pc.momentum_buffer, step = pc.step }
           if pc.step and pc.step > max_step then max_step = pc.step end
         end
       end
@@ -608,7 +629,8 @@ local function check_params(ctx, saved, where, strict)
 end
 
 -- fill dest (1-d, elements [start, start + numel) of parameter `name`)
--- from the pieces that overlap it; `field`: 'tensor', 'exp_avg' or 'exp_avg_sq'
+-- from the pieces that overlap it; `field`: 'tensor' or a state field
+-- ('exp_avg', 'exp_avg_sq', 'momentum_buffer')
 local function fill(dest, name, start, numel, pieces, open, field, where)
   local covered = start
   for _, pc in ipairs(pieces or {}) do
@@ -627,16 +649,18 @@ local function fill(dest, name, start, numel, pieces, open, field, where)
   end
 end
 
--- the moments of one optimizer range (created zero when it never stepped)
-local function range_state(opt, rg)
+-- the state of one optimizer range (its fields created zero when it never
+-- stepped)
+local function range_state(opt, rg, fields)
   local id = tonumber(rg.t.id)
   local s = opt.state[id]
-  if not s or not s.exp_avg or not s.exp_avg_sq then
+  if not has_fields(s, fields) then
     local dt = rg.t.dtype == 'f64' and 'f64' or 'f32'
     s = s or {}
     s.step = s.step or 0
-    s.exp_avg = T.zeros(rg.t.shape, { dtype = dt, device = rg.t.device_id })
-    s.exp_avg_sq = T.zeros(rg.t.shape, { dtype = dt, device = rg.t.device_id })
+    for _, f in ipairs(fields) do
+      if not s[f] then s[f] = T.zeros(rg.t.shape, { dtype = dt, device = rg.t.device_id }) end
+    end
     opt.state[id] = s
   end
   return s
@@ -749,15 +773,16 @@ function M.load_sharded(model, dir, opts)
       end
       if opt then
         local omap = opt_ranges(opt, ctx)
+        local fields = state_fields(opt)
         local seen = {}
         for _, r in ipairs(ctx.regions) do
           local pcs = index.pieces[r.name]
           for _, pt in ipairs(region_ranges(omap, r)) do
-            local s = range_state(opt, pt.range)
+            local s = range_state(opt, pt.range, fields)
             local id = tonumber(pt.range.t.id)
             if not seen[id] then
               seen[id] = true
-              F.fill_(s.exp_avg, 0); F.fill_(s.exp_avg_sq, 0)
+              for _, f in ipairs(fields) do F.fill_(s[f], 0) end
               s.step = 0
             end
             -- parameter elements [p0, p1) <-> range elements [o, o + p1 - p0)
@@ -768,8 +793,9 @@ function M.load_sharded(model, dir, opts)
               if pc.start < p1 and pc.start + pc.numel > p0 then step = math.max(step, pc.step or 0) end
             end
             if step > 0 then
-              fill(flat_range(s.exp_avg, o, o + p1 - p0), r.name, p0, p1 - p0, pcs, open, 'exp_avg', dir)
-              fill(flat_range(s.exp_avg_sq, o, o + p1 - p0), r.name, p0, p1 - p0, pcs, open, 'exp_avg_sq', dir)
+              for _, f in ipairs(fields) do
+                fill(flat_range(s[f], o, o + p1 - p0), r.name, p0, p1 - p0, pcs, open, f, dir)
+              end
             end
             s.step = math.max(s.step, step)
           end
@@ -802,6 +828,11 @@ function M.gather(model, opts)
   opts = opts or {}
   local ctx = regions(model)
   local opt = opts.optimizer
+  if opt and state_fields(opt)[1] ~= 'exp_avg' then
+    error(('fsdp_checkpoint.gather: the optimizer state gathered whole is AdamW\'s (exp_avg, exp_avg_sq); this '
+      .. 'optimizer keeps %s (save_sharded / load_sharded take it)'):format(
+      #state_fields(opt) > 0 and table.concat(state_fields(opt), ', ') or 'none'), 2)
+  end
   local out, state = {}, opt and {} or nil
   local full = {}
   no_grad(function()
