@@ -57,6 +57,16 @@ function H.build(kind, overrides)
   return model, fsdp.AdamW(model, H.OPTS)
 end
 
+-- SGD with momentum over gpt2-tiny: kind 'full' (FULL_SHARD by Block) or
+-- 'plain'. -> model, optimizer
+H.SGD_OPTS = { lr = 1e-2, momentum = 0.9, weight_decay = 0.01 }
+function H.build_sgd(kind)
+  local model = H.load_model()
+  if kind == 'plain' then return model, ms.optim.SGD(model, H.SGD_OPTS) end
+  ms.fsdp.fully_shard(model, { policy = ms.fsdp.policy.by_class { H.gpt2().Block } })
+  return model, ms.fsdp.SGD(model, H.SGD_OPTS)
+end
+
 -- llama-tiny (untied head): kind 'head' (FULL_SHARD by decoder layer, the
 -- LM head a unit of its own), 'head_in_root' (the same, head_unit = false),
 -- 'noshard' (NO_SHARD by layer: the head unit too), 'plain' (no FSDP).
