@@ -92,15 +92,31 @@ int ms_amax(ms_tensor **out, const ms_tensor *x) {
 
 /* ------------------------------------------------------------------ cast */
 
-/* an output slot of the cast: NULL (not wanted) or prepared, contiguous */
-static int cast_slot(ms_tensor **slot, const char *what, int ndim, const int64_t *shape, int dtype, int device,
-                     int *allocated) {
+/* an output slot of op's: NULL (not wanted) or prepared, contiguous */
+static int cast_slot(const char *op, ms_tensor **slot, const char *what, int ndim, const int64_t *shape, int dtype,
+                     int device, int *allocated) {
     char d[DESC];
     *allocated = slot && !*slot;
     if (!slot) return 0;
-    if (ms_prepare_out(slot, "float8_cast", ndim, shape, dtype, device)) return -1;
+    if (ms_prepare_out(slot, op, ndim, shape, dtype, device)) return -1;
     if (!*allocated && !ms_tensor_is_contiguous(*slot))
-        return ms_errorf("float8_cast: %s %s must be contiguous", what, ms_desc(*slot, d, sizeof d));
+        return ms_errorf("%s: %s %s must be contiguous", op, what, ms_desc(*slot, d, sizeof d));
+    return 0;
+}
+
+/* the source and target of a cast: x a live 2-D float tensor, dtype an
+ * 8-bit float, a CUDA x only in a build with CUDA */
+static int check_cast(const char *op, const ms_tensor *x, int dtype) {
+    char d[DESC];
+    if (ms_tensor_check_live(x, op)) return -1;
+    if (!ms_is_float(x->dtype_id) || x->ndim != 2)
+        return ms_errorf("%s: x must be a 2-D float tensor (f64, f32, bf16, f16), got %s", op,
+                         ms_desc(x, d, sizeof d));
+    if (!ms_is_float8(dtype))
+        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+#ifndef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
     return 0;
 }
 
@@ -108,25 +124,16 @@ static int cast_slot(ms_tensor **slot, const char *what, int ndim, const int64_t
  * value written to *amax_slot when that slot is given) */
 static int cast_impl(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, ms_tensor **amax_slot,
                      const ms_tensor *amax, const ms_tensor *x, int dtype, int pow2) {
-    char d[DESC];
     const char *op = "float8_cast";
-    if (ms_tensor_check_live(x, op)) return -1;
-    if (!ms_is_float(x->dtype_id) || x->ndim != 2)
-        return ms_errorf("%s: x must be a 2-D float tensor (f64, f32, bf16, f16), got %s", op,
-                         ms_desc(x, d, sizeof d));
-    if (!ms_is_float8(dtype))
-        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+    if (check_cast(op, x, dtype)) return -1;
     if (amax && check_scalar(op, "amax", amax, x->device_id)) return -1;
-#ifndef MS_WITH_CUDA
-    if (x->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
-#endif
     const int64_t R = x->sizes[0], C = x->sizes[1];
     const int64_t shape[2] = {R, C}, shape_t[2] = {C, R};
     int a_out = 0, a_t = 0, a_inv = 0, a_am = 0, rc;
-    rc = cast_slot(out, "out", 2, shape, dtype, x->device_id, &a_out);
-    if (!rc) rc = cast_slot(out_t, "out_t", 2, shape_t, dtype, x->device_id, &a_t);
-    if (!rc) rc = cast_slot(inv, "inv", 0, NULL, MS_F32, x->device_id, &a_inv);
-    if (!rc && !amax) rc = cast_slot(amax_slot, "amax", 0, NULL, MS_F32, x->device_id, &a_am);
+    rc = cast_slot(op, out, "out", 2, shape, dtype, x->device_id, &a_out);
+    if (!rc) rc = cast_slot(op, out_t, "out_t", 2, shape_t, dtype, x->device_id, &a_t);
+    if (!rc) rc = cast_slot(op, inv, "inv", 0, NULL, MS_F32, x->device_id, &a_inv);
+    if (!rc && !amax) rc = cast_slot(op, amax_slot, "amax", 0, NULL, MS_F32, x->device_id, &a_am);
     if (!rc) {
         ms_tensor *o = out ? *out : NULL, *ot = out_t ? *out_t : NULL, *iv = inv ? *inv : NULL;
         ms_tensor *am = !amax && amax_slot ? *amax_slot : NULL;
@@ -190,26 +197,17 @@ int ms_float8_cast_dynamic(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, 
  * column's; the scales of a pass are those of the CPU loop below */
 int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_rows, ms_tensor **inv_cols,
                             const ms_tensor *x, int dtype, int pow2) {
-    char d[DESC];
     const char *op = "float8_cast_axiswise";
-    if (ms_tensor_check_live(x, op)) return -1;
-    if (!ms_is_float(x->dtype_id) || x->ndim != 2)
-        return ms_errorf("%s: x must be a 2-D float tensor (f64, f32, bf16, f16), got %s", op,
-                         ms_desc(x, d, sizeof d));
-    if (!ms_is_float8(dtype))
-        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+    if (check_cast(op, x, dtype)) return -1;
     if (inv_rows && !out) return ms_errorf("%s: inv_rows is the scale of out: ask for out too", op);
     if (inv_cols && !out_t) return ms_errorf("%s: inv_cols is the scale of out_t: ask for out_t too", op);
-#ifndef MS_WITH_CUDA
-    if (x->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
-#endif
     const int64_t R = x->sizes[0], C = x->sizes[1];
     const int64_t shape[2] = {R, C}, shape_t[2] = {C, R};
     int a_out = 0, a_t = 0, a_ir = 0, a_ic = 0, rc;
-    rc = cast_slot(out, "out", 2, shape, dtype, x->device_id, &a_out);
-    if (!rc) rc = cast_slot(out_t, "out_t", 2, shape_t, dtype, x->device_id, &a_t);
-    if (!rc) rc = cast_slot(inv_rows, "inv_rows", 1, &shape[0], MS_F32, x->device_id, &a_ir);
-    if (!rc) rc = cast_slot(inv_cols, "inv_cols", 1, &shape[1], MS_F32, x->device_id, &a_ic);
+    rc = cast_slot(op, out, "out", 2, shape, dtype, x->device_id, &a_out);
+    if (!rc) rc = cast_slot(op, out_t, "out_t", 2, shape_t, dtype, x->device_id, &a_t);
+    if (!rc) rc = cast_slot(op, inv_rows, "inv_rows", 1, &shape[0], MS_F32, x->device_id, &a_ir);
+    if (!rc) rc = cast_slot(op, inv_cols, "inv_cols", 1, &shape[1], MS_F32, x->device_id, &a_ic);
     if (!rc) {
         ms_tensor *o = out ? *out : NULL, *ot = out_t ? *out_t : NULL;
         ms_tensor *ir = inv_rows ? *inv_rows : NULL, *ic = inv_cols ? *inv_cols : NULL;
@@ -285,7 +283,7 @@ int ms_float8_transpose(ms_tensor **out, const ms_tensor *x) {
 #endif
     const int64_t R = x->sizes[0], C = x->sizes[1], shape_t[2] = {C, R};
     int allocated = 0;
-    if (cast_slot(out, "out", 2, shape_t, x->dtype_id, x->device_id, &allocated)) return finish(out, allocated, -1);
+    if (cast_slot(op, out, "out", 2, shape_t, x->dtype_id, x->device_id, &allocated)) return finish(out, allocated, -1);
     ms_tensor *c = NULL;
     int rc = ms_tensor_contiguous(&c, x);
 #ifdef MS_WITH_CUDA
