@@ -129,9 +129,8 @@ local function cast_ax(x2, dtype, pow2, rows, cols)
 end
 
 -- counters for specs and benches: input casts made (a shared one counts
--- once), in the forward and again in the backward
--- and weights: cast in the forward, or taken as gathered f8 (FSDP's
--- float8_all_gather)
+-- once) in the forward and again in the backward, and weights cast in the
+-- forward or taken as gathered f8 (FSDP's float8_all_gather)
 local stats = { input_casts = 0, backward_casts = 0, weight_casts = 0, gathered_weights = 0 }
 function float8.stats()
   return { input_casts = stats.input_casts, backward_casts = stats.backward_casts, weight_casts = stats.weight_casts,
@@ -178,7 +177,7 @@ float8.clear_cache = drop_caches
 
 local function alias(t) return t ~= nil and R.alias(t) or nil end
 -- an f8 weight's other layout (a tiled transpose kernel on CUDA)
-local function transposed(t) return F.float8_transpose(t) end
+local transposed = F.float8_transpose
 
 -- the forward's cast of input rows x2: rows, inv, amax (aliases the caller
 -- owns; axiswise: inv a vector, no amax)
@@ -244,27 +243,18 @@ end
 
 -- the weight gradient in high precision (rowwise_with_gw_hp): g2ᵀ x2 (or
 -- x2ᵀ g2 for Conv1D) in the output gradient's dtype with f32 accumulation,
--- into the weight's sink when it takes it; else returned in w's dtype
+-- as the plain linear makes it (into the weight's sink when it takes it);
+-- else returned in w's dtype
 local function weight_grad_hp(node, s, g2)
   local x2 = s.x2
   local xc = x2.dtype_id == g2.dtype_id and x2 or R.to(x2, { dtype = g2.dtype_id })
-  local a, b = g2, xc
-  if not s.wt then a, b = xc, g2 end
-  local sink = sink_of(node, s.w)
-  local sd, d = sink and sink.t.dtype_id, a.dtype_id
-  local dw
-  if sink and (sd == d or (sd == 1 and (d == 2 or d == 3))) then
-    F.gemm_(sink.t, a, b, true, false, 1, sink.written[sink.i] and 1 or 0)
-    sink.written[sink.i] = true
-  else
-    dw = F.matmul(a, b, true, false)
-    if dw.dtype_id ~= s.w.dtype_id then
-      local c = R.to(dw, { dtype = s.w.dtype_id })
-      free(dw)
-      dw = c
-    end
-  end
+  local dw = require('moonshard.nn.functional').weight_grad(xc, g2, s.wt, A.grad_sink(node, 2))
   if xc ~= x2 then free(xc) end
+  if dw ~= nil and dw.dtype_id ~= s.w.dtype_id then
+    local c = R.to(dw, { dtype = s.w.dtype_id })
+    free(dw)
+    dw = c
+  end
   return dw
 end
 

@@ -584,7 +584,7 @@ local function f8_plan(u)
   local is8 = {}
   for _, k in ipairs(ks) do is8[k] = true end
   local S, W = fp.shard_numel, fp.world_size
-  local plan = { ks = ks, is8 = is8, cfg = cfg_of, dtype8 = dtype8, by_off = {}, piece = {}, hp = {}, mine = {} }
+  local plan = { ks = ks, cfg = cfg_of, dtype8 = dtype8, by_off = {}, piece = {}, hp = {}, mine = {} }
   for _, k in ipairs(ks) do plan.by_off[fp.layout.offsets[k]] = k end
   local s0 = fp.rank * S
   for _, k in ipairs(ks) do
@@ -645,7 +645,6 @@ function Unit:f8_init(base)
       f8.part8[k] = segs
     end
   end
-  self.st.inv_scratch = self.st.inv_scratch or T.empty({}, { dtype = 'f32', device = dev })
   if f8.P > 0 then
     f8.hp_src = T.zeros({ f8.P }, { dtype = fp.dtype, device = dev })
     f8.hp_all = T.zeros({ W * f8.P }, { dtype = fp.dtype, device = dev })
@@ -658,7 +657,6 @@ end
 -- copy-engine gather may read (a new src_gen: the next such gather fences)
 local function f8_precompute(st)
   st.f8_stale = false
-  st.f8_scales = (st.f8_scales or 0) + 1
   for _, u in ipairs(st.f8_units) do
     local f8 = u.f8
     local sv = u:f8_src_views()
@@ -744,8 +742,9 @@ function Unit:f8_cast()
       check(C.ms_float8_cast(nil, nil, st.box2, sv.empty, f8.amax[k], dt, p2), 2)
     else
       for i, sg in ipairs(segs) do
-        st.box[0], st.box2[0] = sg.out, i == 1 and f8.inv[k] or st.inv_scratch
-        check(C.ms_float8_cast(st.box, nil, st.box2, sv.seg[k][i], f8.amax[k], dt, p2), 2)
+        -- (the weight's scale once: the parts share it)
+        st.box[0], st.box2[0] = sg.out, f8.inv[k]
+        check(C.ms_float8_cast(st.box, nil, i == 1 and st.box2 or nil, sv.seg[k][i], f8.amax[k], dt, p2), 2)
       end
     end
   end

@@ -196,6 +196,9 @@ end
 -- from a plain GEMM, into sink when there is one (dw then nil, see
 -- weight_grad; not with the BGRAD GEMM: a separate sum over the rows for
 -- the bias would cost more than the copy the sink saves)
+-- (also moonshard.float8's weight gradient in high precision)
+nnf.weight_grad = weight_grad
+
 local function weight_bias_grads(x2, g2, wt, want_w, want_b, db_given, sink)
   if db_given ~= nil then
     return want_w and weight_grad(x2, g2, wt, sink) or nil, db_given
