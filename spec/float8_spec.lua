@@ -379,6 +379,25 @@ local function q(x, name)
   return S.make(x.shape, out, 'f64')
 end
 
+-- ||grad - the central differences of L over t's elements|| / ||those||
+-- (t 2-D f64, changed in place and restored)
+local function fd_rel(t, grad, L)
+  local num, den, h = 0, 0, 1e-6
+  for i = 1, t.shape[1] do
+    for j = 1, t.shape[2] do
+      local v = t:get(i, j)
+      t:set(i, j, v + h)
+      local up = L()
+      t:set(i, j, v - h)
+      local dn = L()
+      t:set(i, j, v)
+      local d = (up - dn) / (2 * h)
+      num, den = num + (grad:get(i, j) - d) ^ 2, den + d * d
+    end
+  end
+  return math.sqrt(num / den)
+end
+
 describe('float8.linear', function()
   it('forward and backward are the FP8 products of the tensorwise recipe (Linear and Conv1D layouts, bias, 3-D x)', function()
     for _, wt in ipairs({ true, false }) do
@@ -418,23 +437,7 @@ describe('float8.linear', function()
     -- the f64 linear map's loss sum(g * (x w^T + b)) and its central differences
     local xd, wd, bd = x:detach(), w:detach(), b:detach()
     local function L() return (ms.matmul(xd, wd, false, true) + bd):mul(g):sum():item() end
-    local function check(t, grad)
-      local num, den, h = 0, 0, 1e-6
-      for i = 1, t.shape[1] do
-        for j = 1, t.shape[2] do
-          local v = t:get(i, j)
-          t:set(i, j, v + h)
-          local up = L()
-          t:set(i, j, v - h)
-          local dn = L()
-          t:set(i, j, v)
-          local d = (up - dn) / (2 * h)
-          num, den = num + (grad:get(i, j) - d) ^ 2, den + d * d
-        end
-      end
-      return math.sqrt(num / den)
-    end
-    local ex, ew = check(xd, x.grad), check(wd, w.grad)
+    local ex, ew = fd_rel(xd, x.grad, L), fd_rel(wd, w.grad, L)
     assert.is_true(ex < 0.1 and ew < 0.1, ('dx %.3g, dw %.3g'):format(ex, ew))
     assert.is_true(ex > 1e-4 and ew > 1e-4, 'the FP8 rounding is there')
     assert.is_true(relerr(b.grad, g:sum(1)) < 1e-12)
@@ -701,23 +704,7 @@ describe('float8 axiswise (rowwise) scaling', function()
       float8.linear(x, w, nil, { recipe = recipe }):backward(g)
       local xd, wd = x:detach(), w:detach()
       local function L() return ms.matmul(xd, wd, false, true):mul(g):sum():item() end
-      local function check(t, grad)
-        local num, den, h = 0, 0, 1e-6
-        for i = 1, t.shape[1] do
-          for j = 1, t.shape[2] do
-            local v = t:get(i, j)
-            t:set(i, j, v + h)
-            local up = L()
-            t:set(i, j, v - h)
-            local dn = L()
-            t:set(i, j, v)
-            local d = (up - dn) / (2 * h)
-            num, den = num + (grad:get(i, j) - d) ^ 2, den + d * d
-          end
-        end
-        return math.sqrt(num / den)
-      end
-      local ex, ew = check(xd, x.grad), check(wd, w.grad)
+      local ex, ew = fd_rel(xd, x.grad, L), fd_rel(wd, w.grad, L)
       assert.is_true(ex < 0.1 and ew < 0.1, ('%s dx %.3g, dw %.3g'):format(recipe, ex, ew))
       assert.is_true(ex > 1e-4, 'the FP8 rounding is there')
       if recipe == 'rowwise' then assert.is_true(ew > 1e-4) else assert.is_true(ew < 1e-6, 'dw in high precision') end

@@ -39,6 +39,40 @@ local function fp8_device()
   return maj[0] * 10 + min[0] >= 89
 end
 
+-- one float8.linear forward and backward (bf16 autocast, x (4, 64, 128),
+-- 192 outputs, a bias) on the CPU and on CUDA: the CUDA results, and the
+-- relative errors of y, dx, dw, db against the CPU's
+local function linear_cpu_cuda(wt, recipe)
+  local x = randn({ 4, 64, 128 })
+  local w = wt and randn({ 192, 128 }, 0.05) or randn({ 128, 192 }, 0.05)
+  local b = randn({ 192 }, 0.1)
+  local g = randn({ 4, 64, 192 })
+  local function run(dev)
+    local function leaf(t) return t:to({ device = dev, copy = true }):requires_grad_() end
+    local xx, ww, bb = leaf(x), leaf(w), leaf(b)
+    local y = ms.nn.functional.autocast('bf16', function()
+      return float8.linear(xx, ww, bb, { wt = wt, recipe = recipe })
+    end)
+    y:backward(g:to(dev):to('bf16'))
+    return { y, xx.grad, ww.grad, bb.grad }
+  end
+  local c, r = run('cpu'), run('cuda')
+  local e = {}
+  for i = 1, 4 do e[i] = relerr(r[i], c[i]) end
+  print(('\nfloat8.linear %s %s, cuda against cpu: y %.2e, dx %.2e, dw %.2e, db %.2e'):format(recipe or 'tensorwise',
+    wt and 'Linear' or 'Conv1D', e[1], e[2], e[3], e[4]))
+  return r, e
+end
+
+-- a converted tiny Llama's losses over 8 AdamW steps on dev
+local function llama_losses(dev, recipe)
+  ms.manual_seed(21)
+  local m = require('models.llama').new('tiny'):to(dev)
+  float8.convert(m, { recipe = recipe })
+  local ids = (ms.rand({ 8, 65 }, { seed = 3 }) * 255):long():to(dev)
+  return S.adamw_losses(m, ids:narrow(2, 1, 64):contiguous(), ids:narrow(2, 2, 64):contiguous(), 8, 2e-3)
+end
+
 describe('float8 on cuda #gpu', function()
   it('has a device', function() assert.is_true(ms.cuda.is_available(), 'no CUDA device') end)
 
@@ -187,24 +221,9 @@ describe('float8 on cuda #gpu', function()
   it('float8.linear forward and backward match the CPU (Linear and Conv1D, bias, bf16 autocast, f32 sink)', function()
     if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
     for _, wt in ipairs({ true, false }) do
-      local x = randn({ 4, 64, 128 })
-      local w = wt and randn({ 192, 128 }, 0.05) or randn({ 128, 192 }, 0.05)
-      local b = randn({ 192 }, 0.1)
-      local g = randn({ 4, 64, 192 })
-      local function run(dev)
-        local function leaf(t) return t:to({ device = dev, copy = true }):requires_grad_() end
-        local xx, ww, bb = leaf(x), leaf(w), leaf(b)
-        local y = ms.nn.functional.autocast('bf16', function() return float8.linear(xx, ww, bb, { wt = wt }) end)
-        y:backward(g:to(dev):to('bf16'))
-        return y, xx.grad, ww.grad, bb.grad
-      end
-      local yc, dxc, dwc, dbc = run('cpu')
-      local yg, dxg, dwg, dbg = run('cuda')
-      assert.are.equal('bf16', yg.dtype)
-      assert.are.equal('f32', dwg.dtype)
-      local e = { relerr(yg, yc), relerr(dxg, dxc), relerr(dwg, dwc), relerr(dbg, dbc) }
-      print(('\nfloat8.linear %s, cuda against cpu: y %.2e, dx %.2e, dw %.2e, db %.2e'):format(wt and 'Linear' or 'Conv1D',
-        e[1], e[2], e[3], e[4]))
+      local r, e = linear_cpu_cuda(wt)
+      assert.are.equal('bf16', r[1].dtype)
+      assert.are.equal('f32', r[3].dtype)
       assert.is_true(e[1] < 1e-2, 'forward')
       assert.is_true(e[2] < 1e-2, 'dx')
       assert.is_true(e[3] < 1e-3, 'dw')
@@ -242,15 +261,7 @@ describe('float8 on cuda #gpu', function()
 
   it('a converted tiny Llama trains on the GPU as on the CPU', function()
     if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
-    local llama = require 'models.llama'
-    local function run(dev)
-      ms.manual_seed(21)
-      local m = llama.new('tiny'):to(dev)
-      float8.convert(m)
-      local ids = (ms.rand({ 8, 65 }, { seed = 3 }) * 255):long():to(dev)
-      return S.adamw_losses(m, ids:narrow(2, 1, 64):contiguous(), ids:narrow(2, 2, 64):contiguous(), 8, 2e-3)
-    end
-    local c, g = run('cpu'), run('cuda')
+    local c, g = llama_losses('cpu'), llama_losses('cuda')
     assert.is_true(g[8] < g[1] - 0.5, 'it trains')
     for k = 1, 8 do
       assert.is_true(math.abs(c[k] - g[k]) < 0.02 * c[k], ('step %d: cuda %g, cpu %g'):format(k, g[k], c[k]))
@@ -362,36 +373,11 @@ describe('float8 on cuda #gpu', function()
     if not fp8_device() then pending('FP8 GEMMs need compute capability 8.9+') return end
     for _, recipe in ipairs({ 'rowwise', 'rowwise_with_gw_hp' }) do
       for _, wt in ipairs({ true, false }) do
-        local x = randn({ 4, 64, 128 })
-        local w = wt and randn({ 192, 128 }, 0.05) or randn({ 128, 192 }, 0.05)
-        local b = randn({ 192 }, 0.1)
-        local g = randn({ 4, 64, 192 })
-        local function run(dev)
-          local function leaf(t) return t:to({ device = dev, copy = true }):requires_grad_() end
-          local xx, ww, bb = leaf(x), leaf(w), leaf(b)
-          local y = ms.nn.functional.autocast('bf16', function()
-            return float8.linear(xx, ww, bb, { wt = wt, recipe = recipe })
-          end)
-          y:backward(g:to(dev):to('bf16'))
-          return y, xx.grad, ww.grad, bb.grad
-        end
-        local yc, dxc, dwc, dbc = run('cpu')
-        local yg, dxg, dwg, dbg = run('cuda')
-        local e = { relerr(yg, yc), relerr(dxg, dxc), relerr(dwg, dwc), relerr(dbg, dbc) }
-        print(('\nfloat8.linear %s %s, cuda against cpu: y %.2e, dx %.2e, dw %.2e, db %.2e'):format(recipe,
-          wt and 'Linear' or 'Conv1D', e[1], e[2], e[3], e[4]))
+        local _, e = linear_cpu_cuda(wt, recipe)
         assert.is_true(e[1] < 1e-2 and e[2] < 1e-2 and e[3] < 1e-2 and e[4] < 1e-2, recipe)
       end
     end
-    local llama = require 'models.llama'
-    local function run(dev)
-      ms.manual_seed(21)
-      local m = llama.new('tiny'):to(dev)
-      float8.convert(m, { recipe = 'rowwise' })
-      local ids = (ms.rand({ 8, 65 }, { seed = 3 }) * 255):long():to(dev)
-      return S.adamw_losses(m, ids:narrow(2, 1, 64):contiguous(), ids:narrow(2, 2, 64):contiguous(), 8, 2e-3)
-    end
-    local c, gl = run('cpu'), run('cuda')
+    local c, gl = llama_losses('cpu', 'rowwise'), llama_losses('cuda', 'rowwise')
     assert.is_true(gl[8] < gl[1] - 0.5, 'it trains')
     for k = 1, 8 do
       assert.is_true(math.abs(c[k] - gl[k]) < 0.02 * c[k], ('rowwise step %d: cuda %g, cpu %g'):format(k, gl[k], c[k]))
