@@ -55,7 +55,7 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
-  ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise' }
+  ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise', ['tp-scales'] = 'shard' }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
   ['keep-activations'] = false, tp = false, sp = false, float8 = false, ['float8-gather'] = false }
 do
@@ -70,7 +70,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp] [--sp] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp] [--sp] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -124,7 +124,9 @@ model:train()
 -- --float8: every Linear of the blocks in FP8 (moonshard.float8, the
 -- tensorwise recipe; the LM head stays bf16)
 local float8_layers = 0
-if flags.float8 then float8_layers = #ms.float8.convert(model, { recipe = opts.recipe }) end
+if flags.float8 then
+  float8_layers = #ms.float8.convert(model, { recipe = opts.recipe, tp_scales = opts['tp-scales'] })
+end
 -- --ac full|N: the blocks' activations checkpointed (every block, every N-th)
 local ac_blocks = 0
 if opts.ac ~= 'none' then
@@ -244,7 +246,7 @@ local steady = ms.cuda.memory_stats().peak_allocated
 local peak = math.max(steady0, steady) / 2 ^ 30
 say(('peak allocated GiB/GPU: %.2f over all steps, %.2f over the timed steps'):format(peak, steady / 2 ^ 30))
 if ac_blocks > 0 then say(('activation checkpointing: %d blocks'):format(ac_blocks)) end
-if float8_layers > 0 then say(('float8: %d linear layers (%s%s)'):format(float8_layers, opts.recipe, flags['float8-gather'] and ', f8 all-gathers' or '')) end
+if float8_layers > 0 then say(('float8: %d linear layers (%s%s%s)'):format(float8_layers, opts.recipe, flags['float8-gather'] and ', f8 all-gathers' or '', flags.tp and ', TP scales ' .. opts['tp-scales'] or '')) end
 
 -- one step with its collectives timed: what ran when on the communication
 -- stream, and where the compute stream waited for it

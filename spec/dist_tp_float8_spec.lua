@@ -6,7 +6,12 @@
 -- rank gives the unsplit converted model's losses exactly; more follow them
 -- within FP8's rounding (per-shard scales are not the whole tensor's), and
 -- train; the same with sequence parallelism; float8.revert keeps the
--- tensor-parallel forwards.
+-- tensor-parallel forwards. With tp_scales = 'group' (torchao's scales: each
+-- sharded operand's amax all-reduced over the group) the f8 bits are the
+-- unsplit layer's: the first step's loss and gradients follow the unsplit
+-- model's to f32 rounding, where per-shard scales do not; under fully_shard
+-- over the other mesh axis with float8_all_gather, the same losses as bf16
+-- gathers, exactly.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
 local dist = require 'moonshard.dist'
@@ -87,6 +92,51 @@ describe('float8 with tensor parallelism #mpi', function()
         end)
     end
 
+    -- tp_scales = 'group': the sharded operands (every weight, the
+    -- row-parallel inputs, the column-parallel output gradients) scaled by
+    -- the unsplit tensor's amax, so every f8 value is the unsplit layer's
+    -- but where the order of the partial sums (f32) moved a value across a
+    -- rounding boundary of the next cast: the loss to f32 rounding, the
+    -- gradients within 1e-3 (a few flipped e5m2 gradients; per-shard scales
+    -- are ~100x further)
+    for _, sp in ipairs({ false, true }) do
+      it(("%s%s, tp_scales = 'group': the unsplit model's step to f32 rounding; shard scales are not"):format(
+        case[1], sp and ', sequence parallel' or ''), function()
+        local x, y = FS.lcg_batch(11, 2, 16)
+        local function first_step(m)
+          local l = m(x, y)
+          l:backward()
+          return l:item()
+        end
+        local ref = build(case)
+        float8.convert(ref)
+        local l_ref = first_step(ref)
+        local function split(scales)
+          local m = build(case)
+          float8.convert(m, { tp_scales = scales })
+          tp.parallelize(m, { sequence_parallel = sp })
+          local l = first_step(m)
+          local full, worst = tp.full_grads(m), 0
+          for name, p in ref:named_parameters() do worst = math.max(worst, FS.norm_rel(full[name], p.grad)) end
+          return l, worst, m
+        end
+        local lg, eg, m = split('group')
+        assert.is_true(FS.rel(lg, l_ref) <= 1e-6, ('loss %.9g, unsplit %.9g'):format(lg, l_ref))
+        assert.is_true(eg <= 1e-3, ('gradients %g from the unsplit ones'):format(eg))
+        local ls, es = split('shard')
+        if W > 1 then
+          -- (the test tells them apart: per-shard scales round differently)
+          assert.is_true(es > 20 * eg and es > 1e-2, ('shard scales %g, group %g'):format(es, eg))
+          assert.is_true(FS.rel(ls, l_ref) > FS.rel(lg, l_ref))
+        else
+          assert.are.equal(lg, ls)
+        end
+        -- and it trains
+        local l4 = run(m, x, y)
+        assert.is_true(l4[4] < l4[1])
+      end)
+    end
+
     it(case[1] .. ': sequence parallel with float8 trains as without it (within FP8 rounding)', function()
       local x, y = FS.lcg_batch(5, 2, 16)
       local ref = build(case)
@@ -101,4 +151,58 @@ describe('float8 with tensor parallelism #mpi', function()
       end
     end)
   end
+
+  it("tp_scales: 'group' or 'shard', group with the tensorwise recipe only", function()
+    local m = build(cases[2])
+    local ok, e = pcall(float8.convert, m, { tp_scales = 'all' })
+    assert.is_false(ok)
+    assert.matches("tp_scales must be 'group' or 'shard', got all", e)
+    ok, e = pcall(float8.convert, m, { recipe = 'rowwise', tp_scales = 'group' })
+    assert.is_false(ok)
+    assert.matches("tp_scales = 'group' takes the tensorwise recipe %(rowwise", e)
+    assert.are.equal('shard', float8.config().tp_scales)
+  end)
+
+  -- torchtitan's 2-D layout with torchao's float8 all-gathers: fully_shard
+  -- over mesh.replicate of a model split over mesh.shard; the f8 shards'
+  -- amaxes all-reduced over the data-parallel group, then over the TP group
+  it("2-D (fully_shard over the other mesh axis), float8_all_gather, tp_scales = 'group': bf16 gathers' losses", function()
+    if W % 2 ~= 0 then pending('an even world') return end
+    local mesh = dist.mesh { replicate = W / 2, shard = 2 }
+    local x, y = FS.lcg_batch(31 + mesh.coord[1], 2, 16)
+    local function losses(f8g, scales)
+      local m = build(cases[2])
+      float8.convert(m, { tp_scales = scales })
+      tp.parallelize(m, { group = mesh.shard })
+      ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class { 'LlamaDecoderLayer' }, group = mesh.replicate,
+        float8_all_gather = f8g, mixed_precision = { param = 'bf16', reduce = 'f32' } })
+      local opt = ms.fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 })
+      local r = {}
+      for k = 1, 3 do
+        local l = ms.nn.functional.autocast('bf16', m, x, y)
+        l:backward(); r[k] = l:item(); opt:step(); opt:zero_grad()
+      end
+      return r
+    end
+    local a = losses(false, 'group')
+    local before = float8.stats().gathered_weights
+    assert.are.same(a, losses(true, 'group'))
+    assert.is_true(float8.stats().gathered_weights > before, 'the f8 gathers ran')
+    assert.is_true(a[3] < a[1])
+    -- (shard scales: the f8 gathers keep them too)
+    assert.are.same(losses(false, 'shard'), losses(true, 'shard'))
+  end)
+
+  it("fully_shard refuses float8_all_gather over TP shards scaled both ways", function()
+    if W % 2 ~= 0 then pending('an even world') return end
+    local mesh = dist.mesh { replicate = W / 2, shard = 2 }
+    local m = build(cases[2])
+    float8.convert(m, { tp_scales = 'group', skip = { 'mlp' } })
+    float8.convert(m, { tp_scales = 'shard' })
+    tp.parallelize(m, { group = mesh.shard })
+    local ok, e = pcall(ms.fsdp.fully_shard, m, { policy = ms.fsdp.policy.by_class { 'LlamaDecoderLayer' },
+      group = mesh.replicate, float8_all_gather = true })
+    assert.is_false(ok)
+    assert.matches("mlp%.[a-z_]+%.weight is a tensor%-parallel shard scaled alone %(tp_scales = 'shard'%)", e)
+  end)
 end)

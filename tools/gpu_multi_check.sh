@@ -22,6 +22,13 @@ step llama-2-prefetch-root timeout 200 bin/train --nproc-per-node 2 --device cud
 step llama-2-f8 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --float8
 step llama-2-f8g timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --float8 --float8-gather
 step llama-2-f8r timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --float8 --recipe rowwise
+# float8 with tensor parallelism: each shard's scales, and the TP group's
+# (docs/float8.md, "With tensor parallelism")
+step llama-2-tp timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp
+step llama-2-tp-f8 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --float8
+step llama-2-tp-f8grp timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --float8 --tp-scales group
+step llama-2-sp-f8 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --sp --float8
+step llama-2-sp-f8grp timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --sp --float8 --tp-scales group
 step gpt2-1 timeout 120 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model gpt2
 step llama-1 timeout 150 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model llama
 . .carry/device/gpu-env.sh .debs >/dev/null 2>&1

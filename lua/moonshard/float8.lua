@@ -62,18 +62,22 @@ local float8 = {}
 float8.recipes = {
   tensorwise = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e5m2', pow2 = false,
                  fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto',
-                 axiswise = false, gw_hp = false },
+                 axiswise = false, gw_hp = false, tp_scales = 'shard' },
   rowwise = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e4m3', pow2 = true,
               fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto',
-              axiswise = true, gw_hp = false },
+              axiswise = true, gw_hp = false, tp_scales = 'shard' },
   rowwise_with_gw_hp = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e4m3', pow2 = true,
                          fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto',
-                         axiswise = true, gw_hp = true },
+                         axiswise = true, gw_hp = true, tp_scales = 'shard' },
 }
 -- recompute_weight: the weight's f8 copy for the input gradient made again
 -- in the backward (true) rather than kept from the forward (false); 'auto':
 -- when FSDP releases the weight after the forward (FULL_SHARD), so the f8
 -- copy would keep a byte a parameter of every unit alive until its backward
+-- tp_scales: under tensor parallelism, 'shard' scales each rank's shards by
+-- their own amax (no collective); 'group' all-reduces the amax of every
+-- sharded operand over the TP group first (torchao's DTensor behaviour: the
+-- scales, hence the f8 bits, of the unsplit layer; tensorwise only)
 
 local function recipe_of(opts, level)
   opts = opts or {}
@@ -104,6 +108,16 @@ local function recipe_of(opts, level)
     end
     cfg.recompute_weight = r
   end
+  if opts.tp_scales ~= nil then
+    if opts.tp_scales ~= 'group' and opts.tp_scales ~= 'shard' then
+      error(("float8: tp_scales must be 'group' or 'shard', got %s"):format(tostring(opts.tp_scales)), level + 1)
+    end
+    cfg.tp_scales = opts.tp_scales
+  end
+  if cfg.tp_scales == 'group' and cfg.axiswise then
+    error(("float8: tp_scales = 'group' takes the tensorwise recipe (%s scales each shard's rows)"):format(name),
+      level + 1)
+  end
   if cfg.input == 'f8e5m2' and cfg.weight == 'f8e5m2' then
     error('float8: input and weight cannot both be f8e5m2 (no FP8 GEMM takes two e5m2 operands)', level + 1)
   end
@@ -128,6 +142,21 @@ local function cast_ax(x2, dtype, pow2, rows, cols)
   return F.float8_cast_axiswise(x2, dtype, { rows = rows, cols = cols, pow2 = pow2 })
 end
 
+-- the amax of x2 all-reduced (max) over a tensor-parallel group: the
+-- unsplit tensor's (tp_scales = 'group')
+local function group_amax(x2, group)
+  local a = F.amax(x2)
+  require('moonshard.tp').all_reduce_max(a, group)
+  return a
+end
+-- the tensorwise cast of x2 with its group's amax: as cast()
+local function cast_group(x2, dtype, pow2, rows, cols, want_amax, group)
+  local a = group_amax(x2, group)
+  local r, c, i = F.float8_cast(x2, a, dtype, { rows = rows, cols = cols, pow2 = pow2 })
+  if not want_amax then free(a); a = nil end
+  return r, c, i, a
+end
+
 -- counters for specs and benches: input casts made (a shared one counts
 -- once) in the forward and again in the backward, and weights cast in the
 -- forward or taken as gathered f8 (FSDP's float8_all_gather)
@@ -144,8 +173,8 @@ end
 -- of the last saved input; both are dropped when a backward begins and ends.
 local intptr = ffi.typeof('intptr_t')
 -- the cache entry's fields for t (numbers: no string is built per call)
-local function same_view(e, t, dtype, pow2, ax)
-  if e == nil or e.dtype ~= dtype or e.pow2 ~= pow2 or e.ax ~= ax or e.st ~= tonumber(ffi.cast(intptr, t.storage))
+local function same_view(e, t, dtype, pow2, ax, grp)
+  if e == nil or e.dtype ~= dtype or e.pow2 ~= pow2 or e.ax ~= ax or e.grp ~= grp or e.st ~= tonumber(ffi.cast(intptr, t.storage))
       or e.off ~= tonumber(t.offset) or e.ver ~= t._version or e.nd ~= t.ndim then
     return false
   end
@@ -156,8 +185,8 @@ local function same_view(e, t, dtype, pow2, ax)
 end
 -- (the entry holds an alias of t: its storage, whose address is in the key,
 -- cannot be freed and the address reused by another tensor while cached)
-local function view_entry(t, dtype, pow2, ax)
-  local e = { dtype = dtype, pow2 = pow2, ax = ax, st = tonumber(ffi.cast(intptr, t.storage)), off = tonumber(t.offset),
+local function view_entry(t, dtype, pow2, ax, grp)
+  local e = { dtype = dtype, pow2 = pow2, ax = ax, grp = grp, st = tonumber(ffi.cast(intptr, t.storage)), off = tonumber(t.offset),
     ver = t._version, nd = t.ndim, sz = {}, sd = {}, src = R.alias(t) }
   for d = 0, t.ndim - 1 do e.sz[d], e.sd[d] = tonumber(t.sizes[d]), tonumber(t.strides[d]) end
   return e
@@ -180,14 +209,16 @@ local function alias(t) return t ~= nil and R.alias(t) or nil end
 local transposed = F.float8_transpose
 
 -- the forward's cast of input rows x2: rows, inv, amax (aliases the caller
--- owns; axiswise: inv a vector, no amax)
-local function cast_input(x2, cfg)
+-- owns; axiswise: inv a vector, no amax); grp: the TP group whose amax
+-- scales it (x2 a shard of the input), else nil
+local function cast_input(x2, cfg, grp)
   local l, _ = fwd_last, nil
-  if not same_view(l, x2, cfg.input, cfg.pow2, cfg.axiswise) then
+  if not same_view(l, x2, cfg.input, cfg.pow2, cfg.axiswise, grp) then
     drop(l)
     stats.input_casts = stats.input_casts + 1
-    l = view_entry(x2, cfg.input, cfg.pow2, cfg.axiswise)
+    l = view_entry(x2, cfg.input, cfg.pow2, cfg.axiswise, grp)
     if cfg.axiswise then l.rows, _, l.inv = cast_ax(x2, cfg.input, cfg.pow2, true, false)
+    elseif grp then l.rows, _, l.inv, l.amax = cast_group(x2, cfg.input, cfg.pow2, true, false, true, grp)
     else l.rows, _, l.inv, l.amax = cast(x2, cfg.input, cfg.pow2, true, false, true) end
     fwd_last = l
   end
@@ -197,12 +228,12 @@ end
 -- the backward's transposed cast of the saved input rows x2: cols, inv.
 -- Tensorwise with the forward's amax (so the bits are the forward's);
 -- axiswise scaled per column (per input feature: K is the token dim)
-local function input_cols(x2, amax, cfg)
+local function input_cols(x2, amax, cfg, grp)
   local l, _ = bwd_last, nil
-  if not same_view(l, x2, cfg.input, cfg.pow2, cfg.axiswise) then
+  if not same_view(l, x2, cfg.input, cfg.pow2, cfg.axiswise, grp) then
     drop(l)
     stats.backward_casts = stats.backward_casts + 1
-    l = view_entry(x2, cfg.input, cfg.pow2, cfg.axiswise)
+    l = view_entry(x2, cfg.input, cfg.pow2, cfg.axiswise, grp)
     if cfg.axiswise then _, l.cols, _, l.inv = cast_ax(x2, cfg.input, cfg.pow2, false, true)
     else _, l.cols, l.inv = F.float8_cast(x2, amax, cfg.input, { rows = false, cols = true, pow2 = cfg.pow2 }) end
     bwd_last = l
@@ -267,6 +298,7 @@ local function bwd_float8(node, g)
   local g8, g8t, ginv, ginv_t
   if need[1] or w8 then
     if cfg.axiswise then g8, g8t, ginv, ginv_t = cast_ax(g2, cfg.grad_output, cfg.pow2, need[1], w8)
+    elseif s.ggrp then g8, g8t, ginv = cast_group(g2, cfg.grad_output, cfg.pow2, need[1], w8, false, s.ggrp); ginv_t = ginv
     else g8, g8t, ginv = cast(g2, cfg.grad_output, cfg.pow2, need[1], w8); ginv_t = ginv end
   end
   local dx, dw, db
@@ -283,7 +315,9 @@ local function bwd_float8(node, g)
       w_in, winv = s.wt and transposed(wg8) or R.alias(wg8), R.alias(wg8inv)
     elseif w_in == nil and s.f8g then
       -- (the unit was gathered in full precision since: a cast of its own)
-      local r, c, i = cast(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt, false)
+      local r, c, i
+      if s.wgrp then r, c, i = cast_group(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt, false, s.wgrp)
+      else r, c, i = cast(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt, false) end
       w_in, winv = s.wt and c or r, i
     elseif w_in == nil then
       if cfg.axiswise then
@@ -305,7 +339,7 @@ local function bwd_float8(node, g)
   elseif want_w then
     -- (out, in) = g8t (out, N) @ x8t (in, N)^T  (Conv1D's (in, out) the other
     -- way), x8t the saved input's transposed cast (see input_cols)
-    local x8t, xinv = input_cols(s.x2, s.xamax, cfg)
+    local x8t, xinv = input_cols(s.x2, s.xamax, cfg, s.xgrp)
     local a, b, ainv, binv = g8t, x8t, ginv_t, xinv
     if not s.wt then a, b, ainv, binv = x8t, g8t, xinv, ginv_t end
     local sink = sink_of(node, s.w)
@@ -329,7 +363,11 @@ end
 
 -- float8.linear(x (..., in), w, b?, opts?) -> y (..., out): x @ w^T + b
 -- with w (out, in), or x @ w + b with opts.wt == false (w (in, out), GPT-2's
--- Conv1D); opts: a recipe's fields (float8.config), or opts.config made by it
+-- Conv1D); opts: a recipe's fields (float8.config), or opts.config made by
+-- it; opts.tp = { group =, input = bool, output = bool }: w is a shard of a
+-- tensor-parallel layer (x too when input, the output's features when
+-- output), whose tensorwise amaxes the config's tp_scales = 'group' takes
+-- over the group
 function float8.linear(x, w, b, opts)
   opts = opts or {}
   local cfg = opts.config or recipe_of(opts, 2)
@@ -369,7 +407,15 @@ function float8.linear(x, w, b, opts)
   if od == 0 then od = 1 end
   local grad = A.want(x, w, b)
   local need_x = grad and A.needs_grad(x)
-  local x8, xinv, xamax = cast_input(x2, cfg)
+  -- tp_scales = 'group': the groups over which the shards' amaxes are taken
+  local tpo = opts.tp
+  local wgrp, xgrp, ggrp
+  if tpo ~= nil and cfg.tp_scales == 'group' and not cfg.axiswise and tpo.group ~= nil and tpo.group:size() > 1 then
+    wgrp = tpo.group
+    xgrp = tpo.input and wgrp or nil
+    ggrp = tpo.output and wgrp or nil
+  end
+  local x8, xinv, xamax = cast_input(x2, cfg, xgrp)
   -- w's two layouts: (out, in) for the forward, (in, out) for dx (kept,
   -- or made again in the backward: recompute_weight)
   local recompute = cfg.recompute_weight
@@ -380,6 +426,10 @@ function float8.linear(x, w, b, opts)
   local g8, g8inv
   if fs ~= nil and not cfg.axiswise then g8, g8inv = fs.float8_weight(w) end
   if g8 ~= nil and g8.dtype ~= cfg.weight then g8 = nil end
+  if g8 ~= nil and wgrp ~= nil and not fs.float8_group_scaled(w, wgrp) then
+    error(("%s: the weight %s came gathered in f8 with scales of its TP shard, the config asks tp_scales = 'group' "
+      .. "(convert before fully_shard)"):format(name, dims(w)), 2)
+  end
   if g8 ~= nil then
     stats.gathered_weights = stats.gathered_weights + 1
     if wt then
@@ -401,7 +451,10 @@ function float8.linear(x, w, b, opts)
   else
     stats.weight_casts = stats.weight_casts + 1
     local want_amax = need_x and recompute   -- (to make the copy again in the backward)
-    if wt then w_out, w_in, winv, wamax = cast(w, cfg.weight, cfg.pow2, true, keep, want_amax)
+    if wgrp then
+      if wt then w_out, w_in, winv, wamax = cast_group(w, cfg.weight, cfg.pow2, true, keep, want_amax, wgrp)
+      else w_in, w_out, winv, wamax = cast_group(w, cfg.weight, cfg.pow2, keep, true, want_amax, wgrp) end
+    elseif wt then w_out, w_in, winv, wamax = cast(w, cfg.weight, cfg.pow2, true, keep, want_amax)
     else w_in, w_out, winv, wamax = cast(w, cfg.weight, cfg.pow2, keep, true, want_amax) end
     winv_in = winv
   end
@@ -440,7 +493,8 @@ function float8.linear(x, w, b, opts)
     if w_in ~= nil then own[#own + 1] = w_in end
     if wamax ~= nil then own[#own + 1] = wamax end
     local saved = { x2 = xs, xamax = xamax, w_in = w_in, winv_in = w_in ~= nil and winv_in or nil, wamax = wamax,
-      w = w, wt = wt, cfg = cfg, dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id, f8g = g8 ~= nil }
+      w = w, wt = wt, cfg = cfg, dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id, f8g = g8 ~= nil,
+      xgrp = xgrp, ggrp = ggrp, wgrp = wgrp }
     A.record_list(name, y, bwd_float8, saved, own, { x, w, b })
   else
     if x2 ~= x then free(x2) end
@@ -453,7 +507,7 @@ end
 -- ------------------------------------------------------------- conversion
 local function layer_forward(self, x)
   local f = rawget(self, '_float8')
-  return float8.linear(x, self.weight, self.bias, { config = f.config, wt = f.wt })
+  return float8.linear(x, self.weight, self.bias, { config = f.config, wt = f.wt, tp = rawget(self, '_tp_shard') })
 end
 
 local function matches(name, pats)

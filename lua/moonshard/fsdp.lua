@@ -565,11 +565,14 @@ local function f8_plan(u)
   local f8mod = package.loaded['moonshard.float8']
   if f8mod == nil then return nil end
   local fp = u.fp
-  local cfg_of, bad = {}, {}
+  local cfg_of, bad, tpg = {}, {}, {}
   for _, slot in ipairs(u.slots) do
     local cfg = f8mod.converted(slot.m)
     if cfg and slot.pn == 'weight' and not cfg.axiswise and not u.frozen[slot.k] then
       if cfg_of[slot.k] == nil then cfg_of[slot.k] = cfg end
+      -- (a tensor-parallel shard: its scale over the TP group, or its own)
+      local sh = rawget(slot.m, '_tp_shard')
+      if sh ~= nil and sh.group:size() > 1 then tpg[slot.k] = { group = sh.group, shared = cfg.tp_scales == 'group' } end
     else bad[slot.k] = true end
   end
   local ks, dtype8 = {}, nil
@@ -584,7 +587,8 @@ local function f8_plan(u)
   local is8 = {}
   for _, k in ipairs(ks) do is8[k] = true end
   local S, W = fp.shard_numel, fp.world_size
-  local plan = { ks = ks, cfg = cfg_of, dtype8 = dtype8, by_off = {}, piece = {}, hp = {}, mine = {} }
+  local plan = { ks = ks, cfg = cfg_of, dtype8 = dtype8, by_off = {}, piece = {}, hp = {}, mine = {}, tp = {} }
+  for _, k in ipairs(ks) do plan.tp[k] = tpg[k] end
   for _, k in ipairs(ks) do plan.by_off[fp.layout.offsets[k]] = k end
   local s0 = fp.rank * S
   for _, k in ipairs(ks) do
@@ -673,6 +677,7 @@ local function f8_precompute(st)
   if st.f8_group and st.f8_group:size() > 1 and not st.skip_comm then
     dist.all_reduce(st.f8_amax, 'max', { group = st.f8_group })
   end
+  if st.f8_tp_group then require('moonshard.tp').all_reduce_max(st.f8_amax, st.f8_tp_group) end
   for _, u in ipairs(st.f8_units) do u:f8_cast() end
   st.src_gen = st.src_gen + 1
   st.f8_gen = st.src_gen
@@ -1455,6 +1460,26 @@ function fsdp.fully_shard(model, opts)
       error('fully_shard: float8_all_gather found no weight of a tensorwise float8 layer (float8.convert the model '
         .. 'first)', 2)
     end
+    -- tensor-parallel shards with tp_scales = 'group': the amax vector is
+    -- all-reduced over the TP group too (a replicated weight's amax is the
+    -- same on every rank of it); shards scaled alone cannot share it
+    local shared, alone
+    for _, unit in ipairs(st.f8_units) do
+      for _, k in ipairs(unit.f8.ks) do
+        local t = unit.f8.tp[k]
+        if t and t.shared then
+          if shared ~= nil and shared ~= t.group then
+            error('fully_shard: float8_all_gather over weights of two tensor-parallel groups', 2)
+          end
+          shared = t.group
+        elseif t then alone = alone or unit.param_names[k] end
+      end
+    end
+    if shared ~= nil and alone ~= nil then
+      error(("fully_shard: float8_all_gather: %s is a tensor-parallel shard scaled alone (tp_scales = 'shard') "
+        .. "beside layers with tp_scales = 'group'; convert every layer with one tp_scales"):format(alone), 2)
+    end
+    st.f8_tp_group = shared
     st.f8_amax = T.zeros({ n8 }, { dtype = 'f32', device = st.units[1].fp.device })
     for _, unit in ipairs(st.f8_units) do unit:f8_init(unit.f8.base) end
   end
@@ -1534,6 +1559,13 @@ function fsdp.float8_weight(t)
   local k = u.f8.by_off[tonumber(t.offset)]
   if k == nil or t:numel() ~= u.fp.numels[k] or not t:is_contiguous() then return nil end
   return u.f8.views8[k], u.f8.inv[k]
+end
+
+-- whether weight t's gathered f8 copy is scaled over TP group g (the
+-- float8 config's tp_scales = 'group')
+function fsdp.float8_group_scaled(t, g)
+  local u = T.is_tensor(t) and t.storage ~= nil and flat_units[storage_key(t)] or nil
+  return u ~= nil and u.st.f8_tp_group == g
 end
 
 -- float8_all_gather: write weight t's values from its f8 copy (what the

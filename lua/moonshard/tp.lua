@@ -97,6 +97,13 @@ function tp.reduce_from(x, group, inplace)
   return ReduceFrom(x, group, inplace)
 end
 
+-- all_reduce_max(t, group): t (a float8 amax) replaced by its maximum over
+-- the group, in place (float8's tp_scales = 'group'; skipped with skip_comm)
+function tp.all_reduce_max(t, group)
+  if not skip_comm and group:size() > 1 then dist.all_reduce(t, 'max', { group = group }) end
+  return t
+end
+
 -- tp.set_skip_comm(on) -> the previous setting: every collective of the
 -- split layers skipped (benchmarks: the step without its communication;
 -- the numbers are then wrong)
@@ -303,7 +310,10 @@ end
 -- took the layer (scales of this rank's shards), else the plain one
 local function local_linear(self, x, b, conv1d)
   local f8 = rawget(self, '_float8')
-  if f8 ~= nil then return require('moonshard.float8').linear(x, self.weight, b, { config = f8.config, wt = f8.wt }) end
+  if f8 ~= nil then
+    return require('moonshard.float8').linear(x, self.weight, b,
+      { config = f8.config, wt = f8.wt, tp = rawget(self, '_tp_shard') })
+  end
   local nnf = require 'moonshard.nn.functional'
   return conv1d and nnf.conv1d_linear(x, self.weight, b) or nnf.linear(x, self.weight, b)
 end
@@ -496,6 +506,8 @@ function tp.parallelize(model, opts)
       { dim = dim, sections = sections or 1 })
     replace(m, 'bias', function(b) return split_even(b, 1, size, rank, sections, p .. 'bias') end, p, info,
       { dim = 1, sections = sections or 1 })
+    -- (for float8's tp_scales: which of the layer's tensors are shards)
+    if size > 1 then rawset(m, '_tp_shard', { group = g, output = true }) end
   end
   local function row(m)
     local cls = getmetatable(m)
@@ -505,6 +517,7 @@ function tp.parallelize(model, opts)
       { dim = dim, sections = 1 })
     if size > 1 then
       rawset(m, '_tp', { group = g, conv1d = cls == nn.Conv1D, sp = sp })
+      rawset(m, '_tp_shard', { group = g, input = true })
       rawset(m, 'forward', rowwise_forward)
     end
   end

@@ -96,6 +96,7 @@ train.options = {
   { 'freeze', 'string?', nil, 'comma-separated Lua patterns: the parameters whose names match one are frozen (requires_grad off: no gradient, no optimizer step, also under FSDP); each pattern must match a parameter' },
   { 'float8', 'string', 'off', 'FP8 linear layers (moonshard.float8, torchao\'s float8 training): off, or a recipe: tensorwise (a bare --float8), rowwise, rowwise_with_gw_hp: every nn.Linear / nn.Conv1D but the LM head computes its three products in FP8 with dynamic scales; CUDA needs an H100-class GPU, the CPU emulates it (docs/float8.md)' },
   { 'float8_all_gather', 'bool', false, 'with --float8 tensorwise and --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD: the float8 layers\' weights all-gathered as f8 bytes, cast from the shards with scales all-reduced once a step (fully_shard\'s float8_all_gather, torchao\'s enable_fsdp_float8_all_gather; docs/fsdp.md)' },
+  { 'float8_tp_scales', 'string', 'shard', 'with --float8 tensorwise and --tp: shard (each rank scales its own shards: no collective) or group (the amax of every sharded operand all-reduced over the TP group: the unsplit layer\'s scales, as torchao over DTensors; docs/float8.md)' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
@@ -371,6 +372,9 @@ function train.check_options(o, where)
   end
   if o.float8 ~= nil and o.float8 ~= 'off' and not require('moonshard.float8').recipes[o.float8] then
     usage('%s: float8 must be off, tensorwise, rowwise or rowwise_with_gw_hp, got %s', where, describe(o.float8))
+  end
+  if o.float8_tp_scales ~= nil and o.float8_tp_scales ~= 'shard' and o.float8_tp_scales ~= 'group' then
+    usage('%s: float8_tp_scales must be shard or group, got %s', where, describe(o.float8_tp_scales))
   end
   if o.activation_checkpointing ~= nil then
     local v = tostring(o.activation_checkpointing)
@@ -1103,8 +1107,13 @@ function train.run(opts)
   -- layers keep their own forward; before checkpointing and fully_shard,
   -- which work on the converted modules as on any)
   local float8_desc
+  if o.float8_tp_scales == 'group' and (o.float8 ~= 'tensorwise' or not tp_mesh) then
+    usage('--float8-tp-scales group needs --float8 tensorwise and --tp (got --float8 %s, --tp %s)', o.float8,
+      tp_mesh and 'on' or 'off')
+  end
   if o.float8 ~= 'off' then
-    local okc, names = pcall(ms.float8.convert, model, { recipe = o.float8 })
+    local okc, names = pcall(ms.float8.convert, model,
+      { recipe = o.float8, tp_scales = tp_mesh and o.float8_tp_scales or nil })
     if not okc then usage('--float8: %s', (tostring(names):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     local total = 0
     for _, m in model:named_modules() do
@@ -1112,6 +1121,7 @@ function train.run(opts)
       if cls == ms.nn.Linear or cls == ms.nn.Conv1D then total = total + 1 end
     end
     float8_desc = ('%s, %d of %d linear layers'):format(o.float8, #names, total)
+    if tp_mesh then float8_desc = float8_desc .. ', TP scales ' .. o.float8_tp_scales end
   end
 
   -- activation checkpointing of the blocks (before fully_shard: the blocks'
