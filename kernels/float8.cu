@@ -93,12 +93,12 @@ __device__ __forceinline__ uint8_t to_fp8(float v, bool e5) {
 // row-major copy and into the shared tile, and after the barrier writes 16
 // elements of a column of the tile as a row of the transposed copy (4
 // threads a row, so a warp stores 8 whole 64-byte rows). Partial tiles and
-// unaligned rows take the same steps element by element. cs: the tile's 64
-// column scales (axiswise, in shared memory), else s for every element.
+// unaligned rows take the same steps element by element (the axiswise
+// casts' tiles: rc_cast_kernel).
 template <typename T>
 __device__ __forceinline__ void cast_tile(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
                                           uint8_t *__restrict__ out_t, float s, bool e5, bool al, long long r0,
-                                          long long c0, uint8_t *tile, const float *cs = nullptr) {
+                                          long long c0, uint8_t *tile) {
     const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
     const long long r = r0 + tr, c = c0 + tc;
     const bool full = al && r0 + kTile <= R && c0 + kTile <= C && (C % 16) == 0;
@@ -115,7 +115,7 @@ __device__ __forceinline__ void cast_tile(const T *__restrict__ x, long long R, 
             float f[V];
             load_v<float, T, V>(f, p + j);
 #pragma unroll
-            for (int k = 0; k < V; k++) v[j + k] = to_fp8(__fmul_rn(f[k], cs ? cs[tc + j + k] : s), e5);
+            for (int k = 0; k < V; k++) v[j + k] = to_fp8(__fmul_rn(f[k], s), e5);
         }
         if (out) *reinterpret_cast<uint4 *>(out + r * C + c) = pk.u;
     } else {
@@ -123,7 +123,7 @@ __device__ __forceinline__ void cast_tile(const T *__restrict__ x, long long R, 
         for (int k = 0; k < 16; k++) {
             v[k] = 0;
             if (r < R && c + k < C) {
-                v[k] = to_fp8(__fmul_rn((float)conv<T>::load(x[r * C + c + k]), cs ? cs[tc + k] : s), e5);
+                v[k] = to_fp8(__fmul_rn((float)conv<T>::load(x[r * C + c + k]), s), e5);
                 if (out) out[r * C + c + k] = v[k];
             }
         }
@@ -270,74 +270,7 @@ __global__ void row_cast_kernel(const T *__restrict__ x, long long R, long long 
     }
 }
 
-// Columns' amax: a block of 256 threads takes 64 columns of kColRows rows;
-// thread t keeps the max of 16 columns ((t % 4) * 16 ...) over rows t / 4,
-// t / 4 + 64, ...; the block folds its 64 partial rows in shared memory and
-// each column's max goes to bits[c] by an atomicMax (f32 bits, as amax).
-const int kColRows = 256;
-template <typename T>
-__global__ void col_amax_kernel(const T *__restrict__ x, long long R, long long C, unsigned int *__restrict__ bits,
-                                bool al) {
-    __shared__ unsigned int part[kTile][kTile + 1];
-    const int tr = threadIdx.x >> 2, tc = (threadIdx.x & 3) * 16;
-    const long long c0 = (long long)blockIdx.x * kTile, rb = (long long)blockIdx.y * kColRows;
-    const long long c = c0 + tc;
-    unsigned int m[16];
-#pragma unroll
-    for (int k = 0; k < 16; k++) m[k] = 0;
-    const bool full = al && c0 + kTile <= C && (C % 16) == 0;
-    for (long long r = rb + tr; r < R && r < rb + kColRows; r += kTile) {
-        if (full) {
-            const int V = 16 / sizeof(T);
-#pragma unroll
-            for (int j = 0; j < 16; j += V) {
-                float f[V];
-                load_v<float, T, V>(f, x + r * C + c + j);
-#pragma unroll
-                for (int k = 0; k < V; k++) {
-                    const float a = fabsf(f[k]);
-                    m[j + k] = max(m[j + k], a != a ? 0x7fc00000u : __float_as_uint(a));
-                }
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < 16; k++)
-                if (c + k < C) {
-                    const float a = fabsf((float)conv<T>::load(x[r * C + c + k]));
-                    m[k] = max(m[k], a != a ? 0x7fc00000u : __float_as_uint(a));
-                }
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < 16; k++) part[tr][tc + k] = m[k];
-    __syncthreads();
-    if (threadIdx.x < kTile && c0 + threadIdx.x < C) {
-        unsigned int b = 0;
-        for (int i = 0; i < kTile; i++) b = max(b, part[i][threadIdx.x]);
-        if (b) atomicMax(bits + c0 + threadIdx.x, b);
-    }
-}
-
-// Columns' cast: the tiles of cast_kernel writing the transposed copy only,
-// each column with the scale of its amax (bits); the blocks of the first
-// tile row write inv_cols. R == 0 launches one tile row for the scales.
-template <typename T>
-__global__ void col_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out_t,
-                                float *__restrict__ inv, const unsigned int *__restrict__ bits, bool e5, bool pow2,
-                                bool al) {
-    __shared__ float cs[kTile];
-    __shared__ __align__(16) uint8_t tile[kTile * kPitch];
-    const long long r0 = (long long)blockIdx.y * kTile, c0 = (long long)blockIdx.x * kTile;
-    if (threadIdx.x < kTile) {
-        const long long c = c0 + threadIdx.x;
-        const float s = c < C ? ms_fp8_scale(__uint_as_float(bits[c]), e5, pow2) : 1.f;
-        cs[threadIdx.x] = s;
-        if (inv && blockIdx.y == 0 && c < C) inv[c] = 1.0f / s;
-    }
-    __syncthreads();
-    if (r0 >= R || c0 >= C) return;
-    cast_tile<T>(x, R, C, nullptr, out_t, 1.f, e5, al, r0, c0, tile, cs);
-}
+const int kColRows = 256;   // (the rows a block of rc_amax_kernel walks)
 
 // ------------------------------------------------------------ transpose
 // An 8-bit tensor's transpose (the other layout of an FSDP-gathered f8
@@ -375,14 +308,18 @@ __global__ void transpose8_kernel(const uint8_t *__restrict__ x, long long R, lo
     }
 }
 
-// Both layouts at once (the output gradient's two casts, a weight's): one
-// pass for the row and column maxima (the column tiles' walk of
-// col_amax_kernel, each row's max over its 16 elements folded across the
-// 4 threads of the row and atomicMax'ed a tile), then one pass of tiles
-// that writes out with the rows' scales and out_t with the columns'. x
-// read twice instead of four times (the row kernel's second read, the
-// column amax, the column cast).
-template <typename T>
+// The column-scaled layout, with or without the row-scaled one (ROWS: the
+// output gradient's two casts, a weight's). One pass for the maxima: a
+// block of 256 threads takes 64 columns of kColRows rows; thread t keeps
+// the max of 16 columns ((t % 4) * 16 ...) over rows t / 4, t / 4 + 64,
+// ...; the block folds its 64 partial rows in shared memory and each
+// column's max goes to cbits[c] by an atomicMax (f32 bits, as amax); with
+// ROWS each row's max over its 16 elements is folded across the 4 threads
+// of the row and atomicMax'ed to rbits a tile. Then one pass of tiles that
+// writes out_t with the columns' scales (and out with the rows'). With both
+// layouts x is read twice instead of four times (the row kernel's second
+// read, the column amax, the column cast).
+template <typename T, bool ROWS>
 __global__ void rc_amax_kernel(const T *__restrict__ x, long long R, long long C, unsigned int *__restrict__ rbits,
                                unsigned int *__restrict__ cbits, bool al) {
     __shared__ unsigned int part[kTile][kTile + 1];
@@ -422,10 +359,12 @@ __global__ void rc_amax_kernel(const T *__restrict__ x, long long R, long long C
                     }
             }
         }
-        // the row's 4 threads are 4 neighbouring lanes
-        rm = max(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
-        rm = max(rm, __shfl_xor_sync(0xffffffffu, rm, 2));
-        if ((threadIdx.x & 3) == 0 && r < R && rm) atomicMax(rbits + r, rm);
+        if (ROWS) {
+            // the row's 4 threads are 4 neighbouring lanes
+            rm = max(rm, __shfl_xor_sync(0xffffffffu, rm, 1));
+            rm = max(rm, __shfl_xor_sync(0xffffffffu, rm, 2));
+            if ((threadIdx.x & 3) == 0 && r < R && rm) atomicMax(rbits + r, rm);
+        }
     }
 #pragma unroll
     for (int k = 0; k < 16; k++) part[tr][tc + k] = m[k];
@@ -437,7 +376,8 @@ __global__ void rc_amax_kernel(const T *__restrict__ x, long long R, long long C
     }
 }
 
-template <typename T>
+// (R == 0 launches one tile row for the columns' scales)
+template <typename T, bool ROWS>
 __global__ void rc_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
                                uint8_t *__restrict__ out_t, float *__restrict__ inv_r, float *__restrict__ inv_c,
                                const unsigned int *__restrict__ rbits, const unsigned int *__restrict__ cbits, bool e5,
@@ -450,7 +390,7 @@ __global__ void rc_cast_kernel(const T *__restrict__ x, long long R, long long C
         const float s = c < C ? ms_fp8_scale(__uint_as_float(cbits[c]), e5, pow2) : 1.f;
         cs[threadIdx.x] = s;
         if (inv_c && blockIdx.y == 0 && c < C) inv_c[c] = 1.0f / s;
-    } else if (threadIdx.x < 2 * kTile) {
+    } else if (ROWS && threadIdx.x < 2 * kTile) {
         const int i = threadIdx.x - kTile;
         const long long r = r0 + i;
         const float s = r < R ? ms_fp8_scale(__uint_as_float(rbits[r]), e5, pow2) : 1.f;
@@ -466,7 +406,7 @@ __global__ void rc_cast_kernel(const T *__restrict__ x, long long R, long long C
         uint8_t b[16];
     } pk;
     uint8_t v[16];   // the column-scaled bytes, for the transposed copy
-    const float sr = rs[tr];
+    const float sr = ROWS ? rs[tr] : 0.f;
     if (full) {
         const int V = 16 / sizeof(T);
         const T *p = x + r * C + c;
@@ -476,18 +416,18 @@ __global__ void rc_cast_kernel(const T *__restrict__ x, long long R, long long C
             load_v<float, T, V>(f, p + j);
 #pragma unroll
             for (int k = 0; k < V; k++) {
-                pk.b[j + k] = to_fp8(__fmul_rn(f[k], sr), e5);
+                if (ROWS) pk.b[j + k] = to_fp8(__fmul_rn(f[k], sr), e5);
                 v[j + k] = to_fp8(__fmul_rn(f[k], cs[tc + j + k]), e5);
             }
         }
-        *reinterpret_cast<uint4 *>(out + r * C + c) = pk.u;
+        if (ROWS) *reinterpret_cast<uint4 *>(out + r * C + c) = pk.u;
     } else {
 #pragma unroll
         for (int k = 0; k < 16; k++) {
             v[k] = 0;
             if (r < R && c + k < C) {
                 const float f = (float)conv<T>::load(x[r * C + c + k]);
-                out[r * C + c + k] = to_fp8(__fmul_rn(f, sr), e5);
+                if (ROWS) out[r * C + c + k] = to_fp8(__fmul_rn(f, sr), e5);
                 v[k] = to_fp8(__fmul_rn(f, cs[tc + k]), e5);
             }
         }
@@ -525,10 +465,10 @@ int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tenso
         if (ms_tensor_empty(&bits.t, 1, &nb, MS_I32, x->device_id)) return -1;
         unsigned int *pr = (unsigned int *)ms_tensor_data(bits.t), *pc = pr + R;
         CUDA_CHECK(cudaMemsetAsync(pr, 0, sizeof(unsigned int) * (size_t)(R + C), st));
-        rc_amax_kernel<T><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, pr, pc, ms_aligned16(p));
+        rc_amax_kernel<T, true><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, pr, pc, ms_aligned16(p));
         LAUNCH_CHECK("rc_amax_kernel");
         const bool al = ms_aligned16(p) && ms_aligned16(ms_tensor_data(out)) && ms_aligned16(ms_tensor_data(out_t));
-        rc_cast_kernel<T><<<dim3((unsigned)tx, (unsigned)ty), 256, 0, st>>>(
+        rc_cast_kernel<T, true><<<dim3((unsigned)tx, (unsigned)ty), 256, 0, st>>>(
             p, R, C, (uint8_t *)ms_tensor_data(out), (uint8_t *)ms_tensor_data(out_t),
             inv_r ? (float *)ms_tensor_data(inv_r) : nullptr, inv_c ? (float *)ms_tensor_data(inv_c) : nullptr, pr, pc,
             e5, pow2, al);
@@ -556,13 +496,14 @@ int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tenso
         CUDA_CHECK(cudaMemsetAsync(pb, 0, sizeof(unsigned int) * (size_t)C, st));
         const bool al = ms_aligned16(p) && ms_aligned16(ms_tensor_data(out_t));
         if (R > 0) {
-            col_amax_kernel<T><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, pb, ms_aligned16(p));
-            LAUNCH_CHECK("col_amax_kernel");
+            rc_amax_kernel<T, false>
+                <<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, nullptr, pb, ms_aligned16(p));
+            LAUNCH_CHECK("rc_amax_kernel (columns)");
         }
-        col_cast_kernel<T><<<dim3((unsigned)tx, (unsigned)(ty > 0 ? ty : 1)), 256, 0, st>>>(
-            p, R, C, (uint8_t *)ms_tensor_data(out_t), inv_c ? (float *)ms_tensor_data(inv_c) : nullptr, pb, e5,
-            pow2, al);
-        LAUNCH_CHECK("col_cast_kernel");
+        rc_cast_kernel<T, false><<<dim3((unsigned)tx, (unsigned)(ty > 0 ? ty : 1)), 256, 0, st>>>(
+            p, R, C, nullptr, (uint8_t *)ms_tensor_data(out_t), nullptr, inv_c ? (float *)ms_tensor_data(inv_c) : nullptr,
+            nullptr, pb, e5, pow2, al);
+        LAUNCH_CHECK("rc_cast_kernel (columns)");
     }
     return 0;
 }

@@ -152,6 +152,41 @@ describe('float8 with tensor parallelism #mpi', function()
     end)
   end
 
+  -- the split weights' amaxes: one all-reduce of them all a step (again
+  -- after the optimizer's step moved them), the same bits as a collective
+  -- a layer
+  it("tp_scales = 'group': the weights' amaxes in one all-reduce a step, the losses of a collective a layer", function()
+    local x, y = FS.lcg_batch(13, 2, 16)
+    local function losses(batched)
+      local m = build(cases[2])
+      float8.convert(m, { tp_scales = 'group' })
+      tp.parallelize(m)
+      if not batched then
+        for _, mod in m:named_modules() do
+          local sh = rawget(mod, '_tp_shard')
+          if sh then sh.reg = nil end
+        end
+      end
+      local before = float8.stats().weight_amax_reductions
+      local l = run(m, x, y)
+      local n = float8.stats().weight_amax_reductions - before
+      -- a forward without a step between: the amaxes kept
+      ms.no_grad(function() return m(x, y) end)
+      ms.no_grad(function() return m(x, y) end)
+      return l, n, float8.stats().weight_amax_reductions - before
+    end
+    local a, na, na2 = losses(true)
+    local b, nb = losses(false)
+    assert.are.same(b, a)
+    if W > 1 then
+      assert.are.equal(4, na, 'one a step')
+      assert.are.equal(5, na2, 'the forwards after the last step: one')
+    else
+      assert.are.equal(0, na, 'one rank: no group')
+    end
+    assert.are.equal(0, nb)
+  end)
+
   it("tp_scales: 'group' or 'shard', group with the tensorwise recipe only", function()
     local m = build(cases[2])
     local ok, e = pcall(float8.convert, m, { tp_scales = 'all' })

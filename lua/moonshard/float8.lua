@@ -160,10 +160,69 @@ end
 -- counters for specs and benches: input casts made (a shared one counts
 -- once) in the forward and again in the backward, and weights cast in the
 -- forward or taken as gathered f8 (FSDP's float8_all_gather)
-local stats = { input_casts = 0, backward_casts = 0, weight_casts = 0, gathered_weights = 0 }
+local stats = { input_casts = 0, backward_casts = 0, weight_casts = 0, gathered_weights = 0,
+  weight_amax_reductions = 0 }
 function float8.stats()
   return { input_casts = stats.input_casts, backward_casts = stats.backward_casts, weight_casts = stats.weight_casts,
-    gathered_weights = stats.gathered_weights }
+    gathered_weights = stats.gathered_weights, weight_amax_reductions = stats.weight_amax_reductions }
+end
+
+-- tp_scales = 'group', the weights of a split model: tp.parallelize's
+-- registry (reg: its split layers, in one order on every rank of the group)
+-- keeps the amaxes of every group-scaled weight in one vector, each local
+-- amax written into its slot and the vector all-reduced once, again when a
+-- weight moved (its version: the optimizer's step bumps them all, so the
+-- first layer of the next forward refreshes the lot; a weight replaced,
+-- e.g. by :to(), too). FSDP's gathered weights are written without a
+-- version bump: their layers take a collective each (or the f8 gathers'
+-- reduced scales).
+local function group_weights(reg)
+  local fs = package.loaded['moonshard.fsdp']
+  local list = {}
+  for _, m in ipairs(reg.mods) do
+    local f, sh, w = rawget(m, '_float8'), rawget(m, '_tp_shard'), rawget(m, 'weight')
+    if f ~= nil and sh ~= nil and f.config.tp_scales == 'group' and not f.config.axiswise and is_tensor(w)
+        and not (fs ~= nil and fs.manages(w)) then
+      list[#list + 1] = { sh = sh, w = w }
+    end
+  end
+  return list
+end
+local function refresh_weight_amaxes(reg)
+  local list = group_weights(reg)
+  local st = reg.f8 or {}
+  reg.f8 = st
+  st.of = {}
+  if #list == 0 then return end
+  local dev = list[1].w.device_id
+  for _, e in ipairs(list) do
+    if e.w.device_id ~= dev then return end   -- (no shared vector: a collective a layer)
+  end
+  if st.vec == nil or st.n ~= #list or st.vec.device_id ~= dev then
+    st.n = #list
+    st.vec = T.empty({ st.n }, { dtype = 'f32', device = list[1].w.device })
+    st.views = {}
+    for i = 1, st.n do st.views[i] = st.vec:narrow(1, i, 1):view({}) end
+  end
+  for i, e in ipairs(list) do
+    F.amax(e.w, st.views[i])
+    st.of[e.sh] = { w = e.w, ver = e.w._version, amax = st.views[i] }
+  end
+  require('moonshard.tp').all_reduce_max(st.vec, reg.group)
+  stats.weight_amax_reductions = stats.weight_amax_reductions + 1
+end
+-- the group amax of weight w of the split layer whose _tp_shard is sh (an
+-- alias), or nil (a collective of its own then)
+local function group_weight_amax(sh, w)
+  local reg = sh.reg
+  if reg == nil then return nil end
+  local e = reg.f8 and reg.f8.of[sh]
+  if e == nil or not rawequal(e.w, w) or e.ver ~= w._version then
+    refresh_weight_amaxes(reg)
+    e = reg.f8.of[sh]
+    if e == nil or not rawequal(e.w, w) then return nil end
+  end
+  return R.alias(e.amax)
 end
 
 -- One cast of a tensor several layers read (q/k/v, gate/up): the last one
@@ -451,7 +510,16 @@ function float8.linear(x, w, b, opts)
   else
     stats.weight_casts = stats.weight_casts + 1
     local want_amax = need_x and recompute   -- (to make the copy again in the backward)
-    if wgrp then
+    -- (tp_scales = 'group': the split model's weight amaxes, reduced once a
+    -- step, else a collective of this layer's own)
+    local wa = wgrp and group_weight_amax(tpo, w) or nil
+    if wa ~= nil then
+      local r, c
+      r, c, winv = F.float8_cast(w, wa, cfg.weight, { rows = wt or keep, cols = not wt or keep, pow2 = cfg.pow2 })
+      if wt then w_out, w_in = r, c else w_in, w_out = r, c end
+      if want_amax then wamax = R.clone(wa) end   -- (the vector is rewritten after the next step)
+      free(wa)
+    elseif wgrp then
       if wt then w_out, w_in, winv, wamax = cast_group(w, cfg.weight, cfg.pow2, true, keep, want_amax, wgrp)
       else w_in, w_out, winv, wamax = cast_group(w, cfg.weight, cfg.pow2, keep, true, want_amax, wgrp) end
     elseif wt then w_out, w_in, winv, wamax = cast(w, cfg.weight, cfg.pow2, true, keep, want_amax)

@@ -1561,6 +1561,12 @@ function fsdp.float8_weight(t)
   return u.f8.views8[k], u.f8.inv[k]
 end
 
+-- whether t is (a view of) an FSDP unit's parameters: written by its
+-- gathers, not by in-place ops (no version bump)
+function fsdp.manages(t)
+  return T.is_tensor(t) and t.storage ~= nil and flat_units[storage_key(t)] ~= nil
+end
+
 -- whether weight t's gathered f8 copy is scaled over TP group g (the
 -- float8 config's tp_scales = 'group')
 function fsdp.float8_group_scaled(t, g)

@@ -332,9 +332,15 @@ end
 -- ------------------------------------------------------------------ float8
 -- (core/ops.h has the contracts; moonshard.float8 the training layer)
 
--- amax(x) -> 0-dim f32 = max |x| (NaN when x holds one), no host sync
-function F.amax(x)
+-- amax(x [, out]) -> 0-dim f32 = max |x| (NaN when x holds one), no host
+-- sync; into out (one f32 element on x's device: a slot of a vector) when
+-- given
+function F.amax(x, out)
   need_tensor('amax', x)
+  if out ~= nil then
+    need_tensor('amax', out, 'out')
+    return run_into(out, C.ms_amax, x)
+  end
   return run(C.ms_amax, x)
 end
 

@@ -498,6 +498,14 @@ function tp.parallelize(model, opts)
       .. 'other mesh axis)', 2)
   end
 
+  -- the split layers in one order on every rank of the group: float8's
+  -- tp_scales = 'group' takes their weights' amaxes in one all-reduce a
+  -- step (float8.lua, group_weight_amax)
+  local f8reg = { group = g, mods = {} }
+  local function shard_of(m, t)
+    rawset(m, '_tp_shard', t)
+    f8reg.mods[#f8reg.mods + 1] = m
+  end
   local function column(m, sections)
     local cls = getmetatable(m)
     local dim = cls == nn.Conv1D and 2 or 1
@@ -507,7 +515,7 @@ function tp.parallelize(model, opts)
     replace(m, 'bias', function(b) return split_even(b, 1, size, rank, sections, p .. 'bias') end, p, info,
       { dim = 1, sections = sections or 1 })
     -- (for float8's tp_scales: which of the layer's tensors are shards)
-    if size > 1 then rawset(m, '_tp_shard', { group = g, output = true }) end
+    if size > 1 then shard_of(m, { group = g, output = true, reg = f8reg }) end
   end
   local function row(m)
     local cls = getmetatable(m)
@@ -517,7 +525,7 @@ function tp.parallelize(model, opts)
       { dim = dim, sections = 1 })
     if size > 1 then
       rawset(m, '_tp', { group = g, conv1d = cls == nn.Conv1D, sp = sp })
-      rawset(m, '_tp_shard', { group = g, input = true })
+      shard_of(m, { group = g, input = true, reg = f8reg })
       rawset(m, 'forward', rowwise_forward)
     end
   end
