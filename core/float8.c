@@ -192,16 +192,93 @@ int ms_float8_cast_dynamic(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, 
 
 /* ---------------------------------------------------------- axiswise */
 
+/* the rows' (ra, R) and columns' (ca, C) amax of the f32 row-major p (R, C),
+ * either NULL; NaN wins */
+static void axis_amax_cpu(const float *p, int64_t R, int64_t C, float *ra, float *ca) {
+    if (ra)
+        for (int64_t i = 0; i < R; i++) {
+            float m = 0.0f;
+            for (int64_t j = 0; j < C; j++) {
+                float a = fabsf(p[i * C + j]);
+                if (a != a || a > m) m = (m != m) ? m : a;
+            }
+            ra[i] = m;
+        }
+    if (ca) {
+        for (int64_t j = 0; j < C; j++) ca[j] = 0.0f;
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t j = 0; j < C; j++) {
+                float a = fabsf(p[i * C + j]);
+                if (ca[j] == ca[j] && (a != a || a > ca[j])) ca[j] = a;
+            }
+    }
+}
+
+/* an amax vector given to the cast: f32, 1-D of n, contiguous, on x's device */
+static int check_amax_vec(const char *op, const char *what, const ms_tensor *a, int64_t n, const ms_tensor *x) {
+    char d[DESC], dx[DESC];
+    if (ms_tensor_check_live(a, op)) return -1;
+    if (a->dtype_id != MS_F32 || a->ndim != 1 || a->sizes[0] != n || a->device_id != x->device_id ||
+        !ms_tensor_is_contiguous(a))
+        return ms_errorf("%s: %s must be a contiguous f32 vector of %lld on x's device (x %s), got %s", op, what,
+                         (long long)n, ms_desc(x, dx, sizeof dx), ms_desc(a, d, sizeof d));
+    return 0;
+}
+
+int ms_float8_amax_axiswise(ms_tensor **row_amax, ms_tensor **col_amax, const ms_tensor *x) {
+    const char *op = "float8_amax_axiswise";
+    char d[DESC];
+    if (ms_tensor_check_live(x, op)) return -1;
+    if (!ms_is_float(x->dtype_id) || x->ndim != 2)
+        return ms_errorf("%s: x must be a 2-D float tensor (f64, f32, bf16, f16), got %s", op,
+                         ms_desc(x, d, sizeof d));
+#ifndef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
+    const int64_t R = x->sizes[0], C = x->sizes[1];
+    int a_r = 0, a_c = 0;
+    int rc = cast_slot(op, row_amax, "row_amax", 1, &R, MS_F32, x->device_id, &a_r);
+    if (!rc) rc = cast_slot(op, col_amax, "col_amax", 1, &C, MS_F32, x->device_id, &a_c);
+    if (!rc) {
+        ms_tensor *ra = row_amax ? *row_amax : NULL, *ca = col_amax ? *col_amax : NULL, *c = NULL;
+        rc = ms_tensor_contiguous(&c, x);
+#ifdef MS_WITH_CUDA
+        if (!rc && x->device_id >= 0) {
+            rc = ms_cuda_float8_amax_axiswise(ra, ca, c);
+        } else
+#endif
+        if (!rc) {
+            ms_tensor *f = NULL;
+            rc = f32_contig(&f, c);
+            if (!rc)
+                axis_amax_cpu(ms_tensor_data(f), R, C, ra ? ms_tensor_data(ra) : NULL, ca ? ms_tensor_data(ca) : NULL);
+            ms_tensor_free(f);
+        }
+        ms_tensor_free(c);
+    }
+    if (rc) {
+        finish(row_amax, a_r, rc);
+        finish(col_amax, a_c, rc);
+    }
+    return rc;
+}
+
 /* the rowwise / columnwise cast (torchao's axiswise scaling): every row of
  * out scaled by its own amax, every row of out_t (a column of x) by that
- * column's; the scales of a pass are those of the CPU loop below */
+ * column's; the amaxes x's own (row_amax / col_amax NULL) or given (the
+ * group's); the scales of a pass are those of the CPU loop below */
 int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_rows, ms_tensor **inv_cols,
-                            const ms_tensor *x, int dtype, int pow2) {
+                            const ms_tensor *x, const ms_tensor *row_amax, const ms_tensor *col_amax, int dtype,
+                            int pow2) {
     const char *op = "float8_cast_axiswise";
     if (check_cast(op, x, dtype)) return -1;
     if (inv_rows && !out) return ms_errorf("%s: inv_rows is the scale of out: ask for out too", op);
     if (inv_cols && !out_t) return ms_errorf("%s: inv_cols is the scale of out_t: ask for out_t too", op);
     const int64_t R = x->sizes[0], C = x->sizes[1];
+    if ((row_amax || col_amax) && ((out && !row_amax) || (out_t && !col_amax)))
+        return ms_errorf("%s: given amaxes must cover every layout asked (out needs row_amax, out_t col_amax)", op);
+    if (row_amax && check_amax_vec(op, "row_amax", row_amax, R, x)) return -1;
+    if (col_amax && check_amax_vec(op, "col_amax", col_amax, C, x)) return -1;
     const int64_t shape[2] = {R, C}, shape_t[2] = {C, R};
     int a_out = 0, a_t = 0, a_ir = 0, a_ic = 0, rc;
     rc = cast_slot(op, out, "out", 2, shape, dtype, x->device_id, &a_out);
@@ -215,48 +292,40 @@ int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_
         rc = ms_tensor_contiguous(&c, x);
 #ifdef MS_WITH_CUDA
         if (!rc && x->device_id >= 0) {
-            rc = ms_cuda_float8_cast_axiswise(o, ot, ir, ic, c, dtype, pow2);
+            rc = ms_cuda_float8_cast_axiswise(o, ot, ir, ic, c, o ? row_amax : NULL, ot ? col_amax : NULL, dtype,
+                                              pow2);
         } else
 #endif
         if (!rc) {
             const int e5 = is_e5m2(dtype);
             ms_tensor *f = NULL;
-            float *sc = NULL;
+            float *own = NULL;   /* x's own amaxes (R rows, then C columns) when none are given */
             rc = f32_contig(&f, c);
-            if (!rc && (sc = malloc(sizeof(float) * (size_t)(C > 0 ? C : 1))) == NULL)
-                rc = ms_errorf("%s: out of host memory for %lld column scales", op, (long long)C);
+            if (!rc && !row_amax && !col_amax && (own = malloc(sizeof(float) * (size_t)(R + C + 1))) == NULL)
+                rc = ms_errorf("%s: out of host memory for %lld scales", op, (long long)(R + C));
             if (!rc) {
                 const float *p = ms_tensor_data(f);
-                if (o) {   /* rows: max |x| along each row (NaN wins) */
+                const float *ra = row_amax ? ms_tensor_data(row_amax) : own;
+                const float *ca = col_amax ? ms_tensor_data(col_amax) : own ? own + R : NULL;
+                if (own) axis_amax_cpu(p, R, C, o ? own : NULL, ot ? own + R : NULL);
+                if (o) {
                     uint8_t *po = ms_tensor_data(o);
                     for (int64_t i = 0; i < R; i++) {
-                        float m = 0.0f;
-                        for (int64_t j = 0; j < C; j++) {
-                            float a = fabsf(p[i * C + j]);
-                            if (a != a || a > m) m = (m != m) ? m : a;
-                        }
-                        const float s = ms_fp8_scale(m, e5, pow2);
+                        const float s = ms_fp8_scale(ra[i], e5, pow2);
                         for (int64_t j = 0; j < C; j++) po[i * C + j] = ms_fp8_from_f32(p[i * C + j] * s, e5, 1);
                         if (ir) ((float *)ms_tensor_data(ir))[i] = 1.0f / s;
                     }
                 }
-                if (ot) {   /* columns: max |x| down each column */
+                if (ot) {
                     uint8_t *pt = ms_tensor_data(ot);
-                    for (int64_t j = 0; j < C; j++) sc[j] = 0.0f;
-                    for (int64_t i = 0; i < R; i++)
-                        for (int64_t j = 0; j < C; j++) {
-                            float a = fabsf(p[i * C + j]);
-                            if (sc[j] == sc[j] && (a != a || a > sc[j])) sc[j] = a;
-                        }
                     for (int64_t j = 0; j < C; j++) {
-                        sc[j] = ms_fp8_scale(sc[j], e5, pow2);
-                        if (ic) ((float *)ms_tensor_data(ic))[j] = 1.0f / sc[j];
+                        const float s = ms_fp8_scale(ca[j], e5, pow2);
+                        for (int64_t i = 0; i < R; i++) pt[j * R + i] = ms_fp8_from_f32(p[i * C + j] * s, e5, 1);
+                        if (ic) ((float *)ms_tensor_data(ic))[j] = 1.0f / s;
                     }
-                    for (int64_t i = 0; i < R; i++)
-                        for (int64_t j = 0; j < C; j++) pt[j * R + i] = ms_fp8_from_f32(p[i * C + j] * sc[j], e5, 1);
                 }
             }
-            free(sc);
+            free(own);
             ms_tensor_free(f);
         }
         ms_tensor_free(c);

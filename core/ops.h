@@ -304,7 +304,15 @@ int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, co
  * K: out feeds a product contracting over C, out_t one contracting over R
  * (ms_scaled_matmul with vector scales). */
 int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_rows, ms_tensor **inv_cols,
-                            const ms_tensor *x, int dtype, int pow2);
+                            const ms_tensor *x, const ms_tensor *row_amax, const ms_tensor *col_amax, int dtype,
+                            int pow2);
+/* ms_float8_amax_axiswise: row_amax (R) f32 = max |x[i, :]|, col_amax (C)
+ * f32 = max |x[:, j]| of x (R, C) (either slot NULL; NaN when the row or
+ * column holds one): what ms_float8_cast_axiswise scales by. Given to it
+ * (each layout asked needs its own: out row_amax, out_t col_amax; NULL both:
+ * x's own), after an all-reduce (max) over a tensor-parallel group, the
+ * casts are those of the unsplit tensor's rows and columns. */
+int ms_float8_amax_axiswise(ms_tensor **row_amax, ms_tensor **col_amax, const ms_tensor *x);
 /* ms_float8_transpose: out (C, R) contiguous = x (R, C) transposed, x a 2-D
  * 8-bit float tensor (any layout); the same bytes (a tiled kernel on CUDA:
  * the other layout of an f8 weight gathered by FSDP) */

@@ -213,19 +213,23 @@ __global__ void amax_cast_kernel(const T *__restrict__ x, long long R, long long
 // Rows: one warp a row. The warp finds the row's amax (16-byte loads when
 // the row is aligned), its scale, then reads the row again (from L1/L2) and
 // writes the bytes; inv_rows[r] = 1 / scale. NaN wins the max as in amax.
+// given: the rows' amaxes (f32 bits) to scale by instead of finding them;
+// amax_out: the rows' amaxes written there, and nothing cast (out NULL).
 template <typename T>
 __global__ void row_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
-                                float *__restrict__ inv, bool e5, bool pow2, bool al) {
+                                float *__restrict__ inv, bool e5, bool pow2, bool al,
+                                const unsigned int *__restrict__ given, unsigned int *__restrict__ amax_out) {
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (r >= R) return;
     const T *p = x + r * C;
-    uint8_t *o = out + r * C;
+    uint8_t *o = out ? out + r * C : nullptr;
     const int V = 16 / sizeof(T);
     const bool vec = al && (C % 16) == 0;   // rows 16-byte aligned in x and in out
     float m = 0.f;
     bool nan = false;
-    if (vec) {
+    if (given) {
+    } else if (vec) {
         for (long long j = (long long)lane * V; j < C; j += 32LL * V) {
             float f[V];
             load_v<float, T, V>(f, p + j);
@@ -246,6 +250,11 @@ __global__ void row_cast_kernel(const T *__restrict__ x, long long R, long long 
     unsigned int b = nan ? 0x7fc00000u : __float_as_uint(m);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) b = max(b, __shfl_xor_sync(0xffffffffu, b, off));
+    if (given) b = given[r];
+    if (amax_out) {
+        if (lane == 0) amax_out[r] = b;
+        return;
+    }
     const float s = ms_fp8_scale(__uint_as_float(b), e5, pow2);
     if (lane == 0 && inv) inv[r] = 1.0f / s;
     if (vec) {
@@ -449,24 +458,38 @@ __global__ void rc_cast_kernel(const T *__restrict__ x, long long R, long long C
 
 bool fused_on();   // (below: MS_FLOAT8_FUSED)
 
+// the amaxes' f32 bits (non-negative floats order as their bits; a NaN is
+// 0x7fc00000, above every number) of a given amax vector, or NULL
+static const unsigned int *amax_bits(const ms_tensor *a) {
+    return a ? (const unsigned int *)ms_tensor_data(a) : nullptr;
+}
+
+// (ra, ca: the rows' and columns' amaxes given, each NULL unless the
+// layout is asked: the kernels read them instead of finding x's own)
 template <typename T>
 int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tensor *inv_c, const ms_tensor *x,
-                    bool e5, bool pow2, cudaStream_t st) {
+                    const ms_tensor *ra, const ms_tensor *ca, bool e5, bool pow2, cudaStream_t st) {
     const long long R = x->sizes[0], C = x->sizes[1];
     const T *p = (const T *)ms_tensor_data(x);
-    if (out && out_t && R > 0 && C > 0 && fused_on()) {
+    const bool given = ra || ca;
+    if (out && out_t && R > 0 && C > 0 && (fused_on() || given)) {
         // both layouts: the maxima in one pass, the casts in another
         const long long tx = (C + kTile - 1) / kTile, ty = (R + kTile - 1) / kTile, ay = (R + kColRows - 1) / kColRows;
         if (tx > 0x7fffffffLL || ty > 65535 || ay > 65535)
             return ms_errorf("float8_cast_axiswise: (%lld, %lld) has too many rows for the kernels' grid (at most %d)",
                              R, C, 65535 * kTile);
         ms_tmp bits;
-        int64_t nb = R + C;
-        if (ms_tensor_empty(&bits.t, 1, &nb, MS_I32, x->device_id)) return -1;
-        unsigned int *pr = (unsigned int *)ms_tensor_data(bits.t), *pc = pr + R;
-        CUDA_CHECK(cudaMemsetAsync(pr, 0, sizeof(unsigned int) * (size_t)(R + C), st));
-        rc_amax_kernel<T, true><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, pr, pc, ms_aligned16(p));
-        LAUNCH_CHECK("rc_amax_kernel");
+        const unsigned int *pr = amax_bits(ra), *pc = amax_bits(ca);
+        if (!given) {
+            int64_t nb = R + C;
+            if (ms_tensor_empty(&bits.t, 1, &nb, MS_I32, x->device_id)) return -1;
+            unsigned int *b = (unsigned int *)ms_tensor_data(bits.t);
+            CUDA_CHECK(cudaMemsetAsync(b, 0, sizeof(unsigned int) * (size_t)(R + C), st));
+            rc_amax_kernel<T, true><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, b, b + R, ms_aligned16(p));
+            LAUNCH_CHECK("rc_amax_kernel");
+            pr = b;
+            pc = b + R;
+        }
         const bool al = ms_aligned16(p) && ms_aligned16(ms_tensor_data(out)) && ms_aligned16(ms_tensor_data(out_t));
         rc_cast_kernel<T, true><<<dim3((unsigned)tx, (unsigned)ty), 256, 0, st>>>(
             p, R, C, (uint8_t *)ms_tensor_data(out), (uint8_t *)ms_tensor_data(out_t),
@@ -481,7 +504,7 @@ int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tenso
         if (blocks > 0x7fffffffLL) return ms_errorf("float8_cast_axiswise: %lld rows are too many for the grid", R);
         row_cast_kernel<T><<<(unsigned)blocks, 256, 0, st>>>(p, R, C, (uint8_t *)ms_tensor_data(out),
                                                              inv_r ? (float *)ms_tensor_data(inv_r) : nullptr, e5,
-                                                             pow2, al);
+                                                             pow2, al, amax_bits(ra), nullptr);
         LAUNCH_CHECK("row_cast_kernel");
     }
     if (out_t && C > 0) {
@@ -490,15 +513,19 @@ int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tenso
             return ms_errorf("float8_cast_axiswise: (%lld, %lld) has too many rows for the kernels' grid (at most %d)",
                              R, C, 65535 * kTile);
         ms_tmp bits;
-        int64_t nc = C;
-        if (ms_tensor_empty(&bits.t, 1, &nc, MS_I32, x->device_id)) return -1;
-        unsigned int *pb = (unsigned int *)ms_tensor_data(bits.t);
-        CUDA_CHECK(cudaMemsetAsync(pb, 0, sizeof(unsigned int) * (size_t)C, st));
+        const unsigned int *pb = amax_bits(ca);
         const bool al = ms_aligned16(p) && ms_aligned16(ms_tensor_data(out_t));
-        if (R > 0) {
-            rc_amax_kernel<T, false>
-                <<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, nullptr, pb, ms_aligned16(p));
-            LAUNCH_CHECK("rc_amax_kernel (columns)");
+        if (!pb) {
+            int64_t nc = C;
+            if (ms_tensor_empty(&bits.t, 1, &nc, MS_I32, x->device_id)) return -1;
+            unsigned int *b = (unsigned int *)ms_tensor_data(bits.t);
+            CUDA_CHECK(cudaMemsetAsync(b, 0, sizeof(unsigned int) * (size_t)C, st));
+            if (R > 0) {
+                rc_amax_kernel<T, false>
+                    <<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, nullptr, b, ms_aligned16(p));
+                LAUNCH_CHECK("rc_amax_kernel (columns)");
+            }
+            pb = b;
         }
         rc_cast_kernel<T, false><<<dim3((unsigned)tx, (unsigned)(ty > 0 ? ty : 1)), 256, 0, st>>>(
             p, R, C, nullptr, (uint8_t *)ms_tensor_data(out_t), nullptr, inv_c ? (float *)ms_tensor_data(inv_c) : nullptr,
@@ -675,18 +702,63 @@ extern "C" int ms_cuda_float8_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *
 }
 
 extern "C" int ms_cuda_float8_cast_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_rows,
-                                            ms_tensor *inv_cols, const ms_tensor *x, int dtype, int pow2) {
+                                            ms_tensor *inv_cols, const ms_tensor *x, const ms_tensor *row_amax,
+                                            const ms_tensor *col_amax, int dtype, int pow2) {
     const int dev = x->device_id;
     if (ms_cuda_activate(dev)) return -1;
     cudaStream_t st = ms_cuda_stream_of(dev);
     const bool e5 = dtype == MS_F8E5M2, p2 = pow2 != 0;
+    const ms_tensor *ra = row_amax, *ca = col_amax;
     switch (x->dtype_id) {
-    case MS_F64: return launch_axiswise<double>(out, out_t, inv_rows, inv_cols, x, e5, p2, st);
-    case MS_F32: return launch_axiswise<float>(out, out_t, inv_rows, inv_cols, x, e5, p2, st);
-    case MS_BF16: return launch_axiswise<__nv_bfloat16>(out, out_t, inv_rows, inv_cols, x, e5, p2, st);
-    case MS_F16: return launch_axiswise<__half>(out, out_t, inv_rows, inv_cols, x, e5, p2, st);
+    case MS_F64: return launch_axiswise<double>(out, out_t, inv_rows, inv_cols, x, ra, ca, e5, p2, st);
+    case MS_F32: return launch_axiswise<float>(out, out_t, inv_rows, inv_cols, x, ra, ca, e5, p2, st);
+    case MS_BF16: return launch_axiswise<__nv_bfloat16>(out, out_t, inv_rows, inv_cols, x, ra, ca, e5, p2, st);
+    case MS_F16: return launch_axiswise<__half>(out, out_t, inv_rows, inv_cols, x, ra, ca, e5, p2, st);
     }
     return ms_errorf("float8_cast_axiswise: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
+}
+
+// the rows' amaxes by the row kernel (a warp a row, nothing cast), the
+// columns' (and the rows' with them) by rc_amax_kernel: f32 bits written
+// into the f32 vectors
+template <typename T>
+int launch_amax_axiswise(ms_tensor *ra, ms_tensor *ca, const ms_tensor *x, cudaStream_t st) {
+    const long long R = x->sizes[0], C = x->sizes[1];
+    const T *p = (const T *)ms_tensor_data(x);
+    unsigned int *pr = ra ? (unsigned int *)ms_tensor_data(ra) : nullptr;
+    unsigned int *pc = ca ? (unsigned int *)ms_tensor_data(ca) : nullptr;
+    if (pr && R > 0) CUDA_CHECK(cudaMemsetAsync(pr, 0, sizeof(unsigned int) * (size_t)R, st));
+    if (pc && C > 0) CUDA_CHECK(cudaMemsetAsync(pc, 0, sizeof(unsigned int) * (size_t)C, st));
+    if (R == 0 || C == 0) return 0;
+    if (pc) {
+        const long long tx = (C + kTile - 1) / kTile, ay = (R + kColRows - 1) / kColRows;
+        if (tx > 0x7fffffffLL || ay > 65535)
+            return ms_errorf("float8_amax_axiswise: (%lld, %lld) has too many rows for the kernel's grid (at most %d)",
+                             R, C, 65535 * kColRows);
+        if (pr) rc_amax_kernel<T, true><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, pr, pc, ms_aligned16(p));
+        else rc_amax_kernel<T, false><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, nullptr, pc, ms_aligned16(p));
+        LAUNCH_CHECK("rc_amax_kernel");
+    } else if (pr) {
+        const long long blocks = (R + 7) / 8;
+        if (blocks > 0x7fffffffLL) return ms_errorf("float8_amax_axiswise: %lld rows are too many for the grid", R);
+        row_cast_kernel<T><<<(unsigned)blocks, 256, 0, st>>>(p, R, C, nullptr, nullptr, false, false, ms_aligned16(p),
+                                                             nullptr, pr);
+        LAUNCH_CHECK("row_cast_kernel (amax)");
+    }
+    return 0;
+}
+
+extern "C" int ms_cuda_float8_amax_axiswise(ms_tensor *row_amax, ms_tensor *col_amax, const ms_tensor *x) {
+    const int dev = x->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    switch (x->dtype_id) {
+    case MS_F64: return launch_amax_axiswise<double>(row_amax, col_amax, x, st);
+    case MS_F32: return launch_amax_axiswise<float>(row_amax, col_amax, x, st);
+    case MS_BF16: return launch_amax_axiswise<__nv_bfloat16>(row_amax, col_amax, x, st);
+    case MS_F16: return launch_amax_axiswise<__half>(row_amax, col_amax, x, st);
+    }
+    return ms_errorf("float8_amax_axiswise: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
 }
 
 // out (C, R) = x (R, C) transposed, 8-bit elements, both contiguous

@@ -56,9 +56,12 @@ int ms_cuda_float8_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const 
 int ms_cuda_float8_cast_dyn(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor *amax, const ms_tensor *x,
                             int dtype, int pow2);
 /* the axiswise cast (core/ops.h ms_float8_cast_axiswise; x contiguous, the
- * slots prepared or NULL) */
+ * slots prepared or NULL; row_amax / col_amax given, checked, or NULL: x's
+ * own) and its amaxes (ms_float8_amax_axiswise; the slots prepared or NULL) */
 int ms_cuda_float8_cast_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_rows, ms_tensor *inv_cols,
-                                 const ms_tensor *x, int dtype, int pow2);
+                                 const ms_tensor *x, const ms_tensor *row_amax, const ms_tensor *col_amax, int dtype,
+                                 int pow2);
+int ms_cuda_float8_amax_axiswise(ms_tensor *row_amax, ms_tensor *col_amax, const ms_tensor *x);
 /* out (C, R) = x (R, C) transposed, 8-bit elements, both contiguous */
 int ms_cuda_transpose8(ms_tensor *out, const ms_tensor *x);
 /* gemm.cu: out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta

@@ -621,9 +621,84 @@ describe('float8 axiswise (rowwise) scaling', function()
     assert.is_truthy(S.errmsg(function() F.float8_cast_axiswise(x, 'f32') end):find('f8e4m3 or f8e5m2', 1, true))
     assert.is_truthy(S.errmsg(function() F.float8_cast_axiswise(x:view(96), 'f8e4m3') end):find('2-D float', 1, true))
     local e = S.errmsg(function()
-      T.check(T.C.ms_float8_cast_axiswise(nil, nil, ffi.new('ms_tensor*[1]'), nil, x, 8, 0))
+      T.check(T.C.ms_float8_cast_axiswise(nil, nil, ffi.new('ms_tensor*[1]'), nil, x, nil, nil, 8, 0))
     end)
     assert.is_truthy(e:find('inv_rows is the scale of out', 1, true), e)
+  end)
+
+  -- the amaxes apart (F.float8_amax_axiswise) and given back to the cast:
+  -- what a tensor-parallel layer does with the group's (tp_scales = 'group')
+  it('amax_axiswise gives the amaxes the cast scales by; given back, the same bits; halves with the max of both give the whole', function()
+    -- (values with NaN as a string: are.same would find NaN ~= NaN)
+    local function vals(t)
+      local r = values(t)
+      for i, e in ipairs(r) do if e ~= e then r[i] = 'NaN' end end
+      return r
+    end
+    for _, dt in ipairs({ 'f32', 'bf16', 'f64' }) do
+      local v = values(randn({ 12, 40 }, 2, 'f64'))
+      v[3 * 40 + 7] = 0 / 0
+      for j = 1, 40 do v[5 * 40 + j] = 0 end
+      local x = S.make({ 12, 40 }, v, dt)
+      local ra, ca = F.float8_amax_axiswise(x, { cols = true })
+      assert.are.same({ 12 }, ra.shape); assert.are.same({ 40 }, ca.shape)
+      assert.are.equal('f32', ra.dtype)
+      local xf = values(x:to('f32'))
+      for i = 0, 11 do
+        local m = 0
+        for j = 0, 39 do
+          local a = math.abs(xf[i * 40 + j + 1])
+          if a ~= a or m ~= m then m = 0 / 0 elseif a > m then m = a end
+        end
+        local got = values(ra)[i + 1]
+        if m ~= m then assert.is_true(got ~= got, 'NaN row') else assert.are.equal(m, got, dt .. ' row ' .. i) end
+      end
+      local col = values(F.amax(x:narrow(2, 9, 1)))
+      assert.are.equal(col[1], values(ca)[9])
+      assert.is_nil((F.float8_amax_axiswise(x, { rows = false })))
+      local r0, c0 = F.float8_amax_axiswise(x, { rows = false, cols = true })
+      assert.is_nil(r0); assert.are.same(vals(ca), vals(c0))
+      for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+        local r, c, ir, ic = F.float8_cast_axiswise(x, name, { cols = true })
+        local r2, c2, ir2, ic2 = F.float8_cast_axiswise(x, name, { cols = true, row_amax = ra, col_amax = ca })
+        assert.are.same(vals(r), vals(r2)); assert.are.same(vals(c), vals(c2))
+        assert.are.same(vals(ir), vals(ir2)); assert.are.same(vals(ic), vals(ic2))
+      end
+    end
+    -- x split by columns (a row-parallel layer's input): each half's row
+    -- amaxes, their max, and each half cast with it give the whole cast's
+    -- columns and its row scales; split by rows, the column amaxes the same
+    local x = randn({ 16, 48 }, 3)
+    local function vmax(p, q) return F.where(p:gt(q), p, q) end   -- (the all-reduce's max, for two ranks)
+    for _, pow2 in ipairs({ false, true }) do
+      local r, c, ir, ic = F.float8_cast_axiswise(x, 'f8e4m3', { cols = true, pow2 = pow2 })
+      local a, b = x:narrow(2, 1, 20):contiguous(), x:narrow(2, 21, 28):contiguous()
+      local m = vmax(F.float8_amax_axiswise(a), (F.float8_amax_axiswise(b)))
+      local ra_, _, ira = F.float8_cast_axiswise(a, 'f8e4m3', { row_amax = m, pow2 = pow2 })
+      local rb_, _, irb = F.float8_cast_axiswise(b, 'f8e4m3', { row_amax = m, pow2 = pow2 })
+      assert.are.same(values(r:narrow(2, 1, 20)), values(ra_))
+      assert.are.same(values(r:narrow(2, 21, 28)), values(rb_))
+      assert.are.same(values(ir), values(ira)); assert.are.same(values(ir), values(irb))
+      local u, d = x:narrow(1, 1, 7):contiguous(), x:narrow(1, 8, 9):contiguous()
+      local _, cu = F.float8_amax_axiswise(u, { rows = false, cols = true })
+      local _, cd = F.float8_amax_axiswise(d, { rows = false, cols = true })
+      local cm = vmax(cu, cd)
+      local _, ctu, _, icu = F.float8_cast_axiswise(u, 'f8e4m3', { rows = false, cols = true, col_amax = cm, pow2 = pow2 })
+      assert.are.same(values(c:narrow(2, 1, 7)), values(ctu))
+      assert.are.same(values(ic), values(icu))
+    end
+    -- given amaxes are checked: each layout asked needs its own, f32
+    -- vectors of its length on x's device
+    local ra, ca = F.float8_amax_axiswise(x, { cols = true })
+    local function err(fn) return S.errmsg(fn) end
+    assert.is_truthy(err(function() F.float8_cast_axiswise(x, 'f8e4m3', { cols = true, row_amax = ra }) end)
+      :find('given amaxes must cover every layout asked', 1, true))
+    assert.is_truthy(err(function() F.float8_cast_axiswise(x, 'f8e4m3', { row_amax = ca }) end)
+      :find('row_amax must be a contiguous f32 vector of 16 on x\'s device (x f32 (16,48) cpu), got f32 (48) cpu', 1,
+        true))
+    assert.is_truthy(err(function() F.float8_cast_axiswise(x, 'f8e4m3', { row_amax = ra:to('f64') }) end)
+      :find('row_amax must be a contiguous f32 vector of 16', 1, true))
+    assert.is_truthy(err(function() F.float8_amax_axiswise(x:view(768)) end):find('2-D float', 1, true))
   end)
 
   it('float8_transpose gives the bytes transposed (views too); other dtypes are refused', function()

@@ -324,6 +324,52 @@ describe('float8 on cuda #gpu', function()
     same_values(ict, icc, 'empty scales')
   end)
 
+  -- the amaxes apart and given back (tp_scales = 'group': the group's):
+  -- the row kernel's amax-only and given passes, the tile kernels' column
+  -- and two-layout passes with given amaxes
+  it('amax_axiswise gives the CPU amaxes; the cast with given amaxes gives the CPU bits (each layout, fused and apart)', function()
+    for _, sh in ipairs({ { 128, 256 }, { 100, 37 }, { 1, 16 }, { 333, 190 }, { 2048, 5632 }, { 16, 14336 } }) do
+      for _, dt in ipairs({ 'bf16', 'f32' }) do
+        local v = values(randn(sh, 2))
+        v[math.min(#v, 7)] = 0 / 0   -- (a NaN: its row's and column's amax)
+        local x = S.make(sh, v, dt)
+        local xg = x:cuda()
+        local what = ('%s %s'):format(table.concat(sh, 'x'), dt)
+        local ra, ca = F.float8_amax_axiswise(x, { cols = true })
+        local rg, cg = F.float8_amax_axiswise(xg, { cols = true })
+        same_values(rg, ra, what .. ' row amaxes'); same_values(cg, ca, what .. ' column amaxes')
+        same_values((F.float8_amax_axiswise(xg)), ra, what .. ' row amaxes alone')
+        local _, c1 = F.float8_amax_axiswise(xg, { rows = false, cols = true })
+        same_values(c1, ca, what .. ' column amaxes alone')
+        local r, c, ir, ic = F.float8_cast_axiswise(x, 'f8e4m3', { cols = true, pow2 = true })
+        local rag, cag = ra:cuda(), ca:cuda()
+        for _, fused in ipairs({ 1, 0 }) do
+          local prev = ms.C.ms_cuda_float8_set_fused(fused)
+          local r2, c2, ir2, ic2 = F.float8_cast_axiswise(xg, 'f8e4m3', { cols = true, pow2 = true, row_amax = rag,
+            col_amax = cag })
+          ms.C.ms_cuda_float8_set_fused(prev)
+          local w = what .. ' given, fused=' .. fused
+          same_values(r2, r, w .. ' rows'); same_values(c2, c, w .. ' cols')
+          same_values(ir2, ir, w .. ' row scales'); same_values(ic2, ic, w .. ' column scales')
+        end
+        local r3, _, ir3 = F.float8_cast_axiswise(xg, 'f8e4m3', { pow2 = true, row_amax = rag })
+        same_values(r3, r, what .. ' given, rows alone'); same_values(ir3, ir, what .. ' given, row scales alone')
+        local _, c3, _, ic3 = F.float8_cast_axiswise(xg, 'f8e4m3', { rows = false, cols = true, pow2 = true,
+          col_amax = cag })
+        same_values(c3, c, what .. ' given, cols alone'); same_values(ic3, ic, what .. ' given, column scales alone')
+        -- larger given amaxes (a group's): the CPU's bits with them too
+        local r4, c4 = F.float8_cast_axiswise(x, 'f8e5m2', { cols = true, row_amax = F.mul(ra, 3), col_amax = F.mul(ca, 2) })
+        local r5, c5 = F.float8_cast_axiswise(xg, 'f8e5m2', { cols = true, row_amax = F.mul(rag, 3),
+          col_amax = F.mul(cag, 2) })
+        same_values(r5, r4, what .. ' group rows'); same_values(c5, c4, what .. ' group cols')
+      end
+    end
+    local e = S.errmsg(function()
+      F.float8_cast_axiswise(ms.randn({ 4, 16 }):cuda(), 'f8e4m3', { row_amax = ms.ones({ 4 }) })
+    end)
+    assert.is_truthy(e:find("row_amax must be a contiguous f32 vector of 4 on x's device", 1, true), e)
+  end)
+
   it('float8_transpose gives the CPU bytes (whole, partial and unaligned tiles)', function()
     for _, sh in ipairs({ { 2048, 5632 }, { 100, 37 }, { 1, 16 }, { 64, 64 }, { 333, 190 } }) do
       local x = randn(sh, 4):to('f8e4m3')

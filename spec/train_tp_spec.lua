@@ -168,7 +168,7 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     local status, text = bin_train(('models/llama.lua %s --float8 --float8-tp-scales group --steps 1 --out %s/b0'):format(
       tiny_llama, q(dir)))
     assert.are.equal(2, status, text)
-    assert.is_truthy(text:find('--float8-tp-scales group needs --float8 tensorwise and --tp', 1, true), text)
+    assert.is_truthy(text:find('--float8-tp-scales group needs --float8 and --tp', 1, true), text)
   end)
 
   it('bad layouts exit 2 and say why', function()

@@ -28,6 +28,8 @@ step llama-2-tp timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsd
 step llama-2-tp-f8 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --float8
 step llama-2-tp-f8grp timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --float8 --tp-scales group
 step llama-2-sp-f8 timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --sp --float8
+step llama-2-tp-f8r timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --float8 --recipe rowwise
+step llama-2-tp-f8rgrp timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --float8 --recipe rowwise --tp-scales group
 step llama-2-sp-f8grp timeout 200 bin/train --nproc-per-node 2 --device cuda bench/fsdp.lua --model llama --tp --sp --float8 --tp-scales group
 step gpt2-1 timeout 120 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model gpt2
 step llama-1 timeout 150 bin/train --nproc-per-node 1 --device cuda bench/fsdp.lua --model llama

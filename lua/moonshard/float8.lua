@@ -77,7 +77,8 @@ float8.recipes = {
 -- tp_scales: under tensor parallelism, 'shard' scales each rank's shards by
 -- their own amax (no collective); 'group' all-reduces the amax of every
 -- sharded operand over the TP group first (torchao's DTensor behaviour: the
--- scales, hence the f8 bits, of the unsplit layer; tensorwise only)
+-- scales, hence the f8 bits, of the unsplit layer; axiswise, the amaxes of
+-- the rows or columns that run along the split dim)
 
 local function recipe_of(opts, level)
   opts = opts or {}
@@ -114,10 +115,6 @@ local function recipe_of(opts, level)
     end
     cfg.tp_scales = opts.tp_scales
   end
-  if cfg.tp_scales == 'group' and cfg.axiswise then
-    error(("float8: tp_scales = 'group' takes the tensorwise recipe (%s scales each shard's rows)"):format(name),
-      level + 1)
-  end
   if cfg.input == 'f8e5m2' and cfg.weight == 'f8e5m2' then
     error('float8: input and weight cannot both be f8e5m2 (no FP8 GEMM takes two e5m2 operands)', level + 1)
   end
@@ -148,6 +145,19 @@ local function group_amax(x2, group)
   local a = F.amax(x2)
   require('moonshard.tp').all_reduce_max(a, group)
   return a
+end
+-- the axiswise cast of x2 (as cast_ax) whose dim sdim (1 or 2; nil: none)
+-- is split over group grp: the rows' amaxes (sdim 2) or the columns' (sdim
+-- 1) all-reduced first, when that layout is asked
+local function cast_ax_group(x2, dtype, pow2, rows, cols, grp, sdim)
+  if grp == nil or not (sdim == 2 and rows or sdim == 1 and cols) then return cast_ax(x2, dtype, pow2, rows, cols) end
+  local ra, ca = F.float8_amax_axiswise(x2, { rows = rows, cols = cols })
+  local tpm = require 'moonshard.tp'
+  if sdim == 2 then tpm.all_reduce_max(ra, grp) else tpm.all_reduce_max(ca, grp) end
+  local r, c, ir, ic = F.float8_cast_axiswise(x2, dtype, { rows = rows, cols = cols, pow2 = pow2, row_amax = ra,
+    col_amax = ca })
+  free(ra); free(ca)
+  return r, c, ir, ic
 end
 -- the tensorwise cast of x2 with its group's amax: as cast()
 local function cast_group(x2, dtype, pow2, rows, cols, want_amax, group)
@@ -276,7 +286,7 @@ local function cast_input(x2, cfg, grp)
     drop(l)
     stats.input_casts = stats.input_casts + 1
     l = view_entry(x2, cfg.input, cfg.pow2, cfg.axiswise, grp)
-    if cfg.axiswise then l.rows, _, l.inv = cast_ax(x2, cfg.input, cfg.pow2, true, false)
+    if cfg.axiswise then l.rows, _, l.inv = cast_ax_group(x2, cfg.input, cfg.pow2, true, false, grp, 2)
     elseif grp then l.rows, _, l.inv, l.amax = cast_group(x2, cfg.input, cfg.pow2, true, false, true, grp)
     else l.rows, _, l.inv, l.amax = cast(x2, cfg.input, cfg.pow2, true, false, true) end
     fwd_last = l
@@ -356,7 +366,7 @@ local function bwd_float8(node, g)
   local w8 = want_w and not cfg.gw_hp   -- (the weight gradient through an FP8 GEMM)
   local g8, g8t, ginv, ginv_t
   if need[1] or w8 then
-    if cfg.axiswise then g8, g8t, ginv, ginv_t = cast_ax(g2, cfg.grad_output, cfg.pow2, need[1], w8)
+    if cfg.axiswise then g8, g8t, ginv, ginv_t = cast_ax_group(g2, cfg.grad_output, cfg.pow2, need[1], w8, s.ggrp, 2)
     elseif s.ggrp then g8, g8t, ginv = cast_group(g2, cfg.grad_output, cfg.pow2, need[1], w8, false, s.ggrp); ginv_t = ginv
     else g8, g8t, ginv = cast(g2, cfg.grad_output, cfg.pow2, need[1], w8); ginv_t = ginv end
   end
@@ -380,7 +390,7 @@ local function bwd_float8(node, g)
       w_in, winv = s.wt and c or r, i
     elseif w_in == nil then
       if cfg.axiswise then
-        local r, c, ir, ic = cast_ax(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt)
+        local r, c, ir, ic = cast_ax_group(s.w, cfg.weight, cfg.pow2, not s.wt, s.wt, s.wgrp, s.wdim)
         w_in, winv = s.wt and c or r, s.wt and ic or ir
       else
         local r, c, i = F.float8_cast(s.w, s.wamax, cfg.weight, { rows = not s.wt, cols = s.wt, pow2 = cfg.pow2 })
@@ -468,11 +478,15 @@ function float8.linear(x, w, b, opts)
   local need_x = grad and A.needs_grad(x)
   -- tp_scales = 'group': the groups over which the shards' amaxes are taken
   local tpo = opts.tp
-  local wgrp, xgrp, ggrp
-  if tpo ~= nil and cfg.tp_scales == 'group' and not cfg.axiswise and tpo.group ~= nil and tpo.group:size() > 1 then
+  local wgrp, xgrp, ggrp, wdim
+  if tpo ~= nil and cfg.tp_scales == 'group' and tpo.group ~= nil and tpo.group:size() > 1 then
     wgrp = tpo.group
     xgrp = tpo.input and wgrp or nil
     ggrp = tpo.output and wgrp or nil
+    -- (the weight's split dim: the output features' for a column-parallel
+    -- layer, the input features' for a row-parallel one; Conv1D's weight is
+    -- (in, out))
+    if tpo.output then wdim = wt and 1 or 2 else wdim = wt and 2 or 1 end
   end
   local x8, xinv, xamax = cast_input(x2, cfg, xgrp)
   -- w's two layouts: (out, in) for the forward, (in, out) for dx (kept,
@@ -505,8 +519,8 @@ function float8.linear(x, w, b, opts)
     -- the forward's layout scaled per output feature, dx's per input one
     -- (each along its product's K); made again in the backward when not kept
     local ir, ic
-    if wt then w_out, w_in, ir, ic = cast_ax(w, cfg.weight, cfg.pow2, true, keep); winv, winv_in = ir, ic
-    else w_in, w_out, ir, ic = cast_ax(w, cfg.weight, cfg.pow2, keep, true); winv, winv_in = ic, ir end
+    if wt then w_out, w_in, ir, ic = cast_ax_group(w, cfg.weight, cfg.pow2, true, keep, wgrp, wdim); winv, winv_in = ir, ic
+    else w_in, w_out, ir, ic = cast_ax_group(w, cfg.weight, cfg.pow2, keep, true, wgrp, wdim); winv, winv_in = ic, ir end
   else
     stats.weight_casts = stats.weight_casts + 1
     local want_amax = need_x and recompute   -- (to make the copy again in the backward)
@@ -562,7 +576,7 @@ function float8.linear(x, w, b, opts)
     if wamax ~= nil then own[#own + 1] = wamax end
     local saved = { x2 = xs, xamax = xamax, w_in = w_in, winv_in = w_in ~= nil and winv_in or nil, wamax = wamax,
       w = w, wt = wt, cfg = cfg, dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id, f8g = g8 ~= nil,
-      xgrp = xgrp, ggrp = ggrp, wgrp = wgrp }
+      xgrp = xgrp, ggrp = ggrp, wgrp = wgrp, wdim = wdim }
     A.record_list(name, y, bwd_float8, saved, own, { x, w, b })
   else
     if x2 ~= x then free(x2) end

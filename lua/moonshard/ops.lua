@@ -385,6 +385,9 @@ end
 -- true, pow2 = false}) -> out (R, C), out_t (C, R), inv_rows (R), inv_cols
 -- (C) (each nil when not asked): torchao's axiswise (rowwise) scaling, out's
 -- row i scaled by fmax / amax(x[i, :]), out_t's row j by fmax / amax(x[:, j])
+-- opts.row_amax (R) / opts.col_amax (C): the amaxes to scale by instead of
+-- x's own (F.float8_amax_axiswise's, all-reduced over a tensor-parallel
+-- group: the unsplit tensor's), one for each layout asked
 function F.float8_cast_axiswise(x, dtype, opts)
   need_tensor('float8_cast_axiswise', x, 'x')
   opts = opts or {}
@@ -392,13 +395,28 @@ function F.float8_cast_axiswise(x, dtype, opts)
   local want = { rows, cols, rows and inv, cols and inv }
   local boxes = {}
   for i = 1, 4 do boxes[i] = want[i] and box_t() or nil end
-  if C.ms_float8_cast_axiswise(boxes[1], boxes[2], boxes[3], boxes[4], x, T.dtype_id(dtype or 'f8e4m3', 3),
-      opts.pow2 and 1 or 0) ~= 0 then
+  if opts.row_amax ~= nil then need_tensor('float8_cast_axiswise', opts.row_amax, 'row_amax') end
+  if opts.col_amax ~= nil then need_tensor('float8_cast_axiswise', opts.col_amax, 'col_amax') end
+  if C.ms_float8_cast_axiswise(boxes[1], boxes[2], boxes[3], boxes[4], x, opts.row_amax, opts.col_amax,
+      T.dtype_id(dtype or 'f8e4m3', 3), opts.pow2 and 1 or 0) ~= 0 then
     raise(ffi.string(C.ms_last_error()))
   end
   local r = {}
   for i = 1, 4 do r[i] = want[i] and wrap(boxes[i][0]) or nil end
   return r[1], r[2], r[3], r[4]
+end
+
+-- float8_amax_axiswise(x (R, C), {rows = true, cols = false}) -> row_amax
+-- (R), col_amax (C) f32 (each nil when not asked): max |x| along each row
+-- and down each column (NaN when one holds a NaN), what
+-- float8_cast_axiswise scales by
+function F.float8_amax_axiswise(x, opts)
+  need_tensor('float8_amax_axiswise', x, 'x')
+  opts = opts or {}
+  local rb = opts.rows ~= false and box_t() or nil
+  local cb = opts.cols and box_t() or nil
+  if C.ms_float8_amax_axiswise(rb, cb, x) ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  return rb and wrap(rb[0]) or nil, cb and wrap(cb[0]) or nil
 end
 
 -- float8_transpose(x (R, C) 8-bit float) -> (C, R) contiguous, the same bytes

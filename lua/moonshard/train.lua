@@ -96,7 +96,7 @@ train.options = {
   { 'freeze', 'string?', nil, 'comma-separated Lua patterns: the parameters whose names match one are frozen (requires_grad off: no gradient, no optimizer step, also under FSDP); each pattern must match a parameter' },
   { 'float8', 'string', 'off', 'FP8 linear layers (moonshard.float8, torchao\'s float8 training): off, or a recipe: tensorwise (a bare --float8), rowwise, rowwise_with_gw_hp: every nn.Linear / nn.Conv1D but the LM head computes its three products in FP8 with dynamic scales; CUDA needs an H100-class GPU, the CPU emulates it (docs/float8.md)' },
   { 'float8_all_gather', 'bool', false, 'with --float8 tensorwise and --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD: the float8 layers\' weights all-gathered as f8 bytes, cast from the shards with scales all-reduced once a step (fully_shard\'s float8_all_gather, torchao\'s enable_fsdp_float8_all_gather; docs/fsdp.md)' },
-  { 'float8_tp_scales', 'string', 'shard', 'with --float8 tensorwise and --tp: shard (each rank scales its own shards: no collective) or group (the amax of every sharded operand all-reduced over the TP group: the unsplit layer\'s scales, as torchao over DTensors; docs/float8.md)' },
+  { 'float8_tp_scales', 'string', 'shard', 'with --float8 and --tp: shard (each rank scales its own shards: no collective) or group (the amax of every sharded operand all-reduced over the TP group: the unsplit layer\'s scales, as torchao over DTensors; docs/float8.md)' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
@@ -1107,8 +1107,8 @@ function train.run(opts)
   -- layers keep their own forward; before checkpointing and fully_shard,
   -- which work on the converted modules as on any)
   local float8_desc
-  if o.float8_tp_scales == 'group' and (o.float8 ~= 'tensorwise' or not tp_mesh) then
-    usage('--float8-tp-scales group needs --float8 tensorwise and --tp (got --float8 %s, --tp %s)', o.float8,
+  if o.float8_tp_scales == 'group' and (o.float8 == 'off' or not tp_mesh) then
+    usage('--float8-tp-scales group needs --float8 and --tp (got --float8 %s, --tp %s)', o.float8,
       tp_mesh and 'on' or 'off')
   end
   if o.float8 ~= 'off' then
