@@ -275,8 +275,6 @@ int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_
     if (inv_rows && !out) return ms_errorf("%s: inv_rows is the scale of out: ask for out too", op);
     if (inv_cols && !out_t) return ms_errorf("%s: inv_cols is the scale of out_t: ask for out_t too", op);
     const int64_t R = x->sizes[0], C = x->sizes[1];
-    if ((row_amax || col_amax) && ((out && !row_amax) || (out_t && !col_amax)))
-        return ms_errorf("%s: given amaxes must cover every layout asked (out needs row_amax, out_t col_amax)", op);
     if (row_amax && check_amax_vec(op, "row_amax", row_amax, R, x)) return -1;
     if (col_amax && check_amax_vec(op, "col_amax", col_amax, C, x)) return -1;
     const int64_t shape[2] = {R, C}, shape_t[2] = {C, R};
@@ -299,15 +297,16 @@ int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_
         if (!rc) {
             const int e5 = is_e5m2(dtype);
             ms_tensor *f = NULL;
-            float *own = NULL;   /* x's own amaxes (R rows, then C columns) when none are given */
+            float *own = NULL;   /* x's own amaxes (R rows, then C columns) where none are given */
+            const int need_r = o && !row_amax, need_c = ot && !col_amax;
             rc = f32_contig(&f, c);
-            if (!rc && !row_amax && !col_amax && (own = malloc(sizeof(float) * (size_t)(R + C + 1))) == NULL)
+            if (!rc && (need_r || need_c) && (own = malloc(sizeof(float) * (size_t)(R + C + 1))) == NULL)
                 rc = ms_errorf("%s: out of host memory for %lld scales", op, (long long)(R + C));
             if (!rc) {
                 const float *p = ms_tensor_data(f);
+                if (own) axis_amax_cpu(p, R, C, need_r ? own : NULL, need_c ? own + R : NULL);
                 const float *ra = row_amax ? ms_tensor_data(row_amax) : own;
                 const float *ca = col_amax ? ms_tensor_data(col_amax) : own ? own + R : NULL;
-                if (own) axis_amax_cpu(p, R, C, o ? own : NULL, ot ? own + R : NULL);
                 if (o) {
                     uint8_t *po = ms_tensor_data(o);
                     for (int64_t i = 0; i < R; i++) {

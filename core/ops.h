@@ -309,7 +309,7 @@ int ms_float8_cast_axiswise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv_
 /* ms_float8_amax_axiswise: row_amax (R) f32 = max |x[i, :]|, col_amax (C)
  * f32 = max |x[:, j]| of x (R, C) (either slot NULL; NaN when the row or
  * column holds one): what ms_float8_cast_axiswise scales by. Given to it
- * (each layout asked needs its own: out row_amax, out_t col_amax; NULL both:
+ * (out by row_amax, out_t by col_amax; a layout whose amax is NULL takes
  * x's own), after an all-reduce (max) over a tensor-parallel group, the
  * casts are those of the unsplit tensor's rows and columns. */
 int ms_float8_amax_axiswise(ms_tensor **row_amax, ms_tensor **col_amax, const ms_tensor *x);

@@ -465,7 +465,8 @@ static const unsigned int *amax_bits(const ms_tensor *a) {
 }
 
 // (ra, ca: the rows' and columns' amaxes given, each NULL unless the
-// layout is asked: the kernels read them instead of finding x's own)
+// layout is asked: the kernels read them instead of finding x's own; a
+// layout asked without one finds its own)
 template <typename T>
 int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tensor *inv_c, const ms_tensor *x,
                     const ms_tensor *ra, const ms_tensor *ca, bool e5, bool pow2, cudaStream_t st) {
@@ -480,15 +481,27 @@ int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tenso
                              R, C, 65535 * kTile);
         ms_tmp bits;
         const unsigned int *pr = amax_bits(ra), *pc = amax_bits(ca);
-        if (!given) {
+        if (!pr || !pc) {   // x's own where none is given: one pass for both, or the one missing
             int64_t nb = R + C;
             if (ms_tensor_empty(&bits.t, 1, &nb, MS_I32, x->device_id)) return -1;
             unsigned int *b = (unsigned int *)ms_tensor_data(bits.t);
-            CUDA_CHECK(cudaMemsetAsync(b, 0, sizeof(unsigned int) * (size_t)(R + C), st));
-            rc_amax_kernel<T, true><<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, b, b + R, ms_aligned16(p));
-            LAUNCH_CHECK("rc_amax_kernel");
-            pr = b;
-            pc = b + R;
+            if (!pc) CUDA_CHECK(cudaMemsetAsync(b + R, 0, sizeof(unsigned int) * (size_t)C, st));
+            if (!pr && !pc) {
+                CUDA_CHECK(cudaMemsetAsync(b, 0, sizeof(unsigned int) * (size_t)R, st));
+                rc_amax_kernel<T, true>
+                    <<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, b, b + R, ms_aligned16(p));
+                LAUNCH_CHECK("rc_amax_kernel");
+            } else if (!pc) {
+                rc_amax_kernel<T, false>
+                    <<<dim3((unsigned)tx, (unsigned)ay), 256, 0, st>>>(p, R, C, nullptr, b + R, ms_aligned16(p));
+                LAUNCH_CHECK("rc_amax_kernel (columns)");
+            } else {
+                row_cast_kernel<T><<<(unsigned)((R + 7) / 8), 256, 0, st>>>(p, R, C, nullptr, nullptr, false, false,
+                                                                          ms_aligned16(p), nullptr, b);
+                LAUNCH_CHECK("row_cast_kernel (amax)");
+            }
+            if (!pr) pr = b;
+            if (!pc) pc = b + R;
         }
         const bool al = ms_aligned16(p) && ms_aligned16(ms_tensor_data(out)) && ms_aligned16(ms_tensor_data(out_t));
         rc_cast_kernel<T, true><<<dim3((unsigned)tx, (unsigned)ty), 256, 0, st>>>(

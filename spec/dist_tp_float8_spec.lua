@@ -161,11 +161,13 @@ describe('float8 with tensor parallelism #mpi', function()
   -- the split weights' amaxes: one all-reduce of them all a step (again
   -- after the optimizer's step moved them), the same bits as a collective
   -- a layer
-  it("tp_scales = 'group': the weights' amaxes in one all-reduce a step, the losses of a collective a layer", function()
+  for _, recipe in ipairs({ 'tensorwise', 'rowwise' }) do
+  it(("%s, tp_scales = 'group': the weights' amaxes in one all-reduce a step, the losses of a collective a layer"):format(
+    recipe), function()
     local x, y = FS.lcg_batch(13, 2, 16)
     local function losses(batched)
       local m = build(cases[2])
-      float8.convert(m, { tp_scales = 'group' })
+      float8.convert(m, { recipe = recipe, pow2 = false, tp_scales = 'group' })
       tp.parallelize(m)
       if not batched then
         for _, mod in m:named_modules() do
@@ -192,6 +194,7 @@ describe('float8 with tensor parallelism #mpi', function()
     end
     assert.are.equal(0, nb)
   end)
+  end
 
   it("tp_scales: 'group' or 'shard'", function()
     local m = build(cases[2])

@@ -628,7 +628,7 @@ describe('float8 axiswise (rowwise) scaling', function()
 
   -- the amaxes apart (F.float8_amax_axiswise) and given back to the cast:
   -- what a tensor-parallel layer does with the group's (tp_scales = 'group')
-  it('amax_axiswise gives the amaxes the cast scales by; given back, the same bits; halves with the max of both give the whole', function()
+  it('amax_axiswise gives the amaxes the cast scales by (into given slots); given back, the same bits (each layout, or one); halves with the max of both give the whole', function()
     -- (values with NaN as a string: are.same would find NaN ~= NaN)
     local function vals(t)
       local r = values(t)
@@ -691,8 +691,18 @@ describe('float8 axiswise (rowwise) scaling', function()
     -- vectors of its length on x's device
     local ra, ca = F.float8_amax_axiswise(x, { cols = true })
     local function err(fn) return S.errmsg(fn) end
-    assert.is_truthy(err(function() F.float8_cast_axiswise(x, 'f8e4m3', { cols = true, row_amax = ra }) end)
-      :find('given amaxes must cover every layout asked', 1, true))
+    -- one layout's amaxes given, the other's x's own; into given slots
+    local r, c = F.float8_cast_axiswise(x, 'f8e4m3', { cols = true })
+    for _, g in ipairs({ { row_amax = ra }, { col_amax = ca } }) do
+      local r2, c2 = F.float8_cast_axiswise(x, 'f8e4m3', { cols = true, row_amax = g.row_amax, col_amax = g.col_amax })
+      assert.are.same(values(r), values(r2)); assert.are.same(values(c), values(c2))
+    end
+    local slots = ms.zeros({ 70 })
+    F.float8_amax_axiswise(x, { row_out = slots:narrow(1, 3, 16) })
+    F.float8_amax_axiswise(x, { rows = false, cols = true, col_out = slots:narrow(1, 20, 48) })
+    assert.are.same(values(ra), values(slots:narrow(1, 3, 16)))
+    assert.are.same(values(ca), values(slots:narrow(1, 20, 48)))
+    assert.are.same({ 0, 0 }, values(slots:narrow(1, 1, 2)))
     assert.is_truthy(err(function() F.float8_cast_axiswise(x, 'f8e4m3', { row_amax = ca }) end)
       :find('row_amax must be a contiguous f32 vector of 16 on x\'s device (x f32 (16,48) cpu), got f32 (48) cpu', 1,
         true))

@@ -352,6 +352,20 @@ describe('float8 on cuda #gpu', function()
           same_values(r2, r, w .. ' rows'); same_values(c2, c, w .. ' cols')
           same_values(ir2, ir, w .. ' row scales'); same_values(ic2, ic, w .. ' column scales')
         end
+        -- one layout's given, the other's found (the rows' by the row
+        -- kernel, the columns' by the column pass)
+        for _, g in ipairs({ { row_amax = rag }, { col_amax = cag } }) do
+          local r2, c2, ir2, ic2 = F.float8_cast_axiswise(xg, 'f8e4m3', { cols = true, pow2 = true,
+            row_amax = g.row_amax, col_amax = g.col_amax })
+          local w = what .. (g.row_amax and ' rows given' or ' cols given')
+          same_values(r2, r, w .. ': rows'); same_values(c2, c, w .. ': cols')
+          same_values(ir2, ir, w .. ': row scales'); same_values(ic2, ic, w .. ': column scales')
+        end
+        local slots = ms.zeros({ sh[1] + sh[2] + 2 }):cuda()
+        F.float8_amax_axiswise(xg, { row_out = slots:narrow(1, 2, sh[1]) })
+        F.float8_amax_axiswise(xg, { rows = false, cols = true, col_out = slots:narrow(1, sh[1] + 2, sh[2]) })
+        same_values(slots:narrow(1, 2, sh[1]), ra, what .. ' row amaxes into a slot')
+        same_values(slots:narrow(1, sh[1] + 2, sh[2]), ca, what .. ' column amaxes into a slot')
         local r3, _, ir3 = F.float8_cast_axiswise(xg, 'f8e4m3', { pow2 = true, row_amax = rag })
         same_values(r3, r, what .. ' given, rows alone'); same_values(ir3, ir, what .. ' given, row scales alone')
         local _, c3, _, ic3 = F.float8_cast_axiswise(xg, 'f8e4m3', { rows = false, cols = true, pow2 = true,

@@ -179,21 +179,34 @@ end
 
 -- tp_scales = 'group', the weights of a split model: tp.parallelize's
 -- registry (reg: its split layers, in one order on every rank of the group)
--- keeps the amaxes of every group-scaled weight in one vector, each local
--- amax written into its slot and the vector all-reduced once, again when a
--- weight moved (its version: the optimizer's step bumps them all, so the
--- first layer of the next forward refreshes the lot; a weight replaced,
--- e.g. by :to(), too). FSDP's gathered weights are written without a
--- version bump: their layers take a collective each (or the f8 gathers'
--- reduced scales).
+-- keeps the amaxes of every group-scaled weight in one vector (tensorwise
+-- one slot, axiswise the vector of the rows' or columns' amaxes that run
+-- along the split dim), each local amax written into its slots and the
+-- vector all-reduced once, again when a weight moved (its version: the
+-- optimizer's step bumps them all, so the first layer of the next forward
+-- refreshes the lot; a weight replaced, e.g. by :to(), too). FSDP's
+-- gathered weights are written without a version bump: their layers take a
+-- collective each (or the f8 gathers' reduced scales).
+-- (the weight's split dim: the output features' for a column-parallel
+-- layer, the input features' for a row-parallel one; Conv1D's weight is
+-- (in, out))
+local function split_dim(sh, wt)
+  if sh.output then return wt and 1 or 2 end
+  return wt and 2 or 1
+end
 local function group_weights(reg)
   local fs = package.loaded['moonshard.fsdp']
   local list = {}
   for _, m in ipairs(reg.mods) do
     local f, sh, w = rawget(m, '_float8'), rawget(m, '_tp_shard'), rawget(m, 'weight')
-    if f ~= nil and sh ~= nil and f.config.tp_scales == 'group' and not f.config.axiswise and is_tensor(w)
+    if f ~= nil and sh ~= nil and f.config.tp_scales == 'group' and is_tensor(w) and w.ndim == 2
         and not (fs ~= nil and fs.manages(w)) then
-      list[#list + 1] = { sh = sh, w = w }
+      local e = { sh = sh, w = w, n = 1 }
+      if f.config.axiswise then
+        e.sdim = split_dim(sh, f.wt)
+        e.n = tonumber(w.sizes[e.sdim == 2 and 0 or 1])   -- (rows reduced along dim 2, columns along dim 1)
+      end
+      list[#list + 1] = e
     end
   end
   return list
@@ -204,25 +217,37 @@ local function refresh_weight_amaxes(reg)
   reg.f8 = st
   st.of = {}
   if #list == 0 then return end
-  local dev = list[1].w.device_id
+  local dev, n = list[1].w.device_id, 0
   for _, e in ipairs(list) do
     if e.w.device_id ~= dev then return end   -- (no shared vector: a collective a layer)
+    e.off = n
+    n = n + e.n
   end
-  if st.vec == nil or st.n ~= #list or st.vec.device_id ~= dev then
-    st.n = #list
-    st.vec = T.empty({ st.n }, { dtype = 'f32', device = list[1].w.device })
+  if st.vec == nil or st.n ~= n or st.vec.device_id ~= dev then
+    st.n = n
+    st.vec = T.empty({ n }, { dtype = 'f32', device = list[1].w.device })
     st.views = {}
-    for i = 1, st.n do st.views[i] = st.vec:narrow(1, i, 1):view({}) end
   end
-  for i, e in ipairs(list) do
-    F.amax(e.w, st.views[i])
-    st.of[e.sh] = { w = e.w, ver = e.w._version, amax = st.views[i] }
+  for _, e in ipairs(list) do
+    -- (the slot views, made once per vector and layout)
+    local key = e.off .. ':' .. e.n .. ':' .. tostring(e.sdim)
+    local v = st.views[key]
+    if v == nil then
+      v = st.vec:narrow(1, e.off + 1, e.n)
+      if not e.sdim then v = v:view({}) end
+      st.views[key] = v
+    end
+    if e.sdim == nil then F.amax(e.w, v)
+    elseif e.sdim == 2 then F.float8_amax_axiswise(e.w, { row_out = v })
+    else F.float8_amax_axiswise(e.w, { rows = false, cols = true, col_out = v }) end
+    st.of[e.sh] = { w = e.w, ver = e.w._version, amax = v, sdim = e.sdim }
   end
   require('moonshard.tp').all_reduce_max(st.vec, reg.group)
   stats.weight_amax_reductions = stats.weight_amax_reductions + 1
 end
--- the group amax of weight w of the split layer whose _tp_shard is sh (an
--- alias), or nil (a collective of its own then)
+-- the group amaxes of weight w of the split layer whose _tp_shard is sh:
+-- tensorwise the amax, axiswise the rows' (sdim 2) or columns' (sdim 1)
+-- vector (an alias), and sdim; or nil (a collective of its own then)
 local function group_weight_amax(sh, w)
   local reg = sh.reg
   if reg == nil then return nil end
@@ -232,7 +257,7 @@ local function group_weight_amax(sh, w)
     e = reg.f8.of[sh]
     if e == nil or not rawequal(e.w, w) then return nil end
   end
-  return R.alias(e.amax)
+  return R.alias(e.amax), e.sdim
 end
 
 -- One cast of a tensor several layers read (q/k/v, gate/up): the last one
@@ -483,10 +508,7 @@ function float8.linear(x, w, b, opts)
     wgrp = tpo.group
     xgrp = tpo.input and wgrp or nil
     ggrp = tpo.output and wgrp or nil
-    -- (the weight's split dim: the output features' for a column-parallel
-    -- layer, the input features' for a row-parallel one; Conv1D's weight is
-    -- (in, out))
-    if tpo.output then wdim = wt and 1 or 2 else wdim = wt and 2 or 1 end
+    wdim = split_dim(tpo, wt)
   end
   local x8, xinv, xamax = cast_input(x2, cfg, xgrp)
   -- w's two layouts: (out, in) for the forward, (in, out) for dx (kept,
@@ -519,7 +541,18 @@ function float8.linear(x, w, b, opts)
     -- the forward's layout scaled per output feature, dx's per input one
     -- (each along its product's K); made again in the backward when not kept
     local ir, ic
-    if wt then w_out, w_in, ir, ic = cast_ax_group(w, cfg.weight, cfg.pow2, true, keep, wgrp, wdim); winv, winv_in = ir, ic
+    -- (tp_scales = 'group': the split dim's amaxes from the model's vector,
+    -- reduced once a step, else a collective of this layer's own)
+    local wa, sdim
+    if wgrp then wa, sdim = group_weight_amax(tpo, w) end
+    if wa ~= nil then
+      local rows, cols = wt or keep, not wt or keep
+      local r, c
+      r, c, ir, ic = F.float8_cast_axiswise(w, cfg.weight, { rows = rows, cols = cols, pow2 = cfg.pow2,
+        row_amax = sdim == 2 and wa or nil, col_amax = sdim == 1 and wa or nil })
+      free(wa)
+      if wt then w_out, w_in, winv, winv_in = r, c, ir, ic else w_in, w_out, winv, winv_in = r, c, ic, ir end
+    elseif wt then w_out, w_in, ir, ic = cast_ax_group(w, cfg.weight, cfg.pow2, true, keep, wgrp, wdim); winv, winv_in = ir, ic
     else w_in, w_out, ir, ic = cast_ax_group(w, cfg.weight, cfg.pow2, keep, true, wgrp, wdim); winv, winv_in = ic, ir end
   else
     stats.weight_casts = stats.weight_casts + 1

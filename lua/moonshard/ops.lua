@@ -406,17 +406,21 @@ function F.float8_cast_axiswise(x, dtype, opts)
   return r[1], r[2], r[3], r[4]
 end
 
--- float8_amax_axiswise(x (R, C), {rows = true, cols = false}) -> row_amax
--- (R), col_amax (C) f32 (each nil when not asked): max |x| along each row
--- and down each column (NaN when one holds a NaN), what
--- float8_cast_axiswise scales by
+-- float8_amax_axiswise(x (R, C), {rows = true, cols = false, row_out =,
+-- col_out =}) -> row_amax (R), col_amax (C) f32 (each nil when not asked):
+-- max |x| along each row and down each column (NaN when one holds a NaN),
+-- what float8_cast_axiswise scales by; written into row_out / col_out
+-- (contiguous f32 vectors on x's device: slots of a larger one) when given
 function F.float8_amax_axiswise(x, opts)
   need_tensor('float8_amax_axiswise', x, 'x')
   opts = opts or {}
   local rb = opts.rows ~= false and box_t() or nil
   local cb = opts.cols and box_t() or nil
+  if rb and opts.row_out ~= nil then need_tensor('float8_amax_axiswise', opts.row_out, 'row_out'); rb[0] = opts.row_out end
+  if cb and opts.col_out ~= nil then need_tensor('float8_amax_axiswise', opts.col_out, 'col_out'); cb[0] = opts.col_out end
   if C.ms_float8_amax_axiswise(rb, cb, x) ~= 0 then raise(ffi.string(C.ms_last_error())) end
-  return rb and wrap(rb[0]) or nil, cb and wrap(cb[0]) or nil
+  local r = rb and (opts.row_out or wrap(rb[0])) or nil
+  return r, cb and (opts.col_out or wrap(cb[0])) or nil
 end
 
 -- float8_transpose(x (R, C) 8-bit float) -> (C, R) contiguous, the same bytes
