@@ -159,6 +159,18 @@ local function cast_ax_group(x2, dtype, pow2, rows, cols, grp, sdim)
   free(ra); free(ca)
   return r, c, ir, ic
 end
+-- the group amax of x2 begun: tensorwise its amax, axiswise (rows) its
+-- rows' amaxes, all-reduced over group beside the work that follows;
+-- finish() waits for it (the current stream, not the host) and returns it
+local function group_amax_begin(x2, group, rows)
+  local a = rows and F.float8_amax_axiswise(x2) or F.amax(x2)
+  local w = require('moonshard.tp').all_reduce_max_async(a, group)
+  return { amax = a, work = w }
+end
+local function group_amax_finish(p)
+  if p.work then p.work:wait(); p.work:free() end
+  return p.amax
+end
 -- the tensorwise cast of x2 with its group's amax: as cast()
 local function cast_group(x2, dtype, pow2, rows, cols, want_amax, group)
   local a = group_amax(x2, group)
@@ -304,14 +316,22 @@ local transposed = F.float8_transpose
 
 -- the forward's cast of input rows x2: rows, inv, amax (aliases the caller
 -- owns; axiswise: inv a vector, no amax); grp: the TP group whose amax
--- scales it (x2 a shard of the input), else nil
-local function cast_input(x2, cfg, grp)
+-- scales it (x2 a shard of the input), else nil; pre: that amax begun
+-- (group_amax_begin) when the cache missed
+local function cast_input(x2, cfg, grp, pre)
   local l, _ = fwd_last, nil
   if not same_view(l, x2, cfg.input, cfg.pow2, cfg.axiswise, grp) then
     drop(l)
     stats.input_casts = stats.input_casts + 1
     l = view_entry(x2, cfg.input, cfg.pow2, cfg.axiswise, grp)
-    if cfg.axiswise then l.rows, _, l.inv = cast_ax_group(x2, cfg.input, cfg.pow2, true, false, grp, 2)
+    if pre and cfg.axiswise then
+      local ra = group_amax_finish(pre)
+      l.rows, _, l.inv = F.float8_cast_axiswise(x2, cfg.input, { pow2 = cfg.pow2, row_amax = ra })
+      free(ra)
+    elseif pre then
+      l.amax = group_amax_finish(pre)
+      l.rows, _, l.inv = F.float8_cast(x2, l.amax, cfg.input, { pow2 = cfg.pow2 })
+    elseif cfg.axiswise then l.rows, _, l.inv = cast_ax_group(x2, cfg.input, cfg.pow2, true, false, grp, 2)
     elseif grp then l.rows, _, l.inv, l.amax = cast_group(x2, cfg.input, cfg.pow2, true, false, true, grp)
     else l.rows, _, l.inv, l.amax = cast(x2, cfg.input, cfg.pow2, true, false, true) end
     fwd_last = l
@@ -390,7 +410,25 @@ local function bwd_float8(node, g)
   local want_w = need[2]
   local w8 = want_w and not cfg.gw_hp   -- (the weight gradient through an FP8 GEMM)
   local g8, g8t, ginv, ginv_t
-  if need[1] or w8 then
+  -- (a column-parallel layer's output gradient under the group's scales:
+  -- its amax begun, and the saved input's transposed cast for dW made
+  -- beside the all-reduce; axiswise only the rows, dx's, are split)
+  local gpre, x8t, xinv
+  if s.ggrp and (need[1] or w8) and (need[1] or not cfg.axiswise) then
+    gpre = group_amax_begin(g2, s.ggrp, cfg.axiswise)
+    if w8 then x8t, xinv = input_cols(s.x2, s.xamax, cfg, s.xgrp) end
+  end
+  if gpre and cfg.axiswise then
+    local ra = group_amax_finish(gpre)
+    g8, g8t, ginv, ginv_t = F.float8_cast_axiswise(g2, cfg.grad_output, { rows = need[1], cols = w8, pow2 = cfg.pow2,
+      row_amax = ra })
+    free(ra)
+  elseif gpre then
+    local a = group_amax_finish(gpre)
+    g8, g8t, ginv = F.float8_cast(g2, a, cfg.grad_output, { rows = need[1], cols = w8, pow2 = cfg.pow2 })
+    ginv_t = ginv
+    free(a)
+  elseif need[1] or w8 then
     if cfg.axiswise then g8, g8t, ginv, ginv_t = cast_ax_group(g2, cfg.grad_output, cfg.pow2, need[1], w8, s.ggrp, 2)
     elseif s.ggrp then g8, g8t, ginv = cast_group(g2, cfg.grad_output, cfg.pow2, need[1], w8, false, s.ggrp); ginv_t = ginv
     else g8, g8t, ginv = cast(g2, cfg.grad_output, cfg.pow2, need[1], w8); ginv_t = ginv end
@@ -433,7 +471,7 @@ local function bwd_float8(node, g)
   elseif want_w then
     -- (out, in) = g8t (out, N) @ x8t (in, N)^T  (Conv1D's (in, out) the other
     -- way), x8t the saved input's transposed cast (see input_cols)
-    local x8t, xinv = input_cols(s.x2, s.xamax, cfg, s.xgrp)
+    if x8t == nil then x8t, xinv = input_cols(s.x2, s.xamax, cfg, s.xgrp) end
     local a, b, ainv, binv = g8t, x8t, ginv_t, xinv
     if not s.wt then a, b, ainv, binv = x8t, g8t, xinv, ginv_t end
     local sink = sink_of(node, s.w)
@@ -510,7 +548,12 @@ function float8.linear(x, w, b, opts)
     ggrp = tpo.output and wgrp or nil
     wdim = split_dim(tpo, wt)
   end
-  local x8, xinv, xamax = cast_input(x2, cfg, xgrp)
+  -- (the input's group amax begun here, its all-reduce beside the weight's
+  -- cast, when the cache misses)
+  local xpre
+  if xgrp and not same_view(fwd_last, x2, cfg.input, cfg.pow2, cfg.axiswise, xgrp) then
+    xpre = group_amax_begin(x2, xgrp, cfg.axiswise)
+  end
   -- w's two layouts: (out, in) for the forward, (in, out) for dx (kept,
   -- or made again in the backward: recompute_weight)
   local recompute = cfg.recompute_weight
@@ -573,6 +616,7 @@ function float8.linear(x, w, b, opts)
     else w_in, w_out, winv, wamax = cast(w, cfg.weight, cfg.pow2, keep, true, want_amax) end
     winv_in = winv
   end
+  local x8, xinv, xamax = cast_input(x2, cfg, xgrp, xpre)
   local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
   local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias,
     fast_accum = cfg.fast_accum_output })

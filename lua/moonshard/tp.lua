@@ -104,6 +104,14 @@ function tp.all_reduce_max(t, group)
   return t
 end
 
+-- all_reduce_max_async(t, group) -> a Work (w:wait() makes the current
+-- stream wait; w:free()) or nil (nothing to wait for): as all_reduce_max,
+-- begun, for work to go on beside it
+function tp.all_reduce_max_async(t, group)
+  if skip_comm or group:size() == 1 then return nil end
+  return dist.all_reduce(t, 'max', { group = group, async = true })
+end
+
 -- tp.set_skip_comm(on) -> the previous setting: every collective of the
 -- split layers skipped (benchmarks: the step without its communication;
 -- the numbers are then wrong)
