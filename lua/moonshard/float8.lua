@@ -498,8 +498,9 @@ end
 -- Conv1D); opts: a recipe's fields (float8.config), or opts.config made by
 -- it; opts.tp = { group =, input = bool, output = bool }: w is a shard of a
 -- tensor-parallel layer (x too when input, the output's features when
--- output), whose tensorwise amaxes the config's tp_scales = 'group' takes
--- over the group
+-- output), whose amaxes (axiswise: those along the split dim) the config's
+-- tp_scales = 'group' takes over the group; opts.tp.reg, tp.parallelize's
+-- registry of the split layers, lets the weights' be reduced once a step
 function float8.linear(x, w, b, opts)
   opts = opts or {}
   local cfg = opts.config or recipe_of(opts, 2)
