@@ -30,18 +30,42 @@ function S.tmpdir()
   return d
 end
 
--- dir/corpus.txt: the repository files `files` joined, a training text
--- fixed while a spec runs (the default corpus, the repository's files, may
--- change between two runs) -> its path
-function S.fixed_corpus(dir, files)
-  local parts = {}
-  for _, f in ipairs(files) do
-    local h = io.open(T.root .. '/' .. f, 'rb')
-    if h then parts[#parts + 1] = h:read('*a'); h:close() end
+-- dir/corpus.txt: `nbytes` of English-like text drawn from a fixed word
+-- list by a fixed generator -> its path. The same bytes on every run and
+-- every checkout (a corpus made of the repository's own files changed with
+-- each edit of the docs, and with it the numbers the specs compare)
+local corpus_words = {}
+for w in ([[the a of to and in is it that for on with as by this be are from at or an
+  model training step loss rank ranks gradient gradients shard shards weight weights layer
+  layers tensor tensors batch batches token tokens sequence checkpoint optimizer learning
+  rate warmup decay data loader vocabulary embedding attention head heads block blocks
+  norm mixed precision parameter parameters memory device devices kernel kernels forward
+  backward sum mean scale scales value values each every one two four first last next
+  run runs keeps takes makes reads writes gives holds moves saves loads splits gathers
+  reduces casts computes trains resumes stops starts waits frees returns calls]]):gmatch('%S+') do
+  corpus_words[#corpus_words + 1] = w
+end
+function S.fixed_corpus(dir, nbytes)
+  local state = 20261127
+  local function nxt(n)   -- (Park-Miller: 1..n)
+    state = (state * 16807) % 2147483647
+    return state % n + 1
+  end
+  local parts, size, line = {}, 0, 0
+  while size < nbytes do
+    local len = 4 + nxt(12)
+    local words = {}
+    for i = 1, len do words[i] = corpus_words[nxt(#corpus_words)] end
+    words[1] = words[1]:sub(1, 1):upper() .. words[1]:sub(2)
+    local sentence = table.concat(words, ' ') .. (nxt(5) == 1 and '; ' or '. ')
+    line = line + #sentence
+    if line > 72 then sentence = sentence .. '\n'; line = 0 end
+    parts[#parts + 1] = sentence
+    size = size + #sentence
   end
   local path = dir .. '/corpus.txt'
   local f = assert(io.open(path, 'wb'))
-  f:write(table.concat(parts, '\n'))
+  f:write(table.concat(parts))
   f:close()
   return path
 end
