@@ -691,7 +691,7 @@ end
 --   * names matching opts.skip (Lua patterns), or for which
 --     opts.filter(name, module) returns false.
 -- opts also takes a recipe's fields (recipe = 'tensorwise', input, weight,
--- grad_output, pow2). Returns the qualified names converted; an error when
+-- grad_output, pow2, recompute_weight, tp_scales). Returns the qualified names converted; an error when
 -- there are none. Parameters are not touched (float8.revert undoes it).
 function float8.convert(model, opts)
   opts = opts or {}
