@@ -196,6 +196,24 @@ describe('float8 with tensor parallelism #mpi', function()
   end)
   end
 
+  -- activation checkpointing: the recomputed forwards take their group
+  -- amaxes again in the backward (collectives there, on every rank alike)
+  it("tp_scales = 'group' with every block checkpointed: the losses without checkpointing, exactly", function()
+    local x, y = FS.lcg_batch(17, 2, 16)
+    for _, recipe in ipairs({ 'tensorwise', 'rowwise' }) do
+      local function losses(ac)
+        local m = build(cases[2])
+        float8.convert(m, { recipe = recipe, tp_scales = 'group' })
+        tp.parallelize(m, { sequence_parallel = true })
+        if ac then ms.nn.apply_activation_checkpointing(m, { class = 'LlamaDecoderLayer' }) end
+        return (run(m, x, y))
+      end
+      local a, b = losses(false), losses(true)
+      assert.are.same(a, b, recipe)
+      assert.is_true(a[4] < a[1])
+    end
+  end)
+
   it("tp_scales: 'group' or 'shard'", function()
     local m = build(cases[2])
     local ok, e = pcall(float8.convert, m, { tp_scales = 'all' })
