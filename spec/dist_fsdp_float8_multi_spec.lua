@@ -170,22 +170,12 @@ describe('fsdp with float8 layers on GPUs (NCCL) #multi', function()
       sp and ', sequence parallel' or '', scales), function()
         local x, y = rows(0)
         local plain = load('tensorwise')
-        local opt = ms.optim.AdamW(plain, OPTS)
-        local ref = {}
-        for s = 1, STEPS do
-          local l = ms.nn.functional.autocast('bf16', plain, x, y)
-          ref[s] = l:item(); l:backward(); opt:step(); opt:zero_grad()
-        end
+        local ref = FS.autocast_losses(plain, ms.optim.AdamW(plain, OPTS), x, y, STEPS)
         local m = require('models.gpt2').from_pretrained(dir, { dtype = 'f32' }):to('cuda')
         ms.float8.convert(m, { tp_scales = scales })
         ms.tp.parallelize(m, { sequence_parallel = sp })
         local before = ms.float8.stats().input_casts
-        local o2 = ms.optim.AdamW(m, OPTS)
-        local got = {}
-        for s = 1, STEPS do
-          local l = ms.nn.functional.autocast('bf16', m, x, y)
-          got[s] = l:item(); l:backward(); o2:step(); o2:zero_grad()
-        end
+        local got = FS.autocast_losses(m, ms.optim.AdamW(m, OPTS), x, y, STEPS)
         assert.is_true(ms.float8.stats().input_casts > before, 'the FP8 path ran')
         if R == 0 then
           io.stderr:write(('# tp_scales %s%s: step 1 %.3g, step %d %.3g from the unsplit model\n'):format(scales,

@@ -136,13 +136,7 @@ describe('fsdp with float8 layers #mpi', function()
       ms.float8.convert(m)
       fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = 'HYBRID_SHARD',
         shard_size = 2, float8_all_gather = f8g, mixed_precision = { param = 'bf16', reduce = 'f32' } })
-      local opt = fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 })
-      local r = {}
-      for k = 1, 3 do
-        local l = ms.nn.functional.autocast('bf16', m, x, y)
-        l:backward(); r[k] = l:item(); opt:step(); opt:zero_grad()
-      end
-      return r
+      return FS.autocast_losses(m, fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 }), x, y, 3)
     end
     assert.are.same(run(false), run(true))
   end)
@@ -155,13 +149,7 @@ describe('fsdp with float8 layers #mpi', function()
       ms.nn.apply_activation_checkpointing(m, { class = 'LlamaDecoderLayer' })
       fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, float8_all_gather = f8g,
         mixed_precision = { param = 'bf16', reduce = 'f32' } })
-      local opt = fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 })
-      local r = {}
-      for k = 1, 3 do
-        local l = ms.nn.functional.autocast('bf16', m, x, y)
-        l:backward(); r[k] = l:item(); opt:step(); opt:zero_grad()
-      end
-      return r
+      return FS.autocast_losses(m, fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 }), x, y, 3)
     end
     local before = ms.float8.stats().gathered_weights
     local a = run(false)

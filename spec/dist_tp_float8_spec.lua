@@ -236,13 +236,7 @@ describe('float8 with tensor parallelism #mpi', function()
       tp.parallelize(m, { group = mesh.shard })
       ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class { 'LlamaDecoderLayer' }, group = mesh.replicate,
         float8_all_gather = f8g, mixed_precision = { param = 'bf16', reduce = 'f32' } })
-      local opt = ms.fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 })
-      local r = {}
-      for k = 1, 3 do
-        local l = ms.nn.functional.autocast('bf16', m, x, y)
-        l:backward(); r[k] = l:item(); opt:step(); opt:zero_grad()
-      end
-      return r
+      return FS.autocast_losses(m, ms.fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 }), x, y, 3)
     end
     local a = losses(false, 'group')
     local before = float8.stats().gathered_weights

@@ -49,6 +49,17 @@ function S.norm_rel(a, b)
   return math.sqrt((a64 - b64):square():sum():item()) / math.max(math.sqrt(b64:square():sum():item()), 1e-30)
 end
 
+-- the losses of `steps` steps of model m on (x, y) under bf16 autocast,
+-- optimizer opt stepping each
+function S.autocast_losses(m, opt, x, y, steps)
+  local r = {}
+  for k = 1, steps do
+    local l = require('moonshard').nn.functional.autocast('bf16', m, x, y)
+    l:backward(); r[k] = l:item(); opt:step(); opt:zero_grad()
+  end
+  return r
+end
+
 -- |a − b| / |b| of numbers
 function S.rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
 

@@ -139,13 +139,6 @@ local function cast_ax(x2, dtype, pow2, rows, cols)
   return F.float8_cast_axiswise(x2, dtype, { rows = rows, cols = cols, pow2 = pow2 })
 end
 
--- the amax of x2 all-reduced (max) over a tensor-parallel group: the
--- unsplit tensor's (tp_scales = 'group')
-local function group_amax(x2, group)
-  local a = F.amax(x2)
-  require('moonshard.tp').all_reduce_max(a, group)
-  return a
-end
 -- the axiswise cast of x2 (as cast_ax) whose dim sdim (1 or 2; nil: none)
 -- is split over group grp: the rows' amaxes (sdim 2) or the columns' (sdim
 -- 1) all-reduced first, when that layout is asked
@@ -171,9 +164,11 @@ local function group_amax_finish(p)
   if p.work then p.work:wait(); p.work:free() end
   return p.amax
 end
--- the tensorwise cast of x2 with its group's amax: as cast()
+-- the tensorwise cast of x2 with its group's amax (the unsplit tensor's,
+-- tp_scales = 'group'; a weight FSDP gathers): as cast()
 local function cast_group(x2, dtype, pow2, rows, cols, want_amax, group)
-  local a = group_amax(x2, group)
+  local a = F.amax(x2)
+  require('moonshard.tp').all_reduce_max(a, group)
   local r, c, i = F.float8_cast(x2, a, dtype, { rows = rows, cols = cols, pow2 = pow2 })
   if not want_amax then free(a); a = nil end
   return r, c, i, a
@@ -316,8 +311,8 @@ local transposed = F.float8_transpose
 
 -- the forward's cast of input rows x2: rows, inv, amax (aliases the caller
 -- owns; axiswise: inv a vector, no amax); grp: the TP group whose amax
--- scales it (x2 a shard of the input), else nil; pre: that amax begun
--- (group_amax_begin) when the cache missed
+-- scales it (x2 a shard of the input), else nil, and pre that amax begun
+-- (group_amax_begin) by the caller when the cache missed
 local function cast_input(x2, cfg, grp, pre)
   local l, _ = fwd_last, nil
   if not same_view(l, x2, cfg.input, cfg.pow2, cfg.axiswise, grp) then
@@ -331,8 +326,7 @@ local function cast_input(x2, cfg, grp, pre)
     elseif pre then
       l.amax = group_amax_finish(pre)
       l.rows, _, l.inv = F.float8_cast(x2, l.amax, cfg.input, { pow2 = cfg.pow2 })
-    elseif cfg.axiswise then l.rows, _, l.inv = cast_ax_group(x2, cfg.input, cfg.pow2, true, false, grp, 2)
-    elseif grp then l.rows, _, l.inv, l.amax = cast_group(x2, cfg.input, cfg.pow2, true, false, true, grp)
+    elseif cfg.axiswise then l.rows, _, l.inv = cast_ax(x2, cfg.input, cfg.pow2, true, false)
     else l.rows, _, l.inv, l.amax = cast(x2, cfg.input, cfg.pow2, true, false, true) end
     fwd_last = l
   end
@@ -428,9 +422,8 @@ local function bwd_float8(node, g)
     g8, g8t, ginv = F.float8_cast(g2, a, cfg.grad_output, { rows = need[1], cols = w8, pow2 = cfg.pow2 })
     ginv_t = ginv
     free(a)
-  elseif need[1] or w8 then
-    if cfg.axiswise then g8, g8t, ginv, ginv_t = cast_ax_group(g2, cfg.grad_output, cfg.pow2, need[1], w8, s.ggrp, 2)
-    elseif s.ggrp then g8, g8t, ginv = cast_group(g2, cfg.grad_output, cfg.pow2, need[1], w8, false, s.ggrp); ginv_t = ginv
+  elseif need[1] or w8 then   -- (nothing split along what is asked)
+    if cfg.axiswise then g8, g8t, ginv, ginv_t = cast_ax(g2, cfg.grad_output, cfg.pow2, need[1], w8)
     else g8, g8t, ginv = cast(g2, cfg.grad_output, cfg.pow2, need[1], w8); ginv_t = ginv end
   end
   local dx, dw, db
