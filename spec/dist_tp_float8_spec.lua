@@ -196,6 +196,36 @@ describe('float8 with tensor parallelism #mpi', function()
   end)
   end
 
+  -- async TP's backward (tp.parallelize's overlap, the default): the float8
+  -- layers' weight gradients wait for the entries' collectives too; the
+  -- same training, bitwise, as without the overlap
+  for _, case in ipairs(cases) do
+    for _, recipe in ipairs({ 'tensorwise', 'rowwise', 'rowwise_with_gw_hp' }) do
+      for _, scales in ipairs({ 'shard', 'group' }) do
+        it(("%s, %s, tp_scales = '%s'%s: the overlapped backward trains as the plain one, bitwise"):format(case[1],
+          recipe, scales, case[1] == 'llama' and ', sequence parallel' or ''), function()
+          local x, y = FS.lcg_batch(19, 2, 16)
+          local A = ms.autograd
+          local function losses(overlap)
+            local m = build(case)
+            float8.convert(m, { recipe = recipe, tp_scales = scales })
+            tp.parallelize(m, { overlap = overlap, sequence_parallel = case[1] == 'llama' })
+            local c0 = A.defer_counts().deferred
+            local l = run(m, x, y)
+            return l, A.defer_counts().deferred - c0
+          end
+          local a, na = losses(true)
+          local b, nb = losses(false)
+          assert.are.same(b, a)
+          assert.are.equal(0, nb)
+          -- four steps of two blocks: GPT-2's 4 split layers a block, Llama's 7
+          if W > 1 then assert.are.equal(4 * 2 * (case[1] == 'gpt2' and 4 or 7), na) else assert.are.equal(0, na) end
+          assert.is_true(a[4] < a[1])
+        end)
+      end
+    end
+  end
+
   -- activation checkpointing: the recomputed forwards take their group
   -- amaxes again in the backward (collectives there, on every rank alike)
   it("tp_scales = 'group' with every block checkpointed: the losses without checkpointing, exactly", function()

@@ -177,6 +177,57 @@ describe('tensor parallelism #mpi', function()
     end)
   end
 
+  -- async TP's backward (opts.overlap, the default): the split layers'
+  -- weight gradients wait in the backward's deferred queue until the
+  -- entry's collective has started; the same gradients as without it
+  for _, case in ipairs(cases) do
+    for _, sp in ipairs({ false, true }) do
+      for _, prec in ipairs({ 'f64', 'bf16 autocast' }) do
+        it(('%s%s, %s: the overlapped backward gives the gradients of the plain one, bitwise, and defers '
+          .. 'every split layer\'s weight gradient to the entries'):format(case[1], sp and ' sequence parallel' or '',
+          prec), function()
+          local A = ms.autograd
+          local function run(overlap)
+            local m
+            if prec == 'f64' then m = build(case, 'f64') else m = build(case, 'f32') end
+            tp.parallelize(m, { sequence_parallel = sp, overlap = overlap })
+            if prec ~= 'f64' then ms.nn.functional.set_precision(m, { compute = 'bf16' }) end
+            local x, y = FS.lcg_batch(5, 2, 12)
+            local c0 = A.defer_counts()
+            local l = m(x, y)
+            l:backward()
+            local c1 = A.defer_counts()
+            local d = { deferred = c1.deferred - c0.deferred, postponed = c1.postponed - c0.postponed,
+              flushes = c1.flushes - c0.flushes }
+            return m, l:item(), d
+          end
+          local m1, l1, d1 = run(true)
+          local m0, l0, d0 = run(false)
+          assert.are.equal(l0, l1)
+          local g0, g1 = tp.full_grads(m0), tp.full_grads(m1)
+          local n = 0
+          for name, g in pairs(g0) do
+            assert.are.equal(0, FS.max_rel(g1[name], g), name)
+            n = n + 1
+          end
+          assert.is_true(n >= 10)
+          assert.are.same({ deferred = 0, postponed = 0, flushes = 0 }, d0)
+          local L = case[3].n_layer or case[3].num_hidden_layers
+          if W == 1 then
+            assert.are.same({ deferred = 0, postponed = 0, flushes = 0 }, d1)
+          else
+            -- GPT-2: c_attn, c_proj, c_fc, c_proj; Llama: q, k, v, o, gate, up, down
+            assert.are.equal(L * (case[1] == 'gpt2' and 4 or 7), d1.deferred)
+            -- run by the two entries of each block, after their collectives start
+            assert.are.equal(2 * L, d1.flushes)
+            -- under autocast the weights' casts wait with them (their f32 .grad)
+            if prec == 'f64' then assert.are.equal(0, d1.postponed) else assert.is_true(d1.postponed >= d1.deferred) end
+          end
+        end)
+      end
+    end
+  end
+
   it('activation checkpointing of the split blocks (with sequence parallelism and dropout): the unsplit gradients (f64)', function()
     for _, sp in ipairs({ false, true }) do
       local over = { resid_pdrop = 0.2, embd_pdrop = 0.1 }

@@ -460,6 +460,59 @@ function A.leaf_sink(t)
   return m.sink
 end
 
+-- Deferred gradients (A.defer): a backward function may leave some of its
+-- inputs' gradients to be computed later in the same walk, as a closure.
+-- The point is overlap: a tensor-parallel layer's weight gradient (a GEMM
+-- that nothing near needs) waits until the collective of the input's
+-- gradient has been launched (tp's entry calls A.flush_deferred() after
+-- starting it), so the GEMMs run while the collective does. Correctness
+-- never depends on that call: the walk keeps the ids whose gradients are
+-- still to come; a node producing one of them is postponed with the
+-- deferred work (its own inputs' ids become pending in turn: the weight's
+-- cast under autocast), up to MAX_POSTPONED nodes, after which the queue
+-- is run first; the queue is also run before every module marker (hooks see
+-- complete gradients) and at the walk's end. A backward function called
+-- while the queue runs computes at once (A.defer returns false).
+local MAX_POSTPONED = 64
+local deferring = {}          -- stack of the active walks' queues
+local defer_on = os.getenv('MS_DEFER_GRADS') ~= '0'
+
+-- A.defer(node, idx, fn, drop) -> true when queued: fn() returns the
+-- gradients of node's inputs idx[1], idx[2], ... (nil for one written
+-- elsewhere, e.g. a sink), to be delivered as if the backward had returned
+-- them; drop() releases what fn holds if the walk ends without running it
+-- (a failed backward). false: nothing queued (no walk, deferral off, or the
+-- queue running), compute now.
+function A.defer(node, idx, fn, drop)
+  local q = deferring[#deferring]
+  if q == nil or q.running or not defer_on then return false end
+  q.add(node, idx, fn, drop)
+  return true
+end
+-- runs the current walk's deferred work now (no-op outside a walk)
+function A.flush_deferred()
+  local q = deferring[#deferring]
+  if q ~= nil then q.flush() end
+end
+-- A.set_deferral(on) -> previous (also MS_DEFER_GRADS=0): off, every
+-- backward function computes at once
+function A.set_deferral(on)
+  local prev = defer_on
+  defer_on = on and true or false
+  return prev
+end
+-- tags: t's readers may defer their weight gradients (the producer of t
+-- runs the queue after starting its collective); A.defers_readers(t)
+function A.set_defer_readers(t) getmeta(t).defer_readers = true; return t end
+function A.defers_readers(t)
+  local m = peekmeta(t)
+  return m ~= nil and m.defer_readers == true
+end
+-- (for specs) how many deferred entries and postponed nodes ran so far
+local defer_counts = { deferred = 0, postponed = 0, flushes = 0 }
+function A.defer_counts() return { deferred = defer_counts.deferred, postponed = defer_counts.postponed,
+  flushes = defer_counts.flushes } end
+
 -- Walk `tape` in reverse. grads: id -> gradient (owned by the walk unless
 -- borrowed[id]). Leaves up to the caller: clearing the tape.
 local function walk(tape, grads, borrowed, root)
@@ -516,11 +569,164 @@ local function walk(tape, grads, borrowed, root)
     end
   end
 
-  local gl = {}
+  local run_node
+  -- one node's backward: its output gradients gathered, its inputs' delivered
+  run_node = function(node)
+    local gl = {}
+    -- gather output grads
+    local any = false
+    local nout
+    if node.oid then
+      nout = 1
+      local g = grads[node.oid]
+      grads[node.oid] = nil
+      gl[1] = g
+      if g ~= nil then any = true; taken[tonumber(g.id)] = nil end
+    else
+      nout = #node.oids
+      for j = 1, nout do
+        local g = grads[node.oids[j]]
+        grads[node.oids[j]] = nil
+        gl[j] = g
+        if g ~= nil then any = true; taken[tonumber(g.id)] = nil end
+      end
+    end
+    if any then
+      -- retained grads and tensor hooks of the outputs
+      for j = 1, nout do
+        local g = gl[j]
+        if g ~= nil then
+          local m = meta[node.oid or node.oids[j]]
+          if m then
+            if m.hooks then
+              local h = apply_tensor_hooks(m, g, borrowed)
+              if h ~= g then
+                local gid = tonumber(g.id)
+                if not borrowed[gid] and not taken[gid] then free(g) end
+                g = h
+                gl[j] = h
+              end
+            end
+            if m.retain then m.grad = R.clone(g) end
+          end
+        end
+      end
+      if node.multi_zero then
+        for j = 1, nout do
+          if gl[j] == nil then
+            local s = node.oshapes[j]
+            gl[j] = T.zeros(s, { dtype = node.odtypes[j], device = node.odevs[j] })
+          end
+        end
+      end
+      check_versions(node)
+      local r = pack(node.bwd(node, unpack(gl, 1, nout)))
+      -- release what the node saved
+      local own = node.own
+      if own then for j = 1, #own do free(own[j]) end end
+      node.own, node.saved, node.vers = nil, nil, nil
+      local results_borrowed = node.borrow_results
+      for i = 1, node.nin do
+        local g = r[i]
+        if g ~= nil and node.need[i] then
+          if results_borrowed then borrowed[tonumber(g.id)] = true end
+          deliver(node, i, g)
+        end
+      end
+      -- free what was not handed on
+      for i = 1, node.nin do
+        local g = r[i]
+        if is_tensor(g) then
+          local gid = tonumber(g.id)
+          if not taken[gid] and not borrowed[gid] then free(g) end
+        end
+      end
+      for j = 1, nout do
+        local g = gl[j]
+        if g ~= nil then
+          local gid = tonumber(g.id)
+          if not taken[gid] and not borrowed[gid] then free(g) end
+        end
+        gl[j] = nil
+      end
+    else
+      local own = node.own
+      if own then for j = 1, #own do free(own[j]) end end
+      node.own, node.saved, node.vers = nil, nil, nil
+    end
+    node.done = true
+    node.leaf = nil   -- a consumed node holds no tensor handle
+    if node.outs then release_outputs(node, root) end
+  end
+  -- the deferred work of this walk (A.defer): entries { node, idx, fn, drop }
+  -- or { node, run = true } (a postponed node); pending: ids whose gradient
+  -- (or part of it) is still to come from the queue
+  local q = { list = {}, pending = {}, npost = 0, running = false }
+  function q.add(node, idx, fn, drop)
+    -- (leaf: the node's leaf handles, which the walk drops once it is done)
+    q.list[#q.list + 1] = { node = node, idx = idx, fn = fn, drop = drop, leaf = node.leaf }
+    for _, i in ipairs(idx) do
+      if node.need[i] and not node.leaf[i] then q.pending[node.iid[i]] = true end
+    end
+    defer_counts.deferred = defer_counts.deferred + 1
+  end
+  function q.flush()
+    if q.running or #q.list == 0 then return end
+    q.running = true
+    defer_counts.flushes = defer_counts.flushes + 1
+    local ok, err = pcall(function()
+      local k = 1
+      while k <= #q.list do
+        local e = q.list[k]
+        q.list[k] = false
+        k = k + 1
+        if e.run then
+          run_node(e.node)
+        else
+          e.drop = nil
+          local r = pack(e.fn())
+          local nd = e.node
+          local was = nd.leaf
+          nd.leaf = e.leaf
+          for j, i in ipairs(e.idx) do
+            local g = r[j]
+            if g ~= nil and nd.need[i] then
+              deliver(nd, i, g)
+              local gid = tonumber(g.id)
+              if not taken[gid] and not borrowed[gid] then free(g) end
+            end
+          end
+          nd.leaf = was
+        end
+      end
+    end)
+    q.list, q.pending, q.npost, q.running = {}, {}, 0, false
+    if not ok then error(err, 0) end
+  end
+  -- releases what queued closures hold (a walk that failed)
+  function q.drop()
+    for _, e in ipairs(q.list) do
+      if e and e.drop then pcall(e.drop) end
+    end
+    q.list, q.pending = {}, {}
+  end
+  -- whether node makes a gradient still to come from the queue
+  local function has_pending(node)
+    local p = q.pending
+    if next(p) == nil then return false end
+    if node.oid then return p[node.oid] == true end
+    if node.oids then
+      for j = 1, #node.oids do if p[node.oids[j]] then return true end end
+    end
+    return false
+  end
+  deferring[#deferring + 1] = q
+  local ok, err = pcall(function()
   for k = #tape, 1, -1 do
     local node = tape[k]
     tape[k] = nil
     if node.marker then
+      q.flush()
       local m = node.module
       if node.marker == 'end' then
         run_hooks(hooks.module_pre_backward, m)
@@ -532,98 +738,35 @@ local function walk(tape, grads, borrowed, root)
         run_hooks(hooks.module_post_backward, m)
       end
     elseif not node.done then
-      -- gather output grads
-      local any = false
-      local nout
-      if node.oid then
-        nout = 1
-        local g = grads[node.oid]
-        grads[node.oid] = nil
-        gl[1] = g
-        if g ~= nil then any = true; taken[tonumber(g.id)] = nil end
-      else
-        nout = #node.oids
-        for j = 1, nout do
-          local g = grads[node.oids[j]]
-          grads[node.oids[j]] = nil
-          gl[j] = g
-          if g ~= nil then any = true; taken[tonumber(g.id)] = nil end
-        end
-      end
-      if any then
-        -- retained grads and tensor hooks of the outputs
-        for j = 1, nout do
-          local g = gl[j]
-          if g ~= nil then
-            local m = meta[node.oid or node.oids[j]]
-            if m then
-              if m.hooks then
-                local h = apply_tensor_hooks(m, g, borrowed)
-                if h ~= g then
-                  local gid = tonumber(g.id)
-                  if not borrowed[gid] and not taken[gid] then free(g) end
-                  g = h
-                  gl[j] = h
-                end
-              end
-              if m.retain then m.grad = R.clone(g) end
-            end
+      if has_pending(node) then
+        if q.npost < MAX_POSTPONED then
+          -- postponed behind the work it waits for
+          q.list[#q.list + 1] = { node = node, run = true }
+          q.npost = q.npost + 1
+          defer_counts.postponed = defer_counts.postponed + 1
+          for i = 1, node.nin do
+            if node.need[i] and not node.leaf[i] then q.pending[node.iid[i]] = true end
           end
-        end
-        if node.multi_zero then
-          for j = 1, nout do
-            if gl[j] == nil then
-              local s = node.oshapes[j]
-              gl[j] = T.zeros(s, { dtype = node.odtypes[j], device = node.odevs[j] })
-            end
-          end
-        end
-        check_versions(node)
-        local r = pack(node.bwd(node, unpack(gl, 1, nout)))
-        -- release what the node saved
-        local own = node.own
-        if own then for j = 1, #own do free(own[j]) end end
-        node.own, node.saved, node.vers = nil, nil, nil
-        local results_borrowed = node.borrow_results
-        for i = 1, node.nin do
-          local g = r[i]
-          if g ~= nil and node.need[i] then
-            if results_borrowed then borrowed[tonumber(g.id)] = true end
-            deliver(node, i, g)
-          end
-        end
-        -- free what was not handed on
-        for i = 1, node.nin do
-          local g = r[i]
-          if is_tensor(g) then
-            local gid = tonumber(g.id)
-            if not taken[gid] and not borrowed[gid] then free(g) end
-          end
-        end
-        for j = 1, nout do
-          local g = gl[j]
-          if g ~= nil then
-            local gid = tonumber(g.id)
-            if not taken[gid] and not borrowed[gid] then free(g) end
-          end
-          gl[j] = nil
+        else
+          q.flush()
+          run_node(node)
         end
       else
-        local own = node.own
-        if own then for j = 1, #own do free(own[j]) end end
-        node.own, node.saved, node.vers = nil, nil, nil
+        run_node(node)
       end
-      node.done = true
-      node.leaf = nil   -- a consumed node holds no tensor handle
-      if node.outs then release_outputs(node, root) end
     end
   end
+  q.flush()
+  end)
+  deferring[#deferring] = nil
+  if not ok then q.drop(); error(err, 0) end
   -- gradients that reached no node (intermediates of earlier, consumed tapes)
   for id, g in pairs(grads) do
     if not borrowed[tonumber(g.id)] then free(g) end
     grads[id] = nil
   end
 end
+
 
 -- Nodes are recorded in A.tape; t:backward() walks it and leaves it empty.
 local function backward(t, grad)

@@ -384,17 +384,44 @@ end
 -- x2ᵀ g2 for Conv1D) in the output gradient's dtype with f32 accumulation,
 -- as the plain linear makes it (into the weight's sink when it takes it);
 -- else returned in w's dtype
-local function weight_grad_hp(node, s, g2)
-  local x2 = s.x2
+local function weight_grad_hp(x2, g2, wt, sink, wdtype)
   local xc = x2.dtype_id == g2.dtype_id and x2 or R.to(x2, { dtype = g2.dtype_id })
-  local dw = require('moonshard.nn.functional').weight_grad(xc, g2, s.wt, A.grad_sink(node, 2))
+  local dw = require('moonshard.nn.functional').weight_grad(xc, g2, wt, sink)
   if xc ~= x2 then free(xc) end
-  if dw ~= nil and dw.dtype_id ~= s.w.dtype_id then
-    local c = R.to(dw, { dtype = s.w.dtype_id })
+  if dw ~= nil and dw.dtype_id ~= wdtype then
+    local c = R.to(dw, { dtype = wdtype })
     free(dw)
     dw = c
   end
   return dw
+end
+
+-- the weight gradient through an FP8 GEMM: (out, in) = g8t (out, N) @ x8t
+-- (in, N)^T (Conv1D's (in, out) the other way), x8t the saved input's
+-- transposed cast (input_cols) unless given; into sink when there is one
+-- (nil returned), else in w's dtype (wd). Frees x8t and xinv.
+local function weight_grad_f8(x2, xamax, xgrp, cfg, wt, g8t, ginv_t, x8t, xinv, sink, wd)
+  if x8t == nil then x8t, xinv = input_cols(x2, xamax, cfg, xgrp) end
+  local a, b, ainv, binv = g8t, x8t, ginv_t, xinv
+  if not wt then a, b, ainv, binv = x8t, g8t, xinv, ginv_t end
+  local dw
+  if sink then
+    F.scaled_matmul(a, b, ainv, binv, { out = sink.t, beta = sink.written[sink.i] and 1 or 0,
+      fast_accum = cfg.fast_accum_grads })
+    sink.written[sink.i] = true
+  else
+    dw = F.scaled_matmul(a, b, ainv, binv, { out_dtype = T.dtype_name(wd), fast_accum = cfg.fast_accum_grads })
+  end
+  free(x8t); free(xinv)
+  return dw
+end
+
+local WONLY = { 2 }
+-- whether nn.functional's affine layers defer now (nnf.defer_weight_grads:
+-- tensor parallelism's row-parallel layers)
+local function nnf_defers()
+  local nnf = package.loaded['moonshard.nn.functional']
+  return nnf ~= nil and nnf.weight_grads_deferred()
 end
 
 local function bwd_float8(node, g)
@@ -459,29 +486,48 @@ local function bwd_float8(node, g)
     dx = R.reshape(d2, node.ishape[1])
     if dx ~= d2 then free(d2) end
   end
-  if want_w and cfg.gw_hp then
-    dw = weight_grad_hp(node, s, g2)
-  elseif want_w then
-    -- (out, in) = g8t (out, N) @ x8t (in, N)^T  (Conv1D's (in, out) the other
-    -- way), x8t the saved input's transposed cast (see input_cols)
-    if x8t == nil then x8t, xinv = input_cols(s.x2, s.xamax, cfg, s.xgrp) end
-    local a, b, ainv, binv = g8t, x8t, ginv_t, xinv
-    if not s.wt then a, b, ainv, binv = x8t, g8t, xinv, ginv_t end
-    local sink = sink_of(node, s.w)
-    if sink then
-      F.scaled_matmul(a, b, ainv, binv, { out = sink.t, beta = sink.written[sink.i] and 1 or 0,
-        fast_accum = cfg.fast_accum_grads })
-      sink.written[sink.i] = true
-    else
-      local wd = s.w.dtype_id == 0 and 1 or s.w.dtype_id
-      dw = F.scaled_matmul(a, b, ainv, binv, { out_dtype = T.dtype_name(wd), fast_accum = cfg.fast_accum_grads })
-    end
-    free(x8t); free(xinv)
-  end
   if need[3] then db = F.sum(g2, 1) end
-  free(g8); free(g8t)
-  if ginv_t ~= ginv then free(ginv_t) end
-  free(ginv)
+  local deferred = false
+  if want_w then
+    local sink = cfg.gw_hp and A.grad_sink(node, 2) or sink_of(node, s.w)
+    local wd = s.w.dtype_id == 0 and 1 or s.w.dtype_id
+    local wt, xgrp, hp, wdt = s.wt, s.xgrp, cfg.gw_hp, s.w.dtype_id
+    if s.defer then
+      -- the weight gradient later in this backward, beside the collective
+      -- (A.defer; moonshard.tp): what it reads held by aliases until then
+      local xa = R.alias(s.x2)
+      local aa = s.xamax ~= nil and R.alias(s.xamax) or nil
+      local ga = hp and R.alias(g2) or nil
+      local ct, ci = g8t, ginv_t
+      local xt, xi = x8t, xinv
+      local function drop()
+        free(xa); free(aa); free(ga); free(xt); free(xi)
+        if not hp then free(ct); free(ci) end
+      end
+      deferred = A.defer(node, WONLY, function()
+        local r
+        if hp then r = weight_grad_hp(xa, ga, wt, sink, wdt)
+        else r = weight_grad_f8(xa, aa, xgrp, cfg, wt, ct, ci, xt, xi, sink, wd) end
+        xt, xi = nil, nil
+        free(xa); free(aa); free(ga)
+        if not hp then free(ct); free(ci) end
+        return r
+      end, drop)
+      if not deferred then free(xa); free(aa); free(ga) end
+    end
+    if not deferred then
+      if hp then dw = weight_grad_hp(s.x2, g2, wt, sink, wdt)
+      else dw = weight_grad_f8(s.x2, s.xamax, xgrp, cfg, wt, g8t, ginv_t, x8t, xinv, sink, wd) end
+    end
+  end
+  free(g8)
+  if not (deferred and not cfg.gw_hp) then
+    free(g8t)
+    if ginv_t ~= ginv then free(ginv_t) end
+    free(ginv)
+  elseif ginv_t ~= ginv then
+    free(ginv)
+  end
   if g2 ~= g then free(g2) end
   return dx, dw, db
 end
@@ -647,7 +693,8 @@ function float8.linear(x, w, b, opts)
     if wamax ~= nil then own[#own + 1] = wamax end
     local saved = { x2 = xs, xamax = xamax, w_in = w_in, winv_in = w_in ~= nil and winv_in or nil, wamax = wamax,
       w = w, wt = wt, cfg = cfg, dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id, f8g = g8 ~= nil,
-      xgrp = xgrp, ggrp = ggrp, wgrp = wgrp, wdim = wdim }
+      xgrp = xgrp, ggrp = ggrp, wgrp = wgrp, wdim = wdim,
+      defer = nnf_defers() or A.defers_readers(x) }
     A.record_list(name, y, bwd_float8, saved, own, { x, w, b })
   else
     if x2 ~= x then free(x2) end

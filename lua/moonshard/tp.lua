@@ -61,22 +61,43 @@ local skip_comm = false
 
 -- copy_to(x, group): x in forward; the gradient all-reduced (summed) over
 -- the group in backward (Megatron's f: a replicated input of a split layer)
+-- Overlap (tp.parallelize's opts.overlap, on by default): the entry's
+-- output is tagged (A.set_defer_readers), so the split layers reading it
+-- leave their weight gradients in the backward's deferred queue, as the
+-- row-parallel layers do (nnf.defer_weight_grads); the entry's backward
+-- starts its collective, runs the queue (those GEMMs beside the
+-- collective), then makes the compute stream wait for it
+local function reduce_input_grad(s, group, overlap)
+  if skip_comm then return end
+  if not overlap then
+    dist.all_reduce(s, 'sum', { group = group })
+    return
+  end
+  local w = dist.all_reduce(s, 'sum', { group = group, async = true })
+  A.flush_deferred()
+  w:wait()
+  w:free()
+end
+
 local CopyTo = A.Function {
   name = 'tp_copy_to',
   owns_results = true,
-  forward = function(ctx, x, group)
-    ctx.group = group
+  forward = function(ctx, x, group, overlap)
+    ctx.group, ctx.overlap = group, overlap
     return x
   end,
   backward = function(ctx, g)
     local s = g:clone()
-    if not skip_comm then dist.all_reduce(s, 'sum', { group = ctx.group }) end
-    return s, nil
+    reduce_input_grad(s, ctx.group, ctx.overlap)
+    return s, nil, nil
   end,
 }
-function tp.copy_to(x, group)
+-- copy_to(x, group, overlap)
+function tp.copy_to(x, group, overlap)
   if group:size() == 1 then return x end
-  return CopyTo(x, group)
+  local y = CopyTo(x, group, overlap == true)
+  if overlap and A.needs_grad(y) then A.set_defer_readers(y) end
+  return y
 end
 
 -- reduce_from(x, group): the sum of every rank's x in forward, a new
@@ -185,13 +206,22 @@ end
 
 -- the whole stream (B, T, C) -> this rank's rows (n, C): summed over the
 -- group (reduce) or as they are
-local function seq_rows(x, sp, reduce)
+-- (overlap: the reduce-scatter started, the backward's deferred work run
+-- beside it, then waited for: SeqGather's backward)
+local function seq_rows(x, sp, reduce, overlap)
   local C = x.shape[x.ndim]
   local xc = x:contiguous()
   local out
   if reduce and not skip_comm then
     out = T.empty({ sp.n, C }, { dtype = x.dtype, device = x.device })
-    dist.reduce_scatter(out, xc, 'sum', { group = sp.group })
+    if overlap then
+      local w = dist.reduce_scatter(out, xc, 'sum', { group = sp.group, async = true })
+      A.flush_deferred()
+      w:wait()
+      w:free()
+    else
+      dist.reduce_scatter(out, xc, 'sum', { group = sp.group })
+    end
   else
     out = xc:view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n):clone()
   end
@@ -216,7 +246,8 @@ local function own_rows(x, sp) return seq_rows(x, sp, false) end
 -- a split layer's input: every rank's rows gathered; backward: the
 -- gradient summed over the group (each rank's split layers give a partial
 -- gradient of the whole input), this rank's rows
-local SeqGather = seq_function('tp_seq_gather', seq_all_gather, reduced_rows)
+local SeqGather = seq_function('tp_seq_gather', seq_all_gather,
+  function(g, sp) return seq_rows(g, sp, true, sp.overlap) end)
 -- a split layer's partial sums (B, T, C), summed over the group: this
 -- rank's rows; backward: every rank's gradient rows gathered
 local SeqReduceScatter = seq_function('tp_seq_reduce_scatter', reduced_rows, seq_all_gather)
@@ -251,8 +282,12 @@ local function new_sp(group)
   -- a split layer's input: the shard gathered (its gradient reduce-
   -- scattered), or the replicated input copied (its gradient all-reduced)
   function sp.enter(x)
-    if sp.active and x.ndim == 2 then return SeqGather(x, sp) end
-    return tp.copy_to(x, group)
+    if sp.active and x.ndim == 2 then
+      local y = SeqGather(x, sp)
+      if sp.overlap and A.needs_grad(y) then A.set_defer_readers(y) end
+      return y
+    end
+    return tp.copy_to(x, group, sp.overlap)
   end
   return sp
 end
@@ -328,7 +363,13 @@ end
 
 local function rowwise_forward(self, x)
   local t = rawget(self, '_tp')
-  local y = local_linear(self, x, nil, t.conv1d)
+  local nnf = require 'moonshard.nn.functional'
+  -- (overlap: this layer's weight gradient waits for the next entry's
+  -- collective in the backward, and runs beside it)
+  local prev = nnf.defer_weight_grads(t.overlap)
+  local ok, y = pcall(local_linear, self, x, nil, t.conv1d)
+  nnf.defer_weight_grads(prev)
+  if not ok then error(y, 0) end
   local sp = t.sp
   if sp and sp.active and y.ndim == 3 then
     y = SeqReduceScatter(y, sp)            -- (sequence parallel: this rank's rows)
@@ -349,7 +390,7 @@ end
 -- features
 local function colwise_forward(self, x)
   local t = rawget(self, '_tp')
-  x = tp.copy_to(x, t.group)
+  x = tp.copy_to(x, t.group, t.overlap)
   if rawget(self, '_float8') ~= nil then return local_linear(self, x, self.bias, false) end
   return getmetatable(self).forward(self, x)
 end
@@ -389,7 +430,7 @@ local function vocab_embedding_forward(self, ids)
   return tp.reduce_from(y, t.group, true)
 end
 
-local function enter(group) return function(x) return tp.copy_to(x, group) end end
+local function enter(group, overlap) return function(x) return tp.copy_to(x, group, overlap) end end
 
 local function info_of(model)
   local i = rawget(model, '_tp')
@@ -414,7 +455,10 @@ function tp.parallelize(model, opts)
   if rawget(model, '_tp') ~= nil then error('tp.parallelize: the model is already tensor-parallel', 2) end
   local g = check_group(opts.group or dist.get_world_group(), 'tp.parallelize')
   local size, rank = g:size(), g:rank()
-  local info = { group = g, size = size, rank = rank, split = {}, vocab = {} }
+  -- opts.overlap (default true): the split layers' weight gradients run
+  -- beside the entries' collectives in the backward (A.defer)
+  local overlap = opts.overlap ~= false
+  local info = { group = g, size = size, rank = rank, split = {}, vocab = {}, overlap = overlap }
   -- opts.sequence_parallel: the decoder's residual stream split by tokens
   -- (the model's decoder() reads _sp: gpt2, llama)
   local sp = nil
@@ -426,9 +470,10 @@ function tp.parallelize(model, opts)
         .. 'gathers the stream: gpt2, llama)', 2)
     end
     sp = new_sp(g)
+    sp.overlap = overlap
     info.sp = sp
   end
-  local function entry(grp) return sp and sp.enter or enter(grp) end
+  local function entry(grp) return sp and sp.enter or enter(grp, overlap) end
   local head = model.head_module and model:head_module() or nil
   local emb = model.token_embedding and model:token_embedding() or nil
   local names = {}
@@ -532,7 +577,7 @@ function tp.parallelize(model, opts)
     replace(m, 'weight', function(w) return split_even(w, dim, size, rank, 1, p .. 'weight') end, p, info,
       { dim = dim, sections = 1 })
     if size > 1 then
-      rawset(m, '_tp', { group = g, conv1d = cls == nn.Conv1D, sp = sp })
+      rawset(m, '_tp', { group = g, conv1d = cls == nn.Conv1D, sp = sp, overlap = overlap })
       shard_of(m, { group = g, input = true, reg = f8reg })
       rawset(m, 'forward', rowwise_forward)
     end
@@ -558,7 +603,7 @@ function tp.parallelize(model, opts)
         if style == 'colwise' then
           column(m)
           if size > 1 then
-            rawset(m, '_tp', { group = g })
+            rawset(m, '_tp', { group = g, overlap = overlap })
             rawset(m, 'forward', colwise_forward)
           end
         elseif style == 'rowwise' then

@@ -213,6 +213,9 @@ local function weight_bias_grads(x2, g2, wt, want_w, want_b, db_given, sink)
   return dw, db
 end
 
+local WB = { 2, 3 }
+local defer_wgrad = false   -- (nnf.defer_weight_grads)
+
 local function bwd_affine(node, g)
   local x2, w, wt = node.saved[1], node.saved[2], node.saved.wt
   local g2 = rows(g)
@@ -225,7 +228,25 @@ local function bwd_affine(node, g)
   -- the bias gradient from the norm backward when it made g (delivered in
   -- the bias's dtype by the autograd, as any gradient)
   local dbs = node.need[3] and take_pending_sum(node, g) or nil
-  local dw, db = weight_bias_grads(x2, g2, wt, node.need[2], node.need[3], dbs, A.grad_sink(node, 2))
+  local sink = A.grad_sink(node, 2)
+  if node.saved.defer and (node.need[2] or node.need[3]) then
+    -- the weight's (and bias's) gradient later in this backward, after
+    -- the collective it may run beside (A.defer; moonshard.tp): the
+    -- operands held by aliases until then
+    local xa, ga = R.alias(x2), R.alias(g2)
+    local n2, n3 = node.need[2], node.need[3]
+    local function drop() free(xa); free(ga); if dbs then free(dbs) end end
+    if A.defer(node, WB, function()
+      local dw, db = weight_bias_grads(xa, ga, wt, n2, n3, dbs, sink)
+      free(xa); free(ga)
+      return dw, db
+    end, drop) then
+      if g2 ~= g then free(g2) end
+      return dx, nil, nil
+    end
+    free(xa); free(ga)
+  end
+  local dw, db = weight_bias_grads(x2, g2, wt, node.need[2], node.need[3], dbs, sink)
   if g2 ~= g then free(g2) end
   return dx, dw, db
 end
@@ -258,12 +279,26 @@ local function affine(name, x, w, b, wt)
     local own = nil
     if x2 ~= x then own = { x2 } end
     record1(name, y, bwd_affine,
-      { A.needs_grad(w) and x2 or nil, A.needs_grad(x) and w or nil, wt = wt }, own, x, w, b)
+      { A.needs_grad(w) and x2 or nil, A.needs_grad(x) and w or nil, wt = wt,
+        defer = defer_wgrad or A.defers_readers(x) }, own, x, w, b)
   elseif x2 ~= x then
     free(x2)
   end
   return y
 end
+
+-- nnf.defer_weight_grads(on) -> previous: while on, the affine ops
+-- recorded let their weight and bias gradients wait in the backward until
+-- the walk runs its deferred work (A.defer; tensor parallelism's
+-- row-parallel layers set it around their product, so those GEMMs run
+-- beside the next collective). Also on for an input tagged by
+-- A.set_defer_readers (a tensor-parallel entry's output).
+function nnf.defer_weight_grads(on)
+  local prev = defer_wgrad
+  defer_wgrad = on and true or false
+  return prev
+end
+function nnf.weight_grads_deferred() return defer_wgrad end
 
 -- the public function(x, w, b) of affine `name`
 local function affine_fn(name, wt)
