@@ -84,6 +84,19 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     close_losses(one, losses(dir .. '/gacc'), 1, 4, '--tp 2, 2 micro-batches')
   end)
 
+  it('--no-tp-overlap: the losses of the overlapped backward (the default), exactly', function()
+    local runs = {}
+    for _, flag in ipairs({ '', ' --no-tp-overlap' }) do
+      local status, text = bin_train(('--nproc-per-node 2 --device cpu models/llama.lua %s --batch-size 4 --steps 4 --tp 2%s '
+        .. '--no-sequence-parallel --out %s/ov%d'):format(tiny_llama, flag, q(dir), #flag))
+      assert.are.equal(0, status, text)
+      assert.are.equal(flag ~= '', text:find('no backward overlap', 1, true) ~= nil, text)
+      runs[#runs + 1] = losses(('%s/ov%d'):format(dir, #flag))
+    end
+    assert.is_true(#runs[1] >= 2)
+    assert.are.same(runs[2], runs[1])
+  end)
+
   it('--tp 2 on 4 ranks (data parallel 2) follows the one-process curve over the same global batches, with and without sequence parallelism', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
     for _, sp in ipairs({ '', ' --no-sequence-parallel' }) do

@@ -1052,9 +1052,9 @@ function train.run(opts)
     ms.nn.materialize(model)
     local mine = 0
     for _, p in ipairs(model:parameters()) do mine = mine + p:numel() end
-    tp_desc = ('%d-way over %d ranks, data parallel %d%s, %ssequence parallel, %.2fM parameters a rank%s'):format(
+    tp_desc = ('%d-way over %d ranks, data parallel %d%s, %ssequence parallel, %.2fM parameters a rank%s%s'):format(
       tp_size, world, data_world, strategy and (' (%s)'):format(strategy) or '', seq and '' or 'no ', mine / 1e6,
-      deferred and ', deferred init' or '')
+      deferred and ', deferred init' or '', o.tp_overlap and '' or ', no backward overlap')
     -- a whole-model checkpoint's weights go into the slices now (before
     -- fully_shard, which takes them); its optimizer state after the optimizer
     if resume then
