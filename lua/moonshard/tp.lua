@@ -59,24 +59,25 @@ end
 
 local skip_comm = false
 
--- copy_to(x, group): x in forward; the gradient all-reduced (summed) over
--- the group in backward (Megatron's f: a replicated input of a split layer)
--- Overlap (tp.parallelize's opts.overlap, on by default): the entry's
+-- Overlap (tp.parallelize's opts.overlap, on by default): an entry's
 -- output is tagged (A.set_defer_readers), so the split layers reading it
 -- leave their weight gradients in the backward's deferred queue, as the
 -- row-parallel layers do (nnf.defer_weight_grads); the entry's backward
--- starts its collective, runs the queue (those GEMMs beside the
--- collective), then makes the compute stream wait for it
-local function reduce_input_grad(s, group, overlap)
-  if skip_comm then return end
-  if not overlap then
-    dist.all_reduce(s, 'sum', { group = group })
-    return
-  end
-  local w = dist.all_reduce(s, 'sum', { group = group, async = true })
+-- begins its collective (async) and hands the Work to run_beside: the
+-- queue runs (those GEMMs beside the collective), then the compute stream
+-- waits for it
+local function run_beside(w)
   A.flush_deferred()
   w:wait()
   w:free()
+end
+
+-- copy_to(x, group): x in forward; the gradient all-reduced (summed) over
+-- the group in backward (Megatron's f: a replicated input of a split layer)
+local function reduce_input_grad(s, group, overlap)
+  if skip_comm then return end
+  if overlap then run_beside(dist.all_reduce(s, 'sum', { group = group, async = true }))
+  else dist.all_reduce(s, 'sum', { group = group }) end
 end
 
 local CopyTo = A.Function {
@@ -214,14 +215,8 @@ local function seq_rows(x, sp, reduce, overlap)
   local out
   if reduce and not skip_comm then
     out = T.empty({ sp.n, C }, { dtype = x.dtype, device = x.device })
-    if overlap then
-      local w = dist.reduce_scatter(out, xc, 'sum', { group = sp.group, async = true })
-      A.flush_deferred()
-      w:wait()
-      w:free()
-    else
-      dist.reduce_scatter(out, xc, 'sum', { group = sp.group })
-    end
+    if overlap then run_beside(dist.reduce_scatter(out, xc, 'sum', { group = sp.group, async = true }))
+    else dist.reduce_scatter(out, xc, 'sum', { group = sp.group }) end
   else
     out = xc:view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n):clone()
   end
