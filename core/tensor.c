@@ -378,6 +378,21 @@ int ms_tensor_check_live(const ms_tensor *t, const char *op) {
     return 0;
 }
 
+double ms_tensor_item(const ms_tensor *t, int *err) {
+    ms_tensor *h = NULL;
+    *err = -1;
+    if (ms_tensor_check_live(t, "item")) return NAN;
+    if (ms_tensor_numel(t) != 1) {
+        ms_errorf("item: a tensor with %lld elements cannot be converted to a number", (long long)ms_tensor_numel(t));
+        return NAN;
+    }
+    if (ms_tensor_to(&h, t, MS_F64, -1)) return NAN;
+    double v = *(const double *)ms_tensor_data(h);
+    ms_tensor_free(h);
+    *err = 0;
+    return v;
+}
+
 /* ------------------------------------------------- storage data release */
 
 int ms_storage_has_data(const ms_tensor *t) {

@@ -84,6 +84,12 @@ int64_t ms_tensor_numel(const ms_tensor *t);
 int ms_tensor_is_contiguous(const ms_tensor *t);
 void *ms_tensor_data(const ms_tensor *t); /* address of element 0 of the view */
 int ms_tensor_check_live(const ms_tensor *t, const char *op);
+/* the value of a one-element tensor (any dtype, any device) as a double,
+ * returned by value, not through a pointer into a host copy: LuaJIT may
+ * fuse a load through a pointer into the instruction that uses the value,
+ * after a later call has freed the memory. *err = 0, or -1 with the error
+ * set (and NaN returned). */
+double ms_tensor_item(const ms_tensor *t, int *err);
 
 /* Releasing a storage's data but keeping the storage (FSDP's reshard): every
  * tensor on it stays a valid handle, but any use of its data is an error

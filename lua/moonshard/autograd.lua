@@ -1927,7 +1927,10 @@ function A.gradcheck(fn, tensors, opts)
   for i, t in ipairs(tensors) do
     local p = ffi.cast('double*', C.ms_tensor_data(t))
     local g = props.grad(t)
-    local gp = g and ffi.cast('double*', C.ms_tensor_data(R.contiguous(g)))
+    -- (the contiguous copy held in a local while gp points into it: an
+    -- unreferenced handle could be collected, and its storage freed)
+    local gc = g and R.contiguous(g)
+    local gp = gc and ffi.cast('double*', C.ms_tensor_data(gc))
     local n = M.numel(t)
     local diff2, num2, maxabs = 0, 0, 0
     for j = 0, n - 1 do
@@ -1943,6 +1946,7 @@ function A.gradcheck(fn, tensors, opts)
       num2 = num2 + num ^ 2
       maxabs = math.max(maxabs, math.abs(ana - num))
     end
+    if gc ~= nil and gc ~= g then free(gc) end
     local rel = math.sqrt(diff2) / math.max(math.sqrt(num2), 1e-12)
     reports[i] = { rel = rel, max_abs = maxabs, norm = math.sqrt(num2) }
     if rel > worst then worst = rel end

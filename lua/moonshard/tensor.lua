@@ -651,6 +651,7 @@ local function host_f64(t)
   local h = op(C.ms_tensor_to, t, 0, -1)
   return h, ffi.cast('double*', C.ms_tensor_data(h))
 end
+local item_err = ffi.new('int[1]')
 function M.item(t)
   live(t, 'item')
   local n = M.numel(t)
@@ -658,9 +659,11 @@ function M.item(t)
     error(('item: a tensor of shape (%s) with %d elements cannot be converted to a number'):format(
       table.concat(t.shape, ','), n), 2)
   end
-  local h, p = host_f64(t)
-  local v = p[0]
-  h:free()
+  -- the value comes back from C in a register: a load through a pointer
+  -- into a host copy freed here may be fused (by the JIT) into the caller's
+  -- use of v, after the free (a + b * x:item() then reads freed memory)
+  local v = C.ms_tensor_item(t, item_err)
+  if item_err[0] ~= 0 then error(ffi.string(C.ms_last_error()), 2) end
   if t.dtype_id == 7 then return v ~= 0 end
   return v
 end
