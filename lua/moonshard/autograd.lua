@@ -483,10 +483,15 @@ local defer_on = os.getenv('MS_DEFER_GRADS') ~= '0'
 -- them; drop() releases what fn holds if the walk ends without running it
 -- (a failed backward). false: nothing queued (no walk, deferral off, or the
 -- queue running), compute now.
-function A.defer(node, idx, fn, drop)
+-- A.deferrable(): whether A.defer would queue now (asked before making
+-- what a closure would hold)
+function A.deferrable()
   local q = deferring[#deferring]
-  if q == nil or q.running or not defer_on then return false end
-  q.add(node, idx, fn, drop)
+  return q ~= nil and not q.running and defer_on
+end
+function A.defer(node, idx, fn, drop)
+  if not A.deferrable() then return false end
+  deferring[#deferring].add(node, idx, fn, drop)
   return true
 end
 -- runs the current walk's deferred work now (no-op outside a walk)
@@ -571,8 +576,13 @@ local function walk(tape, grads, borrowed, root)
 
   local run_node
   -- one node's backward: its output gradients gathered, its inputs' delivered
+  -- (gl: the output gradients' list, one table a nesting depth: a node's
+  -- backward may run the deferred queue, and with it other nodes)
+  local gls, depth = {}, 0
   run_node = function(node)
-    local gl = {}
+    depth = depth + 1
+    local gl = gls[depth]
+    if gl == nil then gl = {}; gls[depth] = gl end
     -- gather output grads
     local any = false
     local nout
@@ -657,6 +667,7 @@ local function walk(tape, grads, borrowed, root)
     node.done = true
     node.leaf = nil   -- a consumed node holds no tensor handle
     if node.outs then release_outputs(node, root) end
+    depth = depth - 1
   end
   -- the deferred work of this walk (A.defer): entries { node, idx, fn, drop }
   -- or { node, run = true } (a postponed node); pending: ids whose gradient

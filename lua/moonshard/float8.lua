@@ -487,47 +487,41 @@ local function bwd_float8(node, g)
     if dx ~= d2 then free(d2) end
   end
   if need[3] then db = F.sum(g2, 1) end
-  local deferred = false
   if want_w then
     local sink = cfg.gw_hp and A.grad_sink(node, 2) or sink_of(node, s.w)
     local wd = s.w.dtype_id == 0 and 1 or s.w.dtype_id
     local wt, xgrp, hp, wdt = s.wt, s.xgrp, cfg.gw_hp, s.w.dtype_id
-    if s.defer then
+    if s.defer and A.deferrable() then
       -- the weight gradient later in this backward, beside the collective
-      -- (A.defer; moonshard.tp): what it reads held by aliases until then
+      -- (A.defer; moonshard.tp): the closure owns what it reads (aliases
+      -- of the saved input, the output gradient's cast for dW)
       local xa = R.alias(s.x2)
       local aa = s.xamax ~= nil and R.alias(s.xamax) or nil
       local ga = hp and R.alias(g2) or nil
-      local ct, ci = g8t, ginv_t
-      local xt, xi = x8t, xinv
-      local function drop()
-        free(xa); free(aa); free(ga); free(xt); free(xi)
-        if not hp then free(ct); free(ci) end
+      local ct, ci, xt, xi = nil, nil, x8t, xinv
+      if not hp then
+        ct, ci = g8t, ginv_t
+        if ginv_t == ginv then ginv = nil end
+        g8t, ginv_t = nil, nil
       end
-      deferred = A.defer(node, WONLY, function()
+      x8t, xinv = nil, nil
+      A.defer(node, WONLY, function()
         local r
         if hp then r = weight_grad_hp(xa, ga, wt, sink, wdt)
         else r = weight_grad_f8(xa, aa, xgrp, cfg, wt, ct, ci, xt, xi, sink, wd) end
+        free(xa); free(aa); free(ga); free(ct); free(ci)
         xt, xi = nil, nil
-        free(xa); free(aa); free(ga)
-        if not hp then free(ct); free(ci) end
         return r
-      end, drop)
-      if not deferred then free(xa); free(aa); free(ga) end
-    end
-    if not deferred then
-      if hp then dw = weight_grad_hp(s.x2, g2, wt, sink, wdt)
-      else dw = weight_grad_f8(s.x2, s.xamax, xgrp, cfg, wt, g8t, ginv_t, x8t, xinv, sink, wd) end
+      end, function() free(xa); free(aa); free(ga); free(ct); free(ci); free(xt); free(xi) end)
+    elseif hp then
+      dw = weight_grad_hp(s.x2, g2, wt, sink, wdt)
+    else
+      dw = weight_grad_f8(s.x2, s.xamax, xgrp, cfg, wt, g8t, ginv_t, x8t, xinv, sink, wd)
     end
   end
-  free(g8)
-  if not (deferred and not cfg.gw_hp) then
-    free(g8t)
-    if ginv_t ~= ginv then free(ginv_t) end
-    free(ginv)
-  elseif ginv_t ~= ginv then
-    free(ginv)
-  end
+  free(g8); free(g8t)
+  if ginv_t ~= ginv then free(ginv_t) end
+  free(ginv)
   if g2 ~= g then free(g2) end
   return dx, dw, db
 end

@@ -229,22 +229,19 @@ local function bwd_affine(node, g)
   -- the bias's dtype by the autograd, as any gradient)
   local dbs = node.need[3] and take_pending_sum(node, g) or nil
   local sink = A.grad_sink(node, 2)
-  if node.saved.defer and (node.need[2] or node.need[3]) then
+  if node.saved.defer and (node.need[2] or node.need[3]) and A.deferrable() then
     -- the weight's (and bias's) gradient later in this backward, after
     -- the collective it may run beside (A.defer; moonshard.tp): the
     -- operands held by aliases until then
     local xa, ga = R.alias(x2), R.alias(g2)
     local n2, n3 = node.need[2], node.need[3]
-    local function drop() free(xa); free(ga); if dbs then free(dbs) end end
-    if A.defer(node, WB, function()
+    A.defer(node, WB, function()
       local dw, db = weight_bias_grads(xa, ga, wt, n2, n3, dbs, sink)
       free(xa); free(ga)
       return dw, db
-    end, drop) then
-      if g2 ~= g then free(g2) end
-      return dx, nil, nil
-    end
-    free(xa); free(ga)
+    end, function() free(xa); free(ga); free(dbs) end)
+    if g2 ~= g then free(g2) end
+    return dx, nil, nil
   end
   local dw, db = weight_bias_grads(x2, g2, wt, node.need[2], node.need[3], dbs, sink)
   if g2 ~= g then free(g2) end
