@@ -493,7 +493,7 @@ int ms_dist_destroy(void) {
 /* ------------------------------------------------------------ collectives */
 
 static const char *op_names[4] = {"sum", "avg", "max", "min"};
-static const char *kind_names[5] = {"all_gather_into", "reduce_scatter", "all_reduce", "broadcast", "copy_gather"};
+static const char *kind_names[6] = {"all_gather_into", "reduce_scatter", "all_reduce", "broadcast", "copy_gather", "p2p"};
 
 /* moves8: a collective that only moves bytes (all_gather_into, broadcast,
  * copy_gather), which also takes the 8-bit floats (FSDP's float8 gathers) */
@@ -516,6 +516,8 @@ static int check_tensor(ms_comm *c, const char *op, const char *what, const ms_t
                          "for CUDA tensors)", op, what, ms_desc(t, d, sizeof d));
     return 0;
 }
+
+static int finish_start(ms_work **work, ms_work *w);
 
 static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, const ms_tensor *in, int root,
                  void *aux) {
@@ -584,16 +586,73 @@ static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, c
         free(w);
         return ms_errorf("%s", msg);
     }
+    return finish_start(work, w);
+}
+
+/* hands w to the caller (work) or waits for it (work NULL) and frees it */
+static int finish_start(ms_work **work, ms_work *w) {
     if (work) {
         *work = w;
         return 0;
     }
-    int rc = c->be->wait(w, 1);
+    int rc = w->comm->be->wait(w, 1);
     char msg[1024];
     if (rc) snprintf(msg, sizeof msg, "%s", ms_last_error());
     ms_work_free(w);
     if (rc) return ms_errorf("%s", msg);
     return 0;
+}
+
+#define MS_P2P_MAX 32
+
+int ms_comm_p2p(ms_work **work, ms_comm *c, int n, const int *is_recv, ms_tensor *const *t, const int *peers) {
+    const char *name = "p2p";
+    if (work) *work = NULL;
+    if (usable(c, name)) return -1;
+    if (n < 1 || n > MS_P2P_MAX) return ms_errorf("%s: %d operations in one batch (1 to %d)", name, n, MS_P2P_MAX);
+    if (!is_recv || !t || !peers) return ms_errorf("%s: missing arrays", name);
+    int gpeer[MS_P2P_MAX];
+    char what[64], d[200], desc[160];
+    int len = 0;
+    len += snprintf(desc, sizeof desc, "p2p");
+    for (int i = 0; i < n; i++) {
+        const char *verb = is_recv[i] ? "receive" : "send";
+        snprintf(what, sizeof what, "the tensor of operation %d (%s)", i + 1, verb);
+        if (check_tensor(c, name, what, t[i], 1)) return -1;
+        gpeer[i] = -1;
+        for (int j = 0; j < c->size; j++) if (c->world_ranks[j] == peers[i]) gpeer[i] = j;
+        if (gpeer[i] < 0)
+            return ms_errorf("%s: operation %d (%s) names rank %d, not a rank of the group %s (peers are world ranks)",
+                             name, i + 1, verb, peers[i], c->name);
+        if (gpeer[i] == c->rank)
+            return ms_errorf("%s: operation %d (%s) names this rank (%d) as its peer", name, i + 1, verb, peers[i]);
+        for (int j = 0; j < i; j++)
+            if (t[j]->storage == t[i]->storage && (is_recv[i] || is_recv[j]))
+                return ms_errorf("%s: operations %d and %d share a storage and one of them receives into it", name,
+                                 j + 1, i + 1);
+        if (len < (int)sizeof desc)
+            len += snprintf(desc + len, sizeof desc - (size_t)len, "%s %s %s %d", i ? "," : "",
+                            is_recv[i] ? "recv" : "send", ms_desc(t[i], d, sizeof d), peers[i]);
+    }
+    ms_work *w = calloc(1, sizeof *w);
+    if (!w) return ms_errorf("%s: out of memory", name);
+    w->comm = c;
+    c->refs++;
+    w->kind = MS_COLL_P2P;
+    w->t_start = ms_dist_now();
+    snprintf(w->desc, sizeof w->desc, "%.100s on %.50s", desc, c->name);
+    ms_p2p_spec spec = {n, is_recv, t, gpeer};
+    w->aux = &spec;
+    int rc = c->be->start(w, NULL, NULL, -1);
+    w->aux = NULL;
+    if (rc) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", ms_last_error());
+        ms_comm_free(c);
+        free(w);
+        return ms_errorf("%s", msg);
+    }
+    return finish_start(work, w);
 }
 
 int ms_comm_all_gather_into(ms_work **work, ms_comm *c, ms_tensor *out, const ms_tensor *in) {

@@ -167,6 +167,20 @@ int ms_comm_all_reduce(ms_work **work, ms_comm *c, ms_tensor *t, int op);
 int ms_comm_broadcast(ms_work **work, ms_comm *c, ms_tensor *t, int root);
 int ms_comm_barrier(ms_comm *c);           /* host-blocking on both backends */
 
+/* Point-to-point, for pipeline parallelism: n sends and receives run as one
+ * batch (NCCL: inside one ncclGroupStart/End, so a send to a peer and a
+ * receive from it cannot deadlock each other; MPI: MPI_Isend/MPI_Irecv
+ * completed together). is_recv[i] = 0 sends t[i] to peers[i], 1 receives
+ * into t[i] from peers[i]; peers are world ranks (as broadcast's root),
+ * members of c other than this rank. Messages from one rank to another
+ * match in the order they were posted; a receive's tensor must have the
+ * numel and dtype of the send it matches (MPI reports a longer message as
+ * an error; NCCL cannot check: the pipeline's shapes are known on both
+ * sides). Tensors are contiguous, of a collective's dtype or f8, at most
+ * 32 a batch. Asynchronous and stream-ordered as the collectives: work
+ * NULL waits (the compute stream on NCCL), else *work is the handle. */
+int ms_comm_p2p(ms_work **work, ms_comm *c, int n, const int *is_recv, ms_tensor *const *t, const int *peers);
+
 /* Copy-engine all-gathers (NCCL groups whose members share one host; FSDP's
  * unshard): ms_comm_copy_register, collective over c, makes t (a contiguous
  * CUDA tensor of the caching allocator, the same numel and dtype on every

@@ -16,7 +16,17 @@ extern "C" {
 #include "comm.h"   /* C linkage for the .cu backend too (nccl.cu calls the store) */
 #include "../internal.h"
 
-enum { MS_COLL_ALL_GATHER = 0, MS_COLL_REDUCE_SCATTER, MS_COLL_ALL_REDUCE, MS_COLL_BROADCAST, MS_COLL_COPY_GATHER };
+enum { MS_COLL_ALL_GATHER = 0, MS_COLL_REDUCE_SCATTER, MS_COLL_ALL_REDUCE, MS_COLL_BROADCAST, MS_COLL_COPY_GATHER,
+       MS_COLL_P2P };
+
+/* MS_COLL_P2P's batch (w->aux while the backend's start runs; the backend
+ * keeps what it needs of it): peers are group ranks */
+typedef struct ms_p2p_spec {
+    int n;
+    const int *is_recv;
+    ms_tensor *const *t;
+    const int *peer;
+} ms_p2p_spec;
 
 struct ms_comm {
     const struct ms_dist_backend *be;
@@ -44,7 +54,7 @@ struct ms_work {
     double t_start;            /* monotonic seconds */
     char desc[160];            /* "all_reduce sum of bf16 (1000) on world" */
     ms_storage *keep[2];       /* MPI: buffers kept alive until completion */
-    void *aux;                 /* MS_COLL_COPY_GATHER: the registration's backend state */
+    void *aux;                 /* MS_COLL_COPY_GATHER: the registration's backend state; MS_COLL_P2P: its ms_p2p_spec */
     void *impl;                /* the backend's */
 };
 

@@ -32,7 +32,11 @@ typedef struct mpi_comm {
 
 typedef struct mpi_work {
     MPI_Request req;
-    int active;          /* req not yet completed */
+    MPI_Request *reqs;   /* nreq requests: &req, or a p2p batch's */
+    int nreq;
+    ms_storage **hold;   /* a p2p batch's storages, kept alive until completion */
+    int nhold;
+    int active;          /* reqs not yet completed */
     int leaked;          /* timed out: MPI may still write into the buffers, keep them */
     void *data;          /* the result buffer (for avg) */
     int64_t count;       /* elements in the result */
@@ -204,6 +208,19 @@ static void backoff(int *spins) {
     (*spins)++;
 }
 
+static void release_hold(mpi_work *m) {
+    for (int i = 0; i < m->nhold; i++) ms_storage_release(m->hold[i]);
+    free(m->hold);
+    m->hold = NULL;
+    m->nhold = 0;
+}
+
+static void mpi_work_dealloc(mpi_work *m) {
+    if (m->reqs != &m->req) free(m->reqs);
+    free(m->staging);
+    free(m);
+}
+
 static void finish(ms_work *w) {
     mpi_work *m = w->impl;
     if (w->op == MS_REDUCE_AVG && (w->kind == MS_COLL_ALL_REDUCE || w->kind == MS_COLL_REDUCE_SCATTER)) {
@@ -220,6 +237,7 @@ static void finish(ms_work *w) {
     }
     free(m->staging);
     m->staging = NULL;
+    release_hold(m);
     for (int i = 0; i < 2; i++) {
         if (w->keep[i]) ms_storage_release(w->keep[i]);
         w->keep[i] = NULL;
@@ -227,13 +245,59 @@ static void finish(ms_work *w) {
     w->done = 1;
 }
 
+/* a p2p batch: every operation posted, completed together (MPI_Testall) */
+static int mpi_p2p_start(ms_work *w) {
+    mpi_comm *mc = w->comm->impl;
+    const ms_p2p_spec *sp = w->aux;
+    mpi_work *m = calloc(1, sizeof *m);
+    if (m) m->reqs = calloc((size_t)sp->n, sizeof(MPI_Request));
+    if (m) m->hold = calloc((size_t)sp->n, sizeof(ms_storage *));
+    if (!m || !m->reqs || !m->hold) {
+        if (m) { free(m->reqs); free(m->hold); free(m); }
+        return ms_errorf("%s: out of memory", w->desc);
+    }
+    for (int i = 0; i < sp->n; i++) {
+        ms_tensor *t = sp->t[i];
+        int64_t n = ms_tensor_numel(t);
+        if (n > 0x7fffffff) {
+            m->nreq = i;
+            break;
+        }
+        int rc = sp->is_recv[i]
+                     ? MPI_Irecv(ms_tensor_data(t), (int)n, mpi_type(t->dtype_id), sp->peer[i], 0, mc->comm, &m->reqs[i])
+                     : MPI_Isend(ms_tensor_data(t), (int)n, mpi_type(t->dtype_id), sp->peer[i], 0, mc->comm, &m->reqs[i]);
+        if (rc != MPI_SUCCESS) {
+            /* what was posted may still run: its buffers stay referenced (never released) */
+            free(m->hold);
+            free(m->reqs);
+            free(m);
+            return ms_comm_fail(w->comm, "%s: MPI refused operation %d (%d)", w->desc, i + 1, rc);
+        }
+        m->hold[m->nhold++] = t->storage;
+        ms_storage_retain(t->storage);
+        m->nreq = i + 1;
+    }
+    if (m->nreq < sp->n) {
+        release_hold(m);
+        free(m->reqs);
+        free(m);
+        return ms_errorf("%s: more than 2^31-1 elements in one MPI message", w->desc);
+    }
+    m->active = 1;
+    w->impl = m;
+    return 0;
+}
+
 static int mpi_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root) {
+    if (w->kind == MS_COLL_P2P) return mpi_p2p_start(w);
     mpi_comm *mc = w->comm->impl;
     int64_t n_in = ms_tensor_numel(in), n_out = ms_tensor_numel(out);
     if (n_in > 0x7fffffff || n_out > 0x7fffffff)
         return ms_errorf("%s: more than 2^31-1 elements in one MPI collective", w->desc);
     mpi_work *m = calloc(1, sizeof *m);
     if (!m) return ms_errorf("%s: out of memory", w->desc);
+    m->reqs = &m->req;
+    m->nreq = 1;
     MPI_Datatype t = mpi_type(out->dtype_id);
     void *po = ms_tensor_data(out);
     const void *pi = ms_tensor_data(in);
@@ -290,6 +354,22 @@ static int timed_out(ms_work *w) {
     return ms_comm_fail(w->comm, "%s", msg);
 }
 
+/* an MPI error in a test: named (a truncated message is a receive smaller
+ * than its send); the group is unusable from now on */
+static int mpi_fail(ms_work *w, int rc) {
+    mpi_work *m = w->impl;
+    m->leaked = 1;
+    char s[MPI_MAX_ERROR_STRING];
+    int n = 0;
+    if (MPI_Error_string(rc, s, &n) != MPI_SUCCESS) snprintf(s, sizeof s, "MPI error %d", rc);
+    int cls = 0;
+    MPI_Error_class(rc, &cls);
+    if ((cls == MPI_ERR_IN_STATUS || cls == MPI_ERR_TRUNCATE) && w->kind == MS_COLL_P2P)
+        snprintf(s, sizeof s, "a message did not fit its receive (a receive's tensor must have the numel and dtype of "
+                 "the send it matches)");
+    return ms_comm_fail(w->comm, "%s failed in MPI: %s", w->desc, s);
+}
+
 static int mpi_wait(ms_work *w, int stream_only) {
     mpi_work *m = w->impl;
     if (w->done) return 0;
@@ -298,8 +378,8 @@ static int mpi_wait(ms_work *w, int stream_only) {
     int spins = 0;
     while (m->active) {
         int flag = 0;
-        int rc = MPI_Test(&m->req, &flag, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) return ms_comm_fail(w->comm, "%s failed in MPI (%d)", w->desc, rc);
+        int rc = MPI_Testall(m->nreq, m->reqs, &flag, MPI_STATUSES_IGNORE);
+        if (rc != MPI_SUCCESS) return mpi_fail(w, rc);
         if (flag) { m->active = 0; break; }
         if (ms_dist_now() > deadline) return timed_out(w);
         backoff(&spins);
@@ -313,8 +393,8 @@ static int mpi_test(ms_work *w) {
     if (w->done) return 1;
     if (m->leaked) return ms_errorf("%s timed out earlier", w->desc);
     int flag = 0;
-    int rc = MPI_Test(&m->req, &flag, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return ms_comm_fail(w->comm, "%s failed in MPI (%d)", w->desc, rc);
+    int rc = MPI_Testall(m->nreq, m->reqs, &flag, MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) return mpi_fail(w, rc);
     if (!flag) {
         if (ms_dist_now() > w->t_start + w->comm->timeout_s) return timed_out(w);
         return 0;
@@ -332,14 +412,16 @@ static void mpi_work_free(ms_work *w) {
         if (mpi_wait(w, 0) != 0) m->leaked = 1;
     }
     if (m->leaked) {
-        /* keep w->keep's storages referenced forever: MPI may write into them */
+        /* keep w->keep's storages (and a batch's) referenced forever: MPI may write into them */
         w->keep[0] = w->keep[1] = NULL;
         w->impl = NULL;
-        free(m);
+        free(m->hold);
+        m->hold = NULL;
+        mpi_work_dealloc(m);
         return;
     }
-    free(m->staging);
-    free(m);
+    release_hold(m);
+    mpi_work_dealloc(m);
     w->impl = NULL;
 }
 

@@ -577,10 +577,11 @@ static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root)
     NcclComm *nc = (NcclComm *)w->comm->impl;
     if (ms_cuda_activate(nc->device)) return -1;
     cudaStream_t compute = ms_cuda_stream_of(nc->device);
-    int64_t n_in = ms_tensor_numel(in), n_out = ms_tensor_numel(out);
-    ncclDataType_t t = nccl_type(out->dtype_id);
-    void *po = ms_tensor_data(out);
-    const void *pi = ms_tensor_data(in);
+    const ms_p2p_spec *sp = w->kind == MS_COLL_P2P ? (const ms_p2p_spec *)w->aux : nullptr;
+    int64_t n_in = sp ? 0 : ms_tensor_numel(in), n_out = sp ? 0 : ms_tensor_numel(out);
+    ncclDataType_t t = sp ? ncclUint8 : nccl_type(out->dtype_id);
+    void *po = sp ? nullptr : ms_tensor_data(out);
+    const void *pi = sp ? nullptr : ms_tensor_data(in);
     OpRec *op = new OpRec;
     snprintf(op->desc, sizeof op->desc, "%s", w->desc);
     {
@@ -617,6 +618,19 @@ static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root)
             r = ncclSuccess;
             break;
         }
+        case MS_COLL_P2P: {
+            // one group: a send to a peer and a receive from it do not wait on each other
+            r = ncclGroupStart();
+            for (int i = 0; r == ncclSuccess && i < sp->n; i++) {
+                ms_tensor *x = sp->t[i];
+                size_t n = (size_t)ms_tensor_numel(x);
+                r = sp->is_recv[i] ? ncclRecv(ms_tensor_data(x), n, nccl_type(x->dtype_id), sp->peer[i], nc->comm, nc->stream)
+                                   : ncclSend(ms_tensor_data(x), n, nccl_type(x->dtype_id), sp->peer[i], nc->comm, nc->stream);
+            }
+            ncclResult_t re = ncclGroupEnd();
+            if (r == ncclSuccess) r = re;
+            break;
+        }
         default: r = ncclBroadcast(po, po, (size_t)n_out, t, root, nc->comm, nc->stream); break;
         }
         r = settle(nc->comm, r, ms_dist_now() + w->comm->timeout_s);
@@ -639,9 +653,14 @@ static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root)
         nc->inflight.push_back(op);
     }
     // the allocator must not reuse these before `end`
+    w->impl = op;
+    if (sp) {
+        for (int i = 0; i < sp->n; i++)
+            if (ms_cuda_record_stream(sp->t[i], nc->mstream)) return -1;
+        return 0;
+    }
     if (ms_cuda_record_stream(out, nc->mstream)) return -1;
     if (in != out && ms_cuda_record_stream(in, nc->mstream)) return -1;
-    w->impl = op;
     return 0;
 }
 

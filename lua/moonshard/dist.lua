@@ -188,6 +188,47 @@ function dist.barrier(opts)
   check(C.ms_comm_barrier(live(g, 'barrier')), 2)
 end
 
+-- Point-to-point (pipeline parallelism; core/dist/comm.h, ms_comm_p2p).
+-- dist.batch_p2p(ops, opts) runs a list of sends and receives as one
+-- batch: ops[i] = { 'send', t, dst } or { 'recv', t, src } with world
+-- ranks of the group (opts.group, default the world) other than this one.
+-- On NCCL the batch is one group call, so a send to a peer and a receive
+-- from it never deadlock; on MPI the messages are posted together and
+-- completed together. Messages from one rank to another match in the
+-- order they were posted; a receive's tensor must have the numel and
+-- dtype of the send it matches. dist.send(t, dst, opts) and
+-- dist.recv(t, src, opts) are batches of one. opts.async: a Work back.
+local p2p_cache = {}
+function dist.batch_p2p(ops, opts)
+  if type(ops) ~= 'table' or #ops == 0 then error('batch_p2p: expects a list of {"send"|"recv", tensor, peer}', 2) end
+  local n = #ops
+  local c = p2p_cache[n]
+  if not c then
+    c = { recv = ffi.new('int[?]', n), t = ffi.new('ms_tensor*[?]', n), peer = ffi.new('int[?]', n) }
+    p2p_cache[n] = c
+  end
+  local keep = {}
+  for i, op in ipairs(ops) do
+    local kind, t, peer = op[1], op[2], op[3]
+    if kind ~= 'send' and kind ~= 'recv' then
+      error(('batch_p2p: operation %d is %s, not "send" or "recv"'):format(i, tostring(kind)), 2)
+    end
+    if not T.is_tensor(t) then error(('batch_p2p: operation %d (%s) needs a tensor, got %s'):format(i, kind, type(t)), 2) end
+    if type(peer) ~= 'number' or peer ~= math.floor(peer) then
+      error(('batch_p2p: operation %d (%s) needs a peer world rank, got %s'):format(i, kind, tostring(peer)), 2)
+    end
+    c.recv[i - 1] = kind == 'recv' and 1 or 0
+    c.t[i - 1] = t
+    c.peer[i - 1] = peer
+    keep[i] = t
+  end
+  local r = run('batch_p2p', opts, C.ms_comm_p2p, keep, n, c.recv, c.t, c.peer)
+  for i = 0, n - 1 do c.t[i] = nil end
+  return r
+end
+function dist.send(t, dst, opts) return dist.batch_p2p({ { 'send', t, dst } }, opts) end
+function dist.recv(t, src, opts) return dist.batch_p2p({ { 'recv', t, src } }, opts) end
+
 -- the same operations as methods of a group
 for _, name in ipairs({ 'all_gather_into', 'reduce_scatter', 'all_reduce', 'broadcast' }) do
   local f = dist[name]
@@ -202,6 +243,12 @@ for _, name in ipairs({ 'all_gather_into', 'reduce_scatter', 'all_reduce', 'broa
   end
 end
 function Group:barrier() return dist.barrier({ group = self }) end
+function Group:batch_p2p(ops, opts)
+  local o = {}
+  for k, v in pairs(opts or {}) do o[k] = v end
+  o.group = self
+  return dist.batch_p2p(ops, o)
+end
 
 -- Copy-engine all-gathers (NCCL groups on one host; core/dist/comm.h):
 -- dist.copy_register(t, opts) — collective over opts.group (the world by
