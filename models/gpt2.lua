@@ -126,13 +126,18 @@ function GPT2Model:init(cfg)
   self:register_module('ln_f', nn.LayerNorm(cfg.n_embd, { eps = cfg.layer_norm_epsilon }))
 end
 
--- input_ids (B, T) -> final hidden states (B, T, C)
-function GPT2Model:forward(input_ids)
+-- input_ids (B, T) -> the residual stream after the embeddings (B, T, C)
+function GPT2Model:embed(input_ids)
   local Tn = input_ids.shape[2]
   local pos = ms.arange(Tn, { dtype = 'i64', device = input_ids.device })
   local pe = self.wpe(pos)
   pos:free()   -- (the embedding keeps its own handle for its backward)
-  local x = self.drop(self.wte(input_ids) + pe)
+  return self.drop(self.wte(input_ids) + pe)
+end
+
+-- input_ids (B, T) -> final hidden states (B, T, C)
+function GPT2Model:forward(input_ids)
+  local x = self:embed(input_ids)
   -- moonshard.tp's sequence parallelism: the blocks see this rank's tokens
   -- of the residual stream, the whole of it again after ln_f
   local sp = rawget(self, '_sp')
@@ -194,6 +199,24 @@ function GPT2:forward(input_ids, targets)
     targets = hf.check_targets(targets, B, Tn, 'gpt2', cfg.vocab_size)
   end
   return rawget(self, '_head')(h, nil, targets)
+end
+
+-- How moonshard.pp cuts the model into stages (docs/pp.md): the blocks, the
+-- first stage's embeddings and the last stage's ln_f and head (the head is
+-- tied to wte: both stages hold it), by parameter name prefixes
+function GPT2:pipeline_parts()
+  local cfg, tr = self.config, self.transformer
+  return {
+    blocks = tr.h, blocks_prefix = 'transformer.h.', hidden = cfg.n_embd,
+    first = { 'transformer.wte.', 'transformer.wpe.' },
+    last = { 'transformer.ln_f.', 'transformer.wte.' },
+    embed = function(ids) return tr:embed(ids) end,
+    head = function(x, targets) return rawget(self, '_head')(tr.ln_f(x), nil, targets) end,
+    check = function(ids, targets)
+      local _, B, Tn = hf.check_ids(ids, 'gpt2', 'input_ids', cfg.vocab_size, cfg.n_positions, 3)
+      if targets ~= nil then hf.check_targets(targets, B, Tn, 'gpt2', cfg.vocab_size, 3) end
+    end,
+  }
 end
 
 -- logits of the last position only, (B, V): what generate needs

@@ -246,6 +246,24 @@ function Llama:forward(input_ids, targets)
   return rawget(self, '_head')(x, pending, targets)
 end
 
+-- How moonshard.pp cuts the model into stages (docs/pp.md): the layers, the
+-- first stage's embedding and the last stage's norm and head (a tied head
+-- is the embedding: both stages hold it), by parameter name prefixes
+function Llama:pipeline_parts()
+  local cfg, m = self.config, self.model
+  return {
+    blocks = m.layers, blocks_prefix = 'model.layers.', hidden = cfg.hidden_size,
+    first = { 'model.embed_tokens.' },
+    last = { 'model.norm.', cfg.tie_word_embeddings and 'model.embed_tokens.' or 'lm_head.' },
+    embed = function(ids) return m.embed_tokens(ids) end,
+    head = function(x, targets) return rawget(self, '_head')(x, nil, targets) end,
+    check = function(ids, targets)
+      local _, B, Tn = hf.check_ids(ids, 'llama', 'input_ids', cfg.vocab_size, cfg.max_position_embeddings, 3)
+      if targets ~= nil then hf.check_targets(targets, B, Tn, 'llama', cfg.vocab_size, 3) end
+    end,
+  }
+end
+
 function Llama:last_logits(input_ids)
   local cfg = self.config
   local ids, _, Tn = hf.check_ids(input_ids, 'llama', 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)

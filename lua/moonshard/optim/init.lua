@@ -340,9 +340,19 @@ function optim.clip_grad_norm(params, max_norm, opts)
     total_t = F.sqrt(sq)
     free(sq)
   end
+  return optim.clip_with_norm(grads, total_t, max_norm, opts, 'clip_grad_norm')
+end
+
+-- optim.clip_with_norm(grads, total_t, max_norm, opts, fname): the second
+-- half of clip_grad_norm, for callers that found the norm themselves (a
+-- sharded model's gradients, summed over ranks: moonshard.pp): total_t is
+-- the norm as a device tensor (consumed); the gradients are scaled by
+-- min(1, max_norm / (norm + 1e-6)) (or opts.defer's next step applies it);
+-- returns the norm as clip_grad_norm does
+function optim.clip_with_norm(grads, total_t, max_norm, opts, fname)
   local defer = opts and opts.defer
   if defer ~= nil and (type(defer) ~= 'table' or type(defer.defer_grad_scale) ~= 'function') then
-    error('clip_grad_norm: defer must be an optimizer with defer_grad_scale (ms.optim.AdamW)', 2)
+    error((fname or 'clip_grad_norm') .. ': defer must be an optimizer with defer_grad_scale (ms.optim.AdamW)', 3)
   end
   if max_norm ~= nil and defer ~= nil then
     local denom = F.add(total_t, 1e-6)

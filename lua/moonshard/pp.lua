@@ -1,0 +1,555 @@
+-- moonshard.pp — pipeline parallelism: the model's blocks cut into stages,
+-- one stage a rank, micro-batches flowing through them (GPipe and 1F1B, as
+-- torchtitan's PipelineScheduleSingle and Megatron-LM's non-interleaved
+-- schedule). docs/pp.md has the whole story.
+--
+--   local pipe = ms.pp.pipeline(model, { group = g, microbatches = 8, schedule = '1f1b' })
+--   model:to('cuda')                     -- (only this stage's parameters are left in it)
+--   local opt = ms.optim.AdamW(model:parameters(), { lr = 3e-4 })
+--   local loss = pipe:step(ids, targets) -- forward and backward of every micro-batch
+--   opt:step(); opt:zero_grad()          -- loss: the batch's mean loss, on every stage
+--
+-- The model says how it is cut (model:pipeline_parts(): GPT-2 and Llama have
+-- it): the first stage's embeddings, the list of blocks, the last stage's
+-- final norm and head, and parameter name prefixes for each. pp.pipeline
+-- keeps in the model only the parameters of this rank's stage (the others
+-- are dropped from their modules, or never made when the model was built
+-- under nn.deferred_init), so model:parameters(), model:to(),
+-- model:state_dict() and an optimizer all see the stage alone, under the
+-- whole model's names. A weight used by the first and the last stage (GPT-2's
+-- tied wte and head) lives on both, and its gradient is summed between them
+-- at the end of each step (Megatron-LM's tied embeddings), so the two copies
+-- stay equal under any optimizer that is deterministic.
+--
+-- Each micro-batch's forward records into a tape of its own (the autograd
+-- tape is linear), so backward runs per micro-batch in the schedule's
+-- order. Activations move between neighbouring stages with dist.batch_p2p:
+-- a send and a receive between the same two ranks go in one batch where the
+-- schedule needs both at once (1F1B's steady state), so no schedule
+-- deadlocks on NCCL or MPI.
+local A = require 'moonshard.autograd'
+local dist = require 'moonshard.dist'
+local T = require 'moonshard.tensor'
+local F = require 'moonshard.ops'
+local optim = require 'moonshard.optim'
+
+local pp = {}
+
+local Pipeline = {}
+Pipeline.__index = Pipeline
+pp.Pipeline = Pipeline
+
+local function has_prefix(name, list)
+  for _, p in ipairs(list) do if name:sub(1, #p) == p then return true end end
+  return false
+end
+
+-- the blocks per stage when none are given: as even as can be, the extra
+-- ones on the first stages (the last stage carries the head)
+function pp.balanced(n_blocks, n_stages)
+  local base, extra, r = math.floor(n_blocks / n_stages), n_blocks % n_stages, {}
+  for s = 1, n_stages do r[s] = base + (s <= extra and 1 or 0) end
+  return r
+end
+
+-- name -> stage set of a parameter: 'first', 'last', a block index, or nil
+local function classify(parts, name)
+  local pre = parts.blocks_prefix
+  if name:sub(1, #pre) == pre then
+    local i = name:match('^(%d+)%.', #pre + 1)
+    if i then return 'block', tonumber(i) + 1 end
+  end
+  local f, l = has_prefix(name, parts.first), has_prefix(name, parts.last)
+  if f or l then return f and l and 'both' or (f and 'first' or 'last') end
+  return nil
+end
+
+-- pp.pipeline(model, opts) -> Pipeline. opts:
+--   group         the pipeline's ranks, stage = group rank (default: the world)
+--   microbatches  micro-batches a step (default: the number of stages); the
+--                 batch size must be a multiple of it
+--   schedule      '1f1b' (default: at most stages - stage micro-batches'
+--                 activations held) or 'gpipe' (every forward, then every backward)
+--   layers        blocks per stage, a list summing to the model's blocks
+--                 (default pp.balanced)
+--   dtype         of the activations sent between stages (default: the
+--                 stage's parameters' dtype, which the residual stream has)
+function pp.pipeline(model, opts)
+  opts = opts or {}
+  if type(model) ~= 'table' or type(model.pipeline_parts) ~= 'function' then
+    error('pp.pipeline: the model has no pipeline_parts() (GPT-2 and Llama have it; docs/pp.md says what it returns)', 2)
+  end
+  if rawget(model, '_pp') then error('pp.pipeline: the model is already cut into stages', 2) end
+  local group = opts.group
+  if group == nil then
+    if not dist.is_initialized() then error('pp.pipeline: dist is not initialised (ms.dist.init) and no group given', 2) end
+    group = dist.world_group
+  end
+  if not group:is_member() then error('pp.pipeline: this rank is not a member of the group', 2) end
+  local S, s = group:size(), group:rank()
+  local parts = model:pipeline_parts()
+  local L = #parts.blocks
+  local layers = opts.layers or pp.balanced(L, S)
+  if type(layers) ~= 'table' or #layers ~= S then
+    error(('pp.pipeline: layers must list the blocks of each of the %d stages, got %s'):format(S,
+      type(layers) == 'table' and (#layers .. ' entries') or tostring(layers)), 2)
+  end
+  local total = 0
+  for i, n in ipairs(layers) do
+    if type(n) ~= 'number' or n < 0 or n ~= math.floor(n) then
+      error(('pp.pipeline: layers[%d] is %s, not a count of blocks'):format(i, tostring(n)), 2)
+    end
+    total = total + n
+  end
+  if total ~= L then
+    error(('pp.pipeline: layers {%s} add up to %d blocks but the model has %d'):format(table.concat(layers, ', '),
+      total, L), 2)
+  end
+  if S > 1 and L < S and not opts.layers then
+    error(('pp.pipeline: %d blocks cannot fill %d stages (give opts.layers to leave stages without blocks)'):format(L, S), 2)
+  end
+  local M = opts.microbatches or S
+  if type(M) ~= 'number' or M < 1 or M ~= math.floor(M) then
+    error(('pp.pipeline: microbatches must be a positive integer, got %s'):format(tostring(M)), 2)
+  end
+  local schedule = opts.schedule or '1f1b'
+  if schedule ~= '1f1b' and schedule ~= 'gpipe' then
+    error(('pp.pipeline: schedule must be 1f1b or gpipe, got %s'):format(tostring(schedule)), 2)
+  end
+  local a = 1
+  for i = 1, s do a = a + layers[i] end
+  local b = a + layers[s + 1] - 1
+  local first, last = s == 0, s == S - 1
+
+
+  -- keep this stage's parameters, drop the others from their modules
+  local tied, kept, n_both, names = {}, 0, 0, {}
+  for mname, m in model:named_modules() do
+    for _, pn in ipairs(m._param_names) do
+      local t = rawget(m, pn)
+      if t ~= nil then
+        local full = (mname ~= '' and mname .. '.' or '') .. pn
+        local kind, i = classify(parts, full)
+        if kind == nil then
+          error(('pp.pipeline: parameter %s belongs to no stage (not a block\'s, not in the model\'s first or last '
+            .. 'prefixes)'):format(full), 2)
+        end
+        if kind == 'both' then n_both = n_both + 1 end
+        -- the stage that holds it (the first of two for a tied weight)
+        local owner = 0
+        if kind == 'last' then owner = S - 1
+        elseif kind == 'block' then
+          owner = S - 1
+          local lo = 1
+          for k = 1, S do
+            if i >= lo and i < lo + layers[k] then owner = k - 1; break end
+            lo = lo + layers[k]
+          end
+        end
+        names[#names + 1] = { full, owner, kind == 'both' }
+        local keep = (kind == 'block' and i >= a and i <= b) or ((kind == 'first' or kind == 'both') and first)
+          or ((kind == 'last' or kind == 'both') and last)
+        if keep then
+          kept = kept + 1
+          if kind == 'both' and S > 1 then tied[#tied + 1] = { m, pn, full } end
+        else
+          rawset(m, pn, nil)
+        end
+      end
+    end
+  end
+
+  local ranks = group:ranks()
+  local self = setmetatable({
+    model = model, parts = parts, group = group, stage = s, n_stages = S, first = first, last = last,
+    block_range = { a, b }, layers = layers, microbatches = M, schedule = schedule, opt_dtype = opts.dtype,
+    prev = (not first) and ranks[s] or nil, next = (not last) and ranks[s + 2] or nil,
+    tied = tied, n_params = kept, names = names,
+  }, Pipeline)
+  -- the first and last stages share the tied weights' gradient (collective over the group)
+  if S > 1 and n_both > 0 then
+    self.tied_group = dist.new_group({ ranks[1], ranks[S] }, { group = group })
+    if not self.tied_group:is_member() then self.tied_group:free(); self.tied_group = nil end
+  end
+  rawset(model, '_pp', self)
+  return self
+end
+
+-- the model a pipeline was made from: its Pipeline, or nil
+function pp.of(model) return type(model) == 'table' and rawget(model, '_pp') or nil end
+
+function Pipeline:__tostring()
+  return ('Pipeline(stage %d of %d, blocks %d-%d, %d micro-batches, %s%s)'):format(self.stage, self.n_stages,
+    self.block_range[1], self.block_range[2], self.microbatches, self.schedule,
+    #self.tied > 0 and ', tied weights shared with the ' .. (self.first and 'last' or 'first') .. ' stage' or '')
+end
+
+-- where the stage's parameters live (after model:to())
+function Pipeline:device()
+  for _, p in ipairs(self.model:parameters()) do return p.device end
+  return 'cpu'
+end
+
+-- the dtype of the activations between stages: opts.dtype, else the
+-- parameters' (the residual stream's dtype, under autocast too)
+function Pipeline:act_dtype()
+  if self.opt_dtype then return self.opt_dtype end
+  for _, p in ipairs(self.model:parameters()) do return p.dtype end
+  return 'f32'
+end
+
+-- ------------------------------------------------------------ one micro-batch
+
+-- runs fn with the autograd tape `tape` (each micro-batch records its own)
+local function on_tape(tape, fn, ...)
+  local saved = A.tape
+  A.tape = tape
+  local ok, r = pcall(fn, ...)
+  A.tape = saved
+  if not ok then error(r, 0) end
+  return r
+end
+
+local function rows(t, i, n) return t:narrow(1, (i - 1) * n + 1, n):contiguous() end
+
+-- the forward of micro-batch i: x (received, or nil on the first stage) ->
+-- a record {tape, x, out}; out is the activation to send, or the scaled loss
+function Pipeline:forward_one(i, x, ids, targets, grad)
+  local rec = { tape = {}, x = x }
+  local parts, blocks, mb = self.parts, self.parts.blocks, self.mb
+  rec.out = on_tape(rec.tape, function()
+    local h = x
+    if self.first then h = parts.embed(rows(ids, i, mb)) end
+    for j = self.block_range[1], self.block_range[2] do h = blocks[j](h) end
+    if not self.last then return h end
+    local loss = parts.head(h, rows(targets, i, mb))
+    A.no_grad(function() self.loss_sum:add_(loss:detach():reshape({ 1 }):to(self.loss_sum.dtype)) end)
+    if grad then return loss * (1 / self.microbatches) end
+    return loss
+  end)
+  if not self.last then
+    local o = rec.out
+    if o.ndim ~= 3 or o.shape[1] ~= mb or o.shape[2] ~= self.seq or o.shape[3] ~= self.parts.hidden
+      or o.dtype ~= self.dtype then
+      error(('pp: stage %d made an activation of shape (%s) %s, but the next stage expects (%d, %d, %d) %s'):format(
+        self.stage, table.concat(o.shape, ', '), o.dtype, mb, self.seq, self.parts.hidden, self.dtype), 0)
+    end
+    if not o:is_contiguous() then rec.out = o:contiguous() end
+  end
+  return rec
+end
+
+-- the backward of a record, with gy the gradient of its output (nil on the
+-- last stage): returns the gradient of its input (nil on the first stage)
+function Pipeline:backward_one(rec, gy)
+  on_tape(rec.tape, function()
+    if self.last then rec.out:backward() else rec.out:backward(gy) end
+  end)
+  if gy ~= nil then gy:free() end
+  local gx
+  if not self.first then
+    gx = rec.x.grad
+    rec.x.grad = nil
+    rec.x:free()
+    if gx == nil then gx = T.zeros({ self.mb, self.seq, self.parts.hidden }, { dtype = self.dtype, device = self.dev }) end
+  end
+  rec.out:free()
+  rec.tape, rec.x, rec.out = nil, nil, nil
+  return gx
+end
+
+-- ------------------------------------------------------------ communication
+
+function Pipeline:act_buffer()
+  return T.empty({ self.mb, self.seq, self.parts.hidden }, { dtype = self.dtype, device = self.dev })
+end
+
+-- runs a batch of point-to-point operations (a no-op when empty)
+function Pipeline:p2p(ops)
+  if #ops > 0 then dist.batch_p2p(ops, { group = self.group }) end
+end
+
+-- receive the next micro-batch's input from the previous stage (nil on the first)
+function Pipeline:recv_forward(grad)
+  if self.first then return nil end
+  local x = self:act_buffer()
+  self:p2p({ { 'recv', x, self.prev } })
+  if grad then x:requires_grad_() end
+  return x
+end
+
+function Pipeline:send_forward(rec)
+  if not self.last then self:p2p({ { 'send', rec.out, self.next } }) end
+end
+
+function Pipeline:recv_backward()
+  if self.last then return nil end
+  local g = self:act_buffer()
+  self:p2p({ { 'recv', g, self.next } })
+  return g
+end
+
+function Pipeline:send_backward(gx)
+  if gx ~= nil then
+    self:p2p({ { 'send', gx, self.prev } })
+    gx:free()
+  end
+end
+
+-- 1F1B's steady state: send this output forward and take the output
+-- gradient of the oldest micro-batch back, in one batch
+function Pipeline:send_forward_recv_backward(rec)
+  if self.last then return nil end
+  local g = self:act_buffer()
+  self:p2p({ { 'send', rec.out, self.next }, { 'recv', g, self.next } })
+  return g
+end
+
+-- send an input gradient back and take the next micro-batch's input, in one batch
+function Pipeline:send_backward_recv_forward(gx)
+  if self.first then return nil end
+  local x = self:act_buffer()
+  self:p2p({ { 'send', gx, self.prev }, { 'recv', x, self.prev } })
+  gx:free()
+  x:requires_grad_()
+  return x
+end
+
+-- ------------------------------------------------------------ steps
+
+function Pipeline:prepare(ids, targets, what)
+  if not T.is_tensor(ids) or ids.ndim ~= 2 then
+    error(('pp %s: every stage needs the batch\'s input_ids, a (B, T) tensor (its shape sets the activations\''
+      .. ' shape), got %s'):format(what, T.is_tensor(ids) and ('shape (' .. table.concat(ids.shape, ', ') .. ')')
+      or type(ids)), 3)
+  end
+  local B, Tn = ids.shape[1], ids.shape[2]
+  if B % self.microbatches ~= 0 then
+    error(('pp %s: the batch of %d sequences does not split into %d micro-batches'):format(what, B,
+      self.microbatches), 3)
+  end
+  if self.last then
+    if not T.is_tensor(targets) or targets.ndim ~= 2 or targets.shape[1] ~= B or targets.shape[2] ~= Tn then
+      error(('pp %s: the last stage needs targets of shape (%d, %d) like input_ids, got %s'):format(what, B, Tn,
+        T.is_tensor(targets) and ('shape (' .. table.concat(targets.shape, ', ') .. ')') or type(targets)), 3)
+    end
+  end
+  if self.first and self.parts.check then self.parts.check(ids, self.last and targets or nil) end
+  self.mb, self.seq = B / self.microbatches, Tn
+  self.dev, self.dtype = self:device(), self:act_dtype()
+  self.loss_sum = T.zeros({ 1 }, { dtype = 'f64', device = self.dev })
+end
+
+-- the mean of the micro-batches' losses, on every stage (summed from the last)
+function Pipeline:finish_loss()
+  local l = self.loss_sum
+  self.loss_sum = nil
+  if self.n_stages > 1 then dist.all_reduce(l, 'sum', { group = self.group }) end
+  l:mul_(1 / self.microbatches)
+  return l
+end
+
+-- pipe:step(ids, targets) -> loss: the forward and backward of every
+-- micro-batch of the batch, gradients accumulated into this stage's
+-- parameters (.grad, as loss:backward() of the batch's mean loss would: each
+-- micro-batch's loss counts 1/microbatches). Every stage passes the batch's
+-- input_ids (B, T); the last needs its targets. The returned loss (f64, (1),
+-- on the stage's device) is the mean of the micro-batches' losses, on every
+-- stage.
+function Pipeline:step(ids, targets)
+  self:prepare(ids, targets, 'step')
+  local M = self.microbatches
+  local queue, head, tail = {}, 1, 0
+  if self.schedule == 'gpipe' then
+    for i = 1, M do
+      local rec = self:forward_one(i, self:recv_forward(true), ids, targets, true)
+      self:send_forward(rec)
+      queue[i] = rec
+    end
+    for i = 1, M do
+      local gy = self:recv_backward()
+      self:send_backward(self:backward_one(queue[i], gy))
+      queue[i] = nil
+    end
+  else
+    -- 1F1B (Megatron-LM's order): warm-up forwards, then one forward and one
+    -- backward in turn, then the remaining backwards
+    local warm = math.min(self.n_stages - self.stage - 1, M)
+    local rest = M - warm
+    local i = 0
+    for _ = 1, warm do
+      i = i + 1
+      local rec = self:forward_one(i, self:recv_forward(true), ids, targets, true)
+      self:send_forward(rec)
+      tail = tail + 1
+      queue[tail] = rec
+    end
+    local x = rest > 0 and self:recv_forward(true) or nil
+    for k = 1, rest do
+      i = i + 1
+      local rec = self:forward_one(i, x, ids, targets, true)
+      tail = tail + 1
+      queue[tail] = rec
+      local gy = self:send_forward_recv_backward(rec)
+      local oldest = queue[head]
+      queue[head] = nil
+      head = head + 1
+      local gx = self:backward_one(oldest, gy)
+      if k == rest then
+        x = nil
+        self:send_backward(gx)
+      else
+        x = self:send_backward_recv_forward(gx)
+      end
+    end
+    for _ = 1, warm do
+      local gy = self:recv_backward()
+      local oldest = queue[head]
+      queue[head] = nil
+      head = head + 1
+      self:send_backward(self:backward_one(oldest, gy))
+    end
+  end
+  self:sync_tied()
+  return self:finish_loss()
+end
+
+-- the tied weights' gradients summed between the first and the last stage
+function Pipeline:sync_tied()
+  if not self.tied_group then return end
+  for _, e in ipairs(self.tied) do
+    local p = rawget(e[1], e[2])
+    if p.grad == nil then p.grad = T.zeros(p.shape, { dtype = p.dtype, device = p.device }) end
+    dist.all_reduce(p.grad, 'sum', { group = self.tied_group })
+  end
+end
+
+-- pipe:evaluate(ids, targets) -> loss: the forward alone (no gradients), the
+-- mean of the micro-batches' losses on every stage
+function Pipeline:evaluate(ids, targets)
+  self:prepare(ids, targets, 'evaluate')
+  A.no_grad(function()
+    for i = 1, self.microbatches do
+      local rec = self:forward_one(i, self:recv_forward(false), ids, targets, false)
+      if rec.x then rec.x:free() end
+      self:send_forward(rec)
+      if not self.last then rec.out:free() end
+    end
+  end)
+  return self:finish_loss()
+end
+
+-- ------------------------------------------------------------ the whole model
+
+local function pipe_of(model, fname)
+  local p = pp.of(model)
+  if not p then error(('pp.%s: the model is not cut into stages (pp.pipeline)'):format(fname), 3) end
+  return p
+end
+
+-- pp.clip_grad_norm_(model, max_norm, opts) -> the whole model's gradient
+-- 2-norm before clipping: each stage's sum of squares (a tied weight
+-- counted once, on the first stage) all-reduced over the pipeline, the
+-- gradients scaled by min(1, max_norm / (norm + 1e-6)) on the device.
+-- opts as ms.optim.clip_grad_norm's (tensor = true: no host read; defer =
+-- an AdamW). Every stage calls it.
+function pp.clip_grad_norm_(model, max_norm, opts)
+  local pipe = pipe_of(model, 'clip_grad_norm_')
+  if max_norm ~= nil and (type(max_norm) ~= 'number' or max_norm <= 0) then
+    error(('pp.clip_grad_norm_: max_norm must be a positive number, got %s'):format(tostring(max_norm)), 2)
+  end
+  local skip = {}
+  if not pipe.first then for _, e in ipairs(pipe.tied) do skip[tonumber(rawget(e[1], e[2]).id)] = true end end
+  local grads, counted = {}, {}
+  for _, p in ipairs(model:parameters()) do
+    local g = p.grad
+    if g ~= nil then
+      grads[#grads + 1] = g
+      if not skip[tonumber(p.id)] then counted[#counted + 1] = g end
+    end
+  end
+  local dev = grads[1] and grads[1].device or pipe:device()
+  local sq
+  if #counted > 0 then
+    local s = F.sum_squares(counted)
+    sq = s:reshape({ 1 }):contiguous()
+    if sq ~= s then s:free() end
+  else
+    sq = T.zeros({ 1 }, { dtype = 'f64', device = dev })
+  end
+  if pipe.n_stages > 1 then dist.all_reduce(sq, 'sum', { group = pipe.group }) end
+  local total_t = F.sqrt(sq)
+  sq:free()
+  if max_norm == nil or max_norm == math.huge then
+    if opts and opts.tensor then return total_t end
+    local v = total_t:item()
+    total_t:free()
+    return v
+  end
+  return optim.clip_with_norm(grads, total_t, max_norm, opts, 'pp.clip_grad_norm_')
+end
+
+-- pp.full_state_dict(model) -> name -> tensor: the whole model's parameters
+-- (each broadcast over the pipeline by the stage that holds it) and this
+-- stage's buffers, on every stage. Every stage calls it.
+function pp.full_state_dict(model)
+  local pipe = pipe_of(model, 'full_state_dict')
+  local sd = model:state_dict()
+  local mine = {}
+  for name, p in model:named_parameters() do mine[name] = p end
+  local ranks = pipe.group:ranks()
+  local dev = pipe:device()
+  for _, e in ipairs(pipe.names) do
+    local name, owner = e[1], e[2]
+    if pipe.n_stages > 1 then
+      -- the holder's dtype and shape first, then the values
+      local t = owner == pipe.stage and mine[name] or nil
+      local head = T.zeros({ 9 }, { dtype = 'i64', device = dev })
+      if t then
+        local v = { t.dtype_id, t.ndim }
+        for d = 1, t.ndim do v[2 + d] = t.shape[d] end
+        for k = t.ndim + 3, 9 do v[k] = 0 end
+        T.raw_copy_(head, T.tensor(v, { dtype = 'i64' }):to(dev))
+      end
+      dist.broadcast(head, ranks[owner + 1], { group = pipe.group })
+      local h = head:to('cpu'):totable()
+      head:free()
+      if not t then
+        local shape = {}
+        for d = 1, h[2] do shape[d] = h[2 + d] end
+        t = T.empty(shape, { dtype = T.dtype_name(h[1]), device = dev })
+      end
+      local c = t:is_contiguous() and t or t:contiguous()
+      dist.broadcast(c, ranks[owner + 1], { group = pipe.group })
+      sd[name] = c
+    else
+      sd[name] = mine[name]
+    end
+  end
+  return sd
+end
+
+-- pp.load_full_state_dict(model, sd): this stage's parameters (and buffers)
+-- copied from a whole model's state dict (a file every stage reads)
+function pp.load_full_state_dict(model, sd)
+  pipe_of(model, 'load_full_state_dict')
+  A.no_grad(function()
+    for name, dst in pairs(model:state_dict()) do
+      local src = sd[name]
+      if src == nil then error(('pp.load_full_state_dict: %s is missing'):format(name), 3) end
+      if src:numel() ~= dst:numel() then
+        error(('pp.load_full_state_dict: %s has %d elements in the file, the model %d'):format(name, src:numel(),
+          dst:numel()), 3)
+      end
+      T.raw_copy_(dst, src:to(dst.device):view(dst.shape))
+    end
+  end)
+  return model
+end
+
+-- pipe:free(): the pipeline's group for the tied weights
+function Pipeline:free()
+  if self.tied_group then self.tied_group:free(); self.tied_group = nil end
+end
+
+return pp

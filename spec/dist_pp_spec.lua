@@ -1,0 +1,202 @@
+-- Pipeline parallelism on CPU ranks (#mpi, 1-4 ranks): a GPT-2 (tied head)
+-- and a Llama (untied, and tied) cut into stages by ms.pp.pipeline compute
+-- the whole model's loss and gradients under both schedules, in f64; AdamW
+-- steps train as the whole model; a 2 x 2 mesh adds data parallelism;
+-- evaluation matches; bad inputs are errors that name the shapes.
+local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
+local dist = require 'moonshard.dist'
+local gpt2 = require 'models.gpt2'
+local llama = require 'models.llama'
+local hf = require 'models.hf'
+
+local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
+
+describe('pipeline parallelism #mpi', function()
+  if not under_mpi then
+    it('runs under mpirun (tools/run_mpi_specs.sh)', function() pending('not started by mpirun') end)
+    return
+  end
+  setup(function() dist.init { backend = 'mpi', timeout = 60 } end)
+  teardown(function() dist.destroy() end)
+
+  local W = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE'))
+  local R = tonumber(os.getenv('OMPI_COMM_WORLD_RANK'))
+  local pp = ms.pp
+
+  -- 5 blocks: uneven over 2-4 stages
+  local cases = {
+    { 'gpt2', gpt2, { vocab_size = 259, n_positions = 16, n_embd = 24, n_layer = 5, n_head = 4,
+      resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, bos_token_id = hf.null, eos_token_id = hf.null } },
+    { 'llama', llama, { vocab_size = 257, hidden_size = 24, intermediate_size = 40, num_hidden_layers = 5,
+      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 16 } },
+    { 'llama tied', llama, { vocab_size = 257, hidden_size = 24, intermediate_size = 40, num_hidden_layers = 5,
+      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 16, tie_word_embeddings = true } },
+  }
+  local function build(case, seed)
+    ms.manual_seed(seed or 7)
+    local cfg = {}
+    for k, v in pairs(case[3]) do cfg[k] = v end
+    return case[2].new(cfg):to('f64')
+  end
+
+  for _, case in ipairs(cases) do
+    for _, sched in ipairs({ '1f1b', 'gpipe' }) do
+      for _, M in ipairs({ 1, 4 }) do
+        it(('%s, %s, %d micro-batches: loss and this stage\'s gradients are the whole model\'s (f64)'):format(
+          case[1], sched, M), function()
+          local x, y = FS.lcg_batch(3, 4, 10)
+          local ref = build(case)
+          local l0 = ref(x, y)
+          l0:backward()
+          local m = build(case)
+          local pipe = pp.pipeline(m, { microbatches = M, schedule = sched })
+          local l1 = pipe:step(x, y)
+          -- every micro-batch has the same number of targets: the mean of
+          -- their means is the batch's mean
+          assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, ('%.17g against %.17g'):format(l1:item(), l0:item()))
+          local ref_p = {}
+          for name, p in ref:named_parameters() do ref_p[name] = p end
+          local n = 0
+          for name, p in m:named_parameters() do
+            assert.is_not_nil(p.grad, name)
+            local e = FS.max_rel(p.grad, ref_p[name].grad)
+            assert.is_true(e <= 1e-10, ('%s: %g'):format(name, e))
+            n = n + 1
+          end
+          assert.is_true(n > 0)
+          -- every parameter is on exactly one stage, the tied ones on two
+          local counts = ms.tensor({ n })
+          dist.all_reduce(counts, 'sum')
+          local all, tied = 0, 0
+          for name in ref:named_parameters() do
+            all = all + 1
+            if case[1] ~= 'llama' and name:match('embed_tokens') or name:match('wte') then tied = tied + 1 end
+          end
+          assert.are.equal(all + (W > 1 and tied or 0), counts:item())
+          pipe:free()
+        end)
+      end
+    end
+
+    it(case[1] .. ': AdamW steps with clipping train as the whole model, evaluation included (f64)', function()
+      local ref = build(case)
+      local m = build(case)
+      local pipe = pp.pipeline(m, { microbatches = 2 })
+      local o0 = ms.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+      local o1 = ms.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+      for step = 1, 3 do
+        local x, y = FS.lcg_batch(3 + step, 4, 8)
+        local l0 = ref(x, y)
+        l0:backward()
+        ms.optim.clip_grad_norm(ref, 0.5)
+        o0:step()
+        o0:zero_grad()
+        local l1 = pipe:step(x, y)
+        pp.clip_grad_norm_(m, 0.5)
+        o1:step()
+        o1:zero_grad()
+        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-11, ('step %d: %.17g against %.17g'):format(step,
+          l1:item(), l0:item()))
+      end
+      local x, y = FS.lcg_batch(9, 4, 8)
+      local e0 = ms.no_grad(function() return ref(x, y) end)
+      local e1 = pipe:evaluate(x, y)
+      assert.is_true(FS.rel(e1:item(), e0:item()) <= 1e-11, ('eval %.17g against %.17g'):format(e1:item(), e0:item()))
+      local ref_p = {}
+      for name, p in ref:named_parameters() do ref_p[name] = p end
+      for name, p in m:named_parameters() do
+        assert.is_true(FS.max_rel(p, ref_p[name]) <= 1e-10, name)
+      end
+      -- the whole model's state dict gathered on every stage
+      local sd = pp.full_state_dict(m)
+      for name, t in pairs(ref:state_dict()) do
+        assert.is_not_nil(sd[name], name)
+        assert.is_true(FS.max_rel(sd[name], t) <= 1e-10, name)
+      end
+      pipe:free()
+    end)
+  end
+
+  it('a 2 x 2 mesh: two pipelines of two stages, data parallel across them (f64)', function()
+    if W ~= 4 then return end
+    local case = cases[1]
+    local mesh = dist.mesh { replicate = 2, shard = 2 }
+    local ref = build(case)
+    local x, y = FS.lcg_batch(5, 8, 10)
+    local l0 = ref(x, y)
+    l0:backward()
+    local m = build(case)
+    local pipe = pp.pipeline(m, { group = mesh.shard, microbatches = 2 })
+    -- this pipeline's half of the batch
+    local half = mesh.coord[1]
+    local xs, ys = x:narrow(1, half * 4 + 1, 4):contiguous(), y:narrow(1, half * 4 + 1, 4):contiguous()
+    local l1 = pipe:step(xs, ys)
+    dist.all_reduce(l1, 'avg', { group = mesh.replicate })
+    for _, p in ipairs(m:parameters()) do dist.all_reduce(p.grad, 'avg', { group = mesh.replicate }) end
+    assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12)
+    local ref_p = {}
+    for name, p in ref:named_parameters() do ref_p[name] = p end
+    for name, p in m:named_parameters() do
+      assert.is_true(FS.max_rel(p.grad, ref_p[name].grad) <= 1e-10, name)
+    end
+    pipe:free()
+    mesh.shard:free()
+    mesh.replicate:free()
+  end)
+
+  it('a model built under deferred_init makes only this stage\'s parameters', function()
+    local case = cases[2]
+    ms.manual_seed(7)
+    local cfg = {}
+    for k, v in pairs(case[3]) do cfg[k] = v end
+    local m = ms.nn.deferred_init(function() return case[2].new(cfg) end)
+    local pipe = pp.pipeline(m)
+    ms.nn.materialize(m)
+    m:to('f64')
+    local ref = build(case)
+    local ref_p = {}
+    for name, p in ref:named_parameters() do ref_p[name] = p end
+    local mine = 0
+    for name, p in m:named_parameters() do
+      assert.are.equal(0, FS.max_rel(p, ref_p[name]), name)
+      mine = mine + p:numel()
+    end
+    local all = 0
+    for _, p in ipairs(ref:parameters()) do all = all + p:numel() end
+    if W > 1 then assert.is_true(mine < all) else assert.are.equal(all, mine) end
+    local x, y = FS.lcg_batch(3, 12, 6)
+    local l0 = ref(x, y)
+    assert.is_true(FS.rel(pipe:step(x, y):item(), l0:item()) <= 1e-12)
+    pipe:free()
+  end)
+
+  it('refuses what it cannot cut or run, naming the numbers', function()
+    local case = cases[1]
+    if W > 1 then
+      assert.has_error(function() pp.pipeline(build(case), { layers = { 5 } }) end,
+        ('pp.pipeline: layers must list the blocks of each of the %d stages, got 1 entries'):format(W))
+    end
+    if W == 1 then
+      assert.has_error(function() pp.pipeline(build(case), { layers = { 4 } }) end,
+        'pp.pipeline: layers {4} add up to 4 blocks but the model has 5')
+    end
+    assert.has_error(function() pp.pipeline(build(case), { schedule = 'zb' }) end,
+      'pp.pipeline: schedule must be 1f1b or gpipe, got zb')
+    assert.has_error(function() pp.pipeline({}) end,
+      'pp.pipeline: the model has no pipeline_parts() (GPT-2 and Llama have it; docs/pp.md says what it returns)')
+    local m = build(case)
+    local pipe = pp.pipeline(m, { microbatches = 2 })
+    assert.has_error(function() pp.pipeline(m) end, 'pp.pipeline: the model is already cut into stages')
+    local x, y = FS.lcg_batch(3, 3, 6)
+    assert.has_error(function() pipe:step(x, y) end, 'pp step: the batch of 3 sequences does not split into 2 micro-batches')
+    assert.has_error(function() pipe:step(nil, y) end,
+      'pp step: every stage needs the batch\'s input_ids, a (B, T) tensor (its shape sets the activations\' shape), got nil')
+    if pipe.last then
+      local x2, y2 = FS.lcg_batch(3, 2, 6)
+      assert.has_error(function() pipe:step(x2, y2:narrow(2, 1, 5)) end,
+        'pp step: the last stage needs targets of shape (2, 6) like input_ids, got shape (2, 5)')
+    end
+    pipe:free()
+  end)
+end)
