@@ -122,6 +122,11 @@ function pp.pipeline(model, opts)
   local first, last = s == 0, s == S - 1
 
 
+  -- the whole model's optimizer groups (a one-process checkpoint's layout)
+  local full_groups = {}
+  for _, g in ipairs(optim.build_groups(model, {}, true)) do
+    full_groups[#full_groups + 1] = { names = g.names, weight_decay = g.weight_decay }
+  end
   -- keep this stage's parameters, drop the others from their modules
   local tied, kept, n_both, names = {}, 0, 0, {}
   for mname, m in model:named_modules() do
@@ -164,7 +169,7 @@ function pp.pipeline(model, opts)
     model = model, parts = parts, group = group, stage = s, n_stages = S, first = first, last = last,
     block_range = { a, b }, layers = layers, microbatches = M, schedule = schedule, opt_dtype = opts.dtype,
     prev = (not first) and ranks[s] or nil, next = (not last) and ranks[s + 2] or nil,
-    tied = tied, n_params = kept, names = names,
+    tied = tied, n_params = kept, names = names, full_groups = full_groups,
   }, Pipeline)
   -- the first and last stages share the tied weights' gradient (collective over the group)
   if S > 1 and n_both > 0 then
@@ -223,8 +228,10 @@ function Pipeline:forward_one(i, x, ids, targets, grad)
     for j = self.block_range[1], self.block_range[2] do h = blocks[j](h) end
     if not self.last then return h end
     local loss = parts.head(h, rows(targets, i, mb))
+    local hook = self.step_opts and self.step_opts.loss_hook
+    if hook then loss = hook(loss) end
     A.no_grad(function() self.loss_sum:add_(loss:detach():reshape({ 1 }):to(self.loss_sum.dtype)) end)
-    if grad then return loss * (1 / self.microbatches) end
+    if grad then return loss * (self.grad_scale / self.microbatches) end
     return loss
   end)
   if not self.last then
@@ -355,9 +362,12 @@ end
 -- micro-batch's loss counts 1/microbatches). Every stage passes the batch's
 -- input_ids (B, T); the last needs its targets. The returned loss (f64, (1),
 -- on the stage's device) is the mean of the micro-batches' losses, on every
--- stage.
-function Pipeline:step(ids, targets)
+-- stage. opts.scale multiplies the gradients (1 / the steps of gradient
+-- accumulation); opts.loss_hook(loss) -> loss transforms each micro-batch's
+-- loss on the last stage before its backward.
+function Pipeline:step(ids, targets, opts)
   self:prepare(ids, targets, 'step')
+  self.step_opts, self.grad_scale = opts, (opts and opts.scale) or 1
   local M = self.microbatches
   local queue, head, tail = {}, 1, 0
   if self.schedule == 'gpipe' then
@@ -411,6 +421,7 @@ function Pipeline:step(ids, targets)
     end
   end
   self:sync_tied()
+  self.step_opts = nil
   return self:finish_loss()
 end
 
@@ -489,6 +500,20 @@ function pp.clip_grad_norm_(model, max_norm, opts)
   return optim.clip_with_norm(grads, total_t, max_norm, opts, 'pp.clip_grad_norm_')
 end
 
+-- broadcasts a small header (integers) from `owner` over the pipeline
+local function header(pipe, owner, values, n)
+  local h = T.zeros({ n }, { dtype = 'i64', device = pipe:device() })
+  if values then
+    local v = {}
+    for k = 1, n do v[k] = values[k] or 0 end
+    T.raw_copy_(h, T.tensor(v, { dtype = 'i64' }):to(h.device))
+  end
+  dist.broadcast(h, pipe.group:ranks()[owner + 1], { group = pipe.group })
+  local r = h:to('cpu'):totable()
+  h:free()
+  return r
+end
+
 -- pp.full_state_dict(model) -> name -> tensor: the whole model's parameters
 -- (each broadcast over the pipeline by the stage that holds it) and this
 -- stage's buffers, on every stage. Every stage calls it.
@@ -504,16 +529,12 @@ function pp.full_state_dict(model)
     if pipe.n_stages > 1 then
       -- the holder's dtype and shape first, then the values
       local t = owner == pipe.stage and mine[name] or nil
-      local head = T.zeros({ 9 }, { dtype = 'i64', device = dev })
+      local v
       if t then
-        local v = { t.dtype_id, t.ndim }
+        v = { t.dtype_id, t.ndim }
         for d = 1, t.ndim do v[2 + d] = t.shape[d] end
-        for k = t.ndim + 3, 9 do v[k] = 0 end
-        T.raw_copy_(head, T.tensor(v, { dtype = 'i64' }):to(dev))
       end
-      dist.broadcast(head, ranks[owner + 1], { group = pipe.group })
-      local h = head:to('cpu'):totable()
-      head:free()
+      local h = header(pipe, owner, v, 9)
       if not t then
         local shape = {}
         for d = 1, h[2] do shape[d] = h[2 + d] end
@@ -545,6 +566,90 @@ function pp.load_full_state_dict(model, sd)
     end
   end)
   return model
+end
+
+-- pp.full_checkpoint(model, opt, hyper) -> model state dict, optimizer
+-- state dict: a one-process checkpoint's two parts (the whole model, and
+-- ms.optim.AdamW's state over it with `hyper`'s { lr, betas, eps,
+-- weight_decay }), on every stage. Every stage calls it.
+function pp.full_checkpoint(model, opt, hyper)
+  local pipe = pipe_of(model, 'full_checkpoint')
+  local msd = pp.full_state_dict(model)
+  if not opt then return msd, nil end
+  local mine = {}
+  for name, p in model:named_parameters() do
+    local st = opt.state[tonumber(p.id)]
+    if st and st.exp_avg then mine[name] = st end
+  end
+  local by = {}
+  for _, e in ipairs(pipe.names) do
+    local name, owner = e[1], e[2]
+    local st = mine[name]
+    if pipe.n_stages == 1 then
+      by[name] = st
+    else
+      local own = owner == pipe.stage
+      local h = header(pipe, owner, own and (st and { 1, st.step, st.exp_avg.dtype_id } or { 0 }) or nil, 3)
+      if h[1] == 1 then
+        local ea = own and st.exp_avg:contiguous() or T.empty(msd[name].shape, { dtype = T.dtype_name(h[3]),
+          device = pipe:device() })
+        local eq = own and st.exp_avg_sq:contiguous() or T.empty(msd[name].shape, { dtype = T.dtype_name(h[3]),
+          device = pipe:device() })
+        dist.broadcast(ea, pipe.group:ranks()[owner + 1], { group = pipe.group })
+        dist.broadcast(eq, pipe.group:ranks()[owner + 1], { group = pipe.group })
+        by[name] = { exp_avg = ea, exp_avg_sq = eq, step = h[2] }
+      end
+    end
+  end
+  return msd, optim.one_process_state(pipe.full_groups, by, hyper or {})
+end
+
+-- pp.load_full_optimizer_state(model, opt, sd): a one-process optimizer
+-- state dict (ms.optim.AdamW over the whole model, as full_checkpoint and a
+-- one-process run write it) loaded into `opt` over this stage's parameters
+function pp.load_full_optimizer_state(model, opt, sd)
+  local pipe = pipe_of(model, 'load_full_optimizer_state')
+  local name_of, group_of, i = {}, {}, 0
+  for gi, g in ipairs(pipe.full_groups) do
+    for _, n in ipairs(g.names) do i = i + 1; name_of[i] = n; group_of[n] = gi end
+  end
+  local pid = {}
+  for name, p in model:named_parameters() do pid[tonumber(p.id)] = name end
+  local idx, meta, k = {}, { type = sd.meta and sd.meta.type, groups = {}, state = {} }, 0
+  for gi, g in ipairs(opt.param_groups) do
+    local mg = { params = {} }
+    for j, p in ipairs(g.params) do
+      k = k + 1
+      mg.params[j] = k
+      local name = pid[tonumber(p.id)]
+      if name == nil then error('pp.load_full_optimizer_state: the optimizer holds a tensor that is not a parameter of the model', 2) end
+      idx[name] = k
+      -- the hyper-parameters of the whole model's group this parameter was in
+      local sg = sd.meta and sd.meta.groups and sd.meta.groups[group_of[name]]
+      if sg and j == 1 then for key, v in pairs(sg) do if key ~= 'params' and key ~= 'names' then mg[key] = v end end end
+    end
+    meta.groups[gi] = mg
+  end
+  local tensors = {}
+  for _, e in ipairs(sd.meta and sd.meta.state or {}) do
+    local name = name_of[e.index]
+    if name == nil then
+      error(('pp.load_full_optimizer_state: state for parameter %s, which the model does not have'):format(
+        tostring(e.index)), 2)
+    end
+    local j = idx[name]
+    if j then
+      local st = { index = j }
+      for key, v in pairs(e) do if key ~= 'index' then st[key] = v end end
+      meta.state[#meta.state + 1] = st
+      for _, f in ipairs({ 'exp_avg', 'exp_avg_sq' }) do
+        local t = sd.tensors[e.index .. '.' .. f]
+        if t then tensors[j .. '.' .. f] = t end
+      end
+    end
+  end
+  opt:load_state_dict({ tensors = tensors, meta = meta })
+  return opt
 end
 
 -- pipe:free(): the pipeline's group for the tied weights

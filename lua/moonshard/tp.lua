@@ -1011,32 +1011,6 @@ end
 
 -- ------------------------------------------- with fully_shard (FSDP x TP)
 
--- the one-process optimizer's state dict over the whole model, from
--- name -> { exp_avg =, exp_avg_sq =, step = } (whole tensors): groups as
--- ms.optim.AdamW(model) makes them (decayed, then not), hyper-parameters
--- from `hyper` ({ lr, betas, eps, weight_decay })
-local function one_process_optimizer_state(model, by_name, hyper)
-  local optim = require 'moonshard.optim'
-  local groups = optim.build_groups(model, {}, true)
-  local tensors, meta = {}, { type = 'AdamW', groups = {}, state = {} }
-  local i = 0
-  for gi, g in ipairs(groups) do
-    local mg = { params = {}, names = g.names, lr = hyper.lr, betas = hyper.betas, eps = hyper.eps,
-      weight_decay = g.weight_decay == 0 and 0 or hyper.weight_decay }
-    for k, name in ipairs(g.names) do
-      i = i + 1
-      mg.params[k] = i
-      local e = by_name[name]
-      if e then
-        tensors[i .. '.exp_avg'], tensors[i .. '.exp_avg_sq'] = e.exp_avg, e.exp_avg_sq
-        meta.state[#meta.state + 1] = { index = i, step = e.step }
-      end
-    end
-    meta.groups[gi] = mg
-  end
-  return { tensors = tensors, meta = meta }
-end
-
 -- tp.full_checkpoint(model, opt, hyper) -> model state dict, optimizer
 -- state dict: a one-process checkpoint's two parts, whole tensors, on every
 -- rank (a collective over both axes). Also for a model under fully_shard
@@ -1069,7 +1043,8 @@ function tp.full_checkpoint(model, opt, hyper)
     local e = state[name]
     st[name] = { exp_avg = whole(name, e.exp_avg), exp_avg_sq = whole(name, e.exp_avg_sq), step = e.step }
   end
-  return msd, one_process_optimizer_state(model, st, hyper or {})
+  return msd, require('moonshard.optim').one_process_state(require('moonshard.optim').build_groups(model, {}, true), st,
+    hyper or {})
 end
 
 -- tp.load_fsdp_optimizer_state(model, opt, sd): a one-process optimizer

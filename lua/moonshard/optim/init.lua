@@ -391,6 +391,33 @@ function optim.clip_with_norm(grads, total_t, max_norm, opts, fname)
   return total
 end
 
+-- optim.one_process_state(groups, by_name, hyper) -> the state dict
+-- opt:state_dict() of ms.optim.AdamW over a whole model would give: groups
+-- as build_groups(model, {}, true) makes them (decayed, then not: lists of
+-- names, weight_decay 0 for the second), by_name = name -> { exp_avg =,
+-- exp_avg_sq =, step = } (whole tensors), hyper-parameters from `hyper`
+-- ({ lr, betas, eps, weight_decay }). A sharded model's one-process
+-- checkpoint (moonshard.tp, moonshard.pp) writes it.
+function optim.one_process_state(groups, by_name, hyper)
+  local tensors, meta = {}, { type = 'AdamW', groups = {}, state = {} }
+  local i = 0
+  for gi, g in ipairs(groups) do
+    local mg = { params = {}, names = g.names, lr = hyper.lr, betas = hyper.betas, eps = hyper.eps,
+      weight_decay = g.weight_decay == 0 and 0 or hyper.weight_decay }
+    for k, name in ipairs(g.names) do
+      i = i + 1
+      mg.params[k] = i
+      local e = by_name[name]
+      if e then
+        tensors[i .. '.exp_avg'], tensors[i .. '.exp_avg_sq'] = e.exp_avg, e.exp_avg_sq
+        meta.state[#meta.state + 1] = { index = i, step = e.step }
+      end
+    end
+    meta.groups[gi] = mg
+  end
+  return { tensors = tensors, meta = meta }
+end
+
 -- each optimizer file returns a builder taking this table (its base class)
 optim.AdamW = require('moonshard.optim.adamw')(optim)
 optim.SGD = require('moonshard.optim.sgd')(optim)
