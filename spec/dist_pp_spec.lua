@@ -148,6 +148,24 @@ describe('pipeline parallelism #mpi', function()
     end)
   end
 
+  it('gradient accumulation: two steps of half the batch (the first with sync = false) give the batch\'s gradients, tied ones too', function()
+    local case = cases[1]
+    local x, y = FS.lcg_batch(13, 8, 10)
+    local ref = build(case)
+    ref(x, y):backward()
+    local m = build(case)
+    local pipe = pp.pipeline(m, { microbatches = 2 })
+    local l1 = pipe:step(x:narrow(1, 1, 4):contiguous(), y:narrow(1, 1, 4):contiguous(), { scale = 0.5, sync = false })
+    local l2 = pipe:step(x:narrow(1, 5, 4):contiguous(), y:narrow(1, 5, 4):contiguous(), { scale = 0.5 })
+    assert.is_true(l1:item() > 0 and l2:item() > 0)
+    local ref_p = {}
+    for name, p in ref:named_parameters() do ref_p[name] = p end
+    for name, p in m:named_parameters() do
+      assert.is_true(FS.max_rel(p.grad, ref_p[name].grad) <= 1e-10, name)
+    end
+    pipe:free()
+  end)
+
   it('a 2 x 2 mesh: two pipelines of two stages, data parallel across them (f64)', function()
     if W ~= 4 then return end
     local case = cases[1]

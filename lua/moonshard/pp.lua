@@ -363,8 +363,12 @@ end
 -- input_ids (B, T); the last needs its targets. The returned loss (f64, (1),
 -- on the stage's device) is the mean of the micro-batches' losses, on every
 -- stage. opts.scale multiplies the gradients (1 / the steps of gradient
--- accumulation); opts.loss_hook(loss) -> loss transforms each micro-batch's
--- loss on the last stage before its backward.
+-- accumulation); opts.sync = false leaves the tied weights' gradients
+-- unsummed between the first and last stage (every step of a gradient
+-- accumulation but the last, as FSDP's no_sync: the last sums what they
+-- hold, so a sum taken earlier would be counted again);
+-- opts.loss_hook(loss) -> loss transforms each micro-batch's loss on the
+-- last stage before its backward.
 function Pipeline:step(ids, targets, opts)
   self:prepare(ids, targets, 'step')
   self.step_opts, self.grad_scale = opts, (opts and opts.scale) or 1
@@ -420,7 +424,7 @@ function Pipeline:step(ids, targets, opts)
       self:send_backward(self:backward_one(oldest, gy))
     end
   end
-  self:sync_tied()
+  if not (opts and opts.sync == false) then self:sync_tied() end
   self.step_opts = nil
   return self:finish_loss()
 end

@@ -86,6 +86,9 @@ train.options = {
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
+  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel; checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
+  { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
+  { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
   { 'sequence_parallel', 'bool', true, 'with --tp and no --fsdp: the residual stream between the split layers held as each rank\'s tokens (norms and dropout on 1/N of them; docs/tp.md)' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
@@ -374,6 +377,9 @@ function train.check_options(o, where)
   if o.float8 ~= nil and o.float8 ~= 'off' and not require('moonshard.float8').recipes[o.float8] then
     usage('%s: float8 must be off, tensorwise, rowwise or rowwise_with_gw_hp, got %s', where, describe(o.float8))
   end
+  if o.pp_schedule ~= nil and o.pp_schedule ~= '1f1b' and o.pp_schedule ~= 'gpipe' then
+    usage('%s: pp_schedule must be 1f1b or gpipe, got %s', where, describe(o.pp_schedule))
+  end
   if o.float8_tp_scales ~= nil and o.float8_tp_scales ~= 'shard' and o.float8_tp_scales ~= 'group' then
     usage('%s: float8_tp_scales must be shard or group, got %s', where, describe(o.float8_tp_scales))
   end
@@ -541,15 +547,16 @@ function train.evaluate(model, loader, iters)
   return train.evaluate_on(model, loader, iters)
 end
 -- the same, with batches moved by to_device(x, y) -> x, y
-function train.evaluate_on(model, loader, iters, to_device)
+function train.evaluate_on(model, loader, iters, to_device, forward)
   local was = model.training
   model:eval()
   local total = 0
+  forward = forward or model
   ms.no_grad(function()
     for k = 0, iters - 1 do
       local x, y = loader:batch(k)
       if to_device then x, y = to_device(x, y) end
-      total = total + model(x, y):item()
+      total = total + forward(x, y):item()
     end
   end)
   if was then model:train() end
@@ -864,7 +871,7 @@ end
 
 -- options a resumed run takes from the command line rather than from the
 -- checkpoint even when not given: none; these are dropped from the saved ones
-local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true, tp = true }
+local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true, tp = true, pp = true }
 
 -- train.run(options) -> summary { steps, final_loss, first_loss, val_loss,
 -- elapsed_s, tokens_per_s, out, sample, model, interrupted, bad_steps,
@@ -971,7 +978,29 @@ function train.run(opts)
     if strategy == nil or strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     tp_mesh = dist.mesh { replicate = world / tp_size, shard = tp_size }
     data_rank, data_world = tp_mesh.coord[1], world / tp_size
-  else
+  end
+  -- --pp N: pipelines of N stages (mesh.shard, consecutive ranks), data
+  -- parallelism across them (mesh.replicate, gradients all-reduced);
+  -- whole-model checkpoints
+  local pp_size, pp_mesh = o.pp, nil
+  if pp_size > 1 then
+    if tp_size > 1 then usage('--pp with --tp: not supported yet (one of them)') end
+    if world % pp_size ~= 0 then
+      usage('--pp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', pp_size, world,
+        world == 1 and '' or 's')
+    end
+    if strategy ~= nil and strategy ~= 'off' and strategy ~= 'NO_SHARD' then
+      usage('--pp %d with --fsdp %s: not supported (the pipelines are data parallel: --fsdp off or NO_SHARD)', pp_size,
+        strategy)
+    end
+    if o.lora > 0 then usage('--pp with --lora: not supported (merge the adapters first)') end
+    if resume and resume.sharded then
+      usage('--pp: %s is a sharded (FSDP) checkpoint; --pp resumes whole-model checkpoints', resume.path)
+    end
+    strategy = nil
+    pp_mesh = dist.mesh { replicate = world / pp_size, shard = pp_size }
+    data_rank, data_world = pp_mesh.coord[1], world / pp_size
+  elseif tp_size <= 1 then
     if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
     if o.fsdp == 'off' and multi and rank == 0 then
       warn('--fsdp off with several ranks: training data-parallel (NO_SHARD)')
@@ -1008,7 +1037,7 @@ function train.run(opts)
   -- under nn.deferred_init, so no rank holds the whole of it; fully_shard
   -- writes each rank's shards from the recorded initialisation, the values
   -- an eager build would have had (docs/nn.md, "Deferred initialisation")
-  local deferred = (strategy ~= nil or tp_mesh ~= nil) and not (resume and not resume.sharded)
+  local deferred = (strategy ~= nil or tp_mesh ~= nil) and not (resume and not resume.sharded) or pp_mesh ~= nil
   local okm, model
   if o.init_from then
     -- fine-tuning: the folder's config and weights (a resumed run builds
@@ -1139,6 +1168,32 @@ function train.run(opts)
     ac_desc = ('%d of %d %s'):format(#names, total, cls)
   end
 
+  -- pipeline parallelism: this rank's stage of the (deferred) model, then
+  -- its parameters made (or read from the checkpoint resumed)
+  local pp_desc, pipe
+  if pp_mesh then
+    local mbs = o.pp_microbatches > 0 and o.pp_microbatches or o.batch_size
+    if o.batch_size % mbs ~= 0 then
+      usage('--pp-microbatches %d does not divide --batch-size %d', mbs, o.batch_size)
+    end
+    local okp, perr = pcall(ms.pp.pipeline, model, { group = pp_mesh.shard, microbatches = mbs,
+      schedule = o.pp_schedule })
+    if not okp then usage('--pp %d: %s', pp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    pipe = perr
+    ms.nn.materialize(model)
+    local mine = 0
+    for _, p in ipairs(model:parameters()) do mine = mine + p:numel() end
+    local most = reduce_numbers({ mine }, 'max')[1]
+    pp_desc = ('%d stages over %d ranks, blocks {%s}, data parallel %d, %s, %d micro-batches of %d sequences, '
+      .. 'at most %.2fM parameters a stage'):format(pp_size, world, table.concat(pipe.layers, ', '), data_world,
+      o.pp_schedule, mbs, o.batch_size / mbs, most / 1e6)
+    if resume then
+      local okl, err = pcall(ckpt.load, resume.path, {
+        model = { load_state_dict = function(_, sd) ms.pp.load_full_state_dict(model, sd) end } })
+      if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
+    end
+  end
+
   -- FSDP: units by --fsdp-policy, --fsdp-mixed-precision, --shard-size
   local fsdp_desc
   if o.float8_all_gather and (o.float8 ~= 'tensorwise' or not strategy or strategy == 'NO_SHARD') then
@@ -1239,6 +1294,11 @@ function train.run(opts)
     local okl, err
     if load_converted then okl, err = pcall(load_converted, model, opt)
     elseif resume.sharded then okl, err = pcall(fck().load_sharded, model, resume.path, { optimizer = opt })
+    elseif pp_mesh then
+      -- a whole-model checkpoint (its weights went in before): every stage
+      -- reads the optimizer's state and keeps its parameters'
+      okl, err = pcall(ckpt.load, resume.path, {
+        optimizer = { load_state_dict = function(_, sd) ms.pp.load_full_optimizer_state(model, opt, sd) end } })
     elseif tp_mesh then
       -- a whole-model checkpoint (its weights went in before): every rank
       -- reads the optimizer's state and keeps its slices (of its shards)
@@ -1291,14 +1351,16 @@ function train.run(opts)
     o.init_from and ('from ' .. o.init_from) or tostring(o.preset), nparams / 1e6, o.dtype)
   log('data: %s, %d %s (train %d, val %d)', corpus.name, corpus.n, corpus.unit, corpus.train.n, corpus.val and corpus.val.n or 0)
   if multi then
-    log('%d steps x %d tokens (%d ranks x %d x %d x %d micro-batches), lr %g, threads %d, out %s',
-      o.steps, tokens_per_step, world, o.batch_size, o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
+    log('%d steps x %d tokens (%d %s x %d x %d x %d micro-batches), lr %g, threads %d, out %s',
+      o.steps, tokens_per_step, data_world, data_world == world and 'ranks' or 'data-parallel groups', o.batch_size,
+      o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
   else
     log('%d steps x %d tokens (%d x %d x %d micro-batches), lr %g, threads %d, out %s',
       o.steps, tokens_per_step, o.batch_size, o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
   end
   if fsdp_desc then log('fsdp: %s', fsdp_desc) end
   if tp_desc then log('tensor parallel: %s', tp_desc) end
+  if pp_desc then log('pipeline parallel: %s', pp_desc) end
   if float8_desc then log('float8: %s', float8_desc) end
   if ac_desc then log('activation checkpointing: %s', ac_desc) end
   if lora_desc then log('lora: %s', lora_desc) end
@@ -1312,12 +1374,16 @@ function train.run(opts)
     local state = { step = step, scheduler = { step = step, lr = lr_at(math.min(step, o.steps)) },
                     rng = T.rng_state(), data = train_loader:state(), options = saved,
                     bad_steps = bad_total, bad_steps_in_a_row = bad_run }
-    if tp_mesh then
+    if tp_mesh or pp_mesh then
       -- the whole model's and optimizer's state, gathered on every rank;
-      -- rank 0 writes a one-process checkpoint (it resumes at any --tp)
-      state.world_size, state.tokens_per_step, state.tp = data_world, tokens_per_step, tp_size
-      local msd, osd = ms.tp.full_checkpoint(model, opt, { lr = lr_at(math.min(step, o.steps)), betas = adamw_opts.betas,
-        eps = adamw_opts.eps, weight_decay = adamw_opts.weight_decay })
+      -- rank 0 writes a one-process checkpoint (it resumes at any --tp or --pp)
+      state.world_size, state.tokens_per_step = data_world, tokens_per_step
+      state.tp, state.pp = tp_mesh and tp_size or nil, pp_mesh and pp_size or nil
+      local hyper = { lr = lr_at(math.min(step, o.steps)), betas = adamw_opts.betas, eps = adamw_opts.eps,
+        weight_decay = adamw_opts.weight_decay }
+      local msd, osd
+      if tp_mesh then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
+      else msd, osd = ms.pp.full_checkpoint(model, opt, hyper) end
       local okw, path = true, o.out .. '/' .. ckpt.name(step)
       if rank == 0 then
         okw, path = pcall(ckpt.save, o.out, step, { model = { state_dict = function() return msd end },
@@ -1341,7 +1407,8 @@ function train.run(opts)
 
   -- the mean validation loss over every rank's batches
   local function validate()
-    local v = train.evaluate_on(model, val_loader, o.eval_iters, to_device)
+    local v = train.evaluate_on(model, val_loader, o.eval_iters, to_device,
+      pipe and function(x, y) return pipe:evaluate(x, y) end or nil)
     if multi then v = reduce_numbers({ v }, 'avg')[1] end
     return v
   end
@@ -1398,6 +1465,14 @@ function train.run(opts)
         local prev = ms.autograd.release_activations
         ms.autograd.release_activations = o.release_activations
         local ok, err = pcall(function()
+          if pipe then
+            -- every micro-batch of the pipeline, forward and backward (docs/pp.md)
+            local loss = pipe:step(x, y, { scale = 1 / accum, sync = k == accum,
+              loss_hook = inject[step] and function(l) return l * (0 / 0) end or nil })
+            lsum = lsum + loss:item()
+            loss:free()
+            return
+          end
           local loss = model(x, y)
           if inject[step] then loss = loss * (0 / 0) end
           lsum = lsum + loss:item()
@@ -1413,7 +1488,11 @@ function train.run(opts)
     end
     local lv = lsum / accum
     local gnorm
-    if tp_mesh then
+    if pp_mesh then
+      -- the pipelines' gradients averaged, then clipped over the stages
+      ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg')
+      gnorm = ms.pp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
+    elseif tp_mesh then
       -- (under FSDP the gradients were reduced over mesh.replicate already)
       if not strategy then ms.tp.all_reduce_grads(model, tp_mesh.replicate, 'avg') end
       gnorm = ms.tp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
@@ -1519,8 +1598,16 @@ function train.run(opts)
     }
   end
 
+  -- a pipeline's whole model (its stages gathered), for the saved weights and the sample
+  local pp_sd = pp_mesh and (o.save or (o.sample_tokens > 0 and not sharded)) and ms.pp.full_state_dict(model) or nil
   if o.save then
-    if tp_mesh then
+    if pp_mesh then
+      if rank == 0 then
+        local hf = require 'models.hf'
+        hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return pp_sd end },
+          o.out)
+      end
+    elseif tp_mesh then
       local msd = ms.tp.full_checkpoint(model)
       if rank == 0 then
         local hf = require 'models.hf'
@@ -1545,7 +1632,15 @@ function train.run(opts)
     if #prompt == 0 then prompt = { 10 } end
     -- a sharded model: every rank samples the same tokens (its forwards gather the units)
     if strategy then ms.fsdp.unshard(model) end
-    local ids = model:generate({ prompt }, o.sample_tokens, {
+    local gen = model
+    if pp_mesh then
+      -- the pipeline's stages put together again in a whole model (every rank samples the same tokens)
+      gen = M.build(model.config)
+      gen:load_state_dict(pp_sd)
+      gen:to(device)
+      gen:eval()
+    end
+    local ids = gen:generate({ prompt }, o.sample_tokens, {
       temperature = o.temperature, top_k = o.top_k > 0 and o.top_k or nil, seed = o.seed })
     if strategy then ms.fsdp.reshard(model) end
     local row = ids:totable()[1]
