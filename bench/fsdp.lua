@@ -27,6 +27,11 @@
 -- --tp (tensor parallelism instead of FSDP: ms.tp.parallelize over the
 -- world, every rank the same batch; tokens/s per GPU is then the step's
 -- tokens over the GPUs; docs/tp.md), --sp (with --tp: sequence parallel),
+-- --pp (pipeline parallelism instead of FSDP: ms.pp.pipeline over the
+-- world, one stage a GPU, every rank the same batch cut into --microbatches
+-- M micro-batches (default: --batch, one sequence each), --schedule
+-- 1f1b|gpipe; tokens/s per GPU is the step's tokens over the GPUs;
+-- docs/pp.md),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
 -- the last phase's), --keep-activations (ms.autograd.release_activations
@@ -55,9 +60,10 @@ local ffi = require 'ffi'
 local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
-  ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise', ['tp-scales'] = 'shard' }
+  ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise', ['tp-scales'] = 'shard', microbatches = 0,
+  schedule = '1f1b' }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
-  ['keep-activations'] = false, tp = false, sp = false, float8 = false, ['float8-gather'] = false,
+  ['keep-activations'] = false, tp = false, pp = false, sp = false, float8 = false, ['float8-gather'] = false,
   ['no-overlap'] = false }
 do
   local i = 1
@@ -71,7 +77,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -93,10 +99,11 @@ local function now()
   return tonumber(tsp.tv_sec) + tonumber(tsp.tv_nsec) * 1e-9
 end
 
-local use_tp = flags.tp
-local use_fsdp = not flags['no-fsdp'] and not use_tp
+local use_tp, use_pp = flags.tp, flags.pp
+local use_fsdp = not flags['no-fsdp'] and not use_tp and not use_pp
+assert(not (use_pp and (use_tp or flags.float8)), 'bench/fsdp.lua: --pp without --tp or --float8')
 local world, rank = 1, 0
-if use_fsdp or use_tp then
+if use_fsdp or use_tp or use_pp then
   ms.dist.init { backend = 'nccl' }
   world, rank = ms.dist.world_size(), ms.dist.rank()
 end
@@ -120,6 +127,13 @@ else
 end
 local nparams = 0
 for _, p in model:named_parameters() do nparams = nparams + p:numel() end
+-- --pp: this rank's stage only goes to the GPU
+local pipe
+if use_pp then
+  if opts.microbatches == 0 then opts.microbatches = opts.batch end
+  pipe = ms.pp.pipeline(model, { microbatches = opts.microbatches, schedule = opts.schedule })
+  say(tostring(pipe))
+end
 model:to('cuda')
 model:train()
 -- --float8: every Linear of the blocks in FP8 (moonshard.float8, the
@@ -144,6 +158,10 @@ if use_tp then
   model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
   opt = ms.optim.AdamW(model, adam)
   clip = function() return ms.tp.clip_grad_norm_(model, 1.0, { tensor = true, defer = opt }) end
+elseif use_pp then
+  model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
+  opt = ms.optim.AdamW(model, adam)
+  clip = function() return ms.pp.clip_grad_norm_(model, 1.0, { tensor = true, defer = opt }) end
 elseif use_fsdp then
   local head_unit = nil                              -- the default: a unit for an untied head
   if flags['head-in-root'] then head_unit = false end
@@ -165,7 +183,8 @@ local V = model.config.vocab_size
 local data = {}
 for k = 1, 4 do
   -- (tensor parallelism: the same tokens on every rank)
-  local d = (ms.rand({ opts.batch, opts.seq + 1 }, { seed = 100 * ((use_tp and 0 or rank) + 1) + k, device = 'cuda' })
+  local d = (ms.rand({ opts.batch, opts.seq + 1 }, { seed = 100 * (((use_tp or use_pp) and 0 or rank) + 1) + k,
+    device = 'cuda' })
     * (V - 1)):long()
   data[k] = { d:narrow(2, 1, opts.seq):contiguous(), d:narrow(2, 2, opts.seq):contiguous() }
 end
@@ -191,10 +210,15 @@ local function step(k, timed)
   opt:zero_grad()
   if timed then ph_ev[2]:record() end
   mark(2)
-  local loss = model(d[1], d[2])
+  local loss
+  if pipe then
+    loss = pipe:step(d[1], d[2])   -- (forward and backward together: the forward phase's time)
+  else
+    loss = model(d[1], d[2])
+  end
   if timed then ph_ev[3]:record() end
   mark(3)
-  loss:backward()
+  if not pipe then loss:backward() end
   if timed then ph_ev[4]:record() end
   mark(4)
   clip()
@@ -298,12 +322,13 @@ end
 local cfg = model.config
 local L = cfg.n_layer or cfg.num_hidden_layers
 local C = cfg.n_embd or cfg.hidden_size
-local tok = opts.batch * opts.seq / med / (use_tp and world or 1)
+local tok = opts.batch * opts.seq / med / ((use_tp or use_pp) and world or 1)
 local flops_tok = 6 * nparams + 6 * L * C * opts.seq
 say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLOP/s/GPU | peak GiB/GPU | exposed comm ms |'))
 say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
-  use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
+  use_pp and ('pipeline, %s, %d micro-batches'):format(opts.schedule, opts.microbatches)
+    or use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
     .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
   peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))
-if use_fsdp or use_tp then ms.dist.destroy() end
+if use_fsdp or use_tp or use_pp then ms.dist.destroy() end

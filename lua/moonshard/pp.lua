@@ -29,6 +29,7 @@
 -- deadlocks on NCCL or MPI.
 local A = require 'moonshard.autograd'
 local dist = require 'moonshard.dist'
+local amp = require 'moonshard.amp'
 local T = require 'moonshard.tensor'
 local F = require 'moonshard.ops'
 local optim = require 'moonshard.optim'
@@ -222,7 +223,11 @@ local function rows(t, i, n) return t:narrow(1, (i - 1) * n + 1, n):contiguous()
 function Pipeline:forward_one(i, x, ids, targets, grad)
   local rec = { tape = {}, x = x }
   local parts, blocks, mb = self.parts, self.parts.blocks, self.mb
-  rec.out = on_tape(rec.tape, function()
+  -- the model's precision (nn.functional.set_precision: its forward in an
+  -- autocast region) holds for the stage's part of the forward too
+  local compute = amp.precision(self.model)
+  local run = compute and function(fn) return amp.autocast(compute, fn) end or function(fn) return fn() end
+  rec.out = on_tape(rec.tape, run, function()
     local h = x
     if self.first then h = parts.embed(rows(ids, i, mb)) end
     for j = self.block_range[1], self.block_range[2] do h = blocks[j](h) end

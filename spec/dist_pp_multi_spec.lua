@@ -1,0 +1,132 @@
+-- Point-to-point and pipeline parallelism on GPUs over NCCL (#multi:
+-- tools/run_multi_specs.sh on a host with 2 or more GPUs). The CPU specs
+-- over MPI (spec/dist_p2p_spec.lua, spec/dist_pp_spec.lua, #mpi) hold the
+-- exact checks; this file runs the same code with CUDA tensors: batches of
+-- sends and receives as one NCCL group, both schedules against the whole
+-- model on the same GPU (f32 within 1e-4: the micro-batches' GEMMs may take
+-- other algorithms than the batch's), bf16 autocast with one micro-batch
+-- (the same kernels: the same bits), and a step's memory flat from step 2.
+local ms = require 'moonshard'
+local FS = require 'spec.fsdp_support'
+local dist = require 'moonshard.dist'
+local gpt2 = require 'models.gpt2'
+local llama = require 'models.llama'
+local hf = require 'models.hf'
+
+local launched = os.getenv('RANK') ~= nil and os.getenv('MS_DEVICE') == 'cuda'
+
+local function val(r, i, k) return ((r * 7 + i * 3 + k * 5) % 23) - 11 end
+
+describe('point-to-point and pipelines on GPUs (NCCL) #multi', function()
+  if not launched then
+    it('runs under the launcher on GPUs (tools/run_multi_specs.sh)', function() pending('not launched with --device cuda') end)
+    return
+  end
+  setup(function() dist.init { timeout = 300 } end)
+  teardown(function() dist.destroy() end)
+
+  local W = tonumber(os.getenv('WORLD_SIZE'))
+  local R = tonumber(os.getenv('RANK'))
+
+  it('passes a ring of messages and exchanges both ways in one batch (f32, bf16, f8 bytes)', function()
+    local nxt, prev = (R + 1) % W, (R - 1 + W) % W
+    for k, dtype in ipairs({ 'f32', 'bf16', 'f8e4m3' }) do
+      for _, n in ipairs({ 1, 1001, 1 << 20 }) do
+        local v = {}
+        for i = 0, n - 1 do v[i + 1] = val(R, i % 97, k) end
+        local out = ms.tensor(v, { dtype = 'f32' }):cuda():to(dtype)
+        local inb = ms.empty({ n }, { dtype = dtype, device = 'cuda' })
+        local back = ms.empty({ n }, { dtype = dtype, device = 'cuda' })
+        -- to the next rank and back from it at once: a send and a receive between the same ranks in one group
+        dist.batch_p2p({ { 'send', out, nxt }, { 'send', out, prev }, { 'recv', inb, prev }, { 'recv', back, nxt } })
+        local got, got2 = inb:to('f32'):cpu():totable(), back:to('f32'):cpu():totable()
+        for i = 1, math.min(n, 200) do
+          assert.are.equal(val(prev, (i - 1) % 97, k), got[i], ('%s x %d element %d from rank %d'):format(dtype, n, i, prev))
+          assert.are.equal(val(nxt, (i - 1) % 97, k), got2[i], ('%s x %d element %d from rank %d'):format(dtype, n, i, nxt))
+        end
+      end
+    end
+  end)
+
+  local cases = {
+    { 'gpt2', gpt2, { vocab_size = 515, n_positions = 64, n_embd = 64, n_layer = 4, n_head = 4,
+      resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, bos_token_id = hf.null, eos_token_id = hf.null } },
+    { 'llama', llama, { vocab_size = 515, hidden_size = 64, intermediate_size = 128, num_hidden_layers = 4,
+      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64 } },
+  }
+  local function build(case)
+    ms.manual_seed(5)
+    return case[2].new(case[3])
+  end
+  local function batch(seed)
+    local x, y = FS.lcg_batch(seed, 8, 48)
+    return x:cuda(), y:cuda()
+  end
+
+  for _, case in ipairs(cases) do
+    for _, sched in ipairs({ '1f1b', 'gpipe' }) do
+      it(('%s, %s, 4 micro-batches: the whole model\'s loss and gradients (f32)'):format(case[1], sched), function()
+        local x, y = batch(3)
+        local ref = build(case):to('cuda')
+        local l0 = ref(x, y)
+        l0:backward()
+        local m = build(case)
+        local pipe = ms.pp.pipeline(m, { microbatches = 4, schedule = sched })
+        m:to('cuda')
+        local l1 = pipe:step(x, y)
+        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-5, ('%.9g against %.9g'):format(l1:item(), l0:item()))
+        local ref_p = {}
+        for name, p in ref:named_parameters() do ref_p[name] = p end
+        for name, p in m:named_parameters() do
+          local e = FS.norm_rel(p.grad, ref_p[name].grad)
+          assert.is_true(e <= 1e-4, ('%s: %g'):format(name, e))
+        end
+        pipe:free()
+      end)
+    end
+  end
+
+  it('bf16 autocast, one micro-batch: the whole model\'s loss and gradients, bit for bit', function()
+    local case = cases[2]
+    local x, y = batch(4)
+    local ref = ms.nn.functional.set_precision(build(case):to('cuda'), { compute = 'bf16' })
+    local l0 = ref(x, y)
+    l0:backward()
+    local m = build(case)
+    local pipe = ms.pp.pipeline(m, { microbatches = 1 })
+    m:to('cuda')
+    ms.nn.functional.set_precision(m, { compute = 'bf16' })
+    local l1 = pipe:step(x, y)
+    assert.are.equal(l0:item(), l1:item())
+    local ref_p = {}
+    for name, p in ref:named_parameters() do ref_p[name] = p end
+    for name, p in m:named_parameters() do assert.are.equal(0, FS.max_rel(p.grad, ref_p[name].grad), name) end
+    pipe:free()
+  end)
+
+  it('AdamW steps: memory flat from step 2 on, no cudaMalloc after it; the loss goes down', function()
+    local case = cases[1]
+    local m = build(case)
+    local pipe = ms.pp.pipeline(m, { microbatches = 4 })
+    m:to('cuda')
+    ms.nn.functional.set_precision(m, { compute = 'bf16' })
+    local opt = ms.optim.AdamW(m, { lr = 3e-3 })
+    local x, y = batch(6)
+    local mem, losses, s2 = {}, {}, nil
+    for step = 1, 6 do
+      opt:zero_grad()
+      local l = pipe:step(x, y)
+      ms.pp.clip_grad_norm_(m, 1.0, { tensor = true, defer = opt })
+      opt:step()
+      losses[step] = l:item()
+      l:free()
+      collectgarbage()
+      mem[step] = ms.cuda.memory_stats().allocated
+      if step == 2 then s2 = ms.cuda.memory_stats() end
+    end
+    for step = 3, 6 do assert.are.equal(mem[2], mem[step], 'allocated bytes after step ' .. step) end
+    assert.are.equal(s2.num_mallocs, ms.cuda.memory_stats().num_mallocs)
+    assert.is_true(losses[6] < losses[1], ('%g -> %g'):format(losses[1], losses[6]))
+    pipe:free()
+  end)
+end)
