@@ -45,11 +45,28 @@ local function has_prefix(name, list)
   return false
 end
 
--- the blocks per stage when none are given: as even as can be, the extra
--- ones on the first stages (the last stage carries the head)
-function pp.balanced(n_blocks, n_stages)
-  local base, extra, r = math.floor(n_blocks / n_stages), n_blocks % n_stages, {}
-  for s = 1, n_stages do r[s] = base + (s <= extra and 1 or 0) end
+-- pp.balanced(n_blocks, n_stages, last_cost) -> blocks per stage when
+-- none are given: the last stage also carries the final norm and the head,
+-- worth last_cost blocks of work (pp.pipeline counts it as the head's
+-- weight over a block's parameters: a Llama-3 vocabulary's head on a 1B
+-- model is ~6 blocks); the last stage gets the number of blocks that makes
+-- the most loaded stage lightest (more when that ties: the earlier stages
+-- hold more micro-batches' activations under 1F1B), the others share the
+-- rest evenly, the extra ones first. Every stage gets a block when there are
+-- enough.
+function pp.balanced(n_blocks, n_stages, last_cost)
+  last_cost = last_cost or 0
+  if n_stages == 1 then return { n_blocks } end
+  local lo = n_blocks >= n_stages and 1 or 0
+  local best_k, best = lo, math.huge
+  for k = lo, n_blocks - lo * (n_stages - 1) do
+    local worst = math.max(math.ceil((n_blocks - k) / (n_stages - 1)), k + last_cost)
+    if worst <= best then best_k, best = k, worst end
+  end
+  local rest, r = n_blocks - best_k, {}
+  local base, extra = math.floor(rest / (n_stages - 1)), rest % (n_stages - 1)
+  for s = 1, n_stages - 1 do r[s] = base + (s <= extra and 1 or 0) end
+  r[n_stages] = best_k
   return r
 end
 
@@ -72,7 +89,8 @@ end
 --   schedule      '1f1b' (default: at most stages - stage micro-batches'
 --                 activations held) or 'gpipe' (every forward, then every backward)
 --   layers        blocks per stage, a list summing to the model's blocks
---                 (default pp.balanced)
+--                 (default pp.balanced, the head counted as its weight's
+--                 share of a block's parameters)
 --   dtype         of the activations sent between stages (default: the
 --                 stage's parameters' dtype, which the residual stream has)
 function pp.pipeline(model, opts)
@@ -90,7 +108,17 @@ function pp.pipeline(model, opts)
   local S, s = group:size(), group:rank()
   local parts = model:pipeline_parts()
   local L = #parts.blocks
-  local layers = opts.layers or pp.balanced(L, S)
+  local layers = opts.layers
+  if layers == nil then
+    -- the head's work in blocks: its matrices' elements over a block's parameters
+    local block_n, head_n = 0, 0
+    if L > 0 then for _, p in ipairs(parts.blocks[1]:parameters()) do block_n = block_n + p:numel() end end
+    for name, p in model:named_parameters() do
+      local kind = classify(parts, name)
+      if (kind == 'last' or kind == 'both') and p.ndim == 2 then head_n = head_n + p:numel() end
+    end
+    layers = pp.balanced(L, S, block_n > 0 and head_n / block_n or 0)
+  end
   if type(layers) ~= 'table' or #layers ~= S then
     error(('pp.pipeline: layers must list the blocks of each of the %d stages, got %s'):format(S,
       type(layers) == 'table' and (#layers .. ' entries') or tostring(layers)), 2)
