@@ -30,8 +30,8 @@
 -- --pp (pipeline parallelism instead of FSDP: ms.pp.pipeline over the
 -- world, one stage a GPU, every rank the same batch cut into --microbatches
 -- M micro-batches (default: --batch, one sequence each), --schedule
--- 1f1b|gpipe; tokens/s per GPU is the step's tokens over the GPUs;
--- docs/pp.md),
+-- 1f1b|gpipe, --no-overlap: every exchange waited for; tokens/s per GPU
+-- is the step's tokens over the GPUs; docs/pp.md),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
 -- the last phase's), --keep-activations (ms.autograd.release_activations
@@ -77,7 +77,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -131,7 +131,8 @@ for _, p in model:named_parameters() do nparams = nparams + p:numel() end
 local pipe
 if use_pp then
   if opts.microbatches == 0 then opts.microbatches = opts.batch end
-  pipe = ms.pp.pipeline(model, { microbatches = opts.microbatches, schedule = opts.schedule })
+  pipe = ms.pp.pipeline(model, { microbatches = opts.microbatches, schedule = opts.schedule,
+    overlap = not flags['no-overlap'] })
   say(tostring(pipe))
 end
 model:to('cuda')
@@ -327,7 +328,8 @@ local flops_tok = 6 * nparams + 6 * L * C * opts.seq
 say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLOP/s/GPU | peak GiB/GPU | exposed comm ms |'))
 say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
-  use_pp and ('pipeline, %s, %d micro-batches'):format(opts.schedule, opts.microbatches)
+  use_pp and ('pipeline, %s, %d micro-batches%s'):format(opts.schedule, opts.microbatches,
+    flags['no-overlap'] and ', no overlap' or '')
     or use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
     .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
   peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))

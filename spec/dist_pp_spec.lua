@@ -41,7 +41,7 @@ describe('pipeline parallelism #mpi', function()
   end
 
   for _, case in ipairs(cases) do
-    for _, sched in ipairs({ '1f1b', 'gpipe' }) do
+    for _, sched in ipairs({ '1f1b', 'gpipe', '1f1b, no overlap' }) do
       for _, M in ipairs({ 1, 4 }) do
         it(('%s, %s, %d micro-batches: loss and this stage\'s gradients are the whole model\'s (f64)'):format(
           case[1], sched, M), function()
@@ -50,7 +50,8 @@ describe('pipeline parallelism #mpi', function()
           local l0 = ref(x, y)
           l0:backward()
           local m = build(case)
-          local pipe = pp.pipeline(m, { microbatches = M, schedule = sched })
+          local pipe = pp.pipeline(m, { microbatches = M, schedule = sched:match('^%w+'),
+            overlap = not sched:find('no overlap', 1, true) })
           local l1 = pipe:step(x, y)
           -- every micro-batch has the same number of targets: the mean of
           -- their means is the batch's mean

@@ -93,6 +93,9 @@ end
 --                 share of a block's parameters)
 --   dtype         of the activations sent between stages (default: the
 --                 stage's parameters' dtype, which the residual stream has)
+--   overlap       (default true) sends left running beside the compute:
+--                 gradients on a second group (below); false: every
+--                 exchange waited for, a send and a receive in one batch
 function pp.pipeline(model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or type(model.pipeline_parts) ~= 'function' then
@@ -200,6 +203,10 @@ function pp.pipeline(model, opts)
     prev = (not first) and ranks[s] or nil, next = (not last) and ranks[s + 2] or nil,
     tied = tied, n_params = kept, names = names, full_groups = full_groups,
   }, Pipeline)
+  -- gradients go back on a group of their own (overlap; collective over the group)
+  self.overlap = opts.overlap ~= false and S > 1
+  self.sends = {}
+  if self.overlap then self.bwd_group = dist.new_group(ranks, { group = group }) else self.bwd_group = group end
   -- the first and last stages share the tied weights' gradient (collective over the group)
   if S > 1 and n_both > 0 then
     self.tied_group = dist.new_group({ ranks[1], ranks[S] }, { group = group })
@@ -304,10 +311,23 @@ function Pipeline:act_buffer()
   return T.empty({ self.mb, self.seq, self.parts.hidden }, { dtype = self.dtype, device = self.dev })
 end
 
--- runs a batch of point-to-point operations (a no-op when empty)
-function Pipeline:p2p(ops)
-  if #ops > 0 then dist.batch_p2p(ops, { group = self.group }) end
+-- runs a batch of point-to-point operations (a no-op when empty) on `group`
+-- (default: the pipeline's); async: the Work is kept until the step's end
+function Pipeline:p2p(ops, group, async)
+  if #ops == 0 then return end
+  local w = dist.batch_p2p(ops, { group = group or self.group, async = async })
+  if w then self.sends[#self.sends + 1] = w end
 end
+
+-- Two ways to move the tensors. With overlap (the default) activations go
+-- forward on the pipeline's group and gradients backward on a second
+-- group (its own communicator and stream): on each, a rank only sends to
+-- one neighbour and receives from the other, in the order both sides run
+-- the schedule, so a send can be left running (async: the compute stream
+-- goes on at once) and only a receive is waited for. Without overlap,
+-- every exchange is one batch on one group that the compute stream waits
+-- for, a send and a receive between the same ranks paired in one batch
+-- (Megatron-LM's send_forward_recv_backward).
 
 -- receive the next micro-batch's input from the previous stage (nil on the first)
 function Pipeline:recv_forward(grad)
@@ -319,40 +339,57 @@ function Pipeline:recv_forward(grad)
 end
 
 function Pipeline:send_forward(rec)
-  if not self.last then self:p2p({ { 'send', rec.out, self.next } }) end
+  if not self.last then self:p2p({ { 'send', rec.out, self.next } }, nil, self.overlap) end
 end
 
 function Pipeline:recv_backward()
   if self.last then return nil end
   local g = self:act_buffer()
-  self:p2p({ { 'recv', g, self.next } })
+  self:p2p({ { 'recv', g, self.next } }, self.bwd_group)
   return g
 end
 
 function Pipeline:send_backward(gx)
   if gx ~= nil then
-    self:p2p({ { 'send', gx, self.prev } })
+    self:p2p({ { 'send', gx, self.prev } }, self.bwd_group, self.overlap)
     gx:free()
   end
 end
 
 -- 1F1B's steady state: send this output forward and take the output
--- gradient of the oldest micro-batch back, in one batch
+-- gradient of the oldest micro-batch back
 function Pipeline:send_forward_recv_backward(rec)
   if self.last then return nil end
+  if self.overlap then
+    self:send_forward(rec)
+    return self:recv_backward()
+  end
   local g = self:act_buffer()
   self:p2p({ { 'send', rec.out, self.next }, { 'recv', g, self.next } })
   return g
 end
 
--- send an input gradient back and take the next micro-batch's input, in one batch
+-- send an input gradient back and take the next micro-batch's input
 function Pipeline:send_backward_recv_forward(gx)
   if self.first then return nil end
+  if self.overlap then
+    self:send_backward(gx)
+    return self:recv_forward(true)
+  end
   local x = self:act_buffer()
   self:p2p({ { 'send', gx, self.prev }, { 'recv', x, self.prev } })
   gx:free()
   x:requires_grad_()
   return x
+end
+
+-- the sends left running, waited for (the compute stream, on NCCL) and freed
+function Pipeline:finish_sends()
+  for i, w in ipairs(self.sends) do
+    w:wait()
+    w:free()
+    self.sends[i] = nil
+  end
 end
 
 -- ------------------------------------------------------------ steps
@@ -457,6 +494,7 @@ function Pipeline:step(ids, targets, opts)
       self:send_backward(self:backward_one(oldest, gy))
     end
   end
+  self:finish_sends()
   if not (opts and opts.sync == false) then self:sync_tied() end
   self.step_opts = nil
   return self:finish_loss()
@@ -484,6 +522,7 @@ function Pipeline:evaluate(ids, targets)
       if not self.last then rec.out:free() end
     end
   end)
+  self:finish_sends()
   return self:finish_loss()
 end
 
@@ -692,6 +731,7 @@ end
 -- pipe:free(): the pipeline's group for the tied weights
 function Pipeline:free()
   if self.tied_group then self.tied_group:free(); self.tied_group = nil end
+  if self.overlap and self.bwd_group then self.bwd_group:free(); self.bwd_group = nil end
 end
 
 return pp
