@@ -30,7 +30,8 @@
 -- --pp (pipeline parallelism instead of FSDP: ms.pp.pipeline over the
 -- world, one stage a GPU, every rank the same batch cut into --microbatches
 -- M micro-batches (default: --batch, one sequence each), --schedule
--- 1f1b|gpipe, --no-overlap: every exchange waited for; tokens/s per GPU
+-- 1f1b|gpipe, --no-overlap: every exchange waited for, --stages 10,6: the
+-- blocks per stage instead of pp.balanced's; tokens/s per GPU
 -- is the step's tokens over the GPUs; docs/pp.md),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
@@ -61,7 +62,7 @@ local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
   ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise', ['tp-scales'] = 'shard', microbatches = 0,
-  schedule = '1f1b' }
+  schedule = '1f1b', stages = '' }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
   ['keep-activations'] = false, tp = false, pp = false, sp = false, float8 = false, ['float8-gather'] = false,
   ['no-overlap'] = false }
@@ -77,7 +78,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap] [--stages N,N,..]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -131,8 +132,13 @@ for _, p in model:named_parameters() do nparams = nparams + p:numel() end
 local pipe
 if use_pp then
   if opts.microbatches == 0 then opts.microbatches = opts.batch end
+  local layers
+  if opts.stages ~= '' then
+    layers = {}
+    for n in tostring(opts.stages):gmatch('%d+') do layers[#layers + 1] = tonumber(n) end
+  end
   pipe = ms.pp.pipeline(model, { microbatches = opts.microbatches, schedule = opts.schedule,
-    overlap = not flags['no-overlap'] })
+    overlap = not flags['no-overlap'], layers = layers })
   say(tostring(pipe))
 end
 model:to('cuda')

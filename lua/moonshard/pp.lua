@@ -45,11 +45,20 @@ local function has_prefix(name, list)
   return false
 end
 
+-- The head's work per element of its weight, against a block's per
+-- parameter: a block also runs attention and a dozen memory-bound passes
+-- its parameter count does not show, the fused loss's GEMMs run near the
+-- GEMM rate. Measured: the 1.25B Llama's 2-stage pipeline on two H200s
+-- (16 one-sequence micro-batches) ran 392 / 385 / 417 / 448 ms a step at
+-- 9+7 / 10+6 / 11+5 / 12+4 blocks; its head is 5.8 blocks of parameters,
+-- so 0.7 of them puts it at 4.1, the 10+6 split.
+pp.head_weight = 0.7
+
 -- pp.balanced(n_blocks, n_stages, last_cost) -> blocks per stage when
 -- none are given: the last stage also carries the final norm and the head,
--- worth last_cost blocks of work (pp.pipeline counts it as the head's
--- weight over a block's parameters: a Llama-3 vocabulary's head on a 1B
--- model is ~6 blocks); the last stage gets the number of blocks that makes
+-- worth last_cost blocks of work (pp.pipeline counts it as pp.head_weight
+-- times the head's weight over a block's parameters: ~4 blocks for a
+-- Llama-3 vocabulary's head on a 1B model); the last stage gets the number of blocks that makes
 -- the most loaded stage lightest (more when that ties: the earlier stages
 -- hold more micro-batches' activations under 1F1B), the others share the
 -- rest evenly, the extra ones first. Every stage gets a block when there are
@@ -89,8 +98,8 @@ end
 --   schedule      '1f1b' (default: at most stages - stage micro-batches'
 --                 activations held) or 'gpipe' (every forward, then every backward)
 --   layers        blocks per stage, a list summing to the model's blocks
---                 (default pp.balanced, the head counted as its weight's
---                 share of a block's parameters)
+--                 (default pp.balanced, the head counted as 0.7 of its
+--                 weight over a block's parameters: pp.head_weight)
 --   dtype         of the activations sent between stages (default: the
 --                 stage's parameters' dtype, which the residual stream has)
 --   overlap       (default true) sends left running beside the compute:
@@ -120,7 +129,7 @@ function pp.pipeline(model, opts)
       local kind = classify(parts, name)
       if (kind == 'last' or kind == 'both') and p.ndim == 2 then head_n = head_n + p:numel() end
     end
-    layers = pp.balanced(L, S, block_n > 0 and head_n / block_n or 0)
+    layers = pp.balanced(L, S, block_n > 0 and pp.head_weight * head_n / block_n or 0)
   end
   if type(layers) ~= 'table' or #layers ~= S then
     error(('pp.pipeline: layers must list the blocks of each of the %d stages, got %s'):format(S,
