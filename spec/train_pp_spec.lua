@@ -113,6 +113,22 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     close_losses(one, losses(dir .. '/g1r'), 3, 4, 'a one-process checkpoint resumed at --pp 3')
   end)
 
+  it('--pp 2 with --activation-checkpointing full, and with --float8: the one-process curves', function()
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --pp 2 '
+      .. '--activation-checkpointing full --out %s/gac'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('activation checkpointing: 3 of 3 GPT2Block', 1, true), text)
+    close_losses(one, losses(dir .. '/gac'), 1, 4, '--pp 2 --activation-checkpointing full')
+    -- (float8's dynamic scales are each micro-batch's amax: one micro-batch of the whole batch has the
+    -- one-process scales)
+    local one8 = reference('models/gpt2.lua', tiny .. ' --float8', 'g1f8')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --float8 --batch-size 4 --steps 4 --pp 2 '
+      .. '--pp-microbatches 1 --out %s/gf8'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one8, losses(dir .. '/gf8'), 1, 4, '--pp 2 --float8')
+  end)
+
   it('a NaN loss on the last stage skips the step on every stage', function()
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 3 --pp 2 '
       .. '--inject-nan 2 --out %s/gn'):format(tiny, q(dir)))

@@ -1352,7 +1352,8 @@ function train.run(opts)
   log('data: %s, %d %s (train %d, val %d)', corpus.name, corpus.n, corpus.unit, corpus.train.n, corpus.val and corpus.val.n or 0)
   if multi then
     log('%d steps x %d tokens (%d %s x %d x %d x %d micro-batches), lr %g, threads %d, out %s',
-      o.steps, tokens_per_step, data_world, data_world == world and 'ranks' or 'data-parallel groups', o.batch_size,
+      o.steps, tokens_per_step, data_world,
+      data_world == world and 'ranks' or (data_world == 1 and 'data-parallel group' or 'data-parallel groups'), o.batch_size,
       o.seq_len, accum, o.lr, ms.get_num_threads(), o.out)
   else
     log('%d steps x %d tokens (%d x %d x %d micro-batches), lr %g, threads %d, out %s',
