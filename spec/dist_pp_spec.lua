@@ -212,6 +212,71 @@ describe('pipeline parallelism #mpi', function()
     mesh.replicate:free()
   end)
 
+  it('with tensor parallelism inside the stages (2 x 2: TP pairs, 2 stages): the whole model\'s training and checkpoints (f64)',
+    function()
+    if W ~= 4 then return end
+    local mesh = dist.mesh { replicate = 2, shard = 2 }   -- shard: the TP pairs; replicate: the pipelines
+    for _, case in ipairs(cases) do
+      local function make(seed)
+        local m = build(case, seed)
+        ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = false })
+        local pipe = pp.pipeline(m, { group = mesh.replicate, microbatches = 2 })
+        return m, pipe
+      end
+      local hyper = { lr = 1e-2, weight_decay = 0.1, betas = { 0.9, 0.95 }, eps = 1e-8 }
+      local ref = build(case)
+      local m, pipe = make()
+      local o0, o1 = ms.optim.AdamW(ref, hyper), ms.optim.AdamW(m, hyper)
+      local ref_p = {}
+      for name, p in ref:named_parameters() do ref_p[name] = p end
+      for step = 1, 2 do
+        local x, y = FS.lcg_batch(20 + step, 4, 8)
+        local l0 = ref(x, y)
+        l0:backward()
+        local l1 = pipe:step(x, y)
+        if step == 1 then
+          -- the gradients, gathered over the TP pair, are the whole model's
+          for name, g in pairs(ms.tp.full_grads(m)) do
+            assert.is_true(FS.max_rel(g, ref_p[name].grad) <= 1e-10, case[1] .. ' gradient ' .. name)
+          end
+        end
+        local n0 = ms.optim.clip_grad_norm(ref, 0.5)
+        local n1 = pp.clip_grad_norm_(m, 0.5)
+        assert.is_true(FS.rel(n1, n0) <= 1e-11, ('%s step %d: norm %.17g against %.17g'):format(case[1], step, n1, n0))
+        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-11, case[1] .. ' loss')
+        o0:step(); o0:zero_grad()
+        o1:step(); o1:zero_grad()
+      end
+      local msd, osd = pp.full_checkpoint(m, o1, hyper)
+      for name, t in pairs(ref:state_dict()) do
+        assert.is_true(FS.max_rel(msd[name], t) <= 1e-10, case[1] .. ' weight ' .. name)
+      end
+      for key, t in pairs(o0:state_dict().tensors) do
+        assert.is_true(FS.max_rel(osd.tensors[key], t) <= 1e-10, case[1] .. ' moment ' .. key)
+      end
+      -- loaded into a fresh 2 x 2 model (another seed): the next step is the whole model's
+      local m2, pipe2 = make(99)
+      pp.load_full_state_dict(m2, msd)
+      local o2 = ms.optim.AdamW(m2, { lr = 1 })
+      pp.load_full_optimizer_state(m2, o2, osd)
+      local x, y = FS.lcg_batch(31, 4, 8)
+      local l0 = ref(x, y)
+      l0:backward()
+      o0:step()
+      local l2 = pipe2:step(x, y)
+      o2:step()
+      assert.is_true(FS.rel(l2:item(), l0:item()) <= 1e-11, case[1] .. ' resumed loss')
+      local sd2 = pp.full_state_dict(m2)
+      for name, t in pairs(ref:state_dict()) do
+        assert.is_true(FS.max_rel(sd2[name], t) <= 1e-10, case[1] .. ' after the resumed step: ' .. name)
+      end
+      pipe:free()
+      pipe2:free()
+    end
+    mesh.shard:free()
+    mesh.replicate:free()
+  end)
+
   it('a model built under deferred_init makes only this stage\'s parameters', function()
     local case = cases[2]
     ms.manual_seed(7)

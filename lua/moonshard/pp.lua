@@ -556,22 +556,36 @@ function pp.clip_grad_norm_(model, max_norm, opts)
   end
   local skip = {}
   if not pipe.first then for _, e in ipairs(pipe.tied) do skip[tonumber(rawget(e[1], e[2]).id)] = true end end
-  local grads, counted = {}, {}
-  for _, p in ipairs(model:parameters()) do
+  -- under tensor parallelism (tp.parallelize before the cut) the split
+  -- gradients' squares are summed over the TP group first, the replicated
+  -- ones counted once
+  local tpm = package.loaded['moonshard.tp']
+  local split_by = tpm and tpm.is_parallel(model) and tpm or nil
+  local grads, counted, split = {}, {}, {}
+  for name, p in model:named_parameters() do
     local g = p.grad
     if g ~= nil then
       grads[#grads + 1] = g
-      if not skip[tonumber(p.id)] then counted[#counted + 1] = g end
+      if not skip[tonumber(p.id)] then
+        if split_by and split_by.placement(model, name) then split[#split + 1] = g else counted[#counted + 1] = g end
+      end
     end
   end
   local dev = grads[1] and grads[1].device or pipe:device()
-  local sq
-  if #counted > 0 then
-    local s = F.sum_squares(counted)
-    sq = s:reshape({ 1 }):contiguous()
-    if sq ~= s then s:free() end
-  else
-    sq = T.zeros({ 1 }, { dtype = 'f64', device = dev })
+  local function sumsq(list)
+    if #list == 0 then return T.zeros({ 1 }, { dtype = 'f64', device = dev }) end
+    local s = F.sum_squares(list)
+    local s1 = s:reshape({ 1 }):contiguous()
+    if s1 ~= s then s:free() end
+    return s1
+  end
+  local sq = sumsq(counted)
+  if split_by then
+    local ss = sumsq(split)
+    local g = split_by.group_of(model)
+    if g:size() > 1 then dist.all_reduce(ss, 'sum', { group = g }) end
+    F.add_(sq, ss)
+    ss:free()
   end
   if pipe.n_stages > 1 then dist.all_reduce(sq, 'sum', { group = pipe.group }) end
   local total_t = F.sqrt(sq)
@@ -604,9 +618,15 @@ end
 -- stage's buffers, on every stage. Every stage calls it.
 function pp.full_state_dict(model)
   local pipe = pipe_of(model, 'full_state_dict')
-  local sd = model:state_dict()
-  local mine = {}
-  for name, p in model:named_parameters() do mine[name] = p end
+  local tpm = package.loaded['moonshard.tp']
+  local sd, mine = model:state_dict(), {}
+  if tpm and tpm.is_parallel(model) then
+    -- this stage's whole tensors first (gathered over the TP group)
+    sd = tpm.full_state_dict(model)
+    for name in model:named_parameters() do mine[name] = sd[name] end
+  else
+    for name, p in model:named_parameters() do mine[name] = p end
+  end
   local ranks = pipe.group:ranks()
   local dev = pipe:device()
   for _, e in ipairs(pipe.names) do
@@ -639,6 +659,8 @@ end
 -- copied from a whole model's state dict (a file every stage reads)
 function pp.load_full_state_dict(model, sd)
   pipe_of(model, 'load_full_state_dict')
+  local tpm = package.loaded['moonshard.tp']
+  if tpm and tpm.is_parallel(model) then return tpm.load_full_state_dict(model, sd) end   -- (sliced for this rank)
   A.no_grad(function()
     for name, dst in pairs(model:state_dict()) do
       local src = sd[name]
@@ -662,9 +684,26 @@ function pp.full_checkpoint(model, opt, hyper)
   local msd = pp.full_state_dict(model)
   if not opt then return msd, nil end
   local mine = {}
-  for name, p in model:named_parameters() do
-    local st = opt.state[tonumber(p.id)]
-    if st and st.exp_avg then mine[name] = st end
+  local tpm = package.loaded['moonshard.tp']
+  if tpm and tpm.is_parallel(model) then
+    -- this stage's moments as whole tensors (gathered over the TP group), by name
+    local osd = tpm.full_optimizer_state(model, opt)
+    local name_of, k = {}, 0
+    local pname = {}
+    for name, p in model:named_parameters() do pname[tonumber(p.id)] = name end
+    for _, g in ipairs(opt.param_groups) do
+      for _, p in ipairs(g.params) do k = k + 1; name_of[k] = pname[tonumber(p.id)] end
+    end
+    for _, e in ipairs(osd.meta.state or {}) do
+      local name = name_of[e.index]
+      local ea, eq = osd.tensors[e.index .. '.exp_avg'], osd.tensors[e.index .. '.exp_avg_sq']
+      if name and ea and eq then mine[name] = { exp_avg = ea, exp_avg_sq = eq, step = e.step } end
+    end
+  else
+    for name, p in model:named_parameters() do
+      local st = opt.state[tonumber(p.id)]
+      if st and st.exp_avg then mine[name] = st end
+    end
   end
   local by = {}
   for _, e in ipairs(pipe.names) do
@@ -733,7 +772,12 @@ function pp.load_full_optimizer_state(model, opt, sd)
       end
     end
   end
-  opt:load_state_dict({ tensors = tensors, meta = meta })
+  local tpm = package.loaded['moonshard.tp']
+  if tpm and tpm.is_parallel(model) then
+    tpm.load_full_optimizer_state(model, opt, { tensors = tensors, meta = meta })   -- (sliced for this rank)
+  else
+    opt:load_state_dict({ tensors = tensors, meta = meta })
+  end
   return opt
 end
 

@@ -714,6 +714,8 @@ function tp.parallelize(model, opts)
 end
 
 function tp.is_parallel(model) return rawget(model, '_tp') ~= nil end
+-- the group a parallelized model is split over
+function tp.group_of(model) return info_of(model).group end
 
 -- how parameter `name` is split: nil (replicated) or { dim =, sections =,
 -- vocab = V (rows by flce.vocab_shard) }
