@@ -129,6 +129,26 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     close_losses(one8, losses(dir .. '/gf8'), 1, 4, '--pp 2 --float8')
   end)
 
+  it('--pp 2 --tp 2 on 4 ranks (TP pairs in 2 stages) follows the one-process curve; its checkpoint resumes in one process',
+    function()
+    for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
+      local one = reference(c[1], c[2], c[3] .. '1')
+      local out = ('%s/%s22'):format(dir, c[3])
+      local status, text = bin_train(('--nproc-per-node 4 --device cpu %s %s --batch-size 4 --steps 4 '
+        .. '--pp 2 --tp 2 --save-every 1 --stop-at 2 --out %s'):format(c[1], c[2], q(out)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('tensor parallel: 2-way over 4 ranks, data parallel 1, no sequence parallel', 1, true), text)
+      assert.is_truthy(text:find('pipeline parallel: 2 stages over 4 ranks', 1, true), text)
+      status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s --pp 2 --tp 2'):format(q(out)))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(out), 1, 4, c[1] .. ' --pp 2 --tp 2, stopped and resumed')
+      os.execute(('cp -r %s %s1'):format(q(out), q(out)))
+      status, text = bin_train(('--resume %s1/ckpt-2 --out %s1'):format(q(out), q(out)))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(out .. '1'), 1, 4, c[1] .. ' a --pp 2 --tp 2 checkpoint resumed in one process')
+    end
+  end)
+
   it('a NaN loss on the last stage skips the step on every stage', function()
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 3 --pp 2 '
       .. '--inject-nan 2 --out %s/gn'):format(tiny, q(dir)))
@@ -145,7 +165,7 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --pp 2 --tp 2 --out %s/b2')
       :format(tiny, q(dir)))
     assert.are.equal(2, status, text)
-    assert.is_truthy(text:find('--pp with --tp: not supported yet', 1, true), text)
+    assert.is_truthy(text:find('--pp 2 with --tp 2: the world of 2 ranks is not a multiple of 4', 1, true), text)
     status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --pp 2 --batch-size 4 '
       .. '--pp-microbatches 3 --out %s/b3'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)

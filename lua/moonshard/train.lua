@@ -984,8 +984,11 @@ function train.run(opts)
   -- whole-model checkpoints
   local pp_size, pp_mesh = o.pp, nil
   if pp_size > 1 then
-    if tp_size > 1 then usage('--pp with --tp: not supported yet (one of them)') end
-    if world % pp_size ~= 0 then
+    if world % (pp_size * tp_size) ~= 0 then
+      if tp_size > 1 then
+        usage('--pp %d with --tp %d: the world of %d rank%s is not a multiple of %d (bin/train --nproc-per-node N)',
+          pp_size, tp_size, world, world == 1 and '' or 's', pp_size * tp_size)
+      end
       usage('--pp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', pp_size, world,
         world == 1 and '' or 's')
     end
@@ -998,8 +1001,36 @@ function train.run(opts)
       usage('--pp: %s is a sharded (FSDP) checkpoint; --pp resumes whole-model checkpoints', resume.path)
     end
     strategy = nil
-    pp_mesh = dist.mesh { replicate = world / pp_size, shard = pp_size }
-    data_rank, data_world = pp_mesh.coord[1], world / pp_size
+    if tp_size > 1 then
+      -- 3-D: TP pairs innermost (consecutive ranks), then the stages, then
+      -- data parallelism; rank r = (d * pp + p) * tp + t
+      local t, p, d = rank % tp_size, math.floor(rank / tp_size) % pp_size, math.floor(rank / (tp_size * pp_size))
+      local dp = world / (tp_size * pp_size)
+      local pp_group, dp_group
+      for dd = 0, dp - 1 do
+        for tt = 0, tp_size - 1 do
+          local r = {}
+          for q = 0, pp_size - 1 do r[#r + 1] = (dd * pp_size + q) * tp_size + tt end
+          local g = dist.new_group(r)
+          if g:is_member() then pp_group = g else g:free() end
+        end
+      end
+      for q = 0, pp_size - 1 do
+        for tt = 0, tp_size - 1 do
+          local r = {}
+          for dd = 0, dp - 1 do r[#r + 1] = (dd * pp_size + q) * tp_size + tt end
+          local g = dist.new_group(r)
+          if g:is_member() then dp_group = g else g:free() end
+        end
+      end
+      tp_mesh.replicate:free()
+      tp_mesh = { shard = tp_mesh.shard, replicate = dp_group, coord = { d, t } }
+      pp_mesh = { shard = pp_group, replicate = dp_group, coord = { d, p } }
+      data_rank, data_world = d, dp
+    else
+      pp_mesh = dist.mesh { replicate = world / pp_size, shard = pp_size }
+      data_rank, data_world = pp_mesh.coord[1], world / pp_size
+    end
   elseif tp_size <= 1 then
     if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
     if o.fsdp == 'off' and multi and rank == 0 then
@@ -1074,11 +1105,11 @@ function train.run(opts)
   -- materialized a tensor at a time, then the rest of it)
   local tp_desc
   if tp_mesh then
-    local seq = o.sequence_parallel and not strategy
+    local seq = o.sequence_parallel and not strategy and not pp_mesh
     local okp, perr = pcall(ms.tp.parallelize, model, { group = tp_mesh.shard, sequence_parallel = seq,
       overlap = o.tp_overlap })
     if not okp then usage('--tp %d: %s', tp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
-    ms.nn.materialize(model)
+    if not pp_mesh then ms.nn.materialize(model) end   -- (a pipeline makes its stage's only, after the cut)
     local mine = 0
     for _, p in ipairs(model:parameters()) do mine = mine + p:numel() end
     tp_desc = ('%d-way over %d ranks, data parallel %d%s, %ssequence parallel, %.2fM parameters a rank%s%s'):format(
@@ -1086,7 +1117,7 @@ function train.run(opts)
       deferred and ', deferred init' or '', o.tp_overlap and '' or ', no backward overlap')
     -- a whole-model checkpoint's weights go into the slices now (before
     -- fully_shard, which takes them); its optimizer state after the optimizer
-    if resume then
+    if resume and not pp_mesh then
       local okl, err = pcall(ckpt.load, resume.path, {
         model = { load_state_dict = function(_, sd) ms.tp.load_full_state_dict(model, sd) end } })
       if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
@@ -1383,8 +1414,8 @@ function train.run(opts)
       local hyper = { lr = lr_at(math.min(step, o.steps)), betas = adamw_opts.betas, eps = adamw_opts.eps,
         weight_decay = adamw_opts.weight_decay }
       local msd, osd
-      if tp_mesh then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
-      else msd, osd = ms.pp.full_checkpoint(model, opt, hyper) end
+      if pp_mesh then msd, osd = ms.pp.full_checkpoint(model, opt, hyper)   -- (with --tp too: it gathers the slices)
+      else msd, osd = ms.tp.full_checkpoint(model, opt, hyper) end
       local okw, path = true, o.out .. '/' .. ckpt.name(step)
       if rank == 0 then
         okw, path = pcall(ckpt.save, o.out, step, { model = { state_dict = function() return msd end },
