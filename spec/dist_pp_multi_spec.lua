@@ -5,7 +5,8 @@
 -- sends and receives as one NCCL group, both schedules against the whole
 -- model on the same GPU (f32 within 1e-4: the micro-batches' GEMMs may take
 -- other algorithms than the batch's), bf16 autocast with one micro-batch
--- (the same kernels: the same bits), and a step's memory flat from step 2.
+-- (the same kernels: the same bits), TP pairs inside two stages on 4 GPUs,
+-- and a step's memory flat from step 2.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
 local dist = require 'moonshard.dist'
@@ -85,6 +86,32 @@ describe('point-to-point and pipelines on GPUs (NCCL) #multi', function()
       end)
     end
   end
+
+  it('TP pairs inside two stages (4 GPUs): the whole model\'s loss and gathered gradients (f32)', function()
+    if W ~= 4 then return end
+    local mesh = dist.mesh { replicate = 2, shard = 2 }
+    for _, case in ipairs(cases) do
+      local x, y = batch(5)
+      local ref = build(case):to('cuda')
+      local l0 = ref(x, y)
+      l0:backward()
+      local m = build(case)
+      ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = false })
+      local pipe = ms.pp.pipeline(m, { group = mesh.replicate, microbatches = 4 })
+      m:to('cuda')
+      local l1 = pipe:step(x, y)
+      assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-5, ('%s: %.9g against %.9g'):format(case[1], l1:item(), l0:item()))
+      local ref_p = {}
+      for name, p in ref:named_parameters() do ref_p[name] = p end
+      for name, g in pairs(ms.tp.full_grads(m)) do
+        local e = FS.norm_rel(g, ref_p[name].grad)
+        assert.is_true(e <= 1e-4, ('%s %s: %g'):format(case[1], name, e))
+      end
+      pipe:free()
+    end
+    mesh.shard:free()
+    mesh.replicate:free()
+  end)
 
   it('bf16 autocast, one micro-batch: the whole model\'s loss and gradients, bit for bit', function()
     local case = cases[2]
