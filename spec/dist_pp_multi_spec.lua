@@ -87,6 +87,31 @@ describe('point-to-point and pipelines on GPUs (NCCL) #multi', function()
     end
   end
 
+  it('interleaved 1F1B, 2 chunks a rank (a ring over NCCL): the whole model\'s loss and gradients (f32)', function()
+    for _, case in ipairs(cases) do
+      local cfg = {}
+      for k, v in pairs(case[3]) do cfg[k] = v end
+      if cfg.n_layer then cfg.n_layer = 8 else cfg.num_hidden_layers = 8 end
+      local c8 = { case[1], case[2], cfg }
+      local x, y = batch(7)
+      local ref = build(c8):to('cuda')
+      local l0 = ref(x, y)
+      l0:backward()
+      local m = build(c8)
+      local pipe = ms.pp.pipeline(m, { chunks = 2, microbatches = 8 })
+      m:to('cuda')
+      local l1 = pipe:step(x, y)
+      assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-5, ('%s: %.9g against %.9g'):format(case[1], l1:item(), l0:item()))
+      local ref_p = {}
+      for name, p in ref:named_parameters() do ref_p[name] = p end
+      for name, p in m:named_parameters() do
+        local e = FS.norm_rel(p.grad, ref_p[name].grad)
+        assert.is_true(e <= 1e-4, ('%s %s: %g'):format(case[1], name, e))
+      end
+      pipe:free()
+    end
+  end)
+
   it('TP pairs inside two stages (4 GPUs): the whole model\'s loss and gathered gradients (f32)', function()
     if W ~= 4 then return end
     local mesh = dist.mesh { replicate = 2, shard = 2 }

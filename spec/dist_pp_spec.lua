@@ -149,6 +149,52 @@ describe('pipeline parallelism #mpi', function()
     end)
   end
 
+  it('interleaved 1F1B (2 and 4 chunks a rank): the whole model\'s loss, gradients and evaluation (f64)', function()
+    if W == 1 then
+      assert.has_error(function() pp.pipeline(build(cases[1]), { chunks = 2 }) end,
+        'pp.pipeline: 2 chunks a rank need at least 2 stages')
+      return
+    end
+    for _, case in ipairs(cases) do
+      for _, v in ipairs({ 2, 4 }) do
+        if W * v <= 8 then
+          local function build8(seed)
+            ms.manual_seed(seed or 7)
+            local cfg = {}
+            for k, val in pairs(case[3]) do cfg[k] = val end
+            if cfg.n_layer then cfg.n_layer = 8 else cfg.num_hidden_layers = 8 end
+            return case[2].new(cfg):to('f64')
+          end
+          for _, M in ipairs({ W, 2 * W }) do
+            local x, y = FS.lcg_batch(40 + M, 2 * W, 8)
+            local ref = build8()
+            local l0 = ref(x, y)
+            l0:backward()
+            local m = build8()
+            local pipe = pp.pipeline(m, { chunks = v, microbatches = M })
+            assert.are.equal('interleaved', pipe.schedule)
+            assert.are.equal(v, #pipe.ranges)
+            local l1 = pipe:step(x, y)
+            local what = ('%s, %d chunks, %d micro-batches'):format(case[1], v, M)
+            assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, what .. (': %.17g against %.17g'):format(l1:item(), l0:item()))
+            local ref_p = {}
+            for name, p in ref:named_parameters() do ref_p[name] = p end
+            for name, p in m:named_parameters() do
+              assert.is_true(FS.max_rel(p.grad, ref_p[name].grad) <= 1e-10, what .. ': ' .. name)
+            end
+            local e1 = pipe:evaluate(x, y)
+            assert.is_true(FS.rel(e1:item(), l0:item()) <= 1e-12, what .. ': evaluate')
+            pipe:free()
+          end
+        end
+      end
+    end
+    assert.has_error(function() pp.pipeline(build(cases[1]), { chunks = 2, microbatches = W + 1 }) end,
+      ('pp.pipeline: the interleaved schedule needs micro-batches in multiples of the %d stages, got %d'):format(W, W + 1))
+    assert.has_error(function() pp.pipeline(build(cases[1]), { chunks = 2, schedule = 'gpipe' }) end,
+      'pp.pipeline: 2 chunks a rank run the interleaved schedule, not gpipe')
+  end)
+
   it('gradient accumulation: two steps of half the batch (the first with sync = false) give the batch\'s gradients, tied ones too', function()
     local case = cases[1]
     local x, y = FS.lcg_batch(13, 8, 10)
@@ -314,7 +360,7 @@ describe('pipeline parallelism #mpi', function()
         'pp.pipeline: layers {4} add up to 4 blocks but the model has 5')
     end
     assert.has_error(function() pp.pipeline(build(case), { schedule = 'zb' }) end,
-      'pp.pipeline: schedule must be 1f1b or gpipe, got zb')
+      'pp.pipeline: schedule must be 1f1b or gpipe (or interleaved, with chunks > 1), got zb')
     assert.has_error(function() pp.pipeline({}) end,
       'pp.pipeline: the model has no pipeline_parts() (GPT-2 and Llama have it; docs/pp.md says what it returns)')
     local m = build(case)

@@ -149,6 +149,21 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     end
   end)
 
+  it('--pp 2 --pp-chunks 2 (interleaved 1F1B, 4 virtual stages) follows the one-process curve', function()
+    local one = reference('models/gpt2.lua', tiny .. ' --model.n_layer 4', 'g1l4')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --model.n_layer 4 --batch-size 4 '
+      .. '--steps 4 --pp 2 --pp-chunks 2 --out %s/gi'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('pipeline parallel: 2 stages over 2 ranks, blocks {1, 1, 1, 1}, data parallel 1, '
+      .. 'interleaved 1f1b, 2 chunks a rank, 4 micro-batches', 1, true), text)
+    close_losses(one, losses(dir .. '/gi'), 1, 4, '--pp 2 --pp-chunks 2')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --model.n_layer 4 --batch-size 3 '
+      .. '--steps 1 --pp 2 --pp-chunks 2 --out %s/gi3'):format(tiny, q(dir)))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('the interleaved schedule needs micro-batches in multiples of the 2 stages, got 3', 1, true),
+      text)
+  end)
+
   it('a NaN loss on the last stage skips the step on every stage', function()
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 3 --pp 2 '
       .. '--inject-nan 2 --out %s/gn'):format(tiny, q(dir)))

@@ -105,6 +105,12 @@ end
 --   overlap       (default true) sends left running beside the compute:
 --                 gradients on a second group (below); false: every
 --                 exchange waited for, a send and a receive in one batch
+--   chunks        model chunks a rank holds (default 1): with v > 1 the
+--                 blocks are cut into stages x v virtual stages, virtual
+--                 stage k on rank k % stages, and the schedule is the
+--                 interleaved 1F1B (Megatron-LM's virtual pipeline,
+--                 torchtitan's Interleaved1F1B): a bubble v times smaller;
+--                 microbatches must be a multiple of the stages
 function pp.pipeline(model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or type(model.pipeline_parts) ~= 'function' then
@@ -118,6 +124,29 @@ function pp.pipeline(model, opts)
   end
   if not group:is_member() then error('pp.pipeline: this rank is not a member of the group', 2) end
   local S, s = group:size(), group:rank()
+  local v = opts.chunks or 1
+  if type(v) ~= 'number' or v < 1 or v ~= math.floor(v) then
+    error(('pp.pipeline: chunks must be a positive integer, got %s'):format(tostring(v)), 2)
+  end
+  if v > 1 and S == 1 then error(('pp.pipeline: %d chunks a rank need at least 2 stages'):format(v), 2) end
+  local V = S * v   -- virtual stages
+  local M = opts.microbatches or S
+  if type(M) ~= 'number' or M < 1 or M ~= math.floor(M) then
+    error(('pp.pipeline: microbatches must be a positive integer, got %s'):format(tostring(M)), 2)
+  end
+  local schedule = opts.schedule or (v > 1 and 'interleaved' or '1f1b')
+  if v > 1 then
+    if schedule ~= 'interleaved' then
+      error(('pp.pipeline: %d chunks a rank run the interleaved schedule, not %s'):format(v, tostring(schedule)), 2)
+    end
+    if M % S ~= 0 then
+      error(('pp.pipeline: the interleaved schedule needs micro-batches in multiples of the %d stages, got %d'):format(
+        S, M), 2)
+    end
+  elseif schedule ~= '1f1b' and schedule ~= 'gpipe' then
+    error(('pp.pipeline: schedule must be 1f1b or gpipe (or interleaved, with chunks > 1), got %s'):format(
+      tostring(schedule)), 2)
+  end
   local parts = model:pipeline_parts()
   local L = #parts.blocks
   local layers = opts.layers
@@ -129,11 +158,11 @@ function pp.pipeline(model, opts)
       local kind = classify(parts, name)
       if (kind == 'last' or kind == 'both') and p.ndim == 2 then head_n = head_n + p:numel() end
     end
-    layers = pp.balanced(L, S, block_n > 0 and pp.head_weight * head_n / block_n or 0)
+    layers = pp.balanced(L, V, block_n > 0 and pp.head_weight * head_n / block_n or 0)
   end
-  if type(layers) ~= 'table' or #layers ~= S then
-    error(('pp.pipeline: layers must list the blocks of each of the %d stages, got %s'):format(S,
-      type(layers) == 'table' and (#layers .. ' entries') or tostring(layers)), 2)
+  if type(layers) ~= 'table' or #layers ~= V then
+    error(('pp.pipeline: layers must list the blocks of each of the %d %sstages, got %s'):format(V,
+      v > 1 and 'virtual ' or '', type(layers) == 'table' and (#layers .. ' entries') or tostring(layers)), 2)
   end
   local total = 0
   for i, n in ipairs(layers) do
@@ -146,20 +175,20 @@ function pp.pipeline(model, opts)
     error(('pp.pipeline: layers {%s} add up to %d blocks but the model has %d'):format(table.concat(layers, ', '),
       total, L), 2)
   end
-  if S > 1 and L < S and not opts.layers then
-    error(('pp.pipeline: %d blocks cannot fill %d stages (give opts.layers to leave stages without blocks)'):format(L, S), 2)
+  if V > 1 and L < V and not opts.layers then
+    error(('pp.pipeline: %d blocks cannot fill %d %sstages (give opts.layers to leave stages without blocks)'):format(L,
+      V, v > 1 and 'virtual ' or ''), 2)
   end
-  local M = opts.microbatches or S
-  if type(M) ~= 'number' or M < 1 or M ~= math.floor(M) then
-    error(('pp.pipeline: microbatches must be a positive integer, got %s'):format(tostring(M)), 2)
+  -- virtual stage k (0-based) holds blocks starts[k + 1] .. starts[k + 2] - 1, on rank k % S
+  local starts = { 1 }
+  for k = 1, V do starts[k + 1] = starts[k] + layers[k] end
+  local ranges, vstage_of = {}, {}
+  for c = 1, v do
+    local k = (c - 1) * S + s
+    ranges[c] = { starts[k + 1], starts[k + 2] - 1 }
   end
-  local schedule = opts.schedule or '1f1b'
-  if schedule ~= '1f1b' and schedule ~= 'gpipe' then
-    error(('pp.pipeline: schedule must be 1f1b or gpipe, got %s'):format(tostring(schedule)), 2)
-  end
-  local a = 1
-  for i = 1, s do a = a + layers[i] end
-  local b = a + layers[s + 1] - 1
+  for k = 0, V - 1 do for i = starts[k + 1], starts[k + 2] - 1 do vstage_of[i] = k end end
+  local a, b = ranges[1][1], ranges[1][2]
   local first, last = s == 0, s == S - 1
 
 
@@ -184,16 +213,9 @@ function pp.pipeline(model, opts)
         -- the stage that holds it (the first of two for a tied weight)
         local owner = 0
         if kind == 'last' then owner = S - 1
-        elseif kind == 'block' then
-          owner = S - 1
-          local lo = 1
-          for k = 1, S do
-            if i >= lo and i < lo + layers[k] then owner = k - 1; break end
-            lo = lo + layers[k]
-          end
-        end
+        elseif kind == 'block' then owner = vstage_of[i] % S end
         names[#names + 1] = { full, owner, kind == 'both' }
-        local keep = (kind == 'block' and i >= a and i <= b) or ((kind == 'first' or kind == 'both') and first)
+        local keep = (kind == 'block' and owner == s) or ((kind == 'first' or kind == 'both') and first)
           or ((kind == 'last' or kind == 'both') and last)
         if keep then
           kept = kept + 1
@@ -208,14 +230,25 @@ function pp.pipeline(model, opts)
   local ranks = group:ranks()
   local self = setmetatable({
     model = model, parts = parts, group = group, stage = s, n_stages = S, first = first, last = last,
-    block_range = { a, b }, layers = layers, microbatches = M, schedule = schedule, opt_dtype = opts.dtype,
+    block_range = { a, b }, ranges = ranges, chunks = v, layers = layers, microbatches = M, schedule = schedule,
+    opt_dtype = opts.dtype,
     prev = (not first) and ranks[s] or nil, next = (not last) and ranks[s + 2] or nil,
     tied = tied, n_params = kept, names = names, full_groups = full_groups,
   }, Pipeline)
   -- gradients go back on a group of their own (overlap; collective over the group)
-  self.overlap = opts.overlap ~= false and S > 1
+  self.overlap = (opts.overlap ~= false or v > 1) and S > 1
   self.sends = {}
-  if self.overlap then self.bwd_group = dist.new_group(ranks, { group = group }) else self.bwd_group = group end
+  if v > 1 then
+    -- a ring (the last rank feeds the first's next chunk): each direction's
+    -- edges get groups of their own by the sender (2 colours, 3 for an odd
+    -- ring), so that on every group's stream a rank only sends or only
+    -- receives, and no send waits behind a receive that waits on it
+    self.ncolors = S % 2 == 1 and 3 or 2
+    self.fwd_groups, self.bwd_groups = {}, {}
+    for c = 1, self.ncolors do self.fwd_groups[c] = dist.new_group(ranks, { group = group }) end
+    for c = 1, self.ncolors do self.bwd_groups[c] = dist.new_group(ranks, { group = group }) end
+    self.ranks = ranks
+  elseif self.overlap then self.bwd_group = dist.new_group(ranks, { group = group }) else self.bwd_group = group end
   -- the first and last stages share the tied weights' gradient (collective over the group)
   if S > 1 and n_both > 0 then
     self.tied_group = dist.new_group({ ranks[1], ranks[S] }, { group = group })
@@ -229,8 +262,10 @@ end
 function pp.of(model) return type(model) == 'table' and rawget(model, '_pp') or nil end
 
 function Pipeline:__tostring()
-  return ('Pipeline(stage %d of %d, blocks %d-%d, %d micro-batches, %s%s)'):format(self.stage, self.n_stages,
-    self.block_range[1], self.block_range[2], self.microbatches, self.schedule,
+  local r = {}
+  for c, g in ipairs(self.ranges) do r[c] = ('%d-%d'):format(g[1], g[2]) end
+  return ('Pipeline(stage %d of %d, blocks %s, %d micro-batches, %s%s)'):format(self.stage, self.n_stages,
+    table.concat(r, ', '), self.microbatches, self.schedule,
     #self.tied > 0 and ', tied weights shared with the ' .. (self.first and 'last' or 'first') .. ' stage' or '')
 end
 
@@ -264,8 +299,11 @@ local function rows(t, i, n) return t:narrow(1, (i - 1) * n + 1, n):contiguous()
 
 -- the forward of micro-batch i: x (received, or nil on the first stage) ->
 -- a record {tape, x, out}; out is the activation to send, or the scaled loss
-function Pipeline:forward_one(i, x, ids, targets, grad)
-  local rec = { tape = {}, x = x }
+function Pipeline:forward_one(i, x, ids, targets, grad, c)
+  c = c or 1
+  local firstv, lastv = self.first and c == 1, self.last and c == self.chunks
+  local range = self.ranges[c]
+  local rec = { tape = {}, x = x, c = c, firstv = firstv, lastv = lastv }
   local parts, blocks, mb = self.parts, self.parts.blocks, self.mb
   -- the model's precision (nn.functional.set_precision: its forward in an
   -- autocast region) holds for the stage's part of the forward too
@@ -273,9 +311,9 @@ function Pipeline:forward_one(i, x, ids, targets, grad)
   local run = compute and function(fn) return amp.autocast(compute, fn) end or function(fn) return fn() end
   rec.out = on_tape(rec.tape, run, function()
     local h = x
-    if self.first then h = parts.embed(rows(ids, i, mb)) end
-    for j = self.block_range[1], self.block_range[2] do h = blocks[j](h) end
-    if not self.last then return h end
+    if firstv then h = parts.embed(rows(ids, i, mb)) end
+    for j = range[1], range[2] do h = blocks[j](h) end
+    if not lastv then return h end
     local loss = parts.head(h, rows(targets, i, mb))
     local hook = self.step_opts and self.step_opts.loss_hook
     if hook then loss = hook(loss) end
@@ -283,7 +321,7 @@ function Pipeline:forward_one(i, x, ids, targets, grad)
     if grad then return loss * (self.grad_scale / self.microbatches) end
     return loss
   end)
-  if not self.last then
+  if not lastv then
     local o = rec.out
     if o.ndim ~= 3 or o.shape[1] ~= mb or o.shape[2] ~= self.seq or o.shape[3] ~= self.parts.hidden
       or o.dtype ~= self.dtype then
@@ -299,11 +337,11 @@ end
 -- last stage): returns the gradient of its input (nil on the first stage)
 function Pipeline:backward_one(rec, gy)
   on_tape(rec.tape, function()
-    if self.last then rec.out:backward() else rec.out:backward(gy) end
+    if rec.lastv then rec.out:backward() else rec.out:backward(gy) end
   end)
   if gy ~= nil then gy:free() end
   local gx
-  if not self.first then
+  if not rec.firstv then
     gx = rec.x.grad
     rec.x.grad = nil
     rec.x:free()
@@ -392,6 +430,93 @@ function Pipeline:send_backward_recv_forward(gx)
   return x
 end
 
+-- The interleaved schedule's exchanges: virtual stage k on rank k % S
+-- feeds k + 1 on the next rank (the last rank the first one's next chunk),
+-- on the group of the sender's colour in each direction.
+local function colour(S, sender, wrap_sender)
+  if S % 2 == 1 and sender == wrap_sender then return 3 end
+  return sender % 2 + 1
+end
+
+function Pipeline:vrecv_forward(c, grad)
+  if self.first and c == 1 then return nil end
+  local S = self.n_stages
+  local prev = (self.stage - 1 + S) % S
+  local x = self:act_buffer()
+  self:p2p({ { 'recv', x, self.ranks[prev + 1] } }, self.fwd_groups[colour(S, prev, S - 1)])
+  if grad then x:requires_grad_() end
+  return x
+end
+
+function Pipeline:vsend_forward(rec)
+  if rec.lastv then return end
+  local S, s = self.n_stages, self.stage
+  self:p2p({ { 'send', rec.out, self.ranks[(s + 1) % S + 1] } }, self.fwd_groups[colour(S, s, S - 1)], true)
+end
+
+function Pipeline:vrecv_backward(rec)
+  if rec.lastv then return nil end
+  local S = self.n_stages
+  local nxt = (self.stage + 1) % S
+  local g = self:act_buffer()
+  self:p2p({ { 'recv', g, self.ranks[nxt + 1] } }, self.bwd_groups[colour(S, nxt, 0)])
+  return g
+end
+
+function Pipeline:vsend_backward(gx)
+  if gx == nil then return end
+  local S, s = self.n_stages, self.stage
+  self:p2p({ { 'send', gx, self.ranks[(s - 1 + S) % S + 1] } }, self.bwd_groups[colour(S, s, 0)], true)
+  gx:free()
+end
+
+-- the k-th forward (or backward) of a rank under the interleaved schedule
+-- (0-based): micro-batches in groups of S, each group through every chunk
+-- (the backwards through the chunks in reverse) -> micro-batch, chunk (1-based)
+function Pipeline:interleaved_at(k, backward)
+  local S, v = self.n_stages, self.chunks
+  local c = math.floor(k / S) % v
+  if backward then c = v - 1 - c end
+  return math.floor(k / (S * v)) * S + k % S + 1, c + 1
+end
+
+-- Megatron-LM's interleaved 1F1B: (S - s - 1) x 2 + (v - 1) x S warm-up
+-- forwards, then one forward and one backward in turn, then the rest
+function Pipeline:run_interleaved(ids, targets, grad)
+  local S, s, v, M = self.n_stages, self.stage, self.chunks, self.microbatches
+  local total = M * v
+  local recs = {}
+  local function F(k)
+    local i, c = self:interleaved_at(k, false)
+    local rec = self:forward_one(i, self:vrecv_forward(c, grad), ids, targets, grad, c)
+    self:vsend_forward(rec)
+    if grad then
+      recs[(i - 1) * v + c] = rec
+    else
+      if rec.x then rec.x:free() end
+      if not rec.lastv then rec.out:free() end
+    end
+  end
+  local function B(k)
+    local i, c = self:interleaved_at(k, true)
+    local key = (i - 1) * v + c
+    local rec = recs[key]
+    recs[key] = nil
+    self:vsend_backward(self:backward_one(rec, self:vrecv_backward(rec)))
+  end
+  if not grad then
+    for k = 0, total - 1 do F(k) end
+    return
+  end
+  local warm = math.min((S - s - 1) * 2 + (v - 1) * S, total)
+  for k = 0, warm - 1 do F(k) end
+  for i = 0, total - warm - 1 do
+    F(warm + i)
+    B(i)
+  end
+  for i = total - warm, total - 1 do B(i) end
+end
+
 -- the sends left running, waited for (the compute stream, on NCCL) and freed
 function Pipeline:finish_sends()
   for i, w in ipairs(self.sends) do
@@ -453,7 +578,9 @@ function Pipeline:step(ids, targets, opts)
   self.step_opts, self.grad_scale = opts, (opts and opts.scale) or 1
   local M = self.microbatches
   local queue, head, tail = {}, 1, 0
-  if self.schedule == 'gpipe' then
+  if self.chunks > 1 then
+    self:run_interleaved(ids, targets, true)
+  elseif self.schedule == 'gpipe' then
     for i = 1, M do
       local rec = self:forward_one(i, self:recv_forward(true), ids, targets, true)
       self:send_forward(rec)
@@ -524,6 +651,7 @@ end
 function Pipeline:evaluate(ids, targets)
   self:prepare(ids, targets, 'evaluate')
   A.no_grad(function()
+    if self.chunks > 1 then return self:run_interleaved(ids, targets, false) end
     for i = 1, self.microbatches do
       local rec = self:forward_one(i, self:recv_forward(false), ids, targets, false)
       if rec.x then rec.x:free() end
@@ -784,7 +912,10 @@ end
 -- pipe:free(): the pipeline's group for the tied weights
 function Pipeline:free()
   if self.tied_group then self.tied_group:free(); self.tied_group = nil end
-  if self.overlap and self.bwd_group then self.bwd_group:free(); self.bwd_group = nil end
+  if self.chunks == 1 and self.overlap and self.bwd_group then self.bwd_group:free(); self.bwd_group = nil end
+  for _, list in ipairs({ self.fwd_groups or {}, self.bwd_groups or {} }) do
+    for c, g in pairs(list) do g:free(); list[c] = nil end
+  end
 end
 
 return pp

@@ -88,6 +88,7 @@ train.options = {
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel; checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
+  { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
   { 'sequence_parallel', 'bool', true, 'with --tp and no --fsdp: the residual stream between the split layers held as each rank\'s tokens (norms and dropout on 1/N of them; docs/tp.md)' },
@@ -1208,7 +1209,7 @@ function train.run(opts)
       usage('--pp-microbatches %d does not divide --batch-size %d', mbs, o.batch_size)
     end
     local okp, perr = pcall(ms.pp.pipeline, model, { group = pp_mesh.shard, microbatches = mbs,
-      schedule = o.pp_schedule })
+      schedule = o.pp_chunks == 1 and o.pp_schedule or nil, chunks = o.pp_chunks })
     if not okp then usage('--pp %d: %s', pp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     pipe = perr
     ms.nn.materialize(model)
@@ -1217,7 +1218,8 @@ function train.run(opts)
     local most = reduce_numbers({ mine }, 'max')[1]
     pp_desc = ('%d stages over %d ranks, blocks {%s}, data parallel %d, %s, %d micro-batches of %d sequences, '
       .. 'at most %.2fM parameters a stage'):format(pp_size, world, table.concat(pipe.layers, ', '), data_world,
-      o.pp_schedule, mbs, o.batch_size / mbs, most / 1e6)
+      o.pp_chunks > 1 and ('interleaved 1f1b, %d chunks a rank'):format(o.pp_chunks) or o.pp_schedule, mbs,
+      o.batch_size / mbs, most / 1e6)
     if resume then
       local okl, err = pcall(ckpt.load, resume.path, {
         model = { load_state_dict = function(_, sd) ms.pp.load_full_state_dict(model, sd) end } })
