@@ -517,7 +517,7 @@ static int check_tensor(ms_comm *c, const char *op, const char *what, const ms_t
     return 0;
 }
 
-static int finish_start(ms_work **work, ms_work *w);
+static int launch(ms_work **work, ms_work *w, ms_tensor *out, const ms_tensor *in, int root);
 
 static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, const ms_tensor *in, int root,
                  void *aux) {
@@ -579,24 +579,27 @@ static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, c
         snprintf(w->desc, sizeof w->desc, "%s %s of %s on %s", name, op_names[op], ms_desc(in, a, sizeof a), c->name);
     else
         snprintf(w->desc, sizeof w->desc, "%s of %s on %s", name, ms_desc(in, a, sizeof a), c->name);
-    if (c->be->start(w, out, in, root_g)) {
-        char msg[1024];
+    return launch(work, w, out, in, root_g);
+}
+
+/* runs the backend's start for w, then hands w to the caller (work) or
+ * waits for it (work NULL) and frees it; on a failed start w is freed */
+static int launch(ms_work **work, ms_work *w, ms_tensor *out, const ms_tensor *in, int root) {
+    ms_comm *c = w->comm;
+    int rc = c->be->start(w, out, in, root);
+    if (w->kind == MS_COLL_P2P) w->aux = NULL;   /* (the batch lived on the caller's stack) */
+    char msg[1024];
+    if (rc) {
         snprintf(msg, sizeof msg, "%s", ms_last_error());
         ms_comm_free(c);
         free(w);
         return ms_errorf("%s", msg);
     }
-    return finish_start(work, w);
-}
-
-/* hands w to the caller (work) or waits for it (work NULL) and frees it */
-static int finish_start(ms_work **work, ms_work *w) {
     if (work) {
         *work = w;
         return 0;
     }
-    int rc = w->comm->be->wait(w, 1);
-    char msg[1024];
+    rc = c->be->wait(w, 1);
     if (rc) snprintf(msg, sizeof msg, "%s", ms_last_error());
     ms_work_free(w);
     if (rc) return ms_errorf("%s", msg);
@@ -643,16 +646,7 @@ int ms_comm_p2p(ms_work **work, ms_comm *c, int n, const int *is_recv, ms_tensor
     snprintf(w->desc, sizeof w->desc, "%.100s on %.50s", desc, c->name);
     ms_p2p_spec spec = {n, is_recv, t, gpeer};
     w->aux = &spec;
-    int rc = c->be->start(w, NULL, NULL, -1);
-    w->aux = NULL;
-    if (rc) {
-        char msg[1024];
-        snprintf(msg, sizeof msg, "%s", ms_last_error());
-        ms_comm_free(c);
-        free(w);
-        return ms_errorf("%s", msg);
-    }
-    return finish_start(work, w);
+    return launch(work, w, NULL, NULL, -1);
 }
 
 int ms_comm_all_gather_into(ms_work **work, ms_comm *c, ms_tensor *out, const ms_tensor *in) {

@@ -700,16 +700,9 @@ function pp.clip_grad_norm_(model, max_norm, opts)
     end
   end
   local dev = grads[1] and grads[1].device or pipe:device()
-  local function sumsq(list)
-    if #list == 0 then return T.zeros({ 1 }, { dtype = 'f64', device = dev }) end
-    local s = F.sum_squares(list)
-    local s1 = s:reshape({ 1 }):contiguous()
-    if s1 ~= s then s:free() end
-    return s1
-  end
-  local sq = sumsq(counted)
+  local sq = optim.sum_squares(counted, dev)
   if split_by then
-    local ss = sumsq(split)
+    local ss = optim.sum_squares(split, dev)
     local g = split_by.group_of(model)
     if g:size() > 1 then dist.all_reduce(ss, 'sum', { group = g }) end
     F.add_(sq, ss)

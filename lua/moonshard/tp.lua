@@ -776,15 +776,9 @@ function tp.clip_grad_norm_(model, max_norm, opts)
     end
   end
   dev = dev or dist.device()
-  local function sumsq(list)
-    if #list == 0 then return T.zeros({ 1 }, { dtype = 'f64', device = dev }) end
-    local s = F.sum_squares(list)
-    local s1 = s:reshape({ 1 }):contiguous()
-    if s1 ~= s then s:free() end
-    return s1
-  end
   -- every rank calls the all-reduces, with or without gradients
-  local s1, r = sumsq(split), sumsq(rep)
+  local optim = require 'moonshard.optim'
+  local s1, r = optim.sum_squares(split, dev), optim.sum_squares(rep, dev)
   if st then
     -- the replicated parameters' sum once over the TP group (each rank
     -- holds the same values), then over the FSDP group's shards

@@ -1007,23 +1007,23 @@ function train.run(opts)
       -- data parallelism; rank r = (d * pp + p) * tp + t
       local t, p, d = rank % tp_size, math.floor(rank / tp_size) % pp_size, math.floor(rank / (tp_size * pp_size))
       local dp = world / (tp_size * pp_size)
-      local pp_group, dp_group
-      for dd = 0, dp - 1 do
-        for tt = 0, tp_size - 1 do
-          local r = {}
-          for q = 0, pp_size - 1 do r[#r + 1] = (dd * pp_size + q) * tp_size + tt end
-          local g = dist.new_group(r)
-          if g:is_member() then pp_group = g else g:free() end
+      -- every rank takes part in making every group (a collective each);
+      -- ranks_of(i, j) lists group (i, j)'s ranks, this rank keeps its own
+      local function mine(n_i, n_j, ranks_of)
+        local kept
+        for i = 0, n_i - 1 do
+          for j = 0, n_j - 1 do
+            local g = dist.new_group(ranks_of(i, j))
+            if g:is_member() then kept = g else g:free() end
+          end
         end
+        return kept
       end
-      for q = 0, pp_size - 1 do
-        for tt = 0, tp_size - 1 do
-          local r = {}
-          for dd = 0, dp - 1 do r[#r + 1] = (dd * pp_size + q) * tp_size + tt end
-          local g = dist.new_group(r)
-          if g:is_member() then dp_group = g else g:free() end
-        end
-      end
+      local function along(n, f) local r = {}; for k = 0, n - 1 do r[#r + 1] = f(k) end; return r end
+      local pp_group = mine(dp, tp_size, function(dd, tt)
+        return along(pp_size, function(q) return (dd * pp_size + q) * tp_size + tt end) end)
+      local dp_group = mine(pp_size, tp_size, function(q, tt)
+        return along(dp, function(dd) return (dd * pp_size + q) * tp_size + tt end) end)
       tp_mesh.replicate:free()
       tp_mesh = { shard = tp_mesh.shard, replicate = dp_group, coord = { d, t } }
       pp_mesh = { shard = pp_group, replicate = dp_group, coord = { d, p } }

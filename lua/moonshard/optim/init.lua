@@ -343,6 +343,17 @@ function optim.clip_grad_norm(params, max_norm, opts)
   return optim.clip_with_norm(grads, total_t, max_norm, opts, 'clip_grad_norm')
 end
 
+-- optim.sum_squares(list, device) -> the gradients' sum of squares as an
+-- f64 (1) tensor on `device` (zeros for an empty list): the piece sharded
+-- models' norms add up over ranks (moonshard.tp, moonshard.pp)
+function optim.sum_squares(list, device)
+  if #list == 0 then return T.zeros({ 1 }, { dtype = 'f64', device = device }) end
+  local s = F.sum_squares(list)
+  local s1 = s:reshape({ 1 }):contiguous()
+  if s1 ~= s then free(s) end
+  return s1
+end
+
 -- optim.clip_with_norm(grads, total_t, max_norm, opts, fname): the second
 -- half of clip_grad_norm, for callers that found the norm themselves (a
 -- sharded model's gradients, summed over ranks: moonshard.pp): total_t is
