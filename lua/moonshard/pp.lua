@@ -237,7 +237,7 @@ function pp.pipeline(model, opts)
   }, Pipeline)
   -- gradients go back on a group of their own (overlap; collective over the group)
   self.overlap = (opts.overlap ~= false or v > 1) and S > 1
-  self.sends = {}
+  self.sends, self.live = {}, {}
   if v > 1 then
     -- a ring (the last rank feeds the first's next chunk): each direction's
     -- edges get groups of their own by the sender (2 colours, 3 for an odd
@@ -304,6 +304,7 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
   local firstv, lastv = self.first and c == 1, self.last and c == self.chunks
   local range = self.ranges[c]
   local rec = { tape = {}, x = x, c = c, firstv = firstv, lastv = lastv }
+  if grad then self.live[rec] = true end
   local parts, blocks, mb = self.parts, self.parts.blocks, self.mb
   -- the model's precision (nn.functional.set_precision: its forward in an
   -- autocast region) holds for the stage's part of the forward too
@@ -349,6 +350,7 @@ function Pipeline:backward_one(rec, gy)
   end
   rec.out:free()
   rec.tape, rec.x, rec.out = nil, nil, nil
+  self.live[rec] = nil
   return gx
 end
 
@@ -576,6 +578,37 @@ end
 function Pipeline:step(ids, targets, opts)
   self:prepare(ids, targets, 'step')
   self.step_opts, self.grad_scale = opts, (opts and opts.scale) or 1
+  local ok, err = pcall(self.run_schedule, self, ids, targets)
+  if not ok then
+    -- a step cut short: what its micro-batches recorded and hold goes now
+    -- (the gradients accumulated so far stay: zero_grad before the next)
+    self:drop_live()
+    self.step_opts = nil
+    error(err, 0)
+  end
+  self:finish_sends()
+  if not (opts and opts.sync == false) then self:sync_tied() end
+  self.step_opts = nil
+  return self:finish_loss()
+end
+
+-- the micro-batches' records not yet through their backward, dropped: their
+-- tapes cleared, their tensors freed, the sends in flight let go
+function Pipeline:drop_live()
+  for rec in pairs(self.live) do
+    local saved = A.tape
+    A.tape = rec.tape
+    A.clear_tape()
+    A.tape = saved
+    if rec.x then rec.x:free() end
+    if rec.out then rec.out:free() end
+  end
+  self.live = {}
+  for i, w in ipairs(self.sends) do w:free(); self.sends[i] = nil end
+  if self.loss_sum then self.loss_sum:free(); self.loss_sum = nil end
+end
+
+function Pipeline:run_schedule(ids, targets)
   local M = self.microbatches
   local queue, head, tail = {}, 1, 0
   if self.chunks > 1 then
@@ -630,10 +663,6 @@ function Pipeline:step(ids, targets, opts)
       self:send_backward(self:backward_one(oldest, gy))
     end
   end
-  self:finish_sends()
-  if not (opts and opts.sync == false) then self:sync_tied() end
-  self.step_opts = nil
-  return self:finish_loss()
 end
 
 -- the tied weights' gradients summed between the first and the last stage
