@@ -1,7 +1,8 @@
 -- moonshard.pp — pipeline parallelism: the model's blocks cut into stages,
--- one stage a rank, micro-batches flowing through them (GPipe and 1F1B, as
--- torchtitan's PipelineScheduleSingle and Megatron-LM's non-interleaved
--- schedule). docs/pp.md has the whole story.
+-- one stage a rank (or several chunks a rank), micro-batches flowing through
+-- them: GPipe, 1F1B and the interleaved 1F1B (torchtitan's ScheduleGPipe,
+-- Schedule1F1B and Interleaved1F1B; Megatron-LM's orders). docs/pp.md has
+-- the whole story.
 --
 --   local pipe = ms.pp.pipeline(model, { group = g, microbatches = 8, schedule = '1f1b' })
 --   model:to('cuda')                     -- (only this stage's parameters are left in it)
@@ -23,10 +24,9 @@
 --
 -- Each micro-batch's forward records into a tape of its own (the autograd
 -- tape is linear), so backward runs per micro-batch in the schedule's
--- order. Activations move between neighbouring stages with dist.batch_p2p:
--- a send and a receive between the same two ranks go in one batch where the
--- schedule needs both at once (1F1B's steady state), so no schedule
--- deadlocks on NCCL or MPI.
+-- order. Activations move between neighbouring stages with dist.batch_p2p,
+-- sends left running beside the compute and receives waited for, on groups
+-- arranged so that no schedule deadlocks on NCCL or MPI (Pipeline:p2p).
 local A = require 'moonshard.autograd'
 local dist = require 'moonshard.dist'
 local amp = require 'moonshard.amp'
