@@ -32,7 +32,8 @@
 -- M micro-batches (default: --batch, one sequence each), --schedule
 -- 1f1b|gpipe, --no-overlap: every exchange waited for, --stages 10,6: the
 -- blocks per stage instead of pp.balanced's, --chunks v: the interleaved
--- 1F1B over v chunks a rank; tokens/s per GPU
+-- 1F1B over v chunks a rank, --no-grad-first: the input's gradient sent
+-- after the weight gradients (pp's input_grad_first off); tokens/s per GPU
 -- is the step's tokens over the GPUs; docs/pp.md),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
@@ -66,7 +67,7 @@ local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strat
   schedule = '1f1b', stages = '', chunks = 1 }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
   ['keep-activations'] = false, tp = false, pp = false, sp = false, float8 = false, ['float8-gather'] = false,
-  ['no-overlap'] = false }
+  ['no-overlap'] = false, ['no-grad-first'] = false }
 do
   local i = 1
   while i <= #arg do
@@ -79,7 +80,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -140,7 +141,7 @@ if use_pp then
   end
   pipe = ms.pp.pipeline(model, { microbatches = opts.microbatches,
     schedule = opts.chunks > 1 and 'interleaved' or opts.schedule, chunks = opts.chunks,
-    overlap = not flags['no-overlap'], layers = layers })
+    overlap = not flags['no-overlap'], layers = layers, input_grad_first = not flags['no-grad-first'] })
   say(tostring(pipe))
 end
 model:to('cuda')
@@ -338,7 +339,7 @@ say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
   use_pp and ('pipeline, %s, %d micro-batches%s'):format(opts.chunks > 1 and ('interleaved x%d'):format(opts.chunks)
     or opts.schedule, opts.microbatches,
-    flags['no-overlap'] and ', no overlap' or '')
+    (flags['no-overlap'] and ', no overlap' or '') .. (flags['no-grad-first'] and ', no grad first' or ''))
     or use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
     .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
   peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))

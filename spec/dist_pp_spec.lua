@@ -195,6 +195,27 @@ describe('pipeline parallelism #mpi', function()
       'pp.pipeline: 2 chunks a rank run the interleaved schedule, not gpipe')
   end)
 
+  it('input_grad_first: the stages after the first defer their weight gradients past the input\'s send; the same bits', function()
+    if W == 1 then return end
+    for _, case in ipairs(cases) do
+      local x, y = FS.lcg_batch(51, 4, 8)
+      local grads, counts = {}, {}
+      for k, on in ipairs({ true, false }) do
+        local m = build(case)
+        local pipe = pp.pipeline(m, { microbatches = 2, input_grad_first = on })
+        local c0 = ms.autograd.defer_counts().deferred
+        pipe:step(x, y)
+        counts[k] = ms.autograd.defer_counts().deferred - c0
+        grads[k] = {}
+        for name, p in m:named_parameters() do grads[k][name] = p.grad end
+        pipe:free()
+      end
+      if R == 0 then assert.are.equal(0, counts[1], case[1]) else assert.is_true(counts[1] > 0, case[1]) end
+      assert.are.equal(0, counts[2], case[1])
+      for name, g in pairs(grads[1]) do assert.are.equal(0, FS.max_rel(g, grads[2][name]), case[1] .. ' ' .. name) end
+    end
+  end)
+
   it('gradient accumulation: two steps of half the batch (the first with sync = false) give the batch\'s gradients, tied ones too', function()
     local case = cases[1]
     local x, y = FS.lcg_batch(13, 8, 10)

@@ -105,6 +105,9 @@ end
 --   overlap       (default true) sends left running beside the compute:
 --                 gradients on a second group (below); false: every
 --                 exchange waited for, a send and a receive in one batch
+--   input_grad_first (default true, with overlap) a stage's backward sends
+--                 its input's gradient before the weight gradients run
+--                 (StageInput below)
 --   chunks        model chunks a rank holds (default 1): with v > 1 the
 --                 blocks are cut into stages x v virtual stages, virtual
 --                 stage k on rank k % stages, and the schedule is the
@@ -238,6 +241,7 @@ function pp.pipeline(model, opts)
   -- gradients go back on a group of their own (overlap; collective over the group)
   self.overlap = (opts.overlap ~= false or v > 1) and S > 1
   self.sends, self.live = {}, {}
+  self.input_grad_first = self.overlap and opts.input_grad_first ~= false
   if v > 1 then
     -- a ring (the last rank feeds the first's next chunk): each direction's
     -- edges get groups of their own by the sender (2 colours, 3 for an odd
@@ -297,6 +301,26 @@ end
 
 local function rows(t, i, n) return t:narrow(1, (i - 1) * n + 1, n):contiguous() end
 
+-- The stage's input in the backward (input_grad_first): its gradient goes
+-- to the previous stage as soon as the walk has it, and only then do the
+-- weight gradients the stage's layers left in the walk's queue
+-- (nnf.defer_weight_grads during the forward) run, beside the send; the
+-- previous stage starts its backward that much earlier (the input/weight
+-- split of zero-bubble schedules, inside one backward)
+local StageInput = A.Function {
+  name = 'pp_stage_input',
+  owns_results = true,
+  forward = function(ctx, x, send)
+    ctx.send = send
+    return x
+  end,
+  backward = function(ctx, g)
+    ctx.send(g)
+    A.flush_deferred()
+    return nil, nil
+  end,
+}
+
 -- the forward of micro-batch i: x (received, or nil on the first stage) ->
 -- a record {tape, x, out}; out is the activation to send, or the scaled loss
 function Pipeline:forward_one(i, x, ids, targets, grad, c)
@@ -310,8 +334,18 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
   -- autocast region) holds for the stage's part of the forward too
   local compute = amp.precision(self.model)
   local run = compute and function(fn) return amp.autocast(compute, fn) end or function(fn) return fn() end
-  rec.out = on_tape(rec.tape, run, function()
+  local early = grad and self.input_grad_first and not firstv
+  local nnf = early and require('moonshard.nn').functional or nil
+  local prev_defer = early and nnf.defer_weight_grads(true)
+  local ok, out = pcall(on_tape, rec.tape, run, function()
     local h = x
+    if early then
+      h = StageInput(x, function(g)
+        local gx = g:clone()
+        rec.sent = true
+        if self.chunks > 1 then self:vsend_backward(gx) else self:send_backward(gx) end
+      end)
+    end
     if firstv then h = parts.embed(rows(ids, i, mb)) end
     for j = range[1], range[2] do h = blocks[j](h) end
     if not lastv then return h end
@@ -322,6 +356,9 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
     if grad then return loss * (self.grad_scale / self.microbatches) end
     return loss
   end)
+  if early then nnf.defer_weight_grads(prev_defer) end
+  if not ok then error(out, 0) end
+  rec.out = out
   if not lastv then
     local o = rec.out
     if o.ndim ~= 3 or o.shape[1] ~= mb or o.shape[2] ~= self.seq or o.shape[3] ~= self.parts.hidden
@@ -343,10 +380,12 @@ function Pipeline:backward_one(rec, gy)
   if gy ~= nil then gy:free() end
   local gx
   if not rec.firstv then
-    gx = rec.x.grad
+    if not rec.sent then
+      gx = rec.x.grad
+      if gx == nil then gx = T.zeros({ self.mb, self.seq, self.parts.hidden }, { dtype = self.dtype, device = self.dev }) end
+    end
     rec.x.grad = nil
     rec.x:free()
-    if gx == nil then gx = T.zeros({ self.mb, self.seq, self.parts.hidden }, { dtype = self.dtype, device = self.dev }) end
   end
   rec.out:free()
   rec.tape, rec.x, rec.out = nil, nil, nil
