@@ -217,7 +217,7 @@ function pp.pipeline(model, opts)
         local owner = 0
         if kind == 'last' then owner = S - 1
         elseif kind == 'block' then owner = vstage_of[i] % S end
-        names[#names + 1] = { full, owner, kind == 'both' }
+        names[#names + 1] = { full, owner }
         local keep = (kind == 'block' and owner == s) or ((kind == 'first' or kind == 'both') and first)
           or ((kind == 'last' or kind == 'both') and last)
         if keep then
@@ -233,7 +233,7 @@ function pp.pipeline(model, opts)
   local ranks = group:ranks()
   local self = setmetatable({
     model = model, parts = parts, group = group, stage = s, n_stages = S, first = first, last = last,
-    block_range = { a, b }, ranges = ranges, chunks = v, layers = layers, microbatches = M, schedule = schedule,
+    ranges = ranges, chunks = v, layers = layers, microbatches = M, schedule = schedule,
     opt_dtype = opts.dtype,
     prev = (not first) and ranks[s] or nil, next = (not last) and ranks[s + 2] or nil,
     tied = tied, n_params = kept, names = names, full_groups = full_groups,
@@ -273,18 +273,12 @@ function Pipeline:__tostring()
     #self.tied > 0 and ', tied weights shared with the ' .. (self.first and 'last' or 'first') .. ' stage' or '')
 end
 
--- where the stage's parameters live (after model:to())
+-- where the stage's parameters live (after model:to()), and the dtype of
+-- the activations between stages: opts.dtype, else the parameters' (the
+-- residual stream's dtype, under autocast too)
 function Pipeline:device()
-  for _, p in ipairs(self.model:parameters()) do return p.device end
-  return 'cpu'
-end
-
--- the dtype of the activations between stages: opts.dtype, else the
--- parameters' (the residual stream's dtype, under autocast too)
-function Pipeline:act_dtype()
-  if self.opt_dtype then return self.opt_dtype end
-  for _, p in ipairs(self.model:parameters()) do return p.dtype end
-  return 'f32'
+  local p = self.model:parameters()[1]
+  return p and p.device or 'cpu', self.opt_dtype or (p and p.dtype) or 'f32'
 end
 
 -- ------------------------------------------------------------ one micro-batch
@@ -352,7 +346,12 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
     local loss = parts.head(h, rows(targets, i, mb))
     local hook = self.step_opts and self.step_opts.loss_hook
     if hook then loss = hook(loss) end
-    A.no_grad(function() self.loss_sum:add_(loss:detach():reshape({ 1 }):to(self.loss_sum.dtype)) end)
+    A.no_grad(function()
+      local l = loss:detach():reshape({ 1 })
+      local l64 = l:to('f64')
+      self.loss_sum:add_(l64)
+      if l64 ~= l then l64:free() end
+    end)
     if grad then return loss * (self.grad_scale / self.microbatches) end
     return loss
   end)
@@ -588,7 +587,7 @@ function Pipeline:prepare(ids, targets, what)
   end
   if self.first and self.parts.check then self.parts.check(ids, self.last and targets or nil) end
   self.mb, self.seq = B / self.microbatches, Tn
-  self.dev, self.dtype = self:device(), self:act_dtype()
+  self.dev, self.dtype = self:device()
   self.loss_sum = T.zeros({ 1 }, { dtype = 'f64', device = self.dev })
 end
 
@@ -850,17 +849,12 @@ function pp.load_full_state_dict(model, sd)
   pipe_of(model, 'load_full_state_dict')
   local tpm = package.loaded['moonshard.tp']
   if tpm and tpm.is_parallel(model) then return tpm.load_full_state_dict(model, sd) end   -- (sliced for this rank)
-  A.no_grad(function()
-    for name, dst in pairs(model:state_dict()) do
-      local src = sd[name]
-      if src == nil then error(('pp.load_full_state_dict: %s is missing'):format(name), 3) end
-      if src:numel() ~= dst:numel() then
-        error(('pp.load_full_state_dict: %s has %d elements in the file, the model %d'):format(name, src:numel(),
-          dst:numel()), 3)
-      end
-      T.raw_copy_(dst, src:to(dst.device):view(dst.shape))
-    end
-  end)
+  -- the other stages' tensors are the file's extra keys; this stage's must all be there
+  local r = model:load_state_dict(sd, { strict = false })
+  if #r.missing > 0 then
+    error(('pp.load_full_state_dict: missing from the state dict (%d): %s'):format(#r.missing,
+      table.concat(r.missing, ', ')), 2)
+  end
   return model
 end
 
