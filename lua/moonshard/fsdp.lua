@@ -328,6 +328,7 @@ end
 -- fsdp.policy.by_class{ Class or 'ClassName', ... } -> function(module, name) -> bool
 function fsdp.policy.by_class(classes)
   if type(classes) ~= 'table' then error('policy.by_class: need a list of classes', 2) end
+  if #classes == 0 then error('policy.by_class: the list of classes is empty (a nil class in it?)', 2) end
   return function(m)
     for _, c in ipairs(classes) do if is_instance(m, c) then return true end end
     return false
@@ -486,11 +487,11 @@ end
 function Unit:offload_grad(out)
   local shard, n = self.fp.shard, self.fp.shard_numel
   if shard.grad == nil then
-    self.host_grad = self.host_grad or host_empty(n, 'f32', self.fp.device, self.pinned)
+    self.host_grad = self.host_grad or host_empty(n, self.gdtype, self.fp.device, self.pinned)
     host_copy(self.st, self.host_grad, out)
     shard.grad = self.host_grad:narrow(1, 1, n)     -- a handle of its own (zero_grad frees it)
   else
-    self.host_stage = self.host_stage or host_empty(n, 'f32', self.fp.device, self.pinned)
+    self.host_stage = self.host_stage or host_empty(n, self.gdtype, self.fp.device, self.pinned)
     host_copy(self.st, self.host_stage, out)
     no_grad(function() F().add_(shard.grad, self.host_stage) end)
   end
@@ -891,7 +892,7 @@ function Unit:reshard()
   trace(self.st, 'reshard', self)
 end
 
--- the unsharded f32 gradient buffer (zeroed on creation; kept across the
+-- the unsharded gradient buffer (f32, f64 for an f64 model; zeroed on creation; kept across the
 -- backwards of no_sync) and, when the parameters are f32, the views' .grad
 -- pointed into it so autograd accumulates there with no copy
 function Unit:prepare_grads()
@@ -899,11 +900,11 @@ function Unit:prepare_grads()
   if self.gbuf == nil then
     if self.grad_direct then
       -- autograd accumulates into the views: zeros
-      self.gbuf = T.zeros({ fp.total }, { dtype = 'f32', device = fp.device })
+      self.gbuf = T.zeros({ fp.total }, { dtype = self.gdtype, device = fp.device })
     else
       -- every parameter's region is written by collect_grads (its first
       -- gradient, or zeros when it got none); only the padding is zeroed here
-      self.gbuf = T.empty({ fp.total }, { dtype = 'f32', device = fp.device })
+      self.gbuf = T.empty({ fp.total }, { dtype = self.gdtype, device = fp.device })
       local lay, pos = fp.layout, 0
       for i = 1, fp.nparams do
         local off = lay.offsets[i]
@@ -979,11 +980,14 @@ function Unit:reduce_grads()
   local st, fp = self.st, self.fp
   local g = self.gbuf
   if g == nil then return end
+  -- (fsdp.set_before_reduce: the unsharded gradient, in its views, before
+  -- it goes)
+  if st.before_reduce then st.before_reduce(self) end
   self:drop_gviews()
   self.gbuf = nil
   local src = g
   if st.dp_size > 1 then
-    if st.reduce_dtype ~= 'f32' then src = g:to(st.reduce_dtype); g:free() end
+    if st.reduce_dtype ~= 'f32' and g.dtype == 'f32' then src = g:to(st.reduce_dtype); g:free() end
     if st.predivide > 1 then F().div_(src, st.predivide) end
   end
   local pend = { unit = self, src = src }
@@ -1045,7 +1049,7 @@ local function finish_reductions(st)
       dist.all_reduce(out, 'sum', { group = st.replicate_group })
       trace(st, 'all_reduce', u)
     end
-    if out.dtype ~= 'f32' then local o = out:to('f32'); out:free(); out = o end
+    if out.dtype ~= u.gdtype then local o = out:to(u.gdtype); out:free(); out = o end
     if st.dp_size > 1 and not p.averaged then
       local post = st.dp_size / st.predivide
       if post ~= 1 then F().div_(out, post) end
@@ -1070,7 +1074,8 @@ end
 
 local function prefetch(st, u)
   if u == nil or u.status ~= 'sharded' then return end
-  if st.inflight >= st.limit then
+  -- (held units, fsdp.set_hold, are gathered by design: not counted)
+  if st.inflight >= st.limit and not st.hold then
     trace(st, 'limit', u)
     return
   end
@@ -1087,7 +1092,7 @@ local function on_backward_end(st)
   finish_reductions(st)
   st.in_backward = false
   for _, u in ipairs(st.units) do
-    if u.reshards and u.status ~= 'sharded' then u:reshard() end
+    if u.reshards and u.status ~= 'sharded' and not st.hold then u:reshard() end
     if u.work then u.work:wait(); u.work:free(); u.work = nil end
   end
 end
@@ -1118,6 +1123,7 @@ local function install_hooks(st, u)
     e[#e + 1] = u
     if not u.reshards then return end
     local grad = Ad.is_grad_enabled()
+    if grad and st.hold then return end      -- (fsdp.set_hold)
     -- no backward will come: reshard; otherwise per strategy (the root and
     -- the head unit stay unsharded under FULL_SHARD/HYBRID: their backwards
     -- come first, the head's reshards when its backward ends)
@@ -1143,8 +1149,9 @@ local function install_hooks(st, u)
   end)
   m:register_backward_hook(function()
     u:collect_grads()
-    if st.sync then u:reduce_grads() end
-    if u.reshards then u:reshard() end
+    local sync = st.sync
+    if sync == true or (sync and sync(u)) then u:reduce_grads() end
+    if u.reshards and not st.hold then u:reshard() end
   end)
 end
 
@@ -1389,7 +1396,9 @@ function fsdp.fully_shard(model, opts)
         head = u.head == true,
         strategy = strategy, group = fp.group, slots = u.slots, param_names = names,
         reshards = strategy ~= 'NO_SHARD', status = 'sharded', unsharded = false,
-        grad_direct = dtype == 'f32',
+        -- the gradients' dtype: f32, f64 for an f64 master (an f64 model)
+        gdtype = fp.shard.dtype == 'f64' and 'f64' or 'f32',
+        grad_direct = dtype == (fp.shard.dtype == 'f64' and 'f64' or 'f32'),
         -- flat offsets: [0, decay_end) decayed, [decay_end, train_end) the
         -- other trainable tensors, [train_end, total) the frozen ones
         decay_end = #decay < #tensors and fp.layout.offsets[#decay + 1] or fp.total,
@@ -1620,6 +1629,49 @@ function fsdp.no_sync(model, fn, ...)
   return unpack(r, 2, r.n)
 end
 
+-- fsdp.set_sync(model, on) -> previous: whether the backwards reduce
+-- their gradients (fsdp.no_sync is it around a function); on may be a
+-- function(unit) -> bool, asked at each unit's backward end. A pipeline's
+-- step (moonshard.pp) turns it off for every micro-batch's backward but
+-- each unit's last of the step, which reduces the sum.
+function fsdp.set_sync(model, on)
+  local st = state_of(model, 'fsdp.set_sync')
+  local prev = st.sync
+  if type(on) == 'function' then st.sync = on else st.sync = on and true or false end
+  return prev
+end
+
+-- fsdp.set_hold(model, on) -> previous: while on, a unit once gathered
+-- stays gathered (its forward and backward end, and the backward's, leave
+-- it unsharded; a forward without grad still reshards): a pipeline's step
+-- under SHARD_GRAD_OP gathers each unit once for all its micro-batches,
+-- as torchtitan's FSDP x PP does. Turning it off reshards the units it held.
+function fsdp.set_hold(model, on)
+  local st = state_of(model, 'fsdp.set_hold')
+  if st.in_backward then error('fsdp.set_hold: not inside a backward', 2) end
+  local prev = st.hold == true
+  st.hold = on and true or false
+  if prev and not st.hold then
+    for _, u in ipairs(st.units) do
+      if u.reshards and u.status ~= 'sharded' then u:reshard() end
+    end
+  end
+  return prev
+end
+
+-- fsdp.set_before_reduce(model, fn) -> previous: fn(unit) runs just before
+-- a unit's unsharded f32 gradient is reduced, while unit.gviews (views of
+-- it in the parameters' shapes, unit.views' order) can still change it (a
+-- pipeline sums a tied weight's gradient between its first and last
+-- stage there); nil removes it
+function fsdp.set_before_reduce(model, fn)
+  local st = state_of(model, 'fsdp.set_before_reduce')
+  if fn ~= nil and type(fn) ~= 'function' then error('fsdp.set_before_reduce: need a function or nil', 2) end
+  local prev = st.before_reduce
+  st.before_reduce = fn
+  return prev
+end
+
 -- fsdp.set_skip_comm(model, on): while on, the runtime issues no collective
 -- (no all-gather, reduce-scatter, all-reduce of NO_SHARD / HYBRID_SHARD, nor
 -- the all-reduce of clip_grad_norm); everything else runs as usual (buffers,
@@ -1815,9 +1867,9 @@ function fsdp.optimizer(model, cls, opts, split_decay)
     if nd > 0 then piece(0, nd, decay) end
     if nt - nd > 0 then piece(nd, nt - nd, nodecay) end
   end
-  local groups = {}
-  if #decay > 0 then groups[#groups + 1] = { params = decay, weight_decay = wd } end
-  if #nodecay > 0 then groups[#groups + 1] = { params = nodecay, weight_decay = 0 } end
+  local groups, kinds = {}, {}
+  if #decay > 0 then groups[#groups + 1] = { params = decay, weight_decay = wd }; kinds[#groups] = true end
+  if #nodecay > 0 then groups[#groups + 1] = { params = nodecay, weight_decay = 0 }; kinds[#groups] = false end
   if #groups == 0 then
     -- nothing trainable in this rank's shards: an error only when the
     -- model has nothing trainable at all (the layout is every rank's);
@@ -1827,9 +1879,13 @@ function fsdp.optimizer(model, cls, opts, split_decay)
     for _, u in ipairs(st.units) do if u.train_end > 0 then any = true end end
     if not any then error('fsdp.optimizer: the model has no trainable parameters', 2) end
     groups[1] = { params = {}, weight_decay = wd }
+    kinds[1] = true
   end
   local opt = cls(groups, opts)
   rawset(opt, 'fsdp_pieces', pieces)
+  -- whether each group is the decayed one (a rank's shards may hold only
+  -- one kind: the groups' indices are not the whole model's)
+  rawset(opt, 'fsdp_group_decays', kinds)
   -- an optimizer that can (AdamW: set_mirrors) writes each piece's
   -- low-precision copy in its own pass, and after_step skips that unit's
   -- refresh (a cast of the whole shard) when every piece of it was written

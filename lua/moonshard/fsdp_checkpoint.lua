@@ -811,6 +811,91 @@ function M.load_sharded(model, dir, opts)
   return { step = index.step, extra = index.extra, world_size = index.world_size, strategy = index.strategy }
 end
 
+-- tag_groups(layout, saved) -> saved's groups (a one-process optimizer
+-- state's meta.groups), copied, each with .decay: whether it is the
+-- decayed group, read from `layout` (optim.build_groups(model, {}, true)
+-- of the model that saved them: the no-decay group is the one with
+-- weight_decay = 0)
+function M.tag_groups(layout, saved)
+  local r = {}
+  for gi, g in ipairs(layout) do
+    local mg = {}
+    for k, v in pairs(saved and saved[gi] or {}) do mg[k] = v end
+    mg.decay = g.weight_decay ~= 0
+    r[gi] = mg
+  end
+  return r
+end
+
+-- load_moments(model, opt, by_name, groups, piece): AdamW moments of whole
+-- parameters into fsdp.AdamW `opt` (its pieces of the units' shards):
+-- by_name[name] = { exp_avg =, exp_avg_sq =, step = } (tensors in the
+-- parameter's shape, or pieces of it: piece(name, t) -> the model's own
+-- piece of t (a tensor-parallel slice) and whether it is new; default t
+-- itself). A shard piece gets the moments of the elements it holds (the
+-- padding zeros) and the largest step among them; `groups` (a one-process
+-- optimizer state's meta.groups, each with .decay = whether it is the
+-- decayed parameters' group) sets the lr, betas, eps and weight decay of
+-- fsdp.AdamW's group of the same kind. Not a collective.
+function M.load_moments(model, opt, by_name, groups, piece)
+  if fsdp_state(model) == nil then fail('load_moments: the model is not under fully_shard') end
+  if type(opt) ~= 'table' or type(opt.fsdp_pieces) ~= 'table' then fail('load_moments: opt is not an fsdp optimizer') end
+  local optim = require 'moonshard.optim'
+  no_grad(function()
+    local sliced = {}
+    for name, e in pairs(by_name) do
+      local ea, made = e.exp_avg, false
+      local eq = e.exp_avg_sq
+      if piece then ea, made = piece(name, ea); eq = piece(name, eq) end
+      sliced[name] = { ea = ea, eq = eq, step = e.step, made = made }
+    end
+    for _, pc in ipairs(opt.fsdp_pieces) do
+      local u, fp = pc.unit, pc.unit.fp
+      local a0 = fp.rank * fp.shard_numel + pc.off   -- the piece's first flat element
+      local ea, eq, step = nil, nil, nil
+      for k = 1, fp.nparams do
+        local s = sliced[u.param_names[k]]
+        local o, n = fp.layout.offsets[k], fp.layout.numels[k]
+        local lo, hi = math.max(o, a0), math.min(o + n, a0 + pc.n)
+        if s and hi > lo then
+          if s.ea:numel() ~= n then
+            fail('load_moments: %s\'s moments have %d elements, the parameter %d', u.param_names[k], s.ea:numel(), n)
+          end
+          if ea == nil then
+            local dt = optim.state_dtype(pc.p)
+            ea = T.zeros({ pc.n }, { dtype = dt, device = pc.p.device })
+            eq = T.zeros({ pc.n }, { dtype = dt, device = pc.p.device })
+          end
+          local function put(dst, src)
+            local c = src:is_contiguous() and src or src:contiguous()
+            local flat = c:view({ c:numel() })
+            T.raw_copy_(dst:narrow(1, lo - a0 + 1, hi - lo), flat:narrow(1, lo - o + 1, hi - lo))
+          end
+          put(ea, s.ea); put(eq, s.eq)
+          step = math.max(step or 0, s.step or 0)
+        end
+      end
+      local id = tonumber(pc.p.id)
+      local old = opt.state[id]
+      if old then for _, v in pairs(old) do if T.is_tensor(v) then v:free() end end end
+      opt.state[id] = ea and { exp_avg = ea, exp_avg_sq = eq, step = step } or nil
+    end
+    for _, s in pairs(sliced) do if s.made then s.ea:free(); s.eq:free() end end
+  end)
+  -- the hyper-parameters of the saved group of the same kind (decayed or
+  -- not: groups[i].decay) for each group
+  local kinds = rawget(opt, 'fsdp_group_decays') or {}
+  for gi, g in ipairs(opt.param_groups) do
+    for _, mg in ipairs(groups or {}) do
+      if mg.decay == (kinds[gi] ~= false) then
+        for _, k in ipairs({ 'lr', 'betas', 'eps', 'weight_decay' }) do if mg[k] ~= nil then g[k] = mg[k] end end
+        break
+      end
+    end
+  end
+  return opt
+end
+
 -- ------------------------------------------------------------ full state
 
 local function gather_flat(fp, src)

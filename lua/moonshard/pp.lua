@@ -114,12 +114,20 @@ end
 --                 interleaved 1F1B (Megatron-LM's virtual pipeline,
 --                 torchtitan's Interleaved1F1B): a bubble v times smaller;
 --                 microbatches must be a multiple of the stages
+--   fsdp_reduce   with the stage under fsdp.fully_shard (after the cut):
+--                 'step' (default) reduces the gradients once, in the
+--                 stage's last backward of the step (the others keep them
+--                 unsharded, as no_sync does); 'microbatch' reduces each
+--                 micro-batch's (less memory, M times the traffic)
 function pp.pipeline(model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or type(model.pipeline_parts) ~= 'function' then
     error('pp.pipeline: the model has no pipeline_parts() (GPT-2 and Llama have it; docs/pp.md says what it returns)', 2)
   end
   if rawget(model, '_pp') then error('pp.pipeline: the model is already cut into stages', 2) end
+  if rawget(model, '_fsdp') then
+    error('pp.pipeline: the model is under fsdp.fully_shard; cut it first, then shard its stage (docs/pp.md, "FSDP")', 2)
+  end
   local group = opts.group
   if group == nil then
     if not dist.is_initialized() then error('pp.pipeline: dist is not initialised (ms.dist.init) and no group given', 2) end
@@ -138,6 +146,10 @@ function pp.pipeline(model, opts)
     error(('pp.pipeline: microbatches must be a positive integer, got %s'):format(tostring(M)), 2)
   end
   local schedule = opts.schedule or (v > 1 and 'interleaved' or '1f1b')
+  local fsdp_reduce = opts.fsdp_reduce or 'step'
+  if fsdp_reduce ~= 'step' and fsdp_reduce ~= 'microbatch' then
+    error(('pp.pipeline: fsdp_reduce must be step or microbatch, got %s'):format(tostring(fsdp_reduce)), 2)
+  end
   if v > 1 then
     if schedule ~= 'interleaved' then
       error(('pp.pipeline: %d chunks a rank run the interleaved schedule, not %s'):format(v, tostring(schedule)), 2)
@@ -236,7 +248,7 @@ function pp.pipeline(model, opts)
     ranges = ranges, chunks = v, layers = layers, microbatches = M, schedule = schedule,
     opt_dtype = opts.dtype,
     prev = (not first) and ranks[s] or nil, next = (not last) and ranks[s + 2] or nil,
-    tied = tied, n_params = kept, names = names, full_groups = full_groups,
+    tied = tied, n_params = kept, names = names, full_groups = full_groups, fsdp_reduce = fsdp_reduce,
   }, Pipeline)
   -- gradients go back on a group of their own (overlap; collective over the group)
   self.overlap = (opts.overlap ~= false or v > 1) and S > 1
@@ -321,7 +333,7 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
   c = c or 1
   local firstv, lastv = self.first and c == 1, self.last and c == self.chunks
   local range = self.ranges[c]
-  local rec = { tape = {}, x = x, c = c, firstv = firstv, lastv = lastv }
+  local rec = { tape = {}, x = x, i = i, c = c, firstv = firstv, lastv = lastv }
   if grad then self.live[rec] = true end
   local parts, blocks, mb = self.parts, self.parts.blocks, self.mb
   -- the model's precision (nn.functional.set_precision: its forward in an
@@ -331,7 +343,7 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
   local early = grad and self.input_grad_first and not firstv
   local nnf = early and require('moonshard.nn').functional or nil
   local prev_defer = early and nnf.defer_weight_grads(true)
-  local ok, out = pcall(on_tape, rec.tape, run, function()
+  local body = function()
     local h = x
     if early then
       h = StageInput(x, function(g)
@@ -354,7 +366,13 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
     end)
     if grad then return loss * (self.grad_scale / self.microbatches) end
     return loss
-  end)
+  end
+  -- under fully_shard the stage's part runs as the model's call: the
+  -- hooks on the root (its unit's gather, the step's bookkeeping) and its
+  -- backward marks run for each micro-batch
+  local call = body
+  if rawget(self.model, '_fsdp') then call = function() return self.model:call_as(body) end end
+  local ok, out = pcall(on_tape, rec.tape, run, call)
   if early then nnf.defer_weight_grads(prev_defer) end
   if not ok then error(out, 0) end
   rec.out = out
@@ -373,6 +391,22 @@ end
 -- the backward of a record, with gy the gradient of its output (nil on the
 -- last stage): returns the gradient of its input (nil on the first stage)
 function Pipeline:backward_one(rec, gy)
+  local fs = self.fs
+  if fs then
+    -- FSDP: each unit reduces in its last backward of the step ('step'),
+    -- or in each ('microbatch'); none when the step does not sync. The
+    -- last micro-batch's backward is a unit's last, but for the
+    -- interleaved schedule's root unit: the root's hooks run in every
+    -- chunk's walk, its last is the stage's last backward (a chunk's own
+    -- units run in its walks only)
+    fs.nb = fs.nb + 1
+    local sync = fs.final and (self.fsdp_reduce == 'microbatch' or fs.nb == fs.total)
+    if fs.final and not sync and self.chunks > 1 and rec.i == self.microbatches then
+      local root = self.model
+      sync = function(u) return u.module ~= root end
+    end
+    fs.fsdp.set_sync(self.model, sync)
+  end
   on_tape(rec.tape, function()
     if rec.lastv then rec.out:backward() else rec.out:backward(gy) end
   end)
@@ -616,7 +650,9 @@ end
 function Pipeline:step(ids, targets, opts)
   self:prepare(ids, targets, 'step')
   self.step_opts, self.grad_scale = opts, (opts and opts.scale) or 1
+  self:fsdp_begin(opts)
   local ok, err = pcall(self.run_schedule, self, ids, targets)
+  self:fsdp_end()
   if not ok then
     -- a step cut short: what its micro-batches recorded and hold goes now
     -- (the gradients accumulated so far stay: zero_grad before the next)
@@ -625,9 +661,53 @@ function Pipeline:step(ids, targets, opts)
     error(err, 0)
   end
   self:finish_sends()
-  if not (opts and opts.sync == false) then self:sync_tied() end
+  if not (opts and opts.sync == false) and not rawget(self.model, '_fsdp') then self:sync_tied() end
   self.step_opts = nil
   return self:finish_loss()
+end
+
+-- A stage under fsdp.fully_shard (docs/pp.md, "FSDP"): the step's
+-- backwards but the last keep their gradients unsharded (fsdp_reduce =
+-- 'step'); SHARD_GRAD_OP holds every unit gathered from its first use to
+-- the step's end (one all-gather a unit a step), FULL_SHARD gathers for
+-- each micro-batch's forward and backward; a tied weight's unsharded
+-- gradient is summed between the first and last stage just before its
+-- unit reduces it.
+function Pipeline:fsdp_begin(opts)
+  local st = rawget(self.model, '_fsdp')
+  if not st then self.fs = nil; return end
+  local fsdp = require 'moonshard.fsdp'
+  if self.tied_group and not self.tied_hooked then
+    local tg = self.tied_group
+    local at = {}   -- unit -> indices of its tied views
+    for _, e in ipairs(self.tied) do
+      local id = tonumber(rawget(e[1], e[2]).id)
+      for _, u in ipairs(st.units) do
+        for k, v in ipairs(u.views) do
+          if tonumber(v.id) == id then at[u] = at[u] or {}; table.insert(at[u], k) end
+        end
+      end
+    end
+    local prev = fsdp.set_before_reduce(self.model, function(u)
+      for _, k in ipairs(at[u] or {}) do dist.all_reduce(u.gviews[k], 'sum', { group = tg }) end
+    end)
+    if prev ~= nil then error('pp: the model\'s fsdp before_reduce hook is taken', 3) end
+    self.tied_hooked = true
+  end
+  self.fs = {
+    fsdp = fsdp, nb = 0, total = self.microbatches * self.chunks,
+    sync = st.sync, final = st.sync and not (opts and opts.sync == false),
+    hold = fsdp.set_hold(self.model, st.strategy == 'SHARD_GRAD_OP'),
+  }
+end
+
+-- the FSDP settings of before the step back (the units held, resharded)
+function Pipeline:fsdp_end()
+  local fs = self.fs
+  if not fs then return end
+  self.fs = nil
+  fs.fsdp.set_sync(self.model, fs.sync)
+  fs.fsdp.set_hold(self.model, fs.hold)
 end
 
 -- the micro-batches' records not yet through their backward, dropped: their
@@ -756,13 +836,36 @@ function pp.clip_grad_norm_(model, max_norm, opts)
   -- ones counted once
   local tpm = package.loaded['moonshard.tp']
   local split_by = tpm and tpm.is_parallel(model) and tpm or nil
-  local grads, counted, split = {}, {}, {}
-  for name, p in model:named_parameters() do
-    local g = p.grad
-    if g ~= nil then
-      grads[#grads + 1] = g
-      if not skip[tonumber(p.id)] then
-        if split_by and split_by.placement(model, name) then split[#split + 1] = g else counted[#counted + 1] = g end
+  local grads, counted, split, views = {}, {}, {}, {}
+  local function add(name, id, g)
+    if skip[id] then return end
+    if split_by and split_by.placement(model, name) then split[#split + 1] = g else counted[#counted + 1] = g end
+  end
+  local st = rawget(model, '_fsdp')
+  if st then
+    -- under fully_shard: each unit's gradient shard, cut at its
+    -- parameters' bounds (the layout's offsets)
+    for _, u in ipairs(st.units) do
+      local fp, g = u.fp, u.fp.shard.grad
+      if g ~= nil then
+        grads[#grads + 1] = g
+        local a0, n = fp.rank * fp.shard_numel, fp.shard_numel
+        for i = 1, fp.nparams do
+          local o = fp.layout.offsets[i]
+          local lo, hi = math.max(o, a0), math.min(o + fp.layout.numels[i], a0 + n)
+          if hi > lo then
+            local v = g:narrow(1, lo - a0 + 1, hi - lo)
+            views[#views + 1] = v
+            add(u.param_names[i], tonumber(u.views[i].id), v)
+          end
+        end
+      end
+    end
+  else
+    for name, p in model:named_parameters() do
+      if p.grad ~= nil then
+        grads[#grads + 1] = p.grad
+        add(name, tonumber(p.id), p.grad)
       end
     end
   end
@@ -771,10 +874,20 @@ function pp.clip_grad_norm_(model, max_norm, opts)
   if split_by then
     local ss = optim.sum_squares(split, dev)
     local g = split_by.group_of(model)
-    if g:size() > 1 then dist.all_reduce(ss, 'sum', { group = g }) end
-    F.add_(sq, ss)
+    if st then
+      -- the replicated shards once over the TP group (each rank of it holds
+      -- the same values), then the FSDP group's shards
+      F.mul_(sq, 1 / g:size())
+      F.add_(sq, ss)
+      if g:size() > 1 then dist.all_reduce(sq, 'sum', { group = g }) end
+    else
+      if g:size() > 1 then dist.all_reduce(ss, 'sum', { group = g }) end
+      F.add_(sq, ss)
+    end
     ss:free()
   end
+  if st and st.shard_group and st.shard_group:size() > 1 then dist.all_reduce(sq, 'sum', { group = st.shard_group }) end
+  for _, v in ipairs(views) do v:free() end
   if pipe.n_stages > 1 then dist.all_reduce(sq, 'sum', { group = pipe.group }) end
   local total_t = F.sqrt(sq)
   sq:free()
@@ -804,17 +917,66 @@ end
 -- pp.full_state_dict(model) -> name -> tensor: the whole model's parameters
 -- (each broadcast over the pipeline by the stage that holds it) and this
 -- stage's buffers, on every stage. Every stage calls it.
-function pp.full_state_dict(model)
-  local pipe = pipe_of(model, 'full_state_dict')
+-- this stage's whole tensors: sd (its state dict: parameters and buffers),
+-- mine (name -> parameter) and with an optimizer moments (name -> {
+-- exp_avg =, exp_avg_sq =, step = }, nil for a parameter without state):
+-- gathered over the TP group and the FSDP group when the stage is split or
+-- sharded (a collective over them)
+local function stage_tensors(pipe, model, opt)
   local tpm = package.loaded['moonshard.tp']
-  local sd, mine = model:state_dict(), {}
-  if tpm and tpm.is_parallel(model) then
-    -- this stage's whole tensors first (gathered over the TP group)
+  local split = tpm and tpm.is_parallel(model)
+  local sd, mine, moments = {}, {}, nil
+  if rawget(model, '_fsdp') then
+    -- the units' f32 master shards (and AdamW moments) gathered
+    local state
+    if split then
+      sd, state = tpm.fsdp_full_tensors(model, opt)
+      for name in model:named_parameters() do mine[name] = sd[name] end
+    else
+      local params
+      params, state = require('moonshard.fsdp_checkpoint').gather(model, { optimizer = opt })
+      for _, e in ipairs(params) do mine[e.name] = e.tensor end
+      -- the buffers (the parameters come from every stage below)
+      local pnames = {}
+      for _, e in ipairs(pipe.names) do pnames[e[1]] = true end
+      for name, t in pairs(model:state_dict()) do if not pnames[name] then sd[name] = t end end
+    end
+    moments = state
+  elseif split then
     sd = tpm.full_state_dict(model)
     for name in model:named_parameters() do mine[name] = sd[name] end
   else
+    sd = model:state_dict()
     for name, p in model:named_parameters() do mine[name] = p end
   end
+  if opt and not moments then
+    moments = {}
+    if split then
+      -- this stage's moments as whole tensors (gathered over the TP group), by name
+      local osd = tpm.full_optimizer_state(model, opt)
+      local name_of, k = {}, 0
+      local pname = {}
+      for name, p in model:named_parameters() do pname[tonumber(p.id)] = name end
+      for _, g in ipairs(opt.param_groups) do
+        for _, p in ipairs(g.params) do k = k + 1; name_of[k] = pname[tonumber(p.id)] end
+      end
+      for _, e in ipairs(osd.meta.state or {}) do
+        local name = name_of[e.index]
+        local ea, eq = osd.tensors[e.index .. '.exp_avg'], osd.tensors[e.index .. '.exp_avg_sq']
+        if name and ea and eq then moments[name] = { exp_avg = ea, exp_avg_sq = eq, step = e.step } end
+      end
+    else
+      for name, p in model:named_parameters() do
+        local st = opt.state[tonumber(p.id)]
+        if st and st.exp_avg then moments[name] = st end
+      end
+    end
+  end
+  return sd, mine, moments
+end
+
+-- the stage's state dict completed with every stage's parameters
+local function whole_model(pipe, sd, mine)
   local ranks = pipe.group:ranks()
   local dev = pipe:device()
   for _, e in ipairs(pipe.names) do
@@ -843,10 +1005,19 @@ function pp.full_state_dict(model)
   return sd
 end
 
+function pp.full_state_dict(model)
+  local pipe = pipe_of(model, 'full_state_dict')
+  return whole_model(pipe, stage_tensors(pipe, model))
+end
+
 -- pp.load_full_state_dict(model, sd): this stage's parameters (and buffers)
 -- copied from a whole model's state dict (a file every stage reads)
 function pp.load_full_state_dict(model, sd)
   pipe_of(model, 'load_full_state_dict')
+  if rawget(model, '_fsdp') then
+    error('pp.load_full_state_dict: the stage is under fsdp.fully_shard; load the weights between pp.pipeline and '
+      .. 'fully_shard (the optimizer\'s moments after it: pp.load_full_optimizer_state)', 2)
+  end
   local tpm = package.loaded['moonshard.tp']
   if tpm and tpm.is_parallel(model) then return tpm.load_full_state_dict(model, sd) end   -- (sliced for this rank)
   -- the other stages' tensors are the file's extra keys; this stage's must all be there
@@ -864,30 +1035,9 @@ end
 -- weight_decay }), on every stage. Every stage calls it.
 function pp.full_checkpoint(model, opt, hyper)
   local pipe = pipe_of(model, 'full_checkpoint')
-  local msd = pp.full_state_dict(model)
-  if not opt then return msd, nil end
-  local mine = {}
-  local tpm = package.loaded['moonshard.tp']
-  if tpm and tpm.is_parallel(model) then
-    -- this stage's moments as whole tensors (gathered over the TP group), by name
-    local osd = tpm.full_optimizer_state(model, opt)
-    local name_of, k = {}, 0
-    local pname = {}
-    for name, p in model:named_parameters() do pname[tonumber(p.id)] = name end
-    for _, g in ipairs(opt.param_groups) do
-      for _, p in ipairs(g.params) do k = k + 1; name_of[k] = pname[tonumber(p.id)] end
-    end
-    for _, e in ipairs(osd.meta.state or {}) do
-      local name = name_of[e.index]
-      local ea, eq = osd.tensors[e.index .. '.exp_avg'], osd.tensors[e.index .. '.exp_avg_sq']
-      if name and ea and eq then mine[name] = { exp_avg = ea, exp_avg_sq = eq, step = e.step } end
-    end
-  else
-    for name, p in model:named_parameters() do
-      local st = opt.state[tonumber(p.id)]
-      if st and st.exp_avg then mine[name] = st end
-    end
-  end
+  if not opt then return pp.full_state_dict(model), nil end
+  local sd, own, mine = stage_tensors(pipe, model, opt)
+  local msd = whole_model(pipe, sd, own)
   local by = {}
   for _, e in ipairs(pipe.names) do
     local name, owner = e[1], e[2]
@@ -920,8 +1070,27 @@ function pp.load_full_optimizer_state(model, opt, sd)
   for gi, g in ipairs(pipe.full_groups) do
     for _, n in ipairs(g.names) do i = i + 1; name_of[i] = n; group_of[n] = gi end
   end
-  local pid = {}
-  for name, p in model:named_parameters() do pid[tonumber(p.id)] = name end
+  local pid, here = {}, {}
+  for name, p in model:named_parameters() do pid[tonumber(p.id)] = name; here[name] = true end
+  local tpm = package.loaded['moonshard.tp']
+  local split = tpm and tpm.is_parallel(model)
+  if rawget(model, '_fsdp') then
+    -- fsdp.AdamW: each piece of a unit's shard takes its elements' moments
+    local by_name = {}
+    for _, e in ipairs(sd.meta and sd.meta.state or {}) do
+      local name = name_of[e.index]
+      if name == nil then
+        error(('pp.load_full_optimizer_state: state for parameter %s, which the model does not have'):format(
+          tostring(e.index)), 2)
+      end
+      local ea, eq = sd.tensors[e.index .. '.exp_avg'], sd.tensors[e.index .. '.exp_avg_sq']
+      if here[name] and ea and eq then by_name[name] = { exp_avg = ea, exp_avg_sq = eq, step = e.step } end
+    end
+    local fck = require 'moonshard.fsdp_checkpoint'
+    fck.load_moments(model, opt, by_name, fck.tag_groups(pipe.full_groups, sd.meta and sd.meta.groups),
+      split and function(name, t) return tpm.local_piece(model, name, t) end or nil)
+    return opt
+  end
   local idx, meta, k = {}, { type = sd.meta and sd.meta.type, groups = {}, state = {} }, 0
   for gi, g in ipairs(opt.param_groups) do
     local mg = { params = {} }
@@ -955,8 +1124,7 @@ function pp.load_full_optimizer_state(model, opt, sd)
       end
     end
   end
-  local tpm = package.loaded['moonshard.tp']
-  if tpm and tpm.is_parallel(model) then
+  if split then
     tpm.load_full_optimizer_state(model, opt, { tensors = tensors, meta = meta })   -- (sliced for this rank)
   else
     opt:load_state_dict({ tensors = tensors, meta = meta })

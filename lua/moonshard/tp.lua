@@ -1014,10 +1014,21 @@ end
 -- weight_decay }): the units' f32 master shards and AdamW moments are
 -- gathered (fsdp_checkpoint.gather), then the TP slices.
 function tp.full_checkpoint(model, opt, hyper)
-  local info = info_of(model)
   if rawget(model, '_fsdp') == nil then
     return tp.full_state_dict(model), opt and tp.full_optimizer_state(model, opt) or nil
   end
+  local msd, st = tp.fsdp_full_tensors(model, opt)
+  if not opt then return msd, nil end
+  return msd, require('moonshard.optim').one_process_state(require('moonshard.optim').build_groups(model, {}, true), st,
+    hyper or {})
+end
+
+-- tp.fsdp_full_tensors(model, opt) -> name -> whole tensor (the state
+-- dict), and with an optimizer name -> { exp_avg =, exp_avg_sq =, step = }
+-- (whole tensors): a split model under fully_shard, gathered over both
+-- axes (every rank gets them; a collective)
+function tp.fsdp_full_tensors(model, opt)
+  local info = info_of(model)
   local fck = require 'moonshard.fsdp_checkpoint'
   local params, state = fck.gather(model, { optimizer = opt })
   local by = {}
@@ -1039,8 +1050,7 @@ function tp.full_checkpoint(model, opt, hyper)
     local e = state[name]
     st[name] = { exp_avg = whole(name, e.exp_avg), exp_avg_sq = whole(name, e.exp_avg_sq), step = e.step }
   end
-  return msd, require('moonshard.optim').one_process_state(require('moonshard.optim').build_groups(model, {}, true), st,
-    hyper or {})
+  return msd, st
 end
 
 -- tp.load_fsdp_optimizer_state(model, opt, sd): a one-process optimizer
@@ -1050,13 +1060,13 @@ end
 -- elements it holds (the padding zeros) and the step
 function tp.load_fsdp_optimizer_state(model, opt, sd)
   local info = info_of(model)
-  local st = rawget(model, '_fsdp')
-  if st == nil then error('tp.load_fsdp_optimizer_state: the model is not under fully_shard', 2) end
+  if rawget(model, '_fsdp') == nil then error('tp.load_fsdp_optimizer_state: the model is not under fully_shard', 2) end
   if type(opt.fsdp_pieces) ~= 'table' then error('tp.load_fsdp_optimizer_state: opt is not an fsdp optimizer', 2) end
   -- the one-process indices -> names (build_groups' order, as the saver's)
   local optim = require 'moonshard.optim'
   local name_of, i = {}, 0
-  for _, g in ipairs(optim.build_groups(model, {}, true)) do
+  local layout = optim.build_groups(model, {}, true)
+  for _, g in ipairs(layout) do
     for _, name in ipairs(g.names) do i = i + 1; name_of[i] = name end
   end
   local by_name = {}
@@ -1065,50 +1075,16 @@ function tp.load_fsdp_optimizer_state(model, opt, sd)
     if name == nil then error(('tp.load_fsdp_optimizer_state: state for parameter %s, which the model does not have'):format(
       tostring(e.index)), 2) end
     local ea, eq = sd.tensors[e.index .. '.exp_avg'], sd.tensors[e.index .. '.exp_avg_sq']
-    if ea and eq then by_name[name] = { ea = ea, eq = eq, step = e.step } end
+    if ea and eq then by_name[name] = { exp_avg = ea, exp_avg_sq = eq, step = e.step } end
   end
-  A.no_grad(function()
-    local sliced = {}
-    for name, e in pairs(by_name) do
-      local ea, made = piece_of(info, name, e.ea)
-      local eq = piece_of(info, name, e.eq)
-      sliced[name] = { ea = ea, eq = eq, step = e.step, made = made }
-    end
-    for _, pc in ipairs(opt.fsdp_pieces) do
-      local u, fp = pc.unit, pc.unit.fp
-      local a0 = fp.rank * fp.shard_numel + pc.off   -- the piece's first flat element
-      local ea, eq, step = nil, nil, nil
-      for k = 1, fp.nparams do
-        local s = sliced[u.param_names[k]]
-        local o, n = fp.layout.offsets[k], fp.layout.numels[k]
-        local lo, hi = math.max(o, a0), math.min(o + n, a0 + pc.n)
-        if s and hi > lo then
-          if ea == nil then
-            local dt = optim.state_dtype(pc.p)
-            ea = T.zeros({ pc.n }, { dtype = dt, device = pc.p.device })
-            eq = T.zeros({ pc.n }, { dtype = dt, device = pc.p.device })
-          end
-          local function put(dst, src)
-            local flat = src:contiguous():view({ src:numel() })
-            T.raw_copy_(dst:narrow(1, lo - a0 + 1, hi - lo), flat:narrow(1, lo - o + 1, hi - lo))
-          end
-          put(ea, s.ea); put(eq, s.eq)
-          step = math.max(step or 0, s.step or 0)
-        end
-      end
-      local id = tonumber(pc.p.id)
-      local old = opt.state[id]
-      if old then for _, v in pairs(old) do if T.is_tensor(v) then v:free() end end end
-      opt.state[id] = ea and { exp_avg = ea, exp_avg_sq = eq, step = step } or nil
-    end
-    for _, s in pairs(sliced) do if s.made then s.ea:free(); s.eq:free() end end
-  end)
-  -- the hyper-parameters of the saved groups (decayed first, as fsdp.AdamW's)
-  for gi, g in ipairs(opt.param_groups) do
-    local mg = sd.meta.groups and sd.meta.groups[gi]
-    if mg then for _, k in ipairs({ 'lr', 'betas', 'eps' }) do if mg[k] ~= nil then g[k] = mg[k] end end end
-  end
+  local fck = require 'moonshard.fsdp_checkpoint'
+  fck.load_moments(model, opt, by_name, fck.tag_groups(layout, sd.meta.groups),
+    function(name, t) return piece_of(info, name, t) end)
   return opt
 end
+
+-- tp.local_piece(model, name, t) -> this rank's piece of whole tensor t of
+-- parameter `name` (t itself when replicated), and whether it is new
+function tp.local_piece(model, name, t) return piece_of(info_of(model), name, t) end
 
 return tp

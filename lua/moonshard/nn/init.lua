@@ -464,11 +464,13 @@ local function run_forward(self, ...)
   return self:forward(...)
 end
 
-function Module:__call(...)
+-- the call of module self: its forward hooks and backward marks around
+-- fwd(self, ...) (run_forward for a plain call)
+local function hooked_call(self, fwd, ...)
   local pre, post = rawget(self, '_forward_pre_hooks'), rawget(self, '_forward_hooks')
   local mark = A.should_mark(self)
   if not mark and (pre == nil or #pre == 0) and (post == nil or #post == 0) then
-    return run_forward(self, ...)
+    return fwd(self, ...)
   end
   local inputs = pack(...)
   if pre then
@@ -487,7 +489,7 @@ function Module:__call(...)
     end
   end
   if mark then A.mark_module_begin(self) end
-  local out = pack(run_forward(self, unpack(inputs, 1, inputs.n)))
+  local out = pack(fwd(self, unpack(inputs, 1, inputs.n)))
   if mark then A.mark_module_end(self) end
   if post then
     for i = 1, #post do
@@ -499,6 +501,17 @@ function Module:__call(...)
     end
   end
   return unpack(out, 1, out.n)
+end
+
+function Module:__call(...) return hooked_call(self, run_forward, ...) end
+
+-- m:call_as(fn, ...) -> fn(...)'s results, run as a call of m: m's forward
+-- (pre-)hooks and backward marks around fn in place of m's forward (a
+-- pipeline stage's part of the model runs as the model's call, so the
+-- hooks fully_shard put on the root run for each micro-batch; docs/pp.md)
+function Module:call_as(fn, ...)
+  if type(fn) ~= 'function' then error('call_as: need a function', 2) end
+  return hooked_call(self, function(_, ...) return fn(...) end, ...)
 end
 
 -- -------------------------------------------------------------- printing
