@@ -4,7 +4,9 @@
 -- both schedules, GPT-2 with its tied head and Llama) and at 4 (--pp 2 x
 -- data parallel 2, with gradient accumulation); the whole-model checkpoint
 -- a --pp run writes resumes in one process and at --pp 2 with the losses of
--- the run that never stopped; the final weights are the whole model; a NaN
+-- the run that never stopped; --fsdp shards each stage over the
+-- data-parallel ranks (--pp 2 --fsdp, and --pp 2 --tp 2 --fsdp); the final
+-- weights are the whole model; a NaN
 -- step is skipped on every stage; bad layouts exit 2 with a message.
 local train = require 'moonshard.train'
 local data = require 'moonshard.data'
@@ -149,6 +151,33 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     end
   end)
 
+  it('--pp 2 --fsdp on 4 ranks (each stage sharded over 2) follows the one-process curve; its checkpoint resumes '
+    .. 'in one process and sharded again', function()
+    for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g', 'FULL_SHARD' }, { 'models/llama.lua', tiny_llama, 'l', 'SHARD_GRAD_OP' } }) do
+      local one = reference(c[1], c[2], c[3] .. '1')
+      local out = ('%s/%sf'):format(dir, c[3])
+      local status, text = bin_train(('--nproc-per-node 4 --device cpu %s %s --batch-size 2 --steps 4 --pp 2 --fsdp %s '
+        .. '--save-every 1 --stop-at 2 --out %s'):format(c[1], c[2], c[4], q(out)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('pipeline parallel: 2 stages over 4 ranks, blocks {2, 1}, data parallel 2', 1, true), text)
+      assert.is_truthy(text:find('fsdp: ' .. c[4] .. ' over 2 ranks', 1, true), text)
+      os.execute(('cp -r %s %s1'):format(q(out), q(out)))
+      status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s --pp 2 --fsdp %s'):format(q(out), c[4]))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(out), 1, 4, c[1] .. ' --pp 2 --fsdp, stopped and resumed')
+      status, text = bin_train(('--resume %s1/ckpt-2 --out %s1'):format(q(out), q(out)))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(out .. '1'), 1, 4, c[1] .. ' a --pp 2 --fsdp checkpoint resumed in one process')
+    end
+    -- 3-D: TP pairs in 2 stages, each sharded (over one rank here)
+    local one = reference('models/llama.lua', tiny_llama, 'l1')
+    local status, text = bin_train(('--nproc-per-node 4 --device cpu models/llama.lua %s --batch-size 4 --steps 4 '
+      .. '--pp 2 --tp 2 --fsdp --out %s/l3d'):format(tiny_llama, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('fsdp: FULL_SHARD over 1 rank', 1, true), text)
+    close_losses(one, losses(dir .. '/l3d'), 1, 4, '--pp 2 --tp 2 --fsdp')
+  end)
+
   it('--pp 2 --pp-chunks 2 (interleaved 1F1B, 4 virtual stages) follows the one-process curve', function()
     local one = reference('models/gpt2.lua', tiny .. ' --model.n_layer 4', 'g1l4')
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --model.n_layer 4 --batch-size 4 '
@@ -185,10 +214,10 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       .. '--pp-microbatches 3 --out %s/b3'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)
     assert.is_truthy(text:find('--pp-microbatches 3 does not divide --batch-size 4', 1, true), text)
-    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --pp 2 --fsdp --out %s/b4')
-      :format(tiny, q(dir)))
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --pp 2 --fsdp HYBRID_SHARD '
+      .. '--out %s/b4'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)
-    assert.is_truthy(text:find('--pp 2 with --fsdp FULL_SHARD: not supported', 1, true), text)
+    assert.is_truthy(text:find('--pp 2 with --fsdp HYBRID_SHARD: not supported', 1, true), text)
     status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --model.n_layer 1 --steps 1 --pp 2 '
       .. '--out %s/b5'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)

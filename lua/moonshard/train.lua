@@ -86,7 +86,7 @@ train.options = {
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
-  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel; checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
+  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD or SHARD_GRAD_OP each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
@@ -993,15 +993,18 @@ function train.run(opts)
       usage('--pp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', pp_size, world,
         world == 1 and '' or 's')
     end
-    if strategy ~= nil and strategy ~= 'off' and strategy ~= 'NO_SHARD' then
-      usage('--pp %d with --fsdp %s: not supported (the pipelines are data parallel: --fsdp off or NO_SHARD)', pp_size,
-        strategy)
+    if strategy == 'HYBRID_SHARD' then
+      usage('--pp %d with --fsdp HYBRID_SHARD: not supported (each stage is sharded over the data-parallel ranks that '
+        .. 'hold it); use FULL_SHARD or SHARD_GRAD_OP', pp_size)
     end
     if o.lora > 0 then usage('--pp with --lora: not supported (merge the adapters first)') end
     if resume and resume.sharded then
       usage('--pp: %s is a sharded (FSDP) checkpoint; --pp resumes whole-model checkpoints', resume.path)
     end
-    strategy = nil
+    -- --fsdp FULL_SHARD / SHARD_GRAD_OP: each stage sharded over the
+    -- data-parallel ranks that hold it (FSDP x PP); otherwise the
+    -- pipelines' gradients are all-reduced
+    if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     if tp_size > 1 then
       -- 3-D: TP pairs innermost (consecutive ranks), then the stages, then
       -- data parallelism; rank r = (d * pp + p) * tp + t
@@ -1127,7 +1130,7 @@ function train.run(opts)
 
   -- a single-process checkpoint resumed by a sharded run goes in before fully_shard
   local load_converted
-  if resume and strategy and not resume.sharded and not tp_mesh then
+  if resume and strategy and not resume.sharded and not tp_mesh and not pp_mesh then
     load_converted = plain_to_sharded(resume.path, model, function() return ms.optim.AdamW(model, adamw_opts) end)
   end
 
@@ -1212,7 +1215,9 @@ function train.run(opts)
       schedule = o.pp_chunks == 1 and o.pp_schedule or nil, chunks = o.pp_chunks })
     if not okp then usage('--pp %d: %s', pp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     pipe = perr
-    ms.nn.materialize(model)
+    -- (under --fsdp from scratch fully_shard makes the stage's shards from
+    -- the recorded initialisation: no rank holds its whole stage)
+    if not strategy or resume then ms.nn.materialize(model) end
     local mine = 0
     for _, p in ipairs(model:parameters()) do mine = mine + p:numel() end
     local most = reduce_numbers({ mine }, 'max')[1]
@@ -1238,7 +1243,7 @@ function train.run(opts)
     local mp = train.mixed_precision(o.fsdp_mixed_precision, device)
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
       shard_size = strategy == 'HYBRID_SHARD' and o.shard_size > 0 and o.shard_size or nil,
-      group = tp_mesh and tp_mesh.replicate or nil, float8_all_gather = o.float8_all_gather or nil })
+      group = (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil, float8_all_gather = o.float8_all_gather or nil })
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, data_world, data_world == 1 and '' or 's', pdesc,
       #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
@@ -1524,7 +1529,8 @@ function train.run(opts)
     local gnorm
     if pp_mesh then
       -- the pipelines' gradients averaged, then clipped over the stages
-      ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg')
+      -- (under FSDP the stages' reductions averaged them)
+      if not strategy then ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg') end
       gnorm = ms.pp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     elseif tp_mesh then
       -- (under FSDP the gradients were reduced over mesh.replicate already)
@@ -1665,7 +1671,7 @@ function train.run(opts)
     local prompt = data.encode(o.sample_prompt)
     if #prompt == 0 then prompt = { 10 } end
     -- a sharded model: every rank samples the same tokens (its forwards gather the units)
-    if strategy then ms.fsdp.unshard(model) end
+    if strategy and not pp_mesh then ms.fsdp.unshard(model) end
     local gen = model
     if pp_mesh then
       -- the pipeline's stages put together again in a whole model (every rank samples the same tokens)
@@ -1676,7 +1682,7 @@ function train.run(opts)
     end
     local ids = gen:generate({ prompt }, o.sample_tokens, {
       temperature = o.temperature, top_k = o.top_k > 0 and o.top_k or nil, seed = o.seed })
-    if strategy then ms.fsdp.reshard(model) end
+    if strategy and not pp_mesh then ms.fsdp.reshard(model) end
     local row = ids:totable()[1]
     local new = {}
     for i = #prompt + 1, #row do new[#new + 1] = row[i] < 256 and row[i] or 63 end
