@@ -34,7 +34,11 @@
 -- blocks per stage instead of pp.balanced's, --chunks v: the interleaved
 -- 1F1B over v chunks a rank, --no-grad-first: the input's gradient sent
 -- after the weight gradients (pp's input_grad_first off); tokens/s per GPU
--- is the step's tokens over the GPUs; docs/pp.md),
+-- is the step's tokens over the GPUs; --pp-size P: pipelines of P stages,
+-- data parallel across them (each its own batch; gradients all-reduced),
+-- --pp-fsdp: each stage under fully_shard over its data-parallel ranks
+-- instead (--strategy, bf16 parameters, f32 reduce; FSDP x PP);
+-- docs/pp.md),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
 -- the last phase's), --keep-activations (ms.autograd.release_activations
@@ -64,10 +68,10 @@ local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
   ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise', ['tp-scales'] = 'shard', microbatches = 0,
-  schedule = '1f1b', stages = '', chunks = 1 }
+  schedule = '1f1b', stages = '', chunks = 1, ['pp-size'] = 0 }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
   ['keep-activations'] = false, tp = false, pp = false, sp = false, float8 = false, ['float8-gather'] = false,
-  ['no-overlap'] = false, ['no-grad-first'] = false }
+  ['no-overlap'] = false, ['no-grad-first'] = false, ['pp-fsdp'] = false }
 do
   local i = 1
   while i <= #arg do
@@ -80,7 +84,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -131,15 +135,19 @@ end
 local nparams = 0
 for _, p in model:named_parameters() do nparams = nparams + p:numel() end
 -- --pp: this rank's stage only goes to the GPU
-local pipe
+local pipe, pp_mesh, dp = nil, nil, 1
 if use_pp then
   if opts.microbatches == 0 then opts.microbatches = opts.batch end
+  local P = opts['pp-size'] > 0 and opts['pp-size'] or world
+  assert(world % P == 0, 'bench/fsdp.lua: --pp-size must divide the world')
+  dp = world / P
+  pp_mesh = ms.dist.mesh { replicate = dp, shard = P }
   local layers
   if opts.stages ~= '' then
     layers = {}
     for n in tostring(opts.stages):gmatch('%d+') do layers[#layers + 1] = tonumber(n) end
   end
-  pipe = ms.pp.pipeline(model, { microbatches = opts.microbatches,
+  pipe = ms.pp.pipeline(model, { group = pp_mesh.shard, microbatches = opts.microbatches,
     schedule = opts.chunks > 1 and 'interleaved' or opts.schedule, chunks = opts.chunks,
     overlap = not flags['no-overlap'], layers = layers, input_grad_first = not flags['no-grad-first'] })
   say(tostring(pipe))
@@ -168,10 +176,19 @@ if use_tp then
   model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
   opt = ms.optim.AdamW(model, adam)
   clip = function() return ms.tp.clip_grad_norm_(model, 1.0, { tensor = true, defer = opt }) end
+elseif use_pp and flags['pp-fsdp'] then
+  ms.fsdp.fully_shard(model, { group = pp_mesh.replicate, policy = ms.fsdp.policy.by_class { block },
+                               strategy = opts.strategy, mixed_precision = { param = 'bf16', reduce = 'f32' } })
+  opt = ms.fsdp.AdamW(model, adam)
+  clip = function() return ms.pp.clip_grad_norm_(model, 1.0, { tensor = true, defer = opt }) end
 elseif use_pp then
   model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
   opt = ms.optim.AdamW(model, adam)
-  clip = function() return ms.pp.clip_grad_norm_(model, 1.0, { tensor = true, defer = opt }) end
+  clip = function()
+    -- (pipelines data parallel: their gradients averaged first)
+    if dp > 1 then ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg') end
+    return ms.pp.clip_grad_norm_(model, 1.0, { tensor = true, defer = opt })
+  end
 elseif use_fsdp then
   local head_unit = nil                              -- the default: a unit for an untied head
   if flags['head-in-root'] then head_unit = false end
@@ -193,7 +210,9 @@ local V = model.config.vocab_size
 local data = {}
 for k = 1, 4 do
   -- (tensor parallelism: the same tokens on every rank)
-  local d = (ms.rand({ opts.batch, opts.seq + 1 }, { seed = 100 * (((use_tp or use_pp) and 0 or rank) + 1) + k,
+  -- (pipelines: each data-parallel group its own)
+  local r = use_tp and 0 or use_pp and pp_mesh.coord[1] or rank
+  local d = (ms.rand({ opts.batch, opts.seq + 1 }, { seed = 100 * (r + 1) + k,
     device = 'cuda' })
     * (V - 1)):long()
   data[k] = { d:narrow(2, 1, opts.seq):contiguous(), d:narrow(2, 2, opts.seq):contiguous() }
@@ -332,13 +351,14 @@ end
 local cfg = model.config
 local L = cfg.n_layer or cfg.num_hidden_layers
 local C = cfg.n_embd or cfg.hidden_size
-local tok = opts.batch * opts.seq / med / ((use_tp or use_pp) and world or 1)
+local tok = opts.batch * opts.seq / med / (use_tp and world or use_pp and world / dp or 1)
 local flops_tok = 6 * nparams + 6 * L * C * opts.seq
 say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLOP/s/GPU | peak GiB/GPU | exposed comm ms |'))
 say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
-  use_pp and ('pipeline, %s, %d micro-batches%s'):format(opts.chunks > 1 and ('interleaved x%d'):format(opts.chunks)
-    or opts.schedule, opts.microbatches,
+  use_pp and ('pipeline%s, %s, %d micro-batches%s'):format(
+    dp > 1 and (' %d x %s %d'):format(world / dp, flags['pp-fsdp'] and opts.strategy or 'data parallel', dp) or '',
+    opts.chunks > 1 and ('interleaved x%d'):format(opts.chunks) or opts.schedule, opts.microbatches,
     (flags['no-overlap'] and ', no overlap' or '') .. (flags['no-grad-first'] and ', no grad first' or ''))
     or use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
     .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,

@@ -6,7 +6,8 @@
 -- model on the same GPU (f32 within 1e-4: the micro-batches' GEMMs may take
 -- other algorithms than the batch's), bf16 autocast with one micro-batch
 -- (the same kernels: the same bits), TP pairs inside two stages on 4 GPUs,
--- and a step's allocated memory flat from step 2.
+-- FSDP inside the stages (2 x 2 on 4 GPUs: the gradients gathered from the
+-- shards), and a step's allocated memory flat from step 2.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
 local dist = require 'moonshard.dist'
@@ -133,6 +134,59 @@ describe('point-to-point and pipelines on GPUs (NCCL) #multi', function()
         assert.is_true(e <= 1e-4, ('%s %s: %g'):format(case[1], name, e))
       end
       pipe:free()
+    end
+    mesh.shard:free()
+    mesh.replicate:free()
+  end)
+
+  it('FSDP inside the stages (2 stages; 2 x 2 on 4 GPUs): the whole model\'s loss and gradients from the shards (f32; '
+    .. 'bf16 parameters within 2e-2)', function()
+    local S = 2
+    local D = W / S
+    local mesh = dist.mesh { replicate = D, shard = S }   -- shard: the pipelines; replicate: each stage's FSDP group
+    local d = mesh.coord[1]
+    local function rows(t) local n = t.shape[1] / D; return t:narrow(1, d * n + 1, n):contiguous() end
+    for _, case in ipairs(cases) do
+      for _, run in ipairs({ { 'FULL_SHARD', '1f1b' }, { 'SHARD_GRAD_OP', 'gpipe' }, { 'FULL_SHARD', 'interleaved' },
+        { 'FULL_SHARD', '1f1b', 'bf16' } }) do
+        local what = ('%s %s %s%s'):format(case[1], run[1], run[2], run[3] and ' bf16' or '')
+        local x, y = batch(9)
+        local ref = build(case):to('cuda')
+        local l0 = ref(x, y)
+        l0:backward()
+        local m = build(case)
+        local pipe = ms.pp.pipeline(m, { group = mesh.shard, microbatches = 4, chunks = run[2] == 'interleaved' and 2 or nil,
+          schedule = run[2] ~= 'interleaved' and run[2] or nil })
+        m:to('cuda')
+        ms.fsdp.fully_shard(m, { group = mesh.replicate, strategy = run[1],
+          policy = ms.fsdp.policy.by_class { case[1] == 'gpt2' and 'GPT2Block' or 'LlamaDecoderLayer' },
+          mixed_precision = run[3] and { param = 'bf16', reduce = 'f32' } or nil })
+        local l1 = pipe:step(rows(x), rows(y))
+        dist.all_reduce(l1, 'avg', { group = mesh.replicate })
+        local tol = run[3] and 2e-2 or 1e-4
+        assert.is_true(FS.rel(l1:item(), l0:item()) <= (run[3] and 1e-2 or 1e-5), ('%s: %.9g against %.9g'):format(what, l1:item(), l0:item()))
+        local ref_p = {}
+        for name, p in ref:named_parameters() do ref_p[name] = p end
+        local n = 0
+        for _, u in ipairs(ms.fsdp.units(m)) do
+          local fp = u.fp
+          local flat = ms.empty({ fp.total }, { dtype = 'f32', device = 'cuda' })
+          if fp.world_size == 1 then flat:copy_(fp.shard.grad) else dist.all_gather_into(flat, fp.shard.grad, { group = fp.group }) end
+          for i = 1, fp.nparams do
+            local name = u.param_names[i]
+            local g = flat:narrow(1, fp.layout.offsets[i] + 1, fp.layout.numels[i]):view(ref_p[name].shape)
+            local e = FS.norm_rel(g, ref_p[name].grad)
+            assert.is_true(e <= tol, ('%s %s: %g'):format(what, name, e))
+            n = n + 1
+          end
+          flat:free()
+        end
+        assert.is_true(n > 0)
+        local n0 = ms.optim.clip_grad_norm(ref, math.huge)
+        local n1 = ms.pp.clip_grad_norm_(m, math.huge)
+        assert.is_true(FS.rel(n1, n0) <= tol, ('%s: norm %.9g against %.9g'):format(what, n1, n0))
+        pipe:free()
+      end
     end
     mesh.shard:free()
     mesh.replicate:free()
