@@ -7,7 +7,8 @@
 -- the run that never stopped; --fsdp shards each stage over the
 -- data-parallel ranks (--pp 2 --fsdp, and --pp 2 --tp 2 --fsdp); the final
 -- weights are the whole model; a NaN
--- step is skipped on every stage; bad layouts exit 2 with a message.
+-- step is skipped on every stage; --lora trains as in one process and saves
+-- the merged model; bad layouts exit 2 with a message.
 local train = require 'moonshard.train'
 local data = require 'moonshard.data'
 
@@ -191,6 +192,47 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     assert.are.equal(2, status, text)
     assert.is_truthy(text:find('the interleaved schedule needs micro-batches in multiples of the 2 stages, got 3', 1, true),
       text)
+  end)
+
+  it('--pp 2 --lora: the one-process LoRA curve, a resume at --pp 2, and a saved folder of the plain model with only the '
+    .. 'adapted weights changed', function()
+    local root = require('moonshard.tensor').root
+    local fixture = root .. '/../shared/fixtures/gpt2-tiny'
+    if not io.open(fixture .. '/model.safetensors', 'rb') then pending('no gpt2-tiny fixture'); return end
+    local ms = require 'moonshard'
+    local want = ms.load_safetensors(fixture .. '/model.safetensors')
+    local common = ('models/gpt2.lua --init-from %s --lora 4 --lora-alpha 8 --steps 4 --seq-len 16 --lr 1e-2 '
+      .. '--log-every 1 --eval-every 0 --sample-tokens 0 --batch-size 4 --data %s'):format(q(fixture), q(corpus_path))
+    local status, text = bin_train(('%s --out %s/pl1'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu %s --pp 2 --out %s/pl2'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('lora: rank 4, alpha 8, 8 modules', 1, true), text)
+    close_losses(losses(dir .. '/pl1'), losses(dir .. '/pl2'), 1, 4, '--pp 2 --lora')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu %s --pp 2 --save-every 2 --stop-at 2 --out %s/pl3'):format(
+      common, q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/pl3 --pp 2'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(losses(dir .. '/pl1'), losses(dir .. '/pl3'), 1, 4, '--pp 2 --lora resumed')
+    for _, run in ipairs({ 'pl2', 'pl3' }) do
+      local m = require('models.gpt2').from_pretrained(dir .. '/' .. run)   -- strict: no lora_ tensors in it
+      local m1 = require('models.gpt2').from_pretrained(dir .. '/pl1')
+      local one = m1:state_dict()
+      local changed = 0
+      for k, v in pairs(m:state_dict()) do
+        local w = want[k] or want[(k:gsub('^transformer%.', ''))]
+        local d = ms.no_grad(function() return (v:double() - w:double()):abs():max():item() end)
+        if d > 0 then
+          changed = changed + 1
+          assert.is_truthy(k:match('c_attn%.weight$') or k:match('c_proj%.weight$') or k:match('c_fc%.weight$'), run .. ' ' .. k)
+        end
+        -- the one-process run's merged weights
+        local e = ms.no_grad(function() return (v:double() - one[k]:double()):abs():max():item() end)
+        assert.is_true(e <= 1e-5, ('%s %s: %g from the one-process weights'):format(run, k, e))
+      end
+      assert.are.equal(8, changed, run)
+    end
   end)
 
   it('a NaN loss on the last stage skips the step on every stage', function()

@@ -997,7 +997,6 @@ function train.run(opts)
       usage('--pp %d with --fsdp HYBRID_SHARD: not supported (each stage is sharded over the data-parallel ranks that '
         .. 'hold it); use FULL_SHARD or SHARD_GRAD_OP', pp_size)
     end
-    if o.lora > 0 then usage('--pp with --lora: not supported (merge the adapters first)') end
     if resume and resume.sharded then
       usage('--pp: %s is a sharded (FSDP) checkpoint; --pp resumes whole-model checkpoints', resume.path)
     end
@@ -1640,6 +1639,8 @@ function train.run(opts)
 
   -- a pipeline's whole model (its stages gathered), for the saved weights and the sample
   local pp_sd = pp_mesh and (o.save or (o.sample_tokens > 0 and not sharded)) and ms.pp.full_state_dict(model) or nil
+  -- (LoRA: the adapters folded into their weights, the plain model's tensors)
+  if pp_sd and ms.nn.has_lora(model) then pp_sd = ms.nn.lora_merged(model, pp_sd) end
   if o.save then
     if pp_mesh then
       if rank == 0 then
