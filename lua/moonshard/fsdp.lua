@@ -1660,7 +1660,8 @@ function fsdp.set_hold(model, on)
 end
 
 -- fsdp.set_before_reduce(model, fn) -> previous: fn(unit) runs just before
--- a unit's unsharded f32 gradient is reduced, while unit.gviews (views of
+-- a unit's unsharded gradient (f32; f64 for an f64 model) is reduced,
+-- while unit.gviews (views of
 -- it in the parameters' shapes, unit.views' order) can still change it (a
 -- pipeline sums a tied weight's gradient between its first and last
 -- stage there); nil removes it

@@ -914,9 +914,6 @@ local function header(pipe, owner, values, n)
   return r
 end
 
--- pp.full_state_dict(model) -> name -> tensor: the whole model's parameters
--- (each broadcast over the pipeline by the stage that holds it) and this
--- stage's buffers, on every stage. Every stage calls it.
 -- this stage's whole tensors: sd (its state dict: parameters and buffers),
 -- mine (name -> parameter) and with an optimizer moments (name -> {
 -- exp_avg =, exp_avg_sq =, step = }, nil for a parameter without state):
@@ -1005,6 +1002,9 @@ local function whole_model(pipe, sd, mine)
   return sd
 end
 
+-- pp.full_state_dict(model) -> name -> tensor: the whole model's parameters
+-- (each broadcast over the pipeline by the stage that holds it) and this
+-- stage's buffers, on every stage. Every stage calls it.
 function pp.full_state_dict(model)
   local pipe = pipe_of(model, 'full_state_dict')
   return whole_model(pipe, stage_tensors(pipe, model))
