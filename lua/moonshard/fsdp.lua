@@ -1629,6 +1629,22 @@ function fsdp.no_sync(model, fn, ...)
   return unpack(r, 2, r.n)
 end
 
+-- fsdp.grad_pieces(unit) -> list of { k, view }: the unit's gradient
+-- shard (fp.shard.grad) cut at its parameters' bounds, each view the part
+-- of parameter k (unit.param_names[k], unit.views[k]) this rank holds
+-- (the caller frees the views); empty without a gradient
+function fsdp.grad_pieces(u)
+  local fp, g, r = u.fp, u.fp.shard.grad, {}
+  if g == nil then return r end
+  local a0, n = fp.rank * fp.shard_numel, fp.shard_numel
+  for k = 1, fp.nparams do
+    local o = fp.layout.offsets[k]
+    local lo, hi = math.max(o, a0), math.min(o + fp.layout.numels[k], a0 + n)
+    if hi > lo then r[#r + 1] = { k, g:narrow(1, lo - a0 + 1, hi - lo) } end
+  end
+  return r
+end
+
 -- fsdp.set_sync(model, on) -> previous: whether the backwards reduce
 -- their gradients (fsdp.no_sync is it around a function); on may be a
 -- function(unit) -> bool, asked at each unit's backward end. A pipeline's

@@ -846,19 +846,10 @@ function pp.clip_grad_norm_(model, max_norm, opts)
     -- under fully_shard: each unit's gradient shard, cut at its
     -- parameters' bounds (the layout's offsets)
     for _, u in ipairs(st.units) do
-      local fp, g = u.fp, u.fp.shard.grad
-      if g ~= nil then
-        grads[#grads + 1] = g
-        local a0, n = fp.rank * fp.shard_numel, fp.shard_numel
-        for i = 1, fp.nparams do
-          local o = fp.layout.offsets[i]
-          local lo, hi = math.max(o, a0), math.min(o + fp.layout.numels[i], a0 + n)
-          if hi > lo then
-            local v = g:narrow(1, lo - a0 + 1, hi - lo)
-            views[#views + 1] = v
-            add(u.param_names[i], tonumber(u.views[i].id), v)
-          end
-        end
+      if u.fp.shard.grad ~= nil then grads[#grads + 1] = u.fp.shard.grad end
+      for _, pc in ipairs(require('moonshard.fsdp').grad_pieces(u)) do
+        views[#views + 1] = pc[2]
+        add(u.param_names[pc[1]], tonumber(u.views[pc[1]].id), pc[2])
       end
     end
   else
@@ -1074,15 +1065,21 @@ function pp.load_full_optimizer_state(model, opt, sd)
   for name, p in model:named_parameters() do pid[tonumber(p.id)] = name; here[name] = true end
   local tpm = package.loaded['moonshard.tp']
   local split = tpm and tpm.is_parallel(model)
+  -- the saved state's entries, each with its parameter's name
+  local saved = {}
+  for _, e in ipairs(sd.meta and sd.meta.state or {}) do
+    local name = name_of[e.index]
+    if name == nil then
+      error(('pp.load_full_optimizer_state: state for parameter %s, which the model does not have'):format(
+        tostring(e.index)), 2)
+    end
+    saved[#saved + 1] = { e, name }
+  end
   if rawget(model, '_fsdp') then
     -- fsdp.AdamW: each piece of a unit's shard takes its elements' moments
     local by_name = {}
-    for _, e in ipairs(sd.meta and sd.meta.state or {}) do
-      local name = name_of[e.index]
-      if name == nil then
-        error(('pp.load_full_optimizer_state: state for parameter %s, which the model does not have'):format(
-          tostring(e.index)), 2)
-      end
+    for _, se in ipairs(saved) do
+      local e, name = se[1], se[2]
       local ea, eq = sd.tensors[e.index .. '.exp_avg'], sd.tensors[e.index .. '.exp_avg_sq']
       if here[name] and ea and eq then by_name[name] = { exp_avg = ea, exp_avg_sq = eq, step = e.step } end
     end
@@ -1107,12 +1104,8 @@ function pp.load_full_optimizer_state(model, opt, sd)
     meta.groups[gi] = mg
   end
   local tensors = {}
-  for _, e in ipairs(sd.meta and sd.meta.state or {}) do
-    local name = name_of[e.index]
-    if name == nil then
-      error(('pp.load_full_optimizer_state: state for parameter %s, which the model does not have'):format(
-        tostring(e.index)), 2)
-    end
+  for _, se in ipairs(saved) do
+    local e, name = se[1], se[2]
     local j = idx[name]
     if j then
       local st = { index = j }

@@ -750,15 +750,10 @@ function tp.clip_grad_norm_(model, max_norm, opts)
       if g ~= nil then
         dev = dev or g.device
         all[#all + 1] = g
-        local a0, S = fp.rank * fp.shard_numel, fp.shard_numel
-        for i = 1, fp.nparams do
-          local o, n = fp.layout.offsets[i], fp.layout.numels[i]
-          local lo, hi = math.max(o, a0), math.min(o + n, a0 + S)
-          if hi > lo then
-            local v = g:narrow(1, lo - a0 + 1, hi - lo)
-            views[#views + 1] = v
-            if info.split[u.param_names[i]] then split[#split + 1] = v else rep[#rep + 1] = v end
-          end
+        for _, pc in ipairs(require('moonshard.fsdp').grad_pieces(u)) do
+          local v = pc[2]
+          views[#views + 1] = v
+          if info.split[u.param_names[pc[1]]] then split[#split + 1] = v else rep[#rep + 1] = v end
         end
       end
     end
