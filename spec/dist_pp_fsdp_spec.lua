@@ -3,8 +3,8 @@
 -- tied Llama cut into stages by ms.pp.pipeline, each stage then given to
 -- fsdp.fully_shard over the data-parallel ranks that hold the same stage.
 -- Against the whole model in one process, in f64: the loss, the gradients gathered
--- from the shards, the clipped norm, under FULL_SHARD, SHARD_GRAD_OP and
--- NO_SHARD, 1F1B, GPipe and the interleaved schedule, one or four
+-- from the shards, the clipped norm, under FULL_SHARD, SHARD_GRAD_OP,
+-- NO_SHARD and HYBRID_SHARD (each stage's replicas as a mesh), 1F1B, GPipe and the interleaved schedule, one or four
 -- micro-batches, reduced once a step or every micro-batch; three AdamW
 -- steps with clipping; the one-process checkpoint and its resume;
 -- gradient accumulation; tensor-parallel pairs inside the sharded stages.
@@ -87,14 +87,46 @@ describe('FSDP inside pipeline stages #mpi', function()
     return r
   end
 
-  local function shard(case, m, dp_group, strategy)
-    fsdp.fully_shard(m, { group = dp_group, policy = fsdp.policy.by_class { case[4] }, strategy = strategy })
+  -- HYBRID_SHARD over each stage's D data-parallel ranks (rank d * S +
+  -- stage): shard groups of D / 2 (1 for D = 2), replicated across them;
+  -- every rank makes every group
+  local function hybrid(S, D)
+    local Sh = math.max(1, math.floor(D / 2))
+    local mine, all = {}, {}
+    local function make(list)
+      local g = dist.new_group(list)
+      all[#all + 1] = g
+      return g
+    end
+    for p = 0, S - 1 do
+      for j = 0, D / Sh - 1 do
+        local l = {}
+        for k = 0, Sh - 1 do l[#l + 1] = (j * Sh + k) * S + p end
+        local g = make(l)
+        if g:is_member() then mine.shard = g end
+      end
+      for k = 0, Sh - 1 do
+        local l = {}
+        for j = 0, D / Sh - 1 do l[#l + 1] = (j * Sh + k) * S + p end
+        local g = make(l)
+        if g:is_member() then mine.replicate = g end
+      end
+    end
+    mine.free = function() for _, g in ipairs(all) do g:free() end end
+    return mine
+  end
+
+  local function shard(case, m, dp_group, strategy, mesh)
+    fsdp.fully_shard(m, { group = not mesh and dp_group or nil, mesh = mesh,
+      policy = fsdp.policy.by_class { case[4] }, strategy = strategy })
   end
 
   for _, lay in ipairs(layouts) do
     local S, D = lay[1], lay[2]
     for _, case in ipairs(cases) do
-      for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD' }) do
+      local strategies = { 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD' }
+      if D > 1 then strategies[#strategies + 1] = 'HYBRID_SHARD' end
+      for _, strategy in ipairs(strategies) do
         local scheds = { { '1f1b', 1, 'step' }, { '1f1b', 4, 'step' }, { 'gpipe', 4, 'microbatch' } }
         if S > 1 and 2 * S <= 5 then scheds[#scheds + 1] = { 'interleaved', 2 * S, 'step' } end
         for _, sc in ipairs(scheds) do
@@ -109,7 +141,8 @@ describe('FSDP inside pipeline stages #mpi', function()
             local m = build(case)
             local pipe = pp.pipeline(m, { group = pg, microbatches = sc[2], chunks = sc[1] == 'interleaved' and 2 or nil,
               schedule = sc[1] ~= 'interleaved' and sc[1] or nil, fsdp_reduce = sc[3] })
-            shard(case, m, dg, strategy)
+            local hy = strategy == 'HYBRID_SHARD' and hybrid(S, D) or nil
+            shard(case, m, dg, strategy, hy)
             local l1 = pipe:step(rows(x, d, D), rows(y, d, D))
             dist.all_reduce(l1, 'avg', { group = dg })
             assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, ('loss %.17g against %.17g'):format(l1:item(), l0:item()))
@@ -128,6 +161,7 @@ describe('FSDP inside pipeline stages #mpi', function()
             local n1 = pp.clip_grad_norm_(m, math.huge)
             assert.is_true(FS.rel(n1, n0) <= 1e-11, ('norm %.17g against %.17g'):format(n1, n0))
             pipe:free()
+            if hy then hy.free() end
             mesh.shard:free(); mesh.replicate:free()
           end)
         end

@@ -5,7 +5,8 @@
 -- data parallel 2, with gradient accumulation); the whole-model checkpoint
 -- a --pp run writes resumes in one process and at --pp 2 with the losses of
 -- the run that never stopped; --fsdp shards each stage over the
--- data-parallel ranks (--pp 2 --fsdp, and --pp 2 --tp 2 --fsdp); the final
+-- data-parallel ranks (--pp 2 --fsdp, HYBRID_SHARD, and --pp 2 --tp 2
+-- --fsdp); the final
 -- weights are the whole model; a NaN
 -- step is skipped on every stage; --lora trains as in one process and saves
 -- the merged model; bad layouts exit 2 with a message.
@@ -152,8 +153,8 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     end
   end)
 
-  it('--pp 2 --fsdp on 4 ranks (each stage sharded over 2) follows the one-process curve; its checkpoint resumes '
-    .. 'in one process and sharded again', function()
+  it('--pp 2 --fsdp on 4 ranks (each stage sharded over 2; HYBRID_SHARD too) follows the one-process curve; its '
+    .. 'checkpoint resumes in one process and sharded again', function()
     for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g', 'FULL_SHARD' }, { 'models/llama.lua', tiny_llama, 'l', 'SHARD_GRAD_OP' } }) do
       local one = reference(c[1], c[2], c[3] .. '1')
       local out = ('%s/%sf'):format(dir, c[3])
@@ -170,6 +171,18 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       assert.are.equal(0, status, text)
       close_losses(one, losses(out .. '1'), 1, 4, c[1] .. ' a --pp 2 --fsdp checkpoint resumed in one process')
     end
+    -- HYBRID_SHARD: each stage's 2 data-parallel ranks as shard groups of one, replicated
+    local oneh = reference('models/gpt2.lua', tiny, 'g1')
+    local st, tx = bin_train(('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 --pp 2 '
+      .. '--fsdp HYBRID_SHARD --shard-size 1 --out %s/gh'):format(tiny, q(dir)))
+    assert.are.equal(0, st, tx)
+    assert.is_truthy(tx:find('fsdp: HYBRID_SHARD over 2 ranks', 1, true), tx)
+    close_losses(oneh, losses(dir .. '/gh'), 1, 4, '--pp 2 --fsdp HYBRID_SHARD')
+    st, tx = bin_train(('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 1 --pp 2 '
+      .. '--fsdp HYBRID_SHARD --shard-size 3 --out %s/gh3'):format(tiny, q(dir)))
+    assert.are.equal(2, st, tx)
+    assert.is_truthy(tx:find('--pp 2 --fsdp HYBRID_SHARD: --shard-size 3 does not divide the 2 data-parallel ranks of a stage',
+      1, true), tx)
     -- 3-D: TP pairs in 2 stages, each sharded (over one rank here)
     local one = reference('models/llama.lua', tiny_llama, 'l1')
     local status, text = bin_train(('--nproc-per-node 4 --device cpu models/llama.lua %s --batch-size 4 --steps 4 '
@@ -256,10 +269,6 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       .. '--pp-microbatches 3 --out %s/b3'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)
     assert.is_truthy(text:find('--pp-microbatches 3 does not divide --batch-size 4', 1, true), text)
-    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --pp 2 --fsdp HYBRID_SHARD '
-      .. '--out %s/b4'):format(tiny, q(dir)))
-    assert.are.equal(2, status, text)
-    assert.is_truthy(text:find('--pp 2 with --fsdp HYBRID_SHARD: not supported', 1, true), text)
     status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --model.n_layer 1 --steps 1 --pp 2 '
       .. '--out %s/b5'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)

@@ -1230,7 +1230,7 @@ function fsdp.fully_shard(model, opts)
       end
       mesh = dist.mesh { replicate = W / S, shard = S }
     elseif type(mesh) ~= 'table' or mesh.shard == nil or mesh.replicate == nil then
-      error('fully_shard: mesh must come from ms.dist.mesh{replicate =, shard =}', 2)
+      error('fully_shard: mesh must come from ms.dist.mesh{replicate =, shard =} or be { shard = group, replicate = group }', 2)
     end
     shard_group, replicate_group = mesh.shard, mesh.replicate
   elseif strategy == 'NO_SHARD' then

@@ -86,7 +86,7 @@ train.options = {
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
-  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD or SHARD_GRAD_OP each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
+  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
@@ -993,10 +993,6 @@ function train.run(opts)
       usage('--pp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', pp_size, world,
         world == 1 and '' or 's')
     end
-    if strategy == 'HYBRID_SHARD' then
-      usage('--pp %d with --fsdp HYBRID_SHARD: not supported (each stage is sharded over the data-parallel ranks that '
-        .. 'hold it); use FULL_SHARD or SHARD_GRAD_OP', pp_size)
-    end
     if resume and resume.sharded then
       usage('--pp: %s is a sharded (FSDP) checkpoint; --pp resumes whole-model checkpoints', resume.path)
     end
@@ -1004,24 +1000,24 @@ function train.run(opts)
     -- data-parallel ranks that hold it (FSDP x PP); otherwise the
     -- pipelines' gradients are all-reduced
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
+    -- every rank takes part in making every group (a collective each);
+    -- ranks_of(i, j) lists group (i, j)'s ranks, this rank keeps its own
+    local function mine(n_i, n_j, ranks_of)
+      local kept
+      for i = 0, n_i - 1 do
+        for j = 0, n_j - 1 do
+          local g = dist.new_group(ranks_of(i, j))
+          if g:is_member() then kept = g else g:free() end
+        end
+      end
+      return kept
+    end
+    local function along(n, f) local r = {}; for k = 0, n - 1 do r[#r + 1] = f(k) end; return r end
     if tp_size > 1 then
       -- 3-D: TP pairs innermost (consecutive ranks), then the stages, then
       -- data parallelism; rank r = (d * pp + p) * tp + t
       local t, p, d = rank % tp_size, math.floor(rank / tp_size) % pp_size, math.floor(rank / (tp_size * pp_size))
       local dp = world / (tp_size * pp_size)
-      -- every rank takes part in making every group (a collective each);
-      -- ranks_of(i, j) lists group (i, j)'s ranks, this rank keeps its own
-      local function mine(n_i, n_j, ranks_of)
-        local kept
-        for i = 0, n_i - 1 do
-          for j = 0, n_j - 1 do
-            local g = dist.new_group(ranks_of(i, j))
-            if g:is_member() then kept = g else g:free() end
-          end
-        end
-        return kept
-      end
-      local function along(n, f) local r = {}; for k = 0, n - 1 do r[#r + 1] = f(k) end; return r end
       local pp_group = mine(dp, tp_size, function(dd, tt)
         return along(pp_size, function(q) return (dd * pp_size + q) * tp_size + tt end) end)
       local dp_group = mine(pp_size, tp_size, function(q, tt)
@@ -1033,6 +1029,24 @@ function train.run(opts)
     else
       pp_mesh = dist.mesh { replicate = world / pp_size, shard = pp_size }
       data_rank, data_world = pp_mesh.coord[1], world / pp_size
+    end
+    if strategy == 'HYBRID_SHARD' then
+      -- each stage's data-parallel ranks as a mesh of their own: shard
+      -- groups of --shard-size (default: those on one node), replicated
+      -- across the groups; rank (d, stage, t) = (d * pp + stage) * tp + t
+      local dp, tpn = data_world, math.max(tp_size, 1)
+      local S = o.shard_size > 0 and o.shard_size
+        or math.max(1, math.min(dp, math.floor(dist.local_world_size() / (pp_size * tpn))))
+      if dp % S ~= 0 then
+        usage('--pp %d --fsdp HYBRID_SHARD: --shard-size %d does not divide the %d data-parallel ranks of a stage', pp_size,
+          S, dp)
+      end
+      local function r_of(dd, q, tt) return (dd * pp_size + q) * tpn + tt end
+      local shard = mine(pp_size * tpn, dp / S, function(qt, j)
+        return along(S, function(k) return r_of(j * S + k, math.floor(qt / tpn), qt % tpn) end) end)
+      local replicate = mine(pp_size * tpn, S, function(qt, k)
+        return along(dp / S, function(j) return r_of(j * S + k, math.floor(qt / tpn), qt % tpn) end) end)
+      pp_mesh.hybrid = { shard = shard, replicate = replicate }
     end
   elseif tp_size <= 1 then
     if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
@@ -1241,8 +1255,10 @@ function train.run(opts)
     local policy, pdesc = train.fsdp_policy(M, model, o.fsdp_policy)
     local mp = train.mixed_precision(o.fsdp_mixed_precision, device)
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
-      shard_size = strategy == 'HYBRID_SHARD' and o.shard_size > 0 and o.shard_size or nil,
-      group = (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil, float8_all_gather = o.float8_all_gather or nil })
+      shard_size = strategy == 'HYBRID_SHARD' and not pp_mesh and o.shard_size > 0 and o.shard_size or nil,
+      mesh = pp_mesh and pp_mesh.hybrid or nil,
+      group = not (pp_mesh and pp_mesh.hybrid) and (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil,
+      float8_all_gather = o.float8_all_gather or nil })
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, data_world, data_world == 1 and '' or 's', pdesc,
       #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
