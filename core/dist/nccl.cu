@@ -209,6 +209,11 @@ struct NcclComm {
     std::deque<OpRec *> inflight;
     bool aborted = false;
     int splits = 0;                      // new_group calls on this parent (the store key's count)
+    // this communicator's name among the run's: the world's is this
+    // constant, a group's mixes its parent's with the split's count and
+    // colour, so two groups of the same members (the world and a mesh row
+    // of every rank) never share a store key (FNV-1a)
+    uint64_t path = 1469598103934665603ull;
 };
 
 std::mutex g_mu;                          // g_comms and the watchdog's life
@@ -503,9 +508,19 @@ static int nccl_init_world(ms_comm *c, const ms_dist_env *e, const ms_dist_optio
     return 0;
 }
 
+static uint64_t path_mix(uint64_t h, uint64_t v) {
+    for (int i = 0; i < 8; i++) {
+        h ^= (v >> (8 * i)) & 0xff;
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
 // A new group is a communicator of its own, made like the world's: its
 // first member (key 0) draws a unique id and publishes it through the
-// rendezvous store under a key naming the parent (its member list), the
+// rendezvous store under a key naming the parent (its path: not its member
+// list, which another group may share, and a key read before its first
+// member wrote the new id would hand back the other group's stale one), the
 // parent's split count and the colour; the others read it and every member
 // joins with ncclCommInitRankConfig once a store barrier saw them all
 // (or, with MS_NCCL_BLOCKING=0, non-blocking and settled within the parent's
@@ -523,11 +538,7 @@ static int nccl_split(ms_comm *parent, int color, int key, int n, void **impl) {
     if (n > 1) {
         ms_store_client *st = ms_dist_store();
         if (!st) return ms_errorf("new_group: no rendezvous store to publish the group's NCCL id (dist.init without one?)");
-        uint64_t h = 1469598103934665603ull;   // FNV-1a of the parent's members
-        for (int i = 0; i < parent->size; i++) {
-            h ^= (uint64_t)(uint32_t)parent->world_ranks[i];
-            h *= 1099511628211ull;
-        }
+        uint64_t h = p->path;
         char k[128];
         snprintf(k, sizeof k, "ms/nccl/split/%016llx/%d/%d", (unsigned long long)h, seq, color);
         if (key == 0) {
@@ -554,6 +565,7 @@ static int nccl_split(ms_comm *parent, int color, int key, int n, void **impl) {
     NcclComm *nc = new NcclComm;
     nc->device = p->device;
     nc->world_rank = p->world_rank;
+    nc->path = path_mix(path_mix(p->path, (uint64_t)seq), (uint64_t)(uint32_t)color);
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     if (make_config(&cfg, "new_group")) {   // dist.init checked it: cannot fail here
         delete nc;
