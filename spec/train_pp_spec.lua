@@ -171,6 +171,23 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       assert.are.equal(0, status, text)
       close_losses(one, losses(out .. '1'), 1, 4, c[1] .. ' a --pp 2 --fsdp checkpoint resumed in one process')
     end
+    -- gradient accumulation (2 steps of one sequence a rank): the reductions once, after the last
+    local onea = reference('models/gpt2.lua', tiny, 'g1')
+    local sa, ta = bin_train(('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 1 --tokens-per-step 64 '
+      .. '--steps 4 --pp 2 --fsdp --out %s/gfa'):format(tiny, q(dir)))
+    assert.are.equal(0, sa, ta)
+    assert.is_truthy(ta:find('4 steps x 64 tokens (2 data-parallel groups x 1 x 16 x 2 micro-batches)', 1, true), ta)
+    close_losses(onea, losses(dir .. '/gfa'), 1, 4, '--pp 2 --fsdp with accumulation')
+    -- float8 with its all-gathers in f8: the losses of bf16 gathers, exactly
+    local f8 = ('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 3 --pp 2 --fsdp '
+      .. '--fsdp-mixed-precision bf16 --float8 '):format(tiny)
+    local s8, t8 = bin_train(f8 .. ('--out %s/gp8'):format(q(dir)))
+    assert.are.equal(0, s8, t8)
+    s8, t8 = bin_train(f8 .. ('--float8-all-gather --out %s/gp8g'):format(q(dir)))
+    assert.are.equal(0, s8, t8)
+    assert.is_truthy(t8:find('float8 all-gathers', 1, true), t8)
+    local a8, b8 = losses(dir .. '/gp8'), losses(dir .. '/gp8g')
+    for k = 1, 3 do assert.are.equal(a8[k], b8[k], 'float8 all-gathers, step ' .. k) end
     -- HYBRID_SHARD: each stage's 2 data-parallel ranks as shard groups of one, replicated
     local oneh = reference('models/gpt2.lua', tiny, 'g1')
     local st, tx = bin_train(('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 --pp 2 '
