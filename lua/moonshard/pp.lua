@@ -648,6 +648,11 @@ end
 -- opts.loss_hook(loss) -> loss transforms each micro-batch's loss on the
 -- last stage before its backward.
 function Pipeline:step(ids, targets, opts)
+  local st = rawget(self.model, '_fsdp')
+  if st and st.offload then
+    -- (the host's gradient shards would meet the pipeline's NCCL all-reduces)
+    error('pp: a stage under fully_shard with offload = true is not supported', 2)
+  end
   self:prepare(ids, targets, 'step')
   self.step_opts, self.grad_scale = opts, (opts and opts.scale) or 1
   self:fsdp_begin(opts)
