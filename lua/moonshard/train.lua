@@ -996,8 +996,8 @@ function train.run(opts)
     if resume and resume.sharded then
       usage('--pp: %s is a sharded (FSDP) checkpoint; --pp resumes whole-model checkpoints', resume.path)
     end
-    -- --fsdp FULL_SHARD / SHARD_GRAD_OP: each stage sharded over the
-    -- data-parallel ranks that hold it (FSDP x PP); otherwise the
+    -- --fsdp FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD: each stage sharded
+    -- over the data-parallel ranks that hold it (FSDP x PP); otherwise the
     -- pipelines' gradients are all-reduced
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     -- every rank takes part in making every group (a collective each);
