@@ -256,13 +256,18 @@ static int mpi_p2p_start(ms_work *w) {
         if (m) { free(m->reqs); free(m->hold); free(m); }
         return ms_errorf("%s: out of memory", w->desc);
     }
+    /* every size first: nothing is posted when one cannot be */
+    for (int i = 0; i < sp->n; i++) {
+        if (ms_tensor_numel(sp->t[i]) > 0x7fffffff) {
+            free(m->hold);
+            free(m->reqs);
+            free(m);
+            return ms_errorf("%s: more than 2^31-1 elements in one MPI message", w->desc);
+        }
+    }
     for (int i = 0; i < sp->n; i++) {
         ms_tensor *t = sp->t[i];
         int64_t n = ms_tensor_numel(t);
-        if (n > 0x7fffffff) {
-            m->nreq = i;
-            break;
-        }
         int rc = sp->is_recv[i]
                      ? MPI_Irecv(ms_tensor_data(t), (int)n, mpi_type(t->dtype_id), sp->peer[i], 0, mc->comm, &m->reqs[i])
                      : MPI_Isend(ms_tensor_data(t), (int)n, mpi_type(t->dtype_id), sp->peer[i], 0, mc->comm, &m->reqs[i]);
@@ -276,12 +281,6 @@ static int mpi_p2p_start(ms_work *w) {
         m->hold[m->nhold++] = t->storage;
         ms_storage_retain(t->storage);
         m->nreq = i + 1;
-    }
-    if (m->nreq < sp->n) {
-        release_hold(m);
-        free(m->reqs);
-        free(m);
-        return ms_errorf("%s: more than 2^31-1 elements in one MPI message", w->desc);
     }
     m->active = 1;
     w->impl = m;

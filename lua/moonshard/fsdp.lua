@@ -1391,14 +1391,15 @@ function fsdp.fully_shard(model, opts)
       if shard_group then fopts.group = shard_group else fopts.world_size, fopts.rank = 1, 0 end
       local ok, fp = pcall(FlatParam.new, tensors, fopts)
       if not ok then error('fully_shard: unit ' .. (u.name == '' and 'root' or u.name) .. ': ' .. tostring(fp), 2) end
+      local gdtype = fp.shard.dtype == 'f64' and 'f64' or 'f32'
       local unit = setmetatable({
         module = u.module, name = u.name, label = u.name == '' and 'root' or u.name, fp = fp, st = st,
         head = u.head == true,
         strategy = strategy, group = fp.group, slots = u.slots, param_names = names,
         reshards = strategy ~= 'NO_SHARD', status = 'sharded', unsharded = false,
         -- the gradients' dtype: f32, f64 for an f64 master (an f64 model)
-        gdtype = fp.shard.dtype == 'f64' and 'f64' or 'f32',
-        grad_direct = dtype == (fp.shard.dtype == 'f64' and 'f64' or 'f32'),
+        gdtype = gdtype,
+        grad_direct = dtype == gdtype,
         -- flat offsets: [0, decay_end) decayed, [decay_end, train_end) the
         -- other trainable tensors, [train_end, total) the frozen ones
         decay_end = #decay < #tensors and fp.layout.offsets[#decay + 1] or fp.total,
