@@ -9,7 +9,8 @@
  * positions, as with a KV cache); for Tq == Tk it is PyTorch's is_causal.
  * A query that sees no key gets a zero output and lse = -inf.
  *   q (B, H, Tq, D), k and v (B, Hkv, Tk, D), out (B, H, Tq, D),
- *   lse (B, H, Tq) f32: log-sum-exp of the scaled scores of each query row.
+ *   lse (B, H, Tq) f32 (f64 for f64 inputs, which run on the CPU only):
+ *   log-sum-exp of the scaled scores of each query row.
  * The reference computes in f64 on contiguous f64 copies and rounds once into
  * the outputs; the CUDA kernels (kernels/attention.cu) never hold a T x T
  * matrix. Backward (FlashAttention-2's equations, with P recomputed from lse):
@@ -207,6 +208,10 @@ done:
 
 /* ========================================================== entry points */
 
+/* the lse's dtype: f64 for f64 inputs (so that f64 results merged by their
+ * lse, moonshard.cp's ring attention, stay f64-exact), else f32 */
+static int32_t lse_dtype(const ms_tensor *q) { return q->dtype_id == MS_F64 ? MS_F64 : MS_F32; }
+
 int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
                  double scale, int causal) {
     attn_dims d;
@@ -214,7 +219,7 @@ int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_
     int alloc_out = !*out, alloc_lse = !*lse;
     int64_t ls[3] = {d.B, d.H, d.Tq};
     if (ms_prepare_out(out, "attention", 4, q->sizes, q->dtype_id, q->device_id)) return -1;
-    if (ms_prepare_out(lse, "attention", 3, ls, MS_F32, q->device_id)) {
+    if (ms_prepare_out(lse, "attention", 3, ls, lse_dtype(q), q->device_id)) {
         if (alloc_out) { ms_tensor_free(*out); *out = NULL; }
         return -1;
     }
@@ -273,10 +278,10 @@ static int attention_backward_impl(ms_tensor **dq, ms_tensor **dk, ms_tensor **d
     if (ms_tensor_check_live(out, op) || ms_tensor_check_live(lse, op) || ms_tensor_check_live(dout, op)) return -1;
     if (same_shape_as(op, "out", out, q) || same_shape_as(op, "dout", dout, q)) return -1;
     if (lse->ndim != 3 || lse->sizes[0] != d.B || lse->sizes[1] != d.H || lse->sizes[2] != d.Tq ||
-        lse->dtype_id != MS_F32 || lse->device_id != q->device_id) {
+        lse->dtype_id != lse_dtype(q) || lse->device_id != q->device_id) {
         char a[200];
-        return ms_errorf("%s: lse is %s, expected f32 (%lld,%lld,%lld) on q's device", op, ms_desc(lse, a, sizeof a),
-                         (long long)d.B, (long long)d.H, (long long)d.Tq);
+        return ms_errorf("%s: lse is %s, expected %s (%lld,%lld,%lld) on q's device", op, ms_desc(lse, a, sizeof a),
+                         lse_dtype(q) == MS_F64 ? "f64" : "f32", (long long)d.B, (long long)d.H, (long long)d.Tq);
     }
     if (dsum) {
         char a[200];

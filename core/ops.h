@@ -232,7 +232,7 @@ int ms_sum_squares(ms_tensor **out, int n, ms_tensor *const *ts);
 int ms_rope(ms_tensor **out, const ms_tensor *x, const ms_tensor *cos, const ms_tensor *sin, int backward);
 /* fused attention (core/attention_cpu.c, kernels/attention.cu): q (B, H, Tq, D),
  * k and v (B, Hkv, Tk, D) with H a multiple of Hkv (grouped-query), out like q,
- * lse (B, H, Tq) f32 saved for backward; causal: key j visible to query i when
+ * lse (B, H, Tq) f32 (f64 for f64 q: CPU only) saved for backward; causal: key j visible to query i when
  * j <= i + Tk - Tq (bottom-right, as Hugging Face). No T x T matrix is kept.
  * Backward writes dq, dk, dv (like q, k, v). */
 int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,

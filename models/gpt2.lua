@@ -129,9 +129,19 @@ end
 -- input_ids (B, T) -> the residual stream after the embeddings (B, T, C)
 function GPT2Model:embed(input_ids)
   local Tn = input_ids.shape[2]
-  local pos = ms.arange(Tn, { dtype = 'i64', device = input_ids.device })
-  local pe = self.wpe(pos)
-  pos:free()   -- (the embedding keeps its own handle for its backward)
+  local cpc = rawget(self, '_cp')   -- moonshard.cp: this rank's tokens, at their positions
+  local pe
+  if cpc then
+    if Tn * cpc.size > self.wpe.num_embeddings then
+      error(('gpt2: %d tokens a rank x %d context-parallel ranks is more than n_positions %d'):format(Tn, cpc.size,
+        self.wpe.num_embeddings), 3)
+    end
+    pe = self.wpe(cpc:positions(Tn, input_ids.device))
+  else
+    local pos = ms.arange(Tn, { dtype = 'i64', device = input_ids.device })
+    pe = self.wpe(pos)
+    pos:free()   -- (the embedding keeps its own handle for its backward)
+  end
   return self.drop(self.wte(input_ids) + pe)
 end
 

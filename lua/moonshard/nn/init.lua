@@ -842,7 +842,10 @@ function Attention:forward(x)
   local s = x.shape
   local B, Tn = s[1], s[2]
   local q, k, v
-  if self.fused_qkv and not self.rope_theta and Hkv == H then
+  -- context parallelism (moonshard.cp): x is this rank's tokens of each
+  -- sequence; RoPE at their positions, attention a ring over the group
+  local cpc = rawget(self, '_cp')
+  if self.fused_qkv and not self.rope_theta and Hkv == H and cpc == nil then
     -- one node: q, k, v read in place from c_attn's output, dq, dk, dv
     -- written into one gradient (nnf.qkv_attention)
     return self.c_proj(nnf.qkv_attention(self.c_attn(x), H, { causal = true }))
@@ -859,11 +862,15 @@ function Attention:forward(x)
   v = v:view(B, Tn, Hkv, hd):transpose(2, 3)
   if self.rope_theta then
     local cdt = (q.dtype == 'f64') and 'f64' or 'f32'
-    local cos, sin = nnf.rope_cache(Tn, hd, self.rope_theta, cdt, q.device_id, q.dtype)
+    local cos, sin
+    if cpc then cos, sin = cpc:rope(Tn, hd, self.rope_theta, cdt, q.device_id, q.dtype)
+    else cos, sin = nnf.rope_cache(Tn, hd, self.rope_theta, cdt, q.device_id, q.dtype) end
     q = nnf.apply_rotary(q, cos, sin)
     k = nnf.apply_rotary(k, cos, sin)
   end
-  local y = nnf.scaled_dot_product_attention(q, k, v, { causal = true })
+  local y
+  if cpc then y = require('moonshard.cp').attention(q, k, v, cpc)
+  else y = nnf.scaled_dot_product_attention(q, k, v, { causal = true }) end
   y = y:transpose(2, 3):reshape(B, Tn, H * hd)
   if self.fused_qkv then return self.c_proj(y) end
   return self.o_proj(y)
