@@ -39,6 +39,10 @@
 -- --pp-fsdp: each stage under fully_shard over its data-parallel ranks
 -- instead (--strategy, bf16 parameters, f32 reduce; FSDP x PP);
 -- docs/pp.md),
+-- --cp N (context parallelism under FSDP: groups of N consecutive ranks
+-- split each sequence of --seq tokens, attention a ring over the group,
+-- ms.cp; every group its own batch of --batch sequences; tokens/s/GPU is
+-- the group's tokens over its N GPUs; docs/cp.md),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
 -- the last phase's), --keep-activations (ms.autograd.release_activations
@@ -68,7 +72,7 @@ local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
   ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise', ['tp-scales'] = 'shard', microbatches = 0,
-  schedule = '1f1b', stages = '', chunks = 1, ['pp-size'] = 0 }
+  schedule = '1f1b', stages = '', chunks = 1, ['pp-size'] = 0, cp = 1 }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
   ['keep-activations'] = false, tp = false, pp = false, sp = false, float8 = false, ['float8-gather'] = false,
   ['no-overlap'] = false, ['no-grad-first'] = false, ['pp-fsdp'] = false }
@@ -84,7 +88,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -109,6 +113,7 @@ end
 local use_tp, use_pp = flags.tp, flags.pp
 local use_fsdp = not flags['no-fsdp'] and not use_tp and not use_pp
 assert(not (use_pp and (use_tp or flags.float8)), 'bench/fsdp.lua: --pp without --tp or --float8')
+assert(opts.cp == 1 or use_fsdp, 'bench/fsdp.lua: --cp with FSDP only (not --tp, --pp or --no-fsdp)')
 local world, rank = 1, 0
 if use_fsdp or use_tp or use_pp then
   ms.dist.init { backend = 'nccl' }
@@ -205,17 +210,27 @@ else
   clip = function() return ms.optim.clip_grad_norm(model, 1.0, { tensor = true, defer = opt }) end
 end
 
+-- --cp N: the model's attention rings over groups of N consecutive ranks
+local cp_ctx, cp_mesh
+if opts.cp > 1 then
+  assert(world % opts.cp == 0, 'bench/fsdp.lua: --cp must divide the world')
+  if opts.cp < world then cp_mesh = ms.dist.mesh { replicate = world / opts.cp, shard = opts.cp } end
+  cp_ctx = ms.cp.apply(model, cp_mesh and cp_mesh.shard or nil)
+end
+
 -- random tokens, four batches cycled, a different stream per rank
 local V = model.config.vocab_size
 local data = {}
 for k = 1, 4 do
   -- (tensor parallelism: the same tokens on every rank)
   -- (pipelines: each data-parallel group its own)
-  local r = use_tp and 0 or use_pp and pp_mesh.coord[1] or rank
+  -- (context parallelism: one per group, each rank its tokens)
+  local r = use_tp and 0 or use_pp and pp_mesh.coord[1] or cp_ctx and (cp_mesh and cp_mesh.coord[1] or 0) or rank
   local d = (ms.rand({ opts.batch, opts.seq + 1 }, { seed = 100 * (r + 1) + k,
     device = 'cuda' })
     * (V - 1)):long()
   data[k] = { d:narrow(2, 1, opts.seq):contiguous(), d:narrow(2, 2, opts.seq):contiguous() }
+  if cp_ctx then data[k] = { ms.cp.shard(data[k][1], cp_ctx), ms.cp.shard(data[k][2], cp_ctx) } end
 end
 
 -- phases: CUDA events between the step's parts (GPU ms, summed over the
@@ -351,7 +366,7 @@ end
 local cfg = model.config
 local L = cfg.n_layer or cfg.num_hidden_layers
 local C = cfg.n_embd or cfg.hidden_size
-local tok = opts.batch * opts.seq / med / (use_tp and world or use_pp and world / dp or 1)
+local tok = opts.batch * opts.seq / med / (use_tp and world or use_pp and world / dp or opts.cp)
 local flops_tok = 6 * nparams + 6 * L * C * opts.seq
 say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLOP/s/GPU | peak GiB/GPU | exposed comm ms |'))
 say('|---|---|---|---|---|---|---|---|---|---|---|')
@@ -361,6 +376,7 @@ say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):form
     opts.chunks > 1 and ('interleaved x%d'):format(opts.chunks) or opts.schedule, opts.microbatches,
     (flags['no-overlap'] and ', no overlap' or '') .. (flags['no-grad-first'] and ', no grad first' or ''))
     or use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
-    .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
+    .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')
+    .. (opts.cp > 1 and (', CP %d'):format(opts.cp) or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
   peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))
 if use_fsdp or use_tp or use_pp then ms.dist.destroy() end

@@ -209,6 +209,27 @@ describe('context parallelism #mpi', function()
     end)
   end
 
+  it('under fully_shard over the group: the loss and the gradients from the shards (f64)', function()
+    local case = cases[2]
+    local ids, tgt = batch(24)
+    local ref = build(case)
+    local l0 = ref(ids, tgt)
+    l0:backward()
+    local m = build(case)
+    ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class { llama.Layer } })
+    local ctx = cp.apply(m, nil)
+    local l = m(cp.shard(ids, ctx), cp.shard(tgt, ctx))
+    l:backward()
+    local lt = l:detach():clone()
+    dist.all_reduce(lt, 'sum')
+    assert.is_true(math.abs(lt:item() / W - l0:item()) < 1e-12 * math.abs(l0:item()))
+    local full = FS.whole_grads(m)
+    for name, p in ref:named_parameters() do
+      local e = maxrel(full[name], p.grad:reshape(-1))
+      assert.is_true(e < 1e-10, name .. ' ' .. e)
+    end
+  end)
+
   it('refuses a sequence it cannot split, and mismatched shapes, by name', function()
     local ctx = cp.context(nil)
     if W > 1 then

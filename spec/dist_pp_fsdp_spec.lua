@@ -63,23 +63,7 @@ describe('FSDP inside pipeline stages #mpi', function()
     return x:narrow(1, d * n + 1, n):contiguous()
   end
 
-  -- name -> the whole gradient, from the units' shards (a collective over
-  -- each unit's group)
-  local function whole_grads(m)
-    local r = {}
-    for _, u in ipairs(fsdp.units(m)) do
-      local fp = u.fp
-      local g = fp.shard.grad
-      assert.is_not_nil(g, u.label .. ' has no gradient shard')
-      local flat = T.empty({ fp.total }, { dtype = g.dtype })
-      if fp.world_size == 1 then flat:copy_(g) else dist.all_gather_into(flat, g, { group = fp.group }) end
-      for i = 1, fp.nparams do
-        r[u.param_names[i]] = flat:narrow(1, fp.layout.offsets[i] + 1, fp.layout.numels[i]):clone()
-      end
-      flat:free()
-    end
-    return r
-  end
+  local whole_grads = FS.whole_grads
 
   local function ref_params(ref)
     local r = {}

@@ -70,4 +70,23 @@ function S.max_rel(a, b)
   return d / math.max(s, 1e-30)
 end
 
+-- name -> the whole gradient (flat), from fully_shard's units' gradient
+-- shards (a collective over each unit's group)
+function S.whole_grads(m)
+  local fsdp, dist = require 'moonshard.fsdp', require 'moonshard.dist'
+  local r = {}
+  for _, u in ipairs(fsdp.units(m)) do
+    local fp = u.fp
+    local g = fp.shard.grad
+    assert(g ~= nil, u.label .. ' has no gradient shard')
+    local flat = T.empty({ fp.total }, { dtype = g.dtype, device = g.device })
+    if fp.world_size == 1 then flat:copy_(g) else dist.all_gather_into(flat, g, { group = fp.group }) end
+    for i = 1, fp.nparams do
+      r[u.param_names[i]] = flat:narrow(1, fp.layout.offsets[i] + 1, fp.layout.numels[i]):clone()
+    end
+    flat:free()
+  end
+  return r
+end
+
 return S
