@@ -125,6 +125,7 @@ describe('context parallelism on GPUs (NCCL) #multi', function()
       dist.all_reduce(lt, 'sum')
       losses[s], ref_losses[s] = lt:item() / W, l0:item()
       ms.cuda.synchronize()
+      collectgarbage(); collectgarbage()
       alloc[s] = ms.cuda.memory_stats().allocated
     end
     for s = 1, 4 do

@@ -87,6 +87,7 @@ train.options = {
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
+  { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
@@ -872,7 +873,7 @@ end
 
 -- options a resumed run takes from the command line rather than from the
 -- checkpoint even when not given: none; these are dropped from the saved ones
-local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true, tp = true, pp = true }
+local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true, tp = true, pp = true, cp = true }
 
 -- train.run(options) -> summary { steps, final_loss, first_loss, val_loss,
 -- elapsed_s, tokens_per_s, out, sample, model, interrupted, bad_steps,
@@ -1048,7 +1049,36 @@ function train.run(opts)
         return along(dp / S, function(j) return r_of(j * S + k, math.floor(qt / tpn), qt % tpn) end) end)
       pp_mesh.hybrid = { shard = shard, replicate = replicate }
     end
-  elseif tp_size <= 1 then
+  end
+  -- --cp N: groups of N consecutive ranks split each sequence (mesh.shard),
+  -- data parallelism across them (mesh.replicate); the gradients are
+  -- averaged (or sharded, --fsdp) over every rank, as each rank's loss is
+  -- the mean over its tokens
+  local cp_size, cp_group = o.cp, nil
+  if cp_size > 1 then
+    if tp_size > 1 or pp_size > 1 then
+      usage('--cp %d with --%s: not supported (context parallelism composes with --fsdp and plain data parallelism)',
+        cp_size, tp_size > 1 and 'tp' or 'pp')
+    end
+    if world % cp_size ~= 0 then
+      usage('--cp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', cp_size, world,
+        world == 1 and '' or 's')
+    end
+    if o.seq_len % (2 * cp_size) ~= 0 then
+      usage('--cp %d: --seq-len %d is not a multiple of %d (each rank holds two chunks of every sequence)', cp_size,
+        o.seq_len, 2 * cp_size)
+    end
+    if cp_size == world then
+      cp_group = dist.get_world_group()
+      data_rank, data_world = 0, 1
+    else
+      local cp_mesh = dist.mesh { replicate = world / cp_size, shard = cp_size }
+      cp_group = cp_mesh.shard
+      cp_mesh.replicate:free()
+      data_rank, data_world = cp_mesh.coord[1], world / cp_size
+    end
+  end
+  if pp_size <= 1 and tp_size <= 1 then
     if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
     if o.fsdp == 'off' and multi and rank == 0 then
       warn('--fsdp off with several ranks: training data-parallel (NO_SHARD)')
@@ -1267,6 +1297,17 @@ function train.run(opts)
     if deferred and not tp_mesh then fsdp_desc = fsdp_desc .. ', deferred init' end
   end
 
+  -- context parallelism: the model's attention rings over the group, its
+  -- positions this rank's (after fully_shard: the same modules)
+  local cp_desc, cp_ctx
+  if cp_group then
+    local okc, cerr = pcall(ms.cp.apply, model, cp_group)
+    if not okc then usage('--cp %d: %s', cp_size, (tostring(cerr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    cp_ctx = cerr
+    cp_desc = ('%d-way (ring attention, load-balanced chunks of %d tokens), data parallel %d, %d tokens a rank of each '
+      .. 'sequence'):format(cp_size, o.seq_len / (2 * cp_size), data_world, o.seq_len / cp_size)
+  end
+
   -- data: token shards (a folder from bin/tokenize, a glob, .bin files) or
   -- bytes; rank r reads its rows of every batch
   local corpus, train_loader, val_loader
@@ -1290,10 +1331,18 @@ function train.run(opts)
       rank = data_rank, world_size = data_world })
   end
   local function to_device(x, y)
-    if not on_gpu then return x, y end
-    local dx, dy = x:to(device), y:to(device)
-    x:free(); y:free()
-    return dx, dy
+    if on_gpu then
+      local dx, dy = x:to(device), y:to(device)
+      x:free(); y:free()
+      x, y = dx, dy
+    end
+    if cp_ctx then
+      -- (every rank of a context-parallel group read the same rows)
+      local sx, sy = ms.cp.shard(x, cp_ctx), ms.cp.shard(y, cp_ctx)
+      x:free(); y:free()
+      x, y = sx, sy
+    end
+    return x, y
   end
 
   -- gradient accumulation: micro-batches of batch_size x seq_len tokens on
@@ -1415,6 +1464,7 @@ function train.run(opts)
   if fsdp_desc then log('fsdp: %s', fsdp_desc) end
   if tp_desc then log('tensor parallel: %s', tp_desc) end
   if pp_desc then log('pipeline parallel: %s', pp_desc) end
+  if cp_desc then log('context parallel: %s', cp_desc) end
   if float8_desc then log('float8: %s', float8_desc) end
   if ac_desc then log('activation checkpointing: %s', ac_desc) end
   if lora_desc then log('lora: %s', lora_desc) end
@@ -1689,6 +1739,8 @@ function train.run(opts)
     if #prompt == 0 then prompt = { 10 } end
     -- a sharded model: every rank samples the same tokens (its forwards gather the units)
     if strategy and not pp_mesh then ms.fsdp.unshard(model) end
+    -- (context parallelism off: every rank samples the whole sequence)
+    if cp_ctx then ms.cp.remove(model) end
     local gen = model
     if pp_mesh then
       -- the pipeline's stages put together again in a whole model (every rank samples the same tokens)

@@ -1,0 +1,103 @@
+-- Context parallelism in the built-in loop (bin/train --cp N, docs/cp.md):
+-- CPU ranks through mpirun. Checked against one process over the same
+-- global batches: the loss curve (within 1e-5 relative) with --cp 2 on 2
+-- ranks (GPT-2 and Llama, plain data parallel and --fsdp), --cp 2 x data
+-- parallel 2 on 4 ranks with accumulation and validation; a --cp run's
+-- checkpoint resumes in one process on the curve; the final weights are
+-- the whole model's; bad layouts exit 2 with a message.
+local S = require 'spec.support'
+local q = S.shell_quote
+local dir = S.tmpdir()
+local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
+
+local corpus_path = S.fixed_corpus(dir, 48000)
+
+local tiny = '--preset tiny --model.n_layer 2 --model.n_embd 32 --model.n_head 2 --seq-len 16 --lr 1e-2 --warmup 1 '
+  .. '--eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 --data ' .. q(corpus_path)
+local tiny_llama = '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 --model.intermediate_size 64 '
+  .. '--seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 --data '
+  .. q(corpus_path)
+
+describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
+  teardown(function() os.execute('rm -rf ' .. q(dir)) end)
+
+  local refs = {}
+  local function reference(model, args, name)
+    if refs[name] then return refs[name] end
+    local status, text = bin_train(('%s %s --batch-size 4 --steps 4 --save-every 2 --out %s/%s'):format(model, args,
+      q(dir), name))
+    assert.are.equal(0, status, text)
+    refs[name] = losses(dir .. '/' .. name)
+    return refs[name]
+  end
+
+  it('--cp 2 on 2 ranks follows the one-process loss curve (gpt2, llama; data parallel and --fsdp)', function()
+    for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
+      local one = reference(c[1], c[2], c[3] .. '1')
+      for _, fs in ipairs({ '', '--fsdp FULL_SHARD' }) do
+        local out = ('%s/%s2%s'):format(dir, c[3], fs == '' and 'dp' or 'fs')
+        local status, text = bin_train(('--nproc-per-node 2 --device cpu %s %s --batch-size 4 --steps 4 --cp 2 %s '
+          .. '--out %s'):format(c[1], c[2], fs, q(out)))
+        assert.are.equal(0, status, text)
+        close_losses(one, losses(out), 1, 4, c[1] .. ' --cp 2 ' .. fs)
+        assert.is_truthy(text:find('[rank 0] context parallel: 2-way (ring attention, load-balanced chunks of 4 tokens), '
+          .. 'data parallel 1, 8 tokens a rank of each sequence', 1, true), text)
+        assert.is_truthy(text:find('4 steps x 64 tokens (1 data-parallel group x 4 x 16 x 1 micro-batches)', 1, true), text)
+      end
+    end
+  end)
+
+  it('--cp 2 on 4 ranks (data parallel 2) with accumulation and validation follows the one-process curve', function()
+    -- one process reads the 2 data-parallel groups' rows as one batch of 2
+    local status, text = bin_train(('models/llama.lua %s --batch-size 2 --tokens-per-step 64 --steps 4 --eval-every 2 '
+      .. '--out %s/lv1'):format(tiny_llama, q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('--nproc-per-node 4 --device cpu models/llama.lua %s --batch-size 1 '
+      .. '--tokens-per-step 64 --steps 4 --cp 2 --eval-every 2 --out %s/l4'):format(tiny_llama, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('4 steps x 64 tokens (2 data-parallel groups x 1 x 16 x 2 micro-batches)', 1, true), text)
+    close_losses(losses(dir .. '/lv1'), losses(dir .. '/l4'), 1, 4, '--cp 2 x dp 2 with accumulation')
+    local function val(run)
+      local f = io.open(dir .. '/' .. run .. '/metrics.jsonl')
+      local v = f:read('*a'):match('"val_loss":([%d%.e%-]+)')
+      f:close()
+      return tonumber(v)
+    end
+    local v1, v4 = val('lv1'), val('l4')
+    assert.is_not_nil(v1)
+    assert.is_true(math.abs(v4 - v1) <= 1e-5 * v1, v4 .. ' vs ' .. v1)
+  end)
+
+  it('a --cp 2 checkpoint resumes in one process on the curve; the final weights are the whole model', function()
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local out = dir .. '/gr'
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --cp 2 '
+      .. '--stop-at 2 --out %s'):format(tiny, q(out)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('models/gpt2.lua --resume %s --steps 4'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(out), 1, 4, '--cp 2 resumed in one process')
+    -- the saved folder is the whole model: its validation loss in this process is the one-process run's
+    local train, data, gpt2 = require 'moonshard.train', require 'moonshard.data', require 'models.gpt2'
+    local corpus = data.corpus { path = corpus_path, val_fraction = 0.1, min_len = 17 }
+    local function val(m)
+      return train.evaluate(m, data.Loader(corpus.val, { batch_size = 4, seq_len = 16, seed = 1337 + 1 }), 2)
+    end
+    local v, v1 = val(gpt2.from_pretrained(out)), val(gpt2.from_pretrained(dir .. '/g1'))
+    assert.is_true(math.abs(v - v1) <= 1e-5 * v1, ('the --cp weights give val %.17g, one process\'s %.17g'):format(v, v1))
+  end)
+
+  it('refuses layouts it cannot run, with a message', function()
+    local cases = {
+      { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 3 --steps 1', 'world of 2 ranks is not a multiple' },
+      { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --seq-len 18 --cp 2 --steps 1',
+        '--seq-len 18 is not a multiple of 4' },
+      { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 2 --pp 2 --steps 1', 'with --pp: not supported' },
+    }
+    for _, c in ipairs(cases) do
+      local status, text = bin_train(c[1] .. ' --out ' .. q(dir .. '/bad'))
+      assert.are.equal(2, status, text)
+      assert.is_truthy(text:find(c[2], 1, true), text)
+    end
+  end)
+end)
