@@ -320,3 +320,118 @@ fail:
         if (alloc[i] && *outs[i]) { ms_tensor_free(*outs[i]); *outs[i] = NULL; }
     return -1;
 }
+
+/* ================================================ merging key blocks (cp) */
+
+static int check_rows(const char *op, const char *what, const ms_tensor *t, const ms_tensor *like4, int ndim) {
+    char a[200], b[200];
+    int ok = t->ndim == ndim && t->device_id == like4->device_id;
+    for (int i = 0; ok && i < ndim; i++) ok = t->sizes[i] == like4->sizes[i];
+    if (!ok)
+        return ms_errorf("%s: %s is %s, expected %s%s on the device of %s", op, what, ms_desc(t, a, sizeof a),
+                         ndim == 3 ? "the (B, H, T) rows of " : "the shape of ", ms_shape_str(like4, b, sizeof b),
+                         "that tensor");
+    return 0;
+}
+
+static int64_t off4(const ms_tensor *t, int64_t b, int64_t h, int64_t i, int64_t d) {
+    return t->offset + b * t->strides[0] + h * t->strides[1] + i * t->strides[2] + d * t->strides[3];
+}
+static int64_t off3(const ms_tensor *t, int64_t b, int64_t h, int64_t i) {
+    return t->offset + b * t->strides[0] + h * t->strides[1] + i * t->strides[2];
+}
+
+int ms_attention_merge_(ms_tensor *acc, ms_tensor *acc_lse, const ms_tensor *o, const ms_tensor *lse, int first) {
+    const char *op = "attention_merge_";
+    char a[200], b[200];
+    if (ms_tensor_check_live(acc, op) || ms_tensor_check_live(acc_lse, op) || ms_tensor_check_live(o, op) ||
+        ms_tensor_check_live(lse, op))
+        return -1;
+    if (acc->ndim != 4 || (acc->dtype_id != MS_F32 && acc->dtype_id != MS_F64))
+        return ms_errorf("%s: acc is %s, expected a (B, H, T, D) f32 or f64 tensor", op, ms_desc(acc, a, sizeof a));
+    if (acc_lse->dtype_id != acc->dtype_id)
+        return ms_errorf("%s: acc_lse is %s, expected acc's dtype (%s)", op, ms_desc(acc_lse, a, sizeof a),
+                         ms_desc(acc, b, sizeof b));
+    if (!ms_is_float(o->dtype_id) || (lse->dtype_id != MS_F32 && lse->dtype_id != MS_F64))
+        return ms_errorf("%s: o %s and lse %s: expected a float o and an f32 or f64 lse", op, ms_desc(o, a, sizeof a),
+                         ms_desc(lse, b, sizeof b));
+    if (check_rows(op, "o", o, acc, 4) || check_rows(op, "acc_lse", acc_lse, acc, 3) || check_rows(op, "lse", lse, acc, 3))
+        return -1;
+#ifdef MS_WITH_CUDA
+    if (acc->device_id >= 0) return ms_cuda_attention_merge(acc, acc_lse, o, lse, first);
+#endif
+    const int64_t B = acc->sizes[0], H = acc->sizes[1], Tn = acc->sizes[2], D = acc->sizes[3];
+    char *pa = (char *)acc->storage->data, *pl = (char *)acc_lse->storage->data;
+    const char *po = (const char *)o->storage->data, *pb = (const char *)lse->storage->data;
+    const int64_t ea = ms_dtype_size(acc->dtype_id), eo = ms_dtype_size(o->dtype_id), eb = ms_dtype_size(lse->dtype_id);
+    const int at = acc->dtype_id, ot = o->dtype_id, bt = lse->dtype_id;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t bb = 0; bb < B; bb++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < Tn; i++) {
+                void *la = pl + off3(acc_lse, bb, h, i) * ea;
+                double lb = ms_load(pb + off3(lse, bb, h, i) * eb, bt);
+                if (first) {
+                    ms_store(la, at, lb);
+                    for (int64_t d = 0; d < D; d++)
+                        ms_store(pa + off4(acc, bb, h, i, d) * ea, at, ms_load(po + off4(o, bb, h, i, d) * eo, ot));
+                    continue;
+                }
+                double lv = ms_load(la, at), m = lv > lb ? lv : lb;
+                if (m == -INFINITY) continue;
+                double wa = exp(lv - m), wb = exp(lb - m), sum = wa + wb;
+                wa /= sum;
+                wb /= sum;
+                for (int64_t d = 0; d < D; d++) {
+                    void *p = pa + off4(acc, bb, h, i, d) * ea;
+                    ms_store(p, at, ms_load(p, at) * wa + ms_load(po + off4(o, bb, h, i, d) * eo, ot) * wb);
+                }
+                ms_store(la, at, m + log(sum));
+            }
+    return 0;
+}
+
+int ms_attention_block_grad(ms_tensor **out, const ms_tensor *g, const ms_tensor *lse_b, const ms_tensor *lse,
+                            int dtype) {
+    const char *op = "attention_block_grad";
+    char a[200], b[200];
+    if (ms_tensor_check_live(g, op) || ms_tensor_check_live(lse_b, op) || ms_tensor_check_live(lse, op)) return -1;
+    if (g->ndim != 4 || !ms_is_float(g->dtype_id) || !ms_is_float(dtype))
+        return ms_errorf("%s: g is %s, expected a (B, H, T, D) float tensor and a float out dtype", op,
+                         ms_desc(g, a, sizeof a));
+    if ((lse_b->dtype_id != MS_F32 && lse_b->dtype_id != MS_F64) || (lse->dtype_id != MS_F32 && lse->dtype_id != MS_F64))
+        return ms_errorf("%s: lse_b %s and lse %s: expected f32 or f64", op, ms_desc(lse_b, a, sizeof a),
+                         ms_desc(lse, b, sizeof b));
+    if (check_rows(op, "lse_b", lse_b, g, 3) || check_rows(op, "lse", lse, g, 3)) return -1;
+    int alloc = !*out;
+    if (ms_prepare_out(out, op, 4, g->sizes, dtype, g->device_id)) return -1;
+    int rc = 0;
+#ifdef MS_WITH_CUDA
+    if (g->device_id >= 0) rc = ms_cuda_attention_block_grad(*out, g, lse_b, lse);
+    else
+#endif
+    {
+        const int64_t B = g->sizes[0], H = g->sizes[1], Tn = g->sizes[2], D = g->sizes[3];
+        const char *pg = (const char *)g->storage->data, *p1 = (const char *)lse_b->storage->data,
+                   *p2 = (const char *)lse->storage->data;
+        char *po = (char *)(*out)->storage->data;
+        const int64_t eg = ms_dtype_size(g->dtype_id), e1 = ms_dtype_size(lse_b->dtype_id),
+                      e2 = ms_dtype_size(lse->dtype_id), eo = ms_dtype_size(dtype);
+        const ms_tensor *ot = *out;
+#pragma omp parallel for collapse(2) schedule(static)
+        for (int64_t bb = 0; bb < B; bb++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < Tn; i++) {
+                    double w = exp(ms_load(p1 + off3(lse_b, bb, h, i) * e1, lse_b->dtype_id) -
+                                   ms_load(p2 + off3(lse, bb, h, i) * e2, lse->dtype_id));
+                    for (int64_t d = 0; d < D; d++)
+                        ms_store(po + off4(ot, bb, h, i, d) * eo, dtype,
+                                 ms_load(pg + off4(g, bb, h, i, d) * eg, g->dtype_id) * w);
+                }
+    }
+    if (rc && alloc) {
+        ms_tensor_free(*out);
+        *out = NULL;
+    }
+    return rc;
+}

@@ -252,6 +252,25 @@ int ms_attention_backward_sum(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, co
                               const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
                               double scale, int causal, ms_tensor *dsum);
 
+/* Attention over key blocks merged by their log-sum-exp (moonshard.cp's
+ * ring; core/attention_cpu.c, kernels/attention.cu).
+ * ms_attention_merge_: acc (B, H, T, D) f32 or f64 and acc_lse (B, H, T) of
+ * its dtype hold the output and log-sum-exp of the blocks so far; o
+ * (B, H, T, D) of any float dtype and lse (B, H, T) f32 or f64 are another
+ * block's (ms_attention's out and lse). first = 1: acc = o, acc_lse = lse.
+ * Else per row, with a = acc_lse, b = lse, m = max(a, b) (rows where both
+ * are -inf are left as they are):
+ *   wa = e^(a-m), wb = e^(b-m), acc = (acc·wa + o·wb) / (wa + wb),
+ *   acc_lse = m + log(wa + wb).
+ * ms_attention_block_grad: out (B, H, T, D) = g·e^(lse_b - lse) per row, the
+ * part of the merged output's gradient g that a block whose log-sum-exp is
+ * lse_b sees (lse: the merged one); out contiguous, of dtype `dtype`.
+ * Both: any strides (on CUDA the last dim's stride 1, and acc f32), one
+ * device; math in f32 (f64 when acc or out is f64). */
+int ms_attention_merge_(ms_tensor *acc, ms_tensor *acc_lse, const ms_tensor *o, const ms_tensor *lse, int first);
+int ms_attention_block_grad(ms_tensor **out, const ms_tensor *g, const ms_tensor *lse_b, const ms_tensor *lse,
+                            int dtype);
+
 /* ---- float8 (core/float8.c; CUDA kernels in kernels/float8.cu, the GEMM
  * in kernels/gemm.cu): torchao's dynamic tensorwise scaling.
  *

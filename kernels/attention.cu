@@ -942,3 +942,145 @@ extern "C" int ms_cuda_attention_set_fused_delta(int on) {
 }
 
 extern "C" int ms_cuda_attention_last_impl(void) { return g_impl_last; }
+
+// ------------------------------------------- merging key blocks (moonshard.cp)
+// One warp a row (b, h, t): the row's weights from the two log-sum-exps,
+// then its D elements (f32 math; acc f32). The contracts: core/ops.h.
+namespace {
+
+struct rows3 {
+    long long sb, sh, st;
+};
+rows3 layout3(const ms_tensor *t) { return {t->strides[0], t->strides[1], t->strides[2]}; }
+
+template <typename TO, typename TL>
+__global__ void attention_merge_kernel(float *acc, float *al, const TO *o, const TL *lb, qkv_layout la4, rows3 la3,
+                                       qkv_layout lo4, rows3 lb3, int H, long long Tn, int D, long long rows,
+                                       int first) {
+    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    long long t = row % Tn, bh = row / Tn;
+    long long h = bh % H, b = bh / H;
+    float *pa = acc + at(la4, b, h, t);
+    const TO *po = o + at(lo4, b, h, t);
+    float *pl = al + b * la3.sb + h * la3.sh + t * la3.st;
+    float vb = (float)lb[b * lb3.sb + h * lb3.sh + t * lb3.st];
+    if (first) {
+        for (int d = lane; d < D; d += 32) pa[d] = conv<TO>::load(po[d]);
+        if (lane == 0) *pl = vb;
+        return;
+    }
+    float va = *pl, m = fmaxf(va, vb);
+    if (m == -INFINITY) return;
+    float wa = __expf(va - m), wb = __expf(vb - m), s = wa + wb;
+    wa /= s;
+    wb /= s;
+    for (int d = lane; d < D; d += 32) pa[d] = pa[d] * wa + conv<TO>::load(po[d]) * wb;
+    __syncwarp();
+    if (lane == 0) *pl = m + __logf(s);
+}
+
+template <typename TG, typename TO>
+__global__ void attention_block_grad_kernel(TO *out, const TG *g, const float *l1, const float *l2, qkv_layout lo4,
+                                            qkv_layout lg4, rows3 l13, rows3 l23, int H, long long Tn, int D,
+                                            long long rows) {
+    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    long long t = row % Tn, bh = row / Tn;
+    long long h = bh % H, b = bh / H;
+    float w = __expf(l1[b * l13.sb + h * l13.sh + t * l13.st] - l2[b * l23.sb + h * l23.sh + t * l23.st]);
+    const TG *pg = g + at(lg4, b, h, t);
+    TO *po = out + at(lo4, b, h, t);
+    for (int d = lane; d < D; d += 32) po[d] = conv<TO>::store(conv<TG>::load(pg[d]) * w);
+}
+
+int unit_last(const char *op, const char *what, const ms_tensor *t) {
+    char d[200];
+    if (t->sizes[3] > 1 && t->strides[3] != 1)
+        return ms_errorf("%s: %s is %s; the CUDA kernel needs its last dim with stride 1", op, what, ms_desc(t, d, sizeof d));
+    return 0;
+}
+
+}  // namespace
+
+extern "C" int ms_cuda_attention_merge(ms_tensor *acc, ms_tensor *acc_lse, const ms_tensor *o, const ms_tensor *lse,
+                                       int first) {
+    const char *op = "attention_merge_";
+    char d[200];
+    if (acc->dtype_id != MS_F32 || lse->dtype_id != MS_F32)
+        return ms_errorf("%s: the CUDA kernel takes an f32 acc and lse, got %s", op, ms_desc(acc, d, sizeof d));
+    if (unit_last(op, "acc", acc) || unit_last(op, "o", o)) return -1;
+    if (ms_cuda_activate(acc->device_id)) return -1;
+    int H = (int)acc->sizes[1], D = (int)acc->sizes[3];
+    long long Tn = acc->sizes[2], rows = acc->sizes[0] * acc->sizes[1] * Tn;
+    if (rows == 0 || D == 0) return 0;
+    cudaStream_t s = ms_cuda_stream_of(acc->device_id);
+    unsigned blocks = (unsigned)((rows * 32 + 255) / 256);
+    float *pa = (float *)ms_tensor_data(acc), *pl = (float *)ms_tensor_data(acc_lse);
+    const float *pb = (const float *)ms_tensor_data(lse);
+    switch (o->dtype_id) {
+    case MS_F32:
+        attention_merge_kernel<float, float><<<blocks, 256, 0, s>>>(pa, pl, (const float *)ms_tensor_data(o), pb,
+            layout4(acc), layout3(acc_lse), layout4(o), layout3(lse), H, Tn, D, rows, first);
+        break;
+    case MS_BF16:
+        attention_merge_kernel<__nv_bfloat16, float><<<blocks, 256, 0, s>>>(pa, pl,
+            (const __nv_bfloat16 *)ms_tensor_data(o), pb, layout4(acc), layout3(acc_lse), layout4(o), layout3(lse), H,
+            Tn, D, rows, first);
+        break;
+    case MS_F16:
+        attention_merge_kernel<__half, float><<<blocks, 256, 0, s>>>(pa, pl, (const __half *)ms_tensor_data(o), pb,
+            layout4(acc), layout3(acc_lse), layout4(o), layout3(lse), H, Tn, D, rows, first);
+        break;
+    default: return ms_errorf("%s: o is %s; the CUDA kernel takes f32, bf16 or f16", op, ms_desc(o, d, sizeof d));
+    }
+    LAUNCH_CHECK("attention_merge_kernel");
+    return 0;
+}
+
+template <typename TG>
+static int block_grad_to(ms_tensor *out, const ms_tensor *g, const float *l1, const float *l2, rows3 r1, rows3 r2,
+                         int H, long long Tn, int D, long long rows, cudaStream_t s) {
+    unsigned blocks = (unsigned)((rows * 32 + 255) / 256);
+    const TG *pg = (const TG *)ms_tensor_data(g);
+    switch (out->dtype_id) {
+    case MS_F32:
+        attention_block_grad_kernel<TG, float><<<blocks, 256, 0, s>>>((float *)ms_tensor_data(out), pg, l1, l2,
+            layout4(out), layout4(g), r1, r2, H, Tn, D, rows);
+        break;
+    case MS_BF16:
+        attention_block_grad_kernel<TG, __nv_bfloat16><<<blocks, 256, 0, s>>>((__nv_bfloat16 *)ms_tensor_data(out), pg,
+            l1, l2, layout4(out), layout4(g), r1, r2, H, Tn, D, rows);
+        break;
+    case MS_F16:
+        attention_block_grad_kernel<TG, __half><<<blocks, 256, 0, s>>>((__half *)ms_tensor_data(out), pg, l1, l2,
+            layout4(out), layout4(g), r1, r2, H, Tn, D, rows);
+        break;
+    default: return ms_errorf("attention_block_grad: the CUDA kernel writes f32, bf16 or f16");
+    }
+    LAUNCH_CHECK("attention_block_grad_kernel");
+    return 0;
+}
+
+extern "C" int ms_cuda_attention_block_grad(ms_tensor *out, const ms_tensor *g, const ms_tensor *lse_b,
+                                            const ms_tensor *lse) {
+    const char *op = "attention_block_grad";
+    char d[200];
+    if (lse_b->dtype_id != MS_F32 || lse->dtype_id != MS_F32)
+        return ms_errorf("%s: the CUDA kernel takes f32 log-sum-exps, got %s", op, ms_desc(lse_b, d, sizeof d));
+    if (unit_last(op, "g", g) || unit_last(op, "out", out)) return -1;
+    if (ms_cuda_activate(g->device_id)) return -1;
+    int H = (int)g->sizes[1], D = (int)g->sizes[3];
+    long long Tn = g->sizes[2], rows = g->sizes[0] * g->sizes[1] * Tn;
+    if (rows == 0 || D == 0) return 0;
+    cudaStream_t s = ms_cuda_stream_of(g->device_id);
+    const float *l1 = (const float *)ms_tensor_data(lse_b), *l2 = (const float *)ms_tensor_data(lse);
+    switch (g->dtype_id) {
+    case MS_F32: return block_grad_to<float>(out, g, l1, l2, layout3(lse_b), layout3(lse), H, Tn, D, rows, s);
+    case MS_BF16: return block_grad_to<__nv_bfloat16>(out, g, l1, l2, layout3(lse_b), layout3(lse), H, Tn, D, rows, s);
+    case MS_F16: return block_grad_to<__half>(out, g, l1, l2, layout3(lse_b), layout3(lse), H, Tn, D, rows, s);
+    default: return ms_errorf("%s: g is %s; the CUDA kernel takes f32, bf16 or f16", op, ms_desc(g, d, sizeof d));
+    }
+}

@@ -114,6 +114,9 @@ int ms_cuda_attention(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const 
 int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k,
                                const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
                                double scale, int causal, float *dsum, int *summed);
+/* the block merge and a block's gradient share (contracts in core/ops.h; checked there) */
+int ms_cuda_attention_merge(ms_tensor *acc, ms_tensor *acc_lse, const ms_tensor *o, const ms_tensor *lse, int first);
+int ms_cuda_attention_block_grad(ms_tensor *out, const ms_tensor *g, const ms_tensor *lse_b, const ms_tensor *lse);
 
 #ifdef __cplusplus
 }

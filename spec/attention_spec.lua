@@ -121,3 +121,69 @@ describe('qkv_attention (GPT-2 fused projection, one node)', function()
     assert.matches('n_head 3', err, 1, true)
   end)
 end)
+
+-- moonshard.cp's block merge (ms_attention_merge_, ms_attention_block_grad)
+-- on the CPU: against the formula in f64 ops, and as the exact split of an
+-- attention over two key blocks
+describe('attention over key blocks merged by their log-sum-exp', function()
+  local T = require 'moonshard.tensor'
+  local ffi = require 'ffi'
+  local box = ffi.typeof('ms_tensor*[1]')
+  local function attn(q, k, v, causal)
+    local o, l = box(), box()
+    T.check(T.C.ms_attention(o, l, q, k, v, 1 / math.sqrt(q.shape[4]), causal and 1 or 0))
+    return T.wrap(o[0]), T.wrap(l[0])
+  end
+
+  it('merging the attention of two key blocks gives the whole attention (f64), from any first block', function()
+    local q, k, v = randn({ 2, 4, 6, 8 }), randn({ 2, 2, 10, 8 }), randn({ 2, 2, 10, 8 })
+    local o0, l0 = attn(q, k, v, false)
+    for _, cut in ipairs({ 1, 4, 9 }) do
+      local o1, l1 = attn(q, k:narrow(3, 1, cut), v:narrow(3, 1, cut), false)
+      local o2, l2 = attn(q, k:narrow(3, cut + 1, 10 - cut), v:narrow(3, cut + 1, 10 - cut), false)
+      -- the accumulator as a strided view (the heads' rows of a (B, T, H, D) buffer)
+      local acc = ms.empty({ 2, 6, 4, 8 }, { dtype = 'f64' }):transpose(2, 3)
+      local al = ms.empty({ 2, 4, 6 }, { dtype = 'f64' })
+      T.check(T.C.ms_attention_merge_(acc, al, o2, l2, 1))
+      T.check(T.C.ms_attention_merge_(acc, al, o1, l1, 0))
+      assert.is_true(relerr(acc, o0) < 1e-14, 'out ' .. relerr(acc, o0))
+      assert.is_true(relerr(al, l0) < 1e-14, 'lse ' .. relerr(al, l0))
+    end
+  end)
+
+  it('matches the formula on random data (f32 accumulator, bf16 and f32 blocks, rows with -inf)', function()
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      local acc, al = randn({ 2, 3, 5, 16 }, 'f32'), randn({ 2, 3, 5 }, 'f32')
+      local o, l = randn({ 2, 3, 5, 16 }, dt), randn({ 2, 3, 5 }, 'f32')
+      al:narrow(2, 1, 1):narrow(3, 2, 1):fill_(-math.huge)   -- the block's alone
+      l:narrow(2, 2, 1):narrow(3, 3, 1):fill_(-math.huge)    -- the accumulator's alone
+      local a64, l64, o64, b64 = acc:double(), al:double(), o:double(), l:double()
+      local m = ms.maximum(l64, b64)
+      local wa, wb = (l64 - m):exp(), (b64 - m):exp()
+      local s = wa + wb
+      local want = (a64 * (wa / s):unsqueeze(4) + o64 * (wb / s):unsqueeze(4))
+      local want_l = m + s:log()
+      T.check(T.C.ms_attention_merge_(acc, al, o, l, 0))
+      assert.is_true(relerr(acc, want) < 1e-6, dt .. ' ' .. relerr(acc, want))
+      assert.is_true(relerr(al, want_l) < 1e-6)
+      -- the block's share of a gradient, rounded once into the dtype asked for
+      local g = randn({ 2, 5, 3, 16 }, dt):transpose(2, 3)   -- a (B, T, H, D) buffer's view
+      local lb, lm = randn({ 2, 3, 5 }, 'f32'), randn({ 2, 3, 5 }, 'f32')
+      local b = box()
+      T.check(T.C.ms_attention_block_grad(b, g, lb, lm, T.dtype_id(dt)))
+      local got = T.wrap(b[0])
+      local gw = (g:double() * (lb:double() - lm:double()):exp():unsqueeze(4)):to(dt)
+      assert.are.equal(dt, got.dtype)
+      assert.is_true(relerr(got, gw) < (dt == 'f32' and 1e-6 or 4e-3), dt .. ' grad ' .. relerr(got, gw))
+    end
+  end)
+
+  it('refuses mismatched shapes and dtypes, naming them', function()
+    local acc, al = ms.zeros({ 1, 2, 3, 4 }), ms.zeros({ 1, 2, 3 })
+    local o, l = ms.zeros({ 1, 2, 4, 4 }), ms.zeros({ 1, 2, 3 })
+    assert.are_not.equal(0, T.C.ms_attention_merge_(acc, al, o, l, 0))
+    assert.matches('o is .*%(1, ?2, ?4, ?4%)', ffi.string(T.C.ms_last_error()))
+    assert.are_not.equal(0, T.C.ms_attention_merge_(ms.zeros({ 1, 2, 3, 4 }, { dtype = 'bf16' }), al, acc, l, 0))
+    assert.matches('f32 or f64', ffi.string(T.C.ms_last_error()))
+  end)
+end)

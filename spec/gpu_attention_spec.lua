@@ -341,3 +341,36 @@ describe('attention_backward_sum on cuda #gpu', function()
     end)
   end
 end)
+
+-- moonshard.cp's block merge on CUDA against the CPU reference
+-- (core/attention_cpu.c) on random data: f32 accumulators, f32/bf16/f16
+-- blocks, strided views, rows with -inf; the block's gradient share in
+-- each dtype (bf16/f16 within one rounding, 1e-2)
+describe('attention block merge on cuda #gpu', function()
+  local box = ffi.typeof('ms_tensor*[1]')
+  for _, dt in ipairs({ 'f32', 'bf16', 'f16' }) do
+    it('merge and block gradient match the CPU (' .. dt .. ')', function()
+      ms.manual_seed(77)
+      local acc = ms.randn({ 2, 37, 3, 64 }):transpose(2, 3)       -- strided, as the ring's rows
+      local al = ms.randn({ 2, 3, 37 })
+      local o = ms.randn({ 2, 3, 37, 64 }):to(dt)
+      local l = ms.randn({ 2, 3, 37 })
+      al:narrow(2, 1, 1):narrow(3, 5, 1):fill_(-math.huge)
+      local ga, gl = acc:cuda(), al:cuda()
+      for _, first in ipairs({ 1, 0 }) do
+        local ca, cl = acc:clone(), al:clone()
+        local xa, xl = ga:clone(), gl:clone()
+        T.check(C.ms_attention_merge_(ca, cl, o, l, first))
+        T.check(C.ms_attention_merge_(xa, xl, o:cuda(), l:cuda(), first))
+        assert.is_true(relerr(xa, ca) <= 1e-5, ('merge %s first=%d: %.3g'):format(dt, first, relerr(xa, ca)))
+        assert.is_true(lse_err(xl, cl) <= 1e-5)
+      end
+      local g = ms.randn({ 2, 37, 3, 64 }):to(dt):transpose(2, 3)
+      local b1, b2 = box(), box()
+      T.check(C.ms_attention_block_grad(b1, g, l, al:clone():fill_(0.25), T.dtype_id(dt)))
+      T.check(C.ms_attention_block_grad(b2, g:cuda(), l:cuda(), al:cuda():fill_(0.25), T.dtype_id(dt)))
+      local e = relerr(T.wrap(b2[0]), T.wrap(b1[0]))
+      assert.is_true(e <= (dt == 'f32' and 1e-5 or 1e-2), ('block grad %s: %.3g'):format(dt, e))
+    end)
+  end
+end)

@@ -275,26 +275,18 @@ end
 
 local function narrow3(t, d, a, n) return R.narrow(t, d, a, n) end
 
--- out_acc/lse_acc rows updated with a block's (o, l): the merge above
+-- out_acc/lse_acc rows updated with a block's (o, l): the merge above, one
+-- pass (ms_attention_merge_)
 local function merge(oa, la, o, l, first)
-  if first then
-    oa:copy_(o); la:copy_(l)
-    return
-  end
-  local m = F.maximum(la, l)
-  local ea, eb = F.sub(la, m), F.sub(l, m)
-  local xa, xb = F.exp(ea), F.exp(eb)
-  local s = F.add(xa, xb)
-  local wa, wb = F.div(xa, s), F.div(xb, s)
-  local ls = F.log(s)
-  F.add_(m, ls)
-  local sz = la.shape
-  local wa4, wb4 = R.view(wa, { sz[1], sz[2], sz[3], 1 }), R.view(wb, { sz[1], sz[2], sz[3], 1 })
-  F.mul_(oa, wa4)
-  local t = F.mul(o, wb4)
-  F.add_(oa, t)
-  la:copy_(m)
-  for _, x in ipairs({ m, ea, eb, xa, xb, s, wa, wb, ls, wa4, wb4, t }) do free(x) end
+  T.check(T.C.ms_attention_merge_(oa, la, o, l, first and 1 or 0), 3)
+end
+
+-- the part of the output's gradient g that a block with log-sum-exp l sees,
+-- in dtype (ms_attention_block_grad)
+local function block_grad(g, l, lse, dtype)
+  local b = box()
+  T.check(T.C.ms_attention_block_grad(b, g, l, lse, T.dtype_id(dtype)), 3)
+  return T.wrap(b[0])
 end
 
 local Ring = A.Function {
@@ -305,9 +297,10 @@ local Ring = A.Function {
     local B, H, Tl, D = qs[1], qs[2], qs[3], qs[4]
     local acc = q.dtype == 'f64' and 'f64' or 'f32'
     local dev = q.device
-    -- the output laid out (B, Tl, H, D), returned as its (B, H, Tl, D) view
-    local obuf = T.zeros({ B, Tl, H, D }, { dtype = acc, device = dev })
-    local oa = R.transpose(obuf, 2, 3)
+    -- the accumulator in the blocks' layout (contiguous (B, H, Tl, D): the
+    -- merge's passes run on like layouts); the output laid out (B, Tl, H, D)
+    -- and returned as its (B, H, Tl, D) view, as the fused kernel's
+    local oa = T.empty({ B, H, Tl, D }, { dtype = acc, device = dev })
     local la = T.empty({ B, H, Tl }, { dtype = acc, device = dev })
     local kv = pack_kv(k, v)
     local nxt = ctx.size > 1 and T.empty(kv.shape, { dtype = kv.dtype, device = dev }) or nil
@@ -337,17 +330,11 @@ local Ring = A.Function {
     end
     free(kv)
     if nxt then free(nxt) end
-    local y
-    if q.dtype ~= acc then
-      local yb = T.empty({ B, Tl, H, D }, { dtype = q.dtype, device = dev })
-      y = R.transpose(yb, 2, 3)
-      free(yb)
-      y:copy_(oa)
-      free(oa)
-    else
-      y = oa
-    end
-    free(obuf)
+    local yb = T.empty({ B, Tl, H, D }, { dtype = q.dtype, device = dev })
+    local y = R.transpose(yb, 2, 3)
+    free(yb)
+    y:copy_(oa)
+    free(oa)
     c:save_for_backward(q, k, v, y)
     c.lses, c.lse, c.ctx, c.scale = lses, la, ctx, scale
     return y
@@ -380,18 +367,13 @@ local Ring = A.Function {
         local gb = whole and gq or R.narrow(gq, 3, r0, rn)
         local lb = whole and c.lse or R.narrow(c.lse, 3, r0, rn)
         -- the block's share of the gradient: dout e^(lse_j - lse)
-        local d = F.sub(c.lses[i], lb)
-        local e = F.exp(d)
-        local e4 = R.view(e, { B, H, rn, 1 })
-        local gs = F.mul(gb, e4)
-        local gsc = gs.dtype == q.dtype and gs or R.to(gs, { dtype = q.dtype })
+        local gsc = block_grad(gb, c.lses[i], lb, q.dtype)
         local bq, bk, bv = attn_backward(qb, kb, vb, yb, c.lses[i], gsc, scale, causal)
         local dqr = whole and dq or R.narrow(dq, 3, r0, rn)
         F.add_(dqr, bq)
         if dqr ~= dq then free(dqr) end
         pdk, pdv = bk, bv
-        for _, x in ipairs({ d, e, e4, gs, bq }) do free(x) end
-        if gsc ~= gs then free(gsc) end
+        free(bq); free(gsc)
         if qb ~= q then free(qb) end
         if yb ~= y then free(yb); free(gb); free(lb) end
         if kb ~= kk then free(kb); free(vb) end
