@@ -152,6 +152,44 @@ __global__ void reduce_cols_final_kernel(void *out, int dto, const red_state *pa
     st_any(out, dto, j, red_final(op, r, n));
 }
 
+// Few, long rows (a sum over all of a big tensor): pass 1 gives each
+// (slice, row) a block: thread t folds elements lo + t, lo + t + 256, ...
+// of its slice, then the block merges the 256 states in a fixed tree;
+// pass 2 merges a row's slice states the same way in one block. The same
+// bits every run (before this, one thread a slice and one thread merging
+// 65535 slices: 12.9 ms for a sum of 16.7M bf16 on an H200).
+__device__ void block_merge(int op, red_state *sh) {
+    for (int w = blockDim.x / 2; w > 0; w /= 2) {
+        if ((int)threadIdx.x < w) red_merge(op, sh[threadIdx.x], sh[threadIdx.x + w]);
+        __syncthreads();
+    }
+}
+
+__global__ void __launch_bounds__(256) reduce_long_partial_kernel(red_state *part, const void *in, int dti, long long n,
+                                                                  int op, long long groups) {
+    __shared__ red_state sh[256];
+    long long g = blockIdx.x, row = blockIdx.y;
+    long long per = (n + groups - 1) / groups, lo = g * per, hi = lo + per < n ? lo + per : n;
+    red_state r = red_init(op);
+    for (long long k = lo + threadIdx.x; k < hi; k += blockDim.x) red_add(op, r, ld_any(in, dti, row * n + k), k);
+    sh[threadIdx.x] = r;
+    __syncthreads();
+    block_merge(op, sh);
+    if (threadIdx.x == 0) part[row * groups + g] = sh[0];
+}
+
+__global__ void __launch_bounds__(256) reduce_long_final_kernel(void *out, int dto, const red_state *part, long long n,
+                                                                int op, long long groups) {
+    __shared__ red_state sh[256];
+    long long row = blockIdx.x;
+    red_state r = red_init(op);
+    for (long long g = threadIdx.x; g < groups; g += blockDim.x) red_merge(op, r, part[row * groups + g]);
+    sh[threadIdx.x] = r;
+    __syncthreads();
+    block_merge(op, sh);
+    if (threadIdx.x == 0) st_any(out, dto, row, red_final(op, sh[0], n));
+}
+
 // Sums over a middle dim with a contiguous inner part (a bias gradient: the
 // column sums of (N, C)): a thread owns V neighbouring columns (one 16-byte
 // load per row), 8 row-lanes per block walk the rows of one group, the
@@ -350,7 +388,20 @@ extern "C" int ms_cuda_reduce(ms_tensor *out, int op, const ms_tensor *a, int di
         reduce_rows_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, s>>>(
             ms_tensor_data(dst), dst->dtype_id, ms_tensor_data(c.t), c.t->dtype_id, nout, n, op);
         LAUNCH_CHECK("reduce_rows_kernel");
-    } else if (long_rows || (nout < 32768 && n >= 256)) {
+    } else if (long_rows) {
+        long long groups = n / 4096;
+        if (groups > 1024) groups = 1024;
+        if (groups < 1) groups = 1;
+        contig_input part;
+        int64_t bytes = (int64_t)(groups * nout * (long long)sizeof(red_state));
+        if (ms_tensor_empty(&part.t, 1, &bytes, MS_U8, out->device_id)) return -1;
+        reduce_long_partial_kernel<<<dim3((unsigned)groups, (unsigned)nout), 256, 0, s>>>(
+            (red_state *)ms_tensor_data(part.t), ms_tensor_data(c.t), c.t->dtype_id, n, op, groups);
+        LAUNCH_CHECK("reduce_long_partial_kernel");
+        reduce_long_final_kernel<<<(unsigned)nout, 256, 0, s>>>(ms_tensor_data(dst), dst->dtype_id,
+                                                                (const red_state *)ms_tensor_data(part.t), n, op, groups);
+        LAUNCH_CHECK("reduce_long_final_kernel");
+    } else if (nout < 32768 && n >= 256) {
         long long groups = (65536 * 4) / nout;
         if (groups > n / 64) groups = n / 64;
         if (groups > 65535) groups = 65535;

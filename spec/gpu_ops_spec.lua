@@ -514,6 +514,37 @@ describe('cuda reductions on long and broadcast shapes #gpu', function()
     assert.is_true(relerr(ms.sum(big:cuda()), ms.sum(big)) <= 1e-5)
     assert.is_true(relerr(ms.max(big:cuda()), ms.max(big)) <= 1e-7)
   end)
+  it('few long rows (whole big tensors): every reduction matches the CPU, the same bits twice, first index on ties', function()
+    -- (3, 200000) over dim 2 and all of 1.2M elements: the block-per-slice
+    -- kernels (reduce_long_*); f32 and bf16
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      local x = ms.randn({ 3, 200000 }, { seed = 36 }):to(dt)
+      local g = x:cuda()
+      local tol = dt == 'f32' and 1e-6 or 1e-3
+      for _, name in ipairs({ 'sum', 'mean', 'logsumexp' }) do
+        local want = ms[name](x:to('f64'), 2)
+        local got = ms[name](g, 2)
+        assert.is_true(relerr(got:to('f64'), want) <= tol, ('%s %s: %.3g'):format(name, dt, relerr(got:to('f64'), want)))
+        assert.are.same(got:to('cpu'):to('f64'):totable(), ms[name](g, 2):to('cpu'):to('f64'):totable())
+      end
+      for _, name in ipairs({ 'max', 'min', 'argmax', 'argmin' }) do
+        assert.are.same(ms[name](x, 2):to('f64'):totable(), ms[name](g, 2):to('cpu'):to('f64'):totable(), name)
+      end
+      local big = ms.randn({ 1200000 }, { seed = 37 }):to(dt)
+      assert.is_true(relerr(ms.sum(big:cuda()):to('f64'), ms.sum(big:to('f64'))) <= tol)
+      assert.are.equal(ms.sum(big:cuda()):item(), ms.sum(big:cuda()):item())
+    end
+    -- ties: the first index; a NaN wins max
+    local t = ms.zeros({ 2, 100000 })
+    t:narrow(2, 70001, 1):fill_(5); t:narrow(2, 90001, 1):fill_(5)
+    t:narrow(1, 2, 1):narrow(2, 123, 1):fill_(0 / 0)
+    local am = ms.argmax(t:cuda(), 2):to('cpu'):totable()
+    assert.are.same(ms.argmax(t, 2):totable(), am)
+    assert.are.equal(70000, am[1])
+    local mx = ms.max(t:cuda(), 2):to('cpu'):totable()
+    assert.are.equal(5, mx[1])
+    assert.is_true(mx[2] ~= mx[2])
+  end)
   it('column sums with a contiguous inner part (bias gradients) take the vector path and match the CPU', function()
     -- inner a multiple of 16 bytes and n >= 64: colsum_vec kernels; the
     -- others (inner 12 in bf16, n 40) the general one; all the same answers
