@@ -520,7 +520,7 @@ describe('cuda reductions on long and broadcast shapes #gpu', function()
     for _, dt in ipairs({ 'f32', 'bf16' }) do
       local x = ms.randn({ 3, 200000 }, { seed = 36 }):to(dt)
       local g = x:cuda()
-      local tol = dt == 'f32' and 1e-6 or 1e-3
+      local tol = dt == 'f32' and 1e-6 or 4e-3   -- bf16: the result's one rounding (half an ulp, 2^-8)
       for _, name in ipairs({ 'sum', 'mean', 'logsumexp' }) do
         local want = ms[name](x:to('f64'), 2)
         local got = ms[name](g, 2)
