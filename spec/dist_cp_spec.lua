@@ -230,6 +230,33 @@ describe('context parallelism #mpi', function()
     end
   end)
 
+  it('with tensor parallelism (2 x 2: TP pairs, CP across them): the loss and every gradient (f64)', function()
+    if W ~= 4 then return end
+    local mesh = dist.mesh { replicate = 2, shard = 2 }   -- shard: the TP pair; replicate: the CP group
+    for _, case in ipairs(cases) do
+      for _, sp in ipairs({ false, true }) do
+        local ids, tgt = batch(24)
+        local ref = build(case)
+        local l0 = ref(ids, tgt)
+        l0:backward()
+        local m = ms.tp.parallelize(build(case), { group = mesh.shard, sequence_parallel = sp })
+        local ctx = cp.apply(m, mesh.replicate)
+        local l = m(cp.shard(ids, ctx), cp.shard(tgt, ctx))
+        l:backward()
+        ms.tp.all_reduce_grads(m, mesh.replicate, 'avg')
+        local lt = l:detach():clone()
+        dist.all_reduce(lt, 'avg', { group = mesh.replicate })
+        assert.is_true(math.abs(lt:item() - l0:item()) < 1e-12 * math.abs(l0:item()))
+        local full = ms.tp.full_grads(m)
+        for name, p in ref:named_parameters() do
+          local e = maxrel(full[name], p.grad)
+          assert.is_true(e < 1e-10, ('%s sp=%s %s %g'):format(case[1], tostring(sp), name, e))
+        end
+      end
+    end
+    mesh.shard:free(); mesh.replicate:free()
+  end)
+
   it('refuses a sequence it cannot split, and mismatched shapes, by name', function()
     local ctx = cp.context(nil)
     if W > 1 then

@@ -87,7 +87,7 @@ train.options = {
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
-  { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
+  { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M the TP groups inside (rank = (d * N + c) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
@@ -1050,17 +1050,23 @@ function train.run(opts)
       pp_mesh.hybrid = { shard = shard, replicate = replicate }
     end
   end
-  -- --cp N: groups of N consecutive ranks split each sequence (mesh.shard),
-  -- data parallelism across them (mesh.replicate); the gradients are
-  -- averaged (or sharded, --fsdp) over every rank, as each rank's loss is
-  -- the mean over its tokens
+  -- --cp N: groups of N ranks split each sequence, data parallelism across
+  -- them; the gradients are averaged (or sharded, --fsdp) over every rank
+  -- (with --tp: over the ranks of the same TP index), as each rank's loss
+  -- is the mean over its tokens. With --tp M the TP groups are innermost:
+  -- rank r = (d * N + c) * M + t
   local cp_size, cp_group = o.cp, nil
   if cp_size > 1 then
-    if tp_size > 1 or pp_size > 1 then
-      usage('--cp %d with --%s: not supported (context parallelism composes with --fsdp and plain data parallelism)',
-        cp_size, tp_size > 1 and 'tp' or 'pp')
+    if pp_size > 1 then
+      usage('--cp %d with --pp: not supported (context parallelism composes with --fsdp, --tp and plain data '
+        .. 'parallelism)', cp_size)
     end
-    if world % cp_size ~= 0 then
+    local tpn = math.max(tp_size, 1)
+    if world % (cp_size * tpn) ~= 0 then
+      if tpn > 1 then
+        usage('--cp %d with --tp %d: the world of %d rank%s is not a multiple of %d (bin/train --nproc-per-node N)',
+          cp_size, tpn, world, world == 1 and '' or 's', cp_size * tpn)
+      end
       usage('--cp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', cp_size, world,
         world == 1 and '' or 's')
     end
@@ -1070,13 +1076,18 @@ function train.run(opts)
     end
     if cp_size == world then
       cp_group = dist.get_world_group()
-      data_rank, data_world = 0, 1
     else
-      local cp_mesh = dist.mesh { replicate = world / cp_size, shard = cp_size }
-      cp_group = cp_mesh.shard
-      cp_mesh.replicate:free()
-      data_rank, data_world = cp_mesh.coord[1], world / cp_size
+      -- every rank takes part in making every group (a collective each)
+      for d = 0, world / (cp_size * tpn) - 1 do
+        for t = 0, tpn - 1 do
+          local ranks = {}
+          for c = 0, cp_size - 1 do ranks[#ranks + 1] = (d * cp_size + c) * tpn + t end
+          local g = dist.new_group(ranks)
+          if g:is_member() then cp_group = g else g:free() end
+        end
+      end
     end
+    data_rank, data_world = math.floor(rank / (cp_size * tpn)), world / (cp_size * tpn)
   end
   if pp_size <= 1 and tp_size <= 1 then
     if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
