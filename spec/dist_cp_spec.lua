@@ -230,6 +230,21 @@ describe('context parallelism #mpi', function()
     end
   end)
 
+  it('with activation checkpointing: the ring runs again in the backward, the same gradients (f64)', function()
+    local case = cases[2]
+    local ids, tgt = batch(24)
+    local ref = build(case)
+    ref(ids, tgt):backward()
+    local m = build(case)
+    ms.nn.apply_activation_checkpointing(m, { class = llama.Layer })
+    local ctx = cp.apply(m, nil)
+    m(cp.shard(ids, ctx), cp.shard(tgt, ctx)):backward()
+    local g = averaged(m)
+    for name, p in ref:named_parameters() do
+      assert.is_true(maxrel(g[name], p.grad) < 1e-10, name)
+    end
+  end)
+
   it('with tensor parallelism (2 x 2: TP pairs, CP across them): the loss and every gradient (f64)', function()
     if W ~= 4 then return end
     local mesh = dist.mesh { replicate = 2, shard = 2 }   -- shard: the TP pair; replicate: the CP group
