@@ -10,6 +10,9 @@
 -- time cp.attention over the same sequences split N ways (each rank its
 -- --seq / N tokens in load-balanced chunks, or contiguous ones). Ideal ring
 -- time = whole time / N; the efficiency printed is that over the ring's.
+-- Also printed: one ring step's key/value exchange alone (a dist.batch_p2p
+-- of the packed message), and the host's wall time to issue the ring's
+-- forward + backward (no sync inside).
 -- Time: CUDA events around each call, median of --iters, after --warmup;
 -- the backward is the autograd backward from a fixed gradient of the
 -- output, minus the forward. q, k, v are (B, H, T, D) views of (B, T, H, D)
@@ -86,6 +89,36 @@ local ring_fb = time(function()
   ms.cp.attention(ql, kl, vl, ctx):backward(gl)
 end)
 
+-- one ring step's key/value exchange alone (the packed message each step sends)
+local kvbuf = ms.empty({ 2, B, Hkv, Tn / N, D }, { dtype = 'bf16', device = 'cuda' })
+local kvin = ms.empty({ 2, B, Hkv, Tn / N, D }, { dtype = 'bf16', device = 'cuda' })
+local nxt, prv = (rank + 1) % N, (rank - 1 + N) % N
+local xchg = time(function()
+  ms.dist.batch_p2p({ { 'send', kvbuf, nxt }, { 'recv', kvin, prv } })
+end)
+-- the host's wall time to issue a forward + backward (no sync inside;
+-- the GPU still busy with the previous ones, so this is the issue path)
+local ffi = require 'ffi'
+ffi.cdef [[
+typedef struct { long tv_sec; long tv_nsec; } ms_cpb_timespec;
+int ms_cpb_clock_gettime(int clk, ms_cpb_timespec *t) asm("clock_gettime");
+]]
+local tsp = ffi.new('ms_cpb_timespec')
+local function now()
+  ffi.C.ms_cpb_clock_gettime(1, tsp)
+  return tonumber(tsp.tv_sec) + tonumber(tsp.tv_nsec) * 1e-9
+end
+local hs = {}
+for _ = 1, 7 do
+  ms.cuda.synchronize()
+  local t0 = now()
+  for _, t in ipairs({ ql, kl, vl }) do t:zero_grad() end
+  ms.cp.attention(ql, kl, vl, ctx):backward(gl)
+  hs[#hs + 1] = (now() - t0) * 1e3
+end
+local host_fb = median(hs)
+ms.cuda.synchronize()
+
 -- the slowest rank's
 local function slowest(x)
   local t = ms.tensor({ x }, { dtype = 'f32', device = 'cuda' })
@@ -103,4 +136,6 @@ say('| whole / %d (ideal) | %.3f | %.3f | %.3f |', N, whole_f / N, (whole_fb - w
 say('| ring, %d GPUs (slowest rank) | %.3f | %.3f | %.3f |', N, ring_f, ring_fb - ring_f, ring_fb)
 say('efficiency (ideal / ring): forward %.1f%%, forward + backward %.1f%%', 100 * whole_f / N / ring_f,
   100 * whole_fb / N / ring_fb)
+say('one key/value exchange alone: %.3f ms (%d MiB each way, %.0f GB/s); host wall time to issue the ring\'s forward + '
+  .. 'backward (median of 7): %.3f ms', xchg, kvbuf:numel() * 2 / 2 ^ 20, kvbuf:numel() * 2 / xchg / 1e6, host_fb)
 ms.dist.destroy()
