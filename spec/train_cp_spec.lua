@@ -3,7 +3,8 @@
 -- global batches: the loss curve (within 1e-5 relative) with --cp 2 on 2
 -- ranks (GPT-2 and Llama, plain data parallel and --fsdp), --cp 2 x data
 -- parallel 2 on 4 ranks with accumulation and validation, --cp 2 --tp 2
--- on 4 ranks (plain and --fsdp); a --cp run's
+-- on 4 ranks (plain and --fsdp), --cp 2 --pp 2 on 4 ranks (GPT-2 and
+-- Llama, plain and --fsdp); a --cp run's
 -- checkpoint resumes in one process on the curve; the final weights are
 -- the whole model's; bad layouts exit 2 with a message.
 local S = require 'spec.support'
@@ -102,12 +103,31 @@ describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
     end
   end)
 
+  it('--cp 2 --pp 2 on 4 ranks (pipelines inside the context-parallel groups) follows the one-process curve, with --fsdp too',
+    function()
+    for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
+      local one = reference(c[1], c[2], c[3] .. '1')
+      for _, fs in ipairs({ '', '--fsdp FULL_SHARD' }) do
+        local out = ('%s/%scp%s'):format(dir, c[3], fs == '' and 'dp' or 'fs')
+        local status, text = bin_train(('--nproc-per-node 4 --device cpu %s %s --batch-size 4 --steps 4 '
+          .. '--cp 2 --pp 2 %s --out %s'):format(c[1], c[2], fs, q(out)))
+        assert.are.equal(0, status, text)
+        assert.is_truthy(text:find('[rank 0] context parallel: 2-way', 1, true), text)
+        assert.is_truthy(text:find('[rank 0] pipeline parallel: 2 stages over 4 ranks', 1, true), text)
+        close_losses(one, losses(out), 1, 4, c[1] .. ' --cp 2 --pp 2 ' .. fs)
+      end
+    end
+  end)
+
   it('refuses layouts it cannot run, with a message', function()
     local cases = {
       { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 3 --steps 1', 'world of 2 ranks is not a multiple' },
       { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --seq-len 18 --cp 2 --steps 1',
         '--seq-len 18 is not a multiple of 4' },
-      { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 2 --pp 2 --steps 1', 'with --pp: not supported' },
+      { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 2 --pp 2 --steps 1',
+        'with --pp 2: the world of 2 ranks is not a multiple of 4' },
+      { '--nproc-per-node 8 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 2 --pp 2 --tp 2 --steps 1',
+        'with --pp and --tp together: not supported' },
       { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 2 --tp 2 --steps 1',
         'world of 2 ranks is not a multiple of 4' },
     }

@@ -459,7 +459,9 @@ end
 -- cp.apply(model, group | ctx, opts) -> ctx: the model's attention modules
 -- (nn.CausalSelfAttention) ring over the group, and its positions (GPT-2's
 -- learned ones, RoPE's tables) are this rank's; the model is then called
--- with this rank's tokens (cp.shard). opts: load_balance (true).
+-- with this rank's tokens (cp.shard). opts: load_balance (true),
+-- need_attention (true: a model without attention is an error; false for a
+-- pipeline stage that may hold none).
 -- cp.remove(model) undoes it.
 function cp.apply(model, group, opts)
   local nn = require 'moonshard.nn'
@@ -469,7 +471,9 @@ function cp.apply(model, group, opts)
   for _, m in model:named_modules() do
     if getmetatable(m) == nn.CausalSelfAttention then n = n + 1 end
   end
-  if n == 0 then error('cp.apply: the model has no nn.CausalSelfAttention to ring', 2) end
+  if n == 0 and not (opts and opts.need_attention == false) then
+    error('cp.apply: the model has no nn.CausalSelfAttention to ring', 2)
+  end
   -- every module: the attention reads it, the embeddings' owner (GPT-2's
   -- learned positions) too
   for _, m in model:named_modules() do rawset(m, '_cp', ctx) end

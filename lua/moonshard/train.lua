@@ -87,7 +87,7 @@ train.options = {
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
-  { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M the TP groups inside (rank = (d * N + c) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
+  { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M or --pp M the TP groups or the pipelines inside (rank = (d * N + c) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
@@ -1057,15 +1057,16 @@ function train.run(opts)
   -- rank r = (d * N + c) * M + t
   local cp_size, cp_group = o.cp, nil
   if cp_size > 1 then
-    if pp_size > 1 then
-      usage('--cp %d with --pp: not supported (context parallelism composes with --fsdp, --tp and plain data '
-        .. 'parallelism)', cp_size)
+    if pp_size > 1 and tp_size > 1 then
+      usage('--cp %d with --pp and --tp together: not supported (two of the three at a time)', cp_size)
     end
-    local tpn = math.max(tp_size, 1)
+    -- the stride between a context-parallel group's ranks: the TP group or
+    -- the pipeline (consecutive ranks) inside it
+    local tpn = math.max(tp_size, 1) * math.max(pp_size, 1)
     if world % (cp_size * tpn) ~= 0 then
       if tpn > 1 then
-        usage('--cp %d with --tp %d: the world of %d rank%s is not a multiple of %d (bin/train --nproc-per-node N)',
-          cp_size, tpn, world, world == 1 and '' or 's', cp_size * tpn)
+        usage('--cp %d with --%s %d: the world of %d rank%s is not a multiple of %d (bin/train --nproc-per-node N)',
+          cp_size, pp_size > 1 and 'pp' or 'tp', tpn, world, world == 1 and '' or 's', cp_size * tpn)
       end
       usage('--cp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', cp_size, world,
         world == 1 and '' or 's')
@@ -1312,7 +1313,7 @@ function train.run(opts)
   -- positions this rank's (after fully_shard: the same modules)
   local cp_desc, cp_ctx
   if cp_group then
-    local okc, cerr = pcall(ms.cp.apply, model, cp_group)
+    local okc, cerr = pcall(ms.cp.apply, model, cp_group, { need_attention = not pp_mesh })
     if not okc then usage('--cp %d: %s', cp_size, (tostring(cerr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     cp_ctx = cerr
     cp_desc = ('%d-way (ring attention, load-balanced chunks of %d tokens), data parallel %d, %d tokens a rank of each '
