@@ -74,9 +74,10 @@ function Ctx:chunks() return self.load_balance and 2 * self.size or self.size en
 -- the global sequence length of a local one (Tl tokens a rank)
 function Ctx:global_len(Tl) return Tl * self.size end
 
--- this rank's pieces of a sequence of T tokens: { {start0, len}, ... }
--- (0-based starts, in local order)
-function Ctx:pieces(Tn, what)
+-- group rank r's (this rank's by default) pieces of a sequence of T
+-- tokens: { {start0, len}, ... } (0-based starts, in local order)
+function Ctx:pieces(Tn, what, r)
+  r = r or self.rank
   local nc = self:chunks()
   if Tn % nc ~= 0 then
     error(('cp: %s has %d tokens, not a multiple of %d (%s over a group of %d)'):format(what or 'the sequence', Tn, nc,
@@ -84,9 +85,9 @@ function Ctx:pieces(Tn, what)
   end
   local c = Tn / nc
   if self.load_balance then
-    return { { self.rank * c, c }, { (nc - 1 - self.rank) * c, c } }
+    return { { r * c, c }, { (nc - 1 - r) * c, c } }
   end
-  return { { self.rank * c, c } }
+  return { { r * c, c } }
 end
 
 -- positions(Tl, device) -> (Tl) i64: the global positions of this rank's
@@ -135,7 +136,13 @@ end
 -- this rank's pieces of t along dim, as one new tensor
 local function take(t, ctx, dim)
   local ps = ctx:pieces(t.shape[dim], ('dim %d of a %s tensor'):format(dim, table.concat(t.shape, 'x')))
-  if #ps == 1 then return R.contiguous(R.narrow(t, dim, ps[1][1] + 1, ps[1][2])) end
+  if #ps == 1 then
+    -- (a copy: the result is the node's own, never a view of t)
+    local a = R.narrow(t, dim, ps[1][1] + 1, ps[1][2])
+    local y = R.clone(a)
+    free(a)
+    return y
+  end
   local a, b = R.narrow(t, dim, ps[1][1] + 1, ps[1][2]), R.narrow(t, dim, ps[2][1] + 1, ps[2][2])
   local y = F.cat({ a, b }, dim)
   free(a); free(b)
@@ -149,7 +156,9 @@ local function gather(t, ctx, dim)
   local s = {}
   for i, v in ipairs(t.shape) do s[i] = v end
   local all = T.empty({ n, t:numel() }, { dtype = t.dtype, device = t.device })
-  dist.all_gather_into(all, R.view(xc, { t:numel() }), { group = ctx.group })
+  local flat = R.view(xc, { t:numel() })
+  dist.all_gather_into(all, flat, { group = ctx.group })
+  free(flat)
   if xc ~= t then free(xc) end
   local Tl = s[dim]
   local c = Tl / (nc / n)
@@ -158,18 +167,18 @@ local function gather(t, ctx, dim)
   for i, v in ipairs(s) do out_shape[i] = v end
   out_shape[dim] = Tl * n
   local out = T.empty(out_shape, { dtype = t.dtype, device = t.device })
-  local save = ctx.rank
   for i = 0, n - 1 do
-    ctx.rank = i
-    local ps = ctx:pieces(Tl * n)
-    local blk = R.view(R.narrow(all, 1, i + 1, 1), s)
+    local row = R.narrow(all, 1, i + 1, 1)
+    local blk = R.view(row, s)
     local off = 0
-    for _, pc in ipairs(ps) do
-      R.narrow(out, dim, pc[1] + 1, c):copy_(R.narrow(blk, dim, off + 1, c))
+    for _, pc in ipairs(ctx:pieces(Tl * n, nil, i)) do
+      local dst, src = R.narrow(out, dim, pc[1] + 1, c), R.narrow(blk, dim, off + 1, c)
+      dst:copy_(src)
+      free(dst); free(src)
       off = off + c
     end
+    free(blk); free(row)
   end
-  ctx.rank = save
   free(all)
   return out
 end
