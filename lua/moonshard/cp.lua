@@ -71,9 +71,6 @@ end
 -- the number of chunks a sequence is cut into (2N balanced, N contiguous)
 function Ctx:chunks() return self.load_balance and 2 * self.size or self.size end
 
--- the global sequence length of a local one (Tl tokens a rank)
-function Ctx:global_len(Tl) return Tl * self.size end
-
 -- group rank r's (this rank's by default) pieces of a sequence of T
 -- tokens: { {start0, len}, ... } (0-based starts, in local order)
 function Ctx:pieces(Tn, what, r)
@@ -118,13 +115,6 @@ function Ctx:rope(Tl, hd, theta, dtype, device, as)
   c = { F.index_select(cs, 1, pos), F.index_select(sn, 1, pos) }
   self.cache[key] = c
   return c[1], c[2]
-end
-
-function Ctx:clear()
-  for k, v in pairs(self.cache) do
-    if T.is_tensor(v) then free(v) else free(v[1]); free(v[2]) end
-    self.cache[k] = nil
-  end
 end
 
 local function ctx_of(x, fname)
@@ -215,26 +205,23 @@ local function dim_arg(t, dim, fname)
   return dim
 end
 
+-- (the shard / unshard entry: the checks, then fn over the context)
+local function along_seq(fname, fn, t, ctx, dim)
+  ctx = ctx_of(ctx, fname)
+  if not T.is_tensor(t) then error(('cp.%s: expects a tensor, got %s'):format(fname, type(t)), 2) end
+  dim = dim_arg(t, dim, fname)
+  if ctx.size == 1 then return t end
+  return fn(t, ctx, dim)
+end
+
 -- cp.shard(t, ctx, dim = 2) -> this rank's tokens of t (the same t on every
 -- rank of the group), a new tensor; differentiable (the gradient of the
 -- whole is every rank's part's, gathered)
-function cp.shard(t, ctx, dim)
-  ctx = ctx_of(ctx, 'shard')
-  if not T.is_tensor(t) then error('cp.shard: expects a tensor, got ' .. type(t), 2) end
-  dim = dim_arg(t, dim, 'shard')
-  if ctx.size == 1 then return t end
-  return Shard(t, ctx, dim)
-end
+function cp.shard(t, ctx, dim) return along_seq('shard', Shard, t, ctx, dim) end
 
 -- cp.unshard(t, ctx, dim = 2) -> the whole sequence from every rank's
 -- part (an all-gather in sequence order); differentiable
-function cp.unshard(t, ctx, dim)
-  ctx = ctx_of(ctx, 'unshard')
-  if not T.is_tensor(t) then error('cp.unshard: expects a tensor, got ' .. type(t), 2) end
-  dim = dim_arg(t, dim, 'unshard')
-  if ctx.size == 1 then return t end
-  return Unshard(t, ctx, dim)
-end
+function cp.unshard(t, ctx, dim) return along_seq('unshard', Unshard, t, ctx, dim) end
 
 -- ------------------------------------------------------- ring attention
 local box = ffi.typeof('ms_tensor*[1]')
@@ -282,8 +269,6 @@ local function exchange(ctx, send, recv)
   return dist.batch_p2p({ { 'send', send, ctx.next }, { 'recv', recv, ctx.prev } }, { group = ctx.group, async = true })
 end
 
-local function narrow3(t, d, a, n) return R.narrow(t, d, a, n) end
-
 -- out_acc/lse_acc rows updated with a block's (o, l): the merge above, one
 -- pass (ms_attention_merge_)
 local function merge(oa, la, o, l, first)
@@ -313,7 +298,7 @@ local Ring = A.Function {
     local la = T.empty({ B, H, Tl }, { dtype = acc, device = dev })
     local kv = pack_kv(k, v)
     local nxt = ctx.size > 1 and T.empty(kv.shape, { dtype = kv.dtype, device = dev }) or nil
-    local lses, seen = {}, false
+    local lses = {}
     for i = 0, ctx.size - 1 do
       local w = i < ctx.size - 1 and exchange(ctx, kv, nxt) or nil
       local r0, rn, k0, kn, causal = block(ctx, i, Tl)
@@ -324,8 +309,7 @@ local Ring = A.Function {
         local vb = kn == Tl and vv or R.narrow(vv, 3, k0, kn)
         local o, l = attn(qb, kb, vb, scale, causal)
         local orows, lrows = R.narrow(oa, 3, r0, rn), R.narrow(la, 3, r0, rn)
-        merge(orows, lrows, o, l, not seen)
-        seen = true
+        merge(orows, lrows, o, l, i == 0)   -- (step 0 covers every row: its own keys)
         free(o); free(orows); free(lrows)
         if qb ~= q then free(qb) end
         if kb ~= kk then free(kb); free(vb) end

@@ -984,6 +984,19 @@ function train.run(opts)
   -- --pp N: pipelines of N stages (mesh.shard, consecutive ranks), data
   -- parallelism across them (mesh.replicate, gradients all-reduced);
   -- whole-model checkpoints
+  -- every rank takes part in making every group (a collective each);
+  -- ranks_of(i, j) lists group (i, j)'s ranks, this rank keeps its own
+  local function mine(n_i, n_j, ranks_of)
+    local kept
+    for i = 0, n_i - 1 do
+      for j = 0, n_j - 1 do
+        local g = dist.new_group(ranks_of(i, j))
+        if g:is_member() then kept = g else g:free() end
+      end
+    end
+    return kept
+  end
+  local function along(n, f) local r = {}; for k = 0, n - 1 do r[#r + 1] = f(k) end; return r end
   local pp_size, pp_mesh = o.pp, nil
   if pp_size > 1 then
     if world % (pp_size * tp_size) ~= 0 then
@@ -1001,19 +1014,6 @@ function train.run(opts)
     -- over the data-parallel ranks that hold it (FSDP x PP); otherwise the
     -- pipelines' gradients are all-reduced
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
-    -- every rank takes part in making every group (a collective each);
-    -- ranks_of(i, j) lists group (i, j)'s ranks, this rank keeps its own
-    local function mine(n_i, n_j, ranks_of)
-      local kept
-      for i = 0, n_i - 1 do
-        for j = 0, n_j - 1 do
-          local g = dist.new_group(ranks_of(i, j))
-          if g:is_member() then kept = g else g:free() end
-        end
-      end
-      return kept
-    end
-    local function along(n, f) local r = {}; for k = 0, n - 1 do r[#r + 1] = f(k) end; return r end
     if tp_size > 1 then
       -- 3-D: TP pairs innermost (consecutive ranks), then the stages, then
       -- data parallelism; rank r = (d * pp + p) * tp + t
@@ -1078,15 +1078,8 @@ function train.run(opts)
     if cp_size == world then
       cp_group = dist.get_world_group()
     else
-      -- every rank takes part in making every group (a collective each)
-      for d = 0, world / (cp_size * tpn) - 1 do
-        for t = 0, tpn - 1 do
-          local ranks = {}
-          for c = 0, cp_size - 1 do ranks[#ranks + 1] = (d * cp_size + c) * tpn + t end
-          local g = dist.new_group(ranks)
-          if g:is_member() then cp_group = g else g:free() end
-        end
-      end
+      cp_group = mine(world / (cp_size * tpn), tpn, function(d, t)
+        return along(cp_size, function(c) return (d * cp_size + c) * tpn + t end) end)
     end
     data_rank, data_world = math.floor(rank / (cp_size * tpn)), world / (cp_size * tpn)
   end
