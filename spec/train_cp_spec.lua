@@ -4,7 +4,9 @@
 -- ranks (GPT-2 and Llama, plain data parallel and --fsdp), --cp 2 x data
 -- parallel 2 on 4 ranks with accumulation and validation, --cp 2 --tp 2
 -- on 4 ranks (plain and --fsdp), --cp 2 --pp 2 on 4 ranks (GPT-2 and
--- Llama, plain and --fsdp); a --cp run's
+-- Llama, plain and --fsdp), --cp 2 --pp 2 --tp 2 on 8 ranks (4-D; GPT-2
+-- and Llama, Llama with --fsdp too, resumed in one process; 16 ranks with
+-- data parallel 2 and --fsdp); a --cp run's
 -- checkpoint resumes in one process on the curve; the final weights are
 -- the whole model's; bad layouts exit 2 with a message.
 local S = require 'spec.support'
@@ -119,6 +121,48 @@ describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
     end
   end)
 
+  it('--cp 2 --pp 2 --tp 2 on 8 ranks (4-D: TP pairs inside pipelines inside the context-parallel groups) follows '
+    .. 'the one-process curve, with --fsdp too; its checkpoint resumes in one process on the curve', function()
+    for _, c in ipairs({ { 'models/llama.lua', tiny_llama, 'l' }, { 'models/gpt2.lua', tiny, 'g' } }) do
+      local one = reference(c[1], c[2], c[3] .. '1')
+      for _, fs in ipairs({ '', '--fsdp FULL_SHARD' }) do
+        if c[3] == 'l' or fs == '' then
+          local out = ('%s/%s4d%s'):format(dir, c[3], fs == '' and 'dp' or 'fs')
+          local status, text = bin_train(('--nproc-per-node 8 --device cpu %s %s --batch-size 4 --steps 4 '
+            .. '--cp 2 --pp 2 --tp 2 %s --out %s'):format(c[1], c[2], fs, q(out)))
+          assert.are.equal(0, status, text)
+          assert.is_truthy(text:find('[rank 0] context parallel: 2-way', 1, true), text)
+          assert.is_truthy(text:find('[rank 0] pipeline parallel: 2 stages over 8 ranks', 1, true), text)
+          assert.is_truthy(text:find('[rank 0] tensor parallel: 2-way over 8 ranks', 1, true), text)
+          if fs ~= '' then
+            -- a stage's slice is sharded over the two context-parallel ranks that hold it
+            assert.is_truthy(text:find('[rank 0] fsdp: FULL_SHARD over 2 ranks', 1, true), text)
+          end
+          close_losses(one, losses(out), 1, 4, c[1] .. ' --cp 2 --pp 2 --tp 2 ' .. fs)
+        end
+      end
+    end
+    -- 16 ranks: data parallel 2 across the 4-D blocks, FSDP over the four
+    -- ranks that hold a slice (two data-parallel x two context-parallel)
+    local out16 = dir .. '/l4d16'
+    local status16, text16 = bin_train(('--nproc-per-node 16 --device cpu models/llama.lua %s --batch-size 2 '
+      .. '--steps 4 --cp 2 --pp 2 --tp 2 --fsdp FULL_SHARD --out %s'):format(tiny_llama, q(out16)))
+    assert.are.equal(0, status16, text16)
+    assert.is_truthy(text16:find('4 steps x 64 tokens (2 data-parallel groups x 2 x 16 x 1 micro-batches)', 1, true),
+      text16)
+    assert.is_truthy(text16:find('[rank 0] fsdp: FULL_SHARD over 4 ranks', 1, true), text16)
+    close_losses(reference('models/llama.lua', tiny_llama, 'l1'), losses(out16), 1, 4, '16 ranks: dp 2 x 4-D')
+    -- stopped at step 2, resumed in one process: the rest of the curve
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local out = dir .. '/g4dr'
+    local status, text = bin_train(('--nproc-per-node 8 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 '
+      .. '--cp 2 --pp 2 --tp 2 --stop-at 2 --out %s'):format(tiny, q(out)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('models/gpt2.lua --resume %s --steps 4'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(out), 1, 4, '--cp 2 --pp 2 --tp 2 resumed in one process')
+  end)
+
   it('refuses layouts it cannot run, with a message', function()
     local cases = {
       { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 3 --steps 1', 'world of 2 ranks is not a multiple' },
@@ -126,8 +170,8 @@ describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
         '--seq-len 18 is not a multiple of 4' },
       { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 2 --pp 2 --steps 1',
         'with --pp 2: the world of 2 ranks is not a multiple of 4' },
-      { '--nproc-per-node 8 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 2 --pp 2 --tp 2 --steps 1',
-        'with --pp and --tp together: not supported' },
+      { '--nproc-per-node 4 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 2 --pp 2 --tp 2 --steps 1',
+        '--cp 2 with --pp 2 --tp 2: the world of 4 ranks is not a multiple of 8' },
       { '--nproc-per-node 2 --device cpu models/gpt2.lua ' .. tiny .. ' --cp 2 --tp 2 --steps 1',
         'world of 2 ranks is not a multiple of 4' },
     }

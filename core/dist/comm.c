@@ -173,6 +173,33 @@ static ms_comm *comm_alloc(const ms_dist_backend *be, int size) {
     return c;
 }
 
+/* MS_DIST_TRACE=prefix: every rank appends each operation it issues (its
+ * group, its number on that group, what it moves) to prefix.<world rank>,
+ * flushed at once. Ranks must issue a group's operations in the same
+ * order with the same shapes; comparing two ranks' files line by line
+ * (grep the group's name) finds the first one where they part. */
+static FILE *trace_file(void) {
+    static int tried;
+    static FILE *f;
+    if (tried || !g_dist.world) return f;
+    tried = 1;
+    const char *p = getenv("MS_DIST_TRACE");
+    if (!p || !*p) return NULL;
+    char path[4096];
+    snprintf(path, sizeof path, "%s.%d", p, g_dist.world->world_ranks[g_dist.world->rank]);
+    f = fopen(path, "a");
+    if (!f) fprintf(stderr, "moonshard dist: MS_DIST_TRACE: cannot open %s for appending\n", path);
+    return f;
+}
+
+static void trace(ms_comm *c, const char *what) {
+    c->seq++;
+    FILE *f = trace_file();
+    if (!f) return;
+    fprintf(f, "%s #%lld %s\n", c->name, (long long)c->seq, what);
+    fflush(f);
+}
+
 static void comm_unlink(ms_comm *c) {
     for (ms_comm **p = &g_dist.all; *p; p = &(*p)->next)
         if (*p == c) { *p = c->next; return; }
@@ -229,6 +256,9 @@ static int make_group(ms_comm **out, ms_comm *parent, int color, int key, int n,
                       const char *name) {
     *out = NULL;
     void *impl = NULL;
+    char what[160];
+    snprintf(what, sizeof what, "split into %s", name);
+    trace(parent, what);
     if (parent->be->split(parent, color, key, n, &impl)) return -1;
     if (color < 0) return 0;
     ms_comm *c = comm_alloc(parent->be, n);
@@ -586,6 +616,7 @@ static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, c
  * waits for it (work NULL) and frees it; on a failed start w is freed */
 static int launch(ms_work **work, ms_work *w, ms_tensor *out, const ms_tensor *in, int root) {
     ms_comm *c = w->comm;
+    trace(c, w->desc);
     int rc = c->be->start(w, out, in, root);
     if (w->kind == MS_COLL_P2P) w->aux = NULL;   /* (the batch lived on the caller's stack) */
     char msg[1024];
@@ -709,6 +740,7 @@ void ms_copy_buf_free(ms_copy_buf *b) {
 
 int ms_comm_barrier(ms_comm *c) {
     if (usable(c, "barrier")) return -1;
+    trace(c, "barrier");
     return c->be->barrier(c);
 }
 

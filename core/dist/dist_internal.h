@@ -40,6 +40,7 @@ struct ms_comm {
     volatile int broken;       /* a failure made the group unusable */
     char broken_msg[768];
     char name[96];             /* "world", "group [0,2]", "mesh shard row 1" */
+    int64_t seq;               /* operations issued on this group (MS_DIST_TRACE numbers them) */
     void *impl;                /* the backend's */
     struct ms_comm *next;      /* every live group, for ms_dist_destroy */
 };

@@ -87,7 +87,7 @@ train.options = {
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
-  { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M or --pp M the TP groups or the pipelines inside (rank = (d * N + c) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
+  { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
@@ -1052,21 +1052,20 @@ function train.run(opts)
   end
   -- --cp N: groups of N ranks split each sequence, data parallelism across
   -- them; the gradients are averaged (or sharded, --fsdp) over every rank
-  -- (with --tp: over the ranks of the same TP index), as each rank's loss
-  -- is the mean over its tokens. With --tp M the TP groups are innermost:
-  -- rank r = (d * N + c) * M + t
+  -- (with --tp / --pp: over the ranks of the same TP index and stage), as
+  -- each rank's loss is the mean over its tokens. The TP groups are
+  -- innermost, then the pipelines, then the context-parallel groups:
+  -- rank r = ((d * N + c) * P + p) * M + t (4-D with all three)
   local cp_size, cp_group = o.cp, nil
   if cp_size > 1 then
-    if pp_size > 1 and tp_size > 1 then
-      usage('--cp %d with --pp and --tp together: not supported (two of the three at a time)', cp_size)
-    end
-    -- the stride between a context-parallel group's ranks: the TP group or
-    -- the pipeline (consecutive ranks) inside it
+    -- the stride between a context-parallel group's ranks: the TP groups
+    -- and pipelines (consecutive ranks) inside it
     local tpn = math.max(tp_size, 1) * math.max(pp_size, 1)
     if world % (cp_size * tpn) ~= 0 then
       if tpn > 1 then
-        usage('--cp %d with --%s %d: the world of %d rank%s is not a multiple of %d (bin/train --nproc-per-node N)',
-          cp_size, pp_size > 1 and 'pp' or 'tp', tpn, world, world == 1 and '' or 's', cp_size * tpn)
+        local with = (pp_size > 1 and (' --pp %d'):format(pp_size) or '') .. (tp_size > 1 and (' --tp %d'):format(tp_size) or '')
+        usage('--cp %d with%s: the world of %d rank%s is not a multiple of %d (bin/train --nproc-per-node N)',
+          cp_size, with, world, world == 1 and '' or 's', cp_size * tpn)
       end
       usage('--cp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', cp_size, world,
         world == 1 and '' or 's')
@@ -1289,13 +1288,16 @@ function train.run(opts)
   if strategy then
     local policy, pdesc = train.fsdp_policy(M, model, o.fsdp_policy)
     local mp = train.mixed_precision(o.fsdp_mixed_precision, device)
+    local hybrid = pp_mesh and pp_mesh.hybrid
+    local group = not hybrid and (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
       shard_size = strategy == 'HYBRID_SHARD' and not pp_mesh and o.shard_size > 0 and o.shard_size or nil,
-      mesh = pp_mesh and pp_mesh.hybrid or nil,
-      group = not (pp_mesh and pp_mesh.hybrid) and (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil,
-      float8_all_gather = o.float8_all_gather or nil })
+      mesh = hybrid or nil, group = group, float8_all_gather = o.float8_all_gather or nil })
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
-    fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, data_world, data_world == 1 and '' or 's', pdesc,
+    -- the ranks a unit's parameters are spread over (with --cp, its
+    -- context-parallel ranks as well as the data-parallel ones)
+    local over = hybrid and hybrid.shard:size() * hybrid.replicate:size() or group and group:size() or world
+    fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, over, over == 1 and '' or 's', pdesc,
       #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
     if o.float8_all_gather then fsdp_desc = fsdp_desc .. ', float8 all-gathers' end
     ms.nn.materialize(model)   -- what no unit took (buffers)
