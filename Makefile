@@ -9,7 +9,7 @@ BUILD   ?= build
 CFLAGS  ?= -O3
 CFLAGS  += -std=c99 -D_GNU_SOURCE -fPIC -fopenmp -Wall -Wextra -Werror -Wno-unused-parameter \
            -I/usr/include/x86_64-linux-gnu/openblas-pthread
-LDLIBS  += -lopenblas -lm -fopenmp
+LDLIBS  += -lopenblas -lz -lm -fopenmp -pthread
 
 C_SRCS  := $(wildcard core/*.c core/io/*.c core/dist/*.c core/fsdp/*.c)
 HEADERS := core/tensor.h core/ops.h core/cuda.h core/flce.h core/dist/comm.h core/fsdp/flat.h $(wildcard core/io/*.h)
@@ -78,7 +78,7 @@ $(PROBE): $(BUILD)/ffi_probe.c $(HEADERS)
 	$(CC) -std=c99 -Wall -Werror -I. $< -o $@
 
 # Debian packages the build and the specs need; installed only when missing
-DEBS := luajit libluajit-5.1-dev lua-busted lua-dkjson libopenblas-dev openmpi-bin libopenmpi-dev gnuplot-nox libreadline8 tmux
+DEBS := luajit libluajit-5.1-dev lua-busted lua-dkjson libopenblas-dev zlib1g-dev openmpi-bin libopenmpi-dev gnuplot-nox libreadline8 tmux
 deps:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

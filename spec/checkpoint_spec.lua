@@ -215,6 +215,143 @@ describe('checkpoint', function()
     rm(dir)
   end)
 
+  it('the writer thread writes queued files with their CRC-32, reports a failed one by name and goes on', function()
+    local dir = tmpdir()
+    local w = ckpt.writer()
+    local a = T.randn({ 1000 }, { dtype = 'f32' })
+    local b = T.randn({ 3, 5 }, { dtype = 'f64' })
+    local empty = T.empty({ 0 }, { dtype = 'f32' })
+    local ptrs = ffi.new('const void *[3]', { a:data_ptr(), empty:data_ptr(), b:data_ptr() })
+    local bytes = ffi.new('int64_t[3]', { 4000, 0, 120 })
+    local j1 = T.C.ms_writer_submit(w.p, dir .. '/one', 'head', 4, 3, ptrs, bytes)
+    local j2 = T.C.ms_writer_submit(w.p, '/dev/full', 'x', 1, 1, ptrs, bytes)   -- ENOSPC on write
+    local j3 = T.C.ms_writer_submit(w.p, dir .. '/no/such/folder/f', nil, 0, 1, ptrs, bytes)
+    local j4 = T.C.ms_writer_submit(w.p, dir .. '/two', nil, 0, 1, ptrs + 2, bytes + 2)
+    assert.are.same({ 0, 1, 2, 3 }, { tonumber(j1), tonumber(j2), tonumber(j3), tonumber(j4) })
+    local ok, err = pcall(w.wait, w)
+    assert.is_false(ok)
+    assert.matches('cannot write /dev/full (0 bytes in): No space left on device (and 1 more file failed)', err, 1, true)
+    assert.is_true(w:idle())
+    -- the files queued after the failures were written, with the CRC-32 of their bytes
+    local one = slurp(dir .. '/one')
+    assert.are.equal(4 + 4000 + 120, #one)
+    assert.are.equal('head', one:sub(1, 4))
+    assert.are.equal(ffi.string(a:data_ptr(), 4000) .. ffi.string(b:data_ptr(), 120), one:sub(5))
+    local n, crc = w:result(j1)
+    assert.are.equal(#one, n)
+    assert.are.equal(ckpt.crc32_string(one), crc)
+    n, crc = w:result(j4)
+    assert.are.equal(120, n)
+    assert.are.equal(ckpt.crc32_file(dir .. '/two'), crc)
+    local okr, rerr = pcall(w.result, w, j3)
+    assert.is_false(okr)
+    assert.matches('job 2 failed: cannot create ' .. dir .. '/no/such/folder/f: No such file or directory', rerr, 1, true)
+    assert.is_false((pcall(w.result, w, 99)))
+    -- the failures were reported once: the next wait is clean
+    w:wait()
+    -- bad arguments are refused at once
+    assert.are.equal(-1, tonumber(T.C.ms_writer_submit(w.p, dir .. '/bad', nil, 0, 1, ptrs, ffi.new('int64_t[1]', { -5 }))))
+    assert.matches('piece 1 has %-5 bytes', ffi.string(T.C.ms_last_error()))
+    w:close()
+    w:close()
+    rm(dir)
+  end)
+
+  it('save_async stages the tensors: the checkpoint holds the values of the call, the training goes on', function()
+    local dir = tmpdir()
+    local gpt2 = require 'models.gpt2'
+    T.manual_seed(3)
+    local model = gpt2.new('tiny', { n_layer = 1, n_embd = 32, n_head = 2 })
+    local opt = require('moonshard.optim').AdamW(model, { lr = 1e-2 })
+    local x = T.tensor({ { 1, 2, 3, 4 } }, { dtype = 'i64' })
+    model(x, x):backward()
+    opt:step()
+    local before = {}
+    for name, t in pairs(model:state_dict()) do before[name] = t:clone() end
+    local w = ckpt.writer()
+    local p = ckpt.save_async(dir, 5, { model = model, optimizer = opt, state = { note = 'async' } },
+      { keep = 2, writer = w })
+    -- at once: another step changes every parameter and moment
+    opt:zero_grad()
+    model(x, x):backward()
+    opt:step()
+    assert.are.equal(dir .. '/ckpt-5', p:finish())
+    assert.are.equal(dir .. '/ckpt-5', p:finish())   -- (a second finish returns the path)
+    assert.is_true(ckpt.verify(dir .. '/ckpt-5'))
+    local saved = S.load(dir .. '/ckpt-5/model.safetensors')
+    local n = 0
+    for name, t in pairs(before) do
+      assert.are.equal(0, ffi.C.memcmp(t:data_ptr(), saved[name]:data_ptr(), t:numel() * 4), name)
+      assert.is_true((model:state_dict()[name] - t):abs():max():item() > 0, name)
+      n = n + 1
+    end
+    assert.is_true(n > 5)
+    -- the same bytes as a synchronous save of the same values
+    model:load_state_dict(before)
+    local sync = tmpdir()
+    local p2 = ckpt.save_async(dir, 6, { model = model }, { writer = w })   -- the staging buffers reused
+    ckpt.save(sync, 6, { model = model })
+    p2:finish()
+    assert.are.equal(slurp(sync .. '/ckpt-6/model.safetensors'), slurp(dir .. '/ckpt-6/model.safetensors'))
+    assert.are.equal(slurp(sync .. '/ckpt-6/manifest.json'), slurp(dir .. '/ckpt-6/manifest.json'))
+    w:close()
+    rm(dir); rm(sync)
+  end)
+
+  it('a background save that fails names the file, removes its folder and keeps the older checkpoints', function()
+    local dir = tmpdir()
+    local model = require('models.gpt2').new('tiny', { n_layer = 1, n_embd = 32, n_head = 2 })
+    ckpt.save(dir, 1, { model = model })
+    local w = ckpt.writer()
+    -- the model file of step 2 lands on /dev/full: its write fails (ENOSPC) in the writer's thread
+    local trap = { state_dict = function()
+      os.execute(('ln -s /dev/full %s'):format(q(dir .. '/ckpt-2.tmp/model.safetensors')))
+      return model:state_dict()
+    end }
+    local p = ckpt.save_async(dir, 2, { model = trap }, { keep = 1, writer = w })
+    local ok, err = pcall(p.finish, p)
+    assert.is_false(ok)
+    assert.matches('checkpoint: writer: cannot write ' .. dir .. '/ckpt-2.tmp/model.safetensors', err, 1, true)
+    assert.matches('No space left on device', err, 1, true)
+    assert.are.same({ 'ckpt-1' }, dirs(dir))
+    assert.is_true(ckpt.verify(dir .. '/ckpt-1'))
+    -- the writer works on
+    ckpt.save_async(dir, 3, { model = model }, { keep = 1, writer = w }):finish()
+    assert.are.same({ 'ckpt-3' }, dirs(dir))
+    -- a tensor that cannot be saved is refused before anything is queued
+    local okb, berr = pcall(ckpt.save_async, dir, 4, { model = { state_dict = function() return { x = 5 } end } },
+      { writer = w })
+    assert.is_false(okb)
+    assert.matches('value for "x" is a number, expected a tensor', berr, 1, true)
+    assert.are.same({ 'ckpt-3' }, dirs(dir))
+    w:close()
+    rm(dir)
+  end)
+
+  it('--async-checkpoint writes the checkpoints of the synchronous run and resumes bitwise from them', function()
+    local a, b = tmpdir(), tmpdir()
+    train.run(opts{ out = a, steps = 12, save_every = 4, keep_checkpoints = 0, eval_every = 0 })
+    local r = train.run(opts{ out = b, steps = 12, save_every = 4, keep_checkpoints = 0, eval_every = 0,
+      async_checkpoint = true })
+    assert.are.equal(b .. '/ckpt-12', r.checkpoint)
+    assert.are.same({ 'ckpt-12', 'ckpt-4', 'ckpt-8' }, (function()
+      local out = {}
+      for _, x in ipairs(dirs(b)) do if x:match('^ckpt') then out[#out + 1] = x end end
+      return out
+    end)())
+    for _, c in ipairs({ 'ckpt-4', 'ckpt-8', 'ckpt-12' }) do
+      assert.is_true(ckpt.verify(b .. '/' .. c))
+      for _, f in ipairs({ 'model.safetensors', 'optimizer.safetensors', 'optimizer.json' }) do
+        assert.are.equal(slurp(a .. '/' .. c .. '/' .. f), slurp(b .. '/' .. c .. '/' .. f), c .. '/' .. f)
+      end
+    end
+    -- resumed from the background-written ckpt-8: the same last losses
+    os.execute('rm -rf ' .. q(b .. '/ckpt-12'))
+    train.run{ out = b, resume = b .. '/ckpt-8', model = 'models.gpt2' }
+    assert.are.same(loss_fields(a .. '/metrics.jsonl'), loss_fields(b .. '/metrics.jsonl'))
+    rm(a); rm(b)
+  end)
+
   it('bin/train stops on SIGINT after the step in flight: a complete checkpoint, exit status 0', function()
     local dir = tmpdir()
     local cmd = ('cd %s && ( bin/train models/gpt2.lua %s --steps 100000 --log-every 1 --out %s > %s 2>&1 & '

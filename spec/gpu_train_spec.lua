@@ -47,6 +47,35 @@ describe('bin/train on cuda #gpu', function()
   end)
 end)
 
+describe('bin/train --async-checkpoint on cuda #gpu', function()
+  setup(function() assert.is_true(ms.cuda.is_available(), 'no CUDA device') end)
+
+  it('stages into page-locked memory: the checkpoints of the synchronous run, byte for byte; resumes from them', function()
+    local a, b = tmpdir(), tmpdir()
+    local common = ('models/gpt2.lua %s --device cuda --steps 6 --save-every 2 --keep-checkpoints 0 --log-every 2 '
+      .. '--sample-tokens 0 --no-save'):format(small)
+    local st, text = bin_train(('%s --out %s'):format(common, q(a)))
+    assert.are.equal(0, st, text)
+    st, text = bin_train(('%s --async-checkpoint --out %s'):format(common, q(b)))
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('checkpoint ' .. b .. '/ckpt-4 (written in the background in', 1, true), text)
+    local function slurp(p) local f = assert(io.open(p, 'rb')); local x = f:read('*a'); f:close(); return x end
+    for _, c in ipairs({ 'ckpt-2', 'ckpt-4', 'ckpt-6' }) do
+      assert.is_true(require('moonshard.checkpoint').verify(b .. '/' .. c))
+      for _, f in ipairs({ 'model.safetensors', 'optimizer.safetensors', 'optimizer.json' }) do
+        assert.are.equal(slurp(a .. '/' .. c .. '/' .. f), slurp(b .. '/' .. c .. '/' .. f), c .. '/' .. f)
+      end
+    end
+    os.execute('rm -rf ' .. q(b .. '/ckpt-6'))
+    st, text = bin_train(('--resume %s'):format(q(b .. '/ckpt-4')))
+    assert.are.equal(0, st, text)
+    local la, lb = losses(a), losses(b)
+    assert.are.equal(6, #lb)
+    for i = 5, 6 do assert.is_true(math.abs(la[i] - lb[i]) <= 1e-6 * math.abs(la[i]), i .. ': ' .. la[i] .. ' vs ' .. lb[i]) end
+    os.execute('rm -rf ' .. q(a) .. ' ' .. q(b))
+  end)
+end)
+
 -- two GPUs: NCCL's unique id goes through the launcher's store, and a
 -- restarted attempt must not read the failed one's (the r1/ prefix)
 describe('bin/train --max-restarts on two GPUs #gpu', function()

@@ -158,6 +158,25 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     close_losses(one, losses(dir .. '/g1r'), 3, 4, 'a one-process checkpoint resumed at --tp 2')
   end)
 
+  it('--async-checkpoint with --tp 2: rank 0 writes the whole-model checkpoints of the synchronous run in the background',
+    function()
+    local common = ('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --tp 2 --save-every 1 '
+      .. '--keep-checkpoints 0 --no-save'):format(tiny)
+    local status, text = bin_train(('%s --out %s/tsync'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('%s --async-checkpoint --out %s/tasync'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('(written in the background in', 1, true), text)
+    local function slurp(p) local f = assert(io.open(p, 'rb')); local x = f:read('*a'); f:close(); return x end
+    for step = 1, 4 do
+      local a, b = ('%s/tsync/ckpt-%d'):format(dir, step), ('%s/tasync/ckpt-%d'):format(dir, step)
+      assert.is_true(require('moonshard.checkpoint').verify(b))
+      for _, f in ipairs({ 'model.safetensors', 'optimizer.safetensors', 'optimizer.json' }) do
+        assert.are.equal(slurp(a .. '/' .. f), slurp(b .. '/' .. f), b .. '/' .. f)
+      end
+    end
+  end)
+
   it('--tp 2 --float8 --float8-tp-scales group: the one-process float8 curve (torchao\'s scales); shard scales drift further', function()
     -- (4 kv heads: every shard a multiple of 16 wide, so the same 14 layers
     -- are converted split and whole)

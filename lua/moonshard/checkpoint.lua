@@ -22,12 +22,21 @@
 -- ckpt.verify catches that: a missing manifest, a missing or unreadable
 -- file, a size or CRC-32 mismatch, each reported with the file's name.
 --
--- Checksums are zlib's crc32 over 4 MiB chunked reads (several GB/s); where
--- libz cannot be loaded, a table-driven CRC-32 in LuaJIT gives the same value.
+-- The safetensors files are written by a background thread (ckpt.writer,
+-- core/io/writer.c) that computes their CRC-32 as the bytes go out;
+-- ckpt.save waits for it, ckpt.save_async returns once the tensors are
+-- copied to host memory (the training goes on while the files are
+-- written) and its p:finish() completes the checkpoint.
+--
+-- Checksums are zlib's crc32 (verify reads 4 MiB chunks, several GB/s);
+-- where libz cannot be loaded, a table-driven CRC-32 in LuaJIT gives the
+-- same value.
 local ffi = require 'ffi'
 local bit = require 'bit'
 local json = require 'dkjson'
 local S = require 'moonshard.safetensors'
+local T = require 'moonshard.tensor'
+local C = T.C
 
 local ckpt = {}
 
@@ -229,33 +238,141 @@ function ckpt.prune(root, keep)
   return removed
 end
 
--- save(root, step, { model =, optimizer =, state = }, { keep = K }) -> path
-function ckpt.save(root, step, parts, opts)
+-- ----------------------------------------------------------------- writer
+-- ckpt.writer() -> a background thread that writes checkpoint files
+-- (core/io/writer.h): a file's bytes and CRC-32 in one pass, fsync'd.
+--   local w = ckpt.writer()
+--   local job = w:safetensors(path, tensors, metadata, true)  -- staged: the tensors may change at once
+--   w:idle()  w:wait()  w:result(job) -> bytes, crc32  w:close()
+-- Staging copies every tensor into host memory the writer keeps between
+-- saves (page-locked for GPU tensors), torchtitan's "async with pinned
+-- memory"; without it the tensors are written from their own memory and
+-- must not change until the wait.
+local Writer = {}
+Writer.__index = Writer
+
+function ckpt.writer()
+  local box = ffi.new('ms_writer *[1]')
+  T.check(C.ms_writer_new(box), 2)
+  return setmetatable({ p = ffi.gc(box[0], C.ms_writer_free), held = {}, stage = {} }, Writer)
+end
+
+function Writer:safetensors(path, tensors, metadata, stage)
+  local job, held = S.write_async(self.p, path, tensors, metadata, stage and self.stage or nil)
+  self.held[#self.held + 1] = held
+  return job
+end
+
+function Writer:idle() return C.ms_writer_idle(self.p) == 1 end
+
+-- waits for every queued file; raises naming the first that failed
+function Writer:wait()
+  local rc = C.ms_writer_wait(self.p)
+  local err = rc ~= 0 and ffi.string(C.ms_last_error()) or nil
+  for _, h in ipairs(self.held) do
+    for _, t in ipairs(h.owned or {}) do t:free() end
+  end
+  self.held = {}
+  if err then error('checkpoint: ' .. err, 0) end
+end
+
+-- a written file's bytes and CRC-32
+function Writer:result(job)
+  local n, crc = ffi.new('int64_t[1]'), ffi.new('uint32_t[1]')
+  T.check(C.ms_writer_result(self.p, job, n, crc), 2)
+  return tonumber(n[0]), tonumber(crc[0])
+end
+
+-- waits, stops the thread, frees the staging memory
+function Writer:close()
+  if not self.p then return end
+  pcall(self.wait, self)
+  C.ms_writer_free(ffi.gc(self.p, nil))
+  self.p = nil
+  for _, e in pairs(self.stage) do e.t:free() end
+  self.stage = {}
+end
+
+-- the writer of the synchronous saves (made at the first)
+local sync_writer
+function ckpt.sync_writer()
+  sync_writer = sync_writer or ckpt.writer()
+  return sync_writer
+end
+
+-- a save whose files are queued: p:ready(), p:finish() -> path
+local Pending = {}
+Pending.__index = Pending
+
+-- true once every file is on disk (finish then only renames)
+function Pending:ready() return self.writer:idle() end
+
+-- waits for the files, writes the manifest, renames <ckpt>.tmp and prunes;
+-- on a failed file the .tmp folder is removed and the older checkpoints
+-- stay as they were
+function Pending:finish()
+  if self.path then return self.path end
+  local ok, err = pcall(self.writer.wait, self.writer)
+  if not ok then
+    remove(self.tmp)
+    error(err, 0)
+  end
+  local man = { step = self.step, format = 1, files = {} }
+  for name, job in pairs(self.jobs) do
+    local n, crc = self.writer:result(job)
+    man.files[name] = { bytes = n, crc32 = crc }
+  end
+  for name, sum in pairs(self.small) do man.files[name] = sum end
+  ckpt.finish(self.root, self.tmp, self.final, man, self.keep)
+  self.path = self.final
+  return self.final
+end
+
+-- save_async(root, step, { model =, optimizer =, state = }, { keep = K, writer = w, stage = true }) -> a pending save
+--   The tensors are staged (copied into the writer's host memory) before it
+--   returns, so training may go on; the files are written by the writer's
+--   thread; p:finish() completes the checkpoint. stage = false writes from
+--   the tensors' own memory (they must not change until p:finish()).
+function ckpt.save_async(root, step, parts, opts)
   opts = opts or {}
+  local w = opts.writer or error('checkpoint.save_async: opts.writer (a checkpoint.writer()) is needed', 2)
   local final = root .. '/' .. ckpt.name(step)
   local tmp = final .. '.tmp'
+  local p = setmetatable({ writer = w, root = root, tmp = tmp, final = final, step = step, keep = opts.keep,
+    jobs = {}, small = {} }, Pending)
   remove(tmp)
   if not sh('mkdir -p ' .. q(tmp)) then error(('checkpoint: cannot create %s'):format(tmp), 0) end
-  local files = {}
-  if parts.model then
-    S.save(tmp .. '/model.safetensors', (parts.model:state_dict()))
-    files[#files + 1] = 'model.safetensors'
+  local stage = opts.stage ~= false
+  local function small(name, s)
+    write_file(tmp .. '/' .. name, s)
+    p.small[name] = { bytes = #s, crc32 = ckpt.crc32_string(s) }
   end
-  if parts.optimizer then
-    local sd = parts.optimizer:state_dict()
-    S.save(tmp .. '/optimizer.safetensors', sd.tensors)
-    write_file(tmp .. '/optimizer.json', encode(sd.meta) .. '\n')
-    files[#files + 1] = 'optimizer.safetensors'
-    files[#files + 1] = 'optimizer.json'
+  local ok, err = pcall(function()
+    if parts.model then
+      p.jobs['model.safetensors'] = w:safetensors(tmp .. '/model.safetensors', (parts.model:state_dict()), nil, stage)
+    end
+    if parts.optimizer then
+      local sd = parts.optimizer:state_dict()
+      p.jobs['optimizer.safetensors'] = w:safetensors(tmp .. '/optimizer.safetensors', sd.tensors, nil, stage)
+      small('optimizer.json', encode(sd.meta) .. '\n')
+    end
+    local state = parts.state or {}
+    state.step = state.step or step
+    small('state.json', encode(state) .. '\n')
+  end)
+  if not ok then
+    pcall(w.wait, w)   -- (what was queued is written before the folder goes)
+    remove(tmp)
+    error(err, 0)
   end
-  local state = parts.state or {}
-  state.step = state.step or step
-  write_file(tmp .. '/state.json', encode(state) .. '\n')
-  files[#files + 1] = 'state.json'
-  local man = { step = step, format = 1, files = {} }
-  ckpt.manifest_add(man, tmp, files)
-  ckpt.finish(root, tmp, final, man, opts.keep)
-  return final
+  return p
+end
+
+-- save(root, step, { model =, optimizer =, state = }, { keep = K }) -> path:
+-- the same files, written before it returns
+function ckpt.save(root, step, parts, opts)
+  opts = opts or {}
+  return ckpt.save_async(root, step, parts, { keep = opts.keep, writer = ckpt.sync_writer(), stage = false }):finish()
 end
 
 -- load(dir, { model =, optimizer = }) -> { state =, path = }: copies the

@@ -438,7 +438,14 @@ function M.save_sharded(model, dir, opts)
   if type(dir) ~= 'string' or dir == '' then fail('save_sharded: dir must be a folder path, got %s', tostring(dir)) end
   dir = dir:gsub('/+$', '')
   local ctx = regions(model)
-  if ctx.skip_write then return dir end
+  if ctx.skip_write then
+    if opts.writer then return { ready = function() return true end, finish = function() return dir end } end
+    return dir
+  end
+  -- the rank's file goes through a writer thread: the synchronous saves'
+  -- (waited for below), or opts.writer's, whose pending save is returned
+  local writer = opts.writer or require('moonshard.checkpoint').sync_writer()
+  local stage = opts.writer ~= nil and opts.stage ~= false
   local opt = opts.optimizer
   local rank, W = ctx.rank, ctx.world_size
   local tmp = dir .. '.tmp'
@@ -462,7 +469,8 @@ function M.save_sharded(model, dir, opts)
 
   -- 2. every rank writes its pieces
   local path = tmp .. '/' .. rank_file(rank, W)
-  local owned = {}
+  local owned, job = {}, nil
+  local hyper = opt and hyper_of(opt)   -- (now: a pending save completes steps later)
   ok, err = pcall(function()
     local omap = opt and opt_ranges(opt, ctx)
     local fields = opt and state_fields(opt) or {}
@@ -517,73 +525,96 @@ function M.save_sharded(model, dir, opts)
       pieces = pieces, params = {} }
     for i, e in ipairs(ctx.params) do desc.params[i] = { name = e.name, shape = e.shape, dtype = e.dtype } end
     injected('rank_file')
-    S.save(path, tensors, { ['moonshard.fsdp'] = json.encode(desc) })
+    job = writer:safetensors(path, tensors, { ['moonshard.fsdp'] = json.encode(desc) }, stage)
     injected('after_rank_file')
   end)
-  for _, t in ipairs(owned) do t:free() end
+  if stage or not ok then
+    -- (staged: the copies are the writer's now; failed: nothing may read them)
+    if not ok then pcall(writer.wait, writer) end
+    for _, t in ipairs(owned) do t:free() end
+    owned = {}
+  end
   if not ok then os.remove(path) end
-  -- what every rank wrote: ok, bytes, crc32 (the all-gather is also the
-  -- barrier after which rank 0 may write the index)
-  local info = { ok and 1 or 0, 0, 0 }
-  if ok then
-    local crc, n = crc32_file(path)
-    if crc then info[2], info[3] = n, crc else info[1] = 0; ok, err = false, ('fsdp_checkpoint: cannot read back %s'):format(path) end
-  end
-  local all = {}
-  if ctx.sharded and W > 1 then
-    local _, v = host_collective(function(mine, g) dist.all_gather_into(g, mine) end,
-      T.tensor(info, { dtype = 'f64' }), T.empty({ 3 * W }, { dtype = 'f64' }))
-    for r = 0, W - 1 do all[r] = { v[3 * r + 1], v[3 * r + 2], v[3 * r + 3] } end
-  else
-    all[0] = info
-  end
-  local failed = {}
-  for r = 0, W - 1 do if all[r][1] ~= 1 then failed[#failed + 1] = r end end
-  if #failed > 0 then
-    if rank == 0 then sh('rm -rf ' .. q(tmp)) end
-    if not ok then error(err, 0) end
-    fail('save_sharded %s: rank(s) %s could not write their files (see their errors); %s is unchanged', dir,
-      table.concat(failed, ', '), dir)
+
+  -- the rest: once the file is written (at once, or at the pending save's finish)
+  local function conclude()
+    if ok then
+      ok, err = pcall(writer.wait, writer)
+      for _, t in ipairs(owned) do t:free() end
+      if not ok then os.remove(path) end
+    end
+    -- what every rank wrote: ok, bytes, crc32 (the all-gather is also the
+    -- barrier after which rank 0 may write the index)
+    local info = { ok and 1 or 0, 0, 0 }
+    if ok then info[2], info[3] = writer:result(job) end
+    local all = {}
+    if ctx.sharded and W > 1 then
+      local _, v = host_collective(function(mine, g) dist.all_gather_into(g, mine) end,
+        T.tensor(info, { dtype = 'f64' }), T.empty({ 3 * W }, { dtype = 'f64' }))
+      for r = 0, W - 1 do all[r] = { v[3 * r + 1], v[3 * r + 2], v[3 * r + 3] } end
+    else
+      all[0] = info
+    end
+    local failed = {}
+    for r = 0, W - 1 do if all[r][1] ~= 1 then failed[#failed + 1] = r end end
+    if #failed > 0 then
+      if rank == 0 then sh('rm -rf ' .. q(tmp)) end
+      if not ok then error(err, 0) end
+      fail('save_sharded %s: rank(s) %s could not write their files (see their errors); %s is unchanged', dir,
+        table.concat(failed, ', '), dir)
+    end
+
+    -- 3. rank 0 writes the index, then swaps <dir>.tmp in
+    ok, err = true, nil
+    if rank == 0 then
+      ok, err = pcall(function()
+        local index = { format = M.format, version = M.version, world_size = W, strategy = ctx.strategy,
+          extra = opts.extra, params = {}, buffers = {}, files = {}, pieces = {} }
+        for i, e in ipairs(ctx.params) do
+          index.params[i] = { name = e.name, shape = e.shape, dtype = e.dtype, numel = e.numel }
+        end
+        for i, b in ipairs(ctx.buffers) do index.buffers[i] = { name = b.name, shape = b.shape, dtype = b.dtype } end
+        local max_step = 0
+        for r = 0, W - 1 do
+          local name = rank_file(r, W)
+          index.files[r + 1] = { rank = r, file = name, bytes = all[r][2], crc32 = all[r][3] }
+          local h = header_of(tmp .. '/' .. name)
+          local desc = json.decode(h.meta['moonshard.fsdp'] or 'null', 1, nil)
+          if type(desc) ~= 'table' then fail('%s/%s has no moonshard.fsdp description', tmp, name) end
+          for _, pc in ipairs(desc.pieces) do
+            local list = index.pieces[pc.param]
+            if not list then list = {}; index.pieces[pc.param] = list end
+            list[#list + 1] = { rank = r, start = pc.start, numel = pc.numel, tensor = pc.tensor,
+              exp_avg = pc.exp_avg, exp_avg_sq = pc.exp_avg_sq, momentum_buffer = pc.momentum_buffer, step = pc.step }
+            if pc.step and pc.step > max_step then max_step = pc.step end
+          end
+        end
+        for _, list in pairs(index.pieces) do table.sort(list, function(a, b) return a.start < b.start end) end
+        if opt then index.optimizer = hyper; index.optimizer.step = max_step end
+        index.step = opts.step or (opt and max_step) or nil
+        injected('index')
+        local s = encode(index)
+        write_atomic(tmp .. '/' .. M.index_name, s .. '\n')
+        sh('sync -f ' .. q(tmp) .. ' 2>/dev/null')
+        swap_in(tmp, dir)
+      end)
+      if not ok then sh('rm -rf ' .. q(tmp)) end
+    end
+    agree(ctx, ok, err, 'save_sharded (index of ' .. dir .. ')')
+    return dir
   end
 
-  -- 3. rank 0 writes the index, then swaps <dir>.tmp in
-  ok, err = true, nil
-  if rank == 0 then
-    ok, err = pcall(function()
-      local index = { format = M.format, version = M.version, world_size = W, strategy = ctx.strategy,
-        extra = opts.extra, params = {}, buffers = {}, files = {}, pieces = {} }
-      for i, e in ipairs(ctx.params) do
-        index.params[i] = { name = e.name, shape = e.shape, dtype = e.dtype, numel = e.numel }
-      end
-      for i, b in ipairs(ctx.buffers) do index.buffers[i] = { name = b.name, shape = b.shape, dtype = b.dtype } end
-      local max_step = 0
-      for r = 0, W - 1 do
-        local name = rank_file(r, W)
-        index.files[r + 1] = { rank = r, file = name, bytes = all[r][2], crc32 = all[r][3] }
-        local h = header_of(tmp .. '/' .. name)
-        local desc = json.decode(h.meta['moonshard.fsdp'] or 'null', 1, nil)
-        if type(desc) ~= 'table' then fail('%s/%s has no moonshard.fsdp description', tmp, name) end
-        for _, pc in ipairs(desc.pieces) do
-          local list = index.pieces[pc.param]
-          if not list then list = {}; index.pieces[pc.param] = list end
-          list[#list + 1] = { rank = r, start = pc.start, numel = pc.numel, tensor = pc.tensor,
-            exp_avg = pc.exp_avg, exp_avg_sq = pc.exp_avg_sq, momentum_buffer = pc.momentum_buffer, step = pc.step }
-          if pc.step and pc.step > max_step then max_step = pc.step end
-        end
-      end
-      for _, list in pairs(index.pieces) do table.sort(list, function(a, b) return a.start < b.start end) end
-      if opt then index.optimizer = hyper_of(opt); index.optimizer.step = max_step end
-      index.step = opts.step or (opt and max_step) or nil
-      injected('index')
-      local s = encode(index)
-      write_atomic(tmp .. '/' .. M.index_name, s .. '\n')
-      sh('sync -f ' .. q(tmp) .. ' 2>/dev/null')
-      swap_in(tmp, dir)
-    end)
-    if not ok then sh('rm -rf ' .. q(tmp)) end
-  end
-  agree(ctx, ok, err, 'save_sharded (index of ' .. dir .. ')')
-  return dir
+  if not opts.writer then return conclude() end
+  -- a pending save: p:ready() (this rank's file is written), p:finish()
+  -- (collective: every rank calls it, at the same point of its work)
+  local done
+  return {
+    ready = function() return writer:idle() end,
+    finish = function()
+      done = done or conclude()
+      return done
+    end,
+  }
 end
 
 -- ------------------------------------------------------------ sharded load

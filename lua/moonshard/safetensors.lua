@@ -240,26 +240,26 @@ local function u64le(n)
   return table.concat(b)
 end
 
--- save(path, { name = tensor }, metadata)
---   metadata: nil or a table of string -> string
-function S.save(path, tbl, metadata)
-  if type(path) ~= 'string' then error(('safetensors: save: expected a file path, got %s'):format(type(path)), 2) end
+-- plan(path, tbl, metadata, what) -> names (sorted), head: the checks
+-- save() makes before touching the disk, and the file's first bytes (the
+-- 8-byte length and the padded JSON header)
+local function plan(path, tbl, metadata, what)
+  if type(path) ~= 'string' then error(('safetensors: %s: expected a file path, got %s'):format(what, type(path)), 3) end
   if type(tbl) ~= 'table' then
-    error(('safetensors: save %s: expected a table of name -> tensor, got %s'):format(path, type(tbl)), 2)
+    error(('safetensors: %s %s: expected a table of name -> tensor, got %s'):format(what, path, type(tbl)), 3)
   end
-  -- validate everything before touching the disk
   local names = {}
   for name, t in pairs(tbl) do
     if type(name) ~= 'string' then
-      error(('safetensors: save %s: tensor names must be strings, got %s %s'):format(path, type(name), tostring(name)), 2)
+      error(('safetensors: %s %s: tensor names must be strings, got %s %s'):format(what, path, type(name), tostring(name)), 3)
     end
-    if name == '__metadata__' then error(('safetensors: save %s: "__metadata__" is reserved'):format(path), 2) end
+    if name == '__metadata__' then error(('safetensors: %s %s: "__metadata__" is reserved'):format(what, path), 3) end
     if not T.is_tensor(t) then
-      error(('safetensors: save %s: value for %q is a %s, expected a tensor'):format(path, name, type(t)), 2)
+      error(('safetensors: %s %s: value for %q is a %s, expected a tensor'):format(what, path, name, type(t)), 3)
     end
-    if t.storage == nil then error(('safetensors: save %s: tensor %q was freed'):format(path, name), 2) end
+    if t.storage == nil then error(('safetensors: %s %s: tensor %q was freed'):format(what, path, name), 3) end
     if C.ms_tensor_check_live(t, 'save') ~= 0 then   -- no data (deferred, released): before anything is written
-      error(('safetensors: save %s: tensor %q: %s'):format(path, name, ffi.string(C.ms_last_error())), 2)
+      error(('safetensors: %s %s: tensor %q: %s'):format(what, path, name, ffi.string(C.ms_last_error())), 3)
     end
     names[#names + 1] = name
   end
@@ -267,12 +267,13 @@ function S.save(path, tbl, metadata)
   local meta_keys = {}
   if metadata ~= nil then
     if type(metadata) ~= 'table' then
-      error(('safetensors: save %s: metadata must be a table of string -> string, got %s'):format(path, type(metadata)), 2)
+      error(('safetensors: %s %s: metadata must be a table of string -> string, got %s'):format(what, path,
+        type(metadata)), 3)
     end
     for k, v in pairs(metadata) do
       if type(k) ~= 'string' or type(v) ~= 'string' then
-        error(('safetensors: save %s: metadata must map strings to strings, got %s %s -> %s %s'):format(
-          path, type(k), tostring(k), type(v), tostring(v)), 2)
+        error(('safetensors: %s %s: metadata must map strings to strings, got %s %s -> %s %s'):format(
+          what, path, type(k), tostring(k), type(v), tostring(v)), 3)
       end
       meta_keys[#meta_keys + 1] = k
     end
@@ -299,6 +300,13 @@ function S.save(path, tbl, metadata)
   end
   local header = '{' .. table.concat(parts, ',') .. '}'
   header = header .. (' '):rep((8 - #header % 8) % 8)
+  return names, u64le(#header) .. header
+end
+
+-- save(path, { name = tensor }, metadata)
+--   metadata: nil or a table of string -> string
+function S.save(path, tbl, metadata)
+  local names, head = plan(path, tbl, metadata, 'save')
 
   -- data, into path.tmp, then rename
   local tmp = path .. '.tmp'
@@ -309,8 +317,7 @@ function S.save(path, tbl, metadata)
     if not ok then error(('cannot write %s: %s'):format(tmp, tostring(werr)), 0) end
   end
   local ok, perr = pcall(function()
-    write(u64le(#header))
-    write(header)
+    write(head)
     local chunk = S.write_chunk_bytes
     for _, name in ipairs(names) do
       local t = tbl[name]
@@ -341,6 +348,79 @@ function S.save(path, tbl, metadata)
     error(('safetensors: save %s: %s'):format(path, tostring(perr)), 2)
   end
   return true
+end
+
+-- the contiguous host copy of t in stage (a table of reusable host
+-- tensors, keyed by `key`): made, or reused when its dtype and shape match;
+-- page-locked when t is on a GPU (fast copies), its pointer kept in the entry
+local function staged(stage, key, t)
+  local e = stage[key]
+  local pinned = t.device_id >= 0
+  local same = e and e.t.dtype == t.dtype and e.pinned == pinned and e.t:numel() == t:numel()
+  if e and not same then
+    e.t:free()
+    stage[key] = nil
+    e = nil
+  end
+  if not e then
+    local h = T.empty({ t:numel() }, { dtype = t.dtype })
+    e = { t = h, pinned = pinned }
+    if pinned and t:numel() > 0 then
+      T.check(C.ms_storage_free_data(h), 3)   -- the CPU allocator's data
+      local box = ffi.new('void *[1]')
+      T.check(C.ms_cuda_host_alloc(box, h.storage.nbytes), 3)
+      e.ptr = ffi.gc(box[0], C.ms_cuda_host_free)
+      h.storage.data, h.storage.external = e.ptr, 1   -- not the allocator's to free
+    end
+    stage[key] = e
+  end
+  e.t:view(t.shape):copy_(t)
+  return e.t
+end
+
+-- write_async(writer, path, { name = tensor }, metadata, stage) -> job, held
+--   queues the file on writer (a ms_writer *: core/io/writer.h); job is its
+--   number there. With stage (a table the caller keeps between calls),
+--   every tensor is first copied into a host tensor of it: the caller may
+--   change its tensors at once. Without, contiguous CPU tensors are written
+--   from their own memory and must stay unchanged until the job is done;
+--   others go through a copy. `held` lists the host tensors the job reads:
+--   keep them until it is done, then free the ones with `owned` set.
+function S.write_async(writer, path, tbl, metadata, stage)
+  local names, head = plan(path, tbl, metadata, 'write')
+  local n = #names
+  local ptrs, bytes = ffi.new('const void *[?]', math.max(n, 1)), ffi.new('int64_t[?]', math.max(n, 1))
+  local held = {}
+  local base = path:match('([^/]*)$')
+  for i, name in ipairs(names) do
+    local t = tbl[name]
+    local h
+    if stage then
+      h = staged(stage, base .. '\0' .. name, t)
+    elseif t.device_id < 0 and t:is_contiguous() then
+      h = t
+    else
+      local copied = false
+      h = t
+      if not h:is_contiguous() then h, copied = h:clone(), true end
+      if h.device_id >= 0 then
+        local c = h:to({ device = 'cpu' })
+        if copied then h:free() end
+        h = c
+      end
+      held.owned = held.owned or {}
+      held.owned[#held.owned + 1] = h
+    end
+    held[#held + 1] = h
+    ptrs[i - 1] = C.ms_tensor_data(h)
+    bytes[i - 1] = t:numel() * dtype_size[t.dtype]
+  end
+  local job = C.ms_writer_submit(writer, path, head, #head, n, ptrs, bytes)
+  if job < 0 then
+    for _, h in ipairs(held.owned or {}) do h:free() end
+    error(('safetensors: write %s: %s'):format(path, ffi.string(C.ms_last_error())), 2)
+  end
+  return job, held
 end
 
 return S

@@ -87,6 +87,7 @@ train.options = {
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
+  { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
@@ -819,30 +820,40 @@ end
 
 -- save_sharded_checkpoint(root, step, { model =, optimizer =, state = }, { keep = }) -> path
 -- Collective: every rank of a sharded model calls it.
+-- With opts.writer (a checkpoint.writer()), the rank's file is staged and
+-- written by the writer's thread, and a pending save is returned:
+-- p.ready() (this rank's file is written), p.finish() -> path (collective).
 function train.save_sharded_checkpoint(root, step, parts, opts)
   opts = opts or {}
   local final = root .. '/' .. ckpt.name(step)
   local tmp = final .. '.tmp'
-  fck().save_sharded(parts.model, tmp, { optimizer = parts.optimizer, step = step })
-  local rank = dist.is_initialized() and dist.rank() or 0
-  local ok, err = true, nil
-  if rank == 0 then
-    ok, err = pcall(function()
-      local state = parts.state or {}
-      state.step = state.step or step
-      local f = assert(io.open(tmp .. '/state.json', 'wb'))
-      f:write(ckpt.encode(state), '\n')
-      f:close()
-      local index = fck().read_index(tmp)
-      local man = { step = step, format = 1, sharded = true, world_size = index.world_size, files = {} }
-      for _, e in ipairs(index.files) do man.files[e.file] = { bytes = e.bytes, crc32 = e.crc32 } end
-      ckpt.manifest_add(man, tmp, { 'index.json', 'state.json' })
-      ckpt.finish(root, tmp, final, man, opts.keep)
-    end)
+  local state = parts.state or {}
+  state.step = state.step or step
+  local state_json = ckpt.encode(state) .. '\n'   -- (as it is now, whenever the save completes)
+  local inner = fck().save_sharded(parts.model, tmp, { optimizer = parts.optimizer, step = step, writer = opts.writer })
+  local function conclude()
+    if opts.writer then inner.finish() end
+    local rank = dist.is_initialized() and dist.rank() or 0
+    local ok, err = true, nil
+    if rank == 0 then
+      ok, err = pcall(function()
+        local f = assert(io.open(tmp .. '/state.json', 'wb'))
+        f:write(state_json)
+        f:close()
+        local index = fck().read_index(tmp)
+        local man = { step = step, format = 1, sharded = true, world_size = index.world_size, files = {} }
+        for _, e in ipairs(index.files) do man.files[e.file] = { bytes = e.bytes, crc32 = e.crc32 } end
+        ckpt.manifest_add(man, tmp, { 'index.json', 'state.json' })
+        ckpt.finish(root, tmp, final, man, opts.keep)
+      end)
+    end
+    raise_if_rank0_failed(ok, ('checkpoint: rank 0 could not write %s (see its error)'):format(final))
+    if not ok then error(err, 0) end
+    return final
   end
-  raise_if_rank0_failed(ok, ('checkpoint: rank 0 could not write %s (see its error)'):format(final))
-  if not ok then error(err, 0) end
-  return final
+  if not opts.writer then return conclude() end
+  local done
+  return { ready = inner.ready, finish = function() done = done or conclude(); return done end }
 end
 
 -- a checkpoint of a single-process run (model.safetensors) into a sharded
@@ -1478,7 +1489,15 @@ function train.run(opts)
   if freeze_desc then log('frozen: %s', freeze_desc) end
   if resume then log('resumed from %s at step %d', resume.path, start_step - 1) end
 
-  local function save_checkpoint(step)
+  -- --async-checkpoint: the background writer (made at the first save) and
+  -- the save it is writing: { ready =, finish =, step =, t0 = }
+  local writer, ckpt_pending
+  local function save_checkpoint(step, async)
+    local w = nil
+    if async then
+      writer = writer or ckpt.writer()
+      w = writer
+    end
     local saved = {}
     for k, v in pairs(o) do saved[k] = v end
     if type(saved.model) ~= 'string' then saved.model = nil end
@@ -1495,25 +1514,47 @@ function train.run(opts)
       local msd, osd
       if pp_mesh then msd, osd = ms.pp.full_checkpoint(model, opt, hyper)   -- (with --tp too: it gathers the slices)
       else msd, osd = ms.tp.full_checkpoint(model, opt, hyper) end
-      local okw, path = true, o.out .. '/' .. ckpt.name(step)
+      local okw, res = true, nil
       if rank == 0 then
-        okw, path = pcall(ckpt.save, o.out, step, { model = { state_dict = function() return msd end },
-          optimizer = { state_dict = function() return osd end }, state = state }, { keep = o.keep_checkpoints })
+        okw, res = pcall(ckpt.save_async, o.out, step, { model = { state_dict = function() return msd end },
+          optimizer = { state_dict = function() return osd end }, state = state },
+          { keep = o.keep_checkpoints, writer = w or ckpt.sync_writer(), stage = async })
       end
-      local failed = reduce_numbers({ okw and 0 or 1 }, 'max')[1]
-      if failed > 0 then
-        if rank == 0 then error(path, 0) end
-        error('checkpoint: rank 0 could not write it (see its message)', 0)
+      msd, osd = nil, nil
+      local function conclude()
+        local okf, path = okw, res
+        if rank == 0 and okw then okf, path = pcall(res.finish, res) end
+        local failed = reduce_numbers({ okf and 0 or 1 }, 'max')[1]
+        if failed > 0 then
+          if rank == 0 then error(path, 0) end
+          error('checkpoint: rank 0 could not write it (see its message)', 0)
+        end
+        return o.out .. '/' .. ckpt.name(step)
       end
-      return path
+      if not async then return conclude() end
+      return { ready = function() return rank ~= 0 or not okw or res:ready() end, finish = conclude }
     end
     if not strategy then
-      return ckpt.save(o.out, step, { model = model, optimizer = opt, state = state }, { keep = o.keep_checkpoints })
+      if not async then
+        return ckpt.save(o.out, step, { model = model, optimizer = opt, state = state }, { keep = o.keep_checkpoints })
+      end
+      local p = ckpt.save_async(o.out, step, { model = model, optimizer = opt, state = state },
+        { keep = o.keep_checkpoints, writer = w })
+      return { ready = function() return p:ready() end, finish = function() return p:finish() end }
     end
     -- the shape of the run, so that another world size keeps the global batch
     state.world_size, state.tokens_per_step, state.fsdp = world, tokens_per_step, strategy
     return train.save_sharded_checkpoint(o.out, step, { model = model, optimizer = opt, state = state },
-      { keep = o.keep_checkpoints })
+      { keep = o.keep_checkpoints, writer = w })
+  end
+  -- completes the background save (every rank at once: it may be collective)
+  local function finish_pending()
+    local p = ckpt_pending
+    ckpt_pending = nil
+    local tw = now()
+    last_ckpt = p.finish()
+    log('checkpoint %s (written in the background in %.1f s%s)', last_ckpt, now() - p.t0,
+      now() - tw > 0.05 and (', the last %.1f s waited for'):format(now() - tw) or '')
   end
 
   -- the mean validation loss over every rank's batches
@@ -1688,13 +1729,30 @@ function train.run(opts)
     -- (a signal during the last step: the run ends as it would anyway)
     if sig and step < o.steps then interrupted = train.signal_names[sig] or ('signal ' .. sig) end
     if o.stop_at > 0 and step >= o.stop_at and step < o.steps then interrupted = interrupted or ('--stop-at ' .. o.stop_at) end
+    -- --async-checkpoint: the save in the background completes at the first
+    -- step boundary where every rank has written its files
+    if ckpt_pending then
+      local ready = ckpt_pending.ready()
+      if multi then ready = reduce_numbers({ ready and 1 or 0 }, 'min')[1] == 1 end
+      if ready then finish_pending() end
+    end
     if interrupted or (o.save_every > 0 and step % o.save_every == 0 and step < o.steps) then
       flush()
-      last_ckpt = save_checkpoint(step)
-      if not interrupted then log('checkpoint %s', last_ckpt) end
+      if ckpt_pending then finish_pending() end   -- (one save in the background at a time)
+      if o.async_checkpoint and not interrupted then
+        local ts = now()
+        ckpt_pending = save_checkpoint(step, true)
+        ckpt_pending.t0 = ts
+        log('checkpoint %s/%s: staged in %.2f s, writing in the background', o.out, ckpt.name(step), now() - ts)
+      else
+        last_ckpt = save_checkpoint(step)
+        if not interrupted then log('checkpoint %s', last_ckpt) end
+      end
     end
     if interrupted then break end
   end
+  if ckpt_pending then finish_pending() end
+  if writer then writer:close() end
   flush()
   local elapsed = now() - t0
   if mf then mf:close() end

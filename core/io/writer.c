@@ -1,0 +1,255 @@
+/* core/io/writer.c — a background thread that writes queued files
+ * (writer.h). The thread never touches the library's error state: a job's
+ * failure is a message kept in the job, raised by ms_writer_wait on the
+ * caller's thread. */
+#include "writer.h"
+#include "../internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zlib.h>
+
+typedef struct job {
+    char *path;
+    char *head;            /* copied */
+    int64_t head_bytes;
+    int n;
+    const void **ptrs;     /* borrowed until done */
+    int64_t *bytes;
+    int state;             /* 0 queued, 1 written, -1 failed */
+    int64_t total;
+    uint32_t crc;
+    char err[512];
+} job;
+
+struct ms_writer {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t work;   /* a job was queued, or stop */
+    pthread_cond_t done;   /* a job finished */
+    job **jobs;
+    int64_t njobs, cap;
+    int64_t next;          /* the first job the thread has not finished */
+    int64_t reported;      /* jobs before this one were reported by a wait */
+    int stop;
+};
+
+static uint32_t crc_update(uint32_t crc, const unsigned char *p, int64_t n) {
+    while (n > 0) {
+        uInt k = n > (1 << 30) ? (1u << 30) : (uInt)n;
+        crc = (uint32_t)crc32(crc, p, k);
+        p += k;
+        n -= k;
+    }
+    return crc;
+}
+
+static int write_all(int fd, const char *p, int64_t n) {
+    while (n > 0) {
+        ssize_t k = write(fd, p, n > (1 << 30) ? (1 << 30) : (size_t)n);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += k;
+        n -= k;
+    }
+    return 0;
+}
+
+/* writes one file; the thread's only work */
+static void run_job(job *j) {
+    int fd = open(j->path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        snprintf(j->err, sizeof j->err, "cannot create %s: %s", j->path, strerror(errno));
+        j->state = -1;
+        return;
+    }
+    uint32_t crc = (uint32_t)crc32(0L, Z_NULL, 0);
+    int64_t total = 0;
+    const char *what = "write";
+    int ok = 1;
+    if (j->head_bytes > 0) {
+        if (write_all(fd, j->head, j->head_bytes)) {
+            ok = 0;
+        } else {
+            crc = crc_update(crc, (const unsigned char *)j->head, j->head_bytes);
+            total += j->head_bytes;
+        }
+    }
+    for (int i = 0; ok && i < j->n; i++) {
+        if (j->bytes[i] <= 0) continue;
+        if (write_all(fd, j->ptrs[i], j->bytes[i])) { ok = 0; break; }
+        crc = crc_update(crc, j->ptrs[i], j->bytes[i]);
+        total += j->bytes[i];
+    }
+    if (ok && fsync(fd) != 0 && errno != EINVAL && errno != EROFS) { ok = 0; what = "fsync"; }
+    int err = errno;
+    if (close(fd) != 0 && ok) { ok = 0; what = "close"; err = errno; }
+    if (!ok) {
+        snprintf(j->err, sizeof j->err, "cannot %s %s (%lld bytes in): %s", what, j->path, (long long)total,
+                 strerror(err));
+        j->state = -1;
+        return;
+    }
+    j->total = total;
+    j->crc = crc;
+    j->state = 1;
+}
+
+static void release(job *j) {
+    free(j->path);
+    free(j->head);
+    free(j->ptrs);
+    free(j->bytes);
+    j->path = j->head = NULL;
+    j->ptrs = NULL;
+    j->bytes = NULL;
+}
+
+static void *thread_main(void *arg) {
+    ms_writer *w = arg;
+    pthread_mutex_lock(&w->mu);
+    for (;;) {
+        while (w->next >= w->njobs && !w->stop) pthread_cond_wait(&w->work, &w->mu);
+        if (w->next >= w->njobs) break;   /* stop, and nothing left */
+        job *j = w->jobs[w->next];
+        pthread_mutex_unlock(&w->mu);
+        run_job(j);
+        pthread_mutex_lock(&w->mu);
+        release(j);
+        w->next++;
+        pthread_cond_broadcast(&w->done);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+int ms_writer_new(ms_writer **out) {
+    *out = NULL;
+    ms_writer *w = calloc(1, sizeof *w);
+    if (!w) return ms_errorf("writer: out of memory");
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->work, NULL);
+    pthread_cond_init(&w->done, NULL);
+    int rc = pthread_create(&w->thread, NULL, thread_main, w);
+    if (rc != 0) {
+        pthread_mutex_destroy(&w->mu);
+        pthread_cond_destroy(&w->work);
+        pthread_cond_destroy(&w->done);
+        free(w);
+        return ms_errorf("writer: cannot start its thread: %s", strerror(rc));
+    }
+    *out = w;
+    return 0;
+}
+
+void ms_writer_free(ms_writer *w) {
+    if (!w) return;
+    pthread_mutex_lock(&w->mu);
+    w->stop = 1;
+    pthread_cond_signal(&w->work);
+    pthread_mutex_unlock(&w->mu);
+    pthread_join(w->thread, NULL);   /* (the thread finishes the queue first) */
+    for (int64_t i = 0; i < w->njobs; i++) {
+        release(w->jobs[i]);
+        free(w->jobs[i]);
+    }
+    free(w->jobs);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->work);
+    pthread_cond_destroy(&w->done);
+    free(w);
+}
+
+int64_t ms_writer_submit(ms_writer *w, const char *path, const void *head, int64_t head_bytes, int n,
+                         const void *const *ptrs, const int64_t *bytes) {
+    if (!w) return ms_errorf("writer: no writer");
+    if (!path || !*path) return ms_errorf("writer: no path");
+    if (n < 0 || head_bytes < 0 || (head_bytes > 0 && !head) || (n > 0 && (!ptrs || !bytes)))
+        return ms_errorf("writer: %s: bad arguments (%d pieces, a head of %lld bytes)", path, n,
+                         (long long)head_bytes);
+    for (int i = 0; i < n; i++)
+        if (bytes[i] < 0 || (bytes[i] > 0 && !ptrs[i]))
+            return ms_errorf("writer: %s: piece %d has %lld bytes at %p", path, i + 1, (long long)bytes[i], ptrs[i]);
+    job *j = calloc(1, sizeof *j);
+    if (!j) return ms_errorf("writer: out of memory");
+    j->path = strdup(path);
+    j->head = head_bytes > 0 ? malloc((size_t)head_bytes) : NULL;
+    j->ptrs = n > 0 ? malloc(sizeof(void *) * (size_t)n) : NULL;
+    j->bytes = n > 0 ? malloc(sizeof(int64_t) * (size_t)n) : NULL;
+    if (!j->path || (head_bytes > 0 && !j->head) || (n > 0 && (!j->ptrs || !j->bytes))) {
+        release(j);
+        free(j);
+        return ms_errorf("writer: out of memory");
+    }
+    if (head_bytes > 0) memcpy(j->head, head, (size_t)head_bytes);
+    for (int i = 0; i < n; i++) { j->ptrs[i] = ptrs[i]; j->bytes[i] = bytes[i]; }
+    j->head_bytes = head_bytes;
+    j->n = n;
+    pthread_mutex_lock(&w->mu);
+    if (w->njobs == w->cap) {
+        int64_t cap = w->cap ? 2 * w->cap : 16;
+        job **nj = realloc(w->jobs, sizeof(job *) * (size_t)cap);
+        if (!nj) {
+            pthread_mutex_unlock(&w->mu);
+            release(j);
+            free(j);
+            return ms_errorf("writer: out of memory");
+        }
+        w->jobs = nj;
+        w->cap = cap;
+    }
+    int64_t id = w->njobs;
+    w->jobs[w->njobs++] = j;
+    pthread_cond_signal(&w->work);
+    pthread_mutex_unlock(&w->mu);
+    return id;
+}
+
+int ms_writer_idle(ms_writer *w) {
+    if (!w) return 1;
+    pthread_mutex_lock(&w->mu);
+    int idle = w->next >= w->njobs;
+    pthread_mutex_unlock(&w->mu);
+    return idle;
+}
+
+int ms_writer_wait(ms_writer *w) {
+    if (!w) return ms_errorf("writer: no writer");
+    pthread_mutex_lock(&w->mu);
+    while (w->next < w->njobs) pthread_cond_wait(&w->done, &w->mu);
+    int64_t from = w->reported, to = w->njobs;
+    w->reported = to;
+    pthread_mutex_unlock(&w->mu);
+    int failed = 0;
+    const char *first = NULL;
+    for (int64_t i = from; i < to; i++)
+        if (w->jobs[i]->state < 0) {
+            if (!first) first = w->jobs[i]->err;
+            failed++;
+        }
+    if (first) {
+        if (failed > 1) return ms_errorf("writer: %s (and %d more file%s failed)", first, failed - 1, failed > 2 ? "s" : "");
+        return ms_errorf("writer: %s", first);
+    }
+    return 0;
+}
+
+int ms_writer_result(ms_writer *w, int64_t job_id, int64_t *bytes, uint32_t *crc) {
+    if (!w) return ms_errorf("writer: no writer");
+    pthread_mutex_lock(&w->mu);
+    int ok = job_id >= 0 && job_id < w->next;
+    job *j = ok ? w->jobs[job_id] : NULL;
+    pthread_mutex_unlock(&w->mu);
+    if (!j) return ms_errorf("writer: job %lld is not done (or does not exist)", (long long)job_id);
+    if (j->state != 1) return ms_errorf("writer: job %lld failed: %s", (long long)job_id, j->err);
+    if (bytes) *bytes = j->total;
+    if (crc) *crc = j->crc;
+    return 0;
+}
