@@ -251,17 +251,22 @@ function S.reduce_expect(op, vals, dtype)
 end
 
 -- count() once the collector has nothing more to free: a handle's
--- finalizer can free a storage another handle shared, so one cycle may free
--- nothing and the next some (garbage of earlier specs); 4 quiet full
--- cycles in a row (at most 40)
+-- finalizer can free a storage another handle shared, and it drops the
+-- handle's metadata (its gradient, its graph node), whose tensors become
+-- garbage only in the next cycle. So a chain of handles over shared
+-- storages (views) can run several cycles without changing count() and
+-- then free a storage (garbage of earlier specs). Settled means 4 full
+-- cycles in a row in which neither count() nor the Lua heap changed (at
+-- most 200 cycles).
 function S.settled(count)
-  local prev, quiet = -1, 0
-  for _ = 1, 40 do
+  local prev, prev_heap, quiet = -1, -1, 0
+  for _ = 1, 200 do
     collectgarbage('collect')
     local now = count()
-    if now == prev then quiet = quiet + 1 else quiet = 0 end
+    local heap = collectgarbage('count')
+    if now == prev and heap == prev_heap then quiet = quiet + 1 else quiet = 0 end
     if quiet >= 4 then return now end
-    prev = now
+    prev, prev_heap = now, heap
   end
   return prev
 end

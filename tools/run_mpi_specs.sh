@@ -4,8 +4,12 @@
 # and prints a closing line "N passed, N failed" that counts every rank's
 # outcome of every spec (a spec passed by all 4 ranks of a run counts 4).
 #   tools/run_mpi_specs.sh [NP...]            default: 1 2 3 4
-# Each rank's busted output goes to a log; the logs of a run with a failure
-# are printed. A run is killed after MS_MPI_SPEC_TIMEOUT seconds (300).
+# Each rank's busted output goes to a log, in TAP form: a failure's message
+# is written when the spec ends, so it survives a rank that MPI aborts
+# afterwards (a rank that failed an assertion and went on to the next
+# spec's collectives makes its peers' messages mismatch). The logs of a run
+# with a failure are printed. A run is killed after MS_MPI_SPEC_TIMEOUT
+# seconds (300).
 # Exit status 1 on any failure, a missing summary, or when mpirun is absent.
 set -u
 cd "$(dirname "$0")/.."
@@ -28,19 +32,23 @@ for np in "${nps[@]}"; do
   t0=$(date +%s.%N)
   # each rank writes its own log; the wrapper passes the rank's number on
   timeout -k 5 "${MS_MPI_SPEC_TIMEOUT:-300}" mpirun -np "$np" $MS_MPIRUN_FLAGS \
-    sh -c 'exec luajit "$0" --lpath="./lua/?.lua;./lua/?/init.lua;./?.lua" -o utfTerminal --no-auto-insulate \
+    sh -c 'exec luajit "$0" --lpath="./lua/?.lua;./lua/?/init.lua;./?.lua" -o TAP --no-auto-insulate \
       --tags=mpi "$@" >"'"$logdir"'/np'"$np"'.rank$OMPI_COMM_WORLD_RANK.log" 2>&1' \
     "$busted_bin" $specs >"$logdir/np$np.mpirun.log" 2>&1
   status=$?
   ok=0; fail=0; bad=0
   for r in $(seq 0 $((np - 1))); do
     log="$logdir/np$np.rank$r.log"
-    line=$(grep -aE '[0-9]+ success(es)? / [0-9]+ failures? / [0-9]+ errors?' "$log" 2>/dev/null | tail -n 1 | sed 's/\x1b\[[0-9;]*m//g')
-    if [ -z "$line" ]; then bad=$((bad + 1)); continue; fi
-    s=$(echo "$line" | sed -nE 's/.*([^0-9]|^)([0-9]+) success.*/\2/p')
-    f=$(echo "$line" | sed -nE 's/.* ([0-9]+) failures?.*/\1/p')
-    e=$(echo "$line" | sed -nE 's/.* ([0-9]+) errors?.*/\1/p')
-    ok=$((ok + ${s:-0})); fail=$((fail + ${f:-0} + ${e:-0}))
+    # TAP: "ok N - name" (a pending one "ok N - # SKIP ..."), "not ok N - name",
+    # and the plan "1..N" last: a log without it is a rank that did not finish
+    if ! grep -aqE '^1\.\.[0-9]+$' "$log" 2>/dev/null; then
+      bad=$((bad + 1))
+      fail=$((fail + $(grep -acE '^not ok [0-9]+' "$log" 2>/dev/null || true)))
+      continue
+    fi
+    s=$(grep -aE '^ok [0-9]+' "$log" | grep -avc '^ok [0-9]* - # SKIP' || true)
+    f=$(grep -acE '^not ok [0-9]+' "$log" || true)
+    ok=$((ok + ${s:-0})); fail=$((fail + ${f:-0}))
   done
   fail=$((fail + bad))
   if [ "$status" -ne 0 ] && [ "$fail" -eq 0 ]; then fail=1; fi
