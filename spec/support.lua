@@ -280,6 +280,23 @@ end
 
 -- the JSON object of fixture cases in `path` ({} when the file is missing)
 -- and its names, sorted
+-- asserts that the files `names` under folders a and b hold the same bytes
+-- (a checkpoint written two ways)
+function S.same_files(a, b, names)
+  local function slurp(p)
+    local f = io.open(p, 'rb')
+    if not f then return nil end
+    local x = f:read('*a')
+    f:close()
+    return x
+  end
+  for _, name in ipairs(names) do
+    local x = slurp(a .. '/' .. name)
+    luassert.is_string(x, a .. '/' .. name .. ' is missing')
+    luassert.are.equal(x, slurp(b .. '/' .. name), b .. '/' .. name)
+  end
+end
+
 function S.json_cases(path)
   local f = io.open(path, 'rb')
   local cases = f and json.decode(f:read('*a')) or {}

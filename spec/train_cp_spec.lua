@@ -35,6 +35,17 @@ describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
     return refs[name]
   end
 
+  -- GPT-2 on n ranks with the given flags, stopped at step 2 with a
+  -- checkpoint, then resumed in one process: the one-process curve
+  local function stopped_and_resumed_in_one(n, flags, out, what)
+    local status, text = bin_train(('--nproc-per-node %d --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 %s '
+      .. '--stop-at 2 --out %s'):format(n, tiny, flags, q(out)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('models/gpt2.lua --resume %s --steps 4'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(reference('models/gpt2.lua', tiny, 'g1'), losses(out), 1, 4, what)
+  end
+
   it('--cp 2 on 2 ranks follows the one-process loss curve (gpt2, llama; data parallel and --fsdp)', function()
     for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
       local one = reference(c[1], c[2], c[3] .. '1')
@@ -73,14 +84,8 @@ describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
   end)
 
   it('a --cp 2 checkpoint resumes in one process on the curve; the final weights are the whole model', function()
-    local one = reference('models/gpt2.lua', tiny, 'g1')
     local out = dir .. '/gr'
-    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --cp 2 '
-      .. '--stop-at 2 --out %s'):format(tiny, q(out)))
-    assert.are.equal(0, status, text)
-    status, text = bin_train(('models/gpt2.lua --resume %s --steps 4'):format(q(out)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(out), 1, 4, '--cp 2 resumed in one process')
+    stopped_and_resumed_in_one(2, '--cp 2', out, '--cp 2 resumed in one process')
     -- the saved folder is the whole model: its validation loss in this process is the one-process run's
     local train, data, gpt2 = require 'moonshard.train', require 'moonshard.data', require 'models.gpt2'
     local corpus = data.corpus { path = corpus_path, val_fraction = 0.1, min_len = 17 }
@@ -153,14 +158,8 @@ describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
     assert.is_truthy(text16:find('[rank 0] fsdp: FULL_SHARD over 4 ranks', 1, true), text16)
     close_losses(reference('models/llama.lua', tiny_llama, 'l1'), losses(out16), 1, 4, '16 ranks: dp 2 x 4-D')
     -- stopped at step 2, resumed in one process: the rest of the curve
-    local one = reference('models/gpt2.lua', tiny, 'g1')
-    local out = dir .. '/g4dr'
-    local status, text = bin_train(('--nproc-per-node 8 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 '
-      .. '--cp 2 --pp 2 --tp 2 --stop-at 2 --out %s'):format(tiny, q(out)))
-    assert.are.equal(0, status, text)
-    status, text = bin_train(('models/gpt2.lua --resume %s --steps 4'):format(q(out)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(out), 1, 4, '--cp 2 --pp 2 --tp 2 resumed in one process')
+    stopped_and_resumed_in_one(8, '--cp 2 --pp 2 --tp 2', dir .. '/g4dr',
+      '--cp 2 --pp 2 --tp 2 resumed in one process')
   end)
 
   it('refuses layouts it cannot run, with a message', function()
