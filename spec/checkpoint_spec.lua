@@ -257,6 +257,59 @@ describe('checkpoint', function()
     rm(dir)
   end)
 
+  it('the writer streams pieces given later, frees what is written, and a cancelled file fails by name', function()
+    local dir = tmpdir()
+    local w = ckpt.writer()
+    local C = T.C
+    local a, b = T.randn({ 300 }), T.randn({ 500 })
+    local ptrs = ffi.new('const void *[2]', { nil, nil })
+    local bytes = ffi.new('int64_t[2]', { 1200, 2000 })
+    local job = C.ms_writer_submit(w.p, dir .. '/s', 'hd', 2, 2, ptrs, bytes)
+    assert.are.equal(0, tonumber(C.ms_writer_idle(w.p)))        -- waiting for piece 0
+    assert.are.equal(0, C.ms_writer_provide(w.p, job, 0, a:data_ptr()))
+    assert.are.equal(1, C.ms_writer_wait_written(w.p, job, 1))  -- piece 0 out, piece 1 not given yet
+    assert.are.equal(-1, C.ms_writer_provide(w.p, job, 0, b:data_ptr()))   -- (given already)
+    assert.are.equal(0, C.ms_writer_provide(w.p, job, 1, b:data_ptr()))
+    w:wait()
+    assert.are.equal('hd' .. ffi.string(a:data_ptr(), 1200) .. ffi.string(b:data_ptr(), 2000), slurp(dir .. '/s'))
+    -- cancelled while it waits for a piece: the wait names the file and the reason
+    local j2 = C.ms_writer_submit(w.p, dir .. '/c', nil, 0, 2, ptrs, bytes)
+    C.ms_writer_provide(w.p, j2, 0, a:data_ptr())
+    assert.are.equal(0, C.ms_writer_cancel(w.p, j2, 'the copy failed'))
+    assert.are.equal(-1, C.ms_writer_wait_written(w.p, j2, 2))
+    local ok, err = pcall(w.wait, w)
+    assert.is_false(ok)
+    assert.matches('writer: ' .. dir .. '/c: the copy failed', err, 1, true)
+    -- safetensors through the writer without staging: views and their copies
+    -- streamed a few at a time give S.save's bytes
+    local tensors = {}
+    for k = 1, 6 do tensors['v' .. k] = T.randn({ 40, 30 }):t() end   -- (non-contiguous: copied)
+    tensors.plain = T.randn({ 7 })
+    local saved = S.stream_bytes
+    S.stream_bytes = 5000   -- two copies of 4800 bytes held at most
+    local j3 = w:safetensors(dir .. '/v.safetensors', tensors, { note = 'x' }, false)
+    S.stream_bytes = saved
+    w:wait()
+    S.save(dir .. '/ref.safetensors', tensors, { note = 'x' })
+    assert.are.equal(slurp(dir .. '/ref.safetensors'), slurp(dir .. '/v.safetensors'))
+    assert.are.equal(#slurp(dir .. '/v.safetensors'), (w:result(j3)))
+    -- a copy that fails part way: the file fails, named, and nothing waits forever
+    local orig = T.methods.clone
+    local calls = 0
+    T.methods.clone = function(...) calls = calls + 1; if calls == 3 then error('simulated copy failure') end; return orig(...) end
+    local okf, ferr = pcall(w.safetensors, w, dir .. '/f.safetensors', tensors, nil, false)
+    T.methods.clone = orig
+    assert.is_false(okf)
+    assert.matches('simulated copy failure', ferr, 1, true)
+    assert.matches(dir .. '/f.safetensors', ferr, 1, true)
+    -- the writer goes on
+    w:safetensors(dir .. '/g.safetensors', tensors, nil, false)
+    w:wait()
+    assert.are.equal(slurp(dir .. '/ref.safetensors'):sub(-4800), slurp(dir .. '/g.safetensors'):sub(-4800))
+    w:close()
+    rm(dir)
+  end)
+
   it('save_async stages the tensors: the checkpoint holds the values of the call, the training goes on', function()
     local dir = tmpdir()
     local gpt2 = require 'models.gpt2'

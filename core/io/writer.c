@@ -21,6 +21,8 @@ typedef struct job {
     int n;
     const void **ptrs;     /* borrowed until done */
     int64_t *bytes;
+    int written;           /* pieces written so far */
+    int cancelled;         /* a piece will never come */
     int state;             /* 0 queued, 1 written, -1 failed */
     int64_t total;
     uint32_t crc;
@@ -31,7 +33,8 @@ struct ms_writer {
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t work;   /* a job was queued, or stop */
-    pthread_cond_t done;   /* a job finished */
+    pthread_cond_t done;   /* a job finished, or a piece was written */
+    pthread_cond_t given;  /* a piece was provided, or a job cancelled */
     job **jobs;
     int64_t njobs, cap;
     int64_t next;          /* the first job the thread has not finished */
@@ -62,44 +65,65 @@ static int write_all(int fd, const char *p, int64_t n) {
     return 0;
 }
 
-/* writes one file; the thread's only work */
-static void run_job(job *j) {
+/* the pointer of piece i, waited for when it comes later (NULL: cancelled) */
+static const void *piece(ms_writer *w, job *j, int i) {
+    pthread_mutex_lock(&w->mu);
+    while (!j->ptrs[i] && !j->cancelled) pthread_cond_wait(&w->given, &w->mu);
+    const void *p = j->cancelled ? NULL : j->ptrs[i];
+    pthread_mutex_unlock(&w->mu);
+    return p;
+}
+
+static void piece_written(ms_writer *w, job *j, int i) {
+    pthread_mutex_lock(&w->mu);
+    j->written = i + 1;
+    pthread_cond_broadcast(&w->done);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* writes one file, the thread's only work: 1 written (*total, *crc), -1
+ * failed (err says why; empty when a piece never came: the job was
+ * cancelled, and the cancel's message stands) */
+static int run_job(ms_writer *w, job *j, char *err, size_t cap, int64_t *total_out, uint32_t *crc_out) {
+    err[0] = 0;
     int fd = open(j->path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
-        snprintf(j->err, sizeof j->err, "cannot create %s: %s", j->path, strerror(errno));
-        j->state = -1;
-        return;
+        snprintf(err, cap, "cannot create %s: %s", j->path, strerror(errno));
+        return -1;
     }
     uint32_t crc = (uint32_t)crc32(0L, Z_NULL, 0);
     int64_t total = 0;
     const char *what = "write";
-    int ok = 1;
+    int ok = 1, cancelled = 0, e = 0;
     if (j->head_bytes > 0) {
         if (write_all(fd, j->head, j->head_bytes)) {
             ok = 0;
+            e = errno;
         } else {
             crc = crc_update(crc, (const unsigned char *)j->head, j->head_bytes);
             total += j->head_bytes;
         }
     }
     for (int i = 0; ok && i < j->n; i++) {
-        if (j->bytes[i] <= 0) continue;
-        if (write_all(fd, j->ptrs[i], j->bytes[i])) { ok = 0; break; }
-        crc = crc_update(crc, j->ptrs[i], j->bytes[i]);
-        total += j->bytes[i];
+        if (j->bytes[i] > 0) {
+            const void *p = piece(w, j, i);
+            if (!p) { ok = 0; cancelled = 1; break; }
+            if (write_all(fd, p, j->bytes[i])) { ok = 0; e = errno; break; }
+            crc = crc_update(crc, p, j->bytes[i]);
+            total += j->bytes[i];
+        }
+        piece_written(w, j, i);
     }
-    if (ok && fsync(fd) != 0 && errno != EINVAL && errno != EROFS) { ok = 0; what = "fsync"; }
-    int err = errno;
-    if (close(fd) != 0 && ok) { ok = 0; what = "close"; err = errno; }
+    if (ok && fsync(fd) != 0 && errno != EINVAL && errno != EROFS) { ok = 0; what = "fsync"; e = errno; }
+    if (close(fd) != 0 && ok) { ok = 0; what = "close"; e = errno; }
     if (!ok) {
-        snprintf(j->err, sizeof j->err, "cannot %s %s (%lld bytes in): %s", what, j->path, (long long)total,
-                 strerror(err));
-        j->state = -1;
-        return;
+        if (!cancelled)
+            snprintf(err, cap, "cannot %s %s (%lld bytes in): %s", what, j->path, (long long)total, strerror(e));
+        return -1;
     }
-    j->total = total;
-    j->crc = crc;
-    j->state = 1;
+    *total_out = total;
+    *crc_out = crc;
+    return 1;
 }
 
 static void release(job *j) {
@@ -120,8 +144,20 @@ static void *thread_main(void *arg) {
         if (w->next >= w->njobs) break;   /* stop, and nothing left */
         job *j = w->jobs[w->next];
         pthread_mutex_unlock(&w->mu);
-        run_job(j);
+        char err[sizeof j->err];
+        int64_t total = 0;
+        uint32_t crc = 0;
+        int st = run_job(w, j, err, sizeof err, &total, &crc);
         pthread_mutex_lock(&w->mu);
+        if (j->cancelled) {
+            st = -1;   /* (its message was set by the cancel) */
+        } else if (st < 0) {
+            snprintf(j->err, sizeof j->err, "%s", err);
+        } else {
+            j->total = total;
+            j->crc = crc;
+        }
+        j->state = st;
         release(j);
         w->next++;
         pthread_cond_broadcast(&w->done);
@@ -137,11 +173,13 @@ int ms_writer_new(ms_writer **out) {
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->work, NULL);
     pthread_cond_init(&w->done, NULL);
+    pthread_cond_init(&w->given, NULL);
     int rc = pthread_create(&w->thread, NULL, thread_main, w);
     if (rc != 0) {
         pthread_mutex_destroy(&w->mu);
         pthread_cond_destroy(&w->work);
         pthread_cond_destroy(&w->done);
+        pthread_cond_destroy(&w->given);
         free(w);
         return ms_errorf("writer: cannot start its thread: %s", strerror(rc));
     }
@@ -164,6 +202,7 @@ void ms_writer_free(ms_writer *w) {
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->work);
     pthread_cond_destroy(&w->done);
+    pthread_cond_destroy(&w->given);
     free(w);
 }
 
@@ -175,8 +214,7 @@ int64_t ms_writer_submit(ms_writer *w, const char *path, const void *head, int64
         return ms_errorf("writer: %s: bad arguments (%d pieces, a head of %lld bytes)", path, n,
                          (long long)head_bytes);
     for (int i = 0; i < n; i++)
-        if (bytes[i] < 0 || (bytes[i] > 0 && !ptrs[i]))
-            return ms_errorf("writer: %s: piece %d has %lld bytes at %p", path, i + 1, (long long)bytes[i], ptrs[i]);
+        if (bytes[i] < 0) return ms_errorf("writer: %s: piece %d has %lld bytes", path, i + 1, (long long)bytes[i]);
     job *j = calloc(1, sizeof *j);
     if (!j) return ms_errorf("writer: out of memory");
     j->path = strdup(path);
@@ -210,6 +248,58 @@ int64_t ms_writer_submit(ms_writer *w, const char *path, const void *head, int64
     pthread_cond_signal(&w->work);
     pthread_mutex_unlock(&w->mu);
     return id;
+}
+
+/* the job, under the lock; NULL (an error set) when it does not exist */
+static job *job_of(ms_writer *w, int64_t id, const char *op) {
+    if (id < 0 || id >= w->njobs) {
+        ms_errorf("writer: %s: no job %lld", op, (long long)id);
+        return NULL;
+    }
+    return w->jobs[id];
+}
+
+int ms_writer_provide(ms_writer *w, int64_t id, int i, const void *ptr) {
+    if (!w) return ms_errorf("writer: no writer");
+    pthread_mutex_lock(&w->mu);
+    job *j = job_of(w, id, "provide");
+    int rc = 0;
+    if (!j) rc = -1;
+    else if (j->state != 0 || j->cancelled || !j->ptrs || i < 0 || i >= j->n || j->ptrs[i] || !ptr)
+        rc = ms_errorf("writer: provide: job %lld piece %d is not one waiting for its bytes", (long long)id, i);
+    else {
+        j->ptrs[i] = ptr;
+        pthread_cond_broadcast(&w->given);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return rc;
+}
+
+int ms_writer_wait_written(ms_writer *w, int64_t id, int k) {
+    if (!w) return ms_errorf("writer: no writer");
+    pthread_mutex_lock(&w->mu);
+    job *j = job_of(w, id, "wait_written");
+    int r = -1;
+    if (j) {
+        while (j->state == 0 && j->written < k) pthread_cond_wait(&w->done, &w->mu);
+        r = j->state < 0 ? -1 : j->written;
+    }
+    pthread_mutex_unlock(&w->mu);
+    return r;
+}
+
+int ms_writer_cancel(ms_writer *w, int64_t id, const char *why) {
+    if (!w) return ms_errorf("writer: no writer");
+    pthread_mutex_lock(&w->mu);
+    job *j = job_of(w, id, "cancel");
+    int rc = j ? 0 : -1;
+    if (j && j->state == 0 && !j->cancelled) {
+        snprintf(j->err, sizeof j->err, "%s: %s", j->path, why && *why ? why : "cancelled");
+        j->cancelled = 1;
+        pthread_cond_broadcast(&w->given);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return rc;
 }
 
 int ms_writer_idle(ms_writer *w) {

@@ -384,41 +384,75 @@ end
 --   every tensor is first copied into a host tensor of it: the caller may
 --   change its tensors at once. Without, contiguous CPU tensors are written
 --   from their own memory and must stay unchanged until the job is done;
---   others go through a copy. `held` lists the host tensors the job reads:
---   keep them until it is done, then free the ones with `owned` set.
+--   the others (views, GPU tensors) are copied one at a time while the
+--   writer's thread writes the ones before, at most S.stream_bytes of
+--   copies held at once beyond the one being made. `held` lists the host
+--   tensors the job still reads: keep them until it is done, then free the
+--   ones in held.owned.
+S.stream_bytes = 256 * 2 ^ 20
 function S.write_async(writer, path, tbl, metadata, stage)
   local names, head = plan(path, tbl, metadata, 'write')
   local n = #names
   local ptrs, bytes = ffi.new('const void *[?]', math.max(n, 1)), ffi.new('int64_t[?]', math.max(n, 1))
-  local held = {}
+  local held, later = {}, {}
   local base = path:match('([^/]*)$')
   for i, name in ipairs(names) do
     local t = tbl[name]
-    local h
+    bytes[i - 1] = t:numel() * dtype_size[t.dtype]
     if stage then
-      h = staged(stage, base .. '\0' .. name, t)
+      local h = staged(stage, base .. '\0' .. name, t)
+      held[#held + 1] = h
+      ptrs[i - 1] = C.ms_tensor_data(h)
     elseif t.device_id < 0 and t:is_contiguous() then
-      h = t
+      held[#held + 1] = t
+      ptrs[i - 1] = C.ms_tensor_data(t)
     else
-      local copied = false
-      h = t
+      ptrs[i - 1] = nil   -- (provided once copied, below)
+      if bytes[i - 1] > 0 then later[#later + 1] = i else ptrs[i - 1] = C.ms_tensor_data(t) end
+    end
+  end
+  local job = C.ms_writer_submit(writer, path, head, #head, n, ptrs, bytes)
+  if job < 0 then error(('safetensors: write %s: %s'):format(path, ffi.string(C.ms_last_error())), 2) end
+  if #later == 0 then return job, held end
+  -- the copies, streamed: each provided as soon as it is made; the oldest
+  -- freed once written while more than S.stream_bytes are held
+  local inflight, inflight_bytes = {}, 0
+  local ok, err = pcall(function()
+    for _, i in ipairs(later) do
+      local t = tbl[names[i]]
+      local h, copied = t, false
       if not h:is_contiguous() then h, copied = h:clone(), true end
       if h.device_id >= 0 then
         local c = h:to({ device = 'cpu' })
         if copied then h:free() end
         h = c
       end
-      held.owned = held.owned or {}
-      held.owned[#held.owned + 1] = h
+      inflight[#inflight + 1] = { i = i, h = h, bytes = tonumber(bytes[i - 1]) }
+      inflight_bytes = inflight_bytes + tonumber(bytes[i - 1])
+      T.check(C.ms_writer_provide(writer, job, i - 1, C.ms_tensor_data(h)))
+      while #inflight > 1 and inflight_bytes - inflight[#inflight].bytes > S.stream_bytes do
+        local first = table.remove(inflight, 1)
+        if C.ms_writer_wait_written(writer, job, first.i) < 0 then
+          table.insert(inflight, 1, first)   -- (the job failed: the wait reports it)
+          return
+        end
+        first.h:free()
+        inflight_bytes = inflight_bytes - first.bytes
+      end
     end
-    held[#held + 1] = h
-    ptrs[i - 1] = C.ms_tensor_data(h)
-    bytes[i - 1] = t:numel() * dtype_size[t.dtype]
+  end)
+  if not ok then
+    -- the thread must not wait for a piece that will never come, nor read a
+    -- copy after it is freed: the job fails, and is waited for
+    C.ms_writer_cancel(writer, job, tostring(err))
+    C.ms_writer_wait(writer)
+    for _, f in ipairs(inflight) do f.h:free() end
+    error(('safetensors: write %s: %s'):format(path, tostring(err)), 2)
   end
-  local job = C.ms_writer_submit(writer, path, head, #head, n, ptrs, bytes)
-  if job < 0 then
-    for _, h in ipairs(held.owned or {}) do h:free() end
-    error(('safetensors: write %s: %s'):format(path, ffi.string(C.ms_last_error())), 2)
+  held.owned = {}
+  for _, f in ipairs(inflight) do
+    held[#held + 1] = f.h
+    held.owned[#held.owned + 1] = f.h
   end
   return job, held
 end
