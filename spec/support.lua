@@ -291,9 +291,16 @@ function S.same_files(a, b, names)
     return x
   end
   for _, name in ipairs(names) do
-    local x = slurp(a .. '/' .. name)
+    local x, y = slurp(a .. '/' .. name), slurp(b .. '/' .. name)
     luassert.is_string(x, a .. '/' .. name .. ' is missing')
-    luassert.are.equal(x, slurp(b .. '/' .. name), b .. '/' .. name)
+    luassert.is_string(y, b .. '/' .. name .. ' is missing')
+    if x ~= y then
+      local k = 1
+      while k <= #x and x:byte(k) == y:byte(k) do k = k + 1 end
+      -- (named by the first byte that differs, not by dumping both files)
+      luassert.is_true(false, ('%s/%s (%d bytes) differs from %s/%s (%d bytes) from byte %d on'):format(b, name, #y, a,
+        name, #x, k))
+    end
   end
 end
 
