@@ -117,6 +117,52 @@ describe('bin/train --max-restarts on two GPUs #gpu', function()
   end)
 end)
 
+describe('bin/train --async-checkpoint on two GPUs #gpu', function()
+  it('FULL_SHARD: each rank stages its shard in page-locked memory; the sharded checkpoints of the synchronous run '
+    .. '(tensors, index); a stopped run resumes from them', function()
+    if ms.cuda.device_count() < 2 then
+      pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
+      return
+    end
+    local St = require 'moonshard.safetensors'
+    local ffi = require 'ffi'
+    local json = require 'dkjson'
+    local dir = tmpdir()
+    local common = ('--nproc-per-node 2 --device cuda models/gpt2.lua %s --steps 6 --save-every 2 --keep-checkpoints 0 '
+      .. '--log-every 1 --eval-every 0 --sample-tokens 0 --no-save --fsdp FULL_SHARD'):format(small)
+    local st, text = bin_train(('%s --out %s/sync'):format(common, q(dir)), 'MS_GEMM_TUNE=0')
+    assert.are.equal(0, st, text)
+    st, text = bin_train(('%s --async-checkpoint --out %s/async'):format(common, q(dir)), 'MS_GEMM_TUNE=0')
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('[rank 0] checkpoint ' .. dir .. '/async/ckpt-4 (written in the background in', 1, true), text)
+    local train = require 'moonshard.train'
+    for _, c in ipairs({ 'ckpt-2', 'ckpt-4', 'ckpt-6' }) do
+      assert.is_true(train.verify_checkpoint(dir .. '/async/' .. c), c)
+      for r = 0, 1 do
+        local f = ('/rank-%05d-of-00002.safetensors'):format(r)
+        local a, b = St.load(dir .. '/sync/' .. c .. f), St.load(dir .. '/async/' .. c .. f)
+        for name, t in pairs(a) do
+          local u = assert(b[name], c .. f .. ': ' .. name)
+          local n = t:numel() * ({ f64 = 8, f32 = 4, bf16 = 2, i64 = 8 })[t.dtype]
+          assert.are.equal(ffi.string(t:data_ptr(), n), ffi.string(u:data_ptr(), n), c .. f .. ': ' .. name)
+        end
+      end
+      local ia = json.decode(assert(io.open(dir .. '/sync/' .. c .. '/index.json')):read('*a'))
+      local ib = json.decode(assert(io.open(dir .. '/async/' .. c .. '/index.json')):read('*a'))
+      assert.are.same(ia.pieces, ib.pieces)
+    end
+    st, text = bin_train(('%s --async-checkpoint --stop-at 4 --out %s/stopped'):format(common, q(dir)), 'MS_GEMM_TUNE=0')
+    assert.are.equal(0, st, text)
+    st, text = bin_train(('--nproc-per-node 2 --device cuda --resume %s'):format(q(dir .. '/stopped')), 'MS_GEMM_TUNE=0')
+    assert.are.equal(0, st, text)
+    local la, lb = losses(dir .. '/sync'), losses(dir .. '/stopped')
+    for i = 1, 6 do
+      assert.is_true(math.abs(la[i] - lb[i]) <= 1e-6 * math.abs(la[i]), i .. ': ' .. la[i] .. ' vs ' .. lb[i])
+    end
+    os.execute('rm -rf ' .. q(dir))
+  end)
+end)
+
 -- every sharding strategy of bin/train's loop on two GPUs: 4 steps straight,
 -- then stopped at 2 with a checkpoint and resumed at two GPUs and at one;
 -- the losses of the resumed runs follow the straight run's (NCCL's
