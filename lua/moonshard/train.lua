@@ -1099,6 +1099,10 @@ function train.run(opts)
       warn('--fsdp off with several ranks: training data-parallel (NO_SHARD)')
     end
   end
+  if o.async_checkpoint and o.save_every <= 0 and rank == 0 then
+    warn('--async-checkpoint without --save-every N: no checkpoint to write in the background (a stop\'s is '
+      .. 'written at once)')
+  end
 
   local tty = o.progress == 'tty' or (o.progress == 'auto' and train.isatty(1))
   local status_shown = false
