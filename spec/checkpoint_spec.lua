@@ -328,6 +328,18 @@ describe('checkpoint', function()
     opt:zero_grad()
     model(x, x):backward()
     opt:step()
+    -- and a second save before the first is finished: its staging waits for
+    -- the files still written from the same buffers
+    local after = {}
+    for name, t in pairs(model:state_dict()) do after[name] = t:clone() end
+    local p7 = ckpt.save_async(dir, 7, { model = model }, { writer = w })
+    require('moonshard').no_grad(function() for _, t in pairs(model:state_dict()) do t:mul_(0) end end)
+    assert.are.equal(dir .. '/ckpt-7', p7:finish())
+    local saved7 = S.load(dir .. '/ckpt-7/model.safetensors')
+    for name, t in pairs(after) do
+      assert.are.equal(0, ffi.C.memcmp(t:data_ptr(), saved7[name]:data_ptr(), t:numel() * 4), name)
+    end
+    model:load_state_dict(after)
     assert.are.equal(dir .. '/ckpt-5', p:finish())
     assert.are.equal(dir .. '/ckpt-5', p:finish())   -- (a second finish returns the path)
     assert.is_true(ckpt.verify(dir .. '/ckpt-5'))

@@ -353,8 +353,14 @@ end
 -- the contiguous host copy of t in stage (a table of reusable host
 -- tensors, keyed by `key`): made, or reused when its dtype and shape match;
 -- page-locked when t is on a GPU (fast copies), its pointer kept in the entry
-local function staged(stage, key, t)
+local function staged(writer, stage, key, t)
   local e = stage[key]
+  -- a file still being written from this buffer (an earlier save not
+  -- finished) is waited for first; its outcome is the writer's next wait's
+  if e and e.job then
+    C.ms_writer_wait_written(writer, e.job, 2 ^ 30)
+    e.job = nil
+  end
   local pinned = t.device_id >= 0
   local same = e and e.t.dtype == t.dtype and e.pinned == pinned and e.t:numel() == t:numel()
   if e and not same then
@@ -394,14 +400,16 @@ function S.write_async(writer, path, tbl, metadata, stage)
   local names, head = plan(path, tbl, metadata, 'write')
   local n = #names
   local ptrs, bytes = ffi.new('const void *[?]', math.max(n, 1)), ffi.new('int64_t[?]', math.max(n, 1))
-  local held, later = {}, {}
+  local held, later, keys = {}, {}, {}
   local base = path:match('([^/]*)$')
   for i, name in ipairs(names) do
     local t = tbl[name]
     bytes[i - 1] = t:numel() * dtype_size[t.dtype]
     if stage then
-      local h = staged(stage, base .. '\0' .. name, t)
+      local key = base .. '\0' .. name
+      local h = staged(writer, stage, key, t)
       held[#held + 1] = h
+      keys[#keys + 1] = key   -- (the entry is this job's until it is written)
       ptrs[i - 1] = C.ms_tensor_data(h)
     elseif t.device_id < 0 and t:is_contiguous() then
       held[#held + 1] = t
@@ -413,6 +421,10 @@ function S.write_async(writer, path, tbl, metadata, stage)
   end
   local job = C.ms_writer_submit(writer, path, head, #head, n, ptrs, bytes)
   if job < 0 then error(('safetensors: write %s: %s'):format(path, ffi.string(C.ms_last_error())), 2) end
+  if stage then
+    for _, key in ipairs(keys) do stage[key].job = job end
+    return job, held
+  end
   if #later == 0 then return job, held end
   -- the copies, streamed: each provided as soon as it is made; the oldest
   -- freed once written while more than S.stream_bytes are held
