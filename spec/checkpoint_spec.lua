@@ -16,13 +16,7 @@ local root = T.root
 local S_ = require 'spec.support'
 local q, tmpdir = S_.shell_quote, S_.tmpdir
 local function rm(d) os.execute('rm -rf ' .. q(d)) end
-local function slurp(path)
-  local f = io.open(path, 'rb')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local slurp = S_.slurp
 local function spit(path, s)
   local f = assert(io.open(path, 'wb'))
   f:write(s)

@@ -55,16 +55,14 @@ describe('bin/train --async-checkpoint on cuda #gpu', function()
     local common = ('models/gpt2.lua %s --device cuda --steps 6 --save-every 2 --keep-checkpoints 0 --log-every 2 '
       .. '--sample-tokens 0 --no-save'):format(small)
     -- (GEMM tuning off: each run would time its own plans and may pick others, with other bits)
-    local st, text = bin_train(('%s --out %s'):format(common, q(a)), 'MS_GEMM_TUNE=0')
-    assert.are.equal(0, st, text)
-    st, text = bin_train(('%s --async-checkpoint --out %s'):format(common, q(b)), 'MS_GEMM_TUNE=0')
-    assert.are.equal(0, st, text)
+    local text = S_.sync_and_async(common, a, b, 'MS_GEMM_TUNE=0')
     assert.is_truthy(text:find('checkpoint ' .. b .. '/ckpt-4 (written in the background in', 1, true), text)
     for _, c in ipairs({ 'ckpt-2', 'ckpt-4', 'ckpt-6' }) do
       assert.is_true(require('moonshard.checkpoint').verify(b .. '/' .. c))
       S_.same_files(a .. '/' .. c, b .. '/' .. c, { 'model.safetensors', 'optimizer.safetensors', 'optimizer.json' })
     end
     os.execute('rm -rf ' .. q(b .. '/ckpt-6'))
+    local st
     st, text = bin_train(('--resume %s'):format(q(b .. '/ckpt-4')), 'MS_GEMM_TUNE=0')
     assert.are.equal(0, st, text)
     local la, lb = losses(a), losses(b)
@@ -124,33 +122,24 @@ describe('bin/train --async-checkpoint on two GPUs #gpu', function()
       pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
       return
     end
-    local St = require 'moonshard.safetensors'
-    local ffi = require 'ffi'
     local json = require 'dkjson'
     local dir = tmpdir()
     local common = ('--nproc-per-node 2 --device cuda models/gpt2.lua %s --steps 6 --save-every 2 --keep-checkpoints 0 '
       .. '--log-every 1 --eval-every 0 --sample-tokens 0 --no-save --fsdp FULL_SHARD'):format(small)
-    local st, text = bin_train(('%s --out %s/sync'):format(common, q(dir)), 'MS_GEMM_TUNE=0')
-    assert.are.equal(0, st, text)
-    st, text = bin_train(('%s --async-checkpoint --out %s/async'):format(common, q(dir)), 'MS_GEMM_TUNE=0')
-    assert.are.equal(0, st, text)
+    local text = S_.sync_and_async(common, dir .. '/sync', dir .. '/async', 'MS_GEMM_TUNE=0')
     assert.is_truthy(text:find('[rank 0] checkpoint ' .. dir .. '/async/ckpt-4 (written in the background in', 1, true), text)
     local train = require 'moonshard.train'
     for _, c in ipairs({ 'ckpt-2', 'ckpt-4', 'ckpt-6' }) do
       assert.is_true(train.verify_checkpoint(dir .. '/async/' .. c), c)
       for r = 0, 1 do
         local f = ('/rank-%05d-of-00002.safetensors'):format(r)
-        local a, b = St.load(dir .. '/sync/' .. c .. f), St.load(dir .. '/async/' .. c .. f)
-        for name, t in pairs(a) do
-          local u = assert(b[name], c .. f .. ': ' .. name)
-          local n = t:numel() * ({ f64 = 8, f32 = 4, bf16 = 2, i64 = 8 })[t.dtype]
-          assert.are.equal(ffi.string(t:data_ptr(), n), ffi.string(u:data_ptr(), n), c .. f .. ': ' .. name)
-        end
+        S_.same_tensors(dir .. '/sync/' .. c .. f, dir .. '/async/' .. c .. f)
       end
       local ia = json.decode(assert(io.open(dir .. '/sync/' .. c .. '/index.json')):read('*a'))
       local ib = json.decode(assert(io.open(dir .. '/async/' .. c .. '/index.json')):read('*a'))
       assert.are.same(ia.pieces, ib.pieces)
     end
+    local st
     st, text = bin_train(('%s --async-checkpoint --stop-at 4 --out %s/stopped'):format(common, q(dir)), 'MS_GEMM_TUNE=0')
     assert.are.equal(0, st, text)
     st, text = bin_train(('--nproc-per-node 2 --device cuda --resume %s'):format(q(dir .. '/stopped')), 'MS_GEMM_TUNE=0')

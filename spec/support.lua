@@ -278,20 +278,20 @@ function S.errmsg(fn)
   return tostring(e)
 end
 
--- the JSON object of fixture cases in `path` ({} when the file is missing)
--- and its names, sorted
+-- the bytes of the file at path, or nil when it cannot be read
+function S.slurp(path)
+  local f = io.open(path, 'rb')
+  if not f then return nil end
+  local x = f:read('*a')
+  f:close()
+  return x
+end
+
 -- asserts that the files `names` under folders a and b hold the same bytes
 -- (a checkpoint written two ways)
 function S.same_files(a, b, names)
-  local function slurp(p)
-    local f = io.open(p, 'rb')
-    if not f then return nil end
-    local x = f:read('*a')
-    f:close()
-    return x
-  end
   for _, name in ipairs(names) do
-    local x, y = slurp(a .. '/' .. name), slurp(b .. '/' .. name)
+    local x, y = S.slurp(a .. '/' .. name), S.slurp(b .. '/' .. name)
     luassert.is_string(x, a .. '/' .. name .. ' is missing')
     luassert.is_string(y, b .. '/' .. name .. ' is missing')
     if x ~= y then
@@ -304,6 +304,38 @@ function S.same_files(a, b, names)
   end
 end
 
+-- asserts that two safetensors files hold the same tensors, byte for byte
+-- (their headers' JSON may list the fields in another order)
+function S.same_tensors(pa, pb)
+  local St = require 'moonshard.safetensors'
+  local ffi = require 'ffi'
+  local a, b = St.load(pa), St.load(pb)
+  local n = 0
+  for name, t in pairs(a) do
+    local u = b[name]
+    luassert.is_not_nil(u, pb .. ' lacks ' .. name)
+    luassert.are.same(t.shape, u.shape, name)
+    local bytes = t:numel() * ({ f64 = 8, f32 = 4, bf16 = 2, f16 = 2, i64 = 8 })[t.dtype]
+    luassert.is_true(ffi.string(t:data_ptr(), bytes) == ffi.string(u:data_ptr(), bytes),
+      ('%s: %s differs from %s\'s'):format(pb, name, pa))
+    n = n + 1
+  end
+  for name in pairs(b) do luassert.is_not_nil(a[name], pa .. ' lacks ' .. name) end
+  return n
+end
+
+-- bin/train `args` twice: with --out a, then with --async-checkpoint --out
+-- b (env as bin_train's); both must succeed. Returns the second's output.
+function S.sync_and_async(args, a, b, env)
+  local status, text = S.bin_train(('%s --out %s'):format(args, S.shell_quote(a)), env)
+  luassert.are.equal(0, status, text)
+  status, text = S.bin_train(('%s --async-checkpoint --out %s'):format(args, S.shell_quote(b)), env)
+  luassert.are.equal(0, status, text)
+  return text
+end
+
+-- the JSON object of fixture cases in `path` ({} when the file is missing)
+-- and its names, sorted
 function S.json_cases(path)
   local f = io.open(path, 'rb')
   local cases = f and json.decode(f:read('*a')) or {}

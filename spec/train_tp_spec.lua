@@ -162,10 +162,7 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     function()
     local common = ('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --tp 2 --save-every 1 '
       .. '--keep-checkpoints 0 --no-save'):format(tiny)
-    local status, text = bin_train(('%s --out %s/tsync'):format(common, q(dir)))
-    assert.are.equal(0, status, text)
-    status, text = bin_train(('%s --async-checkpoint --out %s/tasync'):format(common, q(dir)))
-    assert.are.equal(0, status, text)
+    local text = S.sync_and_async(common, dir .. '/tsync', dir .. '/tasync')
     assert.is_truthy(text:find('(written in the background in', 1, true), text)
     for step = 1, 4 do
       local a, b = ('%s/tsync/ckpt-%d'):format(dir, step), ('%s/tasync/ckpt-%d'):format(dir, step)
