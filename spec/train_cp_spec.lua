@@ -35,6 +35,16 @@ describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
     return refs[name]
   end
 
+  -- c = { model file, its flags, reference name } on n ranks with `flags`:
+  -- exit 0, every line of `lines` in the output, the one-process curve
+  local function follows_one(n, c, flags, out, lines)
+    local status, text = bin_train(('--nproc-per-node %d --device cpu %s %s --batch-size 4 --steps 4 %s --out %s'):format(
+      n, c[1], c[2], flags, q(out)))
+    assert.are.equal(0, status, text)
+    for _, l in ipairs(lines) do assert.is_truthy(text:find(l, 1, true), text) end
+    close_losses(reference(c[1], c[2], c[3] .. '1'), losses(out), 1, 4, c[1] .. ' ' .. flags)
+  end
+
   -- GPT-2 on n ranks with the given flags, stopped at step 2 with a
   -- checkpoint, then resumed in one process: the one-process curve
   local function stopped_and_resumed_in_one(n, flags, out, what)
@@ -98,30 +108,19 @@ describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
 
   it('--cp 2 --tp 2 on 4 ranks (TP pairs inside the context-parallel groups) follows the one-process curve, with --fsdp too',
     function()
-    local one = reference('models/llama.lua', tiny_llama, 'l1')
     for _, fs in ipairs({ '', '--fsdp FULL_SHARD' }) do
-      local out = ('%s/lct%s'):format(dir, fs == '' and 'dp' or 'fs')
-      local status, text = bin_train(('--nproc-per-node 4 --device cpu models/llama.lua %s --batch-size 4 --steps 4 '
-        .. '--cp 2 --tp 2 %s --out %s'):format(tiny_llama, fs, q(out)))
-      assert.are.equal(0, status, text)
-      assert.is_truthy(text:find('[rank 0] context parallel: 2-way', 1, true), text)
-      assert.is_truthy(text:find('[rank 0] tensor parallel: 2-way over 4 ranks', 1, true), text)
-      close_losses(one, losses(out), 1, 4, '--cp 2 --tp 2 ' .. fs)
+      follows_one(4, { 'models/llama.lua', tiny_llama, 'l' }, '--cp 2 --tp 2 ' .. fs,
+        ('%s/lct%s'):format(dir, fs == '' and 'dp' or 'fs'),
+        { '[rank 0] context parallel: 2-way', '[rank 0] tensor parallel: 2-way over 4 ranks' })
     end
   end)
 
   it('--cp 2 --pp 2 on 4 ranks (pipelines inside the context-parallel groups) follows the one-process curve, with --fsdp too',
     function()
     for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
-      local one = reference(c[1], c[2], c[3] .. '1')
       for _, fs in ipairs({ '', '--fsdp FULL_SHARD' }) do
-        local out = ('%s/%scp%s'):format(dir, c[3], fs == '' and 'dp' or 'fs')
-        local status, text = bin_train(('--nproc-per-node 4 --device cpu %s %s --batch-size 4 --steps 4 '
-          .. '--cp 2 --pp 2 %s --out %s'):format(c[1], c[2], fs, q(out)))
-        assert.are.equal(0, status, text)
-        assert.is_truthy(text:find('[rank 0] context parallel: 2-way', 1, true), text)
-        assert.is_truthy(text:find('[rank 0] pipeline parallel: 2 stages over 4 ranks', 1, true), text)
-        close_losses(one, losses(out), 1, 4, c[1] .. ' --cp 2 --pp 2 ' .. fs)
+        follows_one(4, c, '--cp 2 --pp 2 ' .. fs, ('%s/%scp%s'):format(dir, c[3], fs == '' and 'dp' or 'fs'),
+          { '[rank 0] context parallel: 2-way', '[rank 0] pipeline parallel: 2 stages over 4 ranks' })
       end
     end
   end)
@@ -129,21 +128,14 @@ describe('bin/train --cp (context parallelism, CPU through mpirun)', function()
   it('--cp 2 --pp 2 --tp 2 on 8 ranks (4-D: TP pairs inside pipelines inside the context-parallel groups) follows '
     .. 'the one-process curve, with --fsdp too; its checkpoint resumes in one process on the curve', function()
     for _, c in ipairs({ { 'models/llama.lua', tiny_llama, 'l' }, { 'models/gpt2.lua', tiny, 'g' } }) do
-      local one = reference(c[1], c[2], c[3] .. '1')
       for _, fs in ipairs({ '', '--fsdp FULL_SHARD' }) do
         if c[3] == 'l' or fs == '' then
-          local out = ('%s/%s4d%s'):format(dir, c[3], fs == '' and 'dp' or 'fs')
-          local status, text = bin_train(('--nproc-per-node 8 --device cpu %s %s --batch-size 4 --steps 4 '
-            .. '--cp 2 --pp 2 --tp 2 %s --out %s'):format(c[1], c[2], fs, q(out)))
-          assert.are.equal(0, status, text)
-          assert.is_truthy(text:find('[rank 0] context parallel: 2-way', 1, true), text)
-          assert.is_truthy(text:find('[rank 0] pipeline parallel: 2 stages over 8 ranks', 1, true), text)
-          assert.is_truthy(text:find('[rank 0] tensor parallel: 2-way over 8 ranks', 1, true), text)
-          if fs ~= '' then
-            -- a stage's slice is sharded over the two context-parallel ranks that hold it
-            assert.is_truthy(text:find('[rank 0] fsdp: FULL_SHARD over 2 ranks', 1, true), text)
-          end
-          close_losses(one, losses(out), 1, 4, c[1] .. ' --cp 2 --pp 2 --tp 2 ' .. fs)
+          local lines = { '[rank 0] context parallel: 2-way', '[rank 0] pipeline parallel: 2 stages over 8 ranks',
+            '[rank 0] tensor parallel: 2-way over 8 ranks' }
+          -- (--fsdp: a stage's slice is sharded over the two context-parallel ranks that hold it)
+          if fs ~= '' then lines[#lines + 1] = '[rank 0] fsdp: FULL_SHARD over 2 ranks' end
+          follows_one(8, c, '--cp 2 --pp 2 --tp 2 ' .. fs, ('%s/%s4d%s'):format(dir, c[3], fs == '' and 'dp' or 'fs'),
+            lines)
         end
       end
     end
