@@ -239,7 +239,8 @@ describe('checkpoint', function()
     assert.are.equal(ckpt.crc32_file(dir .. '/two'), crc)
     local okr, rerr = pcall(w.result, w, j3)
     assert.is_false(okr)
-    assert.matches('job 2 failed: cannot create ' .. dir .. '/no/such/folder/f: No such file or directory', rerr, 1, true)
+    assert.matches('checkpoint: writer: cannot create ' .. dir .. '/no/such/folder/f: No such file or directory', rerr, 1,
+      true)
     assert.is_false((pcall(w.result, w, 99)))
     -- the failures were reported once: the next wait is clean
     w:wait()

@@ -338,7 +338,7 @@ int ms_writer_result(ms_writer *w, int64_t job_id, int64_t *bytes, uint32_t *crc
     job *j = ok ? w->jobs[job_id] : NULL;
     pthread_mutex_unlock(&w->mu);
     if (!j) return ms_errorf("writer: job %lld is not done (or does not exist)", (long long)job_id);
-    if (j->state != 1) return ms_errorf("writer: job %lld failed: %s", (long long)job_id, j->err);
+    if (j->state != 1) return ms_errorf("writer: %s", j->err);   /* (the failed file, named) */
     if (bytes) *bytes = j->total;
     if (crc) *crc = j->crc;
     return 0;

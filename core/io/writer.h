@@ -56,7 +56,8 @@ int ms_writer_cancel(ms_writer *w, int64_t job, const char *why);
 int ms_writer_idle(ms_writer *w);
 /* waits for every queued file: 0, or -1 naming the first failure since the previous wait */
 int ms_writer_wait(ms_writer *w);
-/* a written file's bytes and CRC-32; -1 when the job failed, is not done or does not exist */
+/* a written file's bytes and CRC-32; -1 when the job failed (the error is
+ * the file's failure), is not done or does not exist */
 int ms_writer_result(ms_writer *w, int64_t job, int64_t *bytes, uint32_t *crc32);
 /* FFI-END */
 

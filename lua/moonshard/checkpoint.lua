@@ -276,10 +276,10 @@ function Writer:wait()
   if err then error('checkpoint: ' .. err, 0) end
 end
 
--- a written file's bytes and CRC-32
+-- a written file's bytes and CRC-32; raises naming the file when it failed
 function Writer:result(job)
   local n, crc = ffi.new('int64_t[1]'), ffi.new('uint32_t[1]')
-  T.check(C.ms_writer_result(self.p, job, n, crc), 2)
+  if C.ms_writer_result(self.p, job, n, crc) ~= 0 then error('checkpoint: ' .. ffi.string(C.ms_last_error()), 2) end
   return tonumber(n[0]), tonumber(crc[0])
 end
 
@@ -312,14 +312,16 @@ function Pending:ready() return self.writer:idle() end
 -- stay as they were
 function Pending:finish()
   if self.path then return self.path end
-  local ok, err = pcall(self.writer.wait, self.writer)
-  if not ok then
-    remove(self.tmp)
-    error(err, 0)
-  end
+  -- (a failure the wait reports may be another save's, on the same writer:
+  -- each save judges its own files)
+  pcall(self.writer.wait, self.writer)
   local man = { step = self.step, format = 1, files = {} }
   for name, job in pairs(self.jobs) do
-    local n, crc = self.writer:result(job)
+    local ok, n, crc = pcall(self.writer.result, self.writer, job)
+    if not ok then
+      remove(self.tmp)
+      error(n, 0)
+    end
     man.files[name] = { bytes = n, crc32 = crc }
   end
   for name, sum in pairs(self.small) do man.files[name] = sum end

@@ -538,15 +538,16 @@ function M.save_sharded(model, dir, opts)
 
   -- the rest: once the file is written (at once, or at the pending save's finish)
   local function conclude()
-    if ok then
-      ok, err = pcall(writer.wait, writer)
-      for _, t in ipairs(owned) do t:free() end
-      if not ok then os.remove(path) end
-    end
     -- what every rank wrote: ok, bytes, crc32 (the all-gather is also the
     -- barrier after which rank 0 may write the index)
-    local info = { ok and 1 or 0, 0, 0 }
-    if ok then info[2], info[3] = writer:result(job) end
+    local info = { 0, 0, 0 }
+    if ok then
+      pcall(writer.wait, writer)   -- (its report may be another save's: the job's own result decides)
+      for _, t in ipairs(owned) do t:free() end
+      local n, crc
+      ok, n, crc = pcall(writer.result, writer, job)
+      if ok then info = { 1, n, crc } else err = n; os.remove(path) end
+    end
     local all = {}
     if ctx.sharded and W > 1 then
       local _, v = host_collective(function(mine, g) dist.all_gather_into(g, mine) end,
