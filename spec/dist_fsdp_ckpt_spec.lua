@@ -241,11 +241,15 @@ describe('fsdp checkpoints at one world size #mpi', function()
     local r = reference()
     local W = dist.world_size()
     local before = ck.read_index(D .. '/a')
-    for _, stage in ipairs({ 'rank_file', 'after_rank_file', 'index' }) do
+    -- ('disk': the rank's file fails in the writer's thread, ENOSPC)
+    for _, stage in ipairs({ 'rank_file', 'after_rank_file', 'disk', 'index' }) do
       ck._inject_failure = { stage = stage, rank = stage == 'index' and 0 or W - 1 }
       local err = H.error_of(function() ck.save_sharded(r.model, D .. '/a', { optimizer = r.opt }) end)
       ck._inject_failure = nil
-      if (stage == 'index' and dist.rank() == 0) or
+      if stage == 'disk' and dist.rank() == W - 1 then
+        assert.matches('checkpoint: writer: cannot write ' .. D .. '/a.tmp/rank-', err, 1, true)
+        assert.matches('No space left on device', err, 1, true)
+      elseif (stage == 'index' and dist.rank() == 0) or
          (stage ~= 'index' and dist.rank() == W - 1) then
         assert.matches('injected failure at ' .. stage, err, 1, true)
       elseif stage == 'index' then
