@@ -190,6 +190,17 @@ int ms_writer_new(ms_writer **out) {
 void ms_writer_free(ms_writer *w) {
     if (!w) return;
     pthread_mutex_lock(&w->mu);
+    /* a file still waiting for a piece gets none now: it fails, so that the
+     * thread (joined below) finishes the queue */
+    for (int64_t i = w->next; i < w->njobs; i++) {
+        job *j = w->jobs[i];
+        for (int k = 0; k < j->n && !j->cancelled; k++)
+            if (!j->ptrs[k] && j->bytes[k] > 0) {
+                snprintf(j->err, sizeof j->err, "%s: the writer was freed before all its pieces were given", j->path);
+                j->cancelled = 1;
+            }
+    }
+    pthread_cond_broadcast(&w->given);
     w->stop = 1;
     pthread_cond_signal(&w->work);
     pthread_mutex_unlock(&w->mu);

@@ -283,12 +283,17 @@ function Writer:result(job)
   return tonumber(n[0]), tonumber(crc[0])
 end
 
--- waits, stops the thread, frees the staging memory
+-- lets the thread finish its queue (a file still waiting for a piece
+-- fails), stops it, frees the copies and the staging memory; unreported
+-- failures are dropped
 function Writer:close()
   if not self.p then return end
-  pcall(self.wait, self)
   C.ms_writer_free(ffi.gc(self.p, nil))
   self.p = nil
+  for _, h in ipairs(self.held) do
+    for _, t in ipairs(h.owned or {}) do t:free() end
+  end
+  self.held = {}
   for _, e in pairs(self.stage) do e.t:free() end
   self.stage = {}
 end
