@@ -278,6 +278,30 @@ function S.errmsg(fn)
   return tostring(e)
 end
 
+-- the layout specs' models (train_tp/pp/cp_spec): bin/train flags of a tiny
+-- GPT-2 and a tiny Llama of `layers` blocks reading `corpus`
+function S.tiny_flags(corpus, layers)
+  local common = ' --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 '
+    .. '--data ' .. S.shell_quote(corpus)
+  return ('--preset tiny --model.n_layer %d --model.n_embd 32 --model.n_head 2'):format(layers) .. common,
+    ('--preset tiny --model.num_hidden_layers %d --model.hidden_size 32 --model.intermediate_size 64'):format(layers)
+      .. common
+end
+
+-- reference(model, args, name) -> the losses of one process over 4 steps
+-- of 4 sequences (checkpoints every 2) in dir/name, run once per name
+function S.references(dir)
+  local refs = {}
+  return function(model, args, name)
+    if refs[name] then return refs[name] end
+    local status, text = S.bin_train(('%s %s --batch-size 4 --steps 4 --save-every 2 --out %s/%s'):format(model, args,
+      S.shell_quote(dir), name))
+    luassert.are.equal(0, status, text)
+    refs[name] = S.run_losses(dir .. '/' .. name)
+    return refs[name]
+  end
+end
+
 -- the bytes of the file at path, or nil when it cannot be read
 function S.slurp(path)
   local f = io.open(path, 'rb')

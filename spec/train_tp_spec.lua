@@ -16,11 +16,7 @@ local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losse
 
 local corpus_path = S.fixed_corpus(dir, 48000)
 
-local tiny = '--preset tiny --model.n_layer 2 --model.n_embd 32 --model.n_head 2 --seq-len 16 --lr 1e-2 --warmup 1 '
-  .. '--eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 --data ' .. q(corpus_path)
-local tiny_llama = '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 --model.intermediate_size 64 '
-  .. '--seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 --data '
-  .. q(corpus_path)
+local tiny, tiny_llama = S.tiny_flags(corpus_path, 2)
 
 describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
   teardown(function() os.execute('rm -rf ' .. q(dir)) end)
@@ -41,15 +37,7 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     end
   end
 
-  local refs = {}
-  local function reference(model, args, name)
-    if refs[name] then return refs[name] end
-    local status, text = bin_train(('%s %s --batch-size 4 --steps 4 --save-every 2 --out %s/%s'):format(model, args,
-      q(dir), name))
-    assert.are.equal(0, status, text)
-    refs[name] = losses(dir .. '/' .. name)
-    return refs[name]
-  end
+  local reference = S.references(dir)
 
   it('--tp 2 on 2 ranks follows the one-process loss curve (gpt2, llama); the final weights are the whole model', function()
     for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
