@@ -30,7 +30,7 @@
 -- --pp (pipeline parallelism instead of FSDP: ms.pp.pipeline over the
 -- world, one stage a GPU, every rank the same batch cut into --microbatches
 -- M micro-batches (default: --batch, one sequence each), --schedule
--- 1f1b|gpipe, --no-overlap: every exchange waited for, --stages 10,6: the
+-- 1f1b|zbh1|gpipe, --no-overlap: every exchange waited for, --stages 10,6: the
 -- blocks per stage instead of pp.balanced's, --chunks v: the interleaved
 -- 1F1B over v chunks a rank, --no-grad-first: the input's gradient sent
 -- after the weight gradients (pp's input_grad_first off); tokens/s per GPU
@@ -88,7 +88,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end

@@ -105,4 +105,125 @@ describe('autograd: deferred gradients', function()
       assert.are.equal(0, (g1[name] - g):abs():max():item(), name)
     end
   end)
+
+  -- take_deferred: a Function between the layers takes the queue in its
+  -- backward; the walk ends without the first layer's weight gradients
+  local function take_run(dtype, autocast)
+    local job
+    local Take = A.Function {
+      name = 'take_here',
+      forward = function(_, x) return x:clone() end,
+      backward = function(_, g)
+        job = A.take_deferred()
+        return g
+      end,
+    }
+    local m = net(3, dtype)
+    local x = ms.randn({ 4, 6 }, { dtype = dtype, seed = 11 })
+    local prev = nnf.defer_weight_grads(true)
+    local ok, loss = pcall(function()
+      local function f()
+        local y = m[3](m[2](Take(m[1](x))))
+        return (y * y):sum()
+      end
+      return autocast and nnf.autocast('bf16', f) or f()
+    end)
+    nnf.defer_weight_grads(prev)
+    assert(ok, loss)
+    loss:backward()
+    return m, job
+  end
+
+  it('take_deferred: the queue leaves the walk as a job; run later, it gives the same bits', function()
+    for _, ac in ipairs({ false, true }) do
+      local dtype = ac and 'f32' or 'f64'
+      local g0 = ac and nnf.autocast('bf16', function() return run(false, 'f32') end) or run(false, 'f64')
+      local m, job = take_run(dtype, ac)
+      assert.is_not_nil(job)
+      -- the second layer's GEMMs were queued before the take and left with
+      -- the job; the first's, queued after it, ran at the walk's end
+      assert.is_nil(m[3].weight.grad)
+      assert.is_nil(m[3].bias.grad)
+      assert.is_not_nil(m[1].weight.grad)
+      assert.is_true(job:run())
+      assert.is_false(job:run())
+      assert.is_false(job:drop())
+      for name, p in m:named_parameters() do
+        assert.are.equal(0, (p.grad:to('f64') - g0[name]):abs():max():item(), name)
+      end
+    end
+  end)
+
+  it('take_deferred: a dropped job frees what it held; nothing queued gives nil', function()
+    local S_ = require 'spec.support'
+    local function settle() S_.settled(function() return ms.live_bytes(-1) end) end
+    -- warm up the allocator's paths once
+    local _, j0 = take_run('f64')
+    j0:drop()
+    j0 = nil
+    settle()
+    local b0 = ms.live_bytes(-1)
+    local m, job = take_run('f64')
+    m = nil
+    settle()
+    local held = ms.live_bytes(-1) - b0
+    assert.is_true(held > 0, 'the job holds the layer\'s operands')
+    assert.is_true(job:drop())
+    assert.is_false(job:run())
+    job = nil
+    settle()
+    assert.are.equal(b0, ms.live_bytes(-1))
+    -- outside a walk, and in a walk with nothing deferred
+    assert.is_nil(A.take_deferred())
+    local seen = 'unset'
+    local Take = A.Function {
+      name = 'take_nothing',
+      forward = function(_, x) return x:clone() end,
+      backward = function(_, g) seen = A.take_deferred(); return g end,
+    }
+    local x = ms.randn({ 3 }, { dtype = 'f64', seed = 2 }):requires_grad_()
+    ;(Take(x) * 2):sum():backward()
+    assert.is_nil(seen)
+  end)
+
+  it('take_deferred: a node of the walk that needs a taken gradient runs the job first; run inside a backward is an error',
+    function()
+    -- w is made from p by a node recorded before the take, so the walk
+    -- reaches it after the take, waiting for the weight gradient
+    local function build(defer)
+      ms.manual_seed(5)
+      local p = ms.randn({ 5, 6 }, { dtype = 'f64', seed = 3 }):requires_grad_()
+      local x = ms.randn({ 4, 6 }, { dtype = 'f64', seed = 4 }):requires_grad_()
+      local job
+      local Take = A.Function {
+        name = 'take_mid',
+        forward = function(_, t) return t:clone() end,
+        backward = function(_, g) job = A.take_deferred(); return g end,
+      }
+      local w = p * 3
+      local prev = nnf.defer_weight_grads(defer)
+      local y = nnf.linear(Take(x), w)
+      nnf.defer_weight_grads(prev)
+      ;(y * y):sum():backward()
+      return p, x, job
+    end
+    local p0, x0 = build(false)
+    local p1, x1, job = build(true)
+    assert.is_not_nil(job)
+    assert.is_false(job:run(), 'the walk ran it')
+    assert.are.equal(0, (p1.grad - p0.grad):abs():max():item())
+    assert.are.equal(0, (x1.grad - x0.grad):abs():max():item())
+    -- a job run from inside another backward
+    local _, job2 = take_run('f64')
+    local Inner = A.Function {
+      name = 'run_inside',
+      forward = function(_, t) return t:clone() end,
+      backward = function(_, g) job2:run(); return g end,
+    }
+    local z = ms.randn({ 2 }, { dtype = 'f64', seed = 9 }):requires_grad_()
+    local ok, err = pcall(function() (Inner(z) * 1):sum():backward() end)
+    assert.is_false(ok)
+    assert.matches('after the backward it came from', tostring(err))
+    assert.is_true(job2:run())
+  end)
 end)

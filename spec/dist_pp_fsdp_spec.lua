@@ -407,6 +407,13 @@ describe('FSDP inside pipeline stages #mpi', function()
     local x, y = FS.lcg_batch(3, 2, 8)
     assert.has_error(function() pipe3:step(x, y) end, 'pp: a stage under fully_shard with offload = true is not supported')
     pipe3:free()
+    local m4 = build(case)
+    local pipe4 = pp.pipeline(m4, { group = pg, schedule = 'zbh1' })
+    shard(case, m4, dg, 'FULL_SHARD')
+    assert.has_error(function() pipe4:step(x, y) end, 'pp: the zbh1 schedule cannot run a stage under '
+      .. 'fsdp.fully_shard (its units reduce at the end of each backward, before the weight gradients zbh1 runs '
+      .. 'later); use 1f1b')
+    pipe4:free()
     pipe:free()
     mesh.shard:free(); mesh.replicate:free()
   end)

@@ -2,7 +2,7 @@
 -- tools/run_multi_specs.sh on a host with 2 or more GPUs). The CPU specs
 -- over MPI (spec/dist_p2p_spec.lua, spec/dist_pp_spec.lua, #mpi) hold the
 -- exact checks; this file runs the same code with CUDA tensors: batches of
--- sends and receives as one NCCL group, both schedules against the whole
+-- sends and receives as one NCCL group, the three schedules against the whole
 -- model on the same GPU (f32 within 1e-4: the micro-batches' GEMMs may take
 -- other algorithms than the batch's), bf16 autocast with one micro-batch
 -- (the same kernels: the same bits), TP pairs inside two stages on 4 GPUs,
@@ -66,7 +66,7 @@ describe('point-to-point and pipelines on GPUs (NCCL) #multi', function()
   end
 
   for _, case in ipairs(cases) do
-    for _, sched in ipairs({ '1f1b', 'gpipe' }) do
+    for _, sched in ipairs({ '1f1b', 'gpipe', 'zbh1' }) do
       it(('%s, %s, 4 micro-batches: the whole model\'s loss and gradients (f32)'):format(case[1], sched), function()
         local x, y = batch(3)
         local ref = build(case):to('cuda')

@@ -41,7 +41,7 @@ describe('pipeline parallelism #mpi', function()
   end
 
   for _, case in ipairs(cases) do
-    for _, sched in ipairs({ '1f1b', 'gpipe', '1f1b, no overlap' }) do
+    for _, sched in ipairs({ '1f1b', 'gpipe', '1f1b, no overlap', 'zbh1' }) do
       for _, M in ipairs({ 1, 4 }) do
         it(('%s, %s, %d micro-batches: loss and this stage\'s gradients are the whole model\'s (f64)'):format(
           case[1], sched, M), function()
@@ -213,6 +213,61 @@ describe('pipeline parallelism #mpi', function()
       if R == 0 then assert.are.equal(0, counts[1], case[1]) else assert.is_true(counts[1] > 0, case[1]) end
       assert.are.equal(0, counts[2], case[1])
       for name, g in pairs(grads[1]) do assert.are.equal(0, FS.max_rel(g, grads[2][name]), case[1] .. ' ' .. name) end
+    end
+  end)
+
+  -- ZB-H1's order on stage s, from 1F1B's trace: after each backward the
+  -- weight gradients of the oldest backwards run until s are left, the rest
+  -- after the last backward (the first stage takes no weight gradients out)
+  local function zbh1_order(trace_1f1b, s, first)
+    local r, pending = {}, {}
+    for _, e in ipairs(trace_1f1b) do
+      r[#r + 1] = e
+      if e:sub(1, 1) == 'B' and not first then
+        pending[#pending + 1] = 'W' .. e:sub(2)
+        while #pending > s do r[#r + 1] = table.remove(pending, 1) end
+      end
+    end
+    for _, w in ipairs(pending) do r[#r + 1] = w end
+    return r
+  end
+
+  it('zbh1: 1F1B\'s forwards and backwards, each micro-batch\'s weight gradients `stage` backwards later; the same bits as 1f1b',
+    function()
+    if W == 1 then return end
+    for _, case in ipairs(cases) do
+      for _, ac in ipairs({ false, true }) do
+        local x, y = FS.lcg_batch(52, 6, 8)
+        local grads, traces, losses = {}, {}, {}
+        for k, sched in ipairs({ '1f1b', 'zbh1' }) do
+          local m = build(case)
+          if ac then m = m:to('f32'); ms.nn.functional.set_precision(m, { compute = 'bf16' }) end
+          local pipe = pp.pipeline(m, { microbatches = 6, schedule = sched })
+          pipe.trace = {}
+          losses[k] = pipe:step(x, y):item()
+          traces[k] = pipe.trace
+          grads[k] = {}
+          for name, p in m:named_parameters() do grads[k][name] = p.grad end
+          pipe:free()
+        end
+        local what = case[1] .. (ac and ', bf16 autocast' or '')
+        assert.are.equal(losses[1], losses[2], what)
+        assert.are.same(zbh1_order(traces[1], R, R == 0), traces[2], what)
+        if R > 0 then
+          local nw = 0
+          for _, e in ipairs(traces[2]) do if e:sub(1, 1) == 'W' then nw = nw + 1 end end
+          assert.are.equal(6, nw, what)
+        end
+        -- begun and not through the weight gradients: at most the stages
+        local open, most = 0, 0
+        for _, e in ipairs(traces[2]) do
+          local c = e:sub(1, 1)
+          if c == 'F' then open = open + 1 elseif c == 'W' or (c == 'B' and R == 0) then open = open - 1 end
+          most = math.max(most, open)
+        end
+        assert.is_true(most <= W, ('%s: %d micro-batches open on stage %d of %d'):format(what, most, R, W))
+        for name, g in pairs(grads[1]) do assert.are.equal(0, FS.max_rel(g, grads[2][name]), what .. ' ' .. name) end
+      end
     end
   end)
 
@@ -415,7 +470,10 @@ describe('pipeline parallelism #mpi', function()
         'pp.pipeline: layers {4} add up to 4 blocks but the model has 5')
     end
     assert.has_error(function() pp.pipeline(build(case), { schedule = 'zb' }) end,
-      'pp.pipeline: schedule must be 1f1b or gpipe (or interleaved, with chunks > 1), got zb')
+      'pp.pipeline: schedule must be 1f1b, zbh1 or gpipe (or interleaved, with chunks > 1), got zb')
+    assert.has_error(function() pp.pipeline(build(case), { schedule = 'zbh1', overlap = false }) end,
+      'pp.pipeline: the zbh1 schedule splits each backward at the stage\'s input (input_grad_first, with overlap); '
+      .. 'got overlap = false, input_grad_first = true')
     assert.has_error(function() pp.pipeline({}) end,
       'pp.pipeline: the model has no pipeline_parts() (GPT-2 and Llama have it; docs/pp.md says what it returns)')
     local m = build(case)

@@ -27,11 +27,11 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
 
   local reference = S.references(dir)
 
-  it('--pp 2 on 2 ranks follows the one-process loss curve (gpt2, llama; 1f1b, gpipe); the final weights are the whole model',
+  it('--pp 2 on 2 ranks follows the one-process loss curve (gpt2, llama; 1f1b, gpipe, zbh1); the final weights are the whole model',
     function()
     for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
       local one = reference(c[1], c[2], c[3] .. '1')
-      for _, sched in ipairs({ '1f1b', 'gpipe' }) do
+      for _, sched in ipairs({ '1f1b', 'gpipe', 'zbh1' }) do
         local out = ('%s/%s2%s'):format(dir, c[3], sched)
         local status, text = bin_train(('--nproc-per-node 2 --device cpu %s %s --batch-size 4 --steps 4 --pp 2 '
           .. '--pp-schedule %s --out %s'):format(c[1], c[2], sched, q(out)))
@@ -119,6 +119,11 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       .. '--pp-microbatches 1 --out %s/gf8'):format(tiny, q(dir)))
     assert.are.equal(0, status, text)
     close_losses(one8, losses(dir .. '/gf8'), 1, 4, '--pp 2 --float8')
+    -- float8's weight-gradient GEMMs taken out of the walk by zbh1
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --float8 --batch-size 4 --steps 4 --pp 2 '
+      .. '--pp-microbatches 1 --pp-schedule zbh1 --out %s/gf8z'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one8, losses(dir .. '/gf8z'), 1, 4, '--pp 2 --float8 --pp-schedule zbh1')
   end)
 
   it('--pp 2 --tp 2 on 4 ranks (TP pairs in 2 stages) follows the one-process curve; its checkpoint resumes in one process',
@@ -278,5 +283,10 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       .. '--out %s/b5'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)
     assert.is_truthy(text:find('--pp 2: pp.pipeline: 1 blocks cannot fill 2 stages', 1, true), text)
+    status, text = bin_train(('--nproc-per-node 4 --device cpu models/gpt2.lua %s --steps 1 --pp 2 --fsdp FULL_SHARD '
+      .. '--pp-schedule zbh1 --out %s/b6'):format(tiny, q(dir)))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('--pp-schedule zbh1 with --fsdp FULL_SHARD: a sharded stage reduces its gradients', 1, true),
+      text)
   end)
 end)

@@ -474,6 +474,7 @@ end
 -- complete gradients) and at the walk's end. A backward function called
 -- while the queue runs computes at once (A.defer returns false).
 local MAX_POSTPONED = 64
+local DeferredJob          -- (A.take_deferred's jobs)
 local deferring = {}          -- stack of the active walks' queues
 local defer_on = os.getenv('MS_DEFER_GRADS') ~= '0'
 
@@ -498,6 +499,43 @@ end
 function A.flush_deferred()
   local q = deferring[#deferring]
   if q ~= nil then q.flush() end
+end
+
+-- A.take_deferred() -> job or nil: the current walk's deferred work taken
+-- out of it, to run after the walk has ended (a pipeline's zero-bubble
+-- schedule runs a micro-batch's weight gradients after later micro-batches'
+-- input gradients; docs/autograd.md "Deferred gradients"). nil when nothing
+-- is queued (or outside a walk). The gradients are the same bits as a
+-- flush's. job:run() -> true (false when it ran or was dropped already):
+-- its closures run, delivering into the leaves' .grad (and through the
+-- nodes postponed with them: an autocast cast of the weight); a node of
+-- the walk that needs one of its gradients runs it first. job:drop()
+-- releases what it holds instead (a step cut short). A job never run
+-- keeps its operands (a layer's input and output gradient) alive.
+DeferredJob = {}
+DeferredJob.__index = DeferredJob
+function DeferredJob:run()
+  if self.done then return false end
+  if active ~= nil then
+    -- (its backward functions would queue into that walk)
+    error('autograd: a taken job of deferred gradients is run after the backward it came from, '
+      .. 'not inside a backward', 2)
+  end
+  local prev = enabled
+  enabled = false
+  local ok, r = pcall(self.run_fn, self)
+  enabled = prev
+  if not ok then error(r, 0) end
+  return r
+end
+function DeferredJob:drop()
+  if self.done then return false end
+  return self.drop_fn(self)
+end
+function A.take_deferred()
+  local q = deferring[#deferring]
+  if q == nil or q.take == nil then return nil end
+  return q.take()
 end
 -- A.set_deferral(on) -> previous (also MS_DEFER_GRADS=0): off, every
 -- backward function computes at once
@@ -681,38 +719,97 @@ local function walk(tape, grads, borrowed, root)
     end
     defer_counts.deferred = defer_counts.deferred + 1
   end
+  -- runs a list of deferred entries in order (the queue's, or a taken job's)
+  local function run_entries(list)
+    local k = 1
+    while k <= #list do
+      local e = list[k]
+      list[k] = false
+      k = k + 1
+      if e.run then
+        run_node(e.node)
+      else
+        e.drop = nil
+        local r = pack(e.fn())
+        local nd = e.node
+        local was = nd.leaf
+        nd.leaf = e.leaf
+        for j, i in ipairs(e.idx) do
+          local g = r[j]
+          if g ~= nil and nd.need[i] then
+            deliver(nd, i, g)
+            local gid = tonumber(g.id)
+            if not taken[gid] and not borrowed[gid] then free(g) end
+          end
+        end
+        nd.leaf = was
+      end
+    end
+  end
   function q.flush()
     if q.running or #q.list == 0 then return end
     q.running = true
     defer_counts.flushes = defer_counts.flushes + 1
-    local ok, err = pcall(function()
-      local k = 1
-      while k <= #q.list do
-        local e = q.list[k]
-        q.list[k] = false
-        k = k + 1
-        if e.run then
-          run_node(e.node)
-        else
-          e.drop = nil
-          local r = pack(e.fn())
-          local nd = e.node
-          local was = nd.leaf
-          nd.leaf = e.leaf
-          for j, i in ipairs(e.idx) do
-            local g = r[j]
-            if g ~= nil and nd.need[i] then
-              deliver(nd, i, g)
-              local gid = tonumber(g.id)
-              if not taken[gid] and not borrowed[gid] then free(g) end
-            end
-          end
-          nd.leaf = was
-        end
-      end
-    end)
+    local ok, err = pcall(run_entries, q.list)
     q.list, q.pending, q.npost, q.running = {}, {}, 0, false
     if not ok then error(err, 0) end
+  end
+  -- the jobs taken out of this walk (A.take_deferred) and not yet run or dropped
+  local jobs, walking = {}, true
+  -- frees the gradients this walk still holds for ids a job was to complete
+  local function free_pending(pending)
+    for id in pairs(pending) do
+      local g = grads[id]
+      if g ~= nil then
+        grads[id] = nil
+        if not borrowed[tonumber(g.id)] then free(g) end
+      end
+    end
+  end
+  -- runs a taken job: inside its walk (a node there waits for it) or after
+  -- it (the caller's schedule), every backward function computing at once
+  local function run_job(job)
+    if job.done then return false end
+    job.done = true
+    jobs[job] = nil
+    local running = q.running
+    q.running = true
+    deferring[#deferring + 1] = q
+    defer_counts.flushes = defer_counts.flushes + 1
+    local ok, err = pcall(run_entries, job.list)
+    deferring[#deferring] = nil
+    q.running = running
+    if not ok then
+      for _, e in ipairs(job.list) do
+        if e and e.drop then pcall(e.drop) end
+      end
+    end
+    -- (inside the walk its nodes take what the job delivered; after it,
+    -- whatever is left had no consumer)
+    if not walking then free_pending(job.pending) end
+    job.list, job.pending, job.run_fn, job.drop_fn = nil, nil, nil, nil
+    if not ok then error(err, 0) end
+    return true
+  end
+  local function drop_job(job)
+    if job.done then return false end
+    job.done = true
+    jobs[job] = nil
+    for _, e in ipairs(job.list) do
+      if e and e.drop then pcall(e.drop) end
+    end
+    free_pending(job.pending)
+    job.list, job.pending, job.run_fn, job.drop_fn = nil, nil, nil, nil
+    return true
+  end
+  -- hands the queue to a job to be run later (A.take_deferred)
+  function q.take()
+    if q.running or #q.list == 0 then return nil end
+    local job = { list = q.list, pending = q.pending, done = false }
+    q.list, q.pending, q.npost = {}, {}, 0
+    jobs[job] = true
+    job.run_fn, job.drop_fn = run_job, drop_job
+    return setmetatable(job, DeferredJob)
   end
   -- releases what queued closures hold (a walk that failed)
   function q.drop()
@@ -721,9 +818,9 @@ local function walk(tape, grads, borrowed, root)
     end
     q.list, q.pending = {}, {}
   end
-  -- whether node makes a gradient still to come from the queue
-  local function has_pending(node)
-    local p = q.pending
+  -- whether node makes a gradient still to come from the queue (or p)
+  local function has_pending(node, p)
+    p = p or q.pending
     if next(p) == nil then return false end
     if node.oid then return p[node.oid] == true end
     if node.oids then
@@ -749,6 +846,12 @@ local function walk(tape, grads, borrowed, root)
         run_hooks(hooks.module_post_backward, m)
       end
     elseif not node.done then
+      if next(jobs) ~= nil then
+        -- a node waiting for a taken job's gradients: the job runs first
+        for job in pairs(jobs) do
+          if has_pending(node, job.pending) then run_job(job) end
+        end
+      end
       if has_pending(node) then
         if q.npost < MAX_POSTPONED then
           -- postponed behind the work it waits for
@@ -770,11 +873,23 @@ local function walk(tape, grads, borrowed, root)
   q.flush()
   end)
   deferring[#deferring] = nil
-  if not ok then q.drop(); error(err, 0) end
-  -- gradients that reached no node (intermediates of earlier, consumed tapes)
+  walking = false
+  if not ok then
+    q.drop()
+    for job in pairs(jobs) do drop_job(job) end
+    error(err, 0)
+  end
+  -- gradients that reached no node (intermediates of earlier, consumed
+  -- tapes), but those a taken job is still to complete
+  local keep = {}
+  for job in pairs(jobs) do
+    for id in pairs(job.pending) do keep[id] = true end
+  end
   for id, g in pairs(grads) do
-    if not borrowed[tonumber(g.id)] then free(g) end
-    grads[id] = nil
+    if not keep[id] then
+      if not borrowed[tonumber(g.id)] then free(g) end
+      grads[id] = nil
+    end
   end
 end
 

@@ -96,7 +96,11 @@ end
 --   microbatches  micro-batches a step (default: the number of stages); the
 --                 batch size must be a multiple of it
 --   schedule      '1f1b' (default: at most stages - stage micro-batches'
---                 activations held) or 'gpipe' (every forward, then every backward)
+--                 activations held), 'zbh1' (1F1B's order with each
+--                 micro-batch's weight gradients run `stage` backwards
+--                 later: the zero-bubble paper's ZB-H1, a third of 1F1B's
+--                 bubble at 1F1B's peak memory) or 'gpipe' (every forward,
+--                 then every backward)
 --   layers        blocks per stage, a list summing to the model's blocks
 --                 (default pp.balanced, the head counted as 0.7 of its
 --                 weight over a block's parameters: pp.head_weight)
@@ -158,9 +162,14 @@ function pp.pipeline(model, opts)
       error(('pp.pipeline: the interleaved schedule needs micro-batches in multiples of the %d stages, got %d'):format(
         S, M), 2)
     end
-  elseif schedule ~= '1f1b' and schedule ~= 'gpipe' then
-    error(('pp.pipeline: schedule must be 1f1b or gpipe (or interleaved, with chunks > 1), got %s'):format(
+  elseif schedule ~= '1f1b' and schedule ~= 'gpipe' and schedule ~= 'zbh1' then
+    error(('pp.pipeline: schedule must be 1f1b, zbh1 or gpipe (or interleaved, with chunks > 1), got %s'):format(
       tostring(schedule)), 2)
+  end
+  if schedule == 'zbh1' and (opts.overlap == false or opts.input_grad_first == false) then
+    error(('pp.pipeline: the zbh1 schedule splits each backward at the stage\'s input (input_grad_first, with '
+      .. 'overlap); got overlap = %s, input_grad_first = %s'):format(tostring(opts.overlap ~= false),
+      tostring(opts.input_grad_first ~= false)), 2)
   end
   local parts = model:pipeline_parts()
   local L = #parts.blocks
@@ -316,13 +325,14 @@ local function rows(t, i, n) return t:narrow(1, (i - 1) * n + 1, n):contiguous()
 local StageInput = A.Function {
   name = 'pp_stage_input',
   owns_results = true,
-  forward = function(ctx, x, send)
-    ctx.send = send
+  forward = function(ctx, x, send, take)
+    ctx.send, ctx.take = send, take or nil
     return x
   end,
   backward = function(ctx, g)
     ctx.send(g)
-    A.flush_deferred()
+    -- (zbh1: the stage's weight gradients are taken for later)
+    if ctx.take then ctx.take(A.take_deferred()) else A.flush_deferred() end
     return nil, nil
   end,
 }
@@ -350,7 +360,7 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
         local gx = g:clone()
         rec.sent = true
         if self.chunks > 1 then self:vsend_backward(gx) else self:send_backward(gx) end
-      end)
+      end, self.schedule == 'zbh1' and function(job) rec.w = job end or false)
     end
     if firstv then h = parts.embed(rows(ids, i, mb)) end
     for j = range[1], range[2] do h = blocks[j](h) end
@@ -681,6 +691,12 @@ end
 function Pipeline:fsdp_begin(opts)
   local st = rawget(self.model, '_fsdp')
   if not st then self.fs = nil; return end
+  if self.schedule == 'zbh1' then
+    -- (a unit reduces its gradients at the end of its last backward's walk,
+    -- before the weight gradients zbh1 leaves for later)
+    error('pp: the zbh1 schedule cannot run a stage under fsdp.fully_shard (its units reduce at the end of '
+      .. 'each backward, before the weight gradients zbh1 runs later); use 1f1b', 3)
+  end
   local fsdp = require 'moonshard.fsdp'
   if self.tied_group and not self.tied_hooked then
     local tg = self.tied_group
@@ -725,8 +741,15 @@ function Pipeline:drop_live()
     A.tape = saved
     if rec.x then rec.x:free() end
     if rec.out then rec.out:free() end
+    if rec.w then rec.w:drop(); rec.w = nil end
   end
   self.live = {}
+  -- (zbh1: the weight gradients taken and not yet run)
+  local wq = self.wq
+  if wq then
+    for k = wq.head, wq.tail do if wq[k] then wq[k].job:drop() end end
+    self.wq = nil
+  end
   for i, w in ipairs(self.sends) do w:free(); self.sends[i] = nil end
   if self.loss_sum then self.loss_sum:free(); self.loss_sum = nil end
 end
@@ -749,13 +772,47 @@ function Pipeline:run_schedule(ids, targets)
     end
   else
     -- 1F1B (Megatron-LM's order): warm-up forwards, then one forward and one
-    -- backward in turn, then the remaining backwards
+    -- backward in turn, then the remaining backwards. zbh1 (ZB-H1): the same
+    -- order, each backward's weight gradients (the job its stage input took,
+    -- rec.w) left until `stage` later backwards have run (the first stage's
+    -- at once, the last's S - 1 later; every stage then holds S
+    -- micro-batches begun and not through their weight gradients, 1F1B's
+    -- peak on the first stage), the rest after the last backward: the input
+    -- gradients travel up at the pace of their own passes, and the weight
+    -- gradients fill the cool-down's waits
+    local zb = self.schedule == 'zbh1'
+    local trace = self.trace
+    local wq = { head = 1, tail = 0 }
+    self.wq = wq
+    local function W(limit)
+      while wq.tail - wq.head + 1 > limit do
+        local job = wq[wq.head]
+        wq[wq.head] = nil
+        wq.head = wq.head + 1
+        if job then job.job:run(); if trace then trace[#trace + 1] = 'W' .. job.i end end
+      end
+    end
+    local function B(rec, gy)
+      local gx = self:backward_one(rec, gy)
+      if trace then trace[#trace + 1] = 'B' .. rec.i end
+      if zb then
+        wq.tail = wq.tail + 1
+        wq[wq.tail] = rec.w and { job = rec.w, i = rec.i } or false
+        rec.w = nil
+      end
+      return gx
+    end
+    local function Fw(i, x)
+      local rec = self:forward_one(i, x, ids, targets, true)
+      if trace then trace[#trace + 1] = 'F' .. i end
+      return rec
+    end
     local warm = math.min(self.n_stages - self.stage - 1, M)
     local rest = M - warm
     local i = 0
     for _ = 1, warm do
       i = i + 1
-      local rec = self:forward_one(i, self:recv_forward(true), ids, targets, true)
+      local rec = Fw(i, self:recv_forward(true))
       self:send_forward(rec)
       tail = tail + 1
       queue[tail] = rec
@@ -763,17 +820,23 @@ function Pipeline:run_schedule(ids, targets)
     local x = rest > 0 and self:recv_forward(true) or nil
     for k = 1, rest do
       i = i + 1
-      local rec = self:forward_one(i, x, ids, targets, true)
+      local rec = Fw(i, x)
       tail = tail + 1
       queue[tail] = rec
       local gy = self:send_forward_recv_backward(rec)
       local oldest = queue[head]
       queue[head] = nil
       head = head + 1
-      local gx = self:backward_one(oldest, gy)
+      local gx = B(oldest, gy)
       if k == rest then
         x = nil
         self:send_backward(gx)
+        if zb then W(self.stage) end
+      elseif zb then
+        -- (the weight gradients before the wait for the next input)
+        self:send_backward(gx)
+        W(self.stage)
+        x = self:recv_forward(true)
       else
         x = self:send_backward_recv_forward(gx)
       end
@@ -783,8 +846,11 @@ function Pipeline:run_schedule(ids, targets)
       local oldest = queue[head]
       queue[head] = nil
       head = head + 1
-      self:send_backward(self:backward_one(oldest, gy))
+      self:send_backward(B(oldest, gy))
+      if zb then W(self.stage) end
     end
+    if zb then W(0) end
+    self.wq = nil
   end
 end
 

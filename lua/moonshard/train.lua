@@ -89,7 +89,7 @@ train.options = {
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
-  { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages) or gpipe (every forward, then every backward) (docs/pp.md)' },
+  { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -380,8 +380,8 @@ function train.check_options(o, where)
   if o.float8 ~= nil and o.float8 ~= 'off' and not require('moonshard.float8').recipes[o.float8] then
     usage('%s: float8 must be off, tensorwise, rowwise or rowwise_with_gw_hp, got %s', where, describe(o.float8))
   end
-  if o.pp_schedule ~= nil and o.pp_schedule ~= '1f1b' and o.pp_schedule ~= 'gpipe' then
-    usage('%s: pp_schedule must be 1f1b or gpipe, got %s', where, describe(o.pp_schedule))
+  if o.pp_schedule ~= nil and o.pp_schedule ~= '1f1b' and o.pp_schedule ~= 'gpipe' and o.pp_schedule ~= 'zbh1' then
+    usage('%s: pp_schedule must be 1f1b, zbh1 or gpipe, got %s', where, describe(o.pp_schedule))
   end
   if o.float8_tp_scales ~= nil and o.float8_tp_scales ~= 'shard' and o.float8_tp_scales ~= 'group' then
     usage('%s: float8_tp_scales must be shard or group, got %s', where, describe(o.float8_tp_scales))
@@ -1025,6 +1025,10 @@ function train.run(opts)
     -- over the data-parallel ranks that hold it (FSDP x PP); otherwise the
     -- pipelines' gradients are all-reduced
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
+    if strategy and o.pp_schedule == 'zbh1' and o.pp_chunks == 1 then
+      usage('--pp-schedule zbh1 with --fsdp %s: a sharded stage reduces its gradients at the end of each backward, '
+        .. 'before the weight gradients zbh1 runs later; use --pp-schedule 1f1b', strategy)
+    end
     if tp_size > 1 then
       -- 3-D: TP pairs innermost (consecutive ranks), then the stages, then
       -- data parallelism; rank r = (d * pp + p) * tp + t
