@@ -503,8 +503,9 @@ describe('tensor parallelism over NCCL #multi', function()
   local cases = {
     { 'gpt2', gpt2, { vocab_size = 259, n_positions = 64, n_embd = 128, n_layer = 2, n_head = 4,
       resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, bos_token_id = hf.null, eos_token_id = hf.null } },
+    -- (8 heads, 4 of keys and values: split over 1, 2 or 4 GPUs)
     { 'llama', llama, { vocab_size = 257, hidden_size = 128, intermediate_size = 256, num_hidden_layers = 2,
-      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64 } },
+      num_attention_heads = 8, num_key_value_heads = 4, max_position_embeddings = 64 } },
   }
   local function build(case)
     ms.manual_seed(7)
@@ -549,13 +550,16 @@ describe('tensor parallelism over NCCL #multi', function()
         assert.are.same({}, fails)
       end)
     end
-    -- FSDP x TP on the two GPUs (TP 2 with FSDP groups of one, and TP 1
-    -- with FSDP over both): bf16 parameters, f32 reduction, against the
-    -- unsplit model under bf16 autocast
+    -- FSDP x TP on the GPUs (TP over all with FSDP groups of one, TP 1
+    -- with FSDP over all, and 2 x 2 on four): bf16 parameters, f32
+    -- reduction, against the unsplit model under bf16 autocast
     it(('%s: fully_shard over the other axis, bf16, three clipped steps as the unsplit model (2e-2)'):format(case[1]),
       function()
         local fails = {}
-        for _, rs in ipairs({ { 1, 2 }, { 2, 1 } }) do
+        local G = dist.world_size()
+        local layouts = { { 1, G }, { G, 1 } }
+        if G == 4 then layouts[3] = { 2, 2 } end
+        for _, rs in ipairs(layouts) do
           local R, S = rs[1], rs[2]
           local mesh = dist.mesh { replicate = R, shard = S }
           local ref = build(case)
