@@ -1206,4 +1206,8 @@ function nn.apply_activation_checkpointing(model, opts)
   return names
 end
 
+-- mixture-of-experts layers (nn.MoE, nn.MoEExpert; moonshard.nn.moe, docs/moe.md)
+nn.moe = require 'moonshard.nn.moe'
+nn.moe.install(nn, nnf)
+
 return nn

@@ -1,0 +1,287 @@
+-- moonshard.nn.moe — mixture-of-experts feed-forward layers (docs/moe.md).
+--
+-- nn.MoE: token-choice top-k routing (Shazeer et al. 2017; Switch and
+-- GShard's load-balancing loss; Mixtral's and Qwen-MoE's layers), dropless:
+-- every token goes to its k experts, however many pick the same one. The
+-- experts are SwiGLU MLPs with parameters of their own (Hugging Face's
+-- names), so FSDP, checkpoints and optimizers see ordinary parameters.
+--
+-- One forward, N tokens of width H, E experts:
+--   1. router logits x Wgᵀ (N, E), in f32; scores softmax (or sigmoid);
+--   2. the k best experts of each token (k passes of argmax: ties go to the
+--      lower expert), their scores (renormalised to sum 1 when norm_topk);
+--   3. the N·k (token, expert) slots sorted by expert, stable, on the host
+--      (one copy of the N·k expert ids to the host a layer: the experts'
+--      row counts size their GEMMs);
+--   4. the tokens' rows gathered in that order, each expert's run of rows
+--      through its MLP, every row scaled by its routing weight;
+--   5. the rows put back in slot order and each token's k rows summed;
+--      a shared expert (Qwen-MoE, DeepSeek) adds its dense MLP.
+-- Every step is an autograd op (index_select, narrow, the MLPs' linears,
+-- cat, mul, sum), so the gradients are those of the math above; an expert
+-- no token chose still gets a gradient (zeros), so that every rank's
+-- parameters have one and data-parallel reductions stay in step.
+-- (moonshard itself when first used: this file loads while it does)
+local ms = setmetatable({}, { __index = function(_, k) return require('moonshard')[k] end })
+local A = require 'moonshard.autograd'
+local T = require 'moonshard.tensor'
+
+local moe = {}
+
+-- an expert: down(silu(gate(x)) * up(x)), its linears named as the model's
+-- checkpoints name them (Mixtral: w1, w3, w2; Qwen-MoE: gate_proj, up_proj,
+-- down_proj)
+local function expert_class(nn, nnf)
+  local Expert = nn.Module:extend('MoEExpert')
+  function Expert:init(cfg)
+    local names = cfg.names
+    self.dim, self.hidden, self.names = cfg.dim, cfg.hidden, names
+    local o = { bias = false, dtype = cfg.dtype, device = cfg.device }
+    self:register_module(names[1], nn.Linear(cfg.dim, cfg.hidden, o))
+    self:register_module(names[2], nn.Linear(cfg.dim, cfg.hidden, o))
+    self:register_module(names[3], nn.Linear(cfg.hidden, cfg.dim, o))
+  end
+  function Expert:forward(x)
+    local n = self.names
+    return self[n[3]](nnf.swiglu(self[n[1]](x), self[n[2]](x)))
+  end
+  function Expert:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, self.hidden) end
+  return Expert
+end
+
+-- identity on y whose backward also gives zeros to params (the experts no
+-- token chose: every parameter gets a gradient each backward)
+local ZeroGrads = A.Function {
+  name = 'moe_zero_grads',
+  owns_results = true,
+  forward = function(ctx, y, ...)
+    local ps = { ... }
+    ctx.specs = {}
+    for i, p in ipairs(ps) do ctx.specs[i] = { p.shape, p.dtype, p.device } end
+    return y
+  end,
+  backward = function(ctx, g)
+    local r = { g:clone() }
+    for i, s in ipairs(ctx.specs) do r[i + 1] = T.zeros(s[1], { dtype = s[2], device = s[3] }) end
+    return unpack(r, 1, #ctx.specs + 1)
+  end,
+}
+
+-- moe.sort_slots(ids (N, k) i64, E) -> order, inv, tok, counts: the N·k
+-- slots (0-based row-major indices into ids) sorted by expert, stable
+-- (slot order within an expert); inv[s] = where slot s sits in order; tok
+-- = order // k, the token of each sorted slot (three i64 host tensors of
+-- N·k), and each expert's count (a Lua list). Ids outside [0, E) are an
+-- error naming the slot.
+function moe.sort_slots(ids, E)
+  local ffi = ms.ffi
+  local k = ids.ndim == 2 and ids.shape[2] or 1
+  local h = ids:to('cpu'):contiguous()
+  local n = h:numel()
+  local p = ffi.cast('int64_t *', h:data_ptr())
+  local counts = {}
+  for e = 1, E do counts[e] = 0 end
+  for s = 0, n - 1 do
+    local e = tonumber(p[s])
+    if e < 0 or e >= E then
+      error(('moe: expert id %d at slot %d is outside [0, %d)'):format(e, s, E), 3)
+    end
+    counts[e + 1] = counts[e + 1] + 1
+  end
+  local start, acc = {}, 0
+  for e = 1, E do start[e] = acc; acc = acc + counts[e] end
+  local order, inv, tok = ms.empty({ n }, { dtype = 'i64' }), ms.empty({ n }, { dtype = 'i64' }),
+    ms.empty({ n }, { dtype = 'i64' })
+  local o, iv, tk = ffi.cast('int64_t *', order:data_ptr()), ffi.cast('int64_t *', inv:data_ptr()),
+    ffi.cast('int64_t *', tok:data_ptr())
+  for s = 0, n - 1 do
+    local e = tonumber(p[s]) + 1
+    local j = start[e]
+    o[j] = s
+    iv[s] = j
+    tk[j] = math.floor(s / k)
+    start[e] = j + 1
+  end
+  if h ~= ids then h:free() end
+  return order, inv, tok, counts
+end
+
+-- moe.topk(scores (N, E), k) -> ids (N, k) i64: each row's k largest, in
+-- descending order, ties to the lower index (k passes of argmax on a copy;
+-- no gradient)
+function moe.topk(scores, k)
+  return A.no_grad(function()
+    local s = scores:detach():clone()
+    local N = s.shape[1]
+    local cols = {}
+    local ninf = k > 1 and ms.full({ N, 1 }, -math.huge, { dtype = s.dtype, device = s.device }) or nil
+    for j = 1, k do
+      local _, a = s:max(2, true)
+      cols[j] = a
+      if j < k then s:scatter_add_(2, a, ninf) end
+    end
+    local ids = k == 1 and cols[1] or ms.cat(cols, 2)
+    return ids
+  end)
+end
+
+function moe.install(nn, nnf)
+  local Expert = expert_class(nn, nnf)
+  nn.MoEExpert = Expert
+
+  -- nn.MoE{dim, hidden, experts, top_k, score = 'softmax'|'sigmoid',
+  --   norm_topk = true, route_scale = 1, shared_hidden = nil,
+  --   names = {'gate_proj', 'up_proj', 'down_proj'}, router = 'gate',
+  --   shared = 'shared_expert', dtype, device}
+  -- x (..., dim) -> (..., dim). After each forward, moe:last_stats() ->
+  -- counts (E, a Lua list), mean_probs (E) (the router's mean score of
+  -- each expert over the tokens; differentiable under grad), tokens: what
+  -- the load-balancing loss is made of (moe.aux_loss); moe:clear_stats().
+  local MoE = nn.Module:extend('MoE')
+  nn.MoE = MoE
+  function MoE:init(cfg)
+    cfg = cfg or {}
+    for _, f in ipairs({ 'dim', 'hidden', 'experts', 'top_k' }) do
+      local v = cfg[f]
+      if type(v) ~= 'number' or v < 1 or v ~= math.floor(v) then
+        error(('MoE: %s must be a positive integer, got %s'):format(f, tostring(v)), 3)
+      end
+    end
+    if cfg.top_k > cfg.experts then
+      error(('MoE: top_k %d is more than the %d experts'):format(cfg.top_k, cfg.experts), 3)
+    end
+    local score = cfg.score or 'softmax'
+    if score ~= 'softmax' and score ~= 'sigmoid' then
+      error(('MoE: score must be softmax or sigmoid, got %s'):format(tostring(score)), 3)
+    end
+    self.dim, self.hidden, self.n_experts, self.top_k = cfg.dim, cfg.hidden, cfg.experts, cfg.top_k
+    self.score = score
+    self.norm_topk = cfg.norm_topk ~= false
+    self.route_scale = cfg.route_scale or 1
+    local names = cfg.names or { 'gate_proj', 'up_proj', 'down_proj' }
+    self.router_name = cfg.router or 'gate'
+    local o = { bias = false, dtype = cfg.dtype, device = cfg.device }
+    self:register_module(self.router_name, nn.Linear(cfg.dim, cfg.experts, o))
+    local list = {}
+    for e = 1, cfg.experts do
+      list[e] = Expert { dim = cfg.dim, hidden = cfg.hidden, names = names, dtype = cfg.dtype, device = cfg.device }
+    end
+    self:register_module('experts', nn.ModuleList(list))
+    if cfg.shared_hidden then
+      self.shared_name = cfg.shared or 'shared_expert'
+      self:register_module(self.shared_name, Expert { dim = cfg.dim, hidden = cfg.shared_hidden, names = names,
+        dtype = cfg.dtype, device = cfg.device })
+    end
+  end
+
+  function MoE:extra_repr()
+    return ('dim=%d, hidden=%d, experts=%d, top_k=%d, %s%s%s'):format(self.dim, self.hidden, self.n_experts,
+      self.top_k, self.score, self.norm_topk and ', norm_topk' or '',
+      self.shared_name and (', shared ' .. self[self.shared_name].hidden) or '')
+  end
+
+  -- the routing of x2 (N, H): probs (N, E) f32 (differentiable), ids (N, k)
+  function MoE:route(x2)
+    local logits = self[self.router_name](x2)
+    -- (f32 at least: the softmax of bf16 logits would round the scores)
+    local lf = (logits.dtype == 'f32' or logits.dtype == 'f64') and logits or logits:to('f32')
+    local probs = self.score == 'softmax' and nnf.softmax(lf, -1) or nnf.sigmoid(lf)
+    return probs, moe.topk(probs, self.top_k)
+  end
+
+  function MoE:forward(x)
+    local H, E, k = self.dim, self.n_experts, self.top_k
+    if not T.is_tensor(x) or x.shape[x.ndim] ~= H then
+      error(('MoE: input of shape (%s) does not end in dim = %d'):format(
+        T.is_tensor(x) and table.concat(x.shape, ', ') or type(x), H), 2)
+    end
+    if rawget(self, '_tp') then error('MoE: tensor parallelism does not split MoE layers (docs/moe.md)', 2) end
+    local shape = x.shape
+    local N = x:numel() / H
+    local x2 = x:reshape({ N, H })
+    local probs, ids = self:route(x2)
+    -- the routing weights of the chosen experts (N, k)
+    local w = probs:gather(2, ids)
+    if self.norm_topk and k > 1 then w = w / w:sum(2, true) end
+    if self.route_scale ~= 1 then w = w * self.route_scale end
+    local order, inv, tok, counts = moe.sort_slots(ids, E)
+    local dev = x.device
+    if dev ~= 'cpu' then
+      local h = { order, inv, tok }
+      order, inv, tok = order:to(dev), inv:to(dev), tok:to(dev)
+      for _, t in ipairs(h) do t:free() end
+    end
+    local xs = x2:index_select(1, tok)
+    local outs, idle, off = {}, {}, 0
+    for e = 1, E do
+      local c = counts[e]
+      local ex = self.experts[e]
+      if c > 0 then
+        outs[#outs + 1] = ex(xs:narrow(1, off + 1, c))
+        off = off + c
+      elseif A.is_grad_enabled() then
+        for _, p in ipairs(ex:parameters()) do if p.requires_grad then idle[#idle + 1] = p end end
+      end
+    end
+    local ys = #outs == 1 and outs[1] or ms.cat(outs, 1)
+    -- (the routing weights in the experts' output dtype: bf16 under autocast, as the dense MLP's)
+    if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
+    local ws = w:reshape({ N * k }):index_select(1, order)
+    ys = ys * ws:reshape({ N * k, 1 })
+    local y = ys:index_select(1, inv):reshape({ N, k, H }):sum(2)
+    if self.shared_name then y = y + self[self.shared_name](x2) end
+    if #idle > 0 then y = ZeroGrads(y, unpack(idle)) end
+    rawset(self, '_stats', { counts = counts, probs = probs, n = N })
+    return y:reshape(shape)
+  end
+
+  -- counts (a Lua list of E), mean_probs (E, differentiable) and the
+  -- tokens of the last forward (nil before one, or after clear_stats)
+  function MoE:last_stats()
+    local s = rawget(self, '_stats')
+    if not s then return nil end
+    if s.mean == nil then s.mean = s.probs:mean(1) end
+    return s.counts, s.mean, s.n
+  end
+  function MoE:clear_stats() rawset(self, '_stats', nil) end
+end
+
+-- moe.layers(model) -> the model's MoE modules, in order
+function moe.layers(model)
+  local nn = require 'moonshard.nn'
+  local r = {}
+  for _, m in model:named_modules() do
+    if getmetatable(m) == nn.MoE then r[#r + 1] = m end
+  end
+  return r
+end
+
+-- moe.aux_loss(layers, top_k) -> E · Σ_e f̄_e · P̄_e (Switch / GShard's
+-- load-balancing loss, as transformers' load_balancing_loss_func: over
+-- every layer's tokens at once), f̄_e the share of all the layers' N·k
+-- slots that went to expert e, P̄_e the router's mean score of e over every
+-- layer's tokens; a (1)-tensor, differentiable through the scores; nil when
+-- no layer has statistics (no forward since clear_stats)
+function moe.aux_loss(layers)
+  local E, total, probs, counts, nl = nil, 0, nil, nil, 0
+  for _, m in ipairs(layers) do
+    local c, p, n = m:last_stats()
+    if c then
+      E = m.n_experts
+      counts = counts or {}
+      for e = 1, E do counts[e] = (counts[e] or 0) + c[e] end
+      total = total + n
+      probs = probs and (probs + p) or p
+      nl = nl + 1
+    end
+  end
+  if nl == 0 then return nil end
+  local f = ms.tensor(counts, { dtype = probs.dtype }):to(probs.device)
+  -- f̄ = counts / (layers · N) (each layer's N tokens; its k slots a token
+  -- counted in full, as the one-hot over the top-k is summed over k there)
+  local fbar = f / total
+  local pbar = probs / nl
+  return (fbar * pbar):sum():reshape({ 1 }) * E
+end
+
+return moe

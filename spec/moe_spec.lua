@@ -1,0 +1,220 @@
+-- Mixture-of-experts layers (nn.MoE, docs/moe.md) on the CPU: the slot
+-- sort and the top-k against naive references; the layer against a
+-- per-token loop of the routing math (f64); float64 finite-difference
+-- gradients of the input, the router and the experts; experts no token
+-- chose get zero gradients; the load-balancing loss as transformers'
+-- formula; one expert is the dense SwiGLU MLP; errors name what is wrong.
+local ms = require 'moonshard'
+local nn = ms.nn
+local A = ms.autograd
+local moe = nn.moe
+
+local S = require 'spec.support'
+local vals = S.values
+
+-- the reference of one layer's output, token by token (f64 values)
+local function reference(m, x)
+  local H, E, k = m.dim, m.n_experts, m.top_k
+  local N = x:numel() / H
+  local x2 = x:detach():reshape({ N, H })
+  local logits = x2:matmul(m[m.router_name].weight:detach():t())
+  local out = ms.zeros({ N, H }, { dtype = 'f64' })
+  for n = 1, N do
+    local row = vals(logits:narrow(1, n, 1))
+    local score = {}
+    if m.score == 'softmax' then
+      local mx = -math.huge
+      for e = 1, E do mx = math.max(mx, row[e]) end
+      local z = 0
+      for e = 1, E do z = z + math.exp(row[e] - mx) end
+      for e = 1, E do score[e] = math.exp(row[e] - mx) / z end
+    else
+      for e = 1, E do score[e] = 1 / (1 + math.exp(-row[e])) end
+    end
+    local idx = {}
+    for e = 1, E do idx[e] = e end
+    table.sort(idx, function(a, b) if score[a] ~= score[b] then return score[a] > score[b] end return a < b end)
+    local wsum = 0
+    for j = 1, k do wsum = wsum + score[idx[j]] end
+    local xr = x2:narrow(1, n, 1)
+    local acc = ms.zeros({ 1, H }, { dtype = 'f64' })
+    for j = 1, k do
+      local w = score[idx[j]]
+      if m.norm_topk and k > 1 then w = w / wsum end
+      w = w * m.route_scale
+      acc = acc + A.no_grad(function() return m.experts[idx[j]](xr) end) * w
+    end
+    if m.shared_name then acc = acc + A.no_grad(function() return m[m.shared_name](xr) end) end
+    out:narrow(1, n, 1):copy_(acc)
+  end
+  return out
+end
+
+local function build(cfg, seed)
+  ms.manual_seed(seed or 3)
+  local m = nn.MoE(cfg):to('f64')
+  for _, p in ipairs(m:parameters()) do ms.normal_(p, 0, 0.5) end
+  return m
+end
+
+describe('nn.MoE', function()
+  before_each(function() A.clear_tape() end)
+
+  it('sort_slots: the slots by expert, stable; inv and tok; counts; a bad id is named', function()
+    local ids = ms.tensor({ { 2, 0 }, { 1, 2 }, { 0, 3 }, { 2, 1 }, { 3, 0 } }, { dtype = 'i64' })
+    local order, inv, tok, counts = moe.sort_slots(ids, 5)
+    assert.are.same({ 1, 4, 9, 2, 7, 0, 3, 6, 5, 8 }, vals(order))
+    assert.are.same({ 3, 2, 3, 2, 0 }, counts)
+    local o = vals(order)
+    for j, s in ipairs(o) do
+      assert.are.equal(j - 1, vals(inv)[s + 1])
+      assert.are.equal(math.floor(s / 2), vals(tok)[j])
+    end
+    -- random ids against Lua's sort by (expert, slot)
+    local rows, st = {}, 12345
+    for i = 1, 40 do
+      rows[i] = {}
+      for j = 1, 3 do st = (st * 1103515245 + 12345) % 2147483648; rows[i][j] = st % 7 end
+    end
+    local r = ms.tensor(rows, { dtype = 'i64' })
+    local ord, _, _, cnt = moe.sort_slots(r, 7)
+    local rv = vals(r)
+    local want = {}
+    for s = 0, #rv - 1 do want[#want + 1] = s end
+    table.sort(want, function(a, b)
+      if rv[a + 1] ~= rv[b + 1] then return rv[a + 1] < rv[b + 1] end
+      return a < b
+    end)
+    assert.are.same(want, vals(ord))
+    local total = 0
+    for _, c in ipairs(cnt) do total = total + c end
+    assert.are.equal(120, total)
+    local ok, err = pcall(moe.sort_slots, ms.tensor({ { 0, 4 } }, { dtype = 'i64' }), 4)
+    assert.is_false(ok)
+    assert.matches('moe: expert id 4 at slot 1 is outside [0, 4)', tostring(err), 1, true)
+  end)
+
+  it('topk: the k largest of each row in order, ties to the lower index', function()
+    local s = ms.tensor({ { 0.1, 0.5, 0.5, 0.2 }, { 0.9, 0.1, 0.3, 0.9 } })
+    assert.are.same({ 1, 2, 3, 0, 3, 2 }, vals(moe.topk(s, 3)))
+    local x = ms.randn({ 30, 9 }, { seed = 8 })
+    local ids = vals(moe.topk(x, 4))
+    for n = 1, 30 do
+      local row = vals(x:narrow(1, n, 1))
+      local idx = {}
+      for e = 1, 9 do idx[e] = e end
+      table.sort(idx, function(a, b) if row[a] ~= row[b] then return row[a] > row[b] end return a < b end)
+      for j = 1, 4 do assert.are.equal(idx[j] - 1, ids[(n - 1) * 4 + j]) end
+    end
+  end)
+
+  local configs = {
+    { 'softmax, top-2 of 4, renormalised', { dim = 6, hidden = 10, experts = 4, top_k = 2 } },
+    { 'softmax, top-3 of 5, not renormalised, scaled', { dim = 6, hidden = 8, experts = 5, top_k = 3, norm_topk = false,
+      route_scale = 2.5 } },
+    { 'sigmoid, top-2 of 6, with a shared expert', { dim = 6, hidden = 8, experts = 6, top_k = 2, score = 'sigmoid',
+      shared_hidden = 12 } },
+    { 'top-1 of 3', { dim = 6, hidden = 8, experts = 3, top_k = 1 } },
+  }
+
+  for _, c in ipairs(configs) do
+    it(c[1] .. ': the per-token loop\'s output (1e-12) and finite-difference gradients (f64)', function()
+      local m = build(c[2])
+      local x = ms.randn({ 2, 7, 6 }, { dtype = 'f64', seed = 21 }):requires_grad_()
+      local y = m(x)
+      assert.are.same({ 2, 7, 6 }, y.shape)
+      local ref = reference(m, x)
+      local err = (y:detach():reshape({ 14, 6 }) - ref):abs():max():item()
+      assert.is_true(err <= 1e-12, 'max abs error ' .. err)
+      A.clear_tape()
+      local checked = { x, m[m.router_name].weight }
+      for _, e in ipairs({ 1, c[2].experts }) do
+        for _, p in ipairs(m.experts[e]:parameters()) do checked[#checked + 1] = p end
+      end
+      if m.shared_name then checked[#checked + 1] = m[m.shared_name]:parameters()[1] end
+      local worst = A.gradcheck(function() return m(x) end, checked)
+      assert.is_true(worst < 1e-6, 'relative error ' .. worst)
+    end)
+  end
+
+  it('experts no token chose get zero gradients; every parameter has one', function()
+    local m = build({ dim = 4, hidden = 6, experts = 8, top_k = 1 })
+    local x = ms.randn({ 3, 4 }, { dtype = 'f64', seed = 2 })
+    m(x):sum():backward()
+    local counts = m:last_stats()
+    local idle = 0
+    for e = 1, 8 do
+      for _, p in ipairs(m.experts[e]:parameters()) do
+        assert.is_not_nil(p.grad, 'expert ' .. e)
+        local s = p.grad:abs():sum():item()
+        if counts[e] == 0 then assert.are.equal(0, s) else assert.is_true(s > 0) end
+      end
+      if counts[e] == 0 then idle = idle + 1 end
+    end
+    assert.is_true(idle >= 5, 'three tokens, eight experts')
+    assert.is_not_nil(m.gate.weight.grad)
+  end)
+
+  it('one expert of one is the dense SwiGLU MLP, bit for bit', function()
+    local m = build({ dim = 6, hidden = 10, experts = 1, top_k = 1 })
+    local d = nn.GatedMLP { dim = 6, hidden = 10 }:to('f64')
+    for _, n in ipairs({ 'gate_proj', 'up_proj', 'down_proj' }) do d[n].weight:copy_(m.experts[1][n].weight) end
+    local x = ms.randn({ 3, 4, 6 }, { dtype = 'f64', seed = 4 })
+    assert.are.equal(0, (m(x) - d(x)):abs():max():item())
+  end)
+
+  it('aux_loss: transformers\' load-balancing loss over the layers\' tokens at once, and its gradient', function()
+    local m1 = build({ dim = 6, hidden = 8, experts = 4, top_k = 2 }, 5)
+    local m2 = build({ dim = 6, hidden = 8, experts = 4, top_k = 2 }, 6)
+    local x = ms.randn({ 10, 6 }, { dtype = 'f64', seed = 9 })
+    m2(m1(x))
+    local aux = moe.aux_loss({ m1, m2 })
+    -- by hand: E * sum_e (count_e over both layers / (2 N)) * (mean of the scores over both layers)
+    local c1, p1 = m1:last_stats()
+    local c2, p2 = m2:last_stats()
+    local pv1, pv2 = vals(p1), vals(p2)
+    local want = 0
+    for e = 1, 4 do want = want + (c1[e] + c2[e]) / 20 * (pv1[e] + pv2[e]) / 2 end
+    want = want * 4
+    assert.is_true(math.abs(aux:item() - want) <= 1e-14, ('%.17g against %.17g'):format(aux:item(), want))
+    -- a balanced router gives 1 at its minimum: uniform scores and counts
+    A.clear_tape()
+    local w = m1.gate.weight
+    w:requires_grad_()
+    local worst = A.gradcheck(function()
+      m1(x)
+      return moe.aux_loss({ m1 })
+    end, { w })
+    assert.is_true(worst < 1e-6, 'relative error ' .. worst)
+    -- none after clear_stats
+    m1:clear_stats()
+    assert.is_nil(m1:last_stats())
+    assert.is_nil(moe.aux_loss({ m1 }))
+  end)
+
+  it('bf16 autocast: close to the f32 layer; the router scores stay f32', function()
+    ms.manual_seed(7)
+    local m = nn.MoE { dim = 16, hidden = 32, experts = 4, top_k = 2 }
+    local x = ms.randn({ 8, 16 }, { seed = 3 })
+    local y32 = m(x)
+    local yb = nn.functional.autocast('bf16', function() return m(x) end)
+    assert.are.equal('bf16', yb.dtype)
+    local _, p = m:last_stats()
+    assert.are.equal('f32', p.dtype)
+    local rel = (yb:to('f32') - y32):abs():max():item() / y32:abs():max():item()
+    assert.is_true(rel < 3e-2, 'relative error ' .. rel)
+  end)
+
+  it('refuses bad configurations and inputs, naming them', function()
+    assert.has_error(function() nn.MoE { dim = 4, hidden = 4, experts = 2, top_k = 3 } end,
+      'MoE: top_k 3 is more than the 2 experts')
+    assert.has_error(function() nn.MoE { dim = 4, hidden = 4, experts = 0, top_k = 1 } end,
+      'MoE: experts must be a positive integer, got 0')
+    assert.has_error(function() nn.MoE { dim = 4, hidden = 4, experts = 2, top_k = 1, score = 'relu' } end,
+      'MoE: score must be softmax or sigmoid, got relu')
+    local m = nn.MoE { dim = 4, hidden = 4, experts = 2, top_k = 1 }
+    local ok, err = pcall(function() return m(ms.randn({ 3, 5 })) end)
+    assert.is_false(ok)
+    assert.matches('MoE: input of shape (3, 5) does not end in dim = 4', tostring(err), 1, true)
+  end)
+end)
