@@ -120,7 +120,13 @@ function Layer:init(cfg)
     dim = C, n_head = cfg.num_attention_heads, n_kv_head = cfg.num_key_value_heads or cfg.num_attention_heads,
     head_dim = cfg.head_dim or math.floor(C / cfg.num_attention_heads), bias = cfg.attention_bias,
     rope_theta = cfg.rope_parameters.rope_theta, fused_qkv = false })
-  self:register_module('mlp', nn.GatedMLP{ dim = C, hidden = cfg.intermediate_size, bias = cfg.mlp_bias })
+  if cfg.num_local_experts then
+    -- Mixtral (models/mixtral.lua): the MLP a mixture of experts, HF's names
+    self:register_module('block_sparse_moe', nn.MoE { dim = C, hidden = cfg.intermediate_size,
+      experts = cfg.num_local_experts, top_k = cfg.num_experts_per_tok, names = { 'w1', 'w3', 'w2' }, router = 'gate' })
+  else
+    self:register_module('mlp', nn.GatedMLP{ dim = C, hidden = cfg.intermediate_size, bias = cfg.mlp_bias })
+  end
   self:register_module('input_layernorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
   self:register_module('post_attention_layernorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
 end
@@ -156,7 +162,7 @@ function Layer:forward(x, pending, defer)
     r = x + a
     y = ln2(r)
   end
-  local m = self.mlp(y)
+  local m = (rawget(self, 'mlp') or rawget(self, 'block_sparse_moe'))(y)
   if defer then return r, m end
   return r + m
 end
@@ -243,7 +249,21 @@ function Llama:forward(input_ids, targets)
   if targets ~= nil then
     targets = hf.check_targets(targets, B, Tn, 'llama', cfg.vocab_size)
   end
-  return rawget(self, '_head')(x, pending, targets)
+  local out = rawget(self, '_head')(x, pending, targets)
+  -- Mixtral with output_router_logits: the loss plus router_aux_loss_coef
+  -- times the load-balancing loss over every layer's tokens (as transformers)
+  if targets ~= nil and cfg.output_router_logits then out = out + self:aux_loss(out) end
+  return out
+end
+
+-- the router's load-balancing loss times router_aux_loss_coef, shaped as
+-- the loss `like` (nn.moe.aux_loss over the MoE layers' last forward)
+function Llama:aux_loss(like)
+  local aux = nn.moe.aux_loss(nn.moe.layers(self))
+  if aux == nil then error('llama: no MoE layer ran a forward', 2) end
+  aux = aux * self.config.router_aux_loss_coef
+  if aux.dtype ~= like.dtype then aux = aux:to(like.dtype) end
+  return aux:reshape(like.shape)
 end
 
 -- How moonshard.pp cuts the model into stages (docs/pp.md): the layers, the

@@ -216,5 +216,10 @@ describe('nn.MoE', function()
     local ok, err = pcall(function() return m(ms.randn({ 3, 5 })) end)
     assert.is_false(ok)
     assert.matches('MoE: input of shape (3, 5) does not end in dim = 4', tostring(err), 1, true)
+    -- FSDP units inside the experts: each rank runs only the experts its tokens chose
+    local s = nn.Sequential(nn.Linear(4, 4), nn.MoE { dim = 4, hidden = 6, experts = 2, top_k = 1 })
+    assert.has_error(function() ms.fsdp.fully_shard(s, { policy = ms.fsdp.policy.by_class { 'MoEExpert' } }) end,
+      'fully_shard: the unit 1.experts.0 is inside the mixture of experts 1, whose experts run only on the ranks whose '
+      .. 'tokens chose them; make units of the modules that hold the MoE layers (docs/moe.md)')
   end)
 end)

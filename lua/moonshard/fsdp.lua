@@ -1253,10 +1253,17 @@ function fsdp.fully_shard(model, opts)
   local units = { { module = model, name = '', slots = {} } }
   local slot_unit, tensor_units, order = {}, {}, {}
   local seen_m = {}
-  local function walk(m, name, unit)
+  local function walk(m, name, unit, in_moe)
     if seen_m[m] then return end
     seen_m[m] = true
     if m ~= model and policy(m, name) then
+      if in_moe then
+        -- (each rank's tokens choose the experts it runs: a unit inside
+        -- one would gather on some ranks and not on others)
+        error(('fully_shard: the unit %s is inside the mixture of experts %s, whose experts run only on the ranks '
+          .. 'whose tokens chose them; make units of the modules that hold the MoE layers (docs/moe.md)'):format(name,
+          in_moe), 0)
+      end
       unit = { module = m, name = name, slots = {} }
       units[#units + 1] = unit
     end
@@ -1271,9 +1278,10 @@ function fsdp.fully_shard(model, opts)
         slot_unit[#slot_unit + 1] = slot
       end
     end
+    local moe = in_moe or (getmetatable(m) == nn.MoE and (name == '' and '(the model)' or name)) or nil
     for _, cn in ipairs(m._module_names) do
       local c = rawget(m, cn)
-      if c ~= nil then walk(c, name == '' and cn or (name .. '.' .. cn), unit) end
+      if c ~= nil then walk(c, name == '' and cn or (name .. '.' .. cn), unit, moe) end
     end
   end
   walk(model, '', units[1])

@@ -129,6 +129,11 @@ function pp.pipeline(model, opts)
     error('pp.pipeline: the model has no pipeline_parts() (GPT-2 and Llama have it; docs/pp.md says what it returns)', 2)
   end
   if rawget(model, '_pp') then error('pp.pipeline: the model is already cut into stages', 2) end
+  if type(model.config) == 'table' and model.config.output_router_logits then
+    -- (transformers' load-balancing loss is a product of means over every layer's tokens)
+    error('pp.pipeline: the model adds the routers\' load-balancing loss over all its layers '
+      .. '(output_router_logits), which a pipeline\'s stages cannot sum; set output_router_logits = false', 2)
+  end
   if rawget(model, '_fsdp') then
     error('pp.pipeline: the model is under fsdp.fully_shard; cut it first, then shard its stage (docs/pp.md, "FSDP")', 2)
   end

@@ -448,6 +448,12 @@ function tp.parallelize(model, opts)
   opts = opts or {}
   if not nn.is_module(model) then error('tp.parallelize: model must be a module', 2) end
   if rawget(model, '_tp') ~= nil then error('tp.parallelize: the model is already tensor-parallel', 2) end
+  for name, m in model:named_modules() do
+    if getmetatable(m) == nn.MoE then
+      error(('tp.parallelize: %s is a mixture of experts, which tensor parallelism does not split (docs/moe.md)')
+        :format(name), 2)
+    end
+  end
   local g = check_group(opts.group or dist.get_world_group(), 'tp.parallelize')
   local size, rank = g:size(), g:rank()
   -- opts.overlap (default true): the split layers' weight gradients run

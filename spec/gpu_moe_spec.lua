@@ -1,0 +1,92 @@
+-- Mixture-of-experts layers on the GPU (#gpu, `make test-gpu`) against the
+-- same layer on the CPU: routing decided on the device (the same experts
+-- chosen: f32 scores), the output and every gradient within 1e-4 (f32),
+-- the bf16-autocast layer within 2e-2 of the f32 CPU one; the tiny
+-- Mixtral's loss and gradients on the GPU as on the CPU.
+local ms = require 'moonshard'
+local A = ms.autograd
+local nn = ms.nn
+
+local function relerr(got, want)
+  local g, w = got:to('cpu'):double(), want:to('cpu'):double()
+  local num = ((g - w) * (g - w)):sum():item()
+  local den = (w * w):sum():item()
+  if den == 0 then return math.sqrt(num) end
+  return math.sqrt(num / den)
+end
+
+describe('nn.MoE on CUDA #gpu', function()
+  setup(function() assert.is_true(ms.cuda.is_available(), 'no CUDA device') end)
+  before_each(function() A.clear_tape() end)
+
+  local function pair(cfg)
+    ms.manual_seed(11)
+    local cpu = nn.MoE(cfg)
+    for _, p in ipairs(cpu:parameters()) do ms.normal_(p, 0, 0.3) end
+    ms.manual_seed(11)
+    local gpu = nn.MoE(cfg)
+    for i, p in ipairs(gpu:parameters()) do p:copy_(cpu:parameters()[i]) end
+    gpu:to('cuda')
+    return cpu, gpu
+  end
+
+  for _, c in ipairs({
+    { 'top-2 of 8, softmax', { dim = 64, hidden = 96, experts = 8, top_k = 2 } },
+    { 'top-4 of 16, sigmoid, a shared expert', { dim = 64, hidden = 64, experts = 16, top_k = 4, score = 'sigmoid',
+      shared_hidden = 128 } },
+  }) do
+    it(c[1] .. ': f32 output and gradients as the CPU layer (1e-4)', function()
+      local cpu, gpu = pair(c[2])
+      local x = ms.randn({ 4, 33, 64 }, { seed = 5 })
+      local g = ms.randn({ 4, 33, 64 }, { seed = 6 })
+      local xc, xg = x:clone():requires_grad_(), x:cuda():requires_grad_()
+      local yc, yg = cpu(xc), gpu(xg)
+      local cc, cg = cpu:last_stats(), gpu:last_stats()
+      assert.are.same(cc, cg, 'the same experts chosen')
+      assert.is_true(relerr(yg, yc) <= 1e-4, 'output ' .. relerr(yg, yc))
+      yc:backward(g)
+      yg:backward(g:cuda())
+      assert.is_true(relerr(xg.grad, xc.grad) <= 1e-4, 'input gradient ' .. relerr(xg.grad, xc.grad))
+      local pc = cpu:parameters()
+      for i, p in ipairs(gpu:parameters()) do
+        local e = relerr(p.grad, pc[i].grad)
+        assert.is_true(e <= 1e-4, ('parameter %d: %g'):format(i, e))
+      end
+    end)
+  end
+
+  it('bf16 autocast on the GPU: within 2e-2 of the f32 CPU layer; the aux loss as the CPU\'s (1e-4)', function()
+    local cpu, gpu = pair({ dim = 64, hidden = 96, experts = 8, top_k = 2 })
+    local x = ms.randn({ 2, 64, 64 }, { seed = 7 })
+    local yc = cpu(x)
+    local auxc = nn.moe.aux_loss({ cpu })
+    local yg = nn.functional.autocast('bf16', function() return gpu(x:cuda()) end)
+    assert.are.equal('bf16', yg.dtype)
+    assert.is_true(relerr(yg, yc) <= 2e-2, 'output ' .. relerr(yg, yc))
+    -- (the router's scores in f32 from bf16 logits: the experts may differ at near ties, the aux loss barely)
+    local auxg = nn.moe.aux_loss({ gpu })
+    assert.is_true(relerr(auxg, auxc) <= 2e-2, 'aux ' .. relerr(auxg, auxc))
+  end)
+
+  it('the tiny Mixtral: loss and gradients on the GPU as on the CPU (f32, 1e-4)', function()
+    local mixtral = require 'models.mixtral'
+    ms.manual_seed(3)
+    local cpu = mixtral.new('tiny', { num_hidden_layers = 2 })
+    ms.manual_seed(3)
+    local gpu = mixtral.new('tiny', { num_hidden_layers = 2 })
+    for i, p in ipairs(gpu:parameters()) do p:copy_(cpu:parameters()[i]) end
+    gpu:to('cuda')
+    local x = ms.tensor({ { 1, 50, 99, 130, 7, 8, 200, 3 }, { 4, 5, 6, 250, 9, 10, 11, 12 } }, { dtype = 'i64' })
+    local y = ms.tensor({ { 50, 99, 130, 7, 8, 200, 3, 1 }, { 5, 6, 250, 9, 10, 11, 12, 4 } }, { dtype = 'i64' })
+    local lc = cpu(x, y)
+    local lg = gpu(x:cuda(), y:cuda())
+    assert.is_true(relerr(lg, lc) <= 1e-5, ('%.9g against %.9g'):format(lg:item(), lc:item()))
+    lc:backward()
+    lg:backward()
+    local pc = cpu:parameters()
+    for i, p in ipairs(gpu:parameters()) do
+      local e = relerr(p.grad, pc[i].grad)
+      assert.is_true(e <= 1e-4, ('parameter %d: %g'):format(i, e))
+    end
+  end)
+end)
