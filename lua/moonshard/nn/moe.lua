@@ -25,6 +25,7 @@
 local ms = setmetatable({}, { __index = function(_, k) return require('moonshard')[k] end })
 local A = require 'moonshard.autograd'
 local T = require 'moonshard.tensor'
+local amp = require 'moonshard.amp'
 
 local moe = {}
 
@@ -64,6 +65,56 @@ local ZeroGrads = A.Function {
     local r = { g:clone() }
     for i, s in ipairs(ctx.specs) do r[i + 1] = T.zeros(s[1], { dtype = s[2], device = s[3] }) end
     return unpack(r, 1, #ctx.specs + 1)
+  end,
+}
+
+-- The rows' moves, each a gather both ways (no scatter-add, no sort on
+-- the device):
+-- Dispatch(x2 (N, H), tok, inv, k) -> xs (N·k, H): the tokens' rows in
+-- sorted-slot order; backward: the gradient's rows back in slot order
+-- (inv), each token's k rows summed.
+local Dispatch = A.Function {
+  name = 'moe_dispatch',
+  owns_results = true,
+  forward = function(ctx, x2, tok, inv, k)
+    ctx.inv, ctx.k, ctx.N, ctx.H = inv, k, x2.shape[1], x2.shape[2]
+    return x2:index_select(1, tok)
+  end,
+  backward = function(ctx, g)
+    local r = g:index_select(1, ctx.inv)
+    local gx = r:reshape({ ctx.N, ctx.k, ctx.H }):sum(2)
+    r:free()
+    return gx, nil, nil, nil
+  end,
+}
+-- Permute(t (M, H), perm, inv) -> t's rows in the order perm; backward:
+-- the gradient's rows by inv (perm's inverse)
+local Permute = A.Function {
+  name = 'moe_permute',
+  owns_results = true,
+  forward = function(ctx, t, perm, inv)
+    ctx.inv = inv
+    return t:index_select(1, perm)
+  end,
+  backward = function(ctx, g) return g:index_select(1, ctx.inv), nil, nil end,
+}
+-- Split(xs, counts) -> the runs of rows of each count (views); backward:
+-- their gradients concatenated (zeros for a run whose output went unused)
+local Split = A.Function {
+  name = 'moe_split',
+  owns_results = true,
+  forward = function(ctx, xs, counts)
+    local outs, off = {}, 0
+    for i, c in ipairs(counts) do
+      outs[i] = xs:narrow(1, off + 1, c)
+      off = off + c
+    end
+    return unpack(outs, 1, #counts)
+  end,
+  backward = function(ctx, ...)
+    local gs = { ... }
+    local g = #gs == 1 and gs[1]:clone() or ms.cat(gs, 1)
+    return g, nil
   end,
 }
 
@@ -211,24 +262,29 @@ function moe.install(nn, nnf)
       order, inv, tok = order:to(dev), inv:to(dev), tok:to(dev)
       for _, t in ipairs(h) do t:free() end
     end
-    local xs = x2:index_select(1, tok)
-    local outs, idle, off = {}, {}, 0
+    -- (under autocast the tokens move in the compute dtype: the experts' linears would cast them anyway)
+    local xc = amp.cast(x2)
+    local xs = Dispatch(xc, tok, inv, k)
+    local runs, used = {}, {}
     for e = 1, E do
-      local c = counts[e]
-      local ex = self.experts[e]
-      if c > 0 then
-        outs[#outs + 1] = ex(xs:narrow(1, off + 1, c))
-        off = off + c
-      elseif A.is_grad_enabled() then
-        for _, p in ipairs(ex:parameters()) do if p.requires_grad then idle[#idle + 1] = p end end
+      if counts[e] > 0 then runs[#runs + 1] = counts[e]; used[#used + 1] = e end
+    end
+    local parts = { Split(xs, runs) }
+    local outs, idle = {}, {}
+    for j, e in ipairs(used) do outs[j] = self.experts[e](parts[j]) end
+    if A.is_grad_enabled() then
+      for e = 1, E do
+        if counts[e] == 0 then
+          for _, p in ipairs(self.experts[e]:parameters()) do if p.requires_grad then idle[#idle + 1] = p end end
+        end
       end
     end
     local ys = #outs == 1 and outs[1] or ms.cat(outs, 1)
     -- (the routing weights in the experts' output dtype: bf16 under autocast, as the dense MLP's)
     if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
-    local ws = w:reshape({ N * k }):index_select(1, order)
-    ys = ys * ws:reshape({ N * k, 1 })
-    local y = ys:index_select(1, inv):reshape({ N, k, H }):sum(2)
+    local ws = Permute(w:reshape({ N * k, 1 }), order, inv)
+    ys = ys * ws
+    local y = Permute(ys, inv, order):reshape({ N, k, H }):sum(2)
     if self.shared_name then y = y + self[self.shared_name](x2) end
     if #idle > 0 then y = ZeroGrads(y, unpack(idle)) end
     rawset(self, '_stats', { counts = counts, probs = probs, n = N })
