@@ -50,24 +50,6 @@ local function expert_class(nn, nnf)
   return Expert
 end
 
--- identity on y whose backward also gives zeros to params (the experts no
--- token chose: every parameter gets a gradient each backward)
-local ZeroGrads = A.Function {
-  name = 'moe_zero_grads',
-  owns_results = true,
-  forward = function(ctx, y, ...)
-    local ps = { ... }
-    ctx.specs = {}
-    for i, p in ipairs(ps) do ctx.specs[i] = { p.shape, p.dtype, p.device } end
-    return y
-  end,
-  backward = function(ctx, g)
-    local r = { g:clone() }
-    for i, s in ipairs(ctx.specs) do r[i + 1] = T.zeros(s[1], { dtype = s[2], device = s[3] }) end
-    return unpack(r, 1, #ctx.specs + 1)
-  end,
-}
-
 -- The rows' moves, each a gather both ways (no scatter-add, no sort on
 -- the device):
 -- Dispatch(x2 (N, H), tok, inv, k) -> xs (N·k, H): the tokens' rows in
@@ -98,23 +80,107 @@ local Permute = A.Function {
   end,
   backward = function(ctx, g) return g:index_select(1, ctx.inv), nil, nil end,
 }
--- Split(xs, counts) -> the runs of rows of each count (views); backward:
--- their gradients concatenated (zeros for a run whose output went unused)
-local Split = A.Function {
-  name = 'moe_split',
+-- Experts(xs (M, H), counts, names, w...) -> (M, H): each expert's run of
+-- rows (counts[e] of them, in order) through its SwiGLU MLP, w the E
+-- experts' (gate, up, down) weights in turn. One node for all of them:
+-- its loop calls the GEMMs directly (a few host microseconds each, against
+-- an autograd node's tens), writes each run's output into its rows, and
+-- its backward returns every expert's weight gradients (zeros for an
+-- expert no row went to, so every rank's parameters have a gradient), in
+-- the weights' dtype (an f32 GEMM output from bf16 operands: no cast pass).
+-- The weights are cast to the rows' dtype (bf16 under autocast) once a
+-- forward, and the casts kept for the backward.
+local function cast_to(w, dt)
+  if w.dtype == dt then return w, false end
+  return w:to(dt), true
+end
+local function gemm_into(out, a, b, ta, tb, beta)
+  require('moonshard.ops').gemm_(out, a, b, ta, tb, 1, beta or 0)
+end
+local Experts = A.Function {
+  name = 'moe_experts',
   owns_results = true,
-  forward = function(ctx, xs, counts)
-    local outs, off = {}, 0
-    for i, c in ipairs(counts) do
-      outs[i] = xs:narrow(1, off + 1, c)
-      off = off + c
+  forward = function(ctx, xs, counts, ...)
+    local ws = { ... }
+    local M, H = xs.shape[1], xs.shape[2]
+    local dt, dev = xs.dtype, xs.device
+    local I = ws[1].shape[1]
+    local ys = T.empty({ M, H }, { dtype = dt, device = dev })
+    local gs = T.empty({ M, I }, { dtype = dt, device = dev })
+    local us = T.empty({ M, I }, { dtype = dt, device = dev })
+    local casts, off = {}, 0
+    for e, c in ipairs(counts) do
+      if c > 0 then
+        local w1, c1 = cast_to(ws[3 * e - 2], dt)
+        local w3, c3 = cast_to(ws[3 * e - 1], dt)
+        local w2, c2 = cast_to(ws[3 * e], dt)
+        casts[e] = { w1, w3, w2, c1, c3, c2 }
+        local r, g, u, y = xs:narrow(1, off + 1, c), gs:narrow(1, off + 1, c), us:narrow(1, off + 1, c),
+          ys:narrow(1, off + 1, c)
+        gemm_into(g, r, w1, false, true)
+        gemm_into(u, r, w3, false, true)
+        local h = require('moonshard.ops').swiglu(g, u)
+        gemm_into(y, h, w2, false, true)
+        h:free(); r:free(); g:free(); u:free(); y:free()
+        off = off + c
+      end
     end
-    return unpack(outs, 1, #counts)
+    local keep = false
+    for _, n in ipairs(ctx.needs_input_grad) do keep = keep or n end
+    if keep then
+      ctx.xs, ctx.gs, ctx.us, ctx.casts, ctx.counts, ctx.ws = xs, gs, us, casts, counts, ws
+    else
+      -- (no backward will come)
+      gs:free(); us:free()
+      for _, cw in pairs(casts) do for i = 1, 3 do if cw[i + 3] then cw[i]:free() end end end
+    end
+    return ys
   end,
-  backward = function(ctx, ...)
-    local gs = { ... }
-    local g = #gs == 1 and gs[1]:clone() or ms.cat(gs, 1)
-    return g, nil
+  backward = function(ctx, gy)
+    local F = require('moonshard.ops')
+    local xs, gs, us, ws = ctx.xs, ctx.gs, ctx.us, ctx.ws
+    local dt = xs.dtype
+    if gy.dtype ~= dt then gy = gy:to(dt) end
+    local dxs = T.empty(xs.shape, { dtype = dt, device = xs.device })
+    local grads, off = {}, 0
+    for e, c in ipairs(ctx.counts) do
+      local w1o, w3o, w2o = ws[3 * e - 2], ws[3 * e - 1], ws[3 * e]
+      if c > 0 then
+        local cw = ctx.casts[e]
+        local w1, w3, w2 = cw[1], cw[2], cw[3]
+        local r, g, u = xs:narrow(1, off + 1, c), gs:narrow(1, off + 1, c), us:narrow(1, off + 1, c)
+        local dy, dx = gy:narrow(1, off + 1, c), dxs:narrow(1, off + 1, c)
+        local h = F.swiglu(g, u)
+        local d2 = T.empty(w2o.shape, { dtype = w2o.dtype, device = w2o.device })
+        gemm_into(d2, dy, h, true, false)          -- (H, I) = dyᵀ h
+        h:free()
+        local dh = F.matmul(dy, w2, false, false)  -- (c, I)
+        local dup = F.swiglu(g, dh)                -- silu(g) dh
+        local t = F.mul(dh, u)
+        local dgate = F.silu_backward(g, t)
+        t:free(); dh:free()
+        local d1 = T.empty(w1o.shape, { dtype = w1o.dtype, device = w1o.device })
+        local d3 = T.empty(w3o.shape, { dtype = w3o.dtype, device = w3o.device })
+        gemm_into(d1, dgate, r, true, false)       -- (I, H)
+        gemm_into(d3, dup, r, true, false)
+        gemm_into(dx, dgate, w1, false, false)     -- (c, H)
+        gemm_into(dx, dup, w3, false, false, 1)
+        dgate:free(); dup:free()
+        r:free(); g:free(); u:free(); dy:free(); dx:free()
+        if cw[4] then w1:free() end
+        if cw[5] then w3:free() end
+        if cw[6] then w2:free() end
+        grads[3 * e - 2], grads[3 * e - 1], grads[3 * e] = d1, d3, d2
+        off = off + c
+      else
+        grads[3 * e - 2] = T.zeros(w1o.shape, { dtype = w1o.dtype, device = w1o.device })
+        grads[3 * e - 1] = T.zeros(w3o.shape, { dtype = w3o.dtype, device = w3o.device })
+        grads[3 * e] = T.zeros(w2o.shape, { dtype = w2o.dtype, device = w2o.device })
+      end
+    end
+    gs:free(); us:free()
+    ctx.gs, ctx.us, ctx.casts, ctx.xs, ctx.ws = nil, nil, nil, nil, nil
+    return dxs, nil, unpack(grads, 1, #ws)
   end,
 }
 
@@ -265,28 +331,19 @@ function moe.install(nn, nnf)
     -- (under autocast the tokens move in the compute dtype: the experts' linears would cast them anyway)
     local xc = amp.cast(x2)
     local xs = Dispatch(xc, tok, inv, k)
-    local runs, used = {}, {}
+    local wl = {}
     for e = 1, E do
-      if counts[e] > 0 then runs[#runs + 1] = counts[e]; used[#used + 1] = e end
+      local ex = self.experts[e]
+      local n = ex.names
+      wl[3 * e - 2], wl[3 * e - 1], wl[3 * e] = ex[n[1]].weight, ex[n[2]].weight, ex[n[3]].weight
     end
-    local parts = { Split(xs, runs) }
-    local outs, idle = {}, {}
-    for j, e in ipairs(used) do outs[j] = self.experts[e](parts[j]) end
-    if A.is_grad_enabled() then
-      for e = 1, E do
-        if counts[e] == 0 then
-          for _, p in ipairs(self.experts[e]:parameters()) do if p.requires_grad then idle[#idle + 1] = p end end
-        end
-      end
-    end
-    local ys = #outs == 1 and outs[1] or ms.cat(outs, 1)
+    local ys = Experts(xs, counts, unpack(wl, 1, 3 * E))
     -- (the routing weights in the experts' output dtype: bf16 under autocast, as the dense MLP's)
     if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
     local ws = Permute(w:reshape({ N * k, 1 }), order, inv)
     ys = ys * ws
     local y = Permute(ys, inv, order):reshape({ N, k, H }):sum(2)
     if self.shared_name then y = y + self[self.shared_name](x2) end
-    if #idle > 0 then y = ZeroGrads(y, unpack(idle)) end
     rawset(self, '_stats', { counts = counts, probs = probs, n = N })
     return y:reshape(shape)
   end
