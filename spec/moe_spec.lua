@@ -60,24 +60,35 @@ end
 describe('nn.MoE', function()
   before_each(function() A.clear_tape() end)
 
-  it('sort_slots: the slots by expert, stable; inv and tok; counts; a bad id is named', function()
+  it('sort_slots: the slots by expert, stable; inv, tok, back; counts; padded runs; a bad id is named', function()
     local ids = ms.tensor({ { 2, 0 }, { 1, 2 }, { 0, 3 }, { 2, 1 }, { 3, 0 } }, { dtype = 'i64' })
-    local order, inv, tok, counts = moe.sort_slots(ids, 5)
-    assert.are.same({ 1, 4, 9, 2, 7, 0, 3, 6, 5, 8 }, vals(order))
-    assert.are.same({ 3, 2, 3, 2, 0 }, counts)
-    local o = vals(order)
-    for j, s in ipairs(o) do
-      assert.are.equal(j - 1, vals(inv)[s + 1])
-      assert.are.equal(math.floor(s / 2), vals(tok)[j])
+    local st = moe.sort_slots(ids, 5)
+    assert.are.same({ 1, 4, 9, 2, 7, 0, 3, 6, 5, 8 }, vals(st.order))
+    assert.are.same({ 3, 2, 3, 2, 0 }, st.counts)
+    assert.are.same(st.counts, st.rows)
+    assert.are.equal(10, st.M)
+    assert.is_false(st.pads)
+    for j, s in ipairs(vals(st.order)) do
+      assert.are.equal(j - 1, vals(st.inv)[s + 1])
+      assert.are.equal(math.floor(s / 2), vals(st.tok)[j])
+      assert.are.equal(s, vals(st.back)[j])
     end
+    -- runs padded to multiples of 4: rows 0-3 expert 0 (3 and a pad), 4-7 expert 1 (2 and 2 pads), ...
+    local p = moe.sort_slots(ids, 5, 4)
+    assert.are.same({ 4, 4, 4, 4, 0 }, p.rows)
+    assert.are.equal(16, p.M)
+    assert.is_true(p.pads)
+    assert.are.same({ 0, 2, 4, 5, 1, 3, 5, 5, 0, 1, 3, 5, 2, 4, 5, 5 }, vals(p.tok))
+    assert.are.same({ 1, 4, 9, 10, 2, 7, 10, 10, 0, 3, 6, 10, 5, 8, 10, 10 }, vals(p.back))
+    for s, r in ipairs(vals(p.inv)) do assert.are.equal(s - 1, vals(p.back)[r + 1]) end
     -- random ids against Lua's sort by (expert, slot)
-    local rows, st = {}, 12345
+    local rows, st0 = {}, 12345
     for i = 1, 40 do
       rows[i] = {}
-      for j = 1, 3 do st = (st * 1103515245 + 12345) % 2147483648; rows[i][j] = st % 7 end
+      for j = 1, 3 do st0 = (st0 * 1103515245 + 12345) % 2147483648; rows[i][j] = st0 % 7 end
     end
     local r = ms.tensor(rows, { dtype = 'i64' })
-    local ord, _, _, cnt = moe.sort_slots(r, 7)
+    local q = moe.sort_slots(r, 7)
     local rv = vals(r)
     local want = {}
     for s = 0, #rv - 1 do want[#want + 1] = s end
@@ -85,9 +96,9 @@ describe('nn.MoE', function()
       if rv[a + 1] ~= rv[b + 1] then return rv[a + 1] < rv[b + 1] end
       return a < b
     end)
-    assert.are.same(want, vals(ord))
+    assert.are.same(want, vals(q.order))
     local total = 0
-    for _, c in ipairs(cnt) do total = total + c end
+    for _, c in ipairs(q.counts) do total = total + c end
     assert.are.equal(120, total)
     local ok, err = pcall(moe.sort_slots, ms.tensor({ { 0, 4 } }, { dtype = 'i64' }), 4)
     assert.is_false(ok)
@@ -136,6 +147,23 @@ describe('nn.MoE', function()
       assert.is_true(worst < 1e-6, 'relative error ' .. worst)
     end)
   end
+
+  it('runs padded to 8 rows (as on GPUs, to 128) give the unpadded output and gradients, bit for bit', function()
+    local function run(align)
+      moe.cpu_align = align
+      local m = build({ dim = 6, hidden = 10, experts = 5, top_k = 2 }, 8)
+      local x = ms.randn({ 3, 7, 6 }, { dtype = 'f64', seed = 31 }):requires_grad_()
+      local ok, y = pcall(m, x)
+      moe.cpu_align = 1
+      assert(ok, y)
+      y:backward(ms.randn({ 3, 7, 6 }, { dtype = 'f64', seed = 32 }))
+      local g = { y = y:detach(), x = x.grad }
+      for name, p in m:named_parameters() do g[name] = p.grad end
+      return g
+    end
+    local a, b = run(1), run(8)
+    for name, t in pairs(a) do assert.are.equal(0, (b[name] - t):abs():max():item(), name) end
+  end)
 
   it('experts no token chose get zero gradients; every parameter has one', function()
     local m = build({ dim = 4, hidden = 6, experts = 8, top_k = 1 })

@@ -29,6 +29,24 @@ local amp = require 'moonshard.amp'
 
 local moe = {}
 
+-- rows each expert's run is padded to (moe.sort_slots): on GPUs 128, so
+-- that the experts' GEMM shapes recur from step to step and their cuBLASLt
+-- plans are reused; on the CPU none (cpu_align: specs pad there too)
+moe.align, moe.cpu_align = 128, 1
+
+-- the experts' GEMMs take cuBLASLt's first choice: their shapes follow the
+-- routing, and timing the candidates of each new one (GEMM tuning) would
+-- cost more than it saves
+local function untuned(dev, fn, ...)
+  if dev == 'cpu' then return fn(...) end
+  local cuda = ms.cuda
+  local prev = cuda.gemm_tune(false)
+  local ok, a, b = pcall(fn, ...)
+  cuda.gemm_tune(prev)
+  if not ok then error(a, 0) end
+  return a, b
+end
+
 -- an expert: down(silu(gate(x)) * up(x)), its linears named as the model's
 -- checkpoints name them (Mixtral: w1, w3, w2; Qwen-MoE: gate_proj, up_proj,
 -- down_proj)
@@ -51,35 +69,46 @@ local function expert_class(nn, nnf)
 end
 
 -- The rows' moves, each a gather both ways (no scatter-add, no sort on
--- the device):
--- Dispatch(x2 (N, H), tok, inv, k) -> xs (N·k, H): the tokens' rows in
--- sorted-slot order; backward: the gradient's rows back in slot order
--- (inv), each token's k rows summed.
+-- the device). Positions past a tensor's rows read a zero row.
+local function gather_rows(t, idx, zero_pad)
+  if not zero_pad then return t:index_select(1, idx) end
+  local z = T.zeros({ 1, t.shape[2] }, { dtype = t.dtype, device = t.device })
+  local ext = require('moonshard.ops').cat({ t, z }, 1)
+  z:free()
+  local r = ext:index_select(1, idx)
+  ext:free()
+  return r
+end
+-- Dispatch(x2 (N, H), tokp, inv, k, pads) -> xs (M, H): row j the token
+-- tokp[j] (zeros at the padding between experts' runs); backward: each
+-- slot's row (inv: slot -> row), each token's k rows summed.
 local Dispatch = A.Function {
   name = 'moe_dispatch',
   owns_results = true,
-  forward = function(ctx, x2, tok, inv, k)
+  forward = function(ctx, x2, tokp, inv, k, pads)
     ctx.inv, ctx.k, ctx.N, ctx.H = inv, k, x2.shape[1], x2.shape[2]
-    return x2:index_select(1, tok)
+    return gather_rows(x2, tokp, pads)
   end,
   backward = function(ctx, g)
     local r = g:index_select(1, ctx.inv)
     local gx = r:reshape({ ctx.N, ctx.k, ctx.H }):sum(2)
     r:free()
-    return gx, nil, nil, nil
+    return gx, nil, nil, nil, nil
   end,
 }
--- Permute(t (M, H), perm, inv) -> t's rows in the order perm; backward:
--- the gradient's rows by inv (perm's inverse)
-local Permute = A.Function {
-  name = 'moe_permute',
+-- Combine(ys (M, H), inv, back, pads) -> (N·k, H): each slot's row;
+-- backward: the gradient's rows back in the experts' order (back: row ->
+-- slot; zeros at the padding)
+local Combine = A.Function {
+  name = 'moe_combine',
   owns_results = true,
-  forward = function(ctx, t, perm, inv)
-    ctx.inv = inv
-    return t:index_select(1, perm)
+  forward = function(ctx, ys, inv, back, pads)
+    ctx.back, ctx.pads = back, pads
+    return ys:index_select(1, inv)
   end,
-  backward = function(ctx, g) return g:index_select(1, ctx.inv), nil, nil end,
+  backward = function(ctx, g) return gather_rows(g, ctx.back, ctx.pads), nil, nil, nil end,
 }
+
 -- Experts(xs (M, H), counts, names, w...) -> (M, H): each expert's run of
 -- rows (counts[e] of them, in order) through its SwiGLU MLP, w the E
 -- experts' (gate, up, down) weights in turn. One node for all of them:
@@ -97,10 +126,17 @@ end
 local function gemm_into(out, a, b, ta, tb, beta)
   require('moonshard.ops').gemm_(out, a, b, ta, tb, 1, beta or 0)
 end
+local experts_forward, experts_backward
 local Experts = A.Function {
   name = 'moe_experts',
   owns_results = true,
-  forward = function(ctx, xs, counts, ...)
+  forward = function(ctx, xs, counts, ...) return untuned(xs.device, experts_forward, ctx, xs, counts, ...) end,
+  backward = function(ctx, gy)
+    local dxs, grads = untuned(ctx.xs.device, experts_backward, ctx, gy)
+    return dxs, nil, unpack(grads, 1, grads.n)
+  end,
+}
+experts_forward = function(ctx, xs, counts, ...)
     local ws = { ... }
     local M, H = xs.shape[1], xs.shape[2]
     local dt, dev = xs.dtype, xs.device
@@ -135,8 +171,8 @@ local Experts = A.Function {
       for _, cw in pairs(casts) do for i = 1, 3 do if cw[i + 3] then cw[i]:free() end end end
     end
     return ys
-  end,
-  backward = function(ctx, gy)
+end
+experts_backward = function(ctx, gy)
     local F = require('moonshard.ops')
     local xs, gs, us, ws = ctx.xs, ctx.gs, ctx.us, ctx.ws
     local dt = xs.dtype
@@ -180,23 +216,29 @@ local Experts = A.Function {
     end
     gs:free(); us:free()
     ctx.gs, ctx.us, ctx.casts, ctx.xs, ctx.ws = nil, nil, nil, nil, nil
-    return dxs, nil, unpack(grads, 1, #ws)
-  end,
-}
+    grads.n = #ws
+    return dxs, grads
+end
 
--- moe.sort_slots(ids (N, k) i64, E) -> order, inv, tok, counts: the N·k
--- slots (0-based row-major indices into ids) sorted by expert, stable
--- (slot order within an expert); inv[s] = where slot s sits in order; tok
--- = order // k, the token of each sorted slot (three i64 host tensors of
--- N·k), and each expert's count (a Lua list). Ids outside [0, E) are an
--- error naming the slot.
-function moe.sort_slots(ids, E)
+-- moe.sort_slots(ids (N, k) i64, E, align) -> a table: the N·k slots
+-- (0-based row-major indices into ids) sorted by expert, stable (slot
+-- order within an expert), each expert's run of rows padded to a multiple
+-- of align (default 1: none; the GPU pads to 128 so that the experts'
+-- GEMM shapes recur from step to step and their plans are reused):
+--   order (N·k) the sorted slots; inv (N·k) slot -> its row;
+--   tok (M) row -> its token, N at padding; back (M) row -> its slot, N·k
+--   at padding (i64 host tensors); counts and rows (Lua lists of E: the
+--   slots and the padded rows of each expert); M; pads (whether any).
+-- Ids outside [0, E) are an error naming the slot.
+function moe.sort_slots(ids, E, align)
+  align = align or 1
   local ffi = ms.ffi
   local k = ids.ndim == 2 and ids.shape[2] or 1
   local h = ids:to('cpu'):contiguous()
   local n = h:numel()
+  local N = math.floor(n / k)
   local p = ffi.cast('int64_t *', h:data_ptr())
-  local counts = {}
+  local counts, rows = {}, {}
   for e = 1, E do counts[e] = 0 end
   for s = 0, n - 1 do
     local e = tonumber(p[s])
@@ -205,22 +247,29 @@ function moe.sort_slots(ids, E)
     end
     counts[e + 1] = counts[e + 1] + 1
   end
-  local start, acc = {}, 0
-  for e = 1, E do start[e] = acc; acc = acc + counts[e] end
-  local order, inv, tok = ms.empty({ n }, { dtype = 'i64' }), ms.empty({ n }, { dtype = 'i64' }),
-    ms.empty({ n }, { dtype = 'i64' })
-  local o, iv, tk = ffi.cast('int64_t *', order:data_ptr()), ffi.cast('int64_t *', inv:data_ptr()),
-    ffi.cast('int64_t *', tok:data_ptr())
+  local start, rstart, acc, racc = {}, {}, 0, 0
+  for e = 1, E do
+    rows[e] = math.ceil(counts[e] / align) * align
+    start[e], rstart[e] = acc, racc
+    acc, racc = acc + counts[e], racc + rows[e]
+  end
+  local M = racc
+  local order, inv = ms.empty({ n }, { dtype = 'i64' }), ms.empty({ n }, { dtype = 'i64' })
+  local tok, back = ms.empty({ M }, { dtype = 'i64' }), ms.empty({ M }, { dtype = 'i64' })
+  local o, iv = ffi.cast('int64_t *', order:data_ptr()), ffi.cast('int64_t *', inv:data_ptr())
+  local tk, bk = ffi.cast('int64_t *', tok:data_ptr()), ffi.cast('int64_t *', back:data_ptr())
+  for j = 0, M - 1 do tk[j] = N; bk[j] = n end
   for s = 0, n - 1 do
     local e = tonumber(p[s]) + 1
-    local j = start[e]
+    local j, r = start[e], rstart[e]
     o[j] = s
-    iv[s] = j
-    tk[j] = math.floor(s / k)
-    start[e] = j + 1
+    iv[s] = r
+    tk[r] = math.floor(s / k)
+    bk[r] = s
+    start[e], rstart[e] = j + 1, r + 1
   end
   if h ~= ids then h:free() end
-  return order, inv, tok, counts
+  return { order = order, inv = inv, tok = tok, back = back, counts = counts, rows = rows, M = M, pads = M > n }
 end
 
 -- moe.topk(scores (N, E), k) -> ids (N, k) i64: each row's k largest, in
@@ -321,28 +370,25 @@ function moe.install(nn, nnf)
     local w = probs:gather(2, ids)
     if self.norm_topk and k > 1 then w = w / w:sum(2, true) end
     if self.route_scale ~= 1 then w = w * self.route_scale end
-    local order, inv, tok, counts = moe.sort_slots(ids, E)
     local dev = x.device
-    if dev ~= 'cpu' then
-      local h = { order, inv, tok }
-      order, inv, tok = order:to(dev), inv:to(dev), tok:to(dev)
-      for _, t in ipairs(h) do t:free() end
-    end
+    local st = moe.sort_slots(ids, E, dev == 'cpu' and moe.cpu_align or moe.align)
+    local counts = st.counts
+    local tok, inv, back = st.tok, st.inv, st.back
+    if dev ~= 'cpu' then tok, inv, back = tok:to(dev), inv:to(dev), back:to(dev) end
     -- (under autocast the tokens move in the compute dtype: the experts' linears would cast them anyway)
     local xc = amp.cast(x2)
-    local xs = Dispatch(xc, tok, inv, k)
+    local xs = Dispatch(xc, tok, inv, k, st.pads)
     local wl = {}
     for e = 1, E do
       local ex = self.experts[e]
       local n = ex.names
       wl[3 * e - 2], wl[3 * e - 1], wl[3 * e] = ex[n[1]].weight, ex[n[2]].weight, ex[n[3]].weight
     end
-    local ys = Experts(xs, counts, unpack(wl, 1, 3 * E))
-    -- (the routing weights in the experts' output dtype: bf16 under autocast, as the dense MLP's)
+    local ys = Experts(xs, st.rows, unpack(wl, 1, 3 * E))
+    -- each slot's row, scaled by its routing weight (in the experts' output
+    -- dtype: bf16 under autocast, as the dense MLP's), each token's k summed
     if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
-    local ws = Permute(w:reshape({ N * k, 1 }), order, inv)
-    ys = ys * ws
-    local y = Permute(ys, inv, order):reshape({ N, k, H }):sum(2)
+    local y = (Combine(ys, inv, back, st.pads) * w:reshape({ N * k, 1 })):reshape({ N, k, H }):sum(2)
     if self.shared_name then y = y + self[self.shared_name](x2) end
     rawset(self, '_stats', { counts = counts, probs = probs, n = N })
     return y:reshape(shape)
