@@ -128,6 +128,23 @@ int ms_cat(ms_tensor **out, int n, ms_tensor *const *ts, int dim);
  * element i (in row-major order of t) uses counter offset + i, so results do
  * not depend on the device or the number of threads. */
 int ms_fill_(ms_tensor *t, double value);
+
+/* Mixture-of-experts SwiGLU experts (moonshard.nn.moe), the whole loop in
+ * one call. xs (M, H) holds the experts' runs of rows in turn, rows[e] for
+ * expert e (summing to M; a run may be empty); w1[e], w3[e] (I, H) and
+ * w2[e] (H, I) are expert e's gate, up and down weights, in xs's dtype and
+ * on its device.
+ *   forward:  g, u (M, I) = each run @ w1[e]^T, @ w3[e]^T; ys (M, H) =
+ *             swiglu(g, u) @ w2[e]^T (outputs given, written);
+ *   backward: from gy (M, H) and the forward's xs, g, u: dxs (M, H) and
+ *             dw1[e], dw3[e] (I, H), dw2[e] (H, I), written (not added), in
+ *             their own dtype (f32 from bf16 operands); an expert with no
+ *             rows gets zeros. */
+int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *g, ms_tensor *u, const ms_tensor *xs, ms_tensor **w1,
+                           ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E);
+int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms_tensor **dw2, const ms_tensor *gy,
+                            const ms_tensor *xs, const ms_tensor *g, const ms_tensor *u, ms_tensor **w1,
+                            ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E);
 int ms_arange_(ms_tensor *t, double start, double step);
 int ms_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi);
 int ms_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std);

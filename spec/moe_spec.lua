@@ -244,6 +244,24 @@ describe('nn.MoE', function()
     local ok, err = pcall(function() return m(ms.randn({ 3, 5 })) end)
     assert.is_false(ok)
     assert.matches('MoE: input of shape (3, 5) does not end in dim = 4', tostring(err), 1, true)
+    -- the C loop's checks name what is wrong
+    local T = require 'moonshard.tensor'
+    local ffi = ms.ffi
+    local xs, ys = ms.randn({ 5, 4 }), ms.empty({ 5, 4 })
+    local gs, us = ms.empty({ 5, 3 }), ms.empty({ 5, 3 })
+    local w1, w3, w2 = ms.randn({ 3, 4 }), ms.randn({ 3, 4 }), ms.randn({ 4, 3 })
+    local function arr(t) local a = ffi.new('ms_tensor*[1]'); a[0] = t; return a end
+    local function run(rows, down)
+      local r = ffi.new('int64_t[1]', rows)
+      return pcall(T.check, T.C.ms_moe_experts_forward(ys, gs, us, xs, arr(w1), arr(w3), arr(down or w2), r, 1))
+    end
+    assert.is_true((run(5)))
+    local ok1, e1 = run(4)
+    assert.is_false(ok1)
+    assert.matches('moe_experts_forward: the experts\' rows sum to 4, but xs has 5', tostring(e1), 1, true)
+    local ok2, e2 = run(5, ms.randn({ 3, 4 }))
+    assert.is_false(ok2)
+    assert.matches('moe_experts_forward: expert 0\'s down weight must be (4, 3), got', tostring(e2), 1, true)
     -- FSDP units inside the experts: each rank runs only the experts its tokens chose
     local s = nn.Sequential(nn.Linear(4, 4), nn.MoE { dim = 4, hidden = 6, experts = 2, top_k = 1 })
     assert.has_error(function() ms.fsdp.fully_shard(s, { policy = ms.fsdp.policy.by_class { 'MoEExpert' } }) end,

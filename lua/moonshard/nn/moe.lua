@@ -109,116 +109,83 @@ local Combine = A.Function {
   backward = function(ctx, g) return gather_rows(g, ctx.back, ctx.pads), nil, nil, nil end,
 }
 
--- Experts(xs (M, H), counts, names, w...) -> (M, H): each expert's run of
--- rows (counts[e] of them, in order) through its SwiGLU MLP, w the E
--- experts' (gate, up, down) weights in turn. One node for all of them:
--- its loop calls the GEMMs directly (a few host microseconds each, against
--- an autograd node's tens), writes each run's output into its rows, and
--- its backward returns every expert's weight gradients (zeros for an
--- expert no row went to, so every rank's parameters have a gradient), in
--- the weights' dtype (an f32 GEMM output from bf16 operands: no cast pass).
+-- Experts(xs (M, H), rows, w...) -> (M, H): each expert's run of rows
+-- (rows[e] of them, in order) through its SwiGLU MLP, w the E experts'
+-- (gate, up, down) weights in turn. One node for all of them, its loop in
+-- C (ms_moe_experts_forward / _backward, core/moe.c: a GEMM or an
+-- activation pass a call, into views of the outputs), so a layer costs the
+-- host two FFI calls instead of a dozen autograd ops an expert. The
+-- backward returns every expert's weight gradients (zeros for an expert
+-- with no rows, so every rank's parameters have a gradient), in the
+-- weights' dtype (an f32 GEMM output from bf16 operands: no cast pass).
 -- The weights are cast to the rows' dtype (bf16 under autocast) once a
 -- forward, and the casts kept for the backward.
-local function cast_to(w, dt)
-  if w.dtype == dt then return w, false end
-  return w:to(dt), true
+local function tensor_array(list, n)
+  local a = ms.ffi.new('ms_tensor*[?]', n)
+  for i = 1, n do a[i - 1] = list[i] end
+  return a
 end
-local function gemm_into(out, a, b, ta, tb, beta)
-  require('moonshard.ops').gemm_(out, a, b, ta, tb, 1, beta or 0)
+local function experts_forward(ctx, xs, rows, ...)
+  local ws = { ... }
+  local E = #rows
+  local M, H = xs.shape[1], xs.shape[2]
+  local dt, dev = xs.dtype, xs.device
+  local I = ws[1].shape[1]
+  local c, casts = {}, {}
+  for i, w in ipairs(ws) do
+    if w.dtype == dt then c[i] = w else c[i] = w:to(dt); casts[#casts + 1] = c[i] end
+  end
+  local w1, w3, w2 = {}, {}, {}
+  for e = 1, E do w1[e], w3[e], w2[e] = c[3 * e - 2], c[3 * e - 1], c[3 * e] end
+  local ys = T.empty({ M, H }, { dtype = dt, device = dev })
+  local gs = T.empty({ M, I }, { dtype = dt, device = dev })
+  local us = T.empty({ M, I }, { dtype = dt, device = dev })
+  local r = ms.ffi.new('int64_t[?]', E)
+  for e = 1, E do r[e - 1] = rows[e] end
+  local a1, a3, a2 = tensor_array(w1, E), tensor_array(w3, E), tensor_array(w2, E)
+  T.check(T.C.ms_moe_experts_forward(ys, gs, us, xs, a1, a3, a2, r, E), 3)
+  local keep = false
+  for _, n in ipairs(ctx.needs_input_grad) do keep = keep or n end
+  if keep then
+    ctx.xs, ctx.gs, ctx.us, ctx.rows, ctx.ws, ctx.c, ctx.casts = xs, gs, us, rows, ws, { w1, w3, w2 }, casts
+  else
+    -- (no backward will come)
+    gs:free(); us:free()
+    for _, t in ipairs(casts) do t:free() end
+  end
+  return ys
 end
-local experts_forward, experts_backward
+local function experts_backward(ctx, gy)
+  local xs, ws = ctx.xs, ctx.ws
+  local E = #ctx.rows
+  local dt = xs.dtype
+  local gc = gy.dtype == dt and gy:contiguous() or gy:to(dt)
+  local dxs = T.empty(xs.shape, { dtype = dt, device = xs.device })
+  local grads = {}
+  for i, w in ipairs(ws) do grads[i] = T.empty(w.shape, { dtype = w.dtype, device = w.device }) end
+  local d1, d3, d2 = {}, {}, {}
+  for e = 1, E do d1[e], d3[e], d2[e] = grads[3 * e - 2], grads[3 * e - 1], grads[3 * e] end
+  local r = ms.ffi.new('int64_t[?]', E)
+  for e = 1, E do r[e - 1] = ctx.rows[e] end
+  local cw = ctx.c
+  T.check(T.C.ms_moe_experts_backward(dxs, tensor_array(d1, E), tensor_array(d3, E), tensor_array(d2, E), gc, xs,
+    ctx.gs, ctx.us, tensor_array(cw[1], E), tensor_array(cw[2], E), tensor_array(cw[3], E), r, E), 3)
+  if gc ~= gy then gc:free() end
+  ctx.gs:free(); ctx.us:free()
+  for _, t in ipairs(ctx.casts) do t:free() end
+  ctx.gs, ctx.us, ctx.casts, ctx.c, ctx.xs, ctx.ws = nil, nil, nil, nil, nil, nil
+  grads.n = #ws
+  return dxs, grads
+end
 local Experts = A.Function {
   name = 'moe_experts',
   owns_results = true,
-  forward = function(ctx, xs, counts, ...) return untuned(xs.device, experts_forward, ctx, xs, counts, ...) end,
+  forward = function(ctx, xs, rows, ...) return untuned(xs.device, experts_forward, ctx, xs, rows, ...) end,
   backward = function(ctx, gy)
     local dxs, grads = untuned(ctx.xs.device, experts_backward, ctx, gy)
     return dxs, nil, unpack(grads, 1, grads.n)
   end,
 }
-experts_forward = function(ctx, xs, counts, ...)
-    local ws = { ... }
-    local M, H = xs.shape[1], xs.shape[2]
-    local dt, dev = xs.dtype, xs.device
-    local I = ws[1].shape[1]
-    local ys = T.empty({ M, H }, { dtype = dt, device = dev })
-    local gs = T.empty({ M, I }, { dtype = dt, device = dev })
-    local us = T.empty({ M, I }, { dtype = dt, device = dev })
-    local casts, off = {}, 0
-    for e, c in ipairs(counts) do
-      if c > 0 then
-        local w1, c1 = cast_to(ws[3 * e - 2], dt)
-        local w3, c3 = cast_to(ws[3 * e - 1], dt)
-        local w2, c2 = cast_to(ws[3 * e], dt)
-        casts[e] = { w1, w3, w2, c1, c3, c2 }
-        local r, g, u, y = xs:narrow(1, off + 1, c), gs:narrow(1, off + 1, c), us:narrow(1, off + 1, c),
-          ys:narrow(1, off + 1, c)
-        gemm_into(g, r, w1, false, true)
-        gemm_into(u, r, w3, false, true)
-        local h = require('moonshard.ops').swiglu(g, u)
-        gemm_into(y, h, w2, false, true)
-        h:free(); r:free(); g:free(); u:free(); y:free()
-        off = off + c
-      end
-    end
-    local keep = false
-    for _, n in ipairs(ctx.needs_input_grad) do keep = keep or n end
-    if keep then
-      ctx.xs, ctx.gs, ctx.us, ctx.casts, ctx.counts, ctx.ws = xs, gs, us, casts, counts, ws
-    else
-      -- (no backward will come)
-      gs:free(); us:free()
-      for _, cw in pairs(casts) do for i = 1, 3 do if cw[i + 3] then cw[i]:free() end end end
-    end
-    return ys
-end
-experts_backward = function(ctx, gy)
-    local F = require('moonshard.ops')
-    local xs, gs, us, ws = ctx.xs, ctx.gs, ctx.us, ctx.ws
-    local dt = xs.dtype
-    if gy.dtype ~= dt then gy = gy:to(dt) end
-    local dxs = T.empty(xs.shape, { dtype = dt, device = xs.device })
-    local grads, off = {}, 0
-    for e, c in ipairs(ctx.counts) do
-      local w1o, w3o, w2o = ws[3 * e - 2], ws[3 * e - 1], ws[3 * e]
-      if c > 0 then
-        local cw = ctx.casts[e]
-        local w1, w3, w2 = cw[1], cw[2], cw[3]
-        local r, g, u = xs:narrow(1, off + 1, c), gs:narrow(1, off + 1, c), us:narrow(1, off + 1, c)
-        local dy, dx = gy:narrow(1, off + 1, c), dxs:narrow(1, off + 1, c)
-        local h = F.swiglu(g, u)
-        local d2 = T.empty(w2o.shape, { dtype = w2o.dtype, device = w2o.device })
-        gemm_into(d2, dy, h, true, false)          -- (H, I) = dyᵀ h
-        h:free()
-        local dh = F.matmul(dy, w2, false, false)  -- (c, I)
-        local dup = F.swiglu(g, dh)                -- silu(g) dh
-        local t = F.mul(dh, u)
-        local dgate = F.silu_backward(g, t)
-        t:free(); dh:free()
-        local d1 = T.empty(w1o.shape, { dtype = w1o.dtype, device = w1o.device })
-        local d3 = T.empty(w3o.shape, { dtype = w3o.dtype, device = w3o.device })
-        gemm_into(d1, dgate, r, true, false)       -- (I, H)
-        gemm_into(d3, dup, r, true, false)
-        gemm_into(dx, dgate, w1, false, false)     -- (c, H)
-        gemm_into(dx, dup, w3, false, false, 1)
-        dgate:free(); dup:free()
-        r:free(); g:free(); u:free(); dy:free(); dx:free()
-        if cw[4] then w1:free() end
-        if cw[5] then w3:free() end
-        if cw[6] then w2:free() end
-        grads[3 * e - 2], grads[3 * e - 1], grads[3 * e] = d1, d3, d2
-        off = off + c
-      else
-        grads[3 * e - 2] = T.zeros(w1o.shape, { dtype = w1o.dtype, device = w1o.device })
-        grads[3 * e - 1] = T.zeros(w3o.shape, { dtype = w3o.dtype, device = w3o.device })
-        grads[3 * e] = T.zeros(w2o.shape, { dtype = w2o.dtype, device = w2o.device })
-      end
-    end
-    gs:free(); us:free()
-    ctx.gs, ctx.us, ctx.casts, ctx.xs, ctx.ws = nil, nil, nil, nil, nil
-    grads.n = #ws
-    return dxs, grads
-end
 
 -- moe.sort_slots(ids (N, k) i64, E, align) -> a table: the N·k slots
 -- (0-based row-major indices into ids) sorted by expert, stable (slot
