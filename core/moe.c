@@ -8,6 +8,8 @@
 #include "ops.h"
 
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define DESC 160
 
@@ -144,5 +146,194 @@ int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms
         if (rc) return -1;
         off += n;
     }
+    return 0;
+}
+
+/* ------------------------------------------------------------ the rows' moves */
+
+#ifdef MS_WITH_CUDA
+#include "../kernels/kernels.h"
+#endif
+
+static int check_ids(const char *op, const char *what, const ms_tensor *ids, int64_t n, const ms_tensor *like) {
+    char x[DESC];
+    if (!ids || ids->dtype_id != MS_I64 || ids->ndim != 1 || ids->sizes[0] != n || !ms_tensor_is_contiguous(ids))
+        return ms_errorf("%s: %s must be contiguous i64 (%lld), got %s", op, what, (long long)n,
+                         ids ? ms_desc(ids, x, sizeof x) : "NULL");
+    if (ids->device_id != like->device_id)
+        return ms_errorf("%s: %s is on another device than the rows: %s", op, what, ms_desc(ids, x, sizeof x));
+    return 0;
+}
+
+static int check_rows(const char *op, const char *what, const ms_tensor *t, int64_t r, int64_t h, const ms_tensor *like) {
+    char x[DESC];
+    if (check_2d(op, what, t, r, h, like)) return -1;
+    if (!ms_tensor_is_contiguous(t)) return ms_errorf("%s: %s must be contiguous, got %s", op, what, ms_desc(t, x, sizeof x));
+    if (like && t->dtype_id != like->dtype_id)
+        return ms_errorf("%s: %s must have the rows' dtype, got %s", op, what, ms_desc(t, x, sizeof x));
+    if (t->dtype_id > MS_F16) return ms_errorf("%s: %s must be a float tensor, got %s", op, what, ms_desc(t, x, sizeof x));
+    return 0;
+}
+
+static int bad_id(const char *op, const char *what, int64_t pos, int64_t v, int64_t lim) {
+    return ms_errorf("%s: %s[%lld] = %lld is outside [0, %lld]", op, what, (long long)pos, (long long)v, (long long)lim);
+}
+
+int ms_moe_gather_rows(ms_tensor *out, const ms_tensor *x, const ms_tensor *idx) {
+    const char *op = "moe_gather_rows";
+    char d[DESC];
+    if (!x || x->ndim != 2) return ms_errorf("%s: x must be 2-D, got %s", op, x ? ms_desc(x, d, sizeof d) : "NULL");
+    int64_t N = x->sizes[0], H = x->sizes[1];
+    if (check_rows(op, "x", x, N, H, x)) return -1;
+    if (!out || out->ndim != 2) return ms_errorf("%s: out must be 2-D", op);
+    int64_t M = out->sizes[0];
+    if (check_rows(op, "out", out, M, H, x) || check_ids(op, "idx", idx, M, x)) return -1;
+#ifdef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_cuda_moe_gather_rows(out, x, idx);
+#endif
+    const int64_t *id = (const int64_t *)ms_tensor_data(idx);
+    for (int64_t r = 0; r < M; r++)
+        if (id[r] < 0 || id[r] > N) return bad_id(op, "idx", r, id[r], N);
+    size_t es = ms_dtype_size(x->dtype_id);
+    const char *src = (const char *)ms_tensor_data(x);
+    char *dst = (char *)ms_tensor_data(out);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M; r++) {
+        if (id[r] == N) memset(dst + (size_t)r * H * es, 0, (size_t)H * es);
+        else memcpy(dst + (size_t)r * H * es, src + (size_t)id[r] * H * es, (size_t)H * es);
+    }
+    return 0;
+}
+
+int ms_moe_combine(ms_tensor *out, const ms_tensor *ys, const ms_tensor *inv, const ms_tensor *w, int k) {
+    const char *op = "moe_combine";
+    char d[DESC];
+    if (!ys || ys->ndim != 2) return ms_errorf("%s: ys must be 2-D, got %s", op, ys ? ms_desc(ys, d, sizeof d) : "NULL");
+    int64_t M = ys->sizes[0], H = ys->sizes[1];
+    if (k < 1) return ms_errorf("%s: k must be positive, got %d", op, k);
+    if (!out || out->ndim != 2) return ms_errorf("%s: out must be 2-D", op);
+    int64_t N = out->sizes[0];
+    if (check_rows(op, "ys", ys, M, H, ys) || check_rows(op, "out", out, N, H, ys) ||
+        check_ids(op, "inv", inv, N * k, ys))
+        return -1;
+    if (w && (w->ndim != 1 || w->sizes[0] != N * k || w->dtype_id != ys->dtype_id || !ms_tensor_is_contiguous(w) ||
+              w->device_id != ys->device_id))
+        return ms_errorf("%s: w must be contiguous (%lld) of the rows' dtype and device, got %s", op,
+                         (long long)(N * k), ms_desc(w, d, sizeof d));
+#ifdef MS_WITH_CUDA
+    if (ys->device_id >= 0) return ms_cuda_moe_combine(out, ys, inv, w, k);
+#endif
+    const int64_t *iv = (const int64_t *)ms_tensor_data(inv);
+    for (int64_t s = 0; s < N * k; s++)
+        if (iv[s] < 0 || iv[s] >= M) return bad_id(op, "inv", s, iv[s], M - 1);
+    int dt = ys->dtype_id;
+    size_t es = ms_dtype_size(dt);
+    const char *src = (const char *)ms_tensor_data(ys);
+    char *dst = (char *)ms_tensor_data(out);
+    const char *wp = w ? (const char *)ms_tensor_data(w) : NULL;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t h = 0; h < H; h++) {
+            double acc = 0;
+            for (int j = 0; j < k; j++) {
+                int64_t s = n * k + j;
+                double wv = wp ? ms_load(wp + s * es, dt) : 1.0;
+                acc += wv * ms_load(src + ((size_t)iv[s] * H + h) * es, dt);
+            }
+            ms_store(dst + ((size_t)n * H + h) * es, dt, acc);
+        }
+    }
+    return 0;
+}
+
+int ms_moe_combine_backward(ms_tensor *gys, ms_tensor *gw, const ms_tensor *g, const ms_tensor *ys,
+                            const ms_tensor *back, const ms_tensor *w, int k) {
+    const char *op = "moe_combine_backward";
+    char d[DESC];
+    if (!ys || ys->ndim != 2) return ms_errorf("%s: ys must be 2-D, got %s", op, ys ? ms_desc(ys, d, sizeof d) : "NULL");
+    if (!g || g->ndim != 2) return ms_errorf("%s: g must be 2-D, got %s", op, g ? ms_desc(g, d, sizeof d) : "NULL");
+    int64_t M = ys->sizes[0], H = ys->sizes[1], N = g->sizes[0];
+    if (k < 1) return ms_errorf("%s: k must be positive, got %d", op, k);
+    if (check_rows(op, "ys", ys, M, H, ys) || check_rows(op, "g", g, N, H, ys) || check_rows(op, "gys", gys, M, H, ys) ||
+        check_ids(op, "back", back, M, ys))
+        return -1;
+    if (!w || w->ndim != 1 || w->sizes[0] != N * k || w->dtype_id != ys->dtype_id || !ms_tensor_is_contiguous(w) ||
+        w->device_id != ys->device_id)
+        return ms_errorf("%s: w must be contiguous (%lld) of the rows' dtype and device, got %s", op,
+                         (long long)(N * k), w ? ms_desc(w, d, sizeof d) : "NULL");
+    if (gw && (gw->ndim != 1 || gw->sizes[0] != N * k || gw->dtype_id != ys->dtype_id ||
+               !ms_tensor_is_contiguous(gw) || gw->device_id != ys->device_id))
+        return ms_errorf("%s: gw must be contiguous (%lld) of the rows' dtype and device, got %s", op,
+                         (long long)(N * k), ms_desc(gw, d, sizeof d));
+#ifdef MS_WITH_CUDA
+    if (ys->device_id >= 0) return ms_cuda_moe_combine_backward(gys, gw, g, ys, back, w, k);
+#endif
+    const int64_t *bk = (const int64_t *)ms_tensor_data(back);
+    for (int64_t r = 0; r < M; r++)
+        if (bk[r] < 0 || bk[r] > N * k) return bad_id(op, "back", r, bk[r], N * k);
+    int dt = ys->dtype_id;
+    size_t es = ms_dtype_size(dt);
+    const char *yp = (const char *)ms_tensor_data(ys), *gp = (const char *)ms_tensor_data(g);
+    const char *wp = (const char *)ms_tensor_data(w);
+    char *op_ = (char *)ms_tensor_data(gys);
+    char *gwp = gw ? (char *)ms_tensor_data(gw) : NULL;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M; r++) {
+        int64_t s = bk[r];
+        if (s == N * k) {
+            memset(op_ + (size_t)r * H * es, 0, (size_t)H * es);
+            continue;
+        }
+        int64_t n = s / k;
+        double wv = ms_load(wp + s * es, dt), dot = 0;
+        for (int64_t h = 0; h < H; h++) {
+            double gv = ms_load(gp + ((size_t)n * H + h) * es, dt);
+            ms_store(op_ + ((size_t)r * H + h) * es, dt, wv * gv);
+            dot += gv * ms_load(yp + ((size_t)r * H + h) * es, dt);
+        }
+        if (gwp) ms_store(gwp + s * es, dt, dot);
+    }
+    return 0;
+}
+
+int ms_moe_sort_slots(const int64_t *ids, int64_t n, int k, int E, int64_t align, int64_t cap, int64_t *order,
+                      int64_t *inv, int64_t *tok, int64_t *back, int64_t *counts, int64_t *rows, int64_t *M) {
+    const char *op = "moe_sort_slots";
+    if (k < 1 || E < 1 || align < 1 || n % k != 0)
+        return ms_errorf("%s: %lld slots, k %d, %d experts, align %lld", op, (long long)n, k, E, (long long)align);
+    int64_t N = n / k;
+    for (int e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t s = 0; s < n; s++) {
+        if (ids[s] < 0 || ids[s] >= E)
+            return ms_errorf("moe: expert id %lld at slot %lld is outside [0, %d)", (long long)ids[s], (long long)s, E);
+        counts[ids[s]]++;
+    }
+    int64_t *start = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)E);
+    if (!start) return ms_errorf("%s: out of host memory", op);
+    int64_t *rstart = start + E, acc = 0, racc = 0;
+    for (int e = 0; e < E; e++) {
+        rows[e] = (counts[e] + align - 1) / align * align;
+        start[e] = acc;
+        rstart[e] = racc;
+        acc += counts[e];
+        racc += rows[e];
+    }
+    if (racc > cap) {
+        free(start);
+        return ms_errorf("%s: %lld rows do not fit the %lld given", op, (long long)racc, (long long)cap);
+    }
+    *M = racc;
+    for (int64_t r = 0; r < racc; r++) {
+        tok[r] = N;
+        back[r] = n;
+    }
+    for (int64_t s = 0; s < n; s++) {
+        int64_t e = ids[s], j = start[e]++, r = rstart[e]++;
+        order[j] = s;
+        inv[s] = r;
+        tok[r] = s / k;
+        back[r] = s;
+    }
+    free(start);
     return 0;
 }

@@ -145,6 +145,33 @@ int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *g, ms_tensor *u, const ms_t
 int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms_tensor **dw2, const ms_tensor *gy,
                             const ms_tensor *xs, const ms_tensor *g, const ms_tensor *u, ms_tensor **w1,
                             ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E);
+/* The rows' moves of a mixture-of-experts layer (moonshard.nn.moe): N
+ * tokens, k slots a token (slot s = n k + j), M rows in the experts' order
+ * (padding rows between the experts' runs); ids are i64 on the rows' device.
+ *   ms_moe_gather_rows:      out (M, H) row r = x (N, H) row idx[r], zeros
+ *                            where idx[r] == N (padding);
+ *   ms_moe_combine:          out (N, H) row n = sum over j of
+ *                            w[n k + j] * ys (M, H) row inv[n k + j]
+ *                            (w NULL: weights 1), summed in f32 (f64 for f64);
+ *   ms_moe_combine_backward: gys (M, H) row r = w[s] * g (N, H) row s / k
+ *                            for s = back[r], zeros where back[r] == N k;
+ *                            gw (N k) [s] = g row s / k . ys row r (gw NULL:
+ *                            not made).
+ * w and gw have the rows' dtype. An id out of range is an error naming it
+ * (on CUDA: the device flag, raised at the next sync point). */
+int ms_moe_gather_rows(ms_tensor *out, const ms_tensor *x, const ms_tensor *idx);
+int ms_moe_combine(ms_tensor *out, const ms_tensor *ys, const ms_tensor *inv, const ms_tensor *w, int k);
+int ms_moe_combine_backward(ms_tensor *gys, ms_tensor *gw, const ms_tensor *g, const ms_tensor *ys,
+                            const ms_tensor *back, const ms_tensor *w, int k);
+/* The host's counting sort of a layer's slots by expert (moonshard.nn.moe):
+ * ids (n = N k) in [0, E); each expert's run padded to a multiple of align.
+ * Writes order (n: the slots by expert, stable), inv (n: slot -> row), tok
+ * and back (up to cap rows: row -> token, N at padding; row -> slot, n at
+ * padding), counts and rows (E: slots and padded rows an expert) and *M
+ * (the rows). An id out of range is an error naming its slot; cap below
+ * the rows needed, an error. */
+int ms_moe_sort_slots(const int64_t *ids, int64_t n, int k, int E, int64_t align, int64_t cap, int64_t *order,
+                      int64_t *inv, int64_t *tok, int64_t *back, int64_t *counts, int64_t *rows, int64_t *M);
 int ms_arange_(ms_tensor *t, double start, double step);
 int ms_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi);
 int ms_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std);

@@ -73,6 +73,11 @@ int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, 
 
 /* index.cu */
 int ms_cuda_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);
+// kernels/moe.cu: a mixture-of-experts layer's row moves (core/ops.h)
+int ms_cuda_moe_gather_rows(ms_tensor *out, const ms_tensor *x, const ms_tensor *idx);
+int ms_cuda_moe_combine(ms_tensor *out, const ms_tensor *ys, const ms_tensor *inv, const ms_tensor *w, int k);
+int ms_cuda_moe_combine_backward(ms_tensor *gys, ms_tensor *gw, const ms_tensor *g, const ms_tensor *ys,
+                                 const ms_tensor *back, const ms_tensor *w, int k);
 int ms_cuda_index_add(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src);
 int ms_cuda_gather(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);
 int ms_cuda_scatter_add(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src);

@@ -7,6 +7,8 @@ local ms = require 'moonshard'
 local A = ms.autograd
 local nn = ms.nn
 
+local S_values = require('spec.support').values
+
 local function relerr(got, want)
   local g, w = got:to('cpu'):double(), want:to('cpu'):double()
   local num = ((g - w) * (g - w)):sum():item()
@@ -29,6 +31,46 @@ describe('nn.MoE on CUDA #gpu', function()
     gpu:to('cuda')
     return cpu, gpu
   end
+
+  it('the row moves (gather with padding, weighted combine, its backward) against the CPU, f32 and bf16', function()
+    local T = require 'moonshard.tensor'
+    local N, k, H = 37, 3, 96
+    -- a layout as moe.sort_slots makes it: 5 experts, runs padded to 8
+    local ids = {}
+    for n = 1, N do ids[n] = { (n * 7) % 5, (n * 3 + 1) % 5, (n * 11 + 2) % 5 } end
+    local st = nn.moe.sort_slots(ms.tensor(ids, { dtype = 'i64' }), 5, 8)
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      local bound = dt == 'f32' and 1e-6 or 1e-2
+      local x = ms.randn({ N, H }, { seed = 21 }):to(dt)
+      local ys = ms.randn({ st.M, H }, { seed = 22 }):to(dt)
+      local w = ms.randn({ N * k }, { seed = 23 }):to(dt)
+      local g = ms.randn({ N, H }, { seed = 24 }):to(dt)
+      local function run(dev)
+        local function on(t) return t:to(dev) end
+        local xs = T.empty({ st.M, H }, { dtype = dt, device = dev })
+        T.check(T.C.ms_moe_gather_rows(xs, on(x), on(st.tok)))
+        local y = T.empty({ N, H }, { dtype = dt, device = dev })
+        T.check(T.C.ms_moe_combine(y, on(ys), on(st.inv), on(w), k))
+        local y1 = T.empty({ N, H }, { dtype = dt, device = dev })
+        T.check(T.C.ms_moe_combine(y1, on(ys), on(st.inv), nil, k))
+        local gys = T.empty({ st.M, H }, { dtype = dt, device = dev })
+        local gw = T.empty({ N * k }, { dtype = dt, device = dev })
+        T.check(T.C.ms_moe_combine_backward(gys, gw, on(g), on(ys), on(st.back), on(w), k))
+        return { xs = xs, y = y, y1 = y1, gys = gys, gw = gw }
+      end
+      local c, d = run('cpu'), run('cuda')
+      for name, t in pairs(c) do
+        local e = relerr(d[name], t)
+        assert.is_true(e <= bound, ('%s %s: %g'):format(dt, name, e))
+      end
+      -- the padding rows are zeros
+      local pad = 0
+      for r, tk in ipairs(S_values(st.tok)) do
+        if tk == N then pad = pad + 1; assert.are.equal(0, d.xs:narrow(1, r, 1):abs():sum():item()) end
+      end
+      assert.is_true(pad > 0)
+    end
+  end)
 
   for _, c in ipairs({
     { 'top-2 of 8, softmax', { dim = 64, hidden = 96, experts = 8, top_k = 2 } },

@@ -262,6 +262,15 @@ describe('nn.MoE', function()
     local ok2, e2 = run(5, ms.randn({ 3, 4 }))
     assert.is_false(ok2)
     assert.matches('moe_experts_forward: expert 0\'s down weight must be (4, 3), got', tostring(e2), 1, true)
+    -- the row moves check their ids
+    local x = ms.randn({ 3, 4 })
+    local out = ms.empty({ 2, 4 })
+    local okg, eg = pcall(T.check, T.C.ms_moe_gather_rows(out, x, ms.tensor({ 1, 4 }, { dtype = 'i64' })))
+    assert.is_false(okg)
+    assert.matches('moe_gather_rows: idx[1] = 4 is outside [0, 3]', tostring(eg), 1, true)
+    local okc, ec = pcall(T.check, T.C.ms_moe_combine(ms.empty({ 1, 4 }), x, ms.tensor({ 0, 3 }, { dtype = 'i64' }), nil, 2))
+    assert.is_false(okc)
+    assert.matches('moe_combine: inv[1] = 3 is outside [0, 2]', tostring(ec), 1, true)
     -- FSDP units inside the experts: each rank runs only the experts its tokens chose
     local s = nn.Sequential(nn.Linear(4, 4), nn.MoE { dim = 4, hidden = 6, experts = 2, top_k = 1 })
     assert.has_error(function() ms.fsdp.fully_shard(s, { policy = ms.fsdp.policy.by_class { 'MoEExpert' } }) end,

@@ -68,45 +68,56 @@ local function expert_class(nn, nnf)
   return Expert
 end
 
--- The rows' moves, each a gather both ways (no scatter-add, no sort on
--- the device). Positions past a tensor's rows read a zero row.
-local function gather_rows(t, idx, zero_pad)
-  if not zero_pad then return t:index_select(1, idx) end
-  local z = T.zeros({ 1, t.shape[2] }, { dtype = t.dtype, device = t.device })
-  local ext = require('moonshard.ops').cat({ t, z }, 1)
-  z:free()
-  local r = ext:index_select(1, idx)
-  ext:free()
-  return r
-end
--- Dispatch(x2 (N, H), tokp, inv, k, pads) -> xs (M, H): row j the token
--- tokp[j] (zeros at the padding between experts' runs); backward: each
--- slot's row (inv: slot -> row), each token's k rows summed.
+-- The rows' moves (core/moe.c, kernels/moe.cu: one pass each, one block a
+-- row on CUDA):
+-- Dispatch(x2 (N, H), tok, inv, k) -> xs (M, H): row r the token tok[r]
+-- (zeros at the padding between the experts' runs); backward: each
+-- token's k rows (inv: slot -> row) summed.
+local function check(rc) T.check(rc, 3) end
 local Dispatch = A.Function {
   name = 'moe_dispatch',
   owns_results = true,
-  forward = function(ctx, x2, tokp, inv, k, pads)
-    ctx.inv, ctx.k, ctx.N, ctx.H = inv, k, x2.shape[1], x2.shape[2]
-    return gather_rows(x2, tokp, pads)
+  forward = function(ctx, x2, tok, inv, k)
+    local xc = x2:contiguous()
+    ctx.inv, ctx.k = inv, k
+    local out = T.empty({ tok.shape[1], x2.shape[2] }, { dtype = x2.dtype, device = x2.device })
+    check(T.C.ms_moe_gather_rows(out, xc, tok))
+    if xc ~= x2 then xc:free() end
+    return out
   end,
   backward = function(ctx, g)
-    local r = g:index_select(1, ctx.inv)
-    local gx = r:reshape({ ctx.N, ctx.k, ctx.H }):sum(2)
-    r:free()
-    return gx, nil, nil, nil, nil
+    local gc = g:contiguous()
+    local N = ctx.inv.shape[1] / ctx.k
+    local gx = T.empty({ N, g.shape[2] }, { dtype = g.dtype, device = g.device })
+    check(T.C.ms_moe_combine(gx, gc, ctx.inv, nil, ctx.k))
+    if gc ~= g then gc:free() end
+    return gx, nil, nil, nil
   end,
 }
--- Combine(ys (M, H), inv, back, pads) -> (N·k, H): each slot's row;
--- backward: the gradient's rows back in the experts' order (back: row ->
--- slot; zeros at the padding)
+-- Combine(ys (M, H), w (N·k), inv, back, k) -> (N, H): each token's k rows
+-- weighted by its routing weights and summed; backward: each row the
+-- token's gradient times its weight (zeros at the padding), and each
+-- weight's gradient (the token's gradient . the row)
 local Combine = A.Function {
   name = 'moe_combine',
   owns_results = true,
-  forward = function(ctx, ys, inv, back, pads)
-    ctx.back, ctx.pads = back, pads
-    return ys:index_select(1, inv)
+  forward = function(ctx, ys, w, inv, back, k)
+    local N = inv.shape[1] / k
+    local wc = w:contiguous()
+    ctx.ys, ctx.w, ctx.back, ctx.k = ys, wc, back, k
+    local out = T.empty({ N, ys.shape[2] }, { dtype = ys.dtype, device = ys.device })
+    check(T.C.ms_moe_combine(out, ys, inv, wc, k))
+    return out
   end,
-  backward = function(ctx, g) return gather_rows(g, ctx.back, ctx.pads), nil, nil, nil end,
+  backward = function(ctx, g)
+    local gc = g.dtype == ctx.ys.dtype and g:contiguous() or g:to(ctx.ys.dtype)
+    local gys = T.empty(ctx.ys.shape, { dtype = ctx.ys.dtype, device = ctx.ys.device })
+    local gw = ctx.w and T.empty(ctx.w.shape, { dtype = ctx.w.dtype, device = ctx.w.device }) or nil
+    check(T.C.ms_moe_combine_backward(gys, gw, gc, ctx.ys, ctx.back, ctx.w, ctx.k))
+    if gc ~= g then gc:free() end
+    ctx.ys, ctx.w = nil, nil
+    return gys, gw, nil, nil, nil
+  end,
 }
 
 -- Experts(xs (M, H), rows, w...) -> (M, H): each expert's run of rows
@@ -203,40 +214,20 @@ function moe.sort_slots(ids, E, align)
   local k = ids.ndim == 2 and ids.shape[2] or 1
   local h = ids:to('cpu'):contiguous()
   local n = h:numel()
-  local N = math.floor(n / k)
-  local p = ffi.cast('int64_t *', h:data_ptr())
-  local counts, rows = {}, {}
-  for e = 1, E do counts[e] = 0 end
-  for s = 0, n - 1 do
-    local e = tonumber(p[s])
-    if e < 0 or e >= E then
-      error(('moe: expert id %d at slot %d is outside [0, %d)'):format(e, s, E), 3)
-    end
-    counts[e + 1] = counts[e + 1] + 1
-  end
-  local start, rstart, acc, racc = {}, {}, 0, 0
-  for e = 1, E do
-    rows[e] = math.ceil(counts[e] / align) * align
-    start[e], rstart[e] = acc, racc
-    acc, racc = acc + counts[e], racc + rows[e]
-  end
-  local M = racc
+  local cap = n + E * (align - 1)
   local order, inv = ms.empty({ n }, { dtype = 'i64' }), ms.empty({ n }, { dtype = 'i64' })
-  local tok, back = ms.empty({ M }, { dtype = 'i64' }), ms.empty({ M }, { dtype = 'i64' })
-  local o, iv = ffi.cast('int64_t *', order:data_ptr()), ffi.cast('int64_t *', inv:data_ptr())
-  local tk, bk = ffi.cast('int64_t *', tok:data_ptr()), ffi.cast('int64_t *', back:data_ptr())
-  for j = 0, M - 1 do tk[j] = N; bk[j] = n end
-  for s = 0, n - 1 do
-    local e = tonumber(p[s]) + 1
-    local j, r = start[e], rstart[e]
-    o[j] = s
-    iv[s] = r
-    tk[r] = math.floor(s / k)
-    bk[r] = s
-    start[e], rstart[e] = j + 1, r + 1
-  end
+  local tok, back = ms.empty({ cap }, { dtype = 'i64' }), ms.empty({ cap }, { dtype = 'i64' })
+  local counts, rows, M = ffi.new('int64_t[?]', E), ffi.new('int64_t[?]', E), ffi.new('int64_t[1]')
+  local i64 = 'int64_t *'
+  local rc = T.C.ms_moe_sort_slots(ffi.cast(i64, h:data_ptr()), n, k, E, align, cap, ffi.cast(i64, order:data_ptr()),
+    ffi.cast(i64, inv:data_ptr()), ffi.cast(i64, tok:data_ptr()), ffi.cast(i64, back:data_ptr()), counts, rows, M)
   if h ~= ids then h:free() end
-  return { order = order, inv = inv, tok = tok, back = back, counts = counts, rows = rows, M = M, pads = M > n }
+  T.check(rc, 2)
+  local m = tonumber(M[0])
+  if m < cap then tok, back = tok:narrow(1, 1, m), back:narrow(1, 1, m) end
+  local c, r = {}, {}
+  for e = 1, E do c[e], r[e] = tonumber(counts[e - 1]), tonumber(rows[e - 1]) end
+  return { order = order, inv = inv, tok = tok, back = back, counts = c, rows = r, M = m, pads = m > n }
 end
 
 -- moe.topk(scores (N, E), k) -> ids (N, k) i64: each row's k largest, in
@@ -344,7 +335,7 @@ function moe.install(nn, nnf)
     if dev ~= 'cpu' then tok, inv, back = tok:to(dev), inv:to(dev), back:to(dev) end
     -- (under autocast the tokens move in the compute dtype: the experts' linears would cast them anyway)
     local xc = amp.cast(x2)
-    local xs = Dispatch(xc, tok, inv, k, st.pads)
+    local xs = Dispatch(xc, tok, inv, k)
     local wl = {}
     for e = 1, E do
       local ex = self.experts[e]
@@ -355,7 +346,7 @@ function moe.install(nn, nnf)
     -- each slot's row, scaled by its routing weight (in the experts' output
     -- dtype: bf16 under autocast, as the dense MLP's), each token's k summed
     if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
-    local y = (Combine(ys, inv, back, st.pads) * w:reshape({ N * k, 1 })):reshape({ N, k, H }):sum(2)
+    local y = Combine(ys, w:reshape({ N * k }), inv, back, k)
     if self.shared_name then y = y + self[self.shared_name](x2) end
     rawset(self, '_stats', { counts = counts, probs = probs, n = N })
     return y:reshape(shape)
