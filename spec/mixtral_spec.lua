@@ -3,8 +3,9 @@
 -- times the load-balancing loss; float64 finite differences through the
 -- whole model; save_pretrained / from_pretrained round trip with
 -- transformers' names; AdamW steps lower the loss; bin/train trains it on
--- one process and on two (FSDP over the decoder layers, and two pipeline
--- stages); bad configs and layouts name what is wrong.
+-- one process and on two (FSDP over the decoder layers, two pipeline
+-- stages, context-parallel pairs), checkpointed, and with float8 outside
+-- the experts; bad configs and layouts name what is wrong.
 local ms = require 'moonshard'
 local A = ms.autograd
 local mixtral = require 'models.mixtral'
@@ -152,6 +153,21 @@ describe('models.mixtral', function()
         .. '--pp 2 --out %s/pp_plain'):format(plain, q(dir)))
       assert.are.equal(0, status, text)
       S.close_losses(S.run_losses(dir .. '/one_plain'), S.run_losses(dir .. '/pp_plain'), 1, 6, 'mixtral --pp 2')
+      -- context parallel pairs (routing is per token), and the layers checkpointed (the recompute routes alike)
+      status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 4 --steps 6 '
+        .. '--cp 2 --out %s/cp_plain'):format(plain, q(dir)))
+      assert.are.equal(0, status, text)
+      S.close_losses(S.run_losses(dir .. '/one_plain'), S.run_losses(dir .. '/cp_plain'), 1, 6, 'mixtral --cp 2')
+      status, text = S.bin_train(('models/mixtral.lua %s --batch-size 4 --steps 6 --activation-checkpointing full '
+        .. '--out %s/ac_plain'):format(plain, q(dir)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('activation checkpointing: 2 of 2 LlamaDecoderLayer', 1, true), text)
+      S.close_losses(S.run_losses(dir .. '/one_plain'), S.run_losses(dir .. '/ac_plain'), 1, 6, 'mixtral, checkpointed')
+      -- float8: the attention's linears; the routed experts and the routers stay in the compute dtype
+      status, text = S.bin_train(('models/mixtral.lua %s --batch-size 4 --steps 2 --float8 --out %s/f8'):format(plain,
+        q(dir)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('float8: tensorwise, 8 of 35 linear layers', 1, true), text)
     end)
   end)
 end)

@@ -736,9 +736,24 @@ function float8.convert(model, opts)
   if type(skip) == 'string' then skip = { skip } end
   local head = type(model.head_weight) == 'function' and model:head_weight() or nil
   local names = {}
+  -- (a mixture of experts' routed experts run in its own loop, which reads
+  -- their weights and computes in the compute dtype; its router keeps full
+  -- precision: neither converted)
+  local moe_prefix = {}
+  for name, m in model:named_modules() do
+    if nn.MoE and getmetatable(m) == nn.MoE then
+      local pre = name == '' and '' or name .. '.'
+      moe_prefix[#moe_prefix + 1] = pre .. 'experts.'
+      moe_prefix[#moe_prefix + 1] = pre .. m.router_name
+    end
+  end
+  local function in_moe(name)
+    for _, p in ipairs(moe_prefix) do if name:sub(1, #p) == p then return true end end
+    return false
+  end
   for name, m in model:named_modules() do
     local cls = getmetatable(m)
-    if (cls == nn.Linear or cls == nn.Conv1D) and rawget(m, '_float8') == nil then
+    if (cls == nn.Linear or cls == nn.Conv1D) and rawget(m, '_float8') == nil and not in_moe(name) then
       local w = m.weight
       -- (the weight's own dims: a tensor-parallel layer's are its shard's)
       local ws = w.shape

@@ -11,16 +11,19 @@
 --   2. the k best experts of each token (k passes of argmax: ties go to the
 --      lower expert), their scores (renormalised to sum 1 when norm_topk);
 --   3. the N·k (token, expert) slots sorted by expert, stable, on the host
---      (one copy of the N·k expert ids to the host a layer: the experts'
---      row counts size their GEMMs);
---   4. the tokens' rows gathered in that order, each expert's run of rows
---      through its MLP, every row scaled by its routing weight;
---   5. the rows put back in slot order and each token's k rows summed;
---      a shared expert (Qwen-MoE, DeepSeek) adds its dense MLP.
--- Every step is an autograd op (index_select, narrow, the MLPs' linears,
--- cat, mul, sum), so the gradients are those of the math above; an expert
--- no token chose still gets a gradient (zeros), so that every rank's
--- parameters have one and data-parallel reductions stay in step.
+--      (ms_moe_sort_slots; one copy of the N·k expert ids to the host a
+--      layer: the experts' row counts size their GEMMs), each expert's run
+--      padded to 128 rows on GPUs;
+--   4. the tokens' rows gathered in that order (ms_moe_gather_rows), each
+--      expert's run through its MLP (ms_moe_experts_forward: the loop in C);
+--   5. each token's k rows weighted by their routing weights and summed
+--      (ms_moe_combine); a shared expert (Qwen-MoE, DeepSeek) adds its
+--      dense MLP.
+-- Three autograd nodes carry the rows (Dispatch, Experts, Combine), each
+-- with its backward in C and CUDA; the router and the weights are
+-- ordinary autograd ops. An expert no token chose still gets a gradient
+-- (zeros), so that every rank's parameters have one and data-parallel
+-- reductions stay in step.
 -- (moonshard itself when first used: this file loads while it does)
 local ms = setmetatable({}, { __index = function(_, k) return require('moonshard')[k] end })
 local A = require 'moonshard.autograd'
