@@ -31,6 +31,23 @@ static int check_2d(const char *op, const char *what, const ms_tensor *t, int64_
     return 0;
 }
 
+/* each expert's (gate, up) (I, H) and down (H, I) tensors; kind names them
+ * ("weight", "gradient") */
+static int check_experts(const char *op, const char *kind, ms_tensor **a1, ms_tensor **a3, ms_tensor **a2, int E,
+                         int64_t I, int64_t H, const ms_tensor *xs) {
+    if (!a1 || !a3 || !a2) return ms_errorf("%s: the experts' %ss are missing", op, kind);
+    for (int e = 0; e < E; e++) {
+        char what[64];
+        snprintf(what, sizeof what, "expert %d's gate %s", e, kind);
+        if (check_2d(op, what, a1[e], I, H, xs)) return -1;
+        snprintf(what, sizeof what, "expert %d's up %s", e, kind);
+        if (check_2d(op, what, a3[e], I, H, xs)) return -1;
+        snprintf(what, sizeof what, "expert %d's down %s", e, kind);
+        if (check_2d(op, what, a2[e], H, I, xs)) return -1;
+    }
+    return 0;
+}
+
 /* the shapes every call shares: xs (M, H), rows summing to M, the weights */
 static int check_common(const char *op, const ms_tensor *xs, ms_tensor **w1, ms_tensor **w3, ms_tensor **w2,
                         const int64_t *rows, int E, int64_t *I_out) {
@@ -45,14 +62,8 @@ static int check_common(const char *op, const ms_tensor *xs, ms_tensor **w1, ms_
     if (sum != M) return ms_errorf("%s: the experts' rows sum to %lld, but xs has %lld", op, (long long)sum, (long long)M);
     if (!w1[0] || w1[0]->ndim != 2) return ms_errorf("%s: expert 0's gate weight must be 2-D", op);
     int64_t I = w1[0]->sizes[0];
+    if (check_experts(op, "weight", w1, w3, w2, E, I, H, xs)) return -1;
     for (int e = 0; e < E; e++) {
-        char what[64];
-        snprintf(what, sizeof what, "expert %d's gate weight", e);
-        if (check_2d(op, what, w1[e], I, H, xs)) return -1;
-        snprintf(what, sizeof what, "expert %d's up weight", e);
-        if (check_2d(op, what, w3[e], I, H, xs)) return -1;
-        snprintf(what, sizeof what, "expert %d's down weight", e);
-        if (check_2d(op, what, w2[e], H, I, xs)) return -1;
         if (w1[e]->dtype_id != xs->dtype_id || w3[e]->dtype_id != xs->dtype_id || w2[e]->dtype_id != xs->dtype_id)
             return ms_errorf("%s: expert %d's weights must have the rows' dtype (%s)", op, e, ms_desc(xs, x, sizeof x));
     }
@@ -63,7 +74,7 @@ static int check_common(const char *op, const ms_tensor *xs, ms_tensor **w1, ms_
 int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *g, ms_tensor *u, const ms_tensor *xs, ms_tensor **w1,
                            ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E) {
     const char *op = "moe_experts_forward";
-    int64_t I;
+    int64_t I = 0;
     if (check_common(op, xs, w1, w3, w2, rows, E, &I)) return -1;
     int64_t M = xs->sizes[0], H = xs->sizes[1];
     if (check_2d(op, "ys", ys, M, H, xs) || check_2d(op, "g", g, M, I, xs) || check_2d(op, "u", u, M, I, xs)) return -1;
@@ -93,22 +104,13 @@ int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms
                             const ms_tensor *xs, const ms_tensor *g, const ms_tensor *u, ms_tensor **w1,
                             ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E) {
     const char *op = "moe_experts_backward";
-    int64_t I;
+    int64_t I = 0;
     if (check_common(op, xs, w1, w3, w2, rows, E, &I)) return -1;
     int64_t M = xs->sizes[0], H = xs->sizes[1];
     if (check_2d(op, "dxs", dxs, M, H, xs) || check_2d(op, "gy", gy, M, H, xs) || check_2d(op, "g", g, M, I, xs) ||
         check_2d(op, "u", u, M, I, xs))
         return -1;
-    if (!dw1 || !dw2 || !dw3) return ms_errorf("%s: the weight gradients are missing", op);
-    for (int e = 0; e < E; e++) {
-        char what[64];
-        snprintf(what, sizeof what, "expert %d's gate gradient", e);
-        if (check_2d(op, what, dw1[e], I, H, xs)) return -1;
-        snprintf(what, sizeof what, "expert %d's up gradient", e);
-        if (check_2d(op, what, dw3[e], I, H, xs)) return -1;
-        snprintf(what, sizeof what, "expert %d's down gradient", e);
-        if (check_2d(op, what, dw2[e], H, I, xs)) return -1;
-    }
+    if (check_experts(op, "gradient", dw1, dw3, dw2, E, I, H, xs)) return -1;
     int64_t off = 0;
     for (int e = 0; e < E; e++) {
         int64_t n = rows[e];

@@ -17,6 +17,15 @@ local function relerr(got, want)
   return math.sqrt(num / den)
 end
 
+-- every parameter's gradient of the GPU model against the CPU one's (1e-4)
+local function same_grads(gpu, cpu)
+  local pc = cpu:parameters()
+  for i, p in ipairs(gpu:parameters()) do
+    local e = relerr(p.grad, pc[i].grad)
+    assert.is_true(e <= 1e-4, ('parameter %d: %g'):format(i, e))
+  end
+end
+
 describe('nn.MoE on CUDA #gpu', function()
   setup(function() assert.is_true(ms.cuda.is_available(), 'no CUDA device') end)
   before_each(function() A.clear_tape() end)
@@ -91,11 +100,7 @@ describe('nn.MoE on CUDA #gpu', function()
       assert.are.same(cc, cg, 'the same experts chosen')
       assert.is_true(relerr(yg, yc) <= 1e-4, 'output ' .. relerr(yg, yc))
       assert.is_true(relerr(xg.grad, xc.grad) <= 1e-4, 'input gradient ' .. relerr(xg.grad, xc.grad))
-      local pc = cpu:parameters()
-      for i, p in ipairs(gpu:parameters()) do
-        local e = relerr(p.grad, pc[i].grad)
-        assert.is_true(e <= 1e-4, ('parameter %d: %g'):format(i, e))
-      end
+      same_grads(gpu, cpu)
     end)
   end
 
@@ -127,10 +132,6 @@ describe('nn.MoE on CUDA #gpu', function()
     local lg = gpu(x:cuda(), y:cuda())
     lg:backward()
     assert.is_true(relerr(lg, lc) <= 1e-5, ('%.9g against %.9g'):format(lg:item(), lc:item()))
-    local pc = cpu:parameters()
-    for i, p in ipairs(gpu:parameters()) do
-      local e = relerr(p.grad, pc[i].grad)
-      assert.is_true(e <= 1e-4, ('parameter %d: %g'):format(i, e))
-    end
+    same_grads(gpu, cpu)
   end)
 end)
