@@ -284,6 +284,9 @@ function hf.from_pretrained(M, dir, opts)
   fh:close()
   local sd = opts.deferred and require('moonshard.safetensors').load_deferred(path) or ms.load_safetensors(path)
   if M.fix_state_dict then sd = M.fix_state_dict(sd, cfg) end
+  -- (M.prepare(model, sd): what the file has beyond the config's model, a
+  -- Mixtral's routing biases say)
+  if M.prepare then M.prepare(model, sd) end
   local ok, lerr = pcall(model.load_state_dict, model, sd, { strict = true })
   if not ok then error(('%s.from_pretrained: %s: %s'):format(M.name, path, tostring(lerr)), 3) end
   if opts.dtype then model:to(opts.dtype) end

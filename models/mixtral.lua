@@ -92,6 +92,13 @@ function mixtral.new(config, overrides)
 end
 
 function mixtral.from_pretrained(dir, opts) return hf.from_pretrained(mixtral, dir, opts) end
+-- a folder saved by a run with --moe-bias-rate holds the routers' biases
+-- (expert_bias): the model gets them before the load
+function mixtral.prepare(model, sd)
+  for name in pairs(sd) do
+    if name:match('%.expert_bias$') then nn.moe.enable_bias(model); return end
+  end
+end
 mixtral.fix_state_dict = llama.fix_state_dict
 
 -- config.json as transformers writes it for MixtralForCausalLM

@@ -163,6 +163,31 @@ describe('models.mixtral', function()
       assert.are.equal(0, status, text)
       assert.is_truthy(text:find('activation checkpointing: 2 of 2 LlamaDecoderLayer', 1, true), text)
       S.close_losses(S.run_losses(dir .. '/one_plain'), S.run_losses(dir .. '/ac_plain'), 1, 6, 'mixtral, checkpointed')
+      -- balancing by the routers' biases: two FSDP ranks (the counts summed) follow one process, a stop
+      -- and resume follow the run that never stopped, and the saved folder holds the biases
+      local biased = plain .. ' --moe-bias-rate 0.01'
+      status, text = S.bin_train(('models/mixtral.lua %s --batch-size 4 --steps 6 --out %s/one_bias'):format(biased,
+        q(dir)))
+      assert.are.equal(0, status, text)
+      local ob = S.run_losses(dir .. '/one_bias')
+      assert.are_not.equal(S.run_losses(dir .. '/one_plain')[6], ob[6], 'the biases change the routing')
+      status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 2 --steps 6 '
+        .. '--fsdp FULL_SHARD --out %s/fsdp_bias'):format(biased, q(dir)))
+      assert.are.equal(0, status, text)
+      S.close_losses(ob, S.run_losses(dir .. '/fsdp_bias'), 1, 6, 'mixtral --moe-bias-rate --fsdp')
+      status, text = S.bin_train(('models/mixtral.lua %s --batch-size 4 --steps 6 --save-every 3 --stop-at 3 '
+        .. '--out %s/stop_bias'):format(biased, q(dir)))
+      assert.are.equal(0, status, text)
+      status, text = S.bin_train(('--resume %s/stop_bias --out %s/stop_bias'):format(q(dir), q(dir)))
+      assert.are.equal(0, status, text)
+      S.close_losses(ob, S.run_losses(dir .. '/stop_bias'), 1, 6, 'mixtral --moe-bias-rate, resumed', 0)
+      local mb = mixtral.from_pretrained(dir .. '/one_bias')
+      local b = mb.model.layers[1].block_sparse_moe.expert_bias
+      assert.is_true(b:abs():sum():item() > 0)
+      status, text = S.bin_train(('models/llama.lua --preset tiny --model.num_hidden_layers 1 --steps 1 --data %s '
+        .. '--moe-bias-rate 0.01 --out %s/nomoe'):format(q(corpus), q(dir)))
+      assert.are.equal(2, status, text)
+      assert.is_truthy(text:find('--moe-bias-rate: models/llama.lua has no mixture-of-experts layers', 1, true), text)
       -- float8: the attention's linears; the routed experts and the routers stay in the compute dtype
       status, text = S.bin_train(('models/mixtral.lua %s --batch-size 4 --steps 2 --float8 --out %s/f8'):format(plain,
         q(dir)))

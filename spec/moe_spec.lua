@@ -220,6 +220,58 @@ describe('nn.MoE', function()
     assert.is_nil(moe.aux_loss({ m1 }))
   end)
 
+  it('expert_bias (balancing without an auxiliary loss): it chooses the experts, the weights stay the scores\'; '
+    .. 'update_bias moves it by the rate towards the mean count', function()
+    local m = build({ dim = 6, hidden = 8, experts = 4, top_k = 2 })
+    local x = ms.randn({ 9, 6 }, { dtype = 'f64', seed = 41 })
+    local y0 = m(x)
+    assert.are.equal(1, moe.enable_bias(m))
+    assert.are.equal(0, moe.enable_bias(m), 'once')
+    -- a zero bias changes nothing
+    assert.are.equal(0, (m(x) - y0):abs():max():item())
+    -- a large bias on expert 3 (0-based) puts it in every token's top 2
+    m.expert_bias:copy_(ms.tensor({ 0, 0, 0, 10 }))
+    local y = m(x)
+    local counts = m:last_stats()
+    assert.are.equal(9, counts[4])
+    -- the reference: the biased choice, the scores' weights (renormalised)
+    local logits = x:matmul(m.gate.weight:t())
+    local probs = logits:softmax(2)
+    local want = ms.zeros({ 9, 6 }, { dtype = 'f64' })
+    for n = 1, 9 do
+      local p = vals(probs:narrow(1, n, 1))
+      local idx = { 1, 2, 3, 4 }
+      table.sort(idx, function(a, b)
+        local sa, sb = p[a] + (a == 4 and 10 or 0), p[b] + (b == 4 and 10 or 0)
+        if sa ~= sb then return sa > sb end
+        return a < b
+      end)
+      local sum = p[idx[1]] + p[idx[2]]
+      local xr = x:narrow(1, n, 1)
+      local acc = ms.zeros({ 1, 6 }, { dtype = 'f64' })
+      for j = 1, 2 do acc = acc + m.experts[idx[j]](xr) * (p[idx[j]] / sum) end
+      want:narrow(1, n, 1):copy_(acc)
+    end
+    local err = (y - want):abs():max():item()
+    assert.is_true(err <= 1e-12, 'max abs error ' .. err)
+    -- counts under grad accumulate; update_bias: + rate below the mean, - above, 0 at it
+    m.expert_bias:zero_()
+    moe.reset_counts(m)
+    rawset(m, '_tokens', { 3, 5, 4, 4 })
+    assert.are.equal(1, moe.update_bias(m, 0.5))
+    assert.are.same({ 0.5, -0.5, 0, 0 }, vals(m.expert_bias))
+    assert.is_nil(rawget(m, '_tokens'))
+    -- no counts since the last update: every expert at the mean
+    moe.update_bias(m, 0.5)
+    assert.are.same({ 0.5, -0.5, 0, 0 }, vals(m.expert_bias))
+    -- forwards under grad count, under no_grad not
+    m(x)
+    ms.no_grad(function() m(x) end)
+    local t = 0
+    for _, c in ipairs(rawget(m, '_tokens')) do t = t + c end
+    assert.are.equal(18, t)
+  end)
+
   it('bf16 autocast: close to the f32 layer; the router scores stay f32', function()
     ms.manual_seed(7)
     local m = nn.MoE { dim = 16, hidden = 32, experts = 4, top_k = 2 }

@@ -91,6 +91,7 @@ train.options = {
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
+  { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
   { 'sequence_parallel', 'bool', true, 'with --tp and no --fsdp: the residual stream between the split layers held as each rank\'s tokens (norms and dropout on 1/N of them; docs/tp.md)' },
@@ -1155,6 +1156,11 @@ function train.run(opts)
     okm, model = pcall(M.new, o.preset, o.model_config)
   end
   if not okm then usage('%s', (tostring(model):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+  -- --moe-bias-rate: the MoE layers' expert_bias buffers (before a resume
+  -- reads them)
+  if o.moe_bias_rate > 0 and ms.nn.moe.enable_bias(model) == 0 and #ms.nn.moe.layers(model) == 0 then
+    usage('--moe-bias-rate: %s has no mixture-of-experts layers (docs/moe.md)', o.model)
+  end
   if o.dtype ~= 'f32' then model:to(o.dtype) end
   if on_gpu then model:to(device) end
   model:train()
@@ -1668,11 +1674,17 @@ function train.run(opts)
     local good = finite(gnorm) and (multi or finite(lv))
     if good then
       opt:step()
+      -- (the routers' biases move towards balance, the counts summed over
+      -- the ranks whose tokens differ: every rank but a pipeline's other stages)
+      if o.moe_bias_rate > 0 then
+        ms.nn.moe.update_bias(model, o.moe_bias_rate, pp_mesh and pp_mesh.replicate or (multi and dist.world_group or nil))
+      end
       bad_run = 0
       rec.loss, rec.grad_norm = lv, gnorm
     else
       -- no update: the gradients are dropped, the step (its data, its lr) is spent
       opt:zero_grad()
+      if o.moe_bias_rate > 0 then ms.nn.moe.reset_counts(model) end
       bad_run, bad_total = bad_run + 1, bad_total + 1
       rec.skipped = true
       rec.bad_loss, rec.bad_grad_norm = tostring(lv), tostring(gnorm)

@@ -307,13 +307,25 @@ function moe.install(nn, nnf)
       self.shared_name and (', shared ' .. self[self.shared_name].hidden) or '')
   end
 
-  -- the routing of x2 (N, H): probs (N, E) f32 (differentiable), ids (N, k)
+  -- the routing of x2 (N, H): probs (N, E) f32 (differentiable), ids (N, k).
+  -- With an expert_bias buffer (moe.enable_bias: DeepSeek-V3's balancing
+  -- without an auxiliary loss) the experts are chosen by probs + bias; the
+  -- routing weights stay the probs'.
   function MoE:route(x2)
     local logits = self[self.router_name](x2)
     -- (f32 at least: the softmax of bf16 logits would round the scores)
     local lf = (logits.dtype == 'f32' or logits.dtype == 'f64') and logits or logits:to('f32')
     local probs = self.score == 'softmax' and nnf.softmax(lf, -1) or nnf.sigmoid(lf)
-    return probs, moe.topk(probs, self.top_k)
+    local bias = rawget(self, 'expert_bias')
+    if bias == nil then return probs, moe.topk(probs, self.top_k) end
+    local ids = A.no_grad(function()
+      local b = bias.dtype == probs.dtype and bias or bias:to(probs.dtype)
+      local biased = probs:detach() + b
+      local r = moe.topk(biased, self.top_k)
+      biased:free()
+      return r
+    end)
+    return probs, ids
   end
 
   function MoE:forward(x)
@@ -352,6 +364,12 @@ function moe.install(nn, nnf)
     local y = Combine(ys, w:reshape({ N * k }), inv, back, k)
     if self.shared_name then y = y + self[self.shared_name](x2) end
     rawset(self, '_stats', { counts = counts, probs = probs, n = N })
+    -- (the slots each expert got since the last moe.update_bias, while training)
+    if rawget(self, 'expert_bias') ~= nil and A.is_grad_enabled() then
+      local acc = rawget(self, '_tokens') or {}
+      for e = 1, E do acc[e] = (acc[e] or 0) + counts[e] end
+      rawset(self, '_tokens', acc)
+    end
     return y:reshape(shape)
   end
 
@@ -364,6 +382,54 @@ function moe.install(nn, nnf)
     return s.counts, s.mean, s.n
   end
   function MoE:clear_stats() rawset(self, '_stats', nil) end
+end
+
+-- Balancing without an auxiliary loss (DeepSeek-V3; torchtitan's
+-- load_balance_coeff): each MoE layer gets a buffer expert_bias (E, f32,
+-- zeros), added to the scores when the experts are chosen (not to the
+-- routing weights). After each optimizer step moe.update_bias moves every
+-- expert's bias by rate towards balance: + rate for an expert that got
+-- fewer slots than the mean since the last update, - rate for one that got
+-- more (sign(mean - count)), with the counts summed over `group` first
+-- (the data-parallel ranks: every rank then moves the same way).
+-- moe.enable_bias(model) -> layers given a bias (those without one)
+function moe.enable_bias(model)
+  local n = 0
+  for _, m in ipairs(moe.layers(model)) do
+    if rawget(m, 'expert_bias') == nil then
+      local w = m[m.router_name].weight
+      m:register_buffer('expert_bias', T.zeros({ m.n_experts }, { dtype = 'f32', device = w.device }))
+      n = n + 1
+    end
+  end
+  return n
+end
+-- moe.update_bias(model, rate, group) -> the layers updated (those with a
+-- bias that ran forwards under grad since the last update); group: the
+-- counts' all-reduce (nil: none). A no-op for a layer without counts.
+function moe.update_bias(model, rate, group)
+  local n = 0
+  for _, m in ipairs(moe.layers(model)) do
+    local b, acc = rawget(m, 'expert_bias'), rawget(m, '_tokens')
+    if b ~= nil then
+      local c = ms.tensor(acc or {}, { dtype = 'f32' })
+      if acc == nil then c = T.zeros({ m.n_experts }, { dtype = 'f32' }) end
+      c = c:to(b.device)
+      if group ~= nil and group:size() > 1 then ms.dist.all_reduce(c, 'sum', { group = group }) end
+      A.no_grad(function()
+        local d = (c:mean() - c):sign() * rate
+        b:add_(d)
+      end)
+      rawset(m, '_tokens', nil)
+      n = n + 1
+    end
+  end
+  return n
+end
+-- moe.reset_counts(model): the counts since the last update dropped (a
+-- skipped step)
+function moe.reset_counts(model)
+  for _, m in ipairs(moe.layers(model)) do rawset(m, '_tokens', nil) end
 end
 
 -- moe.layers(model) -> the model's MoE modules, in order
