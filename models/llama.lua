@@ -114,16 +114,28 @@ end
 -- ------------------------------------------------------------------ model
 local Layer = nn.Module:extend('LlamaDecoderLayer')
 
-function Layer:init(cfg)
+-- whether layer idx (0-based) of a Qwen3-MoE config is sparse (its MLP a
+-- mixture of experts), as transformers decides it
+local function qwen3_sparse(cfg, idx)
+  for _, i in ipairs(cfg.mlp_only_layers or {}) do if i == idx then return false end end
+  return cfg.num_experts > 0 and (idx + 1) % cfg.decoder_sparse_step == 0
+end
+
+function Layer:init(cfg, idx)
   local C = cfg.hidden_size
+  local qwen3 = cfg.model_type == 'qwen3_moe'
   self:register_module('self_attn', nn.CausalSelfAttention{
     dim = C, n_head = cfg.num_attention_heads, n_kv_head = cfg.num_key_value_heads or cfg.num_attention_heads,
     head_dim = cfg.head_dim or math.floor(C / cfg.num_attention_heads), bias = cfg.attention_bias,
-    rope_theta = cfg.rope_parameters.rope_theta, fused_qkv = false })
+    rope_theta = cfg.rope_parameters.rope_theta, fused_qkv = false, qk_norm_eps = qwen3 and cfg.rms_norm_eps or nil })
   if cfg.num_local_experts then
     -- Mixtral (models/mixtral.lua): the MLP a mixture of experts, HF's names
     self:register_module('block_sparse_moe', nn.MoE { dim = C, hidden = cfg.intermediate_size,
       experts = cfg.num_local_experts, top_k = cfg.num_experts_per_tok, names = { 'w1', 'w3', 'w2' }, router = 'gate' })
+  elseif qwen3 and qwen3_sparse(cfg, idx or 0) then
+    -- Qwen3-MoE (models/qwen3_moe.lua): a sparse layer's mlp is a mixture of experts
+    self:register_module('mlp', nn.MoE { dim = C, hidden = cfg.moe_intermediate_size, experts = cfg.num_experts,
+      top_k = cfg.num_experts_per_tok, norm_topk = cfg.norm_topk_prob, router = 'gate' })
   else
     self:register_module('mlp', nn.GatedMLP{ dim = C, hidden = cfg.intermediate_size, bias = cfg.mlp_bias })
   end
@@ -172,7 +184,7 @@ local LlamaModel = nn.Module:extend('LlamaModel')
 function LlamaModel:init(cfg)
   self:register_module('embed_tokens', nn.Embedding(cfg.vocab_size, cfg.hidden_size))
   local layers = {}
-  for i = 1, cfg.num_hidden_layers do layers[i] = Layer(cfg) end
+  for i = 1, cfg.num_hidden_layers do layers[i] = Layer(cfg, i - 1) end
   self:register_module('layers', nn.ModuleList(layers))
   self:register_module('norm', nn.RMSNorm(cfg.hidden_size, { eps = cfg.rms_norm_eps }))
 end

@@ -2,7 +2,7 @@
 -- same layer on the CPU: routing decided on the device (the same experts
 -- chosen: f32 scores), the output and every gradient within 1e-4 (f32),
 -- the bf16-autocast layer within 2e-2 of the f32 CPU one; the tiny
--- Mixtral's loss and gradients on the GPU as on the CPU.
+-- Mixtral's and Qwen3-MoE's loss and gradients on the GPU as on the CPU.
 local ms = require 'moonshard'
 local A = ms.autograd
 local nn = ms.nn
@@ -117,12 +117,13 @@ describe('nn.MoE on CUDA #gpu', function()
     assert.is_true(relerr(auxg, auxc) <= 2e-2, 'aux ' .. relerr(auxg, auxc))
   end)
 
-  it('the tiny Mixtral: loss and gradients on the GPU as on the CPU (f32, 1e-4)', function()
-    local mixtral = require 'models.mixtral'
+  for _, fam in ipairs({ 'mixtral', 'qwen3_moe' }) do
+  it(('the tiny %s: loss and gradients on the GPU as on the CPU (f32, 1e-4)'):format(fam), function()
+    local M = require('models.' .. fam)
     ms.manual_seed(3)
-    local cpu = mixtral.new('tiny', { num_hidden_layers = 2 })
+    local cpu = M.new('tiny', { num_hidden_layers = 2 })
     ms.manual_seed(3)
-    local gpu = mixtral.new('tiny', { num_hidden_layers = 2 })
+    local gpu = M.new('tiny', { num_hidden_layers = 2 })
     for i, p in ipairs(gpu:parameters()) do p:copy_(cpu:parameters()[i]) end
     gpu:to('cuda')
     local x = ms.tensor({ { 1, 50, 99, 130, 7, 8, 200, 3 }, { 4, 5, 6, 250, 9, 10, 11, 12 } }, { dtype = 'i64' })
@@ -134,4 +135,5 @@ describe('nn.MoE on CUDA #gpu', function()
     assert.is_true(relerr(lg, lc) <= 1e-5, ('%.9g against %.9g'):format(lg:item(), lc:item()))
     same_grads(gpu, cpu)
   end)
+  end
 end)

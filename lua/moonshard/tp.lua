@@ -449,6 +449,11 @@ function tp.parallelize(model, opts)
   if not nn.is_module(model) then error('tp.parallelize: model must be a module', 2) end
   if rawget(model, '_tp') ~= nil then error('tp.parallelize: the model is already tensor-parallel', 2) end
   for name, m in model:named_modules() do
+    if getmetatable(m) == nn.CausalSelfAttention and rawget(m, 'q_norm') then
+      -- (the norms' weights are every head's: split heads would give each rank a part of their gradient)
+      error(('tp.parallelize: %s normalises q and k per head (qk_norm_eps), which tensor parallelism does not split'):format(
+        name), 2)
+    end
     if getmetatable(m) == nn.MoE then
       error(('tp.parallelize: %s is a mixture of experts, which tensor parallelism does not split (docs/moe.md)')
         :format(name), 2)

@@ -823,6 +823,13 @@ function Attention:init(cfg)
     self:register_module('v_proj', L(cfg.dim, n_kv * hd, bias))
     self:register_module('o_proj', L(cfg.n_head * hd, cfg.dim, o_bias))
   end
+  -- qk_norm_eps (Qwen3): an RMSNorm over each head's hd features of q and
+  -- of k, after the projections and before RoPE (q_norm, k_norm)
+  if cfg.qk_norm_eps then
+    if self.fused_qkv then error('CausalSelfAttention: qk_norm_eps with fused_qkv is not supported', 3) end
+    self:register_module('q_norm', RMSNorm(hd, { eps = cfg.qk_norm_eps, dtype = dt.dtype, device = dt.device }))
+    self:register_module('k_norm', RMSNorm(hd, { eps = cfg.qk_norm_eps, dtype = dt.dtype, device = dt.device }))
+  end
 end
 
 function Attention:forward(x)
@@ -857,8 +864,11 @@ function Attention:forward(x)
   else
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
   end
-  q = q:view(B, Tn, H, hd):transpose(2, 3)     -- (B, H, T, hd)
-  k = k:view(B, Tn, Hkv, hd):transpose(2, 3)   -- (B, Hkv, T, hd)
+  q, k = q:view(B, Tn, H, hd), k:view(B, Tn, Hkv, hd)
+  local qn = rawget(self, 'q_norm')
+  if qn then q, k = qn(q), self.k_norm(k) end
+  q = q:transpose(2, 3)     -- (B, H, T, hd)
+  k = k:transpose(2, 3)     -- (B, Hkv, T, hd)
   v = v:view(B, Tn, Hkv, hd):transpose(2, 3)
   if self.rope_theta then
     local cdt = (q.dtype == 'f64') and 'f64' or 'f32'
