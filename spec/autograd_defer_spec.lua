@@ -166,13 +166,16 @@ describe('autograd: deferred gradients', function()
     local m, job = take_run('f64')
     m = nil
     settle()
-    local held = ms.live_bytes(-1) - b0
-    assert.is_true(held > 0, 'the job holds the layer\'s operands')
+    local b1 = ms.live_bytes(-1)
     assert.is_true(job:drop())
     assert.is_false(job:run())
     job = nil
     settle()
-    assert.are.equal(b0, ms.live_bytes(-1))
+    -- (comparisons a free of older garbage inside the window cannot fail:
+    -- the drop released what the job held, and nothing of the run is left)
+    local b2 = ms.live_bytes(-1)
+    assert.is_true(b2 < b1, ('the drop released nothing: %d bytes before, %d after'):format(b1, b2))
+    assert.is_true(b2 <= b0, ('%d bytes live after the drop, %d before the run'):format(b2, b0))
     -- outside a walk, and in a walk with nothing deferred
     assert.is_nil(A.take_deferred())
     local seen = 'unset'
