@@ -22,18 +22,7 @@ local function small(over)
   return cfg
 end
 
-local function batch(B, Tn, V, seed)
-  local x, y, st = {}, {}, seed
-  for b = 1, B do
-    x[b], y[b] = {}, {}
-    for t = 1, Tn do
-      st = (st * 1103515245 + 12345) % 2147483648
-      x[b][t] = st % V
-      y[b][t] = math.floor(st / 7) % V
-    end
-  end
-  return ms.tensor(x, { dtype = 'i64' }), ms.tensor(y, { dtype = 'i64' })
-end
+local batch = S.token_batch
 
 describe('models.mixtral', function()
   before_each(function() A.clear_tape() end)

@@ -302,6 +302,21 @@ function S.references(dir)
   end
 end
 
+-- a (B, T) batch of token ids in [0, V) and targets of the same shape,
+-- i64, from the LCG x -> (1103515245 x + 12345) mod 2^31 started at seed
+function S.token_batch(B, Tn, V, seed)
+  local x, y, st = {}, {}, seed
+  for b = 1, B do
+    x[b], y[b] = {}, {}
+    for t = 1, Tn do
+      st = (st * 1103515245 + 12345) % 2147483648
+      x[b][t] = st % V
+      y[b][t] = math.floor(st / 7) % V
+    end
+  end
+  return T.tensor(x, { dtype = 'i64' }), T.tensor(y, { dtype = 'i64' })
+end
+
 -- the bytes of the file at path, or nil when it cannot be read
 function S.slurp(path)
   local f = io.open(path, 'rb')
