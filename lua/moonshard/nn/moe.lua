@@ -123,6 +123,74 @@ local Combine = A.Function {
   end,
 }
 
+-- Regroup(x (R, H), fwd, bwd) -> (M, H): row r = x row fwd[r] (zeros where
+-- fwd[r] == R); backward: row j of the input's gradient = the gradient's
+-- row bwd[j] (zeros where bwd[j] == M). A bijection between the real rows
+-- (expert parallelism's reorder of the rows it received), both ways a gather.
+local Regroup = A.Function {
+  name = 'moe_regroup',
+  owns_results = true,
+  forward = function(ctx, x, fwd, bwd)
+    ctx.bwd = bwd
+    local xc = x:contiguous()
+    local out = T.empty({ fwd.shape[1], x.shape[2] }, { dtype = x.dtype, device = x.device })
+    check(T.C.ms_moe_gather_rows(out, xc, fwd))
+    if xc ~= x then xc:free() end
+    return out
+  end,
+  backward = function(ctx, g)
+    local gc = g:contiguous()
+    local gx = T.empty({ ctx.bwd.shape[1], g.shape[2] }, { dtype = g.dtype, device = g.device })
+    check(T.C.ms_moe_gather_rows(gx, gc, ctx.bwd))
+    if gc ~= g then gc:free() end
+    return gx, nil, nil
+  end,
+}
+
+-- expert parallelism's exchange (moe.expert_parallel): x's rows in blocks
+-- of send[p] for group rank p - 1 in turn; returns the blocks received,
+-- recv[p] rows from each, in rank order (dist.batch_p2p over the group; a
+-- rank's own block copied)
+local function exchange_rows(x, send, recv, ep)
+  local xc = x:contiguous()
+  local H = x.shape[2]
+  -- (a receive into a buffer of its own a peer: batch_p2p takes no two
+  -- operations on one storage when one receives)
+  local ops, views, parts, so = {}, {}, {}, 0
+  for p = 1, ep.size do
+    local ns, nr = send[p], recv[p]
+    if p - 1 == ep.rank then
+      if nr > 0 then parts[p] = xc:narrow(1, so + 1, ns); views[#views + 1] = parts[p] end
+    else
+      if ns > 0 then views[#views + 1] = xc:narrow(1, so + 1, ns); ops[#ops + 1] = { 'send', views[#views], ep.ranks[p] } end
+      if nr > 0 then
+        parts[p] = T.empty({ nr, H }, { dtype = x.dtype, device = x.device })
+        ops[#ops + 1] = { 'recv', parts[p], ep.ranks[p] }
+      end
+    end
+    so = so + ns
+  end
+  if #ops > 0 then ms.dist.batch_p2p(ops, { group = ep.group }) end
+  local list = {}
+  for p = 1, ep.size do if parts[p] then list[#list + 1] = parts[p] end end
+  local out
+  if #list == 0 then out = T.empty({ 0, H }, { dtype = x.dtype, device = x.device })
+  else out = require('moonshard.ops').cat(list, 1) end
+  for p = 1, ep.size do if parts[p] and p - 1 ~= ep.rank then parts[p]:free() end end
+  for _, v in ipairs(views) do v:free() end
+  if xc ~= x then xc:free() end
+  return out
+end
+local Exchange = A.Function {
+  name = 'moe_exchange',
+  owns_results = true,
+  forward = function(ctx, x, send, recv, ep)
+    ctx.send, ctx.recv, ctx.ep = send, recv, ep
+    return exchange_rows(x, send, recv, ep)
+  end,
+  backward = function(ctx, g) return exchange_rows(g, ctx.recv, ctx.send, ctx.ep), nil, nil, nil end,
+}
+
 -- Experts(xs (M, H), rows, w...) -> (M, H): each expert's run of rows
 -- (rows[e] of them, in order) through its SwiGLU MLP, w the E experts'
 -- (gate, up, down) weights in turn. One node for all of them, its loop in
@@ -344,6 +412,12 @@ function moe.install(nn, nnf)
     if self.norm_topk and k > 1 then w = w / w:sum(2, true) end
     if self.route_scale ~= 1 then w = w * self.route_scale end
     local dev = x.device
+    local ep = rawget(self, '_ep')
+    if ep then
+      local y = self:forward_ep(x2, ids, w, probs, ep)
+      if self.shared_name then y = y + self[self.shared_name](x2) end
+      return y:reshape(shape)
+    end
     local st = moe.sort_slots(ids, E, dev == 'cpu' and moe.cpu_align or moe.align)
     local counts = st.counts
     local tok, inv, back = st.tok, st.inv, st.back
@@ -363,14 +437,92 @@ function moe.install(nn, nnf)
     if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
     local y = Combine(ys, w:reshape({ N * k }), inv, back, k)
     if self.shared_name then y = y + self[self.shared_name](x2) end
+    self:record_stats(counts, probs, N)
+    return y:reshape(shape)
+  end
+
+  -- what the load-balancing loss and the routing biases read of a forward
+  function MoE:record_stats(counts, probs, N)
     rawset(self, '_stats', { counts = counts, probs = probs, n = N })
     -- (the slots each expert got since the last moe.update_bias, while training)
     if rawget(self, 'expert_bias') ~= nil and A.is_grad_enabled() then
       local acc = rawget(self, '_tokens') or {}
-      for e = 1, E do acc[e] = (acc[e] or 0) + counts[e] end
+      for e = 1, self.n_experts do acc[e] = (acc[e] or 0) + counts[e] end
       rawset(self, '_tokens', acc)
     end
-    return y:reshape(shape)
+  end
+
+  -- the routed part of the forward under expert parallelism (moe.expert_parallel):
+  -- this rank's N·k slots sorted by expert, each block of experts sent to
+  -- the rank that holds it (the counts all-gathered first: one host read),
+  -- the rows received regrouped by local expert (padded as without EP),
+  -- through the local experts, back the same way, combined with the
+  -- routing weights
+  function MoE:forward_ep(x2, ids, w, probs, ep)
+    local N, H, E, k = x2.shape[1], self.dim, self.n_experts, self.top_k
+    local P, me, El = ep.size, ep.rank, ep.local_experts
+    local dev = x2.device
+    local st = moe.sort_slots(ids, E, 1)
+    local counts = st.counts
+    -- every rank's counts (P x E)
+    local mine = T.tensor(counts, { dtype = 'f64' }):to(dev)
+    local all = T.empty({ P * E }, { dtype = 'f64', device = dev })
+    ms.dist.all_gather_into(all, mine, { group = ep.group })
+    local host = all:to('cpu')
+    local cp = ms.ffi.cast('double *', host:data_ptr())
+    local function c(p, e) return math.floor(cp[p * E + e] + 0.5) end   -- rank p (0-based), expert e (0-based)
+    local send, recv = {}, {}
+    for q = 0, P - 1 do
+      local ns, nr = 0, 0
+      for j = 0, El - 1 do ns = ns + c(me, q * El + j); nr = nr + c(q, me * El + j) end
+      send[q + 1], recv[q + 1] = ns, nr
+    end
+    -- the received rows (R): by sender, then by expert; the local layout:
+    -- by expert, then by sender, each expert's run padded to align
+    local align = dev == 'cpu' and moe.cpu_align or moe.align
+    local R = 0
+    for _, n in ipairs(recv) do R = R + n end
+    local rows, M = {}, 0
+    for j = 0, El - 1 do
+      local n = 0
+      for p = 0, P - 1 do n = n + c(p, me * El + j) end
+      rows[j + 1] = math.ceil(n / align) * align
+      M = M + rows[j + 1]
+    end
+    local fwd, bwd = T.empty({ M }, { dtype = 'i64' }), T.empty({ R }, { dtype = 'i64' })
+    local fp, bp = ms.ffi.cast('int64_t *', fwd:data_ptr()), ms.ffi.cast('int64_t *', bwd:data_ptr())
+    for r = 0, M - 1 do fp[r] = R end
+    local rstart, acc = {}, 0
+    for j = 0, El - 1 do rstart[j] = acc; acc = acc + rows[j + 1] end
+    local src = 0
+    for p = 0, P - 1 do
+      for j = 0, El - 1 do
+        for _ = 1, c(p, me * El + j) do
+          local r = rstart[j]
+          fp[r], bp[src] = src, r
+          rstart[j], src = r + 1, src + 1
+        end
+      end
+    end
+    if dev ~= 'cpu' then fwd, bwd = fwd:to(dev), bwd:to(dev) end
+    local inv, back = st.inv, st.back
+    if dev ~= 'cpu' then inv, back = inv:to(dev), back:to(dev) end
+    local xs = Dispatch(amp.cast(x2), st.tok:to(dev), inv, k)
+    local xr = Exchange(xs, send, recv, ep)
+    local xl = Regroup(xr, fwd, bwd)
+    local wl = {}
+    for j = 1, El do
+      local ex = self.experts[j]
+      local n = ex.names
+      wl[3 * j - 2], wl[3 * j - 1], wl[3 * j] = ex[n[1]].weight, ex[n[2]].weight, ex[n[3]].weight
+    end
+    local yl = Experts(xl, rows, unpack(wl, 1, 3 * El))
+    local yr = Regroup(yl, bwd, fwd)
+    local ys = Exchange(yr, recv, send, ep)
+    if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
+    local y = Combine(ys, w:reshape({ N * k }), inv, back, k)
+    self:record_stats(counts, probs, N)
+    return y
   end
 
   -- counts (a Lua list of E), mean_probs (E, differentiable) and the
@@ -430,6 +582,46 @@ end
 -- skipped step)
 function moe.reset_counts(model)
   for _, m in ipairs(moe.layers(model)) do rawset(m, '_tokens', nil) end
+end
+
+-- moe.expert_parallel(model, group) -> layers: expert parallelism over
+-- `group` (default: the world). Every MoE layer of E experts keeps the
+-- E / P experts of its block (group rank r: experts r E/P .. (r+1) E/P - 1,
+-- their names unchanged) and drops the others; its forward sends each
+-- token's rows to the ranks that hold its experts and takes the outputs
+-- back (dist.batch_p2p over the group, twice each way a layer). Every rank
+-- of the group calls each layer's forward and backward together, each
+-- with its own tokens; the router and everything outside the experts stay
+-- whole on every rank (their gradients are this rank's tokens': sum or
+-- average them over the group as data parallelism does, and leave the
+-- experts' alone: each rank's are its own).
+function moe.expert_parallel(model, group)
+  group = group or ms.dist.world_group
+  if group == nil then error('moe.expert_parallel: dist is not initialised (ms.dist.init) and no group given', 2) end
+  local P, r = group:size(), group:rank()
+  local list = moe.layers(model)
+  if #list == 0 then error('moe.expert_parallel: the model has no MoE layers', 2) end
+  local nn = require 'moonshard.nn'
+  for _, m in ipairs(list) do
+    if rawget(m, '_ep') then error('moe.expert_parallel: the model is already expert-parallel', 2) end
+    local E = m.n_experts
+    if E % P ~= 0 then
+      error(('moe.expert_parallel: %d experts do not split over %d ranks'):format(E, P), 2)
+    end
+  end
+  for _, m in ipairs(list) do
+    local E = m.n_experts
+    local El = E / P
+    local keep = nn.ModuleList()
+    for j = 1, El do
+      local e = r * El + j
+      keep:register_module(tostring(e - 1), m.experts[e])
+      rawset(keep, j, m.experts[e])
+    end
+    m:register_module('experts', keep)
+    rawset(m, '_ep', { group = group, size = P, rank = r, ranks = group:ranks(), local_experts = El })
+  end
+  return list
 end
 
 -- moe.layers(model) -> the model's MoE modules, in order
