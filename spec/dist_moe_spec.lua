@@ -132,11 +132,19 @@ describe('expert parallelism #mpi', function()
     assert.is_true(FS.max_rel(g, ref.model.layers[1].self_attn.q_proj.weight.grad) <= 1e-10)
   end)
 
-  it('refuses experts that do not split over the ranks, and a second call', function()
+  it('refuses experts that do not split over the ranks, a second call, and FSDP or a pipeline over it', function()
     if W == 1 then
       local m = build({ dim = 8, hidden = 6, experts = 3, top_k = 1 })
       moe.expert_parallel(m)
       assert.has_error(function() moe.expert_parallel(m) end, 'moe.expert_parallel: the model is already expert-parallel')
+      assert.has_error(function() ms.fsdp.fully_shard(m) end, 'fully_shard: the model is expert-parallel '
+        .. '(nn.moe.expert_parallel): its experts differ from rank to rank, which FSDP\'s flat parameters cannot hold')
+      local mixtral = require 'models.mixtral'
+      local mm = mixtral.new('tiny', { num_hidden_layers = 2, output_router_logits = false })
+      moe.expert_parallel(mm)
+      assert.has_error(function() ms.pp.pipeline(mm) end,
+        'pp.pipeline: model.layers.0.block_sparse_moe is expert-parallel (nn.moe.expert_parallel), which pipelines do '
+        .. 'not take')
       return
     end
     local m = build({ dim = 8, hidden = 6, experts = W + 1, top_k = 1 })

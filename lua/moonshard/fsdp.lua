@@ -1278,6 +1278,10 @@ function fsdp.fully_shard(model, opts)
         slot_unit[#slot_unit + 1] = slot
       end
     end
+    if getmetatable(m) == nn.MoE and rawget(m, '_ep') then
+      error(('fully_shard: %s is expert-parallel (nn.moe.expert_parallel): its experts differ from rank to rank, '
+        .. 'which FSDP\'s flat parameters cannot hold'):format(name == '' and 'the model' or name), 0)
+    end
     local moe = in_moe or (getmetatable(m) == nn.MoE and (name == '' and '(the model)' or name)) or nil
     for _, cn in ipairs(m._module_names) do
       local c = rawget(m, cn)

@@ -129,6 +129,11 @@ function pp.pipeline(model, opts)
     error('pp.pipeline: the model has no pipeline_parts() (GPT-2 and Llama have it; docs/pp.md says what it returns)', 2)
   end
   if rawget(model, '_pp') then error('pp.pipeline: the model is already cut into stages', 2) end
+  for name, m in model:named_modules() do
+    if rawget(m, '_ep') then
+      error(('pp.pipeline: %s is expert-parallel (nn.moe.expert_parallel), which pipelines do not take'):format(name), 2)
+    end
+  end
   if type(model.config) == 'table' and model.config.output_router_logits then
     -- (transformers' load-balancing loss is a product of means over every layer's tokens)
     error('pp.pipeline: the model adds the routers\' load-balancing loss over all its layers '
