@@ -112,6 +112,11 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     assert.are.equal(0, status, text)
     assert.is_truthy(text:find('activation checkpointing: 3 of 3 GPT2Block', 1, true), text)
     close_losses(one, losses(dir .. '/gac'), 1, 4, '--pp 2 --activation-checkpointing full')
+    -- zbh1 with the blocks checkpointed (their weight gradients run inside the recompute)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --pp 2 '
+      .. '--pp-schedule zbh1 --activation-checkpointing full --out %s/gacz'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/gacz'), 1, 4, '--pp 2 --pp-schedule zbh1 --activation-checkpointing full')
     -- (float8's dynamic scales are each micro-batch's amax: one micro-batch of the whole batch has the
     -- one-process scales)
     local one8 = reference('models/gpt2.lua', tiny .. ' --float8', 'g1f8')
