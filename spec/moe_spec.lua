@@ -181,6 +181,16 @@ describe('nn.MoE', function()
     end
     assert.is_true(idle >= 5, 'three tokens, eight experts')
     assert.is_not_nil(m.gate.weight.grad)
+    -- no tokens at all: an empty output, every gradient zeros
+    m:zero_grad()
+    local x0 = ms.empty({ 0, 4 }, { dtype = 'f64' }):requires_grad_()
+    local y0 = m(x0)
+    assert.are.same({ 0, 4 }, y0.shape)
+    y0:sum():backward()
+    for name, p in m:named_parameters() do
+      assert.is_not_nil(p.grad, name)
+      assert.are.equal(0, p.grad:abs():sum():item(), name)
+    end
   end)
 
   it('one expert of one is the dense SwiGLU MLP, bit for bit', function()
