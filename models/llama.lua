@@ -114,31 +114,26 @@ end
 -- ------------------------------------------------------------------ model
 local Layer = nn.Module:extend('LlamaDecoderLayer')
 
--- whether layer idx (0-based) of a Qwen3-MoE config is sparse (its MLP a
--- mixture of experts), as transformers decides it
-local function qwen3_sparse(cfg, idx)
-  for _, i in ipairs(cfg.mlp_only_layers or {}) do if i == idx then return false end end
-  return cfg.num_experts > 0 and (idx + 1) % cfg.decoder_sparse_step == 0
+-- What the families built on this decoder change in a layer, by
+-- model_type (models/mixtral.lua, models/qwen3_moe.lua register theirs):
+-- qk_norm (q and k RMS-normalised per head) and mlp(cfg, idx) -> the name
+-- and the module of layer idx's (0-based) MLP.
+llama.variants = {}
+
+local function dense_mlp(cfg)
+  return 'mlp', nn.GatedMLP{ dim = cfg.hidden_size, hidden = cfg.intermediate_size, bias = cfg.mlp_bias }
 end
 
 function Layer:init(cfg, idx)
   local C = cfg.hidden_size
-  local qwen3 = cfg.model_type == 'qwen3_moe'
+  local v = llama.variants[cfg.model_type] or {}
   self:register_module('self_attn', nn.CausalSelfAttention{
     dim = C, n_head = cfg.num_attention_heads, n_kv_head = cfg.num_key_value_heads or cfg.num_attention_heads,
     head_dim = cfg.head_dim or math.floor(C / cfg.num_attention_heads), bias = cfg.attention_bias,
-    rope_theta = cfg.rope_parameters.rope_theta, fused_qkv = false, qk_norm_eps = qwen3 and cfg.rms_norm_eps or nil })
-  if cfg.num_local_experts then
-    -- Mixtral (models/mixtral.lua): the MLP a mixture of experts, HF's names
-    self:register_module('block_sparse_moe', nn.MoE { dim = C, hidden = cfg.intermediate_size,
-      experts = cfg.num_local_experts, top_k = cfg.num_experts_per_tok, names = { 'w1', 'w3', 'w2' }, router = 'gate' })
-  elseif qwen3 and qwen3_sparse(cfg, idx or 0) then
-    -- Qwen3-MoE (models/qwen3_moe.lua): a sparse layer's mlp is a mixture of experts
-    self:register_module('mlp', nn.MoE { dim = C, hidden = cfg.moe_intermediate_size, experts = cfg.num_experts,
-      top_k = cfg.num_experts_per_tok, norm_topk = cfg.norm_topk_prob, router = 'gate' })
-  else
-    self:register_module('mlp', nn.GatedMLP{ dim = C, hidden = cfg.intermediate_size, bias = cfg.mlp_bias })
-  end
+    rope_theta = cfg.rope_parameters.rope_theta, fused_qkv = false,
+    qk_norm_eps = v.qk_norm and cfg.rms_norm_eps or nil })
+  local name, mlp = (v.mlp or dense_mlp)(cfg, idx or 0)
+  self:register_module(name, mlp)
   self:register_module('input_layernorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
   self:register_module('post_attention_layernorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
 end
@@ -174,6 +169,7 @@ function Layer:forward(x, pending, defer)
     r = x + a
     y = ln2(r)
   end
+  -- (Mixtral names its MoE block_sparse_moe)
   local m = (rawget(self, 'mlp') or rawget(self, 'block_sparse_moe'))(y)
   if defer then return r, m end
   return r + m

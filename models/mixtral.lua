@@ -58,6 +58,13 @@ mixtral.presets = {
 }
 
 mixtral.normalize = llama.normalize
+-- a layer's MLP: the mixture of experts, under HF's names
+llama.variants.mixtral = {
+  mlp = function(cfg)
+    return 'block_sparse_moe', nn.MoE { dim = cfg.hidden_size, hidden = cfg.intermediate_size,
+      experts = cfg.num_local_experts, top_k = cfg.num_experts_per_tok, names = { 'w1', 'w3', 'w2' }, router = 'gate' }
+  end,
+}
 -- bin/train's FSDP units and checkpointed blocks: the decoder layers (each
 -- holds its experts whole: every rank gathers them, whatever its tokens chose)
 mixtral.fsdp_block = 'LlamaDecoderLayer'

@@ -73,6 +73,25 @@ end
 -- bin/train's FSDP units and checkpointed blocks: the decoder layers
 qwen3_moe.fsdp_block = 'LlamaDecoderLayer'
 
+-- whether layer idx (0-based) is sparse (its MLP a mixture of experts), as
+-- transformers decides it
+local function sparse(cfg, idx)
+  for _, i in ipairs(cfg.mlp_only_layers or {}) do if i == idx then return false end end
+  return cfg.num_experts > 0 and (idx + 1) % cfg.decoder_sparse_step == 0
+end
+-- what its layers change in Llama's: q and k normalised per head; a
+-- sparse layer's mlp a mixture of experts
+llama.variants.qwen3_moe = {
+  qk_norm = true,
+  mlp = function(cfg, idx)
+    if not sparse(cfg, idx) then
+      return 'mlp', nn.GatedMLP { dim = cfg.hidden_size, hidden = cfg.intermediate_size }
+    end
+    return 'mlp', nn.MoE { dim = cfg.hidden_size, hidden = cfg.moe_intermediate_size, experts = cfg.num_experts,
+      top_k = cfg.num_experts_per_tok, norm_topk = cfg.norm_topk_prob, router = 'gate' }
+  end,
+}
+
 function qwen3_moe.check(cfg)
   llama.check(cfg)
   if cfg.num_experts_per_tok > cfg.num_experts then

@@ -73,20 +73,24 @@ end
 
 -- The rows' moves (core/moe.c, kernels/moe.cu: one pass each, one block a
 -- row on CUDA):
+local function check(rc) T.check(rc, 3) end
+-- rows of x by idx (M): zeros where idx[r] is x's row count (ms_moe_gather_rows)
+local function gather(x, idx)
+  local xc = x:contiguous()
+  local out = T.empty({ idx.shape[1], x.shape[2] }, { dtype = x.dtype, device = x.device })
+  check(T.C.ms_moe_gather_rows(out, xc, idx))
+  if xc ~= x then xc:free() end
+  return out
+end
 -- Dispatch(x2 (N, H), tok, inv, k) -> xs (M, H): row r the token tok[r]
 -- (zeros at the padding between the experts' runs); backward: each
 -- token's k rows (inv: slot -> row) summed.
-local function check(rc) T.check(rc, 3) end
 local Dispatch = A.Function {
   name = 'moe_dispatch',
   owns_results = true,
   forward = function(ctx, x2, tok, inv, k)
-    local xc = x2:contiguous()
     ctx.inv, ctx.k = inv, k
-    local out = T.empty({ tok.shape[1], x2.shape[2] }, { dtype = x2.dtype, device = x2.device })
-    check(T.C.ms_moe_gather_rows(out, xc, tok))
-    if xc ~= x2 then xc:free() end
-    return out
+    return gather(x2, tok)
   end,
   backward = function(ctx, g)
     local gc = g:contiguous()
@@ -132,19 +136,9 @@ local Regroup = A.Function {
   owns_results = true,
   forward = function(ctx, x, fwd, bwd)
     ctx.bwd = bwd
-    local xc = x:contiguous()
-    local out = T.empty({ fwd.shape[1], x.shape[2] }, { dtype = x.dtype, device = x.device })
-    check(T.C.ms_moe_gather_rows(out, xc, fwd))
-    if xc ~= x then xc:free() end
-    return out
+    return gather(x, fwd)
   end,
-  backward = function(ctx, g)
-    local gc = g:contiguous()
-    local gx = T.empty({ ctx.bwd.shape[1], g.shape[2] }, { dtype = g.dtype, device = g.device })
-    check(T.C.ms_moe_gather_rows(gx, gc, ctx.bwd))
-    if gc ~= g then gc:free() end
-    return gx, nil, nil
-  end,
+  backward = function(ctx, g) return gather(g, ctx.bwd), nil, nil end,
 }
 
 -- expert parallelism's exchange (moe.expert_parallel): x's rows in blocks
@@ -425,13 +419,7 @@ function moe.install(nn, nnf)
     -- (under autocast the tokens move in the compute dtype: the experts' linears would cast them anyway)
     local xc = amp.cast(x2)
     local xs = Dispatch(xc, tok, inv, k)
-    local wl = {}
-    for e = 1, E do
-      local ex = self.experts[e]
-      local n = ex.names
-      wl[3 * e - 2], wl[3 * e - 1], wl[3 * e] = ex[n[1]].weight, ex[n[2]].weight, ex[n[3]].weight
-    end
-    local ys = Experts(xs, st.rows, unpack(wl, 1, 3 * E))
+    local ys = Experts(xs, st.rows, self:expert_weights(E))
     -- each slot's row, scaled by its routing weight (in the experts' output
     -- dtype: bf16 under autocast, as the dense MLP's), each token's k summed
     if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
@@ -439,6 +427,17 @@ function moe.install(nn, nnf)
     if self.shared_name then y = y + self[self.shared_name](x2) end
     self:record_stats(counts, probs, N)
     return y:reshape(shape)
+  end
+
+  -- the first n experts' (gate, up, down) weights in turn
+  function MoE:expert_weights(n)
+    local wl = {}
+    for j = 1, n do
+      local ex = self.experts[j]
+      local nm = ex.names
+      wl[3 * j - 2], wl[3 * j - 1], wl[3 * j] = ex[nm[1]].weight, ex[nm[2]].weight, ex[nm[3]].weight
+    end
+    return unpack(wl, 1, 3 * n)
   end
 
   -- what the load-balancing loss and the routing biases read of a forward
@@ -478,45 +477,26 @@ function moe.install(nn, nnf)
       send[q + 1], recv[q + 1] = ns, nr
     end
     -- the received rows (R): by sender, then by expert; the local layout:
-    -- by expert, then by sender, each expert's run padded to align
-    local align = dev == 'cpu' and moe.cpu_align or moe.align
+    -- by expert, then by sender, each expert's run padded to align (the
+    -- received rows' local expert ids sorted as a layer's slots are)
     local R = 0
     for _, n in ipairs(recv) do R = R + n end
-    local rows, M = {}, 0
-    for j = 0, El - 1 do
-      local n = 0
-      for p = 0, P - 1 do n = n + c(p, me * El + j) end
-      rows[j + 1] = math.ceil(n / align) * align
-      M = M + rows[j + 1]
-    end
-    local fwd, bwd = T.empty({ M }, { dtype = 'i64' }), T.empty({ R }, { dtype = 'i64' })
-    local fp, bp = ms.ffi.cast('int64_t *', fwd:data_ptr()), ms.ffi.cast('int64_t *', bwd:data_ptr())
-    for r = 0, M - 1 do fp[r] = R end
-    local rstart, acc = {}, 0
-    for j = 0, El - 1 do rstart[j] = acc; acc = acc + rows[j + 1] end
-    local src = 0
+    local lid = T.empty({ R }, { dtype = 'i64' })
+    local lp, at = ms.ffi.cast('int64_t *', lid:data_ptr()), 0
     for p = 0, P - 1 do
       for j = 0, El - 1 do
-        for _ = 1, c(p, me * El + j) do
-          local r = rstart[j]
-          fp[r], bp[src] = src, r
-          rstart[j], src = r + 1, src + 1
-        end
+        for _ = 1, c(p, me * El + j) do lp[at] = j; at = at + 1 end
       end
     end
+    local sl = moe.sort_slots(lid, El, dev == 'cpu' and moe.cpu_align or moe.align)
+    local fwd, bwd, rows = sl.back, sl.inv, sl.rows
     if dev ~= 'cpu' then fwd, bwd = fwd:to(dev), bwd:to(dev) end
     local inv, back = st.inv, st.back
     if dev ~= 'cpu' then inv, back = inv:to(dev), back:to(dev) end
     local xs = Dispatch(amp.cast(x2), st.tok:to(dev), inv, k)
     local xr = Exchange(xs, send, recv, ep)
     local xl = Regroup(xr, fwd, bwd)
-    local wl = {}
-    for j = 1, El do
-      local ex = self.experts[j]
-      local n = ex.names
-      wl[3 * j - 2], wl[3 * j - 1], wl[3 * j] = ex[n[1]].weight, ex[n[2]].weight, ex[n[3]].weight
-    end
-    local yl = Experts(xl, rows, unpack(wl, 1, 3 * El))
+    local yl = Experts(xl, rows, self:expert_weights(El))
     local yr = Regroup(yl, bwd, fwd)
     local ys = Exchange(yr, recv, send, ep)
     if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
