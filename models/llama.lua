@@ -267,7 +267,10 @@ end
 -- the router's load-balancing loss times router_aux_loss_coef, shaped as
 -- the loss `like` (nn.moe.aux_loss over the MoE layers' last forward)
 function Llama:aux_loss(like)
-  local aux = nn.moe.aux_loss(nn.moe.layers(self))
+  -- (the MoE layers found once: the model's modules do not change)
+  local layers = rawget(self, '_moe_layers')
+  if layers == nil then layers = nn.moe.layers(self); rawset(self, '_moe_layers', layers) end
+  local aux = nn.moe.aux_loss(layers)
   if aux == nil then error('llama: no MoE layer ran a forward', 2) end
   aux = aux * self.config.router_aux_loss_coef
   if aux.dtype ~= like.dtype then aux = aux:to(like.dtype) end

@@ -540,23 +540,30 @@ end
 -- bias that ran forwards under grad since the last update); group: the
 -- counts' all-reduce (nil: none). A no-op for a layer without counts.
 function moe.update_bias(model, rate, group)
-  local n = 0
+  local list = {}
   for _, m in ipairs(moe.layers(model)) do
-    local b, acc = rawget(m, 'expert_bias'), rawget(m, '_tokens')
-    if b ~= nil then
-      local c = ms.tensor(acc or {}, { dtype = 'f32' })
-      if acc == nil then c = T.zeros({ m.n_experts }, { dtype = 'f32' }) end
-      c = c:to(b.device)
-      if group ~= nil and group:size() > 1 then ms.dist.all_reduce(c, 'sum', { group = group }) end
-      A.no_grad(function()
-        local d = (c:mean() - c):sign() * rate
-        b:add_(d)
-      end)
-      rawset(m, '_tokens', nil)
-      n = n + 1
-    end
+    if rawget(m, 'expert_bias') ~= nil then list[#list + 1] = m end
   end
-  return n
+  if #list == 0 then return 0 end
+  -- every layer's counts in one tensor: one all-reduce a step
+  local flat = {}
+  for _, m in ipairs(list) do
+    local acc = rawget(m, '_tokens') or {}
+    for e = 1, m.n_experts do flat[#flat + 1] = acc[e] or 0 end
+  end
+  local dev = list[1].expert_bias.device
+  local c = ms.tensor(flat, { dtype = 'f32' }):to(dev)
+  if group ~= nil and group:size() > 1 then ms.dist.all_reduce(c, 'sum', { group = group }) end
+  local off = 0
+  A.no_grad(function()
+    for _, m in ipairs(list) do
+      local cm = c:narrow(1, off + 1, m.n_experts)
+      m.expert_bias:add_((cm:mean() - cm):sign() * rate)
+      off = off + m.n_experts
+      rawset(m, '_tokens', nil)
+    end
+  end)
+  return #list
 end
 -- moe.reset_counts(model): the counts since the last update dropped (a
 -- skipped step)
