@@ -2,7 +2,13 @@
 -- GPU (nn.MoE, docs/moe.md) beside the dense SwiGLU MLP of the same
 -- FLOPs a token (hidden = top_k x the expert's), under bf16 autocast with
 -- f32 weights: median ms (CUDA events), the experts' GEMM TFLOP/s, and the
--- routing's share (the MoE's time over the dense MLP's).
+-- routing's share (the MoE's time over the dense MLP's); the layer again
+-- with the experts' products always on the grouped kernel, and always a
+-- loop of cuBLASLt GEMMs (ops.gemm_grouped_kernel 'kernel' and 'loop'; the
+-- default 'auto' chooses between them by the groups' size). Then the experts'
+-- products alone, the three layouts of the grouped GEMM with balanced
+-- experts (tokens x top-k / experts rows each), grouped kernel against the
+-- loop and against one dense cuBLASLt GEMM of all the rows.
 --
 --   luajit bench/moe.lua [--tokens 8192] [--dim 2048] [--iters 20] [--warmup 3]
 -- Cases: 8 experts of 1408, top-2 (Mixtral's shape, scaled); 64 experts
@@ -27,9 +33,10 @@ local function step_time(m, x, g)
   end)
 end
 
-print(('| experts | top-k | expert hidden | tokens | H | MoE ms | dense ms (hidden %s) | MoE / dense | expert GEMM TFLOP/s |')
+local F = require 'moonshard.ops'
+print(('| experts | top-k | expert hidden | tokens | H | MoE ms | dense ms (hidden %s) | MoE / dense | expert GEMM TFLOP/s | MoE ms, grouped kernel | MoE ms, GEMM loop |')
   :format('k x'))
-print('|---|---|---|---|---|---|---|---|---|')
+print('|---|---|---|---|---|---|---|---|---|---|---|')
 for _, c in ipairs({ { 8, 2, 1408 }, { 16, 4, 704 }, { 64, 8, 352 } }) do
   local E, k, I = c[1], c[2], c[3]
   ms.manual_seed(1)
@@ -41,12 +48,59 @@ for _, c in ipairs({ { 8, 2, 1408 }, { 16, 4, 704 }, { 64, 8, 352 } }) do
   d:to('cuda')
   local x = ms.randn({ N, H }, { seed = 3 }):cuda():requires_grad_()
   local g = ms.randn({ N, H }, { seed = 4 }):cuda():to('bf16')
-  local tm = step_time(m, x, g)
   local td = step_time(d, x, g)
+  local was = F.gemm_grouped_kernel('kernel')
+  local tk = step_time(m, x, g)
+  F.gemm_grouped_kernel('loop')
+  local tl = step_time(m, x, g)
+  F.gemm_grouped_kernel(was)
+  local tm = step_time(m, x, g)
   -- forward + backward of the experts' three GEMMs a slot: 3 x 2 x 3 x H x I flops
   local flops = 18 * N * k * H * I
-  print(('| %d | %d | %d | %d | %d | %.2f | %.2f | %.2f | %.0f |'):format(E, k, I, N, H, tm, td, tm / td,
-    flops / (tm * 1e-3) / 1e12))
+  print(('| %d | %d | %d | %d | %d | %.2f | %.2f | %.2f | %.0f | %.2f | %.2f |'):format(E, k, I, N, H, tm, td, tm / td,
+    flops / (tm * 1e-3) / 1e12, tk, tl))
   m:to('cpu'); d:to('cpu')
+  collectgarbage(); collectgarbage()
+end
+
+-- the experts' products alone: E groups of R = N k / E rows (balanced)
+print()
+print('| experts | rows each | product | grouped kernel ms | TFLOP/s | mma.sync kernel ms | loop ms | one dense GEMM ms |')
+print('|---|---|---|---|---|---|---|---|')
+for _, c in ipairs({ { 8, 2, 1408 }, { 16, 4, 704 }, { 64, 8, 352 } }) do
+  local E, k, I = c[1], c[2], c[3]
+  local R = math.floor(N * k / E)
+  local xs = ms.randn({ R * E, H }, { seed = 5 }):cuda():to('bf16')
+  local hs = ms.randn({ R * E, I }, { seed = 6 }):cuda():to('bf16')
+  local w1 = ms.randn({ I, H }, { seed = 7 }):cuda():to('bf16')
+  local gs = ms.empty({ R * E, I }, { dtype = 'bf16', device = 'cuda' })
+  local ys = ms.empty({ R * E, H }, { dtype = 'bf16', device = 'cuda' })
+  local dw = ms.empty({ I, H }, { device = 'cuda' })
+  local function rows(t, e) return t:narrow(1, (e - 1) * R + 1, R) end
+  -- name, outs, as, bs, transa, transb, the dense GEMM's (out, a, b, transa, transb)
+  local cases = {
+    { 'x W1^T (forward)', function(e) return rows(gs, e), rows(xs, e), w1 end, false, true,
+      { gs, xs, w1, false, true } },
+    { 'h W1 (input gradient)', function(e) return rows(ys, e), rows(hs, e), w1 end, false, false,
+      { ys, hs, w1, false, false } },
+    { 'h^T x (weight gradient, f32)', function(e) return dw:clone(), rows(hs, e), rows(xs, e) end, true, false,
+      { ms.empty({ I, H }, { device = 'cuda' }), hs, xs, true, false } },
+  }
+  for _, cs in ipairs(cases) do
+    local outs, as, bs = {}, {}, {}
+    for e = 1, E do outs[e], as[e], bs[e] = cs[2](e) end
+    local was = F.gemm_grouped_kernel('kernel')
+    local tg = timed(function() F.gemm_grouped_(outs, as, bs, cs[3], cs[4], 0) end)
+    F.gemm_grouped_kernel('mma')
+    local tm = timed(function() F.gemm_grouped_(outs, as, bs, cs[3], cs[4], 0) end)
+    F.gemm_grouped_kernel('loop')
+    local tl = timed(function() F.gemm_grouped_(outs, as, bs, cs[3], cs[4], 0) end)
+    F.gemm_grouped_kernel(was)
+    local d = cs[5]
+    local td = timed(function() F.gemm_(d[1], d[2], d[3], d[4], d[5], 1, 0) end)
+    local flops = 2 * R * E * H * I
+    print(('| %d | %d | %s | %.3f | %.0f | %.3f | %.3f | %.3f |'):format(E, R, cs[1], tg, flops / (tg * 1e-3) / 1e12,
+      tm, tl, td))
+  end
   collectgarbage(); collectgarbage()
 end

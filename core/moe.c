@@ -71,6 +71,53 @@ static int check_common(const char *op, const ms_tensor *xs, ms_tensor **w1, ms_
     return 0;
 }
 
+/* each expert's rows [off_e, off_e + rows[e]) of up to four (M, .) tensors
+ * as views (NULL tensors skipped), into v[i][e]; experts without rows get
+ * empty views (their weight gradients still need a group) */
+typedef struct {
+    ms_tensor **v[6];
+    int n;
+} expert_views;
+
+static int views_of(expert_views *ev, const ms_tensor **ts, int n, const int64_t *rows, int E) {
+    memset(ev, 0, sizeof *ev);
+    ev->n = n;
+    for (int i = 0; i < n; i++) {
+        ev->v[i] = (ms_tensor **)calloc((size_t)E, sizeof(ms_tensor *));
+        if (!ev->v[i]) return ms_errorf("moe experts: out of host memory");
+        int64_t off = 0;
+        for (int e = 0; e < E; e++) {
+            if (!(ev->v[i][e] = rows_of(ts[i], off, rows[e]))) return -1;
+            off += rows[e];
+        }
+    }
+    return 0;
+}
+
+static void views_free(expert_views *ev, int E) {
+    for (int i = 0; i < ev->n; i++) {
+        if (!ev->v[i]) continue;
+        for (int e = 0; e < E; e++) ms_tensor_free(ev->v[i][e]);
+        free(ev->v[i]);
+    }
+}
+
+/* the groups of experts with rows: c[j], a[j], b[j] for j < *G (2 lists
+ * when c2 is given: the first list's experts, then the second's) */
+static void busy_groups(ms_tensor **c, ms_tensor **a, ms_tensor **b, int *G, ms_tensor **c1, ms_tensor **a1,
+                        ms_tensor **b1, ms_tensor **c2, ms_tensor **a2, ms_tensor **b2, const int64_t *rows, int E) {
+    int j = 0;
+    for (int pass = 0; pass < (c2 ? 2 : 1); pass++)
+        for (int e = 0; e < E; e++) {
+            if (rows[e] == 0) continue;
+            c[j] = pass ? c2[e] : c1[e];
+            a[j] = pass ? a2[e] : a1[e];
+            b[j] = pass ? b2[e] : b1[e];
+            j++;
+        }
+    *G = j;
+}
+
 int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *g, ms_tensor *u, const ms_tensor *xs, ms_tensor **w1,
                            ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E) {
     const char *op = "moe_experts_forward";
@@ -78,26 +125,31 @@ int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *g, ms_tensor *u, const ms_t
     if (check_common(op, xs, w1, w3, w2, rows, E, &I)) return -1;
     int64_t M = xs->sizes[0], H = xs->sizes[1];
     if (check_2d(op, "ys", ys, M, H, xs) || check_2d(op, "g", g, M, I, xs) || check_2d(op, "u", u, M, I, xs)) return -1;
-    int64_t off = 0;
-    for (int e = 0; e < E; e++) {
-        int64_t n = rows[e];
-        if (n == 0) continue;
-        ms_tensor *r = rows_of(xs, off, n), *ge = rows_of(g, off, n), *ue = rows_of(u, off, n), *ye = rows_of(ys, off, n);
-        ms_tensor *h = NULL;
-        int rc = !r || !ge || !ue || !ye;
-        if (!rc) rc = ms_gemm_(ge, r, w1[e], 0, 1, 1.0, 0.0);
-        if (!rc) rc = ms_gemm_(ue, r, w3[e], 0, 1, 1.0, 0.0);
-        if (!rc) rc = ms_binary(&h, MS_OP_SWIGLU, ge, ue);
-        if (!rc) rc = ms_gemm_(ye, h, w2[e], 0, 1, 1.0, 0.0);
-        ms_tensor_free(h);
-        ms_tensor_free(r);
-        ms_tensor_free(ge);
-        ms_tensor_free(ue);
-        ms_tensor_free(ye);
-        if (rc) return -1;
-        off += n;
+    ms_tensor *h = NULL;
+    ms_tensor **c = (ms_tensor **)calloc(6 * (size_t)E, sizeof(ms_tensor *)), **a = c + 2 * E, **b = a + 2 * E;
+    expert_views ev, hv;
+    memset(&ev, 0, sizeof ev);
+    memset(&hv, 0, sizeof hv);
+    const ms_tensor *ts[4] = {xs, g, u, ys};
+    int rc = !c ? ms_errorf("%s: out of host memory", op) : views_of(&ev, ts, 4, rows, E), G = 0;
+    /* gate and up in one grouped GEMM: g_e = x_e W1_e^T, u_e = x_e W3_e^T */
+    if (!rc) {
+        busy_groups(c, a, b, &G, ev.v[1], ev.v[0], w1, ev.v[2], ev.v[0], w3, rows, E);
+        rc = ms_gemm_grouped_(c, a, b, G, 0, 1, 0.0);
     }
-    return 0;
+    /* h = silu(g) u over every row at once (padding rows: zeros), then y_e = h_e W2_e^T */
+    if (!rc) rc = ms_binary(&h, MS_OP_SWIGLU, g, u);
+    const ms_tensor *hs[1] = {h};
+    if (!rc) rc = views_of(&hv, hs, 1, rows, E);
+    if (!rc) {
+        busy_groups(c, a, b, &G, ev.v[3], hv.v[0], w2, NULL, NULL, NULL, rows, E);
+        rc = ms_gemm_grouped_(c, a, b, G, 0, 1, 0.0);
+    }
+    views_free(&hv, E);
+    views_free(&ev, E);
+    ms_tensor_free(h);
+    free(c);
+    return rc ? -1 : 0;
 }
 
 int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms_tensor **dw2, const ms_tensor *gy,
@@ -111,44 +163,68 @@ int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms
         check_2d(op, "u", u, M, I, xs))
         return -1;
     if (check_experts(op, "gradient", dw1, dw3, dw2, E, I, H, xs)) return -1;
-    int64_t off = 0;
-    for (int e = 0; e < E; e++) {
-        int64_t n = rows[e];
-        if (n == 0) {
-            if (ms_fill_(dw1[e], 0) || ms_fill_(dw3[e], 0) || ms_fill_(dw2[e], 0)) return -1;
-            continue;
-        }
-        ms_tensor *r = rows_of(xs, off, n), *ge = rows_of(g, off, n), *ue = rows_of(u, off, n);
-        ms_tensor *dy = rows_of(gy, off, n), *dx = rows_of(dxs, off, n);
-        ms_tensor *h = NULL, *dh = NULL, *dup = NULL, *t = NULL, *dgate = NULL;
-        int rc = !r || !ge || !ue || !dy || !dx;
-        /* down: dW2 = dy^T h, dh = dy W2 */
-        if (!rc) rc = ms_binary(&h, MS_OP_SWIGLU, ge, ue);
-        if (!rc) rc = ms_gemm_(dw2[e], dy, h, 1, 0, 1.0, 0.0);
-        if (!rc) rc = ms_matmul(&dh, dy, w2[e], 0, 0);
-        /* SwiGLU: d up = silu(g) dh; d gate = silu'(g) (dh u) */
-        if (!rc) rc = ms_binary(&dup, MS_OP_SWIGLU, ge, dh);
-        if (!rc) rc = ms_binary(&t, MS_OP_MUL, dh, ue);
-        if (!rc) rc = ms_binary(&dgate, MS_OP_SILU_BWD, ge, t);
-        /* gate and up: dW = d^T rows, dx = dgate W1 + dup W3 */
-        if (!rc) rc = ms_gemm_(dw1[e], dgate, r, 1, 0, 1.0, 0.0);
-        if (!rc) rc = ms_gemm_(dw3[e], dup, r, 1, 0, 1.0, 0.0);
-        if (!rc) rc = ms_gemm_(dx, dgate, w1[e], 0, 0, 1.0, 0.0);
-        if (!rc) rc = ms_gemm_(dx, dup, w3[e], 0, 0, 1.0, 1.0);
-        ms_tensor_free(h);
-        ms_tensor_free(dh);
-        ms_tensor_free(dup);
-        ms_tensor_free(t);
-        ms_tensor_free(dgate);
-        ms_tensor_free(r);
-        ms_tensor_free(ge);
-        ms_tensor_free(ue);
-        ms_tensor_free(dy);
-        ms_tensor_free(dx);
-        if (rc) return -1;
-        off += n;
+    ms_tensor *h = NULL, *dh = NULL, *dup = NULL, *t = NULL, *dgate = NULL;
+    ms_tensor **c = (ms_tensor **)calloc(6 * (size_t)E, sizeof(ms_tensor *)), **a = c + 2 * E, **b = a + 2 * E;
+    expert_views ev, av;
+    memset(&ev, 0, sizeof ev);
+    memset(&av, 0, sizeof av);
+    const ms_tensor *ts[2] = {xs, gy};
+    int rc = !c ? ms_errorf("%s: out of host memory", op) : views_of(&ev, ts, 2, rows, E), G = 0;
+    ms_tensor **xv = ev.v[0], **dyv = ev.v[1];
+    /* down: dW2_e = dy_e^T h_e (every expert: zeros without rows) */
+    if (!rc) rc = ms_binary(&h, MS_OP_SWIGLU, g, u);
+    const ms_tensor *hs[1] = {h};
+    if (!rc) rc = views_of(&av, hs, 1, rows, E);
+    if (!rc) rc = ms_gemm_grouped_(dw2, dyv, av.v[0], E, 1, 0, 0.0);
+    views_free(&av, E);
+    memset(&av, 0, sizeof av);
+    ms_tensor_free(h);
+    /* dh_e = dy_e W2_e */
+    if (!rc) rc = ms_tensor_empty(&dh, 2, (int64_t[]){M, I}, xs->dtype_id, xs->device_id);
+    const ms_tensor *dhs[1] = {dh};
+    if (!rc) rc = views_of(&av, dhs, 1, rows, E);
+    if (!rc) {
+        busy_groups(c, a, b, &G, av.v[0], dyv, w2, NULL, NULL, NULL, rows, E);
+        rc = ms_gemm_grouped_(c, a, b, G, 0, 0, 0.0);
     }
-    return 0;
+    views_free(&av, E);
+    memset(&av, 0, sizeof av);
+    /* SwiGLU over every row: d up = silu(g) dh; d gate = silu'(g) (dh u) */
+    if (!rc) rc = ms_binary(&dup, MS_OP_SWIGLU, g, dh);
+    if (!rc) rc = ms_binary(&t, MS_OP_MUL, dh, u);
+    if (!rc) rc = ms_binary(&dgate, MS_OP_SILU_BWD, g, t);
+    ms_tensor_free(t);
+    ms_tensor_free(dh);
+    /* gate and up: dW1_e = dgate_e^T x_e, dW3_e = dup_e^T x_e (one grouped
+     * GEMM, every expert); dx_e = dgate_e W1_e + dup_e W3_e */
+    const ms_tensor *ds[2] = {dgate, dup};
+    if (!rc) rc = views_of(&av, ds, 2, rows, E);
+    if (!rc) {
+        for (int e = 0; e < E; e++) {
+            c[e] = dw1[e], a[e] = av.v[0][e], b[e] = xv[e];
+            c[E + e] = dw3[e], a[E + e] = av.v[1][e], b[E + e] = xv[e];
+        }
+        rc = ms_gemm_grouped_(c, a, b, 2 * E, 1, 0, 0.0);
+    }
+    ms_tensor *dxv_t[1] = {dxs};
+    expert_views dv;
+    memset(&dv, 0, sizeof dv);
+    if (!rc) rc = views_of(&dv, (const ms_tensor **)dxv_t, 1, rows, E);
+    if (!rc) {
+        busy_groups(c, a, b, &G, dv.v[0], av.v[0], w1, NULL, NULL, NULL, rows, E);
+        rc = ms_gemm_grouped_(c, a, b, G, 0, 0, 0.0);
+    }
+    if (!rc) {
+        busy_groups(c, a, b, &G, dv.v[0], av.v[1], w3, NULL, NULL, NULL, rows, E);
+        rc = ms_gemm_grouped_(c, a, b, G, 0, 0, 1.0);
+    }
+    views_free(&dv, E);
+    views_free(&av, E);
+    views_free(&ev, E);
+    ms_tensor_free(dup);
+    ms_tensor_free(dgate);
+    free(c);
+    return rc ? -1 : 0;
 }
 
 /* ------------------------------------------------------------ the rows' moves */

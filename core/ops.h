@@ -94,6 +94,24 @@ int ms_matmul_dgelu(ms_tensor **out, ms_tensor **bias_grad, const ms_tensor *a, 
  * f16 operands (the product accumulated and kept in f32, not rounded) */
 int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb,
              double alpha, double beta);
+/* c[g] = beta*c[g] + op(a[g]) @ op(b[g]) for the G groups (alpha 1, beta 0
+ * or 1), each by ms_gemm_'s rules; a group whose inner dimension is empty
+ * gets c[g] = beta*c[g]. On CUDA one grouped kernel launch
+ * (kernels/grouped_gemm.cu: wgmma on sm_90, mma.sync elsewhere, f32
+ * accumulation) can serve them all when the operands are bf16/f16 (c in
+ * their dtype or f32), 2-D with unit column strides, the row stride of a,
+ * of b and of c each the same across the groups, N the same, the operands'
+ * row lengths multiples of 8, and not transa with transb; otherwise (and on
+ * the CPU) ms_gemm_ a group. The experts of a mixture-of-experts layer
+ * (core/moe.c) are its users. */
+int ms_gemm_grouped_(ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, int transa, int transb, double beta);
+/* how CUDA's ms_gemm_grouped_ runs: AUTO (the default) the grouped kernel
+ * where it applies and its groups are small enough to beat a cuBLASLt GEMM
+ * a group (core/gemm_grouped.c: under 3 GFLOP a group on average), KERNEL
+ * wherever it applies, MMA the same with the mma.sync kernel on Hopper too,
+ * LOOP never; -1 leaves it. Returns the previous mode */
+enum { MS_GROUPED_LOOP = 0, MS_GROUPED_AUTO = 1, MS_GROUPED_KERNEL = 2, MS_GROUPED_MMA = 3 };
+int ms_gemm_grouped_set_kernel(int mode);
 /* GEMM tuning's choice among n candidates timed ms[i] (ms[0] the library
  * heuristic's first; a negative time is a candidate that did not run): the
  * fastest, when it is faster than ms[0] by more than margin (a fraction),

@@ -18,8 +18,12 @@
 // memory when issued, not until its wait; whether the blocks' order could
 // hang when they run at once) and the PTX text itself.
 //
+// With --gemm it runs the grouped GEMM of kernels/grouped_gemm.cuh instead
+// (its three layouts, bf16 and f32 outputs, beta, empty groups, a plan of
+// two launches) against a double reference.
+//
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
-//   build/attention_mma_emu [--quick] [--reverse]     (exit status 1 on a mismatch)
+//   build/attention_mma_emu [--quick] [--reverse] [--gemm]  (exit status 1 on a mismatch)
 // --quick: the launched configurations on 6 shapes (mma at head dims 64 and
 // 128, wgmma at 64); else 11 shapes, the one-m-tile tilings and wgmma's
 // 128-key forward too; --reverse: the fibers of a block run in reverse order.
@@ -187,6 +191,7 @@ static void cp_async_wait_groups(int n) {
     q.swap(left);
 }
 static void cp_async_wait_all() { cp_async_wait_groups(0); }
+template <int N> static void cp_async_wait_n() { cp_async_wait_groups(N); }
 static float fast_exp2(float x) { return exp2f(x); }
 // fibers switch only at barriers and warp collectives: a read-modify-write
 // is atomic here
@@ -295,6 +300,10 @@ template <typename T, int N> static void mma_rs_t(float *d, const unsigned *a, u
 template <typename T, int N> static void mma_ss_tt(float *d, uint64_t a, uint64_t b, int acc) {
     mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, k, m); }, [&](int k, int n) { return sw_at(b, k, n); });
 }
+// d (64 x N) (+)= A . B, k16: A (64 x 16) K-major and B (16 x N) MN-major
+template <typename T, int N> static void mma_ss_t(float *d, uint64_t a, uint64_t b, int acc) {
+    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, m, k); }, [&](int k, int n) { return sw_at(b, k, n); });
+}
 // the one-pass backward's order between blocks (global memory): the blocks
 // run one after another in the order of their tickets, so a block's turn
 // has come when it waits, or the order is wrong (on the GPU: a hang)
@@ -315,6 +324,8 @@ static float2 __ldcg(const float2 *p) { return *p; }
 static void __stcg(float2 *p, float2 v) { *p = v; }
 }  // namespace wg
 #include "attention_wgmma.cuh"
+#define __grid_constant__
+#include "grouped_gemm.cuh"
 
 static char stacks[kThreads][128 * 1024];
 static void trampoline() {
@@ -594,15 +605,123 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     return ok ? 0 : 1;
 }
 
+// ---- the grouped GEMM (kernels/grouped_gemm.cuh): groups of C_g = op(A_g)
+// op(B_g) + beta C_g planned by gg_plan (launches of up to GG_MAXG groups)
+// and run block by block, against a double reference from the same bf16
+// inputs. Each operand lives in its own buffer with a row stride 8 past its
+// widest row, C's padding columns and rows past M_g hold a sentinel that
+// must survive; with beta = 0, C starts as NaNs (read, they would show).
+struct buf16 {
+    std::vector<uint16_t> v;
+    explicit buf16(size_t n) : v(n + 16) {}
+    uint16_t *data() { return (uint16_t *)(((uintptr_t)v.data() + 15) & ~(uintptr_t)15); }
+};
+// KIND 0: gg_kernel (mma.sync); 3 or 4: gw_kernel (wgmma) with that many stages
+template <typename OutT, bool AK, bool BK, int KIND = 0>
+static int run_gg_case(const std::vector<int> &ms, const std::vector<int> &ks, int N, float beta, unsigned seed) {
+    const int G = (int)ms.size();
+    const bool f32 = sizeof(OutT) == 4;
+    int mmax = 0, kmax = 0;
+    for (int g = 0; g < G; g++) mmax = max(mmax, ms[g]), kmax = max(kmax, ks[g]);
+    // row strides: A [m][k] or [k][m], B [n][k] or [k][n], C [m][n]
+    const long long lda = (AK ? kmax : mmax) + 8, ldb = (BK ? kmax : N) + 8, ldc = N + 8;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    std::vector<buf16> A, B;
+    std::vector<std::vector<float>> Cf;
+    std::vector<buf16> Cb;
+    std::vector<mma::gg_group> gs(G);
+    std::vector<std::vector<double>> want(G);
+    const float sentinel = 12345.f;
+    for (int g = 0; g < G; g++) {
+        const int M = ms[g], K = ks[g];
+        A.emplace_back((size_t)(AK ? max(M, 1) : max(K, 1)) * lda);
+        B.emplace_back((size_t)(BK ? N : max(K, 1)) * ldb);
+        for (auto &x : A.back().v) x = f2bf(nd(rng));
+        for (auto &x : B.back().v) x = f2bf(nd(rng));
+        const size_t csz = (size_t)(M + 2) * ldc;
+        if (f32) Cf.emplace_back(csz, sentinel);
+        else {
+            Cb.emplace_back(csz);
+            for (auto &x : Cb.back().v) x = f2bf(sentinel);
+        }
+        auto cget = [&](long long i) { return f32 ? (double)Cf[g][i] : (double)bf2f(Cb[g].data()[i]); };
+        auto cset = [&](long long i, float x) {
+            if (f32) Cf[g][i] = x;
+            else Cb[g].data()[i] = f2bf(x);
+        };
+        const uint16_t *a = A[g].data(), *b = B[g].data();
+        want[g].assign((size_t)M * N, 0);
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) {
+                const long long ci = (long long)i * ldc + j;
+                cset(ci, beta != 0.f ? nd(rng) : NAN);
+                double s = beta != 0.f ? beta * cget(ci) : 0;
+                for (int k = 0; k < K; k++)
+                    s += (double)bf2f(AK ? a[i * lda + k] : a[k * lda + i]) * bf2f(BK ? b[j * ldb + k] : b[k * ldb + j]);
+                want[g][(size_t)i * N + j] = s;
+            }
+        gs[g] = {a, b, f32 ? (void *)Cf[g].data() : (void *)Cb[g].data(), M, K};
+    }
+    int launches = 0;
+    mma::gg_plan(gs.data(), G, N, lda, ldb, ldc, beta, [&](const mma::gg_args &p, int tx, int ty) {
+        launches++;
+        if constexpr (KIND == 0) launch(tx, ty, [&] { mma::gg_kernel<bf, OutT, AK, BK>(p); });
+        else launch(tx, ty, [&] { wg::gw_kernel<bf, OutT, AK, BK, KIND>(p); });
+        return 0;
+    });
+    errsum e;
+    bool kept = true;
+    for (int g = 0; g < G; g++) {
+        const double *w = want[g].data();
+        for (int i = 0; i < ms[g] + 2; i++)
+            for (int j = 0; j < ldc; j++) {
+                const long long ci = (long long)i * ldc + j;
+                const double got = f32 ? (double)Cf[g][ci] : (double)bf2f(Cb[g].data()[ci]);
+                if (i < ms[g] && j < N) e.add(got, w[(size_t)i * N + j]);
+                else kept = kept && got == (f32 ? sentinel : bf2f(f2bf(sentinel)));
+            }
+    }
+    const bool ok = kept && e.rel() <= (f32 ? 1e-5 : 1e-2);
+    printf("%s grouped gemm %s %s%s %s out, beta %g, N=%d, %d groups (%d launches): rel %.1e%s\n", ok ? "ok  " : "FAIL",
+           KIND == 0 ? "mma  " : KIND == 3 ? "wgmma3" : "wgmma4", AK ? "A[m][k]" : "A[k][m]", BK ? " B[n][k]" : " B[k][n]", f32 ? "f32" : "bf16", beta, N, G, launches,
+           e.rel(), kept ? "" : "; wrote outside C");
+    return ok ? 0 : 1;
+}
+template <int KIND> static int run_gg_cases(unsigned seed) {
+    int bad = 0;
+    // the forward (rows x weight^T): M straddling tiles, an empty group, K not a multiple of 32
+    bad += run_gg_case<bf, true, true, KIND>({130, 0, 1, 64}, {40, 40, 40, 40}, 136, 0.f, seed++);
+    bad += run_gg_case<float, true, true, KIND>({130, 7}, {200, 24}, 8, 1.f, seed++);
+    // the input gradient (rows x weight), accumulating
+    bad += run_gg_case<bf, true, false, KIND>({3, 129}, {48, 136}, 24, 1.f, seed++);
+    bad += run_gg_case<float, true, false, KIND>({200}, {16}, 144, 0.f, seed++);
+    // the weight gradients (rows^T x rows): K the rows (none, a few, past a slice), f32 out
+    bad += run_gg_case<float, false, false, KIND>({136, 136, 136}, {0, 3, 130}, 16, 0.f, seed++);
+    bad += run_gg_case<bf, false, false, KIND>({8, 8}, {33, 1}, 136, 1.f, seed++);
+    // more groups than one launch takes
+    std::vector<int> m(mma::GG_MAXG + 20), k(mma::GG_MAXG + 20, 8);
+    for (size_t i = 0; i < m.size(); i++) m[i] = i % 10 == 0 ? 0 : 1 + (int)(i % 3) * 5;
+    bad += run_gg_case<bf, true, true, KIND>(m, k, 8, 0.f, seed++);
+    return bad;
+}
+static int run_gg_cases() { return run_gg_cases<0>(100) + run_gg_cases<3>(200) + run_gg_cases<4>(300); }  // (3 stages: kept working for tuning)
+
 int main(int argc, char **argv) {
-    bool quick = false;
+    bool quick = false, gemm = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--reverse")) reverse_order = true;
+        else if (!strcmp(argv[i], "--gemm")) gemm = true;
         else {
-            fprintf(stderr, "usage: %s [--quick] [--reverse]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--reverse] [--gemm]\n", argv[0]);
             return 2;
         }
+    }
+    if (gemm) {
+        const int bad = run_gg_cases();
+        printf("%d failed\n", bad);
+        return bad != 0;
     }
     struct shape {
         int B, H, Hkv, Tq, Tk;

@@ -73,6 +73,13 @@ int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, 
 
 /* index.cu */
 int ms_cuda_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);
+/* grouped_gemm.cu: c[g] = op(a[g]) @ op(b[g]) + beta c[g], bf16/f16 operands,
+ * c in their dtype or f32, as checked by ms_gemm_grouped_ (core/gemm_grouped.c):
+ * one dtype, one N and one row stride each for a, b and c across the groups,
+ * unit column strides, the contiguous dimensions multiples of 8; not transa
+ * with transb. mode 1: wgmma on sm_90, else mma.sync; 2: mma.sync */
+int ms_cuda_gemm_grouped(ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, int transa, int transb, double beta,
+                         int mode);
 // kernels/moe.cu: a mixture-of-experts layer's row moves (core/ops.h)
 int ms_cuda_moe_gather_rows(ms_tensor *out, const ms_tensor *x, const ms_tensor *idx);
 int ms_cuda_moe_combine(ms_tensor *out, const ms_tensor *ys, const ms_tensor *inv, const ms_tensor *w, int k);

@@ -6,7 +6,9 @@
 -- 128 fibers, and checks out, lse, dq, dk and dv against a double-precision
 -- reference at head dims 64 and 128 (wgmma: 64) with tile-straddling
 -- lengths, Tq != Tk, GQA, (B, T, H, D) views. The GPU runs the real thing
--- in spec/gpu_attention_spec.lua (#gpu).
+-- in spec/gpu_attention_spec.lua (#gpu). The same emulator runs the grouped
+-- GEMM of the experts (kernels/grouped_gemm.cuh, --gemm) against a double
+-- reference; gpu_gemm_grouped_spec.lua runs it on the GPU.
 local function sh(cmd)
   local rc = os.execute(cmd)
   return rc == 0 or rc == true
@@ -31,6 +33,32 @@ describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', fun
       out = p:read('*a')
       p:close()
       assert.is_truthy(out:match('\n0 failed\n$'), flags .. ':\n' .. out)
+    end
+    os.remove(bin)
+    os.remove(log)
+  end)
+
+  it('the grouped GEMM (kernels/grouped_gemm.cuh): its three layouts, bf16 and f32 C, beta, empty groups, two launches', function()
+    if not sh('command -v g++ >/dev/null 2>&1') then
+      pending('no g++')
+      return
+    end
+    local bin = os.tmpname()
+    local log = os.tmpname()
+    local ok = sh(('g++ -std=c++17 -O2 -Wall -Wno-unknown-pragmas -o %s kernels/attention_mma_emu.cpp > %s 2>&1')
+      :format(bin, log))
+    local f = io.open(log)
+    local out = f:read('*a')
+    f:close()
+    assert.is_true(ok, 'g++ failed:\n' .. out)
+    for _, flags in ipairs({ '--gemm', '--gemm --reverse' }) do
+      local p = io.popen(('%s %s 2>&1'):format(bin, flags))
+      out = p:read('*a')
+      p:close()
+      assert.is_truthy(out:match('\n0 failed\n$'), flags .. ':\n' .. out)
+      local n = 0
+      for _ in out:gmatch('ok   grouped gemm') do n = n + 1 end
+      assert.are.equal(21, n, out)
     end
     os.remove(bin)
     os.remove(log)

@@ -117,6 +117,45 @@ describe('nn.MoE on CUDA #gpu', function()
     assert.is_true(relerr(auxg, auxc) <= 2e-2, 'aux ' .. relerr(auxg, auxc))
   end)
 
+  it('bf16 autocast, 70 experts: the grouped GEMM kernel as the loop of cuBLASLt GEMMs and the f32 CPU layer', function()
+    local F = require 'moonshard.ops'
+    local cfg = { dim = 64, hidden = 96, experts = 70, top_k = 2 }
+    local cpu, gpu = pair(cfg)
+    local x = ms.randn({ 2, 64, 64 }, { seed = 8 })
+    local g = ms.randn({ 2, 64, 64 }, { seed = 9 })
+    local xc = x:clone():requires_grad_()
+    cpu(xc):backward(g)
+    local function run(kernel)
+      local was = F.gemm_grouped_kernel(kernel)
+      for _, p in ipairs(gpu:parameters()) do p.grad = nil end
+      local xg = x:cuda():requires_grad_()
+      local y = nn.functional.autocast('bf16', function() return gpu(xg) end)
+      y:backward(g:cuda():to('bf16'))
+      F.gemm_grouped_kernel(was)
+      local grads = {}
+      for i, p in ipairs(gpu:parameters()) do grads[i] = p.grad end
+      return y, xg.grad, grads
+    end
+    local yk, dxk, gk = run('kernel')
+    local yl, dxl, gl = run('loop')
+    assert.is_true(relerr(yk, yl) <= 1e-2, 'output ' .. relerr(yk, yl))
+    assert.is_true(relerr(dxk, dxl) <= 1e-2, 'input gradient ' .. relerr(dxk, dxl))
+    -- (against f32: the gradient is rounded to bf16 at every step, the loop's as much)
+    assert.is_true(relerr(dxk, xc.grad) <= 5e-2, 'input gradient against the CPU ' .. relerr(dxk, xc.grad))
+    -- (against the CPU: all the parameters' gradients as one vector; a
+    -- rarely chosen expert's own is mostly bf16 rounding)
+    local pc, idle, num, den = cpu:parameters(), 0, 0, 0
+    for i = 1, #gk do
+      assert.is_true(relerr(gk[i], gl[i]) <= 1e-2, ('parameter %d: %g'):format(i, relerr(gk[i], gl[i])))
+      local d = gk[i]:to('cpu'):double() - pc[i].grad:double()
+      num = num + (d * d):sum():item()
+      den = den + (pc[i].grad:double() * pc[i].grad:double()):sum():item()
+      if gk[i]:abs():max():item() == 0 then idle = idle + 1 end
+    end
+    assert.is_true(math.sqrt(num / den) <= 5e-2, 'the gradients against the CPU: ' .. math.sqrt(num / den))
+    assert.is_true(idle < #gk / 2, 'most experts got tokens')
+  end)
+
   for _, fam in ipairs({ 'mixtral', 'qwen3_moe' }) do
   it(('the tiny %s: loss and gradients on the GPU as on the CPU (f32, 1e-4)'):format(fam), function()
     local M = require('models.' .. fam)

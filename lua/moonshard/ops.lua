@@ -329,6 +329,45 @@ function F.gemm_(out, a, b, transa, transb, alpha, beta)
   return out
 end
 
+-- gemm_grouped_(outs, as, bs, transa, transb, beta = 0): outs[g] = beta *
+-- outs[g] + op(as[g]) @ op(bs[g]) for every g (lists of 2-D tensors; beta 0
+-- or 1); on CUDA one grouped-kernel launch where its rules hold (core/ops.h
+-- ms_gemm_grouped_), else gemm_ a group. Returns outs.
+function F.gemm_grouped_(outs, as, bs, transa, transb, beta)
+  local G = #outs
+  if #as ~= G or #bs ~= G then
+    raise(('gemm_grouped_: %d outs, %d as and %d bs'):format(G, #as, #bs))
+  end
+  local c, a, b = ffi.new('ms_tensor*[?]', G + 1), ffi.new('ms_tensor*[?]', G + 1), ffi.new('ms_tensor*[?]', G + 1)
+  for g = 1, G do
+    need_tensor('gemm_grouped_', outs[g], ('outs[%d]'):format(g))
+    need_tensor('gemm_grouped_', as[g], ('as[%d]'):format(g))
+    need_tensor('gemm_grouped_', bs[g], ('bs[%d]'):format(g))
+    c[g - 1], a[g - 1], b[g - 1] = outs[g], as[g], bs[g]
+  end
+  check(C.ms_gemm_grouped_(c, a, b, G, flag(transa), flag(transb), beta or 0))
+  return outs
+end
+
+-- gemm_grouped_kernel([mode]) -> the previous mode: how CUDA's
+-- gemm_grouped_ runs. 'auto' (the default): the grouped kernel (wgmma on
+-- Hopper, mma.sync elsewhere) where it applies and the groups are small
+-- enough for it to beat a cuBLASLt GEMM a group; 'kernel': wherever it
+-- applies; 'mma': the same with the mma.sync kernel on Hopper too; 'loop':
+-- a gemm_ a group. No argument: only reads it.
+local grouped_modes = { loop = 0, auto = 1, kernel = 2, mma = 3 }
+local grouped_names = { [0] = 'loop', 'auto', 'kernel', 'mma' }
+function F.gemm_grouped_kernel(mode)
+  local m = -1
+  if mode ~= nil then
+    m = grouped_modes[mode]
+    if not m then
+      raise(("gemm_grouped_kernel: 'auto', 'kernel', 'mma' or 'loop', got %s"):format(tostring(mode)))
+    end
+  end
+  return grouped_names[C.ms_gemm_grouped_set_kernel(m)]
+end
+
 -- ------------------------------------------------------------------ float8
 -- (core/ops.h has the contracts; moonshard.float8 the training layer)
 
