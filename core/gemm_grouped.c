@@ -19,10 +19,11 @@ int ms_gemm_grouped_set_kernel(int mode) {
     return was;
 }
 
+#ifdef MS_WITH_CUDA
 /* MS_GROUPED_AUTO's choice: measured on an H200 (docs/moe.md), the
- * grouped kernel (~300 TFLOP/s) beats a cuBLASLt GEMM a group (~780 on
- * large shapes, much less on small ones plus ~5 us a launch) only while
- * the groups are small: 64 experts of 1024 x 704 x 2048 (1.5 GFLOP each),
+ * grouped kernel (250-450 TFLOP/s) beats a cuBLASLt GEMM a group (~780 on
+ * large shapes, much less on small ones, plus a launch each) only while
+ * the groups are small: 64 experts of 1024 x 352 x 2048 (1.5 GFLOP each),
  * not 16 of 2048 x 704 x 2048 (5.9). */
 #define MS_GROUPED_AUTO_FLOPS 3e9
 static int kernel_pays(ms_tensor **c, ms_tensor **a, int G, int transa) {
@@ -38,7 +39,6 @@ static int kernel_pays(ms_tensor **c, ms_tensor **a, int G, int transa) {
     return busy > 0 && flops / busy < MS_GROUPED_AUTO_FLOPS;
 }
 
-#ifdef MS_WITH_CUDA
 static int bytes_overlap(const ms_tensor *x, const ms_tensor *y) {
     size_t ex = ms_dtype_size(x->dtype_id), ey = ms_dtype_size(y->dtype_id);
     const char *x0 = (const char *)ms_tensor_data(x), *y0 = (const char *)ms_tensor_data(y);
