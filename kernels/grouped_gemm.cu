@@ -21,10 +21,12 @@ int cc_major(int device) {
 
 template <typename T, typename OutT, bool AK, bool BK, typename Kern>
 int run(Kern kern, int smem, ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, double beta) {
+    const int dev = c[0]->device_id;  // (every group's: core/gemm_grouped.c checks)
+    if (ms_cuda_activate(dev)) return -1;
     CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     std::vector<mma::gg_group> gs((size_t)G);
     long long lda = 0, ldb = 0, ldc = 0;
-    int n = 0, dev = -1;
+    int n = 0;
     for (int g = 0; g < G; g++) {
         // op(A) (M x K): A stored [M][K] (AK) or [K][M]
         const int M = (int)c[g]->sizes[0], K = (int)(AK ? a[g]->sizes[1] : a[g]->sizes[0]);
@@ -33,9 +35,7 @@ int run(Kern kern, int smem, ms_tensor **c, ms_tensor **a, ms_tensor **b, int G,
         ldb = b[g]->strides[0];
         ldc = c[g]->strides[0];
         n = (int)c[g]->sizes[1];
-        dev = c[g]->device_id;
     }
-    if (dev < 0) return 0;
     cudaStream_t st = ms_cuda_stream_of(dev);
     return mma::gg_plan(gs.data(), G, n, lda, ldb, ldc, (float)beta, [&](const mma::gg_args &p, int tx, int ty) {
         kern<<<dim3((unsigned)tx, (unsigned)ty), mma::GG_THREADS, smem, st>>>(p);

@@ -14,53 +14,56 @@ local function sh(cmd)
   return rc == 0 or rc == true
 end
 
+-- the emulator built once (g++), or nil when there is no g++
+local bin
+local function emulator()
+  if bin then return bin end
+  if not sh('command -v g++ >/dev/null 2>&1') then return nil end
+  local b, log = os.tmpname(), os.tmpname()
+  local ok = sh(('g++ -std=c++17 -O2 -Wall -Wno-unknown-pragmas -o %s kernels/attention_mma_emu.cpp > %s 2>&1')
+    :format(b, log))
+  local f = io.open(log)
+  local out = f:read('*a')
+  f:close()
+  os.remove(log)
+  assert.is_true(ok, 'g++ failed:\n' .. out)
+  bin = b
+  return bin
+end
+
+-- each flag set's output, asserting that it ends in '0 failed'
+local function run(flag_sets)
+  local outs = {}
+  for _, flags in ipairs(flag_sets) do
+    local p = io.popen(('%s %s 2>&1'):format(bin, flags))
+    local out = p:read('*a')
+    p:close()
+    assert.is_truthy(out:match('\n0 failed\n$'), flags .. ':\n' .. out)
+    outs[#outs + 1] = out
+  end
+  return outs
+end
+
 describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', function()
+  teardown(function() if bin then os.remove(bin) end end)
+
   it('match the reference: out, lse, dq, dk, dv at head dims 64 and 128 (wgmma: 64)', function()
-    if not sh('command -v g++ >/dev/null 2>&1') then
+    if not emulator() then
       pending('no g++')
       return
     end
-    local bin = os.tmpname()
-    local log = os.tmpname()
-    local ok = sh(('g++ -std=c++17 -O2 -Wall -Wno-unknown-pragmas -o %s kernels/attention_mma_emu.cpp > %s 2>&1')
-      :format(bin, log))
-    local f = io.open(log)
-    local out = f:read('*a')
-    f:close()
-    assert.is_true(ok, 'g++ failed:\n' .. out)
-    for _, flags in ipairs({ '--quick', '--quick --reverse' }) do
-      local p = io.popen(('%s %s 2>&1'):format(bin, flags))
-      out = p:read('*a')
-      p:close()
-      assert.is_truthy(out:match('\n0 failed\n$'), flags .. ':\n' .. out)
-    end
-    os.remove(bin)
-    os.remove(log)
+    run({ '--quick', '--quick --reverse' })
   end)
 
   it('the grouped GEMM (kernels/grouped_gemm.cuh): its three layouts, bf16 and f32 C, beta, empty groups, two launches', function()
-    if not sh('command -v g++ >/dev/null 2>&1') then
+    if not emulator() then
       pending('no g++')
       return
     end
-    local bin = os.tmpname()
-    local log = os.tmpname()
-    local ok = sh(('g++ -std=c++17 -O2 -Wall -Wno-unknown-pragmas -o %s kernels/attention_mma_emu.cpp > %s 2>&1')
-      :format(bin, log))
-    local f = io.open(log)
-    local out = f:read('*a')
-    f:close()
-    assert.is_true(ok, 'g++ failed:\n' .. out)
-    for _, flags in ipairs({ '--gemm', '--gemm --reverse' }) do
-      local p = io.popen(('%s %s 2>&1'):format(bin, flags))
-      out = p:read('*a')
-      p:close()
-      assert.is_truthy(out:match('\n0 failed\n$'), flags .. ':\n' .. out)
+    for _, out in ipairs(run({ '--gemm', '--gemm --reverse' })) do
       local n = 0
       for _ in out:gmatch('ok   grouped gemm') do n = n + 1 end
       assert.are.equal(21, n, out)
     end
-    os.remove(bin)
-    os.remove(log)
   end)
 end)
