@@ -355,8 +355,10 @@ end
 -- enough for it to beat a cuBLASLt GEMM a group; 'kernel': wherever it
 -- applies; 'mma': the same with the mma.sync kernel on Hopper too; 'loop':
 -- a gemm_ a group. No argument: only reads it.
-local grouped_modes = { loop = 0, auto = 1, kernel = 2, mma = 3 }
-local grouped_names = { [0] = 'loop', 'auto', 'kernel', 'mma' }
+local grouped_modes = { loop = C.MS_GROUPED_LOOP, auto = C.MS_GROUPED_AUTO, kernel = C.MS_GROUPED_KERNEL,
+  mma = C.MS_GROUPED_MMA }
+local grouped_names = {}
+for name, m in pairs(grouped_modes) do grouped_names[m] = name end
 function F.gemm_grouped_kernel(mode)
   local m = -1
   if mode ~= nil then
