@@ -39,43 +39,27 @@ static int kernel_pays(ms_tensor **c, ms_tensor **a, int G, int transa) {
     return busy > 0 && flops / busy < MS_GROUPED_AUTO_FLOPS;
 }
 
-static int bytes_overlap(const ms_tensor *x, const ms_tensor *y) {
-    size_t ex = ms_dtype_size(x->dtype_id), ey = ms_dtype_size(y->dtype_id);
-    const char *x0 = (const char *)ms_tensor_data(x), *y0 = (const char *)ms_tensor_data(y);
-    const char *x1 = x0 + ((x->sizes[0] - 1) * x->strides[0] + x->sizes[1]) * ex;
-    const char *y1 = y0 + ((y->sizes[0] - 1) * y->strides[0] + y->sizes[1]) * ey;
-    return x0 < y1 && y0 < x1;
-}
-
-/* whether the groups fit the kernel's rules (kernels/kernels.h); anything
- * else, wrong shapes included, goes to the loop, whose ms_gemm_ names it */
+/* whether the groups, each already checked by ms_gemm_check, fit the
+ * kernel's layout rules (kernels/kernels.h) */
 static int kernel_fits(ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, int transa, int transb) {
     if (grouped_mode == MS_GROUPED_LOOP || (transa && transb)) return 0;
     const int dt = a[0]->dtype_id, ct = c[0]->dtype_id;
-    if ((dt != MS_BF16 && dt != MS_F16) || (ct != dt && ct != MS_F32)) return 0;
+    if ((dt != MS_BF16 && dt != MS_F16) || c[0]->device_id < 0) return 0;
     const size_t ce = ms_dtype_size(ct);
     for (int g = 0; g < G; g++) {
         const ms_tensor *x = a[g], *y = b[g], *z = c[g];
-        if (!x || !y || !z || x->ndim != 2 || y->ndim != 2 || z->ndim != 2) return 0;
-        if (x->dtype_id != dt || y->dtype_id != dt || z->dtype_id != ct) return 0;
-        if (z->device_id < 0 || x->device_id != z->device_id || y->device_id != z->device_id ||
-            z->device_id != c[0]->device_id)
-            return 0;
-        const int64_t M = transa ? x->sizes[1] : x->sizes[0], K = transa ? x->sizes[0] : x->sizes[1];
-        const int64_t Kb = transb ? y->sizes[1] : y->sizes[0], N = transb ? y->sizes[0] : y->sizes[1];
-        if (K != Kb || z->sizes[0] != M || z->sizes[1] != N || N != c[0]->sizes[1]) return 0;
-        if (M > 65535LL * 128 || N >= INT32_MAX || K >= INT32_MAX) return 0;  /* (one launch's m-tiles) */
+        if (x->dtype_id != dt || z->dtype_id != ct || z->device_id != c[0]->device_id) return 0;
+        if (z->sizes[1] != c[0]->sizes[1] || z->sizes[0] > 65535LL * 128) return 0;  /* (one launch's m-tiles) */
         if (x->strides[1] != 1 || y->strides[1] != 1 || z->strides[1] != 1) return 0;
         if (x->strides[0] != a[0]->strides[0] || y->strides[0] != b[0]->strides[0] || z->strides[0] != c[0]->strides[0])
             return 0;
         /* 16-byte chunks of the operands' rows; pairs of C's */
-        if (x->sizes[1] % 8 || y->sizes[1] % 8 || x->strides[0] % 8 || y->strides[0] % 8 || N % 2 || z->strides[0] % 2)
+        if (x->sizes[1] % 8 || y->sizes[1] % 8 || x->strides[0] % 8 || y->strides[0] % 8 || z->sizes[1] % 2 ||
+            z->strides[0] % 2)
             return 0;
-        if (x->strides[0] < x->sizes[1] || y->strides[0] < y->sizes[1] || z->strides[0] < N) return 0;
+        if (x->strides[0] < x->sizes[1] || y->strides[0] < y->sizes[1] || z->strides[0] < z->sizes[1]) return 0;
         if ((uintptr_t)ms_tensor_data(x) % 16 || (uintptr_t)ms_tensor_data(y) % 16 ||
             (uintptr_t)ms_tensor_data(z) % (2 * ce))
-            return 0;
-        if (M > 0 && N > 0 && ((K > 0 && (bytes_overlap(z, x) || bytes_overlap(z, y)))))
             return 0;
     }
     return 1;
@@ -87,26 +71,23 @@ int ms_gemm_grouped_(ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, int tra
         return ms_errorf("gemm_grouped_: %d groups, or their tensors missing", G);
     if (beta != 0.0 && beta != 1.0) return ms_errorf("gemm_grouped_: beta must be 0 or 1, got %g", beta);
     for (int g = 0; g < G; g++)
-        if (!c[g] || !a[g] || !b[g]) return ms_errorf("gemm_grouped_: group %d's tensors are missing", g);
+        if (ms_gemm_check(c[g], a[g], b[g], transa, transb)) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", ms_last_error());
+            return ms_errorf("gemm_grouped_: group %d of %d (counted from 0): %s", g, G, msg);
+        }
     if (G == 0) return 0;
 #ifdef MS_WITH_CUDA
     if (kernel_fits(c, a, b, G, transa, transb) && (grouped_mode != MS_GROUPED_AUTO || kernel_pays(c, a, G, transa)))
         return ms_cuda_gemm_grouped(c, a, b, G, transa, transb, beta, grouped_mode == MS_GROUPED_MMA ? 2 : 1);
 #endif
     for (int g = 0; g < G; g++) {
-        const ms_tensor *x = a[g], *y = b[g], *z = c[g];
         /* an empty inner dimension: C = beta C (BLAS's rule) */
-        if (x->ndim == 2 && y->ndim == 2 && z->ndim == 2 && x->sizes[transa ? 0 : 1] == 0 &&
-            y->sizes[transb ? 1 : 0] == 0 && z->sizes[0] == x->sizes[transa ? 1 : 0] &&
-            z->sizes[1] == y->sizes[transb ? 0 : 1]) {
+        if (a[g]->sizes[transa ? 0 : 1] == 0) {
             if (beta == 0.0 && ms_fill_(c[g], 0)) return -1;
             continue;
         }
-        if (ms_gemm_(c[g], a[g], b[g], transa, transb, 1.0, beta)) {
-            char msg[512];
-            snprintf(msg, sizeof msg, "%s", ms_last_error());
-            return ms_errorf("gemm_grouped_: group %d of %d (counted from 0): %s", g, G, msg);
-        }
+        if (ms_gemm_(c[g], a[g], b[g], transa, transb, 1.0, beta)) return -1;
     }
     return 0;
 }

@@ -27,6 +27,9 @@ void ms_storage_release(ms_storage *s);
 
 /* allocate *out (when NULL) with the given shape/dtype/device, or check that
  * the given *out matches; op names the caller for messages */
+/* ms_gemm_'s checks of its operands and its given out (core/ops.c), 0 when
+ * they hold, else the error set: shapes, dtypes, devices, overlaps */
+int ms_gemm_check(const ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb);
 int ms_prepare_out(ms_tensor **out, const char *op, int ndim, const int64_t *shape,
                    int dtype, int device);
 /* canonical dim in [0, ndim) or error */

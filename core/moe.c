@@ -72,10 +72,10 @@ static int check_common(const char *op, const ms_tensor *xs, ms_tensor **w1, ms_
 }
 
 /* each expert's rows [off_e, off_e + rows[e]) of up to four (M, .) tensors
- * as views (NULL tensors skipped), into v[i][e]; experts without rows get
- * empty views (their weight gradients still need a group) */
+ * as views, into v[i][e]; experts without rows get empty views (their
+ * weight gradients still need a group) */
 typedef struct {
-    ms_tensor **v[6];
+    ms_tensor **v[4];
     int n;
 } expert_views;
 
@@ -94,12 +94,14 @@ static int views_of(expert_views *ev, const ms_tensor **ts, int n, const int64_t
     return 0;
 }
 
+/* frees the views and leaves ev empty (ready for views_of or another free) */
 static void views_free(expert_views *ev, int E) {
     for (int i = 0; i < ev->n; i++) {
         if (!ev->v[i]) continue;
         for (int e = 0; e < E; e++) ms_tensor_free(ev->v[i][e]);
         free(ev->v[i]);
     }
+    memset(ev, 0, sizeof *ev);
 }
 
 /* the groups of experts with rows: c[j], a[j], b[j] for j < *G (2 lists
@@ -177,7 +179,6 @@ int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms
     if (!rc) rc = views_of(&av, hs, 1, rows, E);
     if (!rc) rc = ms_gemm_grouped_(dw2, dyv, av.v[0], E, 1, 0, 0.0);
     views_free(&av, E);
-    memset(&av, 0, sizeof av);
     ms_tensor_free(h);
     /* dh_e = dy_e W2_e */
     if (!rc) rc = ms_tensor_empty(&dh, 2, (int64_t[]){M, I}, xs->dtype_id, xs->device_id);
@@ -188,7 +189,6 @@ int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms
         rc = ms_gemm_grouped_(c, a, b, G, 0, 0, 0.0);
     }
     views_free(&av, E);
-    memset(&av, 0, sizeof av);
     /* SwiGLU over every row: d up = silu(g) dh; d gate = silu'(g) (dh u) */
     if (!rc) rc = ms_binary(&dup, MS_OP_SWIGLU, g, dh);
     if (!rc) rc = ms_binary(&t, MS_OP_MUL, dh, u);

@@ -639,8 +639,7 @@ done:
     return finish(out, allocated, rc);
 }
 
-int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb, double alpha,
-             double beta) {
+int ms_gemm_check(const ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb) {
     const char *op = "gemm_";
     char x[DESC], y[DESC], z[DESC];
     if (check3(op, out, a, b)) return -1;
@@ -661,9 +660,15 @@ int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa,
     matrix_dims(b, transb, &Kb, &N);
     if (K != Kb) return mismatch(op, a, b, transa, transb);
     int64_t shape[2] = {M, N};
-    ms_tensor *o = out;
+    ms_tensor *o = (ms_tensor *)out;
     if (ms_prepare_out(&o, op, 2, shape, out->dtype_id, a->device_id) || check_given_out(op, 0, out, a, b, NULL, 0))
         return -1;
+    return 0;
+}
+
+int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb, double alpha,
+             double beta) {
+    if (ms_gemm_check(out, a, b, transa, transb)) return -1;
     ms_tensor *at = NULL, *bt = NULL;
     int rc = transa ? ms_tensor_transpose(&at, a, 0, 1) : ms_tensor_alias(&at, a);
     if (!rc) rc = transb ? ms_tensor_transpose(&bt, b, 0, 1) : ms_tensor_alias(&bt, b);

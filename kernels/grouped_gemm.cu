@@ -19,11 +19,15 @@ int cc_major(int device) {
     return major[device];
 }
 
-template <typename T, typename OutT, bool AK, bool BK, typename Kern>
-int run(Kern kern, int smem, ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, double beta) {
+template <typename T, typename OutT, bool AK, bool BK, auto kern>
+int run(int smem, ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, double beta) {
     const int dev = c[0]->device_id;  // (every group's: core/gemm_grouped.c checks)
     if (ms_cuda_activate(dev)) return -1;
-    CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    static bool raised[64];  // this kernel's shared-memory limit (one flag a kernel), raised once a device
+    if (dev >= 64 || !raised[dev]) {
+        CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        if (dev < 64) raised[dev] = true;
+    }
     std::vector<mma::gg_group> gs((size_t)G);
     long long lda = 0, ldb = 0, ldc = 0;
     int n = 0;
@@ -50,8 +54,8 @@ int by_kernel(ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, double beta, i
     // prologue and epilogue overlap the other's products; on an H200 the
     // 64-expert products ran 7-20% faster than with 4 stages and one block)
     if (mode == 1 && cc_major(c[0]->device_id) == 9)
-        return run<T, OutT, AK, BK>(wg::gw_kernel<T, OutT, AK, BK, 3>, wg::gw_cfg<3>::SMEM, c, a, b, G, beta);
-    return run<T, OutT, AK, BK>(mma::gg_kernel<T, OutT, AK, BK>, mma::gg_tiles<AK, BK>::SMEM, c, a, b, G, beta);
+        return run<T, OutT, AK, BK, wg::gw_kernel<T, OutT, AK, BK, 3>>(wg::gw_cfg<3>::SMEM, c, a, b, G, beta);
+    return run<T, OutT, AK, BK, mma::gg_kernel<T, OutT, AK, BK>>(mma::gg_tiles<AK, BK>::SMEM, c, a, b, G, beta);
 }
 
 template <typename T, bool AK, bool BK>
