@@ -23,9 +23,10 @@ int ms_gemm_grouped_set_kernel(int mode) {
 /* MS_GROUPED_AUTO's choice: measured on an H200 (docs/moe.md), the
  * grouped kernel (250-450 TFLOP/s) beats a cuBLASLt GEMM a group (~780 on
  * large shapes, much less on small ones, plus a launch each) only while
- * the groups are small: 64 experts of 1024 x 352 x 2048 (1.5 GFLOP each),
- * not 16 of 2048 x 704 x 2048 (5.9). */
-#define MS_GROUPED_AUTO_FLOPS 3e9
+ * the groups are small: 64 experts of 1024 x 352 x 2048 (1.5 GFLOP each)
+ * and of 1024 x 704 x 2048 (a gate-and-up product, 3.0), not 16 of
+ * 2048 x 704 x 2048 (5.9, about even) or 8 of 2048 x 1408 x 2048. */
+#define MS_GROUPED_AUTO_FLOPS 4.5e9
 static int kernel_pays(ms_tensor **c, ms_tensor **a, int G, int transa) {
     double flops = 0;
     int busy = 0;

@@ -7,11 +7,14 @@
 #include "internal.h"
 #include "ops.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define DESC 160
+
+static int check_rows(const char *op, const char *what, const ms_tensor *t, int64_t r, int64_t h, const ms_tensor *like);
 
 /* rows [off, off + n) of t (a view), or NULL with the error set */
 static ms_tensor *rows_of(const ms_tensor *t, int64_t off, int64_t n) {
@@ -31,44 +34,73 @@ static int check_2d(const char *op, const char *what, const ms_tensor *t, int64_
     return 0;
 }
 
-/* each expert's (gate, up) (I, H) and down (H, I) tensors; kind names them
- * ("weight", "gradient") */
-static int check_experts(const char *op, const char *kind, ms_tensor **a1, ms_tensor **a3, ms_tensor **a2, int E,
-                         int64_t I, int64_t H, const ms_tensor *xs) {
-    if (!a1 || !a3 || !a2) return ms_errorf("%s: the experts' %ss are missing", op, kind);
-    for (int e = 0; e < E; e++) {
-        char what[64];
-        snprintf(what, sizeof what, "expert %d's gate %s", e, kind);
-        if (check_2d(op, what, a1[e], I, H, xs)) return -1;
-        snprintf(what, sizeof what, "expert %d's up %s", e, kind);
-        if (check_2d(op, what, a3[e], I, H, xs)) return -1;
-        snprintf(what, sizeof what, "expert %d's down %s", e, kind);
-        if (check_2d(op, what, a2[e], H, I, xs)) return -1;
-    }
+/* the experts' weights (or gradients) in one flat tensor: expert e's gate
+ * w1 (I, H), up w3 (I, H) and down w2 (H, I) in turn at e x 3 I H, as
+ * ms_cast_flat lays out [w1, w3, w2, ...]; kind names it */
+static int check_flat(const char *op, const char *kind, const ms_tensor *f, int E, int64_t I, int64_t H,
+                      const ms_tensor *xs) {
+    char x[DESC];
+    if (!f) return ms_errorf("%s: the experts' %s are missing", op, kind);
+    if (ms_tensor_check_live(f, op)) return -1;
+    if (!ms_tensor_is_contiguous(f) || ms_tensor_numel(f) != (int64_t)E * 3 * I * H)
+        return ms_errorf("%s: the experts' %s must be one contiguous tensor of %d x 3 x %lld x %lld elements "
+                         "(each expert's gate, up and down in turn), got %s", op, kind, E, (long long)I,
+                         (long long)H, ms_desc(f, x, sizeof x));
+    if (f->device_id != xs->device_id)
+        return ms_errorf("%s: the experts' %s are on another device than the rows: %s", op, kind,
+                         ms_desc(f, x, sizeof x));
     return 0;
 }
 
-/* the shapes every call shares: xs (M, H), rows summing to M, the weights */
-static int check_common(const char *op, const ms_tensor *xs, ms_tensor **w1, ms_tensor **w3, ms_tensor **w2,
+/* the shapes every call shares: xs (M, H), rows summing to M, gu (M, 2 I),
+ * the flat weights in the rows' dtype */
+static int check_common(const char *op, const ms_tensor *xs, const ms_tensor *gu, const ms_tensor *wf,
                         const int64_t *rows, int E, int64_t *I_out) {
     char x[DESC];
     if (!xs || xs->ndim != 2) return ms_errorf("%s: xs must be 2-D (rows, hidden), got %s", op, xs ? ms_desc(xs, x, sizeof x) : "NULL");
-    if (E < 1 || !rows || !w1 || !w2 || !w3) return ms_errorf("%s: %d experts, or their rows or weights missing", op, E);
+    if (ms_tensor_check_live(xs, op)) return -1;
+    if (E < 1 || !rows) return ms_errorf("%s: %d experts, or their rows missing", op, E);
     int64_t M = xs->sizes[0], H = xs->sizes[1], sum = 0;
     for (int e = 0; e < E; e++) {
         if (rows[e] < 0) return ms_errorf("%s: expert %d has %lld rows", op, e, (long long)rows[e]);
         sum += rows[e];
     }
     if (sum != M) return ms_errorf("%s: the experts' rows sum to %lld, but xs has %lld", op, (long long)sum, (long long)M);
-    if (!w1[0] || w1[0]->ndim != 2) return ms_errorf("%s: expert 0's gate weight must be 2-D", op);
-    int64_t I = w1[0]->sizes[0];
-    if (check_experts(op, "weight", w1, w3, w2, E, I, H, xs)) return -1;
-    for (int e = 0; e < E; e++) {
-        if (w1[e]->dtype_id != xs->dtype_id || w3[e]->dtype_id != xs->dtype_id || w2[e]->dtype_id != xs->dtype_id)
-            return ms_errorf("%s: expert %d's weights must have the rows' dtype (%s)", op, e, ms_desc(xs, x, sizeof x));
-    }
+    if (!gu || gu->ndim != 2 || gu->sizes[1] % 2 || gu->sizes[1] == 0)
+        return ms_errorf("%s: gu must be (rows, 2 x hidden of an expert), got %s", op, gu ? ms_desc(gu, x, sizeof x) : "NULL");
+    int64_t I = gu->sizes[1] / 2;
+    if (check_2d(op, "gu", gu, M, 2 * I, xs) || check_flat(op, "weights", wf, E, I, H, xs)) return -1;
+    if (wf->dtype_id != xs->dtype_id || gu->dtype_id != xs->dtype_id)
+        return ms_errorf("%s: the weights (%s) and gu must have the rows' dtype (%s)", op, ms_dtype_name(wf->dtype_id),
+                         ms_desc(xs, x, sizeof x));
     *I_out = I;
     return 0;
+}
+
+/* each expert's gate-and-up block [w1; w3] (2 I, H) and down w2 (H, I) of a
+ * flat tensor, as views */
+typedef struct {
+    ms_tensor **w13, **w2;
+} flat_views;
+
+static int flat_views_of(flat_views *fv, const ms_tensor *f, int E, int64_t I, int64_t H) {
+    fv->w13 = (ms_tensor **)calloc(2 * (size_t)E, sizeof(ms_tensor *));
+    fv->w2 = fv->w13 ? fv->w13 + E : NULL;
+    if (!fv->w13) return ms_errorf("moe experts: out of host memory");
+    for (int e = 0; e < E; e++) {
+        int64_t base = f->offset + (int64_t)e * 3 * I * H;
+        if (ms_tensor_as_strided(&fv->w13[e], f, 2, (int64_t[]){2 * I, H}, (int64_t[]){H, 1}, base) ||
+            ms_tensor_as_strided(&fv->w2[e], f, 2, (int64_t[]){H, I}, (int64_t[]){I, 1}, base + 2 * I * H))
+            return -1;
+    }
+    return 0;
+}
+
+static void flat_views_free(flat_views *fv, int E) {
+    if (fv->w13)
+        for (int e = 0; e < 2 * E; e++) ms_tensor_free(fv->w13[e]);
+    free(fv->w13);
+    fv->w13 = fv->w2 = NULL;
 }
 
 /* each expert's rows [off_e, off_e + rows[e]) of up to four (M, .) tensors
@@ -104,80 +136,154 @@ static void views_free(expert_views *ev, int E) {
     memset(ev, 0, sizeof *ev);
 }
 
-/* the groups of experts with rows: c[j], a[j], b[j] for j < *G (2 lists
- * when c2 is given: the first list's experts, then the second's) */
+/* the groups of experts with rows: c[j], a[j], b[j] for j < *G */
 static void busy_groups(ms_tensor **c, ms_tensor **a, ms_tensor **b, int *G, ms_tensor **c1, ms_tensor **a1,
-                        ms_tensor **b1, ms_tensor **c2, ms_tensor **a2, ms_tensor **b2, const int64_t *rows, int E) {
+                        ms_tensor **b1, const int64_t *rows, int E) {
     int j = 0;
-    for (int pass = 0; pass < (c2 ? 2 : 1); pass++)
-        for (int e = 0; e < E; e++) {
-            if (rows[e] == 0) continue;
-            c[j] = pass ? c2[e] : c1[e];
-            a[j] = pass ? a2[e] : a1[e];
-            b[j] = pass ? b2[e] : b1[e];
-            j++;
-        }
+    for (int e = 0; e < E; e++) {
+        if (rows[e] == 0) continue;
+        c[j] = c1[e], a[j] = a1[e], b[j] = b1[e];
+        j++;
+    }
     *G = j;
 }
 
-int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *g, ms_tensor *u, const ms_tensor *xs, ms_tensor **w1,
-                           ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E) {
+#ifdef MS_WITH_CUDA
+#include "../kernels/kernels.h"
+#endif
+
+/* the SwiGLU of a gate-and-up product: CPU loops in f64 (every float dtype
+ * through ms_load/ms_store; f32 and f64 typed) */
+static double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+static int check_swiglu(const char *op, const ms_tensor *gu, const ms_tensor *h, const char *hname, int64_t *I) {
+    char x[DESC];
+    if (!gu || gu->ndim != 2 || gu->sizes[1] % 2)
+        return ms_errorf("%s: gu must be (rows, 2 I), got %s", op, gu ? ms_desc(gu, x, sizeof x) : "NULL");
+    if (ms_tensor_check_live(gu, op)) return -1;
+    if (!ms_tensor_is_contiguous(gu)) return ms_errorf("%s: gu must be contiguous, got %s", op, ms_desc(gu, x, sizeof x));
+    if (gu->dtype_id > MS_F16) return ms_errorf("%s: gu must be a float tensor, got %s", op, ms_desc(gu, x, sizeof x));
+    *I = gu->sizes[1] / 2;
+    return check_rows(op, hname, h, gu->sizes[0], *I, gu);
+}
+
+int ms_moe_swiglu(ms_tensor *h, const ms_tensor *gu) {
+    const char *op = "moe_swiglu";
+    int64_t I = 0;
+    if (check_swiglu(op, gu, h, "h", &I)) return -1;
+#ifdef MS_WITH_CUDA
+    if (gu->device_id >= 0) return ms_cuda_moe_swiglu(h, gu);
+#endif
+    const int64_t M = gu->sizes[0];
+    const int dt = gu->dtype_id;
+    const size_t es = ms_dtype_size(dt);
+    const char *src = (const char *)ms_tensor_data(gu);
+    char *dst = (char *)ms_tensor_data(h);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M; r++) {
+        const char *g = src + (size_t)r * 2 * I * es, *u = g + (size_t)I * es;
+        char *o = dst + (size_t)r * I * es;
+        for (int64_t c = 0; c < I; c++) {
+            double x = ms_load(g + c * es, dt);
+            ms_store(o + c * es, dt, x * sigmoid_d(x) * ms_load(u + c * es, dt));
+        }
+    }
+    return 0;
+}
+
+int ms_moe_swiglu_backward(ms_tensor *d13, const ms_tensor *gu, const ms_tensor *dh) {
+    const char *op = "moe_swiglu_backward";
+    int64_t I = 0;
+    char x[DESC];
+    if (check_swiglu(op, gu, dh, "dh", &I)) return -1;
+    if (check_rows(op, "d13", d13, gu->sizes[0], 2 * I, gu)) return -1;
+    if (d13->storage == gu->storage || d13->storage == dh->storage)
+        return ms_errorf("%s: d13 shares its storage with an input: %s", op, ms_desc(d13, x, sizeof x));
+#ifdef MS_WITH_CUDA
+    if (gu->device_id >= 0) return ms_cuda_moe_swiglu_backward(d13, gu, dh);
+#endif
+    const int64_t M = gu->sizes[0];
+    const int dt = gu->dtype_id;
+    const size_t es = ms_dtype_size(dt);
+    const char *src = (const char *)ms_tensor_data(gu), *dsrc = (const char *)ms_tensor_data(dh);
+    char *dst = (char *)ms_tensor_data(d13);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M; r++) {
+        const char *g = src + (size_t)r * 2 * I * es, *u = g + (size_t)I * es, *d = dsrc + (size_t)r * I * es;
+        char *dg = dst + (size_t)r * 2 * I * es, *du = dg + (size_t)I * es;
+        for (int64_t c = 0; c < I; c++) {
+            double xv = ms_load(g + c * es, dt), y = ms_load(d + c * es, dt), s = sigmoid_d(xv);
+            ms_store(du + c * es, dt, xv * s * y);
+            ms_store(dg + c * es, dt, y * ms_load(u + c * es, dt) * s * (1.0 + xv * (1.0 - s)));
+        }
+    }
+    return 0;
+}
+
+int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *gu, const ms_tensor *xs, const ms_tensor *wf,
+                           const int64_t *rows, int E) {
     const char *op = "moe_experts_forward";
     int64_t I = 0;
-    if (check_common(op, xs, w1, w3, w2, rows, E, &I)) return -1;
+    if (check_common(op, xs, gu, wf, rows, E, &I)) return -1;
     int64_t M = xs->sizes[0], H = xs->sizes[1];
-    if (check_2d(op, "ys", ys, M, H, xs) || check_2d(op, "g", g, M, I, xs) || check_2d(op, "u", u, M, I, xs)) return -1;
+    if (check_2d(op, "ys", ys, M, H, xs)) return -1;
     ms_tensor *h = NULL;
-    ms_tensor **c = (ms_tensor **)calloc(6 * (size_t)E, sizeof(ms_tensor *)), **a = c + 2 * E, **b = a + 2 * E;
+    ms_tensor **c = (ms_tensor **)calloc(3 * (size_t)E, sizeof(ms_tensor *)), **a = c + E, **b = a + E;
     expert_views ev, hv;
+    flat_views wv = {0};
     memset(&ev, 0, sizeof ev);
     memset(&hv, 0, sizeof hv);
-    const ms_tensor *ts[4] = {xs, g, u, ys};
-    int rc = !c ? ms_errorf("%s: out of host memory", op) : views_of(&ev, ts, 4, rows, E), G = 0;
-    /* gate and up in one grouped GEMM: g_e = x_e W1_e^T, u_e = x_e W3_e^T */
+    const ms_tensor *ts[3] = {xs, gu, ys};
+    int rc = !c ? ms_errorf("%s: out of host memory", op) : views_of(&ev, ts, 3, rows, E), G = 0;
+    if (!rc) rc = flat_views_of(&wv, wf, E, I, H);
+    /* gate and up as one product an expert: gu_e = x_e [W1_e; W3_e]^T */
     if (!rc) {
-        busy_groups(c, a, b, &G, ev.v[1], ev.v[0], w1, ev.v[2], ev.v[0], w3, rows, E);
+        busy_groups(c, a, b, &G, ev.v[1], ev.v[0], wv.w13, rows, E);
         rc = ms_gemm_grouped_(c, a, b, G, 0, 1, 0.0);
     }
-    /* h = silu(g) u over every row at once (padding rows: zeros), then y_e = h_e W2_e^T */
-    if (!rc) rc = ms_binary(&h, MS_OP_SWIGLU, g, u);
+    /* h = silu(gate) up over every row at once (padding rows: zeros), then y_e = h_e W2_e^T */
+    if (!rc) rc = ms_tensor_empty(&h, 2, (int64_t[]){M, I}, xs->dtype_id, xs->device_id);
+    if (!rc) rc = ms_moe_swiglu(h, gu);
     const ms_tensor *hs[1] = {h};
     if (!rc) rc = views_of(&hv, hs, 1, rows, E);
     if (!rc) {
-        busy_groups(c, a, b, &G, ev.v[3], hv.v[0], w2, NULL, NULL, NULL, rows, E);
+        busy_groups(c, a, b, &G, ev.v[2], hv.v[0], wv.w2, rows, E);
         rc = ms_gemm_grouped_(c, a, b, G, 0, 1, 0.0);
     }
     views_free(&hv, E);
     views_free(&ev, E);
+    flat_views_free(&wv, E);
     ms_tensor_free(h);
     free(c);
     return rc ? -1 : 0;
 }
 
-int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms_tensor **dw2, const ms_tensor *gy,
-                            const ms_tensor *xs, const ms_tensor *g, const ms_tensor *u, ms_tensor **w1,
-                            ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E) {
+int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor *dwf, const ms_tensor *gy, const ms_tensor *xs,
+                            const ms_tensor *gu, const ms_tensor *wf, const int64_t *rows, int E) {
     const char *op = "moe_experts_backward";
     int64_t I = 0;
-    if (check_common(op, xs, w1, w3, w2, rows, E, &I)) return -1;
+    if (check_common(op, xs, gu, wf, rows, E, &I)) return -1;
     int64_t M = xs->sizes[0], H = xs->sizes[1];
-    if (check_2d(op, "dxs", dxs, M, H, xs) || check_2d(op, "gy", gy, M, H, xs) || check_2d(op, "g", g, M, I, xs) ||
-        check_2d(op, "u", u, M, I, xs))
+    if (check_2d(op, "dxs", dxs, M, H, xs) || check_2d(op, "gy", gy, M, H, xs) ||
+        check_flat(op, "gradients", dwf, E, I, H, xs))
         return -1;
-    if (check_experts(op, "gradient", dw1, dw3, dw2, E, I, H, xs)) return -1;
-    ms_tensor *h = NULL, *dh = NULL, *dup = NULL, *t = NULL, *dgate = NULL;
-    ms_tensor **c = (ms_tensor **)calloc(6 * (size_t)E, sizeof(ms_tensor *)), **a = c + 2 * E, **b = a + 2 * E;
+    ms_tensor *h = NULL, *dh = NULL, *d13 = NULL;
+    ms_tensor **c = (ms_tensor **)calloc(3 * (size_t)E, sizeof(ms_tensor *)), **a = c + E, **b = a + E;
     expert_views ev, av;
+    flat_views wv = {0}, dv = {0};
     memset(&ev, 0, sizeof ev);
     memset(&av, 0, sizeof av);
-    const ms_tensor *ts[2] = {xs, gy};
-    int rc = !c ? ms_errorf("%s: out of host memory", op) : views_of(&ev, ts, 2, rows, E), G = 0;
-    ms_tensor **xv = ev.v[0], **dyv = ev.v[1];
+    const ms_tensor *ts[3] = {xs, gy, dxs};
+    int rc = !c ? ms_errorf("%s: out of host memory", op) : views_of(&ev, ts, 3, rows, E), G = 0;
+    if (!rc) rc = flat_views_of(&wv, wf, E, I, H);
+    if (!rc) rc = flat_views_of(&dv, dwf, E, I, H);
+    ms_tensor **xv = ev.v[0], **dyv = ev.v[1], **dxv = ev.v[2];
     /* down: dW2_e = dy_e^T h_e (every expert: zeros without rows) */
-    if (!rc) rc = ms_binary(&h, MS_OP_SWIGLU, g, u);
+    if (!rc) rc = ms_tensor_empty(&h, 2, (int64_t[]){M, I}, xs->dtype_id, xs->device_id);
+    if (!rc) rc = ms_moe_swiglu(h, gu);
     const ms_tensor *hs[1] = {h};
     if (!rc) rc = views_of(&av, hs, 1, rows, E);
-    if (!rc) rc = ms_gemm_grouped_(dw2, dyv, av.v[0], E, 1, 0, 0.0);
+    if (!rc) rc = ms_gemm_grouped_(dv.w2, dyv, av.v[0], E, 1, 0, 0.0);
     views_free(&av, E);
     ms_tensor_free(h);
     /* dh_e = dy_e W2_e */
@@ -185,53 +291,35 @@ int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms
     const ms_tensor *dhs[1] = {dh};
     if (!rc) rc = views_of(&av, dhs, 1, rows, E);
     if (!rc) {
-        busy_groups(c, a, b, &G, av.v[0], dyv, w2, NULL, NULL, NULL, rows, E);
+        busy_groups(c, a, b, &G, av.v[0], dyv, wv.w2, rows, E);
         rc = ms_gemm_grouped_(c, a, b, G, 0, 0, 0.0);
     }
     views_free(&av, E);
-    /* SwiGLU over every row: d up = silu(g) dh; d gate = silu'(g) (dh u) */
-    if (!rc) rc = ms_binary(&dup, MS_OP_SWIGLU, g, dh);
-    if (!rc) rc = ms_binary(&t, MS_OP_MUL, dh, u);
-    if (!rc) rc = ms_binary(&dgate, MS_OP_SILU_BWD, g, t);
-    ms_tensor_free(t);
+    /* the SwiGLU's backward over every row, into d13 (M, 2 I): d gate =
+     * silu'(gate) dh up, d up = silu(gate) dh, one pass */
+    if (!rc) rc = ms_tensor_empty(&d13, 2, (int64_t[]){M, 2 * I}, xs->dtype_id, xs->device_id);
+    if (!rc) rc = ms_moe_swiglu_backward(d13, gu, dh);
     ms_tensor_free(dh);
-    /* gate and up: dW1_e = dgate_e^T x_e, dW3_e = dup_e^T x_e (one grouped
-     * GEMM, every expert); dx_e = dgate_e W1_e + dup_e W3_e */
-    const ms_tensor *ds[2] = {dgate, dup};
-    if (!rc) rc = views_of(&av, ds, 2, rows, E);
+    /* gate and up: [dW1_e; dW3_e] = d13_e^T x_e (one group an expert, every
+     * expert); dx_e = d13_e [W1_e; W3_e] (one product of inner size 2 I) */
+    const ms_tensor *ds[1] = {d13};
+    if (!rc) rc = views_of(&av, ds, 1, rows, E);
+    if (!rc) rc = ms_gemm_grouped_(dv.w13, av.v[0], xv, E, 1, 0, 0.0);
     if (!rc) {
-        for (int e = 0; e < E; e++) {
-            c[e] = dw1[e], a[e] = av.v[0][e], b[e] = xv[e];
-            c[E + e] = dw3[e], a[E + e] = av.v[1][e], b[E + e] = xv[e];
-        }
-        rc = ms_gemm_grouped_(c, a, b, 2 * E, 1, 0, 0.0);
-    }
-    ms_tensor *dxv_t[1] = {dxs};
-    expert_views dv;
-    memset(&dv, 0, sizeof dv);
-    if (!rc) rc = views_of(&dv, (const ms_tensor **)dxv_t, 1, rows, E);
-    if (!rc) {
-        busy_groups(c, a, b, &G, dv.v[0], av.v[0], w1, NULL, NULL, NULL, rows, E);
+        busy_groups(c, a, b, &G, dxv, av.v[0], wv.w13, rows, E);
         rc = ms_gemm_grouped_(c, a, b, G, 0, 0, 0.0);
     }
-    if (!rc) {
-        busy_groups(c, a, b, &G, dv.v[0], av.v[1], w3, NULL, NULL, NULL, rows, E);
-        rc = ms_gemm_grouped_(c, a, b, G, 0, 0, 1.0);
-    }
-    views_free(&dv, E);
     views_free(&av, E);
     views_free(&ev, E);
-    ms_tensor_free(dup);
-    ms_tensor_free(dgate);
+    flat_views_free(&wv, E);
+    flat_views_free(&dv, E);
+    ms_tensor_free(d13);
     free(c);
     return rc ? -1 : 0;
 }
 
 /* ------------------------------------------------------------ the rows' moves */
 
-#ifdef MS_WITH_CUDA
-#include "../kernels/kernels.h"
-#endif
 
 static int check_ids(const char *op, const char *what, const ms_tensor *ids, int64_t n, const ms_tensor *like) {
     char x[DESC];

@@ -1528,3 +1528,62 @@ int ms_rope(ms_tensor **out, const ms_tensor *x, const ms_tensor *cos, const ms_
     ms_tensor_free(sc);
     return finish(out, allocated, rc);
 }
+
+/* ------------------------------------------------------------ cast_flat */
+
+int ms_cast_flat(ms_tensor **out, ms_tensor **src, int n, int dtype) {
+    char d[DESC];
+    if (!out) return ms_errorf("cast_flat: no output slot");
+    *out = NULL;
+    if (n < 1 || !src) return ms_errorf("cast_flat: %d tensors given, need at least one", n);
+    if (dtype < 0 || dtype >= MS_NUM_DTYPES) return ms_errorf("cast_flat: invalid dtype %d", dtype);
+    int64_t total = 0;
+    int dev = -2, fast = 1;
+    for (int i = 0; i < n; i++) {
+        if (!src[i]) return ms_errorf("cast_flat: tensor %d is missing", i + 1);
+        if (ms_tensor_check_live(src[i], "cast_flat")) return -1;
+        if (i == 0) dev = src[i]->device_id;
+        else if (src[i]->device_id != dev)
+        {
+            char d1[DESC];
+            return ms_errorf("cast_flat: tensor %d is %s, on another device than tensor 1 (%s)", i + 1,
+                             ms_desc(src[i], d, sizeof d), ms_desc(src[0], d1, sizeof d1));
+        }
+        if (!ms_tensor_is_contiguous(src[i]) || src[i]->dtype_id != src[0]->dtype_id) fast = 0;
+        total += ms_tensor_numel(src[i]);
+    }
+    ms_tensor *flat = NULL;
+    if (ms_tensor_empty(&flat, 1, &total, dtype, dev)) return -1;
+    int rc = 0;
+#ifdef MS_WITH_CUDA
+    int f32ish = src[0]->dtype_id == MS_F32 || src[0]->dtype_id == MS_BF16 || src[0]->dtype_id == MS_F16;
+    int d32ish = dtype == MS_F32 || dtype == MS_BF16 || dtype == MS_F16;
+    if (dev >= 0 && fast && f32ish && d32ish) {
+        rc = ms_cuda_convert_many(flat, src, n);
+        goto done;
+    }
+#else
+    (void)fast;
+#endif
+    {
+        int64_t off = 0;
+        for (int i = 0; i < n && !rc; i++) {
+            ms_tensor *part = NULL, *v = NULL;
+            rc = ms_tensor_narrow(&part, flat, 0, off, ms_tensor_numel(src[i]));
+            if (!rc) rc = ms_tensor_view(&v, part, src[i]->ndim, src[i]->sizes);
+            if (!rc) rc = ms_tensor_copy_(v, src[i]);
+            ms_tensor_free(v);
+            ms_tensor_free(part);
+            off += ms_tensor_numel(src[i]);
+        }
+    }
+#ifdef MS_WITH_CUDA
+done:
+#endif
+    if (rc) {
+        ms_tensor_free(flat);
+        return -1;
+    }
+    *out = flat;
+    return 0;
+}

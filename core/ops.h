@@ -107,11 +107,20 @@ int ms_gemm_(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa,
 int ms_gemm_grouped_(ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, int transa, int transb, double beta);
 /* how CUDA's ms_gemm_grouped_ runs: AUTO (the default) the grouped kernel
  * where it applies and its groups are small enough to beat a cuBLASLt GEMM
- * a group (core/gemm_grouped.c: under 3 GFLOP a group on average), KERNEL
+ * a group (core/gemm_grouped.c: under 4.5 GFLOP a group on average), KERNEL
  * wherever it applies, MMA the same with the mma.sync kernel on Hopper too,
  * LOOP never; -1 leaves it. Returns the previous mode */
 enum { MS_GROUPED_LOOP = 0, MS_GROUPED_AUTO = 1, MS_GROUPED_KERNEL = 2, MS_GROUPED_MMA = 3 };
 int ms_gemm_grouped_set_kernel(int mode);
+/* One contiguous 1-D tensor of dtype on src[0]'s device holding the n
+ * tensors src[i] (any dtypes and layouts, one device) in turn, converted:
+ * element k of src[i] at offset (numel src[0] + ... + numel src[i-1]) + k
+ * in row-major order. On CUDA with every source contiguous, of one float
+ * dtype, and dtype a float one: one kernel per 64 tensors
+ * (kernels/convert_many.cu); otherwise a copy each. A mixture-of-experts
+ * layer's weights, cast to the compute dtype once a forward (core/moe.c
+ * reads expert e's gate, up and down at e x 3 I H). */
+int ms_cast_flat(ms_tensor **out, ms_tensor **src, int n, int dtype);
 /* GEMM tuning's choice among n candidates timed ms[i] (ms[0] the library
  * heuristic's first; a negative time is a candidate that did not run): the
  * fastest, when it is faster than ms[0] by more than margin (a fraction),
@@ -149,20 +158,28 @@ int ms_fill_(ms_tensor *t, double value);
 
 /* Mixture-of-experts SwiGLU experts (moonshard.nn.moe), the whole loop in
  * one call. xs (M, H) holds the experts' runs of rows in turn, rows[e] for
- * expert e (summing to M; a run may be empty); w1[e], w3[e] (I, H) and
- * w2[e] (H, I) are expert e's gate, up and down weights, in xs's dtype and
- * on its device.
- *   forward:  g, u (M, I) = each run @ w1[e]^T, @ w3[e]^T; ys (M, H) =
- *             swiglu(g, u) @ w2[e]^T (outputs given, written);
- *   backward: from gy (M, H) and the forward's xs, g, u: dxs (M, H) and
- *             dw1[e], dw3[e] (I, H), dw2[e] (H, I), written (not added), in
- *             their own dtype (f32 from bf16 operands); an expert with no
- *             rows gets zeros. */
-int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *g, ms_tensor *u, const ms_tensor *xs, ms_tensor **w1,
-                           ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E);
-int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms_tensor **dw2, const ms_tensor *gy,
-                            const ms_tensor *xs, const ms_tensor *g, const ms_tensor *u, ms_tensor **w1,
-                            ms_tensor **w3, ms_tensor **w2, const int64_t *rows, int E);
+ * expert e (summing to M; a run may be empty); wf is every expert's weights
+ * in one contiguous tensor of xs's dtype and device: expert e's gate w1
+ * (I, H), up w3 (I, H) and down w2 (H, I) in turn from e x 3 I H (the
+ * layout ms_cast_flat gives [w1, w3, w2, ...]).
+ *   forward:  gu (M, 2 I) = each run @ [w1; w3]^T (gate, then up: one
+ *             product an expert); ys (M, H) = swiglu(gate, up) @ w2^T
+ *             (outputs given, written);
+ *   backward: from gy (M, H) and the forward's xs and gu: dxs (M, H) and
+ *             dwf (laid out as wf, in its own dtype: f32 from bf16
+ *             operands), written (not added); an expert with no rows gets
+ *             zeros. */
+int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *gu, const ms_tensor *xs, const ms_tensor *wf,
+                           const int64_t *rows, int E);
+int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor *dwf, const ms_tensor *gy, const ms_tensor *xs,
+                            const ms_tensor *gu, const ms_tensor *wf, const int64_t *rows, int E);
+/* The experts' SwiGLU on a gate-and-up product gu (M, 2 I), contiguous,
+ * one pass each way (CUDA: kernels/moe.cu; CPU: f64 math):
+ *   ms_moe_swiglu:          h (M, I) = silu(gu[:, :I]) * gu[:, I:];
+ *   ms_moe_swiglu_backward: from dh (M, I), d13 (M, 2 I) = [silu'(gate)
+ *                           dh up, silu(gate) dh] (its own storage). */
+int ms_moe_swiglu(ms_tensor *h, const ms_tensor *gu);
+int ms_moe_swiglu_backward(ms_tensor *d13, const ms_tensor *gu, const ms_tensor *dh);
 /* The rows' moves of a mixture-of-experts layer (moonshard.nn.moe): N
  * tokens, k slots a token (slot s = n k + j), M rows in the experts' order
  * (padding rows between the experts' runs); ids are i64 on the rows' device.

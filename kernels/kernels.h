@@ -15,6 +15,9 @@ extern "C" {
 
 /* elementwise.cu */
 int ms_cuda_convert(ms_tensor *dst, const ms_tensor *src);
+/* convert_many.cu: dst (contiguous) = the n contiguous sources in turn, one
+ * float dtype (f32/bf16/f16) among them, dst's a float one too */
+int ms_cuda_convert_many(ms_tensor *dst, ms_tensor **src, int n);
 int ms_cuda_unary(ms_tensor *out, int op, const ms_tensor *a);
 int ms_cuda_binary(ms_tensor *out, int op, const ms_tensor *a, const ms_tensor *b);
 int ms_cuda_binary_scalar(ms_tensor *out, int op, const ms_tensor *a, double s, int reverse);
@@ -83,6 +86,8 @@ int ms_cuda_gemm_grouped(ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, int
 // kernels/moe.cu: a mixture-of-experts layer's row moves (core/ops.h)
 int ms_cuda_moe_gather_rows(ms_tensor *out, const ms_tensor *x, const ms_tensor *idx);
 int ms_cuda_moe_combine(ms_tensor *out, const ms_tensor *ys, const ms_tensor *inv, const ms_tensor *w, int k);
+int ms_cuda_moe_swiglu(ms_tensor *h, const ms_tensor *gu);
+int ms_cuda_moe_swiglu_backward(ms_tensor *d13, const ms_tensor *gu, const ms_tensor *dh);
 int ms_cuda_moe_combine_backward(ms_tensor *gys, ms_tensor *gw, const ms_tensor *g, const ms_tensor *ys,
                                  const ms_tensor *back, const ms_tensor *w, int k);
 int ms_cuda_index_add(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor *src);

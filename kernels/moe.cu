@@ -8,6 +8,7 @@
 // skipped: nothing is read or written out of bounds.
 #include "common.cuh"
 #include "kernels.h"
+#include "vec.cuh"
 
 #include <type_traits>
 
@@ -106,7 +107,85 @@ __global__ void combine_backward_kernel(T *gys, T *gw, const T *g, const T *ys, 
     }
 }
 
+// SwiGLU on a gate-and-up product gu (M, 2 I): h = silu(gate) up, and its
+// backward into d13 (M, 2 I): d gate = silu'(gate) dh up, d up = silu(gate)
+// dh. One block a row, f32 math (f64 for f64), each element read and
+// written once.
+template <typename A> __device__ __forceinline__ A sigmoid_a(A x) { return A(1) / (A(1) + exp(-x)); }
+
+template <typename T>
+__global__ void swiglu_kernel(T *h, const T *gu, long long I) {
+    typedef typename acc_of<T>::type A;
+    const long long r = blockIdx.x;
+    const T *g = gu + r * 2 * I, *u = g + I;
+    T *o = h + r * I;
+    for (long long c = threadIdx.x; c < I; c += blockDim.x) {
+        A x = ld(g + c);
+        st(o + c, x * sigmoid_a(x) * (A)ld(u + c));
+    }
+}
+
+template <typename T>
+__global__ void swiglu_backward_kernel(T *d13, const T *gu, const T *dh, long long I) {
+    typedef typename acc_of<T>::type A;
+    const long long r = blockIdx.x;
+    const T *g = gu + r * 2 * I, *u = g + I, *d = dh + r * I;
+    T *dg = d13 + r * 2 * I, *du = dg + I;
+    for (long long c = threadIdx.x; c < I; c += blockDim.x) {
+        A x = ld(g + c), y = ld(d + c), s = sigmoid_a(x);
+        st(du + c, x * s * y);
+        st(dg + c, y * (A)ld(u + c) * s * (A(1) + x * (A(1) - s)));
+    }
+}
+
 const int kThreads = 256;
+const int kThreadsVec = 256;
+
+// the same with 16-byte vectors (8 bf16, 4 f32) where I is a multiple of
+// a vector and the tensors are 16-byte aligned: a grid-stride loop over
+// the vectors, IX the index type (32-bit when the count fits)
+template <typename T, typename IX>
+__global__ void swiglu_vec_kernel(T *h, const T *gu, IX n, IX iv) {
+    typedef typename acc_of<T>::type A;
+    const int V = 16 / sizeof(T);
+    for (IX i = blockIdx.x * (IX)blockDim.x + threadIdx.x; i < n; i += (IX)gridDim.x * blockDim.x) {
+        const IX r = i / iv, c = (i - r * iv) * V, I = iv * V;
+        A g[V], u[V], o[V];
+        load_v<A, T, V>(g, gu + r * 2 * I + c);
+        load_v<A, T, V>(u, gu + r * 2 * I + I + c);
+#pragma unroll
+        for (int k = 0; k < V; k++) o[k] = g[k] * sigmoid_a(g[k]) * u[k];
+        store_v<T, V, A>(h + r * I + c, o);
+    }
+}
+
+template <typename T, typename IX>
+__global__ void swiglu_backward_vec_kernel(T *d13, const T *gu, const T *dh, IX n, IX iv) {
+    typedef typename acc_of<T>::type A;
+    const int V = 16 / sizeof(T);
+    for (IX i = blockIdx.x * (IX)blockDim.x + threadIdx.x; i < n; i += (IX)gridDim.x * blockDim.x) {
+        const IX r = i / iv, c = (i - r * iv) * V, I = iv * V;
+        A g[V], u[V], d[V], dg[V], du[V];
+        load_v<A, T, V>(g, gu + r * 2 * I + c);
+        load_v<A, T, V>(u, gu + r * 2 * I + I + c);
+        load_v<A, T, V>(d, dh + r * I + c);
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            A s = sigmoid_a(g[k]);
+            du[k] = g[k] * s * d[k];
+            dg[k] = d[k] * u[k] * s * (A(1) + g[k] * (A(1) - s));
+        }
+        store_v<T, V, A>(d13 + r * 2 * I + c, dg);
+        store_v<T, V, A>(d13 + r * 2 * I + I + c, du);
+    }
+}
+
+// blocks for n vectors: enough to fill the device a few times over
+static unsigned vec_blocks(long long n, int device) {
+    long long b = (n + kThreadsVec - 1) / kThreadsVec, cap = 16LL * ms_sm_count(device);
+    return (unsigned)(b < cap ? b : cap);
+}
+
 
 template <typename F> int by_dtype(int dt, F f) {
     switch (dt) {
@@ -165,6 +244,57 @@ extern "C" int ms_cuda_moe_combine_backward(ms_tensor *gys, ms_tensor *gw, const
             (const T *)ms_tensor_data(ys), (const long long *)ms_tensor_data(back), (const T *)ms_tensor_data(w), k, Nk,
             H, flag);
         LAUNCH_CHECK("moe combine_backward_kernel");
+        return 0;
+    });
+}
+
+extern "C" int ms_cuda_moe_swiglu(ms_tensor *h, const ms_tensor *gu) {
+    long long M = h->sizes[0], I = h->sizes[1];
+    if (M == 0 || I == 0) return 0;
+    if (ms_cuda_activate(h->device_id)) return -1;
+    cudaStream_t st_ = ms_cuda_stream_of(h->device_id);
+    return by_dtype(h->dtype_id, [&](auto *tag) {
+        typedef typename std::remove_pointer<decltype(tag)>::type T;
+        const int V = 16 / sizeof(T);
+        T *ph = (T *)ms_tensor_data(h);
+        const T *pg = (const T *)ms_tensor_data(gu);
+        if (I % V == 0 && ms_aligned16(ph) && ms_aligned16(pg)) {
+            const long long n = M * (I / V);
+            if (n < (1LL << 31))
+                swiglu_vec_kernel<T, unsigned><<<vec_blocks(n, h->device_id), kThreadsVec, 0, st_>>>(ph, pg, (unsigned)n, (unsigned)(I / V));
+            else
+                swiglu_vec_kernel<T, long long><<<vec_blocks(n, h->device_id), kThreadsVec, 0, st_>>>(ph, pg, n, I / V);
+            LAUNCH_CHECK("moe swiglu_vec_kernel");
+            return 0;
+        }
+        swiglu_kernel<T><<<(unsigned)M, kThreads, 0, st_>>>(ph, pg, I);
+        LAUNCH_CHECK("moe swiglu_kernel");
+        return 0;
+    });
+}
+
+extern "C" int ms_cuda_moe_swiglu_backward(ms_tensor *d13, const ms_tensor *gu, const ms_tensor *dh) {
+    long long M = dh->sizes[0], I = dh->sizes[1];
+    if (M == 0 || I == 0) return 0;
+    if (ms_cuda_activate(dh->device_id)) return -1;
+    cudaStream_t st_ = ms_cuda_stream_of(dh->device_id);
+    return by_dtype(dh->dtype_id, [&](auto *tag) {
+        typedef typename std::remove_pointer<decltype(tag)>::type T;
+        const int V = 16 / sizeof(T);
+        T *pd = (T *)ms_tensor_data(d13);
+        const T *pg = (const T *)ms_tensor_data(gu), *ph = (const T *)ms_tensor_data(dh);
+        if (I % V == 0 && ms_aligned16(pd) && ms_aligned16(pg) && ms_aligned16(ph)) {
+            const long long n = M * (I / V);
+            const unsigned nb = vec_blocks(n, dh->device_id);
+            if (n < (1LL << 31))
+                swiglu_backward_vec_kernel<T, unsigned><<<nb, kThreadsVec, 0, st_>>>(pd, pg, ph, (unsigned)n, (unsigned)(I / V));
+            else
+                swiglu_backward_vec_kernel<T, long long><<<nb, kThreadsVec, 0, st_>>>(pd, pg, ph, n, I / V);
+            LAUNCH_CHECK("moe swiglu_backward_vec_kernel");
+            return 0;
+        }
+        swiglu_backward_kernel<T><<<(unsigned)M, kThreads, 0, st_>>>(pd, pg, ph, I);
+        LAUNCH_CHECK("moe swiglu_backward_kernel");
         return 0;
     });
 }

@@ -104,6 +104,26 @@ describe('nn.MoE on CUDA #gpu', function()
     end)
   end
 
+  it('the experts\' SwiGLU kernels (forward, backward) against the CPU, f32 and bf16', function()
+    local T = require 'moonshard.tensor'
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      for _, shp in ipairs({ { 300, 352 }, { 37, 5 } }) do
+        local M, I = shp[1], shp[2]
+        local gu = (ms.randn({ M, 2 * I }, { seed = 51 }) * 3):to(dt)
+        local dh = ms.randn({ M, I }, { seed = 52 }):to(dt)
+        local h, d13 = ms.empty({ M, I }, { dtype = dt }), ms.empty({ M, 2 * I }, { dtype = dt })
+        T.check(T.C.ms_moe_swiglu(h, gu))
+        T.check(T.C.ms_moe_swiglu_backward(d13, gu, dh))
+        local hc, dc = ms.empty({ M, I }, { dtype = dt, device = 'cuda' }), ms.empty({ M, 2 * I }, { dtype = dt, device = 'cuda' })
+        T.check(T.C.ms_moe_swiglu(hc, gu:cuda()))
+        T.check(T.C.ms_moe_swiglu_backward(dc, gu:cuda(), dh:cuda()))
+        local tol = dt == 'f32' and 1e-5 or 1e-2
+        assert.is_true(relerr(hc, h) < tol, dt .. ' h ' .. relerr(hc, h))
+        assert.is_true(relerr(dc, d13) < tol, dt .. ' d13 ' .. relerr(dc, d13))
+      end
+    end
+  end)
+
   it('bf16 autocast on the GPU: within 2e-2 of the f32 CPU layer; the aux loss as the CPU\'s (1e-4)', function()
     local cpu, gpu = pair({ dim = 64, hidden = 96, experts = 8, top_k = 2 })
     local x = ms.randn({ 2, 64, 64 }, { seed = 7 })

@@ -609,3 +609,48 @@ describe('cuda reductions on long and broadcast shapes #gpu', function()
     assert.is_true(relerr(w.grad:float(), c) <= bound.bf16)
   end)
 end)
+
+-- ops.cast_flat's kernel (kernels/convert_many.cu) against the CPU copies:
+-- 150 tensors (three launches of at most 64), sizes that leave tails of 1-3
+-- elements, sources at offsets that break the 4-element vectors, and chunks
+-- of 8192 elements split between blocks
+describe('cuda cast_flat #gpu', function()
+  local F = require 'moonshard.ops'
+  for _, case in ipairs({ { 'f32', 'bf16' }, { 'f32', 'f16' }, { 'bf16', 'f32' }, { 'f16', 'bf16' }, { 'f32', 'f32' } }) do
+    local from, to = case[1], case[2]
+    it(('%s -> %s: 150 tensors in one call, as the CPU casts them'):format(from, to), function()
+      local big = randn({ 40000 }, from):cuda()
+      local list, cpu = {}, {}
+      for i = 1, 150 do
+        local t
+        if i % 10 == 0 then
+          t = big:narrow(1, i % 7 + 2, 8192 * (i % 3 + 1) + i % 5)   -- unaligned start, several chunks
+        elseif i % 10 == 5 then
+          t = big:narrow(1, 1, 16384)                                -- aligned, two whole chunks
+        else
+          t = randn({ i % 13 + 1, i % 7 + 3 }, from):cuda()          -- tails of 1-3 elements
+        end
+        list[i], cpu[i] = t, t:to('cpu')
+      end
+      local f = F.cast_flat(list, to)
+      local want = F.cast_flat(cpu, to)
+      assert.are.equal(want:numel(), f:numel())
+      assert.are.equal('cuda', f.device:sub(1, 4))
+      -- the same roundings: bit for bit
+      assert.are.equal(0, (f:to('cpu'):to('f64') - want:to('f64')):abs():max():item())
+    end)
+  end
+  it('a non-contiguous source takes the copy path, with the same answer', function()
+    local a = randn({ 64, 48 }):cuda()
+    local list = { a:t(), randn({ 5 }):cuda() }
+    local f = F.cast_flat(list, 'bf16')
+    local want = F.cast_flat({ list[1]:to('cpu'), list[2]:to('cpu') }, 'bf16')
+    assert.are.equal(0, (f:to('cpu'):to('f64') - want:to('f64')):abs():max():item())
+  end)
+  it('refuses tensors on two devices, naming both', function()
+    local ok, err = pcall(F.cast_flat, { randn({ 2 }):cuda(), randn({ 3 }) }, 'bf16')
+    assert.is_false(ok)
+    assert.matches('cast_flat: tensor 2 is', tostring(err), 1, true)
+    assert.matches('on another device than tensor 1', tostring(err), 1, true)
+  end)
+end)

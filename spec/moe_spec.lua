@@ -295,6 +295,39 @@ describe('nn.MoE', function()
     assert.is_true(rel < 3e-2, 'relative error ' .. rel)
   end)
 
+  it('the experts\' SwiGLU on a gate-and-up product, both ways, as silu(gate) up and its autograd gradient', function()
+    local T = require 'moonshard.tensor'
+    for _, dt in ipairs({ 'f64', 'f32', 'bf16' }) do
+      local M, I = 7, 5
+      local gu = (ms.randn({ M, 2 * I }, { seed = 41 }) * 3):to(dt)
+      local dh = ms.randn({ M, I }, { seed = 42 }):to(dt)
+      local h, d13 = ms.empty({ M, I }, { dtype = dt }), ms.empty({ M, 2 * I }, { dtype = dt })
+      T.check(T.C.ms_moe_swiglu(h, gu))
+      T.check(T.C.ms_moe_swiglu_backward(d13, gu, dh))
+      -- the reference in f64 through autograd
+      local g = gu:narrow(2, 1, I):to('f64'):contiguous():requires_grad_(true)
+      local u = gu:narrow(2, I + 1, I):to('f64'):contiguous():requires_grad_(true)
+      local want = nn.functional.silu(g) * u
+      want:backward(dh:to('f64'))
+      local tol = dt == 'bf16' and 1e-2 or (dt == 'f32' and 1e-6 or 1e-12)
+      local function rel(a, b) return (a:to('f64') - b):abs():max():item() / b:abs():max():item() end
+      assert.is_true(rel(h, want:detach()) < tol, dt .. ' h ' .. rel(h, want:detach()))
+      assert.is_true(rel(d13:narrow(2, 1, I), g.grad) < tol, dt .. ' d gate')
+      assert.is_true(rel(d13:narrow(2, I + 1, I), u.grad) < tol, dt .. ' d up')
+    end
+    -- errors name the tensors
+    local gu = ms.randn({ 3, 4 })
+    local ok, err = pcall(T.check, T.C.ms_moe_swiglu(ms.empty({ 3, 3 }), gu))
+    assert.is_false(ok)
+    assert.matches('moe_swiglu: h must be (3, 2), got', tostring(err), 1, true)
+    ok, err = pcall(T.check, T.C.ms_moe_swiglu(ms.empty({ 3, 2 }), ms.randn({ 3, 5 })))
+    assert.is_false(ok)
+    assert.matches('moe_swiglu: gu must be (rows, 2 I), got', tostring(err), 1, true)
+    ok, err = pcall(T.check, T.C.ms_moe_swiglu_backward(gu, gu, ms.randn({ 3, 2 })))
+    assert.is_false(ok)
+    assert.matches('moe_swiglu_backward: d13 shares its storage with an input', tostring(err), 1, true)
+  end)
+
   it('refuses bad configurations and inputs, naming them', function()
     assert.has_error(function() nn.MoE { dim = 4, hidden = 4, experts = 2, top_k = 3 } end,
       'MoE: top_k 3 is more than the 2 experts')
@@ -310,20 +343,29 @@ describe('nn.MoE', function()
     local T = require 'moonshard.tensor'
     local ffi = ms.ffi
     local xs, ys = ms.randn({ 5, 4 }), ms.empty({ 5, 4 })
-    local gs, us = ms.empty({ 5, 3 }), ms.empty({ 5, 3 })
-    local w1, w3, w2 = ms.randn({ 3, 4 }), ms.randn({ 3, 4 }), ms.randn({ 4, 3 })
-    local function arr(t) local a = ffi.new('ms_tensor*[1]'); a[0] = t; return a end
-    local function run(rows, down)
+    local gu = ms.empty({ 5, 6 })
+    local wf = ms.randn({ 3 * 3 * 4 })
+    local function run(rows, w, g)
       local r = ffi.new('int64_t[1]', rows)
-      return pcall(T.check, T.C.ms_moe_experts_forward(ys, gs, us, xs, arr(w1), arr(w3), arr(down or w2), r, 1))
+      return pcall(T.check, T.C.ms_moe_experts_forward(ys, g or gu, xs, w or wf, r, 1))
     end
     assert.is_true((run(5)))
     local ok1, e1 = run(4)
     assert.is_false(ok1)
     assert.matches('moe_experts_forward: the experts\' rows sum to 4, but xs has 5', tostring(e1), 1, true)
-    local ok2, e2 = run(5, ms.randn({ 3, 4 }))
+    local ok2, e2 = run(5, ms.randn({ 35 }))
     assert.is_false(ok2)
-    assert.matches('moe_experts_forward: expert 0\'s down weight must be (4, 3), got', tostring(e2), 1, true)
+    assert.matches('moe_experts_forward: the experts\' weights must be one contiguous tensor of 1 x 3 x 3 x 4 elements '
+      .. '(each expert\'s gate, up and down in turn), got', tostring(e2), 1, true)
+    local ok3, e3 = run(5, nil, ms.empty({ 5, 5 }))
+    assert.is_false(ok3)
+    assert.matches('moe_experts_forward: gu must be (rows, 2 x hidden of an expert), got', tostring(e3), 1, true)
+    local ok4, e4 = run(5, ms.randn({ 36 }, { dtype = 'f64' }))
+    assert.is_false(ok4)
+    assert.matches('moe_experts_forward: the weights (f64) and gu must have the rows\' dtype', tostring(e4), 1, true)
+    local ok5, e5 = run(5, ms.randn({ 72 }):view({ 36, 2 }):narrow(2, 1, 1))
+    assert.is_false(ok5)
+    assert.matches('must be one contiguous tensor', tostring(e5), 1, true)
     -- the row moves check their ids
     local x = ms.randn({ 3, 4 })
     local out = ms.empty({ 2, 4 })

@@ -370,6 +370,22 @@ function F.gemm_grouped_kernel(mode)
   return grouped_names[C.ms_gemm_grouped_set_kernel(m)]
 end
 
+-- cast_flat(list, dtype) -> one contiguous 1-D tensor of dtype holding the
+-- tensors of list in turn, converted (each in row-major order; all on one
+-- device): on CUDA one kernel a 64 tensors where they are contiguous and of
+-- one float dtype (core/ops.h ms_cast_flat). A MoE layer casts its experts'
+-- weights to the compute dtype with it, once a forward.
+function F.cast_flat(list, dtype)
+  local n = #list
+  if n == 0 then raise('cast_flat: an empty list') end
+  local a = ffi.new('ms_tensor*[?]', n)
+  for i = 1, n do
+    need_tensor('cast_flat', list[i], ('list[%d]'):format(i))
+    a[i - 1] = list[i]
+  end
+  return run(C.ms_cast_flat, a, n, T.dtype_id(dtype or list[1].dtype_id, 2))
+end
+
 -- ------------------------------------------------------------------ float8
 -- (core/ops.h has the contracts; moonshard.float8 the training layer)
 

@@ -29,6 +29,7 @@ local ms = setmetatable({}, { __index = function(_, k) return require('moonshard
 local A = require 'moonshard.autograd'
 local T = require 'moonshard.tensor'
 local amp = require 'moonshard.amp'
+local F = require 'moonshard.ops'
 
 local moe = {}
 
@@ -187,47 +188,38 @@ local Exchange = A.Function {
 
 -- Experts(xs (M, H), rows, w...) -> (M, H): each expert's run of rows
 -- (rows[e] of them, in order) through its SwiGLU MLP, w the E experts'
--- (gate, up, down) weights in turn. One node for all of them, its loop in
--- C (ms_moe_experts_forward / _backward, core/moe.c: a GEMM or an
--- activation pass a call, into views of the outputs), so a layer costs the
--- host two FFI calls instead of a dozen autograd ops an expert. The
--- backward returns every expert's weight gradients (zeros for an expert
--- with no rows, so every rank's parameters have a gradient), in the
--- weights' dtype (an f32 GEMM output from bf16 operands: no cast pass).
--- The weights are cast to the rows' dtype (bf16 under autocast) once a
--- forward, and the casts kept for the backward.
-local function tensor_array(list, n)
-  local a = ms.ffi.new('ms_tensor*[?]', n)
-  for i = 1, n do a[i - 1] = list[i] end
-  return a
-end
+-- (gate, up, down) weights in turn. One node for all of them, its work in
+-- C (ms_moe_experts_forward / _backward, core/moe.c: grouped GEMMs over
+-- the experts and one activation pass over all the rows), so a layer
+-- costs the host a few FFI calls instead of a dozen autograd ops an
+-- expert. The weights are cast (or copied) into one flat tensor of the
+-- rows' dtype (bf16 under autocast) once a forward, in one kernel
+-- (ops.cast_flat), and kept for the backward; each expert's gate and up
+-- sit next to each other there, so they are one product. The backward
+-- writes every expert's weight gradients (zeros for an expert with no
+-- rows, so every rank's parameters have a gradient) into one flat tensor
+-- of the weights' dtype (an f32 GEMM output from bf16 operands: no cast
+-- pass) and returns views of it.
+local dims_t = require('ffi').typeof('int64_t[8]')
 local function experts_forward(ctx, xs, rows, ...)
   local ws = { ... }
   local E = #rows
-  local M, H = xs.shape[1], xs.shape[2]
+  local M = xs.shape[1]
   local dt, dev = xs.dtype, xs.device
   local I = ws[1].shape[1]
-  local c, casts = {}, {}
-  for i, w in ipairs(ws) do
-    if w.dtype == dt then c[i] = w else c[i] = w:to(dt); casts[#casts + 1] = c[i] end
-  end
-  local w1, w3, w2 = {}, {}, {}
-  for e = 1, E do w1[e], w3[e], w2[e] = c[3 * e - 2], c[3 * e - 1], c[3 * e] end
-  local ys = T.empty({ M, H }, { dtype = dt, device = dev })
-  local gs = T.empty({ M, I }, { dtype = dt, device = dev })
-  local us = T.empty({ M, I }, { dtype = dt, device = dev })
+  local wf = F.cast_flat(ws, dt)
+  local ys = T.empty({ M, xs.shape[2] }, { dtype = dt, device = dev })
+  local gu = T.empty({ M, 2 * I }, { dtype = dt, device = dev })
   local r = ms.ffi.new('int64_t[?]', E)
   for e = 1, E do r[e - 1] = rows[e] end
-  local a1, a3, a2 = tensor_array(w1, E), tensor_array(w3, E), tensor_array(w2, E)
-  T.check(T.C.ms_moe_experts_forward(ys, gs, us, xs, a1, a3, a2, r, E), 3)
+  T.check(T.C.ms_moe_experts_forward(ys, gu, xs, wf, r, E), 3)
   local keep = false
   for _, n in ipairs(ctx.needs_input_grad) do keep = keep or n end
   if keep then
-    ctx.xs, ctx.gs, ctx.us, ctx.rows, ctx.ws, ctx.c, ctx.casts = xs, gs, us, rows, ws, { w1, w3, w2 }, casts
+    ctx.xs, ctx.gu, ctx.rows, ctx.ws, ctx.wf = xs, gu, rows, ws, wf
   else
     -- (no backward will come)
-    gs:free(); us:free()
-    for _, t in ipairs(casts) do t:free() end
+    gu:free(); wf:free()
   end
   return ys
 end
@@ -237,19 +229,30 @@ local function experts_backward(ctx, gy)
   local dt = xs.dtype
   local gc = gy.dtype == dt and gy:contiguous() or gy:to(dt)
   local dxs = T.empty(xs.shape, { dtype = dt, device = xs.device })
-  local grads = {}
-  for i, w in ipairs(ws) do grads[i] = T.empty(w.shape, { dtype = w.dtype, device = w.device }) end
-  local d1, d3, d2 = {}, {}, {}
-  for e = 1, E do d1[e], d3[e], d2[e] = grads[3 * e - 2], grads[3 * e - 1], grads[3 * e] end
+  local wdt = ws[1].dtype
+  local dwf = T.empty({ ctx.wf:numel() }, { dtype = wdt, device = xs.device })
   local r = ms.ffi.new('int64_t[?]', E)
   for e = 1, E do r[e - 1] = ctx.rows[e] end
-  local cw = ctx.c
-  T.check(T.C.ms_moe_experts_backward(dxs, tensor_array(d1, E), tensor_array(d3, E), tensor_array(d2, E), gc, xs,
-    ctx.gs, ctx.us, tensor_array(cw[1], E), tensor_array(cw[2], E), tensor_array(cw[3], E), r, E), 3)
+  T.check(T.C.ms_moe_experts_backward(dxs, dwf, gc, xs, ctx.gu, ctx.wf, r, E), 3)
   if gc ~= gy then gc:free() end
-  ctx.gs:free(); ctx.us:free()
-  for _, t in ipairs(ctx.casts) do t:free() end
-  ctx.gs, ctx.us, ctx.casts, ctx.c, ctx.xs, ctx.ws = nil, nil, nil, nil, nil, nil
+  ctx.gu:free(); ctx.wf:free()
+  ctx.gu, ctx.wf, ctx.xs, ctx.ws = nil, nil, nil, nil
+  -- each weight's gradient: a view of dwf (in its own dtype where it differs)
+  local grads, off = {}, 0
+  local shape, stride = dims_t(), dims_t()
+  for i, w in ipairs(ws) do
+    local nd = w.ndim
+    local st = 1
+    for d = nd, 1, -1 do
+      shape[d - 1], stride[d - 1] = w.shape[d], st
+      st = st * w.shape[d]
+    end
+    local g = T.op(T.C.ms_tensor_as_strided, dwf, nd, shape, stride, off)
+    if w.dtype ~= wdt then g = g:to(w.dtype) end
+    grads[i] = g
+    off = off + st
+  end
+  dwf:free()
   grads.n = #ws
   return dxs, grads
 end

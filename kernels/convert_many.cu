@@ -1,0 +1,100 @@
+// kernels/convert_many.cu — many contiguous tensors converted into one
+// contiguous destination, one after the other, in a launch per 64 tensors
+// (core/ops.c ms_cast_flat: a MoE layer's 3 x E expert weights cast to bf16
+// at once instead of a kernel, an allocation and a Lua object each).
+//
+// Every source is a float dtype (f32, bf16, f16), all of one dtype, and the
+// destination one of them too. The table of (source, count, offset) travels
+// as a kernel parameter with each tensor's first block; a block finds its
+// tensor by binary search over the first blocks and moves CHUNK elements of
+// it, 4 a thread per step (16-byte f32 loads where the source allows, else
+// element by element). Bytes: each source read once, the destination
+// written once.
+#include "common.cuh"
+#include "kernels.h"
+#include "vec.cuh"
+
+namespace {
+
+const int CM_MAX = 64;            // tensors a launch
+const int CM_THREADS = 256;
+const int64_t CM_CHUNK = 8192;    // elements a block
+
+struct cm_args {
+    const void *src[CM_MAX];
+    int64_t n[CM_MAX];
+    int64_t off[CM_MAX];          // where tensor i starts in dst (elements)
+    int64_t first[CM_MAX + 1];    // tensor i's first block; first[count] = the grid
+    int count;
+};
+
+template <typename S, typename D>
+__global__ void convert_many_kernel(const __grid_constant__ cm_args a, D *dst) {
+    const int64_t b = blockIdx.x;
+    int lo = 0, hi = a.count - 1;   // the last i with first[i] <= b
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (a.first[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    const S *s = (const S *)a.src[lo];
+    D *d = dst + a.off[lo];
+    const int64_t start = (b - a.first[lo]) * CM_CHUNK;
+    const int64_t end = min(start + CM_CHUNK, a.n[lo]);
+    // 4 elements a thread where both ends are aligned to 4 elements' bytes
+    const bool vec = ((uintptr_t)(s + start) % (4 * sizeof(S)) == 0) && ((uintptr_t)(d + start) % (4 * sizeof(D)) == 0);
+    if (vec) {
+        int64_t i = start + 4 * (int64_t)threadIdx.x;
+        for (; i + 4 <= end; i += 4 * CM_THREADS) {
+            float v[4];
+            load_v<float, S, 4>(v, s + i);
+            store_v<D, 4, float>(d + i, v);
+        }
+        // the one thread whose 4 run past the end takes what is left
+        for (int64_t j = i; j < end && j < i + 4; j++) d[j] = conv<D>::store(conv<S>::load(s[j]));
+    } else {
+        for (int64_t j = start + threadIdx.x; j < end; j += CM_THREADS) d[j] = conv<D>::store(conv<S>::load(s[j]));
+    }
+}
+
+}  // namespace
+
+// dst (contiguous, n_total elements) = the n sources in turn, converted
+extern "C" int ms_cuda_convert_many(ms_tensor *dst, ms_tensor **src, int n) {
+    if (n == 0 || ms_tensor_numel(dst) == 0) return 0;
+    if (ms_cuda_activate(dst->device_id)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dst->device_id);
+    const int sdt = src[0]->dtype_id;
+    return with_float32_type(sdt, "cast_flat", [&](auto s0) -> int {
+        using S = decltype(s0);
+        return with_float32_type(dst->dtype_id, "cast_flat", [&](auto d0) -> int {
+            using D = decltype(d0);
+            D *d = (D *)ms_tensor_data(dst);
+            int64_t off = 0;
+            for (int i0 = 0; i0 < n; i0 += CM_MAX) {
+                cm_args a;
+                a.count = 0;
+                int64_t blocks = 0;
+                int64_t off0 = off;
+                for (int i = i0; i < n && i < i0 + CM_MAX; i++) {
+                    int64_t m = ms_tensor_numel(src[i]);
+                    if (m > 0) {
+                        a.src[a.count] = ms_tensor_data(src[i]);
+                        a.n[a.count] = m;
+                        a.off[a.count] = off - off0;
+                        a.first[a.count] = blocks;
+                        blocks += (m + CM_CHUNK - 1) / CM_CHUNK;
+                        a.count++;
+                    }
+                    off += m;
+                }
+                if (a.count == 0) continue;
+                a.first[a.count] = blocks;
+                if (blocks > 0x7fffffffLL) return ms_errorf("cast_flat: %lld blocks in one launch", (long long)blocks);
+                convert_many_kernel<S, D><<<(unsigned)blocks, CM_THREADS, 0, st>>>(a, d + off0);
+                LAUNCH_CHECK("convert_many_kernel");
+            }
+            return 0;
+        });
+    });
+}
