@@ -52,6 +52,23 @@ static int check_flat(const char *op, const char *kind, const ms_tensor *f, int 
     return 0;
 }
 
+/* each expert's gate and up (I, H) and down (H, I) gradients, on the rows'
+ * device */
+static int check_grads(const char *op, ms_tensor **d1, ms_tensor **d3, ms_tensor **d2, int E, int64_t I, int64_t H,
+                       const ms_tensor *xs) {
+    if (!d1 || !d3 || !d2) return ms_errorf("%s: the experts' gradients are missing", op);
+    for (int e = 0; e < E; e++) {
+        char what[64];
+        snprintf(what, sizeof what, "expert %d's gate gradient", e);
+        if (check_2d(op, what, d1[e], I, H, xs)) return -1;
+        snprintf(what, sizeof what, "expert %d's up gradient", e);
+        if (check_2d(op, what, d3[e], I, H, xs)) return -1;
+        snprintf(what, sizeof what, "expert %d's down gradient", e);
+        if (check_2d(op, what, d2[e], H, I, xs)) return -1;
+    }
+    return 0;
+}
+
 /* the shapes every call shares: xs (M, H), rows summing to M, gu (M, 2 I),
  * the flat weights in the rows' dtype */
 static int check_common(const char *op, const ms_tensor *xs, const ms_tensor *gu, const ms_tensor *wf,
@@ -258,32 +275,31 @@ int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *gu, const ms_tensor *xs, co
     return rc ? -1 : 0;
 }
 
-int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor *dwf, const ms_tensor *gy, const ms_tensor *xs,
-                            const ms_tensor *gu, const ms_tensor *wf, const int64_t *rows, int E) {
+int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms_tensor **dw2, const ms_tensor *gy,
+                            const ms_tensor *xs, const ms_tensor *gu, const ms_tensor *wf, const int64_t *rows, int E) {
     const char *op = "moe_experts_backward";
     int64_t I = 0;
     if (check_common(op, xs, gu, wf, rows, E, &I)) return -1;
     int64_t M = xs->sizes[0], H = xs->sizes[1];
     if (check_2d(op, "dxs", dxs, M, H, xs) || check_2d(op, "gy", gy, M, H, xs) ||
-        check_flat(op, "gradients", dwf, E, I, H, xs))
+        check_grads(op, dw1, dw3, dw2, E, I, H, xs))
         return -1;
     ms_tensor *h = NULL, *dh = NULL, *d13 = NULL;
-    ms_tensor **c = (ms_tensor **)calloc(3 * (size_t)E, sizeof(ms_tensor *)), **a = c + E, **b = a + E;
+    ms_tensor **c = (ms_tensor **)calloc(6 * (size_t)E, sizeof(ms_tensor *)), **a = c + 2 * E, **b = a + 2 * E;
     expert_views ev, av;
-    flat_views wv = {0}, dv = {0};
+    flat_views wv = {0};
     memset(&ev, 0, sizeof ev);
     memset(&av, 0, sizeof av);
     const ms_tensor *ts[3] = {xs, gy, dxs};
     int rc = !c ? ms_errorf("%s: out of host memory", op) : views_of(&ev, ts, 3, rows, E), G = 0;
     if (!rc) rc = flat_views_of(&wv, wf, E, I, H);
-    if (!rc) rc = flat_views_of(&dv, dwf, E, I, H);
     ms_tensor **xv = ev.v[0], **dyv = ev.v[1], **dxv = ev.v[2];
     /* down: dW2_e = dy_e^T h_e (every expert: zeros without rows) */
     if (!rc) rc = ms_tensor_empty(&h, 2, (int64_t[]){M, I}, xs->dtype_id, xs->device_id);
     if (!rc) rc = ms_moe_swiglu(h, gu);
     const ms_tensor *hs[1] = {h};
     if (!rc) rc = views_of(&av, hs, 1, rows, E);
-    if (!rc) rc = ms_gemm_grouped_(dv.w2, dyv, av.v[0], E, 1, 0, 0.0);
+    if (!rc) rc = ms_gemm_grouped_(dw2, dyv, av.v[0], E, 1, 0, 0.0);
     views_free(&av, E);
     ms_tensor_free(h);
     /* dh_e = dy_e W2_e */
@@ -300,11 +316,24 @@ int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor *dwf, const ms_tensor *gy,
     if (!rc) rc = ms_tensor_empty(&d13, 2, (int64_t[]){M, 2 * I}, xs->dtype_id, xs->device_id);
     if (!rc) rc = ms_moe_swiglu_backward(d13, gu, dh);
     ms_tensor_free(dh);
-    /* gate and up: [dW1_e; dW3_e] = d13_e^T x_e (one group an expert, every
-     * expert); dx_e = d13_e [W1_e; W3_e] (one product of inner size 2 I) */
-    const ms_tensor *ds[1] = {d13};
-    if (!rc) rc = views_of(&av, ds, 1, rows, E);
-    if (!rc) rc = ms_gemm_grouped_(dv.w13, av.v[0], xv, E, 1, 0, 0.0);
+    /* gate and up: dW1_e = dgate_e^T x_e, dW3_e = dup_e^T x_e (the halves of
+     * d13, one grouped GEMM, every expert; the gradients stay tensors of
+     * their own, so autograd hands them on without a copy); dx_e = d13_e
+     * [W1_e; W3_e] (one product of inner size 2 I) */
+    ms_tensor *dg = NULL, *du = NULL;
+    if (!rc) rc = ms_tensor_narrow(&dg, d13, 1, 0, I);
+    if (!rc) rc = ms_tensor_narrow(&du, d13, 1, I, I);
+    const ms_tensor *ds[3] = {d13, dg, du};
+    if (!rc) rc = views_of(&av, ds, 3, rows, E);
+    ms_tensor_free(dg);
+    ms_tensor_free(du);
+    if (!rc) {
+        for (int e = 0; e < E; e++) {
+            c[e] = dw1[e], a[e] = av.v[1][e], b[e] = xv[e];
+            c[E + e] = dw3[e], a[E + e] = av.v[2][e], b[E + e] = xv[e];
+        }
+        rc = ms_gemm_grouped_(c, a, b, 2 * E, 1, 0, 0.0);
+    }
     if (!rc) {
         busy_groups(c, a, b, &G, dxv, av.v[0], wv.w13, rows, E);
         rc = ms_gemm_grouped_(c, a, b, G, 0, 0, 0.0);
@@ -312,7 +341,6 @@ int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor *dwf, const ms_tensor *gy,
     views_free(&av, E);
     views_free(&ev, E);
     flat_views_free(&wv, E);
-    flat_views_free(&dv, E);
     ms_tensor_free(d13);
     free(c);
     return rc ? -1 : 0;

@@ -166,13 +166,14 @@ int ms_fill_(ms_tensor *t, double value);
  *             product an expert); ys (M, H) = swiglu(gate, up) @ w2^T
  *             (outputs given, written);
  *   backward: from gy (M, H) and the forward's xs and gu: dxs (M, H) and
- *             dwf (laid out as wf, in its own dtype: f32 from bf16
+ *             each expert's dw1[e], dw3[e] (I, H) and dw2[e] (H, I),
+ *             tensors of their own in their own dtype (f32 from bf16
  *             operands), written (not added); an expert with no rows gets
  *             zeros. */
 int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *gu, const ms_tensor *xs, const ms_tensor *wf,
                            const int64_t *rows, int E);
-int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor *dwf, const ms_tensor *gy, const ms_tensor *xs,
-                            const ms_tensor *gu, const ms_tensor *wf, const int64_t *rows, int E);
+int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms_tensor **dw2, const ms_tensor *gy,
+                            const ms_tensor *xs, const ms_tensor *gu, const ms_tensor *wf, const int64_t *rows, int E);
 /* The experts' SwiGLU on a gate-and-up product gu (M, 2 I), contiguous,
  * one pass each way (CUDA: kernels/moe.cu; CPU: f64 math):
  *   ms_moe_swiglu:          h (M, I) = silu(gu[:, :I]) * gu[:, I:];

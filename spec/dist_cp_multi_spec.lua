@@ -8,6 +8,7 @@
 -- over steps.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
+local S = require 'spec.support'
 local dist = require 'moonshard.dist'
 local llama = require 'models.llama'
 
@@ -125,7 +126,7 @@ describe('context parallelism on GPUs (NCCL) #multi', function()
       dist.all_reduce(lt, 'sum')
       losses[s], ref_losses[s] = lt:item() / W, l0:item()
       ms.cuda.synchronize()
-      collectgarbage(); collectgarbage()
+      S.settle()
       alloc[s] = ms.cuda.memory_stats().allocated
     end
     for s = 1, 4 do

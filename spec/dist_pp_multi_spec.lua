@@ -10,6 +10,7 @@
 -- shards), and a step's allocated memory flat from step 2.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
+local S = require 'spec.support'
 local dist = require 'moonshard.dist'
 local gpt2 = require 'models.gpt2'
 local llama = require 'models.llama'
@@ -229,7 +230,7 @@ describe('point-to-point and pipelines on GPUs (NCCL) #multi', function()
       opt:step()
       losses[step] = l:item()
       l:free()
-      collectgarbage()
+      S.settle()
       mem[step] = ms.cuda.memory_stats().allocated
       if step == 2 then s2 = ms.cuda.memory_stats() end
     end

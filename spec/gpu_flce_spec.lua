@@ -260,10 +260,10 @@ describe('fused_linear_cross_entropy on cuda #gpu', function()
       assert.is_true(peak <= allowed)
       -- steady: no growth, no cudaMalloc from here on
       for _ = 1, 3 do step() end
-      collectgarbage(); collectgarbage()
+      S.settle()
       local s0 = ms.cuda.memory_stats()
       for _ = 1, 10 do step() end
-      collectgarbage(); collectgarbage()
+      S.settle()
       local s1 = ms.cuda.memory_stats()
       assert.are.equal(s0.num_mallocs, s1.num_mallocs)
       assert.are.equal(s0.allocated, s1.allocated)

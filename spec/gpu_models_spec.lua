@@ -4,6 +4,7 @@
 -- 200-step training loop keeps the allocator's memory flat from step 2 on.
 local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
+local S = require 'spec.support'
 
 local fixtures = T.root .. '/../shared/fixtures'
 
@@ -96,7 +97,7 @@ describe('fixture models on cuda #gpu', function()
       opt:step()
       if step == 1 then first = loss:item() end
       if step == 200 then last = loss:item() end
-      collectgarbage()
+      S.settle()
       local st = ms.cuda.memory_stats()
       after[step] = st.allocated
       if step == 100 then mallocs = st.num_mallocs end

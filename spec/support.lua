@@ -250,6 +250,20 @@ function S.reduce_expect(op, vals, dtype)
   return acc
 end
 
+-- what is allocated once nothing holds garbage: LuaJIT's compiled traces
+-- keep the values they were specialised on (a closure's upvalues, tensors
+-- among them) alive as constants until they are flushed or replaced, so a
+-- tensor no Lua code reaches can outlive every collection and go a few
+-- steps later (dist_cp_multi_spec's "memory flat" failed 2 runs in 4 that
+-- way). Flushed, then two full collections (finalizers, then what they
+-- released). Synchronizes the current CUDA device when there is one.
+function S.settle()
+  jit.flush()
+  collectgarbage(); collectgarbage()
+  local ok, ms = pcall(require, 'moonshard')
+  if ok and ms.cuda and ms.cuda.is_available and ms.cuda.is_available() then ms.cuda.synchronize() end
+end
+
 -- count() once the collector has nothing more to free: a handle's
 -- finalizer can free a storage another handle shared, and it drops the
 -- handle's metadata (its gradient, its graph node), whose tensors become
@@ -259,6 +273,7 @@ end
 -- cycles in a row in which neither count() nor the Lua heap changed (at
 -- most 200 cycles).
 function S.settled(count)
+  jit.flush()   -- (traces keep their constants alive: S.settle)
   local prev, prev_heap, quiet = -1, -1, 0
   for _ = 1, 200 do
     collectgarbage('collect')

@@ -197,10 +197,10 @@ local Exchange = A.Function {
 -- (ops.cast_flat), and kept for the backward; each expert's gate and up
 -- sit next to each other there, so they are one product. The backward
 -- writes every expert's weight gradients (zeros for an expert with no
--- rows, so every rank's parameters have a gradient) into one flat tensor
--- of the weights' dtype (an f32 GEMM output from bf16 operands: no cast
--- pass) and returns views of it.
-local dims_t = require('ffi').typeof('int64_t[8]')
+-- rows, so every rank's parameters have a gradient) in the weights' dtype
+-- (an f32 GEMM output from bf16 operands: no cast pass), each a tensor of
+-- its own (views of one flat tensor would share a
+-- storage, and autograd would copy each into its parameter's .grad).
 local function experts_forward(ctx, xs, rows, ...)
   local ws = { ... }
   local E = #rows
@@ -223,36 +223,26 @@ local function experts_forward(ctx, xs, rows, ...)
   end
   return ys
 end
+local function tensor_array(list, n, from, step)
+  local a = ms.ffi.new('ms_tensor*[?]', n)
+  for i = 0, n - 1 do a[i] = list[from + i * step] end
+  return a
+end
 local function experts_backward(ctx, gy)
   local xs, ws = ctx.xs, ctx.ws
   local E = #ctx.rows
   local dt = xs.dtype
   local gc = gy.dtype == dt and gy:contiguous() or gy:to(dt)
   local dxs = T.empty(xs.shape, { dtype = dt, device = xs.device })
-  local wdt = ws[1].dtype
-  local dwf = T.empty({ ctx.wf:numel() }, { dtype = wdt, device = xs.device })
+  local grads = {}
+  for i, w in ipairs(ws) do grads[i] = T.empty(w.shape, { dtype = w.dtype, device = w.device }) end
   local r = ms.ffi.new('int64_t[?]', E)
   for e = 1, E do r[e - 1] = ctx.rows[e] end
-  T.check(T.C.ms_moe_experts_backward(dxs, dwf, gc, xs, ctx.gu, ctx.wf, r, E), 3)
+  T.check(T.C.ms_moe_experts_backward(dxs, tensor_array(grads, E, 1, 3), tensor_array(grads, E, 2, 3),
+    tensor_array(grads, E, 3, 3), gc, xs, ctx.gu, ctx.wf, r, E), 3)
   if gc ~= gy then gc:free() end
   ctx.gu:free(); ctx.wf:free()
   ctx.gu, ctx.wf, ctx.xs, ctx.ws = nil, nil, nil, nil
-  -- each weight's gradient: a view of dwf (in its own dtype where it differs)
-  local grads, off = {}, 0
-  local shape, stride = dims_t(), dims_t()
-  for i, w in ipairs(ws) do
-    local nd = w.ndim
-    local st = 1
-    for d = nd, 1, -1 do
-      shape[d - 1], stride[d - 1] = w.shape[d], st
-      st = st * w.shape[d]
-    end
-    local g = T.op(T.C.ms_tensor_as_strided, dwf, nd, shape, stride, off)
-    if w.dtype ~= wdt then g = g:to(w.dtype) end
-    grads[i] = g
-    off = off + st
-  end
-  dwf:free()
   grads.n = #ws
   return dxs, grads
 end
