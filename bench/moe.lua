@@ -8,7 +8,9 @@
 -- default 'auto' chooses between them by the groups' size). Then the experts'
 -- products alone, the three layouts of the grouped GEMM with balanced
 -- experts (tokens x top-k / experts rows each), grouped kernel against the
--- loop and against one dense cuBLASLt GEMM of all the rows.
+-- loop and against one dense cuBLASLt GEMM of all the rows. Between them,
+-- the layer's step on its own: wall time synced each step, the host's
+-- issue time, and the peak allocated above the start.
 --
 --   luajit bench/moe.lua [--tokens 8192] [--dim 2048] [--iters 20] [--warmup 3]
 -- Cases: 8 experts of 1408, top-2 (Mixtral's shape, scaled); 64 experts
@@ -33,7 +35,35 @@ local function step_time(m, x, g)
   end)
 end
 
+-- each step on its own: the wall time of a step synced before and after,
+-- the host's time to issue it (until the step returns, unsynced), and the
+-- peak allocated during the steps above what was allocated before them
+-- (medians of opts.iters steps after opts.warmup)
+local function step_alone(m, x, g)
+  local params = m:parameters()
+  local function step()
+    local y = nn.functional.autocast('bf16', function() return m(x) end)
+    y:backward(g)
+    for _, p in ipairs(params) do p.grad = nil end
+  end
+  for _ = 1, opts.warmup do step() end
+  ms.cuda.synchronize()
+  local base = ms.cuda.memory_stats().allocated
+  ms.cuda.reset_peak_memory_stats()
+  local walls, issues = {}, {}
+  for i = 1, opts.iters do
+    local t0 = B.now()
+    step()
+    local t1 = B.now()
+    ms.cuda.synchronize()
+    walls[i], issues[i] = (B.now() - t0) * 1e3, (t1 - t0) * 1e3
+  end
+  local peak = tonumber(ms.cuda.memory_stats().peak_allocated - base)
+  return B.median(walls), B.median(issues), peak / 2 ^ 20
+end
+
 local F = require 'moonshard.ops'
+local alone = {}
 print(('| experts | top-k | expert hidden | tokens | H | MoE ms | dense ms (hidden %s) | MoE / dense | expert GEMM TFLOP/s | MoE ms, grouped kernel | MoE ms, GEMM loop |')
   :format('k x'))
 print('|---|---|---|---|---|---|---|---|---|---|---|')
@@ -59,9 +89,17 @@ for _, c in ipairs({ { 8, 2, 1408 }, { 16, 4, 704 }, { 64, 8, 352 } }) do
   local flops = 18 * N * k * H * I
   print(('| %d | %d | %d | %d | %d | %.2f | %.2f | %.2f | %.0f | %.2f | %.2f |'):format(E, k, I, N, H, tm, td, tm / td,
     flops / (tm * 1e-3) / 1e12, tk, tl))
+  local wall, issue, peak = step_alone(m, x, g)
+  alone[#alone + 1] = ('| %d | %d | %d | %.2f | %.2f | %.0f |'):format(E, k, I, wall, issue, peak)
   m:to('cpu'); d:to('cpu')
   collectgarbage(); collectgarbage()
 end
+
+-- the layer's steps on their own ('auto')
+print()
+print('| experts | top-k | expert hidden | step alone, synced ms | host issue ms | peak allocated above the start MiB |')
+print('|---|---|---|---|---|---|')
+for _, line in ipairs(alone) do print(line) end
 
 -- the experts' products alone: E groups of R = N k / E rows (balanced)
 print()

@@ -169,8 +169,8 @@ static void busy_groups(ms_tensor **c, ms_tensor **a, ms_tensor **b, int *G, ms_
 #include "../kernels/kernels.h"
 #endif
 
-/* the SwiGLU of a gate-and-up product: CPU loops in f64 (every float dtype
- * through ms_load/ms_store; f32 and f64 typed) */
+/* the SwiGLU of a gate-and-up product: CPU loops in f64, every float dtype
+ * through ms_load/ms_store */
 static double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 static int check_swiglu(const char *op, const ms_tensor *gu, const ms_tensor *h, const char *hname, int64_t *I) {
@@ -188,6 +188,10 @@ int ms_moe_swiglu(ms_tensor *h, const ms_tensor *gu) {
     const char *op = "moe_swiglu";
     int64_t I = 0;
     if (check_swiglu(op, gu, h, "h", &I)) return -1;
+    if (h->storage == gu->storage) {
+        char x[DESC];
+        return ms_errorf("%s: h shares its storage with gu: %s", op, ms_desc(h, x, sizeof x));
+    }
 #ifdef MS_WITH_CUDA
     if (gu->device_id >= 0) return ms_cuda_moe_swiglu(h, gu);
 #endif

@@ -260,7 +260,7 @@ extern "C" int ms_cuda_moe_swiglu(ms_tensor *h, const ms_tensor *gu) {
         const T *pg = (const T *)ms_tensor_data(gu);
         if (I % V == 0 && ms_aligned16(ph) && ms_aligned16(pg)) {
             const long long n = M * (I / V);
-            if (n < (1LL << 31))
+            if ((long long)M * 2 * I < (1LL << 31))   // (every offset, d13 and gu the largest, in 32 bits)
                 swiglu_vec_kernel<T, unsigned><<<vec_blocks(n, h->device_id), kThreadsVec, 0, st_>>>(ph, pg, (unsigned)n, (unsigned)(I / V));
             else
                 swiglu_vec_kernel<T, long long><<<vec_blocks(n, h->device_id), kThreadsVec, 0, st_>>>(ph, pg, n, I / V);
@@ -286,7 +286,7 @@ extern "C" int ms_cuda_moe_swiglu_backward(ms_tensor *d13, const ms_tensor *gu, 
         if (I % V == 0 && ms_aligned16(pd) && ms_aligned16(pg) && ms_aligned16(ph)) {
             const long long n = M * (I / V);
             const unsigned nb = vec_blocks(n, dh->device_id);
-            if (n < (1LL << 31))
+            if ((long long)M * 2 * I < (1LL << 31))   // (every offset, d13 and gu the largest, in 32 bits)
                 swiglu_backward_vec_kernel<T, unsigned><<<nb, kThreadsVec, 0, st_>>>(pd, pg, ph, (unsigned)n, (unsigned)(I / V));
             else
                 swiglu_backward_vec_kernel<T, long long><<<nb, kThreadsVec, 0, st_>>>(pd, pg, ph, n, I / V);

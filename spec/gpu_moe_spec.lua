@@ -124,6 +124,25 @@ describe('nn.MoE on CUDA #gpu', function()
     end
   end)
 
+  it('the SwiGLU kernels past 2^32 elements (64-bit offsets): the last rows as the CPU computes them', function()
+    local T = require 'moonshard.tensor'
+    local M, I = 2200000, 1024          -- gu: 4.5e9 bf16 elements (past 2^32), 26 GB in all
+    local gu = ms.randn({ M, 2 * I }, { seed = 53, device = 'cuda', dtype = 'bf16' })
+    local dh = ms.randn({ M, I }, { seed = 54, device = 'cuda', dtype = 'bf16' })
+    local h = ms.empty({ M, I }, { dtype = 'bf16', device = 'cuda' })
+    local d13 = ms.empty({ M, 2 * I }, { dtype = 'bf16', device = 'cuda' })
+    T.check(T.C.ms_moe_swiglu(h, gu))
+    T.check(T.C.ms_moe_swiglu_backward(d13, gu, dh))
+    local r0, n = M - 7, 8
+    local gc, dc = gu:narrow(1, r0, n):to('cpu'):contiguous(), dh:narrow(1, r0, n):to('cpu'):contiguous()
+    local hc, d13c = ms.empty({ n, I }, { dtype = 'bf16' }), ms.empty({ n, 2 * I }, { dtype = 'bf16' })
+    T.check(T.C.ms_moe_swiglu(hc, gc))
+    T.check(T.C.ms_moe_swiglu_backward(d13c, gc, dc))
+    assert.is_true(relerr(h:narrow(1, r0, n), hc) < 1e-2)
+    assert.is_true(relerr(d13:narrow(1, r0, n), d13c) < 1e-2)
+    gu:free(); dh:free(); h:free(); d13:free()
+  end)
+
   it('bf16 autocast on the GPU: within 2e-2 of the f32 CPU layer; the aux loss as the CPU\'s (1e-4)', function()
     local cpu, gpu = pair({ dim = 64, hidden = 96, experts = 8, top_k = 2 })
     local x = ms.randn({ 2, 64, 64 }, { seed = 7 })

@@ -328,6 +328,27 @@ describe('nn.MoE', function()
     assert.matches('moe_swiglu_backward: d13 shares its storage with an input', tostring(err), 1, true)
   end)
 
+  it('between forward and backward: a copy of the experts\' weights held only when they were cast', function()
+    -- 16 experts of 64 x 64 (786 KB in f32) and 4 tokens: the weights dwarf the activations
+    local m = nn.MoE { dim = 64, hidden = 64, experts = 16, top_k = 2 }
+    local x = ms.randn({ 4, 64 }, { seed = 61 })
+    local wbytes = 16 * 3 * 64 * 64 * 4
+    local function held(run)
+      local base = S.settled(ms.live_bytes)
+      local y = run()
+      local after = S.settled(ms.live_bytes)
+      y:sum():backward()
+      for _, p in ipairs(m:parameters()) do p.grad = nil end
+      return after - base
+    end
+    -- f32 weights, f32 rows: nothing copied is kept (the backward copies them again)
+    local same = held(function() return m(x) end)
+    assert.is_true(same < wbytes / 4, ('f32: %d bytes held after the forward'):format(same))
+    -- bf16 autocast: the bf16 cast is kept, as autocast keeps a cast weight
+    local cast = held(function() return nn.functional.autocast('bf16', function() return m(x) end) end)
+    assert.is_true(cast >= wbytes / 2, ('bf16 autocast: %d bytes held after the forward'):format(cast))
+  end)
+
   it('refuses bad configurations and inputs, naming them', function()
     assert.has_error(function() nn.MoE { dim = 4, hidden = 4, experts = 2, top_k = 3 } end,
       'MoE: top_k 3 is more than the 2 experts')

@@ -193,14 +193,15 @@ local Exchange = A.Function {
 -- the experts and one activation pass over all the rows), so a layer
 -- costs the host a few FFI calls instead of a dozen autograd ops an
 -- expert. The weights are cast (or copied) into one flat tensor of the
--- rows' dtype (bf16 under autocast) once a forward, in one kernel
--- (ops.cast_flat), and kept for the backward; each expert's gate and up
--- sit next to each other there, so they are one product. The backward
+-- rows' dtype (bf16 under autocast) in one kernel (ops.cast_flat), kept
+-- for the backward when they were cast and made again there when they were
+-- only copied; each expert's gate and up sit next to each other there, so
+-- they are one product. The backward
 -- writes every expert's weight gradients (zeros for an expert with no
 -- rows, so every rank's parameters have a gradient) in the weights' dtype
 -- (an f32 GEMM output from bf16 operands: no cast pass), each a tensor of
--- its own (views of one flat tensor would share a
--- storage, and autograd would copy each into its parameter's .grad).
+-- its own (views of one flat tensor would share a storage, and autograd
+-- would copy each into its parameter's .grad).
 local function experts_forward(ctx, xs, rows, ...)
   local ws = { ... }
   local E = #rows
@@ -216,7 +217,14 @@ local function experts_forward(ctx, xs, rows, ...)
   local keep = false
   for _, n in ipairs(ctx.needs_input_grad) do keep = keep or n end
   if keep then
-    ctx.xs, ctx.gu, ctx.rows, ctx.ws, ctx.wf = xs, gu, rows, ws, wf
+    ctx.xs, ctx.gu, ctx.rows, ctx.ws = xs, gu, rows, ws
+    -- the casts are kept for the backward, as autocast keeps a cast weight;
+    -- weights already in the rows' dtype (FSDP's bf16 parameters, f32
+    -- training) are copied again there instead: a copy held from here to
+    -- the backward would be one more copy of every layer's experts
+    local cast = false
+    for _, w in ipairs(ws) do cast = cast or w.dtype ~= dt end
+    if cast then ctx.wf = wf else wf:free() end
   else
     -- (no backward will come)
     gu:free(); wf:free()
@@ -238,10 +246,11 @@ local function experts_backward(ctx, gy)
   for i, w in ipairs(ws) do grads[i] = T.empty(w.shape, { dtype = w.dtype, device = w.device }) end
   local r = ms.ffi.new('int64_t[?]', E)
   for e = 1, E do r[e - 1] = ctx.rows[e] end
+  local wf = ctx.wf or F.cast_flat(ws, dt)
   T.check(T.C.ms_moe_experts_backward(dxs, tensor_array(grads, E, 1, 3), tensor_array(grads, E, 2, 3),
-    tensor_array(grads, E, 3, 3), gc, xs, ctx.gu, ctx.wf, r, E), 3)
+    tensor_array(grads, E, 3, 3), gc, xs, ctx.gu, wf, r, E), 3)
   if gc ~= gy then gc:free() end
-  ctx.gu:free(); ctx.wf:free()
+  ctx.gu:free(); wf:free()
   ctx.gu, ctx.wf, ctx.xs, ctx.ws = nil, nil, nil, nil
   grads.n = #ws
   return dxs, grads
