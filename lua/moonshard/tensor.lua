@@ -611,21 +611,24 @@ end
 -- own buffers: FSDP's gathers)
 T.raw_copy_ = M.copy_
 -- to('bf16') / to('cuda') / to('cuda:1') / to{dtype=, device=, copy=}
+-- (one argument of to() applied to (dtype, device, copy); a function of its
+-- own, not a closure made each call, so that traces compile through to())
+local function to_arg(x, dtype, device, copy)
+  if x == nil then return dtype, device, copy end
+  if type(x) == 'table' then
+    if x.dtype then dtype = T.dtype_id(x.dtype, 4) end
+    if x.device then device = T.device_id(x.device, 4) end
+    copy = x.copy or copy
+  elseif dtype_ids[x] then dtype = dtype_ids[x]
+  elseif type(x) == 'string' and x ~= 'cpu' and not x:match('^cuda') then
+    error(('to: unknown dtype or device %s (dtypes: f64, f32, bf16, f16, i64, i32, u8, bool, f8e4m3, f8e5m2; '
+      .. 'devices: cpu, cuda, cuda:N)'):format(x), 4)
+  else device = T.device_id(x, 4) end
+  return dtype, device, copy
+end
 function M.to(t, a, b)
-  local dtype, device, copy = t.dtype_id, t.device_id, false
-  local function take(x)
-    if x == nil then return end
-    if type(x) == 'table' then
-      if x.dtype then dtype = T.dtype_id(x.dtype, 4) end
-      if x.device then device = T.device_id(x.device, 4) end
-      copy = x.copy or copy
-    elseif dtype_ids[x] then dtype = dtype_ids[x]
-    elseif type(x) == 'string' and x ~= 'cpu' and not x:match('^cuda') then
-      error(('to: unknown dtype or device %s (dtypes: f64, f32, bf16, f16, i64, i32, u8, bool, f8e4m3, f8e5m2; '
-        .. 'devices: cpu, cuda, cuda:N)'):format(x), 4)
-    else device = T.device_id(x, 4) end
-  end
-  take(a); take(b)
+  local dtype, device, copy = to_arg(a, t.dtype_id, t.device_id, false)
+  dtype, device, copy = to_arg(b, dtype, device, copy)
   if not copy and dtype == t.dtype_id and device == t.device_id then return t end
   if is_deferred(t) then
     -- still deferred, on the new device / in the new dtype, the same record
