@@ -33,17 +33,9 @@ function B.median(t)
   return t[math.floor((#t + 1) / 2)]
 end
 
--- now() -> seconds on the monotonic clock (wall time, not CPU time)
-do
-  local ffi = require 'ffi'
-  pcall(ffi.cdef, 'typedef struct { long tv_sec; long tv_nsec; } ms_bench_common_ts; '
-    .. 'int ms_bench_common_clock(int clk, ms_bench_common_ts *t) asm("clock_gettime");')
-  local ts = ffi.new('ms_bench_common_ts')
-  function B.now()
-    ffi.C.ms_bench_common_clock(1, ts)
-    return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
-  end
-end
+-- now() -> seconds on the monotonic clock (wall time, not CPU time): the
+-- training loop's clock
+B.now = require('moonshard.train').now
 
 -- timer(opts) -> timed(fn): the median ms of opts.iters runs of fn() after
 -- opts.warmup, each timed by CUDA events after an L2 flush (a 256 MiB fill

@@ -34,20 +34,19 @@ static int check_2d(const char *op, const char *what, const ms_tensor *t, int64_
     return 0;
 }
 
-/* the experts' weights (or gradients) in one flat tensor: expert e's gate
- * w1 (I, H), up w3 (I, H) and down w2 (H, I) in turn at e x 3 I H, as
- * ms_cast_flat lays out [w1, w3, w2, ...]; kind names it */
-static int check_flat(const char *op, const char *kind, const ms_tensor *f, int E, int64_t I, int64_t H,
-                      const ms_tensor *xs) {
+/* the experts' weights in one flat tensor: expert e's gate w1 (I, H), up
+ * w3 (I, H) and down w2 (H, I) in turn at e x 3 I H, as ms_cast_flat lays
+ * out [w1, w3, w2, ...] */
+static int check_flat(const char *op, const ms_tensor *f, int E, int64_t I, int64_t H, const ms_tensor *xs) {
     char x[DESC];
-    if (!f) return ms_errorf("%s: the experts' %s are missing", op, kind);
+    if (!f) return ms_errorf("%s: the experts' weights are missing", op);
     if (ms_tensor_check_live(f, op)) return -1;
     if (!ms_tensor_is_contiguous(f) || ms_tensor_numel(f) != (int64_t)E * 3 * I * H)
-        return ms_errorf("%s: the experts' %s must be one contiguous tensor of %d x 3 x %lld x %lld elements "
-                         "(each expert's gate, up and down in turn), got %s", op, kind, E, (long long)I,
-                         (long long)H, ms_desc(f, x, sizeof x));
+        return ms_errorf("%s: the experts' weights must be one contiguous tensor of %d x 3 x %lld x %lld elements "
+                         "(each expert's gate, up and down in turn), got %s", op, E, (long long)I, (long long)H,
+                         ms_desc(f, x, sizeof x));
     if (f->device_id != xs->device_id)
-        return ms_errorf("%s: the experts' %s are on another device than the rows: %s", op, kind,
+        return ms_errorf("%s: the experts' weights are on another device than the rows: %s", op,
                          ms_desc(f, x, sizeof x));
     return 0;
 }
@@ -86,7 +85,7 @@ static int check_common(const char *op, const ms_tensor *xs, const ms_tensor *gu
     if (!gu || gu->ndim != 2 || gu->sizes[1] % 2 || gu->sizes[1] == 0)
         return ms_errorf("%s: gu must be (rows, 2 x hidden of an expert), got %s", op, gu ? ms_desc(gu, x, sizeof x) : "NULL");
     int64_t I = gu->sizes[1] / 2;
-    if (check_2d(op, "gu", gu, M, 2 * I, xs) || check_flat(op, "weights", wf, E, I, H, xs)) return -1;
+    if (check_2d(op, "gu", gu, M, 2 * I, xs) || check_flat(op, wf, E, I, H, xs)) return -1;
     if (wf->dtype_id != xs->dtype_id || gu->dtype_id != xs->dtype_id)
         return ms_errorf("%s: the weights (%s) and gu must have the rows' dtype (%s)", op, ms_dtype_name(wf->dtype_id),
                          ms_desc(xs, x, sizeof x));
