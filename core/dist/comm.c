@@ -428,7 +428,8 @@ int ms_dist_init(ms_comm **world, const ms_dist_options *opt) {
             const double left = deadline - ms_dist_now();
             failed = ms_store_connect(&store, e.master_addr, e.master_port, token, e.rank, left > 1 ? left : 1) ||
                      ms_store_set_prefix(store, prefix) ||
-                     ms_store_barrier(store, key, e.rank, e.world_size, left > 1 ? left : 1);
+                     ms_store_barrier_within(store, key, e.rank, e.world_size, left > 1 ? left : 1,
+                                             o.rendezvous_timeout_s);
             if (!failed || e.rank == 0 || ms_dist_now() > deadline) break;
             const char *m = ms_last_error();
             if (!strstr(m, "closed the connection") && !strstr(m, "lost the connection")) break;

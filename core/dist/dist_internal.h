@@ -93,6 +93,10 @@ double ms_dist_now(void);   /* monotonic seconds */
 extern int ms_dist_exiting_with_error;
 /* connections of the server that wait in a GET/WAIT (as of its last loop) */
 int ms_store_server_waiting(const ms_store_server *s);
+/* ms_store_barrier that waits wait_s but names timeout_s in its error: the
+ * rendezvous waits what is left of its deadline and reports the whole of it */
+int ms_store_barrier_within(ms_store_client *s, const char *name, int rank, int world_size, double wait_s,
+                            double timeout_s);
 /* mark c broken with a message (kept, and set as the error); returns -1 */
 int ms_comm_fail(ms_comm *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

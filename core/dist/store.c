@@ -1019,6 +1019,11 @@ int ms_store_wait(ms_store_client *s, int n, const char *const *keys, double tim
 }
 
 int ms_store_barrier(ms_store_client *s, const char *name, int rank, int world_size, double timeout_s) {
+    return ms_store_barrier_within(s, name, rank, world_size, timeout_s, timeout_s);
+}
+
+int ms_store_barrier_within(ms_store_client *s, const char *name, int rank, int world_size, double wait_s,
+                            double timeout_s) {
     if (world_size < 1 || rank < 0 || rank >= world_size)
         return ms_errorf("store barrier '%s': rank %d outside a world of %d", name, rank, world_size);
     if (strlen(name) > 200) return ms_errorf("store barrier: name longer than 200 bytes");
@@ -1040,7 +1045,7 @@ int ms_store_barrier(ms_store_client *s, const char *name, int rank, int world_s
         else snprintf(keys[r], 300, "ms/barrier/%s/%lld/%d", name, (long long)gen, r);
     }
     uint32_t *missing = NULL, m = 0;
-    if (rc == 0) rc = wait_keys(s, world_size, (const char *const *)keys, timeout_s, &missing, &m);
+    if (rc == 0) rc = wait_keys(s, world_size, (const char *const *)keys, wait_s, &missing, &m);
     for (int r = 0; r < world_size; r++) free(keys[r]);
     free(keys);
     if (rc <= 0) return rc;
