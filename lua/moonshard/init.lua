@@ -61,6 +61,7 @@ local oktp, tpm = pcall(require, 'moonshard.tp')   -- tensor parallelism (docs/t
 if oktp then ms.tp = tpm elseif not tostring(tpm):find("module 'moonshard.tp' not found", 1, true) then error(tpm, 0) end
 ms.pp = require 'moonshard.pp'   -- pipeline parallelism (docs/pp.md)
 ms.cp = require 'moonshard.cp'   -- context parallelism (docs/cp.md)
+ms.ep = require 'moonshard.ep'   -- expert parallelism in training (docs/moe.md)
 
 function ms.set_num_threads(n) T.C.ms_set_num_threads(n) end
 function ms.get_num_threads() return T.C.ms_get_num_threads() end

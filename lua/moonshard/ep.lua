@@ -1,0 +1,410 @@
+-- moonshard.ep — expert parallelism for training: what the loop around
+-- nn.moe.expert_parallel needs (docs/moe.md, "Expert parallelism").
+--
+--   ms.dist.init{}
+--   local model = mixtral.new('tiny')                 -- the same seed on every rank
+--   local mesh = ms.dist.mesh{ replicate = 2, shard = 4 } -- 8 ranks: experts over 4, 2 copies of each
+--   ms.ep.parallelize(model, { group = mesh.shard, replicate = mesh.replicate })
+--   local loss = model(x, y)                          -- each rank its own batch
+--   loss:backward()
+--   ms.ep.all_reduce_grads(model)                     -- the data-parallel mean of every gradient
+--   ms.ep.clip_grad_norm_(model, 1.0)
+--   local msd, osd = ms.ep.full_checkpoint(model, opt, hyper)  -- a one-process checkpoint's parts
+--
+-- Every rank trains on its own tokens. The experts of each MoE layer are
+-- split over `group` (E / P a rank); `replicate` joins the ranks that hold
+-- the same experts (none when the group is every data-parallel rank). Each
+-- rank's loss is the mean over its tokens, and the run's loss the mean
+-- over the W = P x |replicate| ranks, so:
+--   - a gradient outside the experts is this rank's tokens': averaged over
+--     all W ranks;
+--   - a local expert's gradient is already the sum over its group's
+--     ranks' losses (their tokens came to it): summed over `replicate`,
+--     then divided by W.
+-- The whole model's state (the experts gathered from the group) makes a
+-- one-process checkpoint, which resumes at any expert-parallel size or in
+-- one process, and a one-process checkpoint resumes here: each rank keeps
+-- its experts' tensors and moments.
+local T = require 'moonshard.tensor'
+local A = require 'moonshard.autograd'
+local F = require 'moonshard.ops'
+local dist = require 'moonshard.dist'
+
+local ep = {}
+
+local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
+
+local function info_of(model, fname)
+  local info = type(model) == 'table' and rawget(model, '_ep_train')
+  if not info then
+    error(('ep.%s: the model is not expert-parallel (ep.parallelize)'):format(fname), 3)
+  end
+  return info
+end
+
+local function check_group(g, what)
+  if type(g) ~= 'table' or type(g.is_member) ~= 'function' or not g:is_member() then
+    error(('ep.parallelize: %s %s is not a process group this rank belongs to'):format(what, tostring(g)), 3)
+  end
+end
+
+-- ep.parallelize(model, { group =, replicate = }) -> model: each MoE
+-- layer's experts split over `group` (default the world; nn.moe.expert_parallel),
+-- `replicate` the ranks that hold the same experts (nil: none)
+function ep.parallelize(model, opts)
+  opts = opts or {}
+  local nn = require 'moonshard.nn'
+  if not nn.is_module(model) then error('ep.parallelize: model must be a module', 2) end
+  if rawget(model, '_ep_train') then error('ep.parallelize: the model is already expert-parallel', 2) end
+  local group = opts.group or dist.world_group
+  if group == nil then error('ep.parallelize: dist is not initialised (ms.dist.init) and no group given', 2) end
+  check_group(group, 'group')
+  local rep = opts.replicate
+  if rep ~= nil then check_group(rep, 'replicate') end
+  local ok, err = pcall(nn.moe.expert_parallel, model, group)
+  if not ok then error((tostring(err):gsub('^moe%.expert_parallel', 'ep.parallelize')), 2) end
+  local by = {}
+  for _, m in ipairs(err) do by[m] = true end
+  local layers = {}
+  for name, m in model:named_modules() do
+    if by[m] then
+      local e = rawget(m, '_ep')
+      layers[#layers + 1] = { module = m, prefix = name == '' and '' or name .. '.', E = m.n_experts,
+        El = e.local_experts }
+    end
+  end
+  rawset(model, '_ep_train', { group = group, replicate = rep, size = group:size(), rank = group:rank(),
+    layers = layers })
+  return model
+end
+
+function ep.is_parallel(model) return type(model) == 'table' and rawget(model, '_ep_train') ~= nil end
+
+-- the local experts of layer L: a list of { name =, tensor = } in their
+-- order (local expert j = 1..El, then the expert's parameters in order),
+-- the global names
+local function local_experts(L)
+  local list = {}
+  for j = 1, L.El do
+    local x = L.module.experts[j]
+    for n, p in x:named_parameters() do list[#list + 1] = { rest = n, tensor = p, j = j } end
+  end
+  return list
+end
+
+-- tensor id -> true for every local expert's parameter
+local function expert_ids(info)
+  local ids = {}
+  for _, L in ipairs(info.layers) do
+    for _, p in ipairs(L.module.experts:parameters()) do ids[tonumber(p.id)] = true end
+  end
+  return ids
+end
+
+-- ep.all_reduce_grads(model, group = world): the gradients of the mean
+-- over every data-parallel rank's loss (`group`, P x |replicate| ranks):
+-- the experts' summed over `replicate` and divided by the group's size,
+-- the others averaged over it
+function ep.all_reduce_grads(model, group)
+  local info = info_of(model, 'all_reduce_grads')
+  group = group or dist.world_group
+  local W = group:size()
+  local R = info.replicate and info.replicate:size() or 1
+  if W ~= info.size * R then
+    error(('ep.all_reduce_grads: a data-parallel group of %d ranks, but the experts split over %d ranks with %d '
+      .. 'copies (%d)'):format(W, info.size, R, info.size * R), 2)
+  end
+  local ex = expert_ids(info)
+  for _, p in ipairs(model:parameters()) do
+    local g = p.grad
+    if g ~= nil then
+      if ex[tonumber(p.id)] then
+        if R > 1 then dist.all_reduce(g, 'sum', { group = info.replicate }) end
+        F.mul_(g, 1 / W)
+      elseif W > 1 then
+        dist.all_reduce(g, 'avg', { group = group })
+      end
+    end
+  end
+end
+
+-- ep.clip_grad_norm_(model, max_norm, opts) -> the whole model's gradient
+-- norm (after all_reduce_grads: the same on every rank): the local
+-- experts' sums of squares added over the group (each expert once), the
+-- rest's once; clipped as ms.optim.clip_grad_norm (opts.defer, opts.tensor)
+function ep.clip_grad_norm_(model, max_norm, opts)
+  local info = info_of(model, 'clip_grad_norm_')
+  if max_norm ~= nil and (type(max_norm) ~= 'number' or max_norm <= 0) then
+    error(('ep.clip_grad_norm_: max_norm must be a positive number, got %s'):format(tostring(max_norm)), 2)
+  end
+  if max_norm == math.huge then max_norm = nil end
+  local optim = require 'moonshard.optim'
+  local ex = expert_ids(info)
+  local split, rep, all = {}, {}, {}
+  local dev
+  for _, p in ipairs(model:parameters()) do
+    local g = p.grad
+    if g ~= nil then
+      dev = dev or g.device
+      if g.device ~= dev then error(('ep.clip_grad_norm_: gradients on %s and %s'):format(dev, g.device), 2) end
+      all[#all + 1] = g
+      if ex[tonumber(p.id)] then split[#split + 1] = g else rep[#rep + 1] = g end
+    end
+  end
+  dev = dev or dist.device()
+  -- (every rank calls the all-reduce, with or without gradients)
+  local s = optim.sum_squares(split, dev)
+  dist.all_reduce(s, 'sum', { group = info.group })
+  local r = optim.sum_squares(rep, dev)
+  F.add_(s, r)
+  r:free()
+  local total = F.sqrt(s)
+  s:free()
+  return optim.clip_with_norm(all, total, max_norm, opts, 'ep.clip_grad_norm_')
+end
+
+-- the tensors get(item) of layer L's local experts (items from
+-- local_experts), gathered over the group: name -> tensor for every expert
+-- of the layer (on the host when `host`); get may return nil (a moment not
+-- made yet): zeros of the parameter's shape go in its place, and missing
+-- (when given) gets name -> true
+local function gather_layer(info, L, items, get, dtype, host, out, missing)
+  local P = info.size
+  local list, made, gone = {}, {}, {}
+  for k, it in ipairs(items) do
+    local t = get(it)
+    gone[k] = 0
+    if t == nil then
+      t = T.zeros(it.tensor.shape, { dtype = dtype, device = it.tensor.device })
+      made[#made + 1] = t
+      gone[k] = 1
+    end
+    list[k] = t
+  end
+  local absent = T.tensor(gone, { dtype = 'f64' })
+  local flat = F.cast_flat(list, dtype)
+  for _, t in ipairs(made) do t:free() end
+  local n = flat:numel()
+  local whole = T.empty({ P * n }, { dtype = dtype, device = flat.device })
+  dist.all_gather_into(whole, flat, { group = info.group })
+  flat:free()
+  local flags
+  if missing then
+    local a = absent:to(whole.device)
+    local all = T.empty({ P * #items }, { dtype = 'f64', device = whole.device })
+    dist.all_gather_into(all, a, { group = info.group })
+    if a ~= absent then a:free() end
+    flags = all:to('cpu')
+    if flags ~= all then all:free() end
+    flags = flags:totable()
+  end
+  absent:free()
+  for p = 0, P - 1 do
+    local off = p * n
+    for k, it in ipairs(items) do
+      local numel = it.tensor:numel()
+      local name = ('%sexperts.%d.%s'):format(L.prefix, p * L.El + it.j - 1, it.rest)
+      local v = whole:narrow(1, off + 1, numel):view(it.tensor.shape)
+      local own
+      if host and whole.device ~= 'cpu' then own = v:to('cpu') else own = v:clone() end
+      v:free()
+      out[name] = own
+      if flags and flags[p * #items + k] ~= 0 then missing[name] = true end
+      off = off + numel
+    end
+  end
+  whole:free()
+end
+
+-- ep.full_state_dict(model, opts) -> name -> whole tensor: the model's
+-- state with every expert of every layer gathered from the group (a
+-- collective over it; every rank of the group gets it). opts.host: the
+-- gathered tensors on the host (the device holds one layer's at a time).
+function ep.full_state_dict(model, opts)
+  local info = info_of(model, 'full_state_dict')
+  local host = opts and opts.host
+  local ex = expert_ids(info)
+  local out = {}
+  for name, t in pairs(model:state_dict()) do
+    if not ex[tonumber(t.id)] then out[name] = t end
+  end
+  for _, L in ipairs(info.layers) do
+    local items = local_experts(L)
+    gather_layer(info, L, items, function(it) return it.tensor end, items[1].tensor.dtype, host, out)
+  end
+  return out
+end
+
+-- the names of the whole (unsplit) model's parameters in the groups
+-- build_groups(model, {}, true) would make of it: each layer's run of
+-- local experts' names replaced by every expert's, in order
+local function full_groups(model, info)
+  local optim = require 'moonshard.optim'
+  local groups = optim.build_groups(model, {}, true)
+  local layer_of = {}
+  for _, L in ipairs(info.layers) do
+    for _, it in ipairs(local_experts(L)) do layer_of[tonumber(it.tensor.id)] = L end
+  end
+  local out = {}
+  for gi, g in ipairs(groups) do
+    local names, done = {}, {}
+    for k, p in ipairs(g.params) do
+      local L = layer_of[tonumber(p.id)]
+      if L == nil then
+        names[#names + 1] = g.names[k]
+      elseif not done[L] then
+        done[L] = true
+        -- (an expert's parameters all fall in one group: its 2-D weights)
+        local rests = {}
+        for _, it in ipairs(local_experts(L)) do if it.j == 1 then rests[#rests + 1] = it.rest end end
+        for e = 0, L.E - 1 do
+          for _, rest in ipairs(rests) do names[#names + 1] = ('%sexperts.%d.%s'):format(L.prefix, e, rest) end
+        end
+      end
+    end
+    out[gi] = { names = names, weight_decay = g.weight_decay }
+  end
+  return out
+end
+ep.full_groups = function(model) return full_groups(model, info_of(model, 'full_groups')) end
+
+-- ep.full_checkpoint(model, opt, hyper, opts) -> model state dict,
+-- optimizer state dict: a one-process checkpoint's two parts (what
+-- ms.optim.AdamW over the unsplit model would save), the experts and their
+-- AdamW moments gathered from the group (a collective over it); `hyper`
+-- = { lr, betas, eps, weight_decay }; opts.host as full_state_dict
+function ep.full_checkpoint(model, opt, hyper, opts)
+  local info = info_of(model, 'full_checkpoint')
+  local msd = ep.full_state_dict(model, opts)
+  if not opt then return msd, nil end
+  local host = opts and opts.host
+  local optim = require 'moonshard.optim'
+  local ex = expert_ids(info)
+  local by_name = {}
+  for name, p in model:named_parameters() do
+    local st = opt.state[tonumber(p.id)]
+    if not ex[tonumber(p.id)] and st and st.exp_avg then
+      by_name[name] = { exp_avg = st.exp_avg, exp_avg_sq = st.exp_avg_sq, step = st.step }
+    end
+  end
+  for _, L in ipairs(info.layers) do
+    local items = local_experts(L)
+    local m, v, missing = {}, {}, {}
+    local function field(f) return function(it) local st = opt.state[tonumber(it.tensor.id)]; return st and st[f] end end
+    local sdt = optim.state_dtype(items[1].tensor)
+    gather_layer(info, L, items, field('exp_avg'), sdt, host, m, missing)
+    gather_layer(info, L, items, field('exp_avg_sq'), sdt, host, v)
+    -- the steps (a plain AdamW counts each parameter's)
+    local steps = {}
+    for _, it in ipairs(items) do
+      local st = opt.state[tonumber(it.tensor.id)]
+      steps[#steps + 1] = st and st.step or 0
+    end
+    local s = T.tensor(steps, { dtype = 'f64' })
+    local sd = s:to(dist.device())
+    local all = T.empty({ info.size * #items }, { dtype = 'f64', device = sd.device })
+    dist.all_gather_into(all, sd, { group = info.group })
+    local st = all:to('cpu'):totable()
+    s:free(); if sd ~= s then sd:free() end
+    all:free()
+    for p = 0, info.size - 1 do
+      for k, it in ipairs(items) do
+        local name = ('%sexperts.%d.%s'):format(L.prefix, p * L.El + it.j - 1, it.rest)
+        if missing[name] then
+          m[name]:free(); v[name]:free()
+        else
+          by_name[name] = { exp_avg = m[name], exp_avg_sq = v[name], step = st[p * #items + k] }
+        end
+      end
+    end
+  end
+  return msd, optim.one_process_state(full_groups(model, info), by_name, hyper or {})
+end
+
+-- ep.load_full_state_dict(model, sd): a whole model's state dict (a
+-- one-process checkpoint's, read on every rank) into this rank's model:
+-- every tensor it holds, its experts among them, copied from sd
+function ep.load_full_state_dict(model, sd)
+  info_of(model, 'load_full_state_dict')
+  A.no_grad(function()
+    for name, dst in pairs(model:state_dict()) do
+      local src = sd[name]
+      if src == nil then error(('ep.load_full_state_dict: %s is missing'):format(name), 3) end
+      if src:numel() ~= dst:numel() then
+        error(('ep.load_full_state_dict: %s is %s in the file, the model\'s is %s'):format(name, shape_str(src.shape),
+          shape_str(dst.shape)), 3)
+      end
+      if dst:numel() > 0 then T.raw_copy_(dst, src:view(dst.shape)) end
+    end
+  end)
+  -- (the file's experts must be as many as the model's: a lost expert name is caught above,
+  -- one too many here)
+  for _, L in ipairs(info_of(model, 'load_full_state_dict').layers) do
+    local it = local_experts(L)[1]
+    local extra = ('%sexperts.%d.%s'):format(L.prefix, L.E, it.rest)
+    if sd[extra] ~= nil then
+      error(('ep.load_full_state_dict: the file holds %s, the model has %d experts there'):format(extra, L.E), 3)
+    end
+  end
+  return model
+end
+
+-- ep.load_full_optimizer_state(model, opt, sd): a one-process optimizer
+-- state dict (ms.optim.AdamW over the unsplit model; its groups name
+-- their parameters) into `opt` (ms.optim.AdamW over this rank's model):
+-- every parameter it holds gets the moments and step saved under its name
+function ep.load_full_optimizer_state(model, opt, sd)
+  info_of(model, 'load_full_optimizer_state')
+  local meta = sd.meta or {}
+  local name_of = {}
+  for gi, g in ipairs(meta.groups or {}) do
+    if type(g.names) ~= 'table' then
+      error(('ep.load_full_optimizer_state: group %d of the saved state does not name its parameters'):format(gi), 2)
+    end
+    for k, i in ipairs(g.params) do name_of[i] = g.names[k] end
+  end
+  -- the saved tensors by parameter index ('<i>.<field>')
+  local fields = {}
+  for tn, t in pairs(sd.tensors or {}) do
+    local idx, f = tn:match('^(%d+)%.(.+)$')
+    if idx then
+      idx = tonumber(idx)
+      fields[idx] = fields[idx] or {}
+      fields[idx][f] = t
+    end
+  end
+  local saved = {}
+  for _, e in ipairs(meta.state or {}) do
+    local name = name_of[e.index]
+    if name == nil then error(('ep.load_full_optimizer_state: state for parameter %s, which no group names'):format(
+      tostring(e.index)), 2) end
+    saved[name] = e
+  end
+  if #(meta.groups or {}) ~= #opt.param_groups then
+    error(('ep.load_full_optimizer_state: %d parameter groups in the state, %d in the optimizer'):format(
+      #(meta.groups or {}), #opt.param_groups), 2)
+  end
+  local tensors, lmeta, i = {}, { type = meta.type, groups = {}, state = {} }, 0
+  for gi, g in ipairs(opt.param_groups) do
+    if not g.names then error('ep.load_full_optimizer_state: the optimizer\'s groups do not name their parameters '
+      .. '(make it from the model)', 2) end
+    local mg = { params = {}, names = g.names }
+    for k, v in pairs(meta.groups[gi]) do if k ~= 'params' and k ~= 'names' then mg[k] = v end end
+    for k, name in ipairs(g.names) do
+      i = i + 1
+      mg.params[k] = i
+      local e = saved[name]
+      if e then
+        local entry = { index = i }
+        for f, v in pairs(e) do if f ~= 'index' then entry[f] = v end end
+        lmeta.state[#lmeta.state + 1] = entry
+        for f, t in pairs(fields[e.index] or {}) do tensors[i .. '.' .. f] = t end
+      end
+    end
+    lmeta.groups[gi] = mg
+  end
+  opt:load_state_dict({ tensors = tensors, meta = lmeta })
+  return opt
+end
+
+return ep

@@ -1,0 +1,202 @@
+-- Expert parallelism in training (#mpi, 1-4 ranks; moonshard.ep,
+-- docs/moe.md): a Mixtral whose experts are split over the ranks (at 4
+-- ranks also 2-way with 2 copies of each expert), each rank its own batch,
+-- against one process over every rank's batch, in f64:
+--   - after ep.all_reduce_grads every gradient is the one-process model's
+--     (the mean over the ranks' losses), an expert's under its global name;
+--   - ep.clip_grad_norm_ is the one-process norm and clips alike;
+--   - ep.full_checkpoint after two AdamW steps is the one-process model's
+--     state dict and optimizer state dict (the same indices, groups, names
+--     and moments);
+--   - a one-process state loaded with ep.load_full_state_dict and
+--     ep.load_full_optimizer_state takes the next step as one process does;
+--   - the refusals.
+local ms = require 'moonshard'
+local dist = require 'moonshard.dist'
+local FS = require 'spec.fsdp_support'
+local S = require 'spec.support'
+
+local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
+
+describe('moonshard.ep #mpi', function()
+  if not under_mpi then
+    it('runs under mpirun (tools/run_mpi_specs.sh)', function() pending('not started by mpirun') end)
+    return
+  end
+  setup(function() dist.init { backend = 'mpi', timeout = 120 } end)
+  teardown(function() dist.destroy() end)
+
+  local W = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE'))
+  local R = tonumber(os.getenv('OMPI_COMM_WORLD_RANK'))
+  local mixtral = require 'models.mixtral'
+  local cfg = { vocab_size = 40, hidden_size = 8, intermediate_size = 12, num_hidden_layers = 2,
+    num_attention_heads = 2, num_key_value_heads = 1, max_position_embeddings = 16, num_local_experts = 4,
+    num_experts_per_tok = 2, output_router_logits = false, bos_token_id = require('models.hf').null,
+    eos_token_id = require('models.hf').null }
+  local function make()
+    ms.manual_seed(4)
+    local m = mixtral.new(cfg):to('f64')
+    for name, p in m:named_parameters() do if not name:match('norm') then ms.normal_(p, 0, 0.4) end end
+    return m
+  end
+  local hyper = { lr = 1e-2, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
+  local function adamw(m) return ms.optim.AdamW(m, hyper) end
+  local function batch(p, step) return S.token_batch(2, 6, 40, 11 + p + 10 * step) end
+
+  -- one process: the mean of the ranks' losses (each over its batch)
+  local function ref_step(ref, opt, step, clip)
+    opt:zero_grad()
+    for p = 0, W - 1 do
+      local x, y = batch(p, step)
+      local l = ref(x, y) * (1 / W)
+      l:backward()
+    end
+    local n = ms.optim.clip_grad_norm(ref, clip or math.huge)
+    opt:step()
+    return n
+  end
+  -- the layouts: the experts over every rank, and at 4 ranks over pairs
+  -- with two copies (rank = copy * 2 + index)
+  local function layouts()
+    local list = { { 'over all ranks', function() return { group = dist.world_group } end } }
+    if W == 4 then
+      list[#list + 1] = { '2-way, 2 copies', function()
+        local mesh = dist.mesh { replicate = 2, shard = 2 }
+        return { group = mesh.shard, replicate = mesh.replicate }
+      end }
+    end
+    return list
+  end
+  local function ep_step(m, opt, step, clip)
+    opt:zero_grad()
+    local x, y = batch(R, step)
+    m(x, y):backward()
+    ms.ep.all_reduce_grads(m)
+    local n = ms.ep.clip_grad_norm_(m, clip or math.huge)
+    opt:step()
+    return n
+  end
+
+  for _, lay in ipairs(layouts()) do
+    it(('%s: the gradients, the norm, two clipped steps and the one-process checkpoint are one process\'s'):format(
+      lay[1]), function()
+      if 4 % W ~= 0 then return end
+      local ref = make()
+      local ropt = adamw(ref)
+      local m = make()
+      ms.ep.parallelize(m, lay[2]())
+      local opt = adamw(m)
+      -- the gradients of the first step
+      do
+        local x, y = batch(R, 1)
+        m(x, y):backward()
+        ms.ep.all_reduce_grads(m)
+        for p = 0, W - 1 do
+          local xr, yr = batch(p, 1)
+          local l = ref(xr, yr) * (1 / W)
+          l:backward()
+        end
+        local rp = {}
+        for name, p in ref:named_parameters() do rp[name] = p end
+        local n = 0
+        for name, p in m:named_parameters() do
+          n = n + 1
+          local err = FS.max_rel(p.grad, rp[name].grad)
+          assert.is_true(err <= 1e-10, ('%s: %g'):format(name, err))
+        end
+        assert.is_true(n > 0)
+        local nm, nr = ms.ep.clip_grad_norm_(m, math.huge), ms.optim.clip_grad_norm(ref, math.huge)
+        assert.is_true(FS.rel(nm, nr) <= 1e-12, ('norm %.17g, one process %.17g'):format(nm, nr))
+        opt:zero_grad(); ropt:zero_grad()
+      end
+      -- two steps clipped below the norm
+      for step = 1, 2 do
+        local nr = ref_step(ref, ropt, step, 0.05)
+        local nm = ep_step(m, opt, step, 0.05)
+        assert.is_true(nr > 0.05, 'the clip bites')
+        assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
+      end
+      local msd, osd = ms.ep.full_checkpoint(m, opt, hyper)
+      local rsd, rosd = ref:state_dict(), ropt:state_dict()
+      local nk = 0
+      for name, t in pairs(rsd) do
+        nk = nk + 1
+        assert.is_truthy(msd[name], name)
+        assert.is_true(FS.max_rel(msd[name], t) <= 1e-10, name)
+      end
+      for name in pairs(msd) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
+      assert.are.same(rosd.meta.groups, osd.meta.groups)
+      table.sort(rosd.meta.state, function(a, b) return a.index < b.index end)
+      table.sort(osd.meta.state, function(a, b) return a.index < b.index end)
+      assert.are.same(rosd.meta.state, osd.meta.state)
+      for name, t in pairs(rosd.tensors) do
+        assert.is_truthy(osd.tensors[name], name)
+        assert.is_true(FS.max_rel(osd.tensors[name], t) <= 1e-10, name)
+      end
+      -- the one-process groups' names
+      assert.are.same(rosd.meta.groups[1].names, ms.ep.full_groups(m)[1].names)
+    end)
+
+    it(('%s: a one-process state loaded takes the next steps as one process'):format(lay[1]), function()
+      if 4 % W ~= 0 then return end
+      local ref = make()
+      local ropt = adamw(ref)
+      ref_step(ref, ropt, 1)
+      -- the state as a checkpoint holds it (copies), loaded into a fresh split model
+      local sd, osd = {}, ropt:state_dict()
+      for name, t in pairs(ref:state_dict()) do sd[name] = t:clone() end
+      local m = make()
+      for _, p in ipairs(m:parameters()) do ms.normal_(p, 0, 1) end   -- (overwritten by the load)
+      ms.ep.parallelize(m, lay[2]())
+      local opt = adamw(m)
+      ms.ep.load_full_state_dict(m, sd)
+      ms.ep.load_full_optimizer_state(m, opt, osd)
+      for step = 2, 3 do
+        local nr = ref_step(ref, ropt, step)
+        local nm = ep_step(m, opt, step)
+        assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
+      end
+      local rp = ref:state_dict()
+      for name, t in pairs(m:state_dict()) do
+        assert.is_true(FS.max_rel(t, rp[name]) <= 1e-10, name)
+      end
+    end)
+  end
+
+  it('refuses a model that is not split, a group of the wrong size, and states that do not fit', function()
+    if 4 % W ~= 0 then return end
+    local m = make()
+    assert.has_error(function() ms.ep.all_reduce_grads(m) end,
+      'ep.all_reduce_grads: the model is not expert-parallel (ep.parallelize)')
+    assert.has_error(function() ms.ep.parallelize(ms.nn.Linear(2, 2)) end, 'ep.parallelize: the model has no MoE layers')
+    ms.ep.parallelize(m)
+    assert.has_error(function() ms.ep.parallelize(m) end, 'ep.parallelize: the model is already expert-parallel')
+    if W > 1 then
+      local self_group
+      for p = 0, W - 1 do
+        local g = dist.new_group({ p })
+        if p == R then self_group = g else g:free() end
+      end
+      local ok, err = pcall(ms.ep.all_reduce_grads, m, self_group)
+      assert.is_false(ok)
+      assert.matches(('ep.all_reduce_grads: a data-parallel group of 1 ranks, but the experts split over %d ranks '
+        .. 'with 1 copies (%d)'):format(W, W), tostring(err), 1, true)
+    end
+    local sd = {}
+    for name, t in pairs(make():state_dict()) do sd[name] = t end
+    local key = 'model.layers.0.block_sparse_moe.experts.0.w1.weight'
+    local keep = sd[key]
+    sd[key] = nil
+    if R == 0 then
+      local ok, err = pcall(ms.ep.load_full_state_dict, m, sd)
+      assert.is_false(ok)
+      assert.matches('ep.load_full_state_dict: ' .. key .. ' is missing', tostring(err), 1, true)
+    end
+    sd[key] = keep
+    sd['model.layers.0.block_sparse_moe.experts.4.w1.weight'] = keep
+    local ok, err = pcall(ms.ep.load_full_state_dict, m, sd)
+    assert.is_false(ok)
+    assert.matches('the file holds model.layers.0.block_sparse_moe.experts.4.w1.weight, the model has 4 experts there',
+      tostring(err), 1, true)
+  end)
+end)
