@@ -91,6 +91,7 @@ train.options = {
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; not with --fsdp sharding, --tp, --pp, --cp or --lora; checkpoints and the final weights are whole, one process\'s (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -885,7 +886,8 @@ end
 
 -- options a resumed run takes from the command line rather than from the
 -- checkpoint even when not given: none; these are dropped from the saved ones
-local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true, tp = true, pp = true, cp = true }
+local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true, tp = true, pp = true, cp = true,
+  ep = true }
 
 -- train.run(options) -> summary { steps, final_loss, first_loss, val_loss,
 -- elapsed_s, tokens_per_s, out, sample, model, interrupted, bad_steps,
@@ -1098,7 +1100,40 @@ function train.run(opts)
     end
     data_rank, data_world = math.floor(rank / (cp_size * tpn)), world / (cp_size * tpn)
   end
-  if pp_size <= 1 and tp_size <= 1 then
+  -- --ep N: groups of N consecutive ranks split every MoE layer's experts;
+  -- every rank trains on its own batch (data parallel over the world), the
+  -- ranks at the same place in each group hold the same experts (the
+  -- replicate group); the gradients reduced by ms.ep, without sharding;
+  -- whole-model checkpoints
+  local ep_size, ep_group, ep_rep = o.ep, nil, nil
+  if ep_size > 1 then
+    if world % ep_size ~= 0 then
+      usage('--ep %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', ep_size, world,
+        world == 1 and '' or 's')
+    end
+    if tp_size > 1 or pp_size > 1 or cp_size > 1 then
+      usage('--ep with --%s: not supported (expert parallelism trains data-parallel over every rank)',
+        tp_size > 1 and 'tp' or pp_size > 1 and 'pp' or 'cp')
+    end
+    if strategy ~= nil and strategy ~= 'off' and strategy ~= 'NO_SHARD' then
+      usage('--ep %d with --fsdp %s: not supported (the experts differ from rank to rank; expert parallelism trains '
+        .. 'without sharding: --fsdp off or NO_SHARD)', ep_size, strategy)
+    end
+    if o.lora > 0 then usage('--ep with --lora: not supported (merge the adapters first)') end
+    if resume and resume.sharded then
+      usage('--ep: %s is a sharded (FSDP) checkpoint; --ep resumes whole-model checkpoints (resume it with --steps '
+        .. 'at its step and --out, then --init-from the folder)', resume.path)
+    end
+    strategy = nil
+    if ep_size == world then
+      ep_group = dist.get_world_group()
+    else
+      local n = world / ep_size
+      ep_group = mine(n, 1, function(d) return along(ep_size, function(k) return d * ep_size + k end) end)
+      ep_rep = mine(ep_size, 1, function(k) return along(n, function(d) return d * ep_size + k end) end)
+    end
+  end
+  if pp_size <= 1 and tp_size <= 1 and not ep_group then
     if strategy == nil or strategy == 'off' then strategy = multi and 'NO_SHARD' or nil end
     if o.fsdp == 'off' and multi and rank == 0 then
       warn('--fsdp off with several ranks: training data-parallel (NO_SHARD)')
@@ -1139,7 +1174,9 @@ function train.run(opts)
   -- under nn.deferred_init, so no rank holds the whole of it; fully_shard
   -- writes each rank's shards from the recorded initialisation, the values
   -- an eager build would have had (docs/nn.md, "Deferred initialisation")
+  -- (expert parallelism: each rank makes its experts only)
   local deferred = (strategy ~= nil or tp_mesh ~= nil) and not (resume and not resume.sharded) or pp_mesh ~= nil
+    or ep_group ~= nil
   local okm, model
   if o.init_from then
     -- fine-tuning: the folder's config and weights (a resumed run builds
@@ -1176,6 +1213,21 @@ function train.run(opts)
   local nparams = 0
   for _, p in pairs(model:parameters()) do nparams = nparams + p:numel() end
   local adamw_opts = { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = o.eps, weight_decay = o.weight_decay }
+
+  -- expert parallelism: each rank keeps its experts (the deferred model
+  -- made then; a checkpoint resumed goes in with the optimizer's state)
+  local ep_desc
+  if ep_group then
+    local okp, perr = pcall(ms.ep.parallelize, model, { group = ep_group, replicate = ep_rep })
+    if not okp then usage('--ep %d: %s', ep_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
+    ms.nn.materialize(model)
+    local held = 0
+    for _, p in ipairs(model:parameters()) do held = held + p:numel() end
+    local layers = ms.nn.moe.layers(model)
+    ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, data parallel %d, '
+      .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
+      layers[1].n_experts / ep_size, layers[1].n_experts, #layers, world, held / 1e6)
+  end
 
   -- tensor parallelism: each rank keeps its slices (a deferred model is
   -- materialized a tensor at a time, then the rest of it)
@@ -1441,6 +1493,12 @@ function train.run(opts)
           if strategy then ms.tp.load_fsdp_optimizer_state(model, opt, sd)
           else ms.tp.load_full_optimizer_state(model, opt, sd) end
         end } })
+    elseif ep_group then
+      -- a whole-model checkpoint: every rank reads it and keeps its experts
+      -- (and their moments)
+      okl, err = pcall(ckpt.load, resume.path, {
+        model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end },
+        optimizer = { load_state_dict = function(_, sd) ms.ep.load_full_optimizer_state(model, opt, sd) end } })
     else okl, err = pcall(ckpt.load, resume.path, { model = model, optimizer = opt }) end
     if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
     local st = resume.state
@@ -1497,6 +1555,7 @@ function train.run(opts)
   if tp_desc then log('tensor parallel: %s', tp_desc) end
   if pp_desc then log('pipeline parallel: %s', pp_desc) end
   if cp_desc then log('context parallel: %s', cp_desc) end
+  if ep_desc then log('expert parallel: %s', ep_desc) end
   if float8_desc then log('float8: %s', float8_desc) end
   if ac_desc then log('activation checkpointing: %s', ac_desc) end
   if lora_desc then log('lora: %s', lora_desc) end
@@ -1518,16 +1577,19 @@ function train.run(opts)
     local state = { step = step, scheduler = { step = step, lr = lr_at(math.min(step, o.steps)) },
                     rng = T.rng_state(), data = train_loader:state(), options = saved,
                     bad_steps = bad_total, bad_steps_in_a_row = bad_run }
-    if tp_mesh or pp_mesh then
-      -- the whole model's and optimizer's state, gathered on every rank;
-      -- rank 0 writes a one-process checkpoint (it resumes at any --tp or --pp)
+    if tp_mesh or pp_mesh or ep_group then
+      -- the whole model's and optimizer's state, gathered on every rank
+      -- (with --ep on the ranks of rank 0's group, on the host); rank 0
+      -- writes a one-process checkpoint (it resumes at any --tp, --pp or --ep)
       state.world_size, state.tokens_per_step = data_world, tokens_per_step
       state.tp, state.pp = tp_mesh and tp_size or nil, pp_mesh and pp_size or nil
+      state.ep = ep_group and ep_size or nil
       local hyper = { lr = lr_at(math.min(step, o.steps)), betas = adamw_opts.betas, eps = adamw_opts.eps,
         weight_decay = adamw_opts.weight_decay }
       local msd, osd
       if pp_mesh then msd, osd = ms.pp.full_checkpoint(model, opt, hyper)   -- (with --tp too: it gathers the slices)
-      else msd, osd = ms.tp.full_checkpoint(model, opt, hyper) end
+      elseif tp_mesh then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
+      elseif rank < ep_size then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
       local okw, res = true, nil
       if rank == 0 then
         okw, res = pcall(ckpt.save_async, o.out, step, { model = { state_dict = function() return msd end },
@@ -1663,6 +1725,11 @@ function train.run(opts)
       -- (under FSDP the gradients were reduced over mesh.replicate already)
       if not strategy then ms.tp.all_reduce_grads(model, tp_mesh.replicate, 'avg') end
       gnorm = ms.tp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
+    elseif ep_group then
+      -- the mean over every rank's loss: the experts' gradients summed over
+      -- their copies, the others' averaged (ms.ep)
+      ms.ep.all_reduce_grads(model)
+      gnorm = ms.ep.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     elseif strategy then
       gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge):item()
     else
@@ -1799,8 +1866,10 @@ function train.run(opts)
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return pp_sd end },
           o.out)
       end
-    elseif tp_mesh then
-      local msd = ms.tp.full_checkpoint(model)
+    elseif tp_mesh or ep_group then
+      local msd
+      if tp_mesh then msd = ms.tp.full_checkpoint(model)
+      elseif rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
       if rank == 0 then
         local hf = require 'models.hf'
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return msd end }, o.out)

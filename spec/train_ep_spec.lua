@@ -1,0 +1,138 @@
+-- Expert parallelism in the built-in loop (bin/train --ep N, docs/moe.md):
+-- CPU ranks through mpirun, a tiny Mixtral (4 experts, 2 a token, without
+-- the load-balancing loss, which is each rank's tokens' own). Checked
+-- against one process over the same global batches: the loss curve
+-- (within 1e-5 relative) at --ep 2 on 2 ranks, --ep 2 on 4 (two copies of
+-- each expert) and --ep 4 on 4, and with --moe-bias-rate; the final
+-- weights are the whole model; the checkpoints are one process's (every
+-- expert in them) and resume in one process and at --ep 2 with the losses
+-- of the run that never stopped, and a one-process checkpoint resumes at
+-- --ep 2; bad layouts exit 2 with a message.
+local S = require 'spec.support'
+local q = S.shell_quote
+local dir = S.tmpdir()
+local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
+
+local corpus = S.fixed_corpus(dir, 20000)
+local flags = '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 --model.intermediate_size 48 '
+  .. '--model.output_router_logits false --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 '
+  .. '--sample-tokens 0 --log-every 2 --data ' .. q(corpus)
+
+describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
+  teardown(function() os.execute('rm -rf ' .. q(dir)) end)
+
+  -- the one-process run: 4 steps of 4 sequences, checkpoints every 2
+  local refs = {}
+  local function reference(extra, name)
+    if refs[name] then return refs[name] end
+    local status, text = bin_train(('models/mixtral.lua %s%s --batch-size 4 --steps 4 --save-every 2 --out %s/%s'):format(
+      flags, extra, q(dir), name))
+    assert.are.equal(0, status, text)
+    refs[name] = losses(dir .. '/' .. name)
+    return refs[name]
+  end
+  local function max_diff(a, b)
+    local d = (a:to('f64') - b:to('f64')):abs():max():item()
+    return d
+  end
+
+  it('--ep 2 on 2 ranks, --ep 2 on 4 (two copies) and --ep 4 on 4 follow the one-process curve; the final weights are '
+    .. 'the whole model', function()
+    local one = reference('', 'one')
+    local mixtral = require 'models.mixtral'
+    local m1 = mixtral.from_pretrained(dir .. '/one')
+    for _, c in ipairs({ { 2, 2, '2-way over 2 ranks (1 copy of each expert), 2 of 4 experts a rank in 2 layers, data parallel 2' },
+      { 4, 2, '2-way over 4 ranks (2 copies of each expert), 2 of 4 experts a rank in 2 layers, data parallel 4' },
+      { 4, 4, '4-way over 4 ranks (1 copy of each expert), 1 of 4 experts a rank in 2 layers, data parallel 4' } }) do
+      local np, ep = c[1], c[2]
+      local out = ('%s/ep%d_%d'):format(dir, np, ep)
+      local status, text = bin_train(('--nproc-per-node %d --device cpu models/mixtral.lua %s --batch-size %d --steps 4 '
+        .. '--ep %d --out %s'):format(np, flags, 4 / np, ep, q(out)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('[rank 0] expert parallel: ' .. c[3], 1, true), text)
+      close_losses(one, losses(out), 1, 4, ('--ep %d on %d ranks'):format(ep, np))
+      -- the saved folder: every expert, the one-process run's weights
+      local m = mixtral.from_pretrained(out)
+      local ref = m1:state_dict()
+      local n = 0
+      for name, t in pairs(m:state_dict()) do
+        n = n + 1
+        local d = max_diff(t, ref[name])
+        assert.is_true(d <= 1e-4, ('%s (--ep %d on %d): %g from the one-process weights'):format(name, ep, np, d))
+      end
+      assert.is_truthy(ref['model.layers.1.block_sparse_moe.experts.3.w2.weight'])
+      assert.is_truthy(m:state_dict()['model.layers.1.block_sparse_moe.experts.3.w2.weight'])
+    end
+  end)
+
+  it('--ep 2 with --moe-bias-rate follows the one-process curve (the counts summed over the ranks)', function()
+    local one = reference(' --moe-bias-rate 1e-2', 'one_bias')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --moe-bias-rate 1e-2 '
+      .. '--batch-size 2 --steps 4 --ep 2 --out %s/ep_bias'):format(flags, q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/ep_bias'), 1, 4, '--ep 2 --moe-bias-rate')
+  end)
+
+  it('an --ep checkpoint is a one-process one: it resumes in one process and at --ep 2 with the same losses, and a '
+    .. 'one-process checkpoint resumes at --ep 2', function()
+    local one = reference('', 'one')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 '
+      .. '--ep 2 --save-every 1 --stop-at 2 --out %s/es'):format(flags, q(dir)))
+    assert.are.equal(0, status, text)
+    -- every expert in the files, the one-process run's values after 2 steps
+    local st = require 'moonshard.safetensors'
+    local sd = st.load(dir .. '/es/ckpt-2/model.safetensors')
+    local ref2 = st.load(dir .. '/one/ckpt-2/model.safetensors')
+    local n = 0
+    for name, t in pairs(ref2) do
+      n = n + 1
+      assert.is_truthy(sd[name], name)
+      assert.is_true(max_diff(sd[name], t) <= 1e-4, name)
+    end
+    for name in pairs(sd) do assert.is_truthy(ref2[name], 'not the model\'s: ' .. name) end
+    assert.is_true(n > 0)
+    local osd = st.load(dir .. '/es/ckpt-2/optimizer.safetensors')
+    local oref = st.load(dir .. '/one/ckpt-2/optimizer.safetensors')
+    for name, t in pairs(oref) do
+      assert.is_truthy(osd[name], name)
+      assert.is_true(max_diff(osd[name], t) <= 1e-4 * math.max(1, t:abs():max():item()), name)
+    end
+    os.execute(('cp -r %s/es %s/es1'):format(q(dir), q(dir)))
+    status, text = bin_train(('--resume %s/es1'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/es1'), 1, 4, 'an --ep checkpoint resumed in one process')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/es --ep 2'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('resumed from', 1, true), text)
+    close_losses(one, losses(dir .. '/es'), 1, 4, 'an --ep checkpoint resumed at --ep 2')
+    -- a one-process checkpoint at --ep 2 on 2 ranks, and at --ep 2 on 4 (the
+    -- same global batch: a one-process checkpoint keeps its --batch-size)
+    for _, np in ipairs({ 2, 4 }) do
+      local r = ('%s/one_r%d'):format(dir, np)
+      os.execute(('mkdir -p %s && cp -r %s/one/ckpt-2 %s/'):format(q(r), q(dir), q(r)))
+      status, text = bin_train(('--nproc-per-node %d --device cpu --resume %s --ep 2 --batch-size %d'):format(np, q(r),
+        4 / np))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(r), 3, 4, ('a one-process checkpoint resumed at --ep 2 on %d ranks'):format(np))
+    end
+  end)
+
+  it('bad layouts exit 2 and say why', function()
+    local function fails(args, msg)
+      local status, text = bin_train(args .. (' --steps 1 --out %s/bad'):format(q(dir)))
+      assert.are.equal(2, status, text)
+      assert.is_truthy(text:find(msg, 1, true), text)
+    end
+    fails(('models/mixtral.lua %s --ep 2'):format(flags), '--ep 2: the world of 1 rank is not a multiple of it')
+    fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --fsdp FULL_SHARD'):format(flags),
+      '--ep 2 with --fsdp FULL_SHARD: not supported')
+    fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --pp 2'):format(flags),
+      '--ep with --pp: not supported')
+    fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --lora 4'):format(flags),
+      '--ep with --lora: not supported')
+    fails(('--nproc-per-node 3 --device cpu models/mixtral.lua %s --ep 3'):format(flags),
+      '--ep 3: ep.parallelize: 4 experts do not split over 3 ranks')
+    fails(('--nproc-per-node 2 --device cpu models/llama.lua --preset tiny --model.num_hidden_layers 1 --seq-len 16 '
+      .. '--data %s --ep 2'):format(q(corpus)), '--ep 2: ep.parallelize: the model has no MoE layers')
+  end)
+end)
