@@ -3,7 +3,8 @@
 -- the load-balancing loss, which is each rank's tokens' own). Checked
 -- against one process over the same global batches: the loss curve
 -- (within 1e-5 relative) at --ep 2 on 2 ranks, --ep 2 on 4 (two copies of
--- each expert) and --ep 4 on 4, and with --moe-bias-rate; the final
+-- each expert) and --ep 4 on 4, and with --moe-bias-rate (under bf16
+-- autocast, GPUs' default, within bf16 rounding); the final
 -- weights are the whole model; the checkpoints are one process's (every
 -- expert in them) and resume in one process and at --ep 2 with the losses
 -- of the run that never stopped, and a one-process checkpoint resumes at
@@ -71,6 +72,20 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
       .. '--batch-size 2 --steps 4 --ep 2 --out %s/ep_bias'):format(flags, q(dir)))
     assert.are.equal(0, status, text)
     close_losses(one, losses(dir .. '/ep_bias'), 1, 4, '--ep 2 --moe-bias-rate')
+  end)
+
+  it('--ep 2 --fsdp-mixed-precision bf16 (the default on GPUs): the forward under bf16 autocast, the f32 curve within '
+    .. 'bf16 rounding', function()
+    local one = reference('', 'one')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 '
+      .. '--ep 2 --fsdp-mixed-precision bf16 --out %s/ep_bf16'):format(flags, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('data parallel 2, 0.04M parameters a rank, bf16 autocast', 1, true), text)
+    local got = losses(dir .. '/ep_bf16')
+    close_losses(one, got, 1, 4, '--ep 2 under bf16 autocast', 2e-2)
+    local same = true
+    for k = 1, 4 do same = same and got[k] == one[k] end
+    assert.is_false(same, 'the bf16 forward gave the f32 losses bit for bit: autocast did not run')
   end)
 
   it('an --ep checkpoint is a one-process one: it resumes in one process and at --ep 2 with the same losses, and a '

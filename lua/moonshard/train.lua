@@ -1216,8 +1216,13 @@ function train.run(opts)
 
   -- expert parallelism: each rank keeps its experts (the deferred model
   -- made then; a checkpoint resumed goes in with the optimizer's state)
-  local ep_desc
+  -- (on GPUs the forward under bf16 autocast, the weights and gradients
+  -- f32: --fsdp-mixed-precision's param dtype, bf16 by default on CUDA)
+  local ep_desc, ep_amp
   if ep_group then
+    local okm2, mp = pcall(train.mixed_precision, o.fsdp_mixed_precision, device)
+    if not okm2 then usage('--fsdp-mixed-precision: %s', tostring(mp)) end
+    ep_amp = mp ~= nil and mp.param == 'bf16'
     local okp, perr = pcall(ms.ep.parallelize, model, { group = ep_group, replicate = ep_rep })
     if not okp then usage('--ep %d: %s', ep_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     ms.nn.materialize(model)
@@ -1227,6 +1232,7 @@ function train.run(opts)
     ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, data parallel %d, '
       .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
       layers[1].n_experts / ep_size, layers[1].n_experts, #layers, world, held / 1e6)
+    if ep_amp then ep_desc = ep_desc .. ', bf16 autocast' end
   end
 
   -- tensor parallelism: each rank keeps its slices (a deferred model is
@@ -1636,7 +1642,8 @@ function train.run(opts)
   -- the mean validation loss over every rank's batches
   local function validate()
     local v = train.evaluate_on(model, val_loader, o.eval_iters, to_device,
-      pipe and function(x, y) return pipe:evaluate(x, y) end or nil)
+      pipe and function(x, y) return pipe:evaluate(x, y) end
+      or ep_amp and function(x, y) return ms.nn.functional.autocast('bf16', model, x, y) end or nil)
     if multi then v = reduce_numbers({ v }, 'avg')[1] end
     return v
   end
@@ -1701,7 +1708,8 @@ function train.run(opts)
             loss:free()
             return
           end
-          local loss = model(x, y)
+          local loss
+          if ep_amp then loss = ms.nn.functional.autocast('bf16', model, x, y) else loss = model(x, y) end
           if inject[step] then loss = loss * (0 / 0) end
           lsum = lsum + loss:item()
           if accum > 1 then loss = loss * (1 / accum) end -- the mean over all micro-batches (exact for a power of two)
