@@ -118,8 +118,9 @@ describe('expert parallelism on GPUs (NCCL) #multi', function()
     local rsd, rosd = ref:state_dict(), ropt:state_dict()
     for name, t in pairs(rsd) do
       assert.is_truthy(msd[name], name)
-      assert.are.equal('cpu', msd[name].device, name)
-      assert.is_true(FS.norm_rel(msd[name], t:to('cpu')) <= 1e-4, name)
+      -- (the experts gathered on the host; the rest the model's own tensors)
+      if name:match('%.experts%.') then assert.are.equal('cpu', msd[name].device, name) end
+      assert.is_true(FS.norm_rel(msd[name]:to('cpu'), t:to('cpu')) <= 1e-4, name)
     end
     assert.are.same(rosd.meta.groups, osd.meta.groups)
     for name, t in pairs(rosd.tensors) do
