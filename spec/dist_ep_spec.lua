@@ -10,6 +10,9 @@
 --     and moments);
 --   - a one-process state loaded with ep.load_full_state_dict and
 --     ep.load_full_optimizer_state takes the next step as one process does;
+--   - under fsdp.fully_shard (FULL_SHARD, the experts a unit of their own
+--     sharded over their copies): the same norms, checkpoint and loaded
+--     steps;
 --   - the refusals.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
@@ -71,10 +74,34 @@ describe('moonshard.ep #mpi', function()
     opt:zero_grad()
     local x, y = batch(R, step)
     m(x, y):backward()
-    ms.ep.all_reduce_grads(m)
+    if not rawget(m, '_fsdp') then ms.ep.all_reduce_grads(m) end
     local n = ms.ep.clip_grad_norm_(m, clip or math.huge)
     opt:step()
     return n
+  end
+  -- fully_shard over every rank, the decoder layers as units
+  local function shard(m, strategy)
+    ms.fsdp.fully_shard(m, { strategy = strategy or 'FULL_SHARD',
+      policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }) })
+    return ms.fsdp.AdamW(m, hyper)
+  end
+  local function same_checkpoint(m, opt, ref, ropt, tol)
+    tol = tol or 1e-10
+    local msd, osd = ms.ep.full_checkpoint(m, opt, hyper)
+    local rsd, rosd = ref:state_dict(), ropt:state_dict()
+    for name, t in pairs(rsd) do
+      assert.is_truthy(msd[name], name)
+      assert.is_true(FS.max_rel(msd[name], t) <= tol, name)
+    end
+    for name in pairs(msd) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
+    assert.are.same(rosd.meta.groups, osd.meta.groups)
+    table.sort(rosd.meta.state, function(a, b) return a.index < b.index end)
+    table.sort(osd.meta.state, function(a, b) return a.index < b.index end)
+    assert.are.same(rosd.meta.state, osd.meta.state)
+    for name, t in pairs(rosd.tensors) do
+      assert.is_truthy(osd.tensors[name], name)
+      assert.is_true(FS.max_rel(osd.tensors[name], t) <= tol, name)
+    end
   end
 
   for _, lay in ipairs(layouts()) do
@@ -116,26 +143,47 @@ describe('moonshard.ep #mpi', function()
         assert.is_true(nr > 0.05, 'the clip bites')
         assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
       end
-      local msd, osd = ms.ep.full_checkpoint(m, opt, hyper)
-      local rsd, rosd = ref:state_dict(), ropt:state_dict()
-      local nk = 0
-      for name, t in pairs(rsd) do
-        nk = nk + 1
-        assert.is_truthy(msd[name], name)
-        assert.is_true(FS.max_rel(msd[name], t) <= 1e-10, name)
-      end
-      for name in pairs(msd) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
-      assert.are.same(rosd.meta.groups, osd.meta.groups)
-      table.sort(rosd.meta.state, function(a, b) return a.index < b.index end)
-      table.sort(osd.meta.state, function(a, b) return a.index < b.index end)
-      assert.are.same(rosd.meta.state, osd.meta.state)
-      for name, t in pairs(rosd.tensors) do
-        assert.is_truthy(osd.tensors[name], name)
-        assert.is_true(FS.max_rel(osd.tensors[name], t) <= 1e-10, name)
-      end
+      same_checkpoint(m, opt, ref, ropt)
       -- the one-process groups' names
-      assert.are.same(rosd.meta.groups[1].names, ms.ep.full_groups(m)[1].names)
+      assert.are.same(ropt:state_dict().meta.groups[1].names, ms.ep.full_groups(m)[1].names)
     end)
+
+    for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP' }) do
+      it(('%s, fully_shard %s: two clipped steps, the one-process checkpoint, and a one-process state loaded takes '
+        .. 'the next steps as one process'):format(lay[1], strategy), function()
+        if 4 % W ~= 0 then return end
+        local ref = make()
+        local ropt = adamw(ref)
+        local m = make()
+        ms.ep.parallelize(m, lay[2]())
+        local opt = shard(m, strategy)
+        local units = ms.fsdp.units(m)
+        local ne = 0
+        for _, u in ipairs(units) do if u.experts then ne = ne + 1 end end
+        assert.are.equal(2, ne, 'an expert unit a layer')
+        for step = 1, 2 do
+          local nr = ref_step(ref, ropt, step, 0.05)
+          local nm = ep_step(m, opt, step, 0.05)
+          assert.is_true(nr > 0.05, 'the clip bites')
+          assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
+        end
+        same_checkpoint(m, opt, ref, ropt)
+        -- the one-process state after 2 steps into a fresh sharded model
+        local sd, osd = {}, ropt:state_dict()
+        for name, t in pairs(ref:state_dict()) do sd[name] = t:clone() end
+        local m2 = make()
+        ms.ep.parallelize(m2, lay[2]())
+        ms.ep.load_full_state_dict(m2, sd)
+        local opt2 = shard(m2, strategy)
+        ms.ep.load_full_optimizer_state(m2, opt2, osd)
+        for step = 3, 4 do
+          local nr = ref_step(ref, ropt, step)
+          local nm = ep_step(m2, opt2, step)
+          assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
+        end
+        same_checkpoint(m2, opt2, ref, ropt)
+      end)
+    end
 
     it(('%s: a one-process state loaded takes the next steps as one process'):format(lay[1]), function()
       if 4 % W ~= 0 then return end
@@ -198,5 +246,36 @@ describe('moonshard.ep #mpi', function()
     assert.is_false(ok)
     assert.matches('the file holds model.layers.0.block_sparse_moe.experts.4.w1.weight, the model has 4 experts there',
       tostring(err), 1, true)
+    -- fully_shard: FULL_SHARD or SHARD_GRAD_OP over every rank; the rest of fsdp refuses
+    local m3 = make()
+    ms.nn.moe.expert_parallel(m3)
+    ok, err = pcall(ms.fsdp.fully_shard, m3)
+    assert.is_false(ok)
+    assert.matches('is expert-parallel (nn.moe.expert_parallel): its experts differ from rank to rank; split it with '
+      .. 'ms.ep.parallelize', tostring(err), 1, true)
+    local m4 = make()
+    ms.ep.parallelize(m4)
+    ok, err = pcall(ms.fsdp.fully_shard, m4, { strategy = 'NO_SHARD' })
+    assert.is_false(ok)
+    assert.matches('fully_shard: an expert-parallel model takes FULL_SHARD or SHARD_GRAD_OP, not NO_SHARD', tostring(err),
+      1, true)
+    if W > 1 then
+      local own
+      for p = 0, W - 1 do
+        local g = dist.new_group({ p })
+        if p == R then own = g else g:free() end
+      end
+      ok, err = pcall(ms.fsdp.fully_shard, m4, { group = own })
+      assert.is_false(ok)
+      assert.matches(('split over %d ranks with 1 copies (%d ranks); shard it over all of them, not a group of 1'):format(
+        W, W), tostring(err), 1, true)
+    end
+    ms.fsdp.fully_shard(m4, { policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }) })
+    ok, err = pcall(ms.ep.all_reduce_grads, m4)
+    assert.is_false(ok)
+    assert.matches('under fully_shard, whose units reduce the gradients', tostring(err), 1, true)
+    ok, err = pcall(ms.ep.load_full_state_dict, m4, sd)
+    assert.is_false(ok)
+    assert.matches('load the weights before fully_shard', tostring(err), 1, true)
   end)
 end)

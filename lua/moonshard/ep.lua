@@ -107,6 +107,9 @@ end
 -- the others averaged over it
 function ep.all_reduce_grads(model, group)
   local info = info_of(model, 'all_reduce_grads')
+  if rawget(model, '_fsdp') then
+    error('ep.all_reduce_grads: the model is under fully_shard, whose units reduce the gradients', 2)
+  end
   group = group or dist.world_group
   local W = group:size()
   local R = info.replicate and info.replicate:size() or 1
@@ -138,6 +141,16 @@ function ep.clip_grad_norm_(model, max_norm, opts)
     error(('ep.clip_grad_norm_: max_norm must be a positive number, got %s'):format(tostring(max_norm)), 2)
   end
   if max_norm == math.huge then max_norm = nil end
+  if rawget(model, '_fsdp') then
+    -- (under fully_shard every element of every shard is held by one rank:
+    -- the experts' over their copies, the rest over every rank)
+    local t = require('moonshard.fsdp').clip_grad_norm(model, max_norm or math.huge,
+      { defer = opts and opts.defer })
+    if opts and opts.tensor then return t end
+    local v = t:item()
+    t:free()
+    return v
+  end
   local optim = require 'moonshard.optim'
   local ex = expert_ids(info)
   local split, rep, all = {}, {}, {}
@@ -221,18 +234,36 @@ end
 -- collective over it; every rank of the group gets it). opts.host: the
 -- gathered tensors on the host (the device holds one layer's at a time).
 function ep.full_state_dict(model, opts)
-  local info = info_of(model, 'full_state_dict')
-  local host = opts and opts.host
-  local ex = expert_ids(info)
-  local out = {}
-  for name, t in pairs(model:state_dict()) do
-    if not ex[tonumber(t.id)] then out[name] = t end
+  return (ep.full_checkpoint(model, nil, nil, opts))
+end
+
+-- this rank's global name of local expert item `it` of layer L
+local function local_name(info, L, it)
+  return ('%sexperts.%d.%s'):format(L.prefix, info.rank * L.El + it.j - 1, it.rest)
+end
+
+-- the model's own state: name -> tensor (the experts' whole), and with an
+-- optimizer name -> { exp_avg =, exp_avg_sq =, step = } of the parameters
+-- that have state. Under fully_shard the units are all-gathered
+-- (fsdp_checkpoint.gather: a collective over every rank); `owned`: names
+-- whose tensors are copies made here
+local function own_state(model, info, opt)
+  local tensors, state, owned = {}, {}, {}
+  if rawget(model, '_fsdp') then
+    local params, st = require('moonshard.fsdp_checkpoint').gather(model, { optimizer = opt })
+    for _, e in ipairs(params) do tensors[e.name] = e.tensor; owned[e.name] = true end
+    -- buffers (not in the flat parameters): the model's own
+    for name, t in pairs(model:state_dict()) do if tensors[name] == nil then tensors[name] = t end end
+    return tensors, st or {}, owned
   end
-  for _, L in ipairs(info.layers) do
-    local items = local_experts(L)
-    gather_layer(info, L, items, function(it) return it.tensor end, items[1].tensor.dtype, host, out)
+  for name, t in pairs(model:state_dict()) do tensors[name] = t end
+  if opt then
+    for name, p in model:named_parameters() do
+      local s = opt.state[tonumber(p.id)]
+      if s and s.exp_avg then state[name] = { exp_avg = s.exp_avg, exp_avg_sq = s.exp_avg_sq, step = s.step } end
+    end
   end
-  return out
+  return tensors, state, owned
 end
 
 -- the names of the whole (unsplit) model's parameters in the groups
@@ -275,30 +306,36 @@ ep.full_groups = function(model) return full_groups(model, info_of(model, 'full_
 -- = { lr, betas, eps, weight_decay }; opts.host as full_state_dict
 function ep.full_checkpoint(model, opt, hyper, opts)
   local info = info_of(model, 'full_checkpoint')
-  local msd = ep.full_state_dict(model, opts)
-  if not opt then return msd, nil end
   local host = opts and opts.host
   local optim = require 'moonshard.optim'
-  local ex = expert_ids(info)
-  local by_name = {}
-  for name, p in model:named_parameters() do
-    local st = opt.state[tonumber(p.id)]
-    if not ex[tonumber(p.id)] and st and st.exp_avg then
-      by_name[name] = { exp_avg = st.exp_avg, exp_avg_sq = st.exp_avg_sq, step = st.step }
-    end
+  local tensors, state, owned = own_state(model, info, opt)
+  -- the local experts' names: gathered below, the rest as they are
+  local mine = {}
+  for _, L in ipairs(info.layers) do
+    for _, it in ipairs(local_experts(L)) do mine[local_name(info, L, it)] = true end
   end
+  local msd, by_name = {}, {}
+  for name, t in pairs(tensors) do if not mine[name] then msd[name] = t end end
+  for name, e in pairs(state) do if not mine[name] then by_name[name] = e end end
+  for _, L in ipairs(info.layers) do
+    local items = local_experts(L)
+    gather_layer(info, L, items, function(it) return tensors[local_name(info, L, it)] end,
+      tensors[local_name(info, L, items[1])].dtype, host, msd)
+  end
+  for name in pairs(mine) do if owned[name] then tensors[name]:free() end end
+  if not opt then return msd, nil end
   for _, L in ipairs(info.layers) do
     local items = local_experts(L)
     local m, v, missing = {}, {}, {}
-    local function field(f) return function(it) local st = opt.state[tonumber(it.tensor.id)]; return st and st[f] end end
+    local function field(f) return function(it) local e = state[local_name(info, L, it)]; return e and e[f] end end
     local sdt = optim.state_dtype(items[1].tensor)
     gather_layer(info, L, items, field('exp_avg'), sdt, host, m, missing)
     gather_layer(info, L, items, field('exp_avg_sq'), sdt, host, v)
     -- the steps (a plain AdamW counts each parameter's)
     local steps = {}
     for _, it in ipairs(items) do
-      local st = opt.state[tonumber(it.tensor.id)]
-      steps[#steps + 1] = st and st.step or 0
+      local e = state[local_name(info, L, it)]
+      steps[#steps + 1] = e and e.step or 0
     end
     local s = T.tensor(steps, { dtype = 'f64' })
     local sd = s:to(dist.device())
@@ -317,6 +354,13 @@ function ep.full_checkpoint(model, opt, hyper, opts)
         end
       end
     end
+    -- (fully_shard's gathered moments: copies)
+    if rawget(model, '_fsdp') then
+      for _, it in ipairs(items) do
+        local e = state[local_name(info, L, it)]
+        if e then e.exp_avg:free(); e.exp_avg_sq:free() end
+      end
+    end
   end
   return msd, optim.one_process_state(full_groups(model, info), by_name, hyper or {})
 end
@@ -326,6 +370,9 @@ end
 -- every tensor it holds, its experts among them, copied from sd
 function ep.load_full_state_dict(model, sd)
   info_of(model, 'load_full_state_dict')
+  if rawget(model, '_fsdp') then
+    error('ep.load_full_state_dict: the model is under fully_shard; load the weights before fully_shard', 2)
+  end
   A.no_grad(function()
     for name, dst in pairs(model:state_dict()) do
       local src = sd[name]
@@ -379,6 +426,19 @@ function ep.load_full_optimizer_state(model, opt, sd)
     if name == nil then error(('ep.load_full_optimizer_state: state for parameter %s, which no group names'):format(
       tostring(e.index)), 2) end
     saved[name] = e
+  end
+  if rawget(model, '_fsdp') then
+    -- fsdp.AdamW: each piece of a unit's shard gets the moments of the
+    -- elements it holds (the local experts' found by their global names)
+    local by_name = {}
+    for name, e in pairs(saved) do
+      local f = fields[e.index] or {}
+      if f.exp_avg and f.exp_avg_sq then by_name[name] = { exp_avg = f.exp_avg, exp_avg_sq = f.exp_avg_sq, step = e.step } end
+    end
+    local fck = require 'moonshard.fsdp_checkpoint'
+    local optim = require 'moonshard.optim'
+    fck.load_moments(model, opt, by_name, fck.tag_groups(optim.build_groups(model, {}, true), meta.groups))
+    return opt
   end
   if #(meta.groups or {}) ~= #opt.param_groups then
     error(('ep.load_full_optimizer_state: %d parameter groups in the state, %d in the optimizer'):format(

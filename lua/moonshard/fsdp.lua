@@ -1240,6 +1240,25 @@ function fsdp.fully_shard(model, opts)
   end
   local shard_size = shard_group and shard_group:size() or 1
   local dp_size = shard_size * (replicate_group and replicate_group:size() or 1)
+  -- expert parallelism (ms.ep.parallelize): each MoE layer's local experts
+  -- are a unit of their own, sharded over the ranks that hold the same
+  -- experts (ep.replicate; none: whole on each rank); the rest over
+  -- `group`, which must be every data-parallel rank (docs/moe.md)
+  local epi = rawget(model, '_ep_train')
+  if epi then
+    if strategy ~= 'FULL_SHARD' and strategy ~= 'SHARD_GRAD_OP' then
+      error(('fully_shard: an expert-parallel model takes FULL_SHARD or SHARD_GRAD_OP, not %s'):format(strategy), 2)
+    end
+    local R = epi.replicate and epi.replicate:size() or 1
+    if dp_size ~= epi.size * R then
+      error(('fully_shard: the expert-parallel model\'s experts are split over %d ranks with %d copies (%d ranks); '
+        .. 'shard it over all of them, not a group of %d'):format(epi.size, R, epi.size * R, dp_size), 2)
+    end
+    if opts.float8_all_gather or opts.offload then
+      error('fully_shard: an expert-parallel model with ' .. (opts.offload and 'offload' or 'float8_all_gather')
+        .. ': not supported', 2)
+    end
+  end
 
   -- the first name model:named_parameters() gives each tensor
   local first_name = {}
@@ -1278,14 +1297,25 @@ function fsdp.fully_shard(model, opts)
         slot_unit[#slot_unit + 1] = slot
       end
     end
+    -- an expert-parallel MoE layer's experts: a unit of their own, its
+    -- hooks on the layer (whose forward reads the experts' weights)
+    local eunit
     if getmetatable(m) == nn.MoE and rawget(m, '_ep') then
-      error(('fully_shard: %s is expert-parallel (nn.moe.expert_parallel): its experts differ from rank to rank, '
-        .. 'which FSDP\'s flat parameters cannot hold'):format(name == '' and 'the model' or name), 0)
+      if not epi then
+        error(('fully_shard: %s is expert-parallel (nn.moe.expert_parallel): its experts differ from rank to rank; '
+          .. 'split it with ms.ep.parallelize, which says which ranks hold the same experts'):format(
+          name == '' and 'the model' or name), 0)
+      end
+      local en = name == '' and 'experts' or name .. '.experts'
+      eunit = { module = m, name = en, slots = {}, experts = true }
+      units[#units + 1] = eunit
     end
     local moe = in_moe or (getmetatable(m) == nn.MoE and (name == '' and '(the model)' or name)) or nil
     for _, cn in ipairs(m._module_names) do
       local c = rawget(m, cn)
-      if c ~= nil then walk(c, name == '' and cn or (name .. '.' .. cn), unit, moe) end
+      if c ~= nil then
+        walk(c, name == '' and cn or (name .. '.' .. cn), (eunit and cn == 'experts') and eunit or unit, moe)
+      end
     end
   end
   walk(model, '', units[1])
@@ -1400,13 +1430,17 @@ function fsdp.fully_shard(model, opts)
     if #tensors > 0 then
       local dtype = mp.param or opts.dtype or tensors[1].dtype
       local fopts = { dtype = dtype }
-      if shard_group then fopts.group = shard_group else fopts.world_size, fopts.rank = 1, 0 end
+      -- (an expert unit over its copies: its gradient summed there and
+      -- divided by every data-parallel rank, dp_size, as the others')
+      local sg = shard_group
+      if u.experts then sg = epi.replicate end
+      if sg then fopts.group = sg else fopts.world_size, fopts.rank = 1, 0 end
       local ok, fp = pcall(FlatParam.new, tensors, fopts)
       if not ok then error('fully_shard: unit ' .. (u.name == '' and 'root' or u.name) .. ': ' .. tostring(fp), 2) end
       local gdtype = fp.shard.dtype == 'f64' and 'f64' or 'f32'
       local unit = setmetatable({
         module = u.module, name = u.name, label = u.name == '' and 'root' or u.name, fp = fp, st = st,
-        head = u.head == true,
+        head = u.head == true, experts = u.experts == true,
         strategy = strategy, group = fp.group, slots = u.slots, param_names = names,
         reshards = strategy ~= 'NO_SHARD', status = 'sharded', unsharded = false,
         -- the gradients' dtype: f32, f64 for an f64 master (an f64 model)
@@ -1841,8 +1875,10 @@ function fsdp.clip_grad_norm(model, max_norm, opts)
     denom:free()
     local c1 = Fo.clamp(coef, nil, 1.0)
     coef:free()
-    local c32 = c1:to('f32')
-    c1:free()
+    -- (in the gradients' dtype: f32, or f64 for an f64 master; an f64
+    -- model's coefficient rounded to f32 moved its update by ~1e-8)
+    local c32 = c1.dtype == grads[1].dtype and c1 or c1:to(grads[1].dtype)
+    if c32 ~= c1 then c1:free() end
     if grads[1].device_id ~= c32.device_id then
       -- offload: the coefficient read to the host (clipping's host sync)
       local h = c32:to({ device = grads[1].device_id }); c32:free(); c32 = h
