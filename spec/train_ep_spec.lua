@@ -8,7 +8,8 @@
 -- weights are the whole model; the checkpoints are one process's (every
 -- expert in them) and resume in one process and at --ep 2 with the losses
 -- of the run that never stopped, and a one-process checkpoint resumes at
--- --ep 2; bad layouts exit 2 with a message.
+-- --ep 2; with --fsdp FULL_SHARD (4 ranks) and SHARD_GRAD_OP (2) the
+-- same curve, weights and resumes; bad layouts exit 2 with a message.
 local S = require 'spec.support'
 local q = S.shell_quote
 local dir = S.tmpdir()
@@ -132,6 +133,49 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
     end
   end)
 
+  it('--ep with --fsdp FULL_SHARD (4 ranks) and SHARD_GRAD_OP (2): the one-process curve and final weights; stopped, '
+    .. 'it resumes in one process and under --ep --fsdp, and a one-process checkpoint resumes under --ep --fsdp', function()
+    local one = reference('', 'one')
+    local mixtral = require 'models.mixtral'
+    local ref = mixtral.from_pretrained(dir .. '/one'):state_dict()
+    for _, c in ipairs({ { 4, 'FULL_SHARD', 2 }, { 2, 'SHARD_GRAD_OP', 2 } }) do
+      local np, strategy, ep = c[1], c[2], c[3]
+      local common = ('--nproc-per-node %d --device cpu models/mixtral.lua %s --batch-size %d --steps 4 --ep %d '
+        .. '--fsdp %s'):format(np, flags, 4 / np, ep, strategy)
+      local out = ('%s/ef_%s'):format(dir, strategy)
+      local status, text = bin_train(('%s --out %s'):format(common, q(out)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find(('the experts sharded over their %d cop%s (%s)'):format(np / ep, np / ep == 1 and 'y'
+        or 'ies', strategy), 1, true), text)
+      assert.is_truthy(text:find(('[rank 0] fsdp: %s over %d ranks'):format(strategy, np), 1, true), text)
+      close_losses(one, losses(out), 1, 4, ('--ep %d --fsdp %s on %d ranks'):format(ep, strategy, np))
+      local m = mixtral.from_pretrained(out)
+      for name, t in pairs(m:state_dict()) do
+        assert.is_true(max_diff(t, ref[name]) <= 1e-4, ('%s (--ep --fsdp %s)'):format(name, strategy))
+      end
+      -- stopped after 2 steps: one process's checkpoint, resumed in one process and under --ep --fsdp
+      local st_out = out .. '_s'
+      status, text = bin_train(('%s --save-every 1 --stop-at 2 --out %s'):format(common, q(st_out)))
+      assert.are.equal(0, status, text)
+      local sd = require('moonshard.safetensors').load(st_out .. '/ckpt-2/model.safetensors')
+      assert.is_truthy(sd['model.layers.1.block_sparse_moe.experts.3.w2.weight'])
+      os.execute(('cp -r %s %s1'):format(q(st_out), q(st_out)))
+      status, text = bin_train(('--resume %s1'):format(q(st_out)))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(st_out .. '1'), 1, 4, '--ep --fsdp ' .. strategy .. ' resumed in one process')
+      status, text = bin_train(('--nproc-per-node %d --device cpu --resume %s --ep %d --fsdp %s'):format(np, q(st_out),
+        ep, strategy))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(st_out), 1, 4, '--ep --fsdp ' .. strategy .. ' resumed as it ran')
+      local r = out .. '_one'
+      os.execute(('mkdir -p %s && cp -r %s/one/ckpt-2 %s/'):format(q(r), q(dir), q(r)))
+      status, text = bin_train(('--nproc-per-node %d --device cpu --resume %s --ep %d --fsdp %s --batch-size %d'):format(
+        np, q(r), ep, strategy, 4 / np))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(r), 3, 4, 'a one-process checkpoint resumed under --ep --fsdp ' .. strategy)
+    end
+  end)
+
   it('bad layouts exit 2 and say why', function()
     local function fails(args, msg)
       local status, text = bin_train(args .. (' --steps 1 --out %s/bad'):format(q(dir)))
@@ -139,8 +183,8 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
       assert.is_truthy(text:find(msg, 1, true), text)
     end
     fails(('models/mixtral.lua %s --ep 2'):format(flags), '--ep 2: the world of 1 rank is not a multiple of it')
-    fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --fsdp FULL_SHARD'):format(flags),
-      '--ep 2 with --fsdp FULL_SHARD: not supported')
+    fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --fsdp HYBRID_SHARD'):format(flags),
+      '--ep 2 with --fsdp HYBRID_SHARD: not supported')
     fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --pp 2'):format(flags),
       '--ep with --pp: not supported')
     fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --lora 4'):format(flags),

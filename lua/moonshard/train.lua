@@ -91,7 +91,7 @@ train.options = {
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; not with --fsdp sharding, --tp, --pp, --cp or --lora; checkpoints and the final weights are whole, one process\'s (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank; not with HYBRID_SHARD, --tp, --pp, --cp or --lora; checkpoints and the final weights are whole, one process\'s (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1115,16 +1115,18 @@ function train.run(opts)
       usage('--ep with --%s: not supported (expert parallelism trains data-parallel over every rank)',
         tp_size > 1 and 'tp' or pp_size > 1 and 'pp' or 'cp')
     end
-    if strategy ~= nil and strategy ~= 'off' and strategy ~= 'NO_SHARD' then
-      usage('--ep %d with --fsdp %s: not supported (the experts differ from rank to rank; expert parallelism trains '
-        .. 'without sharding: --fsdp off or NO_SHARD)', ep_size, strategy)
+    if strategy == 'HYBRID_SHARD' then
+      usage('--ep %d with --fsdp HYBRID_SHARD: not supported (use FULL_SHARD or SHARD_GRAD_OP: the experts are '
+        .. 'sharded over the ranks that hold the same ones, the rest over every rank)', ep_size)
     end
     if o.lora > 0 then usage('--ep with --lora: not supported (merge the adapters first)') end
     if resume and resume.sharded then
       usage('--ep: %s is a sharded (FSDP) checkpoint; --ep resumes whole-model checkpoints (resume it with --steps '
         .. 'at its step and --out, then --init-from the folder)', resume.path)
     end
-    strategy = nil
+    -- --fsdp FULL_SHARD / SHARD_GRAD_OP: each layer's experts sharded over
+    -- their copies, the rest over every rank; otherwise plain
+    if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     if ep_size == world then
       ep_group = dist.get_world_group()
     else
@@ -1216,16 +1218,24 @@ function train.run(opts)
 
   -- expert parallelism: each rank keeps its experts (the deferred model
   -- made then; a checkpoint resumed goes in with the optimizer's state)
-  -- (on GPUs the forward under bf16 autocast, the weights and gradients
-  -- f32: --fsdp-mixed-precision's param dtype, bf16 by default on CUDA)
+  -- (without FSDP, on GPUs the forward under bf16 autocast, the weights
+  -- and gradients f32: --fsdp-mixed-precision's param dtype, bf16 by
+  -- default on CUDA; under FSDP its gathered parameters are that dtype.
+  -- Under FSDP from scratch fully_shard makes the shards from the recorded
+  -- initialisation; a checkpoint resumed goes in before it)
   local ep_desc, ep_amp
   if ep_group then
     local okm2, mp = pcall(train.mixed_precision, o.fsdp_mixed_precision, device)
     if not okm2 then usage('--fsdp-mixed-precision: %s', tostring(mp)) end
-    ep_amp = mp ~= nil and mp.param == 'bf16'
+    ep_amp = not strategy and mp ~= nil and mp.param == 'bf16'
     local okp, perr = pcall(ms.ep.parallelize, model, { group = ep_group, replicate = ep_rep })
     if not okp then usage('--ep %d: %s', ep_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
-    ms.nn.materialize(model)
+    if not strategy or resume then ms.nn.materialize(model) end
+    if resume then
+      local okl, err = pcall(ckpt.load, resume.path, {
+        model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end } })
+      if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
+    end
     local held = 0
     for _, p in ipairs(model:parameters()) do held = held + p:numel() end
     local layers = ms.nn.moe.layers(model)
@@ -1233,6 +1243,10 @@ function train.run(opts)
       .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
       layers[1].n_experts / ep_size, layers[1].n_experts, #layers, world, held / 1e6)
     if ep_amp then ep_desc = ep_desc .. ', bf16 autocast' end
+    if strategy then
+      ep_desc = ep_desc .. (', the experts sharded over their %d cop%s (%s)'):format(world / ep_size,
+        world == ep_size and 'y' or 'ies', strategy)
+    end
   end
 
   -- tensor parallelism: each rank keeps its slices (a deferred model is
@@ -1260,7 +1274,7 @@ function train.run(opts)
 
   -- a single-process checkpoint resumed by a sharded run goes in before fully_shard
   local load_converted
-  if resume and strategy and not resume.sharded and not tp_mesh and not pp_mesh then
+  if resume and strategy and not resume.sharded and not tp_mesh and not pp_mesh and not ep_group then
     load_converted = plain_to_sharded(resume.path, model, function() return ms.optim.AdamW(model, adamw_opts) end)
   end
 
@@ -1500,10 +1514,10 @@ function train.run(opts)
           else ms.tp.load_full_optimizer_state(model, opt, sd) end
         end } })
     elseif ep_group then
-      -- a whole-model checkpoint: every rank reads it and keeps its experts
-      -- (and their moments)
+      -- a whole-model checkpoint (its weights went in before): every rank
+      -- reads the optimizer's state and keeps its parameters' moments (of
+      -- its shards under FSDP)
       okl, err = pcall(ckpt.load, resume.path, {
-        model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end },
         optimizer = { load_state_dict = function(_, sd) ms.ep.load_full_optimizer_state(model, opt, sd) end } })
     else okl, err = pcall(ckpt.load, resume.path, { model = model, optimizer = opt }) end
     if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
@@ -1595,7 +1609,9 @@ function train.run(opts)
       local msd, osd
       if pp_mesh then msd, osd = ms.pp.full_checkpoint(model, opt, hyper)   -- (with --tp too: it gathers the slices)
       elseif tp_mesh then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
-      elseif rank < ep_size then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
+      -- (--ep: the ranks of rank 0's group; under FSDP every rank, whose
+      -- units' gathers are collectives over all)
+      elseif strategy or rank < ep_size then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
       local okw, res = true, nil
       if rank == 0 then
         okw, res = pcall(ckpt.save_async, o.out, step, { model = { state_dict = function() return msd end },
@@ -1733,7 +1749,7 @@ function train.run(opts)
       -- (under FSDP the gradients were reduced over mesh.replicate already)
       if not strategy then ms.tp.all_reduce_grads(model, tp_mesh.replicate, 'avg') end
       gnorm = ms.tp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
-    elseif ep_group then
+    elseif ep_group and not strategy then
       -- the mean over every rank's loss: the experts' gradients summed over
       -- their copies, the others' averaged (ms.ep)
       ms.ep.all_reduce_grads(model)
@@ -1877,7 +1893,7 @@ function train.run(opts)
     elseif tp_mesh or ep_group then
       local msd
       if tp_mesh then msd = ms.tp.full_checkpoint(model)
-      elseif rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
+      elseif strategy or rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
       if rank == 0 then
         local hf = require 'models.hf'
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return msd end }, o.out)
