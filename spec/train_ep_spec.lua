@@ -43,9 +43,9 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
     local one = reference('', 'one')
     local mixtral = require 'models.mixtral'
     local m1 = mixtral.from_pretrained(dir .. '/one')
-    for _, c in ipairs({ { 2, 2, '2-way over 2 ranks (1 copy of each expert), 2 of 4 experts a rank in 2 layers, data parallel 2' },
-      { 4, 2, '2-way over 4 ranks (2 copies of each expert), 2 of 4 experts a rank in 2 layers, data parallel 4' },
-      { 4, 4, '4-way over 4 ranks (1 copy of each expert), 1 of 4 experts a rank in 2 layers, data parallel 4' } }) do
+    for _, c in ipairs({ { 2, 2, '2-way over 2 ranks (1 copy of each expert), 2 of 4 experts a rank in 2 layers, 0.04M' },
+      { 4, 2, '2-way over 4 ranks (2 copies of each expert), 2 of 4 experts a rank in 2 layers, 0.04M' },
+      { 4, 4, '4-way over 4 ranks (1 copy of each expert), 1 of 4 experts a rank in 2 layers, 0.03M' } }) do
       local np, ep = c[1], c[2]
       local out = ('%s/ep%d_%d'):format(dir, np, ep)
       local status, text = bin_train(('--nproc-per-node %d --device cpu models/mixtral.lua %s --batch-size %d --steps 4 '
@@ -81,7 +81,7 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 '
       .. '--ep 2 --fsdp-mixed-precision bf16 --out %s/ep_bf16'):format(flags, q(dir)))
     assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('data parallel 2, 0.04M parameters a rank, bf16 autocast', 1, true), text)
+    assert.is_truthy(text:find('in 2 layers, 0.04M parameters a rank, bf16 autocast', 1, true), text)
     local got = losses(dir .. '/ep_bf16')
     close_losses(one, got, 1, 4, '--ep 2 under bf16 autocast', 2e-2)
     local same = true
@@ -145,8 +145,9 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
       local out = ('%s/ef_%s'):format(dir, strategy)
       local status, text = bin_train(('%s --out %s'):format(common, q(out)))
       assert.are.equal(0, status, text)
-      assert.is_truthy(text:find(('the experts sharded over their %d cop%s (%s)'):format(np / ep, np / ep == 1 and 'y'
-        or 'ies', strategy), 1, true), text)
+      local how = np > ep and ('the experts sharded over their %d copies (%s)'):format(np / ep, strategy)
+        or ('each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
+      assert.is_truthy(text:find(how, 1, true), text)
       assert.is_truthy(text:find(('[rank 0] fsdp: %s over %d ranks'):format(strategy, np), 1, true), text)
       close_losses(one, losses(out), 1, 4, ('--ep %d --fsdp %s on %d ranks'):format(ep, strategy, np))
       local m = mixtral.from_pretrained(out)
@@ -173,6 +174,20 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
         np, q(r), ep, strategy, 4 / np))
       assert.are.equal(0, status, text)
       close_losses(one, losses(r), 3, 4, 'a one-process checkpoint resumed under --ep --fsdp ' .. strategy)
+    end
+  end)
+
+  it('--ep with --cp (each rank its chunks of its group\'s sequences): --ep 2 --cp 2 on 2 ranks and --ep 4 --cp 2 '
+    .. '--fsdp FULL_SHARD on 4 follow the one-process curve', function()
+    local one = reference('', 'one')
+    for _, c in ipairs({ { 2, 2, '', 4 }, { 4, 4, ' --fsdp FULL_SHARD', 2 } }) do
+      local out = ('%s/epcp%d'):format(dir, c[1])
+      local status, text = bin_train(('--nproc-per-node %d --device cpu models/mixtral.lua %s --batch-size %d --steps 4 '
+        .. '--ep %d --cp 2%s --out %s'):format(c[1], flags, c[4], c[2], c[3], q(out)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('[rank 0] context parallel: 2-way', 1, true), text)
+      assert.is_truthy(text:find(('[rank 0] expert parallel: %d-way over %d ranks'):format(c[2], c[1]), 1, true), text)
+      close_losses(one, losses(out), 1, 4, ('--ep %d --cp 2%s on %d ranks'):format(c[2], c[3], c[1]))
     end
   end)
 

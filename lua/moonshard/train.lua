@@ -91,7 +91,7 @@ train.options = {
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank; not with HYBRID_SHARD, --tp, --pp, --cp or --lora; checkpoints and the final weights are whole, one process\'s (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank; with --cp each rank its chunks of its group\'s sequences; not with HYBRID_SHARD, --tp, --pp or --lora; checkpoints and the final weights are whole, one process\'s (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1101,7 +1101,8 @@ function train.run(opts)
     data_rank, data_world = math.floor(rank / (cp_size * tpn)), world / (cp_size * tpn)
   end
   -- --ep N: groups of N consecutive ranks split every MoE layer's experts;
-  -- every rank trains on its own batch (data parallel over the world), the
+  -- every rank trains on its own tokens (data parallel over the world, or
+  -- its chunks of its context-parallel group's sequences), the
   -- ranks at the same place in each group hold the same experts (the
   -- replicate group); the gradients reduced by ms.ep, without sharding;
   -- whole-model checkpoints
@@ -1111,9 +1112,9 @@ function train.run(opts)
       usage('--ep %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', ep_size, world,
         world == 1 and '' or 's')
     end
-    if tp_size > 1 or pp_size > 1 or cp_size > 1 then
+    if tp_size > 1 or pp_size > 1 then
       usage('--ep with --%s: not supported (expert parallelism trains data-parallel over every rank)',
-        tp_size > 1 and 'tp' or pp_size > 1 and 'pp' or 'cp')
+        tp_size > 1 and 'tp' or 'pp')
     end
     if strategy == 'HYBRID_SHARD' then
       usage('--ep %d with --fsdp HYBRID_SHARD: not supported (use FULL_SHARD or SHARD_GRAD_OP: the experts are '
@@ -1239,13 +1240,14 @@ function train.run(opts)
     local held = 0
     for _, p in ipairs(model:parameters()) do held = held + p:numel() end
     local layers = ms.nn.moe.layers(model)
-    ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, data parallel %d, '
+    ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, '
       .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
-      layers[1].n_experts / ep_size, layers[1].n_experts, #layers, world, held / 1e6)
+      layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
     if ep_amp then ep_desc = ep_desc .. ', bf16 autocast' end
-    if strategy then
-      ep_desc = ep_desc .. (', the experts sharded over their %d cop%s (%s)'):format(world / ep_size,
-        world == ep_size and 'y' or 'ies', strategy)
+    if strategy and world > ep_size then
+      ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(world / ep_size, strategy)
+    elseif strategy then
+      ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
     end
   end
 
