@@ -4,8 +4,9 @@
 -- padded runs: each rank's output and gradients against the whole layer
 -- on every rank's tokens on the same GPU (f32, 1e-4), and under bf16
 -- autocast (2e-2); and a Mixtral under ms.ep (the training loop's
--- reductions, norm and one-process checkpoint gathered to the host)
--- against one process over every rank's batch (f32, 1e-4).
+-- reductions, norm and one-process checkpoint gathered to the host),
+-- plain and under fully_shard (the experts a unit of their own), against
+-- one process over every rank's batch (f32, 1e-4).
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
 local dist = require 'moonshard.dist'
@@ -68,64 +69,72 @@ describe('expert parallelism on GPUs (NCCL) #multi', function()
     end)
   end
 
-  it('ms.ep: a Mixtral\'s gradients, norm, two clipped steps and one-process checkpoint (on the host) are one '
-    .. 'process\'s on every rank\'s batch (f32, 1e-4)', function()
-    if 8 % W ~= 0 then return end
-    local mixtral = require 'models.mixtral'
-    local S = require 'spec.support'
-    local cfg = { vocab_size = 64, hidden_size = 64, intermediate_size = 96, num_hidden_layers = 2,
-      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 32, num_local_experts = 8,
-      num_experts_per_tok = 2, output_router_logits = false, bos_token_id = require('models.hf').null,
-      eos_token_id = require('models.hf').null }
-    local function make()
-      ms.manual_seed(4)
-      local m = mixtral.new(cfg)
-      for name, p in m:named_parameters() do if not name:match('norm') then ms.normal_(p, 0, 0.1) end end
-      return m:to('cuda')
-    end
-    local hyper = { lr = 1e-2, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
-    local function batch(p, step)
-      local x, y = S.token_batch(2, 16, 64, 11 + p + 10 * step)
-      return x:cuda(), y:cuda()
-    end
-    local ref, m = make(), make()
-    ms.ep.parallelize(m)
-    local ropt, opt = ms.optim.AdamW(ref, hyper), ms.optim.AdamW(m, hyper)
-    for step = 1, 2 do
-      ropt:zero_grad(); opt:zero_grad()
-      for p = 0, W - 1 do
-        local x, y = batch(p, step)
-        local l = ref(x, y) * (1 / W)
-        l:backward()
+  for _, sharded in ipairs({ false, true }) do
+    it(('ms.ep%s: a Mixtral\'s gradients, norm, two clipped steps and one-process checkpoint (on the host) are one '
+      .. 'process\'s on every rank\'s batch (f32, 1e-4)'):format(sharded and ' under fully_shard' or ''), function()
+      if 8 % W ~= 0 then return end
+      local mixtral = require 'models.mixtral'
+      local S = require 'spec.support'
+      local cfg = { vocab_size = 64, hidden_size = 64, intermediate_size = 96, num_hidden_layers = 2,
+        num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 32, num_local_experts = 8,
+        num_experts_per_tok = 2, output_router_logits = false, bos_token_id = require('models.hf').null,
+        eos_token_id = require('models.hf').null }
+      local function make()
+        ms.manual_seed(4)
+        local m = mixtral.new(cfg)
+        for name, p in m:named_parameters() do if not name:match('norm') then ms.normal_(p, 0, 0.1) end end
+        return m:to('cuda')
       end
-      local x, y = batch(R, step)
-      m(x, y):backward()
-      ms.ep.all_reduce_grads(m)
-      if step == 1 then
-        local rp = {}
-        for name, p in ref:named_parameters() do rp[name] = p end
-        for name, p in m:named_parameters() do
-          local err = FS.norm_rel(p.grad, rp[name].grad)
-          assert.is_true(err <= 1e-4, ('%s: %g'):format(name, err))
+      local hyper = { lr = 1e-2, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
+      local function batch(p, step)
+        local x, y = S.token_batch(2, 16, 64, 11 + p + 10 * step)
+        return x:cuda(), y:cuda()
+      end
+      local ref, m = make(), make()
+      ms.ep.parallelize(m)
+      local ropt, opt = ms.optim.AdamW(ref, hyper), nil
+      if sharded then
+        ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }) })
+        opt = ms.fsdp.AdamW(m, hyper)
+      else
+        opt = ms.optim.AdamW(m, hyper)
+      end
+      for step = 1, 2 do
+        ropt:zero_grad(); opt:zero_grad()
+        for p = 0, W - 1 do
+          local x, y = batch(p, step)
+          local l = ref(x, y) * (1 / W)
+          l:backward()
         end
+        local x, y = batch(R, step)
+        m(x, y):backward()
+        if not sharded then ms.ep.all_reduce_grads(m) end
+        if step == 1 and not sharded then
+          local rp = {}
+          for name, p in ref:named_parameters() do rp[name] = p end
+          for name, p in m:named_parameters() do
+            local err = FS.norm_rel(p.grad, rp[name].grad)
+            assert.is_true(err <= 1e-4, ('%s: %g'):format(name, err))
+          end
+        end
+        local nr = ms.optim.clip_grad_norm(ref, 0.05)
+        local nm = ms.ep.clip_grad_norm_(m, 0.05)
+        assert.is_true(nr > 0.05 and FS.rel(nm, nr) <= 1e-4, ('step %d: norm %.9g, one process %.9g'):format(step, nm, nr))
+        ropt:step(); opt:step()
       end
-      local nr = ms.optim.clip_grad_norm(ref, 0.05)
-      local nm = ms.ep.clip_grad_norm_(m, 0.05)
-      assert.is_true(nr > 0.05 and FS.rel(nm, nr) <= 1e-4, ('step %d: norm %.9g, one process %.9g'):format(step, nm, nr))
-      ropt:step(); opt:step()
-    end
-    local msd, osd = ms.ep.full_checkpoint(m, opt, hyper, { host = true })
-    local rsd, rosd = ref:state_dict(), ropt:state_dict()
-    for name, t in pairs(rsd) do
-      assert.is_truthy(msd[name], name)
-      -- (the experts gathered on the host; the rest the model's own tensors)
-      if name:match('%.experts%.') then assert.are.equal('cpu', msd[name].device, name) end
-      assert.is_true(FS.norm_rel(msd[name]:to('cpu'), t:to('cpu')) <= 1e-4, name)
-    end
-    assert.are.same(rosd.meta.groups, osd.meta.groups)
-    for name, t in pairs(rosd.tensors) do
-      assert.is_truthy(osd.tensors[name], name)
-      assert.is_true(FS.norm_rel(osd.tensors[name]:to('cpu'), t:to('cpu')) <= 1e-3, name)
-    end
-  end)
+      local msd, osd = ms.ep.full_checkpoint(m, opt, hyper, { host = true })
+      local rsd, rosd = ref:state_dict(), ropt:state_dict()
+      for name, t in pairs(rsd) do
+        assert.is_truthy(msd[name], name)
+        -- (the experts gathered on the host; the rest the model's own tensors)
+        if name:match('%.experts%.') then assert.are.equal('cpu', msd[name].device, name) end
+        assert.is_true(FS.norm_rel(msd[name]:to('cpu'), t:to('cpu')) <= 1e-4, name)
+      end
+      assert.are.same(rosd.meta.groups, osd.meta.groups)
+      for name, t in pairs(rosd.tensors) do
+        assert.is_truthy(osd.tensors[name], name)
+        assert.is_true(FS.norm_rel(osd.tensors[name]:to('cpu'), t:to('cpu')) <= 1e-3, name)
+      end
+    end)
+  end
 end)
