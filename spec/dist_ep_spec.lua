@@ -79,6 +79,16 @@ describe('moonshard.ep #mpi', function()
     opt:step()
     return n
   end
+  -- steps `from`..`to` of both runs: the same norms (1e-12); with `clip`
+  -- below them, clipped
+  local function same_steps(ref, ropt, m, opt, from, to, clip)
+    for step = from, to do
+      local nr = ref_step(ref, ropt, step, clip)
+      local nm = ep_step(m, opt, step, clip)
+      if clip then assert.is_true(nr > clip, 'the clip bites') end
+      assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
+    end
+  end
   -- fully_shard over every rank, the decoder layers as units
   local function shard(m, strategy)
     ms.fsdp.fully_shard(m, { strategy = strategy or 'FULL_SHARD',
@@ -137,12 +147,7 @@ describe('moonshard.ep #mpi', function()
         opt:zero_grad(); ropt:zero_grad()
       end
       -- two steps clipped below the norm
-      for step = 1, 2 do
-        local nr = ref_step(ref, ropt, step, 0.05)
-        local nm = ep_step(m, opt, step, 0.05)
-        assert.is_true(nr > 0.05, 'the clip bites')
-        assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
-      end
+      same_steps(ref, ropt, m, opt, 1, 2, 0.05)
       same_checkpoint(m, opt, ref, ropt)
       -- the one-process groups' names
       assert.are.same(ropt:state_dict().meta.groups[1].names, ms.ep.full_groups(m)[1].names)
@@ -161,12 +166,7 @@ describe('moonshard.ep #mpi', function()
         local ne = 0
         for _, u in ipairs(units) do if u.experts then ne = ne + 1 end end
         assert.are.equal(2, ne, 'an expert unit a layer')
-        for step = 1, 2 do
-          local nr = ref_step(ref, ropt, step, 0.05)
-          local nm = ep_step(m, opt, step, 0.05)
-          assert.is_true(nr > 0.05, 'the clip bites')
-          assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
-        end
+        same_steps(ref, ropt, m, opt, 1, 2, 0.05)
         same_checkpoint(m, opt, ref, ropt)
         -- the one-process state after 2 steps into a fresh sharded model
         local sd, osd = {}, ropt:state_dict()
@@ -176,11 +176,7 @@ describe('moonshard.ep #mpi', function()
         ms.ep.load_full_state_dict(m2, sd)
         local opt2 = shard(m2, strategy)
         ms.ep.load_full_optimizer_state(m2, opt2, osd)
-        for step = 3, 4 do
-          local nr = ref_step(ref, ropt, step)
-          local nm = ep_step(m2, opt2, step)
-          assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
-        end
+        same_steps(ref, ropt, m2, opt2, 3, 4)
         same_checkpoint(m2, opt2, ref, ropt)
       end)
     end
@@ -199,11 +195,7 @@ describe('moonshard.ep #mpi', function()
       local opt = adamw(m)
       ms.ep.load_full_state_dict(m, sd)
       ms.ep.load_full_optimizer_state(m, opt, osd)
-      for step = 2, 3 do
-        local nr = ref_step(ref, ropt, step)
-        local nm = ep_step(m, opt, step)
-        assert.is_true(FS.rel(nm, nr) <= 1e-12, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
-      end
+      same_steps(ref, ropt, m, opt, 2, 3)
       local rp = ref:state_dict()
       for name, t in pairs(m:state_dict()) do
         assert.is_true(FS.max_rel(t, rp[name]) <= 1e-10, name)
