@@ -78,11 +78,9 @@ function ep.parallelize(model, opts)
   return model
 end
 
-function ep.is_parallel(model) return type(model) == 'table' and rawget(model, '_ep_train') ~= nil end
-
--- the local experts of layer L: a list of { name =, tensor = } in their
--- order (local expert j = 1..El, then the expert's parameters in order),
--- the global names
+-- the local experts' parameters of layer L: a list of { j =, rest =,
+-- tensor = } (local expert j = 1..El in turn, each expert's parameters in
+-- order; rest: the name inside the expert)
 local function local_experts(L)
   local list = {}
   for j = 1, L.El do
@@ -91,6 +89,9 @@ local function local_experts(L)
   end
   return list
 end
+
+-- the model's name of expert e's (0-based, global) parameter `rest` in layer L
+local function expert_name(L, e, rest) return ('%sexperts.%d.%s'):format(L.prefix, e, rest) end
 
 -- tensor id -> true for every local expert's parameter
 local function expert_ids(info)
@@ -216,7 +217,7 @@ local function gather_layer(info, L, items, get, dtype, host, out, missing)
     local off = p * n
     for k, it in ipairs(items) do
       local numel = it.tensor:numel()
-      local name = ('%sexperts.%d.%s'):format(L.prefix, p * L.El + it.j - 1, it.rest)
+      local name = expert_name(L, p * L.El + it.j - 1, it.rest)
       local v = whole:narrow(1, off + 1, numel):view(it.tensor.shape)
       local own
       if host and whole.device ~= 'cpu' then own = v:to('cpu') else own = v:clone() end
@@ -239,7 +240,7 @@ end
 
 -- this rank's global name of local expert item `it` of layer L
 local function local_name(info, L, it)
-  return ('%sexperts.%d.%s'):format(L.prefix, info.rank * L.El + it.j - 1, it.rest)
+  return expert_name(L, info.rank * L.El + it.j - 1, it.rest)
 end
 
 -- the model's own state: name -> tensor (the experts' whole), and with an
@@ -289,7 +290,7 @@ local function full_groups(model, info)
         local rests = {}
         for _, it in ipairs(local_experts(L)) do if it.j == 1 then rests[#rests + 1] = it.rest end end
         for e = 0, L.E - 1 do
-          for _, rest in ipairs(rests) do names[#names + 1] = ('%sexperts.%d.%s'):format(L.prefix, e, rest) end
+          for _, rest in ipairs(rests) do names[#names + 1] = expert_name(L, e, rest) end
         end
       end
     end
@@ -297,7 +298,8 @@ local function full_groups(model, info)
   end
   return out
 end
-ep.full_groups = function(model) return full_groups(model, info_of(model, 'full_groups')) end
+-- ep.full_groups(model) -> those groups: { names =, weight_decay = } each
+function ep.full_groups(model) return full_groups(model, info_of(model, 'full_groups')) end
 
 -- ep.full_checkpoint(model, opt, hyper, opts) -> model state dict,
 -- optimizer state dict: a one-process checkpoint's two parts (what
@@ -346,7 +348,7 @@ function ep.full_checkpoint(model, opt, hyper, opts)
     all:free()
     for p = 0, info.size - 1 do
       for k, it in ipairs(items) do
-        local name = ('%sexperts.%d.%s'):format(L.prefix, p * L.El + it.j - 1, it.rest)
+        local name = expert_name(L, p * L.El + it.j - 1, it.rest)
         if missing[name] then
           m[name]:free(); v[name]:free()
         else
@@ -369,7 +371,7 @@ end
 -- one-process checkpoint's, read on every rank) into this rank's model:
 -- every tensor it holds, its experts among them, copied from sd
 function ep.load_full_state_dict(model, sd)
-  info_of(model, 'load_full_state_dict')
+  local info = info_of(model, 'load_full_state_dict')
   if rawget(model, '_fsdp') then
     error('ep.load_full_state_dict: the model is under fully_shard; load the weights before fully_shard', 2)
   end
@@ -386,9 +388,9 @@ function ep.load_full_state_dict(model, sd)
   end)
   -- (the file's experts must be as many as the model's: a lost expert name is caught above,
   -- one too many here)
-  for _, L in ipairs(info_of(model, 'load_full_state_dict').layers) do
+  for _, L in ipairs(info.layers) do
     local it = local_experts(L)[1]
-    local extra = ('%sexperts.%d.%s'):format(L.prefix, L.E, it.rest)
+    local extra = expert_name(L, L.E, it.rest)
     if sd[extra] ~= nil then
       error(('ep.load_full_state_dict: the file holds %s, the model has %d experts there'):format(extra, L.E), 3)
     end
