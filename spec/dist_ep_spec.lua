@@ -12,7 +12,10 @@
 --     ep.load_full_optimizer_state takes the next step as one process does;
 --   - under fsdp.fully_shard (FULL_SHARD, the experts a unit of their own
 --     sharded over their copies): the same norms, checkpoint and loaded
---     steps;
+--     steps; a sharded checkpoint (fsdp_checkpoint.save_sharded) lists
+--     every expert in the whole model's order and loads into the same
+--     layout, into FSDP without expert parallelism and into a plain model,
+--     weights and moments;
 --   - the refusals.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
@@ -200,6 +203,58 @@ describe('moonshard.ep #mpi', function()
       for name, t in pairs(m:state_dict()) do
         assert.is_true(FS.max_rel(t, rp[name]) <= 1e-10, name)
       end
+    end)
+  end
+
+  for _, lay in ipairs(layouts()) do
+    it(('%s, fully_shard: a sharded checkpoint lists every expert and loads into the same layout, into FSDP without '
+      .. 'expert parallelism and into a plain model'):format(lay[1]), function()
+      if 4 % W ~= 0 then return end
+      local ck = require 'moonshard.fsdp_checkpoint'
+      local ref = make()
+      local ropt = adamw(ref)
+      local m = make()
+      ms.ep.parallelize(m, lay[2]())
+      local opt = shard(m)
+      same_steps(ref, ropt, m, opt, 1, 2, 0.05)
+      local dir = ('%s/ep_sharded_%d'):format(os.getenv('MS_SPEC_TMP') or '/tmp', W)
+      ck.save_sharded(m, dir, { optimizer = opt })
+      local names = {}
+      for name in ref:named_parameters() do names[#names + 1] = name end
+      local listed = {}
+      for _, e in ipairs(ck.read_index(dir).params) do listed[#listed + 1] = e.name end
+      assert.are.same(names, listed)
+      local function against_ref(model, o)
+        local rsd = ref:state_dict()
+        local rstate = {}
+        for name, p in ref:named_parameters() do rstate[name] = ropt.state[tonumber(p.id)] end
+        local params, st = ck.gather(model, { optimizer = o })
+        for _, e in ipairs(params) do
+          assert.is_true(FS.max_rel(e.tensor, rsd[e.name]) <= 1e-12, e.name)
+          assert.is_true(FS.max_rel(st[e.name].exp_avg, rstate[e.name].exp_avg) <= 1e-12, e.name)
+          assert.is_true(FS.max_rel(st[e.name].exp_avg_sq, rstate[e.name].exp_avg_sq) <= 1e-12, e.name)
+          assert.are.equal(rstate[e.name].step, st[e.name].step, e.name)
+        end
+        return #params
+      end
+      -- the same layout
+      local m2 = make()
+      ms.ep.parallelize(m2, lay[2]())
+      local opt2 = shard(m2)
+      ck.load_sharded(m2, dir, { optimizer = opt2 })
+      same_checkpoint(m2, opt2, ref, ropt)
+      -- FSDP over every rank without expert parallelism
+      local m3 = make()
+      local opt3 = shard(m3)
+      ck.load_sharded(m3, dir, { optimizer = opt3 })
+      assert.are.equal(#names, against_ref(m3, opt3))
+      -- a plain model on every rank
+      local m4 = make()
+      local opt4 = adamw(m4)
+      ck.load_sharded(m4, dir, { optimizer = opt4 })
+      assert.are.equal(#names, against_ref(m4, opt4))
+      dist.barrier()
+      if R == 0 then os.execute('rm -rf ' .. dir) end
     end)
   end
 

@@ -9,7 +9,9 @@
 -- expert in them) and resume in one process and at --ep 2 with the losses
 -- of the run that never stopped, and a one-process checkpoint resumes at
 -- --ep 2; with --fsdp FULL_SHARD (4 ranks) and SHARD_GRAD_OP (2) the
--- same curve, weights and resumes; bad layouts exit 2 with a message.
+-- same curve and weights, sharded checkpoints that list every expert and
+-- resume in one process, as they ran and under plain --ep; bad layouts
+-- exit 2 with a message.
 local S = require 'spec.support'
 local q = S.shell_quote
 local dir = S.tmpdir()
@@ -154,20 +156,27 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
       for name, t in pairs(m:state_dict()) do
         assert.is_true(max_diff(t, ref[name]) <= 1e-4, ('%s (--ep --fsdp %s)'):format(name, strategy))
       end
-      -- stopped after 2 steps: one process's checkpoint, resumed in one process and under --ep --fsdp
+      -- stopped after 2 steps: a sharded checkpoint (each rank's pieces, its
+      -- experts' among them), resumed in one process, as it ran, and under
+      -- plain --ep 2 on 2 ranks
       local st_out = out .. '_s'
       status, text = bin_train(('%s --save-every 1 --stop-at 2 --out %s'):format(common, q(st_out)))
       assert.are.equal(0, status, text)
-      local sd = require('moonshard.safetensors').load(st_out .. '/ckpt-2/model.safetensors')
-      assert.is_truthy(sd['model.layers.1.block_sparse_moe.experts.3.w2.weight'])
-      os.execute(('cp -r %s %s1'):format(q(st_out), q(st_out)))
-      status, text = bin_train(('--resume %s1'):format(q(st_out)))
-      assert.are.equal(0, status, text)
-      close_losses(one, losses(st_out .. '1'), 1, 4, '--ep --fsdp ' .. strategy .. ' resumed in one process')
-      status, text = bin_train(('--nproc-per-node %d --device cpu --resume %s --ep %d --fsdp %s'):format(np, q(st_out),
-        ep, strategy))
-      assert.are.equal(0, status, text)
-      close_losses(one, losses(st_out), 1, 4, '--ep --fsdp ' .. strategy .. ' resumed as it ran')
+      local index = require('moonshard.fsdp_checkpoint').read_index(st_out .. '/ckpt-2')
+      assert.are.equal(np, index.world_size)
+      local listed = {}
+      for _, e in ipairs(index.params) do listed[#listed + 1] = e.name end
+      local whole = {}
+      for name in mixtral.from_pretrained(dir .. '/one'):named_parameters() do whole[#whole + 1] = name end
+      assert.are.same(whole, listed)   -- every expert, in the whole model's order
+      for _, c2 in ipairs({ { '1', '', '' }, { '', ('--nproc-per-node %d --device cpu'):format(np),
+        (' --ep %d --fsdp %s'):format(ep, strategy) }, { '2', '--nproc-per-node 2 --device cpu', ' --ep 2' } }) do
+        local d = st_out .. c2[1]
+        if c2[1] ~= '' then os.execute(('cp -r %s %s'):format(q(st_out), q(d))) end
+        status, text = bin_train(('%s --resume %s%s'):format(c2[2], q(d), c2[3]))
+        assert.are.equal(0, status, text)
+        close_losses(one, losses(d), 1, 4, ('--ep --fsdp %s resumed by %s%s'):format(strategy, c2[2], c2[3]))
+      end
       local r = out .. '_one'
       os.execute(('mkdir -p %s && cp -r %s/one/ckpt-2 %s/'):format(q(r), q(dir), q(r)))
       status, text = bin_train(('--nproc-per-node %d --device cpu --resume %s --ep %d --fsdp %s --batch-size %d'):format(

@@ -93,6 +93,24 @@ end
 -- the model's name of expert e's (0-based, global) parameter `rest` in layer L
 local function expert_name(L, e, rest) return ('%sexperts.%d.%s'):format(L.prefix, e, rest) end
 
+-- ep.remote_names(model) -> name -> true for the parameters of the
+-- experts the group's other ranks hold (the whole model's names this rank
+-- lacks: a checkpoint of the whole model holds them)
+function ep.remote_names(model)
+  local info = info_of(model, 'remote_names')
+  local out = {}
+  for _, L in ipairs(info.layers) do
+    local rests = {}
+    for _, it in ipairs(local_experts(L)) do if it.j == 1 then rests[#rests + 1] = it.rest end end
+    for e = 0, L.E - 1 do
+      if math.floor(e / L.El) ~= info.rank then
+        for _, rest in ipairs(rests) do out[expert_name(L, e, rest)] = true end
+      end
+    end
+  end
+  return out
+end
+
 -- tensor id -> true for every local expert's parameter
 local function expert_ids(info)
   local ids = {}

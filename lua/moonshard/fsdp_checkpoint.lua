@@ -327,6 +327,8 @@ function regions_(model)
   local st = fsdp_state(model)
   local ctx = { params = params, by_id = by_id, buffers = model_buffers(model, by_id), regions = {}, param = {} }
   for _, e in ipairs(params) do ctx.param[e.name] = e end
+  -- an expert-parallel model: the experts other ranks hold (ms.ep)
+  if rawget(model, '_ep_train') then ctx.remote = require('moonshard.ep').remote_names(model) end
   if not st then
     ctx.rank, ctx.world_size, ctx.strategy, ctx.sharded = 0, 1, 'NONE', false
     -- a plain model is one process's: under mpirun only rank 0 writes
@@ -350,9 +352,12 @@ function regions_(model)
     -- replicas (NO_SHARD, or the replica groups of HYBRID_SHARD) hold the
     -- same shard: the first one writes it (rank 0 of the replicate group
     -- where fsdp names one, else the lowest ranks)
+    -- (an expert-parallel model's expert unit: each rank holds experts or
+    -- a shard of them no other rank holds, ms.ep)
     local write
     local rg = st.replicate_group
-    if type(rg) == 'table' and rg.is_member and rg:is_member() and rg:size() > 1 then write = rg:rank() == 0
+    if u.experts then write = true
+    elseif type(rg) == 'table' and rg.is_member and rg:is_member() and rg:size() > 1 then write = rg:rank() == 0
     else write = fp.world_size >= ctx.world_size or ctx.rank < fp.world_size end
     for i = 1, fp.nparams do
       local sl = fp.layout:slice(fp.rank, i)
@@ -577,6 +582,8 @@ function M.save_sharded(model, dir, opts)
         for i, e in ipairs(ctx.params) do
           index.params[i] = { name = e.name, shape = e.shape, dtype = e.dtype, numel = e.numel }
         end
+        local listed = {}
+        for _, e in ipairs(index.params) do listed[e.name] = true end
         for i, b in ipairs(ctx.buffers) do index.buffers[i] = { name = b.name, shape = b.shape, dtype = b.dtype } end
         local max_step = 0
         for r = 0, W - 1 do
@@ -585,6 +592,25 @@ function M.save_sharded(model, dir, opts)
           local h = header_of(tmp .. '/' .. name)
           local desc = json.decode(h.meta['moonshard.fsdp'] or 'null', 1, nil)
           if type(desc) ~= 'table' then fail('%s/%s has no moonshard.fsdp description', tmp, name) end
+          -- parameters rank 0 does not hold (an expert-parallel model's other
+          -- experts, ms.ep): listed after the one before them in this rank's
+          -- order and after those lower ranks put there (lower experts), so
+          -- the index keeps the whole model's order
+          local mine = {}
+          for _, e in ipairs(desc.params or {}) do mine[e.name] = true end
+          local prev
+          for _, e in ipairs(desc.params or {}) do
+            if not listed[e.name] then
+              listed[e.name] = true
+              local at = 1
+              if prev then
+                for i, x in ipairs(index.params) do if x.name == prev then at = i + 1; break end end
+              end
+              while index.params[at] and not mine[index.params[at].name] do at = at + 1 end
+              table.insert(index.params, at, { name = e.name, shape = e.shape, dtype = e.dtype, numel = numel_of(e.shape) })
+            end
+            prev = e.name
+          end
           for _, pc in ipairs(desc.pieces) do
             local list = index.pieces[pc.param]
             if not list then list = {}; index.pieces[pc.param] = list end
@@ -655,7 +681,7 @@ local function check_params(ctx, saved, where, strict)
   end
   if strict then
     for _, s in ipairs(saved) do
-      if not used[s.name] then
+      if not used[s.name] and not (ctx.remote and ctx.remote[s.name]) then
         fail('%s has parameter %s %s, which the model does not have (strict = false ignores it)', where, s.name,
           shape_str(s.shape))
       end

@@ -1121,10 +1121,6 @@ function train.run(opts)
         .. 'sharded over the ranks that hold the same ones, the rest over every rank)', ep_size)
     end
     if o.lora > 0 then usage('--ep with --lora: not supported (merge the adapters first)') end
-    if resume and resume.sharded then
-      usage('--ep: %s is a sharded (FSDP) checkpoint; --ep resumes whole-model checkpoints (resume it with --steps '
-        .. 'at its step and --out, then --init-from the folder)', resume.path)
-    end
     -- --fsdp FULL_SHARD / SHARD_GRAD_OP: each layer's experts sharded over
     -- their copies, the rest over every rank; otherwise plain
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
@@ -1231,8 +1227,10 @@ function train.run(opts)
     ep_amp = not strategy and mp ~= nil and mp.param == 'bf16'
     local okp, perr = pcall(ms.ep.parallelize, model, { group = ep_group, replicate = ep_rep })
     if not okp then usage('--ep %d: %s', ep_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
-    if not strategy or resume then ms.nn.materialize(model) end
-    if resume then
+    -- (a sharded checkpoint is read after fully_shard, into the shards)
+    local whole = resume and not resume.sharded
+    if not strategy or whole then ms.nn.materialize(model) end
+    if whole then
       local okl, err = pcall(ckpt.load, resume.path, {
         model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end } })
       if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
@@ -1599,10 +1597,12 @@ function train.run(opts)
     local state = { step = step, scheduler = { step = step, lr = lr_at(math.min(step, o.steps)) },
                     rng = T.rng_state(), data = train_loader:state(), options = saved,
                     bad_steps = bad_total, bad_steps_in_a_row = bad_run }
-    if tp_mesh or pp_mesh or ep_group then
+    if tp_mesh or pp_mesh or (ep_group and not strategy) then
       -- the whole model's and optimizer's state, gathered on every rank
       -- (with --ep on the ranks of rank 0's group, on the host); rank 0
-      -- writes a one-process checkpoint (it resumes at any --tp, --pp or --ep)
+      -- writes a one-process checkpoint (it resumes at any --tp, --pp or
+      -- --ep). (--ep under FSDP: sharded checkpoints, below: every rank
+      -- writes the pieces it holds, its experts' among them)
       state.world_size, state.tokens_per_step = data_world, tokens_per_step
       state.tp, state.pp = tp_mesh and tp_size or nil, pp_mesh and pp_size or nil
       state.ep = ep_group and ep_size or nil
@@ -1611,9 +1611,7 @@ function train.run(opts)
       local msd, osd
       if pp_mesh then msd, osd = ms.pp.full_checkpoint(model, opt, hyper)   -- (with --tp too: it gathers the slices)
       elseif tp_mesh then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
-      -- (--ep: the ranks of rank 0's group; under FSDP every rank, whose
-      -- units' gathers are collectives over all)
-      elseif strategy or rank < ep_size then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
+      elseif rank < ep_size then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
       local okw, res = true, nil
       if rank == 0 then
         okw, res = pcall(ckpt.save_async, o.out, step, { model = { state_dict = function() return msd end },
@@ -1895,6 +1893,8 @@ function train.run(opts)
     elseif tp_mesh or ep_group then
       local msd
       if tp_mesh then msd = ms.tp.full_checkpoint(model)
+      -- (--ep: the ranks of rank 0's group; under FSDP every rank, whose
+      -- units' gathers are collectives over all)
       elseif strategy or rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
       if rank == 0 then
         local hf = require 'models.hf'
