@@ -11,7 +11,8 @@
 -- --ep 2; with --fsdp FULL_SHARD (4 ranks) and SHARD_GRAD_OP (2) the
 -- same curve and weights, sharded checkpoints that list every expert and
 -- resume in one process, as they ran and under plain --ep; bad layouts
--- exit 2 with a message.
+-- exit 2 with a message. Activation checkpointing and micro-batches
+-- follow the curve too.
 local S = require 'spec.support'
 local q = S.shell_quote
 local dir = S.tmpdir()
@@ -183,6 +184,19 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
         np, q(r), ep, strategy, 4 / np))
       assert.are.equal(0, status, text)
       close_losses(one, losses(r), 3, 4, 'a one-process checkpoint resumed under --ep --fsdp ' .. strategy)
+    end
+  end)
+
+  it('--ep 2 with the layers checkpointed (the recompute exchanges again, under FSDP too) and with micro-batches '
+    .. '(plain and under FSDP) follows the one-process curve', function()
+    local one = reference('', 'one')
+    for i, extra in ipairs({ '--activation-checkpointing full', '--activation-checkpointing full --fsdp FULL_SHARD',
+      '--batch-size 1 --tokens-per-step 64', '--batch-size 1 --tokens-per-step 64 --fsdp FULL_SHARD' }) do
+      local out = ('%s/epx%d'):format(dir, i)
+      local status, text = bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 '
+        .. '--ep 2 %s --out %s'):format(flags, extra, q(out)))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(out), 1, 4, '--ep 2 ' .. extra)
     end
   end)
 
