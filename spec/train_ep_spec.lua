@@ -11,8 +11,8 @@
 -- --ep 2; with --fsdp FULL_SHARD (4 ranks) and SHARD_GRAD_OP (2) the
 -- same curve and weights, sharded checkpoints that list every expert and
 -- resume in one process, as they ran and under plain --ep; bad layouts
--- exit 2 with a message. Activation checkpointing and micro-batches
--- follow the curve too.
+-- exit 2 with a message. Activation checkpointing, micro-batches and
+-- --init-from follow the curve too.
 local S = require 'spec.support'
 local q = S.shell_quote
 local dir = S.tmpdir()
@@ -197,6 +197,23 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
         .. '--ep 2 %s --out %s'):format(flags, extra, q(out)))
       assert.are.equal(0, status, text)
       close_losses(one, losses(out), 1, 4, '--ep 2 ' .. extra)
+    end
+  end)
+
+  it('--ep 2 --init-from a saved folder (each rank reads its experts), plain and under FSDP: one process\'s curve from it',
+    function()
+    reference('', 'one')
+    local common = ('--seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 1 '
+      .. '--data %s --init-from %s/one --steps 3'):format(q(corpus), q(dir))
+    local status, text = bin_train(('models/mixtral.lua %s --batch-size 4 --out %s/if1'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    local one = losses(dir .. '/if1')
+    for i, extra in ipairs({ '', ' --fsdp FULL_SHARD' }) do
+      local out = ('%s/if_ep%d'):format(dir, i)
+      status, text = bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 2 --ep 2%s --out %s')
+        :format(common, extra, q(out)))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(out), 1, 3, '--ep 2 --init-from' .. extra)
     end
   end)
 
