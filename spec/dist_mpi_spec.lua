@@ -119,6 +119,52 @@ describe('dist over MPI #mpi', function()
     end
   end
 
+  it('all_reduce_coalesced: the values all_reduce gives each tensor (f32, f64, bf16 and i64, 2-D, empty; buckets of '
+    .. 'every size, packed as on CUDA), with sum and avg; unpacked, the CPU\'s default, too', function()
+    -- integers (exact sums in every dtype): tensor k's element i on rank r
+    local function v(r, k, i) return ((r + 1) * (7 * k + 3 * i + 1)) % 61 - 30 end
+    local specs = { { { 3, 4 }, 'f32' }, { { 5 }, 'f64' }, { { 2, 3 }, 'bf16' }, { { 0 }, 'f32' }, { { 4 }, 'i64' },
+      { { 7 }, 'f32' }, { { 1 }, 'f64' }, { { 6, 2 }, 'f32' } }
+    local function make(r)
+      local list = {}
+      for k, sp in ipairs(specs) do
+        local n = 1
+        for _, d in ipairs(sp[1]) do n = n * d end
+        local vals = {}
+        for i = 1, n do vals[i] = v(r, k, i) end
+        list[k] = (n > 0 and ms.tensor(vals, { dtype = 'f64' }) or ms.zeros({ 0 }, { dtype = 'f64' })):to(sp[2])
+          :reshape(sp[1])
+      end
+      return list
+    end
+    for _, op in ipairs({ 'sum', 'avg' }) do
+      for _, cap in ipairs({ 1, 40, 2 ^ 30 }) do
+        local got, want = make(R), make(R)
+        dist.all_reduce_coalesced(got, op, { bucket_bytes = cap, pack = true })
+        for k, t in ipairs(want) do
+          if t:numel() > 0 then dist.all_reduce(t, op) end
+          assert.are.same(t.shape, got[k].shape)
+          assert.are.equal(t.dtype, got[k].dtype)
+          assert.are.same(t:to('f64'):reshape({ t:numel() }):totable(), got[k]:to('f64'):reshape({ t:numel() }):totable(),
+            ('tensor %d (%s), %s, buckets of %d bytes'):format(k, t.dtype, op, cap))
+        end
+      end
+    end
+    local got, want = make(R), make(R)
+    dist.all_reduce_coalesced(got, 'sum')
+    for k, t in ipairs(want) do
+      if t:numel() > 0 then dist.all_reduce(t, 'sum') end
+      assert.are.same(t:to('f64'):reshape({ t:numel() }):totable(), got[k]:to('f64'):reshape({ t:numel() }):totable())
+    end
+    -- what all_reduce refuses it refuses, naming the tensor
+    local ok, err = pcall(dist.all_reduce_coalesced, { ms.zeros({ 3 }), ms.zeros({ 3, 4 }):t() }, 'sum', { pack = true })
+    assert.is_false(ok)
+    assert.matches('contiguous', tostring(err))
+    ok, err = pcall(dist.all_reduce_coalesced, { ms.zeros({ 3 }), 7 }, 'sum')
+    assert.is_false(ok)
+    assert.matches('all_reduce_coalesced: list[2] must be a tensor, got number', tostring(err), 1, true)
+  end)
+
   it('reduces random data within the dtype bound (every rank draws every rank\'s seed)', function()
     local n = 999
     for _, dtype in ipairs({ 'f32', 'bf16', 'f64' }) do

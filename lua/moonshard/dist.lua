@@ -175,6 +175,71 @@ function dist.all_reduce(t, op, opts)
   return run('all_reduce', opts, C.ms_comm_all_reduce, { t }, t, op_id(op or 'sum', 'all_reduce'))
 end
 
+-- all_reduce_coalesced(list, op, opts): every tensor of `list` reduced in
+-- place, as all_reduce each would, in few collectives: the contiguous ones
+-- of one dtype and device packed into flat buckets of at most
+-- opts.bucket_bytes (25 MiB, PyTorch DDP's default) by ops.cast_flat (one
+-- kernel a bucket on CUDA), each bucket all-reduced once and copied back.
+-- A gradient list of many small tensors (norms, biases) costs a few
+-- collectives instead of one each. Packed by default for CUDA tensors only
+-- (opts.pack = true / false decides): on the CPU a bucket is a fresh
+-- allocation whose first touch costs more than MPI's per-call overhead
+-- (bench/grad_allreduce.lua: the tiny Mixtral's 79 tensors over 2 ranks,
+-- 14 ms one by one, 27 ms packed). opts.group as all_reduce's; not async.
+function dist.all_reduce_coalesced(list, op, opts)
+  if type(list) ~= 'table' then error('all_reduce_coalesced: list must be a table of tensors', 2) end
+  opts = opts or {}
+  if opts.async then error('all_reduce_coalesced: not async', 2) end
+  local cap = opts.bucket_bytes or 25 * 2 ^ 20
+  if type(cap) ~= 'number' or cap <= 0 then
+    error(('all_reduce_coalesced: bucket_bytes must be a positive number, got %s'):format(tostring(cap)), 2)
+  end
+  local F = require 'moonshard.ops'
+  local copts = { group = opts.group }
+  local packable = { f32 = true, f64 = true, bf16 = true, f16 = true }   -- (ops.cast_flat's dtypes)
+  local pack = opts.pack
+  -- (dtype, device) -> the current bucket { list =, bytes = }; flushed when full
+  local open, order = {}, {}
+  local function flush(key)
+    local b = open[key]
+    open[key] = nil
+    if not b or #b.list == 0 then return end
+    if #b.list == 1 then dist.all_reduce(b.list[1], op, copts); return end
+    local flat = F.cast_flat(b.list, b.list[1].dtype)
+    dist.all_reduce(flat, op, copts)
+    local off = 0
+    for _, t in ipairs(b.list) do
+      local n = t:numel()
+      local v = flat:narrow(1, off + 1, n):view(t.shape)
+      T.raw_copy_(t, v)
+      v:free()
+      off = off + n
+    end
+    flat:free()
+  end
+  for i, t in ipairs(list) do
+    tensor_arg(t, 'all_reduce_coalesced', ('list[%d]'):format(i))
+    if t:numel() > 0 then
+      if not t:is_contiguous() or not packable[t.dtype] or not (pack or (pack == nil and t.device ~= 'cpu')) then
+        dist.all_reduce(t, op, copts)
+      else
+        local key = t.dtype .. '@' .. t.device
+        local bytes = t:numel() * t:element_size()
+        local b = open[key]
+        if b and b.bytes + bytes > cap then flush(key); b = nil end
+        if not b then
+          b = { list = {}, bytes = 0 }
+          open[key] = b
+          order[#order + 1] = key
+        end
+        b.list[#b.list + 1] = t
+        b.bytes = b.bytes + bytes
+      end
+    end
+  end
+  for _, key in ipairs(order) do flush(key) end
+end
+
 function dist.broadcast(t, root, opts)
   tensor_arg(t, 'broadcast', 'the tensor')
   if type(root) ~= 'number' then error('broadcast: root must be a world rank (a number)', 2) end

@@ -137,17 +137,17 @@ function ep.all_reduce_grads(model, group)
       .. 'copies (%d)'):format(W, info.size, R, info.size * R), 2)
   end
   local ex = expert_ids(info)
+  local experts, rest = {}, {}
   for _, p in ipairs(model:parameters()) do
     local g = p.grad
     if g ~= nil then
-      if ex[tonumber(p.id)] then
-        if R > 1 then dist.all_reduce(g, 'sum', { group = info.replicate }) end
-        F.mul_(g, 1 / W)
-      elseif W > 1 then
-        dist.all_reduce(g, 'avg', { group = group })
-      end
+      if ex[tonumber(p.id)] then experts[#experts + 1] = g else rest[#rest + 1] = g end
     end
   end
+  -- (in buckets: dist.all_reduce_coalesced)
+  if R > 1 then dist.all_reduce_coalesced(experts, 'sum', { group = info.replicate }) end
+  for _, g in ipairs(experts) do F.mul_(g, 1 / W) end
+  if W > 1 then dist.all_reduce_coalesced(rest, 'avg', { group = group }) end
 end
 
 -- ep.clip_grad_norm_(model, max_norm, opts) -> the whole model's gradient

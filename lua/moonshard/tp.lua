@@ -845,9 +845,12 @@ end
 function tp.all_reduce_grads(model, group, op)
   check_group(group, 'tp.all_reduce_grads')
   if group:size() == 1 then return end
+  local grads = {}
   for _, p in ipairs(model:parameters()) do
-    if p.grad ~= nil then dist.all_reduce(p.grad, op or 'avg', { group = group }) end
+    if p.grad ~= nil then grads[#grads + 1] = p.grad end
   end
+  -- (in buckets: dist.all_reduce_coalesced)
+  dist.all_reduce_coalesced(grads, op or 'avg', { group = group })
 end
 
 -- the whole of tensor t, split as `how` says, on every rank of the group
