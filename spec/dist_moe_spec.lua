@@ -138,7 +138,8 @@ describe('expert parallelism #mpi', function()
       moe.expert_parallel(m)
       assert.has_error(function() moe.expert_parallel(m) end, 'moe.expert_parallel: the model is already expert-parallel')
       assert.has_error(function() ms.fsdp.fully_shard(m) end, 'fully_shard: the model is expert-parallel '
-        .. '(nn.moe.expert_parallel): its experts differ from rank to rank, which FSDP\'s flat parameters cannot hold')
+        .. '(nn.moe.expert_parallel): its experts differ from rank to rank; split it with ms.ep.parallelize, which says '
+        .. 'which ranks hold the same experts')
       local mixtral = require 'models.mixtral'
       local mm = mixtral.new('tiny', { num_hidden_layers = 2, output_router_logits = false })
       moe.expert_parallel(mm)
