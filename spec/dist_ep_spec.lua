@@ -317,6 +317,13 @@ describe('moonshard.ep #mpi', function()
       assert.matches(('split over %d ranks with 1 copies (%d ranks); shard it over all of them, not a group of 1'):format(
         W, W), tostring(err), 1, true)
     end
+    if W == 4 then
+      -- a replicate group of ranks at different places in their groups
+      local mesh = dist.mesh { replicate = 2, shard = 2 }
+      ok, err = pcall(ms.ep.parallelize, make(), { group = mesh.shard, replicate = mesh.shard })
+      assert.is_false(ok)
+      assert.matches('a replicate group joins the ranks that hold the same experts', tostring(err), 1, true)
+    end
     ms.fsdp.fully_shard(m4, { policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }) })
     ok, err = pcall(ms.ep.all_reduce_grads, m4)
     assert.is_false(ok)

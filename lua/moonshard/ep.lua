@@ -60,7 +60,23 @@ function ep.parallelize(model, opts)
   if group == nil then error('ep.parallelize: dist is not initialised (ms.dist.init) and no group given', 2) end
   check_group(group, 'group')
   local rep = opts.replicate
-  if rep ~= nil then check_group(rep, 'replicate') end
+  if rep ~= nil then
+    check_group(rep, 'replicate')
+    -- (a collective over it) the ranks of `replicate` must hold the same
+    -- experts: the same place in their groups, and groups of one size
+    local mine = T.tensor({ group:rank(), group:size() }, { dtype = 'f64' })
+    local dev = mine:to(dist.device())
+    local all = T.empty({ 2 * rep:size() }, { dtype = 'f64', device = dev.device })
+    dist.all_gather_into(all, dev, { group = rep })
+    local v = all:to('cpu'):totable()
+    for k = 0, rep:size() - 1 do
+      if v[2 * k + 1] ~= group:rank() or v[2 * k + 2] ~= group:size() then
+        error(('ep.parallelize: replicate rank %d is rank %d of a group of %d, this rank (replicate rank %d) rank %d '
+          .. 'of %d: a replicate group joins the ranks that hold the same experts'):format(k, v[2 * k + 1],
+          v[2 * k + 2], rep:rank(), group:rank(), group:size()), 2)
+      end
+    end
+  end
   local ok, err = pcall(nn.moe.expert_parallel, model, group)
   if not ok then error((tostring(err):gsub('^moe%.expert_parallel', 'ep.parallelize')), 2) end
   local by = {}
