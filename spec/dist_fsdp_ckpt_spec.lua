@@ -222,6 +222,40 @@ describe('fsdp checkpoints at one world size #mpi', function()
     assert.are.equal(0, H.max_abs(H.logits(plain), r.logits))
   end)
 
+  it('a full save streams: a rank holds one unit\'s gathered parameters at a time, not the model\'s', function()
+    local r = reference()
+    local S_ = require 'moonshard.safetensors'
+    local keep = S_.stream_bytes
+    S_.stream_bytes = 0   -- (rank 0 keeps only the newest host copy)
+    collectgarbage(); collectgarbage()
+    local base, most = ms.live_bytes(-1), 0
+    local unit_bytes, model_bytes = 0, 0
+    for _, u in ipairs(ms.fsdp.units(r.model)) do
+      unit_bytes = math.max(unit_bytes, u.fp.total * 4)
+      model_bytes = model_bytes + u.fp.total * 4
+    end
+    local calls = 0
+    ck._on_unit_saved = function() calls = calls + 1; most = math.max(most, ms.live_bytes(-1) - base) end
+    local ok, err = pcall(ck.save_full, r.model, D .. '/streamed.safetensors')
+    ck._on_unit_saved, S_.stream_bytes = nil, keep
+    assert.is_true(ok, tostring(err))
+    assert.are.equal(#ms.fsdp.units(r.model), calls, 'a unit at a time')
+    -- (the gathered buffer is freed before the hook; what remains is the
+    -- newest host copy and passing temporaries: under one unit)
+    assert.is_true(most <= unit_bytes, ('%d bytes held beyond the shards, one unit is %d, the model %d'):format(most,
+      unit_bytes, model_bytes))
+    assert.is_true(unit_bytes < model_bytes / 2)
+    -- the values: the model's now (reference() took a step after its own save)
+    if dist.rank() == 0 then
+      local a = ms.load_safetensors(D .. '/streamed.safetensors')
+      local b = S_.header(D .. '/full.safetensors')
+      for name in pairs(b) do assert.is_not_nil(a[name], name) end
+      for name in pairs(a) do assert.is_not_nil(b[name], name) end
+      for _, e in ipairs(r.after) do assert.are.equal(0, H.max_abs(a[e.name], e.tensor), e.name) end
+      assert.is_true(#r.after > 0)
+    end
+  end)
+
   it('load_full reads a full save into a sharded model (each rank its slices) and into a plain one', function()
     local r = reference()
     for _, kind in ipairs({ 'full', 'root', 'plain' }) do

@@ -290,6 +290,69 @@ describe('safetensors', function()
     end)
   end)
 
+  describe('stream', function()
+    it('writes the entries in their order as they come (each freed once written); the file loads as save\'s would',
+      function()
+      local keep = st.stream_bytes
+      st.stream_bytes = 0
+      local list = {
+        { 'z.weight', { 7, 5 }, 'f32' }, { 'a.bias', { 5 }, 'f64' }, { 'm.emb', { 3, 4, 2 }, 'bf16' }, { 'e', { 0 }, 'f32' },
+        { 'k.ids', { 6 }, 'i64' },
+      }
+      local entries, src = {}, {}
+      for i, e in ipairs(list) do
+        entries[i] = { name = e[1], shape = e[2], dtype = e[3] }
+        local n = 1
+        for _, d in ipairs(e[2]) do n = n * d end
+        local vals = {}
+        for k = 1, n do vals[k] = (k * 7 + i) % 23 - 11 end
+        src[e[1]] = n > 0 and ms.tensor(vals, { dtype = 'f64' }):to(e[3]):reshape(e[2]) or ms.zeros(e[2], { dtype = e[3] })
+      end
+      local path = tmp('stream.safetensors')
+      local s = st.stream(path, entries, { format = 'pt' })
+      for _, e in ipairs(entries) do s:put(src[e.name]:clone():reshape({ src[e.name]:numel() }):contiguous()) end
+      assert.are.equal(path, s:finish())
+      st.stream_bytes = keep
+      local got, meta = st.load(path)
+      assert.are.equal('pt', meta.format)
+      for name, t in pairs(src) do
+        assert.are.equal(t.dtype, got[name].dtype, name)
+        assert.are.same(t.shape, got[name].shape, name)
+        if t:numel() > 0 then assert.are.same(t:totable(), got[name]:totable(), name) end
+      end
+      -- in the entries' order: the offsets rise along the list
+      local h = st.header(path)
+      for i = 2, #entries do
+        assert.is_true(h[entries[i].name].data_offsets[1] >= h[entries[i - 1].name].data_offsets[2], entries[i].name)
+      end
+      assert.is_nil(io.open(path .. '.tmp', 'rb'))
+    end)
+
+    it('a wrong tensor or too few cancel the file, naming the entry; a file already there is kept', function()
+      local path = tmp('stream_bad.safetensors')
+      st.save(path, { x = ms.tensor({ 1, 2 }) })
+      local before = read_all(path)
+      local entries = { { name = 'a', shape = { 2, 2 }, dtype = 'f32' }, { name = 'b', shape = { 3 }, dtype = 'f32' } }
+      local s = st.stream(path, entries)
+      local ok, err = pcall(s.put, s, ms.zeros({ 4 }, { dtype = 'f64' }))
+      assert.is_false(ok)
+      assert.matches('stream_bad.safetensors: a wants a contiguous host tensor of f32, 4 elements; got cpu f64, 4 elements',
+        tostring(err), 1, true)
+      assert.are.equal(before, read_all(path))
+      assert.is_nil(io.open(path .. '.tmp', 'rb'))
+      s = st.stream(path, entries)
+      s:put(ms.zeros({ 4 }))
+      ok, err = pcall(s.finish, s)
+      assert.is_false(ok)
+      assert.matches('finished with 1 of 2 tensors given', tostring(err), 1, true)
+      assert.are.equal(before, read_all(path))
+      ok, err = pcall(st.stream, path, { { name = 'a', shape = { 1 }, dtype = 'f32' }, { name = 'a', shape = { 1 },
+        dtype = 'f32' } })
+      assert.is_false(ok)
+      assert.matches('entry 2 has a bad or repeated name a', tostring(err), 1, true)
+    end)
+  end)
+
   describe('save errors', function()
     it('rejects non-string metadata values and leaves an existing file untouched', function()
       local path = tmp('keep.safetensors')

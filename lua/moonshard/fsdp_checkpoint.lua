@@ -1037,9 +1037,63 @@ end
 -- state_dict names, a tied tensor once under its first name, metadata
 -- format = pt), then a barrier. dtype: converts on the way (default: the
 -- master dtype, f32).
+-- A sharded model's is streamed: each unit is all-gathered in turn and
+-- rank 0 hands its tensors to a safetensors stream (S.stream) as host
+-- copies, so a rank holds one unit's gathered parameters at a time, not
+-- the model's (the file lists them unit by unit). LoRA adapters to merge
+-- need the whole model: gathered first, as for a plain model.
+local function save_full_streamed(model, path, opts, ctx)
+  local entries = {}
+  for _, u in ipairs(ctx.units) do
+    local fp = u.fp
+    for i = 1, fp.nparams do
+      local name = u._ckpt_names[i]
+      entries[#entries + 1] = { name = name, shape = ctx.param[name].shape, dtype = opts.dtype or fp.shard.dtype }
+    end
+  end
+  for _, b in ipairs(ctx.buffers) do entries[#entries + 1] = { name = b.name, shape = b.shape, dtype = b.dtype } end
+  local writes = ctx.rank == 0
+  local st
+  local ok, err = true, nil
+  if writes then ok, err = pcall(function() st = S.stream(path, entries, { format = 'pt' }) end) end
+  -- (every rank gathers every unit, whatever rank 0's stream does: the
+  -- collectives stay matched; rank 0's failure is agreed on at the end)
+  no_grad(function()
+    for _, u in ipairs(ctx.units) do
+      local fp = u.fp
+      local flat = gather_flat(fp, fp.shard)
+      if writes and ok then
+        ok, err = pcall(function()
+          for i = 1, fp.nparams do
+            local piece = flat:narrow(1, fp.layout.offsets[i] + 1, fp.layout.numels[i])
+            local h = piece:to({ device = 'cpu', dtype = opts.dtype or piece.dtype, copy = true })
+            piece:free()
+            st:put(h)
+          end
+        end)
+      end
+      flat:free()
+      if M._on_unit_saved then M._on_unit_saved(u) end   -- (specs: what a rank holds now)
+    end
+  end)
+  if writes and ok then
+    ok, err = pcall(function()
+      for _, b in ipairs(ctx.buffers) do st:put(b.t:to({ device = 'cpu', copy = true }):contiguous()) end
+      st:finish()
+    end)
+  end
+  if writes and not ok and st then st:cancel(err) end
+  agree(ctx, ok, err, 'save_full ' .. path)
+  return path
+end
+
 function M.save_full(model, path, opts)
   opts = opts or {}
   if type(path) ~= 'string' or path == '' then fail('save_full: path must be a file path, got %s', tostring(path)) end
+  local ctx0 = regions(model)
+  if ctx0.sharded and not (opts.merge_lora ~= false and require('moonshard.nn').has_lora(model)) then
+    return save_full_streamed(model, path, opts, ctx0)
+  end
   local params, _, ctx = M.gather(model)
   local ok, err = true, nil
   if ctx.rank == 0 and not ctx.skip_write then

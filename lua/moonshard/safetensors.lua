@@ -240,6 +240,31 @@ local function u64le(n)
   return table.concat(b)
 end
 
+-- the file's first bytes (the 8-byte length and the padded JSON header)
+-- for entries { name =, shape =, dtype = } laid out in their order, the
+-- metadata's keys in meta_keys' order
+local function head_of(entries, metadata, meta_keys)
+  local q = json.quotestring
+  local parts, offset = {}, 0
+  if #meta_keys > 0 then
+    local kv = {}
+    for i, k in ipairs(meta_keys) do kv[i] = q(k) .. ':' .. q(metadata[k]) end
+    parts[#parts + 1] = '"__metadata__":{' .. table.concat(kv, ',') .. '}'
+  end
+  for _, e in ipairs(entries) do
+    local numel = 1
+    local dims = {}
+    for i, d in ipairs(e.shape) do dims[i] = ('%d'):format(d); numel = numel * d end
+    local nbytes = numel * dtype_size[e.dtype]
+    parts[#parts + 1] = ('%s:{"dtype":"%s","shape":[%s],"data_offsets":[%.0f,%.0f]}'):format(
+      q(e.name), to_code[e.dtype], table.concat(dims, ','), offset, offset + nbytes)
+    offset = offset + nbytes
+  end
+  local header = '{' .. table.concat(parts, ',') .. '}'
+  header = header .. (' '):rep((8 - #header % 8) % 8)
+  return u64le(#header) .. header
+end
+
 -- plan(path, tbl, metadata, what) -> names (sorted), head: the checks
 -- save() makes before touching the disk, and the file's first bytes (the
 -- 8-byte length and the padded JSON header)
@@ -280,27 +305,9 @@ local function plan(path, tbl, metadata, what)
     table.sort(meta_keys)
   end
 
-  -- header
-  local q = json.quotestring
-  local parts, offset = {}, 0
-  if #meta_keys > 0 then
-    local kv = {}
-    for i, k in ipairs(meta_keys) do kv[i] = q(k) .. ':' .. q(metadata[k]) end
-    parts[#parts + 1] = '"__metadata__":{' .. table.concat(kv, ',') .. '}'
-  end
-  for _, name in ipairs(names) do
-    local t = tbl[name]
-    local shape = t.shape
-    local nbytes = t:numel() * dtype_size[t.dtype]
-    local dims = {}
-    for i, s in ipairs(shape) do dims[i] = ('%d'):format(s) end
-    parts[#parts + 1] = ('%s:{"dtype":"%s","shape":[%s],"data_offsets":[%.0f,%.0f]}'):format(
-      q(name), to_code[t.dtype], table.concat(dims, ','), offset, offset + nbytes)
-    offset = offset + nbytes
-  end
-  local header = '{' .. table.concat(parts, ',') .. '}'
-  header = header .. (' '):rep((8 - #header % 8) % 8)
-  return names, u64le(#header) .. header
+  local entries = {}
+  for i, name in ipairs(names) do entries[i] = { name = name, shape = tbl[name].shape, dtype = tbl[name].dtype } end
+  return names, head_of(entries, metadata, meta_keys)
 end
 
 -- save(path, { name = tensor }, metadata)
@@ -467,6 +474,116 @@ function S.write_async(writer, path, tbl, metadata, stage)
     held.owned[#held.owned + 1] = f.h
   end
   return job, held
+end
+
+-- stream(path, entries, metadata) -> a file written as its tensors come:
+-- entries { name =, shape =, dtype = } in file order (the header is
+-- written first, so every shape is known up front); st:put(h) gives the
+-- next entry's data, h a contiguous host tensor of its dtype and element
+-- count, which the stream then owns (freed once written: at most
+-- S.stream_bytes of them held beyond the newest); st:finish() -> path
+-- (waits for the writer's thread, then renames path.tmp into place);
+-- st:cancel(why) drops the file. What a sharded model's full save writes
+-- one unit at a time (fsdp_checkpoint.save_full), holding one unit's
+-- tensors instead of the model's.
+local Stream = {}
+Stream.__index = Stream
+function S.stream(path, entries, metadata)
+  if type(path) ~= 'string' then error(('safetensors: stream: expected a file path, got %s'):format(type(path)), 2) end
+  local seen, meta_keys = {}, {}
+  for i, e in ipairs(entries) do
+    if type(e.name) ~= 'string' or e.name == '__metadata__' or seen[e.name] then
+      error(('safetensors: stream %s: entry %d has a bad or repeated name %s'):format(path, i, tostring(e.name)), 2)
+    end
+    if not dtype_size[e.dtype] or not to_code[e.dtype] then
+      error(('safetensors: stream %s: %s has dtype %s, which safetensors files do not hold'):format(path, e.name,
+        tostring(e.dtype)), 2)
+    end
+    seen[e.name] = true
+  end
+  for k in pairs(metadata or {}) do meta_keys[#meta_keys + 1] = k end
+  table.sort(meta_keys)
+  local head = head_of(entries, metadata, meta_keys)
+  local n = #entries
+  local ptrs, bytes = ffi.new('const void *[?]', math.max(n, 1)), ffi.new('int64_t[?]', math.max(n, 1))
+  local numels = {}
+  for i, e in ipairs(entries) do
+    local numel = 1
+    for _, d in ipairs(e.shape) do numel = numel * d end
+    numels[i] = numel
+    bytes[i - 1] = numel * dtype_size[e.dtype]
+    ptrs[i - 1] = nil
+  end
+  local box = ffi.new('ms_writer *[1]')
+  T.check(C.ms_writer_new(box), 2)
+  local w = ffi.gc(box[0], C.ms_writer_free)
+  local tmp = path .. '.tmp'
+  local job = C.ms_writer_submit(w, tmp, head, #head, n, ptrs, bytes)
+  if job < 0 then error(('safetensors: stream %s: %s'):format(path, ffi.string(C.ms_last_error())), 2) end
+  return setmetatable({ path = path, tmp = tmp, entries = entries, numels = numels, bytes = bytes, w = w, job = job,
+    next = 1, inflight = {}, inflight_bytes = 0 }, Stream)
+end
+
+function Stream:put(h)
+  local i = self.next
+  local e = self.entries[i]
+  if e == nil then error(('safetensors: stream %s: more tensors than its %d entries'):format(self.path, #self.entries), 2) end
+  if not T.is_tensor(h) or h.device_id >= 0 or not h:is_contiguous() or h.dtype ~= e.dtype or h:numel() ~= self.numels[i] then
+    local why = ('safetensors: stream %s: %s wants a contiguous host tensor of %s, %d elements; got %s'):format(
+      self.path, e.name, e.dtype, self.numels[i], T.is_tensor(h) and ('%s %s, %d elements'):format(h.device, h.dtype,
+      h:numel()) or type(h))
+    self:cancel(why)
+    error(why, 2)
+  end
+  self.next = i + 1
+  self.inflight[#self.inflight + 1] = { i = i, h = h, bytes = tonumber(self.bytes[i - 1]) }
+  self.inflight_bytes = self.inflight_bytes + tonumber(self.bytes[i - 1])
+  T.check(C.ms_writer_provide(self.w, self.job, i - 1, C.ms_tensor_data(h)), 2)
+  while #self.inflight > 1 and self.inflight_bytes - self.inflight[#self.inflight].bytes > S.stream_bytes do
+    local first = table.remove(self.inflight, 1)
+    if C.ms_writer_wait_written(self.w, self.job, first.i) < 0 then
+      table.insert(self.inflight, 1, first)
+      local why = ffi.string(C.ms_last_error())
+      self:cancel(why)
+      error(('safetensors: stream %s: %s'):format(self.path, why), 2)
+    end
+    first.h:free()
+    self.inflight_bytes = self.inflight_bytes - first.bytes
+  end
+end
+
+local function close_stream(st)
+  for _, f in ipairs(st.inflight) do f.h:free() end
+  st.inflight, st.inflight_bytes = {}, 0
+  C.ms_writer_free(ffi.gc(st.w, nil))
+  st.w = nil
+end
+
+function Stream:finish()
+  if self.w == nil then error(('safetensors: stream %s: already finished or cancelled'):format(self.path), 2) end
+  if self.next <= #self.entries then
+    local why = ('%d of %d tensors given'):format(self.next - 1, #self.entries)
+    self:cancel(why)
+    error(('safetensors: stream %s: finished with %s'):format(self.path, why), 2)
+  end
+  local rc = C.ms_writer_wait(self.w)
+  local why = rc ~= 0 and ffi.string(C.ms_last_error()) or nil
+  close_stream(self)
+  if why then
+    os.remove(self.tmp)
+    error(('safetensors: stream %s: %s'):format(self.path, why), 2)
+  end
+  local ok, err = os.rename(self.tmp, self.path)
+  if not ok then error(('safetensors: stream %s: cannot rename %s: %s'):format(self.path, self.tmp, tostring(err)), 2) end
+  return self.path
+end
+
+function Stream:cancel(why)
+  if self.w == nil then return end
+  C.ms_writer_cancel(self.w, self.job, tostring(why or 'cancelled'))
+  C.ms_writer_wait(self.w)
+  close_stream(self)
+  os.remove(self.tmp)
 end
 
 return S
