@@ -91,7 +91,7 @@ train.options = {
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank; with --cp each rank its chunks of its group\'s sequences; not with HYBRID_SHARD, --tp, --pp or --lora; checkpoints and the final weights are whole, one process\'s (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank; with --cp each rank its chunks of its group\'s sequences; not with HYBRID_SHARD, --tp, --pp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1104,8 +1104,8 @@ function train.run(opts)
   -- every rank trains on its own tokens (data parallel over the world, or
   -- its chunks of its context-parallel group's sequences), the
   -- ranks at the same place in each group hold the same experts (the
-  -- replicate group); the gradients reduced by ms.ep, without sharding;
-  -- whole-model checkpoints
+  -- replicate group); the gradients reduced by ms.ep (plain) or by FSDP's
+  -- units (--fsdp); one-process checkpoints without FSDP, sharded with it
   local ep_size, ep_group, ep_rep = o.ep, nil, nil
   if ep_size > 1 then
     if world % ep_size ~= 0 then
@@ -1214,8 +1214,8 @@ function train.run(opts)
   local adamw_opts = { lr = o.lr, betas = { o.beta1, o.beta2 }, eps = o.eps, weight_decay = o.weight_decay }
 
   -- expert parallelism: each rank keeps its experts (the deferred model
-  -- made then; a checkpoint resumed goes in with the optimizer's state)
-  -- (without FSDP, on GPUs the forward under bf16 autocast, the weights
+  -- made then, and a one-process checkpoint's weights loaded; its
+  -- optimizer state goes in after the optimizer is made). (Without FSDP, on GPUs the forward under bf16 autocast, the weights
   -- and gradients f32: --fsdp-mixed-precision's param dtype, bf16 by
   -- default on CUDA; under FSDP its gathered parameters are that dtype.
   -- Under FSDP from scratch fully_shard makes the shards from the recorded
