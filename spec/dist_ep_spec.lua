@@ -15,7 +15,8 @@
 --     steps; a sharded checkpoint (fsdp_checkpoint.save_sharded) lists
 --     every expert in the whole model's order and loads into the same
 --     layout, into FSDP without expert parallelism and into a plain model,
---     weights and moments;
+--     weights and moments; a full save (fsdp_checkpoint.save_full) streams
+--     every expert, a unit at a time;
 --   - the refusals.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
@@ -253,6 +254,23 @@ describe('moonshard.ep #mpi', function()
       local opt4 = adamw(m4)
       ck.load_sharded(m4, dir, { optimizer = opt4 })
       assert.are.equal(#names, against_ref(m4, opt4))
+      -- the full save streams every expert, a unit at a time
+      local calls = 0
+      ck._on_unit_saved = function() calls = calls + 1 end
+      local okf, errf = pcall(ck.save_full, m, dir .. '.full.safetensors')
+      ck._on_unit_saved = nil
+      assert.is_true(okf, tostring(errf))
+      assert.are.equal(#ms.fsdp.units(m), calls)
+      if R == 0 then
+        local full = ms.load_safetensors(dir .. '.full.safetensors')
+        local rsd = ref:state_dict()
+        for name, t in pairs(rsd) do
+          assert.is_truthy(full[name], name)
+          assert.is_true(FS.max_rel(full[name], t) <= 1e-12, name)
+        end
+        for name in pairs(full) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
+        os.remove(dir .. '.full.safetensors')
+      end
       dist.barrier()
       if R == 0 then os.execute('rm -rf ' .. dir) end
     end)

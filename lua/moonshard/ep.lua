@@ -264,6 +264,45 @@ local function gather_layer(info, L, items, get, dtype, host, out, missing)
   whole:free()
 end
 
+-- ep.layer_of(model, module) -> { names = (every expert's parameter names
+-- of MoE layer `module`, in the whole model's order), shapes = (name ->
+-- shape) }, or nil when `module` is not one of the model's split layers
+function ep.layer_of(model, module)
+  local info = info_of(model, 'layer_of')
+  for _, L in ipairs(info.layers) do
+    if L.module == module then
+      local items = local_experts(L)
+      local names, shapes = {}, {}
+      for e = 0, L.E - 1 do
+        for _, it in ipairs(items) do
+          if it.j == 1 then
+            local n = expert_name(L, e, it.rest)
+            names[#names + 1] = n
+            shapes[n] = it.tensor.shape
+          end
+        end
+      end
+      return { names = names, shapes = shapes, layer = L }
+    end
+  end
+  return nil
+end
+
+-- ep.gather_experts(model, module, get, dtype, host) -> name -> tensor of
+-- every expert of MoE layer `module`: get(name) gives this rank's local
+-- expert tensor of that (global) name, whole; all-gathered over the group
+-- (a collective over it), on the host when `host`
+function ep.gather_experts(model, module, get, dtype, host)
+  local info = info_of(model, 'gather_experts')
+  local lay = ep.layer_of(model, module)
+  if not lay then error('ep.gather_experts: the module is not one of the model\'s expert-parallel layers', 2) end
+  local L = lay.layer
+  local out = {}
+  gather_layer(info, L, local_experts(L), function(it) return get(expert_name(L, info.rank * L.El + it.j - 1,
+    it.rest)) end, dtype, host, out)
+  return out
+end
+
 -- ep.full_state_dict(model, opts) -> name -> whole tensor: the model's
 -- state with every expert of every layer gathered from the group (a
 -- collective over it; every rank of the group gets it). opts.host: the

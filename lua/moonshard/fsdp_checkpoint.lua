@@ -1042,13 +1042,24 @@ end
 -- copies, so a rank holds one unit's gathered parameters at a time, not
 -- the model's (the file lists them unit by unit). LoRA adapters to merge
 -- need the whole model: gathered first, as for a plain model.
+-- An expert-parallel model's expert unit (ms.ep) goes in as every expert
+-- of its layer: the unit gathered over the experts' copies, then the
+-- experts over the group (ep.gather_experts).
 local function save_full_streamed(model, path, opts, ctx)
+  local ep = rawget(model, '_ep_train') and require('moonshard.ep')
   local entries = {}
   for _, u in ipairs(ctx.units) do
     local fp = u.fp
-    for i = 1, fp.nparams do
-      local name = u._ckpt_names[i]
-      entries[#entries + 1] = { name = name, shape = ctx.param[name].shape, dtype = opts.dtype or fp.shard.dtype }
+    local lay = ep and u.experts and ep.layer_of(model, u.module)
+    if lay then
+      for _, name in ipairs(lay.names) do
+        entries[#entries + 1] = { name = name, shape = lay.shapes[name], dtype = opts.dtype or fp.shard.dtype }
+      end
+    else
+      for i = 1, fp.nparams do
+        local name = u._ckpt_names[i]
+        entries[#entries + 1] = { name = name, shape = ctx.param[name].shape, dtype = opts.dtype or fp.shard.dtype }
+      end
     end
   end
   for _, b in ipairs(ctx.buffers) do entries[#entries + 1] = { name = b.name, shape = b.shape, dtype = b.dtype } end
@@ -1062,7 +1073,31 @@ local function save_full_streamed(model, path, opts, ctx)
     for _, u in ipairs(ctx.units) do
       local fp = u.fp
       local flat = gather_flat(fp, fp.shard)
-      if writes and ok then
+      local lay = ep and u.experts and ep.layer_of(model, u.module)
+      if lay then
+        -- (every rank of every group gathers; rank 0's group's is written)
+        local mine = {}
+        for i = 1, fp.nparams do
+          mine[u._ckpt_names[i]] = flat:narrow(1, fp.layout.offsets[i] + 1, fp.layout.numels[i])
+        end
+        local all = ep.gather_experts(model, u.module, function(name) return mine[name] end, flat.dtype, writes)
+        for _, v in pairs(mine) do v:free() end
+        if writes and ok then
+          ok, err = pcall(function()
+            for _, name in ipairs(lay.names) do
+              local h = all[name]
+              all[name] = nil
+              if h.device ~= 'cpu' or h.dtype ~= (opts.dtype or h.dtype) then
+                local c = h:to({ device = 'cpu', dtype = opts.dtype or h.dtype, copy = true })
+                h:free()
+                h = c
+              end
+              st:put(h)   -- (the stream's now: any shape of its element count)
+            end
+          end)
+        end
+        for _, t in pairs(all) do t:free() end
+      elseif writes and ok then
         ok, err = pcall(function()
           for i = 1, fp.nparams do
             local piece = flat:narrow(1, fp.layout.offsets[i] + 1, fp.layout.numels[i])

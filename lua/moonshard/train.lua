@@ -1890,12 +1890,12 @@ function train.run(opts)
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return pp_sd end },
           o.out)
       end
-    elseif tp_mesh or ep_group then
+    elseif tp_mesh or (ep_group and not strategy) then
       local msd
       if tp_mesh then msd = ms.tp.full_checkpoint(model)
-      -- (--ep: the ranks of rank 0's group; under FSDP every rank, whose
-      -- units' gathers are collectives over all)
-      elseif strategy or rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
+      -- (--ep: the ranks of rank 0's group gather the experts; under FSDP
+      -- the branch below streams them, a unit at a time)
+      elseif rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
       if rank == 0 then
         local hf = require 'models.hf'
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return msd end }, o.out)
