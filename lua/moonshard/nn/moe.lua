@@ -323,7 +323,10 @@ function moe.install(nn, nnf)
   -- nn.MoE{dim, hidden, experts, top_k, score = 'softmax'|'sigmoid',
   --   norm_topk = true, route_scale = 1, shared_hidden = nil,
   --   names = {'gate_proj', 'up_proj', 'down_proj'}, router = 'gate',
-  --   shared = 'shared_expert', dtype, device}
+  --   shared = 'shared_expert', shared_gate = nil, dtype, device}
+  -- shared_gate names a Linear(dim, 1) without bias that gates the shared
+  -- expert per token: y = routed + sigmoid(x · g) * shared(x) (Qwen2-MoE's
+  -- shared_expert_gate)
   -- x (..., dim) -> (..., dim). After each forward, moe:last_stats() ->
   -- counts (E, a Lua list), mean_probs (E) (the router's mean score of
   -- each expert over the tokens; differentiable under grad), tokens: what
@@ -363,12 +366,31 @@ function moe.install(nn, nnf)
       self:register_module(self.shared_name, Expert { dim = cfg.dim, hidden = cfg.shared_hidden, names = names,
         dtype = cfg.dtype, device = cfg.device })
     end
+    if cfg.shared_gate ~= nil then
+      if not cfg.shared_hidden then error('MoE: shared_gate needs a shared expert (shared_hidden)', 3) end
+      if type(cfg.shared_gate) ~= 'string' then
+        error(('MoE: shared_gate must be a module name, got %s'):format(tostring(cfg.shared_gate)), 3)
+      end
+      self.shared_gate_name = cfg.shared_gate
+      self:register_module(cfg.shared_gate, nn.Linear(cfg.dim, 1, o))
+    end
+  end
+
+  -- the shared expert's output for x2 (N, H), gated when it has a gate
+  function MoE:shared_out(x2)
+    local s = self[self.shared_name](x2)
+    local g = self.shared_gate_name and self[self.shared_gate_name]
+    if g == nil then return s end
+    local gate = nnf.sigmoid(g(x2))
+    if gate.dtype ~= s.dtype then gate = gate:to(s.dtype) end
+    return s * gate
   end
 
   function MoE:extra_repr()
     return ('dim=%d, hidden=%d, experts=%d, top_k=%d, %s%s%s'):format(self.dim, self.hidden, self.n_experts,
       self.top_k, self.score, self.norm_topk and ', norm_topk' or '',
-      self.shared_name and (', shared ' .. self[self.shared_name].hidden) or '')
+      self.shared_name and (', shared ' .. self[self.shared_name].hidden .. (self.shared_gate_name and ', gated' or ''))
+        or '')
   end
 
   -- the routing of x2 (N, H): probs (N, E) f32 (differentiable), ids (N, k).
@@ -411,7 +433,7 @@ function moe.install(nn, nnf)
     local ep = rawget(self, '_ep')
     if ep then
       local y = self:forward_ep(x2, ids, w, probs, ep)
-      if self.shared_name then y = y + self[self.shared_name](x2) end
+      if self.shared_name then y = y + self:shared_out(x2) end
       return y:reshape(shape)
     end
     local st = moe.sort_slots(ids, E, dev == 'cpu' and moe.cpu_align or moe.align)
@@ -426,7 +448,7 @@ function moe.install(nn, nnf)
     -- dtype: bf16 under autocast, as the dense MLP's), each token's k summed
     if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
     local y = Combine(ys, w:reshape({ N * k }), inv, back, k)
-    if self.shared_name then y = y + self[self.shared_name](x2) end
+    if self.shared_name then y = y + self:shared_out(x2) end
     self:record_stats(counts, probs, N)
     return y:reshape(shape)
   end
