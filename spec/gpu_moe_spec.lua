@@ -195,7 +195,7 @@ describe('nn.MoE on CUDA #gpu', function()
     assert.is_true(idle < #gk / 2, 'most experts got tokens')
   end)
 
-  for _, fam in ipairs({ 'mixtral', 'qwen3_moe' }) do
+  for _, fam in ipairs({ 'mixtral', 'qwen3_moe', 'qwen2_moe' }) do
   it(('the tiny %s: loss and gradients on the GPU as on the CPU (f32, 1e-4)'):format(fam), function()
     local M = require('models.' .. fam)
     ms.manual_seed(3)
