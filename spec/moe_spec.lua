@@ -402,4 +402,72 @@ describe('nn.MoE', function()
       'fully_shard: the unit 1.experts.0 is inside the mixture of experts 1, whose experts run only on the ranks whose '
       .. 'tokens chose them; make units of the modules that hold the MoE layers (docs/moe.md)')
   end)
+
+  it('group-limited routing (n_group, topk_group: DeepSeek-V2/V3): each token\'s experts from its best groups, as '
+    .. 'written out per token; finite differences; the refusals', function()
+    -- the reference: per token, each group's score, the best groups, then
+    -- the top_k among their experts (the others' scores 0), ties to the lower
+    local function ref_ids(c, G, TG, k, how)
+      local rows = {}
+      local per = #c[1] / G
+      for n, row in ipairs(c) do
+        local gs = {}
+        for g = 1, G do
+          local v = {}
+          for j = 1, per do v[j] = row[(g - 1) * per + j] end
+          table.sort(v, function(a, b) return a > b end)
+          gs[g] = how == 'max' and v[1] or v[1] + v[2]
+        end
+        local order = {}
+        for g = 1, G do order[g] = g end
+        table.sort(order, function(a, b) if gs[a] ~= gs[b] then return gs[a] > gs[b] end return a < b end)
+        local keep = {}
+        for j = 1, TG do keep[order[j]] = true end
+        local masked, eo = {}, {}
+        for e = 1, #row do
+          masked[e] = keep[math.floor((e - 1) / per) + 1] and row[e] or 0
+          eo[e] = e
+        end
+        table.sort(eo, function(a, b) if masked[a] ~= masked[b] then return masked[a] > masked[b] end return a < b end)
+        rows[n] = {}
+        for j = 1, k do rows[n][j] = eo[j] - 1 end
+      end
+      return rows
+    end
+    for _, c in ipairs({ { 8, 4, 2, 2, 'top2', 'sigmoid' }, { 12, 3, 1, 3, 'top2', 'softmax' }, { 8, 8, 3, 2, 'max', 'sigmoid' },
+      { 16, 4, 2, 4, 'top2', 'sigmoid' } }) do
+      local E, G, TG, k, how, score = c[1], c[2], c[3], c[4], c[5], c[6]
+      ms.manual_seed(7)
+      local m = nn.MoE { dim = 8, hidden = 6, experts = E, top_k = k, n_group = G, topk_group = TG, group_score = how,
+        score = score }:to('f64')
+      for _, p in ipairs(m:parameters()) do ms.normal_(p, 0, 0.6) end
+      for _, biased in ipairs({ false, true }) do
+        if biased then
+          nn.moe.enable_bias(m)
+          m.expert_bias:copy_(ms.randn({ E }, { seed = 9 }):to('f32') * 0.3)
+        end
+        local x = ms.randn({ 20, 8 }, { dtype = 'f64', seed = 11 })
+        local probs, ids = m:route(x)
+        local choice = probs:detach()
+        if biased then choice = choice + m.expert_bias:to('f64') end
+        assert.are.same(ref_ids(choice:totable(), G, TG, k, how), ids:totable(),
+          ('%d experts in %d groups, %d kept, top-%d, %s, bias %s'):format(E, G, TG, k, how, tostring(biased)))
+      end
+      A.clear_tape()
+      local x = ms.randn({ 6, 8 }, { dtype = 'f64', seed = 12 }):requires_grad_()
+      local worst = A.gradcheck(function() return m(x) end, { x, m.gate.weight, m.experts[2].up_proj.weight })
+      assert.is_true(worst < 1e-6, 'relative error ' .. worst)
+    end
+    local function bad(cfg, msg)
+      local base = { dim = 8, hidden = 6, experts = 8, top_k = 2 }
+      for kk, v in pairs(cfg) do base[kk] = v end
+      assert.has_error(function() nn.MoE(base) end, msg)
+    end
+    bad({ n_group = 3 }, 'MoE: 8 experts do not split into n_group = 3 groups')
+    bad({ n_group = 8 }, 'MoE: group_score top2 needs groups of 2 experts or more, n_group = 8 leaves 1')
+    bad({ n_group = 4, topk_group = 5 }, 'MoE: topk_group 5 is more than n_group 4')
+    bad({ n_group = 4, topk_group = 1, top_k = 3 }, 'MoE: top_k 3 is more than the 2 experts of topk_group = 1 groups')
+    bad({ n_group = 2, group_score = 'mean' }, 'MoE: group_score must be top2 or max, got mean')
+    bad({ n_group = 0 }, 'MoE: n_group must be a positive integer, got 0')
+  end)
 end)

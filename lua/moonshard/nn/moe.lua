@@ -316,6 +316,27 @@ function moe.topk(scores, k)
   end)
 end
 
+-- moe.group_limit(choice (N, E), G, TG, how) -> (N, E): the choice scores
+-- of each token's TG best groups of E / G experts, 0 elsewhere; a group's
+-- score is the sum of its two best ('top2') or its best ('max') (no gradient)
+function moe.group_limit(choice, G, TG, how)
+  return A.no_grad(function()
+    local N, E = choice.shape[1], choice.shape[2]
+    local per = E / G
+    local c3 = choice:contiguous():reshape({ N * G, per })
+    local gscore
+    if how == 'max' then
+      gscore = c3:max(2, true)
+    else
+      gscore = c3:gather(2, moe.topk(c3, 2)):sum(2, true)
+    end
+    gscore = gscore:reshape({ N, G })
+    local mask = ms.zeros({ N, G }, { dtype = choice.dtype, device = choice.device })
+    mask:scatter_add_(2, moe.topk(gscore, TG), ms.ones({ N, TG }, { dtype = choice.dtype, device = choice.device }))
+    return (choice:reshape({ N, G, per }) * mask:reshape({ N, G, 1 })):reshape({ N, E })
+  end)
+end
+
 function moe.install(nn, nnf)
   local Expert = expert_class(nn, nnf)
   nn.MoEExpert = Expert
@@ -323,10 +344,16 @@ function moe.install(nn, nnf)
   -- nn.MoE{dim, hidden, experts, top_k, score = 'softmax'|'sigmoid',
   --   norm_topk = true, route_scale = 1, shared_hidden = nil,
   --   names = {'gate_proj', 'up_proj', 'down_proj'}, router = 'gate',
-  --   shared = 'shared_expert', shared_gate = nil, dtype, device}
+  --   shared = 'shared_expert', shared_gate = nil, n_group = 1,
+  --   topk_group = n_group, group_score = 'top2', dtype, device}
   -- shared_gate names a Linear(dim, 1) without bias that gates the shared
   -- expert per token: y = routed + sigmoid(x · g) * shared(x) (Qwen2-MoE's
-  -- shared_expert_gate)
+  -- shared_expert_gate). n_group > 1: group-limited routing (DeepSeek-V2/V3):
+  -- the E experts in n_group groups of E / n_group; each token picks its
+  -- topk_group groups by a group score, the sum of the group's two best
+  -- choice scores ('top2', DeepSeek-V3's) or the best ('max', V2's), and
+  -- its top_k experts among theirs (the others' scores counted as 0, as
+  -- transformers masks them).
   -- x (..., dim) -> (..., dim). After each forward, moe:last_stats() ->
   -- counts (E, a Lua list), mean_probs (E) (the router's mean score of
   -- each expert over the tokens; differentiable under grad), tokens: what
@@ -350,6 +377,33 @@ function moe.install(nn, nnf)
     end
     self.dim, self.hidden, self.n_experts, self.top_k = cfg.dim, cfg.hidden, cfg.experts, cfg.top_k
     self.score = score
+    local G = cfg.n_group or 1
+    local TG = cfg.topk_group or G
+    local gs = cfg.group_score or 'top2'
+    for _, fv in ipairs({ { 'n_group', G }, { 'topk_group', TG } }) do
+      local v = fv[2]
+      if type(v) ~= 'number' or v < 1 or v ~= math.floor(v) then
+        error(('MoE: %s must be a positive integer, got %s'):format(fv[1], tostring(v)), 3)
+      end
+    end
+    if G > 1 then
+      if cfg.experts % G ~= 0 then
+        error(('MoE: %d experts do not split into n_group = %d groups'):format(cfg.experts, G), 3)
+      end
+      if gs ~= 'top2' and gs ~= 'max' then
+        error(('MoE: group_score must be top2 or max, got %s'):format(tostring(gs)), 3)
+      end
+      if gs == 'top2' and cfg.experts / G < 2 then
+        error(('MoE: group_score top2 needs groups of 2 experts or more, n_group = %d leaves %d'):format(G,
+          cfg.experts / G), 3)
+      end
+      if TG > G then error(('MoE: topk_group %d is more than n_group %d'):format(TG, G), 3) end
+      if cfg.top_k > TG * cfg.experts / G then
+        error(('MoE: top_k %d is more than the %d experts of topk_group = %d groups'):format(cfg.top_k,
+          TG * cfg.experts / G, TG), 3)
+      end
+    end
+    self.n_group, self.topk_group, self.group_score = G, TG, gs
     self.norm_topk = cfg.norm_topk ~= false
     self.route_scale = cfg.route_scale or 1
     local names = cfg.names or { 'gate_proj', 'up_proj', 'down_proj' }
@@ -390,7 +444,8 @@ function moe.install(nn, nnf)
     return ('dim=%d, hidden=%d, experts=%d, top_k=%d, %s%s%s'):format(self.dim, self.hidden, self.n_experts,
       self.top_k, self.score, self.norm_topk and ', norm_topk' or '',
       self.shared_name and (', shared ' .. self[self.shared_name].hidden .. (self.shared_gate_name and ', gated' or ''))
-        or '')
+        or '') .. (self.n_group > 1 and (', %d of %d groups (%s)'):format(self.topk_group, self.n_group,
+        self.group_score) or '')
   end
 
   -- the routing of x2 (N, H): probs (N, E) f32 (differentiable), ids (N, k).
@@ -403,13 +458,15 @@ function moe.install(nn, nnf)
     local lf = (logits.dtype == 'f32' or logits.dtype == 'f64') and logits or logits:to('f32')
     local probs = self.score == 'softmax' and nnf.softmax(lf, -1) or nnf.sigmoid(lf)
     local bias = rawget(self, 'expert_bias')
-    if bias == nil then return probs, moe.topk(probs, self.top_k) end
+    if bias == nil and self.n_group == 1 then return probs, moe.topk(probs, self.top_k) end
     local ids = A.no_grad(function()
-      local b = bias.dtype == probs.dtype and bias or bias:to(probs.dtype)
-      local biased = probs:detach() + b
-      local r = moe.topk(biased, self.top_k)
-      biased:free()
-      return r
+      local choice = probs:detach()
+      if bias ~= nil then
+        local b = bias.dtype == probs.dtype and bias or bias:to(probs.dtype)
+        choice = choice + b
+      end
+      if self.n_group > 1 then choice = moe.group_limit(choice, self.n_group, self.topk_group, self.group_score) end
+      return moe.topk(choice, self.top_k)
     end)
     return probs, ids
   end
