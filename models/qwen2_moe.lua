@@ -67,21 +67,18 @@ qwen2_moe.presets = {
            mlp_only_layers = { 1 }, output_router_logits = true, router_aux_loss_coef = 0.02 },
 }
 
-qwen2_moe.normalize = require('models.qwen3_moe').normalize
+local qwen3_moe = require 'models.qwen3_moe'
+qwen2_moe.normalize = qwen3_moe.normalize
 -- bin/train's FSDP units and checkpointed blocks: the decoder layers
 qwen2_moe.fsdp_block = 'LlamaDecoderLayer'
 
--- whether layer idx (0-based) is sparse, as transformers decides it
-local function sparse(cfg, idx)
-  for _, i in ipairs(cfg.mlp_only_layers or {}) do if i == idx then return false end end
-  return cfg.num_experts > 0 and (idx + 1) % cfg.decoder_sparse_step == 0
-end
 -- what its layers change in Llama's: q/k/v biases without o's; a sparse
--- layer's mlp a mixture of experts with a gated shared expert
+-- layer's (placed as Qwen3-MoE's) mlp a mixture of experts with a gated
+-- shared expert
 llama.variants.qwen2_moe = {
   attention = function(cfg) return { bias = cfg.qkv_bias, o_bias = false } end,
   mlp = function(cfg, idx)
-    if not sparse(cfg, idx) then
+    if not qwen3_moe.sparse(cfg, idx) then
       return 'mlp', nn.GatedMLP { dim = cfg.hidden_size, hidden = cfg.intermediate_size }
     end
     return 'mlp', nn.MoE { dim = cfg.hidden_size, hidden = cfg.moe_intermediate_size, experts = cfg.num_experts,
@@ -90,47 +87,7 @@ llama.variants.qwen2_moe = {
   end,
 }
 
-function qwen2_moe.check(cfg)
-  llama.check(cfg)
-  if cfg.num_experts_per_tok > cfg.num_experts then
-    error(('qwen2_moe config: num_experts_per_tok %d is more than num_experts %d'):format(cfg.num_experts_per_tok,
-      cfg.num_experts), 3)
-  end
-  if cfg.use_sliding_window then
-    error('qwen2_moe config: use_sliding_window is not supported (full causal attention only)', 3)
-  end
-end
-
-function qwen2_moe.build(cfg)
-  local m = llama.LlamaForCausalLM(cfg)
-  m.family = qwen2_moe
-  return m
-end
-
-function qwen2_moe.new(config, overrides)
-  local cfg
-  if type(config) == 'string' then cfg = hf.config(qwen2_moe, config, overrides)
-  else cfg = hf.config(qwen2_moe, nil, config, nil, overrides) end
-  return qwen2_moe.build(cfg):init_weights()
-end
-
-function qwen2_moe.from_pretrained(dir, opts) return hf.from_pretrained(qwen2_moe, dir, opts) end
-qwen2_moe.fix_state_dict = llama.fix_state_dict
--- (the routers' biases of a --moe-bias-rate run: models/mixtral.lua)
-qwen2_moe.prepare = require('models.mixtral').prepare
-
--- config.json as transformers writes it for Qwen2MoeForCausalLM
-function qwen2_moe.export_config(cfg)
-  cfg.architectures = { 'Qwen2MoeForCausalLM' }
-  cfg.model_type = 'qwen2_moe'
-  cfg.rope_theta = cfg.rope_parameters.rope_theta
-  cfg.head_dim = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
-  cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-  cfg.hidden_act = 'silu'
-  if cfg.bos_token_id == nil then cfg.bos_token_id = hf.null end
-  if cfg.eos_token_id == nil then cfg.eos_token_id = hf.null end
-  if cfg.mlp_only_layers == nil then cfg.mlp_only_layers = hf.null end
-  return cfg
-end
-
+-- check, build, new, from_pretrained, export_config (Qwen2MoeForCausalLM's
+-- config.json), as Qwen3-MoE's
+qwen3_moe.entry_points(qwen2_moe, 'Qwen2MoeForCausalLM')
 return qwen2_moe

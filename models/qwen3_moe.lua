@@ -74,8 +74,8 @@ end
 qwen3_moe.fsdp_block = 'LlamaDecoderLayer'
 
 -- whether layer idx (0-based) is sparse (its MLP a mixture of experts), as
--- transformers decides it
-local function sparse(cfg, idx)
+-- transformers decides it (Qwen2-MoE's layers too)
+function qwen3_moe.sparse(cfg, idx)
   for _, i in ipairs(cfg.mlp_only_layers or {}) do if i == idx then return false end end
   return cfg.num_experts > 0 and (idx + 1) % cfg.decoder_sparse_step == 0
 end
@@ -84,7 +84,7 @@ end
 llama.variants.qwen3_moe = {
   qk_norm = true,
   mlp = function(cfg, idx)
-    if not sparse(cfg, idx) then
+    if not qwen3_moe.sparse(cfg, idx) then
       return 'mlp', nn.GatedMLP { dim = cfg.hidden_size, hidden = cfg.intermediate_size }
     end
     return 'mlp', nn.MoE { dim = cfg.hidden_size, hidden = cfg.moe_intermediate_size, experts = cfg.num_experts,
@@ -92,47 +92,53 @@ llama.variants.qwen3_moe = {
   end,
 }
 
-function qwen3_moe.check(cfg)
-  llama.check(cfg)
-  if cfg.num_experts_per_tok > cfg.num_experts then
-    error(('qwen3_moe config: num_experts_per_tok %d is more than num_experts %d'):format(cfg.num_experts_per_tok,
-      cfg.num_experts), 3)
+-- qwen3_moe.entry_points(fam, arch): the entry points a Qwen MoE family
+-- (`fam`, with its name, fields and variant) shares with this one: check,
+-- build, new, from_pretrained, fix_state_dict, prepare and export_config
+-- (config.json as transformers writes it for architecture `arch`)
+function qwen3_moe.entry_points(fam, arch)
+  function fam.check(cfg)
+    llama.check(cfg)
+    if cfg.num_experts_per_tok > cfg.num_experts then
+      error(('%s config: num_experts_per_tok %d is more than num_experts %d'):format(fam.name,
+        cfg.num_experts_per_tok, cfg.num_experts), 3)
+    end
+    if cfg.use_sliding_window then
+      error(fam.name .. ' config: use_sliding_window is not supported (full causal attention only)', 3)
+    end
   end
-  if cfg.use_sliding_window then
-    error('qwen3_moe config: use_sliding_window is not supported (full causal attention only)', 3)
+
+  function fam.build(cfg)
+    local m = llama.LlamaForCausalLM(cfg)
+    m.family = fam
+    return m
   end
+
+  function fam.new(config, overrides)
+    local cfg
+    if type(config) == 'string' then cfg = hf.config(fam, config, overrides)
+    else cfg = hf.config(fam, nil, config, nil, overrides) end
+    return fam.build(cfg):init_weights()
+  end
+
+  function fam.from_pretrained(dir, opts) return hf.from_pretrained(fam, dir, opts) end
+  fam.fix_state_dict = llama.fix_state_dict
+  -- (the routers' biases of a --moe-bias-rate run: models/mixtral.lua)
+  fam.prepare = require('models.mixtral').prepare
+
+  function fam.export_config(cfg)
+    cfg.architectures = { arch }
+    cfg.model_type = fam.model_type
+    cfg.rope_theta = cfg.rope_parameters.rope_theta
+    cfg.head_dim = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
+    cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    cfg.hidden_act = 'silu'
+    if cfg.bos_token_id == nil then cfg.bos_token_id = hf.null end
+    if cfg.eos_token_id == nil then cfg.eos_token_id = hf.null end
+    if cfg.mlp_only_layers == nil then cfg.mlp_only_layers = hf.null end
+    return cfg
+  end
+  return fam
 end
-
-function qwen3_moe.build(cfg)
-  local m = llama.LlamaForCausalLM(cfg)
-  m.family = qwen3_moe
-  return m
-end
-
-function qwen3_moe.new(config, overrides)
-  local cfg
-  if type(config) == 'string' then cfg = hf.config(qwen3_moe, config, overrides)
-  else cfg = hf.config(qwen3_moe, nil, config, nil, overrides) end
-  return qwen3_moe.build(cfg):init_weights()
-end
-
-function qwen3_moe.from_pretrained(dir, opts) return hf.from_pretrained(qwen3_moe, dir, opts) end
-qwen3_moe.fix_state_dict = llama.fix_state_dict
--- (the routers' biases of a --moe-bias-rate run: models/mixtral.lua)
-qwen3_moe.prepare = require('models.mixtral').prepare
-
--- config.json as transformers writes it for Qwen3MoeForCausalLM
-function qwen3_moe.export_config(cfg)
-  cfg.architectures = { 'Qwen3MoeForCausalLM' }
-  cfg.model_type = 'qwen3_moe'
-  cfg.rope_theta = cfg.rope_parameters.rope_theta
-  cfg.head_dim = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
-  cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-  cfg.hidden_act = 'silu'
-  if cfg.bos_token_id == nil then cfg.bos_token_id = hf.null end
-  if cfg.eos_token_id == nil then cfg.eos_token_id = hf.null end
-  if cfg.mlp_only_layers == nil then cfg.mlp_only_layers = hf.null end
-  return cfg
-end
-
+qwen3_moe.entry_points(qwen3_moe, 'Qwen3MoeForCausalLM')
 return qwen3_moe
