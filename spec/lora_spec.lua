@@ -109,4 +109,29 @@ describe('LoRA', function()
       assert.is_truthy(tostring(err):find(cs[2], 1, true), tostring(err))
     end
   end)
+
+  it('a mixture of experts: routed experts\' linears left out and listed (the fused experts read their weights), the '
+    .. 'router and the shared expert adapted; targets matching only routed experts are an error', function()
+    local q2 = require 'models.qwen2_moe'
+    local S = require 'spec.support'
+    ms.manual_seed(1)
+    local m = q2.new('tiny', { num_hidden_layers = 1, mlp_only_layers = require('models.hf').null })
+    local x, y = S.token_batch(2, 8, 256, 3)
+    local l0 = m(x, y):item()
+    local names, skipped = ms.nn.apply_lora(m, { r = 4, targets = { 'mlp%.' } })
+    assert.are.equal(8 * 3, #skipped)
+    for _, n in ipairs(skipped) do assert.matches('^model%.layers%.0%.mlp%.experts%.%d+%.', n) end
+    -- (the router is a linear called as a module: adapted too)
+    assert.are.same({ 'model.layers.0.mlp.gate', 'model.layers.0.mlp.shared_expert.gate_proj',
+      'model.layers.0.mlp.shared_expert.up_proj',
+      'model.layers.0.mlp.shared_expert.down_proj', 'model.layers.0.mlp.shared_expert_gate' }, names)
+    -- the shared expert's adapters are used: B made nonzero moves the loss
+    for name, p in m:named_parameters() do if name:match('lora_B') then ms.normal_(p, 0, 1) end end
+    assert.are_not.equal(l0, m(x, y):item())
+    local ok, err = pcall(ms.nn.apply_lora, q2.new('tiny', { num_hidden_layers = 1 }), { r = 4, targets = { 'experts%.' } })
+    assert.is_false(ok)
+    assert.matches('apply_lora: the targets experts%. match only routed experts\' linears '
+      .. '(model.layers.0.mlp.experts.0.gate_proj and 23 more), whose weights the mixture of experts reads directly',
+      tostring(err), 1, true)
+  end)
 end)

@@ -1283,13 +1283,17 @@ function train.run(opts)
   if o.lora > 0 then
     local targets = {}
     for pat in o.lora_targets:gmatch('[^,]+') do targets[#targets + 1] = pat end
-    local okl, names = pcall(ms.nn.apply_lora, model, { r = o.lora, alpha = o.lora_alpha, dropout = o.lora_dropout,
-      targets = targets })
+    local okl, names, skipped = pcall(ms.nn.apply_lora, model, { r = o.lora, alpha = o.lora_alpha,
+      dropout = o.lora_dropout, targets = targets })
     if not okl then usage('--lora: %s', (tostring(names):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     local n = 0
     for name, p in model:named_parameters() do if p.requires_grad then n = n + p:numel() end end
     lora_desc = ('rank %d, alpha %g, %d modules, %.3fM trainable parameters'):format(o.lora, o.lora_alpha or o.lora,
       #names, n / 1e6)
+    if #skipped > 0 then
+      lora_desc = lora_desc .. (', %d routed experts\' linears left out (the fused experts read their weights)')
+        :format(#skipped)
+    end
   end
 
   -- --freeze: requires_grad off for the matching parameters (before

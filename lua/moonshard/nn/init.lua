@@ -1033,7 +1033,10 @@ end
 -- and computes y = base(x) + (alpha / r) * lora_B(lora_A(dropout(x))).
 -- With freeze (the default) every other parameter is frozen
 -- (requires_grad off; FSDP keeps them out of the steps). Returns the
--- qualified names of the adapted modules.
+-- qualified names of the adapted modules, and those of the matching
+-- linears it left alone: a mixture of experts' routed experts, whose
+-- weights the layer's fused experts read directly (an adapter there would
+-- never be used). Targets that match only those are an error.
 local function lora_forward(self, x)
   local lo = rawget(self, '_lora')
   local y = getmetatable(self).forward(self, x)   -- the layer's own forward
@@ -1054,7 +1057,14 @@ function nn.apply_lora(model, opts)
   local p = opts.dropout or 0
   local targets = opts.targets or { 'attn%.', 'mlp%.' }
   if type(targets) == 'string' then targets = { targets } end
-  local names = {}
+  -- the routed experts' modules (nn.MoE's experts list)
+  local routed = {}
+  for _, m in model:named_modules() do
+    if nn.MoE and getmetatable(m) == nn.MoE then
+      for _, e in m.experts:named_modules() do routed[e] = true end
+    end
+  end
+  local names, skipped = {}, {}
   for name, m in model:named_modules() do
     local cls = getmetatable(m)
     local hit = false
@@ -1065,7 +1075,9 @@ function nn.apply_lora(model, opts)
         if f then hit = true; break end
       end
     end
-    if hit then
+    if hit and routed[m] then
+      skipped[#skipped + 1] = name
+    elseif hit then
       local w = m.weight
       local in_f, out_f
       if cls == nn.Linear then out_f, in_f = w.shape[1], w.shape[2] else in_f, out_f = w.shape[1], w.shape[2] end
@@ -1079,6 +1091,12 @@ function nn.apply_lora(model, opts)
       names[#names + 1] = name
     end
   end
+  if #names == 0 and #skipped > 0 then
+    error(('apply_lora: the targets %s match only routed experts\' linears (%s%s), whose weights the mixture of '
+      .. 'experts reads directly: adapters there would never be used; target the attention, dense MLPs or shared '
+      .. 'experts'):format(table.concat(targets, ', '), skipped[1], #skipped > 1 and (' and %d more'):format(#skipped - 1)
+      or ''), 2)
+  end
   if #names == 0 then
     error(('apply_lora: no nn.Linear or nn.Conv1D of the model matches the targets %s'):format(
       table.concat(targets, ', ')), 2)
@@ -1088,7 +1106,7 @@ function nn.apply_lora(model, opts)
       if not (n:match('%.lora_A$') or n:match('%.lora_B$')) then t.requires_grad = false end
     end
   end
-  return names
+  return names, skipped
 end
 
 -- nn.lora_merged(model, tensors) -> table, made: `tensors` (name -> tensor,
