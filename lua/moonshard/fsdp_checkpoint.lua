@@ -1126,8 +1126,13 @@ function M.save_full(model, path, opts)
   opts = opts or {}
   if type(path) ~= 'string' or path == '' then fail('save_full: path must be a file path, got %s', tostring(path)) end
   local ctx0 = regions(model)
-  if ctx0.sharded and not (opts.merge_lora ~= false and require('moonshard.nn').has_lora(model)) then
-    return save_full_streamed(model, path, opts, ctx0)
+  local merge = opts.merge_lora ~= false and require('moonshard.nn').has_lora(model)
+  if ctx0.sharded and not merge then return save_full_streamed(model, path, opts, ctx0) end
+  if merge and rawget(model, '_ep_train') then
+    -- (the merge gathers the model whole first, which holds only this
+    -- rank's experts: the file would lack the others)
+    fail('save_full %s: an expert-parallel model (ms.ep) with LoRA adapters to merge: not supported (merge_lora = '
+      .. 'false writes the adapters as they are)', path)
   end
   local params, _, ctx = M.gather(model)
   local ok, err = true, nil
