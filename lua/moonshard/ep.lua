@@ -24,7 +24,10 @@
 -- The whole model's state (the experts gathered from the group) makes a
 -- one-process checkpoint, which resumes at any expert-parallel size or in
 -- one process, and a one-process checkpoint resumes here: each rank keeps
--- its experts' tensors and moments.
+-- its experts' tensors and moments. Under fsdp.fully_shard each layer's
+-- experts are a unit sharded over `replicate` (fsdp.lua), the units reduce
+-- the gradients, and fsdp_checkpoint's sharded and streamed full saves
+-- write every expert (ep.remote_names, ep.gather_experts).
 local T = require 'moonshard.tensor'
 local A = require 'moonshard.autograd'
 local F = require 'moonshard.ops'
