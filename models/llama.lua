@@ -356,4 +356,38 @@ function llama.export_config(cfg)
   return cfg
 end
 
+-- llama.decoder_family(fam, arch, extra): the entry points of a family
+-- built on this decoder (mixtral, qwen3_moe, qwen2_moe): build (a
+-- LlamaForCausalLM whose family is fam), new, from_pretrained,
+-- fix_state_dict, and export_config (config.json as transformers writes it
+-- for architecture `arch`; extra(cfg) adds the family's own fields)
+function llama.decoder_family(fam, arch, extra)
+  function fam.build(cfg)
+    local m = Llama(cfg)
+    m.family = fam
+    return m
+  end
+  function fam.new(config, overrides)
+    local cfg
+    if type(config) == 'string' then cfg = hf.config(fam, config, overrides)
+    else cfg = hf.config(fam, nil, config, nil, overrides) end
+    return fam.build(cfg):init_weights()
+  end
+  function fam.from_pretrained(dir, opts) return hf.from_pretrained(fam, dir, opts) end
+  fam.fix_state_dict = llama.fix_state_dict
+  function fam.export_config(cfg)
+    cfg.architectures = { arch }
+    cfg.model_type = fam.model_type
+    cfg.rope_theta = cfg.rope_parameters.rope_theta
+    cfg.head_dim = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
+    cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    cfg.hidden_act = 'silu'
+    if cfg.bos_token_id == nil then cfg.bos_token_id = hf.null end
+    if cfg.eos_token_id == nil then cfg.eos_token_id = hf.null end
+    if extra then extra(cfg) end
+    return cfg
+  end
+  return fam
+end
+
 return llama

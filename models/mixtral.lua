@@ -85,41 +85,18 @@ function mixtral.check(cfg)
   end
 end
 
-function mixtral.build(cfg)
-  local m = llama.LlamaForCausalLM(cfg)
-  m.family = mixtral
-  return m
-end
+-- build, new, from_pretrained, fix_state_dict, and export_config
+-- (MixtralForCausalLM's config.json: sliding_window null when unset)
+llama.decoder_family(mixtral, 'MixtralForCausalLM', function(cfg)
+  if cfg.sliding_window == nil then cfg.sliding_window = hf.null end
+end)
 
-function mixtral.new(config, overrides)
-  local cfg
-  if type(config) == 'string' then cfg = hf.config(mixtral, config, overrides)
-  else cfg = hf.config(mixtral, nil, config, nil, overrides) end
-  return mixtral.build(cfg):init_weights()
-end
-
-function mixtral.from_pretrained(dir, opts) return hf.from_pretrained(mixtral, dir, opts) end
 -- a folder saved by a run with --moe-bias-rate holds the routers' biases
 -- (expert_bias): the model gets them before the load
 function mixtral.prepare(model, sd)
   for name in pairs(sd) do
     if name:match('%.expert_bias$') then nn.moe.enable_bias(model); return end
   end
-end
-mixtral.fix_state_dict = llama.fix_state_dict
-
--- config.json as transformers writes it for MixtralForCausalLM
-function mixtral.export_config(cfg)
-  cfg.architectures = { 'MixtralForCausalLM' }
-  cfg.model_type = 'mixtral'
-  cfg.rope_theta = cfg.rope_parameters.rope_theta
-  cfg.head_dim = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
-  cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-  cfg.hidden_act = 'silu'
-  if cfg.sliding_window == nil then cfg.sliding_window = hf.null end
-  if cfg.bos_token_id == nil then cfg.bos_token_id = hf.null end
-  if cfg.eos_token_id == nil then cfg.eos_token_id = hf.null end
-  return cfg
 end
 
 -- the MoE layers of a model, in order (nn.moe.layers)

@@ -94,8 +94,8 @@ llama.variants.qwen3_moe = {
 
 -- qwen3_moe.entry_points(fam, arch): the entry points a Qwen MoE family
 -- (`fam`, with its name, fields and variant) shares with this one: check,
--- build, new, from_pretrained, fix_state_dict, prepare and export_config
--- (config.json as transformers writes it for architecture `arch`)
+-- prepare, and llama.decoder_family's (config.json for architecture `arch`,
+-- mlp_only_layers null when unset)
 function qwen3_moe.entry_points(fam, arch)
   function fam.check(cfg)
     llama.check(cfg)
@@ -107,38 +107,11 @@ function qwen3_moe.entry_points(fam, arch)
       error(fam.name .. ' config: use_sliding_window is not supported (full causal attention only)', 3)
     end
   end
-
-  function fam.build(cfg)
-    local m = llama.LlamaForCausalLM(cfg)
-    m.family = fam
-    return m
-  end
-
-  function fam.new(config, overrides)
-    local cfg
-    if type(config) == 'string' then cfg = hf.config(fam, config, overrides)
-    else cfg = hf.config(fam, nil, config, nil, overrides) end
-    return fam.build(cfg):init_weights()
-  end
-
-  function fam.from_pretrained(dir, opts) return hf.from_pretrained(fam, dir, opts) end
-  fam.fix_state_dict = llama.fix_state_dict
   -- (the routers' biases of a --moe-bias-rate run: models/mixtral.lua)
   fam.prepare = require('models.mixtral').prepare
-
-  function fam.export_config(cfg)
-    cfg.architectures = { arch }
-    cfg.model_type = fam.model_type
-    cfg.rope_theta = cfg.rope_parameters.rope_theta
-    cfg.head_dim = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
-    cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-    cfg.hidden_act = 'silu'
-    if cfg.bos_token_id == nil then cfg.bos_token_id = hf.null end
-    if cfg.eos_token_id == nil then cfg.eos_token_id = hf.null end
+  return llama.decoder_family(fam, arch, function(cfg)
     if cfg.mlp_only_layers == nil then cfg.mlp_only_layers = hf.null end
-    return cfg
-  end
-  return fam
+  end)
 end
 qwen3_moe.entry_points(qwen3_moe, 'Qwen3MoeForCausalLM')
 return qwen3_moe
