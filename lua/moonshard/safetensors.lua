@@ -403,6 +403,23 @@ end
 --   tensors the job still reads: keep them until it is done, then free the
 --   ones in held.owned.
 S.stream_bytes = 256 * 2 ^ 20
+-- hands host copy h to the writer as piece i of its job and keeps it in
+-- q ({ list =, bytes = }); the oldest copies are freed once written while
+-- more than S.stream_bytes are held beyond the newest. False when a write
+-- failed (the writer's next wait reports it; q keeps what is unwritten).
+local function provide(q, writer, job, i, h, nbytes)
+  q.list[#q.list + 1] = { i = i, h = h, bytes = nbytes }
+  q.bytes = q.bytes + nbytes
+  T.check(C.ms_writer_provide(writer, job, i - 1, C.ms_tensor_data(h)), 3)
+  while #q.list > 1 and q.bytes - q.list[#q.list].bytes > S.stream_bytes do
+    local first = q.list[1]
+    if C.ms_writer_wait_written(writer, job, first.i) < 0 then return false end
+    table.remove(q.list, 1)
+    first.h:free()
+    q.bytes = q.bytes - first.bytes
+  end
+  return true
+end
 function S.write_async(writer, path, tbl, metadata, stage)
   local names, head = plan(path, tbl, metadata, 'write')
   local n = #names
@@ -435,7 +452,7 @@ function S.write_async(writer, path, tbl, metadata, stage)
   if #later == 0 then return job, held end
   -- the copies, streamed: each provided as soon as it is made; the oldest
   -- freed once written while more than S.stream_bytes are held
-  local inflight, inflight_bytes = {}, 0
+  local q = { list = {}, bytes = 0 }
   local ok, err = pcall(function()
     for _, i in ipairs(later) do
       local t = tbl[names[i]]
@@ -446,18 +463,8 @@ function S.write_async(writer, path, tbl, metadata, stage)
         if copied then h:free() end
         h = c
       end
-      inflight[#inflight + 1] = { i = i, h = h, bytes = tonumber(bytes[i - 1]) }
-      inflight_bytes = inflight_bytes + tonumber(bytes[i - 1])
-      T.check(C.ms_writer_provide(writer, job, i - 1, C.ms_tensor_data(h)))
-      while #inflight > 1 and inflight_bytes - inflight[#inflight].bytes > S.stream_bytes do
-        local first = table.remove(inflight, 1)
-        if C.ms_writer_wait_written(writer, job, first.i) < 0 then
-          table.insert(inflight, 1, first)   -- (the job failed: the wait reports it)
-          return
-        end
-        first.h:free()
-        inflight_bytes = inflight_bytes - first.bytes
-      end
+      -- (a failed write: the writer's wait reports it)
+      if not provide(q, writer, job, i, h, tonumber(bytes[i - 1])) then return end
     end
   end)
   if not ok then
@@ -465,11 +472,11 @@ function S.write_async(writer, path, tbl, metadata, stage)
     -- copy after it is freed: the job fails, and is waited for
     C.ms_writer_cancel(writer, job, tostring(err))
     C.ms_writer_wait(writer)
-    for _, f in ipairs(inflight) do f.h:free() end
+    for _, f in ipairs(q.list) do f.h:free() end
     error(('safetensors: write %s: %s'):format(path, tostring(err)), 2)
   end
   held.owned = {}
-  for _, f in ipairs(inflight) do
+  for _, f in ipairs(q.list) do
     held[#held + 1] = f.h
     held.owned[#held.owned + 1] = f.h
   end
@@ -521,7 +528,7 @@ function S.stream(path, entries, metadata)
   local job = C.ms_writer_submit(w, tmp, head, #head, n, ptrs, bytes)
   if job < 0 then error(('safetensors: stream %s: %s'):format(path, ffi.string(C.ms_last_error())), 2) end
   return setmetatable({ path = path, tmp = tmp, entries = entries, numels = numels, bytes = bytes, w = w, job = job,
-    next = 1, inflight = {}, inflight_bytes = 0 }, Stream)
+    next = 1, held = { list = {}, bytes = 0 } }, Stream)
 end
 
 function Stream:put(h)
@@ -536,25 +543,16 @@ function Stream:put(h)
     error(why, 2)
   end
   self.next = i + 1
-  self.inflight[#self.inflight + 1] = { i = i, h = h, bytes = tonumber(self.bytes[i - 1]) }
-  self.inflight_bytes = self.inflight_bytes + tonumber(self.bytes[i - 1])
-  T.check(C.ms_writer_provide(self.w, self.job, i - 1, C.ms_tensor_data(h)), 2)
-  while #self.inflight > 1 and self.inflight_bytes - self.inflight[#self.inflight].bytes > S.stream_bytes do
-    local first = table.remove(self.inflight, 1)
-    if C.ms_writer_wait_written(self.w, self.job, first.i) < 0 then
-      table.insert(self.inflight, 1, first)
-      local why = ffi.string(C.ms_last_error())
-      self:cancel(why)
-      error(('safetensors: stream %s: %s'):format(self.path, why), 2)
-    end
-    first.h:free()
-    self.inflight_bytes = self.inflight_bytes - first.bytes
+  if not provide(self.held, self.w, self.job, i, h, tonumber(self.bytes[i - 1])) then
+    local why = ffi.string(C.ms_last_error())
+    self:cancel(why)
+    error(('safetensors: stream %s: %s'):format(self.path, why), 2)
   end
 end
 
 local function close_stream(st)
-  for _, f in ipairs(st.inflight) do f.h:free() end
-  st.inflight, st.inflight_bytes = {}, 0
+  for _, f in ipairs(st.held.list) do f.h:free() end
+  st.held = { list = {}, bytes = 0 }
   C.ms_writer_free(ffi.gc(st.w, nil))
   st.w = nil
 end
