@@ -127,6 +127,10 @@ describe('moonshard.ep #mpi', function()
       local m = make()
       ms.ep.parallelize(m, lay[2]())
       local opt = adamw(m)
+      -- before any step: no optimizer state, as one process has none
+      local _, osd0 = ms.ep.full_checkpoint(m, opt, hyper)
+      assert.are.same({}, osd0.meta.state)
+      assert.are.same(ropt:state_dict().meta.groups, osd0.meta.groups)
       -- the gradients of the first step
       do
         local x, y = batch(R, 1)

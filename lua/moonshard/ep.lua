@@ -217,39 +217,24 @@ end
 -- the tensors get(item) of layer L's local experts (items from
 -- local_experts), gathered over the group: name -> tensor for every expert
 -- of the layer (on the host when `host`); get may return nil (a moment not
--- made yet): zeros of the parameter's shape go in its place, and missing
--- (when given) gets name -> true
-local function gather_layer(info, L, items, get, dtype, host, out, missing)
+-- made yet): zeros of the parameter's shape go in its place
+local function gather_layer(info, L, items, get, dtype, host, out)
   local P = info.size
-  local list, made, gone = {}, {}, {}
+  local list, made = {}, {}
   for k, it in ipairs(items) do
     local t = get(it)
-    gone[k] = 0
     if t == nil then
       t = T.zeros(it.tensor.shape, { dtype = dtype, device = it.tensor.device })
       made[#made + 1] = t
-      gone[k] = 1
     end
     list[k] = t
   end
-  local absent = T.tensor(gone, { dtype = 'f64' })
   local flat = F.cast_flat(list, dtype)
   for _, t in ipairs(made) do t:free() end
   local n = flat:numel()
   local whole = T.empty({ P * n }, { dtype = dtype, device = flat.device })
   dist.all_gather_into(whole, flat, { group = info.group })
   flat:free()
-  local flags
-  if missing then
-    local a = absent:to(whole.device)
-    local all = T.empty({ P * #items }, { dtype = 'f64', device = whole.device })
-    dist.all_gather_into(all, a, { group = info.group })
-    if a ~= absent then a:free() end
-    flags = all:to('cpu')
-    if flags ~= all then all:free() end
-    flags = flags:totable()
-  end
-  absent:free()
   for p = 0, P - 1 do
     local off = p * n
     for k, it in ipairs(items) do
@@ -260,7 +245,6 @@ local function gather_layer(info, L, items, get, dtype, host, out, missing)
       if host and whole.device ~= 'cpu' then own = v:to('cpu') else own = v:clone() end
       v:free()
       out[name] = own
-      if flags and flags[p * #items + k] ~= 0 then missing[name] = true end
       off = off + numel
     end
   end
@@ -404,12 +388,13 @@ function ep.full_checkpoint(model, opt, hyper, opts)
   if not opt then return msd, nil end
   for _, L in ipairs(info.layers) do
     local items = local_experts(L)
-    local m, v, missing = {}, {}, {}
+    local m, v = {}, {}
     local function field(f) return function(it) local e = state[local_name(info, L, it)]; return e and e[f] end end
     local sdt = optim.state_dtype(items[1].tensor)
-    gather_layer(info, L, items, field('exp_avg'), sdt, host, m, missing)
+    gather_layer(info, L, items, field('exp_avg'), sdt, host, m)
     gather_layer(info, L, items, field('exp_avg_sq'), sdt, host, v)
-    -- the steps (a plain AdamW counts each parameter's)
+    -- the steps (a plain AdamW counts each parameter's; 0: no state yet,
+    -- the zeros gathered in its place dropped)
     local steps = {}
     for _, it in ipairs(items) do
       local e = state[local_name(info, L, it)]
@@ -425,7 +410,7 @@ function ep.full_checkpoint(model, opt, hyper, opts)
     for p = 0, info.size - 1 do
       for k, it in ipairs(items) do
         local name = expert_name(L, p * L.El + it.j - 1, it.rest)
-        if missing[name] then
+        if st[p * #items + k] == 0 then
           m[name]:free(); v[name]:free()
         else
           by_name[name] = { exp_avg = m[name], exp_avg_sq = v[name], step = st[p * #items + k] }
