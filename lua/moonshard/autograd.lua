@@ -122,7 +122,7 @@ local function shape_of(t)
   for i = 0, t.ndim - 1 do s[i + 1] = tonumber(t.sizes[i]) end
   return s
 end
-local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
+local shape_str = T.shape_str
 local function same_shape(t, s)
   if t.ndim ~= #s then return false end
   for i = 1, #s do if tonumber(t.sizes[i - 1]) ~= s[i] then return false end end

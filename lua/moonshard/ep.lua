@@ -35,7 +35,7 @@ local dist = require 'moonshard.dist'
 
 local ep = {}
 
-local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
+local shape_str = T.shape_str
 
 local function info_of(model, fname)
   local info = type(model) == 'table' and rawget(model, '_ep_train')

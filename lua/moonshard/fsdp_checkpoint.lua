@@ -50,7 +50,7 @@ local function crc32_file(path) return require('moonshard.checkpoint').crc32_fil
 
 local function fail(fmt, ...) error('fsdp_checkpoint: ' .. fmt:format(...), 0) end
 
-local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
+local shape_str = T.shape_str
 local function same_shape(a, b)
   if #a ~= #b then return false end
   for i = 1, #a do if a[i] ~= b[i] then return false end end

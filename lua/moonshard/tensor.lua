@@ -122,6 +122,8 @@ end
 local wrap = T.wrap
 
 function T.is_tensor(x) return type(x) == 'cdata' and ffi.istype(tensor_ct, x) end
+-- '(2, 3)' for a shape table: how error messages name shapes
+function T.shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
 local is_tensor = T.is_tensor
 
 -- Calls cfn(box, ...) and returns the new tensor it put in the box.

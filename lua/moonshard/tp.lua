@@ -44,7 +44,7 @@ local F = require 'moonshard.ops'
 
 local tp = {}
 
-local function shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
+local shape_str = T.shape_str
 
 local function check_group(g, fname)
   if type(g) ~= 'table' or type(g.rank) ~= 'function' or type(g.size) ~= 'function' then
