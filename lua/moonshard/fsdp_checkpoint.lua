@@ -596,21 +596,23 @@ function M.save_sharded(model, dir, opts)
           -- experts, ms.ep): listed after the one before them in this rank's
           -- order and after those lower ranks put there (lower experts), so
           -- the index keeps the whole model's order
-          local mine = {}
+          -- (one merge pass a rank: both lists are in the model's order)
+          local mine, pos = {}, {}
           for _, e in ipairs(desc.params or {}) do mine[e.name] = true end
-          local prev
+          for i, x in ipairs(index.params) do pos[x.name] = i end
+          local old, merged, j = index.params, {}, 1
           for _, e in ipairs(desc.params or {}) do
-            if not listed[e.name] then
+            if listed[e.name] then
+              local at = pos[e.name]
+              while at and j <= at do merged[#merged + 1] = old[j]; j = j + 1 end
+            else
               listed[e.name] = true
-              local at = 1
-              if prev then
-                for i, x in ipairs(index.params) do if x.name == prev then at = i + 1; break end end
-              end
-              while index.params[at] and not mine[index.params[at].name] do at = at + 1 end
-              table.insert(index.params, at, { name = e.name, shape = e.shape, dtype = e.dtype, numel = numel_of(e.shape) })
+              while old[j] and not mine[old[j].name] do merged[#merged + 1] = old[j]; j = j + 1 end
+              merged[#merged + 1] = { name = e.name, shape = e.shape, dtype = e.dtype, numel = numel_of(e.shape) }
             end
-            prev = e.name
           end
+          while old[j] do merged[#merged + 1] = old[j]; j = j + 1 end
+          index.params = merged
           for _, pc in ipairs(desc.pieces) do
             local list = index.pieces[pc.param]
             if not list then list = {}; index.pieces[pc.param] = list end
