@@ -5,9 +5,10 @@
 --   luajit bench/fsdp.lua --model gpt2                      fully_shard on a world of one
 --   bin/train --nproc-per-node 2 bench/fsdp.lua --model llama
 --
--- Options: --model gpt2|llama, --batch (per GPU; 32 for gpt2, 4 for llama),
+-- Options: --model gpt2|llama|mixtral, --batch (per GPU; 32 for gpt2, 4 for
+-- llama, 8 for mixtral),
 -- --layers N (fewer blocks than the model's, e.g. under ncu),
--- --seq (1024 / 2048), --steps (20), --warmup (5), --strategy (FULL_SHARD),
+-- --seq (1024 / 2048 / 1024), --steps (20), --warmup (5), --strategy (FULL_SHARD),
 -- --no-fsdp, --no-skip (do not measure the step with communication skipped),
 -- --head-in-root (fully_shard's head_unit = false: Llama's untied head and
 -- final norm in the root unit, as before the head unit; docs/fsdp.md "The
@@ -43,6 +44,16 @@
 -- split each sequence of --seq tokens, attention a ring over the group,
 -- ms.cp; every group its own batch of --batch sequences; tokens/s/GPU is
 -- the group's tokens over its N GPUs; docs/cp.md),
+-- --ep (the mixtral's experts split over the world: ms.ep.parallelize, each
+-- rank its own batch; under fully_shard, --strategy FULL_SHARD or
+-- SHARD_GRAD_OP, or plain with --no-fsdp: bf16 autocast, AdamW, the
+-- gradients' all-reduce (ms.ep.all_reduce_grads) in the clip phase;
+-- docs/moe.md),
+-- --jit-profile (rank 0's host in the forward calls of the timed steps,
+-- sampled every ms by LuaJIT's profiler, jit.profile: the share of the
+-- samples by VM state (N compiled, I interpreted, C in C code, G the
+-- garbage collector, J the JIT compiler), by function, and by the chain
+-- of four callers),
 -- --mem-phases (each phase's peak and what it leaves allocated, in the
 -- last step; it resets the peak counter, so the table's peak is then only
 -- the last phase's), --keep-activations (ms.autograd.release_activations
@@ -54,7 +65,10 @@
 --
 -- Models: GPT-2 124M (12 x 768, vocab 50304, tied, no dropout) units by
 -- GPT2Block; Llama 1.25B (hidden 2048, 16 layers, 32 heads / 8 kv, MLP 5632,
--- vocab 128256 untied, RoPE theta 5e5) units by LlamaDecoderLayer. bf16
+-- vocab 128256 untied, RoPE theta 5e5) units by LlamaDecoderLayer; the
+-- Mixtral of bench/moe_train.sh (8 layers of 2048, 16 heads / 8 kv, 8
+-- experts of 5632, 2 a token, vocab 32000, no load-balancing loss; 2.3B
+-- parameters, 0.5B active a token) units by its decoder layers. bf16
 -- parameters for compute, f32 reduce and master weights, AdamW (betas 0.9 /
 -- 0.95, weight decay 0.1 on matrices for gpt2 as torch_gpt2.py; lr 3e-4 and
 -- torch's default decay 0.01 for llama), grad-norm clip 1.0.
@@ -74,8 +88,8 @@ local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strat
   ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise', ['tp-scales'] = 'shard', microbatches = 0,
   schedule = '1f1b', stages = '', chunks = 1, ['pp-size'] = 0, cp = 1 }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
-  ['keep-activations'] = false, tp = false, pp = false, sp = false, float8 = false, ['float8-gather'] = false,
-  ['no-overlap'] = false, ['no-grad-first'] = false, ['pp-fsdp'] = false }
+  ['keep-activations'] = false, ['jit-profile'] = false, tp = false, pp = false, sp = false, float8 = false, ['float8-gather'] = false,
+  ['no-overlap'] = false, ['no-grad-first'] = false, ['pp-fsdp'] = false, ep = false }
 do
   local i = 1
   while i <= #arg do
@@ -87,14 +101,17 @@ do
       opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
       i = i + 2
     else
-      error('usage: bench/fsdp.lua [--model gpt2|llama] [--batch N] [--seq T] [--steps N] [--warmup N] '
+      error('usage: bench/fsdp.lua [--model gpt2|llama|mixtral] [--ep] [--batch N] [--seq T] [--steps N] [--warmup N] '
         .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
-if opts.model ~= 'gpt2' and opts.model ~= 'llama' then error('bench/fsdp.lua: --model gpt2 or llama') end
-if opts.batch == 0 then opts.batch = opts.model == 'gpt2' and 32 or 4 end
-if opts.seq == 0 then opts.seq = opts.model == 'gpt2' and 1024 or 2048 end
+if opts.model ~= 'gpt2' and opts.model ~= 'llama' and opts.model ~= 'mixtral' then
+  error('bench/fsdp.lua: --model gpt2, llama or mixtral')
+end
+if flags.ep and opts.model ~= 'mixtral' then error('bench/fsdp.lua: --ep with --model mixtral') end
+if opts.batch == 0 then opts.batch = opts.model == 'gpt2' and 32 or opts.model == 'llama' and 4 or 8 end
+if opts.seq == 0 then opts.seq = opts.model == 'llama' and 2048 or 1024 end
 assert(ms.cuda.is_available(), 'bench/fsdp.lua needs a CUDA device')
 ms.autograd.release_activations = not flags['keep-activations']
 -- --loss-budget MiB: the LM loss's chunk of logits (flce.set_lm_loss_budget; 1024 by default)
@@ -110,12 +127,13 @@ local function now()
   return tonumber(tsp.tv_sec) + tonumber(tsp.tv_nsec) * 1e-9
 end
 
-local use_tp, use_pp = flags.tp, flags.pp
+local use_tp, use_pp, use_ep = flags.tp, flags.pp, flags.ep
 local use_fsdp = not flags['no-fsdp'] and not use_tp and not use_pp
+assert(not (use_ep and (use_tp or use_pp or opts.cp > 1)), 'bench/fsdp.lua: --ep without --tp, --pp or --cp')
 assert(not (use_pp and (use_tp or flags.float8)), 'bench/fsdp.lua: --pp without --tp or --float8')
 assert(opts.cp == 1 or use_fsdp, 'bench/fsdp.lua: --cp with FSDP only (not --tp, --pp or --no-fsdp)')
 local world, rank = 1, 0
-if use_fsdp or use_tp or use_pp then
+if use_fsdp or use_tp or use_pp or use_ep then
   ms.dist.init { backend = 'nccl' }
   world, rank = ms.dist.world_size(), ms.dist.rank()
 end
@@ -128,6 +146,13 @@ if opts.model == 'gpt2' then
   model = M.new('gpt2-124m', { vocab_size = 50304, n_positions = opts.seq, resid_pdrop = 0, embd_pdrop = 0,
                                attn_pdrop = 0, n_layer = opts.layers > 0 and opts.layers or nil })
   block = M.Block
+elseif opts.model == 'mixtral' then
+  M = require 'models.mixtral'
+  model = M.new({ vocab_size = 32000, hidden_size = 2048, intermediate_size = 5632,
+                  num_hidden_layers = opts.layers > 0 and opts.layers or 8,
+                  num_attention_heads = 16, num_key_value_heads = 8, max_position_embeddings = opts.seq,
+                  num_local_experts = 8, num_experts_per_tok = 2, output_router_logits = false })
+  block = require('models.llama').Layer
 else
   M = require 'models.llama'
   model = M.new({ vocab_size = 128256, hidden_size = 2048, intermediate_size = 5632,
@@ -137,8 +162,14 @@ else
                   rms_norm_eps = 1e-5 })
   block = M.Layer
 end
-local nparams = 0
-for _, p in model:named_parameters() do nparams = nparams + p:numel() end
+-- (nactive: the parameters a token uses, a MoE layer's experts counted k / E)
+local nparams, nactive = 0, 0
+for name, p in model:named_parameters() do
+  nparams = nparams + p:numel()
+  local c = model.config
+  nactive = nactive + (name:find('.experts.', 1, true) and p:numel() * c.num_experts_per_tok / c.num_local_experts
+    or p:numel())
+end
 -- --pp: this rank's stage only goes to the GPU
 local pipe, pp_mesh, dp = nil, nil, 1
 if use_pp then
@@ -156,6 +187,13 @@ if use_pp then
     schedule = opts.chunks > 1 and 'interleaved' or opts.schedule, chunks = opts.chunks,
     overlap = not flags['no-overlap'], layers = layers, input_grad_first = not flags['no-grad-first'] })
   say(tostring(pipe))
+end
+-- --ep: each rank keeps its experts (E / world of each layer)
+if use_ep then
+  ms.ep.parallelize(model, { group = ms.dist.get_world_group() })
+  local held = 0
+  for _, p in model:named_parameters() do held = held + p:numel() end
+  say(('expert parallel over %d GPUs: %.2fB of the %.2fB parameters a rank'):format(world, held / 1e9, nparams / 1e9))
 end
 model:to('cuda')
 model:train()
@@ -204,6 +242,13 @@ elseif use_fsdp then
                                float8_all_gather = flags['float8-gather'] or nil })
   opt = ms.fsdp.AdamW(model, adam)
   clip = function() return ms.fsdp.clip_grad_norm(model, 1.0, { defer = opt }) end
+elseif use_ep then
+  model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
+  opt = ms.optim.AdamW(model, adam)
+  clip = function()
+    ms.ep.all_reduce_grads(model)
+    return ms.ep.clip_grad_norm_(model, 1.0, { defer = opt })
+  end
 else
   model = ms.nn.functional.set_precision(model, { compute = 'bf16' })
   opt = ms.optim.AdamW(model, adam)
@@ -237,6 +282,38 @@ end
 -- steps after the warm-up)
 local ph_names = { 'zero_grad', 'forward', 'backward', 'clip', 'optimizer' }
 local ph_ev, ph_sum, ph_n = {}, {}, 0
+-- the host's time in the forward and the backward calls (unsynced: where a
+-- phase's GPU time is no more than its host time, the host sets the pace)
+local host_fb = { 0, 0 }
+-- --jit-profile: samples of the forward calls (rank 0)
+local in_fwd, prof_on = false, flags['jit-profile'] and rank == 0
+local prof_vm, prof_leaf, prof_chain, prof_n = {}, {}, {}, 0
+local jprof = prof_on and require 'jit.profile' or nil
+if prof_on then
+  jprof.start('fi1', function(th, samples, vmstate)
+    if not in_fwd then return end
+    prof_n = prof_n + samples
+    prof_vm[vmstate] = (prof_vm[vmstate] or 0) + samples
+    local leaf = jprof.dumpstack(th, 'F', 1)
+    prof_leaf[leaf] = (prof_leaf[leaf] or 0) + samples
+    local chain = jprof.dumpstack(th, 'F < ', 4)
+    prof_chain[chain] = (prof_chain[chain] or 0) + samples
+  end)
+end
+local function prof_report()
+  if not prof_on then return end
+  jprof.stop()
+  local function top(t, n, what)
+    local list = {}
+    for k, v in pairs(t) do list[#list + 1] = { k, v } end
+    table.sort(list, function(a, b) return a[2] > b[2] end)
+    say(('jit.profile, forward calls, %d samples of 1 ms: by %s'):format(prof_n, what))
+    for i = 1, math.min(n, #list) do say(('  %5.1f%%  %s'):format(100 * list[i][2] / math.max(prof_n, 1), list[i][1])) end
+  end
+  top(prof_vm, 6, 'VM state')
+  top(prof_leaf, 25, 'function')
+  top(prof_chain, 25, 'chain of callers')
+end
 for i = 1, #ph_names + 1 do ph_ev[i] = ms.cuda.event { timing = true } end
 -- --mem-phases: each phase's peak and what it leaves allocated (GiB), for
 -- the last step
@@ -255,15 +332,22 @@ local function step(k, timed)
   if timed then ph_ev[2]:record() end
   mark(2)
   local loss
+  local h0 = now()
+  in_fwd = timed
   if pipe then
     loss = pipe:step(d[1], d[2])   -- (forward and backward together: the forward phase's time)
   else
     loss = model(d[1], d[2])
   end
+  local h1 = now()
+  in_fwd = false
   if timed then ph_ev[3]:record() end
   mark(3)
   if not pipe then loss:backward() end
-  if timed then ph_ev[4]:record() end
+  if timed then
+    ph_ev[4]:record()
+    host_fb[1], host_fb[2] = host_fb[1] + (h1 - h0), host_fb[2] + (now() - h1)
+  end
   mark(4)
   clip()
   if timed then ph_ev[5]:record() end
@@ -282,7 +366,7 @@ end
 local steady0 = 0   -- the peak of the warm-up steps (measure('real'))
 local function measure(label)
   local times, loss = {}, nil
-  ph_sum, ph_n = {}, 0
+  ph_sum, ph_n, host_fb = {}, 0, { 0, 0 }
   local s0
   for k = 1, opts.steps do
     if k == opts.warmup + 1 then
@@ -300,6 +384,43 @@ local function measure(label)
   say(('%s: GPU ms a step: %s; over %d steps: %d cudaMalloc, %d cudaFree, %d host syncs'):format(label,
     table.concat(parts, ', '), ph_n, s1.num_mallocs - s0.num_mallocs, s1.num_frees - s0.num_frees,
     s1.num_host_syncs - s0.num_host_syncs))
+  say(('%s: host ms a step in the forward call %.2f, in the backward call %.2f; blocked in host syncs %.2f'):format(
+    label, host_fb[1] * 1e3 / math.max(ph_n, 1), host_fb[2] * 1e3 / math.max(ph_n, 1),
+    (s1.host_sync_ms - s0.host_sync_ms) / math.max(ph_n, 1)))
+  -- a MoE model: the last step's slots an expert got, summed over every
+  -- rank's tokens (what each expert's rank computes under --ep), the
+  -- busiest expert and the busiest rank's share over the mean
+  local moe_layers = ms.nn.moe.layers(model)
+  if #moe_layers > 0 then
+    local E = moe_layers[1].n_experts
+    local flat = {}
+    for _, m in ipairs(moe_layers) do
+      local st = rawget(m, '_stats')   -- (last_stats' mean reads probs, released by now)
+      for e = 1, E do flat[#flat + 1] = st and st.counts[e] or 0 end
+    end
+    local t = ms.tensor(flat, { dtype = 'f64' })
+    if world > 1 then
+      t = t:to('cuda')
+      ms.dist.all_reduce(t, 'sum')
+      t = t:to('cpu')
+    end
+    local cp = ffi.cast('double *', t:data_ptr())
+    local parts = {}
+    for li = 1, #moe_layers do
+      local sum, top, per = 0, 0, {}
+      for e = 1, E do
+        local v = cp[(li - 1) * E + e - 1]
+        sum, top = sum + v, math.max(top, v)
+        local r = math.floor((e - 1) * world / E) + 1
+        per[r] = (per[r] or 0) + v
+      end
+      local busiest = 0
+      for r = 1, world do busiest = math.max(busiest, per[r] or 0) end
+      parts[#parts + 1] = ('%.2f/%.2f'):format(top / (sum / E), busiest / (sum / world))
+    end
+    say(('%s: MoE load, the last step, a layer (busiest expert / busiest rank of %d, over the mean): %s'):format(label,
+      world, table.concat(parts, ' ')))
+  end
   local tail = {}
   for k = opts.warmup + 1, #times do tail[#tail + 1] = times[k] end
   table.sort(tail)
@@ -308,6 +429,7 @@ end
 
 ms.cuda.reset_peak_memory_stats()
 local med = measure('real')
+prof_report()
 if mem then say('memory by phase, last step: ' .. table.concat(mem, '; ', 2)) end
 -- the peak of every step (the warm-up's first steps tune each GEMM shape
 -- once) and of the timed steps alone
@@ -349,7 +471,7 @@ local function timeline(k)
   end
   say(('timeline: communication stream busy %.2f ms, compute stood still %.2f ms in all'):format(busy, still))
 end
-if use_fsdp and world > 1 and flags.timeline then timeline(opts.steps + 1) end
+if world > 1 and flags.timeline then timeline(opts.steps + 1) end
 
 local skipped
 if use_fsdp and world > 1 and not flags['no-skip'] and ms.fsdp.set_skip_comm then
@@ -367,7 +489,7 @@ local cfg = model.config
 local L = cfg.n_layer or cfg.num_hidden_layers
 local C = cfg.n_embd or cfg.hidden_size
 local tok = opts.batch * opts.seq / med / (use_tp and world or use_pp and world / dp or opts.cp)
-local flops_tok = 6 * nparams + 6 * L * C * opts.seq
+local flops_tok = 6 * nactive + 6 * L * C * opts.seq
 say(('| model | GPUs | mode | B/GPU | T | params | ms/step | tokens/s/GPU | TFLOP/s/GPU | peak GiB/GPU | exposed comm ms |'))
 say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
@@ -377,6 +499,7 @@ say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):form
     (flags['no-overlap'] and ', no overlap' or '') .. (flags['no-grad-first'] and ', no grad first' or ''))
     or use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
     .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')
-    .. (opts.cp > 1 and (', CP %d'):format(opts.cp) or '')) or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
+    .. (opts.cp > 1 and (', CP %d'):format(opts.cp) or '') .. (use_ep and ', EP' or '')) or use_ep and 'EP, no fsdp'
+    or 'no fsdp', opts.batch, opts.seq, nparams / 1e6, med * 1e3, tok, tok * flops_tok / 1e12,
   peak, skipped and ('%.1f'):format((med - skipped) * 1e3) or '-'))
-if use_fsdp or use_tp or use_pp then ms.dist.destroy() end
+if use_fsdp or use_tp or use_pp or use_ep then ms.dist.destroy() end

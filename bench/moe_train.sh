@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bin/train on a Mixtral-shaped model over NP GPUs of one host: expert
-# parallelism (--ep NP) against FSDP (--fsdp FULL_SHARD) and plain data
-# parallelism (--fsdp NO_SHARD), each rank its own batch, bf16 compute.
+# parallelism (--ep NP, plain and under --fsdp FULL_SHARD / SHARD_GRAD_OP)
+# against FSDP alone and plain data parallelism (--fsdp NO_SHARD), each
+# rank its own batch, bf16 compute.
 # Prints a table of the steady tokens/s (the last progress line's window)
 # and rank 0's allocated GPU memory.
 #   bench/moe_train.sh [NP] [extra bin/train flags]
@@ -20,7 +21,11 @@ model="models/mixtral.lua --model.hidden_size 2048 --model.intermediate_size 563
 common="--nproc-per-node $np --device cuda $model --batch-size ${BATCH:-8} --seq-len ${SEQ:-1024} --steps $steps \
   --log-every 10 --eval-every 0 --eval-iters 1 --sample-tokens 0 --no-save --warmup 5 --progress plain"
 printf '%-28s %12s %10s  %s\n' 'layout' 'tok/s' 'GiB' '(rank 0, the last window)'
-for layout in "--ep $np" "--fsdp FULL_SHARD" "--fsdp NO_SHARD"; do
+# LAYOUTS: the layouts to run, ';'-separated (default: all six below)
+if [ -n "${LAYOUTS:-}" ]; then IFS=';' read -r -a layouts <<< "$LAYOUTS"
+else layouts=("--ep $np" "--ep $np --fsdp FULL_SHARD" "--ep $np --fsdp SHARD_GRAD_OP" "--fsdp FULL_SHARD"
+  "--fsdp SHARD_GRAD_OP" "--fsdp NO_SHARD"); fi
+for layout in "${layouts[@]}"; do
   out=$(mktemp -d)
   log=$(luajit bin/train $common $layout --out "$out" "$@" 2>&1)
   line=$(printf '%s\n' "$log" | grep '^\[rank 0\] step' | tail -n 1)

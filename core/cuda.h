@@ -44,6 +44,7 @@ typedef struct ms_cuda_memory_stats {
     int64_t num_ooms;        /* requests that failed even after emptying the cache */
     int64_t num_host_syncs;  /* times a copy between host and device blocked the host
                                 on the stream (the training step should make none) */
+    int64_t host_sync_ns;    /* the time those copies blocked the host, in all */
 } ms_cuda_memory_stats;
 
 typedef struct ms_cuda_stream ms_cuda_stream;  /* opaque */

@@ -20,6 +20,7 @@
 
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 namespace {
 
@@ -216,6 +217,18 @@ void cuda_free(void *ptr, int64_t nbytes, int device) {
     d.pending.push_back(pend);
 }
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+// a copy that blocked the host: counted, with the time it waited
+static void count_sync(int device, int64_t t0) {
+    int64_t dt = now_ns() - t0;
+    g_dev[device].stats.num_host_syncs++;   // (as the other counters of a copy: no lock)
+    g_dev[device].stats.host_sync_ns += dt;
+}
+
 int cuda_copy(void *dst, int dst_device, const void *src, int src_device, int64_t nbytes) {
     if (nbytes == 0) return 0;
     if (dst_device >= 0 && src_device >= 0) {
@@ -231,15 +244,17 @@ int cuda_copy(void *dst, int dst_device, const void *src, int src_device, int64_
         // host -> device: ordered on the compute stream; the host buffer may be
         // reused by the caller at once, so wait for the copy to finish reading it
         cudaStream_t s = ms_cuda_stream_of(dst_device);
+        int64_t t0 = now_ns();   // (a pageable copy may block in cudaMemcpyAsync itself)
         CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)nbytes, cudaMemcpyHostToDevice, s));
-        g_dev[dst_device].stats.num_host_syncs++;
         CUDA_CHECK(cudaStreamSynchronize(s));
+        count_sync(dst_device, t0);
         return 0;
     }
     cudaStream_t s = ms_cuda_stream_of(src_device);
+    int64_t t0 = now_ns();
     CUDA_CHECK(cudaMemcpyAsync(dst, src, (size_t)nbytes, cudaMemcpyDeviceToHost, s));
-    g_dev[src_device].stats.num_host_syncs++;
     CUDA_CHECK(cudaStreamSynchronize(s));
+    count_sync(src_device, t0);
     return ms_cuda_check_device_flags(src_device);
 }
 

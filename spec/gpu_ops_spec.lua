@@ -494,6 +494,19 @@ describe('cuda ops #gpu', function()
       assert.are.equal(s0 + 3, ms.cuda.memory_stats().num_host_syncs)
       assert.are.equal('cuda:0', h.device)
     end)
+
+    it('adds the time a read waits for the device to host_sync_ms', function()
+      local a = randn({ 2048, 2048 }):cuda()
+      local y = a
+      ms.cuda.synchronize()
+      local t0 = ms.cuda.memory_stats().host_sync_ms
+      for _ = 1, 20 do y = ms.matmul(y, a) * 1e-3 end   -- queued device work
+      local w0 = require('moonshard.launch').now()
+      y:sum():item()                                     -- waits for all of it
+      local waited = (require('moonshard.launch').now() - w0) * 1e3
+      local got = ms.cuda.memory_stats().host_sync_ms - t0
+      assert.is_true(got > 0 and got <= waited + 0.01, ('host_sync_ms grew %g ms, the read took %g'):format(got, waited))
+    end)
   end)
 end)
 

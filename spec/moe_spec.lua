@@ -148,7 +148,10 @@ describe('nn.MoE', function()
     end)
   end
 
-  it('runs padded to 8 rows (as on GPUs, to 128) give the unpadded output and gradients, bit for bit', function()
+  -- Within a few f64 rounding errors, not bit for bit: OpenBLAS picks its
+  -- GEMM kernel by shape (its small-matrix path on AVX-512 machines sums a
+  -- row in another order once the padding changes M).
+  it('runs padded to 8 rows (as on GPUs, to 128) give the unpadded output and gradients (f64, 1e-14 relative)', function()
     local function run(align)
       moe.cpu_align = align
       local m = build({ dim = 6, hidden = 10, experts = 5, top_k = 2 }, 8)
@@ -162,7 +165,11 @@ describe('nn.MoE', function()
       return g
     end
     local a, b = run(1), run(8)
-    for name, t in pairs(a) do assert.are.equal(0, (b[name] - t):abs():max():item(), name) end
+    for name, t in pairs(a) do
+      local d, scale = (b[name] - t):abs():max():item(), t:abs():max():item()
+      assert.is_true(scale > 0, name)
+      assert.is_true(d <= 1e-14 * scale, ('%s: %g apart (largest %g)'):format(name, d, scale))
+    end
   end)
 
   it('experts no token chose get zero gradients; every parameter has one', function()

@@ -63,7 +63,10 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
       for name, t in pairs(m:state_dict()) do
         n = n + 1
         local d = max_diff(t, ref[name])
-        assert.is_true(d <= 1e-4, ('%s (--ep %d on %d): %g from the one-process weights'):format(name, ep, np, d))
+        -- lr 1e-2: 5% of one step. f32 sums in another order move the
+        -- weights of experts that few tokens chose by up to ~1e-4 (AdamW
+        -- divides by their small second moments)
+        assert.is_true(d <= 5e-4, ('%s (--ep %d on %d): %g from the one-process weights'):format(name, ep, np, d))
       end
       assert.is_truthy(ref['model.layers.1.block_sparse_moe.experts.3.w2.weight'])
       assert.is_truthy(m:state_dict()['model.layers.1.block_sparse_moe.experts.3.w2.weight'])

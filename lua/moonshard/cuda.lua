@@ -49,7 +49,7 @@ function cuda.memory_stats(d)
     peak_allocated = tonumber(s.peak_allocated), peak_reserved = tonumber(s.peak_reserved),
     num_mallocs = tonumber(s.num_mallocs), num_frees = tonumber(s.num_frees),
     num_allocs = tonumber(s.num_allocs), num_ooms = tonumber(s.num_ooms),
-    num_host_syncs = tonumber(s.num_host_syncs),
+    num_host_syncs = tonumber(s.num_host_syncs), host_sync_ms = tonumber(s.host_sync_ns) * 1e-6,
   }
 end
 function cuda.max_memory_allocated(d) return cuda.memory_stats(d).peak_allocated end
