@@ -1587,3 +1587,45 @@ done:
     *out = flat;
     return 0;
 }
+
+int ms_split_flat_(ms_tensor **dst, int n, const ms_tensor *flat) {
+    char d[DESC], d1[DESC];
+    if (n < 1 || !dst) return ms_errorf("split_flat_: %d tensors given, need at least one", n);
+    if (!flat) return ms_errorf("split_flat_: the flat tensor is missing");
+    if (ms_tensor_check_live(flat, "split_flat_")) return -1;
+    if (!ms_tensor_is_contiguous(flat))
+        return ms_errorf("split_flat_: the flat tensor (%s) is not contiguous", ms_desc(flat, d, sizeof d));
+    int64_t total = 0;
+    int fast = 1;
+    for (int i = 0; i < n; i++) {
+        if (!dst[i]) return ms_errorf("split_flat_: tensor %d is missing", i + 1);
+        if (ms_tensor_check_live(dst[i], "split_flat_")) return -1;
+        if (dst[i]->device_id != flat->device_id)
+            return ms_errorf("split_flat_: tensor %d is %s, on another device than the flat tensor (%s)", i + 1,
+                             ms_desc(dst[i], d, sizeof d), ms_desc(flat, d1, sizeof d1));
+        if (!ms_tensor_is_contiguous(dst[i]) || dst[i]->dtype_id != dst[0]->dtype_id) fast = 0;
+        total += ms_tensor_numel(dst[i]);
+    }
+    if (total != ms_tensor_numel(flat))
+        return ms_errorf("split_flat_: the %d tensors hold %lld elements, the flat tensor (%s) %lld", n,
+                         (long long)total, ms_desc(flat, d, sizeof d), (long long)ms_tensor_numel(flat));
+#ifdef MS_WITH_CUDA
+    int f32ish = flat->dtype_id == MS_F32 || flat->dtype_id == MS_BF16 || flat->dtype_id == MS_F16;
+    int d32ish = dst[0]->dtype_id == MS_F32 || dst[0]->dtype_id == MS_BF16 || dst[0]->dtype_id == MS_F16;
+    if (flat->device_id >= 0 && fast && f32ish && d32ish) return ms_cuda_split_many(dst, n, flat);
+#else
+    (void)fast;
+#endif
+    int rc = 0;
+    int64_t off = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        ms_tensor *part = NULL, *v = NULL;
+        rc = ms_tensor_narrow(&part, (ms_tensor *)flat, 0, off, ms_tensor_numel(dst[i]));
+        if (!rc) rc = ms_tensor_view(&v, part, dst[i]->ndim, dst[i]->sizes);
+        if (!rc) rc = ms_tensor_copy_(dst[i], v);
+        ms_tensor_free(v);
+        ms_tensor_free(part);
+        off += ms_tensor_numel(dst[i]);
+    }
+    return rc ? -1 : 0;
+}

@@ -121,6 +121,14 @@ int ms_gemm_grouped_set_kernel(int mode);
  * layer's weights, cast to the compute dtype once a forward (core/moe.c
  * reads expert e's gate, up and down at e x 3 I H). */
 int ms_cast_flat(ms_tensor **out, ms_tensor **src, int n, int dtype);
+/* The way back: the n tensors dst[i] (any dtypes and layouts, on flat's
+ * device) written with flat's elements in turn, converted: dst[i] gets
+ * elements (numel dst[0] + ... + numel dst[i-1]) .. + numel dst[i] - 1 of
+ * flat (contiguous) in row-major order. flat must hold exactly the sum of
+ * their elements. On CUDA with every destination contiguous, of one float
+ * dtype, and flat a float one: one kernel per 64 tensors; otherwise a copy
+ * each. A packed gradient bucket copied back into its gradients. */
+int ms_split_flat_(ms_tensor **dst, int n, const ms_tensor *flat);
 /* GEMM tuning's choice among n candidates timed ms[i] (ms[0] the library
  * heuristic's first; a negative time is a candidate that did not run): the
  * fastest, when it is faster than ms[0] by more than margin (a fraction),

@@ -1,7 +1,10 @@
 // kernels/convert_many.cu — many contiguous tensors converted into one
 // contiguous destination, one after the other, in a launch per 64 tensors
 // (core/ops.c ms_cast_flat: a MoE layer's 3 x E expert weights cast to bf16
-// at once instead of a kernel, an allocation and a Lua object each).
+// at once instead of a kernel, an allocation and a Lua object each), and the
+// way back: one contiguous source split into many destinations
+// (ms_split_flat_: a packed gradient bucket copied back into its
+// gradients after its all-reduce, dist.all_reduce_coalesced).
 //
 // Every source is a float dtype (f32, bf16, f16), all of one dtype, and the
 // destination one of them too. The table of (source, count, offset) travels
@@ -57,7 +60,74 @@ __global__ void convert_many_kernel(const __grid_constant__ cm_args a, D *dst) {
     }
 }
 
+// the way back: a.src[i] is destination i (written), src the flat source
+template <typename S, typename D>
+__global__ void split_many_kernel(const __grid_constant__ cm_args a, const S *src) {
+    const int64_t b = blockIdx.x;
+    int lo = 0, hi = a.count - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (a.first[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    D *d = (D *)(uintptr_t)a.src[lo];
+    const S *s = src + a.off[lo];
+    const int64_t start = (b - a.first[lo]) * CM_CHUNK;
+    const int64_t end = min(start + CM_CHUNK, a.n[lo]);
+    const bool vec = ((uintptr_t)(s + start) % (4 * sizeof(S)) == 0) && ((uintptr_t)(d + start) % (4 * sizeof(D)) == 0);
+    if (vec) {
+        int64_t i = start + 4 * (int64_t)threadIdx.x;
+        for (; i + 4 <= end; i += 4 * CM_THREADS) {
+            float v[4];
+            load_v<float, S, 4>(v, s + i);
+            store_v<D, 4, float>(d + i, v);
+        }
+        for (int64_t j = i; j < end && j < i + 4; j++) d[j] = conv<D>::store(conv<S>::load(s[j]));
+    } else {
+        for (int64_t j = start + threadIdx.x; j < end; j += CM_THREADS) d[j] = conv<D>::store(conv<S>::load(s[j]));
+    }
+}
+
 }  // namespace
+
+// the n destinations (contiguous, one float dtype) = src's elements in turn, converted
+extern "C" int ms_cuda_split_many(ms_tensor **dst, int n, const ms_tensor *src) {
+    if (n == 0 || ms_tensor_numel(src) == 0) return 0;
+    if (ms_cuda_activate(src->device_id)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(src->device_id);
+    return with_float32_type(src->dtype_id, "split_flat_", [&](auto s0) -> int {
+        using S = decltype(s0);
+        return with_float32_type(dst[0]->dtype_id, "split_flat_", [&](auto d0) -> int {
+            using D = decltype(d0);
+            const S *sp = (const S *)ms_tensor_data(src);
+            int64_t off = 0;
+            for (int i0 = 0; i0 < n; i0 += CM_MAX) {
+                cm_args a;
+                a.count = 0;
+                int64_t blocks = 0;
+                int64_t off0 = off;
+                for (int i = i0; i < n && i < i0 + CM_MAX; i++) {
+                    int64_t m = ms_tensor_numel(dst[i]);
+                    if (m > 0) {
+                        a.src[a.count] = ms_tensor_data(dst[i]);
+                        a.n[a.count] = m;
+                        a.off[a.count] = off - off0;
+                        a.first[a.count] = blocks;
+                        blocks += (m + CM_CHUNK - 1) / CM_CHUNK;
+                        a.count++;
+                    }
+                    off += m;
+                }
+                if (a.count == 0) continue;
+                a.first[a.count] = blocks;
+                if (blocks > 0x7fffffffLL) return ms_errorf("split_flat_: %lld blocks in one launch", (long long)blocks);
+                split_many_kernel<S, D><<<(unsigned)blocks, CM_THREADS, 0, st>>>(a, sp + off0);
+                LAUNCH_CHECK("split_many_kernel");
+            }
+            return 0;
+        });
+    });
+}
 
 // dst (contiguous, n_total elements) = the n sources in turn, converted
 extern "C" int ms_cuda_convert_many(ms_tensor *dst, ms_tensor **src, int n) {

@@ -18,6 +18,7 @@ int ms_cuda_convert(ms_tensor *dst, const ms_tensor *src);
 /* convert_many.cu: dst (contiguous) = the n contiguous sources in turn, one
  * float dtype (f32/bf16/f16) among them, dst's a float one too */
 int ms_cuda_convert_many(ms_tensor *dst, ms_tensor **src, int n);
+int ms_cuda_split_many(ms_tensor **dst, int n, const ms_tensor *src);
 int ms_cuda_unary(ms_tensor *out, int op, const ms_tensor *a);
 int ms_cuda_binary(ms_tensor *out, int op, const ms_tensor *a, const ms_tensor *b);
 int ms_cuda_binary_scalar(ms_tensor *out, int op, const ms_tensor *a, double s, int reverse);

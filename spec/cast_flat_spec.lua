@@ -1,7 +1,9 @@
 -- ops.cast_flat (core/ops.c ms_cast_flat): many tensors converted into one
--- flat tensor, one after the other. On the CPU a copy each; the CUDA kernel
--- (kernels/convert_many.cu) is compared with this by gpu_ops_spec.lua
--- (#gpu). A MoE layer casts its experts' weights with it.
+-- flat tensor, one after the other, and ops.split_flat_, the way back. On
+-- the CPU a copy each; the CUDA kernels (kernels/convert_many.cu) are
+-- compared with this by gpu_ops_spec.lua (#gpu). A MoE layer casts its
+-- experts' weights with cast_flat; dist.all_reduce_coalesced packs a
+-- bucket with it and copies it back with split_flat_.
 local ms = require 'moonshard'
 local F = require 'moonshard.ops'
 
@@ -67,5 +69,55 @@ describe('ops.cast_flat', function()
     local ok2, err2 = pcall(F.cast_flat, { randn({ 2 }), t }, 'f32')
     assert.is_false(ok2)
     assert.matches('cast_flat', tostring(err2), 1, true)
+  end)
+end)
+
+describe('ops.split_flat_ (the way back)', function()
+  for _, case in ipairs({ { 'f32', 'f32' }, { 'f32', 'bf16' }, { 'bf16', 'f32' }, { 'f64', 'f32' }, { 'f32', 'f64' } }) do
+    local from, to = case[1], case[2]
+    it(('%s -> %s: each tensor gets its elements of the flat one, as :to would make them'):format(from, to), function()
+      local list = { ms.zeros({ 3, 5 }, { dtype = to }), ms.zeros({ 7 }, { dtype = to }),
+        ms.zeros({ 2, 3, 4 }, { dtype = to }), ms.zeros({ 1 }, { dtype = to }) }
+      local flat = randn({ 15 + 7 + 24 + 1 }, from)
+      assert.are.equal(list, F.split_flat_(list, flat))
+      local off = 0
+      for i, t in ipairs(list) do
+        local want = flat:narrow(1, off + 1, t:numel()):reshape(t.shape):to(to)
+        assert.are.equal(0, (t:to('f64') - want:to('f64')):abs():max():item(), 'tensor ' .. i)
+        assert.is_true(t:abs():max():item() > 0)
+        off = off + t:numel()
+      end
+    end)
+  end
+
+  it('inverts cast_flat, into views with offsets and strides and mixed dtypes', function()
+    local base = randn({ 6, 8 })
+    local list = { base:t(), base:narrow(1, 2, 3), ms.empty({ 0, 4 }), randn({ 4 }, 'bf16'), randn({ 5 }) }
+    local flat = F.cast_flat(list, 'f32')
+    local keep = {}
+    for i, t in ipairs(list) do keep[i] = t:clone() end
+    base:fill_(0)
+    list[4]:fill_(0)
+    list[5]:fill_(0)
+    F.split_flat_(list, flat)
+    for i, t in ipairs(list) do
+      if t:numel() > 0 then
+        assert.are.equal(0, (t:to('f64') - keep[i]:to('f64')):abs():max():item(), 'tensor ' .. i)
+      end
+    end
+  end)
+
+  it('refuses a flat tensor of another size, a strided one, and an empty list, naming them', function()
+    local ok, err = pcall(F.split_flat_, { ms.zeros({ 2, 3 }), ms.zeros({ 4 }) }, randn({ 9 }))
+    assert.is_false(ok)
+    assert.matches('split_flat_: the 2 tensors hold 10 elements, the flat tensor', tostring(err), 1, true)
+    assert.matches('9', tostring(err), 1, true)
+    ok, err = pcall(F.split_flat_, { ms.zeros({ 2 }) }, randn({ 2, 2 }):t():narrow(1, 1, 1))
+    assert.is_false(ok)
+    assert.matches('not contiguous', tostring(err), 1, true)
+    assert.has_error(function() F.split_flat_({}, randn({ 1 })) end, 'split_flat_: an empty list')
+    ok, err = pcall(F.split_flat_, { ms.zeros({ 2 }), 5 }, randn({ 3 }))
+    assert.is_false(ok)
+    assert.matches('list[2]', tostring(err), 1, true)
   end)
 end)

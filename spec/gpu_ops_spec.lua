@@ -667,3 +667,36 @@ describe('cuda cast_flat #gpu', function()
     assert.matches('on another device than tensor 1', tostring(err), 1, true)
   end)
 end)
+
+-- ops.split_flat_'s kernel (the way back) against the CPU copies: 150
+-- destinations (three launches), tails of 1-3 elements, destinations at
+-- offsets that break the vectors, several chunks a destination
+describe('cuda split_flat_ #gpu', function()
+  local F = require 'moonshard.ops'
+  for _, case in ipairs({ { 'f32', 'f32' }, { 'bf16', 'bf16' }, { 'f32', 'bf16' }, { 'bf16', 'f32' } }) do
+    local from, to = case[1], case[2]
+    it(('%s -> %s: 150 destinations in one call, as the CPU writes them'):format(from, to), function()
+      local big = ms.zeros({ 60000 }, { dtype = to }):cuda()
+      local list, cpu, n = {}, {}, 0
+      for i = 1, 150 do
+        local t
+        if i == 10 then
+          t = big:narrow(1, 3, 8192 * 2 + 3)          -- unaligned start, several chunks
+        elseif i == 20 then
+          t = big:narrow(1, 20000, 8193)              -- (apart from the one above)
+        else
+          t = ms.zeros({ i % 13 + 1, i % 7 + 3 }, { dtype = to }):cuda()
+        end
+        list[i], n = t, n + t:numel()
+        cpu[i] = ms.zeros(t.shape, { dtype = to })
+      end
+      local flat = randn({ n }, from)
+      F.split_flat_(list, flat:cuda())
+      F.split_flat_(cpu, flat)
+      for i = 1, 150 do
+        assert.are.equal(0, (list[i]:to('cpu'):to('f64') - cpu[i]:to('f64')):abs():max():item(), 'tensor ' .. i)
+      end
+      assert.is_true(cpu[150]:abs():max():item() > 0)
+    end)
+  end
+end)

@@ -179,7 +179,8 @@ end
 -- place, as all_reduce each would, in few collectives: the contiguous ones
 -- of one dtype and device packed into flat buckets of at most
 -- opts.bucket_bytes (25 MiB, PyTorch DDP's default) by ops.cast_flat (one
--- kernel a bucket on CUDA), each bucket all-reduced once and copied back.
+-- kernel a bucket on CUDA), each bucket all-reduced once and copied back
+-- by ops.split_flat_ (one kernel a bucket).
 -- A gradient list of many small tensors (norms, biases) costs a few
 -- collectives instead of one each. Packed by default for CUDA tensors only
 -- (opts.pack = true / false decides): on the CPU a bucket is a fresh
@@ -207,14 +208,7 @@ function dist.all_reduce_coalesced(list, op, opts)
     if #b.list == 1 then dist.all_reduce(b.list[1], op, copts); return end
     local flat = F.cast_flat(b.list, b.list[1].dtype)
     dist.all_reduce(flat, op, copts)
-    local off = 0
-    for _, t in ipairs(b.list) do
-      local n = t:numel()
-      local v = flat:narrow(1, off + 1, n):view(t.shape)
-      T.raw_copy_(t, v)
-      v:free()
-      off = off + n
-    end
+    F.split_flat_(b.list, flat)
     flat:free()
   end
   for i, t in ipairs(list) do

@@ -386,6 +386,25 @@ function F.cast_flat(list, dtype)
   return run(C.ms_cast_flat, a, n, T.dtype_id(dtype or list[1].dtype_id, 2))
 end
 
+-- split_flat_(list, flat) -> list: the way back, each tensor of list
+-- written with flat's next elements (row-major, converted); flat
+-- contiguous, holding exactly their elements, on their device: on CUDA one
+-- kernel a 64 tensors where they are contiguous and of one float dtype
+-- (core/ops.h ms_split_flat_). dist.all_reduce_coalesced copies a packed
+-- bucket back into its gradients with it.
+function F.split_flat_(list, flat)
+  local n = #list
+  if n == 0 then raise('split_flat_: an empty list') end
+  need_tensor('split_flat_', flat, 'flat')
+  local a = ffi.new('ms_tensor*[?]', n)
+  for i = 1, n do
+    need_tensor('split_flat_', list[i], ('list[%d]'):format(i))
+    a[i - 1] = list[i]
+  end
+  if C.ms_split_flat_(a, n, flat) ~= 0 then raise(ffi.string(C.ms_last_error())) end
+  return list
+end
+
 -- ------------------------------------------------------------------ float8
 -- (core/ops.h has the contracts; moonshard.float8 the training layer)
 

@@ -75,35 +75,6 @@ end
 -- The rows' moves (core/moe.c, kernels/moe.cu: one pass each, one block a
 -- row on CUDA):
 local function check(rc) T.check(rc, 3) end
-
--- upload(dev, a, b, ...) -> the host i64 vectors a, b, ... on dev, each a
--- view of one tensor: one copy to the device instead of one each (each
--- copy from the host blocks it; the routing's index vectors are several a
--- layer). On the CPU they come back as they are.
-local function upload(dev, ...)
-  local list = { ... }
-  if dev == 'cpu' then return ... end
-  local total = 0
-  for _, t in ipairs(list) do total = total + t:numel() end
-  local h = T.empty({ total }, { dtype = 'i64' })
-  local hp, off = ms.ffi.cast('int64_t *', h:data_ptr()), 0
-  for _, t in ipairs(list) do
-    local c = t:contiguous()
-    ms.ffi.copy(hp + off, c:data_ptr(), c:numel() * 8)
-    if c ~= t then c:free() end
-    off = off + t:numel()
-  end
-  local d = h:to(dev)
-  h:free()
-  local out
-  out, off = {}, 0
-  for i, t in ipairs(list) do
-    out[i] = d:narrow(1, off + 1, t:numel())
-    off = off + t:numel()
-  end
-  d:free()   -- (the views keep the storage)
-  return unpack(out, 1, #list)
-end
 -- rows of x by idx (M): zeros where idx[r] is x's row count (ms_moe_gather_rows)
 local function gather(x, idx)
   local xc = x:contiguous()
@@ -524,7 +495,8 @@ function moe.install(nn, nnf)
     end
     local st = moe.sort_slots(ids, E, dev == 'cpu' and moe.cpu_align or moe.align)
     local counts = st.counts
-    local tok, inv, back = upload(dev, st.tok, st.inv, st.back)
+    local tok, inv, back = st.tok, st.inv, st.back
+    if dev ~= 'cpu' then tok, inv, back = tok:to(dev), inv:to(dev), back:to(dev) end
     -- (under autocast the tokens move in the compute dtype: the experts' linears would cast them anyway)
     local xc = amp.cast(x2)
     local xs = Dispatch(xc, tok, inv, k)
@@ -562,36 +534,25 @@ function moe.install(nn, nnf)
 
   -- the routed part of the forward under expert parallelism (moe.expert_parallel):
   -- this rank's N·k slots sorted by expert, each block of experts sent to
-  -- the rank that holds it, the rows received regrouped by local expert
-  -- (padded as without EP), through the local experts, back the same way,
-  -- combined with the routing weights. The counts are made and
-  -- all-gathered on the device, and read with the expert ids: one host
-  -- read a layer, as without EP
+  -- the rank that holds it (the counts all-gathered first: one host read),
+  -- the rows received regrouped by local expert (padded as without EP),
+  -- through the local experts, back the same way, combined with the
+  -- routing weights. (Counting on the device and reading the counts with
+  -- the ids in one copy, and uploading the index vectors as one, were both
+  -- slower on GPUs: docs/perf-notes.md, twenty-eighth session)
   function MoE:forward_ep(x2, ids, w, probs, ep)
     local N, H, E, k = x2.shape[1], self.dim, self.n_experts, self.top_k
     local P, me, El = ep.size, ep.rank, ep.local_experts
     local dev = x2.device
-    -- [ids (N·k) | every rank's counts (P x E)] in f64 (exact: ids < E, counts <= N·k)
-    local idf = ids:reshape({ N * k }):to('f64')
-    local mine = T.zeros({ E }, { dtype = 'f64', device = dev })
-    F.index_add_(mine, 1, ids:reshape({ N * k }), T.ones({ N * k }, { dtype = 'f64', device = dev }))
-    local both = T.empty({ N * k + P * E }, { dtype = 'f64', device = dev })
-    local all = both:narrow(1, N * k + 1, P * E)
-    ms.dist.all_gather_into(all, mine, { group = ep.group })
-    both:narrow(1, 1, N * k):copy_(idf)
-    local host = both:to('cpu')
-    mine:free(); idf:free(); all:free()
-    if host ~= both then both:free() end
-    local st = moe.sort_slots(host:narrow(1, 1, N * k):to('i64'):reshape({ N, k }), E, 1)
+    local st = moe.sort_slots(ids, E, 1)
     local counts = st.counts
-    local cp = ms.ffi.cast('double *', host:data_ptr()) + N * k
+    -- every rank's counts (P x E)
+    local mine = T.tensor(counts, { dtype = 'f64' }):to(dev)
+    local all = T.empty({ P * E }, { dtype = 'f64', device = dev })
+    ms.dist.all_gather_into(all, mine, { group = ep.group })
+    local host = all:to('cpu')
+    local cp = ms.ffi.cast('double *', host:data_ptr())
     local function c(p, e) return math.floor(cp[p * E + e] + 0.5) end   -- rank p (0-based), expert e (0-based)
-    for e = 0, E - 1 do
-      if c(me, e) ~= counts[e + 1] then
-        error(('MoE (expert parallel): expert %d: %d slots counted on the device, %d by the sort'):format(e, c(me, e),
-          counts[e + 1]), 3)
-      end
-    end
     local send, recv = {}, {}
     for q = 0, P - 1 do
       local ns, nr = 0, 0
@@ -611,10 +572,11 @@ function moe.install(nn, nnf)
       end
     end
     local sl = moe.sort_slots(lid, El, dev == 'cpu' and moe.cpu_align or moe.align)
-    local rows = sl.rows
-    local fwd, bwd, tok, inv, back = upload(dev, sl.back, sl.inv, st.tok, st.inv, st.back)
-    host:free()
-    local xs = Dispatch(amp.cast(x2), tok, inv, k)
+    local fwd, bwd, rows = sl.back, sl.inv, sl.rows
+    if dev ~= 'cpu' then fwd, bwd = fwd:to(dev), bwd:to(dev) end
+    local inv, back = st.inv, st.back
+    if dev ~= 'cpu' then inv, back = inv:to(dev), back:to(dev) end
+    local xs = Dispatch(amp.cast(x2), st.tok:to(dev), inv, k)
     local xr = Exchange(xs, send, recv, ep)
     local xl = Regroup(xr, fwd, bwd)
     local yl = Experts(xl, rows, self:expert_weights(El))
