@@ -31,8 +31,11 @@ struct cm_args {
     int count;
 };
 
-template <typename S, typename D>
-__global__ void convert_many_kernel(const __grid_constant__ cm_args a, D *dst) {
+// SPLIT false: a.src[i] is source i, flat the destination (cast_flat);
+// SPLIT true: a.src[i] is destination i (written), flat the source
+// (split_flat_, the way back)
+template <typename S, typename D, bool SPLIT>
+__global__ void convert_many_kernel(const __grid_constant__ cm_args a, void *flat) {
     const int64_t b = blockIdx.x;
     int lo = 0, hi = a.count - 1;   // the last i with first[i] <= b
     while (lo < hi) {
@@ -40,8 +43,8 @@ __global__ void convert_many_kernel(const __grid_constant__ cm_args a, D *dst) {
         if (a.first[mid] <= b) lo = mid;
         else hi = mid - 1;
     }
-    const S *s = (const S *)a.src[lo];
-    D *d = dst + a.off[lo];
+    const S *s = SPLIT ? (const S *)flat + a.off[lo] : (const S *)a.src[lo];
+    D *d = SPLIT ? (D *)(uintptr_t)a.src[lo] : (D *)flat + a.off[lo];
     const int64_t start = (b - a.first[lo]) * CM_CHUNK;
     const int64_t end = min(start + CM_CHUNK, a.n[lo]);
     // 4 elements a thread where both ends are aligned to 4 elements' bytes
@@ -60,32 +63,44 @@ __global__ void convert_many_kernel(const __grid_constant__ cm_args a, D *dst) {
     }
 }
 
-// the way back: a.src[i] is destination i (written), src the flat source
-template <typename S, typename D>
-__global__ void split_many_kernel(const __grid_constant__ cm_args a, const S *src) {
-    const int64_t b = blockIdx.x;
-    int lo = 0, hi = a.count - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (a.first[mid] <= b) lo = mid;
-        else hi = mid - 1;
-    }
-    D *d = (D *)(uintptr_t)a.src[lo];
-    const S *s = src + a.off[lo];
-    const int64_t start = (b - a.first[lo]) * CM_CHUNK;
-    const int64_t end = min(start + CM_CHUNK, a.n[lo]);
-    const bool vec = ((uintptr_t)(s + start) % (4 * sizeof(S)) == 0) && ((uintptr_t)(d + start) % (4 * sizeof(D)) == 0);
-    if (vec) {
-        int64_t i = start + 4 * (int64_t)threadIdx.x;
-        for (; i + 4 <= end; i += 4 * CM_THREADS) {
-            float v[4];
-            load_v<float, S, 4>(v, s + i);
-            store_v<D, 4, float>(d + i, v);
-        }
-        for (int64_t j = i; j < end && j < i + 4; j++) d[j] = conv<D>::store(conv<S>::load(s[j]));
-    } else {
-        for (int64_t j = start + threadIdx.x; j < end; j += CM_THREADS) d[j] = conv<D>::store(conv<S>::load(s[j]));
-    }
+// the launches over `list` (n tensors, one float dtype) and the contiguous
+// `flat` (flat_dtype), 64 tensors each: cast_flat (SPLIT false) or
+// split_flat_ (SPLIT true)
+template <bool SPLIT>
+int convert_many(ms_tensor **list, int n, void *flat, int flat_dtype, cudaStream_t st, const char *name) {
+    const int sdt = SPLIT ? flat_dtype : list[0]->dtype_id, ddt = SPLIT ? list[0]->dtype_id : flat_dtype;
+    return with_float32_type(sdt, name, [&](auto s0) -> int {
+        using S = decltype(s0);
+        return with_float32_type(ddt, name, [&](auto d0) -> int {
+            using D = decltype(d0);
+            const int64_t es = SPLIT ? (int64_t)sizeof(S) : (int64_t)sizeof(D);   // the flat side's element
+            int64_t off = 0;
+            for (int i0 = 0; i0 < n; i0 += CM_MAX) {
+                cm_args a;
+                a.count = 0;
+                int64_t blocks = 0;
+                int64_t off0 = off;
+                for (int i = i0; i < n && i < i0 + CM_MAX; i++) {
+                    int64_t m = ms_tensor_numel(list[i]);
+                    if (m > 0) {
+                        a.src[a.count] = ms_tensor_data(list[i]);
+                        a.n[a.count] = m;
+                        a.off[a.count] = off - off0;
+                        a.first[a.count] = blocks;
+                        blocks += (m + CM_CHUNK - 1) / CM_CHUNK;
+                        a.count++;
+                    }
+                    off += m;
+                }
+                if (a.count == 0) continue;
+                a.first[a.count] = blocks;
+                if (blocks > 0x7fffffffLL) return ms_errorf("%s: %lld blocks in one launch", name, (long long)blocks);
+                convert_many_kernel<S, D, SPLIT><<<(unsigned)blocks, CM_THREADS, 0, st>>>(a, (char *)flat + off0 * es);
+                LAUNCH_CHECK("convert_many_kernel");
+            }
+            return 0;
+        });
+    });
 }
 
 }  // namespace
@@ -94,77 +109,14 @@ __global__ void split_many_kernel(const __grid_constant__ cm_args a, const S *sr
 extern "C" int ms_cuda_split_many(ms_tensor **dst, int n, const ms_tensor *src) {
     if (n == 0 || ms_tensor_numel(src) == 0) return 0;
     if (ms_cuda_activate(src->device_id)) return -1;
-    cudaStream_t st = ms_cuda_stream_of(src->device_id);
-    return with_float32_type(src->dtype_id, "split_flat_", [&](auto s0) -> int {
-        using S = decltype(s0);
-        return with_float32_type(dst[0]->dtype_id, "split_flat_", [&](auto d0) -> int {
-            using D = decltype(d0);
-            const S *sp = (const S *)ms_tensor_data(src);
-            int64_t off = 0;
-            for (int i0 = 0; i0 < n; i0 += CM_MAX) {
-                cm_args a;
-                a.count = 0;
-                int64_t blocks = 0;
-                int64_t off0 = off;
-                for (int i = i0; i < n && i < i0 + CM_MAX; i++) {
-                    int64_t m = ms_tensor_numel(dst[i]);
-                    if (m > 0) {
-                        a.src[a.count] = ms_tensor_data(dst[i]);
-                        a.n[a.count] = m;
-                        a.off[a.count] = off - off0;
-                        a.first[a.count] = blocks;
-                        blocks += (m + CM_CHUNK - 1) / CM_CHUNK;
-                        a.count++;
-                    }
-                    off += m;
-                }
-                if (a.count == 0) continue;
-                a.first[a.count] = blocks;
-                if (blocks > 0x7fffffffLL) return ms_errorf("split_flat_: %lld blocks in one launch", (long long)blocks);
-                split_many_kernel<S, D><<<(unsigned)blocks, CM_THREADS, 0, st>>>(a, sp + off0);
-                LAUNCH_CHECK("split_many_kernel");
-            }
-            return 0;
-        });
-    });
+    return convert_many<true>(dst, n, ms_tensor_data(src), src->dtype_id, ms_cuda_stream_of(src->device_id),
+                              "split_flat_");
 }
 
 // dst (contiguous, n_total elements) = the n sources in turn, converted
 extern "C" int ms_cuda_convert_many(ms_tensor *dst, ms_tensor **src, int n) {
     if (n == 0 || ms_tensor_numel(dst) == 0) return 0;
     if (ms_cuda_activate(dst->device_id)) return -1;
-    cudaStream_t st = ms_cuda_stream_of(dst->device_id);
-    const int sdt = src[0]->dtype_id;
-    return with_float32_type(sdt, "cast_flat", [&](auto s0) -> int {
-        using S = decltype(s0);
-        return with_float32_type(dst->dtype_id, "cast_flat", [&](auto d0) -> int {
-            using D = decltype(d0);
-            D *d = (D *)ms_tensor_data(dst);
-            int64_t off = 0;
-            for (int i0 = 0; i0 < n; i0 += CM_MAX) {
-                cm_args a;
-                a.count = 0;
-                int64_t blocks = 0;
-                int64_t off0 = off;
-                for (int i = i0; i < n && i < i0 + CM_MAX; i++) {
-                    int64_t m = ms_tensor_numel(src[i]);
-                    if (m > 0) {
-                        a.src[a.count] = ms_tensor_data(src[i]);
-                        a.n[a.count] = m;
-                        a.off[a.count] = off - off0;
-                        a.first[a.count] = blocks;
-                        blocks += (m + CM_CHUNK - 1) / CM_CHUNK;
-                        a.count++;
-                    }
-                    off += m;
-                }
-                if (a.count == 0) continue;
-                a.first[a.count] = blocks;
-                if (blocks > 0x7fffffffLL) return ms_errorf("cast_flat: %lld blocks in one launch", (long long)blocks);
-                convert_many_kernel<S, D><<<(unsigned)blocks, CM_THREADS, 0, st>>>(a, d + off0);
-                LAUNCH_CHECK("convert_many_kernel");
-            }
-            return 0;
-        });
-    });
+    return convert_many<false>(src, n, ms_tensor_data(dst), dst->dtype_id, ms_cuda_stream_of(dst->device_id),
+                               "cast_flat");
 }

@@ -121,22 +121,9 @@ describe('dist over MPI #mpi', function()
 
   it('all_reduce_coalesced: the values all_reduce gives each tensor (f32, f64, bf16 and i64, 2-D, empty; buckets of '
     .. 'every size, packed as on CUDA), with sum and avg; unpacked, the CPU\'s default, too', function()
-    -- integers (exact sums in every dtype): tensor k's element i on rank r
-    local function v(r, k, i) return ((r + 1) * (7 * k + 3 * i + 1)) % 61 - 30 end
     local specs = { { { 3, 4 }, 'f32' }, { { 5 }, 'f64' }, { { 2, 3 }, 'bf16' }, { { 0 }, 'f32' }, { { 4 }, 'i64' },
       { { 7 }, 'f32' }, { { 1 }, 'f64' }, { { 6, 2 }, 'f32' } }
-    local function make(r)
-      local list = {}
-      for k, sp in ipairs(specs) do
-        local n = 1
-        for _, d in ipairs(sp[1]) do n = n * d end
-        local vals = {}
-        for i = 1, n do vals[i] = v(r, k, i) end
-        list[k] = (n > 0 and ms.tensor(vals, { dtype = 'f64' }) or ms.zeros({ 0 }, { dtype = 'f64' })):to(sp[2])
-          :reshape(sp[1])
-      end
-      return list
-    end
+    local function make(r) return S.coalesced_list(r, specs) end
     for _, op in ipairs({ 'sum', 'avg' }) do
       for _, cap in ipairs({ 1, 40, 2 ^ 30 }) do
         local got, want = make(R), make(R)

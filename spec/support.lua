@@ -229,6 +229,23 @@ function S.collective_val(r, i, dtype)
   return v
 end
 
+-- rank r's gradient-like list for the all_reduce_coalesced specs: tensor k
+-- of specs[k] = { shape, dtype } holds integers (exact sums in every
+-- dtype), on `device` (default the CPU)
+function S.coalesced_list(r, specs, device)
+  local ms = require 'moonshard'
+  local list = {}
+  for k, sp in ipairs(specs) do
+    local n = S.numel_of(sp[1])
+    local vals = {}
+    for i = 1, n do vals[i] = ((r + 1) * (7 * k + 3 * i + 1)) % 61 - 30 end
+    local t = (n > 0 and ms.tensor(vals, { dtype = 'f64' }) or ms.zeros({ 0 }, { dtype = 'f64' })):to(sp[2])
+      :reshape(sp[1])
+    list[k] = device and t:to(device) or t
+  end
+  return list
+end
+
 -- what the reduction `op` ('sum', 'avg', 'max', 'min') of the ranks' values
 -- gives; i64 'avg' truncates as C does (and NCCL)
 function S.reduce_expect(op, vals, dtype)
