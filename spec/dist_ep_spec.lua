@@ -280,6 +280,64 @@ describe('moonshard.ep #mpi', function()
     end)
   end
 
+  -- bf16 parameters: the experts' weight gradients go from the grouped
+  -- GEMM straight into the unit's f32 gradient buffer (their sinks) instead
+  -- of a bf16 gradient and a converting copy; against grad_sinks = false
+  for _, split in ipairs({ false, true }) do
+    if not split or 4 % W == 0 then
+      it(('bf16 parameters%s: the experts\' gradients into the f32 buffer; the shards as with the copies'):format(
+        split and ', experts split over every rank' or ''), function()
+        local function run(sinks)
+          local m = make():to('f32')
+          if split then ms.ep.parallelize(m, { group = dist.world_group }) end
+          ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }),
+            mixed_precision = { param = 'bf16' }, grad_sinks = sinks })
+          local x, y = batch(R, 0)
+          local loss = m(x, y)
+          loss:backward()
+          local out, names, regions = {}, {}, {}
+          for k, u in ipairs(ms.fsdp.units(m)) do
+            out[k] = u.fp.shard.grad:clone()
+            names[k] = u.label
+            -- (one rank: the shard is the whole flat parameter) the experts' regions
+            regions[k] = {}
+            for i, n in ipairs(u.param_names) do
+              if n:find('.experts.', 1, true) then
+                regions[k][#regions[k] + 1] = { u.fp.layout.offsets[i], u.fp.layout.numels[i] }
+              end
+            end
+          end
+          return out, names, loss:item(), regions
+        end
+        local new, names, l1, regions = run(nil)
+        local old, _, l2 = run(false)
+        assert.are.equal(l2, l1)
+        local experts = 0
+        for k = 1, #old do
+          if W == 1 then
+            -- one rank: the f32 products, rounded, are the bf16 ones
+            local d = (new[k]:to('bf16'):to('f32') - old[k]):abs():max():item()
+            assert.are.equal(0, d, ('%s: bf16(new) - old = %g'):format(names[k], d))
+          else
+            local e = FS.norm_rel(new[k], old[k])
+            assert.is_true(e < 1e-2, ('%s: %.3e from the copies\' gradient'):format(names[k], e))
+          end
+          -- one rank: every expert weight's gradient holds values bf16 does
+          -- not (the f32 products), where the copies' are all bf16 values
+          if W == 1 then
+            for _, r in ipairs(regions[k]) do
+              local g, g0 = new[k]:narrow(1, r[1] + 1, r[2]), old[k]:narrow(1, r[1] + 1, r[2])
+              assert.is_true((g:to('bf16'):to('f32') - g):abs():max():item() > 0, names[k] .. ': a bf16 expert gradient')
+              assert.are.equal(0, (g0:to('bf16'):to('f32') - g0):abs():max():item())
+              experts = experts + 1
+            end
+          end
+        end
+        if W == 1 then assert.are.equal(2 * 4 * 3, experts, 'the expert weights seen') end
+      end)
+    end
+  end
+
   it('refuses a model that is not split, a group of the wrong size, and states that do not fit', function()
     if 4 % W ~= 0 then return end
     local m = make()

@@ -201,7 +201,9 @@ local Exchange = A.Function {
 -- rows, so every rank's parameters have a gradient) in the weights' dtype
 -- (an f32 GEMM output from bf16 operands: no cast pass), each a tensor of
 -- its own (views of one flat tensor would share a storage, and autograd
--- would copy each into its parameter's .grad).
+-- would copy each into its parameter's .grad), or, under FSDP's bf16
+-- parameters, straight into the unit's f32 gradient buffer (the weights'
+-- gradient sinks: no bf16 gradient, no converting copy).
 local function experts_forward(ctx, xs, rows, ...)
   local ws = { ... }
   local E = #rows
@@ -236,14 +238,30 @@ local function tensor_array(list, n, from, step)
   for i = 0, n - 1 do a[i] = list[from + i * step] end
   return a
 end
+-- A weight's gradient sink (autograd.set_grad_sink: FSDP's f32 unsharded
+-- gradient of its bf16 parameters) when the grouped GEMM can write it
+-- there: empty so far (no accumulation: the GEMM overwrites), and f32 or
+-- the rows' dtype. Else nil, and the gradient is a tensor of its own.
+local function expert_sink(w, dt)
+  local sink = A.leaf_sink(w)
+  if not sink or sink.written[sink.i] then return nil end
+  local sd = sink.t.dtype
+  if sd ~= dt and not (sd == 'f32' and (dt == 'bf16' or dt == 'f16')) then return nil end
+  return sink
+end
 local function experts_backward(ctx, gy)
   local xs, ws = ctx.xs, ctx.ws
   local E = #ctx.rows
   local dt = xs.dtype
   local gc = gy.dtype == dt and gy:contiguous() or gy:to(dt)
   local dxs = T.empty(xs.shape, { dtype = dt, device = xs.device })
-  local grads = {}
-  for i, w in ipairs(ws) do grads[i] = T.empty(w.shape, { dtype = w.dtype, device = w.device }) end
+  -- each weight's gradient: into its sink (f32, no bf16 gradient and no
+  -- converting copy under FSDP; nil handed back) or a tensor of its own
+  local grads, sinks = {}, {}
+  for i, w in ipairs(ws) do
+    sinks[i] = expert_sink(w, dt)
+    grads[i] = sinks[i] and sinks[i].t or T.empty(w.shape, { dtype = w.dtype, device = w.device })
+  end
   local r = ms.ffi.new('int64_t[?]', E)
   for e = 1, E do r[e - 1] = ctx.rows[e] end
   local wf = ctx.wf or F.cast_flat(ws, dt)
@@ -252,6 +270,10 @@ local function experts_backward(ctx, gy)
   if gc ~= gy then gc:free() end
   ctx.gu:free(); wf:free()
   ctx.gu, ctx.wf, ctx.xs, ctx.ws = nil, nil, nil, nil
+  for i, sk in pairs(sinks) do
+    sk.written[sk.i] = true
+    grads[i] = nil   -- (the sink holds it)
+  end
   grads.n = #ws
   return dxs, grads
 end
