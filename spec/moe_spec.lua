@@ -237,6 +237,33 @@ describe('nn.MoE', function()
     assert.is_nil(moe.aux_loss({ m1 }))
   end)
 
+  it('last_stats after a backward that released the activations: the counts and tokens, no mean; aux_loss says '
+    .. 'when to take it', function()
+    local m = build({ dim = 6, hidden = 8, experts = 4, top_k = 2 }, 5)
+    local x = ms.randn({ 10, 6 }, { dtype = 'f64', seed = 9 }):requires_grad_()
+    local prev = A.release_activations
+    A.release_activations = true
+    local ok, err = pcall(function()
+      m(x):sum():backward()
+      local c, p, n = m:last_stats()
+      local total = 0
+      for e = 1, 4 do total = total + c[e] end
+      assert.are.equal(20, total)
+      assert.is_nil(p)
+      assert.are.equal(10, n)
+      local ok2, e2 = pcall(moe.aux_loss, { m })
+      assert.is_false(ok2)
+      assert.matches('released by its backward', tostring(e2), 1, true)
+      -- the next forward's stats are whole again
+      m(x)
+      local _, p3 = m:last_stats()
+      assert.are.same({ 4 }, p3.shape)
+    end)
+    A.release_activations = prev
+    A.clear_tape()
+    assert(ok, err)
+  end)
+
   it('expert_bias (balancing without an auxiliary loss): it chooses the experts, the weights stay the scores\'; '
     .. 'update_bias moves it by the rate towards the mean count', function()
     local m = build({ dim = 6, hidden = 8, experts = 4, top_k = 2 })

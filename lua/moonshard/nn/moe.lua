@@ -611,11 +611,14 @@ function moe.install(nn, nnf)
   end
 
   -- counts (a Lua list of E), mean_probs (E, differentiable) and the
-  -- tokens of the last forward (nil before one, or after clear_stats)
+  -- tokens of the last forward (nil before one, or after clear_stats).
+  -- mean_probs is nil once a backward under autograd.release_activations
+  -- has released that forward's scores (read it before the backward); the
+  -- counts and the tokens stay.
   function MoE:last_stats()
     local s = rawget(self, '_stats')
     if not s then return nil end
-    if s.mean == nil then s.mean = s.probs:mean(1) end
+    if s.mean == nil and s.probs.storage ~= nil then s.mean = s.probs:mean(1) end
     return s.counts, s.mean, s.n
   end
   function MoE:clear_stats() rawset(self, '_stats', nil) end
@@ -736,6 +739,10 @@ function moe.aux_loss(layers)
   local E, total, probs, counts, nl = nil, 0, nil, nil, 0
   for _, m in ipairs(layers) do
     local c, p, n = m:last_stats()
+    if c and p == nil then
+      error('moe.aux_loss: the last forward\'s router scores were released by its backward '
+        .. '(autograd.release_activations): take the loss between the forward and the backward', 2)
+    end
     if c then
       E = m.n_experts
       counts = counts or {}
