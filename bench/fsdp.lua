@@ -395,8 +395,8 @@ local function measure(label)
     local E = moe_layers[1].n_experts
     local flat = {}
     for _, m in ipairs(moe_layers) do
-      local st = rawget(m, '_stats')   -- (last_stats' mean reads probs, released by now)
-      for e = 1, E do flat[#flat + 1] = st and st.counts[e] or 0 end
+      local c = m:last_stats()   -- (the counts: the scores' mean was released by the backward)
+      for e = 1, E do flat[#flat + 1] = c and c[e] or 0 end
     end
     local t = ms.tensor(flat, { dtype = 'f64' })
     if world > 1 then
