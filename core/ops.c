@@ -1603,6 +1603,9 @@ int ms_split_flat_(ms_tensor **dst, int n, const ms_tensor *flat) {
         if (dst[i]->device_id != flat->device_id)
             return ms_errorf("split_flat_: tensor %d is %s, on another device than the flat tensor (%s)", i + 1,
                              ms_desc(dst[i], d, sizeof d), ms_desc(flat, d1, sizeof d1));
+        if (dst[i]->storage == flat->storage)
+            return ms_errorf("split_flat_: tensor %d (%s) shares the flat tensor's storage", i + 1,
+                             ms_desc(dst[i], d, sizeof d));
         if (!ms_tensor_is_contiguous(dst[i]) || dst[i]->dtype_id != dst[0]->dtype_id) fast = 0;
         total += ms_tensor_numel(dst[i]);
     }

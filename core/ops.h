@@ -127,7 +127,8 @@ int ms_cast_flat(ms_tensor **out, ms_tensor **src, int n, int dtype);
  * flat (contiguous) in row-major order. flat must hold exactly the sum of
  * their elements. On CUDA with every destination contiguous, of one float
  * dtype, and flat a float one: one kernel per 64 tensors; otherwise a copy
- * each. A packed gradient bucket copied back into its gradients. */
+ * each. No destination may share flat's storage. A packed gradient
+ * bucket copied back into its gradients. */
 int ms_split_flat_(ms_tensor **dst, int n, const ms_tensor *flat);
 /* GEMM tuning's choice among n candidates timed ms[i] (ms[0] the library
  * heuristic's first; a negative time is a candidate that did not run): the
