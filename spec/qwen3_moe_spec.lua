@@ -119,23 +119,8 @@ describe('q/k norms and models.qwen3_moe', function()
   end)
 
   it('bin/train trains the tiny preset; two FSDP ranks follow one process without the load-balancing loss', function()
-    local dir = S.tmpdir()
-    local corpus = S.fixed_corpus(dir, 20000)
-    local flags = ('--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 --model.head_dim 16 '
-      .. '--model.intermediate_size 48 --model.moe_intermediate_size 16 --seq-len 16 --lr 1e-2 --warmup 1 '
-      .. '--eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 --data %s'):format(q(corpus))
-    local status, text = S.bin_train(('models/qwen3_moe.lua %s --batch-size 4 --steps 6 --out %s/one'):format(flags,
-      q(dir)))
-    assert.are.equal(0, status, text)
-    local one = S.run_losses(dir .. '/one')
-    assert.is_true(one[6] < one[1], ('%g -> %g'):format(one[1], one[6]))
-    local plain = flags .. ' --model.output_router_logits false'
-    status, text = S.bin_train(('models/qwen3_moe.lua %s --batch-size 4 --steps 4 --out %s/p1'):format(plain, q(dir)))
-    assert.are.equal(0, status, text)
-    status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/qwen3_moe.lua %s --batch-size 2 --steps 4 '
-      .. '--fsdp FULL_SHARD --out %s/p2'):format(plain, q(dir)))
-    assert.are.equal(0, status, text)
-    S.close_losses(S.run_losses(dir .. '/p1'), S.run_losses(dir .. '/p2'), 1, 4, 'qwen3_moe --fsdp')
-    os.execute('rm -rf ' .. q(dir))
+    S.moe_train_runs('models/qwen3_moe.lua', '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
+      .. '--model.head_dim 16 --model.intermediate_size 48 --model.moe_intermediate_size 16 --seq-len 16 --lr 1e-2 '
+      .. '--warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2', { '--fsdp FULL_SHARD' })
   end)
 end)

@@ -105,6 +105,31 @@ function S.run_losses(out)
   return r
 end
 
+-- A MoE model file's bin/train check: `flags` (its tiny preset, shrunk)
+-- trains 6 steps on one process with the load-balancing loss and its loss
+-- falls; without it, each of `layouts` (bin/train flags) on two CPU ranks
+-- follows 4 steps of one process. Runs in a fresh folder, removed after.
+function S.moe_train_runs(model_file, flags, layouts)
+  local q = S.shell_quote
+  local dir = S.tmpdir()
+  flags = flags .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
+  local status, text = S.bin_train(('%s %s --batch-size 4 --steps 6 --out %s/one'):format(model_file, flags, q(dir)))
+  luassert.are.equal(0, status, text)
+  local one = S.run_losses(dir .. '/one')
+  luassert.is_true(one[6] < one[1], ('%g -> %g'):format(one[1], one[6]))
+  local plain = flags .. ' --model.output_router_logits false'
+  status, text = S.bin_train(('%s %s --batch-size 4 --steps 4 --out %s/p1'):format(model_file, plain, q(dir)))
+  luassert.are.equal(0, status, text)
+  for _, how in ipairs(layouts) do
+    local out = dir .. '/p2' .. how:gsub('[^%w]', '')
+    status, text = S.bin_train(('--nproc-per-node 2 --device cpu %s %s --batch-size 2 --steps 4 %s --out %s'):format(
+      model_file, plain, how, q(out)))
+    luassert.are.equal(0, status, text)
+    S.close_losses(S.run_losses(dir .. '/p1'), S.run_losses(out), 1, 4, model_file .. ' ' .. how)
+  end
+  os.execute('rm -rf ' .. q(dir))
+end
+
 -- asserts got[s] within `bound` (relative; 1e-5) of ref[s] for s = from..to
 function S.close_losses(ref, got, from, to, what, bound)
   bound = bound or 1e-5
