@@ -196,7 +196,8 @@ end
 hf.float_keys = {
   rope_theta = true, rms_norm_eps = true, layer_norm_epsilon = true, initializer_range = true,
   resid_pdrop = true, embd_pdrop = true, attn_pdrop = true, attention_dropout = true,
-  summary_first_dropout = true,
+  summary_first_dropout = true, routed_scaling_factor = true, factor = true, beta_fast = true, beta_slow = true,
+  mscale = true, mscale_all_dim = true,
 }
 local function json_number(v, float)
   if v ~= v or v == math.huge or v == -math.huge then

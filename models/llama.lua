@@ -118,8 +118,10 @@ local Layer = nn.Module:extend('LlamaDecoderLayer')
 -- model_type (models/mixtral.lua, models/qwen3_moe.lua, models/qwen2_moe.lua
 -- register theirs): qk_norm (q and k RMS-normalised per head),
 -- attention(cfg) -> { bias =, o_bias = } (the q/k/v and o projections'
--- biases; default attention_bias on all four) and mlp(cfg, idx) -> the
--- name and the module of layer idx's (0-based) MLP.
+-- biases; default attention_bias on all four), self_attn(cfg, idx) -> the
+-- attention module itself (instead of nn.CausalSelfAttention: DeepSeek-V3's
+-- nn.MLAttention) and mlp(cfg, idx) -> the name and the module of layer
+-- idx's (0-based) MLP.
 llama.variants = {}
 
 local function dense_mlp(cfg)
@@ -129,12 +131,16 @@ end
 function Layer:init(cfg, idx)
   local C = cfg.hidden_size
   local v = llama.variants[cfg.model_type] or {}
-  local ab = v.attention and v.attention(cfg) or { bias = cfg.attention_bias }
-  self:register_module('self_attn', nn.CausalSelfAttention{
-    dim = C, n_head = cfg.num_attention_heads, n_kv_head = cfg.num_key_value_heads or cfg.num_attention_heads,
-    head_dim = cfg.head_dim or math.floor(C / cfg.num_attention_heads), bias = ab.bias, o_bias = ab.o_bias,
-    rope_theta = cfg.rope_parameters.rope_theta, fused_qkv = false,
-    qk_norm_eps = v.qk_norm and cfg.rms_norm_eps or nil })
+  if v.self_attn then
+    self:register_module('self_attn', v.self_attn(cfg, idx or 0))
+  else
+    local ab = v.attention and v.attention(cfg) or { bias = cfg.attention_bias }
+    self:register_module('self_attn', nn.CausalSelfAttention{
+      dim = C, n_head = cfg.num_attention_heads, n_kv_head = cfg.num_key_value_heads or cfg.num_attention_heads,
+      head_dim = cfg.head_dim or math.floor(C / cfg.num_attention_heads), bias = ab.bias, o_bias = ab.o_bias,
+      rope_theta = cfg.rope_parameters.rope_theta, fused_qkv = false,
+      qk_norm_eps = v.qk_norm and cfg.rms_norm_eps or nil })
+  end
   local name, mlp = (v.mlp or dense_mlp)(cfg, idx or 0)
   self:register_module(name, mlp)
   self:register_module('input_layernorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))

@@ -40,7 +40,7 @@ local function reference(m, x)
     local acc = ms.zeros({ 1, H }, { dtype = 'f64' })
     for j = 1, k do
       local w = score[idx[j]]
-      if m.norm_topk and k > 1 then w = w / wsum end
+      if m.norm_topk then w = w / wsum end   -- (top-1 too: weight 1, as transformers)
       w = w * m.route_scale
       acc = acc + A.no_grad(function() return m.experts[idx[j]](xr) end) * w
     end
@@ -440,7 +440,8 @@ describe('nn.MoE', function()
   it('group-limited routing (n_group, topk_group: DeepSeek-V2/V3): each token\'s experts from its best groups, as '
     .. 'written out per token; finite differences; the refusals', function()
     -- the reference: per token, each group's score, the best groups, then
-    -- the top_k among their experts (the others' scores 0), ties to the lower
+    -- the top_k among their experts (the others never: -inf, as
+    -- transformers' DeepSeek-V3 router), ties to the lower
     local function ref_ids(c, G, TG, k, how)
       local rows = {}
       local per = #c[1] / G
@@ -459,7 +460,7 @@ describe('nn.MoE', function()
         for j = 1, TG do keep[order[j]] = true end
         local masked, eo = {}, {}
         for e = 1, #row do
-          masked[e] = keep[math.floor((e - 1) / per) + 1] and row[e] or 0
+          masked[e] = keep[math.floor((e - 1) / per) + 1] and row[e] or -math.huge
           eo[e] = e
         end
         table.sort(eo, function(a, b) if masked[a] ~= masked[b] then return masked[a] > masked[b] end return a < b end)

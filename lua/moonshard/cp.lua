@@ -106,7 +106,8 @@ end
 -- rope(Tl, head_dim, theta, dtype, device, as) -> cos, sin (Tl, head_dim):
 -- the rotary tables' rows at this rank's positions (cached)
 function Ctx:rope(Tl, hd, theta, dtype, device, as)
-  local key = table.concat({ 'rope', Tl, hd, theta, tostring(dtype), tostring(device), tostring(as) }, ':')
+  local key = table.concat({ 'rope', Tl, hd, type(theta) == 'table' and theta.key or theta, tostring(dtype),
+    tostring(device), tostring(as) }, ':')
   local c = self.cache[key]
   if c and c[1].storage ~= nil then return c[1], c[2] end
   local nnf = require('moonshard.nn').functional
@@ -450,7 +451,7 @@ end
 
 -- ------------------------------------------------------------ the models
 -- cp.apply(model, group | ctx, opts) -> ctx: the model's attention modules
--- (nn.CausalSelfAttention) ring over the group, and its positions (GPT-2's
+-- (nn.CausalSelfAttention, nn.MLAttention) ring over the group, and its positions (GPT-2's
 -- learned ones, RoPE's tables) are this rank's; the model is then called
 -- with this rank's tokens (cp.shard). opts: load_balance (true),
 -- need_attention (true: a model without attention is an error; false for a
@@ -462,10 +463,11 @@ function cp.apply(model, group, opts)
   local ctx = getmetatable(group) == Ctx and group or cp.context(group, opts)
   local n = 0
   for _, m in model:named_modules() do
-    if getmetatable(m) == nn.CausalSelfAttention then n = n + 1 end
+    local cls = getmetatable(m)
+    if cls == nn.CausalSelfAttention or cls == nn.MLAttention then n = n + 1 end
   end
   if n == 0 and not (opts and opts.need_attention == false) then
-    error('cp.apply: the model has no nn.CausalSelfAttention to ring', 2)
+    error('cp.apply: the model has no nn.CausalSelfAttention or nn.MLAttention to ring', 2)
   end
   -- every module: the attention reads it, the embeddings' owner (GPT-2's
   -- learned positions) too

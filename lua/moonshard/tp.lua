@@ -454,6 +454,10 @@ function tp.parallelize(model, opts)
       error(('tp.parallelize: %s normalises q and k per head (qk_norm_eps), which tensor parallelism does not split'):format(
         name), 2)
     end
+    if getmetatable(m) == nn.MLAttention then
+      error(('tp.parallelize: %s is multi-head latent attention, which tensor parallelism does not split (docs/models.md)')
+        :format(name), 2)
+    end
     if getmetatable(m) == nn.MoE then
       error(('tp.parallelize: %s is a mixture of experts, which tensor parallelism does not split (docs/moe.md)')
         :format(name), 2)

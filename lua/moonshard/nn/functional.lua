@@ -1197,16 +1197,71 @@ end
 
 -- cos, sin (T, head_dim) for positions 0..T-1: inv_freq = theta^(-2i/d),
 -- emb = cat(freqs, freqs) as Hugging Face builds it; computed in f64 and
--- cast to dtype; cached
+-- cast to dtype; cached. theta may also be a table made by nnf.yarn_rope
+-- (or any { key =, inv = { head_dim / 2 frequencies }, factor = the
+-- tables' multiplier }).
 local rope_cache = {}
+
+-- nnf.yarn_rope(theta, head_dim, p) -> the RoPE of rope_type 'yarn' (Peng
+-- et al. 2023, "YaRN"), with the frequencies and the attention factor
+-- Hugging Face's modeling_rope_utils computes from rope_parameters p:
+-- factor, original_max_position_embeddings, beta_fast (32), beta_slow (1),
+-- mscale, mscale_all_dim, attention_factor, truncate (true). Each
+-- frequency blends theta^(-2i/d) (extrapolation) and that over factor
+-- (interpolation) by a ramp between the dimensions that turn beta_fast and
+-- beta_slow times over the original context; cos and sin are scaled by the
+-- attention factor (0.1 ln(factor) + 1 by default; with both mscales the
+-- ratio of their two such terms). A table for nnf.rope_cache's theta.
+function nnf.yarn_rope(theta, head_dim, p)
+  local factor, orig = p.factor, p.original_max_position_embeddings
+  if type(factor) ~= 'number' or factor <= 0 then
+    error(('yarn_rope: factor must be a positive number, got %s'):format(tostring(factor)), 2)
+  end
+  if type(orig) ~= 'number' or orig <= 0 then
+    error(('yarn_rope: original_max_position_embeddings must be a positive number, got %s'):format(tostring(orig)), 2)
+  end
+  local function mscale(scale, m)
+    if scale <= 1 then return 1 end
+    return 0.1 * (m or 1) * math.log(scale) + 1
+  end
+  local af = p.attention_factor
+  if af == nil then
+    if p.mscale and p.mscale ~= 0 and p.mscale_all_dim and p.mscale_all_dim ~= 0 then
+      af = mscale(factor, p.mscale) / mscale(factor, p.mscale_all_dim)
+    else
+      af = mscale(factor)
+    end
+  end
+  local fast, slow = p.beta_fast or 32, p.beta_slow or 1
+  if fast == 0 then fast = 32 end
+  if slow == 0 then slow = 1 end
+  local d = head_dim
+  -- the dimension that turns n times over the original context
+  local function dim_of(n) return d * math.log(orig / (n * 2 * math.pi)) / (2 * math.log(theta)) end
+  local lo, hi = dim_of(fast), dim_of(slow)
+  if p.truncate ~= false then lo, hi = math.floor(lo), math.ceil(hi) end
+  lo, hi = math.max(lo, 0), math.min(hi, d - 1)
+  if lo == hi then hi = hi + 0.001 end
+  local inv = {}
+  for i = 0, d / 2 - 1 do
+    local pf = theta ^ (2 * i / d)
+    local ramp = math.min(math.max((i - lo) / (hi - lo), 0), 1)
+    local ex = 1 - ramp   -- the share of extrapolation
+    inv[i + 1] = (1 / (factor * pf)) * (1 - ex) + (1 / pf) * ex
+  end
+  local key = ('yarn:%.17g:%d:%.17g:%.17g:%.17g:%.17g:%.17g:%s'):format(theta, d, factor, orig, fast, slow, af,
+    tostring(p.truncate ~= false))
+  return { key = key, inv = inv, factor = af }
+end
 -- as: a dtype the tables are then cast to (from dtype's, cached too: the
 -- bf16 tables of a bf16 model, rounded from the f32 ones, not made again
 -- each forward)
 function nnf.rope_cache(T_, head_dim, theta, dtype, device, as)
   dtype = dtype or 'f32'
   device = device or -1
+  local tkey = type(theta) == 'table' and theta.key or theta
   if as ~= nil and as ~= dtype then
-    local key = T_ .. ':' .. head_dim .. ':' .. theta .. ':' .. tostring(dtype) .. ':' .. tostring(device) .. ':as:' .. tostring(as)
+    local key = T_ .. ':' .. head_dim .. ':' .. tkey .. ':' .. tostring(dtype) .. ':' .. tostring(device) .. ':as:' .. tostring(as)
     local c = rope_cache[key]
     if c and c[1].storage ~= nil then return c[1], c[2] end
     local cs, sn = nnf.rope_cache(T_, head_dim, theta, dtype, device)
@@ -1214,18 +1269,27 @@ function nnf.rope_cache(T_, head_dim, theta, dtype, device, as)
     rope_cache[key] = c
     return c[1], c[2]
   end
-  local key = T_ .. ':' .. head_dim .. ':' .. theta .. ':' .. tostring(dtype) .. ':' .. tostring(device)
+  local key = T_ .. ':' .. head_dim .. ':' .. tkey .. ':' .. tostring(dtype) .. ':' .. tostring(device)
   local c = rope_cache[key]
   if c and c[1].storage ~= nil then return c[1], c[2] end
   local h = head_dim / 2
-  local inv = {}
-  for i = 0, h - 1 do inv[i + 1] = 1 / theta ^ (2 * i / head_dim) end
+  local inv, mult = {}, 1
+  if type(theta) == 'table' then
+    if #theta.inv ~= h then
+      error(('rope_cache: %d frequencies for head_dim %d (%d expected)'):format(#theta.inv, head_dim, h), 2)
+    end
+    for i = 1, h do inv[i] = theta.inv[i] end
+    mult = theta.factor or 1
+  else
+    for i = 0, h - 1 do inv[i + 1] = 1 / theta ^ (2 * i / head_dim) end
+  end
   local pos = T.arange(T_, { dtype = 'f64' })
   local pv = R.view(pos, { T_, 1 })
   local iv = T.tensor({ inv }, { dtype = 'f64' })        -- (1, h)
   local fr = F.mul(pv, iv)                               -- (T, h)
   local emb = F.cat({ fr, fr }, -1)                      -- (T, d)
   local cs, sn = F.cos(emb), F.sin(emb)
+  if mult ~= 1 then F.mul_(cs, mult); F.mul_(sn, mult) end
   for _, t in ipairs({ pos, pv, iv, fr, emb }) do free(t) end
   local function fin(t)
     local r = R.to(t, { dtype = dtype, device = device })

@@ -1237,5 +1237,8 @@ end
 -- mixture-of-experts layers (nn.MoE, nn.MoEExpert; moonshard.nn.moe, docs/moe.md)
 nn.moe = require 'moonshard.nn.moe'
 nn.moe.install(nn, nnf)
+-- multi-head latent attention (nn.MLAttention; moonshard.nn.mla, DeepSeek-V3)
+nn.mla = require 'moonshard.nn.mla'
+nn.mla.install(nn, nnf)
 
 return nn

@@ -339,7 +339,9 @@ function moe.topk(scores, k)
 end
 
 -- moe.group_limit(choice (N, E), G, TG, how) -> (N, E): the choice scores
--- of each token's TG best groups of E / G experts, 0 elsewhere; a group's
+-- of each token's TG best groups of E / G experts, -inf elsewhere (as
+-- transformers' DeepSeek-V3 router masks them: an expert outside the
+-- groups is never chosen, however low the scores inside them); a group's
 -- score is the sum of its two best ('top2') or its best ('max') (no gradient)
 function moe.group_limit(choice, G, TG, how)
   return A.no_grad(function()
@@ -355,7 +357,8 @@ function moe.group_limit(choice, G, TG, how)
     gscore = gscore:reshape({ N, G })
     local mask = ms.zeros({ N, G }, { dtype = choice.dtype, device = choice.device })
     mask:scatter_add_(2, moe.topk(gscore, TG), ms.ones({ N, TG }, { dtype = choice.dtype, device = choice.device }))
-    return (choice:reshape({ N, G, per }) * mask:reshape({ N, G, 1 })):reshape({ N, E })
+    local keep = mask:reshape({ N, G, 1 }):expand({ N, G, per }):to('bool')
+    return F.where(keep, choice:reshape({ N, G, per }):contiguous(), -math.huge):reshape({ N, E })
   end)
 end
 
@@ -367,15 +370,18 @@ function moe.install(nn, nnf)
   --   norm_topk = true, route_scale = 1, shared_hidden = nil,
   --   names = {'gate_proj', 'up_proj', 'down_proj'}, router = 'gate',
   --   shared = 'shared_expert', shared_gate = nil, n_group = 1,
-  --   topk_group = n_group, group_score = 'top2', dtype, device}
+  --   topk_group = n_group, group_score = 'top2', router_bias = false, dtype, device}
   -- shared_gate names a Linear(dim, 1) without bias that gates the shared
   -- expert per token: y = routed + sigmoid(x · g) * shared(x) (Qwen2-MoE's
   -- shared_expert_gate). n_group > 1: group-limited routing (DeepSeek-V2/V3):
   -- the E experts in n_group groups of E / n_group; each token picks its
   -- topk_group groups by a group score, the sum of the group's two best
   -- choice scores ('top2', DeepSeek-V3's) or the best ('max', V2's), and
-  -- its top_k experts among theirs (the others' scores counted as 0, as
-  -- transformers masks them).
+  -- its top_k experts among theirs (the others never chosen).
+  -- router_bias: the routing bias (below, moe.enable_bias) made at build,
+  -- zeros, as the router's buffer e_score_correction_bias (DeepSeek-V3's
+  -- name: checkpoints carry it); without it moe.enable_bias adds one to the
+  -- layer as expert_bias when asked.
   -- x (..., dim) -> (..., dim). After each forward, moe:last_stats() ->
   -- counts (E, a Lua list), mean_probs (E) (the router's mean score of
   -- each expert over the tokens; differentiable under grad), tokens: what
@@ -450,6 +456,19 @@ function moe.install(nn, nnf)
       self.shared_gate_name = cfg.shared_gate
       self:register_module(cfg.shared_gate, nn.Linear(cfg.dim, 1, o))
     end
+    if cfg.router_bias then
+      self.router_bias = true
+      self[self.router_name]:register_buffer('e_score_correction_bias',
+        T.zeros({ cfg.experts }, { dtype = 'f32', device = cfg.device }))
+    end
+  end
+
+  -- the routing bias (E) added to the scores that choose the experts, nil
+  -- when none: the router's e_score_correction_bias (router_bias) or the
+  -- layer's expert_bias (moe.enable_bias)
+  function MoE:routing_bias()
+    if self.router_bias then return rawget(self[self.router_name], 'e_score_correction_bias') end
+    return rawget(self, 'expert_bias')
   end
 
   -- the shared expert's output for x2 (N, H), gated when it has a gate
@@ -471,7 +490,7 @@ function moe.install(nn, nnf)
   end
 
   -- the routing of x2 (N, H): probs (N, E) f32 (differentiable), ids (N, k).
-  -- With an expert_bias buffer (moe.enable_bias: DeepSeek-V3's balancing
+  -- With a routing bias (MoE:routing_bias: DeepSeek-V3's balancing
   -- without an auxiliary loss) the experts are chosen by probs + bias; the
   -- routing weights stay the probs'.
   function MoE:route(x2)
@@ -479,7 +498,7 @@ function moe.install(nn, nnf)
     -- (f32 at least: the softmax of bf16 logits would round the scores)
     local lf = (logits.dtype == 'f32' or logits.dtype == 'f64') and logits or logits:to('f32')
     local probs = self.score == 'softmax' and nnf.softmax(lf, -1) or nnf.sigmoid(lf)
-    local bias = rawget(self, 'expert_bias')
+    local bias = self:routing_bias()
     if bias == nil and self.n_group == 1 then return probs, moe.topk(probs, self.top_k) end
     local ids = A.no_grad(function()
       local choice = probs:detach()
@@ -506,7 +525,7 @@ function moe.install(nn, nnf)
     local probs, ids = self:route(x2)
     -- the routing weights of the chosen experts (N, k)
     local w = probs:gather(2, ids)
-    if self.norm_topk and k > 1 then w = w / w:sum(2, true) end
+    if self.norm_topk then w = w / w:sum(2, true) end
     if self.route_scale ~= 1 then w = w * self.route_scale end
     local dev = x.device
     local ep = rawget(self, '_ep')
@@ -547,7 +566,7 @@ function moe.install(nn, nnf)
   function MoE:record_stats(counts, probs, N)
     rawset(self, '_stats', { counts = counts, probs = probs, n = N })
     -- (the slots each expert got since the last moe.update_bias, while training)
-    if rawget(self, 'expert_bias') ~= nil and A.is_grad_enabled() then
+    if self:routing_bias() ~= nil and A.is_grad_enabled() then
       local acc = rawget(self, '_tokens') or {}
       for e = 1, self.n_experts do acc[e] = (acc[e] or 0) + counts[e] end
       rawset(self, '_tokens', acc)
@@ -632,11 +651,12 @@ end
 -- fewer slots than the mean since the last update, - rate for one that got
 -- more (sign(mean - count)), with the counts summed over `group` first
 -- (the data-parallel ranks: every rank then moves the same way).
--- moe.enable_bias(model) -> layers given a bias (those without one)
+-- moe.enable_bias(model) -> layers given a bias (those without one: a
+-- layer built with router_bias has its own)
 function moe.enable_bias(model)
   local n = 0
   for _, m in ipairs(moe.layers(model)) do
-    if rawget(m, 'expert_bias') == nil then
+    if m:routing_bias() == nil then
       local w = m[m.router_name].weight
       m:register_buffer('expert_bias', T.zeros({ m.n_experts }, { dtype = 'f32', device = w.device }))
       n = n + 1
@@ -650,7 +670,7 @@ end
 function moe.update_bias(model, rate, group)
   local list = {}
   for _, m in ipairs(moe.layers(model)) do
-    if rawget(m, 'expert_bias') ~= nil then list[#list + 1] = m end
+    if m:routing_bias() ~= nil then list[#list + 1] = m end
   end
   if #list == 0 then return 0 end
   -- every layer's counts in one tensor: one all-reduce a step
@@ -659,14 +679,14 @@ function moe.update_bias(model, rate, group)
     local acc = rawget(m, '_tokens') or {}
     for e = 1, m.n_experts do flat[#flat + 1] = acc[e] or 0 end
   end
-  local dev = list[1].expert_bias.device
+  local dev = list[1]:routing_bias().device
   local c = ms.tensor(flat, { dtype = 'f32' }):to(dev)
   if group ~= nil and group:size() > 1 then ms.dist.all_reduce(c, 'sum', { group = group }) end
   local off = 0
   A.no_grad(function()
     for _, m in ipairs(list) do
       local cm = c:narrow(1, off + 1, m.n_experts)
-      m.expert_bias:add_((cm:mean() - cm):sign() * rate)
+      m:routing_bias():add_((cm:mean() - cm):sign() * rate)
       off = off + m.n_experts
       rawset(m, '_tokens', nil)
     end

@@ -1,0 +1,167 @@
+-- moonshard.nn.mla — multi-head latent attention (DeepSeek-V2, Liu et al.
+-- 2024; DeepSeek-V3), as Hugging Face's DeepseekV3Attention: the same
+-- parameter names and math (docs/models.md, "DeepSeek-V3").
+--
+-- nn.MLAttention{dim, n_head, q_lora_rank = nil, kv_lora_rank,
+--   qk_nope_head_dim, qk_rope_head_dim, v_head_dim, bias = false,
+--   rope = 10000 (a theta, or nnf.yarn_rope's table), rope_interleave = true,
+--   scale = (qk_nope_head_dim + qk_rope_head_dim)^-0.5, norm_eps = 1e-6,
+--   dtype, device}
+--
+-- x (B, T, dim):
+--   q   = q_b_proj(q_a_layernorm(q_a_proj(x)))   (q_proj(x) without q_lora_rank)
+--         per head: nope (qk_nope_head_dim) | rope (qk_rope_head_dim)
+--   ckv = kv_a_proj_with_mqa(x): the latent (kv_lora_rank) | one rope key
+--         (qk_rope_head_dim) all the heads share
+--   kv  = kv_b_proj(kv_a_layernorm(latent)), per head: k nope | v (v_head_dim)
+--   RoPE on q's rope part and the shared key (rope_interleave: their
+--   dimensions in (even, odd) pairs, as DeepSeek's checkpoints lay them out:
+--   the pairs are gathered into halves first, so the rotation is the usual
+--   rotate-half one); k = k nope | the shared rope key, for every head;
+--   causal softmax(q kᵀ · scale) v, heads merged, o_proj.
+-- bias: q_a_proj, kv_a_proj_with_mqa and o_proj get biases (HF's
+-- attention_bias). The q_a and kv_a norms take norm_eps (HF's default 1e-6,
+-- not the config's rms_norm_eps).
+--
+-- The attention is the fused kernel (nnf.scaled_dot_product_attention) with
+-- v padded by zeros to the q/k head width when they differ (the padding's
+-- outputs dropped), as HF does for flash attention; where the fused kernel
+-- has no head width that large (above 128 on GPUs: DeepSeek-V3's 192) the
+-- unfused path runs instead (scores materialised). Context parallelism
+-- (cp.apply) rings it as it rings nn.CausalSelfAttention; tensor
+-- parallelism does not split it.
+local T = require 'moonshard.tensor'
+local A = require 'moonshard.autograd'
+local W = A.W
+
+local mla = {}
+
+-- the rope dimensions of x (..., d) from (x0, x1), (x2, x3), ... pairs to
+-- (x0, x2, ... | x1, x3, ...) (a copy)
+local function deinterleave(x)
+  local s = x.shape
+  local n = #s
+  local d = s[n]
+  local s5 = {}
+  for i = 1, n - 1 do s5[i] = s[i] end
+  s5[n], s5[n + 1] = d / 2, 2
+  return x:reshape(s5):transpose(n, n + 1):reshape(s)
+end
+mla.deinterleave = deinterleave
+
+function mla.install(nn, nnf)
+  local MLA = nn.Module:extend('MLAttention')
+  nn.MLAttention = MLA
+
+  local function pos_int(what, v, optional)
+    if optional and v == nil then return end
+    if type(v) ~= 'number' or v < 1 or v ~= math.floor(v) then
+      error(('MLAttention: %s must be a positive integer, got %s'):format(what, tostring(v)), 4)
+    end
+  end
+
+  function MLA:init(cfg)
+    cfg = cfg or {}
+    for _, f in ipairs({ 'dim', 'n_head', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim' }) do
+      pos_int(f, cfg[f])
+    end
+    pos_int('q_lora_rank', cfg.q_lora_rank, true)
+    if cfg.qk_rope_head_dim % 2 ~= 0 then
+      error(('MLAttention: RoPE needs an even qk_rope_head_dim, got %d'):format(cfg.qk_rope_head_dim), 3)
+    end
+    local rope = cfg.rope or 10000
+    if not (type(rope) == 'number' and rope > 0) and not (type(rope) == 'table' and rope.key and rope.inv) then
+      error(('MLAttention: rope must be a positive theta or nnf.yarn_rope\'s table, got %s'):format(tostring(rope)), 3)
+    end
+    if type(rope) == 'table' and #rope.inv ~= cfg.qk_rope_head_dim / 2 then
+      error(('MLAttention: rope has %d frequencies for qk_rope_head_dim %d'):format(#rope.inv, cfg.qk_rope_head_dim), 3)
+    end
+    self.dim, self.n_head = cfg.dim, cfg.n_head
+    self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+    self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+      cfg.v_head_dim
+    self.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    self.rope, self.rope_interleave = rope, cfg.rope_interleave ~= false
+    self.scale = cfg.scale or 1 / math.sqrt(self.qk_head_dim)
+    local eps = cfg.norm_eps or 1e-6
+    local bias = cfg.bias == true
+    local H, dq = cfg.n_head, self.qk_head_dim
+    local function L(i, o, b) return nn.Linear(i, o, { bias = b, dtype = cfg.dtype, device = cfg.device }) end
+    if cfg.q_lora_rank then
+      self:register_module('q_a_proj', L(cfg.dim, cfg.q_lora_rank, bias))
+      self:register_module('q_a_layernorm', nn.RMSNorm(cfg.q_lora_rank, { eps = eps, dtype = cfg.dtype,
+        device = cfg.device }))
+      self:register_module('q_b_proj', L(cfg.q_lora_rank, H * dq, false))
+    else
+      self:register_module('q_proj', L(cfg.dim, H * dq, false))
+    end
+    self:register_module('kv_a_proj_with_mqa', L(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias))
+    self:register_module('kv_a_layernorm', nn.RMSNorm(cfg.kv_lora_rank, { eps = eps, dtype = cfg.dtype,
+      device = cfg.device }))
+    self:register_module('kv_b_proj', L(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), false))
+    self:register_module('o_proj', L(H * cfg.v_head_dim, cfg.dim, bias))
+  end
+
+  -- the fused kernel takes this head width on x's device
+  local function fused_fits(x, D) return x.device == 'cpu' or D <= 128 end
+
+  function MLA:forward(x)
+    if rawget(self, '_tp') ~= nil then
+      error('MLAttention: tensor parallelism does not split multi-head latent attention', 2)
+    end
+    if not T.is_tensor(x) or x.ndim ~= 3 or x.shape[3] ~= self.dim then
+      error(('MLAttention: expected x of shape (B, T, %d), got (%s)'):format(self.dim,
+        T.is_tensor(x) and table.concat(x.shape, ', ') or type(x)), 2)
+    end
+    local B, Tn = x.shape[1], x.shape[2]
+    local H, dn, dr, dv, dq = self.n_head, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
+      self.qk_head_dim
+    local q
+    if self.q_lora_rank then q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    else q = self.q_proj(x) end
+    q = q:view(B, Tn, H, dq)
+    local ckv = self.kv_a_proj_with_mqa(x)                               -- (B, T, kv_lora_rank + dr)
+    local kv = self.kv_b_proj(self.kv_a_layernorm(ckv:narrow(3, 1, self.kv_lora_rank)))
+    kv = kv:view(B, Tn, H, dn + dv)
+    local q_rot = q:narrow(4, dn + 1, dr)                                -- (B, T, H, dr)
+    local k_rot = ckv:narrow(3, self.kv_lora_rank + 1, dr):reshape(B, Tn, 1, dr)
+    if self.rope_interleave then q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot) end
+    q_rot, k_rot = q_rot:transpose(2, 3), k_rot:transpose(2, 3)          -- (B, H, T, dr), (B, 1, T, dr)
+    local cpc = rawget(self, '_cp')
+    local cdt = q.dtype == 'f64' and 'f64' or 'f32'
+    local cos, sin
+    if cpc then cos, sin = cpc:rope(Tn, dr, self.rope, cdt, q.device_id, q.dtype)
+    else cos, sin = nnf.rope_cache(Tn, dr, self.rope, cdt, q.device_id, q.dtype) end
+    q_rot, k_rot = nnf.apply_rotary(q_rot, cos, sin), nnf.apply_rotary(k_rot, cos, sin)
+    local qh = W.cat({ q:narrow(4, 1, dn):transpose(2, 3), q_rot }, 4)   -- (B, H, T, dq)
+    local kh = W.cat({ kv:narrow(4, 1, dn):transpose(2, 3), k_rot:expand(B, H, Tn, dr) }, 4)
+    local vh = kv:narrow(4, dn + 1, dv):transpose(2, 3)                  -- (B, H, T, dv)
+    local D = math.max(dq, dv)
+    local unfused = not fused_fits(x, D)
+    if cpc and unfused then
+      error(('MLAttention: context parallelism needs the fused attention kernel, which takes head widths up to 128 '
+        .. 'on GPUs (q/k %d, v %d)'):format(dq, dv), 2)
+    end
+    -- (the fused kernel wants one width: the narrower side padded by zeros)
+    local function pad(t, d)
+      if d == D or unfused then return t end
+      local z = T.zeros({ B, H, Tn, D - d }, { dtype = t.dtype, device = t.device })
+      return W.cat({ t, z }, 4)
+    end
+    qh, kh, vh = pad(qh, dq), pad(kh, dq), pad(vh, dv)
+    local y
+    if cpc then y = require('moonshard.cp').attention(qh, kh, vh, cpc, { scale = self.scale })
+    else y = nnf.scaled_dot_product_attention(qh, kh, vh, { causal = true, scale = self.scale, unfused = unfused }) end
+    if y.shape[4] ~= dv then y = y:narrow(4, 1, dv) end
+    y = y:transpose(2, 3):reshape(B, Tn, H * dv)
+    return self.o_proj(y)
+  end
+
+  function MLA:extra_repr()
+    return ('dim=%d, n_head=%d, q_lora_rank=%s, kv_lora_rank=%d, qk_nope=%d, qk_rope=%d, v=%d%s'):format(self.dim,
+      self.n_head, tostring(self.q_lora_rank), self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
+      self.v_head_dim, self.rope_interleave and ', interleaved RoPE' or '')
+  end
+end
+
+return mla

@@ -1,0 +1,245 @@
+-- models/deepseek_v3.lua — DeepSeek-V3 (DeepSeek-AI 2024), as Hugging
+-- Face's DeepseekV3ForCausalLM: Llama's decoder (models/llama.lua) with
+--   * multi-head latent attention (self_attn: q_a_proj, q_a_layernorm,
+--     q_b_proj (or q_proj without q_lora_rank), kv_a_proj_with_mqa,
+--     kv_a_layernorm, kv_b_proj, o_proj; nn.MLAttention), RoPE on
+--     qk_rope_head_dim of each head's qk_nope_head_dim + qk_rope_head_dim,
+--     interleaved (rope_interleave), default or YaRN (rope_parameters);
+--   * the MLP of the first first_k_dense_replace layers dense
+--     (intermediate_size), the others a mixture of n_routed_experts SwiGLU
+--     experts of moe_intermediate_size (mlp.gate, mlp.experts.N.gate_proj /
+--     up_proj / down_proj; nn.MoE, docs/moe.md): sigmoid scores, the
+--     routing bias mlp.gate.e_score_correction_bias added to choose the
+--     experts, group-limited routing (n_group groups, topk_group of them, a
+--     group scored by its two best), num_experts_per_tok a token, weights
+--     renormalised (norm_topk_prob) and scaled by routed_scaling_factor;
+--     plus n_shared_experts shared experts as one MLP
+--     (mlp.shared_experts).
+-- The same config.json fields and parameter names as transformers'. No
+-- auxiliary loss (as transformers): balance with --moe-bias-rate, which
+-- moves the routing biases (docs/moe.md). The multi-token-prediction
+-- layers (num_nextn_predict_layers) are not built; a checkpoint's are
+-- skipped on load, as transformers skips them.
+--
+--   local deepseek_v3 = require 'models.deepseek_v3'
+--   local model = deepseek_v3.new('tiny')
+--   local loss = model(input_ids, targets)
+local nn = require 'moonshard.nn'
+local hf = require 'models.hf'
+local llama = require 'models.llama'
+
+local deepseek_v3 = { name = 'deepseek_v3', model_type = 'deepseek_v3' }
+
+-- Config fields: DeepseekV3Config's, with its defaults (DeepSeek-V3's
+-- shapes), but for the four that may be null: those default to null here
+-- (a null in config.json reads as an absent field), and the preset
+-- 'deepseek-v3' has transformers' values (q_lora_rank 1536, n_group 8,
+-- topk_group 4, num_key_value_heads 128).
+deepseek_v3.fields = {
+  { 'model_type', { 'deepseek_v3' }, 'deepseek_v3', 'always deepseek_v3' },
+  { 'vocab_size', 'int>0', 129280, 'tokens in the vocabulary' },
+  { 'hidden_size', 'int>0', 7168, 'width of the residual stream' },
+  { 'intermediate_size', 'int>0', 18432, 'width of a dense layer\'s gated MLP' },
+  { 'moe_intermediate_size', 'int>0', 2048, 'width of each expert\'s gated MLP' },
+  { 'num_hidden_layers', 'int>0', 61, 'decoder layers' },
+  { 'num_attention_heads', 'int>0', 128, 'attention heads' },
+  { 'num_key_value_heads', 'int>0?', nil, 'must equal num_attention_heads (each head has its keys); nil: the same' },
+  { 'n_shared_experts', 'int>=0', 1, 'shared experts, one MLP of n_shared_experts x moe_intermediate_size (0: none)' },
+  { 'n_routed_experts', 'int>0', 256, 'routed experts in each sparse layer' },
+  { 'routed_scaling_factor', 'number>0', 2.5, 'the routing weights\' multiplier' },
+  { 'kv_lora_rank', 'int>0', 512, 'width of the compressed keys and values' },
+  { 'q_lora_rank', 'int>0?', nil, 'width of the compressed queries; nil: q_proj, no compression' },
+  { 'qk_rope_head_dim', 'int>0', 64, 'width of the rotary part of each head\'s q and k' },
+  { 'v_head_dim', 'int>0', 128, 'width of each head\'s values' },
+  { 'qk_nope_head_dim', 'int>0', 128, 'width of the non-rotary part of each head\'s q and k' },
+  { 'n_group', 'int>0?', nil, 'expert groups (group-limited routing); nil: 1' },
+  { 'topk_group', 'int>0?', nil, 'groups each token picks; nil: 1' },
+  { 'num_experts_per_tok', 'int>0', 8, 'experts each token goes to (top-k)' },
+  { 'first_k_dense_replace', 'int>=0', 3, 'the first layers that keep a dense MLP' },
+  { 'norm_topk_prob', 'bool', true, 'renormalise the top-k scores to sum 1' },
+  { 'hidden_act', { 'silu' }, 'silu', 'gate activation' },
+  { 'max_position_embeddings', 'int>0', 4096, 'longest sequence' },
+  { 'initializer_range', 'number>=0', 0.02, 'std of the normal initialisation' },
+  { 'rms_norm_eps', 'number>0', 1e-6, 'RMSNorm epsilon of the layers\' and the final norms' },
+  { 'bos_token_id', 'ids?', 0, 'beginning of sequence' },
+  { 'eos_token_id', 'ids?', 1, 'end of sequence' },
+  { 'tie_word_embeddings', 'bool', false, 'lm_head shares embed_tokens' },
+  { 'rope_parameters', 'table', { rope_type = 'default', rope_theta = 10000.0 },
+    'RoPE: rope_theta; rope_type default or yarn (factor, original_max_position_embeddings, beta_fast, beta_slow, '
+      .. 'mscale, mscale_all_dim, attention_factor, truncate)' },
+  { 'rope_interleave', 'bool', true, 'the rotary dimensions in (even, odd) pairs, as DeepSeek\'s checkpoints' },
+  { 'attention_bias', 'bool', false, 'biases on q_a_proj, kv_a_proj_with_mqa and o_proj' },
+  { 'attention_dropout', 'prob', 0.0, 'dropout on attention probabilities (not applied here)' },
+  { 'num_nextn_predict_layers', 'int>=0', 1, 'multi-token-prediction layers: not built (skipped on load)' },
+}
+deepseek_v3.config = hf.defaults(deepseek_v3.fields)
+
+deepseek_v3.presets = {
+  -- a byte-level model that trains on a laptop CPU in minutes: the first of
+  -- its 4 layers dense, 8 routed experts in 4 groups (2 groups a token, 2
+  -- experts a token) and a shared one; q/k heads of 32 + 32, values of 32
+  tiny = { vocab_size = 256, hidden_size = 128, intermediate_size = 352, moe_intermediate_size = 64,
+           num_hidden_layers = 4, num_attention_heads = 4, num_key_value_heads = 4, n_shared_experts = 1,
+           n_routed_experts = 8, routed_scaling_factor = 2.5, kv_lora_rank = 64, q_lora_rank = 96,
+           qk_rope_head_dim = 32, v_head_dim = 32, qk_nope_head_dim = 32, n_group = 4, topk_group = 2,
+           num_experts_per_tok = 2, first_k_dense_replace = 1, max_position_embeddings = 256, rms_norm_eps = 1e-5,
+           bos_token_id = hf.null, eos_token_id = hf.null },
+}
+-- DeepSeek-V3's shapes (671B parameters, 37B a token; its YaRN context
+-- extension not included: give rope_parameters for it)
+deepseek_v3.presets['deepseek-v3'] = { q_lora_rank = 1536, n_group = 8, topk_group = 4, num_key_value_heads = 128 }
+
+-- Older configs (transformers < 5, DeepSeek's own) put rope_theta at the
+-- top level and the YaRN parameters in rope_scaling (with `type`), and may
+-- name the experts num_local_experts and the MTP layers num_mtp_layers.
+function deepseek_v3.normalize(cfg)
+  if cfg.rope_parameters == hf.null then cfg.rope_parameters = nil end
+  local rp = type(cfg.rope_parameters) == 'table' and cfg.rope_parameters or nil
+  if cfg.rope_theta ~= nil and cfg.rope_theta ~= hf.null then
+    rp = rp or {}
+    rp.rope_theta = rp.rope_theta or cfg.rope_theta
+  end
+  if type(cfg.rope_scaling) == 'table' then
+    rp = rp or {}
+    for k, v in pairs(cfg.rope_scaling) do
+      if k == 'type' then k = 'rope_type' end
+      if rp[k] == nil then rp[k] = v end
+    end
+  end
+  cfg.rope_theta, cfg.rope_scaling = nil, nil
+  if rp then
+    rp.rope_type = rp.rope_type or 'default'
+    rp.rope_theta = rp.rope_theta or 10000.0
+  end
+  cfg.rope_parameters = rp
+  if cfg.n_routed_experts == nil and cfg.num_local_experts ~= nil then cfg.n_routed_experts = cfg.num_local_experts end
+  if cfg.num_nextn_predict_layers == nil and cfg.num_mtp_layers ~= nil then
+    cfg.num_nextn_predict_layers = cfg.num_mtp_layers
+  end
+  cfg.num_local_experts, cfg.num_mtp_layers = nil, nil
+  if cfg.n_group == hf.null then cfg.n_group = nil end
+  if cfg.topk_group == hf.null then cfg.topk_group = nil end
+  if cfg.rope_parameters == nil then cfg.rope_parameters = { rope_type = 'default', rope_theta = 10000.0 } end
+end
+
+local function cfg_error(fmt, ...) error(('deepseek_v3 config: ' .. fmt):format(...), 4) end
+
+function deepseek_v3.check(cfg)
+  local rp = cfg.rope_parameters
+  local rt = rp.rope_type or 'default'
+  if rt ~= 'default' and rt ~= 'yarn' then
+    cfg_error('rope_parameters.rope_type %s is not supported (default or yarn)', tostring(rt))
+  end
+  if type(rp.rope_theta) ~= 'number' or rp.rope_theta <= 0 then
+    cfg_error('rope_parameters.rope_theta must be a positive number, got %s', tostring(rp.rope_theta))
+  end
+  if rt == 'yarn' then
+    local o = rp.original_max_position_embeddings
+    if type(o) ~= 'number' or o <= 0 then
+      cfg_error('yarn RoPE needs rope_parameters.original_max_position_embeddings, got %s', tostring(o))
+    end
+    -- (as transformers: no factor means the ratio of the two contexts)
+    if rp.factor == nil or rp.factor == hf.null then rp.factor = cfg.max_position_embeddings / o end
+    if type(rp.factor) ~= 'number' or rp.factor <= 0 then
+      cfg_error('rope_parameters.factor must be a positive number, got %s', tostring(rp.factor))
+    end
+  end
+  local nh = cfg.num_attention_heads
+  if cfg.num_key_value_heads ~= nil and cfg.num_key_value_heads ~= nh then
+    cfg_error('num_key_value_heads (%d) must equal num_attention_heads (%d): latent attention gives every head its keys',
+      cfg.num_key_value_heads, nh)
+  end
+  if cfg.qk_rope_head_dim % 2 ~= 0 then cfg_error('qk_rope_head_dim (%d) must be even for RoPE', cfg.qk_rope_head_dim) end
+  local E, G, TG, k = cfg.n_routed_experts, cfg.n_group or 1, cfg.topk_group or 1, cfg.num_experts_per_tok
+  if E % G ~= 0 then cfg_error('n_routed_experts %d do not split into n_group = %d groups', E, G) end
+  if G > 1 and E / G < 2 then
+    cfg_error('n_group = %d leaves groups of %d expert; a group is scored by its two best', G, E / G)
+  end
+  if TG > G then cfg_error('topk_group %d is more than n_group %d', TG, G) end
+  if k > TG * E / G then
+    cfg_error('num_experts_per_tok %d is more than the %d experts of topk_group = %d groups', k, TG * E / G, TG)
+  end
+end
+
+-- the RoPE of cfg (a theta, or nnf.yarn_rope's table) and the attention's
+-- softmax scale (qk_head_dim^-0.5, times YaRN's mscale(factor,
+-- mscale_all_dim)² when rope_type is yarn and mscale_all_dim is set, as
+-- transformers' DeepseekV3Attention)
+function deepseek_v3.rope(cfg)
+  local rp = cfg.rope_parameters
+  if (rp.rope_type or 'default') == 'default' then return rp.rope_theta end
+  return nn.functional.yarn_rope(rp.rope_theta, cfg.qk_rope_head_dim, rp)
+end
+function deepseek_v3.softmax_scale(cfg)
+  local s = 1 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+  local rp = cfg.rope_parameters
+  local m = rp.mscale_all_dim
+  if (rp.rope_type or 'default') ~= 'default' and m and m ~= 0 and rp.factor > 1 then
+    local ms = 0.1 * m * math.log(rp.factor) + 1
+    s = s * ms * ms
+  end
+  return s
+end
+
+-- what its layers change in Llama's: latent attention; the MLP of a layer
+-- past the first first_k_dense_replace a mixture of experts
+llama.variants.deepseek_v3 = {
+  self_attn = function(cfg)
+    return nn.MLAttention { dim = cfg.hidden_size, n_head = cfg.num_attention_heads, q_lora_rank = cfg.q_lora_rank,
+      kv_lora_rank = cfg.kv_lora_rank, qk_nope_head_dim = cfg.qk_nope_head_dim, qk_rope_head_dim = cfg.qk_rope_head_dim,
+      v_head_dim = cfg.v_head_dim, bias = cfg.attention_bias, rope = deepseek_v3.rope(cfg),
+      rope_interleave = cfg.rope_interleave, scale = deepseek_v3.softmax_scale(cfg) }
+  end,
+  mlp = function(cfg, idx)
+    if idx < cfg.first_k_dense_replace then
+      return 'mlp', nn.GatedMLP { dim = cfg.hidden_size, hidden = cfg.intermediate_size }
+    end
+    local ns = cfg.n_shared_experts
+    return 'mlp', nn.MoE { dim = cfg.hidden_size, hidden = cfg.moe_intermediate_size, experts = cfg.n_routed_experts,
+      top_k = cfg.num_experts_per_tok, score = 'sigmoid', norm_topk = cfg.norm_topk_prob,
+      route_scale = cfg.routed_scaling_factor, n_group = cfg.n_group or 1, topk_group = cfg.topk_group or 1,
+      group_score = 'top2', router = 'gate', router_bias = true,
+      shared_hidden = ns > 0 and ns * cfg.moe_intermediate_size or nil, shared = 'shared_experts' }
+  end,
+}
+-- bin/train's FSDP units and checkpointed blocks: the decoder layers
+deepseek_v3.fsdp_block = 'LlamaDecoderLayer'
+
+-- build, new, from_pretrained, and export_config (DeepseekV3ForCausalLM's
+-- config.json; rope_theta also at the top level, and YaRN's parameters in
+-- rope_scaling, where transformers < 5 reads them)
+llama.decoder_family(deepseek_v3, 'DeepseekV3ForCausalLM', function(cfg)
+  cfg.head_dim = cfg.qk_rope_head_dim
+  cfg.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+  if cfg.q_lora_rank == nil then cfg.q_lora_rank = hf.null end
+  local rp = cfg.rope_parameters
+  if (rp.rope_type or 'default') ~= 'default' then
+    local rs = {}
+    for k, v in pairs(rp) do if k ~= 'rope_theta' and k ~= 'rope_type' then rs[k] = v end end
+    rs.type, rs.rope_type = rp.rope_type, rp.rope_type
+    cfg.rope_scaling = rs
+  end
+end)
+
+-- A checkpoint's multi-token-prediction layers (model.layers.N for N from
+-- num_hidden_layers on) are dropped, as transformers drops them; FP8
+-- block-quantised checkpoints (weight_scale_inv) are refused.
+function deepseek_v3.fix_state_dict(sd, cfg)
+  local L, mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers or 0
+  for name in pairs(sd) do
+    if name:match('weight_scale_inv$') then
+      error(('deepseek_v3: %s: an FP8 block-quantised checkpoint; convert it to bf16 first (dequantise each weight '
+        .. 'by its weight_scale_inv blocks)'):format(name), 3)
+    end
+  end
+  for name in pairs(sd) do
+    local i = name:match('^model%.layers%.(%d+)%.')
+    if i and tonumber(i) >= L and tonumber(i) < L + mtp then sd[name] = nil end
+  end
+  return llama.fix_state_dict(sd, cfg)
+end
+
+-- the MoE layers of a model, in order (nn.moe.layers)
+function deepseek_v3.moe_layers(model) return nn.moe.layers(model) end
+
+return deepseek_v3

@@ -1,0 +1,187 @@
+# tools/make_deepseek_fixture.py OUT — the DeepSeek-V3 reference fixtures
+# of spec/fixtures/ (spec/deepseek_v3_spec.lua), made with Hugging Face
+# transformers' DeepseekV3ForCausalLM on the CPU in float64, on a host that
+# has torch and transformers (the lent GPU host: the tool library's device
+# entry). For each case, OUT/<case>/ gets:
+#   config.json          the config as transformers writes it
+#   model.safetensors    the weights, each routed expert under the Hub
+#                        checkpoints' names (mlp.experts.N.gate_proj ...)
+#   expected.safetensors input_ids, targets (i64), logits, loss and
+#                        grad.<name> for every parameter
+# (computed in float64, stored as float32).
+# Every parameter and the routing biases are drawn again and perturbed
+# (normal(0, 0.02) + normal(0, 0.05); norm weights 1 + normal(0, 0.05)),
+# and a seed is kept only when every routing choice wins by a margin (no
+# near-tie that rounding could flip). OUT/meta.json records the versions and
+# margins; the transformers sources the fixtures came from are copied to
+# OUT/src/ (read them there, they are not ours).
+import json
+import math
+import os
+import re
+import shutil
+import sys
+
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+
+mod = sys.modules[DeepseekV3ForCausalLM.__module__]
+os.makedirs(out + '/src', exist_ok=True)
+import transformers.integrations.moe as tmoe  # noqa: E402
+for m in (mod, sys.modules[DeepseekV3Config.__module__], transformers.modeling_rope_utils, tmoe):
+    shutil.copy(m.__file__, out + '/src/' + os.path.basename(m.__file__))
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
+            routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
+            norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-5, rope_interleave=True,
+            attention_bias=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, initializer_range=0.02)
+CASES = {
+    # q through the low-rank pair, interleaved RoPE, group-limited routing
+    'deepseek-v3-tiny': dict(rope=dict(rope_type='default', rope_theta=10000.0), T=16),
+    # q_proj (no q_lora_rank), rotate-half RoPE, biases, no renormalisation,
+    # one group, the first layer sparse
+    'deepseek-v3-tiny-qproj': dict(q_lora_rank=None, rope_interleave=False, norm_topk_prob=False,
+                                   attention_bias=True, n_group=1, topk_group=1, num_experts_per_tok=2,
+                                   first_k_dense_replace=0, num_hidden_layers=2, routed_scaling_factor=1.0,
+                                   n_shared_experts=1, rope=dict(rope_type='default', rope_theta=500.0), T=16),
+    # YaRN RoPE past the original context, both mscales
+    'deepseek-v3-tiny-yarn': dict(rope=dict(rope_type='yarn', rope_theta=10000.0, factor=4.0,
+                                            original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                                            mscale=1.0, mscale_all_dim=0.8), T=32),
+}
+
+
+def make_config(kw, rope):
+    try:
+        cfg = DeepseekV3Config(**kw, rope_parameters=dict(rope))
+        rp = getattr(cfg, 'rope_parameters', None)
+        if not isinstance(rp, dict) or rp.get('rope_type') != rope['rope_type']:
+            raise TypeError('rope_parameters not taken')
+    except TypeError:
+        rs = None
+        if rope['rope_type'] != 'default':
+            rs = {k: v for k, v in rope.items() if k != 'rope_theta'}
+            rs['type'] = rope['rope_type']
+        cfg = DeepseekV3Config(**kw, rope_theta=rope['rope_theta'], rope_scaling=rs)
+    cfg._attn_implementation = 'eager'
+    cfg._experts_implementation = 'eager'   # (the per-expert loop: torch's grouped_mm takes no float64)
+    return cfg
+
+
+def redraw(model):
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith('e_score_correction_bias'):
+                p.copy_(torch.randn_like(p) * 0.05)
+            elif not p.is_floating_point() or 'rotary' in name or 'inv_freq' in name:
+                continue
+            elif re.search(r'norm\.weight$', name):
+                p.copy_(1 + torch.randn_like(p) * 0.05)
+            elif name.endswith('.bias'):
+                p.copy_(torch.randn_like(p) * 0.05)
+            elif name in dict(model.named_parameters()):
+                p.copy_(torch.randn_like(p) * 0.02 + torch.randn_like(p) * 0.05)
+
+
+def route_margin(cfg, logits, bias):
+    # the smallest gap at any routing choice (the group and the expert top-k)
+    s = logits.double().sigmoid() + bias.double()
+    E, G, TG, K = cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
+    gs = s.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+    m = math.inf
+    if TG < G:
+        v = gs.sort(dim=-1, descending=True)[0]
+        m = min(m, (v[:, TG - 1] - v[:, TG]).min().item())
+    gi = gs.topk(TG, dim=-1)[1]
+    mask = torch.zeros_like(gs).scatter_(1, gi, 1).unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+    c = s.masked_fill(mask == 0, 0.0)
+    v = c.sort(dim=-1, descending=True)[0]
+    return min(m, (v[:, K - 1] - v[:, K]).min().item())
+
+
+def hub_names(cfg, tensors):
+    # the in-memory fused experts (transformers 5: experts.gate_up_proj (E, 2I,
+    # H), experts.down_proj (E, H, I)) under the checkpoints' per-expert names
+    r = {}
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    for k, t in tensors.items():
+        mg = re.match(r'(.*\.experts)\.gate_up_proj$', k)
+        md = re.match(r'(.*\.experts)\.down_proj$', k)
+        if mg:
+            assert tuple(t.shape[1:]) == (2 * I, H), (k, t.shape)
+            for e in range(t.shape[0]):
+                r['%s.%d.gate_proj.weight' % (mg.group(1), e)] = t[e, :I].contiguous()
+                r['%s.%d.up_proj.weight' % (mg.group(1), e)] = t[e, I:].contiguous()
+        elif md:
+            assert tuple(t.shape[1:]) == (H, I), (k, t.shape)
+            for e in range(t.shape[0]):
+                r['%s.%d.down_proj.weight' % (md.group(1), e)] = t[e].contiguous()
+        else:
+            r[k] = t.contiguous()
+    return r
+
+
+meta = {'transformers': transformers.__version__, 'torch': torch.__version__, 'cases': {}}
+for case, over in CASES.items():
+    over = dict(over)
+    rope, T = over.pop('rope'), over.pop('T')
+    kw = dict(BASE)
+    kw.update(over)
+    cfg = make_config(kw, rope)
+    for seed in range(50):
+        torch.manual_seed(seed)
+        model = DeepseekV3ForCausalLM(cfg).double()
+        redraw(model)
+        model.eval()
+        B = 2
+        ids = torch.randint(0, cfg.vocab_size, (B, T + 1))
+        input_ids, targets = ids[:, :T].clone(), ids[:, 1:].clone()
+        targets[torch.rand(B, T) < 0.1] = -100
+        caught = []
+        hooks = []
+        for name, m in model.named_modules():
+            if name.endswith('mlp.gate'):
+                hooks.append(m.register_forward_hook(lambda m, i, o: caught.append((
+                    F.linear(i[0].detach().reshape(-1, cfg.hidden_size).double(), m.weight.detach().double()),
+                    m.e_score_correction_bias))))
+        logits = model(input_ids=input_ids).logits
+        for h in hooks:
+            h.remove()
+        margin = min([route_margin(cfg, o, b) for o, b in caught] or [math.inf])
+        if margin > 1e-5:
+            break
+        print(case, 'seed', seed, 'margin', margin, 'too small: again')
+    V = cfg.vocab_size
+    loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
+    model.zero_grad()
+    loss.backward()
+    sd = {k: v.detach() for k, v in model.state_dict().items() if 'rotary' not in k and 'inv_freq' not in k}
+    grads = {k: p.grad.detach() for k, p in model.named_parameters()}
+    sd, grads = hub_names(cfg, sd), hub_names(cfg, grads)
+    exp = {'input_ids': input_ids, 'targets': targets, 'logits': logits.detach().contiguous(),
+           'loss': loss.detach().reshape(1)}
+    for k, g in grads.items():
+        exp['grad.' + k] = g
+    d = out + '/' + case
+    os.makedirs(d, exist_ok=True)
+    # (stored as float32, as ../shared/fixtures)
+    def f32(t):
+        return t.float().contiguous() if t.is_floating_point() else t.contiguous()
+    save_file({k: f32(v) for k, v in sd.items()}, d + '/model.safetensors')
+    save_file({k: f32(v) for k, v in exp.items()}, d + '/expected.safetensors')
+    cfg.save_pretrained(d)
+    meta['cases'][case] = {'seed': seed, 'route_margin': margin, 'loss': loss.item(), 'params': len(grads),
+                           'moe_layers': len(caught)}
+    print(case, 'seed', seed, 'margin %.3g' % margin, 'loss %.6f' % loss.item(), 'tensors', len(sd))
+    print(json.dumps(cfg.to_dict(), default=str)[:3000])
+with open(out + '/meta.json', 'w') as f:
+    json.dump(meta, f, indent=1)
+print(sorted(k for k in sd)[:60])
