@@ -97,13 +97,13 @@ function deepseek_v3.normalize(cfg)
   local rp = type(cfg.rope_parameters) == 'table' and cfg.rope_parameters or nil
   if cfg.rope_theta ~= nil and cfg.rope_theta ~= hf.null then
     rp = rp or {}
-    rp.rope_theta = rp.rope_theta or cfg.rope_theta
+    rp.rope_theta = cfg.rope_theta
   end
-  if type(cfg.rope_scaling) == 'table' then
+  if type(cfg.rope_scaling) == 'table' and cfg.rope_scaling ~= hf.null then
     rp = rp or {}
     for k, v in pairs(cfg.rope_scaling) do
       if k == 'type' then k = 'rope_type' end
-      if rp[k] == nil then rp[k] = v end
+      rp[k] = v
     end
   end
   cfg.rope_theta, cfg.rope_scaling = nil, nil
@@ -112,8 +112,9 @@ function deepseek_v3.normalize(cfg)
     rp.rope_theta = rp.rope_theta or 10000.0
   end
   cfg.rope_parameters = rp
-  if cfg.n_routed_experts == nil and cfg.num_local_experts ~= nil then cfg.n_routed_experts = cfg.num_local_experts end
-  if cfg.num_nextn_predict_layers == nil and cfg.num_mtp_layers ~= nil then
+  local function absent(v) return v == nil or v == hf.null end
+  if absent(cfg.n_routed_experts) and not absent(cfg.num_local_experts) then cfg.n_routed_experts = cfg.num_local_experts end
+  if absent(cfg.num_nextn_predict_layers) and not absent(cfg.num_mtp_layers) then
     cfg.num_nextn_predict_layers = cfg.num_mtp_layers
   end
   cfg.num_local_experts, cfg.num_mtp_layers = nil, nil

@@ -142,3 +142,84 @@ describe('gpt2-tiny c_proj bias gradients from the norm backward on cuda #gpu', 
     assert.are.equal(2 * nl, nb)
   end)
 end)
+
+-- DeepSeek-V3 (models/deepseek_v3.lua) on the GPU: the transformers
+-- fixtures of spec/fixtures in f32 (logits, loss, every gradient ≤ 1e-4)
+-- and bf16 (loss ≤ 3e-2); the latent attention at DeepSeek-V3's head widths
+-- (q/k 192, v 128: above the fused kernels' 128, so the unfused path) in
+-- bf16 against the CPU in f64 (≤ 2e-2); AdamW steps under bf16 autocast
+-- lower the loss.
+describe('DeepSeek-V3 on cuda #gpu', function()
+  local ds = require 'models.deepseek_v3'
+  local dsdir = T.root .. '/spec/fixtures'
+  for _, case in ipairs({ 'deepseek-v3-tiny', 'deepseek-v3-tiny-qproj', 'deepseek-v3-tiny-yarn' }) do
+    it(case .. ' in f32 matches logits, loss and every gradient (1e-4); bf16 the loss (3e-2)', function()
+      local dir = dsdir .. '/' .. case
+      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+      local ids, tg = exp.input_ids:to('cuda'), exp.targets:to('cuda')
+      local model = ds.from_pretrained(dir):to('cuda')
+      model:eval()
+      local logits = ms.no_grad(function() return model(ids) end)
+      assert.is_true(relerr(logits, exp.logits) <= 1e-4, 'logits ' .. relerr(logits, exp.logits))
+      local loss = model(ids, tg)
+      local el = math.abs(loss:item() - exp.loss:item()) / exp.loss:item()
+      assert.is_true(el <= 1e-4, 'loss ' .. el)
+      loss:backward()
+      for pname, p in model:named_parameters() do
+        local e = relerr(p.grad, exp['grad.' .. pname])
+        assert.is_true(e <= 1e-4, pname .. ' ' .. e)
+      end
+      local mb = ds.from_pretrained(dir):to('cuda'):to('bf16')
+      local lb = mb(ids, tg)
+      el = math.abs(lb:item() - exp.loss:item()) / exp.loss:item()
+      assert.is_true(el <= 3e-2, 'bf16 loss ' .. el)
+      lb:backward()
+    end)
+  end
+
+  it('latent attention at q/k 192, v 128 (the unfused path) in bf16 against the CPU in f64 (2e-2)', function()
+    ms.manual_seed(3)
+    local cfg = { dim = 256, n_head = 4, q_lora_rank = 96, kv_lora_rank = 128, qk_nope_head_dim = 128,
+      qk_rope_head_dim = 64, v_head_dim = 128 }
+    local ref = ms.nn.MLAttention(cfg):to('f64')
+    for name, p in ref:named_parameters() do
+      if name:match('norm') then ms.normal_(p, 1, 0.1) else ms.normal_(p, 0, 0.05) end
+    end
+    local gpu = ms.nn.MLAttention(cfg):to('cuda'):to('bf16')
+    gpu:load_state_dict(ref:state_dict())
+    local x = ms.randn({ 2, 96, 256 }, { dtype = 'f64', seed = 5 })
+    local g = ms.randn({ 2, 96, 256 }, { dtype = 'f64', seed = 6 })
+    local xr = x:clone():requires_grad_()
+    local yr = ref(xr)
+    local lr = (yr * g):sum()
+    lr:backward()
+    local xg = x:to('cuda'):to('bf16'):requires_grad_()
+    local yg = gpu(xg)
+    local lg = (yg * g:to('cuda'):to('bf16')):sum()
+    lg:backward()
+    assert.is_true(relerr(yg, yr) <= 2e-2, 'y ' .. relerr(yg, yr))
+    assert.is_true(relerr(xg.grad, xr.grad) <= 2e-2, 'dx ' .. relerr(xg.grad, xr.grad))
+    for _, n in ipairs({ 'kv_b_proj', 'q_b_proj', 'o_proj', 'kv_a_proj_with_mqa' }) do
+      local e = relerr(gpu[n].weight.grad, ref[n].weight.grad)
+      assert.is_true(e <= 2e-2, n .. ' ' .. e)
+    end
+  end)
+
+  it('the tiny preset trains on cuda under bf16 autocast (AdamW, 30 steps on one batch)', function()
+    ms.manual_seed(4)
+    local model = ms.nn.functional.set_precision(ds.new('tiny'):to('cuda'), { compute = 'bf16' })
+    local opt = ms.optim.AdamW(model, { lr = 3e-3 })
+    local x, y = S.token_batch(4, 64, 256, 9)
+    x, y = x:to('cuda'), y:to('cuda')
+    local first, last
+    for step = 1, 30 do
+      opt:zero_grad()
+      local loss = model(x, y)
+      loss:backward()
+      opt:step()
+      if step == 1 then first = loss:item() end
+      last = loss:item()
+    end
+    assert.is_true(last < 0.7 * first, ('%g -> %g'):format(first, last))
+  end)
+end)

@@ -109,7 +109,9 @@ end
 -- trains 6 steps on one process with the load-balancing loss and its loss
 -- falls; without it, each of `layouts` (bin/train flags) on two CPU ranks
 -- follows 4 steps of one process. Runs in a fresh folder, removed after.
-function S.moe_train_runs(model_file, flags, layouts)
+-- no_aux: the flags that turn the load-balancing loss off (default
+-- --model.output_router_logits false; '' for a model without one)
+function S.moe_train_runs(model_file, flags, layouts, no_aux)
   local q = S.shell_quote
   local dir = S.tmpdir()
   flags = flags .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
@@ -117,7 +119,7 @@ function S.moe_train_runs(model_file, flags, layouts)
   luassert.are.equal(0, status, text)
   local one = S.run_losses(dir .. '/one')
   luassert.is_true(one[6] < one[1], ('%g -> %g'):format(one[1], one[6]))
-  local plain = flags .. ' --model.output_router_logits false'
+  local plain = flags .. (no_aux or ' --model.output_router_logits false')
   status, text = S.bin_train(('%s %s --batch-size 4 --steps 4 --out %s/p1'):format(model_file, plain, q(dir)))
   luassert.are.equal(0, status, text)
   for _, how in ipairs(layouts) do

@@ -6,7 +6,7 @@
 --   qk_nope_head_dim, qk_rope_head_dim, v_head_dim, bias = false,
 --   rope = 10000 (a theta, or nnf.yarn_rope's table), rope_interleave = true,
 --   scale = (qk_nope_head_dim + qk_rope_head_dim)^-0.5, norm_eps = 1e-6,
---   dtype, device}
+--   unfused = false, dtype, device}
 --
 -- x (B, T, dim):
 --   q   = q_b_proj(q_a_layernorm(q_a_proj(x)))   (q_proj(x) without q_lora_rank)
@@ -27,7 +27,8 @@
 -- v padded by zeros to the q/k head width when they differ (the padding's
 -- outputs dropped), as HF does for flash attention; where the fused kernel
 -- has no head width that large (above 128 on GPUs: DeepSeek-V3's 192) the
--- unfused path runs instead (scores materialised). Context parallelism
+-- unfused path runs instead (scores materialised; unfused = true, or the
+-- field set later, asks for it everywhere). Context parallelism
 -- (cp.apply) rings it as it rings nn.CausalSelfAttention; tensor
 -- parallelism does not split it.
 local T = require 'moonshard.tensor'
@@ -83,6 +84,7 @@ function mla.install(nn, nnf)
     self.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     self.rope, self.rope_interleave = rope, cfg.rope_interleave ~= false
     self.scale = cfg.scale or 1 / math.sqrt(self.qk_head_dim)
+    self.unfused = cfg.unfused == true or nil
     local eps = cfg.norm_eps or 1e-6
     local bias = cfg.bias == true
     local H, dq = cfg.n_head, self.qk_head_dim
@@ -137,7 +139,7 @@ function mla.install(nn, nnf)
     local kh = W.cat({ kv:narrow(4, 1, dn):transpose(2, 3), k_rot:expand(B, H, Tn, dr) }, 4)
     local vh = kv:narrow(4, dn + 1, dv):transpose(2, 3)                  -- (B, H, T, dv)
     local D = math.max(dq, dv)
-    local unfused = not fused_fits(x, D)
+    local unfused = self.unfused or not fused_fits(x, D)
     if cpc and unfused then
       error(('MLAttention: context parallelism needs the fused attention kernel, which takes head widths up to 128 '
         .. 'on GPUs (q/k %d, v %d)'):format(dq, dv), 2)
