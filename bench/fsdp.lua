@@ -5,8 +5,8 @@
 --   luajit bench/fsdp.lua --model gpt2                      fully_shard on a world of one
 --   bin/train --nproc-per-node 2 bench/fsdp.lua --model llama
 --
--- Options: --model gpt2|llama|mixtral, --batch (per GPU; 32 for gpt2, 4 for
--- llama, 8 for mixtral),
+-- Options: --model gpt2|llama|mixtral|deepseek, --batch (per GPU; 32 for gpt2, 4 for
+-- llama, 8 for mixtral and deepseek),
 -- --layers N (fewer blocks than the model's, e.g. under ncu),
 -- --seq (1024 / 2048 / 1024), --steps (20), --warmup (5), --strategy (FULL_SHARD),
 -- --no-fsdp, --no-skip (do not measure the step with communication skipped),
@@ -44,7 +44,7 @@
 -- split each sequence of --seq tokens, attention a ring over the group,
 -- ms.cp; every group its own batch of --batch sequences; tokens/s/GPU is
 -- the group's tokens over its N GPUs; docs/cp.md),
--- --ep (the mixtral's experts split over the world: ms.ep.parallelize, each
+-- --ep (the mixtral's or deepseek's experts split over the world: ms.ep.parallelize, each
 -- rank its own batch; under fully_shard, --strategy FULL_SHARD or
 -- SHARD_GRAD_OP, or plain with --no-fsdp: bf16 autocast, AdamW, the
 -- gradients' all-reduce (ms.ep.all_reduce_grads) in the clip phase;
@@ -68,7 +68,11 @@
 -- vocab 128256 untied, RoPE theta 5e5) units by LlamaDecoderLayer; the
 -- Mixtral of bench/moe_train.sh (8 layers of 2048, 16 heads / 8 kv, 8
 -- experts of 5632, 2 a token, vocab 32000, no load-balancing loss; 2.3B
--- parameters, 0.5B active a token) units by its decoder layers. bf16
+-- parameters, 0.5B active a token) units by its decoder layers; a 2.0B
+-- DeepSeek-V3 (bench/torch_deepseek.py's: 8 layers of 2048, the first
+-- dense, latent attention of 16 heads with q and kv ranks 512, q/k heads
+-- 64 + 64, v heads 128, 16 experts of 1408 in 4 groups, 4 a token, 2
+-- shared, vocab 32000) by its decoder layers. bf16
 -- parameters for compute, f32 reduce and master weights, AdamW (betas 0.9 /
 -- 0.95, weight decay 0.1 on matrices for gpt2 as torch_gpt2.py; lr 3e-4 and
 -- torch's default decay 0.01 for llama), grad-norm clip 1.0.
@@ -101,15 +105,17 @@ do
       opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
       i = i + 2
     else
-      error('usage: bench/fsdp.lua [--model gpt2|llama|mixtral] [--ep] [--batch N] [--seq T] [--steps N] [--warmup N] '
+      error('usage: bench/fsdp.lua [--model gpt2|llama|mixtral|deepseek] [--ep] [--batch N] [--seq T] [--steps N] [--warmup N] '
         .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
-if opts.model ~= 'gpt2' and opts.model ~= 'llama' and opts.model ~= 'mixtral' then
-  error('bench/fsdp.lua: --model gpt2, llama or mixtral')
+if opts.model ~= 'gpt2' and opts.model ~= 'llama' and opts.model ~= 'mixtral' and opts.model ~= 'deepseek' then
+  error('bench/fsdp.lua: --model gpt2, llama, mixtral or deepseek')
 end
-if flags.ep and opts.model ~= 'mixtral' then error('bench/fsdp.lua: --ep with --model mixtral') end
+if flags.ep and opts.model ~= 'mixtral' and opts.model ~= 'deepseek' then
+  error('bench/fsdp.lua: --ep with --model mixtral or deepseek')
+end
 if opts.batch == 0 then opts.batch = opts.model == 'gpt2' and 32 or opts.model == 'llama' and 4 or 8 end
 if opts.seq == 0 then opts.seq = opts.model == 'llama' and 2048 or 1024 end
 assert(ms.cuda.is_available(), 'bench/fsdp.lua needs a CUDA device')
@@ -146,6 +152,15 @@ if opts.model == 'gpt2' then
   model = M.new('gpt2-124m', { vocab_size = 50304, n_positions = opts.seq, resid_pdrop = 0, embd_pdrop = 0,
                                attn_pdrop = 0, n_layer = opts.layers > 0 and opts.layers or nil })
   block = M.Block
+elseif opts.model == 'deepseek' then
+  M = require 'models.deepseek_v3'
+  model = M.new({ vocab_size = 32000, hidden_size = 2048, intermediate_size = 5632, moe_intermediate_size = 1408,
+                  num_hidden_layers = opts.layers > 0 and opts.layers or 8, num_attention_heads = 16,
+                  num_key_value_heads = 16, n_shared_experts = 2, n_routed_experts = 16, routed_scaling_factor = 2.5,
+                  kv_lora_rank = 512, q_lora_rank = 512, qk_rope_head_dim = 64, v_head_dim = 128,
+                  qk_nope_head_dim = 64, n_group = 4, topk_group = 2, num_experts_per_tok = 4,
+                  first_k_dense_replace = 1, max_position_embeddings = opts.seq })
+  block = require('models.llama').Layer
 elseif opts.model == 'mixtral' then
   M = require 'models.mixtral'
   model = M.new({ vocab_size = 32000, hidden_size = 2048, intermediate_size = 5632,
@@ -167,8 +182,8 @@ local nparams, nactive = 0, 0
 for name, p in model:named_parameters() do
   nparams = nparams + p:numel()
   local c = model.config
-  nactive = nactive + (name:find('.experts.', 1, true) and p:numel() * c.num_experts_per_tok / c.num_local_experts
-    or p:numel())
+  nactive = nactive + (name:find('.experts.', 1, true) and p:numel() * c.num_experts_per_tok
+    / (c.num_local_experts or c.n_routed_experts) or p:numel())
 end
 -- --pp: this rank's stage only goes to the GPU
 local pipe, pp_mesh, dp = nil, nil, 1
