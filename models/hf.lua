@@ -260,8 +260,65 @@ function hf.mkdir_p(dir)
 end
 
 -- -------------------------------------------------------- pretrained io
+-- hf.read_checkpoint(dir, opts) -> { name = tensor }, what: the tensors of
+-- a transformers checkpoint folder, dir/model.safetensors or, when there is
+-- none, the shards dir/model.safetensors.index.json names (its weight_map:
+-- tensor name -> file, as save_pretrained writes a large model: model-00001-
+-- of-00004.safetensors ...), every tensor of every shard. A tensor the
+-- index places in a shard that lacks it, one in two shards, or a shard
+-- name with a path in it is an error naming the files. `what` names what
+-- was read (for messages). opts.deferred: deferred tensors (records of the
+-- files' bytes, read when materialised or sharded), not data.
+function hf.read_checkpoint(dir, opts)
+  opts = opts or {}
+  local st = require 'moonshard.safetensors'
+  local load = opts.deferred and st.load_deferred or st.load
+  local function exists(path)
+    local fh = io.open(path, 'rb')
+    if fh then fh:close() end
+    return fh ~= nil
+  end
+  local single, index = dir .. '/model.safetensors', dir .. '/model.safetensors.index.json'
+  if exists(single) then return (load(single)), single end
+  if not exists(index) then
+    error(('%s: neither model.safetensors nor model.safetensors.index.json (a sharded checkpoint) found'):format(dir), 0)
+  end
+  local j, err = hf.read_json(index)
+  if not j then error(err, 0) end
+  local wm = j.weight_map
+  if type(wm) ~= 'table' or next(wm) == nil then
+    error(('%s: no weight_map (tensor name -> shard file) in it'):format(index), 0)
+  end
+  local files, seen = {}, {}
+  for name, f in pairs(wm) do
+    if type(f) ~= 'string' or f == '' or f:find('/', 1, true) or f:find('\\', 1, true) or f == '..' then
+      error(('%s: weight_map[%s] = %s is not a file name in the folder'):format(index, tostring(name), tostring(f)), 0)
+    end
+    if not seen[f] then seen[f] = true; files[#files + 1] = f end
+  end
+  table.sort(files)
+  local sd, from = {}, {}
+  for _, f in ipairs(files) do
+    local path = dir .. '/' .. f
+    if not exists(path) then error(('%s: shard %s, named by %s, not found'):format(dir, f, index), 0) end
+    for name, t in pairs(load(path)) do
+      if from[name] then
+        error(('%s: tensor %s is in two shards, %s and %s'):format(dir, name, from[name], f), 0)
+      end
+      sd[name], from[name] = t, f
+    end
+  end
+  for name, f in pairs(wm) do
+    if from[name] ~= f then
+      error(('%s: %s places %s in %s, which does not hold it'):format(dir, index, name, f), 0)
+    end
+  end
+  return sd, ('%s (%d shards)'):format(index, #files)
+end
+
 -- hf.from_pretrained(M, dir, opts): dir/config.json -> M.new(config), then
--- dir/model.safetensors loaded strictly (missing, unexpected and mis-shaped
+-- the weights (dir/model.safetensors, or the shards of a sharded checkpoint:
+-- hf.read_checkpoint) loaded strictly (missing, unexpected and mis-shaped
 -- keys all reported). M.fix_state_dict(sd, config), when present, maps
 -- names of older checkpoints onto the current ones first.
 -- opts.dtype converts the model after loading.
@@ -279,11 +336,8 @@ function hf.from_pretrained(M, dir, opts)
   -- tensors as records (read when materialized, or by fully_shard: each
   -- rank reads only its shards' bytes)
   local model = opts.deferred and ms.nn.deferred_init(M.build, cfg) or M.build(cfg)
-  local path = dir .. '/model.safetensors'
-  local fh = io.open(path, 'rb')
-  if not fh then error(('%s.from_pretrained: %s not found (only single-file safetensors checkpoints are read)'):format(M.name, path), 3) end
-  fh:close()
-  local sd = opts.deferred and require('moonshard.safetensors').load_deferred(path) or ms.load_safetensors(path)
+  local okr, sd, path = pcall(hf.read_checkpoint, dir, { deferred = opts.deferred })
+  if not okr then error(('%s.from_pretrained: %s'):format(M.name, tostring(sd)), 3) end
   if M.fix_state_dict then sd = M.fix_state_dict(sd, cfg) end
   -- (M.prepare(model, sd): what the file has beyond the config's model, a
   -- Mixtral's routing biases say)

@@ -371,6 +371,65 @@ describe('model configs', function()
     os.execute("rm -rf '" .. out .. "'")
   end)
 
+  it('read sharded checkpoints (model.safetensors.index.json and its shards), whole and deferred; refuse a broken '
+    .. 'index by name', function()
+    ms.manual_seed(4)
+    local m = llama.new('tiny', { num_hidden_layers = 2 })
+    local out = tmpdir()
+    m:save_pretrained(out)
+    local sd = ms.load_safetensors(out .. '/model.safetensors')
+    os.remove(out .. '/model.safetensors')
+    -- two shards as transformers names them, the layers' tensors in the second
+    local shards, wm = { {}, {} }, {}
+    for name, t in pairs(sd) do
+      local i = name:match('^model%.layers%.') and 2 or 1
+      shards[i][name] = t
+      wm[name] = ('model-0000%d-of-00002.safetensors'):format(i)
+    end
+    for i = 1, 2 do ms.save_safetensors(('%s/model-0000%d-of-00002.safetensors'):format(out, i), shards[i]) end
+    local function write_index(map)
+      local f = assert(io.open(out .. '/model.safetensors.index.json', 'wb'))
+      f:write(json.encode({ metadata = { total_size = 0 }, weight_map = map }))
+      f:close()
+    end
+    write_index(wm)
+    local x = ms.tensor({ { 1, 2, 3, 4 } }, { dtype = 'i64' })
+    local want = ms.no_grad(function() return m(x) end)
+    local again = llama.from_pretrained(out)
+    assert.are.equal(0, relerr(ms.no_grad(function() return again(x) end), want))
+    local lazy = ms.nn.materialize(llama.from_pretrained(out, { deferred = true }))
+    assert.are.equal(0, relerr(ms.no_grad(function() return lazy(x) end), want))
+    local function refused(msg)
+      local ok, err = pcall(llama.from_pretrained, out)
+      assert.is_false(ok)
+      assert.matches(msg, tostring(err), 1, true)
+    end
+    -- the index places a tensor in a shard that lacks it
+    local bad = {}
+    for k, v in pairs(wm) do bad[k] = v end
+    bad['model.norm.weight'] = 'model-00002-of-00002.safetensors'
+    write_index(bad)
+    refused('places model.norm.weight in model-00002-of-00002.safetensors, which does not hold it')
+    -- a tensor in two shards
+    shards[2]['model.norm.weight'] = sd['model.norm.weight']
+    ms.save_safetensors(out .. '/model-00002-of-00002.safetensors', shards[2])
+    write_index(wm)
+    refused('tensor model.norm.weight is in two shards, model-00001-of-00002.safetensors and '
+      .. 'model-00002-of-00002.safetensors')
+    -- a shard missing, a path for a file name, no index at all
+    shards[2]['model.norm.weight'] = nil
+    ms.save_safetensors(out .. '/model-00002-of-00002.safetensors', shards[2])
+    bad['model.norm.weight'] = 'model-00003-of-00002.safetensors'
+    write_index(bad)
+    refused('shard model-00003-of-00002.safetensors, named by ' .. out .. '/model.safetensors.index.json, not found')
+    bad['model.norm.weight'] = '../elsewhere.safetensors'
+    write_index(bad)
+    refused('weight_map[model.norm.weight] = ../elsewhere.safetensors is not a file name in the folder')
+    os.remove(out .. '/model.safetensors.index.json')
+    refused('neither model.safetensors nor model.safetensors.index.json (a sharded checkpoint) found')
+    os.execute("rm -rf '" .. out .. "'")
+  end)
+
   it('read older GPT-2 checkpoints (no transformer. prefix, mask buffers)', function()
     if not have_fixtures then return pending('no fixtures') end
     local dir = fixtures .. '/gpt2-tiny'
