@@ -2,11 +2,12 @@
 -- one GPU, each implementation (mma: attention_mma.cuh, wmma:
 -- attention_tc.cuh, simt) forced in turn through ms_cuda_attention_set_impl,
 -- at GPT-2 124M's attention (B=8, H=12, T=1024, D=64) and a longer one
--- (B=4, H=32, T=2048, D=64), causal, or the shapes --shapes names (D = 64;
--- 32x12x1024 is the GPT-2 bench's B = 32).
+-- (B=4, H=32, T=2048, D=64), causal, or the shapes --shapes names (BxHxT
+-- at D = 64, or BxHxTxD: D 128, or 192 for DeepSeek-V3's q/k heads, which
+-- only mma and mma1 take; 32x12x1024 is the GPT-2 bench's B = 32).
 --
 --   luajit bench/attention.lua [--iters 20] [--warmup 3] [--dtype bf16] [--impls wgmma,mma,wmma,simt]
---                              [--shapes 8x12x1024,4x32x2048]
+--                              [--shapes 8x12x1024,4x32x2048,2x16x4096x192]
 --
 -- Before timing, each implementation's out, lse and dq/dk/dv on the first
 -- (b, two heads) are checked against the CPU reference (f64, bound 1e-2).
@@ -28,7 +29,7 @@ while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
   if not k or opts[k] == nil then
     error('usage: luajit bench/attention.lua [--iters N] [--warmup N] [--dtype bf16|f16] [--impls wgmma,mma,wmma,simt]'
-      .. ' [--shapes BxHxT,...]')
+      .. ' [--shapes BxHxT[xD],...]')
   end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
@@ -95,8 +96,10 @@ print('| impl | B x H x T x D | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fw
 print('|---|---|---|---|---|---|---|---|')
 local seed = 10
 local shapes = {}
-for b, h, t in tostring(opts.shapes):gmatch('(%d+)x(%d+)x(%d+)') do
-  shapes[#shapes + 1] = { B = tonumber(b), H = tonumber(h), T = tonumber(t), D = 64 }
+for spec in tostring(opts.shapes):gmatch('[^,]+') do
+  local b, h, t, d = spec:match('^(%d+)x(%d+)x(%d+)x?(%d*)$')
+  assert(b, '--shapes: ' .. spec .. ' is not BxHxT or BxHxTxD')
+  shapes[#shapes + 1] = { B = tonumber(b), H = tonumber(h), T = tonumber(t), D = tonumber(d) or 64 }
 end
 assert(#shapes > 0, '--shapes: a list of BxHxT, e.g. 8x12x1024,4x32x2048 (got ' .. tostring(opts.shapes) .. ')')
 for _, s in ipairs(shapes) do

@@ -68,10 +68,10 @@
 -- vocab 128256 untied, RoPE theta 5e5) units by LlamaDecoderLayer; the
 -- Mixtral of bench/moe_train.sh (8 layers of 2048, 16 heads / 8 kv, 8
 -- experts of 5632, 2 a token, vocab 32000, no load-balancing loss; 2.3B
--- parameters, 0.5B active a token) units by its decoder layers; a 2.0B
+-- parameters, 0.5B active a token) units by its decoder layers; a 1.4B
 -- DeepSeek-V3 (bench/torch_deepseek.py's: 8 layers of 2048, the first
 -- dense, latent attention of 16 heads with q and kv ranks 512, q/k heads
--- 64 + 64, v heads 128, 16 experts of 1408 in 4 groups, 4 a token, 2
+-- 128 + 64 (DeepSeek-V3's), v heads 128, 16 experts of 1408 in 4 groups, 4 a token, 2
 -- shared, vocab 32000) by its decoder layers. bf16
 -- parameters for compute, f32 reduce and master weights, AdamW (betas 0.9 /
 -- 0.95, weight decay 0.1 on matrices for gpt2 as torch_gpt2.py; lr 3e-4 and
@@ -158,7 +158,7 @@ elseif opts.model == 'deepseek' then
                   num_hidden_layers = opts.layers > 0 and opts.layers or 8, num_attention_heads = 16,
                   num_key_value_heads = 16, n_shared_experts = 2, n_routed_experts = 16, routed_scaling_factor = 2.5,
                   kv_lora_rank = 512, q_lora_rank = 512, qk_rope_head_dim = 64, v_head_dim = 128,
-                  qk_nope_head_dim = 64, n_group = 4, topk_group = 2, num_experts_per_tok = 4,
+                  qk_nope_head_dim = 128, n_group = 4, topk_group = 2, num_experts_per_tok = 4,
                   first_k_dense_replace = 1, max_position_embeddings = opts.seq })
   block = require('models.llama').Layer
 elseif opts.model == 'mixtral' then

@@ -1,7 +1,7 @@
 """The PyTorch reference for `bench/fsdp.lua --model deepseek --no-fsdp`: Hugging
-Face transformers' DeepseekV3ForCausalLM at the same shapes (a 2.0B DeepSeek-V3:
+Face transformers' DeepseekV3ForCausalLM at the same shapes (a 1.4B DeepSeek-V3:
 vocab 32000, width 2048, 8 layers (the first dense, MLP 5632), 16 heads, q rank
-512, kv rank 512, q/k heads 64 + 64 (RoPE), v heads 128, 16 routed experts of
+512, kv rank 512, q/k heads 128 + 64 (RoPE; DeepSeek-V3's), v heads 128, 16 routed experts of
 1408 in 4 groups (2 a token) and 2 shared, 4 experts a token), trained on one
 GPU under bf16 autocast with fused AdamW on random tokens, as
 ../shared/bench/torch_llama.py trains its Llama. Prints the median step time,
@@ -30,7 +30,7 @@ def main():
     cfg = DeepseekV3Config(vocab_size=32000, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
                            num_hidden_layers=a.layers, num_attention_heads=16, num_key_value_heads=16,
                            n_shared_experts=2, n_routed_experts=16, routed_scaling_factor=2.5, kv_lora_rank=512,
-                           q_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=64, n_group=4,
+                           q_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=4,
                            topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1, norm_topk_prob=True,
                            max_position_embeddings=a.seq, rms_norm_eps=1e-6, tie_word_embeddings=False)
     cfg._attn_implementation = a.attn

@@ -41,6 +41,8 @@ namespace {
 const int kTile = 64;     // query rows and key columns per tile
 const int kThreads = 128; // two threads per tile row, each with half of D
 const int kMaxD = 128;
+// the one head dim above kMaxD: the mma kernels' (DeepSeek-V3's q/k heads)
+const int kMmaWideD = 192;
 
 struct qkv_layout {
     long long sb, sh, st;  // strides of B, H, T (elements); D has stride 1
@@ -326,8 +328,11 @@ int check_kernel_args(const char *op, const ms_tensor *q) {
     char d[200];
     if (q->dtype_id != MS_F32 && q->dtype_id != MS_BF16 && q->dtype_id != MS_F16)
         return ms_errorf("%s: cuda kernel takes f32, bf16 or f16, got %s", op, ms_desc(q, d, sizeof d));
-    if (q->sizes[3] > kMaxD || q->sizes[3] < 1)
-        return ms_errorf("%s: head dim %lld is above this kernel's %d", op, (long long)q->sizes[3], kMaxD);
+    // (192: the mma kernels only, bf16/f16; pick_impl's callers refuse the rest)
+    const bool wide_ok = q->sizes[3] == kMmaWideD && q->dtype_id != MS_F32;
+    if ((q->sizes[3] > kMaxD && !wide_ok) || q->sizes[3] < 1)
+        return ms_errorf("%s: head dim %lld is above this kernel's %d (192: bf16/f16 only), got %s", op,
+                         (long long)q->sizes[3], kMaxD, ms_desc(q, d, sizeof d));
     if (q->sizes[0] * q->sizes[1] > 65535)
         return ms_errorf("%s: B*H = %lld is above 65535", op, (long long)(q->sizes[0] * q->sizes[1]));
     return 0;
@@ -343,9 +348,10 @@ int set_smem(K kernel, size_t bytes) {
 #include "attention_mma.cuh"
 #include "attention_wgmma.cuh"
 
-// Which kernels run a call. bf16/f16: mma (attention_mma.cuh, head dims 64
-// and 128, sm_80+, 16-byte aligned rows), else wmma (attention_tc.cuh, head
-// dims 16/32/64/128), else simt; f32 always simt. ms_cuda_attention_set_impl
+// Which kernels run a call. bf16/f16: mma (attention_mma.cuh, head dims 64,
+// 128 and 192, sm_80+, 16-byte aligned rows), else wmma (attention_tc.cuh, head
+// dims 16/32/64/128), else simt (up to 128); f32 always simt. Head dim 192
+// has the mma kernels only: a call they cannot take is refused (wide_refused). ms_cuda_attention_set_impl
 // forces one (what does not fit the call falls back along that order), else
 // the environment does: MS_ATTENTION_IMPL=mma|wmma|simt, or MS_ATTENTION_SIMT
 // (any value) for simt.
@@ -390,7 +396,8 @@ template <typename T>
 int pick_impl(int D, const ms_tensor *const *ts, int n) {
     int want = impl_requested(), got = MS_ATTENTION_SIMT;
     if (sizeof(T) == 2 && want != MS_ATTENTION_SIMT) {
-        bool mma_ok = want != MS_ATTENTION_WMMA && (D == 64 || D == 128) && cc_major(ts[0]->device_id) >= 8;
+        bool mma_ok = want != MS_ATTENTION_WMMA && (D == 64 || D == 128 || D == kMmaWideD) &&
+                      cc_major(ts[0]->device_id) >= 8;
         for (int i = 0; i < n && mma_ok; i++) mma_ok = rows_aligned16(ts[i]);
         const bool wg_ok = mma_ok && (want == MS_ATTENTION_AUTO || want == MS_ATTENTION_WGMMA) && D == 64 &&
                            cc_major(ts[0]->device_id) == 9;
@@ -400,6 +407,13 @@ int pick_impl(int D, const ms_tensor *const *ts, int n) {
     }
     g_impl_last = got;
     return got;
+}
+
+// a head dim above kMaxD that the mma kernels cannot take here
+int wide_refused(const char *op, const ms_tensor *q) {
+    char d[200];
+    return ms_errorf("%s: head dim %lld runs on the mma kernels only (bf16/f16, sm_80+, 16-byte aligned rows, "
+                     "MS_ATTENTION_IMPL not wmma or simt), got %s", op, (long long)q->sizes[3], ms_desc(q, d, sizeof d));
 }
 
 template <typename T, int D>
@@ -751,13 +765,15 @@ int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, 
     if (Tq == 0 || B * H == 0) return 0;  // (an empty grid is a launch error)
     const ms_tensor *ts[4] = {q, k, v, out};
     int impl = pick_impl<T>(D, ts, 4);
+    if (D > kMaxD && impl != MS_ATTENTION_MMA) return wide_refused("attention", q);
     // the wgmma forward scales each row's max after taking it: a positive scale only
     if (impl == MS_ATTENTION_WGMMA && !(scale > 0.f)) impl = MS_ATTENTION_MMA;
     if constexpr (sizeof(T) == 2) {
         if (impl == MS_ATTENTION_WGMMA) return wg_fwd<T>(out, lse, q, k, v, scale, causal);
         if (impl == MS_ATTENTION_MMA)
-            return D == 64 ? mma_fwd<T, 64>(out, lse, q, k, v, scale, causal)
-                           : mma_fwd<T, 128>(out, lse, q, k, v, scale, causal);
+            return D == 64    ? mma_fwd<T, 64>(out, lse, q, k, v, scale, causal)
+                   : D == 128 ? mma_fwd<T, 128>(out, lse, q, k, v, scale, causal)
+                              : mma_fwd<T, kMmaWideD>(out, lse, q, k, v, scale, causal);
         if (impl == MS_ATTENTION_WMMA) return tc_fwd_any<T>(D, out, lse, q, k, v, scale, causal);
     }
     size_t smem = sizeof(float) * (3 * kTile * (D + 1) + kTile * (kTile + 1));
@@ -789,6 +805,7 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
     }
     const ms_tensor *ts[7] = {q, k, v, dout, dq, dk, dv};
     int impl = pick_impl<T>(D, ts, 7);
+    if (D > kMaxD && impl != MS_ATTENTION_MMA) return wide_refused("attention_backward", q);
     // the wgmma two-kernel backward computes Delta in its dq kernel
     bool fuse = false;
     if constexpr (sizeof(T) == 2)
@@ -824,8 +841,9 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
                              fuse ? out : nullptr);
         }
         if (impl == MS_ATTENTION_MMA)
-            return D == 64 ? mma_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
-                           : mma_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
+            return D == 64    ? mma_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
+                   : D == 128 ? mma_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
+                              : mma_bwd<T, kMmaWideD>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
         if (impl == MS_ATTENTION_WMMA) return tc_bwd_any<T>(D, dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
     }
     if (Tk > 0 && B * Hkv > 0) {

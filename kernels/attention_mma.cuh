@@ -1,5 +1,5 @@
 // kernels/attention_mma.cuh — the default tensor-core path of kernels/attention.cu
-// for bf16/f16 with head dims 64 and 128 on sm_80+: FlashAttention-2 written on
+// for bf16/f16 with head dims 64, 128 and 192 (DeepSeek-V3's q/k heads) on sm_80+: FlashAttention-2 written on
 // raw mma.sync.m16n8k16 (inline PTX, f32 accumulation). Unlike the WMMA path
 // (attention_tc.cuh) no score tile ever leaves the registers: S = Q.K^T lands
 // in accumulator fragments, the online softmax runs on them (row max and sum
@@ -11,7 +11,9 @@
 //
 // Every kernel has 4 warps, each owning 16*MT rows (MT m-tiles; config<D>
 // below: MT = 2 at D = 64, so each ldmatrix'd K/V/Q/dO fragment feeds two
-// m-tiles' MMAs; MT = 1 at D = 128):
+// m-tiles' MMAs; MT = 1 at D = 128 and 192, where the dk/dv kernel takes
+// 16-query steps: dK and dV hold 192 f32 registers a thread, and 32-query
+// steps spill):
 //   forward  64*MT query rows a block, 64-key tiles; causal tiles past the
 //            diagonal are never loaded, only the diagonal ones are masked.
 //   dk, dv   64*MT keys a block, looping over the query heads of the kv group
@@ -124,7 +126,7 @@ template <int D>
 struct config {
     static const int fwd_mt = D == 64 ? 2 : 1;   // 128 query rows a block at D = 64
     static const int dkdv_mt = D == 64 ? 2 : 1;  // 128 keys a block at D = 64
-    static const int dkdv_bq = 32;
+    static const int dkdv_bq = D > 128 ? 16 : 32;  // (D = 192: dK and dV take 192 of the registers)
     static const int dq_mt = D == 64 ? 2 : 1;    // 128 queries a block at D = 64
 };
 

@@ -24,8 +24,8 @@
 //
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
 //   build/attention_mma_emu [--quick] [--reverse] [--gemm]  (exit status 1 on a mismatch)
-// --quick: the launched configurations on 6 shapes (mma at head dims 64 and
-// 128, wgmma at 64); else 11 shapes, the one-m-tile tilings and wgmma's
+// --quick: the launched configurations on 6 shapes (mma at head dims 64,
+// 128 and 192, wgmma at 64); else 11 shapes, the one-m-tile tilings and wgmma's
 // 128-key forward too; --reverse: the fibers of a block run in reverse order.
 //
 // bf16 only (f16 differs in op<__half>, the PTX type names and the rounding).
@@ -744,6 +744,9 @@ int main(int argc, char **argv) {
         bad += run_case<64, C64::fwd_mt, C64::dkdv_bq, C64::dkdv_mt, C64::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
                                                                                  c.causal, c.bthd, seed++);
         bad += run_case<128, C128::fwd_mt, C128::dkdv_bq, C128::dkdv_mt, C128::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
+                                                                                       c.causal, c.bthd, seed++);
+        typedef mma::config<192> C192;   // (DeepSeek-V3's q/k heads)
+        bad += run_case<192, C192::fwd_mt, C192::dkdv_bq, C192::dkdv_mt, C192::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
                                                                                        c.causal, c.bthd, seed++);
         // ... and the other tilings (one m-tile a warp, 64-query dk/dv steps), kept working for tuning
         if (!quick) bad += run_case<64, 1, 64, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);

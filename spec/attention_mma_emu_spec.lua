@@ -4,7 +4,7 @@
 -- wgmma.mma_async through its descriptors and the 128-byte swizzle, cp.async
 -- groups) replaced by CPU stand-ins of the same semantics, runs each block as
 -- 128 fibers, and checks out, lse, dq, dk and dv against a double-precision
--- reference at head dims 64 and 128 (wgmma: 64) with tile-straddling
+-- reference at head dims 64, 128 and 192 (wgmma: 64) with tile-straddling
 -- lengths, Tq != Tk, GQA, (B, T, H, D) views. The GPU runs the real thing
 -- in spec/gpu_attention_spec.lua (#gpu). The same emulator runs the grouped
 -- GEMM of the experts (kernels/grouped_gemm.cuh, --gemm) against a double

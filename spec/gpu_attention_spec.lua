@@ -2,7 +2,7 @@
 -- reference (core/attention_cpu.c): forward output, lse and dq/dk/dv on
 -- random data, f32 ≤ 1e-5 and bf16/f16 ≤ 1e-2 relative, lse ≤ 1e-5, for
 -- every implementation (wgmma, mma, wmma, simt: ms_cuda_attention_set_impl), head
--- dims 64 and 128 (and 32, which only wmma/simt take), lengths 1 to 1024
+-- dims 64 and 128 (and 32, which only wmma/simt take; 192, mma only), lengths 1 to 1024
 -- across the tile edges, causal or not, Tq != Tk (bottom-right causal, rows
 -- that see no key), grouped-query heads and strided (B, T, H, D) views.
 local ms = require 'moonshard'
@@ -84,7 +84,7 @@ local function expected_impl(impl, dt, D)
   local wg = impl == 'wgmma' or impl == 'wgmma1' or impl == 'wgmma0'
   if wg and D == 64 and hopper then return 'wgmma' end
   if wg then impl = 'mma' end
-  if (impl == 'mma' or impl == 'mma1') and (D == 64 or D == 128) then return 'mma' end
+  if (impl == 'mma' or impl == 'mma1') and (D == 64 or D == 128 or D == 192) then return 'mma' end
   if D == 16 or D == 32 or D == 64 or D == 128 then return 'wmma' end
   return 'simt'
 end
@@ -241,6 +241,34 @@ describe('fused attention on cuda #gpu', function()
       end
     end)
   end
+
+  it('head dim 192 (DeepSeek-V3\'s q/k heads): mma, two-pass and one-pass, in bf16 and f16 matches the CPU '
+    .. 'reference across tile edges, causal or not, GQA, Tq ~= Tk; f32, wmma and simt are refused by name', function()
+    local seed = 5000
+    for _, c in ipairs({ { B = 1, H = 2, Hkv = 1, Tq = 130, Tk = 130, D = 192, causal = true },
+      { B = 2, H = 2, Hkv = 2, Tq = 17, Tk = 17, D = 192, causal = false },
+      { B = 1, H = 4, Hkv = 2, Tq = 20, Tk = 150, D = 192, causal = true },
+      { B = 1, H = 2, Hkv = 2, Tq = 200, Tk = 70, D = 192, causal = false },
+      { B = 1, H = 2, Hkv = 1, Tq = 1024, Tk = 1024, D = 192, causal = true } }) do
+      for _, dt in ipairs({ 'bf16', 'f16' }) do
+        seed = seed + 10
+        local ref = reference(c, dt, seed)
+        check_case(c, dt, ref, 'mma')
+        check_case(c, dt, ref, 'mma1')
+        check_case(c, dt, ref, 'wgmma')   -- (Hopper's wgmma is head dim 64: mma runs)
+      end
+    end
+    local q = ms.randn({ 1, 2, 40, 192 }, { seed = 3, device = 'cuda' })
+    local ok, err = pcall(attention, q, q, q, 0.1, true)
+    assert.is_false(ok)
+    assert.matches('head dim 192 is above this kernel\'s 128 (192: bf16/f16 only)', tostring(err), 1, true)
+    local qb = q:to('bf16')
+    for _, impl in ipairs({ 'wmma', 'simt' }) do
+      local ok2, err2 = pcall(with_impl, impl, function() return attention(qb, qb, qb, 0.1, true) end)
+      assert.is_false(ok2)
+      assert.matches('head dim 192 runs on the mma kernels only', tostring(err2), 1, true)
+    end
+  end)
 
   it('falls back from mma to wmma for rows that are not 16-byte aligned, with the same result', function()
     local x = ms.randn({ 2, 70, 3, 3 * 64 + 1 }, { seed = 78 }):to('bf16'):cuda()

@@ -146,9 +146,9 @@ end)
 -- DeepSeek-V3 (models/deepseek_v3.lua) on the GPU: the transformers
 -- fixtures of spec/fixtures in f32 (logits, loss, every gradient ≤ 1e-4)
 -- and bf16 (loss ≤ 3e-2); the latent attention at DeepSeek-V3's head widths
--- (q/k 192, v 128: above the fused kernels' 128, so the unfused path) in
--- bf16 against the CPU in f64 (≤ 2e-2); AdamW steps under bf16 autocast
--- lower the loss.
+-- (q/k 192, v 128: the fused mma kernels at 192, v padded; and the unfused
+-- path) in bf16 against the CPU in f64 (≤ 2e-2); AdamW steps under bf16
+-- autocast lower the loss.
 describe('DeepSeek-V3 on cuda #gpu', function()
   local ds = require 'models.deepseek_v3'
   local dsdir = T.root .. '/spec/fixtures'
@@ -179,7 +179,8 @@ describe('DeepSeek-V3 on cuda #gpu', function()
     end)
   end
 
-  it('latent attention at q/k 192, v 128 (the unfused path) in bf16 against the CPU in f64 (2e-2)', function()
+  it('latent attention at q/k 192, v 128 (fused, v padded to 192; and unfused) in bf16 against the CPU in f64 (2e-2)',
+    function()
     ms.manual_seed(3)
     local cfg = { dim = 256, n_head = 4, q_lora_rank = 96, kv_lora_rank = 128, qk_nope_head_dim = 128,
       qk_rope_head_dim = 64, v_head_dim = 128 }
@@ -195,15 +196,24 @@ describe('DeepSeek-V3 on cuda #gpu', function()
     local yr = ref(xr)
     local lr = (yr * g):sum()
     lr:backward()
-    local xg = x:to('cuda'):to('bf16'):requires_grad_()
-    local yg = gpu(xg)
-    local lg = (yg * g:to('cuda'):to('bf16')):sum()
-    lg:backward()
-    assert.is_true(relerr(yg, yr) <= 2e-2, 'y ' .. relerr(yg, yr))
-    assert.is_true(relerr(xg.grad, xr.grad) <= 2e-2, 'dx ' .. relerr(xg.grad, xr.grad))
-    for _, n in ipairs({ 'kv_b_proj', 'q_b_proj', 'o_proj', 'kv_a_proj_with_mqa' }) do
-      local e = relerr(gpu[n].weight.grad, ref[n].weight.grad)
-      assert.is_true(e <= 2e-2, n .. ' ' .. e)
+    for _, unfused in ipairs({ false, true }) do
+      gpu.unfused = unfused or nil
+      gpu:zero_grad()
+      local xg = x:to('cuda'):to('bf16'):requires_grad_()
+      local yg = gpu(xg)
+      local lg = (yg * g:to('cuda'):to('bf16')):sum()
+      lg:backward()
+      if not unfused then
+        -- (the last attention call, the backward's, ran the mma kernels at 192)
+        assert.are.equal(tonumber(T.C.MS_ATTENTION_MMA), tonumber(T.C.ms_cuda_attention_last_impl()))
+      end
+      local how = unfused and 'unfused ' or 'fused '
+      assert.is_true(relerr(yg, yr) <= 2e-2, how .. 'y ' .. relerr(yg, yr))
+      assert.is_true(relerr(xg.grad, xr.grad) <= 2e-2, how .. 'dx ' .. relerr(xg.grad, xr.grad))
+      for _, n in ipairs({ 'kv_b_proj', 'q_b_proj', 'o_proj', 'kv_a_proj_with_mqa' }) do
+        local e = relerr(gpu[n].weight.grad, ref[n].weight.grad)
+        assert.is_true(e <= 2e-2, how .. n .. ' ' .. e)
+      end
     end
   end)
 

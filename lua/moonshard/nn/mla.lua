@@ -25,10 +25,12 @@
 --
 -- The attention is the fused kernel (nnf.scaled_dot_product_attention) with
 -- v padded by zeros to the q/k head width when they differ (the padding's
--- outputs dropped), as HF does for flash attention; where the fused kernel
--- has no head width that large (above 128 on GPUs: DeepSeek-V3's 192) the
--- unfused path runs instead (scores materialised; unfused = true, or the
--- field set later, asks for it everywhere). Context parallelism
+-- outputs dropped), as HF does for flash attention. On GPUs the fused
+-- kernels take widths up to 128, and 192 (DeepSeek-V3's) in bf16/f16: a
+-- width between 128 and 192 is padded to 192 (q and k by zeros too, which
+-- leaves the scores as they are), and what the kernels cannot take (f32
+-- above 128, or above 192) runs the unfused path (scores materialised;
+-- unfused = true, or the field set later, asks for it everywhere). Context parallelism
 -- (cp.apply) rings it as it rings nn.CausalSelfAttention; tensor
 -- parallelism does not split it.
 local T = require 'moonshard.tensor'
@@ -104,8 +106,13 @@ function mla.install(nn, nnf)
     self:register_module('o_proj', L(H * cfg.v_head_dim, cfg.dim, bias))
   end
 
-  -- the fused kernel takes this head width on x's device
-  local function fused_fits(x, D) return x.device == 'cpu' or D <= 128 end
+  -- the width the fused kernel runs head width D of t at (nil: none): any
+  -- on the CPU; on GPUs up to 128, or 192 in bf16/f16 (D padded up to it)
+  local function fused_width(t, D)
+    if t.device == 'cpu' or D <= 128 then return D end
+    if D <= 192 and (t.dtype == 'bf16' or t.dtype == 'f16') then return 192 end
+    return nil
+  end
 
   function MLA:forward(x)
     if rawget(self, '_tp') ~= nil then
@@ -138,11 +145,11 @@ function mla.install(nn, nnf)
     local qh = W.cat({ q:narrow(4, 1, dn):transpose(2, 3), q_rot }, 4)   -- (B, H, T, dq)
     local kh = W.cat({ kv:narrow(4, 1, dn):transpose(2, 3), k_rot:expand(B, H, Tn, dr) }, 4)
     local vh = kv:narrow(4, dn + 1, dv):transpose(2, 3)                  -- (B, H, T, dv)
-    local D = math.max(dq, dv)
-    local unfused = self.unfused or not fused_fits(x, D)
+    local D = fused_width(qh, math.max(dq, dv))
+    local unfused = self.unfused or D == nil
     if cpc and unfused then
       error(('MLAttention: context parallelism needs the fused attention kernel, which takes head widths up to 128 '
-        .. 'on GPUs (q/k %d, v %d)'):format(dq, dv), 2)
+        .. 'on GPUs, and 192 in bf16/f16 (q/k %d, v %d, %s)'):format(dq, dv, qh.dtype), 2)
     end
     -- (the fused kernel wants one width: the narrower side padded by zeros)
     local function pad(t, d)
