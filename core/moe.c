@@ -534,3 +534,91 @@ int ms_moe_sort_slots(const int64_t *ids, int64_t n, int k, int E, int64_t align
     free(start);
     return 0;
 }
+
+/* ------------------------------------------------------------- the routing choice */
+
+/* (value, index) a before b: the higher value, then the lower index */
+static int sel_before(double va, int64_t ia, double vb, int64_t ib) { return va > vb || (va == vb && ia < ib); }
+
+/* inserts (v, i) into the n best so far (sorted best first, at most cap):
+ * returns the new count */
+static int sel_insert(double *bv, int64_t *bi, int n, int cap, double v, int64_t i) {
+    if (n == cap && !sel_before(v, i, bv[n - 1], bi[n - 1])) return n;
+    int at = n < cap ? n : cap - 1;
+    while (at > 0 && sel_before(v, i, bv[at - 1], bi[at - 1])) {
+        bv[at] = bv[at - 1];
+        bi[at] = bi[at - 1];
+        at--;
+    }
+    bv[at] = v;
+    bi[at] = i;
+    return n < cap ? n + 1 : n;
+}
+
+int ms_moe_select(ms_tensor *ids, const ms_tensor *scores, const ms_tensor *bias, int G, int TG, int how, int k) {
+    const char *op = "moe_select";
+    char d[DESC];
+    if (!scores || scores->ndim != 2 || (scores->dtype_id != MS_F32 && scores->dtype_id != MS_F64) ||
+        !ms_tensor_is_contiguous(scores))
+        return ms_errorf("%s: scores must be contiguous f32 or f64 (N, E), got %s", op,
+                         scores ? ms_desc(scores, d, sizeof d) : "NULL");
+    int64_t N = scores->sizes[0], E = scores->sizes[1];
+    if (G < 1 || E % G != 0 || G > MS_MOE_SELECT_MAX || TG < 1 || TG > G || (how != 0 && how != 1) ||
+        (how == 0 && G > 1 && E / G < 2))
+        return ms_errorf("%s: %lld experts in G = %d groups, TG = %d kept, how = %d: not a grouping it takes (G <= %d "
+                         "dividing E, 1 <= TG <= G, how 0 (two best, groups of 2 or more) or 1)", op, (long long)E, G,
+                         TG, how, MS_MOE_SELECT_MAX);
+    if (k < 1 || k > MS_MOE_SELECT_MAX || (int64_t)k > (int64_t)TG * (E / G))
+        return ms_errorf("%s: k = %d of the %lld experts of TG = %d groups (k <= %d)", op, k,
+                         (long long)(TG * (E / G)), TG, MS_MOE_SELECT_MAX);
+    if (!ids || ids->ndim != 2 || ids->sizes[0] != N || ids->sizes[1] != k || ids->dtype_id != MS_I64 ||
+        !ms_tensor_is_contiguous(ids) || ids->device_id != scores->device_id)
+        return ms_errorf("%s: ids must be contiguous i64 (%lld, %d) on the scores' device, got %s", op, (long long)N, k,
+                         ids ? ms_desc(ids, d, sizeof d) : "NULL");
+    if (bias && (bias->ndim != 1 || bias->sizes[0] != E || bias->dtype_id != scores->dtype_id ||
+                 !ms_tensor_is_contiguous(bias) || bias->device_id != scores->device_id))
+        return ms_errorf("%s: bias must be contiguous (%lld) of the scores' dtype and device, got %s", op, (long long)E,
+                         ms_desc(bias, d, sizeof d));
+    if (N == 0) return 0;
+#ifdef MS_WITH_CUDA
+    if (scores->device_id >= 0) return ms_cuda_moe_select(ids, scores, bias, G, TG, how, k);
+#endif
+    const int f32 = scores->dtype_id == MS_F32;
+    const void *sp = ms_tensor_data(scores), *bp = bias ? ms_tensor_data(bias) : NULL;
+    int64_t *out = (int64_t *)ms_tensor_data(ids);
+    const int64_t per = E / G;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        /* the choice score of expert e, rounded to the scores' dtype */
+#define CHOICE(e)                                                                                                      \
+    (f32 ? (double)((const float *)sp)[n * E + (e)] + (bp ? (double)((const float *)bp)[e] : 0.0)                       \
+         : ((const double *)sp)[n * E + (e)] + (bp ? ((const double *)bp)[e] : 0.0))
+#define ROUND(x) (f32 ? (double)(float)(x) : (x))
+        uint64_t keep = ~0ull;
+        if (G > 1) {
+            double gv[MS_MOE_SELECT_MAX];
+            int64_t gi[MS_MOE_SELECT_MAX];
+            int ng = 0;
+            for (int g = 0; g < G; g++) {
+                double b1 = -INFINITY, b2 = -INFINITY;
+                for (int64_t j = 0; j < per; j++) {
+                    double v = ROUND(CHOICE(g * per + j));
+                    if (v > b1) b2 = b1, b1 = v;
+                    else if (v > b2) b2 = v;
+                }
+                ng = sel_insert(gv, gi, ng, TG, how == 0 ? ROUND(b1 + b2) : b1, g);
+            }
+            keep = 0;
+            for (int t = 0; t < ng; t++) keep |= 1ull << gi[t];
+        }
+        double bv[MS_MOE_SELECT_MAX];
+        int64_t bi[MS_MOE_SELECT_MAX];
+        int nb = 0;
+        for (int64_t e = 0; e < E; e++)
+            if (keep >> (e / per) & 1) nb = sel_insert(bv, bi, nb, k, ROUND(CHOICE(e)), e);
+        for (int j = 0; j < k; j++) out[n * k + j] = j < nb ? bi[j] : 0;
+#undef CHOICE
+#undef ROUND
+    }
+    return 0;
+}

@@ -217,6 +217,17 @@ int ms_moe_combine_backward(ms_tensor *gys, ms_tensor *gw, const ms_tensor *g, c
  * the rows needed, an error. */
 int ms_moe_sort_slots(const int64_t *ids, int64_t n, int k, int E, int64_t align, int64_t cap, int64_t *order,
                       int64_t *inv, int64_t *tok, int64_t *back, int64_t *counts, int64_t *rows, int64_t *M);
+/* A layer's routing choice in one pass (moonshard.nn.moe.select): for each
+ * token n, its choice scores c = scores (N, E) row n + bias (E, or NULL),
+ * added in the scores' dtype (f32 or f64; bias of that dtype); with G > 1
+ * groups of E / G experts, each scored by the sum of its two best (how 0)
+ * or its best (how 1), only the TG best groups' experts are candidates;
+ * ids (N, k) i64 = the k best candidates, best first, ties to the lower
+ * expert (and to the lower group). The same choice as top-k by k passes of
+ * argmax over the scores masked to -inf outside the groups. G <= 64,
+ * k <= 64, k <= TG E / G. */
+enum { MS_MOE_SELECT_MAX = 64 };
+int ms_moe_select(ms_tensor *ids, const ms_tensor *scores, const ms_tensor *bias, int G, int TG, int how, int k);
 int ms_arange_(ms_tensor *t, double start, double step);
 int ms_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi);
 int ms_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std);

@@ -197,7 +197,81 @@ template <typename F> int by_dtype(int dt, F f) {
     }
 }
 
+// (value, index) a before b: the higher value, then the lower index
+template <typename T> __device__ __forceinline__ bool sel_before(T va, int ia, T vb, int ib) {
+    return va > vb || (va == vb && ia < ib);
+}
+// (v, i) into the n best so far (best first, at most cap); returns the count
+template <typename T> __device__ __forceinline__ int sel_insert(T *bv, int *bi, int n, int cap, T v, int i) {
+    if (n == cap && !sel_before(v, i, bv[n - 1], bi[n - 1])) return n;
+    int at = n < cap ? n : cap - 1;
+    while (at > 0 && sel_before(v, i, bv[at - 1], bi[at - 1])) {
+        bv[at] = bv[at - 1];
+        bi[at] = bi[at - 1];
+        at--;
+    }
+    bv[at] = v;
+    bi[at] = i;
+    return n < cap ? n + 1 : n;
+}
+
+// one token a thread: core/ops.h ms_moe_select (core/moe.c is the reference)
+template <typename T>
+__global__ void select_kernel(long long *ids, const T *scores, const T *bias, long long N, int E, int G, int TG,
+                              int how, int k) {
+    const long long n = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    const T *row = scores + n * E;
+    const int per = E / G;
+    unsigned long long keep = ~0ull;
+    if (G > 1) {
+        T gv[MS_MOE_SELECT_MAX];
+        int gi[MS_MOE_SELECT_MAX];
+        int ng = 0;
+        for (int g = 0; g < G; g++) {
+            T b1 = -INFINITY, b2 = -INFINITY;
+            for (int j = 0; j < per; j++) {
+                const int e = g * per + j;
+                const T v = row[e] + (bias ? bias[e] : T(0));
+                if (v > b1) b2 = b1, b1 = v;
+                else if (v > b2) b2 = v;
+            }
+            ng = sel_insert(gv, gi, ng, TG, how == 0 ? T(b1 + b2) : b1, g);
+        }
+        keep = 0;
+        for (int t = 0; t < ng; t++) keep |= 1ull << gi[t];
+    }
+    T bv[MS_MOE_SELECT_MAX];
+    int bi[MS_MOE_SELECT_MAX];
+    int nb = 0;
+    for (int e = 0; e < E; e++)
+        if (keep >> (e / per) & 1) nb = sel_insert(bv, bi, nb, k, T(row[e] + (bias ? bias[e] : T(0))), e);
+    for (int j = 0; j < k; j++) ids[n * k + j] = j < nb ? bi[j] : 0;
+}
+
 }  // namespace
+
+extern "C" int ms_cuda_moe_select(ms_tensor *ids, const ms_tensor *scores, const ms_tensor *bias, int G, int TG,
+                                  int how, int k) {
+    const long long N = scores->sizes[0];
+    const int E = (int)scores->sizes[1];
+    if (ms_cuda_activate(scores->device_id)) return -1;
+    cudaStream_t st_ = ms_cuda_stream_of(scores->device_id);
+    const unsigned blocks = (unsigned)((N + 127) / 128);
+    if (scores->dtype_id == MS_F64) {
+        select_kernel<double><<<blocks, 128, 0, st_>>>((long long *)ms_tensor_data(ids),
+                                                       (const double *)ms_tensor_data(scores),
+                                                       bias ? (const double *)ms_tensor_data(bias) : nullptr, N, E, G,
+                                                       TG, how, k);
+    } else {
+        select_kernel<float><<<blocks, 128, 0, st_>>>((long long *)ms_tensor_data(ids),
+                                                      (const float *)ms_tensor_data(scores),
+                                                      bias ? (const float *)ms_tensor_data(bias) : nullptr, N, E, G, TG,
+                                                      how, k);
+    }
+    LAUNCH_CHECK("moe select_kernel");
+    return 0;
+}
 
 extern "C" int ms_cuda_moe_gather_rows(ms_tensor *out, const ms_tensor *x, const ms_tensor *idx) {
     long long M = out->sizes[0], N = x->sizes[0], H = x->sizes[1];

@@ -104,6 +104,32 @@ describe('nn.MoE on CUDA #gpu', function()
     end)
   end
 
+  it('the routing choice in one kernel (moe.select) as on the CPU: ties, biases, groups, f32 and f64, 64 experts, '
+    .. '20000 tokens', function()
+    local n = 0
+    for _, c in ipairs({ { 8, 1, 1, 2 }, { 16, 4, 2, 4 }, { 12, 3, 1, 3 }, { 64, 8, 4, 8 }, { 256, 8, 4, 8 } }) do
+      local E, G, TG, k = c[1], c[2], c[3], c[4]
+      for _, dtype in ipairs({ 'f32', 'f64' }) do
+        for _, how in ipairs({ 'top2', 'max' }) do
+          n = n + 1
+          -- (a grid of eighths: ties everywhere)
+          local sc = (ms.rand({ 20000, E }, { seed = n }) * 8):to('i64'):to(dtype) / 8
+          local b = (ms.rand({ E }, { seed = 50 + n }) * 4):to('i64'):to(dtype) / 16
+          for _, bias in ipairs({ false, true }) do
+            local cpu = nn.moe.select(sc, bias and b or nil, G, TG, how, k)
+            local gpu = nn.moe.select(sc:to('cuda'), bias and b:to('cuda') or nil, G, TG, how, k)
+            assert.are.equal('cuda:0', gpu.device)
+            local cv, gv, diff = S_values(cpu), S_values(gpu), 0
+            for i = 1, #cv do if cv[i] ~= gv[i] then diff = diff + 1 end end
+            assert.are.equal(#cv, #gv)
+            assert.are.equal(0, diff, ('E %d G %d TG %d k %d %s %s bias %s'):format(E, G, TG, k, dtype, how,
+              tostring(bias)))
+          end
+        end
+      end
+    end
+  end)
+
   it('the experts\' SwiGLU kernels (forward, backward) against the CPU, f32 and bf16', function()
     local T = require 'moonshard.tensor'
     for _, dt in ipairs({ 'f32', 'bf16' }) do

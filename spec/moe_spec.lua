@@ -151,6 +151,55 @@ describe('nn.MoE', function()
   -- Within a few f64 rounding errors, not bit for bit: OpenBLAS picks its
   -- GEMM kernel by shape (its small-matrix path on AVX-512 machines sums a
   -- row in another order once the padding changes M).
+  it('select: the routing choice in one op equals top-k over the group-limited choice scores (ties, biases, f32 and '
+    .. 'f64, both group scores); bad arguments are named', function()
+    -- (scores on a grid of eighths: many ties, in the experts and in the groups)
+    local function grid(N, E, seed, dtype)
+      return (ms.rand({ N, E }, { seed = seed }) * 8):to('i64'):to(dtype) / 8
+    end
+    local n = 0
+    for _, c in ipairs({ { 8, 1, 1, 2 }, { 8, 4, 2, 2 }, { 12, 3, 1, 3 }, { 16, 4, 2, 4 }, { 16, 8, 3, 5 },
+      { 6, 1, 1, 6 }, { 32, 8, 4, 8 }, { 1, 1, 1, 1 } }) do
+      local E, G, TG, k = c[1], c[2], c[3], c[4]
+      for _, dtype in ipairs({ 'f32', 'f64' }) do
+        for _, how in ipairs({ 'top2', 'max' }) do
+          if not (how == 'top2' and G > 1 and E / G < 2) then
+            for _, biased in ipairs({ false, true }) do
+              n = n + 1
+              local s = grid(37, E, n, dtype)
+              local b = biased and (ms.rand({ E }, { seed = 100 + n }) * 4):to('i64'):to('f32') / 8 or nil
+              local got = moe.select(s, b, G, TG, how, k)
+              local choice = b and s + b:to(dtype) or s
+              if G > 1 then choice = moe.group_limit(choice, G, TG, how) end
+              local want = moe.topk(choice, k)
+              assert.are.same(want:totable(), got:totable(),
+                ('E %d G %d TG %d k %d %s %s bias %s'):format(E, G, TG, k, dtype, how, tostring(biased)))
+            end
+          end
+        end
+      end
+    end
+    -- the layer routes through it: the same ids as the reference path
+    ms.manual_seed(2)
+    local m = nn.MoE { dim = 6, hidden = 4, experts = 8, top_k = 2, score = 'sigmoid', n_group = 4, topk_group = 2,
+      router_bias = true }:to('f64')
+    m.gate.e_score_correction_bias:copy_(ms.randn({ 8 }, { seed = 4 }) * 0.1)
+    local probs, ids = m:route(ms.randn({ 20, 6 }, { dtype = 'f64', seed = 5 }))
+    local ref = moe.topk(moe.group_limit(probs:detach() + m.gate.e_score_correction_bias:to('f64'), 4, 2, 'top2'), 2)
+    assert.are.same(ref:totable(), ids:totable())
+    local s = ms.rand({ 4, 8 })
+    local function bad(msg, ...)
+      local args = { ... }
+      local ok, err = pcall(function() return moe.select(unpack(args)) end)
+      assert.is_false(ok)
+      assert.matches(msg, tostring(err), 1, true)
+    end
+    bad('moe_select: 8 experts in G = 3 groups, TG = 1 kept', s, nil, 3, 1, 'top2', 2)
+    bad('moe_select: k = 5 of the 4 experts of TG = 1 groups', s, nil, 2, 1, 'top2', 5)
+    bad('moe_select: bias must be contiguous (8) of the scores\' dtype and device', s, ms.zeros({ 7 }), 1, 1, 'top2', 2)
+    bad('moe_select: scores must be contiguous f32 or f64 (N, E)', ms.rand({ 8 }), nil, 1, 1, 'top2', 2)
+  end)
+
   it('runs padded to 8 rows (as on GPUs, to 128) give the unpadded output and gradients (f64, 1e-14 relative)', function()
     local function run(align)
       moe.cpu_align = align

@@ -362,6 +362,36 @@ function moe.group_limit(choice, G, TG, how)
   end)
 end
 
+-- moe.select(scores (N, E), bias (E) | nil, G, TG, how, k) -> ids (N, k)
+-- i64: the experts a layer's routing chooses, in one pass (ms_moe_select:
+-- core/moe.c, kernels/moe.cu, one thread a token): each token's choice
+-- scores (scores + bias), only the TG best of its G groups' experts (how:
+-- 'top2' or 'max', as moe.group_limit), the k best of them, best first, ties
+-- to the lower expert: what moe.topk(moe.group_limit(scores + bias, ...), k)
+-- computes in some 25 ops (which remain the reference, and the path where
+-- G or k is above 64). No gradient.
+function moe.select(scores, bias, G, TG, how, k)
+  G, TG = G or 1, TG or G or 1
+  local big = G > T.C.MS_MOE_SELECT_MAX or k > T.C.MS_MOE_SELECT_MAX
+  if big or (scores.dtype ~= 'f32' and scores.dtype ~= 'f64') then
+    return A.no_grad(function()
+      local choice = scores:detach()
+      if bias ~= nil then choice = choice + (bias.dtype == choice.dtype and bias or bias:to(choice.dtype)) end
+      if G > 1 then choice = moe.group_limit(choice, G, TG, how) end
+      return moe.topk(choice, k)
+    end)
+  end
+  local s = scores:detach():contiguous()
+  local b = bias
+  if b ~= nil then
+    if b.dtype ~= s.dtype then b = b:to(s.dtype) end
+    b = b:contiguous()
+  end
+  local ids = T.empty({ s.shape[1], k }, { dtype = 'i64', device = s.device })
+  T.check(T.C.ms_moe_select(ids, s, b, G, TG, how == 'max' and 1 or 0, k), 2)
+  return ids
+end
+
 function moe.install(nn, nnf)
   local Expert = expert_class(nn, nnf)
   nn.MoEExpert = Expert
@@ -498,18 +528,8 @@ function moe.install(nn, nnf)
     -- (f32 at least: the softmax of bf16 logits would round the scores)
     local lf = (logits.dtype == 'f32' or logits.dtype == 'f64') and logits or logits:to('f32')
     local probs = self.score == 'softmax' and nnf.softmax(lf, -1) or nnf.sigmoid(lf)
-    local bias = self:routing_bias()
-    if bias == nil and self.n_group == 1 then return probs, moe.topk(probs, self.top_k) end
-    local ids = A.no_grad(function()
-      local choice = probs:detach()
-      if bias ~= nil then
-        local b = bias.dtype == probs.dtype and bias or bias:to(probs.dtype)
-        choice = choice + b
-      end
-      if self.n_group > 1 then choice = moe.group_limit(choice, self.n_group, self.topk_group, self.group_score) end
-      return moe.topk(choice, self.top_k)
-    end)
-    return probs, ids
+    -- (the choice in one op: moe.select)
+    return probs, moe.select(probs, self:routing_bias(), self.n_group, self.topk_group, self.group_score, self.top_k)
   end
 
   function MoE:forward(x)
