@@ -84,6 +84,13 @@ int ms_cuda_record_stream(const struct ms_tensor *t, ms_cuda_stream *s);
 /* page-locked host memory for fast, asynchronous transfers */
 int ms_cuda_host_alloc(void **out, int64_t nbytes);
 void ms_cuda_host_free(void *p);
+/* dst <- src between the host and a device (either way), contiguous, the
+ * same bytes, queued on the device's current stream without the host
+ * waiting: the host side must be page-locked (ms_cuda_host_alloc), stay
+ * alive and not be touched until the copy is done (an event recorded after
+ * it, then waited for). A pageable host side is refused, since CUDA would
+ * run that copy synchronously. */
+int ms_cuda_copy_async(struct ms_tensor *dst, const struct ms_tensor *src);
 
 /* which kernels run ms_attention on CUDA (kernels/attention.cu): for bf16/f16,
  * WGMMA (Hopper's wgmma FlashAttention-2; head dim 64, sm_90 devices), MMA

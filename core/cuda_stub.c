@@ -39,6 +39,10 @@ int ms_cuda_event_elapsed_ms(ms_cuda_event *a, ms_cuda_event *b, float *ms) { re
 int ms_cuda_record_stream(const struct ms_tensor *t, ms_cuda_stream *s) { return no_cuda("record_stream"); }
 int ms_cuda_host_alloc(void **out, int64_t nbytes) { return no_cuda("host_alloc"); }
 void ms_cuda_host_free(void *p) {}
+int ms_cuda_copy_async(struct ms_tensor *dst, const struct ms_tensor *src) {
+    (void)dst, (void)src;
+    return no_cuda("copy_async");
+}
 int ms_cuda_attention_set_impl(int impl) { return no_cuda("attention_set_impl"); }
 int ms_cuda_attention_get_impl(void) { return MS_ATTENTION_AUTO; }
 int ms_cuda_attention_set_onepass(int on) { (void)on; return no_cuda("attention_set_onepass"); }

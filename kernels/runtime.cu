@@ -470,7 +470,9 @@ int ms_cuda_event_record(ms_cuda_event *e, ms_cuda_stream *s) {
 }
 
 int ms_cuda_event_synchronize(ms_cuda_event *e) {
+    int64_t t0 = now_ns();
     CUDA_CHECK(cudaEventSynchronize(e->e));
+    count_sync(e->device, t0);   // (the host blocked, as in a host-blocking copy)
     return 0;
 }
 
@@ -509,6 +511,30 @@ int ms_cuda_host_alloc(void **out, int64_t nbytes) {
 
 void ms_cuda_host_free(void *p) {
     if (p) cudaFreeHost(p);
+}
+
+int ms_cuda_copy_async(ms_tensor *dst, const ms_tensor *src) {
+    char a[200], b[200];
+    if (ms_tensor_check_live(dst, "copy_async") || ms_tensor_check_live(src, "copy_async")) return -1;
+    const bool up = src->device_id < 0 && dst->device_id >= 0, down = src->device_id >= 0 && dst->device_id < 0;
+    const int64_t nb = ms_tensor_numel(src) * (int64_t)ms_dtype_size(src->dtype_id);
+    if (!(up || down) || !ms_tensor_is_contiguous(dst) || !ms_tensor_is_contiguous(src) ||
+        ms_tensor_numel(dst) * (int64_t)ms_dtype_size(dst->dtype_id) != nb)
+        return ms_errorf("copy_async: one host and one device tensor, contiguous, of the same bytes; got %s <- %s",
+                         ms_desc(dst, a, sizeof a), ms_desc(src, b, sizeof b));
+    const ms_tensor *host = up ? src : dst;
+    cudaPointerAttributes at;
+    if (cudaPointerGetAttributes(&at, ms_tensor_data(host)) != cudaSuccess || at.type != cudaMemoryTypeHost) {
+        cudaGetLastError();
+        return ms_errorf("copy_async: the host tensor is not page-locked (ms_cuda_host_alloc): %s",
+                         ms_desc(host, a, sizeof a));
+    }
+    if (nb == 0) return 0;
+    const int dev = up ? dst->device_id : src->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    CUDA_CHECK(cudaMemcpyAsync(ms_tensor_data(dst), ms_tensor_data(src), (size_t)nb,
+                               up ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, ms_cuda_stream_of(dev)));
+    return 0;
 }
 
 }  // extern "C"

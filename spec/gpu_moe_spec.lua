@@ -130,6 +130,32 @@ describe('nn.MoE on CUDA #gpu', function()
     end
   end)
 
+  it('a forward reads its routing once without a stream sync (the ids through page-locked memory, the index '
+    .. 'vectors uploaded asynchronously), with a shared expert queued before the wait; output and gradients as the CPU',
+    function()
+      ms.manual_seed(6)
+      local cpu = nn.MoE { dim = 32, hidden = 16, experts = 8, top_k = 2, shared_hidden = 24 }
+      local gpu = nn.MoE { dim = 32, hidden = 16, experts = 8, top_k = 2, shared_hidden = 24 }:to('cuda')
+      gpu:load_state_dict(cpu:state_dict())
+      local x = ms.randn({ 3, 50, 32 }, { seed = 8 })
+      for pass = 1, 3 do   -- (the layer's page-locked buffers reused, then grown)
+        local xs = pass < 3 and x or ms.randn({ 5, 70, 32 }, { seed = 9 })
+        local xg = xs:to('cuda'):requires_grad_()
+        local xc = xs:clone():requires_grad_()
+        ms.cuda.synchronize()
+        local s0 = ms.cuda.memory_stats().num_host_syncs
+        gpu:zero_grad(); cpu:zero_grad()
+        local yg = gpu(xg)
+        assert.are.equal(s0 + 1, ms.cuda.memory_stats().num_host_syncs, 'host syncs of a forward')
+        yg:sum():backward()   -- (one graph at a time: a backward takes the tape)
+        local yc = cpu(xc)
+        yc:sum():backward()
+        assert.is_true(relerr(yg, yc) <= 1e-4, 'y ' .. relerr(yg, yc))
+        assert.is_true(relerr(xg.grad, xc.grad) <= 1e-4, 'dx ' .. relerr(xg.grad, xc.grad))
+        same_grads(gpu, cpu)
+      end
+    end)
+
   it('the experts\' SwiGLU kernels (forward, backward) against the CPU, f32 and bf16', function()
     local T = require 'moonshard.tensor'
     for _, dt in ipairs({ 'f32', 'bf16' }) do

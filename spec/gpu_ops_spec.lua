@@ -2,6 +2,7 @@
 -- bounds: ‖gpu − cpu‖ / ‖cpu‖ ≤ 1e-5 (f32), 1e-2 (bf16). Run on a GPU host
 -- with `make test-gpu`.
 local ms = require 'moonshard'
+local S = require 'spec.support'
 
 local function relerr(got, want)
   local g, w = got:to('cpu'):double(), want:double()
@@ -506,6 +507,35 @@ describe('cuda ops #gpu', function()
       local waited = (require('moonshard.launch').now() - w0) * 1e3
       local got = ms.cuda.memory_stats().host_sync_ms - t0
       assert.is_true(got > 0 and got <= waited + 0.01, ('host_sync_ms grew %g ms, the read took %g'):format(got, waited))
+    end)
+
+    it('copy_async_ through page-locked memory: both ways without a host sync, an event wait counted as one; '
+      .. 'a pageable host tensor and mismatched sizes refused', function()
+      local x = randn({ 1000, 37 })
+      local d = x:cuda()
+      local h = ms.cuda.pinned_empty({ 1000, 37 }, 'f32')
+      local ev = ms.cuda.event()
+      ms.cuda.synchronize()
+      local s0 = ms.cuda.memory_stats().num_host_syncs
+      local d2 = d * 2                                    -- queued work the copy waits for (stream order)
+      ms.cuda.copy_async_(h, d2)
+      ev:record()
+      assert.are.equal(s0, ms.cuda.memory_stats().num_host_syncs)
+      ev:synchronize()
+      assert.are.equal(s0 + 1, ms.cuda.memory_stats().num_host_syncs)
+      local want, got = S.vals(x), S.vals(h)
+      for i = 1, #want do assert.are.equal(2 * want[i], got[i]) end
+      local back = ms.empty({ 1000, 37 }, { device = 'cuda' })
+      ms.cuda.copy_async_(back, h)
+      assert.are.equal(s0 + 1, ms.cuda.memory_stats().num_host_syncs)
+      local b2 = S.vals(back)
+      for i = 1, #want do assert.are.equal(2 * want[i], b2[i]) end
+      local ok, err = pcall(ms.cuda.copy_async_, x, d)
+      assert.is_false(ok)
+      assert.matches('copy_async: the host tensor is not page-locked', tostring(err), 1, true)
+      ok, err = pcall(ms.cuda.copy_async_, ms.cuda.pinned_empty({ 10 }, 'f32'), d)
+      assert.is_false(ok)
+      assert.matches('copy_async: one host and one device tensor, contiguous, of the same bytes', tostring(err), 1, true)
     end)
   end)
 end)

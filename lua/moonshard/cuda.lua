@@ -52,6 +52,30 @@ function cuda.memory_stats(d)
     num_host_syncs = tonumber(s.num_host_syncs), host_sync_ms = tonumber(s.host_sync_ns) * 1e-6,
   }
 end
+-- cuda.pinned_empty(shape, dtype) -> a host tensor in page-locked memory
+-- (ms_cuda_host_alloc; freed with the tensor's last reference: keep it, not
+-- only views of it, while they are used), for cuda.copy_async_
+local pinned_keep = setmetatable({}, { __mode = 'k' })
+function cuda.pinned_empty(shape, dtype)
+  local t = T.empty(shape, { dtype = dtype })
+  if t:numel() == 0 then return t end
+  check(C.ms_storage_free_data(t), 2)       -- the CPU allocator's data
+  local box = ffi.new('void *[1]')
+  check(C.ms_cuda_host_alloc(box, t.storage.nbytes), 2)
+  local ptr = ffi.gc(box[0], C.ms_cuda_host_free)
+  t.storage.data, t.storage.external = ptr, 1   -- not the allocator's to free
+  pinned_keep[t] = ptr                          -- (lives as long as t)
+  return t
+end
+-- cuda.copy_async_(dst, src) -> dst: a host (page-locked) <-> device copy
+-- queued on the device's current stream; the host does not wait for it
+-- (ms_cuda_copy_async: keep the host side alive and untouched until an
+-- event recorded after it has been waited for)
+function cuda.copy_async_(dst, src)
+  check(C.ms_cuda_copy_async(dst, src), 2)
+  return dst
+end
+
 function cuda.max_memory_allocated(d) return cuda.memory_stats(d).peak_allocated end
 function cuda.memory_allocated(d) return cuda.memory_stats(d).allocated end
 

@@ -12,8 +12,10 @@
 --      lower expert), their scores (renormalised to sum 1 when norm_topk);
 --   3. the N·k (token, expert) slots sorted by expert, stable, on the host
 --      (ms_moe_sort_slots; one copy of the N·k expert ids to the host a
---      layer: the experts' row counts size their GEMMs), each expert's run
---      padded to 128 rows on GPUs;
+--      layer: the experts' row counts size their GEMMs; on GPUs through
+--      page-locked memory with no stream sync, the shared expert queued
+--      before the wait: moe.routing_read), each expert's run padded to 128
+--      rows on GPUs;
 --   4. the tokens' rows gathered in that order (ms_moe_gather_rows), each
 --      expert's run through its MLP (ms_moe_experts_forward: the loop in C);
 --   5. each token's k rows weighted by their routing weights and summed
@@ -297,15 +299,23 @@ local Experts = A.Function {
 --   at padding (i64 host tensors); counts and rows (Lua lists of E: the
 --   slots and the padded rows of each expert); M; pads (whether any).
 -- Ids outside [0, E) are an error naming the slot.
-function moe.sort_slots(ids, E, align)
+-- buf (optional): host i64 tensors order, inv (n), tok, back (cap or more)
+-- to write into (moe.routing_read's page-locked ones), ids then already on
+-- the host.
+function moe.sort_slots(ids, E, align, buf)
   align = align or 1
   local ffi = ms.ffi
   local k = ids.ndim == 2 and ids.shape[2] or 1
   local h = ids:to('cpu'):contiguous()
   local n = h:numel()
   local cap = n + E * (align - 1)
-  local order, inv = ms.empty({ n }, { dtype = 'i64' }), ms.empty({ n }, { dtype = 'i64' })
-  local tok, back = ms.empty({ cap }, { dtype = 'i64' }), ms.empty({ cap }, { dtype = 'i64' })
+  local order, inv, tok, back
+  if buf then
+    order, inv, tok, back = buf.order, buf.inv, buf.tok, buf.back
+  else
+    order, inv = ms.empty({ n }, { dtype = 'i64' }), ms.empty({ n }, { dtype = 'i64' })
+    tok, back = ms.empty({ cap }, { dtype = 'i64' }), ms.empty({ cap }, { dtype = 'i64' })
+  end
   local counts, rows, M = ffi.new('int64_t[?]', E), ffi.new('int64_t[?]', E), ffi.new('int64_t[1]')
   local i64 = 'int64_t *'
   local rc = T.C.ms_moe_sort_slots(ffi.cast(i64, h:data_ptr()), n, k, E, align, cap, ffi.cast(i64, order:data_ptr()),
@@ -313,10 +323,51 @@ function moe.sort_slots(ids, E, align)
   if h ~= ids then h:free() end
   T.check(rc, 2)
   local m = tonumber(M[0])
-  if m < cap then tok, back = tok:narrow(1, 1, m), back:narrow(1, 1, m) end
+  if buf then order, inv = order:narrow(1, 1, n), inv:narrow(1, 1, n) end
+  if m < tok.shape[1] then tok, back = tok:narrow(1, 1, m), back:narrow(1, 1, m) end
   local c, r = {}, {}
   for e = 1, E do c[e], r[e] = tonumber(counts[e - 1]), tonumber(rows[e - 1]) end
   return { order = order, inv = inv, tok = tok, back = back, counts = c, rows = r, M = m, pads = m > n }
+end
+
+-- moe.routing_read(m, ids (N, k) on a GPU, E, align, during) -> the slot
+-- sort's table (moe.sort_slots) with tok, inv, back on the GPU: the GPU
+-- path of a layer's one host read, without a stream sync. The ids go to
+-- page-locked memory by an asynchronous copy; `during()` is queued behind
+-- it (the shared expert: the GPU runs it while the host waits for the ids
+-- and sorts them); the host waits for the copy alone (an event), sorts into
+-- page-locked buffers and uploads the index vectors asynchronously too (the
+-- buffers, the layer's own, are next written after that upload's event).
+-- Returns the table and during()'s result.
+function moe.routing_read(m, ids, E, align, during)
+  local cuda = ms.cuda
+  local n, k = ids:numel(), ids.shape[2]
+  local cap = n + E * (align - 1)
+  local dev = ids.device_id
+  local b = rawget(m, '_pin')
+  if b then b.up_done:synchronize() end   -- (the last upload from them is long done)
+  if not b or b.n < n or b.cap < cap or b.device ~= dev then
+    b = { n = n, cap = cap, device = dev, ids = cuda.pinned_empty({ n }, 'i64'), order = cuda.pinned_empty({ n }, 'i64'),
+      inv = cuda.pinned_empty({ n }, 'i64'), tok = cuda.pinned_empty({ cap }, 'i64'),
+      back = cuda.pinned_empty({ cap }, 'i64'), got = cuda.event { device = dev }, up_done = cuda.event { device = dev } }
+    rawset(m, '_pin', b)
+  end
+  local idc = ids:contiguous()
+  local hid = b.ids:narrow(1, 1, n)
+  cuda.copy_async_(hid, idc:reshape({ n }))
+  b.got:record()
+  local extra = during and during() or nil
+  b.got:synchronize()
+  if idc ~= ids then idc:free() end
+  local st = moe.sort_slots(hid:reshape({ n / k, k }), E, align, b)
+  local function up(h)
+    local d = T.empty(h.shape, { dtype = 'i64', device = ids.device })
+    cuda.copy_async_(d, h)
+    return d
+  end
+  st.tok, st.inv, st.back = up(st.tok), up(st.inv), up(st.back)
+  b.up_done:record()
+  return st, extra
 end
 
 -- moe.topk(scores (N, E), k) -> ids (N, k) i64: each row's k largest, in
@@ -554,10 +605,19 @@ function moe.install(nn, nnf)
       if self.shared_name then y = y + self:shared_out(x2) end
       return y:reshape(shape)
     end
-    local st = moe.sort_slots(ids, E, dev == 'cpu' and moe.cpu_align or moe.align)
+    -- the slots sorted by expert on the host (one read of the ids a layer);
+    -- the shared expert is queued first, so that on a GPU it runs while the
+    -- host waits for the ids and sorts them (moe.routing_read)
+    local shared_of = self.shared_name and function() return self:shared_out(x2) end or nil
+    local st, shared
+    if dev == 'cpu' then
+      shared = shared_of and shared_of() or nil
+      st = moe.sort_slots(ids, E, moe.cpu_align)
+    else
+      st, shared = moe.routing_read(self, ids, E, moe.align, shared_of)
+    end
     local counts = st.counts
     local tok, inv, back = st.tok, st.inv, st.back
-    if dev ~= 'cpu' then tok, inv, back = tok:to(dev), inv:to(dev), back:to(dev) end
     -- (under autocast the tokens move in the compute dtype: the experts' linears would cast them anyway)
     local xc = amp.cast(x2)
     local xs = Dispatch(xc, tok, inv, k)
@@ -566,7 +626,7 @@ function moe.install(nn, nnf)
     -- dtype: bf16 under autocast, as the dense MLP's), each token's k summed
     if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
     local y = Combine(ys, w:reshape({ N * k }), inv, back, k)
-    if self.shared_name then y = y + self:shared_out(x2) end
+    if shared then y = y + shared end
     self:record_stats(counts, probs, N)
     return y:reshape(shape)
   end
