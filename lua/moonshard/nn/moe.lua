@@ -345,7 +345,8 @@ function moe.routing_read(m, ids, E, align, during)
   local cap = n + E * (align - 1)
   local dev = ids.device_id
   local b = rawget(m, '_pin')
-  if b then b.up_done:synchronize() end   -- (the last upload from them is long done)
+  -- (the last upload from them is long done: waited for only if not)
+  if b and not b.up_done:query() then b.up_done:synchronize() end
   if not b or b.n < n or b.cap < cap or b.device ~= dev then
     b = { n = n, cap = cap, device = dev, ids = cuda.pinned_empty({ n }, 'i64'), order = cuda.pinned_empty({ n }, 'i64'),
       inv = cuda.pinned_empty({ n }, 'i64'), tok = cuda.pinned_empty({ cap }, 'i64'),
