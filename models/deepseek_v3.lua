@@ -222,17 +222,80 @@ llama.decoder_family(deepseek_v3, 'DeepseekV3ForCausalLM', function(cfg)
   end
 end)
 
+-- FP8 block-quantised checkpoints (DeepSeek's own: quantization_config
+-- {quant_method = 'fp8', fmt = 'e4m3', weight_block_size = {128, 128}}):
+-- a weight W (R, C) in f8e4m3 beside W_scale_inv (ceil(R / b0), ceil(C /
+-- b1)) means W[i][j] * W_scale_inv[i // b0][j // b1] (in f32).
+-- deepseek_v3.dequantize(w, s, block, first, n) -> f32 (n): elements
+-- first .. first + n - 1 (row-major) of that product; w and s tensors, or
+-- deferred ones (a checkpoint read lazily: only the rows asked for are read)
+local T = require 'moonshard.tensor'
+function deepseek_v3.dequantize(w, s, block, first, n)
+  local R, C = w.shape[1], w.shape[2]
+  first, n = first or 0, n or R * C
+  if n == 0 then return T.empty({ 0 }, { dtype = 'f32' }) end
+  local r0, r1 = math.floor(first / C), math.floor((first + n - 1) / C) + 1
+  local nr = r1 - r0
+  local rows
+  if T.is_deferred(w) then
+    rows = T.empty({ nr, C }, { dtype = w.dtype })
+    T.replay(w, rows, r0 * C)
+  else
+    rows = w:narrow(1, r0 + 1, nr)
+  end
+  local sc = s
+  if T.is_deferred(s) then sc = T.replay(s, T.empty(s.shape, { dtype = s.dtype })) end
+  local b0, b1 = block[1], block[2]
+  local ri, ci = {}, {}
+  for r = r0, r1 - 1 do ri[#ri + 1] = math.floor(r / b0) end
+  for c = 0, C - 1 do ci[#ci + 1] = math.floor(c / b1) end
+  local ms = require 'moonshard'
+  local sf = sc:to('f32'):index_select(1, ms.tensor(ri, { dtype = 'i64' })):index_select(2, ms.tensor(ci, { dtype = 'i64' }))
+  local out = (rows:to('f32') * sf):reshape({ nr * C })
+  if first ~= r0 * C or n ~= nr * C then out = out:narrow(1, first - r0 * C + 1, n):contiguous() end
+  return out
+end
+
 -- A checkpoint's multi-token-prediction layers (model.layers.N for N from
 -- num_hidden_layers on) are dropped, as transformers drops them; FP8
--- block-quantised checkpoints (weight_scale_inv) are refused.
+-- block-quantised weights are dequantised (deepseek_v3.dequantize; lazily
+-- when the tensors are deferred: --init-from under FSDP reads each rank's
+-- rows only), and the config loses its quantization_config.
 function deepseek_v3.fix_state_dict(sd, cfg)
   local L, mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers or 0
-  for name in pairs(sd) do
-    if name:match('weight_scale_inv$') then
-      error(('deepseek_v3: %s: an FP8 block-quantised checkpoint; convert it to bf16 first (dequantise each weight '
-        .. 'by its weight_scale_inv blocks)'):format(name), 3)
+  local qc = cfg.quantization_config
+  local block = { 128, 128 }
+  if type(qc) == 'table' and qc ~= hf.null then
+    if qc.quant_method ~= nil and qc.quant_method ~= 'fp8' then
+      error(('deepseek_v3: quantization_config.quant_method %s is not supported (fp8 block quantisation only)'):format(
+        tostring(qc.quant_method)), 3)
     end
+    if type(qc.weight_block_size) == 'table' then block = { qc.weight_block_size[1], qc.weight_block_size[2] } end
   end
+  local scales = {}
+  for name in pairs(sd) do if name:match('%.weight_scale_inv$') then scales[#scales + 1] = name end end
+  for _, name in ipairs(scales) do
+    local wname = name:gsub('_scale_inv$', '')
+    local w, s = sd[wname], sd[name]
+    if w == nil then error(('deepseek_v3: %s has no weight %s beside it'):format(name, wname), 3) end
+    if w.dtype ~= 'f8e4m3' or w.ndim ~= 2 then
+      error(('deepseek_v3: %s is %s (%s) beside %s: an FP8 block-quantised weight must be 2-D f8e4m3'):format(wname,
+        w.dtype, table.concat(w.shape, 'x'), name), 3)
+    end
+    local R, C = w.shape[1], w.shape[2]
+    local want = { math.ceil(R / block[1]), math.ceil(C / block[2]) }
+    if s.ndim ~= 2 or s.shape[1] ~= want[1] or s.shape[2] ~= want[2] then
+      error(('deepseek_v3: %s is %s; %s (%dx%d) in blocks of %dx%d needs %dx%d'):format(name, table.concat(s.shape, 'x'),
+        wname, R, C, block[1], block[2], want[1], want[2]), 3)
+    end
+    if T.is_deferred(w) then
+      sd[wname] = T.deferred_fn({ R, C }, 'f32', function(first, n) return deepseek_v3.dequantize(w, s, block, first, n) end)
+    else
+      sd[wname] = deepseek_v3.dequantize(w, s, block):reshape({ R, C })
+    end
+    sd[name] = nil
+  end
+  if #scales > 0 then cfg.quantization_config = nil end
   for name in pairs(sd) do
     local i = name:match('^model%.layers%.(%d+)%.')
     if i and tonumber(i) >= L and tonumber(i) < L + mtp then sd[name] = nil end

@@ -230,7 +230,7 @@ describe('models.deepseek_v3', function()
     end)
 
   it('save_pretrained / from_pretrained: transformers\' names and config.json, the same loss; the routing biases '
-    .. 'saved; a checkpoint\'s MTP layers skipped, an FP8 one refused', function()
+    .. 'saved; a checkpoint\'s MTP layers skipped, a bad FP8 weight named', function()
     ms.manual_seed(5)
     local rp = { rope_type = 'yarn', rope_theta = 5000.0, factor = 2.0, original_max_position_embeddings = 8,
       mscale = 1.0, mscale_all_dim = 1.0 }
@@ -265,13 +265,106 @@ describe('models.deepseek_v3', function()
     sd['model.layers.3.eh_proj.weight'] = ms.zeros({ 16, 32 })
     ms.save_safetensors(dir .. '/model.safetensors', sd)
     assert.are.equal(m(x, y):item(), ds.from_pretrained(dir)(x, y):item())
+    -- a bad FP8 scale is named (the dequantisation itself: the next spec)
     sd['model.layers.0.self_attn.o_proj.weight_scale_inv'] = ms.ones({ 1, 1 })
     ms.save_safetensors(dir .. '/model.safetensors', sd)
     local ok, err = pcall(ds.from_pretrained, dir)
     assert.is_false(ok)
-    assert.matches('model.layers.0.self_attn.o_proj.weight_scale_inv: an FP8 block-quantised checkpoint', tostring(err),
-      1, true)
+    assert.matches('model.layers.0.self_attn.o_proj.weight is f32 (16x12) beside '
+      .. 'model.layers.0.self_attn.o_proj.weight_scale_inv: an FP8 block-quantised weight must be 2-D f8e4m3',
+      tostring(err), 1, true)
     os.execute('rm -rf ' .. q(dir) .. ' ' .. q(dq))
+  end)
+
+  it('reads FP8 block-quantised checkpoints (weight_scale_inv, as DeepSeek\'s own): each weight times its block\'s '
+    .. 'scale, exactly, whole or deferred (any element range), the config without quantization_config', function()
+    ms.manual_seed(7)
+    local m = ds.new(small())
+    local dir = S.tmpdir()
+    m:save_pretrained(dir)
+    local sd = ms.load_safetensors(dir .. '/model.safetensors')
+    local cfg = hf.read_json(dir .. '/config.json')
+    local b0, b1 = 8, 4   -- (blocks that do not divide every weight: partial blocks at the edges)
+    cfg.quantization_config = { quant_method = 'fp8', fmt = 'e4m3', activation_scheme = 'dynamic',
+      weight_block_size = { b0, b1 } }
+    local f = assert(io.open(dir .. '/config.json', 'wb'))
+    f:write(require('dkjson').encode(cfg))
+    f:close()
+    -- quantise the projections as DeepSeek's checkpoints are (not the
+    -- embeddings, the head, the norms or the routers): per block, the scale
+    -- is amax / 448; the reference dequantisation written out per element
+    local want, nq, names = {}, 0, {}
+    for name, w in pairs(sd) do if w.ndim == 2 and name:match('proj%.weight$') then names[#names + 1] = name end end
+    for _, name in ipairs(names) do
+      local w = sd[name]
+      do
+        local R, C = w.shape[1], w.shape[2]
+        local wv = S.values(w)
+        local nb0, nb1 = math.ceil(R / b0), math.ceil(C / b1)
+        local sv = {}
+        for i = 0, nb0 - 1 do
+          for j = 0, nb1 - 1 do
+            local amax = 0
+            for r = i * b0, math.min(R, (i + 1) * b0) - 1 do
+              for c = j * b1, math.min(C, (j + 1) * b1) - 1 do amax = math.max(amax, math.abs(wv[r * C + c + 1])) end
+            end
+            sv[i * nb1 + j + 1] = amax / 448
+          end
+        end
+        local s = ms.tensor(sv, { dtype = 'f32' }):reshape({ nb0, nb1 })
+        local sf = S.values(s)
+        local scaled = {}
+        for r = 0, R - 1 do
+          for c = 0, C - 1 do scaled[r * C + c + 1] = wv[r * C + c + 1] / sf[math.floor(r / b0) * nb1 + math.floor(c / b1) + 1] end
+        end
+        local w8 = ms.tensor(scaled, { dtype = 'f32' }):reshape({ R, C }):to('f8e4m3')
+        local w8v = S.values(w8)
+        local ref = {}
+        for r = 0, R - 1 do
+          for c = 0, C - 1 do
+            ref[r * C + c + 1] = ms.tensor({ w8v[r * C + c + 1] }, { dtype = 'f32' })
+              * ms.tensor({ sf[math.floor(r / b0) * nb1 + math.floor(c / b1) + 1] }, { dtype = 'f32' })
+          end
+        end
+        for i, t in ipairs(ref) do ref[i] = t:item() end
+        want[name] = { ref = ref, orig = wv }
+        sd[name], sd[name .. '_scale_inv'] = w8, s
+        nq = nq + 1
+      end
+    end
+    assert.is_true(nq >= 20)
+    ms.save_safetensors(dir .. '/model.safetensors', sd)
+    local whole = ds.from_pretrained(dir)
+    assert.is_nil(whole.config.quantization_config)
+    local lazy = ms.nn.materialize(ds.from_pretrained(dir, { deferred = true }))
+    local pw, pl = {}, {}
+    for name, p in whole:named_parameters() do pw[name] = p end
+    for name, p in lazy:named_parameters() do pl[name] = p end
+    for name, w in pairs(want) do
+      local got, got2 = S.values(pw[name]), S.values(pl[name])
+      local num, den = 0, 0
+      for i = 1, #w.ref do
+        assert.are.equal(w.ref[i], got[i], name .. ' element ' .. i)
+        assert.are.equal(w.ref[i], got2[i], name .. ' (deferred) element ' .. i)
+        num, den = num + (got[i] - w.orig[i]) ^ 2, den + w.orig[i] ^ 2
+      end
+      assert.is_true(math.sqrt(num / den) < 0.05, name .. ': FP8 error ' .. math.sqrt(num / den))
+    end
+    -- element ranges that start and end inside rows, as an FSDP rank's shard asks
+    local name = 'model.layers.0.self_attn.q_b_proj.weight'
+    local sd2 = require('moonshard.safetensors').load_deferred(dir .. '/model.safetensors')
+    local full = S.values(pw[name])
+    for _, r in ipairs({ { 0, 5 }, { 7, 30 }, { 13, 1 }, { 50, #full - 50 } }) do
+      local part = S.values(ds.dequantize(sd2[name], sd2[name .. '_scale_inv'], { b0, b1 }, r[1], r[2]))
+      assert.are.equal(r[2], #part)
+      for i = 1, r[2] do assert.are.equal(full[r[1] + i], part[i]) end
+    end
+    -- the model saves back in f32, with no quantization_config
+    local out = S.tmpdir()
+    whole:save_pretrained(out)
+    assert.is_nil(hf.read_json(out .. '/config.json').quantization_config)
+    assert.is_nil(ms.load_safetensors(out .. '/model.safetensors')[name .. '_scale_inv'])
+    os.execute('rm -rf ' .. q(dir) .. ' ' .. q(out))
   end)
 
   it('reads older config.json fields (rope_theta, rope_scaling with type, num_local_experts); refuses what it '

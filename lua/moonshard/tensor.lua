@@ -378,7 +378,7 @@ end
 -- with data, any dtype, device and layout; values made in the record's
 -- dtype, then converted). A 'file' record ({kind = 'file', path, offset,
 -- dtype}: a tensor of a safetensors file, S.load_deferred) reads just those
--- elements' bytes.
+-- elements' bytes; an 'fn' record (T.deferred_fn) has its function make them.
 function T.replay(t, dst, first)
   local rec = T.init_records[t.storage.init_id]
   if rec == nil then error('replay: the tensor has no deferred-init record', 2) end
@@ -386,6 +386,14 @@ function T.replay(t, dst, first)
   local n = T.methods.numel(dst)
   if first < 0 or first + n > T.methods.numel(t) then
     error(('replay: elements [%d, %d) of a tensor of %d'):format(first, first + n, T.methods.numel(t)), 2)
+  end
+  if rec.kind == 'fn' then
+    -- (T.deferred_fn: the function makes the elements, a host tensor of n)
+    local host = rec.fn(first, n)
+    local v = T.methods.view(host, dst.shape)
+    T.check(C.ms_tensor_copy_(dst, v), 2)
+    v:free()
+    return dst
   end
   if rec.kind == 'file' then
     local esz = C.ms_dtype_size(rec.dtype)
@@ -419,6 +427,17 @@ function T.deferred_file(path, offset, dtype, shape)
   local arr, n = shape_arr(shape, 'deferred_file')
   local id = T.dtype_id(dtype, 2)
   return new_deferred(n, arr, id, -1, { kind = 'file', path = path, offset = offset, dtype = id })
+end
+
+-- T.deferred_fn(shape, dtype, fn): a deferred tensor whose values fn makes
+-- on demand: fn(first, n) -> a contiguous host tensor of n elements (any
+-- shape), elements first .. first + n - 1 (row-major) of the whole (a
+-- checkpoint's tensor converted as it is read: each FSDP rank asks for its
+-- shard's range only)
+function T.deferred_fn(shape, dtype, fn)
+  local arr, n = shape_arr(shape, 'deferred_fn')
+  local id = T.dtype_id(dtype, 2)
+  return new_deferred(n, arr, id, -1, { kind = 'fn', fn = fn, dtype = id })
 end
 
 -- T.materialize(t): gives deferred t's storage its data and writes its
