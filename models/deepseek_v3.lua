@@ -25,6 +25,7 @@
 --   local model = deepseek_v3.new('tiny')
 --   local loss = model(input_ids, targets)
 local nn = require 'moonshard.nn'
+local T = require 'moonshard.tensor'
 local hf = require 'models.hf'
 local llama = require 'models.llama'
 
@@ -229,7 +230,6 @@ end)
 -- deepseek_v3.dequantize(w, s, block, first, n) -> f32 (n): elements
 -- first .. first + n - 1 (row-major) of that product; w and s tensors, or
 -- deferred ones (a checkpoint read lazily: only the rows asked for are read)
-local T = require 'moonshard.tensor'
 function deepseek_v3.dequantize(w, s, block, first, n)
   local R, C = w.shape[1], w.shape[2]
   first, n = first or 0, n or R * C
