@@ -384,8 +384,15 @@ describe('moonshard.ep #mpi', function()
     ms.ep.parallelize(m4)
     ok, err = pcall(ms.fsdp.fully_shard, m4, { strategy = 'NO_SHARD' })
     assert.is_false(ok)
-    assert.matches('fully_shard: an expert-parallel model takes FULL_SHARD or SHARD_GRAD_OP, not NO_SHARD', tostring(err),
-      1, true)
+    assert.matches('fully_shard: an expert-parallel model takes FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD, not NO_SHARD',
+      tostring(err), 1, true)
+    if W == 4 then
+      -- HYBRID_SHARD: the expert group (the world's 4 ranks) is not inside a shard group of 2
+      ok, err = pcall(ms.fsdp.fully_shard, m4, { strategy = 'HYBRID_SHARD', shard_size = 2 })
+      assert.is_false(ok)
+      assert.matches('fully_shard: HYBRID_SHARD with expert parallelism needs each expert group (4 consecutive ranks, '
+        .. 'here 0,1,2,3) inside a shard group', tostring(err), 1, true)
+    end
     if W > 1 then
       local own
       for p = 0, W - 1 do

@@ -10,8 +10,10 @@
 -- of the run that never stopped, and a one-process checkpoint resumes at
 -- --ep 2; with --fsdp FULL_SHARD (4 ranks) and SHARD_GRAD_OP (2) the
 -- same curve and weights, sharded checkpoints that list every expert and
--- resume in one process, as they ran and under plain --ep; bad layouts
--- exit 2 with a message. Activation checkpointing, micro-batches and
+-- resume in one process, as they ran and under plain --ep; with --fsdp
+-- HYBRID_SHARD (4 ranks in shard groups of 2, 8 in groups of 4) the same
+-- curve and weights, and the 8-rank run resumes as it ran and in one
+-- process; bad layouts exit 2 with a message. Activation checkpointing, micro-batches and
 -- --init-from follow the curve too.
 local S = require 'spec.support'
 local q = S.shell_quote
@@ -234,6 +236,54 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
     end
   end)
 
+  it('--ep 2 with --fsdp HYBRID_SHARD (the expert groups inside the shard groups): 4 ranks in shard groups of 2 and 8 '
+    .. 'in groups of 4 follow the one-process curve and final weights; stopped, the 8-rank run resumes as it ran and '
+    .. 'in one process', function()
+    local mixtral = require 'models.mixtral'
+    for _, c in ipairs({ { 4, 2 }, { 8, 4 } }) do
+      local np, S = c[1], c[2]
+      -- the one-process run over the same global batches (np sequences a step)
+      local ref_out = ('%s/hy_one_%d'):format(dir, np)
+      local status, text = bin_train(('models/mixtral.lua %s --batch-size %d --steps 4 --out %s'):format(flags, np,
+        q(ref_out)))
+      assert.are.equal(0, status, text)
+      local one = losses(ref_out)
+      local ref = mixtral.from_pretrained(ref_out):state_dict()
+      local common = ('--nproc-per-node %d --device cpu models/mixtral.lua %s --batch-size 1 --steps 4 --ep 2 '
+        .. '--fsdp HYBRID_SHARD --shard-size %d'):format(np, flags, S)
+      local out = ('%s/hy_%d'):format(dir, np)
+      status, text = bin_train(('%s --out %s'):format(common, q(out)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find(('the experts sharded over their %d copies in each shard group of %d, replicated over '
+        .. '%d (HYBRID_SHARD)'):format(S / 2, S, np / S), 1, true), text)
+      close_losses(one, losses(out), 1, 4, ('--ep 2 --fsdp HYBRID_SHARD --shard-size %d on %d ranks'):format(S, np))
+      local m = mixtral.from_pretrained(out)
+      for name, t in pairs(m:state_dict()) do
+        assert.is_true(max_diff(t, ref[name]) <= 1e-4, ('%s (--ep 2 HYBRID_SHARD on %d ranks)'):format(name, np))
+      end
+      if np == 8 then
+        local st_out = out .. '_s'
+        status, text = bin_train(('%s --save-every 1 --stop-at 2 --out %s'):format(common, q(st_out)))
+        assert.are.equal(0, status, text)
+        -- every tensor listed once (the replicas write nothing), every expert among them
+        local index = require('moonshard.fsdp_checkpoint').read_index(st_out .. '/ckpt-2')
+        local listed, whole = {}, {}
+        for _, e in ipairs(index.params) do listed[#listed + 1] = e.name end
+        for name in mixtral.from_pretrained(ref_out):named_parameters() do whole[#whole + 1] = name end
+        assert.are.same(whole, listed)
+        local d1 = st_out .. '1'
+        os.execute(('cp -r %s %s'):format(q(st_out), q(d1)))
+        status, text = bin_train(('--nproc-per-node 8 --device cpu --resume %s --ep 2 --fsdp HYBRID_SHARD --shard-size 4')
+          :format(q(st_out)))
+        assert.are.equal(0, status, text)
+        close_losses(one, losses(st_out), 1, 4, '--ep 2 HYBRID_SHARD, resumed as it ran')
+        status, text = bin_train(('--resume %s --batch-size 8 --ep 1 --fsdp off'):format(q(d1)))
+        assert.are.equal(0, status, text)
+        close_losses(one, losses(d1), 1, 4, '--ep 2 HYBRID_SHARD, resumed in one process')
+      end
+    end
+  end)
+
   it('bad layouts exit 2 and say why', function()
     local function fails(args, msg)
       local status, text = bin_train(args .. (' --steps 1 --out %s/bad'):format(q(dir)))
@@ -241,8 +291,9 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
       assert.is_truthy(text:find(msg, 1, true), text)
     end
     fails(('models/mixtral.lua %s --ep 2'):format(flags), '--ep 2: the world of 1 rank is not a multiple of it')
-    fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --fsdp HYBRID_SHARD'):format(flags),
-      '--ep 2 with --fsdp HYBRID_SHARD: not supported')
+    fails(('--nproc-per-node 4 --device cpu models/mixtral.lua %s --ep 4 --fsdp HYBRID_SHARD --shard-size 2'):format(
+      flags), '--ep 4 with --fsdp HYBRID_SHARD: the shard groups of 2 ranks (--shard-size; default the ranks of a node) '
+      .. 'must hold whole expert groups and divide the world of 4')
     fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --pp 2'):format(flags),
       '--ep with --pp: not supported')
     fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --lora 4'):format(flags),

@@ -1244,10 +1244,18 @@ function fsdp.fully_shard(model, opts)
   -- are a unit of their own, sharded over the ranks that hold the same
   -- experts (ep.replicate; none: whole on each rank); the rest over
   -- `group`, which must be every data-parallel rank (docs/moe.md)
+  -- With HYBRID_SHARD the expert groups must lie inside the shard groups:
+  -- an expert unit is then sharded over the ranks of this rank's shard
+  -- group that hold the same experts (expert_shard) and replicated, as every
+  -- unit, over the mesh's replicate group (the same place in the other
+  -- shard groups holds the same experts); the norm's sum over the shard
+  -- group counts every expert element once.
   local epi = rawget(model, '_ep_train')
+  local expert_shard
   if epi then
-    if strategy ~= 'FULL_SHARD' and strategy ~= 'SHARD_GRAD_OP' then
-      error(('fully_shard: an expert-parallel model takes FULL_SHARD or SHARD_GRAD_OP, not %s'):format(strategy), 2)
+    if strategy ~= 'FULL_SHARD' and strategy ~= 'SHARD_GRAD_OP' and strategy ~= 'HYBRID_SHARD' then
+      error(('fully_shard: an expert-parallel model takes FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD, not %s'):format(
+        strategy), 2)
     end
     local R = epi.replicate and epi.replicate:size() or 1
     if dp_size ~= epi.size * R then
@@ -1257,6 +1265,27 @@ function fsdp.fully_shard(model, opts)
     if opts.float8_all_gather or opts.offload then
       error('fully_shard: an expert-parallel model with ' .. (opts.offload and 'offload' or 'float8_all_gather')
         .. ': not supported', 2)
+    end
+    if strategy == 'HYBRID_SHARD' then
+      local N, S, W = epi.size, shard_group:size(), dist.world_size()
+      local sr, er = shard_group:ranks(), epi.group:ranks()
+      -- (the layout bin/train makes: expert groups of N consecutive ranks
+      -- from a multiple of N, shard groups of S consecutive ones)
+      local inside = S % N == 0 and er[1] % N == 0 and er[1] >= sr[1] and er[#er] <= sr[#sr]
+      for i = 2, #er do inside = inside and er[i] == er[i - 1] + 1 end
+      if not inside then
+        error(('fully_shard: HYBRID_SHARD with expert parallelism needs each expert group (%d consecutive ranks, here '
+          .. '%s) inside a shard group (here %s)'):format(N, table.concat(er, ','), table.concat(sr, ',')), 2)
+      end
+      -- every rank creates every such group (a collective), keeping its own
+      for row = 0, W / S - 1 do
+        for k = 0, N - 1 do
+          local ranks = {}
+          for d = 0, S / N - 1 do ranks[#ranks + 1] = row * S + d * N + k end
+          local g = dist.new_group(ranks)
+          if g:is_member() then expert_shard = g else g:free() end
+        end
+      end
     end
   end
 
@@ -1433,7 +1462,7 @@ function fsdp.fully_shard(model, opts)
       -- (an expert unit over its copies: its gradient summed there and
       -- divided by every data-parallel rank, dp_size, as the others')
       local sg = shard_group
-      if u.experts then sg = epi.replicate end
+      if u.experts then sg = expert_shard or epi.replicate end
       if sg then fopts.group = sg else fopts.world_size, fopts.rank = 1, 0 end
       local ok, fp = pcall(FlatParam.new, tensors, fopts)
       if not ok then error('fully_shard: unit ' .. (u.name == '' and 'root' or u.name) .. ': ' .. tostring(fp), 2) end

@@ -354,10 +354,12 @@ function regions_(model)
     -- where fsdp names one, else the lowest ranks)
     -- (an expert-parallel model's expert unit: each rank holds experts or
     -- a shard of them no other rank holds, ms.ep)
+    -- (with HYBRID_SHARD the first shard group's ranks hold every expert)
     local write
     local rg = st.replicate_group
-    if u.experts then write = true
-    elseif type(rg) == 'table' and rg.is_member and rg:is_member() and rg:size() > 1 then write = rg:rank() == 0
+    local replicas = type(rg) == 'table' and rg.is_member and rg:is_member() and rg:size() > 1
+    if replicas then write = rg:rank() == 0
+    elseif u.experts then write = true
     else write = fp.world_size >= ctx.world_size or ctx.rank < fp.world_size end
     for i = 1, fp.nparams do
       local sl = fp.layout:slice(fp.rank, i)

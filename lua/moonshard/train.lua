@@ -91,7 +91,7 @@ train.options = {
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank; with --cp each rank its chunks of its group\'s sequences; not with HYBRID_SHARD, --tp, --pp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; not with --tp, --pp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1117,8 +1117,13 @@ function train.run(opts)
         tp_size > 1 and 'tp' or 'pp')
     end
     if strategy == 'HYBRID_SHARD' then
-      usage('--ep %d with --fsdp HYBRID_SHARD: not supported (use FULL_SHARD or SHARD_GRAD_OP: the experts are '
-        .. 'sharded over the ranks that hold the same ones, the rest over every rank)', ep_size)
+      -- (the expert groups inside the shard groups: fully_shard shards an
+      -- expert unit over the shard group's ranks that hold those experts)
+      local S = o.shard_size > 0 and o.shard_size or dist.local_world_size()
+      if S % ep_size ~= 0 or world % S ~= 0 then
+        usage('--ep %d with --fsdp HYBRID_SHARD: the shard groups of %d ranks (--shard-size; default the ranks of a '
+          .. 'node) must hold whole expert groups and divide the world of %d', ep_size, S, world)
+      end
     end
     if o.lora > 0 then usage('--ep with --lora: not supported (merge the adapters first)') end
     -- --fsdp FULL_SHARD / SHARD_GRAD_OP: each layer's experts sharded over
@@ -1242,7 +1247,11 @@ function train.run(opts)
       .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
       layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
     if ep_amp then ep_desc = ep_desc .. ', bf16 autocast' end
-    if strategy and world > ep_size then
+    if strategy == 'HYBRID_SHARD' then
+      local S = o.shard_size > 0 and o.shard_size or dist.local_world_size()
+      ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %d, replicated over '
+        .. '%d (HYBRID_SHARD)'):format(S / ep_size, S, world / S)
+    elseif strategy and world > ep_size then
       ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(world / ep_size, strategy)
     elseif strategy then
       ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
