@@ -105,7 +105,7 @@ function S.run_losses(out)
   return r
 end
 
--- A MoE model file's bin/train check: `flags` (its tiny preset, shrunk)
+-- A model file's bin/train check (the MoE ones', and the dense Qwens'): `flags` (its tiny preset, shrunk)
 -- trains 6 steps on one process with the load-balancing loss and its loss
 -- falls; without it, each of `layouts` (bin/train flags) on two CPU ranks
 -- follows 4 steps of one process. Runs in a fresh folder, removed after.
