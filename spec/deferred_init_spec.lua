@@ -123,6 +123,29 @@ describe('deferred initialisation', function()
     assert.are.equal(0, t:sum():item())
   end)
 
+  it('T.deferred_fn: values made on demand by a function, whole (materialize) or a range at a time (replay, as a '
+    .. 'shard asks), converted to the destination\'s dtype', function()
+    local asked = {}
+    -- element i (0-based) is i * 0.5 - 3, made in f64
+    local t = T.deferred_fn({ 6, 7 }, 'f64', function(first, n)
+      asked[#asked + 1] = { first, n }
+      local vals = {}
+      for i = first, first + n - 1 do vals[#vals + 1] = i * 0.5 - 3 end
+      return ms.tensor(vals, { dtype = 'f64' })
+    end)
+    assert.is_true(nn.is_deferred(t))
+    assert.are.same({ 6, 7 }, t.shape)
+    assert.are.equal(0, #asked)
+    local part = T.replay(t, ms.empty({ 9 }, { dtype = 'f32' }), 11)   -- elements 11 .. 19, mid-row to mid-row
+    assert.are.same({ { 11, 9 } }, asked)
+    local pv = S_.values(part)
+    for i = 1, 9 do assert.are.equal((10 + i) * 0.5 - 3, pv[i]) end
+    assert.is_true(T.materialize(t))
+    assert.are.same({ 0, 42 }, asked[2])
+    local v = S_.values(t)
+    for i = 1, 42 do assert.are.equal((i - 1) * 0.5 - 3, v[i]) end
+  end)
+
   it('what the initialisers record: fills, copies, zero_, nested calls; arange and tensor() keep their data', function()
     local got = nn.deferred_init(function()
       local a = ms.ones({ 5 })
