@@ -78,7 +78,7 @@ $(PROBE): $(BUILD)/ffi_probe.c $(HEADERS)
 	$(CC) -std=c99 -Wall -Werror -I. $< -o $@
 
 # Debian packages the build and the specs need; installed only when missing
-DEBS := luajit libluajit-5.1-dev lua-busted lua-dkjson libopenblas-dev zlib1g-dev openmpi-bin libopenmpi-dev gnuplot-nox libreadline8 tmux
+DEBS := luajit libluajit-5.1-dev lua-busted lua-dkjson libopenblas-dev zlib1g-dev openmpi-bin libopenmpi-dev gnuplot-nox libreadline8 tmux libicu-dev
 deps:
 	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -1,7 +1,8 @@
 -- moonshard.tokenizer: byte-level ids, byte-level BPE from a hand-made
 -- tokenizer.json (merges applied by rank, both merge forms, added tokens,
--- ignore_merges, add_prefix_space), the pre-tokenizer patterns of GPT-2 and
--- Llama 3 on hand-split text, round trips, and clear refusals.
+-- ignore_merges, add_prefix_space, an NFC normalizer), the pre-tokenizer
+-- patterns of GPT-2 and Llama 3 on hand-split text, round trips, and clear
+-- refusals.
 local tok = require 'moonshard.tokenizer'
 local json = require 'dkjson'
 
@@ -115,6 +116,34 @@ describe('BPE from tokenizer.json', function()
     assert.are.same({ 49, 50, 51, 52, 53 }, l:encode('12345'))
     local s = "I'LL  go\r\n\r\n 1234567 x"
     assert.are.equal(s, l:decode(l:encode(s)))
+  end)
+
+  it('an NFC normalizer (Qwen\'s) composes the text before the BPE (through ICU), between added tokens; others '
+    .. 'refused', function()
+    local plain = tok.from_json(tiny())
+    for _, norm in ipairs({ { type = 'NFC' }, { type = 'Sequence', normalizers = { { type = 'NFC' } } } }) do
+      local t = json.decode(tiny())
+      t.normalizer = norm
+      local n = tok.from_table(t, 'nfc.json')
+      local composed, decomposed = '\195\169', 'e\204\129'   -- U+00E9; e then U+0301
+      assert.are.same(plain:encode(composed), n:encode(decomposed))
+      assert.are_not.same(plain:encode(decomposed), n:encode(decomposed))
+      assert.are.same(plain:encode('\195\133'), n:encode('\226\132\171'))   -- the Angstrom sign is U+00C5
+      assert.are.same(plain:encode('hello world'), n:encode('hello world'))
+      -- added tokens are matched before, the text around them composed
+      local ids = n:encode(decomposed .. '<|endoftext|>' .. decomposed)
+      local want = plain:encode(composed)
+      local expect = {}
+      for _, id in ipairs(want) do expect[#expect + 1] = id end
+      expect[#expect + 1] = 263
+      for _, id in ipairs(want) do expect[#expect + 1] = id end
+      assert.are.same(expect, ids)
+      assert.has_error(function() n:encode('a\255b') end, 'tokenizer: NFC: the text is not valid UTF-8 (ICU error 10)')
+    end
+    local t = json.decode(tiny())
+    t.normalizer = { type = 'NFKC' }
+    assert.has_error(function() tok.from_table(t, 'nfkc.json') end,
+      'tokenizer: nfkc.json: normalizer NFKC is not supported (none or NFC)')
   end)
 
   it('refuses what it does not implement, naming it', function()

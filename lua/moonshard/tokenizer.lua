@@ -16,7 +16,9 @@
 --   added_tokens:   matched in the text first (longest at the leftmost
 --                   position), each its own id; lstrip/rstrip/single_word are
 --                   not applied
---   normalizer:     null (or an empty Sequence)
+--   normalizer:     null (or an empty Sequence), or NFC (Qwen's: Unicode
+--                   canonical composition through ICU, libicuuc, applied to
+--                   the text between added tokens; ASCII text is left as is)
 --   pre_tokenizer:  ByteLevel (add_prefix_space, use_regex: GPT-2's pattern),
 --                   Split (a Regex or a String pattern; behaviour Isolated,
 --                   Removed, MergedWithPrevious or MergedWithNext), Sequence
@@ -752,10 +754,16 @@ function tok.from_table(t, name)
   end
   if model.byte_fallback then fail('%s: byte_fallback BPE (SentencePiece style) is not supported; only byte-level BPE', name) end
   local norm = t.normalizer
-  if type(norm) == 'table' and not (norm.type == 'Sequence' and #(norm.normalizers or {}) == 0) then
-    fail('%s: normalizer %s is not supported (only none)', name, tostring(norm.type))
+  local nfc = false
+  if type(norm) == 'table' and norm.type == 'Sequence' and #(norm.normalizers or {}) == 1 then
+    norm = norm.normalizers[1]
   end
-  local self = setmetatable({ kind = 'bpe', name = name }, Tok)
+  if type(norm) == 'table' and norm.type == 'NFC' then
+    nfc = true
+  elseif type(norm) == 'table' and not (norm.type == 'Sequence' and #(norm.normalizers or {}) == 0) then
+    fail('%s: normalizer %s is not supported (none or NFC)', name, tostring(norm.type))
+  end
+  local self = setmetatable({ kind = 'bpe', name = name, nfc = nfc }, Tok)
   local vocab, id_to_token, maxid = {}, {}, -1
   for s, id in pairs(model.vocab) do
     vocab[s] = id
@@ -859,9 +867,73 @@ function Tok:bpe(piece, out)
   for _, id in ipairs(cached) do out[#out + 1] = id end
 end
 
+-- ------------------------------------------------------------ NFC (ICU)
+-- libicuuc through the FFI (Debian's libicu-dev), loaded on first use; its
+-- symbols carry the library's version (unorm2_normalize_72), found by trying
+local icu
+local function icu_lib()
+  if icu then return icu end
+  local ffi = require 'ffi'
+  local lib
+  for _, nm in ipairs({ 'icuuc', 'libicuuc.so' }) do
+    local ok, l = pcall(ffi.load, nm)
+    if ok then lib = l; break end
+  end
+  if not lib then fail('the NFC normalizer needs ICU (libicuuc: the Debian package libicu-dev), which did not load') end
+  pcall(ffi.cdef, 'typedef struct ms_icu_norm2 ms_icu_norm2;')
+  local sfx = { '' }
+  for v = 99, 50, -1 do sfx[#sfx + 1] = '_' .. v end
+  for _, x in ipairs(sfx) do
+    local tag = x == '' and 'u' or x:sub(2)
+    local names = { nfc = 'ms_icu_nfc_' .. tag, norm = 'ms_icu_normalize_' .. tag, from8 = 'ms_icu_from8_' .. tag,
+      to8 = 'ms_icu_to8_' .. tag }
+    pcall(ffi.cdef, ([[
+      const ms_icu_norm2 *%s(int *err) asm("unorm2_getNFCInstance%s");
+      int32_t %s(const ms_icu_norm2 *n, const uint16_t *src, int32_t len, uint16_t *dst, int32_t cap, int *err)
+        asm("unorm2_normalize%s");
+      uint16_t *%s(uint16_t *dst, int32_t cap, int32_t *plen, const char *src, int32_t len, int *err)
+        asm("u_strFromUTF8%s");
+      char *%s(char *dst, int32_t cap, int32_t *plen, const uint16_t *src, int32_t len, int *err)
+        asm("u_strToUTF8%s");
+    ]]):format(names.nfc, x, names.norm, x, names.from8, x, names.to8, x))
+    local ok = pcall(function() return lib[names.nfc] and lib[names.norm] and lib[names.from8] and lib[names.to8] end)
+    if ok then
+      local err = ffi.new('int[1]')
+      local inst = lib[names.nfc](err)
+      if err[0] > 0 or inst == nil then fail('ICU: unorm2_getNFCInstance failed (error %d)', err[0]) end
+      icu = { ffi = ffi, lib = lib, inst = inst, norm = lib[names.norm], from8 = lib[names.from8], to8 = lib[names.to8] }
+      return icu
+    end
+  end
+  fail('the NFC normalizer: libicuuc loaded but has no unorm2_normalize of a known version')
+end
+
+-- tok.nfc(s) -> s in Unicode normalisation form C (canonical composition);
+-- ASCII text is returned as it is. Invalid UTF-8 is an error.
+function tok.nfc(s)
+  if not s:find('[\128-\255]') then return s end
+  local I = icu_lib()
+  local ffi = I.ffi
+  local err, len = ffi.new('int[1]'), ffi.new('int32_t[1]')
+  local n = #s
+  local u = ffi.new('uint16_t[?]', n + 1)
+  I.from8(u, n + 1, len, s, n, err)
+  if err[0] > 0 then fail('NFC: the text is not valid UTF-8 (ICU error %d)', err[0]) end
+  local cap = 3 * len[0] + 16
+  local v = ffi.new('uint16_t[?]', cap)
+  local m = I.norm(I.inst, u, len[0], v, cap, err)
+  if err[0] > 0 then fail('NFC: unorm2_normalize failed (ICU error %d)', err[0]) end
+  local bcap = 3 * m + 16
+  local out = ffi.new('char[?]', bcap)
+  I.to8(out, bcap, len, v, m, err)
+  if err[0] > 0 then fail('NFC: u_strToUTF8 failed (ICU error %d)', err[0]) end
+  return ffi.string(out, len[0])
+end
+
 -- text without added tokens -> ids appended to out
 function Tok:encode_ordinary(s, out, first_segment)
   if s == '' then return out end
+  if self.nfc then s = tok.nfc(s) end
   local pieces = { s }
   for _, step in ipairs(self.steps) do pieces = step(pieces, first_segment) end
   for _, pc in ipairs(pieces) do
