@@ -36,7 +36,9 @@ llama.fields = {
   { 'hidden_act', { 'silu' }, 'silu', 'gate activation' },
   { 'max_position_embeddings', 'int>0', 2048, 'longest sequence' },
   { 'rms_norm_eps', 'number>0', 1e-6, 'RMSNorm epsilon' },
-  { 'rope_parameters', 'table', { rope_type = 'default', rope_theta = 10000.0 }, 'RoPE: rope_theta (rope_type default only)' },
+  { 'rope_parameters', 'table', { rope_type = 'default', rope_theta = 10000.0 },
+    'RoPE: rope_theta; rope_type default, linear (factor), llama3 (Llama 3.1: factor, low_freq_factor, high_freq_factor, '
+      .. 'original_max_position_embeddings) or yarn (factor, original_max_position_embeddings, ...)' },
   { 'attention_bias', 'bool', false, 'biases on q/k/v/o projections' },
   { 'attention_dropout', 'prob', 0.0, 'dropout on attention probabilities' },
   { 'mlp_bias', 'bool', false, 'biases on gate/up/down projections' },
@@ -66,7 +68,8 @@ llama.presets = {
 llama.presets['1b'] = llama.presets['llama-1b']
 
 -- Older configs (transformers < 5) put rope_theta at the top level and
--- rope_scaling beside it; bring them into rope_parameters.
+-- rope_scaling beside it (its type as `type` or `rope_type`); bring them
+-- into rope_parameters.
 function llama.normalize(cfg)
   if cfg.rope_parameters == hf.null then cfg.rope_parameters = nil end
   if cfg.rope_theta ~= nil and cfg.rope_theta ~= hf.null then
@@ -78,26 +81,33 @@ function llama.normalize(cfg)
     cfg.rope_parameters = rp
   end
   cfg.rope_theta = nil
-  if type(cfg.rope_scaling) == 'table' then
-    local rt = cfg.rope_scaling.rope_type or cfg.rope_scaling.type
-    if rt ~= nil and rt ~= 'default' then
-      error(('llama config: rope_scaling of type %s is not supported (default RoPE only)'):format(tostring(rt)), 3)
+  if type(cfg.rope_scaling) == 'table' and cfg.rope_scaling ~= hf.null then
+    local rp = type(cfg.rope_parameters) == 'table' and cfg.rope_parameters or { rope_theta = 10000.0 }
+    for k, v in pairs(cfg.rope_scaling) do
+      if k == 'type' then k = 'rope_type' end
+      rp[k] = v
     end
+    cfg.rope_parameters = rp
   end
   cfg.rope_scaling = nil
   if cfg.rope_parameters == nil then cfg.rope_parameters = { rope_type = 'default', rope_theta = 10000.0 } end
 end
 
+llama.rope_types = { default = true, linear = true, llama3 = true, yarn = true }
 function llama.check(cfg)
   local rp = cfg.rope_parameters
   local rt = rp.rope_type or 'default'
-  if rt ~= 'default' then
-    error(('llama config: rope_parameters.rope_type %s is not supported (default RoPE only)'):format(tostring(rt)), 3)
+  if not llama.rope_types[rt] then
+    error(('llama config: rope_parameters.rope_type %s is not supported (default, linear, llama3 or yarn)'):format(
+      tostring(rt)), 3)
   end
   if type(rp.rope_theta) ~= 'number' or rp.rope_theta <= 0 then
     error(('llama config: rope_parameters.rope_theta must be a positive number, got %s'):format(tostring(rp.rope_theta)), 3)
   end
-  rp.rope_type = 'default'
+  rp.rope_type = rt
+  if rt == 'yarn' and (rp.factor == nil or rp.factor == hf.null) and type(rp.original_max_position_embeddings) == 'number' then
+    rp.factor = cfg.max_position_embeddings / rp.original_max_position_embeddings   -- (as transformers)
+  end
   local nh = cfg.num_attention_heads
   local nkv = cfg.num_key_value_heads or nh
   if nh % nkv ~= 0 then
@@ -109,6 +119,22 @@ function llama.check(cfg)
   end
   local hd = cfg.head_dim or math.floor(cfg.hidden_size / nh)
   if hd % 2 ~= 0 then error(('llama config: head_dim (%d) must be even for RoPE'):format(hd), 3) end
+  local ok, err = pcall(llama.rope, cfg)
+  if not ok then error('llama config: rope_parameters: ' .. tostring(err):gsub('^[^:\n]*%.lua:%d+: ', ''), 3) end
+end
+
+-- the attention's RoPE for cfg: rope_theta, or the table of its scaled
+-- frequencies (nnf.linear_rope, llama3_rope, yarn_rope: transformers' rope
+-- types of the same names)
+function llama.rope(cfg)
+  local rp = cfg.rope_parameters
+  local rt = rp.rope_type or 'default'
+  if rt == 'default' then return rp.rope_theta end
+  local hd = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
+  local nnf = nn.functional
+  if rt == 'linear' then return nnf.linear_rope(rp.rope_theta, hd, rp) end
+  if rt == 'llama3' then return nnf.llama3_rope(rp.rope_theta, hd, rp) end
+  return nnf.yarn_rope(rp.rope_theta, hd, rp)
 end
 
 -- ------------------------------------------------------------------ model
@@ -138,7 +164,7 @@ function Layer:init(cfg, idx)
     self:register_module('self_attn', nn.CausalSelfAttention{
       dim = C, n_head = cfg.num_attention_heads, n_kv_head = cfg.num_key_value_heads or cfg.num_attention_heads,
       head_dim = cfg.head_dim or math.floor(C / cfg.num_attention_heads), bias = ab.bias, o_bias = ab.o_bias,
-      rope_theta = cfg.rope_parameters.rope_theta, fused_qkv = false,
+      rope_theta = llama.rope(cfg), fused_qkv = false,
       qk_norm_eps = v.qk_norm and cfg.rms_norm_eps or nil })
   end
   local name, mlp = (v.mlp or dense_mlp)(cfg, idx or 0)
@@ -347,12 +373,24 @@ function llama.fix_state_dict(sd, cfg)
   return sd
 end
 
+-- a scaled RoPE also as rope_scaling, where transformers < 5 reads it
+local function legacy_rope(cfg)
+  local rp = cfg.rope_parameters
+  if (rp.rope_type or 'default') == 'default' then return end
+  local rs = {}
+  for k, v in pairs(rp) do if k ~= 'rope_theta' then rs[k] = v end end
+  rs.type = rp.rope_type
+  cfg.rope_scaling = rs
+end
+
 -- config.json as transformers writes it for LlamaForCausalLM (rope_theta is
--- also written at the top level, where transformers < 5 looks for it)
+-- also written at the top level, and a scaled RoPE as rope_scaling, where
+-- transformers < 5 looks for them)
 function llama.export_config(cfg)
   cfg.architectures = { 'LlamaForCausalLM' }
   cfg.model_type = 'llama'
   cfg.rope_theta = cfg.rope_parameters.rope_theta
+  legacy_rope(cfg)
   cfg.head_dim = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
   cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
   cfg.hidden_act = 'silu'
@@ -385,6 +423,7 @@ function llama.decoder_family(fam, arch, extra)
     cfg.architectures = { arch }
     cfg.model_type = fam.model_type
     cfg.rope_theta = cfg.rope_parameters.rope_theta
+    legacy_rope(cfg)
     cfg.head_dim = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
     cfg.num_key_value_heads = cfg.num_key_value_heads or cfg.num_attention_heads
     cfg.hidden_act = 'silu'

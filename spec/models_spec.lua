@@ -287,7 +287,13 @@ describe('model configs', function()
     fails(llama, { num_key_value_heads = 3 }, 'multiple of num_key_value_heads')
     fails(llama, { rope_theta = 'big' }, 'rope_theta must be a positive number')
     fails(llama, { hidden_act = 'gelu' }, 'hidden_act must be one of')
-    fails(llama, { rope_parameters = { rope_type = 'yarn', rope_theta = 1e4 } }, 'not supported')
+    -- (patterns: no magic characters)
+    fails(llama, { rope_parameters = { rope_type = 'dynamic', rope_theta = 1e4, factor = 2 } },
+      'rope_type dynamic is not supported')
+    fails(llama, { rope_parameters = { rope_type = 'llama3', rope_theta = 1e4, factor = 8 } },
+      'llama3_rope: low_freq_factor must be a positive number, got nil')
+    fails(llama, { rope_parameters = { rope_type = 'yarn', rope_theta = 1e4 } },
+      'yarn_rope: factor must be a positive number, got nil')
     local ok, err = pcall(gpt2.new, 'huge')
     assert.is_false(ok)
     assert.is_truthy(tostring(err):find('unknown preset huge'))
@@ -301,9 +307,63 @@ describe('model configs', function()
     -- Llama 3 style: a list of eos ids, rope_scaling null
     cfg = hf.config(llama, 'tiny', { eos_token_id = { 1, 2 }, rope_scaling = hf.null }, { from_json = true })
     assert.are.same({ 1, 2 }, cfg.eos_token_id)
-    local ok, err = pcall(hf.config, llama, 'tiny', { rope_scaling = { rope_type = 'llama3', factor = 8 } })
-    assert.is_false(ok)
-    assert.is_truthy(tostring(err):find('rope_scaling of type llama3 is not supported', 1, true))
+    -- Llama 3.1 style: rope_scaling of rope_type llama3, beside rope_theta
+    cfg = hf.config(llama, 'tiny', { rope_theta = 5e5, rope_scaling = { rope_type = 'llama3', factor = 8.0,
+      low_freq_factor = 1.0, high_freq_factor = 4.0, original_max_position_embeddings = 8192 } }, { from_json = true })
+    assert.are.same({ rope_type = 'llama3', rope_theta = 5e5, factor = 8, low_freq_factor = 1, high_freq_factor = 4,
+      original_max_position_embeddings = 8192 }, cfg.rope_parameters)
+    assert.is_nil(cfg.rope_scaling)
+  end)
+
+  it('scaled RoPE (Llama 3.1\'s llama3, linear, yarn): the frequencies of Meta\'s apply_scaling written out, the '
+    .. 'attention using them, config.json both ways', function()
+    local nnf = nn.functional
+    local p = { factor = 8, low_freq_factor = 1, high_freq_factor = 4, original_max_position_embeddings = 8192 }
+    local r = nnf.llama3_rope(500000, 128, p)
+    local kinds = {}
+    for i = 0, 63 do
+      local f = 1 / 500000 ^ (2 * i / 128)
+      local wl = 2 * math.pi / f
+      local want, kind
+      if wl < 8192 / 4 then want, kind = f, 'kept'
+      elseif wl > 8192 / 1 then want, kind = f / 8, 'divided'
+      else
+        local sm = (8192 / wl - 1) / (4 - 1)
+        want, kind = (1 - sm) * f / 8 + sm * f, 'blended'
+      end
+      kinds[kind] = (kinds[kind] or 0) + 1
+      assert.is_true(math.abs(r.inv[i + 1] - want) <= 1e-15 * want, ('frequency %d'):format(i))
+    end
+    assert.is_true(kinds.kept > 0 and kinds.divided > 0 and kinds.blended > 0)
+    local lin = nnf.linear_rope(1e4, 8, { factor = 4 })
+    assert.are.equal(1 / 4, lin.inv[1])
+    assert.are.equal(1 / 1e4 ^ (6 / 8) / 4, lin.inv[4])
+    -- the model's attention runs on them: as the default RoPE with the same frequencies fed by hand
+    local rp = { rope_type = 'llama3', rope_theta = 5e5, factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0,
+      original_max_position_embeddings = 32 }
+    ms.manual_seed(3)
+    local m = llama.new('tiny', { num_hidden_layers = 1, rope_parameters = rp })
+    local att = m.model.layers[1].self_attn
+    assert.are.equal('table', type(att.rope_theta))
+    local x = ms.randn({ 1, 40, 128 }, { seed = 2 })
+    local y = ms.no_grad(function() return att(x) end)
+    local plain = nn.CausalSelfAttention { dim = 128, n_head = 4, n_kv_head = 2, head_dim = 32,
+      rope_theta = { key = 'by hand', inv = att.rope_theta.inv, factor = 1 } }
+    plain:load_state_dict(att:state_dict())
+    assert.are.equal(0, relerr(ms.no_grad(function() return plain(x) end), y))
+    att.rope_theta = 5e5
+    assert.is_true(relerr(ms.no_grad(function() return att(x) end), y) > 1e-3)   -- (the scaling changes the output)
+    -- config.json: rope_parameters and rope_scaling (transformers < 5), read back the same
+    local out = tmpdir()
+    local m2 = llama.new('tiny', { num_hidden_layers = 1, rope_parameters = rp })
+    m2:save_pretrained(out)
+    local j = hf.read_json(out .. '/config.json')
+    assert.are.equal('llama3', j.rope_scaling.type)
+    assert.are.equal(8, j.rope_scaling.factor)
+    assert.are.equal(5e5, j.rope_theta)
+    local ids = ms.tensor({ { 1, 2, 3, 4 } }, { dtype = 'i64' })
+    assert.are.equal(m2(ids, ids):item(), llama.from_pretrained(out)(ids, ids):item())
+    os.execute("rm -rf '" .. out .. "'")
   end)
 
   it('have presets: tiny for CPU, gpt2-124m, a ~1B llama', function()

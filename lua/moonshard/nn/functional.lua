@@ -1202,6 +1202,48 @@ end
 -- tables' multiplier }).
 local rope_cache = {}
 
+-- nnf.llama3_rope(theta, head_dim, p) -> the RoPE of rope_type 'llama3'
+-- (Llama 3.1's context extension, Meta's apply_scaling): each frequency f of
+-- wavelength 2 pi / f is kept when the wavelength is below L / high_freq_factor
+-- (L = original_max_position_embeddings), divided by factor when above
+-- L / low_freq_factor, and in between blended: (1 - s) f / factor + s f with
+-- s = (L / wavelength - low) / (high - low). A table for nnf.rope_cache's theta.
+-- nnf.linear_rope(theta, head_dim, p): rope_type 'linear', every frequency
+-- divided by p.factor (positions interpolated).
+local function rope_need(kind, p, names)
+  for _, k in ipairs(names) do
+    if type(p[k]) ~= 'number' or p[k] <= 0 then
+      error(('%s_rope: %s must be a positive number, got %s'):format(kind, k, tostring(p[k])), 3)
+    end
+  end
+end
+function nnf.llama3_rope(theta, head_dim, p)
+  rope_need('llama3', p, { 'factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings' })
+  local factor, lo, hi, L = p.factor, p.low_freq_factor, p.high_freq_factor, p.original_max_position_embeddings
+  if hi <= lo then
+    error(('llama3_rope: high_freq_factor (%g) must be above low_freq_factor (%g)'):format(hi, lo), 2)
+  end
+  local inv = {}
+  for i = 0, head_dim / 2 - 1 do
+    local f = 1 / theta ^ (2 * i / head_dim)
+    local wl = 2 * math.pi / f
+    if wl < L / hi then inv[i + 1] = f
+    elseif wl > L / lo then inv[i + 1] = f / factor
+    else
+      local sm = (L / wl - lo) / (hi - lo)
+      inv[i + 1] = (1 - sm) * f / factor + sm * f
+    end
+  end
+  return { key = ('llama3:%.17g:%d:%.17g:%.17g:%.17g:%.17g'):format(theta, head_dim, factor, lo, hi, L), inv = inv,
+    factor = 1 }
+end
+function nnf.linear_rope(theta, head_dim, p)
+  rope_need('linear', p, { 'factor' })
+  local inv = {}
+  for i = 0, head_dim / 2 - 1 do inv[i + 1] = 1 / theta ^ (2 * i / head_dim) / p.factor end
+  return { key = ('linear:%.17g:%d:%.17g'):format(theta, head_dim, p.factor), inv = inv, factor = 1 }
+end
+
 -- nnf.yarn_rope(theta, head_dim, p) -> the RoPE of rope_type 'yarn' (Peng
 -- et al. 2023, "YaRN"), with the frequencies and the attention factor
 -- Hugging Face's modeling_rope_utils computes from rope_parameters p:

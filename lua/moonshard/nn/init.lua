@@ -786,7 +786,8 @@ function GatedMLP:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, sel
 --   q/k/v when bias, on o_proj when o_bias);
 -- fused_qkv = true: GPT-2's c_attn (Conv1D dim -> 3*dim) and c_proj (Conv1D),
 --   both with bias.
--- RoPE (rope_theta) as Hugging Face Llama; GQA repeats the kv heads.
+-- RoPE (rope_theta: a theta, or a table of nnf.llama3_rope / linear_rope /
+-- yarn_rope) as Hugging Face Llama; GQA repeats the kv heads.
 local Attention = Module:extend('CausalSelfAttention')
 nn.CausalSelfAttention = Attention
 function Attention:init(cfg)
@@ -887,7 +888,8 @@ function Attention:forward(x)
 end
 function Attention:extra_repr()
   return ('dim=%d, n_head=%d, n_kv_head=%d, head_dim=%d%s%s'):format(self.dim, self.n_head, self.n_kv_head,
-    self.head_dim, self.rope_theta and (', rope_theta=%g'):format(self.rope_theta) or '',
+    self.head_dim, self.rope_theta and (type(self.rope_theta) == 'table' and (', rope ' .. self.rope_theta.key)
+      or (', rope_theta=%g'):format(self.rope_theta)) or '',
     self.fused_qkv and ', fused_qkv' or '')
 end
 
