@@ -412,18 +412,11 @@ end
 -- plain CPU tensors in a CPU run, where every "host <-> device" copy below
 -- is a copy between CPU tensors: the same code path.
 
--- a 1-d host tensor of n elements; pinned (its pointer kept in `keep`, which
--- must outlive the tensor: the unit's list) when device >= 0
-local function host_empty(n, dtype, device, keep)
-  local t = T.empty({ n }, { dtype = dtype })
-  if device < 0 or n == 0 then return t end
-  check(C.ms_storage_free_data(t), 2)       -- the CPU allocator's data
-  local box = ffi.new('void *[1]')
-  check(C.ms_cuda_host_alloc(box, t.storage.nbytes), 2)
-  local ptr = ffi.gc(box[0], C.ms_cuda_host_free)
-  keep[#keep + 1] = ptr
-  t.storage.data, t.storage.external = ptr, 1   -- not the allocator's to free
-  return t
+-- a 1-d host tensor of n elements; page-locked (ms.cuda.pinned_empty) when
+-- device >= 0
+local function host_empty(n, dtype, device)
+  if device < 0 or n == 0 then return T.empty({ n }, { dtype = dtype }) end
+  return require('moonshard.cuda').pinned_empty({ n }, dtype)
 end
 
 -- dst:copy_(src) where one of them is on the host and the other on the
@@ -470,7 +463,7 @@ function Unit:refresh_lp()
   if self.st.offload then
     local src = shard
     if self.lp.dtype ~= shard.dtype then
-      self.host_lp = self.host_lp or host_empty(shard:numel(), self.lp.dtype, self.fp.device, self.pinned)
+      self.host_lp = self.host_lp or host_empty(shard:numel(), self.lp.dtype, self.fp.device)
       no_grad(function() raw_copy(self.host_lp, shard) end)
       src = self.host_lp
     end
@@ -487,11 +480,11 @@ end
 function Unit:offload_grad(out)
   local shard, n = self.fp.shard, self.fp.shard_numel
   if shard.grad == nil then
-    self.host_grad = self.host_grad or host_empty(n, self.gdtype, self.fp.device, self.pinned)
+    self.host_grad = self.host_grad or host_empty(n, self.gdtype, self.fp.device)
     host_copy(self.st, self.host_grad, out)
     shard.grad = self.host_grad:narrow(1, 1, n)     -- a handle of its own (zero_grad frees it)
   else
-    self.host_stage = self.host_stage or host_empty(n, self.gdtype, self.fp.device, self.pinned)
+    self.host_stage = self.host_stage or host_empty(n, self.gdtype, self.fp.device)
     host_copy(self.st, self.host_stage, out)
     no_grad(function() F().add_(shard.grad, self.host_stage) end)
   end
@@ -1487,9 +1480,8 @@ function fsdp.fully_shard(model, opts)
         -- the master shard moves to the host; the device keeps only the
         -- copy the all-gather reads (unit.lp, in the parameters' dtype,
         -- f32 included)
-        unit.pinned = {}
         local dev_shard = fp.shard
-        local host = host_empty(fp.shard_numel, dev_shard.dtype, fp.device, unit.pinned)
+        local host = host_empty(fp.shard_numel, dev_shard.dtype, fp.device)
         host_copy(st, host, dev_shard)
         fp.shard = host
         if dtype == dev_shard.dtype then unit.lp = dev_shard

@@ -359,7 +359,7 @@ end
 
 -- the contiguous host copy of t in stage (a table of reusable host
 -- tensors, keyed by `key`): made, or reused when its dtype and shape match;
--- page-locked when t is on a GPU (fast copies), its pointer kept in the entry
+-- page-locked when t is on a GPU (fast copies: ms.cuda.pinned_empty)
 local function staged(writer, stage, key, t)
   local e = stage[key]
   -- a file still being written from this buffer (an earlier save not
@@ -376,15 +376,9 @@ local function staged(writer, stage, key, t)
     e = nil
   end
   if not e then
-    local h = T.empty({ t:numel() }, { dtype = t.dtype })
+    local h = pinned and require('moonshard.cuda').pinned_empty({ t:numel() }, t.dtype)
+      or T.empty({ t:numel() }, { dtype = t.dtype })
     e = { t = h, pinned = pinned }
-    if pinned and t:numel() > 0 then
-      T.check(C.ms_storage_free_data(h), 3)   -- the CPU allocator's data
-      local box = ffi.new('void *[1]')
-      T.check(C.ms_cuda_host_alloc(box, h.storage.nbytes), 3)
-      e.ptr = ffi.gc(box[0], C.ms_cuda_host_free)
-      h.storage.data, h.storage.external = e.ptr, 1   -- not the allocator's to free
-    end
     stage[key] = e
   end
   e.t:view(t.shape):copy_(t)
