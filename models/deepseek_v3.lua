@@ -91,28 +91,12 @@ deepseek_v3.presets = {
 deepseek_v3.presets['deepseek-v3'] = { q_lora_rank = 1536, n_group = 8, topk_group = 4, num_key_value_heads = 128 }
 
 -- Older configs (transformers < 5, DeepSeek's own) put rope_theta at the
--- top level and the YaRN parameters in rope_scaling (with `type`), and may
--- name the experts num_local_experts and the MTP layers num_mtp_layers.
+-- top level and the YaRN parameters in rope_scaling (with `type`), read as
+-- Llama's (llama.normalize), and may name the experts num_local_experts and
+-- the MTP layers num_mtp_layers.
 function deepseek_v3.normalize(cfg)
-  if cfg.rope_parameters == hf.null then cfg.rope_parameters = nil end
-  local rp = type(cfg.rope_parameters) == 'table' and cfg.rope_parameters or nil
-  if cfg.rope_theta ~= nil and cfg.rope_theta ~= hf.null then
-    rp = rp or {}
-    rp.rope_theta = cfg.rope_theta
-  end
-  if type(cfg.rope_scaling) == 'table' and cfg.rope_scaling ~= hf.null then
-    rp = rp or {}
-    for k, v in pairs(cfg.rope_scaling) do
-      if k == 'type' then k = 'rope_type' end
-      rp[k] = v
-    end
-  end
-  cfg.rope_theta, cfg.rope_scaling = nil, nil
-  if rp then
-    rp.rope_type = rp.rope_type or 'default'
-    rp.rope_theta = rp.rope_theta or 10000.0
-  end
-  cfg.rope_parameters = rp
+  llama.normalize(cfg)
+  cfg.rope_parameters.rope_type = cfg.rope_parameters.rope_type or 'default'
   local function absent(v) return v == nil or v == hf.null end
   if absent(cfg.n_routed_experts) and not absent(cfg.num_local_experts) then cfg.n_routed_experts = cfg.num_local_experts end
   if absent(cfg.num_nextn_predict_layers) and not absent(cfg.num_mtp_layers) then
@@ -121,7 +105,6 @@ function deepseek_v3.normalize(cfg)
   cfg.num_local_experts, cfg.num_mtp_layers = nil, nil
   if cfg.n_group == hf.null then cfg.n_group = nil end
   if cfg.topk_group == hf.null then cfg.topk_group = nil end
-  if cfg.rope_parameters == nil then cfg.rope_parameters = { rope_type = 'default', rope_theta = 10000.0 } end
 end
 
 local function cfg_error(fmt, ...) error(('deepseek_v3 config: ' .. fmt):format(...), 4) end
@@ -163,15 +146,12 @@ function deepseek_v3.check(cfg)
   end
 end
 
--- the RoPE of cfg (a theta, or nnf.yarn_rope's table) and the attention's
--- softmax scale (qk_head_dim^-0.5, times YaRN's mscale(factor,
--- mscale_all_dim)² when rope_type is yarn and mscale_all_dim is set, as
--- transformers' DeepseekV3Attention)
-function deepseek_v3.rope(cfg)
-  local rp = cfg.rope_parameters
-  if (rp.rope_type or 'default') == 'default' then return rp.rope_theta end
-  return nn.functional.yarn_rope(rp.rope_theta, cfg.qk_rope_head_dim, rp)
-end
+-- the RoPE of cfg (a theta, or nnf.yarn_rope's table: llama.rope over the
+-- qk_rope_head_dim rotary dimensions) and the attention's softmax scale
+-- (qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)² when
+-- rope_type is yarn and mscale_all_dim is set, as transformers'
+-- DeepseekV3Attention)
+function deepseek_v3.rope(cfg) return llama.rope(cfg, cfg.qk_rope_head_dim) end
 function deepseek_v3.softmax_scale(cfg)
   local s = 1 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
   local rp = cfg.rope_parameters
@@ -303,7 +283,5 @@ function deepseek_v3.fix_state_dict(sd, cfg)
   return llama.fix_state_dict(sd, cfg)
 end
 
--- the MoE layers of a model, in order (nn.moe.layers)
-function deepseek_v3.moe_layers(model) return nn.moe.layers(model) end
 
 return deepseek_v3

@@ -125,12 +125,12 @@ end
 
 -- the attention's RoPE for cfg: rope_theta, or the table of its scaled
 -- frequencies (nnf.linear_rope, llama3_rope, yarn_rope: transformers' rope
--- types of the same names)
-function llama.rope(cfg)
+-- types of the same names) over hd rotary dimensions (default: head_dim)
+function llama.rope(cfg, hd)
   local rp = cfg.rope_parameters
   local rt = rp.rope_type or 'default'
   if rt == 'default' then return rp.rope_theta end
-  local hd = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
+  hd = hd or cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
   local nnf = nn.functional
   if rt == 'linear' then return nnf.linear_rope(rp.rope_theta, hd, rp) end
   if rt == 'llama3' then return nnf.llama3_rope(rp.rope_theta, hd, rp) end

@@ -50,7 +50,6 @@ local function deinterleave(x)
   s5[n], s5[n + 1] = d / 2, 2
   return x:reshape(s5):transpose(n, n + 1):reshape(s)
 end
-mla.deinterleave = deinterleave
 
 function mla.install(nn, nnf)
   local MLA = nn.Module:extend('MLAttention')
