@@ -68,7 +68,7 @@
 -- vocab 128256 untied, RoPE theta 5e5) units by LlamaDecoderLayer; the
 -- Mixtral of bench/moe_train.sh (8 layers of 2048, 16 heads / 8 kv, 8
 -- experts of 5632, 2 a token, vocab 32000, no load-balancing loss; 2.3B
--- parameters, 0.5B active a token) units by its decoder layers; a 1.4B
+-- parameters, 0.5B active a token) units by its decoder layers; a 1.34B
 -- DeepSeek-V3 (bench/torch_deepseek.py's: 8 layers of 2048, the first
 -- dense, latent attention of 16 heads with q and kv ranks 512, q/k heads
 -- 128 + 64 (DeepSeek-V3's), v heads 128, 16 experts of 1408 in 4 groups, 4 a token, 2

@@ -1,5 +1,5 @@
 """The PyTorch reference for `bench/fsdp.lua --model deepseek --no-fsdp`: Hugging
-Face transformers' DeepseekV3ForCausalLM at the same shapes (a 1.4B DeepSeek-V3:
+Face transformers' DeepseekV3ForCausalLM at the same shapes (a 1.34B DeepSeek-V3:
 vocab 32000, width 2048, 8 layers (the first dense, MLP 5632), 16 heads, q rank
 512, kv rank 512, q/k heads 128 + 64 (RoPE; DeepSeek-V3's), v heads 128, 16 routed experts of
 1408 in 4 groups (2 a token) and 2 shared, 4 experts a token), trained on one
