@@ -874,10 +874,19 @@ local icu
 local function icu_lib()
   if icu then return icu end
   local ffi = require 'ffi'
+  -- ICU keeps the NFC instance in a static of its own, freed only by
+  -- u_cleanup. The library is opened once more with RTLD_NODELETE (0x1000 on
+  -- Linux) so that it stays mapped after lua_close collects ffi.load's
+  -- handle: the instance stays reachable from the library's data, not a leak.
+  pcall(ffi.cdef, 'void *dlopen(const char *file, int mode);')
   local lib
-  for _, nm in ipairs({ 'icuuc', 'libicuuc.so' }) do
+  for _, nm in ipairs({ 'libicuuc.so', 'icuuc' }) do
     local ok, l = pcall(ffi.load, nm)
-    if ok then lib = l; break end
+    if ok then
+      lib = l
+      pcall(function() ffi.C.dlopen(nm, 0x2 + 0x1000) end) -- RTLD_NOW | RTLD_NODELETE
+      break
+    end
   end
   if not lib then fail('the NFC normalizer needs ICU (libicuuc: the Debian package libicu-dev), which did not load') end
   pcall(ffi.cdef, 'typedef struct ms_icu_norm2 ms_icu_norm2;')
