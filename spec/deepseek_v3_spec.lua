@@ -89,30 +89,7 @@ describe('models.deepseek_v3', function()
 
   for _, case in ipairs({ 'deepseek-v3-tiny', 'deepseek-v3-tiny-qproj', 'deepseek-v3-tiny-yarn' }) do
     local dir = fixtures .. '/' .. case
-    local function golden(dtype, bound)
-      local m = ds.from_pretrained(dir)
-      if dtype ~= 'f32' then m:to(dtype) end
-      m:eval()
-      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
-      local logits = ms.no_grad(function() return m(exp.input_ids) end)
-      local e = S.relerr(logits, exp.logits)
-      assert.is_true(e < bound, ('logits: relative error %.3g >= %g'):format(e, bound))
-      m:zero_grad()
-      local loss = m(exp.input_ids, exp.targets)
-      local el = math.abs(loss:item() - exp.loss:item()) / math.abs(exp.loss:item())
-      assert.is_true(el < bound, ('loss %.9g vs %.9g (relative %.3g)'):format(loss:item(), exp.loss:item(), el))
-      loss:backward()
-      local n, want = 0, 0
-      for name, p in m:named_parameters() do
-        local g = exp['grad.' .. name]
-        assert.is_not_nil(g, 'no expected gradient for ' .. name)
-        local eg = S.relerr(p.grad, g)
-        assert.is_true(eg < bound, ('grad.%s: relative error %.3g >= %g'):format(name, eg, bound))
-        n = n + 1
-      end
-      for k in pairs(exp) do if k:match('^grad%.') then want = want + 1 end end
-      assert.are.equal(want, n)
-    end
+    local function golden(dtype, bound) S.hf_golden(ds, dir, dtype, bound) end
     it(case .. ': logits, loss and every gradient as transformers\' in f64 (1e-6)', function() golden('f64', 1e-6) end)
     it(case .. ': the same in f32 (1e-5)', function() golden('f32', 1e-5) end)
   end

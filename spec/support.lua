@@ -444,4 +444,36 @@ function S.json_cases(path)
   return cases, names
 end
 
+-- a golden run against a Hugging Face fixture folder (config.json,
+-- model.safetensors, expected.safetensors with input_ids, targets, logits,
+-- loss and grad.<name>; spec/fixtures/README.md): M.from_pretrained(dir) in
+-- dtype, logits, loss and every parameter's gradient within `bound`
+-- relative, and a gradient expected for every parameter
+function S.hf_golden(M, dir, dtype, bound)
+  local ms = require 'moonshard'
+  local m = M.from_pretrained(dir)
+  if dtype ~= 'f32' then m:to(dtype) end
+  m:eval()
+  local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+  local logits = ms.no_grad(function() return m(exp.input_ids) end)
+  local e = S.relerr(logits, exp.logits)
+  luassert.is_true(e < bound, ('logits: relative error %.3g >= %g'):format(e, bound))
+  m:zero_grad()
+  local loss = m(exp.input_ids, exp.targets)
+  local el = math.abs(loss:item() - exp.loss:item()) / math.abs(exp.loss:item())
+  luassert.is_true(el < bound, ('loss %.9g vs %.9g (relative %.3g)'):format(loss:item(), exp.loss:item(), el))
+  loss:backward()
+  local n, want = 0, 0
+  for name, p in m:named_parameters() do
+    local g = exp['grad.' .. name]
+    luassert.is_not_nil(g, 'no expected gradient for ' .. name)
+    local eg = S.relerr(p.grad, g)
+    luassert.is_true(eg < bound, ('grad.%s: relative error %.3g >= %g'):format(name, eg, bound))
+    n = n + 1
+  end
+  for k in pairs(exp) do if k:match('^grad%.') then want = want + 1 end end
+  luassert.are.equal(want, n)
+  return e
+end
+
 return S
