@@ -1,0 +1,124 @@
+# tools/make_dense_fixture.py OUT — reference fixtures of spec/fixtures/ for
+# the dense decoders (spec/hf_dense_spec.lua): Hugging Face transformers'
+# LlamaForCausalLM with each scaled RoPE (linear, llama3, yarn) past the
+# original context, Qwen2ForCausalLM (q/k/v biases, tied embeddings) and
+# Qwen3ForCausalLM (per-head q/k norms, a head width apart from the model's,
+# attention biases), computed on the CPU in float64 and stored as float32.
+# Needs torch and transformers (pip's; this machine or the lent GPU host).
+# For each case OUT/<case>/ gets:
+#   config.json          the config as transformers writes it
+#   model.safetensors    the weights under transformers' names
+#   expected.safetensors input_ids, targets (i64, about 10% -100), logits,
+#                        loss (mean over the targets kept), grad.<name> for
+#                        every parameter
+# Every parameter is drawn again (normal(0, 0.02) + normal(0, 0.05); norm
+# weights 1 + normal(0, 0.05); biases normal(0, 0.05)) so none sits at a
+# trivial value. OUT/meta.json records the versions and the losses.
+import json
+import os
+import re
+import sys
+
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             bos_token_id=0, eos_token_id=1, initializer_range=0.02)
+LLAMA = (LlamaConfig, LlamaForCausalLM)
+CASES = {
+    # Llama 3.1's RoPE: wavelengths past the original context divided by
+    # the factor, those under high_freq's kept, a blend between
+    'llama-tiny-llama3rope': (LLAMA, dict(rope_parameters=dict(
+        rope_type='llama3', rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16)), 40),
+    # positions divided by the factor
+    'llama-tiny-linear': (LLAMA, dict(rope_parameters=dict(rope_type='linear', rope_theta=10000.0, factor=2.5),
+                                      attention_bias=True, mlp_bias=True), 24),
+    # YaRN with transformers' default attention factor (0.1 ln(factor) + 1)
+    'llama-tiny-yarn': (LLAMA, dict(rope_parameters=dict(
+        rope_type='yarn', rope_theta=10000.0, factor=4.0, original_max_position_embeddings=12, beta_fast=32.0,
+        beta_slow=1.0), head_dim=32, num_attention_heads=2, num_key_value_heads=1,
+                        max_position_embeddings=48), 40),
+    # Qwen2: q/k/v biases, no o bias, the head tied to the embedding
+    'qwen2-tiny': ((Qwen2Config, Qwen2ForCausalLM), dict(rope_parameters=dict(rope_type='default',
+                                                                              rope_theta=1000000.0),
+                                                         tie_word_embeddings=True), 20),
+    # Qwen3: q and k RMS-normalised per head, heads of 24 (not 64 / 4),
+    # biases on every projection
+    'qwen3-tiny': ((Qwen3Config, Qwen3ForCausalLM), dict(rope_parameters=dict(rope_type='default',
+                                                                              rope_theta=1000000.0),
+                                                         head_dim=24, attention_bias=True), 20),
+}
+
+
+def make_config(Cfg, kw):
+    rope = kw.pop('rope_parameters')
+    try:
+        cfg = Cfg(**kw, rope_parameters=dict(rope))
+        rp = getattr(cfg, 'rope_parameters', None)
+        if not isinstance(rp, dict) or rp.get('rope_type') != rope['rope_type']:
+            raise TypeError('rope_parameters not taken')
+    except TypeError:    # (transformers < 5: rope_theta and rope_scaling)
+        rs = None
+        if rope['rope_type'] != 'default':
+            rs = {k: v for k, v in rope.items() if k != 'rope_theta'}
+            rs['type'] = rope['rope_type']
+        cfg = Cfg(**kw, rope_theta=rope['rope_theta'], rope_scaling=rs)
+    cfg._attn_implementation = 'eager'
+    return cfg
+
+
+def redraw(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if re.search(r'norm\.weight$', name):
+                p.copy_(1 + torch.randn_like(p) * 0.05)
+            elif name.endswith('.bias'):
+                p.copy_(torch.randn_like(p) * 0.05)
+            else:
+                p.copy_(torch.randn_like(p) * 0.02 + torch.randn_like(p) * 0.05)
+
+
+meta = {'transformers': transformers.__version__, 'torch': torch.__version__, 'cases': {}}
+for case, ((Cfg, Model), over, T) in CASES.items():
+    kw = dict(SMALL)
+    kw.update(over)
+    cfg = make_config(Cfg, kw)
+    torch.manual_seed(len(case))
+    model = Model(cfg).double()
+    redraw(model)
+    model.eval()
+    B = 2
+    ids = torch.randint(0, cfg.vocab_size, (B, T + 1))
+    input_ids, targets = ids[:, :T].clone(), ids[:, 1:].clone()
+    targets[torch.rand(B, T) < 0.1] = -100
+    logits = model(input_ids=input_ids).logits
+    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=-100)
+    model.zero_grad()
+    loss.backward()
+    # (tied: the head is the embedding, saved and differentiated once)
+    sd = {k: v.detach() for k, v in model.state_dict().items()
+          if 'rotary' not in k and not (cfg.tie_word_embeddings and k == 'lm_head.weight')}
+    exp = {'input_ids': input_ids, 'targets': targets, 'logits': logits.detach(), 'loss': loss.detach().reshape(1)}
+    for k, p in model.named_parameters():
+        exp['grad.' + k] = p.grad.detach()
+
+    def f32(t):
+        return t.float().contiguous() if t.is_floating_point() else t.contiguous()
+    d = out + '/' + case
+    os.makedirs(d, exist_ok=True)
+    save_file({k: f32(v) for k, v in sd.items()}, d + '/model.safetensors')
+    save_file({k: f32(v) for k, v in exp.items()}, d + '/expected.safetensors')
+    cfg.save_pretrained(d)
+    meta['cases'][case] = {'loss': loss.item(), 'params': len(sd), 'T': T}
+    print(case, 'loss %.6f' % loss.item(), 'tensors', len(sd))
+with open(out + '/meta.json', 'w') as f:
+    json.dump(meta, f, indent=1)
