@@ -3,7 +3,9 @@
 -- per-token loop of the routing math (f64); float64 finite-difference
 -- gradients of the input, the router and the experts; experts no token
 -- chose get zero gradients; the load-balancing loss as transformers'
--- formula; one expert is the dense SwiGLU MLP; errors name what is wrong.
+-- formula; one expert is the dense SwiGLU MLP; scale_input (Llama 4: the
+-- weights on the experts' inputs) against the same loop; errors name what
+-- is wrong.
 local ms = require 'moonshard'
 local nn = ms.nn
 local A = ms.autograd
@@ -42,7 +44,11 @@ local function reference(m, x)
       local w = score[idx[j]]
       if m.norm_topk then w = w / wsum end   -- (top-1 too: weight 1, as transformers)
       w = w * m.route_scale
-      acc = acc + A.no_grad(function() return m.experts[idx[j]](xr) end) * w
+      if m.scale_input then   -- (Llama 4: the weight scales the expert's input)
+        acc = acc + A.no_grad(function() return m.experts[idx[j]](xr * w) end)
+      else
+        acc = acc + A.no_grad(function() return m.experts[idx[j]](xr) end) * w
+      end
     end
     if m.shared_name then acc = acc + A.no_grad(function() return m[m.shared_name](xr) end) end
     out:narrow(1, n, 1):copy_(acc)
@@ -126,6 +132,10 @@ describe('nn.MoE', function()
     { 'sigmoid, top-2 of 6, with a shared expert', { dim = 6, hidden = 8, experts = 6, top_k = 2, score = 'sigmoid',
       shared_hidden = 12 } },
     { 'top-1 of 3', { dim = 6, hidden = 8, experts = 3, top_k = 1 } },
+    { 'scale_input (Llama 4): sigmoid, top-1 of 4, the weight on the input, a shared expert', { dim = 6, hidden = 8,
+      experts = 4, top_k = 1, score = 'sigmoid', norm_topk = false, scale_input = true, shared_hidden = 10 } },
+    { 'scale_input: softmax, top-3 of 5, not renormalised, scaled', { dim = 6, hidden = 8, experts = 5, top_k = 3,
+      norm_topk = false, route_scale = 1.5, scale_input = true } },
   }
 
   for _, c in ipairs(configs) do
@@ -214,6 +224,20 @@ describe('nn.MoE', function()
       return g
     end
     local a, b = run(1), run(8)
+    local function run_scaled(align)
+      moe.cpu_align = align
+      local m = build({ dim = 6, hidden = 10, experts = 5, top_k = 2, score = 'sigmoid', scale_input = true }, 8)
+      local x = ms.randn({ 3, 7, 6 }, { dtype = 'f64', seed = 31 }):requires_grad_()
+      local ok, y = pcall(m, x)
+      moe.cpu_align = 1
+      assert(ok, y)
+      y:backward(ms.randn({ 3, 7, 6 }, { dtype = 'f64', seed = 32 }))
+      local g = { y = y:detach(), x = x.grad }
+      for name, p in m:named_parameters() do g[name] = p.grad end
+      return g
+    end
+    local sa, sb = run_scaled(1), run_scaled(8)
+    for name, t in pairs(sa) do a['scale_input ' .. name], b['scale_input ' .. name] = t, sb[name] end
     for name, t in pairs(a) do
       local d, scale = (b[name] - t):abs():max():item(), t:abs():max():item()
       assert.is_true(scale > 0, name)
@@ -439,6 +463,8 @@ describe('nn.MoE', function()
       'MoE: experts must be a positive integer, got 0')
     assert.has_error(function() nn.MoE { dim = 4, hidden = 4, experts = 2, top_k = 1, score = 'relu' } end,
       'MoE: score must be softmax or sigmoid, got relu')
+    assert.has_error(function() nn.MoE { dim = 4, hidden = 4, experts = 2, top_k = 1, scale_input = 'yes' } end,
+      'MoE: scale_input must be a boolean, got yes')
     local m = nn.MoE { dim = 4, hidden = 4, experts = 2, top_k = 1 }
     local ok, err = pcall(function() return m(ms.randn({ 3, 5 })) end)
     assert.is_false(ok)

@@ -130,6 +130,32 @@ local Combine = A.Function {
   end,
 }
 
+-- Collect(ys (M, H), inv, tok, k) -> (N, H): each token's k rows summed as
+-- they are (scale_input: the routing weights were applied to the experts'
+-- inputs); backward: each row the token's gradient (zeros at the padding),
+-- the rows gathered as Dispatch gathers them. Dispatch's adjoint.
+local Collect = A.Function {
+  name = 'moe_collect',
+  owns_results = true,
+  forward = function(ctx, ys, inv, tok, k)
+    local N = inv.shape[1] / k
+    ctx.tok = tok
+    local out = T.empty({ N, ys.shape[2] }, { dtype = ys.dtype, device = ys.device })
+    check(T.C.ms_moe_combine(out, ys, inv, nil, k))
+    return out
+  end,
+  backward = function(ctx, g) return gather(g, ctx.tok), nil, nil, nil end,
+}
+
+-- scale_input's rows (N·k, H): slot j of token n is x2's row n times w[n][j]
+-- (w (N, k) in x2's dtype, as transformers' Llama 4 casts its scores)
+local function scaled_slots(x2, w, k)
+  local N, H = x2.shape[1], x2.shape[2]
+  if w.dtype ~= x2.dtype then w = w:to(x2.dtype) end
+  if k == 1 then return x2 * w end
+  return (x2:reshape({ N, 1, H }) * w:reshape({ N, k, 1 })):reshape({ N * k, H })
+end
+
 -- Regroup(x (R, H), fwd, bwd) -> (M, H): row r = x row fwd[r] (zeros where
 -- fwd[r] == R); backward: row j of the input's gradient = the gradient's
 -- row bwd[j] (zeros where bwd[j] == M). A bijection between the real rows
@@ -452,7 +478,8 @@ function moe.install(nn, nnf)
   --   norm_topk = true, route_scale = 1, shared_hidden = nil,
   --   names = {'gate_proj', 'up_proj', 'down_proj'}, router = 'gate',
   --   shared = 'shared_expert', shared_gate = nil, n_group = 1,
-  --   topk_group = n_group, group_score = 'top2', router_bias = false, dtype, device}
+  --   topk_group = n_group, group_score = 'top2', router_bias = false, scale_input = false,
+  --   dtype, device}
   -- shared_gate names a Linear(dim, 1) without bias that gates the shared
   -- expert per token: y = routed + sigmoid(x · g) * shared(x) (Qwen2-MoE's
   -- shared_expert_gate). n_group > 1: group-limited routing (DeepSeek-V2/V3):
@@ -464,6 +491,10 @@ function moe.install(nn, nnf)
   -- zeros, as the router's buffer e_score_correction_bias (DeepSeek-V3's
   -- name: checkpoints carry it); without it moe.enable_bias adds one to the
   -- layer as expert_bias when asked.
+  -- scale_input (Llama 4): each slot's routing weight scales the expert's
+  -- input row instead of its output, y = Σ_j expert_j(w_j x) (+ shared(x));
+  -- with score = 'sigmoid' and norm_topk = false, Llama 4's router (the
+  -- sigmoid of each chosen logit).
   -- x (..., dim) -> (..., dim). After each forward, moe:last_stats() ->
   -- counts (E, a Lua list), mean_probs (E) (the router's mean score of
   -- each expert over the tokens; differentiable under grad), tokens: what
@@ -516,6 +547,10 @@ function moe.install(nn, nnf)
     self.n_group, self.topk_group, self.group_score = G, TG, gs
     self.norm_topk = cfg.norm_topk ~= false
     self.route_scale = cfg.route_scale or 1
+    if cfg.scale_input ~= nil and type(cfg.scale_input) ~= 'boolean' then
+      error(('MoE: scale_input must be a boolean, got %s'):format(tostring(cfg.scale_input)), 3)
+    end
+    self.scale_input = cfg.scale_input == true
     local names = cfg.names or { 'gate_proj', 'up_proj', 'down_proj' }
     self.router_name = cfg.router or 'gate'
     local o = { bias = false, dtype = cfg.dtype, device = cfg.device }
@@ -568,7 +603,7 @@ function moe.install(nn, nnf)
       self.top_k, self.score, self.norm_topk and ', norm_topk' or '',
       self.shared_name and (', shared ' .. self[self.shared_name].hidden .. (self.shared_gate_name and ', gated' or ''))
         or '') .. (self.n_group > 1 and (', %d of %d groups (%s)'):format(self.topk_group, self.n_group,
-        self.group_score) or '')
+        self.group_score) or '') .. (self.scale_input and ', scale_input' or '')
   end
 
   -- the routing of x2 (N, H): probs (N, E) f32 (differentiable), ids (N, k).
@@ -621,12 +656,21 @@ function moe.install(nn, nnf)
     local tok, inv, back = st.tok, st.inv, st.back
     -- (under autocast the tokens move in the compute dtype: the experts' linears would cast them anyway)
     local xc = amp.cast(x2)
-    local xs = Dispatch(xc, tok, inv, k)
+    -- (scale_input: each slot's input row scaled by its routing weight, the
+    -- slots gathered by `back`, as rows of their own)
+    local xs
+    if self.scale_input then xs = Dispatch(scaled_slots(xc, w, k), back, inv, 1)
+    else xs = Dispatch(xc, tok, inv, k) end
     local ys = Experts(xs, st.rows, self:expert_weights(E))
-    -- each slot's row, scaled by its routing weight (in the experts' output
-    -- dtype: bf16 under autocast, as the dense MLP's), each token's k summed
-    if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
-    local y = Combine(ys, w:reshape({ N * k }), inv, back, k)
+    local y
+    if self.scale_input then
+      y = Collect(ys, inv, tok, k)
+    else
+      -- each slot's row, scaled by its routing weight (in the experts' output
+      -- dtype: bf16 under autocast, as the dense MLP's), each token's k summed
+      if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
+      y = Combine(ys, w:reshape({ N * k }), inv, back, k)
+    end
     if shared then y = y + shared end
     self:record_stats(counts, probs, N)
     return y:reshape(shape)
@@ -698,14 +742,22 @@ function moe.install(nn, nnf)
     if dev ~= 'cpu' then fwd, bwd = fwd:to(dev), bwd:to(dev) end
     local inv, back = st.inv, st.back
     if dev ~= 'cpu' then inv, back = inv:to(dev), back:to(dev) end
-    local xs = Dispatch(amp.cast(x2), st.tok:to(dev), inv, k)
+    local tok = st.tok:to(dev)
+    local xs
+    if self.scale_input then xs = Dispatch(scaled_slots(amp.cast(x2), w, k), back, inv, 1)
+    else xs = Dispatch(amp.cast(x2), tok, inv, k) end
     local xr = Exchange(xs, send, recv, ep)
     local xl = Regroup(xr, fwd, bwd)
     local yl = Experts(xl, rows, self:expert_weights(El))
     local yr = Regroup(yl, bwd, fwd)
     local ys = Exchange(yr, recv, send, ep)
-    if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
-    local y = Combine(ys, w:reshape({ N * k }), inv, back, k)
+    local y
+    if self.scale_input then
+      y = Collect(ys, inv, tok, k)
+    else
+      if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
+      y = Combine(ys, w:reshape({ N * k }), inv, back, k)
+    end
     self:record_stats(counts, probs, N)
     return y
   end
