@@ -107,9 +107,11 @@ function deepseek_v3.normalize(cfg)
   if cfg.topk_group == hf.null then cfg.topk_group = nil end
 end
 
-local function cfg_error(fmt, ...) error(('deepseek_v3 config: ' .. fmt):format(...), 4) end
-
-function deepseek_v3.check(cfg)
+-- (also DeepSeek-V2's, models/deepseek_v2.lua: its name in the errors, its
+-- group score the best expert's, so groups of one expert are fine)
+function deepseek_v3.check(cfg, name, group_score)
+  name, group_score = name or 'deepseek_v3', group_score or 'top2'
+  local function cfg_error(fmt, ...) error((name .. ' config: ' .. fmt):format(...), 4) end
   local rp = cfg.rope_parameters
   local rt = rp.rope_type or 'default'
   if rt ~= 'default' and rt ~= 'yarn' then
@@ -137,7 +139,7 @@ function deepseek_v3.check(cfg)
   if cfg.qk_rope_head_dim % 2 ~= 0 then cfg_error('qk_rope_head_dim (%d) must be even for RoPE', cfg.qk_rope_head_dim) end
   local E, G, TG, k = cfg.n_routed_experts, cfg.n_group or 1, cfg.topk_group or 1, cfg.num_experts_per_tok
   if E % G ~= 0 then cfg_error('n_routed_experts %d do not split into n_group = %d groups', E, G) end
-  if G > 1 and E / G < 2 then
+  if G > 1 and E / G < 2 and group_score == 'top2' then
     cfg_error('n_group = %d leaves groups of %d expert; a group is scored by its two best', G, E / G)
   end
   if TG > G then cfg_error('topk_group %d is more than n_group %d', TG, G) end
@@ -190,7 +192,8 @@ deepseek_v3.fsdp_block = 'LlamaDecoderLayer'
 -- build, new, from_pretrained, and export_config (DeepseekV3ForCausalLM's
 -- config.json; rope_theta also at the top level, and YaRN's parameters in
 -- rope_scaling, where transformers < 5 reads them)
-llama.decoder_family(deepseek_v3, 'DeepseekV3ForCausalLM', function(cfg)
+-- (V2's too: models/deepseek_v2.lua)
+function deepseek_v3.export_extra(cfg)
   cfg.head_dim = cfg.qk_rope_head_dim
   cfg.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
   if cfg.q_lora_rank == nil then cfg.q_lora_rank = hf.null end
@@ -201,7 +204,8 @@ llama.decoder_family(deepseek_v3, 'DeepseekV3ForCausalLM', function(cfg)
     rs.type, rs.rope_type = rp.rope_type, rp.rope_type
     cfg.rope_scaling = rs
   end
-end)
+end
+llama.decoder_family(deepseek_v3, 'DeepseekV3ForCausalLM', deepseek_v3.export_extra)
 
 -- FP8 block-quantised checkpoints (DeepSeek's own: quantization_config
 -- {quant_method = 'fp8', fmt = 'e4m3', weight_block_size = {128, 128}}):

@@ -1,8 +1,9 @@
-# tools/make_deepseek_fixture.py OUT — the DeepSeek-V3 reference fixtures
-# of spec/fixtures/ (spec/deepseek_v3_spec.lua), made with Hugging Face
-# transformers' DeepseekV3ForCausalLM on the CPU in float64, on a host that
-# has torch and transformers (the lent GPU host: the tool library's device
-# entry). For each case, OUT/<case>/ gets:
+# tools/make_deepseek_fixture.py OUT [CASE ...] — the DeepSeek-V3 and -V2
+# reference fixtures of spec/fixtures/ (spec/deepseek_v3_spec.lua,
+# spec/deepseek_v2_spec.lua), made with Hugging Face transformers'
+# DeepseekV3ForCausalLM / DeepseekV2ForCausalLM on the CPU in float64, on a
+# host that has torch and transformers (pip's, or the lent GPU host's). The
+# CASEs named (default: all). For each case, OUT/<case>/ gets:
 #   config.json          the config as transformers writes it
 #   model.safetensors    the weights, each routed expert under the Hub
 #                        checkpoints' names (mlp.experts.N.gate_proj ...)
@@ -29,12 +30,14 @@ from safetensors.torch import save_file
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,  # noqa: E402
+                          DeepseekV3ForCausalLM)
 
-mod = sys.modules[DeepseekV3ForCausalLM.__module__]
 os.makedirs(out + '/src', exist_ok=True)
 import transformers.integrations.moe as tmoe  # noqa: E402
-for m in (mod, sys.modules[DeepseekV3Config.__module__], transformers.modeling_rope_utils, tmoe):
+for m in (sys.modules[DeepseekV3ForCausalLM.__module__], sys.modules[DeepseekV3Config.__module__],
+          sys.modules[DeepseekV2ForCausalLM.__module__], sys.modules[DeepseekV2Config.__module__],
+          transformers.modeling_rope_utils, tmoe):
     shutil.copy(m.__file__, out + '/src/' + os.path.basename(m.__file__))
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -56,12 +59,25 @@ CASES = {
     'deepseek-v3-tiny-yarn': dict(rope=dict(rope_type='yarn', rope_theta=10000.0, factor=4.0,
                                             original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
                                             mscale=1.0, mscale_all_dim=0.8), T=32),
+    # DeepSeek-V2: softmax scores, group-limited greedy (a group scored by
+    # its best expert), weights scaled, not renormalised
+    'deepseek-v2-tiny': dict(v2=True, topk_method='group_limited_greedy', norm_topk_prob=False,
+                             routed_scaling_factor=1.5, rope=dict(rope_type='default', rope_theta=10000.0), T=16),
+    # DeepSeek-V2-Lite's layout: q_proj, greedy top-k over every expert,
+    # biases, YaRN with both mscales (as DeepSeek-V2's long-context configs)
+    'deepseek-v2-tiny-lite': dict(v2=True, q_lora_rank=None, topk_method='greedy', norm_topk_prob=False,
+                                  n_group=None, topk_group=None, attention_bias=True, routed_scaling_factor=1.0,
+                                  num_experts_per_tok=2, rope=dict(rope_type='yarn', rope_theta=10000.0, factor=4.0,
+                                  original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                                  mscale=0.707, mscale_all_dim=0.707), T=32),
 }
+if len(sys.argv) > 2:
+    CASES = {k: v for k, v in CASES.items() if k in sys.argv[2:]}
 
 
-def make_config(kw, rope):
+def make_config(kw, rope, Cfg):
     try:
-        cfg = DeepseekV3Config(**kw, rope_parameters=dict(rope))
+        cfg = Cfg(**kw, rope_parameters=dict(rope))
         rp = getattr(cfg, 'rope_parameters', None)
         if not isinstance(rp, dict) or rp.get('rope_type') != rope['rope_type']:
             raise TypeError('rope_parameters not taken')
@@ -70,7 +86,7 @@ def make_config(kw, rope):
         if rope['rope_type'] != 'default':
             rs = {k: v for k, v in rope.items() if k != 'rope_theta'}
             rs['type'] = rope['rope_type']
-        cfg = DeepseekV3Config(**kw, rope_theta=rope['rope_theta'], rope_scaling=rs)
+        cfg = Cfg(**kw, rope_theta=rope['rope_theta'], rope_scaling=rs)
     cfg._attn_implementation = 'eager'
     cfg._experts_implementation = 'eager'   # (the per-expert loop: torch's grouped_mm takes no float64)
     return cfg
@@ -92,10 +108,18 @@ def redraw(model):
 
 
 def route_margin(cfg, logits, bias):
-    # the smallest gap at any routing choice (the group and the expert top-k)
-    s = logits.double().sigmoid() + bias.double()
+    # the smallest gap at any routing choice (the group and the expert top-k):
+    # V3 sigmoid + bias, groups by their two best; V2 softmax, groups by the
+    # best (greedy: one group)
     E, G, TG, K = cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
-    gs = s.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+    if bias is None:
+        s = logits.double().softmax(-1)
+        if getattr(cfg, 'topk_method', 'greedy') == 'greedy':
+            G, TG = 1, 1
+        gs = s.view(-1, G, E // G).max(dim=-1)[0]
+    else:
+        s = logits.double().sigmoid() + bias.double()
+        gs = s.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
     m = math.inf
     if TG < G:
         v = gs.sort(dim=-1, descending=True)[0]
@@ -132,13 +156,14 @@ def hub_names(cfg, tensors):
 meta = {'transformers': transformers.__version__, 'torch': torch.__version__, 'cases': {}}
 for case, over in CASES.items():
     over = dict(over)
-    rope, T = over.pop('rope'), over.pop('T')
+    rope, T, v2 = over.pop('rope'), over.pop('T'), over.pop('v2', False)
     kw = dict(BASE)
     kw.update(over)
-    cfg = make_config(kw, rope)
+    Cfg, Model = (DeepseekV2Config, DeepseekV2ForCausalLM) if v2 else (DeepseekV3Config, DeepseekV3ForCausalLM)
+    cfg = make_config(kw, rope, Cfg)
     for seed in range(50):
         torch.manual_seed(seed)
-        model = DeepseekV3ForCausalLM(cfg).double()
+        model = Model(cfg).double()
         redraw(model)
         model.eval()
         B = 2
@@ -151,7 +176,7 @@ for case, over in CASES.items():
             if name.endswith('mlp.gate'):
                 hooks.append(m.register_forward_hook(lambda m, i, o: caught.append((
                     F.linear(i[0].detach().reshape(-1, cfg.hidden_size).double(), m.weight.detach().double()),
-                    m.e_score_correction_bias))))
+                    getattr(m, 'e_score_correction_bias', None)))))
         logits = model(input_ids=input_ids).logits
         for h in hooks:
             h.remove()
