@@ -366,6 +366,9 @@ function hf.save_pretrained(model, dir, opts)
   local sd, made = model:state_dict(), {}
   -- LoRA adapters merged into their weights: a plain model's folder
   if ms.nn.is_module(model) and ms.nn.has_lora(model) then sd, made = ms.nn.lora_merged(model, sd) end
+  -- (M.export_state_dict(sd, config): the model's names and layouts to the
+  -- checkpoints', where they differ: Llama 4's fused experts)
+  if M.export_state_dict then sd = M.export_state_dict(sd, model.config) end
   for name, t in pairs(sd) do
     out[name] = t:to({ dtype = dtype, device = 'cpu', copy = true }):contiguous()
   end

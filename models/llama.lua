@@ -204,8 +204,8 @@ function Layer:forward(x, pending, defer)
     r = x + a
     y = ln2(r)
   end
-  -- (Mixtral names its MoE block_sparse_moe)
-  local m = (rawget(self, 'mlp') or rawget(self, 'block_sparse_moe'))(y)
+  -- (Mixtral names its MoE block_sparse_moe, Llama 4 its MLPs feed_forward)
+  local m = (rawget(self, 'mlp') or rawget(self, 'block_sparse_moe') or rawget(self, 'feed_forward'))(y)
   if defer then return r, m end
   return r + m
 end
@@ -294,8 +294,11 @@ function Llama:forward(input_ids, targets)
   end
   local out = rawget(self, '_head')(x, pending, targets)
   -- Mixtral with output_router_logits: the loss plus router_aux_loss_coef
-  -- times the load-balancing loss over every layer's tokens (as transformers)
-  if targets ~= nil and cfg.output_router_logits then out = out + self:aux_loss(out) end
+  -- times the load-balancing loss over every layer's tokens (as transformers;
+  -- a family whose transformers model adds none says no_aux_loss: Llama 4)
+  if targets ~= nil and cfg.output_router_logits and not self.family.no_aux_loss then
+    out = out + self:aux_loss(out)
+  end
   return out
 end
 

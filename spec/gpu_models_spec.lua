@@ -236,3 +236,88 @@ describe('DeepSeek-V3 on cuda #gpu', function()
     assert.is_true(last < 0.7 * first, ('%g -> %g'):format(first, last))
   end)
 end)
+
+-- Llama 4 (models/llama4.lua) on the GPU: the transformers fixtures of
+-- spec/fixtures in f32 (logits, loss, every gradient ≤ 1e-4; the expected
+-- gradients' fused experts mapped as the weights are) and bf16 (loss ≤
+-- 3e-2); chunked attention at Llama 4's head width (128) over several
+-- chunks, the last padded, in bf16 against the CPU in f64 (≤ 2e-2); AdamW
+-- steps of the tiny preset under bf16 autocast lower the loss.
+describe('Llama 4 on cuda #gpu', function()
+  local llama4 = require 'models.llama4'
+  local l4dir = T.root .. '/spec/fixtures'
+  for _, case in ipairs({ 'llama4-tiny', 'llama4-tiny-step2', 'llama4-tiny-scout' }) do
+    it(case .. ' in f32 matches logits, loss and every gradient (1e-4); bf16 the loss (3e-2)', function()
+      local dir = l4dir .. '/' .. case
+      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+      local ids, tg = exp.input_ids:to('cuda'), exp.targets:to('cuda')
+      local model = llama4.from_pretrained(dir):to('cuda')
+      model:eval()
+      local logits = ms.no_grad(function() return model(ids) end)
+      assert.is_true(relerr(logits, exp.logits) <= 1e-4, 'logits ' .. relerr(logits, exp.logits))
+      local loss = model(ids, tg)
+      local el = math.abs(loss:item() - exp.loss:item()) / exp.loss:item()
+      assert.is_true(el <= 1e-4, 'loss ' .. el)
+      loss:backward()
+      local grads = {}
+      for k, g in pairs(exp) do
+        local n = k:match('^grad%.(.*)$')
+        if n then grads[n] = g end
+      end
+      grads = llama4.fix_state_dict(grads, model.config)
+      for pname, p in model:named_parameters() do
+        local w = grads[pname]
+        -- (a gradient zero in exact arithmetic, rounding noise in the file: spec/fixtures/README.md)
+        if (w:double() * w:double()):sum():item() < 1e-24 then w = w * 0 end
+        local e = relerr(p.grad, w)
+        assert.is_true(e <= 1e-4, pname .. ' ' .. e)
+      end
+      local mb = llama4.from_pretrained(dir):to('cuda'):to('bf16')
+      local lb = mb(ids, tg)
+      el = math.abs(lb:item() - exp.loss:item()) / exp.loss:item()
+      assert.is_true(el <= 3e-2, 'bf16 loss ' .. el)
+      lb:backward()
+    end)
+  end
+
+  it('chunked attention (head width 128, chunks of 128 over 300 positions, GQA) in bf16 against the CPU in f64 (2e-2)',
+    function()
+    local q = ms.randn({ 2, 4, 300, 128 }, { dtype = 'f64', seed = 1 })
+    local k = ms.randn({ 2, 2, 300, 128 }, { dtype = 'f64', seed = 2 })
+    local v = ms.randn({ 2, 2, 300, 128 }, { dtype = 'f64', seed = 3 })
+    local g = ms.randn({ 2, 4, 300, 128 }, { dtype = 'f64', seed = 4 })
+    local function run(dev, dt)
+      local qq = q:to({ device = dev, dtype = dt, copy = true }):detach():requires_grad_()
+      local kk = k:to({ device = dev, dtype = dt, copy = true }):detach():requires_grad_()
+      local vv = v:to({ device = dev, dtype = dt, copy = true }):detach():requires_grad_()
+      local y = llama4.chunked_attention(qq, kk, vv, 128)
+      local l = (y * g:to({ device = dev, dtype = dt })):sum()
+      l:backward()
+      return y, qq.grad, kk.grad, vv.grad
+    end
+    local ref = { run('cpu', 'f64') }
+    local got = { run('cuda', 'bf16') }
+    for i, what in ipairs({ 'y', 'dq', 'dk', 'dv' }) do
+      local e = relerr(got[i], ref[i])
+      assert.is_true(e <= 2e-2, what .. ' ' .. e)
+    end
+  end)
+
+  it('the tiny preset trains on cuda under bf16 autocast (AdamW, 30 steps on one batch)', function()
+    ms.manual_seed(4)
+    local model = ms.nn.functional.set_precision(llama4.new('tiny'):to('cuda'), { compute = 'bf16' })
+    local opt = ms.optim.AdamW(model, { lr = 3e-3 })
+    local x, y = S.token_batch(4, 160, 256, 9)
+    x, y = x:to('cuda'), y:to('cuda')
+    local first, last
+    for step = 1, 30 do
+      opt:zero_grad()
+      local loss = model(x, y)
+      loss:backward()
+      opt:step()
+      if step == 1 then first = loss:item() end
+      last = loss:item()
+    end
+    assert.is_true(last < 0.7 * first, ('%g -> %g'):format(first, last))
+  end)
+end)
