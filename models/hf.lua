@@ -197,7 +197,8 @@ hf.float_keys = {
   rope_theta = true, rms_norm_eps = true, layer_norm_epsilon = true, initializer_range = true,
   resid_pdrop = true, embd_pdrop = true, attn_pdrop = true, attention_dropout = true,
   summary_first_dropout = true, routed_scaling_factor = true, factor = true, beta_fast = true, beta_slow = true,
-  mscale = true, mscale_all_dim = true,
+  mscale = true, mscale_all_dim = true, low_freq_factor = true, high_freq_factor = true,
+  router_aux_loss_coef = true, router_jitter_noise = true, attn_scale = true,
 }
 local function json_number(v, float)
   if v ~= v or v == math.huge or v == -math.huge then
@@ -375,6 +376,31 @@ function hf.save_pretrained(model, dir, opts)
   for _, t in ipairs(made) do t:free() end
   ms.save_safetensors(dir .. '/model.safetensors', out, { format = 'pt' })
   return dir
+end
+
+-- hf.export_file(M, path, config): a safetensors file in the model's own
+-- names and layouts (fsdp_checkpoint.save_full's, streamed from the
+-- ranks) rewritten in the checkpoints' (M.export_state_dict: Llama 4's
+-- fused experts), one tensor at a time: the file read deferred, each
+-- tensor of the new one made when the stream takes it, the new file
+-- renamed over the old. Nothing to do without M.export_state_dict.
+function hf.export_file(M, path, config)
+  if not M.export_state_dict then return path end
+  local st = require 'moonshard.safetensors'
+  local sd = M.export_state_dict(st.load_deferred(path), config)
+  local names = {}
+  for name in pairs(sd) do names[#names + 1] = name end
+  table.sort(names)
+  local entries = {}
+  for i, name in ipairs(names) do entries[i] = { name = name, shape = sd[name].shape, dtype = sd[name].dtype } end
+  local out = st.stream(path, entries, { format = 'pt' })
+  for _, name in ipairs(names) do
+    local t = sd[name]
+    local h = T.empty(t.shape, { dtype = t.dtype })
+    if T.is_deferred(t) then T.replay(t, h) else h:copy_(t) end
+    out:put(h)
+  end
+  return out:finish()
 end
 
 -- ----------------------------------------------------------------- inputs

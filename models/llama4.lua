@@ -443,8 +443,10 @@ function llama4.fix_state_dict(sd, cfg)
   return llama.fix_state_dict(sd, cfg)
 end
 
--- model -> checkpoint (hf.save_pretrained): each MoE layer's experts fused
--- again into gate_up_proj (E, H, 2I) and down_proj (E, I, H), on the host
+-- model -> checkpoint (hf.save_pretrained, hf.export_file): each MoE
+-- layer's experts fused again into gate_up_proj (E, H, 2I) and down_proj
+-- (E, I, H), on the host; from deferred tensors (a file read lazily) the
+-- fused ones are deferred too, each made when it is replayed
 function llama4.export_state_dict(sd, cfg)
   local E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
   local prefixes = {}
@@ -452,27 +454,55 @@ function llama4.export_state_dict(sd, cfg)
     local p = name:match('^(.*%.feed_forward%.experts)%.0%.gate_proj%.weight$')
     if p then prefixes[#prefixes + 1] = p end
   end
-  ms.no_grad(function()
-    for _, p in ipairs(prefixes) do
-      local dt = sd[p .. '.0.gate_proj.weight'].dtype
-      local gu = T.empty({ E, H, 2 * I }, { dtype = dt })
-      local dn = T.empty({ E, I, H }, { dtype = dt })
-      for e = 0, E - 1 do
-        local q = p .. '.' .. e .. '.'
-        local g, u, d = sd[q .. 'gate_proj.weight'], sd[q .. 'up_proj.weight'], sd[q .. 'down_proj.weight']
-        if g == nil or u == nil or d == nil then
-          error(('llama4: save: expert %s%s is missing (an expert-parallel model saves through ep.full_state_dict)')
-            :format(q, g == nil and 'gate_proj.weight' or (u == nil and 'up_proj.weight' or 'down_proj.weight')), 3)
-        end
-        local slab = gu:narrow(1, e + 1, 1):reshape({ H, 2 * I })
-        slab:narrow(2, 1, I):copy_(g:to({ dtype = dt, device = 'cpu' }):t())
-        slab:narrow(2, I + 1, I):copy_(u:to({ dtype = dt, device = 'cpu' }):t())
-        dn:narrow(1, e + 1, 1):reshape({ I, H }):copy_(d:to({ dtype = dt, device = 'cpu' }):t())
-        sd[q .. 'gate_proj.weight'], sd[q .. 'up_proj.weight'], sd[q .. 'down_proj.weight'] = nil, nil, nil
+  local function host(t, dt)
+    if T.is_deferred(t) then return T.replay(t, T.empty(t.shape, { dtype = t.dtype })):to(dt) end
+    return t:to({ dtype = dt, device = 'cpu' })
+  end
+  for _, p in ipairs(prefixes) do
+    local first = sd[p .. '.0.gate_proj.weight']
+    local dt, lazy = first.dtype, T.is_deferred(first)
+    local ws = {}
+    for e = 0, E - 1 do
+      local q = p .. '.' .. e .. '.'
+      local g, u, d = sd[q .. 'gate_proj.weight'], sd[q .. 'up_proj.weight'], sd[q .. 'down_proj.weight']
+      if g == nil or u == nil or d == nil then
+        error(('llama4: save: expert %s%s is missing (an expert-parallel model saves through ep.full_state_dict)')
+          :format(q, g == nil and 'gate_proj.weight' or (u == nil and 'up_proj.weight' or 'down_proj.weight')), 3)
       end
-      sd[p .. '.gate_up_proj'], sd[p .. '.down_proj'] = gu, dn
+      ws[e + 1] = { g, u, d }
+      sd[q .. 'gate_proj.weight'], sd[q .. 'up_proj.weight'], sd[q .. 'down_proj.weight'] = nil, nil, nil
     end
-  end)
+    local function gate_up()
+      return ms.no_grad(function()
+        local gu = T.empty({ E, H, 2 * I }, { dtype = dt })
+        for e = 0, E - 1 do
+          local slab = gu:narrow(1, e + 1, 1):reshape({ H, 2 * I })
+          slab:narrow(2, 1, I):copy_(host(ws[e + 1][1], dt):t())
+          slab:narrow(2, I + 1, I):copy_(host(ws[e + 1][2], dt):t())
+        end
+        return gu
+      end)
+    end
+    local function down()
+      return ms.no_grad(function()
+        local dn = T.empty({ E, I, H }, { dtype = dt })
+        for e = 0, E - 1 do dn:narrow(1, e + 1, 1):reshape({ I, H }):copy_(host(ws[e + 1][3], dt):t()) end
+        return dn
+      end)
+    end
+    if lazy then
+      local function deferred(shape, make)
+        return T.deferred_fn(shape, dt, function(from, n)
+          local whole = make():reshape({ shape[1] * shape[2] * shape[3] })
+          if from == 0 and n == whole:numel() then return whole end
+          return whole:narrow(1, from + 1, n):contiguous()
+        end)
+      end
+      sd[p .. '.gate_up_proj'], sd[p .. '.down_proj'] = deferred({ E, H, 2 * I }, gate_up), deferred({ E, I, H }, down)
+    else
+      sd[p .. '.gate_up_proj'], sd[p .. '.down_proj'] = gate_up(), down()
+    end
+  end
   return sd
 end
 

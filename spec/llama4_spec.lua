@@ -392,7 +392,7 @@ describe('models.llama4', function()
       S.moe_train_runs('models/llama4.lua', flags, { '--fsdp FULL_SHARD', '--ep 2', '--ep 2 --fsdp FULL_SHARD' }, '')
     end)
 
-    it('--out holds a checkpoint transformers\' names (fused experts) that reads back; under --fsdp too; '
+    it('--out holds a checkpoint in transformers\' names (fused experts) that reads back; under --fsdp too; '
       .. '--moe-bias-rate balances', function()
       local dir = S.tmpdir()
       local f = flags .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
@@ -405,8 +405,18 @@ describe('models.llama4', function()
       local m = llama4.from_pretrained(dir .. '/one')
       assert.is_true(m.model.layers[2].feed_forward.expert_bias:abs():sum():item() > 0)
       status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/llama4.lua %s --batch-size 4 '
-        .. '--steps 2 --fsdp FULL_SHARD --out %s/fsdp'):format(f, q(dir)))
+        .. '--steps 2 --fsdp FULL_SHARD --moe-bias-rate 0.01 --out %s/fsdp'):format(f, q(dir)))
       assert.are.equal(0, status, text)
+      -- (save_full's file in our experts' names, rewritten in the checkpoints': hf.export_file)
+      local sf = ms.load_safetensors(dir .. '/fsdp/model.safetensors')
+      assert.are.same({ 4, 32, 64 }, sf['model.layers.1.feed_forward.experts.gate_up_proj'].shape)
+      assert.are.same({ 4, 32, 32 }, sf['model.layers.1.feed_forward.experts.down_proj'].shape)
+      assert.is_nil(sf['model.layers.1.feed_forward.experts.3.down_proj.weight'])
+      local ka, kb = {}, {}
+      for k in pairs(sd) do ka[#ka + 1] = k end
+      for k in pairs(sf) do kb[#kb + 1] = k end
+      table.sort(ka); table.sort(kb)
+      assert.are.same(ka, kb)
       local x, y = S.token_batch(2, 20, 256, 3)
       assert.is_true(llama4.from_pretrained(dir .. '/fsdp')(x, y):item() > 0)
       os.execute('rm -rf ' .. q(dir))

@@ -1920,6 +1920,10 @@ function train.run(opts)
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return {} end }, o.out)
       end
       fck().save_full(model, o.out .. '/model.safetensors')
+      -- (the checkpoints' layout where the model's differs: Llama 4's fused experts)
+      if rank == 0 and model.family and model.family.export_state_dict then
+        require('models.hf').export_file(model.family, o.out .. '/model.safetensors', model.config)
+      end
     else
       model:save_pretrained(o.out)
     end
