@@ -326,7 +326,10 @@ end
 function hf.from_pretrained(M, dir, opts)
   opts = opts or {}
   if type(dir) ~= 'string' then error(('%s.from_pretrained: expected a folder path, got %s'):format(M.name, describe(dir)), 3) end
-  local raw, err = hf.read_json(dir .. '/config.json')
+  -- (opts.config: the config table itself, read by the caller from the
+  -- folder's config.json: Llama 4's text_config inside a multimodal one)
+  local raw, err
+  if opts.config ~= nil then raw = deepcopy(opts.config) else raw, err = hf.read_json(dir .. '/config.json') end
   if not raw then error(('%s.from_pretrained: %s'):format(M.name, err), 3) end
   if raw.model_type and M.model_type and raw.model_type ~= M.model_type then
     error(('%s.from_pretrained: %s/config.json has model_type %s, expected %s'):format(

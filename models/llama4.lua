@@ -411,9 +411,28 @@ end
 
 -- checkpoint -> model: the fused experts split; a tied checkpoint's
 -- lm_head.weight dropped (llama.fix_state_dict). A checkpoint already in
--- our experts' names (bin/train --fsdp's --out) passes as it is.
+-- our experts' names (bin/train --fsdp's --out) passes as it is. A
+-- Llama4ForConditionalGeneration checkpoint (the Hub's Llama 4 folders)
+-- gives its language_model.* tensors, the vision model's and the
+-- projector's left out.
 function llama4.fix_state_dict(sd, cfg)
   local E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+  local multimodal = false
+  for name in pairs(sd) do
+    if name:match('^language_model%.') then multimodal = true; break end
+  end
+  if multimodal then
+    local text = {}
+    for name, t in pairs(sd) do
+      local n = name:match('^language_model%.(.*)$')
+      if n then text[n] = t
+      elseif not (name:match('^vision_model%.') or name:match('^multi_modal_projector%.')) then
+        error(('llama4: %s is neither the language model\'s (language_model.*) nor the vision model\'s or the '
+          .. 'projector\'s'):format(name), 3)
+      end
+    end
+    sd = text
+  end
   local fused = {}
   for name in pairs(sd) do
     local p = name:match('^(.*%.feed_forward%.experts)%.gate_up_proj$')
@@ -517,5 +536,33 @@ llama.decoder_family(llama4, 'Llama4ForCausalLM', function(cfg)
   if cfg.attention_chunk_size == nil then cfg.attention_chunk_size = hf.null end
 end)
 llama4.fix_state_dict = fix
+
+-- llama4.from_pretrained(dir, opts): a llama4_text folder (config.json +
+-- model.safetensors or its shards), or a Llama4ForConditionalGeneration
+-- one (model_type llama4, the Hub's Llama 4 folders): its text_config and
+-- its language model's tensors (the vision model's left out).
+-- save_pretrained writes a llama4_text folder.
+function llama4.from_pretrained(dir, opts)
+  opts = opts or {}
+  if type(dir) == 'string' then
+    local raw = hf.read_json(dir .. '/config.json')
+    if type(raw) == 'table' and raw.model_type == 'llama4' then
+      local tc = raw.text_config
+      if type(tc) ~= 'table' or tc == hf.null then
+        error(('llama4.from_pretrained: %s/config.json has model_type llama4 but no text_config'):format(dir), 2)
+      end
+      if tc.model_type ~= nil and tc.model_type ~= 'llama4_text' then
+        error(('llama4.from_pretrained: %s/config.json\'s text_config has model_type %s, expected llama4_text'):format(
+          dir, tostring(tc.model_type)), 2)
+      end
+      local o = {}
+      for k, v in pairs(opts) do o[k] = v end
+      o.config = hf.deepcopy(tc)
+      o.config.model_type = 'llama4_text'   -- (the text config's tie_word_embeddings ties, as transformers)
+      opts = o
+    end
+  end
+  return hf.from_pretrained(llama4, dir, opts)
+end
 
 return llama4

@@ -221,6 +221,42 @@ describe('models.llama4', function()
     os.execute('rm -rf ' .. q(dir) .. ' ' .. q(own))
   end)
 
+  it('reads a Llama4ForConditionalGeneration folder (the Hub\'s Llama 4: model_type llama4): its text_config and '
+    .. 'language_model.* tensors, the vision model\'s left out; whole or deferred', function()
+    local src = fixtures .. '/llama4-tiny'
+    local dir = S.tmpdir()
+    local text = hf.read_json(src .. '/config.json')
+    hf.write_json(dir .. '/config.json', { model_type = 'llama4', architectures = { 'Llama4ForConditionalGeneration' },
+      text_config = text, vision_config = { model_type = 'llama4_vision_model', hidden_size = 8 },
+      image_token_index = 200092, tie_word_embeddings = false })
+    local sd = {}
+    for name, t in pairs(ms.load_safetensors(src .. '/model.safetensors')) do sd['language_model.' .. name] = t end
+    sd['vision_model.class_embedding'] = ms.randn({ 8 })
+    sd['multi_modal_projector.linear_1.weight'] = ms.randn({ 4, 8 })
+    ms.save_safetensors(dir .. '/model.safetensors', sd)
+    local exp = ms.load_safetensors(src .. '/expected.safetensors')
+    local m = llama4.from_pretrained(dir, { dtype = 'f64' })
+    assert.are.equal('llama4_text', m.config.model_type)
+    local e = S.relerr(ms.no_grad(function() return m(exp.input_ids) end), exp.logits)
+    assert.is_true(e < 1e-6, 'logits ' .. e)
+    local lazy = ms.nn.materialize(llama4.from_pretrained(dir, { deferred = true })):to('f64')
+    assert.are.equal(0, (ms.no_grad(function() return lazy(exp.input_ids) end) - ms.no_grad(function()
+      return m(exp.input_ids) end)):abs():max():item())
+    -- saved: a llama4_text folder
+    local out = S.tmpdir()
+    m:save_pretrained(out)
+    assert.are.equal('llama4_text', hf.read_json(out .. '/config.json').model_type)
+    assert.is_not_nil(ms.load_safetensors(out .. '/model.safetensors')['model.layers.0.feed_forward.experts.gate_up_proj'])
+    -- a tensor of neither part is named
+    sd['audio_model.weight'] = ms.zeros({ 2 })
+    ms.save_safetensors(dir .. '/model.safetensors', sd)
+    local ok, err = pcall(llama4.from_pretrained, dir)
+    assert.is_false(ok)
+    assert.matches('llama4: audio_model.weight is neither the language model\'s (language_model.*) nor the vision '
+      .. 'model\'s or the projector\'s', tostring(err), 1, true)
+    os.execute('rm -rf ' .. q(dir) .. ' ' .. q(out))
+  end)
+
   it('chunked attention: the fused kernel over chunks equals the chunked causal mask written out (f64, 1e-12), '
     .. 'padded or not, with GQA; plain causal when T <= chunk; finite differences', function()
     for _, c in ipairs({ { 3, 4 }, { 8, 4 }, { 10, 4 }, { 13, 5 }, { 7, 1 } }) do
@@ -352,12 +388,16 @@ describe('models.llama4', function()
     bad({ floor_scale = 0 }, 'llama4 config: floor_scale must be a positive integer, got 0')
     -- every layer NoPE: no RoPE needed, an odd head_dim allowed; no chunked layers: no chunk size needed
     assert.is_not_nil(llama4.new(small({ no_rope_layers = { 0, 0, 0, 0 }, head_dim = 7, attention_chunk_size = hf.null })))
-    -- Llama4ForConditionalGeneration's folder (model_type llama4) is named
+    -- a folder of another model is named
     local dir = S.tmpdir()
-    hf.write_json(dir .. '/config.json', { model_type = 'llama4', text_config = small() })
+    hf.write_json(dir .. '/config.json', { model_type = 'llama', hidden_size = 16 })
     local ok, err = pcall(llama4.from_pretrained, dir)
     assert.is_false(ok)
-    assert.matches('config.json has model_type llama4, expected llama4_text', tostring(err), 1, true)
+    assert.matches('config.json has model_type llama, expected llama4_text', tostring(err), 1, true)
+    hf.write_json(dir .. '/config.json', { model_type = 'llama4', vision_config = {} })
+    ok, err = pcall(llama4.from_pretrained, dir)
+    assert.is_false(ok)
+    assert.matches('config.json has model_type llama4 but no text_config', tostring(err), 1, true)
     os.execute('rm -rf ' .. q(dir))
     -- bad input
     local m = llama4.new(small())
