@@ -465,7 +465,8 @@ end
 -- model -> checkpoint (hf.save_pretrained, hf.export_file): each MoE
 -- layer's experts fused again into gate_up_proj (E, H, 2I) and down_proj
 -- (E, I, H), on the host; from deferred tensors (a file read lazily) the
--- fused ones are deferred too, each made when it is replayed
+-- fused ones are deferred too, each made when it is replayed. A new
+-- table (sd as it is when it holds no experts in our names)
 function llama4.export_state_dict(sd, cfg)
   local E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
   local prefixes = {}
@@ -473,6 +474,10 @@ function llama4.export_state_dict(sd, cfg)
     local p = name:match('^(.*%.feed_forward%.experts)%.0%.gate_proj%.weight$')
     if p then prefixes[#prefixes + 1] = p end
   end
+  if #prefixes == 0 then return sd end
+  local src = sd
+  sd = {}
+  for name, t in pairs(src) do sd[name] = t end
   local function host(t, dt)
     if T.is_deferred(t) then return T.replay(t, T.empty(t.shape, { dtype = t.dtype })):to(dt) end
     return t:to({ dtype = dt, device = 'cpu' })

@@ -654,26 +654,32 @@ function moe.install(nn, nnf)
     end
     local counts = st.counts
     local tok, inv, back = st.tok, st.inv, st.back
-    -- (under autocast the tokens move in the compute dtype: the experts' linears would cast them anyway)
-    local xc = amp.cast(x2)
-    -- (scale_input: each slot's input row scaled by its routing weight, the
-    -- slots gathered by `back`, as rows of their own)
-    local xs
-    if self.scale_input then xs = Dispatch(scaled_slots(xc, w, k), back, inv, 1)
-    else xs = Dispatch(xc, tok, inv, k) end
+    local xs = self:dispatch(x2, w, k, tok, inv, back)
     local ys = Experts(xs, st.rows, self:expert_weights(E))
-    local y
-    if self.scale_input then
-      y = Collect(ys, inv, tok, k)
-    else
-      -- each slot's row, scaled by its routing weight (in the experts' output
-      -- dtype: bf16 under autocast, as the dense MLP's), each token's k summed
-      if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
-      y = Combine(ys, w:reshape({ N * k }), inv, back, k)
-    end
+    local y = self:combine(ys, w, k, tok, inv, back)
     if shared then y = y + shared end
     self:record_stats(counts, probs, N)
     return y:reshape(shape)
+  end
+
+  -- the rows the experts take (M, H), in the slot sort's order (tok: row
+  -- -> token, inv: slot -> row, back: row -> slot): each slot's token row
+  -- (in the compute dtype under autocast: the experts' linears would cast
+  -- it anyway), or with scale_input that row times the slot's routing
+  -- weight w (N, k), the slots gathered by `back` as rows of their own
+  function MoE:dispatch(x2, w, k, tok, inv, back)
+    local xc = amp.cast(x2)
+    if self.scale_input then return Dispatch(scaled_slots(xc, w, k), back, inv, 1) end
+    return Dispatch(xc, tok, inv, k)
+  end
+  -- the experts' output rows ys (M, H) back to the tokens (N, H): each
+  -- token's k rows weighted by w (in the rows' dtype: bf16 under autocast,
+  -- as the dense MLP's) and summed, or with scale_input (the weights
+  -- already on the inputs) summed as they are
+  function MoE:combine(ys, w, k, tok, inv, back)
+    if self.scale_input then return Collect(ys, inv, tok, k) end
+    if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
+    return Combine(ys, w:reshape({ w.shape[1] * k }), inv, back, k)
   end
 
   -- the first n experts' (gate, up, down) weights in turn
@@ -743,21 +749,13 @@ function moe.install(nn, nnf)
     local inv, back = st.inv, st.back
     if dev ~= 'cpu' then inv, back = inv:to(dev), back:to(dev) end
     local tok = st.tok:to(dev)
-    local xs
-    if self.scale_input then xs = Dispatch(scaled_slots(amp.cast(x2), w, k), back, inv, 1)
-    else xs = Dispatch(amp.cast(x2), tok, inv, k) end
+    local xs = self:dispatch(x2, w, k, tok, inv, back)
     local xr = Exchange(xs, send, recv, ep)
     local xl = Regroup(xr, fwd, bwd)
     local yl = Experts(xl, rows, self:expert_weights(El))
     local yr = Regroup(yl, bwd, fwd)
     local ys = Exchange(yr, recv, send, ep)
-    local y
-    if self.scale_input then
-      y = Collect(ys, inv, tok, k)
-    else
-      if w.dtype ~= ys.dtype then w = w:to(ys.dtype) end
-      y = Combine(ys, w:reshape({ N * k }), inv, back, k)
-    end
+    local y = self:combine(ys, w, k, tok, inv, back)
     self:record_stats(counts, probs, N)
     return y
   end
