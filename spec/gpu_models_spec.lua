@@ -17,6 +17,61 @@ local function relerr(got, want)
   return math.sqrt((d * d):sum():item() / den)
 end
 
+-- A transformers fixture folder of spec/fixtures (M's) on the GPU: in f32
+-- logits, loss and every gradient within 1e-4 (the expected gradients
+-- through map(grads, config) first when given: Llama 4's fused experts;
+-- a gradient zero in exact arithmetic, rounding noise in the file, taken
+-- as zero), in bf16 the loss within 3e-2.
+local function fixture_on_cuda(M, dir, map)
+  local exp = ms.load_safetensors(dir .. '/expected.safetensors')
+  local ids, tg = exp.input_ids:to('cuda'), exp.targets:to('cuda')
+  local model = M.from_pretrained(dir):to('cuda')
+  model:eval()
+  local logits = ms.no_grad(function() return model(ids) end)
+  assert.is_true(relerr(logits, exp.logits) <= 1e-4, 'logits ' .. relerr(logits, exp.logits))
+  local loss = model(ids, tg)
+  local el = math.abs(loss:item() - exp.loss:item()) / exp.loss:item()
+  assert.is_true(el <= 1e-4, 'loss ' .. el)
+  loss:backward()
+  local grads = {}
+  for k, g in pairs(exp) do
+    local n = k:match('^grad%.(.*)$')
+    if n then grads[n] = g end
+  end
+  if map then grads = map(grads, model.config) end
+  for pname, p in model:named_parameters() do
+    local w = grads[pname]
+    if (w:double() * w:double()):sum():item() < 1e-24 then w = w * 0 end
+    local e = relerr(p.grad, w)
+    assert.is_true(e <= 1e-4, pname .. ' ' .. e)
+  end
+  local mb = M.from_pretrained(dir):to('cuda'):to('bf16')
+  local lb = mb(ids, tg)
+  el = math.abs(lb:item() - exp.loss:item()) / exp.loss:item()
+  assert.is_true(el <= 3e-2, 'bf16 loss ' .. el)
+  lb:backward()
+end
+
+-- M's tiny preset, 30 AdamW steps on one (4, Tn) batch on cuda under bf16
+-- autocast: the loss falls below 0.7 of its first value
+local function tiny_trains_on_cuda(M, Tn)
+  ms.manual_seed(4)
+  local model = ms.nn.functional.set_precision(M.new('tiny'):to('cuda'), { compute = 'bf16' })
+  local opt = ms.optim.AdamW(model, { lr = 3e-3 })
+  local x, y = S.token_batch(4, Tn, 256, 9)
+  x, y = x:to('cuda'), y:to('cuda')
+  local first, last
+  for step = 1, 30 do
+    opt:zero_grad()
+    local loss = model(x, y)
+    loss:backward()
+    opt:step()
+    if step == 1 then first = loss:item() end
+    last = loss:item()
+  end
+  assert.is_true(last < 0.7 * first, ('%g -> %g'):format(first, last))
+end
+
 describe('fixture models on cuda #gpu', function()
   for _, name in ipairs({ 'gpt2-tiny', 'llama-tiny' }) do
     local M = require(name:match('^gpt2') and 'models.gpt2' or 'models.llama')
@@ -157,26 +212,7 @@ describe('DeepSeek-V3 on cuda #gpu', function()
   local dsdir = T.root .. '/spec/fixtures'
   for _, case in ipairs({ 'deepseek-v3-tiny', 'deepseek-v3-tiny-qproj', 'deepseek-v3-tiny-yarn' }) do
     it(case .. ' in f32 matches logits, loss and every gradient (1e-4); bf16 the loss (3e-2)', function()
-      local dir = dsdir .. '/' .. case
-      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
-      local ids, tg = exp.input_ids:to('cuda'), exp.targets:to('cuda')
-      local model = ds.from_pretrained(dir):to('cuda')
-      model:eval()
-      local logits = ms.no_grad(function() return model(ids) end)
-      assert.is_true(relerr(logits, exp.logits) <= 1e-4, 'logits ' .. relerr(logits, exp.logits))
-      local loss = model(ids, tg)
-      local el = math.abs(loss:item() - exp.loss:item()) / exp.loss:item()
-      assert.is_true(el <= 1e-4, 'loss ' .. el)
-      loss:backward()
-      for pname, p in model:named_parameters() do
-        local e = relerr(p.grad, exp['grad.' .. pname])
-        assert.is_true(e <= 1e-4, pname .. ' ' .. e)
-      end
-      local mb = ds.from_pretrained(dir):to('cuda'):to('bf16')
-      local lb = mb(ids, tg)
-      el = math.abs(lb:item() - exp.loss:item()) / exp.loss:item()
-      assert.is_true(el <= 3e-2, 'bf16 loss ' .. el)
-      lb:backward()
+      fixture_on_cuda(ds, dsdir .. '/' .. case)
     end)
   end
 
@@ -219,21 +255,7 @@ describe('DeepSeek-V3 on cuda #gpu', function()
   end)
 
   it('the tiny preset trains on cuda under bf16 autocast (AdamW, 30 steps on one batch)', function()
-    ms.manual_seed(4)
-    local model = ms.nn.functional.set_precision(ds.new('tiny'):to('cuda'), { compute = 'bf16' })
-    local opt = ms.optim.AdamW(model, { lr = 3e-3 })
-    local x, y = S.token_batch(4, 64, 256, 9)
-    x, y = x:to('cuda'), y:to('cuda')
-    local first, last
-    for step = 1, 30 do
-      opt:zero_grad()
-      local loss = model(x, y)
-      loss:backward()
-      opt:step()
-      if step == 1 then first = loss:item() end
-      last = loss:item()
-    end
-    assert.is_true(last < 0.7 * first, ('%g -> %g'):format(first, last))
+    tiny_trains_on_cuda(ds, 64)
   end)
 end)
 
@@ -248,35 +270,7 @@ describe('Llama 4 on cuda #gpu', function()
   local l4dir = T.root .. '/spec/fixtures'
   for _, case in ipairs({ 'llama4-tiny', 'llama4-tiny-step2', 'llama4-tiny-scout' }) do
     it(case .. ' in f32 matches logits, loss and every gradient (1e-4); bf16 the loss (3e-2)', function()
-      local dir = l4dir .. '/' .. case
-      local exp = ms.load_safetensors(dir .. '/expected.safetensors')
-      local ids, tg = exp.input_ids:to('cuda'), exp.targets:to('cuda')
-      local model = llama4.from_pretrained(dir):to('cuda')
-      model:eval()
-      local logits = ms.no_grad(function() return model(ids) end)
-      assert.is_true(relerr(logits, exp.logits) <= 1e-4, 'logits ' .. relerr(logits, exp.logits))
-      local loss = model(ids, tg)
-      local el = math.abs(loss:item() - exp.loss:item()) / exp.loss:item()
-      assert.is_true(el <= 1e-4, 'loss ' .. el)
-      loss:backward()
-      local grads = {}
-      for k, g in pairs(exp) do
-        local n = k:match('^grad%.(.*)$')
-        if n then grads[n] = g end
-      end
-      grads = llama4.fix_state_dict(grads, model.config)
-      for pname, p in model:named_parameters() do
-        local w = grads[pname]
-        -- (a gradient zero in exact arithmetic, rounding noise in the file: spec/fixtures/README.md)
-        if (w:double() * w:double()):sum():item() < 1e-24 then w = w * 0 end
-        local e = relerr(p.grad, w)
-        assert.is_true(e <= 1e-4, pname .. ' ' .. e)
-      end
-      local mb = llama4.from_pretrained(dir):to('cuda'):to('bf16')
-      local lb = mb(ids, tg)
-      el = math.abs(lb:item() - exp.loss:item()) / exp.loss:item()
-      assert.is_true(el <= 3e-2, 'bf16 loss ' .. el)
-      lb:backward()
+      fixture_on_cuda(llama4, l4dir .. '/' .. case, llama4.fix_state_dict)
     end)
   end
 
@@ -303,21 +297,7 @@ describe('Llama 4 on cuda #gpu', function()
     end
   end)
 
-  it('the tiny preset trains on cuda under bf16 autocast (AdamW, 30 steps on one batch)', function()
-    ms.manual_seed(4)
-    local model = ms.nn.functional.set_precision(llama4.new('tiny'):to('cuda'), { compute = 'bf16' })
-    local opt = ms.optim.AdamW(model, { lr = 3e-3 })
-    local x, y = S.token_batch(4, 160, 256, 9)
-    x, y = x:to('cuda'), y:to('cuda')
-    local first, last
-    for step = 1, 30 do
-      opt:zero_grad()
-      local loss = model(x, y)
-      loss:backward()
-      opt:step()
-      if step == 1 then first = loss:item() end
-      last = loss:item()
-    end
-    assert.is_true(last < 0.7 * first, ('%g -> %g'):format(first, last))
+  it('the tiny preset trains on cuda under bf16 autocast (AdamW, 30 steps of 160 tokens: three chunks)', function()
+    tiny_trains_on_cuda(llama4, 160)
   end)
 end)
