@@ -18,8 +18,10 @@
 -- The same config.json fields and parameter names as transformers'. No
 -- auxiliary loss (as transformers): balance with --moe-bias-rate, which
 -- moves the routing biases (docs/moe.md). The multi-token-prediction
--- layers (num_nextn_predict_layers) are not built; a checkpoint's are
--- skipped on load, as transformers skips them.
+-- layers (num_nextn_predict_layers) are not built, and a checkpoint's are
+-- skipped on load, as transformers skips them, unless mtp_loss_weight > 0
+-- (ours): then they are built and trained (below, "Multi-token
+-- prediction").
 --
 --   local deepseek_v3 = require 'models.deepseek_v3'
 --   local model = deepseek_v3.new('tiny')
@@ -71,7 +73,10 @@ deepseek_v3.fields = {
   { 'rope_interleave', 'bool', true, 'the rotary dimensions in (even, odd) pairs, as DeepSeek\'s checkpoints' },
   { 'attention_bias', 'bool', false, 'biases on q_a_proj, kv_a_proj_with_mqa and o_proj' },
   { 'attention_dropout', 'prob', 0.0, 'dropout on attention probabilities (not applied here)' },
-  { 'num_nextn_predict_layers', 'int>=0', 1, 'multi-token-prediction layers: not built (skipped on load)' },
+  { 'num_nextn_predict_layers', 'int>=0', 1, 'multi-token-prediction depths (built when mtp_loss_weight > 0, else '
+    .. 'skipped on load, as transformers does)' },
+  { 'mtp_loss_weight', 'number>=0', 0, 'ours (DeepSeek-V3\'s lambda): above 0 builds the num_nextn_predict_layers '
+    .. 'multi-token-prediction modules and adds this weight / their number times the sum of their losses; 0: none' },
 }
 deepseek_v3.config = hf.defaults(deepseek_v3.fields)
 
@@ -241,7 +246,9 @@ function deepseek_v3.dequantize(w, s, block, first, n)
 end
 
 -- A checkpoint's multi-token-prediction layers (model.layers.N for N from
--- num_hidden_layers on) are dropped, as transformers drops them; FP8
+-- num_hidden_layers on) are dropped, as transformers drops them, or read
+-- into model.mtp_layers when the model has them (mtp_loss_weight > 0: the
+-- copies of the embedding and the head each carries are dropped); FP8
 -- block-quantised weights are dequantised (deepseek_v3.dequantize; lazily
 -- when the tensors are deferred: --init-from under FSDP reads each rank's
 -- rows only), and the config loses its quantization_config.
@@ -280,12 +287,148 @@ function deepseek_v3.fix_state_dict(sd, cfg)
     sd[name] = nil
   end
   if #scales > 0 then cfg.quantization_config = nil end
-  for name in pairs(sd) do
-    local i = name:match('^model%.layers%.(%d+)%.')
-    if i and tonumber(i) >= L and tonumber(i) < L + mtp then sd[name] = nil end
+  local keep = (cfg.mtp_loss_weight or 0) > 0
+  local names = {}
+  for name in pairs(sd) do names[#names + 1] = name end
+  for _, name in ipairs(names) do
+    local i, rest = name:match('^model%.layers%.(%d+)%.(.*)$')
+    i = tonumber(i)
+    if i and i >= L and i < L + mtp then
+      local t = sd[name]
+      sd[name] = nil
+      if keep and rest ~= 'embed_tokens.weight' and rest ~= 'shared_head.head.weight' then
+        sd[('model.mtp_layers.%d.%s'):format(i - L, rest)] = t
+      end
+    end
   end
   return llama.fix_state_dict(sd, cfg)
 end
 
+
+-- ------------------------------------------------- Multi-token prediction
+-- DeepSeek-V3's MTP (its report, section 2.2), built when mtp_loss_weight
+-- is above 0: D = num_nextn_predict_layers sequential modules. Module k
+-- takes the hidden states h of depth k - 1 (the main model's after its
+-- final norm for k = 1) at positions 0 .. T-1-k and the embeddings of the
+-- tokens k further on, and gives
+--   h_k = shared_head.norm(block(eh_proj([enorm(emb(t[i+k])); hnorm(h[i])])))
+-- with block a decoder layer of the model's own kind (latent attention and
+-- the MoE of the sparse layers), then logits through the model's head, the
+-- head and embedding shared with the main model. Depth k at position i
+-- predicts token i + k + 1 (the targets k places further); its loss is the
+-- mean cross-entropy over its T - k positions' kept targets, and the
+-- model's loss is the main one plus mtp_loss_weight / D times their sum.
+-- The modules are model.mtp_layers.K, read from and saved as the
+-- checkpoints' model.layers.(num_hidden_layers + K) (with the copies of
+-- the embedding and the head written beside each, as DeepSeek's own, for
+-- inference engines that read them there).
+local MTPLayer = llama.Layer:extend('DeepseekV3MTPLayer')
+deepseek_v3.MTPLayer = MTPLayer
+function MTPLayer:init(cfg, idx)
+  llama.Layer.init(self, cfg, idx)
+  local C = cfg.hidden_size
+  self:register_module('enorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
+  self:register_module('hnorm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
+  self:register_module('eh_proj', nn.Linear(2 * C, C, { bias = false }))
+  local head = nn.Module()
+  head:register_module('norm', nn.RMSNorm(C, { eps = cfg.rms_norm_eps }))
+  self:register_module('shared_head', head)
+end
+-- (h (B, n, C) of the depth before, e (B, n, C) the embeddings k on) -> h_k
+function MTPLayer:forward(h, e)
+  local x = self.eh_proj(require('moonshard').cat({ self.enorm(e), self.hnorm(h) }, 3))
+  return self.shared_head.norm(llama.Layer.forward(self, x))
+end
+
+local function mtp_forward(self, input_ids, targets)
+  if targets == nil then return llama.LlamaForCausalLM.forward(self, input_ids) end
+  local cfg = self.config
+  local name = self.family.name
+  local ids, B, Tn = hf.check_ids(input_ids, name, 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
+  targets = hf.check_targets(targets, B, Tn, name, cfg.vocab_size)
+  local m = self.model
+  if rawget(m.layers[1].self_attn, '_cp') ~= nil then
+    error(name .. ': multi-token prediction does not run under context parallelism (its depths shift the '
+      .. 'sequence across the ranks\' chunks)', 2)
+  end
+  local x, pending = m(ids, true)
+  local norm, h = m.norm, nil
+  if pending ~= nil then
+    local _, y = nn.functional.add_rms_norm(x, pending, norm.weight, norm.eps)
+    h = y
+  else
+    h = norm(x)
+  end
+  local w = self:head_weight()
+  local loss = nn.functional.lm_loss(h, w, targets)
+  local D = #m.mtp_layers
+  local sum, losses = nil, {}
+  for k = 1, D do
+    local n = Tn - k
+    if n < 1 then break end
+    local e = m.embed_tokens(ids:narrow(2, k + 1, n):contiguous())
+    h = m.mtp_layers[k](h:narrow(2, 1, n), e)
+    local lk = nn.functional.lm_loss(h, w, targets:narrow(2, k + 1, n):contiguous())
+    losses[k] = lk
+    sum = sum and sum + lk or lk
+  end
+  rawset(self, '_mtp_losses', losses)
+  if sum == nil then return loss end
+  return loss + sum * (cfg.mtp_loss_weight / D)
+end
+
+-- model:mtp_losses() -> the last forward's loss of each depth (a list of
+-- scalar tensors; empty when the model has no MTP)
+local function mtp_losses(self) return rawget(self, '_mtp_losses') or {} end
+
+local function mtp_attach(m, cfg)
+  local L, list = cfg.num_hidden_layers, {}
+  for k = 1, cfg.num_nextn_predict_layers do list[k] = MTPLayer(cfg, L + k - 1) end
+  m.model:register_module('mtp_layers', nn.ModuleList(list))
+  rawset(m, 'forward', mtp_forward)
+  -- (the MTP depths use the head after the main loss: it stays in FSDP's
+  -- root unit, gathered for the whole step, not a unit of its own)
+  rawset(m, 'head_module', function() return nil end)
+  rawset(m, 'pipeline_parts', function()
+    error(cfg.model_type .. ': multi-token prediction is not cut into pipeline stages (mtp_loss_weight > 0 with '
+      .. '--pp)', 2)
+  end)
+end
+
+do
+  local build = deepseek_v3.build
+  function deepseek_v3.build(cfg)
+    local m = build(cfg)
+    rawset(m, 'mtp_losses', mtp_losses)
+    if (cfg.mtp_loss_weight or 0) > 0 then
+      if (cfg.num_nextn_predict_layers or 0) < 1 then
+        error('deepseek_v3 config: mtp_loss_weight > 0 needs num_nextn_predict_layers >= 1 (the MTP depths)', 3)
+      end
+      mtp_attach(m, cfg)
+    end
+    return m
+  end
+end
+
+-- model -> checkpoint names (hf.save_pretrained): model.mtp_layers.K as
+-- model.layers.(num_hidden_layers + K), each with copies of the embedding
+-- and the head (embed_tokens, shared_head.head), as DeepSeek's checkpoints
+function deepseek_v3.export_state_dict(sd, cfg)
+  if (cfg.mtp_loss_weight or 0) <= 0 then return sd end
+  local L, out = cfg.num_hidden_layers, {}
+  local head = sd[cfg.tie_word_embeddings and 'model.embed_tokens.weight' or 'lm_head.weight']
+  for name, t in pairs(sd) do
+    local k, rest = name:match('^model%.mtp_layers%.(%d+)%.(.*)$')
+    if k then
+      local pre = ('model.layers.%d.'):format(L + tonumber(k))
+      out[pre .. rest] = t
+      out[pre .. 'embed_tokens.weight'] = sd['model.embed_tokens.weight']
+      out[pre .. 'shared_head.head.weight'] = head
+    else
+      out[name] = t
+    end
+  end
+  return out
+end
 
 return deepseek_v3

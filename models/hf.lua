@@ -386,11 +386,14 @@ end
 -- ranks) rewritten in the checkpoints' (M.export_state_dict: Llama 4's
 -- fused experts), one tensor at a time: the file read deferred, each
 -- tensor of the new one made when the stream takes it, the new file
--- renamed over the old. Nothing to do without M.export_state_dict.
+-- renamed over the old. Nothing to do without M.export_state_dict, or when
+-- it returns the table it was given (DeepSeek-V3 without MTP layers).
 function hf.export_file(M, path, config)
   if not M.export_state_dict then return path end
   local st = require 'moonshard.safetensors'
-  local sd = M.export_state_dict(st.load_deferred(path), config)
+  local src = st.load_deferred(path)
+  local sd = M.export_state_dict(src, config)
+  if sd == src then return path end   -- (the same names and layouts: the file as it is)
   local names = {}
   for name in pairs(sd) do names[#names + 1] = name end
   table.sort(names)

@@ -399,6 +399,108 @@ describe('models.deepseek_v3', function()
     assert.is_true(math.abs(b[1]) + math.abs(b[2]) + math.abs(b[3]) + math.abs(b[4]) > 0)
   end)
 
+  it('multi-token prediction (mtp_loss_weight > 0): each depth against its formula written out with plain ops '
+    .. '(f64, 1e-12), the targets it reads, finite differences, the checkpoints\' names both ways', function()
+    ms.manual_seed(12)
+    local lam, D = 0.3, 2
+    local m = ds.new(small({ num_hidden_layers = 2, mtp_loss_weight = lam, num_nextn_predict_layers = D })):to('f64')
+    for name, p in m:named_parameters() do
+      if not name:match('norm') then ms.normal_(p, 0, 0.3) else ms.normal_(p, 1, 0.1) end
+    end
+    assert.are.equal(D, #m.model.mtp_layers)
+    local x, y = S.token_batch(2, 7, 40, 3)
+    local loss = m(x, y)
+    local got = m:mtp_losses()
+    assert.are.equal(D, #got)
+    -- the same written out: the main model's normed final states, then per
+    -- depth k the states of positions 0 .. T-1-k, the embeddings of the
+    -- tokens k on, the block, the shared head, cross-entropy against the
+    -- targets k on (mean over the kept ones)
+    local function ce(logits, t)
+      local lp = nnf.log_softmax(logits, -1)
+      local tv, sum, n = t:totable(), 0, 0
+      local lpv = lp:totable()
+      for b = 1, #tv do
+        for i = 1, #tv[b] do
+          if tv[b][i] ~= -100 then sum, n = sum - lpv[b][i][tv[b][i] + 1], n + 1 end
+        end
+      end
+      return sum / n
+    end
+    local want = A.no_grad(function()
+      local W = m.lm_head.weight
+      local h = m.model(x)
+      local main = ce(ms.matmul(h, W:t()), y)
+      local ls = {}
+      for k = 1, D do
+        local n = 7 - k
+        local L = m.model.mtp_layers[k]
+        local e = m.model.embed_tokens(x:narrow(2, k + 1, n):contiguous())
+        local u = L.eh_proj(ms.cat({ L.enorm(e), L.hnorm(h:narrow(2, 1, n):contiguous()) }, 3))
+        local r = u + L.self_attn(L.input_layernorm(u))
+        r = r + L.mlp(L.post_attention_layernorm(r))
+        h = L.shared_head.norm(r)
+        ls[k] = ce(ms.matmul(h, W:t()), y:narrow(2, k + 1, n):contiguous())
+      end
+      return { main = main, ls = ls }
+    end)
+    for k = 1, D do
+      assert.is_true(math.abs(got[k]:item() - want.ls[k]) < 1e-12, ('depth %d: %.15g vs %.15g'):format(k,
+        got[k]:item(), want.ls[k]))
+    end
+    local total = want.main + lam / D * (want.ls[1] + want.ls[2])
+    assert.is_true(math.abs(loss:item() - total) < 1e-12, ('%.15g vs %.15g'):format(loss:item(), total))
+    -- depth k reads the targets from k on: the first ones change the main
+    -- loss only
+    A.clear_tape()
+    local y2 = y:clone()
+    y2:narrow(2, 1, 1):fill_(-100)
+    local l2 = m(x, y2)
+    assert.are_not.equal(loss:item(), l2:item())
+    assert.are.equal(got[1]:item(), m:mtp_losses()[1]:item())
+    assert.are.equal(got[2]:item(), m:mtp_losses()[2]:item())
+    -- finite differences through the depths and the shared embedding
+    A.clear_tape()
+    local M1, M2 = m.model.mtp_layers[1], m.model.mtp_layers[2]
+    local worst = A.gradcheck(function() return m(x, y) end, { M1.eh_proj.weight, M1.enorm.weight,
+      M2.self_attn.kv_b_proj.weight, M2.shared_head.norm.weight, m.model.embed_tokens.weight })
+    assert.is_true(worst < 1e-6, 'relative error ' .. worst)
+    -- saved as the checkpoints' model.layers.(L + K), with the embedding and
+    -- head copies; read back (the copies dropped); without MTP the depths
+    -- are skipped and the loss is the main one
+    A.clear_tape()
+    local dir = S.tmpdir()
+    m:save_pretrained(dir)
+    local sd = ms.load_safetensors(dir .. '/model.safetensors')
+    for _, name in ipairs({ 'model.layers.2.eh_proj.weight', 'model.layers.3.enorm.weight',
+      'model.layers.3.shared_head.norm.weight', 'model.layers.2.embed_tokens.weight',
+      'model.layers.3.shared_head.head.weight', 'model.layers.2.self_attn.kv_b_proj.weight',
+      'model.layers.3.mlp.experts.1.up_proj.weight' }) do
+      assert.is_not_nil(sd[name], name)
+    end
+    for name in pairs(sd) do assert.is_nil(name:match('mtp_layers'), name) end
+    -- (the file holds f32: the same within its rounding)
+    local m2 = ds.from_pretrained(dir):to('f64')
+    assert.is_true(math.abs(m2(x, y):item() - loss:item()) < 1e-6 * loss:item())
+    local cfg = hf.read_json(dir .. '/config.json')
+    assert.are.equal(lam, cfg.mtp_loss_weight)
+    cfg.mtp_loss_weight = 0
+    local f = assert(io.open(dir .. '/config.json', 'wb'))
+    f:write(require('dkjson').encode(cfg))
+    f:close()
+    local m3 = ds.from_pretrained(dir):to('f64')
+    assert.is_nil(rawget(m3.model, 'mtp_layers'))
+    assert.is_true(math.abs(m3(x, y):item() - want.main) < 1e-6 * want.main)
+    os.execute('rm -rf ' .. q(dir))
+    -- what it cannot run, by name
+    local ok, err = pcall(ds.new, small({ mtp_loss_weight = 0.1, num_nextn_predict_layers = 0 }))
+    assert.is_false(ok)
+    assert.matches('mtp_loss_weight > 0 needs num_nextn_predict_layers >= 1', tostring(err), 1, true)
+    ok, err = pcall(function() return m:pipeline_parts() end)
+    assert.is_false(ok)
+    assert.matches('multi-token prediction is not cut into pipeline stages', tostring(err), 1, true)
+  end)
+
   describe('bin/train', function()
     local flags = '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 --model.intermediate_size 48 '
       .. '--model.moe_intermediate_size 16 --model.q_lora_rank 16 --model.kv_lora_rank 16 --model.qk_nope_head_dim 8 '
@@ -425,6 +527,22 @@ describe('models.deepseek_v3', function()
       assert.are.equal(0, status, text)
       local mb = ds.from_pretrained(dir .. '/bias')
       assert.is_true(mb.model.layers[2].mlp.gate.e_score_correction_bias:abs():sum():item() > 0)
+      os.execute('rm -rf ' .. q(dir))
+    end)
+
+    it('multi-token prediction trains (--model.mtp_loss_weight); two ranks follow one process: FSDP, expert '
+      .. 'parallel; --cp and --pp refused by name', function()
+      local mf = flags .. ' --model.mtp_loss_weight 0.3 --model.num_nextn_predict_layers 2'
+      S.moe_train_runs('models/deepseek_v3.lua', mf, { '--fsdp FULL_SHARD', '--ep 2' }, '')
+      local dir = S.tmpdir()
+      local f = mf .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
+      for _, c in ipairs({ { '--cp 2', 'multi-token prediction does not run under context parallelism' },
+        { '--pp 2', 'multi-token prediction is not cut into pipeline stages' } }) do
+        local status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s --batch-size 4 '
+          .. '--steps 2 %s --out %s/x'):format(f, c[1], q(dir)))
+        assert.are_not.equal(0, status, text)
+        assert.matches(c[2], text, 1, true)
+      end
       os.execute('rm -rf ' .. q(dir))
     end)
   end)
