@@ -301,3 +301,53 @@ describe('Llama 4 on cuda #gpu', function()
     tiny_trains_on_cuda(llama4, 160)
   end)
 end)
+
+-- The other transformers fixtures of spec/fixtures on the GPU (f32: logits,
+-- loss, every gradient ≤ 1e-4; bf16: the loss ≤ 3e-2): DeepSeek-V2's two
+-- routers; Llama with Llama 3.1's, linear and YaRN RoPE; Qwen2 and Qwen3.
+-- DeepSeek-V2's and DeepSeek-V3-with-MTP's tiny presets train under bf16
+-- autocast.
+describe('DeepSeek-V2, multi-token prediction and the dense decoders on cuda #gpu', function()
+  local dir = T.root .. '/spec/fixtures'
+  for _, c in ipairs({ { 'models.deepseek_v2', 'deepseek-v2-tiny' }, { 'models.deepseek_v2', 'deepseek-v2-tiny-lite' },
+    { 'models.llama', 'llama-tiny-llama3rope' }, { 'models.llama', 'llama-tiny-linear' },
+    { 'models.llama', 'llama-tiny-yarn' }, { 'models.qwen2', 'qwen2-tiny' }, { 'models.qwen3', 'qwen3-tiny' } }) do
+    it(c[2] .. ' in f32 matches logits, loss and every gradient (1e-4); bf16 the loss (3e-2)', function()
+      fixture_on_cuda(require(c[1]), dir .. '/' .. c[2])
+    end)
+  end
+
+  it('DeepSeek-V2\'s tiny preset trains on cuda under bf16 autocast', function()
+    tiny_trains_on_cuda(require 'models.deepseek_v2', 64)
+  end)
+
+  it('DeepSeek-V3 with two MTP depths: the loss and its depths on cuda in f32 as on the CPU (1e-4); bf16 '
+    .. 'autocast trains', function()
+    local ds = require 'models.deepseek_v3'
+    ms.manual_seed(5)
+    local cpu = ds.new('tiny', { mtp_loss_weight = 0.3, num_nextn_predict_layers = 2 })
+    local gpu = ds.new('tiny', { mtp_loss_weight = 0.3, num_nextn_predict_layers = 2 }):to('cuda')
+    gpu:load_state_dict(cpu:state_dict())
+    local x, y = S.token_batch(2, 48, 256, 7)
+    local lc = cpu(x, y)
+    local dc = cpu:mtp_losses()
+    local lg = gpu(x:to('cuda'), y:to('cuda'))
+    local dg = gpu:mtp_losses()
+    assert.is_true(math.abs(lg:item() - lc:item()) <= 1e-4 * lc:item(), ('%g vs %g'):format(lg:item(), lc:item()))
+    for k = 1, 2 do
+      assert.is_true(math.abs(dg[k]:item() - dc[k]:item()) <= 1e-4 * dc[k]:item(), 'depth ' .. k)
+    end
+    lc:backward()
+    lg:backward()
+    local pc = {}
+    for name, p in cpu:named_parameters() do pc[name] = p end
+    for name, p in gpu:named_parameters() do
+      if name:match('mtp_layers') or name:match('embed') then
+        local e = relerr(p.grad, pc[name].grad)
+        assert.is_true(e <= 1e-4, name .. ' ' .. e)
+      end
+    end
+    local m = ds
+    tiny_trains_on_cuda({ new = function(p) return m.new(p, { mtp_loss_weight = 0.3 }) end }, 64)
+  end)
+end)
