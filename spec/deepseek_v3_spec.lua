@@ -531,11 +531,30 @@ describe('models.deepseek_v3', function()
     end)
 
     it('multi-token prediction trains (--model.mtp_loss_weight); two ranks follow one process: FSDP, expert '
-      .. 'parallel; --cp and --pp refused by name', function()
+      .. 'parallel; each depth\'s loss in metrics.jsonl; --cp and --pp refused by name', function()
       local mf = flags .. ' --model.mtp_loss_weight 0.3 --model.num_nextn_predict_layers 2'
       S.moe_train_runs('models/deepseek_v3.lua', mf, { '--fsdp FULL_SHARD', '--ep 2' }, '')
       local dir = S.tmpdir()
       local f = mf .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
+      -- metrics.jsonl has each depth's loss (averaged over the ranks), below
+      -- the loss that adds 0.3 / 2 of their sum to the main one
+      for _, how in ipairs({ { '', '' }, { '--nproc-per-node 2 --device cpu', '--fsdp FULL_SHARD' } }) do
+        local out = dir .. '/m' .. (how[1] .. how[2]):gsub('[^%w]', '')
+        local status, text = S.bin_train(('%s models/deepseek_v3.lua %s %s --batch-size 2 --steps 3 --out %s'):format(
+          how[1], f, how[2], q(out)))
+        assert.are.equal(0, status, text)
+        local n = 0
+        for line in io.lines(out .. '/metrics.jsonl') do
+          local obj = require('dkjson').decode(line)
+          if obj.loss then
+            n = n + 1
+            assert.are.equal(2, #obj.mtp_loss, line)
+            for _, v in ipairs(obj.mtp_loss) do assert.is_true(v > 0 and v < obj.loss, line) end
+            assert.is_true(obj.loss > 0.15 * (obj.mtp_loss[1] + obj.mtp_loss[2]), line)
+          end
+        end
+        assert.are.equal(3, n)
+      end
       for _, c in ipairs({ { '--cp 2', 'multi-token prediction does not run under context parallelism' },
         { '--pp 2', 'multi-token prediction is not cut into pipeline stages' } }) do
         local status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s --batch-size 4 '

@@ -1691,12 +1691,23 @@ function train.run(opts)
   local function settle() -- the losses of the pending steps, averaged over the ranks
     if settled == #pending then return end
     if multi then
+      -- (each step's loss, then its multi-token-prediction depths' losses)
       local locals = {}
-      for i = settled + 1, #pending do local p = pending[i]; locals[#locals + 1] = p.ok and p.loss or 0 end
-      local mean = reduce_numbers(locals, 'avg')
       for i = settled + 1, #pending do
         local p = pending[i]
-        if p.ok then p.rec.loss = mean[i - settled] end
+        locals[#locals + 1] = p.ok and p.loss or 0
+        for _, v in ipairs(p.mtp or {}) do locals[#locals + 1] = p.ok and v or 0 end
+      end
+      local mean = reduce_numbers(locals, 'avg')
+      local j = 0
+      for i = settled + 1, #pending do
+        local p = pending[i]
+        j = j + 1
+        if p.ok then p.rec.loss = mean[j] end
+        for k = 1, #(p.mtp or {}) do
+          j = j + 1
+          if p.ok then p.rec.mtp_loss[k] = mean[j] end
+        end
       end
     end
     for i = settled + 1, #pending do
@@ -1720,7 +1731,7 @@ function train.run(opts)
     local lr = lr_at(step)
     set_lr(opt, lr)
     opt:zero_grad()
-    local lsum = 0
+    local lsum, mtp_sum = 0, nil
     for k = 1, accum do
       local x, y = to_device(train_loader:next())
       local function micro()
@@ -1741,6 +1752,12 @@ function train.run(opts)
           if ep_amp then loss = ms.nn.functional.autocast('bf16', model, x, y) else loss = model(x, y) end
           if inject[step] then loss = loss * (0 / 0) end
           lsum = lsum + loss:item()
+          -- (DeepSeek-V3's multi-token prediction: each depth's loss too)
+          local ml = type(model.mtp_losses) == 'function' and model:mtp_losses() or {}
+          for d = 1, #ml do
+            mtp_sum = mtp_sum or {}
+            mtp_sum[d] = (mtp_sum[d] or 0) + ml[d]:item()
+          end
           if accum > 1 then loss = loss * (1 / accum) end -- the mean over all micro-batches (exact for a power of two)
           loss:backward()
         end)
@@ -1804,7 +1821,13 @@ function train.run(opts)
       end
     end
     if bad_total > 0 then rec.bad_steps = bad_total end
-    pending[#pending + 1] = { rec = rec, ok = good, loss = lv }
+    local mtp
+    if mtp_sum then
+      mtp = {}
+      for d = 1, #mtp_sum do mtp[d] = mtp_sum[d] / accum end
+      if good then rec.mtp_loss = { unpack(mtp) } end
+    end
+    pending[#pending + 1] = { rec = rec, ok = good, loss = lv, mtp = mtp }
     window_steps = window_steps + 1
     local t = now()
     if not steady_t0 then steady_t0, steady_step = t, step end
