@@ -3,8 +3,9 @@
 -- its own tokens; against one process running the whole layer on every
 -- rank's tokens, in f64: each rank's output and input gradient, the local
 -- experts' gradients (every rank's tokens summed), the router's summed
--- over the ranks; padded runs; a Mixtral under expert parallelism as the
--- whole model; the refusals.
+-- over the ranks; padded runs; the routing weights on the experts' inputs
+-- (scale_input); a Mixtral under expert parallelism as the whole model;
+-- the refusals.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
 local nn = ms.nn
@@ -38,6 +39,9 @@ describe('expert parallelism #mpi', function()
     { 'top-2 of 4, softmax', { dim = 8, hidden = 6, experts = 4, top_k = 2 } },
     { 'top-3 of 8, sigmoid, a shared expert', { dim = 8, hidden = 5, experts = 8, top_k = 3, score = 'sigmoid',
       shared_hidden = 7 } },
+    { 'top-2 of 4, sigmoid, the weights on the inputs (scale_input: Llama 4\'s), a shared expert', { dim = 8,
+      hidden = 6, experts = 4, top_k = 2, score = 'sigmoid', norm_topk = false, scale_input = true,
+      shared_hidden = 5 } },
   }) do
     for _, align in ipairs({ 1, 4 }) do
       it(('%s%s: each rank\'s output and gradients are the whole layer\'s on every rank\'s tokens (f64)'):format(c[1],
