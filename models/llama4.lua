@@ -345,7 +345,12 @@ function Attention:forward(x)
     if self.qk_norm_eps then q, k = nnf.rms_norm(q, nil, self.qk_norm_eps), nnf.rms_norm(k, nil, self.qk_norm_eps) end
   else
     q, k = q:transpose(2, 3), k:transpose(2, 3)
-    if self.floor_scale then q = q * temperature(Tn, self.floor_scale, self.attn_scale, q.dtype, q.device) end
+    if self.floor_scale then
+      -- (the scales in f32 at least, the product rounded once to q's dtype: as transformers)
+      local qs = q * temperature(Tn, self.floor_scale, self.attn_scale, q.dtype == 'f64' and 'f64' or 'f32', q.device)
+      if qs.dtype ~= q.dtype then qs = qs:to(q.dtype) end
+      q = qs
+    end
   end
   local y
   if self.chunk then y = llama4.chunked_attention(q, k, v, self.chunk)
