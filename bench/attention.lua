@@ -4,17 +4,21 @@
 -- at GPT-2 124M's attention (B=8, H=12, T=1024, D=64) and a longer one
 -- (B=4, H=32, T=2048, D=64), causal, or the shapes --shapes names (BxHxT
 -- at D = 64, or BxHxTxD: D 128, or 192 for DeepSeek-V3's q/k heads, which
--- only mma and mma1 take; 32x12x1024 is the GPT-2 bench's B = 32).
+-- only mma and mma1 take; or BxHxTxDxDv with v's head width Dv its own:
+-- 192x128 is DeepSeek-V3's MLA, mma and mma1 only; 32x12x1024 is the GPT-2
+-- bench's B = 32).
 --
 --   luajit bench/attention.lua [--iters 20] [--warmup 3] [--dtype bf16] [--impls wgmma,mma,wmma,simt]
---                              [--shapes 8x12x1024,4x32x2048,2x16x4096x192]
+--                              [--shapes 8x12x1024,4x32x2048,2x16x4096x192,2x16x4096x192x128]
 --
 -- Before timing, each implementation's out, lse and dq/dk/dv on the first
 -- (b, two heads) are checked against the CPU reference (f64, bound 1e-2).
 -- Time: CUDA events, median of the runs, L2 flushed (a 256 MiB fill) before
 -- each; the backward includes its delta pre-pass. Flops (causal, FA2's
--- count): forward 2·2·B·H·T²·D / 2, backward 2.5x that; TFLOP/s against the
--- bf16 matmul rate measured here (8192³ through ms.matmul, cuBLASLt).
+-- count): forward 2·B·H·T²·(D + Dv) / 2 (S over D, P·V over Dv), backward
+-- 2·B·H·T²·(3D + 2Dv) / 2 (S, dQ, dK over D; dP, dV over Dv: 2.5x the
+-- forward at Dv = D); TFLOP/s against the bf16 matmul rate measured here
+-- (8192³ through ms.matmul, cuBLASLt).
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ms = require 'moonshard'
 local ffi = require 'ffi'
@@ -29,7 +33,7 @@ while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
   if not k or opts[k] == nil then
     error('usage: luajit bench/attention.lua [--iters N] [--warmup N] [--dtype bf16|f16] [--impls wgmma,mma,wmma,simt]'
-      .. ' [--shapes BxHxT[xD],...]')
+      .. ' [--shapes BxHxT[xD[xDv]],...]')
   end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
@@ -92,23 +96,24 @@ end
 local peak = matmul_rate()
 
 print(('device: %s; bf16 matmul %.0f TFLOP/s; %s, causal'):format(ms.cuda.get_device_name(0), peak, opts.dtype))
-print('| impl | B x H x T x D | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd % of matmul | rel. err (out, dq, dk, dv) |')
+print('| impl | B x H x T x D (x Dv) | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd % of matmul | rel. err (out, dq, dk, dv) |')
 print('|---|---|---|---|---|---|---|---|')
 local seed = 10
 local shapes = {}
 for spec in tostring(opts.shapes):gmatch('[^,]+') do
-  local b, h, t, d = spec:match('^(%d+)x(%d+)x(%d+)x?(%d*)$')
-  assert(b, '--shapes: ' .. spec .. ' is not BxHxT or BxHxTxD')
-  shapes[#shapes + 1] = { B = tonumber(b), H = tonumber(h), T = tonumber(t), D = tonumber(d) or 64 }
+  local b, h, t, d, dv = spec:match('^(%d+)x(%d+)x(%d+)x?(%d*)x?(%d*)$')
+  assert(b, '--shapes: ' .. spec .. ' is not BxHxT, BxHxTxD or BxHxTxDxDv')
+  local D = tonumber(d) or 64
+  shapes[#shapes + 1] = { B = tonumber(b), H = tonumber(h), T = tonumber(t), D = D, Dv = tonumber(dv) or D }
 end
 assert(#shapes > 0, '--shapes: a list of BxHxT, e.g. 8x12x1024,4x32x2048 (got ' .. tostring(opts.shapes) .. ')')
 for _, s in ipairs(shapes) do
-  local shape = { s.B, s.H, s.T, s.D }
-  local function randn()
+  local shape, vshape = { s.B, s.H, s.T, s.D }, { s.B, s.H, s.T, s.Dv }
+  local function randn(sh)
     seed = seed + 1
-    return ms.randn(shape, { seed = seed, device = 'cuda' }):to(opts.dtype)
+    return ms.randn(sh, { seed = seed, device = 'cuda' }):to(opts.dtype)
   end
-  local q, k, v, g = randn(), randn(), randn(), randn()
+  local q, k, v, g = randn(shape), randn(shape), randn(vshape), randn(vshape)
   local scale = 1 / math.sqrt(s.D)
   -- the reference on (b = 1, heads 1-2): those rows' gradients depend on them alone
   local function part(x) return x:narrow(1, 1, 1):narrow(2, 1, 2) end
@@ -116,7 +121,8 @@ for _, s in ipairs(shapes) do
     part(g):to('cpu'):to('f64')
   local o_ref, l_ref = attention(qs, ks, vs, scale)
   local dq_ref, dk_ref, dv_ref = attention_backward(qs, ks, vs, o_ref:to(opts.dtype):to('f64'), l_ref, gs, scale)
-  local fwd_flops = 4 * s.B * s.H * s.T * s.T * s.D / 2
+  local fwd_flops = 2 * s.B * s.H * s.T * s.T * (s.D + s.Dv) / 2
+  local bwd_flops = 2 * s.B * s.H * s.T * s.T * (3 * s.D + 2 * s.Dv) / 2
   for impl in opts.impls:gmatch('[^,]+') do
     -- mma1: mma with the one-pass backward (dq through f32 atomics); wgmma1:
     -- wgmma with its one-pass backward (dq added in a fixed order); wgmma0:
@@ -139,13 +145,14 @@ for _, s in ipairs(shapes) do
     dq:free(); dk:free(); dv:free()
     local tf = timed(function() attention(q, k, v, scale) end)
     local tb = timed(function() attention_backward(q, k, v, o, l, g, scale) end)
-    local ff, fb = fwd_flops / (tf * 1e-3) / 1e12, 2.5 * fwd_flops / (tb * 1e-3) / 1e12
+    local ff, fb = fwd_flops / (tf * 1e-3) / 1e12, bwd_flops / (tb * 1e-3) / 1e12
     C.ms_cuda_attention_set_onepass(prev_onepass)
     C.ms_cuda_attention_set_wg_onepass(prev_wg1)
     C.ms_cuda_attention_set_fused_delta(prev_fd)
-    print(('| %s%s | %dx%dx%dx%d | %.3f | %.1f | %.3f | %.1f | %.1f%% | %.1e, %.1e, %.1e, %.1e |'):format(
-      ({ mma1 = 'mma, one-pass backward', wgmma1 = 'wgmma, one-pass backward', wgmma0 = 'wgmma, delta kernel' })[impl] or impl, ran ~= base and (' (ran ' .. tostring(ran) .. ')') or '', s.B, s.H, s.T, s.D, tf, ff, tb, fb,
-      100 * 3.5 * fwd_flops / ((tf + tb) * 1e-3) / 1e12 / peak, errs[1], errs[2], errs[3], errs[4]))
+    print(('| %s%s | %dx%dx%dx%d%s | %.3f | %.1f | %.3f | %.1f | %.1f%% | %.1e, %.1e, %.1e, %.1e |'):format(
+      ({ mma1 = 'mma, one-pass backward', wgmma1 = 'wgmma, one-pass backward', wgmma0 = 'wgmma, delta kernel' })[impl] or impl, ran ~= base and (' (ran ' .. tostring(ran) .. ')') or '', s.B, s.H, s.T, s.D,
+      s.Dv ~= s.D and ('x' .. s.Dv) or '', tf, ff, tb, fb,
+      100 * (fwd_flops + bwd_flops) / ((tf + tb) * 1e-3) / 1e12 / peak, errs[1], errs[2], errs[3], errs[4]))
     o:free(); l:free()
   end
   T.check(C.ms_cuda_attention_set_impl(C.MS_ATTENTION_AUTO))

@@ -8,16 +8,19 @@
  * bottom-right alignment Hugging Face uses (queries are the last Tq of Tk
  * positions, as with a KV cache); for Tq == Tk it is PyTorch's is_causal.
  * A query that sees no key gets a zero output and lse = -inf.
- *   q (B, H, Tq, D), k and v (B, Hkv, Tk, D), out (B, H, Tq, D),
+ *   q (B, H, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv), out (B, H, Tq, Dv)
+ *   (v's head width Dv may differ from q/k's D: DeepSeek's MLA, q/k 192 and
+ *   v 128),
  *   lse (B, H, Tq) f32 (f64 for f64 inputs, which run on the CPU only):
  *   log-sum-exp of the scaled scores of each query row.
  * The reference computes in f64 on contiguous f64 copies and rounds once into
  * the outputs; the CUDA kernels (kernels/attention.cu) never hold a T x T
  * matrix. Backward (FlashAttention-2's equations, with P recomputed from lse):
- *   D_i = dout_i . out_i,  P_ij = exp(scale q_i.k_j - lse_i),
+ *   D_i = dout_i . out_i (over Dv),  P_ij = exp(scale q_i.k_j - lse_i),
  *   dv_j = sum_i P_ij dout_i,  dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i),
  *   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i
- * (dk, dv summed over the query heads sharing a kv head). Gradients are
+ * (dk, dv summed over the query heads sharing a kv head; dq, dk over D,
+ * dv and dP over Dv). Gradients are
  * written (=), not accumulated: they are activation gradients.
  */
 #include "internal.h"
@@ -31,14 +34,14 @@
 #endif
 
 typedef struct attn_dims {
-    int64_t B, H, Hkv, Tq, Tk, D;
+    int64_t B, H, Hkv, Tq, Tk, D, Dv;  /* D: q/k's head width, Dv: v's */
 } attn_dims;
 
 static int check_qkv(const char *op, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, attn_dims *d) {
     char a[200], b[200], c[200];
     if (ms_tensor_check_live(q, op) || ms_tensor_check_live(k, op) || ms_tensor_check_live(v, op)) return -1;
     if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
-        return ms_errorf("%s: q, k, v must be (B, H, T, D), got %s, %s, %s", op, ms_desc(q, a, sizeof a),
+        return ms_errorf("%s: q, k, v must be (B, H, T, D) (v's D its own), got %s, %s, %s", op, ms_desc(q, a, sizeof a),
                          ms_desc(k, b, sizeof b), ms_desc(v, c, sizeof c));
     if (q->device_id != k->device_id || q->device_id != v->device_id)
         return ms_errorf("%s: tensors on different devices: %s, %s, %s", op, ms_desc(q, a, sizeof a),
@@ -47,20 +50,25 @@ static int check_qkv(const char *op, const ms_tensor *q, const ms_tensor *k, con
         return ms_errorf("%s: q, k, v need one float dtype, got %s, %s, %s", op, ms_desc(q, a, sizeof a),
                          ms_desc(k, b, sizeof b), ms_desc(v, c, sizeof c));
     d->B = q->sizes[0]; d->H = q->sizes[1]; d->Tq = q->sizes[2]; d->D = q->sizes[3];
-    d->Hkv = k->sizes[1]; d->Tk = k->sizes[2];
-    if (k->sizes[0] != d->B || v->sizes[0] != d->B || k->sizes[3] != d->D || v->sizes[3] != d->D ||
-        v->sizes[1] != d->Hkv || v->sizes[2] != d->Tk || d->Hkv == 0 || d->H % d->Hkv != 0)
-        return ms_errorf("%s: shapes q %s, k %s, v %s do not fit (k and v (B, Hkv, Tk, D), H a multiple of Hkv)", op,
+    d->Hkv = k->sizes[1]; d->Tk = k->sizes[2]; d->Dv = v->sizes[3];
+    if (k->sizes[0] != d->B || v->sizes[0] != d->B || k->sizes[3] != d->D || v->sizes[1] != d->Hkv ||
+        v->sizes[2] != d->Tk || d->Hkv == 0 || d->H % d->Hkv != 0)
+        return ms_errorf("%s: shapes q %s, k %s, v %s do not fit (q (B, H, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, "
+                         "Dv), H a multiple of Hkv)", op,
                          ms_shape_str(q, a, sizeof a), ms_shape_str(k, b, sizeof b), ms_shape_str(v, c, sizeof c));
     return 0;
 }
 
-static int same_shape_as(const char *op, const char *what, const ms_tensor *t, const ms_tensor *like) {
+/* t is (B, H, Tq, Dv) on q's device: the shape of out and dout */
+static int out_shaped(const char *op, const char *what, const ms_tensor *t, const ms_tensor *q, const attn_dims *d) {
     char a[200], b[200];
-    int ok = t->ndim == like->ndim && t->device_id == like->device_id;
-    for (int i = 0; ok && i < t->ndim; i++) ok = t->sizes[i] == like->sizes[i];
-    if (!ok) return ms_errorf("%s: %s is %s, expected the shape and device of %s", op, what, ms_desc(t, a, sizeof a),
-                              ms_desc(like, b, sizeof b));
+    const int64_t want[4] = {d->B, d->H, d->Tq, d->Dv};
+    int ok = t->ndim == 4 && t->device_id == q->device_id;
+    for (int i = 0; ok && i < 4; i++) ok = t->sizes[i] == want[i];
+    if (!ok)
+        return ms_errorf("%s: %s is %s, expected (%lld,%lld,%lld,%lld) (q's (B, H, Tq) and v's head width) on the "
+                         "device of q %s", op, what, ms_desc(t, a, sizeof a), (long long)d->B, (long long)d->H,
+                         (long long)d->Tq, (long long)d->Dv, ms_desc(q, b, sizeof b));
     return 0;
 }
 
@@ -94,19 +102,19 @@ static int attention_cpu(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, con
     double *O = NULL, *L = NULL;
     int rc = -1;
     if (!V) goto done;
-    O = calloc((size_t)(d->B * d->H * d->Tq * d->D), sizeof(double));
+    O = calloc((size_t)(d->B * d->H * d->Tq * d->Dv) + 1, sizeof(double));
     L = calloc((size_t)(d->B * d->H * d->Tq) + 1, sizeof(double));
     if (!O || !L) { ms_errorf("attention: out of host memory"); goto done; }
-    int64_t rep = d->H / d->Hkv, D = d->D;
+    int64_t rep = d->H / d->Hkv, D = d->D, Dv = d->Dv;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < d->B; b++)
         for (int64_t h = 0; h < d->H; h++) {
             double *s = malloc(sizeof(double) * (size_t)(d->Tk ? d->Tk : 1));
             const double *Kb = K + ((b * d->Hkv + h / rep) * d->Tk) * D;
-            const double *Vb = V + ((b * d->Hkv + h / rep) * d->Tk) * D;
+            const double *Vb = V + ((b * d->Hkv + h / rep) * d->Tk) * Dv;
             for (int64_t i = 0; i < d->Tq; i++) {
                 const double *qi = Q + ((b * d->H + h) * d->Tq + i) * D;
-                double *oi = O + ((b * d->H + h) * d->Tq + i) * D;
+                double *oi = O + ((b * d->H + h) * d->Tq + i) * Dv;
                 int64_t n = visible(i, d->Tq, d->Tk, causal);
                 double m = -INFINITY, sum = 0;
                 for (int64_t j = 0; j < n; j++) {
@@ -120,7 +128,7 @@ static int attention_cpu(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, con
                     sum += s[j];
                 }
                 for (int64_t j = 0; j < n; j++)
-                    for (int64_t e = 0; e < D; e++) oi[e] += s[j] / sum * Vb[j * D + e];
+                    for (int64_t e = 0; e < Dv; e++) oi[e] += s[j] / sum * Vb[j * Dv + e];
                 L[(b * d->H + h) * d->Tq + i] = n ? m + log(sum) : -INFINITY;
             }
             free(s);
@@ -147,24 +155,24 @@ static int attention_backward_cpu(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, c
     double *dQ = NULL, *dK = NULL, *dV = NULL;
     int rc = -1;
     if (!G) goto done;
-    int64_t D = d->D, rep = d->H / d->Hkv;
+    int64_t D = d->D, Dv = d->Dv, rep = d->H / d->Hkv;
     dQ = calloc((size_t)(d->B * d->H * d->Tq * D) + 1, sizeof(double));
     dK = calloc((size_t)(d->B * d->Hkv * d->Tk * D) + 1, sizeof(double));
-    dV = calloc((size_t)(d->B * d->Hkv * d->Tk * D) + 1, sizeof(double));
+    dV = calloc((size_t)(d->B * d->Hkv * d->Tk * Dv) + 1, sizeof(double));
     if (!dQ || !dK || !dV) { ms_errorf("attention_backward: out of host memory"); goto done; }
     /* parallel over kv heads: the query heads of one group write the same dk/dv */
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < d->B; b++)
         for (int64_t g = 0; g < d->Hkv; g++) {
-            const double *Kb = K + (b * d->Hkv + g) * d->Tk * D, *Vb = V + (b * d->Hkv + g) * d->Tk * D;
-            double *dKb = dK + (b * d->Hkv + g) * d->Tk * D, *dVb = dV + (b * d->Hkv + g) * d->Tk * D;
+            const double *Kb = K + (b * d->Hkv + g) * d->Tk * D, *Vb = V + (b * d->Hkv + g) * d->Tk * Dv;
+            double *dKb = dK + (b * d->Hkv + g) * d->Tk * D, *dVb = dV + (b * d->Hkv + g) * d->Tk * Dv;
             for (int64_t h = g * rep; h < (g + 1) * rep; h++)
                 for (int64_t i = 0; i < d->Tq; i++) {
                     int64_t row = (b * d->H + h) * d->Tq + i;
-                    const double *qi = Q + row * D, *oi = O + row * D, *gi = G + row * D;
+                    const double *qi = Q + row * D, *oi = O + row * Dv, *gi = G + row * Dv;
                     double *dqi = dQ + row * D;
                     double Di = 0;
-                    for (int64_t e = 0; e < D; e++) Di += gi[e] * oi[e];
+                    for (int64_t e = 0; e < Dv; e++) Di += gi[e] * oi[e];
                     int64_t n = visible(i, d->Tq, d->Tk, causal);
                     /* the row's log-sum-exp again, in f64 (the saved lse is f32) */
                     double m = -INFINITY, sum = 0, Li;
@@ -181,14 +189,12 @@ static int attention_backward_cpu(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, c
                     Li = m + log(sum);
                     for (int64_t j = 0; j < n; j++) {
                         double s = 0, dp = 0;
-                        for (int64_t e = 0; e < D; e++) {
-                            s += qi[e] * Kb[j * D + e];
-                            dp += gi[e] * Vb[j * D + e];
-                        }
+                        for (int64_t e = 0; e < D; e++) s += qi[e] * Kb[j * D + e];
+                        for (int64_t e = 0; e < Dv; e++) dp += gi[e] * Vb[j * Dv + e];
                         double p = exp(s * scale - Li);
                         double ds = p * (dp - Di);
+                        for (int64_t e = 0; e < Dv; e++) dVb[j * Dv + e] += p * gi[e];
                         for (int64_t e = 0; e < D; e++) {
-                            dVb[j * D + e] += p * gi[e];
                             dqi[e] += scale * ds * Kb[j * D + e];
                             dKb[j * D + e] += scale * ds * qi[e];
                         }
@@ -217,8 +223,8 @@ int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_
     attn_dims d;
     if (check_qkv("attention", q, k, v, &d)) return -1;
     int alloc_out = !*out, alloc_lse = !*lse;
-    int64_t ls[3] = {d.B, d.H, d.Tq};
-    if (ms_prepare_out(out, "attention", 4, q->sizes, q->dtype_id, q->device_id)) return -1;
+    int64_t ls[3] = {d.B, d.H, d.Tq}, os[4] = {d.B, d.H, d.Tq, d.Dv};
+    if (ms_prepare_out(out, "attention", 4, os, q->dtype_id, q->device_id)) return -1;
     if (ms_prepare_out(lse, "attention", 3, ls, lse_dtype(q), q->device_id)) {
         if (alloc_out) { ms_tensor_free(*out); *out = NULL; }
         return -1;
@@ -276,7 +282,7 @@ static int attention_backward_impl(ms_tensor **dq, ms_tensor **dk, ms_tensor **d
     attn_dims d;
     if (check_qkv(op, q, k, v, &d)) return -1;
     if (ms_tensor_check_live(out, op) || ms_tensor_check_live(lse, op) || ms_tensor_check_live(dout, op)) return -1;
-    if (same_shape_as(op, "out", out, q) || same_shape_as(op, "dout", dout, q)) return -1;
+    if (out_shaped(op, "out", out, q, &d) || out_shaped(op, "dout", dout, q, &d)) return -1;
     if (lse->ndim != 3 || lse->sizes[0] != d.B || lse->sizes[1] != d.H || lse->sizes[2] != d.Tq ||
         lse->dtype_id != lse_dtype(q) || lse->device_id != q->device_id) {
         char a[200];
@@ -287,9 +293,10 @@ static int attention_backward_impl(ms_tensor **dq, ms_tensor **dk, ms_tensor **d
         char a[200];
         if (ms_tensor_check_live(dsum, op)) return -1;
         if (dsum->dtype_id != MS_F32 || !ms_tensor_is_contiguous(dsum) || dsum->device_id != q->device_id ||
-            ms_tensor_numel(dsum) != (d.H + 2 * d.Hkv) * d.D)
-            return ms_errorf("%s: dsum is %s, expected a contiguous f32 tensor of %lld elements (H·D + 2·Hkv·D) on "
-                             "q's device", op, ms_desc(dsum, a, sizeof a), (long long)((d.H + 2 * d.Hkv) * d.D));
+            ms_tensor_numel(dsum) != (d.H + d.Hkv) * d.D + d.Hkv * d.Dv)
+            return ms_errorf("%s: dsum is %s, expected a contiguous f32 tensor of %lld elements (H·D + Hkv·D + "
+                             "Hkv·Dv) on q's device", op, ms_desc(dsum, a, sizeof a),
+                             (long long)((d.H + d.Hkv) * d.D + d.Hkv * d.Dv));
     }
     ms_tensor **outs[3] = {dq, dk, dv};
     int alloc[3] = {!*dq, !*dk, !*dv};
@@ -319,6 +326,23 @@ fail:
     for (int i = 0; i < 3; i++)
         if (alloc[i] && *outs[i]) { ms_tensor_free(*outs[i]); *outs[i] = NULL; }
     return -1;
+}
+
+int ms_attention_widths(int device, int dtype, int64_t D, int64_t Dv, int64_t *dqk, int64_t *dv) {
+    if (D < 1 || Dv < 1)
+        return ms_errorf("attention_widths: head widths must be positive, got q/k %lld, v %lld", (long long)D,
+                         (long long)Dv);
+    if (device < 0) {
+        *dqk = D;
+        *dv = Dv;
+        return 0;
+    }
+#ifdef MS_WITH_CUDA
+    return ms_cuda_attention_widths(dtype, D, Dv, dqk, dv);
+#else
+    (void)dtype;
+    return ms_errorf("attention_widths: device %d: moonshard was built without CUDA", device);
+#endif
 }
 
 /* ================================================ merging key blocks (cp) */

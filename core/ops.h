@@ -331,16 +331,19 @@ int ms_sum_squares(ms_tensor **out, int n, ms_tensor *const *ts);
  * CUDA); out: x's shape and dtype. Math in f32 (f64 for f64). */
 int ms_rope(ms_tensor **out, const ms_tensor *x, const ms_tensor *cos, const ms_tensor *sin, int backward);
 /* fused attention (core/attention_cpu.c, kernels/attention.cu): q (B, H, Tq, D),
- * k and v (B, Hkv, Tk, D) with H a multiple of Hkv (grouped-query), out like q,
- * lse (B, H, Tq) f32 (f64 for f64 q: CPU only) saved for backward; causal: key j visible to query i when
- * j <= i + Tk - Tq (bottom-right, as Hugging Face). No T x T matrix is kept.
- * Backward writes dq, dk, dv (like q, k, v). */
+ * k (B, Hkv, Tk, D) and v (B, Hkv, Tk, Dv) with H a multiple of Hkv
+ * (grouped-query) and v's head width Dv its own (DeepSeek's MLA: D 192, Dv
+ * 128), out (B, H, Tq, Dv), lse (B, H, Tq) f32 (f64 for f64 q: CPU only)
+ * saved for backward; causal: key j visible to query i when j <= i + Tk - Tq
+ * (bottom-right, as Hugging Face). No T x T matrix is kept. The CPU takes
+ * any widths; CUDA the pairs ms_attention_widths gives back unchanged (else
+ * an error naming the shapes). Backward writes dq, dk, dv (like q, k, v). */
 int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
                  double scale, int causal);
 int ms_attention_backward(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q, const ms_tensor *k,
                           const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
                           double scale, int causal);
-/* The same, and dsum (a contiguous f32 tensor of H·D + 2·Hkv·D elements on
+/* The same, and dsum (a contiguous f32 tensor of H·D + Hkv·D + Hkv·Dv elements on
  * q's device): the column sums over (B, T) of dq, dk and dv as stored, in
  * that order, heads then D (the bias gradient of a fused qkv projection,
  * GPT-2's c_attn, when the three are views of its output's gradient).
@@ -351,18 +354,26 @@ int ms_attention_backward(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const 
 int ms_attention_backward_sum(ms_tensor **dq, ms_tensor **dk, ms_tensor **dv, const ms_tensor *q, const ms_tensor *k,
                               const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
                               double scale, int causal, ms_tensor *dsum);
+/* the head widths (*dqk for q/k, *dv for v) that fused attention on `device`
+ * (-1: the CPU) runs q/k width D and v width Dv of `dtype` at: D and Dv on the
+ * CPU; on CUDA the narrowest pair its kernels take with *dqk >= D and *dv >=
+ * Dv (f32: one width up to 128; bf16/f16: one width up to 128 or 192, or q/k
+ * 192 with v 128). A caller whose widths come back larger pads q and k with
+ * zero columns (q·kᵀ unchanged) and v too, and drops the output's extra
+ * columns. Returns 0, or -1 with an error naming the widths when none fits. */
+int ms_attention_widths(int device, int dtype, int64_t D, int64_t Dv, int64_t *dqk, int64_t *dv);
 
 /* Attention over key blocks merged by their log-sum-exp (moonshard.cp's
  * ring; core/attention_cpu.c, kernels/attention.cu).
- * ms_attention_merge_: acc (B, H, T, D) f32 or f64 and acc_lse (B, H, T) of
- * its dtype hold the output and log-sum-exp of the blocks so far; o
- * (B, H, T, D) of any float dtype and lse (B, H, T) f32 or f64 are another
+ * ms_attention_merge_: acc (B, H, T, Dv) f32 or f64 and acc_lse (B, H, T) of
+ * its dtype hold the output and log-sum-exp of the blocks so far (Dv: v's
+ * head width, any); o (B, H, T, Dv) of any float dtype and lse (B, H, T) f32 or f64 are another
  * block's (ms_attention's out and lse). first = 1: acc = o, acc_lse = lse.
  * Else per row, with a = acc_lse, b = lse, m = max(a, b) (rows where both
  * are -inf are left as they are):
  *   wa = e^(a-m), wb = e^(b-m), acc = (acc·wa + o·wb) / (wa + wb),
  *   acc_lse = m + log(wa + wb).
- * ms_attention_block_grad: out (B, H, T, D) = g·e^(lse_b - lse) per row, the
+ * ms_attention_block_grad: out (B, H, T, Dv) = g·e^(lse_b - lse) per row, the
  * part of the merged output's gradient g that a block whose log-sum-exp is
  * lse_b sees (lse: the merged one); out contiguous, of dtype `dtype`.
  * Both: any strides (on CUDA the last dim's stride 1, and acc f32), one

@@ -2,9 +2,12 @@
 // flash-style: scores live only in 64x64 tiles in shared memory, never as a
 // T x T matrix in device memory (FlashAttention-2's algorithm).
 //
-//   q (B, H, Tq, D), k and v (B, Hkv, Tk, D) (query head h reads kv head
-//   h / (H/Hkv)), out like q, lse (B, H, Tq) f32; unit stride along D, any
-//   strides for B, H, T (the views models make by transposing (B,T,H,D)).
+//   q (B, H, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) (query head h
+//   reads kv head h / (H/Hkv)), out (B, H, Tq, Dv), lse (B, H, Tq) f32; unit
+//   stride along D, any strides for B, H, T (the views models make by
+//   transposing (B,T,H,D)). Dv = D everywhere but the mma kernels' D = 192,
+//   Dv = 128 (DeepSeek's MLA); ms_cuda_attention_widths says which widths
+//   run, and sdpa pads the others (lua/moonshard/nn/functional.lua).
 //
 // Forward: a block owns 64 query rows of one (b, h); it streams 64-key tiles
 // of K and V through shared memory, keeps a running max and sum per row
@@ -15,7 +18,8 @@
 // gradients are the same bits on every run.
 // Three implementations, picked per call (pick_impl below; forced with
 // ms_cuda_attention_set_impl or MS_ATTENTION_IMPL=mma|wmma|simt):
-//   mma   bf16/f16, head dims 64 and 128, sm_80+, 16-byte aligned rows:
+//   mma   bf16/f16, head dims 64, 128, 192 and (q/k 192, v 128), sm_80+,
+//         16-byte aligned rows:
 //         FlashAttention-2 on mma.sync.m16n8k16 with scores, softmax and P
 //         in registers (attention_mma.cuh) — the default where it fits;
 //   wmma  bf16/f16, head dims 16/32/64/128: WMMA tile products with the
@@ -41,8 +45,9 @@ namespace {
 const int kTile = 64;     // query rows and key columns per tile
 const int kThreads = 128; // two threads per tile row, each with half of D
 const int kMaxD = 128;
-// the one head dim above kMaxD: the mma kernels' (DeepSeek-V3's q/k heads)
-const int kMmaWideD = 192;
+// the one head dim above kMaxD: the mma kernels' (DeepSeek-V3's q/k heads),
+// with v that wide or kMmaWideDv (DeepSeek-V3's v heads: its own instantiation)
+const int kMmaWideD = 192, kMmaWideDv = 128;
 
 struct qkv_layout {
     long long sb, sh, st;  // strides of B, H, T (elements); D has stride 1
@@ -324,15 +329,34 @@ int unit_d(const ms_tensor *t, holder &h, const ms_tensor **res) {
     return 0;
 }
 
-int check_kernel_args(const char *op, const ms_tensor *q) {
-    char d[200];
+// the (q/k, v) head widths the kernels run (D, Dv) of dtype at: the narrowest
+// pair they take at least that wide (false: none). One width up to kMaxD
+// (every implementation), else bf16/f16 on the mma kernels: q/k kMmaWideD
+// with v kMmaWideDv or kMmaWideD.
+bool kernel_widths(int dtype, int64_t D, int64_t Dv, int64_t *dqk, int64_t *dv) {
+    const bool low = dtype == MS_BF16 || dtype == MS_F16;
+    if ((dtype != MS_F32 && !low) || D < 1 || Dv < 1) return false;
+    const int64_t w = D > Dv ? D : Dv;
+    if (w <= kMaxD) *dqk = *dv = w;
+    else if (low && D <= kMmaWideD && Dv <= kMmaWideDv) *dqk = kMmaWideD, *dv = kMmaWideDv;
+    else if (low && w <= kMmaWideD) *dqk = *dv = kMmaWideD;
+    else return false;
+    return true;
+}
+
+const char *kWidthsTaken = "the kernels take one head width up to 128 (f32, bf16, f16) or 192 (bf16/f16), or "
+                           "q/k 192 with v 128 (bf16/f16)";
+
+int check_kernel_args(const char *op, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v) {
+    char d[200], e[200], f[200];
     if (q->dtype_id != MS_F32 && q->dtype_id != MS_BF16 && q->dtype_id != MS_F16)
         return ms_errorf("%s: cuda kernel takes f32, bf16 or f16, got %s", op, ms_desc(q, d, sizeof d));
-    // (192: the mma kernels only, bf16/f16; pick_impl's callers refuse the rest)
-    const bool wide_ok = q->sizes[3] == kMmaWideD && q->dtype_id != MS_F32;
-    if ((q->sizes[3] > kMaxD && !wide_ok) || q->sizes[3] < 1)
-        return ms_errorf("%s: head dim %lld is above this kernel's %d (192: bf16/f16 only), got %s", op,
-                         (long long)q->sizes[3], kMaxD, ms_desc(q, d, sizeof d));
+    // (192 and (192, 128): the mma kernels only; pick_impl's callers refuse the rest)
+    int64_t wq = 0, wv = 0;
+    if (!kernel_widths(q->dtype_id, q->sizes[3], v->sizes[3], &wq, &wv) || wq != q->sizes[3] || wv != v->sizes[3])
+        return ms_errorf("%s: no CUDA kernel takes q %s, k %s, v %s: %s (nn.functional.scaled_dot_product_attention "
+                         "pads to them)", op, ms_desc(q, d, sizeof d), ms_desc(k, e, sizeof e),
+                         ms_desc(v, f, sizeof f), kWidthsTaken);
     if (q->sizes[0] * q->sizes[1] > 65535)
         return ms_errorf("%s: B*H = %lld is above 65535", op, (long long)(q->sizes[0] * q->sizes[1]));
     return 0;
@@ -349,9 +373,10 @@ int set_smem(K kernel, size_t bytes) {
 #include "attention_wgmma.cuh"
 
 // Which kernels run a call. bf16/f16: mma (attention_mma.cuh, head dims 64,
-// 128 and 192, sm_80+, 16-byte aligned rows), else wmma (attention_tc.cuh, head
-// dims 16/32/64/128), else simt (up to 128); f32 always simt. Head dim 192
-// has the mma kernels only: a call they cannot take is refused (wide_refused). ms_cuda_attention_set_impl
+// 128 and 192, and q/k 192 with v 128, sm_80+, 16-byte aligned rows), else
+// wmma (attention_tc.cuh, head dims 16/32/64/128), else simt (up to 128); f32
+// always simt. Only the mma kernels take head dim 192 or a v width of its
+// own: a call they cannot take is refused (wide_refused). ms_cuda_attention_set_impl
 // forces one (what does not fit the call falls back along that order), else
 // the environment does: MS_ATTENTION_IMPL=mma|wmma|simt, or MS_ATTENTION_SIMT
 // (any value) for simt.
@@ -380,6 +405,20 @@ bool rows_aligned16(const ms_tensor *t) {
     return true;
 }
 
+// a call only the mma kernels take (head dim 192, or v of its own width;
+// bf16/f16): its inputs need 16-byte aligned rows, so one that has not
+// (a view at an odd offset) is copied rather than the call refused
+bool mma_only(const ms_tensor *q, const ms_tensor *v) {
+    return q->dtype_id != MS_F32 && (q->sizes[3] > kMaxD || v->sizes[3] != q->sizes[3]);
+}
+int aligned_rows(const ms_tensor *t, holder &h, const ms_tensor **res) {
+    *res = t;
+    if (rows_aligned16(t) || h.t) return 0;   // (h.t: already a contiguous copy)
+    if (ms_tensor_clone(&h.t, t)) return -1;
+    *res = h.t;
+    return 0;
+}
+
 int cc_major(int device) {
     static int cache[64];
     if (device < 0 || device >= 64) return 0;
@@ -392,40 +431,46 @@ int cc_major(int device) {
 
 // the implementation for a call on tensors ts[0..n) (q first), remembered
 // for ms_cuda_attention_last_impl
+// (D: q/k's head width, Dv: v's)
 template <typename T>
-int pick_impl(int D, const ms_tensor *const *ts, int n) {
+int pick_impl(int D, int Dv, const ms_tensor *const *ts, int n) {
     int want = impl_requested(), got = MS_ATTENTION_SIMT;
     if (sizeof(T) == 2 && want != MS_ATTENTION_SIMT) {
-        bool mma_ok = want != MS_ATTENTION_WMMA && (D == 64 || D == 128 || D == kMmaWideD) &&
-                      cc_major(ts[0]->device_id) >= 8;
+        const bool mma_dims = (D == Dv && (D == 64 || D == 128 || D == kMmaWideD)) ||
+                              (D == kMmaWideD && Dv == kMmaWideDv);
+        bool mma_ok = want != MS_ATTENTION_WMMA && mma_dims && cc_major(ts[0]->device_id) >= 8;
         for (int i = 0; i < n && mma_ok; i++) mma_ok = rows_aligned16(ts[i]);
         const bool wg_ok = mma_ok && (want == MS_ATTENTION_AUTO || want == MS_ATTENTION_WGMMA) && D == 64 &&
-                           cc_major(ts[0]->device_id) == 9;
+                           Dv == 64 && cc_major(ts[0]->device_id) == 9;
         if (wg_ok) got = MS_ATTENTION_WGMMA;
         else if (mma_ok) got = MS_ATTENTION_MMA;
-        else if (D == 16 || D == 32 || D == 64 || D == 128) got = MS_ATTENTION_WMMA;
+        else if (D == Dv && (D == 16 || D == 32 || D == 64 || D == 128)) got = MS_ATTENTION_WMMA;
     }
     g_impl_last = got;
     return got;
 }
 
-// a head dim above kMaxD that the mma kernels cannot take here
-int wide_refused(const char *op, const ms_tensor *q) {
-    char d[200];
-    return ms_errorf("%s: head dim %lld runs on the mma kernels only (bf16/f16, sm_80+, 16-byte aligned rows, "
-                     "MS_ATTENTION_IMPL not wmma or simt), got %s", op, (long long)q->sizes[3], ms_desc(q, d, sizeof d));
+// a head dim above kMaxD, or a v width of its own, that the mma kernels
+// cannot take here
+int wide_refused(const char *op, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v) {
+    char d[200], e[200], f[200];
+    return ms_errorf("%s: q/k head dim %lld with v's %lld runs on the mma kernels only (bf16/f16, sm_80+, "
+                     "MS_ATTENTION_IMPL not wmma or simt), got q %s, k %s, v %s", op,
+                     (long long)q->sizes[3], (long long)v->sizes[3], ms_desc(q, d, sizeof d), ms_desc(k, e, sizeof e),
+                     ms_desc(v, f, sizeof f));
 }
 
-template <typename T, int D>
+// (D: q/k's head width, DV: v's)
+template <typename T, int D, int DV>
 int mma_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
             int causal) {
-    constexpr int MT = mma::config<D>::fwd_mt, BM = 64 * MT;  // query rows a block
+    constexpr int MT = mma::config<D, DV>::fwd_mt, BM = 64 * MT;  // query rows a block
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
-    size_t smem = mma::fwd_smem<T, D, MT>();
-    if (set_smem<T>(mma::fwd_kernel<T, D, MT>, smem)) return -1;
+    size_t smem = mma::fwd_smem<T, D, DV, MT>();
+    if (set_smem<T>(mma::fwd_kernel<T, D, DV, MT>, smem)) return -1;
     dim3 grid((unsigned)((Tq + BM - 1) / BM), (unsigned)(B * H));
-    mma::fwd_kernel<T, D, MT><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
+    mma::fwd_kernel<T, D, DV, MT><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
         (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
         (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(v), layout4(out), H,
         Hkv, Tq, Tk, scale, causal);
@@ -462,10 +507,10 @@ int env_onepass(int &cached, const char *name) {
 }
 bool onepass() { return env_onepass(g_onepass, "MS_ATTENTION_BWD") == 1; }
 
-template <typename T, int D>
+template <typename T, int D, int DV>
 int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
             const ms_tensor *dout, const float *l, const float *delta, float scale, int causal, cudaStream_t s) {
-    typedef mma::config<D> C;
+    typedef mma::config<D, DV> C;
     constexpr int BQ = C::dkdv_bq, KMT = C::dkdv_mt, QMT = C::dq_mt;
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
@@ -474,10 +519,10 @@ int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, con
         int64_t shape[4] = {B, H, Tq, D};
         if (ms_tensor_empty(&acc.t, 4, shape, MS_F32, q->device_id)) return -1;
         CUDA_CHECK(cudaMemsetAsync(ms_tensor_data(acc.t), 0, (size_t)B * H * Tq * D * sizeof(float), s));
-        size_t smem = mma::dkdv_smem<T, D, BQ, KMT, true>();
-        if (set_smem<T>(mma::dkdv_kernel<T, D, BQ, KMT, true>, smem)) return -1;
+        size_t smem = mma::dkdv_smem<T, D, DV, BQ, KMT, true>();
+        if (set_smem<T>(mma::dkdv_kernel<T, D, DV, BQ, KMT, true>, smem)) return -1;
         dim3 grid((unsigned)((Tk + 64 * KMT - 1) / (64 * KMT)), (unsigned)(B * Hkv));
-        mma::dkdv_kernel<T, D, BQ, KMT, true><<<grid, 128, smem, s>>>(
+        mma::dkdv_kernel<T, D, DV, BQ, KMT, true><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal, (float *)ms_tensor_data(acc.t));
@@ -491,20 +536,20 @@ int mma_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, con
         return 0;
     }
     if (Tk > 0 && B * Hkv > 0) {
-        size_t smem = mma::dkdv_smem<T, D, BQ, KMT>();
-        if (set_smem<T>(mma::dkdv_kernel<T, D, BQ, KMT>, smem)) return -1;
+        size_t smem = mma::dkdv_smem<T, D, DV, BQ, KMT>();
+        if (set_smem<T>(mma::dkdv_kernel<T, D, DV, BQ, KMT>, smem)) return -1;
         dim3 grid((unsigned)((Tk + 64 * KMT - 1) / (64 * KMT)), (unsigned)(B * Hkv));
-        mma::dkdv_kernel<T, D, BQ, KMT><<<grid, 128, smem, s>>>(
+        mma::dkdv_kernel<T, D, DV, BQ, KMT><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal);
         LAUNCH_CHECK("mma::dkdv_kernel");
     }
     if (Tq > 0 && B * H > 0) {
-        size_t smem = mma::dq_smem<T, D, QMT>();
-        if (set_smem<T>(mma::dq_kernel<T, D, QMT>, smem)) return -1;
+        size_t smem = mma::dq_smem<T, D, DV, QMT>();
+        if (set_smem<T>(mma::dq_kernel<T, D, DV, QMT>, smem)) return -1;
         dim3 grid((unsigned)((Tq + 64 * QMT - 1) / (64 * QMT)), (unsigned)(B * H));
-        mma::dq_kernel<T, D, QMT><<<grid, 128, smem, s>>>(
+        mma::dq_kernel<T, D, DV, QMT><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal);
@@ -761,19 +806,21 @@ template <typename T>
 int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
         int causal) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1], D = (int)q->sizes[3];
+    const int Dv = (int)v->sizes[3];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     if (Tq == 0 || B * H == 0) return 0;  // (an empty grid is a launch error)
     const ms_tensor *ts[4] = {q, k, v, out};
-    int impl = pick_impl<T>(D, ts, 4);
-    if (D > kMaxD && impl != MS_ATTENTION_MMA) return wide_refused("attention", q);
+    int impl = pick_impl<T>(D, Dv, ts, 4);
+    if ((D > kMaxD || Dv != D) && impl != MS_ATTENTION_MMA) return wide_refused("attention", q, k, v);
     // the wgmma forward scales each row's max after taking it: a positive scale only
     if (impl == MS_ATTENTION_WGMMA && !(scale > 0.f)) impl = MS_ATTENTION_MMA;
     if constexpr (sizeof(T) == 2) {
         if (impl == MS_ATTENTION_WGMMA) return wg_fwd<T>(out, lse, q, k, v, scale, causal);
         if (impl == MS_ATTENTION_MMA)
-            return D == 64    ? mma_fwd<T, 64>(out, lse, q, k, v, scale, causal)
-                   : D == 128 ? mma_fwd<T, 128>(out, lse, q, k, v, scale, causal)
-                              : mma_fwd<T, kMmaWideD>(out, lse, q, k, v, scale, causal);
+            return D == 64    ? mma_fwd<T, 64, 64>(out, lse, q, k, v, scale, causal)
+                   : D == 128 ? mma_fwd<T, 128, 128>(out, lse, q, k, v, scale, causal)
+                   : Dv == kMmaWideDv ? mma_fwd<T, kMmaWideD, kMmaWideDv>(out, lse, q, k, v, scale, causal)
+                              : mma_fwd<T, kMmaWideD, kMmaWideD>(out, lse, q, k, v, scale, causal);
         if (impl == MS_ATTENTION_WMMA) return tc_fwd_any<T>(D, out, lse, q, k, v, scale, causal);
     }
     size_t smem = sizeof(float) * (3 * kTile * (D + 1) + kTile * (kTile + 1));
@@ -792,6 +839,7 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout, float scale, int causal, float *dsum,
         int *summed) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1], D = (int)q->sizes[3];
+    const int Dv = (int)v->sizes[3];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     int device = q->device_id;
     cudaStream_t s = ms_cuda_stream_of(device);
@@ -804,8 +852,8 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         l = clse.t;
     }
     const ms_tensor *ts[7] = {q, k, v, dout, dq, dk, dv};
-    int impl = pick_impl<T>(D, ts, 7);
-    if (D > kMaxD && impl != MS_ATTENTION_MMA) return wide_refused("attention_backward", q);
+    int impl = pick_impl<T>(D, Dv, ts, 7);
+    if ((D > kMaxD || Dv != D) && impl != MS_ATTENTION_MMA) return wide_refused("attention_backward", q, k, v);
     // the wgmma two-kernel backward computes Delta in its dq kernel
     bool fuse = false;
     if constexpr (sizeof(T) == 2)
@@ -815,21 +863,22 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         long long rows = (long long)B * H * Tq;
         float *dd = (float *)ms_tensor_data(delta.t);
         const T *op = (const T *)ms_tensor_data(out), *gp = (const T *)ms_tensor_data(dout);
-        if (sizeof(T) == 2 && D % 8 == 0 && rows_aligned16(out) && rows_aligned16(dout)) {
+        // (Delta_i = dout_i . out_i over v's width)
+        if (sizeof(T) == 2 && Dv % 8 == 0 && rows_aligned16(out) && rows_aligned16(dout)) {
             int tpr = 1;
-            while (tpr * 2 <= D / 8 && tpr < 32) tpr *= 2;
+            while (tpr * 2 <= Dv / 8 && tpr < 32) tpr *= 2;
             unsigned blocks = (unsigned)((rows * tpr + 255) / 256);
             switch (tpr) {
-            case 1: attention_delta_vec_kernel<T, 1><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
-            case 2: attention_delta_vec_kernel<T, 2><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
-            case 4: attention_delta_vec_kernel<T, 4><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
-            case 8: attention_delta_vec_kernel<T, 8><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
-            default: attention_delta_vec_kernel<T, 16><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows); break;
+            case 1: attention_delta_vec_kernel<T, 1><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, Dv, rows); break;
+            case 2: attention_delta_vec_kernel<T, 2><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, Dv, rows); break;
+            case 4: attention_delta_vec_kernel<T, 4><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, Dv, rows); break;
+            case 8: attention_delta_vec_kernel<T, 8><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, Dv, rows); break;
+            default: attention_delta_vec_kernel<T, 16><<<blocks, 256, 0, s>>>(dd, op, gp, layout4(out), layout4(dout), H, Tq, Dv, rows); break;
             }
             LAUNCH_CHECK("attention_delta_vec_kernel");
         } else {
             attention_delta_kernel<T><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, s>>>(
-                dd, op, gp, layout4(out), layout4(dout), H, Tq, D, rows);
+                dd, op, gp, layout4(out), layout4(dout), H, Tq, Dv, rows);
             LAUNCH_CHECK("attention_delta_kernel");
         }
     }
@@ -841,9 +890,10 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
                              fuse ? out : nullptr);
         }
         if (impl == MS_ATTENTION_MMA)
-            return D == 64    ? mma_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
-                   : D == 128 ? mma_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
-                              : mma_bwd<T, kMmaWideD>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
+            return D == 64    ? mma_bwd<T, 64, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
+                   : D == 128 ? mma_bwd<T, 128, 128>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
+                   : Dv == kMmaWideDv ? mma_bwd<T, kMmaWideD, kMmaWideDv>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)
+                              : mma_bwd<T, kMmaWideD, kMmaWideD>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
         if (impl == MS_ATTENTION_WMMA) return tc_bwd_any<T>(D, dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s);
     }
     if (Tk > 0 && B * Hkv > 0) {
@@ -875,13 +925,14 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
 
 extern "C" int ms_cuda_attention(ms_tensor *out, ms_tensor *lse, const ms_tensor *q_in, const ms_tensor *k_in,
                                  const ms_tensor *v_in, double scale, int causal) {
-    if (check_kernel_args("attention", q_in)) return -1;
+    if (check_kernel_args("attention", q_in, k_in, v_in)) return -1;
     if (ms_cuda_activate(q_in->device_id)) return -1;
     holder hq, hk, hv, ho;
     const ms_tensor *q, *k, *v;
     if (unit_d(q_in, hq, &q) || unit_d(k_in, hk, &k) || unit_d(v_in, hv, &v)) return -1;
+    if (mma_only(q, v) && (aligned_rows(q, hq, &q) || aligned_rows(k, hk, &k) || aligned_rows(v, hv, &v))) return -1;
     ms_tensor *o = out;
-    if (out->strides[3] != 1 && out->sizes[3] != 1) {
+    if ((out->strides[3] != 1 && out->sizes[3] != 1) || (mma_only(q, v) && !rows_aligned16(out))) {
         if (ms_tensor_empty(&ho.t, 4, out->sizes, out->dtype_id, out->device_id)) return -1;
         o = ho.t;
     }
@@ -901,17 +952,27 @@ extern "C" int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tenso
                                           const ms_tensor *lse, const ms_tensor *dout_in, double scale, int causal,
                                           float *dsum, int *summed) {
     if (summed) *summed = 0;
-    if (check_kernel_args("attention_backward", q_in)) return -1;
+    if (check_kernel_args("attention_backward", q_in, k_in, v_in)) return -1;
     if (ms_cuda_activate(q_in->device_id)) return -1;
     holder hq, hk, hv, ho, hg, hdq, hdk, hdv;
     const ms_tensor *q, *k, *v, *out, *dout;
     if (unit_d(q_in, hq, &q) || unit_d(k_in, hk, &k) || unit_d(v_in, hv, &v) || unit_d(out_in, ho, &out) ||
         unit_d(dout_in, hg, &dout))
         return -1;
+    if (mma_only(q, v) && (aligned_rows(q, hq, &q) || aligned_rows(k, hk, &k) || aligned_rows(v, hv, &v) ||
+                           aligned_rows(out, ho, &out) || aligned_rows(dout, hg, &dout)))
+        return -1;
     ms_tensor *gq = dq, *gk = dk, *gv = dv;
-    if (dq->strides[3] != 1 && ms_tensor_empty(&hdq.t, 4, dq->sizes, dq->dtype_id, dq->device_id) == 0) gq = hdq.t;
-    if (dk->strides[3] != 1 && ms_tensor_empty(&hdk.t, 4, dk->sizes, dk->dtype_id, dk->device_id) == 0) gk = hdk.t;
-    if (dv->strides[3] != 1 && ms_tensor_empty(&hdv.t, 4, dv->sizes, dv->dtype_id, dv->device_id) == 0) gv = hdv.t;
+    const bool mo = mma_only(q, v);   // (outputs the mma kernels cannot write: through a buffer)
+    if ((dq->strides[3] != 1 || (mo && !rows_aligned16(dq))) &&
+        ms_tensor_empty(&hdq.t, 4, dq->sizes, dq->dtype_id, dq->device_id) == 0)
+        gq = hdq.t;
+    if ((dk->strides[3] != 1 || (mo && !rows_aligned16(dk))) &&
+        ms_tensor_empty(&hdk.t, 4, dk->sizes, dk->dtype_id, dk->device_id) == 0)
+        gk = hdk.t;
+    if ((dv->strides[3] != 1 || (mo && !rows_aligned16(dv))) &&
+        ms_tensor_empty(&hdv.t, 4, dv->sizes, dv->dtype_id, dv->device_id) == 0)
+        gv = hdv.t;
     int rc, sm = 0;
     float *ds = summed ? dsum : nullptr;
     switch (q->dtype_id) {
@@ -924,6 +985,12 @@ extern "C" int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tenso
     if (!rc && gk != dk) rc = ms_cuda_convert(dk, gk);
     if (!rc && gv != dv) rc = ms_cuda_convert(dv, gv);
     return rc;
+}
+
+extern "C" int ms_cuda_attention_widths(int dtype, int64_t D, int64_t Dv, int64_t *dqk, int64_t *dv) {
+    if (kernel_widths(dtype, D, Dv, dqk, dv)) return 0;
+    return ms_errorf("attention_widths: no CUDA kernel takes q/k head width %lld with v's %lld in %s: %s", (long long)D,
+                     (long long)Dv, ms_dtype_name(dtype), kWidthsTaken);
 }
 
 extern "C" int ms_cuda_attention_set_impl(int impl) {

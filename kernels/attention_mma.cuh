@@ -1,19 +1,21 @@
 // kernels/attention_mma.cuh — the default tensor-core path of kernels/attention.cu
-// for bf16/f16 with head dims 64, 128 and 192 (DeepSeek-V3's q/k heads) on sm_80+: FlashAttention-2 written on
+// for bf16/f16 with head dims 64, 128 and 192 (DeepSeek-V3's q/k heads) on sm_80+,
+// and q/k 192 with v 128 (DeepSeek-V3's MLA: every kernel takes q/k's width D
+// and v's DV apart; S, dQ and dK run over D, O, dP, dV and Delta over DV): FlashAttention-2 written on
 // raw mma.sync.m16n8k16 (inline PTX, f32 accumulation). Unlike the WMMA path
 // (attention_tc.cuh) no score tile ever leaves the registers: S = Q.K^T lands
 // in accumulator fragments, the online softmax runs on them (row max and sum
 // over the four lanes of a quad), and P, rounded to 16 bits, is used in place
 // as the A operand of P.V (the fragment identity in mma_ops.cuh). K/V (forward, dq) and
 // Q/dO (dk/dv) tiles stream through shared memory with cp.async, double
-// buffered; rows are padded to D+8 elements so every ldmatrix phase (8 rows of
-// 16 bytes) hits 32 distinct banks.
+// buffered; rows are padded to D+8 (v and dO: DV+8) elements so every
+// ldmatrix phase (8 rows of 16 bytes) hits 32 distinct banks.
 //
-// Every kernel has 4 warps, each owning 16*MT rows (MT m-tiles; config<D>
+// Every kernel has 4 warps, each owning 16*MT rows (MT m-tiles; config<D, DV>
 // below: MT = 2 at D = 64, so each ldmatrix'd K/V/Q/dO fragment feeds two
 // m-tiles' MMAs; MT = 1 at D = 128 and 192, where the dk/dv kernel takes
-// 16-query steps: dK and dV hold 192 f32 registers a thread, and 32-query
-// steps spill):
+// 16-query steps at D = 192: dK and dV hold 192 f32 registers a thread (160
+// with DV = 128), and 32-query steps spill):
 //   forward  64*MT query rows a block, 64-key tiles; causal tiles past the
 //            diagonal are never loaded, only the diagonal ones are masked.
 //   dk, dv   64*MT keys a block, looping over the query heads of the kv group
@@ -66,6 +68,29 @@ __device__ __forceinline__ void acc_c_times_bt(float (*acc)[D / 8][4], float (*c
     }
 }
 
+// acc[mt] (16 x 64 each) += A · Bᵀ over NK k16 steps: A the warp's MT
+// m-tiles from row R0 of tile A, B the 64-row tile B, both of row stride LD
+// (the dq kernel's S = Q·Kᵀ and dP = dO·Vᵀ apart, when v's width is its own)
+template <typename T, int LD, int MT, int NK>
+__device__ __forceinline__ void acc_a_times_bt64(float (*acc)[8][4], const T *A, const T *B, int R0, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < NK; kk++) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) lda<T, LD>(a[mt], A, R0 + mt * 16, kk * 16, lane);
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            unsigned b[4];
+            ldb<T, LD>(b, B, np * 16, kk * 16, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                op<T>::mma(acc[mt][2 * np], a[mt], b[0], b[1]);
+                op<T>::mma(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // rows [t0, t0+R) of (b, h), all D columns, into s (R x LD, LD = D + 8) with
 // cp.async, 16 bytes a lane; rows past Tn are zero-filled (so masked keys
 // multiply zeros, never stale data)
@@ -85,12 +110,14 @@ __device__ __forceinline__ void load_rows(T *s, const T *src, const qkv_layout &
     }
 }
 
-// a warp's 16*NR rows (from row R0 of tile s, LD = D + 8) to rows t0+R0.. of
-// (b, h) in dst, 16 bytes a lane, rows past Tn skipped
-template <typename T, int D, int NR>
+// a warp's 16*NR rows of D columns (from row R0 of tile s, row stride LD:
+// D + 8, or the wider tile's whose rows the warp stages them in) to rows
+// t0+R0.. of (b, h) in dst, 16 bytes a lane, rows past Tn skipped
+template <typename T, int D, int NR, int LD = D + 8>
 __device__ __forceinline__ void store_rows(T *dst, const qkv_layout &l, long long b, long long h, long long t0,
                                            long long Tn, const T *s, int R0, int lane) {
-    constexpr int CPR = D / 8, LD = D + 8;
+    constexpr int CPR = D / 8;
+    static_assert(LD >= D + 8, "rows at least D + 8 apart");
     static_assert(16 * NR * CPR % 32 == 0, "whole rounds of 32 lanes");
 #pragma unroll
     for (int it = 0; it < 16 * NR * CPR / 32; it++) {
@@ -103,10 +130,10 @@ __device__ __forceinline__ void store_rows(T *dst, const qkv_layout &l, long lon
 }
 
 // C fragments (n-tiles 0..D/8 of rows R, R+8 where R = R0 + g) scaled by
-// mul[0] (row R) and mul[1] (row R+8), rounded, into rows of tile s
-template <typename T, int D>
+// mul[0] (row R) and mul[1] (row R+8), rounded, into rows of tile s (row
+// stride LD, as store_rows)
+template <typename T, int D, int LD = D + 8>
 __device__ __forceinline__ void frag_to_smem(T *s, const float (*c)[4], int R0, int lane, float mul0, float mul1) {
-    constexpr int LD = D + 8;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int dn = 0; dn < D / 8; dn++) {
@@ -117,12 +144,13 @@ __device__ __forceinline__ void frag_to_smem(T *s, const float (*c)[4], int R0, 
     }
 }
 
-// The tile configuration attention.cu launches per head dim (and the
-// emulator checks): m-tiles (16 rows) per warp, and queries per dk/dv step.
-// More m-tiles per warp feed each ldmatrix'd B fragment to more MMAs (shared
-// memory bandwidth is the limit of mma.sync at one m-tile); these are the
-// largest without register spills (ptxas -v, sm_90a: 222-255 registers).
-template <int D>
+// The tile configuration attention.cu launches per head dims (q/k D, v DV;
+// and the emulator checks): m-tiles (16 rows) per warp, and queries per
+// dk/dv step. More m-tiles per warp feed each ldmatrix'd B fragment to more
+// MMAs (shared memory bandwidth is the limit of mma.sync at one m-tile);
+// these are the largest without register spills (ptxas -v, sm_90a: 222-255
+// registers). (192, 128) keeps D = 192's tiling.
+template <int D, int DV = D>
 struct config {
     static const int fwd_mt = D == 64 ? 2 : 1;   // 128 query rows a block at D = 64
     static const int dkdv_mt = D == 64 ? 2 : 1;  // 128 keys a block at D = 64
@@ -131,16 +159,20 @@ struct config {
 };
 
 // --------------------------------------------------------------- forward
-template <typename T, int D, int MT>
+template <typename T, int D, int DV, int MT>
 size_t fwd_smem() {
-    return (size_t)(64 * MT + 4 * 64) * (D + 8) * sizeof(T);  // Q, then K and V double-buffered
+    // Q, then K and V double-buffered
+    return ((size_t)(64 * MT + 2 * 64) * (D + 8) + (size_t)2 * 64 * (DV + 8)) * sizeof(T);
 }
 
-template <typename T, int D, int MT>
+// (D: q/k's head width, DV: v's and the output's, at most D: the output is
+// staged in the Q tile's rows)
+template <typename T, int D, int DV, int MT>
 __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
                                                   qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo, int H,
                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
-    constexpr int BM = 64 * MT, BN = 64, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16;
+    constexpr int BM = 64 * MT, BN = 64, LD = D + 8, LDV = DV + 8, NT = 128, NDV = DV / 8, NK = D / 16;
+    static_assert(DV <= D && DV % 16 == 0, "v no wider than q/k, whole k16 steps");
     extern __shared__ __align__(128) unsigned char sm[];
     T *Qs = (T *)sm, *Ks = Qs + BM * LD, *Vs = Ks + 2 * BN * LD;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
@@ -155,7 +187,7 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
     load_rows<T, BM, D, NT>(Qs, q, lq, b, h, i0, Tq);
     if (ntiles > 0) {
         load_rows<T, BN, D, NT>(Ks, k, lk, b, g, 0, Tk);
-        load_rows<T, BN, D, NT>(Vs, v, lv, b, g, 0, Tk);
+        load_rows<T, BN, DV, NT>(Vs, v, lv, b, g, 0, Tk);
     }
     cp_async_commit();
     cp_async_wait_all();
@@ -169,11 +201,11 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
 #pragma unroll
             for (int kk = 0; kk < NK; kk++) lda<T, LD>(qa[mt][kk], Qs, wrow + mt * 16, kk * 16, lane);
     }
-    float o[MT][ND][4], m[MT][2], l[MT][2];
+    float o[MT][NDV][4], m[MT][2], l[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-        for (int dn = 0; dn < ND; dn++) o[mt][dn][0] = o[mt][dn][1] = o[mt][dn][2] = o[mt][dn][3] = 0.f;
+        for (int dn = 0; dn < NDV; dn++) o[mt][dn][0] = o[mt][dn][1] = o[mt][dn][2] = o[mt][dn][3] = 0.f;
         m[mt][0] = m[mt][1] = -INFINITY;
         l[mt][0] = l[mt][1] = 0.f;
     }
@@ -186,13 +218,13 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
         if (t + 1 < ntiles) {
             const int nb = (t + 1) & 1;
             load_rows<T, BN, D, NT>(Ks + nb * BN * LD, k, lk, b, g, (long long)(t + 1) * BN, Tk);
-            load_rows<T, BN, D, NT>(Vs + nb * BN * LD, v, lv, b, g, (long long)(t + 1) * BN, Tk);
+            load_rows<T, BN, DV, NT>(Vs + nb * BN * LDV, v, lv, b, g, (long long)(t + 1) * BN, Tk);
         }
         cp_async_commit();
         const long long j0 = (long long)t * BN;
         // a warp whose rows see none of these keys (causal) skips the tile
         if (causal && j0 > i0 + wrow + 16 * MT - 1 + off) continue;
-        const T *Kb = Ks + (t & 1) * BN * LD, *Vb = Vs + (t & 1) * BN * LD;
+        const T *Kb = Ks + (t & 1) * BN * LD, *Vb = Vs + (t & 1) * BN * LDV;
 
         // S = Q K^T: 16*MT rows x 64 keys (8 n-tiles) in registers
         float s[MT][8][4];
@@ -261,7 +293,7 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
                 l[mt][r] = l[mt][r] * alpha + sum;
                 m[mt][r] = mnew;
 #pragma unroll
-                for (int dn = 0; dn < ND; dn++) {
+                for (int dn = 0; dn < NDV; dn++) {
                     o[mt][dn][2 * r] *= alpha;
                     o[mt][dn][2 * r + 1] *= alpha;
                 }
@@ -269,11 +301,12 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
         }
 
         // O += P V, P straight from the S registers
-        acc_c_times_bt<T, LD, MT, D>(o, s, Vb, lane);
+        acc_c_times_bt<T, LDV, MT, DV>(o, s, Vb, lane);
     }
 
-    // out = O / l through this warp's rows of the Q tile (only it read them);
-    // lse in natural log as the other kernels
+    // out = O / l through this warp's rows of the Q tile (only it read them;
+    // at the Q tile's row stride, so no other warp's rows are touched); lse
+    // in natural log as the other kernels
     __syncwarp();
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
@@ -288,10 +321,10 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
             if (t4 == 0 && i < Tq)
                 lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[mt][r] + log2f(lt)) / kLog2e : -INFINITY;
         }
-        frag_to_smem<T, D>(Qs, o[mt], wrow + mt * 16, lane, inv[0], inv[1]);
+        frag_to_smem<T, DV, LD>(Qs, o[mt], wrow + mt * 16, lane, inv[0], inv[1]);
     }
     __syncwarp();
-    store_rows<T, D, MT>(out, lo, b, h, i0, Tq, Qs, wrow, lane);
+    store_rows<T, DV, MT, LD>(out, lo, b, h, i0, Tq, Qs, wrow, lane);
 }
 
 // -------------------------------------------------------------- backward
@@ -305,10 +338,11 @@ __global__ void __launch_bounds__(128) fwd_kernel(T *out, float *lse, const T *q
 // the block's K tile (the step's Q tile is B/4 x D; the last one after the
 // loop). 2.5x the forward's flops instead of 3.5x; the sums' order, and so
 // dq's last bits, then vary from run to run.
-template <typename T, int D, int BQ, int MT, bool DQ = false>
+template <typename T, int D, int DV, int BQ, int MT, bool DQ = false>
 size_t dkdv_smem() {
-    return (size_t)(2 * 64 * MT + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * sizeof(float) +
-           (DQ ? (size_t)2 * 64 * MT * (BQ + 8) * sizeof(T) : 0);
+    // K, V; Q, dO double-buffered; lse and delta; DQ: dS^T double-buffered
+    return ((size_t)(64 * MT + 2 * BQ) * (D + 8) + (size_t)(64 * MT + 2 * BQ) * (DV + 8)) * sizeof(T) +
+           4 * BQ * sizeof(float) + (DQ ? (size_t)2 * 64 * MT * (BQ + 8) * sizeof(T) : 0);
 }
 
 // dQ (+)= scale dS K for the BQ queries of step `it` (see dkdv_kernel):
@@ -354,17 +388,19 @@ __device__ __forceinline__ void dq_from_ds(float *dqacc, const T *Ss, const T *K
         }
 }
 
-template <typename T, int D, int BQ, int MT, bool DQ = false>
+template <typename T, int D, int DV, int BQ, int MT, bool DQ = false>
 __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
                                                    const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                    qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
                                                    int Hkv, long long Tq, long long Tk, float scale, int causal,
                                                    float *dqacc = nullptr) {
-    constexpr int BN = 64 * MT, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16, NQ = BQ / 8, LS = BQ + 8;
+    constexpr int BN = 64 * MT, LD = D + 8, LDV = DV + 8, NT = 128, ND = D / 8, NDV = DV / 8, NK = D / 16,
+                  NKV = DV / 16, NQ = BQ / 8, LS = BQ + 8;
+    static_assert(DV <= D && DV % 16 == 0, "v no wider than q/k, whole k16 steps");
     constexpr bool KREG = D <= 64 && MT == 1;  // K, V fragments live in registers (else re-read from shared)
     extern __shared__ __align__(128) unsigned char sm[];
-    T *Ks = (T *)sm, *Vs = Ks + BN * LD, *Qs = Vs + BN * LD, *Gs = Qs + 2 * BQ * LD;
-    float *Ls = (float *)(Gs + 2 * BQ * LD), *Ds = Ls + 2 * BQ;
+    T *Ks = (T *)sm, *Vs = Ks + BN * LD, *Qs = Vs + BN * LDV, *Gs = Qs + 2 * BQ * LD;
+    float *Ls = (float *)(Gs + 2 * BQ * LDV), *Ds = Ls + 2 * BQ;
     T *Ss = (T *)(Ds + 2 * BQ);   // DQ: dS^T of the last two steps, BN x LS each
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
     const int wrow = warp * 16 * MT;
@@ -387,7 +423,7 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
         const int hq = g * rep + (int)(it / nq);
         const long long ib = istart + (it % nq) * BQ;
         load_rows<T, BQ, D, NT>(Qs + buf * BQ * LD, q, lq, b, hq, ib, Tq);
-        load_rows<T, BQ, D, NT>(Gs + buf * BQ * LD, dout, lg, b, hq, ib, Tq);
+        load_rows<T, BQ, DV, NT>(Gs + buf * BQ * LDV, dout, lg, b, hq, ib, Tq);
         const long long i = ib + threadIdx.x, row = ((long long)b * H + hq) * Tq + i;
         if (threadIdx.x < BQ && i < Tq) {
             Lv = lse[row];
@@ -398,18 +434,21 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
         }
     };
     load_rows<T, BN, D, NT>(Ks, k, lk, b, g, j0, Tk);
-    load_rows<T, BN, D, NT>(Vs, v, lv, b, g, j0, Tk);
+    load_rows<T, BN, DV, NT>(Vs, v, lv, b, g, j0, Tk);
     if (total > 0) issue(0, 0);
     cp_async_commit();
 
-    float dka[MT][ND][4], dva[MT][ND][4];
+    float dka[MT][ND][4], dva[MT][NDV][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int dn = 0; dn < ND; dn++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) dka[mt][dn][e] = dva[mt][dn][e] = 0.f;
-    unsigned ka[KREG ? NK : 1][4], va[KREG ? NK : 1][4];
+            for (int e = 0; e < 4; e++) {
+                dka[mt][dn][e] = 0.f;
+                if (dn < NDV) dva[mt][dn][e] = 0.f;
+            }
+    unsigned ka[KREG ? NK : 1][4], va[KREG ? NKV : 1][4];
 
     for (long long it = 0; it < total; it++) {
         const int buf = (int)(it & 1);
@@ -424,7 +463,7 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
 #pragma unroll
                 for (int kk = 0; kk < NK; kk++) {
                     lda<T, LD>(ka[kk], Ks, wrow, kk * 16, lane);
-                    lda<T, LD>(va[kk], Vs, wrow, kk * 16, lane);
+                    if (kk < NKV) lda<T, LDV>(va[kk], Vs, wrow, kk * 16, lane);
                 }
             }
         }
@@ -447,10 +486,11 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
             }
             continue;
         }
-        const T *Qb = Qs + buf * BQ * LD, *Gb = Gs + buf * BQ * LD;
+        const T *Qb = Qs + buf * BQ * LD, *Gb = Gs + buf * BQ * LDV;
         const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
 
-        // S^T = K_w Q^T and dP^T = V_w dO^T: 16*MT keys x BQ queries
+        // S^T = K_w Q^T (over D) and dP^T = V_w dO^T (over DV): 16*MT keys x
+        // BQ queries
         float st[MT][NQ][4], dpt[MT][NQ][4];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -458,6 +498,7 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
             for (int n = 0; n < NQ; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) st[mt][n][e] = dpt[mt][n][e] = 0.f;
+        // (kk < NKV: a v step beside the q/k one; past DV the q/k steps alone)
 #pragma unroll
         for (int kk = 0; kk < NK; kk++) {
             unsigned akr[MT][4], avr[MT][4];
@@ -466,10 +507,10 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
             for (int mt = 0; mt < MT; mt++) {
                 if constexpr (KREG) {
                     ak[mt] = ka[kk];
-                    av[mt] = va[kk];
+                    av[mt] = va[kk < NKV ? kk : 0];
                 } else {
                     lda<T, LD>(akr[mt], Ks, wrow + mt * 16, kk * 16, lane);
-                    lda<T, LD>(avr[mt], Vs, wrow + mt * 16, kk * 16, lane);
+                    if (kk < NKV) lda<T, LDV>(avr[mt], Vs, wrow + mt * 16, kk * 16, lane);
                     ak[mt] = akr[mt];
                     av[mt] = avr[mt];
                 }
@@ -478,13 +519,15 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
             for (int np = 0; np < NQ / 2; np++) {
                 unsigned qb[4], gb[4];
                 ldb<T, LD>(qb, Qb, np * 16, kk * 16, lane);
-                ldb<T, LD>(gb, Gb, np * 16, kk * 16, lane);
+                if (kk < NKV) ldb<T, LDV>(gb, Gb, np * 16, kk * 16, lane);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     op<T>::mma(st[mt][2 * np], ak[mt], qb[0], qb[1]);
                     op<T>::mma(st[mt][2 * np + 1], ak[mt], qb[2], qb[3]);
-                    op<T>::mma(dpt[mt][2 * np], av[mt], gb[0], gb[1]);
-                    op<T>::mma(dpt[mt][2 * np + 1], av[mt], gb[2], gb[3]);
+                    if (kk < NKV) {
+                        op<T>::mma(dpt[mt][2 * np], av[mt], gb[0], gb[1]);
+                        op<T>::mma(dpt[mt][2 * np + 1], av[mt], gb[2], gb[3]);
+                    }
                 }
             }
         }
@@ -515,7 +558,8 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) frag_to_smem<T, BQ>(Ss + buf * BN * LS, dpt[mt], wrow + mt * 16, lane, 1.f, 1.f);
         }
-        // dV_w += P^T dO, dK_w += dS^T Q (A operands straight from registers)
+        // dV_w += P^T dO (DV columns), dK_w += dS^T Q (D columns); A operands
+        // straight from registers
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; kk++) {
             unsigned pa[MT][4], da[MT][4];
@@ -527,12 +571,14 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
 #pragma unroll
             for (int dp = 0; dp < D / 16; dp++) {
                 unsigned gb[4], qb[4];
-                ldbt<T, LD>(gb, Gb, dp * 16, kk * 16, lane);
+                if (dp < NKV) ldbt<T, LDV>(gb, Gb, dp * 16, kk * 16, lane);
                 ldbt<T, LD>(qb, Qb, dp * 16, kk * 16, lane);
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
-                    op<T>::mma(dva[mt][2 * dp], pa[mt], gb[0], gb[1]);
-                    op<T>::mma(dva[mt][2 * dp + 1], pa[mt], gb[2], gb[3]);
+                    if (dp < NKV) {
+                        op<T>::mma(dva[mt][2 * dp], pa[mt], gb[0], gb[1]);
+                        op<T>::mma(dva[mt][2 * dp + 1], pa[mt], gb[2], gb[3]);
+                    }
                     op<T>::mma(dka[mt][2 * dp], da[mt], qb[0], qb[1]);
                     op<T>::mma(dka[mt][2 * dp + 1], da[mt], qb[2], qb[3]);
                 }
@@ -554,28 +600,30 @@ __global__ void __launch_bounds__(128) dkdv_kernel(T *dk, T *dv, const T *q, con
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         frag_to_smem<T, D>(Ks, dka[mt], wrow + mt * 16, lane, scale, scale);
-        frag_to_smem<T, D>(Vs, dva[mt], wrow + mt * 16, lane, 1.f, 1.f);
+        frag_to_smem<T, DV>(Vs, dva[mt], wrow + mt * 16, lane, 1.f, 1.f);
     }
     __syncwarp();
     store_rows<T, D, MT>(dk, ldk, b, g, j0, Tk, Ks, wrow, lane);
-    store_rows<T, D, MT>(dv, ldv, b, g, j0, Tk, Vs, wrow, lane);
+    store_rows<T, DV, MT>(dv, ldv, b, g, j0, Tk, Vs, wrow, lane);
 }
 
 // dq for 64*MT queries of one (b, h); warp w owns queries 16*MT*w..16*MT*(w+1)-1
-template <typename T, int D, int MT>
+template <typename T, int D, int DV, int MT>
 size_t dq_smem() {
-    return (size_t)(2 * 64 * MT + 4 * 64) * (D + 8) * sizeof(T);
+    // Q, dO; K and V double-buffered
+    return ((size_t)(64 * MT + 2 * 64) * (D + 8) + (size_t)(64 * MT + 2 * 64) * (DV + 8)) * sizeof(T);
 }
 
-template <typename T, int D, int MT>
+template <typename T, int D, int DV, int MT>
 __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, const T *v, const T *dout,
                                                  const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                  qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv,
                                                  long long Tq, long long Tk, float scale, int causal) {
-    constexpr int BM = 64 * MT, BN = 64, LD = D + 8, NT = 128, ND = D / 8, NK = D / 16;
+    constexpr int BM = 64 * MT, BN = 64, LD = D + 8, LDV = DV + 8, NT = 128, ND = D / 8, NK = D / 16, NKV = DV / 16;
+    static_assert(DV <= D && DV % 16 == 0, "v no wider than q/k, whole k16 steps");
     constexpr bool QREG = D <= 64 && MT == 1;  // Q, dO fragments live in registers (else re-read from shared)
     extern __shared__ __align__(128) unsigned char sm[];
-    T *Qs = (T *)sm, *Gs = Qs + BM * LD, *Ks = Gs + BM * LD, *Vs = Ks + 2 * BN * LD;
+    T *Qs = (T *)sm, *Gs = Qs + BM * LD, *Ks = Gs + BM * LDV, *Vs = Ks + 2 * BN * LD;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
     const int wrow = warp * 16 * MT;
     const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * BM;  // longest causal rows first
@@ -597,15 +645,15 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
             Dr[mt][r] = i < Tq ? delta[row] : 0.f;
         }
     load_rows<T, BM, D, NT>(Qs, q, lq, b, h, i0, Tq);
-    load_rows<T, BM, D, NT>(Gs, dout, lg, b, h, i0, Tq);
+    load_rows<T, BM, DV, NT>(Gs, dout, lg, b, h, i0, Tq);
     if (ntiles > 0) {
         load_rows<T, BN, D, NT>(Ks, k, lk, b, g, 0, Tk);
-        load_rows<T, BN, D, NT>(Vs, v, lv, b, g, 0, Tk);
+        load_rows<T, BN, DV, NT>(Vs, v, lv, b, g, 0, Tk);
     }
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
-    unsigned qa[QREG ? NK : 1][4], ga[QREG ? NK : 1][4];
+    unsigned qa[QREG ? NK : 1][4], ga[QREG ? NK : 1][4];   // (QREG: DV == D)
     if constexpr (QREG) {
 #pragma unroll
         for (int kk = 0; kk < NK; kk++) {
@@ -627,14 +675,14 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
         if (t + 1 < ntiles) {
             const int nb = (t + 1) & 1;
             load_rows<T, BN, D, NT>(Ks + nb * BN * LD, k, lk, b, g, (long long)(t + 1) * BN, Tk);
-            load_rows<T, BN, D, NT>(Vs + nb * BN * LD, v, lv, b, g, (long long)(t + 1) * BN, Tk);
+            load_rows<T, BN, DV, NT>(Vs + nb * BN * LDV, v, lv, b, g, (long long)(t + 1) * BN, Tk);
         }
         cp_async_commit();
         const long long j0 = (long long)t * BN;
         if (causal && j0 > i0 + wrow + 16 * MT - 1 + off) continue;
-        const T *Kb = Ks + (t & 1) * BN * LD, *Vb = Vs + (t & 1) * BN * LD;
+        const T *Kb = Ks + (t & 1) * BN * LD, *Vb = Vs + (t & 1) * BN * LDV;
 
-        // S = Q_w K^T, dP = dO_w V^T: 16*MT queries x 64 keys
+        // S = Q_w K^T (over D), dP = dO_w V^T (over DV): 16*MT queries x 64 keys
         float s[MT][8][4], dp[MT][8][4];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -642,35 +690,43 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
             for (int n = 0; n < 8; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) s[mt][n][e] = dp[mt][n][e] = 0.f;
+        if constexpr (DV == D) {   // one k16 loop for both
 #pragma unroll
-        for (int kk = 0; kk < NK; kk++) {
-            unsigned aqr[MT][4], agr[MT][4];
-            const unsigned *aq[MT], *ag[MT];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                if constexpr (QREG) {
-                    aq[mt] = qa[kk];
-                    ag[mt] = ga[kk];
-                } else {
-                    lda<T, LD>(aqr[mt], Qs, wrow + mt * 16, kk * 16, lane);
-                    lda<T, LD>(agr[mt], Gs, wrow + mt * 16, kk * 16, lane);
-                    aq[mt] = aqr[mt];
-                    ag[mt] = agr[mt];
-                }
-            }
-#pragma unroll
-            for (int np = 0; np < 4; np++) {
-                unsigned kb[4], vb[4];
-                ldb<T, LD>(kb, Kb, np * 16, kk * 16, lane);
-                ldb<T, LD>(vb, Vb, np * 16, kk * 16, lane);
+            for (int kk = 0; kk < NK; kk++) {
+                unsigned aqr[MT][4], agr[MT][4];
+                const unsigned *aq[MT], *ag[MT];
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
-                    op<T>::mma(s[mt][2 * np], aq[mt], kb[0], kb[1]);
-                    op<T>::mma(s[mt][2 * np + 1], aq[mt], kb[2], kb[3]);
-                    op<T>::mma(dp[mt][2 * np], ag[mt], vb[0], vb[1]);
-                    op<T>::mma(dp[mt][2 * np + 1], ag[mt], vb[2], vb[3]);
+                    if constexpr (QREG) {
+                        aq[mt] = qa[kk];
+                        ag[mt] = ga[kk];
+                    } else {
+                        lda<T, LD>(aqr[mt], Qs, wrow + mt * 16, kk * 16, lane);
+                        lda<T, LD>(agr[mt], Gs, wrow + mt * 16, kk * 16, lane);
+                        aq[mt] = aqr[mt];
+                        ag[mt] = agr[mt];
+                    }
+                }
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    unsigned kb[4], vb[4];
+                    ldb<T, LD>(kb, Kb, np * 16, kk * 16, lane);
+                    ldb<T, LD>(vb, Vb, np * 16, kk * 16, lane);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        op<T>::mma(s[mt][2 * np], aq[mt], kb[0], kb[1]);
+                        op<T>::mma(s[mt][2 * np + 1], aq[mt], kb[2], kb[3]);
+                        op<T>::mma(dp[mt][2 * np], ag[mt], vb[0], vb[1]);
+                        op<T>::mma(dp[mt][2 * np + 1], ag[mt], vb[2], vb[3]);
+                    }
                 }
             }
+        } else {
+            // dP over DV first, then S over D: two loops (one loop with the
+            // dP steps stopping at DV spills 24 bytes at (192, 128), sm_90a)
+            static_assert(!QREG, "v of its own width: Q, dO re-read from shared memory");
+            acc_a_times_bt64<T, LDV, MT, NKV>(dp, Gs, Vb, wrow, lane);
+            acc_a_times_bt64<T, LD, MT, NK>(s, Qs, Kb, wrow, lane);
         }
         // dS = P (dP - delta), P = exp2(S sl - L); kept in s
         const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + wrow + off);

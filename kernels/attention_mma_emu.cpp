@@ -25,7 +25,8 @@
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
 //   build/attention_mma_emu [--quick] [--reverse] [--gemm]  (exit status 1 on a mismatch)
 // --quick: the launched configurations on 6 shapes (mma at head dims 64,
-// 128 and 192, wgmma at 64); else 11 shapes, the one-m-tile tilings and wgmma's
+// 128 and 192, and q/k 192 with v 128, wgmma at 64); else 11 shapes, the
+// one-m-tile tilings, (192, 128) with 32-query dk/dv steps and wgmma's
 // 128-key forward too; --reverse: the fibers of a block run in reverse order.
 //
 // bf16 only (f16 differs in op<__half>, the PTX type names and the rounding).
@@ -396,40 +397,41 @@ struct errsum {
     double rel() const { return n > 0 ? sqrt(e / n) : sqrt(e); }
 };
 
-// the kernels at head dim D with m-tiles MT (forward), KMT and BQ (dk/dv), QMT
-// (dq); wg: the wgmma kernels instead (D = 64; MT is the forward's key tile).
+// the kernels at q/k head dim D and v head dim DV with m-tiles MT (forward),
+// KMT and BQ (dk/dv), QMT (dq); wg: the wgmma kernels instead (D = DV = 64;
+// MT is the forward's key tile).
 // sharp > 0: q times 1 + sharp and key t times 1 + sharp*t/64, so that the
 // rows' maxima climb by far more than the forward's kStale from tile to tile
 // (its O rescaling runs, and is skipped, within one row)
-template <int D, int MT, int BQ, int KMT, int QMT, bool WG = false>
+template <int D, int DV, int MT, int BQ, int KMT, int QMT, bool WG = false>
 static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bthd, unsigned seed,
                     float sharp = 0.f) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd;
     // bthd: every tensor a (B, T, H, D) layout, as nnf.qkv_attention hands
     // them over (views of GPT-2's fused projection, its output and gradient)
-    tensor4 q(B, H, Tq, D, bthd), k(B, Hkv, Tk, D, bthd), v(B, Hkv, Tk, D, bthd), g(B, H, Tq, D, bthd);
-    tensor4 o(B, H, Tq, D, bthd), dq(B, H, Tq, D, bthd), dk(B, Hkv, Tk, D, bthd), dv(B, Hkv, Tk, D, bthd);
+    tensor4 q(B, H, Tq, D, bthd), k(B, Hkv, Tk, D, bthd), v(B, Hkv, Tk, DV, bthd), g(B, H, Tq, DV, bthd);
+    tensor4 o(B, H, Tq, DV, bthd), dq(B, H, Tq, D, bthd), dk(B, Hkv, Tk, D, bthd), dv(B, Hkv, Tk, DV, bthd);
     for (tensor4 *x : {&q, &k, &v, &g})
         for (int b = 0; b < x->B; b++)
             for (int h = 0; h < x->H; h++)
                 for (int t = 0; t < x->T; t++) {
                     const float mul = x == &q ? 1.f + sharp : x == &k ? 1.f + sharp * t / 64.f : 1.f;
-                    for (int d = 0; d < D; d++) x->set(b, h, t, d, nd(rng) * mul);
+                    for (int d = 0; d < x->D; d++) x->set(b, h, t, d, nd(rng) * mul);
                 }
     for (tensor4 *x : {&o, &dq, &dk, &dv})
         for (auto &e : x->v) e.x = 0x7fc0;  // NaN: an unwritten element shows
     const float scale = 1.f / sqrtf((float)D);
     std::vector<float> lse((size_t)B * H * Tq, NAN), delta((size_t)B * H * Tq);
     if constexpr (WG) {
-        static_assert(D == 64, "wgmma kernels: head dim 64");
+        static_assert(D == 64 && DV == 64, "wgmma kernels: head dim 64");
         launch((Tq + 63) / 64, B * H, [&] {
             wg::fwd_kernel<bf, MT>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv, Tq,
                                    Tk, scale, causal);
         });
     } else {
         launch((Tq + 64 * MT - 1) / (64 * MT), B * H, [&] {
-            mma::fwd_kernel<bf, D, MT>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv,
+            mma::fwd_kernel<bf, D, DV, MT>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv,
                                        Tq, Tk, scale, causal);
         });
     }
@@ -438,7 +440,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     const long long off = Tk - Tq;
     errsum eo, el, edq, edk, edv;
     bool lse_inf_ok = true;
-    std::vector<double> rdq((size_t)B * H * Tq * D), rdk((size_t)B * Hkv * Tk * D), rdv((size_t)B * Hkv * Tk * D);
+    std::vector<double> rdq((size_t)B * H * Tq * D), rdk((size_t)B * Hkv * Tk * D), rdv((size_t)B * Hkv * Tk * DV);
     for (int b = 0; b < B; b++)
         for (int h = 0; h < H; h++)
             for (int i = 0; i < Tq; i++) {
@@ -458,7 +460,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                 const float Lg = lse[((size_t)b * H + h) * Tq + i];
                 if (sum > 0) el.add(Lg, m + log(sum));
                 else lse_inf_ok = lse_inf_ok && std::isinf(Lg) && Lg < 0;
-                for (int d = 0; d < D; d++) {
+                for (int d = 0; d < DV; d++) {
                     double od = 0;
                     for (int j = 0; j < Tk; j++)
                         if (p[j] > 0) od += p[j] / sum * v.get(b, gk, j, d);
@@ -469,13 +471,13 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                 for (int j = 0; j < Tk; j++) {
                     if (p[j] == 0) continue;
                     double P = p[j] / sum, dp = 0;
-                    for (int d = 0; d < D; d++) dp += (double)g.get(b, h, i, d) * v.get(b, gk, j, d);
+                    for (int d = 0; d < DV; d++) dp += (double)g.get(b, h, i, d) * v.get(b, gk, j, d);
                     const double ds = P * (dp - dl);
                     for (int d = 0; d < D; d++) {
                         rdq[(((size_t)b * H + h) * Tq + i) * D + d] += ds * k.get(b, gk, j, d) * scale;
                         rdk[(((size_t)b * Hkv + gk) * Tk + j) * D + d] += ds * q.get(b, h, i, d) * scale;
-                        rdv[(((size_t)b * Hkv + gk) * Tk + j) * D + d] += P * g.get(b, h, i, d);
                     }
+                    for (int d = 0; d < DV; d++) rdv[(((size_t)b * Hkv + gk) * Tk + j) * DV + d] += P * g.get(b, h, i, d);
                 }
             }
     // a dq as stored against the reference
@@ -515,17 +517,17 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
         });
     } else {
         launch((Tk + 64 * KMT - 1) / (64 * KMT), B * Hkv, [&] {
-            mma::dkdv_kernel<bf, D, BQ, KMT>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(),
+            mma::dkdv_kernel<bf, D, DV, BQ, KMT>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(),
                                              delta.data(), q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal);
         });
         launch((Tq + 64 * QMT - 1) / (64 * QMT), B * H, [&] {
-            mma::dq_kernel<bf, D, QMT>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l,
+            mma::dq_kernel<bf, D, DV, QMT>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l,
                                        k.l, v.l, g.l, dq.l, H, Hkv, Tq, Tk, scale, causal);
         });
     }
     // the one-pass backward: dk, dv again and dq (mma: through f32 atomics;
     // wgmma: added in key-block order inside dkdv_kernel<bf, true>)
-    tensor4 dk1(B, Hkv, Tk, D, bthd), dv1(B, Hkv, Tk, D, bthd);
+    tensor4 dk1(B, Hkv, Tk, D, bthd), dv1(B, Hkv, Tk, DV, bthd);
     for (tensor4 *x : {&dk1, &dv1})
         for (auto &e : x->v) e.x = 0x7fc0;
     std::vector<float> dqacc((size_t)B * H * Tq * D, 0.f);
@@ -544,7 +546,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
         });
     }
     if (!WG) launch((Tk + 64 * KMT - 1) / (64 * KMT), B * Hkv, [&] {
-        mma::dkdv_kernel<bf, D, BQ, KMT, true>(dk1.data(), dv1.data(), q.data(), k.data(), v.data(), g.data(),
+        mma::dkdv_kernel<bf, D, DV, BQ, KMT, true>(dk1.data(), dv1.data(), q.data(), k.data(), v.data(), g.data(),
                                                lse.data(), delta.data(), q.l, k.l, v.l, g.l, dk1.l, dv1.l, H, Hkv, Tq,
                                                Tk, scale, causal, dqacc.data());
     });
@@ -559,19 +561,18 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                 }
     for (int b = 0; b < B && (!WG || wg1); b++)
         for (int h = 0; h < Hkv; h++)
-            for (int j = 0; j < Tk; j++)
-                for (int d = 0; d < D; d++) {
-                    edk1.add(dk1.get(b, h, j, d), rdk[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
-                    edv1.add(dv1.get(b, h, j, d), rdv[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
-                }
+            for (int j = 0; j < Tk; j++) {
+                for (int d = 0; d < D; d++) edk1.add(dk1.get(b, h, j, d), rdk[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
+                for (int d = 0; d < DV; d++)
+                    edv1.add(dv1.get(b, h, j, d), rdv[(((size_t)b * Hkv + h) * Tk + j) * DV + d]);
+            }
     dq_err(dq, edq);
     for (int b = 0; b < B; b++)
         for (int h = 0; h < Hkv; h++)
-            for (int j = 0; j < Tk; j++)
-                for (int d = 0; d < D; d++) {
-                    edk.add(dk.get(b, h, j, d), rdk[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
-                    edv.add(dv.get(b, h, j, d), rdv[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
-                }
+            for (int j = 0; j < Tk; j++) {
+                for (int d = 0; d < D; d++) edk.add(dk.get(b, h, j, d), rdk[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
+                for (int d = 0; d < DV; d++) edv.add(dv.get(b, h, j, d), rdv[(((size_t)b * Hkv + h) * Tk + j) * DV + d]);
+            }
     // the partial rows summed (as attention.cu's part_colsum_kernel) against
     // the column sums of the stored dq, dk, dv
     errsum esum;
@@ -596,8 +597,11 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     const double r[8] = {eo.rel(), el.rel(), edq.rel(), edk.rel(), edv.rel(), edq1.rel(), edk1.rel(), edv1.rel()};
     bool ok = lse_inf_ok && (!WG || (esum.rel() <= 1e-5 && edelta.rel() <= 1e-5 && edq0.rel() <= 1e-2));
     for (int i = 0; i < 8; i++) ok = ok && r[i] <= (i == 1 ? 1e-5 : 1e-2);
-    printf("%s %s D=%d [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e",
-           ok ? "ok  " : "FAIL", WG ? "wgmma" : "mma  ", D, MT, BQ, KMT, QMT, B, H, Hkv, Tq, Tk,
+    char dims[32];
+    if (DV == D) snprintf(dims, sizeof dims, "D=%d", D);
+    else snprintf(dims, sizeof dims, "D=%d Dv=%d", D, DV);
+    printf("%s %s %s [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e",
+           ok ? "ok  " : "FAIL", WG ? "wgmma" : "mma  ", dims, MT, BQ, KMT, QMT, B, H, Hkv, Tq, Tk,
            causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "", sharp > 0 ? " sharp" : "", r[0], r[1], r[2], r[3], r[4]);
     if (WG) printf("; column sums %.1e; Delta in dq %.1e (Delta read: dq %.1e)", esum.rel(), edelta.rel(), edq0.rel());
     if (!WG || wg1) printf("; one pass dq %.1e dk %.1e dv %.1e\n", r[5], r[6], r[7]);
@@ -741,19 +745,27 @@ int main(int argc, char **argv) {
         // the configurations attention.cu launches ...
         typedef mma::config<64> C64;
         typedef mma::config<128> C128;
-        bad += run_case<64, C64::fwd_mt, C64::dkdv_bq, C64::dkdv_mt, C64::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
-                                                                                 c.causal, c.bthd, seed++);
-        bad += run_case<128, C128::fwd_mt, C128::dkdv_bq, C128::dkdv_mt, C128::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
-                                                                                       c.causal, c.bthd, seed++);
+        bad += run_case<64, 64, C64::fwd_mt, C64::dkdv_bq, C64::dkdv_mt, C64::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
+                                                                                     c.causal, c.bthd, seed++);
+        bad += run_case<128, 128, C128::fwd_mt, C128::dkdv_bq, C128::dkdv_mt, C128::dq_mt>(c.B, c.H, c.Hkv, c.Tq,
+                                                                                            c.Tk, c.causal, c.bthd,
+                                                                                            seed++);
         typedef mma::config<192> C192;   // (DeepSeek-V3's q/k heads)
-        bad += run_case<192, C192::fwd_mt, C192::dkdv_bq, C192::dkdv_mt, C192::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
-                                                                                       c.causal, c.bthd, seed++);
-        // ... and the other tilings (one m-tile a warp, 64-query dk/dv steps), kept working for tuning
-        if (!quick) bad += run_case<64, 1, 64, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        bad += run_case<192, 192, C192::fwd_mt, C192::dkdv_bq, C192::dkdv_mt, C192::dq_mt>(c.B, c.H, c.Hkv, c.Tq,
+                                                                                            c.Tk, c.causal, c.bthd,
+                                                                                            seed++);
+        typedef mma::config<192, 128> CMla;   // (DeepSeek-V3's MLA: q/k 192, v 128)
+        bad += run_case<192, 128, CMla::fwd_mt, CMla::dkdv_bq, CMla::dkdv_mt, CMla::dq_mt>(c.B, c.H, c.Hkv, c.Tq,
+                                                                                            c.Tk, c.causal, c.bthd,
+                                                                                            seed++);
+        // ... and the other tilings (one m-tile a warp, 64-query dk/dv steps; MLA's with
+        // 32-query steps), kept working for tuning
+        if (!quick) bad += run_case<64, 64, 1, 64, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        if (!quick) bad += run_case<192, 128, 1, 32, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
         // the wgmma kernels (64-key forward tiles as launched; 128 kept for tuning)
-        bad += run_case<64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
-        bad += run_case<64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
-        if (!quick) bad += run_case<64, 128, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        bad += run_case<64, 64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        bad += run_case<64, 64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
+        if (!quick) bad += run_case<64, 64, 128, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
     }
     printf("%d failed\n", bad);
     return bad != 0;

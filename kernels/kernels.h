@@ -129,10 +129,12 @@ int ms_cuda_rope(ms_tensor *out, const ms_tensor *x, const ms_tensor *cos, const
 int ms_cuda_attention(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
                       double scale, int causal);
 /* dsum (or NULL): with the wgmma kernels, the column sums of dq, dk, dv as
- * stored, [H·D | Hkv·D | Hkv·D] f32 on the device, and *summed = 1; else 0 */
+ * stored, [H·D | Hkv·D | Hkv·Dv] f32 on the device, and *summed = 1; else 0 */
 int ms_cuda_attention_backward(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k,
                                const ms_tensor *v, const ms_tensor *out, const ms_tensor *lse, const ms_tensor *dout,
                                double scale, int causal, float *dsum, int *summed);
+/* ms_attention_widths on CUDA: the kernels' (q/k, v) widths for (D, Dv) in dtype */
+int ms_cuda_attention_widths(int dtype, int64_t D, int64_t Dv, int64_t *dqk, int64_t *dv);
 /* the block merge and a block's gradient share (contracts in core/ops.h; checked there) */
 int ms_cuda_attention_merge(ms_tensor *acc, ms_tensor *acc_lse, const ms_tensor *o, const ms_tensor *lse, int first);
 int ms_cuda_attention_block_grad(ms_tensor *out, const ms_tensor *g, const ms_tensor *lse_b, const ms_tensor *lse);

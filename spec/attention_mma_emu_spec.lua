@@ -4,7 +4,8 @@
 -- wgmma.mma_async through its descriptors and the 128-byte swizzle, cp.async
 -- groups) replaced by CPU stand-ins of the same semantics, runs each block as
 -- 128 fibers, and checks out, lse, dq, dk and dv against a double-precision
--- reference at head dims 64, 128 and 192 (wgmma: 64) with tile-straddling
+-- reference at head dims 64, 128 and 192, and q/k 192 with v 128 (DeepSeek's
+-- MLA: v's width its own) (wgmma: 64) with tile-straddling
 -- lengths, Tq != Tk, GQA, (B, T, H, D) views. The GPU runs the real thing
 -- in spec/gpu_attention_spec.lua (#gpu). The same emulator runs the grouped
 -- GEMM of the experts (kernels/grouped_gemm.cuh, --gemm) against a double
@@ -47,12 +48,18 @@ end
 describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', function()
   teardown(function() if bin then os.remove(bin) end end)
 
-  it('match the reference: out, lse, dq, dk, dv at head dims 64 and 128 (wgmma: 64)', function()
+  it('match the reference: out, lse, dq, dk, dv at head dims 64, 128, 192 and q/k 192 with v 128 (wgmma: 64)',
+    function()
     if not emulator() then
       pending('no g++')
       return
     end
-    run({ '--quick', '--quick --reverse' })
+    for _, out in ipairs(run({ '--quick', '--quick --reverse' })) do
+      -- every quick shape ran the (192, 128) kernels too, forward and backward
+      local n = 0
+      for _ in out:gmatch('ok   mma   D=192 Dv=128 ') do n = n + 1 end
+      assert.are.equal(6, n, out)
+    end
   end)
 
   it('the grouped GEMM (kernels/grouped_gemm.cuh): its three layouts, bf16 and f32 C, beta, empty groups, two launches', function()

@@ -2,7 +2,8 @@
 -- reference (core/attention_cpu.c): forward output, lse and dq/dk/dv on
 -- random data, f32 ≤ 1e-5 and bf16/f16 ≤ 1e-2 relative, lse ≤ 1e-5, for
 -- every implementation (wgmma, mma, wmma, simt: ms_cuda_attention_set_impl), head
--- dims 64 and 128 (and 32, which only wmma/simt take; 192, mma only), lengths 1 to 1024
+-- dims 64 and 128 (and 32, which only wmma/simt take; 192, and q/k 192 with v
+-- 128 (DeepSeek-V3's MLA), mma only), lengths 1 to 1024
 -- across the tile edges, causal or not, Tq != Tk (bottom-right causal, rows
 -- that see no key), grouped-query heads and strided (B, T, H, D) views.
 local ms = require 'moonshard'
@@ -124,11 +125,13 @@ for _, c in ipairs({
 
 -- the reference (f64, from the inputs rounded to dt) once per case and dtype;
 -- its backward takes the reference output rounded to dt, as a kernel's is
+-- (c.Dv: v's head width, c.D when not given)
 local function reference(c, dt, seed)
+  local Dv = c.Dv or c.D
   local q = ms.randn({ c.B, c.H, c.Tq, c.D }, { seed = seed }):to(dt)
   local k = ms.randn({ c.B, c.Hkv, c.Tk, c.D }, { seed = seed + 1 }):to(dt)
-  local v = ms.randn({ c.B, c.Hkv, c.Tk, c.D }, { seed = seed + 2 }):to(dt)
-  local g = ms.randn({ c.B, c.H, c.Tq, c.D }, { seed = seed + 3 }):to(dt)
+  local v = ms.randn({ c.B, c.Hkv, c.Tk, Dv }, { seed = seed + 2 }):to(dt)
+  local g = ms.randn({ c.B, c.H, c.Tq, Dv }, { seed = seed + 3 }):to(dt)
   if c.sharp then
     local ramp = (ms.arange(c.Tk):double() * (c.sharp / 64) + 1):reshape({ 1, 1, c.Tk, 1 })
     q = (q:double() * (1 + c.sharp)):to(dt)
@@ -160,6 +163,20 @@ local function check_case(c, dt, ref, impl)
   assert.is_true(relerr(dq2, ref.dq) <= bound, 'dq ' .. relerr(dq2, ref.dq))
   assert.is_true(relerr(dk2, ref.dk) <= bound, 'dk ' .. relerr(dk2, ref.dk))
   assert.is_true(relerr(dv2, ref.dv) <= bound, 'dv ' .. relerr(dv2, ref.dv))
+end
+
+-- cases only the mma kernels take (head dim 192; q/k 192 with v 128): mma,
+-- two-pass and one-pass, in bf16 and f16 (wgmma asked for: mma runs)
+local function check_mma_only(cs, seed)
+  for _, c in ipairs(cs) do
+    for _, dt in ipairs({ 'bf16', 'f16' }) do
+      seed = seed + 10
+      local ref = reference(c, dt, seed)
+      check_case(c, dt, ref, 'mma')
+      check_case(c, dt, ref, 'mma1')
+      check_case(c, dt, ref, 'wgmma')   -- (Hopper's wgmma is head dim 64: mma runs)
+    end
+  end
 end
 
 describe('fused attention on cuda #gpu', function()
@@ -244,29 +261,106 @@ describe('fused attention on cuda #gpu', function()
 
   it('head dim 192 (DeepSeek-V3\'s q/k heads): mma, two-pass and one-pass, in bf16 and f16 matches the CPU '
     .. 'reference across tile edges, causal or not, GQA, Tq ~= Tk; f32, wmma and simt are refused by name', function()
-    local seed = 5000
-    for _, c in ipairs({ { B = 1, H = 2, Hkv = 1, Tq = 130, Tk = 130, D = 192, causal = true },
+    check_mma_only({ { B = 1, H = 2, Hkv = 1, Tq = 130, Tk = 130, D = 192, causal = true },
       { B = 2, H = 2, Hkv = 2, Tq = 17, Tk = 17, D = 192, causal = false },
       { B = 1, H = 4, Hkv = 2, Tq = 20, Tk = 150, D = 192, causal = true },
       { B = 1, H = 2, Hkv = 2, Tq = 200, Tk = 70, D = 192, causal = false },
-      { B = 1, H = 2, Hkv = 1, Tq = 1024, Tk = 1024, D = 192, causal = true } }) do
-      for _, dt in ipairs({ 'bf16', 'f16' }) do
-        seed = seed + 10
-        local ref = reference(c, dt, seed)
-        check_case(c, dt, ref, 'mma')
-        check_case(c, dt, ref, 'mma1')
-        check_case(c, dt, ref, 'wgmma')   -- (Hopper's wgmma is head dim 64: mma runs)
-      end
-    end
+      { B = 1, H = 2, Hkv = 1, Tq = 1024, Tk = 1024, D = 192, causal = true } }, 5000)
     local q = ms.randn({ 1, 2, 40, 192 }, { seed = 3, device = 'cuda' })
     local ok, err = pcall(attention, q, q, q, 0.1, true)
     assert.is_false(ok)
-    assert.matches('head dim 192 is above this kernel\'s 128 (192: bf16/f16 only)', tostring(err), 1, true)
+    assert.matches('no CUDA kernel takes q f32 (1,2,40,192)', tostring(err), 1, true)
     local qb = q:to('bf16')
     for _, impl in ipairs({ 'wmma', 'simt' }) do
       local ok2, err2 = pcall(with_impl, impl, function() return attention(qb, qb, qb, 0.1, true) end)
       assert.is_false(ok2)
-      assert.matches('head dim 192 runs on the mma kernels only', tostring(err2), 1, true)
+      assert.matches('head dim 192 with v\'s 192 runs on the mma kernels only', tostring(err2), 1, true)
+    end
+  end)
+
+  it('q/k 192 with v 128 (DeepSeek-V3\'s MLA): mma, two-pass and one-pass, in bf16 and f16 matches the CPU '
+    .. 'reference across tile edges, causal or not, GQA, Tq ~= Tk; f32, wmma, simt and other pairs refused by name',
+    function()
+    check_mma_only({ { B = 1, H = 2, Hkv = 1, Tq = 130, Tk = 130, D = 192, Dv = 128, causal = true },
+      { B = 2, H = 2, Hkv = 2, Tq = 17, Tk = 17, D = 192, Dv = 128, causal = false },
+      { B = 1, H = 4, Hkv = 2, Tq = 20, Tk = 150, D = 192, Dv = 128, causal = true },
+      { B = 1, H = 2, Hkv = 2, Tq = 200, Tk = 70, D = 192, Dv = 128, causal = false },
+      { B = 1, H = 2, Hkv = 1, Tq = 1024, Tk = 1024, D = 192, Dv = 128, causal = true } }, 6000)
+    -- (B, T, H, D) views of one projection, as MLAttention's v (a view of kv_b_proj's output)
+    local kv = ms.randn({ 2, 70, 3, 128 + 128 }, { seed = 77 }):to('bf16'):cuda()
+    local qv = ms.randn({ 2, 70, 3, 192 }, { seed = 78 }):to('bf16'):cuda():transpose(2, 3)
+    local kk = ms.randn({ 2, 70, 3, 192 }, { seed = 79 }):to('bf16'):cuda():transpose(2, 3)
+    local vv = kv:narrow(4, 129, 128):transpose(2, 3)
+    local ov = attention(qv, kk, vv, 0.1, true)
+    local oc = attention(qv:contiguous(), kk:contiguous(), vv:contiguous(), 0.1, true)
+    assert.are.equal(0, relerr(ov, oc))
+    local q = ms.randn({ 1, 2, 40, 192 }, { seed = 3, device = 'cuda' })
+    local v = ms.randn({ 1, 2, 40, 128 }, { seed = 4, device = 'cuda' })
+    local ok, err = pcall(attention, q, q, v, 0.1, true)
+    assert.is_false(ok)
+    assert.matches('no CUDA kernel takes q f32 (1,2,40,192) cuda:', tostring(err), 1, true)
+    assert.matches('v f32 (1,2,40,128) cuda:', tostring(err), 1, true)
+    local qb, vb = q:to('bf16'), v:to('bf16')
+    for _, impl in ipairs({ 'wmma', 'simt' }) do
+      local ok2, err2 = pcall(with_impl, impl, function() return attention(qb, qb, vb, 0.1, true) end)
+      assert.is_false(ok2)
+      assert.matches('head dim 192 with v\'s 128 runs on the mma kernels only', tostring(err2), 1, true)
+    end
+    -- a pair no kernel has (v 64 with q/k 192): refused, naming the shapes
+    local ok3, err3 = pcall(attention, qb, qb, vb:narrow(4, 1, 64):contiguous(), 0.1, true)
+    assert.is_false(ok3)
+    assert.matches('v bf16 (1,2,40,64)', tostring(err3), 1, true)
+    -- by default the (192, 128) pair runs mma
+    if not os.getenv('MS_ATTENTION_IMPL') and not os.getenv('MS_ATTENTION_SIMT') then
+      attention(qb, qb, vb, 0.1, true)
+      assert.are.equal('mma', last_impl())
+    end
+  end)
+
+  it('gives the head widths its kernels run (D, Dv) at (nn.functional.attention_widths)', function()
+    local nnf = require 'moonshard.nn.functional'
+    local function widths(dt, D, Dv)
+      local q = ms.empty({ 1, 1, 1, 1 }, { dtype = dt, device = 'cuda' })
+      local a, b = nnf.attention_widths(q, D, Dv)
+      return { a, b }
+    end
+    assert.are.same({ 192, 128 }, widths('bf16', 192, 128))
+    assert.are.same({ 192, 128 }, widths('f16', 150, 100))
+    assert.are.same({ 64, 64 }, widths('bf16', 64, 32))
+    assert.are.same({ 192, 192 }, widths('bf16', 128, 192))
+    assert.are.same({ 128, 128 }, widths('f32', 128, 96))
+    assert.are.same({ 40, 40 }, widths('f32', 40, 40))
+    local a, why = nnf.attention_widths(ms.empty({ 1 }, { dtype = 'f32', device = 'cuda' }), 192, 128)
+    assert.is_nil(a)
+    assert.matches('q/k head width 192 with v\'s 128 in f32', why, 1, true)
+    assert.is_nil((nnf.attention_widths(ms.empty({ 1 }, { dtype = 'bf16', device = 'cuda' }), 256, 128)))
+  end)
+
+  it('scaled_dot_product_attention takes any widths on the GPU: the kernel, padded, or unfused, as the CPU', function()
+    local nnf = require 'moonshard.nn.functional'
+    -- (dtype, D, Dv, bound): (192, 128) on its kernel; 160/100 padded to it;
+    -- 48/80 padded to 80; f32 at 192/128 unfused
+    for i, c in ipairs({ { 'bf16', 192, 128, 1e-2 }, { 'bf16', 160, 100, 1e-2 }, { 'f16', 48, 80, 1e-2 },
+      { 'f32', 192, 128, 1e-5 } }) do
+      local dt, D, Dv, bound = c[1], c[2], c[3], c[4]
+      local q = ms.randn({ 2, 4, 70, D }, { seed = 100 + i }):to(dt)
+      local k = ms.randn({ 2, 2, 70, D }, { seed = 200 + i }):to(dt)
+      local v = ms.randn({ 2, 2, 70, Dv }, { seed = 300 + i }):to(dt)
+      local g = ms.randn({ 2, 4, 70, Dv }, { seed = 400 + i }):to(dt)
+      local function run(dev, cast)
+        local qq, kk, vv = q:to(dev):to(cast), k:to(dev):to(cast), v:to(dev):to(cast)
+        for _, t in ipairs({ qq, kk, vv }) do t:requires_grad_() end
+        local y = nnf.scaled_dot_product_attention(qq, kk, vv, { causal = true })
+        ms.sum(y:double() * g:to(dev):double()):backward()
+        return { y:detach(), qq.grad, kk.grad, vv.grad }
+      end
+      local want = run('cpu', 'f64')
+      local got = run('cuda', dt)
+      assert.are.same({ 2, 4, 70, Dv }, got[1].shape)
+      for j, name in ipairs({ 'out', 'dq', 'dk', 'dv' }) do
+        local e = relerr(got[j], want[j])
+        assert.is_true(e <= bound, ('%s D %d Dv %d: %s %g'):format(dt, D, Dv, name, e))
+      end
     end
   end)
 

@@ -34,6 +34,7 @@ local F = require 'moonshard.ops'
 local A = require 'moonshard.autograd'
 local dist = require 'moonshard.dist'
 local R = A.raw_views
+local W = A.W
 local free = A.free
 
 local cp = {}
@@ -256,11 +257,27 @@ local function block(ctx, i, Tl)
   return nil
 end
 
--- kv (2, B, Hkv, Tl, D) contiguous: k and v packed for one message each step
+-- k (B, Hkv, Tl, D) and v (B, Hkv, Tl, Dv) packed into one flat buffer, k
+-- first, for one message each step (v's head width Dv its own: DeepSeek's
+-- MLA). kv_views(buf, ks, vs) -> the (B, Hkv, Tl, D) and (B, Hkv, Tl, Dv)
+-- views of such a buffer (the caller frees them).
+local function numel_of(s)
+  local n = 1
+  for _, x in ipairs(s) do n = n * x end
+  return n
+end
+
+local function kv_views(buf, ks, vs)
+  local nk = numel_of(ks)
+  local a, b = R.narrow(buf, 1, 1, nk), R.narrow(buf, 1, nk + 1, numel_of(vs))
+  local kk, vv = R.view(a, ks), R.view(b, vs)
+  free(a); free(b)
+  return kk, vv
+end
+
 local function pack_kv(k, v)
-  local s = k.shape
-  local kv = T.empty({ 2, s[1], s[2], s[3], s[4] }, { dtype = k.dtype, device = k.device })
-  local a, b = R.select(kv, 1, 1), R.select(kv, 1, 2)
+  local kv = T.empty({ numel_of(k.shape) + numel_of(v.shape) }, { dtype = k.dtype, device = k.device })
+  local a, b = kv_views(kv, k.shape, v.shape)
   a:copy_(k); b:copy_(v)
   free(a); free(b)
   return kv
@@ -288,14 +305,14 @@ local Ring = A.Function {
   name = 'cp_ring_attention',
   owns_results = true,
   forward = function(c, q, k, v, ctx, scale)
-    local qs = q.shape
-    local B, H, Tl, D = qs[1], qs[2], qs[3], qs[4]
+    local qs, ks, vs = q.shape, k.shape, v.shape
+    local B, H, Tl, Dv = qs[1], qs[2], qs[3], vs[4]
     local acc = q.dtype == 'f64' and 'f64' or 'f32'
     local dev = q.device
-    -- the accumulator in the blocks' layout (contiguous (B, H, Tl, D): the
-    -- merge's passes run on like layouts); the output laid out (B, Tl, H, D)
-    -- and returned as its (B, H, Tl, D) view, as the fused kernel's
-    local oa = T.empty({ B, H, Tl, D }, { dtype = acc, device = dev })
+    -- the accumulator in the blocks' layout (contiguous (B, H, Tl, Dv): the
+    -- merge's passes run on like layouts); the output laid out (B, Tl, H, Dv)
+    -- and returned as its (B, H, Tl, Dv) view, as the fused kernel's
+    local oa = T.empty({ B, H, Tl, Dv }, { dtype = acc, device = dev })
     local la = T.empty({ B, H, Tl }, { dtype = acc, device = dev })
     local kv = pack_kv(k, v)
     local nxt = ctx.size > 1 and T.empty(kv.shape, { dtype = kv.dtype, device = dev }) or nil
@@ -304,7 +321,7 @@ local Ring = A.Function {
       local w = i < ctx.size - 1 and exchange(ctx, kv, nxt) or nil
       local r0, rn, k0, kn, causal = block(ctx, i, Tl)
       if r0 then
-        local kk, vv = R.select(kv, 1, 1), R.select(kv, 1, 2)
+        local kk, vv = kv_views(kv, ks, vs)
         local qb = rn == Tl and q or R.narrow(q, 3, r0, rn)
         local kb = kn == Tl and kk or R.narrow(kk, 3, k0, kn)
         local vb = kn == Tl and vv or R.narrow(vv, 3, k0, kn)
@@ -324,7 +341,7 @@ local Ring = A.Function {
     end
     free(kv)
     if nxt then free(nxt) end
-    local yb = T.empty({ B, Tl, H, D }, { dtype = q.dtype, device = dev })
+    local yb = T.empty({ B, Tl, H, Dv }, { dtype = q.dtype, device = dev })
     local y = R.transpose(yb, 2, 3)
     free(yb)
     y:copy_(oa)
@@ -336,7 +353,7 @@ local Ring = A.Function {
   backward = function(c, g)
     local q, k, v, y = c.saved_tensors[1], c.saved_tensors[2], c.saved_tensors[3], c.saved_tensors[4]
     local ctx, scale = c.ctx, c.scale
-    local qs, ks = q.shape, k.shape
+    local qs, ks, vs = q.shape, k.shape, v.shape
     local B, H, Tl, D = qs[1], qs[2], qs[3], qs[4]
     local acc = q.dtype == 'f64' and 'f64' or 'f32'
     local dev = q.device
@@ -344,7 +361,7 @@ local Ring = A.Function {
     local dq = T.zeros({ B, H, Tl, D }, { dtype = acc, device = dev })
     local kv = pack_kv(k, v)
     local nxt = ctx.size > 1 and T.empty(kv.shape, { dtype = kv.dtype, device = dev }) or nil
-    local dkv = T.zeros({ 2, ks[1], ks[2], ks[3], ks[4] }, { dtype = acc, device = dev })
+    local dkv = T.zeros(kv.shape, { dtype = acc, device = dev })
     local dnxt = ctx.size > 1 and T.empty(dkv.shape, { dtype = acc, device = dev }) or nil
     local dw -- the exchange of the gradient sums, started at the end of a step
     for i = 0, ctx.size - 1 do
@@ -352,7 +369,7 @@ local Ring = A.Function {
       local r0, rn, k0, kn, causal = block(ctx, i, Tl)
       local pdk, pdv
       if r0 then
-        local kk, vv = R.select(kv, 1, 1), R.select(kv, 1, 2)
+        local kk, vv = kv_views(kv, ks, vs)
         local whole = rn == Tl
         local qb = whole and q or R.narrow(q, 3, r0, rn)
         local kb = kn == Tl and kk or R.narrow(kk, 3, k0, kn)
@@ -379,7 +396,7 @@ local Ring = A.Function {
         dkv, dnxt = dnxt, dkv
       end
       if pdk then
-        local a, b = R.select(dkv, 1, 1), R.select(dkv, 1, 2)
+        local a, b = kv_views(dkv, ks, vs)
         local ar = kn == Tl and a or R.narrow(a, 3, k0, kn)
         local br = kn == Tl and b or R.narrow(b, 3, k0, kn)
         F.add_(ar, pdk); F.add_(br, pdv)
@@ -406,7 +423,7 @@ local Ring = A.Function {
       free(t)
       return r
     end
-    local a, b = R.select(dkv, 1, 1), R.select(dkv, 1, 2)
+    local a, b = kv_views(dkv, ks, vs)
     local dk, dv = out(R.contiguous(a), k.dtype), out(R.contiguous(b), v.dtype)
     if dk == a then dk = R.clone(a) end
     if dv == b then dv = R.clone(b) end
@@ -418,10 +435,14 @@ local Ring = A.Function {
   end,
 }
 
--- cp.attention(q, k, v, ctx, {scale =}) -> (B, H, Tl, D): causal attention
+-- cp.attention(q, k, v, ctx, {scale =}) -> (B, H, Tl, Dv): causal attention
 -- of this rank's queries over the whole sequence's keys (every rank's
--- q (B, H, Tl, D), k and v (B, Hkv, Tl, D) in the context's layout);
--- differentiable. Every rank of the group must call it together.
+-- q (B, H, Tl, D), k (B, Hkv, Tl, D) and v (B, Hkv, Tl, Dv) in the context's
+-- layout; v's head width its own, as DeepSeek's MLA); differentiable. Every
+-- rank of the group must call it together. On a GPU whose kernels lack the
+-- widths, q/k and v are padded with zeros to widths they take (as
+-- nn.functional.scaled_dot_product_attention does; the output's extra
+-- columns dropped); where none takes them (f32 above 128) it is an error.
 function cp.attention(q, k, v, ctx, opts)
   ctx = ctx_of(ctx, 'attention')
   for _, p in ipairs({ { q, 'q' }, { k, 'k' }, { v, 'v' } }) do
@@ -432,10 +453,10 @@ function cp.attention(q, k, v, ctx, opts)
   end
   local qs, ks, vs = q.shape, k.shape, v.shape
   if ks[1] ~= qs[1] or ks[3] ~= qs[3] or ks[4] ~= qs[4] or vs[1] ~= ks[1] or vs[2] ~= ks[2] or vs[3] ~= ks[3]
-      or vs[4] ~= ks[4] or qs[2] % ks[2] ~= 0 then
+      or qs[2] % ks[2] ~= 0 then
     error(('cp.attention: shapes q %s, k %s, v %s do not fit (this rank\'s tokens of q (B, H, Tl, D), '
-      .. 'k and v (B, Hkv, Tl, D), H a multiple of Hkv)'):format(table.concat(qs, 'x'), table.concat(ks, 'x'),
-      table.concat(vs, 'x')), 2)
+      .. 'k (B, Hkv, Tl, D) and v (B, Hkv, Tl, Dv), H a multiple of Hkv)'):format(table.concat(qs, 'x'),
+      table.concat(ks, 'x'), table.concat(vs, 'x')), 2)
   end
   if q.dtype ~= k.dtype or q.dtype ~= v.dtype or q.device ~= k.device or q.device ~= v.device then
     error(('cp.attention: q, k, v need one dtype and device, got %s/%s, %s/%s, %s/%s'):format(q.dtype, q.device,
@@ -443,10 +464,26 @@ function cp.attention(q, k, v, ctx, opts)
   end
   ctx:pieces(qs[3] * ctx.size, ('the local sequence of %d tokens x %d ranks'):format(qs[3], ctx.size))
   local scale = (opts and opts.scale) or 1 / math.sqrt(qs[4])
+  local nnf = require('moonshard.nn').functional
   if ctx.size == 1 then
-    return require('moonshard.nn').functional.scaled_dot_product_attention(q, k, v, { causal = true, scale = scale })
+    return nnf.scaled_dot_product_attention(q, k, v, { causal = true, scale = scale })
   end
-  return Ring(q, k, v, ctx, scale)
+  local D, Dv = qs[4], vs[4]
+  local wq, wv = nnf.attention_widths(q, D, Dv)
+  if not wq then
+    error(('cp.attention: ring attention runs the fused attention kernel, which takes none of q %s, k %s, v %s '
+      .. '(%s on %s): %s'):format(table.concat(qs, 'x'), table.concat(ks, 'x'), table.concat(vs, 'x'), q.dtype,
+      q.device, wv), 2)
+  end
+  if wq == D and wv == Dv then return Ring(q, k, v, ctx, scale) end
+  -- zero columns: q.kᵀ unchanged, v's extra output columns dropped
+  local function pad(t, w)
+    local s = t.shape
+    if s[4] == w then return t end
+    return W.cat({ t, T.zeros({ s[1], s[2], s[3], w - s[4] }, { dtype = t.dtype, device = t.device }) }, 4)
+  end
+  local y = Ring(pad(q, wq), pad(k, wq), pad(v, wv), ctx, scale)
+  return W.narrow(y, 4, 1, Dv)
 end
 
 -- ------------------------------------------------------------ the models

@@ -19,7 +19,8 @@
 --   gelu(x) (tanh form), silu(x), swiglu(gate, up), softmax(x, dim), log_softmax(x, dim)
 --   cross_entropy(logits (N, V), targets (N), {ignore_index = -100,
 --                 reduction = 'mean'|'sum'|'none', label_smoothing = 0})
---   scaled_dot_product_attention(q (B,H,Tq,D), k (B,Hkv,Tk,D), v, {causal = true, scale =})
+--   scaled_dot_product_attention(q (B,H,Tq,D), k (B,Hkv,Tk,D), v (B,Hkv,Tk,Dv), {causal = true, scale =})
+--   attention_widths(q, D, Dv) -> the head widths the fused kernel runs them at (nil: none)
 --   qkv_attention(qkv (B,T,3*H*D), H, {causal = true, scale =}) -> (B,T,H*D)
 --   gelu_mlp(x, w1, b1, w2, b2, wt): affine(gelu(affine(x, w1, b1)), w2, b2) as one node
 --   add_layer_norm(x, h, w?, b?, eps) -> x + h, layer_norm(x + h): one node, two outputs
@@ -894,7 +895,8 @@ end
 -- (B, H, T, D) -> (B, Hkv, T, D): sum the gradients of repeated kv heads
 local function fold_heads(t, s)
   if s.rep == 1 then return t end
-  local v5 = R.view(t, s.kv5)
+  local k5 = s.kv5   -- (B, Hkv, rep, Tk), then t's own head width (dk: D, dv: Dv)
+  local v5 = R.view(t, { k5[1], k5[2], k5[3], k5[4], tonumber(t.sizes[3]) })
   local r = F.sum(v5, 3)
   free(v5); free(t)
   return r
@@ -908,7 +910,7 @@ local function bwd_sdpa(node, g)
   local dq, dk, dv
   local gc = R.contiguous(gf)
   if node.need[3] then
-    dv = fold_heads(F.matmul(att, gc, true, false), s)  -- (B, Hkv, Tk, D)
+    dv = fold_heads(F.matmul(att, gc, true, false), s)  -- (B, Hkv, Tk, Dv)
   end
   if node.need[1] or node.need[2] then
     local datt = F.matmul(gc, v, false, true)       -- (B, H, Tq, Tk)
@@ -952,12 +954,13 @@ local function bwd_fused_attention(node, g)
   return dq, dk, dv
 end
 
--- The output's memory is laid out (B, Tq, H, D) and y is its (B, H, Tq, D)
+-- The output's memory is laid out (B, Tq, H, Dv) and y is its (B, H, Tq, Dv)
 -- transposed view (as torch's flash attention returns it): the heads merge
--- back into (B, Tq, H*D) with a transpose and a view, no copy.
-local function out_bthd(q)
+-- back into (B, Tq, H*Dv) with a transpose and a view, no copy. (Dv: v's
+-- head width, q's when not given.)
+local function out_bthd(q, Dv)
   local s = shape_of(q)
-  local buf = T.empty({ s[1], s[3], s[2], s[4] }, { dtype = q.dtype_id, device = q.device_id })
+  local buf = T.empty({ s[1], s[3], s[2], Dv or s[4] }, { dtype = q.dtype_id, device = q.device_id })
   local y = R.transpose(buf, 2, 3)
   free(buf)
   return y
@@ -965,7 +968,7 @@ end
 
 fused_attention = function(q, k, v, scale, causal)
   local out, lse = attn_box(), attn_box()
-  local y = out_bthd(q)
+  local y = out_bthd(q, tonumber(v.sizes[3]))
   out[0] = y
   T.check(T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0), 3)
   local l = T.wrap(lse[0])
@@ -980,8 +983,89 @@ fused_attention = function(q, k, v, scale, causal)
   return y
 end
 
+-- attention_widths(q, D, Dv) -> wq, wv: the head widths the fused kernel
+-- runs q/k width D and v width Dv at on q's device and dtype (D and Dv on
+-- the CPU; on CUDA the narrowest pair its kernels take: ms_attention_widths,
+-- core/ops.h), or nil and the reason when none does (f32 above 128, widths
+-- above 192).
+local widths_box = T.ffi.typeof('int64_t[2]')
+function nnf.attention_widths(q, D, Dv)
+  if q.device_id < 0 then return D, Dv end
+  local w = widths_box()
+  if T.C.ms_attention_widths(q.device_id, q.dtype_id, D, Dv, w, w + 1) ~= 0 then
+    return nil, T.ffi.string(T.C.ms_last_error())
+  end
+  return tonumber(w[0]), tonumber(w[1])
+end
+
+-- x (B, H, T, d) copied into a new contiguous (B, H, T, w) tensor whose
+-- columns past d are zeros (x itself, aliased, when w == d)
+local function pad_heads(x, w)
+  local s = shape_of(x)
+  if s[4] == w then return R.alias(x) end
+  local p = T.zeros({ s[1], s[2], s[3], w }, { dtype = x.dtype_id, device = x.device_id })
+  local dst = R.narrow(p, 4, 1, s[4])
+  T.raw_copy_(dst, x)
+  free(dst)
+  return p
+end
+
+-- the first d columns of t (B, H, T, w) as a new contiguous tensor; t freed
+local function cut_heads(t, d)
+  if tonumber(t.sizes[3]) == d then return t end
+  local n = R.narrow(t, 4, 1, d)
+  local c = R.clone(n)
+  free(n); free(t)
+  return c
+end
+
+-- Fused attention at widths the kernel takes (wq >= D, wv >= Dv), for widths
+-- it does not: q and k padded with zero columns (q.kᵀ, and so the softmax,
+-- unchanged), v too (the output's extra columns, zeros, dropped). One node:
+-- backward pads the output's gradient with zeros, runs the kernel's backward
+-- on the padded tensors and keeps the gradients' first D (dv: Dv) columns.
+local function bwd_padded_attention(node, g)
+  local s = node.saved
+  if g.dtype_id ~= s.q.dtype_id then g = R.to(g, { dtype = s.q.dtype_id }) end
+  local gp = pad_heads(g, s.wv)
+  local dq, dk, dv = attn_box(), attn_box(), attn_box()
+  local rc = T.C.ms_attention_backward(dq, dk, dv, s.q, s.k, s.v, s.out, s.lse, gp, s.scale, s.causal and 1 or 0)
+  free(gp)
+  T.check(rc)
+  dq, dk, dv = T.wrap(dq[0]), T.wrap(dk[0]), T.wrap(dv[0])
+  if node.need[1] then dq = cut_heads(dq, s.D) else free(dq); dq = nil end
+  if node.need[2] then dk = cut_heads(dk, s.D) else free(dk); dk = nil end
+  if node.need[3] then dv = cut_heads(dv, s.Dv) else free(dv); dv = nil end
+  return dq, dk, dv
+end
+
+local function padded_attention(q, k, v, wq, wv, scale, causal)
+  local D, Dv = tonumber(q.sizes[3]), tonumber(v.sizes[3])
+  local qp, kp, vp = pad_heads(q, wq), pad_heads(k, wq), pad_heads(v, wv)
+  local out, lse = attn_box(), attn_box()
+  local yp = out_bthd(q, wv)
+  out[0] = yp
+  local rc = T.C.ms_attention(out, lse, qp, kp, vp, scale, causal and 1 or 0)
+  if rc ~= 0 then free(qp); free(kp); free(vp); free(yp) end
+  T.check(rc, 3)
+  local l = T.wrap(lse[0])
+  local y = R.narrow(yp, 4, 1, Dv)   -- (B, H, Tq, Dv), a view
+  if want(q, k, v) then
+    record1('scaled_dot_product_attention', y, bwd_padded_attention,
+      { q = qp, k = kp, v = vp, out = yp, lse = l, scale = scale, causal = causal, D = D, Dv = Dv, wv = wv },
+      { qp, kp, vp, yp, l }, q, k, v)
+  else
+    free(qp); free(kp); free(vp); free(yp); free(l)
+  end
+  return y
+end
+
 -- softmax(q k^T * scale + causal mask) v, heads of k/v repeated for GQA.
--- q (B, H, Tq, D), k and v (B, Hkv, Tk, D) with H a multiple of Hkv.
+-- q (B, H, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) with H a multiple
+-- of Hkv; v's head width its own (DeepSeek's MLA: D 192, Dv 128). Out
+-- (B, H, Tq, Dv). The fused kernel where it takes the widths; on a GPU whose
+-- kernels lack them, padded to widths they take (padded_attention), else
+-- (f32 above 128 on a GPU, widths above 192) the unfused path.
 function nnf.scaled_dot_product_attention(q, k, v, opts)
   opts = opts or {}
   need_tensor('scaled_dot_product_attention', q, 'q')
@@ -993,16 +1077,21 @@ function nnf.scaled_dot_product_attention(q, k, v, opts)
   end
   local qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
   local B, H, Tq, D = qs[1], qs[2], qs[3], qs[4]
-  local Hkv, Tk = ks[2], ks[3]
+  local Hkv, Tk, Dv = ks[2], ks[3], vs[4]
   if ks[1] ~= B or vs[1] ~= B or ks[4] ~= D or vs[2] ~= Hkv or vs[3] ~= Tk or H % Hkv ~= 0 then
-    error(('scaled_dot_product_attention: shapes q %s, k %s, v %s do not fit (k and v (B, Hkv, Tk, D) '
-      .. 'with H a multiple of Hkv)'):format(dims(q), dims(k), dims(v)), 2)
+    error(('scaled_dot_product_attention: shapes q %s, k %s, v %s do not fit (q (B, H, Tq, D), k (B, Hkv, Tk, D), '
+      .. 'v (B, Hkv, Tk, Dv) with H a multiple of Hkv)'):format(dims(q), dims(k), dims(v)), 2)
   end
   local rep = H / Hkv
   local scale = opts.scale or 1 / math.sqrt(D)
   local causal = opts.causal ~= false
-  if opts.mask == nil and not opts.unfused then
-    return fused_attention(q, k, v, scale, causal)
+  if opts.mask == nil and not opts.unfused and q.dtype_id == k.dtype_id and q.dtype_id == v.dtype_id
+      and q.device_id == k.device_id and q.device_id == v.device_id then
+    local wq, wv = nnf.attention_widths(q, D, Dv)
+    if wq == D and wv == Dv then return fused_attention(q, k, v, scale, causal) end
+    if wq then return padded_attention(q, k, v, wq, wv, scale, causal) end
+  elseif opts.mask == nil and not opts.unfused then
+    return fused_attention(q, k, v, scale, causal)   -- (which names the mismatch)
   end
   local cdt = lowp(q) and 'f32' or q.dtype
   local function prep(t, r)
@@ -1025,7 +1114,7 @@ function nnf.scaled_dot_product_attention(q, k, v, opts)
   if opts.mask ~= nil then F.add_(sc, opts.mask) end
   local att = F.softmax(sc, -1)
   free(sc)
-  local y = F.matmul(att, ve)               -- (B, H, Tq, D)
+  local y = F.matmul(att, ve)               -- (B, H, Tq, Dv)
   if y.dtype_id ~= q.dtype_id then
     local yc = R.to(y, { dtype = q.dtype_id })
     free(y)
@@ -1033,7 +1122,7 @@ function nnf.scaled_dot_product_attention(q, k, v, opts)
   end
   if want(q, k, v) then
     record1('scaled_dot_product_attention', y, bwd_sdpa,
-      { qc, ke, ve, att, scale = scale, rep = rep, kv5 = { B, Hkv, rep, Tk, D } },
+      { qc, ke, ve, att, scale = scale, rep = rep, kv5 = { B, Hkv, rep, Tk } },
       { qc, ke, ve, att }, q, k, v)
   else
     free(qc); free(ke); free(ve); free(att)

@@ -23,15 +23,12 @@
 -- attention_bias). The q_a and kv_a norms take norm_eps (HF's default 1e-6,
 -- not the config's rms_norm_eps).
 --
--- The attention is the fused kernel (nnf.scaled_dot_product_attention) with
--- v padded by zeros to the q/k head width when they differ (the padding's
--- outputs dropped), as HF does for flash attention. On GPUs the fused
--- kernels take widths up to 128, and 192 (DeepSeek-V3's) in bf16/f16: a
--- width between 128 and 192 is padded to 192 (q and k by zeros too, which
--- leaves the scores as they are), and what the kernels cannot take (f32
--- above 128, or above 192) runs the unfused path (scores materialised;
--- unfused = true, or the field set later, asks for it everywhere). Context parallelism
--- (cp.apply) rings it as it rings nn.CausalSelfAttention; tensor
+-- The attention is nnf.scaled_dot_product_attention with q/k and v at their
+-- own head widths (the fused kernel takes v narrower than q/k: DeepSeek-V3's
+-- 192 and 128 run as they are; widths a GPU's kernels lack are padded there,
+-- docs/nn.md); unfused = true, or the field set later, asks for the unfused
+-- path (scores materialised) everywhere. Context parallelism (cp.apply) rings
+-- it as it rings nn.CausalSelfAttention (not with unfused); tensor
 -- parallelism does not split it.
 local T = require 'moonshard.tensor'
 local A = require 'moonshard.autograd'
@@ -105,14 +102,6 @@ function mla.install(nn, nnf)
     self:register_module('o_proj', L(H * cfg.v_head_dim, cfg.dim, bias))
   end
 
-  -- the width the fused kernel runs head width D of t at (nil: none): any
-  -- on the CPU; on GPUs up to 128, or 192 in bf16/f16 (D padded up to it)
-  local function fused_width(t, D)
-    if t.device == 'cpu' or D <= 128 then return D end
-    if D <= 192 and (t.dtype == 'bf16' or t.dtype == 'f16') then return 192 end
-    return nil
-  end
-
   function MLA:forward(x)
     if rawget(self, '_tp') ~= nil then
       error('MLAttention: tensor parallelism does not split multi-head latent attention', 2)
@@ -144,24 +133,13 @@ function mla.install(nn, nnf)
     local qh = W.cat({ q:narrow(4, 1, dn):transpose(2, 3), q_rot }, 4)   -- (B, H, T, dq)
     local kh = W.cat({ kv:narrow(4, 1, dn):transpose(2, 3), k_rot:expand(B, H, Tn, dr) }, 4)
     local vh = kv:narrow(4, dn + 1, dv):transpose(2, 3)                  -- (B, H, T, dv)
-    local D = fused_width(qh, math.max(dq, dv))
-    local unfused = self.unfused or D == nil
-    if cpc and unfused then
-      error(('MLAttention: context parallelism needs the fused attention kernel, which takes head widths up to 128 '
-        .. 'on GPUs, and 192 in bf16/f16 (q/k %d, v %d, %s)'):format(dq, dv, qh.dtype), 2)
+    if cpc and self.unfused then
+      error('MLAttention: context parallelism rings the fused attention; unfused = true asks for the unfused path', 2)
     end
-    -- (the fused kernel wants one width: the narrower side padded by zeros)
-    local function pad(t, d)
-      if d == D or unfused then return t end
-      local z = T.zeros({ B, H, Tn, D - d }, { dtype = t.dtype, device = t.device })
-      return W.cat({ t, z }, 4)
-    end
-    qh, kh, vh = pad(qh, dq), pad(kh, dq), pad(vh, dv)
     local y
     if cpc then y = require('moonshard.cp').attention(qh, kh, vh, cpc, { scale = self.scale })
-    else y = nnf.scaled_dot_product_attention(qh, kh, vh, { causal = true, scale = self.scale, unfused = unfused }) end
-    if y.shape[4] ~= dv then y = y:narrow(4, 1, dv) end
-    y = y:transpose(2, 3):reshape(B, Tn, H * dv)
+    else y = nnf.scaled_dot_product_attention(qh, kh, vh, { causal = true, scale = self.scale, unfused = self.unfused }) end
+    y = y:transpose(2, 3):reshape(B, Tn, H * dv)                         -- (B, T, H * dv)
     return self.o_proj(y)
   end
 
