@@ -286,11 +286,12 @@ describe('fused attention on cuda #gpu', function()
       { B = 1, H = 4, Hkv = 2, Tq = 20, Tk = 150, D = 192, Dv = 128, causal = true },
       { B = 1, H = 2, Hkv = 2, Tq = 200, Tk = 70, D = 192, Dv = 128, causal = false },
       { B = 1, H = 2, Hkv = 1, Tq = 1024, Tk = 1024, D = 192, Dv = 128, causal = true } }, 6000)
-    -- (B, T, H, D) views of one projection, as MLAttention's v (a view of kv_b_proj's output)
-    local kv = ms.randn({ 2, 70, 3, 128 + 128 }, { seed = 77 }):to('bf16'):cuda()
+    -- (B, T, H, D) views of one projection, as MLAttention's v (a view of
+    -- kv_b_proj's output), here at an odd offset: copied, not refused
+    local kv = ms.randn({ 2, 70, 3, 1 + 128 + 128 }, { seed = 77 }):to('bf16'):cuda()
     local qv = ms.randn({ 2, 70, 3, 192 }, { seed = 78 }):to('bf16'):cuda():transpose(2, 3)
     local kk = ms.randn({ 2, 70, 3, 192 }, { seed = 79 }):to('bf16'):cuda():transpose(2, 3)
-    local vv = kv:narrow(4, 129, 128):transpose(2, 3)
+    local vv = kv:narrow(4, 130, 128):transpose(2, 3)
     local ov = attention(qv, kk, vv, 0.1, true)
     local oc = attention(qv:contiguous(), kk:contiguous(), vv:contiguous(), 0.1, true)
     assert.are.equal(0, relerr(ov, oc))
