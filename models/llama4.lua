@@ -202,31 +202,11 @@ function llama4.check(cfg)
 end
 
 -- the RoPE of cfg: llama.rope's (a theta or the table of its scaled
--- frequencies) over head_dim; for llama3 with low_freq_factor equal to
--- high_freq_factor (Llama 4 Scout's: no blended band, which
--- nnf.llama3_rope refuses) the two bands written out: a frequency of
--- wavelength below original_max_position_embeddings / high_freq_factor
--- kept, the others divided by factor (transformers' _compute_llama3_parameters)
+-- frequencies) over head_dim (Llama 4 Scout's llama3 parameters have
+-- low_freq_factor = high_freq_factor: no blended band, which
+-- nnf.llama3_rope takes)
 function llama4.rope(cfg)
-  local hd = cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads)
-  local rp = cfg.rope_parameters
-  if rp.rope_type == 'llama3' and type(rp.low_freq_factor) == 'number' and rp.low_freq_factor == rp.high_freq_factor then
-    for _, k in ipairs({ 'factor', 'high_freq_factor', 'original_max_position_embeddings' }) do
-      if type(rp[k]) ~= 'number' or rp[k] <= 0 then
-        error(('llama3_rope: %s must be a positive number, got %s'):format(k, tostring(rp[k])), 2)
-      end
-    end
-    local theta, factor, L = rp.rope_theta, rp.factor, rp.original_max_position_embeddings
-    local edge = L / rp.high_freq_factor
-    local inv = {}
-    for i = 0, hd / 2 - 1 do
-      local f = 1 / theta ^ (2 * i / hd)
-      inv[i + 1] = (2 * math.pi / f < edge) and f or f / factor
-    end
-    return { key = ('llama3:%.17g:%d:%.17g:%.17g:%.17g:%.17g'):format(theta, hd, factor, rp.low_freq_factor,
-      rp.high_freq_factor, L), inv = inv, factor = 1 }
-  end
-  return llama.rope(cfg, hd)
+  return llama.rope(cfg, cfg.head_dim or math.floor(cfg.hidden_size / cfg.num_attention_heads))
 end
 
 -- the kinds of layer idx (0-based)
@@ -283,20 +263,6 @@ local function temperature(Tn, floor_scale, attn_scale, dtype, device)
   return t
 end
 
--- the rotary dimensions of x (..., d) from (x0, x1), (x2, x3), ... pairs
--- (Meta's complex form) to (x0, x2, ... | x1, x3, ...) halves (a copy), so
--- that the rotation is the usual rotate-half one. The same permutation of
--- q's and k's features leaves q . k, and the L2 norm, as they are: the
--- attention never needs them put back.
-local function pairs_to_halves(x)
-  local s = x.shape
-  local n = #s
-  local s5 = {}
-  for i = 1, n - 1 do s5[i] = s[i] end
-  s5[n], s5[n + 1] = s[n] / 2, 2
-  return x:reshape(s5):transpose(n, n + 1):reshape(s)
-end
-
 local Attention = nn.Module:extend('Llama4TextAttention')
 llama4.Attention = Attention
 
@@ -337,7 +303,8 @@ function Attention:forward(x)
   local k = self.k_proj(x):view(B, Tn, Hkv, hd)
   local v = self.v_proj(x):view(B, Tn, Hkv, hd):transpose(2, 3)
   if self.rope then
-    q, k = pairs_to_halves(q):transpose(2, 3), pairs_to_halves(k):transpose(2, 3)
+    -- (Meta's pairs as halves: nnf.pairs_to_halves)
+    q, k = nnf.pairs_to_halves(q):transpose(2, 3), nnf.pairs_to_halves(k):transpose(2, 3)
     local cdt = q.dtype == 'f64' and 'f64' or 'f32'
     local cos, sin = nnf.rope_cache(Tn, hd, self.rope, cdt, q.device_id, q.dtype)
     q, k = nnf.apply_rotary(q, cos, sin), nnf.apply_rotary(k, cos, sin)

@@ -204,7 +204,7 @@ end)
 -- DeepSeek-V3 (models/deepseek_v3.lua) on the GPU: the transformers
 -- fixtures of spec/fixtures in f32 (logits, loss, every gradient ≤ 1e-4)
 -- and bf16 (loss ≤ 3e-2); the latent attention at DeepSeek-V3's head widths
--- (q/k 192, v 128: the fused mma kernels at 192, v padded; and the unfused
+-- (q/k 192, v 128: the fused mma kernels at those widths; and the unfused
 -- path) in bf16 against the CPU in f64 (≤ 2e-2); AdamW steps under bf16
 -- autocast lower the loss.
 describe('DeepSeek-V3 on cuda #gpu', function()
@@ -216,7 +216,7 @@ describe('DeepSeek-V3 on cuda #gpu', function()
     end)
   end
 
-  it('latent attention at q/k 192, v 128 (fused, v padded to 192; and unfused) in bf16 against the CPU in f64 (2e-2)',
+  it('latent attention at q/k 192, v 128 (fused, v at its own width; and unfused) in bf16 against the CPU in f64 (2e-2)',
     function()
     ms.manual_seed(3)
     local cfg = { dim = 256, n_head = 4, q_lora_rank = 96, kv_lora_rank = 128, qk_nope_head_dim = 128,

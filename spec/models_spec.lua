@@ -335,6 +335,19 @@ describe('model configs', function()
       assert.is_true(math.abs(r.inv[i + 1] - want) <= 1e-15 * want, ('frequency %d'):format(i))
     end
     assert.is_true(kinds.kept > 0 and kinds.divided > 0 and kinds.blended > 0)
+    -- low_freq_factor = high_freq_factor (Llama 4 Scout's): no blended band
+    local r2 = nnf.llama3_rope(500000, 128, { factor = 16, low_freq_factor = 1, high_freq_factor = 1,
+      original_max_position_embeddings = 8192 })
+    local kept, divided = 0, 0
+    for i = 0, 63 do
+      local f = 1 / 500000 ^ (2 * i / 128)
+      local want = 2 * math.pi / f < 8192 and f or f / 16
+      if want == f then kept = kept + 1 else divided = divided + 1 end
+      assert.are.equal(want, r2.inv[i + 1])
+    end
+    assert.is_true(kept > 0 and divided > 0)
+    assert.has_error(function() nnf.llama3_rope(5e5, 8, { factor = 8, low_freq_factor = 4, high_freq_factor = 1,
+      original_max_position_embeddings = 64 }) end, 'llama3_rope: high_freq_factor (1) must not be below low_freq_factor (4)')
     local lin = nnf.linear_rope(1e4, 8, { factor = 4 })
     assert.are.equal(1 / 4, lin.inv[1])
     assert.are.equal(1 / 1e4 ^ (6 / 8) / 4, lin.inv[4])

@@ -1260,6 +1260,21 @@ local function rope_fits(x, cos, sin)
     and cos.device_id == x.device_id and sin.device_id == x.device_id
 end
 
+-- nnf.pairs_to_halves(x (..., d)) -> x's last dimension from (x0, x1),
+-- (x2, x3), ... pairs (the interleaved RoPE of DeepSeek's and Meta's
+-- checkpoints) to (x0, x2, ... | x1, x3, ...) halves (a copy), so that the
+-- rotation is the rotate-half one of nnf.apply_rotary. The same permutation
+-- of q's and k's features leaves q . k (and an L2 norm) as they are: the
+-- attention never needs them put back.
+function nnf.pairs_to_halves(x)
+  local s = x.shape
+  local n = #s
+  local s5 = {}
+  for i = 1, n - 1 do s5[i] = s[i] end
+  s5[n], s5[n + 1] = s[n] / 2, 2
+  return x:reshape(s5):transpose(n, n + 1):reshape(s)
+end
+
 -- x * cos + rotate_half(x) * sin (Hugging Face Llama's apply_rotary_pos_emb);
 -- cos and sin (T, D) broadcast over x (..., T, D) and are constants. With
 -- (T, D) cos/sin this is the fused op (F.rope: core/rope_cpu.c,
@@ -1309,8 +1324,8 @@ end
 function nnf.llama3_rope(theta, head_dim, p)
   rope_need('llama3', p, { 'factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings' })
   local factor, lo, hi, L = p.factor, p.low_freq_factor, p.high_freq_factor, p.original_max_position_embeddings
-  if hi <= lo then
-    error(('llama3_rope: high_freq_factor (%g) must be above low_freq_factor (%g)'):format(hi, lo), 2)
+  if hi < lo then
+    error(('llama3_rope: high_freq_factor (%g) must not be below low_freq_factor (%g)'):format(hi, lo), 2)
   end
   local inv = {}
   for i = 0, head_dim / 2 - 1 do
@@ -1318,6 +1333,7 @@ function nnf.llama3_rope(theta, head_dim, p)
     local wl = 2 * math.pi / f
     if wl < L / hi then inv[i + 1] = f
     elseif wl > L / lo then inv[i + 1] = f / factor
+    elseif hi == lo then inv[i + 1] = f   -- (no blended band: the edge itself kept)
     else
       local sm = (L / wl - lo) / (hi - lo)
       inv[i + 1] = (1 - sm) * f / factor + sm * f

@@ -36,18 +36,6 @@ local W = A.W
 
 local mla = {}
 
--- the rope dimensions of x (..., d) from (x0, x1), (x2, x3), ... pairs to
--- (x0, x2, ... | x1, x3, ...) (a copy)
-local function deinterleave(x)
-  local s = x.shape
-  local n = #s
-  local d = s[n]
-  local s5 = {}
-  for i = 1, n - 1 do s5[i] = s[i] end
-  s5[n], s5[n + 1] = d / 2, 2
-  return x:reshape(s5):transpose(n, n + 1):reshape(s)
-end
-
 function mla.install(nn, nnf)
   local MLA = nn.Module:extend('MLAttention')
   nn.MLAttention = MLA
@@ -122,7 +110,7 @@ function mla.install(nn, nnf)
     kv = kv:view(B, Tn, H, dn + dv)
     local q_rot = q:narrow(4, dn + 1, dr)                                -- (B, T, H, dr)
     local k_rot = ckv:narrow(3, self.kv_lora_rank + 1, dr):reshape(B, Tn, 1, dr)
-    if self.rope_interleave then q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot) end
+    if self.rope_interleave then q_rot, k_rot = nnf.pairs_to_halves(q_rot), nnf.pairs_to_halves(k_rot) end
     q_rot, k_rot = q_rot:transpose(2, 3), k_rot:transpose(2, 3)          -- (B, H, T, dr), (B, 1, T, dr)
     local cpc = rawget(self, '_cp')
     local cdt = q.dtype == 'f64' and 'f64' or 'f32'
