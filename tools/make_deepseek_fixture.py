@@ -26,7 +26,9 @@ import sys
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_fixture  # noqa: E402
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
@@ -73,38 +75,6 @@ CASES = {
 }
 if len(sys.argv) > 2:
     CASES = {k: v for k, v in CASES.items() if k in sys.argv[2:]}
-
-
-def make_config(kw, rope, Cfg):
-    try:
-        cfg = Cfg(**kw, rope_parameters=dict(rope))
-        rp = getattr(cfg, 'rope_parameters', None)
-        if not isinstance(rp, dict) or rp.get('rope_type') != rope['rope_type']:
-            raise TypeError('rope_parameters not taken')
-    except TypeError:
-        rs = None
-        if rope['rope_type'] != 'default':
-            rs = {k: v for k, v in rope.items() if k != 'rope_theta'}
-            rs['type'] = rope['rope_type']
-        cfg = Cfg(**kw, rope_theta=rope['rope_theta'], rope_scaling=rs)
-    cfg._attn_implementation = 'eager'
-    cfg._experts_implementation = 'eager'   # (the per-expert loop: torch's grouped_mm takes no float64)
-    return cfg
-
-
-def redraw(model):
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith('e_score_correction_bias'):
-                p.copy_(torch.randn_like(p) * 0.05)
-            elif not p.is_floating_point() or 'rotary' in name or 'inv_freq' in name:
-                continue
-            elif re.search(r'norm\.weight$', name):
-                p.copy_(1 + torch.randn_like(p) * 0.05)
-            elif name.endswith('.bias'):
-                p.copy_(torch.randn_like(p) * 0.05)
-            elif name in dict(model.named_parameters()):
-                p.copy_(torch.randn_like(p) * 0.02 + torch.randn_like(p) * 0.05)
 
 
 def route_margin(cfg, logits, bias):
@@ -160,16 +130,13 @@ for case, over in CASES.items():
     kw = dict(BASE)
     kw.update(over)
     Cfg, Model = (DeepseekV2Config, DeepseekV2ForCausalLM) if v2 else (DeepseekV3Config, DeepseekV3ForCausalLM)
-    cfg = make_config(kw, rope, Cfg)
+    cfg = hf_fixture.make_config(Cfg, kw, rope)
     for seed in range(50):
         torch.manual_seed(seed)
         model = Model(cfg).double()
-        redraw(model)
+        hf_fixture.redraw(model, buffers=('e_score_correction_bias',))
         model.eval()
-        B = 2
-        ids = torch.randint(0, cfg.vocab_size, (B, T + 1))
-        input_ids, targets = ids[:, :T].clone(), ids[:, 1:].clone()
-        targets[torch.rand(B, T) < 0.1] = -100
+        input_ids, targets = hf_fixture.batch(cfg.vocab_size, T)
         caught = []
         hooks = []
         for name, m in model.named_modules():
@@ -184,29 +151,11 @@ for case, over in CASES.items():
         if margin > 1e-5:
             break
         print(case, 'seed', seed, 'margin', margin, 'too small: again')
-    V = cfg.vocab_size
-    loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
-    model.zero_grad()
-    loss.backward()
-    sd = {k: v.detach() for k, v in model.state_dict().items() if 'rotary' not in k and 'inv_freq' not in k}
-    grads = {k: p.grad.detach() for k, p in model.named_parameters()}
-    sd, grads = hub_names(cfg, sd), hub_names(cfg, grads)
-    exp = {'input_ids': input_ids, 'targets': targets, 'logits': logits.detach().contiguous(),
-           'loss': loss.detach().reshape(1)}
-    for k, g in grads.items():
-        exp['grad.' + k] = g
-    d = out + '/' + case
-    os.makedirs(d, exist_ok=True)
-    # (stored as float32, as ../shared/fixtures)
-    def f32(t):
-        return t.float().contiguous() if t.is_floating_point() else t.contiguous()
-    save_file({k: f32(v) for k, v in sd.items()}, d + '/model.safetensors')
-    save_file({k: f32(v) for k, v in exp.items()}, d + '/expected.safetensors')
-    cfg.save_pretrained(d)
-    meta['cases'][case] = {'seed': seed, 'route_margin': margin, 'loss': loss.item(), 'params': len(grads),
+    loss, ntensors, nparams = hf_fixture.write_case(out + '/' + case, cfg, model, logits, input_ids, targets,
+                                                    hub=lambda t: hub_names(cfg, t))
+    meta['cases'][case] = {'seed': seed, 'route_margin': margin, 'loss': loss.item(), 'params': nparams,
                            'moe_layers': len(caught)}
-    print(case, 'seed', seed, 'margin %.3g' % margin, 'loss %.6f' % loss.item(), 'tensors', len(sd))
+    print(case, 'seed', seed, 'margin %.3g' % margin, 'loss %.6f' % loss.item(), 'tensors', ntensors)
     print(json.dumps(cfg.to_dict(), default=str)[:3000])
 with open(out + '/meta.json', 'w') as f:
     json.dump(meta, f, indent=1)
-print(sorted(k for k in sd)[:60])

@@ -11,20 +11,21 @@
 #   expected.safetensors input_ids, targets (i64, about 10% -100), logits,
 #                        loss (mean over the targets kept), grad.<name> for
 #                        every parameter
-# Every parameter is drawn again (normal(0, 0.02) + normal(0, 0.05); norm
-# weights 1 + normal(0, 0.05); biases normal(0, 0.05)) so none sits at a
-# trivial value. OUT/meta.json records the versions and the losses.
+# Every parameter is drawn again (tools/hf_fixture.py: normal(0, 0.02) +
+# normal(0, 0.05); norm weights 1 + normal(0, 0.05); biases normal(0, 0.05))
+# so none sits at a trivial value. OUT/meta.json records the versions and
+# the losses.
 import json
 import os
-import re
 import sys
 
 import torch
-import torch.nn.functional as F
 import transformers
-from safetensors.torch import save_file
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_fixture  # noqa: E402
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
@@ -59,66 +60,20 @@ CASES = {
 }
 
 
-def make_config(Cfg, kw):
-    rope = kw.pop('rope_parameters')
-    try:
-        cfg = Cfg(**kw, rope_parameters=dict(rope))
-        rp = getattr(cfg, 'rope_parameters', None)
-        if not isinstance(rp, dict) or rp.get('rope_type') != rope['rope_type']:
-            raise TypeError('rope_parameters not taken')
-    except TypeError:    # (transformers < 5: rope_theta and rope_scaling)
-        rs = None
-        if rope['rope_type'] != 'default':
-            rs = {k: v for k, v in rope.items() if k != 'rope_theta'}
-            rs['type'] = rope['rope_type']
-        cfg = Cfg(**kw, rope_theta=rope['rope_theta'], rope_scaling=rs)
-    cfg._attn_implementation = 'eager'
-    return cfg
-
-
-def redraw(model):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if re.search(r'norm\.weight$', name):
-                p.copy_(1 + torch.randn_like(p) * 0.05)
-            elif name.endswith('.bias'):
-                p.copy_(torch.randn_like(p) * 0.05)
-            else:
-                p.copy_(torch.randn_like(p) * 0.02 + torch.randn_like(p) * 0.05)
-
-
 meta = {'transformers': transformers.__version__, 'torch': torch.__version__, 'cases': {}}
 for case, ((Cfg, Model), over, T) in CASES.items():
     kw = dict(SMALL)
     kw.update(over)
-    cfg = make_config(Cfg, kw)
+    rope = kw.pop('rope_parameters')
+    cfg = hf_fixture.make_config(Cfg, kw, rope)
     torch.manual_seed(len(case))
     model = Model(cfg).double()
-    redraw(model)
+    hf_fixture.redraw(model)
     model.eval()
-    B = 2
-    ids = torch.randint(0, cfg.vocab_size, (B, T + 1))
-    input_ids, targets = ids[:, :T].clone(), ids[:, 1:].clone()
-    targets[torch.rand(B, T) < 0.1] = -100
+    input_ids, targets = hf_fixture.batch(cfg.vocab_size, T)
     logits = model(input_ids=input_ids).logits
-    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1), ignore_index=-100)
-    model.zero_grad()
-    loss.backward()
-    # (tied: the head is the embedding, saved and differentiated once)
-    sd = {k: v.detach() for k, v in model.state_dict().items()
-          if 'rotary' not in k and not (cfg.tie_word_embeddings and k == 'lm_head.weight')}
-    exp = {'input_ids': input_ids, 'targets': targets, 'logits': logits.detach(), 'loss': loss.detach().reshape(1)}
-    for k, p in model.named_parameters():
-        exp['grad.' + k] = p.grad.detach()
-
-    def f32(t):
-        return t.float().contiguous() if t.is_floating_point() else t.contiguous()
-    d = out + '/' + case
-    os.makedirs(d, exist_ok=True)
-    save_file({k: f32(v) for k, v in sd.items()}, d + '/model.safetensors')
-    save_file({k: f32(v) for k, v in exp.items()}, d + '/expected.safetensors')
-    cfg.save_pretrained(d)
-    meta['cases'][case] = {'loss': loss.item(), 'params': len(sd), 'T': T}
-    print(case, 'loss %.6f' % loss.item(), 'tensors', len(sd))
+    loss, ntensors, _ = hf_fixture.write_case(out + '/' + case, cfg, model, logits, input_ids, targets)
+    meta['cases'][case] = {'loss': loss.item(), 'params': ntensors, 'T': T}
+    print(case, 'loss %.6f' % loss.item(), 'tensors', ntensors)
 with open(out + '/meta.json', 'w') as f:
     json.dump(meta, f, indent=1)

@@ -19,14 +19,15 @@
 import json
 import math
 import os
-import re
 import sys
 
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import save_file
 from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_fixture  # noqa: E402
 
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
@@ -60,26 +61,6 @@ CASES = {
 }
 
 
-def make_config(kw, rope):
-    cfg = Llama4TextConfig(**kw, rope_parameters=dict(rope))
-    rp = cfg.rope_parameters
-    assert isinstance(rp, dict) and rp.get('rope_type') == rope['rope_type'], rp
-    cfg._attn_implementation = 'eager'
-    return cfg
-
-
-def redraw(model):
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        for name, p in params.items():
-            if re.search(r'norm\.weight$', name):
-                p.copy_(1 + torch.randn_like(p) * 0.05)
-            elif name.endswith('.bias'):
-                p.copy_(torch.randn_like(p) * 0.05)
-            else:
-                p.copy_(torch.randn_like(p) * 0.02 + torch.randn_like(p) * 0.05)
-
-
 def route_margin(k, logits):
     # the smallest gap between the k-th and the (k+1)-th choice, on the
     # logits (transformers' top-k) and on their sigmoids (ours)
@@ -96,16 +77,13 @@ for case, over in CASES.items():
     rope, T = over.pop('rope'), over.pop('T')
     kw = dict(BASE)
     kw.update(over)
-    cfg = make_config(kw, rope)
+    cfg = hf_fixture.make_config(Llama4TextConfig, kw, rope, strict=True)
     for seed in range(50):
         torch.manual_seed(seed)
         model = Llama4ForCausalLM(cfg).double()
-        redraw(model)
+        hf_fixture.redraw(model)
         model.eval()
-        B = 2
-        ids = torch.randint(0, cfg.vocab_size, (B, T + 1))
-        input_ids, targets = ids[:, :T].clone(), ids[:, 1:].clone()
-        targets[torch.rand(B, T) < 0.1] = -100
+        input_ids, targets = hf_fixture.batch(cfg.vocab_size, T)
         caught = []
         hooks = []
         for name, m in model.named_modules():
@@ -119,33 +97,11 @@ for case, over in CASES.items():
         if margin > 1e-5:
             break
         print(case, 'seed', seed, 'margin', margin, 'too small: again')
-    V = cfg.vocab_size
-    loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100)
-    model.zero_grad()
-    loss.backward()
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-          if 'rotary' not in k and 'inv_freq' not in k}
-    if cfg.tie_word_embeddings:
-        sd.pop('lm_head.weight', None)   # (saved once, under the embedding's name, as transformers saves it)
-    grads = {k: p.grad.detach() for k, p in model.named_parameters()}
-    exp = {'input_ids': input_ids, 'targets': targets, 'logits': logits.detach().contiguous(),
-           'loss': loss.detach().reshape(1)}
-    for k, g in grads.items():
-        exp['grad.' + k] = g.contiguous()
-    d = out + '/' + case
-    os.makedirs(d, exist_ok=True)
-
-    # (stored as float32, as ../shared/fixtures)
-    def f32(t):
-        return t.float().contiguous() if t.is_floating_point() else t.contiguous()
-    save_file({k: f32(v) for k, v in sd.items()}, d + '/model.safetensors', metadata={'format': 'pt'})
-    save_file({k: f32(v) for k, v in exp.items()}, d + '/expected.safetensors')
-    cfg.save_pretrained(d)
-    meta['cases'][case] = {'seed': seed, 'route_margin': margin, 'loss': loss.item(), 'params': len(grads),
+    loss, ntensors, nparams = hf_fixture.write_case(out + '/' + case, cfg, model, logits, input_ids, targets)
+    meta['cases'][case] = {'seed': seed, 'route_margin': margin, 'loss': loss.item(), 'params': nparams,
                            'moe_layers': len(caught), 'layer_types': cfg.layer_types,
                            'no_rope_layers': cfg.no_rope_layers, 'moe_layer_ids': cfg.moe_layers}
-    print(case, 'seed', seed, 'margin %.3g' % margin, 'loss %.6f' % loss.item(), 'tensors', len(sd))
+    print(case, 'seed', seed, 'margin %.3g' % margin, 'loss %.6f' % loss.item(), 'tensors', ntensors)
 with open(out + '/meta.json', 'w') as f:
     json.dump(meta, f, indent=1)
 print(json.dumps(meta, indent=1))
-print(sorted(k for k in sd))
