@@ -304,14 +304,16 @@ end)
 
 -- The other transformers fixtures of spec/fixtures on the GPU (f32: logits,
 -- loss, every gradient ≤ 1e-4; bf16: the loss ≤ 3e-2): DeepSeek-V2's two
--- routers; Llama with Llama 3.1's, linear and YaRN RoPE; Qwen2 and Qwen3.
+-- routers; Llama with Llama 3.1's, linear and YaRN RoPE; Qwen2 and Qwen3;
+-- GLM-4.5's partial RoPE.
 -- DeepSeek-V2's and DeepSeek-V3-with-MTP's tiny presets train under bf16
 -- autocast.
 describe('DeepSeek-V2, multi-token prediction and the dense decoders on cuda #gpu', function()
   local dir = T.root .. '/spec/fixtures'
   for _, c in ipairs({ { 'models.deepseek_v2', 'deepseek-v2-tiny' }, { 'models.deepseek_v2', 'deepseek-v2-tiny-lite' },
     { 'models.llama', 'llama-tiny-llama3rope' }, { 'models.llama', 'llama-tiny-linear' },
-    { 'models.llama', 'llama-tiny-yarn' }, { 'models.qwen2', 'qwen2-tiny' }, { 'models.qwen3', 'qwen3-tiny' } }) do
+    { 'models.llama', 'llama-tiny-yarn' }, { 'models.qwen2', 'qwen2-tiny' }, { 'models.qwen3', 'qwen3-tiny' },
+    { 'models.glm4_moe', 'glm4-moe-tiny' }, { 'models.glm4_moe', 'glm4-moe-tiny-quarter' } }) do
     it(c[2] .. ' in f32 matches logits, loss and every gradient (1e-4); bf16 the loss (3e-2)', function()
       fixture_on_cuda(require(c[1]), dir .. '/' .. c[2])
     end)

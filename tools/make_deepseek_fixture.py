@@ -1,7 +1,8 @@
-# tools/make_deepseek_fixture.py OUT [CASE ...] — the DeepSeek-V3 and -V2
-# reference fixtures of spec/fixtures/ (spec/deepseek_v3_spec.lua,
-# spec/deepseek_v2_spec.lua), made with Hugging Face transformers'
-# DeepseekV3ForCausalLM / DeepseekV2ForCausalLM on the CPU in float64, on a
+# tools/make_deepseek_fixture.py OUT [CASE ...] — the DeepSeek-V3, -V2 and
+# GLM-4.5 reference fixtures of spec/fixtures/ (spec/deepseek_v3_spec.lua,
+# spec/deepseek_v2_spec.lua, spec/glm4_moe_spec.lua), made with Hugging Face
+# transformers' DeepseekV3ForCausalLM / DeepseekV2ForCausalLM /
+# Glm4MoeForCausalLM (V3's router) on the CPU in float64, on a
 # host that has torch and transformers (pip's, or the lent GPU host's). The
 # CASEs named (default: all). For each case, OUT/<case>/ gets:
 #   config.json          the config as transformers writes it
@@ -33,12 +34,13 @@ import hf_fixture  # noqa: E402
 out = sys.argv[1]
 os.makedirs(out, exist_ok=True)
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,  # noqa: E402
-                          DeepseekV3ForCausalLM)
+                          DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM)
 
 os.makedirs(out + '/src', exist_ok=True)
 import transformers.integrations.moe as tmoe  # noqa: E402
 for m in (sys.modules[DeepseekV3ForCausalLM.__module__], sys.modules[DeepseekV3Config.__module__],
           sys.modules[DeepseekV2ForCausalLM.__module__], sys.modules[DeepseekV2Config.__module__],
+          sys.modules[Glm4MoeForCausalLM.__module__], sys.modules[Glm4MoeConfig.__module__],
           transformers.modeling_rope_utils, tmoe):
     shutil.copy(m.__file__, out + '/src/' + os.path.basename(m.__file__))
 
@@ -73,6 +75,21 @@ CASES = {
                                   original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
                                   mscale=0.707, mscale_all_dim=0.707), T=32),
 }
+# GLM-4.5 (Glm4MoeForCausalLM): V3's router (mlp.gate with its
+# e_score_correction_bias) beside grouped-query attention with partial RoPE
+GLM = dict(head_dim=24, num_key_value_heads=2, attention_bias=True, use_qk_norm=True)
+CASES.update({
+    # half of each head rotated, q/k norms, groups, 2 shared experts
+    'glm4-moe-tiny': dict(glm=True, **GLM, rope=dict(rope_type='default', rope_theta=10000.0,
+                                                    partial_rotary_factor=0.5), T=16),
+    # a quarter rotated (6 of 24), no q/k norm, no biases, one group, no
+    # renormalisation, every layer sparse
+    'glm4-moe-tiny-quarter': dict(glm=True, head_dim=24, num_key_value_heads=1, attention_bias=False,
+                                  use_qk_norm=False, n_group=1, topk_group=1, norm_topk_prob=False,
+                                  first_k_dense_replace=0, num_hidden_layers=2, n_shared_experts=1,
+                                  rope=dict(rope_type='default', rope_theta=500.0, partial_rotary_factor=0.25),
+                                  T=16),
+})
 if len(sys.argv) > 2:
     CASES = {k: v for k, v in CASES.items() if k in sys.argv[2:]}
 
@@ -126,10 +143,15 @@ def hub_names(cfg, tensors):
 meta = {'transformers': transformers.__version__, 'torch': torch.__version__, 'cases': {}}
 for case, over in CASES.items():
     over = dict(over)
-    rope, T, v2 = over.pop('rope'), over.pop('T'), over.pop('v2', False)
+    rope, T, v2, glm = over.pop('rope'), over.pop('T'), over.pop('v2', False), over.pop('glm', False)
     kw = dict(BASE)
     kw.update(over)
     Cfg, Model = (DeepseekV2Config, DeepseekV2ForCausalLM) if v2 else (DeepseekV3Config, DeepseekV3ForCausalLM)
+    if glm:
+        Cfg, Model = Glm4MoeConfig, Glm4MoeForCausalLM
+        for k in ('kv_lora_rank', 'q_lora_rank', 'qk_rope_head_dim', 'v_head_dim', 'qk_nope_head_dim',
+                  'rope_interleave'):
+            kw.pop(k, None)
     cfg = hf_fixture.make_config(Cfg, kw, rope)
     for seed in range(50):
         torch.manual_seed(seed)

@@ -787,7 +787,10 @@ function GatedMLP:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, sel
 -- fused_qkv = true: GPT-2's c_attn (Conv1D dim -> 3*dim) and c_proj (Conv1D),
 --   both with bias.
 -- RoPE (rope_theta: a theta, or a table of nnf.llama3_rope / linear_rope /
--- yarn_rope) as Hugging Face Llama; GQA repeats the kv heads.
+-- yarn_rope) as Hugging Face Llama; GQA repeats the kv heads. rotary_dim
+-- (even, <= head_dim; default head_dim): RoPE on each head's first
+-- rotary_dim features only, the rest passed through (GLM-4.5's
+-- partial_rotary_factor; the tables then made for rotary_dim).
 local Attention = Module:extend('CausalSelfAttention')
 nn.CausalSelfAttention = Attention
 function Attention:init(cfg)
@@ -806,6 +809,14 @@ function Attention:init(cfg)
   self.fused_qkv = cfg.fused_qkv and true or false
   if self.rope_theta and hd % 2 ~= 0 then
     error(('CausalSelfAttention: RoPE needs an even head_dim, got %d'):format(hd), 3)
+  end
+  if cfg.rotary_dim ~= nil and cfg.rotary_dim ~= hd then
+    local rd = cfg.rotary_dim
+    if type(rd) ~= 'number' or rd < 2 or rd > hd or rd % 2 ~= 0 then
+      error(('CausalSelfAttention: rotary_dim must be an even number from 2 to head_dim %d, got %s'):format(hd,
+        tostring(rd)), 3)
+    end
+    self.rotary_dim = rd
   end
   local dt = { dtype = cfg.dtype, device = cfg.device }
   if self.fused_qkv then
@@ -873,11 +884,20 @@ function Attention:forward(x)
   v = v:view(B, Tn, Hkv, hd):transpose(2, 3)
   if self.rope_theta then
     local cdt = (q.dtype == 'f64') and 'f64' or 'f32'
+    local rd = rawget(self, 'rotary_dim') or hd
     local cos, sin
-    if cpc then cos, sin = cpc:rope(Tn, hd, self.rope_theta, cdt, q.device_id, q.dtype)
-    else cos, sin = nnf.rope_cache(Tn, hd, self.rope_theta, cdt, q.device_id, q.dtype) end
-    q = nnf.apply_rotary(q, cos, sin)
-    k = nnf.apply_rotary(k, cos, sin)
+    if cpc then cos, sin = cpc:rope(Tn, rd, self.rope_theta, cdt, q.device_id, q.dtype)
+    else cos, sin = nnf.rope_cache(Tn, rd, self.rope_theta, cdt, q.device_id, q.dtype) end
+    if rd == hd then
+      q = nnf.apply_rotary(q, cos, sin)
+      k = nnf.apply_rotary(k, cos, sin)
+    else
+      -- (the first rd features rotated, the others as they are)
+      local function part(t)
+        return A.W.cat({ nnf.apply_rotary(t:narrow(4, 1, rd), cos, sin), t:narrow(4, rd + 1, hd - rd) }, 4)
+      end
+      q, k = part(q), part(k)
+    end
   end
   local y
   if cpc then y = require('moonshard.cp').attention(q, k, v, cpc)
@@ -887,9 +907,10 @@ function Attention:forward(x)
   return self.o_proj(y)
 end
 function Attention:extra_repr()
-  return ('dim=%d, n_head=%d, n_kv_head=%d, head_dim=%d%s%s'):format(self.dim, self.n_head, self.n_kv_head,
+  return ('dim=%d, n_head=%d, n_kv_head=%d, head_dim=%d%s%s%s'):format(self.dim, self.n_head, self.n_kv_head,
     self.head_dim, self.rope_theta and (type(self.rope_theta) == 'table' and (', rope ' .. self.rope_theta.key)
       or (', rope_theta=%g'):format(self.rope_theta)) or '',
+    rawget(self, 'rotary_dim') and (', rotary_dim=%d'):format(self.rotary_dim) or '',
     self.fused_qkv and ', fused_qkv' or '')
 end
 
