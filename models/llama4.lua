@@ -285,9 +285,17 @@ function Attention:init(cfg, idx)
   if llama4.is_chunked(cfg, idx) then self.chunk = cfg.attention_chunk_size end
 end
 
+-- moonshard.tp splits it by heads as nn.CausalSelfAttention (q/k/v_proj
+-- by heads, o_proj by rows): its _tp holds this rank's head counts and the
+-- input's entry (the stream gathered under sequence parallelism)
+Attention.tp_heads = true
+
 function Attention:forward(x)
-  if rawget(self, '_tp') ~= nil then
-    error('Llama4TextAttention: tensor parallelism does not split Llama 4\'s attention', 2)
+  local H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
+  local tp = rawget(self, '_tp')
+  if tp ~= nil then
+    H, Hkv = tp.n_head, tp.n_kv_head
+    x = tp.enter(x)
   end
   if rawget(self, '_cp') ~= nil then
     error('Llama4TextAttention: context parallelism does not ring Llama 4\'s attention (chunks and positions)', 2)
@@ -298,7 +306,6 @@ function Attention:forward(x)
   end
   local nnf = nn.functional
   local B, Tn = x.shape[1], x.shape[2]
-  local H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
   local q = self.q_proj(x):view(B, Tn, H, hd)
   local k = self.k_proj(x):view(B, Tn, Hkv, hd)
   local v = self.v_proj(x):view(B, Tn, Hkv, hd):transpose(2, 3)

@@ -228,6 +228,108 @@ describe('tensor parallelism #mpi', function()
     end
   end
 
+  -- per-head q/k norms (Qwen3), and mixtures of experts: each expert and
+  -- the shared one split by their hidden features, the router and the
+  -- shared gate replicated, one sum a layer (Mixtral with its
+  -- load-balancing loss, Qwen2-MoE's gated shared expert, GLM-4.5's routing
+  -- biases and groups beside its q/k norms and partial RoPE, Llama 4's
+  -- router scaling the experts' inputs beside its own attention class)
+  local more = {
+    { 'qwen3', require 'models.qwen3', { vocab_size = 257, hidden_size = 48, intermediate_size = 96,
+      num_hidden_layers = 2, num_attention_heads = 24, num_key_value_heads = 12, head_dim = 8,
+      max_position_embeddings = 32 } },
+    { 'mixtral', require 'models.mixtral', { vocab_size = 257, hidden_size = 48, intermediate_size = 24,
+      num_hidden_layers = 2, num_attention_heads = 12, num_key_value_heads = 12, max_position_embeddings = 32,
+      num_local_experts = 4, num_experts_per_tok = 2, output_router_logits = true, router_aux_loss_coef = 0.05,
+      bos_token_id = hf.null, eos_token_id = hf.null } },
+    { 'qwen2_moe', require 'models.qwen2_moe', { vocab_size = 257, hidden_size = 48, intermediate_size = 96,
+      moe_intermediate_size = 24, shared_expert_intermediate_size = 36, num_hidden_layers = 2,
+      num_attention_heads = 12, num_key_value_heads = 12, max_position_embeddings = 32, num_experts = 4,
+      num_experts_per_tok = 2, mlp_only_layers = { 1 }, output_router_logits = true, router_aux_loss_coef = 0.05 } },
+    { 'glm4_moe', require 'models.glm4_moe', { vocab_size = 257, hidden_size = 48, intermediate_size = 96,
+      moe_intermediate_size = 24, num_hidden_layers = 2, num_attention_heads = 12, num_key_value_heads = 12,
+      head_dim = 8, n_routed_experts = 4, n_group = 2, topk_group = 1, num_experts_per_tok = 2,
+      routed_scaling_factor = 1.5, use_qk_norm = true, attention_bias = true, max_position_embeddings = 32 } },
+    -- (its own attention class split by heads too: chunks of 5 over 12
+    -- positions, the L2 qk norm, a NoPE layer with temperature tuning)
+    { 'llama4', require 'models.llama4', { vocab_size = 257, hidden_size = 48, intermediate_size = 24,
+      intermediate_size_mlp = 96, num_hidden_layers = 2, num_attention_heads = 12, num_key_value_heads = 12,
+      head_dim = 8, max_position_embeddings = 32, num_local_experts = 4, num_experts_per_tok = 1,
+      interleave_moe_layer_step = 1, no_rope_layer_interval = 2, attention_chunk_size = 5, floor_scale = 4,
+      bos_token_id = hf.null, eos_token_id = hf.null } },
+  }
+  for _, case in ipairs(more) do
+    it(case[1] .. ': loss, gradients and clipped AdamW steps are the unsplit model\'s (f64); its experts split',
+      function()
+      local ref = build(case, 'f64')
+      local m = tp.parallelize(build(case, 'f64'))
+      -- (routing biases that choose differently from zero)
+      for _, mm in ipairs({ ref, m }) do
+        ms.manual_seed(3)
+        for _, l in ipairs(ms.nn.moe.layers(mm)) do
+          local b = l:routing_bias()
+          if b then b:copy_(ms.randn(b.shape, { seed = 4 }):to(b.dtype) * 0.01) end
+        end
+      end
+      local o0 = ms.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+      local o1 = ms.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+      for step = 1, 3 do
+        local x, y = FS.lcg_batch(30 + step, 2, 12)
+        local l0 = ref(x, y); l0:backward()
+        local l1 = m(x, y); l1:backward()
+        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-10, ('step %d: %.17g against %.17g'):format(step,
+          l1:item(), l0:item()))
+        if step == 1 then
+          local full = tp.full_grads(m)
+          local n = 0
+          for name, p in ref:named_parameters() do
+            local g = full[name]
+            assert.is_not_nil(g, name)
+            assert.are.same(p.grad.shape, g.shape)
+            local e = FS.max_rel(g, p.grad)
+            assert.is_true(e <= 1e-10, ('%s: %g'):format(name, e))
+            n = n + 1
+          end
+          assert.is_true(n >= 10)
+          if W > 1 and case[1] ~= 'qwen3' then
+            -- (an expert's gate holds this rank's rows of its hidden features)
+            local l = ms.nn.moe.layers(m)[1]
+            local ex = l.experts[1]
+            assert.are.equal(ex.hidden / W, ex[ex.names[1]].weight.shape[1])
+          end
+        end
+        local n0 = ms.optim.clip_grad_norm(ref, 0.05)
+        local n1 = tp.clip_grad_norm_(m, 0.05)
+        assert.is_true(FS.rel(n1, n0) <= 1e-10, ('norm %.17g against %.17g'):format(n1, n0))
+        o0:step(); o0:zero_grad()
+        o1:step(); o1:zero_grad()
+      end
+      local sd = tp.full_state_dict(m)
+      for name, t in pairs(ref:state_dict()) do
+        local e = FS.max_rel(sd[name], t)
+        assert.is_true(e <= 1e-9, ('%s: %g'):format(name, e))
+      end
+    end)
+
+    it(case[1] .. ', sequence parallel: loss and gradients are the unsplit model\'s (f64)', function()
+      local ref = build(case, 'f64')
+      local m = tp.parallelize(build(case, 'f64'), { sequence_parallel = true })
+      for step = 1, 2 do
+        local x, y = FS.lcg_batch(40 + step, 2, 12)
+        local l0 = ref(x, y); l0:backward()
+        local l1 = m(x, y); l1:backward()
+        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-10, ('step %d: %.17g against %.17g'):format(step,
+          l1:item(), l0:item()))
+        local full = tp.full_grads(m)
+        for name, p in ref:named_parameters() do
+          local e = FS.max_rel(full[name], p.grad)
+          assert.is_true(e <= 1e-10, ('step %d %s: %g'):format(step, name, e))
+        end
+        ref:zero_grad(); m:zero_grad()
+      end
+    end)
+  end
+
   it('activation checkpointing of the split blocks (with sequence parallelism and dropout): the unsplit gradients (f64)', function()
     for _, sp in ipairs({ false, true }) do
       local over = { resid_pdrop = 0.2, embd_pdrop = 0.1 }
@@ -306,7 +408,9 @@ describe('tensor parallelism #mpi', function()
     for S = 1, W do
       if W % S == 0 and 12 % S == 0 then layouts[#layouts + 1] = { W / S, S } end
     end
-    for _, case in ipairs(cases) do
+    -- (and Qwen3's q/k norms, GLM-4.5's split experts: no load-balancing
+    -- loss, whose product of means differs over split batches)
+    for _, case in ipairs({ cases[1], cases[2], more[1], more[4] }) do
       for _, rs in ipairs(layouts) do
         local R, S = rs[1], rs[2]
         local mesh = dist.mesh { replicate = R, shard = S }

@@ -112,15 +112,24 @@ describe('q/k norms and models.qwen3_moe', function()
       'qwen3_moe config: use_sliding_window is not supported (full causal attention only)')
     assert.has_error(function() qwen3_moe.new(small({ num_experts_per_tok = 5 })) end,
       'qwen3_moe config: num_experts_per_tok 5 is more than num_experts 4')
-    local ok, err = pcall(ms.tp.parallelize, qwen3_moe.new(small()))
-    assert.is_false(ok)
-    assert.matches('tp.parallelize: model.layers.0.self_attn normalises q and k per head (qk_norm_eps), which tensor '
-      .. 'parallelism does not split', tostring(err), 1, true)
   end)
 
-  it('bin/train trains the tiny preset; two FSDP ranks follow one process without the load-balancing loss', function()
-    S.moe_train_runs('models/qwen3_moe.lua', '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
-      .. '--model.head_dim 16 --model.intermediate_size 48 --model.moe_intermediate_size 16 --seq-len 16 --lr 1e-2 '
-      .. '--warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2', { '--fsdp FULL_SHARD' })
+  it('bin/train trains the tiny preset; two FSDP ranks follow one process without the load-balancing loss; '
+    .. '--tp 2 (its per-head q/k norms and split experts, sequence parallel) follows one process', function()
+    local flags = '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 --model.head_dim 16 '
+      .. '--model.intermediate_size 48 --model.moe_intermediate_size 16 --seq-len 16 --lr 1e-2 --warmup 1 '
+      .. '--eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2'
+    S.moe_train_runs('models/qwen3_moe.lua', flags, { '--fsdp FULL_SHARD' })
+    local dir = S.tmpdir()
+    local f = flags .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
+    local status, text = S.bin_train(('models/qwen3_moe.lua %s --batch-size 4 --steps 3 --out %s/one'):format(f,
+      q(dir)))
+    assert.are.equal(0, status, text)
+    status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/qwen3_moe.lua %s --batch-size 4 --steps 3 '
+      .. '--tp 2 --out %s/tp'):format(f, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('sequence parallel', 1, true), text)
+    S.close_losses(S.run_losses(dir .. '/one'), S.run_losses(dir .. '/tp'), 1, 3, 'qwen3_moe --tp 2')
+    os.execute('rm -rf ' .. q(dir))
   end)
 end)

@@ -287,6 +287,23 @@ local function new_sp(group)
   return sp
 end
 
+-- An nn.MoE layer under tp.parallelize (its _tp: info): moe_enter(x) ->
+-- xr, xe: every token for the router (replicated; its gradient the same on
+-- every rank: this rank's rows of it kept under sequence parallelism) and
+-- for the split experts (their gradients partial: summed over the group);
+-- moe_exit(y): the experts' partial sums summed over the group (this
+-- rank's rows under sequence parallelism)
+function tp.moe_enter(x, info)
+  local sp = info.sp
+  if sp and sp.active and x.ndim == 2 then return SeqUnsplit(x, sp), SeqGather(x, sp) end
+  return x, tp.copy_to(x, info.group)
+end
+function tp.moe_exit(y, info)
+  local sp = info.sp
+  if sp and sp.active then return SeqReduceScatter(y:reshape({ sp.B, sp.T, y.shape[y.ndim] }), sp) end
+  return tp.reduce_from(y, info.group)
+end
+
 -- dropout on a shard: the mask the unsplit model draws for the whole
 -- stream, this rank's rows of it (Philox: an element's value depends only
 -- on seed and offset + index), the generator advanced past the whole
@@ -449,18 +466,14 @@ function tp.parallelize(model, opts)
   if not nn.is_module(model) then error('tp.parallelize: model must be a module', 2) end
   if rawget(model, '_tp') ~= nil then error('tp.parallelize: the model is already tensor-parallel', 2) end
   for name, m in model:named_modules() do
-    if getmetatable(m) == nn.CausalSelfAttention and rawget(m, 'q_norm') then
-      -- (the norms' weights are every head's: split heads would give each rank a part of their gradient)
-      error(('tp.parallelize: %s normalises q and k per head (qk_norm_eps), which tensor parallelism does not split'):format(
-        name), 2)
-    end
     if getmetatable(m) == nn.MLAttention then
       error(('tp.parallelize: %s is multi-head latent attention, which tensor parallelism does not split (docs/models.md)')
         :format(name), 2)
     end
     if getmetatable(m) == nn.MoE then
-      error(('tp.parallelize: %s is a mixture of experts, which tensor parallelism does not split (docs/moe.md)')
-        :format(name), 2)
+      if rawget(m, '_ep') ~= nil then
+        error(('tp.parallelize: %s is split by expert parallelism already (not both)'):format(name), 2)
+      end
     end
   end
   local g = check_group(opts.group or dist.get_world_group(), 'tp.parallelize')
@@ -541,7 +554,7 @@ function tp.parallelize(model, opts)
   for _, m in model:named_modules() do
     local cls = getmetatable(m)
     if assign then cls = nil end   -- (a plan: only its modules are split)
-    if cls == nn.CausalSelfAttention then
+    if cls == nn.CausalSelfAttention or (cls and rawget(cls, 'tp_heads')) then
       if m.n_head % size ~= 0 or m.n_kv_head % size ~= 0 then
         error(('tp.parallelize: %s has %d heads and %d kv heads; both must be multiples of the group size %d'):format(
           names[m], m.n_head, m.n_kv_head, size), 2)
@@ -550,6 +563,19 @@ function tp.parallelize(model, opts)
       if m.hidden % size ~= 0 then
         error(('tp.parallelize: %s has a hidden size of %d, not a multiple of the group size %d'):format(
           names[m], m.hidden, size), 2)
+      end
+    elseif cls == nn.MoE then
+      local exs = { m.experts[1] }
+      if m.shared_name then exs[2] = m[m.shared_name] end
+      for _, ex in ipairs(exs) do
+        if ex.hidden % size ~= 0 then
+          error(('tp.parallelize: %s has experts of hidden size %d, not a multiple of the group size %d'):format(
+            names[ex], ex.hidden, size), 2)
+        end
+        if rawget(ex[ex.names[3]], 'bias') ~= nil then
+          error(('tp.parallelize: %s.%s has a bias, which the split experts do not take'):format(names[ex],
+            ex.names[3]), 2)
+        end
       end
     end
     if rawget(m, '_lora') ~= nil then
@@ -592,6 +618,23 @@ function tp.parallelize(model, opts)
       rawset(m, 'forward', rowwise_forward)
     end
   end
+  -- an expert's (gate, up, down) split as a GatedMLP's (by the hidden
+  -- features) with no collective of its own: the MoE layer sums its
+  -- routed and shared outputs over the group once (MoE:forward)
+  local function expert(ex)
+    local nm = ex.names
+    for i = 1, 3 do
+      local lin = ex[nm[i]]
+      local p = pre(lin)
+      local dim = i < 3 and 1 or 2
+      replace(lin, 'weight', function(w) return split_even(w, dim, size, rank, 1, p .. 'weight') end, p, info,
+        { dim = dim, sections = 1 })
+      if i < 3 then
+        replace(lin, 'bias', function(b) return split_even(b, 1, size, rank, 1, p .. 'bias') end, p, info,
+          { dim = 1, sections = 1 })
+      end
+    end
+  end
   local function vocab(m)
     if info.vocab[m] then return end
     local p = pre(m)
@@ -631,10 +674,25 @@ function tp.parallelize(model, opts)
     end
     for _, m in model:named_modules() do
       local cls = getmetatable(m)
-      if cls == nn.CausalSelfAttention then
+      -- (a model's own attention class with tp_heads = true is split as
+      -- this one: q/k/v_proj by heads, o_proj by rows; its forward reads
+      -- _tp's n_head, n_kv_head and enter: Llama 4's)
+      if cls == nn.CausalSelfAttention or rawget(cls or {}, 'tp_heads') then
         if m.fused_qkv then column(m.c_attn, 3); row(m.c_proj)
         else column(m.q_proj); column(m.k_proj); column(m.v_proj); row(m.o_proj) end
-        rawset(m, '_tp', { n_head = m.n_head / size, n_kv_head = m.n_kv_head / size, enter = entry(g) })
+        -- (Qwen3's per-head q/k norms: one weight for every head, each rank
+        -- norms its own heads, so its gradient is a part: the weight enters
+        -- through copy_to, its gradient summed over the group in the graph
+        -- (FSDP's gradient buffers see the sum); under sequence
+        -- parallelism the norms' hooks below sum it)
+        rawset(m, '_tp', { n_head = m.n_head / size, n_kv_head = m.n_kv_head / size, enter = entry(g),
+          qk_sum = (rawget(m, 'q_norm') and not sp and size > 1) and function(w) return tp.copy_to(w, g) end or nil })
+      elseif cls == nn.MoE then
+        -- every expert (and the shared one) split by its hidden features;
+        -- the router, and the shared expert's gate, replicated
+        for j = 1, m.n_experts do expert(m.experts[j]) end
+        if m.shared_name then expert(m[m.shared_name]) end
+        rawset(m, '_tp', { group = g, sp = sp })
       elseif cls == nn.MLP then
         column(m.c_fc); row(m.c_proj)
         rawset(m, '_tp', { enter = entry(g) })

@@ -878,7 +878,11 @@ function Attention:forward(x)
   end
   q, k = q:view(B, Tn, H, hd), k:view(B, Tn, Hkv, hd)
   local qn = rawget(self, 'q_norm')
-  if qn then q, k = qn(q), self.k_norm(k) end
+  if qn and tp ~= nil and tp.qk_sum then
+    -- (tensor parallel: this rank's heads; the weights' gradient parts summed, moonshard.tp)
+    local kn = self.k_norm
+    q, k = nnf.rms_norm(q, tp.qk_sum(qn.weight), qn.eps), nnf.rms_norm(k, tp.qk_sum(kn.weight), kn.eps)
+  elseif qn then q, k = qn(q), self.k_norm(k) end
   q = q:transpose(2, 3)     -- (B, H, T, hd)
   k = k:transpose(2, 3)     -- (B, Hkv, T, hd)
   v = v:view(B, Tn, Hkv, hd):transpose(2, 3)

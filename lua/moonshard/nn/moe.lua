@@ -588,13 +588,17 @@ function moe.install(nn, nnf)
     return rawget(self, 'expert_bias')
   end
 
-  -- the shared expert's output for x2 (N, H), gated when it has a gate
-  function MoE:shared_out(x2)
-    local s = self[self.shared_name](x2)
+  -- the shared expert's output for x2 (N, H), gated when it has a gate.
+  -- (Under tensor parallelism (moonshard.tp) xe is x2 entering the split
+  -- expert, the gate reads x2 itself, and its gradient is the sum of the
+  -- ranks' parts: tp_sum.)
+  function MoE:shared_out(x2, xe, tp_sum)
+    local s = self[self.shared_name](xe or x2)
     local g = self.shared_gate_name and self[self.shared_gate_name]
     if g == nil then return s end
     local gate = nnf.sigmoid(g(x2))
     if gate.dtype ~= s.dtype then gate = gate:to(s.dtype) end
+    if tp_sum then gate = tp_sum(gate) end
     return s * gate
   end
 
@@ -625,15 +629,32 @@ function moe.install(nn, nnf)
       error(('MoE: input of shape (%s) does not end in dim = %d'):format(
         T.is_tensor(x) and table.concat(x.shape, ', ') or type(x), H), 2)
     end
-    if rawget(self, '_tp') then error('MoE: tensor parallelism does not split MoE layers (docs/moe.md)', 2) end
     local shape = x.shape
+    -- tensor parallelism (moonshard.tp): every rank routes every token
+    -- (the router replicated), its experts hold a slice of the hidden
+    -- features each, and the layer's output is the sum of the ranks' parts
+    -- (tp.moe_enter / moe_exit: under sequence parallelism x and the
+    -- output are this rank's rows of the stream, every token gathered
+    -- between); the routing weights, and a shared gate, that scale the
+    -- parts get the sum of the ranks' gradient parts in backward
+    local tpi = rawget(self, '_tp')
+    local tp_sum, xe
+    if tpi then
+      local tpm = require 'moonshard.tp'
+      local xr
+      xr, xe = tpm.moe_enter(x, tpi)
+      x = xr
+      tp_sum = function(t) return tpm.copy_to(t, tpi.group) end
+    end
     local N = x:numel() / H
     local x2 = x:reshape({ N, H })
+    xe = xe and xe:reshape({ N, H }) or x2
     local probs, ids = self:route(x2)
     -- the routing weights of the chosen experts (N, k)
     local w = probs:gather(2, ids)
     if self.norm_topk then w = w / w:sum(2, true) end
     if self.route_scale ~= 1 then w = w * self.route_scale end
+    if tp_sum then w = tp_sum(w) end
     local dev = x.device
     local ep = rawget(self, '_ep')
     if ep then
@@ -644,7 +665,7 @@ function moe.install(nn, nnf)
     -- the slots sorted by expert on the host (one read of the ids a layer);
     -- the shared expert is queued first, so that on a GPU it runs while the
     -- host waits for the ids and sorts them (moe.routing_read)
-    local shared_of = self.shared_name and function() return self:shared_out(x2) end or nil
+    local shared_of = self.shared_name and function() return self:shared_out(x2, xe, tp_sum) end or nil
     local st, shared
     if dev == 'cpu' then
       shared = shared_of and shared_of() or nil
@@ -654,11 +675,12 @@ function moe.install(nn, nnf)
     end
     local counts = st.counts
     local tok, inv, back = st.tok, st.inv, st.back
-    local xs = self:dispatch(x2, w, k, tok, inv, back)
+    local xs = self:dispatch(xe, w, k, tok, inv, back)
     local ys = Experts(xs, st.rows, self:expert_weights(E))
     local y = self:combine(ys, w, k, tok, inv, back)
     if shared then y = y + shared end
     self:record_stats(counts, probs, N)
+    if tpi then return require('moonshard.tp').moe_exit(y, tpi):reshape(shape) end
     return y:reshape(shape)
   end
 
