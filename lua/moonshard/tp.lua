@@ -633,6 +633,10 @@ function tp.parallelize(model, opts)
         replace(lin, 'bias', function(b) return split_even(b, 1, size, rank, 1, p .. 'bias') end, p, info,
           { dim = 1, sections = 1 })
       end
+      -- (a shared expert that float8.convert makes float8 scales its shard
+      -- as the split layers do)
+      if size > 1 then shard_of(lin, i < 3 and { group = g, output = true, reg = f8reg }
+        or { group = g, input = true, reg = f8reg }) end
     end
   end
   local function vocab(m)
