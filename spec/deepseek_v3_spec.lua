@@ -368,10 +368,6 @@ describe('models.deepseek_v3', function()
     bad({ topk_group = 3 }, 'topk_group 3 is more than n_group 2')
     bad({ num_experts_per_tok = 3 }, 'num_experts_per_tok 3 is more than the 2 experts of topk_group = 1 groups')
     bad({ qk_rope_head_dim = 3 }, 'qk_rope_head_dim (3) must be even for RoPE')
-    -- tensor parallelism: the latent attention is not split (no MoE layer here to refuse first)
-    local ok, err = pcall(ms.tp.parallelize, ds.new(small({ first_k_dense_replace = 3 })))
-    assert.is_false(ok)
-    assert.matches('tp.parallelize: model.layers.0.self_attn is multi-head latent attention', tostring(err), 1, true)
     local att = ds.new(small()).model.layers[1].self_attn
     assert.has_error(function() att(ms.zeros({ 2, 3, 5 })) end, 'MLAttention: expected x of shape (B, T, 16), got (2, 3, 5)')
     assert.has_error(function() nn.MLAttention { dim = 16, n_head = 2, kv_lora_rank = 8, qk_nope_head_dim = 4,
@@ -510,6 +506,21 @@ describe('models.deepseek_v3', function()
     it('trains the tiny preset; two ranks follow one process: FSDP, expert parallel, both', function()
       -- (no load-balancing loss to turn off: the runs compare as they are)
       S.moe_train_runs('models/deepseek_v3.lua', flags, { '--fsdp FULL_SHARD', '--ep 2', '--ep 2 --fsdp FULL_SHARD' }, '')
+    end)
+
+    it('--tp 2 (the latent attention by heads, the experts by hidden features, sequence parallel) follows the '
+      .. 'one-process curve', function()
+      local dir = S.tmpdir()
+      local f = flags .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
+      local status, text = S.bin_train(('models/deepseek_v3.lua %s --batch-size 4 --steps 3 --out %s/one'):format(f,
+        q(dir)))
+      assert.are.equal(0, status, text)
+      status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s --batch-size 4 '
+        .. '--steps 3 --tp 2 --out %s/tp'):format(f, q(dir)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('sequence parallel', 1, true), text)
+      S.close_losses(S.run_losses(dir .. '/one'), S.run_losses(dir .. '/tp'), 1, 3, 'deepseek_v3 --tp 2')
+      os.execute('rm -rf ' .. q(dir))
     end)
 
     it('--cp 2 follows the one-process curve; --moe-bias-rate moves and saves the routing biases', function()

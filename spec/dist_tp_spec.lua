@@ -250,6 +250,18 @@ describe('tensor parallelism #mpi', function()
       moe_intermediate_size = 24, num_hidden_layers = 2, num_attention_heads = 12, num_key_value_heads = 12,
       head_dim = 8, n_routed_experts = 4, n_group = 2, topk_group = 1, num_experts_per_tok = 2,
       routed_scaling_factor = 1.5, use_qk_norm = true, attention_bias = true, max_position_embeddings = 32 } },
+    -- multi-head latent attention by heads, the latents replicated (q
+    -- through q_a_proj and its norm; V2-Lite's q_proj; biases)
+    { 'deepseek_v3', require 'models.deepseek_v3', { vocab_size = 257, hidden_size = 48, intermediate_size = 96,
+      moe_intermediate_size = 24, num_hidden_layers = 2, num_attention_heads = 12, n_shared_experts = 1,
+      n_routed_experts = 4, routed_scaling_factor = 1.5, kv_lora_rank = 16, q_lora_rank = 20, qk_rope_head_dim = 4,
+      v_head_dim = 6, qk_nope_head_dim = 4, n_group = 2, topk_group = 1, num_experts_per_tok = 2,
+      first_k_dense_replace = 1, max_position_embeddings = 32, bos_token_id = hf.null, eos_token_id = hf.null } },
+    { 'deepseek_v2', require 'models.deepseek_v2', { vocab_size = 257, hidden_size = 48, intermediate_size = 96,
+      moe_intermediate_size = 24, num_hidden_layers = 2, num_attention_heads = 12, n_shared_experts = 2,
+      n_routed_experts = 4, kv_lora_rank = 16, q_lora_rank = hf.null, qk_rope_head_dim = 4, v_head_dim = 6,
+      qk_nope_head_dim = 4, topk_method = 'greedy', num_experts_per_tok = 2, first_k_dense_replace = 1,
+      attention_bias = true, max_position_embeddings = 32, bos_token_id = hf.null, eos_token_id = hf.null } },
     -- (its own attention class split by heads too: chunks of 5 over 12
     -- positions, the L2 qk norm, a NoPE layer with temperature tuning)
     { 'llama4', require 'models.llama4', { vocab_size = 257, hidden_size = 48, intermediate_size = 24,

@@ -298,6 +298,14 @@ function tp.moe_enter(x, info)
   if sp and sp.active and x.ndim == 2 then return SeqUnsplit(x, sp), SeqGather(x, sp) end
   return x, tp.copy_to(x, info.group)
 end
+-- a layer that computes on every token replicated (nn.MLAttention's
+-- latents): x itself, or under sequence parallelism every rank's rows
+-- gathered (its gradient this rank's rows: the same on every rank)
+function tp.gathered(x, info)
+  local sp = info.sp
+  if sp and sp.active and x.ndim == 2 then return SeqUnsplit(x, sp) end
+  return x
+end
 function tp.moe_exit(y, info)
   local sp = info.sp
   if sp and sp.active then return SeqReduceScatter(y:reshape({ sp.B, sp.T, y.shape[y.ndim] }), sp) end
@@ -466,10 +474,6 @@ function tp.parallelize(model, opts)
   if not nn.is_module(model) then error('tp.parallelize: model must be a module', 2) end
   if rawget(model, '_tp') ~= nil then error('tp.parallelize: the model is already tensor-parallel', 2) end
   for name, m in model:named_modules() do
-    if getmetatable(m) == nn.MLAttention then
-      error(('tp.parallelize: %s is multi-head latent attention, which tensor parallelism does not split (docs/models.md)')
-        :format(name), 2)
-    end
     if getmetatable(m) == nn.MoE then
       if rawget(m, '_ep') ~= nil then
         error(('tp.parallelize: %s is split by expert parallelism already (not both)'):format(name), 2)
@@ -563,6 +567,11 @@ function tp.parallelize(model, opts)
       if m.hidden % size ~= 0 then
         error(('tp.parallelize: %s has a hidden size of %d, not a multiple of the group size %d'):format(
           names[m], m.hidden, size), 2)
+      end
+    elseif cls == nn.MLAttention then
+      if m.n_head % size ~= 0 then
+        error(('tp.parallelize: %s has %d heads, not a multiple of the group size %d'):format(names[m], m.n_head,
+          size), 2)
       end
     elseif cls == nn.MoE then
       local exs = { m.experts[1] }
@@ -691,6 +700,15 @@ function tp.parallelize(model, opts)
         -- parallelism the norms' hooks below sum it)
         rawset(m, '_tp', { n_head = m.n_head / size, n_kv_head = m.n_kv_head / size, enter = entry(g),
           qk_sum = (rawget(m, 'q_norm') and not sp and size > 1) and function(w) return tp.copy_to(w, g) end or nil })
+      elseif cls == nn.MLAttention then
+        -- multi-head latent attention by heads: q_b_proj (or q_proj) and
+        -- kv_b_proj by their heads' rows, o_proj by rows; the latents
+        -- (q_a_proj, kv_a_proj_with_mqa and their norms) and the shared
+        -- rotary key replicated, their gradient parts summed where they
+        -- enter the split layers (MLA:forward reads _tp.sum)
+        column(m.q_lora_rank and m.q_b_proj or m.q_proj); column(m.kv_b_proj); row(m.o_proj)
+        rawset(m, '_tp', { n_head = m.n_head / size, sp = sp,
+          sum = function(t) return tp.copy_to(t, g) end })
       elseif cls == nn.MoE then
         -- every expert (and the shared one) split by its hidden features;
         -- the router, and the shared expert's gate, replicated
@@ -758,9 +776,20 @@ function tp.parallelize(model, opts)
             t:register_hook(hook_for(t))
           end
         end
+        -- (not the latent attention's norms: they run on every token
+        -- gathered, their gradients whole on every rank)
+        local whole = {}
+        for _, m in model:named_modules() do
+          if getmetatable(m) == nn.MLAttention then
+            whole[rawget(m, 'q_a_layernorm') or whole] = true
+            whole[m.kv_a_layernorm] = true
+          end
+        end
         for _, m in model:named_modules() do
           local cls = getmetatable(m)
-          if cls == nn.LayerNorm or cls == nn.RMSNorm then partial(m.weight); partial(rawget(m, 'bias'))
+          if whole[m] then
+            -- (nothing: see above)
+          elseif cls == nn.LayerNorm or cls == nn.RMSNorm then partial(m.weight); partial(rawget(m, 'bias'))
           elseif rawget(m, 'forward') == rowwise_forward then partial(rawget(m, 'bias')) end
         end
       end

@@ -29,7 +29,7 @@
 -- docs/nn.md); unfused = true, or the field set later, asks for the unfused
 -- path (scores materialised) everywhere. Context parallelism (cp.apply) rings
 -- it as it rings nn.CausalSelfAttention (not with unfused); tensor
--- parallelism does not split it.
+-- parallelism (moonshard.tp) splits it by heads, the latents replicated.
 local T = require 'moonshard.tensor'
 local A = require 'moonshard.autograd'
 local W = A.W
@@ -91,25 +91,31 @@ function mla.install(nn, nnf)
   end
 
   function MLA:forward(x)
-    if rawget(self, '_tp') ~= nil then
-      error('MLAttention: tensor parallelism does not split multi-head latent attention', 2)
+    -- tensor parallelism (moonshard.tp): this rank's heads; the latents
+    -- replicated, their gradient parts summed where they enter the split
+    -- projections (sum); under sequence parallelism x is this rank's rows
+    local tp = rawget(self, '_tp')
+    local H = self.n_head
+    local sum = function(t) return t end
+    if tp ~= nil then
+      H, sum = tp.n_head, tp.sum
+      x = require('moonshard.tp').gathered(x, tp)
     end
     if not T.is_tensor(x) or x.ndim ~= 3 or x.shape[3] ~= self.dim then
       error(('MLAttention: expected x of shape (B, T, %d), got (%s)'):format(self.dim,
         T.is_tensor(x) and table.concat(x.shape, ', ') or type(x)), 2)
     end
     local B, Tn = x.shape[1], x.shape[2]
-    local H, dn, dr, dv, dq = self.n_head, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
-      self.qk_head_dim
+    local dn, dr, dv, dq = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.qk_head_dim
     local q
-    if self.q_lora_rank then q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-    else q = self.q_proj(x) end
+    if self.q_lora_rank then q = self.q_b_proj(sum(self.q_a_layernorm(self.q_a_proj(x))))
+    else q = self.q_proj(sum(x)) end
     q = q:view(B, Tn, H, dq)
     local ckv = self.kv_a_proj_with_mqa(x)                               -- (B, T, kv_lora_rank + dr)
-    local kv = self.kv_b_proj(self.kv_a_layernorm(ckv:narrow(3, 1, self.kv_lora_rank)))
+    local kv = self.kv_b_proj(sum(self.kv_a_layernorm(ckv:narrow(3, 1, self.kv_lora_rank))))
     kv = kv:view(B, Tn, H, dn + dv)
     local q_rot = q:narrow(4, dn + 1, dr)                                -- (B, T, H, dr)
-    local k_rot = ckv:narrow(3, self.kv_lora_rank + 1, dr):reshape(B, Tn, 1, dr)
+    local k_rot = sum(ckv:narrow(3, self.kv_lora_rank + 1, dr)):reshape(B, Tn, 1, dr)
     if self.rope_interleave then q_rot, k_rot = nnf.pairs_to_halves(q_rot), nnf.pairs_to_halves(k_rot) end
     q_rot, k_rot = q_rot:transpose(2, 3), k_rot:transpose(2, 3)          -- (B, H, T, dr), (B, 1, T, dr)
     local cpc = rawget(self, '_cp')
