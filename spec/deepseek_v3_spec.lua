@@ -510,17 +510,8 @@ describe('models.deepseek_v3', function()
 
     it('--tp 2 (the latent attention by heads, the experts by hidden features, sequence parallel) follows the '
       .. 'one-process curve', function()
-      local dir = S.tmpdir()
-      local f = flags .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
-      local status, text = S.bin_train(('models/deepseek_v3.lua %s --batch-size 4 --steps 3 --out %s/one'):format(f,
-        q(dir)))
-      assert.are.equal(0, status, text)
-      status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s --batch-size 4 '
-        .. '--steps 3 --tp 2 --out %s/tp'):format(f, q(dir)))
-      assert.are.equal(0, status, text)
+      local text = S.two_ranks_follow('models/deepseek_v3.lua', flags, '--tp 2', 3)
       assert.is_truthy(text:find('sequence parallel', 1, true), text)
-      S.close_losses(S.run_losses(dir .. '/one'), S.run_losses(dir .. '/tp'), 1, 3, 'deepseek_v3 --tp 2')
-      os.execute('rm -rf ' .. q(dir))
     end)
 
     it('--cp 2 follows the one-process curve; --moe-bias-rate moves and saves the routing biases', function()

@@ -41,6 +41,22 @@ describe('tensor parallelism #mpi', function()
     return m
   end
 
+  -- every parameter's gradient of the split model m, gathered, within 1e-10
+  -- of the unsplit ref's
+  local function same_grads(ref, m, what)
+    local full = tp.full_grads(m)
+    local n = 0
+    for name, p in ref:named_parameters() do
+      local g = full[name]
+      assert.is_not_nil(g, what .. name)
+      assert.are.same(p.grad.shape, g.shape)
+      local e = FS.max_rel(g, p.grad)
+      assert.is_true(e <= 1e-10, ('%s%s: %g'):format(what, name, e))
+      n = n + 1
+    end
+    assert.is_true(n >= 10)
+  end
+
   for _, case in ipairs(cases) do
     it(case[1] .. ': loss, gradients and logits are the unsplit model\'s (f64)', function()
       local ref = build(case, 'f64')
@@ -51,17 +67,7 @@ describe('tensor parallelism #mpi', function()
       local l1 = m(x, y)
       l1:backward()
       assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, ('%.17g against %.17g'):format(l1:item(), l0:item()))
-      local full = tp.full_grads(m)
-      local n = 0
-      for name, p in ref:named_parameters() do
-        local g = full[name]
-        assert.is_not_nil(g, name)
-        assert.are.same(p.grad.shape, g.shape)
-        local e = FS.max_rel(g, p.grad)
-        assert.is_true(e <= 1e-10, ('%s: %g'):format(name, e))
-        n = n + 1
-      end
-      assert.is_true(n >= 10)
+      same_grads(ref, m, '')
       -- each rank holds its slices only: the attention's first projection
       local mine = 0
       for _, p in ipairs(m:parameters()) do mine = mine + p:numel() end
@@ -292,17 +298,7 @@ describe('tensor parallelism #mpi', function()
         assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-10, ('step %d: %.17g against %.17g'):format(step,
           l1:item(), l0:item()))
         if step == 1 then
-          local full = tp.full_grads(m)
-          local n = 0
-          for name, p in ref:named_parameters() do
-            local g = full[name]
-            assert.is_not_nil(g, name)
-            assert.are.same(p.grad.shape, g.shape)
-            local e = FS.max_rel(g, p.grad)
-            assert.is_true(e <= 1e-10, ('%s: %g'):format(name, e))
-            n = n + 1
-          end
-          assert.is_true(n >= 10)
+          same_grads(ref, m, '')
           if W > 1 and case[1] ~= 'qwen3' then
             -- (an expert's gate holds this rank's rows of its hidden features)
             local l = ms.nn.moe.layers(m)[1]
@@ -332,11 +328,7 @@ describe('tensor parallelism #mpi', function()
         local l1 = m(x, y); l1:backward()
         assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-10, ('step %d: %.17g against %.17g'):format(step,
           l1:item(), l0:item()))
-        local full = tp.full_grads(m)
-        for name, p in ref:named_parameters() do
-          local e = FS.max_rel(full[name], p.grad)
-          assert.is_true(e <= 1e-10, ('step %d %s: %g'):format(step, name, e))
-        end
+        same_grads(ref, m, ('step %d '):format(step))
         ref:zero_grad(); m:zero_grad()
       end
     end)

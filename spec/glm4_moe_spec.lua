@@ -140,16 +140,7 @@ describe('models.glm4_moe', function()
     it('trains the tiny preset; two ranks follow one process: FSDP, expert parallel; --cp 2 (the partial RoPE at '
       .. 'each rank\'s positions) the one-process curve', function()
       S.moe_train_runs('models/glm4_moe.lua', flags, { '--fsdp FULL_SHARD', '--ep 2' }, '')
-      local dir = S.tmpdir()
-      local f = flags .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
-      local status, text = S.bin_train(('models/glm4_moe.lua %s --batch-size 4 --steps 4 --out %s/one'):format(f,
-        q(dir)))
-      assert.are.equal(0, status, text)
-      status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/glm4_moe.lua %s --batch-size 4 --steps 4 '
-        .. '--cp 2 --out %s/cp'):format(f, q(dir)))
-      assert.are.equal(0, status, text)
-      S.close_losses(S.run_losses(dir .. '/one'), S.run_losses(dir .. '/cp'), 1, 4, 'glm4_moe --cp 2')
-      os.execute('rm -rf ' .. q(dir))
+      S.two_ranks_follow('models/glm4_moe.lua', flags, '--cp 2', 4)
     end)
   end)
 end)

@@ -132,6 +132,26 @@ function S.moe_train_runs(model_file, flags, layouts, no_aux)
   os.execute('rm -rf ' .. q(dir))
 end
 
+-- bin/train of model_file with `flags` (its data included) for `steps`
+-- steps of --batch-size 4 on one process, then on two CPU ranks with
+-- `how` (a parallelism that keeps the global batch: --tp 2, --cp 2): the
+-- two runs' losses within 1e-5, in a fresh folder (removed after). Returns
+-- the two-rank run's output.
+function S.two_ranks_follow(model_file, flags, how, steps)
+  local q = S.shell_quote
+  local dir = S.tmpdir()
+  local f = flags .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
+  local status, text = S.bin_train(('%s %s --batch-size 4 --steps %d --out %s/one'):format(model_file, f, steps,
+    q(dir)))
+  luassert.are.equal(0, status, text)
+  status, text = S.bin_train(('--nproc-per-node 2 --device cpu %s %s --batch-size 4 --steps %d %s --out %s/two')
+    :format(model_file, f, steps, how, q(dir)))
+  luassert.are.equal(0, status, text)
+  S.close_losses(S.run_losses(dir .. '/one'), S.run_losses(dir .. '/two'), 1, steps, model_file .. ' ' .. how)
+  os.execute('rm -rf ' .. q(dir))
+  return text
+end
+
 -- asserts got[s] within `bound` (relative; 1e-5) of ref[s] for s = from..to
 function S.close_losses(ref, got, from, to, what, bound)
   bound = bound or 1e-5
@@ -448,11 +468,16 @@ end
 -- model.safetensors, expected.safetensors with input_ids, targets, logits,
 -- loss and grad.<name>; spec/fixtures/README.md): M.from_pretrained(dir) in
 -- dtype, logits, loss and every parameter's gradient within `bound`
--- relative, and a gradient expected for every parameter
+-- relative, and a gradient expected for every parameter. Returns the
+-- logits' relative error and the logits.
 function S.hf_golden(M, dir, dtype, bound)
-  local ms = require 'moonshard'
   local m = M.from_pretrained(dir)
   if dtype ~= 'f32' then m:to(dtype) end
+  return S.hf_compare(m, dir, bound)
+end
+-- the same comparison for a model already built (S.hf_golden's)
+function S.hf_compare(m, dir, bound)
+  local ms = require 'moonshard'
   m:eval()
   local exp = ms.load_safetensors(dir .. '/expected.safetensors')
   local logits = ms.no_grad(function() return m(exp.input_ids) end)
@@ -467,13 +492,14 @@ function S.hf_golden(M, dir, dtype, bound)
   for name, p in m:named_parameters() do
     local g = exp['grad.' .. name]
     luassert.is_not_nil(g, 'no expected gradient for ' .. name)
+    luassert.is_not_nil(p.grad, 'no gradient for ' .. name)
     local eg = S.relerr(p.grad, g)
     luassert.is_true(eg < bound, ('grad.%s: relative error %.3g >= %g'):format(name, eg, bound))
     n = n + 1
   end
   for k in pairs(exp) do if k:match('^grad%.') then want = want + 1 end end
   luassert.are.equal(want, n)
-  return e
+  return e, logits
 end
 
 return S
