@@ -34,51 +34,14 @@ local function small(over)
   return cfg
 end
 
--- The golden run of a fixture folder: logits, loss, every gradient. The
--- expected gradients are under the checkpoint's names (the experts fused)
--- and go through llama4.fix_state_dict as the weights do. A gradient that
--- is zero in exact arithmetic (a NoPE layer's k_proj.bias without the qk
--- norm: a constant added to every key leaves the softmax as it is) is
--- rounding noise in the reference; ours must be as small.
+-- The golden run of a fixture folder (S.hf_golden): the expected
+-- gradients are under the checkpoint's names (the experts fused) and go
+-- through llama4.fix_state_dict as the weights do. A gradient that is zero
+-- in exact arithmetic (a NoPE layer's k_proj.bias without the qk norm: a
+-- constant added to every key leaves the softmax as it is) is rounding
+-- noise in the reference; ours must be as small.
 local function golden(dir, dtype, bound)
-  local m = llama4.from_pretrained(dir)
-  if dtype ~= 'f32' then m:to(dtype) end
-  m:eval()
-  local exp = ms.load_safetensors(dir .. '/expected.safetensors')
-  local logits = ms.no_grad(function() return m(exp.input_ids) end)
-  local worst = { logits = S.relerr(logits, exp.logits) }
-  assert.is_true(worst.logits < bound, ('logits: relative error %.3g >= %g'):format(worst.logits, bound))
-  m:zero_grad()
-  local loss = m(exp.input_ids, exp.targets)
-  local el = math.abs(loss:item() - exp.loss:item()) / math.abs(exp.loss:item())
-  assert.is_true(el < bound, ('loss %.9g vs %.9g (relative %.3g)'):format(loss:item(), exp.loss:item(), el))
-  loss:backward()
-  local grads = {}
-  for k, g in pairs(exp) do
-    local name = k:match('^grad%.(.*)$')
-    if name then grads[name] = g end
-  end
-  grads = llama4.fix_state_dict(grads, m.config)
-  local n, want, gw = 0, 0, 0
-  for _ in pairs(grads) do want = want + 1 end
-  for name, p in m:named_parameters() do
-    local g = grads[name]
-    assert.is_not_nil(g, 'no expected gradient for ' .. name)
-    local function norm(t) local d = t:to('f64') return (d * d):sum():sqrt():item() end
-    local ref = norm(g)
-    if ref < 1e-12 then
-      local got = norm(p.grad)
-      assert.is_true(got < (dtype == 'f64' and 1e-12 or 1e-8), ('grad.%s: %.3g, zero expected'):format(name, got))
-    else
-      local eg = S.relerr(p.grad, g)
-      assert.is_true(eg < bound, ('grad.%s: relative error %.3g >= %g'):format(name, eg, bound))
-      gw = math.max(gw, eg)
-    end
-    n = n + 1
-  end
-  assert.are.equal(want, n)
-  worst.grad = gw
-  return worst
+  return S.hf_golden(llama4, dir, dtype, bound, { map = llama4.fix_state_dict })
 end
 
 -- chunked causal attention written out: scores with the chunked causal
