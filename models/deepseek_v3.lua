@@ -322,7 +322,7 @@ end
 -- checkpoints' model.layers.(num_hidden_layers + K) (with the copies of
 -- the embedding and the head written beside each, as DeepSeek's own, for
 -- inference engines that read them there).
-local MTPLayer = llama.Layer:extend('DeepseekV3MTPLayer')
+local MTPLayer = llama.Layer:extend('DeepseekV3MTPLayer')   -- (GLM-4.5's too: deepseek_v3.with_mtp)
 deepseek_v3.MTPLayer = MTPLayer
 function MTPLayer:init(cfg, idx)
   llama.Layer.init(self, cfg, idx)
@@ -347,6 +347,10 @@ local function mtp_forward(self, input_ids, targets)
   local ids, B, Tn = hf.check_ids(input_ids, name, 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
   targets = hf.check_targets(targets, B, Tn, name, cfg.vocab_size)
   local m = self.model
+  if rawget(self, '_tp') ~= nil then
+    error(name .. ': multi-token prediction does not run under tensor parallelism (its depths read the whole '
+      .. 'vocabulary\'s head and every token)', 2)
+  end
   if rawget(m.layers[1].self_attn, '_cp') ~= nil then
     error(name .. ': multi-token prediction does not run under context parallelism (its depths shift the '
       .. 'sequence across the ranks\' chunks)', 2)
@@ -395,19 +399,28 @@ local function mtp_attach(m, cfg)
   end)
 end
 
-do
-  local build = deepseek_v3.build
-  function deepseek_v3.build(cfg)
+-- deepseek_v3.with_mtp(fam): a decoder family (llama.decoder_family's)
+-- whose config has num_nextn_predict_layers and mtp_loss_weight builds the
+-- MTP depths when the weight is above 0 (DeepSeek-V3's; GLM-4.5's, whose
+-- MTP layers are the same modules), reads them from its checkpoints
+-- (deepseek_v3.fix_state_dict) and saves them in their names
+-- (deepseek_v3.export_state_dict)
+function deepseek_v3.with_mtp(fam)
+  local build = fam.build
+  function fam.build(cfg)
     local m = build(cfg)
     rawset(m, 'mtp_losses', mtp_losses)
     if (cfg.mtp_loss_weight or 0) > 0 then
       if (cfg.num_nextn_predict_layers or 0) < 1 then
-        error('deepseek_v3 config: mtp_loss_weight > 0 needs num_nextn_predict_layers >= 1 (the MTP depths)', 3)
+        error(('%s config: mtp_loss_weight > 0 needs num_nextn_predict_layers >= 1 (the MTP depths)'):format(
+          fam.name), 3)
       end
       mtp_attach(m, cfg)
     end
     return m
   end
+  fam.export_state_dict = deepseek_v3.export_state_dict
+  return fam
 end
 
 -- model -> checkpoint names (hf.save_pretrained): model.mtp_layers.K as
@@ -430,5 +443,6 @@ function deepseek_v3.export_state_dict(sd, cfg)
   end
   return out
 end
+deepseek_v3.with_mtp(deepseek_v3)
 
 return deepseek_v3

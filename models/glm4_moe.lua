@@ -16,7 +16,8 @@
 -- The same config.json fields and parameter names as transformers'. The
 -- checkpoints' multi-token-prediction layer (num_nextn_predict_layers:
 -- model.layers.N past num_hidden_layers) is skipped on load, as
--- transformers skips it. No auxiliary loss (as transformers): balance with
+-- transformers skips it, unless mtp_loss_weight > 0 (ours): then it is
+-- built and trained as DeepSeek-V3's. No auxiliary loss (as transformers): balance with
 -- --moe-bias-rate, which moves the routing biases (docs/moe.md).
 --
 --   local glm = require 'models.glm4_moe'
@@ -59,7 +60,10 @@ glm4_moe.fields = {
       .. 'linear, llama3 or yarn as Llama\'s' },
   { 'attention_bias', 'bool', false, 'biases on q/k/v (not o_proj)' },
   { 'attention_dropout', 'prob', 0.0, 'dropout on attention probabilities (not applied here)' },
-  { 'num_nextn_predict_layers', 'int>=0', 1, 'multi-token-prediction layers: not built (skipped on load)' },
+  { 'num_nextn_predict_layers', 'int>=0', 1, 'multi-token-prediction depths (built when mtp_loss_weight > 0, else '
+    .. 'skipped on load, as transformers does)' },
+  { 'mtp_loss_weight', 'number>=0', 0, 'ours: above 0 builds the num_nextn_predict_layers multi-token-prediction '
+    .. 'modules (DeepSeek-V3\'s, models/deepseek_v3.lua) and adds this weight / their number times their losses' },
   { 'bos_token_id', 'ids?', nil, 'beginning of sequence' },
   { 'eos_token_id', 'ids?', nil, 'end of sequence' },
 }
@@ -156,7 +160,11 @@ glm4_moe.fsdp_block = 'LlamaDecoderLayer'
 llama.decoder_family(glm4_moe, 'Glm4MoeForCausalLM', function(cfg)
   cfg.partial_rotary_factor = cfg.rope_parameters.partial_rotary_factor
 end)
--- (the MTP layers skipped as DeepSeek-V3's; FP8 block scales read as its)
+-- (the MTP layers skipped as DeepSeek-V3's, or built and trained with
+-- mtp_loss_weight > 0: the same modules, read and saved under the
+-- checkpoints' model.layers.(num_hidden_layers + K); FP8 block scales read
+-- as its)
 glm4_moe.fix_state_dict = v3.fix_state_dict
+v3.with_mtp(glm4_moe)
 
 return glm4_moe

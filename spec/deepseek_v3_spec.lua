@@ -533,7 +533,7 @@ describe('models.deepseek_v3', function()
     end)
 
     it('multi-token prediction trains (--model.mtp_loss_weight); two ranks follow one process: FSDP, expert '
-      .. 'parallel; each depth\'s loss in metrics.jsonl; --cp and --pp refused by name', function()
+      .. 'parallel; each depth\'s loss in metrics.jsonl; --cp, --tp and --pp refused by name', function()
       local mf = flags .. ' --model.mtp_loss_weight 0.3 --model.num_nextn_predict_layers 2'
       S.moe_train_runs('models/deepseek_v3.lua', mf, { '--fsdp FULL_SHARD', '--ep 2' }, '')
       local dir = S.tmpdir()
@@ -558,6 +558,7 @@ describe('models.deepseek_v3', function()
         assert.are.equal(3, n)
       end
       for _, c in ipairs({ { '--cp 2', 'multi-token prediction does not run under context parallelism' },
+        { '--tp 2', 'multi-token prediction does not run under tensor parallelism' },
         { '--pp 2', 'multi-token prediction is not cut into pipeline stages' } }) do
         local status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s --batch-size 4 '
           .. '--steps 2 %s --out %s/x'):format(f, c[1], q(dir)))

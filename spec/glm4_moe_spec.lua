@@ -132,6 +132,38 @@ describe('models.glm4_moe', function()
       'num_attention_heads (3) must be a multiple of num_key_value_heads (2)')
   end)
 
+  it('multi-token prediction (mtp_loss_weight > 0, DeepSeek-V3\'s modules): the main loss plus the weight times '
+    .. 'the depth\'s (f64); saved and read as the checkpoint\'s model.layers.(L + K)', function()
+    ms.manual_seed(9)
+    local m = glm.new(small({ num_hidden_layers = 2, mtp_loss_weight = 0.3, num_nextn_predict_layers = 1 })):to('f64')
+    for name, p in m:named_parameters() do
+      if not name:match('norm') then ms.normal_(p, 0, 0.3) else ms.normal_(p, 1, 0.1) end
+    end
+    local plain = glm.new(small({ num_hidden_layers = 2 })):to('f64')
+    local sd = {}
+    for name, t in pairs(m:state_dict()) do if not name:match('mtp_layers') then sd[name] = t end end
+    plain:load_state_dict(sd)
+    local x, y = S.token_batch(2, 7, 40, 3)
+    local l = m(x, y):item()
+    local main = plain(x, y):item()
+    local d = m:mtp_losses()
+    assert.are.equal(1, #d)
+    assert.is_true(math.abs(l - (main + 0.3 * d[1]:item())) < 1e-12, ('%.15g vs %.15g'):format(l,
+      main + 0.3 * d[1]:item()))
+    local dir = S.tmpdir()
+    m:save_pretrained(dir)
+    local st = ms.load_safetensors(dir .. '/model.safetensors')
+    for _, name in ipairs({ 'model.layers.2.eh_proj.weight', 'model.layers.2.enorm.weight',
+      'model.layers.2.shared_head.norm.weight', 'model.layers.2.shared_head.head.weight',
+      'model.layers.2.embed_tokens.weight', 'model.layers.2.self_attn.q_norm.weight',
+      'model.layers.2.mlp.experts.1.up_proj.weight' }) do
+      assert.is_not_nil(st[name], name)
+    end
+    local back = glm.from_pretrained(dir):to('f64')
+    assert.is_true(math.abs(back(x, y):item() - l) < 1e-6 * l)
+    os.execute('rm -rf ' .. q(dir))
+  end)
+
   describe('bin/train', function()
     local flags = '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 --model.intermediate_size 48 '
       .. '--model.moe_intermediate_size 16 --model.head_dim 16 --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 '
