@@ -161,12 +161,13 @@ function Layer:init(cfg, idx)
     self:register_module('self_attn', v.self_attn(cfg, idx or 0))
   else
     -- (a variant's attention(cfg): bias, o_bias, rotary_dim (RoPE on that
-    -- many of each head's features: GLM-4.5's), qk_norm (beside v.qk_norm))
+    -- many of each head's features: GLM-4.5's), qk_norm (beside v.qk_norm),
+    -- window (Mistral's sliding window))
     local ab = v.attention and v.attention(cfg) or { bias = cfg.attention_bias }
     self:register_module('self_attn', nn.CausalSelfAttention{
       dim = C, n_head = cfg.num_attention_heads, n_kv_head = cfg.num_key_value_heads or cfg.num_attention_heads,
       head_dim = cfg.head_dim or math.floor(C / cfg.num_attention_heads), bias = ab.bias, o_bias = ab.o_bias,
-      rope_theta = llama.rope(cfg, ab.rotary_dim), rotary_dim = ab.rotary_dim, fused_qkv = false,
+      rope_theta = llama.rope(cfg, ab.rotary_dim), rotary_dim = ab.rotary_dim, window = ab.window, fused_qkv = false,
       qk_norm_eps = (v.qk_norm or ab.qk_norm) and cfg.rms_norm_eps or nil })
   end
   local name, mlp = (v.mlp or dense_mlp)(cfg, idx or 0)

@@ -1,9 +1,10 @@
-# tools/make_dense_fixture.py OUT — reference fixtures of spec/fixtures/ for
+# tools/make_dense_fixture.py OUT [CASE ...] — reference fixtures of spec/fixtures/ for
 # the dense decoders (spec/hf_dense_spec.lua): Hugging Face transformers'
 # LlamaForCausalLM with each scaled RoPE (linear, llama3, yarn) past the
 # original context, Qwen2ForCausalLM (q/k/v biases, tied embeddings) and
 # Qwen3ForCausalLM (per-head q/k norms, a head width apart from the model's,
-# attention biases), computed on the CPU in float64 and stored as float32.
+# attention biases) and MistralForCausalLM (a sliding window shorter than the
+# sequence, and none), computed on the CPU in float64 and stored as float32.
 # Needs torch and transformers (pip's; this machine or the lent GPU host).
 # For each case OUT/<case>/ gets:
 #   config.json          the config as transformers writes it
@@ -21,8 +22,8 @@ import sys
 
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_fixture  # noqa: E402
@@ -57,7 +58,18 @@ CASES = {
     'qwen3-tiny': ((Qwen3Config, Qwen3ForCausalLM), dict(rope_parameters=dict(rope_type='default',
                                                                               rope_theta=1000000.0),
                                                          head_dim=24, attention_bias=True), 20),
+    # Mistral: a sliding window of 6 over 20 positions (each token sees
+    # itself and the 5 before), heads of 24
+    'mistral-tiny-window': ((MistralConfig, MistralForCausalLM), dict(rope_parameters=dict(rope_type='default',
+                                                                                          rope_theta=10000.0),
+                                                                      sliding_window=6, head_dim=24), 20),
+    # Mistral without a window (the later models)
+    'mistral-tiny': ((MistralConfig, MistralForCausalLM), dict(rope_parameters=dict(rope_type='default',
+                                                                                   rope_theta=1000000.0),
+                                                               sliding_window=None), 20),
 }
+if len(sys.argv) > 2:
+    CASES = {k: v for k, v in CASES.items() if k in sys.argv[2:]}
 
 
 meta = {'transformers': transformers.__version__, 'torch': torch.__version__, 'cases': {}}

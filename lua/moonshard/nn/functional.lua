@@ -871,6 +871,29 @@ function nnf.causal_mask(Tq, Tk, dtype, device)
   mask_cache[key] = m
   return m
 end
+-- (T, T) additive mask of a sliding window of W (Mistral's): -inf where
+-- key j is W or more places before query i (j <= i - W), 0 elsewhere; the
+-- causal part is the attention's own (cached as causal_mask)
+function nnf.window_mask(Tn, W, dtype, device)
+  local key = 'window:' .. Tn .. ':' .. W .. ':' .. dtype .. ':' .. device
+  local m = mask_cache[key]
+  if m and m.storage ~= nil then return m end
+  local r = T.arange(Tn, { dtype = 'f64', device = device })
+  local rv = R.view(r, { Tn, 1 })
+  local c = T.arange(Tn, { dtype = 'f64', device = device })
+  local cv = R.view(c, { 1, Tn })
+  local edge = F.add(rv, 1 - W)
+  local far = F.gt(edge, cv)
+  m = F.where(far, -math.huge, 0)
+  if m.dtype_id ~= T.dtype_id(dtype) then
+    local mc = R.to(m, dtype)
+    free(m)
+    m = mc
+  end
+  for _, t in ipairs({ r, rv, c, cv, edge, far }) do free(t) end
+  mask_cache[key] = m
+  return m
+end
 function nnf.clear_caches()
   for k, m in pairs(mask_cache) do free(m); mask_cache[k] = nil end
   nnf.clear_rope_cache()

@@ -790,7 +790,11 @@ function GatedMLP:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, sel
 -- yarn_rope) as Hugging Face Llama; GQA repeats the kv heads. rotary_dim
 -- (even, <= head_dim; default head_dim): RoPE on each head's first
 -- rotary_dim features only, the rest passed through (GLM-4.5's
--- partial_rotary_factor; the tables then made for rotary_dim).
+-- partial_rotary_factor; the tables then made for rotary_dim). window
+-- (Mistral's sliding_window): each query sees itself and the window - 1
+-- keys before it; a sequence longer than the window runs the unfused path
+-- with that mask (the fused kernels take no window), a shorter one is
+-- plain causal attention.
 local Attention = Module:extend('CausalSelfAttention')
 nn.CausalSelfAttention = Attention
 function Attention:init(cfg)
@@ -809,6 +813,10 @@ function Attention:init(cfg)
   self.fused_qkv = cfg.fused_qkv and true or false
   if self.rope_theta and hd % 2 ~= 0 then
     error(('CausalSelfAttention: RoPE needs an even head_dim, got %d'):format(hd), 3)
+  end
+  if cfg.window ~= nil then
+    check_int('CausalSelfAttention', 'window', cfg.window)
+    self.window = cfg.window
   end
   if cfg.rotary_dim ~= nil and cfg.rotary_dim ~= hd then
     local rd = cfg.rotary_dim
@@ -904,17 +912,26 @@ function Attention:forward(x)
     end
   end
   local y
-  if cpc then y = require('moonshard.cp').attention(q, k, v, cpc)
+  local win = rawget(self, 'window')
+  if win and (cpc or Tn > win) then
+    if cpc then
+      error(('CausalSelfAttention: context parallelism does not ring sliding-window attention (window %d)'):format(
+        win), 2)
+    end
+    y = nnf.scaled_dot_product_attention(q, k, v, { causal = true, mask = nnf.window_mask(Tn, win, q.dtype == 'f64'
+      and 'f64' or 'f32', q.device_id) })
+  elseif cpc then y = require('moonshard.cp').attention(q, k, v, cpc)
   else y = nnf.scaled_dot_product_attention(q, k, v, { causal = true }) end
   y = y:transpose(2, 3):reshape(B, Tn, H * hd)
   if self.fused_qkv then return self.c_proj(y) end
   return self.o_proj(y)
 end
 function Attention:extra_repr()
-  return ('dim=%d, n_head=%d, n_kv_head=%d, head_dim=%d%s%s%s'):format(self.dim, self.n_head, self.n_kv_head,
+  return ('dim=%d, n_head=%d, n_kv_head=%d, head_dim=%d%s%s%s%s'):format(self.dim, self.n_head, self.n_kv_head,
     self.head_dim, self.rope_theta and (type(self.rope_theta) == 'table' and (', rope ' .. self.rope_theta.key)
       or (', rope_theta=%g'):format(self.rope_theta)) or '',
     rawget(self, 'rotary_dim') and (', rotary_dim=%d'):format(self.rotary_dim) or '',
+    rawget(self, 'window') and (', window=%d'):format(self.window) or '',
     self.fused_qkv and ', fused_qkv' or '')
 end
 
