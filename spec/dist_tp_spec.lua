@@ -57,6 +57,33 @@ describe('tensor parallelism #mpi', function()
     assert.is_true(n >= 10)
   end
 
+  -- three clipped AdamW steps (o0 of the unsplit ref, o1 of the split m)
+  -- on batches seed + 1 .. seed + 3: the losses and the clipped norms
+  -- within 1e-10, then the gathered weights within 1e-9 (returned);
+  -- opts.first() after the first backward, opts.clips: the clipping acts
+  local function clipped_steps(ref, m, o0, o1, seed, opts)
+    for step = 1, 3 do
+      local x, y = FS.lcg_batch(seed + step, 2, 12)
+      local l0 = ref(x, y); l0:backward()
+      local l1 = m(x, y); l1:backward()
+      assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-10, ('step %d: %.17g against %.17g'):format(step,
+        l1:item(), l0:item()))
+      if step == 1 and opts.first then opts.first() end
+      local n0 = ms.optim.clip_grad_norm(ref, 0.05)
+      local n1 = tp.clip_grad_norm_(m, 0.05)
+      if opts.clips then assert.is_true(n0 > 0.05) end
+      assert.is_true(FS.rel(n1, n0) <= 1e-10, ('norm %.17g against %.17g'):format(n1, n0))
+      o0:step(); o0:zero_grad()
+      o1:step(); o1:zero_grad()
+    end
+    local sd = tp.full_state_dict(m)
+    for name, t in pairs(ref:state_dict()) do
+      local e = FS.max_rel(sd[name], t)
+      assert.is_true(e <= 1e-9, ('%s: %g'):format(name, e))
+    end
+    return sd
+  end
+
   for _, case in ipairs(cases) do
     it(case[1] .. ': loss, gradients and logits are the unsplit model\'s (f64)', function()
       local ref = build(case, 'f64')
@@ -85,24 +112,7 @@ describe('tensor parallelism #mpi', function()
       local m = tp.parallelize(build(case, 'f64'))
       local o0 = ms.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.1 })
       local o1 = ms.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
-      for step = 1, 3 do
-        local x, y = FS.lcg_batch(10 + step, 2, 12)
-        local l0 = ref(x, y); l0:backward()
-        local l1 = m(x, y); l1:backward()
-        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-10, ('step %d: %.17g against %.17g'):format(step,
-          l1:item(), l0:item()))
-        local n0 = ms.optim.clip_grad_norm(ref, 0.05)
-        local n1 = tp.clip_grad_norm_(m, 0.05)
-        assert.is_true(n0 > 0.05)   -- the clipping acts
-        assert.is_true(FS.rel(n1, n0) <= 1e-10, ('norm %.17g against %.17g'):format(n1, n0))
-        o0:step(); o0:zero_grad()
-        o1:step(); o1:zero_grad()
-      end
-      local sd = tp.full_state_dict(m)
-      for name, t in pairs(ref:state_dict()) do
-        local e = FS.max_rel(sd[name], t)
-        assert.is_true(e <= 1e-9, ('%s: %g'):format(name, e))
-      end
+      local sd = clipped_steps(ref, m, o0, o1, 10, { clips = true })
       -- the optimizer's state gathered is the unsplit optimizer's; sliced
       -- back into a fresh split model it trains on as the reference does
       local os0, os1 = o0:state_dict(), tp.full_optimizer_state(m, o1)
@@ -291,32 +301,14 @@ describe('tensor parallelism #mpi', function()
       end
       local o0 = ms.optim.AdamW(ref:parameters(), { lr = 1e-2, weight_decay = 0.1 })
       local o1 = ms.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
-      for step = 1, 3 do
-        local x, y = FS.lcg_batch(30 + step, 2, 12)
-        local l0 = ref(x, y); l0:backward()
-        local l1 = m(x, y); l1:backward()
-        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-10, ('step %d: %.17g against %.17g'):format(step,
-          l1:item(), l0:item()))
-        if step == 1 then
-          same_grads(ref, m, '')
-          if W > 1 and case[1] ~= 'qwen3' then
-            -- (an expert's gate holds this rank's rows of its hidden features)
-            local l = ms.nn.moe.layers(m)[1]
-            local ex = l.experts[1]
-            assert.are.equal(ex.hidden / W, ex[ex.names[1]].weight.shape[1])
-          end
+      clipped_steps(ref, m, o0, o1, 30, { first = function()
+        same_grads(ref, m, '')
+        if W > 1 and case[1] ~= 'qwen3' then
+          -- (an expert's gate holds this rank's rows of its hidden features)
+          local ex = ms.nn.moe.layers(m)[1].experts[1]
+          assert.are.equal(ex.hidden / W, ex[ex.names[1]].weight.shape[1])
         end
-        local n0 = ms.optim.clip_grad_norm(ref, 0.05)
-        local n1 = tp.clip_grad_norm_(m, 0.05)
-        assert.is_true(FS.rel(n1, n0) <= 1e-10, ('norm %.17g against %.17g'):format(n1, n0))
-        o0:step(); o0:zero_grad()
-        o1:step(); o1:zero_grad()
-      end
-      local sd = tp.full_state_dict(m)
-      for name, t in pairs(ref:state_dict()) do
-        local e = FS.max_rel(sd[name], t)
-        assert.is_true(e <= 1e-9, ('%s: %g'):format(name, e))
-      end
+      end })
     end)
 
     it(case[1] .. ', sequence parallel: loss and gradients are the unsplit model\'s (f64)', function()

@@ -850,49 +850,37 @@ end
 
 -- ------------------------------------------------------------ attention
 local mask_cache = {}
--- additive causal mask (Tq, Tk): 0 where key j <= query i + (Tk - Tq), -inf above
-function nnf.causal_mask(Tq, Tk, dtype, device)
-  local key = Tq .. ':' .. Tk .. ':' .. dtype .. ':' .. device
+-- an additive (Tq, Tk) mask, cached under key: -inf where the key's column
+-- c and the query's row r (0-based) have c > r + shift (upper) or
+-- c < r + shift (not upper), 0 elsewhere
+local function band_mask(key, Tq, Tk, shift, upper, dtype, device)
   local m = mask_cache[key]
   if m and m.storage ~= nil then return m end
   local r = T.arange(Tq, { dtype = 'f64', device = device })
   local rv = R.view(r, { Tq, 1 })
   local c = T.arange(Tk, { dtype = 'f64', device = device })
   local cv = R.view(c, { 1, Tk })
-  local shifted = F.add(rv, Tk - Tq)
-  local above = F.gt(cv, shifted)
-  m = F.where(above, -math.huge, 0)
+  local shifted = F.add(rv, shift)
+  local off = upper and F.gt(cv, shifted) or F.gt(shifted, cv)
+  m = F.where(off, -math.huge, 0)
   if m.dtype_id ~= T.dtype_id(dtype) then
     local mc = R.to(m, dtype)
     free(m)
     m = mc
   end
-  for _, t in ipairs({ r, rv, c, cv, shifted, above }) do free(t) end
+  for _, t in ipairs({ r, rv, c, cv, shifted, off }) do free(t) end
   mask_cache[key] = m
   return m
 end
+-- additive causal mask (Tq, Tk): 0 where key j <= query i + (Tk - Tq), -inf above
+function nnf.causal_mask(Tq, Tk, dtype, device)
+  return band_mask(Tq .. ':' .. Tk .. ':' .. dtype .. ':' .. device, Tq, Tk, Tk - Tq, true, dtype, device)
+end
 -- (T, T) additive mask of a sliding window of W (Mistral's): -inf where
 -- key j is W or more places before query i (j <= i - W), 0 elsewhere; the
--- causal part is the attention's own (cached as causal_mask)
+-- causal part is the attention's own
 function nnf.window_mask(Tn, W, dtype, device)
-  local key = 'window:' .. Tn .. ':' .. W .. ':' .. dtype .. ':' .. device
-  local m = mask_cache[key]
-  if m and m.storage ~= nil then return m end
-  local r = T.arange(Tn, { dtype = 'f64', device = device })
-  local rv = R.view(r, { Tn, 1 })
-  local c = T.arange(Tn, { dtype = 'f64', device = device })
-  local cv = R.view(c, { 1, Tn })
-  local edge = F.add(rv, 1 - W)
-  local far = F.gt(edge, cv)
-  m = F.where(far, -math.huge, 0)
-  if m.dtype_id ~= T.dtype_id(dtype) then
-    local mc = R.to(m, dtype)
-    free(m)
-    m = mc
-  end
-  for _, t in ipairs({ r, rv, c, cv, edge, far }) do free(t) end
-  mask_cache[key] = m
-  return m
+  return band_mask('window:' .. Tn .. ':' .. W .. ':' .. dtype .. ':' .. device, Tn, Tn, 1 - W, false, dtype, device)
 end
 function nnf.clear_caches()
   for k, m in pairs(mask_cache) do free(m); mask_cache[k] = nil end
