@@ -125,12 +125,10 @@ function deepseek_v2.check(cfg)
       .. 'renormalises; false in the released models)')
   end
   if cfg.mlp_bias then cfg_error('mlp_bias = true is not supported (no released model has MLP biases)') end
+  v3.check_latent(cfg, 'deepseek_v2')
+  -- (greedy routing ignores the groups)
   local greedy = cfg.topk_method == 'greedy'
-  v3.check({ rope_parameters = cfg.rope_parameters, num_attention_heads = cfg.num_attention_heads,
-    num_key_value_heads = cfg.num_key_value_heads, qk_rope_head_dim = cfg.qk_rope_head_dim,
-    n_routed_experts = cfg.n_routed_experts, num_experts_per_tok = cfg.num_experts_per_tok,
-    n_group = (not greedy) and cfg.n_group or nil, topk_group = (not greedy) and cfg.topk_group or nil,
-    max_position_embeddings = cfg.max_position_embeddings }, 'deepseek_v2', 'max')
+  v3.check_router(cfg, 'deepseek_v2', 'max', (not greedy) and cfg.n_group or nil, (not greedy) and cfg.topk_group or nil)
 end
 
 -- what its layers change in Llama's: V3's latent attention with paired

@@ -112,45 +112,58 @@ function deepseek_v3.normalize(cfg)
   if cfg.topk_group == hf.null then cfg.topk_group = nil end
 end
 
--- (also DeepSeek-V2's, models/deepseek_v2.lua: its name in the errors, its
--- group score the best expert's, so groups of one expert are fine)
-function deepseek_v3.check(cfg, name, group_score)
-  name, group_score = name or 'deepseek_v3', group_score or 'top2'
-  local function cfg_error(fmt, ...) error((name .. ' config: ' .. fmt):format(...), 4) end
+-- A config's checks in two parts, each naming the model (name): the
+-- latent attention's (RoPE default or YaRN, a key per head, an even rotary
+-- width; DeepSeek-V2's too) and the router's (groups that split the
+-- experts, enough experts in the kept groups; group_score 'top2' scores a
+-- group by its two best, so groups of one are refused; V2's 'max' and
+-- GLM-4.5's 'top2' routers call it too)
+local function cfg_error(name, fmt, ...) error((name .. ' config: ' .. fmt):format(...), 4) end
+function deepseek_v3.check_latent(cfg, name)
   local rp = cfg.rope_parameters
   local rt = rp.rope_type or 'default'
   if rt ~= 'default' and rt ~= 'yarn' then
-    cfg_error('rope_parameters.rope_type %s is not supported (default or yarn)', tostring(rt))
+    cfg_error(name, 'rope_parameters.rope_type %s is not supported (default or yarn)', tostring(rt))
   end
   if type(rp.rope_theta) ~= 'number' or rp.rope_theta <= 0 then
-    cfg_error('rope_parameters.rope_theta must be a positive number, got %s', tostring(rp.rope_theta))
+    cfg_error(name, 'rope_parameters.rope_theta must be a positive number, got %s', tostring(rp.rope_theta))
   end
   if rt == 'yarn' then
     local o = rp.original_max_position_embeddings
     if type(o) ~= 'number' or o <= 0 then
-      cfg_error('yarn RoPE needs rope_parameters.original_max_position_embeddings, got %s', tostring(o))
+      cfg_error(name, 'yarn RoPE needs rope_parameters.original_max_position_embeddings, got %s', tostring(o))
     end
     -- (as transformers: no factor means the ratio of the two contexts)
     if rp.factor == nil or rp.factor == hf.null then rp.factor = cfg.max_position_embeddings / o end
     if type(rp.factor) ~= 'number' or rp.factor <= 0 then
-      cfg_error('rope_parameters.factor must be a positive number, got %s', tostring(rp.factor))
+      cfg_error(name, 'rope_parameters.factor must be a positive number, got %s', tostring(rp.factor))
     end
   end
   local nh = cfg.num_attention_heads
   if cfg.num_key_value_heads ~= nil and cfg.num_key_value_heads ~= nh then
-    cfg_error('num_key_value_heads (%d) must equal num_attention_heads (%d): latent attention gives every head its keys',
-      cfg.num_key_value_heads, nh)
+    cfg_error(name, 'num_key_value_heads (%d) must equal num_attention_heads (%d): latent attention gives every head '
+      .. 'its keys', cfg.num_key_value_heads, nh)
   end
-  if cfg.qk_rope_head_dim % 2 ~= 0 then cfg_error('qk_rope_head_dim (%d) must be even for RoPE', cfg.qk_rope_head_dim) end
-  local E, G, TG, k = cfg.n_routed_experts, cfg.n_group or 1, cfg.topk_group or 1, cfg.num_experts_per_tok
-  if E % G ~= 0 then cfg_error('n_routed_experts %d do not split into n_group = %d groups', E, G) end
+  if cfg.qk_rope_head_dim % 2 ~= 0 then
+    cfg_error(name, 'qk_rope_head_dim (%d) must be even for RoPE', cfg.qk_rope_head_dim)
+  end
+end
+-- (G, TG: the groups and the kept ones; nil: 1)
+function deepseek_v3.check_router(cfg, name, group_score, G, TG)
+  local E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+  G, TG = G or 1, TG or 1
+  if E % G ~= 0 then cfg_error(name, 'n_routed_experts %d do not split into n_group = %d groups', E, G) end
   if G > 1 and E / G < 2 and group_score == 'top2' then
-    cfg_error('n_group = %d leaves groups of %d expert; a group is scored by its two best', G, E / G)
+    cfg_error(name, 'n_group = %d leaves groups of %d expert; a group is scored by its two best', G, E / G)
   end
-  if TG > G then cfg_error('topk_group %d is more than n_group %d', TG, G) end
+  if TG > G then cfg_error(name, 'topk_group %d is more than n_group %d', TG, G) end
   if k > TG * E / G then
-    cfg_error('num_experts_per_tok %d is more than the %d experts of topk_group = %d groups', k, TG * E / G, TG)
+    cfg_error(name, 'num_experts_per_tok %d is more than the %d experts of topk_group = %d groups', k, TG * E / G, TG)
   end
+end
+function deepseek_v3.check(cfg)
+  deepseek_v3.check_latent(cfg, 'deepseek_v3')
+  deepseek_v3.check_router(cfg, 'deepseek_v3', 'top2', cfg.n_group, cfg.topk_group)
 end
 
 -- the RoPE of cfg (a theta, or nnf.yarn_rope's table: llama.rope over the

@@ -126,9 +126,7 @@ function glm4_moe.check(cfg)
   end
   llama.check(cfg)
   -- (the router's checks are DeepSeek-V3's, named as ours)
-  v3.check({ rope_parameters = { rope_type = 'default', rope_theta = 1 }, num_attention_heads = 1,
-    qk_rope_head_dim = 2, n_routed_experts = cfg.n_routed_experts, num_experts_per_tok = cfg.num_experts_per_tok,
-    n_group = cfg.n_group, topk_group = cfg.topk_group }, 'glm4_moe')
+  v3.check_router(cfg, 'glm4_moe', 'top2', cfg.n_group, cfg.topk_group)
 end
 
 -- what its layers change in Llama's: partial RoPE, biases on q/k/v only,

@@ -309,7 +309,9 @@ end
 function tp.moe_exit(y, info)
   local sp = info.sp
   if sp and sp.active then return SeqReduceScatter(y:reshape({ sp.B, sp.T, y.shape[y.ndim] }), sp) end
-  return tp.reduce_from(y, info.group)
+  -- (y is the layer's own sum of its routed and shared parts, which no
+  -- backward reads: summed in place, no copy a layer)
+  return tp.reduce_from(y, info.group, true)
 end
 
 -- dropout on a shard: the mask the unsplit model draws for the whole
@@ -781,15 +783,15 @@ function tp.parallelize(model, opts)
         local whole = {}
         for _, m in model:named_modules() do
           if getmetatable(m) == nn.MLAttention then
-            whole[rawget(m, 'q_a_layernorm') or whole] = true
             whole[m.kv_a_layernorm] = true
+            local qn = rawget(m, 'q_a_layernorm')
+            if qn then whole[qn] = true end
           end
         end
         for _, m in model:named_modules() do
           local cls = getmetatable(m)
-          if whole[m] then
-            -- (nothing: see above)
-          elseif cls == nn.LayerNorm or cls == nn.RMSNorm then partial(m.weight); partial(rawget(m, 'bias'))
+          if (cls == nn.LayerNorm or cls == nn.RMSNorm) and not whole[m] then
+            partial(m.weight); partial(rawget(m, 'bias'))
           elseif rawget(m, 'forward') == rowwise_forward then partial(rawget(m, 'bias')) end
         end
       end
