@@ -101,6 +101,8 @@ describe('bin/train', function()
       { 'models/gpt2.lua --seq-len 4096 --steps 1', 'exceeds the model' },
       { 'models/gpt2.lua --data /nonexistent/file --steps 1', 'cannot read /nonexistent/file' },
       { 'models/gpt2.lua --dtype bf17', 'dtype must be f32 or f64' },
+      { 'models/gpt2.lua --autocast fp8', "autocast must be auto, bf16 or off, got 'fp8'" },
+      { 'models/gpt2.lua --autocast bf16 --dtype f64', 'autocast bf16 needs dtype f32' },
       { 'no/such/file.lua', 'cannot open no/such/file.lua' },
       { '--frobnicate models/gpt2.lua', 'unknown launcher option --frobnicate' },
       { '', 'usage: bin/train' },
@@ -197,6 +199,31 @@ describe('moonshard.train', function()
     assert.are.equal(a.sample, b.sample)
     assert.are.equal(8, #a.sample - 1) -- the prompt "\n" and 8 sampled bytes
     os.execute('rm -rf ' .. q(dir))
+  end)
+
+  it('--autocast: auto is bf16 on a GPU without FSDP (FSDP\'s mixed precision sets it there), off on the CPU and in '
+    .. 'f64; a bf16 run trains f32 weights under autocast, its losses near the f32 run\'s but not equal', function()
+    local ad = train.autocast_dtype
+    assert.are.equal('bf16', ad({ autocast = 'auto' }, 'cuda', nil))
+    assert.are.equal('bf16', ad({}, 'cuda:1', nil))
+    assert.is_nil(ad({ autocast = 'auto' }, 'cuda', 'FULL_SHARD'))
+    assert.is_nil(ad({ autocast = 'auto' }, 'cpu', nil))
+    assert.is_nil(ad({ autocast = 'auto', dtype = 'f64' }, 'cuda', nil))
+    assert.is_nil(ad({ autocast = 'off' }, 'cuda', nil))
+    assert.are.equal('bf16', ad({ autocast = 'bf16' }, 'cpu', nil))
+    assert.are.equal('bf16', ad({ autocast = 'bf16' }, 'cuda', 'NO_SHARD'))
+    local base = { model = 'models/llama.lua', preset = 'tiny', model_config = { num_hidden_layers = 1 }, steps = 3,
+      batch_size = 2, seq_len = 32, quiet = true, save = false, sample_tokens = 0, eval_every = 0, eval_iters = 1,
+      out = tmpdir() }
+    local f = train.run(base)
+    base.autocast = 'bf16'
+    base.out = tmpdir()
+    local b = train.run(base)
+    assert.are.equal('f32', b.model.lm_head.weight.dtype)
+    assert.are.equal('bf16', require('moonshard.amp').precision(b.model))
+    assert.is_true(math.abs(b.final_loss - f.final_loss) <= 2e-2 * f.final_loss, b.final_loss .. ' vs ' .. f.final_loss)
+    assert.are_not.equal(f.final_loss, b.final_loss)
+    os.execute('rm -rf ' .. q(base.out))
   end)
 
   it('release_activations (on by default) frees at backward: the same losses as without, the setting restored', function()

@@ -5,7 +5,8 @@
 -- checkpoint a --tp run writes resumes in one process and at --tp 2 with
 -- the losses of the run that never stopped; the final weights are the
 -- whole model; float8 with the TP group's scales follows the one-process
--- float8 curve; bad layouts exit 2 with a message.
+-- float8 curve; under --autocast bf16 (GPUs' default) the one-process bf16
+-- curve; bad layouts exit 2 with a message.
 local train = require 'moonshard.train'
 local data = require 'moonshard.data'
 
@@ -61,6 +62,21 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
       local v, v1 = val(m), val(m1)
       assert.is_true(math.abs(v - v1) <= 1e-5 * v1, ('the --tp weights give val %.17g, one process\'s %.17g'):format(v, v1))
     end
+  end)
+
+  it('--tp 2 --autocast bf16 (the default on GPUs without --fsdp): the one-process bf16 curve within bf16 rounding, '
+    .. 'not the f32 one', function()
+    local one32 = reference('models/llama.lua', tiny_llama, 'l1')
+    local one = reference('models/llama.lua', tiny_llama .. ' --autocast bf16', 'lb1')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/llama.lua %s --batch-size 4 --steps 4 --tp 2 '
+      .. '--autocast bf16 --out %s/lb2'):format(tiny_llama, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('parameters, f32, bf16 autocast', 1, true), text)
+    local got = losses(dir .. '/lb2')
+    close_losses(one, got, 1, 4, '--tp 2 --autocast bf16', 1e-2)
+    local same = true
+    for k = 1, 4 do same = same and one[k] == one32[k] end
+    assert.is_false(same, 'the bf16 run gave the f32 losses bit for bit: autocast did not run')
   end)
 
   it('--tp 2 with micro-batches (sequence parallel: the norms\' partial gradients summed once a backward) follows the one-process curve', function()

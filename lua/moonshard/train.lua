@@ -83,6 +83,7 @@ train.options = {
   { 'stop_at', 'int>=0', 0, 'stop after this step with a checkpoint, as if interrupted (0: run to --steps)' },
   { 'inject_nan', 'string?', nil, 'test hook: comma-separated steps whose loss is made NaN' },
   { 'fsdp', 'string?', nil, 'shard the model with ms.fsdp.fully_shard: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or off (a bare --fsdp: FULL_SHARD); default: off in one process, NO_SHARD (plain data parallel) with several ranks' },
+  { 'autocast', 'string', 'auto', 'the forward in a bf16 autocast region (bf16: the matmuls and attention in it; the weights, gradients and optimizer state f32: docs/precision.md), or off; auto: bf16 on CUDA without --fsdp (one GPU, and --tp, --pp, --cp, --ep without it; under --fsdp its mixed precision sets the compute dtype), off on the CPU and with --dtype f64' },
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
@@ -334,6 +335,19 @@ function train.mixed_precision(spec, device)
   return { param = p, reduce = r }
 end
 
+-- the autocast dtype of a run (nil: none): --autocast, where auto is bf16
+-- on a GPU without FSDP (under FSDP its mixed precision sets the compute
+-- dtype: the gathered parameters'), and off on the CPU and in f64
+function train.autocast_dtype(o, device, strategy)
+  local a = o.autocast or 'auto'
+  if a == 'off' then return nil end
+  if a == 'auto' then
+    if device == nil or device == 'cpu' or o.dtype == 'f64' or strategy then return nil end
+    return 'bf16'
+  end
+  return a
+end
+
 -- checks a whole options table (from a script, a config file or flags)
 function train.check_options(o, where)
   where = where or 'train'
@@ -350,6 +364,13 @@ function train.check_options(o, where)
   end
   if o.dtype and o.dtype ~= 'f32' and o.dtype ~= 'f64' then
     usage('%s: dtype must be f32 or f64 on CPU, got %s', where, describe(o.dtype))
+  end
+  if o.autocast and o.autocast ~= 'auto' and o.autocast ~= 'off' and o.autocast ~= 'bf16' then
+    -- (f16 would need loss scaling, which the loop does not do)
+    usage('%s: autocast must be auto, bf16 or off, got %s', where, describe(o.autocast))
+  end
+  if o.autocast == 'bf16' and o.dtype == 'f64' then
+    usage('%s: autocast bf16 needs dtype f32 (got dtype f64: an f64 model computes in f64)', where)
   end
   if o.device and o.device ~= 'cpu' and o.device ~= 'cuda' and not o.device:match('^cuda:%d+$') then
     usage('%s: device must be cpu or cuda, got %s', where, describe(o.device))
@@ -1220,16 +1241,11 @@ function train.run(opts)
 
   -- expert parallelism: each rank keeps its experts (the deferred model
   -- made then, and a one-process checkpoint's weights loaded; its
-  -- optimizer state goes in after the optimizer is made). (Without FSDP, on GPUs the forward under bf16 autocast, the weights
-  -- and gradients f32: --fsdp-mixed-precision's param dtype, bf16 by
-  -- default on CUDA; under FSDP its gathered parameters are that dtype.
-  -- Under FSDP from scratch fully_shard makes the shards from the recorded
+  -- optimizer state goes in after the optimizer is made). (Under FSDP
+  -- from scratch fully_shard makes the shards from the recorded
   -- initialisation; a checkpoint resumed goes in before it)
-  local ep_desc, ep_amp
+  local ep_desc
   if ep_group then
-    local okm2, mp = pcall(train.mixed_precision, o.fsdp_mixed_precision, device)
-    if not okm2 then usage('--fsdp-mixed-precision: %s', tostring(mp)) end
-    ep_amp = not strategy and mp ~= nil and mp.param == 'bf16'
     local okp, perr = pcall(ms.ep.parallelize, model, { group = ep_group, replicate = ep_rep })
     if not okp then usage('--ep %d: %s', ep_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     -- (a sharded checkpoint is read after fully_shard, into the shards)
@@ -1246,7 +1262,6 @@ function train.run(opts)
     ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, '
       .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
       layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
-    if ep_amp then ep_desc = ep_desc .. ', bf16 autocast' end
     if strategy == 'HYBRID_SHARD' then
       local S = o.shard_size > 0 and o.shard_size or dist.local_world_size()
       ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %d, replicated over '
@@ -1425,6 +1440,12 @@ function train.run(opts)
       .. 'sequence'):format(cp_size, o.seq_len / (2 * cp_size), data_world, o.seq_len / cp_size)
   end
 
+  -- --autocast: the model's forward (the training steps', the validation's,
+  -- a pipeline stage's, the sample's) in an autocast region, the weights,
+  -- gradients and optimizer state f32 (amp.set_precision)
+  local amp_dtype = train.autocast_dtype(o, device, strategy)
+  if amp_dtype then ms.nn.functional.set_precision(model, { compute = amp_dtype }) end
+
   -- data: token shards (a folder from bin/tokenize, a glob, .bin files) or
   -- bytes; rank r reads its rows of every batch
   local corpus, train_loader, val_loader
@@ -1572,8 +1593,9 @@ function train.run(opts)
     end
   end
 
-  log('moonshard train: %s (%s), %.2fM parameters, %s', o.model,
-    o.init_from and ('from ' .. o.init_from) or tostring(o.preset), nparams / 1e6, o.dtype)
+  log('moonshard train: %s (%s), %.2fM parameters, %s%s', o.model,
+    o.init_from and ('from ' .. o.init_from) or tostring(o.preset), nparams / 1e6, o.dtype,
+    amp_dtype and (', %s autocast'):format(amp_dtype) or '')
   log('data: %s, %d %s (train %d, val %d)', corpus.name, corpus.n, corpus.unit, corpus.train.n, corpus.val and corpus.val.n or 0)
   if multi then
     log('%d steps x %d tokens (%d %s x %d x %d x %d micro-batches), lr %g, threads %d, out %s',
@@ -1671,8 +1693,7 @@ function train.run(opts)
   -- the mean validation loss over every rank's batches
   local function validate()
     local v = train.evaluate_on(model, val_loader, o.eval_iters, to_device,
-      pipe and function(x, y) return pipe:evaluate(x, y) end
-      or ep_amp and function(x, y) return ms.nn.functional.autocast('bf16', model, x, y) end or nil)
+      pipe and function(x, y) return pipe:evaluate(x, y) end or nil)
     if multi then v = reduce_numbers({ v }, 'avg')[1] end
     return v
   end
@@ -1749,7 +1770,7 @@ function train.run(opts)
             return
           end
           local loss
-          if ep_amp then loss = ms.nn.functional.autocast('bf16', model, x, y) else loss = model(x, y) end
+          loss = model(x, y)
           if inject[step] then loss = loss * (0 / 0) end
           lsum = lsum + loss:item()
           -- (DeepSeek-V3's multi-token prediction: each depth's loss too)
