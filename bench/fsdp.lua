@@ -19,8 +19,9 @@
 -- compute stream stood still for it; rank 0 prints it), --nccl-gather
 -- (fully_shard's copy_gather = false: the all-gathers through NCCL's kernels
 -- instead of the copy engines; docs/fsdp.md "Copy-engine gathers"),
--- --ac none|full|N (activation checkpointing of every block or every N-th,
--- nn.apply_activation_checkpointing; tokens/s and TFLOP/s count the model's
+-- --ac none|full|op|N (activation checkpointing of every block or every N-th,
+-- nn.apply_activation_checkpointing; op: every block, its attention outputs
+-- and every other linear product kept, docs/nn.md; tokens/s and TFLOP/s count the model's
 -- flops only, not the recompute),
 -- --float8 (the blocks' linear layers in FP8: moonshard.float8.convert,
 -- docs/float8.md; --recipe names the recipe, tensorwise by default;
@@ -106,7 +107,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama|mixtral|deepseek] [--ep] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -221,9 +222,10 @@ end
 -- --ac full|N: the blocks' activations checkpointed (every block, every N-th)
 local ac_blocks = 0
 if opts.ac ~= 'none' then
-  local every = opts.ac == 'full' and 1 or tonumber(opts.ac)
-  assert(every and every >= 1, 'bench/fsdp.lua: --ac must be none, full or N >= 1')
-  ac_blocks = #ms.nn.apply_activation_checkpointing(model, { class = block, every = every })
+  local every = (opts.ac == 'full' or opts.ac == 'op') and 1 or tonumber(opts.ac)
+  assert(every and every >= 1, 'bench/fsdp.lua: --ac must be none, full, op or N >= 1')
+  ac_blocks = #ms.nn.apply_activation_checkpointing(model, { class = block, every = every,
+    policy = opts.ac == 'op' and 'op' or nil })
 end
 
 local adam = opts.model == 'gpt2' and { lr = 6e-4, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }

@@ -1,11 +1,12 @@
 -- bench/gpt2_124m.lua — GPT-2 124M training throughput on one GPU.
 --
 --   luajit bench/gpt2_124m.lua [--batch 32] [--seq 1024] [--dtype bf16|bf16-master|bf16-pure|f32]
---                              [--steps 30] [--warmup 5] [--ac none|full|N]
+--                              [--steps 30] [--warmup 5] [--ac none|full|op|N]
 --
 -- --ac checkpoints the blocks' activations (nn.apply_activation_checkpointing:
--- every block, or every N-th): the forward of those blocks runs again in
--- backward. Model TFLOP/s and MFU count the model's flops only (6·N plus
+-- every block, or every N-th; op: every block, keeping its attention
+-- outputs and every other linear product, docs/nn.md): the forward of those
+-- blocks runs again in backward. Model TFLOP/s and MFU count the model's flops only (6·N plus
 -- attention per token), not the recompute, as llm.c and torchtitan do.
 --
 -- --dtype bf16 (the default) is mixed precision: f32 master weights and f32
@@ -33,7 +34,7 @@ local opts = { batch = 32, seq = 1024, dtype = 'bf16', steps = 30, warmup = 5, a
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
-  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-master|bf16-pure|f32] [--steps N] [--warmup N] [--ablate R] [--variants 1,2,..] [--ablate-steps N] [--phases 0|1] [--ac none|full|N]') end
+  if not k or opts[k] == nil then error('usage: bench/gpt2_124m.lua [--batch N] [--seq T] [--dtype bf16|bf16-master|bf16-pure|f32] [--steps N] [--warmup N] [--ablate R] [--variants 1,2,..] [--ablate-steps N] [--phases 0|1] [--ac none|full|op|N]') end
   opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
   i = i + 2
 end
@@ -83,9 +84,10 @@ elseif opts.dtype == 'bf16-master' then ms.nn.functional.set_precision(model, { 
 model:train()
 local ac_blocks = 0
 if opts.ac ~= 'none' then
-  local every = opts.ac == 'full' and 1 or tonumber(opts.ac)
-  assert(every and every >= 1, 'bench/gpt2_124m.lua: --ac must be none, full or N >= 1')
-  ac_blocks = #ms.nn.apply_activation_checkpointing(model, { class = 'GPT2Block', every = every })
+  local every = (opts.ac == 'full' or opts.ac == 'op') and 1 or tonumber(opts.ac)
+  assert(every and every >= 1, 'bench/gpt2_124m.lua: --ac must be none, full, op or N >= 1')
+  ac_blocks = #ms.nn.apply_activation_checkpointing(model, { class = 'GPT2Block', every = every,
+    policy = opts.ac == 'op' and 'op' or nil })
 end
 local opt = ms.optim.AdamW(model, { lr = 6e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1,
                                     master_weights = opts.dtype == 'bf16-master' })

@@ -1,8 +1,9 @@
 -- Activation checkpointing of modules (m:set_checkpointing,
 -- nn.apply_activation_checkpointing, bin/train --activation-checkpointing):
 -- the same loss and gradients as without it, fewer bytes held between
--- forward and backward, dropout replayed, FSDP in one process, and the
--- errors.
+-- forward and backward, dropout replayed, FSDP in one process, selective
+-- checkpointing (policy 'op': the kept outputs taken by the recompute), and
+-- the errors.
 local ms = require 'moonshard'
 local nn = ms.nn
 local FS = require 'spec.fsdp_support'
@@ -87,6 +88,89 @@ describe('activation checkpointing', function()
     end
   end)
 
+  -- selective checkpointing (policy 'op': every attention's output and the
+  -- odd-numbered linear products of a block kept, the rest recomputed)
+  local blocks = { ['gpt2-tiny'] = 'GPT2Block', ['llama-tiny'] = 'LlamaDecoderLayer' }
+  for _, name in ipairs({ 'gpt2-tiny', 'llama-tiny' }) do
+    it(name .. ': policy op: the loss and every gradient of the plain model (f64); more bytes held than full, fewer '
+      .. 'than none; what it keeps, the recompute takes', function()
+      local A = ms.autograd
+      local x, y = FS.lcg_batch(11, 2, 16)
+      local l0, g0, h0 = run(load(name), x, y)
+      local mf = load(name)
+      nn.apply_activation_checkpointing(mf, { class = blocks[name] })
+      local _, _, hf = run(mf, x, y)
+      -- the ops a block runs: count them with a policy that keeps none
+      local seen = {}
+      local m0 = load(name)
+      nn.apply_activation_checkpointing(m0, { class = blocks[name], policy = function(kind, n)
+        seen[kind] = math.max(seen[kind] or 0, n)
+        return false
+      end })
+      A.sac_stats(true)
+      local lz, gz = run(m0, x, y)
+      assert.are.same({ kept = 0, reused = 0 }, A.sac_stats(true))
+      assert.is_true(FS.rel(lz, l0) <= 1e-14 and worst_rel(g0, gz) <= 1e-12)
+      assert.are.equal(1, seen.attention)
+      local lin = seen.linear
+      assert.is_true(lin >= 4, 'linear products a block: ' .. tostring(lin))
+      local m = load(name)
+      local names = nn.apply_activation_checkpointing(m, { class = blocks[name], policy = 'op' })
+      assert.are.equal(2, #names)
+      local l1, g1, h1 = run(m, x, y)
+      assert.is_true(FS.rel(l1, l0) <= 1e-14, ('loss %.17g against %.17g'):format(l1, l0))
+      assert.is_true(worst_rel(g0, g1) <= 1e-12, ('gradients off by %.3e'):format(worst_rel(g0, g1)))
+      -- two blocks, each: its attention and ceil(lin / 2) linear products
+      local want = 2 * (1 + math.ceil(lin / 2))
+      assert.are.same({ kept = want, reused = want }, A.sac_stats(true))
+      assert.is_true(hf < h1 and h1 < h0, ('bytes held: full %d, op %d, none %d'):format(hf, h1, h0))
+      -- a policy that keeps every op: no product is computed again
+      local ma = load(name)
+      nn.apply_activation_checkpointing(ma, { class = blocks[name], policy = function() return true end })
+      local l2, g2 = run(ma, x, y)
+      assert.is_true(FS.rel(l2, l0) <= 1e-14 and worst_rel(g0, g2) <= 1e-12)
+      assert.are.same({ kept = 2 * (1 + lin), reused = 2 * (1 + lin) }, A.sac_stats(true))
+    end)
+  end
+
+  it('policy op under bf16 autocast: the gradients of the plain model; a kept output written in place since is '
+    .. 'computed again', function()
+    local A = ms.autograd
+    local x, y = FS.lcg_batch(14, 2, 16)
+    local function grads(policy)
+      local m = load('llama-tiny', 'f32')
+      nn.functional.set_precision(m, { compute = 'bf16' })
+      if policy then nn.apply_activation_checkpointing(m, { class = 'LlamaDecoderLayer', policy = policy }) end
+      local l, g = run(m, x, y)
+      return l, g
+    end
+    local l0, g0 = grads(nil)
+    A.sac_stats(true)
+    local l1, g1 = grads('op')
+    assert.are.equal(l0, l1)
+    assert.is_true(A.sac_stats(true).reused > 0)
+    local w = 0
+    for n, t in pairs(g0) do w = math.max(w, FS.norm_rel(g1[n], t)) end
+    assert.is_true(w <= 1e-3, ('gradients off by %.3e'):format(w))
+    -- a kept product changed in place after the forward kept it: the
+    -- recompute makes it again, so the gradient is the plain one
+    local w1 = ms.randn({ 6, 5 }, { dtype = 'f64', seed = 3 }):requires_grad_()
+    local xin = ms.randn({ 4, 5 }, { dtype = 'f64', seed = 4 }):requires_grad_()
+    local function f(t)
+      local h = nn.functional.linear(t, w1)
+      if not A.is_grad_enabled() then h:mul_(1) end   -- (a version bump, same values)
+      return (h * h):sum()
+    end
+    local ref = f(xin)
+    ref:backward()
+    local gw, gx = w1.grad:clone(), xin.grad:clone()
+    w1.grad, xin.grad = nil, nil
+    local out = A.checkpoint_policy('op', f, xin)
+    out:backward()
+    assert.are.same({ kept = 1, reused = 0 }, A.sac_stats(true))
+    assert.is_true(FS.max_rel(w1.grad, gw) <= 1e-15 and FS.max_rel(xin.grad, gx) <= 1e-15)
+  end)
+
   it('dropout: the recompute draws the same masks, so the gradients match', function()
     local function make()
       local m = load('gpt2-tiny')
@@ -156,6 +240,10 @@ describe('activation checkpointing', function()
       { function() nn.apply_activation_checkpointing(m, { class = 'GPT2Block', every = 0 }) end, 'every must be a positive integer, got 0' },
       { function() nn.apply_activation_checkpointing(m, { class = 'GPT2Block', every = 1.5 }) end, 'got 1.5' },
       { function() nn.apply_activation_checkpointing(m, { check_fn = 3 }) end, 'check_fn must be a function' },
+      { function() nn.apply_activation_checkpointing(m, { class = 'GPT2Block', policy = 'most' }) end,
+        'policy must be op or a function(kind, n) -> bool, got most' },
+      { function() m.transformer.h[1]:set_checkpointing(true, { policy = 'most' }) end, 'no policy "most"' },
+      { function() ms.autograd.checkpoint_policy(7, function() end) end, 'policy must be a name or a function, got number' },
     }
     for i, c in ipairs(cases) do
       local ok, err = pcall(c[1])
@@ -198,7 +286,7 @@ describe('activation checkpointing', function()
     assert.is_true(a[3] < a[1])
   end)
 
-  it('bin/train --activation-checkpointing full / 2: the loss curve of the run without it; bad values exit 2', function()
+  it('bin/train --activation-checkpointing full / 2 / op: the loss curve of the run without it; bad values exit 2', function()
     local T = require 'moonshard.tensor'
     local function bin_train(args)
       local p = io.popen(('cd %s && bin/train %s 2>&1; echo "__status=$?"'):format(S.shell_quote(T.root), args))
@@ -224,15 +312,17 @@ describe('activation checkpointing', function()
     end
     local a = losses('none')
     assert.are.equal(4, #a)
-    for _, ac in ipairs({ 'full', '2' }) do
+    for _, ac in ipairs({ 'full', '2', 'op' }) do
       local b, text = losses(ac)
-      assert.is_truthy(text:find(ac == 'full' and 'activation checkpointing: 2 of 2 GPT2Block'
-        or 'activation checkpointing: 1 of 2 GPT2Block', 1, true), text)
+      assert.is_truthy(text:find(({ full = 'activation checkpointing: 2 of 2 GPT2Block',
+        ['2'] = 'activation checkpointing: 1 of 2 GPT2Block',
+        op = 'activation checkpointing: 2 of 2 GPT2Block, attention and every other linear output kept' })[ac], 1, true),
+        text)
       assert.are.equal(#a, #b)
       for k = 1, #a do assert.is_true(FS.rel(b[k], a[k]) <= 1e-6, ('%s step %d: %.9g against %.9g'):format(ac, k, b[k], a[k])) end
     end
     local status, text = bin_train('models/gpt2.lua --activation-checkpointing some')
     assert.are.equal(2, status, text)
-    assert.is_truthy(text:find('activation_checkpointing must be none, full or a whole number', 1, true), text)
+    assert.is_truthy(text:find('activation_checkpointing must be none, full, op or a whole number', 1, true), text)
   end)
 end)

@@ -1916,6 +1916,67 @@ function A.Function(def)
                         owns_results = def.owns_results == true }, FunctionMT)
 end
 
+-- ------------------------------------------ selective activation checkpointing
+-- A checkpoint under a policy (A.checkpoint_policy) keeps the outputs of
+-- some ops of its forward, and the recompute in backward takes them instead
+-- of computing them again: torchtitan's op-level selective checkpointing
+-- (its "op" mode keeps every attention's output and every other matmul's).
+-- An op that can be kept asks, in the forward and in the recompute alike,
+-- slot = A.sac_slot(kind, sig) (nil outside such a checkpoint); the n-th op
+-- of a kind in one forward is the n-th in its recompute, and sig (shapes,
+-- dtypes) must match as well. In the forward slot.keep says the policy
+-- keeps it: the op hands its outputs to A.sac_keep(slot, ...) (aliases
+-- held by the checkpoint's node); in the recompute slot.outs holds them
+-- (new aliases) when they were kept and not written in place since.
+local sac = nil        -- the active state: { replay =, counts =, kept =, policy =, own = }
+local sac_counts = { kept = 0, reused = 0 }
+function A.sac_slot(kind, sig)
+  local s = sac
+  if s == nil then return nil end
+  local n = (s.counts[kind] or 0) + 1
+  s.counts[kind] = n
+  local key = kind .. '#' .. n
+  if s.replay then
+    local e = s.kept[key]
+    if e == nil then return nil end
+    s.kept[key] = nil
+    if e.sig ~= sig then return nil end
+    for j = 1, #e.t do
+      local st = e.t[j].storage
+      if st == nil or st.version ~= e.v[j] then return nil end   -- written since: computed again
+    end
+    local outs = {}
+    for j = 1, #e.t do outs[j] = R.alias(e.t[j]) end
+    sac_counts.reused = sac_counts.reused + 1
+    return { outs = outs }
+  end
+  if s.policy(kind, n) then return { keep = true, key = key, sig = sig } end
+  return nil
+end
+function A.sac_keep(slot, ...)
+  local s = sac
+  local e = { t = {}, v = {}, sig = slot.sig }
+  for j = 1, select('#', ...) do
+    local t = select(j, ...)
+    local a = R.alias(t)
+    e.t[j], e.v[j] = a, t.storage and t.storage.version
+    s.own[#s.own + 1] = a
+  end
+  s.kept[slot.key] = e
+  sac_counts.kept = sac_counts.kept + 1
+end
+-- the ops kept and reused so far (a copy), or after A.sac_stats(true) reset
+function A.sac_stats(reset)
+  local r = { kept = sac_counts.kept, reused = sac_counts.reused }
+  if reset then sac_counts.kept, sac_counts.reused = 0, 0 end
+  return r
+end
+-- the policies by name: 'op' keeps every attention output and the odd-numbered
+-- linear layers' (the 1st, 3rd, ... of a forward), as torchtitan's op SAC
+A.sac_policies = {
+  op = function(kind, n) return kind == 'attention' or (kind == 'linear' and n % 2 == 1) end,
+}
+
 -- --------------------------------------------------------------- checkpoint
 -- ms.checkpoint(fn, ...): fn's activations are not kept; backward re-runs fn.
 local function ckpt_bwd(node, ...)
@@ -1944,7 +2005,10 @@ local function ckpt_bwd(node, ...)
   end
   local prev = enabled
   enabled = true
+  local prev_sac = sac
+  sac = s.sac and { replay = true, counts = {}, kept = s.sac } or nil
   local ok, outs = pcall(function() return pack(s.fn(unpack(args, 1, s.args.n))) end)
+  sac = prev_sac
   enabled = prev
   A.tape = outer
   T.set_rng_state(rng_now)
@@ -1984,10 +2048,10 @@ local function ckpt_bwd(node, ...)
   return unpack(r, 1, s.args.n)
 end
 
-function A.checkpoint(fn, ...)
+local function checkpoint(policy, fn, ...)
   if type(fn) ~= 'function' and not (type(fn) == 'table' and getmetatable(fn)
       and getmetatable(fn).__call) then
-    error('checkpoint: expected a function (or callable module) first', 2)
+    error('checkpoint: expected a function (or callable module) first', 3)
   end
   if not enabled then return fn(...) end
   local args = pack(...)
@@ -1998,20 +2062,43 @@ function A.checkpoint(fn, ...)
   local mods = {}
   collect = mods
   enabled = false
+  local prev_sac = sac
+  local st = policy and { counts = {}, kept = {}, policy = policy, own = {} } or nil
+  sac = st
   local ok, outs = pcall(function() return pack(fn(unpack(args, 1, args.n))) end)
+  sac = prev_sac
   enabled = true
   collect = prev_collect
-  if not ok then error(outs, 0) end
+  if not ok then
+    if st then for _, a in ipairs(st.own) do free(a) end end
+    error(outs, 0)
+  end
   if prev_collect then
     for i = 1, #mods do prev_collect[#prev_collect + 1] = mods[i] end
   end
   local node = new_node('checkpoint', ckpt_bwd, args, args.n)
   record_outputs(node, outs, args)
   node.modules = mods
-  node.saved = { fn = fn, args = args, rng = rng, amp = amp_state }
+  node.saved = { fn = fn, args = args, rng = rng, amp = amp_state, sac = st and next(st.kept) and st.kept or nil }
+  -- (the kept outputs are freed with the node, after its backward)
+  if st and #st.own > 0 then node.own = st.own end
   node.vers = snap(args)
   push(node)
   return unpack(outs, 1, outs.n)
+end
+function A.checkpoint(fn, ...) return checkpoint(nil, fn, ...) end
+-- A.checkpoint_policy(policy, fn, ...): A.checkpoint keeping what policy
+-- (a name of A.sac_policies or a function(kind, n) -> bool: keep the n-th
+-- op of `kind`, 'linear' or 'attention', of the forward) chooses
+function A.checkpoint_policy(policy, fn, ...)
+  if type(policy) == 'string' then
+    local p = A.sac_policies[policy]
+    if p == nil then error(('checkpoint_policy: no policy %q (op, or a function)'):format(policy), 2) end
+    policy = p
+  elseif type(policy) ~= 'function' then
+    error(('checkpoint_policy: policy must be a name or a function, got %s'):format(type(policy)), 2)
+  end
+  return checkpoint(policy, fn, ...)
 end
 
 -- ---------------------------------------------------------------- gradcheck

@@ -107,7 +107,7 @@ train.options = {
   { 'float8', 'string', 'off', 'FP8 linear layers (moonshard.float8, torchao\'s float8 training): off, or a recipe: tensorwise (a bare --float8), rowwise, rowwise_with_gw_hp: every nn.Linear / nn.Conv1D but the LM head computes its three products in FP8 with dynamic scales; CUDA needs an H100-class GPU, the CPU emulates it (docs/float8.md)' },
   { 'float8_all_gather', 'bool', false, 'with --float8 tensorwise and --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD: the float8 layers\' weights all-gathered as f8 bytes, cast from the shards with scales all-reduced once a step (fully_shard\'s float8_all_gather, torchao\'s enable_fsdp_float8_all_gather; docs/fsdp.md)' },
   { 'float8_tp_scales', 'string', 'shard', 'with --float8 and --tp: shard (each rank scales its own shards: no collective) or group (the amax of every sharded operand all-reduced over the TP group: the unsplit layer\'s scales, as torchao over DTensors; docs/float8.md)' },
-  { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), or N (every N-th block)' },
+  { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), N (every N-th block), or op (every block, keeping its attention outputs and every other linear layer\'s: torchtitan\'s op-level selective mode, less recompute for more memory)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
 }
 local option_by_name = {}
@@ -412,8 +412,8 @@ function train.check_options(o, where)
   if o.activation_checkpointing ~= nil then
     local v = tostring(o.activation_checkpointing)
     local n = tonumber(v)
-    if not (v == 'none' or v == 'full' or (n and n >= 1 and n % 1 == 0)) then
-      usage('%s: activation_checkpointing must be none, full or a whole number N >= 1 (every N-th block), got %s',
+    if not (v == 'none' or v == 'full' or v == 'op' or (n and n >= 1 and n % 1 == 0)) then
+      usage('%s: activation_checkpointing must be none, full, op or a whole number N >= 1 (every N-th block), got %s',
         where, describe(o.activation_checkpointing))
     end
   end
@@ -1368,11 +1368,13 @@ function train.run(opts)
   if o.activation_checkpointing ~= 'none' then
     local cls = train.block_class(M, model)
     if not cls then usage('--activation-checkpointing: the model has no list of blocks to checkpoint') end
-    local every = o.activation_checkpointing == 'full' and 1 or tonumber(o.activation_checkpointing)
-    local names = ms.nn.apply_activation_checkpointing(model, { class = cls, every = every })
+    local op = o.activation_checkpointing == 'op'
+    local every = (o.activation_checkpointing == 'full' or op) and 1 or tonumber(o.activation_checkpointing)
+    local names = ms.nn.apply_activation_checkpointing(model, { class = cls, every = every, policy = op and 'op' or nil })
     local total = 0
     for _, m in model:named_modules() do if m:class_name() == cls then total = total + 1 end end
     ac_desc = ('%d of %d %s'):format(#names, total, cls)
+    if op then ac_desc = ac_desc .. ', attention and every other linear output kept (op-level selective)' end
   end
 
   -- pipeline parallelism: this rank's stage of the (deferred) model, then

@@ -266,12 +266,17 @@ local function affine(name, x, w, b, wt)
   end
   local x2 = rows(x)
   local y2
-  if b ~= nil and b.dtype_id == x2.dtype_id and b.dtype_id == w.dtype_id and b.device_id == x2.device_id then
+  -- (selective checkpointing: the product kept from the forward, or taken in its recompute)
+  local slot = A.sac_slot('linear', ('%s %d %d %d %d'):format(name, tonumber(x2.sizes[0]), in_f, out_f, x2.dtype_id))
+  if slot and slot.outs then
+    y2 = slot.outs[1]
+  elseif b ~= nil and b.dtype_id == x2.dtype_id and b.dtype_id == w.dtype_id and b.device_id == x2.device_id then
     y2 = F.matmul_bias(x2, w, false, wt, b)   -- the bias in the GEMM's epilogue on CUDA
   else
     y2 = F.matmul(x2, w, false, wt)
     if b ~= nil then F.add_(y2, b) end
   end
+  if slot and slot.keep then A.sac_keep(slot, y2) end
   local y = unrows(y2, x, out_f)
   if want(x, w, b) then
     local own = nil
@@ -371,8 +376,24 @@ function nnf.gelu_mlp(x, w1, b1, w2, b2, wt)
       dims(w2), dims(b2)), 2)
   end
   local x2 = rows(x)
-  local h, pre = F.matmul_gelu(x2, w1, false, wt, b1)
-  local y2 = F.matmul_bias(h, w2, false, wt, b2)
+  -- (selective checkpointing: each product a linear layer's, as in the plain chain)
+  local N = tonumber(x2.sizes[0])
+  local s1 = A.sac_slot('linear', ('gelu_mlp1 %d %d %d %d'):format(N, in_f, hid, dt))
+  local h, pre
+  if s1 and s1.outs then
+    pre = s1.outs[1]      -- (the pre-activation kept: the GELU, elementwise, again)
+    h = F.gelu(pre)
+  else
+    h, pre = F.matmul_gelu(x2, w1, false, wt, b1)
+    if s1 and s1.keep then A.sac_keep(s1, pre) end
+  end
+  local s2 = A.sac_slot('linear', ('gelu_mlp2 %d %d %d %d'):format(N, hid, out_f, dt))
+  local y2
+  if s2 and s2.outs then y2 = s2.outs[1]
+  else
+    y2 = F.matmul_bias(h, w2, false, wt, b2)
+    if s2 and s2.keep then A.sac_keep(s2, y2) end
+  end
   local y = unrows(y2, x, out_f)
   if want(x, w1, b1) or want(w2, b2) then
     local own = { pre, h }
@@ -977,12 +998,25 @@ local function out_bthd(q, Dv)
   return y
 end
 
+-- the selective-checkpointing signature of an attention call (A.sac_slot)
+local function attn_sig(q, k, v, scale, causal)
+  return ('%s %s %s %d %.17g %s'):format(table.concat(shape_of(q), 'x'), table.concat(shape_of(k), 'x'),
+    table.concat(shape_of(v), 'x'), q.dtype_id, scale, tostring(causal))
+end
+
 fused_attention = function(q, k, v, scale, causal)
-  local out, lse = attn_box(), attn_box()
-  local y = out_bthd(q, tonumber(v.sizes[3]))
-  out[0] = y
-  T.check(T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0), 3)
-  local l = T.wrap(lse[0])
+  local slot = A.sac_slot('attention', attn_sig(q, k, v, scale, causal))
+  local y, l
+  if slot and slot.outs then
+    y, l = slot.outs[1], slot.outs[2]
+  else
+    local out, lse = attn_box(), attn_box()
+    y = out_bthd(q, tonumber(v.sizes[3]))
+    out[0] = y
+    T.check(T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0), 3)
+    l = T.wrap(lse[0])
+    if slot and slot.keep then A.sac_keep(slot, y, l) end
+  end
   if want(q, k, v) then
     local qa, ka, va, ya = R.alias(q), R.alias(k), R.alias(v), R.alias(y)
     record1('scaled_dot_product_attention', y, bwd_fused_attention,
@@ -1052,14 +1086,21 @@ end
 
 local function padded_attention(q, k, v, wq, wv, scale, causal)
   local D, Dv = tonumber(q.sizes[3]), tonumber(v.sizes[3])
+  local slot = A.sac_slot('attention', attn_sig(q, k, v, scale, causal))
   local qp, kp, vp = pad_heads(q, wq), pad_heads(k, wq), pad_heads(v, wv)
-  local out, lse = attn_box(), attn_box()
-  local yp = out_bthd(q, wv)
-  out[0] = yp
-  local rc = T.C.ms_attention(out, lse, qp, kp, vp, scale, causal and 1 or 0)
-  if rc ~= 0 then free(qp); free(kp); free(vp); free(yp) end
-  T.check(rc, 3)
-  local l = T.wrap(lse[0])
+  local yp, l
+  if slot and slot.outs then
+    yp, l = slot.outs[1], slot.outs[2]
+  else
+    local out, lse = attn_box(), attn_box()
+    yp = out_bthd(q, wv)
+    out[0] = yp
+    local rc = T.C.ms_attention(out, lse, qp, kp, vp, scale, causal and 1 or 0)
+    if rc ~= 0 then free(qp); free(kp); free(vp); free(yp) end
+    T.check(rc, 3)
+    l = T.wrap(lse[0])
+    if slot and slot.keep then A.sac_keep(slot, yp, l) end
+  end
   local y = R.narrow(yp, 4, 1, Dv)   -- (B, H, Tq, Dv), a view
   if want(q, k, v) then
     record1('scaled_dot_product_attention', y, bwd_padded_attention,
@@ -1208,12 +1249,21 @@ function nnf.qkv_attention(qkv, n_head, opts)
   local scale = opts.scale or 1 / math.sqrt(C / n_head)
   local causal = opts.causal ~= false
   local q, k, v = qkv_views(qkv, n_head)
-  local out, lse = attn_box(), attn_box()
-  local y4 = out_bthd(q)
-  out[0] = y4
-  T.check(T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0), 2)
+  local slot = A.sac_slot('attention', attn_sig(q, k, v, scale, causal))
+  local y4, l
+  if slot and slot.outs then
+    y4, l = slot.outs[1], slot.outs[2]
+  else
+    local out, lse = attn_box(), attn_box()
+    y4 = out_bthd(q)
+    out[0] = y4
+    local rc = T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0)
+    if rc ~= 0 then free(q); free(k); free(v) end
+    T.check(rc, 2)
+    l = T.wrap(lse[0])
+    if slot and slot.keep then A.sac_keep(slot, y4, l) end
+  end
   free(q); free(k); free(v)
-  local l = T.wrap(lse[0])
   local yt = R.transpose(y4, 2, 3)             -- (B, T, H, D), contiguous
   local y = R.view(yt, { B, Tn, C })
   free(yt)

@@ -447,20 +447,37 @@ end
 -- under grad mode run m's forward through ms.checkpoint (no activation of it
 -- kept; backward re-runs it). The hooks and backward marks stay outside, so
 -- FSDP's unit hooks gather before the forward and again before the
--- recompute. nn.apply_activation_checkpointing picks the modules.
-function Module:set_checkpointing(on)
+-- recompute. m:set_checkpointing(true, { policy = P }) keeps what the
+-- policy P chooses of the forward's op outputs instead (selective
+-- checkpointing, A.checkpoint_policy: 'op' keeps every attention's output
+-- and every other linear layer's, torchtitan's op mode; or a
+-- function(kind, n) -> bool). nn.apply_activation_checkpointing picks the
+-- modules.
+function Module:set_checkpointing(on, opts)
   if on == false then
     rawset(self, '_checkpoint', nil)
+    rawset(self, '_checkpoint_policy', nil)
   else
+    local policy = opts and opts.policy
+    if type(policy) == 'string' and A.sac_policies[policy] == nil then
+      error(('set_checkpointing: no policy %q (op, or a function(kind, n) -> bool)'):format(policy), 2)
+    elseif policy ~= nil and type(policy) ~= 'string' and type(policy) ~= 'function' then
+      error(('set_checkpointing: policy must be a name or a function, got %s'):format(type(policy)), 2)
+    end
     local m = self
     rawset(self, '_checkpoint', function(...) return m:forward(...) end)
+    rawset(self, '_checkpoint_policy', policy)
   end
   return self
 end
 function Module:is_checkpointing() return rawget(self, '_checkpoint') ~= nil end
 local function run_forward(self, ...)
   local ck = rawget(self, '_checkpoint')
-  if ck ~= nil and A.is_grad_enabled() then return A.checkpoint(ck, ...) end
+  if ck ~= nil and A.is_grad_enabled() then
+    local policy = rawget(self, '_checkpoint_policy')
+    if policy ~= nil then return A.checkpoint_policy(policy, ck, ...) end
+    return A.checkpoint(ck, ...)
+  end
   return self:forward(...)
 end
 
@@ -1234,12 +1251,19 @@ end
 -- m:set_checkpointing(true) on model's modules chosen by opts.class (a class
 -- or its name, or a list of them) or opts.check_fn(m, name) -> bool, in
 -- named_modules order; opts.every = N keeps every N-th of them (N, 2N, ...;
--- 1: all, torchtitan's full mode; N > 1 its per-layer selective mode). A
--- module inside one already chosen is skipped (its activations are not kept
--- anyway). Returns the qualified names chosen.
+-- 1: all, torchtitan's full mode; N > 1 its per-layer selective mode);
+-- opts.policy (Module:set_checkpointing: 'op', torchtitan's op-level
+-- selective mode) keeps some op outputs of each. A module inside one
+-- already chosen is skipped (its activations are not kept anyway). Returns
+-- the qualified names chosen.
 function nn.apply_activation_checkpointing(model, opts)
   opts = opts or {}
   if not nn.is_module(model) then error('apply_activation_checkpointing: model must be a module', 2) end
+  local policy = opts.policy
+  if policy ~= nil and not (type(policy) == 'function' or A.sac_policies[policy] ~= nil) then
+    error(('apply_activation_checkpointing: policy must be op or a function(kind, n) -> bool, got %s'):format(
+      tostring(policy)), 2)
+  end
   local every = opts.every or 1
   if type(every) ~= 'number' or every < 1 or every % 1 ~= 0 then
     error(('apply_activation_checkpointing: every must be a positive integer, got %s'):format(tostring(every)), 2)
@@ -1269,7 +1293,7 @@ function nn.apply_activation_checkpointing(model, opts)
     if not inside and pick(m, name) then
       k = k + 1
       if k % every == 0 then
-        m:set_checkpointing(true)
+        m:set_checkpointing(true, { policy = policy })
         names[#names + 1] = name
         chosen[#chosen + 1] = name
       end
