@@ -2,7 +2,8 @@
 -- FULL_SHARD and SHARD_GRAD_OP units whose blocks are checkpointed gather
 -- their parameters again before the recompute and train as the same units
 -- without checkpointing do (f32: equal losses; bf16 parameters: within bf16
--- rounding), for gpt2-tiny and llama-tiny.
+-- rounding), for gpt2-tiny and llama-tiny; selective checkpointing (policy
+-- op) gives the same losses, every kept output reused.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
 local dist = require 'moonshard.dist'
@@ -26,7 +27,8 @@ describe('fsdp with activation checkpointing #mpi', function()
 
   local function losses(name, block, strategy, ac, mp)
     local m = FS.load_model(name)
-    local names = ac and ms.nn.apply_activation_checkpointing(m, { class = block }) or {}
+    local names = ac and ms.nn.apply_activation_checkpointing(m, { class = block,
+      policy = ac == 'op' and 'op' or nil }) or {}
     fsdp.fully_shard(m, { policy = fsdp.policy.by_class { block }, strategy = strategy, mixed_precision = mp })
     local opt = fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-2 })
     local out = {}
@@ -50,6 +52,11 @@ describe('fsdp with activation checkpointing #mpi', function()
         local b, n = losses(case[1], case[2], strategy, true)
         assert.are.equal(2, n)
         assert.are.same(a, b)
+        -- selective (policy op): what the units' recompute takes is what their forward made
+        ms.autograd.sac_stats(true)
+        assert.are.same(a, (losses(case[1], case[2], strategy, 'op')))
+        local st = ms.autograd.sac_stats(true)
+        assert.is_true(st.kept > 0 and st.reused == st.kept, ('kept %d, reused %d'):format(st.kept, st.reused))
         assert.is_true(a[3] < a[1])
         local bf16 = { param = 'bf16', reduce = 'f32' }
         local c = losses(case[1], case[2], strategy, false, bf16)
