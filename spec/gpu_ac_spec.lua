@@ -2,7 +2,8 @@
 -- initialisation on the GPU: the fixture
 -- models on cuda with every block checkpointed match the PyTorch float64
 -- gradients as the plain model does (f32, 1e-4) and the plain model's own
--- gradients (f32: 1e-6; bf16 autocast: 2e-2), the allocator's peak falls, and
+-- gradients (f32: 1e-6; bf16 autocast: 2e-2), also under selective
+-- checkpointing (policy op), the allocator's peak falls (op's between), and
 -- an in-place write to a saved cuda tensor is caught, and a model built
 -- under nn.deferred_init and moved to cuda gets, materialized or sharded,
 -- the eager build's values.
@@ -27,7 +28,10 @@ describe('activation checkpointing, versions and deferred init on cuda #gpu', fu
         local model = M.from_pretrained(dir):to('cuda')
         model:eval()
         if bf16 then ms.nn.functional.set_precision(model, { compute = 'bf16' }) end
-        if ac then assert.are.equal(2, #ms.nn.apply_activation_checkpointing(model, { class = block })) end
+        if ac then
+          assert.are.equal(2, #ms.nn.apply_activation_checkpointing(model, { class = block,
+            policy = ac == 'op' and 'op' or nil }))
+        end
         local loss = model(ids, tg)
         loss:backward()
         local g = {}
@@ -49,6 +53,23 @@ describe('activation checkpointing, versions and deferred init on cuda #gpu', fu
         local e = relerr(g, b0[pname])
         assert.is_true(e <= 2e-2, pname .. ' bf16 against the plain model ' .. e)
       end
+      -- selective (policy op): the kept outputs reused by the recompute
+      -- (GPT-2's MLP: the GELU of the kept pre-activation run again by the
+      -- elementwise kernel, not the GEMM's epilogue: f32 within 1e-5)
+      ms.autograd.sac_stats(true)
+      local s1, sl = grads('op')
+      local st = ms.autograd.sac_stats(true)
+      assert.is_true(st.kept > 0 and st.reused == st.kept, ('kept %d, reused %d'):format(st.kept, st.reused))
+      assert.is_true(math.abs(sl - l0) <= 1e-6 * math.abs(l0))
+      for pname, g in pairs(s1) do
+        local e0 = relerr(g, g0[pname])
+        assert.is_true(e0 <= 1e-5, pname .. ' policy op against the plain model ' .. e0)
+      end
+      local s2 = grads('op', true)
+      for pname, g in pairs(s2) do
+        local e = relerr(g, b0[pname])
+        assert.is_true(e <= 2e-2, pname .. ' policy op, bf16, against the plain model ' .. e)
+      end
     end)
   end
 
@@ -58,7 +79,7 @@ describe('activation checkpointing, versions and deferred init on cuda #gpu', fu
       ms.manual_seed(0)
       local model = gpt2.new('gpt2-124m', { n_layer = 4, vocab_size = 4096, n_positions = 256,
         resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0 }):to('cuda')
-      if ac then ms.nn.apply_activation_checkpointing(model, { class = 'GPT2Block' }) end
+      if ac then ms.nn.apply_activation_checkpointing(model, { class = 'GPT2Block', policy = ac == 'op' and 'op' or nil }) end
       local ids = (ms.rand({ 8, 256 }, { seed = 3, device = 'cuda' }) * 4096):long()
       for _ = 1, 4 do collectgarbage() end
       ms.cuda.synchronize()
@@ -77,6 +98,10 @@ describe('activation checkpointing, versions and deferred init on cuda #gpu', fu
     local p1, l1 = peak(true)
     assert.is_true(math.abs(l1 - l0) <= 1e-5 * math.abs(l0))
     assert.is_true(p1 < 0.8 * p0, ('peak above the start: %d bytes plain, %d checkpointed'):format(p0, p1))
+    -- selective checkpointing holds more than full, less than none
+    local p2, l2 = peak('op')
+    assert.is_true(math.abs(l2 - l0) <= 1e-5 * math.abs(l0))
+    assert.is_true(p1 < p2 and p2 < p0, ('peak above the start: plain %d, full %d, op %d'):format(p0, p1, p2))
   end)
 
   it('an in-place write to a cuda tensor a node saved: backward raises and names it', function()
