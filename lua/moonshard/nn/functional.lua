@@ -383,9 +383,15 @@ function nnf.gelu_mlp(x, w1, b1, w2, b2, wt)
   if s1 and s1.outs then
     pre = s1.outs[1]      -- (the pre-activation kept: the GELU, elementwise, again)
     h = F.gelu(pre)
+  elseif s1 and s1.keep then
+    -- (kept: the GELU apart from the GEMM here too, so that the forward's
+    -- hidden layer is the recompute's bit for bit; the epilogue's GELU
+    -- would read the f32 accumulator, the recompute only the kept bf16)
+    pre = F.matmul_bias(x2, w1, false, wt, b1)
+    h = F.gelu(pre)
+    A.sac_keep(s1, pre)
   else
     h, pre = F.matmul_gelu(x2, w1, false, wt, b1)
-    if s1 and s1.keep then A.sac_keep(s1, pre) end
   end
   local s2 = A.sac_slot('linear', ('gelu_mlp2 %d %d %d %d'):format(N, hid, out_f, dt))
   local y2
