@@ -62,6 +62,12 @@ int ms_cuda_flce_finish(const ms_tensor *rows, const ms_tensor *scal, int reduct
 /* t *= g[0] for a contiguous float t; nothing when g[0] == 1 */
 int ms_cuda_flce_scale(ms_tensor *t, const ms_tensor *g);
 
+/* the fused linear JSD's row pass (core/flce.h ms_jsd_rows; kernels/jsd.cu),
+ * arguments checked by core/jsd.c: s, t (n, V) f32, loss (n) f32, g (n, V)
+ * f32/bf16/f16 or NULL, labels (n) i64/i32 or NULL */
+int ms_cuda_jsd_rows(ms_tensor *g, ms_tensor *loss, const ms_tensor *s, const ms_tensor *t, const ms_tensor *labels,
+                     int64_t ignore_index, double beta, double scale);
+
 #ifdef __cplusplus
 }
 #endif

@@ -852,6 +852,9 @@ end
 -- logits are freed before returning (nothing keeps them), so the loss costs
 -- one (B*T, V) log-softmax of memory until backward.
 nnf.fused_linear_cross_entropy = flce.fused_linear_cross_entropy
+-- the distillation loss between a student's and a teacher's heads, fused the
+-- same way (moonshard.jsd: Liger's fused linear JSD, TRL's generalized JSD)
+nnf.fused_linear_jsd = function(...) return require('moonshard.jsd').fused_linear_jsd(...) end
 local fused_lm_loss = true
 -- use_fused_lm_loss(on): set the default (on ~= nil); returns the previous one
 function nnf.use_fused_lm_loss(on)
