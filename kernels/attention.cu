@@ -379,7 +379,9 @@ int set_smem(K kernel, size_t bytes) {
 // own: a call they cannot take is refused (wide_refused). ms_cuda_attention_set_impl
 // forces one (what does not fit the call falls back along that order), else
 // the environment does: MS_ATTENTION_IMPL=mma|wmma|simt, or MS_ATTENTION_SIMT
-// (any value) for simt.
+// (any value) for simt. On compute capability 9.x, calls the mma kernels take
+// at head dim 64 or 128 (q, k, v alike) run the wgmma kernels instead
+// (attention_wgmma.cuh; MS_ATTENTION_IMPL=mma keeps mma.sync).
 int g_impl_set = MS_ATTENTION_AUTO, g_impl_last = MS_ATTENTION_AUTO;
 
 int impl_requested() {
@@ -440,8 +442,8 @@ int pick_impl(int D, int Dv, const ms_tensor *const *ts, int n) {
                               (D == kMmaWideD && Dv == kMmaWideDv);
         bool mma_ok = want != MS_ATTENTION_WMMA && mma_dims && cc_major(ts[0]->device_id) >= 8;
         for (int i = 0; i < n && mma_ok; i++) mma_ok = rows_aligned16(ts[i]);
-        const bool wg_ok = mma_ok && (want == MS_ATTENTION_AUTO || want == MS_ATTENTION_WGMMA) && D == 64 &&
-                           Dv == 64 && cc_major(ts[0]->device_id) == 9;
+        const bool wg_ok = mma_ok && (want == MS_ATTENTION_AUTO || want == MS_ATTENTION_WGMMA) &&
+                           (D == 64 || D == 128) && Dv == D && cc_major(ts[0]->device_id) == 9;
         if (wg_ok) got = MS_ATTENTION_WGMMA;
         else if (mma_ok) got = MS_ATTENTION_MMA;
         else if (D == Dv && (D == 16 || D == 32 || D == 64 || D == 128)) got = MS_ATTENTION_WMMA;
@@ -589,8 +591,9 @@ __global__ void __launch_bounds__(32 * kColsumWarps) part_colsum_kernel(float *o
     }
 }
 
-// the wgmma kernels (attention_wgmma.cuh: sm_90a, D = 64). Forward key tile
-// 64 (MS_ATTENTION_WG_BN=128 for 128)
+// the wgmma kernels (attention_wgmma.cuh: sm_90a, D = 64 and 128). Forward
+// key tile 64 (MS_ATTENTION_WG_BN=128 for 128 at D = 64; D = 128 always 64:
+// 128-key tiles of 256-byte rows would leave one block an SM)
 int wg_bn() {
     static int bn = 0;
     if (!bn) {
@@ -600,15 +603,15 @@ int wg_bn() {
     return bn;
 }
 
-template <typename T, int BN>
+template <typename T, int BN, int D = 64>
 int wg_fwd_bn(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
               int causal) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
-    size_t smem = wg::fwd_smem<BN>();
-    if (set_smem<T>(wg::fwd_kernel<T, BN>, smem)) return -1;
+    size_t smem = wg::fwd_smem<BN, D>();
+    if (set_smem<T>(wg::fwd_kernel<T, BN, D>, smem)) return -1;
     dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
-    wg::fwd_kernel<T, BN><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
+    wg::fwd_kernel<T, BN, D><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
         (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
         (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(v), layout4(out), H,
         Hkv, Tq, Tk, scale, causal);
@@ -619,13 +622,15 @@ int wg_fwd_bn(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tenso
 template <typename T>
 int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
            int causal) {
+    if (q->sizes[3] == 128) return wg_fwd_bn<T, 64, 128>(out, lse, q, k, v, scale, causal);
     return wg_bn() == 64 ? wg_fwd_bn<T, 64>(out, lse, q, k, v, scale, causal)
                          : wg_fwd_bn<T, 128>(out, lse, q, k, v, scale, causal);
 }
 
 // MS_ATTENTION_WG_BWD=onepass: the wgmma backward in one kernel, dq added
 // inside the dk/dv kernel in a fixed key-block order (the same bits run to
-// run; causal attention with Tk >= Tq only, without the column sums); the
+// run; causal attention with Tk >= Tq at head dim 64 only, without the
+// column sums); the
 // default is dkdv_kernel then dq_kernel. ms_cuda_attention_set_wg_onepass overrides
 // the environment. (Measured slower than the two kernels: docs/perf-notes.md;
 // with float atomics for dq instead of the order, slower still.)
@@ -633,8 +638,8 @@ int g_wg_onepass = -1;
 bool wg_onepass() { return env_onepass(g_wg_onepass, "MS_ATTENTION_WG_BWD") == 1; }
 
 // the one-pass backward applies to this call (its conditions in one place)
-bool wg_onepass_for(bool dsum, int B, int Hkv, long long Tq, long long Tk, int causal) {
-    return wg_onepass() && !dsum && Tq > 0 && Tk > 0 && B * Hkv > 0 && causal && Tk >= Tq;
+bool wg_onepass_for(bool dsum, int B, int Hkv, long long Tq, long long Tk, int causal, int D) {
+    return wg_onepass() && D == 64 && !dsum && Tq > 0 && Tk > 0 && B * Hkv > 0 && causal && Tk >= Tq;
 }
 
 // The wgmma two-kernel backward computes Delta = rowsum(out * dout) inside
@@ -650,19 +655,20 @@ bool fused_delta() {
     return g_fused_delta == 1;
 }
 
-template <typename T>
+// D: the head dim (64 or 128; the one pass at 64 only)
 // dsum (or NULL): the column sums of dq, dk, dv as stored, [H·D | Hkv·D |
 // Hkv·D] f32, from the kernels' per-block partial rows (part_colsum_kernel
 // adds them in a fixed order)
 // out (or NULL): compute Delta in dq_kernel from out and dout into delta
 // (then written, not read), dq_kernel before dkdv_kernel
+template <typename T, int D>
 int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
            const ms_tensor *dout, const float *l, float *delta, float scale, int causal, cudaStream_t s,
            float *dsum = nullptr, const ms_tensor *out = nullptr) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     const long long rq = (long long)B * ((Tq + 63) / 64), rk = (long long)B * ((Tk + 63) / 64);
-    if (wg_onepass_for(dsum != nullptr, B, Hkv, Tq, Tk, causal)) {
+    if (wg_onepass_for(dsum != nullptr, B, Hkv, Tq, Tk, causal, D)) {
         // dq inside the dk/dv kernel (attention_wgmma.cuh: OP): f32 sums
         // and the counters that order their additions, zeroed
         const long long nqt = (Tq + 63) / 64;
@@ -686,19 +692,19 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     holder part;
     float *pq = nullptr, *pkv = nullptr;
     if (dsum) {
-        int64_t n[1] = {(int64_t)(rq * H + 2 * rk * Hkv) * 64};
+        int64_t n[1] = {(int64_t)(rq * H + 2 * rk * Hkv) * D};
         if (n[0] > 0 && ms_tensor_empty(&part.t, 1, n, MS_F32, q->device_id)) return -1;
         if (n[0] > 0) {
             pq = (float *)ms_tensor_data(part.t);
-            pkv = pq + rq * H * 64;
+            pkv = pq + rq * H * D;
         }
     }
     auto run_dkdv = [&]() -> int {
         if (!(Tk > 0 && B * Hkv > 0)) return 0;
-        size_t smem = wg::dkdv_smem();
-        if (set_smem<T>(wg::dkdv_kernel<T>, smem)) return -1;
+        size_t smem = wg::dkdv_smem<D>();
+        if (set_smem<T>(wg::dkdv_kernel<T, false, D>, smem)) return -1;
         dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));
-        wg::dkdv_kernel<T><<<grid, 128, smem, s>>>(
+        wg::dkdv_kernel<T, false, D><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal, pkv);
@@ -707,10 +713,10 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     };
     auto run_dq = [&]() -> int {
         if (!(Tq > 0 && B * H > 0)) return 0;
-        size_t smem = wg::dq_smem();
-        if (set_smem<T>(wg::dq_kernel<T>, smem)) return -1;
+        size_t smem = wg::dq_smem<D>();
+        if (set_smem<T>(wg::dq_kernel<T, D>, smem)) return -1;
         dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
-        wg::dq_kernel<T><<<grid, 128, smem, s>>>(
+        wg::dq_kernel<T, D><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal, pq,
@@ -721,7 +727,7 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     // with the fused Delta, dq_kernel writes what dkdv_kernel reads
     if (out ? (run_dq() || run_dkdv()) : (run_dkdv() || run_dq())) return -1;
     if (dsum) {
-        const int cq = H * 64, ckv = Hkv * 64;
+        const int cq = H * D, ckv = Hkv * D;
         const struct { float *out; const float *part; long long rows; int cols; } seg[3] = {
             {dsum, pq, Tq > 0 ? rq : 0, cq},
             {dsum + cq, pkv, Tk > 0 ? rk : 0, ckv},
@@ -857,7 +863,8 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
     // the wgmma two-kernel backward computes Delta in its dq kernel
     bool fuse = false;
     if constexpr (sizeof(T) == 2)
-        fuse = impl == MS_ATTENTION_WGMMA && fused_delta() && !wg_onepass_for(dsum != nullptr, B, Hkv, Tq, Tk, causal) &&
+        fuse = impl == MS_ATTENTION_WGMMA && fused_delta() &&
+               !wg_onepass_for(dsum != nullptr, B, Hkv, Tq, Tk, causal, D) &&
                rows_aligned16(out) && rows_aligned16(dout);
     if (Tq > 0 && B * H > 0 && !fuse) {
         long long rows = (long long)B * H * Tq;
@@ -886,8 +893,9 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         const float *lp = (const float *)ms_tensor_data(l), *dp = (const float *)ms_tensor_data(delta.t);
         if (impl == MS_ATTENTION_WGMMA) {
             if (dsum) *summed = 1;
-            return wg_bwd<T>(dq, dk, dv, q, k, v, dout, lp, (float *)ms_tensor_data(delta.t), scale, causal, s, dsum,
-                             fuse ? out : nullptr);
+            float *dd = (float *)ms_tensor_data(delta.t);
+            return D == 128 ? wg_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dd, scale, causal, s, dsum, fuse ? out : nullptr)
+                            : wg_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dd, scale, causal, s, dsum, fuse ? out : nullptr);
         }
         if (impl == MS_ATTENTION_MMA)
             return D == 64    ? mma_bwd<T, 64, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)

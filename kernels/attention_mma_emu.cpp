@@ -25,11 +25,12 @@
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
 //   build/attention_mma_emu [--quick] [--reverse] [--gemm]  (exit status 1 on a mismatch)
 // --quick: the launched configurations on 6 shapes (mma at head dims 64,
-// 128 and 192, and q/k 192 with v 128, wgmma at 64); else 11 shapes, the
+// 128 and 192, and q/k 192 with v 128, wgmma at 64 and 128); else 11 shapes, the
 // one-m-tile tilings, (192, 128) with 32-query dk/dv steps and wgmma's
 // 128-key forward too; --reverse: the fibers of a block run in reverse order.
 //
-// bf16 only (f16 differs in op<__half>, the PTX type names and the rounding).
+// bf16 only (f16 differs in op<__half>, the PTX type names and the rounding;
+// the kernels' f16 instantiations are the same code).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -237,8 +238,10 @@ template <> struct op<__nv_bfloat16> {
 // byte offset >> 4 in 16-29, stride byte offset >> 4 in 32-45, swizzle mode
 // in 62-63) is decoded as the PTX ISA's 128-byte-swizzle layouts: element
 // (row r, column c) of a K-major tile at start + (r / 8) SBO + (r % 8) 128 +
-// 2c, of an MN-major one (k, n) at start + (k / 8) SBO + (k % 8) 128 + 2n,
-// and the byte address then swizzled: bits 4-6 XOR bits 7-9.
+// 2c (c < 64: a k16 step inside one 128-byte row), of an MN-major one (k, n)
+// at start + (n / 64) LBO + (k / 8) SBO + (k % 8) 128 + 2 (n % 64) (N = 128
+// at head dim 128: two 64-wide atoms along N, LBO apart), and the byte
+// address then swizzled: bits 4-6 XOR bits 7-9.
 namespace wg {
 static void fence() {}
 static void commit() {}
@@ -248,15 +251,19 @@ template <int N> static void pin(float *) {}
 template <int N> static void pin_u(unsigned *) {}
 template <int N> static void cp_async_wait() { mma::cp_async_wait_groups(N); }
 #define WG_SMEM unsigned char *wg_smem = mma::sm
-static float sw_at(uint64_t d, int row, int col) {
+// mn: an MN-major operand (row = k, col = m or n), else K-major (row = m or
+// n, col = k)
+static float sw_at(uint64_t d, int row, int col, bool mn) {
     const unsigned start = (unsigned)(d & 0x3fff) << 4, lbo = (unsigned)((d >> 16) & 0x3fff) << 4,
                    sbo = (unsigned)((d >> 32) & 0x3fff) << 4, mode = (unsigned)(d >> 62);
-    if (mode != 1 || sbo != 1024 || lbo != 16 || col >= 64) {
-        printf("wgmma: descriptor %llx (mode %u, LBO %u, SBO %u) or column %d outside the 128-byte-swizzle layout\n",
-               (unsigned long long)d, mode, lbo, sbo, col);
+    if (mode != 1 || sbo != 1024 || (!mn && (lbo != 16 || col >= 64)) ||
+        (mn && col >= 64 && (lbo < 1024 || lbo % 1024 != 0))) {
+        printf("wgmma: descriptor %llx (mode %u, LBO %u, SBO %u) or %s column %d outside the 128-byte-swizzle layout\n",
+               (unsigned long long)d, mode, lbo, sbo, mn ? "MN-major" : "K-major", col);
         exit(1);
     }
-    unsigned a = start + (unsigned)(row / 8) * sbo + (unsigned)(row % 8) * 128 + (unsigned)col * 2;
+    unsigned a = start + (unsigned)(col / 64) * lbo + (unsigned)(row / 8) * sbo + (unsigned)(row % 8) * 128 +
+                 (unsigned)(col % 64) * 2;
     a ^= ((a >> 7) & 7) << 4;
     if (a + 2 > sizeof mma::sm) {
         printf("wgmma: operand address %u outside shared memory\n", a);
@@ -281,7 +288,8 @@ template <int N, typename FA, typename FB> static void mma_k16(float *d, int acc
 }
 // d (64 x N) (+)= A . B, k16: A (64 x 16) and B (N x 16) K-major
 template <typename T, int N> static void mma_ss(float *d, uint64_t a, uint64_t b, int acc) {
-    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, m, k); }, [&](int k, int n) { return sw_at(b, n, k); });
+    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, m, k, false); },
+               [&](int k, int n) { return sw_at(b, n, k, false); });
 }
 // d (64 x N) (+)= A . B, k16: A from the warpgroup's registers (warp w's
 // m16k16 fragment of rows 16w..), B (16 x N) MN-major
@@ -294,16 +302,18 @@ template <typename T, int N> static void mma_rs_t(float *d, const unsigned *a, u
         const unsigned x = ra_slot[(m / 16) * 32 + (r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
         return bf2f((uint16_t)(k & 1 ? x >> 16 : x & 0xffff));
     };
-    mma_k16<N>(d, acc, A, [&](int k, int n) { return sw_at(b, k, n); });
+    mma_k16<N>(d, acc, A, [&](int k, int n) { return sw_at(b, k, n, true); });
     __syncthreads();
 }
 // d (64 x N) (+)= A . B, k16: A (16 x 64, k x m) and B (16 x N) MN-major
 template <typename T, int N> static void mma_ss_tt(float *d, uint64_t a, uint64_t b, int acc) {
-    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, k, m); }, [&](int k, int n) { return sw_at(b, k, n); });
+    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, k, m, true); },
+               [&](int k, int n) { return sw_at(b, k, n, true); });
 }
 // d (64 x N) (+)= A . B, k16: A (64 x 16) K-major and B (16 x N) MN-major
 template <typename T, int N> static void mma_ss_t(float *d, uint64_t a, uint64_t b, int acc) {
-    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, m, k); }, [&](int k, int n) { return sw_at(b, k, n); });
+    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, m, k, false); },
+               [&](int k, int n) { return sw_at(b, k, n, true); });
 }
 // the one-pass backward's order between blocks (global memory): the blocks
 // run one after another in the order of their tickets, so a block's turn
@@ -398,8 +408,8 @@ struct errsum {
 };
 
 // the kernels at q/k head dim D and v head dim DV with m-tiles MT (forward),
-// KMT and BQ (dk/dv), QMT (dq); wg: the wgmma kernels instead (D = DV = 64;
-// MT is the forward's key tile).
+// KMT and BQ (dk/dv), QMT (dq); wg: the wgmma kernels instead (D = DV = 64
+// or 128; MT is the forward's key tile; the one pass at 64 only).
 // sharp > 0: q times 1 + sharp and key t times 1 + sharp*t/64, so that the
 // rows' maxima climb by far more than the forward's kStale from tile to tile
 // (its O rescaling runs, and is skipped, within one row)
@@ -424,9 +434,9 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     const float scale = 1.f / sqrtf((float)D);
     std::vector<float> lse((size_t)B * H * Tq, NAN), delta((size_t)B * H * Tq);
     if constexpr (WG) {
-        static_assert(D == 64 && DV == 64, "wgmma kernels: head dim 64");
+        static_assert((D == 64 || D == 128) && DV == D, "wgmma kernels: head dim 64 or 128");
         launch((Tq + 63) / 64, B * H, [&] {
-            wg::fwd_kernel<bf, MT>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv, Tq,
+            wg::fwd_kernel<bf, MT, D>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv, Tq,
                                    Tk, scale, causal);
         });
     } else {
@@ -498,7 +508,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     errsum edelta, edq0;
     if constexpr (WG) {
         launch((Tq + 63) / 64, B * H, [&] {
-            wg::dq_kernel<bf>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), nullptr, q.l, k.l, v.l,
+            wg::dq_kernel<bf, D>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), nullptr, q.l, k.l, v.l,
                               g.l, dq.l, H, Hkv, Tq, Tk, scale, causal, pq.data(), o.data(), o.l, dfused.data());
         });
         for (size_t i = 0; i < delta.size(); i++) edelta.add(dfused[i], delta[i]);
@@ -507,12 +517,12 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
         tensor4 dq0(B, H, Tq, D, bthd);
         for (auto &e : dq0.v) e.x = 0x7fc0;
         launch((Tq + 63) / 64, B * H, [&] {
-            wg::dq_kernel<bf>(dq0.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l,
+            wg::dq_kernel<bf, D>(dq0.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l,
                               v.l, g.l, dq0.l, H, Hkv, Tq, Tk, scale, causal);
         });
         dq_err(dq0, edq0);
         launch((Tk + 63) / 64, B * Hkv, [&] {
-            wg::dkdv_kernel<bf>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), dfused.data(),
+            wg::dkdv_kernel<bf, false, D>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), dfused.data(),
                                 q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal, pkv.data());
         });
     } else {
@@ -535,7 +545,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     // key block 0 writes before anyone reads), only where attention.cu runs it
     tensor4 dq1(B, H, Tq, D, bthd);
     for (auto &e : dq1.v) e.x = 0x7fc0;
-    const bool wg1 = WG && causal && Tk >= Tq;   // where attention.cu runs the one pass
+    const bool wg1 = WG && D == 64 && causal && Tk >= Tq;   // where attention.cu runs the one pass
     if (wg1) {
         std::fill(dqacc.begin(), dqacc.end(), NAN);
         std::vector<int> sem((size_t)(1 + B * H * tq), 0);
@@ -605,7 +615,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
            causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "", sharp > 0 ? " sharp" : "", r[0], r[1], r[2], r[3], r[4]);
     if (WG) printf("; column sums %.1e; Delta in dq %.1e (Delta read: dq %.1e)", esum.rel(), edelta.rel(), edq0.rel());
     if (!WG || wg1) printf("; one pass dq %.1e dk %.1e dv %.1e\n", r[5], r[6], r[7]);
-    else printf("; one pass: not run (not causal, or Tk < Tq)\n");
+    else printf("; one pass: not run (not causal, Tk < Tq, or D = 128)\n");
     return ok ? 0 : 1;
 }
 
@@ -766,6 +776,9 @@ int main(int argc, char **argv) {
         bad += run_case<64, 64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
         bad += run_case<64, 64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
         if (!quick) bad += run_case<64, 64, 128, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        // ... and at head dim 128 (64-key forward tiles, as launched)
+        bad += run_case<128, 128, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        bad += run_case<128, 128, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
     }
     printf("%d failed\n", bad);
     return bad != 0;

@@ -1,13 +1,15 @@
 // kernels/attention_wgmma.cuh — the sm_90a path of kernels/attention.cu for
-// bf16/f16 at head dim 64: the same FlashAttention-2 algorithm and the same
-// three kernels as attention_mma.cuh (forward; dk/dv per key block; dq per
-// query block, no atomics), with every tile product on Hopper's warpgroup
-// MMA (wgmma.mma_async, f32 accumulation) instead of mma.sync.
+// bf16/f16 at head dims 64 and 128 (q, k, v alike; the template parameter
+// D, 64 by default): the same FlashAttention-2 algorithm and the same three
+// kernels as attention_mma.cuh (forward; dk/dv per key block; dq per query
+// block, no atomics), with every tile product on Hopper's warpgroup MMA
+// (wgmma.mma_async, f32 accumulation) instead of mma.sync. (The one-pass
+// backward, dkdv_kernel<T, true>, is D = 64 only.)
 //
 // A block is one warpgroup (128 threads, 4 warps) owning 64 rows (queries in
 // the forward and dq kernels, keys in dk/dv): wgmma's M = 64. Several blocks
-// share an SM (2-4, by registers and shared memory), so one block's softmax
-// runs while another's wgmmas do.
+// share an SM (2-5 at D = 64, 2 at D = 128, by registers and shared memory),
+// so one block's softmax runs while another's wgmmas do.
 //
 // Shared-memory tiles are rows of 64 16-bit elements (128 bytes) with the
 // 128-byte swizzle: the 16-byte chunk c of row r lies at r*128 + ((c ^ (r&7))
@@ -23,6 +25,10 @@
 //             dV = P^T.dO, Q in dK = dS^T.Q, K in dQ = dS.K ("transposed B",
 //             imm-trans-b = 1). 8-row (k) groups 1024 bytes apart (SBO), one
 //             64-wide atom along N; a k16 step is +2048 bytes.
+// At D = 128 a tile of R rows is two such 64-column sub-tiles, columns 0-63
+// then 64-127, R*128 bytes apart: K-major k16 steps 4-7 start in the second
+// (kstep), and MN-major reads (N = 128: m64n128k16) see the two as atoms
+// along N, the leading byte offset (LBO) R*128 apart (desc_mn).
 // The second operand of P.V, dV, dK, dQ comes from registers: wgmma's A
 // fragment for m64k16 is mma.sync's m16k16 A fragment per warp (rows 16w..),
 // and its f32 accumulator for m64nN is mma.sync's C fragment per warp and
@@ -39,13 +45,15 @@ namespace wg {
 
 // ------------------------------------------------------------ helpers
 
-// One thread's share of copying R-row tiles (64 elements a row) of one
-// batch index into the swizzled layout, by cp.async, 16 bytes at a time:
-// rows r0 + 16i of a tile (r0 = thread / 8), chunk c = thread % 8. The
-// thread's address is computed once; a tile then costs one offset and a
-// bound (the per-row 64-bit index arithmetic of a tile was ~170
-// instructions a warp, as many as the tile's softmax).
-template <typename T>
+// One thread's share of copying R-row tiles (D elements a row: D / 64
+// swizzled sub-tiles of R rows x 64, R*128 bytes apart, the j-th holding
+// columns 64j..) of one batch index into the swizzled layout, by cp.async,
+// 16 bytes at a time: rows r0 + 16i of a tile (r0 = thread / 8), chunk c =
+// thread % 8 of each sub-tile. The thread's address is computed once; a
+// tile then costs one offset and a bound (the per-row 64-bit index
+// arithmetic of a tile was ~170 instructions a warp, as many as the tile's
+// softmax).
+template <typename T, int D = 64>
 struct sw_src {
     const T *p;  // row r0 at t = 0 of head 0, chunk c
     long long sh, st;
@@ -64,17 +72,35 @@ struct sw_src {
 #pragma unroll
         for (int i = 0; i < R / 16; i++) {
             const bool ok = 16 * i < n;
-            mma::cp_async16(d + 2048 * i, ok ? a : base, ok);
+#pragma unroll
+            for (int j = 0; j < D / 64; j++) mma::cp_async16(d + j * R * 128 + 2048 * i, ok ? a + 64 * j : base, ok);
             a += step;
         }
     }
 };
 
 // rows [t0, t0+R) of (b, h) into the swizzled tile s, zero past Tn
-template <typename T, int R>
+template <typename T, int R, int D = 64>
 __device__ __forceinline__ void load_sw(T *s, const T *src, const qkv_layout &l, long long b, long long h,
                                         long long t0, long long Tn) {
-    sw_src<T>(src, l, b).template load<R>(s, h, t0, Tn, src);
+    sw_src<T, D>(src, l, b).template load<R>(s, h, t0, Tn, src);
+}
+
+// the descriptor of k16 step kk of a K-major tile of R rows (d: the tile's
+// desc): +32 bytes a step inside a 64-column sub-tile, the next sub-tile
+// R*128 bytes on (D = 64: d + 2kk)
+template <int R>
+__device__ __forceinline__ uint64_t kstep(uint64_t d, int kk) {
+    return d + (uint64_t)((kk >> 2) * (R * 128 >> 4) + 2 * (kk & 3));
+}
+
+// the descriptor of an R-row tile of D columns read MN-major (D along N):
+// D = 64 one atom along N (desc's); wider, the 64-column sub-tiles R*128
+// bytes apart as the leading byte offset (the PTX ISA's 128-byte-swizzle
+// MN-major layout: atoms along MN LBO apart, 8-row groups along K SBO apart)
+template <int D, int R>
+__device__ __forceinline__ uint64_t desc_mn(const void *p) {
+    return D == 64 ? desc(p) : desc(p, R * 128);
 }
 
 // the A fragment (k16 block kk) of the 64 x N accumulators c, rounded to T
@@ -103,44 +129,51 @@ __device__ __forceinline__ void a_to_sw(T *s, const unsigned a[4][4]) {
         }
 }
 
-// the 64 x 64 accumulators c (this warp's 16 rows) times mul[r] into rows
-// warp*16.. of s (padded [64][72] tile), then to global rows t0.. of (b, h)
-template <typename T>
+// the 64 x D accumulators c (this warp's 16 rows) times mul[r] into rows
+// warp*16.. of s (padded [64][D + 8] tile), then to global rows t0.. of (b, h)
+template <typename T, int D = 64>
 __device__ __forceinline__ void store_acc(T *dst, const qkv_layout &l, long long b, long long h, long long t0,
                                           long long Tn, T *s, const float *c, float mul0, float mul1) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    mma::frag_to_smem<T, 64>(s, reinterpret_cast<const float(*)[4]>(c), warp * 16, lane, mul0, mul1);
+    mma::frag_to_smem<T, D>(s, reinterpret_cast<const float(*)[4]>(c), warp * 16, lane, mul0, mul1);
     __syncwarp();
-    mma::store_rows<T, 64, 1>(dst, l, b, h, t0, Tn, s, warp * 16, lane);
+    mma::store_rows<T, D, 1>(dst, l, b, h, t0, Tn, s, warp * 16, lane);
 }
 
 const int kD = 64;
 
-// part (or NULL): the column sums of the tile s as stored (rounded to T) over
-// its rows t0 + r < Tn, into part[0 .. kD): the bias gradient of a fused qkv
-// projection, a block's share (attention.cu adds the blocks' rows in a fixed
-// order). Every thread of the block calls it (a barrier: the warps' rows).
-// Two threads a column, 32 rows each in four independent sums (a serial
-// chain of 64 shared-memory reads and adds on 64 threads cost 1.3 µs a
-// dk/dv block), the upper half's total handed over through `upper` (fixed
-// order: the same bits every run).
-template <typename T>
+// part (or NULL): the column sums of the tile s ([64][D + 8]) as stored
+// (rounded to T) over its rows t0 + r < Tn, into part[0 .. D): the bias
+// gradient of a fused qkv projection, a block's share (attention.cu adds the
+// blocks' rows in a fixed order). Every thread of the block calls it (a
+// barrier: the warps' rows). D = 64: two threads a column, 32 rows each in
+// four independent sums (a serial chain of 64 shared-memory reads and adds
+// on 64 threads cost 1.3 µs a dk/dv block), the upper half's total handed
+// over through `upper` (fixed order: the same bits every run); D = 128: a
+// thread a column, its 64 rows in four sums.
+template <typename T, int D = 64>
 __device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long Tn, float *part) {
-    static __shared__ float upper[kD];
+    constexpr int NH = 128 / D, RH = 64 / NH;   // threads a column, rows each
     __syncthreads();
-    const int c = threadIdx.x & (kD - 1), h = threadIdx.x / kD;   // 128 threads: h = 0, 1
+    const int c = threadIdx.x & (D - 1), h = threadIdx.x / D;   // 128 threads: h < NH
     const long long left = Tn - t0;
-    const int nr = left < 64 ? (int)left : 64, r1 = min(nr, 32 * h + 32);
+    const int nr = left < 64 ? (int)left : 64, r1 = min(nr, RH * h + RH);
     float a[4] = {0.f, 0.f, 0.f, 0.f};
-    int r = 32 * h;
+    int r = RH * h;
     for (; r + 3 < r1; r += 4)
 #pragma unroll
-        for (int u = 0; u < 4; u++) a[u] += mma::op<T>::to_float(s[(r + u) * (kD + 8) + c]);
-    for (; r < r1; r++) a[0] += mma::op<T>::to_float(s[r * (kD + 8) + c]);
+        for (int u = 0; u < 4; u++) a[u] += mma::op<T>::to_float(s[(r + u) * (D + 8) + c]);
+    for (; r < r1; r++) a[0] += mma::op<T>::to_float(s[r * (D + 8) + c]);
     const float acc = (a[0] + a[1]) + (a[2] + a[3]);
-    if (h == 1) upper[c] = acc;
-    __syncthreads();
-    if (h == 0) part[c] = acc + upper[c];
+    if constexpr (NH == 1) {
+        part[c] = acc;
+    } else {
+        static_assert(NH == 2, "head dims 64 and 128");
+        static __shared__ float upper[D];
+        if (h == 1) upper[c] = acc;
+        __syncthreads();
+        if (h == 0) part[c] = acc + upper[c];
+    }
 }
 
 // --------------------------------------------------------------- forward
@@ -153,19 +186,22 @@ __device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long 
 // rounded to bf16/f16 as any p is
 constexpr float kStale = 8.f;
 
-template <int BN>
+// D = 128: 64 registers of O a thread (and 32 of S at BN = 64); Q, K, V
+// tiles of 256-byte rows (two 64-column sub-tiles each): 81 KB, 2 blocks an
+// SM (docs/perf-notes.md, "wgmma attention at D = 128")
+template <int BN, int D = 64>
 size_t fwd_smem() {
-    return 1024 + (size_t)(64 + 4 * BN) * 128;
+    return 1024 + (size_t)(64 + 4 * BN) * (2 * D);
 }
 
-template <typename T, int BN>
-__global__ void __launch_bounds__(128, BN == 64 ? 5 : 1) fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
+template <typename T, int BN, int D = 64>
+__global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
                                                   qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo, int H,
                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
-    constexpr int NS = BN / 8, NA = BN / 16;
+    constexpr int NS = BN / 8, NA = BN / 16, NK = D / 16, NO = D / 2;  // NO: O's accumulators a thread
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
-    T *Qs = (T *)sm, *Ks = Qs + 64 * kD, *Vs = Ks + 2 * BN * kD;
+    T *Qs = (T *)sm, *Ks = Qs + 64 * D, *Vs = Ks + 2 * BN * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
     const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * 64;  // longest causal rows first
     const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
@@ -175,38 +211,38 @@ __global__ void __launch_bounds__(128, BN == 64 ? 5 : 1) fwd_kernel(T *out, floa
     const float sl = scale * kLog2e;
     const long long row0 = i0 + warp * 16 + g8;  // this thread's rows row0, row0 + 8
 
-    const sw_src<T> ksrc(k, lk, b), vsrc(v, lv, b);
-    load_sw<T, 64>(Qs, q, lq, b, h, i0, Tq);
+    const sw_src<T, D> ksrc(k, lk, b), vsrc(v, lv, b);
+    load_sw<T, 64, D>(Qs, q, lq, b, h, i0, Tq);
     if (ntiles > 0) {
         ksrc.template load<BN>(Ks, g, 0, Tk, k);
         vsrc.template load<BN>(Vs, g, 0, Tk, v);
     }
     mma::cp_async_commit();
-    float o[32], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[NO], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < 32; i++) o[i] = 0.f;
+    for (int i = 0; i < NO; i++) o[i] = 0.f;
     const uint64_t dq = desc(Qs);
 
     for (int t = 0; t < ntiles; t++) {
         const int buf = t & 1;
         __syncthreads();  // every wgmma on tile t-1 (buffer buf ^ 1) has completed
         if (t + 1 < ntiles) {
-            ksrc.template load<BN>(Ks + (buf ^ 1) * BN * kD, g, (long long)(t + 1) * BN, Tk, k);
-            vsrc.template load<BN>(Vs + (buf ^ 1) * BN * kD, g, (long long)(t + 1) * BN, Tk, v);
+            ksrc.template load<BN>(Ks + (buf ^ 1) * BN * D, g, (long long)(t + 1) * BN, Tk, k);
+            vsrc.template load<BN>(Vs + (buf ^ 1) * BN * D, g, (long long)(t + 1) * BN, Tk, v);
         }
         mma::cp_async_commit();
         cp_async_wait<1>();  // tile t (and Q) landed: this thread's copies ...
         fence_proxy();
         __syncthreads();     // ... and everyone's
         const long long j0 = (long long)t * BN;
-        const T *Kb = Ks + buf * BN * kD, *Vb = Vs + buf * BN * kD;
+        const T *Kb = Ks + buf * BN * D, *Vb = Vs + buf * BN * D;
 
         // S = Q K^T
         float s[BN / 2];
         fence();
         const uint64_t dk = desc(Kb);
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) mma_ss<T, BN>(s, dq + 2 * kk, dk + 2 * kk, kk);
+        for (int kk = 0; kk < NK; kk++) mma_ss<T, BN>(s, kstep<64>(dq, kk), kstep<BN>(dk, kk), kk);
         commit();
         wait<0>();
         pin<BN / 2>(s);
@@ -254,7 +290,7 @@ __global__ void __launch_bounds__(128, BN == 64 ? 5 : 1) fwd_kernel(T *out, floa
         }
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-            for (int n = 0; n < 8; n++)
+            for (int n = 0; n < D / 8; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) o[4 * n + e] *= alpha[e >> 1];
         }
@@ -263,14 +299,14 @@ __global__ void __launch_bounds__(128, BN == 64 ? 5 : 1) fwd_kernel(T *out, floa
         unsigned pa[NA][4];
 #pragma unroll
         for (int kk = 0; kk < NA; kk++) c_to_a<T>(pa[kk], s, kk);
-        pin<32>(o);
+        pin<NO>(o);
         fence();
-        const uint64_t dv = desc(Vb);
+        const uint64_t dv = desc_mn<D, BN>(Vb);
 #pragma unroll
-        for (int kk = 0; kk < NA; kk++) mma_rs_t<T, 64>(o, pa[kk], dv + kk * (2048 >> 4), 1);
+        for (int kk = 0; kk < NA; kk++) mma_rs_t<T, D>(o, pa[kk], dv + kk * (2048 >> 4), 1);
         commit();
         wait<0>();
-        pin<32>(o);
+        pin<NO>(o);
         pin_u<NA * 4>(&pa[0][0]);
     }
 
@@ -287,7 +323,7 @@ __global__ void __launch_bounds__(128, BN == 64 ? 5 : 1) fwd_kernel(T *out, floa
         if (t4 == 0 && i < Tq)
             lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
     }
-    store_acc<T>(out, lo, b, h, i0, Tq, Ks, o, inv[0], inv[1]);
+    store_acc<T, D>(out, lo, b, h, i0, Tq, Ks, o, inv[0], inv[1]);
 }
 
 // -------------------------------------------------------------- backward
@@ -313,8 +349,12 @@ __global__ void __launch_bounds__(128, BN == 64 ? 5 : 1) fwd_kernel(T *out, floa
 // the ticket, then a counter a (b, h, dq tile)). Causal with Tk >= Tq only
 // (attention.cu checks): key block 0 then sees every query tile, and block j
 // every tile from its diagonal on.
-inline size_t dkdv_smem(bool op = false) {
-    return 1024 + (size_t)(2 * 64 + 4 * 64 + (op ? 64 : 0)) * 128 + 4 * 64 * sizeof(float);
+// D = 128: the two-kernel backward only (OP at D = 64); dK and dV take 128
+// registers a thread, S^T and dP^T 64 more; tiles of 256-byte rows: 97 KB,
+// 2 blocks an SM
+template <int D = 64>
+size_t dkdv_smem(bool op = false) {
+    return 1024 + (size_t)(2 * 64 + 4 * 64 + (op ? 64 : 0)) * (2 * D) + 4 * 64 * sizeof(float);
 }
 
 // OP: this block's share c (64 x 64 accumulators, queries i0.. of (b, h) x
@@ -374,18 +414,19 @@ __device__ __forceinline__ void dq_add(T *dq, const qkv_layout &l, float *dqacc,
 
 // (OP: at most 168 registers, 3 blocks an SM as the two-pass kernel; ptxas
 // left alone takes 187)
-template <typename T, bool OP = false>
+template <typename T, bool OP = false, int D = 64>
 __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
                                                    const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                    qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
                                                    int Hkv, long long Tq, long long Tk, float scale, int causal,
                                                    float *part = nullptr, T *dq = nullptr, qkv_layout ldq = qkv_layout{},
                                                    float *dqacc = nullptr, int *sem = nullptr) {
-    constexpr int BQ = 64;
+    constexpr int BQ = 64, NK = D / 16, NA = D / 2;  // NA: dK's (dV's) accumulators a thread
+    static_assert(!OP || D == 64, "the one-pass backward: head dim 64");
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
-    T *Ks = (T *)sm, *Vs = Ks + 64 * kD, *Qs = Vs + 64 * kD, *Gs = Qs + 2 * BQ * kD;
-    float *Ls = (float *)(Gs + 2 * BQ * kD), *Ds = Ls + 2 * BQ;
+    T *Ks = (T *)sm, *Vs = Ks + 64 * D, *Qs = Vs + 64 * D, *Gs = Qs + 2 * BQ * D;
+    float *Ls = (float *)(Gs + 2 * BQ * D), *Ds = Ls + 2 * BQ;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
     int jb = blockIdx.x, bg = blockIdx.y;  // key block, (b, kv head)
     if constexpr (OP) {
@@ -408,13 +449,13 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
     // counted along as the steps are issued (no division a step)
     int nh = 0, hlast = g * rep;         // the next step's head g*rep + nh; the last issued step's
     long long nt = 0, ilast = istart;    // the next step's tile istart + nt*BQ; the last issued step's
-    const sw_src<T> qsrc(q, lq, b), gsrc(dout, lg, b);
+    const sw_src<T, D> qsrc(q, lq, b), gsrc(dout, lg, b);
     float Lv = INFINITY, Dv = 0.f;
     auto issue = [&](int buf) {
         const int hq = g * rep + nh;
         const long long ib = istart + nt * BQ;
-        qsrc.template load<BQ>(Qs + buf * BQ * kD, hq, ib, Tq, q);
-        gsrc.template load<BQ>(Gs + buf * BQ * kD, hq, ib, Tq, dout);
+        qsrc.template load<BQ>(Qs + buf * BQ * D, hq, ib, Tq, q);
+        gsrc.template load<BQ>(Gs + buf * BQ * D, hq, ib, Tq, dout);
         const long long i = ib + threadIdx.x, row = ((long long)b * H + hq) * Tq + i;
         if (threadIdx.x < BQ && i < Tq) {
             Lv = lse[row];
@@ -431,14 +472,14 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             if (++nt == nq) nt = 0, nh++;
         }
     };
-    load_sw<T, 64>(Ks, k, lk, b, g, j0, Tk);
-    load_sw<T, 64>(Vs, v, lv, b, g, j0, Tk);
+    load_sw<T, 64, D>(Ks, k, lk, b, g, j0, Tk);
+    load_sw<T, 64, D>(Vs, v, lv, b, g, j0, Tk);
     if (total > 0) issue(0);
     mma::cp_async_commit();
 
-    float dka[32], dva[32];
+    float dka[NA], dva[NA];
 #pragma unroll
-    for (int i = 0; i < 32; i++) dka[i] = dva[i] = 0.f;
+    for (int i = 0; i < NA; i++) dka[i] = dva[i] = 0.f;
     const uint64_t dK = desc(Ks), dV = desc(Vs);
 
     for (long long it = 0; it < total; it++) {
@@ -458,7 +499,7 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
         // start at istart, and istart + 63 + off >= j0), which must not skip
         // a tile's turn
         if (!OP && causal && j0 > i0 + BQ - 1 + off) continue;
-        const T *Qb = Qs + buf * BQ * kD, *Gb = Gs + buf * BQ * kD;
+        const T *Qb = Qs + buf * BQ * D, *Gb = Gs + buf * BQ * D;
         const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
 
         // S^T = K Q^T, dP^T = V dO^T: 64 keys x 64 queries
@@ -466,9 +507,9 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
         fence();
         const uint64_t dQb = desc(Qb), dGb = desc(Gb);
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) mma_ss<T, 64>(st, dK + 2 * kk, dQb + 2 * kk, kk);
+        for (int kk = 0; kk < NK; kk++) mma_ss<T, 64>(st, kstep<64>(dK, kk), kstep<BQ>(dQb, kk), kk);
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) mma_ss<T, 64>(dpt, dV + 2 * kk, dGb + 2 * kk, kk);
+        for (int kk = 0; kk < NK; kk++) mma_ss<T, 64>(dpt, kstep<64>(dV, kk), kstep<BQ>(dGb, kk), kk);
         commit();
         wait<0>();
         pin<32>(st);
@@ -503,12 +544,13 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             c_to_a<T>(pa[kk], st, kk);
             c_to_a<T>(da[kk], dpt, kk);
         }
-        // dV += P^T dO, dK += dS^T Q
+        // dV += P^T dO, dK += dS^T Q (dO, Q MN-major: D along N)
+        const uint64_t dQt = desc_mn<D, BQ>(Qb), dGt = desc_mn<D, BQ>(Gb);
         auto mma_dvdk = [&] {
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dva, pa[kk], dGb + kk * (2048 >> 4), 1);
+            for (int kk = 0; kk < 4; kk++) mma_rs_t<T, D>(dva, pa[kk], dGt + kk * (2048 >> 4), 1);
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dka, da[kk], dQb + kk * (2048 >> 4), 1);
+            for (int kk = 0; kk < 4; kk++) mma_rs_t<T, D>(dka, da[kk], dQt + kk * (2048 >> 4), 1);
         };
         if constexpr (OP) {
             // dS^T (keys x queries) into Ss as rounded for dK; dQ = dS K with
@@ -537,51 +579,53 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             dq_add<T>(dq, ldq, dqacc, sem + 1 + ((long long)b * H + hq) * nqt + i0 / BQ, dqa, b, hq, H, i0, Tq,
                       jlast - jb, jb == 0, scale);
         } else {
-            pin<32>(dva);
-            pin<32>(dka);
+            pin<NA>(dva);
+            pin<NA>(dka);
             fence();
             mma_dvdk();
             commit();
             wait<0>();
-            pin<32>(dva);
-            pin<32>(dka);
+            pin<NA>(dva);
+            pin<NA>(dka);
             pin_u<16>(&pa[0][0]);
             pin_u<16>(&da[0][0]);
         }
     }
 
     mma::cp_async_wait_all();
-    __syncthreads();  // Q/dO buffers free for the outputs
-    store_acc<T>(dk, ldk, b, g, j0, Tk, Qs, dka, scale, scale);
-    store_acc<T>(dv, ldv, b, g, j0, Tk, Qs + 64 * (kD + 8), dva, 1.f, 1.f);
-    if (part) {   // dk's rows of part, then dv's: (B x key tiles) x (Hkv x kD) each
+    __syncthreads();  // Q/dO buffers free for the outputs (D = 128: dv's tile runs on into dO's)
+    store_acc<T, D>(dk, ldk, b, g, j0, Tk, Qs, dka, scale, scale);
+    store_acc<T, D>(dv, ldv, b, g, j0, Tk, Qs + 64 * (D + 8), dva, 1.f, 1.f);
+    if (part) {   // dk's rows of part, then dv's: (B x key tiles) x (Hkv x D) each
         const long long row = (long long)b * gridDim.x + jb, rows = (long long)(gridDim.y / Hkv) * gridDim.x;
-        tile_colsum<T>(Qs, j0, Tk, part + row * Hkv * kD + g * kD);
-        tile_colsum<T>(Qs + 64 * (kD + 8), j0, Tk, part + (rows + row) * Hkv * kD + g * kD);
+        tile_colsum<T, D>(Qs, j0, Tk, part + row * Hkv * D + g * D);
+        tile_colsum<T, D>(Qs + 64 * (D + 8), j0, Tk, part + (rows + row) * Hkv * D + g * D);
     }
 }
 
 // dq for 64 queries of one (b, h), 64-key tiles of K and V double-buffered.
 // With delta_out (and out, lo) it computes the rows' Delta itself and
 // stores it there, so it runs before dkdv_kernel and no delta kernel runs
-// (attention.cu); with delta it reads them.
-inline size_t dq_smem() {
-    return 1024 + (size_t)(2 * 64 + 4 * 64) * 128;
+// (attention.cu); with delta it reads them. D = 128: dQ takes 64 registers
+// a thread, S and dP 64; tiles of 256-byte rows: 97 KB, 2 blocks an SM.
+template <int D = 64>
+size_t dq_smem() {
+    return 1024 + (size_t)(2 * 64 + 4 * 64) * (2 * D);
 }
 
 // (__launch_bounds__(128, 4) gives 128 registers without spills and 4
 // blocks an SM instead of 3: measured the same, 0.177 against 0.179 ms)
-template <typename T>
+template <typename T, int D = 64>
 __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, const T *v, const T *dout,
                                                  const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                  qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv,
                                                  long long Tq, long long Tk, float scale, int causal,
                                                  float *part = nullptr, const T *out = nullptr,
                                                  qkv_layout lo = qkv_layout{}, float *delta_out = nullptr) {
-    constexpr int BN = 64;
+    constexpr int BN = 64, NK = D / 16, NA = D / 2, CW = D / 4;  // NA: dQ's accumulators, CW: Delta's columns a thread
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
-    T *Qs = (T *)sm, *Gs = Qs + 64 * kD, *Ks = Gs + 64 * kD, *Vs = Ks + 2 * BN * kD;
+    T *Qs = (T *)sm, *Gs = Qs + 64 * D, *Ks = Gs + 64 * D, *Vs = Ks + 2 * BN * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
     const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * 64;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
@@ -592,24 +636,24 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
     const long long row0 = i0 + warp * 16 + g8;
 
     // the first tiles in flight while the rows' lse and Delta load
-    const sw_src<T> ksrc(k, lk, b), vsrc(v, lv, b);
-    load_sw<T, 64>(Qs, q, lq, b, h, i0, Tq);
-    load_sw<T, 64>(Gs, dout, lg, b, h, i0, Tq);
+    const sw_src<T, D> ksrc(k, lk, b), vsrc(v, lv, b);
+    load_sw<T, 64, D>(Qs, q, lq, b, h, i0, Tq);
+    load_sw<T, 64, D>(Gs, dout, lg, b, h, i0, Tq);
     if (ntiles > 0) {
         ksrc.template load<BN>(Ks, g, 0, Tk, k);
         vsrc.template load<BN>(Vs, g, 0, Tk, v);
     }
     mma::cp_async_commit();
     // The rows' lse and Delta. With delta_out, Delta_i = out_i . dout_i here
-    // (the delta kernel's work): the row's 4 threads take 16 columns each
-    // (two 16-byte loads of each tensor), summed in a fixed order; lane t4 =
+    // (the delta kernel's work): the row's 4 threads take D/4 columns each
+    // (D/32 16-byte loads of each tensor), summed in a fixed order; lane t4 =
     // 0 stores it for the dk/dv kernel that runs after this one. Every load
     // of both rows is issued before any is used (one trip to device memory,
     // not one a row: the loads were 21% of the kernel's stall samples at B =
     // 32 with a trip a row).
     float Lr[2], Dr[2];
     long long rowi[2];
-    uint4 va[2][2], vg[2][2];
+    uint4 va[2][CW / 8], vg[2][CW / 8];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const long long i = row0 + 8 * r;
@@ -617,15 +661,15 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
         Lr[r] = i < Tq ? lse[rowi[r]] : INFINITY;
         if (delta_out) {
             if (i < Tq) {
-                const T *o = out + at(lo, b, h, i) + 16 * t4, *gg = dout + at(lg, b, h, i) + 16 * t4;
+                const T *o = out + at(lo, b, h, i) + CW * t4, *gg = dout + at(lg, b, h, i) + CW * t4;
 #pragma unroll
-                for (int hh = 0; hh < 2; hh++) {
+                for (int hh = 0; hh < CW / 8; hh++) {
                     va[r][hh] = *reinterpret_cast<const uint4 *>(o + 8 * hh);
                     vg[r][hh] = *reinterpret_cast<const uint4 *>(gg + 8 * hh);
                 }
             } else {
 #pragma unroll
-                for (int hh = 0; hh < 2; hh++) va[r][hh] = vg[r][hh] = uint4{0u, 0u, 0u, 0u};
+                for (int hh = 0; hh < CW / 8; hh++) va[r][hh] = vg[r][hh] = uint4{0u, 0u, 0u, 0u};
             }
         } else {
             Dr[r] = i < Tq ? delta[rowi[r]] : 0.f;
@@ -637,7 +681,7 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
         if (delta_out) {
             float acc = 0.f;
 #pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
+            for (int hh = 0; hh < CW / 8; hh++) {
                 T ea[8], eg[8];   // (memcpy: no type punning through pointers)
                 memcpy(ea, &va[r][hh], sizeof ea);
                 memcpy(eg, &vg[r][hh], sizeof eg);
@@ -650,32 +694,32 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
             if (t4 == 0 && row0 + 8 * r < Tq) delta_out[rowi[r]] = acc;
         }
     }
-    float dqa[32];
+    float dqa[NA];
 #pragma unroll
-    for (int i = 0; i < 32; i++) dqa[i] = 0.f;
+    for (int i = 0; i < NA; i++) dqa[i] = 0.f;
     const uint64_t dQ = desc(Qs), dG = desc(Gs);
 
     for (int t = 0; t < ntiles; t++) {
         const int buf = t & 1;
         __syncthreads();
         if (t + 1 < ntiles) {
-            ksrc.template load<BN>(Ks + (buf ^ 1) * BN * kD, g, (long long)(t + 1) * BN, Tk, k);
-            vsrc.template load<BN>(Vs + (buf ^ 1) * BN * kD, g, (long long)(t + 1) * BN, Tk, v);
+            ksrc.template load<BN>(Ks + (buf ^ 1) * BN * D, g, (long long)(t + 1) * BN, Tk, k);
+            vsrc.template load<BN>(Vs + (buf ^ 1) * BN * D, g, (long long)(t + 1) * BN, Tk, v);
         }
         mma::cp_async_commit();
         cp_async_wait<1>();
         fence_proxy();
         __syncthreads();
         const long long j0 = (long long)t * BN;
-        const T *Kb = Ks + buf * BN * kD, *Vb = Vs + buf * BN * kD;
+        const T *Kb = Ks + buf * BN * D, *Vb = Vs + buf * BN * D;
         const uint64_t dKb = desc(Kb), dVb = desc(Vb);
 
         float s[32], dp[32];
         fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) mma_ss<T, 64>(s, dQ + 2 * kk, dKb + 2 * kk, kk);
+        for (int kk = 0; kk < NK; kk++) mma_ss<T, 64>(s, kstep<64>(dQ, kk), kstep<BN>(dKb, kk), kk);
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) mma_ss<T, 64>(dp, dG + 2 * kk, dVb + 2 * kk, kk);
+        for (int kk = 0; kk < NK; kk++) mma_ss<T, 64>(dp, kstep<64>(dG, kk), kstep<BN>(dVb, kk), kk);
         commit();
         wait<0>();
         pin<32>(s);
@@ -700,21 +744,22 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
         unsigned da[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) c_to_a<T>(da[kk], s, kk);
-        pin<32>(dqa);
+        pin<NA>(dqa);
         fence();
+        const uint64_t dKt = desc_mn<D, BN>(Kb);  // K MN-major: D along N
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) mma_rs_t<T, 64>(dqa, da[kk], dKb + kk * (2048 >> 4), 1);
+        for (int kk = 0; kk < 4; kk++) mma_rs_t<T, D>(dqa, da[kk], dKt + kk * (2048 >> 4), 1);
         commit();
         wait<0>();
-        pin<32>(dqa);
+        pin<NA>(dqa);
         pin_u<16>(&da[0][0]);
     }
 
     mma::cp_async_wait_all();
     __syncthreads();
-    store_acc<T>(dq, ldq, b, h, i0, Tq, Ks, dqa, scale, scale);
-    if (part)   // (B x query tiles) x (H x kD)
-        tile_colsum<T>(Ks, i0, Tq, part + ((long long)b * gridDim.x + blockIdx.x) * H * kD + h * kD);
+    store_acc<T, D>(dq, ldq, b, h, i0, Tq, Ks, dqa, scale, scale);
+    if (part)   // (B x query tiles) x (H x D)
+        tile_colsum<T, D>(Ks, i0, Tq, part + ((long long)b * gridDim.x + blockIdx.x) * H * D + h * D);
 }
 
 }  // namespace wg

@@ -24,6 +24,11 @@ __device__ __forceinline__ uint64_t desc(const void *p) {
     return (uint64_t)((smem_u32(p) & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
            ((uint64_t)1 << 62);
 }
+// desc's with leading byte offset lbo: the bytes between the 64-wide atoms
+// along N of an MN-major tile wider than 64 (attention_wgmma.cuh at D = 128)
+__device__ __forceinline__ uint64_t desc(const void *p, unsigned lbo) {
+    return (desc(p) & ~((uint64_t)0x3FFF << 16)) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16);
+}
 
 #ifndef MS_ATTENTION_MMA_EMU
 

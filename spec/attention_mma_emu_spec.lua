@@ -5,7 +5,7 @@
 -- groups) replaced by CPU stand-ins of the same semantics, runs each block as
 -- 128 fibers, and checks out, lse, dq, dk and dv against a double-precision
 -- reference at head dims 64, 128 and 192, and q/k 192 with v 128 (DeepSeek's
--- MLA: v's width its own) (wgmma: 64) with tile-straddling
+-- MLA: v's width its own) (wgmma: 64 and 128) with tile-straddling
 -- lengths, Tq != Tk, GQA, (B, T, H, D) views. The GPU runs the real thing
 -- in spec/gpu_attention_spec.lua (#gpu). The same emulator runs the grouped
 -- GEMM of the experts (kernels/grouped_gemm.cuh, --gemm) against a double
@@ -48,7 +48,7 @@ end
 describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', function()
   teardown(function() if bin then os.remove(bin) end end)
 
-  it('match the reference: out, lse, dq, dk, dv at head dims 64, 128, 192 and q/k 192 with v 128 (wgmma: 64)',
+  it('match the reference: out, lse, dq, dk, dv at head dims 64, 128, 192 and q/k 192 with v 128 (wgmma: 64, 128)',
     function()
     if not emulator() then
       pending('no g++')
@@ -59,6 +59,10 @@ describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', fun
       local n = 0
       for _ in out:gmatch('ok   mma   D=192 Dv=128 ') do n = n + 1 end
       assert.are.equal(6, n, out)
+      -- and the wgmma kernels at head dim 128, plain and with climbing maxima
+      n = 0
+      for _ in out:gmatch('ok   wgmma D=128 ') do n = n + 1 end
+      assert.are.equal(12, n, out)
     end
   end)
 

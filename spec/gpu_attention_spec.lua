@@ -83,7 +83,7 @@ end
 local function expected_impl(impl, dt, D)
   if dt == 'f32' or impl == 'simt' then return 'simt' end
   local wg = impl == 'wgmma' or impl == 'wgmma1' or impl == 'wgmma0'
-  if wg and D == 64 and hopper then return 'wgmma' end
+  if wg and (D == 64 or D == 128) and hopper then return 'wgmma' end
   if wg then impl = 'mma' end
   if (impl == 'mma' or impl == 'mma1') and (D == 64 or D == 128 or D == 192) then return 'mma' end
   if D == 16 or D == 32 or D == 64 or D == 128 then return 'wmma' end
@@ -118,6 +118,7 @@ for _, c in ipairs({
   -- runs, and is skipped, within a row)
   { B = 1, H = 2, Hkv = 1, Tq = 300, Tk = 300, D = 64, causal = true, sharp = 3 },
   { B = 1, H = 2, Hkv = 2, Tq = 90, Tk = 200, D = 64, causal = false, sharp = 3 },
+  { B = 1, H = 2, Hkv = 1, Tq = 300, Tk = 300, D = 128, causal = true, sharp = 3 },
   -- the older set (head dim 32: wmma and simt only)
   { B = 2, H = 4, Hkv = 4, Tq = 100, Tk = 100, D = 64, causal = true },
   { B = 1, H = 8, Hkv = 2, Tq = 130, Tk = 130, D = 32, causal = true },
@@ -174,7 +175,7 @@ local function check_mma_only(cs, seed)
       local ref = reference(c, dt, seed)
       check_case(c, dt, ref, 'mma')
       check_case(c, dt, ref, 'mma1')
-      check_case(c, dt, ref, 'wgmma')   -- (Hopper's wgmma is head dim 64: mma runs)
+      check_case(c, dt, ref, 'wgmma')   -- (Hopper's wgmma is head dims 64 and 128: mma runs)
     end
   end
 end
@@ -428,24 +429,26 @@ end)
 
 -- ms_attention_backward_sum: the column sums of dq, dk, dv as stored (a fused
 -- qkv projection's bias gradient), from the wgmma kernels' epilogues on
--- Hopper at head dim 64, against the sums of the kernels' own outputs
+-- Hopper at head dims 64 and 128, against the sums of the kernels' own outputs
 describe('attention_backward_sum on cuda #gpu', function()
   local function colsums(t)   -- (B, H, T, D) -> H*D f64 values, h major
     local x = t:to('cpu'):double():transpose(2, 3):contiguous()   -- (B, T, H, D)
     local s = x:sum(1):sum(1)                                      -- (H, D)... as (1, 1, H, D)
     return s:reshape({ -1 })
   end
-  for _, c in ipairs({ { B = 2, H = 4, Hkv = 4, Tq = 200, Tk = 200, causal = true },
-                       { B = 1, H = 4, Hkv = 2, Tq = 130, Tk = 130, causal = true },
-                       { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false } }) do
-    it(('B=%d H=%d Hkv=%d Tq=%d Tk=%d: the sums of dq, dk, dv (1e-5 of the outputs\' own sums)'):format(
-      c.B, c.H, c.Hkv, c.Tq, c.Tk), function()
-      local D = 64
+  for _, c in ipairs({ { B = 2, H = 4, Hkv = 4, Tq = 200, Tk = 200, causal = true, D = 64 },
+                       { B = 1, H = 4, Hkv = 2, Tq = 130, Tk = 130, causal = true, D = 64 },
+                       { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false, D = 64 },
+                       { B = 1, H = 4, Hkv = 2, Tq = 130, Tk = 130, causal = true, D = 128 },
+                       { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false, D = 128 } }) do
+    it(('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d: the sums of dq, dk, dv (1e-5 of the outputs\' own sums)'):format(
+      c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D), function()
+      local D = c.D
       local q = ms.randn({ c.B, c.H, c.Tq, D }, { seed = 11 }):to('bf16'):cuda()
       local k = ms.randn({ c.B, c.Hkv, c.Tk, D }, { seed = 12 }):to('bf16'):cuda()
       local v = ms.randn({ c.B, c.Hkv, c.Tk, D }, { seed = 13 }):to('bf16'):cuda()
       local g = ms.randn({ c.B, c.H, c.Tq, D }, { seed = 14 }):to('bf16'):cuda()
-      local scale = 1 / 8
+      local scale = 1 / math.sqrt(D)
       local o, l = attention(q, k, v, scale, c.causal)
       local a, b, cc = box(), box(), box()
       local ds = ms.empty({ (c.H + 2 * c.Hkv) * D }, { dtype = 'f32', device = 'cuda' })
