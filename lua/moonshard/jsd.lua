@@ -146,7 +146,7 @@ function M.fused_linear_jsd(xs, Ws, xt, Wt, opts)
   local cd = xs.dtype == 'f64' and 'f64' or 'f32'
   local xs2, xt2 = rows_of(xs), rows_of(xt)
   local lab1 = labels and (labels.ndim == 1 and labels or R.reshape(labels, { -1 })) or nil
-  local rows = opts.chunk_size or M.chunk_rows(N, V, cd == 'f64' and 8 or 4, T.element_size(xs),
+  local rows = opts.chunk_size or M.chunk_rows(N, V, cd == 'f64' and 8 or 4, C.ms_dtype_size(xs.dtype_id),
     opts.memory_budget or 2 ^ 30)
   if type(rows) ~= 'number' or rows < 1 or rows % 1 ~= 0 then
     raise(('%s: chunk_size must be a positive integer, got %s'):format(NAME, tostring(rows)))
