@@ -287,15 +287,35 @@ local function new_sp(group)
   return sp
 end
 
+-- x itself (an alias), its gradient divided by n: a replicated consumer of
+-- a gathered tensor whose gradient is the same on every rank, beside split
+-- ones whose partial gradients the gather's reduce-scatter sums: the sum
+-- then holds the replicated part once
+local GradShare = A.Function {
+  name = 'tp_grad_share',
+  owns_results = true,
+  forward = function(ctx, x, n)
+    ctx.n = n
+    return A.raw_views.alias(x)
+  end,
+  backward = function(ctx, g) return F.mul(g, 1 / ctx.n), nil end,
+}
+
 -- An nn.MoE layer under tp.parallelize (its _tp: info): moe_enter(x) ->
 -- xr, xe: every token for the router (replicated; its gradient the same on
--- every rank: this rank's rows of it kept under sequence parallelism) and
--- for the split experts (their gradients partial: summed over the group);
+-- every rank) and for the split experts (their gradients partial: summed
+-- over the group). Under sequence parallelism both are one all-gather of
+-- this rank's rows: xe the gathered rows, xr the same with its gradient
+-- divided by the group's size (GradShare), so the gather's reduce-scatter
+-- adds the router's gradient once to the experts' summed ones.
 -- moe_exit(y): the experts' partial sums summed over the group (this
 -- rank's rows under sequence parallelism)
 function tp.moe_enter(x, info)
   local sp = info.sp
-  if sp and sp.active and x.ndim == 2 then return SeqUnsplit(x, sp), SeqGather(x, sp) end
+  if sp and sp.active and x.ndim == 2 then
+    local xe = SeqGather(x, sp)
+    return GradShare(xe, sp.size), xe
+  end
   return x, tp.copy_to(x, info.group)
 end
 -- a layer that computes on every token replicated (nn.MLAttention's
