@@ -5,9 +5,10 @@
 //   q (B, H, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) (query head h
 //   reads kv head h / (H/Hkv)), out (B, H, Tq, Dv), lse (B, H, Tq) f32; unit
 //   stride along D, any strides for B, H, T (the views models make by
-//   transposing (B,T,H,D)). Dv = D everywhere but the mma kernels' D = 192,
-//   Dv = 128 (DeepSeek's MLA); ms_cuda_attention_widths says which widths
-//   run, and sdpa pads the others (lua/moonshard/nn/functional.lua).
+//   transposing (B,T,H,D)). Dv = D everywhere but the mma and wgmma
+//   kernels' D = 192, Dv = 128 (DeepSeek's MLA); ms_cuda_attention_widths
+//   says which widths run, and sdpa pads the others
+//   (lua/moonshard/nn/functional.lua).
 //
 // Forward: a block owns 64 query rows of one (b, h); it streams 64-key tiles
 // of K and V through shared memory, keeps a running max and sum per row
@@ -351,7 +352,7 @@ int check_kernel_args(const char *op, const ms_tensor *q, const ms_tensor *k, co
     char d[200], e[200], f[200];
     if (q->dtype_id != MS_F32 && q->dtype_id != MS_BF16 && q->dtype_id != MS_F16)
         return ms_errorf("%s: cuda kernel takes f32, bf16 or f16, got %s", op, ms_desc(q, d, sizeof d));
-    // (192 and (192, 128): the mma kernels only; pick_impl's callers refuse the rest)
+    // (192 and (192, 128): the mma and wgmma kernels only; pick_impl's callers refuse the rest)
     int64_t wq = 0, wv = 0;
     if (!kernel_widths(q->dtype_id, q->sizes[3], v->sizes[3], &wq, &wv) || wq != q->sizes[3] || wv != v->sizes[3])
         return ms_errorf("%s: no CUDA kernel takes q %s, k %s, v %s: %s (nn.functional.scaled_dot_product_attention "
@@ -380,8 +381,10 @@ int set_smem(K kernel, size_t bytes) {
 // forces one (what does not fit the call falls back along that order), else
 // the environment does: MS_ATTENTION_IMPL=mma|wmma|simt, or MS_ATTENTION_SIMT
 // (any value) for simt. On compute capability 9.x, calls the mma kernels take
-// at head dim 64 or 128 (q, k, v alike) run the wgmma kernels instead
-// (attention_wgmma.cuh; MS_ATTENTION_IMPL=mma keeps mma.sync).
+// at head dim 64 or 128 (q, k, v alike), or q/k 192 with v 128 or 192, run
+// the wgmma kernels instead (attention_wgmma.cuh; MS_ATTENTION_IMPL=mma
+// keeps mma.sync) — but for the backward at q/k/v 192, whose dk/dv kernel
+// wgmma does not have (wg_dims).
 int g_impl_set = MS_ATTENTION_AUTO, g_impl_last = MS_ATTENTION_AUTO;
 
 int impl_requested() {
@@ -431,11 +434,18 @@ int cc_major(int device) {
     return cache[device];
 }
 
+// the (q/k, v) head widths the wgmma kernels take: 64, 128 (alike), q/k 192
+// with v 128, and for the forward (backward = false) q/k/v 192
+bool wg_dims(int D, int Dv, bool backward) {
+    return ((D == 64 || D == 128) && Dv == D) ||
+           (D == kMmaWideD && (Dv == kMmaWideDv || (Dv == kMmaWideD && !backward)));
+}
+
 // the implementation for a call on tensors ts[0..n) (q first), remembered
 // for ms_cuda_attention_last_impl
-// (D: q/k's head width, Dv: v's)
+// (D: q/k's head width, Dv: v's; backward: the call is the backward's)
 template <typename T>
-int pick_impl(int D, int Dv, const ms_tensor *const *ts, int n) {
+int pick_impl(int D, int Dv, const ms_tensor *const *ts, int n, bool backward) {
     int want = impl_requested(), got = MS_ATTENTION_SIMT;
     if (sizeof(T) == 2 && want != MS_ATTENTION_SIMT) {
         const bool mma_dims = (D == Dv && (D == 64 || D == 128 || D == kMmaWideD)) ||
@@ -443,7 +453,7 @@ int pick_impl(int D, int Dv, const ms_tensor *const *ts, int n) {
         bool mma_ok = want != MS_ATTENTION_WMMA && mma_dims && cc_major(ts[0]->device_id) >= 8;
         for (int i = 0; i < n && mma_ok; i++) mma_ok = rows_aligned16(ts[i]);
         const bool wg_ok = mma_ok && (want == MS_ATTENTION_AUTO || want == MS_ATTENTION_WGMMA) &&
-                           (D == 64 || D == 128) && Dv == D && cc_major(ts[0]->device_id) == 9;
+                           wg_dims(D, Dv, backward) && cc_major(ts[0]->device_id) == 9;
         if (wg_ok) got = MS_ATTENTION_WGMMA;
         else if (mma_ok) got = MS_ATTENTION_MMA;
         else if (D == Dv && (D == 16 || D == 32 || D == 64 || D == 128)) got = MS_ATTENTION_WMMA;
@@ -591,9 +601,10 @@ __global__ void __launch_bounds__(32 * kColsumWarps) part_colsum_kernel(float *o
     }
 }
 
-// the wgmma kernels (attention_wgmma.cuh: sm_90a, D = 64 and 128). Forward
-// key tile 64 (MS_ATTENTION_WG_BN=128 for 128 at D = 64; D = 128 always 64:
-// 128-key tiles of 256-byte rows would leave one block an SM)
+// the wgmma kernels (attention_wgmma.cuh: sm_90a, D = 64 and 128, q/k 192
+// with v 128 or 192). Forward key tile 64 (MS_ATTENTION_WG_BN=128 for 128
+// at D = 64; wider heads always 64: 128-key tiles of 256-byte rows would
+// leave one block an SM)
 int wg_bn() {
     static int bn = 0;
     if (!bn) {
@@ -603,15 +614,15 @@ int wg_bn() {
     return bn;
 }
 
-template <typename T, int BN, int D = 64>
+template <typename T, int BN, int D = 64, int DV = D>
 int wg_fwd_bn(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
               int causal) {
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
-    size_t smem = wg::fwd_smem<BN, D>();
-    if (set_smem<T>(wg::fwd_kernel<T, BN, D>, smem)) return -1;
+    size_t smem = wg::fwd_smem<BN, D, DV>();
+    if (set_smem<T>(wg::fwd_kernel<T, BN, D, DV>, smem)) return -1;
     dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
-    wg::fwd_kernel<T, BN, D><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
+    wg::fwd_kernel<T, BN, D, DV><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
         (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
         (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(v), layout4(out), H,
         Hkv, Tq, Tk, scale, causal);
@@ -623,6 +634,9 @@ template <typename T>
 int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
            int causal) {
     if (q->sizes[3] == 128) return wg_fwd_bn<T, 64, 128>(out, lse, q, k, v, scale, causal);
+    if (q->sizes[3] == kMmaWideD)
+        return v->sizes[3] == kMmaWideDv ? wg_fwd_bn<T, 64, kMmaWideD, kMmaWideDv>(out, lse, q, k, v, scale, causal)
+                                         : wg_fwd_bn<T, 64, kMmaWideD, kMmaWideD>(out, lse, q, k, v, scale, causal);
     return wg_bn() == 64 ? wg_fwd_bn<T, 64>(out, lse, q, k, v, scale, causal)
                          : wg_fwd_bn<T, 128>(out, lse, q, k, v, scale, causal);
 }
@@ -655,13 +669,14 @@ bool fused_delta() {
     return g_fused_delta == 1;
 }
 
-// D: the head dim (64 or 128; the one pass at 64 only)
+// D: q/k's head dim (64 or 128, or 192 with DV = 128; the one pass at 64
+// only), DV: v's
 // dsum (or NULL): the column sums of dq, dk, dv as stored, [H·D | Hkv·D |
-// Hkv·D] f32, from the kernels' per-block partial rows (part_colsum_kernel
+// Hkv·DV] f32, from the kernels' per-block partial rows (part_colsum_kernel
 // adds them in a fixed order)
 // out (or NULL): compute Delta in dq_kernel from out and dout into delta
 // (then written, not read), dq_kernel before dkdv_kernel
-template <typename T, int D>
+template <typename T, int D, int DV = D>
 int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
            const ms_tensor *dout, const float *l, float *delta, float scale, int causal, cudaStream_t s,
            float *dsum = nullptr, const ms_tensor *out = nullptr) {
@@ -692,7 +707,7 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     holder part;
     float *pq = nullptr, *pkv = nullptr;
     if (dsum) {
-        int64_t n[1] = {(int64_t)(rq * H + 2 * rk * Hkv) * D};
+        int64_t n[1] = {(int64_t)(rq * H * D + rk * Hkv * (D + DV))};
         if (n[0] > 0 && ms_tensor_empty(&part.t, 1, n, MS_F32, q->device_id)) return -1;
         if (n[0] > 0) {
             pq = (float *)ms_tensor_data(part.t);
@@ -701,10 +716,11 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     }
     auto run_dkdv = [&]() -> int {
         if (!(Tk > 0 && B * Hkv > 0)) return 0;
-        size_t smem = wg::dkdv_smem<D>();
-        if (set_smem<T>(wg::dkdv_kernel<T, false, D>, smem)) return -1;
+        constexpr int BQ = wg::dkdv_bq<D>();
+        size_t smem = wg::dkdv_smem<D, DV, BQ>();
+        if (set_smem<T>(wg::dkdv_kernel<T, false, D, DV, BQ>, smem)) return -1;
         dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));
-        wg::dkdv_kernel<T, false, D><<<grid, 128, smem, s>>>(
+        wg::dkdv_kernel<T, false, D, DV, BQ><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk, scale, causal, pkv);
@@ -713,10 +729,10 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     };
     auto run_dq = [&]() -> int {
         if (!(Tq > 0 && B * H > 0)) return 0;
-        size_t smem = wg::dq_smem<D>();
-        if (set_smem<T>(wg::dq_kernel<T, D>, smem)) return -1;
+        size_t smem = wg::dq_smem<D, DV>();
+        if (set_smem<T>(wg::dq_kernel<T, D, DV>, smem)) return -1;
         dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
-        wg::dq_kernel<T, D><<<grid, 128, smem, s>>>(
+        wg::dq_kernel<T, D, DV><<<grid, 128, smem, s>>>(
             (T *)ms_tensor_data(dq), (const T *)ms_tensor_data(q), (const T *)ms_tensor_data(k),
             (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l, delta, layout4(q), layout4(k), layout4(v),
             layout4(dout), layout4(dq), H, Hkv, Tq, Tk, scale, causal, pq,
@@ -727,11 +743,11 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     // with the fused Delta, dq_kernel writes what dkdv_kernel reads
     if (out ? (run_dq() || run_dkdv()) : (run_dkdv() || run_dq())) return -1;
     if (dsum) {
-        const int cq = H * D, ckv = Hkv * D;
+        const int cq = H * D, ckv = Hkv * D, cv = Hkv * DV;
         const struct { float *out; const float *part; long long rows; int cols; } seg[3] = {
             {dsum, pq, Tq > 0 ? rq : 0, cq},
             {dsum + cq, pkv, Tk > 0 ? rk : 0, ckv},
-            {dsum + cq + ckv, pkv ? pkv + rk * ckv : nullptr, Tk > 0 ? rk : 0, ckv}};
+            {dsum + cq + ckv, pkv ? pkv + rk * ckv : nullptr, Tk > 0 ? rk : 0, cv}};
         for (const auto &sg : seg) {
             part_colsum_kernel<<<(unsigned)((sg.cols + 31) / 32), 32 * kColsumWarps, 0, s>>>(sg.out, sg.part, sg.rows,
                                                                                           sg.cols);
@@ -816,8 +832,9 @@ int fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, 
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     if (Tq == 0 || B * H == 0) return 0;  // (an empty grid is a launch error)
     const ms_tensor *ts[4] = {q, k, v, out};
-    int impl = pick_impl<T>(D, Dv, ts, 4);
-    if ((D > kMaxD || Dv != D) && impl != MS_ATTENTION_MMA) return wide_refused("attention", q, k, v);
+    int impl = pick_impl<T>(D, Dv, ts, 4, false);
+    if ((D > kMaxD || Dv != D) && impl != MS_ATTENTION_MMA && impl != MS_ATTENTION_WGMMA)
+        return wide_refused("attention", q, k, v);
     // the wgmma forward scales each row's max after taking it: a positive scale only
     if (impl == MS_ATTENTION_WGMMA && !(scale > 0.f)) impl = MS_ATTENTION_MMA;
     if constexpr (sizeof(T) == 2) {
@@ -858,8 +875,9 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         l = clse.t;
     }
     const ms_tensor *ts[7] = {q, k, v, dout, dq, dk, dv};
-    int impl = pick_impl<T>(D, Dv, ts, 7);
-    if ((D > kMaxD || Dv != D) && impl != MS_ATTENTION_MMA) return wide_refused("attention_backward", q, k, v);
+    int impl = pick_impl<T>(D, Dv, ts, 7, true);
+    if ((D > kMaxD || Dv != D) && impl != MS_ATTENTION_MMA && impl != MS_ATTENTION_WGMMA)
+        return wide_refused("attention_backward", q, k, v);
     // the wgmma two-kernel backward computes Delta in its dq kernel
     bool fuse = false;
     if constexpr (sizeof(T) == 2)
@@ -894,8 +912,10 @@ int bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, const m
         if (impl == MS_ATTENTION_WGMMA) {
             if (dsum) *summed = 1;
             float *dd = (float *)ms_tensor_data(delta.t);
-            return D == 128 ? wg_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dd, scale, causal, s, dsum, fuse ? out : nullptr)
-                            : wg_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dd, scale, causal, s, dsum, fuse ? out : nullptr);
+            const ms_tensor *fo = fuse ? out : nullptr;
+            return D == 128         ? wg_bwd<T, 128>(dq, dk, dv, q, k, v, dout, lp, dd, scale, causal, s, dsum, fo)
+                   : D == kMmaWideD ? wg_bwd<T, kMmaWideD, kMmaWideDv>(dq, dk, dv, q, k, v, dout, lp, dd, scale, causal, s, dsum, fo)
+                                    : wg_bwd<T, 64>(dq, dk, dv, q, k, v, dout, lp, dd, scale, causal, s, dsum, fo);
         }
         if (impl == MS_ATTENTION_MMA)
             return D == 64    ? mma_bwd<T, 64, 64>(dq, dk, dv, q, k, v, dout, lp, dp, scale, causal, s)

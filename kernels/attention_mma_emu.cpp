@@ -25,7 +25,8 @@
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
 //   build/attention_mma_emu [--quick] [--reverse] [--gemm]  (exit status 1 on a mismatch)
 // --quick: the launched configurations on 6 shapes (mma at head dims 64,
-// 128 and 192, and q/k 192 with v 128, wgmma at 64 and 128); else 11 shapes, the
+// 128 and 192, and q/k 192 with v 128, wgmma at 64, 128, q/k 192 with v 128
+// and, the forward, 192); else 11 shapes, the
 // one-m-tile tilings, (192, 128) with 32-query dk/dv steps and wgmma's
 // 128-key forward too; --reverse: the fibers of a block run in reverse order.
 //
@@ -409,7 +410,10 @@ struct errsum {
 
 // the kernels at q/k head dim D and v head dim DV with m-tiles MT (forward),
 // KMT and BQ (dk/dv), QMT (dq); wg: the wgmma kernels instead (D = DV = 64
-// or 128; MT is the forward's key tile; the one pass at 64 only).
+// or 128, or D = 192 with DV = 128 or 192; MT is the forward's key tile, BQ
+// the dk/dv kernel's query step; the one pass at 64 only; at D = DV = 192
+// the forward only, the backward on the mma kernels of config<192> as
+// attention.cu runs it).
 // sharp > 0: q times 1 + sharp and key t times 1 + sharp*t/64, so that the
 // rows' maxima climb by far more than the forward's kStale from tile to tile
 // (its O rescaling runs, and is skipped, within one row)
@@ -433,10 +437,16 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
         for (auto &e : x->v) e.x = 0x7fc0;  // NaN: an unwritten element shows
     const float scale = 1.f / sqrtf((float)D);
     std::vector<float> lse((size_t)B * H * Tq, NAN), delta((size_t)B * H * Tq);
+    // the wgmma backward (WGB), else the mma one (at D = DV = 192 with WG: config<192>'s tiles)
+    constexpr bool WGB = WG && !(D == 192 && DV == 192);
+    typedef mma::config<D, DV> CB;
+    constexpr bool MB = WG && !WGB;   // the mma backward of a wgmma forward
+    constexpr int mBQ = MB ? CB::dkdv_bq : BQ, mKMT = MB ? CB::dkdv_mt : KMT, mQMT = MB ? CB::dq_mt : QMT;
     if constexpr (WG) {
-        static_assert((D == 64 || D == 128) && DV == D, "wgmma kernels: head dim 64 or 128");
+        static_assert(((D == 64 || D == 128) && DV == D) || (D == 192 && (DV == 128 || DV == 192)),
+                      "wgmma kernels: head dim 64 or 128, or q/k 192 with v 128 or 192");
         launch((Tq + 63) / 64, B * H, [&] {
-            wg::fwd_kernel<bf, MT, D>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv, Tq,
+            wg::fwd_kernel<bf, MT, D, DV>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv, Tq,
                                    Tk, scale, causal);
         });
     } else {
@@ -500,15 +510,15 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     // the wgmma kernels' column sums of dq, dk, dv (the fused qkv bias
     // gradient): a row of partial sums per (batch, tile), NaN-filled
     const long long tq = (Tq + 63) / 64, tk = (Tk + 63) / 64;
-    std::vector<float> pq((size_t)(B * tq * H * D), NAN), pkv((size_t)(2 * B * tk * Hkv * D), NAN);
+    std::vector<float> pq((size_t)(B * tq * H * D), NAN), pkv((size_t)(B * tk * Hkv * (D + DV)), NAN);
     // wgmma: as attention.cu runs it by default, dq_kernel first, computing
     // Delta from the forward's out into dfused (NaN-filled), then dkdv_kernel
     // reading it
     std::vector<float> dfused((size_t)B * H * Tq, NAN);
     errsum edelta, edq0;
-    if constexpr (WG) {
+    if constexpr (WGB) {
         launch((Tq + 63) / 64, B * H, [&] {
-            wg::dq_kernel<bf, D>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), nullptr, q.l, k.l, v.l,
+            wg::dq_kernel<bf, D, DV>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), nullptr, q.l, k.l, v.l,
                               g.l, dq.l, H, Hkv, Tq, Tk, scale, causal, pq.data(), o.data(), o.l, dfused.data());
         });
         for (size_t i = 0; i < delta.size(); i++) edelta.add(dfused[i], delta[i]);
@@ -517,21 +527,21 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
         tensor4 dq0(B, H, Tq, D, bthd);
         for (auto &e : dq0.v) e.x = 0x7fc0;
         launch((Tq + 63) / 64, B * H, [&] {
-            wg::dq_kernel<bf, D>(dq0.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l,
+            wg::dq_kernel<bf, D, DV>(dq0.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l, k.l,
                               v.l, g.l, dq0.l, H, Hkv, Tq, Tk, scale, causal);
         });
         dq_err(dq0, edq0);
         launch((Tk + 63) / 64, B * Hkv, [&] {
-            wg::dkdv_kernel<bf, false, D>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), dfused.data(),
+            wg::dkdv_kernel<bf, false, D, DV, BQ>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), dfused.data(),
                                 q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal, pkv.data());
         });
     } else {
-        launch((Tk + 64 * KMT - 1) / (64 * KMT), B * Hkv, [&] {
-            mma::dkdv_kernel<bf, D, DV, BQ, KMT>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(),
+        launch((Tk + 64 * mKMT - 1) / (64 * mKMT), B * Hkv, [&] {
+            mma::dkdv_kernel<bf, D, DV, mBQ, mKMT>(dk.data(), dv.data(), q.data(), k.data(), v.data(), g.data(), lse.data(),
                                              delta.data(), q.l, k.l, v.l, g.l, dk.l, dv.l, H, Hkv, Tq, Tk, scale, causal);
         });
-        launch((Tq + 64 * QMT - 1) / (64 * QMT), B * H, [&] {
-            mma::dq_kernel<bf, D, DV, QMT>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l,
+        launch((Tq + 64 * mQMT - 1) / (64 * mQMT), B * H, [&] {
+            mma::dq_kernel<bf, D, DV, mQMT>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), delta.data(), q.l,
                                        k.l, v.l, g.l, dq.l, H, Hkv, Tq, Tk, scale, causal);
         });
     }
@@ -586,36 +596,38 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     // the partial rows summed (as attention.cu's part_colsum_kernel) against
     // the column sums of the stored dq, dk, dv
     errsum esum;
-    if (WG) {
-        auto check_sums = [&](const std::vector<float> &p, long long rows0, long long rows, int heads, tensor4 &t,
-                              int Tn) {
+    if (WGB) {
+        // p's rows from element base on, heads x cols each
+        auto check_sums = [&](const std::vector<float> &p, long long base, long long rows, int heads, int cols,
+                              tensor4 &t, int Tn) {
             for (int h = 0; h < heads; h++)
-                for (int d = 0; d < D; d++) {
+                for (int d = 0; d < cols; d++) {
                     float s = 0;
-                    for (long long r = 0; r < rows; r++) s += p[(size_t)((rows0 + r) * heads * D + h * D + d)];
+                    for (long long r = 0; r < rows; r++) s += p[(size_t)(base + r * heads * cols + h * cols + d)];
                     double want = 0;
                     for (int b = 0; b < B; b++)
                         for (int i = 0; i < Tn; i++) want += t.get(b, h, i, d);
                     esum.add(s, want);
                 }
         };
-        check_sums(pq, 0, B * tq, H, dq, Tq);
-        check_sums(pkv, 0, B * tk, Hkv, dk, Tk);
-        check_sums(pkv, B * tk, B * tk, Hkv, dv, Tk);
+        check_sums(pq, 0, B * tq, H, D, dq, Tq);
+        check_sums(pkv, 0, B * tk, Hkv, D, dk, Tk);
+        check_sums(pkv, B * tk * Hkv * D, B * tk, Hkv, DV, dv, Tk);
     }
     // bf16 bounds as spec/gpu_attention_spec.lua; NaN fails every comparison
     const double r[8] = {eo.rel(), el.rel(), edq.rel(), edk.rel(), edv.rel(), edq1.rel(), edk1.rel(), edv1.rel()};
-    bool ok = lse_inf_ok && (!WG || (esum.rel() <= 1e-5 && edelta.rel() <= 1e-5 && edq0.rel() <= 1e-2));
+    bool ok = lse_inf_ok && (!WGB || (esum.rel() <= 1e-5 && edelta.rel() <= 1e-5 && edq0.rel() <= 1e-2));
     for (int i = 0; i < 8; i++) ok = ok && r[i] <= (i == 1 ? 1e-5 : 1e-2);
     char dims[32];
     if (DV == D) snprintf(dims, sizeof dims, "D=%d", D);
     else snprintf(dims, sizeof dims, "D=%d Dv=%d", D, DV);
     printf("%s %s %s [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e",
-           ok ? "ok  " : "FAIL", WG ? "wgmma" : "mma  ", dims, MT, BQ, KMT, QMT, B, H, Hkv, Tq, Tk,
+           ok ? "ok  " : "FAIL", WG ? "wgmma" : "mma  ", dims, MT, mBQ, mKMT, mQMT, B, H, Hkv, Tq, Tk,
            causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "", sharp > 0 ? " sharp" : "", r[0], r[1], r[2], r[3], r[4]);
-    if (WG) printf("; column sums %.1e; Delta in dq %.1e (Delta read: dq %.1e)", esum.rel(), edelta.rel(), edq0.rel());
+    if (WGB) printf("; column sums %.1e; Delta in dq %.1e (Delta read: dq %.1e)", esum.rel(), edelta.rel(), edq0.rel());
     if (!WG || wg1) printf("; one pass dq %.1e dk %.1e dv %.1e\n", r[5], r[6], r[7]);
-    else printf("; one pass: not run (not causal, Tk < Tq, or D = 128)\n");
+    else printf("; one pass: not run (not causal, Tk < Tq, or D > 64)%s\n",
+                WGB ? "" : "; backward on the mma kernels (config<192>)");
     return ok ? 0 : 1;
 }
 
@@ -779,6 +791,13 @@ int main(int argc, char **argv) {
         // ... and at head dim 128 (64-key forward tiles, as launched)
         bad += run_case<128, 128, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
         bad += run_case<128, 128, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
+        // ... and at q/k 192 with v 128 (DeepSeek's MLA; 32-query dk/dv steps) and
+        // v 192 (the forward; its backward on the mma kernels), as launched
+        constexpr int BQ192 = wg::dkdv_bq<192>();
+        bad += run_case<192, 128, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        bad += run_case<192, 128, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
+        bad += run_case<192, 192, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+        bad += run_case<192, 192, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
     }
     printf("%d failed\n", bad);
     return bad != 0;

@@ -1,15 +1,18 @@
 // kernels/attention_wgmma.cuh — the sm_90a path of kernels/attention.cu for
 // bf16/f16 at head dims 64 and 128 (q, k, v alike; the template parameter
-// D, 64 by default): the same FlashAttention-2 algorithm and the same three
-// kernels as attention_mma.cuh (forward; dk/dv per key block; dq per query
-// block, no atomics), with every tile product on Hopper's warpgroup MMA
-// (wgmma.mma_async, f32 accumulation) instead of mma.sync. (The one-pass
-// backward, dkdv_kernel<T, true>, is D = 64 only.)
+// D, 64 by default) and q/k 192 with v 128 or 192 (DeepSeek's MLA: v's
+// width the template parameter DV, D by default): the same FlashAttention-2
+// algorithm and the same three kernels as attention_mma.cuh (forward; dk/dv
+// per key block; dq per query block, no atomics), with every tile product
+// on Hopper's warpgroup MMA (wgmma.mma_async, f32 accumulation) instead of
+// mma.sync. (The one-pass backward, dkdv_kernel<T, true>, is D = 64 only;
+// at D = DV = 192 attention.cu runs only the forward here: dK and dV would
+// take 192 registers a thread.)
 //
 // A block is one warpgroup (128 threads, 4 warps) owning 64 rows (queries in
 // the forward and dq kernels, keys in dk/dv): wgmma's M = 64. Several blocks
-// share an SM (2-5 at D = 64, 2 at D = 128, by registers and shared memory),
-// so one block's softmax runs while another's wgmmas do.
+// share an SM (2-5 at D = 64, 2 at D = 128 and 192, by registers and shared
+// memory), so one block's softmax runs while another's wgmmas do.
 //
 // Shared-memory tiles are rows of 64 16-bit elements (128 bytes) with the
 // 128-byte swizzle: the 16-byte chunk c of row r lies at r*128 + ((c ^ (r&7))
@@ -28,7 +31,9 @@
 // At D = 128 a tile of R rows is two such 64-column sub-tiles, columns 0-63
 // then 64-127, R*128 bytes apart: K-major k16 steps 4-7 start in the second
 // (kstep), and MN-major reads (N = 128: m64n128k16) see the two as atoms
-// along N, the leading byte offset (LBO) R*128 apart (desc_mn).
+// along N, the leading byte offset (LBO) R*128 apart (desc_mn). At D = 192
+// three sub-tiles (k16 steps 8-11 in the third; m64n192k16), and v's tiles
+// (V, dO) have DV columns, their sub-tiles R*128 bytes apart as q's.
 // The second operand of P.V, dV, dK, dQ comes from registers: wgmma's A
 // fragment for m64k16 is mma.sync's m16k16 A fragment per warp (rows 16w..),
 // and its f32 accumulator for m64nN is mma.sync's C fragment per warp and
@@ -153,7 +158,24 @@ const int kD = 64;
 // thread a column, its 64 rows in four sums.
 template <typename T, int D = 64>
 __device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long Tn, float *part) {
-    constexpr int NH = 128 / D, RH = 64 / NH;   // threads a column, rows each
+    if constexpr (D > 128) {
+        // D = 192: a thread a column (threads 0-63 a second, 128 on), its
+        // 64 rows in four sums
+        __syncthreads();
+        const long long left = Tn - t0;
+        const int nr = left < 64 ? (int)left : 64;
+        for (int c = threadIdx.x; c < D; c += 128) {
+            float a[4] = {0.f, 0.f, 0.f, 0.f};
+            int r = 0;
+            for (; r + 3 < nr; r += 4)
+#pragma unroll
+                for (int u = 0; u < 4; u++) a[u] += mma::op<T>::to_float(s[(r + u) * (D + 8) + c]);
+            for (; r < nr; r++) a[0] += mma::op<T>::to_float(s[r * (D + 8) + c]);
+            part[c] = (a[0] + a[1]) + (a[2] + a[3]);
+        }
+        return;
+    }
+    constexpr int NH = D > 128 ? 1 : 128 / D, RH = 64 / NH;   // threads a column, rows each
     __syncthreads();
     const int c = threadIdx.x & (D - 1), h = threadIdx.x / D;   // 128 threads: h < NH
     const long long left = Tn - t0;
@@ -188,17 +210,23 @@ constexpr float kStale = 8.f;
 
 // D = 128: 64 registers of O a thread (and 32 of S at BN = 64); Q, K, V
 // tiles of 256-byte rows (two 64-column sub-tiles each): 81 KB, 2 blocks an
-// SM (docs/perf-notes.md, "wgmma attention at D = 128")
-template <int BN, int D = 64>
+// SM (docs/perf-notes.md, "wgmma attention at D = 128"). D = 192, DV = 128:
+// O 64 registers, 105 KB; DV = 192: O 96 registers, and V single-buffered
+// (fwd_v1: the next tile's V loads once P.V is done) for 97 KB, 2 blocks
+// an SM (121 KB double-buffered: one)
+template <int D, int DV>
+constexpr bool fwd_v1 = DV > 128;
+template <int BN, int D = 64, int DV = D>
 size_t fwd_smem() {
-    return 1024 + (size_t)(64 + 4 * BN) * (2 * D);
+    return 1024 + (size_t)(64 * D + 2 * BN * D + (fwd_v1<D, DV> ? 1 : 2) * BN * DV) * 2;
 }
 
-template <typename T, int BN, int D = 64>
+template <typename T, int BN, int D = 64, int DV = D>
 __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
                                                   qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo, int H,
                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
-    constexpr int NS = BN / 8, NA = BN / 16, NK = D / 16, NO = D / 2;  // NO: O's accumulators a thread
+    constexpr int NS = BN / 8, NA = BN / 16, NK = D / 16, NO = DV / 2;  // NO: O's accumulators a thread
+    constexpr bool V1 = fwd_v1<D, DV>;
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
     T *Qs = (T *)sm, *Ks = Qs + 64 * D, *Vs = Ks + 2 * BN * D;
@@ -211,7 +239,8 @@ __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_ker
     const float sl = scale * kLog2e;
     const long long row0 = i0 + warp * 16 + g8;  // this thread's rows row0, row0 + 8
 
-    const sw_src<T, D> ksrc(k, lk, b), vsrc(v, lv, b);
+    const sw_src<T, D> ksrc(k, lk, b);
+    const sw_src<T, DV> vsrc(v, lv, b);
     load_sw<T, 64, D>(Qs, q, lq, b, h, i0, Tq);
     if (ntiles > 0) {
         ksrc.template load<BN>(Ks, g, 0, Tk, k);
@@ -228,14 +257,14 @@ __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_ker
         __syncthreads();  // every wgmma on tile t-1 (buffer buf ^ 1) has completed
         if (t + 1 < ntiles) {
             ksrc.template load<BN>(Ks + (buf ^ 1) * BN * D, g, (long long)(t + 1) * BN, Tk, k);
-            vsrc.template load<BN>(Vs + (buf ^ 1) * BN * D, g, (long long)(t + 1) * BN, Tk, v);
+            if (!V1) vsrc.template load<BN>(Vs + (buf ^ 1) * BN * DV, g, (long long)(t + 1) * BN, Tk, v);
         }
         mma::cp_async_commit();
         cp_async_wait<1>();  // tile t (and Q) landed: this thread's copies ...
         fence_proxy();
         __syncthreads();     // ... and everyone's
         const long long j0 = (long long)t * BN;
-        const T *Kb = Ks + buf * BN * D, *Vb = Vs + buf * BN * D;
+        const T *Kb = Ks + buf * BN * D, *Vb = V1 ? Vs : Vs + buf * BN * DV;
 
         // S = Q K^T
         float s[BN / 2];
@@ -290,7 +319,7 @@ __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_ker
         }
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-            for (int n = 0; n < D / 8; n++)
+            for (int n = 0; n < DV / 8; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) o[4 * n + e] *= alpha[e >> 1];
         }
@@ -301,13 +330,22 @@ __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_ker
         for (int kk = 0; kk < NA; kk++) c_to_a<T>(pa[kk], s, kk);
         pin<NO>(o);
         fence();
-        const uint64_t dv = desc_mn<D, BN>(Vb);
+        const uint64_t dv = desc_mn<DV, BN>(Vb);
 #pragma unroll
-        for (int kk = 0; kk < NA; kk++) mma_rs_t<T, D>(o, pa[kk], dv + kk * (2048 >> 4), 1);
+        for (int kk = 0; kk < NA; kk++) mma_rs_t<T, DV>(o, pa[kk], dv + kk * (2048 >> 4), 1);
         commit();
         wait<0>();
         pin<NO>(o);
         pin_u<NA * 4>(&pa[0][0]);
+        if constexpr (V1) {
+            // V's one buffer free once every warp's P.V is done: the next tile's
+            // (waited for with K's at the top of the next step)
+            if (t + 1 < ntiles) {
+                __syncthreads();
+                vsrc.template load<BN>(Vs, g, (long long)(t + 1) * BN, Tk, v);
+            }
+            mma::cp_async_commit();
+        }
     }
 
     mma::cp_async_wait_all();
@@ -323,7 +361,7 @@ __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_ker
         if (t4 == 0 && i < Tq)
             lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
     }
-    store_acc<T, D>(out, lo, b, h, i0, Tq, Ks, o, inv[0], inv[1]);
+    store_acc<T, DV>(out, lo, b, h, i0, Tq, Ks, o, inv[0], inv[1]);
 }
 
 // -------------------------------------------------------------- backward
@@ -351,10 +389,17 @@ __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_ker
 // every tile from its diagonal on.
 // D = 128: the two-kernel backward only (OP at D = 64); dK and dV take 128
 // registers a thread, S^T and dP^T 64 more; tiles of 256-byte rows: 97 KB,
-// 2 blocks an SM
-template <int D = 64>
+// 2 blocks an SM. D = 192, DV = 128: dK and dV take 160 registers, so the
+// steps are BQ = 32 queries (dkdv_bq): S^T and dP^T (m64n32k16) 32 more;
+// 82 KB, 2 blocks an SM. (DV = 192: dK and dV alone 192 registers; not
+// built, attention.cu's backward runs the mma kernels there.)
+template <int D>
+constexpr int dkdv_bq() {
+    return D > 128 ? 32 : 64;
+}
+template <int D = 64, int DV = D, int BQ = 64>
 size_t dkdv_smem(bool op = false) {
-    return 1024 + (size_t)(2 * 64 + 4 * 64 + (op ? 64 : 0)) * (2 * D) + 4 * 64 * sizeof(float);
+    return 1024 + (size_t)(64 * D + 64 * DV + 2 * BQ * (D + DV) + (op ? 64 * D : 0)) * 2 + 4 * BQ * sizeof(float);
 }
 
 // OP: this block's share c (64 x 64 accumulators, queries i0.. of (b, h) x
@@ -414,19 +459,21 @@ __device__ __forceinline__ void dq_add(T *dq, const qkv_layout &l, float *dqacc,
 
 // (OP: at most 168 registers, 3 blocks an SM as the two-pass kernel; ptxas
 // left alone takes 187)
-template <typename T, bool OP = false, int D = 64>
+template <typename T, bool OP = false, int D = 64, int DV = D, int BQ = 64>
 __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout,
                                                    const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                    qkv_layout lv, qkv_layout lg, qkv_layout ldk, qkv_layout ldv, int H,
                                                    int Hkv, long long Tq, long long Tk, float scale, int causal,
                                                    float *part = nullptr, T *dq = nullptr, qkv_layout ldq = qkv_layout{},
                                                    float *dqacc = nullptr, int *sem = nullptr) {
-    constexpr int BQ = 64, NK = D / 16, NA = D / 2;  // NA: dK's (dV's) accumulators a thread
-    static_assert(!OP || D == 64, "the one-pass backward: head dim 64");
+    // NA, NV: dK's, dV's accumulators a thread; NS: S^T's (dP^T's); NQ: the step's k16 blocks of queries
+    constexpr int NK = D / 16, NKV = DV / 16, NA = D / 2, NV = DV / 2, NS = BQ / 2, NQ = BQ / 16;
+    static_assert(!OP || (D == 64 && DV == 64 && BQ == 64), "the one-pass backward: head dim 64");
+    static_assert(BQ == 64 || BQ == 32, "64- or 32-query steps");
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
-    T *Ks = (T *)sm, *Vs = Ks + 64 * D, *Qs = Vs + 64 * D, *Gs = Qs + 2 * BQ * D;
-    float *Ls = (float *)(Gs + 2 * BQ * D), *Ds = Ls + 2 * BQ;
+    T *Ks = (T *)sm, *Vs = Ks + 64 * D, *Qs = Vs + 64 * DV, *Gs = Qs + 2 * BQ * D;
+    float *Ls = (float *)(Gs + 2 * BQ * DV), *Ds = Ls + 2 * BQ;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
     int jb = blockIdx.x, bg = blockIdx.y;  // key block, (b, kv head)
     if constexpr (OP) {
@@ -449,13 +496,14 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
     // counted along as the steps are issued (no division a step)
     int nh = 0, hlast = g * rep;         // the next step's head g*rep + nh; the last issued step's
     long long nt = 0, ilast = istart;    // the next step's tile istart + nt*BQ; the last issued step's
-    const sw_src<T, D> qsrc(q, lq, b), gsrc(dout, lg, b);
+    const sw_src<T, D> qsrc(q, lq, b);
+    const sw_src<T, DV> gsrc(dout, lg, b);
     float Lv = INFINITY, Dv = 0.f;
     auto issue = [&](int buf) {
         const int hq = g * rep + nh;
         const long long ib = istart + nt * BQ;
         qsrc.template load<BQ>(Qs + buf * BQ * D, hq, ib, Tq, q);
-        gsrc.template load<BQ>(Gs + buf * BQ * D, hq, ib, Tq, dout);
+        gsrc.template load<BQ>(Gs + buf * BQ * DV, hq, ib, Tq, dout);
         const long long i = ib + threadIdx.x, row = ((long long)b * H + hq) * Tq + i;
         if (threadIdx.x < BQ && i < Tq) {
             Lv = lse[row];
@@ -473,13 +521,15 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
         }
     };
     load_sw<T, 64, D>(Ks, k, lk, b, g, j0, Tk);
-    load_sw<T, 64, D>(Vs, v, lv, b, g, j0, Tk);
+    load_sw<T, 64, DV>(Vs, v, lv, b, g, j0, Tk);
     if (total > 0) issue(0);
     mma::cp_async_commit();
 
-    float dka[NA], dva[NA];
+    float dka[NA], dva[NV];
 #pragma unroll
-    for (int i = 0; i < NA; i++) dka[i] = dva[i] = 0.f;
+    for (int i = 0; i < NA; i++) dka[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) dva[i] = 0.f;
     const uint64_t dK = desc(Ks), dV = desc(Vs);
 
     for (long long it = 0; it < total; it++) {
@@ -499,21 +549,21 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
         // start at istart, and istart + 63 + off >= j0), which must not skip
         // a tile's turn
         if (!OP && causal && j0 > i0 + BQ - 1 + off) continue;
-        const T *Qb = Qs + buf * BQ * D, *Gb = Gs + buf * BQ * D;
+        const T *Qb = Qs + buf * BQ * D, *Gb = Gs + buf * BQ * DV;
         const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
 
-        // S^T = K Q^T, dP^T = V dO^T: 64 keys x 64 queries
-        float st[32], dpt[32];
+        // S^T = K Q^T, dP^T = V dO^T: 64 keys x BQ queries
+        float st[NS], dpt[NS];
         fence();
         const uint64_t dQb = desc(Qb), dGb = desc(Gb);
 #pragma unroll
-        for (int kk = 0; kk < NK; kk++) mma_ss<T, 64>(st, kstep<64>(dK, kk), kstep<BQ>(dQb, kk), kk);
+        for (int kk = 0; kk < NK; kk++) mma_ss<T, BQ>(st, kstep<64>(dK, kk), kstep<BQ>(dQb, kk), kk);
 #pragma unroll
-        for (int kk = 0; kk < NK; kk++) mma_ss<T, 64>(dpt, kstep<64>(dV, kk), kstep<BQ>(dGb, kk), kk);
+        for (int kk = 0; kk < NKV; kk++) mma_ss<T, BQ>(dpt, kstep<64>(dV, kk), kstep<BQ>(dGb, kk), kk);
         commit();
         wait<0>();
-        pin<32>(st);
-        pin<32>(dpt);
+        pin<NS>(st);
+        pin<NS>(dpt);
 
         const bool edge = i0 + BQ > Tq || j0 + 64 > Tk || (causal && j0 + 63 > i0 + off);
         int cmin[2], cmax[2];
@@ -524,7 +574,7 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             cmax[r] = j < Tk ? (int)min((long long)BQ, Tq - i0) : 0;
         }
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
+        for (int n = 0; n < BQ / 8; n++) {
             // the two queries' lse and Delta of columns c0, c0 + 1 in one 8-byte load each
             const int c0 = n * 8 + 2 * t4;
             const float2 L2 = *reinterpret_cast<const float2 *>(Lb + c0);
@@ -538,19 +588,19 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
                 dpt[4 * n + e] = p * (dpt[4 * n + e] - ((e & 1) ? D2.y : D2.x));
             }
         }
-        unsigned pa[4][4], da[4][4];
+        unsigned pa[NQ][4], da[NQ][4];
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
+        for (int kk = 0; kk < NQ; kk++) {
             c_to_a<T>(pa[kk], st, kk);
             c_to_a<T>(da[kk], dpt, kk);
         }
-        // dV += P^T dO, dK += dS^T Q (dO, Q MN-major: D along N)
-        const uint64_t dQt = desc_mn<D, BQ>(Qb), dGt = desc_mn<D, BQ>(Gb);
+        // dV += P^T dO, dK += dS^T Q (dO, Q MN-major: DV, D along N)
+        const uint64_t dQt = desc_mn<D, BQ>(Qb), dGt = desc_mn<DV, BQ>(Gb);
         auto mma_dvdk = [&] {
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) mma_rs_t<T, D>(dva, pa[kk], dGt + kk * (2048 >> 4), 1);
+            for (int kk = 0; kk < NQ; kk++) mma_rs_t<T, DV>(dva, pa[kk], dGt + kk * (2048 >> 4), 1);
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) mma_rs_t<T, D>(dka, da[kk], dQt + kk * (2048 >> 4), 1);
+            for (int kk = 0; kk < NQ; kk++) mma_rs_t<T, D>(dka, da[kk], dQt + kk * (2048 >> 4), 1);
         };
         if constexpr (OP) {
             // dS^T (keys x queries) into Ss as rounded for dK; dQ = dS K with
@@ -579,27 +629,32 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             dq_add<T>(dq, ldq, dqacc, sem + 1 + ((long long)b * H + hq) * nqt + i0 / BQ, dqa, b, hq, H, i0, Tq,
                       jlast - jb, jb == 0, scale);
         } else {
-            pin<NA>(dva);
+            pin<NV>(dva);
             pin<NA>(dka);
             fence();
             mma_dvdk();
             commit();
             wait<0>();
-            pin<NA>(dva);
+            pin<NV>(dva);
             pin<NA>(dka);
-            pin_u<16>(&pa[0][0]);
-            pin_u<16>(&da[0][0]);
+            pin_u<NQ * 4>(&pa[0][0]);
+            pin_u<NQ * 4>(&da[0][0]);
         }
     }
 
     mma::cp_async_wait_all();
     __syncthreads();  // Q/dO buffers free for the outputs (D = 128: dv's tile runs on into dO's)
-    store_acc<T, D>(dk, ldk, b, g, j0, Tk, Qs, dka, scale, scale);
-    store_acc<T, D>(dv, ldv, b, g, j0, Tk, Qs + 64 * (D + 8), dva, 1.f, 1.f);
-    if (part) {   // dk's rows of part, then dv's: (B x key tiles) x (Hkv x D) each
+    // the staging tiles ([64][D + 8], [64][DV + 8]): from Qs on; D = 192
+    // (32-query steps: Q/dO's buffers 40 KB), dk's in K/V's and dv's in Q/dO's
+    T *sk = D > 128 ? Ks : Qs, *sv = D > 128 ? Qs : Qs + 64 * (D + 8);
+    store_acc<T, D>(dk, ldk, b, g, j0, Tk, sk, dka, scale, scale);
+    store_acc<T, DV>(dv, ldv, b, g, j0, Tk, sv, dva, 1.f, 1.f);
+    if (part) {   // dk's rows of part, then dv's: (B x key tiles) x (Hkv x D), then x (Hkv x DV)
         const long long row = (long long)b * gridDim.x + jb, rows = (long long)(gridDim.y / Hkv) * gridDim.x;
-        tile_colsum<T, D>(Qs, j0, Tk, part + row * Hkv * D + g * D);
-        tile_colsum<T, D>(Qs + 64 * (D + 8), j0, Tk, part + (rows + row) * Hkv * D + g * D);
+        tile_colsum<T, D>(sk, j0, Tk, part + row * Hkv * D + g * D);
+        // (DV = D: the expression as before the v width was its own, the same PTX)
+        float *pv = DV == D ? part + (rows + row) * Hkv * D + g * D : part + rows * Hkv * D + row * Hkv * DV + g * DV;
+        tile_colsum<T, DV>(sv, j0, Tk, pv);
     }
 }
 
@@ -608,24 +663,31 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
 // stores it there, so it runs before dkdv_kernel and no delta kernel runs
 // (attention.cu); with delta it reads them. D = 128: dQ takes 64 registers
 // a thread, S and dP 64; tiles of 256-byte rows: 97 KB, 2 blocks an SM.
-template <int D = 64>
+// D = 192, DV = 128: dQ 96 registers; V single-buffered (dq_v1: the next
+// tile's V loads once dP is done, K's buffers still double as dQ = dS K
+// reads them last) for 105 KB, 2 blocks an SM (121 KB double-buffered).
+template <int D>
+constexpr bool dq_v1 = D > 128;
+template <int D = 64, int DV = D>
 size_t dq_smem() {
-    return 1024 + (size_t)(2 * 64 + 4 * 64) * (2 * D);
+    return 1024 + (size_t)(64 * D + 64 * DV + 2 * 64 * D + (dq_v1<D> ? 1 : 2) * 64 * DV) * 2;
 }
 
 // (__launch_bounds__(128, 4) gives 128 registers without spills and 4
 // blocks an SM instead of 3: measured the same, 0.177 against 0.179 ms)
-template <typename T, int D = 64>
+template <typename T, int D = 64, int DV = D>
 __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, const T *v, const T *dout,
                                                  const float *lse, const float *delta, qkv_layout lq, qkv_layout lk,
                                                  qkv_layout lv, qkv_layout lg, qkv_layout ldq, int H, int Hkv,
                                                  long long Tq, long long Tk, float scale, int causal,
                                                  float *part = nullptr, const T *out = nullptr,
                                                  qkv_layout lo = qkv_layout{}, float *delta_out = nullptr) {
-    constexpr int BN = 64, NK = D / 16, NA = D / 2, CW = D / 4;  // NA: dQ's accumulators, CW: Delta's columns a thread
+    // NA: dQ's accumulators, CW: Delta's columns a thread
+    constexpr int BN = 64, NK = D / 16, NKV = DV / 16, NA = D / 2, CW = DV / 4;
+    constexpr bool V1 = dq_v1<D>;
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
-    T *Qs = (T *)sm, *Gs = Qs + 64 * D, *Ks = Gs + 64 * D, *Vs = Ks + 2 * BN * D;
+    T *Qs = (T *)sm, *Gs = Qs + 64 * D, *Ks = Gs + 64 * DV, *Vs = Ks + 2 * BN * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
     const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * 64;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
@@ -636,9 +698,10 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
     const long long row0 = i0 + warp * 16 + g8;
 
     // the first tiles in flight while the rows' lse and Delta load
-    const sw_src<T, D> ksrc(k, lk, b), vsrc(v, lv, b);
+    const sw_src<T, D> ksrc(k, lk, b);
+    const sw_src<T, DV> vsrc(v, lv, b);
     load_sw<T, 64, D>(Qs, q, lq, b, h, i0, Tq);
-    load_sw<T, 64, D>(Gs, dout, lg, b, h, i0, Tq);
+    load_sw<T, 64, DV>(Gs, dout, lg, b, h, i0, Tq);
     if (ntiles > 0) {
         ksrc.template load<BN>(Ks, g, 0, Tk, k);
         vsrc.template load<BN>(Vs, g, 0, Tk, v);
@@ -704,14 +767,14 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
         __syncthreads();
         if (t + 1 < ntiles) {
             ksrc.template load<BN>(Ks + (buf ^ 1) * BN * D, g, (long long)(t + 1) * BN, Tk, k);
-            vsrc.template load<BN>(Vs + (buf ^ 1) * BN * D, g, (long long)(t + 1) * BN, Tk, v);
+            if (!V1) vsrc.template load<BN>(Vs + (buf ^ 1) * BN * DV, g, (long long)(t + 1) * BN, Tk, v);
         }
         mma::cp_async_commit();
         cp_async_wait<1>();
         fence_proxy();
         __syncthreads();
         const long long j0 = (long long)t * BN;
-        const T *Kb = Ks + buf * BN * D, *Vb = Vs + buf * BN * D;
+        const T *Kb = Ks + buf * BN * D, *Vb = V1 ? Vs : Vs + buf * BN * DV;
         const uint64_t dKb = desc(Kb), dVb = desc(Vb);
 
         float s[32], dp[32];
@@ -719,11 +782,20 @@ __global__ void __launch_bounds__(128) dq_kernel(T *dq, const T *q, const T *k, 
 #pragma unroll
         for (int kk = 0; kk < NK; kk++) mma_ss<T, 64>(s, kstep<64>(dQ, kk), kstep<BN>(dKb, kk), kk);
 #pragma unroll
-        for (int kk = 0; kk < NK; kk++) mma_ss<T, 64>(dp, kstep<64>(dG, kk), kstep<BN>(dVb, kk), kk);
+        for (int kk = 0; kk < NKV; kk++) mma_ss<T, 64>(dp, kstep<64>(dG, kk), kstep<BN>(dVb, kk), kk);
         commit();
         wait<0>();
         pin<32>(s);
         pin<32>(dp);
+        if constexpr (V1) {
+            // V's one buffer free once every warp's dP is done: the next tile's
+            // (waited for with K's at the top of the next step)
+            if (t + 1 < ntiles) {
+                __syncthreads();
+                vsrc.template load<BN>(Vs, g, (long long)(t + 1) * BN, Tk, v);
+            }
+            mma::cp_async_commit();
+        }
 
         const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + off);
         int cmax[2];

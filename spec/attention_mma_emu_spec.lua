@@ -5,7 +5,8 @@
 -- groups) replaced by CPU stand-ins of the same semantics, runs each block as
 -- 128 fibers, and checks out, lse, dq, dk and dv against a double-precision
 -- reference at head dims 64, 128 and 192, and q/k 192 with v 128 (DeepSeek's
--- MLA: v's width its own) (wgmma: 64 and 128) with tile-straddling
+-- MLA: v's width its own) (wgmma: 64, 128, q/k 192 with v 128, and the
+-- forward at 192 with its backward on mma, as attention.cu runs them) with tile-straddling
 -- lengths, Tq != Tk, GQA, (B, T, H, D) views. The GPU runs the real thing
 -- in spec/gpu_attention_spec.lua (#gpu). The same emulator runs the grouped
 -- GEMM of the experts (kernels/grouped_gemm.cuh, --gemm) against a double
@@ -48,7 +49,8 @@ end
 describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', function()
   teardown(function() if bin then os.remove(bin) end end)
 
-  it('match the reference: out, lse, dq, dk, dv at head dims 64, 128, 192 and q/k 192 with v 128 (wgmma: 64, 128)',
+  it('match the reference: out, lse, dq, dk, dv at head dims 64, 128, 192 and q/k 192 with v 128 (wgmma: 64, 128, '
+    .. 'q/k 192 with v 128 or 192)',
     function()
     if not emulator() then
       pending('no g++')
@@ -62,6 +64,15 @@ describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', fun
       -- and the wgmma kernels at head dim 128, plain and with climbing maxima
       n = 0
       for _ in out:gmatch('ok   wgmma D=128 ') do n = n + 1 end
+      assert.are.equal(12, n, out)
+      -- and at q/k 192 with v 128 (forward, dq and 32-query dk/dv steps, with
+      -- the fused Delta and the column sums), plain and with climbing maxima
+      n = 0
+      for _ in out:gmatch('ok   wgmma D=192 Dv=128 ') do n = n + 1 end
+      assert.are.equal(12, n, out)
+      -- and the forward at q/k/v 192 (its backward on the mma kernels)
+      n = 0
+      for _ in out:gmatch('ok   wgmma D=192 %[') do n = n + 1 end
       assert.are.equal(12, n, out)
     end
   end)

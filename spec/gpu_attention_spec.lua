@@ -3,7 +3,8 @@
 -- random data, f32 ≤ 1e-5 and bf16/f16 ≤ 1e-2 relative, lse ≤ 1e-5, for
 -- every implementation (wgmma, mma, wmma, simt: ms_cuda_attention_set_impl), head
 -- dims 64 and 128 (and 32, which only wmma/simt take; 192, and q/k 192 with v
--- 128 (DeepSeek-V3's MLA), mma only), lengths 1 to 1024
+-- 128 (DeepSeek-V3's MLA), mma and wgmma only: at 192 wgmma's forward, the
+-- backward on mma), lengths 1 to 1024
 -- across the tile edges, causal or not, Tq != Tk (bottom-right causal, rows
 -- that see no key), grouped-query heads and strided (B, T, H, D) views.
 local ms = require 'moonshard'
@@ -78,12 +79,18 @@ local function with_impl(impl, fn)
   C.ms_cuda_attention_set_impl(C.MS_ATTENTION_AUTO)
   if not ok then error(err, 0) end
 end
+-- the (q/k, v) head widths the wgmma kernels take (attention.cu's wg_dims):
+-- 64, 128, q/k 192 with v 128, and q/k/v 192 in the forward only
+local function wg_dims(D, Dv, backward)
+  return ((D == 64 or D == 128) and Dv == D) or (D == 192 and (Dv == 128 or (Dv == 192 and not backward)))
+end
 -- what a call with `impl` forced should run (falls back wgmma -> mma -> wmma
--- -> simt)
-local function expected_impl(impl, dt, D)
+-- -> simt); Dv: v's head width (D when nil), backward: the backward's call
+local function expected_impl(impl, dt, D, Dv, backward)
+  Dv = Dv or D
   if dt == 'f32' or impl == 'simt' then return 'simt' end
   local wg = impl == 'wgmma' or impl == 'wgmma1' or impl == 'wgmma0'
-  if wg and (D == 64 or D == 128) and hopper then return 'wgmma' end
+  if wg and wg_dims(D, Dv, backward) and hopper then return 'wgmma' end
   if wg then impl = 'mma' end
   if (impl == 'mma' or impl == 'mma1') and (D == 64 or D == 128 or D == 192) then return 'mma' end
   if D == 16 or D == 32 or D == 64 or D == 128 then return 'wmma' end
@@ -149,11 +156,12 @@ local function check_case(c, dt, ref, impl)
   -- (f32 with sharp scores, up to ~60 in size: an f32 score's rounding
   -- error, 60 x 6e-8, reaches the exponentials; 1.7e-5 measured in simt)
   local bound = dt == 'f32' and (c.sharp and 1e-4 or 1e-5) or 1e-2
-  local want = expected_impl(impl, dt, c.D)
+  local want = expected_impl(impl, dt, c.D, c.Dv)
   local qg, kg, vg = ref.q:cuda(), ref.k:cuda(), ref.v:cuda()
   local o2, l2
   with_impl(impl, function() o2, l2 = attention(qg, kg, vg, ref.scale, c.causal) end)
   assert.are.equal(want, last_impl(), 'forward ran ' .. tostring(last_impl()))
+  want = expected_impl(impl, dt, c.D, c.Dv, true)
   assert.is_true(relerr(o2, ref.o) <= bound, 'out ' .. relerr(o2, ref.o))
   assert.is_true(lse_err(l2, ref.l) <= 1e-5, 'lse ' .. lse_err(l2, ref.l))
   local dq2, dk2, dv2
@@ -166,16 +174,19 @@ local function check_case(c, dt, ref, impl)
   assert.is_true(relerr(dv2, ref.dv) <= bound, 'dv ' .. relerr(dv2, ref.dv))
 end
 
--- cases only the mma kernels take (head dim 192; q/k 192 with v 128): mma,
--- two-pass and one-pass, in bf16 and f16 (wgmma asked for: mma runs)
-local function check_mma_only(cs, seed)
+-- cases only the mma and wgmma kernels take (head dim 192; q/k 192 with v
+-- 128): mma, two-pass and one-pass, and wgmma (on Hopper: the forward at
+-- both, the backward at (192, 128); else mma), with Delta in its dq kernel
+-- and from the delta kernel, in bf16 and f16
+local function check_wide(cs, seed)
   for _, c in ipairs(cs) do
     for _, dt in ipairs({ 'bf16', 'f16' }) do
       seed = seed + 10
       local ref = reference(c, dt, seed)
       check_case(c, dt, ref, 'mma')
       check_case(c, dt, ref, 'mma1')
-      check_case(c, dt, ref, 'wgmma')   -- (Hopper's wgmma is head dims 64 and 128: mma runs)
+      check_case(c, dt, ref, 'wgmma')
+      check_case(c, dt, ref, 'wgmma0')
     end
   end
 end
@@ -260,13 +271,15 @@ describe('fused attention on cuda #gpu', function()
     end)
   end
 
-  it('head dim 192 (DeepSeek-V3\'s q/k heads): mma, two-pass and one-pass, in bf16 and f16 matches the CPU '
-    .. 'reference across tile edges, causal or not, GQA, Tq ~= Tk; f32, wmma and simt are refused by name', function()
-    check_mma_only({ { B = 1, H = 2, Hkv = 1, Tq = 130, Tk = 130, D = 192, causal = true },
+  it('head dim 192 (DeepSeek-V3\'s q/k heads): mma, two-pass and one-pass, and wgmma (its forward) in bf16 and '
+    .. 'f16 match the CPU reference across tile edges, causal or not, GQA, Tq ~= Tk, climbing maxima; f32, wmma '
+    .. 'and simt are refused by name', function()
+    check_wide({ { B = 1, H = 2, Hkv = 1, Tq = 130, Tk = 130, D = 192, causal = true },
       { B = 2, H = 2, Hkv = 2, Tq = 17, Tk = 17, D = 192, causal = false },
       { B = 1, H = 4, Hkv = 2, Tq = 20, Tk = 150, D = 192, causal = true },
       { B = 1, H = 2, Hkv = 2, Tq = 200, Tk = 70, D = 192, causal = false },
-      { B = 1, H = 2, Hkv = 1, Tq = 1024, Tk = 1024, D = 192, causal = true } }, 5000)
+      { B = 1, H = 2, Hkv = 1, Tq = 1024, Tk = 1024, D = 192, causal = true },
+      { B = 1, H = 2, Hkv = 1, Tq = 300, Tk = 300, D = 192, causal = true, sharp = 3 } }, 5000)
     local q = ms.randn({ 1, 2, 40, 192 }, { seed = 3, device = 'cuda' })
     local ok, err = pcall(attention, q, q, q, 0.1, true)
     assert.is_false(ok)
@@ -279,14 +292,16 @@ describe('fused attention on cuda #gpu', function()
     end
   end)
 
-  it('q/k 192 with v 128 (DeepSeek-V3\'s MLA): mma, two-pass and one-pass, in bf16 and f16 matches the CPU '
-    .. 'reference across tile edges, causal or not, GQA, Tq ~= Tk; f32, wmma, simt and other pairs refused by name',
-    function()
-    check_mma_only({ { B = 1, H = 2, Hkv = 1, Tq = 130, Tk = 130, D = 192, Dv = 128, causal = true },
+  it('q/k 192 with v 128 (DeepSeek-V3\'s MLA): mma, two-pass and one-pass, and wgmma in bf16 and f16 match the '
+    .. 'CPU reference across tile edges, causal or not, GQA, Tq ~= Tk, climbing maxima; f32, wmma, simt and other '
+    .. 'pairs refused by name', function()
+    check_wide({ { B = 1, H = 2, Hkv = 1, Tq = 130, Tk = 130, D = 192, Dv = 128, causal = true },
       { B = 2, H = 2, Hkv = 2, Tq = 17, Tk = 17, D = 192, Dv = 128, causal = false },
       { B = 1, H = 4, Hkv = 2, Tq = 20, Tk = 150, D = 192, Dv = 128, causal = true },
       { B = 1, H = 2, Hkv = 2, Tq = 200, Tk = 70, D = 192, Dv = 128, causal = false },
-      { B = 1, H = 2, Hkv = 1, Tq = 1024, Tk = 1024, D = 192, Dv = 128, causal = true } }, 6000)
+      { B = 1, H = 2, Hkv = 1, Tq = 1024, Tk = 1024, D = 192, Dv = 128, causal = true },
+      { B = 1, H = 2, Hkv = 1, Tq = 300, Tk = 300, D = 192, Dv = 128, causal = true, sharp = 3 },
+      { B = 1, H = 2, Hkv = 2, Tq = 90, Tk = 200, D = 192, Dv = 128, causal = false, sharp = 3 } }, 6000)
     -- (B, T, H, D) views of one projection, as MLAttention's v (a view of
     -- kv_b_proj's output), here at an odd offset: copied, not refused
     local kv = ms.randn({ 2, 70, 3, 1 + 128 + 128 }, { seed = 77 }):to('bf16'):cuda()
@@ -312,10 +327,10 @@ describe('fused attention on cuda #gpu', function()
     local ok3, err3 = pcall(attention, qb, qb, vb:narrow(4, 1, 64):contiguous(), 0.1, true)
     assert.is_false(ok3)
     assert.matches('v bf16 (1,2,40,64)', tostring(err3), 1, true)
-    -- by default the (192, 128) pair runs mma
+    -- by default the (192, 128) pair runs wgmma on Hopper, else mma
     if not os.getenv('MS_ATTENTION_IMPL') and not os.getenv('MS_ATTENTION_SIMT') then
       attention(qb, qb, vb, 0.1, true)
-      assert.are.equal('mma', last_impl())
+      assert.are.equal(hopper and 'wgmma' or 'mma', last_impl())
     end
   end)
 
@@ -381,17 +396,19 @@ describe('fused attention on cuda #gpu', function()
     assert.is_true(relerr(o1, o2) <= 1e-2)
   end)
 
-  it('runs wgmma (Hopper) or mma by default for bf16/f16 at head dims 64 and 128, and rejects an unknown implementation', function()
+  it('runs wgmma (Hopper) or mma by default for bf16/f16 at head dims 64, 128, q/k 192 with v 128 and (the '
+    .. 'forward) 192, and rejects an unknown implementation', function()
     -- (MS_ATTENTION_IMPL / MS_ATTENTION_SIMT in the environment change the default)
     local default = not os.getenv('MS_ATTENTION_IMPL') and not os.getenv('MS_ATTENTION_SIMT')
-    for _, D in ipairs({ 64, 128 }) do
+    for _, w in ipairs({ { 64, 64 }, { 128, 128 }, { 192, 128 }, { 192, 192 } }) do
+      local D, Dv = w[1], w[2]
       for _, dt in ipairs({ 'bf16', 'f16' }) do
-        local want = hopper and 'wgmma' or 'mma'
         local q = ms.randn({ 1, 2, 40, D }, { seed = 3, device = 'cuda' }):to(dt)
-        local o, l = attention(q, q, q, 0.125, true)
-        if default then assert.are.equal(want, last_impl()) end
-        attention_backward(q, q, q, o, l, q, 0.125, true)
-        if default then assert.are.equal(want, last_impl()) end
+        local v = ms.randn({ 1, 2, 40, Dv }, { seed = 4, device = 'cuda' }):to(dt)
+        local o, l = attention(q, q, v, 0.125, true)
+        if default then assert.are.equal((hopper and wg_dims(D, Dv)) and 'wgmma' or 'mma', last_impl()) end
+        attention_backward(q, q, v, o, l, o, 0.125, true)
+        if default then assert.are.equal((hopper and wg_dims(D, Dv, true)) and 'wgmma' or 'mma', last_impl()) end
       end
     end
     local q = ms.randn({ 1, 2, 40, 32 }, { seed = 3, device = 'cuda' }):to('bf16')
@@ -429,7 +446,8 @@ end)
 
 -- ms_attention_backward_sum: the column sums of dq, dk, dv as stored (a fused
 -- qkv projection's bias gradient), from the wgmma kernels' epilogues on
--- Hopper at head dims 64 and 128, against the sums of the kernels' own outputs
+-- Hopper at head dims 64 and 128 and q/k 192 with v 128 (at q/k/v 192 the
+-- mma backward runs: not summed), against the sums of the kernels' own outputs
 describe('attention_backward_sum on cuda #gpu', function()
   local function colsums(t)   -- (B, H, T, D) -> H*D f64 values, h major
     local x = t:to('cpu'):double():transpose(2, 3):contiguous()   -- (B, T, H, D)
@@ -440,23 +458,27 @@ describe('attention_backward_sum on cuda #gpu', function()
                        { B = 1, H = 4, Hkv = 2, Tq = 130, Tk = 130, causal = true, D = 64 },
                        { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false, D = 64 },
                        { B = 1, H = 4, Hkv = 2, Tq = 130, Tk = 130, causal = true, D = 128 },
-                       { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false, D = 128 } }) do
-    it(('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d: the sums of dq, dk, dv (1e-5 of the outputs\' own sums)'):format(
-      c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D), function()
+                       { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false, D = 128 },
+                       { B = 1, H = 4, Hkv = 2, Tq = 130, Tk = 130, causal = true, D = 192, Dv = 128 },
+                       { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false, D = 192, Dv = 128 },
+                       { B = 1, H = 2, Hkv = 1, Tq = 70, Tk = 70, causal = true, D = 192 } }) do
+    local Dv = c.Dv or c.D
+    it(('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d Dv=%d: the sums of dq, dk, dv (1e-5 of the outputs\' own sums)'):format(
+      c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D, Dv), function()
       local D = c.D
       local q = ms.randn({ c.B, c.H, c.Tq, D }, { seed = 11 }):to('bf16'):cuda()
       local k = ms.randn({ c.B, c.Hkv, c.Tk, D }, { seed = 12 }):to('bf16'):cuda()
-      local v = ms.randn({ c.B, c.Hkv, c.Tk, D }, { seed = 13 }):to('bf16'):cuda()
-      local g = ms.randn({ c.B, c.H, c.Tq, D }, { seed = 14 }):to('bf16'):cuda()
+      local v = ms.randn({ c.B, c.Hkv, c.Tk, Dv }, { seed = 13 }):to('bf16'):cuda()
+      local g = ms.randn({ c.B, c.H, c.Tq, Dv }, { seed = 14 }):to('bf16'):cuda()
       local scale = 1 / math.sqrt(D)
       local o, l = attention(q, k, v, scale, c.causal)
       local a, b, cc = box(), box(), box()
-      local ds = ms.empty({ (c.H + 2 * c.Hkv) * D }, { dtype = 'f32', device = 'cuda' })
+      local ds = ms.empty({ (c.H + c.Hkv) * D + c.Hkv * Dv }, { dtype = 'f32', device = 'cuda' })
       ds:fill_(0 / 0)
       local r = C.ms_attention_backward_sum(a, b, cc, q, k, v, o, l, g, scale, c.causal and 1 or 0, ds)
       assert.is_true(r >= 0, ffi.string(C.ms_last_error()))
       local dq, dk, dv = T.wrap(a[0]), T.wrap(b[0]), T.wrap(cc[0])
-      if not hopper then
+      if not (hopper and wg_dims(D, Dv, true)) then
         assert.are.equal(0, r)   -- only the wgmma kernels sum them
         return
       end
