@@ -452,7 +452,9 @@ int pick_impl(int D, int Dv, const ms_tensor *const *ts, int n, bool backward) {
                               (D == kMmaWideD && Dv == kMmaWideDv);
         bool mma_ok = want != MS_ATTENTION_WMMA && mma_dims && cc_major(ts[0]->device_id) >= 8;
         for (int i = 0; i < n && mma_ok; i++) mma_ok = rows_aligned16(ts[i]);
-        const bool wg_ok = mma_ok && (want == MS_ATTENTION_AUTO || want == MS_ATTENTION_WGMMA) &&
+        // (at q/k 192 the wgmma kernels run only when asked for,
+        // MS_ATTENTION_IMPL=wgmma: checked by the emulator, not yet on a GPU)
+        const bool wg_ok = mma_ok && (want == MS_ATTENTION_WGMMA || (want == MS_ATTENTION_AUTO && D <= 128)) &&
                            wg_dims(D, Dv, backward) && cc_major(ts[0]->device_id) == 9;
         if (wg_ok) got = MS_ATTENTION_WGMMA;
         else if (mma_ok) got = MS_ATTENTION_MMA;

@@ -61,7 +61,7 @@ end
 -- plain wgmma computes Delta in its dq kernel)
 local impl_ids = { mma = C.MS_ATTENTION_MMA, mma1 = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA,
   simt = C.MS_ATTENTION_SIMT, wgmma = C.MS_ATTENTION_WGMMA, wgmma1 = C.MS_ATTENTION_WGMMA,
-  wgmma0 = C.MS_ATTENTION_WGMMA }
+  wgmma0 = C.MS_ATTENTION_WGMMA, auto = C.MS_ATTENTION_AUTO }
 local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt',
   [C.MS_ATTENTION_WGMMA] = 'wgmma' }
 -- wgmma runs on Hopper (compute capability 9.x) only
@@ -84,6 +84,9 @@ end
 local function wg_dims(D, Dv, backward)
   return ((D == 64 or D == 128) and Dv == D) or (D == 192 and (Dv == 128 or (Dv == 192 and not backward)))
 end
+-- what wgmma runs by default (auto): head dims 64 and 128; at 192 only when
+-- asked for (MS_ATTENTION_IMPL=wgmma / set_impl) until checked on a GPU
+local function wg_default(D, Dv, backward) return D <= 128 and wg_dims(D, Dv, backward) end
 -- what a call with `impl` forced should run (falls back wgmma -> mma -> wmma
 -- -> simt); Dv: v's head width (D when nil), backward: the backward's call
 local function expected_impl(impl, dt, D, Dv, backward)
@@ -396,8 +399,8 @@ describe('fused attention on cuda #gpu', function()
     assert.is_true(relerr(o1, o2) <= 1e-2)
   end)
 
-  it('runs wgmma (Hopper) or mma by default for bf16/f16 at head dims 64, 128, q/k 192 with v 128 and (the '
-    .. 'forward) 192, and rejects an unknown implementation', function()
+  it('runs wgmma (Hopper) or mma by default for bf16/f16 at head dims 64 and 128 (mma at q/k 192, wgmma there only '
+    .. 'when asked for), and rejects an unknown implementation', function()
     -- (MS_ATTENTION_IMPL / MS_ATTENTION_SIMT in the environment change the default)
     local default = not os.getenv('MS_ATTENTION_IMPL') and not os.getenv('MS_ATTENTION_SIMT')
     for _, w in ipairs({ { 64, 64 }, { 128, 128 }, { 192, 128 }, { 192, 192 } }) do
@@ -406,9 +409,9 @@ describe('fused attention on cuda #gpu', function()
         local q = ms.randn({ 1, 2, 40, D }, { seed = 3, device = 'cuda' }):to(dt)
         local v = ms.randn({ 1, 2, 40, Dv }, { seed = 4, device = 'cuda' }):to(dt)
         local o, l = attention(q, q, v, 0.125, true)
-        if default then assert.are.equal((hopper and wg_dims(D, Dv)) and 'wgmma' or 'mma', last_impl()) end
+        if default then assert.are.equal((hopper and wg_default(D, Dv)) and 'wgmma' or 'mma', last_impl()) end
         attention_backward(q, q, v, o, l, o, 0.125, true)
-        if default then assert.are.equal((hopper and wg_dims(D, Dv, true)) and 'wgmma' or 'mma', last_impl()) end
+        if default then assert.are.equal((hopper and wg_default(D, Dv, true)) and 'wgmma' or 'mma', last_impl()) end
       end
     end
     local q = ms.randn({ 1, 2, 40, 32 }, { seed = 3, device = 'cuda' }):to('bf16')
@@ -463,8 +466,10 @@ describe('attention_backward_sum on cuda #gpu', function()
                        { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false, D = 192, Dv = 128 },
                        { B = 1, H = 2, Hkv = 1, Tq = 70, Tk = 70, causal = true, D = 192 } }) do
     local Dv = c.Dv or c.D
-    it(('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d Dv=%d: the sums of dq, dk, dv (1e-5 of the outputs\' own sums)'):format(
-      c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D, Dv), function()
+    it(('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d Dv=%d: the sums of dq, dk, dv (1e-5 of the outputs\' own sums)%s'):format(
+      c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D, Dv, c.D == 192 and ', wgmma asked for' or ''), function()
+      -- (at 192 wgmma runs only when asked for: asked for here)
+      with_impl(c.D == 192 and 'wgmma' or 'auto', function()
       local D = c.D
       local q = ms.randn({ c.B, c.H, c.Tq, D }, { seed = 11 }):to('bf16'):cuda()
       local k = ms.randn({ c.B, c.Hkv, c.Tk, D }, { seed = 12 }):to('bf16'):cuda()
@@ -486,6 +491,7 @@ describe('attention_backward_sum on cuda #gpu', function()
       local want = ms.cat({ colsums(dq), colsums(dk), colsums(dv) }, 1)
       local e = relerr(ds, want)
       assert.is_true(e <= 1e-5, ('column sums: relative error %.3g'):format(e))
+      end)
     end)
   end
 end)
