@@ -16,6 +16,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from torch_timing import median_ms  # (bench/torch_timing.py)
 
 
 def jsd_loss(xs, Ws, xt, Wt, labels, beta, temperature):
@@ -34,22 +35,6 @@ def jsd_loss(xs, Ws, xt, Wt, labels, beta, temperature):
     keep = labels != -100
     return (per * keep).sum() / keep.sum().clamp(min=1)
 
-
-def median_ms(fn, iters, warmup, flush):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        flush.zero_()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    ts.sort()
-    return ts[(len(ts) - 1) // 2]
 
 
 def main():

@@ -64,17 +64,7 @@ local opts_t = ffi.typeof('ms_flce_opts')
 local reductions = { mean = C.MS_FLCE_MEAN, sum = C.MS_FLCE_SUM, none = C.MS_FLCE_NONE }
 local NAME = 'fused_linear_cross_entropy'
 
--- error(msg) at the first caller outside lua/moonshard/ (the user's line)
-local function raise(msg)
-  local level = 2
-  while true do
-    local info = debug.getinfo(level, 'S')
-    if not info then level = 1; break end
-    if info.what == 'C' or not info.source:find('moonshard/[%w_/]*%.lua$') then break end
-    level = level + 1
-  end
-  error(msg, level)
-end
+local raise = require('moonshard.ops').raise   -- (errors at the user's line)
 
 local function shape_str(s) return '(' .. table.concat(s, ',') .. ')' end
 

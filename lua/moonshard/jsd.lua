@@ -53,16 +53,7 @@ local is_tensor = T.is_tensor
 local M = {}
 local NAME = 'fused_linear_jsd'
 
-local function raise(msg)
-  local level = 2
-  while true do
-    local info = debug.getinfo(level, 'S')
-    if not info then level = 1; break end
-    if info.what == 'C' or not info.source:find('moonshard/[%w_/]*%.lua$') then break end
-    level = level + 1
-  end
-  error(msg, level)
-end
+local raise = require('moonshard.ops').raise   -- (errors at the user's line)
 
 local function dims(t) return '(' .. table.concat(t.shape, ', ') .. ')' end
 

@@ -41,6 +41,9 @@ local function raise(msg)
   end
   error(msg, level)
 end
+-- (also for the modules whose errors point at the user's line the same way:
+-- moonshard.flce, moonshard.jsd)
+F.raise = raise
 
 -- cfn(box, ...) into a new tensor; errors point at the caller of the op
 local function run(cfn, ...)
