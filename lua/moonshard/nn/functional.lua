@@ -1013,19 +1013,26 @@ local function attn_sig(q, k, v, scale, causal)
     table.concat(shape_of(v), 'x'), q.dtype_id, scale, tostring(causal))
 end
 
-fused_attention = function(q, k, v, scale, causal)
+-- the fused kernel's output y (B, H, Tq, Dv) (out_bthd's view) and its
+-- per-row log-sum-exp for q (B, H, Tq, D), k, v (Dv: v's width, or the
+-- padded one), or what a selective checkpoint kept of them (A.sac_slot);
+-- nil, nil and the status when the kernel refuses (y freed)
+local function attention_out(q, k, v, Dv, scale, causal)
   local slot = A.sac_slot('attention', attn_sig(q, k, v, scale, causal))
-  local y, l
-  if slot and slot.outs then
-    y, l = slot.outs[1], slot.outs[2]
-  else
-    local out, lse = attn_box(), attn_box()
-    y = out_bthd(q, tonumber(v.sizes[3]))
-    out[0] = y
-    T.check(T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0), 3)
-    l = T.wrap(lse[0])
-    if slot and slot.keep then A.sac_keep(slot, y, l) end
-  end
+  if slot and slot.outs then return slot.outs[1], slot.outs[2], 0 end
+  local out, lse = attn_box(), attn_box()
+  local y = out_bthd(q, Dv)
+  out[0] = y
+  local rc = T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0)
+  if rc ~= 0 then free(y); return nil, nil, rc end
+  local l = T.wrap(lse[0])
+  if slot and slot.keep then A.sac_keep(slot, y, l) end
+  return y, l, 0
+end
+
+fused_attention = function(q, k, v, scale, causal)
+  local y, l, rc = attention_out(q, k, v, tonumber(v.sizes[3]), scale, causal)
+  T.check(rc, 3)
   if want(q, k, v) then
     local qa, ka, va, ya = R.alias(q), R.alias(k), R.alias(v), R.alias(y)
     record1('scaled_dot_product_attention', y, bwd_fused_attention,
@@ -1095,21 +1102,10 @@ end
 
 local function padded_attention(q, k, v, wq, wv, scale, causal)
   local D, Dv = tonumber(q.sizes[3]), tonumber(v.sizes[3])
-  local slot = A.sac_slot('attention', attn_sig(q, k, v, scale, causal))
   local qp, kp, vp = pad_heads(q, wq), pad_heads(k, wq), pad_heads(v, wv)
-  local yp, l
-  if slot and slot.outs then
-    yp, l = slot.outs[1], slot.outs[2]
-  else
-    local out, lse = attn_box(), attn_box()
-    yp = out_bthd(q, wv)
-    out[0] = yp
-    local rc = T.C.ms_attention(out, lse, qp, kp, vp, scale, causal and 1 or 0)
-    if rc ~= 0 then free(qp); free(kp); free(vp); free(yp) end
-    T.check(rc, 3)
-    l = T.wrap(lse[0])
-    if slot and slot.keep then A.sac_keep(slot, yp, l) end
-  end
+  local yp, l, rc = attention_out(qp, kp, vp, wv, scale, causal)
+  if rc ~= 0 then free(qp); free(kp); free(vp) end
+  T.check(rc, 3)
   local y = R.narrow(yp, 4, 1, Dv)   -- (B, H, Tq, Dv), a view
   if want(q, k, v) then
     record1('scaled_dot_product_attention', y, bwd_padded_attention,
@@ -1258,21 +1254,9 @@ function nnf.qkv_attention(qkv, n_head, opts)
   local scale = opts.scale or 1 / math.sqrt(C / n_head)
   local causal = opts.causal ~= false
   local q, k, v = qkv_views(qkv, n_head)
-  local slot = A.sac_slot('attention', attn_sig(q, k, v, scale, causal))
-  local y4, l
-  if slot and slot.outs then
-    y4, l = slot.outs[1], slot.outs[2]
-  else
-    local out, lse = attn_box(), attn_box()
-    y4 = out_bthd(q)
-    out[0] = y4
-    local rc = T.C.ms_attention(out, lse, q, k, v, scale, causal and 1 or 0)
-    if rc ~= 0 then free(q); free(k); free(v) end
-    T.check(rc, 2)
-    l = T.wrap(lse[0])
-    if slot and slot.keep then A.sac_keep(slot, y4, l) end
-  end
+  local y4, l, rc = attention_out(q, k, v, C / n_head, scale, causal)
   free(q); free(k); free(v)
+  T.check(rc, 2)
   local yt = R.transpose(y4, 2, 3)             -- (B, T, H, D), contiguous
   local y = R.view(yt, { B, Tn, C })
   free(yt)
