@@ -2051,7 +2051,8 @@ end
 local function checkpoint(policy, fn, ...)
   if type(fn) ~= 'function' and not (type(fn) == 'table' and getmetatable(fn)
       and getmetatable(fn).__call) then
-    error('checkpoint: expected a function (or callable module) first', 3)
+    -- (level 2: A.checkpoint and A.checkpoint_policy tail-call this)
+    error('checkpoint: expected a function (or callable module) first', 2)
   end
   if not enabled then return fn(...) end
   local args = pack(...)
