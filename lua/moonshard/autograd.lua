@@ -1922,7 +1922,8 @@ end
 -- of computing them again: torchtitan's op-level selective checkpointing
 -- (its "op" mode keeps every attention's output and every other matmul's).
 -- An op that can be kept asks, in the forward and in the recompute alike,
--- slot = A.sac_slot(kind, sig) (nil outside such a checkpoint); the n-th op
+-- slot = A.sac_on() and A.sac_slot(kind, sig) (nil outside such a
+-- checkpoint); the n-th op
 -- of a kind in one forward is the n-th in its recompute, and sig (shapes,
 -- dtypes) must match as well. In the forward slot.keep says the policy
 -- keeps it: the op hands its outputs to A.sac_keep(slot, ...) (aliases
@@ -1930,6 +1931,9 @@ end
 -- (new aliases) when they were kept and not written in place since.
 local sac = nil        -- the active state: { replay =, counts =, kept =, policy =, own = }
 local sac_counts = { kept = 0, reused = 0 }
+-- whether a selective checkpoint is running: the ops ask A.sac_slot only
+-- then (their signature strings cost nothing otherwise)
+function A.sac_on() return sac ~= nil end
 function A.sac_slot(kind, sig)
   local s = sac
   if s == nil then return nil end

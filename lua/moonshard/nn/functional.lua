@@ -267,7 +267,8 @@ local function affine(name, x, w, b, wt)
   local x2 = rows(x)
   local y2
   -- (selective checkpointing: the product kept from the forward, or taken in its recompute)
-  local slot = A.sac_slot('linear', ('%s %d %d %d %d'):format(name, tonumber(x2.sizes[0]), in_f, out_f, x2.dtype_id))
+  local slot = A.sac_on() and A.sac_slot('linear', ('%s %d %d %d %d'):format(name, tonumber(x2.sizes[0]), in_f, out_f,
+    x2.dtype_id)) or nil
   if slot and slot.outs then
     y2 = slot.outs[1]
   elseif b ~= nil and b.dtype_id == x2.dtype_id and b.dtype_id == w.dtype_id and b.device_id == x2.device_id then
@@ -378,7 +379,7 @@ function nnf.gelu_mlp(x, w1, b1, w2, b2, wt)
   local x2 = rows(x)
   -- (selective checkpointing: each product a linear layer's, as in the plain chain)
   local N = tonumber(x2.sizes[0])
-  local s1 = A.sac_slot('linear', ('gelu_mlp1 %d %d %d %d'):format(N, in_f, hid, dt))
+  local s1 = A.sac_on() and A.sac_slot('linear', ('gelu_mlp1 %d %d %d %d'):format(N, in_f, hid, dt)) or nil
   local h, pre
   if s1 and s1.outs then
     pre = s1.outs[1]      -- (the pre-activation kept: the GELU, elementwise, again)
@@ -393,7 +394,7 @@ function nnf.gelu_mlp(x, w1, b1, w2, b2, wt)
   else
     h, pre = F.matmul_gelu(x2, w1, false, wt, b1)
   end
-  local s2 = A.sac_slot('linear', ('gelu_mlp2 %d %d %d %d'):format(N, hid, out_f, dt))
+  local s2 = A.sac_on() and A.sac_slot('linear', ('gelu_mlp2 %d %d %d %d'):format(N, hid, out_f, dt)) or nil
   local y2
   if s2 and s2.outs then y2 = s2.outs[1]
   else
@@ -1018,7 +1019,7 @@ end
 -- padded one), or what a selective checkpoint kept of them (A.sac_slot);
 -- nil, nil and the status when the kernel refuses (y freed)
 local function attention_out(q, k, v, Dv, scale, causal)
-  local slot = A.sac_slot('attention', attn_sig(q, k, v, scale, causal))
+  local slot = A.sac_on() and A.sac_slot('attention', attn_sig(q, k, v, scale, causal)) or nil
   if slot and slot.outs then return slot.outs[1], slot.outs[2], 0 end
   local out, lse = attn_box(), attn_box()
   local y = out_bthd(q, Dv)
