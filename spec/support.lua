@@ -152,6 +152,21 @@ function S.two_ranks_follow(model_file, flags, how, steps)
   return text
 end
 
+-- bin/train on 2 CPU ranks with `how` (e.g. '--tp 2') under --autocast
+-- bf16, 4 steps of batch 4, into the folder out: the run says so, and its
+-- losses are within bf16 rounding (1e-2) of the one-process bf16 curve
+-- `one`, which is not the f32 curve `one32` bit for bit (autocast ran)
+function S.autocast_follows(model_file, flags, how, out, one, one32)
+  local status, text = S.bin_train(('--nproc-per-node 2 --device cpu %s %s --batch-size 4 --steps 4 %s '
+    .. '--autocast bf16 --out %s'):format(model_file, flags, how, S.shell_quote(out)))
+  luassert.are.equal(0, status, text)
+  luassert.is_truthy(text:find('parameters, f32, bf16 autocast', 1, true), text)
+  S.close_losses(one, S.run_losses(out), 1, 4, how .. ' --autocast bf16', 1e-2)
+  local same = true
+  for k = 1, 4 do same = same and one[k] == one32[k] end
+  luassert.is_false(same, 'the bf16 run gave the f32 losses bit for bit: autocast did not run')
+end
+
 -- asserts got[s] within `bound` (relative; 1e-5) of ref[s] for s = from..to
 function S.close_losses(ref, got, from, to, what, bound)
   bound = bound or 1e-5

@@ -58,14 +58,7 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     .. 'bf16 curve within bf16 rounding', function()
     local one32 = reference('models/llama.lua', tiny_llama, 'l1')
     local one = reference('models/llama.lua', tiny_llama .. ' --autocast bf16', 'lb1')
-    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/llama.lua %s --batch-size 4 --steps 4 --pp 2 '
-      .. '--autocast bf16 --out %s/lb2'):format(tiny_llama, q(dir)))
-    assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('parameters, f32, bf16 autocast', 1, true), text)
-    close_losses(one, losses(dir .. '/lb2'), 1, 4, '--pp 2 --autocast bf16', 1e-2)
-    local same = true
-    for k = 1, 4 do same = same and one[k] == one32[k] end
-    assert.is_false(same, 'the bf16 run gave the f32 losses bit for bit: autocast did not run')
+    S.autocast_follows('models/llama.lua', tiny_llama, '--pp 2', dir .. '/lb2', one, one32)
   end)
 
   it('--pp 2 on 4 ranks (data parallel 2), with 2 micro-batches and gradient accumulation, follows the one-process curve',

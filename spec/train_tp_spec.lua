@@ -68,15 +68,7 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     .. 'not the f32 one', function()
     local one32 = reference('models/llama.lua', tiny_llama, 'l1')
     local one = reference('models/llama.lua', tiny_llama .. ' --autocast bf16', 'lb1')
-    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/llama.lua %s --batch-size 4 --steps 4 --tp 2 '
-      .. '--autocast bf16 --out %s/lb2'):format(tiny_llama, q(dir)))
-    assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('parameters, f32, bf16 autocast', 1, true), text)
-    local got = losses(dir .. '/lb2')
-    close_losses(one, got, 1, 4, '--tp 2 --autocast bf16', 1e-2)
-    local same = true
-    for k = 1, 4 do same = same and one[k] == one32[k] end
-    assert.is_false(same, 'the bf16 run gave the f32 losses bit for bit: autocast did not run')
+    S.autocast_follows('models/llama.lua', tiny_llama, '--tp 2', dir .. '/lb2', one, one32)
   end)
 
   it('--tp 2 with micro-batches (sequence parallel: the norms\' partial gradients summed once a backward) follows the one-process curve', function()
