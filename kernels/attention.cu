@@ -381,10 +381,11 @@ int set_smem(K kernel, size_t bytes) {
 // forces one (what does not fit the call falls back along that order), else
 // the environment does: MS_ATTENTION_IMPL=mma|wmma|simt, or MS_ATTENTION_SIMT
 // (any value) for simt. On compute capability 9.x, calls the mma kernels take
-// at head dim 64 or 128 (q, k, v alike), or q/k 192 with v 128 or 192, run
-// the wgmma kernels instead (attention_wgmma.cuh; MS_ATTENTION_IMPL=mma
-// keeps mma.sync) — but for the backward at q/k/v 192, whose dk/dv kernel
-// wgmma does not have (wg_dims).
+// at head dim 64 or 128 (q, k, v alike) run the wgmma kernels instead
+// (attention_wgmma.cuh; MS_ATTENTION_IMPL=mma keeps mma.sync); at q/k 192
+// with v 128 or 192 they run only when asked for (MS_ATTENTION_IMPL=wgmma,
+// not yet checked on a GPU), and not for the backward at q/k/v 192, whose
+// dk/dv kernel wgmma does not have (wg_dims).
 int g_impl_set = MS_ATTENTION_AUTO, g_impl_last = MS_ATTENTION_AUTO;
 
 int impl_requested() {
