@@ -17,12 +17,15 @@
 // registers, looping over the query tiles and query heads that see it) and
 // one per 64-query tile (dq), recomputing P from lse: no atomics, so the
 // gradients are the same bits on every run.
-// Three implementations, picked per call (pick_impl below; forced with
-// ms_cuda_attention_set_impl or MS_ATTENTION_IMPL=mma|wmma|simt):
+// Four implementations, picked per call (pick_impl below; forced with
+// ms_cuda_attention_set_impl or MS_ATTENTION_IMPL=wgmma|mma|wmma|simt):
+//   wgmma Hopper's warpgroup MMA where the mma kernels fit, at (64, 64),
+//         (128, 128), (192, 128) and the (192, 192) forward (attention_wgmma.cuh)
+//         — the default on compute capability 9.x;
 //   mma   bf16/f16, head dims 64, 128, 192 and (q/k 192, v 128), sm_80+,
 //         16-byte aligned rows:
 //         FlashAttention-2 on mma.sync.m16n8k16 with scores, softmax and P
-//         in registers (attention_mma.cuh) — the default where it fits;
+//         in registers (attention_mma.cuh) — the default elsewhere where it fits;
 //   wmma  bf16/f16, head dims 16/32/64/128: WMMA tile products with the
 //         score tile round-tripping through shared memory (attention_tc.cuh);
 //   simt  f32 and any head dim up to 128: the kernels below (f32 math on
@@ -382,10 +385,9 @@ int set_smem(K kernel, size_t bytes) {
 // the environment does: MS_ATTENTION_IMPL=mma|wmma|simt, or MS_ATTENTION_SIMT
 // (any value) for simt. On compute capability 9.x, calls the mma kernels take
 // at head dim 64 or 128 (q, k, v alike) run the wgmma kernels instead
-// (attention_wgmma.cuh; MS_ATTENTION_IMPL=mma keeps mma.sync); at q/k 192
-// with v 128 or 192 they run only when asked for (MS_ATTENTION_IMPL=wgmma,
-// not yet checked on a GPU), and not for the backward at q/k/v 192, whose
-// dk/dv kernel wgmma does not have (wg_dims).
+// (attention_wgmma.cuh; MS_ATTENTION_IMPL=mma keeps mma.sync), and so do
+// q/k 192 with v 128 or 192, except the backward at q/k/v 192, whose dk/dv
+// kernel wgmma does not have (wg_dims).
 int g_impl_set = MS_ATTENTION_AUTO, g_impl_last = MS_ATTENTION_AUTO;
 
 int impl_requested() {
@@ -453,9 +455,7 @@ int pick_impl(int D, int Dv, const ms_tensor *const *ts, int n, bool backward) {
                               (D == kMmaWideD && Dv == kMmaWideDv);
         bool mma_ok = want != MS_ATTENTION_WMMA && mma_dims && cc_major(ts[0]->device_id) >= 8;
         for (int i = 0; i < n && mma_ok; i++) mma_ok = rows_aligned16(ts[i]);
-        // (at q/k 192 the wgmma kernels run only when asked for,
-        // MS_ATTENTION_IMPL=wgmma: checked by the emulator, not yet on a GPU)
-        const bool wg_ok = mma_ok && (want == MS_ATTENTION_WGMMA || (want == MS_ATTENTION_AUTO && D <= 128)) &&
+        const bool wg_ok = mma_ok && (want == MS_ATTENTION_WGMMA || want == MS_ATTENTION_AUTO) &&
                            wg_dims(D, Dv, backward) && cc_major(ts[0]->device_id) == 9;
         if (wg_ok) got = MS_ATTENTION_WGMMA;
         else if (mma_ok) got = MS_ATTENTION_MMA;

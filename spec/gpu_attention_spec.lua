@@ -84,9 +84,8 @@ end
 local function wg_dims(D, Dv, backward)
   return ((D == 64 or D == 128) and Dv == D) or (D == 192 and (Dv == 128 or (Dv == 192 and not backward)))
 end
--- what wgmma runs by default (auto): head dims 64 and 128; at 192 only when
--- asked for (MS_ATTENTION_IMPL=wgmma / set_impl) until checked on a GPU
-local function wg_default(D, Dv, backward) return D <= 128 and wg_dims(D, Dv, backward) end
+-- what wgmma runs by default (auto) on Hopper: every pair it takes
+local wg_default = wg_dims
 -- what a call with `impl` forced should run (falls back wgmma -> mma -> wmma
 -- -> simt); Dv: v's head width (D when nil), backward: the backward's call
 local function expected_impl(impl, dt, D, Dv, backward)
