@@ -129,15 +129,17 @@ int ms_flce_scale_(ms_tensor *t, const ms_tensor *g);
 
 /* The fused linear JSD's row pass (lua/moonshard/jsd.lua runs the chunk
  * loop and its GEMMs). s, t (n, V) contiguous: a chunk's student and
- * teacher logits already divided by the temperature (f32; f64 on the CPU).
+ * teacher logits already divided by the temperature, of one float dtype
+ * (f32, bf16 or f16; f64 too on the CPU).
  * With ls, lt their log-softmax rows, q = exp(ls), p = exp(lt), each row's
  *   beta = 0:  loss = Σ p (lt − ls),              grad = q − p
  *   beta = 1:  loss = Σ q (ls − lt),              grad = q ⊙ (h − Σ q h), h = ls − lt
  *   else:      loss = β Σ p (lt − lm) + (1 − β) Σ q (ls − lm), lm = log(β p + (1 − β) q),
  *                                                 grad = q ⊙ (h − Σ q h), h = (1 − β)(ls − lm)
- * (TRL's generalized JSD; grad is d loss / d s). loss (n) in s's dtype gets
- * each row's loss; g (n, V) contiguous, f32/f64 or (CUDA) bf16/f16, or NULL
- * for the loss alone, gets grad · scale. A row whose label (labels (n)
+ * (TRL's generalized JSD; grad is d loss / d s). loss (n), f64 for f64
+ * logits else f32, gets each row's loss; g (n, V) contiguous float (on CUDA:
+ * f32 or the logits' dtype), or NULL for the loss alone, gets grad · scale;
+ * g may be s itself (the gradient written over the student's logits). A row whose label (labels (n)
  * i64/i32, or NULL: every row counted) is ignore_index gets loss 0 and a
  * zero gradient. Math in f64 on the CPU, f32 on CUDA (one block a row:
  * the row's two log-sum-exps, then its sums, then the gradient), no host

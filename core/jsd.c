@@ -81,19 +81,25 @@ int ms_jsd_rows(ms_tensor *g, ms_tensor *loss, const ms_tensor *s, const ms_tens
         (labels && ms_tensor_check_live(labels, "jsd_rows")))
         return -1;
     if (s->ndim != 2 || t->ndim != 2 || s->sizes[0] != t->sizes[0] || s->sizes[1] != t->sizes[1] ||
-        s->dtype_id != t->dtype_id || (s->dtype_id != MS_F32 && s->dtype_id != MS_F64) ||
-        !ms_tensor_is_contiguous(s) || !ms_tensor_is_contiguous(t) || s->device_id != t->device_id)
-        return ms_errorf("jsd_rows: s and t must be contiguous (n, V) logits of one dtype (f32 or f64) and device, "
+        s->dtype_id != t->dtype_id || !ms_is_float(s->dtype_id) || !ms_tensor_is_contiguous(s) ||
+        !ms_tensor_is_contiguous(t) || s->device_id != t->device_id)
+        return ms_errorf("jsd_rows: s and t must be contiguous (n, V) float logits of one dtype and device, "
                          "got %s and %s", ms_desc(s, a, sizeof a), ms_desc(t, b, sizeof b));
     int64_t n = s->sizes[0], V = s->sizes[1];
-    if (loss->ndim != 1 || loss->sizes[0] != n || loss->dtype_id != s->dtype_id || loss->device_id != s->device_id ||
+    const int ldt = s->dtype_id == MS_F64 ? MS_F64 : MS_F32;   // the loss's dtype
+    if (loss->ndim != 1 || loss->sizes[0] != n || loss->dtype_id != ldt || loss->device_id != s->device_id ||
         !ms_tensor_is_contiguous(loss))
         return ms_errorf("jsd_rows: loss must be (%lld) %s on the logits' device, got %s", (long long)n,
-                         ms_dtype_name(s->dtype_id), ms_desc(loss, c, sizeof c));
+                         ms_dtype_name(ldt), ms_desc(loss, c, sizeof c));
     if (g && (g->ndim != 2 || g->sizes[0] != n || g->sizes[1] != V || !ms_is_float(g->dtype_id) ||
               g->device_id != s->device_id || !ms_tensor_is_contiguous(g)))
         return ms_errorf("jsd_rows: g must be a contiguous float (%lld, %lld) on the logits' device, got %s",
                          (long long)n, (long long)V, ms_desc(g, d, sizeof d));
+    // g may be s itself (written in place), of s's dtype; it may not share t
+    if (g && n * V > 0 &&
+        (ms_tensor_data(g) == ms_tensor_data(t) || (ms_tensor_data(g) == ms_tensor_data(s) && g->dtype_id != s->dtype_id)))
+        return ms_errorf("jsd_rows: g %s may only be s itself (%s), written in place, not t (%s)",
+                         ms_desc(g, d, sizeof d), ms_desc(s, a, sizeof a), ms_desc(t, b, sizeof b));
     if (labels && (labels->ndim != 1 || labels->sizes[0] != n || (labels->dtype_id != MS_I64 && labels->dtype_id != MS_I32) ||
                    labels->device_id != s->device_id || !ms_tensor_is_contiguous(labels)))
         return ms_errorf("jsd_rows: labels must be (%lld) i64/i32 on the logits' device, got %s", (long long)n,
@@ -102,7 +108,7 @@ int ms_jsd_rows(ms_tensor *g, ms_tensor *loss, const ms_tensor *s, const ms_tens
     if (n == 0) return 0;
 #ifdef MS_WITH_CUDA
     if (s->device_id >= 0) {
-        if (s->dtype_id != MS_F32) return ms_errorf("jsd_rows: cuda logits must be f32, got %s", ms_desc(s, a, sizeof a));
+        if (s->dtype_id == MS_F64) return ms_errorf("jsd_rows: cuda logits must be f32, bf16 or f16, got %s", ms_desc(s, a, sizeof a));
         return ms_cuda_jsd_rows(g, loss, s, t, labels, ignore_index, beta, scale);
     }
 #else
@@ -112,6 +118,7 @@ int ms_jsd_rows(ms_tensor *g, ms_tensor *loss, const ms_tensor *s, const ms_tens
     size_t es = ms_dtype_size(dt), ges = ms_dtype_size(gdt);
     const char *sp = ms_tensor_data(s), *tp = ms_tensor_data(t);
     char *gp = g ? ms_tensor_data(g) : NULL, *lp = ms_tensor_data(loss);
+    size_t les = ms_dtype_size(ldt);
 #pragma omp parallel for schedule(static) if (n > 1 && n * V > 32768)
     for (int64_t i = 0; i < n; i++) {
         char *gr = gp ? gp + (size_t)(i * V) * ges : NULL;
@@ -122,7 +129,7 @@ int ms_jsd_rows(ms_tensor *g, ms_tensor *loss, const ms_tensor *s, const ms_tens
         } else {
             cpu_row(&L, gr, gdt, ges, sp + (size_t)(i * V) * es, tp + (size_t)(i * V) * es, dt, es, V, beta, scale);
         }
-        ms_store(lp + i * es, dt, L);
+        ms_store(lp + i * les, ldt, L);
     }
     return 0;
 }

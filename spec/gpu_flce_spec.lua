@@ -353,6 +353,25 @@ describe('fused_linear_jsd on cuda #gpu', function()
       assert.are.equal(0, values(lg)[2])
       local _, gb = rows('cuda', 'bf16')
       assert.is_true(relerr(gb, gc) <= 1e-2, ('V %d beta %g: bf16 gradient %.3e'):format(V, beta, relerr(gb, gc)))
+      -- bf16 / f16 logits (what the chunks hold for 16-bit inputs; V 1000
+      -- in 16-byte packs, the odd V one element at a time): the CPU
+      -- reference on the same values, the gradient in place of s too
+      for _, dt in ipairs({ 'bf16', 'f16' }) do
+        local s16, t16 = s:to(dt), t:to(dt)
+        local lr, gr = ms.empty({ n }), ms.empty({ n, V })
+        T.check(T.C.ms_jsd_rows(gr, lr, s16:float(), t16:float(), labels, -100, beta, 0.7))
+        local sd, td = s16:to('cuda'), t16:to('cuda')
+        local l16, g32 = ms.empty({ n }, { device = 'cuda' }), ms.empty({ n, V }, { device = 'cuda' })
+        T.check(T.C.ms_jsd_rows(g32, l16, sd, td, labels:to('cuda'), -100, beta, 0.7))
+        assert.is_true(relerr(l16:cpu(), lr) <= 1e-5, ('%s V %d beta %g: loss %.3e'):format(dt, V, beta,
+          relerr(l16:cpu(), lr)))
+        assert.is_true(relerr(g32:cpu(), gr) <= 1e-5, ('%s V %d beta %g: f32 gradient %.3e'):format(dt, V, beta,
+          relerr(g32:cpu(), gr)))
+        T.check(T.C.ms_jsd_rows(sd, l16, sd, td, labels:to('cuda'), -100, beta, 0.7))
+        assert.is_true(relerr(sd:float():cpu(), gr) <= 1e-2, ('%s V %d beta %g: in-place gradient %.3e'):format(dt,
+          V, beta, relerr(sd:float():cpu(), gr)))
+        assert.is_true(relerr(l16:cpu(), lr) <= 1e-5)
+      end
     end
   end)
 end)

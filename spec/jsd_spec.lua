@@ -130,6 +130,40 @@ describe('fused_linear_jsd', function()
     assert.is_nil(Wt.grad)
   end)
 
+  it('the row pass takes bf16/f16 logits (the same values as f32 give the same loss and gradient) and writes the '
+    .. 'gradient over s in place; it refuses g sharing t', function()
+    local C = T.C
+    local n, V = 5, 301
+    local labels = ms.tensor({ 3, -100, 0, 7, 300 }, { dtype = 'i64' })
+    for _, dt in ipairs({ 'bf16', 'f16' }) do
+      for _, beta in ipairs({ 0, 0.35, 1 }) do
+        local s = (ms.randn({ n, V }, { seed = 11 }) * 3):to(dt)
+        local t = (ms.randn({ n, V }, { seed = 12 }) * 3):to(dt)
+        local function rows(sl, tl, g)
+          local l = ms.empty({ n })
+          T.check(C.ms_jsd_rows(g, l, sl, tl, labels, -100, beta, 0.7))
+          return l
+        end
+        local gf = ms.empty({ n, V })
+        local lf = rows(s:float(), t:float(), gf)
+        local g16 = ms.empty({ n, V }, { dtype = dt })
+        local l16 = rows(s, t, g16)
+        assert.are.same(values(lf), values(l16))
+        assert.are.same(values(gf:to(dt)), values(g16))
+        assert.is_true(values(lf)[1] > 0 and values(lf)[2] == 0)
+        -- in place: g is s
+        local s2 = s:clone()
+        local l2 = rows(s2, t, s2)
+        assert.are.same(values(l16), values(l2))
+        assert.are.same(values(g16), values(s2))
+      end
+    end
+    local s, t = ms.randn({ 2, 9 }, { seed = 1 }), ms.randn({ 2, 9 }, { seed = 2 })
+    local rc = C.ms_jsd_rows(t, ms.empty({ 2 }), s, t, nil, -100, 0.5, 1)
+    assert.are.equal(-1, rc)
+    assert.matches('g f32 (2,9) cpu may only be s itself', require('ffi').string(C.ms_last_error()), 1, true)
+  end)
+
   it('says what is wrong with bad arguments', function()
     local xs, Ws = ms.randn({ 4, 5 }, { seed = 1 }), ms.randn({ 7, 5 }, { seed = 2 })
     local xt, Wt = ms.randn({ 4, 3 }, { seed = 3 }), ms.randn({ 7, 3 }, { seed = 4 })

@@ -11,7 +11,8 @@
 --     ignore_index = -100,
 --     reduction = 'mean',    -- 'mean' (over the counted tokens; 0 when none) or 'sum'
 --     chunk_size = nil,      -- rows a chunk (default: from memory_budget)
---     memory_budget = nil,   -- bytes for a chunk's (rows, V) buffers: two of logits, one of their gradient (default 1 GiB)
+--     memory_budget = nil,   -- bytes for a chunk's (rows, V) buffers: two of logits, and one of their gradient unless
+--                            --   it is written over the student's logits (same dtype) (default 1 GiB)
 --   })
 --
 -- xs (BT, Hs) or (..., Hs) with Ws (V, Hs): the student, the only side that
@@ -29,8 +30,9 @@
 -- is (1 − β) log(q_j / m_j).
 --
 -- The algorithm is the fused linear cross-entropy's (docs/flce.md): rows in
--- chunks; a chunk's two logit GEMMs into f32 buffers (1/τ in the GEMM's
--- alpha), one fused row pass (core/flce.h ms_jsd_rows: core/jsd.c on the
+-- chunks; a chunk's two logit GEMMs (1/τ in the GEMM's alpha) into buffers
+-- of the inputs' dtype on CUDA for bf16/f16 inputs, else f32 (f64 for an
+-- f64 student), one fused row pass (core/flce.h ms_jsd_rows: core/jsd.c on the
 -- CPU in f64, kernels/jsd.cu on CUDA in f32) for each row's divergence and
 -- the gradient of its logits in the student's dtype, then the chunk's rows
 -- of grad_xs and its share of grad_Ws (accumulated in f32, cast to Ws's
@@ -68,7 +70,8 @@ local function rows_of(x)
 end
 
 -- the rows a chunk for V classes: the two (rows, V) logit buffers of elt
--- bytes and the gradient's of gelt in `bytes`
+-- bytes and the gradient's of gelt (0: written over the student's logits)
+-- in `bytes`
 function M.chunk_rows(N, V, elt, gelt, bytes)
   local r = math.floor(bytes / (V * (2 * elt + gelt)))
   return math.max(1, math.min(N, r))
@@ -135,10 +138,17 @@ function M.fused_linear_jsd(xs, Ws, xt, Wt, opts)
   end
   -- the row math's dtype: f64 for f64 students (gradchecks), else f32
   local cd = xs.dtype == 'f64' and 'f64' or 'f32'
+  -- the logits' dtype: on CUDA the 16-bit inputs' own (what x @ W.T gives
+  -- in PyTorch, as Liger's chunks hold them: half the bytes of f32 for the
+  -- row pass to read, twice the rows a chunk), else the row math's
+  local ld = cd
+  if dev >= 0 and xs.dtype == xt.dtype and (xs.dtype == 'bf16' or xs.dtype == 'f16') then ld = xs.dtype end
+  local gdt = xs.dtype      -- the logits' gradient, in the dtype its GEMMs read
+  local in_place = ld == gdt   -- the gradient written over the student's logits
   local xs2, xt2 = rows_of(xs), rows_of(xt)
   local lab1 = labels and (labels.ndim == 1 and labels or R.reshape(labels, { -1 })) or nil
-  local rows = opts.chunk_size or M.chunk_rows(N, V, cd == 'f64' and 8 or 4, C.ms_dtype_size(xs.dtype_id),
-    opts.memory_budget or 2 ^ 30)
+  local rows = opts.chunk_size or M.chunk_rows(N, V, C.ms_dtype_size(T.dtype_id(ld)),
+    in_place and 0 or C.ms_dtype_size(xs.dtype_id), opts.memory_budget or 2 ^ 30)
   if type(rows) ~= 'number' or rows < 1 or rows % 1 ~= 0 then
     raise(('%s: chunk_size must be a positive integer, got %s'):format(NAME, tostring(rows)))
   end
@@ -147,21 +157,22 @@ function M.fused_linear_jsd(xs, Ws, xt, Wt, opts)
   -- grad_Ws accumulated over the chunks in f32 (f64 for an f64 student)
   local gw = want_w and T.zeros({ V, Hs }, { dtype = cd, device = dev }) or nil
   local total = T.zeros({}, { dtype = cd, device = dev })
-  local gdt = xs.dtype      -- the logits' gradient, in the dtype its GEMMs read
   for r0 = 0, N - 1, rows do
     local n = math.min(rows, N - r0)
     local xs_c, xt_c = R.narrow(xs2, 1, r0 + 1, n), R.narrow(xt2, 1, r0 + 1, n)
-    local S = T.empty({ n, V }, { dtype = cd, device = dev })
-    local Tl = T.empty({ n, V }, { dtype = cd, device = dev })
+    local S = T.empty({ n, V }, { dtype = ld, device = dev })
+    local Tl = T.empty({ n, V }, { dtype = ld, device = dev })
     F.gemm_(S, xs_c, Ws, false, true, 1 / temp, 0)
     F.gemm_(Tl, xt_c, Wt, false, true, 1 / temp, 0)
     local lossr = T.empty({ n }, { dtype = cd, device = dev })
-    local G = (gx or gw) and T.empty({ n, V }, { dtype = gdt, device = dev }) or nil
+    local G = nil
+    if gx or gw then G = in_place and S or T.empty({ n, V }, { dtype = gdt, device = dev }) end
     local lab_c = lab1 and R.narrow(lab1, 1, r0 + 1, n) or nil
     -- the row pass (core/jsd.c, kernels/jsd.cu): each row's divergence and
     -- its gradient in the logits, times 1/τ (the chain through xs·Wsᵀ / τ)
     local rc = C.ms_jsd_rows(G, lossr, S, Tl, lab_c, ignore, beta, 1 / temp)
-    free(S); free(Tl)
+    if G ~= S then free(S) end
+    free(Tl)
     if lab_c then free(lab_c) end
     if rc ~= 0 then
       free(G); free(lossr); free(xs_c); free(xt_c)
