@@ -798,14 +798,20 @@ function tp.parallelize(model, opts)
             t:register_hook(hook_for(t))
           end
         end
-        -- (not the latent attention's norms: they run on every token
-        -- gathered, their gradients whole on every rank)
+        -- (the latent attention's latent layers run on this rank's rows
+        -- when it has q_lora_rank (MLA:forward gathers the latents), their
+        -- weight gradients partial; without it on every token gathered,
+        -- their gradients whole on every rank)
         local whole = {}
         for _, m in model:named_modules() do
           if getmetatable(m) == nn.MLAttention then
-            whole[m.kv_a_layernorm] = true
-            local qn = rawget(m, 'q_a_layernorm')
-            if qn then whole[qn] = true end
+            if rawget(m, 'q_a_proj') then
+              for _, l in ipairs({ m.q_a_proj, m.kv_a_proj_with_mqa }) do
+                partial(l.weight); partial(rawget(l, 'bias'))
+              end
+            else
+              whole[m.kv_a_layernorm] = true
+            end
           end
         end
         for _, m in model:named_modules() do

@@ -90,32 +90,57 @@ function mla.install(nn, nnf)
     self:register_module('o_proj', L(H * cfg.v_head_dim, cfg.dim, bias))
   end
 
+  -- the latents of x (..., dim): q's (after its norm; nil without
+  -- q_lora_rank), kv's (after its norm) and the shared rotary key's
+  local function latents(self, x)
+    local nd, kl = x.ndim, self.kv_lora_rank
+    local ql = self.q_lora_rank and self.q_a_layernorm(self.q_a_proj(x)) or nil
+    local ckv = self.kv_a_proj_with_mqa(x)                               -- (..., kv_lora_rank + dr)
+    return ql, self.kv_a_layernorm(ckv:narrow(nd, 1, kl)), ckv:narrow(nd, kl + 1, self.qk_rope_head_dim)
+  end
+
   function MLA:forward(x)
     -- tensor parallelism (moonshard.tp): this rank's heads; the latents
     -- replicated, their gradient parts summed where they enter the split
-    -- projections (sum); under sequence parallelism x is this rank's rows
+    -- projections (sum). Under sequence parallelism x is this rank's rows:
+    -- with q_lora_rank the latents are computed on them and gathered (one
+    -- all-gather of q_lora_rank + kv_lora_rank + dr features a token, not
+    -- x's dim; its backward's reduce-scatter sums the split projections'
+    -- parts, and the latent layers' weight gradients, partial then, are
+    -- summed by tp's sequence-parallel hooks); without it, x is gathered
     local tp = rawget(self, '_tp')
     local H = self.n_head
     local sum = function(t) return t end
+    local ql, kvl, kpe
     if tp ~= nil then
-      H, sum = tp.n_head, tp.sum
-      x = require('moonshard.tp').gathered(x, tp)
+      H = tp.n_head
+      local sp = tp.sp
+      if sp and sp.active and T.is_tensor(x) and x.ndim == 2 and self.q_lora_rank and x.shape[2] == self.dim then
+        local a, b, c = latents(self, x)
+        local g = sp.enter(W.cat({ a, b, c }, 2))                        -- (B, T, q_lora + kv_lora + dr)
+        local q1, k1 = self.q_lora_rank, self.kv_lora_rank
+        ql, kvl, kpe = g:narrow(3, 1, q1), g:narrow(3, q1 + 1, k1), g:narrow(3, q1 + k1 + 1, self.qk_rope_head_dim)
+        x = g
+      else
+        sum = tp.sum
+        x = require('moonshard.tp').gathered(x, tp)
+      end
     end
-    if not T.is_tensor(x) or x.ndim ~= 3 or x.shape[3] ~= self.dim then
+    if not T.is_tensor(x) or x.ndim ~= 3 or (not kvl and x.shape[3] ~= self.dim) then
       error(('MLAttention: expected x of shape (B, T, %d), got (%s)'):format(self.dim,
         T.is_tensor(x) and table.concat(x.shape, ', ') or type(x)), 2)
     end
     local B, Tn = x.shape[1], x.shape[2]
     local dn, dr, dv, dq = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.qk_head_dim
+    if not kvl then ql, kvl, kpe = latents(self, x) end
     local q
-    if self.q_lora_rank then q = self.q_b_proj(sum(self.q_a_layernorm(self.q_a_proj(x))))
+    if ql then q = self.q_b_proj(sum(ql))
     else q = self.q_proj(sum(x)) end
     q = q:view(B, Tn, H, dq)
-    local ckv = self.kv_a_proj_with_mqa(x)                               -- (B, T, kv_lora_rank + dr)
-    local kv = self.kv_b_proj(sum(self.kv_a_layernorm(ckv:narrow(3, 1, self.kv_lora_rank))))
+    local kv = self.kv_b_proj(sum(kvl))
     kv = kv:view(B, Tn, H, dn + dv)
     local q_rot = q:narrow(4, dn + 1, dr)                                -- (B, T, H, dr)
-    local k_rot = sum(ckv:narrow(3, self.kv_lora_rank + 1, dr)):reshape(B, Tn, 1, dr)
+    local k_rot = sum(kpe):reshape(B, Tn, 1, dr)
     if self.rope_interleave then q_rot, k_rot = nnf.pairs_to_halves(q_rot), nnf.pairs_to_halves(k_rot) end
     q_rot, k_rot = q_rot:transpose(2, 3), k_rot:transpose(2, 3)          -- (B, H, T, dr), (B, 1, T, dr)
     local cpc = rawget(self, '_cp')
