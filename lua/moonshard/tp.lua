@@ -728,8 +728,12 @@ function tp.parallelize(model, opts)
         -- (q_a_proj, kv_a_proj_with_mqa and their norms) and the shared
         -- rotary key replicated, their gradient parts summed where they
         -- enter the split layers (MLA:forward reads _tp.sum)
+        -- (latent_gather: under sequence parallelism with q_lora_rank, the
+        -- latents of this rank's rows gathered, MLA:forward;
+        -- MS_TP_MLA_LATENT_GATHER=0 gathers the rows instead, to compare)
         column(m.q_lora_rank and m.q_b_proj or m.q_proj); column(m.kv_b_proj); row(m.o_proj)
         rawset(m, '_tp', { n_head = m.n_head / size, sp = sp,
+          latent_gather = sp ~= nil and m.q_lora_rank ~= nil and os.getenv('MS_TP_MLA_LATENT_GATHER') ~= '0',
           sum = function(t) return tp.copy_to(t, g) end })
       elseif cls == nn.MoE then
         -- every expert (and the shared one) split by its hidden features;
@@ -805,12 +809,14 @@ function tp.parallelize(model, opts)
         local whole = {}
         for _, m in model:named_modules() do
           if getmetatable(m) == nn.MLAttention then
-            if rawget(m, 'q_a_proj') then
+            if m._tp.latent_gather then
               for _, l in ipairs({ m.q_a_proj, m.kv_a_proj_with_mqa }) do
                 partial(l.weight); partial(rawget(l, 'bias'))
               end
             else
               whole[m.kv_a_layernorm] = true
+              local qn = rawget(m, 'q_a_layernorm')
+              if qn then whole[qn] = true end
             end
           end
         end

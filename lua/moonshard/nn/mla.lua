@@ -115,7 +115,7 @@ function mla.install(nn, nnf)
     if tp ~= nil then
       H = tp.n_head
       local sp = tp.sp
-      if sp and sp.active and T.is_tensor(x) and x.ndim == 2 and self.q_lora_rank and x.shape[2] == self.dim then
+      if tp.latent_gather and sp.active and T.is_tensor(x) and x.ndim == 2 and x.shape[2] == self.dim then
         local a, b, c = latents(self, x)
         local g = sp.enter(W.cat({ a, b, c }, 2))                        -- (B, T, q_lora + kv_lora + dr)
         local q1, k1 = self.q_lora_rank, self.kv_lora_rank
