@@ -9,7 +9,8 @@
 //   1. each thread's online max and sum-exp of its s and t elements, then
 //      the block's (the pairs merged in a fixed order): lse_s, lse_t;
 //   2. the row's loss and Σ q·h (q = exp(s − lse_s), p = exp(t − lse_t),
-//      h as in core/flce.h), summed in a fixed order;
+//      h as in core/flce.h), summed in a fixed order (at beta 0 with a
+//      gradient, the loss is summed in sweep 3: two sweeps);
 //   3. the gradient q − p or q·(h − Σ q h), times scale, stored in g's dtype
 //      (bf16 for the GEMMs that follow under autocast), in place of s when
 //      g is s.
@@ -150,9 +151,11 @@ jsd_rows_kernel(G *g, float *loss, const L *s, const L *t, const void *labels, i
     block_lse2(a, b, sh);
     const float lse_s = a.x + __logf(a.y), lse_t = b.x + __logf(b.y);
     const float lb = beta > 0.f ? __logf(beta) : 0.f, l1b = beta < 1.f ? log1pf(-beta) : 0.f;
-    // 2. the loss and Σ q h
+    // 2. the loss and Σ q h (at beta 0 with a gradient to write, the
+    // gradient q − p needs no Σ: the loss is summed in sweep 3 instead)
     float L_ = 0.f, QH = 0.f;
-    for (long long k = threadIdx.x; k < np; k += blockDim.x) {
+    const bool fused = MODE == 0 && gr != nullptr;
+    for (long long k = threadIdx.x; k < np && !fused; k += blockDim.x) {
         load_v<float, L, P>(sv, sr + k * P);
         load_v<float, L, P>(tv, tr + k * P);
 #pragma unroll
@@ -170,10 +173,12 @@ jsd_rows_kernel(G *g, float *loss, const L *s, const L *t, const void *labels, i
             }
         }
     }
-    block_sum2(L_, QH, sh);
-    if (MODE == 1) QH = L_;
-    if (threadIdx.x == 0) loss[i] = L_;
-    if (!gr) return;
+    if (!fused) {
+        block_sum2(L_, QH, sh);
+        if (MODE == 1) QH = L_;
+        if (threadIdx.x == 0) loss[i] = L_;
+        if (!gr) return;
+    }
     // 3. the gradient in s
     for (long long k = threadIdx.x; k < np; k += blockDim.x) {
         load_v<float, L, P>(sv, sr + k * P);
@@ -184,7 +189,9 @@ jsd_rows_kernel(G *g, float *loss, const L *s, const L *t, const void *labels, i
             const float ls = sv[e] - lse_s, lt = tv[e] - lse_t;
             const float q = __expf(ls);
             if (MODE == 0) {
-                d[e] = (q - __expf(lt)) * scale;
+                const float p = __expf(lt);
+                L_ += p * (lt - ls);
+                d[e] = (q - p) * scale;
             } else {
                 const float h = MODE == 1 ? ls - lt : (1.f - beta) * (ls - logaddexpf(ls + l1b, lt + lb));
                 d[e] = q * (h - QH) * scale;
@@ -196,6 +203,10 @@ jsd_rows_kernel(G *g, float *loss, const L *s, const L *t, const void *labels, i
 #pragma unroll
             for (int e = 0; e < P; e++) ms_st(gr + k * P + e, d[e]);
         }
+    }
+    if (fused) {
+        block_sum2(L_, QH, sh);
+        if (threadIdx.x == 0) loss[i] = L_;
     }
 }
 

@@ -351,6 +351,11 @@ describe('fused_linear_jsd on cuda #gpu', function()
       assert.is_true(relerr(lg, lc) <= 1e-5, ('V %d beta %g: loss %.3e'):format(V, beta, relerr(lg, lc)))
       assert.is_true(relerr(gg, gc) <= 1e-5, ('V %d beta %g: gradient %.3e'):format(V, beta, relerr(gg, gc)))
       assert.are.equal(0, values(lg)[2])
+      -- the loss alone (no gradient: at beta 0 the other sweep order) is
+      -- the same bits
+      local l0 = ms.empty({ n }, { device = 'cuda' })
+      T.check(T.C.ms_jsd_rows(nil, l0, s:to('cuda'), t:to('cuda'), labels:to('cuda'), -100, beta, 0.7))
+      assert.are.same(values(lg), values(l0:cpu()))
       local _, gb = rows('cuda', 'bf16')
       assert.is_true(relerr(gb, gc) <= 1e-2, ('V %d beta %g: bf16 gradient %.3e'):format(V, beta, relerr(gb, gc)))
       -- bf16 / f16 logits (what the chunks hold for 16-bit inputs; V 1000
