@@ -537,7 +537,7 @@ describe('float8.linear', function()
     err(function() float8.linear(randn({ 4, 32 }), randn({ 32 })) end, 'weight must be 2-D')
     err(function() float8.linear(randn({ 4, 32 }):long(), randn({ 16, 32 })) end, 'must be float tensors')
     err(function() float8.linear(randn({ 4, 32 }), randn({ 16, 32 }), nil, { recipe = 'colwise' }) end,
-      'unknown recipe colwise (recipes: rowwise, rowwise_with_gw_hp, tensorwise)')
+      'unknown recipe colwise (recipes: blockwise, rowwise, rowwise_with_gw_hp, tensorwise)')
     err(function() float8.config { input = 'f8e5m2', weight = 'f8e5m2' } end, 'cannot both be f8e5m2')
   end)
 end)
