@@ -1,5 +1,6 @@
 -- moonshard.float8 — float8 training of linear layers (torchao's
--- convert_to_float8_training, tensorwise dynamic scaling).
+-- convert_to_float8_training: tensorwise and rowwise dynamic scaling; and
+-- DeepSeek-V3's blockwise recipe, float8.recipes.blockwise).
 --
 --   local float8 = require 'moonshard.float8'        -- also ms.float8
 --   local names = float8.convert(model)               -- every Linear / Conv1D but the LM head
@@ -868,7 +869,8 @@ end
 --     cross-entropy reads that weight itself; torchtitan keeps the output
 --     layer in bf16 too),
 --   * layers whose in or out features are not multiples of 16 (the FP8
---     GEMMs' rule; a tensor-parallel layer's own shard's), and modules with
+--     GEMMs' rule; 128 for blockwise, its weight blocks; a tensor-parallel
+--     layer's own shard's), and modules with
 --     a forward of their own (LoRA; not tensor parallelism's, which take the
 --     FP8 product: tp.parallelize before or after convert),
 --   * names matching opts.skip (Lua patterns), or for which
