@@ -7,7 +7,11 @@
 -- sink) against the same products written out here, its gradients against
 -- the f64 finite differences of the linear map it approximates, the shared
 -- input cast, float8.convert on the models and through bin/train, and the
--- errors. The GPU side is spec/gpu_float8_spec.lua.
+-- errors; the rowwise recipes; the blockwise recipe (DeepSeek-V3's 1 x 128 /
+-- 128 x 128 casts and their scales' layouts against an f64 reference, the
+-- block-scaled product, the layer against its products written out, the
+-- bf16 layer and the finite differences, convert, checkpointing, training).
+-- The GPU side is spec/gpu_float8_spec.lua.
 local ffi = require 'ffi'
 local ms = require 'moonshard'
 local T = require 'moonshard.tensor'

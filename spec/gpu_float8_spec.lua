@@ -4,7 +4,9 @@
 -- views), amax exactly, the scaled products within the FP8 GEMMs'
 -- accumulation, the FP8 linear forward and backward, a converted tiny
 -- Llama's training against the CPU's, the fallback for token counts that
--- are not multiples of 16, and no host sync in a step. Run on a GPU host:
+-- are not multiples of 16, and no host sync in a step; the axiswise and the
+-- blockwise casts bit for bit, their products (cuBLASLt's outer-vector and
+-- VEC128 / BLK128x128 scaling) and layers. Run on a GPU host:
 -- `make test-gpu`.
 local ms = require 'moonshard'
 local S = require 'spec.support'
