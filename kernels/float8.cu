@@ -558,8 +558,9 @@ int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tenso
 // column's over the 128 rows is the 8 warps' (shared memory), the tile's
 // both at once. Then each value is scaled by its block's scale and
 // written: out's rows straight (a warp stores 128 contiguous bytes a row),
-// out_t through a shared byte tile read down its columns (two threads a
-// row of out_t, 64 bytes each). 1x128: out by the rows' scales, out_t by
+// out_t through a shared byte tile (a thread's 16 rows of a column are one
+// 16-byte store into it; two threads a row of out_t read it back, 64 bytes
+// each). 1x128: out by the rows' scales, out_t by
 // the columns' (x's 128 x 1 blocks: out_t's 1 x 128 along R); 128x128: both
 // by the tile's (the same bytes, transposed). Edge tiles treat the missing
 // elements as absent (|0| changes no max) and write nothing there. x is
@@ -568,7 +569,7 @@ const int kBlk = 128;
 const int kBlkPitch = kBlk + 16;   // bytes a row of the shared byte tile
 
 template <typename T>
-__global__ void blk_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+__global__ void __launch_bounds__(256, 2) blk_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
                                 uint8_t *__restrict__ out_t, float *__restrict__ inv, float *__restrict__ inv_t,
                                 bool tile, bool e5, bool pow2) {
     __shared__ unsigned int colred[8][kBlk];
@@ -666,10 +667,18 @@ __global__ void blk_cast_kernel(const T *__restrict__ x, long long R, long long 
         }
     }
     if (!out_t) return;
+    // (a thread's 16 rows of a column are 16 contiguous bytes of out_t's
+    // row: one 16-byte store each)
 #pragma unroll
-    for (int i = 0; i < 16; i++)
+    for (int q = 0; q < 4; q++) {
+        union {
+            uint4 u;
+            uint8_t b[16];
+        } pk;
 #pragma unroll
-        for (int q = 0; q < 4; q++) bytes[(cl + q) * kBlkPitch + rl0 + i] = to_fp8(__fmul_rn(v[i][q], scol[q]), e5);
+        for (int i = 0; i < 16; i++) pk.b[i] = to_fp8(__fmul_rn(v[i][q], scol[q]), e5);
+        *reinterpret_cast<uint4 *>(bytes + (cl + q) * kBlkPitch + rl0) = pk.u;
+    }
     __syncthreads();
     // out_t's row c0 + j (x's column), columns r0 + h * 64 ... + 63
     const int j = threadIdx.x >> 1, h = threadIdx.x & 1;
