@@ -900,6 +900,21 @@ extern "C" int ms_cuda_scaled_gemm_blockwise(ms_tensor *out, const ms_tensor *a,
         rc = run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,
                     CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, &f8);
     }
+    if (rc != 0 && beta == 1.0 && !bias) {
+        // (no kernel reading C with block scales: the product into a
+        // scratch of out's dtype, then added; one more rounding in f32)
+        char first[512];
+        snprintf(first, sizeof first, "%s", ms_last_error());
+        ms_tmp t;
+        const int64_t shape[2] = {m, n};
+        rc = ms_tensor_empty(&t.t, 2, shape, out->dtype_id, device);
+        if (!rc)
+            rc = run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(t.t), n, 0, m, n, k, 1, 1.0, 0.0,
+                        CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, &f8);
+        if (!rc) return ms_binary(&out, MS_OP_ADD, out, t.t);
+        ms_set_error(first);
+        rc = -1;
+    }
     if (rc != 0) {
         char why[512];
         snprintf(why, sizeof why, "%s", ms_last_error());
