@@ -1199,7 +1199,7 @@ describe('float8 blockwise (DeepSeek-V3) scaling', function()
     assert.is_true(e < 0.1, ('blockwise %.3g'):format(e))
   end)
 
-  it('the f32 sink accumulates dW; recompute_weight gives the same gradients; features not multiples of 128 are refused', function()
+  it('the f32 sink accumulates dW; recompute_weight gives the same gradients; q/k/v share the input casts; features not multiples of 128 are refused', function()
     local x = randn({ 64, 128 }, 1, 'bf16'):requires_grad_()
     local w = randn({ 256, 128 }, 0.2, 'bf16'):requires_grad_()
     local sink = { t = ms.zeros({ 256, 128 }), written = {}, i = 1 }
@@ -1224,6 +1224,17 @@ describe('float8 blockwise (DeepSeek-V3) scaling', function()
     local a2, b2, n2 = run(true)
     assert.are.same(a1, a2); assert.are.same(b1, b2)
     assert.are.equal(1, n1); assert.are.equal(2, n2)
+    -- q/k/v: one input cast each way for the three layers
+    local xs = randn({ 32, 128 }):requires_grad_()
+    local before, bb = float8.stats().input_casts, float8.stats().backward_casts
+    local loss
+    for _ = 1, 3 do
+      local y = float8.linear(xs, randn({ 128, 128 }, 0.1):requires_grad_(), nil, { recipe = 'blockwise' }):sum()
+      loss = loss and loss + y or y
+    end
+    assert.are.equal(1, float8.stats().input_casts - before)
+    loss:backward()
+    assert.are.equal(1, float8.stats().backward_casts - bb)
     local e = S.errmsg(function() float8.linear(randn({ 8, 128 }), randn({ 96, 128 }), nil, { recipe = 'blockwise' }) end)
     assert.is_truthy(e:find('multiples of 128', 1, true) and e:find('(96, 128)', 1, true), e)
     local e2 = S.errmsg(function() float8.config { recipe = 'blockwise', grad_output = 'f8e5m2' } end)

@@ -555,8 +555,36 @@ end
 -- layouts (w8t is w8's bytes transposed, its scale grid transposed). The
 -- forward saves the input (its transposed cast is made in the backward)
 -- and w8t unless the weight is gathered again for the backward (FSDP
--- FULL_SHARD: recompute_weight 'auto').
+-- FULL_SHARD: recompute_weight 'auto'). Layers reading one input share its
+-- casts, each way (the cache of the other recipes).
 local BLK = 128
+
+-- the input's casts, shared by the layers reading one tensor (q/k/v,
+-- gate/up) as the other recipes' are: the forward's 1x128 rows (x8, its
+-- scales), the backward's transposed layout blocked along the tokens
+local function blk_input_rows(x2, cfg)
+  local l, _ = fwd_last, nil
+  if not same_view(l, x2, cfg.input, cfg.pow2, 'blockwise', nil) then
+    drop(l)
+    stats.input_casts = stats.input_casts + 1
+    l = view_entry(x2, cfg.input, cfg.pow2, 'blockwise', nil)
+    l.rows, _, l.inv = F.float8_cast_blockwise(x2, cfg.input, { blocks = '1x128', pow2 = cfg.pow2 })
+    fwd_last = l
+  end
+  return alias(l.rows), alias(l.inv)
+end
+local function blk_input_cols(x2, cfg)
+  local l, _ = bwd_last, nil
+  if not same_view(l, x2, cfg.input, cfg.pow2, 'blockwise', nil) then
+    drop(l)
+    stats.backward_casts = stats.backward_casts + 1
+    l = view_entry(x2, cfg.input, cfg.pow2, 'blockwise', nil)
+    _, l.cols, _, l.inv = F.float8_cast_blockwise(x2, cfg.input, { blocks = '1x128', rows = false, cols = true,
+      pow2 = cfg.pow2 })
+    bwd_last = l
+  end
+  return alias(l.cols), alias(l.inv)
+end
 
 local function bwd_blockwise(node, g)
   local s, need = node.saved, node.need
@@ -585,9 +613,7 @@ local function bwd_blockwise(node, g)
   end
   if need[3] then db = F.sum(g2, 1) end
   if want_w then
-    stats.backward_casts = stats.backward_casts + 1
-    local _, x8t, _, xinv_t = F.float8_cast_blockwise(s.x2, cfg.input,
-      { blocks = '1x128', rows = false, cols = true, pow2 = cfg.pow2 })
+    local x8t, xinv_t = blk_input_cols(s.x2, cfg)
     local a, bm, ainv, binv = g8t, x8t, ginv_t, xinv_t
     if not s.wt then a, bm, ainv, binv = x8t, g8t, xinv_t, ginv_t end   -- (Conv1D's (in, out))
     local sink = sink_of(node, s.w)
@@ -635,8 +661,7 @@ local function linear_blockwise(x, w, b, cfg, wt, in_f, out_f, name)
     { blocks = '128x128', rows = wt or keep, cols = not wt or keep, pow2 = cfg.pow2 })
   local w_out, winv, w_in, winv_in
   if wt then w_out, winv, w_in, winv_in = r, ir, c, ic else w_out, winv, w_in, winv_in = c, ic, r, ir end
-  stats.input_casts = stats.input_casts + 1
-  local x8, _, xinv = F.float8_cast_blockwise(x2, cfg.input, { blocks = '1x128', pow2 = cfg.pow2 })
+  local x8, xinv = blk_input_rows(x2, cfg)
   local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
   local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias, a_blocks = '1x128',
     b_blocks = '128x128' })
