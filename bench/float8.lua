@@ -2,7 +2,7 @@
 -- FP8 (moonshard.float8, tensorwise), at the Llama shapes of the benches:
 --
 --   luajit bench/float8.lua [--tokens 8192] [--iters 50] [--shapes 2048x3072,...] [--casts]
---                           [--recipe tensorwise|rowwise|rowwise_with_gw_hp]
+--                           [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise]
 --
 -- Per shape (tokens x in -> out), forward+backward calls (x and the weight
 -- bf16, both needing their gradient; the weight's gradient made anew each
@@ -17,7 +17,9 @@
 --   amax + cast of x   x's two passes alone (both layouts)
 -- and TFLOP/s as 6 * tokens * in * out over the time. With an axiswise
 -- recipe (rowwise) the casts are the axiswise ones and the GEMMs take
--- vector scales (rowwise_with_gw_hp: the weight gradient's a bf16 GEMM). The default shapes
+-- vector scales (rowwise_with_gw_hp: the weight gradient's a bf16 GEMM); with
+-- blockwise (DeepSeek-V3's) the casts are the 1x128 / 128x128 ones and the
+-- GEMMs cuBLASLt's block-scaled ones (Hopper; no fast accumulation). The default shapes
 -- are the 1.25B Llama's projections (hidden 2048, kv 512, MLP 5632) and
 -- an 8B one's (4096 -> 14336).
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
@@ -122,7 +124,16 @@ for sh in opts.shapes:gmatch('[^,]+') do
   local t8, h8 = timed(layer(function(a, b) return float8.linear(a, b, nil, { config = cfg }) end), opts.iters)
   -- the three FP8 GEMMs on operands cast once
   local x8, x8t, xi, xit, w8, w8t, wi, wit, g8, g8t, gi, git
-  if cfg.axiswise then
+  -- (the products' scale kinds: blockwise ones, else none)
+  local fwd_o, dx_o, dw_o = { fast_accum = true }, {}, { out_dtype = 'f32' }
+  if cfg.blockwise then
+    x8, x8t, xi, xit = F.float8_cast_blockwise(x:detach(), 'f8e4m3', { cols = true })
+    w8, w8t, wi, wit = F.float8_cast_blockwise(w:detach(), 'f8e4m3', { blocks = '128x128', cols = true })
+    g8, g8t, gi, git = F.float8_cast_blockwise(g, 'f8e4m3', { cols = true })
+    fwd_o = { a_blocks = '1x128', b_blocks = '128x128' }
+    dx_o = { a_blocks = '1x128', b_blocks = '128x128' }
+    dw_o = { out_dtype = 'f32', a_blocks = '1x128', b_blocks = '1x128' }
+  elseif cfg.axiswise then
     x8, x8t, xi, xit = F.float8_cast_axiswise(x:detach(), 'f8e4m3', { cols = true, pow2 = true })
     w8, w8t, wi, wit = F.float8_cast_axiswise(w:detach(), 'f8e4m3', { cols = true, pow2 = true })
     g8, g8t, gi, git = F.float8_cast_axiswise(g, cfg.grad_output, { cols = true, pow2 = true })
@@ -133,14 +144,17 @@ for sh in opts.shapes:gmatch('[^,]+') do
     xit, wit, git = xi, wi, gi
   end
   local tg = timed(function()
-    F.scaled_matmul(x8, w8, xi, wi, { fast_accum = true }):free()
-    F.scaled_matmul(g8, w8t, gi, wit):free()
+    F.scaled_matmul(x8, w8, xi, wi, fwd_o):free()
+    F.scaled_matmul(g8, w8t, gi, wit, dx_o):free()
     if cfg.gw_hp then F.matmul(g, x:detach(), true, false):free()
-    else F.scaled_matmul(g8t, x8t, git, xit, { out_dtype = 'f32' }):free() end
+    else F.scaled_matmul(g8t, x8t, git, xit, dw_o):free() end
   end, opts.iters)
   local xd = x:detach()
   local tc, hc = timed(function()
-    if cfg.axiswise then
+    if cfg.blockwise then
+      local r, c, i, ic = F.float8_cast_blockwise(xd, 'f8e4m3', { cols = true })
+      r:free(); c:free(); i:free(); ic:free()
+    elseif cfg.axiswise then
       local r, c, i, ic = F.float8_cast_axiswise(xd, 'f8e4m3', { cols = true, pow2 = true })
       r:free(); c:free(); i:free(); ic:free()
     else
@@ -154,7 +168,7 @@ for sh in opts.shapes:gmatch('[^,]+') do
     r:free(); c:free(); i:free()
   end, opts.iters)
   ms.C.ms_cuda_float8_set_fused(prev)
-  local _, hg = timed(function() F.scaled_matmul(x8, w8, xi, wi, { fast_accum = true }):free() end, opts.iters)
+  local _, hg = timed(function() F.scaled_matmul(x8, w8, xi, wi, fwd_o):free() end, opts.iters)
   local _, hf = timed(function() float8.linear(xd, w:detach(), nil, { config = cfg }):free() end, opts.iters)
   local _, hl = timed(function() nnf.linear(xd, w:detach()):free() end, opts.iters)
   host[#host + 1] = ('| %d x %d -> %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.3f | %.3f |'):format(N, in_f, out_f,

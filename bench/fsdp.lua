@@ -107,7 +107,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama|mixtral|deepseek] [--ep] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end

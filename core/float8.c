@@ -477,3 +477,244 @@ int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, co
     ms_tensor_free(bc);
     return finish(out, allocated, rc);
 }
+
+/* ------------------------------------------------------------ blockwise */
+
+static int64_t cdiv128(int64_t n) { return (n + 127) / 128; }
+static int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
+
+/* the inverse scales' shape for an operand (R, K) with blocks along K:
+ * 1x128 (ceil(K/128), R), 128x128 (ceil(R/128), ceil(K/128) padded to 4) */
+static void blk_scale_shape(int blocks, int64_t R, int64_t K, int64_t shape[2]) {
+    if (blocks == MS_FLOAT8_1X128) {
+        shape[0] = cdiv128(K);
+        shape[1] = R;
+    } else {
+        shape[0] = cdiv128(R);
+        shape[1] = pad4(cdiv128(K));
+    }
+}
+
+static const char *blk_name(int blocks) { return blocks == MS_FLOAT8_1X128 ? "1x128" : "128x128"; }
+
+static int check_blocks(const char *op, const char *what, int blocks) {
+    if (blocks != MS_FLOAT8_1X128 && blocks != MS_FLOAT8_128X128)
+        return ms_errorf("%s: %s must be MS_FLOAT8_1X128 (1) or MS_FLOAT8_128X128 (2), got %d", op, what, blocks);
+    return 0;
+}
+
+/* NaN-winning max of |v| into *m */
+static void amax_in(float *m, float v) {
+    float a = fabsf(v);
+    if (*m == *m && (a != a || a > *m)) *m = a;
+}
+
+int ms_float8_cast_blockwise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, ms_tensor **inv_t,
+                             const ms_tensor *x, int blocks, int dtype, int pow2) {
+    const char *op = "float8_cast_blockwise";
+    if (check_cast(op, x, dtype) || check_blocks(op, "blocks", blocks)) return -1;
+    if (inv && !out) return ms_errorf("%s: inv is the scale of out: ask for out too", op);
+    if (inv_t && !out_t) return ms_errorf("%s: inv_t is the scale of out_t: ask for out_t too", op);
+    const int64_t R = x->sizes[0], C = x->sizes[1];
+    const int64_t shape[2] = {R, C}, shape_t[2] = {C, R};
+    int64_t sh_inv[2], sh_inv_t[2];
+    blk_scale_shape(blocks, R, C, sh_inv);
+    blk_scale_shape(blocks, C, R, sh_inv_t);
+    int a_out = 0, a_t = 0, a_i = 0, a_it = 0, rc;
+    rc = cast_slot(op, out, "out", 2, shape, dtype, x->device_id, &a_out);
+    if (!rc) rc = cast_slot(op, out_t, "out_t", 2, shape_t, dtype, x->device_id, &a_t);
+    if (!rc) rc = cast_slot(op, inv, "inv", 2, sh_inv, MS_F32, x->device_id, &a_i);
+    if (!rc) rc = cast_slot(op, inv_t, "inv_t", 2, sh_inv_t, MS_F32, x->device_id, &a_it);
+    if (!rc) {
+        ms_tensor *o = out ? *out : NULL, *ot = out_t ? *out_t : NULL;
+        ms_tensor *iv = inv ? *inv : NULL, *ivt = inv_t ? *inv_t : NULL;
+        ms_tensor *c = NULL;
+        rc = ms_tensor_contiguous(&c, x);
+#ifdef MS_WITH_CUDA
+        if (!rc && x->device_id >= 0) {
+            rc = ms_cuda_float8_cast_blockwise(o, ot, iv, ivt, c, blocks, dtype, pow2);
+        } else
+#endif
+        if (!rc) {
+            const int e5 = is_e5m2(dtype);
+            ms_tensor *f = NULL;
+            rc = f32_contig(&f, c);
+            if (!rc) {
+                const float *p = ms_tensor_data(f);
+                uint8_t *po = o ? ms_tensor_data(o) : NULL, *pt = ot ? ms_tensor_data(ot) : NULL;
+                float *si = iv ? ms_tensor_data(iv) : NULL, *st = ivt ? ms_tensor_data(ivt) : NULL;
+                if (si) memset(si, 0, sizeof(float) * (size_t)(sh_inv[0] * sh_inv[1]));
+                if (st) memset(st, 0, sizeof(float) * (size_t)(sh_inv_t[0] * sh_inv_t[1]));
+                if (blocks == MS_FLOAT8_1X128) {
+                    /* out: row i, columns [128 kb, ...) */
+                    if (po)
+                        for (int64_t i = 0; i < R; i++)
+                            for (int64_t j0 = 0; j0 < C; j0 += 128) {
+                                const int64_t j1 = j0 + 128 < C ? j0 + 128 : C;
+                                float m = 0.0f;
+                                for (int64_t j = j0; j < j1; j++) amax_in(&m, p[i * C + j]);
+                                const float s = ms_fp8_scale(m, e5, pow2);
+                                for (int64_t j = j0; j < j1; j++) po[i * C + j] = ms_fp8_from_f32(p[i * C + j] * s, e5, 1);
+                                if (si) si[(j0 / 128) * R + i] = 1.0f / s;
+                            }
+                    /* out_t: x's column j, rows [128 rb, ...) */
+                    if (pt)
+                        for (int64_t j = 0; j < C; j++)
+                            for (int64_t i0 = 0; i0 < R; i0 += 128) {
+                                const int64_t i1 = i0 + 128 < R ? i0 + 128 : R;
+                                float m = 0.0f;
+                                for (int64_t i = i0; i < i1; i++) amax_in(&m, p[i * C + j]);
+                                const float s = ms_fp8_scale(m, e5, pow2);
+                                for (int64_t i = i0; i < i1; i++) pt[j * R + i] = ms_fp8_from_f32(p[i * C + j] * s, e5, 1);
+                                if (st) st[(i0 / 128) * C + j] = 1.0f / s;
+                            }
+                } else {
+                    const int64_t ld = pad4(cdiv128(C)), ld_t = pad4(cdiv128(R));
+                    for (int64_t i0 = 0; i0 < R; i0 += 128)
+                        for (int64_t j0 = 0; j0 < C; j0 += 128) {
+                            const int64_t i1 = i0 + 128 < R ? i0 + 128 : R, j1 = j0 + 128 < C ? j0 + 128 : C;
+                            float m = 0.0f;
+                            for (int64_t i = i0; i < i1; i++)
+                                for (int64_t j = j0; j < j1; j++) amax_in(&m, p[i * C + j]);
+                            const float s = ms_fp8_scale(m, e5, pow2);
+                            for (int64_t i = i0; i < i1; i++)
+                                for (int64_t j = j0; j < j1; j++) {
+                                    const uint8_t v = ms_fp8_from_f32(p[i * C + j] * s, e5, 1);
+                                    if (po) po[i * C + j] = v;
+                                    if (pt) pt[j * R + i] = v;
+                                }
+                            if (si) si[(i0 / 128) * ld + j0 / 128] = 1.0f / s;
+                            if (st) st[(j0 / 128) * ld_t + i0 / 128] = 1.0f / s;
+                        }
+                }
+            }
+            ms_tensor_free(f);
+        }
+        ms_tensor_free(c);
+    }
+    if (rc) {
+        finish(out, a_out, rc);
+        finish(out_t, a_t, rc);
+        finish(inv, a_i, rc);
+        finish(inv_t, a_it, rc);
+    }
+    return rc;
+}
+
+/* a blockwise operand's inverse scales: f32, contiguous, on dev, of the
+ * shape blk_scale_shape gives for the operand (R, K) */
+static int check_blk_scales(const char *op, const char *what, const ms_tensor *s, int blocks, int64_t R, int64_t K,
+                            int dev) {
+    char d[DESC], dv[32];
+    int64_t want[2];
+    if (!s) return ms_errorf("%s: %s is missing", op, what);
+    if (ms_tensor_check_live(s, op)) return -1;
+    blk_scale_shape(blocks, R, K, want);
+    if (s->dtype_id != MS_F32 || s->ndim != 2 || s->sizes[0] != want[0] || s->sizes[1] != want[1] ||
+        s->device_id != dev || !ms_tensor_is_contiguous(s))
+        return ms_errorf("%s: %s (%s scales of a (%lld, %lld) operand) must be a contiguous f32 (%lld, %lld) on %s "
+                         "(float8_cast_blockwise's layout), got %s", op, what, blk_name(blocks), (long long)R,
+                         (long long)K, (long long)want[0], (long long)want[1], ms_device_str(dev, dv, sizeof dv),
+                         ms_desc(s, d, sizeof d));
+    return 0;
+}
+
+/* the value of operand t (R, K) element (i, k), dequantised in f64 */
+static double blk_dequant(const uint8_t *q, const float *s, int blocks, int e5, int64_t R, int64_t K, int64_t ld,
+                          int64_t i, int64_t k) {
+    const float inv = blocks == MS_FLOAT8_1X128 ? s[(k / 128) * R + i] : s[(i / 128) * pad4(cdiv128(K)) + k / 128];
+    return (double)ms_fp8_to_f32(q[i * ld + k], e5) * (double)inv;
+}
+
+int ms_scaled_matmul_blockwise(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
+                               int a_blocks, const ms_tensor *binv, int b_blocks, const ms_tensor *bias,
+                               int out_dtype, double beta) {
+    char x[DESC], y[DESC];
+    const char *op = "scaled_matmul_blockwise";
+    if (check_operand(op, "a", a) || check_operand(op, "b", b)) return -1;
+    if (check_blocks(op, "a_blocks", a_blocks) || check_blocks(op, "b_blocks", b_blocks)) return -1;
+    if (a->device_id != b->device_id)
+        return ms_errorf("%s: a and b on different devices: %s and %s", op, ms_desc(a, x, sizeof x),
+                         ms_desc(b, y, sizeof y));
+    if (a->sizes[1] != b->sizes[1])
+        return ms_errorf("%s: a %s and b %s must share their last dim K (out = a @ b^T)", op, ms_desc(a, x, sizeof x),
+                         ms_desc(b, y, sizeof y));
+    if (a->dtype_id != MS_F8E4M3 || b->dtype_id != MS_F8E4M3)
+        return ms_errorf("%s: blockwise products take f8e4m3 operands (DeepSeek-V3's recipe, cuBLASLt's block "
+                         "scaling), got a %s and b %s", op, ms_desc(a, x, sizeof x), ms_desc(b, y, sizeof y));
+    const int dev = a->device_id;
+    const int64_t M = a->sizes[0], N = b->sizes[0], K = a->sizes[1];
+    if (a_blocks == MS_FLOAT8_128X128 && b_blocks == MS_FLOAT8_128X128)
+        return ms_errorf("%s: a (%lld, %lld) and b (%lld, %lld) both with 128x128 blocks: cuBLASLt (Hopper) takes "
+                         "1x128 x 1x128, 1x128 x 128x128 and 128x128 x 1x128 only", op, (long long)M, (long long)K,
+                         (long long)N, (long long)K);
+    if (check_blk_scales(op, "ainv", ainv, a_blocks, M, K, dev) ||
+        check_blk_scales(op, "binv", binv, b_blocks, N, K, dev))
+        return -1;
+    if (out && *out) out_dtype = (*out)->dtype_id;
+    if (out_dtype != MS_F32 && out_dtype != MS_BF16 && out_dtype != MS_F16)
+        return ms_errorf("%s: the output dtype must be f32, bf16 or f16, got %s", op, ms_dtype_name(out_dtype));
+    if (bias) {
+        if (ms_tensor_check_live(bias, op)) return -1;
+        if (bias->ndim != 1 || bias->sizes[0] != N || bias->dtype_id != out_dtype || bias->device_id != dev)
+            return ms_errorf("%s: bias must be (%lld) %s on the operands' device, got %s", op, (long long)N,
+                             ms_dtype_name(out_dtype), ms_desc(bias, x, sizeof x));
+    }
+    if (beta != 0 && !(out && *out))
+        return ms_errorf("%s: beta = %g adds to the output, so the output must be given", op, beta);
+    const int64_t shape[2] = {M, N};
+    int allocated = out && !*out;
+    if (ms_prepare_out(out, op, 2, shape, out_dtype, dev)) return -1;
+    if (!ms_tensor_is_contiguous(*out))
+        return finish(out, allocated, ms_errorf("%s: out %s must be contiguous", op, ms_desc(*out, x, sizeof x)));
+    if (M == 0 || N == 0) return 0;
+    if (dev >= 0) {
+#ifdef MS_WITH_CUDA
+        return finish(out, allocated,
+                      ms_cuda_scaled_gemm_blockwise(*out, a, b, ainv, a_blocks, binv, b_blocks, bias, beta));
+#else
+        return finish(out, allocated, ms_errorf("%s: cuda tensors need a build with CUDA", op));
+#endif
+    }
+    /* the CPU: both operands dequantised in f64 (each value exact: an 8-bit
+     * float times an f32), one f64 product, then bias and beta in f64 and one
+     * rounding into out's dtype */
+    ms_tensor *af = NULL, *bf = NULL, *bt = NULL, *prod = NULL, *bc = NULL;
+    const int64_t sa[2] = {M, K}, sb[2] = {N, K};
+    int rc = ms_tensor_empty(&af, 2, sa, MS_F64, -1);
+    if (!rc) rc = ms_tensor_empty(&bf, 2, sb, MS_F64, -1);
+    if (!rc) {
+        const uint8_t *qa = ms_tensor_data(a), *qb = ms_tensor_data(b);
+        const int64_t lda = M > 1 ? a->strides[0] : K, ldb = N > 1 ? b->strides[0] : K;
+        double *pa = ms_tensor_data(af), *pb = ms_tensor_data(bf);
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t k = 0; k < K; k++)
+                pa[i * K + k] = blk_dequant(qa, ms_tensor_data(ainv), a_blocks, 0, M, K, lda, i, k);
+        for (int64_t j = 0; j < N; j++)
+            for (int64_t k = 0; k < K; k++)
+                pb[j * K + k] = blk_dequant(qb, ms_tensor_data(binv), b_blocks, 0, N, K, ldb, j, k);
+    }
+    if (!rc) rc = ms_tensor_transpose(&bt, bf, 0, 1);
+    if (!rc && K > 0) rc = ms_matmul(&prod, af, bt, 0, 0);
+    if (!rc && bias) rc = ms_tensor_contiguous(&bc, bias);
+    if (!rc) {
+        const double *pp = prod ? ms_tensor_data(prod) : NULL;
+        char *po = ms_tensor_data(*out);
+        const char *pb = bc ? ms_tensor_data(bc) : NULL;
+        const int es = ms_dtype_size(out_dtype);
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                char *q = po + (i * N + j) * es;
+                double v = pp ? pp[i * N + j] : 0.0;
+                if (pb) v += ms_load(pb + j * es, out_dtype);
+                if (beta != 0) v += beta * ms_load(q, out_dtype);
+                ms_store(q, out_dtype, v);
+            }
+    }
+    ms_tensor_free(af);
+    ms_tensor_free(bf);
+    ms_tensor_free(bt);
+    ms_tensor_free(prod);
+    ms_tensor_free(bc);
+    return finish(out, allocated, rc);
+}

@@ -447,6 +447,43 @@ int ms_float8_amax_axiswise(ms_tensor **row_amax, ms_tensor **col_amax, const ms
  * 8-bit float tensor (any layout); the same bytes (a tiled kernel on CUDA:
  * the other layout of an f8 weight gathered by FSDP) */
 int ms_float8_transpose(ms_tensor **out, const ms_tensor *x);
+/* ---- blockwise (DeepSeek-V3's scaling; torchao's blockwise fp8 training)
+ *
+ * A block's scale is scale = fmax / max(amax(block), 1e-12) as above (pow2
+ * as in ms_float8_cast; DeepSeek and torchao keep it exact, 0). Blocks run
+ * along K, the contraction dim of the layout they feed; a block at an edge
+ * takes what is left of its rows / columns (ceil division).
+ *
+ * ms_float8_cast_blockwise: x (R, C) any float dtype and layout; blocks
+ * MS_FLOAT8_1X128 (activations, gradients) or MS_FLOAT8_128X128 (weights):
+ *   out   (R, C) dtype; 1x128: row i's columns [128 kb, 128 kb + 128)
+ *         scaled together; 128x128: the 128 x 128 tiles of x
+ *   out_t (C, R) dtype, x transposed; 1x128: row j's (x's column j)
+ *         entries [128 rb, ...) scaled together (x's 128 x 1 blocks);
+ *         128x128: the same tiles as out (the same bytes, transposed)
+ *   inv   1 / out's scales, in cuBLASLt's layout for out as an operand:
+ *         1x128 (ceil(C/128), R): inv[kb][i];
+ *         128x128 (ceil(R/128), ld) with ld = ceil(ceil(C/128) / 4) * 4:
+ *         inv[rb][kb], columns kb >= ceil(C/128) padding (written 0)
+ *   inv_t the same for out_t (C, R): 1x128 (ceil(R/128), C), 128x128
+ *         (ceil(C/128), ceil(ceil(R/128) / 4) * 4)
+ * inv needs out, inv_t needs out_t.
+ *
+ * ms_scaled_matmul_blockwise: out (M, N) = sum over K blocks kb of
+ *   ainv_kb(i) * binv_kb(j) * (a @ b^T restricted to kb) [+ bias] [+ beta out]
+ * with a (M, K), b (N, K) as in ms_scaled_matmul, ainv / binv the inverse
+ * scales of a / b in the layout ms_float8_cast_blockwise writes for
+ * a_blocks / b_blocks (MS_FLOAT8_1X128 or MS_FLOAT8_128X128). The CPU
+ * dequantises both in f64 and multiplies in f64 (one rounding into out);
+ * CUDA: cuBLASLt's VEC128_32F / BLK128x128_32F scaling on compute
+ * capability 9.x (Hopper), e4m3 operands, K a multiple of 128, M and N of
+ * 16, not both 128x128, no fast accumulation. */
+enum { MS_FLOAT8_1X128 = 1, MS_FLOAT8_128X128 = 2 };
+int ms_float8_cast_blockwise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv, ms_tensor **inv_t,
+                             const ms_tensor *x, int blocks, int dtype, int pow2);
+int ms_scaled_matmul_blockwise(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
+                               int a_blocks, const ms_tensor *binv, int b_blocks, const ms_tensor *bias,
+                               int out_dtype, double beta);
 /* FFI-END */
 
 #define MS_ALL_DIMS (-1000)

@@ -2,7 +2,8 @@
 // absolute maximum of a tensor (the dynamic scale's input) and the scaled,
 // saturating cast to f8e4m3 / f8e5m2 in both layouts at once (the row-major
 // copy for one product, the transposed one for the other: cuBLASLt's FP8
-// GEMMs take K-major operands only).
+// GEMMs take K-major operands only), and the blockwise casts (DeepSeek-V3's
+// 1 x 128 and 128 x 128 blocks, one scale a block).
 //
 // Bytes: amax reads x once; the cast reads x once and writes one byte per
 // element per layout. The rounding is core/fp8.h's (the CPU reference's);
@@ -10,6 +11,7 @@
 // clamped first, so the two differ only in the sign of a NaN).
 #include "common.cuh"
 #include "kernels.h"
+#include "ops.h"
 #include "vec.cuh"
 
 #include <cooperative_groups.h>
@@ -548,6 +550,151 @@ int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tenso
     return 0;
 }
 
+// ------------------------------------------------------------ blockwise
+// DeepSeek-V3's scaling (core/ops.h ms_float8_cast_blockwise). One block of
+// 256 threads a 128 x 128 tile of x: thread t holds 16 rows (warp t / 32
+// takes rows 16 w ...) of 4 columns (lane * 4 ...) in registers, read once.
+// The maxima: a row's over its 128 columns is a warp's (shuffles), a
+// column's over the 128 rows is the 8 warps' (shared memory), the tile's
+// both at once. Then each value is scaled by its block's scale and
+// written: out's rows straight (a warp stores 128 contiguous bytes a row),
+// out_t through a shared byte tile (a thread's 16 rows of a column are one
+// 16-byte store into it; two threads a row of out_t read it back, 64 bytes
+// each). 1x128: out by the rows' scales, out_t by
+// the columns' (x's 128 x 1 blocks: out_t's 1 x 128 along R); 128x128: both
+// by the tile's (the same bytes, transposed). Edge tiles treat the missing
+// elements as absent (|0| changes no max) and write nothing there. x is
+// read once, out and out_t written once: ~(sizeof(T) + 2) bytes an element.
+const int kBlk = 128;
+const int kBlkPitch = kBlk + 16;   // bytes a row of the shared byte tile
+
+template <typename T>
+__global__ void __launch_bounds__(256, 2) blk_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+                                uint8_t *__restrict__ out_t, float *__restrict__ inv, float *__restrict__ inv_t,
+                                bool tile, bool e5, bool pow2) {
+    __shared__ unsigned int colred[8][kBlk];
+    __shared__ unsigned int tilered[8];
+    __shared__ __align__(16) uint8_t bytes[kBlk * kBlkPitch];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long r0 = (long long)blockIdx.y * kBlk, c0 = (long long)blockIdx.x * kBlk;
+    const long long rb = blockIdx.y, cb = blockIdx.x;
+    const int cl = lane * 4, rl0 = warp * 16;
+    float v[16][4];
+    unsigned int rowb[16], colb[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const long long r = r0 + rl0 + i;
+        rowb[i] = 0;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const long long c = c0 + cl + q;
+            float f = 0.f;
+            if (r < R && c < C) f = (float)conv<T>::load(x[r * C + c]);
+            v[i][q] = f;
+            const unsigned int b = __float_as_uint(fabsf(f));   // (a NaN's bits are above infinity's: it wins)
+            rowb[i] = max(rowb[i], b);
+            colb[q] = max(colb[q], b);
+        }
+    }
+    // the maxima: rows across the warp, columns across the warps, the tile
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) rowb[i] = max(rowb[i], __shfl_xor_sync(0xffffffffu, rowb[i], o));
+#pragma unroll
+    for (int q = 0; q < 4; q++) colred[warp][cl + q] = colb[q];
+    if (lane == 0) {
+        unsigned int m = 0;
+#pragma unroll
+        for (int i = 0; i < 16; i++) m = max(m, rowb[i]);
+        tilered[warp] = m;
+    }
+    __syncthreads();
+    float srow[16], scol[4];
+    if (tile) {
+        unsigned int m = 0;
+#pragma unroll
+        for (int w = 0; w < 8; w++) m = max(m, tilered[w]);
+        const float s = ms_fp8_scale(__uint_as_float(m), e5, pow2);
+#pragma unroll
+        for (int i = 0; i < 16; i++) srow[i] = s;
+#pragma unroll
+        for (int q = 0; q < 4; q++) scol[q] = s;
+        if (threadIdx.x == 0) {
+            const long long ld = ((C + kBlk - 1) / kBlk + 3) / 4 * 4, ld_t = ((R + kBlk - 1) / kBlk + 3) / 4 * 4;
+            if (inv) inv[rb * ld + cb] = 1.0f / s;
+            if (inv_t) inv_t[cb * ld_t + rb] = 1.0f / s;
+        }
+    } else {
+        if (out) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) srow[i] = ms_fp8_scale(__uint_as_float(rowb[i]), e5, pow2);
+            if (inv && lane == 0)
+#pragma unroll
+                for (int i = 0; i < 16; i++)
+                    if (r0 + rl0 + i < R) inv[cb * R + r0 + rl0 + i] = 1.0f / srow[i];
+        }
+        if (out_t) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                unsigned int m = 0;
+#pragma unroll
+                for (int w = 0; w < 8; w++) m = max(m, colred[w][cl + q]);
+                scol[q] = ms_fp8_scale(__uint_as_float(m), e5, pow2);
+                if (inv_t && warp == 0 && c0 + cl + q < C) inv_t[rb * C + c0 + cl + q] = 1.0f / scol[q];
+            }
+        }
+    }
+    const bool full = r0 + kBlk <= R && c0 + kBlk <= C;
+    if (out) {
+        const bool al = full && (C % 4) == 0 && ((uintptr_t)out % 4) == 0;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const long long r = r0 + rl0 + i;
+            union {
+                unsigned int u;
+                uint8_t b[4];
+            } pk;
+#pragma unroll
+            for (int q = 0; q < 4; q++) pk.b[q] = to_fp8(__fmul_rn(v[i][q], srow[i]), e5);
+            if (al) {
+                *reinterpret_cast<unsigned int *>(out + r * C + c0 + cl) = pk.u;
+            } else if (r < R) {
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    if (c0 + cl + q < C) out[r * C + c0 + cl + q] = pk.b[q];
+            }
+        }
+    }
+    if (!out_t) return;
+    // (a thread's 16 rows of a column are 16 contiguous bytes of out_t's
+    // row: one 16-byte store each)
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        union {
+            uint4 u;
+            uint8_t b[16];
+        } pk;
+#pragma unroll
+        for (int i = 0; i < 16; i++) pk.b[i] = to_fp8(__fmul_rn(v[i][q], scol[q]), e5);
+        *reinterpret_cast<uint4 *>(bytes + (cl + q) * kBlkPitch + rl0) = pk.u;
+    }
+    __syncthreads();
+    // out_t's row c0 + j (x's column), columns r0 + h * 64 ... + 63
+    const int j = threadIdx.x >> 1, h = threadIdx.x & 1;
+    const long long orow = c0 + j;
+    if (orow >= C) return;
+    const uint8_t *src = bytes + j * kBlkPitch + h * 64;
+    uint8_t *dst = out_t + orow * R + r0 + h * 64;
+    if (full && (R % 16) == 0 && ((uintptr_t)out_t % 16) == 0) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) reinterpret_cast<uint4 *>(dst)[k] = reinterpret_cast<const uint4 *>(src)[k];
+    } else {
+        for (int k = 0; k < 64; k++)
+            if (r0 + h * 64 + k < R) dst[k] = src[k];
+    }
+}
+
 template <typename T>
 int launch_amax(ms_tensor *out, const ms_tensor *x, cudaStream_t st) {
     const long long n = ms_tensor_numel(x);
@@ -589,6 +736,27 @@ int launch_cast(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, const ms_tenso
                                          inv ? (float *)ms_tensor_data(inv) : nullptr,
                                          (const float *)ms_tensor_data(amax), e5, pow2, al);
     LAUNCH_CHECK("cast_kernel");
+    return 0;
+}
+
+template <typename T>
+int launch_blockwise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor *inv_t, const ms_tensor *x,
+                     bool tile, bool e5, bool pow2, cudaStream_t st) {
+    const long long R = x->sizes[0], C = x->sizes[1];
+    // (128x128: the scales' padding columns, which no tile writes)
+    if (tile && inv) CUDA_CHECK(cudaMemsetAsync(ms_tensor_data(inv), 0, sizeof(float) * (size_t)ms_tensor_numel(inv), st));
+    if (tile && inv_t)
+        CUDA_CHECK(cudaMemsetAsync(ms_tensor_data(inv_t), 0, sizeof(float) * (size_t)ms_tensor_numel(inv_t), st));
+    if (R == 0 || C == 0) return 0;
+    const long long gx = (C + kBlk - 1) / kBlk, gy = (R + kBlk - 1) / kBlk;
+    if (gx > 0x7fffffffLL || gy > 65535)
+        return ms_errorf("float8_cast_blockwise: (%lld, %lld) has too many rows for the kernel's grid (at most %d)", R,
+                         C, 65535 * kBlk);
+    blk_cast_kernel<T><<<dim3((unsigned)gx, (unsigned)gy), 256, 0, st>>>(
+        (const T *)ms_tensor_data(x), R, C, out ? (uint8_t *)ms_tensor_data(out) : nullptr,
+        out_t ? (uint8_t *)ms_tensor_data(out_t) : nullptr, inv ? (float *)ms_tensor_data(inv) : nullptr,
+        inv_t ? (float *)ms_tensor_data(inv_t) : nullptr, tile, e5, pow2);
+    LAUNCH_CHECK("blk_cast_kernel");
     return 0;
 }
 
@@ -772,6 +940,21 @@ extern "C" int ms_cuda_float8_amax_axiswise(ms_tensor *row_amax, ms_tensor *col_
     case MS_F16: return launch_amax_axiswise<__half>(row_amax, col_amax, x, st);
     }
     return ms_errorf("float8_amax_axiswise: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
+}
+
+extern "C" int ms_cuda_float8_cast_blockwise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor *inv_t,
+                                             const ms_tensor *x, int blocks, int dtype, int pow2) {
+    const int dev = x->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    const bool e5 = dtype == MS_F8E5M2, p2 = pow2 != 0, tile = blocks == MS_FLOAT8_128X128;
+    switch (x->dtype_id) {
+    case MS_F64: return launch_blockwise<double>(out, out_t, inv, inv_t, x, tile, e5, p2, st);
+    case MS_F32: return launch_blockwise<float>(out, out_t, inv, inv_t, x, tile, e5, p2, st);
+    case MS_BF16: return launch_blockwise<__nv_bfloat16>(out, out_t, inv, inv_t, x, tile, e5, p2, st);
+    case MS_F16: return launch_blockwise<__half>(out, out_t, inv, inv_t, x, tile, e5, p2, st);
+    }
+    return ms_errorf("float8_cast_blockwise: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
 }
 
 // out (C, R) = x (R, C) transposed, 8-bit elements, both contiguous

@@ -151,6 +151,9 @@ struct Fp8 {
     const void *sa, *sb;
     bool fast;
     bool vec;   // sa (M) and sb (N) vectors: CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+    // blockwise: a's and b's cuBLASLt scale modes (VEC128_32F,
+    // BLK128x128_32F; 0: none), sa / sb in float8_cast_blockwise's layout
+    int amode, bmode;
 };
 
 typedef ms_tmp holder;
@@ -378,7 +381,7 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
     PlanKey key;
     {
         const int64_t dkey = f8 ? (int64_t)f8->dta | ((int64_t)f8->dtb << 8) | ((int64_t)f8->fast << 16) | (1LL << 17) |
-                                     ((int64_t)f8->vec << 18)
+                                     ((int64_t)f8->vec << 18) | ((int64_t)f8->amode << 20) | ((int64_t)f8->bmode << 24)
                                 : (int64_t)dtype;
         int64_t kv[22] = {device, dkey, out_dtype, g_allow_tf32, (int64_t)A.op, (int64_t)B.op, A.rows, A.cols,
                           A.ld, B.rows, B.cols, B.ld, ldc, m, n, k, batch, A.batch_stride, B.batch_stride, c_batch,
@@ -483,6 +486,10 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
             int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
             LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode));
             LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode));
+        } else if (f8->amode || f8->bmode) {   // (the library's A is our b)
+            int32_t ma = f8->bmode, mb = f8->amode;
+            LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &ma, sizeof ma));
+            LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mb, sizeof mb));
         }
     }
     LT(cublasLtMatrixLayoutCreate(&la, f8 ? cuda_type(f8->dtb) : dt, (uint64_t)B.rows, (uint64_t)B.cols, B.ld));
@@ -811,7 +818,7 @@ extern "C" int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_
     if (vec && cc[device] < 90)
         return ms_errorf("scaled_matmul: vector (axiswise) scales need cuBLASLt's outer-vector scaling, which takes "
                          "compute capability 9.0 or newer; cuda:%d is %d.%d", device, cc[device] / 10, cc[device] % 10);
-    Fp8 f8{a->dtype_id, b->dtype_id, ms_tensor_data(ainv), ms_tensor_data(binv), fast_accum != 0, vec != 0};
+    Fp8 f8{a->dtype_id, b->dtype_id, ms_tensor_data(ainv), ms_tensor_data(binv), fast_accum != 0, vec != 0, 0, 0};
     const int64_t ldc = m == 1 ? n : out->strides[0];
     if (bias) {
         int rc = run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,
@@ -825,4 +832,97 @@ extern "C" int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_
     }
     return run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,
                   CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, &f8);
+}
+
+// The blockwise-scaled product (DeepSeek-V3's recipe; core/ops.h
+// ms_scaled_matmul_blockwise, core/float8.c checked the operands and the
+// scales' shapes): cuBLASLt's 1-D (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+// one f32 a 128 elements of a row along K) and 2-D
+// (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, one a 128 x 128 block)
+// scaling, cuBLASLt 12.9+ on compute capability 9.x (PyTorch's _scaled_mm
+// takes the same three pairs there: 1x128 x 1x128, 1x128 x 128x128, 128x128 x
+// 1x128). The scales' layouts (float8_cast_blockwise's): 1x128 of an (R, K)
+// operand (ceil(K/128), R), the R scales of a K block contiguous; 128x128
+// (ceil(R/128), ld), ld = ceil(K/128) rounded up to 4 (16 bytes). The
+// library promotes each K block's partial sums into f32 with the block's
+// scales; no fast accumulation. A refusal (no algorithm, or the launch)
+// comes back as an error naming the shapes and the modes.
+extern "C" int ms_cuda_scaled_gemm_blockwise(ms_tensor *out, const ms_tensor *a, const ms_tensor *b,
+                                             const ms_tensor *ainv, int a_blocks, const ms_tensor *binv, int b_blocks,
+                                             const ms_tensor *bias, double beta) {
+    const int device = out->device_id;
+    const int64_t m = a->sizes[0], n = b->sizes[0], k = a->sizes[1];
+    const char *an = a_blocks == MS_FLOAT8_1X128 ? "1x128" : "128x128";
+    const char *bn = b_blocks == MS_FLOAT8_1X128 ? "1x128" : "128x128";
+    static int cc[64];   // compute capability x 10 by device (0: not asked yet)
+    if (device < 0 || device >= 64)
+        return ms_errorf("scaled_matmul_blockwise: cuda:%d is beyond the 64 devices taken", device);
+    if (cc[device] == 0) {
+        int major = 0, minor = 0;
+        if (ms_cuda_device_capability(device, &major, &minor)) return -1;
+        cc[device] = major * 10 + minor;
+    }
+    if (cc[device] / 10 != 9)
+        return ms_errorf("scaled_matmul_blockwise: cuBLASLt's 1x128 / 128x128 block scaling runs on compute capability "
+                         "9.x (Hopper); cuda:%d is %d.%d", device, cc[device] / 10, cc[device] % 10);
+    if (m % 16 || n % 16 || k % 128)
+        return ms_errorf("scaled_matmul_blockwise: cuBLASLt's block-scaled FP8 products need M and N multiples of 16 and "
+                         "K of 128, got a (%lld, %lld) %s and b (%lld, %lld) %s", (long long)m, (long long)k, an,
+                         (long long)n, (long long)k, bn);
+    const int64_t lda = m > 1 ? a->strides[0] : k, ldb = n > 1 ? b->strides[0] : k;
+    uintptr_t al = (uintptr_t)ms_tensor_data(a) | (uintptr_t)ms_tensor_data(b) | (uintptr_t)ms_tensor_data(out) |
+                   (uintptr_t)ms_tensor_data(ainv) | (uintptr_t)ms_tensor_data(binv) |
+                   (bias ? (uintptr_t)ms_tensor_data(bias) : 0);
+    if (al % 16 || lda % 16 || ldb % 16)
+        return ms_errorf("scaled_matmul_blockwise: FP8 operands and scales need 16-byte aligned data and row strides "
+                         "that are multiples of 16 (a row stride %lld, b %lld)", (long long)lda, (long long)ldb);
+    if (ms_cuda_activate(device) || lt_ready(device)) return -1;
+    operand A, B;
+    describe(a, 0, &A);
+    describe(b, 1, &B);
+    A.batch_stride = B.batch_stride = 0;
+    const int ma = a_blocks == MS_FLOAT8_1X128 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                               : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int mb = b_blocks == MS_FLOAT8_1X128 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                               : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    Fp8 f8{a->dtype_id, b->dtype_id, ms_tensor_data(ainv), ms_tensor_data(binv), false, false, ma, mb};
+    const int64_t ldc = m == 1 ? n : out->strides[0];
+    int rc;
+    if (bias) {
+        rc = run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,
+                    CUBLASLT_EPILOGUE_BIAS, (void *)ms_tensor_data(bias), nullptr, 0, &f8);
+        if (rc == 1) {   // no kernel with the bias epilogue: the product, then the bias
+            rc = run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,
+                        CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, &f8);
+            if (rc == 0) return ms_binary(&out, MS_OP_ADD, out, bias);
+        }
+    } else {
+        rc = run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(out), ldc, 0, m, n, k, 1, 1.0, beta,
+                    CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, &f8);
+    }
+    if (rc != 0 && beta == 1.0 && !bias) {
+        // (no kernel reading C with block scales: the product into a
+        // scratch of out's dtype, then added; one more rounding in f32)
+        char first[512];
+        snprintf(first, sizeof first, "%s", ms_last_error());
+        ms_tmp t;
+        const int64_t shape[2] = {m, n};
+        rc = ms_tensor_empty(&t.t, 2, shape, out->dtype_id, device);
+        if (!rc)
+            rc = run_lt(device, a->dtype_id, out->dtype_id, A, B, ms_tensor_data(t.t), n, 0, m, n, k, 1, 1.0, 0.0,
+                        CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, 0, &f8);
+        if (!rc) return ms_binary(&out, MS_OP_ADD, out, t.t);
+        ms_set_error(first);
+        rc = -1;
+    }
+    if (rc != 0) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", ms_last_error());
+        return ms_errorf("scaled_matmul_blockwise: cuBLASLt refused a (%lld, %lld) f8e4m3 %s x b (%lld, %lld) f8e4m3 "
+                         "%s -> %s (M=%lld N=%lld K=%lld, VEC128_32F / BLK128x128_32F on cuda:%d, %d.%d): %s",
+                         (long long)m, (long long)k, an, (long long)n, (long long)k, bn,
+                         ms_dtype_name(out->dtype_id), (long long)m, (long long)n, (long long)k, device,
+                         cc[device] / 10, cc[device] % 10, why);
+    }
+    return 0;
 }

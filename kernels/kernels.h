@@ -66,6 +66,10 @@ int ms_cuda_float8_cast_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *in
                                  const ms_tensor *x, const ms_tensor *row_amax, const ms_tensor *col_amax, int dtype,
                                  int pow2);
 int ms_cuda_float8_amax_axiswise(ms_tensor *row_amax, ms_tensor *col_amax, const ms_tensor *x);
+/* the blockwise cast (core/ops.h ms_float8_cast_blockwise; x contiguous,
+ * the slots prepared or NULL) */
+int ms_cuda_float8_cast_blockwise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor *inv_t,
+                                  const ms_tensor *x, int blocks, int dtype, int pow2);
 /* out (C, R) = x (R, C) transposed, 8-bit elements, both contiguous */
 int ms_cuda_transpose8(ms_tensor *out, const ms_tensor *x);
 /* gemm.cu: out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta
@@ -74,6 +78,12 @@ int ms_cuda_transpose8(ms_tensor *out, const ms_tensor *x);
  * one f32 each */
 int ms_cuda_scaled_gemm(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
                         const ms_tensor *binv, int vec, const ms_tensor *bias, double beta, int fast_accum);
+
+/* gemm.cu: the blockwise-scaled product (core/ops.h
+ * ms_scaled_matmul_blockwise; core/float8.c checked it) */
+int ms_cuda_scaled_gemm_blockwise(ms_tensor *out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
+                                  int a_blocks, const ms_tensor *binv, int b_blocks, const ms_tensor *bias,
+                                  double beta);
 
 /* index.cu */
 int ms_cuda_index_select(ms_tensor *out, const ms_tensor *a, int dim, const ms_tensor *idx);

@@ -127,6 +127,71 @@ describe('fsdp with float8 layers #mpi', function()
     end
   end
 
+  -- the blockwise recipe (DeepSeek-V3's) under FSDP: the weights gathered in
+  -- full precision (bf16 with bf16 parameters; no f8 gathers: their scales
+  -- are tensorwise), each layer casting its gathered weight into 128 x 128
+  -- blocks (again in the backward under FULL_SHARD), the weight gradient
+  -- into the unit's f32 sink. A tiny Llama whose every projection is 128 wide.
+  local function wide_llama()
+    ms.manual_seed(5)
+    local m = require('models.llama').new('tiny', { intermediate_size = 256, num_key_value_heads = 4 })
+    assert.are.equal(28, #ms.float8.convert(m, { recipe = 'blockwise' }))
+    return m
+  end
+  for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP' }) do
+    for _, mp in ipairs({ false, { param = 'bf16', reduce = 'f32' } }) do
+      it(('llama 128-wide, blockwise, %s%s: trains as the converted plain model'):format(strategy,
+        mp and ', bf16 parameters' or ''), function()
+        local x, y = FS.lcg_batch(91, 2, 64)   -- every rank the same batch (128 tokens)
+        local function losses(m, opt)
+          local r = {}
+          for k = 1, 3 do
+            local l = mp and ms.nn.functional.autocast('bf16', m, x, y) or m(x, y)
+            l:backward(); r[k] = l:item(); opt:step(); opt:zero_grad()
+          end
+          return r
+        end
+        local plain = wide_llama()
+        if mp then
+          for _, mod in plain:named_modules() do
+            if ms.float8.converted(mod) then ms.no_grad(function() mod.weight:copy_(mod.weight:to('bf16')) end) end
+          end
+        end
+        local pl = losses(plain, ms.optim.AdamW(plain, { lr = 1e-3 }))
+        local m = wide_llama()
+        fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = strategy,
+          mixed_precision = mp or nil })
+        local before = ms.float8.stats().weight_casts
+        local fl = losses(m, fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 }))
+        local casts = ms.float8.stats().weight_casts - before
+        -- (FULL_SHARD: each weight cast in the forward and again in the backward)
+        assert.are.equal(3 * 28 * (strategy == 'FULL_SHARD' and 2 or 1), casts)
+        assert.is_true(fl[3] < fl[1])
+        local tol = mp and { 1e-2, 3e-2, 3e-2 } or { 1e-5, 5e-4, 5e-4 }
+        for k = 1, 3 do
+          assert.is_true(FS.rel(fl[k], pl[k]) <= tol[k], ('step %d: %.9g, plain %.9g'):format(k, fl[k], pl[k]))
+        end
+      end)
+    end
+  end
+
+  it('llama 128-wide, blockwise, FULL_SHARD, every block checkpointed: the losses without checkpointing, exactly; no f8 gathers', function()
+    local x, y = FS.lcg_batch(17 + dist.rank(), 2, 64)
+    local function run(ckpt)
+      local m = wide_llama()
+      if ckpt then ms.nn.apply_activation_checkpointing(m, { class = 'LlamaDecoderLayer' }) end
+      fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' },
+        mixed_precision = { param = 'bf16', reduce = 'f32' } })
+      return FS.autocast_losses(m, fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 }), x, y, 3)
+    end
+    assert.are.same(run(false), run(true))
+    local ok, e = pcall(function()
+      fsdp.fully_shard(wide_llama(), { float8_all_gather = true })
+    end)
+    assert.is_false(ok)
+    assert.is_truthy(tostring(e):find('found no weight of a tensorwise float8 layer', 1, true), tostring(e))
+  end)
+
   it('llama-tiny, HYBRID_SHARD (shard groups of 2 on an even world), float8_all_gather: the losses of bf16 gathers', function()
     local W = dist.world_size()
     if W % 2 ~= 0 then pending('an even world') return end

@@ -7,7 +7,11 @@
 -- sink) against the same products written out here, its gradients against
 -- the f64 finite differences of the linear map it approximates, the shared
 -- input cast, float8.convert on the models and through bin/train, and the
--- errors. The GPU side is spec/gpu_float8_spec.lua.
+-- errors; the rowwise recipes; the blockwise recipe (DeepSeek-V3's 1 x 128 /
+-- 128 x 128 casts and their scales' layouts against an f64 reference, the
+-- block-scaled product, the layer against its products written out, the
+-- bf16 layer and the finite differences, convert, checkpointing, training).
+-- The GPU side is spec/gpu_float8_spec.lua.
 local ffi = require 'ffi'
 local ms = require 'moonshard'
 local T = require 'moonshard.tensor'
@@ -537,7 +541,7 @@ describe('float8.linear', function()
     err(function() float8.linear(randn({ 4, 32 }), randn({ 32 })) end, 'weight must be 2-D')
     err(function() float8.linear(randn({ 4, 32 }):long(), randn({ 16, 32 })) end, 'must be float tensors')
     err(function() float8.linear(randn({ 4, 32 }), randn({ 16, 32 }), nil, { recipe = 'colwise' }) end,
-      'unknown recipe colwise (recipes: rowwise, rowwise_with_gw_hp, tensorwise)')
+      'unknown recipe colwise (recipes: blockwise, rowwise, rowwise_with_gw_hp, tensorwise)')
     err(function() float8.config { input = 'f8e5m2', weight = 'f8e5m2' } end, 'cannot both be f8e5m2')
   end)
 end)
@@ -931,6 +935,367 @@ describe('float8.convert', function()
     assert.is_truthy(e4:find('--float8-all-gather needs --float8 tensorwise and --fsdp', 1, true), e4)
     local st2, e = S.bin_train('models/llama.lua --steps 1 --float8 colwise')
     assert.are_not.equal(0, st2)
-    assert.is_truthy(e:find('float8 must be off, tensorwise, rowwise or rowwise_with_gw_hp, got', 1, true) and e:find('colwise', 1, true), e)
+    assert.is_truthy(e:find('float8 must be off, tensorwise, rowwise, rowwise_with_gw_hp or blockwise, got', 1, true) and e:find('colwise', 1, true), e)
+  end)
+end)
+
+-- ------------------------------------------------ blockwise (DeepSeek-V3's)
+-- blockwise scaling written out: x (R, C) quantised in blocks 'rows' (1 x
+-- 128 of a row: out's layout of the 1x128 cast), 'cols' (128 x 1 of a
+-- column: out_t's) or 'tile' (128 x 128); returns the codes' values in x's
+-- layout, the dequantised values (f64: code * f32(1 / scale), what the
+-- product reads) and inv(bi, bj), the f32 inverse scale of block (bi, bj)
+-- (0-based: a block's row and column in the block grid)
+local function q_blk(x, name, kind, pow2)
+  local R, Cc = x.shape[1], x.shape[2]
+  local xv = values(x:to('f32'))
+  local function key(i, j)
+    if kind == 'rows' then return i * 4096 + math.floor(j / 128) end
+    if kind == 'cols' then return math.floor(i / 128) * 1e6 + j end
+    return math.floor(i / 128) * 4096 + math.floor(j / 128)
+  end
+  local am = {}
+  for i = 0, R - 1 do
+    for j = 0, Cc - 1 do
+      local k = key(i, j)
+      am[k] = math.max(am[k] or 0, math.abs(xv[i * Cc + j + 1]))
+    end
+  end
+  local sc = {}
+  for k, a in pairs(am) do sc[k] = ref_scale(f32(a), name, pow2) end
+  local codes, deq = {}, {}
+  for i = 0, R - 1 do
+    for j = 0, Cc - 1 do
+      local s = sc[key(i, j)]
+      local c = round8(f32(xv[i * Cc + j + 1] * s), name, true)
+      codes[i * Cc + j + 1], deq[i * Cc + j + 1] = c, c * f32(1 / s)
+    end
+  end
+  local function inv(bi, bj)
+    local k
+    if kind == 'rows' then k = bi * 4096 + bj elseif kind == 'cols' then k = bi * 1e6 + bj else k = bi * 4096 + bj end
+    return f32(1 / sc[k])
+  end
+  return codes, S.make(x.shape, deq, 'f64'), inv
+end
+local function cdiv(a, b) return math.floor((a + b - 1) / b) end
+local function pad4(n) return cdiv(n, 4) * 4 end
+-- the transposed copy of a Lua array holding an (R, C) matrix
+local function transposed(v, R, Cc)
+  local t = {}
+  for i = 0, R - 1 do for j = 0, Cc - 1 do t[j * R + i + 1] = v[i * Cc + j + 1] end end
+  return t
+end
+-- x (R, C) whose blocks differ by orders of magnitude (rows and columns scaled)
+local function ragged(R, Cc, dt)
+  local xv = values(randn({ R, Cc }, 1, 'f64'))
+  local sr, sc = values(ms.rand({ R }, { seed = seed })), values(ms.rand({ Cc }, { seed = seed + 1 }))
+  for i = 0, R - 1 do
+    for j = 0, Cc - 1 do xv[i * Cc + j + 1] = xv[i * Cc + j + 1] * 10 ^ (4 * sr[i + 1] - 2) * 10 ^ (4 * sc[j + 1] - 2) end
+  end
+  return S.make({ R, Cc }, xv, dt or 'f32')
+end
+
+describe('float8 blockwise (DeepSeek-V3) scaling', function()
+  it('the 1x128 cast scales each 128 columns of a row (out) and each 128 rows of a column (out_t) by their amax; scales in cuBLASLt\'s layout (edge blocks, formats, pow2, dtypes)', function()
+    for _, dt in ipairs({ 'f32', 'bf16', 'f64' }) do
+      for name in pairs(fmt) do
+        for _, pow2 in ipairs({ false, true }) do
+          local R, Cc = 200, 300   -- (edge blocks of 72 rows and 44 columns)
+          local x = ragged(R, Cc, dt)
+          local r, c, ir, ic = F.float8_cast_blockwise(x, name, { cols = true, pow2 = pow2 })
+          assert.are.same({ R, Cc }, r.shape); assert.are.same({ Cc, R }, c.shape)
+          assert.are.same({ 3, R }, ir.shape); assert.are.same({ 2, Cc }, ic.shape)
+          local cr, _, invr = q_blk(x, name, 'rows', pow2)
+          local cc, _, invc = q_blk(x, name, 'cols', pow2)
+          local tag = dt .. ' ' .. name .. (pow2 and ' pow2' or '')
+          assert.are.same(cr, values(r), tag .. ' out')
+          assert.are.same(transposed(cc, R, Cc), values(c), tag .. ' out_t')
+          local wi, wic = {}, {}
+          for kb = 0, 2 do for i = 0, R - 1 do wi[kb * R + i + 1] = invr(i, kb) end end
+          for rb = 0, 1 do for j = 0, Cc - 1 do wic[rb * Cc + j + 1] = invc(rb, j) end end
+          assert.are.same(wi, values(ir), tag .. ' inv (ceil(C/128), R)')
+          assert.are.same(wic, values(ic), tag .. ' inv_t (ceil(R/128), C)')
+          if not pow2 then   -- a block's largest value takes the format's largest code
+            assert.are.equal(fmt[name].max, values(F.amax(r:narrow(1, 5, 1):narrow(2, 129, 128):to('f32')))[1])
+          end
+        end
+      end
+    end
+  end)
+
+  it('the 128x128 cast scales each tile by its amax, the same bytes in both layouts; scales padded to 4 columns', function()
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      for _, pow2 in ipairs({ false, true }) do
+        local R, Cc = 300, 200
+        local x = ragged(R, Cc, dt)
+        local r, c, ir, ic = F.float8_cast_blockwise(x, 'f8e4m3', { blocks = '128x128', cols = true, pow2 = pow2 })
+        local ct, _, inv = q_blk(x, 'f8e4m3', 'tile', pow2)
+        assert.are.same(ct, values(r))
+        assert.are.same(transposed(ct, R, Cc), values(c))
+        assert.are.same({ 3, 4 }, ir.shape); assert.are.same({ 2, 4 }, ic.shape)
+        local wi, wic = {}, {}
+        for rb = 0, 2 do for cb = 0, 3 do wi[rb * 4 + cb + 1] = cb < 2 and inv(rb, cb) or 0 end end
+        for cb = 0, 1 do for rb = 0, 3 do wic[cb * 4 + rb + 1] = rb < 3 and inv(rb, cb) or 0 end end
+        assert.are.same(wi, values(ir), dt .. ' inv (ceil(R/128), 4)')
+        assert.are.same(wic, values(ic), dt .. ' inv_t (ceil(C/128), 4)')
+      end
+    end
+  end)
+
+  it('a NaN poisons its own block only, a zero block gets the 1e-12 floor; slots optional; bad arguments are errors', function()
+    local v = values(randn({ 130, 256 }))
+    v[3 * 256 + 200] = 0 / 0            -- row 3, column block 1
+    for j = 1, 128 do v[5 * 256 + j] = 0 end
+    local x = S.make({ 130, 256 }, v, 'f32')
+    local r, _, ir = F.float8_cast_blockwise(x, 'f8e4m3')
+    local irv, rv = values(ir), values(r)
+    assert.is_true(irv[1 * 130 + 4] ~= irv[1 * 130 + 4], 'the NaN block has a NaN scale')
+    assert.is_true(irv[0 * 130 + 4] == irv[0 * 130 + 4], 'the same row\'s other block does not')
+    assert.is_true(rv[3 * 256 + 1] == rv[3 * 256 + 1])
+    assert.are.equal(f32(1 / ref_scale(0, 'f8e4m3', false)), irv[0 * 130 + 6])
+    local _, _, it = F.float8_cast_blockwise(x, 'f8e4m3', { blocks = '128x128' })
+    local itv = values(it)
+    assert.is_true(itv[2] ~= itv[2], 'the tile holding the NaN')
+    assert.is_true(itv[1] == itv[1] and itv[5] == itv[5], 'the other tiles')
+    local a, b, c, d = F.float8_cast_blockwise(x, 'f8e4m3', { rows = false, cols = true, inv = false })
+    assert.is_nil(a); assert.is_nil(c); assert.is_nil(d)
+    assert.are.same({ 256, 130 }, b.shape)
+    local _, ct, _, ict = F.float8_cast_blockwise(ms.zeros({ 0, 5 }), 'f8e4m3', { cols = true })
+    assert.are.same({ 5, 0 }, ct.shape); assert.are.same({ 0, 5 }, ict.shape)
+    local function err(fn, want)
+      local e = S.errmsg(fn)
+      assert.is_truthy(e:find(want, 1, true), e)
+    end
+    err(function() F.float8_cast_blockwise(x, 'f32') end, 'f8e4m3 or f8e5m2')
+    err(function() F.float8_cast_blockwise(x:view(130 * 256), 'f8e4m3') end, '2-D float')
+    err(function() F.float8_cast_blockwise(x, 'f8e4m3', { blocks = '1x64' }) end, "blocks must be '1x128' or '128x128'")
+    err(function() T.check(T.C.ms_float8_cast_blockwise(nil, nil, ffi.new('ms_tensor*[1]'), nil, x, 1, 8, 0)) end,
+      'inv is the scale of out')
+    err(function() T.check(T.C.ms_float8_cast_blockwise(ffi.new('ms_tensor*[1]'), nil, nil, nil, x, 3, 8, 0)) end,
+      'MS_FLOAT8_1X128 (1) or MS_FLOAT8_128X128 (2), got 3')
+  end)
+
+  it('scaled_matmul with block scales sums each K block\'s product times its blocks\' scales (1x128 x 1x128 / 128x128, either side; bias, beta)', function()
+    local M, N, K = 40, 150, 300
+    local xa, xb = ragged(M, K), ragged(N, K)
+    for _, pair in ipairs({ { '1x128', '128x128' }, { '1x128', '1x128' }, { '128x128', '1x128' } }) do
+      local function cast(x, blocks)
+        local r, _, inv = F.float8_cast_blockwise(x, 'f8e4m3', { blocks = blocks })
+        local _, dq = q_blk(x, 'f8e4m3', blocks == '1x128' and 'rows' or 'tile', false)
+        return r, inv, dq
+      end
+      local a, ai, ad = cast(xa, pair[1])
+      local b, bi, bd = cast(xb, pair[2])
+      local want = ms.matmul(ad, bd, false, true)
+      local o = { a_blocks = pair[1], b_blocks = pair[2] }
+      local y = F.scaled_matmul(a, b, ai, bi, { a_blocks = o.a_blocks, b_blocks = o.b_blocks, out_dtype = 'f32' })
+      assert.is_true(relerr(y, want) < 1e-6, pair[1] .. ' x ' .. pair[2])
+      local yb = F.scaled_matmul(a, b, ai, bi, { a_blocks = o.a_blocks, b_blocks = o.b_blocks })
+      assert.are.equal('bf16', yb.dtype)
+      assert.is_true(relerr(yb, want) < 4e-3)
+      local bias = randn({ N })
+      local acc = randn({ M, N })
+      local acc0 = acc:to('f64')
+      F.scaled_matmul(a, b, ai, bi, { a_blocks = o.a_blocks, b_blocks = o.b_blocks, out = acc, beta = 1, bias = bias })
+      assert.is_true(relerr(acc, want + acc0 + bias:to('f64')) < 1e-6, 'bias and beta')
+    end
+  end)
+
+  it('scaled_matmul refuses two 128x128 operands, e5m2, scales of another layout, fast accumulation, one kind missing', function()
+    local x = randn({ 32, 256 })
+    local a, _, ai = F.float8_cast_blockwise(x, 'f8e4m3')
+    local t, _, ti = F.float8_cast_blockwise(x, 'f8e4m3', { blocks = '128x128' })
+    local e5, _, e5i = F.float8_cast_blockwise(x, 'f8e5m2')
+    local function err(fn, want)
+      local e = S.errmsg(fn)
+      assert.is_truthy(e:find(want, 1, true), e)
+    end
+    err(function() F.scaled_matmul(t, t, ti, ti, { a_blocks = '128x128', b_blocks = '128x128' }) end,
+      'both with 128x128 blocks')
+    err(function() F.scaled_matmul(a, e5, ai, e5i, { a_blocks = '1x128', b_blocks = '1x128' }) end,
+      'blockwise products take f8e4m3 operands')
+    err(function() F.scaled_matmul(a, a, ai, ti, { a_blocks = '1x128', b_blocks = '1x128' }) end,
+      'binv (1x128 scales of a (32, 256) operand) must be a contiguous f32 (2, 32)')
+    err(function() F.scaled_matmul(a, a, ai, ai, { a_blocks = '1x128', b_blocks = '1x128', fast_accum = true }) end,
+      'no fast accumulation')
+    err(function() F.scaled_matmul(a, a, ai, ai, { a_blocks = '1x128' }) end, "b_blocks must be '1x128' or '128x128'")
+    err(function() F.scaled_matmul(a, a:narrow(2, 1, 128):contiguous(), ai, ai, { a_blocks = '1x128', b_blocks = '1x128' }) end,
+      'must share their last dim K')
+  end)
+
+  -- the blockwise layer's three products written out in f64 (w as (out, in)):
+  -- y = x 1x128 @ w 128x128^T, dx = g 1x128 @ w 128x128, dw = g 128x1^T @ x 128x1
+  local function blk_ref(x2, w, g2, wt)
+    local wo = wt and w or w:t():contiguous()
+    local _, xq = q_blk(x2, 'f8e4m3', 'rows', false)
+    local _, wq = q_blk(wo, 'f8e4m3', 'tile', false)
+    local _, gq = q_blk(g2, 'f8e4m3', 'rows', false)
+    local _, gc = q_blk(g2, 'f8e4m3', 'cols', false)
+    local _, xc = q_blk(x2, 'f8e4m3', 'cols', false)
+    return ms.matmul(xq, wq, false, true), ms.matmul(gq, wq), ms.matmul(gc, xc, true, false)
+  end
+
+  it('float8.linear with blockwise computes those products (Linear, Conv1D, bias, 3-D x, a token count not a multiple of 128)', function()
+    for _, wt in ipairs({ true, false }) do
+      local x = randn({ 3, 50, 256 }):requires_grad_()
+      local w = (wt and randn({ 384, 256 }, 0.2) or randn({ 256, 384 }, 0.2)):requires_grad_()
+      local b = randn({ 384 }):requires_grad_()
+      local y = float8.linear(x, w, b, { wt = wt, recipe = 'blockwise' })
+      assert.are.same({ 3, 50, 384 }, y.shape)
+      local g = randn({ 3, 50, 384 })
+      y:backward(g)
+      local x2, g2 = x:detach():view(150, 256), g:view(150, 384)
+      local wy, wdx, wdw = blk_ref(x2, w:detach(), g2, wt)
+      local tag = wt and 'Linear' or 'Conv1D'
+      assert.is_true(relerr(y:view(150, 384), wy + b:detach():to('f64')) < 1e-6, tag .. ' forward')
+      assert.is_true(relerr(x.grad:view(150, 256), wdx) < 1e-6, tag .. ' dx')
+      assert.is_true(relerr(wt and w.grad or w.grad:t(), wdw) < 1e-6, tag .. ' dw')
+      assert.is_true(relerr(b.grad, g2:sum(1)) < 1e-6, tag .. ' db')
+    end
+  end)
+
+  -- e4m3 keeps 3 mantissa bits: a value's rounding is at most 2^-4 of it
+  -- (half a step), about 2^-4 / sqrt(12) ~ 1.8% of it on average for
+  -- uniform mantissas; each product's two operands are rounded apart, so
+  -- the products' relative error is ~2.5-4% on random data. Bound: 6%
+  it('matches the bf16 layer within FP8 rounding (forward and gradients within 6%, and the rounding is there)', function()
+    local x = randn({ 256, 256 }, 1, 'bf16'):requires_grad_()
+    local w = randn({ 384, 256 }, 0.1, 'bf16'):requires_grad_()
+    local g = randn({ 256, 384 }, 1, 'bf16')
+    local y = float8.linear(x, w, nil, { recipe = 'blockwise' })
+    assert.are.equal('bf16', y.dtype)
+    y:backward(g)
+    local x0, w0 = x:detach():requires_grad_(), w:detach():requires_grad_()
+    local y0 = nnf.linear(x0, w0)
+    y0:backward(g)
+    for _, p in ipairs({ { y, y0, 'y' }, { x.grad, x0.grad, 'dx' }, { w.grad, w0.grad, 'dw' } }) do
+      local e = relerr(p[1]:to('f64'), p[2]:to('f64'))
+      assert.is_true(e < 0.06 and e > 0.005, ('%s %.3g'):format(p[3], e))
+    end
+  end)
+
+  it('blockwise gradients match the f64 finite differences of the linear map within FP8 rounding', function()
+    local x = randn({ 4, 128 }, 1, 'f64'):requires_grad_()
+    local w = randn({ 128, 128 }, 0.3, 'f64'):requires_grad_()
+    local g = randn({ 4, 128 }, 1, 'f64')
+    float8.linear(x, w, nil, { recipe = 'blockwise' }):backward(g)
+    assert.are.equal('f64', x.grad.dtype)
+    local xd, wd = x:detach(), w:detach()
+    local function L() return ms.matmul(xd, wd, false, true):mul(g):sum():item() end
+    local ex, ew = fd_rel(xd, x.grad, L), fd_rel(wd, w.grad, L)
+    assert.is_true(ex < 0.1 and ew < 0.1, ('dx %.3g, dw %.3g'):format(ex, ew))
+    assert.is_true(ex > 1e-4 and ew > 1e-4, 'the FP8 rounding is there')
+  end)
+
+  it('one outlier token costs its own blocks only: blockwise keeps the other rows that tensorwise loses', function()
+    local v = values(randn({ 32, 128 }, 1e-3))
+    for j = 1, 128 do v[j] = v[j] * 1e6 end
+    local x = S.make({ 32, 128 }, v, 'f32')
+    local w = randn({ 128, 128 }, 0.2)
+    local exact = ms.matmul(x:to('f64'), w:to('f64'), false, true)
+    local y = ms.no_grad(function() return float8.linear(x, w, nil, { recipe = 'blockwise' }) end)
+    local e = relerr(y:narrow(1, 2, 31), exact:narrow(1, 2, 31))
+    assert.is_true(e < 0.1, ('blockwise %.3g'):format(e))
+  end)
+
+  it('the f32 sink accumulates dW; recompute_weight gives the same gradients; q/k/v share the input casts; features not multiples of 128 are refused', function()
+    local x = randn({ 64, 128 }, 1, 'bf16'):requires_grad_()
+    local w = randn({ 256, 128 }, 0.2, 'bf16'):requires_grad_()
+    local sink = { t = ms.zeros({ 256, 128 }), written = {}, i = 1 }
+    ms.autograd.set_grad_sink(w, sink)
+    local g = randn({ 64, 256 }, 1, 'bf16')
+    float8.linear(x, w, nil, { recipe = 'blockwise' }):backward(g)
+    assert.is_nil(w.grad)
+    local _, _, want = blk_ref(x:detach():to('f32'), w:detach():to('f32'), g:to('f32'), true)
+    assert.is_true(relerr(sink.t, want) < 1e-6, 'sink')
+    float8.linear(x, w, nil, { recipe = 'blockwise' }):backward(g)
+    assert.is_true(relerr(sink.t, want * 2) < 1e-6, 'accumulated')
+    ms.autograd.set_grad_sink(w, nil)
+    local function run(rw)
+      seed = 9100
+      local xx = randn({ 32, 128 }):requires_grad_()
+      local ww = randn({ 128, 128 }, 0.2):requires_grad_()
+      local before = float8.stats().weight_casts
+      float8.linear(xx, ww, nil, { recipe = 'blockwise', recompute_weight = rw }):backward(randn({ 32, 128 }))
+      return values(xx.grad), values(ww.grad), float8.stats().weight_casts - before
+    end
+    local a1, b1, n1 = run(false)
+    local a2, b2, n2 = run(true)
+    assert.are.same(a1, a2); assert.are.same(b1, b2)
+    assert.are.equal(1, n1); assert.are.equal(2, n2)
+    -- q/k/v: one input cast each way for the three layers
+    local xs = randn({ 32, 128 }):requires_grad_()
+    local before, bb = float8.stats().input_casts, float8.stats().backward_casts
+    local loss
+    for _ = 1, 3 do
+      local y = float8.linear(xs, randn({ 128, 128 }, 0.1):requires_grad_(), nil, { recipe = 'blockwise' }):sum()
+      loss = loss and loss + y or y
+    end
+    assert.are.equal(1, float8.stats().input_casts - before)
+    loss:backward()
+    assert.are.equal(1, float8.stats().backward_casts - bb)
+    local e = S.errmsg(function() float8.linear(randn({ 8, 128 }), randn({ 96, 128 }), nil, { recipe = 'blockwise' }) end)
+    assert.is_truthy(e:find('multiples of 128', 1, true) and e:find('(96, 128)', 1, true), e)
+    local e2 = S.errmsg(function() float8.config { recipe = 'blockwise', grad_output = 'f8e5m2' } end)
+    assert.is_truthy(e2:find('blockwise recipe takes f8e4m3 for every operand', 1, true), e2)
+  end)
+
+  local llama = require 'models.llama'
+  -- a tiny Llama whose every projection is a multiple of 128 wide
+  local wide = { intermediate_size = 256, num_key_value_heads = 4 }
+
+  it('convert takes the layers 128-wide both ways (the tiny Llama\'s q/o, all of a wider one); revert; checkpointing composes', function()
+    ms.manual_seed(3)
+    local names = float8.convert(llama.new('tiny'), { recipe = 'blockwise' })
+    assert.are.equal(4 * 2, #names)
+    for _, n in ipairs(names) do assert.is_truthy(n:find('q_proj', 1, true) or n:find('o_proj', 1, true), n) end
+    local m = llama.new('tiny', wide)
+    assert.are.equal(28, #float8.convert(m, { recipe = 'blockwise' }))
+    assert.are.equal('blockwise', float8.converted(m.model.layers[1].mlp.up_proj).recipe)
+    assert.are.equal(28, #float8.revert(m))
+    local e = S.errmsg(function() float8.convert(llama.new('tiny', { hidden_size = 64, num_attention_heads = 2,
+      num_key_value_heads = 1, intermediate_size = 96 }), { recipe = 'blockwise' }) end)
+    assert.is_truthy(e:find('features multiples of 128', 1, true), e)
+    -- every block checkpointed: the same loss and gradients as without
+    local function grads(ckpt)
+      ms.manual_seed(4)
+      local mm = llama.new('tiny', wide)
+      float8.convert(mm, { recipe = 'blockwise' })
+      if ckpt then ms.nn.apply_activation_checkpointing(mm, { class = 'LlamaDecoderLayer' }) end
+      local ids = (ms.rand({ 2, 33 }, { seed = 6 }) * 255):long()
+      local loss = mm(ids:narrow(2, 1, 32):contiguous(), ids:narrow(2, 2, 32):contiguous())
+      loss:backward()
+      return loss:item(), values(mm.model.layers[2].mlp.down_proj.weight.grad)
+    end
+    local l1, g1 = grads(false)
+    local l2, g2 = grads(true)
+    assert.are.equal(l1, l2)
+    assert.are.same(g1, g2)
+  end)
+
+  it('a tiny Llama converted with blockwise follows its f32 losses', function()
+    local function run(recipe)
+      ms.manual_seed(11)
+      local m = llama.new('tiny', wide)
+      if recipe then float8.convert(m, { recipe = recipe }) end
+      local ids = (ms.rand({ 4, 33 }, { seed = 5 }) * 255):long()
+      return S.adamw_losses(m, ids:narrow(2, 1, 32):contiguous(), ids:narrow(2, 2, 32):contiguous(), 6, 3e-3)
+    end
+    local a, b = run(nil), run('blockwise')
+    assert.is_true(b[6] < b[1] - 0.3, 'blockwise trains')
+    for k = 1, 6 do
+      assert.is_true(math.abs(a[k] - b[k]) < 0.05 * a[k], ('step %d: %g against %g'):format(k, b[k], a[k]))
+    end
+    assert.is_true(a[1] ~= b[1], 'the FP8 path ran')
+  end)
+
+  it('bin/train --float8 blockwise converts the 128-wide layers and trains', function()
+    local dir = S.tmpdir()
+    local status, out = S.bin_train(('models/llama.lua --steps 2 --batch-size 4 --seq-len 32 --eval-every 0 '
+      .. '--sample-tokens 0 --log-every 1 --float8 blockwise --out %s/run'):format(dir))
+    assert.are.equal(0, status, out)
+    assert.is_truthy(out:find('float8: blockwise, 8 of 29 linear layers', 1, true), out)
+    assert.are.equal(2, #S.run_losses(dir .. '/run'))
   end)
 end)

@@ -4,7 +4,9 @@
 -- views), amax exactly, the scaled products within the FP8 GEMMs'
 -- accumulation, the FP8 linear forward and backward, a converted tiny
 -- Llama's training against the CPU's, the fallback for token counts that
--- are not multiples of 16, and no host sync in a step. Run on a GPU host:
+-- are not multiples of 16, and no host sync in a step; the axiswise and the
+-- blockwise casts bit for bit, their products (cuBLASLt's outer-vector and
+-- VEC128 / BLK128x128 scaling) and layers. Run on a GPU host:
 -- `make test-gpu`.
 local ms = require 'moonshard'
 local S = require 'spec.support'
@@ -441,6 +443,134 @@ describe('float8 on cuda #gpu', function()
     assert.is_true(gl[8] < gl[1] - 0.5, 'it trains')
     for k = 1, 8 do
       assert.is_true(math.abs(c[k] - gl[k]) < 0.02 * c[k], ('rowwise step %d: cuda %g, cpu %g'):format(k, gl[k], c[k]))
+    end
+  end)
+end)
+
+-- the blockwise recipe (DeepSeek-V3's 1x128 / 128x128 scaling)
+local function hopper()
+  local ffi = require 'ffi'
+  local maj, min = ffi.new('int[1]'), ffi.new('int[1]')
+  ms.C.ms_cuda_device_capability(0, maj, min)
+  return maj[0] == 9
+end
+
+describe('float8 blockwise on cuda #gpu', function()
+  it('the blockwise casts give the CPU bits and scales (1x128 and 128x128; whole, edge and tiny tiles; dtypes, formats, pow2)', function()
+    for _, sh in ipairs({ { 256, 384 }, { 200, 300 }, { 5, 7 }, { 130, 1000 } }) do
+      for _, dt in ipairs({ 'f32', 'bf16', 'f16', 'f64' }) do
+        for _, blocks in ipairs({ '1x128', '128x128' }) do
+          for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+            for _, pow2 in ipairs({ false, true }) do
+              local x = randn(sh, 3, dt)
+              local o = { blocks = blocks, cols = true, pow2 = pow2 }
+              local c = { F.float8_cast_blockwise(x, name, o) }
+              local g = { F.float8_cast_blockwise(x:cuda(), name, o) }
+              local tag = ('%dx%d %s %s %s pow2=%s'):format(sh[1], sh[2], dt, blocks, name, tostring(pow2))
+              same_values(g[1], c[1], tag .. ' out')
+              same_values(g[2], c[2], tag .. ' out_t')
+              same_values(g[3], c[3], tag .. ' inv')
+              same_values(g[4], c[4], tag .. ' inv_t')
+            end
+          end
+        end
+      end
+    end
+    -- one layout alone, and a view (made contiguous first)
+    local x = randn({ 300, 520 })
+    local v = x:narrow(2, 3, 400)
+    local r = F.float8_cast_blockwise(v, 'f8e4m3')
+    same_values(F.float8_cast_blockwise(v:cuda(), 'f8e4m3'), r, 'view, rows alone')
+    local _, t = F.float8_cast_blockwise(v, 'f8e4m3', { rows = false, cols = true })
+    local _, tg = F.float8_cast_blockwise(v:cuda(), 'f8e4m3', { rows = false, cols = true })
+    same_values(tg, t, 'view, columns alone')
+  end)
+
+  it('scaled_matmul with block scales (cuBLASLt VEC128_32F / BLK128x128_32F) matches the CPU (each pair, bias, beta), or names what it cannot take', function()
+    if not hopper() then
+      local a, _, ai = F.float8_cast_blockwise(randn({ 128, 128 }):cuda(), 'f8e4m3')
+      local e = S.errmsg(function() F.scaled_matmul(a, a, ai, ai, { a_blocks = '1x128', b_blocks = '1x128' }) end)
+      assert.is_truthy(e:find('compute capability 9.x', 1, true), e)
+      return
+    end
+    local worst = {}
+    for _, sh in ipairs({ { 256, 512, 1024 }, { 128, 128, 128 }, { 48, 80, 256 }, { 1024, 2048, 4096 } }) do
+      local M, N, K = sh[1], sh[2], sh[3]
+      for _, pair in ipairs({ { '1x128', '128x128' }, { '1x128', '1x128' }, { '128x128', '1x128' } }) do
+        local a, _, ai = F.float8_cast_blockwise(randn({ M, K }, 2), 'f8e4m3', { blocks = pair[1] })
+        local b, _, bi = F.float8_cast_blockwise(randn({ N, K }, 0.05), 'f8e4m3', { blocks = pair[2] })
+        local o = { a_blocks = pair[1], b_blocks = pair[2] }
+        local ag, bg, aig, big = a:cuda(), b:cuda(), ai:cuda(), bi:cuda()
+        local ref = F.scaled_matmul(a, b, ai, bi, { a_blocks = o.a_blocks, b_blocks = o.b_blocks, out_dtype = 'f32' })
+        local key = pair[1] .. ' x ' .. pair[2]
+        local e = relerr(F.scaled_matmul(ag, bg, aig, big, { a_blocks = o.a_blocks, b_blocks = o.b_blocks,
+          out_dtype = 'f32' }), ref)
+        worst[key] = math.max(worst[key] or 0, e)
+        -- (each K block's partial sums are promoted into f32 with its scales)
+        assert.is_true(e < 1e-3, ('%dx%dx%d %s: %.3g'):format(M, N, K, key, e))
+        local eb = relerr(F.scaled_matmul(ag, bg, aig, big, { a_blocks = o.a_blocks, b_blocks = o.b_blocks }), ref)
+        assert.is_true(eb < 1e-2, key .. ' bf16 out ' .. eb)
+        local bias = randn({ N }, 1, 'bf16')
+        local rb = F.scaled_matmul(a, b, ai, bi, { a_blocks = o.a_blocks, b_blocks = o.b_blocks, bias = bias })
+        local gb = F.scaled_matmul(ag, bg, aig, big, { a_blocks = o.a_blocks, b_blocks = o.b_blocks, bias = bias:cuda() })
+        assert.is_true(relerr(gb, rb) < 1e-2, key .. ' bias')
+        local acc = randn({ M, N })
+        local accg = acc:cuda()
+        F.scaled_matmul(a, b, ai, bi, { a_blocks = o.a_blocks, b_blocks = o.b_blocks, out = acc, beta = 1 })
+        F.scaled_matmul(ag, bg, aig, big, { a_blocks = o.a_blocks, b_blocks = o.b_blocks, out = accg, beta = 1 })
+        assert.is_true(relerr(accg, acc) < 1e-3, key .. ' beta')
+      end
+    end
+    for k, e in pairs(worst) do print(('\nscaled_matmul %s against the CPU, worst ||d||/||ref||: %.2e'):format(k, e)) end
+    local a, _, ai = F.float8_cast_blockwise(randn({ 32, 192 }):cuda(), 'f8e4m3')
+    local e = S.errmsg(function() F.scaled_matmul(a, a, ai, ai, { a_blocks = '1x128', b_blocks = '1x128' }) end)
+    assert.is_truthy(e:find('K of 128', 1, true) and e:find('(32, 192) 1x128', 1, true), e)
+  end)
+
+  it('float8.linear blockwise matches the CPU (Linear and Conv1D, bias, bf16 autocast, f32 master); other token counts run the plain linear', function()
+    if not hopper() then pending('cuBLASLt block scaling needs compute capability 9.x') return end
+    for _, wt in ipairs({ true, false }) do
+      local x = randn({ 4, 64, 256 })
+      local w = wt and randn({ 384, 256 }, 0.05) or randn({ 256, 384 }, 0.05)
+      local b = randn({ 384 }, 0.1)
+      local g = randn({ 4, 64, 384 })
+      local function run(dev)
+        local function leaf(t) return t:to({ device = dev, copy = true }):requires_grad_() end
+        local xx, ww, bb = leaf(x), leaf(w), leaf(b)
+        local y = ms.nn.functional.autocast('bf16', function()
+          return float8.linear(xx, ww, bb, { wt = wt, recipe = 'blockwise' })
+        end)
+        y:backward(g:to(dev):to('bf16'))
+        return { y, xx.grad, ww.grad, bb.grad }
+      end
+      local c, r = run('cpu'), run('cuda')
+      local e = {}
+      for i = 1, 4 do e[i] = relerr(r[i], c[i]) end
+      print(('\nfloat8.linear blockwise %s, cuda against cpu: y %.2e, dx %.2e, dw %.2e, db %.2e'):format(
+        wt and 'Linear' or 'Conv1D', e[1], e[2], e[3], e[4]))
+      assert.are.equal('bf16', r[1].dtype)
+      assert.are.equal('f32', r[3].dtype)
+      assert.is_true(e[1] < 1e-2 and e[2] < 1e-2 and e[4] < 1e-2, 'y, dx, db')
+      assert.is_true(e[3] < 1e-3, 'dw')
+    end
+    local x = randn({ 3, 7, 128 }):cuda()
+    local w = randn({ 128, 128 }, 0.1):cuda()
+    assert.are.same(values(ms.nn.functional.linear(x, w)), values(float8.linear(x, w, nil, { recipe = 'blockwise' })))
+  end)
+
+  it('a tiny Llama (every projection 128-wide) converted blockwise trains on the GPU as on the CPU', function()
+    if not hopper() then pending('cuBLASLt block scaling needs compute capability 9.x') return end
+    local function losses(dev)
+      ms.manual_seed(21)
+      local m = require('models.llama').new('tiny', { intermediate_size = 256, num_key_value_heads = 4 }):to(dev)
+      assert.are.equal(28, #float8.convert(m, { recipe = 'blockwise' }))
+      local ids = (ms.rand({ 8, 65 }, { seed = 3 }) * 255):long():to(dev)
+      return S.adamw_losses(m, ids:narrow(2, 1, 64):contiguous(), ids:narrow(2, 2, 64):contiguous(), 8, 2e-3)
+    end
+    local c, gl = losses('cpu'), losses('cuda')
+    assert.is_true(gl[8] < gl[1] - 0.5, 'it trains')
+    for k = 1, 8 do
+      assert.is_true(math.abs(c[k] - gl[k]) < 0.02 * c[k], ('blockwise step %d: cuda %g, cpu %g'):format(k, gl[k], c[k]))
     end
   end)
 end)

@@ -1,5 +1,6 @@
 -- moonshard.float8 — float8 training of linear layers (torchao's
--- convert_to_float8_training, tensorwise dynamic scaling).
+-- convert_to_float8_training: tensorwise and rowwise dynamic scaling; and
+-- DeepSeek-V3's blockwise recipe, float8.recipes.blockwise).
 --
 --   local float8 = require 'moonshard.float8'        -- also ms.float8
 --   local names = float8.convert(model)               -- every Linear / Conv1D but the LM head
@@ -59,17 +60,30 @@ local float8 = {}
 -- rounded to powers of two; cuBLASLt's outer-vector scaling, Hopper).
 -- rowwise_with_gw_hp: the same with the weight gradient in high precision
 -- (the activations' dtype, f32 accumulation; torchao's ROWWISE_WITH_GW_HP).
+-- blockwise: DeepSeek-V3's recipe (torchao's prototype blockwise fp8
+-- training): e4m3 everywhere, activations and output gradients scaled per
+-- 1 x 128 block along each product's K, weights per 128 x 128 block; exact
+-- f32 scales (amax / 448, not rounded to powers of two, as DeepSeek and
+-- torchao do; pow2 = true is Transformer Engine's choice); cuBLASLt's
+-- VEC128 / BLK128x128 block scaling (Hopper), no fast accumulation. Layers
+-- with features multiples of 128 only (docs/float8.md, "Blockwise").
 float8.recipes = {
   tensorwise = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e5m2', pow2 = false,
                  fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto',
-                 axiswise = false, gw_hp = false, tp_scales = 'shard' },
+                 axiswise = false, gw_hp = false, tp_scales = 'shard', blockwise = false },
   rowwise = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e4m3', pow2 = true,
               fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto',
-              axiswise = true, gw_hp = false, tp_scales = 'shard' },
+              axiswise = true, gw_hp = false, tp_scales = 'shard', blockwise = false },
   rowwise_with_gw_hp = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e4m3', pow2 = true,
                          fast_accum_output = true, fast_accum_grads = false, recompute_weight = 'auto',
-                         axiswise = true, gw_hp = true, tp_scales = 'shard' },
+                         axiswise = true, gw_hp = true, tp_scales = 'shard', blockwise = false },
+  blockwise = { input = 'f8e4m3', weight = 'f8e4m3', grad_output = 'f8e4m3', pow2 = false,
+                fast_accum_output = false, fast_accum_grads = false, recompute_weight = 'auto',
+                axiswise = false, gw_hp = false, tp_scales = 'shard', blockwise = true },
 }
+-- (the features a converted layer's weight must divide into: the FP8
+-- GEMMs' 16, the blockwise recipe's 128 x 128 blocks)
+local function feature_multiple(cfg) return cfg.blockwise and 128 or 16 end
 -- recompute_weight: the weight's f8 copy for the input gradient made again
 -- in the backward (true) rather than kept from the forward (false); 'auto':
 -- when FSDP releases the weight after the forward (FULL_SHARD), so the f8
@@ -114,6 +128,10 @@ local function recipe_of(opts, level)
       error(("float8: tp_scales must be 'group' or 'shard', got %s"):format(tostring(opts.tp_scales)), level + 1)
     end
     cfg.tp_scales = opts.tp_scales
+  end
+  if cfg.blockwise and (cfg.input ~= 'f8e4m3' or cfg.weight ~= 'f8e4m3' or cfg.grad_output ~= 'f8e4m3') then
+    error(('float8: the blockwise recipe takes f8e4m3 for every operand (cuBLASLt\'s block scaling), got input %s, '
+      .. 'weight %s, grad_output %s'):format(cfg.input, cfg.weight, cfg.grad_output), level + 1)
   end
   if cfg.input == 'f8e5m2' and cfg.weight == 'f8e5m2' then
     error('float8: input and weight cannot both be f8e5m2 (no FP8 GEMM takes two e5m2 operands)', level + 1)
@@ -526,6 +544,159 @@ local function bwd_float8(node, g)
   return dx, dw, db
 end
 
+-- ------------------------------------------------------- blockwise recipe
+-- DeepSeek-V3's three products (docs/float8.md, "Blockwise"), each operand
+-- scaled per block along its product's K:
+--   y  (N, out) = x8 (N, in) 1x128       @ w8 (out, in) 128x128 ^T
+--   dx (N, in)  = g8 (N, out) 1x128      @ w8t (in, out) 128x128 ^T
+--   dw (out, in) = g8t (out, N) 1x128    @ x8t (in, N) 1x128 ^T
+-- (x8t, g8t: the transposed layouts, blocks of 128 tokens: x's and g's
+-- 128 x 1 blocks). The weight's 128 x 128 blocks are the same in both its
+-- layouts (w8t is w8's bytes transposed, its scale grid transposed). The
+-- forward saves the input (its transposed cast is made in the backward)
+-- and w8t unless the weight is gathered again for the backward (FSDP
+-- FULL_SHARD: recompute_weight 'auto'). Layers reading one input share its
+-- casts, each way (the cache of the other recipes).
+local BLK = 128
+
+-- the input's casts, shared by the layers reading one tensor (q/k/v,
+-- gate/up) as the other recipes' are: the forward's 1x128 rows (x8, its
+-- scales), the backward's transposed layout blocked along the tokens
+local function blk_input_rows(x2, cfg)
+  local l, _ = fwd_last, nil
+  if not same_view(l, x2, cfg.input, cfg.pow2, 'blockwise', nil) then
+    drop(l)
+    stats.input_casts = stats.input_casts + 1
+    l = view_entry(x2, cfg.input, cfg.pow2, 'blockwise', nil)
+    l.rows, _, l.inv = F.float8_cast_blockwise(x2, cfg.input, { blocks = '1x128', pow2 = cfg.pow2 })
+    fwd_last = l
+  end
+  return alias(l.rows), alias(l.inv)
+end
+local function blk_input_cols(x2, cfg)
+  local l, _ = bwd_last, nil
+  if not same_view(l, x2, cfg.input, cfg.pow2, 'blockwise', nil) then
+    drop(l)
+    stats.backward_casts = stats.backward_casts + 1
+    l = view_entry(x2, cfg.input, cfg.pow2, 'blockwise', nil)
+    _, l.cols, _, l.inv = F.float8_cast_blockwise(x2, cfg.input, { blocks = '1x128', rows = false, cols = true,
+      pow2 = cfg.pow2 })
+    bwd_last = l
+  end
+  return alias(l.cols), alias(l.inv)
+end
+
+local function bwd_blockwise(node, g)
+  local s, need = node.saved, node.need
+  local cfg = s.cfg
+  local g2 = rows_of(g)
+  local want_w = need[2]
+  local g8, g8t, ginv, ginv_t
+  if need[1] or want_w then
+    g8, g8t, ginv, ginv_t = F.float8_cast_blockwise(g2, cfg.grad_output,
+      { blocks = '1x128', rows = need[1], cols = want_w, pow2 = cfg.pow2 })
+  end
+  local dx, dw, db
+  if need[1] then
+    local w_in, winv = s.w_in, s.winv_in
+    if w_in == nil then   -- (made again from the weight FSDP gathered for this backward)
+      stats.weight_casts = stats.weight_casts + 1
+      local r, c, ir, ic = F.float8_cast_blockwise(s.w, cfg.weight,
+        { blocks = '128x128', rows = not s.wt, cols = s.wt, pow2 = cfg.pow2 })
+      if s.wt then w_in, winv = c, ic else w_in, winv = r, ir end
+    end
+    local d2 = F.scaled_matmul(g8, w_in, ginv, winv, { out_dtype = T.dtype_name(s.dx_dtype), a_blocks = '1x128',
+      b_blocks = '128x128' })
+    if w_in ~= s.w_in then free(w_in); free(winv) end
+    dx = R.reshape(d2, node.ishape[1])
+    if dx ~= d2 then free(d2) end
+  end
+  if need[3] then db = F.sum(g2, 1) end
+  if want_w then
+    local x8t, xinv_t = blk_input_cols(s.x2, cfg)
+    local a, bm, ainv, binv = g8t, x8t, ginv_t, xinv_t
+    if not s.wt then a, bm, ainv, binv = x8t, g8t, xinv_t, ginv_t end   -- (Conv1D's (in, out))
+    local sink = sink_of(node, s.w)
+    if sink then
+      F.scaled_matmul(a, bm, ainv, binv, { out = sink.t, beta = sink.written[sink.i] and 1 or 0, a_blocks = '1x128',
+        b_blocks = '1x128' })
+      sink.written[sink.i] = true
+    else
+      local wd = s.w.dtype_id == 0 and 1 or s.w.dtype_id
+      dw = F.scaled_matmul(a, bm, ainv, binv, { out_dtype = T.dtype_name(wd), a_blocks = '1x128', b_blocks = '1x128' })
+    end
+    free(x8t); free(xinv_t)
+  end
+  free(g8); free(g8t); free(ginv); free(ginv_t)
+  if g2 ~= g then free(g2) end
+  return dx, dw, db
+end
+
+-- the blockwise layer (float8.linear with a blockwise config; its checks
+-- done): y, or the plain linear's where the FP8 path cannot take the call
+local function linear_blockwise(x, w, b, cfg, wt, in_f, out_f, name)
+  if in_f % BLK ~= 0 or out_f % BLK ~= 0 then
+    error(("%s: the blockwise recipe needs in and out features multiples of 128 (the weight's 128 x 128 blocks), "
+      .. "got weight %s %s, input %s"):format(name, dims(w), wt and '(out, in)' or '(in, out)', dims(x)), 3)
+  end
+  local x2, n = rows_of(x)
+  -- on CUDA the token count must be a multiple of 128 too (the weight
+  -- gradient's K), and f64 has no FP8 path: the plain linear then
+  if x.device_id >= 0 and (n % BLK ~= 0 or x.dtype_id == 0 or w.dtype_id == 0) then
+    if x2 ~= x then free(x2) end
+    local nnf = require 'moonshard.nn.functional'
+    return (wt and nnf.linear or nnf.conv1d_linear)(x, w, b)
+  end
+  local od = amp.dtype() or x.dtype_id
+  if od == 0 then od = 1 end
+  local grad = A.want(x, w, b)
+  local need_x = grad and A.needs_grad(x)
+  local fs = package.loaded['moonshard.fsdp']
+  local recompute = cfg.recompute_weight
+  if recompute == 'auto' then recompute = fs ~= nil and fs.releases_after_forward(w) end
+  local keep = need_x and not recompute
+  -- the weight's 128 x 128 blocks: (out, in) for y, (in, out) for dx
+  stats.weight_casts = stats.weight_casts + 1
+  local r, c, ir, ic = F.float8_cast_blockwise(w, cfg.weight,
+    { blocks = '128x128', rows = wt or keep, cols = not wt or keep, pow2 = cfg.pow2 })
+  local w_out, winv, w_in, winv_in
+  if wt then w_out, winv, w_in, winv_in = r, ir, c, ic else w_out, winv, w_in, winv_in = c, ic, r, ir end
+  local x8, xinv = blk_input_rows(x2, cfg)
+  local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
+  local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias, a_blocks = '1x128',
+    b_blocks = '128x128' })
+  if b ~= nil and bias == nil then
+    local bc = R.to(b, { dtype = od, device = x.device_id })
+    F.add_(y2, bc)
+    if bc ~= b then free(bc) end
+  end
+  free(x8); free(xinv); free(w_out); free(winv)
+  if x.dtype_id == 0 then   -- an f64 model on the CPU: f64 out
+    local y64 = R.to(y2, { dtype = 'f64' })
+    free(y2)
+    y2 = y64
+  end
+  local y = y2
+  if x.ndim ~= 2 then
+    local sh = shape_of(x)
+    sh[#sh] = out_f
+    y = R.view(y2, sh)
+    free(y2)
+  end
+  if grad then
+    local xs = x2
+    if x2 == x then xs = R.alias(x) end
+    local own = { xs }
+    if w_in ~= nil then own[#own + 1] = w_in; own[#own + 1] = winv_in end
+    A.record_list(name, y, bwd_blockwise, { x2 = xs, w_in = w_in, winv_in = winv_in, w = w, wt = wt, cfg = cfg,
+      dx_dtype = x.dtype_id == 0 and 1 or x.dtype_id }, own, { x, w, b })
+  else
+    if x2 ~= x then free(x2) end
+    free(w_in); free(winv_in)
+  end
+  return y
+end
+
 -- float8.linear(x (..., in), w, b?, opts?) -> y (..., out): x @ w^T + b
 -- with w (out, in), or x @ w + b with opts.wt == false (w (in, out), GPT-2's
 -- Conv1D); opts: a recipe's fields (float8.config), or opts.config made by
@@ -558,6 +729,10 @@ function float8.linear(x, w, b, opts)
   end
   if x.device_id ~= w.device_id then
     error(('%s: input on %s, weight on %s'):format(name, x.device, w.device), 2)
+  end
+  if cfg.blockwise then
+    local y = linear_blockwise(x, w, b, cfg, wt, in_f, out_f, name)
+    return y
   end
   local x2, n = rows_of(x)
   local fs = package.loaded['moonshard.fsdp']
@@ -719,7 +894,8 @@ end
 --     cross-entropy reads that weight itself; torchtitan keeps the output
 --     layer in bf16 too),
 --   * layers whose in or out features are not multiples of 16 (the FP8
---     GEMMs' rule; a tensor-parallel layer's own shard's), and modules with
+--     GEMMs' rule; 128 for blockwise, its weight blocks; a tensor-parallel
+--     layer's own shard's), and modules with
 --     a forward of their own (LoRA; not tensor parallelism's, which take the
 --     FP8 product: tp.parallelize before or after convert),
 --   * names matching opts.skip (Lua patterns), or for which
@@ -761,7 +937,8 @@ function float8.convert(model, opts)
       -- float8.linear for its local product) keeps its forward
       local tpf = rawget(m, '_tp') ~= nil and rawget(m, 'forward') ~= nil
       local ok = (rawget(m, 'forward') == nil or tpf) and (head == nil or not rawequal(w, head))
-        and #ws == 2 and ws[1] % 16 == 0 and ws[2] % 16 == 0 and not matches(name, skip)
+        and #ws == 2 and ws[1] % feature_multiple(cfg) == 0 and ws[2] % feature_multiple(cfg) == 0
+        and not matches(name, skip)
       if ok and opts.filter then ok = opts.filter(name, m) and true or false end
       if ok then
         rawset(m, '_float8', { config = cfg, wt = cls == nn.Linear, own_forward = not tpf })
@@ -771,8 +948,8 @@ function float8.convert(model, opts)
     end
   end
   if #names == 0 then
-    error('float8.convert: no nn.Linear or nn.Conv1D of the model can be converted (features multiples of 16, '
-      .. 'not the LM head, not skipped or filtered out)', 2)
+    error(('float8.convert: no nn.Linear or nn.Conv1D of the model can be converted (features multiples of %d, '
+      .. 'not the LM head, not skipped or filtered out)'):format(feature_multiple(cfg)), 2)
   end
   return names
 end

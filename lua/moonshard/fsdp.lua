@@ -562,7 +562,7 @@ local function f8_plan(u)
   local cfg_of, bad, tpg = {}, {}, {}
   for _, slot in ipairs(u.slots) do
     local cfg = f8mod.converted(slot.m)
-    if cfg and slot.pn == 'weight' and not cfg.axiswise and not u.frozen[slot.k] then
+    if cfg and slot.pn == 'weight' and not cfg.axiswise and not cfg.blockwise and not u.frozen[slot.k] then
       if cfg_of[slot.k] == nil then cfg_of[slot.k] = cfg end
       -- (a tensor-parallel shard: its scale over the TP group, or its own)
       local sh = rawget(slot.m, '_tp_shard')

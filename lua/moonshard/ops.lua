@@ -502,6 +502,41 @@ function F.float8_amax_axiswise(x, opts)
   return r, cb and (opts.col_out or wrap(cb[0])) or nil
 end
 
+-- the block kinds of the blockwise casts and products
+local BLOCKS = { ['1x128'] = 1, ['128x128'] = 2 }
+local function blocks_id(name, what, v)
+  local id = BLOCKS[v]
+  if id == nil then
+    raise(("%s: %s must be '1x128' or '128x128', got %s"):format(name, what, tostring(v)))
+  end
+  return id
+end
+
+-- float8_cast_blockwise(x (R, C), dtype, {blocks = '1x128', rows = true,
+-- cols = false, inv = true, pow2 = false}) -> out (R, C), out_t (C, R), inv,
+-- inv_t (each nil when not asked): DeepSeek-V3's blockwise scaling, one
+-- scale a block along each layout's K: '1x128' out's rows by 128 columns,
+-- out_t's rows (x's columns) by 128 rows of x; '128x128' the 128 x 128
+-- tiles (both layouts the same bytes). inv / inv_t the inverse scales in
+-- cuBLASLt's layout (core/ops.h): 1x128 (ceil(K/128), rows), 128x128
+-- (ceil(rows/128), ceil(K/128) rounded up to 4)
+function F.float8_cast_blockwise(x, dtype, opts)
+  need_tensor('float8_cast_blockwise', x, 'x')
+  opts = opts or {}
+  local blocks = blocks_id('float8_cast_blockwise', 'blocks', opts.blocks or '1x128')
+  local rows, cols, inv = opts.rows ~= false, opts.cols and true or false, opts.inv ~= false
+  local want = { rows, cols, rows and inv, cols and inv }
+  local boxes = {}
+  for i = 1, 4 do boxes[i] = want[i] and box_t() or nil end
+  if C.ms_float8_cast_blockwise(boxes[1], boxes[2], boxes[3], boxes[4], x, blocks, T.dtype_id(dtype or 'f8e4m3', 3),
+      opts.pow2 and 1 or 0) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  local r = {}
+  for i = 1, 4 do r[i] = want[i] and wrap(boxes[i][0]) or nil end
+  return r[1], r[2], r[3], r[4]
+end
+
 -- float8_transpose(x (R, C) 8-bit float) -> (C, R) contiguous, the same bytes
 function F.float8_transpose(x)
   need_tensor('float8_transpose', x, 'x')
@@ -511,7 +546,10 @@ end
 -- scaled_matmul(a (M, K), b (N, K), ainv, binv, {bias =, out_dtype = 'bf16',
 -- out =, beta = 0, fast_accum = false}) -> out (M, N) = ainv * binv * a @ b^T
 -- (+ bias) (+ beta * out): 8-bit float operands with contiguous rows; ainv
--- and binv one f32 each, or (M) and (N) vectors (axiswise scaling)
+-- and binv one f32 each, or (M) and (N) vectors (axiswise scaling), or
+-- with opts.a_blocks and opts.b_blocks ('1x128' / '128x128') the blockwise
+-- scales float8_cast_blockwise writes (each K block's partial product
+-- scaled by its blocks' scales; no fast accumulation)
 function F.scaled_matmul(a, b, ainv, binv, opts)
   need_tensor('scaled_matmul', a, 'a')
   need_tensor('scaled_matmul', b, 'b')
@@ -525,6 +563,17 @@ function F.scaled_matmul(a, b, ainv, binv, opts)
     box[0] = opts.out
   end
   local od = opts.out ~= nil and opts.out.dtype_id or T.dtype_id(opts.out_dtype or 'bf16', 3)
+  if opts.a_blocks ~= nil or opts.b_blocks ~= nil then
+    local ab = blocks_id('scaled_matmul', 'a_blocks', opts.a_blocks)
+    local bb = blocks_id('scaled_matmul', 'b_blocks', opts.b_blocks)
+    if opts.fast_accum then
+      raise('scaled_matmul: blockwise scales take no fast accumulation (cuBLASLt promotes every K block into f32)')
+    end
+    if C.ms_scaled_matmul_blockwise(box, a, b, ainv, ab, binv, bb, opts.bias, od, opts.beta or 0) ~= 0 then
+      raise(ffi.string(C.ms_last_error()))
+    end
+    return opts.out or wrap(box[0])
+  end
   if C.ms_scaled_matmul(box, a, b, ainv, binv, opts.bias, od, opts.beta or 0, opts.fast_accum and 1 or 0) ~= 0 then
     raise(ffi.string(C.ms_last_error()))
   end
