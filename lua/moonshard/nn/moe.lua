@@ -25,7 +25,10 @@
 -- with its backward in C and CUDA; the router and the weights are
 -- ordinary autograd ops. An expert no token chose still gets a gradient
 -- (zeros), so that every rank's parameters have one and data-parallel
--- reductions stay in step.
+-- reductions stay in step. Two auxiliary losses read a forward's routing:
+-- Switch / GShard's load-balancing loss (moe.aux_loss) and DeepSeek's
+-- sequence-wise balance loss (moe.seq_aux_loss, and the models' sessions,
+-- moe.seq_aux_begin / seq_aux_end).
 -- (moonshard itself when first used: this file loads while it does)
 local ms = setmetatable({}, { __index = function(_, k) return require('moonshard')[k] end })
 local A = require 'moonshard.autograd'
@@ -477,7 +480,7 @@ end
 --   P_i = 1/T Σ_t s'_{i,t},
 -- s' a token's scores normalised to sum 1 over the E experts (sigmoid
 -- scores divided by their sum; softmax scores as they are), averaged over
--- the sequences (per_seq false: every token of the forward one group, the
+-- the sequences (per_sequence false: every token of the forward one group, the
 -- batch-wise loss of DeepSeek's seq_aux = false). The f_i are constants;
 -- the loss is differentiable through the scores.
 
@@ -536,13 +539,14 @@ local function check_opts(opts, what)
   end
 end
 
--- moe.seq_aux_term(m, probs, ids, Tl, alpha, opts) -> { value (1) the
--- layer's term (constant), gamma (B, E) its gradient with respect to each
--- token's s' (times the context-parallel ranks: their gradients are
--- averaged as the data-parallel ones), B }; opts.choice, opts.per_seq
-function moe.seq_aux_term(m, probs, ids, Tl, alpha, opts)
-  local per_seq = opts.per_seq ~= false
-  local s = seq_aux_sums(probs, aux_ids(m, probs, ids, opts.choice), Tl, m.score == 'sigmoid', per_seq, rawget(m, '_cp'))
+-- seq_aux_term(m, probs, ids, Tl, alpha, opts) -> { value (1) layer m's
+-- term (constant), gamma (B, E) its gradient with respect to each token's
+-- s' (times the context-parallel ranks: their gradients are averaged as
+-- the data-parallel ones), B }; opts: a session's choice, per_sequence
+local function seq_aux_term(m, probs, ids, Tl, alpha, opts)
+  -- (no graph: the gradient is SeqAuxGrad's)
+  local s = A.no_grad(seq_aux_sums, probs, aux_ids(m, probs, ids, opts.choice), Tl, m.score == 'sigmoid',
+    opts.per_sequence ~= false, rawget(m, '_cp'))
   return A.no_grad(function()
     -- f = c E / (k T); L = alpha / B Σ_b Σ_i f_bi pg_bi / T
     local f = s.c * (s.E / (s.k * s.T))
@@ -618,7 +622,7 @@ function moe.seq_aux_begin(layers, opts)
   if opts ~= nil then
     check_alpha(opts.alpha, 'moe.seq_aux_begin')
     check_opts(opts, 'moe.seq_aux_begin')
-    box = { alpha = opts.alpha, choice = opts.choice or 'routing', per_seq = opts.per_sequence ~= false,
+    box = { alpha = opts.alpha, choice = opts.choice or 'routing', per_sequence = opts.per_sequence ~= false,
             scale = opts.scale, values = {}, done = setmetatable({}, { __mode = 'k' }) }
   end
   for _, m in ipairs(layers) do rawset(m, '_seq_aux', box) end
@@ -990,7 +994,7 @@ function moe.install(nn, nnf)
     local fresh = not box.done[self]
     local grad = A.is_grad_enabled() and A.needs_grad(probs)
     if not fresh and not grad then return y end
-    local t = moe.seq_aux_term(self, probs, ids, Tl, box.alpha, box)
+    local t = seq_aux_term(self, probs, ids, Tl, box.alpha, box)
     if fresh then
       box.done[self] = true
       box.values[#box.values + 1] = t.value
