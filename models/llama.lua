@@ -322,7 +322,8 @@ end
 -- its value (nn.moe.seq_aux_end); any other forward ends the last one.
 -- -> the session or nil
 function Llama:seq_aux_begin(targets)
-  if self.family.seq_aux_choice == nil then return nil end
+  -- (none for a model without MoE layers: first_k_dense_replace past them all)
+  if self.family.seq_aux_choice == nil or #self:moe_layers() == 0 then return nil end
   return nn.moe.seq_aux_begin(self:moe_layers(), self:seq_aux_options(targets ~= nil))
 end
 -- the session's options (nn.moe.seq_aux_begin) of a forward with targets

@@ -373,6 +373,15 @@ describe('DeepSeek-V2 and V3 with aux_loss_alpha', function()
     assert.is_true(math.abs(l - (plain + aux)) <= 1e-13, ('%.17g against %.17g + %.17g'):format(l, plain, aux))
   end)
 
+  it('a model whose layers are all dense adds nothing', function()
+    local v3 = require 'models.deepseek_v3'
+    local m = v3.new('tiny', { num_hidden_layers = 2, first_k_dense_replace = 2, aux_loss_alpha = 0.1 })
+    local x, y = S.token_batch(2, 6, 256, 3)
+    local l = m(x, y):item()
+    m:eval()
+    assert.are.equal(m(x, y):item(), l)
+  end)
+
   it('a bad aux_loss_alpha or seq_aux is refused by name', function()
     for _, name in ipairs({ 'deepseek_v3', 'deepseek_v2' }) do
       local fam = require('models.' .. name)
