@@ -12,11 +12,14 @@
 -- RoPE is always on (even, odd) pairs (DeepSeek's checkpoints), default or
 -- YaRN (DeepSeek-V2's long-context configs), with YaRN's mscale² in the
 -- softmax scale as in V3. The same config.json fields as transformers';
--- DeepSeek's own configs' extra fields (moe_layer_freq 1, aux_loss_alpha,
--- seq_aux, ...) are read and ignored, as transformers ignores them.
--- Not built: the auxiliary balance losses of DeepSeek's training code
--- (transformers has none either); balance with --moe-bias-rate instead
--- (docs/moe.md). norm_topk_prob = true is refused: transformers' model
+-- DeepSeek's own configs' extra fields (moe_layer_freq 1, ...) are read and
+-- ignored, as transformers ignores them, but for aux_loss_alpha and
+-- seq_aux: with aux_loss_alpha > 0 the training loss adds DeepSeek's
+-- expert-level balance loss of its MoEGate, per sequence (seq_aux) or over
+-- the forward's tokens, f_i counting the experts the routing chose
+-- (greedy or group-limited), the softmax scores as they are (docs/moe.md).
+-- Not built: V2's device- and communication-level balance losses;
+-- --moe-bias-rate balances too. norm_topk_prob = true is refused: transformers' model
 -- ignores it while DeepSeek's code renormalises, so no single meaning.
 --
 --   local deepseek_v2 = require 'models.deepseek_v2'
@@ -70,6 +73,11 @@ deepseek_v2.fields = {
   { 'attention_bias', 'bool', false, 'biases on q_a_proj, kv_a_proj_with_mqa and o_proj' },
   { 'attention_dropout', 'prob', 0.0, 'dropout on attention probabilities (not applied here)' },
   { 'mlp_bias', 'bool', false, 'biases on the MLPs: false only' },
+  { 'aux_loss_alpha', 'number>=0', 0, 'DeepSeek\'s configs\' field: above 0 the training loss (training mode) adds '
+    .. 'this times the sequence-wise balance loss of every MoE layer (DeepSeek\'s MoEGate; its configs say 0.001); 0 '
+    .. '(the default here): none (docs/moe.md)' },
+  { 'seq_aux', 'bool', true, 'DeepSeek\'s configs\' field: the balance loss per sequence (true) or over each '
+    .. 'forward\'s tokens at once (false)' },
 }
 deepseek_v2.config = hf.defaults(deepseek_v2.fields)
 
@@ -100,7 +108,7 @@ deepseek_v2.presets = {
 }
 
 -- DeepSeek's own configs' fields that transformers' DeepseekV2Config does
--- not have (aux_loss_alpha, seq_aux, ...) are kept as read and written back;
+-- not have (moe_layer_freq, ...) are kept as read and written back;
 -- moe_layer_freq must be 1 (every layer past first_k_dense_replace sparse,
 -- as both models build) and scoring_func softmax.
 function deepseek_v2.normalize(cfg)
@@ -150,6 +158,9 @@ llama.variants.deepseek_v2 = {
 }
 -- bin/train's FSDP units and checkpointed blocks: the decoder layers
 deepseek_v2.fsdp_block = 'LlamaDecoderLayer'
+-- the sequence-wise balance loss's f_i counts the experts the routing chose
+-- (DeepSeek-V2's MoEGate: its topk_idx, greedy or group-limited)
+deepseek_v2.seq_aux_choice = 'routing'
 
 -- build, new, from_pretrained, export_config (DeepseekV2ForCausalLM's
 -- config.json, with V3's rope_scaling copy for transformers < 5)

@@ -16,8 +16,12 @@
 --     plus n_shared_experts shared experts as one MLP
 --     (mlp.shared_experts).
 -- The same config.json fields and parameter names as transformers'. No
--- auxiliary loss (as transformers): balance with --moe-bias-rate, which
--- moves the routing biases (docs/moe.md). The multi-token-prediction
+-- auxiliary loss unless aux_loss_alpha > 0 (transformers has none): balance
+-- with --moe-bias-rate, which moves the routing biases, and with
+-- aux_loss_alpha the report's complementary sequence-wise balance loss
+-- (eq. 17-20: f_i counts each token's k best plain scores, without the
+-- routing bias or the group limit; s' the sigmoid scores over their sum;
+-- docs/moe.md). The multi-token-prediction
 -- layers (num_nextn_predict_layers) are not built, and a checkpoint's are
 -- skipped on load, as transformers skips them, unless mtp_loss_weight > 0
 -- (ours): then they are built and trained (below, "Multi-token
@@ -77,6 +81,11 @@ deepseek_v3.fields = {
     .. 'skipped on load, as transformers does)' },
   { 'mtp_loss_weight', 'number>=0', 0, 'ours (DeepSeek-V3\'s lambda): above 0 builds the num_nextn_predict_layers '
     .. 'multi-token-prediction modules and adds this weight / their number times the sum of their losses; 0: none' },
+  { 'aux_loss_alpha', 'number>=0', 0, 'DeepSeek\'s configs\' field: above 0 the training loss (training mode) adds '
+    .. 'this times the sequence-wise balance loss of every MoE layer (DeepSeek-V3\'s complementary loss; its '
+    .. 'training used 0.0001, its config.json says 0.001); 0 (the default here): none (docs/moe.md)' },
+  { 'seq_aux', 'bool', true, 'DeepSeek\'s configs\' field: the balance loss per sequence (true) or over each '
+    .. 'forward\'s tokens at once (false)' },
 }
 deepseek_v3.config = hf.defaults(deepseek_v3.fields)
 
@@ -206,6 +215,10 @@ llama.variants.deepseek_v3 = {
 }
 -- bin/train's FSDP units and checkpointed blocks: the decoder layers
 deepseek_v3.fsdp_block = 'LlamaDecoderLayer'
+-- the sequence-wise balance loss's f_i counts each token's k best plain
+-- scores (the report's eq. 18: no routing bias, no group limit), as
+-- Megatron-LM's DeepSeek-V3 recipe does (llama.seq_aux_begin)
+deepseek_v3.seq_aux_choice = 'scores'
 
 -- build, new, from_pretrained, and export_config (DeepseekV3ForCausalLM's
 -- config.json; rope_theta also at the top level, and YaRN's parameters in
@@ -368,6 +381,7 @@ local function mtp_forward(self, input_ids, targets)
     error(name .. ': multi-token prediction does not run under context parallelism (its depths shift the '
       .. 'sequence across the ranks\' chunks)', 2)
   end
+  local box = self:seq_aux_begin(targets)
   local x, pending = m(ids, true)
   local norm, h = m.norm, nil
   if pending ~= nil then
@@ -390,8 +404,10 @@ local function mtp_forward(self, input_ids, targets)
     sum = sum and sum + lk or lk
   end
   rawset(self, '_mtp_losses', losses)
-  if sum == nil then return loss end
-  return loss + sum * (cfg.mtp_loss_weight / D)
+  if sum ~= nil then loss = loss + sum * (cfg.mtp_loss_weight / D) end
+  -- (the MTP depths' MoE layers add their terms too, each over its T - k tokens)
+  if box then loss = nn.moe.seq_aux_end(loss, box) end
+  return loss
 end
 
 -- model:mtp_losses() -> the last forward's loss of each depth (a list of

@@ -198,7 +198,7 @@ hf.float_keys = {
   resid_pdrop = true, embd_pdrop = true, attn_pdrop = true, attention_dropout = true,
   summary_first_dropout = true, routed_scaling_factor = true, factor = true, beta_fast = true, beta_slow = true,
   mscale = true, mscale_all_dim = true, low_freq_factor = true, high_freq_factor = true,
-  router_aux_loss_coef = true, router_jitter_noise = true, attn_scale = true,
+  router_aux_loss_coef = true, router_jitter_noise = true, attn_scale = true, aux_loss_alpha = true,
 }
 local function json_number(v, float)
   if v ~= v or v == math.huge or v == -math.huge then

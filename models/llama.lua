@@ -291,11 +291,13 @@ function Llama:max_positions() return self.config.max_position_embeddings end
 function Llama:forward(input_ids, targets)
   local cfg = self.config
   local ids, B, Tn = hf.check_ids(input_ids, 'llama', 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
+  local box = self:seq_aux_begin(targets)
   local x, pending = self.model(ids, true)
   if targets ~= nil then
     targets = hf.check_targets(targets, B, Tn, 'llama', cfg.vocab_size)
   end
   local out = rawget(self, '_head')(x, pending, targets)
+  if box then out = nn.moe.seq_aux_end(out, box) end
   -- Mixtral with output_router_logits: the loss plus router_aux_loss_coef
   -- times the load-balancing loss over every layer's tokens (as transformers;
   -- a family whose transformers model adds none says no_aux_loss: Llama 4)
@@ -305,13 +307,39 @@ function Llama:forward(input_ids, targets)
   return out
 end
 
+-- the model's MoE layers (found once: the modules do not change)
+function Llama:moe_layers()
+  local layers = rawget(self, '_moe_layers')
+  if layers == nil then layers = nn.moe.layers(self); rawset(self, '_moe_layers', layers) end
+  return layers
+end
+
+-- DeepSeek's sequence-wise balance loss (a family with seq_aux_choice:
+-- DeepSeek-V2's and V3's; docs/moe.md): a forward with targets in
+-- training mode whose config has aux_loss_alpha > 0 opens a session on the
+-- MoE layers (nn.moe.seq_aux_begin: per sequence when seq_aux, else over
+-- the forward's tokens at once, as DeepSeek's MoEGate), and the loss adds
+-- its value (nn.moe.seq_aux_end); any other forward ends the last one.
+-- -> the session or nil
+function Llama:seq_aux_begin(targets)
+  -- (none for a model without MoE layers: first_k_dense_replace past them all)
+  if self.family.seq_aux_choice == nil or #self:moe_layers() == 0 then return nil end
+  return nn.moe.seq_aux_begin(self:moe_layers(), self:seq_aux_options(targets ~= nil))
+end
+-- the session's options (nn.moe.seq_aux_begin) of a forward with targets
+-- (with_targets) in the model's present mode, or nil: none (a pipeline
+-- stage opens its own: moonshard.pp)
+function Llama:seq_aux_options(with_targets)
+  local choice = self.family.seq_aux_choice
+  local cfg = self.config
+  if choice == nil or not with_targets or not self.training or (cfg.aux_loss_alpha or 0) <= 0 then return nil end
+  return { alpha = cfg.aux_loss_alpha, choice = choice, per_sequence = cfg.seq_aux ~= false }
+end
+
 -- the router's load-balancing loss times router_aux_loss_coef, shaped as
 -- the loss `like` (nn.moe.aux_loss over the MoE layers' last forward)
 function Llama:aux_loss(like)
-  -- (the MoE layers found once: the model's modules do not change)
-  local layers = rawget(self, '_moe_layers')
-  if layers == nil then layers = nn.moe.layers(self); rawset(self, '_moe_layers', layers) end
-  local aux = nn.moe.aux_loss(layers)
+  local aux = nn.moe.aux_loss(self:moe_layers())
   if aux == nil then error('llama: no MoE layer ran a forward', 2) end
   aux = aux * self.config.router_aux_loss_coef
   if aux.dtype ~= like.dtype then aux = aux:to(like.dtype) end

@@ -208,6 +208,33 @@ describe('nn.MoE on CUDA #gpu', function()
     assert.is_true(relerr(auxg, auxc) <= 2e-2, 'aux ' .. relerr(auxg, auxc))
   end)
 
+  it('the sequence-wise balance loss (seq_aux_loss, and a session\'s value and gradients) as on the CPU (f32, '
+    .. '1e-4)', function()
+    local cfg = { dim = 32, hidden = 48, experts = 16, top_k = 4, score = 'sigmoid', n_group = 4, topk_group = 2,
+      router_bias = true }
+    local cpu, gpu = pair(cfg)
+    local b = ms.randn({ 16 }, { seed = 3 }) * 0.2
+    cpu.gate.e_score_correction_bias:copy_(b)
+    gpu.gate.e_score_correction_bias:copy_(b:cuda())
+    local x = ms.randn({ 3, 40, 32 }, { seed = 7 })
+    local function run(m, xi)
+      xi = xi:clone():requires_grad_()
+      local box = nn.moe.seq_aux_begin({ m }, { alpha = 0.5, choice = 'scores' })
+      local y = m(xi)
+      local direct = nn.moe.seq_aux_loss({ m }, 0.5, { choice = 'routing' }):to('cpu')
+      local loss = nn.moe.seq_aux_end((y * y):mean():reshape({ 1 }), box)
+      loss:backward()
+      nn.moe.seq_aux_begin({ m }, nil)
+      return direct, loss:to('cpu'), xi.grad
+    end
+    local dc, lc, gc = run(cpu, x)
+    local dg, lg, gg = run(gpu, x:cuda())
+    assert.is_true(relerr(dg, dc) <= 1e-4, 'seq_aux_loss ' .. relerr(dg, dc))
+    assert.is_true(relerr(lg, lc) <= 1e-4, 'loss ' .. relerr(lg, lc))
+    assert.is_true(relerr(gg, gc) <= 1e-4, 'input ' .. relerr(gg, gc))
+    same_grads(gpu, cpu)
+  end)
+
   it('bf16 autocast, 70 experts: the grouped GEMM kernel as the loop of cuBLASLt GEMMs and the f32 CPU layer', function()
     local F = require 'moonshard.ops'
     local cfg = { dim = 64, hidden = 96, experts = 70, top_k = 2 }

@@ -33,6 +33,8 @@ local amp = require 'moonshard.amp'
 local T = require 'moonshard.tensor'
 local F = require 'moonshard.ops'
 local optim = require 'moonshard.optim'
+-- (moonshard.nn when first used: it loads after this file)
+local function nn_moe() return require('moonshard.nn').moe end
 
 local pp = {}
 
@@ -373,7 +375,16 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
       end, self.schedule == 'zbh1' and function(job) rec.w = job end or false)
     end
     if firstv then h = parts.embed(rows(ids, i, mb)) end
+    -- DeepSeek's sequence-wise balance loss (nn.moe.seq_aux_begin): each
+    -- stage's MoE layers add their terms to the micro-batch's loss (the
+    -- stages' sums are summed: finish_loss), their gradients scaled as the
+    -- loss's backward is
+    local box = self:seq_aux_begin(c, grad)
     for j = range[1], range[2] do h = blocks[j](h) end
+    if box then
+      local v = nn_moe().seq_aux_value(box)
+      if v then A.no_grad(function() self.loss_sum:add_(v:to('f64'):reshape({ 1 })) end) end
+    end
     if not lastv then return h end
     local loss = parts.head(h, rows(targets, i, mb))
     local hook = self.step_opts and self.step_opts.loss_hook
@@ -406,6 +417,30 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
     if not o:is_contiguous() then rec.out = o:contiguous() end
   end
   return rec
+end
+
+-- the MoE layers of chunk c's blocks (found once), and a balance-loss
+-- session on them for a micro-batch's forward when the model asks for one
+-- (model:seq_aux_options: DeepSeek's aux_loss_alpha in training mode; the
+-- gradient of the step's objective with respect to a micro-batch's loss:
+-- grad_scale / microbatches), ending the last one otherwise
+function Pipeline:seq_aux_begin(c, grad)
+  local model = self.model
+  if type(model.seq_aux_options) ~= 'function' then return nil end
+  self.moe_chunks = self.moe_chunks or {}
+  local layers = self.moe_chunks[c]
+  if layers == nil then
+    layers = {}
+    local range, blocks = self.ranges[c], self.parts.blocks
+    for j = range[1], range[2] do
+      for _, m in ipairs(nn_moe().layers(blocks[j])) do layers[#layers + 1] = m end
+    end
+    self.moe_chunks[c] = layers
+  end
+  if #layers == 0 then return nil end
+  local o = model:seq_aux_options(true)
+  if o then o.scale = grad and self.grad_scale / self.microbatches or 1 end
+  return nn_moe().seq_aux_begin(layers, o)
 end
 
 -- the backward of a record, with gy the gradient of its output (nil on the

@@ -25,7 +25,10 @@
 -- with its backward in C and CUDA; the router and the weights are
 -- ordinary autograd ops. An expert no token chose still gets a gradient
 -- (zeros), so that every rank's parameters have one and data-parallel
--- reductions stay in step.
+-- reductions stay in step. Two auxiliary losses read a forward's routing:
+-- Switch / GShard's load-balancing loss (moe.aux_loss) and DeepSeek's
+-- sequence-wise balance loss (moe.seq_aux_loss, and the models' sessions,
+-- moe.seq_aux_begin / seq_aux_end).
 -- (moonshard itself when first used: this file loads while it does)
 local ms = setmetatable({}, { __index = function(_, k) return require('moonshard')[k] end })
 local A = require 'moonshard.autograd'
@@ -470,6 +473,180 @@ function moe.select(scores, bias, G, TG, how, k)
   return ids
 end
 
+-- ------------------------------------------- the sequence-wise balance loss
+-- DeepSeek-V2/V3's auxiliary loss (the V3 report's eq. 17-20; DeepSeek-V2's
+-- MoEGate with seq_aux): for each sequence of T tokens and each layer,
+--   L = alpha Σ_i f_i P_i,  f_i = E / (k T) Σ_t 1[token t counts for expert i],
+--   P_i = 1/T Σ_t s'_{i,t},
+-- s' a token's scores normalised to sum 1 over the E experts (sigmoid
+-- scores divided by their sum; softmax scores as they are), averaged over
+-- the sequences (per_sequence false: every token of the forward one group, the
+-- batch-wise loss of DeepSeek's seq_aux = false). The f_i are constants;
+-- the loss is differentiable through the scores.
+
+-- The sums of one layer's forward: probs (N, E) its scores, ids (N, k) the
+-- experts each token counts for, Tl the tokens of a sequence on this rank,
+-- cp its context-parallel context (the rest of each sequence on the other
+-- ranks of cp.group: the counts and score sums all-reduced over it, one
+-- collective of 2 B E numbers) or nil. -> { c (B, E) the counts, psum
+-- (B, E) this rank's sums of s' (differentiable), pg (B, E) every rank's
+-- (constant), T the tokens of a group, B the groups, n the ranks }
+local function seq_aux_sums(probs, ids, Tl, sigmoid, per_seq, cp)
+  local N, E, k = probs.shape[1], probs.shape[2], ids.shape[2]
+  local Tg = per_seq and Tl or N
+  if Tg < 1 or N % Tg ~= 0 then
+    error(('moe: the sequence-wise balance loss needs the tokens in sequences of %d, got %d tokens'):format(Tg, N), 3)
+  end
+  local B = N / Tg
+  local sn = sigmoid and probs / probs:sum(2, true) or probs
+  local psum = sn:reshape({ B, Tg, E }):sum(2)
+  local n = cp and cp.size or 1
+  local c, pg = A.no_grad(function()
+    local opts = { dtype = probs.dtype, device = probs.device }
+    local z = T.zeros({ B, E }, opts)
+    z:scatter_add_(2, ids:contiguous():reshape({ B, Tg * k }), T.ones({ B, Tg * k }, opts))
+    if n == 1 then return z, psum:detach() end
+    local both = F.cat({ z:reshape({ 1, B, E }), psum:detach():reshape({ 1, B, E }) }, 1)
+    ms.dist.all_reduce(both, 'sum', { group = cp.group })
+    return both:select(1, 1), both:select(1, 2)
+  end)
+  return { c = c, psum = psum, pg = pg, T = Tg * n, B = B, n = n, E = E, k = k }
+end
+
+-- the experts a token counts for in f_i: the routing's (choice
+-- 'routing', DeepSeek-V2's code: its greedy or group-limited top k), or
+-- ('scores', the V3 report's eq. 18) the k best plain scores: no routing
+-- bias, no group limit (the same as the routing's for a layer without
+-- either)
+local function aux_ids(m, probs, ids, choice)
+  if choice == 'scores' and (m:routing_bias() ~= nil or m.n_group > 1) then
+    return moe.select(probs, nil, 1, 1, 'top2', m.top_k)
+  end
+  return ids
+end
+
+local function check_alpha(alpha, what)
+  if type(alpha) ~= 'number' or alpha < 0 or alpha ~= alpha or alpha == math.huge then
+    error(('%s: alpha must be a non-negative number, got %s'):format(what, tostring(alpha)), 3)
+  end
+end
+local function check_opts(opts, what)
+  if opts.choice ~= nil and opts.choice ~= 'routing' and opts.choice ~= 'scores' then
+    error(('%s: choice must be routing or scores, got %s'):format(what, tostring(opts.choice)), 3)
+  end
+  if opts.per_sequence ~= nil and type(opts.per_sequence) ~= 'boolean' then
+    error(('%s: per_sequence must be a boolean, got %s'):format(what, tostring(opts.per_sequence)), 3)
+  end
+end
+
+-- seq_aux_term(m, probs, ids, Tl, alpha, opts) -> { value (1) layer m's
+-- term (constant), gamma (B, E) its gradient with respect to each token's
+-- s' (times the context-parallel ranks: their gradients are averaged as
+-- the data-parallel ones), B }; opts: a session's choice, per_sequence
+local function seq_aux_term(m, probs, ids, Tl, alpha, opts)
+  -- (no graph: the gradient is SeqAuxGrad's)
+  local s = A.no_grad(seq_aux_sums, probs, aux_ids(m, probs, ids, opts.choice), Tl, m.score == 'sigmoid',
+    opts.per_sequence ~= false, rawget(m, '_cp'))
+  return A.no_grad(function()
+    -- f = c E / (k T); L = alpha / B Σ_b Σ_i f_bi pg_bi / T
+    local f = s.c * (s.E / (s.k * s.T))
+    local value = (f * s.pg):sum():reshape({ 1 }) * (alpha / (s.B * s.T))
+    return { value = value, gamma = f * (alpha * s.n / (s.B * s.T)), B = s.B }
+  end)
+end
+
+-- SeqAuxGrad(y, probs (N, E), gamma (B, E), sigmoid, box) -> y (an alias);
+-- backward: y's gradient as it is, and the scores' gradient of the layer's
+-- term times the session's loss gradient (box.scale): gamma for each token
+-- of sequence b, through the normalisation s' = s / Σ s for sigmoid scores
+-- ((gamma - Σ_i gamma_i s'_i) / Σ s)
+local SeqAuxGrad = A.Function {
+  name = 'moe_seq_aux',
+  owns_results = true,
+  forward = function(ctx, y, probs, gamma, sigmoid, box)
+    ctx.probs, ctx.gamma, ctx.sigmoid, ctx.box = probs, gamma, sigmoid, box
+    return A.raw_views.alias(y)
+  end,
+  backward = function(ctx, g)
+    local box, p, gamma = ctx.box, ctx.probs, ctx.gamma
+    ctx.probs, ctx.gamma = nil, nil
+    local sc = box.scale
+    if sc == nil then
+      error('moe: the sequence-wise balance loss\'s session (moe.seq_aux_begin) got no gradient at its loss '
+        .. '(moe.seq_aux_end) before a layer\'s backward: take the backward of the loss seq_aux_end returned', 0)
+    end
+    local N, E, B = p.shape[1], p.shape[2], gamma.shape[1]
+    local gp = gamma:reshape({ B, 1, E }):expand({ B, N / B, E }):contiguous():reshape({ N, E })
+    if ctx.sigmoid then
+      local S = p:sum(2, true)
+      gp = (gp - (gp * p):sum(2, true) / S) / S
+    end
+    if type(sc) == 'number' then
+      if sc ~= 1 then gp = gp * sc end
+    else
+      if sc.dtype ~= gp.dtype then sc = sc:to(gp.dtype) end
+      gp = gp * sc
+    end
+    return g, gp, nil, nil, nil
+  end,
+}
+
+-- SeqAuxAdd(loss, extra, box) -> loss + extra (extra: the session's value,
+-- a constant shaped as loss); backward: the loss's gradient as it is, kept
+-- as box.scale for the layers' SeqAuxGrad nodes (which the tape runs after)
+local SeqAuxAdd = A.Function {
+  name = 'moe_seq_aux_add',
+  owns_results = true,
+  forward = function(ctx, loss, extra, box)
+    ctx.box = box
+    return loss + extra
+  end,
+  backward = function(ctx, g)
+    ctx.box.scale = g:contiguous():reshape({ g:numel() }):clone()
+    return g, nil, nil
+  end,
+}
+
+-- moe.seq_aux_begin(layers, opts) -> a session (nil with opts nil): until
+-- the next call, the forwards of `layers` (nn.MoE) add their
+-- sequence-wise balance loss to it and, under grad, attach its gradient
+-- (MoE:seq_aux). opts: alpha (>= 0), choice ('routing' (default) or
+-- 'scores': the experts f_i counts, above), per_sequence (default true;
+-- false: each forward's tokens as one group), scale (a number: the
+-- gradient of the objective with respect to the session's value, for a
+-- caller that never calls seq_aux_end: a pipeline stage; default: what
+-- seq_aux_end's backward finds). seq_aux_begin(layers, nil) ends any
+-- session on them.
+function moe.seq_aux_begin(layers, opts)
+  local box
+  if opts ~= nil then
+    check_alpha(opts.alpha, 'moe.seq_aux_begin')
+    check_opts(opts, 'moe.seq_aux_begin')
+    box = { alpha = opts.alpha, choice = opts.choice or 'routing', per_sequence = opts.per_sequence ~= false,
+            scale = opts.scale, values = {}, done = setmetatable({}, { __mode = 'k' }) }
+  end
+  for _, m in ipairs(layers) do rawset(m, '_seq_aux', box) end
+  return box
+end
+
+-- moe.seq_aux_value(box) -> the session's value so far (a (1) tensor, the
+-- sum of its layers' terms; no gradient), nil before any layer's forward
+function moe.seq_aux_value(box)
+  local v
+  for _, t in ipairs(box.values) do v = v and v + t or t end
+  return v
+end
+
+-- moe.seq_aux_end(loss, box) -> loss + the session's value (shaped as
+-- loss); its backward's incoming gradient scales the layers' (the
+-- session's loss counts in the objective as loss does)
+function moe.seq_aux_end(loss, box)
+  local v = moe.seq_aux_value(box)
+  if v == nil then error('moe.seq_aux_end: no MoE layer of the session ran a forward', 2) end
+  if v.dtype ~= loss.dtype then v = v:to(loss.dtype) end
+  return SeqAuxAdd(loss, v:reshape(loss.shape), box)
+end
+
 function moe.install(nn, nnf)
   local Expert = expert_class(nn, nnf)
   nn.MoEExpert = Expert
@@ -647,6 +824,9 @@ function moe.install(nn, nnf)
       tp_sum = function(t) return tpm.copy_to(t, tpi.group) end
     end
     local N = x:numel() / H
+    -- (the tokens of a sequence: x (B, T, H) holds B of T; a 2-D x is one
+    -- sequence; the sequence-wise balance loss groups by them)
+    local Tl = x.ndim >= 3 and x.shape[x.ndim - 1] or N
     local x2 = x:reshape({ N, H })
     xe = xe and xe:reshape({ N, H }) or x2
     local probs, ids = self:route(x2)
@@ -658,7 +838,8 @@ function moe.install(nn, nnf)
     local dev = x.device
     local ep = rawget(self, '_ep')
     if ep then
-      local y = self:forward_ep(x2, ids, w, probs, ep)
+      local y = self:forward_ep(x2, ids, w, probs, ep, Tl)
+      y = self:seq_aux(y, probs, ids, Tl)
       if self.shared_name then y = y + self:shared_out(x2) end
       return y:reshape(shape)
     end
@@ -678,8 +859,9 @@ function moe.install(nn, nnf)
     local xs = self:dispatch(xe, w, k, tok, inv, back)
     local ys = Experts(xs, st.rows, self:expert_weights(E))
     local y = self:combine(ys, w, k, tok, inv, back)
+    y = self:seq_aux(y, probs, ids, Tl)
     if shared then y = y + shared end
-    self:record_stats(counts, probs, N)
+    self:record_stats(counts, probs, N, ids, Tl)
     if tpi then return require('moonshard.tp').moe_exit(y, tpi):reshape(shape) end
     return y:reshape(shape)
   end
@@ -716,8 +898,10 @@ function moe.install(nn, nnf)
   end
 
   -- what the load-balancing loss and the routing biases read of a forward
-  function MoE:record_stats(counts, probs, N)
-    rawset(self, '_stats', { counts = counts, probs = probs, n = N })
+  -- (ids (N, k) the experts chosen, Tl the tokens a sequence: what the
+  -- sequence-wise balance loss reads, moe.seq_aux_loss)
+  function MoE:record_stats(counts, probs, N, ids, Tl)
+    rawset(self, '_stats', { counts = counts, probs = probs, n = N, ids = ids, seq = Tl })
     -- (the slots each expert got since the last moe.update_bias, while training)
     if self:routing_bias() ~= nil and A.is_grad_enabled() then
       local acc = rawget(self, '_tokens') or {}
@@ -734,7 +918,7 @@ function moe.install(nn, nnf)
   -- routing weights. (Counting on the device and reading the counts with
   -- the ids in one copy, and uploading the index vectors as one, were both
   -- slower on GPUs: docs/perf-notes.md, twenty-eighth session)
-  function MoE:forward_ep(x2, ids, w, probs, ep)
+  function MoE:forward_ep(x2, ids, w, probs, ep, Tl)
     local N, H, E, k = x2.shape[1], self.dim, self.n_experts, self.top_k
     local P, me, El = ep.size, ep.rank, ep.local_experts
     local dev = x2.device
@@ -778,7 +962,7 @@ function moe.install(nn, nnf)
     local yr = Regroup(yl, bwd, fwd)
     local ys = Exchange(yr, recv, send, ep)
     local y = self:combine(ys, w, k, tok, inv, back)
-    self:record_stats(counts, probs, N)
+    self:record_stats(counts, probs, N, ids, Tl or N)
     return y
   end
 
@@ -794,6 +978,30 @@ function moe.install(nn, nnf)
     return s.counts, s.mean, s.n
   end
   function MoE:clear_stats() rawset(self, '_stats', nil) end
+
+  -- y with this forward's sequence-wise balance loss attached, when a
+  -- session is on (moe.seq_aux_begin: a DeepSeek model's training forward):
+  -- the layer's term joins the session's value once (a checkpointed
+  -- block's recompute adds it no second time), and under grad y comes
+  -- back through a node whose backward gives the router's scores the
+  -- term's gradient, times the gradient the session's loss got
+  -- (moe.seq_aux_end). So the term needs no graph from the forward to the
+  -- loss: activation checkpointing (whose first forward keeps none) and
+  -- released activations take it as they are.
+  function MoE:seq_aux(y, probs, ids, Tl)
+    local box = rawget(self, '_seq_aux')
+    if box == nil then return y end
+    local fresh = not box.done[self]
+    local grad = A.is_grad_enabled() and A.needs_grad(probs)
+    if not fresh and not grad then return y end
+    local t = seq_aux_term(self, probs, ids, Tl, box.alpha, box)
+    if fresh then
+      box.done[self] = true
+      box.values[#box.values + 1] = t.value
+    end
+    if grad then return SeqAuxGrad(y, probs, t.gamma, self.score == 'sigmoid', box) end
+    return y
+  end
 end
 
 -- Balancing without an auxiliary loss (DeepSeek-V3; torchtitan's
@@ -932,6 +1140,43 @@ function moe.aux_loss(layers)
   local fbar = f / total
   local pbar = probs / nl
   return (fbar * pbar):sum():reshape({ 1 }) * E
+end
+
+-- moe.seq_aux_loss(layers, alpha, opts) -> Σ over the layers of their
+-- last forward's sequence-wise balance loss (above: alpha Σ_i f_i P_i a
+-- sequence, averaged over the sequences), a (1)-tensor differentiable
+-- through the scores; nil when no layer has statistics. opts: choice
+-- ('routing' or 'scores'), per_sequence (true). Under context parallelism
+-- (the layers' cp context) the counts and score sums are every rank's of
+-- each sequence: the value is the whole sequences' on every rank, and a
+-- rank's gradient the group's size times its tokens' share (the ranks'
+-- gradients are averaged). Take it between the forward and the backward
+-- (the backward releases the scores under autograd.release_activations);
+-- a model's training loss adds it through seq_aux_begin / seq_aux_end
+-- instead, which activation checkpointing takes too.
+function moe.seq_aux_loss(layers, alpha, opts)
+  check_alpha(alpha, 'moe.seq_aux_loss')
+  opts = opts or {}
+  check_opts(opts, 'moe.seq_aux_loss')
+  local per_seq = opts.per_sequence ~= false
+  local total
+  for _, m in ipairs(layers) do
+    local st = rawget(m, '_stats')
+    if st then
+      if st.probs.storage == nil then
+        error('moe.seq_aux_loss: the last forward\'s router scores were released by its backward '
+          .. '(autograd.release_activations): take the loss between the forward and the backward', 2)
+      end
+      local s = seq_aux_sums(st.probs, aux_ids(m, st.probs, st.ids, opts.choice), st.seq, m.score == 'sigmoid',
+        per_seq, rawget(m, '_cp'))
+      local f = s.c * (s.E / (s.k * s.T))
+      -- (P: every rank's sums, the gradient through this rank's n times)
+      local P = s.n == 1 and s.psum or s.psum * s.n + (s.pg - s.psum:detach() * s.n)
+      local term = (f * P):sum():reshape({ 1 }) * (alpha / (s.B * s.T))
+      total = total and total + term or term
+    end
+  end
+  return total
 end
 
 return moe
