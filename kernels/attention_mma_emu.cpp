@@ -10,25 +10,32 @@
 // mma exchange the lanes' addresses and fragments through the warp, so a
 // wrong fragment index, mask or tile bound shows as a wrong result; cp.async
 // lands only when the issuing thread waits, and shared memory starts as
-// NaNs, so a read before the wait or of an unwritten row shows too. Blocks
+// NaNs, so a read before the wait or of an unwritten row shows too. A
+// wgmma runs when the thread waits for its group, reading shared memory
+// then, its accumulators NaN until then (a product waited for too early, or
+// its registers touched in flight, shows). Blocks
 // run one after another: the wgmma one-pass backward's ordered dq sums stop
 // the run where a block waits for a count its predecessors did not leave.
 // What it cannot see: the hardware's timing (races the barriers do not order
-// on the GPU but the fibers' fixed order hides; a wgmma here reads shared
-// memory when issued, not until its wait; whether the blocks' order could
-// hang when they run at once) and the PTX text itself.
+// on the GPU but the fibers' order hides: --eager and --warps below move
+// that order to the other extreme; whether the blocks' order could hang
+// when they run at once), wgmma.fence's placement, and the PTX text itself.
 //
 // With --gemm it runs the grouped GEMM of kernels/grouped_gemm.cuh instead
 // (its three layouts, bf16 and f32 outputs, beta, empty groups, a plan of
 // two launches) against a double reference.
 //
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
-//   build/attention_mma_emu [--quick] [--reverse] [--gemm]  (exit status 1 on a mismatch)
+//   build/attention_mma_emu [--quick] [--reverse] [--eager] [--warps] [--ovl] [--gemm]
+//                           (exit status 1 on a mismatch)
 // --quick: the launched configurations on 6 shapes (mma at head dims 64,
 // 128 and 192, and q/k 192 with v 128, wgmma at 64, 128, q/k 192 with v 128
 // and, the forward, 192); else 11 shapes, the
 // one-m-tile tilings, (192, 128) with 32-query dk/dv steps and wgmma's
-// 128-key forward too; --reverse: the fibers of a block run in reverse order.
+// 128-key forward too; --reverse: the fibers of a block run in reverse order;
+// --eager: cp.async lands when issued; --warps: each warp runs on to its
+// next block barrier before the next warp starts; --ovl: the overlapped
+// wgmma forward's cases only (MS_ATTENTION_WG_FWD=ovl, ovlq; in every run).
 //
 // bf16 only (f16 differs in op<__half>, the PTX type names and the rounding;
 // the kernels' f16 instantiations are the same code).
