@@ -633,9 +633,52 @@ int wg_fwd_bn(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tenso
     return 0;
 }
 
+// MS_ATTENTION_WG_FWD picks the wgmma forward at q/k 128 or 192 with v 128
+// (other widths ignore it): unset or "base" fwd_kernel (the default);
+// "ovl" fwd_ovl_kernel (attention_wgmma.cuh: FA3's intra-warpgroup overlap,
+// S_t's softmax under P_{t-1}.V_{t-1}); "ovlq" the same with Q's fragments in
+// registers (S = Q.K^T reading only K from shared memory). Read at every
+// call (a scan of the environment, well under a microsecond against a
+// forward's tens), so that a process can switch it through setenv, as
+// spec/gpu_attention_spec.lua and bench/attention.lua do. -1: a value it
+// does not know.
+int wg_fwd_variant() {
+    const char *e = getenv("MS_ATTENTION_WG_FWD");
+    if (!e || !*e || !strcmp(e, "base")) return 0;
+    if (!strcmp(e, "ovl")) return 1;
+    if (!strcmp(e, "ovlq")) return 2;
+    return -1;
+}
+
+template <typename T, int D, int DV, bool QR>
+int wg_fwd_ovl(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
+               float scale, int causal) {
+    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
+    long long Tq = q->sizes[2], Tk = k->sizes[2];
+    size_t smem = wg::fwd_ovl_smem<D, DV>();
+    if (set_smem<T>(wg::fwd_ovl_kernel<T, D, DV, QR>, smem)) return -1;
+    dim3 grid((unsigned)((Tq + 63) / 64), (unsigned)(B * H));
+    wg::fwd_ovl_kernel<T, D, DV, QR><<<grid, 128, smem, ms_cuda_stream_of(q->device_id)>>>(
+        (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
+        (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(v), layout4(out), H,
+        Hkv, Tq, Tk, scale, causal);
+    LAUNCH_CHECK("wg::fwd_ovl_kernel");
+    return 0;
+}
+
 template <typename T>
 int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
            int causal) {
+    const int var = wg_fwd_variant();
+    if (var < 0)
+        return ms_errorf("attention: MS_ATTENTION_WG_FWD=%s: the wgmma forwards are base, ovl and ovlq",
+                         getenv("MS_ATTENTION_WG_FWD"));
+    if (var > 0 && q->sizes[3] == 128)
+        return var == 1 ? wg_fwd_ovl<T, 128, 128, false>(out, lse, q, k, v, scale, causal)
+                        : wg_fwd_ovl<T, 128, 128, true>(out, lse, q, k, v, scale, causal);
+    if (var > 0 && q->sizes[3] == kMmaWideD && v->sizes[3] == kMmaWideDv)
+        return var == 1 ? wg_fwd_ovl<T, kMmaWideD, kMmaWideDv, false>(out, lse, q, k, v, scale, causal)
+                        : wg_fwd_ovl<T, kMmaWideD, kMmaWideDv, true>(out, lse, q, k, v, scale, causal);
     if (q->sizes[3] == 128) return wg_fwd_bn<T, 64, 128>(out, lse, q, k, v, scale, causal);
     if (q->sizes[3] == kMmaWideD)
         return v->sizes[3] == kMmaWideDv ? wg_fwd_bn<T, 64, kMmaWideD, kMmaWideDv>(out, lse, q, k, v, scale, causal)

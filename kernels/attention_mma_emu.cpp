@@ -10,25 +10,32 @@
 // mma exchange the lanes' addresses and fragments through the warp, so a
 // wrong fragment index, mask or tile bound shows as a wrong result; cp.async
 // lands only when the issuing thread waits, and shared memory starts as
-// NaNs, so a read before the wait or of an unwritten row shows too. Blocks
+// NaNs, so a read before the wait or of an unwritten row shows too. A
+// wgmma runs when the thread waits for its group, reading shared memory
+// then, its accumulators NaN until then (a product waited for too early, or
+// its registers touched in flight, shows). Blocks
 // run one after another: the wgmma one-pass backward's ordered dq sums stop
 // the run where a block waits for a count its predecessors did not leave.
 // What it cannot see: the hardware's timing (races the barriers do not order
-// on the GPU but the fibers' fixed order hides; a wgmma here reads shared
-// memory when issued, not until its wait; whether the blocks' order could
-// hang when they run at once) and the PTX text itself.
+// on the GPU but the fibers' order hides: --eager and --warps below move
+// that order to the other extreme; whether the blocks' order could hang
+// when they run at once), wgmma.fence's placement, and the PTX text itself.
 //
 // With --gemm it runs the grouped GEMM of kernels/grouped_gemm.cuh instead
 // (its three layouts, bf16 and f32 outputs, beta, empty groups, a plan of
 // two launches) against a double reference.
 //
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
-//   build/attention_mma_emu [--quick] [--reverse] [--gemm]  (exit status 1 on a mismatch)
+//   build/attention_mma_emu [--quick] [--reverse] [--eager] [--warps] [--ovl] [--gemm]
+//                           (exit status 1 on a mismatch)
 // --quick: the launched configurations on 6 shapes (mma at head dims 64,
 // 128 and 192, and q/k 192 with v 128, wgmma at 64, 128, q/k 192 with v 128
 // and, the forward, 192); else 11 shapes, the
 // one-m-tile tilings, (192, 128) with 32-query dk/dv steps and wgmma's
-// 128-key forward too; --reverse: the fibers of a block run in reverse order.
+// 128-key forward too; --reverse: the fibers of a block run in reverse order;
+// --eager: cp.async lands when issued; --warps: each warp runs on to its
+// next block barrier before the next warp starts; --ovl: the overlapped
+// wgmma forward's cases only (MS_ATTENTION_WG_FWD=ovl, ovlq; in every run).
 //
 // bf16 only (f16 differs in op<__half>, the PTX type names and the rounding;
 // the kernels' f16 instantiations are the same code).
@@ -87,6 +94,12 @@ static bool fiber_done[kThreads];
 static int cur;
 static long progress;
 static bool reverse_order;
+// --warps: each warp in turn runs until it blocks on a block barrier (by
+// default the fibers take turns at every warp collective too, so the warps
+// keep step): a block barrier missing between one warp's write and another's
+// read (a buffer refilled while another warp's product in flight reads it)
+// shows
+static bool warp_major;
 static std::function<void()> kernel_body;
 static void yield_fiber() { swapcontext(&fiber_ctx[cur], &sched_ctx); }
 struct barrier {
@@ -173,10 +186,19 @@ struct pending_copy {
 };
 static std::vector<pending_copy> pending[kThreads];
 static int committed[kThreads];
+// --eager: a copy lands when issued (as early as the hardware may; by default
+// as late, at the wait): a buffer refilled while a product in flight or
+// another thread still reads it shows
+static bool eager_copies;
 static void cp_async16(void *dst, const void *src, bool pred) {
     if (((uintptr_t)dst & 15) || ((uintptr_t)src & 15)) {
         printf("cp.async: unaligned address\n");
         exit(1);
+    }
+    if (eager_copies) {
+        if (pred) memcpy(dst, src, 16);
+        else memset(dst, 0, 16);
+        return;
     }
     pending[threadIdx.x].push_back({dst, src, pred, committed[threadIdx.x]});
 }
@@ -244,9 +266,77 @@ template <> struct op<__nv_bfloat16> {
 // at head dim 128: two 64-wide atoms along N, LBO apart), and the byte
 // address then swizzled: bits 4-6 XOR bits 7-9.
 namespace wg {
+// wgmma is asynchronous: a product issued by mma_* is queued in the thread's
+// open group (commit closes it) and runs when the thread waits for its group
+// (wait<N>: all but the N most recent committed groups), reading shared
+// memory then, as late as the hardware may. Its accumulators read NaN from
+// issue to completion (the hardware leaves them undefined), and a write to
+// them or to its A fragment registers in between fails the run: a product
+// waited for too early (wait<1> for the wrong group, a missing commit) or
+// a buffer overwritten under a product in flight shows as a wrong result.
+// Products queued on the same accumulators chain in issue order.
+struct wg_pending {
+    int group;
+    float *d;
+    int n, acc;
+    bool chained;            // d's input is the result of an earlier queued product
+    std::vector<float> in;   // d at issue (not chained)
+    std::function<float(int, int)> A, B;
+    const unsigned *areg;    // RS: the A fragment registers, as at issue
+    unsigned asnap[4];
+};
+static std::vector<wg_pending> wg_queue[kThreads];
+static int wg_committed[kThreads];
+static const uint32_t kInFlight = 0x7fc0dead;  // a NaN: an accumulator of a product in flight
+static bool in_flight(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u == kInFlight;
+}
 static void fence() {}
-static void commit() {}
-template <int N> static void wait() {}
+static void commit() { wg_committed[threadIdx.x]++; }
+// run the thread's queued products of groups before `upto`
+static void wg_run(int upto) {
+    const int t = threadIdx.x, w = t / 32, lane = t % 32, g = lane >> 2, q = lane & 3;
+    std::vector<wg_pending> &Q = wg_queue[t];
+    size_t i = 0;
+    for (; i < Q.size() && Q[i].group < upto; i++) {
+        wg_pending &p = Q[i];
+        for (int e = 0; e < p.n; e++)
+            if (!in_flight(p.d[e])) {
+                printf("wgmma: thread %d wrote accumulator %d of a product in flight (block %u, %u)\n", t, e,
+                       blockIdx.x, blockIdx.y);
+                exit(1);
+            }
+        if (p.areg && memcmp(p.areg, p.asnap, sizeof p.asnap)) {
+            printf("wgmma: thread %d wrote the A fragment registers of a product in flight\n", t);
+            exit(1);
+        }
+        if (p.chained) {
+            printf("wgmma: a chained product without its input (emulator)\n");
+            exit(1);
+        }
+        std::vector<float> r(p.n);
+        for (int j = 0; j < p.n / 4; j++)
+            for (int e = 0; e < 4; e++) {
+                const int row = w * 16 + g + 8 * (e >> 1), col = 8 * j + 2 * q + (e & 1);
+                float s = 0;
+                for (int k = 0; k < 16; k++) s += p.A(row, k) * p.B(k, col);
+                r[4 * j + e] = (p.acc ? p.in[4 * j + e] : 0.f) + s;
+            }
+        // the next product queued on these accumulators takes r as its input
+        bool handed = false;
+        for (size_t j = i + 1; j < Q.size() && !handed; j++)
+            if (Q[j].d == p.d && Q[j].chained) {
+                Q[j].in = r;
+                Q[j].chained = false;
+                handed = true;
+            }
+        if (!handed) memcpy(p.d, r.data(), sizeof(float) * p.n);
+    }
+    Q.erase(Q.begin(), Q.begin() + i);
+}
+template <int N> static void wait() { wg_run(wg_committed[threadIdx.x] - N); }
 static void fence_proxy() {}
 template <int N> static void pin(float *) {}
 template <int N> static void pin_u(unsigned *) {}
@@ -275,46 +365,80 @@ static float sw_at(uint64_t d, int row, int col, bool mn) {
     return bf2f(v);
 }
 static unsigned ra_slot[kThreads][4];
-// d (64 x N) (+)= A(row, k) . B(k, col) over k16, element by element: the
-// thread's accumulators (warp w's rows 16w + g (+8), columns 8j + 2q (+1))
-template <int N, typename FA, typename FB> static void mma_k16(float *d, int acc, FA A, FB B) {
-    const int t = threadIdx.x, w = t / 32, lane = t % 32, g = lane >> 2, q = lane & 3;
-    for (int j = 0; j < N / 8; j++)
-        for (int e = 0; e < 4; e++) {
-            const int row = w * 16 + g + 8 * (e >> 1), col = 8 * j + 2 * q + (e & 1);
-            float s = 0;
-            for (int k = 0; k < 16; k++) s += A(row, k) * B(k, col);
-            d[4 * j + e] = (acc ? d[4 * j + e] : 0.f) + s;
+// queue d (64 x N) (+)= A(row, k) . B(k, col) over k16 (the thread's
+// accumulators: warp w's rows 16w + g (+8), columns 8j + 2q (+1)); areg: the
+// A fragment registers of an RS product
+template <int N> static void mma_k16(float *d, int acc, std::function<float(int, int)> A,
+                                     std::function<float(int, int)> B, const unsigned *areg = nullptr) {
+    const int t = threadIdx.x;
+    wg_pending p;
+    p.group = wg_committed[t];
+    p.d = d;
+    p.n = N / 2;
+    p.acc = acc;
+    p.chained = false;
+    for (const wg_pending &o : wg_queue[t]) {
+        const bool overlap = o.d < d + p.n && d < o.d + o.n;
+        if (overlap && (o.d != d || o.n != p.n)) {
+            printf("wgmma: products in flight on overlapping accumulators of different shapes\n");
+            exit(1);
         }
+        p.chained = p.chained || overlap;
+    }
+    if (!p.chained) p.in.assign(d, d + p.n);
+    p.A = A;
+    p.B = B;
+    p.areg = areg;
+    if (areg) memcpy(p.asnap, areg, sizeof p.asnap);
+    for (int e = 0; e < p.n; e++) memcpy(&d[e], &kInFlight, 4);
+    wg_queue[t].push_back(p);
 }
 // d (64 x N) (+)= A . B, k16: A (64 x 16) and B (N x 16) K-major
 template <typename T, int N> static void mma_ss(float *d, uint64_t a, uint64_t b, int acc) {
-    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, m, k, false); },
-               [&](int k, int n) { return sw_at(b, n, k, false); });
+    mma_k16<N>(d, acc, [=](int m, int k) { return sw_at(a, m, k, false); },
+               [=](int k, int n) { return sw_at(b, n, k, false); });
+}
+// the A fragment values of the warpgroup's registers (warp w's m16k16
+// fragment of rows 16w..) this thread's accumulator rows need, taken at issue
+static std::function<float(int, int)> reg_a(const unsigned *a) {
+    const int t = threadIdx.x;
+    for (int i = 0; i < 4; i++) ra_slot[t][i] = a[i];
+    __syncthreads();
+    const int r0 = (t / 32) * 16 + (t % 32) / 4;
+    std::vector<float> v(32);
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 16; k++) {
+            const int m = r0 + 8 * h, r = m % 16;
+            const unsigned x = ra_slot[(m / 16) * 32 + (r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
+            v[16 * h + k] = bf2f((uint16_t)(k & 1 ? x >> 16 : x & 0xffff));
+        }
+    __syncthreads();
+    return [v, r0](int m, int k) {
+        if (m != r0 && m != r0 + 8) {
+            printf("wgmma: a row outside the thread's accumulators (emulator)\n");
+            exit(1);
+        }
+        return v[16 * (m != r0) + k];
+    };
 }
 // d (64 x N) (+)= A . B, k16: A from the warpgroup's registers (warp w's
 // m16k16 fragment of rows 16w..), B (16 x N) MN-major
 template <typename T, int N> static void mma_rs_t(float *d, const unsigned *a, uint64_t b, int acc) {
-    const int t = threadIdx.x;
-    for (int i = 0; i < 4; i++) ra_slot[t][i] = a[i];
-    __syncthreads();
-    auto A = [](int m, int k) {
-        const int r = m % 16;
-        const unsigned x = ra_slot[(m / 16) * 32 + (r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
-        return bf2f((uint16_t)(k & 1 ? x >> 16 : x & 0xffff));
-    };
-    mma_k16<N>(d, acc, A, [&](int k, int n) { return sw_at(b, k, n, true); });
-    __syncthreads();
+    mma_k16<N>(d, acc, reg_a(a), [=](int k, int n) { return sw_at(b, k, n, true); }, a);
+}
+// d (64 x N) (+)= A . B, k16: A from the warpgroup's registers, B (N x 16) K-major
+template <typename T, int N> static void mma_rs(float *d, const unsigned *a, uint64_t b, int acc) {
+    mma_k16<N>(d, acc, reg_a(a), [=](int k, int n) { return sw_at(b, n, k, false); }, a);
 }
 // d (64 x N) (+)= A . B, k16: A (16 x 64, k x m) and B (16 x N) MN-major
 template <typename T, int N> static void mma_ss_tt(float *d, uint64_t a, uint64_t b, int acc) {
-    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, k, m, true); },
-               [&](int k, int n) { return sw_at(b, k, n, true); });
+    mma_k16<N>(d, acc, [=](int m, int k) { return sw_at(a, k, m, true); },
+               [=](int k, int n) { return sw_at(b, k, n, true); });
 }
 // d (64 x N) (+)= A . B, k16: A (64 x 16) K-major and B (16 x N) MN-major
 template <typename T, int N> static void mma_ss_t(float *d, uint64_t a, uint64_t b, int acc) {
-    mma_k16<N>(d, acc, [&](int m, int k) { return sw_at(a, m, k, false); },
-               [&](int k, int n) { return sw_at(b, k, n, true); });
+    mma_k16<N>(d, acc, [=](int m, int k) { return sw_at(a, m, k, false); },
+               [=](int k, int n) { return sw_at(b, k, n, true); });
 }
 // the one-pass backward's order between blocks (global memory): the blocks
 // run one after another in the order of their tickets, so a block's turn
@@ -361,16 +485,29 @@ static void launch(unsigned gx, unsigned gy, std::function<void()> body) {
                 makecontext(&fiber_ctx[t], trampoline, 0);
                 fiber_done[t] = false;
             }
-            for (;;) {
-                long p = progress;
-                bool all = true;
-                for (int i = 0; i < kThreads; i++) {
+            // one sweep over fibers [t0, t1): each runs to its next barrier or collective
+            auto sweep = [&](int t0, int t1, bool &all) {
+                for (int i = t0; i < t1; i++) {
                     int t = reverse_order ? kThreads - 1 - i : i;
                     if (fiber_done[t]) continue;
                     all = false;
                     cur = t;
                     threadIdx = {(unsigned)t, 0, 0};
                     swapcontext(&sched_ctx, &fiber_ctx[t]);
+                }
+            };
+            for (;;) {
+                long p = progress;
+                bool all = true;
+                if (warp_major) {
+                    // a warp runs as far as it can (to a block barrier) before the next starts
+                    for (int w = 0; w < kThreads / 32; w++)
+                        for (long q = -1; q != progress;) {
+                            q = progress;
+                            sweep(32 * w, 32 * w + 32, all);
+                        }
+                } else {
+                    sweep(0, kThreads, all);
                 }
                 if (all) break;
                 if (p == progress) {
@@ -379,8 +516,8 @@ static void launch(unsigned gx, unsigned gy, std::function<void()> body) {
                 }
             }
             for (int t = 0; t < kThreads; t++)
-                if (!mma::pending[t].empty()) {
-                    printf("cp.async never waited for (thread %d)\n", t);
+                if (!mma::pending[t].empty() || !wg::wg_queue[t].empty()) {
+                    printf("%s never waited for (thread %d)\n", mma::pending[t].empty() ? "wgmma" : "cp.async", t);
                     exit(1);
                 }
         }
@@ -417,7 +554,10 @@ struct errsum {
 // sharp > 0: q times 1 + sharp and key t times 1 + sharp*t/64, so that the
 // rows' maxima climb by far more than the forward's kStale from tile to tile
 // (its O rescaling runs, and is skipped, within one row)
-template <int D, int DV, int MT, int BQ, int KMT, int QMT, bool WG = false>
+// FWD (wgmma): 0 the forward as launched by default (fwd_kernel); 1, 2
+// fwd_ovl_kernel (MS_ATTENTION_WG_FWD=ovl, ovlq: Q's fragments in
+// registers), the forward only (out and lse; the backward is the same code)
+template <int D, int DV, int MT, int BQ, int KMT, int QMT, bool WG = false, int FWD = 0>
 static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bthd, unsigned seed,
                     float sharp = 0.f) {
     std::mt19937 rng(seed);
@@ -438,11 +578,18 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     const float scale = 1.f / sqrtf((float)D);
     std::vector<float> lse((size_t)B * H * Tq, NAN), delta((size_t)B * H * Tq);
     // the wgmma backward (WGB), else the mma one (at D = DV = 192 with WG: config<192>'s tiles)
+    constexpr bool BWD = FWD == 0;   // the backward too
     constexpr bool WGB = WG && !(D == 192 && DV == 192);
     typedef mma::config<D, DV> CB;
     constexpr bool MB = WG && !WGB;   // the mma backward of a wgmma forward
     constexpr int mBQ = MB ? CB::dkdv_bq : BQ, mKMT = MB ? CB::dkdv_mt : KMT, mQMT = MB ? CB::dq_mt : QMT;
-    if constexpr (WG) {
+    if constexpr (FWD > 0) {
+        static_assert(WG && (D == 128 || D == 192) && DV == 128, "fwd_ovl_kernel: q/k 128 or 192, v 128");
+        launch((Tq + 63) / 64, B * H, [&] {
+            wg::fwd_ovl_kernel<bf, D, DV, FWD == 2>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l,
+                                                   o.l, H, Hkv, Tq, Tk, scale, causal);
+        });
+    } else if constexpr (WG) {
         static_assert(((D == 64 || D == 128) && DV == D) || (D == 192 && (DV == 128 || DV == 192)),
                       "wgmma kernels: head dim 64 or 128, or q/k 192 with v 128 or 192");
         launch((Tq + 63) / 64, B * H, [&] {
@@ -516,7 +663,8 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     // reading it
     std::vector<float> dfused((size_t)B * H * Tq, NAN);
     errsum edelta, edq0;
-    if constexpr (WGB) {
+    if constexpr (!BWD) {
+    } else if constexpr (WGB) {
         launch((Tq + 63) / 64, B * H, [&] {
             wg::dq_kernel<bf, D, DV>(dq.data(), q.data(), k.data(), v.data(), g.data(), lse.data(), nullptr, q.l, k.l, v.l,
                               g.l, dq.l, H, Hkv, Tq, Tk, scale, causal, pq.data(), o.data(), o.l, dfused.data());
@@ -555,7 +703,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     // key block 0 writes before anyone reads), only where attention.cu runs it
     tensor4 dq1(B, H, Tq, D, bthd);
     for (auto &e : dq1.v) e.x = 0x7fc0;
-    const bool wg1 = WG && D == 64 && causal && Tk >= Tq;   // where attention.cu runs the one pass
+    const bool wg1 = WG && BWD && D == 64 && causal && Tk >= Tq;   // where attention.cu runs the one pass
     if (wg1) {
         std::fill(dqacc.begin(), dqacc.end(), NAN);
         std::vector<int> sem((size_t)(1 + B * H * tq), 0);
@@ -586,8 +734,8 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
                 for (int d = 0; d < DV; d++)
                     edv1.add(dv1.get(b, h, j, d), rdv[(((size_t)b * Hkv + h) * Tk + j) * DV + d]);
             }
-    dq_err(dq, edq);
-    for (int b = 0; b < B; b++)
+    if (BWD) dq_err(dq, edq);
+    for (int b = 0; b < B && BWD; b++)
         for (int h = 0; h < Hkv; h++)
             for (int j = 0; j < Tk; j++) {
                 for (int d = 0; d < D; d++) edk.add(dk.get(b, h, j, d), rdk[(((size_t)b * Hkv + h) * Tk + j) * D + d]);
@@ -596,7 +744,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     // the partial rows summed (as attention.cu's part_colsum_kernel) against
     // the column sums of the stored dq, dk, dv
     errsum esum;
-    if (WGB) {
+    if (WGB && BWD) {
         // p's rows from element base on, heads x cols each
         auto check_sums = [&](const std::vector<float> &p, long long base, long long rows, int heads, int cols,
                               tensor4 &t, int Tn) {
@@ -616,14 +764,19 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     }
     // bf16 bounds as spec/gpu_attention_spec.lua; NaN fails every comparison
     const double r[8] = {eo.rel(), el.rel(), edq.rel(), edk.rel(), edv.rel(), edq1.rel(), edk1.rel(), edv1.rel()};
-    bool ok = lse_inf_ok && (!WGB || (esum.rel() <= 1e-5 && edelta.rel() <= 1e-5 && edq0.rel() <= 1e-2));
+    bool ok = lse_inf_ok && (!WGB || !BWD || (esum.rel() <= 1e-5 && edelta.rel() <= 1e-5 && edq0.rel() <= 1e-2));
     for (int i = 0; i < 8; i++) ok = ok && r[i] <= (i == 1 ? 1e-5 : 1e-2);
     char dims[32];
     if (DV == D) snprintf(dims, sizeof dims, "D=%d", D);
     else snprintf(dims, sizeof dims, "D=%d Dv=%d", D, DV);
-    printf("%s %s %s [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s%s: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e",
-           ok ? "ok  " : "FAIL", WG ? "wgmma" : "mma  ", dims, MT, mBQ, mKMT, mQMT, B, H, Hkv, Tq, Tk,
-           causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "", sharp > 0 ? " sharp" : "", r[0], r[1], r[2], r[3], r[4]);
+    printf("%s %s %s [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s%s: out %.1e lse %.1e",
+           ok ? "ok  " : "FAIL", FWD == 1 ? "wgmma ovl" : FWD == 2 ? "wgmma ovlq" : WG ? "wgmma" : "mma  ", dims, MT, mBQ, mKMT, mQMT, B, H, Hkv, Tq, Tk,
+           causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "", sharp > 0 ? " sharp" : "", r[0], r[1]);
+    if (!BWD) {
+        printf("; the forward only\n");
+        return ok ? 0 : 1;
+    }
+    printf(" dq %.1e dk %.1e dv %.1e", r[2], r[3], r[4]);
     if (WGB) printf("; column sums %.1e; Delta in dq %.1e (Delta read: dq %.1e)", esum.rel(), edelta.rel(), edq0.rel());
     if (!WG || wg1) printf("; one pass dq %.1e dk %.1e dv %.1e\n", r[5], r[6], r[7]);
     else printf("; one pass: not run (not causal, Tk < Tq, or D > 64)%s\n",
@@ -734,13 +887,16 @@ template <int KIND> static int run_gg_cases(unsigned seed) {
 static int run_gg_cases() { return run_gg_cases<0>(100) + run_gg_cases<3>(200) + run_gg_cases<4>(300); }  // (3 stages: kept working for tuning)
 
 int main(int argc, char **argv) {
-    bool quick = false, gemm = false;
+    bool quick = false, gemm = false, ovl_only = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--reverse")) reverse_order = true;
         else if (!strcmp(argv[i], "--gemm")) gemm = true;
+        else if (!strcmp(argv[i], "--eager")) mma::eager_copies = true;
+        else if (!strcmp(argv[i], "--ovl")) ovl_only = true;
+        else if (!strcmp(argv[i], "--warps")) warp_major = true;
         else {
-            fprintf(stderr, "usage: %s [--quick] [--reverse] [--gemm]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--reverse] [--eager] [--warps] [--ovl] [--gemm]\n", argv[0]);
             return 2;
         }
     }
@@ -761,43 +917,54 @@ int main(int argc, char **argv) {
         {1, 1, 1, 256, 256, true, false, false},
     };
     int bad = 0;
-    unsigned seed = 1;
+    unsigned seed = 1, oseed = 5000;   // (oseed: the cases added later; the others keep their data)
     for (auto &c : cases) {
         if (quick && !c.in_quick) continue;
-        // the configurations attention.cu launches ...
-        typedef mma::config<64> C64;
-        typedef mma::config<128> C128;
-        bad += run_case<64, 64, C64::fwd_mt, C64::dkdv_bq, C64::dkdv_mt, C64::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
-                                                                                     c.causal, c.bthd, seed++);
-        bad += run_case<128, 128, C128::fwd_mt, C128::dkdv_bq, C128::dkdv_mt, C128::dq_mt>(c.B, c.H, c.Hkv, c.Tq,
-                                                                                            c.Tk, c.causal, c.bthd,
-                                                                                            seed++);
-        typedef mma::config<192> C192;   // (DeepSeek-V3's q/k heads)
-        bad += run_case<192, 192, C192::fwd_mt, C192::dkdv_bq, C192::dkdv_mt, C192::dq_mt>(c.B, c.H, c.Hkv, c.Tq,
-                                                                                            c.Tk, c.causal, c.bthd,
-                                                                                            seed++);
-        typedef mma::config<192, 128> CMla;   // (DeepSeek-V3's MLA: q/k 192, v 128)
-        bad += run_case<192, 128, CMla::fwd_mt, CMla::dkdv_bq, CMla::dkdv_mt, CMla::dq_mt>(c.B, c.H, c.Hkv, c.Tq,
-                                                                                            c.Tk, c.causal, c.bthd,
-                                                                                            seed++);
-        // ... and the other tilings (one m-tile a warp, 64-query dk/dv steps; MLA's with
-        // 32-query steps), kept working for tuning
-        if (!quick) bad += run_case<64, 64, 1, 64, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
-        if (!quick) bad += run_case<192, 128, 1, 32, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
-        // the wgmma kernels (64-key forward tiles as launched; 128 kept for tuning)
-        bad += run_case<64, 64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
-        bad += run_case<64, 64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
-        if (!quick) bad += run_case<64, 64, 128, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
-        // ... and at head dim 128 (64-key forward tiles, as launched)
-        bad += run_case<128, 128, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
-        bad += run_case<128, 128, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
-        // ... and at q/k 192 with v 128 (DeepSeek's MLA; 32-query dk/dv steps) and
-        // v 192 (the forward; its backward on the mma kernels), as launched
         constexpr int BQ192 = wg::dkdv_bq<192>();
-        bad += run_case<192, 128, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
-        bad += run_case<192, 128, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
-        bad += run_case<192, 192, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
-        bad += run_case<192, 192, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
+        if (!ovl_only) {
+            // the configurations attention.cu launches ...
+            typedef mma::config<64> C64;
+            typedef mma::config<128> C128;
+            bad += run_case<64, 64, C64::fwd_mt, C64::dkdv_bq, C64::dkdv_mt, C64::dq_mt>(c.B, c.H, c.Hkv, c.Tq, c.Tk,
+                                                                                         c.causal, c.bthd, seed++);
+            bad += run_case<128, 128, C128::fwd_mt, C128::dkdv_bq, C128::dkdv_mt, C128::dq_mt>(c.B, c.H, c.Hkv, c.Tq,
+                                                                                                c.Tk, c.causal, c.bthd,
+                                                                                                seed++);
+            typedef mma::config<192> C192;   // (DeepSeek-V3's q/k heads)
+            bad += run_case<192, 192, C192::fwd_mt, C192::dkdv_bq, C192::dkdv_mt, C192::dq_mt>(c.B, c.H, c.Hkv, c.Tq,
+                                                                                                c.Tk, c.causal, c.bthd,
+                                                                                                seed++);
+            typedef mma::config<192, 128> CMla;   // (DeepSeek-V3's MLA: q/k 192, v 128)
+            bad += run_case<192, 128, CMla::fwd_mt, CMla::dkdv_bq, CMla::dkdv_mt, CMla::dq_mt>(c.B, c.H, c.Hkv, c.Tq,
+                                                                                                c.Tk, c.causal, c.bthd,
+                                                                                                seed++);
+            // ... and the other tilings (one m-tile a warp, 64-query dk/dv steps; MLA's with
+            // 32-query steps), kept working for tuning
+            if (!quick) bad += run_case<64, 64, 1, 64, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+            if (!quick) bad += run_case<192, 128, 1, 32, 1, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+            // the wgmma kernels (64-key forward tiles as launched; 128 kept for tuning)
+            bad += run_case<64, 64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+            bad += run_case<64, 64, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
+            if (!quick) bad += run_case<64, 64, 128, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+            // ... and at head dim 128 (64-key forward tiles, as launched)
+            bad += run_case<128, 128, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+            bad += run_case<128, 128, 64, 64, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
+            // ... and at q/k 192 with v 128 (DeepSeek's MLA; 32-query dk/dv steps) and
+            // v 192 (the forward; its backward on the mma kernels), as launched
+            bad += run_case<192, 128, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+            bad += run_case<192, 128, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
+            bad += run_case<192, 192, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++);
+            bad += run_case<192, 192, 64, BQ192, 1, 1, true>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, seed++, 3.f);
+        }
+        // ... and the overlapped forward (MS_ATTENTION_WG_FWD=ovl, ovlq) at 128 and (192, 128)
+        bad += run_case<128, 128, 64, 64, 1, 1, true, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++);
+        bad += run_case<128, 128, 64, 64, 1, 1, true, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++, 3.f);
+        bad += run_case<128, 128, 64, 64, 1, 1, true, 2>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++);
+        bad += run_case<128, 128, 64, 64, 1, 1, true, 2>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++, 3.f);
+        bad += run_case<192, 128, 64, BQ192, 1, 1, true, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++);
+        bad += run_case<192, 128, 64, BQ192, 1, 1, true, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++, 3.f);
+        bad += run_case<192, 128, 64, BQ192, 1, 1, true, 2>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++);
+        bad += run_case<192, 128, 64, BQ192, 1, 1, true, 2>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++, 3.f);
     }
     printf("%d failed\n", bad);
     return bad != 0;

@@ -208,6 +208,67 @@ __device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long 
 // rounded to bf16/f16 as any p is
 constexpr float kStale = 8.f;
 
+// The online softmax of one BN-key tile of scores s (this thread's
+// accumulators of rows row0 and row0 + 8), in place: on an edge tile
+// (past Tk, or causal past the diagonal) the masked scores to -inf; the row
+// max taken over the raw scores and scaled after (sl = scale * log2 e > 0:
+// attention.cu sends other scales to the mma.sync kernel), so each p is one
+// FFMA and an ex2, scale and shift rounded once; s <- p = 2^(s sl - m), l <-
+// l alpha + rowsum(p), alpha: O's rescale for each row.
+template <int BN>
+__device__ __forceinline__ void softmax_tile(float *s, float m[2], float l[2], float alpha[2], long long j0,
+                                             long long Tk, long long row0, long long off, int causal, bool edge,
+                                             float sl, int t4) {
+    constexpr int NS = BN / 8;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int cmax = (int)min((long long)BN, Tk - j0) - 1;  // the last key column row r sees (-1: none)
+        if (causal) cmax = (int)min((long long)cmax, max(-1ll, row0 + 8 * r + off - j0));
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < NS; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float x = s[4 * n + 2 * r + e];
+                if (edge && n * 8 + 2 * t4 + e > cmax) x = -INFINITY;
+                s[4 * n + 2 * r + e] = x;
+                mx = fmaxf(mx, x);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx *= sl;
+        // the running max moves only when the tile's exceeds it by more
+        // than kStale (p <= 2^kStale until then; the row's 4 threads
+        // agree): O's rescale is then skipped by whole warps (rescale)
+        const float mnew = mx > m[r] + kStale ? mx : m[r];
+        const float mu = mnew == -INFINITY ? 0.f : mnew;  // a row with no key yet: p = 0
+        alpha[r] = mnew == m[r] ? 1.f : mma::fast_exp2(m[r] - mu);
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NS; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float p = mma::fast_exp2(fmaf(s[4 * n + 2 * r + e], sl, -mu));
+                s[4 * n + 2 * r + e] = p;
+                sum += p;
+            }
+        l[r] = l[r] * alpha[r] + sum;
+        m[r] = mnew;
+    }
+}
+
+// O (64 x DV accumulators, this thread's rows row0, row0 + 8) times alpha,
+// skipped by warps whose rows all kept their max
+template <int DV>
+__device__ __forceinline__ void rescale(float *o, const float alpha[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < DV / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[4 * n + e] *= alpha[e >> 1];
+    }
+}
+
 // D = 128: 64 registers of O a thread (and 32 of S at BN = 64); Q, K, V
 // tiles of 256-byte rows (two 64-column sub-tiles each): 81 KB, 2 blocks an
 // SM (docs/perf-notes.md, "wgmma attention at D = 128"). D = 192, DV = 128:
@@ -225,7 +286,7 @@ template <typename T, int BN, int D = 64, int DV = D>
 __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
                                                   qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo, int H,
                                                   int Hkv, long long Tq, long long Tk, float scale, int causal) {
-    constexpr int NS = BN / 8, NA = BN / 16, NK = D / 16, NO = DV / 2;  // NO: O's accumulators a thread
+    constexpr int NA = BN / 16, NK = D / 16, NO = DV / 2;  // NO: O's accumulators a thread
     constexpr bool V1 = fwd_v1<D, DV>;
     WG_SMEM;
     unsigned char *sm = align1024(wg_smem);
@@ -277,52 +338,11 @@ __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_ker
         pin<BN / 2>(s);
 
         // online softmax in the exp2 domain; masks only on edge/diagonal
-        // tiles. The row max is taken over the raw scores and scaled after
-        // (sl > 0: attention.cu sends other scales to the mma.sync kernel),
-        // so each p is one FFMA and an ex2, scale and shift rounded once.
+        // tiles
         const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + off);
         float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            int cmax = (int)min((long long)BN, Tk - j0) - 1;  // the last key column row r sees (-1: none)
-            if (causal) cmax = (int)min((long long)cmax, max(-1ll, row0 + 8 * r + off - j0));
-            float mx = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < NS; n++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float x = s[4 * n + 2 * r + e];
-                    if (edge && n * 8 + 2 * t4 + e > cmax) x = -INFINITY;
-                    s[4 * n + 2 * r + e] = x;
-                    mx = fmaxf(mx, x);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            mx *= sl;
-            // the running max moves only when the tile's exceeds it by more
-            // than kStale (p <= 2^kStale until then; the row's 4 threads
-            // agree): O's rescale is then skipped by whole warps (below)
-            const float mnew = mx > m[r] + kStale ? mx : m[r];
-            const float mu = mnew == -INFINITY ? 0.f : mnew;  // a row with no key yet: p = 0
-            alpha[r] = mnew == m[r] ? 1.f : mma::fast_exp2(m[r] - mu);
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < NS; n++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float p = mma::fast_exp2(fmaf(s[4 * n + 2 * r + e], sl, -mu));
-                    s[4 * n + 2 * r + e] = p;
-                    sum += p;
-                }
-            l[r] = l[r] * alpha[r] + sum;
-            m[r] = mnew;
-        }
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-            for (int n = 0; n < DV / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) o[4 * n + e] *= alpha[e >> 1];
-        }
+        softmax_tile<BN>(s, m, l, alpha, j0, Tk, row0, off, causal, edge, sl, t4);
+        rescale<DV>(o, alpha);
 
         // O += P V, P from the S registers
         unsigned pa[NA][4];
@@ -350,6 +370,159 @@ __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_ker
 
     mma::cp_async_wait_all();
     __syncthreads();  // K/V buffers free for the output
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lt = l[r];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        inv[r] = lt > 0.f ? 1.f / lt : 0.f;
+        const long long i = row0 + 8 * r;
+        if (t4 == 0 && i < Tq)
+            lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
+    }
+    store_acc<T, DV>(out, lo, b, h, i0, Tq, Ks, o, inv[0], inv[1]);
+}
+
+// ------------------------------------------- forward, overlapped (opt-in)
+// MS_ATTENTION_WG_FWD=ovl|ovlq (attention.cu): FA3's intra-warpgroup
+// overlap at q/k 128 or 192 with v 128. Step t issues S_t = Q.K_t^T and then
+// O += P_{t-1}.V_{t-1} as two commit groups, waits for the first only
+// (wait_group 1), and runs S_t's softmax while P_{t-1}.V_{t-1} is on the
+// tensor cores; then waits for it, rescales O by S_t's alpha and turns S_t
+// into P_t's A fragments. (fwd_kernel runs the two products and the softmax
+// one after another, and leaves the overlap to the other blocks of the SM.)
+// The schedule of step t, after a barrier (every wgmma of step t-1 done):
+// K_{t+1} into K's other buffer (S_{t-1}'s), V_t into V's buffer t & 1
+// (P_{t-2}.V_{t-2}'s), one cp.async group; then K_t and V_{t-1}, the group
+// of step t-1, waited for. The last P.V after the loop. QR (ovlq): Q's A
+// fragments in registers (NK x 4 a thread, loaded once), S = Q.K^T through
+// mma_rs: the product reads only K from shared memory (SS m64n64k16 reads
+// A and B, 4 KB for 32 tensor-core cycles: shared memory's 128 bytes a
+// cycle). Shared memory as fwd_kernel at DV = 128 (81 / 105 KB), 2 blocks
+// an SM; the registers (S and O, P's fragments, QR: Q's) fit 2 blocks.
+template <bool B>
+struct bool_c {
+    static constexpr bool value = B;
+};
+template <int D, int DV>
+size_t fwd_ovl_smem() {
+    return 1024 + (size_t)(64 * D + 2 * 64 * D + 2 * 64 * DV) * 2;
+}
+
+template <typename T, int D, int DV, bool QR>
+__global__ void __launch_bounds__(128, 2) fwd_ovl_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
+                                                         qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo,
+                                                         int H, int Hkv, long long Tq, long long Tk, float scale,
+                                                         int causal) {
+    constexpr int BN = 64, NA = BN / 16, NK = D / 16, NO = DV / 2;
+    static_assert(DV <= 128, "O, S, P and Q's fragments in registers: v at most 128 wide");
+    WG_SMEM;
+    unsigned char *sm = align1024(wg_smem);
+    T *Qs = (T *)sm, *Ks = Qs + 64 * D, *Vs = Ks + 2 * BN * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * 64;  // longest causal rows first
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
+    const long long off = Tk - Tq;
+    const long long kend = causal ? max(0ll, min(Tk, i0 + 64 + off)) : Tk;
+    const int ntiles = (int)((kend + BN - 1) / BN);
+    const float sl = scale * kLog2e;
+    const long long row0 = i0 + warp * 16 + g8;  // this thread's rows row0, row0 + 8
+
+    const sw_src<T, D> ksrc(k, lk, b);
+    const sw_src<T, DV> vsrc(v, lv, b);
+    load_sw<T, 64, D>(Qs, q, lq, b, h, i0, Tq);
+    if (ntiles > 0) ksrc.template load<BN>(Ks, g, 0, Tk, k);
+    mma::cp_async_commit();  // Q, K_0
+    float o[NO], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < NO; i++) o[i] = 0.f;
+    unsigned pa[NA][4];                        // P_{t-1}'s A fragments
+    [[maybe_unused]] unsigned qa[QR ? NK : 1][4];  // QR: Q's
+    [[maybe_unused]] const uint64_t dq = desc(Qs);
+
+    // step t; PV: with P_{t-1}.V_{t-1} (t > 0). The first step is its own
+    // copy, so that the loop's has no branch around a product (ptxas then
+    // keeps O and P's fragments in place across it)
+    auto step = [&](int t, auto pv) {
+        constexpr bool PV = decltype(pv)::value;
+        const int buf = t & 1;
+        __syncthreads();  // every wgmma of step t-1 has completed (S_{t-1}: K buffer buf ^ 1; P_{t-2}.V_{t-2}: V buffer buf)
+        if (t + 1 < ntiles) ksrc.template load<BN>(Ks + (buf ^ 1) * BN * D, g, (long long)(t + 1) * BN, Tk, k);
+        vsrc.template load<BN>(Vs + buf * BN * DV, g, (long long)t * BN, Tk, v);
+        mma::cp_async_commit();  // K_{t+1}, V_t
+        cp_async_wait<1>();      // K_t, V_{t-1} (and Q) landed: this thread's copies ...
+        fence_proxy();
+        __syncthreads();         // ... and everyone's
+        if constexpr (QR && !PV) {
+            // Q's A fragments (warp w's rows 16w + g8, + 8; k16 block kk: columns
+            // 16kk + 2t4, + 8) from the swizzled tile, as a_to_sw stores them
+            const unsigned char *p = (const unsigned char *)Qs;
+            const int r0 = warp * 16 + g8;
+#pragma unroll
+            for (int kk = 0; kk < NK; kk++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int r = r0 + 8 * (i & 1), c = 2 * (kk & 3) + (i >> 1);
+                    qa[kk][i] = *reinterpret_cast<const unsigned *>(p + (kk >> 2) * 64 * 128 + r * 128 +
+                                                                     ((c ^ (r & 7)) << 4) + t4 * 4);
+                }
+        }
+        const long long j0 = (long long)t * BN;
+
+        // S_t = Q K_t^T, then O += P_{t-1} V_{t-1}: two groups
+        float s[BN / 2];
+        fence();
+        const uint64_t dk = desc(Ks + buf * BN * D);
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++) {
+            if constexpr (QR) mma_rs<T, BN>(s, qa[kk], kstep<BN>(dk, kk), kk);
+            else mma_ss<T, BN>(s, kstep<64>(dq, kk), kstep<BN>(dk, kk), kk);
+        }
+        commit();
+        if constexpr (PV) {
+            const uint64_t dv = desc_mn<DV, BN>(Vs + (buf ^ 1) * BN * DV);
+#pragma unroll
+            for (int kk = 0; kk < NA; kk++) mma_rs_t<T, DV>(o, pa[kk], dv + kk * (2048 >> 4), 1);
+            commit();
+            wait<1>();  // S_t (P_{t-1} V_{t-1} may still run)
+        } else {
+            wait<0>();
+        }
+        pin<BN / 2>(s);
+
+        const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0 + off);
+        float alpha[2];
+        softmax_tile<BN>(s, m, l, alpha, j0, Tk, row0, off, causal, edge, sl, t4);
+
+        if constexpr (PV) {
+            wait<0>();  // P_{t-1} V_{t-1}: O and P's fragments free
+            pin<NO>(o);
+            pin_u<NA * 4>(&pa[0][0]);
+        }
+        rescale<DV>(o, alpha);
+#pragma unroll
+        for (int kk = 0; kk < NA; kk++) c_to_a<T>(pa[kk], s, kk);
+    };
+    if (ntiles > 0) step(0, bool_c<false>());
+    for (int t = 1; t < ntiles; t++) step(t, bool_c<true>());
+    mma::cp_async_wait_all();  // V_{ntiles-1}
+    fence_proxy();
+    __syncthreads();
+    if (ntiles > 0) {
+        // O += P_{n-1} V_{n-1}
+        pin<NO>(o);
+        fence();
+        const uint64_t dv = desc_mn<DV, BN>(Vs + ((ntiles - 1) & 1) * BN * DV);
+#pragma unroll
+        for (int kk = 0; kk < NA; kk++) mma_rs_t<T, DV>(o, pa[kk], dv + kk * (2048 >> 4), 1);
+        commit();
+        wait<0>();
+        pin<NO>(o);
+        pin_u<NA * 4>(&pa[0][0]);
+    }
+    // (K's buffers stage the output: free since the barrier above, every
+    // warp's S products waited for)
     float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {

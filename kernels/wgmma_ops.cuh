@@ -76,6 +76,10 @@ __device__ __forceinline__ void mma_ss(float *d, uint64_t a, uint64_t b, int acc
 // fragment), B MN-major from shared memory
 template <typename T, int N>
 __device__ __forceinline__ void mma_rs_t(float *d, const unsigned *a, uint64_t b, int acc);
+// d (64 x N) (+)= A . B over k16, A from registers as mma_rs_t's, B K-major
+// from shared memory (imm-trans-b = 0): S = Q.K^T with Q held in registers
+template <typename T, int N>
+__device__ __forceinline__ void mma_rs(float *d, const unsigned *a, uint64_t b, int acc);
 // d (64 x N) (+)= A . B over k16, both MN-major from shared memory: A's tile
 // is K x M with M (64) along the row (transposed A, imm-trans-a = 1)
 template <typename T, int N>
@@ -92,6 +96,8 @@ template <typename T, int N>
 __device__ __forceinline__ void mma_ss(float *, uint64_t, uint64_t, int) { __trap(); }
 template <typename T, int N>
 __device__ __forceinline__ void mma_rs_t(float *, const unsigned *, uint64_t, int) { __trap(); }
+template <typename T, int N>
+__device__ __forceinline__ void mma_rs(float *, const unsigned *, uint64_t, int) { __trap(); }
 template <typename T, int N>
 __device__ __forceinline__ void mma_ss_tt(float *, uint64_t, uint64_t, int) { __trap(); }
 template <typename T, int N>

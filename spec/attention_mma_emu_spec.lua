@@ -7,7 +7,11 @@
 -- reference at head dims 64, 128 and 192, and q/k 192 with v 128 (DeepSeek's
 -- MLA: v's width its own) (wgmma: 64, 128, q/k 192 with v 128, and the
 -- forward at 192 with its backward on mma, as attention.cu runs them) with tile-straddling
--- lengths, Tq != Tk, GQA, (B, T, H, D) views. The GPU runs the real thing
+-- lengths, Tq != Tk, GQA, (B, T, H, D) views, and the overlapped wgmma
+-- forward (MS_ATTENTION_WG_FWD=ovl, ovlq) at 128 and q/k 192 with v 128. Its
+-- wgmma products run when waited for, reading shared memory then; a run
+-- with --warps --eager lets each warp run ahead to its next block barrier
+-- and cp.async land at once, so a missing barrier or wait shows. The GPU runs the real thing
 -- in spec/gpu_attention_spec.lua (#gpu). The same emulator runs the grouped
 -- GEMM of the experts (kernels/grouped_gemm.cuh, --gemm) against a double
 -- reference; gpu_gemm_grouped_spec.lua runs it on the GPU.
@@ -56,7 +60,7 @@ describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', fun
       pending('no g++')
       return
     end
-    for _, out in ipairs(run({ '--quick', '--quick --reverse' })) do
+    for _, out in ipairs(run({ '--quick', '--quick --reverse', '--quick --warps --eager --reverse' })) do
       -- every quick shape ran the (192, 128) kernels too, forward and backward
       local n = 0
       for _ in out:gmatch('ok   mma   D=192 Dv=128 ') do n = n + 1 end
@@ -74,6 +78,14 @@ describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', fun
       n = 0
       for _ in out:gmatch('ok   wgmma D=192 %[') do n = n + 1 end
       assert.are.equal(12, n, out)
+      -- and the overlapped forward, Q from shared memory (ovl) or registers
+      -- (ovlq), at 128 and at q/k 192 with v 128, plain and with climbing maxima
+      for _, pat in ipairs({ 'ok   wgmma ovl D=128 ', 'ok   wgmma ovlq D=128 ', 'ok   wgmma ovl D=192 Dv=128 ',
+        'ok   wgmma ovlq D=192 Dv=128 ' }) do
+        n = 0
+        for _ in out:gmatch(pat) do n = n + 1 end
+        assert.are.equal(12, n, pat .. '\n' .. out)
+      end
     end
   end)
 

@@ -6,7 +6,9 @@
 -- 128 (DeepSeek-V3's MLA), mma and wgmma only: at 192 wgmma's forward, the
 -- backward on mma), lengths 1 to 1024
 -- across the tile edges, causal or not, Tq != Tk (bottom-right causal, rows
--- that see no key), grouped-query heads and strided (B, T, H, D) views.
+-- that see no key), grouped-query heads and strided (B, T, H, D) views; and
+-- the overlapped wgmma forward (MS_ATTENTION_WG_FWD=ovl, ovlq: wgmma_ovl,
+-- wgmma_ovlq) at head dim 128 and q/k 192 with v 128.
 local ms = require 'moonshard'
 local ffi = require 'ffi'
 local T = require 'moonshard.tensor'
@@ -58,10 +60,19 @@ end
 -- mma1: mma with the one-pass backward (ms_cuda_attention_set_onepass);
 -- wgmma1: wgmma with its one-pass backward (ms_cuda_attention_set_wg_onepass);
 -- wgmma0: wgmma with the delta kernel (ms_cuda_attention_set_fused_delta(0);
--- plain wgmma computes Delta in its dq kernel)
+-- plain wgmma computes Delta in its dq kernel); wgmma_ovl, wgmma_ovlq: wgmma
+-- with MS_ATTENTION_WG_FWD=ovl, ovlq (attention.cu reads it at every call:
+-- the overlapped forward at q/k 128 or 192 with v 128, fwd_kernel elsewhere)
 local impl_ids = { mma = C.MS_ATTENTION_MMA, mma1 = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA,
   simt = C.MS_ATTENTION_SIMT, wgmma = C.MS_ATTENTION_WGMMA, wgmma1 = C.MS_ATTENTION_WGMMA,
-  wgmma0 = C.MS_ATTENTION_WGMMA, auto = C.MS_ATTENTION_AUTO }
+  wgmma0 = C.MS_ATTENTION_WGMMA, wgmma_ovl = C.MS_ATTENTION_WGMMA, wgmma_ovlq = C.MS_ATTENTION_WGMMA,
+  auto = C.MS_ATTENTION_AUTO }
+local wg_fwd_env = { wgmma_ovl = 'ovl', wgmma_ovlq = 'ovlq' }
+pcall(ffi.cdef, 'int setenv(const char *name, const char *value, int overwrite); int unsetenv(const char *name);')
+-- MS_ATTENTION_WG_FWD set to value (nil: unset)
+local function set_wg_fwd(value)
+  if value then ffi.C.setenv('MS_ATTENTION_WG_FWD', value, 1) else ffi.C.unsetenv('MS_ATTENTION_WG_FWD') end
+end
 local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt',
   [C.MS_ATTENTION_WGMMA] = 'wgmma' }
 -- wgmma runs on Hopper (compute capability 9.x) only
@@ -72,7 +83,10 @@ local function with_impl(impl, fn)
   local prev = C.ms_cuda_attention_set_onepass(impl == 'mma1' and 1 or 0)
   local prev_wg = C.ms_cuda_attention_set_wg_onepass(impl == 'wgmma1' and 1 or 0)
   local prev_fd = C.ms_cuda_attention_set_fused_delta(impl == 'wgmma0' and 0 or 1)
+  local prev_fwd = os.getenv('MS_ATTENTION_WG_FWD')
+  if wg_fwd_env[impl] then set_wg_fwd(wg_fwd_env[impl]) end
   local ok, err = pcall(fn)
+  set_wg_fwd(prev_fwd)
   C.ms_cuda_attention_set_fused_delta(prev_fd)
   C.ms_cuda_attention_set_wg_onepass(prev_wg)
   C.ms_cuda_attention_set_onepass(prev)
@@ -91,7 +105,7 @@ local wg_default = wg_dims
 local function expected_impl(impl, dt, D, Dv, backward)
   Dv = Dv or D
   if dt == 'f32' or impl == 'simt' then return 'simt' end
-  local wg = impl == 'wgmma' or impl == 'wgmma1' or impl == 'wgmma0'
+  local wg = impl:match('^wgmma') ~= nil
   if wg and wg_dims(D, Dv, backward) and hopper then return 'wgmma' end
   if wg then impl = 'mma' end
   if (impl == 'mma' or impl == 'mma1') and (D == 64 or D == 128 or D == 192) then return 'mma' end
@@ -189,6 +203,8 @@ local function check_wide(cs, seed)
       check_case(c, dt, ref, 'mma1')
       check_case(c, dt, ref, 'wgmma')
       check_case(c, dt, ref, 'wgmma0')
+      check_case(c, dt, ref, 'wgmma_ovl')
+      check_case(c, dt, ref, 'wgmma_ovlq')
     end
   end
 end
@@ -201,6 +217,11 @@ describe('fused attention on cuda #gpu', function()
         c.causal and ' causal' or '', c.sharp and ' sharp' or '')
       -- f32 runs simt whatever is asked: once, on the shorter cases
       local impls = dt == 'f32' and (c.Tq < 1024 and { 'simt' } or {}) or { 'wgmma', 'wgmma1', 'wgmma0', 'mma', 'mma1', 'wmma', 'simt' }
+      -- (the overlapped forward runs at head dim 128 only here; 192 x 128 in check_wide)
+      if dt ~= 'f32' and c.D == 128 then
+        impls[#impls + 1] = 'wgmma_ovl'
+        impls[#impls + 1] = 'wgmma_ovlq'
+      end
       local ref
       seed = seed + 10
       local case_seed = seed
@@ -213,7 +234,7 @@ describe('fused attention on cuda #gpu', function()
     end
   end
 
-  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'wgmma0', 'mma', 'wmma', 'simt' }) do
+  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'wgmma0', 'wgmma_ovl', 'wgmma_ovlq', 'mma', 'wmma', 'simt' }) do
     it(('transposed (B, T, H, D) views work without copies and give the same result (%s)'):format(impl), function()
       for _, c in ipairs({ { 'f32', 32 }, { 'bf16', 32 }, { 'bf16', 64 }, { 'f16', 128 } }) do
         local dt, D = c[1], c[2]
@@ -272,6 +293,20 @@ describe('fused attention on cuda #gpu', function()
       end
     end)
   end
+
+  it('refuses an MS_ATTENTION_WG_FWD it does not know, naming it, when the wgmma forward runs', function()
+    if not hopper then
+      pending('wgmma runs on compute capability 9.x only')
+      return
+    end
+    local q = ms.randn({ 1, 2, 40, 128 }, { seed = 3, device = 'cuda' }):to('bf16')
+    local prev = os.getenv('MS_ATTENTION_WG_FWD')
+    set_wg_fwd('ovlx')
+    local ok, err = pcall(with_impl, 'wgmma', function() return attention(q, q, q, 0.1, true) end)
+    set_wg_fwd(prev)
+    assert.is_false(ok)
+    assert.matches('MS_ATTENTION_WG_FWD=ovlx: the wgmma forwards are base, ovl and ovlq', tostring(err), 1, true)
+  end)
 
   it('head dim 192 (DeepSeek-V3\'s q/k heads): mma, two-pass and one-pass, and wgmma (its forward) in bf16 and '
     .. 'f16 match the CPU reference across tile edges, causal or not, GQA, Tq ~= Tk, climbing maxima; f32, wmma '
