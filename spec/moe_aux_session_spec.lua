@@ -7,8 +7,8 @@
 -- activations. On two layers and through Mixtral, Qwen3-MoE and Qwen2-MoE
 -- in f64: the value is moe.aux_loss's bit for bit, the unchecked
 -- gradients too, the checkpointed ones within 1e-12; bin/train's
--- checkpointed runs follow the unchecked curve, on one process and under
--- FSDP on two; errors name what is wrong.
+-- checkpointed runs follow the unchecked curve, on one process and on two
+-- (FSDP, expert, context and tensor parallel); errors name what is wrong.
 local ms = require 'moonshard'
 local nn = ms.nn
 local A = ms.autograd
@@ -226,7 +226,7 @@ describe('bin/train with the load-balancing loss, checkpointed', function()
   end
 
   it('mixtral and qwen3_moe: --activation-checkpointing full, 2 and op follow the unchecked curve (1e-9); so '
-    .. 'do two micro-batches a step, and two FSDP ranks', function()
+    .. 'do two micro-batches a step, and two ranks under --fsdp, --ep 2, --cp 2 and --tp 2', function()
     for _, m in ipairs({ 'models/mixtral.lua', 'models/qwen3_moe.lua' }) do
       local tag = m:match('models/(.*)%.lua')
       local one = run(m, '--batch-size 4', dir .. '/' .. tag .. 'one')
@@ -241,8 +241,14 @@ describe('bin/train with the load-balancing loss, checkpointed', function()
     local acc = run(m, '--batch-size 2 --tokens-per-step 64', dir .. '/accum')
     S.close_losses(acc, run(m, '--batch-size 2 --tokens-per-step 64 --activation-checkpointing full',
       dir .. '/accumac'), 1, 5, 'mixtral, two micro-batches, checkpointed', 1e-9)
-    local two = run(m, '--batch-size 2 --fsdp FULL_SHARD', dir .. '/fsdp', 2)
-    S.close_losses(two, run(m, '--batch-size 2 --fsdp FULL_SHARD --activation-checkpointing full', dir .. '/fsdpac', 2),
-      1, 5, 'mixtral --fsdp, checkpointed', 1e-9)
+    -- two ranks (each rank's loss over its own tokens): checkpointed as not, under FSDP, expert, context and
+    -- tensor parallelism (the layer's forward_ep and tp paths)
+    for _, how in ipairs({ '--fsdp FULL_SHARD --batch-size 2', '--ep 2 --batch-size 2', '--cp 2 --batch-size 4',
+      '--tp 2 --batch-size 4' }) do
+      local tag = how:gsub('[^%w]', '')
+      local two = run(m, how, dir .. '/' .. tag, 2)
+      S.close_losses(two, run(m, how .. ' --activation-checkpointing full', dir .. '/' .. tag .. 'ac', 2), 1, 5,
+        'mixtral ' .. how .. ', checkpointed', 1e-9)
+    end
   end)
 end)
