@@ -292,18 +292,14 @@ function Llama:forward(input_ids, targets)
   local cfg = self.config
   local ids, B, Tn = hf.check_ids(input_ids, 'llama', 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
   local box = self:seq_aux_begin(targets)
+  local abox = self:aux_begin(targets)
   local x, pending = self.model(ids, true)
   if targets ~= nil then
     targets = hf.check_targets(targets, B, Tn, 'llama', cfg.vocab_size)
   end
   local out = rawget(self, '_head')(x, pending, targets)
   if box then out = nn.moe.seq_aux_end(out, box) end
-  -- Mixtral with output_router_logits: the loss plus router_aux_loss_coef
-  -- times the load-balancing loss over every layer's tokens (as transformers;
-  -- a family whose transformers model adds none says no_aux_loss: Llama 4)
-  if targets ~= nil and cfg.output_router_logits and not self.family.no_aux_loss then
-    out = out + self:aux_loss(out)
-  end
+  if abox then out = nn.moe.aux_end(out, abox) end
   return out
 end
 
@@ -336,14 +332,19 @@ function Llama:seq_aux_options(with_targets)
   return { alpha = cfg.aux_loss_alpha, choice = choice, per_sequence = cfg.seq_aux ~= false }
 end
 
--- the router's load-balancing loss times router_aux_loss_coef, shaped as
--- the loss `like` (nn.moe.aux_loss over the MoE layers' last forward)
-function Llama:aux_loss(like)
-  local aux = nn.moe.aux_loss(self:moe_layers())
-  if aux == nil then error('llama: no MoE layer ran a forward', 2) end
-  aux = aux * self.config.router_aux_loss_coef
-  if aux.dtype ~= like.dtype then aux = aux:to(like.dtype) end
-  return aux:reshape(like.shape)
+-- Mixtral's and Qwen-MoE's load-balancing loss (output_router_logits;
+-- docs/moe.md): a forward with targets opens a session on the MoE layers
+-- (nn.moe.aux_begin), and the loss adds router_aux_loss_coef times the
+-- loss over every layer's tokens, as transformers (nn.moe.aux_end); any
+-- other forward ends the last one. A family whose transformers model
+-- adds none says no_aux_loss (Llama 4). The session gives a checkpointed
+-- layer its gradient in the recompute. -> the session or nil
+function Llama:aux_begin(targets)
+  local cfg = self.config
+  local on = targets ~= nil and cfg.output_router_logits and not self.family.no_aux_loss
+  local layers = self:moe_layers()
+  if not on and #layers == 0 then return nil end
+  return nn.moe.aux_begin(layers, on and { coef = cfg.router_aux_loss_coef } or nil)
 end
 
 -- How moonshard.pp cuts the model into stages (docs/pp.md): the layers, the

@@ -235,6 +235,33 @@ describe('nn.MoE on CUDA #gpu', function()
     same_grads(gpu, cpu)
   end)
 
+  it('the load-balancing loss\'s session (aux_begin / aux_end) over two layers, checkpointed and not: the value '
+    .. 'and every gradient as on the CPU (f32, 1e-4)', function()
+    local cfg = { dim = 32, hidden = 48, experts = 8, top_k = 2 }
+    local c1, g1 = pair(cfg)
+    local c2, g2 = pair(cfg)
+    local x = ms.randn({ 3, 40, 32 }, { seed = 7 })
+    local function run(m1, m2, xi, ckpt)
+      for _, m in ipairs({ m1, m2 }) do for _, p in ipairs(m:parameters()) do p.grad = nil end end
+      xi = xi:clone():requires_grad_()
+      local box = nn.moe.aux_begin({ m1, m2 }, { coef = 0.5 })
+      local y = ckpt and A.checkpoint(function(h) return m2(m1(h)) end, xi) or m2(m1(xi))
+      local loss = nn.moe.aux_end((y * y):mean():reshape({ 1 }), box)
+      loss:backward()
+      nn.moe.aux_begin({ m1, m2 }, nil)
+      A.clear_tape()
+      return loss:to('cpu'), xi.grad
+    end
+    for _, ckpt in ipairs({ false, true }) do
+      local lc, gc = run(c1, c2, x, ckpt)
+      local lg, gg = run(g1, g2, x:cuda(), ckpt)
+      assert.is_true(relerr(lg, lc) <= 1e-4, 'loss ' .. relerr(lg, lc))
+      assert.is_true(relerr(gg, gc) <= 1e-4, 'input ' .. relerr(gg, gc))
+      same_grads(g1, c1)
+      same_grads(g2, c2)
+    end
+  end)
+
   it('bf16 autocast, 70 experts: the grouped GEMM kernel as the loop of cuBLASLt GEMMs and the f32 CPU layer', function()
     local F = require 'moonshard.ops'
     local cfg = { dim = 64, hidden = 96, experts = 70, top_k = 2 }

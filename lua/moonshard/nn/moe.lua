@@ -26,9 +26,10 @@
 -- ordinary autograd ops. An expert no token chose still gets a gradient
 -- (zeros), so that every rank's parameters have one and data-parallel
 -- reductions stay in step. Two auxiliary losses read a forward's routing:
--- Switch / GShard's load-balancing loss (moe.aux_loss) and DeepSeek's
--- sequence-wise balance loss (moe.seq_aux_loss, and the models' sessions,
--- moe.seq_aux_begin / seq_aux_end).
+-- Switch / GShard's load-balancing loss (moe.aux_loss, and the models'
+-- sessions, moe.aux_begin / aux_end) and DeepSeek's sequence-wise balance
+-- loss (moe.seq_aux_loss; sessions moe.seq_aux_begin / seq_aux_end). The
+-- sessions give a checkpointed layer its gradient in the recompute.
 -- (moonshard itself when first used: this file loads while it does)
 local ms = setmetatable({}, { __index = function(_, k) return require('moonshard')[k] end })
 local A = require 'moonshard.autograd'
@@ -647,6 +648,151 @@ function moe.seq_aux_end(loss, box)
   return SeqAuxAdd(loss, v:reshape(loss.shape), box)
 end
 
+-- --------------------------------------- the load-balancing loss's sessions
+-- Switch / GShard's load-balancing loss (moe.aux_loss) is one product of
+-- means over every layer's tokens: the gradient of layer l's score of
+-- expert e for one of its N tokens is E f̄_e / (L N), f̄ the share of all
+-- the L layers' slots, known only once the whole forward has run. A
+-- model's training loss takes it through a session (moe.aux_begin before
+-- the forward, moe.aux_end after), which activation checkpointing and
+-- released activations take as they are:
+--   - each layer's first forward in the session adds its counts and
+--     scores (MoE:switch_aux); moe.aux_end makes the value of them as
+--     moe.aux_loss does, bit for bit;
+--   - a forward under grad leaves the loss differentiable through its
+--     mean scores, as moe.aux_loss does (the same graph, bit for bit);
+--   - a forward without (a checkpoint's first forward records nothing)
+--     is left to the same layer's next forward under grad, the
+--     recompute: its output comes back through a node (AuxGrad) whose
+--     backward gives the scores E f̄_e / (L N) times the gradient of the
+--     objective with respect to the loss, which aux_end's result keeps
+--     (AuxScale) for the layers, whose backwards the tape runs after.
+
+-- the load-balancing loss of `list` (the layers' { counts (a Lua list of
+-- E), mean (E) scores, n tokens }, in order), E experts -> the loss (1)
+-- (differentiable through the means) and f̄ (E)
+local function switch_loss(list, E)
+  local total, probs, counts = 0, nil, {}
+  for _, s in ipairs(list) do
+    for e = 1, E do counts[e] = (counts[e] or 0) + s.counts[e] end
+    total = total + s.n
+    probs = probs and (probs + s.mean) or s.mean
+  end
+  local f = ms.tensor(counts, { dtype = probs.dtype }):to(probs.device)
+  -- f̄ = counts / (layers · N) (each layer's N tokens; its k slots a token
+  -- counted in full, as the one-hot over the top-k is summed over k there)
+  local fbar = f / total
+  local pbar = probs / #list
+  return (fbar * pbar):sum():reshape({ 1 }) * E, fbar
+end
+
+-- AuxGrad(y, probs (N, E), box) -> y (an alias); backward: y's gradient as
+-- it is, and the scores' gradient of the session's loss: for each token,
+-- coef E f̄_e / (L N) times the objective's gradient with respect to
+-- aux_end's result (box.scale), in the order autograd takes it through
+-- moe.aux_loss's graph (the product's, the layers' mean's, the mean's)
+local AuxGrad = A.Function {
+  name = 'moe_aux',
+  owns_results = true,
+  forward = function(ctx, y, probs, box)
+    ctx.box, ctx.shape, ctx.dtype = box, probs.shape, probs.dtype
+    return A.raw_views.alias(y)
+  end,
+  backward = function(ctx, g)
+    local box = ctx.box
+    local sc = box.scale
+    if sc == nil or box.fbar == nil then
+      error('moe: the load-balancing loss\'s session (moe.aux_begin) got no gradient at its loss (moe.aux_end) '
+        .. 'before a layer\'s backward: take the backward of the loss aux_end returned', 0)
+    end
+    local N, E = ctx.shape[1], ctx.shape[2]
+    if sc.dtype ~= ctx.dtype then sc = sc:to(ctx.dtype) end
+    local ge = (sc * box.coef) * E * box.fbar / box.L
+    local gp = ge:reshape({ 1, E }):expand({ N, E }) / N
+    return g, gp, nil
+  end,
+}
+
+-- AuxScale(loss, box) -> loss (an alias); backward: the loss's gradient
+-- as it is, kept as box.scale for the layers' AuxGrad nodes
+local AuxScale = A.Function {
+  name = 'moe_aux_scale',
+  owns_results = true,
+  forward = function(ctx, loss, box)
+    ctx.box = box
+    return A.raw_views.alias(loss)
+  end,
+  backward = function(ctx, g)
+    ctx.box.scale = g:contiguous():reshape({ g:numel() }):clone()
+    return g, nil
+  end,
+}
+
+-- moe.aux_begin(layers, opts) -> a session (nil with opts nil): until the
+-- next call, the forwards of `layers` (nn.MoE, in the order the loss sums
+-- them) add their routing to the session's load-balancing loss and, under
+-- grad when their first forward had none, attach its gradient
+-- (MoE:switch_aux). opts: coef (>= 0, default 1), the loss's weight in
+-- aux_end's result. aux_begin(layers, nil) ends any session on them.
+function moe.aux_begin(layers, opts)
+  local box
+  if opts ~= nil then
+    local coef = opts.coef == nil and 1 or opts.coef
+    if type(coef) ~= 'number' or coef < 0 or coef ~= coef or coef == math.huge then
+      error(('moe.aux_begin: coef must be a non-negative number, got %s'):format(tostring(coef)), 2)
+    end
+    local list = {}
+    for i, m in ipairs(layers) do list[i] = m end
+    box = { coef = coef, list = list, seen = setmetatable({}, { __mode = 'k' }) }
+  end
+  for _, m in ipairs(layers) do rawset(m, '_aux', box) end
+  return box
+end
+
+-- moe.aux_value(box) -> the session's load-balancing loss (a (1) tensor,
+-- without coef: moe.aux_loss's value over the layers' first forwards of
+-- the session, differentiable through those that ran under grad), f̄ (E)
+-- and the layers that ran; nil before any layer's forward
+function moe.aux_value(box)
+  local list, E = {}, nil
+  for _, m in ipairs(box.list) do
+    local s = box.seen[m]
+    if s then
+      if s.mean == nil then
+        if s.probs.storage == nil then
+          error('moe.aux_value: the first forward\'s router scores were released by its backward '
+            .. '(autograd.release_activations): take the loss between the forward and the backward', 2)
+        end
+        s.mean = s.probs:mean(1)
+        s.probs = nil
+      end
+      list[#list + 1] = s
+      E = m.n_experts
+    end
+  end
+  if #list == 0 then return nil end
+  local aux, fbar = switch_loss(list, E)
+  return aux, fbar, #list
+end
+
+-- moe.aux_end(loss, box) -> loss + coef · the session's load-balancing
+-- loss (shaped as loss); the objective's gradient with respect to it
+-- scales the layers' whose forward had no graph (the session's loss
+-- counts in the objective as loss does)
+function moe.aux_end(loss, box)
+  local aux, fbar, L = moe.aux_value(box)
+  if aux == nil then error('moe.aux_end: no MoE layer of the session ran a forward', 2) end
+  -- (a layer whose first forward kept no graph: its gradient is AuxGrad's)
+  local late = false
+  for _, s in pairs(box.seen) do late = late or not s.graph end
+  if late then box.fbar, box.L = fbar, L end
+  aux = aux * box.coef
+  if aux.dtype ~= loss.dtype then aux = aux:to(loss.dtype) end
+  local out = loss + aux:reshape(loss.shape)
+  if late then out = AuxScale(out, box) end
+  return out
+end
+
 function moe.install(nn, nnf)
   local Expert = expert_class(nn, nnf)
   nn.MoEExpert = Expert
@@ -840,6 +986,7 @@ function moe.install(nn, nnf)
     if ep then
       local y = self:forward_ep(x2, ids, w, probs, ep, Tl)
       y = self:seq_aux(y, probs, ids, Tl)
+      y = self:switch_aux(y)
       if self.shared_name then y = y + self:shared_out(x2) end
       return y:reshape(shape)
     end
@@ -862,6 +1009,7 @@ function moe.install(nn, nnf)
     y = self:seq_aux(y, probs, ids, Tl)
     if shared then y = y + shared end
     self:record_stats(counts, probs, N, ids, Tl)
+    y = self:switch_aux(y)
     if tpi then return require('moonshard.tp').moe_exit(y, tpi):reshape(shape) end
     return y:reshape(shape)
   end
@@ -978,6 +1126,27 @@ function moe.install(nn, nnf)
     return s.counts, s.mean, s.n
   end
   function MoE:clear_stats() rawset(self, '_stats', nil) end
+
+  -- y, or when a load-balancing loss session is on (moe.aux_begin: a
+  -- model's training forward with output_router_logits) and this is the
+  -- layer's next forward under grad after a first one without (a
+  -- checkpointed block's recompute), y through AuxGrad, which gives the
+  -- router's scores their gradient of the session's loss. The first
+  -- forward in the session adds its routing (the last forward's stats,
+  -- record_stats) to the session.
+  function MoE:switch_aux(y)
+    local box = rawget(self, '_aux')
+    if box == nil then return y end
+    local st = rawget(self, '_stats')
+    local grad = A.is_grad_enabled() and A.needs_grad(st.probs)
+    local s = box.seen[self]
+    if s == nil then
+      box.seen[self] = { counts = st.counts, probs = st.probs, n = st.n, graph = grad }
+      return y
+    end
+    if grad and not s.graph then return AuxGrad(y, st.probs, box) end
+    return y
+  end
 
   -- y with this forward's sequence-wise balance loss attached, when a
   -- session is on (moe.seq_aux_begin: a DeepSeek model's training forward):
@@ -1117,7 +1286,7 @@ end
 -- layer's tokens; a (1)-tensor, differentiable through the scores; nil when
 -- no layer has statistics (no forward since clear_stats)
 function moe.aux_loss(layers)
-  local E, total, probs, counts, nl = nil, 0, nil, nil, 0
+  local list, E = {}, nil
   for _, m in ipairs(layers) do
     local c, p, n = m:last_stats()
     if c and p == nil then
@@ -1125,21 +1294,12 @@ function moe.aux_loss(layers)
         .. '(autograd.release_activations): take the loss between the forward and the backward', 2)
     end
     if c then
+      list[#list + 1] = { counts = c, mean = p, n = n }
       E = m.n_experts
-      counts = counts or {}
-      for e = 1, E do counts[e] = (counts[e] or 0) + c[e] end
-      total = total + n
-      probs = probs and (probs + p) or p
-      nl = nl + 1
     end
   end
-  if nl == 0 then return nil end
-  local f = ms.tensor(counts, { dtype = probs.dtype }):to(probs.device)
-  -- f̄ = counts / (layers · N) (each layer's N tokens; its k slots a token
-  -- counted in full, as the one-hot over the top-k is summed over k there)
-  local fbar = f / total
-  local pbar = probs / nl
-  return (fbar * pbar):sum():reshape({ 1 }) * E
+  if #list == 0 then return nil end
+  return (switch_loss(list, E))
 end
 
 -- moe.seq_aux_loss(layers, alpha, opts) -> Σ over the layers of their
