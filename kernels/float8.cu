@@ -552,146 +552,330 @@ int launch_axiswise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv_r, ms_tenso
 
 // ------------------------------------------------------------ blockwise
 // DeepSeek-V3's scaling (core/ops.h ms_float8_cast_blockwise). One block of
-// 256 threads a 128 x 128 tile of x: thread t holds 16 rows (warp t / 32
-// takes rows 16 w ...) of 4 columns (lane * 4 ...) in registers, read once.
-// The maxima: a row's over its 128 columns is a warp's (shuffles), a
-// column's over the 128 rows is the 8 warps' (shared memory), the tile's
-// both at once. Then each value is scaled by its block's scale and
-// written: out's rows straight (a warp stores 128 contiguous bytes a row),
-// out_t through a shared byte tile (a thread's 16 rows of a column are one
-// 16-byte store into it; two threads a row of out_t read it back, 64 bytes
-// each). 1x128: out by the rows' scales, out_t by
-// the columns' (x's 128 x 1 blocks: out_t's 1 x 128 along R); 128x128: both
-// by the tile's (the same bytes, transposed). Edge tiles treat the missing
-// elements as absent (|0| changes no max) and write nothing there. x is
-// read once, out and out_t written once: ~(sizeof(T) + 2) bytes an element.
+// 256 threads a 128 x 128 tile of x, read once into registers: thread t
+// holds an 8 x 8 square, rows 8 (t / 16) ... of columns 8 (t % 16) ...,
+// read by 16-byte loads where x's rows allow (a half-warp reads a row's
+// 128 columns) and kept as read (bf16 / f16: 32 registers, their |x| maxima
+// taken two at a time on the 16-bit patterns) or as f32 (f32, f64: 64).
+// The maxima, 1x128: a row's is its 16 threads' (a butterfly that leaves
+// each pair of lanes one row's, so that each row's scale is computed once),
+// a column's is its 16 threads' (the two half-warps by a shuffle, the
+// eight warps through shared memory, 128 threads finishing a column each);
+// 128x128: the tile's (the warps' through shared memory). The scales (an
+// f64 division each) go through shared memory. Then out: a row's 8 bytes
+// in one store (a half-warp writes a 128-byte line of out); out_t: a
+// column's 8 bytes (the thread's 8 rows) into a shared byte tile, XOR-
+// swizzled by 8-byte chunk so that neither these stores nor the 16-byte
+// loads of out_t's rows meet a bank conflict, then 16-byte stores (8
+// threads a 128-byte row of out_t). 1x128: out by the rows' scales, out_t
+// by the columns' (x's 128 x 1 blocks: out_t's 1 x 128 along R); 128x128:
+// both by the tile's, out_t's bytes being out's transposed in registers
+// (byte permutes) rather than converted again. Edge tiles treat the
+// missing elements as zero (|0| changes no max) and write nothing there;
+// unaligned rows take the same steps element by element. x is read once,
+// out and out_t written once: ~(sizeof(T) + 2) bytes an element. 2-byte x
+// fits 4 blocks an SM (at most 64 registers a thread), f32 / f64 x 2.
 const int kBlk = 128;
-const int kBlkPitch = kBlk + 16;   // bytes a row of the shared byte tile
+
+// the fp8 bytes of a (low byte) and b: the bits of two to_fp8 calls (the
+// hardware converts in pairs)
+template <bool E5>
+__device__ __forceinline__ unsigned int to_fp8x2(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, E5 ? __NV_E5M2 : __NV_E4M3);
+#else
+    return ms_fp8_from_f32(a, E5, 1) | (unsigned int)ms_fp8_from_f32(b, E5, 1) << 8;
+#endif
+}
+
+// the fp8 bytes of (a, b, c, d) * s, a in the low byte
+template <bool E5>
+__device__ __forceinline__ unsigned int fp8x4(float a, float b, float c, float d, float s) {
+    return to_fp8x2<E5>(__fmul_rn(a, s), __fmul_rn(b, s)) | to_fp8x2<E5>(__fmul_rn(c, s), __fmul_rn(d, s)) << 16;
+}
+
+// a 16-bit float's pattern h as f32 (bf16: the high half; f16: converted,
+// exactly; both order non-negative patterns as their values, NaN's above)
+template <typename T> __device__ __forceinline__ float half_f32(unsigned int h);
+template <> __device__ __forceinline__ float half_f32<__nv_bfloat16>(unsigned int h) { return __uint_as_float(h << 16); }
+template <> __device__ __forceinline__ float half_f32<__half>(unsigned int h) {
+    return __half2float(__ushort_as_half((unsigned short)h));
+}
+
+// A thread's 8 x 8 square of x (row i: 8 consecutive columns k) as the
+// kernel keeps it between the read and the casts. Its |x| maxima are f32
+// bits (non-negative floats order as their bits; a NaN's are above
+// infinity's, so a NaN wins): amax gives row i's in rowb[i] and keeps the
+// columns' (over the square's 8 rows) for col_max4, which takes them over
+// the two half-warps too (lanes l and l ^ 16: the warp's 16 rows) and
+// returns columns 4 h ... 4 h + 3 (h = lane / 16).
+template <typename T, bool Half = sizeof(T) == 2>
+struct blk_square;
 
 template <typename T>
-__global__ void __launch_bounds__(256, 2) blk_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
-                                uint8_t *__restrict__ out_t, float *__restrict__ inv, float *__restrict__ inv_t,
-                                bool tile, bool e5, bool pow2) {
-    __shared__ unsigned int colred[8][kBlk];
-    __shared__ unsigned int tilered[8];
-    __shared__ __align__(16) uint8_t bytes[kBlk * kBlkPitch];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long r0 = (long long)blockIdx.y * kBlk, c0 = (long long)blockIdx.x * kBlk;
-    const long long rb = blockIdx.y, cb = blockIdx.x;
-    const int cl = lane * 4, rl0 = warp * 16;
-    float v[16][4];
-    unsigned int rowb[16], colb[4] = {0, 0, 0, 0};
+struct blk_square<T, true> {
+    unsigned int w[8][4];   // row i: columns 2k (low half) and 2k + 1 (high)
+    unsigned int cp[4];     // the columns' maxima as 16-bit patterns, paired as in w
+    __device__ __forceinline__ void zero(int i) {
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const long long r = r0 + rl0 + i;
-        rowb[i] = 0;
+        for (int k = 0; k < 4; k++) w[i][k] = 0;
+    }
+    __device__ __forceinline__ void load8(int i, const T *p) {
+        const uint4 q = *reinterpret_cast<const uint4 *>(p);
+        w[i][0] = q.x, w[i][1] = q.y, w[i][2] = q.z, w[i][3] = q.w;
+    }
+    __device__ __forceinline__ void load1(int i, int k, const T *p) {
+        w[i][k >> 1] |= (unsigned int)*reinterpret_cast<const unsigned short *>(p) << (16 * (k & 1));
+    }
+    __device__ __forceinline__ float get(int i, int k) const {
+        return half_f32<T>((k & 1) ? w[i][k >> 1] >> 16 : w[i][k >> 1] & 0xffffu);
+    }
+    // (two elements at once: the 16-bit patterns' max, |.| by the sign bits)
+    __device__ __forceinline__ void amax(unsigned int rowb[8]) {
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const long long c = c0 + cl + q;
-            float f = 0.f;
-            if (r < R && c < C) f = (float)conv<T>::load(x[r * C + c]);
-            v[i][q] = f;
-            const unsigned int b = __float_as_uint(fabsf(f));   // (a NaN's bits are above infinity's: it wins)
-            rowb[i] = max(rowb[i], b);
-            colb[q] = max(colb[q], b);
+        for (int k = 0; k < 4; k++) cp[k] = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            unsigned int rp = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const unsigned int a = w[i][k] & 0x7fff7fffu;
+                rp = __vmaxu2(rp, a);
+                cp[k] = __vmaxu2(cp[k], a);
+            }
+            rowb[i] = __float_as_uint(half_f32<T>(max(rp & 0xffffu, rp >> 16)));
         }
     }
-    // the maxima: rows across the warp, columns across the warps, the tile
-#pragma unroll
-    for (int i = 0; i < 16; i++)
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) rowb[i] = max(rowb[i], __shfl_xor_sync(0xffffffffu, rowb[i], o));
-#pragma unroll
-    for (int q = 0; q < 4; q++) colred[warp][cl + q] = colb[q];
-    if (lane == 0) {
-        unsigned int m = 0;
-#pragma unroll
-        for (int i = 0; i < 16; i++) m = max(m, rowb[i]);
-        tilered[warp] = m;
+    __device__ __forceinline__ void col_max4(bool h, unsigned int cm[4]) const {
+        const unsigned int a = __vmaxu2(h ? cp[2] : cp[0], __shfl_xor_sync(0xffffffffu, h ? cp[0] : cp[2], 16));
+        const unsigned int b = __vmaxu2(h ? cp[3] : cp[1], __shfl_xor_sync(0xffffffffu, h ? cp[1] : cp[3], 16));
+        cm[0] = __float_as_uint(half_f32<T>(a & 0xffffu)), cm[1] = __float_as_uint(half_f32<T>(a >> 16));
+        cm[2] = __float_as_uint(half_f32<T>(b & 0xffffu)), cm[3] = __float_as_uint(half_f32<T>(b >> 16));
     }
-    __syncthreads();
-    float srow[16], scol[4];
+};
+
+template <typename T>
+struct blk_square<T, false> {
+    float f[8][8];          // (f64 rounded to f32 on the read, as the CPU reference does)
+    unsigned int cb[8];     // the columns' maxima
+    __device__ __forceinline__ void zero(int i) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) f[i][k] = 0.f;
+    }
+    __device__ __forceinline__ void load8(int i, const T *p) {
+        const int V = 16 / sizeof(T);
+#pragma unroll
+        for (int j = 0; j < 8; j += V) load_v<float, T, V>(&f[i][j], p + j);
+    }
+    __device__ __forceinline__ void load1(int i, int k, const T *p) { f[i][k] = (float)conv<T>::load(*p); }
+    __device__ __forceinline__ float get(int i, int k) const { return f[i][k]; }
+    __device__ __forceinline__ void amax(unsigned int rowb[8]) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) cb[k] = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            rowb[i] = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const unsigned int b = __float_as_uint(fabsf(f[i][k]));
+                rowb[i] = max(rowb[i], b);
+                cb[k] = max(cb[k], b);
+            }
+        }
+    }
+    __device__ __forceinline__ void col_max4(bool h, unsigned int cm[4]) const {
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            cm[j] = max(h ? cb[j + 4] : cb[j], __shfl_xor_sync(0xffffffffu, h ? cb[j] : cb[j + 4], 16));
+    }
+};
+
+// the max of b[i] over the 16 lanes of a half-warp (lane bits 0-3: g), for
+// each i: lane g ends with row i = g / 2's (each step a lane sends the half
+// of its rows that its partner keeps: 8 shuffles, not 32)
+__device__ __forceinline__ unsigned int blk_row_max(const unsigned int b[8], int g) {
+    const bool h3 = g & 8, h2 = g & 4, h1 = g & 2;
+    unsigned int v4[4], v2[2];
+#pragma unroll
+    for (int k = 0; k < 4; k++)   // v4[k]: row k + 4 h3
+        v4[k] = max(h3 ? b[k + 4] : b[k], __shfl_xor_sync(0xffffffffu, h3 ? b[k] : b[k + 4], 8));
+#pragma unroll
+    for (int k = 0; k < 2; k++)   // v2[k]: row k + 2 h2 + 4 h3
+        v2[k] = max(h2 ? v4[k + 2] : v4[k], __shfl_xor_sync(0xffffffffu, h2 ? v4[k] : v4[k + 2], 4));
+    const unsigned int v = max(h1 ? v2[1] : v2[0], __shfl_xor_sync(0xffffffffu, h1 ? v2[0] : v2[1], 2));
+    return max(v, __shfl_xor_sync(0xffffffffu, v, 1));
+}
+
+// a[i]'s byte k (row i, column k of a 4 x 4 byte square) to b[k]'s byte i
+__device__ __forceinline__ void blk_transpose4(const unsigned int a[4], unsigned int b[4]) {
+    const unsigned int t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
+    const unsigned int t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
+    b[0] = __byte_perm(t0, t2, 0x5410), b[1] = __byte_perm(t0, t2, 0x7632);
+    b[2] = __byte_perm(t1, t3, 0x5410), b[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+// the shared byte tile: byte (j, i) = out_t's row c0 + j, column r0 + i,
+// at j * 128 + 8 ((i / 8) ^ (j / 8)) + i % 8
+__device__ __forceinline__ int blk_swz(int j, int chunk) { return j * kBlk + 8 * (chunk ^ (j >> 3)); }
+
+template <typename T, bool E5>
+__global__ void __launch_bounds__(256, sizeof(T) == 2 ? 4 : 2)
+    blk_cast_kernel(const T *__restrict__ x, long long R, long long C, uint8_t *__restrict__ out,
+                    uint8_t *__restrict__ out_t, float *__restrict__ inv, float *__restrict__ inv_t, bool tile,
+                    bool pow2, bool vx, bool vo, bool vt) {
+    __shared__ __align__(16) uint8_t bytes[kBlk * kBlk];
+    __shared__ __align__(16) unsigned int colred[8][kBlk];
+    __shared__ __align__(16) float rowsc[kBlk];
+    __shared__ __align__(16) float colsc[kBlk];
+    __shared__ unsigned int tilered[8];
+    __shared__ float tilesc;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, s = t >> 4, g = t & 15;
+    const long long r0 = (long long)blockIdx.y * kBlk, c0 = (long long)blockIdx.x * kBlk;
+    const long long rs = r0 + 8 * s, c = c0 + 8 * g;   // the square's first row and column
+    // its rows and columns inside x (0 ... 8; vx: C % 8 == 0, so nc is 0 or 8)
+    const int nr = (int)max(min(R - rs, 8LL), 0LL), nc = (int)max(min(C - c, 8LL), 0LL);
+    blk_square<T> v;
+    const T *p = x + rs * C + c;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        v.zero(i);
+        if (i < nr) {
+            if (vx) {
+                if (nc > 0) v.load8(i, p + i * C);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    if (k < nc) v.load1(i, k, p + i * C + k);
+            }
+        }
+    }
+    unsigned int rowb[8];
+    v.amax(rowb);
     if (tile) {
         unsigned int m = 0;
 #pragma unroll
-        for (int w = 0; w < 8; w++) m = max(m, tilered[w]);
-        const float s = ms_fp8_scale(__uint_as_float(m), e5, pow2);
+        for (int i = 0; i < 8; i++) m = max(m, rowb[i]);
 #pragma unroll
-        for (int i = 0; i < 16; i++) srow[i] = s;
-#pragma unroll
-        for (int q = 0; q < 4; q++) scol[q] = s;
-        if (threadIdx.x == 0) {
-            const long long ld = ((C + kBlk - 1) / kBlk + 3) / 4 * 4, ld_t = ((R + kBlk - 1) / kBlk + 3) / 4 * 4;
-            if (inv) inv[rb * ld + cb] = 1.0f / s;
-            if (inv_t) inv_t[cb * ld_t + rb] = 1.0f / s;
-        }
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0) tilered[warp] = m;
     } else {
-        if (out) {
-#pragma unroll
-            for (int i = 0; i < 16; i++) srow[i] = ms_fp8_scale(__uint_as_float(rowb[i]), e5, pow2);
-            if (inv && lane == 0)
-#pragma unroll
-                for (int i = 0; i < 16; i++)
-                    if (r0 + rl0 + i < R) inv[cb * R + r0 + rl0 + i] = 1.0f / srow[i];
+        if (out_t) {   // columns 8 g + 4 h ... + 3 over the warp's 16 rows
+            const bool h = lane >> 4;
+            unsigned int cm[4];
+            v.col_max4(h, cm);
+            *reinterpret_cast<uint4 *>(&colred[warp][8 * g + 4 * h]) = make_uint4(cm[0], cm[1], cm[2], cm[3]);
         }
-        if (out_t) {
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                unsigned int m = 0;
-#pragma unroll
-                for (int w = 0; w < 8; w++) m = max(m, colred[w][cl + q]);
-                scol[q] = ms_fp8_scale(__uint_as_float(m), e5, pow2);
-                if (inv_t && warp == 0 && c0 + cl + q < C) inv_t[rb * C + c0 + cl + q] = 1.0f / scol[q];
+        if (out) {   // row 8 s + g / 2's scale, by the even lanes
+            const unsigned int m = blk_row_max(rowb, g);
+            const int rl = 8 * s + (g >> 1);
+            if (!(g & 1)) {
+                const float sc = ms_fp8_scale(__uint_as_float(m), E5, pow2);
+                rowsc[rl] = sc;
+                if (inv && r0 + rl < R) inv[blockIdx.x * R + r0 + rl] = 1.0f / sc;
             }
         }
-    }
-    const bool full = r0 + kBlk <= R && c0 + kBlk <= C;
-    if (out) {
-        const bool al = full && (C % 4) == 0 && ((uintptr_t)out % 4) == 0;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            const long long r = r0 + rl0 + i;
-            union {
-                unsigned int u;
-                uint8_t b[4];
-            } pk;
-#pragma unroll
-            for (int q = 0; q < 4; q++) pk.b[q] = to_fp8(__fmul_rn(v[i][q], srow[i]), e5);
-            if (al) {
-                *reinterpret_cast<unsigned int *>(out + r * C + c0 + cl) = pk.u;
-            } else if (r < R) {
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    if (c0 + cl + q < C) out[r * C + c0 + cl + q] = pk.b[q];
-            }
-        }
-    }
-    if (!out_t) return;
-    // (a thread's 16 rows of a column are 16 contiguous bytes of out_t's
-    // row: one 16-byte store each)
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        union {
-            uint4 u;
-            uint8_t b[16];
-        } pk;
-#pragma unroll
-        for (int i = 0; i < 16; i++) pk.b[i] = to_fp8(__fmul_rn(v[i][q], scol[q]), e5);
-        *reinterpret_cast<uint4 *>(bytes + (cl + q) * kBlkPitch + rl0) = pk.u;
     }
     __syncthreads();
-    // out_t's row c0 + j (x's column), columns r0 + h * 64 ... + 63
-    const int j = threadIdx.x >> 1, h = threadIdx.x & 1;
-    const long long orow = c0 + j;
-    if (orow >= C) return;
-    const uint8_t *src = bytes + j * kBlkPitch + h * 64;
-    uint8_t *dst = out_t + orow * R + r0 + h * 64;
-    if (full && (R % 16) == 0 && ((uintptr_t)out_t % 16) == 0) {
+    if (tile) {
+        if (t == 0) {
+            unsigned int m = 0;
 #pragma unroll
-        for (int k = 0; k < 4; k++) reinterpret_cast<uint4 *>(dst)[k] = reinterpret_cast<const uint4 *>(src)[k];
+            for (int w = 0; w < 8; w++) m = max(m, tilered[w]);
+            const float sc = ms_fp8_scale(__uint_as_float(m), E5, pow2);
+            tilesc = sc;
+            const long long ld = ((C + kBlk - 1) / kBlk + 3) / 4 * 4, ld_t = ((R + kBlk - 1) / kBlk + 3) / 4 * 4;
+            if (inv) inv[blockIdx.y * ld + blockIdx.x] = 1.0f / sc;
+            if (inv_t) inv_t[blockIdx.x * ld_t + blockIdx.y] = 1.0f / sc;
+        }
+    } else if (out_t && t < kBlk) {   // column t's scale
+        unsigned int m = 0;
+#pragma unroll
+        for (int w = 0; w < 8; w++) m = max(m, colred[w][t]);
+        const float sc = ms_fp8_scale(__uint_as_float(m), E5, pow2);
+        colsc[t] = sc;
+        if (inv_t && c0 + t < C) inv_t[blockIdx.y * C + c0 + t] = 1.0f / sc;
+    }
+    __syncthreads();
+    // out's row rs + i, columns c ... c + 7: bytes w0 (the first 4), w1
+    auto store_row = [&](int i, unsigned int w0, unsigned int w1) {
+        if (i >= nr) return;
+        uint8_t *o = out + (rs + i) * C + c;
+        if (vo) {
+            if (nc > 0) *reinterpret_cast<uint2 *>(o) = make_uint2(w0, w1);
+        } else {
+#pragma unroll 1
+            for (int k = 0; k < nc; k++) o[k] = (uint8_t)((k < 4 ? w0 : w1) >> (8 * (k & 3)));
+        }
+    };
+    if (tile && out) {
+        const float sc = tilesc;
+        unsigned int rp[8][2], cp[8][2];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            rp[i][0] = fp8x4<E5>(v.get(i, 0), v.get(i, 1), v.get(i, 2), v.get(i, 3), sc);
+            rp[i][1] = fp8x4<E5>(v.get(i, 4), v.get(i, 5), v.get(i, 6), v.get(i, 7), sc);
+            store_row(i, rp[i][0], rp[i][1]);
+        }
+        if (!out_t) return;
+#pragma unroll
+        for (int a = 0; a < 2; a++)   // rows 4 a ..., columns 4 b ...
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                const unsigned int in[4] = {rp[4 * a][b], rp[4 * a + 1][b], rp[4 * a + 2][b], rp[4 * a + 3][b]};
+                unsigned int o4[4];
+                blk_transpose4(in, o4);
+#pragma unroll
+                for (int k = 0; k < 4; k++) cp[4 * b + k][a] = o4[k];
+            }
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            *reinterpret_cast<uint2 *>(bytes + blk_swz(8 * g + k, s)) = make_uint2(cp[k][0], cp[k][1]);
     } else {
-        for (int k = 0; k < 64; k++)
-            if (r0 + h * 64 + k < R) dst[k] = src[k];
+        if (out) {
+            const float4 a = *reinterpret_cast<const float4 *>(&rowsc[8 * s]);
+            const float4 b = *reinterpret_cast<const float4 *>(&rowsc[8 * s + 4]);
+            const float sr[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                store_row(i, fp8x4<E5>(v.get(i, 0), v.get(i, 1), v.get(i, 2), v.get(i, 3), sr[i]),
+                          fp8x4<E5>(v.get(i, 4), v.get(i, 5), v.get(i, 6), v.get(i, 7), sr[i]));
+        }
+        if (!out_t) return;
+        float scol[8];
+        if (tile) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) scol[k] = tilesc;
+        } else {
+            const float4 a = *reinterpret_cast<const float4 *>(&colsc[8 * g]);
+            const float4 b = *reinterpret_cast<const float4 *>(&colsc[8 * g + 4]);
+            scol[0] = a.x, scol[1] = a.y, scol[2] = a.z, scol[3] = a.w;
+            scol[4] = b.x, scol[5] = b.y, scol[6] = b.z, scol[7] = b.w;
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const unsigned int w0 = fp8x4<E5>(v.get(0, k), v.get(1, k), v.get(2, k), v.get(3, k), scol[k]);
+            const unsigned int w1 = fp8x4<E5>(v.get(4, k), v.get(5, k), v.get(6, k), v.get(7, k), scol[k]);
+            *reinterpret_cast<uint2 *>(bytes + blk_swz(8 * g + k, s)) = make_uint2(w0, w1);
+        }
+    }
+    __syncthreads();
+    // out_t's row c0 + j, columns r0 + 16 q ... + 15 (chunks 2 q, 2 q + 1:
+    // one 16-byte unit of the tile, its halves swapped when j / 8 is odd)
+#pragma unroll
+    for (int pass = 0; pass < 4; pass++) {
+        const int j = 32 * pass + (t >> 3), q = t & 7;
+        if (c0 + j >= C) break;
+        uint4 u = *reinterpret_cast<const uint4 *>(bytes + j * kBlk + 16 * (q ^ (j >> 4)));
+        if ((j >> 3) & 1) u = make_uint4(u.z, u.w, u.x, u.y);
+        const long long rq = r0 + 16 * q;
+        uint8_t *d = out_t + (c0 + j) * R + rq;
+        if (vt) {   // (R % 16 == 0: the 16 columns are all in or all out)
+            if (rq < R) *reinterpret_cast<uint4 *>(d) = u;
+        } else {
+            const int n = (int)max(min(R - rq, 16LL), 0LL);
+#pragma unroll 1
+            for (int b = 0; b < n; b++) d[b] = (uint8_t)((b < 8 ? (b < 4 ? u.x : u.y) : (b < 12 ? u.z : u.w)) >> (8 * (b & 3)));
+        }
     }
 }
 
@@ -752,10 +936,19 @@ int launch_blockwise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor
     if (gx > 0x7fffffffLL || gy > 65535)
         return ms_errorf("float8_cast_blockwise: (%lld, %lld) has too many rows for the kernel's grid (at most %d)", R,
                          C, 65535 * kBlk);
-    blk_cast_kernel<T><<<dim3((unsigned)gx, (unsigned)gy), 256, 0, st>>>(
-        (const T *)ms_tensor_data(x), R, C, out ? (uint8_t *)ms_tensor_data(out) : nullptr,
-        out_t ? (uint8_t *)ms_tensor_data(out_t) : nullptr, inv ? (float *)ms_tensor_data(inv) : nullptr,
-        inv_t ? (float *)ms_tensor_data(inv_t) : nullptr, tile, e5, pow2);
+    const T *p = (const T *)ms_tensor_data(x);
+    uint8_t *o = out ? (uint8_t *)ms_tensor_data(out) : nullptr, *ot = out_t ? (uint8_t *)ms_tensor_data(out_t) : nullptr;
+    float *iv = inv ? (float *)ms_tensor_data(inv) : nullptr, *ivt = inv_t ? (float *)ms_tensor_data(inv_t) : nullptr;
+    // the vector paths: x's rows in 16-byte loads of 8 elements, out's in
+    // 8-byte stores, out_t's in 16-byte ones (every row start aligned)
+    const bool vx = ms_aligned16(p) && C % 8 == 0;
+    const bool vo = o && ((uintptr_t)o & 7) == 0 && C % 8 == 0;
+    const bool vt = ot && ms_aligned16(ot) && R % 16 == 0;
+    const dim3 grid((unsigned)gx, (unsigned)gy);
+    if (e5)
+        blk_cast_kernel<T, true><<<grid, 256, 0, st>>>(p, R, C, o, ot, iv, ivt, tile, pow2, vx, vo, vt);
+    else
+        blk_cast_kernel<T, false><<<grid, 256, 0, st>>>(p, R, C, o, ot, iv, ivt, tile, pow2, vx, vo, vt);
     LAUNCH_CHECK("blk_cast_kernel");
     return 0;
 }

@@ -456,21 +456,52 @@ local function hopper()
 end
 
 describe('float8 blockwise on cuda #gpu', function()
-  it('the blockwise casts give the CPU bits and scales (1x128 and 128x128; whole, edge and tiny tiles; dtypes, formats, pow2)', function()
-    for _, sh in ipairs({ { 256, 384 }, { 200, 300 }, { 5, 7 }, { 130, 1000 } }) do
+  -- x on the CPU and x on CUDA (or a CUDA view of its own), cast alike: the same bits and scales
+  local function same_blockwise(x, xg, name, o, tag)
+    local c = { F.float8_cast_blockwise(x, name, o) }
+    local g = { F.float8_cast_blockwise(xg, name, o) }
+    for i, what in ipairs({ ' out', ' out_t', ' inv', ' inv_t' }) do
+      if c[i] then same_values(g[i], c[i], tag .. what) else assert.is_nil(g[i], tag .. what) end
+    end
+  end
+
+  -- (shapes: whole tiles; edge tiles on the element-wise paths (C % 8, R % 16
+  -- not 0) and on the vector paths (272 x 392: R % 16 == 0, C % 8 == 0);
+  -- tiles smaller than a thread's 8 x 8 square)
+  it('the blockwise casts give the CPU bits and scales (1x128 and 128x128; whole, edge and tiny tiles; dtypes, formats, pow2; NaN, infinities, zero and subnormal tiles; one layout alone; unaligned views)', function()
+    for _, sh in ipairs({ { 256, 384 }, { 200, 300 }, { 5, 7 }, { 130, 1000 }, { 272, 392 }, { 129, 136 } }) do
       for _, dt in ipairs({ 'f32', 'bf16', 'f16', 'f64' }) do
         for _, blocks in ipairs({ '1x128', '128x128' }) do
           for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
             for _, pow2 in ipairs({ false, true }) do
               local x = randn(sh, 3, dt)
-              local o = { blocks = blocks, cols = true, pow2 = pow2 }
-              local c = { F.float8_cast_blockwise(x, name, o) }
-              local g = { F.float8_cast_blockwise(x:cuda(), name, o) }
-              local tag = ('%dx%d %s %s %s pow2=%s'):format(sh[1], sh[2], dt, blocks, name, tostring(pow2))
-              same_values(g[1], c[1], tag .. ' out')
-              same_values(g[2], c[2], tag .. ' out_t')
-              same_values(g[3], c[3], tag .. ' inv')
-              same_values(g[4], c[4], tag .. ' inv_t')
+              same_blockwise(x, x:cuda(), name, { blocks = blocks, cols = true, pow2 = pow2 },
+                ('%dx%d %s %s %s pow2=%s'):format(sh[1], sh[2], dt, blocks, name, tostring(pow2)))
+            end
+          end
+        end
+      end
+    end
+    -- NaN, infinities, a zero tile, a tile of f32 subnormals, -0: each
+    -- touches its own blocks only, as on the CPU
+    do
+      local R, C = 272, 392
+      local v = values(randn({ R, C }, 3))
+      v[3 * C + 200] = 0 / 0                                   -- row 3, column block 1
+      v[140 * C + 10] = math.huge                              -- row 140, column block 0
+      v[150 * C + 300] = -math.huge                            -- row 150, column block 2
+      v[260 * C + 390] = 0 / 0                                 -- the corner tile
+      v[7 * C + 7] = -0.0
+      for i = 0, 127 do for j = 257, 384 do v[i * C + j] = 0 end end
+      for i = 128, 255 do for j = 129, 256 do v[i * C + j] = v[i * C + j] * 1e-41 end end
+      local x32 = S.make({ R, C }, v, 'f32')
+      for _, dt in ipairs({ 'f32', 'bf16', 'f16', 'f64' }) do
+        local x = x32:to(dt)
+        for _, blocks in ipairs({ '1x128', '128x128' }) do
+          for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+            for _, pow2 in ipairs({ false, true }) do
+              same_blockwise(x, x:cuda(), name, { blocks = blocks, cols = true, pow2 = pow2 },
+                ('special values %s %s %s pow2=%s'):format(dt, blocks, name, tostring(pow2)))
             end
           end
         end
@@ -479,11 +510,19 @@ describe('float8 blockwise on cuda #gpu', function()
     -- one layout alone, and a view (made contiguous first)
     local x = randn({ 300, 520 })
     local v = x:narrow(2, 3, 400)
-    local r = F.float8_cast_blockwise(v, 'f8e4m3')
-    same_values(F.float8_cast_blockwise(v:cuda(), 'f8e4m3'), r, 'view, rows alone')
-    local _, t = F.float8_cast_blockwise(v, 'f8e4m3', { rows = false, cols = true })
-    local _, tg = F.float8_cast_blockwise(v:cuda(), 'f8e4m3', { rows = false, cols = true })
-    same_values(tg, t, 'view, columns alone')
+    for _, blocks in ipairs({ '1x128', '128x128' }) do
+      same_blockwise(v, v:cuda(), 'f8e4m3', { blocks = blocks }, 'view, rows alone ' .. blocks)
+      same_blockwise(v, v:cuda(), 'f8e4m3', { blocks = blocks, rows = false, cols = true }, 'view, columns alone ' .. blocks)
+    end
+    -- a CUDA view that is contiguous but starts off a 16-byte boundary (the
+    -- element-wise loads with C % 8 == 0), every dtype
+    for _, dt in ipairs({ 'f32', 'bf16', 'f16', 'f64' }) do
+      local big = randn({ 272 * 392 + 3 }, 3, dt)
+      local xc, xg = big:narrow(1, 4, 272 * 392):view(272, 392), big:cuda():narrow(1, 4, 272 * 392):view(272, 392)
+      for _, blocks in ipairs({ '1x128', '128x128' }) do
+        same_blockwise(xc, xg, 'f8e4m3', { blocks = blocks, cols = true }, 'unaligned view ' .. dt .. ' ' .. blocks)
+      end
+    end
   end)
 
   it('scaled_matmul with block scales (cuBLASLt VEC128_32F / BLK128x128_32F) matches the CPU (each pair, bias, beta), or names what it cannot take', function()
