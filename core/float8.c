@@ -405,10 +405,10 @@ static int check_scales(const char *op, const ms_tensor *ainv, const ms_tensor *
                      ms_desc(binv, y, sizeof y));
 }
 
-int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
-                     const ms_tensor *binv, const ms_tensor *bias, int out_dtype, double beta, int fast_accum) {
+/* the operands of a scaled product a @ b^T: 2-D 8-bit floats (check_operand)
+ * on one device, sharing K */
+static int check_pair(const char *op, const ms_tensor *a, const ms_tensor *b) {
     char x[DESC], y[DESC];
-    const char *op = "scaled_matmul";
     if (check_operand(op, "a", a) || check_operand(op, "b", b)) return -1;
     if (a->device_id != b->device_id)
         return ms_errorf("%s: a and b on different devices: %s and %s", op, ms_desc(a, x, sizeof x),
@@ -416,13 +416,16 @@ int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, co
     if (a->sizes[1] != b->sizes[1])
         return ms_errorf("%s: a %s and b %s must share their last dim K (out = a @ b^T)", op, ms_desc(a, x, sizeof x),
                          ms_desc(b, y, sizeof y));
-    if (a->dtype_id == MS_F8E5M2 && b->dtype_id == MS_F8E5M2)
-        return ms_errorf("%s: a and b are both f8e5m2; one of them must be f8e4m3", op);
-    const int dev = a->device_id;
-    const int64_t M = a->sizes[0], N = b->sizes[0], K = a->sizes[1];
-    const int vec = check_scales(op, ainv, binv, M, N, dev);
-    if (vec < 0) return -1;
-    if (out && *out) out_dtype = (*out)->dtype_id;
+    return 0;
+}
+
+/* a scaled product's output (M, N) of out_dtype on dev, its bias and beta
+ * checked, *out allocated when not given: -1 on an error (an output it
+ * allocated freed), 1 when there is nothing to compute (M or N is 0), 0 to
+ * go on */
+static int scaled_out(const char *op, ms_tensor **out, int out_dtype, const ms_tensor *bias, double beta, int64_t M,
+                      int64_t N, int dev) {
+    char x[DESC];
     if (out_dtype != MS_F32 && out_dtype != MS_BF16 && out_dtype != MS_F16)
         return ms_errorf("%s: the output dtype must be f32, bf16 or f16, got %s", op, ms_dtype_name(out_dtype));
     if (bias) {
@@ -438,7 +441,23 @@ int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, co
     if (ms_prepare_out(out, op, 2, shape, out_dtype, dev)) return -1;
     if (!ms_tensor_is_contiguous(*out))
         return finish(out, allocated, ms_errorf("%s: out %s must be contiguous", op, ms_desc(*out, x, sizeof x)));
-    if (M == 0 || N == 0) return 0;
+    return M == 0 || N == 0 ? 1 : 0;
+}
+
+int ms_scaled_matmul(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
+                     const ms_tensor *binv, const ms_tensor *bias, int out_dtype, double beta, int fast_accum) {
+    const char *op = "scaled_matmul";
+    if (check_pair(op, a, b)) return -1;
+    if (a->dtype_id == MS_F8E5M2 && b->dtype_id == MS_F8E5M2)
+        return ms_errorf("%s: a and b are both f8e5m2; one of them must be f8e4m3", op);
+    const int dev = a->device_id;
+    const int64_t M = a->sizes[0], N = b->sizes[0], K = a->sizes[1];
+    const int vec = check_scales(op, ainv, binv, M, N, dev);
+    if (vec < 0) return -1;
+    if (out && *out) out_dtype = (*out)->dtype_id;
+    int allocated = out && !*out;
+    int st = scaled_out(op, out, out_dtype, bias, beta, M, N, dev);
+    if (st) return st < 0 ? -1 : 0;
     if (dev >= 0) {
 #ifdef MS_WITH_CUDA
         return finish(out, allocated, ms_cuda_scaled_gemm(*out, a, b, ainv, binv, vec, bias, beta, fast_accum));
@@ -631,14 +650,8 @@ int ms_scaled_matmul_blockwise(ms_tensor **out, const ms_tensor *a, const ms_ten
                                int out_dtype, double beta) {
     char x[DESC], y[DESC];
     const char *op = "scaled_matmul_blockwise";
-    if (check_operand(op, "a", a) || check_operand(op, "b", b)) return -1;
+    if (check_pair(op, a, b)) return -1;
     if (check_blocks(op, "a_blocks", a_blocks) || check_blocks(op, "b_blocks", b_blocks)) return -1;
-    if (a->device_id != b->device_id)
-        return ms_errorf("%s: a and b on different devices: %s and %s", op, ms_desc(a, x, sizeof x),
-                         ms_desc(b, y, sizeof y));
-    if (a->sizes[1] != b->sizes[1])
-        return ms_errorf("%s: a %s and b %s must share their last dim K (out = a @ b^T)", op, ms_desc(a, x, sizeof x),
-                         ms_desc(b, y, sizeof y));
     if (a->dtype_id != MS_F8E4M3 || b->dtype_id != MS_F8E4M3)
         return ms_errorf("%s: blockwise products take f8e4m3 operands (DeepSeek-V3's recipe, cuBLASLt's block "
                          "scaling), got a %s and b %s", op, ms_desc(a, x, sizeof x), ms_desc(b, y, sizeof y));
@@ -652,22 +665,9 @@ int ms_scaled_matmul_blockwise(ms_tensor **out, const ms_tensor *a, const ms_ten
         check_blk_scales(op, "binv", binv, b_blocks, N, K, dev))
         return -1;
     if (out && *out) out_dtype = (*out)->dtype_id;
-    if (out_dtype != MS_F32 && out_dtype != MS_BF16 && out_dtype != MS_F16)
-        return ms_errorf("%s: the output dtype must be f32, bf16 or f16, got %s", op, ms_dtype_name(out_dtype));
-    if (bias) {
-        if (ms_tensor_check_live(bias, op)) return -1;
-        if (bias->ndim != 1 || bias->sizes[0] != N || bias->dtype_id != out_dtype || bias->device_id != dev)
-            return ms_errorf("%s: bias must be (%lld) %s on the operands' device, got %s", op, (long long)N,
-                             ms_dtype_name(out_dtype), ms_desc(bias, x, sizeof x));
-    }
-    if (beta != 0 && !(out && *out))
-        return ms_errorf("%s: beta = %g adds to the output, so the output must be given", op, beta);
-    const int64_t shape[2] = {M, N};
     int allocated = out && !*out;
-    if (ms_prepare_out(out, op, 2, shape, out_dtype, dev)) return -1;
-    if (!ms_tensor_is_contiguous(*out))
-        return finish(out, allocated, ms_errorf("%s: out %s must be contiguous", op, ms_desc(*out, x, sizeof x)));
-    if (M == 0 || N == 0) return 0;
+    int st = scaled_out(op, out, out_dtype, bias, beta, M, N, dev);
+    if (st) return st < 0 ? -1 : 0;
     if (dev >= 0) {
 #ifdef MS_WITH_CUDA
         return finish(out, allocated,

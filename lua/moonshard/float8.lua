@@ -634,6 +634,28 @@ end
 
 -- the blockwise layer (float8.linear with a blockwise config; its checks
 -- done): y, or the plain linear's where the FP8 path cannot take the call
+
+-- a float8 product's output: y2 (rows, out_f) of dtype od, with the bias b
+-- added when the GEMM did not take it (bias nil), in f64 for an f64 x (the
+-- CPU's f64 models: f32 math, f64 out), viewed with x's leading dims
+local function product_out(y2, x, b, bias, od, out_f)
+  if b ~= nil and bias == nil then
+    local bc = R.to(b, { dtype = od, device = x.device_id })
+    F.add_(y2, bc)
+    if bc ~= b then free(bc) end
+  end
+  if x.dtype_id == 0 then
+    local y64 = R.to(y2, { dtype = 'f64' })
+    free(y2)
+    y2 = y64
+  end
+  if x.ndim == 2 then return y2 end
+  local sh = shape_of(x)
+  sh[#sh] = out_f
+  local y = R.view(y2, sh)
+  free(y2)
+  return y
+end
 local function linear_blockwise(x, w, b, cfg, wt, in_f, out_f, name)
   if in_f % BLK ~= 0 or out_f % BLK ~= 0 then
     error(("%s: the blockwise recipe needs in and out features multiples of 128 (the weight's 128 x 128 blocks), "
@@ -665,24 +687,8 @@ local function linear_blockwise(x, w, b, cfg, wt, in_f, out_f, name)
   local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
   local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias, a_blocks = '1x128',
     b_blocks = '128x128' })
-  if b ~= nil and bias == nil then
-    local bc = R.to(b, { dtype = od, device = x.device_id })
-    F.add_(y2, bc)
-    if bc ~= b then free(bc) end
-  end
   free(x8); free(xinv); free(w_out); free(winv)
-  if x.dtype_id == 0 then   -- an f64 model on the CPU: f64 out
-    local y64 = R.to(y2, { dtype = 'f64' })
-    free(y2)
-    y2 = y64
-  end
-  local y = y2
-  if x.ndim ~= 2 then
-    local sh = shape_of(x)
-    sh[#sh] = out_f
-    y = R.view(y2, sh)
-    free(y2)
-  end
+  local y = product_out(y2, x, b, bias, od, out_f)
   if grad then
     local xs = x2
     if x2 == x then xs = R.alias(x) end
@@ -829,24 +835,8 @@ function float8.linear(x, w, b, opts)
   local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
   local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias,
     fast_accum = cfg.fast_accum_output })
-  if b ~= nil and bias == nil then
-    local bc = R.to(b, { dtype = od, device = x.device_id })
-    F.add_(y2, bc)
-    if bc ~= b then free(bc) end
-  end
   free(x8); free(w_out)
-  if x.dtype_id == 0 then   -- an f64 model on the CPU: f32 math, f64 out
-    local y64 = R.to(y2, { dtype = 'f64' })
-    free(y2)
-    y2 = y64
-  end
-  local y = y2
-  if x.ndim ~= 2 then
-    local sh = shape_of(x)
-    sh[#sh] = out_f
-    y = R.view(y2, sh)
-    free(y2)
-  end
+  local y = product_out(y2, x, b, bias, od, out_f)
   if grad then
     -- saved: the input itself (its transposed f8 copy is made in the
     -- backward, with this amax: the tensor is kept for the backward anyway,
