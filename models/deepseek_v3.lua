@@ -404,7 +404,7 @@ end
 -- sequence-wise balance loss count the T - k tokens the one-process depth
 -- has). So every loss and gradient is the one-process one's.
 local function mtp_whole(self, ids, targets, h, w, loss_of, cpc, sp)
-  local m, cfg = self.model, self.config
+  local m = self.model
   local D = #m.mtp_layers
   local wids, wt = ids, targets
   if cpc then
@@ -429,10 +429,12 @@ local function mtp_whole(self, ids, targets, h, w, loss_of, cpc, sp)
     if moe ~= nil and getmetatable(moe) == nn.MoE then
       -- the tokens the one-process depth has: positions below T - k
       local pos = cpc and cpc:positions(Tl, ids.device) or T.arange(Tl, { dtype = 'i64', device = ids.device })
-      local keep = F.lt(pos, Tw - k):to('f32')
+      local below = F.lt(pos, Tw - k)
+      local keep = below:to('f32')
       local B = ids.shape[1]
       rawset(moe, '_pad', { mask = keep:reshape({ 1, Tl }):expand({ B, Tl }):contiguous():reshape({ B * Tl }), k = k })
-      keep:free()
+      keep:free(); below:free()
+      if not cpc then pos:free() end   -- (the context's positions are cached)
     end
     h = layer(h, e)
     local lk
@@ -442,7 +444,8 @@ local function mtp_whole(self, ids, targets, h, w, loss_of, cpc, sp)
       -- and their gradients, are averaged: the mean is the whole batch's)
       local s = loss_of(h, lt, 'sum')
       local scale = A.no_grad(function()
-        local kept = F.clamp(F.ne(st, -100):to('f64'):sum(), 1, nil)
+        -- (counted in the loss's dtype, f32 at least: exact to 2^24 targets)
+        local kept = F.clamp(F.ne(st, -100):to(s.dtype == 'f64' and 'f64' or 'f32'):sum(), 1, nil)
         return F.div(cpc.size, kept)
       end)
       if scale.dtype ~= s.dtype then scale = scale:to(s.dtype) end

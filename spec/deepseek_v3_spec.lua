@@ -9,7 +9,9 @@
 -- config.json fields, the save/load round trip with transformers' names,
 -- the checkpoint's MTP layers skipped and FP8 ones refused; the routing
 -- biases moved by --moe-bias-rate; bin/train on one process and on two
--- ranks (FSDP, expert parallel, both, context parallel).
+-- ranks (FSDP, expert parallel, both, context parallel); multi-token
+-- prediction (its depths against their formula; bin/train, --tp 2 and
+-- --cp 2 on the one-process curve, --pp refused).
 local ms = require 'moonshard'
 local A = ms.autograd
 local nn = ms.nn

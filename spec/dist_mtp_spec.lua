@@ -5,7 +5,8 @@
 -- batch: the loss, each depth's loss (model:mtp_losses()), every gradient,
 -- the routing biases' counts of every MoE layer (the depths' filler
 -- positions left out) and, for DeepSeek-V3, the sequence-wise balance
--- loss of every MoE layer, the depths' included.
+-- loss of every MoE layer, the depths' included; under tensor parallelism
+-- two clipped AdamW steps with the routing biases moved, as one process.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
 local hf = require 'models.hf'
@@ -109,6 +110,23 @@ describe('multi-token prediction, split #mpi', function()
         end
         assert.is_true(n >= 40)
         same_counts(ref, m, nil, what)
+        -- two clipped AdamW steps (eh_proj's whole gradient counted once in
+        -- the norm), then the routing biases moved by the counts
+        local o0 = ms.optim.AdamW(ref:parameters(), { lr = 1e-2 })
+        local o1 = ms.optim.AdamW(m:parameters(), { lr = 1e-2 })
+        for step = 1, 2 do
+          if step > 1 then
+            local a, b = FS.lcg_batch(3 + step, 2, Tn)
+            ref(a, b):backward(); m(a, b):backward()
+          end
+          local n0, n1 = ms.optim.clip_grad_norm(ref, 0.05), tp.clip_grad_norm_(m, 0.05)
+          assert.is_true(FS.rel(n1, n0) <= 1e-10, ('%s: norm %.17g against %.17g'):format(what, n1, n0))
+          o0:step(); o0:zero_grad(); o1:step(); o1:zero_grad()
+          ms.nn.moe.update_bias(ref, 0.01); ms.nn.moe.update_bias(m, 0.01)
+        end
+        local a, b = FS.lcg_batch(9, 2, Tn)
+        local la, lb = ref(a, b):item(), m(a, b):item()
+        assert.is_true(FS.rel(lb, la) <= 1e-10, ('%s: after the steps %.17g against %.17g'):format(what, lb, la))
         if W > 1 then
           -- the depths' blocks split as the decoder's: heads, experts' hidden
           -- features; the head by vocabulary rows; eh_proj whole
