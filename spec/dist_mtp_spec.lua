@@ -139,29 +139,32 @@ describe('multi-token prediction, split #mpi', function()
       end)
     end
 
-    it(case[1] .. ', context parallel: the mean loss, each depth\'s (the whole batch\'s on every rank), the '
-      .. 'averaged gradients and the summed routing counts are one process\'s (f64)', function()
-      if 2 * W > Tn or Tn % (2 * W) ~= 0 then pending('16 tokens do not split into 2 x ' .. W .. ' chunks') return end
-      local ref, x, y, l0, d0 = reference(case, 5)
-      local m = build(case)
-      local ctx = cp.apply(m, nil)
-      local l = m(cp.shard(x, ctx), cp.shard(y, ctx))
-      l:backward()
-      local lt = l:detach():clone()
-      dist.all_reduce(lt, 'avg')
-      assert.is_true(FS.rel(lt:item(), l0) <= 1e-12, ('%.17g against %.17g'):format(lt:item(), l0))
-      same_depths(d0, m, case[1] .. ' cp')
-      local mine = {}
-      for name, p in m:named_parameters() do mine[name] = p end
-      for name, p in ref:named_parameters() do
-        local g = mine[name].grad:clone()
-        dist.all_reduce(g, 'avg')
-        local e = FS.max_rel(g, p.grad)
-        assert.is_true(e <= 1e-10, ('cp: %s: %g'):format(name, e))
-      end
-      same_counts(ref, m, dist.get_world_group(), case[1] .. ' cp')
-      cp.remove(m)
-    end)
+    for _, lb in ipairs({ true, false }) do
+      it(('%s, context parallel (%s): the mean loss, each depth\'s (the whole batch\'s on every rank), the '
+        .. 'averaged gradients and the summed routing counts are one process\'s (f64)'):format(case[1],
+        lb and 'load-balanced' or 'contiguous'), function()
+        if 2 * W > Tn or Tn % (2 * W) ~= 0 then pending('16 tokens do not split into 2 x ' .. W .. ' chunks') return end
+        local ref, x, y, l0, d0 = reference(case, 5)
+        local m = build(case)
+        local ctx = cp.apply(m, nil, { load_balance = lb })
+        local l = m(cp.shard(x, ctx), cp.shard(y, ctx))
+        l:backward()
+        local lt = l:detach():clone()
+        dist.all_reduce(lt, 'avg')
+        assert.is_true(FS.rel(lt:item(), l0) <= 1e-12, ('%.17g against %.17g'):format(lt:item(), l0))
+        same_depths(d0, m, case[1] .. ' cp')
+        local mine = {}
+        for name, p in m:named_parameters() do mine[name] = p end
+        for name, p in ref:named_parameters() do
+          local g = mine[name].grad:clone()
+          dist.all_reduce(g, 'avg')
+          local e = FS.max_rel(g, p.grad)
+          assert.is_true(e <= 1e-10, ('cp: %s: %g'):format(name, e))
+        end
+        same_counts(ref, m, dist.get_world_group(), case[1] .. ' cp')
+        cp.remove(m)
+      end)
+    end
   end
 
   it('deepseek_v3 with tensor and context parallelism (2 x 2: TP pairs, CP across them, with and without '
