@@ -32,6 +32,8 @@
 --   local loss = model(input_ids, targets)
 local nn = require 'moonshard.nn'
 local T = require 'moonshard.tensor'
+local A = require 'moonshard.autograd'
+local F = require 'moonshard.ops'
 local hf = require 'models.hf'
 local llama = require 'models.llama'
 
@@ -350,6 +352,18 @@ end
 -- inference engines that read them there).
 local MTPLayer = llama.Layer:extend('DeepseekV3MTPLayer')   -- (GLM-4.5's too: deepseek_v3.with_mtp)
 deepseek_v3.MTPLayer = MTPLayer
+-- (moonshard.tp: eh_proj stays whole on every rank (replicated). Its input
+-- is the concatenation of two replicated (or, under sequence parallelism,
+-- row-split) streams and its output enters the block, which splits by
+-- heads and experts itself: column-parallel it would need an all-gather of
+-- its output in forward and an all-reduce of its 2C-wide input's gradient
+-- in backward (Megatron-LM's choice), row-parallel an all-reduce of its
+-- output; replicated it costs no collective, runs on 1/N of the tokens
+-- under sequence parallelism, and holds 2 C^2 weights a depth, small
+-- beside the block's experts. Under sequence parallelism its gradient is
+-- this rank's tokens' part, summed over the group with the norms':
+-- tp_sp_partial.)
+MTPLayer.tp_sp_partial = { 'eh_proj' }
 function MTPLayer:init(cfg, idx)
   llama.Layer.init(self, cfg, idx)
   local C = cfg.hidden_size
@@ -361,9 +375,97 @@ function MTPLayer:init(cfg, idx)
   self:register_module('shared_head', head)
 end
 -- (h (B, n, C) of the depth before, e (B, n, C) the embeddings k on) -> h_k
+-- (under sequence parallelism both this rank's rows, (n, C))
 function MTPLayer:forward(h, e)
-  local x = self.eh_proj(require('moonshard').cat({ self.enorm(e), self.hnorm(h) }, 3))
+  local x = self.eh_proj(require('moonshard').cat({ self.enorm(e), self.hnorm(h) }, h.ndim))
   return self.shared_head.norm(llama.Layer.forward(self, x))
+end
+
+-- t (B, T) -> t's columns k on, then k columns of `fill`: (B, T) again
+local function shifted(t, k, fill)
+  local B, Tn = t.shape[1], t.shape[2]
+  local pad = T.full({ B, k }, fill, { dtype = t.dtype, device = t.device })
+  local y = require('moonshard').cat({ t:narrow(2, k + 1, Tn - k), pad }, 2)
+  pad:free()
+  return y
+end
+
+-- the whole sequences' layout (under tensor or context parallelism): every
+-- depth runs on all T positions, as the main model does, so that its
+-- tokens split as the main model's (sequence parallelism's rows, context
+-- parallelism's chunks). Depth k at position i reads the hidden state at i
+-- (local), the embedding of token i + k and targets i + k + 1: the ids and
+-- targets shifted by k on the whole sequence (under context parallelism
+-- gathered from the group, shifted, and sharded again with the same
+-- layout). Its last k positions read a filler token (id 0) and ignore
+-- their targets: causal attention keeps them from every earlier position,
+-- the loss skips them, and the depth's MoE layer leaves them out of its
+-- statistics (nn.MoE's _pad mask: the routing biases' counts and the
+-- sequence-wise balance loss count the T - k tokens the one-process depth
+-- has). So every loss and gradient is the one-process one's.
+local function mtp_whole(self, ids, targets, h, w, loss_of, cpc, sp)
+  local m = self.model
+  local D = #m.mtp_layers
+  local wids, wt = ids, targets
+  if cpc then
+    local cp = require 'moonshard.cp'
+    wids, wt = cp.unshard(ids, cpc), cp.unshard(targets, cpc)
+  end
+  local Tw, Tl = wids.shape[2], ids.shape[2]
+  local sum, losses = nil, {}
+  for k = 1, D do
+    if Tw - k < 1 then break end
+    local sid, st = shifted(wids, k, 0), shifted(wt, k, -100)
+    local lid, lt = sid, st
+    if cpc then
+      local cp = require 'moonshard.cp'
+      lid, lt = cp.shard(sid, cpc), cp.shard(st, cpc)
+      if lid ~= sid then sid:free() end
+    end
+    local e = m.embed_tokens(lid)
+    if sp and h.ndim == 2 then e = sp.scatter(e) end   -- (this rank's rows, as h)
+    local layer = m.mtp_layers[k]
+    local moe = rawget(layer, 'mlp')
+    if moe ~= nil and getmetatable(moe) == nn.MoE then
+      -- the tokens the one-process depth has: positions below T - k
+      local pos = cpc and cpc:positions(Tl, ids.device) or T.arange(Tl, { dtype = 'i64', device = ids.device })
+      local below = F.lt(pos, Tw - k)
+      local keep = below:to('f32')
+      local B = ids.shape[1]
+      rawset(moe, '_pad', { mask = keep:reshape({ 1, Tl }):expand({ B, Tl }):contiguous():reshape({ B * Tl }), k = k })
+      keep:free(); below:free()
+      if not cpc then pos:free() end   -- (the context's positions are cached)
+    end
+    h = layer(h, e)
+    local lk
+    if cpc then
+      -- each rank's share: its positions' summed cross-entropy over the
+      -- group's kept targets, times the group's size (the ranks' losses,
+      -- and their gradients, are averaged: the mean is the whole batch's)
+      local s = loss_of(h, lt, 'sum')
+      local scale = A.no_grad(function()
+        -- (counted in the loss's dtype, f32 at least: exact to 2^24 targets)
+        local kept = F.clamp(F.ne(st, -100):to(s.dtype == 'f64' and 'f64' or 'f32'):sum(), 1, nil)
+        return F.div(cpc.size, kept)
+      end)
+      if scale.dtype ~= s.dtype then scale = scale:to(s.dtype) end
+      lk = s * scale
+      -- (what mtp_losses() reports: the whole batch's, on every rank)
+      local whole = A.no_grad(function()
+        local v = lk:detach():clone()
+        require('moonshard.dist').all_reduce(v, 'sum', { group = cpc.group })
+        return v * (1 / cpc.size)
+      end)
+      losses[k] = whole
+    else
+      lk = loss_of(h, lt)
+      losses[k] = lk
+    end
+    if lt ~= st then st:free() end
+    sum = sum and sum + lk or lk
+  end
+  if wids ~= ids then wids:free(); wt:free() end
+  return sum, losses
 end
 
 local function mtp_forward(self, input_ids, targets)
@@ -373,14 +475,11 @@ local function mtp_forward(self, input_ids, targets)
   local ids, B, Tn = hf.check_ids(input_ids, name, 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
   targets = hf.check_targets(targets, B, Tn, name, cfg.vocab_size)
   local m = self.model
-  if rawget(self, '_tp') ~= nil then
-    error(name .. ': multi-token prediction does not run under tensor parallelism (its depths read the whole '
-      .. 'vocabulary\'s head and every token)', 2)
-  end
-  if rawget(m.layers[1].self_attn, '_cp') ~= nil then
-    error(name .. ': multi-token prediction does not run under context parallelism (its depths shift the '
-      .. 'sequence across the ranks\' chunks)', 2)
-  end
+  -- moonshard.tp (the head's vocabulary-parallel loss, sequence
+  -- parallelism's rows) and moonshard.cp (this rank's chunks)
+  local tpi, cpc = rawget(self, '_tp'), rawget(self, '_cp')
+  local sp = tpi and tpi.sp
+  local ht = rawget(rawget(self, '_head'), '_tp')
   local box = self:seq_aux_begin(targets)
   local x, pending = m(ids, true)
   local norm, h = m.norm, nil
@@ -391,17 +490,34 @@ local function mtp_forward(self, input_ids, targets)
     h = norm(x)
   end
   local w = self:head_weight()
-  local loss = nn.functional.lm_loss(h, w, targets)
+  -- the loss of states hk (this rank's rows under sequence parallelism:
+  -- gathered first) against targets t, mean or sum over the kept ones
+  local function loss_of(hk, t, reduction)
+    if sp then hk = sp.gather(hk) end
+    local o = nil
+    if ht ~= nil or reduction ~= nil then
+      o = { reduction = reduction }
+      if ht ~= nil then o.group, o.vocab_size = ht.group, ht.total end
+    end
+    return nn.functional.lm_loss(hk, w, t, o)
+  end
+  local loss = loss_of(h, targets)
   local D = #m.mtp_layers
   local sum, losses = nil, {}
-  for k = 1, D do
-    local n = Tn - k
-    if n < 1 then break end
-    local e = m.embed_tokens(ids:narrow(2, k + 1, n):contiguous())
-    h = m.mtp_layers[k](h:narrow(2, 1, n), e)
-    local lk = nn.functional.lm_loss(h, w, targets:narrow(2, k + 1, n):contiguous())
-    losses[k] = lk
-    sum = sum and sum + lk or lk
+  if tpi ~= nil or cpc ~= nil then
+    sum, losses = mtp_whole(self, ids, targets, h, w, loss_of, cpc, sp)
+  else
+    for k = 1, D do
+      local n = Tn - k
+      if n < 1 then break end
+      local moe = rawget(m.mtp_layers[k], 'mlp')
+      if moe ~= nil then rawset(moe, '_pad', nil) end   -- (every token counts: no filler)
+      local e = m.embed_tokens(ids:narrow(2, k + 1, n):contiguous())
+      h = m.mtp_layers[k](h:narrow(2, 1, n), e)
+      local lk = nn.functional.lm_loss(h, w, targets:narrow(2, k + 1, n):contiguous())
+      losses[k] = lk
+      sum = sum and sum + lk or lk
+    end
   end
   rawset(self, '_mtp_losses', losses)
   if sum ~= nil then loss = loss + sum * (cfg.mtp_loss_weight / D) end
@@ -422,6 +538,9 @@ local function mtp_attach(m, cfg)
   -- (the MTP depths use the head after the main loss: it stays in FSDP's
   -- root unit, gathered for the whole step, not a unit of its own)
   rawset(m, 'head_module', function() return nil end)
+  -- (moonshard.tp still splits the head by vocabulary rows: each depth's
+  -- loss is the vocabulary-parallel one)
+  rawset(m, 'tp_head_module', function(self) return rawget(self, '_head') end)
   rawset(m, 'pipeline_parts', function()
     error(cfg.model_type .. ': multi-token prediction is not cut into pipeline stages (mtp_loss_weight > 0 with '
       .. '--pp)', 2)

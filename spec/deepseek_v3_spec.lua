@@ -9,7 +9,9 @@
 -- config.json fields, the save/load round trip with transformers' names,
 -- the checkpoint's MTP layers skipped and FP8 ones refused; the routing
 -- biases moved by --moe-bias-rate; bin/train on one process and on two
--- ranks (FSDP, expert parallel, both, context parallel).
+-- ranks (FSDP, expert parallel, both, context parallel); multi-token
+-- prediction (its depths against their formula; bin/train, --tp 2 and
+-- --cp 2 on the one-process curve, --pp refused).
 local ms = require 'moonshard'
 local A = ms.autograd
 local nn = ms.nn
@@ -533,13 +535,22 @@ describe('models.deepseek_v3', function()
     end)
 
     it('multi-token prediction trains (--model.mtp_loss_weight); two ranks follow one process: FSDP, expert '
-      .. 'parallel; each depth\'s loss in metrics.jsonl; --cp, --tp and --pp refused by name', function()
+      .. 'parallel; each depth\'s loss in metrics.jsonl; --tp 2 (sequence parallel and not) and --cp 2 on the '
+      .. 'one-process curve, each depth\'s loss too, with the routing biases moving; --pp refused by name', function()
       local mf = flags .. ' --model.mtp_loss_weight 0.3 --model.num_nextn_predict_layers 2'
       S.moe_train_runs('models/deepseek_v3.lua', mf, { '--fsdp FULL_SHARD', '--ep 2' }, '')
       local dir = S.tmpdir()
       local f = mf .. ' --data ' .. q(S.fixed_corpus(dir, 20000))
       -- metrics.jsonl has each depth's loss (averaged over the ranks), below
       -- the loss that adds 0.3 / 2 of their sum to the main one
+      local function mtp_of(out)
+        local r = {}
+        for line in io.lines(out .. '/metrics.jsonl') do
+          local obj = require('dkjson').decode(line)
+          if obj.loss then r[obj.step] = obj.mtp_loss end
+        end
+        return r
+      end
       for _, how in ipairs({ { '', '' }, { '--nproc-per-node 2 --device cpu', '--fsdp FULL_SHARD' } }) do
         local out = dir .. '/m' .. (how[1] .. how[2]):gsub('[^%w]', '')
         local status, text = S.bin_train(('%s models/deepseek_v3.lua %s %s --batch-size 2 --steps 3 --out %s'):format(
@@ -557,10 +568,28 @@ describe('models.deepseek_v3', function()
         end
         assert.are.equal(3, n)
       end
-      for _, c in ipairs({ { '--cp 2', 'multi-token prediction does not run under context parallelism' },
-        { '--tp 2', 'multi-token prediction does not run under tensor parallelism' },
-        { '--pp 2', 'multi-token prediction is not cut into pipeline stages' } }) do
-        local status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s --batch-size 4 '
+      -- --tp 2 and --cp 2 keep the global batch: the one-process curve, and
+      -- each depth's loss, with --moe-bias-rate moving the routing biases
+      -- by counts that leave the depths' filler positions out
+      local bf = f .. ' --moe-bias-rate 0.01 --batch-size 4 --steps 3'
+      local status, text = S.bin_train(('models/deepseek_v3.lua %s --out %s/one'):format(bf, q(dir)))
+      assert.are.equal(0, status, text)
+      local one, mone = S.run_losses(dir .. '/one'), mtp_of(dir .. '/one')
+      for _, how in ipairs({ '--tp 2', '--tp 2 --no-sequence-parallel', '--cp 2' }) do
+        local out = dir .. '/two' .. how:gsub('[^%w]', '')
+        status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s %s --out %s'):format(bf,
+          how, q(out)))
+        assert.are.equal(0, status, text)
+        S.close_losses(one, S.run_losses(out), 1, 3, 'mtp ' .. how)
+        local m2 = mtp_of(out)
+        for step = 1, 3 do
+          for k = 1, 2 do
+            S.close_losses({ mone[step][k] }, { m2[step][k] }, 1, 1, ('mtp %s step %d depth %d'):format(how, step, k))
+          end
+        end
+      end
+      for _, c in ipairs({ { '--pp 2', 'multi-token prediction is not cut into pipeline stages' } }) do
+        status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s --batch-size 4 '
           .. '--steps 2 %s --out %s/x'):format(f, c[1], q(dir)))
         assert.are_not.equal(0, status, text)
         assert.matches(c[2], text, 1, true)

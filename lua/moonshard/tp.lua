@@ -523,7 +523,9 @@ function tp.parallelize(model, opts)
     info.sp = sp
   end
   local function entry(grp) return sp and sp.enter or enter(grp, overlap) end
-  local head = model.head_module and model:head_module() or nil
+  -- (a model whose head_module() is nil for FSDP's units, DeepSeek-V3's
+  -- with multi-token prediction, names its head with tp_head_module())
+  local head = (model.tp_head_module and model:tp_head_module()) or (model.head_module and model:head_module()) or nil
   local emb = model.token_embedding and model:token_embedding() or nil
   local names = {}
   for name, m in model:named_modules() do names[m] = name end
@@ -719,9 +721,14 @@ function tp.parallelize(model, opts)
         -- norms its own heads, so its gradient is a part: the weight enters
         -- through copy_to, its gradient summed over the group in the graph
         -- (FSDP's gradient buffers see the sum); under sequence
-        -- parallelism the norms' hooks below sum it)
+        -- parallelism the norms' hooks below sum it, in a forward that ran
+        -- sequence parallel (one whose B·T does not divide runs
+        -- replicated: copy_to sums it there too)
         rawset(m, '_tp', { n_head = m.n_head / size, n_kv_head = m.n_kv_head / size, enter = entry(g),
-          qk_sum = (rawget(m, 'q_norm') and not sp and size > 1) and function(w) return tp.copy_to(w, g) end or nil })
+          qk_sum = (rawget(m, 'q_norm') and size > 1) and function(w)
+            if sp and sp.active then return w end
+            return tp.copy_to(w, g)
+          end or nil })
       elseif cls == nn.MLAttention then
         -- multi-head latent attention by heads: q_b_proj (or q_proj) and
         -- kv_b_proj by their heads' rows, o_proj by rows; the latents
@@ -825,6 +832,12 @@ function tp.parallelize(model, opts)
           if (cls == nn.LayerNorm or cls == nn.RMSNorm) and not whole[m] then
             partial(m.weight); partial(rawget(m, 'bias'))
           elseif rawget(m, 'forward') == rowwise_forward then partial(rawget(m, 'bias')) end
+          -- (a module's own replicated layers that run on this rank's rows:
+          -- its class's tp_sp_partial names them, DeepSeek-V3's MTP eh_proj)
+          for _, cn in ipairs(cls and rawget(cls, 'tp_sp_partial') or {}) do
+            local c = m[cn]
+            partial(c.weight); partial(rawget(c, 'bias'))
+          end
         end
       end
     end

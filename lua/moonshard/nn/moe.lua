@@ -491,8 +491,12 @@ end
 -- ranks of cp.group: the counts and score sums all-reduced over it, one
 -- collective of 2 B E numbers) or nil. -> { c (B, E) the counts, psum
 -- (B, E) this rank's sums of s' (differentiable), pg (B, E) every rank's
--- (constant), T the tokens of a group, B the groups, n the ranks }
-local function seq_aux_sums(probs, ids, Tl, sigmoid, per_seq, cp)
+-- (constant), T the tokens of a group, B the groups, n the ranks }.
+-- pad: the layer's _pad (a multi-token-prediction depth run on whole
+-- sequences, models/deepseek_v3.lua): { mask (N) 1 for the tokens that
+-- count, 0 for the k filler positions at the end of each sequence, k }:
+-- the sums over the tokens that count, T less k a sequence
+local function seq_aux_sums(probs, ids, Tl, sigmoid, per_seq, cp, pad)
   local N, E, k = probs.shape[1], probs.shape[2], ids.shape[2]
   local Tg = per_seq and Tl or N
   if Tg < 1 or N % Tg ~= 0 then
@@ -500,18 +504,23 @@ local function seq_aux_sums(probs, ids, Tl, sigmoid, per_seq, cp)
   end
   local B = N / Tg
   local sn = sigmoid and probs / probs:sum(2, true) or probs
+  local mask = pad and pad.mask:to(probs.dtype):reshape({ N, 1 })
+  if mask then sn = sn * mask end
   local psum = sn:reshape({ B, Tg, E }):sum(2)
   local n = cp and cp.size or 1
   local c, pg = A.no_grad(function()
     local opts = { dtype = probs.dtype, device = probs.device }
     local z = T.zeros({ B, E }, opts)
-    z:scatter_add_(2, ids:contiguous():reshape({ B, Tg * k }), T.ones({ B, Tg * k }, opts))
+    local ones = mask and mask:expand({ N, k }):contiguous():reshape({ B, Tg * k }) or T.ones({ B, Tg * k }, opts)
+    z:scatter_add_(2, ids:contiguous():reshape({ B, Tg * k }), ones)
     if n == 1 then return z, psum:detach() end
     local both = F.cat({ z:reshape({ 1, B, E }), psum:detach():reshape({ 1, B, E }) }, 1)
     ms.dist.all_reduce(both, 'sum', { group = cp.group })
     return both:select(1, 1), both:select(1, 2)
   end)
-  return { c = c, psum = psum, pg = pg, T = Tg * n, B = B, n = n, E = E, k = k }
+  -- (with pad: a group of Tg / Tl sequences has k filler tokens in each)
+  local Tc = Tg * n - (pad and (Tg / Tl) * pad.k or 0)
+  return { c = c, psum = psum, pg = pg, T = Tc, B = B, n = n, E = E, k = k }
 end
 
 -- the experts a token counts for in f_i: the routing's (choice
@@ -547,7 +556,7 @@ end
 local function seq_aux_term(m, probs, ids, Tl, alpha, opts)
   -- (no graph: the gradient is SeqAuxGrad's)
   local s = A.no_grad(seq_aux_sums, probs, aux_ids(m, probs, ids, opts.choice), Tl, m.score == 'sigmoid',
-    opts.per_sequence ~= false, rawget(m, '_cp'))
+    opts.per_sequence ~= false, rawget(m, '_cp'), rawget(m, '_pad'))
   return A.no_grad(function()
     -- f = c E / (k T); L = alpha / B Σ_b Σ_i f_bi pg_bi / T
     local f = s.c * (s.E / (s.k * s.T))
@@ -556,16 +565,17 @@ local function seq_aux_term(m, probs, ids, Tl, alpha, opts)
   end)
 end
 
--- SeqAuxGrad(y, probs (N, E), gamma (B, E), sigmoid, box) -> y (an alias);
--- backward: y's gradient as it is, and the scores' gradient of the layer's
--- term times the session's loss gradient (box.scale): gamma for each token
--- of sequence b, through the normalisation s' = s / Σ s for sigmoid scores
+-- SeqAuxGrad(y, probs (N, E), gamma (B, E), sigmoid, box, mask) -> y (an
+-- alias); backward: y's gradient as it is, and the scores' gradient of the
+-- layer's term times the session's loss gradient (box.scale): gamma for
+-- each token of sequence b (times mask (N), the tokens that count, when
+-- given), through the normalisation s' = s / Σ s for sigmoid scores
 -- ((gamma - Σ_i gamma_i s'_i) / Σ s)
 local SeqAuxGrad = A.Function {
   name = 'moe_seq_aux',
   owns_results = true,
-  forward = function(ctx, y, probs, gamma, sigmoid, box)
-    ctx.probs, ctx.gamma, ctx.sigmoid, ctx.box = probs, gamma, sigmoid, box
+  forward = function(ctx, y, probs, gamma, sigmoid, box, mask)
+    ctx.probs, ctx.gamma, ctx.sigmoid, ctx.box, ctx.mask = probs, gamma, sigmoid, box, mask
     return A.raw_views.alias(y)
   end,
   backward = function(ctx, g)
@@ -578,6 +588,7 @@ local SeqAuxGrad = A.Function {
     end
     local N, E, B = p.shape[1], p.shape[2], gamma.shape[1]
     local gp = gamma:reshape({ B, 1, E }):expand({ B, N / B, E }):contiguous():reshape({ N, E })
+    if ctx.mask then gp = gp * ctx.mask:to(gp.dtype):reshape({ N, 1 }) end
     if ctx.sigmoid then
       local S = p:sum(2, true)
       gp = (gp - (gp * p):sum(2, true) / S) / S
@@ -588,7 +599,7 @@ local SeqAuxGrad = A.Function {
       if sc.dtype ~= gp.dtype then sc = sc:to(gp.dtype) end
       gp = gp * sc
     end
-    return g, gp, nil, nil, nil
+    return g, gp, nil, nil, nil, nil
   end,
 }
 
@@ -1052,6 +1063,20 @@ function moe.install(nn, nnf)
     rawset(self, '_stats', { counts = counts, probs = probs, n = N, ids = ids, seq = Tl })
     -- (the slots each expert got since the last moe.update_bias, while training)
     if self:routing_bias() ~= nil and A.is_grad_enabled() then
+      local pad = rawget(self, '_pad')
+      if pad ~= nil then
+        -- (a multi-token-prediction depth on whole sequences: its filler
+        -- positions left out, models/deepseek_v3.lua)
+        counts = A.no_grad(function()
+          local E, k = self.n_experts, ids.shape[2]
+          local z = T.zeros({ E }, { dtype = 'f32', device = ids.device })   -- (exact to 2^24 slots)
+          z:scatter_add_(1, ids:contiguous():reshape({ N * k }),
+            pad.mask:to('f32'):reshape({ N, 1 }):expand({ N, k }):contiguous():reshape({ N * k }))
+          local v = z:to('cpu'):totable()
+          z:free()
+          return v
+        end)
+      end
       local acc = rawget(self, '_tokens') or {}
       for e = 1, self.n_experts do acc[e] = (acc[e] or 0) + counts[e] end
       rawset(self, '_tokens', acc)
@@ -1168,7 +1193,10 @@ function moe.install(nn, nnf)
       box.done[self] = true
       box.values[#box.values + 1] = t.value
     end
-    if grad then return SeqAuxGrad(y, probs, t.gamma, self.score == 'sigmoid', box) end
+    if grad then
+      local pad = rawget(self, '_pad')
+      return SeqAuxGrad(y, probs, t.gamma, self.score == 'sigmoid', box, pad and pad.mask)
+    end
     return y
   end
 end
@@ -1328,7 +1356,7 @@ function moe.seq_aux_loss(layers, alpha, opts)
           .. '(autograd.release_activations): take the loss between the forward and the backward', 2)
       end
       local s = seq_aux_sums(st.probs, aux_ids(m, st.probs, st.ids, opts.choice), st.seq, m.score == 'sigmoid',
-        per_seq, rawget(m, '_cp'))
+        per_seq, rawget(m, '_cp'), rawget(m, '_pad'))
       local f = s.c * (s.E / (s.k * s.T))
       -- (P: every rank's sums, the gradient through this rank's n times)
       local P = s.n == 1 and s.psum or s.psum * s.n + (s.pg - s.psum:detach() * s.n)
