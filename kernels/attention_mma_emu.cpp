@@ -5,8 +5,10 @@
 // their PTX wrappers (ldmatrix(.trans), mma.m16n8k16, wgmma.mma_async with
 // its matrix descriptors and 128-byte swizzle, cp.async groups, ex2) are
 // replaced (MS_ATTENTION_MMA_EMU) by stand-ins with the semantics of the
-// PTX ISA: a block is 128 fibers
-// (ucontext) switched at every barrier and warp collective; ldmatrix and
+// PTX ISA: a block is 128 fibers (fwd_ws_kernel's: 384, three warpgroups)
+// (ucontext) switched at every barrier (block, named: bar.sync / bar.arrive
+// with a thread count, a named barrier left part-arrived at the block's end
+// failing the run) and warp collective; ldmatrix and
 // mma exchange the lanes' addresses and fragments through the warp, so a
 // wrong fragment index, mask or tile bound shows as a wrong result; cp.async
 // lands only when the issuing thread waits, and shared memory starts as
@@ -19,7 +21,8 @@
 // What it cannot see: the hardware's timing (races the barriers do not order
 // on the GPU but the fibers' order hides: --eager and --warps below move
 // that order to the other extreme; whether the blocks' order could hang
-// when they run at once), wgmma.fence's placement, and the PTX text itself.
+// when they run at once), wgmma.fence's placement, setmaxnreg's budgets (a
+// no-op here), and the PTX text itself.
 //
 // With --gemm it runs the grouped GEMM of kernels/grouped_gemm.cuh instead
 // (its three layouts, bf16 and f32 outputs, beta, empty groups, a plan of
@@ -35,7 +38,9 @@
 // 128-key forward too; --reverse: the fibers of a block run in reverse order;
 // --eager: cp.async lands when issued; --warps: each warp runs on to its
 // next block barrier before the next warp starts; --ovl: the overlapped
-// wgmma forward's cases only (MS_ATTENTION_WG_FWD=ovl, ovlq; in every run).
+// wgmma forward's cases only (MS_ATTENTION_WG_FWD=ovl, ovlq) and ws's
+// (two consumer warpgroups and a producer, on two longer shapes too; in
+// every run).
 //
 // bf16 only (f16 differs in op<__half>, the PTX type names and the rounding;
 // the kernels' f16 instantiations are the same code).
@@ -87,8 +92,10 @@ static uint16_t f2bf(float f) {  // round to nearest even, as __float2bfloat16_r
     return (uint16_t)(u >> 16);
 }
 
-// ---- a block: 128 fibers, switched only at barriers and collectives
-static const int kThreads = 128;
+// ---- a block: 128 fibers (fwd_ws_kernel: 384, three warpgroups), switched
+// only at barriers and collectives
+static const int kThreads = 384;  // the most a block has
+static int nthreads = 128;        // this launch's
 static ucontext_t sched_ctx, fiber_ctx[kThreads];
 static bool fiber_done[kThreads];
 static int cur;
@@ -116,9 +123,37 @@ struct barrier {
         }
     }
 };
-static barrier block_bar = {kThreads, 0, 0}, warp_bar[4] = {{32, 0, 0}, {32, 0, 0}, {32, 0, 0}, {32, 0, 0}};
+static barrier block_bar = {128, 0, 0}, warp_bar[kThreads / 32], wgroup_bar[kThreads / 128];
 static void __syncthreads() { block_bar.wait(); }
 static void __syncwarp() { warp_bar[threadIdx.x / 32].wait(); }
+// named barriers (bar.sync / bar.arrive id, n; 0 is __syncthreads'): a
+// barrier completes when n threads have arrived, a sync counting as an
+// arrival and waiting for the completion, an arrive going on. Every use
+// while it is partly arrived must name the same n; a barrier left partly
+// arrived when the block ends fails the run (its counts do not match)
+static barrier named_bar[16];
+static void named_check(int id, int n) {
+    if (id < 1 || id > 15 || n <= 0 || n % 32 || n > nthreads || (named_bar[id].arrived && named_bar[id].n != n)) {
+        printf("bar %d, %d: a barrier id outside 1-15, a count not a multiple of 32 or above the block's %d "
+               "threads, or not the count of its pending arrivals (%d of %d)\n",
+               id, n, nthreads, named_bar[id].arrived, named_bar[id].n);
+        exit(1);
+    }
+    named_bar[id].n = n;
+}
+static void emu_bar_sync(int id, int n) {
+    named_check(id, n);
+    named_bar[id].wait();
+}
+static void emu_bar_arrive(int id, int n) {
+    named_check(id, n);
+    barrier &b = named_bar[id];
+    progress++;
+    if (++b.arrived == b.n) {
+        b.arrived = 0;
+        b.gen++;
+    }
+}
 static float shfl_slot[kThreads];
 static float __shfl_xor_sync(unsigned, float v, int m) {
     int t = threadIdx.x, w = t / 32, l = t % 32;
@@ -297,7 +332,7 @@ static void fence() {}
 static void commit() { wg_committed[threadIdx.x]++; }
 // run the thread's queued products of groups before `upto`
 static void wg_run(int upto) {
-    const int t = threadIdx.x, w = t / 32, lane = t % 32, g = lane >> 2, q = lane & 3;
+    const int t = threadIdx.x, w = t / 32 % 4, lane = t % 32, g = lane >> 2, q = lane & 3;  // w: in the warpgroup
     std::vector<wg_pending> &Q = wg_queue[t];
     size_t i = 0;
     for (; i < Q.size() && Q[i].group < upto; i++) {
@@ -365,6 +400,10 @@ static float sw_at(uint64_t d, int row, int col, bool mn) {
     return bf2f(v);
 }
 static unsigned ra_slot[kThreads][4];
+static void bar_sync(int id, int n) { emu_bar_sync(id, n); }
+static void bar_arrive(int id, int n) { emu_bar_arrive(id, n); }
+template <int N> static void setmaxnreg_dec() {}
+template <int N> static void setmaxnreg_inc() {}
 // queue d (64 x N) (+)= A(row, k) . B(k, col) over k16 (the thread's
 // accumulators: warp w's rows 16w + g (+8), columns 8j + 2q (+1)); areg: the
 // A fragment registers of an RS product
@@ -400,19 +439,20 @@ template <typename T, int N> static void mma_ss(float *d, uint64_t a, uint64_t b
 }
 // the A fragment values of the warpgroup's registers (warp w's m16k16
 // fragment of rows 16w..) this thread's accumulator rows need, taken at issue
+// (exchanged through the warpgroup: its four warps, threads 128 wg..)
 static std::function<float(int, int)> reg_a(const unsigned *a) {
-    const int t = threadIdx.x;
+    const int t = threadIdx.x, base = t / 128 * 128;
     for (int i = 0; i < 4; i++) ra_slot[t][i] = a[i];
-    __syncthreads();
-    const int r0 = (t / 32) * 16 + (t % 32) / 4;
+    wgroup_bar[t / 128].wait();
+    const int r0 = (t / 32 % 4) * 16 + (t % 32) / 4;
     std::vector<float> v(32);
     for (int h = 0; h < 2; h++)
         for (int k = 0; k < 16; k++) {
             const int m = r0 + 8 * h, r = m % 16;
-            const unsigned x = ra_slot[(m / 16) * 32 + (r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
+            const unsigned x = ra_slot[base + (m / 16) * 32 + (r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
             v[16 * h + k] = bf2f((uint16_t)(k & 1 ? x >> 16 : x & 0xffff));
         }
-    __syncthreads();
+    wgroup_bar[t / 128].wait();
     return [v, r0](int m, int k) {
         if (m != r0 && m != r0 + 8) {
             printf("wgmma: a row outside the thread's accumulators (emulator)\n");
@@ -469,15 +509,20 @@ static void trampoline() {
     fiber_done[cur] = true;
     progress++;
 }
-// run body() as a grid of gx x gy blocks of 128 threads
-static void launch(unsigned gx, unsigned gy, std::function<void()> body) {
+// run body() as a grid of gx x gy blocks of nt threads (128 or 384)
+static void launch(unsigned gx, unsigned gy, std::function<void()> body, int nt = 128) {
     kernel_body = body;
     gridDim = {gx, gy, 1};
+    nthreads = nt;
+    block_bar = {nt, 0, 0};
+    for (barrier &b : warp_bar) b = {32, 0, 0};
+    for (barrier &b : wgroup_bar) b = {128, 0, 0};
+    for (barrier &b : named_bar) b = {0, 0, 0};
     for (unsigned by = 0; by < gy; by++)
         for (unsigned bx = 0; bx < gx; bx++) {
             blockIdx = {bx, by, 0};
             memset(mma::sm, 0xff, sizeof mma::sm);  // bf16 NaNs: a stale read shows
-            for (int t = 0; t < kThreads; t++) {
+            for (int t = 0; t < nthreads; t++) {
                 getcontext(&fiber_ctx[t]);
                 fiber_ctx[t].uc_stack.ss_sp = stacks[t];
                 fiber_ctx[t].uc_stack.ss_size = sizeof stacks[t];
@@ -488,7 +533,7 @@ static void launch(unsigned gx, unsigned gy, std::function<void()> body) {
             // one sweep over fibers [t0, t1): each runs to its next barrier or collective
             auto sweep = [&](int t0, int t1, bool &all) {
                 for (int i = t0; i < t1; i++) {
-                    int t = reverse_order ? kThreads - 1 - i : i;
+                    int t = reverse_order ? nthreads - 1 - i : i;
                     if (fiber_done[t]) continue;
                     all = false;
                     cur = t;
@@ -501,13 +546,13 @@ static void launch(unsigned gx, unsigned gy, std::function<void()> body) {
                 bool all = true;
                 if (warp_major) {
                     // a warp runs as far as it can (to a block barrier) before the next starts
-                    for (int w = 0; w < kThreads / 32; w++)
+                    for (int w = 0; w < nthreads / 32; w++)
                         for (long q = -1; q != progress;) {
                             q = progress;
                             sweep(32 * w, 32 * w + 32, all);
                         }
                 } else {
-                    sweep(0, kThreads, all);
+                    sweep(0, nthreads, all);
                 }
                 if (all) break;
                 if (p == progress) {
@@ -515,9 +560,15 @@ static void launch(unsigned gx, unsigned gy, std::function<void()> body) {
                     exit(1);
                 }
             }
-            for (int t = 0; t < kThreads; t++)
+            for (int t = 0; t < nthreads; t++)
                 if (!mma::pending[t].empty() || !wg::wg_queue[t].empty()) {
                     printf("%s never waited for (thread %d)\n", mma::pending[t].empty() ? "wgmma" : "cp.async", t);
+                    exit(1);
+                }
+            for (int id = 1; id < 16; id++)
+                if (named_bar[id].arrived) {
+                    printf("bar %d: left with %d of %d arrivals when block (%u, %u) ended\n", id,
+                           named_bar[id].arrived, named_bar[id].n, bx, by);
                     exit(1);
                 }
         }
@@ -556,7 +607,8 @@ struct errsum {
 // (its O rescaling runs, and is skipped, within one row)
 // FWD (wgmma): 0 the forward as launched by default (fwd_kernel); 1, 2
 // fwd_ovl_kernel (MS_ATTENTION_WG_FWD=ovl, ovlq: Q's fragments in
-// registers), the forward only (out and lse; the backward is the same code)
+// registers); 3 fwd_ws_kernel (ws: two consumer warpgroups and a producer);
+// the forward only (out and lse; the backward is the same code)
 template <int D, int DV, int MT, int BQ, int KMT, int QMT, bool WG = false, int FWD = 0>
 static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bthd, unsigned seed,
                     float sharp = 0.f) {
@@ -583,7 +635,13 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     typedef mma::config<D, DV> CB;
     constexpr bool MB = WG && !WGB;   // the mma backward of a wgmma forward
     constexpr int mBQ = MB ? CB::dkdv_bq : BQ, mKMT = MB ? CB::dkdv_mt : KMT, mQMT = MB ? CB::dq_mt : QMT;
-    if constexpr (FWD > 0) {
+    if constexpr (FWD == 3) {
+        static_assert(WG && (D == 128 || D == 192) && DV == 128, "fwd_ws_kernel: q/k 128 or 192, v 128");
+        launch((Tq + 127) / 128, B * H, [&] {
+            wg::fwd_ws_kernel<bf, D, DV>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv,
+                                         Tq, Tk, scale, causal);
+        }, 384);
+    } else if constexpr (FWD > 0) {
         static_assert(WG && (D == 128 || D == 192) && DV == 128, "fwd_ovl_kernel: q/k 128 or 192, v 128");
         launch((Tq + 63) / 64, B * H, [&] {
             wg::fwd_ovl_kernel<bf, D, DV, FWD == 2>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l,
@@ -770,7 +828,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     if (DV == D) snprintf(dims, sizeof dims, "D=%d", D);
     else snprintf(dims, sizeof dims, "D=%d Dv=%d", D, DV);
     printf("%s %s %s [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s%s: out %.1e lse %.1e",
-           ok ? "ok  " : "FAIL", FWD == 1 ? "wgmma ovl" : FWD == 2 ? "wgmma ovlq" : WG ? "wgmma" : "mma  ", dims, MT, mBQ, mKMT, mQMT, B, H, Hkv, Tq, Tk,
+           ok ? "ok  " : "FAIL", FWD == 1 ? "wgmma ovl" : FWD == 2 ? "wgmma ovlq" : FWD == 3 ? "wgmma ws" : WG ? "wgmma" : "mma  ", dims, MT, mBQ, mKMT, mQMT, B, H, Hkv, Tq, Tk,
            causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "", sharp > 0 ? " sharp" : "", r[0], r[1]);
     if (!BWD) {
         printf("; the forward only\n");
@@ -917,7 +975,7 @@ int main(int argc, char **argv) {
         {1, 1, 1, 256, 256, true, false, false},
     };
     int bad = 0;
-    unsigned seed = 1, oseed = 5000;   // (oseed: the cases added later; the others keep their data)
+    unsigned seed = 1, oseed = 5000, wseed = 7000;   // (oseed: the cases added later; the others keep their data)
     for (auto &c : cases) {
         if (quick && !c.in_quick) continue;
         constexpr int BQ192 = wg::dkdv_bq<192>();
@@ -965,6 +1023,25 @@ int main(int argc, char **argv) {
         bad += run_case<192, 128, 64, BQ192, 1, 1, true, 1>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++, 3.f);
         bad += run_case<192, 128, 64, BQ192, 1, 1, true, 2>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++);
         bad += run_case<192, 128, 64, BQ192, 1, 1, true, 2>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, oseed++, 3.f);
+        // ... and the forward of two consumer warpgroups and a producer (MS_ATTENTION_WG_FWD=ws)
+        bad += run_case<128, 128, 64, 64, 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, wseed++);
+        bad += run_case<128, 128, 64, 64, 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, wseed++, 3.f);
+        bad += run_case<192, 128, 64, BQ192, 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, wseed++);
+        bad += run_case<192, 128, 64, BQ192, 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, wseed++,
+                                                              3.f);
+    }
+    // ws's three stages come round only from the fourth key tile on (its
+    // producer then waits for the consumers' releases): longer rows too; and
+    // causal blocks of 128 queries that see no key at all (Tq - Tk >= 128)
+    const shape long_cases[] = {{1, 2, 1, 450, 450, true, false, true}, {1, 2, 2, 70, 520, false, true, true},
+                                {1, 2, 1, 300, 40, true, false, true}};
+    for (auto &c : long_cases) {
+        bad += run_case<128, 128, 64, 64, 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, wseed++);
+        bad += run_case<128, 128, 64, 64, 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, wseed++, 3.f);
+        bad += run_case<192, 128, 64, wg::dkdv_bq<192>(), 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal,
+                                                                        c.bthd, wseed++);
+        bad += run_case<192, 128, 64, wg::dkdv_bq<192>(), 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal,
+                                                                        c.bthd, wseed++, 3.f);
     }
     printf("%d failed\n", bad);
     return bad != 0;

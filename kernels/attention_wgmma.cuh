@@ -13,6 +13,8 @@
 // the forward and dq kernels, keys in dk/dv): wgmma's M = 64. Several blocks
 // share an SM (2-5 at D = 64, 2 at D = 128 and 192, by registers and shared
 // memory), so one block's softmax runs while another's wgmmas do.
+// (fwd_ws_kernel, opt-in: three warpgroups and 128 queries a block, one
+// block an SM, its two consumer warpgroups sharing each K/V tile.)
 //
 // Shared-memory tiles are rows of 64 16-bit elements (128 bytes) with the
 // 128-byte swizzle: the 16-byte chunk c of row r lies at r*128 + ((c ^ (r&7))
@@ -57,19 +59,21 @@ namespace wg {
 // thread % 8 of each sub-tile. The thread's address is computed once; a
 // tile then costs one offset and a bound (the per-row 64-bit index
 // arithmetic of a tile was ~170 instructions a warp, as many as the tile's
-// softmax).
+// softmax). tid: the thread's index among the 128 that copy a tile
+// (threadIdx.x; fwd_ws_kernel's producer warpgroup: its own).
 template <typename T, int D = 64>
 struct sw_src {
     const T *p;  // row r0 at t = 0 of head 0, chunk c
     long long sh, st;
-    __device__ __forceinline__ sw_src(const T *src, const qkv_layout &l, long long b)
-        : p(src + b * l.sb + (long long)(threadIdx.x >> 3) * l.st + (threadIdx.x & 7) * 8), sh(l.sh), st(l.st) {}
+    __device__ __forceinline__ sw_src(const T *src, const qkv_layout &l, long long b, unsigned tid = threadIdx.x)
+        : p(src + b * l.sb + (long long)(tid >> 3) * l.st + (tid & 7) * 8), sh(l.sh), st(l.st) {}
     // rows [t0, t0 + R) of head h into the tile s, zero from Tn on (base:
     // any valid address, the source of the zero-length copies). The rows'
     // addresses one 64-bit add apart, their bounds one 32-bit compare.
     template <int R>
-    __device__ __forceinline__ void load(T *s, long long h, long long t0, long long Tn, const T *base) const {
-        const int r0 = threadIdx.x >> 3, c = threadIdx.x & 7;
+    __device__ __forceinline__ void load(T *s, long long h, long long t0, long long Tn, const T *base,
+                                         unsigned tid = threadIdx.x) const {
+        const int r0 = tid >> 3, c = tid & 7;
         unsigned char *d = (unsigned char *)s + r0 * 128 + ((c ^ (r0 & 7)) << 4);
         const T *a = p + h * sh + t0 * st;
         const long long step = 16 * st, left = Tn - t0 - r0;  // row r0 + 16i exists while 16i < left
@@ -535,6 +539,191 @@ __global__ void __launch_bounds__(128, 2) fwd_ovl_kernel(T *out, float *lse, con
             lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
     }
     store_acc<T, DV>(out, lo, b, h, i0, Tq, Ks, o, inv[0], inv[1]);
+}
+
+// ------------------------- forward, two consumer warpgroups (opt-in)
+// MS_ATTENTION_WG_FWD=ws (attention.cu): FA3's block structure at q/k 128 or
+// 192 with v 128. A block is three warpgroups and 128 queries: consumers 0
+// and 1 (threads 0-255) own queries i0 + 64c.., each running ovlq's step
+// (Q's fragments in registers, S_t's softmax under P_{t-1}.V_{t-1}); the
+// producer (threads 256-383) copies each 64-key tile of K and V once for
+// both, by cp.async, into one of three stages (ovl's blocks copied each tile
+// twice an SM, one block each). Hand-offs by named barriers, no block barrier
+// after the start:
+//   full[c][s] (kWsFull + 3c + s, 256 threads): the producer's 128 arrive
+//            once tile t (stage s = t % 3; at t = 0 with Q) has landed,
+//            consumer c syncs before its products read it (one barrier a
+//            consumer: a sync counts as an arrival, so a shared one would
+//            hold the leading consumer until the other came, and end the
+//            ping-pong);
+//   empty[s] (kWsEmpty + s, 384): both consumers arrive once P_t.V_t is done
+//            (their step t + 1: S_t's K long waited for), the producer syncs
+//            before copying tile t + 3 into the stage (so arrivals only for
+//            the tiles t + 3 < ntiles: no barrier is left half-arrived).
+//   turn[c]  (kWsTurn + c, 256): ping-pong. Consumer c syncs on turn[c]
+//            before issuing step t's products and arrives on turn[c ^ 1]
+//            after them, so the two warpgroups issue in turns and one's
+//            softmax runs while the other's products hold the tensor cores
+//            (consumer 0's first turn arrived by itself; consumer 1's last
+//            arrival left out: the counts match).
+// The producer copies one tile at a time (waits for tile t before issuing
+// t + 1) and runs up to three tiles ahead of the consumers. Registers by
+// setmaxnreg: the block starts at 168 a thread (384 threads, one block an
+// SM), the producer drops to 24, the consumers rise to 240 (168 x 384 =
+// 24 x 128 + 240 x 256). Shared memory: each consumer's Q tile (64 x D,
+// reused to stage its output: at least 64 x (DV + 8)), three stages of K and
+// V: 131 KB at 128, 169 KB at (192, 128). Causal: a block's key range is its
+// last row's; consumer 0's rows see one tile more than they need (masked).
+constexpr int kWsStages = 3, kWsFull = 1, kWsEmpty = kWsFull + 2 * kWsStages, kWsTurn = kWsEmpty + kWsStages;
+template <int D, int DV>
+constexpr int ws_qe = 64 * D > 64 * (DV + 8) ? 64 * D : 64 * (DV + 8);  // elements of a consumer's Q tile / output stage
+template <int D, int DV>
+size_t fwd_ws_smem() {
+    return 1024 + (size_t)(2 * ws_qe<D, DV> + kWsStages * 64 * (D + DV)) * 2;
+}
+
+template <typename T, int D, int DV>
+__global__ void __launch_bounds__(384, 1) fwd_ws_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
+                                                        qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo,
+                                                        int H, int Hkv, long long Tq, long long Tk, float scale,
+                                                        int causal) {
+    constexpr int BN = 64, NA = BN / 16, NK = D / 16, NO = DV / 2, QE = ws_qe<D, DV>, NS = kWsStages;
+    static_assert(DV <= 128, "O, S, P and Q's fragments in registers: v at most 128 wide");
+    static_assert(QE * 2 % 1024 == 0, "each consumer's Q tile 1024-byte aligned");
+    WG_SMEM;
+    unsigned char *sm = align1024(wg_smem);
+    T *Qs = (T *)sm, *Ks = Qs + 2 * QE, *Vs = Ks + NS * BN * D;
+    const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * 128;  // longest causal rows first
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
+    const long long off = Tk - Tq;
+    const long long kend = causal ? max(0ll, min(Tk, i0 + 128 + off)) : Tk;
+    const int ntiles = (int)((kend + BN - 1) / BN);
+    const int wgi = threadIdx.x >> 7;
+
+    if (wgi == 2) {
+        // the producer: tile t into stage t % 3 once tile t - 3 is free
+        setmaxnreg_dec<24>();
+        const unsigned tid = threadIdx.x - 256;
+        if (ntiles == 0) return;
+        const sw_src<T, D> ksrc(k, lk, b, tid);
+        const sw_src<T, DV> vsrc(v, lv, b, tid);
+        sw_src<T, D>(q, lq, b, tid).template load<64>(Qs, h, i0, Tq, q, tid);
+        sw_src<T, D>(q, lq, b, tid).template load<64>(Qs + QE, h, i0 + 64, Tq, q, tid);
+        ksrc.template load<BN>(Ks, g, 0, Tk, k, tid);
+        vsrc.template load<BN>(Vs, g, 0, Tk, v, tid);
+        mma::cp_async_commit();
+        for (int t = 1; t <= ntiles; t++) {
+            cp_async_wait<0>();  // tile t - 1 (and Q) landed: this thread's copies
+            fence_proxy();
+            bar_arrive(kWsFull + (t - 1) % NS, 256);  // ... everyone's, at each consumer's sync
+            bar_arrive(kWsFull + NS + (t - 1) % NS, 256);
+            if (t == ntiles) break;
+            const int s = t % NS;
+            if (t >= NS) bar_sync(kWsEmpty + s, 384);  // tile t - 3's products done
+            ksrc.template load<BN>(Ks + s * BN * D, g, (long long)t * BN, Tk, k, tid);
+            vsrc.template load<BN>(Vs + s * BN * DV, g, (long long)t * BN, Tk, v, tid);
+            mma::cp_async_commit();
+        }
+        return;
+    }
+
+    // a consumer: queries i0c.. (warp w4 of the warpgroup: rows 16 w4 + g8, + 8)
+    setmaxnreg_inc<240>();
+    const int c = wgi, w4 = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const long long i0c = i0 + 64 * c, row0 = i0c + w4 * 16 + g8;
+    T *Qc = Qs + c * QE;
+    const float sl = scale * kLog2e;
+    float o[NO], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < NO; i++) o[i] = 0.f;
+    unsigned pa[NA][4];  // P_{t-1}'s A fragments
+    unsigned qa[NK][4];  // Q's
+    if (c == 0 && ntiles > 0) bar_arrive(kWsTurn, 256);  // consumer 0's first turn
+
+    // step t; PV: with P_{t-1}.V_{t-1} (t > 0), as fwd_ovl_kernel's
+    auto step = [&](int t, auto pv) {
+        constexpr bool PV = decltype(pv)::value;
+        const int s = t % NS;
+        bar_sync(kWsFull + NS * c + s, 256);  // K_t, V_t (and Q) landed
+        if constexpr (!PV) {
+            // Q's A fragments from the swizzled tile (fwd_ovl_kernel's)
+            const unsigned char *p = (const unsigned char *)Qc;
+            const int r0 = w4 * 16 + g8;
+#pragma unroll
+            for (int kk = 0; kk < NK; kk++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int r = r0 + 8 * (i & 1), cc = 2 * (kk & 3) + (i >> 1);
+                    qa[kk][i] = *reinterpret_cast<const unsigned *>(p + (kk >> 2) * 64 * 128 + r * 128 +
+                                                                     ((cc ^ (r & 7)) << 4) + t4 * 4);
+                }
+        }
+        const long long j0 = (long long)t * BN;
+
+        // this consumer's turn: S_t = Q K_t^T, then O += P_{t-1} V_{t-1}, two groups
+        bar_sync(kWsTurn + c, 256);
+        float sc[BN / 2];
+        fence();
+        const uint64_t dk = desc(Ks + s * BN * D);
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++) mma_rs<T, BN>(sc, qa[kk], kstep<BN>(dk, kk), kk);
+        commit();
+        if constexpr (PV) {
+            const uint64_t dv = desc_mn<DV, BN>(Vs + ((t - 1) % NS) * BN * DV);
+#pragma unroll
+            for (int kk = 0; kk < NA; kk++) mma_rs_t<T, DV>(o, pa[kk], dv + kk * (2048 >> 4), 1);
+            commit();
+        }
+        if (c == 0 || t + 1 < ntiles) bar_arrive(kWsTurn + (c ^ 1), 256);  // the other's turn
+        if constexpr (PV) wait<1>();  // S_t (P_{t-1} V_{t-1} may still run)
+        else wait<0>();
+        pin<BN / 2>(sc);
+
+        const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0c + off);
+        float alpha[2];
+        softmax_tile<BN>(sc, m, l, alpha, j0, Tk, row0, off, causal, edge, sl, t4);
+
+        if constexpr (PV) {
+            wait<0>();  // P_{t-1} V_{t-1}: O and P's fragments free, and tile t - 1's stage
+            pin<NO>(o);
+            pin_u<NA * 4>(&pa[0][0]);
+            if (t - 1 + NS < ntiles) bar_arrive(kWsEmpty + (t - 1) % NS, 384);
+        }
+        rescale<DV>(o, alpha);
+#pragma unroll
+        for (int kk = 0; kk < NA; kk++) c_to_a<T>(pa[kk], sc, kk);
+    };
+    if (ntiles > 0) step(0, bool_c<false>());
+    for (int t = 1; t < ntiles; t++) step(t, bool_c<true>());
+    if (ntiles > 0) {
+        // O += P_{n-1} V_{n-1} (its stage landed: synced at step n - 1)
+        pin<NO>(o);
+        fence();
+        const uint64_t dv = desc_mn<DV, BN>(Vs + ((ntiles - 1) % NS) * BN * DV);
+#pragma unroll
+        for (int kk = 0; kk < NA; kk++) mma_rs_t<T, DV>(o, pa[kk], dv + kk * (2048 >> 4), 1);
+        commit();
+        wait<0>();
+        pin<NO>(o);
+        pin_u<NA * 4>(&pa[0][0]);
+    }
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lt = l[r];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        inv[r] = lt > 0.f ? 1.f / lt : 0.f;
+        const long long i = row0 + 8 * r;
+        if (t4 == 0 && i < Tq)
+            lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
+    }
+    // the output through this consumer's Q tile: every warp of it read its
+    // Q fragments at step 0, before its first turn's sync, which completes
+    // only once all its 128 threads are there (no tiles: Q never copied)
+    mma::frag_to_smem<T, DV>(Qc, reinterpret_cast<const float(*)[4]>(o), w4 * 16, lane, inv[0], inv[1]);
+    __syncwarp();
+    mma::store_rows<T, DV, 1>(out, lo, b, h, i0c, Tq, Qc, w4 * 16, lane);
 }
 
 // -------------------------------------------------------------- backward

@@ -125,6 +125,34 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+
+// named barriers (0 is __syncthreads'): bar_sync waits until n threads (a
+// multiple of 32, every warp whole) have arrived at barrier id, counting its
+// own; bar_arrive counts the calling warp and goes on (a producer's "full"
+// or a consumer's "empty"). The barrier orders the memory accesses before
+// an arrival before those after the sync (fwd_ws_kernel's hand-offs)
+__device__ __forceinline__ void bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+// a warpgroup's register budget moved (every thread of the warpgroup calls
+// it with the same N, a multiple of 8 in [24, 256]): dec gives registers
+// back to the block's pool, inc waits for them (fwd_ws_kernel's producer
+// and consumers)
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#ifdef MS_WG_ENABLED
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#ifdef MS_WG_ENABLED
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
 #define WG_SMEM extern __shared__ unsigned char wg_smem[]
 #endif  // MS_ATTENTION_MMA_EMU
 

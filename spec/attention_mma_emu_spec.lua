@@ -3,12 +3,14 @@
 -- compiles them with g++, with the PTX wrappers (ldmatrix, mma.m16n8k16,
 -- wgmma.mma_async through its descriptors and the 128-byte swizzle, cp.async
 -- groups) replaced by CPU stand-ins of the same semantics, runs each block as
--- 128 fibers, and checks out, lse, dq, dk and dv against a double-precision
+-- 128 fibers (ws: 384), and checks out, lse, dq, dk and dv against a double-precision
 -- reference at head dims 64, 128 and 192, and q/k 192 with v 128 (DeepSeek's
 -- MLA: v's width its own) (wgmma: 64, 128, q/k 192 with v 128, and the
 -- forward at 192 with its backward on mma, as attention.cu runs them) with tile-straddling
 -- lengths, Tq != Tk, GQA, (B, T, H, D) views, and the overlapped wgmma
--- forward (MS_ATTENTION_WG_FWD=ovl, ovlq) at 128 and q/k 192 with v 128. Its
+-- forward (MS_ATTENTION_WG_FWD=ovl, ovlq) and the forward of two consumer
+-- warpgroups and a producer (ws: 384-thread blocks, named barriers) at 128
+-- and q/k 192 with v 128. Its
 -- wgmma products run when waited for, reading shared memory then; a run
 -- with --warps --eager lets each warp run ahead to its next block barrier
 -- and cp.async land at once, so a missing barrier or wait shows. The GPU runs the real thing
@@ -85,6 +87,14 @@ describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', fun
         n = 0
         for _ in out:gmatch(pat) do n = n + 1 end
         assert.are.equal(12, n, pat .. '\n' .. out)
+      end
+      -- and the forward of two consumer warpgroups and a producer, on the
+      -- quick shapes, two longer ones (its three stages come round) and
+      -- causal blocks with no key (Tq = 300, Tk = 40)
+      for _, pat in ipairs({ 'ok   wgmma ws D=128 ', 'ok   wgmma ws D=192 Dv=128 ' }) do
+        n = 0
+        for _ in out:gmatch(pat) do n = n + 1 end
+        assert.are.equal(18, n, pat .. '\n' .. out)
       end
     end
   end)
