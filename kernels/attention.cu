@@ -636,22 +636,22 @@ int wg_fwd_bn(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tenso
 // MS_ATTENTION_WG_FWD picks the wgmma forward at q/k 128 or 192 with v 128
 // (other widths ignore it): "base" fwd_kernel; "ovl" fwd_ovl_kernel
 // (attention_wgmma.cuh: FA3's intra-warpgroup overlap, S_t's softmax under
-// P_{t-1}.V_{t-1}); unset or "ovlq" (the default) the same with Q's
-// fragments in registers (S = Q.K^T reading only K from shared memory): on
-// an H200 at 2x16x4096, 0.357-0.367 ms against base's 0.387 at 128, 0.407
-// against 0.440 at 192 x 128. Read at every
-// call (a scan of the environment, well under a microsecond against a
-// forward's tens), so that a process can switch it through setenv, as
-// spec/gpu_attention_spec.lua and bench/attention.lua do. "ws" (3):
-// fwd_ws_kernel, FA3's block of two consumer warpgroups (128 queries)
-// sharing each K/V tile a producer warpgroup copies, the consumers' products
-// in turns (not yet timed). -1: a value it does not know.
+// P_{t-1}.V_{t-1}); "ovlq" the same with Q's fragments in registers (S =
+// Q.K^T reading only K from shared memory); unset or "ws" (the default)
+// fwd_ws_kernel, FA3's block of two consumer warpgroups (128 queries, ovlq's
+// step each) sharing each K/V tile a producer warpgroup copies, the
+// consumers' products in turns. One H200, causal bf16, 2x16x4096, forward
+// ms: base 0.402, ovlq 0.355-0.360, ws 0.344 at 128; 0.443, 0.407, 0.356-0.359
+// at 192 x 128. Read at every call (a scan of the environment, well under a
+// microsecond against a forward's tens), so that a process can switch it
+// through setenv, as spec/gpu_attention_spec.lua and bench/attention.lua
+// do. -1: a value it does not know.
 int wg_fwd_variant() {
     const char *e = getenv("MS_ATTENTION_WG_FWD");
-    if (!e || !*e || !strcmp(e, "ovlq")) return 2;
+    if (!e || !*e || !strcmp(e, "ws")) return 3;
     if (!strcmp(e, "base")) return 0;
     if (!strcmp(e, "ovl")) return 1;
-    if (!strcmp(e, "ws")) return 3;
+    if (!strcmp(e, "ovlq")) return 2;
     return -1;
 }
 

@@ -7,8 +7,8 @@
 -- backward on mma), lengths 1 to 1024
 -- across the tile edges, causal or not, Tq != Tk (bottom-right causal, rows
 -- that see no key), grouped-query heads and strided (B, T, H, D) views; and
--- the wgmma forwards (MS_ATTENTION_WG_FWD=ovl, base, ws: wgmma_ovl,
--- wgmma_base, wgmma_ws; plain wgmma runs the default, ovlq) at head dim 128
+-- the wgmma forwards (MS_ATTENTION_WG_FWD=ovl, base, ovlq: wgmma_ovl,
+-- wgmma_base, wgmma_ovlq; plain wgmma runs the default, ws) at head dim 128
 -- and q/k 192 with v 128.
 local ms = require 'moonshard'
 local ffi = require 'ffi'
@@ -62,15 +62,14 @@ end
 -- wgmma1: wgmma with its one-pass backward (ms_cuda_attention_set_wg_onepass);
 -- wgmma0: wgmma with the delta kernel (ms_cuda_attention_set_fused_delta(0);
 -- plain wgmma computes Delta in its dq kernel); wgmma_ovl, wgmma_base,
--- wgmma_ws: wgmma with MS_ATTENTION_WG_FWD=ovl, base, ws (attention.cu reads
--- it at every call;
--- at q/k 128 or 192 with v 128 the default is ovlq, elsewhere fwd_kernel
--- runs whatever it says)
+-- wgmma_ovlq: wgmma with MS_ATTENTION_WG_FWD=ovl, base, ovlq (attention.cu
+-- reads it at every call; at q/k 128 or 192 with v 128 the default is ws,
+-- elsewhere fwd_kernel runs whatever it says)
 local impl_ids = { mma = C.MS_ATTENTION_MMA, mma1 = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA,
   simt = C.MS_ATTENTION_SIMT, wgmma = C.MS_ATTENTION_WGMMA, wgmma1 = C.MS_ATTENTION_WGMMA,
   wgmma0 = C.MS_ATTENTION_WGMMA, wgmma_ovl = C.MS_ATTENTION_WGMMA, wgmma_base = C.MS_ATTENTION_WGMMA,
-  wgmma_ws = C.MS_ATTENTION_WGMMA, auto = C.MS_ATTENTION_AUTO }
-local wg_fwd_env = { wgmma_ovl = 'ovl', wgmma_base = 'base', wgmma_ws = 'ws' }
+  wgmma_ovlq = C.MS_ATTENTION_WGMMA, auto = C.MS_ATTENTION_AUTO }
+local wg_fwd_env = { wgmma_ovl = 'ovl', wgmma_base = 'base', wgmma_ovlq = 'ovlq' }
 pcall(ffi.cdef, 'int setenv(const char *name, const char *value, int overwrite); int unsetenv(const char *name);')
 -- MS_ATTENTION_WG_FWD set to value (nil: unset)
 local function set_wg_fwd(value)
@@ -208,7 +207,7 @@ local function check_wide(cs, seed)
       check_case(c, dt, ref, 'wgmma0')
       check_case(c, dt, ref, 'wgmma_ovl')
       check_case(c, dt, ref, 'wgmma_base')
-      check_case(c, dt, ref, 'wgmma_ws')
+      check_case(c, dt, ref, 'wgmma_ovlq')
     end
   end
 end
@@ -225,7 +224,7 @@ describe('fused attention on cuda #gpu', function()
       if dt ~= 'f32' and c.D == 128 then
         impls[#impls + 1] = 'wgmma_ovl'
         impls[#impls + 1] = 'wgmma_base'
-        impls[#impls + 1] = 'wgmma_ws'
+        impls[#impls + 1] = 'wgmma_ovlq'
       end
       local ref
       seed = seed + 10
@@ -239,7 +238,7 @@ describe('fused attention on cuda #gpu', function()
     end
   end
 
-  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'wgmma0', 'wgmma_ovl', 'wgmma_base', 'wgmma_ws', 'mma', 'wmma', 'simt' }) do
+  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'wgmma0', 'wgmma_ovl', 'wgmma_base', 'wgmma_ovlq', 'mma', 'wmma', 'simt' }) do
     it(('transposed (B, T, H, D) views work without copies and give the same result (%s)'):format(impl), function()
       for _, c in ipairs({ { 'f32', 32 }, { 'bf16', 32 }, { 'bf16', 64 }, { 'f16', 128 } }) do
         local dt, D = c[1], c[2]
