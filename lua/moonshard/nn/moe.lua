@@ -1066,21 +1066,33 @@ function moe.install(nn, nnf)
       local pad = rawget(self, '_pad')
       if pad ~= nil then
         -- (a multi-token-prediction depth on whole sequences: its filler
-        -- positions left out, models/deepseek_v3.lua)
-        counts = A.no_grad(function()
-          local E, k = self.n_experts, ids.shape[2]
-          local z = T.zeros({ E }, { dtype = 'f32', device = ids.device })   -- (exact to 2^24 slots)
-          z:scatter_add_(1, ids:contiguous():reshape({ N * k }),
+        -- positions left out, models/deepseek_v3.lua; counted on the
+        -- device, read by moe.update_bias with the others: no host read
+        -- here)
+        A.no_grad(function()
+          local k = ids.shape[2]
+          local z = rawget(self, '_tokens_dev') or T.zeros({ self.n_experts }, { dtype = 'f32', device = ids.device })
+          z:scatter_add_(1, ids:contiguous():reshape({ N * k }),   -- (exact to 2^24 slots)
             pad.mask:to('f32'):reshape({ N, 1 }):expand({ N, k }):contiguous():reshape({ N * k }))
-          local v = z:to('cpu'):totable()
-          z:free()
-          return v
+          rawset(self, '_tokens_dev', z)
         end)
+        return
       end
       local acc = rawget(self, '_tokens') or {}
       for e = 1, self.n_experts do acc[e] = (acc[e] or 0) + counts[e] end
       rawset(self, '_tokens', acc)
     end
+  end
+
+  -- the slots each expert got since the last moe.update_bias (a Lua list
+  -- of E; nil when none were counted): what update_bias sums, read here
+  -- from the device where they are kept there
+  function MoE:routing_counts()
+    local acc, z = rawget(self, '_tokens'), rawget(self, '_tokens_dev')
+    if z == nil then return acc end
+    local v = z:to('cpu'):totable()
+    if acc then for e = 1, self.n_experts do v[e] = v[e] + acc[e] end end
+    return v
   end
 
   -- the routed part of the forward under expert parallelism (moe.expert_parallel):
@@ -1239,8 +1251,19 @@ function moe.update_bias(model, rate, group)
   end
   local dev = list[1]:routing_bias().device
   local c = ms.tensor(flat, { dtype = 'f32' }):to(dev)
-  if group ~= nil and group:size() > 1 then ms.dist.all_reduce(c, 'sum', { group = group }) end
+  -- (the counts kept on the device: a multi-token-prediction depth's, its
+  -- filler positions left out, MoE:record_stats)
   local off = 0
+  for _, m in ipairs(list) do
+    local z = rawget(m, '_tokens_dev')
+    if z ~= nil then
+      c:narrow(1, off + 1, m.n_experts):add_(z:to(dev))
+      rawset(m, '_tokens_dev', nil)
+    end
+    off = off + m.n_experts
+  end
+  if group ~= nil and group:size() > 1 then ms.dist.all_reduce(c, 'sum', { group = group }) end
+  off = 0
   A.no_grad(function()
     for _, m in ipairs(list) do
       local cm = c:narrow(1, off + 1, m.n_experts)
@@ -1254,7 +1277,7 @@ end
 -- moe.reset_counts(model): the counts since the last update dropped (a
 -- skipped step)
 function moe.reset_counts(model)
-  for _, m in ipairs(moe.layers(model)) do rawset(m, '_tokens', nil) end
+  for _, m in ipairs(moe.layers(model)) do rawset(m, '_tokens', nil); rawset(m, '_tokens_dev', nil) end
 end
 
 -- moe.expert_parallel(model, group) -> layers: expert parallelism over
