@@ -5,7 +5,10 @@
 // weight's gradient, a dot product). One block a row; the threads stride
 // over the row's H elements (coalesced), sums in f32 (f64 for f64). Ids out
 // of range set the device flag (raised at the next sync point) and are
-// skipped: nothing is read or written out of bounds.
+// skipped: nothing is read or written out of bounds. Also the routing's
+// choice (one thread a token) and the slots' sort by expert (a counting
+// sort in three launches; its own section below), so that a layer's
+// routing needs only the experts' counts on the host.
 #include "common.cuh"
 #include "kernels.h"
 #include "vec.cuh"
