@@ -140,8 +140,8 @@ describe('nn.MoE on CUDA #gpu', function()
         local t = ms.empty({ N, k }, { dtype = 'i64' })
         local p = ffi.cast('int64_t *', t:data_ptr())
         for i = 0, N * k - 1 do
-          seed = (seed * 1103515245 + 12345) % 2147483648
-          local e = math.floor(seed / 65536) % E
+          seed = seed * 16807 % 2147483647   -- (exact in doubles)
+          local e = seed % E
           if one then e = one elseif e == skip then e = (e + 1) % E end
           p[i] = e
         end

@@ -119,7 +119,7 @@ describe('nn.MoE', function()
       for i = 1, N do
         rows[i] = {}
         for j = 1, k do
-          seed = (seed * 1103515245 + 12345) % 2147483648
+          seed = seed * 16807 % 2147483647   -- (exact in doubles)
           local e = seed % E
           if one then e = one elseif e == skip then e = (e + 1) % E end
           rows[i][j] = e
