@@ -11,7 +11,7 @@
 --   2. the k best experts of each token (k passes of argmax: ties go to the
 --      lower expert), their scores (renormalised to sum 1 when norm_topk);
 --   3. the N·k (token, expert) slots sorted by expert, stable, on the
---      rows' device (ms_moe_sort: on the CPU ms_moe_sort_slots, on GPUs
+--      rows' device (on the CPU ms_moe_sort_slots, on GPUs ms_moe_sort:
 --      kernels/moe.cu), each expert's run padded to 128 rows on GPUs; one
 --      small host read a layer, the experts' counts and padded rows (they
 --      size the GEMMs): on GPUs through page-locked memory with no stream
