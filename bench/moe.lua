@@ -10,7 +10,9 @@
 -- experts (tokens x top-k / experts rows each), grouped kernel against the
 -- loop and against one dense cuBLASLt GEMM of all the rows. Between them,
 -- the layer's step on its own: wall time synced each step, the host's
--- issue time, and the peak allocated above the start.
+-- issue time, and the peak allocated above the start. Last, a layer's
+-- routing read (moe.routing_read) with the slots sorted on the device and
+-- on the host (MS_MOE_HOST_SORT=1's path), at up to 16 x tokens x 8 slots.
 --
 --   luajit bench/moe.lua [--tokens 8192] [--dim 2048] [--iters 20] [--warmup 3]
 -- Cases: 8 experts of 1408, top-2 (Mixtral's shape, scaled); 64 experts
@@ -140,5 +142,40 @@ for _, c in ipairs({ { 8, 2, 1408 }, { 16, 4, 704 }, { 64, 8, 352 } }) do
     print(('| %d | %d | %s | %.3f | %.0f | %.3f | %.3f | %.3f |'):format(E, R, cs[1], tg, flops / (tg * 1e-3) / 1e12,
       tm, tl, td))
   end
+  collectgarbage(); collectgarbage()
+end
+
+-- a layer's routing read (moe.routing_read) with the slots sorted on the
+-- device (the default) and on the host (moe.host_sort, MS_MOE_HOST_SORT=1):
+-- median wall ms of the read with its wait (synced before each, nothing
+-- queued behind it), the device sort's GPU ms alone (CUDA events), and a
+-- check that both give the host sort's layout
+print()
+print('| slots (tokens x top-k) | experts | device sort: read ms | its kernels ms | host sort: read ms |')
+print('|---|---|---|---|---|')
+local moe = nn.moe
+for _, c in ipairs({ { N, 8, 256 }, { 4 * N, 8, 256 }, { 16 * N, 8, 256 }, { N, 2, 8 } }) do
+  local n, k, E = c[1], c[2], c[3]
+  local ids = (ms.rand({ n, k }, { seed = 9 }) * E):to('i64'):cuda()
+  local want = moe.sort_slots(ids, E, moe.align)
+  local function read_ms(host)
+    local was, layer, ts = moe.host_sort, {}, {}
+    moe.host_sort = host
+    for i = 1, opts.warmup + opts.iters do
+      ms.cuda.synchronize()
+      local t0 = B.now()
+      local st = moe.routing_read(layer, ids, E, moe.align)
+      if i > opts.warmup then ts[#ts + 1] = (B.now() - t0) * 1e3 end
+      if i == 1 then
+        assert(st.M == want.M and B.relerr(st.back, want.back) == 0 and B.relerr(st.inv, want.inv) == 0,
+          'bench/moe.lua: the routing read\'s layout is not the host sort\'s')
+      end
+    end
+    moe.host_sort = was
+    return B.median(ts)
+  end
+  local td, th = read_ms(false), read_ms(true)
+  local tk = timed(function() moe.sort_queue(ids, E, moe.align) end)
+  print(('| %d x %d | %d | %.3f | %.3f | %.3f |'):format(n, k, E, td, tk, th))
   collectgarbage(); collectgarbage()
 end

@@ -535,6 +535,55 @@ int ms_moe_sort_slots(const int64_t *ids, int64_t n, int k, int E, int64_t align
     return 0;
 }
 
+/* an i64 tensor of the sort (ms_moe_sort): contiguous, at least n
+ * elements, on the ids' device */
+static int check_sort_out(const char *op, const char *what, const ms_tensor *t, int64_t n, const ms_tensor *ids) {
+    char x[DESC];
+    if (!t || t->dtype_id != MS_I64 || !ms_tensor_is_contiguous(t) || ms_tensor_numel(t) < n)
+        return ms_errorf("%s: %s must be contiguous i64 of %lld elements or more, got %s", op, what, (long long)n,
+                         t ? ms_desc(t, x, sizeof x) : "NULL");
+    if (t->device_id != ids->device_id)
+        return ms_errorf("%s: %s is on another device than the ids: %s", op, what, ms_desc(t, x, sizeof x));
+    return ms_tensor_check_live(t, op);
+}
+
+int ms_moe_sort(const ms_tensor *ids, int k, int E, int64_t align, ms_tensor *order, ms_tensor *inv, ms_tensor *tok,
+                ms_tensor *back, ms_tensor *info) {
+    const char *op = "moe_sort";
+    char d[DESC];
+    if (!ids || ids->dtype_id != MS_I64 || !ms_tensor_is_contiguous(ids))
+        return ms_errorf("%s: ids must be contiguous i64, got %s", op, ids ? ms_desc(ids, d, sizeof d) : "NULL");
+    if (ms_tensor_check_live(ids, op)) return -1;
+    int64_t n = ms_tensor_numel(ids);
+    if (k < 1 || E < 1 || align < 1 || n % k != 0)
+        return ms_errorf("%s: %lld slots, k %d, %d experts, align %lld", op, (long long)n, k, E, (long long)align);
+    int64_t cap = n + (int64_t)E * (align - 1);
+    if (check_sort_out(op, "order", order, n, ids) || check_sort_out(op, "inv", inv, n, ids) ||
+        check_sort_out(op, "tok", tok, cap, ids) || check_sort_out(op, "back", back, cap, ids) ||
+        check_sort_out(op, "info", info, 2 * (int64_t)E + 3, ids))
+        return -1;
+#ifdef MS_WITH_CUDA
+    if (ids->device_id >= 0) {
+        if (E > MS_MOE_SORT_MAX_E || cap >= ((int64_t)1 << 31))
+            return ms_errorf("%s: %d experts, %lld slots padded to %lld rows: the CUDA sort takes %d experts and "
+                             "2^31 rows at most", op, E, (long long)n, (long long)cap, MS_MOE_SORT_MAX_E);
+        return ms_cuda_moe_sort(ids, k, E, align, order, inv, tok, back, info);
+    }
+#endif
+    const int64_t *id = (const int64_t *)ms_tensor_data(ids);
+    int64_t *in = (int64_t *)ms_tensor_data(info);
+    for (int64_t i = 0; i < 2 * (int64_t)E + 3; i++) in[i] = 0;
+    in[2 * E + 1] = -1;
+    for (int64_t s = 0; s < n; s++)
+        if (id[s] < 0 || id[s] >= E) {
+            in[2 * E + 1] = s;
+            in[2 * E + 2] = id[s];
+            return 0;
+        }
+    return ms_moe_sort_slots(id, n, k, E, align, cap, (int64_t *)ms_tensor_data(order), (int64_t *)ms_tensor_data(inv),
+                             (int64_t *)ms_tensor_data(tok), (int64_t *)ms_tensor_data(back), in, in + E, in + 2 * E);
+}
+
 /* ------------------------------------------------------------- the routing choice */
 
 /* (value, index) a before b: the higher value, then the lower index */

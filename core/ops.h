@@ -217,6 +217,19 @@ int ms_moe_combine_backward(ms_tensor *gys, ms_tensor *gw, const ms_tensor *g, c
  * the rows needed, an error. */
 int ms_moe_sort_slots(const int64_t *ids, int64_t n, int k, int E, int64_t align, int64_t cap, int64_t *order,
                       int64_t *inv, int64_t *tok, int64_t *back, int64_t *counts, int64_t *rows, int64_t *M);
+/* The same sort as one op on the ids' device (moe.routing_read: on a GPU
+ * nothing but `info` need come back to the host): ids (n = N k) i64,
+ * contiguous; order and inv (n), tok and back (n + E (align - 1) or more)
+ * and info (2 E + 3 or more) contiguous i64 on the ids' device. Writes
+ * order, inv, tok and back as ms_moe_sort_slots does (tok and back only up
+ * to the M rows), and info = [counts (E), rows (E), M, the first slot with
+ * an id outside [0, E) or -1, that id (0 when none)]. A bad id is reported
+ * in info, not as a status (a kernel cannot return one): the caller raises
+ * it, and then uses none of the outputs. CUDA (kernels/moe.cu): E at most
+ * MS_MOE_SORT_MAX_E, n + E (align - 1) below 2^31. */
+enum { MS_MOE_SORT_MAX_E = 1024 };
+int ms_moe_sort(const ms_tensor *ids, int k, int E, int64_t align, ms_tensor *order, ms_tensor *inv, ms_tensor *tok,
+                ms_tensor *back, ms_tensor *info);
 /* A layer's routing choice in one pass (moonshard.nn.moe.select): for each
  * token n, its choice scores c = scores (N, E) row n + bias (E, or NULL),
  * added in the scores' dtype (f32 or f64; bias of that dtype); with G > 1

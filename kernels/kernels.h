@@ -97,6 +97,8 @@ int ms_cuda_gemm_grouped(ms_tensor **c, ms_tensor **a, ms_tensor **b, int G, int
 // kernels/moe.cu: a mixture-of-experts layer's row moves (core/ops.h)
 int ms_cuda_moe_gather_rows(ms_tensor *out, const ms_tensor *x, const ms_tensor *idx);
 int ms_cuda_moe_select(ms_tensor *ids, const ms_tensor *scores, const ms_tensor *bias, int G, int TG, int how, int k);
+int ms_cuda_moe_sort(const ms_tensor *ids, int k, int E, long long align, ms_tensor *order, ms_tensor *inv,
+                     ms_tensor *tok, ms_tensor *back, ms_tensor *info);
 int ms_cuda_moe_combine(ms_tensor *out, const ms_tensor *ys, const ms_tensor *inv, const ms_tensor *w, int k);
 int ms_cuda_moe_swiglu(ms_tensor *h, const ms_tensor *gu);
 int ms_cuda_moe_swiglu_backward(ms_tensor *d13, const ms_tensor *gu, const ms_tensor *dh);

@@ -5,7 +5,10 @@
 // weight's gradient, a dot product). One block a row; the threads stride
 // over the row's H elements (coalesced), sums in f32 (f64 for f64). Ids out
 // of range set the device flag (raised at the next sync point) and are
-// skipped: nothing is read or written out of bounds.
+// skipped: nothing is read or written out of bounds. Also the routing's
+// choice (one thread a token) and the slots' sort by expert (a counting
+// sort in three launches; its own section below), so that a layer's
+// routing needs only the experts' counts on the host.
 #include "common.cuh"
 #include "kernels.h"
 #include "vec.cuh"
@@ -249,6 +252,177 @@ __global__ void select_kernel(long long *ids, const T *scores, const T *bias, lo
     for (int j = 0; j < k; j++) ids[n * k + j] = j < nb ? bi[j] : 0;
 }
 
+// ---- the slots sorted by expert (core/ops.h ms_moe_sort; core/moe.c's
+// ms_moe_sort_slots is the reference) ----
+//
+// A counting sort in three launches, the n = N k slots cut into C chunks of
+// S consecutive slots (C about two a multiprocessor; S at least 1024):
+//   1. sort_count_kernel, a block a chunk: the chunk's slots of each expert
+//      (a histogram in shared memory, one atomic a run of equal ids in a
+//      warp), and the chunk's first bad slot;
+//   2. sort_scan_kernel, one block: each expert's count and padded rows,
+//      their prefix sums over the experts (where its slots and its rows
+//      start), and each chunk's first order position for each expert (a
+//      prefix over the chunks); the padding rows' tok and back; info;
+//   3. sort_scatter_kernel, a block a chunk again: the chunk's slots in
+//      tiles of 256, each slot's place = the chunk's next position for its
+//      expert + the tile's earlier slots of that expert (its warp's lower
+//      lanes by __match_any_sync, the lower warps' counts in shared memory),
+//      and order, inv, tok, back written there.
+// Why this and not a radix sort of (expert, slot) pairs (cub): the counts
+// and the per-chunk prefix are what the padded layout needs anyway, every
+// slot is read twice and each output written once (~40 bytes a slot: tens
+// of microseconds at 10^6 slots), stability comes from the chunk and tile
+// order without a second key, and no temporary of the sort's size is
+// needed. Positions are 32-bit (n + E (align - 1) < 2^31, checked in core).
+// A bad id is counted nowhere and written nowhere: the lowest such slot
+// goes to info (the caller raises it), so nothing is out of bounds.
+const int kSortThreads = 256;                    // count and scatter blocks
+const int kSortWarps = kSortThreads / 32;
+const int kScanThreads = MS_MOE_SORT_MAX_E;      // the scan's one block: E <= this
+const long long kNoSlot = 0x7fffffffffffffffLL;  // (no bad slot yet)
+
+__global__ void sort_count_kernel(const long long *ids, long long n, int E, long long S, int *cnt, long long *bad) {
+    extern __shared__ int hist[];
+    __shared__ long long first;
+    const long long c = blockIdx.x, lo = c * S, hi = lo + S < n ? lo + S : n;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+    if (threadIdx.x == 0) first = kNoSlot;
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    for (long long base = lo; base < hi; base += blockDim.x) {   // (the same trips for every lane)
+        const long long s = base + threadIdx.x;
+        const long long id = s < hi ? ids[s] : 0;
+        int key = -1;
+        if (s < hi) {
+            if (id >= 0 && id < E) key = (int)id;
+            else atomicMin(&first, s);
+        }
+        const unsigned peers = __match_any_sync(0xffffffffu, key);
+        if (key >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[key], __popc(peers));
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[c * E + e] = hist[e];
+    if (threadIdx.x == 0) bad[c] = first;
+}
+
+// cnt (C x E): in, each chunk's slots of each expert; out, each chunk's
+// first order position for each expert. delta (E): an expert's first row
+// less its first order position. G = blockDim / E groups of E threads,
+// each over a range of chunks.
+__global__ void sort_scan_kernel(int *cnt, const long long *bad, int C, int E, long long align, long long n, int k,
+                                 const long long *ids, long long *delta, long long *info, long long *tok,
+                                 long long *back) {
+    __shared__ int part[kScanThreads];                  // (G, E): a group's slots of an expert, then their prefix
+    __shared__ long long cs[kScanThreads], rs[kScanThreads], ce[kScanThreads];
+    __shared__ long long low[32];
+    const int t = threadIdx.x, G = blockDim.x / E, g = t / E, e = t % E;
+    const int c0 = g < G ? (int)((long long)C * g / G) : 0, c1 = g < G ? (int)((long long)C * (g + 1) / G) : 0;
+    int sum = 0;
+#pragma unroll 4
+    for (int c = c0; c < c1; c++) sum += cnt[(long long)c * E + e];
+    if (g < G) part[t] = sum;
+    __syncthreads();
+    if (t < E) {
+        long long acc = 0;
+        for (int j = 0; j < G; j++) {
+            const int v = part[j * E + t];
+            part[j * E + t] = (int)acc;
+            acc += v;
+        }
+        ce[t] = acc;
+        cs[t] = acc;
+        rs[t] = (acc + align - 1) / align * align;
+    }
+    __syncthreads();
+    for (int off = 1; off < E; off <<= 1) {   // inclusive prefix sums over the experts (Hillis and Steele)
+        long long a = 0, b = 0;
+        if (t < E && t >= off) a = cs[t - off], b = rs[t - off];
+        __syncthreads();
+        if (t < E && t >= off) cs[t] += a, rs[t] += b;
+        __syncthreads();
+    }
+    if (t < E) {
+        const long long rows = (ce[t] + align - 1) / align * align;
+        if (t == E - 1) info[2 * E] = rs[t];
+        cs[t] -= ce[t];   // where the expert's slots start in order
+        rs[t] -= rows;    // where its rows start
+        info[t] = ce[t];
+        info[E + t] = rows;
+        delta[t] = rs[t] - cs[t];
+    }
+    __syncthreads();
+    if (g < G) {
+        long long at = cs[e] + part[t];
+        for (int c = c0; c < c1; c++) {
+            const long long i = (long long)c * E + e;
+            const int v = cnt[i];
+            cnt[i] = (int)at;
+            at += v;
+        }
+    }
+    // the padding rows: a warp an expert
+    const int lane = t & 31, nw = blockDim.x >> 5;
+    for (int x = t >> 5; x < E; x += nw) {
+        const long long r0 = rs[x] + ce[x], r1 = rs[x] + (ce[x] + align - 1) / align * align;
+        for (long long r = r0 + lane; r < r1; r += 32) tok[r] = n / k, back[r] = n;
+    }
+    // the lowest bad slot of all the chunks
+    long long m = kNoSlot;
+    for (int c = t; c < C; c += blockDim.x) m = bad[c] < m ? bad[c] : m;
+    for (int off = 16; off > 0; off >>= 1) {
+        const long long o = __shfl_down_sync(0xffffffffu, m, off);
+        m = o < m ? o : m;
+    }
+    if (lane == 0) low[t >> 5] = m;
+    __syncthreads();
+    if (t == 0) {
+        for (int w = 1; w < nw; w++) m = low[w] < m ? low[w] : m;
+        info[2 * E + 1] = m == kNoSlot ? -1 : m;
+        info[2 * E + 2] = m == kNoSlot ? 0 : ids[m];
+    }
+}
+
+__global__ void sort_scatter_kernel(const long long *ids, long long n, int k, int E, long long S, const int *first,
+                                    const long long *delta, long long *order, long long *inv, long long *tok,
+                                    long long *back) {
+    extern __shared__ long long dsh[];
+    long long *dl = dsh;                   // E: delta
+    int *run = (int *)(dsh + E);           // E: the chunk's next order position for each expert
+    int *wc = run + E;                     // (kSortWarps, E): this tile's slots of each expert by warp
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    const long long c = blockIdx.x, lo = c * S, hi = lo + S < n ? lo + S : n;
+    for (int e = t; e < E; e += blockDim.x) dl[e] = delta[e], run[e] = first[c * E + e];
+    for (int i = t; i < kSortWarps * E; i += blockDim.x) wc[i] = 0;
+    __syncthreads();
+    const unsigned below = (1u << lane) - 1;
+    for (long long base = lo; base < hi; base += blockDim.x) {
+        const long long s = base + t;
+        const long long id = s < hi ? ids[s] : -1;
+        const int key = id >= 0 && id < E ? (int)id : -1;
+        const unsigned peers = __match_any_sync(0xffffffffu, key);
+        const int rank = __popc(peers & below), many = __popc(peers);
+        const bool lead = key >= 0 && rank == 0;
+        if (lead) wc[w * E + key] = many;
+        __syncthreads();
+        if (key >= 0) {
+            long long j = run[key] + rank;
+            for (int v = 0; v < w; v++) j += wc[v * E + key];
+            const long long r = j + dl[key];
+            order[j] = s;
+            inv[s] = r;
+            tok[r] = s / k;
+            back[r] = s;
+        }
+        __syncthreads();
+        if (lead) {
+            atomicAdd(&run[key], many);
+            wc[w * E + key] = 0;
+        }
+        __syncthreads();
+    }
+}
+
 }  // namespace
 
 extern "C" int ms_cuda_moe_select(ms_tensor *ids, const ms_tensor *scores, const ms_tensor *bias, int G, int TG,
@@ -371,4 +545,35 @@ extern "C" int ms_cuda_moe_swiglu_backward(ms_tensor *d13, const ms_tensor *gu, 
         LAUNCH_CHECK("moe swiglu_backward_kernel");
         return 0;
     });
+}
+
+extern "C" int ms_cuda_moe_sort(const ms_tensor *ids, int k, int E, long long align, ms_tensor *order, ms_tensor *inv,
+                                ms_tensor *tok, ms_tensor *back, ms_tensor *info) {
+    const int device = ids->device_id;
+    const long long n = ms_tensor_numel(ids);
+    if (ms_cuda_activate(device)) return -1;
+    cudaStream_t st_ = ms_cuda_stream_of(device);
+    // chunks: about two a multiprocessor, of 1024 slots or more (a multiple of the block)
+    const long long want = 2LL * ms_sm_count(device);
+    long long S = (n + want - 1) / want;
+    S = S < 1024 ? 1024 : (S + kSortThreads - 1) / kSortThreads * kSortThreads;
+    const long long C = n == 0 ? 1 : (n + S - 1) / S;
+    // the workspace: bad (C i64), delta (E i64), cnt (C x E i32)
+    ms_tmp ws;
+    int64_t bytes = (C + E) * 8 + C * E * 4;
+    if (ms_tensor_empty(&ws.t, 1, &bytes, MS_U8, device)) return -1;
+    long long *bad = (long long *)ms_tensor_data(ws.t), *delta = bad + C;
+    int *cnt = (int *)(delta + E);
+    const long long *pi = (const long long *)ms_tensor_data(ids);
+    long long *po = (long long *)ms_tensor_data(order), *pv = (long long *)ms_tensor_data(inv);
+    long long *pt = (long long *)ms_tensor_data(tok), *pb = (long long *)ms_tensor_data(back);
+    sort_count_kernel<<<(unsigned)C, kSortThreads, (size_t)E * 4, st_>>>(pi, n, E, S, cnt, bad);
+    LAUNCH_CHECK("moe sort_count_kernel");
+    sort_scan_kernel<<<1, kScanThreads, 0, st_>>>(cnt, bad, (int)C, E, align, n, k, pi, delta,
+                                                  (long long *)ms_tensor_data(info), pt, pb);
+    LAUNCH_CHECK("moe sort_scan_kernel");
+    sort_scatter_kernel<<<(unsigned)C, kSortThreads, (size_t)E * (8 + 4 + 4 * kSortWarps), st_>>>(
+        pi, n, k, E, S, cnt, delta, po, pv, pt, pb);
+    LAUNCH_CHECK("moe sort_scatter_kernel");
+    return 0;
 }

@@ -130,16 +130,83 @@ describe('nn.MoE on CUDA #gpu', function()
     end
   end)
 
-  it('a forward reads its routing once without a stream sync (the ids through page-locked memory, the index '
-    .. 'vectors uploaded asynchronously), with a shared expert queued before the wait; output and gradients as the CPU',
+  it('the slots\' sort on the device (ms_moe_sort, kernels/moe.cu) as the host\'s (ms_moe_sort_slots): random ids, '
+    .. 'align 1 and 128, an expert with no slots, every slot to one expert, 2^20 slots, 1024 experts; a bad id named',
+    function()
+      local ffi = ms.ffi
+      local seed = 4242
+      -- (N, k) ids in [0, E) from an LCG; `skip` never chosen, or all `one`
+      local function ids_of(N, k, E, skip, one)
+        local t = ms.empty({ N, k }, { dtype = 'i64' })
+        local p = ffi.cast('int64_t *', t:data_ptr())
+        for i = 0, N * k - 1 do
+          seed = seed * 16807 % 2147483647   -- (exact in doubles)
+          local e = seed % E
+          if one then e = one elseif e == skip then e = (e + 1) % E end
+          p[i] = e
+        end
+        return t
+      end
+      local function same(want, got, what)
+        local g = got:to('cpu')
+        assert.are.same(want.shape, g.shape, what)
+        local a, b = ffi.cast('int64_t *', want:data_ptr()), ffi.cast('int64_t *', g:data_ptr())
+        for i = 0, want:numel() - 1 do
+          if a[i] ~= b[i] then
+            error(('%s[%d]: %d on the device, %d on the host'):format(what, i, tonumber(b[i]), tonumber(a[i])))
+          end
+        end
+      end
+      local cases = {
+        { 37, 3, 5, 1 }, { 37, 3, 5, 128 }, { 1000, 8, 64, 128, 17 }, { 4096, 6, 160, 128, nil, 42 },
+        { 4096, 2, 8, 1, nil, 7 }, { 1, 1, 1, 1 }, { 3001, 8, 256, 128, 0 }, { 131072, 8, 256, 128, 255 },
+        { 65536, 4, 1024, 128 }, { 50000, 2, 3, 1 },
+      }
+      for _, c in ipairs(cases) do
+        local N, k, E, align = c[1], c[2], c[3], c[4]
+        local what = ('N %d, k %d, E %d, align %d'):format(N, k, E, align)
+        local ids = ids_of(N, k, E, c[5], c[6])
+        local want = nn.moe.sort_slots(ids, E, align)
+        local got = nn.moe.sort_slots_on(ids:to('cuda'), E, align)
+        assert.are.equal('cuda', got.order.device:sub(1, 4), what)
+        for _, f in ipairs({ 'order', 'inv', 'tok', 'back' }) do same(want[f], got[f], what .. ': ' .. f) end
+        assert.are.same(want.counts, got.counts, what)
+        assert.are.same(want.rows, got.rows, what)
+        assert.are.equal(want.M, got.M, what)
+        assert.are.equal(want.pads, got.pads, what)
+        if c[5] then assert.are.equal(0, got.counts[c[5] + 1], what) end
+        if c[6] then assert.are.equal(N * k, got.counts[c[6] + 1], what) end
+      end
+      -- bad ids: the lowest slot named, with its id (negative and past E; one in a later chunk too)
+      local ids = ids_of(70000, 4, 16)
+      local p = ffi.cast('int64_t *', ids:data_ptr())
+      p[250001], p[123457], p[200000] = 16, -2, 99
+      local ok, err = pcall(nn.moe.sort_slots_on, ids:to('cuda'), 16, 128)
+      assert.is_false(ok)
+      assert.matches('moe: expert id -2 at slot 123457 is outside [0, 16)', tostring(err), 1, true)
+      ok, err = pcall(nn.moe.sort_slots_on, ms.tensor({ { 0, 4 } }, { dtype = 'i64' }):to('cuda'), 4)
+      assert.is_false(ok)
+      assert.matches('moe: expert id 4 at slot 1 is outside [0, 4)', tostring(err), 1, true)
+      -- what the CUDA sort does not take, named
+      ok, err = pcall(nn.moe.sort_slots_on, ids_of(4, 2, 8):to('cuda'), 1025)
+      assert.is_false(ok)
+      assert.matches('the CUDA sort takes 1024 experts', tostring(err), 1, true)
+    end)
+
+  it('a forward reads its routing once without a stream sync (the slots sorted on the device, the experts\' counts '
+    .. 'through page-locked memory; with moe.host_sort the ids, sorted on the host, the index vectors uploaded '
+    .. 'asynchronously), with a shared expert queued before the wait; output and gradients as the CPU',
     function()
       ms.manual_seed(6)
       local cpu = nn.MoE { dim = 32, hidden = 16, experts = 8, top_k = 2, shared_hidden = 24 }
       local gpu = nn.MoE { dim = 32, hidden = 16, experts = 8, top_k = 2, shared_hidden = 24 }:to('cuda')
       gpu:load_state_dict(cpu:state_dict())
       local x = ms.randn({ 3, 50, 32 }, { seed = 8 })
-      for pass = 1, 3 do   -- (the layer's page-locked buffers reused, then grown)
-        local xs = pass < 3 and x or ms.randn({ 5, 70, 32 }, { seed = 9 })
+      local host_sort = nn.moe.host_sort
+      finally(function() nn.moe.host_sort = host_sort end)
+      for pass = 1, 6 do   -- (the layer's page-locked buffers reused, then grown; the device sort, then the host's)
+        nn.moe.host_sort = pass > 3
+        local xs = pass % 3 ~= 0 and x or ms.randn({ 5, 70, 32 }, { seed = 9 })
         local xg = xs:to('cuda'):requires_grad_()
         local xc = xs:clone():requires_grad_()
         ms.cuda.synchronize()

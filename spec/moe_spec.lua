@@ -111,6 +111,50 @@ describe('nn.MoE', function()
     assert.matches('moe: expert id 4 at slot 1 is outside [0, 4)', tostring(err), 1, true)
   end)
 
+  it('sort_slots_on (ms_moe_sort, its CPU path): sort_slots\' table from one op; a bad id named; bad outputs '
+    .. 'named', function()
+    local seed = 777
+    local function ids_of(N, k, E, skip, one)
+      local rows = {}
+      for i = 1, N do
+        rows[i] = {}
+        for j = 1, k do
+          seed = seed * 16807 % 2147483647   -- (exact in doubles)
+          local e = seed % E
+          if one then e = one elseif e == skip then e = (e + 1) % E end
+          rows[i][j] = e
+        end
+      end
+      return ms.tensor(rows, { dtype = 'i64' })
+    end
+    for _, c in ipairs({ { 40, 3, 7, 1 }, { 40, 3, 7, 4 }, { 33, 2, 5, 8, 2 }, { 25, 4, 6, 4, nil, 3 }, { 1, 1, 1, 1 } }) do
+      local ids = ids_of(c[1], c[2], c[3], c[5], c[6])
+      local want, got = moe.sort_slots(ids, c[3], c[4]), moe.sort_slots_on(ids, c[3], c[4])
+      for _, f in ipairs({ 'order', 'inv', 'tok', 'back' }) do assert.are.same(vals(want[f]), vals(got[f]), f) end
+      assert.are.same(want.counts, got.counts)
+      assert.are.same(want.rows, got.rows)
+      assert.are.equal(want.M, got.M)
+      assert.are.equal(want.pads, got.pads)
+      if c[5] then assert.are.equal(0, got.counts[c[5] + 1]) end
+      if c[6] then assert.are.equal(c[1] * c[2], got.counts[c[6] + 1]) end
+    end
+    local ok, err = pcall(moe.sort_slots_on, ms.tensor({ { 0, 1 }, { 2, -3 }, { 9, 0 } }, { dtype = 'i64' }), 4, 2)
+    assert.is_false(ok)
+    assert.matches('moe: expert id -3 at slot 3 is outside [0, 4)', tostring(err), 1, true)
+    local T = require 'moonshard.tensor'
+    local ids = ms.tensor({ { 0, 1 }, { 2, 3 } }, { dtype = 'i64' })
+    local function e(n) return ms.empty({ n }, { dtype = 'i64' }) end
+    ok, err = pcall(T.check, T.C.ms_moe_sort(ids, 2, 4, 2, e(4), e(4), e(7), e(8), e(11)))
+    assert.is_false(ok)
+    assert.matches('moe_sort: tok must be contiguous i64 of 8 elements or more', tostring(err), 1, true)
+    ok, err = pcall(T.check, T.C.ms_moe_sort(ids, 2, 4, 2, e(4), e(4), e(8), e(8), ms.empty({ 11 })))
+    assert.is_false(ok)
+    assert.matches('moe_sort: info must be contiguous i64 of 11 elements or more', tostring(err), 1, true)
+    ok, err = pcall(T.check, T.C.ms_moe_sort(ids, 3, 4, 2, e(4), e(4), e(8), e(8), e(11)))
+    assert.is_false(ok)
+    assert.matches('moe_sort: 4 slots, k 3', tostring(err), 1, true)
+  end)
+
   it('topk: the k largest of each row in order, ties to the lower index', function()
     local s = ms.tensor({ { 0.1, 0.5, 0.5, 0.2 }, { 0.9, 0.1, 0.3, 0.9 } })
     assert.are.same({ 1, 2, 3, 0, 3, 2 }, vals(moe.topk(s, 3)))

@@ -10,12 +10,12 @@
 --   1. router logits x Wgᵀ (N, E), in f32; scores softmax (or sigmoid);
 --   2. the k best experts of each token (k passes of argmax: ties go to the
 --      lower expert), their scores (renormalised to sum 1 when norm_topk);
---   3. the N·k (token, expert) slots sorted by expert, stable, on the host
---      (ms_moe_sort_slots; one copy of the N·k expert ids to the host a
---      layer: the experts' row counts size their GEMMs; on GPUs through
---      page-locked memory with no stream sync, the shared expert queued
---      before the wait: moe.routing_read), each expert's run padded to 128
---      rows on GPUs;
+--   3. the N·k (token, expert) slots sorted by expert, stable, on the
+--      rows' device (on the CPU ms_moe_sort_slots, on GPUs ms_moe_sort:
+--      kernels/moe.cu), each expert's run padded to 128 rows on GPUs; one
+--      small host read a layer, the experts' counts and padded rows (they
+--      size the GEMMs): on GPUs through page-locked memory with no stream
+--      sync, the shared expert queued before the wait (moe.routing_read);
 --   4. the tokens' rows gathered in that order (ms_moe_gather_rows), each
 --      expert's run through its MLP (ms_moe_experts_forward: the loop in C);
 --   5. each token's k rows weighted by their routing weights and summed
@@ -360,16 +360,77 @@ function moe.sort_slots(ids, E, align, buf)
   return { order = order, inv = inv, tok = tok, back = back, counts = c, rows = r, M = m, pads = m > n }
 end
 
+-- moe.sort_queue(ids (N, k) i64, E, align) -> the same sort queued as one
+-- op on the ids' device (ms_moe_sort; kernels/moe.cu on a GPU): a table of
+-- order, inv (N·k), tok, back (N·k + E (align - 1): the rows, then room)
+-- and info (2 E + 3: counts, rows, M, the first bad slot or -1, its id),
+-- i64 tensors on that device, written when the stream gets there; nothing
+-- read on the host. moe.sort_read turns it into sort_slots' table.
+function moe.sort_queue(ids, E, align)
+  align = align or 1
+  local n = ids:numel()
+  local k = ids.ndim == 2 and ids.shape[2] or 1
+  local cap = n + E * (align - 1)
+  local o = { dtype = 'i64', device = ids.device }
+  local q = { n = n, k = k, E = E, order = T.empty({ n }, o), inv = T.empty({ n }, o), tok = T.empty({ cap }, o),
+    back = T.empty({ cap }, o), info = T.empty({ 2 * E + 3 }, o) }
+  local idc = ids:contiguous()
+  local rc = T.C.ms_moe_sort(idc, k, E, align, q.order, q.inv, q.tok, q.back, q.info)
+  if idc ~= ids then idc:free() end   -- (stream-ordered: the sort has it)
+  T.check(rc, 2)
+  return q
+end
+
+-- moe.sort_read(q, info) -> sort_slots' table from a queued sort (moe.sort_queue)
+-- and `info`, a host i64 tensor holding q.info's values (copied once the
+-- sort is done): order, inv, tok and back stay on q's device (tok and
+-- back narrowed to the M rows). An id outside [0, E) is the error
+-- sort_slots raises, naming the slot.
+function moe.sort_read(q, info)
+  local E = q.E
+  local p = ms.ffi.cast('int64_t *', info:data_ptr())
+  local bad = tonumber(p[2 * E + 1])
+  if bad >= 0 then
+    for _, t in ipairs({ q.order, q.inv, q.tok, q.back }) do t:free() end
+    error(('moe: expert id %d at slot %d is outside [0, %d)'):format(tonumber(p[2 * E + 2]), bad, E), 2)
+  end
+  local c, r = {}, {}
+  for e = 1, E do c[e], r[e] = tonumber(p[e - 1]), tonumber(p[E + e - 1]) end
+  local m = tonumber(p[2 * E])
+  local tok, back = q.tok, q.back
+  if m < tok.shape[1] then tok, back = tok:narrow(1, 1, m), back:narrow(1, 1, m) end
+  return { order = q.order, inv = q.inv, tok = tok, back = back, counts = c, rows = r, M = m, pads = m > q.n }
+end
+
+-- moe.sort_slots_on(ids (N, k) i64, E, align) -> sort_slots' table, the
+-- sort done on the ids' device (moe.sort_queue, then info read: a host
+-- sync on a GPU), order, inv, tok, back left there
+function moe.sort_slots_on(ids, E, align)
+  local q = moe.sort_queue(ids, E, align)
+  local h = q.info:to('cpu')
+  local st = moe.sort_read(q, h)
+  if h ~= q.info then q.info:free() end
+  return st
+end
+
+-- MS_MOE_HOST_SORT=1: moe.routing_read sorts on the host (the ids read,
+-- sorted by ms_moe_sort_slots, the index vectors uploaded), as before the
+-- device sort; for A/B timing. Experts past MS_MOE_SORT_MAX_E sort there too.
+moe.host_sort = os.getenv('MS_MOE_HOST_SORT') == '1'
+
 -- moe.routing_read(m, ids (N, k) on a GPU, E, align, during) -> the slot
--- sort's table (moe.sort_slots) with tok, inv, back on the GPU: the GPU
--- path of a layer's one host read, without a stream sync. The ids go to
--- page-locked memory by an asynchronous copy; `during()` is queued behind
--- it (the shared expert: the GPU runs it while the host waits for the ids
--- and sorts them); the host waits for the copy alone (an event), sorts into
--- page-locked buffers and uploads the index vectors asynchronously too (the
--- buffers, the layer's own, are next written after that upload's event).
--- Returns the table and during()'s result.
-function moe.routing_read(m, ids, E, align, during)
+-- sort's table (moe.sort_slots) with order, inv, tok, back on the GPU: the
+-- GPU path of a layer's one host read, without a stream sync. The slots
+-- are sorted on the device (moe.sort_queue), and only info (2 E + 3 i64:
+-- the experts' counts and rows, which size their GEMMs, and the bad-id
+-- flag) goes to page-locked memory by an asynchronous copy; `during()` is
+-- queued behind it (the shared expert: the GPU runs it while the host
+-- waits); the host waits for the copy alone (an event). With
+-- moe.host_sort (MS_MOE_HOST_SORT=1) the ids go to the host instead, are
+-- sorted there into page-locked buffers and the index vectors uploaded
+-- asynchronously (routing_read_host). Returns the table and during()'s
+-- result.
+local function routing_read_host(m, ids, E, align, during)
   local cuda = ms.cuda
   local n, k = ids:numel(), ids.shape[2]
   local cap = n + E * (align - 1)
@@ -399,6 +460,26 @@ function moe.routing_read(m, ids, E, align, during)
   st.tok, st.inv, st.back = up(st.tok), up(st.inv), up(st.back)
   b.up_done:record()
   return st, extra
+end
+
+function moe.routing_read(m, ids, E, align, during)
+  if moe.host_sort or E > T.C.MS_MOE_SORT_MAX_E then return routing_read_host(m, ids, E, align, during) end
+  local cuda = ms.cuda
+  local dev = ids.device_id
+  local b = rawget(m, '_pin_info')
+  -- (the host read the last copy into it before that forward went on)
+  if not b or b.E < E or b.device ~= dev then
+    b = { E = E, device = dev, info = cuda.pinned_empty({ 2 * E + 3 }, 'i64'), got = cuda.event { device = dev } }
+    rawset(m, '_pin_info', b)
+  end
+  local q = moe.sort_queue(ids, E, align)
+  local h = b.info:narrow(1, 1, 2 * E + 3)
+  cuda.copy_async_(h, q.info)
+  b.got:record()
+  local extra = during and during() or nil
+  b.got:synchronize()
+  q.info:free()
+  return moe.sort_read(q, h), extra
 end
 
 -- moe.topk(scores (N, E), k) -> ids (N, k) i64: each row's k largest, in
@@ -1001,9 +1082,9 @@ function moe.install(nn, nnf)
       if self.shared_name then y = y + self:shared_out(x2) end
       return y:reshape(shape)
     end
-    -- the slots sorted by expert on the host (one read of the ids a layer);
-    -- the shared expert is queued first, so that on a GPU it runs while the
-    -- host waits for the ids and sorts them (moe.routing_read)
+    -- the slots sorted by expert (one host read a layer: the experts'
+    -- counts); the shared expert is queued first, so that on a GPU it runs
+    -- while the host waits for them (moe.routing_read)
     local shared_of = self.shared_name and function() return self:shared_out(x2, xe, tp_sum) end or nil
     local st, shared
     if dev == 'cpu' then
