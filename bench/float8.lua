@@ -3,6 +3,7 @@
 --
 --   luajit bench/float8.lua [--tokens 8192] [--iters 50] [--shapes 2048x3072,...] [--casts]
 --                           [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise]
+--   luajit bench/float8.lua --pieces W [--shapes ...] [--iters 50]
 --
 -- Per shape (tokens x in -> out), forward+backward calls (x and the weight
 -- bf16, both needing their gradient; the weight's gradient made anew each
@@ -22,6 +23,18 @@
 -- GEMMs cuBLASLt's block-scaled ones (Hopper; no fast accumulation). The default shapes
 -- are the 1.25B Llama's projections (hidden 2048, kv 512, MLP 5632) and
 -- an 8B one's (4096 -> 14336).
+--
+-- --pieces W: the blockwise recipe's f8 all-gather work on one rank of W
+-- (docs/fsdp.md, "Float8 all-gathers"): for each weight (out, in) bf16, the
+-- piece of rank 0 (its n / W elements, the cut inside a block) -- its
+-- blocks' maxima (float8_amax_blockwise_piece), the scales from the grid
+-- (float8_scales_blockwise) and its cast (float8_cast_blockwise_piece) --
+-- against the 128 x 128 cast of the whole gathered weight (both layouts)
+-- that a layer makes with bf16 gathers, each forward (and again in the
+-- backward under FULL_SHARD). The piece's bytes are checked against the
+-- whole cast's. GB/s count the bytes read and written (the piece is read
+-- twice: once for the maxima, once for the cast); L2 is not flushed
+-- between calls (the production order reads each piece twice in a row too).
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ms = require 'moonshard'
 local F = ms.raw
@@ -30,7 +43,7 @@ local nnf = ms.nn.functional
 
 local opts = { tokens = 8192, iters = 50, recipe = 'tensorwise',
   shapes = '2048x2048,2048x512,2048x5632,5632x2048,4096x14336,14336x4096' }
-local casts_only = false
+local casts_only, pieces = false, nil
 do
   local i = 1
   while i <= #arg do
@@ -38,11 +51,15 @@ do
     if k == 'casts' then
       casts_only = true
       i = i + 1
+    elseif k == 'pieces' and tonumber(arg[i + 1]) then
+      pieces = tonumber(arg[i + 1])
+      i = i + 2
     elseif k and opts[k] ~= nil and arg[i + 1] then
       opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
       i = i + 2
     else
-      error('usage: bench/float8.lua [--tokens N] [--iters N] [--shapes INxOUT,...] [--recipe R] [--casts]; got '
+      error('usage: bench/float8.lua [--tokens N] [--iters N] [--shapes INxOUT,...] [--recipe R] [--casts] '
+        .. '[--pieces W]; got '
         .. tostring(arg[i]))
     end
   end
@@ -98,6 +115,58 @@ local function timed(fn, iters)
     host = math.min(host, h)
   end
   return best, host
+end
+
+if pieces then
+  local W = pieces
+  print(('| weight (out, in) | W | piece elements | maxima ms | scales ms | piece cast ms | piece total ms | GB/s '
+    .. '| whole 128x128 cast ms | whole GB/s |'))
+  print('|---|---|---|---|---|---|---|---|---|---|')
+  for sh in opts.shapes:gmatch('[^,]+') do
+    local in_f, out_f = sh:match('^(%d+)x(%d+)$')
+    in_f, out_f = tonumber(in_f), tonumber(out_f)
+    local R, C, n = out_f, in_f, out_f * in_f
+    local w = ms.randn({ R, C }, { seed = 3, device = 'cuda' }):to('bf16')
+    local flat = w:view(n)
+    -- the pieces of W ranks (the flat parameter's even split), rank 0's
+    -- ending inside a block unless the split falls on a block row's end
+    local S = math.ceil(n / W)
+    local grid
+    for r = 0, W - 1 do
+      local off, len = r * S, math.min(S, n - r * S)
+      if len > 0 then
+        local a = F.float8_amax_blockwise_piece(flat:narrow(1, off + 1, len), R, C, off)
+        if grid then
+          local m = grid:gt(a)
+          local g = F.where(m, grid, a)
+          m:free(); grid:free(); a:free()
+          grid = g
+        else grid = a end
+      end
+    end
+    local piece = flat:narrow(1, 1, S)
+    local sc, inv, inv_t = F.float8_scales_blockwise(grid, 'f8e4m3')
+    local out = F.float8_cast_blockwise_piece(piece, sc, R, C, 0, 'f8e4m3')
+    -- against the whole cast (bytes and scales)
+    local r8, c8, ir, ic = F.float8_cast_blockwise(w, 'f8e4m3', { blocks = '128x128', cols = true })
+    local d = F.sub(out:to('f32'), r8:view(n):narrow(1, 1, S):to('f32')):abs():max():item()
+    local di = F.sub(inv, ir):abs():max():item() + F.sub(inv_t, ic):abs():max():item()
+    assert(d == 0 and di == 0, ('%s: the pieces differ from the whole cast (%g, scales %g)'):format(sh, d, di))
+    r8:free(); c8:free(); ir:free(); ic:free()
+    local am = ms.empty({ math.ceil(R / 128), math.ceil(C / 128) }, { device = 'cuda' })
+    local ta = timed(function() F.float8_amax_blockwise_piece(piece, R, C, 0, { out = am }) end, opts.iters)
+    local ts = timed(function() F.float8_scales_blockwise(grid, 'f8e4m3', { scale = sc, inv = inv, inv_t = inv_t }) end,
+      opts.iters)
+    local tc = timed(function() F.float8_cast_blockwise_piece(piece, sc, R, C, 0, 'f8e4m3', { out = out }) end, opts.iters)
+    local tw = timed(function()
+      local a, b, c, e = F.float8_cast_blockwise(w, 'f8e4m3', { blocks = '128x128', cols = true })
+      a:free(); b:free(); c:free(); e:free()
+    end, opts.iters)
+    local tot = ta + ts + tc
+    print(('| (%d, %d) | %d | %d | %.4f | %.4f | %.4f | %.4f | %.0f | %.4f | %.0f |'):format(R, C, W, S, ta, ts, tc, tot,
+      5 * S / (tot * 1e6), tw, 4 * n / (tw * 1e6)))
+  end
+  os.exit(0)
 end
 
 print(('| tokens x in -> out | bf16 ms | float8 ms | speedup | FP8 GEMMs ms | casts ms | amax + cast of x ms | '

@@ -25,7 +25,8 @@
 -- flops only, not the recompute),
 -- --float8 (the blocks' linear layers in FP8: moonshard.float8.convert,
 -- docs/float8.md; --recipe names the recipe, tensorwise by default;
--- --float8-gather: fully_shard's float8_all_gather, docs/fsdp.md),
+-- --float8-gather: fully_shard's float8_all_gather, tensorwise or blockwise,
+-- docs/fsdp.md),
 -- --tp (tensor parallelism instead of FSDP: ms.tp.parallelize over the
 -- world, every rank the same batch; tokens/s per GPU is then the step's
 -- tokens over the GPUs; docs/tp.md), --sp (with --tp: sequence parallel),

@@ -11,6 +11,7 @@
 #include "fp8.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -716,5 +717,164 @@ int ms_scaled_matmul_blockwise(ms_tensor **out, const ms_tensor *a, const ms_ten
     ms_tensor_free(bt);
     ms_tensor_free(prod);
     ms_tensor_free(bc);
+    return finish(out, allocated, rc);
+}
+
+/* ------------------------------------------- blockwise pieces (FSDP) */
+
+/* a piece x (n) of a row-major (R, C) matrix at offset: x a live 1-D float
+ * tensor, R, C >= 0, the piece inside the matrix */
+static int check_piece(const char *op, const ms_tensor *x, int64_t R, int64_t C, int64_t offset) {
+    char d[DESC];
+    if (ms_tensor_check_live(x, op)) return -1;
+    if (!ms_is_float(x->dtype_id) || x->ndim != 1)
+        return ms_errorf("%s: x must be a 1-D float tensor (f64, f32, bf16, f16; a flat piece of the matrix), got %s",
+                         op, ms_desc(x, d, sizeof d));
+    const int64_t n = x->sizes[0];
+    if (R < 0 || C < 0 || offset < 0 || (C > 0 && R > INT64_MAX / C) || offset + n > R * C)
+        return ms_errorf("%s: x %s at offset %lld is not inside a (%lld, %lld) matrix", op, ms_desc(x, d, sizeof d),
+                         (long long)offset, (long long)R, (long long)C);
+#ifndef MS_WITH_CUDA
+    if (x->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
+    return 0;
+}
+
+/* a block grid's f32 tensor: contiguous (nbr, nbc) on dev */
+static int check_grid(const char *op, const char *what, const ms_tensor *s, int64_t nbr, int64_t nbc, int dev) {
+    char d[DESC], dv[32];
+    if (!s) return ms_errorf("%s: %s is missing", op, what);
+    if (ms_tensor_check_live(s, op)) return -1;
+    if (s->dtype_id != MS_F32 || s->ndim != 2 || s->sizes[0] != nbr || s->sizes[1] != nbc || s->device_id != dev ||
+        !ms_tensor_is_contiguous(s))
+        return ms_errorf("%s: %s must be a contiguous f32 (%lld, %lld) on %s (one a 128 x 128 block), got %s", op, what,
+                         (long long)nbr, (long long)nbc, ms_device_str(dev, dv, sizeof dv), ms_desc(s, d, sizeof d));
+    return 0;
+}
+
+int ms_float8_amax_blockwise_piece(ms_tensor **out, const ms_tensor *x, int64_t R, int64_t C, int64_t offset) {
+    const char *op = "float8_amax_blockwise_piece";
+    if (check_piece(op, x, R, C, offset)) return -1;
+    const int64_t nbr = cdiv128(R), nbc = cdiv128(C), shape[2] = {nbr, nbc};
+    int allocated = 0;
+    if (cast_slot(op, out, "out", 2, shape, MS_F32, x->device_id, &allocated)) return -1;
+    if (!out) return 0;
+    ms_tensor *c = NULL;
+    int rc = ms_tensor_contiguous(&c, x);
+#ifdef MS_WITH_CUDA
+    if (!rc && x->device_id >= 0) {
+        rc = ms_cuda_float8_amax_blockwise_piece(*out, c, R, C, offset);
+    } else
+#endif
+    if (!rc) {
+        /* in f32 (an f64 x rounded first), as ms_float8_cast_blockwise does */
+        ms_tensor *f = NULL;
+        rc = f32_contig(&f, c);
+        if (!rc) {
+            const float *p = ms_tensor_data(f);
+            float *m = ms_tensor_data(*out);
+            for (int64_t k = 0; k < nbr * nbc; k++) m[k] = 0.0f;
+            /* row by row: the piece's part of row e / C from column e % C */
+            const int64_t n = x->sizes[0];
+            for (int64_t e = offset, i = 0; e < offset + n;) {
+                const int64_t row = e / C, c0 = e % C, len = C - c0 < offset + n - e ? C - c0 : offset + n - e;
+                float *mr = m + (row / 128) * nbc;
+                for (int64_t k = 0; k < len; k++) amax_in(&mr[(c0 + k) / 128], p[i + k]);
+                e += len, i += len;
+            }
+        }
+        ms_tensor_free(f);
+    }
+    ms_tensor_free(c);
+    return finish(out, allocated, rc);
+}
+
+int ms_float8_scales_blockwise(ms_tensor **scale, ms_tensor **inv, ms_tensor **inv_t, const ms_tensor *amax,
+                               int dtype, int pow2) {
+    const char *op = "float8_scales_blockwise";
+    char d[DESC];
+    if (!amax) return ms_errorf("%s: amax is missing", op);
+    if (ms_tensor_check_live(amax, op)) return -1;
+    if (amax->dtype_id != MS_F32 || amax->ndim != 2 || !ms_tensor_is_contiguous(amax))
+        return ms_errorf("%s: amax must be a contiguous f32 (row blocks, column blocks) grid, got %s", op,
+                         ms_desc(amax, d, sizeof d));
+    if (!ms_is_float8(dtype))
+        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+#ifndef MS_WITH_CUDA
+    if (amax->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
+    const int64_t nbr = amax->sizes[0], nbc = amax->sizes[1], ld = pad4(nbc), ld_t = pad4(nbr);
+    const int64_t sh[2] = {nbr, nbc}, sh_i[2] = {nbr, ld}, sh_t[2] = {nbc, ld_t};
+    const int dev = amax->device_id;
+    int a_s = 0, a_i = 0, a_t = 0, rc;
+    rc = cast_slot(op, scale, "scale", 2, sh, MS_F32, dev, &a_s);
+    if (!rc) rc = cast_slot(op, inv, "inv", 2, sh_i, MS_F32, dev, &a_i);
+    if (!rc) rc = cast_slot(op, inv_t, "inv_t", 2, sh_t, MS_F32, dev, &a_t);
+    if (!rc) {
+        ms_tensor *s = scale ? *scale : NULL, *iv = inv ? *inv : NULL, *it = inv_t ? *inv_t : NULL;
+#ifdef MS_WITH_CUDA
+        if (dev >= 0) {
+            rc = ms_cuda_float8_scales_blockwise(s, iv, it, amax, dtype, pow2);
+        } else
+#endif
+        {
+            const int e5 = is_e5m2(dtype);
+            const float *m = ms_tensor_data(amax);
+            float *ps = s ? ms_tensor_data(s) : NULL, *pi = iv ? ms_tensor_data(iv) : NULL;
+            float *pt = it ? ms_tensor_data(it) : NULL;
+            if (pi) memset(pi, 0, sizeof(float) * (size_t)(nbr * ld));
+            if (pt) memset(pt, 0, sizeof(float) * (size_t)(nbc * ld_t));
+            for (int64_t rb = 0; rb < nbr; rb++)
+                for (int64_t cb = 0; cb < nbc; cb++) {
+                    const float sc = ms_fp8_scale(m[rb * nbc + cb], e5, pow2);
+                    if (ps) ps[rb * nbc + cb] = sc;
+                    if (pi) pi[rb * ld + cb] = 1.0f / sc;
+                    if (pt) pt[cb * ld_t + rb] = 1.0f / sc;
+                }
+        }
+    }
+    if (rc) {
+        finish(scale, a_s, rc);
+        finish(inv, a_i, rc);
+        finish(inv_t, a_t, rc);
+    }
+    return rc;
+}
+
+int ms_float8_cast_blockwise_piece(ms_tensor **out, const ms_tensor *x, const ms_tensor *scale, int64_t R, int64_t C,
+                                   int64_t offset, int dtype) {
+    const char *op = "float8_cast_blockwise_piece";
+    if (check_piece(op, x, R, C, offset)) return -1;
+    if (!ms_is_float8(dtype))
+        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+    const int64_t nbr = cdiv128(R), nbc = cdiv128(C), n = x->sizes[0];
+    if (check_grid(op, "scale", scale, nbr, nbc, x->device_id)) return -1;
+    int allocated = 0;
+    if (cast_slot(op, out, "out", 1, &n, dtype, x->device_id, &allocated)) return -1;
+    if (!out) return 0;
+    ms_tensor *c = NULL;
+    int rc = ms_tensor_contiguous(&c, x);
+#ifdef MS_WITH_CUDA
+    if (!rc && x->device_id >= 0) {
+        rc = ms_cuda_float8_cast_blockwise_piece(*out, c, scale, R, C, offset, dtype);
+    } else
+#endif
+    if (!rc) {
+        ms_tensor *f = NULL;
+        rc = f32_contig(&f, c);
+        if (!rc) {
+            const int e5 = is_e5m2(dtype);
+            const float *p = ms_tensor_data(f), *s = ms_tensor_data(scale);
+            uint8_t *po = ms_tensor_data(*out);
+            for (int64_t e = offset, i = 0; e < offset + n;) {
+                const int64_t row = e / C, c0 = e % C, len = C - c0 < offset + n - e ? C - c0 : offset + n - e;
+                const float *sr = s + (row / 128) * nbc;
+                for (int64_t k = 0; k < len; k++) po[i + k] = ms_fp8_from_f32(p[i + k] * sr[(c0 + k) / 128], e5, 1);
+                e += len, i += len;
+            }
+        }
+        ms_tensor_free(f);
+    }
+    ms_tensor_free(c);
     return finish(out, allocated, rc);
 }

@@ -497,6 +497,36 @@ int ms_float8_cast_blockwise(ms_tensor **out, ms_tensor **out_t, ms_tensor **inv
 int ms_scaled_matmul_blockwise(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, const ms_tensor *ainv,
                                int a_blocks, const ms_tensor *binv, int b_blocks, const ms_tensor *bias,
                                int out_dtype, double beta);
+/* ---- blockwise weights cut at arbitrary offsets (FSDP's float8 all-gathers
+ * of the blockwise recipe's weights: each rank holds a flat piece of a
+ * weight, whose 128 x 128 blocks may span ranks; docs/fsdp.md)
+ *
+ * A piece: x (n), a 1-D float tensor (any dtype and layout), holding the
+ * elements [offset, offset + n) of a row-major (R, C) matrix (0 <= offset,
+ * offset + n <= R C). The block grid is (ceil(R/128), ceil(C/128)), the
+ * 128 x 128 tiles of ms_float8_cast_blockwise (128x128), edge blocks
+ * holding what is left.
+ *
+ * ms_float8_amax_blockwise_piece: out (ceil(R/128), ceil(C/128)) f32, every
+ * entry written: max |x| over the piece's elements in that block (0 where
+ * it has none; NaN where one is NaN). The max over the pieces of a matrix
+ * (an all-reduce) is the block maxima of the whole.
+ * ms_float8_scales_blockwise: from block maxima amax (nbr, nbc) f32
+ * contiguous, each slot as in ms_float8_cast (NULL: not wanted):
+ *   scale (nbr, nbc) f32 = fmax / max(amax, 1e-12) (pow2 as there)
+ *   inv   (nbr, ceil(nbc / 4) * 4) f32 = 1 / scale, the padding 0
+ *   inv_t (nbc, ceil(nbr / 4) * 4) f32, its transpose, the padding 0
+ * inv and inv_t are what ms_float8_cast_blockwise (128x128) writes for the
+ * whole matrix and its transpose: the same bits.
+ * ms_float8_cast_blockwise_piece: out (n) dtype = saturate(x * scale of the
+ * element's block) rounded to nearest even, scale (ceil(R/128),
+ * ceil(C/128)) f32 contiguous (ms_float8_scales_blockwise's): with the
+ * whole matrix's maxima, the bytes ms_float8_cast_blockwise writes there. */
+int ms_float8_amax_blockwise_piece(ms_tensor **out, const ms_tensor *x, int64_t R, int64_t C, int64_t offset);
+int ms_float8_scales_blockwise(ms_tensor **scale, ms_tensor **inv, ms_tensor **inv_t, const ms_tensor *amax,
+                               int dtype, int pow2);
+int ms_float8_cast_blockwise_piece(ms_tensor **out, const ms_tensor *x, const ms_tensor *scale, int64_t R, int64_t C,
+                                   int64_t offset, int dtype);
 /* FFI-END */
 
 #define MS_ALL_DIMS (-1000)

@@ -1010,6 +1010,120 @@ bool fused_on() {
     return g_fused != 0;
 }
 
+
+// ------------------------------------------------ blockwise pieces (FSDP)
+// A flat piece x (n) of a row-major (R, C) weight, its elements [offset,
+// offset + n): an FSDP shard's part of a blockwise weight, cut at any
+// element. A warp takes 16 rows of one 128-column block (lane l columns
+// l, l + 32, l + 64, l + 96 of it: each load a warp's 32 consecutive
+// elements), skipping what is outside the piece: blk_piece_amax_kernel
+// folds their |x| into the block's maximum (f32 bits: a NaN's are above
+// infinity's, so it wins; one atomicMax a warp into the grid, zeroed
+// first), blk_piece_cast_kernel casts them with the block's scale. The
+// rounding is the blockwise cast's (fp8x4's __fmul_rn then the
+// conversion), so the bytes are those of blk_cast_kernel on the whole
+// weight when the scales are. Bytes: the piece read once (and one byte an
+// element written by the cast); once a step, on 1/W of the weights.
+const int kPieceRows = 16;
+
+template <typename T>
+__global__ void blk_piece_amax_kernel(const T *__restrict__ x, long long n, long long C, long long offset,
+                                      long long g0, long long items, long long nbc, unsigned int *__restrict__ out) {
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (w >= items) return;   // (a whole warp: w is the warp's)
+    const long long rg = g0 + w / nbc, cb = w % nbc, end = offset + n;
+    unsigned int m = 0;
+    for (int rr = 0; rr < kPieceRows; rr++) {
+        const long long re = (rg * kPieceRows + rr) * C;   // the row's first element
+        if (re >= end) break;
+        if (re + C <= offset) continue;
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            const long long j = cb * kBlk + lane + 32 * t, e = re + j;
+            if (j < C && e >= offset && e < end) {
+                const float a = fabsf((float)conv<T>::load(x[e - offset]));
+                m = max(m, a != a ? 0x7fc00000u : __float_as_uint(a));
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0 && m) atomicMax(out + (rg * kPieceRows / kBlk) * nbc + cb, m);
+}
+
+template <typename T, bool E5>
+__global__ void blk_piece_cast_kernel(const T *__restrict__ x, long long n, long long C, long long offset,
+                                      long long g0, long long items, long long nbc, const float *__restrict__ scale,
+                                      uint8_t *__restrict__ out) {
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (w >= items) return;
+    const long long rg = g0 + w / nbc, cb = w % nbc, end = offset + n;
+    const float sc = scale[(rg * kPieceRows / kBlk) * nbc + cb];
+    for (int rr = 0; rr < kPieceRows; rr++) {
+        const long long re = (rg * kPieceRows + rr) * C;
+        if (re >= end) break;
+        if (re + C <= offset) continue;
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            const long long j = cb * kBlk + lane + 32 * t, e = re + j;
+            if (j < C && e >= offset && e < end)
+                out[e - offset] = to_fp8(__fmul_rn((float)conv<T>::load(x[e - offset]), sc), E5);
+        }
+    }
+}
+
+// scale[b] = ms_fp8_scale(amax[b]), inv / inv_t = 1 / scale at (rb, cb) and
+// (cb, rb) of their padded grids (zeroed first), a thread a block
+__global__ void blk_scales_kernel(const float *__restrict__ amax, long long nbr, long long nbc, float *__restrict__ scale,
+                                  float *__restrict__ inv, float *__restrict__ inv_t, bool e5, bool pow2) {
+    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= nbr * nbc) return;
+    const long long rb = b / nbc, cb = b % nbc;
+    const float sc = ms_fp8_scale(amax[b], e5, pow2);
+    if (scale) scale[b] = sc;
+    if (inv) inv[rb * ((nbc + 3) / 4 * 4) + cb] = 1.0f / sc;
+    if (inv_t) inv_t[cb * ((nbr + 3) / 4 * 4) + rb] = 1.0f / sc;
+}
+
+// the warps of a piece: the 16-row groups from the piece's first row to
+// its last, times the column blocks (g0: the first group); false when the
+// grid would be too large
+bool piece_grid(long long n, long long C, long long offset, long long *g0, long long *items, long long *blocks) {
+    const long long nbc = (C + kBlk - 1) / kBlk;
+    *g0 = offset / C / kPieceRows;
+    const long long g1 = (offset + n - 1) / C / kPieceRows;
+    *items = (g1 - *g0 + 1) * nbc;
+    *blocks = (*items * 32 + 255) / 256;
+    return *blocks <= 0x7fffffffLL;
+}
+
+template <typename T>
+int launch_piece(ms_tensor *amax, ms_tensor *out, const ms_tensor *x, const ms_tensor *scale, long long R, long long C,
+                 long long offset, bool e5, cudaStream_t st) {
+    const char *op = amax ? "float8_amax_blockwise_piece" : "float8_cast_blockwise_piece";
+    const long long n = x->sizes[0], nbc = (C + kBlk - 1) / kBlk;
+    if (amax) CUDA_CHECK(cudaMemsetAsync(ms_tensor_data(amax), 0, sizeof(float) * (size_t)(((R + kBlk - 1) / kBlk) * nbc), st));
+    if (n == 0) return 0;
+    long long g0, items, blocks;
+    if (!piece_grid(n, C, offset, &g0, &items, &blocks))
+        return ms_errorf("%s: a (%lld) piece of a (%lld, %lld) matrix needs too many blocks for the grid", op, n, R, C);
+    const T *p = (const T *)ms_tensor_data(x);
+    if (amax) {
+        blk_piece_amax_kernel<T><<<(unsigned)blocks, 256, 0, st>>>(p, n, C, offset, g0, items, nbc,
+                                                                   (unsigned int *)ms_tensor_data(amax));
+        LAUNCH_CHECK("blk_piece_amax_kernel");
+    } else {
+        const float *s = (const float *)ms_tensor_data(scale);
+        uint8_t *o = (uint8_t *)ms_tensor_data(out);
+        if (e5) blk_piece_cast_kernel<T, true><<<(unsigned)blocks, 256, 0, st>>>(p, n, C, offset, g0, items, nbc, s, o);
+        else blk_piece_cast_kernel<T, false><<<(unsigned)blocks, 256, 0, st>>>(p, n, C, offset, g0, items, nbc, s, o);
+        LAUNCH_CHECK("blk_piece_cast_kernel");
+    }
+    return 0;
+}
+
 }  // namespace
 
 extern "C" int ms_cuda_float8_set_fused(int on) {
@@ -1165,5 +1279,53 @@ extern "C" int ms_cuda_transpose8(ms_tensor *out, const ms_tensor *x) {
     dim3 grid((unsigned)((C + kTile - 1) / kTile), (unsigned)((R + kTile - 1) / kTile));
     transpose8_kernel<<<grid, 256, 0, st>>>(p, R, C, o, ms_aligned16(p) && ms_aligned16(o));
     LAUNCH_CHECK("transpose8_kernel");
+    return 0;
+}
+
+extern "C" int ms_cuda_float8_amax_blockwise_piece(ms_tensor *out, const ms_tensor *x, long long R, long long C,
+                                                   long long offset) {
+    const int dev = x->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    switch (x->dtype_id) {
+    case MS_F64: return launch_piece<double>(out, nullptr, x, nullptr, R, C, offset, false, st);
+    case MS_F32: return launch_piece<float>(out, nullptr, x, nullptr, R, C, offset, false, st);
+    case MS_BF16: return launch_piece<__nv_bfloat16>(out, nullptr, x, nullptr, R, C, offset, false, st);
+    case MS_F16: return launch_piece<__half>(out, nullptr, x, nullptr, R, C, offset, false, st);
+    }
+    return ms_errorf("float8_amax_blockwise_piece: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
+}
+
+extern "C" int ms_cuda_float8_cast_blockwise_piece(ms_tensor *out, const ms_tensor *x, const ms_tensor *scale,
+                                                   long long R, long long C, long long offset, int dtype) {
+    const int dev = x->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    const bool e5 = dtype == MS_F8E5M2;
+    switch (x->dtype_id) {
+    case MS_F64: return launch_piece<double>(nullptr, out, x, scale, R, C, offset, e5, st);
+    case MS_F32: return launch_piece<float>(nullptr, out, x, scale, R, C, offset, e5, st);
+    case MS_BF16: return launch_piece<__nv_bfloat16>(nullptr, out, x, scale, R, C, offset, e5, st);
+    case MS_F16: return launch_piece<__half>(nullptr, out, x, scale, R, C, offset, e5, st);
+    }
+    return ms_errorf("float8_cast_blockwise_piece: dtype %s is not supported by the kernel", ms_dtype_name(x->dtype_id));
+}
+
+extern "C" int ms_cuda_float8_scales_blockwise(ms_tensor *scale, ms_tensor *inv, ms_tensor *inv_t, const ms_tensor *amax,
+                                               int dtype, int pow2) {
+    const int dev = amax->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    const long long nbr = amax->sizes[0], nbc = amax->sizes[1];
+    float *pi = inv ? (float *)ms_tensor_data(inv) : nullptr, *pt = inv_t ? (float *)ms_tensor_data(inv_t) : nullptr;
+    if (pi) CUDA_CHECK(cudaMemsetAsync(pi, 0, sizeof(float) * (size_t)(nbr * ((nbc + 3) / 4 * 4)), st));
+    if (pt) CUDA_CHECK(cudaMemsetAsync(pt, 0, sizeof(float) * (size_t)(nbc * ((nbr + 3) / 4 * 4)), st));
+    if (nbr * nbc == 0) return 0;
+    const long long blocks = (nbr * nbc + 255) / 256;
+    if (blocks > 0x7fffffffLL) return ms_errorf("float8_scales_blockwise: a (%lld, %lld) grid is too large", nbr, nbc);
+    blk_scales_kernel<<<(unsigned)blocks, 256, 0, st>>>((const float *)ms_tensor_data(amax), nbr, nbc,
+                                                         scale ? (float *)ms_tensor_data(scale) : nullptr, pi, pt,
+                                                         dtype == MS_F8E5M2, pow2 != 0);
+    LAUNCH_CHECK("blk_scales_kernel");
     return 0;
 }

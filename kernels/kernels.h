@@ -70,6 +70,15 @@ int ms_cuda_float8_amax_axiswise(ms_tensor *row_amax, ms_tensor *col_amax, const
  * the slots prepared or NULL) */
 int ms_cuda_float8_cast_blockwise(ms_tensor *out, ms_tensor *out_t, ms_tensor *inv, ms_tensor *inv_t,
                                   const ms_tensor *x, int blocks, int dtype, int pow2);
+/* a blockwise weight's flat piece (core/ops.h
+ * ms_float8_amax_blockwise_piece, ms_float8_scales_blockwise,
+ * ms_float8_cast_blockwise_piece; checked there, x contiguous, the slots
+ * prepared or NULL) */
+int ms_cuda_float8_amax_blockwise_piece(ms_tensor *out, const ms_tensor *x, long long R, long long C, long long offset);
+int ms_cuda_float8_scales_blockwise(ms_tensor *scale, ms_tensor *inv, ms_tensor *inv_t, const ms_tensor *amax,
+                                    int dtype, int pow2);
+int ms_cuda_float8_cast_blockwise_piece(ms_tensor *out, const ms_tensor *x, const ms_tensor *scale, long long R,
+                                        long long C, long long offset, int dtype);
 /* out (C, R) = x (R, C) transposed, 8-bit elements, both contiguous */
 int ms_cuda_transpose8(ms_tensor *out, const ms_tensor *x);
 /* gemm.cu: out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta

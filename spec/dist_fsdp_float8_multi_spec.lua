@@ -11,8 +11,9 @@
 -- 1e-2: AdamW's first step is close to lr * sign(g), so a near-zero
 -- gradient element whose sign the summation order flips moves by 2 lr;
 -- measured 7.6e-5 on two H100s), after the last within 1e-2.
--- The exact checks of the same paths are the CPU's (#mpi:
--- spec/dist_fsdp_float8_spec.lua).
+-- float8_all_gather (tensorwise on gpt2-tiny, blockwise on a tiny Llama
+-- 128 wide): the losses of bf16 gathers, exactly. The exact checks of the
+-- same paths are the CPU's (#mpi: spec/dist_fsdp_float8_spec.lua).
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
 local T = require 'moonshard.tensor'
@@ -155,6 +156,51 @@ describe('fsdp with float8 layers on GPUs (NCCL) #multi', function()
         assert.are.equal(0, ga)
         assert.is_true(gb > 0, 'the f8 gathers ran')
         assert.are.same(a, b)
+      end)
+  end
+
+  -- the blockwise recipe's f8 all-gathers: each rank's piece of a weight
+  -- gives its part of every 128 x 128 block's maximum (the kernels of
+  -- kernels/float8.cu), all-reduced over NCCL: the same bits as gathering
+  -- bf16 and casting after, so the same losses, exactly. A tiny Llama with
+  -- every projection 128 wide, 128 tokens a rank (the FP8 path on CUDA)
+  for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP' }) do
+    it(('blockwise, %s, bf16 parameters, float8_all_gather: the losses of the bf16 gathers, exactly'):format(strategy),
+      function()
+        local ids, tg = FS.lcg_rows(5151 + 7919 * R, 4, 32)
+        local x, y = ms.tensor(ids, { dtype = 'i64' }):cuda(), ms.tensor(tg, { dtype = 'i64' }):cuda()
+        local function run(f8g)
+          ms.manual_seed(5)
+          local m = require('models.llama').new('tiny', { intermediate_size = 256, num_key_value_heads = 4 })
+          assert.are.equal(28, #ms.float8.convert(m, { recipe = 'blockwise' }))
+          m = m:to('cuda')
+          fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = strategy,
+            mixed_precision = { param = 'bf16', reduce = 'f32' }, float8_all_gather = f8g })
+          local opt = fsdp.optimizer(m, ms.optim.AdamW, OPTS)
+          local before = ms.float8.stats()
+          local losses = {}
+          for s = 1, STEPS do
+            local l = ms.nn.functional.autocast('bf16', m, x, y)
+            losses[s] = l:detach():to('f32'):clone()
+            l:backward(); opt:step(); opt:zero_grad()
+          end
+          for s = 1, STEPS do losses[s] = losses[s]:item() end
+          local after = ms.float8.stats()
+          -- 64 tokens (not a multiple of 128): the plain linear, on the
+          -- weight's values (with f8 gathers written from its blocks first)
+          local ev = ms.no_grad(function()
+            return ms.nn.functional.autocast('bf16', m, x:narrow(1, 1, 2), y:narrow(1, 1, 2)):item()
+          end)
+          return losses, after.gathered_weights - before.gathered_weights, after.weight_casts - before.weight_casts, ev
+        end
+        local a, ga, wa, ea = run(false)
+        local b, gb, wb, eb = run(true)
+        assert.is_true(FS.rel(eb, ea) < 3e-2, ('64 tokens: %.6g with f8 gathers, %.6g with bf16 ones'):format(eb, ea))
+        assert.are.equal(0, ga)
+        assert.is_true(wa > 0 and gb == wa, ('the f8 gathers ran: %d weights taken gathered, %d cast'):format(gb, wa))
+        assert.are.equal(0, wb)
+        assert.are.same(a, b)
+        assert.is_true(b[STEPS] < b[1], 'it trains')
       end)
   end
 

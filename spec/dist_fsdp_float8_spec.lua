@@ -8,11 +8,16 @@
 -- float8_all_gather: the same losses and parameters as bf16 gathers,
 -- exactly (also through the copy gathers' bookkeeping, with activation
 -- checkpointing, and HYBRID_SHARD), the gathered f8 weight and scale, their
--- materialization, and the options refused.
+-- materialization, and the options refused. The blockwise recipe the same
+-- ways: gathered in full precision, then float8_all_gather with the 128 x
+-- 128 blocks' maxima all-reduced from the shards' pieces (blocks cut by
+-- the shards), bitwise the bf16 gathers' losses and parameters, the
+-- gathered bytes and scales those of casting the gathered weight.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
 local dist = require 'moonshard.dist'
 local fsdp = ms.fsdp
+local values = require('spec.support').values
 
 local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
 
@@ -128,10 +133,10 @@ describe('fsdp with float8 layers #mpi', function()
   end
 
   -- the blockwise recipe (DeepSeek-V3's) under FSDP: the weights gathered in
-  -- full precision (bf16 with bf16 parameters; no f8 gathers: their scales
-  -- are tensorwise), each layer casting its gathered weight into 128 x 128
-  -- blocks (again in the backward under FULL_SHARD), the weight gradient
-  -- into the unit's f32 sink. A tiny Llama whose every projection is 128 wide.
+  -- full precision (bf16 with bf16 parameters), each layer casting its
+  -- gathered weight into 128 x 128 blocks (again in the backward under
+  -- FULL_SHARD), the weight gradient into the unit's f32 sink. A tiny Llama
+  -- whose every projection is 128 wide.
   local function wide_llama()
     ms.manual_seed(5)
     local m = require('models.llama').new('tiny', { intermediate_size = 256, num_key_value_heads = 4 })
@@ -175,21 +180,147 @@ describe('fsdp with float8 layers #mpi', function()
     end
   end
 
-  it('llama 128-wide, blockwise, FULL_SHARD, every block checkpointed: the losses without checkpointing, exactly; no f8 gathers', function()
+  it('llama 128-wide, blockwise, FULL_SHARD, every block checkpointed: the losses without checkpointing, exactly', function()
     local x, y = FS.lcg_batch(17 + dist.rank(), 2, 64)
-    local function run(ckpt)
+    local function run(ckpt, f8g)
       local m = wide_llama()
       if ckpt then ms.nn.apply_activation_checkpointing(m, { class = 'LlamaDecoderLayer' }) end
       fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' },
-        mixed_precision = { param = 'bf16', reduce = 'f32' } })
+        mixed_precision = { param = 'bf16', reduce = 'f32' }, float8_all_gather = f8g })
       return FS.autocast_losses(m, fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 }), x, y, 3)
     end
-    assert.are.same(run(false), run(true))
-    local ok, e = pcall(function()
-      fsdp.fully_shard(wide_llama(), { float8_all_gather = true })
-    end)
-    assert.is_false(ok)
-    assert.is_truthy(tostring(e):find('found no weight of a tensorwise float8 layer', 1, true), tostring(e))
+    local a = run(false)
+    assert.are.same(a, run(true))
+    -- float8_all_gather: the same again (the backward's re-gather brings
+    -- the forward's bytes)
+    assert.are.same(a, run(true, true))
+  end)
+
+  -- float8_all_gather with the blockwise recipe: every rank's piece of a
+  -- weight (cut by the shard bounds anywhere, inside a block too) gives its
+  -- part of each block's maximum; all-reduced, the blocks' scales are those
+  -- of the gathered weight, and each piece's cast its bytes of the gathered
+  -- weight's cast: the same losses and parameters as bf16 gathers, exactly
+  -- (FULL_SHARD, SHARD_GRAD_OP; f32 and bf16 parameters; the copy gathers'
+  -- bookkeeping)
+  -- (whether a shard bound cuts a 128 x 128 block of a float8 weight)
+  local function cuts_a_block(m)
+    for _, u in ipairs(fsdp.units(m)) do
+      local f8 = u.f8
+      if f8 then
+        for _, k in ipairs(f8.ks) do
+          local b, pc = f8.blk[k], f8.piece[k]
+          if b and pc and (pc.woff % (128 * b.C) ~= 0 or (pc.woff + pc.n) % (128 * b.C) ~= 0) then return true end
+        end
+      end
+    end
+    return false
+  end
+  for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP' }) do
+    for _, mp in ipairs({ false, { param = 'bf16', reduce = 'f32' } }) do
+      it(('llama 128-wide, blockwise, %s%s, float8_all_gather: the same losses and parameters as gathering in full '
+        .. 'precision, blocks cut by the shards'):format(strategy, mp and ', bf16 parameters' or ''), function()
+        local x, y = FS.lcg_batch(91 + dist.rank(), 2, 64)
+        local cut = false
+        local function run(f8g)
+          local m = wide_llama()
+          fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = strategy,
+            float8_all_gather = f8g and true, mixed_precision = mp or nil,
+            copy_gather = f8g == 'emulate' and 'emulate' or nil })
+          if f8g then cut = cut or cuts_a_block(m) end
+          local opt = fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 })
+          local before = ms.float8.stats()
+          local r = {}
+          for k = 1, 3 do
+            local l = mp and ms.nn.functional.autocast('bf16', m, x, y) or m(x, y)
+            l:backward(); r[k] = l:item(); opt:step(); opt:zero_grad()
+          end
+          local after = ms.float8.stats()
+          fsdp.unshard(m)
+          local ps = {}
+          for name, p in m:named_parameters() do ps[#ps + 1] = { name, p:to('f64') } end
+          fsdp.reshard(m)
+          return r, ps, after.weight_casts - before.weight_casts, after.gathered_weights - before.gathered_weights
+        end
+        local a, pa, wa, ga = run(false)
+        local b, pb, wb, gb = run(true)
+        assert.are.same(a, b)
+        assert.are.same(a, (run('emulate')))
+        assert.is_true(b[3] < b[1])
+        for i = 1, #pa do
+          assert.are.equal(pa[i][1], pb[i][1])
+          assert.are.equal(0, (pa[i][2] - pb[i][2]):abs():max():item(), pa[i][1])
+        end
+        -- every weight cast (forward, and the backward under FULL_SHARD)
+        -- in full precision; taken gathered as often with f8 gathers
+        assert.are.equal(3 * 28 * (strategy == 'FULL_SHARD' and 2 or 1), wa)
+        assert.are.equal(0, ga)
+        assert.are.equal(0, wb, 'f8 gathers: no weight cast in the layers')
+        assert.are.equal(wa, gb)
+        -- (a shard bound inside a block on some rank, for more than one rank)
+        if dist.world_size() > 1 then
+          local t = ms.tensor({ cut and 1 or 0 }, { dtype = 'f64' })
+          dist.all_reduce(t, 'max')
+          assert.are.equal(1, t:item(), 'a block cut by the shards')
+        end
+      end)
+    end
+  end
+
+  it('blockwise, float8_all_gather: the gathered bytes and block scales are the cast of the gathered weight; materialized on request; layers of other widths (bf16) in the unit; HYBRID_SHARD', function()
+    local x, y = FS.lcg_batch(5 + dist.rank(), 2, 64)
+    -- k/v (64 wide) stay bf16 beside the blockwise q/o/gate/up/down
+    local function mixed()
+      ms.manual_seed(6)
+      local m = require('models.llama').new('tiny', { intermediate_size = 256 })
+      assert.are.equal(20, #ms.float8.convert(m, { recipe = 'blockwise' }))
+      return m
+    end
+    local m = mixed()
+    fsdp.fully_shard(m, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = 'SHARD_GRAD_OP',
+      float8_all_gather = true, mixed_precision = { param = 'bf16', reduce = 'f32' } })
+    local w = m.model.layers[1].mlp.up_proj.weight   -- (256, 128)
+    assert.is_nil(fsdp.float8_weight(w), 'sharded: none')
+    local loss = ms.nn.functional.autocast('bf16', m, x, y)
+    local w8, inv, inv_t = fsdp.float8_weight(w)
+    assert.are.equal('f8e4m3', w8.dtype)
+    assert.are.same({ 256, 128 }, w8.shape)
+    assert.are.same({ 2, 4 }, inv.shape)
+    assert.are.same({ 1, 4 }, inv_t.shape)
+    local b8, bi, bit = w8:to('f32'), inv:clone(), inv_t:clone()
+    assert.is_nil(fsdp.float8_weight(m.model.layers[1].self_attn.k_proj.weight), 'a 64-wide layer is gathered in bf16')
+    -- materialized: each block's codes times its inverse scale
+    assert.is_true(fsdp.float8_materialize(w))
+    local wv, cv, iv = values(w:to('f32')), values(b8), values(bi)
+    for i = 0, 255 do
+      for j = 0, 127 do
+        local want = ms.tensor({ cv[i * 128 + j + 1] * iv[math.floor(i / 128) * 4 + 1] }):to('bf16'):item()
+        if wv[i * 128 + j + 1] ~= want then error(('materialized (%d, %d): %g, want %g'):format(i, j, wv[i * 128 + j + 1], want)) end
+      end
+    end
+    loss:backward()
+    -- gathered in full precision (no step since): its blockwise cast is the
+    -- gathered bytes and scales, bit for bit
+    fsdp.unshard(m)
+    assert.is_nil(fsdp.float8_weight(w))
+    local r, _, ir, ic = ms.raw.float8_cast_blockwise(w, 'f8e4m3', { blocks = '128x128', cols = true })
+    assert.are.same(values(r:to('f32')), values(b8))
+    assert.are.same(values(ir), values(bi))
+    assert.are.same(values(ic), values(bit))
+    fsdp.reshard(m)
+    -- the mixed unit under HYBRID_SHARD (shard groups of 2) and FULL_SHARD:
+    -- the losses of bf16 gathers
+    local W = dist.world_size()
+    for _, strategy in ipairs(W % 2 == 0 and { 'FULL_SHARD', 'HYBRID_SHARD' } or { 'FULL_SHARD' }) do
+      local function run(f8g)
+        local mm = mixed()
+        fsdp.fully_shard(mm, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = strategy,
+          shard_size = strategy == 'HYBRID_SHARD' and 2 or nil, float8_all_gather = f8g,
+          mixed_precision = { param = 'bf16', reduce = 'f32' } })
+        return FS.autocast_losses(mm, fsdp.optimizer(mm, ms.optim.AdamW, { lr = 1e-3 }), x, y, 3)
+      end
+      assert.are.same(run(false), run(true), strategy)
+    end
   end)
 
   it('llama-tiny, HYBRID_SHARD (shard groups of 2 on an even world), float8_all_gather: the losses of bf16 gathers', function()
@@ -256,12 +387,12 @@ describe('fsdp with float8 layers #mpi', function()
     err(function()
       local m2 = FS.load_model('llama-tiny')
       fsdp.fully_shard(m2, { float8_all_gather = true })
-    end, 'found no weight of a tensorwise float8 layer')
+    end, 'found no weight of a tensorwise or blockwise float8 layer')
     err(function()
       local m2 = FS.load_model('llama-tiny')
       ms.float8.convert(m2, { recipe = 'rowwise' })
       fsdp.fully_shard(m2, { float8_all_gather = true })
-    end, 'found no weight of a tensorwise float8 layer')
+    end, 'found no weight of a tensorwise or blockwise float8 layer')
     err(function()
       local m2 = FS.load_model('llama-tiny')
       ms.float8.convert(m2)

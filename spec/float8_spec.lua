@@ -932,7 +932,7 @@ describe('float8.convert', function()
     assert.is_truthy(out3:find('float8: rowwise, 28 of 29 linear layers', 1, true), out3)
     local st4, e4 = S.bin_train('models/llama.lua --steps 1 --float8 --float8-all-gather')
     assert.are_not.equal(0, st4)
-    assert.is_truthy(e4:find('--float8-all-gather needs --float8 tensorwise and --fsdp', 1, true), e4)
+    assert.is_truthy(e4:find('--float8-all-gather needs --float8 tensorwise or blockwise and --fsdp', 1, true), e4)
     local st2, e = S.bin_train('models/llama.lua --steps 1 --float8 colwise')
     assert.are_not.equal(0, st2)
     assert.is_truthy(e:find('float8 must be off, tensorwise, rowwise, rowwise_with_gw_hp or blockwise, got', 1, true) and e:find('colwise', 1, true), e)
@@ -1074,6 +1074,105 @@ describe('float8 blockwise (DeepSeek-V3) scaling', function()
       'inv is the scale of out')
     err(function() T.check(T.C.ms_float8_cast_blockwise(ffi.new('ms_tensor*[1]'), nil, nil, nil, x, 3, 8, 0)) end,
       'MS_FLOAT8_1X128 (1) or MS_FLOAT8_128X128 (2), got 3')
+  end)
+
+  -- FSDP's float8 all-gathers of blockwise weights (docs/fsdp.md): each
+  -- rank's flat piece of a weight, cut at any element
+  it('pieces of a matrix cut anywhere (FSDP shards): each piece\'s block maxima, all-reduced, give the scales, and the pieces\' casts the bytes, of the 128x128 cast of the whole, bit for bit (edge blocks, dtypes, formats, pow2)', function()
+    local function vmax(p, q) return F.where(p:gt(q), p, q) end   -- (the all-reduce's max)
+    for _, c in ipairs({ { 300, 200, 'f32' }, { 300, 200, 'bf16' }, { 300, 200, 'f64' }, { 256, 384, 'bf16' } }) do
+      local R, Cc, dt = c[1], c[2], c[3]
+      local nbr, nbc = cdiv(R, 128), cdiv(Cc, 128)
+      local x = ragged(R, Cc, dt)
+      local xv = values(x:to('f32'))
+      local flat = x:contiguous():view(R * Cc)
+      -- cuts inside blocks and rows, at a row's end, one piece inside one
+      -- row of one block, one spanning block rows
+      local cuts = { 0, 77, 128 * Cc + 5, 128 * Cc + 60, 200 * Cc, 251 * Cc + Cc - 1, R * Cc }
+      local grid
+      for p = 1, #cuts - 1 do
+        local off, n = cuts[p], cuts[p + 1] - cuts[p]
+        local a = F.float8_amax_blockwise_piece(flat:narrow(1, off + 1, n), R, Cc, off)
+        assert.are.same({ nbr, nbc }, a.shape)
+        local want = {}
+        for b = 1, nbr * nbc do want[b] = 0 end
+        for e = off, off + n - 1 do
+          local i, j = math.floor(e / Cc), e % Cc
+          local b = math.floor(i / 128) * nbc + math.floor(j / 128) + 1
+          want[b] = math.max(want[b], math.abs(xv[e + 1]))
+        end
+        assert.are.same(want, values(a), ('%s (%d, %d) piece %d'):format(dt, R, Cc, p))
+        grid = grid and vmax(grid, a) or a
+      end
+      for name in pairs(fmt) do
+        for _, pow2 in ipairs({ false, true }) do
+          local tag = ('%s (%d, %d) %s%s'):format(dt, R, Cc, name, pow2 and ' pow2' or '')
+          local r, ct, ir, ic = F.float8_cast_blockwise(x, name, { blocks = '128x128', cols = true, pow2 = pow2 })
+          local sc, inv, inv_t = F.float8_scales_blockwise(grid, name, { pow2 = pow2 })
+          assert.are.same(values(ir), values(inv), tag .. ' inv')
+          assert.are.same(values(ic), values(inv_t), tag .. ' inv_t')
+          local gv, sv = values(grid), values(sc)
+          for b = 1, nbr * nbc do assert.are.equal(ref_scale(f32(gv[b]), name, pow2), sv[b], tag .. ' scale') end
+          local rv = values(r:view(R * Cc))
+          for p = 1, #cuts - 1 do
+            local off, n = cuts[p], cuts[p + 1] - cuts[p]
+            local q8 = F.float8_cast_blockwise_piece(flat:narrow(1, off + 1, n), sc, R, Cc, off, name)
+            assert.are.equal(name, q8.dtype)
+            local qv = values(q8)
+            for e = 1, n do
+              if not same(rv[off + e], qv[e]) then
+                error(('%s piece %d element %d: %s, the whole\'s %s'):format(tag, p, e, qv[e], rv[off + e]))
+              end
+            end
+          end
+          ct:free()
+        end
+      end
+    end
+  end)
+
+  it('pieces: a NaN poisons its block only, an empty piece gives zeros, outputs given are written; bad arguments are errors', function()
+    local v = values(randn({ 130, 256 }))
+    v[2 * 256 + 200] = 0 / 0            -- row 2, column 199: block (0, 1)
+    local flat = S.make({ 130 * 256 }, v, 'f32')
+    local piece = flat:narrow(1, 2 * 256 + 1, 300)   -- row 2 and row 3's first 44 columns
+    local a = F.float8_amax_blockwise_piece(piece, 130, 256, 2 * 256)
+    local av = values(a)
+    assert.is_true(av[2] ~= av[2], 'the NaN block')
+    assert.is_true(av[1] > 0 and av[3] == 0 and av[4] == 0, 'the other blocks: the piece\'s max, or 0')
+    assert.are.same({ 0, 0, 0, 0 }, values(F.float8_amax_blockwise_piece(ms.zeros({ 0 }), 130, 256, 17)))
+    -- into given tensors (slots of the FSDP unit's vectors)
+    local vec = ms.zeros({ 6 })
+    local slot = vec:narrow(1, 3, 4):view({ 2, 2 })
+    F.float8_amax_blockwise_piece(piece, 130, 256, 2 * 256, { out = slot })
+    local vv = values(vec)
+    assert.are.equal(0, vv[1]); assert.are.equal(0, vv[2]); assert.are.equal(av[1], vv[3])
+    local sc0, inv0, it0 = ms.zeros({ 2, 2 }), ms.zeros({ 2, 4 }), ms.zeros({ 2, 4 })
+    F.float8_scales_blockwise(a, 'f8e4m3', { scale = sc0, inv = inv0, inv_t = it0 })
+    local iv, tv = values(inv0), values(it0)
+    assert.is_true(iv[2] ~= iv[2] and tv[5] ~= tv[5], 'the NaN block\'s inverse scale, in both layouts')
+    assert.are.equal(0, iv[3]); assert.are.equal(0, tv[4])
+    local out = ms.empty({ 300 }, { dtype = 'f8e4m3' })
+    F.float8_cast_blockwise_piece(piece, sc0, 130, 256, 2 * 256, 'f8e4m3', { out = out })
+    local ov = values(out)
+    assert.is_true(ov[1] == ov[1] and ov[128] == ov[128] and ov[257] == ov[257] and ov[300] == ov[300], 'block (0, 0)')
+    assert.is_true(ov[129] ~= ov[129] and ov[256] ~= ov[256], 'block (0, 1)')
+    local function err(fn, want)
+      local e = S.errmsg(fn)
+      assert.is_truthy(e:find(want, 1, true), e)
+    end
+    err(function() F.float8_amax_blockwise_piece(flat:view({ 130, 256 }), 130, 256, 0) end, '1-D float')
+    err(function() F.float8_amax_blockwise_piece(piece, 130, 256, 130 * 256 - 100) end,
+      'at offset 33180 is not inside a (130, 256) matrix')
+    err(function() F.float8_amax_blockwise_piece(piece, 130, 256, -1) end, 'is not inside')
+    err(function() F.float8_amax_blockwise_piece(piece, 130, 256, 0, { out = ms.zeros({ 2, 3 }) }) end, 'expected f32 (2,2)')
+    err(function() F.float8_scales_blockwise(a:to('bf16'), 'f8e4m3') end, 'amax must be a contiguous f32')
+    err(function() F.float8_scales_blockwise(a, 'f32') end, 'f8e4m3 or f8e5m2')
+    err(function() F.float8_cast_blockwise_piece(piece, ms.zeros({ 2, 3 }), 130, 256, 0, 'f8e4m3') end,
+      'scale must be a contiguous f32 (2, 2)')
+    err(function() F.float8_cast_blockwise_piece(piece, sc0, 130, 256, 0, 'bf16') end, 'f8e4m3 or f8e5m2')
+    err(function() F.float8_cast_blockwise_piece(piece, sc0, 130, 256, 0, 'f8e4m3', { out = ms.empty({ 299 }, { dtype = 'f8e4m3' }) }) end,
+      'float8_cast_blockwise_piece')
   end)
 
   it('scaled_matmul with block scales sums each K block\'s product times its blocks\' scales (1x128 x 1x128 / 128x128, either side; bias, beta)', function()

@@ -525,6 +525,61 @@ describe('float8 blockwise on cuda #gpu', function()
     end
   end)
 
+  -- FSDP's float8 all-gathers of blockwise weights: a flat piece of a
+  -- weight cut at any element (docs/fsdp.md, "Float8 all-gathers")
+  it('the blockwise pieces (block maxima, scales, the piece\'s cast) give the CPU bits, and with the whole matrix\'s maxima the bytes of its 128x128 cast (cuts inside blocks, edge blocks, dtypes, formats, pow2, NaN)', function()
+    local function vmax(p, q) return F.where(p:gt(q), p, q) end
+    for _, sh in ipairs({ { 300, 200 }, { 256, 384 }, { 5, 7 }, { 1000, 130 } }) do
+      local R, C = sh[1], sh[2]
+      for _, dt in ipairs({ 'f32', 'bf16', 'f16', 'f64' }) do
+        local x = randn({ R, C }, 3, dt)
+        if R >= 256 then   -- (a NaN in block (1, 0))
+          local v = values(x:to('f32'))
+          v[200 * C + 3] = 0 / 0
+          x = S.make({ R, C }, v, 'f32'):to(dt)
+        end
+        local flat = x:contiguous():view(R * C)
+        local flatg = flat:cuda()
+        -- cuts: inside blocks and rows, an odd offset (the piece's first
+        -- element off any alignment), a piece inside one row of one block
+        local n = R * C
+        local cuts = { 0, math.floor(n / 7) + 1, math.floor(n / 3), math.floor(n / 3) + 5, math.floor(n * 0.8) + 3, n }
+        local grid, gridg
+        for p = 1, #cuts - 1 do
+          local off, len = cuts[p], cuts[p + 1] - cuts[p]
+          local tag = ('%dx%d %s piece %d'):format(R, C, dt, p)
+          local a = F.float8_amax_blockwise_piece(flat:narrow(1, off + 1, len), R, C, off)
+          local ag = F.float8_amax_blockwise_piece(flatg:narrow(1, off + 1, len), R, C, off)
+          same_values(ag, a, tag .. ' amax')
+          grid = grid and vmax(grid, a) or a
+          gridg = gridg and vmax(gridg, ag) or ag
+        end
+        for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+          for _, pow2 in ipairs({ false, true }) do
+            local tag = ('%dx%d %s %s pow2=%s'):format(R, C, dt, name, tostring(pow2))
+            local sc, inv, inv_t = F.float8_scales_blockwise(grid, name, { pow2 = pow2 })
+            local scg, invg, inv_tg = F.float8_scales_blockwise(gridg, name, { pow2 = pow2 })
+            same_values(scg, sc, tag .. ' scale')
+            same_values(invg, inv, tag .. ' inv')
+            same_values(inv_tg, inv_t, tag .. ' inv_t')
+            -- the whole matrix's cast on the GPU: the same scales
+            local r, _, ir, ic = F.float8_cast_blockwise(x:cuda(), name, { blocks = '128x128', cols = true, pow2 = pow2 })
+            same_values(invg, ir, tag .. ' inv against the whole cast')
+            same_values(inv_tg, ic, tag .. ' inv_t against the whole cast')
+            local rf = r:view(R * C)
+            for p = 1, #cuts - 1 do
+              local off, len = cuts[p], cuts[p + 1] - cuts[p]
+              local q = F.float8_cast_blockwise_piece(flat:narrow(1, off + 1, len), sc, R, C, off, name)
+              local qg = F.float8_cast_blockwise_piece(flatg:narrow(1, off + 1, len), scg, R, C, off, name)
+              same_values(qg, q, tag .. ' piece ' .. p)
+              same_values(qg, rf:narrow(1, off + 1, len), tag .. ' piece ' .. p .. ' against the whole cast')
+            end
+          end
+        end
+      end
+    end
+  end)
+
   it('scaled_matmul with block scales (cuBLASLt VEC128_32F / BLK128x128_32F) matches the CPU (each pair, bias, beta), or names what it cannot take', function()
     if not hopper() then
       local a, _, ai = F.float8_cast_blockwise(randn({ 128, 128 }):cuda(), 'f8e4m3')

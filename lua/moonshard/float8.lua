@@ -555,7 +555,10 @@ end
 -- layouts (w8t is w8's bytes transposed, its scale grid transposed). The
 -- forward saves the input (its transposed cast is made in the backward)
 -- and w8t unless the weight is gathered again for the backward (FSDP
--- FULL_SHARD: recompute_weight 'auto'). Layers reading one input share its
+-- FULL_SHARD: recompute_weight 'auto'). Under FSDP's float8_all_gather
+-- the weight's bytes and its blocks' inverse scales (of w8 and of w8t)
+-- come gathered (fsdp.float8_weight): w8t is a transpose of the bytes,
+-- nothing is cast from the weight. Layers reading one input share its
 -- casts, each way (the cache of the other recipes).
 local BLK = 128
 
@@ -599,7 +602,15 @@ local function bwd_blockwise(node, g)
   local dx, dw, db
   if need[1] then
     local w_in, winv = s.w_in, s.winv_in
-    if w_in == nil then   -- (made again from the weight FSDP gathered for this backward)
+    local fs = package.loaded['moonshard.fsdp']
+    local wg8, wgi, wgit
+    if w_in == nil and fs ~= nil then wg8, wgi, wgit = fs.float8_weight(s.w) end
+    if wg8 ~= nil and wgit ~= nil and wg8.dtype == cfg.weight then
+      -- gathered again in f8 for this backward (float8_all_gather): the
+      -- forward's bytes, transposed, and the transposed scale grid
+      stats.gathered_weights = stats.gathered_weights + 1
+      if s.wt then w_in, winv = transposed(wg8), R.alias(wgit) else w_in, winv = R.alias(wg8), R.alias(wgi) end
+    elseif w_in == nil then   -- (made again from the weight FSDP gathered for this backward)
       stats.weight_casts = stats.weight_casts + 1
       local r, c, ir, ic = F.float8_cast_blockwise(s.w, cfg.weight,
         { blocks = '128x128', rows = not s.wt, cols = s.wt, pow2 = cfg.pow2 })
@@ -662,10 +673,13 @@ local function linear_blockwise(x, w, b, cfg, wt, in_f, out_f, name)
       .. "got weight %s %s, input %s"):format(name, dims(w), wt and '(out, in)' or '(in, out)', dims(x)), 3)
   end
   local x2, n = rows_of(x)
+  local fs = package.loaded['moonshard.fsdp']
   -- on CUDA the token count must be a multiple of 128 too (the weight
   -- gradient's K), and f64 has no FP8 path: the plain linear then
   if x.device_id >= 0 and (n % BLK ~= 0 or x.dtype_id == 0 or w.dtype_id == 0) then
     if x2 ~= x then free(x2) end
+    -- (a weight gathered in f8 only: its values written from the f8 copy)
+    if fs ~= nil then fs.float8_materialize(w) end
     local nnf = require 'moonshard.nn.functional'
     return (wt and nnf.linear or nnf.conv1d_linear)(x, w, b)
   end
@@ -673,16 +687,32 @@ local function linear_blockwise(x, w, b, cfg, wt, in_f, out_f, name)
   if od == 0 then od = 1 end
   local grad = A.want(x, w, b)
   local need_x = grad and A.needs_grad(x)
-  local fs = package.loaded['moonshard.fsdp']
   local recompute = cfg.recompute_weight
   if recompute == 'auto' then recompute = fs ~= nil and fs.releases_after_forward(w) end
   local keep = need_x and not recompute
-  -- the weight's 128 x 128 blocks: (out, in) for y, (in, out) for dx
-  stats.weight_casts = stats.weight_casts + 1
-  local r, c, ir, ic = F.float8_cast_blockwise(w, cfg.weight,
-    { blocks = '128x128', rows = wt or keep, cols = not wt or keep, pow2 = cfg.pow2 })
+  -- FSDP's float8 all-gather: the weight's f8 bytes and its blocks' scales
+  -- (of w and of its transpose) came gathered
+  local g8, g8inv, g8inv_t
+  if fs ~= nil then g8, g8inv, g8inv_t = fs.float8_weight(w) end
+  if g8 ~= nil and (g8inv_t == nil or g8.dtype ~= cfg.weight) then g8 = nil end
   local w_out, winv, w_in, winv_in
-  if wt then w_out, winv, w_in, winv_in = r, ir, c, ic else w_out, winv, w_in, winv_in = c, ic, r, ir end
+  if g8 ~= nil then
+    stats.gathered_weights = stats.gathered_weights + 1
+    if wt then
+      w_out, winv = R.alias(g8), R.alias(g8inv)
+      if keep then w_in, winv_in = transposed(g8), R.alias(g8inv_t) end
+    else
+      w_out, winv = transposed(g8), R.alias(g8inv_t)
+      -- (the gathered buffer may be released before the backward)
+      if keep then w_in, winv_in = R.clone(g8), R.alias(g8inv) end
+    end
+  else
+    -- the weight's 128 x 128 blocks: (out, in) for y, (in, out) for dx
+    stats.weight_casts = stats.weight_casts + 1
+    local r, c, ir, ic = F.float8_cast_blockwise(w, cfg.weight,
+      { blocks = '128x128', rows = wt or keep, cols = not wt or keep, pow2 = cfg.pow2 })
+    if wt then w_out, winv, w_in, winv_in = r, ir, c, ic else w_out, winv, w_in, winv_in = c, ic, r, ir end
+  end
   local x8, xinv = blk_input_rows(x2, cfg)
   local bias = (b ~= nil and b.dtype_id == od and b.device_id == x.device_id) and b or nil
   local y2 = F.scaled_matmul(x8, w_out, xinv, winv, { out_dtype = T.dtype_name(od), bias = bias, a_blocks = '1x128',

@@ -535,26 +535,34 @@ end
 -- fully_shard{ float8_all_gather = true } (torchao's
 -- enable_fsdp_float8_all_gather with precompute_float8_dynamic_scale_for_fsdp;
 -- docs/fsdp.md, "Float8 all-gathers"): a unit's weights of tensorwise
--- float8 layers travel as f8 bytes. Once a step (at the end of the
--- optimizer step, fsdp.after_step; else at the first gather that finds the
--- shards changed), every unit's local amax of each such weight's part of
--- the shard, one all_reduce(max) over the shard group for the whole model,
--- and each part cast with its weight's scale into the unit's f8 shard;
--- the gather moves that (one byte an element) into the f8 buffer, whose
--- views are the f8 weights float8.linear takes (fsdp.float8_weight). The
--- unit's other parameters (norms, biases) go through a second, small
--- gather of their elements packed in the unit's dtype. The cast of the
--- shard is the cast of the gathered weight (tensorwise: the same global
--- amax, an element-wise cast): the same bits as gathering in bf16 and
--- casting after, 1/W of the casting work and half the bytes on the wire.
+-- and blockwise float8 layers travel as f8 bytes. Once a step (at the end
+-- of the optimizer step, fsdp.after_step; else at the first gather that
+-- finds the shards changed), every unit's local amax of each such weight's
+-- part of the shard (blockwise: of the part's elements in each 128 x 128
+-- block of the weight, a block the shards cut holding a part on each rank
+-- that has one), one all_reduce(max) over the shard group for the whole
+-- model (one a vector: the tensorwise amaxes, the blockwise grids), and
+-- each part cast with its weight's scale (its blocks' scales) into the
+-- unit's f8 shard; the gather moves that (one byte an element) into the
+-- f8 buffer, whose views are the f8 weights float8.linear takes
+-- (fsdp.float8_weight, with the scales). The unit's other parameters
+-- (norms, biases) go through a second, small gather of their elements
+-- packed in the unit's dtype. The cast of the shard is the cast of the
+-- gathered weight (the same global amax, or the same block maxima, and an
+-- element-wise cast given the scale): the same bits as gathering in bf16
+-- and casting after, 1/W of the casting work and half the bytes on the
+-- wire.
 -- The f8 weights' regions of the unit's bf16 buffer are not written by
 -- these gathers (fsdp.unshard(model) gathers them in full precision;
 -- fsdp.float8_materialize(w) writes one from its f8 copy).
 
 -- the gather plan of unit u, or nil when it has no float8 weight: f8 =
--- { ks (the weights' indices), by_off (flat offset -> k), cfg, piece[k]
--- (this rank's part: off in the shard, n), hp (the packed gather's pieces
--- over all ranks: { r, pk, dst, n }), mine (this rank's: { src, pk, n }), P }
+-- { ks (the weights' indices), by_off (flat offset -> k), cfg, blk[k] (a
+-- blockwise weight's { R, C, nbr, nbc }: its shape and block grid), piece[k]
+-- (this rank's part: off in the shard, n, woff its first element's index
+-- in the weight), hp (the packed gather's pieces over all ranks: { r, pk,
+-- dst, n }), mine (this rank's: { src, pk, n }), P }; slot[k] (the weight's
+-- place in its amax vector) is set by fully_shard
 local function f8_plan(u)
   local f8mod = package.loaded['moonshard.float8']
   if f8mod == nil then return nil end
@@ -562,11 +570,17 @@ local function f8_plan(u)
   local cfg_of, bad, tpg = {}, {}, {}
   for _, slot in ipairs(u.slots) do
     local cfg = f8mod.converted(slot.m)
-    if cfg and slot.pn == 'weight' and not cfg.axiswise and not cfg.blockwise and not u.frozen[slot.k] then
+    -- (blockwise: 2-D with both dims multiples of 128, as float8.convert
+    -- leaves them; its TP shards are cut at blocks, their scales their own)
+    local sh = fp.shapes[slot.k]
+    local blk_ok = cfg and cfg.blockwise and #sh == 2 and sh[1] % 128 == 0 and sh[2] % 128 == 0
+    if cfg and slot.pn == 'weight' and not cfg.axiswise and (blk_ok or not cfg.blockwise) and not u.frozen[slot.k] then
       if cfg_of[slot.k] == nil then cfg_of[slot.k] = cfg end
       -- (a tensor-parallel shard: its scale over the TP group, or its own)
-      local sh = rawget(slot.m, '_tp_shard')
-      if sh ~= nil and sh.group:size() > 1 then tpg[slot.k] = { group = sh.group, shared = cfg.tp_scales == 'group' } end
+      local tsh = rawget(slot.m, '_tp_shard')
+      if tsh ~= nil and tsh.group:size() > 1 and not cfg.blockwise then
+        tpg[slot.k] = { group = tsh.group, shared = cfg.tp_scales == 'group' }
+      end
     else bad[slot.k] = true end
   end
   local ks, dtype8 = {}, nil
@@ -581,14 +595,21 @@ local function f8_plan(u)
   local is8 = {}
   for _, k in ipairs(ks) do is8[k] = true end
   local S, W = fp.shard_numel, fp.world_size
-  local plan = { ks = ks, cfg = cfg_of, dtype8 = dtype8, by_off = {}, piece = {}, hp = {}, mine = {}, tp = {} }
+  local plan = { ks = ks, cfg = cfg_of, dtype8 = dtype8, by_off = {}, blk = {}, piece = {}, hp = {}, mine = {}, tp = {},
+    slot = {} }
   for _, k in ipairs(ks) do plan.tp[k] = tpg[k] end
   for _, k in ipairs(ks) do plan.by_off[fp.layout.offsets[k]] = k end
+  for _, k in ipairs(ks) do
+    if cfg_of[k].blockwise then
+      local R, C = fp.shapes[k][1], fp.shapes[k][2]
+      plan.blk[k] = { R = R, C = C, nbr = math.ceil(R / 128), nbc = math.ceil(C / 128) }
+    end
+  end
   local s0 = fp.rank * S
   for _, k in ipairs(ks) do
     local o, n = fp.layout.offsets[k], fp.numels[k]
     local a, b = math.max(o, s0), math.min(o + n, s0 + S)
-    if b > a then plan.piece[k] = { off = a - s0, n = b - a } end
+    if b > a then plan.piece[k] = { off = a - s0, n = b - a, woff = a - o } end
   end
   local P = 0
   for r = 0, W - 1 do
@@ -612,25 +633,40 @@ end
 
 -- the f8 state of a unit with a plan: the f8 shard, the unsharded f8 buffer
 -- (its data released with the unit's), the weights' f8 views, their amax
--- (0-dim views of st.f8_amax at base + j) and inverse scales (0-dim), the
--- packed source and destination of the other parameters and their views
-function Unit:f8_init(base)
+-- (tensorwise: 0-dim views of st.f8_amax at slot[k]; blockwise: (nbr, nbc)
+-- views of st.f8_bamax) and inverse scales (tensorwise 0-dim; blockwise
+-- inv and inv_t in float8_cast_blockwise's layouts of the weight and its
+-- transpose, and the blocks' scales), the packed source and destination of
+-- the other parameters and their views
+function Unit:f8_init()
   local fp, f8 = self.fp, self.f8
   local S, W, dev = fp.shard_numel, fp.world_size, fp.device
   f8.shard8 = T.empty({ S }, { dtype = f8.dtype8, device = dev })   -- (the other parameters' elements: never read)
   f8.flat8 = T.empty({ fp.total }, { dtype = f8.dtype8, device = dev })
   f8.views8, f8.amax, f8.inv, f8.part8 = {}, {}, {}, {}
-  for j, k in ipairs(f8.ks) do
+  f8.inv_t, f8.scale, f8.out8 = {}, {}, {}
+  for _, k in ipairs(f8.ks) do
     local n = f8.flat8:narrow(1, fp.layout.offsets[k] + 1, fp.numels[k])
     f8.views8[k] = n:view(fp.shapes[k])
     n:free()
-    local a = self.st.f8_amax:narrow(1, base + j, 1)
-    f8.amax[k] = a:view({})
-    a:free()
-    f8.inv[k] = T.empty({}, { dtype = 'f32', device = dev })
+    local b, pc = f8.blk[k], f8.piece[k]
+    if b then
+      local a = self.st.f8_bamax:narrow(1, f8.slot[k] + 1, b.nbr * b.nbc)
+      f8.amax[k] = a:view({ b.nbr, b.nbc })
+      a:free()
+      f8.scale[k] = T.empty({ b.nbr, b.nbc }, { dtype = 'f32', device = dev })
+      f8.inv[k] = T.empty({ b.nbr, 4 * math.ceil(b.nbc / 4) }, { dtype = 'f32', device = dev })
+      f8.inv_t[k] = T.empty({ b.nbc, 4 * math.ceil(b.nbr / 4) }, { dtype = 'f32', device = dev })
+      if pc then f8.out8[k] = f8.shard8:narrow(1, pc.off + 1, pc.n) end
+      pc = nil   -- (one piece, cast whole: no tiles)
+    else
+      local a = self.st.f8_amax:narrow(1, f8.slot[k] + 1, 1)
+      f8.amax[k] = a:view({})
+      a:free()
+      f8.inv[k] = T.empty({}, { dtype = 'f32', device = dev })
+    end
     -- this rank's part cast as (n / 64, 64) rows (the cast's 64 x 64 tiles
     -- full) and the rest as one row: { off, rows, cols, out }
-    local pc = f8.piece[k]
     if pc then
       local segs, main = {}, pc.n - pc.n % 64
       local function seg(off, rows, cols)
@@ -659,8 +695,10 @@ local function f8_precompute(st)
     local f8 = u.f8
     local sv = u:f8_src_views()
     for _, k in ipairs(f8.ks) do
-      local part = sv.part[k]
-      if part then
+      local part, b = sv.part[k], f8.blk[k]
+      if part and b then
+        F().float8_amax_blockwise_piece(part, b.R, b.C, f8.piece[k].woff, { out = f8.amax[k] })
+      elseif part then
         st.box[0] = f8.amax[k]
         check(C.ms_amax(st.box, part), 2)
       else
@@ -669,8 +707,10 @@ local function f8_precompute(st)
     end
   end
   if st.f8_group and st.f8_group:size() > 1 and not st.skip_comm then
-    dist.all_reduce(st.f8_amax, 'max', { group = st.f8_group })
+    if st.f8_amax then dist.all_reduce(st.f8_amax, 'max', { group = st.f8_group }) end
+    if st.f8_bamax then dist.all_reduce(st.f8_bamax, 'max', { group = st.f8_group }) end
   end
+  -- (the tensorwise amaxes only: a blockwise TP shard's blocks are its own)
   if st.f8_tp_group then require('moonshard.tp').all_reduce_max(st.f8_amax, st.f8_tp_group) end
   for _, u in ipairs(st.f8_units) do u:f8_cast() end
   st.src_gen = st.src_gen + 1
@@ -714,7 +754,7 @@ function Unit:f8_src_views()
     if pc then
       sv.part[k] = src:narrow(1, pc.off + 1, pc.n)
       sv.seg[k] = {}
-      for i, sg in ipairs(f8.part8[k]) do
+      for i, sg in ipairs(f8.part8[k] or {}) do
         local n = src:narrow(1, sg.off + 1, sg.rows * sg.cols)
         sv.seg[k][i] = n:view({ sg.rows, sg.cols })
         n:free()
@@ -735,8 +775,16 @@ function Unit:f8_cast()
   local sv = self:f8_src_views()
   for _, k in ipairs(f8.ks) do
     local dt, p2 = T.dtype_id(f8.dtype8), f8.cfg[k].pow2 and 1 or 0
-    local segs = f8.part8[k]
-    if segs == nil then   -- (no part here: the scale alone)
+    local segs, b = f8.part8[k], f8.blk[k]
+    if b then
+      -- the blocks' scales (every rank: the layers read them), the part cast
+      F().float8_scales_blockwise(f8.amax[k], f8.dtype8, { pow2 = f8.cfg[k].pow2, scale = f8.scale[k], inv = f8.inv[k],
+        inv_t = f8.inv_t[k] })
+      if f8.out8[k] then
+        F().float8_cast_blockwise_piece(sv.part[k], f8.scale[k], b.R, b.C, f8.piece[k].woff, f8.dtype8,
+          { out = f8.out8[k] })
+      end
+    elseif segs == nil then   -- (no part here: the scale alone)
       st.box2[0] = f8.inv[k]
       check(C.ms_float8_cast(nil, nil, st.box2, sv.empty, f8.amax[k], dt, p2), 2)
     else
@@ -1524,18 +1572,22 @@ function fsdp.fully_shard(model, opts)
     -- the float8 units' plans, one amax vector for all (docs/fsdp.md)
     st.f8_units, st.f8_stale, st.f8_group = {}, true, shard_group
     st.box, st.box2 = ffi.new('ms_tensor*[1]'), ffi.new('ms_tensor*[1]')
-    local n8 = 0
+    -- (n8: tensorwise amaxes, one a weight; nb: blockwise grids' entries)
+    local n8, nb = 0, 0
     for _, unit in ipairs(st.units) do
       unit.f8 = f8_plan(unit)
       if unit.f8 then
         st.f8_units[#st.f8_units + 1] = unit
-        unit.f8.base = n8
-        n8 = n8 + #unit.f8.ks
+        for _, k in ipairs(unit.f8.ks) do
+          local b = unit.f8.blk[k]
+          if b then unit.f8.slot[k] = nb; nb = nb + b.nbr * b.nbc
+          else unit.f8.slot[k] = n8; n8 = n8 + 1 end
+        end
       end
     end
-    if n8 == 0 then
-      error('fully_shard: float8_all_gather found no weight of a tensorwise float8 layer (float8.convert the model '
-        .. 'first)', 2)
+    if n8 + nb == 0 then
+      error('fully_shard: float8_all_gather found no weight of a tensorwise or blockwise float8 layer (float8.convert '
+        .. 'the model first)', 2)
     end
     -- tensor-parallel shards with tp_scales = 'group': the amax vector is
     -- all-reduced over the TP group too (a replicated weight's amax is the
@@ -1557,8 +1609,10 @@ function fsdp.fully_shard(model, opts)
         .. "beside layers with tp_scales = 'group'; convert every layer with one tp_scales"):format(alone), 2)
     end
     st.f8_tp_group = shared
-    st.f8_amax = T.zeros({ n8 }, { dtype = 'f32', device = st.units[1].fp.device })
-    for _, unit in ipairs(st.f8_units) do unit:f8_init(unit.f8.base) end
+    local dev = st.units[1].fp.device
+    st.f8_amax = n8 > 0 and T.zeros({ n8 }, { dtype = 'f32', device = dev }) or nil
+    st.f8_bamax = nb > 0 and T.zeros({ nb }, { dtype = 'f32', device = dev }) or nil
+    for _, unit in ipairs(st.f8_units) do unit:f8_init() end
   end
   for _, unit in ipairs(st.units) do
     if not unit.reshards then unit:unshard() end
@@ -1628,14 +1682,16 @@ end
 
 -- float8_all_gather: the f8 copy of a float8 layer's weight t (a view of
 -- its gathered f8 buffer, t's shape, the recipe's weight dtype) and its
--- inverse scale (0-dim f32), while t's unit is gathered in f8; else nil.
+-- inverse scale (tensorwise: 0-dim f32; blockwise: the 128 x 128 blocks'
+-- in float8_cast_blockwise's layout for t, and a third value, those for
+-- t's transpose), while t's unit is gathered in f8; else nil.
 -- moonshard.float8 takes it instead of casting t.
 function fsdp.float8_weight(t)
   local u = T.is_tensor(t) and t.storage ~= nil and flat_units[storage_key(t)] or nil
   if u == nil or not u.f8_live or u.status ~= 'unsharded' then return nil end
   local k = u.f8.by_off[tonumber(t.offset)]
   if k == nil or t:numel() ~= u.fp.numels[k] or not t:is_contiguous() then return nil end
-  return u.f8.views8[k], u.f8.inv[k]
+  return u.f8.views8[k], u.f8.inv[k], u.f8.inv_t[k]
 end
 
 -- whether t is (a view of) an FSDP unit's parameters: written by its
@@ -1655,12 +1711,28 @@ end
 -- FP8 products see) into its region of the unit's buffer, which the f8
 -- gather leaves unwritten; true when it did (a plain linear then reads t)
 function fsdp.float8_materialize(t)
-  local w8, inv = fsdp.float8_weight(t)
+  local w8, inv, inv_t = fsdp.float8_weight(t)
   if w8 == nil then return false end
   no_grad(function()
     local F = require 'moonshard.ops'
     local w = w8:to('f32')
-    local d = F.mul(w, inv)
+    local d
+    if inv_t ~= nil then
+      -- blockwise: each 128 x 128 block by its inverse scale (the grid
+      -- without its padding, spread over the blocks' elements)
+      local R, C = w8.shape[1], w8.shape[2]
+      local nbr, nbc = R / 128, C / 128
+      local n = inv:narrow(2, 1, nbc)
+      local c = n:contiguous()
+      local v = c:view({ nbr, 1, nbc, 1 })
+      local g = v:expand({ nbr, 128, nbc, 128 })
+      local gc = g:contiguous()
+      local e = gc:view({ R, C })
+      d = F.mul(w, e)
+      for _, t2 in ipairs({ e, gc, g, v, c, n }) do t2:free() end
+    else
+      d = F.mul(w, inv)
+    end
     raw_copy(t, d)
     w:free(); d:free()
   end)

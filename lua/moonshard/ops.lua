@@ -537,6 +537,60 @@ function F.float8_cast_blockwise(x, dtype, opts)
   return r[1], r[2], r[3], r[4]
 end
 
+-- A flat piece x (n) of a row-major (R, C) matrix, its elements [offset,
+-- offset + n) (an FSDP shard's part of a blockwise weight: fsdp's
+-- float8_all_gather; core/ops.h has the contracts):
+-- float8_amax_blockwise_piece(x, R, C, offset, {out =}) -> (ceil(R/128),
+-- ceil(C/128)) f32: the piece's max |x| in each 128 x 128 block (0 where it
+-- has none), into out (a contiguous f32 grid: a slot of a vector) when given
+function F.float8_amax_blockwise_piece(x, rows, cols, offset, opts)
+  need_tensor('float8_amax_blockwise_piece', x, 'x')
+  opts = opts or {}
+  if opts.out ~= nil then
+    need_tensor('float8_amax_blockwise_piece', opts.out, 'out')
+    return run_into(opts.out, C.ms_float8_amax_blockwise_piece, x, rows, cols, offset or 0)
+  end
+  return run(C.ms_float8_amax_blockwise_piece, x, rows, cols, offset or 0)
+end
+
+-- float8_scales_blockwise(amax (nbr, nbc), dtype, {pow2 = false, scale =,
+-- inv =, inv_t =}) -> scale (nbr, nbc), inv, inv_t: the blocks' scales and
+-- inverse scales in float8_cast_blockwise's 128x128 layouts (of the matrix
+-- and of its transpose); written into the tensors given
+function F.float8_scales_blockwise(amax, dtype, opts)
+  need_tensor('float8_scales_blockwise', amax, 'amax')
+  opts = opts or {}
+  local boxes = {}
+  for i, k in ipairs({ 'scale', 'inv', 'inv_t' }) do
+    boxes[i] = box_t()
+    if opts[k] ~= nil then
+      need_tensor('float8_scales_blockwise', opts[k], k)
+      boxes[i][0] = opts[k]
+    end
+  end
+  if C.ms_float8_scales_blockwise(boxes[1], boxes[2], boxes[3], amax, T.dtype_id(dtype or 'f8e4m3', 3),
+      opts.pow2 and 1 or 0) ~= 0 then
+    raise(ffi.string(C.ms_last_error()))
+  end
+  return opts.scale or wrap(boxes[1][0]), opts.inv or wrap(boxes[2][0]), opts.inv_t or wrap(boxes[3][0])
+end
+
+-- float8_cast_blockwise_piece(x, scale, R, C, offset, dtype, {out =}) ->
+-- (n) dtype: each element cast with its block's scale (scale the
+-- (ceil(R/128), ceil(C/128)) grid of float8_scales_blockwise), into out
+-- when given
+function F.float8_cast_blockwise_piece(x, scale, rows, cols, offset, dtype, opts)
+  need_tensor('float8_cast_blockwise_piece', x, 'x')
+  need_tensor('float8_cast_blockwise_piece', scale, 'scale')
+  opts = opts or {}
+  local dt = T.dtype_id(dtype or 'f8e4m3', 3)
+  if opts.out ~= nil then
+    need_tensor('float8_cast_blockwise_piece', opts.out, 'out')
+    return run_into(opts.out, C.ms_float8_cast_blockwise_piece, x, scale, rows, cols, offset or 0, dt)
+  end
+  return run(C.ms_float8_cast_blockwise_piece, x, scale, rows, cols, offset or 0, dt)
+end
+
 -- float8_transpose(x (R, C) 8-bit float) -> (C, R) contiguous, the same bytes
 function F.float8_transpose(x)
   need_tensor('float8_transpose', x, 'x')

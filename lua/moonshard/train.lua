@@ -105,7 +105,7 @@ train.options = {
   { 'lora_targets', 'string', 'attn%.,mlp%.', 'comma-separated Lua patterns: the nn.Linear / nn.Conv1D modules whose names match get adapters' },
   { 'freeze', 'string?', nil, 'comma-separated Lua patterns: the parameters whose names match one are frozen (requires_grad off: no gradient, no optimizer step, also under FSDP); each pattern must match a parameter' },
   { 'float8', 'string', 'off', 'FP8 linear layers (moonshard.float8, torchao\'s float8 training): off, or a recipe: tensorwise (a bare --float8), rowwise, rowwise_with_gw_hp, blockwise (DeepSeek-V3\'s 1x128 / 128x128 blocks; layers with features multiples of 128): every nn.Linear / nn.Conv1D but the LM head computes its three products in FP8 with dynamic scales; CUDA needs an H100-class GPU, the CPU emulates it (docs/float8.md)' },
-  { 'float8_all_gather', 'bool', false, 'with --float8 tensorwise and --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD: the float8 layers\' weights all-gathered as f8 bytes, cast from the shards with scales all-reduced once a step (fully_shard\'s float8_all_gather, torchao\'s enable_fsdp_float8_all_gather; docs/fsdp.md)' },
+  { 'float8_all_gather', 'bool', false, 'with --float8 tensorwise or blockwise and --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD: the float8 layers\' weights all-gathered as f8 bytes, cast from the shards with scales (blockwise: the 128 x 128 blocks\') all-reduced once a step (fully_shard\'s float8_all_gather, torchao\'s enable_fsdp_float8_all_gather; docs/fsdp.md)' },
   { 'float8_tp_scales', 'string', 'shard', 'with --float8 and --tp: shard (each rank scales its own shards: no collective) or group (the amax of every sharded operand all-reduced over the TP group: the unsplit layer\'s scales, as torchao over DTensors; docs/float8.md)' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), N (every N-th block), or op (every block, keeping its attention outputs and every other linear layer\'s: torchtitan\'s op-level selective mode, less recompute for more memory)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
@@ -1408,8 +1408,9 @@ function train.run(opts)
 
   -- FSDP: units by --fsdp-policy, --fsdp-mixed-precision, --shard-size
   local fsdp_desc
-  if o.float8_all_gather and (o.float8 ~= 'tensorwise' or not strategy or strategy == 'NO_SHARD') then
-    usage('--float8-all-gather needs --float8 tensorwise and --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD '
+  if o.float8_all_gather and (o.float8 ~= 'tensorwise' and o.float8 ~= 'blockwise' or not strategy
+      or strategy == 'NO_SHARD') then
+    usage('--float8-all-gather needs --float8 tensorwise or blockwise and --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD '
       .. '(got --float8 %s, --fsdp %s)', o.float8, tostring(strategy or 'off'))
   end
   if strategy then
