@@ -133,7 +133,8 @@ function pp.pipeline(model, opts)
   if rawget(model, '_pp') then error('pp.pipeline: the model is already cut into stages', 2) end
   for name, m in model:named_modules() do
     if rawget(m, '_ep') then
-      error(('pp.pipeline: %s is expert-parallel (nn.moe.expert_parallel), which pipelines do not take'):format(name), 2)
+      error(('pp.pipeline: %s is expert-parallel (nn.moe.expert_parallel); cut the model first, then split each '
+        .. 'stage\'s experts (ms.ep.parallelize after pp.pipeline, docs/moe.md)'):format(name), 2)
     end
   end
   if type(model.config) == 'table' and model.config.output_router_logits then
@@ -263,13 +264,33 @@ function pp.pipeline(model, opts)
     end
   end
 
+  -- the persistent buffers (an MoE layer's expert_bias under
+  -- --moe-bias-rate), each with the stage whose forwards update it: every
+  -- stage keeps every buffer, only the holder's is current, and a whole
+  -- model's state takes the holder's (whole_model)
+  local buffers = {}
+  for mname, m in model:named_modules() do
+    for _, bn in ipairs(m._buffer_names) do
+      if rawget(m, bn) ~= nil and m._buffer_persistent[bn] then
+        local full = (mname ~= '' and mname .. '.' or '') .. bn
+        local kind, i = classify(parts, full)
+        local owner = 0
+        if kind == 'last' then owner = S - 1
+        elseif kind == 'block' then owner = vstage_of[i] % S end
+        buffers[#buffers + 1] = { full, owner }
+      end
+    end
+  end
+  table.sort(buffers, function(x, y) return x[1] < y[1] end)
+
   local ranks = group:ranks()
   local self = setmetatable({
     model = model, parts = parts, group = group, stage = s, n_stages = S, first = first, last = last,
     ranges = ranges, chunks = v, layers = layers, microbatches = M, schedule = schedule,
     opt_dtype = opts.dtype,
     prev = (not first) and ranks[s] or nil, next = (not last) and ranks[s + 2] or nil,
-    tied = tied, n_params = kept, names = names, full_groups = full_groups, fsdp_reduce = fsdp_reduce,
+    tied = tied, n_params = kept, names = names, buffers = buffers, full_groups = full_groups,
+    fsdp_reduce = fsdp_reduce,
   }, Pipeline)
   -- gradients go back on a group of their own (overlap; collective over the group)
   self.overlap = (opts.overlap ~= false or v > 1) and S > 1
@@ -953,11 +974,23 @@ function pp.clip_grad_norm_(model, max_norm, opts)
   local tpm = package.loaded['moonshard.tp']
   local split_by = tpm and tpm.is_parallel(model) and tpm or nil
   local grads, counted, split, views = {}, {}, {}, {}
+  local st = rawget(model, '_fsdp')
+  -- an expert-parallel stage (ep.parallelize after the cut): its experts'
+  -- squares summed over the expert group, each expert counted once (under
+  -- fully_shard the sum over the stage's data-parallel ranks below does
+  -- it: every element of every shard is held by one of them)
+  local epi = not st and rawget(model, '_ep_train')
+  local experts, ex = {}, {}
+  if epi then
+    for _, L in ipairs(epi.layers) do
+      for _, p in ipairs(L.module.experts:parameters()) do ex[tonumber(p.id)] = true end
+    end
+  end
   local function add(name, id, g)
     if skip[id] then return end
-    if split_by and split_by.placement(model, name) then split[#split + 1] = g else counted[#counted + 1] = g end
+    if ex[id] then experts[#experts + 1] = g
+    elseif split_by and split_by.placement(model, name) then split[#split + 1] = g else counted[#counted + 1] = g end
   end
-  local st = rawget(model, '_fsdp')
   if st then
     -- under fully_shard: each unit's gradient shard, cut at its
     -- parameters' bounds (the layout's offsets)
@@ -978,6 +1011,12 @@ function pp.clip_grad_norm_(model, max_norm, opts)
   end
   local dev = grads[1] and grads[1].device or pipe:device()
   local sq = optim.sum_squares(counted, dev)
+  if epi then
+    local es = optim.sum_squares(experts, dev)
+    if epi.size > 1 then dist.all_reduce(es, 'sum', { group = epi.group }) end
+    F.add_(sq, es)
+    es:free()
+  end
   if split_by then
     local ss = optim.sum_squares(split, dev)
     local g = split_by.group_of(model)
@@ -1030,6 +1069,12 @@ local function stage_tensors(pipe, model, opt)
   local tpm = package.loaded['moonshard.tp']
   local split = tpm and tpm.is_parallel(model)
   local sd, mine, moments = {}, {}, nil
+  if rawget(model, '_ep_train') then
+    -- an expert-parallel stage (ep.parallelize after the cut): its experts
+    -- gathered over the expert group (of its units first, under fully_shard)
+    sd, moments = require('moonshard.ep').full_tensors(model, opt)
+    return sd, sd, moments
+  end
   if rawget(model, '_fsdp') then
     -- the units' f32 master shards (and AdamW moments) gathered
     local state
@@ -1079,12 +1124,16 @@ local function stage_tensors(pipe, model, opt)
   return sd, mine, moments
 end
 
--- the stage's state dict completed with every stage's parameters
+-- the stage's state dict completed with every stage's parameters, and its
+-- persistent buffers replaced by the stages' that hold their layers
 local function whole_model(pipe, sd, mine)
   local ranks = pipe.group:ranks()
   local dev = pipe:device()
-  for _, e in ipairs(pipe.names) do
-    local name, owner = e[1], e[2]
+  local list = {}
+  for _, e in ipairs(pipe.names) do list[#list + 1] = { e[1], e[2], mine } end
+  for _, e in ipairs(pipe.buffers or {}) do list[#list + 1] = { e[1], e[2], sd } end
+  for _, e in ipairs(list) do
+    local name, owner, mine = e[1], e[2], e[3]
     if pipe.n_stages > 1 then
       -- the holder's dtype and shape first, then the values
       local t = owner == pipe.stage and mine[name] or nil

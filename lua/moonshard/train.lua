@@ -92,7 +92,7 @@ train.options = {
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; not with --tp, --pp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P data-parallel ranks (plain, FULL_SHARD or SHARD_GRAD_OP; whole-model checkpoints, as --pp\'s); not with --tp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1127,15 +1127,27 @@ function train.run(opts)
   -- ranks at the same place in each group hold the same experts (the
   -- replicate group); the gradients reduced by ms.ep (plain) or by FSDP's
   -- units (--fsdp); one-process checkpoints without FSDP, sharded with it
+  -- With --pp P: each stage's data-parallel ranks (rank = d * P + stage)
+  -- split the stage's experts in groups of N consecutive d, the same place
+  -- in each group holding the same experts; ms.ep.parallelize runs on the
+  -- stage, after the cut
   local ep_size, ep_group, ep_rep = o.ep, nil, nil
   if ep_size > 1 then
     if world % ep_size ~= 0 then
       usage('--ep %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', ep_size, world,
         world == 1 and '' or 's')
     end
-    if tp_size > 1 or pp_size > 1 then
-      usage('--ep with --%s: not supported (expert parallelism trains data-parallel over every rank)',
-        tp_size > 1 and 'tp' or 'pp')
+    if tp_size > 1 then
+      usage('--ep with --tp: not supported (expert parallelism trains data-parallel over every rank)')
+    end
+    if pp_size > 1 and data_world % ep_size ~= 0 then
+      usage('--ep %d with --pp %d: the %d data-parallel %s of each stage (the world of %d over %d stages) %s not a '
+        .. 'multiple of %d', ep_size, pp_size, data_world, data_world == 1 and 'rank' or 'ranks', world, pp_size,
+        data_world == 1 and 'is' or 'are', ep_size)
+    end
+    if pp_size > 1 and cp_size > 1 then usage('--ep with --pp and --cp together: not supported') end
+    if pp_size > 1 and strategy == 'HYBRID_SHARD' then
+      usage('--ep with --pp and --fsdp HYBRID_SHARD: not supported; use FULL_SHARD or SHARD_GRAD_OP')
     end
     if strategy == 'HYBRID_SHARD' then
       -- (the expert groups inside the shard groups: fully_shard shards an
@@ -1150,7 +1162,16 @@ function train.run(opts)
     -- --fsdp FULL_SHARD / SHARD_GRAD_OP: each layer's experts sharded over
     -- their copies, the rest over every rank; otherwise plain
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
-    if ep_size == world then
+    if pp_size > 1 then
+      -- (stage q's data-parallel rank d is rank d * P + q)
+      local n = data_world / ep_size
+      ep_group = mine(pp_size, n, function(q, g)
+        return along(ep_size, function(k) return (g * ep_size + k) * pp_size + q end) end)
+      if n > 1 then
+        ep_rep = mine(pp_size, ep_size, function(q, k)
+          return along(n, function(g) return (g * ep_size + k) * pp_size + q end) end)
+      end
+    elseif ep_size == world then
       ep_group = dist.get_world_group()
     else
       local n = world / ep_size
@@ -1245,20 +1266,25 @@ function train.run(opts)
   -- from scratch fully_shard makes the shards from the recorded
   -- initialisation; a checkpoint resumed goes in before it)
   local ep_desc
-  if ep_group then
+  local function ep_split()
     local okp, perr = pcall(ms.ep.parallelize, model, { group = ep_group, replicate = ep_rep })
     if not okp then usage('--ep %d: %s', ep_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
-    -- (a sharded checkpoint is read after fully_shard, into the shards)
-    local whole = resume and not resume.sharded
-    if not strategy or whole then ms.nn.materialize(model) end
-    if whole then
-      local okl, err = pcall(ckpt.load, resume.path, {
-        model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end } })
-      if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
-    end
     local held = 0
     for _, p in ipairs(model:parameters()) do held = held + p:numel() end
     local layers = ms.nn.moe.layers(model)
+    local copies = data_world / ep_size
+    if pp_mesh then
+      held = reduce_numbers({ held }, 'max')[1]
+      ep_desc = ('%d-way in each stage\'s %d data-parallel ranks (%d cop%s of each expert), %d of %d experts a rank '
+        .. 'in %d layers, at most %.2fM parameters a rank'):format(ep_size, data_world, copies,
+        copies == 1 and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
+      if strategy and copies > 1 then
+        ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(copies, strategy)
+      elseif strategy then
+        ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
+      end
+      return
+    end
     ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, '
       .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
       layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
@@ -1270,6 +1296,18 @@ function train.run(opts)
       ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(world / ep_size, strategy)
     elseif strategy then
       ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
+    end
+  end
+  -- (with --pp each stage's, after the cut, below)
+  if ep_group and not pp_mesh then
+    ep_split()
+    -- (a sharded checkpoint is read after fully_shard, into the shards)
+    local whole = resume and not resume.sharded
+    if not strategy or whole then ms.nn.materialize(model) end
+    if whole then
+      local okl, err = pcall(ckpt.load, resume.path, {
+        model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end } })
+      if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
     end
   end
 
@@ -1389,6 +1427,9 @@ function train.run(opts)
       schedule = o.pp_chunks == 1 and o.pp_schedule or nil, chunks = o.pp_chunks })
     if not okp then usage('--pp %d: %s', pp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     pipe = perr
+    -- --ep: the stage's experts split over its expert group (the cut made,
+    -- so each rank makes only its stage's share of them)
+    if ep_group then ep_split() end
     -- (under --fsdp from scratch fully_shard makes the stage's shards from
     -- the recorded initialisation: no rank holds its whole stage)
     if not strategy or resume then ms.nn.materialize(model) end
@@ -1795,8 +1836,10 @@ function train.run(opts)
     local gnorm
     if pp_mesh then
       -- the pipelines' gradients averaged, then clipped over the stages
-      -- (under FSDP the stages' reductions averaged them)
-      if not strategy then ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg') end
+      -- (under FSDP the stages' reductions averaged them; with --ep the
+      -- experts' summed over their copies, ms.ep)
+      if not strategy and ep_group then ms.ep.all_reduce_grads(model, pp_mesh.replicate)
+      elseif not strategy then ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg') end
       gnorm = ms.pp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     elseif tp_mesh then
       -- (under FSDP the gradients were reduced over mesh.replicate already)
