@@ -10,7 +10,10 @@
 -- that moved them); the checkpoints are one process's (every
 -- expert, its moments) and resume at --pp 2 --ep 2 and in one process
 -- with the losses of the run that never stopped, and a one-process
--- checkpoint resumes at --pp 2 --ep 2; bad layouts exit 2 with a message.
+-- checkpoint resumes at --pp 2 --ep 2; DeepSeek-V3's multi-token
+-- prediction under --pp 2 (with --ep 2, and FSDP) follows one process in
+-- f64, each depth's loss too, and resumes; bad layouts exit 2 with a
+-- message.
 local S = require 'spec.support'
 local json = require 'dkjson'
 local q = S.shell_quote
@@ -154,6 +157,48 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
       assert.are.equal(0, status, text)
       close_losses(one, losses(r), 3, 4, ('a one-process checkpoint resumed at --pp 2 --ep 2 --fsdp %s'):format(strategy))
     end
+  end)
+
+  it('DeepSeek-V3 with multi-token prediction (the depths on the last stage, a copy of the embedding there), the '
+    .. 'sequence-wise balance loss and --moe-bias-rate: --pp 2, --pp 2 --ep 2 and --pp 2 --ep 2 --fsdp FULL_SHARD '
+    .. 'follow the one-process curve and each depth\'s loss (f64); stopped, --pp 2 resumes on it', function()
+    local df = '--preset tiny --model.mtp_loss_weight 0.3 --model.aux_loss_alpha 0.05 --moe-bias-rate 1e-2 '
+      .. '--dtype f64 --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 '
+      .. '--log-every 1 --steps 4 --data ' .. q(corpus)
+    local function mtp_of(out)
+      local r = {}
+      for line in io.lines(out .. '/metrics.jsonl') do
+        local obj = assert(json.decode(line, 1, nil), line)
+        if obj.loss then r[obj.step] = obj.mtp_loss end
+      end
+      return r
+    end
+    local status, text = bin_train(('models/deepseek_v3.lua %s --batch-size 4 --out %s/d1'):format(df, q(dir)))
+    assert.are.equal(0, status, text)
+    local one, mone, none = losses(dir .. '/d1'), mtp_of(dir .. '/d1'), norms(dir .. '/d1')
+    local function follows(out, what, from)
+      close_losses(one, losses(out), from or 1, 4, what, 1e-10)
+      close_losses(none, norms(out), from or 1, 4, what .. ' (gradient norm)', 1e-10)
+      local m = mtp_of(out)
+      for step = from or 1, 4 do
+        assert.are.equal(1, #m[step], what)
+        close_losses({ mone[step][1] }, { m[step][1] }, 1, 1, ('%s: step %d\'s depth loss'):format(what, step), 1e-10)
+      end
+    end
+    for _, c in ipairs({ { 2, '' }, { 4, '--ep 2' }, { 4, '--ep 2 --fsdp FULL_SHARD' } }) do
+      local out = ('%s/d%d%s'):format(dir, c[1], c[2]:gsub('[^%w]', ''))
+      status, text = bin_train(('--nproc-per-node %d --device cpu models/deepseek_v3.lua %s --batch-size %d --pp 2 %s '
+        .. '--out %s'):format(c[1], df, 8 / c[1], c[2], q(out)))
+      assert.are.equal(0, status, text)
+      follows(out, '--pp 2 ' .. c[2])
+    end
+    local so = dir .. '/ds'
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s --batch-size 4 --pp 2 '
+      .. '--save-every 1 --stop-at 2 --out %s'):format(df, q(so)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s --pp 2'):format(q(so)))
+    assert.are.equal(0, status, text)
+    follows(so, '--pp 2 stopped and resumed', 1)
   end)
 
   it('bad layouts exit 2 and say why', function()

@@ -400,14 +400,28 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
     -- stage's MoE layers add their terms to the micro-batch's loss (the
     -- stages' sums are summed: finish_loss), their gradients scaled as the
     -- loss's backward is
+    -- (on the last stage the session spans the head too: a model's
+    -- multi-token-prediction depths run there, parts.last_moe)
     local box = self:seq_aux_begin(c, grad)
-    for j = range[1], range[2] do h = blocks[j](h) end
-    if box then
-      local v = nn_moe().seq_aux_value(box)
+    local function box_value()
+      local v = box and nn_moe().seq_aux_value(box)
       if v then A.no_grad(function() self.loss_sum:add_(v:to('f64'):reshape({ 1 })) end) end
     end
-    if not lastv then return h end
-    local loss = parts.head(h, rows(targets, i, mb))
+    for j = range[1], range[2] do h = blocks[j](h) end
+    if not lastv then box_value(); return h end
+    -- (parts.head_ids: the head reads the micro-batch's ids, DeepSeek-V3's
+    -- multi-token prediction)
+    local loss = parts.head(h, rows(targets, i, mb), parts.head_ids and rows(ids, i, mb) or nil)
+    box_value()
+    if self.mtp_sum then
+      -- each depth's loss of the micro-batch (model:mtp_losses()), summed
+      -- over the step's micro-batches (finish_loss)
+      A.no_grad(function()
+        for k, v in ipairs(self.model:mtp_losses()) do
+          self.mtp_sum:narrow(1, k, 1):add_(v:detach():reshape({ 1 }):to('f64'))
+        end
+      end)
+    end
     local hook = self.step_opts and self.step_opts.loss_hook
     if hook then loss = hook(loss) end
     A.no_grad(function()
@@ -455,6 +469,9 @@ function Pipeline:seq_aux_begin(c, grad)
     local range, blocks = self.ranges[c], self.parts.blocks
     for j = range[1], range[2] do
       for _, m in ipairs(nn_moe().layers(blocks[j])) do layers[#layers + 1] = m end
+    end
+    if self.last and c == self.chunks then
+      for _, m in ipairs(self.parts.last_moe or {}) do layers[#layers + 1] = m end
     end
     self.moe_chunks[c] = layers
   end
@@ -699,16 +716,41 @@ function Pipeline:prepare(ids, targets, what)
   self.mb, self.seq = B / self.microbatches, Tn
   self.dev, self.dtype = self:device()
   self.loss_sum = T.zeros({ 1 }, { dtype = 'f64', device = self.dev })
+  -- (multi-token prediction: each depth's loss, parts.mtp_depths)
+  local D = self.parts.mtp_depths or 0
+  self.mtp_sum = D > 0 and T.zeros({ D }, { dtype = 'f64', device = self.dev }) or nil
 end
 
--- the mean of the micro-batches' losses, on every stage (summed from the last)
+-- the mean of the micro-batches' losses, on every stage (summed from the
+-- last); with multi-token prediction each depth's too (pipe:mtp_losses())
 function Pipeline:finish_loss()
   local l = self.loss_sum
   self.loss_sum = nil
+  if self.mtp_sum then
+    -- (one all-reduce: the loss and the depths' in one tensor)
+    local D = self.mtp_sum:numel()
+    local both = T.zeros({ 1 + D }, { dtype = 'f64', device = self.dev })
+    T.raw_copy_(both:narrow(1, 1, 1), l)
+    T.raw_copy_(both:narrow(1, 2, D), self.mtp_sum)
+    l:free(); self.mtp_sum:free(); self.mtp_sum = nil
+    if self.n_stages > 1 then dist.all_reduce(both, 'sum', { group = self.group }) end
+    both:mul_(1 / self.microbatches)
+    local v = both:to('cpu'):totable()
+    self.mtp = {}
+    for k = 1, D do self.mtp[k] = v[1 + k] end
+    l = both:narrow(1, 1, 1):clone()
+    both:free()
+    return l
+  end
   if self.n_stages > 1 then dist.all_reduce(l, 'sum', { group = self.group }) end
   l:mul_(1 / self.microbatches)
   return l
 end
+
+-- pipe:mtp_losses() -> the last step's (or evaluation's) loss of each
+-- multi-token-prediction depth, the mean over its micro-batches, on every
+-- stage (numbers; empty when the model has none)
+function Pipeline:mtp_losses() return self.mtp or {} end
 
 -- pipe:step(ids, targets) -> loss: the forward and backward of every
 -- micro-batch of the batch, gradients accumulated into this stage's
@@ -818,6 +860,7 @@ function Pipeline:drop_live()
   end
   for i, w in ipairs(self.sends) do w:free(); self.sends[i] = nil end
   if self.loss_sum then self.loss_sum:free(); self.loss_sum = nil end
+  if self.mtp_sum then self.mtp_sum:free(); self.mtp_sum = nil end
 end
 
 function Pipeline:run_schedule(ids, targets)
