@@ -554,6 +554,7 @@ local function mtp_pipeline_parts(self)
   if not cfg.tie_word_embeddings then parts.last[#parts.last + 1] = 'model.embed_tokens.' end
   parts.last[#parts.last + 1] = 'model.mtp_layers.'
   parts.head_ids = true
+  parts.aux = nil   -- (mtp_forward adds no load-balancing loss over the layers)
   parts.mtp_depths = #m.mtp_layers
   -- (the depths' MoE layers join the last stage's balance-loss session)
   parts.last_moe = nn.moe.layers(m.mtp_layers)

@@ -12,7 +12,9 @@
 -- with the losses of the run that never stopped, and a one-process
 -- checkpoint resumes at --pp 2 --ep 2; DeepSeek-V3's multi-token
 -- prediction under --pp 2 (with --ep 2, and FSDP) follows one process in
--- f64, each depth's loss too, and resumes; bad layouts exit 2 with a
+-- f64, each depth's loss too, and resumes; the routers' load-balancing
+-- loss under --pp (2 micro-batches, interleaved, with --ep 2 and FSDP)
+-- follows one process's accumulation in f64; bad layouts exit 2 with a
 -- message.
 local S = require 'spec.support'
 local json = require 'dkjson'
@@ -199,6 +201,36 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
     status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s --pp 2'):format(q(so)))
     assert.are.equal(0, status, text)
     follows(so, '--pp 2 stopped and resumed', 1)
+  end)
+
+  it('the routers\' load-balancing loss (output_router_logits) under --pp follows one process\'s gradient '
+    .. 'accumulation over the same micro-batches (f64): --pp 2 with 2 micro-batches, interleaved, and --pp 2 x data '
+    .. 'parallel 2 with --ep 2 and FSDP', function()
+    local lf = '--preset tiny --model.num_hidden_layers 4 --model.hidden_size 32 --model.intermediate_size 48 '
+      .. '--model.output_router_logits true --model.router_aux_loss_coef 0.5 --dtype f64 --seq-len 16 --lr 1e-2 '
+      .. '--warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 1 --steps 4 --data ' .. q(corpus)
+    -- (each micro-batch's loss is its own product of means: one process
+    -- accumulates micro-batches of 2 sequences)
+    local status, text = bin_train(('models/mixtral.lua %s --batch-size 2 --tokens-per-step 64 --out %s/lb1'):format(lf,
+      q(dir)))
+    assert.are.equal(0, status, text)
+    local one, none = losses(dir .. '/lb1'), norms(dir .. '/lb1')
+    -- (without the term the curve is another: the spec can tell)
+    status, text = bin_train(('models/mixtral.lua %s --model.router_aux_loss_coef 0 --batch-size 2 --tokens-per-step 64 '
+      .. '--out %s/lb0'):format(lf, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_true(math.abs(losses(dir .. '/lb0')[1] - one[1]) > 1e-4)
+    for _, c in ipairs({ { 2, '--batch-size 4 --pp-microbatches 2' }, { 2, '--batch-size 4 --pp-microbatches 2 '
+      .. '--pp-chunks 2' }, { 4, '--batch-size 2 --pp-microbatches 1 --ep 2' }, { 4, '--batch-size 2 '
+      .. '--pp-microbatches 1 --ep 2 --fsdp SHARD_GRAD_OP' }, { 4, '--batch-size 2 --pp-microbatches 1 --fsdp '
+      .. 'FULL_SHARD' } }) do
+      local out = ('%s/lb%d%s'):format(dir, c[1], c[2]:gsub('[^%w]', ''))
+      status, text = bin_train(('--nproc-per-node %d --device cpu models/mixtral.lua %s --pp 2 %s --out %s'):format(
+        c[1], lf, c[2], q(out)))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(out), 1, 4, '--pp 2 ' .. c[2], 1e-10)
+      close_losses(none, norms(out), 1, 4, '--pp 2 ' .. c[2] .. ' (gradient norm)', 1e-10)
+    end
   end)
 
   it('bad layouts exit 2 and say why', function()

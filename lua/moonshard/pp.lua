@@ -137,11 +137,6 @@ function pp.pipeline(model, opts)
         .. 'stage\'s experts (ms.ep.parallelize after pp.pipeline, docs/moe.md)'):format(name), 2)
     end
   end
-  if type(model.config) == 'table' and model.config.output_router_logits then
-    -- (transformers' load-balancing loss is a product of means over every layer's tokens)
-    error('pp.pipeline: the model adds the routers\' load-balancing loss over all its layers '
-      .. '(output_router_logits), which a pipeline\'s stages cannot sum; set output_router_logits = false', 2)
-  end
   if rawget(model, '_fsdp') then
     error('pp.pipeline: the model is under fsdp.fully_shard; cut it first, then shard its stage (docs/pp.md, "FSDP")', 2)
   end
@@ -292,6 +287,13 @@ function pp.pipeline(model, opts)
     tied = tied, n_params = kept, names = names, buffers = buffers, full_groups = full_groups,
     fsdp_reduce = fsdp_reduce,
   }, Pipeline)
+  -- the routers' load-balancing loss over every layer (parts.aux: Mixtral's
+  -- output_router_logits): its statistics travel with the activations
+  -- (Pipeline:aux_forward, aux_backward)
+  if parts.aux then
+    self.aux = { coef = parts.aux.coef, E = parts.aux.experts }
+    self.stats_of = setmetatable({}, { __mode = 'k' })
+  end
   -- gradients go back on a group of their own (overlap; collective over the group)
   self.overlap = (opts.overlap ~= false or v > 1) and S > 1
   self.sends, self.live = {}, {}
@@ -392,6 +394,7 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
       h = StageInput(x, function(g)
         local gx = g:clone()
         rec.sent = true
+        if self.aux and rec.bstats then self.stats_of[gx] = rec.bstats end
         if self.chunks > 1 then self:vsend_backward(gx) else self:send_backward(gx) end
       end, self.schedule == 'zbh1' and function(job) rec.w = job end or false)
     end
@@ -403,15 +406,26 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
     -- (on the last stage the session spans the head too: a model's
     -- multi-token-prediction depths run there, parts.last_moe)
     local box = self:seq_aux_begin(c, grad)
+    if self.aux then
+      local layers = self:chunk_moe(c)
+      rec.abox = #layers > 0 and nn_moe().aux_begin(layers, { coef = 1 }) or nil
+    end
     local function box_value()
       local v = box and nn_moe().seq_aux_value(box)
       if v then A.no_grad(function() self.loss_sum:add_(v:to('f64'):reshape({ 1 })) end) end
     end
     for j = range[1], range[2] do h = blocks[j](h) end
+    if self.aux then h = self:aux_forward(rec, h, x, grad) end
     if not lastv then box_value(); return h end
     -- (parts.head_ids: the head reads the micro-batch's ids, DeepSeek-V3's
     -- multi-token prediction)
     local loss = parts.head(h, rows(targets, i, mb), parts.head_ids and rows(ids, i, mb) or nil)
+    if rec.aux_loss then
+      local a = rec.aux_loss
+      rec.aux_loss = nil
+      if a.dtype ~= loss.dtype then a = a:to(loss.dtype) end
+      loss = loss + a:reshape(loss.shape)
+    end
     box_value()
     if self.mtp_sum then
       -- each depth's loss of the micro-batch (model:mtp_losses()), summed
@@ -462,6 +476,16 @@ end
 function Pipeline:seq_aux_begin(c, grad)
   local model = self.model
   if type(model.seq_aux_options) ~= 'function' then return nil end
+  local layers = self:chunk_moe(c)
+  if #layers == 0 then return nil end
+  local o = model:seq_aux_options(true)
+  if o then o.scale = grad and self.grad_scale / self.microbatches or 1 end
+  return nn_moe().seq_aux_begin(layers, o)
+end
+
+-- the MoE layers of chunk c's blocks (and, on the last, parts.last_moe),
+-- in order; found once
+function Pipeline:chunk_moe(c)
   self.moe_chunks = self.moe_chunks or {}
   local layers = self.moe_chunks[c]
   if layers == nil then
@@ -475,10 +499,122 @@ function Pipeline:seq_aux_begin(c, grad)
     end
     self.moe_chunks[c] = layers
   end
-  if #layers == 0 then return nil end
-  local o = model:seq_aux_options(true)
-  if o then o.scale = grad and self.grad_scale / self.microbatches or 1 end
-  return nn_moe().seq_aux_begin(layers, o)
+  return layers
+end
+
+-- ------------------------------------------------ the load-balancing loss
+-- Switch's loss E Σ_e f̄_e P̄_e (moe.aux_loss) is one product of means over
+-- every layer's tokens: f̄ the share of all the layers' slots, P̄ the mean
+-- score. A pipeline carries each micro-batch's sums forward with its
+-- activation: [the slots' counts (E), the layers' mean scores summed (E),
+-- the layers, their tokens], each stage adding its layers' in order, so
+-- the last stage has the whole model's and makes the loss (added to the
+-- micro-batch's, its own layers' gradient through autograd). The gradient
+-- of a layer's scores, E f̄_e / (L N) times the objective's gradient with
+-- respect to the loss, needs f̄ and L, known only there: they go back with
+-- the activation's gradient, [f̄ (E), L, that gradient x coef], and each
+-- stage gives its layers' summed means the gradient (AuxInject on its
+-- output), or a checkpointed layer's recompute its own (moe's AuxGrad,
+-- through the micro-batch's session).
+
+-- AuxInject(y, acc, rec) -> y (an alias); backward: y's gradient as it is,
+-- and acc's (the stage's running sum of mean scores) rec.ginj
+local AuxInject = A.Function {
+  name = 'pp_aux_inject',
+  owns_results = true,
+  forward = function(ctx, y, acc, rec)
+    ctx.rec = rec
+    return A.raw_views.alias(y)
+  end,
+  backward = function(ctx, g)
+    local gi = ctx.rec.ginj
+    ctx.rec.ginj = nil
+    return g, gi, nil
+  end,
+}
+
+-- the statistics' dtype: the router scores' (f32, f64 in an f64 model)
+function Pipeline:aux_dtype() return self.dtype == 'f64' and 'f64' or 'f32' end
+
+-- a buffer for the statistics going forward (2E + 2) or back (E + 2)
+function Pipeline:aux_buffer(back)
+  local E = self.aux.E
+  return T.empty({ back and E + 2 or 2 * E + 2 }, { dtype = self:aux_dtype(), device = self.dev })
+end
+
+-- after a micro-batch's blocks on this stage: h (its output), x (its
+-- input, nil on the first stage) -> h; rec.stats the sums to send on, or
+-- (last stage) the loss term to add, rec.aux_loss
+function Pipeline:aux_forward(rec, h, x, grad)
+  local E, box = self.aux.E, rec.abox
+  local prev = x and self.stats_of[x] or nil
+  local counts, L, N, acc = {}, 0, 0, nil
+  for e = 1, E do counts[e] = 0 end
+  if prev then
+    local v = prev:to('cpu'):totable()
+    for e = 1, E do counts[e] = v[e] end
+    L, N = v[2 * E + 1], v[2 * E + 2]
+    if L > 0 then acc = prev:narrow(1, E + 1, E) end
+  end
+  local mine = 0
+  for _, m in ipairs(box and box.list or {}) do
+    local st = box.seen[m]
+    if st then
+      for e = 1, E do counts[e] = counts[e] + st.counts[e] end
+      local mean = st.probs:mean(1)
+      st.probs = nil
+      if acc and acc.dtype ~= mean.dtype then acc = acc:to(mean.dtype) end
+      acc = acc and acc + mean or mean
+      L, N, mine = L + 1, st.n, mine + 1
+    end
+  end
+  if not rec.lastv then
+    local out = self:aux_buffer(false)
+    A.no_grad(function()
+      local c = T.tensor(counts, { dtype = out.dtype }):to(out.device)
+      T.raw_copy_(out:narrow(1, 1, E), c)
+      if acc then T.raw_copy_(out:narrow(1, E + 1, E), acc:detach()) else out:narrow(1, E + 1, E):zero_() end
+      T.raw_copy_(out:narrow(1, 2 * E + 1, 2), T.tensor({ L, N }, { dtype = out.dtype }):to(out.device))
+    end)
+    rec.stats = out
+    -- (the stage's layers' gradient comes back with the activation's)
+    if grad and mine > 0 and A.needs_grad(acc) then h = AuxInject(h, acc, rec) end
+    return h
+  end
+  if L == 0 then return h end
+  -- the last stage: the loss over every layer, as moe.aux_loss
+  local f = T.tensor(counts, { dtype = acc.dtype }):to(acc.device)
+  local fbar = f / (L * N)
+  local aux = (fbar * (acc / L)):sum():reshape({ 1 }) * E
+  rec.aux_loss = aux * self.aux.coef
+  -- what goes back: f̄, L and the objective's gradient x coef
+  local sc = (grad and self.grad_scale / self.microbatches or 1) * self.aux.coef
+  local b = self:aux_buffer(true)
+  A.no_grad(function()
+    T.raw_copy_(b:narrow(1, 1, E), fbar:detach())
+    T.raw_copy_(b:narrow(1, E + 1, 2), T.tensor({ L, sc }, { dtype = b.dtype }):to(b.device))
+  end)
+  rec.bstats = b
+  return h
+end
+
+-- before a micro-batch's backward on this stage: its layers' session back
+-- on them (a checkpointed layer's recompute finds it) with f̄, L and the
+-- scale, and the gradient of the stage's summed means (rec.ginj)
+function Pipeline:aux_backward(rec, gy)
+  local info = rec.lastv and rec.bstats or self.stats_of[gy]
+  rec.bstats = info
+  local box = rec.abox
+  if info == nil or box == nil then return end
+  local E = self.aux.E
+  local v = info:narrow(1, E + 1, 2):to('cpu'):totable()
+  local L, sc = v[1], v[2]
+  if L == 0 then return end
+  local fbar = info:narrow(1, 1, E)
+  for _, m in ipairs(box.list) do rawset(m, '_aux', box) end
+  box.fbar, box.L, box.coef = fbar, L, 1
+  box.scale = T.full({ 1 }, sc, { dtype = fbar.dtype, device = fbar.device })
+  if not rec.lastv then rec.ginj = (box.scale * E) * fbar / L end
 end
 
 -- the backward of a record, with gy the gradient of its output (nil on the
@@ -500,6 +636,7 @@ function Pipeline:backward_one(rec, gy)
     end
     fs.fsdp.set_sync(self.model, sync)
   end
+  if self.aux then self:aux_backward(rec, gy) end
   on_tape(rec.tape, function()
     if rec.lastv then rec.out:backward() else rec.out:backward(gy) end
   end)
@@ -513,8 +650,9 @@ function Pipeline:backward_one(rec, gy)
     rec.x.grad = nil
     rec.x:free()
   end
+  if gx ~= nil and self.aux and rec.bstats then self.stats_of[gx] = rec.bstats end
   rec.out:free()
-  rec.tape, rec.x, rec.out = nil, nil, nil
+  rec.tape, rec.x, rec.out, rec.abox, rec.bstats, rec.stats = nil, nil, nil, nil, nil, nil
   self.live[rec] = nil
   return gx
 end
@@ -544,28 +682,54 @@ end
 -- (Megatron-LM's send_forward_recv_backward).
 
 -- receive the next micro-batch's input from the previous stage (nil on the first)
+-- (with the load-balancing loss each exchange carries the statistics
+-- beside the tensor, in the same batch: ops_recv / ops_send)
+
+-- adds to ops the receive of t from peer, with its statistics (back: the
+-- gradient's) when the pipeline carries them
+function Pipeline:ops_recv(ops, t, peer, back)
+  ops[#ops + 1] = { 'recv', t, peer }
+  if self.aux then
+    local sb = self:aux_buffer(back)
+    self.stats_of[t] = sb
+    ops[#ops + 1] = { 'recv', sb, peer }
+  end
+  return ops
+end
+
+-- adds to ops the send of t to peer, with stats (the statistics that go with it)
+function Pipeline:ops_send(ops, t, peer, stats)
+  ops[#ops + 1] = { 'send', t, peer }
+  if self.aux then
+    if stats == nil then error('pp: the load-balancing loss\'s statistics are missing for a send', 0) end
+    ops[#ops + 1] = { 'send', stats, peer }
+  end
+  return ops
+end
+
+-- receive the next micro-batch's input from the previous stage (nil on the first)
 function Pipeline:recv_forward(grad)
   if self.first then return nil end
   local x = self:act_buffer()
-  self:p2p({ { 'recv', x, self.prev } })
+  self:p2p(self:ops_recv({}, x, self.prev))
   if grad then x:requires_grad_() end
   return x
 end
 
 function Pipeline:send_forward(rec)
-  if not self.last then self:p2p({ { 'send', rec.out, self.next } }, nil, self.overlap) end
+  if not self.last then self:p2p(self:ops_send({}, rec.out, self.next, rec.stats), nil, self.overlap) end
 end
 
 function Pipeline:recv_backward()
   if self.last then return nil end
   local g = self:act_buffer()
-  self:p2p({ { 'recv', g, self.next } }, self.bwd_group)
+  self:p2p(self:ops_recv({}, g, self.next, true), self.bwd_group)
   return g
 end
 
 function Pipeline:send_backward(gx)
   if gx ~= nil then
-    self:p2p({ { 'send', gx, self.prev } }, self.bwd_group, self.overlap)
+    self:p2p(self:ops_send({}, gx, self.prev, self.stats_of and self.stats_of[gx]), self.bwd_group, self.overlap)
     gx:free()
   end
 end
@@ -579,7 +743,7 @@ function Pipeline:send_forward_recv_backward(rec)
     return self:recv_backward()
   end
   local g = self:act_buffer()
-  self:p2p({ { 'send', rec.out, self.next }, { 'recv', g, self.next } })
+  self:p2p(self:ops_recv(self:ops_send({}, rec.out, self.next, rec.stats), g, self.next, true))
   return g
 end
 
@@ -591,7 +755,7 @@ function Pipeline:send_backward_recv_forward(gx)
     return self:recv_forward(true)
   end
   local x = self:act_buffer()
-  self:p2p({ { 'send', gx, self.prev }, { 'recv', x, self.prev } })
+  self:p2p(self:ops_recv(self:ops_send({}, gx, self.prev, self.stats_of and self.stats_of[gx]), x, self.prev))
   gx:free()
   x:requires_grad_()
   return x
@@ -610,7 +774,7 @@ function Pipeline:vrecv_forward(c, grad)
   local S = self.n_stages
   local prev = (self.stage - 1 + S) % S
   local x = self:act_buffer()
-  self:p2p({ { 'recv', x, self.ranks[prev + 1] } }, self.fwd_groups[colour(S, prev, S - 1)])
+  self:p2p(self:ops_recv({}, x, self.ranks[prev + 1]), self.fwd_groups[colour(S, prev, S - 1)])
   if grad then x:requires_grad_() end
   return x
 end
@@ -618,7 +782,8 @@ end
 function Pipeline:vsend_forward(rec)
   if rec.lastv then return end
   local S, s = self.n_stages, self.stage
-  self:p2p({ { 'send', rec.out, self.ranks[(s + 1) % S + 1] } }, self.fwd_groups[colour(S, s, S - 1)], true)
+  self:p2p(self:ops_send({}, rec.out, self.ranks[(s + 1) % S + 1], rec.stats), self.fwd_groups[colour(S, s, S - 1)],
+    true)
 end
 
 function Pipeline:vrecv_backward(rec)
@@ -626,14 +791,15 @@ function Pipeline:vrecv_backward(rec)
   local S = self.n_stages
   local nxt = (self.stage + 1) % S
   local g = self:act_buffer()
-  self:p2p({ { 'recv', g, self.ranks[nxt + 1] } }, self.bwd_groups[colour(S, nxt, 0)])
+  self:p2p(self:ops_recv({}, g, self.ranks[nxt + 1], true), self.bwd_groups[colour(S, nxt, 0)])
   return g
 end
 
 function Pipeline:vsend_backward(gx)
   if gx == nil then return end
   local S, s = self.n_stages, self.stage
-  self:p2p({ { 'send', gx, self.ranks[(s - 1 + S) % S + 1] } }, self.bwd_groups[colour(S, s, 0)], true)
+  self:p2p(self:ops_send({}, gx, self.ranks[(s - 1 + S) % S + 1], self.stats_of and self.stats_of[gx]),
+    self.bwd_groups[colour(S, s, 0)], true)
   gx:free()
 end
 
