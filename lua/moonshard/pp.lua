@@ -523,12 +523,13 @@ local AuxInject = A.Function {
   name = 'pp_aux_inject',
   owns_results = true,
   forward = function(ctx, y, acc, rec)
-    ctx.rec = rec
+    ctx.rec, ctx.dtype = rec, acc.dtype
     return A.raw_views.alias(y)
   end,
   backward = function(ctx, g)
     local gi = ctx.rec.ginj
     ctx.rec.ginj = nil
+    if gi ~= nil and gi.dtype ~= ctx.dtype then gi = gi:to(ctx.dtype) end
     return g, gi, nil
   end,
 }
