@@ -5,7 +5,8 @@
 -- N. Checked against one process over the same global batches: the loss
 -- curve and the gradient norm (within 1e-5 relative) at --pp 2 --ep 2 on 4
 -- ranks (one copy of each expert) and on 8 (two copies), plain, under
--- --fsdp FULL_SHARD and SHARD_GRAD_OP, and with --moe-bias-rate; the final
+-- --fsdp FULL_SHARD and SHARD_GRAD_OP, with --cp 2 (8 ranks), and with
+-- --moe-bias-rate; the final
 -- weights are the whole model (the routers' biases each from the stage
 -- that moved them); the checkpoints are one process's (every
 -- expert, its moments) and resume at --pp 2 --ep 2 and in one process
@@ -84,6 +85,23 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
       end
       assert.is_truthy(m:state_dict()['model.layers.1.block_sparse_moe.experts.3.w2.weight'])
       assert.is_truthy(m:state_dict()['model.layers.0.block_sparse_moe.experts.0.w1.weight'])
+    end
+  end)
+
+  it('with --cp 2 too (8 ranks: each stage\'s 4 ranks, 2 data-parallel x 2 context-parallel, split the experts in '
+    .. 'pairs), plain and under --fsdp FULL_SHARD, follows the one-process curve and gradient norm', function()
+    local one = reference('', 'one')
+    local one_norm = norms(dir .. '/one')
+    for _, strategy in ipairs({ 'off', 'FULL_SHARD' }) do
+      local out = ('%s/pec_%s'):format(dir, strategy)
+      local status, text = bin_train(('--nproc-per-node 8 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 '
+        .. '--pp 2 --ep 2 --cp 2 --fsdp %s --out %s'):format(flags, strategy, q(out)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('expert parallel: 2-way in each stage\'s 4 ranks (2 copies of each expert)', 1, true),
+        text)
+      local what = ('--pp 2 --ep 2 --cp 2 --fsdp %s'):format(strategy)
+      close_losses(one, losses(out), 1, 4, what)
+      close_losses(one_norm, norms(out), 1, 4, what .. ' (gradient norm)')
     end
   end)
 
@@ -240,15 +258,14 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
       assert.is_truthy(text:find(msg, 1, true), text)
     end
     local m = '--device cpu models/mixtral.lua ' .. flags
-    fails(('--nproc-per-node 2 %s --pp 2 --ep 2'):format(m), '--ep 2 with --pp 2: the 1 data-parallel rank of each '
+    fails(('--nproc-per-node 2 %s --pp 2 --ep 2'):format(m), '--ep 2 with --pp 2: the 1 rank of each '
       .. 'stage (the world of 2 over 2 stages) is not a multiple of 2')
-    fails(('--nproc-per-node 6 %s --pp 2 --ep 2'):format(m), '--ep 2 with --pp 2: the 3 data-parallel ranks of each '
+    fails(('--nproc-per-node 6 %s --pp 2 --ep 2'):format(m), '--ep 2 with --pp 2: the 3 ranks of each '
       .. 'stage (the world of 6 over 2 stages) are not a multiple of 2')
     fails(('--nproc-per-node 6 %s --pp 2 --ep 3'):format(m), '--ep 3: ep.parallelize: 4 experts do not split over 3 '
       .. 'ranks')
     fails(('--nproc-per-node 3 %s --pp 2 --ep 3'):format(m), '--pp 2: the world of 3 ranks is not a multiple of it')
     fails(('--nproc-per-node 4 %s --pp 2 --ep 2 --fsdp HYBRID_SHARD'):format(m),
       '--ep with --pp and --fsdp HYBRID_SHARD: not supported; use FULL_SHARD or SHARD_GRAD_OP')
-    fails(('--nproc-per-node 8 %s --pp 2 --ep 2 --cp 2'):format(m), '--ep with --pp and --cp together: not supported')
   end)
 end)

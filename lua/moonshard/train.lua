@@ -92,7 +92,7 @@ train.options = {
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P data-parallel ranks (plain, FULL_SHARD or SHARD_GRAD_OP; whole-model checkpoints, as --pp\'s); not with --tp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD or SHARD_GRAD_OP; whole-model checkpoints, as --pp\'s); not with --tp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1140,12 +1140,14 @@ function train.run(opts)
     if tp_size > 1 then
       usage('--ep with --tp: not supported (expert parallelism trains data-parallel over every rank)')
     end
-    if pp_size > 1 and data_world % ep_size ~= 0 then
-      usage('--ep %d with --pp %d: the %d data-parallel %s of each stage (the world of %d over %d stages) %s not a '
-        .. 'multiple of %d', ep_size, pp_size, data_world, data_world == 1 and 'rank' or 'ranks', world, pp_size,
-        data_world == 1 and 'is' or 'are', ep_size)
+    -- (a stage's ranks: its data-parallel ranks, and with --cp M the
+    -- context-parallel ranks of each: world / P in all)
+    local stage_world = world / pp_size
+    if pp_size > 1 and stage_world % ep_size ~= 0 then
+      usage('--ep %d with --pp %d: the %d %s of each stage (the world of %d over %d stages) %s not a multiple of %d',
+        ep_size, pp_size, stage_world, stage_world == 1 and 'rank' or 'ranks', world, pp_size,
+        stage_world == 1 and 'is' or 'are', ep_size)
     end
-    if pp_size > 1 and cp_size > 1 then usage('--ep with --pp and --cp together: not supported') end
     if pp_size > 1 and strategy == 'HYBRID_SHARD' then
       usage('--ep with --pp and --fsdp HYBRID_SHARD: not supported; use FULL_SHARD or SHARD_GRAD_OP')
     end
@@ -1163,8 +1165,9 @@ function train.run(opts)
     -- their copies, the rest over every rank; otherwise plain
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     if pp_size > 1 then
-      -- (stage q's data-parallel rank d is rank d * P + q)
-      local n = data_world / ep_size
+      -- (stage q's j-th rank is rank j * P + q: j = d with --cp's
+      -- context-parallel ranks counted in, d * M + c)
+      local n = stage_world / ep_size
       ep_group = mine(pp_size, n, function(q, g)
         return along(ep_size, function(k) return (g * ep_size + k) * pp_size + q end) end)
       if n > 1 then
@@ -1272,12 +1275,13 @@ function train.run(opts)
     local held = 0
     for _, p in ipairs(model:parameters()) do held = held + p:numel() end
     local layers = ms.nn.moe.layers(model)
-    local copies = data_world / ep_size
     if pp_mesh then
+      local sw = world / pp_size
+      local copies = sw / ep_size
       held = reduce_numbers({ held }, 'max')[1]
-      ep_desc = ('%d-way in each stage\'s %d data-parallel ranks (%d cop%s of each expert), %d of %d experts a rank '
-        .. 'in %d layers, at most %.2fM parameters a rank'):format(ep_size, data_world, copies,
-        copies == 1 and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
+      ep_desc = ('%d-way in each stage\'s %d %sranks (%d cop%s of each expert), %d of %d experts a rank '
+        .. 'in %d layers, at most %.2fM parameters a rank'):format(ep_size, sw, cp_group and '' or 'data-parallel ',
+        copies, copies == 1 and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
       if strategy and copies > 1 then
         ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(copies, strategy)
       elseif strategy then
