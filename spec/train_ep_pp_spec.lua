@@ -5,7 +5,8 @@
 -- N. Checked against one process over the same global batches: the loss
 -- curve and the gradient norm (within 1e-5 relative) at --pp 2 --ep 2 on 4
 -- ranks (one copy of each expert) and on 8 (two copies), plain, under
--- --fsdp FULL_SHARD and SHARD_GRAD_OP, with --cp 2 (8 ranks), and with
+-- --fsdp FULL_SHARD and SHARD_GRAD_OP, HYBRID_SHARD (8 ranks, shard
+-- groups of 2 and 4), with --cp 2 (8 ranks), and with
 -- --moe-bias-rate; the final
 -- weights are the whole model (the routers' biases each from the stage
 -- that moved them); the checkpoints are one process's (every
@@ -63,9 +64,12 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
       { 4, 'FULL_SHARD', 'each rank\'s experts whole, the rest sharded (FULL_SHARD)' },
       { 4, 'SHARD_GRAD_OP', 'each rank\'s experts whole, the rest sharded (SHARD_GRAD_OP)' },
       { 8, 'off', 'each stage\'s 4 data-parallel ranks (2 copies of each expert)' },
-      { 8, 'FULL_SHARD', 'the experts sharded over their 2 copies (FULL_SHARD)' } }) do
+      { 8, 'FULL_SHARD', 'the experts sharded over their 2 copies (FULL_SHARD)' },
+      { 8, 'HYBRID_SHARD --shard-size 2', 'each expert whole in each shard group of 2, replicated over 2 (HYBRID_SHARD)' },
+      { 8, 'HYBRID_SHARD --shard-size 4', 'the experts sharded over their 2 copies in each shard group of 4, replicated '
+        .. 'over 1 (HYBRID_SHARD)' } }) do
       local np, strategy = c[1], c[2]
-      local out = ('%s/pe%d_%s'):format(dir, np, strategy)
+      local out = ('%s/pe%d_%s'):format(dir, np, strategy:gsub('[^%w]', ''))
       local status, text = bin_train(('--nproc-per-node %d --device cpu models/mixtral.lua %s --batch-size %d --steps 4 '
         .. '--pp 2 --ep 2 --fsdp %s --out %s'):format(np, flags, 8 / np, strategy, q(out)))
       assert.are.equal(0, status, text)
@@ -140,7 +144,7 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
     .. 'FSDP) and in one process with the same losses, and a one-process checkpoint resumes at --pp 2 --ep 2', function()
     local one = reference('', 'one')
     local st = require 'moonshard.safetensors'
-    for _, strategy in ipairs({ 'off', 'FULL_SHARD' }) do
+    for _, strategy in ipairs({ 'off', 'FULL_SHARD', 'HYBRID_SHARD' }) do
       local common = ('--nproc-per-node 4 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 --pp 2 --ep 2 '
         .. '--fsdp %s'):format(flags, strategy)
       local out = ('%s/ps_%s'):format(dir, strategy)
@@ -167,7 +171,8 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
       assert.are.equal(0, status, text)
       assert.is_truthy(text:find('resumed from', 1, true), text)
       close_losses(one, losses(out), 1, 4, ('--pp 2 --ep 2 --fsdp %s resumed as it ran'):format(strategy))
-      status, text = bin_train(('--resume %s1'):format(q(out)))
+      -- (one process: without the sharding the run had)
+      status, text = bin_train(('--resume %s1 --fsdp off'):format(q(out)))
       assert.are.equal(0, status, text)
       close_losses(one, losses(out .. '1'), 1, 4, ('--pp 2 --ep 2 --fsdp %s resumed in one process'):format(strategy))
       local r = ('%s/one_r_%s'):format(dir, strategy)
@@ -265,7 +270,7 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
     fails(('--nproc-per-node 6 %s --pp 2 --ep 3'):format(m), '--ep 3: ep.parallelize: 4 experts do not split over 3 '
       .. 'ranks')
     fails(('--nproc-per-node 3 %s --pp 2 --ep 3'):format(m), '--pp 2: the world of 3 ranks is not a multiple of it')
-    fails(('--nproc-per-node 4 %s --pp 2 --ep 2 --fsdp HYBRID_SHARD'):format(m),
-      '--ep with --pp and --fsdp HYBRID_SHARD: not supported; use FULL_SHARD or SHARD_GRAD_OP')
+    fails(('--nproc-per-node 8 %s --pp 2 --ep 4 --fsdp HYBRID_SHARD --shard-size 2'):format(m),
+      '--ep 4 with --pp 2 --fsdp HYBRID_SHARD: the shard groups of 2 ranks (--shard-size) must hold whole expert groups')
   end)
 end)

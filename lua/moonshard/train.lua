@@ -92,7 +92,7 @@ train.options = {
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD or SHARD_GRAD_OP; whole-model checkpoints, as --pp\'s); not with --tp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; whole-model checkpoints, as --pp\'s); not with --tp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1149,9 +1149,20 @@ function train.run(opts)
         stage_world == 1 and 'is' or 'are', ep_size)
     end
     if pp_size > 1 and strategy == 'HYBRID_SHARD' then
-      usage('--ep with --pp and --fsdp HYBRID_SHARD: not supported; use FULL_SHARD or SHARD_GRAD_OP')
-    end
-    if strategy == 'HYBRID_SHARD' then
+      -- each stage's shard groups (S consecutive of its data-parallel
+      -- ranks, pp_mesh.hybrid) must hold whole expert groups; the ranks of
+      -- a shard group that hold the same experts shard them
+      if cp_size > 1 then usage('--ep with --pp, --cp and --fsdp HYBRID_SHARD: not supported') end
+      local S = pp_mesh.hybrid.shard:size()
+      if S % ep_size ~= 0 then
+        usage('--ep %d with --pp %d --fsdp HYBRID_SHARD: the shard groups of %d ranks (--shard-size) must hold whole '
+          .. 'expert groups', ep_size, pp_size, S)
+      end
+      pp_mesh.expert_shard = mine(pp_size * (data_world / S), ep_size, function(qr, k)
+        local q, row = qr % pp_size, math.floor(qr / pp_size)
+        return along(S / ep_size, function(d) return (row * S + d * ep_size + k) * pp_size + q end)
+      end)
+    elseif strategy == 'HYBRID_SHARD' then
       -- (the expert groups inside the shard groups: fully_shard shards an
       -- expert unit over the shard group's ranks that hold those experts)
       local S = o.shard_size > 0 and o.shard_size or dist.local_world_size()
@@ -1282,7 +1293,16 @@ function train.run(opts)
       ep_desc = ('%d-way in each stage\'s %d %sranks (%d cop%s of each expert), %d of %d experts a rank '
         .. 'in %d layers, at most %.2fM parameters a rank'):format(ep_size, sw, cp_group and '' or 'data-parallel ',
         copies, copies == 1 and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
-      if strategy and copies > 1 then
+      if strategy == 'HYBRID_SHARD' then
+        local S = pp_mesh.hybrid.shard:size()
+        if S == ep_size then
+          ep_desc = ep_desc .. (', each expert whole in each shard group of %d, replicated over %d (HYBRID_SHARD)')
+            :format(S, sw / S)
+        else
+          ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %d, replicated '
+            .. 'over %d (HYBRID_SHARD)'):format(S / ep_size, S, sw / S)
+        end
+      elseif strategy and copies > 1 then
         ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(copies, strategy)
       elseif strategy then
         ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
@@ -1464,7 +1484,8 @@ function train.run(opts)
     local group = not hybrid and (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
       shard_size = strategy == 'HYBRID_SHARD' and not pp_mesh and o.shard_size > 0 and o.shard_size or nil,
-      mesh = hybrid or nil, group = group, float8_all_gather = o.float8_all_gather or nil })
+      mesh = hybrid or nil, group = group, float8_all_gather = o.float8_all_gather or nil,
+      expert_shard = pp_mesh and pp_mesh.expert_shard or nil })
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     -- the ranks a unit's parameters are spread over (with --cp, its
     -- context-parallel ranks as well as the data-parallel ones)
