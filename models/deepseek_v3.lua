@@ -468,27 +468,20 @@ local function mtp_whole(self, ids, targets, h, w, loss_of, cpc, sp)
   return sum, losses
 end
 
-local function mtp_forward(self, input_ids, targets)
-  if targets == nil then return llama.LlamaForCausalLM.forward(self, input_ids) end
+-- the main loss and the depths' after the last decoder layer: h the
+-- states after the final norm, ids and targets (B, T) -> the main loss
+-- plus mtp_loss_weight / D times the depths' (each depth's kept for
+-- mtp_losses()). The whole model's forward runs it after its layers, and
+-- a pipeline's last stage as its head (mtp_pipeline_parts)
+local function mtp_tail(self, ids, targets, h)
   local cfg = self.config
-  local name = self.family.name
-  local ids, B, Tn = hf.check_ids(input_ids, name, 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
-  targets = hf.check_targets(targets, B, Tn, name, cfg.vocab_size)
+  local Tn = ids.shape[2]
   local m = self.model
   -- moonshard.tp (the head's vocabulary-parallel loss, sequence
   -- parallelism's rows) and moonshard.cp (this rank's chunks)
   local tpi, cpc = rawget(self, '_tp'), rawget(self, '_cp')
   local sp = tpi and tpi.sp
   local ht = rawget(rawget(self, '_head'), '_tp')
-  local box = self:seq_aux_begin(targets)
-  local x, pending = m(ids, true)
-  local norm, h = m.norm, nil
-  if pending ~= nil then
-    local _, y = nn.functional.add_rms_norm(x, pending, norm.weight, norm.eps)
-    h = y
-  else
-    h = norm(x)
-  end
   local w = self:head_weight()
   -- the loss of states hk (this rank's rows under sequence parallelism:
   -- gathered first) against targets t, mean or sum over the kept ones
@@ -521,9 +514,52 @@ local function mtp_forward(self, input_ids, targets)
   end
   rawset(self, '_mtp_losses', losses)
   if sum ~= nil then loss = loss + sum * (cfg.mtp_loss_weight / D) end
+  return loss
+end
+
+local function mtp_forward(self, input_ids, targets)
+  if targets == nil then return llama.LlamaForCausalLM.forward(self, input_ids) end
+  local cfg = self.config
+  local name = self.family.name
+  local ids, B, Tn = hf.check_ids(input_ids, name, 'input_ids', cfg.vocab_size, cfg.max_position_embeddings)
+  targets = hf.check_targets(targets, B, Tn, name, cfg.vocab_size)
+  local m = self.model
+  local box = self:seq_aux_begin(targets)
+  local x, pending = m(ids, true)
+  local norm, h = m.norm, nil
+  if pending ~= nil then
+    local _, y = nn.functional.add_rms_norm(x, pending, norm.weight, norm.eps)
+    h = y
+  else
+    h = norm(x)
+  end
+  local loss = mtp_tail(self, ids, targets, h)
   -- (the MTP depths' MoE layers add their terms too, each over its T - k tokens)
   if box then loss = nn.moe.seq_aux_end(loss, box) end
   return loss
+end
+
+-- How moonshard.pp cuts a model with MTP depths (docs/pp.md, "Multi-token
+-- prediction"): the depths run after the last decoder layer, so they go
+-- to the last stage with the final norm and the head, and the head's
+-- forward there is mtp_tail. A depth also reads the token embedding,
+-- which the first stage holds: the last stage holds a copy of it too
+-- (Megatron-LM's scheme for a tied embedding and head: both prefixes name
+-- it, pp.pipeline keeps it on both stages and sums its gradient between
+-- them every step, so the copies stay equal), and reads the micro-batch's
+-- ids (every stage has the batch's ids).
+local function mtp_pipeline_parts(self)
+  local cfg, m = self.config, self.model
+  local parts = llama.LlamaForCausalLM.pipeline_parts(self)
+  if not cfg.tie_word_embeddings then parts.last[#parts.last + 1] = 'model.embed_tokens.' end
+  parts.last[#parts.last + 1] = 'model.mtp_layers.'
+  parts.head_ids = true
+  parts.aux = nil   -- (mtp_forward adds no load-balancing loss over the layers)
+  parts.mtp_depths = #m.mtp_layers
+  -- (the depths' MoE layers join the last stage's balance-loss session)
+  parts.last_moe = nn.moe.layers(m.mtp_layers)
+  parts.head = function(x, targets, ids) return mtp_tail(self, ids, targets, m.norm(x)) end
+  return parts
 end
 
 -- model:mtp_losses() -> the last forward's loss of each depth (a list of
@@ -541,10 +577,7 @@ local function mtp_attach(m, cfg)
   -- (moonshard.tp still splits the head by vocabulary rows: each depth's
   -- loss is the vocabulary-parallel one)
   rawset(m, 'tp_head_module', function(self) return rawget(self, '_head') end)
-  rawset(m, 'pipeline_parts', function()
-    error(cfg.model_type .. ': multi-token prediction is not cut into pipeline stages (mtp_loss_weight > 0 with '
-      .. '--pp)', 2)
-  end)
+  rawset(m, 'pipeline_parts', mtp_pipeline_parts)
 end
 
 -- deepseek_v3.with_mtp(fam): a decoder family (llama.decoder_family's)

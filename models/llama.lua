@@ -352,7 +352,13 @@ end
 -- is the embedding: both stages hold it), by parameter name prefixes
 function Llama:pipeline_parts()
   local cfg, m = self.config, self.model
+  -- (the routers' load-balancing loss over every layer, as aux_begin
+  -- adds it: the pipeline carries its statistics between the stages)
+  local moes = self:moe_layers()
+  local aux = cfg.output_router_logits and not self.family.no_aux_loss and #moes > 0
+    and { coef = cfg.router_aux_loss_coef, experts = moes[1].n_experts } or nil
   return {
+    aux = aux,
     blocks = m.layers, blocks_prefix = 'model.layers.', hidden = cfg.hidden_size,
     first = { 'model.embed_tokens.' },
     last = { 'model.norm.', cfg.tie_word_embeddings and 'model.embed_tokens.' or 'lm_head.' },

@@ -148,8 +148,8 @@ describe('expert parallelism #mpi', function()
       local mm = mixtral.new('tiny', { num_hidden_layers = 2, output_router_logits = false })
       moe.expert_parallel(mm)
       assert.has_error(function() ms.pp.pipeline(mm) end,
-        'pp.pipeline: model.layers.0.block_sparse_moe is expert-parallel (nn.moe.expert_parallel), which pipelines do '
-        .. 'not take')
+        'pp.pipeline: model.layers.0.block_sparse_moe is expert-parallel (nn.moe.expert_parallel); cut the model '
+        .. 'first, then split each stage\'s experts (ms.ep.parallelize after pp.pipeline, docs/moe.md)')
       return
     end
     local m = build({ dim = 8, hidden = 6, experts = W + 1, top_k = 1 })

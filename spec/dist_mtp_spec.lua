@@ -1,7 +1,8 @@
 -- Multi-token prediction split over CPU ranks (#mpi, 1-4 ranks;
 -- models/deepseek_v3.lua's MTP depths, GLM-4.5's through with_mtp): under
 -- tensor parallelism (with and without sequence parallelism), context
--- parallelism, and both (2 x 2), in f64 against one process on the whole
+-- parallelism, both (2 x 2), and pipelines of 2 stages (data parallel
+-- across them at 4 ranks), in f64 against one process on the whole
 -- batch: the loss, each depth's loss (model:mtp_losses()), every gradient,
 -- the routing biases' counts of every MoE layer (the depths' filler
 -- positions left out) and, for DeepSeek-V3, the sequence-wise balance
@@ -165,6 +166,96 @@ describe('multi-token prediction, split #mpi', function()
         cp.remove(m)
       end)
     end
+  end
+
+  for _, case in ipairs(cases) do
+    it(('%s, pipeline of 2 stages (the depths on the last, a copy of the embedding there), data parallel across '
+      .. 'the pipelines: the loss, each depth\'s (the whole batch\'s), every gradient and the routing counts are one '
+      .. 'process\'s, and two clipped AdamW steps keep the embedding\'s copies equal (f64)'):format(case[1]), function()
+      if W % 2 ~= 0 then pending('pipelines of 2 stages need an even number of ranks') return end
+      if W > 4 then pending('the batch of 2 sequences feeds at most 2 pipelines') return end
+      local what = case[1] .. ' pp'
+      local ref, x, y, l0, d0 = reference(case, 11)
+      local m = build(case)
+      local mesh = dist.mesh { replicate = W / 2, shard = 2 }
+      local P = W / 2                          -- pipelines, each a sequence of the batch (W = 4) or both (W = 2)
+      local d = mesh.coord[1]
+      local rows = 2 / P
+      local function mine(t) return t:narrow(1, d * rows + 1, rows):contiguous() end
+      local pipe = ms.pp.pipeline(m, { group = mesh.shard, microbatches = rows })
+      -- the depths and the final norm on the last stage, the embedding on both
+      local held = {}
+      for name in m:named_parameters() do held[name] = true end
+      assert.is_truthy(held['model.embed_tokens.weight'])
+      assert.are.equal(pipe.last, held['model.mtp_layers.0.eh_proj.weight'] == true)
+      assert.are.equal(pipe.last, held['model.norm.weight'] == true)
+      assert.are.equal(1, #pipe.tied)
+      local l = pipe:step(mine(x), mine(y))
+      dist.all_reduce(l, 'avg', { group = mesh.replicate })
+      assert.is_true(FS.rel(l:item(), l0) <= 1e-12, ('%s: %.17g against %.17g'):format(what, l:item(), l0))
+      -- each depth's loss, on every stage, averaged over the pipelines: the batch's
+      local dm = pipe:mtp_losses()
+      assert.are.equal(#d0, #dm)
+      local t = ms.tensor(dm, { dtype = 'f64' })
+      dist.all_reduce(t, 'avg', { group = mesh.replicate })
+      for k, v in ipairs(t:totable()) do
+        assert.is_true(FS.rel(v, d0[k]) <= 1e-12, ('%s: depth %d: %.17g against %.17g'):format(what, k, v, d0[k]))
+      end
+      ms.tp.all_reduce_grads(m, mesh.replicate, 'avg')
+      local ok_grad = 0
+      local refp = {}
+      for name, p in ref:named_parameters() do refp[name] = p end
+      for name, p in m:named_parameters() do
+        local e = FS.max_rel(p.grad, refp[name].grad)
+        assert.is_true(e <= 1e-10, ('%s: %s: %g'):format(what, name, e))
+        ok_grad = ok_grad + 1
+      end
+      assert.is_true(ok_grad >= 10)
+      -- the held MoE layers' counts, summed over the pipelines
+      local lr, lm = ms.nn.moe.layers(ref), ms.nn.moe.layers(m)
+      local counted = 0
+      for i = 1, #lr do
+        local b = lm[i]:routing_counts()
+        if b then
+          local c = ms.tensor(b, { dtype = 'f64' })
+          dist.all_reduce(c, 'sum', { group = mesh.replicate })
+          assert.are.same(lr[i]:routing_counts(), c:totable(), ('%s: layer %d\'s counts'):format(what, i))
+          counted = counted + 1
+        end
+      end
+      -- (the first stage's layer is dense: first_k_dense_replace 1)
+      if pipe.last then assert.is_true(counted >= 1, what .. ': no MoE layer counted on the last stage') end
+      -- two clipped AdamW steps, the routing biases moved: the same model
+      local o0 = ms.optim.AdamW(ref:parameters(), { lr = 1e-2 })
+      local o1 = ms.optim.AdamW(m:parameters(), { lr = 1e-2 })
+      for step = 1, 2 do
+        if step > 1 then
+          local a, b = FS.lcg_batch(11 + step, 2, Tn)
+          ref(a, b):backward()
+          pipe:step(mine(a), mine(b)):free()
+          ms.tp.all_reduce_grads(m, mesh.replicate, 'avg')
+        end
+        local n0, n1 = ms.optim.clip_grad_norm(ref, 0.05), ms.pp.clip_grad_norm_(m, 0.05)
+        assert.is_true(FS.rel(n1, n0) <= 1e-10, ('%s: norm %.17g against %.17g'):format(what, n1, n0))
+        o0:step(); o0:zero_grad(); o1:step(); o1:zero_grad()
+        ms.nn.moe.update_bias(ref, 0.01); ms.nn.moe.update_bias(m, 0.01, mesh.replicate)
+      end
+      local a, b = FS.lcg_batch(19, 2, Tn)
+      local la = ref(a, b):item()
+      local lb = pipe:evaluate(mine(a), mine(b))
+      dist.all_reduce(lb, 'avg', { group = mesh.replicate })
+      assert.is_true(FS.rel(lb:item(), la) <= 1e-10, ('%s: after the steps %.17g against %.17g'):format(what,
+        lb:item(), la))
+      -- the first stage's embedding and the last's copy: bit for bit
+      local e = m.model.embed_tokens.weight
+      local hi = e:clone()
+      dist.all_reduce(hi, 'max', { group = mesh.shard })
+      local lo = e:clone()
+      dist.all_reduce(lo, 'min', { group = mesh.shard })
+      assert.are.equal(0, (hi - lo):abs():max():item(), what .. ': the embedding\'s copies differ')
+      pipe:free()
+      mesh.shard:free(); mesh.replicate:free()
+    end)
   end
 
   it('deepseek_v3 with tensor and context parallelism (2 x 2: TP pairs, CP across them, with and without '

@@ -95,9 +95,12 @@ describe('models.mixtral', function()
       'mixtral config: router_jitter_noise 0.01 is not supported (0 only)')
     assert.has_error(function() mixtral.new(small({ num_experts_per_tok = 5 })) end,
       'mixtral config: num_experts_per_tok 5 is more than num_local_experts 4')
-    assert.has_error(function() ms.pp.pipeline(mixtral.new(small()), { group = {} }) end,
-      'pp.pipeline: the model adds the routers\' load-balancing loss over all its layers (output_router_logits), which a '
-      .. 'pipeline\'s stages cannot sum; set output_router_logits = false')
+  end)
+
+  it('tells a pipeline about its load-balancing loss (the stages carry its statistics: docs/pp.md)', function()
+    local m = mixtral.new(small())
+    assert.are.same({ coef = m.config.router_aux_loss_coef, experts = 4 }, m:pipeline_parts().aux)
+    assert.is_nil(mixtral.new(small({ output_router_logits = false })):pipeline_parts().aux)
   end)
 
   describe('bin/train', function()
@@ -138,6 +141,12 @@ describe('models.mixtral', function()
         .. '--pp 2 --out %s/pp_plain'):format(plain, q(dir)))
       assert.are.equal(0, status, text)
       S.close_losses(S.run_losses(dir .. '/one_plain'), S.run_losses(dir .. '/pp_plain'), 1, 6, 'mixtral --pp 2')
+      -- with the load-balancing loss and one micro-batch (the loss a
+      -- product of the batch's means, as one process's)
+      status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 4 --steps 6 '
+        .. '--pp 2 --pp-microbatches 1 --out %s/pp_aux'):format(flags, q(dir)))
+      assert.are.equal(0, status, text)
+      S.close_losses(one, S.run_losses(dir .. '/pp_aux'), 1, 6, 'mixtral --pp 2 with the load-balancing loss')
       -- context parallel pairs (routing is per token), and the layers checkpointed (the recompute routes alike)
       status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 4 --steps 6 '
         .. '--cp 2 --out %s/cp_plain'):format(plain, q(dir)))

@@ -84,9 +84,11 @@ function ep.parallelize(model, opts)
   if not ok then error((tostring(err):gsub('^moe%.expert_parallel', 'ep.parallelize')), 2) end
   local by = {}
   for _, m in ipairs(err) do by[m] = true end
+  -- (a pipeline's stage, pp.pipeline before this: the layers of the other
+  -- stages hold no parameters and are left out)
   local layers = {}
   for name, m in model:named_modules() do
-    if by[m] then
+    if by[m] and #m.experts:parameters() > 0 then
       local e = rawget(m, '_ep')
       layers[#layers + 1] = { module = m, prefix = name == '' and '' or name .. '.', E = m.n_experts,
         El = e.local_experts }
@@ -368,6 +370,19 @@ function ep.full_groups(model) return full_groups(model, info_of(model, 'full_gr
 -- = { lr, betas, eps, weight_decay }; opts.host as full_state_dict
 function ep.full_checkpoint(model, opt, hyper, opts)
   local info = info_of(model, 'full_checkpoint')
+  local msd, by_name = ep.full_tensors(model, opt, opts)
+  if not opt then return msd, nil end
+  return msd, require('moonshard.optim').one_process_state(full_groups(model, info), by_name, hyper or {})
+end
+
+-- ep.full_tensors(model, opt, opts) -> name -> tensor (the model's state,
+-- every expert of every layer gathered from the group), and with `opt`
+-- name -> { exp_avg =, exp_avg_sq =, step = } of the parameters with
+-- state, the experts' gathered too (a collective over the group; what
+-- full_checkpoint writes, and pp's whole-model checkpoint of a stage that
+-- is expert-parallel reads); opts.host as full_state_dict
+function ep.full_tensors(model, opt, opts)
+  local info = info_of(model, 'full_tensors')
   local host = opts and opts.host
   local optim = require 'moonshard.optim'
   local tensors, state, owned = own_state(model, info, opt)
@@ -425,7 +440,7 @@ function ep.full_checkpoint(model, opt, hyper, opts)
       end
     end
   end
-  return msd, optim.one_process_state(full_groups(model, info), by_name, hyper or {})
+  return msd, by_name
 end
 
 -- ep.load_full_state_dict(model, sd): a whole model's state dict (a

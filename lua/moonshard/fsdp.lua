@@ -1205,7 +1205,11 @@ end
 -- model's untied nn.LMHead, model:head_module(), is a unit of its own;
 -- false: it stays in the root; true: it must be one), prefetch_root
 -- (false: true issues the root's all-gather for the next step at the end of
--- the optimizer step, fsdp.after_step)
+-- the optimizer step, fsdp.after_step), expert_shard (HYBRID_SHARD of a
+-- model split by ms.ep.parallelize: the ranks of this rank's shard group
+-- that hold its experts, for a layout whose expert and shard groups are
+-- not runs of consecutive world ranks, bin/train's --pp --ep; nil: made
+-- from the world's layout, below)
 function fsdp.fully_shard(model, opts)
   opts = opts or {}
   local nn = require 'moonshard.nn'
@@ -1307,7 +1311,27 @@ function fsdp.fully_shard(model, opts)
       error('fully_shard: an expert-parallel model with ' .. (opts.offload and 'offload' or 'float8_all_gather')
         .. ': not supported', 2)
     end
-    if strategy == 'HYBRID_SHARD' then
+    if strategy == 'HYBRID_SHARD' and opts.expert_shard ~= nil then
+      -- (given: the caller's layout; its ranks must lie in the shard group
+      -- and hold this rank's experts, which the reduction relies on)
+      local es = opts.expert_shard
+      if type(es) ~= 'table' or type(es.is_member) ~= 'function' or not es:is_member() then
+        error(('fully_shard: expert_shard %s is not a process group this rank belongs to'):format(tostring(es)), 2)
+      end
+      local in_shard = {}
+      for _, r in ipairs(shard_group:ranks()) do in_shard[r] = true end
+      for _, r in ipairs(es:ranks()) do
+        if not in_shard[r] then
+          error(('fully_shard: expert_shard holds rank %d, which is not in this rank\'s shard group (%s)'):format(r,
+            table.concat(shard_group:ranks(), ',')), 2)
+        end
+      end
+      if es:size() * epi.size ~= shard_group:size() then
+        error(('fully_shard: expert_shard of %d ranks with experts split over %d: the shard group of %d ranks must be '
+          .. 'their product'):format(es:size(), epi.size, shard_group:size()), 2)
+      end
+      expert_shard = es
+    elseif strategy == 'HYBRID_SHARD' then
       local N, S, W = epi.size, shard_group:size(), dist.world_size()
       local sr, er = shard_group:ranks(), epi.group:ranks()
       -- (the layout bin/train makes: expert groups of N consecutive ranks

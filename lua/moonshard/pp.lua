@@ -133,13 +133,9 @@ function pp.pipeline(model, opts)
   if rawget(model, '_pp') then error('pp.pipeline: the model is already cut into stages', 2) end
   for name, m in model:named_modules() do
     if rawget(m, '_ep') then
-      error(('pp.pipeline: %s is expert-parallel (nn.moe.expert_parallel), which pipelines do not take'):format(name), 2)
+      error(('pp.pipeline: %s is expert-parallel (nn.moe.expert_parallel); cut the model first, then split each '
+        .. 'stage\'s experts (ms.ep.parallelize after pp.pipeline, docs/moe.md)'):format(name), 2)
     end
-  end
-  if type(model.config) == 'table' and model.config.output_router_logits then
-    -- (transformers' load-balancing loss is a product of means over every layer's tokens)
-    error('pp.pipeline: the model adds the routers\' load-balancing loss over all its layers '
-      .. '(output_router_logits), which a pipeline\'s stages cannot sum; set output_router_logits = false', 2)
   end
   if rawget(model, '_fsdp') then
     error('pp.pipeline: the model is under fsdp.fully_shard; cut it first, then shard its stage (docs/pp.md, "FSDP")', 2)
@@ -263,14 +259,41 @@ function pp.pipeline(model, opts)
     end
   end
 
+  -- the persistent buffers (an MoE layer's expert_bias under
+  -- --moe-bias-rate), each with the stage whose forwards update it: every
+  -- stage keeps every buffer, only the holder's is current, and a whole
+  -- model's state takes the holder's (whole_model)
+  local buffers = {}
+  for mname, m in model:named_modules() do
+    for _, bn in ipairs(m._buffer_names) do
+      if rawget(m, bn) ~= nil and m._buffer_persistent[bn] then
+        local full = (mname ~= '' and mname .. '.' or '') .. bn
+        local kind, i = classify(parts, full)
+        local owner = 0
+        if kind == 'last' then owner = S - 1
+        elseif kind == 'block' then owner = vstage_of[i] % S end
+        buffers[#buffers + 1] = { full, owner }
+      end
+    end
+  end
+  table.sort(buffers, function(x, y) return x[1] < y[1] end)
+
   local ranks = group:ranks()
   local self = setmetatable({
     model = model, parts = parts, group = group, stage = s, n_stages = S, first = first, last = last,
     ranges = ranges, chunks = v, layers = layers, microbatches = M, schedule = schedule,
     opt_dtype = opts.dtype,
     prev = (not first) and ranks[s] or nil, next = (not last) and ranks[s + 2] or nil,
-    tied = tied, n_params = kept, names = names, full_groups = full_groups, fsdp_reduce = fsdp_reduce,
+    tied = tied, n_params = kept, names = names, buffers = buffers, full_groups = full_groups,
+    fsdp_reduce = fsdp_reduce,
   }, Pipeline)
+  -- the routers' load-balancing loss over every layer (parts.aux: Mixtral's
+  -- output_router_logits): its statistics travel with the activations
+  -- (Pipeline:aux_forward, aux_backward)
+  if parts.aux then
+    self.aux = { coef = parts.aux.coef, E = parts.aux.experts }
+    self.stats_of = setmetatable({}, { __mode = 'k' })
+  end
   -- gradients go back on a group of their own (overlap; collective over the group)
   self.overlap = (opts.overlap ~= false or v > 1) and S > 1
   self.sends, self.live = {}, {}
@@ -371,6 +394,7 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
       h = StageInput(x, function(g)
         local gx = g:clone()
         rec.sent = true
+        if self.aux and rec.bstats then self.stats_of[gx] = rec.bstats end
         if self.chunks > 1 then self:vsend_backward(gx) else self:send_backward(gx) end
       end, self.schedule == 'zbh1' and function(job) rec.w = job end or false)
     end
@@ -379,14 +403,39 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
     -- stage's MoE layers add their terms to the micro-batch's loss (the
     -- stages' sums are summed: finish_loss), their gradients scaled as the
     -- loss's backward is
+    -- (on the last stage the session spans the head too: a model's
+    -- multi-token-prediction depths run there, parts.last_moe)
     local box = self:seq_aux_begin(c, grad)
-    for j = range[1], range[2] do h = blocks[j](h) end
-    if box then
-      local v = nn_moe().seq_aux_value(box)
+    if self.aux then
+      local layers = self:chunk_moe(c)
+      rec.abox = #layers > 0 and nn_moe().aux_begin(layers, { coef = 1 }) or nil
+    end
+    local function box_value()
+      local v = box and nn_moe().seq_aux_value(box)
       if v then A.no_grad(function() self.loss_sum:add_(v:to('f64'):reshape({ 1 })) end) end
     end
-    if not lastv then return h end
-    local loss = parts.head(h, rows(targets, i, mb))
+    for j = range[1], range[2] do h = blocks[j](h) end
+    if self.aux then h = self:aux_forward(rec, h, x, grad) end
+    if not lastv then box_value(); return h end
+    -- (parts.head_ids: the head reads the micro-batch's ids, DeepSeek-V3's
+    -- multi-token prediction)
+    local loss = parts.head(h, rows(targets, i, mb), parts.head_ids and rows(ids, i, mb) or nil)
+    if rec.aux_loss then
+      local a = rec.aux_loss
+      rec.aux_loss = nil
+      if a.dtype ~= loss.dtype then a = a:to(loss.dtype) end
+      loss = loss + a:reshape(loss.shape)
+    end
+    box_value()
+    if self.mtp_sum then
+      -- each depth's loss of the micro-batch (model:mtp_losses()), summed
+      -- over the step's micro-batches (finish_loss)
+      A.no_grad(function()
+        for k, v in ipairs(self.model:mtp_losses()) do
+          self.mtp_sum:narrow(1, k, 1):add_(v:detach():reshape({ 1 }):to('f64'))
+        end
+      end)
+    end
     local hook = self.step_opts and self.step_opts.loss_hook
     if hook then loss = hook(loss) end
     A.no_grad(function()
@@ -427,6 +476,16 @@ end
 function Pipeline:seq_aux_begin(c, grad)
   local model = self.model
   if type(model.seq_aux_options) ~= 'function' then return nil end
+  local layers = self:chunk_moe(c)
+  if #layers == 0 then return nil end
+  local o = model:seq_aux_options(true)
+  if o then o.scale = grad and self.grad_scale / self.microbatches or 1 end
+  return nn_moe().seq_aux_begin(layers, o)
+end
+
+-- the MoE layers of chunk c's blocks (and, on the last, parts.last_moe),
+-- in order; found once
+function Pipeline:chunk_moe(c)
   self.moe_chunks = self.moe_chunks or {}
   local layers = self.moe_chunks[c]
   if layers == nil then
@@ -435,12 +494,128 @@ function Pipeline:seq_aux_begin(c, grad)
     for j = range[1], range[2] do
       for _, m in ipairs(nn_moe().layers(blocks[j])) do layers[#layers + 1] = m end
     end
+    if self.last and c == self.chunks then
+      for _, m in ipairs(self.parts.last_moe or {}) do layers[#layers + 1] = m end
+    end
     self.moe_chunks[c] = layers
   end
-  if #layers == 0 then return nil end
-  local o = model:seq_aux_options(true)
-  if o then o.scale = grad and self.grad_scale / self.microbatches or 1 end
-  return nn_moe().seq_aux_begin(layers, o)
+  return layers
+end
+
+-- ------------------------------------------------ the load-balancing loss
+-- Switch's loss E Σ_e f̄_e P̄_e (moe.aux_loss) is one product of means over
+-- every layer's tokens: f̄ the share of all the layers' slots, P̄ the mean
+-- score. A pipeline carries each micro-batch's sums forward with its
+-- activation: [the slots' counts (E), the layers' mean scores summed (E),
+-- the layers, their tokens], each stage adding its layers' in order, so
+-- the last stage has the whole model's and makes the loss (added to the
+-- micro-batch's, its own layers' gradient through autograd). The gradient
+-- of a layer's scores, E f̄_e / (L N) times the objective's gradient with
+-- respect to the loss, needs f̄ and L, known only there: they go back with
+-- the activation's gradient, [f̄ (E), L, that gradient x coef], and each
+-- stage gives its layers' summed means the gradient (AuxInject on its
+-- output), or a checkpointed layer's recompute its own (moe's AuxGrad,
+-- through the micro-batch's session).
+
+-- AuxInject(y, acc, rec) -> y (an alias); backward: y's gradient as it is,
+-- and acc's (the stage's running sum of mean scores) rec.ginj
+local AuxInject = A.Function {
+  name = 'pp_aux_inject',
+  owns_results = true,
+  forward = function(ctx, y, acc, rec)
+    ctx.rec, ctx.dtype = rec, acc.dtype
+    return A.raw_views.alias(y)
+  end,
+  backward = function(ctx, g)
+    local gi = ctx.rec.ginj
+    ctx.rec.ginj = nil
+    if gi ~= nil and gi.dtype ~= ctx.dtype then gi = gi:to(ctx.dtype) end
+    return g, gi, nil
+  end,
+}
+
+-- the statistics' dtype: the router scores' (f32, f64 in an f64 model)
+function Pipeline:aux_dtype() return self.dtype == 'f64' and 'f64' or 'f32' end
+
+-- a buffer for the statistics going forward (2E + 2) or back (E + 2)
+function Pipeline:aux_buffer(back)
+  local E = self.aux.E
+  return T.empty({ back and E + 2 or 2 * E + 2 }, { dtype = self:aux_dtype(), device = self.dev })
+end
+
+-- after a micro-batch's blocks on this stage: h (its output), x (its
+-- input, nil on the first stage) -> h; rec.stats the sums to send on, or
+-- (last stage) the loss term to add, rec.aux_loss
+function Pipeline:aux_forward(rec, h, x, grad)
+  local E, box = self.aux.E, rec.abox
+  local prev = x and self.stats_of[x] or nil
+  local counts, L, N, acc = {}, 0, 0, nil
+  for e = 1, E do counts[e] = 0 end
+  if prev then
+    local v = prev:to('cpu'):totable()
+    for e = 1, E do counts[e] = v[e] end
+    L, N = v[2 * E + 1], v[2 * E + 2]
+    if L > 0 then acc = prev:narrow(1, E + 1, E) end
+  end
+  local mine = 0
+  for _, m in ipairs(box and box.list or {}) do
+    local st = box.seen[m]
+    if st then
+      for e = 1, E do counts[e] = counts[e] + st.counts[e] end
+      local mean = st.probs:mean(1)
+      st.probs = nil
+      if acc and acc.dtype ~= mean.dtype then acc = acc:to(mean.dtype) end
+      acc = acc and acc + mean or mean
+      L, N, mine = L + 1, st.n, mine + 1
+    end
+  end
+  if not rec.lastv then
+    local out = self:aux_buffer(false)
+    A.no_grad(function()
+      local c = T.tensor(counts, { dtype = out.dtype }):to(out.device)
+      T.raw_copy_(out:narrow(1, 1, E), c)
+      if acc then T.raw_copy_(out:narrow(1, E + 1, E), acc:detach()) else out:narrow(1, E + 1, E):zero_() end
+      T.raw_copy_(out:narrow(1, 2 * E + 1, 2), T.tensor({ L, N }, { dtype = out.dtype }):to(out.device))
+    end)
+    rec.stats = out
+    -- (the stage's layers' gradient comes back with the activation's)
+    if grad and mine > 0 and A.needs_grad(acc) then h = AuxInject(h, acc, rec) end
+    return h
+  end
+  if L == 0 then return h end
+  -- the last stage: the loss over every layer, as moe.aux_loss
+  local f = T.tensor(counts, { dtype = acc.dtype }):to(acc.device)
+  local fbar = f / (L * N)
+  local aux = (fbar * (acc / L)):sum():reshape({ 1 }) * E
+  rec.aux_loss = aux * self.aux.coef
+  -- what goes back: f̄, L and the objective's gradient x coef
+  local sc = (grad and self.grad_scale / self.microbatches or 1) * self.aux.coef
+  local b = self:aux_buffer(true)
+  A.no_grad(function()
+    T.raw_copy_(b:narrow(1, 1, E), fbar:detach())
+    T.raw_copy_(b:narrow(1, E + 1, 2), T.tensor({ L, sc }, { dtype = b.dtype }):to(b.device))
+  end)
+  rec.bstats = b
+  return h
+end
+
+-- before a micro-batch's backward on this stage: its layers' session back
+-- on them (a checkpointed layer's recompute finds it) with f̄, L and the
+-- scale, and the gradient of the stage's summed means (rec.ginj)
+function Pipeline:aux_backward(rec, gy)
+  local info = rec.lastv and rec.bstats or self.stats_of[gy]
+  rec.bstats = info
+  local box = rec.abox
+  if info == nil or box == nil then return end
+  local E = self.aux.E
+  local v = info:narrow(1, E + 1, 2):to('cpu'):totable()
+  local L, sc = v[1], v[2]
+  if L == 0 then return end
+  local fbar = info:narrow(1, 1, E)
+  for _, m in ipairs(box.list) do rawset(m, '_aux', box) end
+  box.fbar, box.L, box.coef = fbar, L, 1
+  box.scale = T.full({ 1 }, sc, { dtype = fbar.dtype, device = fbar.device })
+  if not rec.lastv then rec.ginj = (box.scale * E) * fbar / L end
 end
 
 -- the backward of a record, with gy the gradient of its output (nil on the
@@ -462,6 +637,7 @@ function Pipeline:backward_one(rec, gy)
     end
     fs.fsdp.set_sync(self.model, sync)
   end
+  if self.aux then self:aux_backward(rec, gy) end
   on_tape(rec.tape, function()
     if rec.lastv then rec.out:backward() else rec.out:backward(gy) end
   end)
@@ -475,8 +651,9 @@ function Pipeline:backward_one(rec, gy)
     rec.x.grad = nil
     rec.x:free()
   end
+  if gx ~= nil and self.aux and rec.bstats then self.stats_of[gx] = rec.bstats end
   rec.out:free()
-  rec.tape, rec.x, rec.out = nil, nil, nil
+  rec.tape, rec.x, rec.out, rec.abox, rec.bstats, rec.stats = nil, nil, nil, nil, nil, nil
   self.live[rec] = nil
   return gx
 end
@@ -506,28 +683,54 @@ end
 -- (Megatron-LM's send_forward_recv_backward).
 
 -- receive the next micro-batch's input from the previous stage (nil on the first)
+-- (with the load-balancing loss each exchange carries the statistics
+-- beside the tensor, in the same batch: ops_recv / ops_send)
+
+-- adds to ops the receive of t from peer, with its statistics (back: the
+-- gradient's) when the pipeline carries them
+function Pipeline:ops_recv(ops, t, peer, back)
+  ops[#ops + 1] = { 'recv', t, peer }
+  if self.aux then
+    local sb = self:aux_buffer(back)
+    self.stats_of[t] = sb
+    ops[#ops + 1] = { 'recv', sb, peer }
+  end
+  return ops
+end
+
+-- adds to ops the send of t to peer, with stats (the statistics that go with it)
+function Pipeline:ops_send(ops, t, peer, stats)
+  ops[#ops + 1] = { 'send', t, peer }
+  if self.aux then
+    if stats == nil then error('pp: the load-balancing loss\'s statistics are missing for a send', 0) end
+    ops[#ops + 1] = { 'send', stats, peer }
+  end
+  return ops
+end
+
+-- receive the next micro-batch's input from the previous stage (nil on the first)
 function Pipeline:recv_forward(grad)
   if self.first then return nil end
   local x = self:act_buffer()
-  self:p2p({ { 'recv', x, self.prev } })
+  self:p2p(self:ops_recv({}, x, self.prev))
   if grad then x:requires_grad_() end
   return x
 end
 
 function Pipeline:send_forward(rec)
-  if not self.last then self:p2p({ { 'send', rec.out, self.next } }, nil, self.overlap) end
+  if not self.last then self:p2p(self:ops_send({}, rec.out, self.next, rec.stats), nil, self.overlap) end
 end
 
 function Pipeline:recv_backward()
   if self.last then return nil end
   local g = self:act_buffer()
-  self:p2p({ { 'recv', g, self.next } }, self.bwd_group)
+  self:p2p(self:ops_recv({}, g, self.next, true), self.bwd_group)
   return g
 end
 
 function Pipeline:send_backward(gx)
   if gx ~= nil then
-    self:p2p({ { 'send', gx, self.prev } }, self.bwd_group, self.overlap)
+    self:p2p(self:ops_send({}, gx, self.prev, self.stats_of and self.stats_of[gx]), self.bwd_group, self.overlap)
     gx:free()
   end
 end
@@ -541,7 +744,7 @@ function Pipeline:send_forward_recv_backward(rec)
     return self:recv_backward()
   end
   local g = self:act_buffer()
-  self:p2p({ { 'send', rec.out, self.next }, { 'recv', g, self.next } })
+  self:p2p(self:ops_recv(self:ops_send({}, rec.out, self.next, rec.stats), g, self.next, true))
   return g
 end
 
@@ -553,7 +756,7 @@ function Pipeline:send_backward_recv_forward(gx)
     return self:recv_forward(true)
   end
   local x = self:act_buffer()
-  self:p2p({ { 'send', gx, self.prev }, { 'recv', x, self.prev } })
+  self:p2p(self:ops_recv(self:ops_send({}, gx, self.prev, self.stats_of and self.stats_of[gx]), x, self.prev))
   gx:free()
   x:requires_grad_()
   return x
@@ -572,7 +775,7 @@ function Pipeline:vrecv_forward(c, grad)
   local S = self.n_stages
   local prev = (self.stage - 1 + S) % S
   local x = self:act_buffer()
-  self:p2p({ { 'recv', x, self.ranks[prev + 1] } }, self.fwd_groups[colour(S, prev, S - 1)])
+  self:p2p(self:ops_recv({}, x, self.ranks[prev + 1]), self.fwd_groups[colour(S, prev, S - 1)])
   if grad then x:requires_grad_() end
   return x
 end
@@ -580,7 +783,8 @@ end
 function Pipeline:vsend_forward(rec)
   if rec.lastv then return end
   local S, s = self.n_stages, self.stage
-  self:p2p({ { 'send', rec.out, self.ranks[(s + 1) % S + 1] } }, self.fwd_groups[colour(S, s, S - 1)], true)
+  self:p2p(self:ops_send({}, rec.out, self.ranks[(s + 1) % S + 1], rec.stats), self.fwd_groups[colour(S, s, S - 1)],
+    true)
 end
 
 function Pipeline:vrecv_backward(rec)
@@ -588,14 +792,15 @@ function Pipeline:vrecv_backward(rec)
   local S = self.n_stages
   local nxt = (self.stage + 1) % S
   local g = self:act_buffer()
-  self:p2p({ { 'recv', g, self.ranks[nxt + 1] } }, self.bwd_groups[colour(S, nxt, 0)])
+  self:p2p(self:ops_recv({}, g, self.ranks[nxt + 1], true), self.bwd_groups[colour(S, nxt, 0)])
   return g
 end
 
 function Pipeline:vsend_backward(gx)
   if gx == nil then return end
   local S, s = self.n_stages, self.stage
-  self:p2p({ { 'send', gx, self.ranks[(s - 1 + S) % S + 1] } }, self.bwd_groups[colour(S, s, 0)], true)
+  self:p2p(self:ops_send({}, gx, self.ranks[(s - 1 + S) % S + 1], self.stats_of and self.stats_of[gx]),
+    self.bwd_groups[colour(S, s, 0)], true)
   gx:free()
 end
 
@@ -678,16 +883,41 @@ function Pipeline:prepare(ids, targets, what)
   self.mb, self.seq = B / self.microbatches, Tn
   self.dev, self.dtype = self:device()
   self.loss_sum = T.zeros({ 1 }, { dtype = 'f64', device = self.dev })
+  -- (multi-token prediction: each depth's loss, parts.mtp_depths)
+  local D = self.parts.mtp_depths or 0
+  self.mtp_sum = D > 0 and T.zeros({ D }, { dtype = 'f64', device = self.dev }) or nil
 end
 
--- the mean of the micro-batches' losses, on every stage (summed from the last)
+-- the mean of the micro-batches' losses, on every stage (summed from the
+-- last); with multi-token prediction each depth's too (pipe:mtp_losses())
 function Pipeline:finish_loss()
   local l = self.loss_sum
   self.loss_sum = nil
+  if self.mtp_sum then
+    -- (one all-reduce: the loss and the depths' in one tensor)
+    local D = self.mtp_sum:numel()
+    local both = T.zeros({ 1 + D }, { dtype = 'f64', device = self.dev })
+    T.raw_copy_(both:narrow(1, 1, 1), l)
+    T.raw_copy_(both:narrow(1, 2, D), self.mtp_sum)
+    l:free(); self.mtp_sum:free(); self.mtp_sum = nil
+    if self.n_stages > 1 then dist.all_reduce(both, 'sum', { group = self.group }) end
+    both:mul_(1 / self.microbatches)
+    local v = both:to('cpu'):totable()
+    self.mtp = {}
+    for k = 1, D do self.mtp[k] = v[1 + k] end
+    l = both:narrow(1, 1, 1):clone()
+    both:free()
+    return l
+  end
   if self.n_stages > 1 then dist.all_reduce(l, 'sum', { group = self.group }) end
   l:mul_(1 / self.microbatches)
   return l
 end
+
+-- pipe:mtp_losses() -> the last step's (or evaluation's) loss of each
+-- multi-token-prediction depth, the mean over its micro-batches, on every
+-- stage (numbers; empty when the model has none)
+function Pipeline:mtp_losses() return self.mtp or {} end
 
 -- pipe:step(ids, targets) -> loss: the forward and backward of every
 -- micro-batch of the batch, gradients accumulated into this stage's
@@ -797,6 +1027,7 @@ function Pipeline:drop_live()
   end
   for i, w in ipairs(self.sends) do w:free(); self.sends[i] = nil end
   if self.loss_sum then self.loss_sum:free(); self.loss_sum = nil end
+  if self.mtp_sum then self.mtp_sum:free(); self.mtp_sum = nil end
 end
 
 function Pipeline:run_schedule(ids, targets)
@@ -953,11 +1184,23 @@ function pp.clip_grad_norm_(model, max_norm, opts)
   local tpm = package.loaded['moonshard.tp']
   local split_by = tpm and tpm.is_parallel(model) and tpm or nil
   local grads, counted, split, views = {}, {}, {}, {}
+  local st = rawget(model, '_fsdp')
+  -- an expert-parallel stage (ep.parallelize after the cut): its experts'
+  -- squares summed over the expert group, each expert counted once (under
+  -- fully_shard the sum over the stage's data-parallel ranks below does
+  -- it: every element of every shard is held by one of them)
+  local epi = not st and rawget(model, '_ep_train')
+  local experts, ex = {}, {}
+  if epi then
+    for _, L in ipairs(epi.layers) do
+      for _, p in ipairs(L.module.experts:parameters()) do ex[tonumber(p.id)] = true end
+    end
+  end
   local function add(name, id, g)
     if skip[id] then return end
-    if split_by and split_by.placement(model, name) then split[#split + 1] = g else counted[#counted + 1] = g end
+    if ex[id] then experts[#experts + 1] = g
+    elseif split_by and split_by.placement(model, name) then split[#split + 1] = g else counted[#counted + 1] = g end
   end
-  local st = rawget(model, '_fsdp')
   if st then
     -- under fully_shard: each unit's gradient shard, cut at its
     -- parameters' bounds (the layout's offsets)
@@ -978,6 +1221,12 @@ function pp.clip_grad_norm_(model, max_norm, opts)
   end
   local dev = grads[1] and grads[1].device or pipe:device()
   local sq = optim.sum_squares(counted, dev)
+  if epi then
+    local es = optim.sum_squares(experts, dev)
+    if epi.size > 1 then dist.all_reduce(es, 'sum', { group = epi.group }) end
+    F.add_(sq, es)
+    es:free()
+  end
   if split_by then
     local ss = optim.sum_squares(split, dev)
     local g = split_by.group_of(model)
@@ -1030,6 +1279,12 @@ local function stage_tensors(pipe, model, opt)
   local tpm = package.loaded['moonshard.tp']
   local split = tpm and tpm.is_parallel(model)
   local sd, mine, moments = {}, {}, nil
+  if rawget(model, '_ep_train') then
+    -- an expert-parallel stage (ep.parallelize after the cut): its experts
+    -- gathered over the expert group (of its units first, under fully_shard)
+    sd, moments = require('moonshard.ep').full_tensors(model, opt)
+    return sd, sd, moments
+  end
   if rawget(model, '_fsdp') then
     -- the units' f32 master shards (and AdamW moments) gathered
     local state
@@ -1079,12 +1334,16 @@ local function stage_tensors(pipe, model, opt)
   return sd, mine, moments
 end
 
--- the stage's state dict completed with every stage's parameters
+-- the stage's state dict completed with every stage's parameters, and its
+-- persistent buffers replaced by the stages' that hold their layers
 local function whole_model(pipe, sd, mine)
   local ranks = pipe.group:ranks()
   local dev = pipe:device()
-  for _, e in ipairs(pipe.names) do
-    local name, owner = e[1], e[2]
+  local list = {}
+  for _, e in ipairs(pipe.names) do list[#list + 1] = { e[1], e[2], mine } end
+  for _, e in ipairs(pipe.buffers or {}) do list[#list + 1] = { e[1], e[2], sd } end
+  for _, e in ipairs(list) do
+    local name, owner, mine = e[1], e[2], e[3]
     if pipe.n_stages > 1 then
       -- the holder's dtype and shape first, then the values
       local t = owner == pipe.stage and mine[name] or nil

@@ -87,12 +87,12 @@ train.options = {
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
   { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
-  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
+  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints and the final weights are whole, one process\'s (docs/pp.md)' },
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; not with --tp, --pp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; whole-model checkpoints, as --pp\'s); not with --tp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1127,17 +1127,42 @@ function train.run(opts)
   -- ranks at the same place in each group hold the same experts (the
   -- replicate group); the gradients reduced by ms.ep (plain) or by FSDP's
   -- units (--fsdp); one-process checkpoints without FSDP, sharded with it
+  -- With --pp P: each stage's data-parallel ranks (rank = d * P + stage)
+  -- split the stage's experts in groups of N consecutive d, the same place
+  -- in each group holding the same experts; ms.ep.parallelize runs on the
+  -- stage, after the cut
   local ep_size, ep_group, ep_rep = o.ep, nil, nil
   if ep_size > 1 then
     if world % ep_size ~= 0 then
       usage('--ep %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', ep_size, world,
         world == 1 and '' or 's')
     end
-    if tp_size > 1 or pp_size > 1 then
-      usage('--ep with --%s: not supported (expert parallelism trains data-parallel over every rank)',
-        tp_size > 1 and 'tp' or 'pp')
+    if tp_size > 1 then
+      usage('--ep with --tp: not supported (expert parallelism trains data-parallel over every rank)')
     end
-    if strategy == 'HYBRID_SHARD' then
+    -- (a stage's ranks: its data-parallel ranks, and with --cp M the
+    -- context-parallel ranks of each: world / P in all)
+    local stage_world = world / pp_size
+    if pp_size > 1 and stage_world % ep_size ~= 0 then
+      usage('--ep %d with --pp %d: the %d %s of each stage (the world of %d over %d stages) %s not a multiple of %d',
+        ep_size, pp_size, stage_world, stage_world == 1 and 'rank' or 'ranks', world, pp_size,
+        stage_world == 1 and 'is' or 'are', ep_size)
+    end
+    if pp_size > 1 and strategy == 'HYBRID_SHARD' then
+      -- each stage's shard groups (S consecutive of its data-parallel
+      -- ranks, pp_mesh.hybrid) must hold whole expert groups; the ranks of
+      -- a shard group that hold the same experts shard them
+      if cp_size > 1 then usage('--ep with --pp, --cp and --fsdp HYBRID_SHARD: not supported') end
+      local S = pp_mesh.hybrid.shard:size()
+      if S % ep_size ~= 0 then
+        usage('--ep %d with --pp %d --fsdp HYBRID_SHARD: the shard groups of %d ranks (--shard-size) must hold whole '
+          .. 'expert groups', ep_size, pp_size, S)
+      end
+      pp_mesh.expert_shard = mine(pp_size * (data_world / S), ep_size, function(qr, k)
+        local q, row = qr % pp_size, math.floor(qr / pp_size)
+        return along(S / ep_size, function(d) return (row * S + d * ep_size + k) * pp_size + q end)
+      end)
+    elseif strategy == 'HYBRID_SHARD' then
       -- (the expert groups inside the shard groups: fully_shard shards an
       -- expert unit over the shard group's ranks that hold those experts)
       local S = o.shard_size > 0 and o.shard_size or dist.local_world_size()
@@ -1150,7 +1175,17 @@ function train.run(opts)
     -- --fsdp FULL_SHARD / SHARD_GRAD_OP: each layer's experts sharded over
     -- their copies, the rest over every rank; otherwise plain
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
-    if ep_size == world then
+    if pp_size > 1 then
+      -- (stage q's j-th rank is rank j * P + q: j = d with --cp's
+      -- context-parallel ranks counted in, d * M + c)
+      local n = stage_world / ep_size
+      ep_group = mine(pp_size, n, function(q, g)
+        return along(ep_size, function(k) return (g * ep_size + k) * pp_size + q end) end)
+      if n > 1 then
+        ep_rep = mine(pp_size, ep_size, function(q, k)
+          return along(n, function(g) return (g * ep_size + k) * pp_size + q end) end)
+      end
+    elseif ep_size == world then
       ep_group = dist.get_world_group()
     else
       local n = world / ep_size
@@ -1245,20 +1280,35 @@ function train.run(opts)
   -- from scratch fully_shard makes the shards from the recorded
   -- initialisation; a checkpoint resumed goes in before it)
   local ep_desc
-  if ep_group then
+  local function ep_split()
     local okp, perr = pcall(ms.ep.parallelize, model, { group = ep_group, replicate = ep_rep })
     if not okp then usage('--ep %d: %s', ep_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
-    -- (a sharded checkpoint is read after fully_shard, into the shards)
-    local whole = resume and not resume.sharded
-    if not strategy or whole then ms.nn.materialize(model) end
-    if whole then
-      local okl, err = pcall(ckpt.load, resume.path, {
-        model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end } })
-      if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
-    end
     local held = 0
     for _, p in ipairs(model:parameters()) do held = held + p:numel() end
     local layers = ms.nn.moe.layers(model)
+    if pp_mesh then
+      local sw = world / pp_size
+      local copies = sw / ep_size
+      held = reduce_numbers({ held }, 'max')[1]
+      ep_desc = ('%d-way in each stage\'s %d %sranks (%d cop%s of each expert), %d of %d experts a rank '
+        .. 'in %d layers, at most %.2fM parameters a rank'):format(ep_size, sw, cp_group and '' or 'data-parallel ',
+        copies, copies == 1 and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
+      if strategy == 'HYBRID_SHARD' then
+        local S = pp_mesh.hybrid.shard:size()
+        if S == ep_size then
+          ep_desc = ep_desc .. (', each expert whole in each shard group of %d, replicated over %d (HYBRID_SHARD)')
+            :format(S, sw / S)
+        else
+          ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %d, replicated '
+            .. 'over %d (HYBRID_SHARD)'):format(S / ep_size, S, sw / S)
+        end
+      elseif strategy and copies > 1 then
+        ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(copies, strategy)
+      elseif strategy then
+        ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
+      end
+      return
+    end
     ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, '
       .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
       layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
@@ -1270,6 +1320,18 @@ function train.run(opts)
       ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(world / ep_size, strategy)
     elseif strategy then
       ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
+    end
+  end
+  -- (with --pp each stage's, after the cut, below)
+  if ep_group and not pp_mesh then
+    ep_split()
+    -- (a sharded checkpoint is read after fully_shard, into the shards)
+    local whole = resume and not resume.sharded
+    if not strategy or whole then ms.nn.materialize(model) end
+    if whole then
+      local okl, err = pcall(ckpt.load, resume.path, {
+        model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end } })
+      if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
     end
   end
 
@@ -1389,6 +1451,9 @@ function train.run(opts)
       schedule = o.pp_chunks == 1 and o.pp_schedule or nil, chunks = o.pp_chunks })
     if not okp then usage('--pp %d: %s', pp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     pipe = perr
+    -- --ep: the stage's experts split over its expert group (the cut made,
+    -- so each rank makes only its stage's share of them)
+    if ep_group then ep_split() end
     -- (under --fsdp from scratch fully_shard makes the stage's shards from
     -- the recorded initialisation: no rank holds its whole stage)
     if not strategy or resume then ms.nn.materialize(model) end
@@ -1420,7 +1485,8 @@ function train.run(opts)
     local group = not hybrid and (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
       shard_size = strategy == 'HYBRID_SHARD' and not pp_mesh and o.shard_size > 0 and o.shard_size or nil,
-      mesh = hybrid or nil, group = group, float8_all_gather = o.float8_all_gather or nil })
+      mesh = hybrid or nil, group = group, float8_all_gather = o.float8_all_gather or nil,
+      expert_shard = pp_mesh and pp_mesh.expert_shard or nil })
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     -- the ranks a unit's parameters are spread over (with --cp, its
     -- context-parallel ranks as well as the data-parallel ones)
@@ -1770,6 +1836,13 @@ function train.run(opts)
               loss_hook = inject[step] and function(l) return l * (0 / 0) end or nil })
             lsum = lsum + loss:item()
             loss:free()
+            -- (multi-token prediction: each depth's loss of the batch, the
+            -- last stage's, on every stage)
+            local ml = pipe:mtp_losses()
+            for d = 1, #ml do
+              mtp_sum = mtp_sum or {}
+              mtp_sum[d] = (mtp_sum[d] or 0) + ml[d]
+            end
             return
           end
           local loss
@@ -1796,8 +1869,10 @@ function train.run(opts)
     local gnorm
     if pp_mesh then
       -- the pipelines' gradients averaged, then clipped over the stages
-      -- (under FSDP the stages' reductions averaged them)
-      if not strategy then ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg') end
+      -- (under FSDP the stages' reductions averaged them; with --ep the
+      -- experts' summed over their copies, ms.ep)
+      if not strategy and ep_group then ms.ep.all_reduce_grads(model, pp_mesh.replicate)
+      elseif not strategy then ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg') end
       gnorm = ms.pp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     elseif tp_mesh then
       -- (under FSDP the gradients were reduced over mesh.replicate already)
