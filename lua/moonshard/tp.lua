@@ -802,7 +802,11 @@ function tp.parallelize(model, opts)
             return T.zeros_like(grad)
           end
         end
+        -- (info.sp_partial: the same tensors by id, for fully_shard, whose
+        -- units' gradient buffers these hooks never see: the unit sums
+        -- their regions over the group before its own reduction, fsdp.lua)
         local seen = {}
+        info.sp_partial = seen
         local function partial(t)
           if t ~= nil and t.requires_grad and not seen[tonumber(t.id)] then
             seen[tonumber(t.id)] = true
@@ -867,6 +871,14 @@ function tp.parallelize(model, opts)
 end
 
 function tp.is_parallel(model) return rawget(model, '_tp') ~= nil end
+
+-- tp.sum_partial(flat, sp): flat (a unit's packed regions of the
+-- parameters that run on this rank's tokens, sequence parallel) summed
+-- over the group in place (skipped with set_skip_comm)
+function tp.sum_partial(flat, sp)
+  if skip_comm or sp.size == 1 then return end
+  dist.all_reduce(flat, 'sum', { group = sp.group })
+end
 -- the group a parallelized model is split over
 function tp.group_of(model) return info_of(model).group end
 
