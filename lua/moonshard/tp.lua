@@ -263,11 +263,16 @@ local function new_sp(group)
   -- (B, T, C) replicated -> this rank's rows, when B·T divides; else the
   -- forward runs replicated, as without sequence parallelism
   function sp.scatter(x)
-    local B, Tn = x.shape[1], x.shape[2]
-    sp.active = x.ndim == 3 and (B * Tn) % sp.size == 0 and sp.size > 1
-    if not sp.active then return x end
-    sp.B, sp.T, sp.n = B, Tn, B * Tn / sp.size
+    if not (x.ndim == 3 and sp.expect(x.shape[1], x.shape[2])) then return x end
     return SeqSplit(x, sp)
+  end
+  -- the state of a forward over (B, T) tokens that comes in as this
+  -- rank's rows already (a pipeline stage after the first, pp.lua): on
+  -- when B·T divides over the group -> whether it is on
+  function sp.expect(B, Tn)
+    sp.active = (B * Tn) % sp.size == 0 and sp.size > 1
+    if sp.active then sp.B, sp.T, sp.n = B, Tn, B * Tn / sp.size end
+    return sp.active
   end
   -- a shard back to the whole (B, T, C); a whole tensor as it is
   function sp.gather(x)
