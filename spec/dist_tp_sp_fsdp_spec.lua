@@ -3,7 +3,8 @@
 -- shard axis and sharded by fully_shard over its replicate axis (FSDP x
 -- TP, "2-D") trains as one process does, in f64: the losses, every
 -- gradient taken from the units' shards, clipped AdamW steps and the
--- weights after them; with FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, and
+-- weights after them (GPT-2, Llama, Qwen3's q/k norms, DeepSeek-V3's
+-- latent attention); with FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, and
 -- with two micro-batches accumulated under no_sync. The norms' and the
 -- row-parallel biases' gradients are each TP rank's tokens' part, which
 -- the units sum over the TP group before their own reduction.
@@ -35,6 +36,10 @@ describe('sequence parallelism with fully_shard #mpi', function()
       eos_token_id = hf.null } },
     { 'llama', require 'models.llama', 'LlamaDecoderLayer', { vocab_size = 257, hidden_size = 48,
       intermediate_size = 96, num_hidden_layers = 2, num_attention_heads = 24, num_key_value_heads = 12,
+      max_position_embeddings = 32 } },
+    -- (per-head q/k norms: each rank norms its heads, on its rows)
+    { 'qwen3', require 'models.qwen3', 'LlamaDecoderLayer', { vocab_size = 257, hidden_size = 48,
+      intermediate_size = 96, num_hidden_layers = 2, num_attention_heads = 24, num_key_value_heads = 12, head_dim = 8,
       max_position_embeddings = 32 } },
     -- (latent attention with q_lora_rank: its latent layers run on this
     -- rank's rows, their weights' gradients parts too)
