@@ -263,7 +263,8 @@ local function new_sp(group)
   -- (B, T, C) replicated -> this rank's rows, when B·T divides; else the
   -- forward runs replicated, as without sequence parallelism
   function sp.scatter(x)
-    if not (x.ndim == 3 and sp.expect(x.shape[1], x.shape[2])) then return x end
+    if x.ndim ~= 3 then sp.active = false; return x end
+    if not sp.expect(x.shape[1], x.shape[2]) then return x end
     return SeqSplit(x, sp)
   end
   -- the state of a forward over (B, T) tokens that comes in as this
