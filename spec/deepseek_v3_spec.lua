@@ -541,8 +541,8 @@ describe('models.deepseek_v3', function()
     end)
 
     it('multi-token prediction trains (--model.mtp_loss_weight); two ranks follow one process: FSDP, expert '
-      .. 'parallel; each depth\'s loss in metrics.jsonl; --tp 2 (sequence parallel and not), --cp 2 and --pp 2 (the '
-      .. 'depths on the last stage) on the one-process curve, each depth\'s loss too, with the routing biases moving',
+      .. 'parallel; each depth\'s loss in metrics.jsonl; --tp 2 (sequence parallel and not; with --fsdp), --cp 2, --pp 2 (the '
+      .. 'depths on the last stage) and --pp 2 --tp 2 on the one-process curve, each depth\'s loss too, with the routing biases moving',
       function()
       local mf = flags .. ' --model.mtp_loss_weight 0.3 --model.num_nextn_predict_layers 2'
       S.moe_train_runs('models/deepseek_v3.lua', mf, { '--fsdp FULL_SHARD', '--ep 2' }, '')
@@ -582,10 +582,15 @@ describe('models.deepseek_v3', function()
       local status, text = S.bin_train(('models/deepseek_v3.lua %s --out %s/one'):format(bf, q(dir)))
       assert.are.equal(0, status, text)
       local one, mone = S.run_losses(dir .. '/one'), mtp_of(dir .. '/one')
-      for _, how in ipairs({ '--tp 2', '--tp 2 --no-sequence-parallel', '--cp 2', '--pp 2' }) do
+      -- (and sequence parallel under FSDP, TP 2 x FSDP 1, and with a
+      -- pipeline, --pp 2 --tp 2 on 4 ranks: the stages exchange each TP
+      -- rank's rows)
+      for _, how in ipairs({ '--tp 2', '--tp 2 --no-sequence-parallel', '--cp 2', '--pp 2', '--tp 2 --fsdp FULL_SHARD',
+        '--pp 2 --tp 2' }) do
         local out = dir .. '/two' .. how:gsub('[^%w]', '')
-        status, text = S.bin_train(('--nproc-per-node 2 --device cpu models/deepseek_v3.lua %s %s --out %s'):format(bf,
-          how, q(out)))
+        local np = how == '--pp 2 --tp 2' and 4 or 2
+        status, text = S.bin_train(('--nproc-per-node %d --device cpu models/deepseek_v3.lua %s %s --out %s'):format(np,
+          bf, how, q(out)))
         assert.are.equal(0, status, text)
         S.close_losses(one, S.run_losses(out), 1, 3, 'mtp ' .. how)
         local m2 = mtp_of(out)

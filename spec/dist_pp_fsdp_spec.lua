@@ -289,16 +289,23 @@ describe('FSDP inside pipeline stages #mpi', function()
     assert.is_true(counts.FULL_SHARD >= 2 * case[3].num_hidden_layers, tostring(counts.FULL_SHARD))
   end)
 
-  it('with tensor parallelism inside the sharded stages (4 ranks: TP pairs, 2 stages): the whole model\'s training and checkpoint',
-    function()
+  -- (with sequence parallelism: the stages exchange each TP rank's rows,
+  -- and the units sum the norms' gradient parts over the TP pair)
+  it('with tensor parallelism inside the sharded stages (4 ranks: TP pairs, 2 stages), with and without sequence '
+    .. 'parallelism: the whole model\'s training and checkpoint', function()
     if W ~= 4 then return end
     local mesh = dist.mesh { replicate = 2, shard = 2 }   -- shard: the TP pairs; replicate: the pipelines
     local solo = dist.new_group({ dist.rank() })            -- FSDP over one rank (the layout all the same)
-    for _, case in ipairs(cases) do
+    local runs = {}
+    for _, on in ipairs({ false, true }) do
+      for _, c in ipairs(cases) do runs[#runs + 1] = { c, on } end
+    end
+    for _, run in ipairs(runs) do
+      local case, seq = run[1], run[2]
       local hyper = { lr = 1e-2, weight_decay = 0.1, betas = { 0.9, 0.95 }, eps = 1e-6 }
       local function make(seed)
         local m = build(case, seed)
-        ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = false })
+        ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = seq })
         local pipe = pp.pipeline(m, { group = mesh.replicate, microbatches = 2 })
         return m, pipe
       end
@@ -312,6 +319,7 @@ describe('FSDP inside pipeline stages #mpi', function()
         local l0 = ref(x, y)
         l0:backward()
         local l1 = pipe:step(x, y)
+        if step == 1 then assert.are.equal(seq and 2 or 3, #pipe:act_shape()) end
         local n0 = ms.optim.clip_grad_norm(ref, 0.5)
         local n1 = pp.clip_grad_norm_(m, 0.5, { defer = o1 })
         assert.is_true(FS.rel(n1, n0) <= 1e-11, ('%s step %d: norm %.17g against %.17g'):format(case[1], step, n1, n0))

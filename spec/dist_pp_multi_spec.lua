@@ -114,19 +114,27 @@ describe('point-to-point and pipelines on GPUs (NCCL) #multi', function()
     end
   end)
 
-  it('TP pairs inside two stages (4 GPUs): the whole model\'s loss and gathered gradients (f32)', function()
+  -- (with sequence parallelism the stages exchange each TP rank's rows)
+  it('TP pairs inside two stages (4 GPUs), with and without sequence parallelism: the whole model\'s loss and '
+    .. 'gathered gradients (f32)', function()
     if W ~= 4 then return end
     local mesh = dist.mesh { replicate = 2, shard = 2 }
-    for _, case in ipairs(cases) do
+    local runs = {}
+    for _, on in ipairs({ false, true }) do
+      for _, c in ipairs(cases) do runs[#runs + 1] = { c, on } end
+    end
+    for _, run in ipairs(runs) do
+      local case, seq = run[1], run[2]
       local x, y = batch(5)
       local ref = build(case):to('cuda')
       local l0 = ref(x, y)
       l0:backward()
       local m = build(case)
-      ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = false })
+      ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = seq })
       local pipe = ms.pp.pipeline(m, { group = mesh.replicate, microbatches = 4 })
       m:to('cuda')
       local l1 = pipe:step(x, y)
+      assert.are.equal(seq and 2 or 3, #pipe:act_shape())
       assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-5, ('%s: %.9g against %.9g'):format(case[1], l1:item(), l0:item()))
       local ref_p = {}
       for name, p in ref:named_parameters() do ref_p[name] = p end

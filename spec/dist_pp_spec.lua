@@ -334,14 +334,26 @@ describe('pipeline parallelism #mpi', function()
     mesh.replicate:free()
   end)
 
-  it('with tensor parallelism inside the stages (2 x 2: TP pairs, 2 stages): the whole model\'s training and checkpoints (f64)',
-    function()
+  -- every case without and with sequence parallelism: { case, on }
+  local function with_sp(list)
+    local out = {}
+    for _, on in ipairs({ false, true }) do
+      for _, c in ipairs(list) do out[#out + 1] = { c, on } end
+    end
+    return out
+  end
+
+  -- (with sequence parallelism the stages exchange each TP rank's rows of
+  -- the stream: (mb·T / 2, C))
+  it('with tensor parallelism inside the stages (2 x 2: TP pairs, 2 stages), with and without sequence parallelism: '
+    .. 'the whole model\'s training and checkpoints (f64)', function()
     if W ~= 4 then return end
     local mesh = dist.mesh { replicate = 2, shard = 2 }   -- shard: the TP pairs; replicate: the pipelines
-    for _, case in ipairs(cases) do
+    for _, cs in ipairs(with_sp(cases)) do
+      local case, seq = cs[1], cs[2]
       local function make(seed)
         local m = build(case, seed)
-        ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = false })
+        ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = seq })
         local pipe = pp.pipeline(m, { group = mesh.replicate, microbatches = 2 })
         return m, pipe
       end
@@ -357,6 +369,8 @@ describe('pipeline parallelism #mpi', function()
         l0:backward()
         local l1 = pipe:step(x, y)
         if step == 1 then
+          assert.are.same(seq and { 2 * 8 / 2, m.config.n_embd or m.config.hidden_size }
+            or { 2, 8, m.config.n_embd or m.config.hidden_size }, pipe:act_shape())
           -- the gradients, gathered over the TP pair, are the whole model's
           for name, g in pairs(ms.tp.full_grads(m)) do
             assert.is_true(FS.max_rel(g, ref_p[name].grad) <= 1e-10, case[1] .. ' gradient ' .. name)
@@ -399,14 +413,15 @@ describe('pipeline parallelism #mpi', function()
     mesh.replicate:free()
   end)
 
-  it('zbh1 with TP pairs inside two stages (2 x 2): the TP entries run the weight gradients beside their '
-    .. 'collectives, in the walk; the whole model\'s loss and gradients (f64)', function()
+  it('zbh1 with TP pairs inside two stages (2 x 2, with and without sequence parallelism): the TP entries run the '
+    .. 'weight gradients beside their collectives, in the walk; the whole model\'s loss and gradients (f64)', function()
     if W ~= 4 then return end
     local mesh = dist.mesh { replicate = 2, shard = 2 }
-    for _, case in ipairs(cases) do
+    for _, cs in ipairs(with_sp(cases)) do
+      local case, seq = cs[1], cs[2]
       local ref = build(case)
       local m = build(case)
-      ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = false })
+      ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = seq })
       local pipe = pp.pipeline(m, { group = mesh.replicate, microbatches = 4, schedule = 'zbh1' })
       pipe.trace = {}
       local x, y = FS.lcg_batch(41, 4, 8)

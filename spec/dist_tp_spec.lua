@@ -581,14 +581,11 @@ describe('tensor parallelism #mpi', function()
     ok, err = pcall(tp.full_grads, build(cases[1], 'f64'))
     assert.is_false(ok)
     assert.matches('not given to tp.parallelize', err, 1, true)
-    -- sequence parallelism: not with a plan, and not under fully_shard
+    -- sequence parallelism: not with a plan (under fully_shard it is
+    -- spec/dist_tp_sp_fsdp_spec.lua's)
     ok, err = pcall(tp.parallelize, build(cases[1], 'f64'), { sequence_parallel = true, plan = { ['mlp'] = 'colwise' } })
     assert.is_false(ok)
     assert.matches('sequence_parallel takes the layout by class', err, 1, true)
-    local spm = tp.parallelize(build(cases[1], 'f64'), { sequence_parallel = true })
-    ok, err = pcall(ms.fsdp.fully_shard, spm, { policy = ms.fsdp.policy.by_class { 'GPT2Block' } })
-    assert.is_false(ok)
-    assert.matches('tensor-parallel with sequence_parallel', err, 1, true)
   end)
 end)
 
@@ -653,18 +650,21 @@ describe('tensor parallelism over NCCL #multi', function()
     -- FSDP x TP on the GPUs (TP over all with FSDP groups of one, TP 1
     -- with FSDP over all, and 2 x 2 on four): bf16 parameters, f32
     -- reduction, against the unsplit model under bf16 autocast
-    it(('%s: fully_shard over the other axis, bf16, three clipped steps as the unsplit model (2e-2)'):format(case[1]),
-      function()
+    -- (with sequence parallelism too: the units sum the norms' gradient
+    -- parts, which the bf16 layers' gradient sinks wrote into the f32
+    -- buffers, over the TP group)
+    it(('%s: fully_shard over the other axis, bf16, with and without sequence parallelism, three clipped steps as the '
+      .. 'unsplit model (2e-2)'):format(case[1]), function()
         local fails = {}
         local G = dist.world_size()
-        local layouts = { { 1, G }, { G, 1 } }
-        if G == 4 then layouts[3] = { 2, 2 } end
+        local layouts = { { 1, G, false }, { G, 1, false }, { 1, G, true } }
+        if G == 4 then layouts[4] = { 2, 2, false }; layouts[5] = { 2, 2, true } end
         for _, rs in ipairs(layouts) do
-          local R, S = rs[1], rs[2]
+          local R, S, seq = rs[1], rs[2], rs[3]
           local mesh = dist.mesh { replicate = R, shard = S }
           local ref = build(case)
           ms.nn.functional.set_precision(ref, { compute = 'bf16' })
-          local m = tp.parallelize(build(case), { group = mesh.shard })
+          local m = tp.parallelize(build(case), { group = mesh.shard, sequence_parallel = seq })
           local block = case[1] == 'gpt2' and 'GPT2Block' or 'LlamaDecoderLayer'
           ms.fsdp.fully_shard(m, { policy = ms.fsdp.policy.by_class { block }, group = mesh.replicate,
             mixed_precision = { param = 'bf16', reduce = 'f32' } })
@@ -676,15 +676,39 @@ describe('tensor parallelism over NCCL #multi', function()
             local r = mesh.coord[1]
             local l0 = ref(x, y); l0:backward()
             local l1 = m(x:narrow(1, 2 * r + 1, 2):contiguous(), y:narrow(1, 2 * r + 1, 2):contiguous()); l1:backward()
+            if step == 1 then
+              -- the norms' gradients (summed over the TP group under
+              -- sequence parallelism), from the units' f32 shards
+              local ref_p = {}
+              for name, p in ref:named_parameters() do ref_p[name] = p end
+              for _, u in ipairs(ms.fsdp.units(m)) do
+                local fp, g = u.fp, u.fp.shard.grad
+                local full = g
+                if g:numel() ~= fp.total then
+                  full = ms.empty({ fp.total }, { dtype = g.dtype, device = g.device })
+                  dist.all_gather_into(full, g, { group = fp.group })
+                end
+                for k, v in ipairs(fp:views(full)) do
+                  local name = u.param_names[k]
+                  if name:find('norm') or name:find('ln_') then
+                    local e = FS.norm_rel(v:to('f32'), ref_p[name].grad:to('f32'))
+                    if e > 5e-2 then fails[#fails + 1] = ('%dx%d%s %s gradient %g'):format(R, S, seq and ' sp' or '',
+                      name, e) end
+                  end
+                end
+              end
+            end
             local lt = ms.tensor({ l1:item() }, { dtype = 'f64' }):to('cuda')
             dist.all_reduce(lt, 'avg', { group = mesh.replicate })
             if FS.rel(lt:item(), l0:item()) > 2e-2 then
-              fails[#fails + 1] = ('%dx%d step %d loss %.6g against %.6g'):format(R, S, step, lt:item(), l0:item())
+              fails[#fails + 1] = ('%dx%d%s step %d loss %.6g against %.6g'):format(R, S, seq and ' sp' or '', step,
+                lt:item(), l0:item())
             end
             local n0 = ms.optim.clip_grad_norm(ref, 0.5)
             local n1 = tp.clip_grad_norm_(m, 0.5, { defer = o1 })
             if FS.rel(n1, n0) > 2e-2 then
-              fails[#fails + 1] = ('%dx%d step %d norm %.6g against %.6g'):format(R, S, step, n1, n0)
+              fails[#fails + 1] = ('%dx%d%s step %d norm %.6g against %.6g'):format(R, S, seq and ' sp' or '', step, n1,
+                n0)
             end
             o0:step(); o0:zero_grad()
             o1:step(); o1:zero_grad()

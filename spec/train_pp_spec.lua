@@ -138,15 +138,15 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     close_losses(one8, losses(dir .. '/gf8z'), 1, 4, '--pp 2 --float8 --pp-schedule zbh1')
   end)
 
-  it('--pp 2 --tp 2 on 4 ranks (TP pairs in 2 stages) follows the one-process curve; its checkpoint resumes in one process',
-    function()
+  it('--pp 2 --tp 2 on 4 ranks (TP pairs in 2 stages, sequence parallel: the stages exchange each TP rank\'s rows) '
+    .. 'follows the one-process curve; its checkpoint resumes in one process; --no-sequence-parallel too', function()
     for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
       local one = reference(c[1], c[2], c[3] .. '1')
       local out = ('%s/%s22'):format(dir, c[3])
       local status, text = bin_train(('--nproc-per-node 4 --device cpu %s %s --batch-size 4 --steps 4 '
         .. '--pp 2 --tp 2 --save-every 1 --stop-at 2 --out %s'):format(c[1], c[2], q(out)))
       assert.are.equal(0, status, text)
-      assert.is_truthy(text:find('tensor parallel: 2-way over 4 ranks, data parallel 1, no sequence parallel', 1, true), text)
+      assert.is_truthy(text:find('tensor parallel: 2-way over 4 ranks, data parallel 1, sequence parallel', 1, true), text)
       assert.is_truthy(text:find('pipeline parallel: 2 stages over 4 ranks', 1, true), text)
       status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s --pp 2 --tp 2'):format(q(out)))
       assert.are.equal(0, status, text)
@@ -155,6 +155,11 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       status, text = bin_train(('--resume %s1/ckpt-2 --out %s1'):format(q(out), q(out)))
       assert.are.equal(0, status, text)
       close_losses(one, losses(out .. '1'), 1, 4, c[1] .. ' a --pp 2 --tp 2 checkpoint resumed in one process')
+      status, text = bin_train(('--nproc-per-node 4 --device cpu %s %s --batch-size 4 --steps 4 --pp 2 --tp 2 '
+        .. '--no-sequence-parallel --out %sn'):format(c[1], c[2], q(out)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('data parallel 1, no sequence parallel', 1, true), text)
+      close_losses(one, losses(out .. 'n'), 1, 4, c[1] .. ' --pp 2 --tp 2 --no-sequence-parallel')
     end
   end)
 
@@ -211,7 +216,8 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       .. '--pp 2 --tp 2 --fsdp --out %s/l3d'):format(tiny_llama, q(dir)))
     assert.are.equal(0, status, text)
     assert.is_truthy(text:find('fsdp: FULL_SHARD over 1 rank', 1, true), text)
-    close_losses(one, losses(dir .. '/l3d'), 1, 4, '--pp 2 --tp 2 --fsdp')
+    assert.is_truthy(text:find('data parallel 1 (FULL_SHARD), sequence parallel', 1, true), text)
+    close_losses(one, losses(dir .. '/l3d'), 1, 4, '--pp 2 --tp 2 --fsdp (sequence parallel)')
   end)
 
   it('--pp 2 --pp-chunks 2 (interleaved 1F1B, 4 virtual stages) follows the one-process curve', function()

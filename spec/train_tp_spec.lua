@@ -105,14 +105,18 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     end
   end)
 
-  it('--tp 2 --fsdp FULL_SHARD on 4 ranks (FSDP x TP): the one-process curve; stopped, it resumes in one process and 2-D', function()
+  it('--tp 2 --fsdp FULL_SHARD on 4 ranks (FSDP x TP, sequence parallel by default): the one-process curve; stopped, it resumes in one process and 2-D', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
     local common = ('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 --tp 2 --fsdp FULL_SHARD'):format(tiny)
     local status, text = bin_train(('%s --out %s/f4'):format(common, q(dir)))
     assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2 (FULL_SHARD), no sequence parallel', 1, true), text)
+    assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2 (FULL_SHARD), sequence parallel', 1, true), text)
     assert.is_truthy(text:find('fsdp: FULL_SHARD over 2 ranks', 1, true), text)
     close_losses(one, losses(dir .. '/f4'), 1, 4, '--tp 2 x FULL_SHARD 2')
+    status, text = bin_train(('%s --no-sequence-parallel --out %s/f4n'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2 (FULL_SHARD), no sequence parallel', 1, true), text)
+    close_losses(one, losses(dir .. '/f4n'), 1, 4, '--tp 2 x FULL_SHARD 2, no sequence parallelism')
     -- the final weights are the whole model's
     local gpt2 = require 'models.gpt2'
     local m, m1 = gpt2.from_pretrained(dir .. '/f4'), gpt2.from_pretrained(dir .. '/g1')
@@ -126,6 +130,16 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     status, text = bin_train(('--resume %s/f4s1'):format(q(dir)))
     assert.are.equal(0, status, text)
     close_losses(one, losses(dir .. '/f4s1'), 1, 4, 'FSDP x TP resumed in one process')
+  end)
+
+  it('--tp 2 --fsdp SHARD_GRAD_OP with sequence parallelism and micro-batches (llama): the one-process curve', function()
+    local one = reference('models/llama.lua', tiny_llama, 'l1')
+    local status, text = bin_train(('--nproc-per-node 4 --device cpu models/llama.lua %s --batch-size 1 --tokens-per-step 64 '
+      .. '--steps 4 --tp 2 --fsdp SHARD_GRAD_OP --out %s/l4f'):format(tiny_llama, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('2-way over 4 ranks, data parallel 2 (SHARD_GRAD_OP), sequence parallel', 1, true), text)
+    assert.is_truthy(text:find('1 x 16 x 2 micro-batches', 1, true), text)
+    close_losses(one, losses(dir .. '/l4f'), 1, 4, '--tp 2 x SHARD_GRAD_OP 2, micro-batches')
   end)
 
   it('a --tp checkpoint is a whole-model one: it resumes in one process and at --tp 2 with the same losses', function()

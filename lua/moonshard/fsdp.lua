@@ -938,6 +938,7 @@ end
 -- pointed into it so autograd accumulates there with no copy
 function Unit:prepare_grads()
   local fp = self.fp
+  self:note_sp_mode()
   if self.gbuf == nil then
     if self.grad_direct then
       -- autograd accumulates into the views: zeros
@@ -1014,6 +1015,54 @@ function Unit:collect_grads()
   end
 end
 
+-- sequence parallelism (a model split by tp.parallelize with
+-- sequence_parallel): the regions of the unsharded gradient whose
+-- parameters ran on this TP rank's tokens (u.sp_ks) summed over the TP
+-- group, packed into one all-reduce, before the unit's own reduction over
+-- the data-parallel group. The buffer holds every backward's gradient
+-- since the last reduction (no_sync's micro-batches added up), so one sum
+-- serves them all; a backward whose forward ran replicated (a B·T that
+-- does not divide over the group) made whole gradients, which are not
+-- summed, and the two kinds cannot share a buffer.
+function Unit:note_sp_mode()
+  local sp = self.st.tp_sp
+  if not (sp and self.sp_ks) then return end
+  local mode = sp.active and 'split' or 'whole'
+  if self.sp_mode == nil then self.sp_mode = mode
+  elseif self.sp_mode ~= mode then
+    error(('fsdp unit %s: a backward of a sequence-parallel forward and one of a replicated forward (B*T not a '
+      .. 'multiple of the %d TP ranks) into one gradient buffer (no_sync): their norms\' gradients cannot be summed '
+      .. 'alike; reduce between them'):format(self.label, sp.size), 0)
+  end
+end
+
+function Unit:sum_sp_partial(g)
+  local sp, ks = self.st.tp_sp, self.sp_ks
+  local mode = self.sp_mode
+  self.sp_mode = nil
+  if not (sp and ks) or mode ~= 'split' then return end
+  local lay = self.fp.layout
+  local regions = {}
+  for i, k in ipairs(ks) do regions[i] = g:narrow(1, lay.offsets[k] + 1, lay.numels[k]) end
+  local tp = require 'moonshard.tp'
+  if #regions == 1 then
+    tp.sum_partial(regions[1], sp)
+  else
+    local flat = F().cat(regions, 1)
+    tp.sum_partial(flat, sp)
+    local off = 0
+    for _, r in ipairs(regions) do
+      local n = r:numel()
+      local part = flat:narrow(1, off + 1, n)
+      raw_copy(r, part)
+      part:free()
+      off = off + n
+    end
+    flat:free()
+  end
+  for _, r in ipairs(regions) do r:free() end
+end
+
 -- reduce the unsharded gradient: in the reduce dtype, divided by the
 -- pre-divide factor, reduce-scatter 'sum' over the shard group (all-reduce
 -- over the replicate group for NO_SHARD), async; finish_reductions completes it
@@ -1021,6 +1070,7 @@ function Unit:reduce_grads()
   local st, fp = self.st, self.fp
   local g = self.gbuf
   if g == nil then return end
+  self:sum_sp_partial(g)
   -- (fsdp.set_before_reduce: the unsharded gradient, in its views, before
   -- it goes)
   if st.before_reduce then st.before_reduce(self) end
@@ -1216,12 +1266,13 @@ function fsdp.fully_shard(model, opts)
   local optim = require 'moonshard.optim'
   if not nn.is_module(model) then error('fully_shard: model must be a module', 2) end
   if rawget(model, '_fsdp') then error('fully_shard: model is already sharded', 2) end
+  -- a model split by tp.parallelize with sequence_parallel: its norms' and
+  -- row-parallel biases' gradients are this TP rank's tokens' part (its
+  -- hooks on the parameters, which sum them, never see the units'
+  -- gradient buffers): each unit sums their regions over the TP group
+  -- before its own reduction (Unit:sum_sp_partial)
   local tpi = rawget(model, '_tp')
-  if tpi and tpi.sp then
-    -- (its norms' partial gradients are summed by hooks on the parameters,
-    -- which the units' gradient buffers bypass)
-    error('fully_shard: the model is tensor-parallel with sequence_parallel; split it without (docs/tp.md)', 2)
-  end
+  local tp_sp = tpi and tpi.sp and tpi.sp_partial and tpi.sp or nil
   local strategy = opts.strategy or 'FULL_SHARD'
   if not STRATEGIES[strategy] then
     error(("fully_shard: strategy %s (use 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD' or 'HYBRID_SHARD')")
@@ -1473,7 +1524,7 @@ function fsdp.fully_shard(model, opts)
     predivide = fsdp.predivide_factor(dp_size), reduce_dtype = mp.reduce or 'f32',
     param_dtype = mp.param, limit = limit, inflight = 0, max_inflight = 0,
     forward_prefetch = opts.forward_prefetch ~= false, backward_prefetch = opts.backward_prefetch ~= false,
-    sync = true, in_backward = false, pending = {}, root = model,
+    sync = true, in_backward = false, pending = {}, root = model, tp_sp = tp_sp,
     cur_fwd = {}, cur_fwd_pos = {}, prev_fwd = {}, prev_fwd_pos = {}, cur_end = {},
     trace = opts.trace ~= false and {} or nil, offload = opts.offload == true,
     prefetch_root = opts.prefetch_root == true,
@@ -1521,6 +1572,14 @@ function fsdp.fully_shard(model, opts)
       end
     end
     for _, slot in ipairs(u.slots) do slot.k = k_of[slot.id] end
+    -- (the parameters whose gradients are sequence-parallel parts, by index)
+    local sp_ks = nil
+    if tp_sp then
+      for id, k in pairs(k_of) do
+        if tpi.sp_partial[id] and not is_frozen[k] then sp_ks = sp_ks or {}; sp_ks[#sp_ks + 1] = k end
+      end
+      if sp_ks then table.sort(sp_ks) end
+    end
     if #tensors > 0 then
       local dtype = mp.param or opts.dtype or tensors[1].dtype
       local fopts = { dtype = dtype }
@@ -1544,7 +1603,7 @@ function fsdp.fully_shard(model, opts)
         -- other trainable tensors, [train_end, total) the frozen ones
         decay_end = #decay < #tensors and fp.layout.offsets[#decay + 1] or fp.total,
         train_end = #decay + #nodecay < #tensors and fp.layout.offsets[#decay + #nodecay + 1] or fp.total,
-        frozen = is_frozen,
+        frozen = is_frozen, sp_ks = sp_ks,
       }, Unit)
       fp.names = names        -- the same list as unit.param_names
       unit.free_data = unit.reshards and opts.free_unsharded ~= false
@@ -1887,6 +1946,7 @@ function fsdp.zero_grad(model)
     u.fp.grad_shard = nil
     for _, v in ipairs(u.views) do v.grad = nil end
     if u.gbuf then u:drop_gviews(); u.gbuf:free(); u.gbuf = nil end
+    u.sp_mode = nil
   end
 end
 

@@ -287,6 +287,10 @@ function pp.pipeline(model, opts)
     tied = tied, n_params = kept, names = names, buffers = buffers, full_groups = full_groups,
     fsdp_reduce = fsdp_reduce,
   }, Pipeline)
+  -- a model split by tp.parallelize with sequence_parallel: the stages
+  -- exchange each TP rank's rows of the residual stream (act_shape)
+  local tpi = rawget(model, '_tp')
+  self.sp = tpi and tpi.sp or nil
   -- the routers' load-balancing loss over every layer (parts.aux: Mixtral's
   -- output_router_logits): its statistics travel with the activations
   -- (Pipeline:aux_forward, aux_backward)
@@ -385,6 +389,9 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
   -- autocast region) holds for the stage's part of the forward too
   local compute = amp.precision(self.model)
   local run = compute and function(fn) return amp.autocast(compute, fn) end or function(fn) return fn() end
+  -- (sequence parallelism: the stage's blocks see this TP rank's rows)
+  local sp = self.sp
+  if sp then sp.expect(mb, self.seq) end
   local early = grad and self.input_grad_first and not firstv
   local nnf = early and require('moonshard.nn').functional or nil
   local prev_defer = early and nnf.defer_weight_grads(true)
@@ -398,7 +405,12 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
         if self.chunks > 1 then self:vsend_backward(gx) else self:send_backward(gx) end
       end, self.schedule == 'zbh1' and function(job) rec.w = job end or false)
     end
-    if firstv then h = parts.embed(rows(ids, i, mb)) end
+    if firstv then
+      h = parts.embed(rows(ids, i, mb))
+      -- (sequence parallelism: this TP rank's rows from here on; the head
+      -- gathers them after the final norm, nn.LMHead)
+      if sp then h = sp.scatter(h) end
+    end
     -- DeepSeek's sequence-wise balance loss (nn.moe.seq_aux_begin): each
     -- stage's MoE layers add their terms to the micro-batch's loss (the
     -- stages' sums are summed: finish_loss), their gradients scaled as the
@@ -458,10 +470,12 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
   rec.out = out
   if not lastv then
     local o = rec.out
-    if o.ndim ~= 3 or o.shape[1] ~= mb or o.shape[2] ~= self.seq or o.shape[3] ~= self.parts.hidden
-      or o.dtype ~= self.dtype then
-      error(('pp: stage %d made an activation of shape (%s) %s, but the next stage expects (%d, %d, %d) %s'):format(
-        self.stage, table.concat(o.shape, ', '), o.dtype, mb, self.seq, self.parts.hidden, self.dtype), 0)
+    local want = self:act_shape()
+    local same = o.ndim == #want and o.dtype == self.dtype
+    for d = 1, #want do same = same and o.shape[d] == want[d] end
+    if not same then
+      error(('pp: stage %d made an activation of shape (%s) %s, but the next stage expects (%s) %s'):format(
+        self.stage, table.concat(o.shape, ', '), o.dtype, table.concat(want, ', '), self.dtype), 0)
     end
     if not o:is_contiguous() then rec.out = o:contiguous() end
   end
@@ -646,7 +660,7 @@ function Pipeline:backward_one(rec, gy)
   if not rec.firstv then
     if not rec.sent then
       gx = rec.x.grad
-      if gx == nil then gx = T.zeros({ self.mb, self.seq, self.parts.hidden }, { dtype = self.dtype, device = self.dev }) end
+      if gx == nil then gx = T.zeros(self:act_shape(), { dtype = self.dtype, device = self.dev }) end
     end
     rec.x.grad = nil
     rec.x:free()
@@ -660,8 +674,19 @@ end
 
 -- ------------------------------------------------------------ communication
 
+-- the shape of the activations between the stages: (mb, T, C), or under
+-- sequence parallelism this TP rank's rows of them, (mb·T / M, C) (1/M of
+-- the bytes), when mb·T divides over the M ranks of the TP group
+function Pipeline:act_shape()
+  local sp = self.sp
+  if sp and sp.size > 1 and (self.mb * self.seq) % sp.size == 0 then
+    return { self.mb * self.seq / sp.size, self.parts.hidden }
+  end
+  return { self.mb, self.seq, self.parts.hidden }
+end
+
 function Pipeline:act_buffer()
-  return T.empty({ self.mb, self.seq, self.parts.hidden }, { dtype = self.dtype, device = self.dev })
+  return T.empty(self:act_shape(), { dtype = self.dtype, device = self.dev })
 end
 
 -- runs a batch of point-to-point operations (a no-op when empty) on `group`

@@ -263,11 +263,17 @@ local function new_sp(group)
   -- (B, T, C) replicated -> this rank's rows, when B·T divides; else the
   -- forward runs replicated, as without sequence parallelism
   function sp.scatter(x)
-    local B, Tn = x.shape[1], x.shape[2]
-    sp.active = x.ndim == 3 and (B * Tn) % sp.size == 0 and sp.size > 1
-    if not sp.active then return x end
-    sp.B, sp.T, sp.n = B, Tn, B * Tn / sp.size
+    if x.ndim ~= 3 then sp.active = false; return x end
+    if not sp.expect(x.shape[1], x.shape[2]) then return x end
     return SeqSplit(x, sp)
+  end
+  -- the state of a forward over (B, T) tokens that comes in as this
+  -- rank's rows already (a pipeline stage after the first, pp.lua): on
+  -- when B·T divides over the group -> whether it is on
+  function sp.expect(B, Tn)
+    sp.active = (B * Tn) % sp.size == 0 and sp.size > 1
+    if sp.active then sp.B, sp.T, sp.n = B, Tn, B * Tn / sp.size end
+    return sp.active
   end
   -- a shard back to the whole (B, T, C); a whole tensor as it is
   function sp.gather(x)
@@ -802,7 +808,11 @@ function tp.parallelize(model, opts)
             return T.zeros_like(grad)
           end
         end
+        -- (info.sp_partial: the same tensors by id, for fully_shard, whose
+        -- units' gradient buffers these hooks never see: the unit sums
+        -- their regions over the group before its own reduction, fsdp.lua)
         local seen = {}
+        info.sp_partial = seen
         local function partial(t)
           if t ~= nil and t.requires_grad and not seen[tonumber(t.id)] then
             seen[tonumber(t.id)] = true
@@ -867,6 +877,14 @@ function tp.parallelize(model, opts)
 end
 
 function tp.is_parallel(model) return rawget(model, '_tp') ~= nil end
+
+-- tp.sum_partial(flat, sp): flat (a unit's packed regions of the
+-- parameters that run on this rank's tokens, sequence parallel) summed
+-- over the group in place (skipped with set_skip_comm)
+function tp.sum_partial(flat, sp)
+  if skip_comm or sp.size == 1 then return end
+  dist.all_reduce(flat, 'sum', { group = sp.group })
+end
 -- the group a parallelized model is split over
 function tp.group_of(model) return info_of(model).group end
 
