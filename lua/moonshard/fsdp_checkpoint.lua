@@ -329,10 +329,25 @@ function regions_(model)
   for _, e in ipairs(params) do ctx.param[e.name] = e end
   -- an expert-parallel model: the experts other ranks hold (ms.ep)
   if rawget(model, '_ep_train') then ctx.remote = require('moonshard.ep').remote_names(model) end
+  -- a pipeline stage (ms.pp): the other stages' parameters are held by
+  -- other ranks, and the ranks of every stage write (pipeline_writes)
+  local ppm = package.loaded['moonshard.pp']
+  local pipe = ppm and ppm.of(model)
+  if pipe then
+    ctx.pipe = pipe
+    ctx.remote = ctx.remote or {}
+    for _, e in ipairs(pipe.names) do if not ctx.param[e[1]] then ctx.remote[e[1]] = true end end
+  end
   if not st then
     ctx.rank, ctx.world_size, ctx.strategy, ctx.sharded = 0, 1, 'NONE', false
     -- a plain model is one process's: under mpirun only rank 0 writes
     ctx.skip_write = dist.is_initialized() and dist.rank() ~= 0
+    if pipe and dist.is_initialized() then
+      -- (a plain pipeline stage: every rank takes part, one copy of each
+      -- stage writes)
+      ctx.rank, ctx.world_size = world()
+      ctx.skip_write, ctx.collective = false, true
+    end
     for _, e in ipairs(params) do
       if not e.t:is_contiguous() then fail('parameter %s is not contiguous', e.name) end
       ctx.regions[#ctx.regions + 1] = { name = e.name, start = 0, numel = e.numel,
@@ -341,7 +356,7 @@ function regions_(model)
     return ctx
   end
   ctx.rank, ctx.world_size = world()
-  ctx.sharded = true
+  ctx.sharded, ctx.collective = true, true
   local units = fsdp().units(model)
   ctx.strategy = st.strategy or (units[1] and units[1].strategy) or 'FULL_SHARD'
   ctx.units = units
@@ -360,6 +375,7 @@ function regions_(model)
     local replicas = type(rg) == 'table' and rg.is_member and rg:is_member() and rg:size() > 1
     if replicas then write = rg:rank() == 0
     elseif u.experts then write = true
+    elseif pipe then write = true   -- (the shards of a stage's data-parallel ranks; tied weights: pipeline_writes)
     else write = fp.world_size >= ctx.world_size or ctx.rank < fp.world_size end
     for i = 1, fp.nparams do
       local sl = fp.layout:slice(fp.rank, i)
@@ -395,7 +411,7 @@ end
 -- agree over the world on success: raises on every rank when any failed
 -- (the failing rank with its own message)
 local function agree(ctx, ok, err, what)
-  if ctx.sharded and ctx.world_size > 1 then
+  if ctx.collective and ctx.world_size > 1 then
     local v = host_collective(function(t) dist.all_reduce(t, 'min') end, T.tensor({ ok and 1 or 0 }, { dtype = 'f32' }))
     local all = v[1] == 1
     if not all then
@@ -404,6 +420,37 @@ local function agree(ctx, ok, err, what)
     end
   end
   if not ok then error(err, 0) end
+end
+
+-- which of a pipeline stage's ranks write what (ms.pp; a collective over
+-- the world): a weight tied between the first and the last stage (GPT-2's
+-- wte) is written by the first stage alone; without FSDP the data-parallel
+-- copies of a stage hold the same tensors and the lowest rank of them
+-- writes (under FSDP each rank writes its own shard, as regions_ says);
+-- the persistent buffers are written by that rank of the stage whose
+-- forwards update them (pp's buffer owners)
+local function pipeline_writes(ctx)
+  local pipe = ctx.pipe
+  local lowest = true
+  if ctx.world_size > 1 then
+    local _, all = host_collective(function(mine, g) dist.all_gather_into(g, mine) end,
+      T.tensor({ pipe.stage }, { dtype = 'f64' }), T.empty({ ctx.world_size }, { dtype = 'f64' }))
+    for r = 0, ctx.rank - 1 do if all[r + 1] == pipe.stage then lowest = false; break end end
+  end
+  local tied = {}
+  if not pipe.first then for _, e in ipairs(pipe.tied or {}) do tied[e[3]] = true end end
+  for _, r in ipairs(ctx.regions) do
+    if tied[r.name] then r.write = false
+    elseif not ctx.units then r.write = lowest end
+  end
+  local owner = {}
+  for _, e in ipairs(pipe.buffers or {}) do owner[e[1]] = e[2] end
+  ctx.buffer_writes = {}
+  if lowest then
+    for _, b in ipairs(ctx.buffers) do
+      if (owner[b.name] or 0) == pipe.stage then ctx.buffer_writes[#ctx.buffer_writes + 1] = b end
+    end
+  end
 end
 
 local function rank_file(r, W) return ('rank-%05d-of-%05d.safetensors'):format(r, W) end
@@ -445,6 +492,7 @@ function M.save_sharded(model, dir, opts)
   if type(dir) ~= 'string' or dir == '' then fail('save_sharded: dir must be a folder path, got %s', tostring(dir)) end
   dir = dir:gsub('/+$', '')
   local ctx = regions(model)
+  if ctx.pipe then pipeline_writes(ctx) end
   if ctx.skip_write then
     if opts.writer then return { ready = function() return true end, finish = function() return dir end } end
     return dir
@@ -521,8 +569,8 @@ function M.save_sharded(model, dir, opts)
         pieces[#pieces + 1] = pc
       end
     end
-    if rank == 0 then
-      for _, b in ipairs(ctx.buffers) do
+    if ctx.buffer_writes or rank == 0 then
+      for _, b in ipairs(ctx.buffer_writes or ctx.buffers) do
         local pc = { param = b.name, start = 0, numel = b.numel, tensor = 'buffer:' .. b.name, buffer = true }
         tensors[pc.tensor] = b.t:contiguous():view({ b.numel })
         pieces[#pieces + 1] = pc
@@ -559,7 +607,7 @@ function M.save_sharded(model, dir, opts)
       if ok then info = { 1, n, crc } else err = n; os.remove(path) end
     end
     local all = {}
-    if ctx.sharded and W > 1 then
+    if ctx.collective and W > 1 then
       local _, v = host_collective(function(mine, g) dist.all_gather_into(g, mine) end,
         T.tensor(info, { dtype = 'f64' }), T.empty({ 3 * W }, { dtype = 'f64' }))
       for r = 0, W - 1 do all[r] = { v[3 * r + 1], v[3 * r + 2], v[3 * r + 3] } end

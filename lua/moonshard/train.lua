@@ -91,6 +91,7 @@ train.options = {
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
+  { 'pp_checkpoint', 'string', 'sharded', 'with --pp: sharded (every rank writes what its stage holds, its shard under --fsdp, one data-parallel copy of each stage without it, under the whole model\'s names: the --fsdp checkpoints\' format, resuming at any --pp, data-parallel size or --fsdp and in one process) or full (the stages\' tensors gathered, rank 0 writing a one-process checkpoint); with --tp or --ep always full (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
   { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; whole-model checkpoints, as --pp\'s); not with --tp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
@@ -402,6 +403,9 @@ function train.check_options(o, where)
   end
   if o.float8 ~= nil and o.float8 ~= 'off' and not require('moonshard.float8').recipes[o.float8] then
     usage('%s: float8 must be off, tensorwise, rowwise, rowwise_with_gw_hp or blockwise, got %s', where, describe(o.float8))
+  end
+  if o.pp_checkpoint ~= nil and o.pp_checkpoint ~= 'sharded' and o.pp_checkpoint ~= 'full' then
+    usage('%s: pp_checkpoint must be sharded or full, got %s', where, describe(o.pp_checkpoint))
   end
   if o.pp_schedule ~= nil and o.pp_schedule ~= '1f1b' and o.pp_schedule ~= 'gpipe' and o.pp_schedule ~= 'zbh1' then
     usage('%s: pp_schedule must be 1f1b, zbh1 or gpipe, got %s', where, describe(o.pp_schedule))
@@ -1042,8 +1046,10 @@ function train.run(opts)
       usage('--pp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', pp_size, world,
         world == 1 and '' or 's')
     end
-    if resume and resume.sharded then
-      usage('--pp: %s is a sharded (FSDP) checkpoint; --pp resumes whole-model checkpoints', resume.path)
+    if resume and resume.sharded and (tp_size > 1 or o.ep > 1) then
+      usage('--pp with --%s: %s is a sharded checkpoint; --pp --%s resumes whole-model checkpoints (resume it without '
+        .. '--%s, or at --pp alone)', tp_size > 1 and 'tp' or 'ep', resume.path, tp_size > 1 and 'tp' or 'ep',
+        tp_size > 1 and 'tp' or 'ep')
     end
     -- --fsdp FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD: each stage sharded
     -- over the data-parallel ranks that hold it (FSDP x PP); otherwise the
@@ -1464,7 +1470,9 @@ function train.run(opts)
       .. 'at most %.2fM parameters a stage'):format(pp_size, world, table.concat(pipe.layers, ', '), data_world,
       o.pp_chunks > 1 and ('interleaved 1f1b, %d chunks a rank'):format(o.pp_chunks) or o.pp_schedule, mbs,
       o.batch_size / mbs, most / 1e6)
-    if resume then
+    -- (a sharded checkpoint is read after fully_shard and the optimizer,
+    -- each rank reading its stage's pieces by name)
+    if resume and not resume.sharded then
       local okl, err = pcall(ckpt.load, resume.path, {
         model = { load_state_dict = function(_, sd) ms.pp.load_full_state_dict(model, sd) end } })
       if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
@@ -1701,7 +1709,9 @@ function train.run(opts)
     local state = { step = step, scheduler = { step = step, lr = lr_at(math.min(step, o.steps)) },
                     rng = T.rng_state(), data = train_loader:state(), options = saved,
                     bad_steps = bad_total, bad_steps_in_a_row = bad_run }
-    if tp_mesh or pp_mesh or (ep_group and not strategy) then
+    -- --pp (without --tp and --ep): sharded checkpoints unless --pp-checkpoint full
+    local pp_sharded = pp_mesh and not tp_mesh and not ep_group and o.pp_checkpoint ~= 'full'
+    if (tp_mesh or pp_mesh or (ep_group and not strategy)) and not pp_sharded then
       -- the whole model's and optimizer's state, gathered on every rank
       -- (with --ep on the ranks of rank 0's group, on the host); rank 0
       -- writes a one-process checkpoint (it resumes at any --tp, --pp or
@@ -1736,7 +1746,7 @@ function train.run(opts)
       if not async then return conclude() end
       return { ready = function() return rank ~= 0 or not okw or res:ready() end, finish = conclude }
     end
-    if not strategy then
+    if not strategy and not pp_sharded then
       if not async then
         return ckpt.save(o.out, step, { model = model, optimizer = opt, state = state }, { keep = o.keep_checkpoints })
       end
@@ -1746,6 +1756,10 @@ function train.run(opts)
     end
     -- the shape of the run, so that another world size keeps the global batch
     state.world_size, state.tokens_per_step, state.fsdp = world, tokens_per_step, strategy
+    if pp_sharded then
+      -- (every rank writes its stage's pieces; the data ranks are the pipelines)
+      state.world_size, state.pp = data_world, pp_size
+    end
     return train.save_sharded_checkpoint(o.out, step, { model = model, optimizer = opt, state = state },
       { keep = o.keep_checkpoints, writer = w })
   end
