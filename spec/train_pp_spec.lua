@@ -3,10 +3,14 @@
 -- global batches: the loss curve (within 1e-5 relative) at 2 ranks (--pp 2,
 -- both schedules, GPT-2 with its tied head and Llama) and at 4 (--pp 2 x
 -- data parallel 2, with gradient accumulation); the whole-model checkpoint
--- a --pp run writes resumes in one process and at --pp 2 with the losses of
--- the run that never stopped; --fsdp shards each stage over the
--- data-parallel ranks (--pp 2 --fsdp, HYBRID_SHARD, and --pp 2 --tp 2
--- --fsdp); the final
+-- a --pp run writes (sharded by default: every stage's ranks their own
+-- files under the whole model's names, the tied embedding once; whole with
+-- --pp-checkpoint full) resumes at the same layout, at another
+-- data-parallel size and in one process with the losses of the run that
+-- never stopped, and a missing or truncated rank file is named; --fsdp
+-- shards each stage over the data-parallel ranks (--pp 2 --fsdp,
+-- HYBRID_SHARD, and --pp 2 --tp 2 --fsdp), its sharded checkpoint one
+-- file a rank; the final
 -- weights are the whole model; a NaN
 -- step is skipped on every stage; --lora trains as in one process and saves
 -- the merged model; bad layouts exit 2 with a message.
@@ -90,11 +94,100 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     for i = 1, 2 do assert.is_true(math.abs(a[i] - b[i]) <= 1e-5 * b[i], ('val %d: %g against %g'):format(i, a[i], b[i])) end
   end)
 
-  it('a --pp checkpoint is a whole-model one: it resumes in one process and at --pp 2 with the same losses', function()
+  -- the rank files of a sharded checkpoint: rank -> number of pieces it
+  -- holds (read from the index), and the ranks holding each parameter
+  local function pieces_by_rank(path)
+    local index = require('moonshard.fsdp_checkpoint').read_index(path)
+    local n, holders = {}, {}
+    for r = 0, index.world_size - 1 do n[r] = 0 end
+    for name, list in pairs(index.pieces) do
+      holders[name] = {}
+      for _, pc in ipairs(list) do
+        n[pc.rank] = n[pc.rank] + 1
+        holders[name][pc.rank] = true
+      end
+    end
+    return index, n, holders
+  end
+  local function exists(path)
+    local f = io.open(path, 'rb')
+    if f then f:close() end
+    return f ~= nil
+  end
+
+  it('a --pp checkpoint is sharded: one data-parallel copy of each stage writes its file under the whole model\'s names, '
+    .. 'the tied embedding once; it resumes at the same layout, at another data-parallel size and in one process with the '
+    .. 'same losses; a missing or truncated rank file is named', function()
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local out = dir .. '/gss'
+    local status, text = bin_train(('--nproc-per-node 4 --device cpu models/gpt2.lua %s --batch-size 2 --steps 4 --pp 2 '
+      .. '--pp-microbatches 2 --save-every 1 --stop-at 2 --out %s'):format(tiny, q(out)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('2 stages over 4 ranks, blocks {2, 1}, data parallel 2', 1, true), text)
+    local ck = out .. '/ckpt-2'
+    assert.is_false(exists(ck .. '/model.safetensors'), 'a sharded --pp checkpoint has no whole-model file')
+    for r = 0, 3 do
+      assert.is_true(exists(ck .. '/' .. require('moonshard.fsdp_checkpoint').rank_file(r, 4)), 'rank file ' .. r)
+    end
+    local index, n, holders = pieces_by_rank(ck)
+    assert.are.equal(4, index.world_size)
+    assert.are.equal(2, index.step)
+    -- the whole model's names (the uncut model's 40 parameters, wte once, no lm_head)
+    local gpt2 = require 'models.gpt2'
+    local function uncut() return gpt2.new('tiny', { n_layer = 3, n_embd = 32, n_head = 2 }) end
+    local whole = 0
+    for _ in uncut():named_parameters() do whole = whole + 1 end
+    assert.are.equal(40, whole)
+    assert.are.equal(whole, #index.params)
+    for _, e in ipairs(index.params) do assert.is_truthy(holders[e.name], e.name .. ' has pieces') end
+    assert.is_nil(holders['lm_head.weight'])
+    -- stage 0's first data-parallel rank (0) and stage 1's (1) write; their copies (2, 3) write empty files
+    assert.is_true(n[0] > 0 and n[1] > 0, ('pieces by rank: %d, %d'):format(n[0], n[1]))
+    assert.are.equal(0, n[2]); assert.are.equal(0, n[3])
+    assert.are.same({ [0] = true }, holders['transformer.wte.weight'])   -- (the last stage's tied copy is not written)
+    assert.are.same({ [1] = true }, holders['transformer.ln_f.weight'])
+    assert.are.same({ [1] = true }, holders['transformer.h.2.mlp.c_fc.weight'])
+    for _, c in ipairs({ 'a', 'b', 'c', 'e', 'f' }) do os.execute(('cp -r %s %s%s'):format(q(out), q(out), c)) end
+    -- the same layout
+    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s --pp 2'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(out), 1, 4, 'a sharded --pp checkpoint resumed at the same layout')
+    -- --pp 2 without data parallelism (the global batch the checkpoint's)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %sa --pp 2 --batch-size 4'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(out .. 'a'), 1, 4, 'a sharded --pp checkpoint resumed at --pp 2 x data parallel 1')
+    -- one process
+    status, text = bin_train(('--resume %sb --batch-size 4'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(out .. 'b'), 1, 4, 'a sharded --pp checkpoint resumed in one process')
+    -- FSDP at --pp 2 over 4 ranks
+    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %sc --pp 2 --fsdp FULL_SHARD'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(out .. 'c'), 1, 4, 'a sharded --pp checkpoint resumed at --pp 2 --fsdp FULL_SHARD')
+    -- a missing rank file, then a truncated one (the only checkpoint of the folder): named
+    os.execute(('rm -rf %se/ckpt-1 %sf/ckpt-1 && rm %se/ckpt-2/rank-00001-of-00004.safetensors'):format(q(out), q(out),
+      q(out)))
+    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %se --pp 2'):format(q(out)))
+    assert.are_not.equal(0, status, text)
+    assert.is_truthy(text:find(out .. 'e/ckpt-2/rank-00001-of-00004.safetensors is missing', 1, true), text)
+    os.execute(('truncate -s 1000 %sf/ckpt-2/rank-00000-of-00004.safetensors'):format(q(out)))
+    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %sf --pp 2'):format(q(out)))
+    assert.are_not.equal(0, status, text)
+    assert.is_truthy(text:find(out .. 'f/ckpt-2/rank-00000-of-00004.safetensors has 1000 bytes', 1, true), text)
+    -- (the loader's own check, without the manifest's: the folder read as a checkpoint)
+    local ok, err = pcall(require('moonshard.fsdp_checkpoint').load_sharded, uncut(), out .. 'e/ckpt-2')
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find(out .. 'e/ckpt-2/rank-00001-of-00004.safetensors is missing (the file of rank 1 '
+      .. 'of the 4', 1, true), tostring(err))
+  end)
+
+  it('with --pp-checkpoint full a --pp checkpoint is a whole-model one: it resumes in one process and at --pp 2 with the '
+    .. 'same losses', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --pp 2 '
-      .. '--save-every 1 --stop-at 2 --out %s/gs'):format(tiny, q(dir)))
+      .. '--pp-checkpoint full --save-every 1 --stop-at 2 --out %s/gs'):format(tiny, q(dir)))
     assert.are.equal(0, status, text)
+    assert.is_false(exists(dir .. '/gs/ckpt-2/index.json'))
     local sd = require('moonshard.safetensors').load(dir .. '/gs/ckpt-2/model.safetensors')
     assert.are.same({ 256, 32 }, sd['transformer.wte.weight'].shape)
     assert.are.same({ 32, 96 }, sd['transformer.h.2.attn.c_attn.weight'].shape)
@@ -173,13 +266,24 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       assert.are.equal(0, status, text)
       assert.is_truthy(text:find('pipeline parallel: 2 stages over 4 ranks, blocks {2, 1}, data parallel 2', 1, true), text)
       assert.is_truthy(text:find('fsdp: ' .. c[4] .. ' over 2 ranks', 1, true), text)
-      os.execute(('cp -r %s %s1'):format(q(out), q(out)))
+      -- its checkpoint: sharded, every rank's file with pieces of its stage's shard, no whole-model file
+      local ck = out .. '/ckpt-2'
+      assert.is_false(exists(ck .. '/model.safetensors'), c[1] .. ': no whole-model file')
+      local index, n = pieces_by_rank(ck)
+      assert.are.equal(4, index.world_size)
+      assert.are.equal(c[4], index.strategy)
+      for r = 0, 3 do assert.is_true(n[r] > 0, ('%s: rank %d wrote no pieces'):format(c[1], r)) end
+      os.execute(('cp -r %s %s1 && cp -r %s %s2'):format(q(out), q(out), q(out), q(out)))
       status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s --pp 2 --fsdp %s'):format(q(out), c[4]))
       assert.are.equal(0, status, text)
       close_losses(one, losses(out), 1, 4, c[1] .. ' --pp 2 --fsdp, stopped and resumed')
       status, text = bin_train(('--resume %s1/ckpt-2 --out %s1'):format(q(out), q(out)))
       assert.are.equal(0, status, text)
       close_losses(one, losses(out .. '1'), 1, 4, c[1] .. ' a --pp 2 --fsdp checkpoint resumed in one process')
+      -- at --pp 2 on 2 ranks: each stage on one rank (another data-parallel size)
+      status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s2 --pp 2 --batch-size 4'):format(q(out)))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(out .. '2'), 1, 4, c[1] .. ' a --pp 2 --fsdp checkpoint resumed at --pp 2 on 2 ranks')
     end
     -- gradient accumulation (2 steps of one sequence a rank): the reductions once, after the last
     local onea = reference('models/gpt2.lua', tiny, 'g1')
@@ -306,5 +410,9 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     assert.are.equal(2, status, text)
     assert.is_truthy(text:find('--pp-schedule zbh1 with --fsdp FULL_SHARD: a sharded stage reduces its gradients', 1, true),
       text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --pp 2 --pp-checkpoint whole '
+      .. '--out %s/b7'):format(tiny, q(dir)))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('pp_checkpoint must be sharded or full, got \'whole\'', 1, true), text)
   end)
 end)
