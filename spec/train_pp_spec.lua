@@ -181,6 +181,21 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       .. 'of the 4', 1, true), tostring(err))
   end)
 
+  it('--pp 2 --async-checkpoint writes its sharded checkpoints in the background; one resumes in one process', function()
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local out = dir .. '/gsa'
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --pp 2 '
+      .. '--async-checkpoint --save-every 1 --stop-at 3 --out %s'):format(tiny, q(out)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('checkpoint ' .. out .. '/ckpt-2 (written in the background', 1, true), text)
+    local index, n = pieces_by_rank(out .. '/ckpt-2')
+    assert.are.equal(2, index.world_size)
+    assert.is_true(n[0] > 0 and n[1] > 0)
+    status, text = bin_train(('--resume %s/ckpt-2'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(out), 1, 4, 'an async sharded --pp checkpoint resumed in one process')
+  end)
+
   it('with --pp-checkpoint full a --pp checkpoint is a whole-model one: it resumes in one process and at --pp 2 with the '
     .. 'same losses', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
