@@ -181,6 +181,32 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       .. 'of the 4', 1, true), tostring(err))
   end)
 
+  it('a sharded --pp checkpoint holds each MoE layer\'s routing biases from the stage that updates them; resumed in one '
+    .. 'process and at --pp 2, the run that never stopped', function()
+    local flags = ('--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 --model.intermediate_size 48 '
+      .. '--seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 1 --data %s '
+      .. '--model.output_router_logits false --moe-bias-rate 0.01 --batch-size 4 --steps 6'):format(q(corpus_path))
+    local out = dir .. '/mxs'
+    local status, text = bin_train(('models/mixtral.lua %s --out %s1'):format(flags, q(out)))
+    assert.are.equal(0, status, text)
+    local one = losses(out .. '1')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --pp 2 --save-every 3 --stop-at 3 '
+      .. '--out %s'):format(flags, q(out)))
+    assert.are.equal(0, status, text)
+    local index, _, holders = pieces_by_rank(out .. '/ckpt-3')
+    assert.are.equal(2, #index.buffers)
+    -- (every stage keeps every buffer; only stage 1's forwards move layer 1's)
+    assert.are.same({ [0] = true }, holders['model.layers.0.block_sparse_moe.expert_bias'])
+    assert.are.same({ [1] = true }, holders['model.layers.1.block_sparse_moe.expert_bias'])
+    os.execute(('cp -r %s %s2'):format(q(out), q(out)))
+    status, text = bin_train(('--resume %s'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(out), 1, 6, 'mixtral --pp 2 --moe-bias-rate, resumed in one process')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s2 --pp 2'):format(q(out)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(out .. '2'), 1, 6, 'mixtral --pp 2 --moe-bias-rate, resumed at --pp 2')
+  end)
+
   it('--pp 2 --async-checkpoint writes its sharded checkpoints in the background; one resumes in one process', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
     local out = dir .. '/gsa'
