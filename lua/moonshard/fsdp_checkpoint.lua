@@ -15,7 +15,10 @@
 -- world call it with the same arguments. A model that was not passed to
 -- fully_shard is handled as one rank holding every parameter whole (so a
 -- sharded checkpoint loads into a plain model in one process, and a plain
--- model saves one that loads into a sharded one).
+-- model saves one that loads into a sharded one). A pipeline stage
+-- (ms.pp.pipeline, under fully_shard or not) saves and loads its own
+-- parameters, under the whole model's names: every rank of the world takes
+-- part, and the checkpoint is the whole model's (pipeline_writes).
 --
 -- A sharded checkpoint is a folder:
 --   rank-<r>-of-<W>.safetensors  rank r's pieces: 'param:<name>:<start>' (f32,
