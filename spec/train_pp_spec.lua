@@ -272,17 +272,19 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     close_losses(one8, losses(dir .. '/gf8z'), 1, 4, '--pp 2 --float8 --pp-schedule zbh1')
   end)
 
-  it('--pp 2 --tp 2 on 4 ranks (TP pairs in 2 stages, sequence parallel: the stages exchange each TP rank\'s rows) '
-    .. 'follows the one-process curve; its checkpoint resumes in one process; --no-sequence-parallel too', function()
+  it('--pp 2 --tp 2 --sequence-parallel on 4 ranks (TP pairs in 2 stages, the stages exchange each TP rank\'s rows) '
+    .. 'follows the one-process curve; its checkpoint resumes in one process; without sequence parallelism (the '
+    .. 'default under --pp) too', function()
     for _, c in ipairs({ { 'models/gpt2.lua', tiny, 'g' }, { 'models/llama.lua', tiny_llama, 'l' } }) do
       local one = reference(c[1], c[2], c[3] .. '1')
       local out = ('%s/%s22'):format(dir, c[3])
       local status, text = bin_train(('--nproc-per-node 4 --device cpu %s %s --batch-size 4 --steps 4 '
-        .. '--pp 2 --tp 2 --save-every 1 --stop-at 2 --out %s'):format(c[1], c[2], q(out)))
+        .. '--pp 2 --tp 2 --sequence-parallel --save-every 1 --stop-at 2 --out %s'):format(c[1], c[2], q(out)))
       assert.are.equal(0, status, text)
       assert.is_truthy(text:find('tensor parallel: 2-way over 4 ranks, data parallel 1, sequence parallel', 1, true), text)
       assert.is_truthy(text:find('pipeline parallel: 2 stages over 4 ranks', 1, true), text)
-      status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s --pp 2 --tp 2'):format(q(out)))
+      status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s --pp 2 --tp 2 --sequence-parallel'):format(
+        q(out)))
       assert.are.equal(0, status, text)
       close_losses(one, losses(out), 1, 4, c[1] .. ' --pp 2 --tp 2, stopped and resumed')
       os.execute(('cp -r %s %s1'):format(q(out), q(out)))
@@ -290,10 +292,10 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       assert.are.equal(0, status, text)
       close_losses(one, losses(out .. '1'), 1, 4, c[1] .. ' a --pp 2 --tp 2 checkpoint resumed in one process')
       status, text = bin_train(('--nproc-per-node 4 --device cpu %s %s --batch-size 4 --steps 4 --pp 2 --tp 2 '
-        .. '--no-sequence-parallel --out %sn'):format(c[1], c[2], q(out)))
+        .. '--out %sn'):format(c[1], c[2], q(out)))
       assert.are.equal(0, status, text)
       assert.is_truthy(text:find('data parallel 1, no sequence parallel', 1, true), text)
-      close_losses(one, losses(out .. 'n'), 1, 4, c[1] .. ' --pp 2 --tp 2 --no-sequence-parallel')
+      close_losses(one, losses(out .. 'n'), 1, 4, c[1] .. ' --pp 2 --tp 2 (no sequence parallelism: the default)')
     end
   end)
 
@@ -358,7 +360,7 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
     -- 3-D: TP pairs in 2 stages, each sharded (over one rank here)
     local one = reference('models/llama.lua', tiny_llama, 'l1')
     local status, text = bin_train(('--nproc-per-node 4 --device cpu models/llama.lua %s --batch-size 4 --steps 4 '
-      .. '--pp 2 --tp 2 --fsdp --out %s/l3d'):format(tiny_llama, q(dir)))
+      .. '--pp 2 --tp 2 --sequence-parallel --fsdp --out %s/l3d'):format(tiny_llama, q(dir)))
     assert.are.equal(0, status, text)
     assert.is_truthy(text:find('fsdp: FULL_SHARD over 1 rank', 1, true), text)
     assert.is_truthy(text:find('data parallel 1 (FULL_SHARD), sequence parallel', 1, true), text)

@@ -99,7 +99,7 @@ train.options = {
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
-  { 'sequence_parallel', 'bool', true, 'with --tp (also with --fsdp and --pp): the residual stream between the split layers held as each rank\'s tokens (norms and dropout on 1/N of them; with --pp the stages exchange those rows; docs/tp.md)' },
+  { 'sequence_parallel', 'bool?', nil, 'with --tp (also with --fsdp and --pp): the residual stream between the split layers held as each rank\'s tokens (norms and dropout on 1/N of them; with --pp the stages exchange those rows; docs/tp.md); default on, except with --pp, where it measured slower (docs/pp.md): --sequence-parallel turns it on there' },
   { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
   { 'init_from', 'string?', nil, 'start from the weights and config of a Hugging Face folder (config.json + model.safetensors, as save_pretrained and --out write) instead of a fresh model: fine-tuning; --preset and --model.* do not apply; sharded runs read only each rank\'s shards' },
   { 'lora', 'int>=0', 0, 'LoRA adapters of this rank (R) on the model\'s projections (nn.apply_lora; 0: none): the rest of the model frozen, the final weights saved merged' },
@@ -270,7 +270,7 @@ function train.parse_args(args, M)
     key = key:gsub('-', '_')
     local neg = false
     if not option_by_name[key] and key:match('^no_') and option_by_name[key:sub(4)] and
-       option_by_name[key:sub(4)][2] == 'bool' then
+       option_by_name[key:sub(4)][2]:match('^bool') then
       key, neg = key:sub(4), true
     end
     local opt = option_by_name[key]
@@ -285,7 +285,7 @@ function train.parse_args(args, M)
       if key == 'float8' and val == nil and (args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
         val = 'tensorwise' -- a bare --float8
       end
-      if opt[2] == 'bool' and val == nil and (neg or args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
+      if opt[2]:match('^bool') and val == nil and (neg or args[i + 1] == nil or args[i + 1]:sub(1, 2) == '--') then
         val = not neg
       elseif val == nil then
         i = i + 1
@@ -1348,7 +1348,10 @@ function train.run(opts)
   -- materialized a tensor at a time, then the rest of it)
   local tp_desc
   if tp_mesh then
+    -- (unset: on, except under --pp, where four H200s ran DeepSeek-V3's
+    -- bench shape 27% slower with it: docs/pp.md)
     local seq = o.sequence_parallel
+    if seq == nil then seq = not pp_mesh end
     local okp, perr = pcall(ms.tp.parallelize, model, { group = tp_mesh.shard, sequence_parallel = seq,
       overlap = o.tp_overlap })
     if not okp then usage('--tp %d: %s', tp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
