@@ -261,6 +261,24 @@ __device__ __forceinline__ void softmax_tile(float *s, float m[2], float l[2], f
     }
 }
 
+// the end of a forward's rows: this thread's rows row0 and row0 + 8, their
+// sum-exp l (each thread's share, summed over its quad here) and max m (log2
+// units) -> inv[r] = 1 / sum (0 for a row that saw no key), and lse_bh[i] =
+// the natural log-sum-exp (-inf for none) written by the quad's first thread
+// (t4 == 0) for the rows below Tq; lse_bh: the (b, h) row of lse
+__device__ __forceinline__ void finish_rows(float inv[2], const float l[2], const float m[2], long long row0, int t4,
+                                            long long Tq, float *lse_bh) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lt = l[r];
+        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+        inv[r] = lt > 0.f ? 1.f / lt : 0.f;
+        const long long i = row0 + 8 * r;
+        if (t4 == 0 && i < Tq) lse_bh[i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
+    }
+}
+
 // O (64 x DV accumulators, this thread's rows row0, row0 + 8) times alpha,
 // skipped by warps whose rows all kept their max
 template <int DV>
@@ -375,16 +393,7 @@ __global__ void __launch_bounds__(128, D == 64 ? (BN == 64 ? 5 : 1) : 2) fwd_ker
     mma::cp_async_wait_all();
     __syncthreads();  // K/V buffers free for the output
     float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float lt = l[r];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        inv[r] = lt > 0.f ? 1.f / lt : 0.f;
-        const long long i = row0 + 8 * r;
-        if (t4 == 0 && i < Tq)
-            lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
-    }
+    finish_rows(inv, l, m, row0, t4, Tq, lse + ((long long)b * H + h) * Tq);
     store_acc<T, DV>(out, lo, b, h, i0, Tq, Ks, o, inv[0], inv[1]);
 }
 
@@ -528,16 +537,7 @@ __global__ void __launch_bounds__(128, 2) fwd_ovl_kernel(T *out, float *lse, con
     // (K's buffers stage the output: free since the barrier above, every
     // warp's S products waited for)
     float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float lt = l[r];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        inv[r] = lt > 0.f ? 1.f / lt : 0.f;
-        const long long i = row0 + 8 * r;
-        if (t4 == 0 && i < Tq)
-            lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
-    }
+    finish_rows(inv, l, m, row0, t4, Tq, lse + ((long long)b * H + h) * Tq);
     store_acc<T, DV>(out, lo, b, h, i0, Tq, Ks, o, inv[0], inv[1]);
 }
 
@@ -708,16 +708,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel(T *out, float *lse, cons
         pin_u<NA * 4>(&pa[0][0]);
     }
     float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float lt = l[r];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        inv[r] = lt > 0.f ? 1.f / lt : 0.f;
-        const long long i = row0 + 8 * r;
-        if (t4 == 0 && i < Tq)
-            lse[((long long)b * H + h) * Tq + i] = lt > 0.f ? (m[r] + log2f(lt)) / kLog2e : -INFINITY;
-    }
+    finish_rows(inv, l, m, row0, t4, Tq, lse + ((long long)b * H + h) * Tq);
     // the output through this consumer's Q tile: every warp of it read its
     // Q fragments at step 0, before its first turn's sync, which completes
     // only once all its 128 threads are there (no tiles: Q never copied)
