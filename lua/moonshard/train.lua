@@ -1147,7 +1147,19 @@ function train.run(opts)
         world == 1 and '' or 's')
     end
     if tp_size > 1 then
-      usage('--ep with --tp: not supported (expert parallelism trains data-parallel over every rank)')
+      -- --tp N --ep M: each expert group of M consecutive ranks holds M / N
+      -- whole tensor-parallel groups, whose ranks each route their own rows
+      -- (docs/moe.md, "Expert and tensor parallelism"); plain only
+      if ep_size % tp_size ~= 0 then
+        usage('--ep %d with --tp %d: --ep must be a multiple of --tp (an expert group holds whole tensor-parallel '
+          .. 'groups of consecutive ranks: --ep %d, %d, ...)', ep_size, tp_size, tp_size, 2 * tp_size)
+      end
+      if strategy then
+        usage('--ep with --tp and --fsdp %s: not supported (--tp --ep trains plain: the gradients all-reduced over the '
+          .. 'data-parallel ranks)', strategy)
+      end
+      if pp_size > 1 then usage('--ep with --tp and --pp: not supported') end
+      if cp_size > 1 then usage('--ep with --tp and --cp: not supported') end
     end
     -- (a stage's ranks: its data-parallel ranks, and with --cp M the
     -- context-parallel ranks of each: world / P in all)
@@ -1318,6 +1330,15 @@ function train.run(opts)
       end
       return
     end
+    if tp_mesh then
+      -- (the parameters a rank: tensor parallel's line, after its split)
+      local ntp = ep_size / tp_size
+      ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, each expert '
+        .. 'whole, each group %d tensor-parallel group%s of %d routing its ranks\' own rows'):format(ep_size, world,
+        world / ep_size, world == ep_size and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts,
+        #layers, ntp, ntp == 1 and '' or 's', tp_size)
+      return
+    end
     ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, '
       .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
       layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
@@ -1334,9 +1355,10 @@ function train.run(opts)
   -- (with --pp each stage's, after the cut, below)
   if ep_group and not pp_mesh then
     ep_split()
-    -- (a sharded checkpoint is read after fully_shard, into the shards)
-    local whole = resume and not resume.sharded
-    if not strategy or whole then ms.nn.materialize(model) end
+    -- (a sharded checkpoint is read after fully_shard, into the shards;
+    -- with --tp after its split, below)
+    local whole = resume and not resume.sharded and not tp_mesh
+    if (not strategy and not tp_mesh) or whole then ms.nn.materialize(model) end
     if whole then
       local okl, err = pcall(ckpt.load, resume.path, {
         model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end } })
@@ -1365,7 +1387,10 @@ function train.run(opts)
     -- fully_shard, which takes them); its optimizer state after the optimizer
     if resume and not pp_mesh then
       local okl, err = pcall(ckpt.load, resume.path, {
-        model = { load_state_dict = function(_, sd) ms.tp.load_full_state_dict(model, sd) end } })
+        model = { load_state_dict = function(_, sd)
+          -- (--ep too: the experts whole, by their global names)
+          if ep_group then ms.ep.load_full_state_dict(model, sd) else ms.tp.load_full_state_dict(model, sd) end
+        end } })
       if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
     end
   end
@@ -1624,10 +1649,12 @@ function train.run(opts)
         optimizer = { load_state_dict = function(_, sd) ms.pp.load_full_optimizer_state(model, opt, sd) end } })
     elseif tp_mesh then
       -- a whole-model checkpoint (its weights went in before): every rank
-      -- reads the optimizer's state and keeps its slices (of its shards)
+      -- reads the optimizer's state and keeps its slices (of its shards;
+      -- with --ep its experts')
       okl, err = pcall(ckpt.load, resume.path, {
         optimizer = { load_state_dict = function(_, sd)
-          if strategy then ms.tp.load_fsdp_optimizer_state(model, opt, sd)
+          if ep_group then ms.ep.load_full_optimizer_state(model, opt, sd)
+          elseif strategy then ms.tp.load_fsdp_optimizer_state(model, opt, sd)
           else ms.tp.load_full_optimizer_state(model, opt, sd) end
         end } })
     elseif ep_group then
@@ -1730,7 +1757,8 @@ function train.run(opts)
         weight_decay = adamw_opts.weight_decay }
       local msd, osd
       if pp_mesh then msd, osd = ms.pp.full_checkpoint(model, opt, hyper)   -- (with --tp too: it gathers the slices)
-      elseif tp_mesh then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
+      elseif tp_mesh and not ep_group then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
+      -- (--ep, with --tp too: the ranks of rank 0's expert group)
       elseif rank < ep_size then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
       local okw, res = true, nil
       if rank == 0 then
@@ -1894,6 +1922,12 @@ function train.run(opts)
       if not strategy and ep_group then ms.ep.all_reduce_grads(model, pp_mesh.replicate)
       elseif not strategy then ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg') end
       gnorm = ms.pp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
+    elseif tp_mesh and ep_group then
+      -- the experts' gradients summed over their copies and divided by the
+      -- data-parallel ranks, the others averaged over them (ms.ep); the norm
+      -- counts each expert and each slice once
+      ms.ep.all_reduce_grads(model, tp_mesh.replicate)
+      gnorm = ms.ep.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     elseif tp_mesh then
       -- (under FSDP the gradients were reduced over mesh.replicate already)
       if not strategy then ms.tp.all_reduce_grads(model, tp_mesh.replicate, 'avg') end
@@ -2047,8 +2081,8 @@ function train.run(opts)
       end
     elseif tp_mesh or (ep_group and not strategy) then
       local msd
-      if tp_mesh then msd = ms.tp.full_checkpoint(model)
-      -- (--ep: the ranks of rank 0's group gather the experts; under FSDP
+      if tp_mesh and not ep_group then msd = ms.tp.full_checkpoint(model)
+      -- (--ep, with --tp too: the ranks of rank 0's group gather the experts; under FSDP
       -- the branch below streams them, a unit at a time)
       elseif rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
       if rank == 0 then
