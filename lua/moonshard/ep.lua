@@ -28,6 +28,15 @@
 -- experts are a unit sharded over `replicate` (fsdp.lua), the units reduce
 -- the gradients, and fsdp_checkpoint's sharded and streamed full saves
 -- write every expert (ep.remote_names, ep.gather_experts).
+--
+-- With tensor parallelism (docs/moe.md, "Expert and tensor parallelism"):
+-- ep.parallelize over groups made of whole TP groups, then
+-- tp.parallelize; each TP rank routes its own rows, the experts whole.
+-- Each TP group's loss is the mean over its tokens, so all_reduce_grads
+-- takes the data-parallel group (the ranks holding the same slices) and
+-- divides the experts' sums by its size; clip_grad_norm_ adds the slices'
+-- squares over the TP group; the whole-model state gathers the slices
+-- (tp.full_state_dict) and loads cut to them.
 local T = require 'moonshard.tensor'
 local A = require 'moonshard.autograd'
 local F = require 'moonshard.ops'
