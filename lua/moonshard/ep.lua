@@ -28,6 +28,15 @@
 -- experts are a unit sharded over `replicate` (fsdp.lua), the units reduce
 -- the gradients, and fsdp_checkpoint's sharded and streamed full saves
 -- write every expert (ep.remote_names, ep.gather_experts).
+--
+-- With tensor parallelism (docs/moe.md, "Expert and tensor parallelism"):
+-- ep.parallelize over groups made of whole TP groups, then
+-- tp.parallelize; each TP rank routes its own rows, the experts whole.
+-- Each TP group's loss is the mean over its tokens, so all_reduce_grads
+-- takes the data-parallel group (the ranks holding the same slices) and
+-- divides the experts' sums by its size; clip_grad_norm_ adds the slices'
+-- squares over the TP group; the whole-model state gathers the slices
+-- (tp.full_state_dict) and loads cut to them.
 local T = require 'moonshard.tensor'
 local A = require 'moonshard.autograd'
 local F = require 'moonshard.ops'
@@ -59,6 +68,10 @@ function ep.parallelize(model, opts)
   local nn = require 'moonshard.nn'
   if not nn.is_module(model) then error('ep.parallelize: model must be a module', 2) end
   if rawget(model, '_ep_train') then error('ep.parallelize: the model is already expert-parallel', 2) end
+  if rawget(model, '_tp') then
+    error('ep.parallelize: the model is tensor-parallel already (its experts split by features); split the experts '
+      .. 'first: ep.parallelize, then tp.parallelize', 2)
+  end
   local group = opts.group or dist.world_group
   if group == nil then error('ep.parallelize: dist is not initialised (ms.dist.init) and no group given', 2) end
   check_group(group, 'group')
@@ -132,6 +145,12 @@ function ep.remote_names(model)
   return out
 end
 
+-- the tensor-parallel group's size of a model also split by tp.parallelize (1: none)
+local function tp_size(model)
+  local t = rawget(model, '_tp')
+  return t and t.size or 1
+end
+
 -- tensor id -> true for every local expert's parameter
 local function expert_ids(info)
   local ids = {}
@@ -150,10 +169,22 @@ function ep.all_reduce_grads(model, group)
   if rawget(model, '_fsdp') then
     error('ep.all_reduce_grads: the model is under fully_shard, whose units reduce the gradients', 2)
   end
+  -- (tensor-parallel too, tp.parallelize: `group` the ranks that hold the
+  -- same slices, each group of N its own tokens; the experts' divided by
+  -- its size as well)
+  local N = tp_size(model)
+  if N > 1 and group == nil then
+    error('ep.all_reduce_grads: the model is tensor-parallel too: give the data-parallel group (the ranks that '
+      .. 'hold the same slices: the tensor-parallel mesh\'s replicate axis)', 2)
+  end
   group = group or dist.world_group
   local W = group:size()
   local R = info.replicate and info.replicate:size() or 1
-  if W ~= info.size * R then
+  if W * N ~= info.size * R then
+    if N > 1 then
+      error(('ep.all_reduce_grads: a data-parallel group of %d ranks x %d-way tensor parallel, but the experts split '
+        .. 'over %d ranks with %d copies (%d)'):format(W, N, info.size, R, info.size * R), 2)
+    end
     error(('ep.all_reduce_grads: a data-parallel group of %d ranks, but the experts split over %d ranks with %d '
       .. 'copies (%d)'):format(W, info.size, R, info.size * R), 2)
   end
@@ -193,21 +224,32 @@ function ep.clip_grad_norm_(model, max_norm, opts)
   end
   local optim = require 'moonshard.optim'
   local ex = expert_ids(info)
-  local split, rep, all = {}, {}, {}
+  -- (tensor-parallel too: the slices' sums over the tensor-parallel group)
+  local tpi = rawget(model, '_tp')
+  local tpm = tpi and require 'moonshard.tp'
+  local split, sliced, rep, all = {}, {}, {}, {}
   local dev
-  for _, p in ipairs(model:parameters()) do
+  for name, p in model:named_parameters() do
     local g = p.grad
     if g ~= nil then
       dev = dev or g.device
       if g.device ~= dev then error(('ep.clip_grad_norm_: gradients on %s and %s'):format(dev, g.device), 2) end
       all[#all + 1] = g
-      if ex[tonumber(p.id)] then split[#split + 1] = g else rep[#rep + 1] = g end
+      if ex[tonumber(p.id)] then split[#split + 1] = g
+      elseif tpi and tpm.placement(model, name) then sliced[#sliced + 1] = g
+      else rep[#rep + 1] = g end
     end
   end
   dev = dev or dist.device()
-  -- (every rank calls the all-reduce, with or without gradients)
+  -- (every rank calls the all-reduces, with or without gradients)
   local s = optim.sum_squares(split, dev)
   dist.all_reduce(s, 'sum', { group = info.group })
+  if tpi then
+    local t = optim.sum_squares(sliced, dev)
+    if tpi.size > 1 then dist.all_reduce(t, 'sum', { group = tpi.group }) end
+    F.add_(s, t)
+    t:free()
+  end
   local r = optim.sum_squares(rep, dev)
   F.add_(s, r)
   r:free()
@@ -318,6 +360,26 @@ local function own_state(model, info, opt)
     -- buffers (not in the flat parameters): the model's own
     for name, t in pairs(model:state_dict()) do if tensors[name] == nil then tensors[name] = t end end
     return tensors, st or {}, owned
+  end
+  local tpi = rawget(model, '_tp')
+  if tpi then
+    -- tensor-parallel too: the slices gathered over its group (the experts
+    -- are whole: as they are), and their moments
+    local tpm = require 'moonshard.tp'
+    for name, t in pairs(tpm.full_state_dict(model)) do
+      tensors[name] = t
+      if tpm.placement(model, name) then owned[name] = true end
+    end
+    if opt then
+      local m, v, steps = {}, {}, {}
+      for name, p in model:named_parameters() do
+        local s = opt.state[tonumber(p.id)]
+        if s and s.exp_avg then m[name], v[name], steps[name] = s.exp_avg, s.exp_avg_sq, s.step end
+      end
+      m, v = tpm.gather_named(model, m), tpm.gather_named(model, v)
+      for name, st in pairs(steps) do state[name] = { exp_avg = m[name], exp_avg_sq = v[name], step = st } end
+    end
+    return tensors, state, owned
   end
   for name, t in pairs(model:state_dict()) do tensors[name] = t end
   if opt then
@@ -451,7 +513,14 @@ function ep.load_full_state_dict(model, sd)
   if rawget(model, '_fsdp') then
     error('ep.load_full_state_dict: the model is under fully_shard; load the weights before fully_shard', 2)
   end
+  -- (tensor-parallel too: each rank's slices cut from the whole tensors,
+  -- the experts copied whole)
+  if rawget(model, '_tp') then
+    local ok, err = pcall(require('moonshard.tp').load_full_state_dict, model, sd)
+    if not ok then error((tostring(err):gsub('^[^:\n]*%.lua:%d+: ', ''):gsub('^tp%.', 'ep.')), 2) end
+  end
   A.no_grad(function()
+    if rawget(model, '_tp') then return end
     for name, dst in pairs(model:state_dict()) do
       local src = sd[name]
       if src == nil then error(('ep.load_full_state_dict: %s is missing'):format(name), 3) end
@@ -523,6 +592,8 @@ function ep.load_full_optimizer_state(model, opt, sd)
       #(meta.groups or {}), #opt.param_groups), 2)
   end
   local tensors, lmeta, i = {}, { type = meta.type, groups = {}, state = {} }, 0
+  local tpm = rawget(model, '_tp') and require('moonshard.tp') or nil
+  local cut = {}
   for gi, g in ipairs(opt.param_groups) do
     if not g.names then error('ep.load_full_optimizer_state: the optimizer\'s groups do not name their parameters '
       .. '(make it from the model)', 2) end
@@ -536,12 +607,21 @@ function ep.load_full_optimizer_state(model, opt, sd)
         local entry = { index = i }
         for f, v in pairs(e) do if f ~= 'index' then entry[f] = v end end
         lmeta.state[#lmeta.state + 1] = entry
-        for f, t in pairs(fields[e.index] or {}) do tensors[i .. '.' .. f] = t end
+        for f, t in pairs(fields[e.index] or {}) do
+          -- (tensor-parallel too: a split parameter's moments cut to its slice)
+          if tpm and t.ndim == g.params[k].ndim then
+            local piece, made = tpm.local_piece(model, name, t)
+            if made then cut[#cut + 1] = piece end
+            t = piece
+          end
+          tensors[i .. '.' .. f] = t
+        end
       end
     end
     lmeta.groups[gi] = mg
   end
   opt:load_state_dict({ tensors = tensors, meta = lmeta })
+  for _, t in ipairs(cut) do t:free() end
   return opt
 end
 

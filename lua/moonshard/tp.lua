@@ -340,6 +340,146 @@ function tp.moe_exit(y, info)
   return tp.reduce_from(y, info.group, true)
 end
 
+-- An nn.MoE layer split by expert parallelism over a group that holds the
+-- tensor-parallel group (ep.parallelize, then tp.parallelize; docs/moe.md,
+-- "Expert and tensor parallelism"): each rank routes its own rows of the
+-- group's tokens and sends them over the expert group (its experts whole),
+-- so the tokens each rank holds must differ. moe_rows(x, info, shared) ->
+-- xo (n, H) this rank's rows, and the layer's context for moe_gather and
+-- moe_join:
+--   sequence parallel ('sp'): x is this rank's rows already; a shared
+--     expert reads every row gathered (moe_enter);
+--   replicated x, no shared expert, rows that divide ('gather'): this
+--     rank's rows (SeqSplit: the input's gradient rows all-gathered), the
+--     outputs all-gathered (SeqUnsplit): one all-gather each way, half
+--     an all-reduce's bytes;
+--   replicated x otherwise ('sum'): ranks r N/n .. (r+1) N/n - 1 (floors),
+--     from x through copy_to, so the input's gradient (this rank's rows,
+--     zeros elsewhere, plus the split shared expert's partial one) is one
+--     all-reduce; the outputs zero-filled, added to the shared expert's
+--     partial sums and summed in one all-reduce (the sum a shared expert
+--     needs anyway; adding zeros is exact).
+-- The router runs on this rank's rows: its weight enters through copy_to
+-- (MoE:forward_ep_tp), its gradient summed over the group.
+local GatherRows, PlaceRows
+
+-- every rank's rows counted: rank r's start and count among N rows
+local function row_split(N, size, r)
+  local a, b = math.floor(r * N / size), math.floor((r + 1) * N / size)
+  return a, b - a
+end
+
+function tp.moe_rows(x, info, shared)
+  local sp = info.sp
+  local H = x.shape[x.ndim]
+  local g, size, rank = info.group, info.size, info.rank
+  if sp and sp.active and x.ndim == 2 then
+    local ctx = { mode = 'sp', N = sp.B * sp.T, T = sp.T, start = sp.rank * sp.n, n = sp.n, sp = sp }
+    if shared then
+      local xr, xe = tp.moe_enter(x, info)
+      ctx.xr, ctx.xe = xr:reshape({ ctx.N, H }), xe:reshape({ ctx.N, H })
+    end
+    return x, ctx
+  end
+  local N = x:numel() / H
+  local Tl = x.ndim >= 3 and x.shape[x.ndim - 1] or N
+  local x2 = x:reshape({ N, H })
+  local a, n = row_split(N, size, rank)
+  local ctx = { N = N, T = Tl, start = a, n = n }
+  if not shared and N % size == 0 and size > 1 then
+    ctx.mode = 'gather'
+    ctx.sp = { group = g, size = size, rank = rank, B = N / Tl, T = Tl, n = N / size, active = true }
+    return SeqSplit(x2:view({ N / Tl, Tl, H }), ctx.sp), ctx
+  end
+  ctx.mode = 'sum'
+  local xc = tp.copy_to(x2, g)
+  if shared then ctx.xr, ctx.xe = x2, xc end
+  return xc:narrow(1, a + 1, n), ctx
+end
+
+-- moe_gather(t, ctx, info) -> every rank's rows of t (n, C) in rank order,
+-- (N, C) on every rank of the group: the group's routing (scores,
+-- differentiable: the gradient's own rows in backward; or the experts'
+-- ids), what the balancing losses and the bias counts read under --tp alone
+function tp.moe_gather(t, ctx, info)
+  if info.size == 1 then return t end
+  return GatherRows(t, ctx, info.group)
+end
+
+-- moe_join(y (n, H) this rank's rows' routed output, s (N, H) the split
+-- shared expert's partial sums or nil, ctx, info) -> the layer's output
+-- (the rows x held: this rank's under sequence parallelism, else every row)
+function tp.moe_join(y, s, ctx, info)
+  local H = y.shape[y.ndim]
+  if ctx.mode == 'sp' then
+    if s == nil then return y end
+    return SeqReduceScatter(s:reshape({ ctx.sp.B, ctx.sp.T, H }), ctx.sp) + y
+  elseif ctx.mode == 'gather' then
+    return SeqUnsplit(y, ctx.sp):reshape({ ctx.N, H })
+  end
+  local z = PlaceRows(y, ctx)
+  if s ~= nil then z = z + s end
+  return tp.reduce_from(z, info.group, true)
+end
+
+-- (the raw gather: ranks' counts of rows from row_split or equal, padded
+-- to the largest for the all-gather)
+local function gather_rows(t, ctx, group)
+  local size = group:size()
+  local C = t.shape[2]
+  local per, even = 0, true
+  local counts = {}
+  for r = 0, size - 1 do
+    local n
+    if ctx.mode == 'sp' or ctx.mode == 'gather' then n = ctx.n else local _; _, n = row_split(ctx.N, size, r) end
+    counts[r + 1] = n
+    per = math.max(per, n)
+    if n ~= counts[1] then even = false end
+  end
+  local tc = t:contiguous()
+  local src = tc
+  if not even and tc.shape[1] < per then
+    src = T.zeros({ per, C }, { dtype = t.dtype, device = t.device })
+    if tc.shape[1] > 0 then src:narrow(1, 1, tc.shape[1]):copy_(tc) end
+  end
+  local all = T.empty({ size * per, C }, { dtype = t.dtype, device = t.device })
+  dist.all_gather_into(all, src, { group = group })
+  if src ~= tc then src:free() end
+  if tc ~= t then tc:free() end
+  if even then return all end
+  local parts = {}
+  for r = 0, size - 1 do
+    if counts[r + 1] > 0 then parts[#parts + 1] = all:narrow(1, r * per + 1, counts[r + 1]) end
+  end
+  local out = F.cat(parts, 1)
+  all:free()
+  return out
+end
+
+GatherRows = A.Function {
+  name = 'tp_gather_rows',
+  owns_results = true,
+  forward = function(c, t, ctx, group)
+    c.start, c.n = ctx.start, ctx.n
+    return gather_rows(t, ctx, group)
+  end,
+  backward = function(c, g) return g:narrow(1, c.start + 1, c.n):contiguous():clone(), nil, nil end,
+}
+
+-- PlaceRows(y (n, C), ctx) -> (N, C): y at rows start .. start + n - 1,
+-- zeros elsewhere; backward: those rows of the gradient
+PlaceRows = A.Function {
+  name = 'tp_place_rows',
+  owns_results = true,
+  forward = function(c, y, ctx)
+    c.start, c.n = ctx.start, ctx.n
+    local z = T.zeros({ ctx.N, y.shape[2] }, { dtype = y.dtype, device = y.device })
+    if ctx.n > 0 then z:narrow(1, ctx.start + 1, ctx.n):copy_(y) end
+    return z
+  end,
+  backward = function(c, g) return g:narrow(1, c.start + 1, c.n):contiguous():clone(), nil end,
+}
+
 -- dropout on a shard: the mask the unsplit model draws for the whole
 -- stream, this rank's rows of it (Philox: an element's value depends only
 -- on seed and offset + index), the generator advanced past the whole
@@ -501,15 +641,30 @@ function tp.parallelize(model, opts)
   opts = opts or {}
   if not nn.is_module(model) then error('tp.parallelize: model must be a module', 2) end
   if rawget(model, '_tp') ~= nil then error('tp.parallelize: the model is already tensor-parallel', 2) end
-  for name, m in model:named_modules() do
-    if getmetatable(m) == nn.MoE then
-      if rawget(m, '_ep') ~= nil then
-        error(('tp.parallelize: %s is split by expert parallelism already (not both)'):format(name), 2)
-      end
-    end
-  end
   local g = check_group(opts.group or dist.get_world_group(), 'tp.parallelize')
   local size, rank = g:size(), g:rank()
+  -- an MoE layer split by expert parallelism (ep.parallelize first): its
+  -- experts stay whole, the expert group must hold this group's ranks (each
+  -- rank routes its own rows: moe_rows); ep_rows: this group's ranks' places
+  -- in the expert group (0-based, in this group's order)
+  local ep_rows = {}
+  for name, m in model:named_modules() do
+    local e = getmetatable(m) == nn.MoE and rawget(m, '_ep') or nil
+    if e ~= nil then
+      local at = {}
+      for i, r in ipairs(e.ranks) do at[r] = i - 1 end
+      local idx = {}
+      for _, r in ipairs(g:ranks()) do
+        if at[r] == nil then
+          error(('tp.parallelize: %s is split by expert parallelism over ranks %s, which do not hold the '
+            .. 'tensor-parallel group\'s ranks %s (the expert groups must be made of whole tensor-parallel groups)')
+            :format(name, table.concat(e.ranks, ','), table.concat(g:ranks(), ',')), 2)
+        end
+        idx[#idx + 1] = at[r]
+      end
+      ep_rows[m] = idx
+    end
+  end
   -- opts.overlap (default true): the split layers' weight gradients run
   -- beside the entries' collectives in the backward (A.defer)
   local overlap = opts.overlap ~= false
@@ -604,8 +759,9 @@ function tp.parallelize(model, opts)
           size), 2)
       end
     elseif cls == nn.MoE then
-      local exs = { m.experts[1] }
-      if m.shared_name then exs[2] = m[m.shared_name] end
+      local exs = {}
+      if not ep_rows[m] then exs[1] = m.experts[1] end   -- (expert-parallel: the experts whole)
+      if m.shared_name then exs[#exs + 1] = m[m.shared_name] end
       for _, ex in ipairs(exs) do
         if ex.hidden % size ~= 0 then
           error(('tp.parallelize: %s has experts of hidden size %d, not a multiple of the group size %d'):format(
@@ -750,10 +906,15 @@ function tp.parallelize(model, opts)
           sum = function(t) return tp.copy_to(t, g) end })
       elseif cls == nn.MoE then
         -- every expert (and the shared one) split by its hidden features;
-        -- the router, and the shared expert's gate, replicated
-        for j = 1, m.n_experts do expert(m.experts[j]) end
+        -- the router, and the shared expert's gate, replicated. Split by
+        -- expert parallelism over a group holding this one: the routed
+        -- experts whole (each rank routes its own rows, MoE:forward_ep_tp),
+        -- the shared expert split as here
+        if not ep_rows[m] then
+          for j = 1, m.n_experts do expert(m.experts[j]) end
+        end
         if m.shared_name then expert(m[m.shared_name]) end
-        rawset(m, '_tp', { group = g, sp = sp })
+        rawset(m, '_tp', { group = g, sp = sp, size = size, rank = rank, ep_rows = ep_rows[m] })
       elseif cls == nn.MLP then
         column(m.c_fc); row(m.c_proj)
         rawset(m, '_tp', { enter = entry(g) })
@@ -1082,6 +1243,11 @@ end
 -- group (new tensors for the split ones, the model's own for the others):
 -- what save_pretrained and the checkpoints write
 function tp.full_state_dict(model) return gather_all(info_of(model), model:state_dict()) end
+
+-- tp.gather_named(model, tbl) -> name -> whole tensor for tbl's name ->
+-- this rank's tensor of that parameter (an optimizer moment), as
+-- full_state_dict gathers (a collective over the group; ep.full_tensors)
+function tp.gather_named(model, tbl) return gather_all(info_of(model), tbl) end
 
 -- tp.full_grads(model) -> name -> the whole gradient (of the parameters
 -- that have one), as full_state_dict

@@ -88,14 +88,14 @@ train.options = {
   { 'autocast', 'string', 'auto', 'the forward in a bf16 autocast region (bf16: the matmuls and attention in it; the weights, gradients and optimizer state f32: docs/precision.md), or off; auto: bf16 on CUDA without --fsdp (one GPU, and --tp, --pp, --cp, --ep without it; under --fsdp its mixed precision sets the compute dtype), off on the CPU and with --dtype f64' },
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
-  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
+  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead (docs/moe.md); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints sharded (--pp-checkpoint), the final weights whole, one process\'s (docs/pp.md)' },
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
   { 'pp_checkpoint', 'string', 'sharded', 'with --pp: sharded (every rank writes what its stage holds, its shard under --fsdp, one data-parallel copy of each stage without it, under the whole model\'s names: the --fsdp checkpoints\' format, resuming at any --pp, data-parallel size or --fsdp and in one process) or full (the stages\' tensors gathered, rank 0 writing a one-process checkpoint); with --tp or --ep always full (docs/pp.md)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; whole-model checkpoints, as --pp-checkpoint full writes); not with --tp or --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; whole-model checkpoints, as --pp-checkpoint full writes); with --tp T (N a multiple of T; plain, not with --fsdp, --pp or --cp) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream), whole-model checkpoints as --tp\'s; not with --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1147,7 +1147,19 @@ function train.run(opts)
         world == 1 and '' or 's')
     end
     if tp_size > 1 then
-      usage('--ep with --tp: not supported (expert parallelism trains data-parallel over every rank)')
+      -- --tp N --ep M: each expert group of M consecutive ranks holds M / N
+      -- whole tensor-parallel groups, whose ranks each route their own rows
+      -- (docs/moe.md, "Expert and tensor parallelism"); plain only
+      if ep_size % tp_size ~= 0 then
+        usage('--ep %d with --tp %d: --ep must be a multiple of --tp (an expert group holds whole tensor-parallel '
+          .. 'groups of consecutive ranks: --ep %d, %d, ...)', ep_size, tp_size, tp_size, 2 * tp_size)
+      end
+      if strategy then
+        usage('--ep with --tp and --fsdp %s: not supported (--tp --ep trains plain: the gradients all-reduced over the '
+          .. 'data-parallel ranks)', strategy)
+      end
+      if pp_size > 1 then usage('--ep with --tp and --pp: not supported') end
+      if cp_size > 1 then usage('--ep with --tp and --cp: not supported') end
     end
     -- (a stage's ranks: its data-parallel ranks, and with --cp M the
     -- context-parallel ranks of each: world / P in all)
@@ -1318,6 +1330,15 @@ function train.run(opts)
       end
       return
     end
+    if tp_mesh then
+      -- (the parameters a rank: tensor parallel's line, after its split)
+      local ntp = ep_size / tp_size
+      ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, each expert '
+        .. 'whole, each group %d tensor-parallel group%s of %d routing its ranks\' own rows'):format(ep_size, world,
+        world / ep_size, world == ep_size and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts,
+        #layers, ntp, ntp == 1 and '' or 's', tp_size)
+      return
+    end
     ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, '
       .. '%.2fM parameters a rank'):format(ep_size, world, world / ep_size, world == ep_size and 'y' or 'ies',
       layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
@@ -1334,9 +1355,10 @@ function train.run(opts)
   -- (with --pp each stage's, after the cut, below)
   if ep_group and not pp_mesh then
     ep_split()
-    -- (a sharded checkpoint is read after fully_shard, into the shards)
-    local whole = resume and not resume.sharded
-    if not strategy or whole then ms.nn.materialize(model) end
+    -- (a sharded checkpoint is read after fully_shard, into the shards;
+    -- with --tp after its split, below)
+    local whole = resume and not resume.sharded and not tp_mesh
+    if (not strategy and not tp_mesh) or whole then ms.nn.materialize(model) end
     if whole then
       local okl, err = pcall(ckpt.load, resume.path, {
         model = { load_state_dict = function(_, sd) ms.ep.load_full_state_dict(model, sd) end } })
@@ -1365,7 +1387,10 @@ function train.run(opts)
     -- fully_shard, which takes them); its optimizer state after the optimizer
     if resume and not pp_mesh then
       local okl, err = pcall(ckpt.load, resume.path, {
-        model = { load_state_dict = function(_, sd) ms.tp.load_full_state_dict(model, sd) end } })
+        model = { load_state_dict = function(_, sd)
+          -- (--ep too: the experts whole, by their global names)
+          if ep_group then ms.ep.load_full_state_dict(model, sd) else ms.tp.load_full_state_dict(model, sd) end
+        end } })
       if not okl then error(('resume from %s: %s'):format(resume.path, tostring(err)), 0) end
     end
   end
@@ -1624,10 +1649,12 @@ function train.run(opts)
         optimizer = { load_state_dict = function(_, sd) ms.pp.load_full_optimizer_state(model, opt, sd) end } })
     elseif tp_mesh then
       -- a whole-model checkpoint (its weights went in before): every rank
-      -- reads the optimizer's state and keeps its slices (of its shards)
+      -- reads the optimizer's state and keeps its slices (of its shards;
+      -- with --ep its experts')
       okl, err = pcall(ckpt.load, resume.path, {
         optimizer = { load_state_dict = function(_, sd)
-          if strategy then ms.tp.load_fsdp_optimizer_state(model, opt, sd)
+          if ep_group then ms.ep.load_full_optimizer_state(model, opt, sd)
+          elseif strategy then ms.tp.load_fsdp_optimizer_state(model, opt, sd)
           else ms.tp.load_full_optimizer_state(model, opt, sd) end
         end } })
     elseif ep_group then
@@ -1730,7 +1757,8 @@ function train.run(opts)
         weight_decay = adamw_opts.weight_decay }
       local msd, osd
       if pp_mesh then msd, osd = ms.pp.full_checkpoint(model, opt, hyper)   -- (with --tp too: it gathers the slices)
-      elseif tp_mesh then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
+      elseif tp_mesh and not ep_group then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
+      -- (--ep, with --tp too: the ranks of rank 0's expert group)
       elseif rank < ep_size then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
       local okw, res = true, nil
       if rank == 0 then
@@ -1894,6 +1922,12 @@ function train.run(opts)
       if not strategy and ep_group then ms.ep.all_reduce_grads(model, pp_mesh.replicate)
       elseif not strategy then ms.tp.all_reduce_grads(model, pp_mesh.replicate, 'avg') end
       gnorm = ms.pp.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
+    elseif tp_mesh and ep_group then
+      -- the experts' gradients summed over their copies and divided by the
+      -- data-parallel ranks, the others averaged over them (ms.ep); the norm
+      -- counts each expert and each slice once
+      ms.ep.all_reduce_grads(model, tp_mesh.replicate)
+      gnorm = ms.ep.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     elseif tp_mesh then
       -- (under FSDP the gradients were reduced over mesh.replicate already)
       if not strategy then ms.tp.all_reduce_grads(model, tp_mesh.replicate, 'avg') end
@@ -2047,8 +2081,8 @@ function train.run(opts)
       end
     elseif tp_mesh or (ep_group and not strategy) then
       local msd
-      if tp_mesh then msd = ms.tp.full_checkpoint(model)
-      -- (--ep: the ranks of rank 0's group gather the experts; under FSDP
+      if tp_mesh and not ep_group then msd = ms.tp.full_checkpoint(model)
+      -- (--ep, with --tp too: the ranks of rank 0's group gather the experts; under FSDP
       -- the branch below streams them, a unit at a time)
       elseif rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
       if rank == 0 then

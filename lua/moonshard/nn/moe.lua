@@ -1029,8 +1029,12 @@ function moe.install(nn, nnf)
   -- With a routing bias (MoE:routing_bias: DeepSeek-V3's balancing
   -- without an auxiliary loss) the experts are chosen by probs + bias; the
   -- routing weights stay the probs'.
-  function MoE:route(x2)
-    local logits = self[self.router_name](x2)
+  -- (wsum: the router's weight through it first; tensor and expert
+  -- parallelism together sum its gradient over the tensor-parallel group,
+  -- each rank routing its own rows: forward_ep_tp)
+  function MoE:route(x2, wsum)
+    local r = self[self.router_name]
+    local logits = wsum and nnf.linear(x2, wsum(r.weight), rawget(r, 'bias')) or r(x2)
     -- (f32 at least: the softmax of bf16 logits would round the scores)
     local lf = (logits.dtype == 'f32' or logits.dtype == 'f64') and logits or logits:to('f32')
     local probs = self.score == 'softmax' and nnf.softmax(lf, -1) or nnf.sigmoid(lf)
@@ -1045,6 +1049,9 @@ function moe.install(nn, nnf)
         T.is_tensor(x) and table.concat(x.shape, ', ') or type(x), H), 2)
     end
     local shape = x.shape
+    -- expert parallelism over a group holding the tensor-parallel group
+    local ep = rawget(self, '_ep')
+    if ep and rawget(self, '_tp') then return self:forward_ep_tp(x, ep, rawget(self, '_tp')) end
     -- tensor parallelism (moonshard.tp): every rank routes every token
     -- (the router replicated), its experts hold a slice of the hidden
     -- features each, and the layer's output is the sum of the ranks' parts
@@ -1074,7 +1081,6 @@ function moe.install(nn, nnf)
     if self.route_scale ~= 1 then w = w * self.route_scale end
     if tp_sum then w = tp_sum(w) end
     local dev = x.device
-    local ep = rawget(self, '_ep')
     if ep then
       local y = self:forward_ep(x2, ids, w, probs, ep, Tl)
       y = self:seq_aux(y, probs, ids, Tl)
@@ -1184,7 +1190,10 @@ function moe.install(nn, nnf)
   -- routing weights. (Counting on the device and reading the counts with
   -- the ids in one copy, and uploading the index vectors as one, were both
   -- slower on GPUs: docs/perf-notes.md, twenty-eighth session)
-  function MoE:forward_ep(x2, ids, w, probs, ep, Tl)
+  -- (tp_rows: the expert group's places of the tensor-parallel group's
+  -- ranks (forward_ep_tp): the stats are left to the caller, and the
+  -- counts returned are those ranks' summed, the group's tokens')
+  function MoE:forward_ep(x2, ids, w, probs, ep, Tl, tp_rows)
     local N, H, E, k = x2.shape[1], self.dim, self.n_experts, self.top_k
     local P, me, El = ep.size, ep.rank, ep.local_experts
     local dev = x2.device
@@ -1228,8 +1237,48 @@ function moe.install(nn, nnf)
     local yr = Regroup(yl, bwd, fwd)
     local ys = Exchange(yr, recv, send, ep)
     local y = self:combine(ys, w, k, tok, inv, back)
+    if tp_rows then
+      local sum = {}
+      for e = 0, E - 1 do
+        local v = 0
+        for _, p in ipairs(tp_rows) do v = v + c(p, e) end
+        sum[e + 1] = v
+      end
+      return y, sum
+    end
     self:record_stats(counts, probs, N, ids, Tl or N)
     return y
+  end
+
+  -- the forward under expert parallelism over a group that holds the
+  -- tensor-parallel group (tp.parallelize after ep.parallelize; docs/moe.md,
+  -- "Expert and tensor parallelism"): each rank of the tensor-parallel
+  -- group routes its own rows of the group's tokens (tp.moe_rows: its
+  -- sequence-parallel rows, or its share of the replicated stream) and
+  -- sends them over the expert group (forward_ep), the experts whole; the
+  -- router's weight gradient (its rows') summed over the tensor-parallel
+  -- group. The group's scores and choices are gathered (tp.moe_gather) and
+  -- the counts summed, so the balancing losses, the statistics and the
+  -- bias counts are those of the layer under --tp alone. A shared expert
+  -- stays split by its hidden features over every token (tp.moe_enter),
+  -- its partial sums summed with the routed rows (tp.moe_join).
+  function MoE:forward_ep_tp(x, ep, tpi)
+    local tpm = require 'moonshard.tp'
+    local shape = x.shape
+    local xo, ctx = tpm.moe_rows(x, tpi, self.shared_name ~= nil)
+    local function tp_sum(t) return tpm.copy_to(t, tpi.group) end
+    local probs, ids = self:route(xo, tp_sum)
+    local w = probs:gather(2, ids)
+    if self.norm_topk then w = w / w:sum(2, true) end
+    if self.route_scale ~= 1 then w = w * self.route_scale end
+    -- (the shared expert first: on a GPU it runs while the host reads the counts)
+    local s = self.shared_name and self:shared_out(ctx.xr, ctx.xe, tp_sum) or nil
+    local y, counts = self:forward_ep(xo, ids, w, probs, ep, nil, tpi.ep_rows)
+    local pa, ia = tpm.moe_gather(probs, ctx, tpi), tpm.moe_gather(ids, ctx, tpi)
+    y = self:seq_aux(y, pa, ia, ctx.T)
+    self:record_stats(counts, pa, ctx.N, ia, ctx.T)
+    y = self:switch_aux(y)
+    return tpm.moe_join(y, s, ctx, tpi):reshape(shape)
   end
 
   -- counts (a Lua list of E), mean_probs (E, differentiable) and the

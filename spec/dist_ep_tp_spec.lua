@@ -1,0 +1,238 @@
+-- Expert parallelism together with tensor parallelism (#mpi, 2 and 4
+-- ranks; ms.ep.parallelize, then ms.tp.parallelize; docs/moe.md, "Expert
+-- and tensor parallelism"): TP groups of 2 consecutive ranks, the experts
+-- of every MoE layer whole and split over an expert group of 2 (the TP
+-- group: at 4 ranks two copies of each expert) or 4 (the world: two TP
+-- groups), each TP group its own batch, with and without sequence
+-- parallelism; Mixtral-tiny (the load-balancing loss on, no shared
+-- expert) and DeepSeek-V3-tiny (a split shared expert, MLA, group-limited
+-- routing with biases, the sequence-wise balance loss; also with a
+-- multi-token-prediction depth, f32) against one process
+-- over every TP group's batch:
+--   - f32: the losses, every gradient (the experts' under their global
+--     names, the slices gathered) after ep.all_reduce_grads, the gradient
+--     norm (ep.clip_grad_norm_) and the layers' routing counts are one
+--     process's, also on a batch whose rows do not split evenly;
+--   - f64: two clipped AdamW steps as one process, and ep.full_checkpoint
+--     is the one-process model's state dict and optimizer state; loaded
+--     into a fresh split model (ep.load_full_state_dict /
+--     ep.load_full_optimizer_state) it takes the next step as one process;
+--   - the refusals.
+local ms = require 'moonshard'
+local dist = require 'moonshard.dist'
+local FS = require 'spec.fsdp_support'
+
+local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
+
+describe('expert and tensor parallelism #mpi', function()
+  if not under_mpi then
+    it('runs under mpirun (tools/run_mpi_specs.sh)', function() pending('not started by mpirun') end)
+    return
+  end
+  setup(function() dist.init { backend = 'mpi', timeout = 300 } end)
+  teardown(function() dist.destroy() end)
+
+  local W = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE'))
+  local cases = {
+    { 'mixtral-tiny', require 'models.mixtral', { num_hidden_layers = 2 } },
+    { 'deepseek-v3-tiny', require 'models.deepseek_v3', { num_hidden_layers = 2, aux_loss_alpha = 0.01 } },
+    -- (with a multi-token-prediction depth: under --tp it runs on whole
+    -- sequences, its filler positions masked; f32 only)
+    { 'deepseek-v3-tiny with MTP', require 'models.deepseek_v3', { num_hidden_layers = 2, aux_loss_alpha = 0.01,
+      mtp_loss_weight = 0.3 }, f32_only = true },
+  }
+  local function build(case, dtype)
+    ms.manual_seed(7)
+    local m = case[2].new('tiny', case[3]):to(dtype)
+    -- (routing biases that choose differently from zeros)
+    for _, l in ipairs(ms.nn.moe.layers(m)) do
+      local b = l:routing_bias()
+      if b then b:copy_(ms.randn(b.shape, { seed = 4 }):to(b.dtype) * 0.01) end
+    end
+    return m
+  end
+  -- the layouts: { ep size, what } at this world size
+  local function layouts()
+    if W == 2 then return { { 2, 'the TP group' } } end
+    if W == 4 then return { { 2, 'the TP group, 2 copies' }, { 4, 'two TP groups' } } end
+    return {}
+  end
+  -- the split model: TP groups of 2 consecutive ranks, the expert groups of
+  -- M consecutive ranks -> model, mesh
+  local function split(case, dtype, M, sp)
+    local m = build(case, dtype)
+    local mesh = dist.mesh { replicate = W / 2, shard = 2 }
+    if M == 2 then
+      ms.ep.parallelize(m, { group = mesh.shard, replicate = W > 2 and mesh.replicate or nil })
+    else
+      ms.ep.parallelize(m, { group = dist.world_group })
+    end
+    ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = sp })
+    return m, mesh
+  end
+  local D = W / 2
+  -- TP group d's batch of a step
+  local function batch(d, step, B, Tn) return FS.lcg_batch(100 * step + d, B or 2, Tn or 12) end
+  -- one process: the mean of the TP groups' losses -> each group's loss
+  local function ref_backward(ref, step, B, Tn)
+    local ls = {}
+    for d = 0, D - 1 do
+      local x, y = batch(d, step, B, Tn)
+      local l = ref(x, y)
+      ls[d] = l:item()
+      l = l * (1 / D)
+      l:backward()
+    end
+    return ls
+  end
+  local function split_backward(m, mesh, step, B, Tn)
+    local x, y = batch(mesh.coord[1], step, B, Tn)
+    local l = m(x, y)
+    l:backward()
+    ms.ep.all_reduce_grads(m, mesh.replicate)
+    return l:item()
+  end
+
+  for _, case in ipairs(cases) do
+    for _, lay in ipairs(layouts()) do
+      for _, sp in ipairs({ false, true }) do
+        local what = ('%s, --tp 2 --ep %d (%s)%s'):format(case[1], lay[1], lay[2],
+          sp and ', sequence parallel' or '')
+        it(what .. ': the losses, every gradient, the norm and the routing counts are one process\'s (f32)', function()
+          local ref = build(case, 'f32')
+          local m, mesh = split(case, 'f32', lay[1], sp)
+          local E = ms.nn.moe.layers(ref)[1].n_experts
+          local ml = ms.nn.moe.layers(m)
+          -- (each expert whole: E / M of them a rank)
+          assert.are.equal(E / lay[1], #ml[1].experts:parameters() / 3)
+          local ex = ml[1].experts[1]
+          assert.are.equal(ex.hidden, ex[ex.names[1]].weight.shape[1])
+          -- (B, T): rows that split evenly, then 11 that do not
+          for round, bt in ipairs({ { 2, 12 }, { 1, 11 } }) do
+            local ls = ref_backward(ref, round, bt[1], bt[2])
+            local l = split_backward(m, mesh, round, bt[1], bt[2])
+            local lr = ls[mesh.coord[1]]
+            assert.is_true(FS.rel(l, lr) <= 1e-6, ('round %d: loss %.9g, one process %.9g'):format(round, l, lr))
+            local full = ms.tp.full_grads(m)
+            local n = 0
+            for name, p in ref:named_parameters() do
+              local g = full[name]
+              if g ~= nil then
+                n = n + 1
+                local e = FS.norm_rel(g, p.grad)
+                assert.is_true(e <= 1e-5, ('round %d, %s: %.3g from one process\'s gradient'):format(round, name, e))
+              else
+                -- (only the experts held elsewhere are missing)
+                assert.is_truthy(name:find('.experts.', 1, true), name)
+              end
+            end
+            local held = 0
+            for _ in pairs(full) do held = held + 1 end
+            assert.are.equal(n, held)
+              local nm = ms.ep.clip_grad_norm_(m, math.huge)
+            local nr = ms.optim.clip_grad_norm(ref, math.huge)
+            assert.is_true(FS.rel(nm, nr) <= 1e-5, ('round %d: norm %.9g, one process %.9g'):format(round, nm, nr))
+            m:zero_grad(); ref:zero_grad()
+          end
+          -- the statistics of the last forward: the TP group's batch, as
+          -- one process's forward over it
+          local x, y = batch(mesh.coord[1], 2, 1, 11)
+          ms.autograd.no_grad(function() ref(x, y) end)
+          local seen = 0
+          for k, l in ipairs(ms.nn.moe.layers(ref)) do
+            -- (an MTP depth's layer: one process runs it on the T - 1
+            -- positions, --tp on all T, its counts taking the filler too)
+            if rawget(ml[k], '_pad') == nil then
+              local c, p, nt = l:last_stats()
+              local cm, pm, ntm = ml[k]:last_stats()
+              assert.are.same(c, cm)
+              assert.are.equal(nt, ntm)
+              assert.is_true(FS.max_rel(pm, p) <= 1e-6, 'the mean scores')
+              seen = seen + 1
+            end
+          end
+          assert.is_true(seen >= 1)
+        end)
+
+        if not case.f32_only then it(what .. ': two clipped AdamW steps and the whole checkpoint are one process\'s; '
+          .. 'loaded, it steps on as one process (f64)', function()
+          local hyper = { lr = 1e-2, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
+          local ref = build(case, 'f64')
+          local ropt = ms.optim.AdamW(ref, hyper)
+          local m, mesh = split(case, 'f64', lay[1], sp)
+          local opt = ms.optim.AdamW(m, hyper)
+          local function steps(mm, o, from, to)
+            for step = from, to do
+              ref_backward(ref, 10 + step)
+              split_backward(mm, mesh, 10 + step)
+              local nr = ms.optim.clip_grad_norm(ref, 0.05)
+              local nm = ms.ep.clip_grad_norm_(mm, 0.05)
+              assert.is_true(nr > 0.05, 'the clip bites')
+              assert.is_true(FS.rel(nm, nr) <= 1e-10, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
+              ropt:step(); ropt:zero_grad()
+              o:step(); o:zero_grad()
+            end
+          end
+          steps(m, opt, 1, 2)
+          local msd, osd = ms.ep.full_checkpoint(m, opt, hyper)
+          local rsd, rosd = ref:state_dict(), ropt:state_dict()
+          for name, t in pairs(rsd) do
+            assert.is_truthy(msd[name], name)
+            assert.is_true(FS.max_rel(msd[name], t) <= 1e-9, name)
+          end
+          for name in pairs(msd) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
+          assert.are.same(rosd.meta.groups, osd.meta.groups)
+          table.sort(rosd.meta.state, function(a, b) return a.index < b.index end)
+          table.sort(osd.meta.state, function(a, b) return a.index < b.index end)
+          assert.are.same(rosd.meta.state, osd.meta.state)
+          for name, t in pairs(rosd.tensors) do
+            assert.is_truthy(osd.tensors[name], name)
+            assert.is_true(FS.max_rel(osd.tensors[name], t) <= 1e-9, name)
+          end
+          -- the one-process state into a fresh split model: the next step as one process
+          local sd = {}
+          for name, t in pairs(rsd) do sd[name] = t:clone() end
+          local m2 = split(case, 'f64', lay[1], sp)
+          local opt2 = ms.optim.AdamW(m2, hyper)
+          ms.ep.load_full_state_dict(m2, sd)
+          ms.ep.load_full_optimizer_state(m2, opt2, rosd)
+          steps(m2, opt2, 3, 3)
+          local full = ms.ep.full_state_dict(m2)
+          for name, t in pairs(ref:state_dict()) do
+            assert.is_true(FS.max_rel(full[name], t) <= 1e-9, name)
+          end
+        end) end
+      end
+    end
+  end
+
+  it('refuses expert groups that do not hold the TP groups, the wrong order and a missing data-parallel group',
+    function()
+    if W ~= 4 then return end
+    local case = cases[1]
+    local mesh = dist.mesh { replicate = 2, shard = 2 }
+    -- experts over {0, 1} and {2, 3}, TP over {0, 2} and {1, 3}
+    local m = build(case, 'f32')
+    ms.ep.parallelize(m, { group = mesh.shard, replicate = mesh.replicate })
+    local ok, err = pcall(ms.tp.parallelize, m, { group = mesh.replicate })
+    assert.is_false(ok)
+    local mine = table.concat(mesh.shard:ranks(), ',')
+    assert.matches(('is split by expert parallelism over ranks %s, which do not hold the tensor-parallel group\'s '
+      .. 'ranks %s'):format(mine, table.concat(mesh.replicate:ranks(), ',')), tostring(err), 1, true)
+    -- tensor parallelism first: the experts already split by features
+    local m2 = ms.tp.parallelize(build(case, 'f32'), { group = mesh.shard })
+    ok, err = pcall(ms.ep.parallelize, m2, { group = mesh.shard })
+    assert.is_false(ok)
+    assert.matches('ep.parallelize: the model is tensor-parallel already', tostring(err), 1, true)
+    -- the data-parallel group: required, and of the right size
+    local m3 = split(case, 'f32', 2, false)
+    ok, err = pcall(ms.ep.all_reduce_grads, m3)
+    assert.is_false(ok)
+    assert.matches('ep.all_reduce_grads: the model is tensor-parallel too: give the data-parallel group', tostring(err),
+      1, true)
+    ok, err = pcall(ms.ep.all_reduce_grads, m3, dist.world_group)
+    assert.is_false(ok)
+    assert.matches('a data-parallel group of 4 ranks x 2-way tensor parallel, but the experts split over 2 ranks with '
+      .. '2 copies (4)', tostring(err), 1, true)
+  end)
+end)

@@ -1,0 +1,137 @@
+-- Expert parallelism with tensor parallelism in the built-in loop
+-- (bin/train --tp N --ep M, docs/moe.md "Expert and tensor parallelism"):
+-- CPU ranks through mpirun, against one process over the same global
+-- batches. A tiny Mixtral: --tp 2 --ep 2 on 2 ranks with and without
+-- sequence parallelism and with the load-balancing loss (one TP group: the
+-- loss is one process's), --tp 2 --ep 2 on 4 (two copies of each expert)
+-- and --tp 2 --ep 4 on 4 (two TP groups in the expert group) without it
+-- (each TP group's own); a tiny DeepSeek-V3 (a split shared expert, MLA,
+-- the sequence-wise balance loss, --moe-bias-rate) at --tp 2 --ep 2 on 2
+-- and --tp 2 --ep 4 on 4: the loss curve within 1e-5, the final weights
+-- whole; a checkpoint is a one-process one, resuming in one process and at
+-- --tp 2 --ep 2 on the curve; bad layouts exit 2 with a message.
+require 'moonshard'
+local S = require 'spec.support'
+local q = S.shell_quote
+local dir = S.tmpdir()
+local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
+
+local corpus = S.fixed_corpus(dir, 20000)
+local common = ' --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 '
+  .. '--data ' .. q(corpus)
+local mixtral = 'models/mixtral.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
+  .. '--model.intermediate_size 48' .. common
+local deepseek = 'models/deepseek_v3.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
+  .. '--model.intermediate_size 64 --model.moe_intermediate_size 16 --model.kv_lora_rank 16 --model.q_lora_rank 24 '
+  .. '--model.qk_rope_head_dim 8 --model.v_head_dim 8 --model.qk_nope_head_dim 8 --model.aux_loss_alpha 0.01 '
+  .. '--moe-bias-rate 1e-2' .. common
+local no_aux = ' --model.output_router_logits false'
+
+describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun)', function()
+  teardown(function() os.execute('rm -rf ' .. q(dir)) end)
+
+  local refs = {}
+  local function reference(args, name)
+    if refs[name] then return refs[name] end
+    local status, text = bin_train(('%s --batch-size 4 --steps 4 --save-every 2 --out %s/%s'):format(args, q(dir), name))
+    assert.are.equal(0, status, text)
+    refs[name] = losses(dir .. '/' .. name)
+    return refs[name]
+  end
+  -- the final weights against the one-process run's: within f32 rounding
+  -- as AdamW carries it (a step moves a weight ~lr = 1e-2 whatever its
+  -- gradient's size, so sums in another order move the elements whose
+  -- gradients are small, the experts few tokens chose, by 1e-5 and more; as
+  -- the --ep runs', spec/train_ep_spec.lua; --tp 2 alone moves DeepSeek-V3's
+  -- shared expert's as far): at most one in fifty beyond 2e-5, none beyond
+  -- 5e-4
+  local function close_weights(path, ref_path, what)
+    local got = require('moonshard.safetensors').load(path)
+    local ref = require('moonshard.safetensors').load(ref_path)
+    local n = 0
+    for name, t in pairs(ref) do
+      n = n + 1
+      assert.is_truthy(got[name], what .. ': ' .. name .. ' missing')
+      local d = (got[name]:to('f64') - t:to('f64')):abs()
+      local far, most = d:gt(2e-5):sum():item(), d:max():item()
+      assert.is_true(far <= math.max(1, d:numel() / 50) and most <= 5e-4,
+        ('%s: %s: %d of %d elements beyond 2e-5, the most %g'):format(what, name, far, d:numel(), most))
+    end
+    for name in pairs(got) do assert.is_truthy(ref[name], what .. ': not the model\'s: ' .. name) end
+    assert.is_true(n > 10)
+  end
+  local function run(np, args, name)
+    local status, text = bin_train(('--nproc-per-node %d --device cpu %s --batch-size %d --steps 4 --out %s/%s'):format(
+      np, args, 4 / (np / 2), q(dir), name))
+    assert.are.equal(0, status, text)
+    return text
+  end
+
+  it('mixtral: --tp 2 --ep 2 on 2 ranks (with and without sequence parallelism, with the load-balancing loss), '
+    .. '--tp 2 --ep 2 and --tp 2 --ep 4 on 4 follow the one-process curve; the final weights are the whole model',
+    function()
+    local one = reference(mixtral .. no_aux, 'm1')
+    local aux = reference(mixtral, 'm1aux')
+    for _, c in ipairs({
+      { 2, ' --tp 2 --ep 2', one, '2-way over 2 ranks (1 copy of each expert), 2 of 4 experts a rank in 2 layers, each '
+        .. 'expert whole, each group 1 tensor-parallel group of 2', 'data parallel 1, sequence parallel' },
+      { 2, ' --tp 2 --ep 2 --no-sequence-parallel', one, nil, 'data parallel 1, no sequence parallel' },
+      { 2, ' --tp 2 --ep 2 --model.output_router_logits true', aux, nil, 'sequence parallel' },
+      { 4, ' --tp 2 --ep 2', one, '2-way over 4 ranks (2 copies of each expert), 2 of 4 experts a rank in 2 layers',
+        'data parallel 2, sequence parallel' },
+      { 4, ' --tp 2 --ep 4 --no-sequence-parallel', one, '4-way over 4 ranks (1 copy of each expert), 1 of 4 experts a '
+        .. 'rank in 2 layers, each expert whole, each group 2 tensor-parallel groups of 2', 'no sequence parallel' },
+    }) do
+      local name = ('m%d_%d'):format(c[1], #c[2])
+      local args = mixtral .. (c[3] == one and no_aux or '') .. c[2]
+      local text = run(c[1], args, name)
+      if c[4] then assert.is_truthy(text:find('[rank 0] expert parallel: ' .. c[4], 1, true), text) end
+      assert.is_truthy(text:find(c[5], 1, true), text)
+      close_losses(c[3], losses(dir .. '/' .. name), 1, 4, ('%d ranks%s'):format(c[1], c[2]))
+      close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/' .. (c[3] == one and 'm1' or 'm1aux')
+        .. '/model.safetensors', c[2])
+    end
+  end)
+
+  it('deepseek-v3 (a split shared expert, the sequence-wise balance loss, --moe-bias-rate): --tp 2 --ep 2 on 2 ranks '
+    .. 'and --tp 2 --ep 4 on 4 follow the one-process curve', function()
+    local one = reference(deepseek, 'd1')
+    for _, c in ipairs({ { 2, ' --tp 2 --ep 2' }, { 4, ' --tp 2 --ep 4 --no-sequence-parallel' } }) do
+      local name = ('d%d'):format(c[1])
+      run(c[1], deepseek .. c[2], name)
+      close_losses(one, losses(dir .. '/' .. name), 1, 4, 'deepseek-v3' .. c[2])
+      close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/d1/model.safetensors', c[2])
+    end
+  end)
+
+  it('a --tp 2 --ep 2 checkpoint is a one-process one: it resumes in one process and at --tp 2 --ep 2 on the curve',
+    function()
+    local one = reference(mixtral .. no_aux, 'm1')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu %s%s --batch-size 4 --steps 4 --tp 2 --ep 2 '
+      .. '--save-every 1 --stop-at 2 --out %s/cs'):format(mixtral, no_aux, q(dir)))
+    assert.are.equal(0, status, text)
+    -- every expert and the whole tensors, as the one-process run's after 2 steps
+    close_weights(dir .. '/cs/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
+    os.execute(('cp -r %s/cs %s/cs1'):format(q(dir), q(dir)))
+    status, text = bin_train(('--resume %s/cs1'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/cs1'), 1, 4, 'resumed in one process')
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/cs --tp 2 --ep 2'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/cs'), 1, 4, 'resumed at --tp 2 --ep 2')
+  end)
+
+  it('bad layouts exit 2 and say why', function()
+    local function bad(np, extra, msg)
+      local status, text = bin_train(('--nproc-per-node %d --device cpu %s%s --steps 1 %s --out %s/bad'):format(np,
+        mixtral, no_aux, extra, q(dir)))
+      assert.are.equal(2, status, text)
+      assert.is_truthy(text:find(msg, 1, true), text)
+    end
+    bad(4, '--tp 4 --ep 2', '--ep 2 with --tp 4: --ep must be a multiple of --tp (an expert group holds whole '
+      .. 'tensor-parallel groups of consecutive ranks: --ep 4, 8, ...)')
+    bad(2, '--tp 2 --ep 2 --fsdp FULL_SHARD', '--ep with --tp and --fsdp FULL_SHARD: not supported')
+    bad(4, '--tp 2 --ep 2 --pp 2', '--ep with --tp and --pp: not supported')
+    bad(4, '--tp 2 --ep 2 --cp 2', '--ep with --tp and --cp: not supported')
+  end)
+end)
