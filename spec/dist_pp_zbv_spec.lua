@@ -9,7 +9,8 @@
 -- the embedding and the head (a tied weight once, no copy), zbv's weight
 -- gradients run as separate jobs, at most 2S chunks open; AdamW steps,
 -- the whole model's state and a one-process checkpoint resumed; a stage
--- under fully_shard (the weight gradients then in the backward); bad
+-- under fully_shard (the weight gradients then in the backward); TP pairs
+-- inside two stages (4 ranks, with and without sequence parallelism); bad
 -- micro-batch counts and chunk counts are errors that name them.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
@@ -363,6 +364,41 @@ describe('zbv and looped BFS pipelines #mpi', function()
         mesh.shard:free(); mesh.replicate:free()
       end
     end
+  end)
+
+  it('zbv and looped_bfs with TP pairs inside two stages (2 x 2, with and without sequence parallelism): the whole model\'s loss and gradients (f64)', function()
+    if W ~= 4 then pending('4 ranks') return end
+    local mesh = dist.mesh { replicate = 2, shard = 2 }   -- shard: the TP pairs; replicate: the pipelines
+    for _, run in ipairs({ { 'zbv', 3 }, { 'zbv', 4 }, { 'looped_bfs', 4, chunks = 2 } }) do
+      for _, case in ipairs({ cases[1], cases[2] }) do
+        for _, seq in ipairs({ false, true }) do
+          local what = ('%s, %s, %d micro-batches%s'):format(case[1], run[1], run[2], seq and ', sequence parallel' or '')
+          local ref = build(case)
+          local m = build(case)
+          ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = seq })
+          local pipe = pp.pipeline(m, { group = mesh.replicate, schedule = run[1], chunks = run.chunks,
+            microbatches = run[2] })
+          local x, y = FS.lcg_batch(97, run[2], 8)
+          local l0 = ref(x, y)
+          l0:backward()
+          local l1 = pipe:step(x, y)
+          assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-11, ('%s: %.17g against %.17g'):format(what, l1:item(),
+            l0:item()))
+          local ref_p = params_of(ref)
+          local n = 0
+          for name, g in pairs(ms.tp.full_grads(m)) do
+            assert.is_true(FS.max_rel(g, ref_p[name].grad) <= 1e-10, what .. ': ' .. name)
+            n = n + 1
+          end
+          assert.is_true(n > 0)
+          local e1 = pipe:evaluate(x, y)
+          assert.is_true(FS.rel(e1:item(), l0:item()) <= 1e-11, what .. ': evaluate')
+          pipe:free()
+        end
+      end
+    end
+    mesh.shard:free()
+    mesh.replicate:free()
   end)
 
   it('bad micro-batch and chunk counts are errors that name them', function()
