@@ -33,9 +33,11 @@
 -- --pp (pipeline parallelism instead of FSDP: ms.pp.pipeline over the
 -- world, one stage a GPU, every rank the same batch cut into --microbatches
 -- M micro-batches (default: --batch, one sequence each), --schedule
--- 1f1b|zbh1|gpipe, --no-overlap: every exchange waited for, --stages 10,6: the
--- blocks per stage instead of pp.balanced's, --chunks v: the interleaved
--- 1F1B over v chunks a rank, --no-grad-first: the input's gradient sent
+-- 1f1b|zbh1|gpipe|zbv (2 chunks a rank in a V)|looped_bfs (with
+-- --chunks), --no-overlap: every exchange waited for, --stages 10,6: the
+-- blocks per stage (per virtual stage with chunks) instead of
+-- pp.balanced's, --chunks v: the interleaved 1F1B over v chunks a rank
+-- (or looped_bfs's), --no-grad-first: the input's gradient sent
 -- after the weight gradients (pp's input_grad_first off); tokens/s per GPU
 -- is the step's tokens over the GPUs; --pp-size P: pipelines of P stages,
 -- data parallel across them (each its own batch; gradients all-reduced),
@@ -108,7 +110,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama|mixtral|deepseek] [--ep] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe|zbv|looped_bfs] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -201,7 +203,8 @@ if use_pp then
     for n in tostring(opts.stages):gmatch('%d+') do layers[#layers + 1] = tonumber(n) end
   end
   pipe = ms.pp.pipeline(model, { group = pp_mesh.shard, microbatches = opts.microbatches,
-    schedule = opts.chunks > 1 and 'interleaved' or opts.schedule, chunks = opts.chunks,
+    schedule = (opts.chunks > 1 and opts.schedule ~= 'looped_bfs') and 'interleaved' or opts.schedule,
+    chunks = opts.schedule == 'zbv' and 2 or opts.chunks,
     overlap = not flags['no-overlap'], layers = layers, input_grad_first = not flags['no-grad-first'] })
   say(tostring(pipe))
 end
@@ -513,7 +516,8 @@ say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
   use_pp and ('pipeline%s, %s, %d micro-batches%s'):format(
     dp > 1 and (' %d x %s %d'):format(world / dp, flags['pp-fsdp'] and opts.strategy or 'data parallel', dp) or '',
-    opts.chunks > 1 and ('interleaved x%d'):format(opts.chunks) or opts.schedule, opts.microbatches,
+    opts.schedule == 'zbv' and 'zbv' or opts.chunks > 1 and ('%s x%d'):format(opts.schedule == 'looped_bfs'
+      and 'looped_bfs' or 'interleaved', opts.chunks) or opts.schedule, opts.microbatches,
     (flags['no-overlap'] and ', no overlap' or '') .. (flags['no-grad-first'] and ', no grad first' or ''))
     or use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')
     .. (flags['prefetch-root'] and ', root prefetch' or '') .. (flags['nccl-gather'] and ', NCCL gathers' or '')

@@ -1,8 +1,9 @@
 -- moonshard.pp — pipeline parallelism: the model's blocks cut into stages,
 -- one stage a rank (or several chunks a rank), micro-batches flowing through
 -- them: GPipe, 1F1B and the interleaved 1F1B (torchtitan's ScheduleGPipe,
--- Schedule1F1B and Interleaved1F1B; Megatron-LM's orders). docs/pp.md has
--- the whole story.
+-- Schedule1F1B and Interleaved1F1B; Megatron-LM's orders), the zero-bubble
+-- ZB-H1 and ZB-V, and GPipe over chunks (looped BFS); the orders of the last
+-- two come from moonshard.pp_order. docs/pp.md has the whole story.
 --
 --   local pipe = ms.pp.pipeline(model, { group = g, microbatches = 8, schedule = '1f1b' })
 --   model:to('cuda')                     -- (only this stage's parameters are left in it)
@@ -33,10 +34,12 @@ local amp = require 'moonshard.amp'
 local T = require 'moonshard.tensor'
 local F = require 'moonshard.ops'
 local optim = require 'moonshard.optim'
+local order = require 'moonshard.pp_order'
 -- (moonshard.nn when first used: it loads after this file)
 local function nn_moe() return require('moonshard.nn').moe end
 
 local pp = {}
+pp.order = order
 
 local Pipeline = {}
 Pipeline.__index = Pipeline
@@ -102,7 +105,15 @@ end
 --                 micro-batch's weight gradients run `stage` backwards
 --                 later: the zero-bubble paper's ZB-H1, a third of 1F1B's
 --                 bubble at 1F1B's peak memory) or 'gpipe' (every forward,
---                 then every backward)
+--                 then every backward); with chunks > 1: 'interleaved'
+--                 (the default) or 'looped_bfs' (GPipe over the chunks:
+--                 every micro-batch through chunk 1, then chunk 2, ...,
+--                 then the backwards, the last chunk first); 'zbv': two
+--                 chunks a rank in a V (chunk 1 of rank s is virtual stage
+--                 s, chunk 2 virtual stage 2S - 1 - s: the embedding and the
+--                 head both on rank 0, the turn a local hand-over on rank
+--                 S - 1), the zero-bubble paper's ZB-V order
+--                 (pp_order.lua), microbatches >= 2S - 1
 --   layers        blocks per stage, a list summing to the model's blocks
 --                 (default pp.balanced, the head counted as 0.7 of its
 --                 weight over a block's parameters: pp.head_weight)
@@ -119,7 +130,8 @@ end
 --                 stage k on rank k % stages, and the schedule is the
 --                 interleaved 1F1B (Megatron-LM's virtual pipeline,
 --                 torchtitan's Interleaved1F1B): a bubble v times smaller;
---                 microbatches must be a multiple of the stages
+--                 microbatches must be a multiple of the stages (looped_bfs:
+--                 any number; zbv: 2, the default there)
 --   fsdp_reduce   with the stage under fsdp.fully_shard (after the cut):
 --                 'step' (default) reduces the gradients once, in the
 --                 stage's last backward of the step (the others keep them
@@ -147,13 +159,19 @@ function pp.pipeline(model, opts)
   end
   if not group:is_member() then error('pp.pipeline: this rank is not a member of the group', 2) end
   local S, s = group:size(), group:rank()
-  local v = opts.chunks or 1
+  local v = opts.chunks or (opts.schedule == 'zbv' and 2 or 1)
   if type(v) ~= 'number' or v < 1 or v ~= math.floor(v) then
     error(('pp.pipeline: chunks must be a positive integer, got %s'):format(tostring(v)), 2)
   end
+  if opts.schedule == 'zbv' and v ~= 2 then
+    error(('pp.pipeline: the zbv schedule runs 2 chunks a rank, got chunks = %d'):format(v), 2)
+  end
+  if opts.schedule == 'looped_bfs' and v == 1 then
+    error('pp.pipeline: the looped_bfs schedule runs over chunks > 1 a rank (with one chunk it is gpipe)', 2)
+  end
   if v > 1 and S == 1 then error(('pp.pipeline: %d chunks a rank need at least 2 stages'):format(v), 2) end
   local V = S * v   -- virtual stages
-  local M = opts.microbatches or S
+  local M = opts.microbatches or (opts.schedule == 'zbv' and 2 * S or S)
   if type(M) ~= 'number' or M < 1 or M ~= math.floor(M) then
     error(('pp.pipeline: microbatches must be a positive integer, got %s'):format(tostring(M)), 2)
   end
@@ -163,19 +181,24 @@ function pp.pipeline(model, opts)
     error(('pp.pipeline: fsdp_reduce must be step or microbatch, got %s'):format(tostring(fsdp_reduce)), 2)
   end
   if v > 1 then
-    if schedule ~= 'interleaved' then
-      error(('pp.pipeline: %d chunks a rank run the interleaved schedule, not %s'):format(v, tostring(schedule)), 2)
+    if schedule ~= 'interleaved' and schedule ~= 'looped_bfs' and schedule ~= 'zbv' then
+      error(('pp.pipeline: %d chunks a rank run the interleaved, looped_bfs or zbv schedule, not %s'):format(v,
+        tostring(schedule)), 2)
     end
-    if M % S ~= 0 then
+    if schedule == 'interleaved' and M % S ~= 0 then
       error(('pp.pipeline: the interleaved schedule needs micro-batches in multiples of the %d stages, got %d'):format(
         S, M), 2)
+    end
+    if schedule == 'zbv' and M < 2 * S - 1 then
+      error(('pp.pipeline: the zbv schedule needs at least 2 x %d - 1 = %d micro-batches over %d stages (the first '
+        .. 'rank\'s warm-up runs that many forwards), got %d'):format(S, 2 * S - 1, S, M), 2)
     end
   elseif schedule ~= '1f1b' and schedule ~= 'gpipe' and schedule ~= 'zbh1' then
     error(('pp.pipeline: schedule must be 1f1b, zbh1 or gpipe (or interleaved, with chunks > 1), got %s'):format(
       tostring(schedule)), 2)
   end
-  if schedule == 'zbh1' and (opts.overlap == false or opts.input_grad_first == false) then
-    error(('pp.pipeline: the zbh1 schedule splits each backward at the stage\'s input (input_grad_first, with '
+  if (schedule == 'zbh1' or schedule == 'zbv') and (opts.overlap == false or opts.input_grad_first == false) then
+    error(('pp.pipeline: the ' .. schedule .. ' schedule splits each backward at the stage\'s input (input_grad_first, with '
       .. 'overlap); got overlap = %s, input_grad_first = %s'):format(tostring(opts.overlap ~= false),
       tostring(opts.input_grad_first ~= false)), 2)
   end
@@ -211,17 +234,23 @@ function pp.pipeline(model, opts)
     error(('pp.pipeline: %d blocks cannot fill %d %sstages (give opts.layers to leave stages without blocks)'):format(L,
       V, v > 1 and 'virtual ' or ''), 2)
   end
-  -- virtual stage k (0-based) holds blocks starts[k + 1] .. starts[k + 2] - 1, on rank k % S
+  -- virtual stage k (0-based) holds blocks starts[k + 1] .. starts[k + 2] - 1,
+  -- on rank k % S (zbv: k < S on rank k, the others on rank 2S - 1 - k)
+  local layout = order.layout(schedule)
+  local function rank_of(k) return (order.rank_of(layout, S, k)) end
   local starts = { 1 }
   for k = 1, V do starts[k + 1] = starts[k] + layers[k] end
   local ranges, vstage_of = {}, {}
   for c = 1, v do
-    local k = (c - 1) * S + s
+    local k = order.vstage(layout, S, s, c)
     ranges[c] = { starts[k + 1], starts[k + 2] - 1 }
   end
   for k = 0, V - 1 do for i = starts[k + 1], starts[k + 2] - 1 do vstage_of[i] = k end end
-  local a, b = ranges[1][1], ranges[1][2]
-  local first, last = s == 0, s == S - 1
+  -- first: this rank holds the embeddings (virtual stage 0), last: the head
+  -- (virtual stage V - 1; rank 0 too under zbv, which then holds a tied
+  -- weight once)
+  local head_rank = rank_of(V - 1)
+  local first, last = s == 0, s == head_rank
 
 
   -- the whole model's optimizer groups (a one-process checkpoint's layout)
@@ -244,14 +273,14 @@ function pp.pipeline(model, opts)
         if kind == 'both' then n_both = n_both + 1 end
         -- the stage that holds it (the first of two for a tied weight)
         local owner = 0
-        if kind == 'last' then owner = S - 1
-        elseif kind == 'block' then owner = vstage_of[i] % S end
+        if kind == 'last' then owner = head_rank
+        elseif kind == 'block' then owner = rank_of(vstage_of[i]) end
         names[#names + 1] = { full, owner }
         local keep = (kind == 'block' and owner == s) or ((kind == 'first' or kind == 'both') and first)
           or ((kind == 'last' or kind == 'both') and last)
         if keep then
           kept = kept + 1
-          if kind == 'both' and S > 1 then tied[#tied + 1] = { m, pn, full } end
+          if kind == 'both' and head_rank ~= 0 then tied[#tied + 1] = { m, pn, full } end
         else
           rawset(m, pn, nil)
         end
@@ -270,8 +299,8 @@ function pp.pipeline(model, opts)
         local full = (mname ~= '' and mname .. '.' or '') .. bn
         local kind, i = classify(parts, full)
         local owner = 0
-        if kind == 'last' then owner = S - 1
-        elseif kind == 'block' then owner = vstage_of[i] % S end
+        if kind == 'last' then owner = head_rank
+        elseif kind == 'block' then owner = rank_of(vstage_of[i]) end
         buffers[#buffers + 1] = { full, owner }
       end
     end
@@ -285,7 +314,7 @@ function pp.pipeline(model, opts)
     opt_dtype = opts.dtype,
     prev = (not first) and ranks[s] or nil, next = (not last) and ranks[s + 2] or nil,
     tied = tied, n_params = kept, names = names, buffers = buffers, full_groups = full_groups,
-    fsdp_reduce = fsdp_reduce,
+    fsdp_reduce = fsdp_reduce, vshape = layout == 'v' or nil,
   }, Pipeline)
   -- a model split by tp.parallelize with sequence_parallel: the stages
   -- exchange each TP rank's rows of the residual stream (act_shape)
@@ -302,7 +331,18 @@ function pp.pipeline(model, opts)
   self.overlap = (opts.overlap ~= false or v > 1) and S > 1
   self.sends, self.live = {}, {}
   self.input_grad_first = self.overlap and opts.input_grad_first ~= false
-  if v > 1 then
+  if layout == 'v' then
+    -- the V: chunk 1's activations and chunk 2's gradients go down the ranks
+    -- (s to s + 1), chunk 2's activations and chunk 1's gradients up; each
+    -- of the four kinds has groups of its own by the sender's parity, so on
+    -- every group a rank only sends, to one peer, or only receives, from one
+    -- (Pipeline:zgroup)
+    self.zgroups, self.ranks = {}, ranks
+    for _, kind in ipairs({ 'f1', 'f2', 'b1', 'b2' }) do
+      self.zgroups[kind] = {}
+      for c = 1, 2 do self.zgroups[kind][c] = dist.new_group(ranks, { group = group }) end
+    end
+  elseif v > 1 then
     -- a ring (the last rank feeds the first's next chunk): each direction's
     -- edges get groups of their own by the sender (2 colours, 3 for an odd
     -- ring), so that on every group's stream a rank only sends or only
@@ -314,7 +354,7 @@ function pp.pipeline(model, opts)
     self.ranks = ranks
   elseif self.overlap then self.bwd_group = dist.new_group(ranks, { group = group }) else self.bwd_group = group end
   -- the first and last stages share the tied weights' gradient (collective over the group)
-  if S > 1 and n_both > 0 then
+  if head_rank ~= 0 and n_both > 0 then
     self.tied_group = dist.new_group({ ranks[1], ranks[S] }, { group = group })
     if not self.tied_group:is_member() then self.tied_group:free(); self.tied_group = nil end
   end
@@ -402,8 +442,8 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
         local gx = g:clone()
         rec.sent = true
         if self.aux and rec.bstats then self.stats_of[gx] = rec.bstats end
-        if self.chunks > 1 then self:vsend_backward(gx) else self:send_backward(gx) end
-      end, self.schedule == 'zbh1' and function(job) rec.w = job end or false)
+        if self.chunks > 1 then self:csend_backward(rec, gx) else self:send_backward(gx) end
+      end, self:splits_w() and function(job) rec.w = job end or false)
     end
     if firstv then
       h = parts.embed(rows(ids, i, mb))
@@ -480,6 +520,12 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
     if not o:is_contiguous() then rec.out = o:contiguous() end
   end
   return rec
+end
+
+-- zbh1 and zbv take each backward's weight gradients out for later (not
+-- under fully_shard: zbv then runs them in the backward, as 1f1b does)
+function Pipeline:splits_w()
+  return self.schedule == 'zbh1' or (self.schedule == 'zbv' and not rawget(self.model, '_fsdp'))
 end
 
 -- the MoE layers of chunk c's blocks (found once), and a balance-loss
@@ -876,6 +922,127 @@ function Pipeline:run_interleaved(ids, targets, grad)
   for i = total - warm, total - 1 do B(i) end
 end
 
+-- The exchanges of the schedules that run a list of ops (run_order): the
+-- ring's (above), or the V's (zbv). Under the V chunk 1 of rank s is
+-- virtual stage s and chunk 2 is 2S - 1 - s: chunk 1's activations go from
+-- s to s + 1 (kind f1), chunk 2's from s to s - 1 (f2), chunk 2's input
+-- gradients from s to s + 1 (b2), chunk 1's from s to s - 1 (b1). Each kind
+-- has two groups, the senders of each parity on their own, so on every
+-- group a rank only sends to one peer or only receives from one, in the
+-- micro-batches' order on both sides (every rank runs each chunk's
+-- forwards, and its backwards, in the micro-batches' order): a send left
+-- running never holds up a receive behind it. The turn at the bottom, rank
+-- S - 1's chunk 1 to its chunk 2 and the gradient back, is a hand-over of
+-- a tensor on the rank (turn_f, turn_b by micro-batch).
+function Pipeline:zgroup(kind, sender) return self.zgroups[kind][sender % 2 + 1] end
+
+-- the input of micro-batch i's chunk c (nil on the first virtual stage)
+function Pipeline:crecv_forward(c, i, grad)
+  if not self.vshape then return self:vrecv_forward(c, grad) end
+  local S, s = self.n_stages, self.stage
+  local x
+  if c == 1 then
+    if s == 0 then return nil end
+    x = self:act_buffer()
+    self:p2p(self:ops_recv({}, x, self.ranks[s]), self:zgroup('f1', s - 1))
+  elseif s == S - 1 then
+    x = self.turn_f[i]
+    self.turn_f[i] = nil
+  else
+    x = self:act_buffer()
+    self:p2p(self:ops_recv({}, x, self.ranks[s + 2]), self:zgroup('f2', s + 1))
+  end
+  if grad then x:requires_grad_() end
+  return x
+end
+
+function Pipeline:csend_forward(rec)
+  if not self.vshape then return self:vsend_forward(rec) end
+  if rec.lastv then return end
+  local S, s = self.n_stages, self.stage
+  if rec.c == 2 then
+    self:p2p(self:ops_send({}, rec.out, self.ranks[s], rec.stats), self:zgroup('f2', s), true)
+  elseif s < S - 1 then
+    self:p2p(self:ops_send({}, rec.out, self.ranks[s + 2], rec.stats), self:zgroup('f1', s), true)
+  else
+    -- (the turn: a copy, the record keeps its output for its backward)
+    local x = self:act_buffer()
+    A.no_grad(function() T.raw_copy_(x, rec.out) end)
+    if self.aux then self.stats_of[x] = rec.stats end
+    self.turn_f[rec.i] = x
+  end
+end
+
+-- the gradient of rec's output (nil on the last virtual stage)
+function Pipeline:crecv_backward(rec)
+  if not self.vshape then return self:vrecv_backward(rec) end
+  if rec.lastv then return nil end
+  local S, s = self.n_stages, self.stage
+  local g
+  if rec.c == 2 then
+    g = self:act_buffer()
+    self:p2p(self:ops_recv({}, g, self.ranks[s], true), self:zgroup('b2', s - 1))
+  elseif s == S - 1 then
+    g = self.turn_b[rec.i]
+    self.turn_b[rec.i] = nil
+  else
+    g = self:act_buffer()
+    self:p2p(self:ops_recv({}, g, self.ranks[s + 2], true), self:zgroup('b1', s + 1))
+  end
+  return g
+end
+
+-- the gradient of rec's input, sent on (or handed over at the turn)
+function Pipeline:csend_backward(rec, gx)
+  if gx == nil then return end
+  if not self.vshape then return self:vsend_backward(gx) end
+  local S, s = self.n_stages, self.stage
+  local stats = self.stats_of and self.stats_of[gx]
+  if rec.c == 2 then
+    if s == S - 1 then self.turn_b[rec.i] = gx; return end
+    self:p2p(self:ops_send({}, gx, self.ranks[s + 2], stats), self:zgroup('b2', s), true)
+  else
+    self:p2p(self:ops_send({}, gx, self.ranks[s], stats), self:zgroup('b1', s), true)
+  end
+  gx:free()
+end
+
+-- runs a list of ops (pp_order: { 'F' | 'B' | 'W', micro-batch, chunk }):
+-- looped_bfs and zbv, and the evaluation of every schedule over chunks but
+-- the interleaved one. W runs the weight gradients a B took out (zbv;
+-- none in the other schedules, whose backwards run their own)
+function Pipeline:run_order(ops, ids, targets, grad)
+  local v = self.chunks
+  local recs, trace = {}, self.trace
+  self.wjobs, self.turn_f, self.turn_b = {}, {}, {}
+  local wjobs = self.wjobs
+  for _, op in ipairs(ops) do
+    local kind, i, c = op[1], op[2], op[3]
+    local key = (i - 1) * v + c
+    if kind == 'F' then
+      local rec = self:forward_one(i, self:crecv_forward(c, i, grad), ids, targets, grad, c)
+      self:csend_forward(rec)
+      if grad then
+        recs[key] = rec
+      else
+        if rec.x then rec.x:free() end
+        if not rec.lastv then rec.out:free() end
+      end
+    elseif kind == 'B' then
+      local rec = recs[key]
+      recs[key] = nil
+      self:csend_backward(rec, self:backward_one(rec, self:crecv_backward(rec)))
+      if rec.w then wjobs[key] = rec.w; rec.w = nil end
+    else
+      local job = wjobs[key]
+      wjobs[key] = nil
+      if job then job:run() end
+    end
+    if trace then trace[#trace + 1] = { kind, i, c } end
+  end
+  self.wjobs, self.turn_f, self.turn_b = nil, nil, nil
+end
+
 -- the sends left running, waited for (the compute stream, on NCCL) and freed
 function Pipeline:finish_sends()
   for i, w in ipairs(self.sends) do
@@ -1044,12 +1211,15 @@ function Pipeline:drop_live()
     if rec.w then rec.w:drop(); rec.w = nil end
   end
   self.live = {}
-  -- (zbh1: the weight gradients taken and not yet run)
+  -- (zbh1, zbv: the weight gradients taken and not yet run; zbv's turn)
   local wq = self.wq
   if wq then
     for k = wq.head, wq.tail do if wq[k] then wq[k].job:drop() end end
     self.wq = nil
   end
+  for _, job in pairs(self.wjobs or {}) do job:drop() end
+  for _, list in ipairs({ self.turn_f or {}, self.turn_b or {} }) do for _, t in pairs(list) do t:free() end end
+  self.wjobs, self.turn_f, self.turn_b = nil, nil, nil
   for i, w in ipairs(self.sends) do w:free(); self.sends[i] = nil end
   if self.loss_sum then self.loss_sum:free(); self.loss_sum = nil end
   if self.mtp_sum then self.mtp_sum:free(); self.mtp_sum = nil end
@@ -1058,8 +1228,10 @@ end
 function Pipeline:run_schedule(ids, targets)
   local M = self.microbatches
   local queue, head, tail = {}, 1, 0
-  if self.chunks > 1 then
+  if self.schedule == 'interleaved' then
     self:run_interleaved(ids, targets, true)
+  elseif self.chunks > 1 then
+    self:run_order(order.order(self.schedule, self.n_stages, self.stage, M, self.chunks), ids, targets, true)
   elseif self.schedule == 'gpipe' then
     for i = 1, M do
       local rec = self:forward_one(i, self:recv_forward(true), ids, targets, true)
@@ -1170,7 +1342,11 @@ end
 function Pipeline:evaluate(ids, targets)
   self:prepare(ids, targets, 'evaluate')
   A.no_grad(function()
-    if self.chunks > 1 then return self:run_interleaved(ids, targets, false) end
+    if self.schedule == 'interleaved' then return self:run_interleaved(ids, targets, false) end
+    if self.chunks > 1 then
+      return self:run_order(order.order(self.schedule, self.n_stages, self.stage, self.microbatches, self.chunks,
+        true), ids, targets, false)
+    end
     for i = 1, self.microbatches do
       local rec = self:forward_one(i, self:recv_forward(false), ids, targets, false)
       if rec.x then rec.x:free() end
@@ -1529,6 +1705,9 @@ end
 function Pipeline:free()
   if self.tied_group then self.tied_group:free(); self.tied_group = nil end
   if self.chunks == 1 and self.overlap and self.bwd_group then self.bwd_group:free(); self.bwd_group = nil end
+  for _, kind in pairs(self.zgroups or {}) do
+    for c, g in pairs(kind) do g:free(); kind[c] = nil end
+  end
   for _, list in ipairs({ self.fwd_groups or {}, self.bwd_groups or {} }) do
     for c, g in pairs(list) do g:free(); list[c] = nil end
   end

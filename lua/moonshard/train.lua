@@ -92,9 +92,9 @@ train.options = {
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints sharded (--pp-checkpoint), the final weights whole, one process\'s (docs/pp.md)' },
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
-  { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp) or gpipe (every forward, then every backward) (docs/pp.md)' },
+  { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp), zbv (the zero-bubble paper\'s ZB-V: 2 chunks a rank in a V, the embedding and the head on the first rank, the weight gradients run later: near no bubble at 1F1B\'s peak memory; at least 2 x --pp - 1 micro-batches; with --fsdp the weight gradients stay in the backward), gpipe (every forward, then every backward) or looped_bfs (GPipe over --pp-chunks > 1 chunks a rank) (docs/pp.md)' },
   { 'pp_checkpoint', 'string', 'sharded', 'with --pp: sharded (every rank writes what its stage holds, its shard under --fsdp, one data-parallel copy of each stage without it, under the whole model\'s names: the --fsdp checkpoints\' format, resuming at any --pp, data-parallel size or --fsdp and in one process) or full (the stages\' tensors gathered, rank 0 writing a one-process checkpoint); with --tp or --ep always full (docs/pp.md)' },
-  { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp) (docs/pp.md)' },
+  { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp), or with --pp-schedule looped_bfs GPipe over the chunks; zbv always runs 2 (docs/pp.md)' },
   { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; whole-model checkpoints, as --pp-checkpoint full writes); with --tp T (N a multiple of T; plain, not with --fsdp, --pp or --cp) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream), whole-model checkpoints as --tp\'s; not with --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
@@ -409,8 +409,9 @@ function train.check_options(o, where)
   if o.pp_checkpoint ~= nil and o.pp_checkpoint ~= 'sharded' and o.pp_checkpoint ~= 'full' then
     usage('%s: pp_checkpoint must be sharded or full, got %s', where, describe(o.pp_checkpoint))
   end
-  if o.pp_schedule ~= nil and o.pp_schedule ~= '1f1b' and o.pp_schedule ~= 'gpipe' and o.pp_schedule ~= 'zbh1' then
-    usage('%s: pp_schedule must be 1f1b, zbh1 or gpipe, got %s', where, describe(o.pp_schedule))
+  if o.pp_schedule ~= nil and not ({ ['1f1b'] = true, gpipe = true, zbh1 = true, zbv = true,
+      looped_bfs = true })[o.pp_schedule] then
+    usage('%s: pp_schedule must be 1f1b, zbh1, zbv, gpipe or looped_bfs, got %s', where, describe(o.pp_schedule))
   end
   if o.float8_tp_scales ~= nil and o.float8_tp_scales ~= 'shard' and o.float8_tp_scales ~= 'group' then
     usage('%s: float8_tp_scales must be shard or group, got %s', where, describe(o.float8_tp_scales))
@@ -1484,8 +1485,18 @@ function train.run(opts)
     if o.batch_size % mbs ~= 0 then
       usage('--pp-microbatches %d does not divide --batch-size %d', mbs, o.batch_size)
     end
+    -- (--pp-chunks > 1: the interleaved 1F1B, or looped_bfs; zbv: 2 chunks)
+    local sched, chunks = o.pp_schedule, o.pp_chunks
+    if sched == 'zbv' then
+      if chunks > 2 then usage('--pp-schedule zbv runs 2 chunks a rank, got --pp-chunks %d', chunks) end
+      chunks = 2
+    elseif sched == 'looped_bfs' then
+      if chunks == 1 then usage('--pp-schedule looped_bfs runs GPipe over chunks: give --pp-chunks > 1 (with one it is gpipe)') end
+    elseif chunks > 1 then
+      sched = nil
+    end
     local okp, perr = pcall(ms.pp.pipeline, model, { group = pp_mesh.shard, microbatches = mbs,
-      schedule = o.pp_chunks == 1 and o.pp_schedule or nil, chunks = o.pp_chunks })
+      schedule = sched, chunks = chunks })
     if not okp then usage('--pp %d: %s', pp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     pipe = perr
     -- --ep: the stage's experts split over its expert group (the cut made,
@@ -1499,7 +1510,8 @@ function train.run(opts)
     local most = reduce_numbers({ mine }, 'max')[1]
     pp_desc = ('%d stages over %d ranks, blocks {%s}, data parallel %d, %s, %d micro-batches of %d sequences, '
       .. 'at most %.2fM parameters a stage'):format(pp_size, world, table.concat(pipe.layers, ', '), data_world,
-      o.pp_chunks > 1 and ('interleaved 1f1b, %d chunks a rank'):format(o.pp_chunks) or o.pp_schedule, mbs,
+      sched == 'zbv' and 'zbv, 2 chunks a rank in a V' or sched == 'looped_bfs' and ('looped bfs, %d chunks a rank'):format(
+        chunks) or chunks > 1 and ('interleaved 1f1b, %d chunks a rank'):format(chunks) or sched, mbs,
       o.batch_size / mbs, most / 1e6)
     -- (a sharded checkpoint is read after fully_shard and the optimizer,
     -- each rank reading its stage's pieces by name)
