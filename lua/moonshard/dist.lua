@@ -382,20 +382,21 @@ end
 -- bytes, the code that called it, forward or backward), and the host
 -- reads (t:item(), t:totable(): a host sync each on a GPU; counted on the
 -- CPU too, where they cost nothing, so a CPU run shows what a GPU run
--- would wait on); dist.trace(false) stops. MS_DIST_TRACE=1 turns it on at
+-- would wait on); dist.trace(false) stops. MS_DIST_COUNT=1 turns it on at
 -- load, and bin/train then prints each step's table (dist.trace_step).
 -- Off, the cost is one nil test a call. Collectives the C core issues
 -- itself (the vocabulary-parallel fused loss's, core/flce.c) are not seen
 -- here; flce.lua notes them (dist.trace_note).
 --   dist.trace(true); ...a step...; local rows = dist.trace_rows(); print(dist.trace_report())
 -- rows: one per (kind, group size, bytes, site, phase, group's world
--- ranks as 'a,b,..'), with calls = how
--- many; bytes is the collective's size as nccl-tests counts it (an
+-- ranks as 'a,b,..'), with calls = how many; bytes is the collective's size as nccl-tests counts it (an
 -- all-gather's output, a reduce-scatter's input, an all-reduce's tensor, a
 -- p2p batch's sent bytes), bus the bytes this rank moves over the links
--- ((N-1)/N of it, 2(N-1)/N for an all-reduce, a send's own). The live CPU
--- bytes (ms.live_bytes) are sampled at every call: peak_live is their
--- maximum since dist.trace(true) or the last trace_rows(true).
+-- ((N-1)/N of it, 2(N-1)/N for an all-reduce, a send's own). The live
+-- bytes (ms.live_bytes, CPU and CUDA) are sampled at every call:
+-- peak_live is their maximum since dist.trace(true) or the last
+-- trace_rows(true).
+
 -- in a backward: a frame of autograd.lua's backward() or walk() on the
 -- stack (their lines found once in the file)
 local bwd_lines = nil
@@ -524,9 +525,10 @@ function dist.trace_note(kind, group, bytes, bus)
 end
 
 -- dist.trace_rows(reset) -> the log's rows in first-call order (each {
--- kind, size, bytes, bus, site, phase, ranks, calls }) and the totals { calls,
--- bytes, bus, reads, peak_live } by kind as totals[kind] and overall as
--- totals.all; reset: the log cleared after (one step's rows at a time)
+-- kind, size, bytes, bus, site, phase, ranks, calls }) and the totals:
+-- totals[kind] = { calls, bytes, bus } (the host reads' kinds too),
+-- totals.all the communication's (reads not counted), totals.peak_live;
+-- reset: the log cleared after (one step's rows at a time)
 function dist.trace_rows(reset)
   if not trace then return {}, { all = { calls = 0, bytes = 0, bus = 0 } } end
   local rows, totals = {}, { all = { calls = 0, bytes = 0, bus = 0 } }
@@ -816,5 +818,5 @@ function Server:stop()
 end
 
 dist.backend_names = backend_names
-if os.getenv('MS_DIST_TRACE') == '1' then dist.trace(true) end
+if os.getenv('MS_DIST_COUNT') == '1' then dist.trace(true) end
 return dist
