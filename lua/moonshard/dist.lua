@@ -139,11 +139,13 @@ local work_box = ffi.typeof('ms_work*[1]')
 
 -- run a collective: `fn(box_or_nil, comm, ...)`; async returns a Work that
 -- also keeps the tensors' handles alive until it is freed
+local trace = nil   -- the collective trace when on (dist.trace below), else nil
 local function run(fname, opts, fn, tensors, ...)
   opts = opts or {}
   local g = opts.group or dist.world_group
   if not g then error(fname .. ': dist is not initialised (call ms.dist.init first)', 3) end
   local p = live(g, fname)
+  if trace and fname ~= 'batch_p2p' then trace.note(fname, g, tensors) end
   if opts.async then
     local box = work_box()
     if fn(box, p, ...) ~= 0 then error(cerr(), 3) end
@@ -244,7 +246,9 @@ function dist.barrier(opts)
   opts = opts or {}
   local g = opts.group or dist.world_group
   if not g then error('barrier: dist is not initialised (call ms.dist.init first)', 2) end
-  check(C.ms_comm_barrier(live(g, 'barrier')), 2)
+  local p = live(g, 'barrier')
+  if trace then trace.note('barrier', g, {}) end
+  check(C.ms_comm_barrier(p), 2)
 end
 
 -- Point-to-point (pipeline parallelism; core/dist/comm.h, ms_comm_p2p).
@@ -281,6 +285,7 @@ function dist.batch_p2p(ops, opts)
     c.peer[i - 1] = peer
     keep[i] = t
   end
+  if trace then trace.note_p2p(ops, opts and opts.group or dist.world_group) end
   local r = run('batch_p2p', opts, C.ms_comm_p2p, keep, n, c.recv, c.t, c.peer)
   for i = 0, n - 1 do c.t[i] = nil end
   return r
@@ -368,6 +373,217 @@ function dist.timeline(ref)
                       resumed = w and t[4] or nil }
   end
   return out
+end
+
+-- ------------------------------------------------------------------ trace
+-- A debug count of the communication (docs/dist.md, "Counting the
+-- collectives"): dist.trace(true) clears the log and records every later
+-- collective and point-to-point batch of this module (kind, group size,
+-- bytes, the code that called it, forward or backward), and the host
+-- reads (t:item(), t:totable(): a host sync each on a GPU; counted on the
+-- CPU too, where they cost nothing, so a CPU run shows what a GPU run
+-- would wait on); dist.trace(false) stops. MS_DIST_COUNT=1 turns it on at
+-- load, and bin/train then prints each step's table (dist.trace_step).
+-- Off, the cost is one nil test a call. Collectives the C core issues
+-- itself (the vocabulary-parallel fused loss's, core/flce.c) are not seen
+-- here; flce.lua notes them (dist.trace_note).
+--   dist.trace(true); ...a step...; local rows = dist.trace_rows(); print(dist.trace_report())
+-- rows: one per (kind, group size, bytes, site, phase, group's world
+-- ranks as 'a,b,..'), with calls = how many; bytes is the collective's size as nccl-tests counts it (an
+-- all-gather's output, a reduce-scatter's input, an all-reduce's tensor, a
+-- p2p batch's sent bytes), bus the bytes this rank moves over the links
+-- ((N-1)/N of it, 2(N-1)/N for an all-reduce, a send's own). The live
+-- bytes (ms.live_bytes, CPU and CUDA) are sampled at every call:
+-- peak_live is their maximum since dist.trace(true) or the last
+-- trace_rows(true).
+
+-- in a backward: a frame of autograd.lua's backward() or walk() on the
+-- stack (their lines found once in the file)
+local bwd_lines = nil
+local function in_backward(level)
+  if bwd_lines == nil then
+    bwd_lines = {}
+    local path = package.searchpath('moonshard.autograd', package.path)
+    local f = path and io.open(path)
+    if f then
+      local n = 0
+      for line in f:lines() do
+        n = n + 1
+        if line:find('^local function walk%(') or line:find('^local function backward%(') then bwd_lines[n] = true end
+      end
+      f:close()
+    end
+  end
+  for l = level, level + 80 do
+    local info = debug.getinfo(l, 'S')
+    if not info then return false end
+    if bwd_lines[info.linedefined] and info.short_src:find('moonshard/autograd%.lua$') then return true end
+  end
+  return false
+end
+
+-- where: the first frames outside dist.lua and the autograd, up to and
+-- including the first outside moonshard/tp.lua (tp's helpers name little)
+local function site_of(level)
+  local parts = {}
+  for l = level, level + 20 do
+    local info = debug.getinfo(l, 'Sl')
+    if not info then break end
+    local src = info.short_src or '?'
+    if not (src:find('moonshard/dist%.lua$') or src:find('moonshard/autograd%.lua$') or info.what == 'C') then
+      local file = src:match('([^/]+/[^/]+)$') or src
+      parts[#parts + 1] = ('%s:%d'):format(file, info.currentline)
+      if not src:find('moonshard/tp%.lua$') or #parts >= 3 then break end
+    end
+  end
+  return table.concat(parts, ' < ')
+end
+
+local function tensor_bytes(t) return T.methods.numel(t) * C.ms_dtype_size(t.dtype_id) end
+
+local function new_trace()
+  local tr = { rows = {}, order = {}, peak = 0, reads = 0 }
+  local function sample()
+    local b = tonumber(C.ms_live_bytes(-1)) + tonumber(C.ms_live_bytes(0))
+    if b > tr.peak then tr.peak = b end
+  end
+  local function add(kind, size, bytes, bus, site, ranks)
+    local phase = in_backward(3) and 'bwd' or 'fwd'
+    ranks = ranks or ''
+    local key = kind .. '|' .. size .. '|' .. bytes .. '|' .. site .. '|' .. phase .. '|' .. ranks
+    local r = tr.rows[key]
+    if not r then
+      r = { kind = kind, size = size, bytes = bytes, bus = bus, site = site, phase = phase, ranks = ranks, calls = 0 }
+      tr.rows[key] = r
+      tr.order[#tr.order + 1] = key
+    end
+    r.calls = r.calls + 1
+    sample()
+  end
+  tr.add = add
+  function tr.note(fname, g, tensors)
+    local N = g:size()
+    local kind, bytes, bus = fname, 0, 0
+    if fname == 'all_gather_into' then
+      kind, bytes = 'all_gather', tensor_bytes(tensors[1]); bus = bytes * (N - 1) / N
+    elseif fname == 'reduce_scatter' then
+      bytes = tensor_bytes(tensors[2]); bus = bytes * (N - 1) / N
+    elseif fname == 'all_reduce' then
+      bytes = tensor_bytes(tensors[1]); bus = 2 * bytes * (N - 1) / N
+    elseif fname == 'broadcast' then
+      bytes = tensor_bytes(tensors[1]); bus = bytes
+    end
+    add(kind, N, bytes, bus, site_of(4), table.concat(g:ranks(), ','))
+  end
+  function tr.note_p2p(ops, g)
+    local sent, recvd = 0, 0
+    for _, op in ipairs(ops) do
+      if op[1] == 'send' then sent = sent + tensor_bytes(op[2]) else recvd = recvd + tensor_bytes(op[2]) end
+    end
+    local kind = sent > 0 and recvd > 0 and 'p2p send+recv' or (sent > 0 and 'p2p send' or 'p2p recv')
+    add(kind, g and g:size() or 0, sent > 0 and sent or recvd, sent, site_of(4), g and table.concat(g:ranks(), ',') or '')
+  end
+  return tr
+end
+
+-- the host reads, counted while the trace is on (T.methods' item and
+-- totable wrapped, put back when it goes off)
+local reads_orig = nil
+local function wrap_reads(on)
+  local M = T.methods
+  if on and not reads_orig then
+    reads_orig = { item = M.item, totable = M.totable }
+    for name, f in pairs(reads_orig) do
+      M[name] = function(t, ...)
+        if trace then trace.add('host read (' .. name .. ')', 1, tensor_bytes(t), 0, site_of(3)) end
+        return f(t, ...)
+      end
+    end
+  elseif not on and reads_orig then
+    for name, f in pairs(reads_orig) do M[name] = f end
+    reads_orig = nil
+  end
+end
+
+-- dist.trace(on) -> the previous setting; on: a fresh, empty log
+function dist.trace(on)
+  local prev = trace ~= nil
+  trace = on and new_trace() or nil
+  wrap_reads(on and true or false)
+  return prev
+end
+function dist.tracing() return trace ~= nil end
+
+-- dist.trace_note(kind, group, bytes, bus) for a collective the C core
+-- issues (kind e.g. 'all_reduce'; group a dist group or its size): counted
+-- as this module's are, when the trace is on
+function dist.trace_note(kind, group, bytes, bus)
+  if not trace then return end
+  local N = type(group) == 'number' and group or group:size()
+  if bus == nil then bus = (kind:find('^all_reduce') and 2 or 1) * bytes * (N - 1) / N end
+  trace.add(kind, N, bytes, bus, site_of(3), type(group) == 'table' and table.concat(group:ranks(), ',') or '')
+end
+
+-- dist.trace_rows(reset) -> the log's rows in first-call order (each {
+-- kind, size, bytes, bus, site, phase, ranks, calls }) and the totals:
+-- totals[kind] = { calls, bytes, bus } (the host reads' kinds too),
+-- totals.all the communication's (reads not counted), totals.peak_live;
+-- reset: the log cleared after (one step's rows at a time)
+function dist.trace_rows(reset)
+  if not trace then return {}, { all = { calls = 0, bytes = 0, bus = 0 } } end
+  local rows, totals = {}, { all = { calls = 0, bytes = 0, bus = 0 } }
+  for _, key in ipairs(trace.order) do
+    local r = trace.rows[key]
+    rows[#rows + 1] = r
+    local t = totals[r.kind] or { calls = 0, bytes = 0, bus = 0 }
+    totals[r.kind] = t
+    for _, x in ipairs({ t, r.kind:find('^host read') and {} or totals.all }) do
+      x.calls = (x.calls or 0) + r.calls
+      x.bytes = (x.bytes or 0) + r.calls * r.bytes
+      x.bus = (x.bus or 0) + r.calls * r.bus
+    end
+  end
+  totals.peak_live = trace.peak
+  if reset then trace = new_trace() end
+  return rows, totals
+end
+
+-- dist.trace_report(title, reset) -> the log as a text table (rows sorted
+-- by kind, then site), the totals by kind last
+function dist.trace_report(title, reset)
+  local rows, totals = dist.trace_rows(reset)
+  local sorted = {}
+  for i, r in ipairs(rows) do sorted[i] = r end
+  table.sort(sorted, function(a, b)
+    if a.kind ~= b.kind then return a.kind < b.kind end
+    if a.site ~= b.site then return a.site < b.site end
+    if a.phase ~= b.phase then return a.phase > b.phase end
+    return a.bytes < b.bytes
+  end)
+  local out = { ('%s (rank %d)'):format(title or 'dist trace', dist.is_initialized() and dist.rank() or 0),
+    ('  %-28s %-9s %5s %12s %14s  %-3s  %s'):format('kind', 'ranks', 'calls', 'bytes each', 'bytes in all', 'dir',
+      'where') }
+  for _, r in ipairs(sorted) do
+    out[#out + 1] = ('  %-28s %-9s %5d %12d %14d  %-3s  %s'):format(r.kind, r.ranks, r.calls, r.bytes,
+      r.calls * r.bytes, r.phase, r.site)
+  end
+  local kinds = {}
+  for k in pairs(totals) do if k ~= 'all' and k ~= 'peak_live' then kinds[#kinds + 1] = k end end
+  table.sort(kinds)
+  for _, k in ipairs(kinds) do
+    local t = totals[k]
+    out[#out + 1] = ('  total %-20s %9d calls %14d bytes %14d on the links'):format(k, t.calls, t.bytes, t.bus)
+  end
+  out[#out + 1] = ('  total communication %13d calls %14d bytes %14d on the links; peak live bytes at a call %d'):format(
+    totals.all.calls, totals.all.bytes, totals.all.bus, totals.peak_live or 0)
+  return table.concat(out, '\n')
+end
+
+-- bin/train's step end: with the trace on, step k's table on stderr and
+-- the log cleared
+function dist.trace_step(k)
+  if not trace then return end
+  io.stderr:write(dist.trace_report(('dist trace, step %s'):format(tostring(k)), true), '\n')
 end
 
 -- -------------------------------------------------------------- lifetime
@@ -602,4 +818,5 @@ function Server:stop()
 end
 
 dist.backend_names = backend_names
+if os.getenv('MS_DIST_COUNT') == '1' then dist.trace(true) end
 return dist

@@ -259,6 +259,25 @@ local function bwd_none(node, g)
   return gx, r[5], r[6]
 end
 
+-- the vocabulary-parallel call's collectives (core/flce.c issues them
+-- itself), noted in ms.dist's trace when it is on: D and the weights' sum
+-- (2 f64), per chunk the rows' maxima, sums and best class (7 values a
+-- row), and grad_x summed over the group
+local function trace_vp(o, x2, W, group, gx)
+  local dist = package.loaded['moonshard.dist']
+  if not (dist and dist.tracing()) then return end
+  local bt, H = x2.shape[1], x2.shape[2]
+  local rows = tonumber(C.ms_flce_chunk_rows(o, bt, H, W.shape[1], x2.dtype_id, x2.device_id))
+  local chunks = rows > 0 and math.ceil(bt / rows) or 1
+  local es = x2.device_id >= 0 and 4 or 8   -- (the statistics: f32 on GPUs, f64 on the CPU)
+  dist.trace_note('all_reduce (flce: D, sum w)', group, 16)
+  for c = 1, chunks do
+    local n = math.min(rows > 0 and rows or bt, bt - (c - 1) * rows)
+    dist.trace_note('all_reduce (flce: row stats)', group, 7 * n * es)
+  end
+  if gx then dist.trace_note('all_reduce (flce: grad_x)', group, bt * H * C.ms_dtype_size(x2.dtype_id)) end
+end
+
 function M.fused_linear_cross_entropy(x, W, targets, opts)
   need_tensor(x, 'x')
   need_tensor(W, 'W')
@@ -300,6 +319,7 @@ function M.fused_linear_cross_entropy(x, W, targets, opts)
   local r = run(o, x2, W, t1, bias, cew, nil, {
     true, opts.return_z_loss and true or false, opts.return_accuracy and true or false,
     grads and needs(x), grads and needs(wt), grads and bias ~= nil and needs(bias) }, into)
+  if opts.group ~= nil then trace_vp(o, x2, W, opts.group, grads and needs(x)) end
   local sk = nil
   if sink then
     sk = { t = sink.t, written = sink.written, i = sink.i, token = {}, shape = shape_str(W.shape) }

@@ -1133,16 +1133,24 @@ function Pipeline:step(ids, targets, opts)
   self:prepare(ids, targets, 'step')
   self.step_opts, self.grad_scale = opts, (opts and opts.scale) or 1
   self:fsdp_begin(opts)
+  -- (sequence parallelism: the parameters that run on this TP rank's rows
+  -- get parts of their gradients, summed over the TP group once at the
+  -- step's end, not at each micro-batch's backward: tp's hold_partial)
+  local sp = self.sp
+  local hold = sp and sp.hold_partial
+  if hold then sp.hold_partial(true) end
   local ok, err = pcall(self.run_schedule, self, ids, targets)
   self:fsdp_end()
   if not ok then
     -- a step cut short: what its micro-batches recorded and hold goes now
     -- (the gradients accumulated so far stay: zero_grad before the next)
+    if hold then sp.drop_partial() end
     self:drop_live()
     self.step_opts = nil
     error(err, 0)
   end
   self:finish_sends()
+  if hold then sp.hold_partial(false) end
   if not (opts and opts.sync == false) and not rawget(self.model, '_fsdp') then self:sync_tied() end
   self.step_opts = nil
   return self:finish_loss()

@@ -197,12 +197,18 @@ local function seq_all_gather(x, sp)
   local xc = x:contiguous()
   if skip_comm then
     all:zero_()
-    all:narrow(1, sp.rank * sp.n + 1, sp.n):copy_(xc)
+    local mine = all:narrow(1, sp.rank * sp.n + 1, sp.n)
+    mine:copy_(xc)
+    mine:free()
   else
     dist.all_gather_into(all, xc, { group = sp.group })
   end
   if xc ~= x then xc:free() end
-  return all:view({ sp.B, sp.T, C })
+  -- (the 2-D handle let go here: the view alone holds the storage, which
+  -- then goes when the view's consumer frees it, not when the GC runs)
+  local v = all:view({ sp.B, sp.T, C })
+  all:free()
+  return v
 end
 
 -- the whole stream (B, T, C) -> this rank's rows (n, C): summed over the
@@ -218,7 +224,10 @@ local function seq_rows(x, sp, reduce, overlap)
     if overlap then run_beside(dist.reduce_scatter(out, xc, 'sum', { group = sp.group, async = true }))
     else dist.reduce_scatter(out, xc, 'sum', { group = sp.group }) end
   else
-    out = xc:view({ sp.B * sp.T, C }):narrow(1, sp.rank * sp.n + 1, sp.n):clone()
+    local v = xc:view({ sp.B * sp.T, C })
+    local mine = v:narrow(1, sp.rank * sp.n + 1, sp.n)
+    out = mine:clone()
+    mine:free(); v:free()   -- (not left to the GC: they hold the whole x)
   end
   if xc ~= x then xc:free() end
   return out
@@ -939,9 +948,10 @@ function tp.parallelize(model, opts)
         -- parameters' .grad (one small all-reduce per parameter cost ~1-2
         -- ms a step)
         local pending = {}
-        local function flush()
-          local list = pending
-          pending = {}
+        -- (a pipeline's step, sp.hold_partial: each parameter's parts summed
+        -- over the step's backwards here, one all-reduce at its end)
+        local held = nil
+        local function flush(list)
           if #list == 0 then return end
           local flats = {}
           for i, e in ipairs(list) do flats[i] = e.g:view({ e.g:numel() }) end
@@ -959,15 +969,61 @@ function tp.parallelize(model, opts)
           if flat ~= flats[1] then flat:free() end
           for _, f in ipairs(flats) do f:free() end
         end
+        local function flush_pending()
+          local list = pending
+          pending = {}
+          flush(list)
+        end
+        -- a part kept (in the first part's dtype: one flat all-reduce)
+        local function keep(list, grad)
+          local c = grad:clone()
+          if #list > 0 and c.dtype ~= list[1].g.dtype then
+            local c2 = c:to(list[1].g.dtype)
+            c:free()
+            c = c2
+          end
+          return c
+        end
         local function hook_for(t)
           return function(grad)
             if not sp.active then return nil end
-            if #pending == 0 then A.queue_callback(flush) end
-            local c = grad:clone()
-            if #pending > 0 and c.dtype ~= pending[1].g.dtype then c = c:to(pending[1].g.dtype) end
-            pending[#pending + 1] = { t = t, g = c }
+            if held then
+              local e = held.by[t]
+              if e then
+                local gg = grad.dtype ~= e.g.dtype and grad:to(e.g.dtype) or grad
+                F.add_(e.g, gg)
+                if gg ~= grad then gg:free() end
+              else
+                e = { t = t, g = keep(held.list, grad) }
+                held.by[t] = e
+                held.list[#held.list + 1] = e
+              end
+              return T.zeros_like(grad)
+            end
+            if #pending == 0 then A.queue_callback(flush_pending) end
+            pending[#pending + 1] = { t = t, g = keep(pending, grad) }
             return T.zeros_like(grad)
           end
+        end
+        -- sp.hold_partial(true): from now on the parts are summed over the
+        -- backwards until sp.hold_partial(false), which all-reduces their
+        -- sum once and adds it to the parameters' .grad (a pipeline's step:
+        -- one all-reduce a step instead of one a micro-batch; exact, the
+        -- sum is linear); sp.drop_partial(): what is held let go (a step
+        -- cut short)
+        function sp.hold_partial(on)
+          if on then
+            held = held or { by = {}, list = {} }
+            return
+          end
+          local h = held
+          held = nil
+          if h then flush(h.list) end
+        end
+        function sp.drop_partial()
+          local h = held
+          held = nil
+          for _, e in ipairs(h and h.list or {}) do e.g:free() end
         end
         -- (info.sp_partial: the same tensors by id, for fully_shard, whose
         -- units' gradient buffers these hooks never see: the unit sums

@@ -1986,6 +1986,7 @@ function train.run(opts)
       end
     end
     if bad_total > 0 then rec.bad_steps = bad_total end
+    dist.trace_step(step)   -- (MS_DIST_COUNT=1: the step's collectives on stderr, docs/dist.md)
     local mtp
     if mtp_sum then
       mtp = {}
