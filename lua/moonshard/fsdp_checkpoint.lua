@@ -341,9 +341,10 @@ end
 -- the parts of elements [start, start + numel) of region r's tensor:
 -- list of { box = (nil: the whole parameter), start =, numel = (an
 -- interval of the box's flattening), at = (offset in the range: the part
--- is contiguous there) or moves = (the strided pieces of the range it is
--- made of: { at =, bo =, n = } runs, { at =, bo =, rows =, row =, l =, seg = }
--- row blocks) }
+-- is contiguous there) or moves = (the pieces of the range it is made of,
+-- at most four: { at =, bo =, n = } runs, { at =, bo =, rows =, row =,
+-- seg = } a block of `rows` runs of `seg` elements `row` apart; at: in
+-- the range, bo: in the part) }
 local function parts_of(r, start, numel)
   start, numel = start or r.start, numel or r.numel
   local sp = r.entry and r.entry.split
@@ -374,10 +375,13 @@ local function parts_of(r, start, numel)
         local f1 = sk % seg == 0 and o1 or o1 + 1          -- the first full row
         local f2 = ek % seg == 0 and o2 + 1 or o2           -- after the last full row
         if f1 > o1 then mv[#mv + 1] = { at = pos(sk), bo = 0, n = (o1 + 1) * seg - sk } end
-        if f2 > f1 then
-          mv[#mv + 1] = { at = f1 * row - a, bo = f1 * seg - sk, rows = f2 - f1, row = row, l = g.l, nl = g.n,
-            ld = L[d], inner = inner }
+        -- the full rows but the last: a strided block from the section's
+        -- first element of row f1 (rows of `row`, `seg` of each), which
+        -- ends inside the range; the last full row a run
+        if f2 - 1 > f1 then
+          mv[#mv + 1] = { at = pos(f1 * seg), bo = f1 * seg - sk, rows = f2 - 1 - f1, row = row, seg = seg }
         end
+        if f2 > f1 then mv[#mv + 1] = { at = pos((f2 - 1) * seg), bo = (f2 - 1) * seg - sk, n = seg } end
         if f2 <= o2 then mv[#mv + 1] = { at = pos(f2 * seg), bo = f2 * seg - sk, n = ek - f2 * seg } end
         p.moves = mv
       end
@@ -391,8 +395,8 @@ end
 -- contiguous 1-d `buf`)
 local function move_views(m, flat, buf)
   if not m.rows then return flat:narrow(1, m.at + 1, m.n), buf:narrow(1, m.bo + 1, m.n) end
-  local fv = flat:narrow(1, m.at + 1, m.rows * m.row):view({ m.rows, m.ld, m.inner }):narrow(2, m.l + 1, m.nl)
-  local bv = buf:narrow(1, m.bo + 1, m.rows * m.nl * m.inner):view({ m.rows, m.nl, m.inner })
+  local fv = flat:narrow(1, m.at + 1, m.rows * m.row):view({ m.rows, m.row }):narrow(2, 1, m.seg)
+  local bv = buf:narrow(1, m.bo + 1, m.rows * m.seg):view({ m.rows, m.seg })
   return fv, bv
 end
 
@@ -723,9 +727,14 @@ function M.save_sharded(model, dir, opts)
   local owned, job = {}, nil
   local hyper = opt and hyper_of(opt)   -- (now: a pending save completes steps later)
   local cands = {}
+  -- (a parameter that tensor parallelism leaves whole: the first TP rank's
+  -- copy, whose FSDP shards may lie elsewhere than the other TP ranks'
+  -- when the slices before it in a unit differ: an uneven vocabulary)
+  local tpi = rawget(model, '_tp')
+  local tp_first = not tpi or tpi.rank == 0
   ok, err = pcall(function()
     for _, r in ipairs(ctx.regions) do
-      if r.write then
+      if r.write and (tp_first or (r.entry and r.entry.split)) then
         for _, p in ipairs(parts_of(r)) do cands[#cands + 1] = { r = r, p = p } end
       end
     end
@@ -1281,6 +1290,15 @@ function M.load_sharded(model, dir, opts)
         local seen = {}
         for _, r in ipairs(ctx.regions) do
           local pcs = index.pieces[r.name]
+          if r.numel == 0 and not r.frozen then
+            -- (a parameter this rank holds none of: a vocabulary's last
+            -- TP ranks; its empty state made, with the saved step, as a step
+            -- would have made it)
+            local e = omap[tonumber(r.holder.id)]
+            for _, rg in ipairs(e and e.ranges or {}) do
+              if rg.n == 0 then range_state(opt, rg, fields).step = index.optimizer.step or 0 end
+            end
+          end
           for _, pt in ipairs(region_ranges(omap, r)) do
             local s = range_state(opt, pt.range, fields)
             local id = tonumber(pt.range.t.id)
