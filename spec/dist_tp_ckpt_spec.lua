@@ -366,6 +366,33 @@ describe('sharded checkpoints with tensor parallelism #mpi', function()
     assert.are.equal(6, nb)
   end)
 
+  it('a version-1 checkpoint (element ranges, written before boxes: spec/fixtures/fsdp_ckpt_v1, FSDP over 2 ranks) '
+    .. 'loads into every layout: the values the old code gathered, bit for bit', function()
+    local fx = T.root .. '/spec/fixtures/fsdp_ckpt_v1'
+    local case = { 'gpt2 v1', require 'models.gpt2', 'GPT2Block', { vocab_size = 16, n_positions = 8, n_embd = 8,
+      n_layer = 1, n_head = 2, resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, bos_token_id = hf.null,
+      eos_token_id = hf.null } }
+    local want = ms.load_safetensors(fx .. '/expected.safetensors')
+    local _, meta = require('moonshard.safetensors').header(fx .. '/expected.safetensors')
+    local ref = {}
+    for name, t in pairs(want) do
+      if not name:find(':') then
+        ref[name] = { p = t, exp_avg = want['exp_avg:' .. name], exp_avg_sq = want['exp_avg_sq:' .. name],
+          step = tonumber(meta.step) }
+      end
+    end
+    assert.are.equal(1, ck.read_index(fx .. '/ckpt').version)
+    local lays = { { name = 'plain' }, { name = 'fsdp', fsdp = true } }
+    if W <= 2 then lays[#lays + 1] = { name = 'tp', tp = W } end
+    if W % 2 == 0 then lays[#lays + 1] = { name = 'tp_fsdp', tp = 2, fsdp = true } end
+    for _, B in ipairs(lays) do
+      local m, opt = make(case, B, 'f32', 99)
+      local info = ck.load_sharded(m, fx .. '/ckpt', { optimizer = opt, verify = true })
+      assert.are.equal('f2d9182', info.extra.written_by)
+      same_state(full_state(m, opt, B), ref, 'v1 into ' .. B.name .. ': ')
+    end
+  end)
+
   it('errors name the folder, the file and the parameter', function()
     local case = cases[2]
     local A = layouts[#layouts]
