@@ -18,12 +18,18 @@
 -- model saves one that loads into a sharded one). A pipeline stage
 -- (ms.pp.pipeline, under fully_shard or not) saves and loads its own
 -- parameters, under the whole model's names: every rank of the world takes
--- part, and the checkpoint is the whole model's (pipeline_writes).
+-- part, and the checkpoint is the whole model's (pipeline_writes). A
+-- tensor-parallel model (ms.tp, under fully_shard or not) saves its slices
+-- as boxes of the whole parameters (tp.boxes), and an expert-parallel one
+-- its experts: every rank of the world takes part, each piece written by
+-- the lowest rank that holds it (owners), and any saved layout loads into
+-- any other.
 --
 -- A sharded checkpoint is a folder:
 --   rank-<r>-of-<W>.safetensors  rank r's pieces: 'param:<name>:<start>' (f32,
 --                                1-d, numel elements of parameter <name> from
---                                element <start>), 'exp_avg:<name>:<start>',
+--                                element <start>; 'param:<name>:<offsets>:<start>'
+--                                of a box of it, version 2), 'exp_avg:<name>:<start>',
 --                                'exp_avg_sq:<name>:<start>' (AdamW; SGD with
 --                                momentum: 'momentum_buffer:<name>:<start>'), and in
 --                                __metadata__['moonshard.fsdp'] the JSON

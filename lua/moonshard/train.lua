@@ -26,9 +26,11 @@
 -- micro-batches under no_sync, steps ms.fsdp.AdamW, averages the logged
 -- losses over the ranks once per progress line, logs on rank 0 and
 -- checkpoints through moonshard.fsdp_checkpoint in the same ckpt-<step>/
--- layout (resumable at another world size). A --pp run checkpoints the
--- same way, each rank writing what its stage holds (--pp-checkpoint full:
--- gathered into a one-process checkpoint, as --tp and --ep always are).
+-- layout (resumable at another world size). A --tp, --pp or --ep run
+-- checkpoints the same way, each rank writing what it holds (its slices
+-- as boxes of the whole parameters, its stage's, its experts'), resumable
+-- at any other layout (--checkpoint-format full: gathered into a
+-- one-process checkpoint).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local ms = require 'moonshard'
