@@ -140,15 +140,17 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
     close_losses(one, losses(so), 1, 4, '--pp 2 --ep 2 --moe-bias-rate, stopped and resumed')
   end)
 
-  it('a checkpoint is one process\'s (every expert and its moments): it resumes at --pp 2 --ep 2 (plain and under '
-    .. 'FSDP) and in one process with the same losses, and a one-process checkpoint resumes at --pp 2 --ep 2', function()
+  it('with --checkpoint-format full a checkpoint is one process\'s (every expert and its moments): it resumes at --pp 2 '
+    .. '--ep 2 (plain and under FSDP) and in one process with the same losses, and a one-process checkpoint resumes at '
+    .. '--pp 2 --ep 2', function()
     local one = reference('', 'one')
     local st = require 'moonshard.safetensors'
     for _, strategy in ipairs({ 'off', 'FULL_SHARD', 'HYBRID_SHARD' }) do
       local common = ('--nproc-per-node 4 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 --pp 2 --ep 2 '
         .. '--fsdp %s'):format(flags, strategy)
       local out = ('%s/ps_%s'):format(dir, strategy)
-      local status, text = bin_train(('%s --save-every 1 --stop-at 2 --out %s'):format(common, q(out)))
+      local status, text = bin_train(('%s --checkpoint-format full --save-every 1 --stop-at 2 --out %s'):format(common,
+        q(out)))
       assert.are.equal(0, status, text)
       for _, f in ipairs({ 'model', 'optimizer' }) do
         local got = st.load(('%s/ckpt-2/%s.safetensors'):format(out, f))
@@ -181,6 +183,46 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
         :format(q(r), strategy))
       assert.are.equal(0, status, text)
       close_losses(one, losses(r), 3, 4, ('a one-process checkpoint resumed at --pp 2 --ep 2 --fsdp %s'):format(strategy))
+    end
+  end)
+
+  it('a checkpoint is sharded by default (each rank its stage\'s pieces, its experts\'; every expert once): it resumes at '
+    .. '--pp 2 --ep 2, at --ep 2 and at --pp 2 on 2 ranks, and in one process with the same losses', function()
+    local one = reference('', 'one')
+    local out = dir .. '/pes'
+    local status, text = bin_train(('--nproc-per-node 4 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 '
+      .. '--pp 2 --ep 2 --save-every 1 --stop-at 2 --out %s'):format(flags, q(out)))
+    assert.are.equal(0, status, text)
+    local ck = require 'moonshard.fsdp_checkpoint'
+    local index = ck.read_index(out .. '/ckpt-2')
+    assert.are.equal(4, #index.files)
+    -- every parameter of the whole model once, each expert from the rank that holds it
+    local whole = {}
+    for name in require('models.mixtral').from_pretrained(dir .. '/one'):named_parameters() do whole[name] = true end
+    local n = 0
+    for _, e in ipairs(index.params) do
+      assert.is_true(whole[e.name], e.name)
+      n = n + 1
+      local c = 0
+      for _, pc in ipairs(index.pieces[e.name]) do c = c + pc.numel end
+      assert.are.equal(e.numel, c, e.name)
+    end
+    local nw = 0
+    for _ in pairs(whole) do nw = nw + 1 end
+    assert.are.equal(nw, n)
+    -- (the global batch of 4 sequences at every layout)
+    local layouts = { { '', '--nproc-per-node 4 --device cpu', '--pp 2 --ep 2' },
+                      { 'e', '--nproc-per-node 2 --device cpu', '--ep 2 --batch-size 2' },
+                      { 'p', '--nproc-per-node 2 --device cpu', '--pp 2 --batch-size 4' },
+                      { '1', '', '--batch-size 4' } }
+    for _, c in ipairs(layouts) do
+      if c[1] ~= '' then os.execute(('rm -rf %s%s && cp -r %s %s%s'):format(q(out), c[1], q(out), q(out), c[1])) end
+    end
+    for _, c in ipairs(layouts) do
+      status, text = bin_train(('%s --resume %s%s %s'):format(c[2], q(out), c[1], c[3]))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('resumed from', 1, true), text)
+      close_losses(one, losses(out .. c[1]), 1, 4, 'a sharded --pp 2 --ep 2 checkpoint resumed with ' .. c[3])
     end
   end)
 

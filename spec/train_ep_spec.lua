@@ -97,11 +97,11 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
     assert.is_false(same, 'the bf16 forward gave the f32 losses bit for bit: autocast did not run')
   end)
 
-  it('an --ep checkpoint is a one-process one: it resumes in one process and at --ep 2 with the same losses, and a '
-    .. 'one-process checkpoint resumes at --ep 2', function()
+  it('with --checkpoint-format full an --ep checkpoint is a one-process one: it resumes in one process and at --ep 2 '
+    .. 'with the same losses, and a one-process checkpoint resumes at --ep 2', function()
     local one = reference('', 'one')
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 '
-      .. '--ep 2 --save-every 1 --stop-at 2 --out %s/es'):format(flags, q(dir)))
+      .. '--ep 2 --checkpoint-format full --save-every 1 --stop-at 2 --out %s/es'):format(flags, q(dir)))
     assert.are.equal(0, status, text)
     -- every expert in the files, the one-process run's values after 2 steps
     local st = require 'moonshard.safetensors'

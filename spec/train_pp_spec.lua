@@ -291,6 +291,17 @@ describe('bin/train --pp (pipeline parallelism, CPU through mpirun)', function()
       status, text = bin_train(('--resume %s1/ckpt-2 --out %s1'):format(q(out), q(out)))
       assert.are.equal(0, status, text)
       close_losses(one, losses(out .. '1'), 1, 4, c[1] .. ' a --pp 2 --tp 2 checkpoint resumed in one process')
+      if c[3] == 'g' then
+        -- (sharded: each rank its stage's slices as boxes) at --tp 2 alone, and at --pp 2 alone, on 2 ranks
+        for _, r in ipairs({ { 't', '--tp 2' }, { 'p', '--pp 2' } }) do
+          os.execute(('rm -rf %s%s && cp -r %s1 %s%s'):format(q(out), r[1], q(out), q(out), r[1]))
+          os.execute(('rm -rf %s%s/ckpt-3 %s%s/ckpt-4'):format(q(out), r[1], q(out), r[1]))
+          status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s%s/ckpt-2 --out %s%s %s'):format(q(out),
+            r[1], q(out), r[1], r[2]))
+          assert.are.equal(0, status, text)
+          close_losses(one, losses(out .. r[1]), 1, 4, c[1] .. ' a --pp 2 --tp 2 checkpoint resumed at ' .. r[2])
+        end
+      end
       status, text = bin_train(('--nproc-per-node 4 --device cpu %s %s --batch-size 4 --steps 4 --pp 2 --tp 2 '
         .. '--out %sn'):format(c[1], c[2], q(out)))
       assert.are.equal(0, status, text)

@@ -142,10 +142,11 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     close_losses(one, losses(dir .. '/l4f'), 1, 4, '--tp 2 x SHARD_GRAD_OP 2, micro-batches')
   end)
 
-  it('a --tp checkpoint is a whole-model one: it resumes in one process and at --tp 2 with the same losses', function()
+  it('with --checkpoint-format full a --tp checkpoint is a whole-model one: it resumes in one process and at --tp 2 with '
+    .. 'the same losses', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
     local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --tp 2 '
-      .. '--save-every 1 --stop-at 2 --out %s/gs'):format(tiny, q(dir)))
+      .. '--checkpoint-format full --save-every 1 --stop-at 2 --out %s/gs'):format(tiny, q(dir)))
     assert.are.equal(0, status, text)
     -- the files of a one-process checkpoint, the whole tensors in them
     local sd = require('moonshard.safetensors').load(dir .. '/gs/ckpt-2/model.safetensors')
@@ -168,10 +169,46 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     close_losses(one, losses(dir .. '/g1r'), 3, 4, 'a one-process checkpoint resumed at --tp 2')
   end)
 
+  it('a --tp checkpoint is sharded by default (each rank its slices\' boxes, written in parallel): it resumes at --tp 2, '
+    .. 'at --tp 2 --fsdp FULL_SHARD on 4 ranks, at --fsdp FULL_SHARD on 2 and in one process with the losses of the run '
+    .. 'that never stopped', function()
+    local one = reference('models/gpt2.lua', tiny, 'g1')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --tp 2 '
+      .. '--save-every 1 --stop-at 2 --out %s/ts'):format(tiny, q(dir)))
+    assert.are.equal(0, status, text)
+    local ck = require 'moonshard.fsdp_checkpoint'
+    local index = ck.read_index(dir .. '/ts/ckpt-2')
+    assert.are.equal(2, index.version)
+    assert.are.equal(2, #index.files)
+    -- c_attn's weight (32, 96): 3 sections x 2 ranks, a box of (32, 16) each, rank 1 writing 3 of them
+    local boxes, by1 = 0, 0
+    for _, pc in ipairs(index.pieces['transformer.h.0.attn.c_attn.weight']) do
+      boxes = boxes + 1
+      assert.are.same({ 32, 16 }, pc.box.sizes)
+      if pc.rank == 1 then by1 = by1 + 1 end
+    end
+    assert.are.equal(6, boxes)
+    assert.are.equal(3, by1)
+    -- (the global batch of 4 sequences at every layout)
+    local layouts = { { 'ts', '--nproc-per-node 2 --device cpu', '--tp 2' },
+                      { 'ts4', '--nproc-per-node 4 --device cpu', '--tp 2 --fsdp FULL_SHARD --batch-size 2' },
+                      { 'tsf', '--nproc-per-node 2 --device cpu', '--fsdp FULL_SHARD --batch-size 2' },
+                      { 'ts1', '', '' } }
+    for _, c in ipairs(layouts) do
+      if c[1] ~= 'ts' then os.execute(('rm -rf %s/%s && cp -r %s/ts %s/%s'):format(q(dir), c[1], q(dir), q(dir), c[1])) end
+    end
+    for _, c in ipairs(layouts) do
+      status, text = bin_train(('%s --resume %s/%s %s'):format(c[2], q(dir), c[1], c[3]))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('resumed from', 1, true), text)
+      close_losses(one, losses(dir .. '/' .. c[1]), 1, 4, 'a sharded --tp checkpoint resumed with ' .. c[2] .. ' ' .. c[3])
+    end
+  end)
+
   it('--async-checkpoint with --tp 2: rank 0 writes the whole-model checkpoints of the synchronous run in the background',
     function()
     local common = ('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --tp 2 --save-every 1 '
-      .. '--keep-checkpoints 0 --no-save'):format(tiny)
+      .. '--keep-checkpoints 0 --no-save --pp-checkpoint full'):format(tiny)   -- (the older name of --checkpoint-format)
     local text = S.sync_and_async(common, dir .. '/tsync', dir .. '/tasync')
     assert.is_truthy(text:find('(written in the background in', 1, true), text)
     for step = 1, 4 do

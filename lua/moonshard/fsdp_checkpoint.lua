@@ -18,12 +18,18 @@
 -- model saves one that loads into a sharded one). A pipeline stage
 -- (ms.pp.pipeline, under fully_shard or not) saves and loads its own
 -- parameters, under the whole model's names: every rank of the world takes
--- part, and the checkpoint is the whole model's (pipeline_writes).
+-- part, and the checkpoint is the whole model's (pipeline_writes). A
+-- tensor-parallel model (ms.tp, under fully_shard or not) saves its slices
+-- as boxes of the whole parameters (tp.boxes), and an expert-parallel one
+-- its experts: every rank of the world takes part, each piece written by
+-- the lowest rank that holds it (owners), and any saved layout loads into
+-- any other.
 --
 -- A sharded checkpoint is a folder:
 --   rank-<r>-of-<W>.safetensors  rank r's pieces: 'param:<name>:<start>' (f32,
 --                                1-d, numel elements of parameter <name> from
---                                element <start>), 'exp_avg:<name>:<start>',
+--                                element <start>; 'param:<name>:<offsets>:<start>'
+--                                of a box of it, version 2), 'exp_avg:<name>:<start>',
 --                                'exp_avg_sq:<name>:<start>' (AdamW; SGD with
 --                                momentum: 'momentum_buffer:<name>:<start>'), and in
 --                                __metadata__['moonshard.fsdp'] the JSON
@@ -44,7 +50,7 @@ local C = T.C
 
 local M = {}
 M.format = 'moonshard.fsdp_checkpoint'
-M.version = 1
+M.version = 2   -- (version 1: element-range pieces only; written when no piece has a box)
 M.index_name = 'index.json'
 
 local function no_grad(fn) return require('moonshard.autograd').no_grad(fn) end
@@ -198,13 +204,19 @@ local function world()
 end
 
 -- the model's parameters (named_parameters order, a tied tensor once):
--- list of { name =, shape =, dtype =, numel =, t = }, and id -> entry
+-- list of { name =, shape =, dtype =, numel =, t =, wshape =, split = },
+-- and id -> entry. shape, numel: what this rank holds; wshape: the whole
+-- parameter's shape, split: where the rank's tensor lies in it (a
+-- tensor-parallel slice, tp.boxes; nil: the whole)
 local function model_params(model)
   local list, by_id = {}, {}
+  local tpm = rawget(model, '_tp') and require('moonshard.tp')
   for name, p in model:named_parameters() do
     local id = tonumber(p.id)
     if not by_id[id] then
-      local e = { name = name, shape = p.shape, dtype = p.dtype, numel = p:numel(), t = p }
+      local split = tpm and tpm.boxes(model, name, p.shape) or nil
+      local e = { name = name, shape = p.shape, dtype = p.dtype, numel = p:numel(), t = p,
+        wshape = split and split.shape or p.shape, split = split }
       list[#list + 1] = e
       by_id[id] = e
     end
@@ -313,6 +325,158 @@ end
 -- a 1-d view of elements [a, b) of a state tensor
 local function flat_range(t, a, b) return t:view({ t:numel() }):narrow(1, a + 1, b - a) end
 
+-- ------------------------------------------------------------ boxes
+-- A piece of a parameter is an interval [start, start + numel) of the
+-- row-major flattening of a box of it (offsets and sizes per dim); without
+-- a box (nil: the whole parameter, version 1's pieces) an element range.
+-- A region (below) is an element range of the tensor a rank holds: the
+-- whole parameter, or a tensor-parallel slice (entry.split, tp.boxes),
+-- whose every section is a box of the whole parameter: its "parts".
+
+local function box_key(box)
+  if not box then return '' end
+  return table.concat(box.offsets, ',') .. '+' .. table.concat(box.sizes, ',')
+end
+local function whole_box(shape)
+  local off, size = {}, {}
+  for i = 1, #shape do off[i] = 0; size[i] = shape[i] end
+  if #shape == 0 then off[1], size[1] = 0, 1 end   -- (a 0-dim parameter: one element)
+  return { offsets = off, sizes = size }
+end
+
+-- the parts of elements [start, start + numel) of region r's tensor:
+-- list of { box = (nil: the whole parameter), start =, numel = (an
+-- interval of the box's flattening), at = (offset in the range: the part
+-- is contiguous there) or moves = (the pieces of the range it is made of,
+-- at most four: { at =, bo =, n = } runs, { at =, bo =, rows =, row =,
+-- seg = } a block of `rows` runs of `seg` elements `row` apart; at: in
+-- the range, bo: in the part) }
+local function parts_of(r, start, numel)
+  start, numel = start or r.start, numel or r.numel
+  local sp = r.entry and r.entry.split
+  if not sp then return numel > 0 and { { start = start, numel = numel, at = 0 } } or {} end
+  local L, d = r.entry.shape, sp.dim
+  local inner = 1
+  for i = d + 1, #L do inner = inner * L[i] end
+  local row = L[d] * inner           -- one index of the dims before d
+  local a, b = start, start + numel
+  local out = {}
+  for _, g in ipairs(sp.segs) do
+    local seg, lo = g.n * inner, g.l * inner   -- the section's run in each row, and where it starts
+    local function before(x)   -- the section's elements at range positions < x
+      local o = math.floor(x / row)
+      return o * seg + math.max(0, math.min(seg, x - o * row - lo))
+    end
+    local sk, ek = before(a), before(b)
+    if ek > sk then
+      local box = whole_box(r.entry.wshape)
+      box.offsets[d], box.sizes[d] = g.g, g.n
+      local p = { box = box, start = sk, numel = ek - sk }
+      -- the section's elements of row o, k-th of them <-> range position
+      local function pos(k) local o = math.floor(k / seg); return o * row + lo + (k - o * seg) - a end
+      local o1, o2 = math.floor(sk / seg), math.floor((ek - 1) / seg)
+      if o1 == o2 then p.at = pos(sk)
+      else
+        local mv = {}
+        local f1 = sk % seg == 0 and o1 or o1 + 1          -- the first full row
+        local f2 = ek % seg == 0 and o2 + 1 or o2           -- after the last full row
+        if f1 > o1 then mv[#mv + 1] = { at = pos(sk), bo = 0, n = (o1 + 1) * seg - sk } end
+        -- the full rows but the last: a strided block from the section's
+        -- first element of row f1 (rows of `row`, `seg` of each), which
+        -- ends inside the range; the last full row a run
+        if f2 - 1 > f1 then
+          mv[#mv + 1] = { at = pos(f1 * seg), bo = f1 * seg - sk, rows = f2 - 1 - f1, row = row, seg = seg }
+        end
+        if f2 > f1 then mv[#mv + 1] = { at = pos((f2 - 1) * seg), bo = (f2 - 1) * seg - sk, n = seg } end
+        if f2 <= o2 then mv[#mv + 1] = { at = pos(f2 * seg), bo = f2 * seg - sk, n = ek - f2 * seg } end
+        p.moves = mv
+      end
+      out[#out + 1] = p
+    end
+  end
+  return out
+end
+
+-- the views of one move: (of the region's 1-d tensor `flat`, of the part's
+-- contiguous 1-d `buf`)
+local function move_views(m, flat, buf)
+  if not m.rows then return flat:narrow(1, m.at + 1, m.n), buf:narrow(1, m.bo + 1, m.n) end
+  local fv = flat:narrow(1, m.at + 1, m.rows * m.row):view({ m.rows, m.row }):narrow(2, 1, m.seg)
+  local bv = buf:narrow(1, m.bo + 1, m.rows * m.seg):view({ m.rows, m.seg })
+  return fv, bv
+end
+
+-- part p's elements of `flat` as one contiguous tensor: a view, or a copy
+-- (the second result: true) joined from its moves
+local function part_gather(p, flat)
+  if p.at then return flat:narrow(1, p.at + 1, p.numel), false end
+  local buf = T.empty({ p.numel }, { dtype = flat.dtype, device = flat.device_id })
+  for _, m in ipairs(p.moves) do
+    local fv, bv = move_views(m, flat, buf)
+    bv:copy_(fv)
+  end
+  return buf, true
+end
+
+-- the contiguous boxes of interval [s, e) of box B's flattening (at most
+-- 2 N - 1 for N dims): list of { k = (its dim: a run of indices there,
+-- one index of each dim before it, every index of the dims after it),
+-- lo =, hi = (global index bounds, per dim), flat = (its first element's
+-- place in B's flattening) }
+local function runs_of(B, s, e)
+  local N = #B.sizes
+  local unit = {}
+  unit[N] = 1
+  for d = N - 1, 0, -1 do unit[d] = unit[d + 1] * B.sizes[d + 1] end
+  local out = {}
+  local function emit(k, at, c)
+    local lo, hi = {}, {}
+    for d = 1, N do
+      local i = math.floor(at / unit[d]) % B.sizes[d]
+      if d < k then lo[d], hi[d] = i, i + 1
+      elseif d == k then lo[d], hi[d] = i, i + c
+      else lo[d], hi[d] = 0, B.sizes[d] end
+      lo[d], hi[d] = lo[d] + B.offsets[d], hi[d] + B.offsets[d]
+    end
+    out[#out + 1] = { k = k, lo = lo, hi = hi, flat = at }
+  end
+  local pos, k = s, N
+  while k > 1 and pos < e do   -- up: to the boundaries of the coarser dims
+    local up = unit[k - 1]
+    if pos % up ~= 0 then
+      local nb = (math.floor(pos / up) + 1) * up
+      if nb > e then break end
+      emit(k, pos, (nb - pos) / unit[k])
+      pos = nb
+    end
+    k = k - 1
+  end
+  for kk = k, N do             -- down: whole runs of each dim, coarse to fine
+    local c = math.floor((e - pos) / unit[kk])
+    if c > 0 then emit(kk, pos, c); pos = pos + c * unit[kk] end
+  end
+  return out, unit
+end
+
+-- the strided view of box I (global bounds lo, hi) inside run R of box B,
+-- over `t`: a 1-d tensor holding B's flattening from element `base`; the
+-- view has one dim per dim of B from `k0` (<= R.k) on
+local function run_view(t, base, B, unit, R, lo, hi, k0)
+  local N = #B.sizes
+  local k = R.k
+  local first = R.flat + (lo[k] - R.lo[k]) * unit[k] - base
+  local shape = { hi[k] - lo[k] }
+  for d = k + 1, N do shape[#shape + 1] = B.sizes[d] end
+  local v = t:narrow(1, first + 1, shape[1] * unit[k]):view(shape)
+  for d = k + 1, N do
+    if hi[d] - lo[d] ~= B.sizes[d] then v = v:narrow(d - k + 1, lo[d] - B.offsets[d] + 1, hi[d] - lo[d]) end
+  end
+  for _ = k0, k - 1 do v = v:unsqueeze(1) end
+  return v
+end
+
+M._parts_of, M._runs_of = parts_of, runs_of   -- (specs)
+
 -- This rank's part of the model, as "regions": each a range of elements of
 -- one named parameter and where it lives here:
 --   { name =, start =, numel =, dest = (1-d view, numel elements), holder = (the
@@ -345,15 +509,15 @@ function regions_(model)
     ctx.rank, ctx.world_size, ctx.strategy, ctx.sharded = 0, 1, 'NONE', false
     -- a plain model is one process's: under mpirun only rank 0 writes
     ctx.skip_write = dist.is_initialized() and dist.rank() ~= 0
-    if pipe and dist.is_initialized() then
-      -- (a plain pipeline stage: every rank takes part, one copy of each
-      -- stage writes)
+    if (pipe or rawget(model, '_tp') or rawget(model, '_ep_train')) and dist.is_initialized() then
+      -- (a plain pipeline stage, tensor-parallel slices or experts: every
+      -- rank takes part, one copy of each piece writes: owners)
       ctx.rank, ctx.world_size = world()
       ctx.skip_write, ctx.collective = false, true
     end
     for _, e in ipairs(params) do
       if not e.t:is_contiguous() then fail('parameter %s is not contiguous', e.name) end
-      ctx.regions[#ctx.regions + 1] = { name = e.name, start = 0, numel = e.numel,
+      ctx.regions[#ctx.regions + 1] = { name = e.name, start = 0, numel = e.numel, entry = e,
         dest = e.t:view({ e.numel }), holder = e.t, hoff = 0, write = true, frozen = not e.t.requires_grad }
     end
     return ctx
@@ -367,25 +531,17 @@ function regions_(model)
     local fp = u.fp
     local names = unit_names(u, by_id)
     u._ckpt_names = names
-    -- replicas (NO_SHARD, or the replica groups of HYBRID_SHARD) hold the
-    -- same shard: the first one writes it (rank 0 of the replicate group
-    -- where fsdp names one, else the lowest ranks)
-    -- (an expert-parallel model's expert unit: each rank holds experts or
-    -- a shard of them no other rank holds, ms.ep)
-    -- (with HYBRID_SHARD the first shard group's ranks hold every expert)
-    local write
-    local rg = st.replicate_group
-    local replicas = type(rg) == 'table' and rg.is_member and rg:is_member() and rg:size() > 1
-    if replicas then write = rg:rank() == 0
-    elseif u.experts then write = true
-    elseif pipe then write = true   -- (the shards of a stage's data-parallel ranks; tied weights: pipeline_writes)
-    else write = fp.world_size >= ctx.world_size or ctx.rank < fp.world_size end
+    -- every region is a candidate: replicas (NO_SHARD, the replica groups
+    -- of HYBRID_SHARD, the tensor-parallel ranks' copies of a replicated
+    -- parameter's shard) hold the same pieces, and the lowest rank that
+    -- holds a piece writes it (owners, at the save); tied weights:
+    -- pipeline_writes
     for i = 1, fp.nparams do
       local sl = fp.layout:slice(fp.rank, i)
       if sl.numel > 0 then
         ctx.regions[#ctx.regions + 1] = { name = names[i], start = sl.param_start, numel = sl.numel,
-          dest = fp.shard:narrow(1, sl.shard_offset + 1, sl.numel), holder = fp.shard,
-          hoff = sl.shard_offset, unit = u, write = write, frozen = u.frozen and u.frozen[i] or false }
+          entry = ctx.param[names[i]], dest = fp.shard:narrow(1, sl.shard_offset + 1, sl.numel), holder = fp.shard,
+          hoff = sl.shard_offset, unit = u, write = true, frozen = u.frozen and u.frozen[i] or false }
       end
     end
   end
@@ -442,9 +598,10 @@ local function pipeline_writes(ctx)
   end
   local tied = {}
   if not pipe.first then for _, e in ipairs(pipe.tied or {}) do tied[e[3]] = true end end
+  -- (the stage's data-parallel copies: the lowest rank that holds a piece
+  -- writes it, owners)
   for _, r in ipairs(ctx.regions) do
-    if tied[r.name] then r.write = false
-    elseif not ctx.units then r.write = lowest end
+    if tied[r.name] then r.write = false end
   end
   local owner = {}
   for _, e in ipairs(pipe.buffers or {}) do owner[e[1]] = e[2] end
@@ -454,6 +611,50 @@ local function pipeline_writes(ctx)
       if (owner[b.name] or 0) == pipe.stage then ctx.buffer_writes[#ctx.buffer_writes + 1] = b end
     end
   end
+end
+
+-- owners(ctx, cands) -> set of the indices of `cands` (this rank's
+-- candidate pieces: { r = region, p = part }) that it writes. A piece that
+-- several ranks hold (data-parallel copies, HYBRID_SHARD's replicas, the
+-- tensor-parallel ranks' copies of a replicated parameter, the expert
+-- copies) is written by the lowest of them: every rank's pieces' keys
+-- (parameter, box, interval) are all-gathered as pairs of hashes (a
+-- collective over the world; nothing for one process). Rank 0 checks that
+-- the pieces written cover every parameter exactly (the index, below).
+local function key_hash(s)
+  local a, b = 0, 0
+  for i = 1, #s do
+    local c = s:byte(i)
+    a = (a * 131 + c) % 67108859
+    b = (b * 257 + c) % 67108837
+  end
+  return a, b
+end
+local function owners(ctx, cands)
+  local keep = {}
+  for i = 1, #cands do keep[i] = true end
+  if not (ctx.collective and ctx.world_size > 1) then return keep end
+  local W = ctx.world_size
+  local _, counts = host_collective(function(mine, g) dist.all_gather_into(g, mine) end,
+    T.tensor({ #cands }, { dtype = 'f64' }), T.empty({ W }, { dtype = 'f64' }))
+  local most = 1
+  for r = 1, W do most = math.max(most, counts[r]) end
+  local h = {}
+  for i, c in ipairs(cands) do
+    h[2 * i - 1], h[2 * i] = key_hash(c.r.name .. '|' .. box_key(c.p.box) .. '|' .. c.p.start .. '|' .. c.p.numel)
+  end
+  for i = 2 * #cands + 1, 2 * most do h[i] = -1 end
+  local _, all = host_collective(function(mine, g) dist.all_gather_into(g, mine) end,
+    T.tensor(h, { dtype = 'f64' }), T.empty({ 2 * most * W }, { dtype = 'f64' }))
+  local lowest = {}
+  for r = 0, W - 1 do
+    for i = 1, counts[r + 1] do
+      local k = all[r * 2 * most + 2 * i - 1] .. ':' .. all[r * 2 * most + 2 * i]
+      if lowest[k] == nil then lowest[k] = r end
+    end
+  end
+  for i = 1, #cands do keep[i] = lowest[h[2 * i - 1] .. ':' .. h[2 * i]] == ctx.rank end
+  return keep
 end
 
 local function rank_file(r, W) return ('rank-%05d-of-%05d.safetensors'):format(r, W) end
@@ -525,47 +726,81 @@ function M.save_sharded(model, dir, opts)
   end
   agree(ctx, ok, err, 'save_sharded (creating ' .. tmp .. ')')
 
-  -- 2. every rank writes its pieces
+  -- 2. every rank writes its pieces: the parts of its regions (a
+  -- tensor-parallel slice's sections are boxes of the parameter), each
+  -- piece held by several ranks written by the lowest of them (owners)
   local path = tmp .. '/' .. rank_file(rank, W)
   local owned, job = {}, nil
   local hyper = opt and hyper_of(opt)   -- (now: a pending save completes steps later)
+  local cands = {}
+  -- (a parameter that tensor parallelism leaves whole: the first TP rank's
+  -- copy, whose FSDP shards may lie elsewhere than the other TP ranks'
+  -- when the slices before it in a unit differ: an uneven vocabulary)
+  local tpi = rawget(model, '_tp')
+  local tp_first = not tpi or tpi.rank == 0
   ok, err = pcall(function()
+    for _, r in ipairs(ctx.regions) do
+      if r.write and (tp_first or (r.entry and r.entry.split)) then
+        for _, p in ipairs(parts_of(r)) do cands[#cands + 1] = { r = r, p = p } end
+      end
+    end
+  end)
+  -- (a collective: every rank takes part, also one that failed above)
+  local keep = owners(ctx, ok and cands or {})
+  if ok then ok, err = pcall(function()
     local omap = opt and opt_ranges(opt, ctx)
     local fields = opt and state_fields(opt) or {}
     local tensors, pieces = {}, {}
-    for _, r in ipairs(ctx.regions) do
-      if r.write then
-        local key = r.name .. ':' .. r.start
-        local pc = { param = r.name, start = r.start, numel = r.numel, tensor = 'param:' .. key }
-        tensors[pc.tensor] = r.dest
-        if opt then
-          -- the moments of the region: a view when one optimizer range
-          -- holds it (the usual case), else a copy joined from several
-          local parts = region_ranges(omap, r)
-          local step, have = 0, #fields > 0
-          for _, pt in ipairs(parts) do
-            local st = opt.state and opt.state[tonumber(pt.range.t.id)]
-            -- (SGD keeps no step count: a momentum buffer stands for one)
-            if has_fields(st, fields) then step = math.max(step, st.step or 1) else have = false end
+    local moments = {}   -- region -> { step =, [field] = its 1-d state } (nil: none to save)
+    local function moments_of(r)
+      local m = moments[r]
+      if m then return m end
+      m = { step = 0 }
+      moments[r] = m
+      -- the moments of the region: a view when one optimizer range holds
+      -- it (the usual case), else a copy joined from several
+      local parts = region_ranges(omap, r)
+      local step, have = 0, #fields > 0
+      for _, pt in ipairs(parts) do
+        local st = opt.state and opt.state[tonumber(pt.range.t.id)]
+        -- (SGD keeps no step count: a momentum buffer stands for one)
+        if has_fields(st, fields) then step = math.max(step, st.step or 1) else have = false end
+      end
+      m.step = have and step or 0
+      if have and step > 0 then
+        for _, f in ipairs(fields) do
+          local t
+          if #parts == 1 then
+            local pt = parts[1]
+            local o = r.hoff + pt.a - pt.range.off
+            t = flat_range(opt.state[tonumber(pt.range.t.id)][f], o, o + r.numel)
+          else
+            t = T.zeros({ r.numel }, { dtype = 'f32' })
+            owned[#owned + 1] = t
+            for _, pt in ipairs(parts) do
+              local o = r.hoff + pt.a - pt.range.off
+              t:narrow(1, pt.a + 1, pt.b - pt.a):copy_(flat_range(opt.state[tonumber(pt.range.t.id)][f], o, o + pt.b - pt.a))
+            end
           end
-          pc.step = have and step or 0
-          if have and step > 0 then
-            for _, f in ipairs(fields) do pc[f] = f .. ':' .. key end
+          m[f] = t
+        end
+      end
+      return m
+    end
+    local function put(t, made) if made then owned[#owned + 1] = t end; return t end
+    for i, c in ipairs(cands) do
+      if keep[i] then
+        local r, p = c.r, c.p
+        local key = r.name .. ':' .. (p.box and (table.concat(p.box.offsets, ',') .. ':') or '') .. p.start
+        local pc = { param = r.name, start = p.start, numel = p.numel, tensor = 'param:' .. key, box = p.box }
+        tensors[pc.tensor] = put(part_gather(p, r.dest))
+        if opt then
+          local m = moments_of(r)
+          pc.step = m.step
+          if m.step > 0 then
             for _, f in ipairs(fields) do
-              local t
-              if #parts == 1 then
-                local pt = parts[1]
-                local o = r.hoff + pt.a - pt.range.off
-                t = flat_range(opt.state[tonumber(pt.range.t.id)][f], o, o + r.numel)
-              else
-                t = T.zeros({ r.numel }, { dtype = 'f32' })
-                owned[#owned + 1] = t
-                for _, pt in ipairs(parts) do
-                  local o = r.hoff + pt.a - pt.range.off
-                  t:narrow(1, pt.a + 1, pt.b - pt.a):copy_(flat_range(opt.state[tonumber(pt.range.t.id)][f], o, o + pt.b - pt.a))
-                end
-              end
-              tensors[pc[f]] = t
+              pc[f] = f .. ':' .. key
+              tensors[pc[f]] = put(part_gather(p, m[f]))
             end
           end
         end
@@ -579,16 +814,18 @@ function M.save_sharded(model, dir, opts)
         pieces[#pieces + 1] = pc
       end
     end
-    local desc = { format = M.format, version = M.version, rank = rank, world_size = W, strategy = ctx.strategy,
-      pieces = pieces, params = {} }
-    for i, e in ipairs(ctx.params) do desc.params[i] = { name = e.name, shape = e.shape, dtype = e.dtype } end
+    local boxed = false
+    for _, pc in ipairs(pieces) do if pc.box then boxed = true end end
+    local desc = { format = M.format, version = boxed and 2 or 1, rank = rank, world_size = W,
+      strategy = ctx.strategy, pieces = pieces, params = {} }
+    for i, e in ipairs(ctx.params) do desc.params[i] = { name = e.name, shape = e.wshape, dtype = e.dtype } end
     injected('rank_file')
     if inject and inject.stage == 'disk' and (inject.rank == nil or inject.rank == rank) then
       sh('ln -s /dev/full ' .. q(path))   -- (specs: the writes fail in the writer's thread, ENOSPC)
     end
     job = writer:safetensors(path, tensors, { ['moonshard.fsdp'] = json.encode(desc) }, stage)
     injected('after_rank_file')
-  end)
+  end) end
   if stage or not ok then
     -- (staged: the copies are the writer's now; failed: nothing may read them)
     if not ok then pcall(writer.wait, writer) end
@@ -630,10 +867,10 @@ function M.save_sharded(model, dir, opts)
     ok, err = true, nil
     if rank == 0 then
       ok, err = pcall(function()
-        local index = { format = M.format, version = M.version, world_size = W, strategy = ctx.strategy,
+        local index = { format = M.format, version = 1, world_size = W, strategy = ctx.strategy,
           extra = opts.extra, params = {}, buffers = {}, files = {}, pieces = {} }
         for i, e in ipairs(ctx.params) do
-          index.params[i] = { name = e.name, shape = e.shape, dtype = e.dtype, numel = e.numel }
+          index.params[i] = { name = e.name, shape = e.wshape, dtype = e.dtype, numel = numel_of(e.wshape) }
         end
         local listed = {}
         for _, e in ipairs(index.params) do listed[e.name] = true end
@@ -669,12 +906,30 @@ function M.save_sharded(model, dir, opts)
           for _, pc in ipairs(desc.pieces) do
             local list = index.pieces[pc.param]
             if not list then list = {}; index.pieces[pc.param] = list end
-            list[#list + 1] = { rank = r, start = pc.start, numel = pc.numel, tensor = pc.tensor,
+            list[#list + 1] = { rank = r, start = pc.start, numel = pc.numel, tensor = pc.tensor, box = pc.box,
               exp_avg = pc.exp_avg, exp_avg_sq = pc.exp_avg_sq, momentum_buffer = pc.momentum_buffer, step = pc.step }
             if pc.step and pc.step > max_step then max_step = pc.step end
+            if pc.box then index.version = 2 end
           end
         end
-        for _, list in pairs(index.pieces) do table.sort(list, function(a, b) return a.start < b.start end) end
+        -- sorted by box (none first), then start
+        for _, list in pairs(index.pieces) do
+          table.sort(list, function(a, b)
+            local ka, kb = box_key(a.box), box_key(b.box)
+            if ka ~= kb then return ka < kb end
+            return a.start < b.start
+          end)
+        end
+        -- every parameter's pieces hold each of its elements once (the
+        -- owners' choice, checked)
+        for _, e in ipairs(index.params) do
+          local n = 0
+          for _, pc in ipairs(index.pieces[e.name] or {}) do n = n + pc.numel end
+          if n ~= e.numel then
+            fail('save_sharded %s: the ranks\' pieces of parameter %s %s hold %d elements, the parameter %d (a layout '
+              .. 'this save does not handle); %s is unchanged', dir, e.name, shape_str(e.shape), n, e.numel, dir)
+          end
+        end
         if opt then index.optimizer = hyper; index.optimizer.step = max_step end
         index.step = opts.step or (opt and max_step) or nil
         injected('index')
@@ -728,9 +983,10 @@ local function check_params(ctx, saved, where, strict)
   local used = {}
   for _, e in ipairs(ctx.params) do
     local s = have[e.name]
-    if not s then fail('%s has no parameter %s (shape %s in the model)', where, e.name, shape_str(e.shape)) end
-    if not same_shape(s.shape, e.shape) then
-      fail('parameter %s has shape %s in %s, %s in the model', e.name, shape_str(s.shape), where, shape_str(e.shape))
+    -- (a tensor-parallel slice: the whole parameter's shape)
+    if not s then fail('%s has no parameter %s (shape %s in the model)', where, e.name, shape_str(e.wshape)) end
+    if not same_shape(s.shape, e.wshape) then
+      fail('parameter %s has shape %s in %s, %s in the model', e.name, shape_str(s.shape), where, shape_str(e.wshape))
     end
     used[e.name] = true
   end
@@ -744,25 +1000,174 @@ local function check_params(ctx, saved, where, strict)
   end
 end
 
--- fill dest (1-d, elements [start, start + numel) of parameter `name`)
--- from the pieces that overlap it; `field`: 'tensor' or a state field
--- ('exp_avg', 'exp_avg_sq', 'momentum_buffer')
-local function fill(dest, name, start, numel, pieces, open, field, where)
-  local covered = start
+-- the pieces of a parameter that have the box `key` (box_key) and the
+-- others
+local function by_box(pieces, key)
+  local same, other = {}, {}
   for _, pc in ipairs(pieces or {}) do
-    local a = math.max(start, pc.start)
-    local b = math.min(start + numel, pc.start + pc.numel)
+    if box_key(pc.box) == key then same[#same + 1] = pc else other[#other + 1] = pc end
+  end
+  return same, other
+end
+
+-- the intersection of two runs (runs_of): lo, hi and its element count
+local function meet_runs(R, Q)
+  local lo, hi, n = {}, {}, 1
+  for d = 1, #R.lo do
+    lo[d], hi[d] = math.max(R.lo[d], Q.lo[d]), math.min(R.hi[d], Q.hi[d])
+    if hi[d] <= lo[d] then return nil end
+    n = n * (hi[d] - lo[d])
+  end
+  return lo, hi, n
+end
+
+local READ_MAX = 16777216   -- elements a read of a piece's part of another box brings in at most (chunked beyond)
+
+-- fill dest (1-d, contiguous: part p = { box =, start =, numel = } of
+-- parameter `name`, whole shape `wshape`) from the pieces that overlap it;
+-- `field`: 'tensor' or a state field ('exp_avg', 'exp_avg_sq',
+-- 'momentum_buffer'). A piece of the same box is an element range: the
+-- overlap is read into dest (a seek and a read). One of another box (a
+-- whole parameter saved by FSDP or one process, loaded into a
+-- tensor-parallel slice; another tensor-parallel size): both intervals are
+-- cut into contiguous runs (runs_of), and each pair's intersection is read
+-- as whole rows of the saved run (contiguous in the file, READ_MAX
+-- elements at most a read) and copied, strided, into place.
+local function fill_part(dest, name, wshape, p, pieces, open, field, where)
+  local key = box_key(p.box)
+  local same, other = by_box(pieces, key)
+  local a0, a1 = p.start, p.start + p.numel
+  local function tensor_of(pc)
+    local tname = pc[field]
+    if not tname then
+      fail('%s has no %s for parameter %s (elements [%d, %d)%s)', where, field, name, pc.start, pc.start + pc.numel,
+        pc.box and (' of box ' .. box_key(pc.box)) or '')
+    end
+    return tname
+  end
+  if #other == 0 then
+    local covered = a0
+    for _, pc in ipairs(same) do
+      local a, b = math.max(a0, pc.start), math.min(a1, pc.start + pc.numel)
+      if b > a then
+        if a > covered then break end
+        read_range(open(pc), tensor_of(pc), a - pc.start, b - a, dest:narrow(1, a - a0 + 1, b - a))
+        if b > covered then covered = b end
+      end
+    end
+    if covered < a1 then
+      fail('%s holds no data for parameter %s elements [%d, %d)%s', where, name, covered, a1,
+        p.box and (' of box ' .. key) or '')
+    end
+    return
+  end
+  -- (a device tensor is filled through a host copy: strided copies there)
+  local work = dest
+  if dest.device_id >= 0 then work = T.empty({ p.numel }, { dtype = dest.dtype }) end
+  local n = 0
+  for _, pc in ipairs(same) do
+    local a, b = math.max(a0, pc.start), math.min(a1, pc.start + pc.numel)
     if b > a then
-      if a > covered then break end
-      local tname = pc[field]
-      if not tname then fail('%s has no %s for parameter %s (elements [%d, %d))', where, field, name, pc.start, pc.start + pc.numel) end
-      read_range(open(pc), tname, a - pc.start, b - a, dest:narrow(1, a - start + 1, b - a))
-      if b > covered then covered = b end
+      read_range(open(pc), tensor_of(pc), a - pc.start, b - a, work:narrow(1, a - a0 + 1, b - a))
+      n = n + (b - a)
     end
   end
-  if covered < start + numel then
-    fail('%s holds no data for parameter %s elements [%d, %d)', where, name, covered, start + numel)
+  local B = p.box or whole_box(wshape)
+  local truns, tunit = runs_of(B, a0, a1)
+  for _, pc in ipairs(other) do
+    local PB = pc.box or whole_box(wshape)
+    local sruns, sunit = runs_of(PB, pc.start, pc.start + pc.numel)
+    for _, R in ipairs(truns) do
+      for _, Q in ipairs(sruns) do
+        local lo, hi = meet_runs(R, Q)
+        if lo then
+          local h, tname = open(pc), tensor_of(pc)
+          local e = h.entries[tname]
+          if not e then fail('%s has no tensor %s', h.path, tname) end
+          local k = Q.k
+          local per = math.max(1, math.floor(READ_MAX / sunit[k]))
+          local k0 = math.min(R.k, k)
+          for r0 = lo[k], hi[k] - 1, per do
+            local r1 = math.min(hi[k], r0 + per)
+            local clo, chi = {}, {}
+            for d = 1, #lo do clo[d], chi[d] = lo[d], hi[d] end
+            clo[k], chi[k] = r0, r1
+            local off = Q.flat + (r0 - Q.lo[k]) * sunit[k]   -- (in the saved box's flattening)
+            local cnt = (r1 - r0) * sunit[k]
+            local tmp = T.empty({ cnt }, { dtype = e.dtype })
+            local okr, rerr = pcall(read_range, h, tname, off - pc.start, cnt, tmp)
+            if not okr then tmp:free(); error(rerr, 0) end
+            local sv = run_view(tmp, off, PB, sunit, Q, clo, chi, k0)
+            local dv = run_view(work, a0, B, tunit, R, clo, chi, k0)
+            dv:copy_(sv)
+            tmp:free()
+            local c = 1
+            for d = 1, #clo do c = c * (chi[d] - clo[d]) end
+            n = n + c
+          end
+        end
+      end
+    end
   end
+  if work ~= dest then
+    if n == p.numel then dest:copy_(work) end
+    work:free()
+  end
+  if n ~= p.numel then
+    fail('%s holds %s for parameter %s: %d of the %d elements [%d, %d) of %s', where,
+      n < p.numel and 'no data' or 'overlapping pieces', name, n, p.numel, a0, a1,
+      p.box and ('box ' .. key) or 'the parameter')
+  end
+end
+
+-- fill the elements [start, start + numel) of region r's tensor held by
+-- `flat` (1-d, those elements) from `pieces`: part by part (parts_of), a
+-- part that is not contiguous in flat filled in a buffer and spread
+local function fill_region(flat, r, start, numel, pieces, open, field, where)
+  local wshape = r.entry and r.entry.wshape or { r.numel }
+  for _, p in ipairs(parts_of(r, start, numel)) do
+    if p.at then
+      fill_part(flat:narrow(1, p.at + 1, p.numel), r.name, wshape, p, pieces, open, field, where)
+    else
+      local buf = T.empty({ p.numel }, { dtype = flat.dtype, device = flat.device_id })
+      local ok, err = pcall(fill_part, buf, r.name, wshape, p, pieces, open, field, where)
+      if ok then
+        for _, m in ipairs(p.moves) do
+          local fv, bv = move_views(m, flat, buf)
+          fv:copy_(bv)
+        end
+      end
+      buf:free()
+      if not ok then error(err, 0) end
+    end
+  end
+end
+
+-- the pieces among `pieces` that hold some of elements [start, start +
+-- numel) of region r's tensor
+local function pieces_meeting(r, start, numel, pieces)
+  local out, seen = {}, {}
+  local wshape = r.entry and r.entry.wshape or { r.numel }
+  for _, p in ipairs(parts_of(r, start, numel)) do
+    local key = box_key(p.box)
+    local truns
+    for _, pc in ipairs(pieces or {}) do
+      if not seen[pc] then
+        local hit = false
+        if box_key(pc.box) == key then
+          hit = pc.start < p.start + p.numel and pc.start + pc.numel > p.start
+        else
+          truns = truns or runs_of(p.box or whole_box(wshape), p.start, p.start + p.numel)
+          for _, Q in ipairs(runs_of(pc.box or whole_box(wshape), pc.start, pc.start + pc.numel)) do
+            for _, R in ipairs(truns) do if meet_runs(R, Q) then hit = true; break end end
+            if hit then break end
+          end
+        end
+        if hit then seen[pc] = true; out[#out + 1] = pc end
+      end
+    end
+  end
+  return out
 end
 
 -- the state of one optimizer range (its fields created zero when it never
@@ -855,9 +1260,7 @@ function M.load_sharded(model, dir, opts)
       local need = {}
       if ctx.rank == 0 then for r = 0, index.world_size - 1 do need[r] = true end end
       for _, r in ipairs(ctx.regions) do
-        for _, pc in ipairs(index.pieces[r.name] or {}) do
-          if pc.start < r.start + r.numel and pc.start + pc.numel > r.start then need[pc.rank] = true end
-        end
+        for _, pc in ipairs(pieces_meeting(r, r.start, r.numel, index.pieces[r.name])) do need[pc.rank] = true end
       end
       for rk in pairs(need) do
         local f = index.files[rk + 1]
@@ -874,13 +1277,13 @@ function M.load_sharded(model, dir, opts)
       local F = require 'moonshard.ops'
       for _, u in ipairs(ctx.units or {}) do F.fill_(u.fp.shard, 0) end   -- padding stays zero
       for _, r in ipairs(ctx.regions) do
-        fill(r.dest, r.name, r.start, r.numel, index.pieces[r.name], open, 'tensor', dir)
+        fill_region(r.dest, r, r.start, r.numel, index.pieces[r.name], open, 'tensor', dir)
       end
       for _, b in ipairs(ctx.buffers) do
         local pcs = index.pieces[b.name]
         if pcs then
           local tmp = T.empty({ b.numel }, { dtype = b.dtype })
-          fill(tmp, b.name, 0, b.numel, pcs, open, 'tensor', dir)
+          fill_part(tmp, b.name, b.shape, { start = 0, numel = b.numel }, pcs, open, 'tensor', dir)
           b.t:copy_(tmp:view(b.shape))
           tmp:free()
         elseif opts.strict ~= false then
@@ -893,6 +1296,15 @@ function M.load_sharded(model, dir, opts)
         local seen = {}
         for _, r in ipairs(ctx.regions) do
           local pcs = index.pieces[r.name]
+          if r.numel == 0 and not r.frozen then
+            -- (a parameter this rank holds none of: a vocabulary's last
+            -- TP ranks; its empty state made, with the saved step, as a step
+            -- would have made it)
+            local e = omap[tonumber(r.holder.id)]
+            for _, rg in ipairs(e and e.ranges or {}) do
+              if rg.n == 0 then range_state(opt, rg, fields).step = index.optimizer.step or 0 end
+            end
+          end
           for _, pt in ipairs(region_ranges(omap, r)) do
             local s = range_state(opt, pt.range, fields)
             local id = tonumber(pt.range.t.id)
@@ -905,12 +1317,10 @@ function M.load_sharded(model, dir, opts)
             local p0, p1 = r.start + pt.a, r.start + pt.b
             local o = r.hoff + pt.a - pt.range.off
             local step = 0
-            for _, pc in ipairs(pcs or {}) do
-              if pc.start < p1 and pc.start + pc.numel > p0 then step = math.max(step, pc.step or 0) end
-            end
+            for _, pc in ipairs(pieces_meeting(r, p0, p1 - p0, pcs)) do step = math.max(step, pc.step or 0) end
             if step > 0 then
               for _, f in ipairs(fields) do
-                fill(flat_range(s[f], o, o + p1 - p0), r.name, p0, p1 - p0, pcs, open, f, dir)
+                fill_region(flat_range(s[f], o, o + p1 - p0), r, p0, p1 - p0, pcs, open, f, dir)
               end
             end
             s.step = math.max(s.step, step)
@@ -1254,13 +1664,13 @@ function M.load_full(model, path, opts)
       local F = require 'moonshard.ops'
       for _, u in ipairs(ctx.units or {}) do F.fill_(u.fp.shard, 0) end
       for _, r in ipairs(ctx.regions) do
-        fill(r.dest, r.name, r.start, r.numel, pieces_of(r.name), open, 'tensor', path)
+        fill_region(r.dest, r, r.start, r.numel, pieces_of(r.name), open, 'tensor', path)
       end
       for _, b in ipairs(ctx.buffers) do
         local pcs = pieces_of(b.name)
         if pcs then
           local tmp = T.empty({ b.numel }, { dtype = b.dtype })
-          fill(tmp, b.name, 0, b.numel, pcs, open, 'tensor', path)
+          fill_part(tmp, b.name, b.shape, { start = 0, numel = b.numel }, pcs, open, 'tensor', path)
           b.t:copy_(tmp:view(b.shape))
           tmp:free()
         elseif opts.strict ~= false then

@@ -1109,6 +1109,33 @@ function tp.group_of(model) return info_of(model).group end
 -- vocab = V (rows by flce.vocab_shard) }
 function tp.placement(model, name) return info_of(model).split[name] end
 
+-- tp.boxes(model, name, shape) -> where this rank's slice (of local shape
+-- `shape`) of parameter `name` lies in the whole parameter: nil when it
+-- is the whole (replicated, a group of one, or a model that is not
+-- tensor-parallel), else { shape = (the whole parameter's), dim = d,
+-- segs = { { l =, g =, n = }, ... } }: local indices [l, l + n) of dim d
+-- are the whole parameter's [g, g + n), every other dim whole; one seg a
+-- section (GPT-2's fused q|k|v: three), one for a vocabulary's rows
+-- (possibly n = 0). The sharded checkpoints' boxes (fsdp_checkpoint).
+function tp.boxes(model, name, shape)
+  local info = rawget(model, '_tp')
+  local how = info and info.split[name]
+  if how == nil or info.size == 1 then return nil end
+  local whole = {}
+  for i = 1, #shape do whole[i] = shape[i] end
+  if how.vocab then
+    local a, n = flce.vocab_shard(how.vocab, info.rank, info.size)
+    whole[1] = how.vocab
+    return { shape = whole, dim = 1, segs = { { l = 0, g = a, n = n } } }
+  end
+  local d, S = how.dim, how.sections or 1
+  local piece = shape[d] / S
+  whole[d] = shape[d] * info.size
+  local segs = {}
+  for s = 0, S - 1 do segs[#segs + 1] = { l = s * piece, g = s * (whole[d] / S) + info.rank * piece, n = piece } end
+  return { shape = whole, dim = d, segs = segs }
+end
+
 -- ------------------------------------------------------------- training
 
 -- tp.clip_grad_norm_(model, max_norm, opts) -> the total 2-norm before

@@ -26,9 +26,11 @@
 -- micro-batches under no_sync, steps ms.fsdp.AdamW, averages the logged
 -- losses over the ranks once per progress line, logs on rank 0 and
 -- checkpoints through moonshard.fsdp_checkpoint in the same ckpt-<step>/
--- layout (resumable at another world size). A --pp run checkpoints the
--- same way, each rank writing what its stage holds (--pp-checkpoint full:
--- gathered into a one-process checkpoint, as --tp and --ep always are).
+-- layout (resumable at another world size). A --tp, --pp or --ep run
+-- checkpoints the same way, each rank writing what it holds (its slices
+-- as boxes of the whole parameters, its stage's, its experts'), resumable
+-- at any other layout (--checkpoint-format full: gathered into a
+-- one-process checkpoint).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local ms = require 'moonshard'
@@ -88,14 +90,15 @@ train.options = {
   { 'autocast', 'string', 'auto', 'the forward in a bf16 autocast region (bf16: the matmuls and attention in it; the weights, gradients and optimizer state f32: docs/precision.md), or off; auto: bf16 on CUDA without --fsdp (one GPU, and --tp, --pp, --cp, --ep without it; under --fsdp its mixed precision sets the compute dtype), off on the CPU and with --dtype f64' },
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
-  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead (docs/moe.md); checkpoints and the final weights are whole, one process\'s (docs/tp.md)' },
-  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints sharded (--pp-checkpoint), the final weights whole, one process\'s (docs/pp.md)' },
+  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead (docs/moe.md); checkpoints sharded, each rank writing its slices (--checkpoint-format), the final weights whole, one process\'s (docs/tp.md)' },
+  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints sharded (--checkpoint-format), the final weights whole, one process\'s (docs/pp.md)' },
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp), zbv (the zero-bubble paper\'s ZB-V: 2 chunks a rank in a V, the embedding and the head on the first rank, the weight gradients run later: near no bubble at 1F1B\'s peak memory; at least 2 x --pp - 1 micro-batches; with --fsdp the weight gradients stay in the backward), gpipe (every forward, then every backward) or looped_bfs (GPipe over --pp-chunks > 1 chunks a rank) (docs/pp.md)' },
-  { 'pp_checkpoint', 'string', 'sharded', 'with --pp: sharded (every rank writes what its stage holds, its shard under --fsdp, one data-parallel copy of each stage without it, under the whole model\'s names: the --fsdp checkpoints\' format, resuming at any --pp, data-parallel size or --fsdp and in one process) or full (the stages\' tensors gathered, rank 0 writing a one-process checkpoint); with --tp or --ep always full (docs/pp.md)' },
+  { 'checkpoint_format', 'string?', nil, 'with --tp, --pp or --ep (without --fsdp): sharded (the default: every rank writes what it holds, in parallel, under the whole model\'s names: its TP slices as boxes of the whole parameters, its stage\'s, its experts\', its shard under --fsdp, each piece once; the --fsdp checkpoints\' format, resuming at any --tp, --pp, --ep, data-parallel size or --fsdp and in one process: docs/fsdp-checkpoints.md) or full (the model and its moments gathered, rank 0 writing a one-process checkpoint); --fsdp alone always writes sharded ones' },
+  { 'pp_checkpoint', 'string?', nil, 'the older name of --checkpoint-format (which wins when both are given)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp), or with --pp-schedule looped_bfs GPipe over the chunks; zbv always runs 2 (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD; whole-model checkpoints, as --pp-checkpoint full writes); with --tp T (N a multiple of T; plain, not with --fsdp, --pp or --cp) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream), whole-model checkpoints as --tp\'s; not with --lora; checkpoints one process\'s without FSDP and sharded with it, either resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD); with --tp T (N a multiple of T; plain, not with --fsdp, --pp or --cp) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream); not with --lora; checkpoints sharded, each rank writing its experts\' pieces (--checkpoint-format full: one process\'s without FSDP), resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -406,8 +409,10 @@ function train.check_options(o, where)
   if o.float8 ~= nil and o.float8 ~= 'off' and not require('moonshard.float8').recipes[o.float8] then
     usage('%s: float8 must be off, tensorwise, rowwise, rowwise_with_gw_hp or blockwise, got %s', where, describe(o.float8))
   end
-  if o.pp_checkpoint ~= nil and o.pp_checkpoint ~= 'sharded' and o.pp_checkpoint ~= 'full' then
-    usage('%s: pp_checkpoint must be sharded or full, got %s', where, describe(o.pp_checkpoint))
+  for _, k in ipairs({ 'checkpoint_format', 'pp_checkpoint' }) do
+    if o[k] ~= nil and o[k] ~= 'sharded' and o[k] ~= 'full' then
+      usage('%s: %s must be sharded or full, got %s', where, k, describe(o[k]))
+    end
   end
   if o.pp_schedule ~= nil and not ({ ['1f1b'] = true, gpipe = true, zbh1 = true, zbv = true,
       looped_bfs = true })[o.pp_schedule] then
@@ -1002,7 +1007,8 @@ function train.run(opts)
   -- --tp N: tensor parallel groups of N ranks (mesh.shard), data
   -- parallelism across them (mesh.replicate): plain (gradients all-reduced)
   -- or, with --fsdp FULL_SHARD / SHARD_GRAD_OP, each rank's slices sharded
-  -- over its mesh.replicate group (FSDP x TP); whole-model checkpoints
+  -- over its mesh.replicate group (FSDP x TP); sharded checkpoints (each
+  -- rank its slices' boxes), whole-model ones with --checkpoint-format full
   local tp_size, tp_mesh = o.tp, nil
   local data_rank, data_world = rank, world
   if tp_size > 1 then
@@ -1015,10 +1021,6 @@ function train.run(opts)
         .. 'use FULL_SHARD or SHARD_GRAD_OP', tp_size)
     end
     if o.lora > 0 then usage('--tp with --lora: not supported (merge the adapters first)') end
-    if resume and resume.sharded then
-      usage('--tp: %s is a sharded (FSDP) checkpoint; --tp resumes whole-model checkpoints (resume it with --steps '
-        .. 'at its step and --out, then --init-from the folder)', resume.path)
-    end
     if strategy == nil or strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     tp_mesh = dist.mesh { replicate = world / tp_size, shard = tp_size }
     data_rank, data_world = tp_mesh.coord[1], world / tp_size
@@ -1026,7 +1028,7 @@ function train.run(opts)
   -- --pp N: pipelines of N stages (mesh.shard, consecutive ranks), data
   -- parallelism across them (mesh.replicate, gradients all-reduced);
   -- sharded checkpoints, each rank writing its stage's pieces (whole-model
-  -- ones with --pp-checkpoint full, --tp or --ep)
+  -- ones with --checkpoint-format full)
   -- every rank takes part in making every group (a collective each);
   -- ranks_of(i, j) lists group (i, j)'s ranks, this rank keeps its own
   local function mine(n_i, n_j, ranks_of)
@@ -1049,11 +1051,6 @@ function train.run(opts)
       end
       usage('--pp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', pp_size, world,
         world == 1 and '' or 's')
-    end
-    if resume and resume.sharded and (tp_size > 1 or o.ep > 1) then
-      usage('--pp with --%s: %s is a sharded checkpoint; --pp --%s resumes whole-model checkpoints (resume it without '
-        .. '--%s, or at --pp alone)', tp_size > 1 and 'tp' or 'ep', resume.path, tp_size > 1 and 'tp' or 'ep',
-        tp_size > 1 and 'tp' or 'ep')
     end
     -- --fsdp FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD: each stage sharded
     -- over the data-parallel ranks that hold it (FSDP x PP); otherwise the
@@ -1386,7 +1383,8 @@ function train.run(opts)
       deferred and ', deferred init' or '', o.tp_overlap and '' or ', no backward overlap')
     -- a whole-model checkpoint's weights go into the slices now (before
     -- fully_shard, which takes them); its optimizer state after the optimizer
-    if resume and not pp_mesh then
+    -- (a sharded one is read after the optimizer, each rank its boxes)
+    if resume and not resume.sharded and not pp_mesh then
       local okl, err = pcall(ckpt.load, resume.path, {
         model = { load_state_dict = function(_, sd)
           -- (--ep too: the experts whole, by their global names)
@@ -1754,9 +1752,11 @@ function train.run(opts)
     local state = { step = step, scheduler = { step = step, lr = lr_at(math.min(step, o.steps)) },
                     rng = T.rng_state(), data = train_loader:state(), options = saved,
                     bad_steps = bad_total, bad_steps_in_a_row = bad_run }
-    -- --pp (without --tp and --ep): sharded checkpoints unless --pp-checkpoint full
-    local pp_sharded = pp_mesh and not tp_mesh and not ep_group and o.pp_checkpoint ~= 'full'
-    if (tp_mesh or pp_mesh or (ep_group and not strategy)) and not pp_sharded then
+    -- --tp, --pp, --ep: sharded checkpoints unless --checkpoint-format full
+    -- (--ep under FSDP: always sharded)
+    local format = o.checkpoint_format or o.pp_checkpoint or 'sharded'
+    local parallel = tp_mesh or pp_mesh or ep_group
+    if (tp_mesh or pp_mesh or (ep_group and not strategy)) and format == 'full' then
       -- the whole model's and optimizer's state, gathered on every rank
       -- (with --ep on the ranks of rank 0's group, on the host); rank 0
       -- writes a one-process checkpoint (it resumes at any --tp, --pp or
@@ -1792,7 +1792,7 @@ function train.run(opts)
       if not async then return conclude() end
       return { ready = function() return rank ~= 0 or not okw or res:ready() end, finish = conclude }
     end
-    if not strategy and not pp_sharded then
+    if not strategy and not parallel then
       if not async then
         return ckpt.save(o.out, step, { model = model, optimizer = opt, state = state }, { keep = o.keep_checkpoints })
       end
@@ -1802,9 +1802,12 @@ function train.run(opts)
     end
     -- the shape of the run, so that another world size keeps the global batch
     state.world_size, state.tokens_per_step, state.fsdp = world, tokens_per_step, strategy
-    if pp_sharded then
-      -- (every rank writes its stage's pieces; the data ranks are the pipelines)
-      state.world_size, state.pp = data_world, pp_size
+    if parallel then
+      -- (every rank writes what it holds: its stage's, its slices', its
+      -- experts' pieces; the data ranks are the pipelines / TP groups)
+      state.world_size = data_world
+      state.tp, state.pp = tp_mesh and tp_size or nil, pp_mesh and pp_size or nil
+      state.ep = ep_group and ep_size or nil
     end
     return train.save_sharded_checkpoint(o.out, step, { model = model, optimizer = opt, state = state },
       { keep = o.keep_checkpoints, writer = w })
