@@ -104,11 +104,11 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     end
   end)
 
-  it('a --tp 2 --ep 2 checkpoint is a one-process one: it resumes in one process and at --tp 2 --ep 2 on the curve',
-    function()
+  it('a --tp 2 --ep 2 checkpoint with --checkpoint-format full is a one-process one: it resumes in one process and '
+    .. 'at --tp 2 --ep 2 on the curve', function()
     local one = reference(mixtral .. no_aux, 'm1')
     local status, text = bin_train(('--nproc-per-node 2 --device cpu %s%s --batch-size 4 --steps 4 --tp 2 --ep 2 '
-      .. '--save-every 1 --stop-at 2 --out %s/cs'):format(mixtral, no_aux, q(dir)))
+      .. '--checkpoint-format full --save-every 1 --stop-at 2 --out %s/cs'):format(mixtral, no_aux, q(dir)))
     assert.are.equal(0, status, text)
     -- every expert and the whole tensors, as the one-process run's after 2 steps
     close_weights(dir .. '/cs/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
@@ -119,6 +119,24 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/cs --tp 2 --ep 2'):format(q(dir)))
     assert.are.equal(0, status, text)
     close_losses(one, losses(dir .. '/cs'), 1, 4, 'resumed at --tp 2 --ep 2')
+  end)
+
+  it('a --tp 2 --ep 2 checkpoint is sharded by default: it resumes in one process, at --tp 2 --ep 2 and at --ep 2 '
+    .. 'on the curve', function()
+    local one = reference(mixtral .. no_aux, 'm1')
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu %s%s --batch-size 4 --steps 4 --tp 2 --ep 2 '
+      .. '--save-every 1 --stop-at 2 --out %s/ss'):format(mixtral, no_aux, q(dir)))
+    assert.are.equal(0, status, text)
+    local f = io.open(dir .. '/ss/ckpt-2/index.json')
+    assert.is_truthy(f, 'a sharded checkpoint has an index.json')
+    f:close()
+    for _, c in ipairs({ { 'ss1', '', '' }, { 'ss2', '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2' },
+                         { 'ss3', '--nproc-per-node 2 --device cpu ', ' --ep 2 --batch-size 2' } }) do
+      os.execute(('cp -r %s/ss %s/%s'):format(q(dir), q(dir), c[1]))
+      status, text = bin_train(('%s--resume %s/%s%s'):format(c[2], q(dir), c[1], c[3]))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(dir .. '/' .. c[1]), 1, 4, 'resumed ' .. (c[3] == '' and 'in one process' or 'at' .. c[3]))
+    end
   end)
 
   it('bad layouts exit 2 and say why', function()

@@ -127,6 +127,17 @@ end
 -- the model's name of expert e's (0-based, global) parameter `rest` in layer L
 local function expert_name(L, e, rest) return ('%sexperts.%d.%s'):format(L.prefix, e, rest) end
 
+-- ep.local_names(model) -> name -> true for the parameters of this rank's
+-- experts (under their whole-model names)
+function ep.local_names(model)
+  local info = info_of(model, 'local_names')
+  local out = {}
+  for _, L in ipairs(info.layers) do
+    for _, it in ipairs(local_experts(L)) do out[expert_name(L, info.rank * L.El + it.j - 1, it.rest)] = true end
+  end
+  return out
+end
+
 -- ep.remote_names(model) -> name -> true for the parameters of the
 -- experts the group's other ranks hold (the whole model's names this rank
 -- lacks: a checkpoint of the whole model holds them)

@@ -736,11 +736,14 @@ function M.save_sharded(model, dir, opts)
   -- (a parameter that tensor parallelism leaves whole: the first TP rank's
   -- copy, whose FSDP shards may lie elsewhere than the other TP ranks'
   -- when the slices before it in a unit differ: an uneven vocabulary)
+  -- (an expert-parallel model's experts under --tp --ep: whole on one rank
+  -- of the TP group, each TP rank holding its own; written by their ranks)
   local tpi = rawget(model, '_tp')
   local tp_first = not tpi or tpi.rank == 0
+  local mine_ep = tpi and rawget(model, '_ep_train') and require('moonshard.ep').local_names(model) or {}
   ok, err = pcall(function()
     for _, r in ipairs(ctx.regions) do
-      if r.write and (tp_first or (r.entry and r.entry.split)) then
+      if r.write and (tp_first or (r.entry and r.entry.split) or mine_ep[r.name]) then
         for _, p in ipairs(parts_of(r)) do cands[#cands + 1] = { r = r, p = p } end
       end
     end
