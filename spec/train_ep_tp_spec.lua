@@ -8,8 +8,10 @@
 -- (each TP group's own); a tiny DeepSeek-V3 (a split shared expert, MLA,
 -- the sequence-wise balance loss, --moe-bias-rate) at --tp 2 --ep 2 on 2
 -- and --tp 2 --ep 4 on 4: the loss curve within 1e-5, the final weights
--- whole; a checkpoint is a one-process one, resuming in one process and at
--- --tp 2 --ep 2 on the curve; bad layouts exit 2 with a message.
+-- whole; a checkpoint is sharded by default (resuming in one process, at
+-- --tp 2 --ep 2 and at --ep 2) and a one-process one with
+-- --checkpoint-format full, each on the curve; bad layouts exit 2 with a
+-- message.
 require 'moonshard'
 local S = require 'spec.support'
 local q = S.shell_quote
