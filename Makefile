@@ -63,6 +63,9 @@ $(BUILD)/%.o: %.cu $(wildcard kernels/*.h kernels/*.cuh kernels/*.inc) $(HEADERS
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -Icore $(NCCL_FLAGS) -c $< -o $@
 
+# the blockwise many-ops' indexing, shared by the CPU and the kernels
+$(BUILD)/core/float8.o $(BUILD)/kernels/float8.o: core/f8many.h
+
 # the communicator's objects share its internal header (nccl.o: the CUDA runtime's too)
 $(patsubst %.c,$(BUILD)/%.o,$(wildcard core/dist/*.c)) $(patsubst %.cu,$(BUILD)/%.o,$(wildcard core/dist/*.cu)): \
   core/dist/dist_internal.h kernels/common.cuh

@@ -26,7 +26,10 @@
 -- --float8 (the blocks' linear layers in FP8: moonshard.float8.convert,
 -- docs/float8.md; --recipe names the recipe, tensorwise by default;
 -- --float8-gather: fully_shard's float8_all_gather, tensorwise or blockwise,
--- docs/fsdp.md),
+-- docs/fsdp.md; --f8-precompute N: after the measured steps, N more runs of
+-- its once-a-step precompute alone, fsdp.float8_precompute, each between two
+-- CUDA events: the amaxes, their all-reduce, the scales, the casts and the
+-- packing, then the same with the all-reduce skipped),
 -- --tp (tensor parallelism instead of FSDP: ms.tp.parallelize over the
 -- world, every rank the same batch; tokens/s per GPU is then the step's
 -- tokens over the GPUs; docs/tp.md), --sp (with --tp: sequence parallel),
@@ -94,7 +97,7 @@ local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
   ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise', ['tp-scales'] = 'shard', microbatches = 0,
-  schedule = '1f1b', stages = '', chunks = 1, ['pp-size'] = 0, cp = 1 }
+  schedule = '1f1b', stages = '', chunks = 1, ['pp-size'] = 0, cp = 1, ['f8-precompute'] = 0 }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
   ['keep-activations'] = false, ['jit-profile'] = false, tp = false, pp = false, sp = false, float8 = false, ['float8-gather'] = false,
   ['no-overlap'] = false, ['no-grad-first'] = false, ['pp-fsdp'] = false, ep = false }
@@ -110,7 +113,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama|mixtral|deepseek] [--ep] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe|zbv|looped_bfs] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise] [--float8-gather] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe|zbv|looped_bfs] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise] [--float8-gather [--f8-precompute N]] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -459,6 +462,38 @@ local peak = math.max(steady0, steady) / 2 ^ 30
 say(('peak allocated GiB/GPU: %.2f over all steps, %.2f over the timed steps'):format(peak, steady / 2 ^ 30))
 if ac_blocks > 0 then say(('activation checkpointing: %d blocks'):format(ac_blocks)) end
 if float8_layers > 0 then say(('float8: %d linear layers (%s%s%s)'):format(float8_layers, opts.recipe, flags['float8-gather'] and ', f8 all-gathers' or '', flags.tp and ', TP scales ' .. opts['tp-scales'] or '')) end
+
+-- --f8-precompute N: float8_all_gather's once-a-step work alone, N times
+-- (after 2 untimed), each between two events on the compute stream; with
+-- and without its all-reduce (set_skip_comm), median and mean in ms
+if opts['f8-precompute'] > 0 then
+  assert(flags['float8-gather'] and use_fsdp, 'bench/fsdp.lua: --f8-precompute needs --float8-gather under FSDP')
+  local n = math.floor(opts['f8-precompute'])
+  local ev0, ev1 = ms.cuda.event { timing = true }, ms.cuda.event { timing = true }
+  for _, skip in ipairs({ false, true }) do
+    if skip then ms.fsdp.set_skip_comm(model, true) end
+    local t = {}
+    for k = -1, n do
+      ms.cuda.synchronize()
+      ev0:record()
+      ms.fsdp.float8_precompute(model)
+      ev1:record()
+      ev1:synchronize()
+      if k >= 1 then t[#t + 1] = ev0:elapsed_ms(ev1) end
+    end
+    if skip then
+      ms.fsdp.set_skip_comm(model, false)
+      ms.fsdp.float8_precompute(model)   -- (the all-reduced maxima again, for what follows)
+    end
+    local sum = 0
+    for _, v in ipairs(t) do sum = sum + v end
+    table.sort(t)
+    local units = 0
+    for _, u in ipairs(ms.fsdp.units(model)) do if u.f8 then units = units + 1 end end
+    say(('f8 precompute%s: median %.3f ms, mean %.3f ms over %d runs (%d float8 units)'):format(
+      skip and ' without its all-reduce' or '', t[math.floor((#t + 1) / 2)], sum / #t, #t, units))
+  end
+end
 
 -- one step with its collectives timed: what ran when on the communication
 -- stream, and where the compute stream waited for it

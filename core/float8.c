@@ -878,3 +878,285 @@ int ms_float8_cast_blockwise_piece(ms_tensor **out, const ms_tensor *x, const ms
     ms_tensor_free(c);
     return finish(out, allocated, rc);
 }
+
+/* ------------------------------------- many blockwise pieces (FSDP) */
+
+#include "f8many.h"
+
+/* a byte range a many-op writes or reads, for the overlap check */
+typedef struct {
+    const char *lo, *hi;
+    const char *what;
+    int i;
+} f8_span;
+
+static void span_add(f8_span *s, int *k, const ms_tensor *t, const char *what, int i) {
+    if (!t || ms_tensor_numel(t) == 0) return;
+    s[*k].lo = (const char *)ms_tensor_data(t);
+    s[*k].hi = s[*k].lo + ms_tensor_numel(t) * ms_dtype_size(t->dtype_id);
+    s[*k].what = what;
+    s[*k].i = i;
+    (*k)++;
+}
+
+/* the first nw spans (written) overlap neither one another nor the rest
+ * (read) */
+static int check_spans(const char *op, const f8_span *s, int nw, int n) {
+    for (int a = 0; a < nw; a++)
+        for (int b = a + 1; b < n; b++)
+            if (s[a].lo < s[b].hi && s[b].lo < s[a].hi)
+                return ms_errorf("%s: %s[%d] overlaps %s[%d] (the tensors a many-op writes must not overlap one "
+                                 "another nor what it reads)", op, s[a].what, s[a].i + 1, s[b].what, s[b].i + 1);
+    return 0;
+}
+
+/* the device of the first tensor given among lists a, b (n entries each,
+ * either list or entry NULL); -1 when there is none */
+static int many_device(ms_tensor **a, ms_tensor **b, int n) {
+    for (int i = 0; i < n; i++) {
+        if (a && a[i]) return a[i]->device_id;
+        if (b && b[i]) return b[i]->device_id;
+    }
+    return -1;
+}
+
+/* piece i of a many-op: inside its matrix, x[i] (NULL: empty) a contiguous
+ * 1-D float tensor on dev; geom given when n > 0 */
+static int check_many_pieces(const char *op, ms_tensor **x, const int64_t *geom, int n, int dev) {
+    char name[96], d[DESC], dv[32];
+    if (n < 0) return ms_errorf("%s: %d pieces", op, n);
+    if (n > 0 && !geom) return ms_errorf("%s: geom (each piece's R, C, offset) is missing", op);
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "%s (piece %d)", op, i + 1);
+        const int64_t R = geom[3 * i], C = geom[3 * i + 1], off = geom[3 * i + 2];
+        const ms_tensor *xi = x ? x[i] : NULL;
+        if (xi) {
+            if (check_piece(name, xi, R, C, off)) return -1;
+            if (!ms_tensor_is_contiguous(xi) || xi->device_id != dev)
+                return ms_errorf("%s: x must be contiguous and on %s, got %s", name, ms_device_str(dev, dv, sizeof dv),
+                                 ms_desc(xi, d, sizeof d));
+        } else if (R < 0 || C < 0 || off < 0 || (C > 0 && R > INT64_MAX / C) || off > R * C) {
+            return ms_errorf("%s: an empty piece at offset %lld is not inside a (%lld, %lld) matrix", name,
+                             (long long)off, (long long)R, (long long)C);
+        }
+    }
+    return 0;
+}
+
+static int64_t piece_n(ms_tensor **x, int i) { return x && x[i] ? x[i]->sizes[0] : 0; }
+
+/* f[i] = x[i] as contiguous f32 (CPU; NULL for an empty piece) */
+static int many_f32(ms_tensor **f, ms_tensor **x, int n) {
+    for (int i = 0; i < n; i++)
+        if (piece_n(x, i) > 0 && f32_contig(&f[i], x[i])) return -1;
+    return 0;
+}
+
+static void many_free(ms_tensor **f, int n) {
+    if (!f) return;
+    for (int i = 0; i < n; i++) ms_tensor_free(f[i]);
+    free(f);
+}
+
+/* the work items of the pieces in turn (core/f8many.h): first[0..n], g0[i] */
+static void many_items(ms_tensor **x, const int64_t *geom, int n, int64_t *first, int64_t *g0) {
+    first[0] = 0;
+    for (int i = 0; i < n; i++)
+        first[i + 1] = first[i] + ms_f8p_items(piece_n(x, i), geom[3 * i + 1], geom[3 * i + 2], &g0[i]);
+}
+
+/* the CPU's walk of item w, as a warp of blk_piece_many_kernel walks it:
+ * its 16 rows, and in each lane l's columns l, l + 32, l + 64, l + 96 of the
+ * block; amax: folded into the block's maximum (m), else cast with the
+ * block's scale (sc) into po */
+static void item_walk(const float *p, int64_t n, int64_t C, int64_t offset, int64_t g0, int64_t item, float *m,
+                      float sc, uint8_t *po, int e5) {
+    const int64_t nbc = cdiv128(C), rg = g0 + item / nbc, cb = item % nbc, end = offset + n;
+    for (int rr = 0; rr < MS_F8P_ROWS; rr++) {
+        const int64_t re = (rg * MS_F8P_ROWS + rr) * C;   /* the row's first element */
+        if (re >= end) break;
+        if (re + C <= offset) continue;
+        for (int t = 0; t < 4; t++)
+            for (int lane = 0; lane < 32; lane++) {
+                const int64_t j = cb * MS_F8P_BLK + lane + 32 * t, e = re + j;
+                if (j < C && e >= offset && e < end) {
+                    if (m) amax_in(m, p[e - offset]);
+                    else po[e - offset] = ms_fp8_from_f32(p[e - offset] * sc, e5, 1);
+                }
+            }
+    }
+}
+
+/* the block (rg, cb)'s entry in a (nbr, nbc) grid, rg a 16-row group */
+static int64_t item_block(int64_t C, int64_t g0, int64_t item) {
+    const int64_t nbc = cdiv128(C), rg = g0 + item / nbc, cb = item % nbc;
+    return (rg * MS_F8P_ROWS / MS_F8P_BLK) * nbc + cb;
+}
+
+int ms_float8_amax_blockwise_many(ms_tensor **amax, ms_tensor **x, const int64_t *geom, int n) {
+    const char *op = "float8_amax_blockwise_many";
+    char name[96];
+    if (n > 0 && !amax) return ms_errorf("%s: amax (a grid a piece) is missing", op);
+    const int dev = many_device(amax, x, n);
+    if (check_many_pieces(op, x, geom, n, dev)) return -1;
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "%s (piece %d)", op, i + 1);
+        if (check_grid(name, "amax", amax[i], cdiv128(geom[3 * i]), cdiv128(geom[3 * i + 1]), dev)) return -1;
+    }
+    f8_span *sp = n > 0 ? malloc(sizeof(f8_span) * 2 * (size_t)n) : NULL;
+    if (n > 0 && !sp) return ms_errorf("%s: out of host memory", op);
+    int ns = 0;
+    for (int i = 0; i < n; i++) span_add(sp, &ns, amax[i], "amax", i);
+    const int nw = ns;
+    for (int i = 0; i < n; i++) span_add(sp, &ns, x ? x[i] : NULL, "x", i);
+    int rc = check_spans(op, sp, nw, ns);
+    free(sp);
+    if (rc || n == 0) return rc;
+#ifdef MS_WITH_CUDA
+    if (dev >= 0) return ms_cuda_float8_amax_blockwise_many(amax, x, geom, n, dev);
+#endif
+    ms_tensor **f = calloc((size_t)n, sizeof *f);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * n + 1));
+    if (!f || !first) {
+        free(f);
+        free(first);
+        return ms_errorf("%s: out of host memory", op);
+    }
+    int64_t *g0 = first + n + 1;
+    rc = many_f32(f, x, n);
+    if (!rc) {
+        for (int i = 0; i < n; i++) memset(ms_tensor_data(amax[i]), 0, sizeof(float) * (size_t)ms_tensor_numel(amax[i]));
+        many_items(x, geom, n, first, g0);
+        for (int64_t w = 0; w < first[n]; w++) {
+            const int i = ms_f8p_find(first, n, w);
+            const int64_t C = geom[3 * i + 1], item = w - first[i];
+            float *m = (float *)ms_tensor_data(amax[i]) + item_block(C, g0[i], item);
+            item_walk(ms_tensor_data(f[i]), piece_n(x, i), C, geom[3 * i + 2], g0[i], item, m, 0.0f, NULL, 0);
+        }
+    }
+    many_free(f, n);
+    free(first);
+    return rc;
+}
+
+int ms_float8_cast_blockwise_many(ms_tensor **out, ms_tensor **x, ms_tensor **scale, const int64_t *geom, int n,
+                                  int dtype) {
+    const char *op = "float8_cast_blockwise_many";
+    char name[96], d[DESC], dv[32];
+    if (!ms_is_float8(dtype))
+        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+    const int dev = many_device(x, out, n);
+    if (check_many_pieces(op, x, geom, n, dev)) return -1;
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "%s (piece %d)", op, i + 1);
+        const int64_t m = piece_n(x, i);
+        ms_tensor *o = out ? out[i] : NULL;
+        if (m == 0) {
+            if (o && (ms_tensor_check_live(o, name) || ms_tensor_numel(o) != 0))
+                return ms_errorf("%s: an empty piece's out must be NULL or empty, got %s", name, ms_desc(o, d, sizeof d));
+            continue;
+        }
+        if (check_grid(name, "scale", scale ? scale[i] : NULL, cdiv128(geom[3 * i]), cdiv128(geom[3 * i + 1]), dev))
+            return -1;
+        if (!o) return ms_errorf("%s: out is missing", name);
+        if (ms_tensor_check_live(o, name)) return -1;
+        if (o->dtype_id != dtype || o->ndim != 1 || o->sizes[0] != m || o->device_id != dev ||
+            !ms_tensor_is_contiguous(o))
+            return ms_errorf("%s: out must be a contiguous %s (%lld) on %s (the piece's elements), got %s", name,
+                             ms_dtype_name(dtype), (long long)m, ms_device_str(dev, dv, sizeof dv),
+                             ms_desc(o, d, sizeof d));
+    }
+    f8_span *sp = n > 0 ? malloc(sizeof(f8_span) * 3 * (size_t)n) : NULL;
+    if (n > 0 && !sp) return ms_errorf("%s: out of host memory", op);
+    int ns = 0;
+    for (int i = 0; i < n; i++) span_add(sp, &ns, piece_n(x, i) > 0 ? out[i] : NULL, "out", i);
+    const int nw = ns;
+    for (int i = 0; i < n; i++) {
+        span_add(sp, &ns, x ? x[i] : NULL, "x", i);
+        span_add(sp, &ns, piece_n(x, i) > 0 ? scale[i] : NULL, "scale", i);
+    }
+    int rc = check_spans(op, sp, nw, ns);
+    free(sp);
+    if (rc || n == 0) return rc;
+#ifdef MS_WITH_CUDA
+    if (dev >= 0) return ms_cuda_float8_cast_blockwise_many(out, x, scale, geom, n, dtype, dev);
+#endif
+    ms_tensor **f = calloc((size_t)n, sizeof *f);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * n + 1));
+    if (!f || !first) {
+        free(f);
+        free(first);
+        return ms_errorf("%s: out of host memory", op);
+    }
+    int64_t *g0 = first + n + 1;
+    rc = many_f32(f, x, n);
+    if (!rc) {
+        many_items(x, geom, n, first, g0);
+        for (int64_t w = 0; w < first[n]; w++) {
+            const int i = ms_f8p_find(first, n, w);
+            const int64_t C = geom[3 * i + 1], item = w - first[i];
+            const float sc = ((const float *)ms_tensor_data(scale[i]))[item_block(C, g0[i], item)];
+            item_walk(ms_tensor_data(f[i]), piece_n(x, i), C, geom[3 * i + 2], g0[i], item, NULL, sc,
+                      ms_tensor_data(out[i]), is_e5m2(dtype));
+        }
+    }
+    many_free(f, n);
+    free(first);
+    return rc;
+}
+
+int ms_float8_scales_blockwise_many(ms_tensor **scale, ms_tensor **inv, ms_tensor **inv_t, ms_tensor **amax,
+                                    const int *pow2, int n, int dtype) {
+    const char *op = "float8_scales_blockwise_many";
+    char name[96], d[DESC];
+    if (n < 0) return ms_errorf("%s: %d grids", op, n);
+    if (n > 0 && !amax) return ms_errorf("%s: amax (a grid a weight) is missing", op);
+    if (!ms_is_float8(dtype))
+        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+    const int dev = many_device(amax, NULL, n);
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "%s (grid %d)", op, i + 1);
+        const ms_tensor *a = amax[i];
+        if (!a) return ms_errorf("%s: amax is missing", name);
+        if (ms_tensor_check_live(a, name)) return -1;
+        if (a->dtype_id != MS_F32 || a->ndim != 2 || !ms_tensor_is_contiguous(a) || a->device_id != dev)
+            return ms_errorf("%s: amax must be a contiguous f32 (row blocks, column blocks) grid on the first's "
+                             "device, got %s", name, ms_desc(a, d, sizeof d));
+        const int64_t nbr = a->sizes[0], nbc = a->sizes[1];
+        if ((scale && scale[i] && check_grid(name, "scale", scale[i], nbr, nbc, dev)) ||
+            (inv && inv[i] && check_grid(name, "inv", inv[i], nbr, pad4(nbc), dev)) ||
+            (inv_t && inv_t[i] && check_grid(name, "inv_t", inv_t[i], nbc, pad4(nbr), dev)))
+            return -1;
+    }
+#ifndef MS_WITH_CUDA
+    if (dev >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
+    f8_span *sp = n > 0 ? malloc(sizeof(f8_span) * 4 * (size_t)n) : NULL;
+    if (n > 0 && !sp) return ms_errorf("%s: out of host memory", op);
+    int ns = 0;
+    for (int i = 0; i < n; i++) {
+        span_add(sp, &ns, scale ? scale[i] : NULL, "scale", i);
+        span_add(sp, &ns, inv ? inv[i] : NULL, "inv", i);
+        span_add(sp, &ns, inv_t ? inv_t[i] : NULL, "inv_t", i);
+    }
+    const int nw = ns;
+    for (int i = 0; i < n; i++) span_add(sp, &ns, amax[i], "amax", i);
+    int rc = check_spans(op, sp, nw, ns);
+    free(sp);
+    if (rc || n == 0) return rc;
+#ifdef MS_WITH_CUDA
+    if (dev >= 0) return ms_cuda_float8_scales_blockwise_many(scale, inv, inv_t, amax, pow2, n, dtype, dev);
+#endif
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (!first) return ms_errorf("%s: out of host memory", op);
+    first[0] = 0;
+    for (int i = 0; i < n; i++) first[i + 1] = first[i] + ms_f8p_slots(amax[i]->sizes[0], amax[i]->sizes[1]);
+    for (int64_t s = 0; s < first[n]; s++) {
+        const int i = ms_f8p_find(first, n, s);
+        ms_f8p_scales_slot(ms_tensor_data(amax[i]), scale && scale[i] ? ms_tensor_data(scale[i]) : NULL,
+                    inv && inv[i] ? ms_tensor_data(inv[i]) : NULL, inv_t && inv_t[i] ? ms_tensor_data(inv_t[i]) : NULL,
+                    amax[i]->sizes[0], amax[i]->sizes[1], s - first[i], is_e5m2(dtype), pow2 ? pow2[i] : 0);
+    }
+    free(first);
+    return 0;
+}

@@ -1632,3 +1632,56 @@ int ms_split_flat_(ms_tensor **dst, int n, const ms_tensor *flat) {
     }
     return rc ? -1 : 0;
 }
+
+/* the n byte copies of ms_copy_bytes_many (core/ops.h): checked, then one
+ * memcpy each on the CPU or one kernel a 128 copies on CUDA */
+int ms_copy_bytes_many(ms_tensor **dst, ms_tensor **src, const int64_t *spec, int n) {
+    const char *op = "copy_bytes_many";
+    char d[DESC], d1[DESC], name[64];
+    if (n < 0) return ms_errorf("%s: %d copies", op, n);
+    if (n == 0) return 0;
+    if (!dst || !src || !spec) return ms_errorf("%s: dst, src or spec is missing", op);
+    const int dev = dst[0] ? dst[0]->device_id : -1;
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "%s (copy %d)", op, i + 1);
+        if (!dst[i] || !src[i]) return ms_errorf("%s: %s is missing", name, dst[i] ? "src" : "dst");
+        if (ms_tensor_check_live(dst[i], name) || ms_tensor_check_live(src[i], name)) return -1;
+        if (!ms_tensor_is_contiguous(dst[i]) || !ms_tensor_is_contiguous(src[i]) || dst[i]->device_id != dev ||
+            src[i]->device_id != dev)
+            return ms_errorf("%s: dst %s and src %s must be contiguous and on the first dst's device", name,
+                             ms_desc(dst[i], d, sizeof d), ms_desc(src[i], d1, sizeof d1));
+        const int64_t dn = ms_tensor_numel(dst[i]) * ms_dtype_size(dst[i]->dtype_id);
+        const int64_t sn = ms_tensor_numel(src[i]) * ms_dtype_size(src[i]->dtype_id);
+        const int64_t doff = spec[3 * i], soff = spec[3 * i + 1], nb = spec[3 * i + 2];
+        if (nb < 0 || doff < 0 || soff < 0 || doff > dn - nb || soff > sn - nb)
+            return ms_errorf("%s: %lld bytes from byte %lld of src %s (%lld bytes) to byte %lld of dst %s (%lld "
+                             "bytes) do not fit", name, (long long)nb, (long long)soff, ms_desc(src[i], d1, sizeof d1),
+                             (long long)sn, (long long)doff, ms_desc(dst[i], d, sizeof d), (long long)dn);
+    }
+#ifndef MS_WITH_CUDA
+    if (dev >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
+    /* the written ranges overlap neither one another nor a read one */
+    for (int a = 0; a < n; a++) {
+        const char *wa = (const char *)ms_tensor_data(dst[a]) + spec[3 * a];
+        const int64_t na = spec[3 * a + 2];
+        if (na == 0) continue;
+        for (int b = 0; b < n; b++) {
+            const char *wb = (const char *)ms_tensor_data(dst[b]) + spec[3 * b];
+            const char *rb = (const char *)ms_tensor_data(src[b]) + spec[3 * b + 1];
+            const int64_t nbb = spec[3 * b + 2];
+            if (nbb == 0) continue;
+            if ((b > a && wa < wb + nbb && wb < wa + na) || (wa < rb + nbb && rb < wa + na))
+                return ms_errorf("%s: copy %d writes bytes that copy %d %s", op, a + 1, b + 1,
+                                 (b > a && wa < wb + nbb && wb < wa + na) ? "writes" : "reads");
+        }
+    }
+#ifdef MS_WITH_CUDA
+    if (dev >= 0) return ms_cuda_copy_bytes_many(dst, src, spec, n, dev);
+#endif
+    for (int i = 0; i < n; i++)
+        if (spec[3 * i + 2] > 0)
+            memcpy((char *)ms_tensor_data(dst[i]) + spec[3 * i], (const char *)ms_tensor_data(src[i]) + spec[3 * i + 1],
+                   (size_t)spec[3 * i + 2]);
+    return 0;
+}

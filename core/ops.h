@@ -527,6 +527,39 @@ int ms_float8_scales_blockwise(ms_tensor **scale, ms_tensor **inv, ms_tensor **i
                                int dtype, int pow2);
 int ms_float8_cast_blockwise_piece(ms_tensor **out, const ms_tensor *x, const ms_tensor *scale, int64_t R, int64_t C,
                                    int64_t offset, int dtype);
+/* ---- the same for many pieces at once (FSDP's once-a-step precompute of
+ * every blockwise weight of a model: one launch each, a table of pieces
+ * carried as the kernel's parameter, up to 128 pieces a launch; core/f8many.h
+ * has the indexing the CPU and CUDA share)
+ *
+ * n pieces; piece i is x[i] (a contiguous 1-D float tensor, or NULL: no
+ * element here) at geom[3i + 2] of a (geom[3i], geom[3i + 1]) matrix, all
+ * on one device (any float dtypes). Every tensor is given (nothing is
+ * allocated), the written ones do not overlap one another nor what is read.
+ *
+ * ms_float8_amax_blockwise_many: amax[i] = ms_float8_amax_blockwise_piece
+ * of piece i (its whole grid written; a NULL piece's zeroed).
+ * ms_float8_scales_blockwise_many: scale[i], inv[i], inv_t[i] =
+ * ms_float8_scales_blockwise(amax[i], dtype, pow2[i]) (a NULL array or
+ * entry: not wanted; pow2 NULL: all 0); here x and geom are not used, the
+ * grids' shapes are amax[i]'s.
+ * ms_float8_cast_blockwise_many: out[i] (n_i) dtype =
+ * ms_float8_cast_blockwise_piece(x[i], scale[i], ...) (out[i] NULL or
+ * empty for a NULL piece).
+ * The bits are those of the per-piece ops. */
+int ms_float8_amax_blockwise_many(ms_tensor **amax, ms_tensor **x, const int64_t *geom, int n);
+int ms_float8_scales_blockwise_many(ms_tensor **scale, ms_tensor **inv, ms_tensor **inv_t, ms_tensor **amax,
+                                    const int *pow2, int n, int dtype);
+int ms_float8_cast_blockwise_many(ms_tensor **out, ms_tensor **x, ms_tensor **scale, const int64_t *geom, int n,
+                                  int dtype);
+/* ms_copy_bytes_many: n byte copies, copy i moving spec[3i + 2] bytes from
+ * src[i] (contiguous, any dtype) at byte spec[3i + 1] to dst[i]
+ * (contiguous) at byte spec[3i], every range inside its tensor, all on one
+ * device, the written ranges overlapping neither one another nor a read
+ * one. CUDA: one kernel a 128 copies (kernels/convert_many.cu). FSDP's f8
+ * gathers pack a unit's other parameters into the f8 shard's bytes and
+ * unpack them from the gathered bytes with it. */
+int ms_copy_bytes_many(ms_tensor **dst, ms_tensor **src, const int64_t *spec, int n);
 /* FFI-END */
 
 #define MS_ALL_DIMS (-1000)

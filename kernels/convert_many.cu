@@ -12,7 +12,7 @@
 // tensor by binary search over the first blocks and moves CHUNK elements of
 // it, 4 a thread per step (16-byte f32 loads where the source allows, else
 // element by element). Bytes: each source read once, the destination
-// written once.
+// written once. Also: many byte copies in one launch (copy_bytes_many).
 #include "common.cuh"
 #include "kernels.h"
 #include "vec.cuh"
@@ -103,6 +103,48 @@ int convert_many(ms_tensor **list, int n, void *flat, int flat_dtype, cudaStream
     });
 }
 
+
+// ---------------------------------------------------- copy_bytes_many
+// n byte copies (core/ops.h ms_copy_bytes_many: FSDP's f8 gathers pack a
+// unit's other parameters into the f8 shard and unpack them from the
+// gathered bytes), a launch a CB_MAX copies: the table travels as the
+// kernel's parameter, a block finds its copy by binary search over the
+// first blocks and moves CB_CHUNK bytes of it, 16 a thread per step where
+// both ends are 16-byte aligned, else byte by byte. Bytes: each read once,
+// written once.
+const int CB_MAX = 128;
+const int64_t CB_CHUNK = 16384;   // bytes a block (a multiple of 16)
+
+struct cb_args {
+    char *dst[CB_MAX];
+    const char *src[CB_MAX];
+    int64_t n[CB_MAX];
+    int64_t first[CB_MAX + 1];    // copy i's first block; first[count] = the grid
+    int count;
+};
+
+__global__ void copy_bytes_many_kernel(const __grid_constant__ cb_args a) {
+    const int64_t b = blockIdx.x;
+    int lo = 0, hi = a.count - 1;   // the last i with first[i] <= b
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (a.first[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    const char *s = a.src[lo];
+    char *d = a.dst[lo];
+    const int64_t start = (b - a.first[lo]) * CB_CHUNK;
+    const int64_t end = min(start + CB_CHUNK, a.n[lo]);
+    if ((((uintptr_t)(s + start)) | ((uintptr_t)(d + start))) % 16 == 0) {
+        const int64_t nv = (end - start) / 16;
+        for (int64_t v = threadIdx.x; v < nv; v += CM_THREADS)
+            reinterpret_cast<uint4 *>(d + start)[v] = reinterpret_cast<const uint4 *>(s + start)[v];
+        for (int64_t j = start + nv * 16 + threadIdx.x; j < end; j += CM_THREADS) d[j] = s[j];
+    } else {
+        for (int64_t j = start + threadIdx.x; j < end; j += CM_THREADS) d[j] = s[j];
+    }
+}
+
 }  // namespace
 
 // the n destinations (contiguous, one float dtype) = src's elements in turn, converted
@@ -119,4 +161,32 @@ extern "C" int ms_cuda_convert_many(ms_tensor *dst, ms_tensor **src, int n) {
     if (ms_cuda_activate(dst->device_id)) return -1;
     return convert_many<false>(src, n, ms_tensor_data(dst), dst->dtype_id, ms_cuda_stream_of(dst->device_id),
                                "cast_flat");
+}
+
+// the n byte copies (checked by core/ops.c ms_copy_bytes_many)
+extern "C" int ms_cuda_copy_bytes_many(ms_tensor **dst, ms_tensor **src, const int64_t *spec, int n, int dev) {
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    cb_args a;
+    int i = 0;
+    while (i < n) {
+        a.count = 0;
+        int64_t blocks = 0;
+        for (; i < n && a.count < CB_MAX; i++) {
+            const int64_t m = spec[3 * i + 2];
+            if (m == 0) continue;
+            a.dst[a.count] = (char *)ms_tensor_data(dst[i]) + spec[3 * i];
+            a.src[a.count] = (const char *)ms_tensor_data(src[i]) + spec[3 * i + 1];
+            a.n[a.count] = m;
+            a.first[a.count] = blocks;
+            blocks += (m + CB_CHUNK - 1) / CB_CHUNK;
+            a.count++;
+        }
+        if (a.count == 0) continue;
+        a.first[a.count] = blocks;
+        if (blocks > 0x7fffffffLL) return ms_errorf("copy_bytes_many: %lld blocks in one launch", (long long)blocks);
+        copy_bytes_many_kernel<<<(unsigned)blocks, CM_THREADS, 0, st>>>(a);
+        LAUNCH_CHECK("copy_bytes_many_kernel");
+    }
+    return 0;
 }

@@ -13,6 +13,7 @@
 #include "kernels.h"
 #include "ops.h"
 #include "vec.cuh"
+#include "f8many.h"
 
 #include <cooperative_groups.h>
 #include <cuda_fp8.h>
@@ -1026,13 +1027,13 @@ bool fused_on() {
 // element written by the cast); once a step, on 1/W of the weights.
 const int kPieceRows = 16;
 
+// item (rg, cb) of a piece, a warp's: the max of |x| over the piece's
+// elements in it, as f32 bits, in every lane (the warp's lanes all call it)
 template <typename T>
-__global__ void blk_piece_amax_kernel(const T *__restrict__ x, long long n, long long C, long long offset,
-                                      long long g0, long long items, long long nbc, unsigned int *__restrict__ out) {
-    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+__device__ __forceinline__ unsigned int piece_item_amax(const T *__restrict__ x, long long n, long long C,
+                                                        long long offset, long long rg, long long cb) {
     const int lane = threadIdx.x & 31;
-    if (w >= items) return;   // (a whole warp: w is the warp's)
-    const long long rg = g0 + w / nbc, cb = w % nbc, end = offset + n;
+    const long long end = offset + n;
     unsigned int m = 0;
     for (int rr = 0; rr < kPieceRows; rr++) {
         const long long re = (rg * kPieceRows + rr) * C;   // the row's first element
@@ -1049,18 +1050,16 @@ __global__ void blk_piece_amax_kernel(const T *__restrict__ x, long long n, long
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0 && m) atomicMax(out + (rg * kPieceRows / kBlk) * nbc + cb, m);
+    return m;
 }
 
+// item (rg, cb) of a piece, a warp's: its elements cast with the block's
+// scale sc into out (the piece's bytes)
 template <typename T, bool E5>
-__global__ void blk_piece_cast_kernel(const T *__restrict__ x, long long n, long long C, long long offset,
-                                      long long g0, long long items, long long nbc, const float *__restrict__ scale,
-                                      uint8_t *__restrict__ out) {
-    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+__device__ __forceinline__ void piece_item_cast(const T *__restrict__ x, long long n, long long C, long long offset,
+                                                long long rg, long long cb, float sc, uint8_t *__restrict__ out) {
     const int lane = threadIdx.x & 31;
-    if (w >= items) return;
-    const long long rg = g0 + w / nbc, cb = w % nbc, end = offset + n;
-    const float sc = scale[(rg * kPieceRows / kBlk) * nbc + cb];
+    const long long end = offset + n;
     for (int rr = 0; rr < kPieceRows; rr++) {
         const long long re = (rg * kPieceRows + rr) * C;
         if (re >= end) break;
@@ -1072,6 +1071,26 @@ __global__ void blk_piece_cast_kernel(const T *__restrict__ x, long long n, long
                 out[e - offset] = to_fp8(__fmul_rn((float)conv<T>::load(x[e - offset]), sc), E5);
         }
     }
+}
+
+template <typename T>
+__global__ void blk_piece_amax_kernel(const T *__restrict__ x, long long n, long long C, long long offset,
+                                      long long g0, long long items, long long nbc, unsigned int *__restrict__ out) {
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (w >= items) return;   // (a whole warp: w is the warp's)
+    const long long rg = g0 + w / nbc, cb = w % nbc;
+    const unsigned int m = piece_item_amax<T>(x, n, C, offset, rg, cb);
+    if ((threadIdx.x & 31) == 0 && m) atomicMax(out + (rg * kPieceRows / kBlk) * nbc + cb, m);
+}
+
+template <typename T, bool E5>
+__global__ void blk_piece_cast_kernel(const T *__restrict__ x, long long n, long long C, long long offset,
+                                      long long g0, long long items, long long nbc, const float *__restrict__ scale,
+                                      uint8_t *__restrict__ out) {
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (w >= items) return;
+    const long long rg = g0 + w / nbc, cb = w % nbc;
+    piece_item_cast<T, E5>(x, n, C, offset, rg, cb, scale[(rg * kPieceRows / kBlk) * nbc + cb], out);
 }
 
 // scale[b] = ms_fp8_scale(amax[b]), inv / inv_t = 1 / scale at (rb, cb) and
@@ -1122,6 +1141,129 @@ int launch_piece(ms_tensor *amax, ms_tensor *out, const ms_tensor *x, const ms_t
         LAUNCH_CHECK("blk_piece_cast_kernel");
     }
     return 0;
+}
+
+// ------------------------------------- many blockwise pieces (FSDP)
+// The per-piece kernels' work for up to kManyMax pieces a launch (FSDP's
+// precompute: every blockwise weight of a model at once, instead of three
+// launches a weight). The table travels as the kernel's parameter (8 KB;
+// CUDA 12.1+ takes up to 32 KB on Volta and later); the items of the pieces
+// are numbered in turn (core/f8many.h, which the CPU walks the same way),
+// and a warp finds its piece by binary search over their first items, then
+// does what the per-piece kernel's warp does for that item.
+const int kManyMax = 128;
+
+struct piece_many_args {
+    const void *x[kManyMax];
+    void *out[kManyMax];            // amax: the piece's grid (f32 bits); cast: its f8 bytes
+    const float *scale[kManyMax];   // cast: the grid of scales
+    int64_t n[kManyMax], C[kManyMax], offset[kManyMax], g0[kManyMax];
+    int64_t first[kManyMax + 1];    // piece i's first item; first[count]: the items
+    int count;
+};
+
+// MODE 0: block maxima (atomicMax into the zeroed grids); 1: cast to
+// e4m3; 2: cast to e5m2
+template <typename T, int MODE>
+__global__ void blk_piece_many_kernel(const __grid_constant__ piece_many_args a) {
+    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (w >= a.first[a.count]) return;   // (a whole warp)
+    const int i = ms_f8p_find(a.first, a.count, w);
+    const long long item = w - a.first[i], C = a.C[i], nbc = (C + kBlk - 1) / kBlk;
+    const long long rg = a.g0[i] + item / nbc, cb = item % nbc, blk = (rg * kPieceRows / kBlk) * nbc + cb;
+    const T *x = (const T *)a.x[i];
+    if (MODE == 0) {
+        const unsigned int m = piece_item_amax<T>(x, a.n[i], C, a.offset[i], rg, cb);
+        if ((threadIdx.x & 31) == 0 && m) atomicMax((unsigned int *)a.out[i] + blk, m);
+    } else {
+        piece_item_cast<T, MODE == 2>(x, a.n[i], C, a.offset[i], rg, cb, a.scale[i][blk], (uint8_t *)a.out[i]);
+    }
+}
+
+// the launches over the pieces whose x is of dtype dt (T), kManyMax a
+// launch: mode 0 amax (outs the grids), 1 / 2 the casts (outs the bytes)
+template <typename T>
+int launch_piece_many(ms_tensor **outs, ms_tensor **x, ms_tensor **scale, const int64_t *geom, int n, int dt,
+                      int mode, cudaStream_t st) {
+    piece_many_args a;
+    int i = 0;
+    while (i < n) {
+        a.count = 0;
+        int64_t items = 0;
+        for (; i < n && a.count < kManyMax; i++) {
+            if (!x[i] || x[i]->dtype_id != dt || x[i]->sizes[0] == 0) continue;
+            const int k = a.count;
+            int64_t g0;
+            const int64_t m = ms_f8p_items(x[i]->sizes[0], geom[3 * i + 1], geom[3 * i + 2], &g0);
+            a.x[k] = ms_tensor_data(x[i]);
+            a.out[k] = ms_tensor_data(outs[i]);
+            a.scale[k] = mode ? (const float *)ms_tensor_data(scale[i]) : nullptr;
+            a.n[k] = x[i]->sizes[0];
+            a.C[k] = geom[3 * i + 1];
+            a.offset[k] = geom[3 * i + 2];
+            a.g0[k] = g0;
+            a.first[k] = items;
+            items += m;
+            a.count++;
+        }
+        if (a.count == 0) continue;
+        a.first[a.count] = items;
+        const long long blocks = (items * 32 + 255) / 256;
+        if (blocks > 0x7fffffffLL)
+            return ms_errorf("float8_%s_blockwise_many: %lld work items in one launch", mode ? "cast" : "amax",
+                             (long long)items);
+        if (mode == 0) blk_piece_many_kernel<T, 0><<<(unsigned)blocks, 256, 0, st>>>(a);
+        else if (mode == 1) blk_piece_many_kernel<T, 1><<<(unsigned)blocks, 256, 0, st>>>(a);
+        else blk_piece_many_kernel<T, 2><<<(unsigned)blocks, 256, 0, st>>>(a);
+        LAUNCH_CHECK("blk_piece_many_kernel");
+    }
+    return 0;
+}
+
+// every x dtype's launches (one dtype in practice: the gather source's)
+int piece_many(ms_tensor **outs, ms_tensor **x, ms_tensor **scale, const int64_t *geom, int n, int mode, int dev) {
+    if (!x) return 0;
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    const int dts[4] = {MS_F64, MS_F32, MS_BF16, MS_F16};
+    for (int d = 0; d < 4; d++) {
+        int rc = 0;
+        switch (dts[d]) {
+        case MS_F64: rc = launch_piece_many<double>(outs, x, scale, geom, n, dts[d], mode, st); break;
+        case MS_F32: rc = launch_piece_many<float>(outs, x, scale, geom, n, dts[d], mode, st); break;
+        case MS_BF16: rc = launch_piece_many<__nv_bfloat16>(outs, x, scale, geom, n, dts[d], mode, st); break;
+        case MS_F16: rc = launch_piece_many<__half>(outs, x, scale, geom, n, dts[d], mode, st); break;
+        }
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+struct byte_run {
+    char *p;
+    size_t n;
+};
+
+int byte_run_cmp(const void *a, const void *b) {
+    const char *x = ((const byte_run *)a)->p, *y = ((const byte_run *)b)->p;
+    return x < y ? -1 : x > y ? 1 : 0;
+}
+
+struct scales_many_args {
+    const float *amax[kManyMax];
+    float *scale[kManyMax], *inv[kManyMax], *inv_t[kManyMax];
+    int64_t nbr[kManyMax], nbc[kManyMax];
+    int64_t first[kManyMax + 1];    // grid i's first slot (core/f8many.h ms_f8p_slots)
+    int pow2[kManyMax];
+    int count;
+};
+
+// a thread a slot: ms_f8p_scales_slot, the CPU's code
+__global__ void blk_scales_many_kernel(const __grid_constant__ scales_many_args a, int e5) {
+    const int64_t s = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= a.first[a.count]) return;
+    const int i = ms_f8p_find(a.first, a.count, s);
+    ms_f8p_scales_slot(a.amax[i], a.scale[i], a.inv[i], a.inv_t[i], a.nbr[i], a.nbc[i], s - a.first[i], e5, a.pow2[i]);
 }
 
 }  // namespace
@@ -1327,5 +1469,72 @@ extern "C" int ms_cuda_float8_scales_blockwise(ms_tensor *scale, ms_tensor *inv,
                                                          scale ? (float *)ms_tensor_data(scale) : nullptr, pi, pt,
                                                          dtype == MS_F8E5M2, pow2 != 0);
     LAUNCH_CHECK("blk_scales_kernel");
+    return 0;
+}
+
+// the grids zeroed (one memset a run of adjacent grids: FSDP's are one
+// vector), then the pieces' maxima folded in
+extern "C" int ms_cuda_float8_amax_blockwise_many(ms_tensor **amax, ms_tensor **x, const int64_t *geom, int n,
+                                                  int dev) {
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    byte_run *runs = (byte_run *)malloc(sizeof(byte_run) * (size_t)n);
+    if (!runs) return ms_errorf("float8_amax_blockwise_many: out of host memory");
+    int nr = 0;
+    for (int i = 0; i < n; i++) {
+        const size_t b = sizeof(float) * (size_t)ms_tensor_numel(amax[i]);
+        if (b) runs[nr++] = {(char *)ms_tensor_data(amax[i]), b};
+    }
+    qsort(runs, (size_t)nr, sizeof *runs, byte_run_cmp);
+    for (int r = 0; r < nr;) {
+        char *p = runs[r].p, *e = p + runs[r].n;
+        for (r++; r < nr && runs[r].p == e; r++) e += runs[r].n;
+        const cudaError_t err = cudaMemsetAsync(p, 0, (size_t)(e - p), st);
+        if (err != cudaSuccess) {
+            free(runs);
+            return ms_errorf("float8_amax_blockwise_many: cudaMemsetAsync: %s", cudaGetErrorString(err));
+        }
+    }
+    free(runs);
+    return piece_many(amax, x, nullptr, geom, n, 0, dev);
+}
+
+extern "C" int ms_cuda_float8_cast_blockwise_many(ms_tensor **out, ms_tensor **x, ms_tensor **scale,
+                                                  const int64_t *geom, int n, int dtype, int dev) {
+    return piece_many(out, x, scale, geom, n, dtype == MS_F8E5M2 ? 2 : 1, dev);
+}
+
+extern "C" int ms_cuda_float8_scales_blockwise_many(ms_tensor **scale, ms_tensor **inv, ms_tensor **inv_t,
+                                                    ms_tensor **amax, const int *pow2, int n, int dtype, int dev) {
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    scales_many_args a;
+    int i = 0;
+    while (i < n) {
+        a.count = 0;
+        int64_t slots = 0;
+        for (; i < n && a.count < kManyMax; i++) {
+            const int64_t nbr = amax[i]->sizes[0], nbc = amax[i]->sizes[1], m = ms_f8p_slots(nbr, nbc);
+            if (m == 0) continue;
+            const int k = a.count;
+            a.amax[k] = (const float *)ms_tensor_data(amax[i]);
+            a.scale[k] = scale && scale[i] ? (float *)ms_tensor_data(scale[i]) : nullptr;
+            a.inv[k] = inv && inv[i] ? (float *)ms_tensor_data(inv[i]) : nullptr;
+            a.inv_t[k] = inv_t && inv_t[i] ? (float *)ms_tensor_data(inv_t[i]) : nullptr;
+            a.nbr[k] = nbr;
+            a.nbc[k] = nbc;
+            a.pow2[k] = pow2 ? pow2[i] : 0;
+            a.first[k] = slots;
+            slots += m;
+            a.count++;
+        }
+        if (a.count == 0) continue;
+        a.first[a.count] = slots;
+        const long long blocks = (slots + 255) / 256;
+        if (blocks > 0x7fffffffLL)
+            return ms_errorf("float8_scales_blockwise_many: %lld grid slots in one launch", (long long)slots);
+        blk_scales_many_kernel<<<(unsigned)blocks, 256, 0, st>>>(a, dtype == MS_F8E5M2);
+        LAUNCH_CHECK("blk_scales_many_kernel");
+    }
     return 0;
 }

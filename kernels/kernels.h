@@ -19,6 +19,8 @@ int ms_cuda_convert(ms_tensor *dst, const ms_tensor *src);
  * float dtype (f32/bf16/f16) among them, dst's a float one too */
 int ms_cuda_convert_many(ms_tensor *dst, ms_tensor **src, int n);
 int ms_cuda_split_many(ms_tensor **dst, int n, const ms_tensor *src);
+/* convert_many.cu: core/ops.h ms_copy_bytes_many (checked there, on device dev) */
+int ms_cuda_copy_bytes_many(ms_tensor **dst, ms_tensor **src, const int64_t *spec, int n, int dev);
 int ms_cuda_unary(ms_tensor *out, int op, const ms_tensor *a);
 int ms_cuda_binary(ms_tensor *out, int op, const ms_tensor *a, const ms_tensor *b);
 int ms_cuda_binary_scalar(ms_tensor *out, int op, const ms_tensor *a, double s, int reverse);
@@ -79,6 +81,14 @@ int ms_cuda_float8_scales_blockwise(ms_tensor *scale, ms_tensor *inv, ms_tensor 
                                     int dtype, int pow2);
 int ms_cuda_float8_cast_blockwise_piece(ms_tensor *out, const ms_tensor *x, const ms_tensor *scale, long long R,
                                         long long C, long long offset, int dtype);
+/* the many-piece forms (core/ops.h ms_float8_*_blockwise_many; checked
+ * there: every tensor contiguous, of its shape, on device dev; NULL
+ * entries as there) */
+int ms_cuda_float8_amax_blockwise_many(ms_tensor **amax, ms_tensor **x, const int64_t *geom, int n, int dev);
+int ms_cuda_float8_scales_blockwise_many(ms_tensor **scale, ms_tensor **inv, ms_tensor **inv_t, ms_tensor **amax,
+                                         const int *pow2, int n, int dtype, int dev);
+int ms_cuda_float8_cast_blockwise_many(ms_tensor **out, ms_tensor **x, ms_tensor **scale, const int64_t *geom, int n,
+                                       int dtype, int dev);
 /* out (C, R) = x (R, C) transposed, 8-bit elements, both contiguous */
 int ms_cuda_transpose8(ms_tensor *out, const ms_tensor *x);
 /* gemm.cu: out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta

@@ -125,3 +125,62 @@ describe('ops.split_flat_ (the way back)', function()
     assert.matches('list[2]', tostring(err), 1, true)
   end)
 end)
+
+-- ops.copy_bytes_many_ (core/ops.c ms_copy_bytes_many): many byte copies at
+-- once between contiguous tensors of any dtypes (fsdp's f8 gathers pack a
+-- unit's other parameters into the f8 shard's bytes with it, and unpack
+-- them from the gathered bytes); the CUDA kernel is compared with this by
+-- gpu_float8_spec.lua (#gpu)
+local ffi = require 'ffi'
+local function bytes(t)
+  local n = t:numel() * t:element_size()
+  local p = ffi.cast('uint8_t *', t:data_ptr())
+  local r = {}
+  for i = 0, n - 1 do r[i + 1] = p[i] end
+  return r
+end
+
+describe('ops.copy_bytes_many_', function()
+  it('copies each range\'s bytes as they are (dtypes, offsets, unaligned, empty, a tensor written by several)', function()
+    local buf = randn({ 100 }):to('u8')                        -- (100 bytes: the f8 shard's kind)
+    local f32, bf = randn({ 37 }), randn({ 41 }, 'bf16')
+    local out = randn({ 30 }, 'bf16')
+    local copies = {
+      { buf, 3, bf, 4, 21 },           -- (odd: a bf16 split in half)
+      { buf, 40, f32, 0, 48 },
+      { out, 2, buf, 90, 10 },
+      { out, 20, f32, 100, 0 },        -- (none)
+      { out, 30, bf, 60, 22 },
+    }
+    local want = { buf = bytes(buf), out = bytes(out) }
+    local src = { [bf] = bytes(bf), [f32] = bytes(f32) }
+    -- (in order: copy 3 reads buf's bytes 90.. which copies 1 and 2 leave)
+    for _, c in ipairs(copies) do
+      local d = c[1] == buf and want.buf or want.out
+      local s = src[c[3]] or bytes(c[3])
+      for k = 0, c[5] - 1 do d[c[2] + k + 1] = s[c[4] + k + 1] end
+    end
+    assert.are.equal(copies, F.copy_bytes_many_(copies))
+    assert.are.same(want.buf, bytes(buf))
+    assert.are.same(want.out, bytes(out))
+    F.copy_bytes_many_({})
+  end)
+
+  it('refuses ranges outside their tensors, overlapping writes, a write over a read, strided tensors, naming the copy', function()
+    local a, b = ms.zeros({ 8 }), ms.zeros({ 8 })
+    local function err(copies, want)
+      local ok, e = pcall(F.copy_bytes_many_, copies)
+      assert.is_false(ok)
+      assert.matches(want, tostring(e), 1, true)
+    end
+    err({ { a, 0, b, 0, 4 }, { a, 30, b, 0, 4 } }, 'copy_bytes_many (copy 2): 4 bytes from byte 0 of src')
+    err({ { a, 0, b, 30, 4 } }, 'do not fit')
+    err({ { a, 0, b, 0, -1 } }, 'do not fit')
+    err({ { a, 0, b, 0, 8 }, { a, 4, b, 16, 8 } }, 'copy 1 writes bytes that copy 2 writes')
+    err({ { a, 0, b, 0, 8 }, { b, 4, a, 16, 8 } }, 'copy 2 writes bytes that copy 1 reads')
+    err({ { a, 0, a, 2, 8 } }, 'copy 1 writes bytes that copy 1 reads')
+    err({ { ms.zeros({ 4, 2 }):t(), 0, b, 0, 4 } }, 'must be contiguous')
+    err({ { a, 0, b } }, 'copies[1] needs byte offsets and a count')
+    err({ { a, 0, 5, 0, 1 } }, 'copies[1] src')
+  end)
+end)

@@ -323,6 +323,87 @@ describe('fsdp with float8 layers #mpi', function()
     end
   end)
 
+  -- the unit's other parameters (norms, biases) ride in the f8 gather:
+  -- one collective a unit, as with bf16 gathers; where a rank's part lies
+  -- inside one f8 weight (no point to put them), or with
+  -- fsdp.f8_joint_gather = false, a gather of their own; both bitwise the
+  -- losses and parameters of bf16 gathers
+  it('float8_all_gather: the other parameters in the f8 gather (one collective a unit), else a gather of their own (a part inside one f8 weight, or f8_joint_gather = false); bitwise the bf16 gathers\' losses and parameters', function()
+    local W = dist.world_size()
+    -- one unit: a 128 -> 512 blockwise layer with its bias, a 512 -> 1 bf16
+    -- one; its f8 weight is 98% of the unit, so from 3 ranks on a rank's
+    -- part lies inside it
+    local function toy()
+      local nn = ms.nn
+      local Toy = nn.Module:extend('F8JointToy')
+      function Toy:init()
+        self:register_module('inp', nn.Linear(128, 512))
+        self:register_module('out', nn.Linear(512, 1))
+      end
+      function Toy:forward(x) return self.out(self.inp(x):tanh()):square():mean() end
+      ms.manual_seed(8)
+      local m = Toy()
+      ms.no_grad(function()
+        for i, q in ipairs(m:parameters()) do q:copy_(ms.randn(q.shape, { seed = 60 + i }) * 0.2) end
+      end)
+      assert.are.same({ 'inp' }, ms.float8.convert(m, { recipe = 'blockwise' }))
+      return m, nil, ms.randn({ 8, 128 }, { seed = 70 + dist.rank() }), ms.zeros({ 1 })
+    end
+    local function llama()
+      local x, y = FS.lcg_batch(31 + dist.rank(), 2, 64)
+      return wide_llama(), fsdp.policy.by_class { 'LlamaDecoderLayer' }, x, y
+    end
+    for _, c in ipairs({ { 'llama', llama, true }, { 'toy', toy, W <= 2 } }) do
+      for _, knob in ipairs({ true, false }) do
+        local gathers = 0
+        local function run(f8g)
+          local m, policy, x, y = c[2]()
+          fsdp.f8_joint_gather = knob
+          local real = dist.all_gather_into
+          dist.all_gather_into = function(...) gathers = gathers + 1; return real(...) end
+          local ok, r = pcall(function()
+            fsdp.fully_shard(m, { policy = policy, strategy = 'FULL_SHARD', float8_all_gather = f8g,
+              mixed_precision = { param = 'bf16', reduce = 'f32' }, copy_gather = f8g == 'emulate' and 'emulate' or nil })
+            local joint
+            for _, u in ipairs(fsdp.units(m)) do
+              if u.f8 and u.f8.P > 0 then
+                if joint == nil then joint = u.f8.joint end
+                assert.are.equal(joint, u.f8.joint, 'every f8 unit alike')
+              end
+            end
+            gathers = 0
+            local losses = FS.autocast_losses(m, fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 }), x, y, 3)
+            fsdp.unshard(m)
+            local ps = {}
+            for name, q in m:named_parameters() do ps[#ps + 1] = { name, q:to('f64') } end
+            fsdp.reshard(m)
+            return { losses = losses, ps = ps, joint = joint, gathers = gathers }
+          end)
+          dist.all_gather_into = real
+          fsdp.f8_joint_gather = true
+          if not ok then error(r, 0) end
+          return r
+        end
+        local tag = ('%s, f8_joint_gather %s'):format(c[1], tostring(knob))
+        local a, b, e = run(false), run(true), run('emulate')
+        assert.are.same(a.losses, b.losses, tag)
+        assert.are.same(a.losses, e.losses, tag .. ', copy gathers')
+        assert.is_true(b.losses[3] < b.losses[1], tag)
+        for i = 1, #a.ps do
+          assert.are.equal(a.ps[i][1], b.ps[i][1])
+          assert.are.equal(0, (a.ps[i][2] - b.ps[i][2]):abs():max():item(), tag .. ' ' .. a.ps[i][1])
+        end
+        assert.are.equal(knob and c[3], b.joint, tag)
+        if W > 1 then
+          -- (the copy gathers' emulation: all_gather_into too)
+          if b.joint then assert.are.equal(a.gathers, b.gathers, tag .. ': one collective a gather')
+          else assert.is_true(b.gathers > a.gathers, tag .. ': a second collective') end
+          assert.are.equal(b.gathers, e.gathers, tag)
+        end
+      end
+    end
+  end)
+
   it('llama-tiny, HYBRID_SHARD (shard groups of 2 on an even world), float8_all_gather: the losses of bf16 gathers', function()
     local W = dist.world_size()
     if W % 2 ~= 0 then pending('an even world') return end

@@ -1175,6 +1175,182 @@ describe('float8 blockwise (DeepSeek-V3) scaling', function()
       'float8_cast_blockwise_piece')
   end)
 
+  -- the many-piece forms (FSDP's precompute: every weight of a model in
+  -- one launch each) against the per-piece ops, byte for byte
+  local function bits(t)
+    local c = t:contiguous()
+    local n = c:numel() * c:element_size()
+    local p = n > 0 and ffi.cast('uint8_t *', c:data_ptr()) or nil
+    local r = {}
+    for i = 0, n - 1 do r[i + 1] = p[i] end
+    return r
+  end
+  -- weights of different shapes and dtypes laid out one after the other
+  -- (16-element starts) and cut into W equal shards, as fully_shard does:
+  -- pieces[r][i] is rank r's piece of weight i ({ x = nil } where it has none)
+  local function sharded(shapes, W)
+    local ws, off = {}, 0
+    for i, sh in ipairs(shapes) do
+      local x = ragged(sh[1], sh[2], sh[3])
+      ws[i] = { R = sh[1], C = sh[2], x = x, flat = x:contiguous():view(sh[1] * sh[2]), o = off }
+      off = cdiv(off + sh[1] * sh[2], 16) * 16
+    end
+    local Sn, pieces = cdiv(off, W), {}
+    for r = 0, W - 1 do
+      pieces[r] = {}
+      for i, w in ipairs(ws) do
+        local a, b = math.max(w.o, r * Sn), math.min(w.o + w.R * w.C, (r + 1) * Sn)
+        pieces[r][i] = b > a and { x = w.flat:narrow(1, a - w.o + 1, b - a), R = w.R, C = w.C, offset = a - w.o }
+          or { R = w.R, C = w.C, offset = 0 }
+      end
+    end
+    return ws, pieces
+  end
+
+  it('many pieces at once: the bits of the per-piece ops (weights of different shapes and dtypes, shards cutting blocks, empty pieces, e4m3 and e5m2, pow2 on, off and mixed)', function()
+    local function vmax(p, q) return F.where(p:gt(q), p, q) end
+    local shapes = { { 300, 200, 'f32' }, { 256, 384, 'bf16' }, { 130, 256, 'f64' }, { 128, 128, 'f16' },
+      { 5, 7, 'bf16' }, { 1, 300, 'f32' }, { 257, 129, 'bf16' } }
+    local W = 3
+    local ws, pieces = sharded(shapes, W)
+    local nw, cut, empty = #ws, false, false
+    -- the grids: views of one vector (fully_shard's), filled with noise first
+    local slot, nb = {}, 0
+    for i, w in ipairs(ws) do slot[i] = nb; nb = nb + cdiv(w.R, 128) * cdiv(w.C, 128) end
+    local glob = {}
+    for r = 0, W - 1 do
+      local vec = ms.rand({ nb + 3 }, { seed = 40 + r })
+      local tail = bits(vec:narrow(1, nb + 1, 3))
+      local grids = {}
+      for i, w in ipairs(ws) do grids[i] = vec:narrow(1, slot[i] + 1, cdiv(w.R, 128) * cdiv(w.C, 128)):view({ cdiv(w.R, 128), cdiv(w.C, 128) }) end
+      assert.are.equal(grids, F.float8_amax_blockwise_many(pieces[r], grids))
+      for i, p in ipairs(pieces[r]) do
+        local want = F.float8_amax_blockwise_piece(p.x or ms.zeros({ 0 }), p.R, p.C, p.offset)
+        assert.are.same(bits(want), bits(grids[i]), ('rank %d weight %d'):format(r, i))
+        glob[i] = glob[i] and vmax(glob[i], want) or want
+        if p.x == nil then empty = true end
+        if p.x and (p.offset % (128 * p.C) ~= 0 or (p.offset + p.x:numel()) % (128 * p.C) ~= 0) and p.offset + p.x:numel() < p.R * p.C then cut = true end
+      end
+      assert.are.same(tail, bits(vec:narrow(1, nb + 1, 3)), 'the vector past the grids untouched')
+    end
+    assert.is_true(cut and empty, 'a block cut by the shards, an empty piece')
+    for name in pairs(fmt) do
+      for _, pow2 in ipairs({ false, true, 'mixed' }) do
+        local tag = ('%s%s'):format(name, pow2 and ' pow2 ' .. tostring(pow2) or '')
+        local p2, sc, inv, inv_t = {}, {}, {}, {}
+        for i, w in ipairs(ws) do
+          local nbr, nbc = cdiv(w.R, 128), cdiv(w.C, 128)
+          p2[i] = pow2 == 'mixed' and i % 2 == 0 or pow2 == true
+          sc[i] = ms.rand({ nbr, nbc }, { seed = i })
+          inv[i] = ms.rand({ nbr, pad4(nbc) }, { seed = 10 + i })         -- (noise: the padding is written)
+          inv_t[i] = i ~= 2 and ms.rand({ nbc, pad4(nbr) }, { seed = 20 + i }) or nil   -- (one not wanted)
+        end
+        F.float8_scales_blockwise_many(glob, name, { pow2 = p2, scale = sc, inv = inv, inv_t = inv_t })
+        for i = 1, nw do
+          local s1, i1, t1 = F.float8_scales_blockwise(glob[i], name, { pow2 = p2[i] })
+          assert.are.same(bits(s1), bits(sc[i]), tag .. ' scale ' .. i)
+          assert.are.same(bits(i1), bits(inv[i]), tag .. ' inv ' .. i)
+          if inv_t[i] then assert.are.same(bits(t1), bits(inv_t[i]), tag .. ' inv_t ' .. i) end
+        end
+        for r = 0, W - 1 do
+          local out = {}
+          for i, p in ipairs(pieces[r]) do out[i] = p.x and ms.empty({ p.x:numel() }, { dtype = name }) or nil end
+          F.float8_cast_blockwise_many(pieces[r], sc, name, out)
+          for i, p in ipairs(pieces[r]) do
+            if p.x then
+              local want = F.float8_cast_blockwise_piece(p.x, sc[i], p.R, p.C, p.offset, name)
+              assert.are.same(bits(want), bits(out[i]), ('%s rank %d weight %d'):format(tag, r, i))
+            end
+          end
+        end
+      end
+    end
+  end)
+
+  it('many pieces: more than a launch\'s table (150 pieces), and none', function()
+    local shapes = {}
+    for i = 1, 150 do shapes[i] = { 1 + i % 7, 3 + i % 11, i % 2 == 0 and 'bf16' or 'f32' } end
+    local ws, pieces = sharded(shapes, 1)
+    local grids, sc, out = {}, {}, {}
+    for i, w in ipairs(ws) do grids[i] = ms.rand({ 1, 1 }, { seed = i }); sc[i] = ms.zeros({ 1, 1 }) end
+    F.float8_amax_blockwise_many(pieces[0], grids)
+    F.float8_scales_blockwise_many(grids, 'f8e4m3', { scale = sc })
+    for i, p in ipairs(pieces[0]) do out[i] = ms.empty({ p.x:numel() }, { dtype = 'f8e4m3' }) end
+    F.float8_cast_blockwise_many(pieces[0], sc, 'f8e4m3', out)
+    for i, p in ipairs(pieces[0]) do
+      local a = F.float8_amax_blockwise_piece(p.x, p.R, p.C, 0)
+      assert.are.same(bits(a), bits(grids[i]), i)
+      assert.are.same(bits(F.float8_cast_blockwise_piece(p.x, F.float8_scales_blockwise(a, 'f8e4m3'), p.R, p.C, 0, 'f8e4m3')), bits(out[i]), i)
+    end
+    F.float8_amax_blockwise_many({}, {})
+    F.float8_scales_blockwise_many({}, 'f8e4m3', {})
+    F.float8_cast_blockwise_many({}, {}, 'f8e4m3', {})
+  end)
+
+  it('many pieces read their own elements only (huge values just outside each piece)', function()
+    local v = values(randn({ 130 * 256 }))
+    local cuts = { 0, 100, 300, 128 * 256 + 7, 130 * 256 }
+    for k = 2, #cuts - 1 do v[cuts[k]] = 1e30; v[cuts[k] + 1] = -1e30 end
+    local flat = S.make({ 130 * 256 }, v, 'f32')
+    local pieces, grids, out, sc = {}, {}, {}, {}
+    for k = 1, #cuts - 1 do
+      pieces[k] = { x = flat:narrow(1, cuts[k] + 1, cuts[k + 1] - cuts[k]), R = 130, C = 256, offset = cuts[k] }
+      grids[k], sc[k] = ms.zeros({ 2, 2 }), ms.rand({ 2, 2 }, { seed = k })
+      out[k] = ms.empty({ cuts[k + 1] - cuts[k] }, { dtype = 'f8e4m3' })
+    end
+    F.float8_amax_blockwise_many(pieces, grids)
+    F.float8_cast_blockwise_many(pieces, sc, 'f8e4m3', out)
+    for k, p in ipairs(pieces) do
+      assert.are.same(values(F.float8_amax_blockwise_piece(p.x, 130, 256, p.offset)), values(grids[k]), k)
+      assert.are.same(values(F.float8_cast_blockwise_piece(p.x, sc[k], 130, 256, p.offset, 'f8e4m3')), values(out[k]), k)
+    end
+  end)
+
+  it('many pieces: bad arguments are errors naming the piece', function()
+    local flat = randn({ 130 * 256 })
+    local piece = flat:narrow(1, 1, 300)
+    local function err(fn, want)
+      local e = S.errmsg(fn)
+      assert.is_truthy(e:find(want, 1, true), e)
+    end
+    local g = function() return ms.zeros({ 2, 2 }) end
+    local p = { x = piece, R = 130, C = 256, offset = 0 }
+    err(function() F.float8_amax_blockwise_many({ p, p }, { g(), ms.zeros({ 2, 3 }) }) end,
+      'float8_amax_blockwise_many (piece 2): amax must be a contiguous f32 (2, 2)')
+    err(function() F.float8_amax_blockwise_many({ p, { R = 130, C = 256, offset = 130 * 256 + 1 } }, { g(), g() }) end,
+      '(piece 2): an empty piece at offset 33281 is not inside a (130, 256) matrix')
+    err(function() F.float8_amax_blockwise_many({ { x = piece, R = 130, C = 256, offset = 130 * 256 - 10 } }, { g() }) end,
+      '(piece 1): x')
+    err(function() F.float8_amax_blockwise_many({ { x = ms.randn({ 10, 3 }):select(2, 1), R = 130, C = 256 } }, { g() }) end,
+      'x must be contiguous')
+    local v = ms.zeros({ 6 })
+    err(function() F.float8_amax_blockwise_many({ p, p }, { v:narrow(1, 1, 4):view({ 2, 2 }), v:narrow(1, 3, 4):view({ 2, 2 }) }) end,
+      'amax[1] overlaps amax[2]')
+    err(function() F.float8_amax_blockwise_many({ p }, nil) end, 'amax must be a list of tensors')
+    err(function() F.float8_amax_blockwise_many({ { x = piece, C = 256 } }, { g() }) end, 'pieces[1].R must be a number')
+    local sc = F.float8_scales_blockwise(F.float8_amax_blockwise_piece(piece, 130, 256, 0), 'f8e4m3')
+    local o = ms.empty({ 300 }, { dtype = 'f8e4m3' })
+    err(function() F.float8_cast_blockwise_many({ p }, { sc }, 'bf16', { o }) end, 'f8e4m3 or f8e5m2')
+    err(function() F.float8_cast_blockwise_many({ p }, { sc }, 'f8e4m3', { ms.empty({ 299 }, { dtype = 'f8e4m3' }) }) end,
+      '(piece 1): out must be a contiguous f8e4m3 (300)')
+    err(function() F.float8_cast_blockwise_many({ p }, { sc }, 'f8e5m2', { o }) end, 'out must be a contiguous f8e5m2 (300)')
+    err(function() F.float8_cast_blockwise_many({ p }, { ms.zeros({ 3, 2 }) }, 'f8e4m3', { o }) end,
+      '(piece 1): scale must be a contiguous f32 (2, 2)')
+    err(function() F.float8_cast_blockwise_many({ p, { R = 130, C = 256 } }, { sc }, 'f8e4m3', { o, o }) end,
+      "(piece 2): an empty piece's out must be NULL or empty")
+    err(function() F.float8_cast_blockwise_many({ p, p }, { sc, sc }, 'f8e4m3', { o, o }) end, 'out[1] overlaps out[2]')
+    err(function() F.float8_cast_blockwise_many({ p }, { sc }, 'f8e4m3', {}) end, '(piece 1): out is missing')
+    err(function() F.float8_scales_blockwise_many({ g(), ms.zeros({ 2, 2 }, { dtype = 'bf16' }) }, 'f8e4m3') end,
+      '(grid 2): amax must be a contiguous f32')
+    err(function() F.float8_scales_blockwise_many({ g() }, 'f8e4m3', { inv = { ms.zeros({ 2, 2 }) } }) end,
+      '(grid 1): inv must be a contiguous f32 (2, 4)')
+    err(function() F.float8_scales_blockwise_many({ g() }, 'f8e4m3', { inv_t = { ms.zeros({ 2, 3 }) } }) end,
+      '(grid 1): inv_t must be a contiguous f32 (2, 4)')
+    local a = g()
+    err(function() F.float8_scales_blockwise_many({ a }, 'f8e4m3', { scale = { a } }) end, 'scale[1] overlaps amax[1]')
+    err(function() F.float8_scales_blockwise_many({ a }, 'f32') end, 'f8e4m3 or f8e5m2')
+  end)
+
   it('scaled_matmul with block scales sums each K block\'s product times its blocks\' scales (1x128 x 1x128 / 128x128, either side; bias, beta)', function()
     local M, N, K = 40, 150, 300
     local xa, xb = ragged(M, K), ragged(N, K)

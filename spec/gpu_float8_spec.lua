@@ -582,6 +582,143 @@ describe('float8 blockwise on cuda #gpu', function()
     end
   end)
 
+  -- the many-piece forms (FSDP's precompute: kernels/float8.cu's
+  -- blk_piece_many_kernel and blk_scales_many_kernel, a table of up to 128
+  -- pieces a launch) against the CUDA per-piece ops and the CPU many-ops,
+  -- byte for byte
+  local function bytes(t)
+    local ffi = require 'ffi'
+    local c = t:to({ device = 'cpu', copy = true }):contiguous()
+    local n = c:numel() * c:element_size()
+    local p = n > 0 and ffi.cast('uint8_t *', c:data_ptr()) or nil
+    local r = {}
+    for i = 0, n - 1 do r[i + 1] = p[i] end
+    return r
+  end
+  local function same_bytes(a, b, what)
+    local x, y = bytes(a), bytes(b)
+    assert.are.equal(#x, #y, what)
+    for i = 1, #x do
+      if x[i] ~= y[i] then error(('%s: byte %d is %d on cuda, %d in the reference'):format(what, i, x[i], y[i]), 2) end
+    end
+  end
+  local function cdiv(a, b) return math.floor((a + b - 1) / b) end
+
+  it('many blockwise pieces at once: the bytes of the CUDA per-piece ops and of the CPU (shapes and dtypes mixed in a launch, shards cutting blocks, empty pieces, 150 pieces: two launches, formats, pow2 mixed)', function()
+    local shapes = { { 300, 200, 'f32' }, { 256, 384, 'bf16' }, { 130, 256, 'f64' }, { 128, 128, 'f16' },
+      { 5, 7, 'bf16' }, { 1, 300, 'f32' }, { 257, 129, 'bf16' }, { 1000, 130, 'bf16' } }
+    for i = 1, 142 do shapes[#shapes + 1] = { 1 + i % 9, 3 + i % 13, i % 2 == 0 and 'bf16' or 'f32' } end
+    -- laid out one after the other (16-element starts), cut into 3 shards
+    local ws, off = {}, 0
+    for i, sh in ipairs(shapes) do
+      local x = randn({ sh[1], sh[2] }, 10 ^ (i % 5 - 2), sh[3])
+      ws[i] = { R = sh[1], C = sh[2], flat = x:contiguous():view(sh[1] * sh[2]), o = off }
+      ws[i].flatg = ws[i].flat:cuda()
+      off = cdiv(off + sh[1] * sh[2], 16) * 16
+    end
+    local W = 3
+    local Sn = cdiv(off, W)
+    local nb = 0
+    for _, w in ipairs(ws) do w.slot = nb; nb = nb + cdiv(w.R, 128) * cdiv(w.C, 128) end
+    local glob, globg = {}, {}
+    local function vmax(p, q) return F.where(p:gt(q), p, q) end
+    local pieces = {}
+    for r = 0, W - 1 do
+      local pc, pg = {}, {}
+      for i, w in ipairs(ws) do
+        local a, b = math.max(w.o, r * Sn), math.min(w.o + w.R * w.C, (r + 1) * Sn)
+        if b > a then
+          pc[i] = { x = w.flat:narrow(1, a - w.o + 1, b - a), R = w.R, C = w.C, offset = a - w.o }
+          pg[i] = { x = w.flatg:narrow(1, a - w.o + 1, b - a), R = w.R, C = w.C, offset = a - w.o }
+        else
+          pc[i], pg[i] = { R = w.R, C = w.C, offset = 0 }, { R = w.R, C = w.C, offset = 0 }
+        end
+      end
+      pieces[r] = { pc, pg }
+      -- the grids: views of one vector, noise first
+      local vec, vecg = ms.rand({ nb }, { seed = r }), ms.rand({ nb }, { seed = 9 + r }):cuda()
+      local gc, gg = {}, {}
+      for i, w in ipairs(ws) do
+        local nbr, nbc = cdiv(w.R, 128), cdiv(w.C, 128)
+        gc[i] = vec:narrow(1, w.slot + 1, nbr * nbc):view({ nbr, nbc })
+        gg[i] = vecg:narrow(1, w.slot + 1, nbr * nbc):view({ nbr, nbc })
+      end
+      F.float8_amax_blockwise_many(pc, gc)
+      F.float8_amax_blockwise_many(pg, gg)
+      same_bytes(vecg, vec, ('rank %d: the grids against the CPU'):format(r))
+      for i, p in ipairs(pg) do
+        local one = F.float8_amax_blockwise_piece(p.x or ms.zeros({ 0 }):cuda(), p.R, p.C, p.offset)
+        same_bytes(gg[i], one, ('rank %d weight %d against the per-piece op'):format(r, i))
+        glob[i] = glob[i] and vmax(glob[i], gc[i]) or gc[i]:clone()
+        globg[i] = globg[i] and vmax(globg[i], gg[i]) or gg[i]:clone()
+      end
+    end
+    for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+      local p2, sc, scg, inv, invg, it, itg = {}, {}, {}, {}, {}, {}, {}
+      for i, w in ipairs(ws) do
+        local nbr, nbc = cdiv(w.R, 128), cdiv(w.C, 128)
+        p2[i] = i % 3 == 0
+        sc[i], scg[i] = ms.zeros({ nbr, nbc }), ms.rand({ nbr, nbc }, { seed = i }):cuda()
+        inv[i], invg[i] = ms.zeros({ nbr, 4 * cdiv(nbc, 4) }), ms.rand({ nbr, 4 * cdiv(nbc, 4) }, { seed = i }):cuda()
+        it[i], itg[i] = ms.zeros({ nbc, 4 * cdiv(nbr, 4) }), ms.rand({ nbc, 4 * cdiv(nbr, 4) }, { seed = i }):cuda()
+      end
+      F.float8_scales_blockwise_many(glob, name, { pow2 = p2, scale = sc, inv = inv, inv_t = it })
+      F.float8_scales_blockwise_many(globg, name, { pow2 = p2, scale = scg, inv = invg, inv_t = itg })
+      for i = 1, #ws do
+        local tag = ('%s grid %d'):format(name, i)
+        local s1, i1, t1 = F.float8_scales_blockwise(globg[i], name, { pow2 = p2[i] })
+        same_bytes(scg[i], s1, tag .. ' scale'); same_bytes(scg[i], sc[i], tag .. ' scale, cpu')
+        same_bytes(invg[i], i1, tag .. ' inv'); same_bytes(invg[i], inv[i], tag .. ' inv, cpu')
+        same_bytes(itg[i], t1, tag .. ' inv_t'); same_bytes(itg[i], it[i], tag .. ' inv_t, cpu')
+      end
+      for r = 0, W - 1 do
+        local pc, pg = pieces[r][1], pieces[r][2]
+        local oc, og = {}, {}
+        for i, p in ipairs(pc) do
+          if p.x then
+            oc[i] = ms.empty({ p.x:numel() }, { dtype = name })
+            og[i] = ms.empty({ p.x:numel() }, { dtype = name, device = 'cuda' })
+          end
+        end
+        F.float8_cast_blockwise_many(pc, sc, name, oc)
+        F.float8_cast_blockwise_many(pg, scg, name, og)
+        for i, p in ipairs(pg) do
+          if p.x then
+            local tag = ('%s rank %d weight %d'):format(name, r, i)
+            same_bytes(og[i], F.float8_cast_blockwise_piece(p.x, scg[i], p.R, p.C, p.offset, name), tag)
+            same_bytes(og[i], oc[i], tag .. ', cpu')
+          end
+        end
+      end
+    end
+  end)
+
+  it('copy_bytes_many_ (kernels/convert_many.cu): the CPU\'s bytes (aligned and not, longer than a block\'s chunk, 150 copies: two launches)', function()
+    local src = { randn({ 50000 }, 1, 'bf16'), randn({ 3001 }), ms.rand({ 999 }):to('u8') }
+    local dst = { randn({ 40000 }), randn({ 70001 }, 1, 'bf16') }
+    local copies, at = {}, { 0, 0 }
+    local function add(d, s, soff, n)
+      copies[#copies + 1] = { dst[d], at[d], src[s], soff, n }
+      at[d] = at[d] + n + (#copies % 3)
+    end
+    add(1, 1, 0, 64000)           -- (16-byte aligned both ends, several chunks)
+    add(2, 1, 3, 33333)           -- (odd offsets)
+    for i = 1, 148 do add(i % 2 + 1, i % 3 + 1, i, 5 + i) end
+    local cg = {}
+    for i, c in ipairs(copies) do
+      cg[i] = { c[1]:cuda(), c[2], c[3]:cuda(), c[4], c[5] }
+    end
+    -- (a tensor's CUDA copy once: the same tensor in several copies)
+    local seen = {}
+    for i, c in ipairs(copies) do
+      seen[c[1]] = seen[c[1]] or cg[i][1]; cg[i][1] = seen[c[1]]
+      seen[c[3]] = seen[c[3]] or cg[i][3]; cg[i][3] = seen[c[3]]
+    end
+    F.copy_bytes_many_(copies)
+    F.copy_bytes_many_(cg)
+    for _, t in ipairs(dst) do same_bytes(seen[t], t, 'dst ' .. t.dtype) end
+  end)
+
   it('scaled_matmul with block scales (cuBLASLt VEC128_32F / BLK128x128_32F) matches the CPU (each pair, bias, beta), or names what it cannot take', function()
     if not hopper() then
       local a, _, ai = F.float8_cast_blockwise(randn({ 128, 128 }):cuda(), 'f8e4m3')

@@ -546,8 +546,14 @@ end
 -- unit's f8 shard; the gather moves that (one byte an element) into the
 -- f8 buffer, whose views are the f8 weights float8.linear takes
 -- (fsdp.float8_weight, with the scales). The unit's other parameters
--- (norms, biases) go through a second, small gather of their elements
--- packed in the unit's dtype. The cast of the shard is the cast of the
+-- (norms, biases) travel in the same gather: their elements, packed in the
+-- unit's dtype, take Pb bytes inserted into each rank's f8 bytes at a point
+-- no f8 weight spans (q[r], so every f8 weight stays contiguous in the
+-- gathered bytes), and one launch copies them to their places; where a
+-- rank's part lies inside one f8 weight (no such point) they go through a
+-- second, small gather instead. The blockwise weights' maxima, scales and
+-- casts are one launch each for the whole model (the many-piece ops), the
+-- packing one more. The cast of the shard is the cast of the
 -- gathered weight (the same global amax, or the same block maxima, and an
 -- element-wise cast given the scale): the same bits as gathering in bf16
 -- and casting after, 1/W of the casting work and half the bytes on the
@@ -561,8 +567,14 @@ end
 -- blockwise weight's { R, C, nbr, nbc }: its shape and block grid), piece[k]
 -- (this rank's part: off in the shard, n, woff its first element's index
 -- in the weight), hp (the packed gather's pieces over all ranks: { r, pk,
--- dst, n }), mine (this rank's: { src, pk, n }), P }; slot[k] (the weight's
--- place in its amax vector) is set by fully_shard
+-- dst, n }), mine (this rank's: { src, pk, n }), P, es (the unit's dtype's
+-- bytes), joint (the packed elements ride in the f8 gather: Pb bytes of
+-- them at q[r] in rank r's part; else Pb = 0 and a gather of their own) };
+-- slot[k] (the weight's place in its amax vector) is set by fully_shard
+-- the other parameters in the f8 gather where the layout allows (false:
+-- always a gather of their own; specs compare the two)
+fsdp.f8_joint_gather = true
+
 local function f8_plan(u)
   local f8mod = package.loaded['moonshard.float8']
   if f8mod == nil then return nil end
@@ -628,7 +640,50 @@ local function f8_plan(u)
     P = math.max(P, pk)
   end
   plan.P = P
+  -- the point of each rank's part where its Pb bytes go: the part's start
+  -- unless an f8 weight spans it, else that weight's end (none: the part
+  -- lies inside one f8 weight, and the unit takes two gathers)
+  plan.es = C.ms_dtype_size(T.dtype_id(fp.dtype))
+  plan.q, plan.joint = {}, P > 0 and fsdp.f8_joint_gather
+  for r = 0, W - 1 do
+    if not plan.joint then break end
+    local e = r * S
+    for _, k in ipairs(ks) do
+      local o = fp.layout.offsets[k]
+      if o < e and e < o + fp.numels[k] then e = o + fp.numels[k] end
+    end
+    if e > (r + 1) * S then plan.joint = false else plan.q[r] = e - r * S end
+  end
+  plan.joint = plan.joint or false
+  plan.Pb = plan.joint and math.ceil(P * plan.es / 16) * 16 or 0   -- (a multiple of 16: the weights keep their alignment)
   return plan
+end
+
+-- byte of the gathered f8 buffer holding element e of the unit's flat
+-- buffer (an f8 weight's; each rank's part is S + Pb bytes there)
+local function f8_pos(fp, f8, e)
+  local S = fp.shard_numel
+  local r = math.floor(e / S)
+  local l = e - r * S
+  return r * (S + f8.Pb) + l + ((f8.joint and l >= f8.q[r]) and f8.Pb or 0)
+end
+
+-- byte of this rank's f8 shard (S + Pb bytes) holding its element l
+local function f8_local(fp, f8, l)
+  return l + ((f8.joint and l >= f8.q[fp.rank]) and f8.Pb or 0)
+end
+
+-- a list of byte copies ({ dst, dst byte, src, src byte, bytes }) as the
+-- arrays ms_copy_bytes_many takes (refs: the tensors, kept alive)
+local function f8_copies(list)
+  local n = #list
+  local c = { n = n, d = ffi.new('ms_tensor*[?]', math.max(n, 1)), s = ffi.new('ms_tensor*[?]', math.max(n, 1)),
+    spec = ffi.new('int64_t[?]', math.max(3 * n, 1)), refs = list }
+  for i, e in ipairs(list) do
+    c.d[i - 1], c.s[i - 1] = e[1], e[3]
+    c.spec[3 * i - 3], c.spec[3 * i - 2], c.spec[3 * i - 1] = e[2], e[4], e[5]
+  end
+  return c
 end
 
 -- the f8 state of a unit with a plan: the f8 shard, the unsharded f8 buffer
@@ -641,12 +696,14 @@ end
 function Unit:f8_init()
   local fp, f8 = self.fp, self.f8
   local S, W, dev = fp.shard_numel, fp.world_size, fp.device
-  f8.shard8 = T.empty({ S }, { dtype = f8.dtype8, device = dev })   -- (the other parameters' elements: never read)
-  f8.flat8 = T.empty({ fp.total }, { dtype = f8.dtype8, device = dev })
+  -- (the other parameters' elements: never read; joint: their packed
+  -- elements at q in the Pb bytes after)
+  f8.shard8 = T.empty({ S + f8.Pb }, { dtype = f8.dtype8, device = dev })
+  f8.flat8 = T.empty({ W * (S + f8.Pb) }, { dtype = f8.dtype8, device = dev })
   f8.views8, f8.amax, f8.inv, f8.part8 = {}, {}, {}, {}
   f8.inv_t, f8.scale, f8.out8 = {}, {}, {}
   for _, k in ipairs(f8.ks) do
-    local n = f8.flat8:narrow(1, fp.layout.offsets[k] + 1, fp.numels[k])
+    local n = f8.flat8:narrow(1, f8_pos(fp, f8, fp.layout.offsets[k]) + 1, fp.numels[k])
     f8.views8[k] = n:view(fp.shapes[k])
     n:free()
     local b, pc = f8.blk[k], f8.piece[k]
@@ -657,7 +714,7 @@ function Unit:f8_init()
       f8.scale[k] = T.empty({ b.nbr, b.nbc }, { dtype = 'f32', device = dev })
       f8.inv[k] = T.empty({ b.nbr, 4 * math.ceil(b.nbc / 4) }, { dtype = 'f32', device = dev })
       f8.inv_t[k] = T.empty({ b.nbc, 4 * math.ceil(b.nbr / 4) }, { dtype = 'f32', device = dev })
-      if pc then f8.out8[k] = f8.shard8:narrow(1, pc.off + 1, pc.n) end
+      if pc then f8.out8[k] = f8.shard8:narrow(1, f8_local(fp, f8, pc.off) + 1, pc.n) end
       pc = nil   -- (one piece, cast whole: no tiles)
     else
       local a = self.st.f8_amax:narrow(1, f8.slot[k] + 1, 1)
@@ -670,7 +727,7 @@ function Unit:f8_init()
     if pc then
       local segs, main = {}, pc.n - pc.n % 64
       local function seg(off, rows, cols)
-        local d = f8.shard8:narrow(1, pc.off + off + 1, rows * cols)
+        local d = f8.shard8:narrow(1, f8_local(fp, f8, pc.off) + off + 1, rows * cols)
         segs[#segs + 1] = { off = pc.off + off, rows = rows, cols = cols, out = d:view({ rows, cols }) }
         d:free()
       end
@@ -679,56 +736,149 @@ function Unit:f8_init()
       f8.part8[k] = segs
     end
   end
-  if f8.P > 0 then
+  if f8.P > 0 and not f8.joint then
     f8.hp_src = T.zeros({ f8.P }, { dtype = fp.dtype, device = dev })
     f8.hp_all = T.zeros({ W * f8.P }, { dtype = fp.dtype, device = dev })
   end
+  -- the unpacking copies ({ dst, dst byte, src, src byte, bytes } each, as
+  -- copy_bytes_many takes them): from the gathered bytes into the unit's
+  -- buffer (flat8 and flat: kept across their data's release)
+  local es, Sb, P = f8.es, S + f8.Pb, f8.P
+  f8.unpack = {}
+  for i, h in ipairs(f8.hp) do
+    local sb = f8.joint and h.r * Sb + f8.q[h.r] + h.pk * es or (h.r * P + h.pk) * es
+    f8.unpack[i] = { self.flat, h.dst * es, f8.joint and f8.flat8 or f8.hp_all, sb, h.n * es }
+  end
+  f8.unpack_c = f8_copies(f8.unpack)
   if self.free_data then storage_check(C.ms_storage_free_data(f8.flat8), 'releasing the f8 buffer', self) end
 end
 
--- once a step, every float8 unit's local amaxes, one all_reduce(max), and
--- every unit's casts (Unit:f8_cast): the f8 shards are then sources a
+-- the precompute's tables over every float8 unit, made again when a
+-- unit's source views change: by f8 dtype (blk[dtype]), the blockwise
+-- weights' pieces (n, x, geom), grids (amax, scale, inv, inv_t, pow2) and
+-- the pieces this rank casts (nc, cx, cgeom, cscale, cout), as the
+-- many-piece ops take them; pack: the copies of the other parameters'
+-- elements into the f8 shards (or their own sources). refs keeps the
+-- tensors alive.
+local function f8_tables(st)
+  local svs = {}
+  for i, u in ipairs(st.f8_units) do svs[i] = u:f8_src_views() end
+  local tab = st.f8_tab
+  if tab then
+    local same = true
+    for i, sv in ipairs(svs) do if tab.svs[i] ~= sv then same = false end end
+    if same then return tab end
+  end
+  local lists, pack = {}, {}
+  for i, u in ipairs(st.f8_units) do
+    local f8, sv = u.f8, svs[i]
+    for _, k in ipairs(f8.ks) do
+      local b, pc = f8.blk[k], f8.piece[k]
+      if b then
+        local l = lists[f8.dtype8] or { x = {}, geom = {}, amax = {}, scale = {}, inv = {}, inv_t = {}, pow2 = {},
+          cx = {}, cgeom = {}, cscale = {}, cout = {} }
+        lists[f8.dtype8] = l
+        local g = { b.R, b.C, pc and pc.woff or 0 }
+        local j = #l.amax + 1
+        l.x[j], l.geom[j], l.amax[j], l.scale[j] = sv.part[k] or false, g, f8.amax[k], f8.scale[k]
+        l.inv[j], l.inv_t[j], l.pow2[j] = f8.inv[k], f8.inv_t[k], f8.cfg[k].pow2 and 1 or 0
+        if f8.out8[k] then
+          local c = #l.cx + 1
+          l.cx[c], l.cgeom[c], l.cscale[c], l.cout[c] = sv.part[k], g, f8.scale[k], f8.out8[k]
+        end
+      end
+    end
+    for _, m in ipairs(f8.mine) do
+      local es = f8.es
+      pack[#pack + 1] = f8.joint and { f8.shard8, f8.q[u.fp.rank] + m.pk * es, sv.src, m.src * es, m.n * es }
+        or { f8.hp_src, m.pk * es, sv.src, m.src * es, m.n * es }
+    end
+  end
+  local function arr(list, n)
+    local a = ffi.new('ms_tensor*[?]', math.max(n, 1))
+    for i = 1, n do if list[i] then a[i - 1] = list[i] end end
+    return a
+  end
+  local function geoms(list, n)
+    local a = ffi.new('int64_t[?]', math.max(3 * n, 1))
+    for i = 1, n do for j = 1, 3 do a[3 * (i - 1) + j - 1] = list[i][j] end end
+    return a
+  end
+  tab = { svs = svs, blk = {}, pack = f8_copies(pack), refs = lists }
+  for dt, l in pairs(lists) do
+    local n, nc = #l.amax, #l.cx
+    local pw = ffi.new('int[?]', math.max(n, 1))
+    for i = 1, n do pw[i - 1] = l.pow2[i] end
+    tab.blk[#tab.blk + 1] = { dtype = T.dtype_id(dt), n = n, x = arr(l.x, n), geom = geoms(l.geom, n),
+      amax = arr(l.amax, n), scale = arr(l.scale, n), inv = arr(l.inv, n), inv_t = arr(l.inv_t, n), pow2 = pw,
+      nc = nc, cx = arr(l.cx, nc), cgeom = geoms(l.cgeom, nc), cscale = arr(l.cscale, nc), cout = arr(l.cout, nc) }
+  end
+  st.f8_tab = tab
+  return tab
+end
+
+-- once a step, every float8 unit's local amaxes (the blockwise ones in one
+-- launch), one all_reduce(max), and the casts (the blockwise scales and
+-- casts one launch each, the tensorwise ones a weight each: Unit:f8_cast)
+-- and the packing (one launch): the f8 shards are then sources a
 -- copy-engine gather may read (a new src_gen: the next such gather fences)
 local function f8_precompute(st)
   st.f8_stale = false
+  local tab = f8_tables(st)
   for _, u in ipairs(st.f8_units) do
-    local f8 = u.f8
-    local sv = u:f8_src_views()
+    local f8, sv = u.f8, u.f8.sv
     for _, k in ipairs(f8.ks) do
-      local part, b = sv.part[k], f8.blk[k]
-      if part and b then
-        F().float8_amax_blockwise_piece(part, b.R, b.C, f8.piece[k].woff, { out = f8.amax[k] })
-      elseif part then
+      if f8.blk[k] then   -- (below)
+      elseif sv.part[k] then
         st.box[0] = f8.amax[k]
-        check(C.ms_amax(st.box, part), 2)
+        check(C.ms_amax(st.box, sv.part[k]), 2)
       else
         raw_zero(f8.amax[k])
       end
     end
   end
+  for _, g in ipairs(tab.blk) do check(C.ms_float8_amax_blockwise_many(g.amax, g.x, g.geom, g.n), 2) end
   if st.f8_group and st.f8_group:size() > 1 and not st.skip_comm then
     if st.f8_amax then dist.all_reduce(st.f8_amax, 'max', { group = st.f8_group }) end
     if st.f8_bamax then dist.all_reduce(st.f8_bamax, 'max', { group = st.f8_group }) end
   end
   -- (the tensorwise amaxes only: a blockwise TP shard's blocks are its own)
   if st.f8_tp_group then require('moonshard.tp').all_reduce_max(st.f8_amax, st.f8_tp_group) end
+  -- the blocks' scales (every rank: the layers read them), the parts cast
+  for _, g in ipairs(tab.blk) do
+    check(C.ms_float8_scales_blockwise_many(g.scale, g.inv, g.inv_t, g.amax, g.pow2, g.n, g.dtype), 2)
+    if g.nc > 0 then check(C.ms_float8_cast_blockwise_many(g.cout, g.cx, g.cscale, g.cgeom, g.nc, g.dtype), 2) end
+  end
   for _, u in ipairs(st.f8_units) do u:f8_cast() end
+  if tab.pack.n > 0 then check(C.ms_copy_bytes_many(tab.pack.d, tab.pack.s, tab.pack.spec, tab.pack.n), 2) end
   st.src_gen = st.src_gen + 1
   st.f8_gen = st.src_gen
 end
 
+-- fsdp.float8_precompute(model): the once-a-step work of float8_all_gather
+-- (amaxes, their all-reduce, scales, casts, packing) now, queued on the
+-- current stream (bench/fsdp.lua --f8-precompute times it); after_step
+-- does it by itself
+function fsdp.float8_precompute(model)
+  local st = state_of(model, 'fsdp.float8_precompute')
+  if not st.f8_units then error('fsdp.float8_precompute: the model is not sharded with float8_all_gather', 2) end
+  f8_precompute(st)
+end
+
 -- the copy-engine registrations of the unit's f8 shard and packed source
--- ({ f8 =, hp = }), or false (as Unit:copy_reg: NCCL on CUDA, or 'emulate')
+-- ({ f8 =, hp = }: hp only with a gather of its own), or false (as
+-- Unit:copy_reg: NCCL on CUDA, or 'emulate')
 function Unit:f8_copy_reg()
   if self.f8reg ~= nil then return self.f8reg end
   local st, f8, g = self.st, self.f8, self.fp.group
+  local hp = f8.hp_src ~= nil
   local reg = false
   if st.copy_gather == 'emulate' then
-    reg = { f8 = emulated_reg(f8.shard8, g), hp = f8.P > 0 and emulated_reg(f8.hp_src, g) or nil }
+    reg = { f8 = emulated_reg(f8.shard8, g), hp = hp and emulated_reg(f8.hp_src, g) or nil }
   elseif st.copy_gather and f8.shard8.device_id >= 0 and dist.backend() == 'nccl' then
     local r8 = dist.copy_register(f8.shard8, { group = g })
-    local rh = r8 and f8.P > 0 and dist.copy_register(f8.hp_src, { group = g }) or nil
-    if r8 and (f8.P == 0 or rh) then reg = { f8 = r8, hp = rh }
+    local rh = r8 and hp and dist.copy_register(f8.hp_src, { group = g }) or nil
+    if r8 and (not hp or rh) then reg = { f8 = r8, hp = rh }
     else
       if r8 then r8:free() end
       if rh then rh:free() end
@@ -740,14 +890,19 @@ end
 
 -- the views of the gather source the f8 steps read, made once (the source
 -- is the unit's low-precision copy or its master shard, kept across steps):
--- part[k] (1-d), seg[k][i] (the cast's 2-d pieces), empty (a (0, 0) for a
--- weight with no part here), mine[i] = { dst, src } of the packed copy
+-- part[k] (1-d), seg[k][i] (the tensorwise cast's 2-d pieces), empty (a
+-- (0, 0) for a weight with no part here)
 function Unit:f8_src_views()
   local f8 = self.f8
   local src = self:gather_source()   -- (refreshes the low-precision copy when stale)
   local sv = f8.sv
   if sv and sv.src == src then return sv end
-  sv = { src = src, part = {}, seg = {}, mine = {} }
+  if T.dtype_id(src.dtype) ~= T.dtype_id(self.fp.dtype) then
+    -- (the packing copies bytes: the source is in the unit's dtype)
+    error(('fully_shard: float8_all_gather: unit %s gathers %s from a %s source'):format(self.label,
+      T.dtype_name(T.dtype_id(self.fp.dtype)), src.dtype), 2)
+  end
+  sv = { src = src, part = {}, seg = {} }
   sv.empty = T.empty({ 0, 0 }, { dtype = src.dtype, device = src.device_id })
   for _, k in ipairs(f8.ks) do
     local pc = f8.piece[k]
@@ -761,29 +916,19 @@ function Unit:f8_src_views()
       end
     end
   end
-  for i, m in ipairs(f8.mine) do
-    sv.mine[i] = { dst = f8.hp_src:narrow(1, m.pk + 1, m.n), src = src:narrow(1, m.src + 1, m.n) }
-  end
   f8.sv = sv
   return sv
 end
 
--- the unit's parts cast with their weights' scales into the f8 shard, and
--- the other parameters' elements packed
+-- the unit's tensorwise parts cast with their weights' scales into the f8
+-- shard (the blockwise ones: f8_precompute, for the whole model at once)
 function Unit:f8_cast()
   local st, f8 = self.st, self.f8
   local sv = self:f8_src_views()
   for _, k in ipairs(f8.ks) do
     local dt, p2 = T.dtype_id(f8.dtype8), f8.cfg[k].pow2 and 1 or 0
-    local segs, b = f8.part8[k], f8.blk[k]
-    if b then
-      -- the blocks' scales (every rank: the layers read them), the part cast
-      F().float8_scales_blockwise(f8.amax[k], f8.dtype8, { pow2 = f8.cfg[k].pow2, scale = f8.scale[k], inv = f8.inv[k],
-        inv_t = f8.inv_t[k] })
-      if f8.out8[k] then
-        F().float8_cast_blockwise_piece(sv.part[k], f8.scale[k], b.R, b.C, f8.piece[k].woff, f8.dtype8,
-          { out = f8.out8[k] })
-      end
+    local segs = f8.part8[k]
+    if f8.blk[k] then   -- (f8_precompute)
     elseif segs == nil then   -- (no part here: the scale alone)
       st.box2[0] = f8.inv[k]
       check(C.ms_float8_cast(nil, nil, st.box2, sv.empty, f8.amax[k], dt, p2), 2)
@@ -795,24 +940,26 @@ function Unit:f8_cast()
       end
     end
   end
-  if #sv.mine > 0 then no_grad(function() for _, m in ipairs(sv.mine) do raw_copy(m.dst, m.src) end end) end
 end
 
--- the f8 path of gather_start (the unit's bf16 buffer allocated already)
+-- the f8 path of gather_start (the unit's bf16 buffer allocated already):
+-- one gather of the f8 shards (S + Pb bytes a rank), and with P > 0 but
+-- not joint one of the packed other parameters
 function Unit:f8_gather_start()
   local st, fp, f8 = self.st, self.fp, self.f8
   if st.f8_stale or st.f8_gen ~= st.src_gen then f8_precompute(st) end
   if self.free_data then storage_check(C.ms_storage_alloc_data(f8.flat8), 'allocating the f8 buffer', self) end
+  local hp = f8.hp_src ~= nil
   if fp.world_size == 1 or st.skip_comm then
     -- (set_skip_comm: every member's slot gets this rank's own shard, as in
     -- the bf16 path)
-    local n = fp.shard_numel
+    local n = fp.shard_numel + f8.Pb
     no_grad(function()
       for r = 0, fp.world_size - 1 do
         local d = f8.flat8:narrow(1, r * n + 1, n)
         raw_copy(d, f8.shard8)
         d:free()
-        if f8.P > 0 then
+        if hp then
           local h = f8.hp_all:narrow(1, r * f8.P + 1, f8.P)
           raw_copy(h, f8.hp_src)
           h:free()
@@ -828,30 +975,23 @@ function Unit:f8_gather_start()
         st.copy_fenced[fp.group] = st.src_gen
       end
       self.work8 = reg.f8:gather_into(f8.flat8)
-      if f8.P > 0 then self.work = reg.hp:gather_into(f8.hp_all) end
+      if hp then self.work = reg.hp:gather_into(f8.hp_all) end
       st.copy_seq = st.copy_seq + 1
       st.copy_dirty[fp.group] = st.copy_seq
     else
       self.work8 = dist.all_gather_into(f8.flat8, f8.shard8, { group = fp.group, async = true })
-      if f8.P > 0 then self.work = dist.all_gather_into(f8.hp_all, f8.hp_src, { group = fp.group, async = true }) end
+      if hp then self.work = dist.all_gather_into(f8.hp_all, f8.hp_src, { group = fp.group, async = true }) end
     end
   end
   self.f8_live = true
 end
 
 -- after the f8 gathers: the other parameters' elements into their places
+-- (one launch)
 function Unit:f8_finish()
-  local f8 = self.f8
+  local c = self.f8.unpack_c
   if self.work8 then self.work8:wait(); self.work8:free(); self.work8 = nil end
-  if f8.P > 0 then
-    if f8.unpack == nil then   -- (views made while the buffer holds data; they follow its storage)
-      f8.unpack = {}
-      for i, h in ipairs(f8.hp) do
-        f8.unpack[i] = { src = f8.hp_all:narrow(1, h.r * f8.P + h.pk + 1, h.n), dst = self.flat:narrow(1, h.dst + 1, h.n) }
-      end
-    end
-    no_grad(function() for _, c in ipairs(f8.unpack) do raw_copy(c.dst, c.src) end end)
-  end
+  if c.n > 0 then check(C.ms_copy_bytes_many(c.d, c.s, c.spec, c.n), 2) end
 end
 
 -- issue the all-gather (async) into the unsharded buffer; no-op unless sharded

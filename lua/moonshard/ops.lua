@@ -591,6 +591,95 @@ function F.float8_cast_blockwise_piece(x, scale, rows, cols, offset, dtype, opts
   return run(C.ms_float8_cast_blockwise_piece, x, scale, rows, cols, offset or 0, dt)
 end
 
+-- The same for many pieces at once (one launch each on CUDA, up to 128
+-- pieces a launch; the bits of the per-piece ops; core/ops.h). pieces: a
+-- list of { x = (a contiguous 1-D float tensor, or nil: no element here),
+-- R =, C =, offset = }; every output given.
+-- float8_amax_blockwise_many(pieces, amax) -> amax: amax[i] (a contiguous
+-- f32 grid each) = float8_amax_blockwise_piece of pieces[i]
+local function piece_arrays(name, pieces)
+  if type(pieces) ~= 'table' then raise(('%s: pieces must be a list, got %s'):format(name, type(pieces))) end
+  local n = #pieces
+  local x, geom = ffi.new('ms_tensor*[?]', math.max(n, 1)), ffi.new('int64_t[?]', math.max(3 * n, 1))
+  for i, p in ipairs(pieces) do
+    if p.x ~= nil then need_tensor(name, p.x, ('pieces[%d].x'):format(i)); x[i - 1] = p.x end
+    for j, k in ipairs({ 'R', 'C', 'offset' }) do
+      local v = k == 'offset' and (p.offset or 0) or p[k]
+      if type(v) ~= 'number' then raise(('%s: pieces[%d].%s must be a number, got %s'):format(name, i, k, type(v))) end
+      geom[3 * (i - 1) + j - 1] = v
+    end
+  end
+  return n, x, geom
+end
+
+local function tensor_array(name, list, n, what, optional)
+  if list == nil and optional then return nil end
+  if type(list) ~= 'table' then raise(('%s: %s must be a list of tensors, got %s'):format(name, what, type(list))) end
+  local a = ffi.new('ms_tensor*[?]', math.max(n, 1))
+  for i = 1, n do
+    if list[i] ~= nil then need_tensor(name, list[i], ('%s[%d]'):format(what, i)); a[i - 1] = list[i] end
+  end
+  return a
+end
+
+function F.float8_amax_blockwise_many(pieces, amax)
+  local n, x, geom = piece_arrays('float8_amax_blockwise_many', pieces)
+  check(C.ms_float8_amax_blockwise_many(tensor_array('float8_amax_blockwise_many', amax, n, 'amax'), x, geom, n))
+  return amax
+end
+
+-- float8_scales_blockwise_many(amax, dtype, {pow2 = (a bool, or a list of
+-- them), scale =, inv =, inv_t = (lists of tensors)}): what
+-- float8_scales_blockwise writes for each grid amax[i], into the tensors given
+function F.float8_scales_blockwise_many(amax, dtype, opts)
+  local name = 'float8_scales_blockwise_many'
+  opts = opts or {}
+  if type(amax) ~= 'table' then raise(('%s: amax must be a list of tensors, got %s'):format(name, type(amax))) end
+  local n = #amax
+  local p2 = ffi.new('int[?]', math.max(n, 1))
+  for i = 1, n do
+    local v = opts.pow2
+    if type(v) == 'table' then v = v[i] end
+    p2[i - 1] = v and 1 or 0
+  end
+  check(C.ms_float8_scales_blockwise_many(tensor_array(name, opts.scale, n, 'scale', true),
+    tensor_array(name, opts.inv, n, 'inv', true), tensor_array(name, opts.inv_t, n, 'inv_t', true),
+    tensor_array(name, amax, n, 'amax'), p2, n, T.dtype_id(dtype or 'f8e4m3', 3)))
+end
+
+-- float8_cast_blockwise_many(pieces, scale, dtype, out) -> out: out[i]
+-- (the piece's elements, dtype) = float8_cast_blockwise_piece(pieces[i].x,
+-- scale[i], ...); nil entries for empty pieces
+function F.float8_cast_blockwise_many(pieces, scale, dtype, out)
+  local name = 'float8_cast_blockwise_many'
+  local n, x, geom = piece_arrays(name, pieces)
+  check(C.ms_float8_cast_blockwise_many(tensor_array(name, out, n, 'out'), x, tensor_array(name, scale, n, 'scale'),
+    geom, n, T.dtype_id(dtype or 'f8e4m3', 3)))
+  return out
+end
+
+-- copy_bytes_many_(copies): each { dst, dst_byte, src, src_byte, nbytes }
+-- (contiguous tensors of any dtypes, one device) copied, bytes as they
+-- are; one kernel on CUDA (core/ops.h ms_copy_bytes_many)
+function F.copy_bytes_many_(copies)
+  local name = 'copy_bytes_many_'
+  if type(copies) ~= 'table' then raise(('%s: copies must be a list, got %s'):format(name, type(copies))) end
+  local n = #copies
+  local d, s = ffi.new('ms_tensor*[?]', math.max(n, 1)), ffi.new('ms_tensor*[?]', math.max(n, 1))
+  local spec = ffi.new('int64_t[?]', math.max(3 * n, 1))
+  for i, c in ipairs(copies) do
+    d[i - 1] = need_tensor(name, c[1], ('copies[%d] dst'):format(i))
+    s[i - 1] = need_tensor(name, c[3], ('copies[%d] src'):format(i))
+    for j, k in ipairs({ 2, 4, 5 }) do
+      local v = c[k]
+      if type(v) ~= 'number' then raise(('%s: copies[%d] needs byte offsets and a count, got %s'):format(name, i, type(v))) end
+      spec[3 * (i - 1) + j - 1] = v
+    end
+  end
+  check(C.ms_copy_bytes_many(d, s, spec, n))
+  return copies
+end
+
 -- float8_transpose(x (R, C) 8-bit float) -> (C, R) contiguous, the same bytes
 function F.float8_transpose(x)
   need_tensor('float8_transpose', x, 'x')
