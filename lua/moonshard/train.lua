@@ -1150,14 +1150,13 @@ function train.run(opts)
     if tp_size > 1 then
       -- --tp N --ep M: each expert group of M consecutive ranks holds M / N
       -- whole tensor-parallel groups, whose ranks each route their own rows
-      -- (docs/moe.md, "Expert and tensor parallelism"); plain only
+      -- (docs/moe.md, "Expert and tensor parallelism"); plain, or with
+      -- --fsdp FULL_SHARD / SHARD_GRAD_OP each rank's slices sharded over
+      -- the ranks that hold the same ones and the experts over their
+      -- copies (HYBRID_SHARD: refused by --tp above)
       if ep_size % tp_size ~= 0 then
         usage('--ep %d with --tp %d: --ep must be a multiple of --tp (an expert group holds whole tensor-parallel '
           .. 'groups of consecutive ranks: --ep %d, %d, ...)', ep_size, tp_size, tp_size, 2 * tp_size)
-      end
-      if strategy then
-        usage('--ep with --tp and --fsdp %s: not supported (--tp --ep trains plain: the gradients all-reduced over the '
-          .. 'data-parallel ranks)', strategy)
       end
       if pp_size > 1 then usage('--ep with --tp and --pp: not supported') end
       if cp_size > 1 then usage('--ep with --tp and --cp: not supported') end
@@ -1338,6 +1337,13 @@ function train.run(opts)
         .. 'whole, each group %d tensor-parallel group%s of %d routing its ranks\' own rows'):format(ep_size, world,
         world / ep_size, world == ep_size and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts,
         #layers, ntp, ntp == 1 and '' or 's', tp_size)
+      -- (FSDP x TP x EP: the experts' units over their copies, the rest
+      -- over the ranks that hold the same slices)
+      if strategy and world > ep_size then
+        ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(world / ep_size, strategy)
+      elseif strategy then
+        ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
+      end
       return
     end
     ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, '
@@ -1770,8 +1776,9 @@ function train.run(opts)
       local msd, osd
       if pp_mesh then msd, osd = ms.pp.full_checkpoint(model, opt, hyper)   -- (with --tp too: it gathers the slices)
       elseif tp_mesh and not ep_group then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
-      -- (--ep, with --tp too: the ranks of rank 0's expert group)
-      elseif rank < ep_size then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
+      -- (--ep, with --tp too: the ranks of rank 0's expert group; under
+      -- FSDP, --tp --ep --fsdp, every rank: the units' gathers span them)
+      elseif rank < ep_size or strategy then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
       local okw, res = true, nil
       if rank == 0 then
         okw, res = pcall(ckpt.save_async, o.out, step, { model = { state_dict = function() return msd end },
@@ -1938,7 +1945,8 @@ function train.run(opts)
       -- the experts' gradients summed over their copies and divided by the
       -- data-parallel ranks, the others averaged over them (ms.ep); the norm
       -- counts each expert and each slice once
-      ms.ep.all_reduce_grads(model, tp_mesh.replicate)
+      -- (under FSDP the units reduced them: the experts' over their copies)
+      if not strategy then ms.ep.all_reduce_grads(model, tp_mesh.replicate) end
       gnorm = ms.ep.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     elseif tp_mesh then
       -- (under FSDP the gradients were reduced over mesh.replicate already)
@@ -2095,9 +2103,9 @@ function train.run(opts)
     elseif tp_mesh or (ep_group and not strategy) then
       local msd
       if tp_mesh and not ep_group then msd = ms.tp.full_checkpoint(model)
-      -- (--ep, with --tp too: the ranks of rank 0's group gather the experts; under FSDP
-      -- the branch below streams them, a unit at a time)
-      elseif rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
+      -- (--ep, with --tp too: the ranks of rank 0's group gather the experts, every rank under
+      -- --tp --ep --fsdp; --ep --fsdp alone: the branch below streams them, a unit at a time)
+      elseif rank < ep_size or strategy then msd = ms.ep.full_state_dict(model, { host = true }) end
       if rank == 0 then
         local hf = require 'models.hf'
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return msd end }, o.out)
