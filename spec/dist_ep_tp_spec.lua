@@ -17,6 +17,13 @@
 --     is the one-process model's state dict and optimizer state; loaded
 --     into a fresh split model (ep.load_full_state_dict /
 --     ep.load_full_optimizer_state) it takes the next step as one process;
+--   - under fsdp.fully_shard over the ranks that hold the same slices
+--     (FSDP x TP x EP: FULL_SHARD and SHARD_GRAD_OP, with and without
+--     sequence parallelism; the experts' units over their 2 copies, or
+--     whole with one), f64: the losses, every gradient read from the
+--     units' shards, three clipped AdamW steps of two micro-batches (the
+--     first under no_sync), ep.full_checkpoint, and a one-process state
+--     loaded into a fresh sharded model stepping on as one process;
 --   - the refusals.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'

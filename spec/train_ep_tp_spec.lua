@@ -9,7 +9,9 @@
 -- the sequence-wise balance loss, --moe-bias-rate) at --tp 2 --ep 2 on 2
 -- and --tp 2 --ep 4 on 4: the loss curve within 1e-5, the final weights
 -- whole; a checkpoint is a one-process one, resuming in one process and at
--- --tp 2 --ep 2 on the curve; bad layouts exit 2 with a message.
+-- --tp 2 --ep 2 on the curve; with --fsdp FULL_SHARD / SHARD_GRAD_OP
+-- (FSDP x TP x EP) the same, a --fsdp checkpoint whole too; bad layouts
+-- (--fsdp HYBRID_SHARD among them) exit 2 with a message.
 require 'moonshard'
 local S = require 'spec.support'
 local q = S.shell_quote

@@ -36,7 +36,12 @@
 -- takes the data-parallel group (the ranks holding the same slices) and
 -- divides the experts' sums by its size; clip_grad_norm_ adds the slices'
 -- squares over the TP group; the whole-model state gathers the slices
--- (tp.full_state_dict) and loads cut to them.
+-- (tp.full_state_dict) and loads cut to them. Under fsdp.fully_shard over
+-- the ranks that hold the same slices (FSDP x TP x EP) the units reduce
+-- the gradients (the experts' over their copies), clip_grad_norm_ counts
+-- each element of the shards once (a replicated parameter's squares over
+-- the TP group's size), and the whole-model state is the units' gathered
+-- (tp.fsdp_full_tensors), then the experts'.
 local T = require 'moonshard.tensor'
 local A = require 'moonshard.autograd'
 local F = require 'moonshard.ops'
