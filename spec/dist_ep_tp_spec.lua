@@ -366,6 +366,7 @@ describe('expert and tensor parallelism #mpi', function()
   end
 
   it('fully_shard of a model split by both: over the ranks that hold the same slices, not HYBRID_SHARD', function()
+    if W % 2 ~= 0 then pending(('a world of %d: no TP groups of 2'):format(W)) return end
     local case = cases[1]
     local m = split(case, 'f32', 2, true)
     local ok, err = pcall(ms.fsdp.fully_shard, m, { group = dist.world_group })
