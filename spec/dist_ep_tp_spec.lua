@@ -17,6 +17,13 @@
 --     is the one-process model's state dict and optimizer state; loaded
 --     into a fresh split model (ep.load_full_state_dict /
 --     ep.load_full_optimizer_state) it takes the next step as one process;
+--   - under fsdp.fully_shard over the ranks that hold the same slices
+--     (FSDP x TP x EP: FULL_SHARD and SHARD_GRAD_OP, with and without
+--     sequence parallelism; the experts' units over their 2 copies, or
+--     whole with one), f64: the losses, every gradient read from the
+--     units' shards, three clipped AdamW steps of two micro-batches (the
+--     first under no_sync), ep.full_checkpoint, and a one-process state
+--     loaded into a fresh sharded model stepping on as one process;
 --   - the refusals.
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
@@ -205,6 +212,178 @@ describe('expert and tensor parallelism #mpi', function()
       end
     end
   end
+
+  -- FSDP x TP x EP: fully_shard over the ranks that hold the same slices
+  -- (mesh.replicate): the units shard each rank's slices over them, each
+  -- layer's experts (a unit of their own) over their copies (ep.replicate:
+  -- the same ranks with --ep 2 at 4 ranks; none with --ep 4, whole)
+  local hyper = { lr = 1e-2, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
+  local function shard(m, mesh, strategy)
+    ms.fsdp.fully_shard(m, { strategy = strategy, group = mesh.replicate,
+      policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }) })
+    return ms.fsdp.AdamW(m, hyper)
+  end
+  -- name -> this rank's gradient (its TP slice, its experts whole), from
+  -- the units' shards
+  local function shard_grads(m)
+    local out = {}
+    for _, u in ipairs(ms.fsdp.units(m)) do
+      local fp = u.fp
+      local g = fp.shard.grad
+      assert.is_not_nil(g, u.label)
+      local full = g
+      if g:numel() ~= fp.total then
+        full = ms.empty({ fp.total }, { dtype = g.dtype })
+        dist.all_gather_into(full, g, { group = fp.group })
+      end
+      for k, v in ipairs(fp:views(full)) do out[u.param_names[k]] = v end
+    end
+    return out
+  end
+  -- a step of two micro-batches of one sequence a TP group, the first under
+  -- no_sync (its gradient kept unsharded); one process the same
+  -- micro-batches of every group (the load-balancing loss is the
+  -- micro-batch's)
+  local function fsdp_backward(m, mesh, step)
+    local x, y = batch(mesh.coord[1], step)
+    local sum = 0
+    for mb = 1, 2 do
+      local function run()
+        local l = m(x:narrow(1, mb, 1):contiguous(), y:narrow(1, mb, 1):contiguous()) * 0.5
+        l:backward()
+        sum = sum + l:item()
+      end
+      if mb == 1 then ms.fsdp.no_sync(m, run) else run() end
+    end
+    return sum
+  end
+  local function ref_micro_backward(ref, step)
+    local ls = {}
+    for d = 0, D - 1 do
+      local x, y = batch(d, step)
+      ls[d] = 0
+      for mb = 1, 2 do
+        local l = ref(x:narrow(1, mb, 1):contiguous(), y:narrow(1, mb, 1):contiguous()) * 0.5
+        ls[d] = ls[d] + l:item()
+        l = l * (1 / D)
+        l:backward()
+      end
+    end
+    return ls
+  end
+
+  for _, case in ipairs(cases) do
+    if not case.f32_only then
+      for _, lay in ipairs(layouts()) do
+        for _, sp in ipairs({ false, true }) do
+          for _, strategy in ipairs({ 'FULL_SHARD', 'SHARD_GRAD_OP' }) do
+            local what = ('%s, --tp 2 --ep %d (%s)%s, fully_shard %s'):format(case[1], lay[1], lay[2],
+              sp and ', sequence parallel' or '', strategy)
+            it(what .. ': the losses, the gradients in the shards, three clipped AdamW steps and the whole checkpoint '
+              .. 'are one process\'s; loaded, it steps on as one process (f64)', function()
+              local ref = build(case, 'f64')
+              local ropt = ms.optim.AdamW(ref, hyper)
+              local m, mesh = split(case, 'f64', lay[1], sp)
+              local opt = shard(m, mesh, strategy)
+              -- an expert unit a layer: over its 2 copies (--ep 2 at 4
+              -- ranks) or whole on its rank (one copy)
+              local ne = 0
+              for _, u in ipairs(ms.fsdp.units(m)) do
+                if u.experts then
+                  ne = ne + 1
+                  assert.are.equal(W / lay[1], u.fp.world_size, u.label)
+                else
+                  assert.are.equal(D, u.fp.world_size, u.label)
+                end
+              end
+              assert.are.equal(#ms.nn.moe.layers(ref), ne)
+              local function steps(mm, o, from, to)
+                for step = from, to do
+                  local ls = ref_micro_backward(ref, 20 + step)
+                  local l = fsdp_backward(mm, mesh, 20 + step)
+                  local lr = ls[mesh.coord[1]]
+                  assert.is_true(FS.rel(l, lr) <= 1e-10, ('step %d: loss %.17g, one process %.17g'):format(step, l, lr))
+                  if step == from then
+                    -- this rank's pieces of one process's gradients
+                    local got = shard_grads(mm)
+                    local n = 0
+                    for name, p in ref:named_parameters() do
+                      local g = got[name]
+                      if g ~= nil then
+                        local want = ms.tp.local_piece(mm, name, p.grad)
+                        local e = FS.max_rel(g:view(want.shape), want)
+                        assert.is_true(e <= 1e-10, ('step %d, %s: %g'):format(step, name, e))
+                        n = n + 1
+                      else
+                        assert.is_truthy(name:find('.experts.', 1, true), name)
+                      end
+                    end
+                    local held = 0
+                    for _ in pairs(got) do held = held + 1 end
+                    assert.are.equal(n, held)
+                  end
+                  local nr = ms.optim.clip_grad_norm(ref, 0.05)
+                  local nm = ms.ep.clip_grad_norm_(mm, 0.05, { defer = step == from + 1 and o or nil })
+                  assert.is_true(nr > 0.05, 'the clip bites')
+                  assert.is_true(FS.rel(nm, nr) <= 1e-10, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
+                  ropt:step(); ropt:zero_grad()
+                  o:step(); o:zero_grad()
+                end
+              end
+              steps(m, opt, 1, 3)
+              local msd, osd = ms.ep.full_checkpoint(m, opt, hyper)
+              local rsd, rosd = ref:state_dict(), ropt:state_dict()
+              for name, t in pairs(rsd) do
+                assert.is_truthy(msd[name], name)
+                assert.is_true(FS.max_rel(msd[name], t) <= 1e-9, name)
+              end
+              for name in pairs(msd) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
+              assert.are.same(rosd.meta.groups, osd.meta.groups)
+              table.sort(rosd.meta.state, function(a, b) return a.index < b.index end)
+              table.sort(osd.meta.state, function(a, b) return a.index < b.index end)
+              assert.are.same(rosd.meta.state, osd.meta.state)
+              for name, t in pairs(rosd.tensors) do
+                assert.is_truthy(osd.tensors[name], name)
+                assert.is_true(FS.max_rel(osd.tensors[name], t) <= 1e-9, name)
+              end
+              -- the one-process state into a fresh split, sharded model
+              local sd = {}
+              for name, t in pairs(rsd) do sd[name] = t:clone() end
+              local m2 = split(case, 'f64', lay[1], sp)
+              ms.ep.load_full_state_dict(m2, sd)
+              local opt2 = shard(m2, mesh, strategy)
+              ms.ep.load_full_optimizer_state(m2, opt2, rosd)
+              steps(m2, opt2, 4, 5)
+              local full = ms.ep.full_state_dict(m2)
+              for name, t in pairs(ref:state_dict()) do
+                assert.is_true(FS.max_rel(full[name], t) <= 1e-9, name)
+              end
+            end)
+          end
+        end
+      end
+    end
+  end
+
+  it('fully_shard of a model split by both: over the ranks that hold the same slices, not HYBRID_SHARD', function()
+    if W % 2 ~= 0 then pending(('a world of %d: no TP groups of 2'):format(W)) return end
+    local case = cases[1]
+    local m = split(case, 'f32', 2, true)
+    local ok, err = pcall(ms.fsdp.fully_shard, m, { group = dist.world_group })
+    assert.is_false(ok)
+    assert.matches(('fully_shard: the expert-parallel model\'s experts are split over 2 ranks with %d copies (%d ranks) '
+      .. 'and it is 2-way tensor parallel: shard it over the %d ranks that hold the same slices (the tensor-parallel '
+      .. 'mesh\'s replicate axis), not a group of %d'):format(W / 2, W, W / 2, W), tostring(err), 1, true)
+    ok, err = pcall(ms.fsdp.fully_shard, m, { strategy = 'HYBRID_SHARD', shard_size = 1 })
+    assert.is_false(ok)
+    assert.matches('fully_shard: HYBRID_SHARD of a model split by both expert and tensor parallelism: not supported',
+      tostring(err), 1, true)
+    ok, err = pcall(ms.fsdp.fully_shard, m, { strategy = 'NO_SHARD', group = dist.mesh { replicate = W / 2,
+      shard = 2 }.replicate })
+    assert.is_false(ok)
+    assert.matches('an expert-parallel model takes FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD, not NO_SHARD',
+      tostring(err), 1, true)
+  end)
 
   it('refuses expert groups that do not hold the TP groups, the wrong order and a missing data-parallel group',
     function()

@@ -10,8 +10,10 @@
 -- and --tp 2 --ep 4 on 4: the loss curve within 1e-5, the final weights
 -- whole; a checkpoint is sharded by default (resuming in one process, at
 -- --tp 2 --ep 2 and at --ep 2) and a one-process one with
--- --checkpoint-format full, each on the curve; bad layouts exit 2 with a
--- message.
+-- --checkpoint-format full, each on the curve; with --fsdp FULL_SHARD /
+-- SHARD_GRAD_OP (FSDP x TP x EP) the same curves, a --fsdp checkpoint in
+-- both formats; bad layouts (--fsdp HYBRID_SHARD among them) exit 2 with
+-- a message.
 require 'moonshard'
 local S = require 'spec.support'
 local q = S.shell_quote
@@ -141,6 +143,73 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     end
   end)
 
+  -- FSDP x TP x EP (--fsdp FULL_SHARD / SHARD_GRAD_OP): the slices
+  -- sharded over the ranks that hold the same ones, the experts over their
+  -- copies (none with --ep 4 on 4: whole on their rank)
+  it('mixtral and deepseek-v3: --tp 2 --ep 2 and --tp 2 --ep 4 with --fsdp FULL_SHARD and SHARD_GRAD_OP follow the '
+    .. 'one-process curve; the final weights are the whole model', function()
+    local one = reference(mixtral .. no_aux, 'm1')
+    local d1 = reference(deepseek, 'd1')
+    for _, c in ipairs({
+      { 2, mixtral .. no_aux, ' --tp 2 --ep 2 --fsdp FULL_SHARD', one, 'm1', ', each rank\'s experts whole, the rest '
+        .. 'sharded (FULL_SHARD)' },
+      { 4, mixtral .. no_aux, ' --tp 2 --ep 2 --fsdp FULL_SHARD', one, 'm1', ', the experts sharded over their 2 copies '
+        .. '(FULL_SHARD)' },
+      { 4, mixtral .. no_aux, ' --tp 2 --ep 2 --fsdp SHARD_GRAD_OP --no-sequence-parallel', one, 'm1',
+        ', the experts sharded over their 2 copies (SHARD_GRAD_OP)' },
+      { 4, mixtral .. no_aux, ' --tp 2 --ep 4 --fsdp SHARD_GRAD_OP', one, 'm1', ', each rank\'s experts whole, the '
+        .. 'rest sharded (SHARD_GRAD_OP)' },
+      { 4, deepseek, ' --tp 2 --ep 4 --fsdp FULL_SHARD --no-sequence-parallel', d1, 'd1', nil },
+      { 4, deepseek, ' --tp 2 --ep 2 --fsdp FULL_SHARD', d1, 'd1', nil },
+    }) do
+      local name = ('f%d_%d_%s'):format(c[1], #c[3], c[5])
+      local text = run(c[1], c[2] .. c[3], name)
+      if c[6] then assert.is_truthy(text:find(c[6], 1, true), text) end
+      local strategy = c[3]:match('%-%-fsdp (%S+)')
+      assert.is_truthy(text:find(('data parallel %d (%s)'):format(c[1] / 2, strategy), 1, true), text)
+      close_losses(c[4], losses(dir .. '/' .. name), 1, 4, ('%d ranks%s'):format(c[1], c[3]))
+      close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/' .. c[5] .. '/model.safetensors', c[3])
+    end
+  end)
+
+  it('a --tp 2 --ep 2 --fsdp checkpoint with --checkpoint-format full is a one-process one: it resumes in one process '
+    .. 'and at --tp 2 --ep 2 --fsdp on the curve', function()
+    local one = reference(mixtral .. no_aux, 'm1')
+    local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 2 --steps 4 --tp 2 --ep 2 '
+      .. '--fsdp FULL_SHARD --checkpoint-format full --save-every 1 --stop-at 2 --out %s/fs'):format(mixtral, no_aux,
+      q(dir)))
+    assert.are.equal(0, status, text)
+    -- not a sharded one: every expert and the whole tensors in one file
+    close_weights(dir .. '/fs/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
+    os.execute(('cp -r %s/fs %s/fs1'):format(q(dir), q(dir)))
+    status, text = bin_train(('--resume %s/fs1'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/fs1'), 1, 4, 'resumed in one process')
+    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s/fs --tp 2 --ep 2 --fsdp SHARD_GRAD_OP')
+      :format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/fs'), 1, 4, 'resumed at --tp 2 --ep 2 --fsdp SHARD_GRAD_OP')
+  end)
+
+  it('a --tp 2 --ep 2 --fsdp checkpoint is sharded by default: it resumes in one process, at --tp 2 --ep 2 --fsdp '
+    .. 'and at --tp 2 --ep 2 on the curve', function()
+    local one = reference(mixtral .. no_aux, 'm1')
+    local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 2 --steps 4 --tp 2 --ep 2 '
+      .. '--fsdp FULL_SHARD --save-every 1 --stop-at 2 --out %s/fss'):format(mixtral, no_aux, q(dir)))
+    assert.are.equal(0, status, text)
+    local f = io.open(dir .. '/fss/ckpt-2/index.json')
+    assert.is_truthy(f, 'a sharded checkpoint has an index.json')
+    f:close()
+    for _, c in ipairs({ { 'fss1', '', '' },
+                         { 'fss2', '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 2 --fsdp SHARD_GRAD_OP' },
+                         { 'fss3', '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2 --batch-size 4' } }) do
+      os.execute(('cp -r %s/fss %s/%s'):format(q(dir), q(dir), c[1]))
+      status, text = bin_train(('%s--resume %s/%s%s'):format(c[2], q(dir), c[1], c[3]))
+      assert.are.equal(0, status, text)
+      close_losses(one, losses(dir .. '/' .. c[1]), 1, 4, 'resumed ' .. (c[3] == '' and 'in one process' or 'at' .. c[3]))
+    end
+  end)
+
   it('bad layouts exit 2 and say why', function()
     local function bad(np, extra, msg)
       local status, text = bin_train(('--nproc-per-node %d --device cpu %s%s --steps 1 %s --out %s/bad'):format(np,
@@ -150,7 +219,8 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     end
     bad(4, '--tp 4 --ep 2', '--ep 2 with --tp 4: --ep must be a multiple of --tp (an expert group holds whole '
       .. 'tensor-parallel groups of consecutive ranks: --ep 4, 8, ...)')
-    bad(2, '--tp 2 --ep 2 --fsdp FULL_SHARD', '--ep with --tp and --fsdp FULL_SHARD: not supported')
+    bad(2, '--tp 2 --ep 2 --fsdp HYBRID_SHARD', '--tp 2 with --fsdp HYBRID_SHARD: not supported (the tensor-parallel '
+      .. 'groups are the mesh\'s other axis); use FULL_SHARD or SHARD_GRAD_OP')
     bad(4, '--tp 2 --ep 2 --pp 2', '--ep with --tp and --pp: not supported')
     bad(4, '--tp 2 --ep 2 --cp 2', '--ep with --tp and --cp: not supported')
   end)

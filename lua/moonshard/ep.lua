@@ -36,7 +36,12 @@
 -- takes the data-parallel group (the ranks holding the same slices) and
 -- divides the experts' sums by its size; clip_grad_norm_ adds the slices'
 -- squares over the TP group; the whole-model state gathers the slices
--- (tp.full_state_dict) and loads cut to them.
+-- (tp.full_state_dict) and loads cut to them. Under fsdp.fully_shard over
+-- the ranks that hold the same slices (FSDP x TP x EP) the units reduce
+-- the gradients (the experts' over their copies), clip_grad_norm_ counts
+-- each element of the shards once (a replicated parameter's squares over
+-- the TP group's size), and the whole-model state is the units' gathered
+-- (tp.fsdp_full_tensors), then the experts'.
 local T = require 'moonshard.tensor'
 local A = require 'moonshard.autograd'
 local F = require 'moonshard.ops'
@@ -213,6 +218,82 @@ function ep.all_reduce_grads(model, group)
   if W > 1 then dist.all_reduce_coalesced(rest, 'avg', { group = group }) end
 end
 
+-- the norm of a model split by expert and tensor parallelism and sharded
+-- by fully_shard over the ranks that hold the same slices (FSDP x TP x
+-- EP): each rank's unit shards, cut at their parameters' bounds. An
+-- expert unit's element is held by one rank of the world (the experts
+-- split over the expert group, sharded over their copies), a TP slice's by
+-- one (the slices over the TP group, sharded over the others), a
+-- replicated parameter's by one of each TP group: its squares divided by
+-- the TP group's size. All summed over the TP group, then over the shard
+-- group (every rank: the TP groups x the ranks that hold the same slices).
+-- The clip as tp.clip_grad_norm_ under fully_shard (opts.defer: fsdp.AdamW)
+local function fsdp_tp_clip(model, max_norm, opts)
+  local fsdp = require 'moonshard.fsdp'
+  local optim = require 'moonshard.optim'
+  local st, tpi = rawget(model, '_fsdp'), rawget(model, '_tp')
+  local split, rep, experts, all, views = {}, {}, {}, {}, {}
+  local dev
+  for _, u in ipairs(st.units) do
+    local g = u.fp.shard.grad
+    if g ~= nil then
+      dev = dev or g.device
+      all[#all + 1] = g
+      if u.experts then
+        experts[#experts + 1] = g
+      else
+        for _, pc in ipairs(fsdp.grad_pieces(u)) do
+          local v = pc[2]
+          views[#views + 1] = v
+          if tpi.split[u.param_names[pc[1]]] then split[#split + 1] = v else rep[#rep + 1] = v end
+        end
+      end
+    end
+  end
+  dev = dev or dist.device()
+  -- (every rank calls the all-reduces, with or without gradients)
+  local s = optim.sum_squares(split, dev)
+  local e = optim.sum_squares(experts, dev)
+  local r = optim.sum_squares(rep, dev)
+  for _, v in ipairs(views) do v:free() end
+  F.mul_(r, 1 / tpi.size)
+  F.add_(s, r); F.add_(s, e)
+  r:free(); e:free()
+  if tpi.size > 1 then dist.all_reduce(s, 'sum', { group = tpi.group }) end
+  if st.shard_group and st.shard_group:size() > 1 then dist.all_reduce(s, 'sum', { group = st.shard_group }) end
+  local total = F.sqrt(s)
+  s:free()
+  if max_norm == nil then
+    if opts and opts.tensor then return total end
+    local v = total:item()
+    total:free()
+    return v
+  end
+  local denom = F.add(total, 1e-6)
+  local coef = F.div(max_norm, denom)
+  denom:free()
+  local c1 = F.clamp(coef, nil, 1.0)
+  coef:free()
+  local defer = opts and opts.defer
+  if defer ~= nil then
+    if type(defer) ~= 'table' or type(defer.defer_grad_scale) ~= 'function' then
+      error('ep.clip_grad_norm_: defer must be an optimizer with defer_grad_scale (fsdp.AdamW)', 3)
+    end
+    defer:defer_grad_scale(c1:reshape({ 1 }))
+  else
+    for _, g in ipairs(all) do
+      local c = c1.dtype == g.dtype and c1 or c1:to(g.dtype)
+      F.mul_(g, c)
+      if c ~= c1 then c:free() end
+    end
+  end
+  c1:free()
+  if opts and opts.tensor then return total end
+  local v = total:item()
+  total:free()
+  return v
+end
+
 -- ep.clip_grad_norm_(model, max_norm, opts) -> the whole model's gradient
 -- norm (after all_reduce_grads: the same on every rank): the local
 -- experts' sums of squares added over the group (each expert once), the
@@ -223,6 +304,7 @@ function ep.clip_grad_norm_(model, max_norm, opts)
     error(('ep.clip_grad_norm_: max_norm must be a positive number, got %s'):format(tostring(max_norm)), 2)
   end
   if max_norm == math.huge then max_norm = nil end
+  if rawget(model, '_fsdp') and rawget(model, '_tp') then return fsdp_tp_clip(model, max_norm, opts) end
   if rawget(model, '_fsdp') then
     -- (under fully_shard every element of every shard is held by one rank:
     -- the experts' over their copies, the rest over every rank)
@@ -365,6 +447,15 @@ end
 -- whose tensors are copies made here
 local function own_state(model, info, opt)
   local tensors, state, owned = {}, {}, {}
+  if rawget(model, '_fsdp') and rawget(model, '_tp') then
+    -- (FSDP x TP x EP: the units all-gathered, then the slices over the TP
+    -- group; the experts whole: as gathered. Buffers: the model's own)
+    local msd, st = require('moonshard.tp').fsdp_full_tensors(model, opt)
+    local params = {}
+    for name in model:named_parameters() do params[name] = true end
+    for name, t in pairs(msd) do tensors[name] = t; if params[name] then owned[name] = true end end
+    return tensors, st or {}, owned
+  end
   if rawget(model, '_fsdp') then
     local params, st = require('moonshard.fsdp_checkpoint').gather(model, { optimizer = opt })
     for _, e in ipairs(params) do tensors[e.name] = e.tensor; owned[e.name] = true end
@@ -595,7 +686,10 @@ function ep.load_full_optimizer_state(model, opt, sd)
     end
     local fck = require 'moonshard.fsdp_checkpoint'
     local optim = require 'moonshard.optim'
-    fck.load_moments(model, opt, by_name, fck.tag_groups(optim.build_groups(model, {}, true), meta.groups))
+    -- (tensor-parallel too: a split parameter's moments cut to its slice)
+    local piece = rawget(model, '_tp') and function(name, t) return require('moonshard.tp').local_piece(model, name, t) end
+      or nil
+    fck.load_moments(model, opt, by_name, fck.tag_groups(optim.build_groups(model, {}, true), meta.groups), piece)
     return opt
   end
   if #(meta.groups or {}) ~= #opt.param_groups then

@@ -1494,7 +1494,20 @@ function fsdp.fully_shard(model, opts)
         strategy), 2)
     end
     local R = epi.replicate and epi.replicate:size() or 1
-    if dp_size ~= epi.size * R then
+    -- (tensor-parallel too, ep.parallelize then tp.parallelize: the expert
+    -- groups hold whole TP groups; `group` is the ranks that hold the same
+    -- slices, one of each TP group: FSDP x TP x EP, docs/moe.md)
+    local N = tpi and tpi.size or 1
+    if N > 1 and strategy == 'HYBRID_SHARD' then
+      error('fully_shard: HYBRID_SHARD of a model split by both expert and tensor parallelism: not supported (use '
+        .. 'FULL_SHARD or SHARD_GRAD_OP over the ranks that hold the same slices)', 2)
+    end
+    if N > 1 and dp_size * N ~= epi.size * R then
+      error(('fully_shard: the expert-parallel model\'s experts are split over %d ranks with %d copies (%d ranks) and '
+        .. 'it is %d-way tensor parallel: shard it over the %d ranks that hold the same slices (the tensor-parallel '
+        .. 'mesh\'s replicate axis), not a group of %d'):format(epi.size, R, epi.size * R, N, epi.size * R / N,
+        dp_size), 2)
+    elseif dp_size ~= epi.size * R and N == 1 then
       error(('fully_shard: the expert-parallel model\'s experts are split over %d ranks with %d copies (%d ranks); '
         .. 'shard it over all of them, not a group of %d'):format(epi.size, R, epi.size * R, dp_size), 2)
     end

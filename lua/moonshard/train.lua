@@ -90,15 +90,15 @@ train.options = {
   { 'autocast', 'string', 'auto', 'the forward in a bf16 autocast region (bf16: the matmuls and attention in it; the weights, gradients and optimizer state f32: docs/precision.md), or off; auto: bf16 on CUDA without --fsdp (one GPU, and --tp, --pp, --cp, --ep without it; under --fsdp its mixed precision sets the compute dtype), off on the CPU and with --dtype f64' },
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
-  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead (docs/moe.md); checkpoints sharded, each rank writing its slices (--checkpoint-format), the final weights whole, one process\'s (docs/tp.md)' },
+  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead, plain or under FSDP (docs/moe.md); checkpoints sharded, each rank writing its slices (--checkpoint-format), the final weights whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints sharded (--checkpoint-format), the final weights whole, one process\'s (docs/pp.md)' },
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp), zbv (the zero-bubble paper\'s ZB-V: 2 chunks a rank in a V, the embedding and the head on the first rank, the weight gradients run later: near no bubble at 1F1B\'s peak memory; at least 2 x --pp - 1 micro-batches; with --fsdp the weight gradients stay in the backward), gpipe (every forward, then every backward) or looped_bfs (GPipe over --pp-chunks > 1 chunks a rank) (docs/pp.md)' },
-  { 'checkpoint_format', 'string?', nil, 'with --tp, --pp or --ep (without --fsdp): sharded (the default: every rank writes what it holds, in parallel, under the whole model\'s names: its TP slices as boxes of the whole parameters, its stage\'s, its experts\', its shard under --fsdp, each piece once; the --fsdp checkpoints\' format, resuming at any --tp, --pp, --ep, data-parallel size or --fsdp and in one process: docs/fsdp-checkpoints.md) or full (the model and its moments gathered, rank 0 writing a one-process checkpoint); --fsdp alone always writes sharded ones' },
+  { 'checkpoint_format', 'string?', nil, 'with --tp, --pp or --ep (--ep alone: without --fsdp): sharded (the default: every rank writes what it holds, in parallel, under the whole model\'s names: its TP slices as boxes of the whole parameters, its stage\'s, its experts\', its shard under --fsdp, each piece once; the --fsdp checkpoints\' format, resuming at any --tp, --pp, --ep, data-parallel size or --fsdp and in one process: docs/fsdp-checkpoints.md) or full (the model and its moments gathered, rank 0 writing a one-process checkpoint); --fsdp alone always writes sharded ones' },
   { 'pp_checkpoint', 'string?', nil, 'the older name of --checkpoint-format (which wins when both are given)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp), or with --pp-schedule looped_bfs GPipe over the chunks; zbv always runs 2 (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD); with --tp T (N a multiple of T; plain, not with --fsdp, --pp or --cp) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream); not with --lora; checkpoints sharded, each rank writing its experts\' pieces (--checkpoint-format full: one process\'s without FSDP), resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD); with --tp T (N a multiple of T; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP each rank\'s slices sharded over the ranks that hold the same ones and the experts over their copies; not with HYBRID_SHARD, --pp or --cp) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream); not with --lora; checkpoints sharded, each rank writing its experts\' pieces (--checkpoint-format full: one process\'s without FSDP), resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1147,14 +1147,13 @@ function train.run(opts)
     if tp_size > 1 then
       -- --tp N --ep M: each expert group of M consecutive ranks holds M / N
       -- whole tensor-parallel groups, whose ranks each route their own rows
-      -- (docs/moe.md, "Expert and tensor parallelism"); plain only
+      -- (docs/moe.md, "Expert and tensor parallelism"); plain, or with
+      -- --fsdp FULL_SHARD / SHARD_GRAD_OP each rank's slices sharded over
+      -- the ranks that hold the same ones and the experts over their
+      -- copies (HYBRID_SHARD: refused by --tp above)
       if ep_size % tp_size ~= 0 then
         usage('--ep %d with --tp %d: --ep must be a multiple of --tp (an expert group holds whole tensor-parallel '
           .. 'groups of consecutive ranks: --ep %d, %d, ...)', ep_size, tp_size, tp_size, 2 * tp_size)
-      end
-      if strategy then
-        usage('--ep with --tp and --fsdp %s: not supported (--tp --ep trains plain: the gradients all-reduced over the '
-          .. 'data-parallel ranks)', strategy)
       end
       if pp_size > 1 then usage('--ep with --tp and --pp: not supported') end
       if cp_size > 1 then usage('--ep with --tp and --cp: not supported') end
@@ -1335,6 +1334,13 @@ function train.run(opts)
         .. 'whole, each group %d tensor-parallel group%s of %d routing its ranks\' own rows'):format(ep_size, world,
         world / ep_size, world == ep_size and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts,
         #layers, ntp, ntp == 1 and '' or 's', tp_size)
+      -- (FSDP x TP x EP: the experts' units over their copies, the rest
+      -- over the ranks that hold the same slices)
+      if strategy and world > ep_size then
+        ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(world / ep_size, strategy)
+      elseif strategy then
+        ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
+      end
       return
     end
     ep_desc = ('%d-way over %d ranks (%d cop%s of each expert), %d of %d experts a rank in %d layers, '
@@ -1770,8 +1776,9 @@ function train.run(opts)
       local msd, osd
       if pp_mesh then msd, osd = ms.pp.full_checkpoint(model, opt, hyper)   -- (with --tp too: it gathers the slices)
       elseif tp_mesh and not ep_group then msd, osd = ms.tp.full_checkpoint(model, opt, hyper)
-      -- (--ep, with --tp too: the ranks of rank 0's expert group)
-      elseif rank < ep_size then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
+      -- (--ep, with --tp too: the ranks of rank 0's expert group; under
+      -- FSDP, --tp --ep --fsdp, every rank: the units' gathers span them)
+      elseif rank < ep_size or strategy then msd, osd = ms.ep.full_checkpoint(model, opt, hyper, { host = true }) end
       local okw, res = true, nil
       if rank == 0 then
         okw, res = pcall(ckpt.save_async, o.out, step, { model = { state_dict = function() return msd end },
@@ -1941,7 +1948,8 @@ function train.run(opts)
       -- the experts' gradients summed over their copies and divided by the
       -- data-parallel ranks, the others averaged over them (ms.ep); the norm
       -- counts each expert and each slice once
-      ms.ep.all_reduce_grads(model, tp_mesh.replicate)
+      -- (under FSDP the units reduced them: the experts' over their copies)
+      if not strategy then ms.ep.all_reduce_grads(model, tp_mesh.replicate) end
       gnorm = ms.ep.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     elseif tp_mesh then
       -- (under FSDP the gradients were reduced over mesh.replicate already)
@@ -2098,9 +2106,9 @@ function train.run(opts)
     elseif tp_mesh or (ep_group and not strategy) then
       local msd
       if tp_mesh and not ep_group then msd = ms.tp.full_checkpoint(model)
-      -- (--ep, with --tp too: the ranks of rank 0's group gather the experts; under FSDP
-      -- the branch below streams them, a unit at a time)
-      elseif rank < ep_size then msd = ms.ep.full_state_dict(model, { host = true }) end
+      -- (--ep, with --tp too: the ranks of rank 0's group gather the experts, every rank under
+      -- --tp --ep --fsdp; --ep --fsdp alone: the branch below streams them, a unit at a time)
+      elseif rank < ep_size or strategy then msd = ms.ep.full_state_dict(model, { host = true }) end
       if rank == 0 then
         local hf = require 'models.hf'
         hf.save_pretrained({ family = model.family, config = model.config, state_dict = function() return msd end }, o.out)
