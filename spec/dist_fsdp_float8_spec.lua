@@ -308,6 +308,17 @@ describe('fsdp with float8 layers #mpi', function()
     assert.are.same(values(ir), values(bi))
     assert.are.same(values(ic), values(bit))
     fsdp.reshard(m)
+    -- the once-a-step precompute on request (bench/fsdp.lua --f8-precompute):
+    -- the same bytes and scales again; a model not sharded is refused
+    fsdp.float8_precompute(m)
+    ms.nn.functional.autocast('bf16', m, x, y)
+    local w8b, invb = fsdp.float8_weight(w)
+    assert.are.same(values(b8), values(w8b:to('f32')))
+    assert.are.same(values(bi), values(invb))
+    fsdp.reshard(m)
+    local okp, perr = pcall(fsdp.float8_precompute, mixed())
+    assert.is_false(okp)
+    assert.is_truthy(tostring(perr):find('fsdp.float8_precompute: model was not passed to fsdp.fully_shard', 1, true), perr)
     -- the mixed unit under HYBRID_SHARD (shard groups of 2) and FULL_SHARD:
     -- the losses of bf16 gathers
     local W = dist.world_size()

@@ -860,7 +860,8 @@ end
 -- current stream (bench/fsdp.lua --f8-precompute times it); after_step
 -- does it by itself
 function fsdp.float8_precompute(model)
-  local st = state_of(model, 'fsdp.float8_precompute')
+  local st = type(model) == 'table' and rawget(model, '_fsdp')
+  if not st then error('fsdp.float8_precompute: model was not passed to fsdp.fully_shard', 2) end
   if not st.f8_units then error('fsdp.float8_precompute: the model is not sharded with float8_all_gather', 2) end
   f8_precompute(st)
 end
