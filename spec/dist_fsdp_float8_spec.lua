@@ -316,6 +316,26 @@ describe('fsdp with float8 layers #mpi', function()
     assert.are.same(values(b8), values(w8b:to('f32')))
     assert.are.same(values(bi), values(invb))
     fsdp.reshard(m)
+    -- set_skip_comm (bench/fsdp.lua's no-comm step): no exchange, every
+    -- member's slot this rank's own bytes, and the other parameters read
+    -- from this rank's packed elements (or zeros), never from f8 bytes:
+    -- values of the model's parameters, a finite loss
+    local ms_ = mixed()
+    fsdp.fully_shard(ms_, { policy = fsdp.policy.by_class { 'LlamaDecoderLayer' }, strategy = 'SHARD_GRAD_OP',
+      float8_all_gather = true, mixed_precision = { param = 'bf16', reduce = 'f32' } })
+    fsdp.set_skip_comm(ms_, true)
+    local ls = ms.nn.functional.autocast('bf16', ms_, x, y):item()
+    for li, L in ipairs(ms_.model.layers) do
+      for _, nm in ipairs({ 'input_layernorm', 'post_attention_layernorm' }) do
+        for _, v in ipairs(values(L[nm].weight:to('f32'))) do
+          if not (math.abs(v) <= 4) then
+            error(('skip_comm: layer %d %s holds %g, not a parameter\'s value'):format(li, nm, v))
+          end
+        end
+      end
+    end
+    assert.is_true(ls == ls and math.abs(ls) < 1e4, 'no-comm loss ' .. tostring(ls))
+    fsdp.set_skip_comm(ms_, false)
     local okp, perr = pcall(fsdp.float8_precompute, mixed())
     assert.is_false(okp)
     assert.is_truthy(tostring(perr):find('fsdp.float8_precompute: model was not passed to fsdp.fully_shard', 1, true), perr)

@@ -698,7 +698,16 @@ function Unit:f8_init()
   local S, W, dev = fp.shard_numel, fp.world_size, fp.device
   -- (the other parameters' elements: never read; joint: their packed
   -- elements at q in the Pb bytes after)
-  f8.shard8 = T.empty({ S + f8.Pb }, { dtype = f8.dtype8, device = dev })
+  -- (joint: zeros where nothing is cast or packed, so that what
+  -- set_skip_comm's slots of the other members read there is zeros, never
+  -- stale bytes; an 8-bit tensor takes no fill: a converted one)
+  if f8.joint then
+    local z = T.zeros({ S + f8.Pb }, { dtype = 'bf16', device = dev })
+    f8.shard8 = z:to(f8.dtype8)
+    z:free()
+  else
+    f8.shard8 = T.empty({ S + f8.Pb }, { dtype = f8.dtype8, device = dev })
+  end
   f8.flat8 = T.empty({ W * (S + f8.Pb) }, { dtype = f8.dtype8, device = dev })
   f8.views8, f8.amax, f8.inv, f8.part8 = {}, {}, {}, {}
   f8.inv_t, f8.scale, f8.out8 = {}, {}, {}
@@ -953,13 +962,34 @@ function Unit:f8_gather_start()
   local hp = f8.hp_src ~= nil
   if fp.world_size == 1 or st.skip_comm then
     -- (set_skip_comm: every member's slot gets this rank's own shard, as in
-    -- the bf16 path)
-    local n = fp.shard_numel + f8.Pb
+    -- the bf16 path; joint: laid out as member r's, this rank's f8
+    -- elements around its packed bytes put at q[r], where r's go, so that
+    -- no packed byte is read as an f8 code nor an f8 byte as one of the
+    -- other parameters' elements)
+    local S, Pb = fp.shard_numel, f8.Pb
+    local n, qo = S + Pb, f8.joint and f8.q[fp.rank] or 0
+    local function put(off, src_off, len)
+      if len <= 0 then return end
+      local d, sr = f8.flat8:narrow(1, off + 1, len), f8.shard8:narrow(1, src_off + 1, len)
+      raw_copy(d, sr)
+      d:free(); sr:free()
+    end
+    -- this rank's f8 elements [e0, e1) to byte off of the buffer
+    local function elems(off, e0, e1)
+      local cut = math.min(math.max(qo, e0), e1)
+      put(off, e0, cut - e0)
+      put(off + cut - e0, cut + Pb, e1 - cut)
+    end
     no_grad(function()
       for r = 0, fp.world_size - 1 do
-        local d = f8.flat8:narrow(1, r * n + 1, n)
-        raw_copy(d, f8.shard8)
-        d:free()
+        if f8.joint then
+          local q = f8.q[r]
+          elems(r * n, 0, q)
+          put(r * n + q, qo, Pb)
+          elems(r * n + q + Pb, q, S)
+        else
+          put(r * n, 0, n)
+        end
         if hp then
           local h = f8.hp_all:narrow(1, r * f8.P + 1, f8.P)
           raw_copy(h, f8.hp_src)
