@@ -263,34 +263,7 @@ local function fsdp_tp_clip(model, max_norm, opts)
   if st.shard_group and st.shard_group:size() > 1 then dist.all_reduce(s, 'sum', { group = st.shard_group }) end
   local total = F.sqrt(s)
   s:free()
-  if max_norm == nil then
-    if opts and opts.tensor then return total end
-    local v = total:item()
-    total:free()
-    return v
-  end
-  local denom = F.add(total, 1e-6)
-  local coef = F.div(max_norm, denom)
-  denom:free()
-  local c1 = F.clamp(coef, nil, 1.0)
-  coef:free()
-  local defer = opts and opts.defer
-  if defer ~= nil then
-    if type(defer) ~= 'table' or type(defer.defer_grad_scale) ~= 'function' then
-      error('ep.clip_grad_norm_: defer must be an optimizer with defer_grad_scale (fsdp.AdamW)', 3)
-    end
-    defer:defer_grad_scale(c1:reshape({ 1 }))
-  else
-    for _, g in ipairs(all) do
-      local c = c1.dtype == g.dtype and c1 or c1:to(g.dtype)
-      F.mul_(g, c)
-      if c ~= c1 then c:free() end
-    end
-  end
-  c1:free()
-  if opts and opts.tensor then return total end
-  local v = total:item()
-  total:free()
+  local v = require('moonshard.tp').clip_by_total(total, max_norm, all, opts, 'ep.clip_grad_norm_')
   return v
 end
 

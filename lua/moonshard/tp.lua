@@ -1204,6 +1204,19 @@ function tp.clip_grad_norm_(model, max_norm, opts)
   for _, v in ipairs(views) do v:free() end
   local total_t = F.sqrt(s1)
   s1:free()
+  local v = tp.clip_by_total(total_t, max_norm, all, opts, 'tp.clip_grad_norm_')   -- (not a tail call: error levels)
+  return v
+end
+
+-- tp.clip_by_total(total, max_norm, grads, opts, who) -> the norm: the
+-- clip of the gradient tensors `grads` given their whole norm `total` (a
+-- 1-element tensor, taken over): nothing with max_norm nil or inf; else
+-- every gradient scaled by min(1, max_norm / (total + 1e-6)) on the
+-- device, or with opts.defer (an optimizer with defer_grad_scale:
+-- ms.optim.AdamW, fsdp.AdamW) that factor handed to its next step. A
+-- number, or the tensor with opts.tensor (no host read). `who` names the
+-- caller in errors (tp.clip_grad_norm_, ep.clip_grad_norm_).
+function tp.clip_by_total(total_t, max_norm, all, opts, who)
   if max_norm == nil or max_norm == math.huge then   -- the norm only
     if opts and opts.tensor then return total_t end
     local v = total_t:item()
@@ -1220,7 +1233,8 @@ function tp.clip_grad_norm_(model, max_norm, opts)
     -- the coefficient goes to the optimizer's next step (ms.optim.AdamW's
     -- defer_grad_scale): no pass over the gradients here
     if type(defer) ~= 'table' or type(defer.defer_grad_scale) ~= 'function' then
-      error('tp.clip_grad_norm_: defer must be an optimizer with defer_grad_scale (ms.optim.AdamW)', 2)
+      c1:free()
+      error(('%s: defer must be an optimizer with defer_grad_scale (ms.optim.AdamW, fsdp.AdamW)'):format(who), 3)
     end
     if c1.dtype ~= 'f64' then local c = c1:to('f64'); c1:free(); c1 = c end
     defer:defer_grad_scale(c1:reshape({ 1 }))
