@@ -645,18 +645,13 @@ int wg_fwd_bn(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tenso
 // at 192 x 128. Read at every call (a scan of the environment, well under a
 // microsecond against a forward's tens), so that a process can switch it
 // through setenv, as spec/gpu_attention_spec.lua and bench/attention.lua
-// do. "wso" (opt-in: 0.331-0.334 ms against ws's 0.344 at 128,
-// 0.372-0.374 against 0.359 at 192 x 128): fwd_wso_kernel, ws's block with
-// each consumer's S = Q.K^T issued a step ahead, so that a tile's softmax
-// runs under the next tile's S as well as the previous P.V. -1: a value it
-// does not know.
+// do. -1: a value it does not know.
 int wg_fwd_variant() {
     const char *e = getenv("MS_ATTENTION_WG_FWD");
     if (!e || !*e || !strcmp(e, "ws")) return 3;
     if (!strcmp(e, "base")) return 0;
     if (!strcmp(e, "ovl")) return 1;
     if (!strcmp(e, "ovlq")) return 2;
-    if (!strcmp(e, "wso")) return 4;
     return -1;
 }
 
@@ -693,40 +688,20 @@ int wg_fwd_ws(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tenso
     return 0;
 }
 
-// fwd_wso_kernel: ws's block, four stages (163 KB at 128, 209 KB at (192, 128))
-template <typename T, int D, int DV>
-int wg_fwd_wso(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v,
-               float scale, int causal) {
-    int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
-    long long Tq = q->sizes[2], Tk = k->sizes[2];
-    size_t smem = wg::fwd_wso_smem<D, DV>();
-    if (set_smem<T>(wg::fwd_wso_kernel<T, D, DV>, smem)) return -1;
-    dim3 grid((unsigned)((Tq + 127) / 128), (unsigned)(B * H));
-    wg::fwd_wso_kernel<T, D, DV><<<grid, 384, smem, ms_cuda_stream_of(q->device_id)>>>(
-        (T *)ms_tensor_data(out), (float *)ms_tensor_data(lse), (const T *)ms_tensor_data(q),
-        (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), layout4(q), layout4(k), layout4(v), layout4(out), H,
-        Hkv, Tq, Tk, scale, causal);
-    LAUNCH_CHECK("wg::fwd_wso_kernel");
-    return 0;
-}
-
 template <typename T>
 int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *k, const ms_tensor *v, float scale,
            int causal) {
     const int var = wg_fwd_variant();
     if (var < 0)
-        return ms_errorf("attention: MS_ATTENTION_WG_FWD=%s: the wgmma forwards are base, ovl, ovlq, ws and wso",
+        return ms_errorf("attention: MS_ATTENTION_WG_FWD=%s: the wgmma forwards are base, ovl, ovlq and ws",
                          getenv("MS_ATTENTION_WG_FWD"));
-    if (var == 4 && q->sizes[3] == 128) return wg_fwd_wso<T, 128, 128>(out, lse, q, k, v, scale, causal);
-    if (var == 4 && q->sizes[3] == kMmaWideD && v->sizes[3] == kMmaWideDv)
-        return wg_fwd_wso<T, kMmaWideD, kMmaWideDv>(out, lse, q, k, v, scale, causal);
     if (var == 3 && q->sizes[3] == 128) return wg_fwd_ws<T, 128, 128>(out, lse, q, k, v, scale, causal);
     if (var == 3 && q->sizes[3] == kMmaWideD && v->sizes[3] == kMmaWideDv)
         return wg_fwd_ws<T, kMmaWideD, kMmaWideDv>(out, lse, q, k, v, scale, causal);
-    if ((var == 1 || var == 2) && q->sizes[3] == 128)
+    if (var > 0 && q->sizes[3] == 128)
         return var == 1 ? wg_fwd_ovl<T, 128, 128, false>(out, lse, q, k, v, scale, causal)
                         : wg_fwd_ovl<T, 128, 128, true>(out, lse, q, k, v, scale, causal);
-    if ((var == 1 || var == 2) && q->sizes[3] == kMmaWideD && v->sizes[3] == kMmaWideDv)
+    if (var > 0 && q->sizes[3] == kMmaWideD && v->sizes[3] == kMmaWideDv)
         return var == 1 ? wg_fwd_ovl<T, kMmaWideD, kMmaWideDv, false>(out, lse, q, k, v, scale, causal)
                         : wg_fwd_ovl<T, kMmaWideD, kMmaWideDv, true>(out, lse, q, k, v, scale, causal);
     if (q->sizes[3] == 128) return wg_fwd_bn<T, 64, 128>(out, lse, q, k, v, scale, causal);

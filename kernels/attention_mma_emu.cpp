@@ -608,7 +608,6 @@ struct errsum {
 // FWD (wgmma): 0 the forward as launched by default (fwd_kernel); 1, 2
 // fwd_ovl_kernel (MS_ATTENTION_WG_FWD=ovl, ovlq: Q's fragments in
 // registers); 3 fwd_ws_kernel (ws: two consumer warpgroups and a producer);
-// 4 fwd_wso_kernel (wso: ws's block with S a tile ahead, four stages);
 // the forward only (out and lse; the backward is the same code)
 template <int D, int DV, int MT, int BQ, int KMT, int QMT, bool WG = false, int FWD = 0>
 static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bthd, unsigned seed,
@@ -636,13 +635,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     typedef mma::config<D, DV> CB;
     constexpr bool MB = WG && !WGB;   // the mma backward of a wgmma forward
     constexpr int mBQ = MB ? CB::dkdv_bq : BQ, mKMT = MB ? CB::dkdv_mt : KMT, mQMT = MB ? CB::dq_mt : QMT;
-    if constexpr (FWD == 4) {
-        static_assert(WG && (D == 128 || D == 192) && DV == 128, "fwd_wso_kernel: q/k 128 or 192, v 128");
-        launch((Tq + 127) / 128, B * H, [&] {
-            wg::fwd_wso_kernel<bf, D, DV>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H,
-                                          Hkv, Tq, Tk, scale, causal);
-        }, 384);
-    } else if constexpr (FWD == 3) {
+    if constexpr (FWD == 3) {
         static_assert(WG && (D == 128 || D == 192) && DV == 128, "fwd_ws_kernel: q/k 128 or 192, v 128");
         launch((Tq + 127) / 128, B * H, [&] {
             wg::fwd_ws_kernel<bf, D, DV>(o.data(), lse.data(), q.data(), k.data(), v.data(), q.l, k.l, v.l, o.l, H, Hkv,
@@ -835,7 +828,7 @@ static int run_case(int B, int H, int Hkv, int Tq, int Tk, bool causal, bool bth
     if (DV == D) snprintf(dims, sizeof dims, "D=%d", D);
     else snprintf(dims, sizeof dims, "D=%d Dv=%d", D, DV);
     printf("%s %s %s [%d %d/%d %d] B=%d H=%d Hkv=%d Tq=%d Tk=%d %s%s%s: out %.1e lse %.1e",
-           ok ? "ok  " : "FAIL", FWD == 1 ? "wgmma ovl" : FWD == 2 ? "wgmma ovlq" : FWD == 3 ? "wgmma ws" : FWD == 4 ? "wgmma wso" : WG ? "wgmma" : "mma  ", dims, MT, mBQ, mKMT, mQMT, B, H, Hkv, Tq, Tk,
+           ok ? "ok  " : "FAIL", FWD == 1 ? "wgmma ovl" : FWD == 2 ? "wgmma ovlq" : FWD == 3 ? "wgmma ws" : WG ? "wgmma" : "mma  ", dims, MT, mBQ, mKMT, mQMT, B, H, Hkv, Tq, Tk,
            causal ? "causal" : "full", bthd ? " (B,T,H,D) views" : "", sharp > 0 ? " sharp" : "", r[0], r[1]);
     if (!BWD) {
         printf("; the forward only\n");
@@ -982,7 +975,7 @@ int main(int argc, char **argv) {
         {1, 1, 1, 256, 256, true, false, false},
     };
     int bad = 0;
-    unsigned seed = 1, oseed = 5000, wseed = 7000, sseed = 9000;   // (oseed: the cases added later; the others keep their data)
+    unsigned seed = 1, oseed = 5000, wseed = 7000;   // (oseed: the cases added later; the others keep their data)
     for (auto &c : cases) {
         if (quick && !c.in_quick) continue;
         constexpr int BQ192 = wg::dkdv_bq<192>();
@@ -1036,18 +1029,10 @@ int main(int argc, char **argv) {
         bad += run_case<192, 128, 64, BQ192, 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, wseed++);
         bad += run_case<192, 128, 64, BQ192, 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, wseed++,
                                                               3.f);
-        // ... and ws's block with each consumer's S a tile ahead (MS_ATTENTION_WG_FWD=wso)
-        bad += run_case<128, 128, 64, 64, 1, 1, true, 4>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, sseed++);
-        bad += run_case<128, 128, 64, 64, 1, 1, true, 4>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, sseed++, 3.f);
-        bad += run_case<192, 128, 64, BQ192, 1, 1, true, 4>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, sseed++);
-        bad += run_case<192, 128, 64, BQ192, 1, 1, true, 4>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, sseed++,
-                                                              3.f);
     }
     // ws's three stages come round only from the fourth key tile on (its
-    // producer then waits for the consumers' releases), wso's four from the
-    // fifth: longer rows too (wso: an even and an odd number of tiles past
-    // its two-step loop); and causal blocks of 128 queries that see no key
-    // at all (Tq - Tk >= 128)
+    // producer then waits for the consumers' releases): longer rows too; and
+    // causal blocks of 128 queries that see no key at all (Tq - Tk >= 128)
     const shape long_cases[] = {{1, 2, 1, 450, 450, true, false, true}, {1, 2, 2, 70, 520, false, true, true},
                                 {1, 2, 1, 300, 40, true, false, true}};
     for (auto &c : long_cases) {
@@ -1057,12 +1042,6 @@ int main(int argc, char **argv) {
                                                                         c.bthd, wseed++);
         bad += run_case<192, 128, 64, wg::dkdv_bq<192>(), 1, 1, true, 3>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal,
                                                                         c.bthd, wseed++, 3.f);
-        bad += run_case<128, 128, 64, 64, 1, 1, true, 4>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, sseed++);
-        bad += run_case<128, 128, 64, 64, 1, 1, true, 4>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal, c.bthd, sseed++, 3.f);
-        bad += run_case<192, 128, 64, wg::dkdv_bq<192>(), 1, 1, true, 4>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal,
-                                                                        c.bthd, sseed++);
-        bad += run_case<192, 128, 64, wg::dkdv_bq<192>(), 1, 1, true, 4>(c.B, c.H, c.Hkv, c.Tq, c.Tk, c.causal,
-                                                                        c.bthd, sseed++, 3.f);
     }
     printf("%d failed\n", bad);
     return bad != 0;

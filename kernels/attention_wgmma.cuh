@@ -14,9 +14,7 @@
 // share an SM (2-5 at D = 64, 2 at D = 128 and 192, by registers and shared
 // memory), so one block's softmax runs while another's wgmmas do.
 // (fwd_ws_kernel, opt-in: three warpgroups and 128 queries a block, one
-// block an SM, its two consumer warpgroups sharing each K/V tile;
-// fwd_wso_kernel, opt-in: the same block with each consumer's next S
-// issued before its softmax of the current tile.)
+// block an SM, its two consumer warpgroups sharing each K/V tile.)
 //
 // Shared-memory tiles are rows of 64 16-bit elements (128 bytes) with the
 // 128-byte swizzle: the 16-byte chunk c of row r lies at r*128 + ((c ^ (r&7))
@@ -584,60 +582,6 @@ size_t fwd_ws_smem() {
     return 1024 + (size_t)(2 * ws_qe<D, DV> + kWsStages * 64 * (D + DV)) * 2;
 }
 
-// x, to the compiler, a new value here: what it computes from x is not
-// hoisted out of a loop around this point (ws_produce's OPQ)
-#ifndef MS_ATTENTION_MMA_EMU
-__device__ __forceinline__ void opaque(long long &x) { asm volatile("" : "+l"(x)); }
-#else
-inline void opaque(long long &) {}
-#endif
-
-// the producer warpgroup of fwd_ws_kernel and fwd_wso_kernel (threads
-// 256-383): both consumers' Q tiles (qe elements apart) with K/V tile 0,
-// then tile t into stage t % NS once tile t - NS's products are done (sync
-// on EMPTY + stage, 384 threads), one tile's copies at a time; once a tile
-// has landed, an arrival on each consumer's full barrier (FULL + NS c +
-// stage, 256 threads). OPQ: the rows' stride hidden from ptxas at each tile
-// (fwd_wso_kernel: at four stages ptxas hoisted the rows' 64-bit offsets out
-// of the loop and spilled them, 188 bytes, at the producer's 24 registers;
-// fwd_ws_kernel's SASS is the same as before this function was split out)
-template <typename T, int D, int DV, int NS, int FULL, int EMPTY, bool OPQ = false>
-__device__ __forceinline__ void ws_produce(T *Qs, int qe, T *Ks, T *Vs, const T *q, const T *k, const T *v,
-                                           const qkv_layout &lq, const qkv_layout &lk, const qkv_layout &lv, int b,
-                                           int h, int g, long long i0, long long Tq, long long Tk, int ntiles) {
-    constexpr int BN = 64;
-    const unsigned tid = threadIdx.x - 256;
-    if (ntiles == 0) return;
-    const sw_src<T, D> ksrc(k, lk, b, tid);
-    const sw_src<T, DV> vsrc(v, lv, b, tid);
-    sw_src<T, D>(q, lq, b, tid).template load<64>(Qs, h, i0, Tq, q, tid);
-    sw_src<T, D>(q, lq, b, tid).template load<64>(Qs + qe, h, i0 + 64, Tq, q, tid);
-    ksrc.template load<BN>(Ks, g, 0, Tk, k, tid);
-    vsrc.template load<BN>(Vs, g, 0, Tk, v, tid);
-    mma::cp_async_commit();
-    for (int t = 1; t <= ntiles; t++) {
-        cp_async_wait<0>();  // tile t - 1 (and Q) landed: this thread's copies
-        fence_proxy();
-        bar_arrive(FULL + (t - 1) % NS, 256);  // ... everyone's, at each consumer's sync
-        bar_arrive(FULL + NS + (t - 1) % NS, 256);
-        if (t == ntiles) break;
-        const int s = t % NS;
-        if (t >= NS) bar_sync(EMPTY + s, 384);  // tile t - NS's products done
-        if constexpr (OPQ) {
-            sw_src<T, D> kt = ksrc;
-            sw_src<T, DV> vt = vsrc;
-            opaque(kt.st);
-            opaque(vt.st);
-            kt.template load<BN>(Ks + s * BN * D, g, (long long)t * BN, Tk, k, tid);
-            vt.template load<BN>(Vs + s * BN * DV, g, (long long)t * BN, Tk, v, tid);
-        } else {
-            ksrc.template load<BN>(Ks + s * BN * D, g, (long long)t * BN, Tk, k, tid);
-            vsrc.template load<BN>(Vs + s * BN * DV, g, (long long)t * BN, Tk, v, tid);
-        }
-        mma::cp_async_commit();
-    }
-}
-
 template <typename T, int D, int DV>
 __global__ void __launch_bounds__(384, 1) fwd_ws_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
                                                         qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo,
@@ -659,7 +603,27 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel(T *out, float *lse, cons
     if (wgi == 2) {
         // the producer: tile t into stage t % 3 once tile t - 3 is free
         setmaxnreg_dec<24>();
-        ws_produce<T, D, DV, NS, kWsFull, kWsEmpty>(Qs, QE, Ks, Vs, q, k, v, lq, lk, lv, b, h, g, i0, Tq, Tk, ntiles);
+        const unsigned tid = threadIdx.x - 256;
+        if (ntiles == 0) return;
+        const sw_src<T, D> ksrc(k, lk, b, tid);
+        const sw_src<T, DV> vsrc(v, lv, b, tid);
+        sw_src<T, D>(q, lq, b, tid).template load<64>(Qs, h, i0, Tq, q, tid);
+        sw_src<T, D>(q, lq, b, tid).template load<64>(Qs + QE, h, i0 + 64, Tq, q, tid);
+        ksrc.template load<BN>(Ks, g, 0, Tk, k, tid);
+        vsrc.template load<BN>(Vs, g, 0, Tk, v, tid);
+        mma::cp_async_commit();
+        for (int t = 1; t <= ntiles; t++) {
+            cp_async_wait<0>();  // tile t - 1 (and Q) landed: this thread's copies
+            fence_proxy();
+            bar_arrive(kWsFull + (t - 1) % NS, 256);  // ... everyone's, at each consumer's sync
+            bar_arrive(kWsFull + NS + (t - 1) % NS, 256);
+            if (t == ntiles) break;
+            const int s = t % NS;
+            if (t >= NS) bar_sync(kWsEmpty + s, 384);  // tile t - 3's products done
+            ksrc.template load<BN>(Ks + s * BN * D, g, (long long)t * BN, Tk, k, tid);
+            vsrc.template load<BN>(Vs + s * BN * DV, g, (long long)t * BN, Tk, v, tid);
+            mma::cp_async_commit();
+        }
         return;
     }
 
@@ -748,194 +712,6 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel(T *out, float *lse, cons
     // the output through this consumer's Q tile: every warp of it read its
     // Q fragments at step 0, before its first turn's sync, which completes
     // only once all its 128 threads are there (no tiles: Q never copied)
-    mma::frag_to_smem<T, DV>(Qc, reinterpret_cast<const float(*)[4]>(o), w4 * 16, lane, inv[0], inv[1]);
-    __syncwarp();
-    mma::store_rows<T, DV, 1>(out, lo, b, h, i0c, Tq, Qc, w4 * 16, lane);
-}
-
-// ------------ forward, two consumer warpgroups, S a tile ahead (opt-in)
-// MS_ATTENTION_WG_FWD=wso (attention.cu): fwd_ws_kernel's block (a producer
-// warpgroup copying K/V tiles into stages, two consumer warpgroups of 64
-// queries whose products take turns, Q's fragments in registers) with each
-// consumer's S = Q.K^T issued a step ahead of its softmax. ws's consumer
-// issues S_t and P_{t-1}.V_{t-1} in its turn and then waits for S_t: the
-// softmax starts only once the product just issued has run (behind any of
-// the other consumer's still queued), and only P_{t-1}.V_{t-1} runs under
-// it. Here S_t was issued in step t-1's turn, before that step's softmax,
-// and step t's softmax runs under P_{t-1}.V_{t-1} and S_{t+1}. Consumer c's
-// step t (n = ntiles):
-//   t = 0: full[c][0] sync (Q, K_0, V_0 landed), Q's fragments read;
-//   t + 1 < n: full[c][(t+1) % 4] sync (K_{t+1}, V_{t+1} landed);
-//   turn[c] sync; O += P_{t-1}.V_{t-1} (t > 0; t = 0: S_0 = Q.K_0^T
-//   instead), then S_{t+1} = Q.K_{t+1}^T (t + 1 < n), a commit group each;
-//   turn[c ^ 1] arrive (ws's counts: consumer 0's first turn arrived by
-//   itself, consumer 1's last arrival left out);
-//   (t = 0: wait for S_0;) softmax_tile on S_t; wait for P_{t-1}.V_{t-1}
-//   (wait_group 1: S_{t+1} may still run; O and P's fragments free, and
-//   tile t-1's stage: empty[(t-1) % 4] arrive while t + 3 < n); O *=
-//   alpha_t; P_t's A fragments from S_t; wait for S_{t+1}.
-// O += P_{n-1}.V_{n-1} after step n - 1, outside the turns (as ws). S_{t+1}
-// is waited for at the end of its step, not at the next one's softmax (the
-// turn's sync and two issues later): a wgmma in flight across the loop's
-// edges made ptxas serialize every wgmma of the kernel (C7514). The two S
-// tiles alternate between two accumulator arrays (sa, sb), the loop
-// unrolled by two so that each step's are fixed registers.
-// Four stages, not ws's three: a consumer syncs on tile t+1 in step t, a
-// step before ws does, and tile t-1's stage comes free in step t as in ws,
-// so the producer's lead (the stage freed in step t refilled with the tile
-// step t + 2 first reads) stays two steps. Barriers: full 1-8 (kWsoFull +
-// 4c + stage), empty 9-12, turn 13-14. Registers a consumer thread: Q's
-// fragments (NK x 4: 32 at q/k 128, 48 at 192), the two S arrays (32 each),
-// O (64), P's fragments (16): 176 / 192 beside the indices, under
-// setmaxnreg's 240 (the SASS's highest: R217 at 128, R233 at (192, 128);
-// no spills). Shared memory: the two Q / output tiles, four stages of K
-// and V: 163 KB at 128, 209 KB at (192, 128), one block an SM.
-constexpr int kWsoStages = 4, kWsoFull = 1, kWsoEmpty = kWsoFull + 2 * kWsoStages, kWsoTurn = kWsoEmpty + kWsoStages;
-static_assert(kWsoTurn + 1 <= 15, "named barriers 1-15");
-template <int D, int DV>
-size_t fwd_wso_smem() {
-    return 1024 + (size_t)(2 * ws_qe<D, DV> + kWsoStages * 64 * (D + DV)) * 2;
-}
-
-template <typename T, int D, int DV>
-__global__ void __launch_bounds__(384, 1) fwd_wso_kernel(T *out, float *lse, const T *q, const T *k, const T *v,
-                                                         qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lo,
-                                                         int H, int Hkv, long long Tq, long long Tk, float scale,
-                                                         int causal) {
-    constexpr int BN = 64, NA = BN / 16, NK = D / 16, NO = DV / 2, QE = ws_qe<D, DV>, NS = kWsoStages;
-    static_assert(DV <= 128, "O, two S, P and Q's fragments in registers: v at most 128 wide");
-    static_assert(QE * 2 % 1024 == 0, "each consumer's Q tile 1024-byte aligned");
-    WG_SMEM;
-    unsigned char *sm = align1024(wg_smem);
-    T *Qs = (T *)sm, *Ks = Qs + 2 * QE, *Vs = Ks + NS * BN * D;
-    const long long i0 = (long long)(gridDim.x - 1 - blockIdx.x) * 128;  // longest causal rows first
-    const int bh = blockIdx.y, b = bh / H, h = bh % H, g = h / (H / Hkv);
-    const long long off = Tk - Tq;
-    const long long kend = causal ? max(0ll, min(Tk, i0 + 128 + off)) : Tk;
-    const int ntiles = (int)((kend + BN - 1) / BN);
-    const int wgi = threadIdx.x >> 7;
-
-    if (wgi == 2) {
-        setmaxnreg_dec<24>();
-        ws_produce<T, D, DV, NS, kWsoFull, kWsoEmpty, true>(Qs, QE, Ks, Vs, q, k, v, lq, lk, lv, b, h, g, i0, Tq, Tk,
-                                                      ntiles);
-        return;
-    }
-
-    // a consumer: queries i0c.. (warp w4 of the warpgroup: rows 16 w4 + g8, + 8)
-    setmaxnreg_inc<240>();
-    const int c = wgi, w4 = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
-    const long long i0c = i0 + 64 * c, row0 = i0c + w4 * 16 + g8;
-    T *Qc = Qs + c * QE;
-    const float sl = scale * kLog2e;
-    float o[NO], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < NO; i++) o[i] = 0.f;
-    unsigned pa[NA][4];           // P_{t-1}'s A fragments
-    unsigned qa[NK][4];           // Q's
-    float sa[BN / 2], sb[BN / 2];  // S_t and S_{t+1}, by turns
-    if (c == 0 && ntiles > 0) bar_arrive(kWsoTurn, 256);  // consumer 0's first turn
-
-    // step t on S_t in sx, S_{t+1} issued into sy; PV: with P_{t-1}.V_{t-1}
-    // (t > 0, else S_0 issued here); NX: with S_{t+1} (t + 1 < ntiles)
-    auto step = [&](int t, float(&sx)[BN / 2], float(&sy)[BN / 2], auto pv, auto nx) {
-        constexpr bool PV = decltype(pv)::value, NX = decltype(nx)::value;
-        if constexpr (!PV) {
-            bar_sync(kWsoFull + NS * c, 256);  // Q, K_0, V_0 landed
-            // Q's A fragments from the swizzled tile (fwd_ovl_kernel's)
-            const unsigned char *p = (const unsigned char *)Qc;
-            const int r0 = w4 * 16 + g8;
-#pragma unroll
-            for (int kk = 0; kk < NK; kk++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int r = r0 + 8 * (i & 1), cc = 2 * (kk & 3) + (i >> 1);
-                    qa[kk][i] = *reinterpret_cast<const unsigned *>(p + (kk >> 2) * 64 * 128 + r * 128 +
-                                                                     ((cc ^ (r & 7)) << 4) + t4 * 4);
-                }
-        }
-        if constexpr (NX) bar_sync(kWsoFull + NS * c + (t + 1) % NS, 256);  // K_{t+1}, V_{t+1} landed
-        const long long j0 = (long long)t * BN;
-
-        // this consumer's turn: O += P_{t-1} V_{t-1} (or S_0), then S_{t+1}
-        bar_sync(kWsoTurn + c, 256);
-        fence();
-        if constexpr (PV) {
-            const uint64_t dv = desc_mn<DV, BN>(Vs + ((t - 1) % NS) * BN * DV);
-#pragma unroll
-            for (int kk = 0; kk < NA; kk++) mma_rs_t<T, DV>(o, pa[kk], dv + kk * (2048 >> 4), 1);
-            commit();
-        } else {
-            const uint64_t dk = desc(Ks);
-#pragma unroll
-            for (int kk = 0; kk < NK; kk++) mma_rs<T, BN>(sx, qa[kk], kstep<BN>(dk, kk), kk);
-            commit();
-        }
-        if constexpr (NX) {
-            const uint64_t dk = desc(Ks + ((t + 1) % NS) * BN * D);
-#pragma unroll
-            for (int kk = 0; kk < NK; kk++) mma_rs<T, BN>(sy, qa[kk], kstep<BN>(dk, kk), kk);
-            commit();
-        }
-        if (c == 0 || t + 1 < ntiles) bar_arrive(kWsoTurn + (c ^ 1), 256);  // the other's turn
-        if constexpr (!PV) {
-            wait<NX ? 1 : 0>();  // S_0 (S_1 may still run)
-            pin<BN / 2>(sx);
-        }
-
-        const bool edge = j0 + BN > Tk || (causal && j0 + BN - 1 > i0c + off);
-        float alpha[2];
-        softmax_tile<BN>(sx, m, l, alpha, j0, Tk, row0, off, causal, edge, sl, t4);
-
-        if constexpr (PV) {
-            wait<NX ? 1 : 0>();  // P_{t-1} V_{t-1}: O and P's fragments free, and tile t - 1's stage
-            pin<NO>(o);
-            pin_u<NA * 4>(&pa[0][0]);
-            if (t - 1 + NS < ntiles) bar_arrive(kWsoEmpty + (t - 1) % NS, 384);
-        }
-        rescale<DV>(o, alpha);
-#pragma unroll
-        for (int kk = 0; kk < NA; kk++) c_to_a<T>(pa[kk], sx, kk);
-        if constexpr (NX) {
-            // S_{t+1}, within the step: no product in flight across the
-            // loop's edges (ptxas then serializes every wgmma)
-            wait<0>();
-            pin<BN / 2>(sy);
-        }
-    };
-    const bool_c<false> F{};
-    const bool_c<true> Y{};
-    if (ntiles == 1) step(0, sa, sb, F, F);
-    else if (ntiles > 1) step(0, sa, sb, F, Y);
-    // steps 1 .. ntiles - 1: S_t in sb at odd t, in sa at even
-    int t = 1;
-    for (; t + 2 < ntiles; t += 2) {
-        step(t, sb, sa, Y, Y);
-        step(t + 1, sa, sb, Y, Y);
-    }
-    if (t + 1 < ntiles) {
-        step(t, sb, sa, Y, Y);
-        step(t + 1, sa, sb, Y, F);
-    } else if (t < ntiles) {
-        step(t, sb, sa, Y, F);
-    }
-    if (ntiles > 0) {
-        // O += P_{n-1} V_{n-1} (its stage landed: synced at step n - 2, or 0)
-        pin<NO>(o);
-        fence();
-        const uint64_t dv = desc_mn<DV, BN>(Vs + ((ntiles - 1) % NS) * BN * DV);
-#pragma unroll
-        for (int kk = 0; kk < NA; kk++) mma_rs_t<T, DV>(o, pa[kk], dv + kk * (2048 >> 4), 1);
-        commit();
-        wait<0>();
-        pin<NO>(o);
-        pin_u<NA * 4>(&pa[0][0]);
-    }
-    float inv[2];
-    finish_rows(inv, l, m, row0, t4, Tq, lse + ((long long)b * H + h) * Tq);
-    // the output through this consumer's Q tile (as fwd_ws_kernel's: every
-    // warp of it read its Q fragments at step 0, before its first turn's
-    // sync)
     mma::frag_to_smem<T, DV>(Qc, reinterpret_cast<const float(*)[4]>(o), w4 * 16, lane, inv[0], inv[1]);
     __syncwarp();
     mma::store_rows<T, DV, 1>(out, lo, b, h, i0c, Tq, Qc, w4 * 16, lane);

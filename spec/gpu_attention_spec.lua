@@ -7,9 +7,9 @@
 -- backward on mma), lengths 1 to 1024
 -- across the tile edges, causal or not, Tq != Tk (bottom-right causal, rows
 -- that see no key), grouped-query heads and strided (B, T, H, D) views; and
--- the wgmma forwards (MS_ATTENTION_WG_FWD=ovl, base, ovlq, wso: wgmma_ovl,
--- wgmma_base, wgmma_ovlq, wgmma_wso; plain wgmma runs the default, ws) at
--- head dim 128 and q/k 192 with v 128.
+-- the wgmma forwards (MS_ATTENTION_WG_FWD=ovl, base, ovlq: wgmma_ovl,
+-- wgmma_base, wgmma_ovlq; plain wgmma runs the default, ws) at head dim 128
+-- and q/k 192 with v 128.
 local ms = require 'moonshard'
 local ffi = require 'ffi'
 local T = require 'moonshard.tensor'
@@ -62,14 +62,14 @@ end
 -- wgmma1: wgmma with its one-pass backward (ms_cuda_attention_set_wg_onepass);
 -- wgmma0: wgmma with the delta kernel (ms_cuda_attention_set_fused_delta(0);
 -- plain wgmma computes Delta in its dq kernel); wgmma_ovl, wgmma_base,
--- wgmma_ovlq, wgmma_wso: wgmma with MS_ATTENTION_WG_FWD=ovl, base, ovlq, wso (attention.cu
+-- wgmma_ovlq: wgmma with MS_ATTENTION_WG_FWD=ovl, base, ovlq (attention.cu
 -- reads it at every call; at q/k 128 or 192 with v 128 the default is ws,
 -- elsewhere fwd_kernel runs whatever it says)
 local impl_ids = { mma = C.MS_ATTENTION_MMA, mma1 = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA,
   simt = C.MS_ATTENTION_SIMT, wgmma = C.MS_ATTENTION_WGMMA, wgmma1 = C.MS_ATTENTION_WGMMA,
   wgmma0 = C.MS_ATTENTION_WGMMA, wgmma_ovl = C.MS_ATTENTION_WGMMA, wgmma_base = C.MS_ATTENTION_WGMMA,
-  wgmma_ovlq = C.MS_ATTENTION_WGMMA, wgmma_wso = C.MS_ATTENTION_WGMMA, auto = C.MS_ATTENTION_AUTO }
-local wg_fwd_env = { wgmma_ovl = 'ovl', wgmma_base = 'base', wgmma_ovlq = 'ovlq', wgmma_wso = 'wso' }
+  wgmma_ovlq = C.MS_ATTENTION_WGMMA, auto = C.MS_ATTENTION_AUTO }
+local wg_fwd_env = { wgmma_ovl = 'ovl', wgmma_base = 'base', wgmma_ovlq = 'ovlq' }
 pcall(ffi.cdef, 'int setenv(const char *name, const char *value, int overwrite); int unsetenv(const char *name);')
 -- MS_ATTENTION_WG_FWD set to value (nil: unset)
 local function set_wg_fwd(value)
@@ -208,7 +208,6 @@ local function check_wide(cs, seed)
       check_case(c, dt, ref, 'wgmma_ovl')
       check_case(c, dt, ref, 'wgmma_base')
       check_case(c, dt, ref, 'wgmma_ovlq')
-      check_case(c, dt, ref, 'wgmma_wso')
     end
   end
 end
@@ -226,7 +225,6 @@ describe('fused attention on cuda #gpu', function()
         impls[#impls + 1] = 'wgmma_ovl'
         impls[#impls + 1] = 'wgmma_base'
         impls[#impls + 1] = 'wgmma_ovlq'
-        impls[#impls + 1] = 'wgmma_wso'
       end
       local ref
       seed = seed + 10
@@ -240,8 +238,7 @@ describe('fused attention on cuda #gpu', function()
     end
   end
 
-  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'wgmma0', 'wgmma_ovl', 'wgmma_base', 'wgmma_ovlq', 'wgmma_wso', 'mma', 'wmma',
-    'simt' }) do
+  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'wgmma0', 'wgmma_ovl', 'wgmma_base', 'wgmma_ovlq', 'mma', 'wmma', 'simt' }) do
     it(('transposed (B, T, H, D) views work without copies and give the same result (%s)'):format(impl), function()
       for _, c in ipairs({ { 'f32', 32 }, { 'bf16', 32 }, { 'bf16', 64 }, { 'f16', 128 } }) do
         local dt, D = c[1], c[2]
@@ -312,8 +309,7 @@ describe('fused attention on cuda #gpu', function()
     local ok, err = pcall(with_impl, 'wgmma', function() return attention(q, q, q, 0.1, true) end)
     set_wg_fwd(prev)
     assert.is_false(ok)
-    assert.matches('MS_ATTENTION_WG_FWD=ovlx: the wgmma forwards are base, ovl, ovlq, ws and wso', tostring(err), 1,
-      true)
+    assert.matches('MS_ATTENTION_WG_FWD=ovlx: the wgmma forwards are base, ovl, ovlq and ws', tostring(err), 1, true)
   end)
 
   it('head dim 192 (DeepSeek-V3\'s q/k heads): mma, two-pass and one-pass, and wgmma (its forward) in bf16 and '
