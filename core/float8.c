@@ -993,6 +993,39 @@ static int64_t item_block(int64_t C, int64_t g0, int64_t item) {
     return (rg * MS_F8P_ROWS / MS_F8P_BLK) * nbc + cb;
 }
 
+// the CPU walk of the many-piece ops, work item by work item as the
+// kernels number them (core/f8many.h): with amax, each item's block
+// maximum into its grid (zeroed by the caller); else each item cast with
+// its block's scale into out
+static int many_walk(const char *op, ms_tensor **x, const int64_t *geom, int n, ms_tensor **amax,
+                     ms_tensor **scale, ms_tensor **out, int e5m2) {
+    ms_tensor **f = calloc((size_t)n, sizeof *f);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * n + 1));
+    if (!f || !first) {
+        free(f);
+        free(first);
+        return ms_errorf("%s: out of host memory", op);
+    }
+    int64_t *g0 = first + n + 1;
+    int rc = many_f32(f, x, n);
+    if (!rc) {
+        many_items(x, geom, n, first, g0);
+        for (int64_t w = 0; w < first[n]; w++) {
+            const int i = ms_f8p_find(first, n, w);
+            const int64_t C = geom[3 * i + 1], item = w - first[i], blk = item_block(C, g0[i], item);
+            if (amax)
+                item_walk(ms_tensor_data(f[i]), piece_n(x, i), C, geom[3 * i + 2], g0[i], item,
+                          (float *)ms_tensor_data(amax[i]) + blk, 0.0f, NULL, 0);
+            else
+                item_walk(ms_tensor_data(f[i]), piece_n(x, i), C, geom[3 * i + 2], g0[i], item, NULL,
+                          ((const float *)ms_tensor_data(scale[i]))[blk], ms_tensor_data(out[i]), e5m2);
+        }
+    }
+    many_free(f, n);
+    free(first);
+    return rc;
+}
+
 int ms_float8_amax_blockwise_many(ms_tensor **amax, ms_tensor **x, const int64_t *geom, int n) {
     const char *op = "float8_amax_blockwise_many";
     char name[96];
@@ -1015,28 +1048,8 @@ int ms_float8_amax_blockwise_many(ms_tensor **amax, ms_tensor **x, const int64_t
 #ifdef MS_WITH_CUDA
     if (dev >= 0) return ms_cuda_float8_amax_blockwise_many(amax, x, geom, n, dev);
 #endif
-    ms_tensor **f = calloc((size_t)n, sizeof *f);
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * n + 1));
-    if (!f || !first) {
-        free(f);
-        free(first);
-        return ms_errorf("%s: out of host memory", op);
-    }
-    int64_t *g0 = first + n + 1;
-    rc = many_f32(f, x, n);
-    if (!rc) {
-        for (int i = 0; i < n; i++) memset(ms_tensor_data(amax[i]), 0, sizeof(float) * (size_t)ms_tensor_numel(amax[i]));
-        many_items(x, geom, n, first, g0);
-        for (int64_t w = 0; w < first[n]; w++) {
-            const int i = ms_f8p_find(first, n, w);
-            const int64_t C = geom[3 * i + 1], item = w - first[i];
-            float *m = (float *)ms_tensor_data(amax[i]) + item_block(C, g0[i], item);
-            item_walk(ms_tensor_data(f[i]), piece_n(x, i), C, geom[3 * i + 2], g0[i], item, m, 0.0f, NULL, 0);
-        }
-    }
-    many_free(f, n);
-    free(first);
-    return rc;
+    for (int i = 0; i < n; i++) memset(ms_tensor_data(amax[i]), 0, sizeof(float) * (size_t)ms_tensor_numel(amax[i]));
+    return many_walk(op, x, geom, n, amax, NULL, NULL, 0);
 }
 
 int ms_float8_cast_blockwise_many(ms_tensor **out, ms_tensor **x, ms_tensor **scale, const int64_t *geom, int n,
@@ -1081,28 +1094,7 @@ int ms_float8_cast_blockwise_many(ms_tensor **out, ms_tensor **x, ms_tensor **sc
 #ifdef MS_WITH_CUDA
     if (dev >= 0) return ms_cuda_float8_cast_blockwise_many(out, x, scale, geom, n, dtype, dev);
 #endif
-    ms_tensor **f = calloc((size_t)n, sizeof *f);
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * n + 1));
-    if (!f || !first) {
-        free(f);
-        free(first);
-        return ms_errorf("%s: out of host memory", op);
-    }
-    int64_t *g0 = first + n + 1;
-    rc = many_f32(f, x, n);
-    if (!rc) {
-        many_items(x, geom, n, first, g0);
-        for (int64_t w = 0; w < first[n]; w++) {
-            const int i = ms_f8p_find(first, n, w);
-            const int64_t C = geom[3 * i + 1], item = w - first[i];
-            const float sc = ((const float *)ms_tensor_data(scale[i]))[item_block(C, g0[i], item)];
-            item_walk(ms_tensor_data(f[i]), piece_n(x, i), C, geom[3 * i + 2], g0[i], item, NULL, sc,
-                      ms_tensor_data(out[i]), is_e5m2(dtype));
-        }
-    }
-    many_free(f, n);
-    free(first);
-    return rc;
+    return many_walk(op, x, geom, n, NULL, scale, out, is_e5m2(dtype));
 }
 
 int ms_float8_scales_blockwise_many(ms_tensor **scale, ms_tensor **inv, ms_tensor **inv_t, ms_tensor **amax,
