@@ -218,55 +218,6 @@ function ep.all_reduce_grads(model, group)
   if W > 1 then dist.all_reduce_coalesced(rest, 'avg', { group = group }) end
 end
 
--- the norm of a model split by expert and tensor parallelism and sharded
--- by fully_shard over the ranks that hold the same slices (FSDP x TP x
--- EP): each rank's unit shards, cut at their parameters' bounds. An
--- expert unit's element is held by one rank of the world (the experts
--- split over the expert group, sharded over their copies), a TP slice's by
--- one (the slices over the TP group, sharded over the others), a
--- replicated parameter's by one of each TP group: its squares divided by
--- the TP group's size. All summed over the TP group, then over the shard
--- group (every rank: the TP groups x the ranks that hold the same slices).
--- The clip as tp.clip_grad_norm_ under fully_shard (opts.defer: fsdp.AdamW)
-local function fsdp_tp_clip(model, max_norm, opts)
-  local fsdp = require 'moonshard.fsdp'
-  local optim = require 'moonshard.optim'
-  local st, tpi = rawget(model, '_fsdp'), rawget(model, '_tp')
-  local split, rep, experts, all, views = {}, {}, {}, {}, {}
-  local dev
-  for _, u in ipairs(st.units) do
-    local g = u.fp.shard.grad
-    if g ~= nil then
-      dev = dev or g.device
-      all[#all + 1] = g
-      if u.experts then
-        experts[#experts + 1] = g
-      else
-        for _, pc in ipairs(fsdp.grad_pieces(u)) do
-          local v = pc[2]
-          views[#views + 1] = v
-          if tpi.split[u.param_names[pc[1]]] then split[#split + 1] = v else rep[#rep + 1] = v end
-        end
-      end
-    end
-  end
-  dev = dev or dist.device()
-  -- (every rank calls the all-reduces, with or without gradients)
-  local s = optim.sum_squares(split, dev)
-  local e = optim.sum_squares(experts, dev)
-  local r = optim.sum_squares(rep, dev)
-  for _, v in ipairs(views) do v:free() end
-  F.mul_(r, 1 / tpi.size)
-  F.add_(s, r); F.add_(s, e)
-  r:free(); e:free()
-  if tpi.size > 1 then dist.all_reduce(s, 'sum', { group = tpi.group }) end
-  if st.shard_group and st.shard_group:size() > 1 then dist.all_reduce(s, 'sum', { group = st.shard_group }) end
-  local total = F.sqrt(s)
-  s:free()
-  local v = require('moonshard.tp').clip_by_total(total, max_norm, all, opts, 'ep.clip_grad_norm_')
-  return v
-end
-
 -- ep.clip_grad_norm_(model, max_norm, opts) -> the whole model's gradient
 -- norm (after all_reduce_grads: the same on every rank): the local
 -- experts' sums of squares added over the group (each expert once), the
@@ -277,7 +228,12 @@ function ep.clip_grad_norm_(model, max_norm, opts)
     error(('ep.clip_grad_norm_: max_norm must be a positive number, got %s'):format(tostring(max_norm)), 2)
   end
   if max_norm == math.huge then max_norm = nil end
-  if rawget(model, '_fsdp') and rawget(model, '_tp') then return fsdp_tp_clip(model, max_norm, opts) end
+  -- (FSDP x TP x EP: tp.clip_grad_norm_ counts the expert units' shards
+  -- with the TP slices', each element held by one rank of the world)
+  if rawget(model, '_fsdp') and rawget(model, '_tp') then
+    local v = require('moonshard.tp').clip_grad_norm_(model, max_norm, opts)
+    return v
+  end
   if rawget(model, '_fsdp') then
     -- (under fully_shard every element of every shard is held by one rank:
     -- the experts' over their copies, the rest over every rank)

@@ -1158,17 +1158,24 @@ function tp.clip_grad_norm_(model, max_norm, opts)
   local st = rawget(model, '_fsdp')
   if st then
     -- composed with fully_shard over the other axis: each unit's gradient
-    -- shard, cut at its parameters' bounds (the layout's offsets)
+    -- shard, cut at its parameters' bounds (the layout's offsets). An
+    -- expert unit (ms.ep under --tp --ep: experts whole, split over the
+    -- expert group and sharded over their copies) holds each element on
+    -- one rank of the world, as a TP slice's shard does: counted with them
     for _, u in ipairs(st.units) do
       local fp = u.fp
       local g = fp.shard.grad
       if g ~= nil then
         dev = dev or g.device
         all[#all + 1] = g
-        for _, pc in ipairs(require('moonshard.fsdp').grad_pieces(u)) do
-          local v = pc[2]
-          views[#views + 1] = v
-          if info.split[u.param_names[pc[1]]] then split[#split + 1] = v else rep[#rep + 1] = v end
+        if u.experts then
+          split[#split + 1] = g
+        else
+          for _, pc in ipairs(require('moonshard.fsdp').grad_pieces(u)) do
+            local v = pc[2]
+            views[#views + 1] = v
+            if info.split[u.param_names[pc[1]]] then split[#split + 1] = v else rep[#rep + 1] = v end
+          end
         end
       end
     end
@@ -1204,19 +1211,6 @@ function tp.clip_grad_norm_(model, max_norm, opts)
   for _, v in ipairs(views) do v:free() end
   local total_t = F.sqrt(s1)
   s1:free()
-  local v = tp.clip_by_total(total_t, max_norm, all, opts, 'tp.clip_grad_norm_')   -- (not a tail call: error levels)
-  return v
-end
-
--- tp.clip_by_total(total, max_norm, grads, opts, who) -> the norm: the
--- clip of the gradient tensors `grads` given their whole norm `total` (a
--- 1-element tensor, taken over): nothing with max_norm nil or inf; else
--- every gradient scaled by min(1, max_norm / (total + 1e-6)) on the
--- device, or with opts.defer (an optimizer with defer_grad_scale:
--- ms.optim.AdamW, fsdp.AdamW) that factor handed to its next step. A
--- number, or the tensor with opts.tensor (no host read). `who` names the
--- caller in errors (tp.clip_grad_norm_, ep.clip_grad_norm_).
-function tp.clip_by_total(total_t, max_norm, all, opts, who)
   if max_norm == nil or max_norm == math.huge then   -- the norm only
     if opts and opts.tensor then return total_t end
     local v = total_t:item()
@@ -1233,8 +1227,7 @@ function tp.clip_by_total(total_t, max_norm, all, opts, who)
     -- the coefficient goes to the optimizer's next step (ms.optim.AdamW's
     -- defer_grad_scale): no pass over the gradients here
     if type(defer) ~= 'table' or type(defer.defer_grad_scale) ~= 'function' then
-      c1:free()
-      error(('%s: defer must be an optimizer with defer_grad_scale (ms.optim.AdamW, fsdp.AdamW)'):format(who), 3)
+      error('tp.clip_grad_norm_: defer must be an optimizer with defer_grad_scale (ms.optim.AdamW)', 2)
     end
     if c1.dtype ~= 'f64' then local c = c1:to('f64'); c1:free(); c1 = c end
     defer:defer_grad_scale(c1:reshape({ 1 }))
