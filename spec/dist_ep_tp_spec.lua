@@ -31,6 +31,28 @@ local FS = require 'spec.fsdp_support'
 
 local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
 
+-- ms.ep.full_checkpoint of the split model against the one-process
+-- reference's state (1e-9) and optimizer state (the same groups and
+-- per-parameter state, moments within 1e-9): the reference's state dicts
+local function same_checkpoint(m, opt, hyper, ref, ropt)
+  local msd, osd = ms.ep.full_checkpoint(m, opt, hyper)
+  local rsd, rosd = ref:state_dict(), ropt:state_dict()
+  for name, t in pairs(rsd) do
+    assert.is_truthy(msd[name], name)
+    assert.is_true(FS.max_rel(msd[name], t) <= 1e-9, name)
+  end
+  for name in pairs(msd) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
+  assert.are.same(rosd.meta.groups, osd.meta.groups)
+  table.sort(rosd.meta.state, function(a, b) return a.index < b.index end)
+  table.sort(osd.meta.state, function(a, b) return a.index < b.index end)
+  assert.are.same(rosd.meta.state, osd.meta.state)
+  for name, t in pairs(rosd.tensors) do
+    assert.is_truthy(osd.tensors[name], name)
+    assert.is_true(FS.max_rel(osd.tensors[name], t) <= 1e-9, name)
+  end
+  return rsd, rosd
+end
+
 describe('expert and tensor parallelism #mpi', function()
   if not under_mpi then
     it('runs under mpirun (tools/run_mpi_specs.sh)', function() pending('not started by mpirun') end)
@@ -181,21 +203,7 @@ describe('expert and tensor parallelism #mpi', function()
             end
           end
           steps(m, opt, 1, 2)
-          local msd, osd = ms.ep.full_checkpoint(m, opt, hyper)
-          local rsd, rosd = ref:state_dict(), ropt:state_dict()
-          for name, t in pairs(rsd) do
-            assert.is_truthy(msd[name], name)
-            assert.is_true(FS.max_rel(msd[name], t) <= 1e-9, name)
-          end
-          for name in pairs(msd) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
-          assert.are.same(rosd.meta.groups, osd.meta.groups)
-          table.sort(rosd.meta.state, function(a, b) return a.index < b.index end)
-          table.sort(osd.meta.state, function(a, b) return a.index < b.index end)
-          assert.are.same(rosd.meta.state, osd.meta.state)
-          for name, t in pairs(rosd.tensors) do
-            assert.is_truthy(osd.tensors[name], name)
-            assert.is_true(FS.max_rel(osd.tensors[name], t) <= 1e-9, name)
-          end
+          local rsd, rosd = same_checkpoint(m, opt, hyper, ref, ropt)
           -- the one-process state into a fresh split model: the next step as one process
           local sd = {}
           for name, t in pairs(rsd) do sd[name] = t:clone() end
@@ -331,21 +339,7 @@ describe('expert and tensor parallelism #mpi', function()
                 end
               end
               steps(m, opt, 1, 3)
-              local msd, osd = ms.ep.full_checkpoint(m, opt, hyper)
-              local rsd, rosd = ref:state_dict(), ropt:state_dict()
-              for name, t in pairs(rsd) do
-                assert.is_truthy(msd[name], name)
-                assert.is_true(FS.max_rel(msd[name], t) <= 1e-9, name)
-              end
-              for name in pairs(msd) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
-              assert.are.same(rosd.meta.groups, osd.meta.groups)
-              table.sort(rosd.meta.state, function(a, b) return a.index < b.index end)
-              table.sort(osd.meta.state, function(a, b) return a.index < b.index end)
-              assert.are.same(rosd.meta.state, osd.meta.state)
-              for name, t in pairs(rosd.tensors) do
-                assert.is_truthy(osd.tensors[name], name)
-                assert.is_true(FS.max_rel(osd.tensors[name], t) <= 1e-9, name)
-              end
+              local rsd, rosd = same_checkpoint(m, opt, hyper, ref, ropt)
               -- the one-process state into a fresh split, sharded model
               local sd = {}
               for name, t in pairs(rsd) do sd[name] = t:clone() end
