@@ -125,22 +125,31 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     close_losses(one, losses(dir .. '/cs'), 1, 4, 'resumed at --tp 2 --ep 2')
   end)
 
-  it('a --tp 2 --ep 2 checkpoint is sharded by default: it resumes in one process, at --tp 2 --ep 2 and at --ep 2 '
-    .. 'on the curve', function()
+  -- a run of `np` ranks with `flags` stopped at step 2 writes a sharded
+  -- checkpoint (index.json); each of `resumes` ({ launcher flags, run
+  -- flags }) resumes a copy of it and follows the one-process curve
+  local function sharded_resumes(name, np, flags, resumes)
     local one = reference(mixtral .. no_aux, 'm1')
-    local status, text = bin_train(('--nproc-per-node 2 --device cpu %s%s --batch-size 4 --steps 4 --tp 2 --ep 2 '
-      .. '--save-every 1 --stop-at 2 --out %s/ss'):format(mixtral, no_aux, q(dir)))
+    local status, text = bin_train(('--nproc-per-node %d --device cpu %s%s %s --save-every 1 --stop-at 2 --out %s/%s')
+      :format(np, mixtral, no_aux, flags, q(dir), name))
     assert.are.equal(0, status, text)
-    local f = io.open(dir .. '/ss/ckpt-2/index.json')
+    local f = io.open(dir .. '/' .. name .. '/ckpt-2/index.json')
     assert.is_truthy(f, 'a sharded checkpoint has an index.json')
     f:close()
-    for _, c in ipairs({ { 'ss1', '', '' }, { 'ss2', '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2' },
-                         { 'ss3', '--nproc-per-node 2 --device cpu ', ' --ep 2 --batch-size 2' } }) do
-      os.execute(('cp -r %s/ss %s/%s'):format(q(dir), q(dir), c[1]))
-      status, text = bin_train(('%s--resume %s/%s%s'):format(c[2], q(dir), c[1], c[3]))
+    for i, c in ipairs(resumes) do
+      local copy = name .. i
+      os.execute(('cp -r %s/%s %s/%s'):format(q(dir), name, q(dir), copy))
+      status, text = bin_train(('%s--resume %s/%s%s'):format(c[1], q(dir), copy, c[2]))
       assert.are.equal(0, status, text)
-      close_losses(one, losses(dir .. '/' .. c[1]), 1, 4, 'resumed ' .. (c[3] == '' and 'in one process' or 'at' .. c[3]))
+      close_losses(one, losses(dir .. '/' .. copy), 1, 4, 'resumed ' .. (c[2] == '' and 'in one process' or 'at' .. c[2]))
     end
+  end
+
+  it('a --tp 2 --ep 2 checkpoint is sharded by default: it resumes in one process, at --tp 2 --ep 2 and at --ep 2 '
+    .. 'on the curve', function()
+    sharded_resumes('ss', 2, '--batch-size 4 --steps 4 --tp 2 --ep 2', {
+      { '', '' }, { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2' },
+      { '--nproc-per-node 2 --device cpu ', ' --ep 2 --batch-size 2' } })
   end)
 
   -- FSDP x TP x EP (--fsdp FULL_SHARD / SHARD_GRAD_OP): the slices
@@ -193,21 +202,9 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
 
   it('a --tp 2 --ep 2 --fsdp checkpoint is sharded by default: it resumes in one process, at --tp 2 --ep 2 --fsdp '
     .. 'and at --tp 2 --ep 2 on the curve', function()
-    local one = reference(mixtral .. no_aux, 'm1')
-    local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 2 --steps 4 --tp 2 --ep 2 '
-      .. '--fsdp FULL_SHARD --save-every 1 --stop-at 2 --out %s/fss'):format(mixtral, no_aux, q(dir)))
-    assert.are.equal(0, status, text)
-    local f = io.open(dir .. '/fss/ckpt-2/index.json')
-    assert.is_truthy(f, 'a sharded checkpoint has an index.json')
-    f:close()
-    for _, c in ipairs({ { 'fss1', '', '' },
-                         { 'fss2', '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 2 --fsdp SHARD_GRAD_OP' },
-                         { 'fss3', '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2 --batch-size 4' } }) do
-      os.execute(('cp -r %s/fss %s/%s'):format(q(dir), q(dir), c[1]))
-      status, text = bin_train(('%s--resume %s/%s%s'):format(c[2], q(dir), c[1], c[3]))
-      assert.are.equal(0, status, text)
-      close_losses(one, losses(dir .. '/' .. c[1]), 1, 4, 'resumed ' .. (c[3] == '' and 'in one process' or 'at' .. c[3]))
-    end
+    sharded_resumes('fss', 4, '--batch-size 2 --steps 4 --tp 2 --ep 2 --fsdp FULL_SHARD', {
+      { '', '' }, { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 2 --fsdp SHARD_GRAD_OP' },
+      { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2 --batch-size 4' } })
   end)
 
   it('bad layouts exit 2 and say why', function()
