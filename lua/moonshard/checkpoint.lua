@@ -120,8 +120,9 @@ local function sh(cmd)
   return r == 0 or r == true
 end
 
--- JSON with sorted keys (stable files, stable checksums)
-local function encode(obj)
+-- JSON with sorted keys (stable files, stable checksums); compact: on one
+-- line (a safetensors header's metadata)
+local function encode(obj, compact)
   local keys, seen = {}, {}
   local function collect(t)
     for k, v in pairs(t) do
@@ -131,7 +132,7 @@ local function encode(obj)
   end
   collect(obj)
   table.sort(keys)
-  return json.encode(obj, { indent = true, keyorder = keys })
+  return json.encode(obj, { indent = not compact, keyorder = keys })
 end
 ckpt.encode = encode
 

@@ -101,7 +101,7 @@ local function write_atomic(path, s)
 end
 
 -- JSON with sorted keys (stable files)
-local function encode(obj) return require('moonshard.checkpoint').encode(obj) end
+local function encode(obj, compact) return require('moonshard.checkpoint').encode(obj, compact) end
 
 local function read_json(path, what)
   local f, err = io.open(path, 'rb')
@@ -688,6 +688,23 @@ M.state_fields = state_fields
 
 -- ------------------------------------------------------------ sharded save
 
+-- specs of bin/train's runs (which cannot set M._inject_failure):
+-- MS_FSDP_CKPT_INJECT="stage[:rank[:text]]" injects a failure at `stage`
+-- on `rank` (every rank without it) into the saves whose folder's path
+-- holds `text` (every save without it). Stages: 'rank_file' (before the
+-- rank's file is queued), 'disk' (the file lands on /dev/full: the
+-- writer's thread fails, ENOSPC), 'after_rank_file', 'kill' (the rank is
+-- killed by SIGKILL once its file is queued: a crash while the file is
+-- being written), 'index' (rank 0, before index.json)
+local function env_inject(dir)
+  local e = os.getenv('MS_FSDP_CKPT_INJECT')
+  if not e or e == '' then return nil end
+  local stage, r, text = e:match('^([%w_]+):?(%d*):?(.*)$')
+  if not stage then fail('MS_FSDP_CKPT_INJECT=%s: expected stage[:rank[:text]]', e) end
+  if text ~= '' and not dir:find(text, 1, true) then return nil end
+  return { stage = stage, rank = tonumber(r) }
+end
+
 -- save_sharded(model, dir, { optimizer =, step =, extra = }) -> dir
 -- Collective. `extra`: a JSON-able table stored in index.json. `step`:
 -- defaults to the optimizer's step count.
@@ -708,7 +725,7 @@ function M.save_sharded(model, dir, opts)
   local opt = opts.optimizer
   local rank, W = ctx.rank, ctx.world_size
   local tmp = dir .. '.tmp'
-  local inject = M._inject_failure   -- specs: { stage =, rank = }
+  local inject = M._inject_failure or env_inject(dir)   -- specs: { stage =, rank = }
   local function injected(stage)
     if inject and inject.stage == stage and (inject.rank == nil or inject.rank == rank) then
       fail('injected failure at %s on rank %d', stage, rank)
@@ -826,7 +843,12 @@ function M.save_sharded(model, dir, opts)
     if inject and inject.stage == 'disk' and (inject.rank == nil or inject.rank == rank) then
       sh('ln -s /dev/full ' .. q(path))   -- (specs: the writes fail in the writer's thread, ENOSPC)
     end
-    job = writer:safetensors(path, tensors, { ['moonshard.fsdp'] = json.encode(desc) }, stage)
+    -- (sorted keys: the same state gives the same bytes, synchronous or in
+    -- the background, whatever order this process's tables iterate in)
+    job = writer:safetensors(path, tensors, { ['moonshard.fsdp'] = encode(desc, true) }, stage)
+    if inject and inject.stage == 'kill' and (inject.rank == nil or inject.rank == rank) then
+      sh('kill -KILL $PPID')   -- (the shell's parent: this process)
+    end
     injected('after_rank_file')
   end) end
   if stage or not ok then
