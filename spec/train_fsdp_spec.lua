@@ -290,10 +290,11 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
         local f = ('/rank-%05d-of-00002.safetensors'):format(r)
         assert.is_true(S.same_tensors(dir .. '/sync/' .. c .. f, ck .. f) > 3)
       end
-      local ia = json.decode(assert(io.open(dir .. '/sync/' .. c .. '/index.json')):read('*a'))
-      local ib = json.decode(assert(io.open(ck .. '/index.json')):read('*a'))
-      assert.are.same(ia.optimizer, ib.optimizer)   -- (the hyper-parameters of the save's step)
-      assert.are.same(ia.pieces, ib.pieces)
+      -- (byte for byte: the rank files' descriptions have sorted keys, so
+      -- the index's CRCs agree too; spec/train_async_ckpt_spec.lua does the
+      -- same under --tp, --pp and --ep)
+      S.same_files(dir .. '/sync/' .. c, ck, { 'rank-00000-of-00002.safetensors', 'rank-00001-of-00002.safetensors',
+        'index.json' })
     end
     -- stopped at step 4 (its save in the background completes first), resumed: the rest of the curve
     local status
