@@ -1155,7 +1155,6 @@ function train.run(opts)
         usage('--ep %d with --tp %d: --ep must be a multiple of --tp (an expert group holds whole tensor-parallel '
           .. 'groups of consecutive ranks: --ep %d, %d, ...)', ep_size, tp_size, tp_size, 2 * tp_size)
       end
-      if pp_size > 1 then usage('--ep with --tp and --pp: not supported') end
       if cp_size > 1 then usage('--ep with --tp and --cp: not supported') end
     end
     -- (a stage's ranks: its data-parallel ranks, and with --cp M the
@@ -1167,6 +1166,8 @@ function train.run(opts)
         stage_world == 1 and 'is' or 'are', ep_size)
     end
     if pp_size > 1 and strategy == 'HYBRID_SHARD' then
+      if tp_size > 1 then usage('--ep with --tp, --pp and --fsdp HYBRID_SHARD: not supported (use FULL_SHARD or '
+        .. 'SHARD_GRAD_OP)') end
       -- each stage's shard groups (S consecutive of its data-parallel
       -- ranks, pp_mesh.hybrid) must hold whole expert groups; the ranks of
       -- a shard group that hold the same experts shard them
@@ -1195,13 +1196,16 @@ function train.run(opts)
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     if pp_size > 1 then
       -- (stage q's j-th rank is rank j * P + q: j = d with --cp's
-      -- context-parallel ranks counted in, d * M + c)
-      local n = stage_world / ep_size
+      -- context-parallel ranks counted in, d * M + c; with --tp T its TP
+      -- groups inside, j = d * T + t at rank (d * P + q) * T + t, so that
+      -- N consecutive j are N / T whole TP groups)
+      local n, tpn = stage_world / ep_size, tp_size
+      local function at(q, j) return (math.floor(j / tpn) * pp_size + q) * tpn + j % tpn end
       ep_group = mine(pp_size, n, function(q, g)
-        return along(ep_size, function(k) return (g * ep_size + k) * pp_size + q end) end)
+        return along(ep_size, function(k) return at(q, g * ep_size + k) end) end)
       if n > 1 then
         ep_rep = mine(pp_size, ep_size, function(q, k)
-          return along(n, function(g) return (g * ep_size + k) * pp_size + q end) end)
+          return along(n, function(g) return at(q, g * ep_size + k) end) end)
       end
     elseif ep_size == world then
       ep_group = dist.get_world_group()
@@ -1309,8 +1313,16 @@ function train.run(opts)
       local copies = sw / ep_size
       held = reduce_numbers({ held }, 'max')[1]
       ep_desc = ('%d-way in each stage\'s %d %sranks (%d cop%s of each expert), %d of %d experts a rank '
-        .. 'in %d layers, at most %.2fM parameters a rank'):format(ep_size, sw, cp_group and '' or 'data-parallel ',
-        copies, copies == 1 and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
+        .. 'in %d layers'):format(ep_size, sw, (cp_group or tp_mesh) and '' or 'data-parallel ',
+        copies, copies == 1 and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts, #layers)
+      if tp_mesh then
+        -- (the parameters a rank: tensor parallel's line, after its split)
+        local ntp = ep_size / tp_size
+        ep_desc = ep_desc .. (', each expert whole, each group %d tensor-parallel group%s of %d routing its ranks\' '
+          .. 'own rows'):format(ntp, ntp == 1 and '' or 's', tp_size)
+      else
+        ep_desc = ep_desc .. (', at most %.2fM parameters a rank'):format(held / 1e6)
+      end
       if strategy == 'HYBRID_SHARD' then
         local S = pp_mesh.hybrid.shard:size()
         if S == ep_size then
@@ -1373,7 +1385,7 @@ function train.run(opts)
   -- tensor parallelism: each rank keeps its slices (a deferred model is
   -- materialized a tensor at a time, then the rest of it)
   local tp_desc
-  if tp_mesh then
+  local function tp_split()
     -- (unset: on, except under --pp, where four H200s ran DeepSeek-V3's
     -- bench shape 27% slower with it: docs/pp.md)
     local seq = o.sequence_parallel
@@ -1387,6 +1399,12 @@ function train.run(opts)
     tp_desc = ('%d-way over %d ranks, data parallel %d%s, %ssequence parallel, %.2fM parameters a rank%s%s'):format(
       tp_size, world, data_world, strategy and (' (%s)'):format(strategy) or '', seq and '' or 'no ', mine / 1e6,
       deferred and ', deferred init' or '', o.tp_overlap and '' or ', no backward overlap')
+  end
+  -- (--pp --tp --ep: each stage's, after the cut and its experts' split,
+  -- in the pipeline's block below: ep.parallelize comes first, and
+  -- pp.pipeline takes no expert-parallel model)
+  if tp_mesh and not (pp_mesh and ep_group) then
+    tp_split()
     -- a whole-model checkpoint's weights go into the slices now (before
     -- fully_shard, which takes them); its optimizer state after the optimizer
     -- (a sharded one is read after the optimizer, each rank its boxes)
@@ -1506,6 +1524,12 @@ function train.run(opts)
     -- --ep: the stage's experts split over its expert group (the cut made,
     -- so each rank makes only its stage's share of them)
     if ep_group then ep_split() end
+    -- (--tp too: the stage split now, its experts whole; the stages
+    -- exchange each TP rank's rows under sequence parallelism)
+    if ep_group and tp_mesh then
+      tp_split()
+      pipe.sp = rawget(model, '_tp').sp
+    end
     -- (under --fsdp from scratch fully_shard makes the stage's shards from
     -- the recorded initialisation: no rank holds its whole stage)
     if not strategy or resume then ms.nn.materialize(model) end
