@@ -1016,9 +1016,11 @@ function train.run(opts)
       usage('--tp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', tp_size, world,
         world == 1 and '' or 's')
     end
-    if strategy == 'HYBRID_SHARD' then
-      usage('--tp %d with --fsdp HYBRID_SHARD: not supported (the tensor-parallel groups are the mesh\'s other axis); '
-        .. 'use FULL_SHARD or SHARD_GRAD_OP', tp_size)
+    -- (HYBRID_SHARD with --ep M, without --pp: shard groups of whole
+    -- expert groups, made with the expert groups below)
+    if strategy == 'HYBRID_SHARD' and (o.ep <= 1 or o.pp > 1) then
+      usage('--tp %d with --fsdp HYBRID_SHARD: not supported%s (the tensor-parallel groups are the mesh\'s other '
+        .. 'axis); use FULL_SHARD or SHARD_GRAD_OP', tp_size, o.pp > 1 and ' with --pp' or ' without --ep')
     end
     if o.lora > 0 then usage('--tp with --lora: not supported (merge the adapters first)') end
     if strategy == nil or strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
@@ -1139,6 +1141,7 @@ function train.run(opts)
   -- in each group holding the same experts; ms.ep.parallelize runs on the
   -- stage, after the cut
   local ep_size, ep_group, ep_rep = o.ep, nil, nil
+  local ep_hybrid   -- (--tp --ep --fsdp HYBRID_SHARD: fully_shard's mesh and expert_shard)
   if ep_size > 1 then
     if world % ep_size ~= 0 then
       usage('--ep %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', ep_size, world,
@@ -1166,8 +1169,6 @@ function train.run(opts)
         stage_world == 1 and 'is' or 'are', ep_size)
     end
     if pp_size > 1 and strategy == 'HYBRID_SHARD' then
-      if tp_size > 1 then usage('--ep with --tp, --pp and --fsdp HYBRID_SHARD: not supported (use FULL_SHARD or '
-        .. 'SHARD_GRAD_OP)') end
       -- each stage's shard groups (S consecutive of its data-parallel
       -- ranks, pp_mesh.hybrid) must hold whole expert groups; the ranks of
       -- a shard group that hold the same experts shard them
@@ -1186,8 +1187,23 @@ function train.run(opts)
       -- expert unit over the shard group's ranks that hold those experts)
       local S = o.shard_size > 0 and o.shard_size or dist.local_world_size()
       if S % ep_size ~= 0 or world % S ~= 0 then
-        usage('--ep %d with --fsdp HYBRID_SHARD: the shard groups of %d ranks (--shard-size; default the ranks of a '
-          .. 'node) must hold whole expert groups and divide the world of %d', ep_size, S, world)
+        usage('--ep %d%s with --fsdp HYBRID_SHARD: the shard groups of %d ranks (--shard-size; default the ranks of a '
+          .. 'node) must hold whole expert groups and divide the world of %d', ep_size,
+          tp_size > 1 and (' --tp %d'):format(tp_size) or '', S, world)
+      end
+      if tp_size > 1 then
+        -- --tp N --ep M: each shard group of S consecutive ranks holds S / M
+        -- expert groups (of M / N TP groups each); fully_shard's shard
+        -- group is its ranks that hold the same slices (S / N, the same TP
+        -- index), replicated over the W / S shard groups, and an expert
+        -- unit is sharded over its ranks that hold the same experts (S / M)
+        ep_hybrid = {
+          shard = mine(world / S, tp_size, function(j, t)
+            return along(S / tp_size, function(d) return j * S + d * tp_size + t end) end),
+          replicate = mine(S, 1, function(kk) return along(world / S, function(j) return j * S + kk end) end),
+          expert_shard = mine(world / S, ep_size, function(j, e)
+            return along(S / ep_size, function(d) return j * S + d * ep_size + e end) end),
+        }
       end
     end
     if o.lora > 0 then usage('--ep with --lora: not supported (merge the adapters first)') end
@@ -1347,8 +1363,18 @@ function train.run(opts)
         world / ep_size, world == ep_size and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts,
         #layers, ntp, ntp == 1 and '' or 's', tp_size)
       -- (FSDP x TP x EP: the experts' units over their copies, the rest
-      -- over the ranks that hold the same slices)
-      if strategy and world > ep_size then
+      -- over the ranks that hold the same slices; HYBRID_SHARD: of each
+      -- shard group)
+      if ep_hybrid then
+        local S = world / ep_hybrid.replicate:size()
+        if S == ep_size then
+          ep_desc = ep_desc .. (', each expert whole in each shard group of %d, replicated over %d (HYBRID_SHARD)')
+            :format(S, world / S)
+        else
+          ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %d, replicated '
+            .. 'over %d (HYBRID_SHARD)'):format(S / ep_size, S, world / S)
+        end
+      elseif strategy and world > ep_size then
         ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(world / ep_size, strategy)
       elseif strategy then
         ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
@@ -1560,12 +1586,12 @@ function train.run(opts)
   if strategy then
     local policy, pdesc = train.fsdp_policy(M, model, o.fsdp_policy)
     local mp = train.mixed_precision(o.fsdp_mixed_precision, device)
-    local hybrid = pp_mesh and pp_mesh.hybrid
+    local hybrid = pp_mesh and pp_mesh.hybrid or ep_hybrid
     local group = not hybrid and (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
-      shard_size = strategy == 'HYBRID_SHARD' and not pp_mesh and o.shard_size > 0 and o.shard_size or nil,
+      shard_size = strategy == 'HYBRID_SHARD' and not hybrid and o.shard_size > 0 and o.shard_size or nil,
       mesh = hybrid or nil, group = group, float8_all_gather = o.float8_all_gather or nil,
-      expert_shard = pp_mesh and pp_mesh.expert_shard or nil })
+      expert_shard = pp_mesh and pp_mesh.expert_shard or ep_hybrid and ep_hybrid.expert_shard or nil })
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     -- the ranks a unit's parameters are spread over (with --cp, its
     -- context-parallel ranks as well as the data-parallel ones)
