@@ -359,7 +359,8 @@ describe('expert and tensor parallelism #mpi', function()
     end
   end
 
-  it('fully_shard of a model split by both: over the ranks that hold the same slices, not HYBRID_SHARD', function()
+  it('fully_shard of a model split by both: over the ranks that hold the same slices; HYBRID_SHARD only given its '
+    .. 'mesh and expert_shard', function()
     if W % 2 ~= 0 then pending(('a world of %d: no TP groups of 2'):format(W)) return end
     local case = cases[1]
     local m = split(case, 'f32', 2, true)
@@ -370,8 +371,8 @@ describe('expert and tensor parallelism #mpi', function()
       .. 'mesh\'s replicate axis), not a group of %d'):format(W / 2, W, W / 2, W), tostring(err), 1, true)
     ok, err = pcall(ms.fsdp.fully_shard, m, { strategy = 'HYBRID_SHARD', shard_size = 1 })
     assert.is_false(ok)
-    assert.matches('fully_shard: HYBRID_SHARD of a model split by both expert and tensor parallelism: not supported',
-      tostring(err), 1, true)
+    assert.matches('fully_shard: HYBRID_SHARD of a model split by both expert and tensor parallelism takes mesh = '
+      .. '(shard groups of the ranks that hold the same slices) and expert_shard =', tostring(err), 1, true)
     ok, err = pcall(ms.fsdp.fully_shard, m, { strategy = 'NO_SHARD', group = dist.mesh { replicate = W / 2,
       shard = 2 }.replicate })
     assert.is_false(ok)

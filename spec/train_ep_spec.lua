@@ -295,8 +295,8 @@ describe('bin/train --ep (expert parallelism, CPU through mpirun)', function()
       flags), '--ep 4 with --fsdp HYBRID_SHARD: the shard groups of 2 ranks (--shard-size; default the ranks of a node) '
       .. 'must hold whole expert groups and divide the world of 4')
     -- (--tp --ep --fsdp FULL_SHARD / SHARD_GRAD_OP train: spec/train_ep_tp_spec.lua)
-    fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --tp 2 --fsdp HYBRID_SHARD'):format(flags),
-      '--tp 2 with --fsdp HYBRID_SHARD: not supported')
+    fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --tp 2 --fsdp HYBRID_SHARD --shard-size 1')
+      :format(flags), '--ep 2 --tp 2 with --fsdp HYBRID_SHARD: the shard groups of 1 ranks')
     fails(('--nproc-per-node 2 --device cpu models/mixtral.lua %s --ep 2 --lora 4'):format(flags),
       '--ep with --lora: not supported')
     fails(('--nproc-per-node 3 --device cpu models/mixtral.lua %s --ep 3'):format(flags),

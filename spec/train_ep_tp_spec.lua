@@ -12,10 +12,13 @@
 -- --tp 2 --ep 2 and at --ep 2) and a one-process one with
 -- --checkpoint-format full, each on the curve; with --fsdp FULL_SHARD /
 -- SHARD_GRAD_OP (FSDP x TP x EP) the same curves, a --fsdp checkpoint in
--- both formats; bad layouts (--fsdp HYBRID_SHARD among them) exit 2 with
--- a message.
+-- both formats; with --fsdp HYBRID_SHARD (shard groups of 2 and of 4
+-- ranks on 4) the same curves and gradient norms, a sharded checkpoint
+-- resuming in one process, at --tp 2 --ep 2 and under FULL_SHARD, a full
+-- one in one process; bad layouts exit 2 with a message.
 require 'moonshard'
 local S = require 'spec.support'
+local json = require 'dkjson'
 local q = S.shell_quote
 local dir = S.tmpdir()
 local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
@@ -30,6 +33,16 @@ local deepseek = 'models/deepseek_v3.lua --preset tiny --model.num_hidden_layers
   .. '--model.qk_rope_head_dim 8 --model.v_head_dim 8 --model.qk_nope_head_dim 8 --model.aux_loss_alpha 0.01 '
   .. '--moe-bias-rate 1e-2' .. common
 local no_aux = ' --model.output_router_logits false'
+
+-- step -> grad_norm of a run's metrics
+local function norms(out)
+  local r = {}
+  for line in io.lines(out .. '/metrics.jsonl') do
+    local obj = assert(json.decode(line, 1, nil), line)
+    if obj.grad_norm then r[obj.step] = obj.grad_norm end
+  end
+  return r
+end
 
 describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun)', function()
   teardown(function() os.execute('rm -rf ' .. q(dir)) end)
@@ -207,6 +220,47 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
       { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2 --batch-size 4' } })
   end)
 
+  -- HYBRID_SHARD: shard groups of --shard-size ranks holding whole expert
+  -- groups, each as FULL_SHARD over its ranks that hold the same slices
+  -- (the experts over their copies in it), replicated across
+  it('mixtral and deepseek-v3: --tp 2 --ep 2 --fsdp HYBRID_SHARD (shard groups of 2 and 4 ranks) follow the '
+    .. 'one-process curve and gradient norm; the final weights are the whole model', function()
+    local one = reference(mixtral .. no_aux, 'm1')
+    local d1 = reference(deepseek, 'd1')
+    for _, c in ipairs({
+      { mixtral .. no_aux, ' --shard-size 2', one, 'm1', ', each expert whole in each shard group of 2, replicated '
+        .. 'over 2 (HYBRID_SHARD)' },
+      { mixtral .. no_aux, ' --shard-size 4 --no-sequence-parallel', one, 'm1', ', the experts sharded over their 2 '
+        .. 'copies in each shard group of 4, replicated over 1 (HYBRID_SHARD)' },
+      { deepseek, ' --shard-size 4', d1, 'd1', nil },
+    }) do
+      local name = ('h_%d_%s'):format(#c[2], c[4])
+      local text = run(4, c[1] .. ' --tp 2 --ep 2 --fsdp HYBRID_SHARD' .. c[2], name)
+      if c[5] then assert.is_truthy(text:find(c[5], 1, true), text) end
+      assert.is_truthy(text:find('data parallel 2 (HYBRID_SHARD)', 1, true), text)
+      local what = '--tp 2 --ep 2 --fsdp HYBRID_SHARD' .. c[2] .. ' (' .. c[4] .. ')'
+      close_losses(c[3], losses(dir .. '/' .. name), 1, 4, what)
+      close_losses(norms(dir .. '/' .. c[4]), norms(dir .. '/' .. name), 1, 4, what .. ' (gradient norm)')
+      close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/' .. c[4] .. '/model.safetensors', what)
+    end
+  end)
+
+  it('a --tp 2 --ep 2 --fsdp HYBRID_SHARD checkpoint is sharded: it resumes in one process, at --tp 2 --ep 2 and at '
+    .. '--tp 2 --ep 2 --fsdp FULL_SHARD on the curve; with --checkpoint-format full it is one process\'s', function()
+    sharded_resumes('hs', 4, '--batch-size 2 --steps 4 --tp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 2', {
+      { '', ' --fsdp off' }, { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2 --fsdp off --batch-size 4' },
+      { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 2 --fsdp FULL_SHARD' } })
+    local one = reference(mixtral .. no_aux, 'm1')
+    local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 2 --steps 4 --tp 2 --ep 2 '
+      .. '--fsdp HYBRID_SHARD --shard-size 4 --checkpoint-format full --save-every 1 --stop-at 2 --out %s/hf'):format(
+      mixtral, no_aux, q(dir)))
+    assert.are.equal(0, status, text)
+    close_weights(dir .. '/hf/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
+    status, text = bin_train(('--resume %s/hf --fsdp off'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/hf'), 1, 4, 'a HYBRID_SHARD full checkpoint resumed in one process')
+  end)
+
   it('bad layouts exit 2 and say why', function()
     local function bad(np, extra, msg)
       local status, text = bin_train(('--nproc-per-node %d --device cpu %s%s --steps 1 %s --out %s/bad'):format(np,
@@ -216,9 +270,10 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     end
     bad(4, '--tp 4 --ep 2', '--ep 2 with --tp 4: --ep must be a multiple of --tp (an expert group holds whole '
       .. 'tensor-parallel groups of consecutive ranks: --ep 4, 8, ...)')
-    bad(2, '--tp 2 --ep 2 --fsdp HYBRID_SHARD', '--tp 2 with --fsdp HYBRID_SHARD: not supported (the tensor-parallel '
-      .. 'groups are the mesh\'s other axis); use FULL_SHARD or SHARD_GRAD_OP')
-    bad(4, '--tp 2 --ep 2 --pp 2', '--ep with --tp and --pp: not supported')
+    bad(4, '--tp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 1', '--ep 2 --tp 2 with --fsdp HYBRID_SHARD: the shard '
+      .. 'groups of 1 ranks (--shard-size; default the ranks of a node) must hold whole expert groups and divide the '
+      .. 'world of 4')
+    bad(4, '--tp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 8', 'the shard groups of 8 ranks')
     bad(4, '--tp 2 --ep 2 --cp 2', '--ep with --tp and --cp: not supported')
   end)
 end)

@@ -1529,9 +1529,13 @@ function fsdp.fully_shard(model, opts)
     -- groups hold whole TP groups; `group` is the ranks that hold the same
     -- slices, one of each TP group: FSDP x TP x EP, docs/moe.md)
     local N = tpi and tpi.size or 1
-    if N > 1 and strategy == 'HYBRID_SHARD' then
-      error('fully_shard: HYBRID_SHARD of a model split by both expert and tensor parallelism: not supported (use '
-        .. 'FULL_SHARD or SHARD_GRAD_OP over the ranks that hold the same slices)', 2)
+    -- (HYBRID_SHARD too, given the shard groups of the ranks that hold
+    -- the same slices and expert_shard: bin/train's --tp --ep --fsdp
+    -- HYBRID_SHARD)
+    if N > 1 and strategy == 'HYBRID_SHARD' and (opts.mesh == nil or opts.expert_shard == nil) then
+      error('fully_shard: HYBRID_SHARD of a model split by both expert and tensor parallelism takes mesh = (shard '
+        .. 'groups of the ranks that hold the same slices) and expert_shard = (the ranks of this rank\'s shard '
+        .. 'group that hold its experts)', 2)
     end
     if N > 1 and dp_size * N ~= epi.size * R then
       error(('fully_shard: the expert-parallel model\'s experts are split over %d ranks with %d copies (%d ranks) and '
@@ -1561,9 +1565,12 @@ function fsdp.fully_shard(model, opts)
             table.concat(shard_group:ranks(), ',')), 2)
         end
       end
-      if es:size() * epi.size ~= shard_group:size() then
-        error(('fully_shard: expert_shard of %d ranks with experts split over %d: the shard group of %d ranks must be '
-          .. 'their product'):format(es:size(), epi.size, shard_group:size()), 2)
+      -- (tensor-parallel too: the shard group holds one rank of each of
+      -- its TP groups, whose N ranks hold other experts)
+      if es:size() * epi.size ~= shard_group:size() * N then
+        error(('fully_shard: expert_shard of %d ranks with experts split over %d: the shard group of %d ranks%s must '
+          .. 'be their product'):format(es:size(), epi.size, shard_group:size(),
+          N > 1 and (' x %d-way tensor parallel'):format(N) or ''), 2)
       end
       expert_shard = es
     elseif strategy == 'HYBRID_SHARD' then

@@ -1415,7 +1415,11 @@ function pp.clip_grad_norm_(model, max_norm, opts)
     -- parameters' bounds (the layout's offsets)
     for _, u in ipairs(st.units) do
       if u.fp.shard.grad ~= nil then grads[#grads + 1] = u.fp.shard.grad end
-      for _, pc in ipairs(require('moonshard.fsdp').grad_pieces(u)) do
+      -- (an expert unit of a tensor-parallel stage, --pp --tp --ep: each
+      -- TP rank holds other experts, so its shard is summed over the TP
+      -- group as a slice's is, not counted once as a replicated one's)
+      if u.experts and split_by and u.fp.shard.grad ~= nil then split[#split + 1] = u.fp.shard.grad end
+      for _, pc in ipairs(u.experts and split_by and {} or require('moonshard.fsdp').grad_pieces(u)) do
         views[#views + 1] = pc[2]
         add(u.param_names[pc[1]], tonumber(u.views[pc[1]].id), pc[2])
       end

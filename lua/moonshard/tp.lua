@@ -844,7 +844,9 @@ function tp.parallelize(model, opts)
     end
   end
   local function vocab(m)
-    if info.vocab[m] then return end
+    -- (a pipeline's stage that holds no copy of it: pp.pipeline before
+    -- this, under --pp --tp --ep)
+    if info.vocab[m] or rawget(m, 'weight') == nil then return end
     local p = pre(m)
     local V = m.weight.shape[1]
     local a, n
@@ -1076,7 +1078,7 @@ function tp.parallelize(model, opts)
       local proj = rawget(head, 'proj')
       vocab(proj)
       local v = info.vocab[proj]
-      rawset(head, '_tp', { group = g, total = v.total, enter = enter(g), sp = sp })
+      if v then rawset(head, '_tp', { group = g, total = v.total, enter = enter(g), sp = sp }) end
     end
   end)
   -- the group's generator: the first rank's state everywhere

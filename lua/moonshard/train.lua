@@ -90,7 +90,7 @@ train.options = {
   { 'autocast', 'string', 'auto', 'the forward in a bf16 autocast region (bf16: the matmuls and attention in it; the weights, gradients and optimizer state f32: docs/precision.md), or off; auto: bf16 on CUDA without --fsdp (one GPU, and --tp, --pp, --cp, --ep without it; under --fsdp its mixed precision sets the compute dtype), off on the CPU and with --dtype f64' },
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
-  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead, plain or under FSDP (docs/moe.md); checkpoints sharded, each rank writing its slices (--checkpoint-format), the final weights whole, one process\'s (docs/tp.md)' },
+  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead, plain or under FSDP (also HYBRID_SHARD), inside --pp stages too (docs/moe.md); checkpoints sharded, each rank writing its slices (--checkpoint-format), the final weights whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints sharded (--checkpoint-format), the final weights whole, one process\'s (docs/pp.md)' },
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
@@ -98,7 +98,7 @@ train.options = {
   { 'checkpoint_format', 'string?', nil, 'with --tp, --pp or --ep (--ep alone: without --fsdp): sharded (the default: every rank writes what it holds, in parallel, under the whole model\'s names: its TP slices as boxes of the whole parameters, its stage\'s, its experts\', its shard under --fsdp, each piece once; the --fsdp checkpoints\' format, resuming at any --tp, --pp, --ep, data-parallel size or --fsdp and in one process: docs/fsdp-checkpoints.md) or full (the model and its moments gathered, rank 0 writing a one-process checkpoint); --fsdp alone always writes sharded ones' },
   { 'pp_checkpoint', 'string?', nil, 'the older name of --checkpoint-format (which wins when both are given)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp), or with --pp-schedule looped_bfs GPipe over the chunks; zbv always runs 2 (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD); with --tp T (N a multiple of T; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP each rank\'s slices sharded over the ranks that hold the same ones and the experts over their copies; not with HYBRID_SHARD, --pp or --cp) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream); not with --lora; checkpoints sharded, each rank writing its experts\' pieces (--checkpoint-format full: one process\'s without FSDP), resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD); with --tp T (N a multiple of T; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP each rank\'s slices sharded over the ranks that hold the same ones and the experts over their copies, or with HYBRID_SHARD the same within each shard group of --shard-size ranks (whole expert groups), replicated across; with --pp P inside each stage, plain, FULL_SHARD or SHARD_GRAD_OP; not with --cp) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream); not with --lora; checkpoints sharded, each rank writing its experts\' pieces (--checkpoint-format full: one process\'s without FSDP), resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
@@ -1016,9 +1016,11 @@ function train.run(opts)
       usage('--tp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', tp_size, world,
         world == 1 and '' or 's')
     end
-    if strategy == 'HYBRID_SHARD' then
-      usage('--tp %d with --fsdp HYBRID_SHARD: not supported (the tensor-parallel groups are the mesh\'s other axis); '
-        .. 'use FULL_SHARD or SHARD_GRAD_OP', tp_size)
+    -- (HYBRID_SHARD with --ep M, without --pp: shard groups of whole
+    -- expert groups, made with the expert groups below)
+    if strategy == 'HYBRID_SHARD' and (o.ep <= 1 or o.pp > 1) then
+      usage('--tp %d with --fsdp HYBRID_SHARD: not supported%s (the tensor-parallel groups are the mesh\'s other '
+        .. 'axis); use FULL_SHARD or SHARD_GRAD_OP', tp_size, o.pp > 1 and ' with --pp' or ' without --ep')
     end
     if o.lora > 0 then usage('--tp with --lora: not supported (merge the adapters first)') end
     if strategy == nil or strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
@@ -1139,6 +1141,7 @@ function train.run(opts)
   -- in each group holding the same experts; ms.ep.parallelize runs on the
   -- stage, after the cut
   local ep_size, ep_group, ep_rep = o.ep, nil, nil
+  local ep_hybrid   -- (--tp --ep --fsdp HYBRID_SHARD: fully_shard's mesh and expert_shard)
   if ep_size > 1 then
     if world % ep_size ~= 0 then
       usage('--ep %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', ep_size, world,
@@ -1155,7 +1158,6 @@ function train.run(opts)
         usage('--ep %d with --tp %d: --ep must be a multiple of --tp (an expert group holds whole tensor-parallel '
           .. 'groups of consecutive ranks: --ep %d, %d, ...)', ep_size, tp_size, tp_size, 2 * tp_size)
       end
-      if pp_size > 1 then usage('--ep with --tp and --pp: not supported') end
       if cp_size > 1 then usage('--ep with --tp and --cp: not supported') end
     end
     -- (a stage's ranks: its data-parallel ranks, and with --cp M the
@@ -1185,8 +1187,23 @@ function train.run(opts)
       -- expert unit over the shard group's ranks that hold those experts)
       local S = o.shard_size > 0 and o.shard_size or dist.local_world_size()
       if S % ep_size ~= 0 or world % S ~= 0 then
-        usage('--ep %d with --fsdp HYBRID_SHARD: the shard groups of %d ranks (--shard-size; default the ranks of a '
-          .. 'node) must hold whole expert groups and divide the world of %d', ep_size, S, world)
+        usage('--ep %d%s with --fsdp HYBRID_SHARD: the shard groups of %d ranks (--shard-size; default the ranks of a '
+          .. 'node) must hold whole expert groups and divide the world of %d', ep_size,
+          tp_size > 1 and (' --tp %d'):format(tp_size) or '', S, world)
+      end
+      if tp_size > 1 then
+        -- --tp N --ep M: each shard group of S consecutive ranks holds S / M
+        -- expert groups (of M / N TP groups each); fully_shard's shard
+        -- group is its ranks that hold the same slices (S / N, the same TP
+        -- index), replicated over the W / S shard groups, and an expert
+        -- unit is sharded over its ranks that hold the same experts (S / M)
+        ep_hybrid = {
+          shard = mine(world / S, tp_size, function(j, t)
+            return along(S / tp_size, function(d) return j * S + d * tp_size + t end) end),
+          replicate = mine(S, 1, function(kk) return along(world / S, function(j) return j * S + kk end) end),
+          expert_shard = mine(world / S, ep_size, function(j, e)
+            return along(S / ep_size, function(d) return j * S + d * ep_size + e end) end),
+        }
       end
     end
     if o.lora > 0 then usage('--ep with --lora: not supported (merge the adapters first)') end
@@ -1195,13 +1212,16 @@ function train.run(opts)
     if strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     if pp_size > 1 then
       -- (stage q's j-th rank is rank j * P + q: j = d with --cp's
-      -- context-parallel ranks counted in, d * M + c)
-      local n = stage_world / ep_size
+      -- context-parallel ranks counted in, d * M + c; with --tp T its TP
+      -- groups inside, j = d * T + t at rank (d * P + q) * T + t, so that
+      -- N consecutive j are N / T whole TP groups)
+      local n, tpn = stage_world / ep_size, tp_size
+      local function at(q, j) return (math.floor(j / tpn) * pp_size + q) * tpn + j % tpn end
       ep_group = mine(pp_size, n, function(q, g)
-        return along(ep_size, function(k) return (g * ep_size + k) * pp_size + q end) end)
+        return along(ep_size, function(k) return at(q, g * ep_size + k) end) end)
       if n > 1 then
         ep_rep = mine(pp_size, ep_size, function(q, k)
-          return along(n, function(g) return (g * ep_size + k) * pp_size + q end) end)
+          return along(n, function(g) return at(q, g * ep_size + k) end) end)
       end
     elseif ep_size == world then
       ep_group = dist.get_world_group()
@@ -1309,8 +1329,16 @@ function train.run(opts)
       local copies = sw / ep_size
       held = reduce_numbers({ held }, 'max')[1]
       ep_desc = ('%d-way in each stage\'s %d %sranks (%d cop%s of each expert), %d of %d experts a rank '
-        .. 'in %d layers, at most %.2fM parameters a rank'):format(ep_size, sw, cp_group and '' or 'data-parallel ',
-        copies, copies == 1 and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts, #layers, held / 1e6)
+        .. 'in %d layers'):format(ep_size, sw, (cp_group or tp_mesh) and '' or 'data-parallel ',
+        copies, copies == 1 and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts, #layers)
+      if tp_mesh then
+        -- (the parameters a rank: tensor parallel's line, after its split)
+        local ntp = ep_size / tp_size
+        ep_desc = ep_desc .. (', each expert whole, each group %d tensor-parallel group%s of %d routing its ranks\' '
+          .. 'own rows'):format(ntp, ntp == 1 and '' or 's', tp_size)
+      else
+        ep_desc = ep_desc .. (', at most %.2fM parameters a rank'):format(held / 1e6)
+      end
       if strategy == 'HYBRID_SHARD' then
         local S = pp_mesh.hybrid.shard:size()
         if S == ep_size then
@@ -1335,8 +1363,18 @@ function train.run(opts)
         world / ep_size, world == ep_size and 'y' or 'ies', layers[1].n_experts / ep_size, layers[1].n_experts,
         #layers, ntp, ntp == 1 and '' or 's', tp_size)
       -- (FSDP x TP x EP: the experts' units over their copies, the rest
-      -- over the ranks that hold the same slices)
-      if strategy and world > ep_size then
+      -- over the ranks that hold the same slices; HYBRID_SHARD: of each
+      -- shard group)
+      if ep_hybrid then
+        local S = world / ep_hybrid.replicate:size()
+        if S == ep_size then
+          ep_desc = ep_desc .. (', each expert whole in each shard group of %d, replicated over %d (HYBRID_SHARD)')
+            :format(S, world / S)
+        else
+          ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %d, replicated '
+            .. 'over %d (HYBRID_SHARD)'):format(S / ep_size, S, world / S)
+        end
+      elseif strategy and world > ep_size then
         ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(world / ep_size, strategy)
       elseif strategy then
         ep_desc = ep_desc .. (', each rank\'s experts whole, the rest sharded (%s)'):format(strategy)
@@ -1373,7 +1411,7 @@ function train.run(opts)
   -- tensor parallelism: each rank keeps its slices (a deferred model is
   -- materialized a tensor at a time, then the rest of it)
   local tp_desc
-  if tp_mesh then
+  local function tp_split()
     -- (unset: on, except under --pp, where four H200s ran DeepSeek-V3's
     -- bench shape 27% slower with it: docs/pp.md)
     local seq = o.sequence_parallel
@@ -1387,6 +1425,12 @@ function train.run(opts)
     tp_desc = ('%d-way over %d ranks, data parallel %d%s, %ssequence parallel, %.2fM parameters a rank%s%s'):format(
       tp_size, world, data_world, strategy and (' (%s)'):format(strategy) or '', seq and '' or 'no ', mine / 1e6,
       deferred and ', deferred init' or '', o.tp_overlap and '' or ', no backward overlap')
+  end
+  -- (--pp --tp --ep: each stage's, after the cut and its experts' split,
+  -- in the pipeline's block below: ep.parallelize comes first, and
+  -- pp.pipeline takes no expert-parallel model)
+  if tp_mesh and not (pp_mesh and ep_group) then
+    tp_split()
     -- a whole-model checkpoint's weights go into the slices now (before
     -- fully_shard, which takes them); its optimizer state after the optimizer
     -- (a sharded one is read after the optimizer, each rank its boxes)
@@ -1506,6 +1550,12 @@ function train.run(opts)
     -- --ep: the stage's experts split over its expert group (the cut made,
     -- so each rank makes only its stage's share of them)
     if ep_group then ep_split() end
+    -- (--tp too: the stage split now, its experts whole; the stages
+    -- exchange each TP rank's rows under sequence parallelism)
+    if ep_group and tp_mesh then
+      tp_split()
+      pipe.sp = rawget(model, '_tp').sp
+    end
     -- (under --fsdp from scratch fully_shard makes the stage's shards from
     -- the recorded initialisation: no rank holds its whole stage)
     if not strategy or resume then ms.nn.materialize(model) end
@@ -1536,12 +1586,12 @@ function train.run(opts)
   if strategy then
     local policy, pdesc = train.fsdp_policy(M, model, o.fsdp_policy)
     local mp = train.mixed_precision(o.fsdp_mixed_precision, device)
-    local hybrid = pp_mesh and pp_mesh.hybrid
+    local hybrid = pp_mesh and pp_mesh.hybrid or ep_hybrid
     local group = not hybrid and (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
-      shard_size = strategy == 'HYBRID_SHARD' and not pp_mesh and o.shard_size > 0 and o.shard_size or nil,
+      shard_size = strategy == 'HYBRID_SHARD' and not hybrid and o.shard_size > 0 and o.shard_size or nil,
       mesh = hybrid or nil, group = group, float8_all_gather = o.float8_all_gather or nil,
-      expert_shard = pp_mesh and pp_mesh.expert_shard or nil })
+      expert_shard = pp_mesh and pp_mesh.expert_shard or ep_hybrid and ep_hybrid.expert_shard or nil })
     if not okf then usage('--fsdp %s: %s', strategy, (tostring(ferr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     -- the ranks a unit's parameters are spread over (with --cp, its
     -- context-parallel ranks as well as the data-parallel ones)
