@@ -166,7 +166,7 @@ function O.order(schedule, S, s, M, v, forward_only)
   error(('pp_order: no schedule %s'):format(tostring(schedule)), 2)
 end
 
--- O.simulate(schedule, S, M, opts) -> { makespan, bubble, peak, orders }:
+-- O.simulate(schedule, S, M, opts) -> { makespan, bubble, peak, held, orders }:
 -- every rank runs its order, an op starting when the rank is free and its
 -- inputs are there (F: the previous virtual stage's F; B: its F and the
 -- next virtual stage's B, or its W too with opts.fused: the gradient sent
@@ -174,8 +174,10 @@ end
 -- opts: chunks (v), f, b, w (a whole stage's costs, default 1 each; a
 -- chunk's are 1/v of them), cost (virtual stage k's share of a stage's
 -- work at cost[k + 1], in place of 1/v each: O.stage_costs makes it from a
--- cut), fused, forward_only, orders (rank -> list, in place of the
--- schedule's). Errors on a deadlock (naming the ops the ranks
+-- cut), act (act[k + 1]: a micro-batch's activations on virtual stage k,
+-- say its blocks: held[s + 1] is then the most rank s holds at once),
+-- fused, forward_only, orders (rank -> list, in place of the schedule's).
+-- Errors on a deadlock (naming the ops the ranks
 -- wait at), an op missing or run twice, and an exchange between two ranks
 -- whose receiver takes the messages in another order than the sender sends
 -- them (a channel: sender, receiver, direction). bubble: the idle share of
@@ -217,9 +219,10 @@ function O.simulate(schedule, S, M, opts)
       end
     end
   end
-  local pos, free_at, open, peak = {}, {}, {}, {}
+  local pos, free_at, open, peak, held, most = {}, {}, {}, {}, {}, {}
+  local act = opts.act or {}
   local sent, got = {}, {}   -- channel -> list of (i, k) in the sender's, the receiver's order
-  for s = 0, S - 1 do pos[s + 1], free_at[s + 1], open[s + 1], peak[s + 1] = 1, 0, 0, 0 end
+  for s = 0, S - 1 do pos[s + 1], free_at[s + 1], open[s + 1], peak[s + 1], held[s + 1], most[s + 1] = 1, 0, 0, 0, 0, 0 end
   local function push(t, ch, what) t[ch] = t[ch] or {}; table.insert(t[ch], what) end
   local left = 0
   for s = 1, S do left = left + #orders[s] end
@@ -253,11 +256,14 @@ function O.simulate(schedule, S, M, opts)
           if k < V - 1 and O.rank_of(layout, S, k + 1) ~= s then push(sent, s .. '>' .. O.rank_of(layout, S, k + 1) .. ':F', i .. '/' .. k) end
           open[s + 1] = open[s + 1] + 1
           peak[s + 1] = math.max(peak[s + 1], open[s + 1])
+          held[s + 1] = held[s + 1] + (act[k + 1] or 0)
+          most[s + 1] = math.max(most[s + 1], held[s + 1])
         elseif kind == 'B' then
           if k < V - 1 and O.rank_of(layout, S, k + 1) ~= s then push(got, O.rank_of(layout, S, k + 1) .. '>' .. s .. ':B', i .. '/' .. (k + 1)) end
           if k > 0 and O.rank_of(layout, S, k - 1) ~= s then push(sent, s .. '>' .. O.rank_of(layout, S, k - 1) .. ':B', i .. '/' .. k) end
         else
           open[s + 1] = open[s + 1] - 1
+          held[s + 1] = held[s + 1] - (act[k + 1] or 0)
         end
         pos[s + 1] = pos[s + 1] + 1
         left = left - 1
@@ -293,7 +299,8 @@ function O.simulate(schedule, S, M, opts)
   for k = 1, V do busy = busy + cost[k] end
   busy = busy * M * (opts.forward_only and f or f + b + w)
   for s = 1, S do peak[s] = peak[s] / v end
-  return { makespan = makespan, bubble = 1 - busy / (S * makespan), peak = peak, orders = orders }
+  return { makespan = makespan, bubble = 1 - busy / (S * makespan), peak = peak, held = opts.act and most or nil,
+    orders = orders }
 end
 
 -- O.stage_costs(layers, last_cost, first_cost) -> a virtual stage's work
