@@ -438,7 +438,7 @@ function pp.of(model) return type(model) == 'table' and rawget(model, '_pp') or 
 
 function Pipeline:__tostring()
   local r = {}
-  for c, g in ipairs(self.ranges) do r[c] = ('%d-%d'):format(g[1], g[2]) end
+  for c, g in ipairs(self.ranges) do r[c] = g[2] < g[1] and 'none' or ('%d-%d'):format(g[1], g[2]) end
   return ('Pipeline(stage %d of %d, blocks %s, %d micro-batches, %s%s)'):format(self.stage, self.n_stages,
     table.concat(r, ', '), self.microbatches, self.schedule,
     #self.tied > 0 and ', tied weights shared with the ' .. (self.first and 'last' or 'first') .. ' stage' or '')
