@@ -185,9 +185,11 @@ end
 --                 head both on rank 0, the turn a local hand-over on rank
 --                 S - 1), the zero-bubble paper's ZB-V order
 --                 (pp_order.lua), microbatches >= 2S - 1
---   layers        blocks per stage, a list summing to the model's blocks
---                 (default pp.balanced, the head counted as 0.7 of its
---                 weight over a block's parameters: pp.head_weight)
+--   layers        blocks per (virtual) stage, a list summing to the
+--                 model's blocks, 0s allowed (default pp.default_cut, the
+--                 head counted as 0.7 of its weight over a block's
+--                 parameters, pp.head_weight: the stages balanced with one
+--                 chunk a rank, the ranks' work with several)
 --   dtype         of the activations sent between stages (default: the
 --                 stage's parameters' dtype, which the residual stream has)
 --   overlap       (default true) sends left running beside the compute:
