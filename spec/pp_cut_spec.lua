@@ -148,8 +148,13 @@ describe('the pipeline\'s default cut', function()
       for k = 1, S do cost[k] = 0.25 + math.random(); sum = sum + cost[k] end
       local f, b, w = 1 + math.random(), 1 + math.random(), 0.5 + math.random()
       local r = O.simulate('1f1b', S, 1, { cost = cost, f = f, b = b, w = w })
-      -- every forward, then every backward; stage 0's W last
-      local want = sum * (f + b) + cost[1] * w
+      -- every forward, then the backwards down the stages, each stage's W
+      -- after its B: the last to end is some stage's W
+      local want, back = 0, 0
+      for k = S, 1, -1 do
+        back = back + cost[k] * b
+        want = math.max(want, sum * f + back + cost[k] * w)
+      end
       assert.is_true(math.abs(r.makespan - want) <= 1e-9 * want, ('%d stages: %g against %g'):format(S, r.makespan, want))
       assert.is_true(math.abs(r.bubble - (1 - sum * (f + b + w) / (S * r.makespan))) <= 1e-12)
       -- a uniform cut's costs are the default's
