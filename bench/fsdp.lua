@@ -37,10 +37,10 @@
 -- world, one stage a GPU, every rank the same batch cut into --microbatches
 -- M micro-batches (default: --batch, one sequence each), --schedule
 -- 1f1b|zbh1|gpipe|zbv (2 chunks a rank in a V)|looped_bfs (with
--- --chunks), --no-overlap: every exchange waited for, --stages 10,6: the
--- blocks per stage (per virtual stage with chunks) instead of
--- pp.balanced's, --chunks v: the interleaved 1F1B over v chunks a rank
--- (or looped_bfs's), --no-grad-first: the input's gradient sent
+-- --chunks), --no-overlap: every exchange waited for, --stages 10,6 (or
+-- --pp-layers, bin/train's name): the blocks per stage (per virtual stage
+-- with chunks) instead of pp.default_cut's (bench/pp_cut.lua prints it),
+-- --chunks v: the interleaved 1F1B over v chunks a rank (or looped_bfs's), --no-grad-first: the input's gradient sent
 -- after the weight gradients (pp's input_grad_first off); tokens/s per GPU
 -- is the step's tokens over the GPUs; --pp-size P: pipelines of P stages,
 -- data parallel across them (each its own batch; gradients all-reduced),
@@ -97,7 +97,7 @@ local ms = require 'moonshard'
 
 local opts = { model = 'gpt2', batch = 0, seq = 0, steps = 20, warmup = 5, strategy = 'FULL_SHARD', layers = 0,
   ['loss-budget'] = 0, ac = 'none', recipe = 'tensorwise', ['tp-scales'] = 'shard', microbatches = 0,
-  schedule = '1f1b', stages = '', chunks = 1, ['pp-size'] = 0, cp = 1, ['f8-precompute'] = 0 }
+  schedule = '1f1b', stages = '', ['pp-layers'] = '', chunks = 1, ['pp-size'] = 0, cp = 1, ['f8-precompute'] = 0 }
 local flags = { ['no-fsdp'] = false, ['no-skip'] = false, ['head-in-root'] = false, ['prefetch-root'] = false, timeline = false, ['nccl-gather'] = false, ['mem-phases'] = false,
   ['keep-activations'] = false, ['jit-profile'] = false, tp = false, pp = false, sp = false, float8 = false, ['float8-gather'] = false,
   ['no-overlap'] = false, ['no-grad-first'] = false, ['pp-fsdp'] = false, ep = false }
@@ -113,7 +113,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama|mixtral|deepseek] [--ep] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe|zbv|looped_bfs] [--no-overlap] [--stages N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise] [--float8-gather [--f8-precompute N]] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe|zbv|looped_bfs] [--no-overlap] [--stages|--pp-layers N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise] [--float8-gather [--f8-precompute N]] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -201,6 +201,7 @@ if use_pp then
   dp = world / P
   pp_mesh = ms.dist.mesh { replicate = dp, shard = P }
   local layers
+  if opts['pp-layers'] ~= '' then opts.stages = opts['pp-layers'] end
   if opts.stages ~= '' then
     layers = {}
     for n in tostring(opts.stages):gmatch('%d+') do layers[#layers + 1] = tonumber(n) end

@@ -1,6 +1,8 @@
 -- The V-shaped zero-bubble schedule (zbv) and GPipe over chunks
 -- (looped_bfs) on CPU ranks (#mpi, 2-4 ranks; one rank: the refusals):
--- a GPT-2 (tied head), a Llama and a tied Llama of 8 blocks, a Mixtral
+-- a GPT-2 (tied head), a Llama, a tied Llama and a Llama whose head is
+-- 3.6 blocks' work (the ranks' cut, pp.rank_balanced, its last chunk the
+-- head alone) of 8 blocks, a Mixtral
 -- with the load-balancing loss over every stage (output_router_logits)
 -- and, at 2 ranks, DeepSeek-V3 with multi-token prediction, in f64: the
 -- loss, every stage's gradients and the evaluation are one process's;
@@ -42,6 +44,10 @@ describe('zbv and looped BFS pipelines #mpi', function()
       num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 16 } },
     { 'llama tied', llama, { vocab_size = 257, hidden_size = 24, intermediate_size = 40, num_hidden_layers = 8,
       num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 16, tie_word_embeddings = true } },
+    -- a head of 3.6 blocks' work: the default cut balances the ranks
+    -- (pp.rank_balanced), the last chunk the head alone
+    { 'llama big head', llama, { vocab_size = 1000, hidden_size = 24, intermediate_size = 40, num_hidden_layers = 8,
+      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 16 }, rank_cut = true },
   }
   local function build(case, seed)
     ms.manual_seed(seed or 7)
@@ -85,6 +91,17 @@ describe('zbv and looped BFS pipelines #mpi', function()
           local pipe = pp.pipeline(m, { schedule = run[1], chunks = run.chunks, microbatches = M })
           assert.are.equal(run[1], pipe.schedule)
           assert.are.equal(2, pipe.chunks)
+          if case.rank_cut then
+            -- the ranks' cut, which the old one (the virtual stages balanced) is not
+            local block_n, head = 0, 0
+            for _, p in ipairs(ref:pipeline_parts().blocks[1]:parameters()) do block_n = block_n + p:numel() end
+            head = pp.head_weight * 1000 * 24 / block_n
+            local want = pp.rank_balanced(8, W, { chunks = 2, layout = O.layout(run[1]), last_cost = head,
+              hold = O.holds(run[1], W, M, 2) })
+            assert.are.same(want, pipe.layers, what)
+            assert.are.equal(0, want[2 * W], what)
+            assert.are_not.same(pp.balanced(8, 2 * W, head), pipe.layers, what)
+          end
           pipe.trace = {}
           local l1 = pipe:step(x, y)
           assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, what .. (': %.17g against %.17g'):format(l1:item(),

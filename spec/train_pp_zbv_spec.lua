@@ -4,7 +4,8 @@
 -- the saved weights are the whole model; the sharded checkpoint (the
 -- stages' parameters under the whole model's names, the tied embedding
 -- once, from rank 0) resumes in one process and at --pp 2 zbv; --fsdp
--- shards the stages under zbv; bad micro-batch and chunk counts exit 2
+-- shards the stages under zbv; --pp-layers gives the cut (a chunk of the
+-- head alone); bad micro-batch and chunk counts and bad --pp-layers exit 2
 -- and name them.
 local train = require 'moonshard.train'
 local data = require 'moonshard.data'
@@ -97,6 +98,32 @@ describe('bin/train --pp 2 --pp-schedule zbv | looped_bfs (CPU through mpirun)',
     assert.is_truthy(text:find('2 stages over 4 ranks, blocks {1, 1, 1, 1}, data parallel 2, zbv', 1, true), text)
     assert.is_truthy(text:find('fsdp: FULL_SHARD over 2 ranks', 1, true), text)
     close_losses(one, losses(out), 1, 4, '--pp 2 zbv --fsdp FULL_SHARD')
+  end)
+
+  it('--pp-layers 1,2,1,0: the cut given (the head\'s chunk the head alone) follows the one-process curve', function()
+    local one = reference('models/llama.lua', tiny_llama, 'l1')
+    local out = dir .. '/lcut'
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/llama.lua %s --batch-size 4 --steps 4 --pp 2 '
+      .. '--pp-schedule zbv --pp-layers 1,2,1,0 --out %s'):format(tiny_llama, q(out)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('2 stages over 2 ranks, blocks {1, 2, 1, 0}, data parallel 1, zbv', 1, true), text)
+    close_losses(one, losses(out), 1, 4, '--pp 2 zbv --pp-layers 1,2,1,0')
+  end)
+
+  it('bad --pp-layers exit 2 and say why', function()
+    local function bad(flags, msg, n)
+      local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --batch-size 4 %s '
+        .. '--out %s/c%d'):format(tiny, flags, q(dir), n))
+      assert.are.equal(2, status, text)
+      assert.is_truthy(text:find(msg, 1, true), text)
+    end
+    bad('--pp 2 --pp-schedule zbv --pp-layers 1,1,2', '--pp-layers 1,1,2: 3 counts adding up to 4 blocks, but --pp 2 x 2 '
+      .. 'chunks a rank is 4 virtual stages and the model has 4 blocks', 1)
+    bad('--pp 2 --pp-layers 2,3', '--pp-layers 2,3: 2 counts adding up to 5 blocks, but --pp 2 x 1 chunk a rank is 2 '
+      .. 'virtual stages and the model has 4 blocks', 2)
+    bad('--pp 2 --pp-layers 2,,2', 'pp_layers must be blocks per virtual stage, comma-separated counts (2,5,5,4), got '
+      .. '\'2,,2\'', 3)
+    bad('--pp-layers 2,2', '--pp-layers 2,2 without --pp N > 1: there is no pipeline to cut', 4)
   end)
 
   it('bad micro-batch and chunk counts exit 2 and say why', function()

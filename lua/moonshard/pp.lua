@@ -84,6 +84,77 @@ function pp.balanced(n_blocks, n_stages, last_cost)
   return r
 end
 
+-- pp.rank_balanced(n_blocks, n_stages, opts) -> blocks per virtual stage
+-- for a pipeline of several chunks a rank, balancing the RANKS' work (a
+-- rank runs all its chunks: balancing the virtual stages, as pp.balanced
+-- does, leaves zbv's rank 0 with the embedding's chunk, the last chunk and
+-- the head). opts: chunks (v, default 1), layout (pp_order's: 'ring',
+-- virtual stage k on rank k % S, or 'v', zbv's), last_cost (the head's
+-- work in blocks, on the last virtual stage), first_cost (the
+-- embedding's, on the first), hold (hold[k + 1]: the most micro-batches'
+-- activations virtual stage k holds at once, pp_order.holds; default
+-- equal). Every virtual stage gets a block when there are enough, but for
+-- one whose fixed work is a block's or more (the last may hold the head
+-- alone: a block beside a 4-block head on zbv's rank 0 is a block too
+-- many). Each further block goes where its rank's work is least (water
+-- filling: the most loaded rank as light as it can be, the others as even
+-- as they can be), then where the virtual stage's work is least, then
+-- where it holds the fewest micro-batches' activations (zbv's early
+-- stages hold up to M, its late ones few; 1F1B's first stage the most),
+-- then on the later stage.
+function pp.rank_balanced(n_blocks, n_stages, opts)
+  opts = opts or {}
+  local S, v = n_stages, opts.chunks or 1
+  local V, layout, hold = S * v, opts.layout or 'ring', opts.hold or {}
+  local fixed = function(k) return (k == 1 and opts.first_cost or 0) + (k == V and opts.last_cost or 0) end
+  -- a block for every virtual stage that has no block's work without one
+  local need = 0
+  for k = 1, V do if fixed(k) < 1 then need = need + 1 end end
+  local lo = n_blocks >= need and 1 or 0
+  local n, work, rank, load = {}, {}, {}, {}   -- per virtual stage, per rank
+  for r = 1, S do load[r] = 0 end
+  local left = n_blocks
+  for k = 1, V do
+    n[k], rank[k] = fixed(k) < 1 and lo or 0, order.rank_of(layout, S, k - 1) + 1
+    work[k] = n[k] + fixed(k)
+    load[rank[k]] = load[rank[k]] + work[k]
+    left = left - n[k]
+  end
+  local eps = 1e-9   -- (equal works summed in another order)
+  local function before(a, b)
+    local ra, rb = load[rank[a]], load[rank[b]]
+    if math.abs(ra - rb) > eps then return ra < rb end
+    if math.abs(work[a] - work[b]) > eps then return work[a] < work[b] end
+    if (hold[a] or 0) ~= (hold[b] or 0) then return (hold[a] or 0) < (hold[b] or 0) end
+    return a > b
+  end
+  for _ = 1, left do
+    local best = 1
+    for k = 2, V do if before(k, best) then best = k end end
+    n[best], work[best] = n[best] + 1, work[best] + 1
+    load[rank[best]] = load[rank[best]] + 1
+  end
+  return n
+end
+
+-- pp.default_cut(n_blocks, S, v, schedule, M, last_cost) -> the blocks per
+-- virtual stage pp.pipeline takes when none are given: pp.balanced's with
+-- one chunk a rank; with several, pp.rank_balanced's, unless pp.balanced's
+-- runs faster in pp_order's simulation of the schedule (F = B = W, each
+-- virtual stage's proportional to its work: where the ranks' work ties,
+-- rank_balanced's memory-first choice can cost a few per cent of a short
+-- step)
+function pp.default_cut(n_blocks, S, v, schedule, M, last_cost)
+  local stages = pp.balanced(n_blocks, S * v, last_cost)
+  if v == 1 or n_blocks == 0 then return stages end
+  local ranks = pp.rank_balanced(n_blocks, S, { chunks = v, layout = order.layout(schedule), last_cost = last_cost,
+    hold = order.holds(schedule, S, M, v) })
+  local function time(cut)
+    return order.simulate(schedule, S, M, { chunks = v, cost = order.stage_costs(cut, S, last_cost) }).makespan
+  end
+  return time(ranks) <= time(stages) + 1e-9 and ranks or stages
+end
+
 -- name -> stage set of a parameter: 'first', 'last', a block index, or nil
 local function classify(parts, name)
   local pre = parts.blocks_prefix
@@ -114,9 +185,11 @@ end
 --                 head both on rank 0, the turn a local hand-over on rank
 --                 S - 1), the zero-bubble paper's ZB-V order
 --                 (pp_order.lua), microbatches >= 2S - 1
---   layers        blocks per stage, a list summing to the model's blocks
---                 (default pp.balanced, the head counted as 0.7 of its
---                 weight over a block's parameters: pp.head_weight)
+--   layers        blocks per (virtual) stage, a list summing to the
+--                 model's blocks, 0s allowed (default pp.default_cut, the
+--                 head counted as 0.7 of its weight over a block's
+--                 parameters, pp.head_weight: the stages balanced with one
+--                 chunk a rank, the ranks' work with several)
 --   dtype         of the activations sent between stages (default: the
 --                 stage's parameters' dtype, which the residual stream has)
 --   overlap       (default true) sends left running beside the compute:
@@ -213,7 +286,7 @@ function pp.pipeline(model, opts)
       local kind = classify(parts, name)
       if (kind == 'last' or kind == 'both') and p.ndim == 2 then head_n = head_n + p:numel() end
     end
-    layers = pp.balanced(L, V, block_n > 0 and pp.head_weight * head_n / block_n or 0)
+    layers = pp.default_cut(L, S, v, schedule, M, block_n > 0 and pp.head_weight * head_n / block_n or 0)
   end
   if type(layers) ~= 'table' or #layers ~= V then
     error(('pp.pipeline: layers must list the blocks of each of the %d %sstages, got %s'):format(V,
@@ -367,7 +440,7 @@ function pp.of(model) return type(model) == 'table' and rawget(model, '_pp') or 
 
 function Pipeline:__tostring()
   local r = {}
-  for c, g in ipairs(self.ranges) do r[c] = ('%d-%d'):format(g[1], g[2]) end
+  for c, g in ipairs(self.ranges) do r[c] = g[2] < g[1] and 'none' or ('%d-%d'):format(g[1], g[2]) end
   return ('Pipeline(stage %d of %d, blocks %s, %d micro-batches, %s%s)'):format(self.stage, self.n_stages,
     table.concat(r, ', '), self.microbatches, self.schedule,
     #self.tied > 0 and ', tied weights shared with the ' .. (self.first and 'last' or 'first') .. ' stage' or '')

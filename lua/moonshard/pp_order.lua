@@ -11,6 +11,7 @@
 --   local O = require 'moonshard.pp_order'
 --   O.order('zbv', 4, 1, 8)        -- rank 1 of 4, 8 micro-batches: { {'F', 1, 1}, ... }
 --   O.simulate('zbv', 4, 8)        -- { makespan =, bubble =, peak = {...}, orders = {...} }
+--   O.simulate('zbv', 4, 8, { cost = O.stage_costs({ 1, 2, 2, 2, 2, 3, 3, 1 }, 4, 4.1) })  -- a cut's
 --
 -- An op is { kind, i, c }: kind 'F' (forward), 'B' (the backward: the
 -- input's gradient, sent on), 'W' (the weight gradients), micro-batch i and
@@ -165,14 +166,18 @@ function O.order(schedule, S, s, M, v, forward_only)
   error(('pp_order: no schedule %s'):format(tostring(schedule)), 2)
 end
 
--- O.simulate(schedule, S, M, opts) -> { makespan, bubble, peak, orders }:
+-- O.simulate(schedule, S, M, opts) -> { makespan, bubble, peak, held, orders }:
 -- every rank runs its order, an op starting when the rank is free and its
 -- inputs are there (F: the previous virtual stage's F; B: its F and the
 -- next virtual stage's B, or its W too with opts.fused: the gradient sent
 -- after the weight gradients; W: its B), exchanges taking no time.
 -- opts: chunks (v), f, b, w (a whole stage's costs, default 1 each; a
--- chunk's are 1/v of them), fused, forward_only, orders (rank -> list, in
--- place of the schedule's). Errors on a deadlock (naming the ops the ranks
+-- chunk's are 1/v of them), cost (virtual stage k's share of a stage's
+-- work at cost[k + 1], in place of 1/v each: O.stage_costs makes it from a
+-- cut), act (act[k + 1]: a micro-batch's activations on virtual stage k,
+-- say its blocks: held[s + 1] is then the most rank s holds at once),
+-- fused, forward_only, orders (rank -> list, in place of the schedule's).
+-- Errors on a deadlock (naming the ops the ranks
 -- wait at), an op missing or run twice, and an exchange between two ranks
 -- whose receiver takes the messages in another order than the sender sends
 -- them (a channel: sender, receiver, direction). bubble: the idle share of
@@ -183,7 +188,14 @@ function O.simulate(schedule, S, M, opts)
   local v = schedule == 'zbv' and 2 or (opts.chunks or 1)
   local layout = O.layout(schedule)
   local V = S * v
-  local cf, cb, cw = (opts.f or 1) / v, (opts.b or 1) / v, (opts.w or 1) / v
+  local f, b, w = opts.f or 1, opts.b or 1, opts.w or 1
+  local cost = opts.cost
+  if cost == nil then
+    cost = {}
+    for k = 1, V do cost[k] = 1 / v end
+  elseif #cost ~= V then
+    error(('pp_order: cost lists %d virtual stages, %s over %d stages has %d'):format(#cost, schedule, S, V), 2)
+  end
   local orders = opts.orders or {}
   for s = 0, S - 1 do orders[s + 1] = orders[s + 1] or O.order(schedule, S, s, M, v, opts.forward_only) end
   local done = { F = {}, B = {}, W = {} }   -- kind -> key (i, k) -> finish time
@@ -207,9 +219,10 @@ function O.simulate(schedule, S, M, opts)
       end
     end
   end
-  local pos, free_at, open, peak = {}, {}, {}, {}
+  local pos, free_at, open, peak, held, most = {}, {}, {}, {}, {}, {}
+  local act = opts.act or {}
   local sent, got = {}, {}   -- channel -> list of (i, k) in the sender's, the receiver's order
-  for s = 0, S - 1 do pos[s + 1], free_at[s + 1], open[s + 1], peak[s + 1] = 1, 0, 0, 0 end
+  for s = 0, S - 1 do pos[s + 1], free_at[s + 1], open[s + 1], peak[s + 1], held[s + 1], most[s + 1] = 1, 0, 0, 0, 0, 0 end
   local function push(t, ch, what) t[ch] = t[ch] or {}; table.insert(t[ch], what) end
   local left = 0
   for s = 1, S do left = left + #orders[s] end
@@ -233,7 +246,7 @@ function O.simulate(schedule, S, M, opts)
         end
         if ready == nil then break end
         local t0 = math.max(free_at[s + 1], ready)
-        local t1 = t0 + (kind == 'F' and cf or kind == 'B' and cb or cw)
+        local t1 = t0 + cost[k + 1] * (kind == 'F' and f or kind == 'B' and b or w)
         done[kind][key(i, k)] = t1
         free_at[s + 1] = t1
         -- the exchanges: a forward's output to the next virtual stage, a
@@ -243,11 +256,14 @@ function O.simulate(schedule, S, M, opts)
           if k < V - 1 and O.rank_of(layout, S, k + 1) ~= s then push(sent, s .. '>' .. O.rank_of(layout, S, k + 1) .. ':F', i .. '/' .. k) end
           open[s + 1] = open[s + 1] + 1
           peak[s + 1] = math.max(peak[s + 1], open[s + 1])
+          held[s + 1] = held[s + 1] + (act[k + 1] or 0)
+          most[s + 1] = math.max(most[s + 1], held[s + 1])
         elseif kind == 'B' then
           if k < V - 1 and O.rank_of(layout, S, k + 1) ~= s then push(got, O.rank_of(layout, S, k + 1) .. '>' .. s .. ':B', i .. '/' .. (k + 1)) end
           if k > 0 and O.rank_of(layout, S, k - 1) ~= s then push(sent, s .. '>' .. O.rank_of(layout, S, k - 1) .. ':B', i .. '/' .. k) end
         else
           open[s + 1] = open[s + 1] - 1
+          held[s + 1] = held[s + 1] - (act[k + 1] or 0)
         end
         pos[s + 1] = pos[s + 1] + 1
         left = left - 1
@@ -278,9 +294,46 @@ function O.simulate(schedule, S, M, opts)
   end
   local makespan = 0
   for s = 1, S do makespan = math.max(makespan, free_at[s]) end
-  local busy = opts.forward_only and M * (opts.f or 1) or M * ((opts.f or 1) + (opts.b or 1) + (opts.w or 1))
+  -- the work every rank runs, against S makespans
+  local busy = 0
+  for k = 1, V do busy = busy + cost[k] end
+  busy = busy * M * (opts.forward_only and f or f + b + w)
   for s = 1, S do peak[s] = peak[s] / v end
-  return { makespan = makespan, bubble = 1 - busy / makespan, peak = peak, orders = orders }
+  return { makespan = makespan, bubble = 1 - busy / (S * makespan), peak = peak, held = opts.act and most or nil,
+    orders = orders }
+end
+
+-- O.stage_costs(layers, last_cost, first_cost) -> a virtual stage's work
+-- (O.simulate's cost) for a cut: its blocks, the head's last_cost blocks on
+-- the last, the embedding's first_cost on the first, over the mean of a
+-- rank's (the whole model's work over S: a stage of 1F1B's uniform cut is 1)
+function O.stage_costs(layers, S, last_cost, first_cost)
+  local c, total = {}, 0
+  for k, n in ipairs(layers) do c[k] = n; total = total + n end
+  c[1] = c[1] + (first_cost or 0)
+  c[#c] = c[#c] + (last_cost or 0)
+  total = total + (first_cost or 0) + (last_cost or 0)
+  for k = 1, #c do c[k] = c[k] * S / total end
+  return c
+end
+
+-- O.holds(schedule, S, M, v) -> hold[k + 1]: the most micro-batches whose
+-- activations virtual stage k holds at once (its forward run, its W not
+-- yet) in its rank's order: 1F1B's stage s holds min(S - s, M)
+function O.holds(schedule, S, M, v)
+  v = schedule == 'zbv' and 2 or (v or 1)
+  local layout, hold = O.layout(schedule), {}
+  for s = 0, S - 1 do
+    local open, most = {}, {}
+    for c = 1, v do open[c], most[c] = 0, 0 end
+    for _, op in ipairs(O.order(schedule, S, s, M, v)) do
+      local c = op[3]
+      if op[1] == 'F' then open[c] = open[c] + 1 elseif op[1] == 'W' then open[c] = open[c] - 1 end
+      most[c] = math.max(most[c], open[c])
+    end
+    for c = 1, v do hold[O.vstage(layout, S, s, c) + 1] = most[c] end
+  end
+  return hold
 end
 
 -- O.table(schedule, S, M, v) -> a markdown table of the ranks' orders

@@ -100,6 +100,7 @@ train.options = {
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp), or with --pp-schedule looped_bfs GPipe over the chunks; zbv always runs 2 (docs/pp.md)' },
   { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD); with --tp T (N a multiple of T; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP each rank\'s slices sharded over the ranks that hold the same ones and the experts over their copies, or with HYBRID_SHARD the same within each shard group of --shard-size ranks (whole expert groups), replicated across; with --pp P inside each stage, plain, FULL_SHARD or SHARD_GRAD_OP; not with --cp) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream); not with --lora; checkpoints sharded, each rank writing its experts\' pieces (--checkpoint-format full: one process\'s without FSDP), resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
+  { 'pp_layers', 'string?', nil, 'with --pp: the blocks of each virtual stage, comma-separated (2,5,5,4: --pp x chunks counts, 0 allowed, summing to the model\'s blocks) in place of the default cut (one chunk a rank: the stages balanced, the head counted as 0.7 of its weight over a block\'s parameters; several, as --pp-chunks or zbv: the ranks\' work balanced, the head\'s chunk possibly the head alone) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
   { 'sequence_parallel', 'bool?', nil, 'with --tp (also with --fsdp and --pp): the residual stream between the split layers held as each rank\'s tokens (norms and dropout on 1/N of them; with --pp the stages exchange those rows; docs/tp.md); default on, except with --pp, where it measured slower (docs/pp.md): --sequence-parallel turns it on there' },
@@ -417,6 +418,10 @@ function train.check_options(o, where)
   if o.pp_schedule ~= nil and not ({ ['1f1b'] = true, gpipe = true, zbh1 = true, zbv = true,
       looped_bfs = true })[o.pp_schedule] then
     usage('%s: pp_schedule must be 1f1b, zbh1, zbv, gpipe or looped_bfs, got %s', where, describe(o.pp_schedule))
+  end
+  if o.pp_layers ~= nil and (o.pp_layers .. ','):gsub('%d+,', '') ~= '' then
+    usage('%s: pp_layers must be blocks per virtual stage, comma-separated counts (2,5,5,4), got %s', where,
+      describe(o.pp_layers))
   end
   if o.float8_tp_scales ~= nil and o.float8_tp_scales ~= 'shard' and o.float8_tp_scales ~= 'group' then
     usage('%s: float8_tp_scales must be shard or group, got %s', where, describe(o.float8_tp_scales))
@@ -1528,6 +1533,7 @@ function train.run(opts)
   -- pipeline parallelism: this rank's stage of the (deferred) model, then
   -- its parameters made (or read from the checkpoint resumed)
   local pp_desc, pipe
+  if o.pp_layers and not pp_mesh then usage('--pp-layers %s without --pp N > 1: there is no pipeline to cut', o.pp_layers) end
   if pp_mesh then
     local mbs = o.pp_microbatches > 0 and o.pp_microbatches or o.batch_size
     if o.batch_size % mbs ~= 0 then
@@ -1543,8 +1549,21 @@ function train.run(opts)
     elseif chunks > 1 then
       sched = nil
     end
+    -- --pp-layers: the cut given, checked against the virtual stages and the model's blocks
+    local layers
+    if o.pp_layers then
+      layers = {}
+      for n in o.pp_layers:gmatch('%d+') do layers[#layers + 1] = tonumber(n) end
+      local L, sum = type(model.pipeline_parts) == 'function' and #model:pipeline_parts().blocks, 0
+      for _, n in ipairs(layers) do sum = sum + n end
+      if #layers ~= pp_size * chunks or (L and sum ~= L) then
+        usage('--pp-layers %s: %d counts adding up to %d blocks, but --pp %d x %d chunk%s a rank is %d virtual stages '
+          .. 'and the model has %d blocks', o.pp_layers, #layers, sum, pp_size, chunks, chunks == 1 and '' or 's',
+          pp_size * chunks, L or sum)
+      end
+    end
     local okp, perr = pcall(ms.pp.pipeline, model, { group = pp_mesh.shard, microbatches = mbs,
-      schedule = sched, chunks = chunks })
+      schedule = sched, chunks = chunks, layers = layers })
     if not okp then usage('--pp %d: %s', pp_size, (tostring(perr):gsub('^[^:\n]*%.lua:%d+: ', ''))) end
     pipe = perr
     -- --ep: the stage's experts split over its expert group (the cut made,
