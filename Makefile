@@ -55,7 +55,7 @@ PROBE   := $(BUILD)/ffi_probe
 
 all: $(LIB) $(FFI) $(PROBE)
 
-$(BUILD)/%.o: %.c $(HEADERS) core/internal.h core/ops_cpu.h core/fused_cpu.h core/fp8.h
+$(BUILD)/%.o: %.c $(HEADERS) core/internal.h core/ops_cpu.h core/fused_cpu.h core/fp8.h core/prof.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
@@ -73,9 +73,9 @@ $(patsubst %.c,$(BUILD)/%.o,$(wildcard core/dist/*.c)) $(patsubst %.cu,$(BUILD)/
 $(LIB): $(C_OBJS) $(CU_OBJS)
 	$(CC) -shared -Wl,-z,nodelete -o $@ $^ $(LDLIBS)
 
-$(FFI) $(BUILD)/ffi_probe.c: tools/gen_ffi.lua $(HEADERS)
+$(FFI) $(BUILD)/ffi_probe.c: tools/gen_ffi.lua $(HEADERS) core/prof.h
 	@mkdir -p $(BUILD)
-	luajit tools/gen_ffi.lua $(FFI) $(BUILD)/ffi_probe.c $(HEADERS)
+	luajit tools/gen_ffi.lua $(FFI) $(BUILD)/ffi_probe.c $(HEADERS) core/prof.h
 
 $(PROBE): $(BUILD)/ffi_probe.c $(HEADERS)
 	$(CC) -std=c99 -Wall -Werror -I. $< -o $@

@@ -225,7 +225,7 @@ int ms_attention(ms_tensor **out, ms_tensor **lse, const ms_tensor *q, const ms_
     int alloc_out = !*out, alloc_lse = !*lse;
     int64_t ls[3] = {d.B, d.H, d.Tq}, os[4] = {d.B, d.H, d.Tq, d.Dv};
     if (ms_prepare_out(out, "attention", 4, os, q->dtype_id, q->device_id)) return -1;
-    if (ms_prepare_out(lse, "attention", 3, ls, lse_dtype(q), q->device_id)) {
+    if (ms_prepare_more(lse, "attention", 3, ls, lse_dtype(q), q->device_id)) {
         if (alloc_out) { ms_tensor_free(*out); *out = NULL; }
         return -1;
     }
@@ -301,8 +301,8 @@ static int attention_backward_impl(ms_tensor **dq, ms_tensor **dk, ms_tensor **d
     ms_tensor **outs[3] = {dq, dk, dv};
     int alloc[3] = {!*dq, !*dk, !*dv};
     if (ms_prepare_out(dq, op, 4, q->sizes, q->dtype_id, q->device_id) ||
-        ms_prepare_out(dk, op, 4, k->sizes, k->dtype_id, k->device_id) ||
-        ms_prepare_out(dv, op, 4, v->sizes, v->dtype_id, v->device_id))
+        ms_prepare_more(dk, op, 4, k->sizes, k->dtype_id, k->device_id) ||
+        ms_prepare_more(dv, op, 4, v->sizes, v->dtype_id, v->device_id))
         goto fail;
     int rc, summed = 0;
 #ifdef MS_WITH_CUDA

@@ -31,6 +31,7 @@
  * final sums run in row order: the bits do not depend on the thread count.
  */
 #include "internal.h"
+#include "prof.h"
 #include "flce.h"
 #include "dist/comm.h"
 
@@ -664,7 +665,7 @@ static int prepare(ms_tensor **slot, int ndim, const int64_t *shape, int dtype, 
     *allocated = 0;
     if (!slot) return 0;
     *allocated = *slot == NULL;
-    return ms_prepare_out(slot, OP, ndim, shape, dtype, device);
+    return ms_prepare_more(slot, OP, ndim, shape, dtype, device);   /* (the call counted at entry) */
 }
 
 /* ================================================================ entry */
@@ -673,6 +674,7 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
             const ms_tensor *bias, const ms_tensor *ce_weight, const ms_tensor *grad_scale, ms_tensor **loss,
             ms_tensor **z_loss, ms_tensor **accuracy, ms_tensor **grad_x, ms_tensor **grad_w,
             ms_tensor **grad_bias) {
+    if (ms_prof_on && x) ms_prof_note("flce", x->device_id, 1, 0, 0);   /* (its outputs count as prepared) */
     ms_flce_opts defaults;
     if (!opts) {
         ms_flce_opts_init(&defaults);

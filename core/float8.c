@@ -99,7 +99,9 @@ static int cast_slot(const char *op, ms_tensor **slot, const char *what, int ndi
     char d[DESC];
     *allocated = slot && !*slot;
     if (!slot) return 0;
-    if (ms_prepare_out(slot, op, ndim, shape, dtype, device)) return -1;
+    /* the op counter counts the call at its first output */
+    int first = !strcmp(what, "out") || !strcmp(what, "row_amax") || !strcmp(what, "scale");
+    if ((first ? ms_prepare_out : ms_prepare_more)(slot, op, ndim, shape, dtype, device)) return -1;
     if (!*allocated && !ms_tensor_is_contiguous(*slot))
         return ms_errorf("%s: %s %s must be contiguous", op, what, ms_desc(*slot, d, sizeof d));
     return 0;

@@ -32,6 +32,10 @@ void ms_storage_release(ms_storage *s);
 int ms_gemm_check(const ms_tensor *out, const ms_tensor *a, const ms_tensor *b, int transa, int transb);
 int ms_prepare_out(ms_tensor **out, const char *op, int ndim, const int64_t *shape,
                    int dtype, int device);
+/* the same for an op's further outputs (the op counter, core/prof.h, counts
+ * the call once) */
+int ms_prepare_more(ms_tensor **out, const char *op, int ndim, const int64_t *shape,
+                    int dtype, int device);
 /* canonical dim in [0, ndim) or error */
 int ms_wrap_dim(const char *op, int dim, int ndim, int *res);
 

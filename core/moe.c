@@ -5,6 +5,7 @@
  * CUDA, OpenBLAS on the CPU) into a view of the outputs; the activations
  * are ms_binary's SwiGLU and SiLU-backward passes. */
 #include "internal.h"
+#include "prof.h"
 #include "ops.h"
 
 #include <math.h>
@@ -184,6 +185,7 @@ static int check_swiglu(const char *op, const ms_tensor *gu, const ms_tensor *h,
 }
 
 int ms_moe_swiglu(ms_tensor *h, const ms_tensor *gu) {
+    MS_PROF_NOTE("moe_swiglu", h);
     const char *op = "moe_swiglu";
     int64_t I = 0;
     if (check_swiglu(op, gu, h, "h", &I)) return -1;
@@ -212,6 +214,7 @@ int ms_moe_swiglu(ms_tensor *h, const ms_tensor *gu) {
 }
 
 int ms_moe_swiglu_backward(ms_tensor *d13, const ms_tensor *gu, const ms_tensor *dh) {
+    MS_PROF_NOTE("moe_swiglu_backward", d13);
     const char *op = "moe_swiglu_backward";
     int64_t I = 0;
     char x[DESC];
@@ -242,6 +245,7 @@ int ms_moe_swiglu_backward(ms_tensor *d13, const ms_tensor *gu, const ms_tensor 
 
 int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *gu, const ms_tensor *xs, const ms_tensor *wf,
                            const int64_t *rows, int E) {
+    MS_PROF_NOTE("moe_experts_forward", ys);
     const char *op = "moe_experts_forward";
     int64_t I = 0;
     if (check_common(op, xs, gu, wf, rows, E, &I)) return -1;
@@ -280,6 +284,7 @@ int ms_moe_experts_forward(ms_tensor *ys, ms_tensor *gu, const ms_tensor *xs, co
 
 int ms_moe_experts_backward(ms_tensor *dxs, ms_tensor **dw1, ms_tensor **dw3, ms_tensor **dw2, const ms_tensor *gy,
                             const ms_tensor *xs, const ms_tensor *gu, const ms_tensor *wf, const int64_t *rows, int E) {
+    MS_PROF_NOTE("moe_experts_backward", dxs);
     const char *op = "moe_experts_backward";
     int64_t I = 0;
     if (check_common(op, xs, gu, wf, rows, E, &I)) return -1;
@@ -377,6 +382,7 @@ static int bad_id(const char *op, const char *what, int64_t pos, int64_t v, int6
 }
 
 int ms_moe_gather_rows(ms_tensor *out, const ms_tensor *x, const ms_tensor *idx) {
+    MS_PROF_NOTE("moe_gather_rows", out);
     const char *op = "moe_gather_rows";
     char d[DESC];
     if (!x || x->ndim != 2) return ms_errorf("%s: x must be 2-D, got %s", op, x ? ms_desc(x, d, sizeof d) : "NULL");
@@ -403,6 +409,7 @@ int ms_moe_gather_rows(ms_tensor *out, const ms_tensor *x, const ms_tensor *idx)
 }
 
 int ms_moe_combine(ms_tensor *out, const ms_tensor *ys, const ms_tensor *inv, const ms_tensor *w, int k) {
+    MS_PROF_NOTE("moe_combine", out);
     const char *op = "moe_combine";
     char d[DESC];
     if (!ys || ys->ndim != 2) return ms_errorf("%s: ys must be 2-D, got %s", op, ys ? ms_desc(ys, d, sizeof d) : "NULL");
@@ -445,6 +452,7 @@ int ms_moe_combine(ms_tensor *out, const ms_tensor *ys, const ms_tensor *inv, co
 
 int ms_moe_combine_backward(ms_tensor *gys, ms_tensor *gw, const ms_tensor *g, const ms_tensor *ys,
                             const ms_tensor *back, const ms_tensor *w, int k) {
+    MS_PROF_NOTE("moe_combine_backward", gys);
     const char *op = "moe_combine_backward";
     char d[DESC];
     if (!ys || ys->ndim != 2) return ms_errorf("%s: ys must be 2-D, got %s", op, ys ? ms_desc(ys, d, sizeof d) : "NULL");

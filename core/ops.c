@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "ops_cpu.h"
+#include "prof.h"
 #include "fused_cpu.h"
 
 /* Device dispatch: CUDA tensors go to kernels/ (declared in kernels/kernels.h),
@@ -184,7 +185,11 @@ static const char *const g_reduce_names[MS_RED_END] = {
 
 /* ============================================================ helpers */
 
-int ms_prepare_out(ms_tensor **out, const char *op, int ndim, const int64_t *shape, int dtype, int device) {
+static void prof_out(const char *op, const ms_tensor *t, int calls) {
+    if (ms_prof_on) ms_prof_tensor(op, t, calls);
+}
+
+static int prepare_out(ms_tensor **out, const char *op, int ndim, const int64_t *shape, int dtype, int device, int calls) {
     char have[DESC], want[DESC], s[DESC], d[32];
     if (!out) return ms_errorf("%s: no output slot given", op);
     if (!*out) {
@@ -194,6 +199,7 @@ int ms_prepare_out(ms_tensor **out, const char *op, int ndim, const int64_t *sha
             ms_set_error(msg);
             return -1;
         }
+        prof_out(op, *out, calls);
         return 0;
     }
     if (ms_tensor_check_live(*out, op)) return -1;
@@ -204,7 +210,16 @@ int ms_prepare_out(ms_tensor **out, const char *op, int ndim, const int64_t *sha
                  ms_device_str(device, d, sizeof d));
         return ms_errorf("%s: out is %s, expected %s", op, ms_desc(*out, have, sizeof have), want);
     }
+    prof_out(op, *out, calls);
     return 0;
+}
+
+/* (the op counter, core/prof.h: a call counts at its first output) */
+int ms_prepare_out(ms_tensor **out, const char *op, int ndim, const int64_t *shape, int dtype, int device) {
+    return prepare_out(out, op, ndim, shape, dtype, device, 1);
+}
+int ms_prepare_more(ms_tensor **out, const char *op, int ndim, const int64_t *shape, int dtype, int device) {
+    return prepare_out(out, op, ndim, shape, dtype, device, 0);
 }
 
 /* on failure, free an output this call allocated and leave *out NULL */
@@ -722,7 +737,7 @@ int ms_matmul_epilogue(ms_tensor **out, const ms_tensor *a, const ms_tensor *b, 
         check_given_out(op, allocated, *out, a, b, NULL, 0))
         return -1;
     int bias_alloc = mode != MS_GEMM_BIAS && !*bias;
-    if (mode != MS_GEMM_BIAS && ms_prepare_out(bias, op, 1, &blen, a->dtype_id, a->device_id))
+    if (mode != MS_GEMM_BIAS && ms_prepare_more(bias, op, 1, &blen, a->dtype_id, a->device_id))
         return finish(out, allocated, -1);
     int rc = 1;
 #ifdef MS_WITH_CUDA
@@ -757,7 +772,7 @@ int ms_matmul_gelu(ms_tensor **out, ms_tensor **pre, const ms_tensor *a, const m
     if (ms_prepare_out(out, op, 2, shape, a->dtype_id, a->device_id) ||
         check_given_out(op, alloc_out, *out, a, b, NULL, 0))
         return -1;
-    if (ms_prepare_out(pre, op, 2, shape, a->dtype_id, a->device_id)) return finish(out, alloc_out, -1);
+    if (ms_prepare_more(pre, op, 2, shape, a->dtype_id, a->device_id)) return finish(out, alloc_out, -1);
     int rc = 1;
 #ifdef MS_WITH_CUDA
     if (a->device_id >= 0) rc = ms_cuda_gemm_gelu(*out, *pre, a, b, transa, transb, (ms_tensor *)bias, 0);
@@ -788,7 +803,7 @@ int ms_matmul_dgelu(ms_tensor **out, ms_tensor **bias_grad, const ms_tensor *a, 
     if (ms_prepare_out(out, op, 2, shape, a->dtype_id, a->device_id) ||
         check_given_out(op, alloc_out, *out, a, b, NULL, 0))
         return -1;
-    if (bias_grad && ms_prepare_out(bias_grad, op, 1, &N, a->dtype_id, a->device_id)) return finish(out, alloc_out, -1);
+    if (bias_grad && ms_prepare_more(bias_grad, op, 1, &N, a->dtype_id, a->device_id)) return finish(out, alloc_out, -1);
     int rc = 1;
 #ifdef MS_WITH_CUDA
     if (a->device_id >= 0)
@@ -887,6 +902,7 @@ int ms_index_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tensor
     if (check_no_self_overlap(op, dst) || check_given_out(op, 0, dst, idx, src, NULL, 0) ||
         check_ids(op, idx, cd, dst->sizes[cd]))
         return -1;
+    MS_PROF_NOTE(op, src);
     return dev_index_add_(dst, cd, idx, src);
 }
 
@@ -926,6 +942,7 @@ int ms_scatter_add_(ms_tensor *dst, int dim, const ms_tensor *idx, const ms_tens
     if (check_no_self_overlap(op, dst) || check_given_out(op, 0, dst, idx, src, NULL, 0) ||
         check_ids(op, idx, cd, dst->sizes[cd]))
         return -1;
+    MS_PROF_NOTE(op, src);
     return dev_scatter_add_(dst, cd, idx, src);
 }
 
@@ -975,21 +992,25 @@ int ms_cat(ms_tensor **out, int n, ms_tensor *const *ts, int dim) {
 
 int ms_fill_(ms_tensor *t, double value) {
     if (check1("fill_", t)) return -1;
+    MS_PROF_NOTE("fill_", t);
     return dev_fill_(t, value);
 }
 
 int ms_arange_(ms_tensor *t, double start, double step) {
     if (check1("arange_", t)) return -1;
+    MS_PROF_NOTE("arange_", t);
     return dev_arange_(t, start, step);
 }
 
 int ms_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi) {
     if (check1("rand_", t) || need_float("rand_", t)) return -1;
+    MS_PROF_NOTE("rand_", t);
     return dev_rand_(t, seed, offset, lo, hi, 0);
 }
 
 int ms_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std) {
     if (check1("randn_", t) || need_float("randn_", t)) return -1;
+    MS_PROF_NOTE("randn_", t);
     return dev_rand_(t, seed, offset, mean, std, 1);
 }
 
@@ -1082,7 +1103,9 @@ static int prepare_contig(ms_tensor **slot, const char *op, const char *what, in
                           int dtype, int device, int *allocated) {
     char d[DESC];
     *allocated = slot && !*slot;
-    if (ms_prepare_out(slot, op, ndim, shape, dtype, device)) return -1;
+    /* the op counter counts the call at its first output: out (add_*: sum), dx */
+    int first = !strcmp(what, "dx") || !strcmp(what, "sum") || (!strcmp(what, "out") && strncmp(op, "add_", 4));
+    if ((first ? ms_prepare_out : ms_prepare_more)(slot, op, ndim, shape, dtype, device)) return -1;
     if (!*allocated && !ms_tensor_is_contiguous(*slot))
         return ms_errorf("%s: %s %s must be contiguous", op, what, ms_desc(*slot, d, sizeof d));
     return 0;
@@ -1554,6 +1577,7 @@ int ms_cast_flat(ms_tensor **out, ms_tensor **src, int n, int dtype) {
     }
     ms_tensor *flat = NULL;
     if (ms_tensor_empty(&flat, 1, &total, dtype, dev)) return -1;
+    MS_PROF_NOTE("cast_flat", flat);
     int rc = 0;
 #ifdef MS_WITH_CUDA
     int f32ish = src[0]->dtype_id == MS_F32 || src[0]->dtype_id == MS_BF16 || src[0]->dtype_id == MS_F16;
@@ -1615,6 +1639,7 @@ int ms_split_flat_(ms_tensor **dst, int n, const ms_tensor *flat) {
 #ifdef MS_WITH_CUDA
     int f32ish = flat->dtype_id == MS_F32 || flat->dtype_id == MS_BF16 || flat->dtype_id == MS_F16;
     int d32ish = dst[0]->dtype_id == MS_F32 || dst[0]->dtype_id == MS_BF16 || dst[0]->dtype_id == MS_F16;
+    MS_PROF_NOTE("split_flat_", flat);
     if (flat->device_id >= 0 && fast && f32ish && d32ish) return ms_cuda_split_many(dst, n, flat);
 #else
     (void)fast;

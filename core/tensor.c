@@ -1,5 +1,6 @@
 /* core/tensor.c — storage, tensor handles, views, copies, dtype conversion. */
 #include "internal.h"
+#include "prof.h"
 #include "fp8.h"
 
 #include <errno.h>
@@ -675,26 +676,34 @@ int ms_tensor_unsqueeze(ms_tensor **out, const ms_tensor *t, int dim) {
 
 /* ----------------------------------------------------------------- copies */
 
-int ms_tensor_contiguous(ms_tensor **out, const ms_tensor *t) {
-    if (ms_tensor_check_live(t, "contiguous")) return -1;
-    if (ms_tensor_is_contiguous(t)) return ms_tensor_alias(out, t);
-    return ms_tensor_clone(out, t);
-}
+static int copy_named(ms_tensor *dst, const ms_tensor *src, const char *name);
 
-int ms_tensor_clone(ms_tensor **out, const ms_tensor *t) {
-    return ms_tensor_to(out, t, t ? t->dtype_id : 0, t ? t->device_id : 0);
-}
-
-int ms_tensor_to(ms_tensor **out, const ms_tensor *t, int dtype, int device) {
+/* to/clone/contiguous: a new tensor and one copy, counted (core/prof.h) under
+ * the name the caller used */
+static int to_named(ms_tensor **out, const ms_tensor *t, int dtype, int device, const char *name) {
     ms_tensor *r = NULL;
-    if (ms_tensor_check_live(t, "to")) return -1;
+    if (ms_tensor_check_live(t, name)) return -1;
     if (ms_tensor_empty(&r, t->ndim, t->sizes, dtype, device)) return -1;
-    if (ms_tensor_copy_(r, t)) {
+    if (copy_named(r, t, name)) {
         ms_tensor_free(r);
         return -1;
     }
     *out = r;
     return 0;
+}
+
+int ms_tensor_contiguous(ms_tensor **out, const ms_tensor *t) {
+    if (ms_tensor_check_live(t, "contiguous")) return -1;
+    if (ms_tensor_is_contiguous(t)) return ms_tensor_alias(out, t);
+    return to_named(out, t, t->dtype_id, t->device_id, "contiguous");
+}
+
+int ms_tensor_clone(ms_tensor **out, const ms_tensor *t) {
+    return to_named(out, t, t ? t->dtype_id : 0, t ? t->device_id : 0, "clone");
+}
+
+int ms_tensor_to(ms_tensor **out, const ms_tensor *t, int dtype, int device) {
+    return to_named(out, t, dtype, device, "to");
 }
 
 /* typed fast paths for the common same-layout conversions */
@@ -760,9 +769,12 @@ out:
     return rc;
 }
 
-int ms_tensor_copy_(ms_tensor *dst, const ms_tensor *src) {
+int ms_tensor_copy_(ms_tensor *dst, const ms_tensor *src) { return copy_named(dst, src, "copy_"); }
+
+static int copy_named(ms_tensor *dst, const ms_tensor *src, const char *name) {
     char a[200], b[200];
     if (ms_tensor_check_live(dst, "copy_") || ms_tensor_check_live(src, "copy_")) return -1;
+    MS_PROF_NOTE(name, dst);
     /* broadcast src to dst */
     ms_tensor *e = NULL;
     int same = src->ndim == dst->ndim;

@@ -144,7 +144,7 @@ describe('sequence parallelism\'s collectives, counted #mpi', function()
     local mesh = dist.mesh { replicate = 2, shard = 2 }   -- shard: the TP pairs; replicate: the pipelines
     local M, B, Tn = 4, 4, 8
     for _, case in ipairs(cases) do
-      local reads = {}
+      local reads, ops = {}, {}
       for _, sp in ipairs({ true, false }) do
         local what = ('%s, %s sequence parallelism'):format(case[1], sp and 'with' or 'without')
         local m = build(case)
@@ -155,7 +155,11 @@ describe('sequence parallelism\'s collectives, counted #mpi', function()
         pipe:step(x, y):free()   -- (a first step: whatever is made once)
         for _, p in ipairs(m:parameters()) do p.grad = nil end
         dist.trace(true)
+        ms.profile.ops(true)
         local ok, err = pcall(function() pipe:step(x, y):free() end)
+        ops[sp] = {}
+        for _, o in ipairs((ms.profile.ops_rows())) do ops[sp][o.op] = o.calls end
+        ms.profile.ops(false)
         local rows = dist.trace_rows()
         dist.trace(false)
         assert(ok, err)
@@ -183,6 +187,15 @@ describe('sequence parallelism\'s collectives, counted #mpi', function()
       end
       -- (sequence parallelism reads nothing more to the host)
       assert.are.equal(reads[false], reads[true], case[1] .. ': host reads')
+      -- nor fills or adds more tensors (ms.profile): once a zero gradient
+      -- filled and added a norm's parameter a micro-batch (tp's partial-
+      -- gradient hooks), and the latent attention's three narrowed
+      -- latents three zero-filled buffers and two adds (docs/perf-notes.md,
+      -- "Sequence parallelism under --pp, op by op")
+      for _, op in ipairs({ 'fill_', 'add' }) do
+        assert.is_true((ops[true][op] or 0) <= (ops[false][op] or 0), ('%s: %s calls a step: %d with sequence '
+          .. 'parallelism, %d without'):format(case[1], op, ops[true][op] or 0, ops[false][op] or 0))
+      end
     end
     mesh.shard:free()
     mesh.replicate:free()

@@ -380,11 +380,22 @@ local function run_hooks(list, ...)
 end
 
 -- tensor hooks: fn(grad) may return a replacement
-local function apply_tensor_hooks(m, g, borrowed)
+-- A leaf's hook may return A.CONSUMED: it has taken the gradient (copied
+-- what it needs; it must not keep g itself), nothing is accumulated into
+-- .grad and the later hooks do not run (tp's sequence-parallel partial
+-- gradients, summed over the group at the backward's or the step's end:
+-- without it each micro-batch filled a zero gradient and added it to .grad)
+local CONSUMED = setmetatable({}, { __tostring = function() return 'autograd.CONSUMED' end })
+A.CONSUMED = CONSUMED
+local function apply_tensor_hooks(m, g, borrowed, leaf)
   for i = 1, #m.hooks do
     local h = m.hooks[i]
     if h then
       local r = h.fn(g)
+      if r == CONSUMED then
+        if not leaf then error('autograd: a tensor hook returned autograd.CONSUMED for a non-leaf tensor', 0) end
+        return nil
+      end
       if r ~= nil and r ~= g then
         borrowed[tonumber(r.id)] = true
         g = r
@@ -576,9 +587,17 @@ local function walk(tape, grads, borrowed, root)
     local leaf = node.leaf[i]
     if leaf then
       local m = getmeta(leaf)
-      if m.hooks then g = apply_tensor_hooks(m, g, borrowed); gid = tonumber(g.id) end
+      local h = g
+      if m.hooks then h = apply_tensor_hooks(m, g, borrowed, true) end
       local cur = m.grad
-      if cur == nil or cur.storage == nil then
+      if h == nil then
+        -- (taken by a hook: A.CONSUMED)
+        if conv and not borrowed[gid] then free(conv) end
+      elseif h ~= g then
+        g = h; gid = tonumber(g.id)
+      end
+      if h == nil then   -- (nothing to accumulate)
+      elseif cur == nil or cur.storage == nil then
         if not taken[gid] and not borrowed[gid] and g.storage.refcount == 1
             and M.is_contiguous(g) then
           taken[gid] = true

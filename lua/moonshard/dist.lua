@@ -145,7 +145,11 @@ local function run(fname, opts, fn, tensors, ...)
   local g = opts.group or dist.world_group
   if not g then error(fname .. ': dist is not initialised (call ms.dist.init first)', 3) end
   local p = live(g, fname)
-  if trace and fname ~= 'batch_p2p' then trace.note(fname, g, tensors) end
+  local row = nil
+  if trace then
+    row = fname == 'batch_p2p' and trace.p2p_row or trace.note(fname, g, tensors)
+    if trace.times then return trace.timed(row, p, fn, opts.async, tensors, ...) end
+  end
   if opts.async then
     local box = work_box()
     if fn(box, p, ...) ~= 0 then error(cerr(), 3) end
@@ -285,7 +289,7 @@ function dist.batch_p2p(ops, opts)
     c.peer[i - 1] = peer
     keep[i] = t
   end
-  if trace then trace.note_p2p(ops, opts and opts.group or dist.world_group) end
+  if trace then trace.p2p_row = trace.note_p2p(ops, opts and opts.group or dist.world_group) end
   local r = run('batch_p2p', opts, C.ms_comm_p2p, keep, n, c.recv, c.t, c.peer)
   for i = 0, n - 1 do c.t[i] = nil end
   return r
@@ -441,7 +445,7 @@ end
 
 local function tensor_bytes(t) return T.methods.numel(t) * C.ms_dtype_size(t.dtype_id) end
 
-local function new_trace()
+local function new_trace(times)
   local tr = { rows = {}, order = {}, peak = 0, reads = 0 }
   local function sample()
     local b = tonumber(C.ms_live_bytes(-1)) + tonumber(C.ms_live_bytes(0))
@@ -459,6 +463,7 @@ local function new_trace()
     end
     r.calls = r.calls + 1
     sample()
+    return r
   end
   tr.add = add
   function tr.note(fname, g, tensors)
@@ -473,7 +478,7 @@ local function new_trace()
     elseif fname == 'broadcast' then
       bytes = tensor_bytes(tensors[1]); bus = bytes
     end
-    add(kind, N, bytes, bus, site_of(4), table.concat(g:ranks(), ','))
+    return add(kind, N, bytes, bus, site_of(4), table.concat(g:ranks(), ','))
   end
   function tr.note_p2p(ops, g)
     local sent, recvd = 0, 0
@@ -481,7 +486,50 @@ local function new_trace()
       if op[1] == 'send' then sent = sent + tensor_bytes(op[2]) else recvd = recvd + tensor_bytes(op[2]) end
     end
     local kind = sent > 0 and recvd > 0 and 'p2p send+recv' or (sent > 0 and 'p2p send' or 'p2p recv')
-    add(kind, g and g:size() or 0, sent > 0 and sent or recvd, sent, site_of(4), g and table.concat(g:ranks(), ',') or '')
+    return add(kind, g and g:size() or 0, sent > 0 and sent or recvd, sent, site_of(4),
+      g and table.concat(g:ranks(), ',') or '')
+  end
+  -- the times (dist.trace(true, { times = true }), MS_DIST_COUNT=2): on a
+  -- CUDA group the collective goes into the C core's timeline
+  -- (dist.timing), its entry noted against its row and read at the step's
+  -- end (trace_rows); on the CPU (MPI) the host's wall time of the call
+  -- (an async call's: only its start)
+  tr.times = times
+  tr.pending = {}
+  function tr.timed(row, p, fn, async, tensors, ...)
+    local box = async and work_box() or nil
+    local rc
+    if C.ms_comm_device(p) >= 0 then
+      if not tr.ref then
+        check(C.ms_dist_timing(1), 3)   -- (clears the log)
+        tr.dev = C.ms_comm_device(p)
+        tr.ref = require('moonshard.cuda').event { device = tr.dev, timing = true }:record()
+      end
+      local idx = C.ms_dist_timing_count()
+      rc = fn(box, p, ...)
+      if rc == 0 and C.ms_dist_timing_count() > idx then tr.pending[#tr.pending + 1] = { row = row, idx = idx } end
+    else
+      local now = require('moonshard.launch').now
+      local t0 = now()
+      rc = fn(box, p, ...)
+      row.ms = (row.ms or 0) + (now() - t0) * 1e3
+    end
+    if rc ~= 0 then error(cerr(), 3) end
+    if async then return setmetatable({ p = ffi.gc(box[0], C.ms_work_free), tensors = tensors }, Work) end
+    return nil
+  end
+  -- the GPU times of the noted entries added to their rows (after a
+  -- synchronize: the step's end), the timeline stopped
+  function tr.read_times()
+    if not tr.ref then return end
+    require('moonshard.cuda').synchronize(tr.dev)
+    local buf, t = ffi.new('char[160]'), ffi.new('double[5]')
+    for _, e in ipairs(tr.pending) do
+      check(C.ms_dist_timing_entry(e.idx, tr.ref.p, buf, 160, t), 3)
+      e.row.ms = (e.row.ms or 0) + (t[2] - t[1])
+    end
+    tr.pending, tr.ref = {}, nil
+    check(C.ms_dist_timing(0), 3)
   end
   return tr
 end
@@ -505,10 +553,13 @@ local function wrap_reads(on)
   end
 end
 
--- dist.trace(on) -> the previous setting; on: a fresh, empty log
-function dist.trace(on)
+-- dist.trace(on, opts) -> the previous setting; on: a fresh, empty log;
+-- opts.times: each row also sums its calls' times (GPU ms on CUDA groups,
+-- the host's on the CPU; MS_DIST_COUNT=2)
+function dist.trace(on, opts)
   local prev = trace ~= nil
-  trace = on and new_trace() or nil
+  if trace then trace.read_times() end   -- (stops the timeline)
+  trace = on and new_trace(opts and opts.times or false) or nil
   wrap_reads(on and true or false)
   return prev
 end
@@ -531,20 +582,23 @@ end
 -- reset: the log cleared after (one step's rows at a time)
 function dist.trace_rows(reset)
   if not trace then return {}, { all = { calls = 0, bytes = 0, bus = 0 } } end
+  trace.read_times()
   local rows, totals = {}, { all = { calls = 0, bytes = 0, bus = 0 } }
   for _, key in ipairs(trace.order) do
     local r = trace.rows[key]
     rows[#rows + 1] = r
     local t = totals[r.kind] or { calls = 0, bytes = 0, bus = 0 }
     totals[r.kind] = t
+    if trace.times then r.ms = r.ms or 0 end
     for _, x in ipairs({ t, r.kind:find('^host read') and {} or totals.all }) do
       x.calls = (x.calls or 0) + r.calls
       x.bytes = (x.bytes or 0) + r.calls * r.bytes
       x.bus = (x.bus or 0) + r.calls * r.bus
+      if r.ms then x.ms = (x.ms or 0) + r.ms end
     end
   end
   totals.peak_live = trace.peak
-  if reset then trace = new_trace() end
+  if reset then trace = new_trace(trace.times) end
   return rows, totals
 end
 
@@ -560,22 +614,28 @@ function dist.trace_report(title, reset)
     if a.phase ~= b.phase then return a.phase > b.phase end
     return a.bytes < b.bytes
   end)
+  -- (with times: a column of the calls' summed milliseconds, GPU ms on
+  -- CUDA groups, the host's on the CPU)
+  local timed = totals.all.ms ~= nil
+  local function ms(x) return timed and ('%10.3f'):format(x.ms or 0) or '' end
   local out = { ('%s (rank %d)'):format(title or 'dist trace', dist.is_initialized() and dist.rank() or 0),
-    ('  %-28s %-9s %5s %12s %14s  %-3s  %s'):format('kind', 'ranks', 'calls', 'bytes each', 'bytes in all', 'dir',
-      'where') }
+    ('  %-28s %-9s %5s %12s %14s%s  %-3s  %s'):format('kind', 'ranks', 'calls', 'bytes each', 'bytes in all',
+      timed and ('%10s'):format('ms') or '', 'dir', 'where') }
   for _, r in ipairs(sorted) do
-    out[#out + 1] = ('  %-28s %-9s %5d %12d %14d  %-3s  %s'):format(r.kind, r.ranks, r.calls, r.bytes,
-      r.calls * r.bytes, r.phase, r.site)
+    out[#out + 1] = ('  %-28s %-9s %5d %12d %14d%s  %-3s  %s'):format(r.kind, r.ranks, r.calls, r.bytes,
+      r.calls * r.bytes, ms(r), r.phase, r.site)
   end
   local kinds = {}
   for k in pairs(totals) do if k ~= 'all' and k ~= 'peak_live' then kinds[#kinds + 1] = k end end
   table.sort(kinds)
   for _, k in ipairs(kinds) do
     local t = totals[k]
-    out[#out + 1] = ('  total %-20s %9d calls %14d bytes %14d on the links'):format(k, t.calls, t.bytes, t.bus)
+    out[#out + 1] = ('  total %-20s %9d calls %14d bytes %14d on the links%s'):format(k, t.calls, t.bytes, t.bus,
+      timed and (', %.3f ms'):format(t.ms or 0) or '')
   end
-  out[#out + 1] = ('  total communication %13d calls %14d bytes %14d on the links; peak live bytes at a call %d'):format(
-    totals.all.calls, totals.all.bytes, totals.all.bus, totals.peak_live or 0)
+  out[#out + 1] = ('  total communication %13d calls %14d bytes %14d on the links%s; peak live bytes at a call %d'):format(
+    totals.all.calls, totals.all.bytes, totals.all.bus, timed and (', %.3f ms'):format(totals.all.ms or 0) or '',
+    totals.peak_live or 0)
   return table.concat(out, '\n')
 end
 
@@ -818,5 +878,7 @@ function Server:stop()
 end
 
 dist.backend_names = backend_names
-if os.getenv('MS_DIST_COUNT') == '1' then dist.trace(true) end
+-- (MS_DIST_COUNT=2: with each row's times)
+local count_env = os.getenv('MS_DIST_COUNT')
+if count_env == '1' or count_env == '2' then dist.trace(true, { times = count_env == '2' }) end
 return dist

@@ -54,6 +54,7 @@ end
 
 ms.cuda = require 'moonshard.cuda'
 ms.dist = require 'moonshard.dist'   -- collectives, groups, the rendezvous store (docs/dist.md)
+ms.profile = require 'moonshard.profile'   -- the op counter (docs/tensors.md)
 local okfs, fs = pcall(require, 'moonshard.fsdp')   -- flat parameters (docs/fsdp.md)
 if okfs then ms.fsdp = fs elseif not tostring(fs):find("module 'moonshard.fsdp' not found", 1, true) then error(fs, 0) end
 

@@ -2067,6 +2067,7 @@ function train.run(opts)
     end
     if bad_total > 0 then rec.bad_steps = bad_total end
     dist.trace_step(step)   -- (MS_DIST_COUNT=1: the step's collectives on stderr, docs/dist.md)
+    ms.profile.ops_step(step)   -- (MS_OP_COUNT=1: the step's ops on stderr, docs/tensors.md)
     local mtp
     if mtp_sum then
       mtp = {}
