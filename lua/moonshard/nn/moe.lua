@@ -885,6 +885,38 @@ function moe.aux_end(loss, box)
   return out
 end
 
+-- ------------------------------------------------ the last forward's stats
+-- Under expert and tensor parallelism together (MoE:forward_ep_tp) the
+-- tensor-parallel group's scores and choices are gathered only for a
+-- reader of the forward (MoE:reads_routing): without a balance-loss
+-- session, the statistics keep the counts and the tokens (what the
+-- routing biases read) and last_stats, moe.aux_loss and moe.seq_aux_loss
+-- refuse them. moe.keep_stats(layers, on) -> the layers' count: on
+-- (true), their forwards gather the scores for those readers anyway;
+-- false, only when a session reads them.
+function moe.keep_stats(layers, on)
+  if type(on) ~= 'boolean' then
+    error(('moe.keep_stats: on must be a boolean, got %s'):format(tostring(on)), 2)
+  end
+  if type(layers) ~= 'table' then
+    error(('moe.keep_stats: layers must be a list of MoE layers, got %s'):format(type(layers)), 2)
+  end
+  for i, m in ipairs(layers) do
+    if type(m) ~= 'table' or m.n_experts == nil then
+      error(('moe.keep_stats: layers[%d] is not an MoE layer (nn.moe.layers(model))'):format(i), 2)
+    end
+  end
+  for _, m in ipairs(layers) do rawset(m, '_keep_stats', on or nil) end
+  return #layers
+end
+
+-- the refusal of a forward's statistics not gathered (moe.keep_stats)
+local function ungathered(who)
+  return who .. ': the last forward ran under expert and tensor parallelism with no balance loss reading its router '
+    .. 'scores, which were not gathered over the tensor-parallel group: call nn.moe.keep_stats(layers, true) '
+    .. 'before the forward'
+end
+
 function moe.install(nn, nnf)
   local Expert = expert_class(nn, nnf)
   nn.MoEExpert = Expert
@@ -914,6 +946,8 @@ function moe.install(nn, nnf)
   -- counts (E, a Lua list), mean_probs (E) (the router's mean score of
   -- each expert over the tokens; differentiable under grad), tokens: what
   -- the load-balancing loss is made of (moe.aux_loss); moe:clear_stats().
+  -- (Under expert and tensor parallelism together: only after a forward
+  -- that gathered them, moe.keep_stats)
   local MoE = nn.Module:extend('MoE')
   nn.MoE = MoE
   function MoE:init(cfg)
@@ -1146,8 +1180,10 @@ function moe.install(nn, nnf)
   -- what the load-balancing loss and the routing biases read of a forward
   -- (ids (N, k) the experts chosen, Tl the tokens a sequence: what the
   -- sequence-wise balance loss reads, moe.seq_aux_loss)
+  -- (probs and ids nil: not gathered, forward_ep_tp; the counts and the
+  -- tokens kept, the rest refused, MoE:last_stats)
   function MoE:record_stats(counts, probs, N, ids, Tl)
-    rawset(self, '_stats', { counts = counts, probs = probs, n = N, ids = ids, seq = Tl })
+    rawset(self, '_stats', { counts = counts, probs = probs, n = N, ids = ids, seq = Tl, ungathered = probs == nil })
     -- (the slots each expert got since the last moe.update_bias, while training)
     if self:routing_bias() ~= nil and A.is_grad_enabled() then
       local pad = rawget(self, '_pad')
@@ -1257,9 +1293,12 @@ function moe.install(nn, nnf)
   -- sequence-parallel rows, or its share of the replicated stream) and
   -- sends them over the expert group (forward_ep), the experts whole; the
   -- router's weight gradient (its rows') summed over the tensor-parallel
-  -- group. The group's scores and choices are gathered (tp.moe_gather) and
-  -- the counts summed, so the balancing losses, the statistics and the
-  -- bias counts are those of the layer under --tp alone. A shared expert
+  -- group. The counts are summed from the exchange's, and the group's
+  -- scores and choices gathered (tp.moe_gather) when this forward has a
+  -- reader of them (MoE:reads_routing), so the balancing losses, the
+  -- statistics and the bias counts are those of the layer under --tp
+  -- alone; without one the statistics keep the counts and the tokens only
+  -- (last_stats refuses, moe.keep_stats). A shared expert
   -- stays split by its hidden features over every token (tp.moe_enter),
   -- its partial sums summed with the routed rows (tp.moe_join).
   function MoE:forward_ep_tp(x, ep, tpi)
@@ -1274,11 +1313,25 @@ function moe.install(nn, nnf)
     -- (the shared expert first: on a GPU it runs while the host reads the counts)
     local s = self.shared_name and self:shared_out(ctx.xr, ctx.xe, tp_sum) or nil
     local y, counts = self:forward_ep(xo, ids, w, probs, ep, nil, tpi.ep_rows)
-    local pa, ia = tpm.moe_gather(probs, ctx, tpi), tpm.moe_gather(ids, ctx, tpi)
-    y = self:seq_aux(y, pa, ia, ctx.T)
-    self:record_stats(counts, pa, ctx.N, ia, ctx.T)
-    y = self:switch_aux(y)
+    if self:reads_routing() then
+      local pa, ia = tpm.moe_gather(probs, ctx, tpi), tpm.moe_gather(ids, ctx, tpi)
+      y = self:seq_aux(y, pa, ia, ctx.T)
+      self:record_stats(counts, pa, ctx.N, ia, ctx.T)
+      y = self:switch_aux(y)
+    else
+      self:record_stats(counts, nil, ctx.N, nil, ctx.T)
+    end
     return tpm.moe_join(y, s, ctx, tpi):reshape(shape)
+  end
+
+  -- whether this forward's scores and choices have a reader, which
+  -- forward_ep_tp gathers them for: a balance-loss session (seq_aux,
+  -- switch_aux), moe.keep_stats (last_stats, moe.aux_loss,
+  -- moe.seq_aux_loss), or a multi-token-prediction depth's bias counts
+  -- (record_stats: its filler positions left out by the ids)
+  function MoE:reads_routing()
+    return rawget(self, '_seq_aux') ~= nil or rawget(self, '_aux') ~= nil or rawget(self, '_keep_stats') ~= nil
+      or (rawget(self, '_pad') ~= nil and self:routing_bias() ~= nil and A.is_grad_enabled())
   end
 
   -- counts (a Lua list of E), mean_probs (E, differentiable) and the
@@ -1289,6 +1342,7 @@ function moe.install(nn, nnf)
   function MoE:last_stats()
     local s = rawget(self, '_stats')
     if not s then return nil end
+    if s.ungathered then error(ungathered('MoE:last_stats'), 2) end
     if s.mean == nil and s.probs.storage ~= nil then s.mean = s.probs:mean(1) end
     return s.counts, s.mean, s.n
   end
@@ -1469,6 +1523,8 @@ end
 function moe.aux_loss(layers)
   local list, E = {}, nil
   for _, m in ipairs(layers) do
+    local st = rawget(m, '_stats')
+    if st and st.ungathered then error(ungathered('moe.aux_loss'), 2) end
     local c, p, n = m:last_stats()
     if c and p == nil then
       error('moe.aux_loss: the last forward\'s router scores were released by its backward '
@@ -1504,6 +1560,7 @@ function moe.seq_aux_loss(layers, alpha, opts)
   for _, m in ipairs(layers) do
     local st = rawget(m, '_stats')
     if st then
+      if st.ungathered then error(ungathered('moe.seq_aux_loss'), 2) end
       if st.probs.storage == nil then
         error('moe.seq_aux_loss: the last forward\'s router scores were released by its backward '
           .. '(autograd.release_activations): take the loss between the forward and the backward', 2)
