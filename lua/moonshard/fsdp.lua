@@ -553,7 +553,8 @@ end
 -- rank's part lies inside one f8 weight (no such point) they go through a
 -- second, small gather instead. The blockwise weights' maxima, scales and
 -- casts are one launch each for the whole model (the many-piece ops), the
--- packing one more. The cast of the shard is the cast of the
+-- tensorwise weights' amaxes and casts (their scales computed in it) too,
+-- the packing one more. The cast of the shard is the cast of the
 -- gathered weight (the same global amax, or the same block maxima, and an
 -- element-wise cast given the scale): the same bits as gathering in bf16
 -- and casting after, 1/W of the casting work and half the bytes on the
