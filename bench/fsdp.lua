@@ -29,7 +29,9 @@
 -- docs/fsdp.md; --f8-precompute N: after the measured steps, N more runs of
 -- its once-a-step precompute alone, fsdp.float8_precompute, each between two
 -- CUDA events: the amaxes, their all-reduce, the scales, the casts and the
--- packing, then the same with the all-reduce skipped),
+-- packing, then the same with the all-reduce skipped, and with tensorwise
+-- weights the same with their amaxes and casts a weight at a time,
+-- fsdp.f8_many_tensorwise = false, against one launch each),
 -- --tp (tensor parallelism instead of FSDP: ms.tp.parallelize over the
 -- world, every rank the same batch; tokens/s per GPU is then the step's
 -- tokens over the GPUs; docs/tp.md), --sp (with --tp: sequence parallel),
@@ -466,13 +468,21 @@ if float8_layers > 0 then say(('float8: %d linear layers (%s%s%s)'):format(float
 
 -- --f8-precompute N: float8_all_gather's once-a-step work alone, N times
 -- (after 2 untimed), each between two events on the compute stream; with
--- and without its all-reduce (set_skip_comm), median and mean in ms
+-- and without its all-reduce (set_skip_comm), and with tensorwise weights
+-- their amaxes and casts a weight at a time (fsdp.f8_many_tensorwise =
+-- false); median and mean in ms
 if opts['f8-precompute'] > 0 then
   assert(flags['float8-gather'] and use_fsdp, 'bench/fsdp.lua: --f8-precompute needs --float8-gather under FSDP')
   local n = math.floor(opts['f8-precompute'])
   local ev0, ev1 = ms.cuda.event { timing = true }, ms.cuda.event { timing = true }
-  for _, skip in ipairs({ false, true }) do
+  local tw = 0
+  for _, u in ipairs(ms.fsdp.units(model)) do
+    for _, k in ipairs(u.f8 and u.f8.ks or {}) do if not u.f8.blk[k] then tw = tw + 1 end end
+  end
+  for _, v in ipairs({ 'all', 'skip', tw > 0 and 'per-weight' or nil }) do
+    local skip = v == 'skip'
     if skip then ms.fsdp.set_skip_comm(model, true) end
+    ms.fsdp.f8_many_tensorwise = v ~= 'per-weight'
     local t = {}
     for k = -1, n do
       ms.cuda.synchronize()
@@ -482,17 +492,20 @@ if opts['f8-precompute'] > 0 then
       ev1:synchronize()
       if k >= 1 then t[#t + 1] = ev0:elapsed_ms(ev1) end
     end
+    ms.fsdp.f8_many_tensorwise = true
     if skip then
       ms.fsdp.set_skip_comm(model, false)
       ms.fsdp.float8_precompute(model)   -- (the all-reduced maxima again, for what follows)
     end
     local sum = 0
-    for _, v in ipairs(t) do sum = sum + v end
+    for _, x in ipairs(t) do sum = sum + x end
     table.sort(t)
     local units = 0
     for _, u in ipairs(ms.fsdp.units(model)) do if u.f8 then units = units + 1 end end
+    local what = ({ all = '', skip = ' without its all-reduce',
+      ['per-weight'] = (' with its %d tensorwise weights a launch or two each'):format(tw) })[v]
     say(('f8 precompute%s: median %.3f ms, mean %.3f ms over %d runs (%d float8 units)'):format(
-      skip and ' without its all-reduce' or '', t[math.floor((#t + 1) / 2)], sum / #t, #t, units))
+      what, t[math.floor((#t + 1) / 2)], sum / #t, #t, units))
   end
 end
 

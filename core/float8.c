@@ -55,6 +55,19 @@ static int finish(ms_tensor **out, int allocated, int rc) {
 
 /* ------------------------------------------------------------------ amax */
 
+/* max |p[i]| over n f32 values (0 for none; NaN when one is NaN): ms_amax's
+ * and ms_float8_amax_many's CPU reference */
+static float amax_f32(const float *p, int64_t n) {
+    float m = 0.0f;
+    int nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(p[i]);
+        if (a != a) nan = 1;
+        else if (a > m) m = a;
+    }
+    return nan ? NAN : m;
+}
+
 int ms_amax(ms_tensor **out, const ms_tensor *x) {
     char d[DESC];
     if (ms_tensor_check_live(x, "amax")) return -1;
@@ -75,19 +88,10 @@ int ms_amax(ms_tensor **out, const ms_tensor *x) {
 #endif
     /* in f32 (an f64 x is rounded first: rounding is monotonic, so the max
      * of the rounded values is the rounded max) */
-    int64_t n = ms_tensor_numel(x);
-    float m = 0.0f;
-    int nan = 0;
     ms_tensor *c = NULL;
     if (f32_contig(&c, x)) return finish(out, allocated, -1);
-    const float *p = ms_tensor_data(c);
-    for (int64_t i = 0; i < n; i++) {
-        float a = fabsf(p[i]);
-        if (a != a) nan = 1;
-        else if (a > m) m = a;
-    }
+    *(float *)ms_tensor_data(*out) = amax_f32(ms_tensor_data(c), ms_tensor_numel(x));
     ms_tensor_free(c);
-    *(float *)ms_tensor_data(*out) = nan ? NAN : m;
     return 0;
 }
 
@@ -1153,4 +1157,115 @@ int ms_float8_scales_blockwise_many(ms_tensor **scale, ms_tensor **inv, ms_tenso
     }
     free(first);
     return 0;
+}
+
+/* ------------------------------------ many tensorwise pieces (FSDP) */
+
+/* piece i of a tensorwise many-op: x[i] NULL (no element here) or a live
+ * contiguous 1-D float tensor on dev; amax[i] one f32 element on dev */
+static int check_tw_pieces(const char *op, ms_tensor **x, ms_tensor **amax, int n, int dev) {
+    char name[96], d[DESC], dv[32];
+    if (n < 0) return ms_errorf("%s: %d pieces", op, n);
+    if (n > 0 && !amax) return ms_errorf("%s: amax (one f32 element a piece) is missing", op);
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "%s (piece %d)", op, i + 1);
+        if (check_scalar(name, "amax", amax[i], dev)) return -1;
+        const ms_tensor *xi = x ? x[i] : NULL;
+        if (!xi) continue;
+        if (ms_tensor_check_live(xi, name)) return -1;
+        if (!ms_is_float(xi->dtype_id) || xi->ndim != 1 || !ms_tensor_is_contiguous(xi) || xi->device_id != dev)
+            return ms_errorf("%s: x must be a contiguous 1-D float tensor (f64, f32, bf16, f16) on %s, got %s", name,
+                             ms_device_str(dev, dv, sizeof dv), ms_desc(xi, d, sizeof d));
+    }
+#ifndef MS_WITH_CUDA
+    if (dev >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
+#endif
+    return 0;
+}
+
+int ms_float8_amax_many(ms_tensor **amax, ms_tensor **x, int n) {
+    const char *op = "float8_amax_many";
+    const int dev = many_device(amax, x, n);
+    if (check_tw_pieces(op, x, amax, n, dev)) return -1;
+    f8_span *sp = n > 0 ? malloc(sizeof(f8_span) * 2 * (size_t)n) : NULL;
+    if (n > 0 && !sp) return ms_errorf("%s: out of host memory", op);
+    int ns = 0;
+    for (int i = 0; i < n; i++) span_add(sp, &ns, amax[i], "amax", i);
+    const int nw = ns;
+    for (int i = 0; i < n; i++) span_add(sp, &ns, x ? x[i] : NULL, "x", i);
+    int rc = check_spans(op, sp, nw, ns);
+    free(sp);
+    if (rc || n == 0) return rc;
+#ifdef MS_WITH_CUDA
+    if (dev >= 0) return ms_cuda_float8_amax_many(amax, x, n, dev);
+#endif
+    for (int i = 0; i < n && !rc; i++) {
+        ms_tensor *f = NULL;
+        const int64_t m = piece_n(x, i);
+        if (m > 0) rc = f32_contig(&f, x[i]);
+        if (!rc) *(float *)ms_tensor_data(amax[i]) = m > 0 ? amax_f32(ms_tensor_data(f), m) : 0.0f;
+        ms_tensor_free(f);
+    }
+    return rc;
+}
+
+int ms_float8_cast_many(ms_tensor **out, ms_tensor **inv, ms_tensor **x, ms_tensor **amax, const int *pow2, int n,
+                        int dtype) {
+    const char *op = "float8_cast_many";
+    char name[96], d[DESC], dv[32];
+    if (!ms_is_float8(dtype))
+        return ms_errorf("%s: the target dtype must be f8e4m3 or f8e5m2, got %s", op, ms_dtype_name(dtype));
+    const int dev = many_device(amax, x, n);
+    if (check_tw_pieces(op, x, amax, n, dev)) return -1;
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "%s (piece %d)", op, i + 1);
+        const int64_t m = piece_n(x, i);
+        ms_tensor *o = out ? out[i] : NULL;
+        if (inv && inv[i] && check_scalar(name, "inv", inv[i], dev)) return -1;
+        if (m == 0) {
+            if (o && (ms_tensor_check_live(o, name) || ms_tensor_numel(o) != 0))
+                return ms_errorf("%s: an empty piece's out must be NULL or empty, got %s", name, ms_desc(o, d, sizeof d));
+            continue;
+        }
+        if (!o) return ms_errorf("%s: out is missing", name);
+        if (ms_tensor_check_live(o, name)) return -1;
+        if (o->dtype_id != dtype || o->ndim != 1 || o->sizes[0] != m || o->device_id != dev ||
+            !ms_tensor_is_contiguous(o))
+            return ms_errorf("%s: out must be a contiguous %s (%lld) on %s (the piece's elements), got %s", name,
+                             ms_dtype_name(dtype), (long long)m, ms_device_str(dev, dv, sizeof dv),
+                             ms_desc(o, d, sizeof d));
+    }
+    f8_span *sp = n > 0 ? malloc(sizeof(f8_span) * 4 * (size_t)n) : NULL;
+    if (n > 0 && !sp) return ms_errorf("%s: out of host memory", op);
+    int ns = 0;
+    for (int i = 0; i < n; i++) {
+        span_add(sp, &ns, piece_n(x, i) > 0 ? out[i] : NULL, "out", i);
+        span_add(sp, &ns, inv ? inv[i] : NULL, "inv", i);
+    }
+    const int nw = ns;
+    for (int i = 0; i < n; i++) {
+        span_add(sp, &ns, x ? x[i] : NULL, "x", i);
+        span_add(sp, &ns, amax[i], "amax", i);
+    }
+    int rc = check_spans(op, sp, nw, ns);
+    free(sp);
+    if (rc || n == 0) return rc;
+#ifdef MS_WITH_CUDA
+    if (dev >= 0) return ms_cuda_float8_cast_many(out, inv, x, amax, pow2, n, dtype, dev);
+#endif
+    /* ms_float8_cast's loop: the scale from the amax, x * scale rounded */
+    const int e5 = is_e5m2(dtype);
+    for (int i = 0; i < n && !rc; i++) {
+        const float scale = ms_fp8_scale(scalar_value(amax[i]), e5, pow2 ? pow2[i] : 0);
+        if (inv && inv[i]) *(float *)ms_tensor_data(inv[i]) = 1.0f / scale;
+        const int64_t m = piece_n(x, i);
+        ms_tensor *f = NULL;
+        if (m > 0) rc = f32_contig(&f, x[i]);
+        if (rc || m == 0) continue;
+        const float *p = ms_tensor_data(f);
+        uint8_t *po = ms_tensor_data(out[i]);
+        for (int64_t j = 0; j < m; j++) po[j] = ms_fp8_from_f32(p[j] * scale, e5, 1);
+        ms_tensor_free(f);
+    }
+    return rc;
 }

@@ -552,6 +552,24 @@ int ms_float8_scales_blockwise_many(ms_tensor **scale, ms_tensor **inv, ms_tenso
                                     const int *pow2, int n, int dtype);
 int ms_float8_cast_blockwise_many(ms_tensor **out, ms_tensor **x, ms_tensor **scale, const int64_t *geom, int n,
                                   int dtype);
+/* ---- the tensorwise recipe's casts of many pieces at once (FSDP's
+ * once-a-step precompute of every tensorwise weight's shard part: one
+ * launch each, up to 128 pieces a launch, one more a further x dtype)
+ *
+ * n pieces; piece i is x[i] (a contiguous 1-D float tensor of any float
+ * dtype, or NULL: no element here), amax[i] one f32 element (a slot of
+ * an amax vector), all on one device. Nothing is allocated; the written
+ * tensors overlap neither one another nor what is read.
+ * ms_float8_amax_many: amax[i] = ms_amax(x[i]) (0 for a NULL or empty x;
+ * NaN when one is NaN).
+ * ms_float8_cast_many: with scale_i = ms_fp8_scale(amax[i], dtype,
+ * pow2[i]) (pow2 NULL: all 0), out[i] (n_i) dtype = saturate(x[i] *
+ * scale_i) and inv[i] (one f32 element; a NULL array or entry: not
+ * wanted) = 1 / scale_i, written for a NULL x too (out[i] NULL or empty
+ * there): the bits ms_float8_cast writes for x[i] with amax[i]. */
+int ms_float8_amax_many(ms_tensor **amax, ms_tensor **x, int n);
+int ms_float8_cast_many(ms_tensor **out, ms_tensor **inv, ms_tensor **x, ms_tensor **amax, const int *pow2, int n,
+                        int dtype);
 /* ms_copy_bytes_many: n byte copies, copy i moving spec[3i + 2] bytes from
  * src[i] (contiguous, any dtype) at byte spec[3i + 1] to dst[i]
  * (contiguous) at byte spec[3i], every range inside its tensor, all on one

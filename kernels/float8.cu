@@ -27,12 +27,14 @@ namespace {
 // wins); the block reduces them, and the blocks fold together by an
 // atomicMax (amax_kernel) or through a grid sync (amax_cast_kernel). The
 // result does not depend on the order: max is exact.
+// (thread i0 of step threads: the grid's by default, a block's for the
+// many-piece kernel's chunks)
 template <typename T>
-__device__ __forceinline__ unsigned int thread_amax_bits(const T *__restrict__ x, long long n, bool vec) {
+__device__ __forceinline__ unsigned int thread_amax_bits(const T *__restrict__ x, long long n, bool vec,
+                                                         long long i0, long long step) {
     const int V = 16 / sizeof(T);
     float m = 0.f;
     bool nan = false;
-    const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
     const long long nv = vec ? n / V : 0;
     for (long long i = i0; i < nv; i += step) {
         vpack<T, V> q = reinterpret_cast<const vpack<T, V> *>(x)[i];
@@ -50,6 +52,9 @@ __device__ __forceinline__ unsigned int thread_amax_bits(const T *__restrict__ x
     }
     return nan ? 0x7fc00000u : __float_as_uint(m);
 }
+
+__device__ __forceinline__ long long grid_thread() { return (long long)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ long long grid_threads() { return (long long)gridDim.x * blockDim.x; }
 
 // the max of b over the block, in thread 0 (red: 32 words of shared memory;
 // the block's threads all call it)
@@ -69,7 +74,7 @@ __device__ __forceinline__ unsigned int block_max(unsigned int b, unsigned int *
 template <typename T>
 __global__ void amax_kernel(const T *__restrict__ x, long long n, bool vec, unsigned int *__restrict__ out) {
     __shared__ unsigned int red[32];
-    const unsigned int b = block_max(thread_amax_bits<T>(x, n, vec), red);
+    const unsigned int b = block_max(thread_amax_bits<T>(x, n, vec, grid_thread(), grid_threads()), red);
     if (threadIdx.x == 0 && b) atomicMax(out, b);
 }
 
@@ -185,7 +190,7 @@ __global__ void amax_cast_kernel(const T *__restrict__ x, long long R, long long
     __shared__ float s_scale;
     __shared__ __align__(16) uint8_t tile[kTile * kPitch];
     {
-        const unsigned int t = block_max(thread_amax_bits<T>(x, R * C, al), red);
+        const unsigned int t = block_max(thread_amax_bits<T>(x, R * C, al, grid_thread(), grid_threads()), red);
         if (threadIdx.x == 0) part[blockIdx.x] = t;
     }
     cooperative_groups::this_grid().sync();
@@ -1249,6 +1254,29 @@ int byte_run_cmp(const void *a, const void *b) {
     return x < y ? -1 : x > y ? 1 : 0;
 }
 
+// the n f32 tensors t[i] zeroed on st, one memset a run of adjacent ones
+int zero_runs(ms_tensor **t, int n, cudaStream_t st, const char *op) {
+    byte_run *runs = (byte_run *)malloc(sizeof(byte_run) * (size_t)(n > 0 ? n : 1));
+    if (!runs) return ms_errorf("%s: out of host memory", op);
+    int nr = 0;
+    for (int i = 0; i < n; i++) {
+        const size_t b = sizeof(float) * (size_t)ms_tensor_numel(t[i]);
+        if (b) runs[nr++] = {(char *)ms_tensor_data(t[i]), b};
+    }
+    qsort(runs, (size_t)nr, sizeof *runs, byte_run_cmp);
+    for (int r = 0; r < nr;) {
+        char *p = runs[r].p, *e = p + runs[r].n;
+        for (r++; r < nr && runs[r].p == e; r++) e += runs[r].n;
+        const cudaError_t err = cudaMemsetAsync(p, 0, (size_t)(e - p), st);
+        if (err != cudaSuccess) {
+            free(runs);
+            return ms_errorf("%s: cudaMemsetAsync: %s", op, cudaGetErrorString(err));
+        }
+    }
+    free(runs);
+    return 0;
+}
+
 struct scales_many_args {
     const float *amax[kManyMax];
     float *scale[kManyMax], *inv[kManyMax], *inv_t[kManyMax];
@@ -1264,6 +1292,141 @@ __global__ void blk_scales_many_kernel(const __grid_constant__ scales_many_args 
     if (s >= a.first[a.count]) return;
     const int i = ms_f8p_find(a.first, a.count, s);
     ms_f8p_scales_slot(a.amax[i], a.scale[i], a.inv[i], a.inv_t[i], a.nbr[i], a.nbc[i], s - a.first[i], e5, a.pow2[i]);
+}
+
+// ------------------------------------ many tensorwise pieces (FSDP)
+// Every tensorwise weight's shard part in one launch (FSDP's precompute),
+// instead of an amax and a cast (or two) a weight. The pieces are cut into
+// chunks of kTwChunk elements, a block a chunk, numbered in turn (first[i]:
+// piece i's first block); a block finds its piece by binary search, as
+// blk_piece_many_kernel's warps do. amax: the chunk's max folded into the
+// piece's amax by atomicMax (the f32 bits, zeroed first; NaN wins, as in
+// amax_kernel); cast: the piece's scale from its amax (ms_fp8_scale, the
+// per-weight cast_kernel's), 8 elements a thread a step, and the first
+// block of the piece writes its inverse scale (a piece with no element but
+// an inv wanted gets a block of its own for that). Max and the element-wise
+// cast do not depend on the order: the bits of amax_kernel and cast_kernel.
+const long long kTwChunk = 16384;
+
+struct tw_many_args {
+    const void *x[kManyMax];
+    void *out[kManyMax];            // amax: the piece's amax (f32 bits); cast: its f8 bytes
+    const float *amax[kManyMax];    // cast: the piece's amax
+    float *inv[kManyMax];           // cast: its inverse scale (or nullptr)
+    int64_t n[kManyMax];
+    int64_t first[kManyMax + 1];    // piece i's first block; first[count]: the grid
+    int pow2[kManyMax];
+    int count;
+};
+
+template <typename T>
+__global__ void tw_amax_many_kernel(const __grid_constant__ tw_many_args a) {
+    __shared__ unsigned int red[32];
+    const int i = ms_f8p_find(a.first, a.count, (int64_t)blockIdx.x);
+    const long long s = ((long long)blockIdx.x - a.first[i]) * kTwChunk, len = min(a.n[i] - s, kTwChunk);
+    const T *x = (const T *)a.x[i] + s;
+    const unsigned int b = block_max(thread_amax_bits<T>(x, len, ((uintptr_t)x & 15) == 0, threadIdx.x, blockDim.x), red);
+    if (threadIdx.x == 0 && b) atomicMax((unsigned int *)a.out[i], b);
+}
+
+template <typename T, bool E5>
+__global__ void tw_cast_many_kernel(const __grid_constant__ tw_many_args a) {
+    __shared__ float s_scale;
+    const int i = ms_f8p_find(a.first, a.count, (int64_t)blockIdx.x);
+    if (threadIdx.x == 0) {
+        const float sc = ms_fp8_scale(*a.amax[i], E5, a.pow2[i]);
+        s_scale = sc;
+        if (a.inv[i] && (int64_t)blockIdx.x == a.first[i]) *a.inv[i] = 1.0f / sc;
+    }
+    __syncthreads();
+    const float sc = s_scale;
+    const long long s = ((long long)blockIdx.x - a.first[i]) * kTwChunk, len = min(a.n[i] - s, kTwChunk);
+    if (len <= 0) return;   // (the inverse scale alone)
+    const T *x = (const T *)a.x[i] + s;
+    uint8_t *o = (uint8_t *)a.out[i] + s;
+    long long j = 0;
+    if (((uintptr_t)x & 15) == 0 && ((uintptr_t)o & 7) == 0) {   // 16-byte loads, 8-byte stores
+        constexpr int V = 16 / sizeof(T) < 8 ? 16 / sizeof(T) : 8;
+        for (j = 8 * (long long)threadIdx.x; j + 8 <= len; j += 8 * (long long)blockDim.x) {
+            union {
+                uint2 u;
+                uint8_t b[8];
+            } pk;
+#pragma unroll
+            for (int h = 0; h < 8; h += V) {
+                float f[V];
+                load_v<float, T, V>(f, x + j + h);
+#pragma unroll
+                for (int k = 0; k < V; k++) pk.b[h + k] = to_fp8(__fmul_rn(f[k], sc), E5);
+            }
+            *reinterpret_cast<uint2 *>(o + j) = pk.u;
+        }
+        // the one thread whose 8 run past the end takes what is left
+        for (long long k = j; k < len && k < j + 8; k++) o[k] = to_fp8(__fmul_rn((float)conv<T>::load(x[k]), sc), E5);
+    } else {
+        for (j = threadIdx.x; j < len; j += blockDim.x) o[j] = to_fp8(__fmul_rn((float)conv<T>::load(x[j]), sc), E5);
+    }
+}
+
+// the launches over the pieces whose x is of dtype dt (T; the pieces with
+// no element go with the first dtype's launch: rest), kManyMax a launch:
+// mode 0 amax, 1 / 2 the casts to e4m3 / e5m2
+template <typename T>
+int launch_tw_many(ms_tensor **out, ms_tensor **inv, ms_tensor **x, ms_tensor **amax, const int *pow2, int n, int dt,
+                   bool rest, int mode, cudaStream_t st) {
+    tw_many_args a;
+    int i = 0;
+    while (i < n) {
+        a.count = 0;
+        int64_t blocks = 0;
+        for (; i < n && a.count < kManyMax; i++) {
+            const int64_t m = x && x[i] ? x[i]->sizes[0] : 0;
+            if (m > 0 ? x[i]->dtype_id != dt : !(rest && mode && inv && inv[i])) continue;
+            const int k = a.count;
+            a.x[k] = m > 0 ? ms_tensor_data(x[i]) : nullptr;
+            a.out[k] = mode == 0 ? ms_tensor_data(amax[i]) : m > 0 ? ms_tensor_data(out[i]) : nullptr;
+            a.amax[k] = (const float *)ms_tensor_data(amax[i]);
+            a.inv[k] = mode && inv && inv[i] ? (float *)ms_tensor_data(inv[i]) : nullptr;
+            a.n[k] = m;
+            a.pow2[k] = pow2 ? pow2[i] : 0;
+            a.first[k] = blocks;
+            blocks += m > 0 ? (m + kTwChunk - 1) / kTwChunk : 1;
+            a.count++;
+        }
+        if (a.count == 0) continue;
+        a.first[a.count] = blocks;
+        if (blocks > 0x7fffffffLL)
+            return ms_errorf("float8_%s_many: %lld blocks in one launch", mode ? "cast" : "amax", (long long)blocks);
+        if (mode == 0) tw_amax_many_kernel<T><<<(unsigned)blocks, 256, 0, st>>>(a);
+        else if (mode == 1) tw_cast_many_kernel<T, false><<<(unsigned)blocks, 256, 0, st>>>(a);
+        else tw_cast_many_kernel<T, true><<<(unsigned)blocks, 256, 0, st>>>(a);
+        LAUNCH_CHECK(mode ? "tw_cast_many_kernel" : "tw_amax_many_kernel");
+    }
+    return 0;
+}
+
+// every x dtype's launches (one in practice: the gather source's)
+int tw_many(ms_tensor **out, ms_tensor **inv, ms_tensor **x, ms_tensor **amax, const int *pow2, int n, int mode,
+            int dev) {
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    int first_dt = -1;
+    for (int i = 0; i < n && first_dt < 0; i++)
+        if (x && x[i] && x[i]->sizes[0] > 0) first_dt = x[i]->dtype_id;
+    if (first_dt < 0) first_dt = MS_F32;   // (no element at all: the inverse scales alone)
+    const int dts[4] = {MS_F64, MS_F32, MS_BF16, MS_F16};
+    for (int d = 0; d < 4; d++) {
+        const bool rest = dts[d] == first_dt;
+        int rc = 0;
+        switch (dts[d]) {
+        case MS_F64: rc = launch_tw_many<double>(out, inv, x, amax, pow2, n, dts[d], rest, mode, st); break;
+        case MS_F32: rc = launch_tw_many<float>(out, inv, x, amax, pow2, n, dts[d], rest, mode, st); break;
+        case MS_BF16: rc = launch_tw_many<__nv_bfloat16>(out, inv, x, amax, pow2, n, dts[d], rest, mode, st); break;
+        case MS_F16: rc = launch_tw_many<__half>(out, inv, x, amax, pow2, n, dts[d], rest, mode, st); break;
+        }
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 }  // namespace
@@ -1477,25 +1640,7 @@ extern "C" int ms_cuda_float8_scales_blockwise(ms_tensor *scale, ms_tensor *inv,
 extern "C" int ms_cuda_float8_amax_blockwise_many(ms_tensor **amax, ms_tensor **x, const int64_t *geom, int n,
                                                   int dev) {
     if (ms_cuda_activate(dev)) return -1;
-    cudaStream_t st = ms_cuda_stream_of(dev);
-    byte_run *runs = (byte_run *)malloc(sizeof(byte_run) * (size_t)n);
-    if (!runs) return ms_errorf("float8_amax_blockwise_many: out of host memory");
-    int nr = 0;
-    for (int i = 0; i < n; i++) {
-        const size_t b = sizeof(float) * (size_t)ms_tensor_numel(amax[i]);
-        if (b) runs[nr++] = {(char *)ms_tensor_data(amax[i]), b};
-    }
-    qsort(runs, (size_t)nr, sizeof *runs, byte_run_cmp);
-    for (int r = 0; r < nr;) {
-        char *p = runs[r].p, *e = p + runs[r].n;
-        for (r++; r < nr && runs[r].p == e; r++) e += runs[r].n;
-        const cudaError_t err = cudaMemsetAsync(p, 0, (size_t)(e - p), st);
-        if (err != cudaSuccess) {
-            free(runs);
-            return ms_errorf("float8_amax_blockwise_many: cudaMemsetAsync: %s", cudaGetErrorString(err));
-        }
-    }
-    free(runs);
+    if (zero_runs(amax, n, ms_cuda_stream_of(dev), "float8_amax_blockwise_many")) return -1;
     return piece_many(amax, x, nullptr, geom, n, 0, dev);
 }
 
@@ -1537,4 +1682,18 @@ extern "C" int ms_cuda_float8_scales_blockwise_many(ms_tensor **scale, ms_tensor
         LAUNCH_CHECK("blk_scales_many_kernel");
     }
     return 0;
+}
+
+// the amaxes zeroed (one memset a run of adjacent ones: FSDP's are one
+// vector), then the pieces' maxima folded in
+extern "C" int ms_cuda_float8_amax_many(ms_tensor **amax, ms_tensor **x, int n, int dev) {
+    if (ms_cuda_activate(dev)) return -1;
+    cudaStream_t st = ms_cuda_stream_of(dev);
+    if (zero_runs(amax, n, st, "float8_amax_many")) return -1;
+    return tw_many(nullptr, nullptr, x, amax, nullptr, n, 0, dev);
+}
+
+extern "C" int ms_cuda_float8_cast_many(ms_tensor **out, ms_tensor **inv, ms_tensor **x, ms_tensor **amax,
+                                        const int *pow2, int n, int dtype, int dev) {
+    return tw_many(out, inv, x, amax, pow2, n, dtype == MS_F8E5M2 ? 2 : 1, dev);
 }

@@ -89,6 +89,12 @@ int ms_cuda_float8_scales_blockwise_many(ms_tensor **scale, ms_tensor **inv, ms_
                                          const int *pow2, int n, int dtype, int dev);
 int ms_cuda_float8_cast_blockwise_many(ms_tensor **out, ms_tensor **x, ms_tensor **scale, const int64_t *geom, int n,
                                        int dtype, int dev);
+/* core/ops.h ms_float8_amax_many / ms_float8_cast_many (checked there:
+ * every tensor contiguous, of its shape, on device dev; NULL entries as
+ * there) */
+int ms_cuda_float8_amax_many(ms_tensor **amax, ms_tensor **x, int n, int dev);
+int ms_cuda_float8_cast_many(ms_tensor **out, ms_tensor **inv, ms_tensor **x, ms_tensor **amax, const int *pow2, int n,
+                             int dtype, int dev);
 /* out (C, R) = x (R, C) transposed, 8-bit elements, both contiguous */
 int ms_cuda_transpose8(ms_tensor *out, const ms_tensor *x);
 /* gemm.cu: out (M, N) = ainv * binv * a (M, K) @ b (N, K)^T [+ bias] [+ beta

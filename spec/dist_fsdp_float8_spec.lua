@@ -132,6 +132,63 @@ describe('fsdp with float8 layers #mpi', function()
     end
   end
 
+  -- the tensorwise weights' amaxes and casts one launch each for the whole
+  -- model (fsdp.f8_many_tensorwise, the many-piece ops) against a launch or
+  -- two a weight (Unit:f8_cast): each step the same f8 shards (the packed
+  -- other parameters included), the same gathered f8 weights and inverse
+  -- scales, byte for byte, and the same losses
+  it('tensorwise, float8_all_gather: the many-piece amaxes and casts give the f8 shards, gathered bytes and scales of the per-weight ones (pow2 off and on), and their losses', function()
+    local ffi = require 'ffi'
+    local function bytes(t)
+      local n = t:numel() * t:element_size()
+      local p = ffi.cast('uint8_t *', t:data_ptr())
+      local r = {}
+      for i = 0, n - 1 do r[i + 1] = p[i] end
+      return r
+    end
+    for _, c in ipairs({ { 'llama-tiny', 'LlamaDecoderLayer', false }, { 'gpt2-tiny', 'GPT2Block', true } }) do
+      local x, y = FS.lcg_batch(41 + dist.rank(), 2, 16)
+      local function run(many)
+        fsdp.f8_many_tensorwise = many
+        local ok, r = pcall(function()
+          local m = FS.load_model(c[1])
+          assert.is_true(#ms.float8.convert(m, { pow2 = c[3] }) >= 8)
+          fsdp.fully_shard(m, { policy = fsdp.policy.by_class { c[2] }, strategy = 'SHARD_GRAD_OP',
+            float8_all_gather = true, mixed_precision = { param = 'bf16', reduce = 'f32' } })
+          local opt = fsdp.optimizer(m, ms.optim.AdamW, { lr = 1e-3 })
+          local out = { losses = {}, shards = {}, weights = {} }
+          for step = 1, 3 do
+            local l = ms.nn.functional.autocast('bf16', m, x, y)
+            -- (SHARD_GRAD_OP: the units stay gathered until their backward)
+            for _, u in ipairs(fsdp.units(m)) do
+              if u.f8 then out.shards[#out.shards + 1] = bytes(u.f8.shard8) end
+            end
+            for name, mod in m:named_modules() do
+              local w8, inv = fsdp.float8_weight(mod.weight)
+              if w8 then out.weights[#out.weights + 1] = { name, step, bytes(w8), bytes(inv) } end
+            end
+            l:backward(); out.losses[step] = l:item(); opt:step(); opt:zero_grad()
+          end
+          return out
+        end)
+        fsdp.f8_many_tensorwise = true
+        if not ok then error(r, 0) end
+        return r
+      end
+      local a, b = run(false), run(true)
+      assert.are.same(a.losses, b.losses, c[1])
+      assert.is_true(#a.shards >= 6 and #a.shards == #b.shards, c[1])
+      for i = 1, #a.shards do assert.are.same(a.shards[i], b.shards[i], ('%s: f8 shard %d'):format(c[1], i)) end
+      assert.is_true(#a.weights >= 12 and #a.weights == #b.weights, c[1])
+      for i, w in ipairs(a.weights) do
+        local tag = ('%s: %s at step %d'):format(c[1], w[1], w[2])
+        assert.are.equal(w[1], b.weights[i][1], tag)
+        assert.are.same(w[3], b.weights[i][3], tag .. ', f8 bytes')
+        assert.are.same(w[4], b.weights[i][4], tag .. ', inverse scale')
+      end
+    end
+  end)
+
   -- the blockwise recipe (DeepSeek-V3's) under FSDP: the weights gathered in
   -- full precision (bf16 with bf16 parameters), each layer casting its
   -- gathered weight into 128 x 128 blocks (again in the backward under

@@ -1574,3 +1574,162 @@ describe('float8 blockwise (DeepSeek-V3) scaling', function()
     assert.are.equal(2, #S.run_losses(dir .. '/run'))
   end)
 end)
+
+-- the tensorwise casts of many pieces at once (FSDP's precompute of every
+-- tensorwise weight's shard part: core/ops.h ms_float8_amax_many,
+-- ms_float8_cast_many) against amax and float8_cast piece by piece, byte
+-- for byte
+describe('float8 tensorwise casts of many pieces', function()
+  local function bits(t)
+    local c = t:contiguous()
+    local n = c:numel() * c:element_size()
+    local p = n > 0 and ffi.cast('uint8_t *', c:data_ptr()) or nil
+    local r = {}
+    for i = 0, n - 1 do r[i + 1] = p[i] end
+    return r
+  end
+  -- pieces of the float dtypes, odd lengths and magnitudes apart, one empty,
+  -- one absent (false), one of a single value repeated, one with a NaN
+  local function pieces()
+    local xs = {
+      randn({ 333 }, 3, 'bf16'), randn({ 7 }, 1e-3, 'f32'), ms.zeros({ 0 }, { dtype = 'bf16' }), false,
+      randn({ 1001 }, 40, 'f64'), ms.full({ 77 }, -2.5, { dtype = 'bf16' }), randn({ 1 }, 1, 'f16'),
+      randn({ 4099 }, 1e4, 'f32'), randn({ 129 }, 0.5, 'bf16'),
+    }
+    local v = values(randn({ 65 }, 2))
+    v[31] = 0 / 0
+    xs[#xs + 1] = S.make({ 65 }, v, 'f32')
+    return xs
+  end
+
+  it('amax and the cast of every piece in one call: the bits of amax and float8_cast (dtypes mixed, odd lengths, an empty piece, an absent one, all-equal values, a NaN; e4m3 and e5m2, pow2 on, off and mixed; into one packed buffer)', function()
+    local xs = pieces()
+    local n = #xs
+    -- the amaxes: slots of one vector filled with noise first (fully_shard's)
+    local vec = ms.rand({ n + 3 }, { seed = 90 })
+    local tail = bits(vec:narrow(1, n + 1, 3))
+    local amax = {}
+    for i = 1, n do amax[i] = vec:narrow(1, i, 1):view({}) end
+    assert.are.equal(amax, F.float8_amax_many(xs, amax))
+    for i, x in ipairs(xs) do
+      local want = x and F.amax(x) or ms.zeros({})
+      assert.are.same(bits(want), bits(amax[i]), 'amax of piece ' .. i)
+    end
+    assert.are.same(tail, bits(vec:narrow(1, n + 1, 3)), 'the vector past the amaxes untouched')
+    assert.are.equal(0, amax[3]:item(), 'an empty piece: 0')
+    assert.are.equal(2.5, amax[6]:item())
+    assert.is_true(amax[n]:item() ~= amax[n]:item(), 'a NaN wins')
+    -- cast with amaxes below the pieces' own for some (saturation)
+    local am = {}
+    for i = 1, n do am[i] = F.mul(amax[i], i % 3 == 0 and 0.25 or 1) end
+    for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+      for _, pow2 in ipairs({ false, true, 'mixed' }) do
+        local tag = ('%s pow2 %s'):format(name, tostring(pow2))
+        local p2 = {}
+        for i = 1, n do p2[i] = pow2 == 'mixed' and i % 2 == 0 or pow2 == true end
+        -- the outputs: views of one byte buffer at odd offsets, noise between
+        local total = 0
+        for _, x in ipairs(xs) do total = total + (x and x:numel() or 0) + 3 end
+        local buf = F.mul(ms.rand({ total }, { seed = 91 }), 200):to(name)
+        local out, inv, at, off = {}, {}, {}, 1
+        for i, x in ipairs(xs) do
+          off = off + 3
+          if x and x:numel() > 0 then out[i] = buf:narrow(1, off, x:numel()); off = off + x:numel() end
+          at[i] = off
+          inv[i] = ms.rand({ 1 }, { seed = 100 + i })
+        end
+        local before = bits(buf)
+        assert.are.equal(out, F.float8_cast_many(xs, am, name, { pow2 = p2, out = out, inv = inv }))
+        local after, o = bits(buf), 1
+        for i, x in ipairs(xs) do
+          for k = o, o + 2 do assert.are.equal(before[k], after[k], tag .. ' a byte between the pieces') end
+          local m = x and x:numel() or 0
+          local src = x and x:view({ 1, m }) or ms.zeros({ 0, 0 })
+          local w, _, winv = F.float8_cast(src, am[i], name, { pow2 = p2[i] })
+          if m > 0 then assert.are.same(bits(w), bits(out[i]), tag .. ' piece ' .. i) end
+          assert.are.same(bits(winv), bits(inv[i]), tag .. ' inv ' .. i)
+          o = o + 3 + m
+          assert.are.equal(at[i], o)
+        end
+      end
+    end
+    -- inv not wanted
+    local out = {}
+    for i, x in ipairs(xs) do out[i] = x and x:numel() > 0 and ms.empty({ x:numel() }, { dtype = 'f8e4m3' }) or nil end
+    F.float8_cast_many(xs, am, 'f8e4m3', { out = out })
+    assert.are.same(bits(F.float8_cast(xs[1]:view({ 1, 333 }), am[1], 'f8e4m3')), bits(out[1]))
+  end)
+
+  it('more than a launch\'s table (150 pieces), and none', function()
+    local xs, amax, out, inv = {}, {}, {}, {}
+    for i = 1, 150 do
+      xs[i] = randn({ 1 + (i * 37) % 301 }, 10 ^ (i % 5 - 2), i % 2 == 0 and 'bf16' or 'f32')
+      amax[i], inv[i] = ms.rand({ 1 }, { seed = i }), ms.zeros({ 1 })
+      out[i] = ms.empty({ xs[i]:numel() }, { dtype = 'f8e4m3' })
+    end
+    F.float8_amax_many(xs, amax)
+    F.float8_cast_many(xs, amax, 'f8e4m3', { out = out, inv = inv })
+    for i, x in ipairs(xs) do
+      local a = F.amax(x)
+      assert.are.same(bits(a), bits(amax[i]), i)
+      local w, _, wi = F.float8_cast(x:view({ 1, x:numel() }), a, 'f8e4m3')
+      assert.are.same(bits(w), bits(out[i]), i)
+      assert.are.same(bits(wi), bits(inv[i]), i)
+    end
+    F.float8_amax_many({}, {})
+    F.float8_cast_many({}, {}, 'f8e4m3', {})
+  end)
+
+  it('each piece reads its own elements only (huge values just outside each)', function()
+    local v = values(randn({ 1000 }))
+    local cuts = { 0, 100, 301, 304, 777, 1000 }
+    for k = 2, #cuts - 1 do v[cuts[k]] = 1e30; v[cuts[k] + 1] = -1e30 end
+    local flat = S.make({ 1000 }, v, 'f32')
+    local xs, amax, out = {}, {}, {}
+    for k = 1, #cuts - 1 do
+      local m = cuts[k + 1] - cuts[k] - 2
+      xs[k] = flat:narrow(1, cuts[k] + 2, m)
+      amax[k], out[k] = ms.zeros({}), ms.empty({ m }, { dtype = 'f8e4m3' })
+    end
+    F.float8_amax_many(xs, amax)
+    F.float8_cast_many(xs, amax, 'f8e4m3', { out = out })
+    for k, x in ipairs(xs) do
+      assert.is_true(amax[k]:item() < 100, k)
+      assert.are.same(bits(F.amax(x)), bits(amax[k]), k)
+      assert.are.same(bits(F.float8_cast(x:view({ 1, x:numel() }), amax[k], 'f8e4m3')), bits(out[k]), k)
+    end
+  end)
+
+  it('bad arguments are errors naming the piece', function()
+    local function err(fn, want)
+      local e = S.errmsg(fn)
+      assert.is_truthy(e:find(want, 1, true), e)
+    end
+    local x = randn({ 300 })
+    local a, o = ms.zeros({}), ms.empty({ 300 }, { dtype = 'f8e4m3' })
+    err(function() F.float8_amax_many({ x, x }, { a, ms.zeros({ 2 }) }) end,
+      'float8_amax_many (piece 2): amax must be one f32 element on cpu')
+    err(function() F.float8_amax_many({ x }, { ms.zeros({}, { dtype = 'bf16' }) }) end, 'amax must be one f32 element')
+    err(function() F.float8_amax_many({ x:view({ 3, 100 }) }, { a }) end,
+      'float8_amax_many (piece 1): x must be a contiguous 1-D float tensor')
+    err(function() F.float8_amax_many({ randn({ 10, 3 }):select(2, 1) }, { a }) end, 'x must be a contiguous 1-D')
+    err(function() F.float8_amax_many({ ms.zeros({ 4 }, { dtype = 'i32' }) }, { a }) end, 'x must be a contiguous 1-D float')
+    err(function() F.float8_amax_many({ x }, {}) end, '(piece 1): amax is missing')
+    err(function() F.float8_amax_many({ x }, nil) end, 'amax must be a list of tensors')
+    err(function() F.float8_amax_many(x, { a }) end, 'xs must be a list')
+    err(function() F.float8_amax_many({ x, x }, { a, a }) end, 'amax[1] overlaps amax[2]')
+    local v = ms.zeros({ 4 })
+    err(function() F.float8_amax_many({ v:narrow(1, 2, 3) }, { v:narrow(1, 2, 1) }) end, 'amax[1] overlaps x[1]')
+    err(function() F.float8_cast_many({ x }, { a }, 'bf16', { out = { o } }) end, 'f8e4m3 or f8e5m2')
+    err(function() F.float8_cast_many({ x }, { a }, 'f8e4m3', { out = { ms.empty({ 299 }, { dtype = 'f8e4m3' }) } }) end,
+      'float8_cast_many (piece 1): out must be a contiguous f8e4m3 (300) on cpu')
+    err(function() F.float8_cast_many({ x }, { a }, 'f8e5m2', { out = { o } }) end, 'out must be a contiguous f8e5m2 (300)')
+    err(function() F.float8_cast_many({ x }, { a }, 'f8e4m3', {}) end, '(piece 1): out is missing')
+    err(function() F.float8_cast_many({ x, false }, { a, ms.zeros({}) }, 'f8e4m3', { out = { o, o } }) end,
+      "(piece 2): an empty piece's out must be NULL or empty")
+    err(function() F.float8_cast_many({ x, x }, { a, a }, 'f8e4m3', { out = { o, o } }) end, 'out[1] overlaps out[2]')
+    err(function() F.float8_cast_many({ x }, { a }, 'f8e4m3', { out = { o }, inv = { ms.zeros({ 2 }) } }) end,
+      '(piece 1): inv must be one f32 element')
+    err(function() F.float8_cast_many({ x }, { a }, 'f8e4m3', { out = { o }, inv = { a } }) end, 'inv[1] overlaps amax[1]')
+  end)
+end)

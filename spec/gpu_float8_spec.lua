@@ -693,6 +693,70 @@ describe('float8 blockwise on cuda #gpu', function()
     end
   end)
 
+  -- the tensorwise forms (FSDP's precompute of the tensorwise weights:
+  -- kernels/float8.cu's tw_amax_many_kernel and tw_cast_many_kernel, a
+  -- block a 16384-element chunk) against the CUDA per-weight amax and
+  -- float8_cast and the CPU many-ops, byte for byte
+  it('many tensorwise pieces at once: the bytes of the CUDA amax / float8_cast and of the CPU (dtypes mixed, odd lengths, several chunks, unaligned sources and outputs, an empty piece, an absent one, all-equal values, 150 pieces: two launches, formats, pow2 mixed; inverse scales alone)', function()
+    -- a flat bf16 source whose pieces start at odd elements (unaligned
+    -- loads), beside pieces of their own of the other dtypes
+    local flat = randn({ 90000 }, 2, 'bf16')
+    local xs = { flat:narrow(1, 1, 50001), flat:narrow(1, 50004, 333), randn({ 7 }, 1e-3, 'f32'),
+      ms.zeros({ 0 }, { dtype = 'bf16' }), false, randn({ 20001 }, 40, 'f64'), ms.full({ 77 }, -2.5, { dtype = 'bf16' }),
+      randn({ 1 }, 1, 'f16'), randn({ 4099 }, 1e4, 'f32'), flat:narrow(1, 60000, 17000) }
+    for i = 1, 140 do xs[#xs + 1] = randn({ 1 + (i * 37) % 301 }, 10 ^ (i % 5 - 2), i % 2 == 0 and 'bf16' or 'f32') end
+    local n = #xs
+    local xg = {}
+    for i, x in ipairs(xs) do xg[i] = x and x:cuda() end
+    local flatg = flat:cuda()
+    xg[1], xg[2], xg[10] = flatg:narrow(1, 1, 50001), flatg:narrow(1, 50004, 333), flatg:narrow(1, 60000, 17000)
+    local vec, vecg = ms.rand({ n }, { seed = 3 }), ms.rand({ n }, { seed = 4 }):cuda()
+    local am, amg = {}, {}
+    for i = 1, n do am[i], amg[i] = vec:narrow(1, i, 1):view({}), vecg:narrow(1, i, 1):view({}) end
+    F.float8_amax_many(xs, am)
+    F.float8_amax_many(xg, amg)
+    same_bytes(vecg, vec, 'the amaxes against the CPU')
+    for i = 1, n do
+      same_bytes(amg[i], xg[i] and F.amax(xg[i]) or ms.zeros({}), 'amax ' .. i .. ' against amax')
+    end
+    -- (a third of them below the pieces' own: saturation)
+    for i = 3, n, 3 do am[i], amg[i] = F.mul(am[i], 0.25), F.mul(amg[i], 0.25) end
+    for _, name in ipairs({ 'f8e4m3', 'f8e5m2' }) do
+      local p2 = {}
+      for i = 1, n do p2[i] = i % 2 == 0 end
+      -- the outputs: views of one byte buffer, every other at an odd byte
+      local total = 0
+      for _, x in ipairs(xs) do total = total + (x and x:numel() or 0) + 1 end
+      local buf = ms.zeros({ total }):to(name)
+      local bufg = F.mul(ms.rand({ total }, { seed = 5 }), 100):to(name):cuda()
+      local out, outg, inv, invg, off = {}, {}, {}, {}, 1
+      for i, x in ipairs(xs) do
+        off = off + i % 2
+        local m = x and x:numel() or 0
+        if m > 0 then out[i], outg[i] = buf:narrow(1, off, m), bufg:narrow(1, off, m); off = off + m end
+        inv[i], invg[i] = ms.zeros({ 1 }), ms.rand({ 1 }, { seed = i }):cuda()
+      end
+      F.float8_cast_many(xs, am, name, { pow2 = p2, out = out, inv = inv })
+      F.float8_cast_many(xg, amg, name, { pow2 = p2, out = outg, inv = invg })
+      for i = 1, n do
+        local tag = ('%s piece %d'):format(name, i)
+        local src = xg[i] and xg[i]:view({ 1, xg[i]:numel() }) or ms.zeros({ 0, 0 }):cuda()
+        local w, _, wi = F.float8_cast(src, amg[i], name, { pow2 = p2[i] })
+        if outg[i] then
+          same_bytes(outg[i], w, tag .. ' against float8_cast')
+          same_bytes(outg[i], out[i], tag .. ', cpu')
+        end
+        same_bytes(invg[i], wi, tag .. ' inv against float8_cast')
+        same_bytes(invg[i], inv[i], tag .. ' inv, cpu')
+      end
+    end
+    -- no element anywhere: the inverse scales alone
+    local iv = { ms.zeros({ 1 }):cuda(), ms.zeros({ 1 }):cuda() }
+    F.float8_cast_many({ false, ms.zeros({ 0 }):cuda() }, { amg[1], amg[3] }, 'f8e4m3', { inv = iv })
+    same_bytes(iv[1], select(3, F.float8_cast(ms.zeros({ 0, 0 }):cuda(), amg[1], 'f8e4m3')), 'inv alone 1')
+    same_bytes(iv[2], select(3, F.float8_cast(ms.zeros({ 0, 0 }):cuda(), amg[3], 'f8e4m3')), 'inv alone 2')
+  end)
+
   it('copy_bytes_many_ (kernels/convert_many.cu): the CPU\'s bytes (aligned and not, longer than a block\'s chunk, 150 copies: two launches)', function()
     local src = { randn({ 50000 }, 1, 'bf16'), randn({ 3001 }), ms.rand({ 999 }):to('u8') }
     local dst = { randn({ 40000 }), randn({ 70001 }, 1, 'bf16') }

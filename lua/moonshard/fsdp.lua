@@ -553,7 +553,8 @@ end
 -- rank's part lies inside one f8 weight (no such point) they go through a
 -- second, small gather instead. The blockwise weights' maxima, scales and
 -- casts are one launch each for the whole model (the many-piece ops), the
--- packing one more. The cast of the shard is the cast of the
+-- tensorwise weights' amaxes and casts (their scales computed in it) too,
+-- the packing one more. The cast of the shard is the cast of the
 -- gathered weight (the same global amax, or the same block maxima, and an
 -- element-wise cast given the scale): the same bits as gathering in bf16
 -- and casting after, 1/W of the casting work and half the bytes on the
@@ -574,6 +575,10 @@ end
 -- the other parameters in the f8 gather where the layout allows (false:
 -- always a gather of their own; specs compare the two)
 fsdp.f8_joint_gather = true
+-- the tensorwise weights' amaxes and casts one launch each for the whole
+-- model (the many-piece ops; false: a launch or two a weight, Unit:f8_cast;
+-- specs compare the bytes)
+fsdp.f8_many_tensorwise = true
 
 local function f8_plan(u)
   local f8mod = package.loaded['moonshard.float8']
@@ -730,6 +735,9 @@ function Unit:f8_init()
       f8.amax[k] = a:view({})
       a:free()
       f8.inv[k] = T.empty({}, { dtype = 'f32', device = dev })
+      -- (the part's bytes whole, for the many-piece cast; its tiles below
+      -- for the cast a weight at a time)
+      if pc then f8.out8[k] = f8.shard8:narrow(1, f8_local(fp, f8, pc.off) + 1, pc.n) end
     end
     -- this rank's part cast as (n / 64, 64) rows (the cast's 64 x 64 tiles
     -- full) and the rest as one row: { off, rows, cols, out }
@@ -766,9 +774,11 @@ end
 -- unit's source views change: by f8 dtype (blk[dtype]), the blockwise
 -- weights' pieces (n, x, geom), grids (amax, scale, inv, inv_t, pow2) and
 -- the pieces this rank casts (nc, cx, cgeom, cscale, cout), as the
--- many-piece ops take them; pack: the copies of the other parameters'
--- elements into the f8 shards (or their own sources). refs keeps the
--- tensors alive.
+-- many-piece ops take them; by f8 dtype (tw[dtype]), the tensorwise
+-- weights' parts (n, x: none where this rank has no part), amaxes, inverse
+-- scales, pow2 and f8 bytes (out); pack: the copies of the other
+-- parameters' elements into the f8 shards (or their own sources). refs
+-- keeps the tensors alive.
 local function f8_tables(st)
   local svs = {}
   for i, u in ipairs(st.f8_units) do svs[i] = u:f8_src_views() end
@@ -778,12 +788,18 @@ local function f8_tables(st)
     for i, sv in ipairs(svs) do if tab.svs[i] ~= sv then same = false end end
     if same then return tab end
   end
-  local lists, pack = {}, {}
+  local lists, tws, pack = {}, {}, {}
   for i, u in ipairs(st.f8_units) do
     local f8, sv = u.f8, svs[i]
     for _, k in ipairs(f8.ks) do
       local b, pc = f8.blk[k], f8.piece[k]
-      if b then
+      if not b then
+        local l = tws[f8.dtype8] or { x = {}, amax = {}, inv = {}, out = {}, pow2 = {} }
+        tws[f8.dtype8] = l
+        local j = #l.amax + 1
+        l.x[j], l.amax[j], l.inv[j], l.out[j] = sv.part[k] or false, f8.amax[k], f8.inv[k], f8.out8[k] or false
+        l.pow2[j] = f8.cfg[k].pow2 and 1 or 0
+      else
         local l = lists[f8.dtype8] or { x = {}, geom = {}, amax = {}, scale = {}, inv = {}, inv_t = {}, pow2 = {},
           cx = {}, cgeom = {}, cscale = {}, cout = {} }
         lists[f8.dtype8] = l
@@ -813,36 +829,51 @@ local function f8_tables(st)
     for i = 1, n do for j = 1, 3 do a[3 * (i - 1) + j - 1] = list[i][j] end end
     return a
   end
-  tab = { svs = svs, blk = {}, pack = f8_copies(pack), refs = lists }
+  local function ints(list, n)
+    local a = ffi.new('int[?]', math.max(n, 1))
+    for i = 1, n do a[i - 1] = list[i] end
+    return a
+  end
+  tab = { svs = svs, blk = {}, tw = {}, pack = f8_copies(pack), refs = { lists, tws } }
+  for dt, l in pairs(tws) do
+    local n = #l.amax
+    tab.tw[#tab.tw + 1] = { dtype = T.dtype_id(dt), n = n, x = arr(l.x, n), amax = arr(l.amax, n), inv = arr(l.inv, n),
+      out = arr(l.out, n), pow2 = ints(l.pow2, n) }
+  end
   for dt, l in pairs(lists) do
     local n, nc = #l.amax, #l.cx
-    local pw = ffi.new('int[?]', math.max(n, 1))
-    for i = 1, n do pw[i - 1] = l.pow2[i] end
     tab.blk[#tab.blk + 1] = { dtype = T.dtype_id(dt), n = n, x = arr(l.x, n), geom = geoms(l.geom, n),
-      amax = arr(l.amax, n), scale = arr(l.scale, n), inv = arr(l.inv, n), inv_t = arr(l.inv_t, n), pow2 = pw,
+      amax = arr(l.amax, n), scale = arr(l.scale, n), inv = arr(l.inv, n), inv_t = arr(l.inv_t, n), pow2 = ints(l.pow2, n),
       nc = nc, cx = arr(l.cx, nc), cgeom = geoms(l.cgeom, nc), cscale = arr(l.cscale, nc), cout = arr(l.cout, nc) }
   end
   st.f8_tab = tab
   return tab
 end
 
--- once a step, every float8 unit's local amaxes (the blockwise ones in one
--- launch), one all_reduce(max), and the casts (the blockwise scales and
--- casts one launch each, the tensorwise ones a weight each: Unit:f8_cast)
--- and the packing (one launch): the f8 shards are then sources a
--- copy-engine gather may read (a new src_gen: the next such gather fences)
+-- once a step, every float8 unit's local amaxes (one launch for the
+-- tensorwise weights, one for the blockwise ones), one all_reduce(max) a
+-- vector, and the casts (the tensorwise ones one launch, their scales
+-- computed in it; the blockwise scales and casts one launch each) and the
+-- packing (one launch): the f8 shards are then sources a copy-engine
+-- gather may read (a new src_gen: the next such gather fences).
+-- fsdp.f8_many_tensorwise = false: the tensorwise ones a weight at a time
 local function f8_precompute(st)
   st.f8_stale = false
   local tab = f8_tables(st)
-  for _, u in ipairs(st.f8_units) do
-    local f8, sv = u.f8, u.f8.sv
-    for _, k in ipairs(f8.ks) do
-      if f8.blk[k] then   -- (below)
-      elseif sv.part[k] then
-        st.box[0] = f8.amax[k]
-        check(C.ms_amax(st.box, sv.part[k]), 2)
-      else
-        raw_zero(f8.amax[k])
+  local many = fsdp.f8_many_tensorwise
+  if many then
+    for _, g in ipairs(tab.tw) do check(C.ms_float8_amax_many(g.amax, g.x, g.n), 2) end
+  else
+    for _, u in ipairs(st.f8_units) do
+      local f8, sv = u.f8, u.f8.sv
+      for _, k in ipairs(f8.ks) do
+        if f8.blk[k] then   -- (below)
+        elseif sv.part[k] then
+          st.box[0] = f8.amax[k]
+          check(C.ms_amax(st.box, sv.part[k]), 2)
+        else
+          raw_zero(f8.amax[k])
+        end
       end
     end
   end
@@ -858,7 +889,11 @@ local function f8_precompute(st)
     check(C.ms_float8_scales_blockwise_many(g.scale, g.inv, g.inv_t, g.amax, g.pow2, g.n, g.dtype), 2)
     if g.nc > 0 then check(C.ms_float8_cast_blockwise_many(g.cout, g.cx, g.cscale, g.cgeom, g.nc, g.dtype), 2) end
   end
-  for _, u in ipairs(st.f8_units) do u:f8_cast() end
+  if many then
+    for _, g in ipairs(tab.tw) do check(C.ms_float8_cast_many(g.out, g.inv, g.x, g.amax, g.pow2, g.n, g.dtype), 2) end
+  else
+    for _, u in ipairs(st.f8_units) do u:f8_cast() end
+  end
   if tab.pack.n > 0 then check(C.ms_copy_bytes_many(tab.pack.d, tab.pack.s, tab.pack.spec, tab.pack.n), 2) end
   st.src_gen = st.src_gen + 1
   st.f8_gen = st.src_gen
@@ -931,7 +966,8 @@ function Unit:f8_src_views()
 end
 
 -- the unit's tensorwise parts cast with their weights' scales into the f8
--- shard (the blockwise ones: f8_precompute, for the whole model at once)
+-- shard, a weight at a time (fsdp.f8_many_tensorwise = false; else, and
+-- for the blockwise ones: f8_precompute, for the whole model at once)
 function Unit:f8_cast()
   local st, f8 = self.st, self.f8
   local sv = self:f8_src_views()

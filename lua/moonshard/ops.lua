@@ -658,6 +658,48 @@ function F.float8_cast_blockwise_many(pieces, scale, dtype, out)
   return out
 end
 
+-- The tensorwise casts of many pieces at once (one launch each on CUDA,
+-- up to 128 pieces a launch; the bits of amax and float8_cast; core/ops.h):
+-- xs a list of contiguous 1-D float tensors (false: no element here).
+-- float8_amax_many(xs, amax) -> amax: amax[i] (one f32 element each: slots
+-- of a vector) = amax(xs[i]) (0 for false)
+local function piece_list(name, xs)
+  if type(xs) ~= 'table' then raise(('%s: xs must be a list, got %s'):format(name, type(xs))) end
+  local n = 0
+  for i in pairs(xs) do if type(i) == 'number' and i > n then n = i end end
+  local a = ffi.new('ms_tensor*[?]', math.max(n, 1))
+  for i = 1, n do
+    if xs[i] then need_tensor(name, xs[i], ('xs[%d]'):format(i)); a[i - 1] = xs[i] end
+  end
+  return n, a
+end
+
+function F.float8_amax_many(xs, amax)
+  local name = 'float8_amax_many'
+  local n, x = piece_list(name, xs)
+  check(C.ms_float8_amax_many(tensor_array(name, amax, n, 'amax'), x, n))
+  return amax
+end
+
+-- float8_cast_many(xs, amax, dtype, {pow2 = (a bool, or a list of them),
+-- out = (a list: each piece's f8 elements, nil for a false one), inv = (a
+-- list of one-element f32 tensors, optional)}): float8_cast of each piece
+-- with its amax, into the tensors given; inv written for false pieces too
+function F.float8_cast_many(xs, amax, dtype, opts)
+  local name = 'float8_cast_many'
+  opts = opts or {}
+  local n, x = piece_list(name, xs)
+  local p2 = ffi.new('int[?]', math.max(n, 1))
+  for i = 1, n do
+    local v = opts.pow2
+    if type(v) == 'table' then v = v[i] end
+    p2[i - 1] = v and 1 or 0
+  end
+  check(C.ms_float8_cast_many(tensor_array(name, opts.out or {}, n, 'out'), tensor_array(name, opts.inv, n, 'inv', true),
+    x, tensor_array(name, amax, n, 'amax'), p2, n, T.dtype_id(dtype or 'f8e4m3', 3)))
+  return opts.out
+end
+
 -- copy_bytes_many_(copies): each { dst, dst_byte, src, src_byte, nbytes }
 -- (contiguous tensors of any dtypes, one device) copied, bytes as they
 -- are; one kernel on CUDA (core/ops.h ms_copy_bytes_many)
