@@ -779,16 +779,18 @@ size_t dkdv_smem(bool op = false) {
 // the warpgroup's 64 keys j0.. in K and V at the descriptors dK, dV (key0:
 // this thread's first key, key0 + 8 its second). S^T = K Q^T and dP^T = V
 // dO^T (64 keys x BQ queries), then P = 2^(S^T sl - lse) (masked on edge
-// tiles) and dS = P (dP - Delta), rounded to T as the A fragments pa, da of
-// dV += P^T dO and dK += dS^T Q.
+// tiles) into st and dS = P (dP - Delta) into dpt (BQ / 2 accumulators
+// each), which the caller rounds to the A fragments of dV += P^T dO and dK +=
+// dS^T Q (c_to_a). (The fragments in the caller, not here: with them made
+// here, through array references, the same PTX instructions came out
+// numbered differently and ptxas gave dkdv_kernel 174 registers instead of
+// 165 at head dim 64, a block an SM fewer, and its one pass spills.)
 template <typename T, int D, int DV, int BQ>
-__device__ __forceinline__ void dkdv_p_ds(unsigned (&pa)[BQ / 16][4], unsigned (&da)[BQ / 16][4], uint64_t dK,
-                                          uint64_t dV, const T *Qb, const T *Gb, const float *Lb, const float *Db,
-                                          long long i0, long long j0, long long key0, long long Tq, long long Tk,
-                                          long long off, int causal, float sl, int t4) {
-    constexpr int NK = D / 16, NKV = DV / 16, NS = BQ / 2, NQ = BQ / 16;
+__device__ __forceinline__ void dkdv_p_ds(float *st, float *dpt, uint64_t dK, uint64_t dV, const T *Qb, const T *Gb,
+                                          const float *Lb, const float *Db, long long i0, long long j0, long long key0,
+                                          long long Tq, long long Tk, long long off, int causal, float sl, int t4) {
+    constexpr int NK = D / 16, NKV = DV / 16, NS = BQ / 2;
     // S^T = K Q^T, dP^T = V dO^T: 64 keys x BQ queries
-    float st[NS], dpt[NS];
     fence();
     const uint64_t dQb = desc(Qb), dGb = desc(Gb);
 #pragma unroll
@@ -823,20 +825,15 @@ __device__ __forceinline__ void dkdv_p_ds(unsigned (&pa)[BQ / 16][4], unsigned (
             dpt[4 * n + e] = p * (dpt[4 * n + e] - ((e & 1) ? D2.y : D2.x));
         }
     }
-#pragma unroll
-    for (int kk = 0; kk < NQ; kk++) {
-        c_to_a<T>(pa[kk], st, kk);
-        c_to_a<T>(da[kk], dpt, kk);
-    }
 }
 
-// dV += P^T dO, dK += dS^T Q (dO, Q MN-major: DV, D along N), issued: the
-// caller fences before and commits and waits after
+// dV += P^T dO, dK += dS^T Q (dO, Q MN-major: DV, D along N; dGt, dQt their
+// descriptors, desc_mn), issued: the caller fences before and commits and
+// waits after
 template <typename T, int D, int DV, int BQ>
 __device__ __forceinline__ void dkdv_mma(float *dka, float *dva, const unsigned (&pa)[BQ / 16][4],
-                                         const unsigned (&da)[BQ / 16][4], const T *Qb, const T *Gb) {
+                                         const unsigned (&da)[BQ / 16][4], uint64_t dQt, uint64_t dGt) {
     constexpr int NQ = BQ / 16;
-    const uint64_t dQt = desc_mn<D, BQ>(Qb), dGt = desc_mn<DV, BQ>(Gb);
 #pragma unroll
     for (int kk = 0; kk < NQ; kk++) mma_rs_t<T, DV>(dva, pa[kk], dGt + kk * (2048 >> 4), 1);
 #pragma unroll
@@ -846,12 +843,12 @@ __device__ __forceinline__ void dkdv_mma(float *dka, float *dva, const unsigned 
 // dkdv_mma fenced, committed and waited for (the two-pass step's end)
 template <typename T, int D, int DV, int BQ>
 __device__ __forceinline__ void dkdv_acc(float *dka, float *dva, unsigned (&pa)[BQ / 16][4],
-                                         unsigned (&da)[BQ / 16][4], const T *Qb, const T *Gb) {
+                                         unsigned (&da)[BQ / 16][4], uint64_t dQt, uint64_t dGt) {
     constexpr int NA = D / 2, NV = DV / 2, NQ = BQ / 16;
     pin<NV>(dva);
     pin<NA>(dka);
     fence();
-    dkdv_mma<T, D, DV, BQ>(dka, dva, pa, da, Qb, Gb);
+    dkdv_mma<T, D, DV, BQ>(dka, dva, pa, da, dQt, dGt);
     commit();
     wait<0>();
     pin<NV>(dva);
@@ -1009,8 +1006,16 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
         if (!OP && causal && j0 > i0 + BQ - 1 + off) continue;
         const T *Qb = Qs + buf * BQ * D, *Gb = Gs + buf * BQ * DV;
         const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
+        float st[BQ / 2], dpt[BQ / 2];
+        dkdv_p_ds<T, D, DV, BQ>(st, dpt, dK, dV, Qb, Gb, Lb, Db, i0, j0, key0, Tq, Tk, off, causal, sl, t4);
         unsigned pa[NQ][4], da[NQ][4];
-        dkdv_p_ds<T, D, DV, BQ>(pa, da, dK, dV, Qb, Gb, Lb, Db, i0, j0, key0, Tq, Tk, off, causal, sl, t4);
+#pragma unroll
+        for (int kk = 0; kk < NQ; kk++) {
+            c_to_a<T>(pa[kk], st, kk);
+            c_to_a<T>(da[kk], dpt, kk);
+        }
+        // dV += P^T dO, dK += dS^T Q (dO, Q MN-major: DV, D along N)
+        const uint64_t dQt = desc_mn<D, BQ>(Qb), dGt = desc_mn<DV, BQ>(Gb);
         if constexpr (OP) {
             // dS^T (keys x queries) into Ss as rounded for dK; dQ = dS K with
             // dS read from it transposed, K MN-major (as V in P V)
@@ -1022,7 +1027,7 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             pin<32>(dva);
             pin<32>(dka);
             fence();
-            dkdv_mma<T, D, DV, BQ>(dka, dva, pa, da, Qb, Gb);
+            dkdv_mma<T, D, DV, BQ>(dka, dva, pa, da, dQt, dGt);
             const uint64_t dS = desc(Ss);
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) mma_ss_tt<T, 64>(dqa, dS + kk * (2048 >> 4), dK + kk * (2048 >> 4), kk);
@@ -1038,7 +1043,7 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             dq_add<T>(dq, ldq, dqacc, sem + 1 + ((long long)b * H + hq) * nqt + i0 / BQ, dqa, b, hq, H, i0, Tq,
                       jlast - jb, jb == 0, scale);
         } else {
-            dkdv_acc<T, D, DV, BQ>(dka, dva, pa, da, Qb, Gb);
+            dkdv_acc<T, D, DV, BQ>(dka, dva, pa, da, dQt, dGt);
         }
     }
 
@@ -1091,19 +1096,18 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
 // those keys starts past those tiles: the same steps). Past Tk a consumer
 // may own no key: it takes part in every hand-off and stores nothing.
 // Registers by setmaxnreg as fwd_ws_kernel: 168 a thread at launch (384
-// threads, one block an SM), the producer warpgroup 24 (32 at 192), the
-// consumers 240 (232). Shared memory: each consumer's K and V tiles (64 x
-// (D + DV), grown to stage its outputs: dk's [64][D + 8], then dv's [64][DV
-// + 8]), the two stages of Q and dO (BQ x (D + DV)), their rows' lse and
-// Delta, the four mbarriers.
+// threads, one block an SM), the producer warpgroup 32, the consumers 232
+// (no spills at either width). Shared memory: each consumer's K and V tiles
+// (64 x (D + DV), grown to stage its outputs: dk's [64][D + 8], then dv's
+// [64][DV + 8]), the two stages of Q and dO (BQ x (D + DV)), their rows' lse
+// and Delta, the four mbarriers: 137,248 bytes at 128, 128,544 at (192,
+// 128).
 constexpr int kBwsStages = 2;
-template <int D, int DV>
-constexpr int bws_ce() {  // elements of a consumer's K, V tiles and output stage, a multiple of 512 (1024 bytes)
-    return (64 * (D + 8) + 64 * (DV + 8) + 511) / 512 * 512;
-}
+template <int D, int DV>  // elements of a consumer's K, V tiles and output stage, a multiple of 512 (1024 bytes)
+constexpr int bws_ce = (64 * (D + 8) + 64 * (DV + 8) + 511) / 512 * 512;
 template <int D, int DV, int BQ>
 size_t dkdv_ws_smem() {
-    return 1024 + (size_t)(2 * bws_ce<D, DV>() + kBwsStages * BQ * (D + DV)) * 2 +
+    return 1024 + (size_t)(2 * bws_ce<D, DV> + kBwsStages * BQ * (D + DV)) * 2 +
            (size_t)kBwsStages * 2 * BQ * sizeof(float) + 2 * kBwsStages * sizeof(uint64_t);
 }
 
@@ -1115,9 +1119,10 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel(T *dk, T *dv, const T *
                                                          qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lg,
                                                          qkv_layout ldk, qkv_layout ldv, int H, int Hkv, long long Tq,
                                                          long long Tk, float scale, int causal, float *part = nullptr) {
-    constexpr int NS = kBwsStages, CE = bws_ce<D, DV>(), SE = BQ * (D + DV), NQ = BQ / 16, NR = BQ / 32;
-    // setmaxnreg's budgets (168 x 384 at launch = 128 P + 256 C)
-    constexpr int PREG = D > 128 ? 32 : 24, CREG = D > 128 ? 232 : 240;
+    constexpr int NS = kBwsStages, CE = bws_ce<D, DV>, SE = BQ * (D + DV), NQ = BQ / 16, NR = BQ / 32;
+    // setmaxnreg's budgets (168 x 384 at launch = 128 P + 256 C): the
+    // producer's 24 spilled 16 bytes at 128 (its copy loop's addresses)
+    constexpr int PREG = 32, CREG = 232;
     static_assert((D == 128 && DV == 128 && BQ == 64) || (D == 192 && DV == 128 && BQ == 32),
                   "q/k 128 (64-query steps) or 192 with v 128 (32-query steps)");
     static_assert(SE * 2 % 1024 == 0 && BQ * D * 2 % 1024 == 0 && 64 * D * 2 % 1024 == 0, "tiles 1024-byte aligned");
@@ -1214,9 +1219,15 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel(T *dk, T *dv, const T *
             fence_proxy();  // the producer's cp.async writes (generic proxy) before wgmma's reads
             const T *Qb = St + s * SE, *Gb = Qb + BQ * D;
             const float *Lb = LDs + 2 * s * BQ, *Db = Lb + BQ;
+            float st[BQ / 2], dpt[BQ / 2];
+            dkdv_p_ds<T, D, DV, BQ>(st, dpt, dK, dV, Qb, Gb, Lb, Db, i0, j0c, key0, Tq, Tk, off, causal, sl, t4);
             unsigned pa[NQ][4], da[NQ][4];
-            dkdv_p_ds<T, D, DV, BQ>(pa, da, dK, dV, Qb, Gb, Lb, Db, i0, j0c, key0, Tq, Tk, off, causal, sl, t4);
-            dkdv_acc<T, D, DV, BQ>(dka, dva, pa, da, Qb, Gb);
+#pragma unroll
+            for (int kk = 0; kk < NQ; kk++) {
+                c_to_a<T>(pa[kk], st, kk);
+                c_to_a<T>(da[kk], dpt, kk);
+            }
+            dkdv_acc<T, D, DV, BQ>(dka, dva, pa, da, desc_mn<D, BQ>(Qb), desc_mn<DV, BQ>(Gb));
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[s]);  // this warp's reads of the stage done
