@@ -8,7 +8,9 @@
 // PTX ISA: a block is 128 fibers (fwd_ws_kernel's: 384, three warpgroups)
 // (ucontext) switched at every barrier (block, named: bar.sync / bar.arrive
 // with a thread count, a named barrier left part-arrived at the block's end
-// failing the run) and warp collective; ldmatrix and
+// failing the run; mbarriers: phases of a count, waits on a parity, one
+// left part-arrived or used before its init failing the run, a cp.async
+// arrival landing its thread's copies) and warp collective; ldmatrix and
 // mma exchange the lanes' addresses and fragments through the warp, so a
 // wrong fragment index, mask or tile bound shows as a wrong result; cp.async
 // lands only when the issuing thread waits, and shared memory starts as
@@ -29,7 +31,7 @@
 // two launches) against a double reference.
 //
 //   g++ -std=c++17 -O2 -o build/attention_mma_emu kernels/attention_mma_emu.cpp
-//   build/attention_mma_emu [--quick] [--reverse] [--eager] [--warps] [--ovl] [--gemm]
+//   build/attention_mma_emu [--quick] [--reverse] [--eager] [--warps] [--ovl] [--bws] [--gemm]
 //                           (exit status 1 on a mismatch)
 // --quick: the launched configurations on 6 shapes (mma at head dims 64,
 // 128 and 192, and q/k 192 with v 128, wgmma at 64, 128, q/k 192 with v 128
@@ -40,7 +42,10 @@
 // next block barrier before the next warp starts; --ovl: the overlapped
 // wgmma forward's cases only (MS_ATTENTION_WG_FWD=ovl, ovlq) and ws's
 // (two consumer warpgroups and a producer, on two longer shapes too; in
-// every run).
+// every run); --bws: only the backward's dk/dv of two consumer warpgroups
+// (MS_ATTENTION_WG_BWD=ws, dkdv_ws_kernel: 384 threads, mbarriers), which
+// every run but --ovl has, on the same shapes as ws, its dk, dv and column
+// sums also compared bit for bit with dkdv_kernel's.
 //
 // bf16 only (f16 differs in op<__half>, the PTX type names and the rounding;
 // the kernels' f16 instantiations are the same code).
