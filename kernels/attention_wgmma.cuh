@@ -1186,6 +1186,7 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel(T *dk, T *dv, const T *
             if (++nt == nq) nt = 0, nh++;
             if (t + 1 < total) rows();
         }
+        mma::cp_async_wait_all();  // (no copy of this warp's in flight when it leaves)
         return;
     }
 
