@@ -1,0 +1,116 @@
+-- bench/host_cost.lua — the host's cost of a training step, per op: tiny
+-- models on one CPU thread, where the kernels take next to nothing and the
+-- time is the op-issue path (Lua, the FFI, the autograd's bookkeeping, the
+-- optimizer's loop). What a GPU step of small kernels waits on.
+--
+--   luajit bench/host_cost.lua [--steps 30] [--warmup 5] [--threads 1]
+--                              [--model all|llama|deepseek] [--seq 16] [--clock cpu|wall]
+--
+-- For each model: the median ms of `steps` steps of forward (the loss),
+-- backward, and optimizer (AdamW's step and zero_grad), and the op count of
+-- forward and backward (ms.profile, from one extra step: the counter is off
+-- while timing), so us per op = phase ms / phase ops; the optimizer's cost
+-- is given per parameter (its fused step writes in place, not counted). The models: a 16-layer
+-- Llama of hidden 64 and a 4-layer DeepSeek-V3 (MLA, 8 routed experts and
+-- a shared one, the first layer dense) at tiny widths; batch 1, f32.
+-- --clock cpu (the default) times the thread's CPU time, which other jobs
+-- on the machine disturb less than the wall clock (--clock wall).
+package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
+local ms = require 'moonshard'
+local B = require 'bench.common'
+local hf = require 'models.hf'
+local prof = ms.profile
+
+local opts = B.parse_args({ steps = 30, warmup = 5, threads = 1, model = 'all', seq = 16, clock = 'cpu' },
+  'usage: luajit bench/host_cost.lua [--steps N] [--warmup N] [--threads N] [--model all|llama|deepseek] [--seq T]'
+    .. ' [--clock cpu|wall]')
+ms.set_num_threads(opts.threads)
+
+local ffi = require 'ffi'
+ffi.cdef [[
+typedef struct { long tv_sec; long tv_nsec; } ms_host_cost_timespec;
+int ms_host_cost_clock_gettime(int clk, ms_host_cost_timespec *t) asm("clock_gettime");
+]]
+local now = B.now
+if opts.clock == 'cpu' then
+  local ts = ffi.new('ms_host_cost_timespec')
+  now = function()
+    ffi.C.ms_host_cost_clock_gettime(3, ts)   -- CLOCK_THREAD_CPUTIME_ID
+    return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
+  end
+elseif opts.clock ~= 'wall' then
+  error('--clock cpu or wall')
+end
+
+local cases = {
+  { 'llama', 'models/llama.lua', { vocab_size = 256, hidden_size = 64, intermediate_size = 128,
+    num_hidden_layers = 16, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64,
+    bos_token_id = hf.null, eos_token_id = hf.null } },
+  { 'deepseek', 'models/deepseek_v3.lua', { vocab_size = 256, hidden_size = 48, intermediate_size = 96,
+    moe_intermediate_size = 24, num_hidden_layers = 4, num_attention_heads = 12, n_shared_experts = 1,
+    n_routed_experts = 8, routed_scaling_factor = 1.5, kv_lora_rank = 16, q_lora_rank = 20, qk_rope_head_dim = 4,
+    v_head_dim = 6, qk_nope_head_dim = 4, n_group = 4, topk_group = 2, num_experts_per_tok = 2,
+    first_k_dense_replace = 1, max_position_embeddings = 64, bos_token_id = hf.null, eos_token_id = hf.null } },
+}
+
+local function run(name, path, cfg)
+  local M = dofile(path)
+  ms.manual_seed(1)
+  local model = M.new(cfg)
+  model:train()
+  local opt = ms.optim.AdamW(model, { lr = 1e-4 })
+  local V = cfg.vocab_size
+  local ids = (ms.rand({ 1, opts.seq }, { seed = 1 }) * (V - 1)):long()
+  local tg = (ms.rand({ 1, opts.seq }, { seed = 2 }) * (V - 1)):long()
+
+  -- one step -> the seconds of its three phases
+  local function step()
+    local t0 = now()
+    local loss = model(ids, tg)
+    local t1 = now()
+    loss:backward()
+    local t2 = now()
+    opt:step()
+    opt:zero_grad()
+    local t3 = now()
+    return t1 - t0, t2 - t1, t3 - t2
+  end
+
+  for _ = 1, opts.warmup do step() end
+  -- the op count of a phase (the counter costs a lock a call: counted apart)
+  local function count(fn)
+    prof.ops(true)
+    fn()
+    local _, totals = prof.ops_rows(true)
+    prof.ops(false)
+    return totals.calls
+  end
+  local loss
+  local n_fwd = count(function() loss = model(ids, tg) end)
+  local n_bwd = count(function() loss:backward() end)
+  count(function() opt:step(); opt:zero_grad() end)
+  local n_opt = 0   -- (the fused AdamW writes in place, uncounted: per parameter instead)
+  for _ in model:named_parameters() do n_opt = n_opt + 1 end
+  loss = nil
+  local f, b, o = {}, {}, {}
+  for k = 1, opts.steps do
+    f[k], b[k], o[k] = step()
+  end
+  local tot = {}
+  for k = 1, opts.steps do tot[k] = f[k] + b[k] + o[k] end
+  local mf, mb, mo, mt = B.median(f) * 1e3, B.median(b) * 1e3, B.median(o) * 1e3, B.median(tot) * 1e3
+  -- the spread: the middle half of the steps' totals
+  table.sort(tot)
+  local q1, q3 = tot[math.max(1, math.floor(#tot / 4))] * 1e3, tot[math.ceil(#tot * 3 / 4)] * 1e3
+  print(('| %s | %.2f (%d ops, %.1f us) | %.2f (%d, %.1f) | %.2f (%d params, %.1f us) | %.2f (%.2f-%.2f) | %.1f |'):format(
+    name, mf, n_fwd, mf * 1e3 / n_fwd, mb, n_bwd, mb * 1e3 / n_bwd, mo, n_opt, mo * 1e3 / n_opt,
+    mt, q1, q3, (mf + mb) * 1e3 / (n_fwd + n_bwd)))
+end
+
+print(('host ms a step (%s time), median of %d (T = %d, batch 1, f32, %d CPU thread(s)); ops from ms.profile, us an op')
+  :format(opts.clock == 'cpu' and 'CPU' or 'wall', opts.steps, opts.seq, opts.threads))
+print('| model | forward | backward | optimizer | step (middle half) | fwd+bwd us/op |')
+print('|---|---|---|---|---|---|')
+for _, c in ipairs(cases) do
+  if opts.model == 'all' or opts.model == c[1] then run(c[1], c[2], c[3]) end
+end
