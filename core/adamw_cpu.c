@@ -62,11 +62,9 @@ static double round_to(double v, int dtype) {
  * with scaled, each gradient element enters as round_g(g·round_g(grad_scale)),
  * round_g the gradient dtype's rounding; checked by core/ops.c */
 int ms_cpu_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
-                 double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                 ms_tensor *const *w, double grad_scale, int scaled) {
-    const double decay = 1.0 - lr * weight_decay;
-    const double step_size = lr / (1.0 - pow(beta1, (double)step));
-    const double bc2_sqrt = sqrt(1.0 - pow(beta2, (double)step));
+                 double beta1, double beta2, double eps, const double k[3], ms_tensor *const *w,
+                 double grad_scale, int scaled) {
+    const double decay = k[0], step_size = k[1], bc2_sqrt = k[2];
     for (int t = 0; t < n; t++) {
         int64_t numel = ms_tensor_numel(p[t]);
         void *pp = ms_tensor_data(p[t]), *mp = ms_tensor_data(m[t]), *vp = ms_tensor_data(v[t]);

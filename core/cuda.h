@@ -45,10 +45,12 @@ typedef struct ms_cuda_memory_stats {
     int64_t num_host_syncs;  /* times a copy between host and device blocked the host
                                 on the stream (the training step should make none) */
     int64_t host_sync_ns;    /* the time those copies blocked the host, in all */
+    int64_t graph_pool;      /* bytes of reserved owned by CUDA graphs' private pools (live or idle) */
 } ms_cuda_memory_stats;
 
 typedef struct ms_cuda_stream ms_cuda_stream;  /* opaque */
 typedef struct ms_cuda_event ms_cuda_event;    /* opaque */
+typedef struct ms_cuda_graph ms_cuda_graph;    /* opaque */
 
 int ms_cuda_available(void);           /* 1 when built with CUDA and a device is present */
 int ms_cuda_device_count(void);
@@ -80,6 +82,29 @@ int ms_cuda_event_elapsed_ms(ms_cuda_event *start, ms_cuda_event *end, float *ms
 
 /* the storage of t was used on stream s: its reuse after free waits for s */
 int ms_cuda_record_stream(const struct ms_tensor *t, ms_cuda_stream *s);
+
+/* CUDA graphs (docs/cuda-graphs.md): the work this thread queues on the
+ * device's compute stream between begin and end is recorded, not run, and
+ * each replay runs it all with one launch on the compute stream.
+ *   begin: capture starts (cudaStreamCaptureModeThreadLocal); every
+ *     allocation of this thread on the device comes from the graph's
+ *     private pool, and every block freed joins it, until the graph is
+ *     freed: the addresses the graph holds stay its own. Refused while
+ *     capturing (with an error naming the op; the caller then ends the
+ *     capture with keep = 0): host <-> device copies (item()), syncs,
+ *     empty_cache, random draws, CPU tensor ops, and a GEMM whose plan would
+ *     be tuned (timed).
+ *   end: keep = 1 instantiates the graph (an error when the capture
+ *     failed); keep = 0 discards it and gives its pool back.
+ *   free: waits for its last replay, then gives its pool back to the
+ *     general cache; safe on NULL. Called during a capture (Lua's
+ *     collector), it is done when the capture ends. */
+int ms_cuda_graph_begin(ms_cuda_graph **out, int device);
+int ms_cuda_graph_end(ms_cuda_graph *g, int keep);
+int ms_cuda_graph_replay(ms_cuda_graph *g);
+void ms_cuda_graph_free(ms_cuda_graph *g);
+/* the device this thread is capturing a graph on, or -1 */
+int ms_cuda_capturing(void);
 
 /* page-locked host memory for fast, asynchronous transfers */
 int ms_cuda_host_alloc(void **out, int64_t nbytes);

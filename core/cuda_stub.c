@@ -37,6 +37,14 @@ int ms_cuda_event_synchronize(ms_cuda_event *e) { return no_cuda("event_synchron
 int ms_cuda_event_query(ms_cuda_event *e) { return no_cuda("event_query"); }
 int ms_cuda_event_elapsed_ms(ms_cuda_event *a, ms_cuda_event *b, float *ms) { return no_cuda("elapsed"); }
 int ms_cuda_record_stream(const struct ms_tensor *t, ms_cuda_stream *s) { return no_cuda("record_stream"); }
+int ms_cuda_graph_begin(ms_cuda_graph **out, int device) {
+    *out = NULL;
+    return no_cuda("graph");
+}
+int ms_cuda_graph_end(ms_cuda_graph *g, int keep) { return no_cuda("graph_end"); }
+int ms_cuda_graph_replay(ms_cuda_graph *g) { return no_cuda("graph_replay"); }
+void ms_cuda_graph_free(ms_cuda_graph *g) {}
+int ms_cuda_capturing(void) { return -1; }
 int ms_cuda_host_alloc(void **out, int64_t nbytes) { return no_cuda("host_alloc"); }
 void ms_cuda_host_free(void *p) {}
 int ms_cuda_copy_async(struct ms_tensor *dst, const struct ms_tensor *src) {

@@ -26,10 +26,11 @@ int ms_cpu_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *g, c
                              const ms_tensor *rstd, const ms_tensor *w);
 
 /* n tensors, each group (p, g, m, v) of one numel; the hyper-parameters as
- * ms_adamw_multi_ (core/ops.h) */
+ * ms_adamw_multi_ (core/ops.h), k the step's constants {1 - lr·wd,
+ * lr/(1-β1^step), sqrt(1-β2^step)} */
 int ms_cpu_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
-                 double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                 ms_tensor *const *w, double grad_scale, int scaled);
+                 double beta1, double beta2, double eps, const double k[3], ms_tensor *const *w,
+                 double grad_scale, int scaled);
 /* out: 0-dim f64 */
 int ms_cpu_sum_squares(ms_tensor *out, int n, ms_tensor *const *ts);
 

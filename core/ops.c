@@ -13,6 +13,7 @@
  * to kernels/ (the dev_* functions below; builds without CUDA refuse them).
  */
 #include "internal.h"
+#include "cuda.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -250,6 +251,10 @@ static int check_tensors(const char *op, int n, const ms_tensor *const *ts) {
 #ifndef MS_WITH_CUDA
     if (ts[0]->device_id >= 0) return ms_errorf("%s: cuda tensors need a build with CUDA", op);
 #endif
+    if (ts[0]->device_id < 0 && ms_cuda_capturing() >= 0)
+        return ms_errorf("%s on cpu tensors during CUDA graph capture on cuda:%d: CPU work runs once, now, and a "
+                         "replay would not repeat it; compute it before the capture or on the device (the capture "
+                         "is aborted; docs/cuda-graphs.md)", op, ms_cuda_capturing());
     return 0;
 }
 
@@ -1002,13 +1007,25 @@ int ms_arange_(ms_tensor *t, double start, double step) {
     return dev_arange_(t, start, step);
 }
 
+/* a random draw inside a CUDA graph capture: its seed and offset are
+ * kernel arguments, so every replay would draw the same numbers */
+static int refuse_draw(const char *op) {
+    if (ms_cuda_capturing() < 0) return 0;
+    return ms_errorf("%s during CUDA graph capture on cuda:%d: a random draw (dropout with p > 0, rand, randn) "
+                     "would have its seed and offset baked into the graph, and every replay would draw the same "
+                     "numbers; use dropout 0 or draw outside the graph (the capture is aborted; "
+                     "docs/cuda-graphs.md)", op, ms_cuda_capturing());
+}
+
 int ms_rand_(ms_tensor *t, uint64_t seed, uint64_t offset, double lo, double hi) {
+    if (refuse_draw("rand_")) return -1;
     if (check1("rand_", t) || need_float("rand_", t)) return -1;
     MS_PROF_NOTE("rand_", t);
     return dev_rand_(t, seed, offset, lo, hi, 0);
 }
 
 int ms_randn_(ms_tensor *t, uint64_t seed, uint64_t offset, double mean, double std) {
+    if (refuse_draw("randn_")) return -1;
     if (check1("randn_", t) || need_float("randn_", t)) return -1;
     MS_PROF_NOTE("randn_", t);
     return dev_rand_(t, seed, offset, mean, std, 1);
@@ -1052,15 +1069,24 @@ static int dev_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *
     return ms_cpu_rms_norm_backward(dx, dw, g, x, rstd, w);
 }
 
+/* AdamW's constants of one step: {1 - lr·wd, lr/(1-β1^step), sqrt(1-β2^step)},
+ * computed here only, so a step whose constants come from the device
+ * (ms_adamw_constants_) has the bits of one that takes them as arguments */
+static void adamw_constants(double lr, double beta1, double beta2, double wd, int64_t step, double k[3]) {
+    k[0] = 1.0 - lr * wd;
+    k[1] = lr / (1.0 - pow(beta1, (double)step));
+    k[2] = sqrt(1.0 - pow(beta2, (double)step));
+}
+
 static int dev_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
-                     double lr, double beta1, double beta2, double eps, double wd, int64_t step,
+                     double beta1, double beta2, double eps, const double k[3], const ms_tensor *kt,
                      ms_tensor *const *w, const ms_tensor *gs) {
 #ifdef MS_WITH_CUDA
     if (p[0]->device_id >= 0)
-        return ms_cuda_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step, w,
+        return ms_cuda_adamw(n, p, g, m, v, beta1, beta2, eps, k, kt ? (const double *)ms_tensor_data(kt) : NULL, w,
                              gs ? (const double *)ms_tensor_data(gs) : NULL);
 #endif
-    return ms_cpu_adamw(n, p, g, m, v, lr, beta1, beta2, eps, wd, step, w,
+    return ms_cpu_adamw(n, p, g, m, v, beta1, beta2, eps, kt ? (const double *)ms_tensor_data(kt) : k, w,
                         gs ? *(const double *)ms_tensor_data(gs) : 1.0, gs != NULL);
 }
 
@@ -1426,9 +1452,21 @@ static int bytes_overlap(const ms_tensor *a, const ms_tensor *b) {
     return alo < bhi && blo < ahi;
 }
 
+/* AdamW's device-side constants: 3 contiguous f64 on the device of `like` */
+static int check_constants(const char *op, const ms_tensor *k, const ms_tensor *like) {
+    char a[DESC], b[DESC];
+    if (ms_tensor_check_live(k, op)) return -1;
+    if (k->dtype_id != MS_F64 || ms_tensor_numel(k) != 3 || !ms_tensor_is_contiguous(k) ||
+        k->device_id != like->device_id)
+        return ms_errorf("%s: the step's constants must be 3 contiguous f64 elements on the parameters' device (%s), "
+                         "got %s", op, ms_desc(like, a, sizeof a), ms_desc(k, b, sizeof b));
+    return 0;
+}
+
 int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms_tensor *const *exp_avg,
                     ms_tensor *const *exp_avg_sq, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, int64_t step, ms_tensor *const *masters, const ms_tensor *grad_scale) {
+                    double weight_decay, int64_t step, ms_tensor *const *masters, const ms_tensor *grad_scale,
+                    const ms_tensor *constants) {
     const char *op = "adamw_";
     char a[DESC], b[DESC];
     if (n < 1 || !params || !grads || !exp_avg || !exp_avg_sq) return ms_errorf("adamw_: needs n >= 1 tensors of each kind");
@@ -1483,15 +1521,31 @@ int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms
             return ms_errorf("adamw_: grad_scale must be one f64 element on the parameters' device (%s), got %s",
                              ms_desc(params[0], a, sizeof a), ms_desc(grad_scale, b, sizeof b));
     }
-    return dev_adamw(n, params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, masters,
-                     grad_scale);
+    if (constants && check_constants(op, constants, params[0])) return -1;
+    double k[3];
+    adamw_constants(lr, beta1, beta2, weight_decay, step, k);
+    return dev_adamw(n, params, grads, exp_avg, exp_avg_sq, beta1, beta2, eps, k, constants, masters, grad_scale);
+}
+
+int ms_adamw_constants_(ms_tensor *constants, double lr, double beta1, double beta2, double weight_decay,
+                        int64_t step) {
+    const char *op = "adamw_constants_";
+    if (ms_tensor_check_live(constants, op) || check_constants(op, constants, constants)) return -1;
+    if (step < 1) return ms_errorf("%s: step must be >= 1 (the count including this update), got %lld", op, (long long)step);
+    double k[3];
+    adamw_constants(lr, beta1, beta2, weight_decay, step, k);
+#ifdef MS_WITH_CUDA
+    if (constants->device_id >= 0) return ms_cuda_adamw_constants(constants, k);
+#endif
+    memcpy(ms_tensor_data(constants), k, sizeof k);
+    return 0;
 }
 
 int ms_adamw_(ms_tensor *param, const ms_tensor *grad, ms_tensor *exp_avg, ms_tensor *exp_avg_sq, double lr,
               double beta1, double beta2, double eps, double weight_decay, int64_t step) {
     ms_tensor *g = (ms_tensor *)grad; /* read only: the list form takes no const */
     return ms_adamw_multi_(1, &param, &g, &exp_avg, &exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, NULL,
-                           NULL);
+                           NULL, NULL);
 }
 
 int ms_sum_squares(ms_tensor **out, int n, ms_tensor *const *ts) {

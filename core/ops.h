@@ -323,12 +323,22 @@ int ms_rms_norm_backward(ms_tensor **dx, ms_tensor **dw, const ms_tensor *g, con
  * the parameters' device): every gradient enters the update multiplied by it,
  * as a multiply in the gradient's dtype by the scale rounded to that dtype
  * would have left it (the same bits as scaling the gradients first):
- * clip_grad_norm's coefficient without a pass over the gradients. */
+ * clip_grad_norm's coefficient without a pass over the gradients.
+ * constants (NULL, or 3 contiguous f64 on the parameters' device): the
+ * step's {1 - lr·wd, lr/(1-β1^step), sqrt(1-β2^step)} read from there by
+ * the kernel instead of made from lr, weight_decay and step (a step
+ * captured in a CUDA graph: ms_adamw_constants_ writes the next step's
+ * before each replay; the same doubles, so the same bits). */
 int ms_adamw_(ms_tensor *param, const ms_tensor *grad, ms_tensor *exp_avg, ms_tensor *exp_avg_sq, double lr,
               double beta1, double beta2, double eps, double weight_decay, int64_t step);
 int ms_adamw_multi_(int n, ms_tensor *const *params, ms_tensor *const *grads, ms_tensor *const *exp_avg,
                     ms_tensor *const *exp_avg_sq, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, int64_t step, ms_tensor *const *masters, const ms_tensor *grad_scale);
+                    double weight_decay, int64_t step, ms_tensor *const *masters, const ms_tensor *grad_scale,
+                    const ms_tensor *constants);
+/* constants (3 contiguous f64, any device) = the constants of a step
+ * (above), written on the device's stream without a host sync */
+int ms_adamw_constants_(ms_tensor *constants, double lr, double beta1, double beta2, double weight_decay,
+                        int64_t step);
 /* out: 0-dim f64 = Σ_i Σ_j ts[i][j]² over n float tensors of one device,
  * accumulated in f64 in a fixed order (the global grad norm is its square
  * root); no host sync on CUDA */

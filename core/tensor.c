@@ -1,5 +1,6 @@
 /* core/tensor.c — storage, tensor handles, views, copies, dtype conversion. */
 #include "internal.h"
+#include "cuda.h"
 #include "prof.h"
 #include "fp8.h"
 
@@ -383,6 +384,12 @@ double ms_tensor_item(const ms_tensor *t, int *err) {
     ms_tensor *h = NULL;
     *err = -1;
     if (ms_tensor_check_live(t, "item")) return NAN;
+    if (t->device_id >= 0 && ms_cuda_capturing() >= 0) {
+        ms_errorf("item: reads a device value on the host during CUDA graph capture on cuda:%d: the host would "
+                  "wait for work that is only being recorded; read the graph's outputs after replay() (the "
+                  "capture is aborted; docs/cuda-graphs.md)", ms_cuda_capturing());
+        return NAN;
+    }
     if (ms_tensor_numel(t) != 1) {
         ms_errorf("item: a tensor with %lld elements cannot be converted to a number", (long long)ms_tensor_numel(t));
         return NAN;

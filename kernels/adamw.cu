@@ -103,8 +103,16 @@ template <typename T> struct alignas(2 * sizeof(T)) pair_of {
 // elements (L.pairs): one load or store of two, so a bf16 store moves 4
 // bytes a thread instead of 2; the math and the bits are the same.
 template <typename P, typename G, typename S>
-__global__ void __launch_bounds__(THREADS, 2) adamw_kernel(adam_list L, adam_k<S> K, const double *__restrict__ gscale) {
+__global__ void __launch_bounds__(THREADS, 2) adamw_kernel(adam_list L, adam_k<S> K, const double *__restrict__ gscale,
+                                                          const double *__restrict__ kdev) {
     const int t = tensor_of(L.block_start, L.count, blockIdx.x);
+    // the step's constants from the device (a graph's replay): the same
+    // roundings of the same doubles as the host's arguments
+    if (kdev) {
+        K.decay = (S)kdev[0];
+        K.step_size = (S)kdev[1];
+        K.bc2_sqrt = (S)kdev[2];
+    }
     // the clip coefficient (or 1): g·round_G(scale), rounded to G, as a
     // multiply of the stored gradient would have left it
     if (gscale) K.sc = (S)conv<G>::load(conv<G>::store((S)gscale[0]));
@@ -234,6 +242,12 @@ __global__ void sum_partials_kernel(double *__restrict__ out, const double *__re
     }
 }
 
+__global__ void adamw_constants_kernel(double *dst, double k0, double k1, double k2) {
+    dst[0] = k0;
+    dst[1] = k1;
+    dst[2] = k2;
+}
+
 // -------------------------------------------------------------- launchers
 
 namespace {
@@ -242,7 +256,7 @@ long long blocks_for(long long n) { return (n + CHUNK - 1) / CHUNK; }
 
 template <typename P, typename G, typename S>
 int launch_adamw(const adam_list &L, double beta1, double beta2, double eps, double decay, double step_size,
-                 double bc2_sqrt, const double *gscale, cudaStream_t s) {
+                 double bc2_sqrt, const double *gscale, const double *kdev, cudaStream_t s) {
     adam_k<S> K;
     K.beta1 = (S)beta1;
     K.beta2 = (S)beta2;
@@ -252,24 +266,24 @@ int launch_adamw(const adam_list &L, double beta1, double beta2, double eps, dou
     K.bc2_sqrt = (S)bc2_sqrt;
     K.sc = (S)1;
     K.scaled = false;
-    adamw_kernel<P, G, S><<<L.block_start[L.count], THREADS, 0, s>>>(L, K, gscale);
+    adamw_kernel<P, G, S><<<L.block_start[L.count], THREADS, 0, s>>>(L, K, gscale, kdev);
     LAUNCH_CHECK("adamw_kernel");
     return 0;
 }
 
 int adamw_batch(const adam_list &L, int pdt, int gdt, double beta1, double beta2, double eps, double decay,
-                double step_size, double bc2_sqrt, const double *gs, cudaStream_t s) {
+                double step_size, double bc2_sqrt, const double *gs, const double *kdev, cudaStream_t s) {
     if (L.count == 0 || L.block_start[L.count] == 0) return 0;
     if (pdt == MS_F64) {
         if (gdt != MS_F64) return ms_errorf("adamw_: an f64 parameter takes an f64 gradient on cuda, got %s",
                                             ms_dtype_name(gdt));
-        return launch_adamw<double, double, double>(L, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, s);
+        return launch_adamw<double, double, double>(L, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, kdev, s);
     }
     return with_float32_type(pdt, "adamw_", [&](auto pt) {
         using P = decltype(pt);
         return with_float32_type(gdt, "adamw_", [&](auto gt) {
             using G = decltype(gt);
-            return launch_adamw<P, G, float>(L, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, s);
+            return launch_adamw<P, G, float>(L, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, kdev, s);
         });
     });
 }
@@ -305,14 +319,12 @@ bool use_pairs() {
 }  // namespace
 
 extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m,
-                             ms_tensor *const *v, double lr, double beta1, double beta2, double eps,
-                             double weight_decay, int64_t step, ms_tensor *const *w, const double *gs) {
+                             ms_tensor *const *v, double beta1, double beta2, double eps, const double k[3],
+                             const double *kdev, ms_tensor *const *w, const double *gs) {
     const int dev = p[0]->device_id;
     if (ms_cuda_activate(dev)) return -1;
     cudaStream_t s = ms_cuda_stream_of(dev);
-    const double decay = 1.0 - lr * weight_decay;
-    const double step_size = lr / (1.0 - pow(beta1, (double)step));
-    const double bc2_sqrt = sqrt(1.0 - pow(beta2, (double)step));
+    const double decay = k[0], step_size = k[1], bc2_sqrt = k[2];
     adam_list L;
     L.count = 0;
     L.block_start[0] = 0;
@@ -323,7 +335,7 @@ extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms
         long long nb = blocks_for(numel);
         bool fits = L.count < MAX_TENSORS && L.block_start[L.count] + nb <= MAX_BLOCKS;
         if (L.count > 0 && (!fits || p[i]->dtype_id != pdt || g[i]->dtype_id != gdt)) {
-            if (adamw_batch(L, pdt, gdt, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, s)) return -1;
+            if (adamw_batch(L, pdt, gdt, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, kdev, s)) return -1;
             L.count = 0;
         }
         if (nb > MAX_BLOCKS) return ms_errorf("adamw_: a tensor of %lld elements is too large for one launch", numel);
@@ -344,7 +356,15 @@ extern "C" int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms
                      aligned(L.m[k], 2 * ssz) && aligned(L.v[k], 2 * ssz) && (!L.w[k] || aligned(L.w[k], 2 * ssz));
         L.block_start[k + 1] = L.block_start[k] + (int)nb;
     }
-    return adamw_batch(L, pdt, gdt, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, s);
+    return adamw_batch(L, pdt, gdt, beta1, beta2, eps, decay, step_size, bc2_sqrt, gs, kdev, s);
+}
+
+extern "C" int ms_cuda_adamw_constants(ms_tensor *dst, const double k[3]) {
+    const int dev = dst->device_id;
+    if (ms_cuda_activate(dev)) return -1;
+    adamw_constants_kernel<<<1, 1, 0, ms_cuda_stream_of(dev)>>>((double *)ms_tensor_data(dst), k[0], k[1], k[2]);
+    LAUNCH_CHECK("adamw_constants_kernel");
+    return 0;
 }
 
 extern "C" int ms_cuda_sum_squares(ms_tensor *out, int n, ms_tensor *const *ts) {

@@ -38,6 +38,9 @@ extern "C" {
 // the stream kernels for `device` launch on
 cudaStream_t ms_cuda_stream_of(int device);
 int ms_cuda_activate(int device);  // cudaSetDevice when needed
+// cudaMalloc that is legal during this thread's CUDA graph capture too
+// (memory a kernel file keeps for good, e.g. a GEMM workspace)
+cudaError_t ms_cuda_malloc_any(void **p, size_t n);
 // the CUDA event behind a Lua-visible one (core/cuda.h)
 extern "C" cudaEvent_t ms_cuda_event_raw(const struct ms_cuda_event *e);
 

@@ -65,7 +65,7 @@ int lt_workspace(int device, cudaStream_t stream, void **ws) {
         }
     if (s.n == kStreams)
         return ms_errorf("matmul: GEMMs on more than %d streams of cuda:%d (one workspace each)", kStreams, device);
-    CUDA_CHECK(cudaMalloc(&s.workspaces[s.n], kWorkspace));
+    CUDA_CHECK(ms_cuda_malloc_any(&s.workspaces[s.n], kWorkspace));
     s.streams[s.n] = stream;
     *ws = s.workspaces[s.n++];
     return 0;
@@ -209,8 +209,9 @@ int64_t g_tune_stats[4];   // plans tuned, of them not on the heuristic's first,
 // write the real output (the real call overwrites it); otherwise they
 // accumulate into a scratch tensor of the output's size, so the output is
 // read only by the real call. When the first candidate takes over 5 ms a
-// run, one run a pass. Not done while the stream is being captured into a
-// graph, nor without the scratch memory (the heuristic's first then).
+// run, one run a pass. Refused during an ms.cuda.graph capture (run_lt: an
+// error naming the shape); not done while the stream is captured by
+// someone else, nor without the scratch memory (the heuristic's first then).
 const int kTuneCandidates = 8;
 const int kTuneReps = 2;     // runs between two events
 const int kTuneRounds = 2;   // passes over the candidates
@@ -532,6 +533,15 @@ int run_lt(int device, int dtype, int out_dtype, const operand &A, const operand
         if (had < 0) goto done;
         if (had) {
             g_tune_stats[3]++;
+        } else if (ms_cuda_capturing() >= 0) {
+            // tuning times the candidates with events the host waits for
+            ms_errorf("matmul during CUDA graph capture on cuda:%d: a GEMM without a tuned plan (%s M=%lld N=%lld "
+                      "K=%lld batch=%lld -> %s) would be tuned, which times candidates with host waits; run the "
+                      "step eagerly first (ms.cuda.graph's warmup) or turn tuning off (ms.cuda.gemm_tune(false)) "
+                      "(the capture is aborted; docs/cuda-graphs.md)",
+                      ms_cuda_capturing(), ms_dtype_name(f8 ? f8->dta : dtype), (long long)m, (long long)n,
+                      (long long)k, (long long)batch, ms_dtype_name(out_dtype));
+            goto done;
         } else {
             int64_t c_elems = (m - 1) * ldc + n + (batch > 1 ? (batch - 1) * c_batch : 0);
             pick = tune_pick(device, ms_cuda_stream_of(device), s.handle, desc, la, lb, lc, pa, pb, B.ptr, A.ptr, C,

@@ -155,9 +155,14 @@ int ms_cuda_norm_backward_add(ms_tensor *dx, ms_tensor *dw, ms_tensor *db, const
 int ms_cuda_rms_norm(ms_tensor *y, ms_tensor *rstd, const ms_tensor *x, const ms_tensor *w, double eps);
 int ms_cuda_rms_norm_backward(ms_tensor *dx, ms_tensor *dw, const ms_tensor *g, const ms_tensor *x,
                               const ms_tensor *rstd, const ms_tensor *w);
+/* k: the step's constants {1 - lr·wd, lr/(1-β1^step), sqrt(1-β2^step)}
+ * (core/ops.c adamw_constants), or k_dev: the same 3 f64 on the device,
+ * read by the kernel (a step replayed by a CUDA graph) */
 int ms_cuda_adamw(int n, ms_tensor *const *p, ms_tensor *const *g, ms_tensor *const *m, ms_tensor *const *v,
-                  double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                  double beta1, double beta2, double eps, const double k[3], const double *k_dev,
                   ms_tensor *const *w, const double *grad_scale);
+/* dst (3 f64) = k on the current stream (a kernel: no host sync) */
+int ms_cuda_adamw_constants(ms_tensor *dst, const double k[3]);
 int ms_cuda_sum_squares(ms_tensor *out, int n, ms_tensor *const *ts);
 /* x: any layout with a unit-stride last dim (read in place); out contiguous */
 int ms_cuda_rope(ms_tensor *out, const ms_tensor *x, const ms_tensor *cos, const ms_tensor *sin, int backward);

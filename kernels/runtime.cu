@@ -11,6 +11,17 @@
 //            an event; they move to the free lists once the event completes.
 // No cudaMalloc/cudaFree on the steady-state path: after step 1 of a
 // training loop every request finds a block of its class.
+//
+// CUDA graphs (the contract in core/cuda.h, docs/cuda-graphs.md): while a
+// thread captures the device's compute stream, its requests are served
+// from the graph's private pool: the pool's own free blocks first (freed
+// earlier in the same capture: the captured work is one stream, so the
+// graph runs their last use before the new one), then a block of the
+// general free lists (idle on the compute stream, which the replays run
+// on), then cudaMalloc. Every block freed during the capture joins the
+// pool (captured work may still read it at replay), and so does every
+// pool block freed later: nothing of the pool goes back to the general
+// cache until the graph is freed.
 #include "common.cuh"
 #include "kernels.h"
 
@@ -24,11 +35,22 @@
 
 namespace {
 
+struct Pool;
+
 struct Block {
     void *ptr;
     int64_t size;       // class size (bytes obtained from cudaMalloc)
     int64_t requested;  // bytes asked for
     std::vector<cudaStream_t> used_on;  // other streams that used it
+    Pool *pool = nullptr;  // the CUDA graph that owns it, or none (the general cache)
+};
+
+// the private memory of one CUDA graph
+struct Pool {
+    int device;
+    std::multimap<int64_t, void *> reuse;  // freed, used on the compute stream only: reusable in its capture
+    std::vector<Block> retired;            // freed after use on other streams: never reused while it lives
+    int64_t bytes = 0;                     // class bytes it owns, live or idle
 };
 
 struct Pending {
@@ -45,12 +67,37 @@ struct DeviceState {
     std::vector<Pending> pending;
     ms_cuda_memory_stats stats;
     ms_device_flag *flag = nullptr;                // device memory
+    Pool *capture = nullptr;                       // the pool of the graph being captured
+    std::vector<Pool *> pools;                     // of the graphs that live
 };
 
 const int kMaxDevices = 64;
 DeviceState g_dev[kMaxDevices];
 std::mutex g_mu;
 int g_count = -1;
+// the device this thread is capturing a graph on (-1: none); the capture
+// mode is thread-local, so other threads' calls are not the capture's
+thread_local int t_capture_device = -1;
+// graphs and streams freed (by Lua's collector, say) during this thread's
+// capture: freeing them waits for their work, which the capture forbids,
+// so they are freed when it ends
+thread_local std::vector<ms_cuda_graph *> t_deferred_graphs;
+thread_local std::vector<ms_cuda_stream *> t_deferred_streams;
+
+// cudaMalloc, legal during this thread's capture too: the thread's mode is
+// relaxed for the call (cudaThreadExchangeStreamCaptureMode: "in the case of
+// cudaMalloc, the operation is not enqueued asynchronously to a stream, and
+// is not observed by stream capture" - the memory exists at once, which is
+// what the pool wants). Returns CUDA's error.
+cudaError_t malloc_any(void **p, size_t n) {
+    if (t_capture_device < 0) return cudaMalloc(p, n);
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaError_t e = cudaThreadExchangeStreamCaptureMode(&mode);
+    if (e != cudaSuccess) return e;
+    cudaError_t r = cudaMalloc(p, n);
+    e = cudaThreadExchangeStreamCaptureMode(&mode);   // (back to the capture's)
+    return r != cudaSuccess ? r : e;
+}
 
 int64_t size_class(int64_t n) {
     if (n <= 512) return 512;
@@ -141,24 +188,36 @@ int cuda_alloc(void **ptr, int64_t nbytes, int device) {
     if (ensure_ready(device)) return -1;
     DeviceState &d = g_dev[device];
     int64_t cls = size_class(nbytes);
-    if (!d.pending.empty()) reap_pending(d);
+    // this thread's capture: the graph's pool (no event queries while capturing)
+    Pool *pool = t_capture_device == device ? d.capture : nullptr;
+    if (!pool && !d.pending.empty()) reap_pending(d);
     void *p = nullptr;
-    auto it = d.free_blocks.find(cls);
-    if (it != d.free_blocks.end()) {
+    auto it = d.free_blocks.end();
+    if (pool && (it = pool->reuse.find(cls)) != pool->reuse.end()) {
+        p = it->second;
+        pool->reuse.erase(it);
+    } else if ((it = d.free_blocks.find(cls)) != d.free_blocks.end()) {
         p = it->second;
         d.free_blocks.erase(it);
+        if (pool) {
+            pool->bytes += cls;
+            d.stats.graph_pool += cls;
+        }
     } else {
         CUDA_CHECK(cudaSetDevice(device));
-        cudaError_t err = cudaMalloc(&p, (size_t)cls);
+        cudaError_t err = malloc_any(&p, (size_t)cls);
         if (err != cudaSuccess) {
             cudaGetLastError();
-            if (release_cached(device)) return -1;
-            err = cudaMalloc(&p, (size_t)cls);
+            // (no emptying of the cache during a capture: cudaFree is not for a capturing thread)
+            if (!pool) {
+                if (release_cached(device)) return -1;
+                err = cudaMalloc(&p, (size_t)cls);
+            }
             if (err != cudaSuccess) {
                 cudaGetLastError();
                 d.stats.num_ooms++;
                 size_t free_b = 0, total_b = 0;
-                cudaMemGetInfo(&free_b, &total_b);
+                if (!pool) cudaMemGetInfo(&free_b, &total_b);
                 return ms_errorf("cuda:%d out of memory: tried to allocate %lld bytes (%.2f MiB); "
                                  "allocated %.2f MiB, reserved %.2f MiB, peak %.2f MiB, "
                                  "device free %.2f of %.2f MiB",
@@ -171,11 +230,16 @@ int cuda_alloc(void **ptr, int64_t nbytes, int device) {
         d.stats.num_mallocs++;
         d.stats.reserved += cls;
         if (d.stats.reserved > d.stats.peak_reserved) d.stats.peak_reserved = d.stats.reserved;
+        if (pool) {
+            pool->bytes += cls;
+            d.stats.graph_pool += cls;
+        }
     }
     Block b;
     b.ptr = p;
     b.size = cls;
     b.requested = nbytes;
+    b.pool = pool;
     d.live[p] = b;
     d.stats.allocated += cls;
     d.stats.requested += nbytes;
@@ -185,15 +249,9 @@ int cuda_alloc(void **ptr, int64_t nbytes, int device) {
     return 0;
 }
 
-void cuda_free(void *ptr, int64_t nbytes, int device) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    DeviceState &d = g_dev[device];
-    auto it = d.live.find(ptr);
-    if (it == d.live.end()) return;
-    Block b = it->second;
-    d.live.erase(it);
-    d.stats.allocated -= b.size;
-    d.stats.requested -= b.requested;
+// an idle block back to the general cache: free at once, or once the
+// other streams that used it are done (called outside captures only)
+void release_block(DeviceState &d, int device, Block b) {
     if (b.used_on.empty()) {
         // work queued on the compute stream that uses this block runs before
         // any later work on that stream, so the block is free for it now
@@ -217,6 +275,53 @@ void cuda_free(void *ptr, int64_t nbytes, int device) {
     d.pending.push_back(pend);
 }
 
+void cuda_free(void *ptr, int64_t nbytes, int device) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    DeviceState &d = g_dev[device];
+    auto it = d.live.find(ptr);
+    if (it == d.live.end()) return;
+    Block b = it->second;
+    d.live.erase(it);
+    d.stats.allocated -= b.size;
+    d.stats.requested -= b.requested;
+    if (!b.pool && t_capture_device == device) {
+        // freed during this thread's capture: captured work may read it at
+        // every replay, so the graph's pool takes it
+        b.pool = d.capture;
+        b.pool->bytes += b.size;
+        d.stats.graph_pool += b.size;
+    }
+    if (!b.pool) {
+        release_block(d, device, b);
+    } else if (b.used_on.empty()) {
+        b.pool->reuse.emplace(b.size, b.ptr);   // (taken again only by its own capture)
+    } else {
+        b.pool->retired.push_back(b);
+    }
+}
+
+// a graph's pool back to the general cache (the graph is gone or never
+// was): its idle blocks become cached blocks, its live ones ordinary ones
+void release_pool(int device, Pool *pool) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    DeviceState &d = g_dev[device];
+    for (auto &kv : d.live)
+        if (kv.second.pool == pool) kv.second.pool = nullptr;
+    for (auto &kv : pool->reuse) d.free_blocks.emplace(kv.first, kv.second);
+    for (Block &b : pool->retired) {
+        b.pool = nullptr;
+        release_block(d, device, b);
+    }
+    d.stats.graph_pool -= pool->bytes;
+    for (size_t i = 0; i < d.pools.size(); i++)
+        if (d.pools[i] == pool) {
+            d.pools[i] = d.pools.back();
+            d.pools.pop_back();
+            break;
+        }
+    delete pool;
+}
+
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -229,8 +334,21 @@ static void count_sync(int device, int64_t t0) {
     g_dev[device].stats.host_sync_ns += dt;
 }
 
+// the refusal of a host sync inside this thread's capture (0: none going on)
+int refuse_in_capture(const char *op, const char *why) {
+    if (t_capture_device < 0) return 0;
+    return ms_errorf("%s during CUDA graph capture on cuda:%d: %s (the capture is aborted; docs/cuda-graphs.md)",
+                     op, t_capture_device, why);
+}
+
 int cuda_copy(void *dst, int dst_device, const void *src, int src_device, int64_t nbytes) {
     if (nbytes == 0) return 0;
+    if ((dst_device < 0 || src_device < 0) &&
+        refuse_in_capture(dst_device < 0 ? "a copy from the device to the host (item(), :to('cpu'), printing)"
+                                         : "a copy from the host to the device (a host value moved to cuda)",
+                          "the host would wait for the stream, and a replay would not repeat the copy; "
+                          "copy new inputs into the static tensors before replay()"))
+        return -1;
     if (dst_device >= 0 && src_device >= 0) {
         cudaStream_t s = ms_cuda_stream_of(dst_device);
         if (dst_device == src_device) {
@@ -278,6 +396,13 @@ struct ms_cuda_event {
     int device;
 };
 
+struct ms_cuda_graph {
+    int device;
+    Pool *pool;                     // its memory; NULL once given back
+    cudaGraphExec_t exec = nullptr;
+    cudaEvent_t done = nullptr;     // recorded after each replay
+};
+
 cudaStream_t ms_cuda_stream_of(int device) {
     if (device < 0 || device >= kMaxDevices) return nullptr;
     if (!g_dev[device].ready) {
@@ -286,6 +411,8 @@ cudaStream_t ms_cuda_stream_of(int device) {
     }
     return g_dev[device].current;
 }
+
+cudaError_t ms_cuda_malloc_any(void **p, size_t n) { return malloc_any(p, n); }
 
 int ms_cuda_activate(int device) {
     int cur = -1;
@@ -334,6 +461,7 @@ int ms_cuda_device_capability(int device, int *major, int *minor) {
 }
 
 int ms_cuda_synchronize(int device) {
+    if (refuse_in_capture("synchronize", "the host cannot wait for work that is only being recorded")) return -1;
     if (ms_cuda_activate(device)) return -1;
     CUDA_CHECK(cudaDeviceSynchronize());
     return ms_cuda_check_device_flags(device);
@@ -358,6 +486,7 @@ int ms_cuda_reset_peak_stats(int device) {
 
 int ms_cuda_empty_cache(int device) {
     if (check_device(device, "empty_cache")) return -1;
+    if (refuse_in_capture("empty_cache", "cudaFree is not allowed while a stream is captured")) return -1;
     std::lock_guard<std::mutex> lock(g_mu);
     if (!g_dev[device].ready) return 0;
     return release_cached(device);
@@ -390,6 +519,10 @@ int ms_cuda_stream_new(ms_cuda_stream **out, int device, int priority) {
 
 void ms_cuda_stream_free(ms_cuda_stream *s) {
     if (!s) return;
+    if (s->owned && t_capture_device >= 0) {   // (its synchronize waits for the capture's end)
+        t_deferred_streams.push_back(s);
+        return;
+    }
     if (s->owned) {
         std::lock_guard<std::mutex> lock(g_mu);
         DeviceState &d = g_dev[s->device];
@@ -401,8 +534,7 @@ void ms_cuda_stream_free(ms_cuda_stream *s) {
         cudaSetDevice(s->device);
         cudaStreamSynchronize(s->s);
         cudaGetLastError();
-        for (auto &kv : d.live) {
-            std::vector<cudaStream_t> &u = kv.second.used_on;
+        auto forget = [&](std::vector<cudaStream_t> &u) {
             for (size_t i = 0; i < u.size();)
                 if (u[i] == s->s) {
                     u[i] = u.back();
@@ -410,7 +542,10 @@ void ms_cuda_stream_free(ms_cuda_stream *s) {
                 } else {
                     i++;
                 }
-        }
+        };
+        for (auto &kv : d.live) forget(kv.second.used_on);
+        for (Pool *pool : d.pools)
+            for (Block &b : pool->retired) forget(b.used_on);
         cudaStreamDestroy(s->s);
     }
     delete s;
@@ -428,12 +563,23 @@ ms_cuda_stream *ms_cuda_current_stream(int device) {
 int ms_cuda_set_current_stream(ms_cuda_stream *s) {
     int device = s ? s->device : ms_cuda_get_device();
     if (ms_cuda_activate(device)) return -1;
+    if (s && t_capture_device == device) {
+        // work queued on a stream outside the capture would run now, once
+        cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+        CUDA_CHECK(cudaStreamIsCapturing(s->s, &st));
+        if (st != cudaStreamCaptureStatusActive)
+            return ms_errorf("set_stream: a stream that is not part of the CUDA graph capture on cuda:%d: its work "
+                             "would run once now instead of at each replay; record an event on the captured stream "
+                             "and make this stream wait for it first (and join it back the same way before the "
+                             "capture ends)", device);
+    }
     std::lock_guard<std::mutex> lock(g_mu);
     g_dev[device].current = s ? s->s : g_dev[device].compute;
     return 0;
 }
 
 int ms_cuda_stream_synchronize(ms_cuda_stream *s) {
+    if (refuse_in_capture("stream synchronize", "the host cannot wait for work that is only being recorded")) return -1;
     CUDA_CHECK(cudaStreamSynchronize(s->s));
     return ms_cuda_check_device_flags(s->device);
 }
@@ -470,6 +616,7 @@ int ms_cuda_event_record(ms_cuda_event *e, ms_cuda_stream *s) {
 }
 
 int ms_cuda_event_synchronize(ms_cuda_event *e) {
+    if (refuse_in_capture("event synchronize", "the host cannot wait for work that is only being recorded")) return -1;
     int64_t t0 = now_ns();
     CUDA_CHECK(cudaEventSynchronize(e->e));
     count_sync(e->device, t0);   // (the host blocked, as in a host-blocking copy)
@@ -535,6 +682,123 @@ int ms_cuda_copy_async(ms_tensor *dst, const ms_tensor *src) {
     CUDA_CHECK(cudaMemcpyAsync(ms_tensor_data(dst), ms_tensor_data(src), (size_t)nb,
                                up ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, ms_cuda_stream_of(dev)));
     return 0;
+}
+
+
+// ------------------------------------------------------------ CUDA graphs
+
+int ms_cuda_capturing(void) { return t_capture_device; }
+
+int ms_cuda_graph_begin(ms_cuda_graph **out, int device) {
+    *out = nullptr;
+    if (t_capture_device >= 0)
+        return ms_errorf("graph: this thread is already capturing a CUDA graph on cuda:%d (captures do not nest)",
+                         t_capture_device);
+    if (ms_cuda_activate(device)) return -1;
+    ms_cuda_graph *g = new ms_cuda_graph;
+    g->device = device;
+    g->pool = nullptr;
+    cudaError_t e = cudaEventCreateWithFlags(&g->done, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+        delete g;
+        return ms_errorf("graph: cudaEventCreateWithFlags failed: %s", cudaGetErrorString(e));
+    }
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        DeviceState &d = g_dev[device];
+        const char *why = d.capture ? "another thread is capturing a graph on it"
+                          : d.current != d.compute
+                              ? "the current stream is not the compute stream (begin the capture outside ms.cuda.with_stream)"
+                              : nullptr;
+        // ThreadLocal: a potentially unsafe call of this thread (a
+        // synchronous copy or memset, a sync, a cudaMalloc outside
+        // malloc_any) fails and invalidates the capture, instead of running
+        // once, outside the graph, as under Relaxed; other threads (NCCL's, a
+        // checkpoint writer's) are not hindered, as they would be under Global
+        if (!why) e = cudaStreamBeginCapture(d.compute, cudaStreamCaptureModeThreadLocal);
+        if (why || e != cudaSuccess) {
+            cudaGetLastError();
+            cudaEventDestroy(g->done);
+            delete g;
+            if (why) return ms_errorf("graph: cannot capture on cuda:%d: %s", device, why);
+            return ms_errorf("graph: cudaStreamBeginCapture failed: %s", cudaGetErrorString(e));
+        }
+        g->pool = new Pool;
+        g->pool->device = device;
+        d.pools.push_back(g->pool);
+        d.capture = g->pool;
+    }
+    t_capture_device = device;
+    *out = g;
+    return 0;
+}
+
+int ms_cuda_graph_end(ms_cuda_graph *g, int keep) {
+    if (!g || !g->pool || t_capture_device != g->device || g_dev[g->device].capture != g->pool)
+        return ms_errorf("graph_end: that graph is not being captured by this thread");
+    DeviceState &d = g_dev[g->device];
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamEndCapture(d.compute, &graph);
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        d.capture = nullptr;
+    }
+    t_capture_device = -1;
+    int rc = 0;
+    if (e != cudaSuccess || !graph) {
+        if (keep)
+            rc = ms_errorf("graph: the capture on cuda:%d failed: %s (a call the capture forbids inside it, or a "
+                           "stream forked from it and not joined back before its end)",
+                           g->device, e != cudaSuccess ? cudaGetErrorString(e) : "it was invalidated");
+    } else if (keep) {
+        e = cudaGraphInstantiate(&g->exec, graph, 0);
+        if (e != cudaSuccess) {
+            g->exec = nullptr;
+            rc = ms_errorf("graph: cudaGraphInstantiate failed: %s", cudaGetErrorString(e));
+        }
+    }
+    if (graph) cudaGraphDestroy(graph);   // (the executable graph keeps what it needs)
+    if (!keep || rc) {
+        cudaGetLastError();   // (an error of the aborted capture must not reach the next launch check)
+        release_pool(g->device, g->pool);
+        g->pool = nullptr;
+    }
+    std::vector<ms_cuda_graph *> gs;
+    std::vector<ms_cuda_stream *> ss;
+    gs.swap(t_deferred_graphs);
+    ss.swap(t_deferred_streams);
+    for (ms_cuda_graph *x : gs) ms_cuda_graph_free(x);
+    for (ms_cuda_stream *x : ss) ms_cuda_stream_free(x);
+    return rc;
+}
+
+int ms_cuda_graph_replay(ms_cuda_graph *g) {
+    if (t_capture_device >= 0)
+        return ms_errorf("graph replay during a CUDA graph capture on cuda:%d: replay after the capture ends",
+                         t_capture_device);
+    if (!g || !g->exec) return ms_errorf("graph replay: the graph was freed, or its capture failed");
+    if (ms_cuda_activate(g->device)) return -1;
+    cudaStream_t st = g_dev[g->device].compute;
+    CUDA_CHECK(cudaGraphLaunch(g->exec, st));
+    CUDA_CHECK(cudaEventRecord(g->done, st));
+    return 0;
+}
+
+void ms_cuda_graph_free(ms_cuda_graph *g) {
+    if (!g) return;
+    if (t_capture_device >= 0) {
+        t_deferred_graphs.push_back(g);
+        return;
+    }
+    cudaSetDevice(g->device);
+    if (g->exec) {
+        cudaEventSynchronize(g->done);   // its last replay done before its memory goes back
+        cudaGraphExecDestroy(g->exec);
+    }
+    if (g->pool) release_pool(g->device, g->pool);
+    cudaEventDestroy(g->done);
+    cudaGetLastError();
+    delete g;
 }
 
 }  // extern "C"

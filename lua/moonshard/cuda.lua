@@ -7,6 +7,8 @@
 --     local s, ev = ms.cuda.stream(), ms.cuda.event()
 --     ev:record()                             -- on the current (compute) stream
 --     s:wait(ev)                              -- s waits for it, the host does not
+--     local g = ms.cuda.graph(step, {warmup = 3})   -- a step captured once...
+--     g:replay()                              -- ...and run again with one launch
 --   end
 --
 -- The contract (caching allocator, stream-ordered reuse, out-of-memory as a
@@ -50,6 +52,7 @@ function cuda.memory_stats(d)
     num_mallocs = tonumber(s.num_mallocs), num_frees = tonumber(s.num_frees),
     num_allocs = tonumber(s.num_allocs), num_ooms = tonumber(s.num_ooms),
     num_host_syncs = tonumber(s.num_host_syncs), host_sync_ms = tonumber(s.host_sync_ns) * 1e-6,
+    graph_pool = tonumber(s.graph_pool),
   }
 end
 -- cuda.pinned_empty(shape, dtype) -> a host tensor in page-locked memory
@@ -159,5 +162,102 @@ function cuda.gemm_tune_file(path)
   check(C.ms_cuda_gemm_set_tune_file(path), 2)
 end
 function cuda.gemm_clear_plans() C.ms_cuda_gemm_clear_plans() end
+
+-- CUDA graphs (docs/cuda-graphs.md; the C side in core/cuda.h).
+--
+--   local g = cuda.graph(fn, {warmup = 3})   -- fn() 3 times eagerly, then one call captured
+--   x:copy_(next_batch); g:replay()          -- all of fn's kernels again, one launch
+--   print(g.outputs[1]:item())               -- what fn returned: overwritten by each replay
+--   g:free()                                 -- its memory back to the cache (also on __gc)
+--
+-- Inputs and outputs are static: fn reads tensors made before the capture
+-- (copy new data into them before replay) and its results live in the
+-- graph's memory. Inside the capture, a host sync (item(), a copy to or
+-- from the host, synchronize), a CPU tensor op, a random draw (dropout with
+-- p > 0) and a GEMM shape not yet tuned are refused with an error naming
+-- the op; the capture is then discarded and the process goes on eagerly.
+local capture = nil   -- the capture going on: { hooks = {...} }
+
+-- true while this thread captures a graph (on any device)
+function cuda.is_capturing() return C.ms_cuda_capturing() >= 0 end
+
+-- cuda.on_replay(fn), during a capture: fn() runs on the host before each
+-- replay of the graph being captured, for host state that each replay must
+-- advance (AdamW's step counts, and its constants written to the device)
+function cuda.on_replay(fn)
+  if capture == nil then error('cuda.on_replay: no cuda.graph capture is going on', 2) end
+  if type(fn) ~= 'function' then error(('cuda.on_replay: expected a function, got %s'):format(type(fn)), 2) end
+  capture.hooks[#capture.hooks + 1] = fn
+end
+
+local Graph = {}
+Graph.__index = Graph
+
+-- cuda.graph(fn, {warmup = 3, device = current}) -> a Graph: fn() is run
+-- `warmup` times eagerly (GEMM plans tuned, lazy buffers and optimizer
+-- state made: a warm-up is a real call, a training step takes its step),
+-- then once under capture (nothing runs: its kernels are recorded). fn
+-- takes no arguments; g.outputs is the list of what it returned.
+function cuda.graph(fn, opts)
+  if type(fn) ~= 'function' then error(('cuda.graph: expected a function, got %s'):format(type(fn)), 2) end
+  opts = opts or {}
+  if type(opts) ~= 'table' then error(('cuda.graph: options must be a table, got %s'):format(type(opts)), 2) end
+  for k in pairs(opts) do
+    if k ~= 'warmup' and k ~= 'device' then
+      error(('cuda.graph: unknown option %s (warmup, device)'):format(tostring(k)), 2)
+    end
+  end
+  local warmup = opts.warmup == nil and 3 or opts.warmup
+  if type(warmup) ~= 'number' or warmup < 0 or warmup % 1 ~= 0 then
+    error(('cuda.graph: warmup must be an integer >= 0, got %s'):format(tostring(warmup)), 2)
+  end
+  if not cuda.is_available() then
+    error('cuda.graph: CUDA graphs need a CUDA device, and ' .. (C.ms_cuda_device_count() == 0 and
+      'none is present (or moonshard was built without CUDA)' or 'none is usable'), 2)
+  end
+  if capture ~= nil or cuda.is_capturing() then
+    error('cuda.graph: called inside a capture (captures do not nest)', 2)
+  end
+  local dev = opts.device or cuda.current_device()
+  for _ = 1, warmup do fn() end
+  local box = ffi.new('ms_cuda_graph*[1]')
+  check(C.ms_cuda_graph_begin(box, dev), 2)
+  local g = ffi.gc(box[0], C.ms_cuda_graph_free)
+  capture = { hooks = {} }
+  local res = pack(pcall(fn))
+  local hooks = capture.hooks
+  capture = nil
+  if not res[1] then
+    C.ms_cuda_graph_end(g, 0)
+    C.ms_cuda_graph_free(ffi.gc(g, nil))
+    error('cuda.graph: the capture was aborted and discarded (eager work goes on): ' .. tostring(res[2]), 2)
+  end
+  if C.ms_cuda_graph_end(g, 1) ~= 0 then
+    local msg = ffi.string(C.ms_last_error())
+    C.ms_cuda_graph_free(ffi.gc(g, nil))
+    error('cuda.graph: ' .. msg, 2)
+  end
+  return setmetatable({ p = g, device = dev, outputs = { unpack(res, 2, res.n) }, hooks = hooks }, Graph)
+end
+
+-- g:replay() -> g.outputs' values: the replay hooks (cuda.on_replay), then
+-- the whole graph with one launch on the compute stream (the host does not
+-- wait for it)
+function Graph:replay()
+  if self.p == nil then error('graph:replay: the graph was freed', 2) end
+  for _, h in ipairs(self.hooks) do h() end
+  check(C.ms_cuda_graph_replay(self.p), 2)
+  return unpack(self.outputs)
+end
+
+-- g:free(): waits for its last replay and gives its memory pool back to
+-- the cache; the outputs stay readable (plain tensors from then on). Safe
+-- to call twice.
+function Graph:free()
+  if self.p ~= nil then
+    C.ms_cuda_graph_free(ffi.gc(self.p, nil))
+    self.p, self.hooks = nil, {}
+  end
+end
 
 return cuda

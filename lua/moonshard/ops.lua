@@ -1037,8 +1037,13 @@ end
 -- parameter (updated in its place; the parameter gets its rounding).
 -- grad_scale: nil, or a one-element f64 tensor on the parameters' device
 -- every gradient is multiplied by on the way in (the same bits as scaling
--- the gradients first; clip_grad_norm's `defer` coefficient).
-function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, masters, grad_scale)
+-- the gradients first; clip_grad_norm's `defer` coefficient). constants:
+-- nil, or 3 f64 on the parameters' device holding the step's {1 - lr·wd,
+-- lr/(1-beta1^step), sqrt(1-beta2^step)}, which the kernel then reads in
+-- place of lr, weight_decay and step (a step captured in a CUDA graph;
+-- adamw_constants_ writes them, with the same bits).
+function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, masters, grad_scale,
+                  constants)
   local pa, n = tensor_array('adamw_', 'the parameters', params)
   local ga, ng = tensor_array('adamw_', 'the gradients', grads)
   local ma, nm = tensor_array('adamw_', 'exp_avg', exp_avg)
@@ -1063,8 +1068,23 @@ function F.adamw_(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, wei
   if grad_scale ~= nil and not is_tensor(grad_scale) then
     raise(('adamw_: grad_scale must be a tensor (one f64 element), got %s'):format(type(grad_scale)))
   end
-  check(C.ms_adamw_multi_(n, pa, ga, ma, va, lr, beta1, beta2, eps, weight_decay, step, wa, grad_scale))
+  if constants ~= nil and not is_tensor(constants) then
+    raise(('adamw_: constants must be a tensor (3 f64 elements), got %s'):format(type(constants)))
+  end
+  check(C.ms_adamw_multi_(n, pa, ga, ma, va, lr, beta1, beta2, eps, weight_decay, step, wa, grad_scale, constants))
   return params
+end
+
+-- adamw_constants_(t, lr, beta1, beta2, weight_decay, step) -> t: the
+-- constants of that step (see adamw_) written into t (3 f64, any device;
+-- on CUDA a kernel on the current stream, no host sync)
+function F.adamw_constants_(t, lr, beta1, beta2, weight_decay, step)
+  if not is_tensor(t) then raise(('adamw_constants_: expected a tensor, got %s'):format(type(t))) end
+  for k, v in pairs({ lr = lr, beta1 = beta1, beta2 = beta2, weight_decay = weight_decay, step = step }) do
+    if type(v) ~= 'number' then raise(('adamw_constants_: %s must be a number, got %s'):format(k, type(v))) end
+  end
+  check(C.ms_adamw_constants_(t, lr, beta1, beta2, weight_decay, step))
+  return t
 end
 
 -- sum_squares(t | {t1, t2, ...}) -> 0-dim f64 tensor Σ t_ij² (on the

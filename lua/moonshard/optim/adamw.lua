@@ -26,8 +26,18 @@
 -- the math in f64 on the CPU and f32 on the GPU (f64 for f64 parameters).
 -- A non-contiguous parameter or gradient takes the composed path instead
 -- (a dozen raw ops, the same math).
+--
+-- Under a CUDA graph capture (ms.cuda.graph, docs/cuda-graphs.md) a fused
+-- step reads its constants (lr, weight decay and the bias corrections of
+-- its step count) from a small device tensor that a replay hook fills
+-- before each replay, with the step counts advanced on the host: each
+-- replay is the next step, with the bits of an eager one, and the group's
+-- lr may change between replays (betas and eps are captured as they were).
+-- The composed path and a first step (state not made yet) are refused there.
 local F = require 'moonshard.ops'
 local A = require 'moonshard.autograd'
+local T = require 'moonshard.tensor'
+local cuda = require 'moonshard.cuda'
 
 local free = A.free
 
@@ -114,6 +124,7 @@ return function(optim)
     self._grad_scale = nil
     local mirrors, mirrored = self._mirrors, {}
     self.mirrored = mirrored
+    local capturing = cuda.is_capturing()
     local gs_on = {}   -- the scale on each device the gradients use
     local function scale_on(dev)
       if gs == nil then return nil end
@@ -159,7 +170,14 @@ return function(optim)
               b.w[k] = w or false
               if w then b.any_w = true end
               if mr then mirrored[p] = true end
+              b.states = b.states or {}
+              b.states[k] = st
             else
+              if capturing then
+                error(('AdamW:step during CUDA graph capture: a parameter %s (or its gradient) is not contiguous, '
+                  .. 'and the composed update would keep this step\'s count in the graph'):format(
+                  T.shape_str(p.shape)), 0)
+              end
               local gsc = g
               if gs ~= nil then   -- the same bits as the fused op: g times the scale in g's dtype
                 local c = scale_on(tonumber(g.device_id)):to(g.dtype)
@@ -173,13 +191,29 @@ return function(optim)
         end
         for _, key in ipairs(order) do
           local b = batches[key]
+          local k = capturing and self:_graph_constants(group, b) or nil
           F.adamw_(b.p, b.g, b.m, b.v, lr, b1, b2, eps, wd, b.step, b.any_w and b.w or nil,
-            scale_on(tonumber(b.p[1].device_id)))
+            scale_on(tonumber(b.p[1].device_id)), k)
         end
       end
     end)
     for _, s in pairs(gs_on) do if s ~= gs then free(s) end end
     if gs ~= nil then free(gs) end
+  end
+
+  -- a captured step's constants: a device tensor (in the graph's memory)
+  -- that a replay hook writes for the next step before each replay, its
+  -- states' step counts advanced then (the capture itself takes no step)
+  function AdamW:_graph_constants(group, b)
+    local k = T.empty({ 3 }, { dtype = 'f64', device = b.p[1].device_id })
+    local states = b.states
+    for _, st in ipairs(states) do st.step = st.step - 1 end
+    local b1, b2 = group.betas[1], group.betas[2]
+    cuda.on_replay(function()
+      for _, st in ipairs(states) do st.step = st.step + 1 end
+      F.adamw_constants_(k, group.lr, b1, b2, group.weight_decay or 0, states[1].step)
+    end)
+    return k
   end
 
   -- the same update with raw ops (any layout)

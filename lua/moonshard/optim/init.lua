@@ -23,6 +23,7 @@
 -- save the tensors with ms.save_safetensors and the meta as JSON (or Lua);
 -- opt:load_state_dict(sd) takes the same (tensors are copied in).
 local T = require 'moonshard.tensor'
+local C = T.C
 local F = require 'moonshard.ops'
 local A = require 'moonshard.autograd'
 
@@ -152,11 +153,22 @@ function Optimizer:set_lr(lr)
   for _, g in ipairs(self.param_groups) do g.lr = lr end
 end
 
+-- the refusal of a first step inside a CUDA graph capture: the state made
+-- there (zeroed moments) would be made again by every replay
+function optim.refuse_new_state(name, p)
+  if C.ms_cuda_capturing() >= 0 then
+    error(('%s:step during CUDA graph capture: a parameter %s has no optimizer state yet, and every replay would '
+      .. 'start it again; take a step eagerly first (cuda.graph\'s warmup >= 1)'):format(name,
+      T.shape_str(p.shape) .. ' ' .. tostring(p.dtype)), 3)
+  end
+end
+
 -- state of parameter p (a table), created by init(p) on first use
 function Optimizer:state_of(p, init)
   local id = tonumber(p.id)
   local st = self.state[id]
   if st == nil then
+    optim.refuse_new_state(self.type or 'optimizer', p)
     st = init(p)
     self.state[id] = st
   end

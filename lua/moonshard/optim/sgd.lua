@@ -52,6 +52,7 @@ return function(optim)
             if mom ~= 0 then
               local st = self.state[tonumber(p.id)]
               if st == nil then
+                optim.refuse_new_state('SGD', p)
                 st = { momentum_buffer = d:clone() }
                 self.state[tonumber(p.id)] = st
               else
