@@ -105,6 +105,10 @@ int ms_cuda_graph_replay(ms_cuda_graph *g);
 void ms_cuda_graph_free(ms_cuda_graph *g);
 /* the device this thread is capturing a graph on, or -1 */
 int ms_cuda_capturing(void);
+/* while on (1), this thread's allocations during its capture take no block
+ * freed earlier in the capture: for a tensor the host writes between
+ * replays (AdamW's constants); returns the previous setting */
+int ms_cuda_capture_fresh(int on);
 
 /* page-locked host memory for fast, asynchronous transfers */
 int ms_cuda_host_alloc(void **out, int64_t nbytes);

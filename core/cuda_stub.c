@@ -45,6 +45,7 @@ int ms_cuda_graph_end(ms_cuda_graph *g, int keep) { return no_cuda("graph_end");
 int ms_cuda_graph_replay(ms_cuda_graph *g) { return no_cuda("graph_replay"); }
 void ms_cuda_graph_free(ms_cuda_graph *g) {}
 int ms_cuda_capturing(void) { return -1; }
+int ms_cuda_capture_fresh(int on) { (void)on; return 0; }
 int ms_cuda_host_alloc(void **out, int64_t nbytes) { return no_cuda("host_alloc"); }
 void ms_cuda_host_free(void *p) {}
 int ms_cuda_copy_async(struct ms_tensor *dst, const struct ms_tensor *src) {

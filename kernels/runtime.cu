@@ -78,6 +78,11 @@ int g_count = -1;
 // the device this thread is capturing a graph on (-1: none); the capture
 // mode is thread-local, so other threads' calls are not the capture's
 thread_local int t_capture_device = -1;
+// set while this thread makes a tensor that the host writes between
+// replays (ms_cuda_capture_fresh): its block must be one no captured work
+// touches, so not a block freed earlier in the same capture (the replay
+// reruns that work, which would overwrite what the host wrote)
+thread_local bool t_capture_fresh = false;
 // graphs and streams freed (by Lua's collector, say) during this thread's
 // capture: freeing them waits for their work, which the capture forbids,
 // so they are freed when it ends
@@ -193,7 +198,7 @@ int cuda_alloc(void **ptr, int64_t nbytes, int device) {
     if (!pool && !d.pending.empty()) reap_pending(d);
     void *p = nullptr;
     auto it = d.free_blocks.end();
-    if (pool && (it = pool->reuse.find(cls)) != pool->reuse.end()) {
+    if (pool && !t_capture_fresh && (it = pool->reuse.find(cls)) != pool->reuse.end()) {
         p = it->second;
         pool->reuse.erase(it);
     } else if ((it = d.free_blocks.find(cls)) != d.free_blocks.end()) {
@@ -688,6 +693,12 @@ int ms_cuda_copy_async(ms_tensor *dst, const ms_tensor *src) {
 // ------------------------------------------------------------ CUDA graphs
 
 int ms_cuda_capturing(void) { return t_capture_device; }
+
+int ms_cuda_capture_fresh(int on) {
+    int prev = t_capture_fresh ? 1 : 0;
+    t_capture_fresh = on != 0;
+    return prev;
+}
 
 int ms_cuda_graph_begin(ms_cuda_graph **out, int device) {
     *out = nullptr;

@@ -181,6 +181,18 @@ local capture = nil   -- the capture going on: { hooks = {...} }
 -- true while this thread captures a graph (on any device)
 function cuda.is_capturing() return C.ms_cuda_capturing() >= 0 end
 
+-- cuda.host_written(fn) -> fn()'s results, its tensors' memory made during
+-- a capture in blocks that no captured work uses: for a tensor the host
+-- writes between replays (a replay hook's), which a block freed earlier in
+-- the capture would not keep (the replay reruns the work that used it)
+function cuda.host_written(fn)
+  local prev = C.ms_cuda_capture_fresh(1)
+  local res = pack(pcall(fn))
+  C.ms_cuda_capture_fresh(prev)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, res.n)
+end
+
 -- cuda.on_replay(fn), during a capture: fn() runs on the host before each
 -- replay of the graph being captured, for host state that each replay must
 -- advance (AdamW's step counts, and its constants written to the device)

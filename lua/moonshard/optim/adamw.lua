@@ -205,7 +205,9 @@ return function(optim)
   -- that a replay hook writes for the next step before each replay, its
   -- states' step counts advanced then (the capture itself takes no step)
   function AdamW:_graph_constants(group, b)
-    local k = T.empty({ 3 }, { dtype = 'f64', device = b.p[1].device_id })
+    -- (written by the hook before each replay: a block no captured work
+    -- reuses, cuda.host_written)
+    local k = cuda.host_written(function() return T.empty({ 3 }, { dtype = 'f64', device = b.p[1].device_id }) end)
     local states = b.states
     for _, st in ipairs(states) do st.step = st.step - 1 end
     local b1, b2 = group.betas[1], group.betas[2]
