@@ -12,12 +12,7 @@
 -- the same as wgmma); wgmma_ws: MS_ATTENTION_WG_FWD=ws (two consumer
 -- warpgroups a block sharing each K/V tile, a producer warpgroup copying
 -- them), e.g. --shapes 2x16x4096x128,2x16x4096x192x128
--- --impls wgmma_base,wgmma_ovl,wgmma_ovlq,wgmma_ws. wgmma_bws: wgmma with
--- MS_ATTENTION_WG_BWD=ws (the backward's dk/dv by two consumer warpgroups
--- over 128 keys, a producer warp copying each Q/dO tile once for both; q/k
--- 128 or 192 with v 128, else the same as wgmma), e.g. --shapes
--- 2x16x4096x128,2x16x4096x192x128 --impls mma,wgmma,wgmma_bws,wgmma,wgmma_bws
--- (mma first: the first wgmma impl timed in a process reads slow).
+-- --impls wgmma_base,wgmma_ovl,wgmma_ovlq,wgmma_ws.
 --
 --   luajit bench/attention.lua [--iters 20] [--warmup 3] [--dtype bf16] [--impls wgmma,mma,wmma,simt]
 --                              [--shapes 8x12x1024,4x32x2048,2x16x4096x192,2x16x4096x192x128]
@@ -97,10 +92,6 @@ local function set_wg_fwd(value)
   if value then ffi.C.setenv('MS_ATTENTION_WG_FWD', value, 1) else ffi.C.unsetenv('MS_ATTENTION_WG_FWD') end
 end
 local wg_fwd_env = { wgmma_ovl = 'ovl', wgmma_ovlq = 'ovlq', wgmma_base = 'base', wgmma_ws = 'ws' }
--- MS_ATTENTION_WG_BWD (read by attention.cu at every call for ws) set to value, nil: unset
-local function set_wg_bwd(value)
-  if value then ffi.C.setenv('MS_ATTENTION_WG_BWD', value, 1) else ffi.C.unsetenv('MS_ATTENTION_WG_BWD') end
-end
 local impl_ids = { mma = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA, simt = C.MS_ATTENTION_SIMT,
   wgmma = C.MS_ATTENTION_WGMMA }
 local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt',
@@ -148,13 +139,10 @@ for _, s in ipairs(shapes) do
     -- mma1: mma with the one-pass backward (dq through f32 atomics); wgmma1:
     -- wgmma with its one-pass backward (dq added in a fixed order); wgmma0:
     -- wgmma with Delta by its own kernel (plain wgmma: in the dq kernel)
-    -- wgmma_base, wgmma_ovl, wgmma_ovlq, wgmma_ws: wgmma with MS_ATTENTION_WG_FWD=base, ovl, ovlq, ws;
-    -- wgmma_bws: wgmma with MS_ATTENTION_WG_BWD=ws (plain wgmma: the environment's, as given)
+    -- wgmma_base, wgmma_ovl, wgmma_ovlq, wgmma_ws: wgmma with MS_ATTENTION_WG_FWD=base, ovl, ovlq, ws
     local base = (impl == 'mma1' and 'mma') or (impl:match('^wgmma.') and 'wgmma') or impl
     local prev_fwd = os.getenv('MS_ATTENTION_WG_FWD')
     if wg_fwd_env[impl] then set_wg_fwd(wg_fwd_env[impl]) end
-    local prev_bwd = os.getenv('MS_ATTENTION_WG_BWD')
-    if impl == 'wgmma_bws' then set_wg_bwd('ws') end
     T.check(C.ms_cuda_attention_set_impl((assert(impl_ids[base], 'unknown implementation ' .. impl))))
     local prev_onepass = C.ms_cuda_attention_set_onepass(impl == 'mma1' and 1 or 0)
     local prev_wg1 = C.ms_cuda_attention_set_wg_onepass(impl == 'wgmma1' and 1 or 0)
@@ -177,12 +165,10 @@ for _, s in ipairs(shapes) do
     C.ms_cuda_attention_set_wg_onepass(prev_wg1)
     C.ms_cuda_attention_set_fused_delta(prev_fd)
     set_wg_fwd(prev_fwd)
-    set_wg_bwd(prev_bwd)
     print(('| %s%s | %dx%dx%dx%d%s | %.3f | %.1f | %.3f | %.1f | %.1f%% | %.1e, %.1e, %.1e, %.1e |'):format(
       ({ mma1 = 'mma, one-pass backward', wgmma1 = 'wgmma, one-pass backward', wgmma0 = 'wgmma, delta kernel',
         wgmma_ovl = 'wgmma, overlapped forward', wgmma_ovlq = 'wgmma, overlapped forward, Q in registers',
-        wgmma_base = 'wgmma, forward without overlap', wgmma_ws = 'wgmma, two consumer warpgroups',
-        wgmma_bws = 'wgmma, dk/dv of two consumer warpgroups' })[impl] or impl, ran ~= base and (' (ran ' .. tostring(ran) .. ')') or '', s.B, s.H, s.T, s.D,
+        wgmma_base = 'wgmma, forward without overlap', wgmma_ws = 'wgmma, two consumer warpgroups' })[impl] or impl, ran ~= base and (' (ran ' .. tostring(ran) .. ')') or '', s.B, s.H, s.T, s.D,
       s.Dv ~= s.D and ('x' .. s.Dv) or '', tf, ff, tb, fb,
       100 * (fwd_flops + bwd_flops) / ((tf + tb) * 1e-3) / 1e12 / peak, errs[1], errs[2], errs[3], errs[4]))
     o:free(); l:free()

@@ -722,20 +722,6 @@ int wg_fwd(ms_tensor *out, ms_tensor *lse, const ms_tensor *q, const ms_tensor *
 int g_wg_onepass = -1;
 bool wg_onepass() { return env_onepass(g_wg_onepass, "MS_ATTENTION_WG_BWD") == 1; }
 
-// MS_ATTENTION_WG_BWD=ws: the two-pass backward's dk/dv by dkdv_ws_kernel
-// (attention_wgmma.cuh: 128 keys a block of two consumer warpgroups and a
-// producer warp copying each Q/dO tile once for both, one block an SM) at
-// q/k 128 or 192 with v 128; elsewhere, and unset, dkdv_kernel (opt-in
-// until timed on a GPU). Read at every call (as MS_ATTENTION_WG_FWD), so
-// that a process can switch it through setenv (spec/gpu_attention_spec.lua,
-// bench/attention.lua). 1: ws; 0: unset, empty or onepass (the one pass
-// above); -1: a value it does not know.
-int wg_bwd_variant() {
-    const char *e = getenv("MS_ATTENTION_WG_BWD");
-    if (!e || !*e || !strcmp(e, "onepass")) return 0;
-    return strcmp(e, "ws") ? -1 : 1;
-}
-
 // the one-pass backward applies to this call (its conditions in one place)
 bool wg_onepass_for(bool dsum, int B, int Hkv, long long Tq, long long Tk, int causal, int D) {
     return wg_onepass() && D == 64 && !dsum && Tq > 0 && Tk > 0 && B * Hkv > 0 && causal && Tk >= Tq;
@@ -768,10 +754,6 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     int B = (int)q->sizes[0], H = (int)q->sizes[1], Hkv = (int)k->sizes[1];
     long long Tq = q->sizes[2], Tk = k->sizes[2];
     const long long rq = (long long)B * ((Tq + 63) / 64), rk = (long long)B * ((Tk + 63) / 64);
-    const int bvar = wg_bwd_variant();
-    if (bvar < 0)
-        return ms_errorf("attention: MS_ATTENTION_WG_BWD=%s: the wgmma backwards are onepass and ws",
-                         getenv("MS_ATTENTION_WG_BWD"));
     if (wg_onepass_for(dsum != nullptr, B, Hkv, Tq, Tk, causal, D)) {
         // dq inside the dk/dv kernel (attention_wgmma.cuh: OP): f32 sums
         // and the counters that order their additions, zeroed
@@ -806,20 +788,6 @@ int wg_bwd(ms_tensor *dq, ms_tensor *dk, ms_tensor *dv, const ms_tensor *q, cons
     auto run_dkdv = [&]() -> int {
         if (!(Tk > 0 && B * Hkv > 0)) return 0;
         constexpr int BQ = wg::dkdv_bq<D>();
-        if constexpr ((D == 128 && DV == 128) || (D == kMmaWideD && DV == kMmaWideDv)) {
-            if (bvar == 1) {
-                size_t smem = wg::dkdv_ws_smem<D, DV, BQ>();
-                if (set_smem<T>(wg::dkdv_ws_kernel<T, D, DV, BQ>, smem)) return -1;
-                dim3 grid((unsigned)((Tk + 127) / 128), (unsigned)(B * Hkv));
-                wg::dkdv_ws_kernel<T, D, DV, BQ><<<grid, 384, smem, s>>>(
-                    (T *)ms_tensor_data(dk), (T *)ms_tensor_data(dv), (const T *)ms_tensor_data(q),
-                    (const T *)ms_tensor_data(k), (const T *)ms_tensor_data(v), (const T *)ms_tensor_data(dout), l,
-                    delta, layout4(q), layout4(k), layout4(v), layout4(dout), layout4(dk), layout4(dv), H, Hkv, Tq, Tk,
-                    scale, causal, pkv);
-                LAUNCH_CHECK("wg::dkdv_ws_kernel");
-                return 0;
-            }
-        }
         size_t smem = wg::dkdv_smem<D, DV, BQ>();
         if (set_smem<T>(wg::dkdv_kernel<T, false, D, DV, BQ>, smem)) return -1;
         dim3 grid((unsigned)((Tk + 63) / 64), (unsigned)(B * Hkv));

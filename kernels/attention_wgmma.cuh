@@ -59,12 +59,9 @@ namespace wg {
 // thread % 8 of each sub-tile. The thread's address is computed once; a
 // tile then costs one offset and a bound (the per-row 64-bit index
 // arithmetic of a tile was ~170 instructions a warp, as many as the tile's
-// softmax). tid: the thread's index among the NT that copy a tile
-// (threadIdx.x; fwd_ws_kernel's producer warpgroup: its own). NT = 32
-// (dkdv_ws_kernel's producer warp): rows r0 + 4i, so that the swizzle's row
-// phase (r & 7) alternates between r0 and r0 + 4 from one pass to the next
-// (the 16-byte chunk c ^ r0, then c ^ r0 ^ 4).
-template <typename T, int D = 64, int NT = 128>
+// softmax). tid: the thread's index among the 128 that copy a tile
+// (threadIdx.x; fwd_ws_kernel's producer warpgroup: its own).
+template <typename T, int D = 64>
 struct sw_src {
     const T *p;  // row r0 at t = 0 of head 0, chunk c
     long long sh, st;
@@ -76,21 +73,16 @@ struct sw_src {
     template <int R>
     __device__ __forceinline__ void load(T *s, long long h, long long t0, long long Tn, const T *base,
                                          unsigned tid = threadIdx.x) const {
-        constexpr int RS = NT / 8;  // rows a pass
-        static_assert(RS == 16 || RS == 4, "128 or 32 threads a tile");
         const int r0 = tid >> 3, c = tid & 7;
         unsigned char *d = (unsigned char *)s + r0 * 128 + ((c ^ (r0 & 7)) << 4);
         const T *a = p + h * sh + t0 * st;
-        const long long step = RS * st, left = Tn - t0 - r0;  // row r0 + RS i exists while RS i < left
+        const long long step = 16 * st, left = Tn - t0 - r0;  // row r0 + 16i exists while 16i < left
         const int n = left <= 0 ? 0 : left >= R ? R : (int)left;
 #pragma unroll
-        for (int i = 0; i < R / RS; i++) {
-            const bool ok = RS * i < n;
-            // (RS = 4: an odd pass's rows are r0 + 4 mod 8, their chunk c ^ r0 ^ 4)
-            unsigned char *di = RS == 4 && (i & 1) ? d + 16 * (((c ^ r0) ^ 4) - (c ^ r0)) : d;
+        for (int i = 0; i < R / 16; i++) {
+            const bool ok = 16 * i < n;
 #pragma unroll
-            for (int j = 0; j < D / 64; j++)
-                mma::cp_async16(di + j * R * 128 + RS * 128 * i, ok ? a + 64 * j : base, ok);
+            for (int j = 0; j < D / 64; j++) mma::cp_async16(d + j * R * 128 + 2048 * i, ok ? a + 64 * j : base, ok);
             a += step;
         }
     }
@@ -148,12 +140,10 @@ __device__ __forceinline__ void a_to_sw(T *s, const unsigned a[4][4]) {
 
 // the 64 x D accumulators c (this warp's 16 rows) times mul[r] into rows
 // warp*16.. of s (padded [64][D + 8] tile), then to global rows t0.. of (b, h)
-// (warp: the warp's index in its warpgroup)
 template <typename T, int D = 64>
 __device__ __forceinline__ void store_acc(T *dst, const qkv_layout &l, long long b, long long h, long long t0,
-                                          long long Tn, T *s, const float *c, float mul0, float mul1,
-                                          int warp = threadIdx.x >> 5) {
-    const int lane = threadIdx.x & 31;
+                                          long long Tn, T *s, const float *c, float mul0, float mul1) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     mma::frag_to_smem<T, D>(s, reinterpret_cast<const float(*)[4]>(c), warp * 16, lane, mul0, mul1);
     __syncwarp();
     mma::store_rows<T, D, 1>(dst, l, b, h, t0, Tn, s, warp * 16, lane);
@@ -169,24 +159,16 @@ const int kD = 64;
 // four independent sums (a serial chain of 64 shared-memory reads and adds
 // on 64 threads cost 1.3 µs a dk/dv block), the upper half's total handed
 // over through `upper` (fixed order: the same bits every run); D = 128: a
-// thread a column, its 64 rows in four sums. tid, bar: the thread's index
-// among the 128 that call it and the named barrier they sync on
-// (dkdv_ws_kernel's consumer warpgroups, D = 128 and 192), or threadIdx.x
-// and the block's (0).
+// thread a column, its 64 rows in four sums.
 template <typename T, int D = 64>
-__device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long Tn, float *part,
-                                            unsigned tid = threadIdx.x, int bar = 0) {
-    auto sync = [bar] {
-        if (bar) bar_sync(bar, 128);
-        else __syncthreads();
-    };
+__device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long Tn, float *part) {
     if constexpr (D > 128) {
         // D = 192: a thread a column (threads 0-63 a second, 128 on), its
         // 64 rows in four sums
-        sync();
+        __syncthreads();
         const long long left = Tn - t0;
         const int nr = left < 64 ? (int)left : 64;
-        for (int c = tid; c < D; c += 128) {
+        for (int c = threadIdx.x; c < D; c += 128) {
             float a[4] = {0.f, 0.f, 0.f, 0.f};
             int r = 0;
             for (; r + 3 < nr; r += 4)
@@ -198,8 +180,8 @@ __device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long 
         return;
     }
     constexpr int NH = D > 128 ? 1 : 128 / D, RH = 64 / NH;   // threads a column, rows each
-    sync();
-    const int c = tid & (D - 1), h = tid / D;   // 128 threads: h < NH
+    __syncthreads();
+    const int c = threadIdx.x & (D - 1), h = threadIdx.x / D;   // 128 threads: h < NH
     const long long left = Tn - t0;
     const int nr = left < 64 ? (int)left : 64, r1 = min(nr, RH * h + RH);
     float a[4] = {0.f, 0.f, 0.f, 0.f};
@@ -213,9 +195,9 @@ __device__ __forceinline__ void tile_colsum(const T *s, long long t0, long long 
         part[c] = acc;
     } else {
         static_assert(NH == 2, "head dims 64 and 128");
-        static __shared__ float upper[D];  // (one a block: not for two warpgroups at once)
+        static __shared__ float upper[D];
         if (h == 1) upper[c] = acc;
-        sync();
+        __syncthreads();
         if (h == 0) part[c] = acc + upper[c];
     }
 }
@@ -773,90 +755,6 @@ size_t dkdv_smem(bool op = false) {
     return 1024 + (size_t)(64 * D + 64 * DV + 2 * BQ * (D + DV) + (op ? 64 * D : 0)) * 2 + 4 * BQ * sizeof(float);
 }
 
-// The step of dkdv_kernel (and of dkdv_ws_kernel's consumers) on one tile of
-// BQ queries: Qb, Gb the tile's Q and dO (swizzled, BQ x D and BQ x DV), Lb,
-// Db its rows' lse (log2 units, +inf for a row that saw no key) and Delta;
-// the warpgroup's 64 keys j0.. in K and V at the descriptors dK, dV (key0:
-// this thread's first key, key0 + 8 its second). S^T = K Q^T and dP^T = V
-// dO^T (64 keys x BQ queries), then P = 2^(S^T sl - lse) (masked on edge
-// tiles) into st and dS = P (dP - Delta) into dpt (BQ / 2 accumulators
-// each), which the caller rounds to the A fragments of dV += P^T dO and dK +=
-// dS^T Q (c_to_a). (The fragments in the caller, not here: with them made
-// here, through array references, the same PTX instructions came out
-// numbered differently and ptxas gave dkdv_kernel 174 registers instead of
-// 165 at head dim 64, a block an SM fewer, and its one pass spills.)
-template <typename T, int D, int DV, int BQ>
-__device__ __forceinline__ void dkdv_p_ds(float *st, float *dpt, uint64_t dK, uint64_t dV, const T *Qb, const T *Gb,
-                                          const float *Lb, const float *Db, long long i0, long long j0, long long key0,
-                                          long long Tq, long long Tk, long long off, int causal, float sl, int t4) {
-    constexpr int NK = D / 16, NKV = DV / 16, NS = BQ / 2;
-    // S^T = K Q^T, dP^T = V dO^T: 64 keys x BQ queries
-    fence();
-    const uint64_t dQb = desc(Qb), dGb = desc(Gb);
-#pragma unroll
-    for (int kk = 0; kk < NK; kk++) mma_ss<T, BQ>(st, kstep<64>(dK, kk), kstep<BQ>(dQb, kk), kk);
-#pragma unroll
-    for (int kk = 0; kk < NKV; kk++) mma_ss<T, BQ>(dpt, kstep<64>(dV, kk), kstep<BQ>(dGb, kk), kk);
-    commit();
-    wait<0>();
-    pin<NS>(st);
-    pin<NS>(dpt);
-
-    const bool edge = i0 + BQ > Tq || j0 + 64 > Tk || (causal && j0 + 63 > i0 + off);
-    int cmin[2], cmax[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const long long j = key0 + 8 * r;
-        cmin[r] = causal ? (int)min((long long)BQ, max(0ll, j - off - i0)) : 0;
-        cmax[r] = j < Tk ? (int)min((long long)BQ, Tq - i0) : 0;
-    }
-#pragma unroll
-    for (int n = 0; n < BQ / 8; n++) {
-        // the two queries' lse and Delta of columns c0, c0 + 1 in one 8-byte load each
-        const int c0 = n * 8 + 2 * t4;
-        const float2 L2 = *reinterpret_cast<const float2 *>(Lb + c0);
-        const float2 D2 = *reinterpret_cast<const float2 *>(Db + c0);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int c = c0 + (e & 1);
-            float p = mma::fast_exp2(st[4 * n + e] * sl - ((e & 1) ? L2.y : L2.x));
-            if (edge && (c < cmin[e >> 1] || c >= cmax[e >> 1])) p = 0.f;
-            st[4 * n + e] = p;
-            dpt[4 * n + e] = p * (dpt[4 * n + e] - ((e & 1) ? D2.y : D2.x));
-        }
-    }
-}
-
-// dV += P^T dO, dK += dS^T Q (dO, Q MN-major: DV, D along N; dGt, dQt their
-// descriptors, desc_mn), issued: the caller fences before and commits and
-// waits after
-template <typename T, int D, int DV, int BQ>
-__device__ __forceinline__ void dkdv_mma(float *dka, float *dva, const unsigned (&pa)[BQ / 16][4],
-                                         const unsigned (&da)[BQ / 16][4], uint64_t dQt, uint64_t dGt) {
-    constexpr int NQ = BQ / 16;
-#pragma unroll
-    for (int kk = 0; kk < NQ; kk++) mma_rs_t<T, DV>(dva, pa[kk], dGt + kk * (2048 >> 4), 1);
-#pragma unroll
-    for (int kk = 0; kk < NQ; kk++) mma_rs_t<T, D>(dka, da[kk], dQt + kk * (2048 >> 4), 1);
-}
-
-// dkdv_mma fenced, committed and waited for (the two-pass step's end)
-template <typename T, int D, int DV, int BQ>
-__device__ __forceinline__ void dkdv_acc(float *dka, float *dva, unsigned (&pa)[BQ / 16][4],
-                                         unsigned (&da)[BQ / 16][4], uint64_t dQt, uint64_t dGt) {
-    constexpr int NA = D / 2, NV = DV / 2, NQ = BQ / 16;
-    pin<NV>(dva);
-    pin<NA>(dka);
-    fence();
-    dkdv_mma<T, D, DV, BQ>(dka, dva, pa, da, dQt, dGt);
-    commit();
-    wait<0>();
-    pin<NV>(dva);
-    pin<NA>(dka);
-    pin_u<NQ * 4>(&pa[0][0]);
-    pin_u<NQ * 4>(&da[0][0]);
-}
-
 // OP: this block's share c (64 x 64 accumulators, queries i0.. of (b, h) x
 // D) of a dq tile, the n-th in the order of the tile's counter cnt (n = 0:
 // the first, writes the sums; last: rounds them into dq); c is summed in
@@ -921,8 +819,8 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
                                                    int Hkv, long long Tq, long long Tk, float scale, int causal,
                                                    float *part = nullptr, T *dq = nullptr, qkv_layout ldq = qkv_layout{},
                                                    float *dqacc = nullptr, int *sem = nullptr) {
-    // NA, NV: dK's, dV's accumulators a thread; NQ: the step's k16 blocks of queries
-    constexpr int NA = D / 2, NV = DV / 2, NQ = BQ / 16;
+    // NA, NV: dK's, dV's accumulators a thread; NS: S^T's (dP^T's); NQ: the step's k16 blocks of queries
+    constexpr int NK = D / 16, NKV = DV / 16, NA = D / 2, NV = DV / 2, NS = BQ / 2, NQ = BQ / 16;
     static_assert(!OP || (D == 64 && DV == 64 && BQ == 64), "the one-pass backward: head dim 64");
     static_assert(BQ == 64 || BQ == 32, "64- or 32-query steps");
     WG_SMEM;
@@ -1006,8 +904,43 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
         if (!OP && causal && j0 > i0 + BQ - 1 + off) continue;
         const T *Qb = Qs + buf * BQ * D, *Gb = Gs + buf * BQ * DV;
         const float *Lb = Ls + buf * BQ, *Db = Ds + buf * BQ;
-        float st[BQ / 2], dpt[BQ / 2];
-        dkdv_p_ds<T, D, DV, BQ>(st, dpt, dK, dV, Qb, Gb, Lb, Db, i0, j0, key0, Tq, Tk, off, causal, sl, t4);
+
+        // S^T = K Q^T, dP^T = V dO^T: 64 keys x BQ queries
+        float st[NS], dpt[NS];
+        fence();
+        const uint64_t dQb = desc(Qb), dGb = desc(Gb);
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++) mma_ss<T, BQ>(st, kstep<64>(dK, kk), kstep<BQ>(dQb, kk), kk);
+#pragma unroll
+        for (int kk = 0; kk < NKV; kk++) mma_ss<T, BQ>(dpt, kstep<64>(dV, kk), kstep<BQ>(dGb, kk), kk);
+        commit();
+        wait<0>();
+        pin<NS>(st);
+        pin<NS>(dpt);
+
+        const bool edge = i0 + BQ > Tq || j0 + 64 > Tk || (causal && j0 + 63 > i0 + off);
+        int cmin[2], cmax[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const long long j = key0 + 8 * r;
+            cmin[r] = causal ? (int)min((long long)BQ, max(0ll, j - off - i0)) : 0;
+            cmax[r] = j < Tk ? (int)min((long long)BQ, Tq - i0) : 0;
+        }
+#pragma unroll
+        for (int n = 0; n < BQ / 8; n++) {
+            // the two queries' lse and Delta of columns c0, c0 + 1 in one 8-byte load each
+            const int c0 = n * 8 + 2 * t4;
+            const float2 L2 = *reinterpret_cast<const float2 *>(Lb + c0);
+            const float2 D2 = *reinterpret_cast<const float2 *>(Db + c0);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = c0 + (e & 1);
+                float p = mma::fast_exp2(st[4 * n + e] * sl - ((e & 1) ? L2.y : L2.x));
+                if (edge && (c < cmin[e >> 1] || c >= cmax[e >> 1])) p = 0.f;
+                st[4 * n + e] = p;
+                dpt[4 * n + e] = p * (dpt[4 * n + e] - ((e & 1) ? D2.y : D2.x));
+            }
+        }
         unsigned pa[NQ][4], da[NQ][4];
 #pragma unroll
         for (int kk = 0; kk < NQ; kk++) {
@@ -1016,6 +949,12 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
         }
         // dV += P^T dO, dK += dS^T Q (dO, Q MN-major: DV, D along N)
         const uint64_t dQt = desc_mn<D, BQ>(Qb), dGt = desc_mn<DV, BQ>(Gb);
+        auto mma_dvdk = [&] {
+#pragma unroll
+            for (int kk = 0; kk < NQ; kk++) mma_rs_t<T, DV>(dva, pa[kk], dGt + kk * (2048 >> 4), 1);
+#pragma unroll
+            for (int kk = 0; kk < NQ; kk++) mma_rs_t<T, D>(dka, da[kk], dQt + kk * (2048 >> 4), 1);
+        };
         if constexpr (OP) {
             // dS^T (keys x queries) into Ss as rounded for dK; dQ = dS K with
             // dS read from it transposed, K MN-major (as V in P V)
@@ -1027,7 +966,7 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             pin<32>(dva);
             pin<32>(dka);
             fence();
-            dkdv_mma<T, D, DV, BQ>(dka, dva, pa, da, dQt, dGt);
+            mma_dvdk();
             const uint64_t dS = desc(Ss);
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) mma_ss_tt<T, 64>(dqa, dS + kk * (2048 >> 4), dK + kk * (2048 >> 4), kk);
@@ -1043,7 +982,16 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
             dq_add<T>(dq, ldq, dqacc, sem + 1 + ((long long)b * H + hq) * nqt + i0 / BQ, dqa, b, hq, H, i0, Tq,
                       jlast - jb, jb == 0, scale);
         } else {
-            dkdv_acc<T, D, DV, BQ>(dka, dva, pa, da, dQt, dGt);
+            pin<NV>(dva);
+            pin<NA>(dka);
+            fence();
+            mma_dvdk();
+            commit();
+            wait<0>();
+            pin<NV>(dva);
+            pin<NA>(dka);
+            pin_u<NQ * 4>(&pa[0][0]);
+            pin_u<NQ * 4>(&da[0][0]);
         }
     }
 
@@ -1060,192 +1008,6 @@ __global__ void __launch_bounds__(128, OP ? 3 : 0) dkdv_kernel(T *dk, T *dv, con
         // (DV = D: the expression as before the v width was its own, the same PTX)
         float *pv = DV == D ? part + (rows + row) * Hkv * D + g * D : part + rows * Hkv * D + row * Hkv * DV + g * DV;
         tile_colsum<T, DV>(sv, j0, Tk, pv);
-    }
-}
-
-// --------------------------- backward dk/dv, two consumer warpgroups (opt-in)
-// MS_ATTENTION_WG_BWD=ws (attention.cu): dk, dv for 128 keys of one (b, kv
-// head) a block, FA3's block structure at q/k 128 or 192 with v 128. Three
-// warpgroups: consumers 0 and 1 (threads 0-255) own keys j0 + 64c.., each
-// running dkdv_kernel's step (dkdv_p_ds, dkdv_acc: the same products in the
-// same order, so the same dk and dv bits) with its own K and V tiles and
-// its own dK and dV accumulators; one warp of the producer warpgroup
-// (threads 256-287; the other three leave at once) copies each step's Q and
-// dO tiles (BQ queries of one query head) and its rows' lse (times log2 e;
-// -inf as +inf, so p = 0) and Delta once for both, into a ring of two
-// stages: each Q/dO tile crosses from L2 once for 128 keys instead of once
-// for 64. Hand-offs by mbarriers, no block barrier after the start:
-//   full[s]  (count 64): the producer warp's 32 cp.async arrivals (made as
-//            its copies of step t into stage s = t % 2 land, .noinc) and its
-//            32 plain arrivals after it has stored the rows' lse and Delta;
-//            each consumer waits for phase t / 2 (its parity), no arrival,
-//            so neither consumer waits for the other;
-//   empty[s] (count 8): lane 0 of each consumer warp arrives once the
-//            warp's products on stage s are done; the producer waits for it
-//            before copying step t + 2 into the stage (round 0 passes: the
-//            wait for parity 1 on a fresh barrier).
-// The producer copies as far ahead as the ring lets it, never waiting for
-// its own copies; the rows' lse and Delta of step t + 1 are loaded into
-// registers while it waits for the stage. A consumer loads its K and V
-// tiles itself (cp.async, waited for and shown to wgmma before its first
-// step, a named barrier of its 128 threads). Steps: the query heads of the
-// kv group (major) and their BQ-query tiles from the block's first causal
-// tile (minor), one list for all. Causal: consumer 1's keys start 64
-// later, so its first tile (two at BQ = 32) of each head sees none of them:
-// it skips the products and releases the stage (dkdv_kernel's block of
-// those keys starts past those tiles: the same steps). Past Tk a consumer
-// may own no key: it takes part in every hand-off and stores nothing.
-// Registers by setmaxnreg as fwd_ws_kernel: 168 a thread at launch (384
-// threads, one block an SM), the producer warpgroup 32, the consumers 232
-// (no spills at either width). Shared memory: each consumer's K and V tiles
-// (64 x (D + DV), grown to stage its outputs: dk's [64][D + 8], then dv's
-// [64][DV + 8]), the two stages of Q and dO (BQ x (D + DV)), their rows' lse
-// and Delta, the four mbarriers: 137,248 bytes at 128, 128,544 at (192,
-// 128).
-constexpr int kBwsStages = 2;
-template <int D, int DV>  // elements of a consumer's K, V tiles and output stage, a multiple of 512 (1024 bytes)
-constexpr int bws_ce = (64 * (D + 8) + 64 * (DV + 8) + 511) / 512 * 512;
-template <int D, int DV, int BQ>
-size_t dkdv_ws_smem() {
-    return 1024 + (size_t)(2 * bws_ce<D, DV> + kBwsStages * BQ * (D + DV)) * 2 +
-           (size_t)kBwsStages * 2 * BQ * sizeof(float) + 2 * kBwsStages * sizeof(uint64_t);
-}
-
-// arguments as dkdv_kernel's two-pass ones (part: the column sums' rows, a
-// row per 64-key tile as dkdv_kernel writes them)
-template <typename T, int D, int DV, int BQ>
-__global__ void __launch_bounds__(384, 1) dkdv_ws_kernel(T *dk, T *dv, const T *q, const T *k, const T *v,
-                                                         const T *dout, const float *lse, const float *delta,
-                                                         qkv_layout lq, qkv_layout lk, qkv_layout lv, qkv_layout lg,
-                                                         qkv_layout ldk, qkv_layout ldv, int H, int Hkv, long long Tq,
-                                                         long long Tk, float scale, int causal, float *part = nullptr) {
-    constexpr int NS = kBwsStages, CE = bws_ce<D, DV>, SE = BQ * (D + DV), NQ = BQ / 16, NR = BQ / 32;
-    // setmaxnreg's budgets (168 x 384 at launch = 128 P + 256 C): the
-    // producer's 24 spilled 16 bytes at 128 (its copy loop's addresses)
-    constexpr int PREG = 32, CREG = 232;
-    static_assert((D == 128 && DV == 128 && BQ == 64) || (D == 192 && DV == 128 && BQ == 32),
-                  "q/k 128 (64-query steps) or 192 with v 128 (32-query steps)");
-    static_assert(SE * 2 % 1024 == 0 && BQ * D * 2 % 1024 == 0 && 64 * D * 2 % 1024 == 0, "tiles 1024-byte aligned");
-    WG_SMEM;
-    unsigned char *sm = align1024(wg_smem);
-    // consumer c's K at KV + c CE, its V 64 D on; stage s's Q at St + s SE,
-    // its dO BQ D on; stage s's lse at LDs + 2 s BQ, its Delta BQ on
-    T *KV = (T *)sm, *St = KV + 2 * CE;
-    float *LDs = (float *)(St + NS * SE);
-    uint64_t *full = (uint64_t *)(LDs + 2 * NS * BQ), *empty = full + NS;
-    const int jb = blockIdx.x, bg = blockIdx.y, b = bg / Hkv, g = bg % Hkv, rep = H / Hkv;
-    const long long j0 = (long long)jb * 128, off = Tk - Tq;
-    const long long istart = causal && j0 - off > 0 ? (j0 - off) / BQ * BQ : 0;
-    const long long nq = istart < Tq ? (Tq - istart + BQ - 1) / BQ : 0;
-    const long long total = rep * nq;
-    const int wgi = threadIdx.x >> 7, lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < NS; s++) {
-            mbar_init(&full[s], 64);
-            mbar_init(&empty[s], 8);
-        }
-        mbar_init_fence();
-    }
-    __syncthreads();
-
-    if (wgi == 2) {
-        // the producer: step t's Q, dO into stage t % 2 once step t - 2's products are done
-        setmaxnreg_dec<PREG>();
-        if (threadIdx.x >= 256 + 32) return;
-        const sw_src<T, D, 32> qsrc(q, lq, b, lane);
-        const sw_src<T, DV, 32> gsrc(dout, lg, b, lane);
-        int nh = 0;        // the next step's head g rep + nh and tile istart + nt BQ
-        long long nt = 0;
-        float Lv[NR], Dv[NR];  // rows lane + 32 r of the next step
-        auto rows = [&] {
-            const int hq = g * rep + nh;
-            const long long i0 = istart + nt * BQ;
-#pragma unroll
-            for (int r = 0; r < NR; r++) {
-                const long long i = i0 + lane + 32 * r, row = ((long long)b * H + hq) * Tq + i;
-                Lv[r] = i < Tq ? lse[row] : INFINITY;
-                Dv[r] = i < Tq ? delta[row] : 0.f;
-            }
-        };
-        if (total > 0) rows();
-        for (long long t = 0; t < total; t++) {
-            const int s = (int)(t % NS);
-            mbar_wait(&empty[s], (unsigned)(t / NS & 1) ^ 1);  // step t - 2's products done
-            const int hq = g * rep + nh;
-            const long long i0 = istart + nt * BQ;
-            qsrc.template load<BQ>(St + s * SE, hq, i0, Tq, q, lane);
-            gsrc.template load<BQ>(St + s * SE + BQ * D, hq, i0, Tq, dout, lane);
-            cp_async_mbar_arrive(&full[s]);
-            float *Ls = LDs + 2 * s * BQ;
-#pragma unroll
-            for (int r = 0; r < NR; r++) {
-                Ls[lane + 32 * r] = Lv[r] == -INFINITY ? INFINITY : Lv[r] * kLog2e;
-                Ls[BQ + lane + 32 * r] = Dv[r];
-            }
-            mbar_arrive(&full[s]);
-            if (++nt == nq) nt = 0, nh++;
-            if (t + 1 < total) rows();
-        }
-        mma::cp_async_wait_all();  // (no copy of this warp's in flight when it leaves)
-        return;
-    }
-
-    // a consumer: keys j0c.. (warp w4 of the warpgroup: keys 16 w4 + g8, + 8)
-    setmaxnreg_inc<CREG>();
-    const int c = wgi, w4 = (threadIdx.x >> 5) & 3, g8 = lane >> 2, t4 = lane & 3;
-    const unsigned tid = threadIdx.x & 127;
-    const long long j0c = j0 + 64 * c, key0 = j0c + w4 * 16 + g8;
-    T *Kc = KV + c * CE, *Vc = Kc + 64 * D;
-    sw_src<T, D>(k, lk, b, tid).template load<64>(Kc, g, j0c, Tk, k, tid);
-    sw_src<T, DV>(v, lv, b, tid).template load<64>(Vc, g, j0c, Tk, v, tid);
-    mma::cp_async_commit();
-    const float sl = scale * kLog2e;
-    float dka[D / 2], dva[DV / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; i++) dka[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < DV / 2; i++) dva[i] = 0.f;
-    const uint64_t dK = desc(Kc), dV = desc(Vc);
-    mma::cp_async_wait_all();
-    fence_proxy();
-    bar_sync(1 + c, 128);  // this consumer's K and V landed (every thread's copies)
-    long long nt = 0;
-    for (long long t = 0; t < total; t++) {
-        const int s = (int)(t % NS);
-        const long long i0 = istart + nt * BQ;
-        if (++nt == nq) nt = 0;
-        mbar_wait(&full[s], (unsigned)(t / NS & 1));  // step t's tiles, lse and Delta landed
-        // (keys past Tk, or after every query of the tile: nothing to add)
-        if (j0c < Tk && !(causal && j0c > i0 + BQ - 1 + off)) {
-            fence_proxy();  // the producer's cp.async writes (generic proxy) before wgmma's reads
-            const T *Qb = St + s * SE, *Gb = Qb + BQ * D;
-            const float *Lb = LDs + 2 * s * BQ, *Db = Lb + BQ;
-            float st[BQ / 2], dpt[BQ / 2];
-            dkdv_p_ds<T, D, DV, BQ>(st, dpt, dK, dV, Qb, Gb, Lb, Db, i0, j0c, key0, Tq, Tk, off, causal, sl, t4);
-            unsigned pa[NQ][4], da[NQ][4];
-#pragma unroll
-            for (int kk = 0; kk < NQ; kk++) {
-                c_to_a<T>(pa[kk], st, kk);
-                c_to_a<T>(da[kk], dpt, kk);
-            }
-            dkdv_acc<T, D, DV, BQ>(dka, dva, pa, da, desc_mn<D, BQ>(Qb), desc_mn<DV, BQ>(Gb));
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);  // this warp's reads of the stage done
-    }
-
-    // the outputs through this consumer's K and V tiles (dk's [64][D + 8],
-    // then dv's [64][DV + 8]) once all its warps are past their products
-    bar_sync(1 + c, 128);
-    T *sk = Kc, *sv = Kc + 64 * (D + 8);
-    store_acc<T, D>(dk, ldk, b, g, j0c, Tk, sk, dka, scale, scale, w4);
-    store_acc<T, DV>(dv, ldv, b, g, j0c, Tk, sv, dva, 1.f, 1.f, w4);
-    const long long nkt = (Tk + 63) / 64, kt = 2 * (long long)jb + c;  // 64-key tiles: part's rows
-    if (part && kt < nkt) {
-        // dk's rows of part, then dv's: (B x 64-key tiles) x (Hkv x D), then x (Hkv x DV)
-        const long long row = (long long)b * nkt + kt, rows = (long long)(gridDim.y / Hkv) * nkt;
-        tile_colsum<T, D>(sk, j0c, Tk, part + row * Hkv * D + g * D, tid, 1 + c);
-        tile_colsum<T, DV>(sv, j0c, Tk, part + rows * Hkv * D + row * Hkv * DV + g * DV, tid, 1 + c);
     }
 }
 

@@ -137,50 +137,6 @@ __device__ __forceinline__ void bar_sync(int id, int n) {
 __device__ __forceinline__ void bar_arrive(int id, int n) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
-// mbarriers (64-bit objects in shared memory; dkdv_ws_kernel's stages): a
-// phase completes when `count` arrivals have come (mbar_init), and the
-// next begins. mbar_wait(b, parity) returns once the phase of that parity
-// has completed: the current one's or, for the other parity, the one
-// before it (so a wait for parity 1 on a fresh barrier returns at once).
-// mbar_arrive is one arrival (release: this thread's writes before it are
-// seen by a thread whose wait it completes); cp_async_mbar_arrive one
-// arrival made when all of this thread's cp.async copies issued before it
-// have landed (.noinc: it counts among the `count`), without waiting.
-// mbar_init_fence after the inits, before the block barrier that shows
-// them to the other threads.
-__device__ __forceinline__ void mbar_init(uint64_t *b, unsigned count) {
-#ifdef MS_WG_ENABLED
-    asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_init_fence() {
-#ifdef MS_WG_ENABLED
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *b) {
-#ifdef MS_WG_ENABLED
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(smem_u32(b)) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *b) {
-#ifdef MS_WG_ENABLED
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_u32(b)) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_wait(uint64_t *b, unsigned parity) {
-#ifdef MS_WG_ENABLED
-    unsigned done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(smem_u32(b)), "r"(parity)
-                     : "memory");
-    } while (!done);
-#else
-    __trap();
-#endif
-}
 // a warpgroup's register budget moved (every thread of the warpgroup calls
 // it with the same N, a multiple of 8 in [24, 256]): dec gives registers
 // back to the block's pool, inc waits for them (fwd_ws_kernel's producer

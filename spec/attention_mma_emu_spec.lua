@@ -10,9 +10,7 @@
 -- lengths, Tq != Tk, GQA, (B, T, H, D) views, and the overlapped wgmma
 -- forward (MS_ATTENTION_WG_FWD=ovl, ovlq) and the forward of two consumer
 -- warpgroups and a producer (ws: 384-thread blocks, named barriers) at 128
--- and q/k 192 with v 128, and the backward's dk/dv of two consumer
--- warpgroups and a producer warp (MS_ATTENTION_WG_BWD=ws: mbarriers), its
--- dk, dv and column sums also against dkdv_kernel's bit for bit. Its
+-- and q/k 192 with v 128. Its
 -- wgmma products run when waited for, reading shared memory then; a run
 -- with --warps --eager lets each warp run ahead to its next block barrier
 -- and cp.async land at once, so a missing barrier or wait shows. The GPU runs the real thing
@@ -96,13 +94,6 @@ describe('mma.sync and wgmma attention kernels emulated on the CPU #noasan', fun
       for _, pat in ipairs({ 'ok   wgmma ws D=128 ', 'ok   wgmma ws D=192 Dv=128 ' }) do
         n = 0
         for _ in out:gmatch(pat) do n = n + 1 end
-        assert.are.equal(18, n, pat .. '\n' .. out)
-      end
-      -- and the backward's dk/dv of two consumer warpgroups (bws) on the same
-      -- shapes, plain and with climbing maxima, each bit-equal to dkdv_kernel's
-      for _, pat in ipairs({ 'ok   wgmma bws D=128 ', 'ok   wgmma bws D=192 Dv=128 ' }) do
-        n = 0
-        for _ in out:gmatch(pat .. '[^\n]*against dkdv_kernel\'s: 0 elements differ') do n = n + 1 end
         assert.are.equal(18, n, pat .. '\n' .. out)
       end
     end

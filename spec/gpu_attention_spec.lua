@@ -8,10 +8,8 @@
 -- across the tile edges, causal or not, Tq != Tk (bottom-right causal, rows
 -- that see no key), grouped-query heads and strided (B, T, H, D) views; and
 -- the wgmma forwards (MS_ATTENTION_WG_FWD=ovl, base, ovlq: wgmma_ovl,
--- wgmma_base, wgmma_ovlq; plain wgmma runs the default, ws) and the dk/dv
--- kernel of two consumer warpgroups (MS_ATTENTION_WG_BWD=ws: wgmma_bws; its
--- dk, dv also against the default kernel's bit for bit) at head dim 128 and
--- q/k 192 with v 128.
+-- wgmma_base, wgmma_ovlq; plain wgmma runs the default, ws) at head dim 128
+-- and q/k 192 with v 128.
 local ms = require 'moonshard'
 local ffi = require 'ffi'
 local T = require 'moonshard.tensor'
@@ -66,23 +64,16 @@ end
 -- plain wgmma computes Delta in its dq kernel); wgmma_ovl, wgmma_base,
 -- wgmma_ovlq: wgmma with MS_ATTENTION_WG_FWD=ovl, base, ovlq (attention.cu
 -- reads it at every call; at q/k 128 or 192 with v 128 the default is ws,
--- elsewhere fwd_kernel runs whatever it says); wgmma_bws: wgmma with
--- MS_ATTENTION_WG_BWD=ws (dk/dv by dkdv_ws_kernel, two consumer warpgroups
--- and a producer warp; at q/k 128 or 192 with v 128, elsewhere the same as
--- wgmma)
+-- elsewhere fwd_kernel runs whatever it says)
 local impl_ids = { mma = C.MS_ATTENTION_MMA, mma1 = C.MS_ATTENTION_MMA, wmma = C.MS_ATTENTION_WMMA,
   simt = C.MS_ATTENTION_SIMT, wgmma = C.MS_ATTENTION_WGMMA, wgmma1 = C.MS_ATTENTION_WGMMA,
   wgmma0 = C.MS_ATTENTION_WGMMA, wgmma_ovl = C.MS_ATTENTION_WGMMA, wgmma_base = C.MS_ATTENTION_WGMMA,
-  wgmma_ovlq = C.MS_ATTENTION_WGMMA, wgmma_bws = C.MS_ATTENTION_WGMMA, auto = C.MS_ATTENTION_AUTO }
+  wgmma_ovlq = C.MS_ATTENTION_WGMMA, auto = C.MS_ATTENTION_AUTO }
 local wg_fwd_env = { wgmma_ovl = 'ovl', wgmma_base = 'base', wgmma_ovlq = 'ovlq' }
 pcall(ffi.cdef, 'int setenv(const char *name, const char *value, int overwrite); int unsetenv(const char *name);')
 -- MS_ATTENTION_WG_FWD set to value (nil: unset)
 local function set_wg_fwd(value)
   if value then ffi.C.setenv('MS_ATTENTION_WG_FWD', value, 1) else ffi.C.unsetenv('MS_ATTENTION_WG_FWD') end
-end
--- MS_ATTENTION_WG_BWD set to value (nil: unset)
-local function set_wg_bwd(value)
-  if value then ffi.C.setenv('MS_ATTENTION_WG_BWD', value, 1) else ffi.C.unsetenv('MS_ATTENTION_WG_BWD') end
 end
 local impl_names = { [C.MS_ATTENTION_MMA] = 'mma', [C.MS_ATTENTION_WMMA] = 'wmma', [C.MS_ATTENTION_SIMT] = 'simt',
   [C.MS_ATTENTION_WGMMA] = 'wgmma' }
@@ -96,10 +87,7 @@ local function with_impl(impl, fn)
   local prev_fd = C.ms_cuda_attention_set_fused_delta(impl == 'wgmma0' and 0 or 1)
   local prev_fwd = os.getenv('MS_ATTENTION_WG_FWD')
   if wg_fwd_env[impl] then set_wg_fwd(wg_fwd_env[impl]) end
-  local prev_bwd = os.getenv('MS_ATTENTION_WG_BWD')
-  if impl == 'wgmma_bws' then set_wg_bwd('ws') end
   local ok, err = pcall(fn)
-  set_wg_bwd(prev_bwd)
   set_wg_fwd(prev_fwd)
   C.ms_cuda_attention_set_fused_delta(prev_fd)
   C.ms_cuda_attention_set_wg_onepass(prev_wg)
@@ -220,7 +208,6 @@ local function check_wide(cs, seed)
       check_case(c, dt, ref, 'wgmma_ovl')
       check_case(c, dt, ref, 'wgmma_base')
       check_case(c, dt, ref, 'wgmma_ovlq')
-      check_case(c, dt, ref, 'wgmma_bws')
     end
   end
 end
@@ -238,7 +225,6 @@ describe('fused attention on cuda #gpu', function()
         impls[#impls + 1] = 'wgmma_ovl'
         impls[#impls + 1] = 'wgmma_base'
         impls[#impls + 1] = 'wgmma_ovlq'
-        impls[#impls + 1] = 'wgmma_bws'
       end
       local ref
       seed = seed + 10
@@ -252,8 +238,7 @@ describe('fused attention on cuda #gpu', function()
     end
   end
 
-  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'wgmma0', 'wgmma_ovl', 'wgmma_base', 'wgmma_ovlq', 'wgmma_bws', 'mma', 'wmma',
-    'simt' }) do
+  for _, impl in ipairs({ 'wgmma', 'wgmma1', 'wgmma0', 'wgmma_ovl', 'wgmma_base', 'wgmma_ovlq', 'mma', 'wmma', 'simt' }) do
     it(('transposed (B, T, H, D) views work without copies and give the same result (%s)'):format(impl), function()
       for _, c in ipairs({ { 'f32', 32 }, { 'bf16', 32 }, { 'bf16', 64 }, { 'f16', 128 } }) do
         local dt, D = c[1], c[2]
@@ -325,64 +310,6 @@ describe('fused attention on cuda #gpu', function()
     set_wg_fwd(prev)
     assert.is_false(ok)
     assert.matches('MS_ATTENTION_WG_FWD=ovlx: the wgmma forwards are base, ovl, ovlq and ws', tostring(err), 1, true)
-  end)
-
-  -- dkdv_ws_kernel's consumers run dkdv_kernel's step (the same device
-  -- functions) on the same 64 keys over the same query tiles in the same
-  -- order (the tiles consumer 1 skips are ones dkdv_kernel's block of its
-  -- keys never visits), so dk and dv are the same bits (as the emulator
-  -- finds on its shapes); a wrong stage, parity, mask or key offset would
-  -- not be. Lengths where the two stages come round many times, a block
-  -- whose second consumer owns no key (Tk = 40, 200), GQA, both causal
-  -- alignments (Tq > Tk: rows with no key).
-  it('MS_ATTENTION_WG_BWD=ws gives the same dk and dv bits as the default dk/dv kernel (q/k 128, 192 with v 128)',
-    function()
-    if not hopper then
-      pending('wgmma runs on compute capability 9.x only')
-      return
-    end
-    for _, c in ipairs({ { B = 1, H = 4, Hkv = 2, Tq = 450, Tk = 450, D = 128, causal = true },
-      { B = 2, H = 2, Hkv = 2, Tq = 70, Tk = 520, D = 128, causal = false },
-      { B = 1, H = 2, Hkv = 1, Tq = 300, Tk = 40, D = 128, causal = true },
-      { B = 1, H = 2, Hkv = 2, Tq = 1024, Tk = 1024, D = 128, causal = true },
-      { B = 1, H = 4, Hkv = 2, Tq = 450, Tk = 450, D = 192, Dv = 128, causal = true },
-      { B = 1, H = 2, Hkv = 2, Tq = 130, Tk = 200, D = 192, Dv = 128, causal = false } }) do
-      local Dv = c.Dv or c.D
-      local q = ms.randn({ c.B, c.H, c.Tq, c.D }, { seed = 21, device = 'cuda' }):to('bf16')
-      local k = ms.randn({ c.B, c.Hkv, c.Tk, c.D }, { seed = 22, device = 'cuda' }):to('bf16')
-      local v = ms.randn({ c.B, c.Hkv, c.Tk, Dv }, { seed = 23, device = 'cuda' }):to('bf16')
-      local g = ms.randn({ c.B, c.H, c.Tq, Dv }, { seed = 24, device = 'cuda' }):to('bf16')
-      local s = 1 / math.sqrt(c.D)
-      local dk1, dv1, dk2, dv2
-      with_impl('wgmma', function()
-        -- (with_impl puts MS_ATTENTION_WG_BWD back as it was)
-        local o, l = attention(q, k, v, s, c.causal)
-        local _
-        set_wg_bwd(nil)
-        _, dk1, dv1 = attention_backward(q, k, v, o, l, g, s, c.causal)
-        set_wg_bwd('ws')
-        _, dk2, dv2 = attention_backward(q, k, v, o, l, g, s, c.causal)
-      end)
-      local what = ('D=%d Dv=%d Tq=%d Tk=%d: dk %g dv %g'):format(c.D, Dv, c.Tq, c.Tk, relerr(dk2, dk1),
-        relerr(dv2, dv1))
-      assert.are.same(dk1:to('cpu'):double():totable(), dk2:to('cpu'):double():totable(), what)
-      assert.are.same(dv1:to('cpu'):double():totable(), dv2:to('cpu'):double():totable(), what)
-    end
-  end)
-
-  it('refuses an MS_ATTENTION_WG_BWD it does not know, naming it, when the wgmma backward runs', function()
-    if not hopper then
-      pending('wgmma runs on compute capability 9.x only')
-      return
-    end
-    local q = ms.randn({ 1, 2, 40, 128 }, { seed = 3, device = 'cuda' }):to('bf16')
-    local o, l = attention(q, q, q, 0.1, true)
-    local prev = os.getenv('MS_ATTENTION_WG_BWD')
-    set_wg_bwd('wss')
-    local ok, err = pcall(with_impl, 'wgmma', function() return attention_backward(q, q, q, o, l, q, 0.1, true) end)
-    set_wg_bwd(prev)
-    assert.is_false(ok)
-    assert.matches('MS_ATTENTION_WG_BWD=wss: the wgmma backwards are onepass and ws', tostring(err), 1, true)
   end)
 
   it('head dim 192 (DeepSeek-V3\'s q/k heads): mma, two-pass and one-pass, and wgmma (its forward) in bf16 and '
@@ -577,13 +504,10 @@ describe('attention_backward_sum on cuda #gpu', function()
                        { B = 2, H = 2, Hkv = 2, Tq = 37, Tk = 91, causal = false, D = 192, Dv = 128 },
                        { B = 1, H = 2, Hkv = 1, Tq = 70, Tk = 70, causal = true, D = 192 } }) do
     local Dv = c.Dv or c.D
-    -- (and dk/dv by dkdv_ws_kernel where it runs: wgmma_bws)
-    for _, bws in ipairs(Dv == 128 and { false, true } or { false }) do
     it(('B=%d H=%d Hkv=%d Tq=%d Tk=%d D=%d Dv=%d: the sums of dq, dk, dv (1e-5 of the outputs\' own sums)%s'):format(
-      c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D, Dv, bws and ', MS_ATTENTION_WG_BWD=ws' or c.D == 192 and ', wgmma asked for'
-      or ''), function()
+      c.B, c.H, c.Hkv, c.Tq, c.Tk, c.D, Dv, c.D == 192 and ', wgmma asked for' or ''), function()
       -- (at 192 wgmma runs only when asked for: asked for here)
-      with_impl(bws and 'wgmma_bws' or c.D == 192 and 'wgmma' or 'auto', function()
+      with_impl(c.D == 192 and 'wgmma' or 'auto', function()
       local D = c.D
       local q = ms.randn({ c.B, c.H, c.Tq, D }, { seed = 11 }):to('bf16'):cuda()
       local k = ms.randn({ c.B, c.Hkv, c.Tk, D }, { seed = 12 }):to('bf16'):cuda()
@@ -607,7 +531,6 @@ describe('attention_backward_sum on cuda #gpu', function()
       assert.is_true(e <= 1e-5, ('column sums: relative error %.3g'):format(e))
       end)
     end)
-    end
   end
 end)
 
