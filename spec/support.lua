@@ -105,6 +105,39 @@ function S.run_losses(out)
   return r
 end
 
+-- step -> grad_norm of a bin/train run's metrics.jsonl in `out`
+function S.run_grad_norms(out)
+  local r = {}
+  for line in io.lines(out .. '/metrics.jsonl') do
+    local obj = assert(json.decode(line, 1, nil), line)
+    if obj.grad_norm then r[obj.step] = obj.grad_norm end
+  end
+  return r
+end
+
+-- A split run's final weights (safetensors at `path`) against one
+-- process's (`ref_path`), within f32 rounding as AdamW carries it: a step
+-- moves a weight ~lr = 1e-2 whatever its gradient's size, so sums in
+-- another order move the elements whose gradients are small (the experts
+-- few tokens chose) by 1e-5 and more: at most one element in fifty beyond
+-- 2e-5, none beyond 5e-4, the same names on both sides (the --tp --ep
+-- specs)
+function S.close_weights(path, ref_path, what)
+  local st = require('moonshard.safetensors')
+  local got, ref = st.load(path), st.load(ref_path)
+  local n = 0
+  for name, t in pairs(ref) do
+    n = n + 1
+    assert.is_truthy(got[name], what .. ': ' .. name .. ' missing')
+    local d = (got[name]:to('f64') - t:to('f64')):abs()
+    local far, most = d:gt(2e-5):sum():item(), d:max():item()
+    assert.is_true(far <= math.max(1, d:numel() / 50) and most <= 5e-4,
+      ('%s: %s: %d of %d elements beyond 2e-5, the most %g'):format(what, name, far, d:numel(), most))
+  end
+  for name in pairs(got) do assert.is_truthy(ref[name], what .. ': not the model\'s: ' .. name) end
+  assert.is_true(n > 10)
+end
+
 -- A model file's bin/train check (the MoE ones', and the dense Qwens'): `flags` (its tiny preset, shrunk)
 -- trains 6 steps on one process with the load-balancing loss and its loss
 -- falls; without it, each of `layouts` (bin/train flags) on two CPU ranks

@@ -29,15 +29,7 @@ local flags = '--preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 
   .. '--model.output_router_logits false --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 '
   .. '--sample-tokens 0 --log-every 2 --data ' .. q(corpus)
 
--- step -> grad_norm of a run's metrics
-local function norms(out)
-  local r = {}
-  for line in io.lines(out .. '/metrics.jsonl') do
-    local obj = assert(json.decode(line, 1, nil), line)
-    if obj.grad_norm then r[obj.step] = obj.grad_norm end
-  end
-  return r
-end
+local norms = S.run_grad_norms   -- (step -> grad_norm)
 
 describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU through mpirun)', function()
   teardown(function() os.execute('rm -rf ' .. q(dir)) end)

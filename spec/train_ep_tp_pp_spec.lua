@@ -14,7 +14,6 @@
 -- resumes at --pp 2 --tp 2 --ep 2; bad layouts exit 2 with a message.
 require 'moonshard'
 local S = require 'spec.support'
-local json = require 'dkjson'
 local q = S.shell_quote
 local dir = S.tmpdir()
 local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
@@ -30,15 +29,7 @@ local deepseek = 'models/deepseek_v3.lua --preset tiny --model.num_hidden_layers
   .. '--moe-bias-rate 1e-2' .. common
 local layout = ' --pp 2 --tp 2 --ep 2'
 
--- step -> grad_norm of a run's metrics
-local function norms(out)
-  local r = {}
-  for line in io.lines(out .. '/metrics.jsonl') do
-    local obj = assert(json.decode(line, 1, nil), line)
-    if obj.grad_norm then r[obj.step] = obj.grad_norm end
-  end
-  return r
-end
+local norms = S.run_grad_norms   -- (step -> grad_norm)
 
 describe('bin/train --pp 2 --tp 2 --ep 2 (expert and tensor parallelism in pipeline stages, CPU through mpirun)',
   function()
@@ -53,25 +44,7 @@ describe('bin/train --pp 2 --tp 2 --ep 2 (expert and tensor parallelism in pipel
     refs[name] = losses(dir .. '/' .. name)
     return refs[name]
   end
-  -- the final weights against the one-process run's (as train_ep_tp_spec:
-  -- AdamW at lr 1e-2 moves the weights of experts few tokens chose by
-  -- ~1e-5 when their sums run in another order): at most one in fifty
-  -- elements beyond 2e-5, none beyond 5e-4
-  local function close_weights(path, ref_path, what)
-    local got = require('moonshard.safetensors').load(path)
-    local ref = require('moonshard.safetensors').load(ref_path)
-    local n = 0
-    for name, t in pairs(ref) do
-      n = n + 1
-      assert.is_truthy(got[name], what .. ': ' .. name .. ' missing')
-      local d = (got[name]:to('f64') - t:to('f64')):abs()
-      local far, most = d:gt(2e-5):sum():item(), d:max():item()
-      assert.is_true(far <= math.max(1, d:numel() / 50) and most <= 5e-4,
-        ('%s: %s: %d of %d elements beyond 2e-5, the most %g'):format(what, name, far, d:numel(), most))
-    end
-    for name in pairs(got) do assert.is_truthy(ref[name], what .. ': not the model\'s: ' .. name) end
-    assert.is_true(n > 10)
-  end
+  local close_weights = S.close_weights   -- (spec/support.lua: at most 1 in 50 beyond 2e-5, none beyond 5e-4)
 
   it('mixtral and deepseek-v3 follow the one-process curve and gradient norm, plain, with sequence parallelism and '
     .. 'under --fsdp FULL_SHARD and SHARD_GRAD_OP; the final weights are the whole model', function()

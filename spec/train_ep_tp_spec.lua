@@ -18,7 +18,6 @@
 -- one in one process; bad layouts exit 2 with a message.
 require 'moonshard'
 local S = require 'spec.support'
-local json = require 'dkjson'
 local q = S.shell_quote
 local dir = S.tmpdir()
 local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
@@ -34,15 +33,7 @@ local deepseek = 'models/deepseek_v3.lua --preset tiny --model.num_hidden_layers
   .. '--moe-bias-rate 1e-2' .. common
 local no_aux = ' --model.output_router_logits false'
 
--- step -> grad_norm of a run's metrics
-local function norms(out)
-  local r = {}
-  for line in io.lines(out .. '/metrics.jsonl') do
-    local obj = assert(json.decode(line, 1, nil), line)
-    if obj.grad_norm then r[obj.step] = obj.grad_norm end
-  end
-  return r
-end
+local norms = S.run_grad_norms   -- (step -> grad_norm)
 
 describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun)', function()
   teardown(function() os.execute('rm -rf ' .. q(dir)) end)
@@ -55,28 +46,7 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     refs[name] = losses(dir .. '/' .. name)
     return refs[name]
   end
-  -- the final weights against the one-process run's: within f32 rounding
-  -- as AdamW carries it (a step moves a weight ~lr = 1e-2 whatever its
-  -- gradient's size, so sums in another order move the elements whose
-  -- gradients are small, the experts few tokens chose, by 1e-5 and more; as
-  -- the --ep runs', spec/train_ep_spec.lua; --tp 2 alone moves DeepSeek-V3's
-  -- shared expert's as far): at most one in fifty beyond 2e-5, none beyond
-  -- 5e-4
-  local function close_weights(path, ref_path, what)
-    local got = require('moonshard.safetensors').load(path)
-    local ref = require('moonshard.safetensors').load(ref_path)
-    local n = 0
-    for name, t in pairs(ref) do
-      n = n + 1
-      assert.is_truthy(got[name], what .. ': ' .. name .. ' missing')
-      local d = (got[name]:to('f64') - t:to('f64')):abs()
-      local far, most = d:gt(2e-5):sum():item(), d:max():item()
-      assert.is_true(far <= math.max(1, d:numel() / 50) and most <= 5e-4,
-        ('%s: %s: %d of %d elements beyond 2e-5, the most %g'):format(what, name, far, d:numel(), most))
-    end
-    for name in pairs(got) do assert.is_truthy(ref[name], what .. ': not the model\'s: ' .. name) end
-    assert.is_true(n > 10)
-  end
+  local close_weights = S.close_weights   -- (spec/support.lua: at most 1 in 50 beyond 2e-5, none beyond 5e-4)
   local function run(np, args, name)
     local status, text = bin_train(('--nproc-per-node %d --device cpu %s --batch-size %d --steps 4 --out %s/%s'):format(
       np, args, 4 / (np / 2), q(dir), name))
