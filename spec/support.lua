@@ -128,14 +128,14 @@ function S.close_weights(path, ref_path, what)
   local n = 0
   for name, t in pairs(ref) do
     n = n + 1
-    assert.is_truthy(got[name], what .. ': ' .. name .. ' missing')
+    luassert.is_truthy(got[name], what .. ': ' .. name .. ' missing')
     local d = (got[name]:to('f64') - t:to('f64')):abs()
     local far, most = d:gt(2e-5):sum():item(), d:max():item()
-    assert.is_true(far <= math.max(1, d:numel() / 50) and most <= 5e-4,
+    luassert.is_true(far <= math.max(1, d:numel() / 50) and most <= 5e-4,
       ('%s: %s: %d of %d elements beyond 2e-5, the most %g'):format(what, name, far, d:numel(), most))
   end
-  for name in pairs(got) do assert.is_truthy(ref[name], what .. ': not the model\'s: ' .. name) end
-  assert.is_true(n > 10)
+  for name in pairs(got) do luassert.is_truthy(ref[name], what .. ': not the model\'s: ' .. name) end
+  luassert.is_true(n > 10)
 end
 
 -- A model file's bin/train check (the MoE ones', and the dense Qwens'): `flags` (its tiny preset, shrunk)
