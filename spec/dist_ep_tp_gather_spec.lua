@@ -64,14 +64,7 @@ describe('expert and tensor parallelism\'s routing gathers, counted #mpi', funct
   end
   local function split(case, on, M, sp)
     local m = build(case, on)
-    local mesh = dist.mesh { replicate = W / 2, shard = 2 }
-    if M == 2 then
-      ms.ep.parallelize(m, { group = mesh.shard, replicate = W > 2 and mesh.replicate or nil })
-    else
-      ms.ep.parallelize(m, { group = dist.world_group })
-    end
-    ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = sp })
-    return m, mesh
+    return FS.split_ep_tp(m, W, M, sp)
   end
   local B, Tn = 2, 12
   local function batch(d) return FS.lcg_batch(100 + d, B, Tn) end

@@ -90,14 +90,7 @@ describe('expert and tensor parallelism #mpi', function()
   -- M consecutive ranks -> model, mesh
   local function split(case, dtype, M, sp)
     local m = build(case, dtype)
-    local mesh = dist.mesh { replicate = W / 2, shard = 2 }
-    if M == 2 then
-      ms.ep.parallelize(m, { group = mesh.shard, replicate = W > 2 and mesh.replicate or nil })
-    else
-      ms.ep.parallelize(m, { group = dist.world_group })
-    end
-    ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = sp })
-    return m, mesh
+    return FS.split_ep_tp(m, W, M, sp)
   end
   local D = W / 2
   -- TP group d's batch of a step

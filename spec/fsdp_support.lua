@@ -21,6 +21,22 @@ function S.load_model(name)
   return M.from_pretrained(S.fixtures .. '/' .. name, { dtype = 'f32' })
 end
 
+-- model m split for `--tp 2 --ep M` over W ranks (the dist_ep_tp specs):
+-- TP groups of 2 consecutive ranks, the expert groups of M consecutive
+-- ranks (M = 2: the TP group, with its W / 2 copies; else the world)
+-- -> m, the mesh { replicate = W / 2, shard = 2 }
+function S.split_ep_tp(m, W, M, sp)
+  local ms, dist = require 'moonshard', require 'moonshard.dist'
+  local mesh = dist.mesh { replicate = W / 2, shard = 2 }
+  if M == 2 then
+    ms.ep.parallelize(m, { group = mesh.shard, replicate = W > 2 and mesh.replicate or nil })
+  else
+    ms.ep.parallelize(m, { group = dist.world_group })
+  end
+  ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = sp })
+  return m, mesh
+end
+
 -- n rows of `seq` token ids in [0, 256) and their next-token targets, from
 -- the LCG x -> (1103515245 x + 12345) mod 2^31 started at `seed` (Lua tables)
 function S.lcg_rows(seed, n, seq)

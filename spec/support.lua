@@ -95,25 +95,18 @@ function S.adamw_losses(m, x, y, steps, lr)
   return losses
 end
 
--- step -> loss of a run folder's metrics.jsonl (skipped steps have none)
-function S.run_losses(out)
+-- step -> obj[key] of a run folder's metrics.jsonl (the steps that have it)
+local function run_field(out, key)
   local r = {}
   for line in io.lines(out .. '/metrics.jsonl') do
     local obj = assert(json.decode(line, 1, nil), line)
-    if obj.loss then r[obj.step] = obj.loss end
+    if obj[key] then r[obj.step] = obj[key] end
   end
   return r
 end
-
--- step -> grad_norm of a bin/train run's metrics.jsonl in `out`
-function S.run_grad_norms(out)
-  local r = {}
-  for line in io.lines(out .. '/metrics.jsonl') do
-    local obj = assert(json.decode(line, 1, nil), line)
-    if obj.grad_norm then r[obj.step] = obj.grad_norm end
-  end
-  return r
-end
+-- step -> loss (skipped steps have none), step -> grad_norm
+function S.run_losses(out) return run_field(out, 'loss') end
+function S.run_grad_norms(out) return run_field(out, 'grad_norm') end
 
 -- A split run's final weights (safetensors at `path`) against one
 -- process's (`ref_path`), within f32 rounding as AdamW carries it: a step
