@@ -294,11 +294,15 @@ describe('activation checkpointing', function()
       p:close()
       return tonumber(out:match('__status=(%d+)%s*$')), out
     end
+    -- (fixed text: the repository's files, the default, may be edited between the runs)
+    local cdir = S.tmpdir()
+    local corpus = S.fixed_corpus(cdir, 20000)
     local function losses(ac)
       local out = S.tmpdir()
       local status, text = bin_train(('models/gpt2.lua --preset tiny --steps 4 --log-every 1 --eval-every 0 '
         .. '--sample-tokens 0 --save false --model.n_layer 2 --batch-size 4 --seq-len 32 '
-        .. '--activation-checkpointing %s --out %s'):format(ac, S.shell_quote(out .. '/run')))
+        .. '--activation-checkpointing %s --data %s --out %s'):format(ac, S.shell_quote(corpus),
+        S.shell_quote(out .. '/run')))
       assert.are.equal(0, status, text)
       local l = {}
       local f = assert(io.open(out .. '/run/metrics.jsonl'))
@@ -321,6 +325,7 @@ describe('activation checkpointing', function()
       assert.are.equal(#a, #b)
       for k = 1, #a do assert.is_true(FS.rel(b[k], a[k]) <= 1e-6, ('%s step %d: %.9g against %.9g'):format(ac, k, b[k], a[k])) end
     end
+    os.execute('rm -rf ' .. S.shell_quote(cdir))
     local status, text = bin_train('models/gpt2.lua --activation-checkpointing some')
     assert.are.equal(2, status, text)
     assert.is_truthy(text:find('activation_checkpointing must be none, full, op or a whole number', 1, true), text)

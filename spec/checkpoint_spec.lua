@@ -51,16 +51,22 @@ local function dirs(path)
   return out
 end
 
+-- the text every run trains on: fixed bytes, not the repository's own
+-- files (their default), which an edit made while the specs run would
+-- change between the two runs a test compares
+local corpus_dir = tmpdir()
+local corpus = S_.fixed_corpus(corpus_dir, 48000)
 -- a tiny GPT-2 with dropout on, so the RNG matters to every step
 local function opts(t)
   local o = { model = 'models.gpt2', preset = 'tiny', steps = 40, seq_len = 16, batch_size = 4, lr = 1e-2, warmup = 3,
+              data = corpus,
               model_config = { n_layer = 1, n_embd = 32, n_head = 2, resid_pdrop = 0.1, embd_pdrop = 0.1, attn_pdrop = 0.1 },
               eval_every = 10, eval_iters = 1, sample_tokens = 0, quiet = true, seed = 7 }
   for k, v in pairs(t or {}) do o[k] = v end
   return o
 end
 local small_flags = '--preset tiny --model.n_layer 1 --model.n_embd 32 --model.n_head 2 --seq-len 16 --batch-size 4 '
-  .. '--sample-tokens 0 --eval-iters 1'
+  .. '--sample-tokens 0 --eval-iters 1 --data ' .. q(corpus)
 
 describe('checkpoint', function()
   -- the models, optimizers and loaded tensors of these runs go now, not in
@@ -568,3 +574,6 @@ describe('bin/plot', function()
     rm(dir)
   end)
 end)
+
+-- (the corpus every run above trained on)
+teardown(function() rm(corpus_dir) end)
