@@ -193,7 +193,7 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
     -- (a tiny Llama whose MLP is 128 wide: 20 of its 29 linear layers blockwise)
     local f8 = ('--nproc-per-node 2 --device cpu models/llama.lua --model.intermediate_size 256 --batch-size 2 '
       .. '--seq-len 64 --eval-every 0 --sample-tokens 0 --log-every 1 --fsdp FULL_SHARD --fsdp-mixed-precision bf16 '
-      .. '--float8 blockwise --lr-schedule constant --warmup 1 ')
+      .. '--float8 blockwise --lr-schedule constant --warmup 1 --data ' .. q(corpus_path) .. ' ')
     local status, text = bin_train(f8 .. ('--steps 4 --out %s/b8'):format(q(dir)))
     assert.are.equal(0, status, text)
     assert.is_truthy(text:find('float8: blockwise, 20 of 29 linear layers', 1, true), text)
