@@ -116,6 +116,8 @@ train.options = {
   { 'float8_tp_scales', 'string', 'shard', 'with --float8 and --tp: shard (each rank scales its own shards: no collective) or group (the amax of every sharded operand all-reduced over the TP group: the unsplit layer\'s scales, as torchao over DTensors; docs/float8.md)' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), N (every N-th block), or op (every block, keeping its attention outputs and every other linear layer\'s: torchtitan\'s op-level selective mode, less recompute for more memory)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
+  { 'cuda_graphs', 'bool', false, 'capture the training step (forward, backward, clipping: one CUDA graph; the AdamW step: another) after --graph-warmup eager steps and replay it every later step with one launch each (torch.compile mode="reduce-overhead", Megatron\'s --enable-cuda-graph): a host-bound step goes several times faster, with the bits of the eager one; one process on --device cuda; not with --tp, --pp, --ep, --cp, --fsdp, --float8, dropout or MoE layers; a step that cannot be captured is reported once and the run goes on eagerly (docs/cuda-graphs.md, "In bin/train")' },
+  { 'graph_warmup', 'int>0', 3, 'with --cuda-graphs: eager steps before the capture (GEMM plans tuned, gradients and the optimizer state made), counted from the run\'s first step (a resumed run warms up again)' },
 }
 local option_by_name = {}
 for _, o in ipairs(train.options) do option_by_name[o[1]] = o end
@@ -442,6 +444,78 @@ function train.check_options(o, where)
     end
   end
   return o
+end
+
+-- --cuda-graphs: what it cannot combine with, refused before anything is
+-- built (o: resolved options; world: the processes of the run). A capture
+-- records one process's kernels with their host numbers frozen: a
+-- collective (NCCL inside a capture is not wired), a pipeline's host-driven
+-- schedule, FSDP's storage released and made again each step, a random
+-- draw (dropout: every replay would draw the same mask) and a host read
+-- of the routing counts (MoE) do not fit in it. (The model's own dropout
+-- and MoE layers are checked once it is built: train.check_cuda_graphs_model)
+function train.check_cuda_graphs(o, world)
+  if not o.cuda_graphs then return end
+  local function no(fmt, ...)
+    usage('--cuda-graphs with ' .. fmt .. ' (run without --cuda-graphs, or --no-cuda-graphs on a resume)', ...)
+  end
+  local dev = o.device or 'cpu'
+  if dev == 'cpu' then
+    usage('--cuda-graphs needs --device cuda (got --device cpu: CUDA graphs record GPU kernels; run without '
+      .. '--cuda-graphs, or --no-cuda-graphs on a resume)')
+  end
+  if (world or 1) > 1 then
+    no('%d processes: --cuda-graphs runs one process (the data-parallel all-reduce is not captured)', world)
+  end
+  for _, k in ipairs({ 'tp', 'pp', 'ep', 'cp' }) do
+    if (o[k] or 1) > 1 then
+      no('--%s %d: its collectives and schedule are host-driven between the kernels', k, o[k])
+    end
+  end
+  if o.fsdp ~= nil and o.fsdp ~= 'off' then
+    no('--fsdp %s: FSDP frees and gathers its parameters\' storage each step, where a graph needs fixed addresses',
+      o.fsdp)
+  end
+  if o.float8 ~= nil and o.float8 ~= 'off' then
+    no('--float8 %s: not verified under capture', o.float8)
+  end
+  if (o.lora_dropout or 0) > 0 then
+    no('--lora-dropout %g: a replay would draw the same dropout mask every step', o.lora_dropout)
+  end
+  if (o.moe_bias_rate or 0) > 0 then
+    no('--moe-bias-rate %g: mixture-of-experts routing reads its counts on the host', o.moe_bias_rate)
+  end
+end
+
+-- the built model's side of --cuda-graphs: dropout with p > 0 (named by
+-- the config field when the model has one, else by the module) and MoE
+-- layers are refused
+function train.check_cuda_graphs_model(o, model)
+  if not o.cuda_graphs then return end
+  local cfg = model.config or {}
+  local keys = {}
+  for k, v in pairs(cfg) do
+    if type(k) == 'string' and k:find('drop') and type(v) == 'number' and v > 0 then keys[#keys + 1] = k end
+  end
+  table.sort(keys)
+  if #keys > 0 then
+    local given = {}
+    for _, k in ipairs(keys) do given[#given + 1] = ('--model.%s %g'):format(k, cfg[k]) end
+    usage('--cuda-graphs with dropout (%s): a replay would draw the same mask every step; set %s to 0',
+      table.concat(given, ', '), #keys == 1 and 'it' or 'them')
+  end
+  for name, m in model:named_modules() do
+    local p = m:class_name() == 'Dropout' and m.p
+    if type(p) == 'number' and p > 0 then
+      usage('--cuda-graphs with dropout: the module %s has p = %g (a replay would draw the same mask every step)',
+        name ~= '' and name or '(the model)', p)
+    end
+  end
+  local moe = ms.nn.moe and ms.nn.moe.layers(model) or {}
+  if #moe > 0 then
+    usage('--cuda-graphs with a mixture-of-experts model (%d MoE layers): the routing reads its counts on the host',
+      #moe)
+  end
 end
 
 local function merge(dst, src)
@@ -1006,6 +1080,8 @@ function train.run(opts)
   -- a HYBRID_SHARD checkpoint resumed in one process (`bin/train --resume
   -- DIR`): the strategy came from the checkpoint, after the join above
   if not dist.is_initialized() and o.fsdp == 'HYBRID_SHARD' then join() end
+  -- --cuda-graphs: what it cannot combine with (the model's side once it is built)
+  train.check_cuda_graphs(o, world)
 
   -- sharding: --fsdp, or plain data parallel (NO_SHARD) with several ranks
   local strategy = o.fsdp
@@ -1304,6 +1380,7 @@ function train.run(opts)
   if o.dtype ~= 'f32' then model:to(o.dtype) end
   if on_gpu then model:to(device) end
   model:train()
+  train.check_cuda_graphs_model(o, model)
   local cfg = model.config
   local max_pos = model.max_positions and model:max_positions() or math.huge
   if o.seq_len > max_pos then
@@ -1811,6 +1888,10 @@ function train.run(opts)
   if lora_desc then log('lora: %s', lora_desc) end
   if freeze_desc then log('frozen: %s', freeze_desc) end
   if resume then log('resumed from %s at step %d', resume.path, start_step - 1) end
+  if o.cuda_graphs then
+    log('cuda graphs: the step captured after %d eager step%s (at step %d), then replayed', o.graph_warmup,
+      o.graph_warmup == 1 and '' or 's', start_step + o.graph_warmup)
+  end
 
   -- --async-checkpoint: the background writer (made at the first save) and
   -- the save it is writing: { ready =, finish =, step =, t0 = }
@@ -1956,13 +2037,24 @@ function train.run(opts)
     pending, settled = {}, 0
   end
   local grad_clip = o.grad_clip > 0 and o.grad_clip or nil
-  for step = start_step, o.steps do
-    local lr = lr_at(step)
-    set_lr(opt, lr)
+
+  -- The step, in the two halves that the eager loop and --cuda-graphs
+  -- share. grads_of(step, batch) zeroes the gradients, runs the step's
+  -- micro-batches forward and backward (batch(k) -> x, y on the device)
+  -- and finds the gradient norm, clipped to --grad-clip; it returns what the
+  -- host reads afterwards, { losses = {k -> loss}, mtp = {depth -> {k ->
+  -- loss}}, gnorm = }, tensors on one process (nothing read inside it, so
+  -- that it can be captured) and numbers where a layout reduced them. Then
+  -- the loop reads them, decides (a NaN/inf loss or norm skips the update)
+  -- and steps the optimizer: opt:step(), or its captured replay.
+  local function grads_of(step, batch)
     opt:zero_grad()
-    local lsum, mtp_sum = 0, nil
+    local losses, mtp = {}, nil
+    local function keep(t)   -- (a value read after backward, which may release t)
+      return ms.no_grad(function() return t:clone() end)
+    end
     for k = 1, accum do
-      local x, y = to_device(train_loader:next())
+      local x, y = batch(k)
       local function micro()
         -- (the loop keeps only the loss's value: every activation can go
         -- at backward; the setting restored even when the step raises)
@@ -1973,26 +2065,31 @@ function train.run(opts)
             -- every micro-batch of the pipeline, forward and backward (docs/pp.md)
             local loss = pipe:step(x, y, { scale = 1 / accum, sync = k == accum,
               loss_hook = inject[step] and function(l) return l * (0 / 0) end or nil })
-            lsum = lsum + loss:item()
+            losses[k] = loss:item()
             loss:free()
             -- (multi-token prediction: each depth's loss of the batch, the
             -- last stage's, on every stage)
             local ml = pipe:mtp_losses()
             for d = 1, #ml do
-              mtp_sum = mtp_sum or {}
-              mtp_sum[d] = (mtp_sum[d] or 0) + ml[d]
+              mtp = mtp or {}
+              mtp[d] = mtp[d] or {}
+              mtp[d][k] = ml[d]
             end
             return
           end
           local loss
           loss = model(x, y)
           if inject[step] then loss = loss * (0 / 0) end
-          lsum = lsum + loss:item()
+          -- (backward frees what it consumed under --release-activations
+          -- but the tensor it starts from: with several micro-batches that
+          -- is the scaled loss, so the value read later is a copy)
+          losses[k] = accum > 1 and keep(loss) or loss
           -- (DeepSeek-V3's multi-token prediction: each depth's loss too)
           local ml = type(model.mtp_losses) == 'function' and model:mtp_losses() or {}
           for d = 1, #ml do
-            mtp_sum = mtp_sum or {}
-            mtp_sum[d] = (mtp_sum[d] or 0) + ml[d]:item()
+            mtp = mtp or {}
+            mtp[d] = mtp[d] or {}
+            mtp[d][k] = keep(ml[d])
           end
           if accum > 1 then loss = loss * (1 / accum) end -- the mean over all micro-batches (exact for a power of two)
           loss:backward()
@@ -2004,7 +2101,6 @@ function train.run(opts)
       -- (no communication); the last backward reduces their sum
       if strategy and k < accum then model:no_sync(micro) else micro() end
     end
-    local lv = lsum / accum
     local gnorm
     if pp_mesh then
       -- the pipelines' gradients averaged, then clipped over the stages
@@ -2032,14 +2128,150 @@ function train.run(opts)
     elseif strategy then
       gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge):item()
     else
-      gnorm = ms.optim.clip_grad_norm(params, grad_clip)
+      -- (the norm stays on the device: read after the step, or after its replay)
+      gnorm = ms.optim.clip_grad_norm(params, grad_clip, { tensor = true })
     end
+    return { losses = losses, mtp = mtp, gnorm = gnorm }
+  end
+  local function value(v) return type(v) == 'number' and v or v:item() end
+
+  -- --cuda-graphs (docs/cuda-graphs.md, "In bin/train"). Every step's
+  -- micro-batches are copied into static device tensors (through
+  -- page-locked buffers, on the compute stream), which the step reads,
+  -- eager or replayed. After --graph-warmup eager steps, grads_of is
+  -- captured once (graph A: zeroing, every micro-batch's forward and
+  -- backward, the clipped norm; its outputs the losses and the norm) and,
+  -- at the first step whose update goes ahead, opt:step() (graph B: AdamW,
+  -- whose replay hook writes the step's constants from the lr the schedule
+  -- set). Between A and B the host reads the losses and the norm, as the
+  -- eager loop does, so a NaN/inf still skips the update. A step unlike the
+  -- captured one (an --inject-nan step, a batch of another shape) runs
+  -- eagerly in between. A capture refused by an op is reported once and
+  -- the run goes on eagerly.
+  local graphs
+  if o.cuda_graphs then
+    local cuda = ms.cuda
+    local G = { at = start_step + o.graph_warmup, replays = 0 }
+    graphs = G
+    -- this step's micro-batches -> fits (the static tensors' shapes: copied
+    -- into them), the host batches
+    local function fetch()
+      local hb = {}
+      for k = 1, accum do hb[k] = { train_loader:next() } end
+      if not G.static then
+        G.static = {}
+        for k = 1, accum do
+          local x, y = hb[k][1], hb[k][2]
+          G.static[k] = { x = x:to(device), y = y:to(device), hx = cuda.pinned_empty(x.shape, x.dtype),
+            hy = cuda.pinned_empty(y.shape, y.dtype) }
+        end
+      end
+      for k = 1, accum do
+        local s, x, y = G.static[k], hb[k][1], hb[k][2]
+        if x.dtype ~= s.x.dtype or y.dtype ~= s.y.dtype or T.shape_str(x.shape) ~= T.shape_str(s.x.shape)
+           or T.shape_str(y.shape) ~= T.shape_str(s.y.shape) then
+          return false, hb
+        end
+      end
+      -- (the page-locked buffers are free again: the last step's copies
+      -- ran before its losses were read)
+      for k = 1, accum do
+        local s, x, y = G.static[k], hb[k][1], hb[k][2]
+        s.hx:copy_(x); s.hy:copy_(y)
+        cuda.copy_async_(s.x, s.hx); cuda.copy_async_(s.y, s.hy)
+        x:free(); y:free()
+      end
+      return true, hb
+    end
+    local function static_batch(k) return G.static[k].x, G.static[k].y end
+    local function reason(err) return (tostring(err):gsub('^[^:\n]*%.lua:%d+: ', '')) end
+    -- grads(step) -> grads_of's results, whether they came from a replay
+    function G.grads(step)
+      local fits, hb = fetch()
+      if not fits then
+        if not G.told_shape then
+          G.told_shape = true
+          warn(('--cuda-graphs: step %d\'s batch (%s) is not the captured shape (%s): run eagerly'):format(step,
+            T.shape_str(hb[1][1].shape), T.shape_str(G.static[1].x.shape)))
+        end
+        return grads_of(step, function(k) return to_device(hb[k][1], hb[k][2]) end), false
+      end
+      if G.off or step < G.at or inject[step] then return grads_of(step, static_batch), false end
+      if not G.a then
+        local out
+        local ok, g = pcall(cuda.graph, function()
+          out = grads_of(step, static_batch)
+          local list = { out.gnorm }   -- (the graph keeps what it returns)
+          for k = 1, accum do list[#list + 1] = out.losses[k] end
+          for _, l in ipairs(out.mtp or {}) do for k = 1, accum do list[#list + 1] = l[k] end end
+          return unpack(list)
+        end, { warmup = 0 })
+        if not ok then
+          -- (the capture is discarded and its memory given back; the
+          -- forward it recorded on the tape goes too)
+          ms.autograd.clear_tape()
+          G.off = true
+          warn(('--cuda-graphs: the step could not be captured, training on eagerly: %s'):format(reason(g)))
+          return grads_of(step, static_batch), false
+        end
+        G.a, G.out = g, out
+        -- each parameter's gradient in the graph's memory: an eager step in
+        -- between (an --inject-nan one) makes its own, a replay writes these
+        G.grad = {}
+        for i, p in ipairs(params) do G.grad[i] = p.grad or false end
+        log('cuda graphs: step %d captured (%d micro-batch%s: forward, backward, %s), replayed from now on', step,
+          accum, accum == 1 and '' or 'es', grad_clip and 'clipping' or 'the gradient norm')
+      end
+      G.a:replay()
+      for i, p in ipairs(params) do p.grad = G.grad[i] or nil end
+      G.replays = G.replays + 1
+      return G.out, true
+    end
+    -- the update after a replayed step: opt:step() captured at the first
+    -- one (the capture takes no step: its replay does), then replayed
+    function G.update()
+      if not G.b and not G.b_off then
+        local counts = {}
+        for _, st in pairs(opt.state) do counts[st] = st.step end
+        local ok, g = pcall(cuda.graph, function() opt:step() end, { warmup = 0 })
+        if ok then G.b = g
+        else
+          for st, n in pairs(counts) do st.step = n end   -- (a refusal midway leaves no count moved)
+          G.b_off = true
+          warn(('--cuda-graphs: the optimizer step could not be captured, stepping it eagerly: %s'):format(reason(g)))
+        end
+      end
+      if G.b then G.b:replay() else opt:step() end
+    end
+    function G.free()
+      if G.a then G.a:free() end
+      if G.b then G.b:free() end
+      G.a, G.b, G.off = nil, nil, true
+    end
+  end
+
+  for step = start_step, o.steps do
+    local lr = lr_at(step)
+    set_lr(opt, lr)
+    local out, replayed
+    if graphs then out, replayed = graphs.grads(step)
+    else out = grads_of(step, function() return to_device(train_loader:next()) end) end
+    local lsum, mtp_sum = 0, nil
+    for k = 1, accum do lsum = lsum + value(out.losses[k]) end
+    for d, l in ipairs(out.mtp or {}) do
+      mtp_sum = mtp_sum or {}
+      mtp_sum[d] = 0
+      for k = 1, accum do if l[k] ~= nil then mtp_sum[d] = mtp_sum[d] + value(l[k]) end end
+    end
+    local lv = lsum / accum
+    local gnorm = value(out.gnorm)
     local rec = { step = step, lr = lr, elapsed_s = now() - t0 }
+    if replayed then rec.replayed = true end
     -- several ranks decide on the gradient norm, the same on every rank (a
     -- NaN loss on one rank makes it NaN)
     local good = finite(gnorm) and (multi or finite(lv))
     if good then
-      opt:step()
+      if replayed then graphs.update() else opt:step() end
       -- (the routers' biases move towards balance, the counts summed over
       -- the ranks whose tokens differ: every rank but a pipeline's other stages)
       if o.moe_bias_rate > 0 then
@@ -2144,6 +2376,12 @@ function train.run(opts)
       end
     end
     if interrupted then break end
+  end
+  -- (the graphs' memory back to the cache: the gradients they wrote become
+  -- ordinary tensors)
+  if graphs then
+    if graphs.a then log('cuda graphs: %d steps replayed', graphs.replays) end
+    graphs.free()
   end
   if ckpt_pending then finish_pending() end
   if writer then writer:close() end

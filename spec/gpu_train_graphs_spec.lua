@@ -1,0 +1,186 @@
+-- bin/train --cuda-graphs on a GPU (docs/cuda-graphs.md, "In bin/train"):
+-- the same run with and without it gives the same losses, gradient norms,
+-- validation losses, checkpoints and final weights, bit for bit — a tiny
+-- GPT-2 and a tiny Llama, in f32 and under bf16 autocast, with a cosine lr
+-- schedule, clipping that bites, two micro-batches a step, evaluations and
+-- checkpoints between the replays; a run stopped and resumed captures again
+-- and still ends on the same bits; an --inject-nan step runs eagerly between
+-- replays and is skipped as in the eager run; tuned GEMM plans read from one
+-- file give the same bits too; a capture an op refuses is reported once and
+-- the run goes on eagerly with the eager run's results.
+-- Run on a GPU host: bash tools/run_specs.sh --tags=gpu spec/gpu_train_graphs_spec.lua
+local ms = require 'moonshard'
+local json = require 'dkjson'
+local S = require 'spec.support'
+local q = S.shell_quote
+
+local function rows(out)
+  local r = {}
+  for line in io.lines(out .. '/metrics.jsonl') do
+    local obj = assert(json.decode(line, 1, nil), line)
+    r[obj.step] = obj
+  end
+  return r
+end
+
+local function count(text, s)
+  local n, at = 0, 1
+  while true do
+    local i = text:find(s, at, true)
+    if not i then return n end
+    n, at = n + 1, i + #s
+  end
+end
+
+local models = {
+  gpt2 = 'models/gpt2.lua --preset tiny --model.n_layer 2 --model.n_embd 64 --model.n_head 2',
+  llama = 'models/llama.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 64 '
+    .. '--model.intermediate_size 128 --model.num_attention_heads 2 --model.num_key_value_heads 1',
+}
+local precisions = { f32 = '--autocast off', bf16 = '--autocast bf16' }
+
+-- (GEMM tuning off unless a case says otherwise: each run would time its
+-- own plans and may pick others, with other bits)
+local env = 'MS_GEMM_TUNE=0'
+
+describe('bin/train --cuda-graphs #gpu', function()
+  local dir, corpus
+  setup(function()
+    assert.is_true(ms.cuda.is_available(), 'no CUDA device')
+    dir = S.tmpdir()
+    corpus = S.fixed_corpus(dir, 60000)
+  end)
+  teardown(function() os.execute('rm -rf ' .. q(dir)) end)
+
+  -- 8 steps of 2 micro-batches of 4 x 32 tokens, lr warmup 2 then cosine,
+  -- clipping at 0.5, validation every 3 steps, checkpoints every 4
+  local function flags(model, precision, extra)
+    return ('%s %s --device cuda --seq-len 32 --batch-size 4 --tokens-per-step 256 --steps 8 --lr 1e-2 --warmup 2 '
+      .. '--lr-schedule cosine --grad-clip 0.5 --eval-every 3 --eval-iters 2 --save-every 4 --keep-checkpoints 0 '
+      .. '--log-every 1 --sample-tokens 0 --data %s %s'):format(models[model], precisions[precision], q(corpus),
+      extra or '')
+  end
+
+  -- the two runs' every logged number, checkpoint and final weights equal
+  local function same_runs(a, b, from, what)
+    local ra, rb = rows(a), rows(b)
+    for s = from or 1, 8 do
+      local x, y = ra[s], rb[s]
+      assert.is_table(y, what .. ': step ' .. s .. ' missing')
+      for _, k in ipairs({ 'loss', 'grad_norm', 'lr', 'val_loss', 'skipped' }) do
+        assert.are.equal(x[k], y[k], ('%s: step %d: %s'):format(what, s, k))
+      end
+    end
+    assert.is_number(rb[8].val_loss)
+    S.same_tensors(a .. '/model.safetensors', b .. '/model.safetensors')
+    S.same_files(a .. '/ckpt-8', b .. '/ckpt-8', { 'model.safetensors', 'optimizer.safetensors', 'optimizer.json' })
+    return ra, rb
+  end
+
+  for _, model in ipairs({ 'gpt2', 'llama' }) do
+    for _, precision in ipairs({ 'f32', 'bf16' }) do
+      it(('%s %s: the eager run\'s losses, norms, validations, checkpoints and weights, bit for bit'):format(model,
+        precision), function()
+        local a, b = ('%s/%s-%s-eager'):format(dir, model, precision), ('%s/%s-%s-graphs'):format(dir, model, precision)
+        local st, text = S.bin_train(flags(model, precision, '--out ' .. q(a)), env)
+        assert.are.equal(0, st, text)
+        st, text = S.bin_train(flags(model, precision, '--cuda-graphs --graph-warmup 2 --out ' .. q(b)), env)
+        assert.are.equal(0, st, text)
+        assert.are.equal(1, count(text, 'cuda graphs: step 3 captured'), text)
+        assert.is_truthy(text:find('cuda graphs: 6 steps replayed', 1, true), text)
+        assert.is_falsy(text:find('could not be captured', 1, true), text)
+        local _, rb = same_runs(a, b, 1, model .. ' ' .. precision)
+        for s = 1, 8 do assert.are.equal(s >= 3 or nil, rb[s].replayed, 'step ' .. s .. ' replayed') end
+        S.same_files(a .. '/ckpt-4', b .. '/ckpt-4', { 'model.safetensors', 'optimizer.safetensors', 'optimizer.json' })
+      end)
+    end
+  end
+
+  it('a run stopped at a checkpoint and resumed captures again after its warm-up: the bits of the eager run',
+    function()
+    local a = dir .. '/gpt2-f32-eager'
+    if not io.open(a .. '/model.safetensors') then
+      local st, text = S.bin_train(flags('gpt2', 'f32', '--out ' .. q(a)), env)
+      assert.are.equal(0, st, text)
+    end
+    local c = dir .. '/resumed'
+    local st, text = S.bin_train(flags('gpt2', 'f32', '--cuda-graphs --graph-warmup 1 --stop-at 4 --out ' .. q(c)),
+      env)
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('cuda graphs: step 2 captured', 1, true), text)
+    -- (the options, --cuda-graphs among them, come from the checkpoint)
+    st, text = S.bin_train(('--resume %s'):format(q(c)), env)
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('cuda graphs: step 6 captured', 1, true), text)
+    local _, rc = same_runs(a, c, 1, 'resumed')
+    for s = 5, 8 do assert.are.equal(s >= 6 or nil, rc[s].replayed, 'step ' .. s .. ' replayed') end
+  end)
+
+  it('an --inject-nan step runs eagerly between replays and is skipped as in the eager run', function()
+    local a, b = dir .. '/nan-eager', dir .. '/nan-graphs'
+    local st, text = S.bin_train(flags('llama', 'bf16', '--inject-nan 5 --out ' .. q(a)), env)
+    assert.are.equal(0, st, text)
+    st, text = S.bin_train(flags('llama', 'bf16', '--inject-nan 5 --cuda-graphs --graph-warmup 2 --out ' .. q(b)),
+      env)
+    assert.are.equal(0, st, text)
+    local _, rb = same_runs(a, b, 1, 'inject-nan')
+    assert.is_true(rb[5].skipped)
+    assert.is_nil(rb[5].replayed)
+    for _, s in ipairs({ 3, 4, 6, 7, 8 }) do assert.is_true(rb[s].replayed, 'step ' .. s) end
+  end)
+
+  it('with activation checkpointing: the bits of the eager run', function()
+    local a, b = dir .. '/ac-eager', dir .. '/ac-graphs'
+    local st, text = S.bin_train(flags('llama', 'bf16', '--activation-checkpointing full --out ' .. q(a)), env)
+    assert.are.equal(0, st, text)
+    st, text = S.bin_train(flags('llama', 'bf16', '--activation-checkpointing full --cuda-graphs --out ' .. q(b)), env)
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('cuda graphs: step 4 captured', 1, true), text)   -- (--graph-warmup 3, the default)
+    same_runs(a, b, 1, 'activation checkpointing')
+  end)
+
+  it('with GEMM plans tuned once and read from one file: the bits of the eager run that reads them', function()
+    local tune = dir .. '/gemm_tune.txt'
+    local tenv = 'MS_GEMM_TUNE=1 MS_GEMM_TUNE_FILE=' .. q(tune)
+    local st, text = S.bin_train(flags('gpt2', 'bf16', '--out ' .. q(dir .. '/tune-first')), tenv)
+    assert.are.equal(0, st, text)
+    local a, b = dir .. '/tune-eager', dir .. '/tune-graphs'
+    st, text = S.bin_train(flags('gpt2', 'bf16', '--out ' .. q(a)), tenv)
+    assert.are.equal(0, st, text)
+    st, text = S.bin_train(flags('gpt2', 'bf16', '--cuda-graphs --out ' .. q(b)), tenv)
+    assert.are.equal(0, st, text)
+    assert.is_truthy(text:find('cuda graphs: step 4 captured', 1, true), text)
+    same_runs(a, b, 1, 'tuned GEMMs')
+  end)
+
+  it('a capture an op refuses: one warning naming it, then eagerly, with the eager run\'s bits', function()
+    -- a GPT-2 whose forward waits for the device while a capture goes on
+    local file = dir .. '/syncing_gpt2.lua'
+    local f = assert(io.open(file, 'w'))
+    f:write([[
+local gpt2 = require 'models.gpt2'
+local ms = require 'moonshard'
+local M = setmetatable({ name = 'gpt2' }, { __index = gpt2 })
+function M.new(...)
+  local m = gpt2.new(...)
+  m:register_forward_pre_hook(function() if ms.cuda.is_capturing() then ms.cuda.synchronize() end end, true)
+  return m
+end
+return M
+]])
+    f:close()
+    local a = dir .. '/gpt2-f32-eager'
+    if not io.open(a .. '/model.safetensors') then
+      local st, text = S.bin_train(flags('gpt2', 'f32', '--out ' .. q(a)), env)
+      assert.are.equal(0, st, text)
+    end
+    local b = dir .. '/refused'
+    local st, text = S.bin_train(flags('gpt2', 'f32', '--cuda-graphs --out ' .. q(b)):gsub('^models/gpt2%.lua',
+      q(file)), env)
+    assert.are.equal(0, st, text)
+    assert.are.equal(1, count(text, '--cuda-graphs: the step could not be captured, training on eagerly'), text)
+    assert.is_truthy(text:find('synchronize', 1, true), text)
+    local _, rb = same_runs(a, b, 1, 'refused capture')
+    for s = 1, 8 do assert.is_nil(rb[s].replayed) end
+  end)
+end)

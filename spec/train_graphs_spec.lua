@@ -1,0 +1,140 @@
+-- bin/train --cuda-graphs on the CPU: the flags parse, every combination it
+-- cannot take is a usage error naming both options (before anything is
+-- written: a resumed run's metrics stay), and the step the graphs capture
+-- (train.lua's grads_of, which the eager loop runs too) keeps its losses
+-- when backward releases the activations under gradient accumulation.
+-- The captured runs themselves: spec/gpu_train_graphs_spec.lua (#gpu).
+local train = require 'moonshard.train'
+local S = require 'spec.support'
+local q, tmpdir = S.shell_quote, S.tmpdir
+
+-- the usage error of fn() (a failure if it passes or raises anything else)
+local function usage_of(fn)
+  local ok, err = pcall(fn)
+  assert.is_false(ok, 'no error')
+  assert.is_true(train.is_usage_error(err), 'not a usage error: ' .. tostring(err))
+  return tostring(err)
+end
+
+local function has(text, ...)
+  for _, w in ipairs({ ... }) do assert.is_truthy(text:find(w, 1, true), ('"%s" not in: %s'):format(w, text)) end
+end
+
+local tiny = { model = 'models.gpt2', preset = 'tiny', model_config = { n_layer = 1, n_embd = 32, n_head = 2 },
+  seq_len = 16, batch_size = 2, lr = 1e-2, warmup = 1, eval_every = 0, eval_iters = 1, sample_tokens = 0,
+  save = false, quiet = true }
+local function with(extra)
+  local o = {}
+  for k, v in pairs(tiny) do o[k] = v end
+  for k, v in pairs(extra) do o[k] = v end
+  return o
+end
+
+describe('bin/train --cuda-graphs (CPU side)', function()
+  it('parses --cuda-graphs, --no-cuda-graphs and --graph-warmup N (N >= 1; 3 by default)', function()
+    local o = train.parse_args({ '--cuda-graphs', '--graph-warmup', '5' })
+    assert.is_true(o.cuda_graphs)
+    assert.are.equal(5, o.graph_warmup)
+    assert.is_false(train.parse_args({ '--no-cuda-graphs' }).cuda_graphs)
+    assert.is_true(train.parse_args({ '--cuda-graphs=true' }).cuda_graphs)
+    assert.is_false(train.defaults().cuda_graphs)
+    assert.are.equal(3, train.defaults().graph_warmup)
+    has(usage_of(function() train.parse_args({ '--graph-warmup', '0' }) end), '--graph-warmup must be > 0')
+    has(usage_of(function() train.parse_args({ '--graph-warmup', 'x' }) end), '--graph-warmup expects a number')
+    has(train.usage_text(), '--cuda-graphs', '--graph-warmup')
+  end)
+
+  it('refuses each option it cannot combine with, naming both', function()
+    local base = { cuda_graphs = true, device = 'cuda', tp = 1, pp = 1, ep = 1, cp = 1, float8 = 'off',
+      lora_dropout = 0, moe_bias_rate = 0 }
+    local function refused(extra, world, ...)
+      local o = {}
+      for k, v in pairs(base) do o[k] = v end
+      for k, v in pairs(extra) do o[k] = v end
+      has(usage_of(function() train.check_cuda_graphs(o, world or 1) end), '--cuda-graphs', ...)
+    end
+    refused({ device = 'cpu' }, 1, '--device cuda', '--device cpu')
+    refused({}, 2, '2 processes')
+    refused({ tp = 2 }, 1, '--tp 2')
+    refused({ pp = 2 }, 1, '--pp 2')
+    refused({ ep = 4 }, 1, '--ep 4')
+    refused({ cp = 2 }, 1, '--cp 2')
+    refused({ fsdp = 'FULL_SHARD' }, 1, '--fsdp FULL_SHARD')
+    refused({ fsdp = 'NO_SHARD' }, 1, '--fsdp NO_SHARD')
+    refused({ float8 = 'rowwise' }, 1, '--float8 rowwise')
+    refused({ lora_dropout = 0.1 }, 1, '--lora-dropout 0.1')
+    refused({ moe_bias_rate = 1e-3 }, 1, '--moe-bias-rate 0.001')
+    -- what it takes: one process on cuda, --fsdp off, and nothing at all without --cuda-graphs
+    train.check_cuda_graphs(base, 1)
+    local off = {}
+    for k, v in pairs(base) do off[k] = v end
+    off.fsdp = 'off'
+    train.check_cuda_graphs(off, 1)
+    train.check_cuda_graphs({ cuda_graphs = false, device = 'cpu', tp = 4 }, 8)
+  end)
+
+  it('refuses a model with dropout (named by its config field, or by the module) or MoE layers', function()
+    local gpt2 = require 'models.gpt2'
+    local o = { cuda_graphs = true }
+    local m = gpt2.new('tiny', { n_layer = 1, n_embd = 32, n_head = 2, resid_pdrop = 0.1 })
+    has(usage_of(function() train.check_cuda_graphs_model(o, m) end), '--cuda-graphs with dropout',
+      '--model.resid_pdrop 0.1')
+    train.check_cuda_graphs_model({ cuda_graphs = false }, m)
+    local clean = gpt2.new('tiny', { n_layer = 1, n_embd = 32, n_head = 2 })
+    train.check_cuda_graphs_model(o, clean)
+    -- (a Dropout that no config field names)
+    local ms = require 'moonshard'
+    clean:register_module('extra_drop', ms.nn.Dropout(0.25))
+    has(usage_of(function() train.check_cuda_graphs_model(o, clean) end), 'extra_drop', 'p = 0.25')
+    local mixtral = require 'models.mixtral'
+    local moe = mixtral.new('tiny', { num_hidden_layers = 1 })
+    has(usage_of(function() train.check_cuda_graphs_model(o, moe) end), '--cuda-graphs with a mixture-of-experts',
+      '1 MoE layers')
+  end)
+
+  it('on the CPU: a usage error naming the device (exit status 2), before a resumed run\'s metrics are touched',
+    function()
+    local dir = tmpdir()
+    local corpus = S.fixed_corpus(dir, 20000)
+    local flags = ('--preset tiny --model.n_layer 1 --model.n_embd 32 --model.n_head 2 --seq-len 16 --batch-size 2 '
+      .. '--warmup 1 --eval-every 0 --eval-iters 1 --sample-tokens 0 --no-save --data %s'):format(q(corpus))
+    local st, text = S.bin_train(('models/gpt2.lua %s --steps 1 --cuda-graphs --out %s/a'):format(flags, q(dir)))
+    assert.are.equal(2, st, text)
+    has(text, '--cuda-graphs needs --device cuda', '--device cpu')
+    assert.is_falsy(text:find('stack traceback', 1, true), text)
+    assert.is_nil(io.open(dir .. '/a/metrics.jsonl'), 'the refused run wrote metrics')
+    -- a run checkpointed at step 2, resumed with --cuda-graphs on the CPU: refused, its files as they were
+    st, text = S.bin_train(('models/gpt2.lua %s --steps 4 --stop-at 2 --out %s/b'):format(flags, q(dir)))
+    assert.are.equal(0, st, text)
+    local before = S.slurp(dir .. '/b/metrics.jsonl')
+    st, text = S.bin_train(('--resume %s/b --cuda-graphs'):format(q(dir)))
+    assert.are.equal(2, st, text)
+    has(text, '--cuda-graphs needs --device cuda', '--no-cuda-graphs')
+    assert.are.equal(before, S.slurp(dir .. '/b/metrics.jsonl'))
+    -- other combinations from the command line, on cuda (refused before a device is touched)
+    st, text = S.bin_train(('models/gpt2.lua %s --steps 1 --cuda-graphs --device cuda --tp 2'):format(flags))
+    assert.are.equal(2, st, text)
+    has(text, '--cuda-graphs with --tp 2')
+    os.execute('rm -rf ' .. q(dir))
+  end)
+
+  it('the shared step: with gradient accumulation and clipping the losses and norms are those with the '
+    .. 'activations kept (the read values outlive backward\'s release)', function()
+    local dir = tmpdir()
+    local a = train.run(with({ out = dir .. '/a', steps = 3, tokens_per_step = 64, grad_clip = 0.5,
+      release_activations = true }))
+    local b = train.run(with({ out = dir .. '/b', steps = 3, tokens_per_step = 64, grad_clip = 0.5,
+      release_activations = false }))
+    local la, lb = S.run_losses(dir .. '/a'), S.run_losses(dir .. '/b')
+    local ga, gb = S.run_grad_norms(dir .. '/a'), S.run_grad_norms(dir .. '/b')
+    for s = 1, 3 do
+      assert.is_number(la[s])
+      assert.are.equal(lb[s], la[s], 'step ' .. s)
+      assert.are.equal(gb[s], ga[s], 'step ' .. s)
+    end
+    -- (clipping at 0.5 is active: the norms are above it)
+    assert.is_true(ga[1] > 0.5, tostring(ga[1]))
+    assert.are.equal(a.final_loss, b.final_loss)
+    os.execute('rm -rf ' .. q(dir))
+  end)
+end)
