@@ -17,6 +17,13 @@ local bit = require 'bit'
 
 local T = {}
 
+-- (LuaJIT's machine-code area stays at its default 512 KiB on purpose: a
+-- larger one, 'maxmcode=16384', cut the host's time a step by ~15% on the
+-- CPU but kept traces alive across steps, and a trace keeps the tensors it
+-- holds as constants (closures' upvalues) alive with it: under --pp 2
+-- --tp 2 the GPU's peak doubled, 7.21 -> 14.44 GiB. docs/perf-notes.md,
+-- "Host cost per op".)
+
 -- ------------------------------------------------------------- the library
 local function repo_root()
   local src = debug.getinfo(1, 'S').source
@@ -117,7 +124,12 @@ end
 function T.wrap(p)
   if p == nil then error('moonshard: a C call returned no tensor', 2) end
   gc_nudge()
-  return ffi.gc(p[0], free_handle)
+  -- (not `return ffi.gc(...)`: a tail call of a built-in makes LuaJIT's
+  -- traces starting here abort in the caller, and once it blacklists this
+  -- function every trace through an op aborts; docs/perf-notes.md, "Host
+  -- cost per op")
+  local t = ffi.gc(p[0], free_handle)
+  return t
 end
 local wrap = T.wrap
 

@@ -869,6 +869,12 @@ function Attention:init(cfg)
   end
 end
 
+-- t (B, H, T, hd) with its first rd features rotated, the others as they
+-- are (a function apart: a closure inside forward would close its upvalues
+-- at each return, which LuaJIT does not compile)
+local function rotary_part(t, rd, hd, cos, sin)
+  return A.W.cat({ nnf.apply_rotary(t:narrow(4, 1, rd), cos, sin), t:narrow(4, rd + 1, hd - rd) }, 4)
+end
 function Attention:forward(x)
   local H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
   -- tensor parallelism (moonshard.tp): this rank's heads; the input's
@@ -921,11 +927,7 @@ function Attention:forward(x)
       q = nnf.apply_rotary(q, cos, sin)
       k = nnf.apply_rotary(k, cos, sin)
     else
-      -- (the first rd features rotated, the others as they are)
-      local function part(t)
-        return A.W.cat({ nnf.apply_rotary(t:narrow(4, 1, rd), cos, sin), t:narrow(4, rd + 1, hd - rd) }, 4)
-      end
-      q, k = part(q), part(k)
+      q, k = rotary_part(q, rd, hd, cos, sin), rotary_part(k, rd, hd, cos, sin)
     end
   end
   local y
