@@ -1956,6 +1956,7 @@ function train.run(opts)
     pending, settled = {}, 0
   end
   local grad_clip = o.grad_clip > 0 and o.grad_clip or nil
+  local trace_pins = os.getenv('MS_TRACE_PINS') and require('moonshard.trace_pins') or nil
   for step = start_step, o.steps do
     local lr = lr_at(step)
     set_lr(opt, lr)
@@ -2068,6 +2069,7 @@ function train.run(opts)
     if bad_total > 0 then rec.bad_steps = bad_total end
     dist.trace_step(step)   -- (MS_DIST_COUNT=1: the step's collectives on stderr, docs/dist.md)
     ms.profile.ops_step(step)   -- (MS_OP_COUNT=1: the step's ops on stderr, docs/tensors.md)
+    if trace_pins then trace_pins.step(step, rank) end   -- (MS_TRACE_PINS: moonshard.trace_pins)
     local mtp
     if mtp_sum then
       mtp = {}
