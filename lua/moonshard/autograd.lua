@@ -930,6 +930,24 @@ local function walk(tape, grads, borrowed, root)
 end
 
 
+-- backward's walk of the tape from t (gradient grad): a function of its own,
+-- not a closure made at each backward (a trace specialised on one keeps its
+-- upvalues, that step's loss and gradient, alive; docs/tensors.md)
+local function backward_walk(tape, t, grad, borrowed)
+  -- every saved tensor as the forward left it, before any gradient lands
+  for k = 1, #tape do check_versions(tape[k]) end
+  run_hooks(hooks.backward_begin, tape)
+  walk(tape, { [tonumber(t.id)] = grad }, borrowed, tonumber(t.id))
+end
+
+-- the backward_end hooks, then the callbacks queued in the backward
+local function backward_end()
+  run_hooks(hooks.backward_end)
+  local q = queued
+  queued = {}
+  for i = 1, #q do q[i].fn() end
+end
+
 -- Nodes are recorded in A.tape; t:backward() walks it and leaves it empty.
 local function backward(t, grad)
   if not is_tensor(t) then error('backward: expected a tensor', 2) end
@@ -973,12 +991,7 @@ local function backward(t, grad)
   active = tape
   local prev = enabled
   enabled = false
-  local ok, err = pcall(function()
-    -- every saved tensor as the forward left it, before any gradient lands
-    for k = 1, #tape do check_versions(tape[k]) end
-    run_hooks(hooks.backward_begin, tape)
-    walk(tape, { [tonumber(t.id)] = grad }, borrowed, tonumber(t.id))
-  end)
+  local ok, err = pcall(backward_walk, tape, t, grad, borrowed)
   -- whatever happened, the tape is consumed
   for k = #tape, 1, -1 do
     local n = tape[k]
@@ -990,12 +1003,7 @@ local function backward(t, grad)
   active = nil
   local ok2, err2 = true, nil
   if ok then
-    ok2, err2 = pcall(function()
-      run_hooks(hooks.backward_end)
-      local q = queued
-      queued = {}
-      for i = 1, #q do q[i].fn() end
-    end)
+    ok2, err2 = pcall(backward_end)
   else
     -- a backward cut short: only the callbacks queued with always (their
     -- own errors dropped: the first error is the one raised)
