@@ -8,8 +8,8 @@
 --
 -- After each step (forward, backward, AdamW, zero_grad, the loss dropped):
 -- the live bytes (CPU + CUDA, ms.live_bytes) after two full collections,
--- and the tensors and their storage bytes that the live traces hold as
--- constants. At the end, the live bytes a jit.flush() gives back: what the
+-- and the tensors and their storage bytes that only the live traces keep
+-- (moonshard.trace_pins' pins()). At the end, the live bytes a jit.flush() gives back: what the
 -- traces pinned. --flush 1 flushes the traces at each step's end (the
 -- baseline: nothing survives a step in a trace); --mcode sets LuaJIT's
 -- machine-code area in KiB (0: the one tensor.lua sets; 512 is LuaJIT's
@@ -47,11 +47,9 @@ local function run(name, path, cfg)
     loss = nil   -- luacheck: ignore
     if opts.flush == 1 then jit.flush() end
     live[k] = TP.live()
-    local r = TP.scan()
-    local nt = 0
-    for _ in pairs(r.tensors) do nt = nt + 1 end
-    print(('%s step %2d: live %9d bytes; traces %4d hold %4d tensors, %8d bytes'):format(
-      name, k, live[k], r.traces, nt, r.tensor_bytes))
+    local _, n, bytes = TP.pins()
+    print(('%s step %2d: live %9d bytes; %4d traces; traces alone keep %4d tensors, %8d bytes'):format(
+      name, k, live[k], TP.scan().traces, n, bytes))
   end
   local r = TP.scan()
   if opts.sites > 0 then

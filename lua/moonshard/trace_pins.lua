@@ -9,17 +9,20 @@
 -- what they were specialised on").
 --
 --   local TP = require 'moonshard.trace_pins'
---   local r = TP.scan()       -- every live trace's GC constants
---   print(TP.report(r))       -- closures by where they were defined, tensors
---   TP.pinned_bytes()         -- live bytes a jit.flush() gives back (flushes!)
+--   print((TP.pins_report()))  -- the tensors only traces keep, by site
+--   print(TP.report(TP.scan())) -- the closures traces hold, by site
+--   TP.pinned_bytes()          -- live bytes a jit.flush() gives back (flushes!)
 --
--- scan() -> { traces = n, closures = { [loc] = { n, traces } }, tensors = {
--- [t] = bytes }, tensor_bytes, tables = n } where loc is a closure's
--- "source:line" (jit.util.funcinfo) and a tensor counts as a constant when
--- a trace holds it directly or one table level below a constant (a table
--- upvalue the trace indexed). Closures are counted by object: the same loc
--- with n > 1 means a closure made again and again (per call, per step) that
--- the traces hold several of.
+-- pins() -> sites, n, bytes: the tensors reached from the traces' GC
+-- constants (through closures' upvalues and tables) and not from the
+-- registry, the globals or the caller's stack; sites[site] = { tensors,
+-- bytes, path } by the constant that reaches them (site "closure
+-- file:line", "table in trace N" or "cdata in trace N"; path: the first
+-- tensor's, with its shape). scan() -> { traces, closures = { [file:line]
+-- = { n, traces } }, tensors (the tensors that are constants themselves),
+-- tables }: a site with n > 1 is a closure made again and again that the
+-- traces hold several of. bin/train calls step() at each step's end when
+-- MS_TRACE_PINS is set (below).
 local jutil = require 'jit.util'
 local M = {}
 
