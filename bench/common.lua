@@ -28,6 +28,22 @@ function B.parse_args(defaults, usage, argv)
   return opts
 end
 
+-- the tiny models of the host-cost benchmarks (bench/host_cost.lua,
+-- bench/trace_pins.lua): { name, model file, config }, a 16-layer Llama of
+-- hidden 64 and a 4-layer DeepSeek-V3 (MLA, 8 routed experts and a shared
+-- one, the first layer dense) at tiny widths
+local hf = require 'models.hf'
+B.tiny_models = {
+  { 'llama', 'models/llama.lua', { vocab_size = 256, hidden_size = 64, intermediate_size = 128,
+    num_hidden_layers = 16, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64,
+    bos_token_id = hf.null, eos_token_id = hf.null } },
+  { 'deepseek', 'models/deepseek_v3.lua', { vocab_size = 256, hidden_size = 48, intermediate_size = 96,
+    moe_intermediate_size = 24, num_hidden_layers = 4, num_attention_heads = 12, n_shared_experts = 1,
+    n_routed_experts = 8, routed_scaling_factor = 1.5, kv_lora_rank = 16, q_lora_rank = 20, qk_rope_head_dim = 4,
+    v_head_dim = 6, qk_nope_head_dim = 4, n_group = 4, topk_group = 2, num_experts_per_tok = 2,
+    first_k_dense_replace = 1, max_position_embeddings = 64, bos_token_id = hf.null, eos_token_id = hf.null } },
+}
+
 function B.median(t)
   table.sort(t)
   return t[math.floor((#t + 1) / 2)]

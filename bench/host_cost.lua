@@ -18,7 +18,6 @@
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ms = require 'moonshard'
 local B = require 'bench.common'
-local hf = require 'models.hf'
 local prof = ms.profile
 
 local opts = B.parse_args({ steps = 30, warmup = 5, threads = 1, model = 'all', seq = 16, clock = 'cpu' },
@@ -42,16 +41,7 @@ elseif opts.clock ~= 'wall' then
   error('--clock cpu or wall')
 end
 
-local cases = {
-  { 'llama', 'models/llama.lua', { vocab_size = 256, hidden_size = 64, intermediate_size = 128,
-    num_hidden_layers = 16, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64,
-    bos_token_id = hf.null, eos_token_id = hf.null } },
-  { 'deepseek', 'models/deepseek_v3.lua', { vocab_size = 256, hidden_size = 48, intermediate_size = 96,
-    moe_intermediate_size = 24, num_hidden_layers = 4, num_attention_heads = 12, n_shared_experts = 1,
-    n_routed_experts = 8, routed_scaling_factor = 1.5, kv_lora_rank = 16, q_lora_rank = 20, qk_rope_head_dim = 4,
-    v_head_dim = 6, qk_nope_head_dim = 4, n_group = 4, topk_group = 2, num_experts_per_tok = 2,
-    first_k_dense_replace = 1, max_position_embeddings = 64, bos_token_id = hf.null, eos_token_id = hf.null } },
-}
+local cases = B.tiny_models
 
 local function run(name, path, cfg)
   local M = dofile(path)

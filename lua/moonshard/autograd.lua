@@ -117,9 +117,14 @@ local function getmeta(t)
 end
 local function peekmeta(t) return meta[tonumber(t.id)] end
 
+-- (tables made at their final size: the per-op path makes several a node,
+-- and a table grown one element at a time is reallocated as it grows)
+local tnew = require 'table.new'
+
 local function shape_of(t)
-  local s = {}
-  for i = 0, t.ndim - 1 do s[i + 1] = tonumber(t.sizes[i]) end
+  local n = t.ndim
+  local s = tnew(n, 0)
+  for i = 0, n - 1 do s[i + 1] = tonumber(t.sizes[i]) end
   return s
 end
 local shape_str = T.shape_str
@@ -247,27 +252,31 @@ end
 -- false), iid[i] (id of a non-leaf input), ishape[i], idtype[i], idev[i];
 -- oid (single output id) or oids (list), saved (anything the backward reads),
 -- own (tensors the node made and frees after its backward).
-local function new_node(name, bwd, ins, nin)
-  local node = { name = name, bwd = bwd, nin = nin, need = {}, leaf = {}, iid = {},
-    ishape = {}, idtype = {}, idev = {} }
-  for i = 1, nin do
-    local x = ins[i]
-    if needs(x) then
-      node.need[i] = true
-      local m = peekmeta(x)
-      if m and m.grad_fn then
-        node.leaf[i] = false
-        node.iid[i] = tonumber(x.id)
-      else
-        node.leaf[i] = x
-      end
-      node.ishape[i] = shape_of(x)
-      node.idtype[i] = x.dtype_id
-      node.idev[i] = x.device_id
+local function new_node_of(name, bwd, nin)
+  return { name = name, bwd = bwd, nin = nin, need = tnew(nin, 0), leaf = tnew(nin, 0), iid = tnew(nin, 0),
+    ishape = tnew(nin, 0), idtype = tnew(nin, 0), idev = tnew(nin, 0) }
+end
+-- input i of node is x
+local function set_input(node, i, x)
+  if needs(x) then
+    node.need[i] = true
+    local m = peekmeta(x)
+    if m and m.grad_fn then
+      node.leaf[i] = false
+      node.iid[i] = tonumber(x.id)
     else
-      node.need[i] = false
+      node.leaf[i] = x
     end
+    node.ishape[i] = shape_of(x)
+    node.idtype[i] = x.dtype_id
+    node.idev[i] = x.device_id
+  else
+    node.need[i] = false
   end
+end
+local function new_node(name, bwd, ins, nin)
+  local node = new_node_of(name, bwd, nin)
+  for i = 1, nin do set_input(node, i, ins[i]) end
   return node
 end
 
@@ -276,9 +285,8 @@ local function push(node)
   tape[#tape + 1] = node
 end
 
--- record an op with the inputs ins[1..nin] and one output; returns out
-local function record_out(name, out, bwd, saved, own, ins, nin)
-  local node = new_node(name, bwd, ins, nin)
+-- node's saved tensors and its one output; pushed; returns out
+local function finish_out(node, out, saved, own)
   node.saved, node.own = saved, own
   node.vers = snap(saved)
   node.oid = tonumber(out.id)
@@ -287,11 +295,20 @@ local function record_out(name, out, bwd, saved, own, ins, nin)
   return out
 end
 
+-- record an op with the inputs ins[1..nin] and one output; returns out
+local function record_out(name, out, bwd, saved, own, ins, nin)
+  return finish_out(new_node(name, bwd, ins, nin), out, saved, own)
+end
+
 -- record a one-output op of up to three inputs; returns out
 local function record1(name, out, bwd, saved, own, a, b, c)
   if out.dtype_id > 3 then return out end -- integer/bool outputs carry no grad
   local nin = c ~= nil and 3 or (b ~= nil and 2 or 1)
-  return record_out(name, out, bwd, saved, own, { a, b, c }, nin)
+  local node = new_node_of(name, bwd, nin)
+  set_input(node, 1, a)
+  if nin > 1 then set_input(node, 2, b) end
+  if nin > 2 then set_input(node, 3, c) end
+  return finish_out(node, out, saved, own)
 end
 A.record1 = record1
 
@@ -913,6 +930,24 @@ local function walk(tape, grads, borrowed, root)
 end
 
 
+-- backward's walk of the tape from t (gradient grad): a function of its own,
+-- not a closure made at each backward (a trace specialised on one keeps its
+-- upvalues, that step's loss and gradient, alive; docs/tensors.md)
+local function backward_walk(tape, t, grad, borrowed)
+  -- every saved tensor as the forward left it, before any gradient lands
+  for k = 1, #tape do check_versions(tape[k]) end
+  run_hooks(hooks.backward_begin, tape)
+  walk(tape, { [tonumber(t.id)] = grad }, borrowed, tonumber(t.id))
+end
+
+-- the backward_end hooks, then the callbacks queued in the backward
+local function backward_end()
+  run_hooks(hooks.backward_end)
+  local q = queued
+  queued = {}
+  for i = 1, #q do q[i].fn() end
+end
+
 -- Nodes are recorded in A.tape; t:backward() walks it and leaves it empty.
 local function backward(t, grad)
   if not is_tensor(t) then error('backward: expected a tensor', 2) end
@@ -956,12 +991,7 @@ local function backward(t, grad)
   active = tape
   local prev = enabled
   enabled = false
-  local ok, err = pcall(function()
-    -- every saved tensor as the forward left it, before any gradient lands
-    for k = 1, #tape do check_versions(tape[k]) end
-    run_hooks(hooks.backward_begin, tape)
-    walk(tape, { [tonumber(t.id)] = grad }, borrowed, tonumber(t.id))
-  end)
+  local ok, err = pcall(backward_walk, tape, t, grad, borrowed)
   -- whatever happened, the tape is consumed
   for k = #tape, 1, -1 do
     local n = tape[k]
@@ -973,12 +1003,7 @@ local function backward(t, grad)
   active = nil
   local ok2, err2 = true, nil
   if ok then
-    ok2, err2 = pcall(function()
-      run_hooks(hooks.backward_end)
-      local q = queued
-      queued = {}
-      for i = 1, #q do q[i].fn() end
-    end)
+    ok2, err2 = pcall(backward_end)
   else
     -- a backward cut short: only the callbacks queued with always (their
     -- own errors dropped: the first error is the one raised)
@@ -1910,11 +1935,13 @@ function FunctionMT:apply(...)
     ctx.needs_input_grad[i] = enabled and needs(args[i]) or false
     if ctx.needs_input_grad[i] then anyneed = true end
   end
+  -- (the arguments from args, not `...`: LuaJIT does not compile a vararg
+  -- read in a trace that starts at the loop above)
   local outs
   if anyneed then
-    outs = pack(with_mode(false, self.forward, ctx, ...))
+    outs = pack(with_mode(false, self.forward, ctx, unpack(args, 1, args.n)))
   else
-    outs = pack(self.forward(ctx, ...))
+    outs = pack(self.forward(ctx, unpack(args, 1, args.n)))
   end
   if not anyneed then return unpack(outs, 1, outs.n) end
   local node = new_node(self.name or 'Function', fn_bwd, args, args.n)

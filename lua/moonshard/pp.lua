@@ -489,6 +489,17 @@ local StageInput = A.Function {
   end,
 }
 
+-- the value of the micro-batch's sequence-wise balance loss (box: its
+-- nn.moe seq_aux session, or nil) added to the stage's loss sum. (Functions
+-- of their own, not closures made in each forward: a trace specialised on
+-- one keeps its upvalues, that micro-batch's tensors, alive;
+-- docs/tensors.md.)
+local function add_f64(sum, v) sum:add_(v:to('f64'):reshape({ 1 })) end
+local function add_seq_aux(self, box)
+  local v = box and nn_moe().seq_aux_value(box)
+  if v then A.no_grad(add_f64, self.loss_sum, v) end
+end
+
 -- the forward of micro-batch i: x (received, or nil on the first stage) ->
 -- a record {tape, x, out}; out is the activation to send, or the scaled loss
 function Pipeline:forward_one(i, x, ids, targets, grad, c)
@@ -535,13 +546,9 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
       local layers = self:chunk_moe(c)
       rec.abox = #layers > 0 and nn_moe().aux_begin(layers, { coef = 1 }) or nil
     end
-    local function box_value()
-      local v = box and nn_moe().seq_aux_value(box)
-      if v then A.no_grad(function() self.loss_sum:add_(v:to('f64'):reshape({ 1 })) end) end
-    end
     for j = range[1], range[2] do h = blocks[j](h) end
     if self.aux then h = self:aux_forward(rec, h, x, grad) end
-    if not lastv then box_value(); return h end
+    if not lastv then add_seq_aux(self, box); return h end
     -- (parts.head_ids: the head reads the micro-batch's ids, DeepSeek-V3's
     -- multi-token prediction)
     local loss = parts.head(h, rows(targets, i, mb), parts.head_ids and rows(ids, i, mb) or nil)
@@ -551,7 +558,7 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
       if a.dtype ~= loss.dtype then a = a:to(loss.dtype) end
       loss = loss + a:reshape(loss.shape)
     end
-    box_value()
+    add_seq_aux(self, box)
     if self.mtp_sum then
       -- each depth's loss of the micro-batch (model:mtp_losses()), summed
       -- over the step's micro-batches (finish_loss)
@@ -1447,6 +1454,18 @@ local function pipe_of(model, fname)
   return p
 end
 
+-- clip_grad_norm_'s sorting of one gradient g (parameter name, id) into
+-- acc's lists: skipped (a tied copy), an expert's, a tensor-parallel
+-- slice's, or counted once. (A function of its own: a closure made at each
+-- call, specialised on by a trace, keeps that step's gradients alive;
+-- docs/tensors.md.)
+local function clip_add(acc, name, id, g)
+  if acc.skip[id] then return end
+  if acc.ex[id] then acc.experts[#acc.experts + 1] = g
+  elseif acc.split_by and acc.split_by.placement(acc.model, name) then acc.split[#acc.split + 1] = g
+  else acc.counted[#acc.counted + 1] = g end
+end
+
 -- pp.clip_grad_norm_(model, max_norm, opts) -> the whole model's gradient
 -- 2-norm before clipping: each stage's sum of squares (a tied weight
 -- counted once, on the first stage) all-reduced over the pipeline, the
@@ -1478,11 +1497,8 @@ function pp.clip_grad_norm_(model, max_norm, opts)
       for _, p in ipairs(L.module.experts:parameters()) do ex[tonumber(p.id)] = true end
     end
   end
-  local function add(name, id, g)
-    if skip[id] then return end
-    if ex[id] then experts[#experts + 1] = g
-    elseif split_by and split_by.placement(model, name) then split[#split + 1] = g else counted[#counted + 1] = g end
-  end
+  local acc = { skip = skip, ex = ex, experts = experts, split_by = split_by, model = model, split = split,
+    counted = counted }
   if st then
     -- under fully_shard: each unit's gradient shard, cut at its
     -- parameters' bounds (the layout's offsets)
@@ -1494,14 +1510,14 @@ function pp.clip_grad_norm_(model, max_norm, opts)
       if u.experts and split_by and u.fp.shard.grad ~= nil then split[#split + 1] = u.fp.shard.grad end
       for _, pc in ipairs(u.experts and split_by and {} or require('moonshard.fsdp').grad_pieces(u)) do
         views[#views + 1] = pc[2]
-        add(u.param_names[pc[1]], tonumber(u.views[pc[1]].id), pc[2])
+        clip_add(acc, u.param_names[pc[1]], tonumber(u.views[pc[1]].id), pc[2])
       end
     end
   else
     for name, p in model:named_parameters() do
       if p.grad ~= nil then
         grads[#grads + 1] = p.grad
-        add(name, tonumber(p.id), p.grad)
+        clip_add(acc, name, tonumber(p.id), p.grad)
       end
     end
   end

@@ -17,6 +17,13 @@ local bit = require 'bit'
 
 local T = {}
 
+-- The JIT's room: a training step runs through more code than LuaJIT's
+-- defaults hold (512 KiB of machine code, 1000 traces); when the area
+-- fills, every trace is flushed and the step runs interpreted while they
+-- are recorded again. (Set once, at the first require; a program may
+-- set its own after.)
+if jit and jit.opt then jit.opt.start('maxmcode=16384', 'maxtrace=8000') end
+
 -- ------------------------------------------------------------- the library
 local function repo_root()
   local src = debug.getinfo(1, 'S').source
@@ -117,7 +124,12 @@ end
 function T.wrap(p)
   if p == nil then error('moonshard: a C call returned no tensor', 2) end
   gc_nudge()
-  return ffi.gc(p[0], free_handle)
+  -- (not `return ffi.gc(...)`: a tail call of a built-in makes LuaJIT's
+  -- traces starting here abort in the caller, and once it blacklists this
+  -- function every trace through an op aborts; docs/perf-notes.md, "Host
+  -- cost per op")
+  local t = ffi.gc(p[0], free_handle)
+  return t
 end
 local wrap = T.wrap
 

@@ -2037,6 +2037,7 @@ function train.run(opts)
     pending, settled = {}, 0
   end
   local grad_clip = o.grad_clip > 0 and o.grad_clip or nil
+  local trace_pins = os.getenv('MS_TRACE_PINS') and require('moonshard.trace_pins') or nil
 
   -- The step, in the two halves that the eager loop and --cuda-graphs
   -- share. grads_of(step, batch) zeroes the gradients, runs the step's
@@ -2300,6 +2301,17 @@ function train.run(opts)
     if bad_total > 0 then rec.bad_steps = bad_total end
     dist.trace_step(step)   -- (MS_DIST_COUNT=1: the step's collectives on stderr, docs/dist.md)
     ms.profile.ops_step(step)   -- (MS_OP_COUNT=1: the step's ops on stderr, docs/tensors.md)
+    -- LuaJIT specialises a trace on a closure it calls while the closure's
+    -- prototype has made fewer than three, and the trace keeps it, with the
+    -- tensors its upvalues hold, for as long as it lives (with tensor.lua's
+    -- 16 MiB code area: the run). So the traces of the first steps, which
+    -- can hold the setup's closures and the first steps' own, are flushed
+    -- once after the third: the traces recorded again specialise on the
+    -- prototypes of the closures made each step. (docs/tensors.md,
+    -- "Compiled traces keep what they were specialised on"; MS_TRACE_PINS
+    -- measures what the traces keep.)
+    if step == start_step + 2 then jit.flush() end
+    if trace_pins then trace_pins.step(step, rank) end   -- (MS_TRACE_PINS: moonshard.trace_pins)
     local mtp
     if mtp_sum then
       mtp = {}

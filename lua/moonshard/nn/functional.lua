@@ -217,6 +217,21 @@ end
 local WB = { 2, 3 }
 local defer_wgrad = false   -- (nnf.defer_weight_grads)
 
+-- the weight's (and bias's) gradient later in this backward, after the
+-- collective it may run beside (A.defer; moonshard.tp): the operands held
+-- by aliases until then. (A function of its own: a closure made inside
+-- bwd_affine would close its upvalues at each return, which LuaJIT does
+-- not compile, and every linear's backward would run interpreted.)
+local function defer_weight_bias(node, x2, g2, wt, dbs, sink)
+  local xa, ga = R.alias(x2), R.alias(g2)
+  local n2, n3 = node.need[2], node.need[3]
+  A.defer(node, WB, function()
+    local dw, db = weight_bias_grads(xa, ga, wt, n2, n3, dbs, sink)
+    free(xa); free(ga)
+    return dw, db
+  end, function() free(xa); free(ga); free(dbs) end)
+end
+
 local function bwd_affine(node, g)
   local x2, w, wt = node.saved[1], node.saved[2], node.saved.wt
   local g2 = rows(g)
@@ -231,16 +246,7 @@ local function bwd_affine(node, g)
   local dbs = node.need[3] and take_pending_sum(node, g) or nil
   local sink = A.grad_sink(node, 2)
   if node.saved.defer and (node.need[2] or node.need[3]) and A.deferrable() then
-    -- the weight's (and bias's) gradient later in this backward, after
-    -- the collective it may run beside (A.defer; moonshard.tp): the
-    -- operands held by aliases until then
-    local xa, ga = R.alias(x2), R.alias(g2)
-    local n2, n3 = node.need[2], node.need[3]
-    A.defer(node, WB, function()
-      local dw, db = weight_bias_grads(xa, ga, wt, n2, n3, dbs, sink)
-      free(xa); free(ga)
-      return dw, db
-    end, function() free(xa); free(ga); free(dbs) end)
+    defer_weight_bias(node, x2, g2, wt, dbs, sink)
     if g2 ~= g then free(g2) end
     return dx, nil, nil
   end
@@ -1124,6 +1130,21 @@ end
 -- (B, H, Tq, Dv). The fused kernel where it takes the widths; on a GPU whose
 -- kernels lack them, padded to widths they take (padded_attention), else
 -- (f32 above 128 on a GPU, widths above 192) the unfused path.
+-- the composed attention's operand: t in cdt, its heads repeated r times,
+-- contiguous, a handle of its own (a function apart: see defer_weight_bias)
+local function sdpa_prep(t, r, cdt)
+  local x = t
+  if t.dtype ~= cdt then x = R.to(t, cdt) end
+  if r > 1 then
+    local e = repeat_kv(x, r)
+    if x ~= t then free(x) end
+    return e
+  end
+  local c = R.contiguous(x)
+  if c == t then c = R.alias(t) end      -- a handle the node owns
+  if x ~= t and x ~= c then free(x) end
+  return c
+end
 function nnf.scaled_dot_product_attention(q, k, v, opts)
   opts = opts or {}
   need_tensor('scaled_dot_product_attention', q, 'q')
@@ -1152,20 +1173,7 @@ function nnf.scaled_dot_product_attention(q, k, v, opts)
     return fused_attention(q, k, v, scale, causal)   -- (which names the mismatch)
   end
   local cdt = lowp(q) and 'f32' or q.dtype
-  local function prep(t, r)
-    local x = t
-    if t.dtype ~= cdt then x = R.to(t, cdt) end
-    if r > 1 then
-      local e = repeat_kv(x, r)
-      if x ~= t then free(x) end
-      return e
-    end
-    local c = R.contiguous(x)
-    if c == t then c = R.alias(t) end      -- a handle the node owns
-    if x ~= t and x ~= c then free(x) end
-    return c
-  end
-  local qc, ke, ve = prep(q, 1), prep(k, rep), prep(v, rep)
+  local qc, ke, ve = sdpa_prep(q, 1, cdt), sdpa_prep(k, rep, cdt), sdpa_prep(v, rep, cdt)
   local sc = F.matmul(qc, ke, false, true)  -- (B, H, Tq, Tk)
   F.mul_(sc, scale)
   if causal then F.add_(sc, nnf.causal_mask(Tq, Tk, cdt, q.device_id)) end
@@ -1458,6 +1466,12 @@ end
 -- as: a dtype the tables are then cast to (from dtype's, cached too: the
 -- bf16 tables of a bf16 model, rounded from the f32 ones, not made again
 -- each forward)
+-- t (f64) in dtype on device (t freed when copied)
+local function rope_fin(t, dtype, device)
+  local r = R.to(t, { dtype = dtype, device = device })
+  if r ~= t then free(t) end
+  return r
+end
 function nnf.rope_cache(T_, head_dim, theta, dtype, device, as)
   dtype = dtype or 'f32'
   device = device or -1
@@ -1493,12 +1507,7 @@ function nnf.rope_cache(T_, head_dim, theta, dtype, device, as)
   local cs, sn = F.cos(emb), F.sin(emb)
   if mult ~= 1 then F.mul_(cs, mult); F.mul_(sn, mult) end
   for _, t in ipairs({ pos, pv, iv, fr, emb }) do free(t) end
-  local function fin(t)
-    local r = R.to(t, { dtype = dtype, device = device })
-    if r ~= t then free(t) end
-    return r
-  end
-  cs, sn = fin(cs), fin(sn)
+  cs, sn = rope_fin(cs, dtype, device), rope_fin(sn, dtype, device)
   rope_cache[key] = { cs, sn }
   return cs, sn
 end

@@ -149,79 +149,89 @@ function nn.is_module(x)
 end
 
 -- ------------------------------------------------------------- traversal
+-- (No closures here: every iterator is a plain function over a state table,
+-- and the walks are plain recursive functions. LuaJIT specialises a trace
+-- on the closure it calls, while the closure's prototype has made fewer
+-- than three, and keeps it, with the lists its upvalues hold, as long as
+-- the trace lives: an early named_parameters() loop (bin/train's setup,
+-- before tensor parallelism slices the model) then kept the whole model's
+-- first parameters alive for the run. docs/tensors.md, "Compiled traces
+-- keep what they were specialised on".)
+
 -- a list of {name, value} pairs as a (name, value) iterator: named_modules,
 -- and the collect() lists of named_parameters and named_buffers
-local function pairs_of(list)
-  local i = 0
-  return function()
-    i = i + 1
-    local e = list[i]
-    if e then return e[1], e[2] end
-  end
+local function pair_step(st)
+  local i = st.i + 1
+  st.i = i
+  local e = st.list[i]
+  if e then return e[1], e[2] end
 end
+local function pairs_of(list) return pair_step, { list = list, i = 0 } end
 
 -- named_modules: (dotted name, module) depth first, self first as '', each
 -- module object once
-function Module:named_modules(prefix)
-  local list, seen = {}, {}
-  local function walk(m, name)
-    if seen[m] then return end
-    seen[m] = true
-    list[#list + 1] = { name, m }
-    for _, cn in ipairs(m._module_names) do
-      local c = rawget(m, cn)
-      if c ~= nil then walk(c, name == '' and cn or (name .. '.' .. cn)) end
-    end
+local function walk_modules(list, seen, m, name)
+  if seen[m] then return end
+  seen[m] = true
+  list[#list + 1] = { name, m }
+  for _, cn in ipairs(m._module_names) do
+    local c = rawget(m, cn)
+    if c ~= nil then walk_modules(list, seen, c, name == '' and cn or (name .. '.' .. cn)) end
   end
-  walk(self, prefix or '')
+end
+function Module:named_modules(prefix)
+  local list = {}
+  walk_modules(list, {}, self, prefix or '')
   return pairs_of(list)
 end
--- the values of a (name, value) iterator
-local function values_of(it)
-  return function()
-    local _, v = it()
-    return v
-  end
+-- the values of a (name, value) iterator f(s)
+local function value_step(st)
+  local _, v = st.f(st.s)
+  return v
 end
+local function values_of(f, s) return value_step, { f = f, s = s } end
 function Module:modules() return values_of(self:named_modules()) end
-function Module:named_children()
-  local names, i = self._module_names, 0
-  return function()
-    while true do
-      i = i + 1
-      local n = names[i]
-      if n == nil then return nil end
-      local c = rawget(self, n)
-      if c ~= nil then return n, c end
-    end
+local function child_step(st)
+  local m, names = st.m, st.m._module_names
+  while true do
+    local i = st.i + 1
+    st.i = i
+    local n = names[i]
+    if n == nil then return nil end
+    local c = rawget(m, n)
+    if c ~= nil then return n, c end
   end
 end
+function Module:named_children() return child_step, { m = self, i = 0 } end
 function Module:children() return values_of(self:named_children()) end
 
-local function collect(self, kind, prefix, recurse)
-  local list, seen = {}, {}
-  local function walk(m, pre, mseen)
-    if mseen[m] then return end
-    mseen[m] = true
-    local names = kind == 'param' and m._param_names or m._buffer_names
-    for _, n in ipairs(names) do
-      local t = rawget(m, n)
-      if t ~= nil then
-        local id = tonumber(t.id)
-        if not seen[id] then
-          seen[id] = true
-          list[#list + 1] = { pre .. n, t, m, n }
-        end
-      end
-    end
-    if recurse ~= false then
-      for _, cn in ipairs(m._module_names) do
-        local c = rawget(m, cn)
-        if c ~= nil then walk(c, pre .. cn .. '.', mseen) end
+-- the parameters (kind 'param') or buffers of m and, unless recurse is
+-- false, its children into list as { dotted name, tensor, module, name },
+-- each tensor once (seen: by id)
+local function collect_into(list, seen, kind, recurse, m, pre, mseen)
+  if mseen[m] then return end
+  mseen[m] = true
+  local names = kind == 'param' and m._param_names or m._buffer_names
+  for _, n in ipairs(names) do
+    local t = rawget(m, n)
+    if t ~= nil then
+      local id = tonumber(t.id)
+      if not seen[id] then
+        seen[id] = true
+        list[#list + 1] = { pre .. n, t, m, n }
       end
     end
   end
-  walk(self, (prefix and prefix ~= '') and (prefix .. '.') or '', {})
+  if recurse ~= false then
+    for _, cn in ipairs(m._module_names) do
+      local c = rawget(m, cn)
+      if c ~= nil then collect_into(list, seen, kind, recurse, c, pre .. cn .. '.', mseen) end
+    end
+  end
+end
+local function collect(self, kind, prefix, recurse)
+  local list = {}
+  collect_into(list, {}, kind, recurse, self, (prefix and prefix ~= '') and (prefix .. '.') or '', {})
   return list
 end
 
@@ -869,6 +879,12 @@ function Attention:init(cfg)
   end
 end
 
+-- t (B, H, T, hd) with its first rd features rotated, the others as they
+-- are (a function apart: a closure inside forward would close its upvalues
+-- at each return, which LuaJIT does not compile)
+local function rotary_part(t, rd, hd, cos, sin)
+  return A.W.cat({ nnf.apply_rotary(t:narrow(4, 1, rd), cos, sin), t:narrow(4, rd + 1, hd - rd) }, 4)
+end
 function Attention:forward(x)
   local H, Hkv, hd = self.n_head, self.n_kv_head, self.head_dim
   -- tensor parallelism (moonshard.tp): this rank's heads; the input's
@@ -921,11 +937,7 @@ function Attention:forward(x)
       q = nnf.apply_rotary(q, cos, sin)
       k = nnf.apply_rotary(k, cos, sin)
     else
-      -- (the first rd features rotated, the others as they are)
-      local function part(t)
-        return A.W.cat({ nnf.apply_rotary(t:narrow(4, 1, rd), cos, sin), t:narrow(4, rd + 1, hd - rd) }, 4)
-      end
-      q, k = part(q), part(k)
+      q, k = rotary_part(q, rd, hd, cos, sin), rotary_part(k, rd, hd, cos, sin)
     end
   end
   local y

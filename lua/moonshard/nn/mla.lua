@@ -125,6 +125,8 @@ function mla.install(nn, nnf)
     return ql, self.kv_a_layernorm(ckv:narrow(nd, 1, kl)), ckv:narrow(nd, kl + 1, self.qk_rope_head_dim)
   end
 
+  local function same(t) return t end   -- (one function for every call: a closure made per call is not compiled)
+
   function MLA:forward(x)
     -- tensor parallelism (moonshard.tp): this rank's heads; the latents
     -- replicated, their gradient parts summed where they enter the split
@@ -136,7 +138,7 @@ function mla.install(nn, nnf)
     -- summed by tp's sequence-parallel hooks); without it, x is gathered
     local tp = rawget(self, '_tp')
     local H = self.n_head
-    local sum = function(t) return t end
+    local sum = same
     local ql, kvl, kpe
     if tp ~= nil then
       H = tp.n_head

@@ -577,6 +577,21 @@ end
 -- sequences, models/deepseek_v3.lua): { mask (N) 1 for the tokens that
 -- count, 0 for the k filler positions at the end of each sequence, k }:
 -- the sums over the tokens that count, T less k a sequence
+-- seq_aux_sums' counts (B, E) of the experts each group's tokens count for
+-- (mask: the tokens that count, or nil) and psum's values, both summed over
+-- cp's ranks when there is one. (A function of its own, not a closure made
+-- at each forward: a trace specialised on one keeps its upvalues, that
+-- forward's tensors, alive; docs/tensors.md.)
+local function seq_aux_counts(probs, ids, mask, psum, cp, B, E, N, Tg, k)
+  local opts = { dtype = probs.dtype, device = probs.device }
+  local z = T.zeros({ B, E }, opts)
+  local ones = mask and mask:expand({ N, k }):contiguous():reshape({ B, Tg * k }) or T.ones({ B, Tg * k }, opts)
+  z:scatter_add_(2, ids:contiguous():reshape({ B, Tg * k }), ones)
+  if cp == nil or cp.size == 1 then return z, psum:detach() end
+  local both = F.cat({ z:reshape({ 1, B, E }), psum:detach():reshape({ 1, B, E }) }, 1)
+  ms.dist.all_reduce(both, 'sum', { group = cp.group })
+  return both:select(1, 1), both:select(1, 2)
+end
 local function seq_aux_sums(probs, ids, Tl, sigmoid, per_seq, cp, pad)
   local N, E, k = probs.shape[1], probs.shape[2], ids.shape[2]
   local Tg = per_seq and Tl or N
@@ -589,16 +604,7 @@ local function seq_aux_sums(probs, ids, Tl, sigmoid, per_seq, cp, pad)
   if mask then sn = sn * mask end
   local psum = sn:reshape({ B, Tg, E }):sum(2)
   local n = cp and cp.size or 1
-  local c, pg = A.no_grad(function()
-    local opts = { dtype = probs.dtype, device = probs.device }
-    local z = T.zeros({ B, E }, opts)
-    local ones = mask and mask:expand({ N, k }):contiguous():reshape({ B, Tg * k }) or T.ones({ B, Tg * k }, opts)
-    z:scatter_add_(2, ids:contiguous():reshape({ B, Tg * k }), ones)
-    if n == 1 then return z, psum:detach() end
-    local both = F.cat({ z:reshape({ 1, B, E }), psum:detach():reshape({ 1, B, E }) }, 1)
-    ms.dist.all_reduce(both, 'sum', { group = cp.group })
-    return both:select(1, 1), both:select(1, 2)
-  end)
+  local c, pg = A.no_grad(seq_aux_counts, probs, ids, mask, psum, cp, B, E, N, Tg, k)
   -- (with pad: a group of Tg / Tl sequences has k filler tokens in each)
   local Tc = Tg * n - (pad and (Tg / Tl) * pad.k or 0)
   return { c = c, psum = psum, pg = pg, T = Tc, B = B, n = n, E = E, k = k }
@@ -1418,6 +1424,19 @@ function moe.enable_bias(model)
   end
   return n
 end
+-- each layer of list's bias moved by rate against its counts (its slice of
+-- c), its counts dropped. (A function of its own, not a closure made at each
+-- update: a trace specialised on one keeps its upvalues, that step's
+-- counts, alive; docs/tensors.md.)
+local function step_biases(list, c, rate)
+  local off = 0
+  for _, m in ipairs(list) do
+    local cm = c:narrow(1, off + 1, m.n_experts)
+    m:routing_bias():add_((cm:mean() - cm):sign() * rate)
+    off = off + m.n_experts
+    rawset(m, '_tokens', nil)
+  end
+end
 -- moe.update_bias(model, rate, group) -> the layers updated (those with a
 -- bias that ran forwards under grad since the last update); group: the
 -- counts' all-reduce (nil: none). A no-op for a layer without counts.
@@ -1447,15 +1466,7 @@ function moe.update_bias(model, rate, group)
     off = off + m.n_experts
   end
   if group ~= nil and group:size() > 1 then ms.dist.all_reduce(c, 'sum', { group = group }) end
-  off = 0
-  A.no_grad(function()
-    for _, m in ipairs(list) do
-      local cm = c:narrow(1, off + 1, m.n_experts)
-      m:routing_bias():add_((cm:mean() - cm):sign() * rate)
-      off = off + m.n_experts
-      rawset(m, '_tokens', nil)
-    end
-  end)
+  A.no_grad(step_biases, list, c, rate)
   return #list
 end
 -- moe.reset_counts(model): the counts since the last update dropped (a

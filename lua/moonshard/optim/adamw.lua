@@ -119,86 +119,95 @@ return function(optim)
       and mr:is_contiguous() and mr:numel() == p:numel() and mr.device_id == p.device_id
   end
 
+  -- the gradient scale sc.gs on device dev, copied there once a step
+  -- (sc.on[dev]); nil without one. (The step's state goes through sc, not
+  -- closures: a trace specialised on a closure made in a step keeps its
+  -- upvalues, this step's tensors, alive; docs/tensors.md.)
+  local function scale_on(sc, dev)
+    local gs = sc.gs
+    if gs == nil then return nil end
+    local s = sc.on[dev]
+    if s == nil then
+      s = tonumber(gs.device_id) == dev and gs or gs:to({ device = dev })
+      sc.on[dev] = s
+    end
+    return s
+  end
+
   function AdamW:step()
     local gs = self._grad_scale
     self._grad_scale = nil
     local mirrors, mirrored = self._mirrors, {}
     self.mirrored = mirrored
-    local capturing = cuda.is_capturing()
-    local gs_on = {}   -- the scale on each device the gradients use
-    local function scale_on(dev)
-      if gs == nil then return nil end
-      local s = gs_on[dev]
-      if s == nil then
-        s = tonumber(gs.device_id) == dev and gs or gs:to({ device = dev })
-        gs_on[dev] = s
-      end
-      return s
-    end
-    A.no_grad(function()
-      for _, group in ipairs(self.param_groups) do
-        local lr, eps, wd = group.lr, group.eps, group.weight_decay or 0
-        local b1, b2 = group.betas[1], group.betas[2]
-        local batches, order = {}, {}   -- (device, step) -> lists for F.adamw_
-        for _, p in ipairs(group.params) do
-          local g = p.grad
-          if g ~= nil then
-            local st = self:state_of(p, self.master_weights and init_state_master or init_state)
-            if self.master_weights and st.master == nil and wants_master(p) then   -- (a state loaded without one)
-              st.master = new_master(p)
+    local sc = { gs = gs, on = {} }   -- (on: the scale on each device the gradients use)
+    A.no_grad(self._step_groups, self, sc, mirrors, mirrored, cuda.is_capturing())
+    for _, s in pairs(sc.on) do if s ~= gs then free(s) end end
+    if gs ~= nil then free(gs) end
+  end
+
+  -- step's work over the groups, gradient mode off
+  function AdamW:_step_groups(sc, mirrors, mirrored, capturing)
+    local gs = sc.gs
+    for _, group in ipairs(self.param_groups) do
+      local lr, eps, wd = group.lr, group.eps, group.weight_decay or 0
+      local b1, b2 = group.betas[1], group.betas[2]
+      local batches, order = {}, {}   -- (device, step) -> lists for F.adamw_
+      for _, p in ipairs(group.params) do
+        local g = p.grad
+        if g ~= nil then
+          local st = self:state_of(p, self.master_weights and init_state_master or init_state)
+          if self.master_weights and st.master == nil and wants_master(p) then   -- (a state loaded without one)
+            st.master = new_master(p)
+          end
+          st.step = st.step + 1
+          A.bump_version(p)   -- p is written in place below (autograd's saved-tensor check)
+          if fusable(p, g, st) then
+            scale_on(sc, tonumber(p.device_id))
+            local mr = mirrors and mirrors[p]
+            if not mirror_fits(mr, p, st) then mr = nil end
+            -- (with a mirror the op updates p as the master and rounds into it)
+            local pp, w = mr or p, mr and p or st.master
+            -- one fused call per (device, step, dtypes): a launch takes one
+            -- parameter and one gradient dtype, so mixing them in one list
+            -- (f32 norms between bf16 weights) would cut it into many
+            local key = p.device_id .. ':' .. st.step .. ':' .. pp.dtype_id .. ':' .. g.dtype_id
+            local b = batches[key]
+            if b == nil then
+              b = { step = st.step, p = {}, g = {}, m = {}, v = {}, w = {}, any_w = false }
+              batches[key] = b
+              order[#order + 1] = key
             end
-            st.step = st.step + 1
-            A.bump_version(p)   -- p is written in place below (autograd's saved-tensor check)
-            if fusable(p, g, st) then
-              scale_on(tonumber(p.device_id))
-              local mr = mirrors and mirrors[p]
-              if not mirror_fits(mr, p, st) then mr = nil end
-              -- (with a mirror the op updates p as the master and rounds into it)
-              local pp, w = mr or p, mr and p or st.master
-              -- one fused call per (device, step, dtypes): a launch takes one
-              -- parameter and one gradient dtype, so mixing them in one list
-              -- (f32 norms between bf16 weights) would cut it into many
-              local key = p.device_id .. ':' .. st.step .. ':' .. pp.dtype_id .. ':' .. g.dtype_id
-              local b = batches[key]
-              if b == nil then
-                b = { step = st.step, p = {}, g = {}, m = {}, v = {}, w = {}, any_w = false }
-                batches[key] = b
-                order[#order + 1] = key
-              end
-              local k = #b.p + 1
-              b.p[k], b.g[k], b.m[k], b.v[k] = pp, g, st.exp_avg, st.exp_avg_sq
-              b.w[k] = w or false
-              if w then b.any_w = true end
-              if mr then mirrored[p] = true end
-              b.states = b.states or {}
-              b.states[k] = st
-            else
-              if capturing then
-                error(('AdamW:step during CUDA graph capture: a parameter %s (or its gradient) is not contiguous, '
-                  .. 'and the composed update would keep this step\'s count in the graph'):format(
-                  T.shape_str(p.shape)), 0)
-              end
-              local gsc = g
-              if gs ~= nil then   -- the same bits as the fused op: g times the scale in g's dtype
-                local c = scale_on(tonumber(g.device_id)):to(g.dtype)
-                gsc = F.mul(g, c)
-                free(c)
-              end
-              self:_composed_update(p, gsc, st, lr, b1, b2, eps, wd)
-              if gsc ~= g then free(gsc) end
+            local k = #b.p + 1
+            b.p[k], b.g[k], b.m[k], b.v[k] = pp, g, st.exp_avg, st.exp_avg_sq
+            b.w[k] = w or false
+            if w then b.any_w = true end
+            if mr then mirrored[p] = true end
+            b.states = b.states or {}
+            b.states[k] = st
+          else
+            if capturing then
+              error(('AdamW:step during CUDA graph capture: a parameter %s (or its gradient) is not contiguous, '
+                .. 'and the composed update would keep this step\'s count in the graph'):format(
+                T.shape_str(p.shape)), 0)
             end
+            local gsc = g
+            if gs ~= nil then   -- the same bits as the fused op: g times the scale in g's dtype
+              local c = scale_on(sc, tonumber(g.device_id)):to(g.dtype)
+              gsc = F.mul(g, c)
+              free(c)
+            end
+            self:_composed_update(p, gsc, st, lr, b1, b2, eps, wd)
+            if gsc ~= g then free(gsc) end
           end
         end
-        for _, key in ipairs(order) do
-          local b = batches[key]
-          local k = capturing and self:_graph_constants(group, b) or nil
-          F.adamw_(b.p, b.g, b.m, b.v, lr, b1, b2, eps, wd, b.step, b.any_w and b.w or nil,
-            scale_on(tonumber(b.p[1].device_id)), k)
-        end
       end
-    end)
-    for _, s in pairs(gs_on) do if s ~= gs then free(s) end end
-    if gs ~= nil then free(gs) end
+      for _, key in ipairs(order) do
+        local b = batches[key]
+        local k = capturing and self:_graph_constants(group, b) or nil
+        F.adamw_(b.p, b.g, b.m, b.v, lr, b1, b2, eps, wd, b.step, b.any_w and b.w or nil,
+          scale_on(sc, tonumber(b.p[1].device_id)), k)
+      end
+    end
   end
 
   -- a captured step's constants: a device tensor (in the graph's memory)
