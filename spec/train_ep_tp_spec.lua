@@ -312,25 +312,25 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
   it('a --tp 2 --ep 4 --cp 2 checkpoint is sharded: it resumes in one process, at --tp 2 --ep 2 --cp 2, at --ep 2 --cp 2 '
     .. 'and at --tp 2 --ep 2 on the curve; under --fsdp FULL_SHARD too (resuming at --tp 2 --ep 4 --cp 2 --fsdp '
     .. 'SHARD_GRAD_OP); with --checkpoint-format full it is one process\'s', function()
-    sharded_resumes('cs', 4, '--batch-size 4 --steps 4 --tp 2 --ep 4 --cp 2', {
+    sharded_resumes('cps', 4, '--batch-size 4 --steps 4 --tp 2 --ep 4 --cp 2', {
       { '', '' }, { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 2 --cp 2' },
       { '--nproc-per-node 2 --device cpu ', ' --ep 2 --cp 2' },
       { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2' } })
-    sharded_resumes('cfs', 4, '--batch-size 4 --steps 4 --tp 2 --ep 4 --cp 2 --fsdp FULL_SHARD', {
+    sharded_resumes('cpfs', 4, '--batch-size 4 --steps 4 --tp 2 --ep 4 --cp 2 --fsdp FULL_SHARD', {
       { '', ' --fsdp off' }, { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 4 --cp 2 --fsdp SHARD_GRAD_OP' } })
     local one = reference(mixtral .. no_aux, 'm1')
     local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 4 --steps 4 --tp 2 --ep 2 '
-      .. '--cp 2 --checkpoint-format full --save-every 1 --stop-at 2 --out %s/cf'):format(mixtral, no_aux, q(dir)))
+      .. '--cp 2 --checkpoint-format full --save-every 1 --stop-at 2 --out %s/cpf'):format(mixtral, no_aux, q(dir)))
     assert.are.equal(0, status, text)
     -- every expert and the whole tensors in one file, as the one-process run's after 2 steps
-    close_weights(dir .. '/cf/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
-    os.execute(('cp -r %s/cf %s/cf1'):format(q(dir), q(dir)))
-    status, text = bin_train(('--resume %s/cf1'):format(q(dir)))
+    close_weights(dir .. '/cpf/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
+    os.execute(('cp -r %s/cpf %s/cpf1'):format(q(dir), q(dir)))
+    status, text = bin_train(('--resume %s/cpf1'):format(q(dir)))
     assert.are.equal(0, status, text)
-    close_losses(one, losses(dir .. '/cf1'), 1, 4, 'a full --tp 2 --ep 2 --cp 2 checkpoint resumed in one process')
-    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s/cf --tp 2 --ep 2 --cp 2'):format(q(dir)))
+    close_losses(one, losses(dir .. '/cpf1'), 1, 4, 'a full --tp 2 --ep 2 --cp 2 checkpoint resumed in one process')
+    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s/cpf --tp 2 --ep 2 --cp 2'):format(q(dir)))
     assert.are.equal(0, status, text)
-    close_losses(one, losses(dir .. '/cf'), 1, 4, 'a full checkpoint resumed at --tp 2 --ep 2 --cp 2')
+    close_losses(one, losses(dir .. '/cpf'), 1, 4, 'a full checkpoint resumed at --tp 2 --ep 2 --cp 2')
   end)
 
   it('bad layouts exit 2 and say why', function()
