@@ -6,7 +6,8 @@
 -- curve and the gradient norm (within 1e-5 relative) at --pp 2 --ep 2 on 4
 -- ranks (one copy of each expert) and on 8 (two copies), plain, under
 -- --fsdp FULL_SHARD and SHARD_GRAD_OP, HYBRID_SHARD (8 ranks, shard
--- groups of 2 and 4), with --cp 2 (8 ranks), and with
+-- groups of 2 and 4), with --cp 2 (8 ranks; plain, FULL_SHARD and
+-- HYBRID_SHARD with shard groups of 2 and 4), and with
 -- --moe-bias-rate; the final
 -- weights are the whole model (the routers' biases each from the stage
 -- that moved them); the checkpoints are one process's (every
@@ -85,16 +86,23 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
   end)
 
   it('with --cp 2 too (8 ranks: each stage\'s 4 ranks, 2 data-parallel x 2 context-parallel, split the experts in '
-    .. 'pairs), plain and under --fsdp FULL_SHARD, follows the one-process curve and gradient norm', function()
+    .. 'pairs), plain, under --fsdp FULL_SHARD and HYBRID_SHARD (shard groups of 2 and 4), follows the one-process '
+    .. 'curve and gradient norm', function()
     local one = reference('', 'one')
     local one_norm = norms(dir .. '/one')
-    for _, strategy in ipairs({ 'off', 'FULL_SHARD' }) do
-      local out = ('%s/pec_%s'):format(dir, strategy)
+    for _, strategy in ipairs({ 'off', 'FULL_SHARD', 'HYBRID_SHARD --shard-size 2', 'HYBRID_SHARD --shard-size 4' }) do
+      local out = ('%s/pec_%s'):format(dir, strategy:gsub('[^%w]', ''))
       local status, text = bin_train(('--nproc-per-node 8 --device cpu models/mixtral.lua %s --batch-size 2 --steps 4 '
         .. '--pp 2 --ep 2 --cp 2 --fsdp %s --out %s'):format(flags, strategy, q(out)))
       assert.are.equal(0, status, text)
       assert.is_truthy(text:find('expert parallel: 2-way in each stage\'s 4 ranks (2 copies of each expert)', 1, true),
         text)
+      -- (HYBRID_SHARD: shard groups of a stage's data x context-parallel ranks)
+      local S = strategy:match('shard%-size (%d+)')
+      if S then
+        assert.is_truthy(text:find(('in each shard group of %s, replicated over %d (HYBRID_SHARD)'):format(S, 4 / S), 1,
+          true), text)
+      end
       local what = ('--pp 2 --ep 2 --cp 2 --fsdp %s'):format(strategy)
       close_losses(one, losses(out), 1, 4, what)
       close_losses(one_norm, norms(out), 1, 4, what .. ' (gradient norm)')

@@ -11,7 +11,9 @@
 -- final weights whole; a checkpoint, sharded (plain and under FSDP) or
 -- --checkpoint-format full, resumes in one process, at --tp 2 --ep 2 and
 -- at --pp 2 --tp 2 --ep 2 on the curve, and a one-process checkpoint
--- resumes at --pp 2 --tp 2 --ep 2; bad layouts exit 2 with a message.
+-- resumes at --pp 2 --tp 2 --ep 2; with --cp 2 too (8 ranks) Mixtral plain
+-- and under FULL_SHARD and DeepSeek-V3 on the curve and gradient norm;
+-- bad layouts exit 2 with a message.
 require 'moonshard'
 local S = require 'spec.support'
 local q = S.shell_quote
@@ -66,6 +68,29 @@ describe('bin/train --pp 2 --tp 2 --ep 2 (expert and tensor parallelism in pipel
       assert.is_truthy(text:find(c[2]:find('sequence') and ', sequence parallel' or ', no sequence parallel', 1, true),
         text)
       local what = layout .. c[2] .. ' (' .. c[3] .. ')'
+      close_losses(c[3] == 'm1' and one or d1, losses(dir .. '/' .. name), 1, 4, what)
+      close_losses(norms(dir .. '/' .. c[3]), norms(dir .. '/' .. name), 1, 4, what .. ' (gradient norm)')
+      close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/' .. c[3] .. '/model.safetensors', what)
+    end
+  end)
+
+  -- --cp 2 too (8 ranks, rank = (c * 2 + p) * 2 + t): each stage's 4 ranks
+  -- (its TP groups of the two context-parallel ranks) split its experts in
+  -- expert groups of 2 (one TP group each), the copies on the other
+  -- context-parallel rank
+  it('with --cp 2 too (8 ranks), mixtral plain and under --fsdp FULL_SHARD and deepseek-v3 plain follow the '
+    .. 'one-process curve and gradient norm; the final weights are the whole model', function()
+    local one, d1 = reference(mixtral, 'm1'), reference(deepseek, 'd1')
+    for _, c in ipairs({ { mixtral, '', 'm1' }, { mixtral, ' --fsdp FULL_SHARD --sequence-parallel', 'm1' },
+      { deepseek, '', 'd1' } }) do
+      local name = ('pc_%s_%d'):format(c[3], #c[2])
+      local status, text = bin_train(('--nproc-per-node 8 --device cpu %s%s --cp 2%s --batch-size 4 --steps 4 '
+        .. '--out %s/%s'):format(c[1], layout, c[2], q(dir), name))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('[rank 0] expert parallel: 2-way in each stage\'s 4 ranks (2 copies of each expert)',
+        1, true), text)
+      assert.is_truthy(text:find('context parallel: 2-way', 1, true), text)
+      local what = layout .. ' --cp 2' .. c[2] .. ' (' .. c[3] .. ')'
       close_losses(c[3] == 'm1' and one or d1, losses(dir .. '/' .. name), 1, 4, what)
       close_losses(norms(dir .. '/' .. c[3]), norms(dir .. '/' .. name), 1, 4, what .. ' (gradient norm)')
       close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/' .. c[3] .. '/model.safetensors', what)

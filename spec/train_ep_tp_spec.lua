@@ -15,7 +15,14 @@
 -- both formats; with --fsdp HYBRID_SHARD (shard groups of 2 and of 4
 -- ranks on 4) the same curves and gradient norms, a sharded checkpoint
 -- resuming in one process, at --tp 2 --ep 2 and under FULL_SHARD, a full
--- one in one process; bad layouts exit 2 with a message.
+-- one in one process; with --cp 2 (rank = (d * 2 + c) * 2 + t, the expert
+-- groups consecutive ranks: --tp 2 --ep 2 --cp 2 and --tp 2 --ep 4 --cp 2 on
+-- 4 ranks, --tp 2 --ep 4 --cp 2 on 8) Mixtral and DeepSeek-V3 (also with
+-- multi-token prediction) plain and under FULL_SHARD, SHARD_GRAD_OP and
+-- HYBRID_SHARD: the curve and the gradient norm, the final weights whole;
+-- a --cp checkpoint (sharded, plain and under FSDP, and full) resumes in
+-- one process, at other --tp / --ep / --cp layouts, on the curve; bad
+-- layouts exit 2 with a message.
 require 'moonshard'
 local S = require 'spec.support'
 local q = S.shell_quote
@@ -231,6 +238,101 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     close_losses(one, losses(dir .. '/hf'), 1, 4, 'a HYBRID_SHARD full checkpoint resumed in one process')
   end)
 
+  -- --tp 2 --ep M --cp 2 (rank = (d * 2 + c) * 2 + t): the expert groups
+  -- M consecutive ranks (M / 2 TP groups of the context-parallel pairs),
+  -- each rank routing its own rows of its chunks; the experts' copies the
+  -- ranks at the same place in the other expert groups
+  local function run_cp(np, args, name)
+    local status, text = bin_train(('--nproc-per-node %d --device cpu %s --batch-size %d --steps 4 --out %s/%s'):format(
+      np, args, 4 / (np / 4), q(dir), name))
+    assert.are.equal(0, status, text)
+    return text
+  end
+  local deepseek_mtp = deepseek .. ' --model.mtp_loss_weight 0.3 --model.num_nextn_predict_layers 2'
+  it('mixtral and deepseek-v3 (also with multi-token prediction): --tp 2 --ep 2 --cp 2 and --tp 2 --ep 4 --cp 2 on 4 '
+    .. 'ranks and --tp 2 --ep 4 --cp 2 on 8 (data parallel 2) follow the one-process curve and gradient norm, with and '
+    .. 'without sequence parallelism; the final weights are the whole model', function()
+    local one = reference(mixtral .. no_aux, 'm1')
+    local d1 = reference(deepseek, 'd1')
+    local dm = reference(deepseek_mtp, 'dm1')
+    for _, c in ipairs({
+      { 4, mixtral .. no_aux, ' --tp 2 --ep 2 --cp 2', 'm1', '2-way over 4 ranks (2 copies of each expert), 2 of 4 '
+        .. 'experts a rank in 2 layers, each expert whole, each group 1 tensor-parallel group of 2' },
+      { 4, mixtral .. no_aux, ' --tp 2 --ep 4 --cp 2 --no-sequence-parallel', 'm1', '4-way over 4 ranks (1 copy of '
+        .. 'each expert), 1 of 4 experts a rank in 2 layers, each expert whole, each group 2 tensor-parallel groups of 2' },
+      { 8, mixtral .. no_aux, ' --tp 2 --ep 4 --cp 2', 'm1', '4-way over 8 ranks (2 copies of each expert)' },
+      { 4, deepseek, ' --tp 2 --ep 2 --cp 2', 'd1', nil },
+      { 4, deepseek, ' --tp 2 --ep 4 --cp 2 --no-sequence-parallel', 'd1', nil },
+      { 8, deepseek, ' --tp 2 --ep 4 --cp 2 --no-sequence-parallel', 'd1', nil },
+      { 4, deepseek_mtp, ' --tp 2 --ep 4 --cp 2', 'dm1', nil },
+    }) do
+      local name = ('c%d_%d_%s'):format(c[1], #c[3], c[4])
+      local text = run_cp(c[1], c[2] .. c[3], name)
+      if c[5] then assert.is_truthy(text:find('[rank 0] expert parallel: ' .. c[5], 1, true), text) end
+      assert.is_truthy(text:find(('context parallel: 2-way (ring attention, load-balanced chunks of 4 tokens), data '
+        .. 'parallel %d'):format(c[1] / 4), 1, true), text)
+      local what = ('%d ranks%s (%s)'):format(c[1], c[3], c[4])
+      close_losses(refs[c[4]], losses(dir .. '/' .. name), 1, 4, what)
+      close_losses(norms(dir .. '/' .. c[4]), norms(dir .. '/' .. name), 1, 4, what .. ' (gradient norm)')
+      close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/' .. c[4] .. '/model.safetensors', what)
+    end
+    assert.are.same(one, refs.m1); assert.are.same(d1, refs.d1); assert.are.same(dm, refs.dm1)
+  end)
+
+  it('mixtral and deepseek-v3: --tp 2 --ep M --cp 2 with --fsdp FULL_SHARD, SHARD_GRAD_OP and HYBRID_SHARD (shard '
+    .. 'groups of 2 and of 4 ranks) follow the one-process curve and gradient norm; the final weights are the whole '
+    .. 'model', function()
+    reference(mixtral .. no_aux, 'm1')
+    reference(deepseek, 'd1')
+    for _, c in ipairs({
+      { 4, mixtral .. no_aux, ' --tp 2 --ep 2 --cp 2 --fsdp FULL_SHARD', 'm1', ', the experts sharded over their 2 '
+        .. 'copies (FULL_SHARD)', 'FULL_SHARD over 2 ranks' },
+      { 4, mixtral .. no_aux, ' --tp 2 --ep 4 --cp 2 --fsdp SHARD_GRAD_OP --no-sequence-parallel', 'm1', ', each '
+        .. 'rank\'s experts whole, the rest sharded (SHARD_GRAD_OP)', 'SHARD_GRAD_OP over 2 ranks' },
+      { 8, mixtral .. no_aux, ' --tp 2 --ep 4 --cp 2 --fsdp FULL_SHARD', 'm1', ', the experts sharded over their 2 '
+        .. 'copies (FULL_SHARD)', 'FULL_SHARD over 4 ranks' },
+      { 4, mixtral .. no_aux, ' --tp 2 --ep 2 --cp 2 --fsdp HYBRID_SHARD --shard-size 2', 'm1', ', each expert whole '
+        .. 'in each shard group of 2, replicated over 2 (HYBRID_SHARD)', 'HYBRID_SHARD over 2 ranks' },
+      { 4, mixtral .. no_aux, ' --tp 2 --ep 2 --cp 2 --fsdp HYBRID_SHARD --shard-size 4 --no-sequence-parallel', 'm1',
+        ', the experts sharded over their 2 copies in each shard group of 4, replicated over 1 (HYBRID_SHARD)', nil },
+      { 4, deepseek, ' --tp 2 --ep 4 --cp 2 --fsdp FULL_SHARD', 'd1', nil, nil },
+      { 4, deepseek, ' --tp 2 --ep 2 --cp 2 --fsdp HYBRID_SHARD --shard-size 2', 'd1', nil, nil },
+    }) do
+      local name = ('cf%d_%d_%s'):format(c[1], #c[3], c[4])
+      local text = run_cp(c[1], c[2] .. c[3], name)
+      if c[5] then assert.is_truthy(text:find(c[5], 1, true), text) end
+      if c[6] then assert.is_truthy(text:find('[rank 0] fsdp: ' .. c[6], 1, true), text) end
+      local what = ('%d ranks%s (%s)'):format(c[1], c[3], c[4])
+      close_losses(refs[c[4]], losses(dir .. '/' .. name), 1, 4, what)
+      close_losses(norms(dir .. '/' .. c[4]), norms(dir .. '/' .. name), 1, 4, what .. ' (gradient norm)')
+      close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/' .. c[4] .. '/model.safetensors', what)
+    end
+  end)
+
+  it('a --tp 2 --ep 4 --cp 2 checkpoint is sharded: it resumes in one process, at --tp 2 --ep 2 --cp 2, at --ep 2 --cp 2 '
+    .. 'and at --tp 2 --ep 2 on the curve; under --fsdp FULL_SHARD too (resuming at --tp 2 --ep 4 --cp 2 --fsdp '
+    .. 'SHARD_GRAD_OP); with --checkpoint-format full it is one process\'s', function()
+    sharded_resumes('cps', 4, '--batch-size 4 --steps 4 --tp 2 --ep 4 --cp 2', {
+      { '', '' }, { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 2 --cp 2' },
+      { '--nproc-per-node 2 --device cpu ', ' --ep 2 --cp 2' },
+      { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2' } })
+    sharded_resumes('cpfs', 4, '--batch-size 4 --steps 4 --tp 2 --ep 4 --cp 2 --fsdp FULL_SHARD', {
+      { '', ' --fsdp off' }, { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 4 --cp 2 --fsdp SHARD_GRAD_OP' } })
+    local one = reference(mixtral .. no_aux, 'm1')
+    local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 4 --steps 4 --tp 2 --ep 2 '
+      .. '--cp 2 --checkpoint-format full --save-every 1 --stop-at 2 --out %s/cpf'):format(mixtral, no_aux, q(dir)))
+    assert.are.equal(0, status, text)
+    -- every expert and the whole tensors in one file, as the one-process run's after 2 steps
+    close_weights(dir .. '/cpf/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
+    os.execute(('cp -r %s/cpf %s/cpf1'):format(q(dir), q(dir)))
+    status, text = bin_train(('--resume %s/cpf1'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/cpf1'), 1, 4, 'a full --tp 2 --ep 2 --cp 2 checkpoint resumed in one process')
+    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s/cpf --tp 2 --ep 2 --cp 2'):format(q(dir)))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/cpf'), 1, 4, 'a full checkpoint resumed at --tp 2 --ep 2 --cp 2')
+  end)
+
   it('bad layouts exit 2 and say why', function()
     local function bad(np, extra, msg)
       local status, text = bin_train(('--nproc-per-node %d --device cpu %s%s --steps 1 %s --out %s/bad'):format(np,
@@ -244,6 +346,13 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
       .. 'groups of 1 ranks (--shard-size; default the ranks of a node) must hold whole expert groups and divide the '
       .. 'world of 4')
     bad(4, '--tp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 8', 'the shard groups of 8 ranks')
-    bad(4, '--tp 2 --ep 2 --cp 2', '--ep with --tp and --cp: not supported')
+    -- (--cp: a world of whole context-parallel groups of TP groups, expert
+    -- groups of whole TP groups that divide it, the experts split evenly)
+    bad(2, '--tp 2 --ep 2 --cp 2', '--cp 2 with --tp 2: the world of 2 ranks is not a multiple of 4')
+    bad(4, '--tp 2 --ep 8 --cp 2', '--ep 8: the world of 4 ranks is not a multiple of it')
+    bad(8, '--tp 4 --ep 2 --cp 2', '--ep 2 with --tp 4: --ep must be a multiple of --tp')
+    bad(8, '--tp 2 --ep 8 --cp 2', '--ep 8: ep.parallelize: 4 experts do not split over 8 ranks')
+    bad(4, '--tp 2 --ep 2 --cp 2 --fsdp HYBRID_SHARD --shard-size 1', '--ep 2 --tp 2 with --fsdp HYBRID_SHARD: the '
+      .. 'shard groups of 1 ranks')
   end)
 end)
