@@ -148,6 +148,71 @@ describe('fsdp runtime: gradients #mpi', function()
     end
   end
 
+  -- fsdp.reduce_grads: every backward under no_sync, then one reduction
+  -- (bin/train --no-overlap-grad-reduce, and --cuda-graphs with several
+  -- processes): the shards of the last backward's own reduction, bit for
+  -- bit; grad_buffers / set_grad_buffers hand a kept buffer back
+  for _, strategy in ipairs(strategies) do
+    it(('%s: fsdp.reduce_grads after backwards under no_sync gives the synced backward\'s shards, bit for bit; '
+      .. 'set_grad_buffers hands kept buffers back'):format(strategy), function()
+      local function run(after, handback)
+        local model = fsdp.fully_shard(load_model(), shard_opts(strategy))
+        for k = 1, 2 do
+          local function mb()
+            local x, y = micro(R, k)
+            local loss = model(x, y) / 2
+            loss:backward()
+          end
+          if k == 1 or after then model:no_sync(mb) else mb() end
+        end
+        if handback then
+          -- the buffers kept, the units' own let go (as a graph's replay
+          -- leaves them: written, unseen by Lua), then handed back
+          local kept = fsdp.grad_buffers(model)
+          for i, u in ipairs(fsdp.units(model)) do
+            assert.is_not_false(kept[i], u.label)
+            assert.are.equal(u.fp.total, kept[i]:numel())
+          end
+          fsdp.zero_grad(model)
+          for _, u in ipairs(fsdp.units(model)) do assert.is_nil(u.gbuf) end
+          fsdp.set_grad_buffers(model, kept)
+          for _, t in ipairs(kept) do t:free() end
+        end
+        if after then
+          for _, u in ipairs(fsdp.units(model)) do assert.is_nil(u.fp.shard.grad); assert.is_not_nil(u.gbuf) end
+          fsdp.reduce_grads(model)
+        end
+        local r = {}
+        for i, u in ipairs(fsdp.units(model)) do
+          assert.is_nil(u.gbuf)
+          r[i] = u.fp.shard.grad:to('f64')
+        end
+        fsdp.reduce_grads(model)   -- (nothing held: a no-op)
+        return r, model
+      end
+      local want = run(false)
+      for _, handback in ipairs({ false, true }) do
+        local got = run(true, handback)
+        for i = 1, #want do
+          assert.are.equal(0, (got[i] - want[i]):abs():max():item(), ('unit %d, handback %s'):format(i,
+            tostring(handback)))
+        end
+      end
+      -- a list that does not fit the units
+      local _, model = run(false)
+      local n = #fsdp.units(model)
+      local ok, err = pcall(fsdp.set_grad_buffers, model, {})
+      assert.is_false(ok)
+      assert.is_truthy(tostring(err):find(('need a list of %d entries'):format(n), 1, true), tostring(err))
+      local bad = {}
+      for i = 1, n do bad[i] = false end
+      bad[1] = T.zeros({ 3 }, { dtype = 'f32' })
+      ok, err = pcall(fsdp.set_grad_buffers, model, bad)
+      assert.is_false(ok)
+      assert.is_truthy(tostring(err):find('entry 1 has 3 elements', 1, true), tostring(err))
+    end)
+  end
+
   -- clip_grad_norm: the reference runs each rank's rows as a forward of its own
   local clip_ref
   local function clip_reference()

@@ -153,6 +153,24 @@ describe('bin/train --cuda-graphs #gpu', function()
     same_runs(a, b, 1, 'tuned GEMMs')
   end)
 
+  -- --float8: dynamic scales (amaxes, scales, casts: kernels of the
+  -- step, no host read), so the replay is the eager step
+  for _, recipe in ipairs({ 'tensorwise', 'rowwise' }) do
+    it(('llama bf16 --float8 %s: the eager run\'s bits'):format(recipe), function()
+      local a, b = ('%s/f8-%s-eager'):format(dir, recipe), ('%s/f8-%s-graphs'):format(dir, recipe)
+      local st, text = S.bin_train(flags('llama', 'bf16', ('--float8 %s --out %s'):format(recipe, q(a))), env)
+      assert.are.equal(0, st, text)
+      assert.is_truthy(text:find('float8: ' .. recipe, 1, true), text)
+      st, text = S.bin_train(flags('llama', 'bf16', ('--float8 %s --cuda-graphs --graph-warmup 2 --out %s'):format(
+        recipe, q(b))), env)
+      assert.are.equal(0, st, text)
+      assert.is_truthy(text:find('cuda graphs: step 3 captured', 1, true), text)
+      assert.is_truthy(text:find('cuda graphs: 6 steps replayed', 1, true), text)
+      assert.is_falsy(text:find('could not be captured', 1, true), text)
+      same_runs(a, b, 1, 'float8 ' .. recipe)
+    end)
+  end
+
   it('a capture an op refuses: one warning naming it, then eagerly, with the eager run\'s bits', function()
     -- a GPT-2 whose forward waits for the device while a capture goes on
     local file = dir .. '/syncing_gpt2.lua'
@@ -183,4 +201,81 @@ return M
     local _, rb = same_runs(a, b, 1, 'refused capture')
     for s = 1, 8 do assert.is_nil(rb[s].replayed) end
   end)
+end)
+
+-- several processes, plain data parallel (NO_SHARD units): graph A the
+-- forward and backward of both micro-batches (no collective), the
+-- all-reduce and clipping eager, graph B fsdp.AdamW's step. Against the
+-- default eager run, whose all-reduces overlap the backward: the same
+-- bits (losses, norms, validations, the sharded checkpoints, the final
+-- weights), for the default bf16/f32 mixed precision, without it (f32
+-- gradients written in place), and with a bf16 reduction (the gradient
+-- shard made in new memory, copied where graph B reads it); an injected
+-- NaN skipped on both ranks alike.
+-- Run on a host with two GPUs:
+--   bash tools/run_specs.sh --tags=gpu spec/gpu_train_graphs_spec.lua --filter='two GPUs'
+describe('bin/train --cuda-graphs data parallel on two GPUs #gpu #multi', function()
+  local dir, corpus
+  setup(function()
+    assert.is_true(ms.cuda.is_available(), 'no CUDA device')
+    dir = S.tmpdir()
+    corpus = S.fixed_corpus(dir, 60000)
+  end)
+  teardown(function() os.execute('rm -rf ' .. q(dir)) end)
+
+  -- 2 ranks x 2 micro-batches of 2 x 32 tokens, as the one-GPU cases otherwise
+  local function flags(model, extra)
+    return ('--nproc-per-node 2 --device cuda %s --seq-len 32 --batch-size 2 --tokens-per-step 256 --steps 8 '
+      .. '--lr 1e-2 --warmup 2 --lr-schedule cosine --grad-clip 0.5 --eval-every 3 --eval-iters 2 --save-every 4 '
+      .. '--keep-checkpoints 0 --log-every 1 --sample-tokens 0 --data %s %s'):format(models[model], q(corpus),
+      extra or '')
+  end
+  local function same_runs(a, b, what, skipped)
+    local ra, rb = rows(a), rows(b)
+    for s = 1, 8 do
+      local x, y = ra[s], rb[s]
+      assert.is_table(y, what .. ': step ' .. s .. ' missing')
+      for _, k in ipairs({ 'loss', 'grad_norm', 'lr', 'val_loss', 'skipped' }) do
+        assert.are.equal(x[k], y[k], ('%s: step %d: %s'):format(what, s, k))
+      end
+      if s ~= skipped then assert.is_number(y.loss, what .. ': step ' .. s) end
+    end
+    assert.is_number(rb[8].val_loss)
+    S.same_tensors(a .. '/model.safetensors', b .. '/model.safetensors')
+    for _, c in ipairs({ 'ckpt-4', 'ckpt-8' }) do
+      S.same_files(a .. '/' .. c, b .. '/' .. c, { 'rank-00000-of-00002.safetensors', 'rank-00001-of-00002.safetensors' })
+    end
+    return ra, rb
+  end
+
+  for _, c in ipairs({
+    { 'llama', '', 'bf16/f32' },
+    { 'gpt2', '--fsdp-mixed-precision none', 'f32' },
+    { 'llama', '--fsdp-mixed-precision bf16/bf16 --inject-nan 5', 'bf16 reduction, NaN at 5', 5 },
+  }) do
+    local model, extra, what, nan = c[1], c[2], c[3], c[4]
+    it(('%s %s: the eager run\'s bits'):format(model, what), function()
+      if ms.cuda.device_count() < 2 then
+        pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
+        return
+      end
+      local tag = (model .. '-' .. what):gsub('[^%w]+', '_')
+      local a, b = dir .. '/' .. tag .. '-eager', dir .. '/' .. tag .. '-graphs'
+      local st, text = S.bin_train(flags(model, extra .. ' --out ' .. q(a)), env)
+      assert.are.equal(0, st, text)
+      assert.is_falsy(text:find('all-reduced after the backward', 1, true), text)   -- (the overlapped default)
+      st, text = S.bin_train(flags(model, extra .. ' --cuda-graphs --graph-warmup 2 --out ' .. q(b)), env)
+      assert.are.equal(0, st, text)
+      assert.is_truthy(text:find('gradients all-reduced after the backward', 1, true), text)
+      assert.is_truthy(text:find('cuda graphs: step 3 captured', 1, true), text)
+      assert.is_truthy(text:find('the gradient all-reduce and clipping eager after it', 1, true), text)
+      assert.is_truthy(text:find(('cuda graphs: %d steps replayed'):format(nan and 5 or 6), 1, true), text)
+      assert.is_falsy(text:find('could not be captured', 1, true), text)
+      local _, rb = same_runs(a, b, model .. ' ' .. what, nan)
+      for s = 1, 8 do
+        assert.are.equal((s >= 3 and s ~= nan) or nil, rb[s].replayed, 'step ' .. s .. ' replayed')
+      end
+      if nan then assert.is_true(rb[nan].skipped) end
+    end)
+  end
 end)

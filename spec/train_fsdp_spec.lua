@@ -375,6 +375,43 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
     assert.is_number(losses(out)[k + 2], text)
   end)
 
+  it('plain data parallel on 2 ranks: --no-overlap-grad-reduce (the all-reduce after the whole backward, as '
+    .. '--cuda-graphs runs it) gives the bits of the overlapped default: losses, norms, skips, final weights', function()
+    -- 2 micro-batches a rank, clipping that acts, a NaN step skipped (the
+    -- --cuda-graphs step's halves: local_grads under no_sync, then
+    -- fsdp.reduce_grads and the clipping)
+    local common = ('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 1 --tokens-per-step 64 --steps 5 '
+      .. '--grad-clip 0.5 --inject-nan 3'):format(tiny)
+    local status, text = bin_train(('%s --out %s/dp_overlap'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('training data-parallel (NO_SHARD)', 1, true) or text:find('NO_SHARD over 2 ranks', 1,
+      true), text)
+    assert.is_falsy(text:find('all-reduced after the backward', 1, true), text)
+    status, text = bin_train(('%s --no-overlap-grad-reduce --out %s/dp_after'):format(common, q(dir)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('NO_SHARD over 2 ranks, units GPT2Block (3), no mixed precision, gradients all-reduced '
+      .. 'after the backward', 1, true), text)
+    local a, b = losses(dir .. '/dp_overlap'), losses(dir .. '/dp_after')
+    local ga, gb = S.run_grad_norms(dir .. '/dp_overlap'), S.run_grad_norms(dir .. '/dp_after')
+    for k = 1, 5 do
+      if k == 3 then
+        assert.is_nil(a[k]); assert.is_nil(b[k])   -- (the NaN step: skipped by both)
+      else
+        assert.is_number(a[k], 'step ' .. k)
+        assert.are.equal(a[k], b[k], 'loss of step ' .. k)
+        assert.are.equal(ga[k], gb[k], 'grad norm of step ' .. k)
+      end
+    end
+    assert.is_true(ga[1] > 0.5, tostring(ga[1]))   -- (the clipping acts)
+    assert.is_true(S.same_tensors(dir .. '/dp_overlap/model.safetensors', dir .. '/dp_after/model.safetensors') > 0)
+    -- not for the sharding strategies
+    status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 1 --steps 1 --fsdp '
+      .. 'FULL_SHARD --no-overlap-grad-reduce --no-save'):format(tiny))
+    assert.are.equal(2, status, text)
+    assert.is_truthy(text:find('--no-overlap-grad-reduce: for plain data parallel', 1, true), text)
+    assert.is_truthy(text:find('got --fsdp FULL_SHARD', 1, true), text)
+  end)
+
   it('refuses a bad --fsdp, --fsdp-policy or --fsdp-mixed-precision with exit status 2', function()
     for _, c in ipairs({
       { 'models/gpt2.lua --fsdp HALF_SHARD --steps 1', 'fsdp must be FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or off' },

@@ -31,6 +31,13 @@ local function with(extra)
 end
 
 describe('bin/train --cuda-graphs (CPU side)', function()
+  it('parses --overlap-grad-reduce (on by default) and --no-overlap-grad-reduce', function()
+    assert.is_true(train.defaults().overlap_grad_reduce)
+    assert.is_false(train.parse_args({ '--no-overlap-grad-reduce' }).overlap_grad_reduce)
+    assert.is_true(train.parse_args({ '--overlap-grad-reduce' }).overlap_grad_reduce)
+    has(train.usage_text(), '--overlap-grad-reduce')
+  end)
+
   it('parses --cuda-graphs, --no-cuda-graphs and --graph-warmup N (N >= 1; 3 by default)', function()
     local o = train.parse_args({ '--cuda-graphs', '--graph-warmup', '5' })
     assert.is_true(o.cuda_graphs)
@@ -54,22 +61,33 @@ describe('bin/train --cuda-graphs (CPU side)', function()
       has(usage_of(function() train.check_cuda_graphs(o, world or 1) end), '--cuda-graphs', ...)
     end
     refused({ device = 'cpu' }, 1, '--device cuda', '--device cpu')
-    refused({}, 2, '2 processes')
     refused({ tp = 2 }, 1, '--tp 2')
     refused({ pp = 2 }, 1, '--pp 2')
     refused({ ep = 4 }, 1, '--ep 4')
     refused({ cp = 2 }, 1, '--cp 2')
-    refused({ fsdp = 'FULL_SHARD' }, 1, '--fsdp FULL_SHARD')
-    refused({ fsdp = 'NO_SHARD' }, 1, '--fsdp NO_SHARD')
-    refused({ float8 = 'rowwise' }, 1, '--float8 rowwise')
+    refused({ fsdp = 'FULL_SHARD' }, 2, '--fsdp FULL_SHARD', 'fixed addresses', 'NO_SHARD, do capture')
+    refused({ fsdp = 'SHARD_GRAD_OP' }, 4, '--fsdp SHARD_GRAD_OP')
+    refused({ fsdp = 'HYBRID_SHARD' }, 4, '--fsdp HYBRID_SHARD')
+    refused({ tp = 2 }, 4, '--tp 2')
     refused({ lora_dropout = 0.1 }, 1, '--lora-dropout 0.1')
     refused({ moe_bias_rate = 1e-3 }, 1, '--moe-bias-rate 0.001')
-    -- what it takes: one process on cuda, --fsdp off, and nothing at all without --cuda-graphs
+    -- what it takes: cuda, one process or several data parallel (--fsdp
+    -- off or NO_SHARD), --float8's recipes, and nothing at all without
+    -- --cuda-graphs
     train.check_cuda_graphs(base, 1)
-    local off = {}
-    for k, v in pairs(base) do off[k] = v end
-    off.fsdp = 'off'
-    train.check_cuda_graphs(off, 1)
+    local function taken(extra, world)
+      local o = {}
+      for k, v in pairs(base) do o[k] = v end
+      for k, v in pairs(extra) do o[k] = v end
+      train.check_cuda_graphs(o, world)
+    end
+    taken({ fsdp = 'off' }, 1)
+    taken({}, 2)
+    taken({ fsdp = 'off' }, 8)
+    taken({ fsdp = 'NO_SHARD' }, 2)
+    taken({ fsdp = 'NO_SHARD' }, 1)
+    for _, r in ipairs({ 'tensorwise', 'rowwise', 'rowwise_with_gw_hp', 'blockwise' }) do taken({ float8 = r }, 1) end
+    taken({ float8 = 'rowwise' }, 2)
     train.check_cuda_graphs({ cuda_graphs = false, device = 'cpu', tp = 4 }, 8)
   end)
 

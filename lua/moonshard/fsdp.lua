@@ -2079,6 +2079,64 @@ function fsdp.no_sync(model, fn, ...)
   return unpack(r, 2, r.n)
 end
 
+-- fsdp.reduce_grads(model): the unsharded gradients that backwards under
+-- no_sync kept, reduced now (each unit holding one, in the order of the
+-- last backward: NO_SHARD's all-reduce, the others' reduce-scatter, with
+-- the strategy's dtype and divides) and waited for, as the first backward
+-- after no_sync does at its end: every gradient shard (shard.grad) is then
+-- complete. With every backward of a step under no_sync, this is the
+-- reduction after the whole backward (no overlap with it: Megatron's DDP
+-- without overlap_grad_reduce), which a CUDA graph of the backward needs
+-- (bin/train --cuda-graphs with several processes). Nothing held: a no-op.
+function fsdp.reduce_grads(model)
+  local st = state_of(model, 'fsdp.reduce_grads')
+  if st.in_backward then error('fsdp.reduce_grads: not inside a backward', 2) end
+  for _, list in ipairs({ st.bwd_order or {}, st.units }) do
+    for _, u in ipairs(list) do if u.gbuf ~= nil then u:reduce_grads() end end
+  end
+  finish_reductions(st)
+end
+
+-- fsdp.grad_buffers(model) -> list (one entry a unit, fsdp.units' order):
+-- a handle of its own on each unit's unsharded gradient buffer (false where
+-- a unit holds none), and fsdp.set_grad_buffers(model, list): each unit's
+-- buffer made a new handle on list's again, as if its backwards had just
+-- written it (views dropped; every region counted as written). A CUDA graph
+-- of the backwards (under no_sync) writes the buffers its capture made at
+-- each replay, which the Lua side does not see: bin/train --cuda-graphs
+-- keeps them with grad_buffers after the capture and hands them back after
+-- each replay, before fsdp.reduce_grads. The caller frees list's handles.
+function fsdp.grad_buffers(model)
+  local r = {}
+  for i, u in ipairs(state_of(model, 'fsdp.grad_buffers').units) do
+    r[i] = u.gbuf ~= nil and u.gbuf:alias() or false
+  end
+  return r
+end
+
+function fsdp.set_grad_buffers(model, list)
+  local st = state_of(model, 'fsdp.set_grad_buffers')
+  if st.in_backward then error('fsdp.set_grad_buffers: not inside a backward', 2) end
+  if type(list) ~= 'table' or #list ~= #st.units then
+    error(('fsdp.set_grad_buffers: need a list of %d entries (fsdp.grad_buffers), got %s'):format(#st.units,
+      type(list) == 'table' and #list .. ' entries' or type(list)), 2)
+  end
+  for i, u in ipairs(st.units) do
+    local b = list[i]
+    if u.gbuf then u:drop_gviews(); u.gbuf:free(); u.gbuf = nil end
+    if b then
+      if b:numel() ~= u.fp.total then
+        error(('fsdp.set_grad_buffers: entry %d has %d elements, unit %s\'s buffer %d'):format(i, b:numel(), u.label,
+          u.fp.total), 2)
+      end
+      u.gbuf = b:alias()
+      u.gwritten = {}
+      for k = 1, u.fp.nparams do u.gwritten[k] = true end
+    end
+    u.sp_mode = nil
+  end
+end
+
 -- fsdp.grad_pieces(unit) -> list of { k, view }: the unit's gradient
 -- shard (fp.shard.grad) cut at its parameters' bounds, each view the part
 -- of parameter k (unit.param_names[k], unit.views[k]) this rank holds

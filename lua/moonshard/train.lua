@@ -116,7 +116,8 @@ train.options = {
   { 'float8_tp_scales', 'string', 'shard', 'with --float8 and --tp: shard (each rank scales its own shards: no collective) or group (the amax of every sharded operand all-reduced over the TP group: the unsplit layer\'s scales, as torchao over DTensors; docs/float8.md)' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), N (every N-th block), or op (every block, keeping its attention outputs and every other linear layer\'s: torchtitan\'s op-level selective mode, less recompute for more memory)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
-  { 'cuda_graphs', 'bool', false, 'capture the training step (forward, backward, clipping: one CUDA graph; the AdamW step: another) after --graph-warmup eager steps and replay it every later step with one launch each (torch.compile mode="reduce-overhead", Megatron\'s --enable-cuda-graph): a host-bound step goes several times faster, with the bits of the eager one; one process on --device cuda; not with --tp, --pp, --ep, --cp, --fsdp, --float8, dropout or MoE layers; a step that cannot be captured is reported once and the run goes on eagerly (docs/cuda-graphs.md, "In bin/train")' },
+  { 'cuda_graphs', 'bool', false, 'capture the training step (forward, backward, clipping: one CUDA graph; the AdamW step: another) after --graph-warmup eager steps and replay it every later step with one launch each (torch.compile mode="reduce-overhead", Megatron\'s --enable-cuda-graph): a host-bound step goes several times faster, with the bits of the eager one; --device cuda, one process or several data parallel (--fsdp off / NO_SHARD: the forward and backward captured, the gradient all-reduce and the clipping eager after it, as with --no-overlap-grad-reduce, the AdamW step captured); with --float8 too; not with --tp, --pp, --ep, --cp, a sharding --fsdp, dropout or MoE layers; a step that cannot be captured is reported once and the run goes on eagerly (docs/cuda-graphs.md, "In bin/train")' },
+  { 'overlap_grad_reduce', 'bool', true, 'with several processes data parallel (--fsdp off / NO_SHARD, no --tp, --pp, --ep, --cp): each unit\'s gradient all-reduce issued as its backward ends, overlapping the rest of the backward (DDP\'s buckets); --no-overlap-grad-reduce: every micro-batch\'s backward first, then all the all-reduces (Megatron\'s DDP without --overlap-grad-reduce): the same bits, less overlap; --cuda-graphs with several processes always reduces so (docs/train.md)' },
   { 'graph_warmup', 'int>0', 3, 'with --cuda-graphs: eager steps before the capture (GEMM plans tuned, gradients and the optimizer state made), counted from the run\'s first step (a resumed run warms up again)' },
 }
 local option_by_name = {}
@@ -449,8 +450,10 @@ end
 -- --cuda-graphs: what it cannot combine with, refused before anything is
 -- built (o: resolved options; world: the processes of the run). A capture
 -- records one process's kernels with their host numbers frozen: a
--- collective (NCCL inside a capture is not wired), a pipeline's host-driven
--- schedule, FSDP's storage released and made again each step, a random
+-- collective inside a layer (NCCL inside a capture is not wired; plain
+-- data parallel's all-reduce runs between the graphs, so several processes
+-- of it are taken), a pipeline's host-driven schedule, FSDP's storage
+-- released and made again each step (the sharding strategies), a random
 -- draw (dropout: every replay would draw the same mask) and a host read
 -- of the routing counts (MoE) do not fit in it. (The model's own dropout
 -- and MoE layers are checked once it is built: train.check_cuda_graphs_model)
@@ -464,21 +467,19 @@ function train.check_cuda_graphs(o, world)
     usage('--cuda-graphs needs --device cuda (got --device cpu: CUDA graphs record GPU kernels; run without '
       .. '--cuda-graphs, or --no-cuda-graphs on a resume)')
   end
-  if (world or 1) > 1 then
-    no('%d processes: --cuda-graphs runs one process (the data-parallel all-reduce is not captured)', world)
-  end
+  -- (several processes: plain data parallel, the gradient all-reduce run
+  -- eagerly between the two graphs)
   for _, k in ipairs({ 'tp', 'pp', 'ep', 'cp' }) do
     if (o[k] or 1) > 1 then
       no('--%s %d: its collectives and schedule are host-driven between the kernels', k, o[k])
     end
   end
-  if o.fsdp ~= nil and o.fsdp ~= 'off' then
-    no('--fsdp %s: FSDP frees and gathers its parameters\' storage each step, where a graph needs fixed addresses',
-      o.fsdp)
+  if o.fsdp ~= nil and o.fsdp ~= 'off' and o.fsdp ~= 'NO_SHARD' then
+    no('--fsdp %s: FSDP frees and gathers its parameters\' storage each step, where a graph needs fixed addresses '
+      .. '(several processes data parallel, --fsdp off or NO_SHARD, do capture)', o.fsdp)
   end
-  if o.float8 ~= nil and o.float8 ~= 'off' then
-    no('--float8 %s: not verified under capture', o.float8)
-  end
+  -- (--float8's dynamic scales are device tensors: the amaxes, scales and
+  -- casts are kernels of the step, no host read, no history between steps)
   if (o.lora_dropout or 0) > 0 then
     no('--lora-dropout %g: a replay would draw the same dropout mask every step', o.lora_dropout)
   end
@@ -1326,6 +1327,17 @@ function train.run(opts)
       warn('--fsdp off with several ranks: training data-parallel (NO_SHARD)')
     end
   end
+  -- plain data parallel's gradient all-reduce after the whole backward
+  -- (--no-overlap-grad-reduce; --cuda-graphs, whose graph of the backward
+  -- holds no collective), not as each unit's backward ends
+  local plain_dp = strategy == 'NO_SHARD' and not pp_mesh and not tp_mesh and not ep_group and not cp_group
+  if not o.overlap_grad_reduce and multi and not plain_dp then
+    usage('--no-overlap-grad-reduce: for plain data parallel (several processes, --fsdp off or NO_SHARD, no --tp, '
+      .. '--pp, --ep, --cp), got --fsdp %s%s', tostring(strategy or 'off'),
+      (pp_mesh and ', --pp' or '') .. (tp_mesh and ', --tp' or '') .. (ep_group and ', --ep' or '')
+      .. (cp_group and ', --cp' or ''))
+  end
+  local reduce_after = plain_dp and (not o.overlap_grad_reduce or o.cuda_graphs)
   if o.async_checkpoint and o.save_every <= 0 and rank == 0 then
     warn('--async-checkpoint without --save-every N: no checkpoint to write in the background (a stop\'s is '
       .. 'written at once)')
@@ -1703,6 +1715,7 @@ function train.run(opts)
     fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, over, over == 1 and '' or 's', pdesc,
       #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
     if o.float8_all_gather then fsdp_desc = fsdp_desc .. ', float8 all-gathers' end
+    if reduce_after then fsdp_desc = fsdp_desc .. ', gradients all-reduced after the backward' end
     ms.nn.materialize(model)   -- what no unit took (buffers)
     if deferred and not tp_mesh then fsdp_desc = fsdp_desc .. ', deferred init' end
   end
@@ -2056,7 +2069,11 @@ function train.run(opts)
   -- that it can be captured) and numbers where a layout reduced them. Then
   -- the loop reads them, decides (a NaN/inf loss or norm skips the update)
   -- and steps the optimizer: opt:step(), or its captured replay.
-  local function grads_of(step, batch)
+  -- grads_of is local_grads (the zeroing and the micro-batches) then
+  -- reduced_grads (the layouts' reductions, the norm and clipping): with
+  -- several processes --cuda-graphs captures the first alone (no
+  -- collective in it: reduce_after) and runs the second eagerly.
+  local function local_grads(step, batch)
     opt:zero_grad()
     local losses, mtp = {}, nil
     local function keep(t)   -- (a value read after backward, which may release t)
@@ -2107,9 +2124,13 @@ function train.run(opts)
         if not ok then error(err, 0) end
       end
       -- FSDP: the gradients of all but the last micro-batch stay unsharded
-      -- (no communication); the last backward reduces their sum
-      if strategy and k < accum then model:no_sync(micro) else micro() end
+      -- (no communication); the last backward reduces their sum, or, with
+      -- reduce_after, reduced_grads does once the backward is over
+      if strategy and (k < accum or reduce_after) then model:no_sync(micro) else micro() end
     end
+    return { losses = losses, mtp = mtp }
+  end
+  local function reduced_grads(out)
     local gnorm
     if pp_mesh then
       -- the pipelines' gradients averaged, then clipped over the stages
@@ -2135,13 +2156,17 @@ function train.run(opts)
       ms.ep.all_reduce_grads(model)
       gnorm = ms.ep.clip_grad_norm_(model, grad_clip, { defer = grad_clip and opt or nil })
     elseif strategy then
+      -- (reduce_after: every unit's all-reduce now, its backwards done)
+      if reduce_after then ms.fsdp.reduce_grads(model) end
       gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge):item()
     else
       -- (the norm stays on the device: read after the step, or after its replay)
       gnorm = ms.optim.clip_grad_norm(params, grad_clip, { tensor = true })
     end
-    return { losses = losses, mtp = mtp, gnorm = gnorm }
+    out.gnorm = gnorm
+    return out
   end
+  local function grads_of(step, batch) return reduced_grads(local_grads(step, batch)) end
   local function value(v) return type(v) == 'number' and v or v:item() end
 
   -- --cuda-graphs (docs/cuda-graphs.md, "In bin/train"). Every step's
@@ -2157,10 +2182,19 @@ function train.run(opts)
   -- captured one (an --inject-nan step, a batch of another shape) runs
   -- eagerly in between. A capture refused by an op is reported once and
   -- the run goes on eagerly.
+  -- Data parallel (several processes, NO_SHARD units; reduce_after): graph A
+  -- is local_grads alone, every backward under no_sync into the units'
+  -- unsharded gradient buffers (made by the capture, in its memory, written
+  -- by each replay); after the replay the loop hands the buffers back to
+  -- the units (fsdp.set_grad_buffers) and runs reduced_grads eagerly: the
+  -- all-reduces (NCCL, not capturable here), the norm and clipping. Graph B
+  -- is fsdp.AdamW's step; it reads each unit's gradient shard where the
+  -- capture found it (the buffer itself with an f32 reduction; a reduction
+  -- that makes new memory is copied there first).
   local graphs
   if o.cuda_graphs then
     local cuda = ms.cuda
-    local G = { at = start_step + o.graph_warmup, replays = 0 }
+    local G = { at = start_step + o.graph_warmup, replays = 0, dp = strategy ~= nil }
     graphs = G
     -- this step's micro-batches -> fits (the static tensors' shapes: copied
     -- into them), the host batches
@@ -2209,8 +2243,9 @@ function train.run(opts)
       if not G.a then
         local out
         local ok, g = pcall(cuda.graph, function()
-          out = grads_of(step, static_batch)
-          local list = { out.gnorm }   -- (the graph keeps what it returns)
+          if G.dp then out = local_grads(step, static_batch) else out = grads_of(step, static_batch) end
+          local list = { out.gnorm }   -- (the graph keeps what it returns; dp: no norm yet)
+          if G.dp then list = {} end
           for k = 1, accum do list[#list + 1] = out.losses[k] end
           for _, l in ipairs(out.mtp or {}) do for k = 1, accum do list[#list + 1] = l[k] end end
           return unpack(list)
@@ -2226,15 +2261,46 @@ function train.run(opts)
         G.a, G.out = g, out
         -- each parameter's gradient in the graph's memory: an eager step in
         -- between (an --inject-nan one) makes its own, a replay writes these
-        G.grad = {}
-        for i, p in ipairs(params) do G.grad[i] = p.grad or false end
-        log('cuda graphs: step %d captured (%d micro-batch%s: forward, backward, %s), replayed from now on', step,
-          accum, accum == 1 and '' or 'es', grad_clip and 'clipping' or 'the gradient norm')
+        -- (dp: the units' unsharded gradient buffers)
+        if G.dp then G.gbuf = ms.fsdp.grad_buffers(model)
+        else
+          G.grad = {}
+          for i, p in ipairs(params) do G.grad[i] = p.grad or false end
+        end
+        log('cuda graphs: step %d captured (%d micro-batch%s: forward, backward%s), replayed from now on', step,
+          accum, accum == 1 and '' or 'es', G.dp and ('; the gradient all-reduce and %s eager after it'):format(
+            grad_clip and 'clipping' or 'the norm') or (grad_clip and ', clipping' or ', the gradient norm'))
+      end
+      if G.dp then
+        -- (the Lua side of the captured zeroing: the last step's gradient
+        -- shards let go; the replay's buffers then given to the units)
+        opt:zero_grad()
+        G.a:replay()
+        ms.fsdp.set_grad_buffers(model, G.gbuf)
+        G.replays = G.replays + 1
+        return reduced_grads({ losses = G.out.losses, mtp = G.out.mtp }), true
       end
       G.a:replay()
       for i, p in ipairs(params) do p.grad = G.grad[i] or nil end
       G.replays = G.replays + 1
       return G.out, true
+    end
+    -- dp: each unit's gradient shard where graph B reads it (G.home, the
+    -- tensors the capture found): one in other memory (a bf16 reduction's
+    -- f32 result, an eager step's) copied there and made an alias of it
+    local function home_grads()
+      for i, u in ipairs(ms.fsdp.units(model)) do
+        local h, g = G.home[i], u.fp.shard.grad
+        if h and g ~= nil and not (g.storage == h.storage and g.offset == h.offset) then
+          T.raw_copy_(h, g)
+          g:free()
+          u.fp.shard.grad = h:alias()
+          u.fp.grad_shard = u.fp.shard.grad
+        elseif h and g == nil then
+          error(('--cuda-graphs: unit %s has no gradient at a replayed step (it had one when the optimizer step '
+            .. 'was captured)'):format(u.label), 0)
+        end
+      end
     end
     -- the update after a replayed step: opt:step() captured at the first
     -- one (the capture takes no step: its replay does), then replayed
@@ -2242,6 +2308,13 @@ function train.run(opts)
       if not G.b and not G.b_off then
         local counts = {}
         for _, st in pairs(opt.state) do counts[st] = st.step end
+        if G.dp then
+          G.home = {}
+          for i, u in ipairs(ms.fsdp.units(model)) do
+            local gs = u.fp.shard.grad
+            G.home[i] = gs ~= nil and gs:alias() or false
+          end
+        end
         local ok, g = pcall(cuda.graph, function() opt:step() end, { warmup = 0 })
         if ok then G.b = g
         else
@@ -2250,12 +2323,18 @@ function train.run(opts)
           warn(('--cuda-graphs: the optimizer step could not be captured, stepping it eagerly: %s'):format(reason(g)))
         end
       end
-      if G.b then G.b:replay() else opt:step() end
+      if G.b then
+        if G.dp then home_grads() end
+        G.b:replay()
+      else opt:step() end
     end
     function G.free()
       if G.a then G.a:free() end
       if G.b then G.b:free() end
-      G.a, G.b, G.off = nil, nil, true
+      for _, list in ipairs({ G.gbuf or {}, G.home or {} }) do
+        for _, t in ipairs(list) do if t then t:free() end end
+      end
+      G.a, G.b, G.off, G.gbuf, G.home = nil, nil, true, nil, nil
     end
   end
 
