@@ -1097,11 +1097,13 @@ function train.run(opts)
       usage('--tp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', tp_size, world,
         world == 1 and '' or 's')
     end
-    -- (HYBRID_SHARD with --ep M, without --pp: shard groups of whole
-    -- expert groups, made with the expert groups below)
-    if strategy == 'HYBRID_SHARD' and (o.ep <= 1 or o.pp > 1) then
-      usage('--tp %d with --fsdp HYBRID_SHARD: not supported%s (the tensor-parallel groups are the mesh\'s other '
-        .. 'axis); use FULL_SHARD or SHARD_GRAD_OP', tp_size, o.pp > 1 and ' with --pp' or ' without --ep')
+    -- (HYBRID_SHARD with --pp: each stage's shard groups of the ranks that
+    -- hold the same slices, made with the pipelines below; with --ep M,
+    -- without --pp: shard groups of whole expert groups, made with the
+    -- expert groups below)
+    if strategy == 'HYBRID_SHARD' and o.ep <= 1 and o.pp <= 1 then
+      usage('--tp %d with --fsdp HYBRID_SHARD: not supported without --pp or --ep (the tensor-parallel groups are the '
+        .. 'mesh\'s other axis); use FULL_SHARD or SHARD_GRAD_OP', tp_size)
     end
     if o.lora > 0 then usage('--tp with --lora: not supported (merge the adapters first)') end
     if strategy == nil or strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
@@ -1163,11 +1165,20 @@ function train.run(opts)
     if strategy == 'HYBRID_SHARD' then
       -- each stage's data-parallel ranks as a mesh of their own: shard
       -- groups of --shard-size (default: those on one node), replicated
-      -- across the groups; rank (d, stage, t) = (d * pp + stage) * tp + t
+      -- across the groups; rank (d, stage, t) = (d * pp + stage) * tp + t.
+      -- With --tp T the data-parallel axis is a stage's ranks that hold the
+      -- same slices (the same t): --shard-size counts those (torchtitan's
+      -- dp_shard; dp_replicate = dp / S), each TP rank's copy of its
+      -- slices sharded over S of them, replicated over the rest
       local dp, tpn = data_world, math.max(tp_size, 1)
       local S = o.shard_size > 0 and o.shard_size
         or math.max(1, math.min(dp, math.floor(dist.local_world_size() / (pp_size * tpn))))
       if dp % S ~= 0 then
+        if tpn > 1 then
+          usage('--pp %d --tp %d --fsdp HYBRID_SHARD: --shard-size %d does not divide the %d data-parallel ranks of a '
+            .. 'stage\'s tensor-parallel slice (the world of %d over %d stages x %d TP ranks; --shard-size counts '
+            .. 'those ranks: 1, or a divisor of %d)', pp_size, tpn, S, dp, world, pp_size, tpn, dp)
+        end
         usage('--pp %d --fsdp HYBRID_SHARD: --shard-size %d does not divide the %d data-parallel ranks of a stage', pp_size,
           S, dp)
       end
@@ -1261,15 +1272,26 @@ function train.run(opts)
       -- ranks, pp_mesh.hybrid) must hold whole expert groups; the ranks of
       -- a shard group that hold the same experts shard them
       -- (a stage's ranks j = d, or d * M + c with --cp M: stage_world of
-      -- them, at rank j * P + q; --tp with --pp and HYBRID_SHARD is refused)
-      local S = pp_mesh.hybrid.shard:size()
-      if S % ep_size ~= 0 then
+      -- them, at rank j * P + q; with --tp T, j = d * T + t at rank
+      -- (d * P + q) * T + t, a shard group the S * T consecutive j of its S
+      -- data-parallel ranks' TP groups, an expert group N consecutive j:
+      -- N / T whole TP groups)
+      local S, tpn = pp_mesh.hybrid.shard:size(), tp_size
+      local Sj = S * tpn
+      if Sj % ep_size ~= 0 then
+        if tpn > 1 then
+          usage('--ep %d with --pp %d --tp %d --fsdp HYBRID_SHARD: a shard group (--shard-size %d data-parallel '
+            .. 'rank%s of a stage\'s TP slice, with %s TP groups %d ranks) must hold whole expert groups of %d ranks: '
+            .. '--shard-size a multiple of %d', ep_size, pp_size, tpn, S, S == 1 and '' or 's', S == 1 and 'its' or 'their',
+            Sj, ep_size, ep_size / tpn)
+        end
         usage('--ep %d with --pp %d --fsdp HYBRID_SHARD: the shard groups of %d ranks (--shard-size) must hold whole '
           .. 'expert groups', ep_size, pp_size, S)
       end
-      pp_mesh.expert_shard = mine(pp_size * (stage_world / S), ep_size, function(qr, k)
+      local function at(q, j) return (math.floor(j / tpn) * pp_size + q) * tpn + j % tpn end
+      pp_mesh.expert_shard = mine(pp_size * (stage_world / Sj), ep_size, function(qr, k)
         local q, row = qr % pp_size, math.floor(qr / pp_size)
-        return along(S / ep_size, function(d) return (row * S + d * ep_size + k) * pp_size + q end)
+        return along(Sj / ep_size, function(g) return at(q, row * Sj + g * ep_size + k) end)
       end)
     elseif strategy == 'HYBRID_SHARD' then
       -- (the expert groups inside the shard groups: fully_shard shards an
@@ -1430,13 +1452,17 @@ function train.run(opts)
         ep_desc = ep_desc .. (', at most %.2fM parameters a rank'):format(held / 1e6)
       end
       if strategy == 'HYBRID_SHARD' then
-        local S = pp_mesh.hybrid.shard:size()
-        if S == ep_size then
-          ep_desc = ep_desc .. (', each expert whole in each shard group of %d, replicated over %d (HYBRID_SHARD)')
-            :format(S, sw / S)
+        -- (with --tp T a shard group's ranks: its S data-parallel ranks' TP
+        -- groups, S * T)
+        local S, R = pp_mesh.hybrid.shard:size(), pp_mesh.hybrid.replicate:size()
+        local Sj = S * tp_size
+        local group_of = tp_mesh and ('%d ranks (%d of each TP slice)'):format(Sj, S) or tostring(S)
+        if Sj == ep_size then
+          ep_desc = ep_desc .. (', each expert whole in each shard group of %s, replicated over %d (HYBRID_SHARD)')
+            :format(group_of, R)
         else
-          ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %d, replicated '
-            .. 'over %d (HYBRID_SHARD)'):format(S / ep_size, S, sw / S)
+          ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %s, replicated '
+            .. 'over %d (HYBRID_SHARD)'):format(Sj / ep_size, group_of, R)
         end
       elseif strategy and copies > 1 then
         ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(copies, strategy)
@@ -1700,7 +1726,10 @@ function train.run(opts)
     -- the ranks a unit's parameters are spread over (with --cp, its
     -- context-parallel ranks as well as the data-parallel ones)
     local over = hybrid and hybrid.shard:size() * hybrid.replicate:size() or group and group:size() or world
-    fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, over, over == 1 and '' or 's', pdesc,
+    -- (HYBRID_SHARD given its mesh: the shard groups and their copies)
+    local hdesc = hybrid and (' (shard groups of %d, replicated over %d)'):format(hybrid.shard:size(),
+      hybrid.replicate:size()) or ''
+    fsdp_desc = ('%s over %d rank%s%s, units %s (%d), %s'):format(strategy, over, over == 1 and '' or 's', hdesc, pdesc,
       #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
     if o.float8_all_gather then fsdp_desc = fsdp_desc .. ', float8 all-gathers' end
     ms.nn.materialize(model)   -- what no unit took (buffers)
