@@ -14,7 +14,8 @@
 -- resumes at the same layout, in one process, at --pp 2 --tp 2 --fsdp
 -- FULL_SHARD and at --tp 2, and a one-process checkpoint resumes at the
 -- hybrid layout. With --ep (expert groups of whole TP groups inside the
--- shard groups) a tiny Mixtral and DeepSeek-V3 the same, and a resume; bad
+-- shard groups) a tiny Mixtral and DeepSeek-V3 the same (Mixtral with
+-- --cp 2 too), and a resume; bad
 -- sizes exit 2 naming them.
 require 'moonshard'
 local S = require 'spec.support'
@@ -142,6 +143,10 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
         .. 'ranks (4 of each TP slice), replicated over 1 (HYBRID_SHARD)' })
     follows(16, deepseek .. ' --batch-size 1 --pp 2 --tp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 2', d, 'de16',
       'deepseek-v3 16 ranks --ep 2')
+    -- with --cp 2 too: a shard group's ranks a slice's (d, c) pairs' TP groups
+    follows(16, mixtral .. ' --batch-size 2 --pp 2 --tp 2 --cp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 2', m, 'mecp',
+      'mixtral 16 ranks --cp 2 --ep 2', { 'the experts sharded over their 2 copies in each shard group of 4 ranks (2 of '
+        .. 'each TP slice), replicated over 2 (HYBRID_SHARD)', 'context parallel: 2-way' })
     -- a checkpoint
     local one = reference(mixtral, 'm1')
     local out = dir .. '/meck'
