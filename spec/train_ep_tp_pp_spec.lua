@@ -156,7 +156,8 @@ describe('bin/train --pp 2 --tp 2 --ep 2 (expert and tensor parallelism in pipel
     end
     bad(4, '--pp 2 --tp 2 --ep 4', '--ep 4 with --pp 2: the 2 ranks of each stage (the world of 4 over 2 stages) are '
       .. 'not a multiple of 4')
-    bad(4, '--pp 2 --tp 2 --ep 2 --fsdp HYBRID_SHARD', '--tp 2 with --fsdp HYBRID_SHARD: not supported with --pp '
-      .. '(the tensor-parallel groups are the mesh\'s other axis); use FULL_SHARD or SHARD_GRAD_OP')
+    -- (HYBRID_SHARD: spec/train_pp_tp_hsdp_spec.lua; here a shard group larger than a slice's data-parallel ranks)
+    bad(4, '--pp 2 --tp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 2', '--pp 2 --tp 2 --fsdp HYBRID_SHARD: --shard-size 2 '
+      .. 'does not divide the 1 data-parallel ranks of a stage\'s tensor-parallel slice')
   end)
 end)

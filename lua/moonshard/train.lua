@@ -90,21 +90,21 @@ train.options = {
   { 'autocast', 'string', 'auto', 'the forward in a bf16 autocast region (bf16: the matmuls and attention in it; the weights, gradients and optimizer state f32: docs/precision.md), or off; auto: bf16 on CUDA without --fsdp (one GPU, and --tp, --pp, --cp, --ep without it; under --fsdp its mixed precision sets the compute dtype), off on the CPU and with --dtype f64' },
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
-  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead, plain or under FSDP (also HYBRID_SHARD), with --cp and inside --pp stages too (docs/moe.md); checkpoints sharded, each rank writing its slices (--checkpoint-format), the final weights whole, one process\'s (docs/tp.md)' },
-  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints sharded (--checkpoint-format), the final weights whole, one process\'s (docs/pp.md)' },
+  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead, plain or under FSDP (also HYBRID_SHARD), with --cp and inside --pp stages too (docs/moe.md); --fsdp HYBRID_SHARD with --pp P (and --ep or not): each stage\'s ranks that hold the same slices sharded in groups of --shard-size, replicated across (torchtitan\'s dp_replicate x dp_shard x pp x tp; docs/pp.md), without --pp only with --ep; checkpoints sharded, each rank writing its slices (--checkpoint-format), the final weights whole, one process\'s (docs/tp.md)' },
+  { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; HYBRID_SHARD: shard groups of --shard-size of a stage\'s data-parallel ranks, with --tp of those holding the same TP slice, replicated across; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints sharded (--checkpoint-format), the final weights whole, one process\'s (docs/pp.md)' },
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); with --ep E the expert groups E consecutive ranks of that order (a stage\'s with --pp; with --tp E / M whole TP groups), each rank routing its chunks\' rows (its sequence-parallel rows under --tp), the experts\' copies over the rest; --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
   { 'pp_schedule', 'string', '1f1b', 'with --pp: 1f1b (Megatron-LM\'s order: a stage holds at most as many micro-batches\' activations as stages), zbh1 (1F1B with each micro-batch\'s weight gradients run later, the zero-bubble paper\'s ZB-H1: a third of the bubble at the same peak memory; not with --fsdp), zbv (the zero-bubble paper\'s ZB-V: 2 chunks a rank in a V, the embedding and the head on the first rank, the weight gradients run later: near no bubble at 1F1B\'s peak memory; at least 2 x --pp - 1 micro-batches; with --fsdp the weight gradients stay in the backward), gpipe (every forward, then every backward) or looped_bfs (GPipe over --pp-chunks > 1 chunks a rank) (docs/pp.md)' },
   { 'checkpoint_format', 'string?', nil, 'with --tp, --pp or --ep (--ep alone: without --fsdp): sharded (the default: every rank writes what it holds, in parallel, under the whole model\'s names: its TP slices as boxes of the whole parameters, its stage\'s, its experts\', its shard under --fsdp, each piece once; the --fsdp checkpoints\' format, resuming at any --tp, --pp, --ep, data-parallel size or --fsdp and in one process: docs/fsdp-checkpoints.md) or full (the model and its moments gathered, rank 0 writing a one-process checkpoint); --fsdp alone always writes sharded ones' },
   { 'pp_checkpoint', 'string?', nil, 'the older name of --checkpoint-format (which wins when both are given)' },
   { 'pp_chunks', 'int>0', 1, 'with --pp: model chunks a rank holds; more than 1 cuts the blocks into pp x chunks virtual stages and runs the interleaved 1F1B (Megatron-LM\'s virtual pipeline: a bubble that many times smaller; the micro-batches a multiple of --pp), or with --pp-schedule looped_bfs GPipe over the chunks; zbv always runs 2 (docs/pp.md)' },
-  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD); with --tp T (N a multiple of T; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP each rank\'s slices sharded over the ranks that hold the same ones and the experts over their copies, or with HYBRID_SHARD the same within each shard group of --shard-size ranks (whole expert groups), replicated across; with --pp P inside each stage, plain, FULL_SHARD or SHARD_GRAD_OP; with --cp M too, rank = ((d * M + c) * P + p) * T + t, the expert groups N consecutive ranks of a stage\'s (d, c, t), plain, FULL_SHARD, SHARD_GRAD_OP or, without --pp, HYBRID_SHARD) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream); not with --lora; checkpoints sharded, each rank writing its experts\' pieces (--checkpoint-format full: one process\'s without FSDP), resuming anywhere; the final weights whole (docs/moe.md)' },
+  { 'ep', 'int>0', 1, 'expert parallelism: ranks per group that split every mixture-of-experts layer\'s experts (ms.ep: E / N experts a rank; each rank\'s token rows sent to the ranks that hold their experts and back); every rank trains on its own batch, data parallel over the world; groups of consecutive ranks, each holding a copy of every expert; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP the experts sharded over their copies and the rest over every rank, or with HYBRID_SHARD (the expert groups inside the shard groups) each shard group as FULL_SHARD, replicated across; with --cp each rank its chunks of its group\'s sequences; with --pp P each stage\'s experts split over groups of N of its world / P ranks (plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD); with --tp T (N a multiple of T; plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP each rank\'s slices sharded over the ranks that hold the same ones and the experts over their copies, or with HYBRID_SHARD the same within each shard group of --shard-size ranks (whole expert groups), replicated across; with --pp P inside each stage, plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (shard groups of --shard-size data-parallel ranks of a stage\'s TP slice, whose TP groups hold whole expert groups: --shard-size x T a multiple of N); with --cp M too, rank = ((d * M + c) * P + p) * T + t, the expert groups N consecutive ranks of a stage\'s (d, c, t), plain, FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD) each group N / T whole tensor-parallel groups, the experts whole, each TP rank routing its own rows (its sequence-parallel rows, or its share of the replicated stream); not with --lora; checkpoints sharded, each rank writing its experts\' pieces (--checkpoint-format full: one process\'s without FSDP), resuming anywhere; the final weights whole (docs/moe.md)' },
   { 'moe_bias_rate', 'number>=0', 0, 'mixture-of-experts balancing without an auxiliary loss (DeepSeek-V3): each MoE layer gets an expert_bias added to the scores that choose the experts, moved by this rate towards balance after every step (the counts summed over the data-parallel ranks); 0: off (docs/moe.md)' },
   { 'pp_layers', 'string?', nil, 'with --pp: the blocks of each virtual stage, comma-separated (2,5,5,4: --pp x chunks counts, 0 allowed, summing to the model\'s blocks) in place of the default cut (one chunk a rank: the stages balanced, the head counted as 0.7 of its weight over a block\'s parameters; several, as --pp-chunks or zbv: the ranks\' work balanced, the head\'s chunk possibly the head alone) (docs/pp.md)' },
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
   { 'sequence_parallel', 'bool?', nil, 'with --tp (also with --fsdp and --pp): the residual stream between the split layers held as each rank\'s tokens (norms and dropout on 1/N of them; with --pp the stages exchange those rows; docs/tp.md); default on, except with --pp, where it measured slower (docs/pp.md): --sequence-parallel turns it on there' },
-  { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node)' },
+  { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node); with --pp P the data-parallel ranks of a stage per shard group, with --pp P --tp T those of a stage\'s TP slice (torchtitan\'s dp_shard: it divides the world / (P x T) of them, dp_replicate the quotient; with --cp their context-parallel ranks counted in; with --ep M the shard group\'s S x T ranks hold whole expert groups); with --tp --ep without --pp: ranks, holding whole expert groups (docs/pp.md, docs/moe.md)' },
   { 'init_from', 'string?', nil, 'start from the weights and config of a Hugging Face folder (config.json + model.safetensors, as save_pretrained and --out write) instead of a fresh model: fine-tuning; --preset and --model.* do not apply; sharded runs read only each rank\'s shards' },
   { 'lora', 'int>=0', 0, 'LoRA adapters of this rank (R) on the model\'s projections (nn.apply_lora; 0: none): the rest of the model frozen, the final weights saved merged' },
   { 'lora_alpha', 'number>0?', nil, 'LoRA scale numerator: the update is alpha / r * B A (default: r)' },
@@ -1098,11 +1098,13 @@ function train.run(opts)
       usage('--tp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', tp_size, world,
         world == 1 and '' or 's')
     end
-    -- (HYBRID_SHARD with --ep M, without --pp: shard groups of whole
-    -- expert groups, made with the expert groups below)
-    if strategy == 'HYBRID_SHARD' and (o.ep <= 1 or o.pp > 1) then
-      usage('--tp %d with --fsdp HYBRID_SHARD: not supported%s (the tensor-parallel groups are the mesh\'s other '
-        .. 'axis); use FULL_SHARD or SHARD_GRAD_OP', tp_size, o.pp > 1 and ' with --pp' or ' without --ep')
+    -- (HYBRID_SHARD with --pp: each stage's shard groups of the ranks that
+    -- hold the same slices, made with the pipelines below; with --ep M,
+    -- without --pp: shard groups of whole expert groups, made with the
+    -- expert groups below)
+    if strategy == 'HYBRID_SHARD' and o.ep <= 1 and o.pp <= 1 then
+      usage('--tp %d with --fsdp HYBRID_SHARD: not supported without --pp or --ep (the tensor-parallel groups are the '
+        .. 'mesh\'s other axis); use FULL_SHARD or SHARD_GRAD_OP', tp_size)
     end
     if o.lora > 0 then usage('--tp with --lora: not supported (merge the adapters first)') end
     if strategy == nil or strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
@@ -1164,11 +1166,20 @@ function train.run(opts)
     if strategy == 'HYBRID_SHARD' then
       -- each stage's data-parallel ranks as a mesh of their own: shard
       -- groups of --shard-size (default: those on one node), replicated
-      -- across the groups; rank (d, stage, t) = (d * pp + stage) * tp + t
+      -- across the groups; rank (d, stage, t) = (d * pp + stage) * tp + t.
+      -- With --tp T the data-parallel axis is a stage's ranks that hold the
+      -- same slices (the same t): --shard-size counts those (torchtitan's
+      -- dp_shard; dp_replicate = dp / S), each TP rank's copy of its
+      -- slices sharded over S of them, replicated over the rest
       local dp, tpn = data_world, math.max(tp_size, 1)
       local S = o.shard_size > 0 and o.shard_size
         or math.max(1, math.min(dp, math.floor(dist.local_world_size() / (pp_size * tpn))))
       if dp % S ~= 0 then
+        if tpn > 1 then
+          usage('--pp %d --tp %d --fsdp HYBRID_SHARD: --shard-size %d does not divide the %d data-parallel ranks of a '
+            .. 'stage\'s tensor-parallel slice (the world of %d over %d stages x %d TP ranks; --shard-size counts '
+            .. 'those ranks: 1, or a divisor of %d)', pp_size, tpn, S, dp, world, pp_size, tpn, dp)
+        end
         usage('--pp %d --fsdp HYBRID_SHARD: --shard-size %d does not divide the %d data-parallel ranks of a stage', pp_size,
           S, dp)
       end
@@ -1262,15 +1273,26 @@ function train.run(opts)
       -- ranks, pp_mesh.hybrid) must hold whole expert groups; the ranks of
       -- a shard group that hold the same experts shard them
       -- (a stage's ranks j = d, or d * M + c with --cp M: stage_world of
-      -- them, at rank j * P + q; --tp with --pp and HYBRID_SHARD is refused)
-      local S = pp_mesh.hybrid.shard:size()
-      if S % ep_size ~= 0 then
+      -- them, at rank j * P + q; with --tp T, j = d * T + t at rank
+      -- (d * P + q) * T + t, a shard group the S * T consecutive j of its S
+      -- data-parallel ranks' TP groups, an expert group N consecutive j:
+      -- N / T whole TP groups)
+      local S, tpn = pp_mesh.hybrid.shard:size(), tp_size
+      local Sj = S * tpn
+      if Sj % ep_size ~= 0 then
+        if tpn > 1 then
+          usage('--ep %d with --pp %d --tp %d --fsdp HYBRID_SHARD: a shard group (--shard-size %d data-parallel '
+            .. 'rank%s of a stage\'s TP slice, with %s TP groups %d ranks) must hold whole expert groups of %d ranks: '
+            .. '--shard-size a multiple of %d', ep_size, pp_size, tpn, S, S == 1 and '' or 's', S == 1 and 'its' or 'their',
+            Sj, ep_size, ep_size / tpn)
+        end
         usage('--ep %d with --pp %d --fsdp HYBRID_SHARD: the shard groups of %d ranks (--shard-size) must hold whole '
           .. 'expert groups', ep_size, pp_size, S)
       end
-      pp_mesh.expert_shard = mine(pp_size * (stage_world / S), ep_size, function(qr, k)
+      local function at(q, j) return (math.floor(j / tpn) * pp_size + q) * tpn + j % tpn end
+      pp_mesh.expert_shard = mine(pp_size * (stage_world / Sj), ep_size, function(qr, k)
         local q, row = qr % pp_size, math.floor(qr / pp_size)
-        return along(S / ep_size, function(d) return (row * S + d * ep_size + k) * pp_size + q end)
+        return along(Sj / ep_size, function(g) return at(q, row * Sj + g * ep_size + k) end)
       end)
     elseif strategy == 'HYBRID_SHARD' then
       -- (the expert groups inside the shard groups: fully_shard shards an
@@ -1442,13 +1464,17 @@ function train.run(opts)
         ep_desc = ep_desc .. (', at most %.2fM parameters a rank'):format(held / 1e6)
       end
       if strategy == 'HYBRID_SHARD' then
-        local S = pp_mesh.hybrid.shard:size()
-        if S == ep_size then
-          ep_desc = ep_desc .. (', each expert whole in each shard group of %d, replicated over %d (HYBRID_SHARD)')
-            :format(S, sw / S)
+        -- (with --tp T a shard group's ranks: its S data-parallel ranks' TP
+        -- groups, S * T)
+        local S, R = pp_mesh.hybrid.shard:size(), pp_mesh.hybrid.replicate:size()
+        local Sj = S * tp_size
+        local group_of = tp_mesh and ('%d ranks (%d of each TP slice)'):format(Sj, S) or tostring(S)
+        if Sj == ep_size then
+          ep_desc = ep_desc .. (', each expert whole in each shard group of %s, replicated over %d (HYBRID_SHARD)')
+            :format(group_of, R)
         else
-          ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %d, replicated '
-            .. 'over %d (HYBRID_SHARD)'):format(S / ep_size, S, sw / S)
+          ep_desc = ep_desc .. (', the experts sharded over their %d copies in each shard group of %s, replicated '
+            .. 'over %d (HYBRID_SHARD)'):format(Sj / ep_size, group_of, R)
         end
       elseif strategy and copies > 1 then
         ep_desc = ep_desc .. (', the experts sharded over their %d copies (%s)'):format(copies, strategy)
@@ -1712,7 +1738,10 @@ function train.run(opts)
     -- the ranks a unit's parameters are spread over (with --cp, its
     -- context-parallel ranks as well as the data-parallel ones)
     local over = hybrid and hybrid.shard:size() * hybrid.replicate:size() or group and group:size() or world
-    fsdp_desc = ('%s over %d rank%s, units %s (%d), %s'):format(strategy, over, over == 1 and '' or 's', pdesc,
+    -- (HYBRID_SHARD given its mesh: the shard groups and their copies)
+    local hdesc = hybrid and (' (shard groups of %d, replicated over %d)'):format(hybrid.shard:size(),
+      hybrid.replicate:size()) or ''
+    fsdp_desc = ('%s over %d rank%s%s, units %s (%d), %s'):format(strategy, over, over == 1 and '' or 's', hdesc, pdesc,
       #ms.fsdp.units(model), mp and ('params %s, reduce %s'):format(mp.param, mp.reduce) or 'no mixed precision')
     if o.float8_all_gather then fsdp_desc = fsdp_desc .. ', float8 all-gathers' end
     if reduce_after then fsdp_desc = fsdp_desc .. ', gradients all-reduced after the backward' end
