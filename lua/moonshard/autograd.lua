@@ -506,21 +506,23 @@ local DeferredJob          -- (A.take_deferred's jobs)
 local deferring = {}          -- stack of the active walks' queues
 local defer_on = os.getenv('MS_DEFER_GRADS') ~= '0'
 
--- A.defer(node, idx, fn, drop) -> true when queued: fn() returns the
--- gradients of node's inputs idx[1], idx[2], ... (nil for one written
+-- A.defer(node, idx, fn, drop, arg) -> true when queued: fn(arg) returns
+-- the gradients of node's inputs idx[1], idx[2], ... (nil for one written
 -- elsewhere, e.g. a sink), to be delivered as if the backward had returned
--- them; drop() releases what fn holds if the walk ends without running it
--- (a failed backward). false: nothing queued (no walk, deferral off, or the
--- queue running), compute now.
+-- them; drop(arg) releases what fn holds if the walk ends without running
+-- it (a failed backward). false: nothing queued (no walk, deferral off, or
+-- the queue running), compute now. (arg: the state of plain functions, so
+-- a backward function queueing work need not make closures, which keep it
+-- from being compiled.)
 -- A.deferrable(): whether A.defer would queue now (asked before making
 -- what a closure would hold)
 function A.deferrable()
   local q = deferring[#deferring]
   return q ~= nil and not q.running and defer_on
 end
-function A.defer(node, idx, fn, drop)
+function A.defer(node, idx, fn, drop, arg)
   if not A.deferrable() then return false end
-  deferring[#deferring].add(node, idx, fn, drop)
+  deferring[#deferring].add(node, idx, fn, drop, arg)
   return true
 end
 -- runs the current walk's deferred work now (no-op outside a walk)
@@ -747,9 +749,9 @@ local function walk(tape, grads, borrowed, root)
   -- or { node, run = true } (a postponed node); pending: ids whose gradient
   -- (or part of it) is still to come from the queue
   local q = { list = {}, pending = {}, npost = 0, running = false }
-  function q.add(node, idx, fn, drop)
+  function q.add(node, idx, fn, drop, arg)
     -- (leaf: the node's leaf handles, which the walk drops once it is done)
-    q.list[#q.list + 1] = { node = node, idx = idx, fn = fn, drop = drop, leaf = node.leaf }
+    q.list[#q.list + 1] = { node = node, idx = idx, fn = fn, drop = drop, arg = arg, leaf = node.leaf }
     for _, i in ipairs(idx) do
       if node.need[i] and not node.leaf[i] then q.pending[node.iid[i]] = true end
     end
@@ -766,7 +768,7 @@ local function walk(tape, grads, borrowed, root)
         run_node(e.node)
       else
         e.drop = nil
-        local r = pack(e.fn())
+        local r = pack(e.fn(e.arg))
         local nd = e.node
         local was = nd.leaf
         nd.leaf = e.leaf
@@ -817,7 +819,7 @@ local function walk(tape, grads, borrowed, root)
     q.running = running
     if not ok then
       for _, e in ipairs(job.list) do
-        if e and e.drop then pcall(e.drop) end
+        if e and e.drop then pcall(e.drop, e.arg) end
       end
     end
     -- (inside the walk its nodes take what the job delivered; after it,
@@ -832,7 +834,7 @@ local function walk(tape, grads, borrowed, root)
     job.done = true
     jobs[job] = nil
     for _, e in ipairs(job.list) do
-      if e and e.drop then pcall(e.drop) end
+      if e and e.drop then pcall(e.drop, e.arg) end
     end
     free_pending(job.pending)
     job.list, job.pending, job.run_fn, job.drop_fn = nil, nil, nil, nil
@@ -850,7 +852,7 @@ local function walk(tape, grads, borrowed, root)
   -- releases what queued closures hold (a walk that failed)
   function q.drop()
     for _, e in ipairs(q.list) do
-      if e and e.drop then pcall(e.drop) end
+      if e and e.drop then pcall(e.drop, e.arg) end
     end
     q.list, q.pending = {}, {}
   end

@@ -474,18 +474,31 @@ local function rows(t, i, n) return t:narrow(1, (i - 1) * n + 1, n):contiguous()
 -- (nnf.defer_weight_grads during the forward) run, beside the send; the
 -- previous stage starts its backward that much earlier (the input/weight
 -- split of zero-bubble schedules, inside one backward)
+-- StageInput(x, pipe, rec, split): pipe the Pipeline, rec the micro-batch's
+-- record; split (zbh1, zbv): the weight gradients taken for later (rec.w).
+-- (The pipeline and the record as arguments, not closures made for each
+-- micro-batch: a function making closures ends every trace through it,
+-- FNEW and UCLO being unimplemented in LuaJIT's JIT, and a trace
+-- specialised on a closure keeps its upvalues alive; docs/tensors.md.)
+local function send_input_grad(self, rec, g)
+  local gx = g:clone()
+  rec.sent = true
+  if self.aux and rec.bstats then self.stats_of[gx] = rec.bstats end
+  if self.chunks > 1 then self:csend_backward(rec, gx) else self:send_backward(gx) end
+end
 local StageInput = A.Function {
   name = 'pp_stage_input',
   owns_results = true,
-  forward = function(ctx, x, send, take)
-    ctx.send, ctx.take = send, take or nil
+  forward = function(ctx, x, pipe, rec, split)
+    ctx.pipe, ctx.rec, ctx.split = pipe, rec, split
     return x
   end,
   backward = function(ctx, g)
-    ctx.send(g)
+    local rec = ctx.rec
+    send_input_grad(ctx.pipe, rec, g)
     -- (zbh1: the stage's weight gradients are taken for later)
-    if ctx.take then ctx.take(A.take_deferred()) else A.flush_deferred() end
-    return nil, nil
+    if ctx.split then rec.w = A.take_deferred() else A.flush_deferred() end
+    return nil, nil, nil, nil
   end,
 }
 
@@ -500,91 +513,98 @@ local function add_seq_aux(self, box)
   if v then A.no_grad(add_f64, self.loss_sum, v) end
 end
 
+-- the last stage's per-micro-batch sums (functions of their own, as above)
+local function add_mtp(self)
+  for k, v in ipairs(self.model:mtp_losses()) do
+    self.mtp_sum:narrow(1, k, 1):add_(v:detach():reshape({ 1 }):to('f64'))
+  end
+end
+local function add_loss(self, loss)
+  local l = loss:detach():reshape({ 1 })
+  local l64 = l:to('f64')
+  self.loss_sum:add_(l64)
+  if l64 ~= l then l64:free() end
+end
+
+-- the stage's part of micro-batch rec's forward (rec.x its input, nil on
+-- the first stage; early: the input's gradient sent as soon as the
+-- backward has it, StageInput) -> the activation to send, or the loss
+local function stage_forward(self, rec, ids, targets, grad, early)
+  local x, i, c, firstv, lastv = rec.x, rec.i, rec.c, rec.firstv, rec.lastv
+  local range, parts, mb, sp = self.ranges[c], self.parts, self.mb, self.sp
+  local blocks = parts.blocks
+  local h = x
+  if early then h = StageInput(x, self, rec, self:splits_w()) end
+  if firstv then
+    h = parts.embed(rows(ids, i, mb))
+    -- (sequence parallelism: this TP rank's rows from here on; the head
+    -- gathers them after the final norm, nn.LMHead)
+    if sp then h = sp.scatter(h) end
+  end
+  -- DeepSeek's sequence-wise balance loss (nn.moe.seq_aux_begin): each
+  -- stage's MoE layers add their terms to the micro-batch's loss (the
+  -- stages' sums are summed: finish_loss), their gradients scaled as the
+  -- loss's backward is
+  -- (on the last stage the session spans the head too: a model's
+  -- multi-token-prediction depths run there, parts.last_moe)
+  local box = self:seq_aux_begin(c, grad)
+  if self.aux then
+    local layers = self:chunk_moe(c)
+    rec.abox = #layers > 0 and nn_moe().aux_begin(layers, { coef = 1 }) or nil
+  end
+  for j = range[1], range[2] do h = blocks[j](h) end
+  if self.aux then h = self:aux_forward(rec, h, x, grad) end
+  if not lastv then add_seq_aux(self, box); return h end
+  -- (parts.head_ids: the head reads the micro-batch's ids, DeepSeek-V3's
+  -- multi-token prediction)
+  local loss = parts.head(h, rows(targets, i, mb), parts.head_ids and rows(ids, i, mb) or nil)
+  if rec.aux_loss then
+    local a = rec.aux_loss
+    rec.aux_loss = nil
+    if a.dtype ~= loss.dtype then a = a:to(loss.dtype) end
+    loss = loss + a:reshape(loss.shape)
+  end
+  add_seq_aux(self, box)
+  if self.mtp_sum then
+    -- each depth's loss of the micro-batch (model:mtp_losses()), summed
+    -- over the step's micro-batches (finish_loss)
+    A.no_grad(add_mtp, self)
+  end
+  local hook = self.step_opts and self.step_opts.loss_hook
+  if hook then loss = hook(loss) end
+  A.no_grad(add_loss, self, loss)
+  if grad then return loss * (self.grad_scale / self.microbatches) end
+  return loss
+end
+-- under fully_shard the stage's part runs as the model's call: the hooks
+-- on the root (its unit's gather, the step's bookkeeping) and its backward
+-- marks run for each micro-batch
+local function stage_call(self, ...)
+  if rawget(self.model, '_fsdp') then return self.model:call_as(stage_forward, self, ...) end
+  return stage_forward(self, ...)
+end
+-- the model's precision (nn.functional.set_precision: its forward in an
+-- autocast region) holds for the stage's part of the forward too
+local function stage_run(compute, ...)
+  if compute then return amp.autocast(compute, stage_call, ...) end
+  return stage_call(...)
+end
+
 -- the forward of micro-batch i: x (received, or nil on the first stage) ->
 -- a record {tape, x, out}; out is the activation to send, or the scaled loss
 function Pipeline:forward_one(i, x, ids, targets, grad, c)
   c = c or 1
   local firstv, lastv = self.first and c == 1, self.last and c == self.chunks
-  local range = self.ranges[c]
   local rec = { tape = {}, x = x, i = i, c = c, firstv = firstv, lastv = lastv }
   if grad then self.live[rec] = true end
-  local parts, blocks, mb = self.parts, self.parts.blocks, self.mb
-  -- the model's precision (nn.functional.set_precision: its forward in an
-  -- autocast region) holds for the stage's part of the forward too
-  local compute = amp.precision(self.model)
-  local run = compute and function(fn) return amp.autocast(compute, fn) end or function(fn) return fn() end
   -- (sequence parallelism: the stage's blocks see this TP rank's rows)
   local sp = self.sp
-  if sp then sp.expect(mb, self.seq) end
+  if sp then sp.expect(self.mb, self.seq) end
   local early = grad and self.input_grad_first and not firstv
   local nnf = early and require('moonshard.nn').functional or nil
   local prev_defer = early and nnf.defer_weight_grads(true)
-  local body = function()
-    local h = x
-    if early then
-      h = StageInput(x, function(g)
-        local gx = g:clone()
-        rec.sent = true
-        if self.aux and rec.bstats then self.stats_of[gx] = rec.bstats end
-        if self.chunks > 1 then self:csend_backward(rec, gx) else self:send_backward(gx) end
-      end, self:splits_w() and function(job) rec.w = job end or false)
-    end
-    if firstv then
-      h = parts.embed(rows(ids, i, mb))
-      -- (sequence parallelism: this TP rank's rows from here on; the head
-      -- gathers them after the final norm, nn.LMHead)
-      if sp then h = sp.scatter(h) end
-    end
-    -- DeepSeek's sequence-wise balance loss (nn.moe.seq_aux_begin): each
-    -- stage's MoE layers add their terms to the micro-batch's loss (the
-    -- stages' sums are summed: finish_loss), their gradients scaled as the
-    -- loss's backward is
-    -- (on the last stage the session spans the head too: a model's
-    -- multi-token-prediction depths run there, parts.last_moe)
-    local box = self:seq_aux_begin(c, grad)
-    if self.aux then
-      local layers = self:chunk_moe(c)
-      rec.abox = #layers > 0 and nn_moe().aux_begin(layers, { coef = 1 }) or nil
-    end
-    for j = range[1], range[2] do h = blocks[j](h) end
-    if self.aux then h = self:aux_forward(rec, h, x, grad) end
-    if not lastv then add_seq_aux(self, box); return h end
-    -- (parts.head_ids: the head reads the micro-batch's ids, DeepSeek-V3's
-    -- multi-token prediction)
-    local loss = parts.head(h, rows(targets, i, mb), parts.head_ids and rows(ids, i, mb) or nil)
-    if rec.aux_loss then
-      local a = rec.aux_loss
-      rec.aux_loss = nil
-      if a.dtype ~= loss.dtype then a = a:to(loss.dtype) end
-      loss = loss + a:reshape(loss.shape)
-    end
-    add_seq_aux(self, box)
-    if self.mtp_sum then
-      -- each depth's loss of the micro-batch (model:mtp_losses()), summed
-      -- over the step's micro-batches (finish_loss)
-      A.no_grad(function()
-        for k, v in ipairs(self.model:mtp_losses()) do
-          self.mtp_sum:narrow(1, k, 1):add_(v:detach():reshape({ 1 }):to('f64'))
-        end
-      end)
-    end
-    local hook = self.step_opts and self.step_opts.loss_hook
-    if hook then loss = hook(loss) end
-    A.no_grad(function()
-      local l = loss:detach():reshape({ 1 })
-      local l64 = l:to('f64')
-      self.loss_sum:add_(l64)
-      if l64 ~= l then l64:free() end
-    end)
-    if grad then return loss * (self.grad_scale / self.microbatches) end
-    return loss
-  end
-  -- under fully_shard the stage's part runs as the model's call: the
-  -- hooks on the root (its unit's gather, the step's bookkeeping) and its
-  -- backward marks run for each micro-batch
-  local call = body
-  if rawget(self.model, '_fsdp') then call = function() return self.model:call_as(body) end end
-  local ok, out = pcall(on_tape, rec.tape, run, call)
+  local ok, out = pcall(on_tape, rec.tape, stage_run, amp.precision(self.model), self, rec, ids, targets, grad,
+    early)
   if early then nnf.defer_weight_grads(prev_defer) end
   if not ok then error(out, 0) end
   rec.out = out
@@ -758,6 +778,12 @@ function Pipeline:aux_backward(rec, gy)
   if not rec.lastv then rec.ginj = (box.scale * E) * fbar / L end
 end
 
+-- (functions of their own: a function making a closure is not compiled)
+local function record_backward(rec, gy)
+  if rec.lastv then rec.out:backward() else rec.out:backward(gy) end
+end
+local function not_root_sync(root) return function(u) return u.module ~= root end end
+
 -- the backward of a record, with gy the gradient of its output (nil on the
 -- last stage): returns the gradient of its input (nil on the first stage)
 function Pipeline:backward_one(rec, gy)
@@ -772,15 +798,12 @@ function Pipeline:backward_one(rec, gy)
     fs.nb = fs.nb + 1
     local sync = fs.final and (self.fsdp_reduce == 'microbatch' or fs.nb == fs.total)
     if fs.final and not sync and self.chunks > 1 and rec.i == self.microbatches then
-      local root = self.model
-      sync = function(u) return u.module ~= root end
+      sync = not_root_sync(self.model)
     end
     fs.fsdp.set_sync(self.model, sync)
   end
   if self.aux then self:aux_backward(rec, gy) end
-  on_tape(rec.tape, function()
-    if rec.lastv then rec.out:backward() else rec.out:backward(gy) end
-  end)
+  on_tape(rec.tape, record_backward, rec, gy)
   if gy ~= nil then gy:free() end
   local gx
   if not rec.firstv then
@@ -1243,6 +1266,23 @@ end
 -- each micro-batch's forward and backward; a tied weight's unsharded
 -- gradient is summed between the first and last stage just before its
 -- unit reduces it.
+-- (made once, in a function of its own: fsdp_begin runs each step, and a
+-- function making a closure is not compiled)
+local function tied_reduce_hook(self, st)
+  local tg = self.tied_group
+  local at = {}   -- unit -> indices of its tied views
+  for _, e in ipairs(self.tied) do
+    local id = tonumber(rawget(e[1], e[2]).id)
+    for _, u in ipairs(st.units) do
+      for k, v in ipairs(u.views) do
+        if tonumber(v.id) == id then at[u] = at[u] or {}; table.insert(at[u], k) end
+      end
+    end
+  end
+  return function(u)
+    for _, k in ipairs(at[u] or {}) do dist.all_reduce(u.gviews[k], 'sum', { group = tg }) end
+  end
+end
 function Pipeline:fsdp_begin(opts)
   local st = rawget(self.model, '_fsdp')
   if not st then self.fs = nil; return end
@@ -1254,19 +1294,7 @@ function Pipeline:fsdp_begin(opts)
   end
   local fsdp = require 'moonshard.fsdp'
   if self.tied_group and not self.tied_hooked then
-    local tg = self.tied_group
-    local at = {}   -- unit -> indices of its tied views
-    for _, e in ipairs(self.tied) do
-      local id = tonumber(rawget(e[1], e[2]).id)
-      for _, u in ipairs(st.units) do
-        for k, v in ipairs(u.views) do
-          if tonumber(v.id) == id then at[u] = at[u] or {}; table.insert(at[u], k) end
-        end
-      end
-    end
-    local prev = fsdp.set_before_reduce(self.model, function(u)
-      for _, k in ipairs(at[u] or {}) do dist.all_reduce(u.gviews[k], 'sum', { group = tg }) end
-    end)
+    local prev = fsdp.set_before_reduce(self.model, tied_reduce_hook(self, st))
     if prev ~= nil then error('pp: the model\'s fsdp before_reduce hook is taken', 3) end
     self.tied_hooked = true
   end

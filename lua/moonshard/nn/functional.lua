@@ -222,14 +222,18 @@ local defer_wgrad = false   -- (nnf.defer_weight_grads)
 -- by aliases until then. (A function of its own: a closure made inside
 -- bwd_affine would close its upvalues at each return, which LuaJIT does
 -- not compile, and every linear's backward would run interpreted.)
+-- (Nor closures here: the deferred work is two plain functions over a
+-- state table, A.defer's arg.)
+local function deferred_weight_bias(d)
+  local dw, db = weight_bias_grads(d.xa, d.ga, d.wt, d.n2, d.n3, d.dbs, d.sink)
+  free(d.xa); free(d.ga)
+  return dw, db
+end
+local function dropped_weight_bias(d) free(d.xa); free(d.ga); free(d.dbs) end
 local function defer_weight_bias(node, x2, g2, wt, dbs, sink)
-  local xa, ga = R.alias(x2), R.alias(g2)
-  local n2, n3 = node.need[2], node.need[3]
-  A.defer(node, WB, function()
-    local dw, db = weight_bias_grads(xa, ga, wt, n2, n3, dbs, sink)
-    free(xa); free(ga)
-    return dw, db
-  end, function() free(xa); free(ga); free(dbs) end)
+  local d = { xa = R.alias(x2), ga = R.alias(g2), wt = wt, n2 = node.need[2], n3 = node.need[3], dbs = dbs,
+    sink = sink }
+  A.defer(node, WB, deferred_weight_bias, dropped_weight_bias, d)
 end
 
 local function bwd_affine(node, g)

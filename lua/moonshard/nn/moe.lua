@@ -533,16 +533,20 @@ end
 -- to the lower expert: what moe.topk(moe.group_limit(scores + bias, ...), k)
 -- computes in some 25 ops (which remain the reference, and the path where
 -- G or k is above 64). No gradient.
+-- (the composed selection: a function of its own, as a closure made in
+-- moe.select would keep select from being compiled: FNEW and UCLO end a
+-- trace in LuaJIT)
+local function select_composed(scores, bias, G, TG, how, k)
+  local choice = scores:detach()
+  if bias ~= nil then choice = choice + (bias.dtype == choice.dtype and bias or bias:to(choice.dtype)) end
+  if G > 1 then choice = moe.group_limit(choice, G, TG, how) end
+  return moe.topk(choice, k)
+end
 function moe.select(scores, bias, G, TG, how, k)
   G, TG = G or 1, TG or G or 1
   local big = G > T.C.MS_MOE_SELECT_MAX or k > T.C.MS_MOE_SELECT_MAX
   if big or (scores.dtype ~= 'f32' and scores.dtype ~= 'f64') then
-    return A.no_grad(function()
-      local choice = scores:detach()
-      if bias ~= nil then choice = choice + (bias.dtype == choice.dtype and bias or bias:to(choice.dtype)) end
-      if G > 1 then choice = moe.group_limit(choice, G, TG, how) end
-      return moe.topk(choice, k)
-    end)
+    return A.no_grad(select_composed, scores, bias, G, TG, how, k)
   end
   local s = scores:detach():contiguous()
   local b = bias
@@ -1183,6 +1187,15 @@ function moe.install(nn, nnf)
     return unpack(wl, 1, 3 * n)
   end
 
+  -- (a function of its own: record_stats runs for every layer and
+  -- micro-batch, and a function making a closure is not compiled)
+  local function count_unpadded(self, ids, N, pad)
+    local k = ids.shape[2]
+    local z = rawget(self, '_tokens_dev') or T.zeros({ self.n_experts }, { dtype = 'f32', device = ids.device })
+    z:scatter_add_(1, ids:contiguous():reshape({ N * k }),   -- (exact to 2^24 slots)
+      pad.mask:to('f32'):reshape({ N, 1 }):expand({ N, k }):contiguous():reshape({ N * k }))
+    rawset(self, '_tokens_dev', z)
+  end
   -- what the load-balancing loss and the routing biases read of a forward
   -- (ids (N, k) the experts chosen, Tl the tokens a sequence: what the
   -- sequence-wise balance loss reads, moe.seq_aux_loss)
@@ -1198,13 +1211,7 @@ function moe.install(nn, nnf)
         -- positions left out, models/deepseek_v3.lua; counted on the
         -- device, read by moe.update_bias with the others: no host read
         -- here)
-        A.no_grad(function()
-          local k = ids.shape[2]
-          local z = rawget(self, '_tokens_dev') or T.zeros({ self.n_experts }, { dtype = 'f32', device = ids.device })
-          z:scatter_add_(1, ids:contiguous():reshape({ N * k }),   -- (exact to 2^24 slots)
-            pad.mask:to('f32'):reshape({ N, 1 }):expand({ N, k }):contiguous():reshape({ N * k }))
-          rawset(self, '_tokens_dev', z)
-        end)
+        A.no_grad(count_unpadded, self, ids, N, pad)
         return
       end
       local acc = rawget(self, '_tokens') or {}
