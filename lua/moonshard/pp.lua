@@ -184,7 +184,11 @@ end
 --                 s, chunk 2 virtual stage 2S - 1 - s: the embedding and the
 --                 head both on rank 0, the turn a local hand-over on rank
 --                 S - 1), the zero-bubble paper's ZB-V order
---                 (pp_order.lua), microbatches >= 2S - 1
+--                 (pp_order.lua), microbatches >= 2S - 1; 'dualpipev':
+--                 DeepSeek's DualPipeV on the same V (2 chunks), its
+--                 overlapped forward-backward pairs run in turn, the
+--                 pair's gradient received during its forward,
+--                 microbatches >= 2S
 --   layers        blocks per (virtual) stage, a list summing to the
 --                 model's blocks, 0s allowed (default pp.default_cut, the
 --                 head counted as 0.7 of its weight over a block's
@@ -204,7 +208,7 @@ end
 --                 interleaved 1F1B (Megatron-LM's virtual pipeline,
 --                 torchtitan's Interleaved1F1B): a bubble v times smaller;
 --                 microbatches must be a multiple of the stages (looped_bfs:
---                 any number; zbv: 2, the default there)
+--                 any number; zbv, dualpipev: 2, the default there)
 --   fsdp_reduce   with the stage under fsdp.fully_shard (after the cut):
 --                 'step' (default) reduces the gradients once, in the
 --                 stage's last backward of the step (the others keep them
