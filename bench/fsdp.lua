@@ -38,7 +38,7 @@
 -- --pp (pipeline parallelism instead of FSDP: ms.pp.pipeline over the
 -- world, one stage a GPU, every rank the same batch cut into --microbatches
 -- M micro-batches (default: --batch, one sequence each), --schedule
--- 1f1b|zbh1|gpipe|zbv (2 chunks a rank in a V)|looped_bfs (with
+-- 1f1b|zbh1|gpipe|zbv|dualpipev (2 chunks a rank in a V)|looped_bfs (with
 -- --chunks), --no-overlap: every exchange waited for, --stages 10,6 (or
 -- --pp-layers, bin/train's name): the blocks per stage (per virtual stage
 -- with chunks) instead of pp.default_cut's (bench/pp_cut.lua prints it),
@@ -115,7 +115,7 @@ do
       i = i + 2
     else
       error('usage: bench/fsdp.lua [--model gpt2|llama|mixtral|deepseek] [--ep] [--batch N] [--seq T] [--steps N] [--warmup N] '
-        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe|zbv|looped_bfs] [--no-overlap] [--stages|--pp-layers N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise] [--float8-gather [--f8-precompute N]] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
+        .. '[--strategy S] [--layers N] [--no-fsdp] [--no-skip] [--head-in-root] [--prefetch-root] [--timeline] [--nccl-gather] [--mem-phases] [--keep-activations] [--tp [--sp] [--no-overlap]] [--pp [--microbatches M] [--schedule 1f1b|zbh1|gpipe|zbv|dualpipev|looped_bfs] [--no-overlap] [--stages|--pp-layers N,N,..] [--chunks v] [--no-grad-first] [--pp-size P [--pp-fsdp]]] [--cp N] [--ac none|full|op|N] [--float8 [--recipe tensorwise|rowwise|rowwise_with_gw_hp|blockwise] [--float8-gather [--f8-precompute N]] [--tp-scales shard|group]]; got ' .. tostring(arg[i]))
     end
   end
 end
@@ -210,7 +210,7 @@ if use_pp then
   end
   pipe = ms.pp.pipeline(model, { group = pp_mesh.shard, microbatches = opts.microbatches,
     schedule = (opts.chunks > 1 and opts.schedule ~= 'looped_bfs') and 'interleaved' or opts.schedule,
-    chunks = opts.schedule == 'zbv' and 2 or opts.chunks,
+    chunks = (opts.schedule == 'zbv' or opts.schedule == 'dualpipev') and 2 or opts.chunks,
     overlap = not flags['no-overlap'], layers = layers, input_grad_first = not flags['no-grad-first'] })
   say(tostring(pipe))
 end
@@ -565,7 +565,7 @@ say('|---|---|---|---|---|---|---|---|---|---|---|')
 say(('| %s | %d | %s | %d | %d | %.1fM | %.1f | %.0f | %.1f | %.2f | %s |'):format(opts.model, world,
   use_pp and ('pipeline%s, %s, %d micro-batches%s'):format(
     dp > 1 and (' %d x %s %d'):format(world / dp, flags['pp-fsdp'] and opts.strategy or 'data parallel', dp) or '',
-    opts.schedule == 'zbv' and 'zbv' or opts.chunks > 1 and ('%s x%d'):format(opts.schedule == 'looped_bfs'
+    (opts.schedule == 'zbv' or opts.schedule == 'dualpipev') and opts.schedule or opts.chunks > 1 and ('%s x%d'):format(opts.schedule == 'looped_bfs'
       and 'looped_bfs' or 'interleaved', opts.chunks) or opts.schedule, opts.microbatches,
     (flags['no-overlap'] and ', no overlap' or '') .. (flags['no-grad-first'] and ', no grad first' or ''))
     or use_tp and (flags.sp and 'tensor + sequence parallel' or 'tensor parallel') or use_fsdp and (opts.strategy .. (flags['head-in-root'] and ', head in root' or '')

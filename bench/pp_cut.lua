@@ -52,7 +52,7 @@ local function row(name, v, what, cut)
   local r = O.simulate(name, S, M, { chunks = v, cost = O.stage_costs(cut, S, head), act = cut })
   local peak = {}
   for s = 1, S do peak[s] = ('%d'):format(r.held[s]) end
-  print(('| %s | %s | %s | %s | %.2f | %.3f | %s |'):format(name .. (v > 1 and name ~= 'zbv' and (', ' .. v .. ' chunks') or ''),
+  print(('| %s | %s | %s | %s | %.2f | %.3f | %s |'):format(name .. (v > 1 and not O.vshaped(name) and (', ' .. v .. ' chunks') or ''),
     what, table.concat(cut, ','), rank_work(cut, O.layout(name)), r.makespan, r.bubble, table.concat(peak, ' ')))
   return r.makespan
 end
@@ -60,7 +60,7 @@ end
 print('\n| schedule | cut | blocks a virtual stage | ranks\' work (blocks) | step (F units) | bubble | most '
   .. 'activations a rank holds (blocks x micro-batches) |')
 print('| --- | --- | --- | --- | --- | --- | --- |')
-for _, sc in ipairs({ { '1f1b', 1 }, { 'zbh1', 1 }, { 'zbv', 2 }, { 'interleaved', 2 } }) do
+for _, sc in ipairs({ { '1f1b', 1 }, { 'zbh1', 1 }, { 'zbv', 2 }, { 'dualpipev', 2 }, { 'interleaved', 2 } }) do
   local name, v = sc[1], sc[2]
   local lo, mult = O.microbatch_rule(name, S)
   if M >= lo and M % mult == 0 then

@@ -192,7 +192,7 @@ describe('pipeline parallelism #mpi', function()
     assert.has_error(function() pp.pipeline(build(cases[1]), { chunks = 2, microbatches = W + 1 }) end,
       ('pp.pipeline: the interleaved schedule needs micro-batches in multiples of the %d stages, got %d'):format(W, W + 1))
     assert.has_error(function() pp.pipeline(build(cases[1]), { chunks = 2, schedule = 'gpipe' }) end,
-      'pp.pipeline: 2 chunks a rank run the interleaved, looped_bfs or zbv schedule, not gpipe')
+      'pp.pipeline: 2 chunks a rank run the interleaved, looped_bfs, zbv or dualpipev schedule, not gpipe')
   end)
 
   it('input_grad_first: the stages after the first defer their weight gradients past the input\'s send; the same bits', function()

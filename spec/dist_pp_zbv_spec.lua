@@ -436,7 +436,7 @@ describe('zbv and looped BFS pipelines #mpi', function()
       'pp.pipeline: the zbv schedule splits each backward at the stage\'s input (input_grad_first, with overlap); '
         .. 'got overlap = false, input_grad_first = true')
     assert.has_error(function() pp.pipeline(build(cases[2]), { schedule = '1f1b', chunks = 2 }) end,
-      'pp.pipeline: 2 chunks a rank run the interleaved, looped_bfs or zbv schedule, not 1f1b')
+      'pp.pipeline: 2 chunks a rank run the interleaved, looped_bfs, zbv or dualpipev schedule, not 1f1b')
     -- the default micro-batches under zbv: 2S
     local pipe = pp.pipeline(m, { schedule = 'zbv' })
     assert.are.equal(2 * W, pipe.microbatches)

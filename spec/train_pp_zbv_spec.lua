@@ -143,6 +143,6 @@ describe('bin/train --pp 2 --pp-schedule zbv | looped_bfs (CPU through mpirun)',
     status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --pp 2 --batch-size 4 '
       .. '--pp-schedule zbw --out %s/b4'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)
-    assert.is_truthy(text:find('pp_schedule must be 1f1b, zbh1, zbv, gpipe or looped_bfs, got \'zbw\'', 1, true), text)
+    assert.is_truthy(text:find('pp_schedule must be 1f1b, zbh1, zbv, dualpipev, gpipe or looped_bfs, got \'zbw\'', 1, true), text)
   end)
 end)

@@ -184,7 +184,11 @@ end
 --                 s, chunk 2 virtual stage 2S - 1 - s: the embedding and the
 --                 head both on rank 0, the turn a local hand-over on rank
 --                 S - 1), the zero-bubble paper's ZB-V order
---                 (pp_order.lua), microbatches >= 2S - 1
+--                 (pp_order.lua), microbatches >= 2S - 1; 'dualpipev':
+--                 DeepSeek's DualPipeV on the same V (2 chunks), its
+--                 overlapped forward-backward pairs run in turn, the
+--                 pair's gradient received during its forward,
+--                 microbatches >= 2S
 --   layers        blocks per (virtual) stage, a list summing to the
 --                 model's blocks, 0s allowed (default pp.default_cut, the
 --                 head counted as 0.7 of its weight over a block's
@@ -204,7 +208,7 @@ end
 --                 interleaved 1F1B (Megatron-LM's virtual pipeline,
 --                 torchtitan's Interleaved1F1B): a bubble v times smaller;
 --                 microbatches must be a multiple of the stages (looped_bfs:
---                 any number; zbv: 2, the default there)
+--                 any number; zbv, dualpipev: 2, the default there)
 --   fsdp_reduce   with the stage under fsdp.fully_shard (after the cut):
 --                 'step' (default) reduces the gradients once, in the
 --                 stage's last backward of the step (the others keep them
@@ -232,19 +236,20 @@ function pp.pipeline(model, opts)
   end
   if not group:is_member() then error('pp.pipeline: this rank is not a member of the group', 2) end
   local S, s = group:size(), group:rank()
-  local v = opts.chunks or (opts.schedule == 'zbv' and 2 or 1)
+  local vshaped = order.vshaped(opts.schedule)   -- zbv, dualpipev
+  local v = opts.chunks or (vshaped and 2 or 1)
   if type(v) ~= 'number' or v < 1 or v ~= math.floor(v) then
     error(('pp.pipeline: chunks must be a positive integer, got %s'):format(tostring(v)), 2)
   end
-  if opts.schedule == 'zbv' and v ~= 2 then
-    error(('pp.pipeline: the zbv schedule runs 2 chunks a rank, got chunks = %d'):format(v), 2)
+  if vshaped and v ~= 2 then
+    error(('pp.pipeline: the %s schedule runs 2 chunks a rank, got chunks = %d'):format(opts.schedule, v), 2)
   end
   if opts.schedule == 'looped_bfs' and v == 1 then
     error('pp.pipeline: the looped_bfs schedule runs over chunks > 1 a rank (with one chunk it is gpipe)', 2)
   end
   if v > 1 and S == 1 then error(('pp.pipeline: %d chunks a rank need at least 2 stages'):format(v), 2) end
   local V = S * v   -- virtual stages
-  local M = opts.microbatches or (opts.schedule == 'zbv' and 2 * S or S)
+  local M = opts.microbatches or (vshaped and 2 * S or S)
   if type(M) ~= 'number' or M < 1 or M ~= math.floor(M) then
     error(('pp.pipeline: microbatches must be a positive integer, got %s'):format(tostring(M)), 2)
   end
@@ -254,8 +259,8 @@ function pp.pipeline(model, opts)
     error(('pp.pipeline: fsdp_reduce must be step or microbatch, got %s'):format(tostring(fsdp_reduce)), 2)
   end
   if v > 1 then
-    if schedule ~= 'interleaved' and schedule ~= 'looped_bfs' and schedule ~= 'zbv' then
-      error(('pp.pipeline: %d chunks a rank run the interleaved, looped_bfs or zbv schedule, not %s'):format(v,
+    if schedule ~= 'interleaved' and schedule ~= 'looped_bfs' and not vshaped then
+      error(('pp.pipeline: %d chunks a rank run the interleaved, looped_bfs, zbv or dualpipev schedule, not %s'):format(v,
         tostring(schedule)), 2)
     end
     if schedule == 'interleaved' and M % S ~= 0 then
@@ -266,11 +271,16 @@ function pp.pipeline(model, opts)
       error(('pp.pipeline: the zbv schedule needs at least 2 x %d - 1 = %d micro-batches over %d stages (the first '
         .. 'rank\'s warm-up runs that many forwards), got %d'):format(S, 2 * S - 1, S, M), 2)
     end
+    if schedule == 'dualpipev' and M < 2 * S then
+      error(('pp.pipeline: the dualpipev schedule needs at least 2 x %d = %d micro-batches over %d stages (the last '
+        .. 'rank\'s first overlapped pair comes after every rank\'s 2 x %d warm-up forwards), got %d'):format(S, 2 * S, S,
+        S, M), 2)
+    end
   elseif schedule ~= '1f1b' and schedule ~= 'gpipe' and schedule ~= 'zbh1' then
     error(('pp.pipeline: schedule must be 1f1b, zbh1 or gpipe (or interleaved, with chunks > 1), got %s'):format(
       tostring(schedule)), 2)
   end
-  if (schedule == 'zbh1' or schedule == 'zbv') and (opts.overlap == false or opts.input_grad_first == false) then
+  if (schedule == 'zbh1' or vshaped) and (opts.overlap == false or opts.input_grad_first == false) then
     error(('pp.pipeline: the ' .. schedule .. ' schedule splits each backward at the stage\'s input (input_grad_first, with '
       .. 'overlap); got overlap = %s, input_grad_first = %s'):format(tostring(opts.overlap ~= false),
       tostring(opts.input_grad_first ~= false)), 2)
@@ -622,10 +632,11 @@ function Pipeline:forward_one(i, x, ids, targets, grad, c)
   return rec
 end
 
--- zbh1 and zbv take each backward's weight gradients out for later (not
--- under fully_shard: zbv then runs them in the backward, as 1f1b does)
+-- zbh1, zbv and dualpipev take each backward's weight gradients out for
+-- later (not under fully_shard: zbv and dualpipev then run them in the
+-- backward, as 1f1b does)
 function Pipeline:splits_w()
-  return self.schedule == 'zbh1' or (self.schedule == 'zbv' and not rawget(self.model, '_fsdp'))
+  return self.schedule == 'zbh1' or (order.vshaped(self.schedule) and not rawget(self.model, '_fsdp'))
 end
 
 -- the MoE layers of chunk c's blocks (found once), and a balance-loss
@@ -1076,22 +1087,29 @@ function Pipeline:csend_forward(rec)
   end
 end
 
--- the gradient of rec's output (nil on the last virtual stage)
-function Pipeline:crecv_backward(rec)
+-- the gradient of rec's output (nil on the last virtual stage). early
+-- (the V only): the receive is posted and not waited for; returns the
+-- buffer and the Work to wait on before the backward reads it (nil when
+-- nothing comes over the network: the last virtual stage, the turn)
+function Pipeline:crecv_backward(rec, early)
   if not self.vshape then return self:vrecv_backward(rec) end
   if rec.lastv then return nil end
   local S, s = self.n_stages, self.stage
-  local g
+  local g, peer, grp
   if rec.c == 2 then
-    g = self:act_buffer()
-    self:p2p(self:ops_recv({}, g, self.ranks[s], true), self:zgroup('b2', s - 1))
+    peer, grp = self.ranks[s], self:zgroup('b2', s - 1)
   elseif s == S - 1 then
+    if early then return nil end
     g = self.turn_b[rec.i]
     self.turn_b[rec.i] = nil
+    return g
   else
-    g = self:act_buffer()
-    self:p2p(self:ops_recv({}, g, self.ranks[s + 2], true), self:zgroup('b1', s + 1))
+    peer, grp = self.ranks[s + 2], self:zgroup('b1', s + 1)
   end
+  g = self:act_buffer()
+  local ops = self:ops_recv({}, g, peer, true)
+  if early then return g, dist.batch_p2p(ops, { group = grp, async = true }) end
+  self:p2p(ops, grp)
   return g
 end
 
@@ -1111,18 +1129,27 @@ function Pipeline:csend_backward(rec, gx)
 end
 
 -- runs a list of ops (pp_order: { 'F' | 'B' | 'W', micro-batch, chunk }):
--- looped_bfs and zbv, and the evaluation of every schedule over chunks but
--- the interleaved one. W runs the weight gradients a B took out (zbv;
--- none in the other schedules, whose backwards run their own)
+-- looped_bfs, zbv and dualpipev, and the evaluation of every schedule over
+-- chunks but the interleaved one. W runs the weight gradients a B took out
+-- (zbv, dualpipev; none in the other schedules, whose backwards run their
+-- own). DualPipeV's overlapped pair (an F marked overlap, then a B and its
+-- W) runs in turn, F then B, on the one stream; the B's output gradient
+-- is received while the F runs: its receive is posted before the F's
+-- input is taken and waited for only before the B (self.early)
 function Pipeline:run_order(ops, ids, targets, grad)
   local v = self.chunks
   local recs, trace = {}, self.trace
   self.wjobs, self.turn_f, self.turn_b = {}, {}, {}
   local wjobs = self.wjobs
-  for _, op in ipairs(ops) do
+  for n, op in ipairs(ops) do
     local kind, i, c = op[1], op[2], op[3]
     local key = (i - 1) * v + c
     if kind == 'F' then
+      if grad and op.overlap and self.vshape then
+        local b = ops[n + 1]
+        local g, work = self:crecv_backward(recs[(b[2] - 1) * v + b[3]], true)
+        if work then self.early = { key = (b[2] - 1) * v + b[3], g = g, work = work } end
+      end
       local rec = self:forward_one(i, self:crecv_forward(c, i, grad), ids, targets, grad, c)
       self:csend_forward(rec)
       if grad then
@@ -1134,7 +1161,16 @@ function Pipeline:run_order(ops, ids, targets, grad)
     elseif kind == 'B' then
       local rec = recs[key]
       recs[key] = nil
-      self:csend_backward(rec, self:backward_one(rec, self:crecv_backward(rec)))
+      local gy, early = nil, self.early
+      if early and early.key == key then
+        self.early = nil
+        early.work:wait()
+        early.work:free()
+        gy = early.g
+      else
+        gy = self:crecv_backward(rec)
+      end
+      self:csend_backward(rec, self:backward_one(rec, gy))
       if rec.w then wjobs[key] = rec.w; rec.w = nil end
     else
       local job = wjobs[key]
@@ -1334,6 +1370,7 @@ function Pipeline:drop_live()
     self.wq = nil
   end
   for _, job in pairs(self.wjobs or {}) do job:drop() end
+  if self.early then self.early.work:free(); self.early.g:free(); self.early = nil end
   for _, list in ipairs({ self.turn_f or {}, self.turn_b or {} }) do for _, t in pairs(list) do t:free() end end
   self.wjobs, self.turn_f, self.turn_b = nil, nil, nil
   for i, w in ipairs(self.sends) do w:free(); self.sends[i] = nil end
