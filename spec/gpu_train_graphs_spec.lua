@@ -107,13 +107,20 @@ describe('bin/train --cuda-graphs #gpu', function()
     end
   end
 
-  it('a run stopped at a checkpoint and resumed captures again after its warm-up: the bits of the eager run',
-    function()
+  -- the eager gpt2 f32 run (made by the first case; again where it was
+  -- left out) -> its folder
+  local function eager_gpt2()
     local a = dir .. '/gpt2-f32-eager'
     if not io.open(a .. '/model.safetensors') then
       local st, text = S.bin_train(flags('gpt2', 'f32', '--out ' .. q(a)), env)
       assert.are.equal(0, st, text)
     end
+    return a
+  end
+
+  it('a run stopped at a checkpoint and resumed captures again after its warm-up: the bits of the eager run',
+    function()
+    local a = eager_gpt2()
     local c = dir .. '/resumed'
     local st, text = S.bin_train(flags('gpt2', 'f32', '--cuda-graphs --graph-warmup 1 --stop-at 4 --out ' .. q(c)),
       env)
@@ -198,11 +205,7 @@ end
 return M
 ]])
     f:close()
-    local a = dir .. '/gpt2-f32-eager'
-    if not io.open(a .. '/model.safetensors') then
-      local st, text = S.bin_train(flags('gpt2', 'f32', '--out ' .. q(a)), env)
-      assert.are.equal(0, st, text)
-    end
+    local a = eager_gpt2()
     local b = dir .. '/refused'
     local st, text = S.bin_train(flags('gpt2', 'f32', '--cuda-graphs --out ' .. q(b)):gsub('^models/gpt2%.lua',
       q(file)), env)

@@ -40,9 +40,11 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
 
   local reference, refs = S.references(dir)   -- (model, args, name) -> its losses; name -> losses
   local close_weights = S.close_weights   -- (spec/support.lua: at most 1 in 50 beyond 2e-5, none beyond 5e-4)
-  local function run(np, args, name)
+  -- a run of `np` ranks, the global batch of 4 sequences split over its
+  -- np / per data-parallel groups (per: the ranks of one; 2, a TP group)
+  local function run(np, args, name, per)
     local status, text = bin_train(('--nproc-per-node %d --device cpu %s --batch-size %d --steps 4 --out %s/%s'):format(
-      np, args, 4 / (np / 2), q(dir), name))
+      np, args, 4 / (np / (per or 2)), q(dir), name))
     assert.are.equal(0, status, text)
     return text
   end
@@ -224,12 +226,7 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
   -- M consecutive ranks (M / 2 TP groups of the context-parallel pairs),
   -- each rank routing its own rows of its chunks; the experts' copies the
   -- ranks at the same place in the other expert groups
-  local function run_cp(np, args, name)
-    local status, text = bin_train(('--nproc-per-node %d --device cpu %s --batch-size %d --steps 4 --out %s/%s'):format(
-      np, args, 4 / (np / 4), q(dir), name))
-    assert.are.equal(0, status, text)
-    return text
-  end
+  local function run_cp(np, args, name) return run(np, args, name, 4) end
   local deepseek_mtp = deepseek .. ' --model.mtp_loss_weight 0.3 --model.num_nextn_predict_layers 2'
   it('mixtral and deepseek-v3 (also with multi-token prediction): --tp 2 --ep 2 --cp 2 and --tp 2 --ep 4 --cp 2 on 4 '
     .. 'ranks and --tp 2 --ep 4 --cp 2 on 8 (data parallel 2) follow the one-process curve and gradient norm, with and '
