@@ -43,27 +43,11 @@ describe('expert, tensor and context parallelism on GPUs (NCCL) #multi', functio
     { 'mixtral-tiny', require 'models.mixtral', { num_hidden_layers = 2, output_router_logits = false } },
     { 'deepseek-v3-tiny', require 'models.deepseek_v3', { num_hidden_layers = 2, aux_loss_alpha = 0.01 } },
   }
-  local function build(case)
-    ms.manual_seed(7)
-    local m = case[2].new('tiny', case[3])
-    -- (routing biases that choose differently from zeros)
-    for _, l in ipairs(ms.nn.moe.layers(m)) do
-      local b = l:routing_bias()
-      if b then b:copy_(ms.randn(b.shape, { seed = 4 }):to(b.dtype) * 0.01) end
-    end
-    return m
-  end
+  local build = FS.moe_model   -- (case)
   -- TP pairs {0, 1} {2, 3}, rings {0, 2} {1, 3} (the mesh's replicate axis),
   -- expert groups of M consecutive ranks -> model (on the GPU), mesh, cp context
   local function split(case, M, sp)
-    local m = build(case)
-    local mesh = dist.mesh { replicate = 2, shard = 2 }
-    if M == 2 then
-      ms.ep.parallelize(m, { group = mesh.shard, replicate = mesh.replicate })
-    else
-      ms.ep.parallelize(m, { group = dist.world_group })
-    end
-    ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = sp })
+    local m, mesh = FS.split_ep_tp(build(case), W, M, sp)
     m = m:to('cuda')
     return m, mesh, cp.apply(m, mesh.replicate)
   end
@@ -74,11 +58,7 @@ describe('expert, tensor and context parallelism on GPUs (NCCL) #multi', functio
   -- this rank's chunks' loss, backward, averaged over the ring
   local function split_loss(m, mesh, ctx, step)
     local x, y = batch(step)
-    local l = m(cp.shard(x, ctx), cp.shard(y, ctx))
-    l:backward()
-    local lt = l:detach():clone()
-    dist.all_reduce(lt, 'avg', { group = mesh.replicate })
-    return lt:item()
+    return FS.cp_loss(m, ctx, x, y, mesh.replicate)
   end
   local layouts = { { 2, 'a TP group, copied across the ring' }, { 4, 'both TP groups of the ring' } }
 
@@ -96,23 +76,8 @@ describe('expert, tensor and context parallelism on GPUs (NCCL) #multi', functio
           local l = split_loss(m, mesh, ctx, 1)
           ms.ep.all_reduce_grads(m, mesh.replicate)
           assert.is_true(FS.rel(l, lref:item()) <= 1e-5, ('loss %.9g, one process %.9g'):format(l, lref:item()))
-          local full = ms.tp.full_grads(m)
-          local n = 0
-          for name, p in ref:named_parameters() do
-            local g = full[name]
-            if g ~= nil then
-              n = n + 1
-              local e = FS.norm_rel(g, p.grad)
-              assert.is_true(e <= 1e-4, ('%s: %.3g from one process\'s gradient'):format(name, e))
-            else
-              -- (only the experts held elsewhere are missing)
-              assert.is_truthy(name:find('.experts.', 1, true), name)
-            end
-          end
+          local n = FS.same_moe_grads(m, ref, 1e-4, 1e-4)
           assert.is_true(n > 10)
-          local nm = ms.ep.clip_grad_norm_(m, math.huge)
-          local nr = ms.optim.clip_grad_norm(ref, math.huge)
-          assert.is_true(FS.rel(nm, nr) <= 1e-4, ('norm %.9g, one process %.9g'):format(nm, nr))
           mesh.shard:free(); mesh.replicate:free()
         end)
       end
@@ -125,9 +90,7 @@ describe('expert, tensor and context parallelism on GPUs (NCCL) #multi', functio
         local ref = build(case):to('cuda')
         local ropt = ms.optim.AdamW(ref, hyper)
         local m, mesh, ctx = split(case, lay[1], true)
-        ms.fsdp.fully_shard(m, { strategy = 'FULL_SHARD', group = mesh.replicate,
-          policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }) })
-        local opt = ms.fsdp.AdamW(m, hyper)
+        local opt = FS.shard_layers(m, mesh.replicate, 'FULL_SHARD', hyper)
         for step = 1, 2 do
           local x, y = batch(10 + step)
           local lref = ref(x, y)
@@ -135,21 +98,12 @@ describe('expert, tensor and context parallelism on GPUs (NCCL) #multi', functio
           local l = split_loss(m, mesh, ctx, 10 + step)
           assert.is_true(FS.rel(l, lref:item()) <= 1e-5, ('step %d: loss %.9g, one process %.9g'):format(step, l,
             lref:item()))
-          local nr = ms.optim.clip_grad_norm(ref, 0.05)
-          local nm = ms.ep.clip_grad_norm_(m, 0.05, { defer = step == 2 and opt or nil })
-          assert.is_true(nr > 0.05, 'the clip bites')
-          assert.is_true(FS.rel(nm, nr) <= 1e-4, ('step %d: norm %.9g, one process %.9g'):format(step, nm, nr))
-          ropt:step(); ropt:zero_grad()
-          opt:step(); opt:zero_grad()
+          FS.clipped_moe_step(ref, ropt, m, opt, step, 1e-4, step == 2)
         end
-        local full = ms.ep.full_state_dict(m, { host = true })
-        for name, t in pairs(ref:state_dict()) do
-          assert.is_truthy(full[name], name)
-          -- (1e-3: AdamW's update of an element whose gradient is near
-          -- its eps turns on the gradient's last bits)
-          local e = FS.norm_rel(full[name]:to('cpu'), t:to('cpu'))
-          assert.is_true(e <= 1e-3, ('%s after 2 steps: %.3g'):format(name, e))
-        end
+        -- (1e-3: AdamW's update of an element whose gradient is near its
+        -- eps turns on the gradient's last bits)
+        FS.same_state(ms.ep.full_state_dict(m, { host = true }), ref:state_dict(), 1e-3, FS.host_norm_rel,
+          ' after 2 steps')
         mesh.shard:free(); mesh.replicate:free()
       end)
     end

@@ -46,16 +46,7 @@ describe('expert, tensor and context parallelism #mpi', function()
     { 'deepseek-v3-tiny with MTP', require 'models.deepseek_v3', { num_hidden_layers = 2, aux_loss_alpha = 0.01,
       mtp_loss_weight = 0.3 } },
   }
-  local function build(case)
-    ms.manual_seed(7)
-    local m = case[2].new('tiny', case[3]):to('f64')
-    -- (routing biases that choose differently from zeros)
-    for _, l in ipairs(ms.nn.moe.layers(m)) do
-      local b = l:routing_bias()
-      if b then b:copy_(ms.randn(b.shape, { seed = 4 }):to(b.dtype) * 0.01) end
-    end
-    return m
-  end
+  local function build(case) return FS.moe_model(case, 'f64') end
 
   local C, TP = 2, 2
   local D = W / (C * TP)
@@ -128,14 +119,9 @@ describe('expert, tensor and context parallelism #mpi', function()
   end
   -- this rank's chunks; the gradients reduced -> the loss averaged over the
   -- ranks of this TP index (every sequence's every chunk once)
-  local function split_loss(m, ctx, mesh, step, B, scale)
+  local function split_loss(m, ctx, mesh, step, B)
     local x, y = batch(d, step, B)
-    local l = m(cp.shard(x, ctx), cp.shard(y, ctx))
-    if scale then l = l * scale end
-    l:backward()
-    local lt = l:detach():clone()
-    dist.all_reduce(lt, 'avg', { group = mesh.replicate })
-    return lt:item()
+    return FS.cp_loss(m, ctx, x, y, mesh.replicate)
   end
 
   local hyper = { lr = 1e-2, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
@@ -163,41 +149,15 @@ describe('expert, tensor and context parallelism #mpi', function()
             ms.ep.all_reduce_grads(m, mesh.replicate)
             assert.is_true(FS.rel(l, lr) <= 1e-12, ('step %d: loss %.17g, one process %.17g'):format(step, l, lr))
             if step == 1 then
-              local full = ms.tp.full_grads(m)
-              local n = 0
-              for name, p in ref:named_parameters() do
-                local g = full[name]
-                if g ~= nil then
-                  n = n + 1
-                  local e = FS.norm_rel(g, p.grad)
-                  assert.is_true(e <= 1e-9, ('%s: %.3g from one process\'s gradient'):format(name, e))
-                else
-                  -- (only the experts held elsewhere are missing)
-                  assert.is_truthy(name:find('.experts.', 1, true), name)
-                end
-              end
-              local held = 0
-              for _ in pairs(full) do held = held + 1 end
+              local n, held = FS.same_moe_grads(m, ref, 1e-9, 1e-10)
               assert.are.equal(n, held)
-              local nm = ms.ep.clip_grad_norm_(m, math.huge)
-              local nr = ms.optim.clip_grad_norm(ref, math.huge)
-              assert.is_true(FS.rel(nm, nr) <= 1e-10, ('norm %.17g, one process %.17g'):format(nm, nr))
               m:zero_grad(); ref:zero_grad()
             else
-              local nr = ms.optim.clip_grad_norm(ref, 0.05)
-              local nm = ms.ep.clip_grad_norm_(m, 0.05)
-              assert.is_true(nr > 0.05, 'the clip bites')
-              assert.is_true(FS.rel(nm, nr) <= 1e-10, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
-              ropt:step(); ropt:zero_grad()
-              opt:step(); opt:zero_grad()
+              FS.clipped_moe_step(ref, ropt, m, opt, step, 1e-10)
             end
           end
           cp.remove(m)
-          local full = ms.ep.full_state_dict(m)
-          for name, p in pairs(ref:state_dict()) do
-            assert.is_truthy(full[name], name)
-            assert.is_true(FS.max_rel(full[name], p) <= 1e-9, name)
-          end
+          FS.same_state(ms.ep.full_state_dict(m), ref:state_dict(), 1e-9)
           free(mesh, groups)
         end)
       end
@@ -218,19 +178,8 @@ describe('expert, tensor and context parallelism #mpi', function()
           local ref = build(case)
           local ropt = ms.optim.AdamW(ref, hyper)
           local m, mesh, ctx, groups = split(case, lay[1], sp)
-          ms.fsdp.fully_shard(m, { strategy = strategy, group = mesh.replicate,
-            policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }) })
-          local opt = ms.fsdp.AdamW(m, hyper)
-          local ne = 0
-          for _, u in ipairs(ms.fsdp.units(m)) do
-            if u.experts then
-              ne = ne + 1
-              assert.are.equal(W / lay[1], u.fp.world_size, u.label)
-            else
-              assert.are.equal(W / TP, u.fp.world_size, u.label)
-            end
-          end
-          assert.are.equal(#ms.nn.moe.layers(ref), ne)
+          local opt = FS.shard_layers(m, mesh.replicate, strategy, hyper)
+          FS.moe_unit_sizes(m, W / lay[1], W / TP, #ms.nn.moe.layers(ref))
           for step = 1, 3 do
             -- (two micro-batches of one sequence, the first under no_sync)
             local lr = 0
@@ -246,28 +195,15 @@ describe('expert, tensor and context parallelism #mpi', function()
             local l = 0
             for mb = 1, 2 do
               local function run()
-                local xm, ym = x:narrow(1, mb, 1):contiguous(), y:narrow(1, mb, 1):contiguous()
-                local lm = m(cp.shard(xm, ctx), cp.shard(ym, ctx)) * 0.5
-                lm:backward()
-                local lt = lm:detach():clone()
-                dist.all_reduce(lt, 'avg', { group = mesh.replicate })
-                l = l + lt:item()
+                l = l + FS.cp_loss(m, ctx, x:narrow(1, mb, 1):contiguous(), y:narrow(1, mb, 1):contiguous(),
+                  mesh.replicate, 0.5)
               end
               if mb == 1 then ms.fsdp.no_sync(m, run) else run() end
             end
             assert.is_true(FS.rel(l, lr) <= 1e-12, ('step %d: loss %.17g, one process %.17g'):format(step, l, lr))
-            local nr = ms.optim.clip_grad_norm(ref, 0.05)
-            local nm = ms.ep.clip_grad_norm_(m, 0.05, { defer = step == 2 and opt or nil })
-            assert.is_true(nr > 0.05, 'the clip bites')
-            assert.is_true(FS.rel(nm, nr) <= 1e-10, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
-            ropt:step(); ropt:zero_grad()
-            opt:step(); opt:zero_grad()
+            FS.clipped_moe_step(ref, ropt, m, opt, step, 1e-10, step == 2)
           end
-          local msd = ms.ep.full_checkpoint(m, opt, hyper)
-          for name, p in pairs(ref:state_dict()) do
-            assert.is_truthy(msd[name], name)
-            assert.is_true(FS.max_rel(msd[name], p) <= 1e-9, name)
-          end
+          FS.same_state((ms.ep.full_checkpoint(m, opt, hyper)), ref:state_dict(), 1e-9)
           free(mesh, groups)
         end)
       end

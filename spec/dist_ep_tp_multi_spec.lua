@@ -49,29 +49,13 @@ describe('expert and tensor parallelism on GPUs (NCCL) #multi', function()
     { 'mixtral-tiny', require 'models.mixtral', { num_hidden_layers = 2 } },
     { 'deepseek-v3-tiny', require 'models.deepseek_v3', { num_hidden_layers = 2, aux_loss_alpha = 0.01 } },
   }
-  local function build(case)
-    ms.manual_seed(7)
-    local m = case[2].new('tiny', case[3])
-    -- (routing biases that choose differently from zeros)
-    for _, l in ipairs(ms.nn.moe.layers(m)) do
-      local b = l:routing_bias()
-      if b then b:copy_(ms.randn(b.shape, { seed = 4 }):to(b.dtype) * 0.01) end
-    end
-    return m
-  end
+  local build = FS.moe_model   -- (case)
   -- { --ep, what } at this world size
   local layouts = W == 2 and { { 2, 'the TP group' } } or { { 2, 'the TP group, 2 copies' }, { 4, 'two TP groups' } }
   local D = W / 2
   -- TP groups of 2 consecutive ranks, expert groups of M: model (on the GPU), mesh
   local function split(case, M, sp)
-    local m = build(case)
-    local mesh = dist.mesh { replicate = D, shard = 2 }
-    if M == 2 then
-      ms.ep.parallelize(m, { group = mesh.shard, replicate = D > 1 and mesh.replicate or nil })
-    else
-      ms.ep.parallelize(m, { group = dist.world_group })
-    end
-    ms.tp.parallelize(m, { group = mesh.shard, sequence_parallel = sp })
+    local m, mesh = FS.split_ep_tp(build(case), W, M, sp)
     return m:to('cuda'), mesh
   end
   local function batch(d, step)
@@ -166,29 +150,18 @@ describe('expert and tensor parallelism on GPUs (NCCL) #multi', function()
         local ref = build(case):to('cuda')
         local ropt = ms.optim.AdamW(ref, hyper)
         local m, mesh = split(case, lay[1], true)
-        ms.fsdp.fully_shard(m, { strategy = 'FULL_SHARD', group = mesh.replicate,
-          policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }) })
-        local opt = ms.fsdp.AdamW(m, hyper)
+        local opt = FS.shard_layers(m, mesh.replicate, 'FULL_SHARD', hyper)
         for step = 1, 2 do
           local ls = ref_backward(ref, 10 + step, false)
           local l = split_loss(m, mesh, 10 + step, false)
           local lr = ls[mesh.coord[1]]
           assert.is_true(FS.rel(l, lr) <= 1e-5, ('step %d: loss %.9g, one process %.9g'):format(step, l, lr))
-          local nr = ms.optim.clip_grad_norm(ref, 0.05)
-          local nm = ms.ep.clip_grad_norm_(m, 0.05, { defer = step == 2 and opt or nil })
-          assert.is_true(nr > 0.05, 'the clip bites')
-          assert.is_true(FS.rel(nm, nr) <= 1e-4, ('step %d: norm %.9g, one process %.9g'):format(step, nm, nr))
-          ropt:step(); ropt:zero_grad()
-          opt:step(); opt:zero_grad()
+          FS.clipped_moe_step(ref, ropt, m, opt, step, 1e-4, step == 2)
         end
-        local full = ms.ep.full_state_dict(m, { host = true })
-        for name, t in pairs(ref:state_dict()) do
-          assert.is_truthy(full[name], name)
-          -- (1e-3: AdamW's update of an element whose gradient is near
-          -- its eps turns on the gradient's last bits)
-          local e = FS.norm_rel(full[name]:to('cpu'), t:to('cpu'))
-          assert.is_true(e <= 1e-3, ('%s after 2 steps: %.3g'):format(name, e))
-        end
+        -- (1e-3: AdamW's update of an element whose gradient is near its
+        -- eps turns on the gradient's last bits)
+        FS.same_state(ms.ep.full_state_dict(m, { host = true }), ref:state_dict(), 1e-3, FS.host_norm_rel,
+          ' after 2 steps')
       end)
     end
   end

@@ -37,19 +37,13 @@ local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
 local function same_checkpoint(m, opt, hyper, ref, ropt)
   local msd, osd = ms.ep.full_checkpoint(m, opt, hyper)
   local rsd, rosd = ref:state_dict(), ropt:state_dict()
-  for name, t in pairs(rsd) do
-    assert.is_truthy(msd[name], name)
-    assert.is_true(FS.max_rel(msd[name], t) <= 1e-9, name)
-  end
+  FS.same_state(msd, rsd, 1e-9)
   for name in pairs(msd) do assert.is_truthy(rsd[name], 'not the model\'s: ' .. name) end
   assert.are.same(rosd.meta.groups, osd.meta.groups)
   table.sort(rosd.meta.state, function(a, b) return a.index < b.index end)
   table.sort(osd.meta.state, function(a, b) return a.index < b.index end)
   assert.are.same(rosd.meta.state, osd.meta.state)
-  for name, t in pairs(rosd.tensors) do
-    assert.is_truthy(osd.tensors[name], name)
-    assert.is_true(FS.max_rel(osd.tensors[name], t) <= 1e-9, name)
-  end
+  FS.same_state(osd.tensors, rosd.tensors, 1e-9)
   return rsd, rosd
 end
 
@@ -70,16 +64,7 @@ describe('expert and tensor parallelism #mpi', function()
     { 'deepseek-v3-tiny with MTP', require 'models.deepseek_v3', { num_hidden_layers = 2, aux_loss_alpha = 0.01,
       mtp_loss_weight = 0.3 }, f32_only = true },
   }
-  local function build(case, dtype)
-    ms.manual_seed(7)
-    local m = case[2].new('tiny', case[3]):to(dtype)
-    -- (routing biases that choose differently from zeros)
-    for _, l in ipairs(ms.nn.moe.layers(m)) do
-      local b = l:routing_bias()
-      if b then b:copy_(ms.randn(b.shape, { seed = 4 }):to(b.dtype) * 0.01) end
-    end
-    return m
-  end
+  local build = FS.moe_model   -- (case, dtype)
   -- the layouts: { ep size, what } at this world size
   local function layouts()
     if W == 2 then return { { 2, 'the TP group' } } end
@@ -135,25 +120,8 @@ describe('expert and tensor parallelism #mpi', function()
             local l = split_backward(m, mesh, round, bt[1], bt[2])
             local lr = ls[mesh.coord[1]]
             assert.is_true(FS.rel(l, lr) <= 1e-6, ('round %d: loss %.9g, one process %.9g'):format(round, l, lr))
-            local full = ms.tp.full_grads(m)
-            local n = 0
-            for name, p in ref:named_parameters() do
-              local g = full[name]
-              if g ~= nil then
-                n = n + 1
-                local e = FS.norm_rel(g, p.grad)
-                assert.is_true(e <= 1e-5, ('round %d, %s: %.3g from one process\'s gradient'):format(round, name, e))
-              else
-                -- (only the experts held elsewhere are missing)
-                assert.is_truthy(name:find('.experts.', 1, true), name)
-              end
-            end
-            local held = 0
-            for _ in pairs(full) do held = held + 1 end
+            local n, held = FS.same_moe_grads(m, ref, 1e-5, 1e-5, ('round %d'):format(round))
             assert.are.equal(n, held)
-              local nm = ms.ep.clip_grad_norm_(m, math.huge)
-            local nr = ms.optim.clip_grad_norm(ref, math.huge)
-            assert.is_true(FS.rel(nm, nr) <= 1e-5, ('round %d: norm %.9g, one process %.9g'):format(round, nm, nr))
             m:zero_grad(); ref:zero_grad()
           end
           -- the statistics of the last forward: the TP group's batch, as
@@ -187,12 +155,7 @@ describe('expert and tensor parallelism #mpi', function()
             for step = from, to do
               ref_backward(ref, 10 + step)
               split_backward(mm, mesh, 10 + step)
-              local nr = ms.optim.clip_grad_norm(ref, 0.05)
-              local nm = ms.ep.clip_grad_norm_(mm, 0.05)
-              assert.is_true(nr > 0.05, 'the clip bites')
-              assert.is_true(FS.rel(nm, nr) <= 1e-10, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
-              ropt:step(); ropt:zero_grad()
-              o:step(); o:zero_grad()
+              FS.clipped_moe_step(ref, ropt, mm, o, step, 1e-10)
             end
           end
           steps(m, opt, 1, 2)
@@ -205,10 +168,7 @@ describe('expert and tensor parallelism #mpi', function()
           ms.ep.load_full_state_dict(m2, sd)
           ms.ep.load_full_optimizer_state(m2, opt2, rosd)
           steps(m2, opt2, 3, 3)
-          local full = ms.ep.full_state_dict(m2)
-          for name, t in pairs(ref:state_dict()) do
-            assert.is_true(FS.max_rel(full[name], t) <= 1e-9, name)
-          end
+          FS.same_state(ms.ep.full_state_dict(m2), ref:state_dict(), 1e-9)
         end) end
       end
     end
@@ -219,11 +179,7 @@ describe('expert and tensor parallelism #mpi', function()
   -- layer's experts (a unit of their own) over their copies (ep.replicate:
   -- the same ranks with --ep 2 at 4 ranks; none with --ep 4, whole)
   local hyper = { lr = 1e-2, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
-  local function shard(m, mesh, strategy)
-    ms.fsdp.fully_shard(m, { strategy = strategy, group = mesh.replicate,
-      policy = ms.fsdp.policy.by_class({ 'LlamaDecoderLayer' }) })
-    return ms.fsdp.AdamW(m, hyper)
-  end
+  local function shard(m, mesh, strategy) return FS.shard_layers(m, mesh.replicate, strategy, hyper) end
   -- name -> this rank's gradient (its TP slice, its experts whole), from
   -- the units' shards
   local function shard_grads(m)
@@ -288,16 +244,7 @@ describe('expert and tensor parallelism #mpi', function()
               local opt = shard(m, mesh, strategy)
               -- an expert unit a layer: over its 2 copies (--ep 2 at 4
               -- ranks) or whole on its rank (one copy)
-              local ne = 0
-              for _, u in ipairs(ms.fsdp.units(m)) do
-                if u.experts then
-                  ne = ne + 1
-                  assert.are.equal(W / lay[1], u.fp.world_size, u.label)
-                else
-                  assert.are.equal(D, u.fp.world_size, u.label)
-                end
-              end
-              assert.are.equal(#ms.nn.moe.layers(ref), ne)
+              FS.moe_unit_sizes(m, W / lay[1], D, #ms.nn.moe.layers(ref))
               local function steps(mm, o, from, to)
                 for step = from, to do
                   local ls = ref_micro_backward(ref, 20 + step)
@@ -323,12 +270,7 @@ describe('expert and tensor parallelism #mpi', function()
                     for _ in pairs(got) do held = held + 1 end
                     assert.are.equal(n, held)
                   end
-                  local nr = ms.optim.clip_grad_norm(ref, 0.05)
-                  local nm = ms.ep.clip_grad_norm_(mm, 0.05, { defer = step == from + 1 and o or nil })
-                  assert.is_true(nr > 0.05, 'the clip bites')
-                  assert.is_true(FS.rel(nm, nr) <= 1e-10, ('step %d: norm %.17g, one process %.17g'):format(step, nm, nr))
-                  ropt:step(); ropt:zero_grad()
-                  o:step(); o:zero_grad()
+                  FS.clipped_moe_step(ref, ropt, mm, o, step, 1e-10, step == from + 1)
                 end
               end
               steps(m, opt, 1, 3)
@@ -341,10 +283,7 @@ describe('expert and tensor parallelism #mpi', function()
               local opt2 = shard(m2, mesh, strategy)
               ms.ep.load_full_optimizer_state(m2, opt2, rosd)
               steps(m2, opt2, 4, 5)
-              local full = ms.ep.full_state_dict(m2)
-              for name, t in pairs(ref:state_dict()) do
-                assert.is_true(FS.max_rel(full[name], t) <= 1e-9, name)
-              end
+              FS.same_state(ms.ep.full_state_dict(m2), ref:state_dict(), 1e-9)
             end)
           end
         end

@@ -408,8 +408,24 @@ function S.tiny_flags(corpus, layers)
       .. common
 end
 
+-- the --tp --ep layout specs' models (train_ep_tp, train_ep_tp_pp,
+-- train_pp_tp_hsdp): bin/train arguments of a tiny Mixtral (`mixtral_extra`
+-- flags added, where given) and a tiny DeepSeek-V3 (--moe-bias-rate), 2
+-- layers each, reading `corpus` and logging every `log_every` steps
+function S.tiny_moe_flags(corpus, log_every, mixtral_extra)
+  local common = (' --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every %d '
+    .. '--data %s'):format(log_every, S.shell_quote(corpus))
+  return 'models/mixtral.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
+      .. '--model.intermediate_size 48' .. (mixtral_extra or '') .. common,
+    'models/deepseek_v3.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
+      .. '--model.intermediate_size 64 --model.moe_intermediate_size 16 --model.kv_lora_rank 16 --model.q_lora_rank 24 '
+      .. '--model.qk_rope_head_dim 8 --model.v_head_dim 8 --model.qk_nope_head_dim 8 --model.aux_loss_alpha 0.01 '
+      .. '--moe-bias-rate 1e-2' .. common
+end
+
 -- reference(model, args, name) -> the losses of one process over 4 steps
--- of 4 sequences (checkpoints every 2) in dir/name, run once per name
+-- of 4 sequences (checkpoints every 2) in dir/name, run once per name;
+-- and the table of those run so far (name -> losses)
 function S.references(dir)
   local refs = {}
   return function(model, args, name)
@@ -419,7 +435,7 @@ function S.references(dir)
     luassert.are.equal(0, status, text)
     refs[name] = S.run_losses(dir .. '/' .. name)
     return refs[name]
-  end
+  end, refs
 end
 
 -- a (B, T) batch of token ids in [0, V) and targets of the same shape,

@@ -21,14 +21,7 @@ local dir = S.tmpdir()
 local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
 
 local corpus = S.fixed_corpus(dir, 20000)
-local common = ' --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 1 '
-  .. '--data ' .. q(corpus)
-local mixtral = 'models/mixtral.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
-  .. '--model.intermediate_size 48 --model.output_router_logits false' .. common
-local deepseek = 'models/deepseek_v3.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
-  .. '--model.intermediate_size 64 --model.moe_intermediate_size 16 --model.kv_lora_rank 16 --model.q_lora_rank 24 '
-  .. '--model.qk_rope_head_dim 8 --model.v_head_dim 8 --model.qk_nope_head_dim 8 --model.aux_loss_alpha 0.01 '
-  .. '--moe-bias-rate 1e-2' .. common
+local mixtral, deepseek = S.tiny_moe_flags(corpus, 1, ' --model.output_router_logits false')
 local layout = ' --pp 2 --tp 2 --ep 2'
 
 local norms = S.run_grad_norms   -- (step -> grad_norm)
@@ -38,19 +31,12 @@ describe('bin/train --pp 2 --tp 2 --ep 2 (expert and tensor parallelism in pipel
   teardown(function() os.execute('rm -rf ' .. q(dir)) end)
 
   -- the one-process runs: 4 steps of 4 sequences, checkpoints every 2
-  local refs = {}
-  local function reference(args, name)
-    if refs[name] then return refs[name] end
-    local status, text = bin_train(('%s --batch-size 4 --steps 4 --save-every 2 --out %s/%s'):format(args, q(dir), name))
-    assert.are.equal(0, status, text)
-    refs[name] = losses(dir .. '/' .. name)
-    return refs[name]
-  end
+  local reference = S.references(dir)   -- (model, args, name) -> its losses
   local close_weights = S.close_weights   -- (spec/support.lua: at most 1 in 50 beyond 2e-5, none beyond 5e-4)
 
   it('mixtral and deepseek-v3 follow the one-process curve and gradient norm, plain, with sequence parallelism and '
     .. 'under --fsdp FULL_SHARD and SHARD_GRAD_OP; the final weights are the whole model', function()
-    local one, d1 = reference(mixtral, 'm1'), reference(deepseek, 'd1')
+    local one, d1 = reference(mixtral, '', 'm1'), reference(deepseek, '', 'd1')
     for _, c in ipairs({
       { mixtral, '', 'm1', '[rank 0] expert parallel: 2-way in each stage\'s 2 ranks (1 copy of each expert), 2 of 4 experts a rank in 2 layers, '
         .. 'each expert whole, each group 1 tensor-parallel group of 2 routing its ranks\' own rows' },
@@ -80,7 +66,7 @@ describe('bin/train --pp 2 --tp 2 --ep 2 (expert and tensor parallelism in pipel
   -- context-parallel rank
   it('with --cp 2 too (8 ranks), mixtral plain and under --fsdp FULL_SHARD and deepseek-v3 plain follow the '
     .. 'one-process curve and gradient norm; the final weights are the whole model', function()
-    local one, d1 = reference(mixtral, 'm1'), reference(deepseek, 'd1')
+    local one, d1 = reference(mixtral, '', 'm1'), reference(deepseek, '', 'd1')
     for _, c in ipairs({ { mixtral, '', 'm1' }, { mixtral, ' --fsdp FULL_SHARD --sequence-parallel', 'm1' },
       { deepseek, '', 'd1' } }) do
       local name = ('pc_%s_%d'):format(c[3], #c[2])
@@ -101,7 +87,7 @@ describe('bin/train --pp 2 --tp 2 --ep 2 (expert and tensor parallelism in pipel
   -- index.json); each of `resumes` ({ launcher flags, run flags }) resumes
   -- a copy of it and follows the one-process curve
   local function resumes(name, flags, sharded, list)
-    local one = reference(mixtral, 'm1')
+    local one = reference(mixtral, '', 'm1')
     local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 4 --steps 4 %s --save-every 1 '
       .. '--stop-at 2 --out %s/%s'):format(mixtral, layout, flags, q(dir), name))
     assert.are.equal(0, status, text)
@@ -139,7 +125,7 @@ describe('bin/train --pp 2 --tp 2 --ep 2 (expert and tensor parallelism in pipel
     .. 'and at --pp 2 --tp 2 --ep 2; a one-process checkpoint resumes at --pp 2 --tp 2 --ep 2 on the curve', function()
     resumes('pf', '--checkpoint-format full', false, { { '', '' }, { '--nproc-per-node 4 --device cpu ', layout } })
     resumes('pff', '--fsdp FULL_SHARD --checkpoint-format full', false, { { '', '' } })
-    local one = reference(mixtral, 'm1')
+    local one = reference(mixtral, '', 'm1')
     local r = dir .. '/one_r'
     os.execute(('mkdir -p %s && cp -r %s/m1/ckpt-2 %s/'):format(q(r), q(dir), q(r)))
     local status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s%s'):format(q(r), layout))

@@ -30,14 +30,7 @@ local dir = S.tmpdir()
 local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
 
 local corpus = S.fixed_corpus(dir, 20000)
-local common = ' --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 2 '
-  .. '--data ' .. q(corpus)
-local mixtral = 'models/mixtral.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
-  .. '--model.intermediate_size 48' .. common
-local deepseek = 'models/deepseek_v3.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
-  .. '--model.intermediate_size 64 --model.moe_intermediate_size 16 --model.kv_lora_rank 16 --model.q_lora_rank 24 '
-  .. '--model.qk_rope_head_dim 8 --model.v_head_dim 8 --model.qk_nope_head_dim 8 --model.aux_loss_alpha 0.01 '
-  .. '--moe-bias-rate 1e-2' .. common
+local mixtral, deepseek = S.tiny_moe_flags(corpus, 2)
 local no_aux = ' --model.output_router_logits false'
 
 local norms = S.run_grad_norms   -- (step -> grad_norm)
@@ -45,18 +38,13 @@ local norms = S.run_grad_norms   -- (step -> grad_norm)
 describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun)', function()
   teardown(function() os.execute('rm -rf ' .. q(dir)) end)
 
-  local refs = {}
-  local function reference(args, name)
-    if refs[name] then return refs[name] end
-    local status, text = bin_train(('%s --batch-size 4 --steps 4 --save-every 2 --out %s/%s'):format(args, q(dir), name))
-    assert.are.equal(0, status, text)
-    refs[name] = losses(dir .. '/' .. name)
-    return refs[name]
-  end
+  local reference, refs = S.references(dir)   -- (model, args, name) -> its losses; name -> losses
   local close_weights = S.close_weights   -- (spec/support.lua: at most 1 in 50 beyond 2e-5, none beyond 5e-4)
-  local function run(np, args, name)
+  -- a run of `np` ranks, the global batch of 4 sequences split over its
+  -- np / per data-parallel groups (per: the ranks of one; 2, a TP group)
+  local function run(np, args, name, per)
     local status, text = bin_train(('--nproc-per-node %d --device cpu %s --batch-size %d --steps 4 --out %s/%s'):format(
-      np, args, 4 / (np / 2), q(dir), name))
+      np, args, 4 / (np / (per or 2)), q(dir), name))
     assert.are.equal(0, status, text)
     return text
   end
@@ -64,8 +52,8 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
   it('mixtral: --tp 2 --ep 2 on 2 ranks (with and without sequence parallelism, with the load-balancing loss), '
     .. '--tp 2 --ep 2 and --tp 2 --ep 4 on 4 follow the one-process curve; the final weights are the whole model',
     function()
-    local one = reference(mixtral .. no_aux, 'm1')
-    local aux = reference(mixtral, 'm1aux')
+    local one = reference(mixtral, no_aux, 'm1')
+    local aux = reference(mixtral, '', 'm1aux')
     for _, c in ipairs({
       { 2, ' --tp 2 --ep 2', one, '2-way over 2 ranks (1 copy of each expert), 2 of 4 experts a rank in 2 layers, each '
         .. 'expert whole, each group 1 tensor-parallel group of 2', 'data parallel 1, sequence parallel' },
@@ -89,7 +77,7 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
 
   it('deepseek-v3 (a split shared expert, the sequence-wise balance loss, --moe-bias-rate): --tp 2 --ep 2 on 2 ranks '
     .. 'and --tp 2 --ep 4 on 4 follow the one-process curve', function()
-    local one = reference(deepseek, 'd1')
+    local one = reference(deepseek, '', 'd1')
     for _, c in ipairs({ { 2, ' --tp 2 --ep 2' }, { 4, ' --tp 2 --ep 4 --no-sequence-parallel' } }) do
       local name = ('d%d'):format(c[1])
       run(c[1], deepseek .. c[2], name)
@@ -98,28 +86,37 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     end
   end)
 
+  -- a run of `np` ranks with `flags` and --checkpoint-format full stopped at
+  -- step 2 (into dir/name): its checkpoint is the one-process run's after 2
+  -- steps (every expert and the whole tensors in one file); a copy of it
+  -- resumes in one process, and it resumes on `np` ranks with `resume`, both
+  -- on the curve
+  local function full_resumes(name, np, flags, resume)
+    local one = reference(mixtral, no_aux, 'm1')
+    local status, text = bin_train(('--nproc-per-node %d --device cpu %s%s %s --checkpoint-format full --save-every 1 '
+      .. '--stop-at 2 --out %s/%s'):format(np, mixtral, no_aux, flags, q(dir), name))
+    assert.are.equal(0, status, text)
+    close_weights(dir .. '/' .. name .. '/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors',
+      name .. ': the checkpoint')
+    os.execute(('cp -r %s/%s %s/%s1'):format(q(dir), name, q(dir), name))
+    status, text = bin_train(('--resume %s/%s1'):format(q(dir), name))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/' .. name .. '1'), 1, 4, name .. ': resumed in one process')
+    status, text = bin_train(('--nproc-per-node %d --device cpu --resume %s/%s %s'):format(np, q(dir), name, resume))
+    assert.are.equal(0, status, text)
+    close_losses(one, losses(dir .. '/' .. name), 1, 4, name .. ': resumed at ' .. resume)
+  end
+
   it('a --tp 2 --ep 2 checkpoint with --checkpoint-format full is a one-process one: it resumes in one process and '
     .. 'at --tp 2 --ep 2 on the curve', function()
-    local one = reference(mixtral .. no_aux, 'm1')
-    local status, text = bin_train(('--nproc-per-node 2 --device cpu %s%s --batch-size 4 --steps 4 --tp 2 --ep 2 '
-      .. '--checkpoint-format full --save-every 1 --stop-at 2 --out %s/cs'):format(mixtral, no_aux, q(dir)))
-    assert.are.equal(0, status, text)
-    -- every expert and the whole tensors, as the one-process run's after 2 steps
-    close_weights(dir .. '/cs/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
-    os.execute(('cp -r %s/cs %s/cs1'):format(q(dir), q(dir)))
-    status, text = bin_train(('--resume %s/cs1'):format(q(dir)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(dir .. '/cs1'), 1, 4, 'resumed in one process')
-    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s/cs --tp 2 --ep 2'):format(q(dir)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(dir .. '/cs'), 1, 4, 'resumed at --tp 2 --ep 2')
+    full_resumes('cs', 2, '--batch-size 4 --steps 4 --tp 2 --ep 2', '--tp 2 --ep 2')
   end)
 
   -- a run of `np` ranks with `flags` stopped at step 2 writes a sharded
   -- checkpoint (index.json); each of `resumes` ({ launcher flags, run
   -- flags }) resumes a copy of it and follows the one-process curve
   local function sharded_resumes(name, np, flags, resumes)
-    local one = reference(mixtral .. no_aux, 'm1')
+    local one = reference(mixtral, no_aux, 'm1')
     local status, text = bin_train(('--nproc-per-node %d --device cpu %s%s %s --save-every 1 --stop-at 2 --out %s/%s')
       :format(np, mixtral, no_aux, flags, q(dir), name))
     assert.are.equal(0, status, text)
@@ -147,8 +144,8 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
   -- copies (none with --ep 4 on 4: whole on their rank)
   it('mixtral and deepseek-v3: --tp 2 --ep 2 and --tp 2 --ep 4 with --fsdp FULL_SHARD and SHARD_GRAD_OP follow the '
     .. 'one-process curve; the final weights are the whole model', function()
-    local one = reference(mixtral .. no_aux, 'm1')
-    local d1 = reference(deepseek, 'd1')
+    local one = reference(mixtral, no_aux, 'm1')
+    local d1 = reference(deepseek, '', 'd1')
     for _, c in ipairs({
       { 2, mixtral .. no_aux, ' --tp 2 --ep 2 --fsdp FULL_SHARD', one, 'm1', ', each rank\'s experts whole, the rest '
         .. 'sharded (FULL_SHARD)' },
@@ -173,21 +170,8 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
 
   it('a --tp 2 --ep 2 --fsdp checkpoint with --checkpoint-format full is a one-process one: it resumes in one process '
     .. 'and at --tp 2 --ep 2 --fsdp on the curve', function()
-    local one = reference(mixtral .. no_aux, 'm1')
-    local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 2 --steps 4 --tp 2 --ep 2 '
-      .. '--fsdp FULL_SHARD --checkpoint-format full --save-every 1 --stop-at 2 --out %s/fs'):format(mixtral, no_aux,
-      q(dir)))
-    assert.are.equal(0, status, text)
-    -- not a sharded one: every expert and the whole tensors in one file
-    close_weights(dir .. '/fs/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
-    os.execute(('cp -r %s/fs %s/fs1'):format(q(dir), q(dir)))
-    status, text = bin_train(('--resume %s/fs1'):format(q(dir)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(dir .. '/fs1'), 1, 4, 'resumed in one process')
-    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s/fs --tp 2 --ep 2 --fsdp SHARD_GRAD_OP')
-      :format(q(dir)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(dir .. '/fs'), 1, 4, 'resumed at --tp 2 --ep 2 --fsdp SHARD_GRAD_OP')
+    full_resumes('fs', 4, '--batch-size 2 --steps 4 --tp 2 --ep 2 --fsdp FULL_SHARD',
+      '--tp 2 --ep 2 --fsdp SHARD_GRAD_OP')
   end)
 
   it('a --tp 2 --ep 2 --fsdp checkpoint is sharded by default: it resumes in one process, at --tp 2 --ep 2 --fsdp '
@@ -202,8 +186,8 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
   -- (the experts over their copies in it), replicated across
   it('mixtral and deepseek-v3: --tp 2 --ep 2 --fsdp HYBRID_SHARD (shard groups of 2 and 4 ranks) follow the '
     .. 'one-process curve and gradient norm; the final weights are the whole model', function()
-    local one = reference(mixtral .. no_aux, 'm1')
-    local d1 = reference(deepseek, 'd1')
+    local one = reference(mixtral, no_aux, 'm1')
+    local d1 = reference(deepseek, '', 'd1')
     for _, c in ipairs({
       { mixtral .. no_aux, ' --shard-size 2', one, 'm1', ', each expert whole in each shard group of 2, replicated '
         .. 'over 2 (HYBRID_SHARD)' },
@@ -227,7 +211,7 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     sharded_resumes('hs', 4, '--batch-size 2 --steps 4 --tp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 2', {
       { '', ' --fsdp off' }, { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2 --fsdp off --batch-size 4' },
       { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 2 --fsdp FULL_SHARD' } })
-    local one = reference(mixtral .. no_aux, 'm1')
+    local one = reference(mixtral, no_aux, 'm1')
     local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 2 --steps 4 --tp 2 --ep 2 '
       .. '--fsdp HYBRID_SHARD --shard-size 4 --checkpoint-format full --save-every 1 --stop-at 2 --out %s/hf'):format(
       mixtral, no_aux, q(dir)))
@@ -242,19 +226,14 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
   -- M consecutive ranks (M / 2 TP groups of the context-parallel pairs),
   -- each rank routing its own rows of its chunks; the experts' copies the
   -- ranks at the same place in the other expert groups
-  local function run_cp(np, args, name)
-    local status, text = bin_train(('--nproc-per-node %d --device cpu %s --batch-size %d --steps 4 --out %s/%s'):format(
-      np, args, 4 / (np / 4), q(dir), name))
-    assert.are.equal(0, status, text)
-    return text
-  end
+  local function run_cp(np, args, name) return run(np, args, name, 4) end
   local deepseek_mtp = deepseek .. ' --model.mtp_loss_weight 0.3 --model.num_nextn_predict_layers 2'
   it('mixtral and deepseek-v3 (also with multi-token prediction): --tp 2 --ep 2 --cp 2 and --tp 2 --ep 4 --cp 2 on 4 '
     .. 'ranks and --tp 2 --ep 4 --cp 2 on 8 (data parallel 2) follow the one-process curve and gradient norm, with and '
     .. 'without sequence parallelism; the final weights are the whole model', function()
-    local one = reference(mixtral .. no_aux, 'm1')
-    local d1 = reference(deepseek, 'd1')
-    local dm = reference(deepseek_mtp, 'dm1')
+    local one = reference(mixtral, no_aux, 'm1')
+    local d1 = reference(deepseek, '', 'd1')
+    local dm = reference(deepseek_mtp, '', 'dm1')
     for _, c in ipairs({
       { 4, mixtral .. no_aux, ' --tp 2 --ep 2 --cp 2', 'm1', '2-way over 4 ranks (2 copies of each expert), 2 of 4 '
         .. 'experts a rank in 2 layers, each expert whole, each group 1 tensor-parallel group of 2' },
@@ -282,8 +261,8 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
   it('mixtral and deepseek-v3: --tp 2 --ep M --cp 2 with --fsdp FULL_SHARD, SHARD_GRAD_OP and HYBRID_SHARD (shard '
     .. 'groups of 2 and of 4 ranks) follow the one-process curve and gradient norm; the final weights are the whole '
     .. 'model', function()
-    reference(mixtral .. no_aux, 'm1')
-    reference(deepseek, 'd1')
+    reference(mixtral, no_aux, 'm1')
+    reference(deepseek, '', 'd1')
     for _, c in ipairs({
       { 4, mixtral .. no_aux, ' --tp 2 --ep 2 --cp 2 --fsdp FULL_SHARD', 'm1', ', the experts sharded over their 2 '
         .. 'copies (FULL_SHARD)', 'FULL_SHARD over 2 ranks' },
@@ -318,19 +297,7 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
       { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2' } })
     sharded_resumes('cpfs', 4, '--batch-size 4 --steps 4 --tp 2 --ep 4 --cp 2 --fsdp FULL_SHARD', {
       { '', ' --fsdp off' }, { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 4 --cp 2 --fsdp SHARD_GRAD_OP' } })
-    local one = reference(mixtral .. no_aux, 'm1')
-    local status, text = bin_train(('--nproc-per-node 4 --device cpu %s%s --batch-size 4 --steps 4 --tp 2 --ep 2 '
-      .. '--cp 2 --checkpoint-format full --save-every 1 --stop-at 2 --out %s/cpf'):format(mixtral, no_aux, q(dir)))
-    assert.are.equal(0, status, text)
-    -- every expert and the whole tensors in one file, as the one-process run's after 2 steps
-    close_weights(dir .. '/cpf/ckpt-2/model.safetensors', dir .. '/m1/ckpt-2/model.safetensors', 'the checkpoint')
-    os.execute(('cp -r %s/cpf %s/cpf1'):format(q(dir), q(dir)))
-    status, text = bin_train(('--resume %s/cpf1'):format(q(dir)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(dir .. '/cpf1'), 1, 4, 'a full --tp 2 --ep 2 --cp 2 checkpoint resumed in one process')
-    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s/cpf --tp 2 --ep 2 --cp 2'):format(q(dir)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(dir .. '/cpf'), 1, 4, 'a full checkpoint resumed at --tp 2 --ep 2 --cp 2')
+    full_resumes('cpf', 4, '--batch-size 4 --steps 4 --tp 2 --ep 2 --cp 2', '--tp 2 --ep 2 --cp 2')
   end)
 
   it('bad layouts exit 2 and say why', function()

@@ -26,31 +26,17 @@ local close_weights = S.close_weights
 
 local corpus = S.fixed_corpus(dir, 48000)
 local tiny, tiny_llama = S.tiny_flags(corpus, 3)
-local common = ' --seq-len 16 --lr 1e-2 --warmup 1 --eval-every 0 --eval-iters 2 --sample-tokens 0 --log-every 1 '
-  .. '--data ' .. q(corpus)
-local mixtral = 'models/mixtral.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
-  .. '--model.intermediate_size 48 --model.output_router_logits false' .. common
-local deepseek = 'models/deepseek_v3.lua --preset tiny --model.num_hidden_layers 2 --model.hidden_size 32 '
-  .. '--model.intermediate_size 64 --model.moe_intermediate_size 16 --model.kv_lora_rank 16 --model.q_lora_rank 24 '
-  .. '--model.qk_rope_head_dim 8 --model.v_head_dim 8 --model.qk_nope_head_dim 8 --model.aux_loss_alpha 0.01 '
-  .. '--moe-bias-rate 1e-2' .. common
+local mixtral, deepseek = S.tiny_moe_flags(corpus, 1, ' --model.output_router_logits false')
 
 describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', function()
   teardown(function() os.execute('rm -rf ' .. q(dir)) end)
 
   -- the one-process runs: 4 steps of 4 sequences, checkpoints every 2
-  local refs = {}
-  local function reference(args, name)
-    if refs[name] then return refs[name] end
-    local status, text = bin_train(('%s --batch-size 4 --steps 4 --save-every 2 --out %s/%s'):format(args, q(dir), name))
-    assert.are.equal(0, status, text)
-    refs[name] = losses(dir .. '/' .. name)
-    return refs[name]
-  end
+  local reference = S.references(dir)   -- (model, args, name) -> its losses
   -- a run of `np` ranks (`args` the model and layout) against reference `ref`:
   -- curve, gradient norm, final weights; `lines` are texts its log holds
   local function follows(np, args, ref, name, what, lines)
-    local one = reference(ref[1], ref[2])
+    local one = reference(ref[1], '', ref[2])
     local status, text = bin_train(('--nproc-per-node %d --device cpu %s --steps 4 --out %s/%s'):format(np, args,
       q(dir), name))
     assert.are.equal(0, status, text)
@@ -89,7 +75,7 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
 
   it('its checkpoint is sharded: it resumes at the same layout, in one process, at --pp 2 --tp 2 --fsdp FULL_SHARD '
     .. 'and at --tp 2; a one-process checkpoint resumes at the hybrid layout', function()
-    local one = reference(llama[1], llama[2])
+    local one = reference(llama[1], '', llama[2])
     local out = dir .. '/hck'
     local status, text = bin_train(('--nproc-per-node 16 --device cpu %s --batch-size 1 --steps 4 --pp 2 --tp 2 '
       .. '--fsdp HYBRID_SHARD --shard-size 2 --save-every 1 --stop-at 2 --out %s'):format(llama[1], q(out)))
@@ -148,7 +134,7 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
       'mixtral 16 ranks --cp 2 --ep 2', { 'the experts sharded over their 2 copies in each shard group of 4 ranks (2 of '
         .. 'each TP slice), replicated over 2 (HYBRID_SHARD)', 'context parallel: 2-way' })
     -- a checkpoint
-    local one = reference(mixtral, 'm1')
+    local one = reference(mixtral, '', 'm1')
     local out = dir .. '/meck'
     local status, text = bin_train(('--nproc-per-node 16 --device cpu %s --batch-size 1 --steps 4 --pp 2 --tp 2 --ep 2 '
       .. '--fsdp HYBRID_SHARD --shard-size 2 --save-every 1 --stop-at 2 --out %s'):format(mixtral, q(out)))

@@ -1,6 +1,7 @@
 -- tools/heapwalk.lua — what holds an object: a breadth-first walk of the
 -- Lua heap from the registry, _G and the caller's stack (tables, closures'
--- upvalues, function environments, coroutines' stacks, userdata), giving
+-- upvalues, function environments, coroutines' stacks, userdata: the walk
+-- of moonshard.trace_pins), giving
 -- the shortest path to every object a predicate picks. For a tensor that
 -- outlives what the program should hold:
 --
@@ -18,64 +19,22 @@ local M = {}
 function M.paths(want, skip, maxn)
   local parent, label = {}, {}
   local seen = setmetatable({}, { __mode = 'k' })
-  local q, head = {}, 1
   local found = {}
-  local function push(x, par, lab)
-    local tx = type(x)
-    if tx ~= 'table' and tx ~= 'function' and tx ~= 'thread' and tx ~= 'userdata' and tx ~= 'cdata' then return end
-    if seen[x] or (skip and skip[x]) then return end
-    seen[x] = true
-    parent[x], label[x] = par, lab
-    if want(x) then found[#found + 1] = x end
-    if tx ~= 'cdata' then q[#q + 1] = x end
-  end
-  push(debug.getregistry(), nil, 'REGISTRY')
-  push(_G, nil, '_G')
+  local seeds = { { debug.getregistry(), 'REGISTRY' }, { _G, '_G' } }
   for level = 2, 60 do
     local info = debug.getinfo(level, 'Sl')
     if not info then break end
     for i = 1, 200 do
       local n, v = debug.getlocal(level, i)
       if not n then break end
-      push(v, nil, ('stack%d(%s:%d).%s'):format(level, info.short_src, info.currentline or 0, n))
+      seeds[#seeds + 1] = { v, ('stack%d(%s:%d).%s'):format(level, info.short_src, info.currentline or 0, n) }
     end
   end
-  while head <= #q do
-    local x = q[head]; head = head + 1
-    local tx = type(x)
-    if tx == 'table' then
-      local mt = getmetatable(x)
-      if mt then push(mt, x, '<mt>') end
-      local mode = mt and rawget(mt, '__mode') or ''
-      for k, v in next, x do
-        if not mode:find('k') then push(k, x, '<key>') end
-        if not mode:find('v') then push(v, x, tostring(k):sub(1, 40)) end
-      end
-    elseif tx == 'function' then
-      for i = 1, 255 do
-        local n, v = debug.getupvalue(x, i)
-        if not n then break end
-        push(v, x, '^' .. n)
-      end
-      local env = getfenv(x)
-      if env then push(env, x, '<env>') end
-    elseif tx == 'thread' then
-      for level = 0, 60 do
-        local ok, info = pcall(debug.getinfo, x, level, 'Sl')
-        if not ok or not info then break end
-        for i = 1, 200 do
-          local n, v = debug.getlocal(x, level, i)
-          if not n then break end
-          push(v, x, ('co%d.%s'):format(level, n))
-        end
-      end
-    elseif tx == 'userdata' then
-      local mt = getmetatable(x)
-      if mt then push(mt, x, '<mt>') end
-      local env = debug.getfenv(x)
-      if env then push(env, x, '<env>') end
-    end
-  end
+  -- (moonshard.trace_pins' walk: the same edges as its pins())
+  require('moonshard.trace_pins').walk(seeds, seen, skip, function(x, lab, _, par)
+    parent[x], label[x] = par, par == nil and lab or lab:sub(1, 40)   -- (a key's, cut short)
+    if want(x) then found[#found + 1] = x end
+  end)
   local out = {}
   for i = 1, math.min(#found, maxn or 10) do
     local x, parts = found[i], {}

@@ -110,12 +110,14 @@ function M.scan()
   return r
 end
 
--- a breadth-first walk of the Lua heap from seeds (a list of { object,
--- label }) through tables (keys, values and metatables, weak parts left
--- out), closures' upvalues and environments, coroutines' stacks; objects in
--- skip are not entered; visit(x, label, from, parent) for each object
--- reached first, from: the seed's label, parent: the object it was reached
--- through (nil for a seed)
+-- walk(seeds, seen, skip, visit): a breadth-first walk of the Lua heap
+-- from seeds (a list of { object, label }) through tables (keys, values and
+-- metatables, weak parts left out), closures' upvalues and environments,
+-- coroutines' stacks, userdata's metatables and environments; objects in
+-- seen (marked as they are reached) or skip are not entered; visit(x,
+-- label, from, parent) for each object reached first, from: the seed's
+-- label, parent: the object it was reached through (nil for a seed). Also
+-- tools/heapwalk.lua's walk.
 local function walk(seeds, seen, skip, visit)
   local q, from, head = {}, {}, 1
   local x
@@ -162,11 +164,14 @@ local function walk(seeds, seen, skip, visit)
         end
       end
     elseif tx == 'userdata' then
+      local mt = getmetatable(x)
+      if type(mt) == 'table' then push(mt, '<mt>', src) end
       local env = debug.getfenv(x)
       if env then push(env, '<env>', src) end
     end
   end
 end
+M.walk = walk
 
 -- the tensors only the traces keep alive: those reached from the traces'
 -- GC constants (through closures' upvalues and tables) and not from the
