@@ -5,7 +5,8 @@
 -- Checked against one process over the same global batches: the loss
 -- curve (within 1e-5 relative), micro-batch accumulation under no_sync,
 -- a sharded checkpoint written at 2 ranks resumed at 1 and 3 (and the
--- corrupt newest one skipped), the final weights gathered into
+-- corrupt newest one skipped) and at 2, bitwise the straight run under
+-- every strategy (metrics, weights, moments), the final weights gathered into
 -- model.safetensors; plus the pieces in-process: the block class the auto
 -- policy picks, the mixed-precision option, the rank-aware byte loader.
 local ms = require 'moonshard'
@@ -305,6 +306,56 @@ describe('bin/train with several ranks (FSDP, CPU through mpirun)', function()
     status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s'):format(q(dir .. '/stopped')))
     assert.are.equal(0, status, text)
     close_losses(losses(dir .. '/sync'), losses(dir .. '/stopped'), 1, 6, 'resumed from a background save')
+  end)
+
+  it('a 2-rank run stopped and resumed at the same layout is bitwise the straight one (losses, grad norms, lr, '
+    .. 'final weights and optimizer state): NO_SHARD with and without overlap, FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD',
+    function()
+    -- every field of metrics.jsonl but the timings, step -> { field -> value }
+    -- (the file writes %.17g: a decoded number is the bits the run had)
+    local function metrics(out)
+      local rows = {}
+      for line in io.lines(out .. '/metrics.jsonl') do
+        local obj = assert(json.decode(line), line)
+        obj.elapsed_s, obj.tokens_per_s = nil, nil
+        rows[obj.step] = obj
+      end
+      return rows
+    end
+    local common = ('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 2 --steps 6 --log-every 1 '
+      .. '--save-every 3 --keep-checkpoints 0'):format(tiny)
+    local rank_files = { 'rank-00000-of-00002.safetensors', 'rank-00001-of-00002.safetensors' }
+    for _, layout in ipairs({ '', '--no-overlap-grad-reduce', '--fsdp FULL_SHARD', '--fsdp SHARD_GRAD_OP',
+                              '--fsdp HYBRID_SHARD --shard-size 1' }) do
+      local what = layout == '' and 'NO_SHARD' or layout
+      local a, b = dir .. '/bs', dir .. '/bs-resumed'
+      os.execute('rm -rf ' .. q(a) .. ' ' .. q(b))
+      local status, text = bin_train(('%s %s --out %s'):format(common, layout, q(a)))
+      assert.are.equal(0, status, text)
+      status, text = bin_train(('%s %s --stop-at 3 --out %s'):format(common, layout, q(b)))
+      assert.are.equal(0, status, text)
+      status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s'):format(q(b)))
+      assert.are.equal(0, status, text)
+      assert.is_truthy(text:find('resumed from ' .. b .. '/ckpt-3 at step 3', 1, true), text)
+      local ra, rb = metrics(a), metrics(b)
+      for step = 1, 6 do
+        assert.is_table(ra[step], what .. ': straight step ' .. step)
+        assert.is_table(rb[step], what .. ': resumed step ' .. step)
+        for _, k in ipairs({ 'loss', 'grad_norm', 'lr' }) do
+          assert.is_number(ra[step][k], ('%s: step %d has no %s'):format(what, step, k))
+          assert.is_true(ra[step][k] == rb[step][k], ('%s: step %d %s: resumed %.17g, straight %.17g'):format(what, step,
+            k, rb[step][k] or 0 / 0, ra[step][k]))
+        end
+        for k, v in pairs(rb[step]) do
+          assert.are.same(ra[step][k], v, ('%s: step %d %s'):format(what, step, k))
+        end
+      end
+      assert.is_number(ra[6].val_loss, what)
+      -- the final weights, and the last checkpoint's rank files (the
+      -- shards or replicas of the weights and of AdamW's moments) byte for byte
+      S.same_files(a, b, { 'model.safetensors' })
+      S.same_files(a .. '/ckpt-6', b .. '/ckpt-6', rank_files)
+    end
   end)
 
   it('a HYBRID_SHARD checkpoint of 2 ranks resumes in one process without a launcher', function()
