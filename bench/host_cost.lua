@@ -15,14 +15,19 @@
 -- a shared one, the first layer dense) at tiny widths; batch 1, f32.
 -- --clock cpu (the default) times the thread's CPU time, which other jobs
 -- on the machine disturb less than the wall clock (--clock wall).
+-- Then the Lua heap's allocation a step: --alloc-steps more steps (default
+-- 20) with the collector stopped, each phase's collectgarbage('count')
+-- delta (KB allocated: nothing is freed while it is stopped; a step the
+-- allocator's nudge collected in is dropped), median; and KB an op.
 package.path = './lua/?.lua;./lua/?/init.lua;./?.lua;' .. package.path
 local ms = require 'moonshard'
 local B = require 'bench.common'
 local prof = ms.profile
 
-local opts = B.parse_args({ steps = 30, warmup = 5, threads = 1, model = 'all', seq = 16, clock = 'cpu' },
+local opts = B.parse_args({ steps = 30, warmup = 5, threads = 1, model = 'all', seq = 16, clock = 'cpu',
+    ['alloc-steps'] = 20 },
   'usage: luajit bench/host_cost.lua [--steps N] [--warmup N] [--threads N] [--model all|llama|deepseek] [--seq T]'
-    .. ' [--clock cpu|wall]')
+    .. ' [--clock cpu|wall] [--alloc-steps N]')
 ms.set_num_threads(opts.threads)
 
 local ffi = require 'ffi'
@@ -42,6 +47,7 @@ elseif opts.clock ~= 'wall' then
 end
 
 local cases = B.tiny_models
+local alloc_rows = {}
 
 local function run(name, path, cfg)
   local M = dofile(path)
@@ -92,6 +98,30 @@ local function run(name, path, cfg)
   -- the spread: the middle half of the steps' totals
   table.sort(tot)
   local q1, q3 = tot[math.max(1, math.floor(#tot / 4))] * 1e3, tot[math.ceil(#tot * 3 / 4)] * 1e3
+  -- the heap's allocation a step, the collector stopped (after the timed
+  -- steps: the timing runs with the collector as a run has it)
+  local fa, ba, oa = {}, {}, {}
+  collectgarbage()
+  collectgarbage('stop')
+  for _ = 1, opts['alloc-steps'] do
+    local k0 = collectgarbage('count')
+    local l = model(ids, tg)
+    local k1 = collectgarbage('count')
+    l:backward()
+    l = nil
+    local k2 = collectgarbage('count')
+    opt:step()
+    opt:zero_grad()
+    local k3 = collectgarbage('count')
+    if k1 >= k0 and k2 >= k1 and k3 >= k2 then   -- (else the nudge collected)
+      fa[#fa + 1], ba[#ba + 1], oa[#oa + 1] = k1 - k0, k2 - k1, k3 - k2
+    end
+    if k3 - k0 > 64 * 1024 then collectgarbage('restart'); collectgarbage(); collectgarbage('stop') end
+  end
+  collectgarbage('restart')
+  local af, ab, ao = B.median(fa), B.median(ba), B.median(oa)
+  alloc_rows[#alloc_rows + 1] = ('| %s | %.1f (%.2f an op) | %.1f (%.2f) | %.1f | %.1f | %d |'):format(
+    name, af, af / n_fwd, ab, ab / n_bwd, ao, af + ab + ao, #fa)
   print(('| %s | %.2f (%d ops, %.1f us) | %.2f (%d, %.1f) | %.2f (%d params, %.1f us) | %.2f (%.2f-%.2f) | %.1f |'):format(
     name, mf, n_fwd, mf * 1e3 / n_fwd, mb, n_bwd, mb * 1e3 / n_bwd, mo, n_opt, mo * 1e3 / n_opt,
     mt, q1, q3, (mf + mb) * 1e3 / (n_fwd + n_bwd)))
@@ -104,3 +134,8 @@ print('|---|---|---|---|---|---|')
 for _, c in ipairs(cases) do
   if opts.model == 'all' or opts.model == c[1] then run(c[1], c[2], c[3]) end
 end
+print()
+print(('Lua heap KB allocated a step (collector stopped), median of the steps kept of %d'):format(opts['alloc-steps']))
+print('| model | forward (KB an op) | backward (KB an op) | optimizer | step | steps kept |')
+print('|---|---|---|---|---|---|')
+for _, r in ipairs(alloc_rows) do print(r) end
