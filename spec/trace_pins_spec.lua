@@ -9,82 +9,42 @@
 -- tensor in traces alone from its third step on, and its live bytes after
 -- each step are those of a run that flushes the traces at every step.
 -- (Before the fix the --tp 2 run's traces kept the unsliced model's first
--- parameters, 104 tensors, 313 KB, and the nn iterator check failed; the
--- nn check needs this file run in a process of its own, as
--- tools/run_specs.sh does: a prototype that has made three closures is
--- no longer specialised on, whatever spec made them.)
+-- parameters, 104 tensors, 313 KB, and the nn iterator check failed. The
+-- in-process checks run in a child process of their own: a prototype that
+-- has made three closures is no longer specialised on, whatever spec made
+-- them.)
 local ms = require 'moonshard'
 local TP = require 'moonshard.trace_pins'
 local S = require 'spec.support'
 local q = S.shell_quote
 
--- a closure over a fresh random tensor, which goes into weak
-local function closure_over_tensor(weak)
-  local t = ms.rand({ 1000 }, { seed = 7 })
-  weak[t] = true
-  return function(i) return i + t.ndim end
-end
--- calls f in a loop long enough to be compiled (a trace specialised on f)
-local function hot_calls(f)
-  local s = 0
-  for i = 1, 2000 do s = s + f(i) end
-  return s
-end
-local function count(weak)
-  local n = 0
-  for _ in pairs(weak) do n = n + 1 end
-  return n
+-- The two in-process cases run in a fresh luajit each
+-- (spec/trace_pins_child.lua): what the JIT compiles and what it
+-- specialises on depends on the process's history (hot counters, the
+-- closures a prototype has made), so in one busted process with every
+-- other spec (tools/run_all_specs.sh) the trace may not be the one asked
+-- for. The child asserts, and prints its failure; here its exit status
+-- and last line are checked.
+local function child(case)
+  local p = io.popen(('cd %s && luajit spec/trace_pins_child.lua %s 2>&1; echo "__status=$?"'):format(
+    q(require('moonshard.tensor').root), case))
+  local out = p:read('*a')
+  p:close()
+  local status = tonumber(out:match('__status=(%d+)%s*$'))
+  return status, out:gsub('__status=%d+%s*$', '')
 end
 
 describe('moonshard.trace_pins (what compiled traces keep alive)', function()
   it('finds a tensor only a trace keeps, names the closure that holds it, and a flush gives it back', function()
-    assert.is_truthy(jit.status(), 'the JIT is off')
-    jit.flush()
-    local weak = setmetatable({}, { __mode = 'k' })
-    assert.are.equal(2000 * 2001 / 2 + 2000, hot_calls(closure_over_tensor(weak)))
-    local before = TP.live()
-    assert.are.equal(1, count(weak), 'the trace kept its closure\'s tensor')
-    local sites, n, bytes = TP.pins()
-    assert.is_true(n >= 1 and bytes >= 4000, ('%d tensors, %d bytes'):format(n, bytes))
-    local found
-    for site, e in pairs(sites) do
-      if site:find('spec/trace_pins_spec.lua:', 1, true) then found = e end
-    end
-    assert.is_truthy(found, 'no site in this file among the pins')
-    assert.is_true(found.bytes >= 4000)
-    local pinned = TP.pinned_bytes()
-    assert.is_true(pinned >= 4000, ('a flush gave back %d bytes'):format(pinned))
-    assert.are.equal(0, count(weak))
-    assert.is_true(TP.live() <= before - 4000)
+    local status, out = child('probe')
+    assert.are.equal(0, status, out)
+    assert.is_truthy(out:find('trace_pins_child probe: passed', 1, true), out)
   end)
 
   it('nn.Module\'s iterators leave no model behind in traces', function()
-    local nn = ms.nn
-    local weak = setmetatable({}, { __mode = 'k' })
-    local function walk_once()
-      local layers = {}
-      for i = 1, 40 do layers[i] = nn.Linear(3, 3) end
-      local m = nn.Sequential(unpack(layers))
-      m:register_buffer('scale', ms.rand({ 256 }, { seed = 1 }))
-      for _, p in m:named_parameters() do weak[p] = true end
-      for _, p in m:named_buffers() do weak[p] = true end
-      local n = 0
-      for _, p in m:named_parameters() do n = n + p:numel() end
-      for _, p in ipairs(m:parameters()) do n = n + p:numel() end
-      for _, b in m:named_buffers() do n = n + b:numel() end
-      for _, c in m:named_modules() do n = n + (c.weight and 1 or 0) end
-      for c in m:modules() do n = n + (c.weight and 1 or 0) end
-      for _, c in m:named_children() do n = n + (c.bias and 1 or 0) end
-      for c in m:children() do n = n + (c.bias and 1 or 0) end
-      return n
-    end
-    assert.are.equal(2 * 40 * 12 + 256 + 4 * 40, walk_once())
-    TP.live()
-    local left = count(weak)
-    local text = left > 0 and TP.pins_report() or ''
-    jit.flush()
-    TP.live()
-    assert.are.equal(0, left, 'the model\'s tensors that outlived it: ' .. text)
+    local status, out = child('nn')
+    assert.are.equal(0, status, out)
+    assert.is_truthy(out:find('trace_pins_child nn: passed', 1, true), out)
   end)
 end)
 
