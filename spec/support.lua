@@ -108,6 +108,35 @@ end
 function S.run_losses(out) return run_field(out, 'loss') end
 function S.run_grad_norms(out) return run_field(out, 'grad_norm') end
 
+-- every field of out/metrics.jsonl but the timings: step -> { field -> value }
+-- (the file writes %.17g: a decoded number is the bits the run had)
+function S.run_metrics(out)
+  local rows = {}
+  for line in io.lines(out .. '/metrics.jsonl') do
+    local obj = assert(json.decode(line, 1, nil), line)
+    obj.elapsed_s, obj.tokens_per_s = nil, nil
+    rows[obj.step] = obj
+  end
+  return rows
+end
+
+-- asserts that run b's metrics are run a's, bit for bit, at steps 1..steps:
+-- the loss, gradient norm and learning rate at each, and every other field
+function S.same_metrics(a, b, steps, what)
+  local ra, rb = S.run_metrics(a), S.run_metrics(b)
+  for step = 1, steps do
+    luassert.is_table(ra[step], what .. ': straight step ' .. step)
+    luassert.is_table(rb[step], what .. ': resumed step ' .. step)
+    for _, k in ipairs({ 'loss', 'grad_norm', 'lr' }) do
+      luassert.is_number(ra[step][k], ('%s: step %d has no %s'):format(what, step, k))
+      luassert.is_true(ra[step][k] == rb[step][k], ('%s: step %d %s: resumed %.17g, straight %.17g'):format(what, step,
+        k, rb[step][k] or 0 / 0, ra[step][k]))
+    end
+    for k, v in pairs(rb[step]) do luassert.are.same(ra[step][k], v, ('%s: step %d %s'):format(what, step, k)) end
+    for k in pairs(ra[step]) do luassert.is_not_nil(rb[step][k], ('%s: step %d lacks %s'):format(what, step, k)) end
+  end
+end
+
 -- A split run's final weights (safetensors at `path`) against one
 -- process's (`ref_path`), within f32 rounding as AdamW carries it: a step
 -- moves a weight ~lr = 1e-2 whatever its gradient's size, so sums in

@@ -212,8 +212,8 @@ describe('bin/train --pp 2 --ep 2 (expert parallelism in pipeline stages, CPU th
     assert.are.equal(nw, n)
     -- (the global batch of 4 sequences at every layout)
     local layouts = { { '', '--nproc-per-node 4 --device cpu', '--pp 2 --ep 2' },
-                      { 'e', '--nproc-per-node 2 --device cpu', '--ep 2 --batch-size 2' },
-                      { 'p', '--nproc-per-node 2 --device cpu', '--pp 2 --batch-size 4' },
+                      { 'e', '--nproc-per-node 2 --device cpu', '--pp 1 --ep 2 --batch-size 2' },
+                      { 'p', '--nproc-per-node 2 --device cpu', '--pp 2 --ep 1 --batch-size 4' },
                       { '1', '', '--batch-size 4' } }
     for _, c in ipairs(layouts) do
       if c[1] ~= '' then os.execute(('rm -rf %s%s && cp -r %s %s%s'):format(q(out), c[1], q(out), q(out), c[1])) end

@@ -108,7 +108,7 @@ describe('bin/train --pp 2 --tp 2 --ep 2 (expert and tensor parallelism in pipel
         or 'at' .. c[2]))
     end
   end
-  local at_tp_ep = { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2' }
+  local at_tp_ep = { '--nproc-per-node 2 --device cpu ', ' --pp 1 --tp 2 --ep 2' }
   local at_pp_fsdp = { '--nproc-per-node 4 --device cpu ', layout .. ' --fsdp SHARD_GRAD_OP' }
 
   it('a checkpoint is sharded by default: it resumes in one process, at --tp 2 --ep 2 and at --pp 2 --tp 2 --ep 2 '

@@ -136,7 +136,7 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     .. 'on the curve', function()
     sharded_resumes('ss', 2, '--batch-size 4 --steps 4 --tp 2 --ep 2', {
       { '', '' }, { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2' },
-      { '--nproc-per-node 2 --device cpu ', ' --ep 2 --batch-size 2' } })
+      { '--nproc-per-node 2 --device cpu ', ' --tp 1 --ep 2 --batch-size 2' } })
   end)
 
   -- FSDP x TP x EP (--fsdp FULL_SHARD / SHARD_GRAD_OP): the slices
@@ -293,8 +293,8 @@ describe('bin/train --tp --ep (expert and tensor parallelism, CPU through mpirun
     .. 'SHARD_GRAD_OP); with --checkpoint-format full it is one process\'s', function()
     sharded_resumes('cps', 4, '--batch-size 4 --steps 4 --tp 2 --ep 4 --cp 2', {
       { '', '' }, { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 2 --cp 2' },
-      { '--nproc-per-node 2 --device cpu ', ' --ep 2 --cp 2' },
-      { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2' } })
+      { '--nproc-per-node 2 --device cpu ', ' --tp 1 --ep 2 --cp 2' },
+      { '--nproc-per-node 2 --device cpu ', ' --tp 2 --ep 2 --cp 1' } })
     sharded_resumes('cpfs', 4, '--batch-size 4 --steps 4 --tp 2 --ep 4 --cp 2 --fsdp FULL_SHARD', {
       { '', ' --fsdp off' }, { '--nproc-per-node 4 --device cpu ', ' --tp 2 --ep 4 --cp 2 --fsdp SHARD_GRAD_OP' } })
     full_resumes('cpf', 4, '--batch-size 4 --steps 4 --tp 2 --ep 2 --cp 2', '--tp 2 --ep 2 --cp 2')

@@ -96,7 +96,7 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
       { '--nproc-per-node 16 --device cpu ', ' --pp 2 --tp 2', 'the same layout' },
       { '', ' --fsdp off', 'one process' },
       { '--nproc-per-node 8 --device cpu ', ' --pp 2 --tp 2 --fsdp FULL_SHARD', '--pp 2 --tp 2 --fsdp FULL_SHARD' },
-      { '--nproc-per-node 2 --device cpu ', ' --tp 2 --fsdp off --batch-size 4', '--tp 2' } }) do
+      { '--nproc-per-node 2 --device cpu ', ' --pp 1 --tp 2 --fsdp off --batch-size 4', '--tp 2' } }) do
       local copy = out .. #c[3]
       os.execute(('rm -rf %s && cp -r %s %s'):format(q(copy), q(out), q(copy)))
       status, text = bin_train(('%s--resume %s/ckpt-2 --out %s%s'):format(c[1], q(copy), q(copy), c[2]))

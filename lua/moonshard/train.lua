@@ -83,7 +83,7 @@ train.options = {
   { 'max_bad_steps', 'int>0', 5, 'stop after this many steps in a row with a NaN/inf loss or grad norm (each is skipped)' },
   { 'save_every', 'int>=0', 0, 'steps between checkpoints in out/ckpt-<step>/ (0: only on SIGINT/SIGTERM and --stop-at)' },
   { 'keep_checkpoints', 'int>=0', 3, 'keep the newest K checkpoints (0: all)' },
-  { 'resume', 'string?', nil, 'continue from the newest complete checkpoint in out (bare --resume) or in DIR (a run folder or a ckpt-<step> folder)' },
+  { 'resume', 'string?', nil, 'continue from the newest complete checkpoint in out (bare --resume) or in DIR (a run folder or a ckpt-<step> folder), with its options and parallel layout (--tp, --pp, --cp, --ep, --fsdp and what refines them) unless given now; in one process without its --tp, --pp, --cp, --ep (docs/checkpoints.md)' },
   { 'stop_at', 'int>=0', 0, 'stop after this step with a checkpoint, as if interrupted (0: run to --steps)' },
   { 'inject_nan', 'string?', nil, 'test hook: comma-separated steps whose loss is made NaN' },
   { 'fsdp', 'string?', nil, 'shard the model with ms.fsdp.fully_shard: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or off (a bare --fsdp: FULL_SHARD); default: off in one process, NO_SHARD (plain data parallel) with several ranks' },
@@ -998,10 +998,95 @@ local function plain_to_sharded(path, model, plain_optimizer)
   end
 end
 
--- options a resumed run takes from the command line rather than from the
--- checkpoint even when not given: none; these are dropped from the saved ones
-local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true, tp = true, pp = true, cp = true,
-  ep = true }
+-- options a resumed run never takes from its checkpoint (what to resume,
+-- where to stop, test hooks); every other one it takes unless given now
+local not_resumed = { resume = true, stop_at = true, config = true, inject_nan = true }
+
+-- The parallel layout a resumed run takes from its checkpoint, as it ran,
+-- unless given now (each axis on its own: --fsdp FULL_SHARD on a resume of a
+-- --tp 2 run is FSDP x TP; --tp 1 says the TP is gone). The options that
+-- refine an axis come with it only when that axis is the checkpoint's: a
+-- --pp 4 given on a --pp 2 run does not take its --pp-layers.
+-- In one process (no launcher) a checkpoint resumes without its tp, pp, cp
+-- and ep (and what refines them): there is no layout to keep there.
+local layout_axes = { 'tp', 'pp', 'cp', 'ep', 'fsdp' }
+local layout_refines = { pp_schedule = 'pp', pp_chunks = 'pp', pp_layers = 'pp', pp_microbatches = 'pp',
+  sequence_parallel = 'tp', float8_tp_scales = 'tp', shard_size = 'fsdp' }
+local layout_order = { 'tp', 'pp', 'cp', 'ep', 'fsdp', 'shard_size', 'pp_schedule', 'pp_chunks', 'pp_microbatches',
+  'pp_layers', 'sequence_parallel', 'float8_tp_scales' }
+
+-- the flags of a layout (only what differs from the defaults)
+local function layout_flags(opts, keys)
+  local parts = {}
+  for _, k in ipairs(keys) do
+    local v, d = opts[k], option_by_name[k][3]
+    if v ~= nil and v ~= d then
+      local flag = '--' .. k:gsub('_', '-')
+      if v == true then parts[#parts + 1] = flag
+      elseif v == false then parts[#parts + 1] = '--no-' .. k:gsub('_', '-')
+      else parts[#parts + 1] = flag .. ' ' .. tostring(v) end
+    end
+  end
+  return table.concat(parts, ' ')
+end
+
+-- train.resume_layout(saved options, options given now, world size) ->
+-- the saved options a resumed run keeps (its layout's among them), the flags
+-- of the layout it took from them ('' when none; in one process: of the one
+-- it left), and whether it left it. A usage error when the world cannot host
+-- the layout taken.
+function train.resume_layout(saved, given, world)
+  local kept, taken, left = {}, {}, {}
+  for k, v in pairs(saved) do
+    if option_by_name[k] and not not_resumed[k] or k == 'model_config' then kept[k] = v end
+  end
+  local function now(k)   -- a layout option as the run will have it
+    if given[k] ~= nil then return coerce(option_by_name[k][2], given[k], '--' .. k:gsub('_', '-'), 'options') end
+    if kept[k] ~= nil then return kept[k] end
+    return option_by_name[k][3]
+  end
+  for _, k in ipairs(layout_axes) do
+    if given[k] == nil and kept[k] ~= nil then
+      if world == 1 and k ~= 'fsdp' and kept[k] > 1 then left[k], kept[k] = kept[k], nil
+      else taken[k] = true end
+    end
+  end
+  for k, axis in pairs(layout_refines) do
+    if given[k] == nil and kept[k] ~= nil then
+      if left[axis] or now(axis) ~= saved[axis] then kept[k] = nil else taken[k] = true end
+    end
+  end
+  local function keys_of(set)
+    local r = {}
+    for _, k in ipairs(layout_order) do if set[k] then r[#r + 1] = k end end
+    return r
+  end
+  local left_keys = keys_of(left)
+  if #left_keys > 0 then return kept, layout_flags(left, left_keys), true end
+  local flags = layout_flags(kept, keys_of(taken))
+  -- the ranks it needs: pipelines of --pp stages, each stage's ranks a
+  -- multiple of the TP x CP groups and of the expert groups
+  local tp, pp, cp, ep = now('tp'), now('pp'), now('cp'), now('ep')
+  local function gcd(x, y) while y ~= 0 do x, y = y, x % y end return x end
+  local need = pp * (tp * cp) * ep / gcd(tp * cp, ep)
+  local from, ones, others = {}, {}, {}
+  for _, k in ipairs({ 'tp', 'pp', 'cp', 'ep' }) do
+    if taken[k] and kept[k] > 1 then
+      from[#from + 1] = ('--%s %d'):format(k, kept[k])
+      ones[#ones + 1] = ('--%s 1'):format(k)
+    elseif given[k] ~= nil and now(k) > 1 then
+      others[#others + 1] = ('--%s %d'):format(k, now(k))
+    end
+  end
+  if world % need ~= 0 and #from > 0 then
+    usage('--resume: the checkpoint\'s layout %s%s needs a multiple of %d ranks and this run has %d; launch it on %d '
+      .. '(bin/train --nproc-per-node %d) to go on as it ran, or give the layout to resume it in (e.g. %s: the '
+      .. 'checkpoint is resharded)', table.concat(from, ' '),
+      #others > 0 and (' with %s given'):format(table.concat(others, ' ')) or '', need, world, need, need,
+      table.concat(ones, ' '))
+  end
+  return kept, flags, false
+end
 
 -- train.run(options) -> summary { steps, final_loss, first_loss, val_loss,
 -- elapsed_s, tokens_per_s, out, sample, model, interrupted, bad_steps,
@@ -1058,10 +1143,8 @@ function train.run(opts)
       c, root = find_resume(o, warn)
     end
     local st = ckpt.load(c.path).state
-    local merged = {}
-    for k, v in pairs(st.options or {}) do
-      if option_by_name[k] and not not_resumed[k] or k == 'model_config' then merged[k] = v end
-    end
+    -- the checkpoint's options, its layout unless given now
+    local merged, layout, left = train.resume_layout(st.options or {}, opts, world)
     -- at another world size the global batch stays the checkpoint's
     -- (tokens per step), unless the batch is given now
     if st.world_size and st.world_size ~= world and st.tokens_per_step and opts.tokens_per_step == nil
@@ -1076,7 +1159,8 @@ function train.run(opts)
     if type(opts.model) == 'table' then merged.model = opts.model end
     M, o = train.resolve(merged)
     o.resume = opts.resume or 'latest'
-    resume = { path = c.path, state = st, sharded = train.is_sharded_checkpoint(c.path) }
+    resume = { path = c.path, state = st, sharded = train.is_sharded_checkpoint(c.path), layout = layout,
+      layout_left = left }
   end
 
   -- a HYBRID_SHARD checkpoint resumed in one process (`bin/train --resume
@@ -1939,7 +2023,15 @@ function train.run(opts)
   if ac_desc then log('activation checkpointing: %s', ac_desc) end
   if lora_desc then log('lora: %s', lora_desc) end
   if freeze_desc then log('frozen: %s', freeze_desc) end
-  if resume then log('resumed from %s at step %d', resume.path, start_step - 1) end
+  if resume then
+    log('resumed from %s at step %d', resume.path, start_step - 1)
+    if resume.layout_left then
+      log('resume: in one process, without the checkpoint\'s %s (launch it on several ranks, bin/train '
+        .. '--nproc-per-node N, to keep it)', resume.layout)
+    elseif resume.layout ~= '' then
+      log('resume: the checkpoint\'s layout %s (give --tp, --pp, --cp, --ep, --fsdp to change it)', resume.layout)
+    end
+  end
   if o.cuda_graphs then
     log('cuda graphs: the step captured after %d eager step%s (at step %d), then replayed', o.graph_warmup,
       o.graph_warmup == 1 and '' or 's', start_step + o.graph_warmup)
