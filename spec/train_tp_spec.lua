@@ -249,10 +249,13 @@ describe('bin/train --tp (tensor parallelism, CPU through mpirun)', function()
     local status, text = bin_train(('models/gpt2.lua %s --steps 1 --tp 2 --out %s/b1'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)
     assert.is_truthy(text:find('--tp 2: the world of 1 rank is not a multiple of it', 1, true), text)
+    -- (--tp with HYBRID_SHARD trains: spec/train_tp_hsdp_spec.lua; its
+    -- --shard-size counts a TP slice's data-parallel ranks, one here)
     status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --steps 1 --tp 2 --fsdp HYBRID_SHARD '
-      .. '--out %s/b2'):format(tiny, q(dir)))
+      .. '--shard-size 2 --out %s/b2'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)
-    assert.is_truthy(text:find('--tp 2 with --fsdp HYBRID_SHARD: not supported', 1, true), text)
+    assert.is_truthy(text:find('--tp 2 --fsdp HYBRID_SHARD: --shard-size 2 does not divide the 1 data-parallel rank of a '
+      .. 'tensor-parallel slice (the world of 2 over 2 TP ranks; --shard-size counts those ranks: 1)', 1, true), text)
     status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --model.n_head 1 --steps 1 --tp 2 '
       .. '--out %s/b3'):format(tiny, q(dir)))
     assert.are.equal(2, status, text)

@@ -90,7 +90,7 @@ train.options = {
   { 'autocast', 'string', 'auto', 'the forward in a bf16 autocast region (bf16: the matmuls and attention in it; the weights, gradients and optimizer state f32: docs/precision.md), or off; auto: bf16 on CUDA without --fsdp (one GPU, and --tp, --pp, --cp, --ep without it; under --fsdp its mixed precision sets the compute dtype), off on the CPU and with --dtype f64' },
   { 'fsdp_policy', 'string', 'auto', 'FSDP units: auto (the model file\'s fsdp_block, else the class of the modules in the largest list of identical children: GPT2Block, LlamaDecoderLayer), a class name, size:N (every module of at least N parameters), or none (one unit)' },
   { 'fsdp_mixed_precision', 'string', 'auto', 'FSDP dtypes PARAM/REDUCE of the gathered parameters and of the gradient reduction (bf16/f32, bf16/bf16, bf16 = bf16/f32), none, or auto: bf16/f32 on CUDA, none on CPU' },
-  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead, plain or under FSDP (also HYBRID_SHARD), with --cp and inside --pp stages too (docs/moe.md); --fsdp HYBRID_SHARD with --pp P (and --ep or not): each stage\'s ranks that hold the same slices sharded in groups of --shard-size, replicated across (torchtitan\'s dp_replicate x dp_shard x pp x tp; docs/pp.md), without --pp only with --ep; checkpoints sharded, each rank writing its slices (--checkpoint-format), the final weights whole, one process\'s (docs/tp.md)' },
+  { 'tp', 'int>0', 1, 'tensor parallelism: TP ranks per group (ms.tp.parallelize: heads, MLPs, experts and the vocabulary split, Megatron-LM\'s layout), the other axis of the world data parallel (plain, or with --fsdp FULL_SHARD / SHARD_GRAD_OP sharded: FSDP x TP); with --ep M (a multiple of N) the MoE layers\' experts whole over groups of M / N TP groups instead, plain or under FSDP (also HYBRID_SHARD), with --cp and inside --pp stages too (docs/moe.md); --fsdp HYBRID_SHARD: the ranks that hold the same slices (with --pp P each stage\'s; --ep or not) sharded in groups of --shard-size of them, replicated across (torchtitan\'s dp_replicate x dp_shard x tp, x pp; docs/tp.md, docs/pp.md; with --ep and no --pp --shard-size counts whole ranks instead); checkpoints sharded, each rank writing its slices (--checkpoint-format), the final weights whole, one process\'s (docs/tp.md)' },
   { 'pp', 'int>0', 1, 'pipeline parallelism: stages per pipeline (ms.pp.pipeline: the blocks cut into consecutive stages, one a rank, micro-batches flowing through them), the other axis of the world data parallel (with --fsdp FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD each stage is sharded over it; HYBRID_SHARD: shard groups of --shard-size of a stage\'s data-parallel ranks, with --tp of those holding the same TP slice, replicated across; a model\'s multi-token-prediction depths on the last stage, with a copy of the embedding); checkpoints sharded (--checkpoint-format), the final weights whole, one process\'s (docs/pp.md)' },
   { 'async_checkpoint', 'bool', false, 'the --save-every checkpoints written by a background thread: a step waits only while the weights and optimizer state are copied to host memory (page-locked on GPUs, kept between saves), and the checkpoint is complete at the first step boundary after every rank has written its files; the next checkpoint, a stop and the end of the run wait for it (docs/checkpoints.md)' },
   { 'cp', 'int>0', 1, 'context parallelism: ranks per group that split each sequence (ms.cp: every rank holds --seq-len / N of each sequence\'s tokens, in load-balanced chunks; attention a ring over the group), the other axis of the world data parallel (plain, or sharded by --fsdp over every rank); with --tp M and/or --pp P the TP groups and pipelines inside (rank = ((d * N + c) * P + p) * M + t); with --ep E the expert groups E consecutive ranks of that order (a stage\'s with --pp; with --tp E / M whole TP groups), each rank routing its chunks\' rows (its sequence-parallel rows under --tp), the experts\' copies over the rest; --seq-len a multiple of 2N; checkpoints as without it (docs/cp.md)' },
@@ -104,7 +104,7 @@ train.options = {
   { 'pp_microbatches', 'int>=0', 0, 'with --pp: pipeline micro-batches each batch is split into (0: --batch-size, one sequence each, as torchtitan\'s default)' },
   { 'tp_overlap', 'bool', true, 'with --tp: the split layers\' weight gradients computed while the collective of their input\'s gradient runs (async TP\'s backward; off: each collective then the GEMMs, as before; docs/tp.md)' },
   { 'sequence_parallel', 'bool?', nil, 'with --tp (also with --fsdp and --pp): the residual stream between the split layers held as each rank\'s tokens (norms and dropout on 1/N of them; with --pp the stages exchange those rows; docs/tp.md); default on, except with --pp, where it measured slower (docs/pp.md): --sequence-parallel turns it on there' },
-  { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node); with --pp P the data-parallel ranks of a stage per shard group, with --pp P --tp T those of a stage\'s TP slice (torchtitan\'s dp_shard: it divides the world / (P x T) of them, dp_replicate the quotient; with --cp their context-parallel ranks counted in; with --ep M the shard group\'s S x T ranks hold whole expert groups); with --tp --ep without --pp: ranks, holding whole expert groups (docs/pp.md, docs/moe.md)' },
+  { 'shard_size', 'int>=0', 0, 'HYBRID_SHARD: ranks per shard group, replicated across the groups (0: the ranks of a node); with --tp T the data-parallel ranks of a TP slice per shard group, with --pp P those of a stage (of a stage\'s TP slice with --tp T too): torchtitan\'s dp_shard, dividing the world / T (/ P) of them, dp_replicate the quotient (0: a node\'s ranks / T (/ P); with --cp their context-parallel ranks counted in; with --pp --tp --ep M the shard group\'s S x T ranks hold whole expert groups); the one exception, --tp --ep without --pp: whole ranks, holding whole expert groups (docs/tp.md, docs/pp.md, docs/moe.md)' },
   { 'init_from', 'string?', nil, 'start from the weights and config of a Hugging Face folder (config.json + model.safetensors, as save_pretrained and --out write) instead of a fresh model: fine-tuning; --preset and --model.* do not apply; sharded runs read only each rank\'s shards' },
   { 'lora', 'int>=0', 0, 'LoRA adapters of this rank (R) on the model\'s projections (nn.apply_lora; 0: none): the rest of the model frozen, the final weights saved merged' },
   { 'lora_alpha', 'number>0?', nil, 'LoRA scale numerator: the update is alpha / r * B A (default: r)' },
@@ -1174,8 +1174,10 @@ function train.run(opts)
   -- --tp N: tensor parallel groups of N ranks (mesh.shard), data
   -- parallelism across them (mesh.replicate): plain (gradients all-reduced)
   -- or, with --fsdp FULL_SHARD / SHARD_GRAD_OP, each rank's slices sharded
-  -- over its mesh.replicate group (FSDP x TP); sharded checkpoints (each
-  -- rank its slices' boxes), whole-model ones with --checkpoint-format full
+  -- over its mesh.replicate group (FSDP x TP), or with HYBRID_SHARD over
+  -- shard groups of --shard-size of that group's ranks, replicated across
+  -- (tp_mesh.hybrid, below); sharded checkpoints (each rank its slices'
+  -- boxes), whole-model ones with --checkpoint-format full
   local tp_size, tp_mesh = o.tp, nil
   local data_rank, data_world = rank, world
   if tp_size > 1 then
@@ -1183,14 +1185,10 @@ function train.run(opts)
       usage('--tp %d: the world of %d rank%s is not a multiple of it (bin/train --nproc-per-node N)', tp_size, world,
         world == 1 and '' or 's')
     end
-    -- (HYBRID_SHARD with --pp: each stage's shard groups of the ranks that
-    -- hold the same slices, made with the pipelines below; with --ep M,
-    -- without --pp: shard groups of whole expert groups, made with the
-    -- expert groups below)
-    if strategy == 'HYBRID_SHARD' and o.ep <= 1 and o.pp <= 1 then
-      usage('--tp %d with --fsdp HYBRID_SHARD: not supported without --pp or --ep (the tensor-parallel groups are the '
-        .. 'mesh\'s other axis); use FULL_SHARD or SHARD_GRAD_OP', tp_size)
-    end
+    -- (HYBRID_SHARD: shard groups of the ranks that hold the same slices,
+    -- made below once the groups can be; with --pp each stage's, made with
+    -- the pipelines; with --ep M, without --pp: shard groups of whole
+    -- expert groups of --shard-size ranks, made with the expert groups)
     if o.lora > 0 then usage('--tp with --lora: not supported (merge the adapters first)') end
     if strategy == nil or strategy == 'off' or strategy == 'NO_SHARD' then strategy = nil end
     tp_mesh = dist.mesh { replicate = world / tp_size, shard = tp_size }
@@ -1213,6 +1211,32 @@ function train.run(opts)
     return kept
   end
   local function along(n, f) local r = {}; for k = 0, n - 1 do r[#r + 1] = f(k) end; return r end
+  if tp_mesh and strategy == 'HYBRID_SHARD' and o.pp <= 1 and o.ep <= 1 then
+    -- --tp T --fsdp HYBRID_SHARD (2-D HSDP x TP: torchtitan's dp_replicate x
+    -- dp_shard x tp): rank r = j * T + t, the ranks that hold slice t (the
+    -- same t, tp_mesh.replicate: D = world / T of them; with --cp C their
+    -- context-parallel ranks counted in, j = d * C + c) are the slice's
+    -- data-parallel axis, cut into shard groups of S consecutive j
+    -- (--shard-size S counts them, as with --pp --tp: dp_shard; D / S is
+    -- dp_replicate); default the slice's ranks on one node (a node's
+    -- ranks / T): shard within a node, replicate across nodes
+    local D = world / tp_size
+    local S = o.shard_size > 0 and o.shard_size
+      or math.max(1, math.min(D, math.floor(dist.local_world_size() / tp_size)))
+    if D % S ~= 0 then
+      local axis = o.cp > 1 and 'data- and context-parallel' or 'data-parallel'
+      usage('--tp %d --fsdp HYBRID_SHARD: --shard-size %d%s does not divide the %d %s rank%s of a tensor-parallel '
+        .. 'slice (the world of %d over %d TP ranks; --shard-size counts those ranks: %s)', tp_size, S,
+        o.shard_size > 0 and '' or ' (the default: a node\'s ranks / --tp)', D, axis, D == 1 and '' or 's', world,
+        tp_size, D == 1 and '1' or ('1, or a divisor of %d'):format(D))
+    end
+    tp_mesh.hybrid = {
+      shard = mine(tp_size, D / S, function(t, g)
+        return along(S, function(k) return (g * S + k) * tp_size + t end) end),
+      replicate = mine(tp_size, S, function(t, k)
+        return along(D / S, function(g) return (g * S + k) * tp_size + t end) end),
+    }
+  end
   local pp_size, pp_mesh = o.pp, nil
   if pp_size > 1 then
     if world % (pp_size * tp_size) ~= 0 then
@@ -1814,7 +1838,7 @@ function train.run(opts)
   if strategy then
     local policy, pdesc = train.fsdp_policy(M, model, o.fsdp_policy)
     local mp = train.mixed_precision(o.fsdp_mixed_precision, device)
-    local hybrid = pp_mesh and pp_mesh.hybrid or ep_hybrid
+    local hybrid = pp_mesh and pp_mesh.hybrid or ep_hybrid or tp_mesh and tp_mesh.hybrid
     local group = not hybrid and (pp_mesh or tp_mesh) and (pp_mesh or tp_mesh).replicate or nil
     local okf, ferr = pcall(ms.fsdp.fully_shard, model, { policy = policy, strategy = strategy, mixed_precision = mp,
       shard_size = strategy == 'HYBRID_SHARD' and not hybrid and o.shard_size > 0 and o.shard_size or nil,
