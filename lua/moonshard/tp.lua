@@ -264,6 +264,83 @@ local SeqSplit = seq_function('tp_seq_split', own_rows, seq_all_gather)
 -- the head's input copy sum it over the group)
 local SeqUnsplit = seq_function('tp_seq_unsplit', seq_all_gather, own_rows)
 
+-- this rank's rows of several tensors (n, w_i) -> every rank's rows of
+-- each, (B, T, w_i) views of one all-gather of their concatenation (the
+-- latent attention's latents, nn/mla.lua: one collective of q_lora +
+-- kv_lora + dr features a token); backward: each gradient summed over
+-- the group, this rank's rows. The backward's buffer is laid out rank by
+-- rank and, inside a rank's block, part by part (rank r's rows of part 1,
+-- then of part 2, ...): the reduce-scatter sums the same elements as over
+-- (B·T, sum w_i) rows, and this rank's rows of each part come back
+-- contiguous, so the norms' backward reading them copies nothing. One node
+-- where a cat, a gather and a split were three (docs/perf-notes.md, "The
+-- ops sequence parallelism adds").
+local SeqGatherParts = A.Function {
+  name = 'tp_seq_gather_parts',
+  owns_results = true,
+  forward = function(ctx, sp, ...)
+    local parts = { ... }
+    local widths = {}
+    for i = 1, #parts do widths[i] = parts[i].shape[2] end
+    ctx.sp, ctx.widths = sp, widths
+    local xc = F.cat(parts, 2)                                   -- (n, sum w_i)
+    local v = seq_all_gather(xc, sp)                             -- (B, T, sum w_i)
+    xc:free()
+    local outs, off = {}, 1
+    for i, w in ipairs(widths) do
+      outs[i] = v:narrow(3, off, w)
+      off = off + w
+    end
+    v:free()
+    return unpack(outs)
+  end,
+  backward = function(ctx, ...)
+    local gs = { ... }   -- (a missing one: zeros, from the autograd)
+    local sp, widths = ctx.sp, ctx.widths
+    local N, n = sp.size, sp.n
+    local W = 0
+    for _, w in ipairs(widths) do W = W + w end
+    local g1 = gs[1]
+    local full = T.empty({ N, n * W }, { dtype = g1.dtype, device = g1.device })
+    local off = 0
+    for i, w in ipairs(widths) do
+      local d = full:narrow(2, off + 1, n * w)
+      local dv = d:view({ N, n, w })                             -- (rank r's rows of part i)
+      local s = gs[i]:reshape({ N, n, w })
+      dv:copy_(s)
+      if s ~= gs[i] then s:free() end
+      dv:free(); d:free()
+      off = off + n * w
+    end
+    local out
+    if skip_comm then
+      local mine = full:narrow(1, sp.rank + 1, 1)
+      out = mine:clone()
+      mine:free()
+    else
+      out = T.empty({ n * W }, { dtype = g1.dtype, device = g1.device })
+      if sp.overlap then run_beside(dist.reduce_scatter(out, full, 'sum', { group = sp.group, async = true }))
+      else dist.reduce_scatter(out, full, 'sum', { group = sp.group }) end
+    end
+    full:free()
+    local r = { n = #widths + 1 }
+    off = 0
+    for i, w in ipairs(widths) do
+      local p = out:narrow(out.ndim, off + 1, n * w)
+      r[i + 1] = p:view({ n, w })
+      p:free()
+      off = off + n * w
+    end
+    out:free()
+    return unpack(r, 1, r.n)
+  end,
+}
+-- tp.seq_gather_parts(sp, a, b, ...) -> every rank's rows of a, b, ...
+-- ((n, w_i) each -> (B, T, w_i)), under an active sequence-parallel state
+function tp.seq_gather_parts(sp, ...)
+  return SeqGatherParts(sp, ...)
+end
+
 -- the sequence-parallel state of a model: on for a forward whose B·T
 -- divides over the group (set by scatter at the decoder's start); the
 -- split layers, dropout and the head read it
