@@ -246,17 +246,6 @@ local function seq_function(name, fwd, bwd)
 end
 local function reduced_rows(x, sp) return seq_rows(x, sp, true) end
 local function own_rows(x, sp) return seq_rows(x, sp, false) end
--- a backward's gradient (B, T, C) -> this rank's rows (n, C): a view when
--- it is contiguous (no copy: the whole gradient then lives until the next
--- node's backward has read the rows, as the gradient it is already; a
--- forward's shard is a copy, own_rows, not to hold the whole stream)
-local function own_grad_rows(g, sp)
-  if not g:is_contiguous() then return own_rows(g, sp) end
-  local v = g:view({ sp.B * sp.T, g.shape[g.ndim] })
-  local mine = v:narrow(1, sp.rank * sp.n + 1, sp.n)
-  v:free()
-  return mine
-end
 
 -- a split layer's input: every rank's rows gathered; backward: the
 -- gradient summed over the group (each rank's split layers give a partial
@@ -273,84 +262,7 @@ local SeqSplit = seq_function('tp_seq_split', own_rows, seq_all_gather)
 -- (the LM head, the model's output); backward: this rank's rows of the
 -- gradient, the same on every rank there (the vocabulary-parallel loss and
 -- the head's input copy sum it over the group)
-local SeqUnsplit = seq_function('tp_seq_unsplit', seq_all_gather, own_grad_rows)
-
--- this rank's rows of several tensors (n, w_i) -> every rank's rows of
--- each, (B, T, w_i) views of one all-gather of their concatenation (the
--- latent attention's latents, nn/mla.lua: one collective of q_lora +
--- kv_lora + dr features a token); backward: each gradient summed over
--- the group, this rank's rows. The backward's buffer is laid out rank by
--- rank and, inside a rank's block, part by part (rank r's rows of part 1,
--- then of part 2, ...): the reduce-scatter sums the same elements as over
--- (B·T, sum w_i) rows, and this rank's rows of each part come back
--- contiguous, so the norms' backward reading them copies nothing. One node
--- where a cat, a gather and a split were three (docs/perf-notes.md, "The
--- ops sequence parallelism adds").
-local SeqGatherParts = A.Function {
-  name = 'tp_seq_gather_parts',
-  owns_results = true,
-  forward = function(ctx, sp, ...)
-    local parts = { ... }
-    local widths = {}
-    for i = 1, #parts do widths[i] = parts[i].shape[2] end
-    ctx.sp, ctx.widths = sp, widths
-    local xc = F.cat(parts, 2)                                   -- (n, sum w_i)
-    local v = seq_all_gather(xc, sp)                             -- (B, T, sum w_i)
-    xc:free()
-    local outs, off = {}, 1
-    for i, w in ipairs(widths) do
-      outs[i] = v:narrow(3, off, w)
-      off = off + w
-    end
-    v:free()
-    return unpack(outs)
-  end,
-  backward = function(ctx, ...)
-    local gs = { ... }   -- (a missing one: zeros, from the autograd)
-    local sp, widths = ctx.sp, ctx.widths
-    local N, n = sp.size, sp.n
-    local W = 0
-    for _, w in ipairs(widths) do W = W + w end
-    local g1 = gs[1]
-    local full = T.empty({ N, n * W }, { dtype = g1.dtype, device = g1.device })
-    local off = 0
-    for i, w in ipairs(widths) do
-      local d = full:narrow(2, off + 1, n * w)
-      local dv = d:view({ N, n, w })                             -- (rank r's rows of part i)
-      local s = gs[i]:reshape({ N, n, w })
-      dv:copy_(s)
-      if s ~= gs[i] then s:free() end
-      dv:free(); d:free()
-      off = off + n * w
-    end
-    local out
-    if skip_comm then
-      local mine = full:narrow(1, sp.rank + 1, 1)
-      out = mine:clone()
-      mine:free()
-    else
-      out = T.empty({ n * W }, { dtype = g1.dtype, device = g1.device })
-      if sp.overlap then run_beside(dist.reduce_scatter(out, full, 'sum', { group = sp.group, async = true }))
-      else dist.reduce_scatter(out, full, 'sum', { group = sp.group }) end
-    end
-    full:free()
-    local r = { n = #widths + 1 }
-    off = 0
-    for i, w in ipairs(widths) do
-      local p = out:narrow(out.ndim, off + 1, n * w)
-      r[i + 1] = p:view({ n, w })
-      p:free()
-      off = off + n * w
-    end
-    out:free()
-    return unpack(r, 1, r.n)
-  end,
-}
--- tp.seq_gather_parts(sp, a, b, ...) -> every rank's rows of a, b, ...
--- ((n, w_i) each -> (B, T, w_i)), under an active sequence-parallel state
-function tp.seq_gather_parts(sp, ...)
-  return SeqGatherParts(sp, ...)
-end
+local SeqUnsplit = seq_function('tp_seq_unsplit', seq_all_gather, own_rows)
 
 -- the sequence-parallel state of a model: on for a forward whose B·T
 -- divides over the group (set by scatter at the decoder's start); the
@@ -1037,30 +949,15 @@ function tp.parallelize(model, opts)
         -- group in one all-reduce of their concatenation and added to the
         -- parameters' .grad (one small all-reduce per parameter cost ~1-2
         -- ms a step)
-        -- (the parts go into one flat buffer as they arrive, each into its
-        -- slot: the all-reduce reads it as it is, no concatenation a step,
-        -- and .grad is made a view of its slot, no copy; the buffer is new
-        -- each time (its slots may become the parameters' .grad) and holds
-        -- every partial parameter's elements, `cap`; a part that does not
-        -- fit, a parameter kept twice in one backward, is a copy of its own
-        -- and the parts are then concatenated as before)
-        local cap = 0
         local pending = {}
         -- (a pipeline's step, sp.hold_partial: each parameter's parts summed
         -- over the step's backwards here, one all-reduce at its end)
         local held = nil
         local function flush(list)
           if #list == 0 then return end
-          local flat, whole = list.flat, list.used ~= nil
-          local flats = nil
-          for _, e in ipairs(list) do if e.own then whole = false end end
-          if whole then
-            flat = list.used == cap and flat or flat:narrow(1, 1, list.used)
-          else
-            flats = {}
-            for i, e in ipairs(list) do flats[i] = e.g:view({ e.g:numel() }) end
-            flat = #flats == 1 and flats[1] or F.cat(flats, 1)
-          end
+          local flats = {}
+          for i, e in ipairs(list) do flats[i] = e.g:view({ e.g:numel() }) end
+          local flat = #flats == 1 and flats[1] or F.cat(flats, 1)
           if not skip_comm then dist.all_reduce(flat, 'sum', { group = g }) end
           local off = 0
           for _, e in ipairs(list) do
@@ -1068,51 +965,31 @@ function tp.parallelize(model, opts)
             local part = flat:narrow(1, off + 1, n):view(e.t.shape)
             off = off + n
             -- (the hook took the parts, A.CONSUMED: .grad is made here when
-            -- no other gradient made it; in the flat buffer, a view of it)
+            -- no other gradient made it)
             local cur = e.t.grad
-            if cur ~= nil and cur.storage ~= nil then F.add_(cur, part); part:free()
-            elseif part.dtype ~= e.dtype then e.t.grad = part:to(e.dtype); part:free()
-            elseif whole then e.t.grad = part
-            else e.t.grad = part:clone(); part:free() end
+            if cur ~= nil and cur.storage ~= nil then F.add_(cur, part)
+            elseif part.dtype == e.dtype then e.t.grad = part:clone()
+            else e.t.grad = part:to(e.dtype) end
+            part:free()
             e.g:free()
           end
-          if flats then
-            if flat ~= flats[1] then flat:free() end
-            for _, f in ipairs(flats) do f:free() end
-            if list.flat then list.flat:free() end
-          else
-            if flat ~= list.flat then flat:free() end
-            list.flat:free()
-          end
+          if flat ~= flats[1] then flat:free() end
+          for _, f in ipairs(flats) do f:free() end
         end
         local function flush_pending()
           local list = pending
           pending = {}
           flush(list)
         end
-        -- a part kept: copied into its slot of the list's flat buffer (in
-        -- the first part's dtype: one flat all-reduce), or a copy of its own
+        -- a part kept (in the first part's dtype: one flat all-reduce)
         local function keep(list, grad)
-          local n = grad:numel()
-          if list.used == nil then
-            list.flat = T.empty({ cap }, { dtype = grad.dtype, device = grad.device })
-            list.used = 0
+          local c = grad:clone()
+          if #list > 0 and c.dtype ~= list[1].g.dtype then
+            local c2 = c:to(list[1].g.dtype)
+            c:free()
+            c = c2
           end
-          if list.used + n > cap then
-            local c = grad:clone()
-            if c.dtype ~= list.flat.dtype then
-              local c2 = c:to(list.flat.dtype)
-              c:free()
-              c = c2
-            end
-            return c, true
-          end
-          local v = list.flat:narrow(1, list.used + 1, n)
-          local slot = v:view(grad.shape)
-          v:free()
-          list.used = list.used + n
-          slot:copy_(grad)   -- (converted when its dtype is not the buffer's)
-          return slot, false
+          return c
         end
         local function hook_for(t)
           return function(grad)
@@ -1124,16 +1001,14 @@ function tp.parallelize(model, opts)
                 F.add_(e.g, gg)
                 if gg ~= grad then gg:free() end
               else
-                local kg, own = keep(held.list, grad)
-                e = { t = t, g = kg, own = own, dtype = grad.dtype }
+                e = { t = t, g = keep(held.list, grad), dtype = grad.dtype }
                 held.by[t] = e
                 held.list[#held.list + 1] = e
               end
               return A.CONSUMED
             end
             if #pending == 0 then A.queue_callback(flush_pending) end
-            local kg, own = keep(pending, grad)
-            pending[#pending + 1] = { t = t, g = kg, own = own, dtype = grad.dtype }
+            pending[#pending + 1] = { t = t, g = keep(pending, grad), dtype = grad.dtype }
             return A.CONSUMED
           end
         end
@@ -1156,7 +1031,6 @@ function tp.parallelize(model, opts)
           local h = held
           held = nil
           for _, e in ipairs(h and h.list or {}) do e.g:free() end
-          if h and h.list.flat then h.list.flat:free() end
         end
         -- (info.sp_partial: the same tensors by id, for fully_shard, whose
         -- units' gradient buffers these hooks never see: the unit sums
@@ -1166,7 +1040,6 @@ function tp.parallelize(model, opts)
         local function partial(t)
           if t ~= nil and t.requires_grad and not seen[tonumber(t.id)] then
             seen[tonumber(t.id)] = true
-            cap = cap + t:numel()
             t:register_hook(hook_for(t))
           end
         end

@@ -36,6 +36,32 @@ local W = A.W
 
 local mla = {}
 
+-- the gathered latents g (B, T, q1 + k1 + dr) -> their three views (q's,
+-- kv's, the rotary key's); backward: the three gradients copied into one
+-- buffer of g's shape, which the gather's reduce-scatter then sums. (Three
+-- recorded narrows cost, each micro-batch and layer, three zero-filled
+-- buffers of g's whole width and two adds of them: docs/perf-notes.md,
+-- "Sequence parallelism under --pp, op by op".)
+local SplitLatents = A.Function {
+  name = 'mla_split_latents',
+  forward = function(ctx, g, q1, k1, dr)
+    ctx.shape, ctx.widths = g.shape, { q1, k1, dr }
+    return g:narrow(3, 1, q1), g:narrow(3, q1 + 1, k1), g:narrow(3, q1 + k1 + 1, dr)
+  end,
+  backward = function(ctx, ...)
+    local gs = { ... }   -- (a missing one: zeros, from the autograd)
+    local full = T.empty(ctx.shape, { dtype = gs[1].dtype, device = gs[1].device })
+    local off = 1
+    for i, w in ipairs(ctx.widths) do
+      local v = full:narrow(3, off, w)
+      v:copy_(gs[i])
+      v:free()
+      off = off + w
+    end
+    return full, nil, nil, nil
+  end,
+}
+
 function mla.install(nn, nnf)
   local MLA = nn.Module:extend('MLAttention')
   nn.MLAttention = MLA
@@ -118,10 +144,10 @@ function mla.install(nn, nnf)
       H = tp.n_head
       local sp = tp.sp
       if tp.latent_gather and sp.active and T.is_tensor(x) and x.ndim == 2 and x.shape[2] == self.dim then
-        -- (one node: the three latents cat, gathered, (B, T, w) views
-        -- each; its backward hands them back contiguous, tp.seq_gather_parts)
-        ql, kvl, kpe = require('moonshard.tp').seq_gather_parts(sp, latents(self, x))
-        x = kvl
+        local a, b, c = latents(self, x)
+        local g = sp.enter(W.cat({ a, b, c }, 2))                        -- (B, T, q_lora + kv_lora + dr)
+        ql, kvl, kpe = SplitLatents(g, self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim)
+        x = g
       else
         sum = tp.sum
         x = require('moonshard.tp').gathered(x, tp)
