@@ -6,7 +6,14 @@
 -- by axis (--tp 1: the checkpoint resharded), and the options that refine
 -- an axis follow it; a world that cannot host the layout is a usage error
 -- that names it and leaves the run folder as it was; in one process the
--- checkpoint resumes without its layout, saying so.
+-- checkpoint resumes without its layout, saying so. A config file given
+-- with the resume (--config) sits between the checkpoint's options and
+-- the command line, its layout counting as given; another data-parallel
+-- width keeps the checkpoint's tokens a step, the batch a rank derived
+-- (bitwise the run given that batch), or a usage error naming them; a
+-- HYBRID_SHARD --shard-size taken into a layout that counts it otherwise
+-- (--tp --ep: whole ranks; --tp: a TP slice's data-parallel ranks) is
+-- converted, or dropped to the default, saying so.
 local train = require 'moonshard.train'
 
 local S = require 'spec.support'
@@ -59,6 +66,85 @@ describe('bin/train --resume and the parallel layout', function()
     -- a plain data-parallel run: no layout to name
     kept, flags = train.resume_layout(saved {}, {}, 3)
     assert.are.same({ 1, '' }, { kept.tp, flags })
+  end)
+
+  it('converts a HYBRID_SHARD --shard-size taken into a layout that counts it otherwise, or drops it, saying so',
+    function()
+    -- --tp 2 --ep 2: shard groups of 4 whole ranks; at --ep 1 the same 4
+    -- ranks are 2 data-parallel ranks of each TP slice
+    local kept, flags, _, notes = train.resume_layout(saved { tp = 2, ep = 2, fsdp = 'HYBRID_SHARD', shard_size = 4 },
+      { ep = 1 }, 4)
+    assert.are.same({ 2, '--tp 2 --fsdp HYBRID_SHARD --shard-size 2' }, { kept.shard_size, flags })
+    assert.are.same({ 'resume: --shard-size 4 (whole ranks under the checkpoint\'s --tp 2 --ep 2) counts the '
+      .. 'data-parallel ranks of a tensor-parallel slice at --tp 2: --shard-size 2, shard groups of 4 ranks as before' },
+      notes)
+    -- and back: --tp 2 --shard-size 1 (groups of 2 ranks) at --ep 2 counts whole ranks
+    kept, _, _, notes = train.resume_layout(saved { tp = 2, fsdp = 'HYBRID_SHARD', shard_size = 1 }, { ep = 2 }, 4)
+    assert.are.same({ 2, 1 }, { kept.shard_size, #notes })
+    -- --pp given: a stage's TP slice's ranks; 2 ranks are no whole number of 4-rank TP groups: the default
+    kept, flags, _, notes = train.resume_layout(saved { tp = 2, ep = 2, fsdp = 'HYBRID_SHARD', shard_size = 2 },
+      { pp = 2, tp = 4 }, 8)
+    assert.is_nil(kept.shard_size)
+    assert.are.equal('--ep 2 --fsdp HYBRID_SHARD', flags)
+    assert.are.same({ 'resume: --shard-size 2 (whole ranks under the checkpoint\'s --tp 2 --ep 2), shard groups of 2 '
+      .. 'ranks, is no whole number of 4-rank tensor-parallel groups at --tp 4 --pp 2 --ep 2: the default shard size '
+      .. '(give --shard-size to choose)' }, notes)
+    -- the same convention: the number as it was, nothing said
+    kept, _, _, notes = train.resume_layout(saved { tp = 2, ep = 2, fsdp = 'HYBRID_SHARD', shard_size = 4 },
+      { ep = 4 }, 8)
+    assert.are.same({ 4, 0 }, { kept.shard_size, #notes })
+    kept, _, _, notes = train.resume_layout(saved { tp = 2, fsdp = 'HYBRID_SHARD', shard_size = 2 }, { tp = 1 }, 4)
+    assert.are.same({ 2, 0 }, { kept.shard_size, #notes })
+  end)
+
+  it('another data-parallel width keeps the checkpoint\'s tokens a step: the batch a rank derived, or a usage error',
+    function()
+    local function batch(st, given, world)
+      return train.resume_batch(st, (train.resume_layout(st.options, given, world)), given, world)
+    end
+    local function sizes(b, tps) return { b, tps } end   -- (the batch and tokens a step, not the line)
+    -- a --tp 2 run of 4 x 64 tokens at 2 ranks (1 data-parallel rank) resumed at --tp 1: 2 a rank
+    local tp2 = { options = saved { tp = 2, batch_size = 4, seq_len = 64 }, tokens_per_step = 256, world_size = 1 }
+    local b, tps, line = batch(tp2, { tp = 1 }, 2)
+    assert.are.same({ 2, 0 }, { b, tps })
+    assert.are.equal('resume: --batch-size 2, 1 micro-batch a step, on 2 data-parallel ranks: derived to keep the '
+      .. 'checkpoint\'s 256 tokens a step (it ran --batch-size 4; give --batch-size or --tokens-per-step to choose)',
+      line)
+    -- its layout kept, or the batch given: nothing derived
+    assert.is_nil(batch(tp2, {}, 2))
+    assert.is_nil(batch(tp2, { tp = 1, batch_size = 4 }, 2))
+    assert.is_nil(batch(tp2, { tp = 1, tokens_per_step = 512 }, 2))
+    -- a 2-rank run of 2 a rank at 1 rank: 2 micro-batches of 2; at 4: 1 a rank
+    local dp2 = { options = saved { batch_size = 2, seq_len = 64 }, tokens_per_step = 256, world_size = 2 }
+    assert.are.same({ 2, 256 }, sizes(batch(dp2, {}, 1)))
+    assert.are.same({ 1, 0 }, sizes(batch(dp2, {}, 4)))
+    -- a one-process checkpoint (no tokens_per_step written) at 2 ranks
+    assert.are.same({ 2, 0 }, sizes(batch({ options = saved { batch_size = 4, seq_len = 64 } }, {}, 2)))
+    -- accumulation: the batch kept while it divides, the micro-batches follow
+    local acc = { options = saved { batch_size = 2, seq_len = 64, tokens_per_step = 512 }, tokens_per_step = 512,
+      world_size = 1 }
+    assert.is_nil(batch(acc, {}, 2))
+    -- with --pp-microbatches kept: a multiple of it (4 sequences a rank: 4 = 2 x 2, not 3)
+    local pp = { options = saved { pp = 2, pp_microbatches = 2, batch_size = 8, seq_len = 64 }, tokens_per_step = 512,
+      world_size = 1 }
+    assert.are.same({ 4, 0 }, sizes(batch(pp, {}, 4)))
+    -- 4 sequences over 3 data-parallel ranks: a usage error naming them and the options
+    local ok, e = pcall(batch, dp2, {}, 3)
+    assert.is_false(ok)
+    assert.is_true(train.is_usage_error(e), tostring(e))
+    assert.are.equal('--resume: the checkpoint\'s 256 tokens a step (4 sequences of --seq-len 64) do not split over '
+      .. 'the 3 data-parallel ranks of this layout (the world of 3 over --tp x --pp x --cp = 1); give --batch-size (with '
+      .. '--tokens-per-step for the tokens a step), or a layout whose data-parallel ranks divide 4', tostring(e))
+  end)
+
+  it('a config file given with a resume says what it changes against the checkpoint, the command line over it',
+    function()
+    assert.are.equal('resume: --config c.lua changes against the checkpoint: --lr 0.001 (was 0.003), --tp 2 (was 1), '
+      .. '--model.n_layer 3 (was 2)', train.config_changes('c.lua', saved { lr = 3e-3, steps = 6,
+      model_config = { n_layer = 2 } }, { lr = 1e-3, steps = 6, tp = 2, batch_size = 8, model_config = { n_layer = 3 } },
+      { batch_size = 2 }))
+    assert.are.equal('resume: --config c.lua changes no option against the checkpoint',
+      train.config_changes('c.lua', saved { steps = 6 }, { steps = 6, stop_at = 2 }, {}))
   end)
 
   it('a world that cannot host the checkpoint\'s layout is a usage error naming it, the world and the flags', function()
@@ -122,7 +208,66 @@ describe('bin/train --resume and the parallel layout', function()
     assert.is_truthy(text:find('resumed from ' .. r .. '/ckpt-3 at step 3', 1, true), text)
     assert.is_falsy(text:find('tensor parallel:', 1, true), text)
     assert.is_falsy(text:find('the checkpoint\'s layout', 1, true), text)
+    assert.is_falsy(text:find('derived', 1, true), text)
     close_losses(losses(dir .. '/tp-straight'), losses(r), 1, 6, 'a --tp 2 checkpoint resumed at --tp 1 on 2 ranks')
+    -- without --batch-size: the checkpoint's 4 x 16 tokens a step over 2
+    -- data-parallel ranks, 2 a rank, bitwise the run given it
+    local d = dir .. '/tp-derived'
+    os.execute(('cp -r %s %s'):format(q(kept), q(d)))
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s --tp 1'):format(q(d)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('[rank 0] resume: --batch-size 2, 1 micro-batch a step, on 2 data-parallel ranks: derived '
+      .. 'to keep the checkpoint\'s 64 tokens a step (it ran --batch-size 4; give --batch-size or --tokens-per-step to '
+      .. 'choose)', 1, true), text)
+    S.same_metrics(r, d, 6, 'derived --batch-size 2 against the given one')
+  end)
+
+  it('--config on a resume: its options over the checkpoint\'s (its --tp 1 a layout given), the command line over '
+    .. 'them, bitwise the same options given as flags', function()
+    local kept = dir .. '/tp-stopped-kept'
+    assert.is_truthy(io.open(kept .. '/ckpt-3/index.json'), 'the --tp 2 case above ran')
+    local cfg = dir .. '/resume-config.lua'
+    local f = assert(io.open(cfg, 'w'))
+    f:write('return { tp = 1, lr = 5e-3, steps = 5, log_every = 1 }\n')
+    f:close()
+    local a, b = dir .. '/tp-config', dir .. '/tp-flags'
+    os.execute(('cp -r %s %s && cp -r %s %s'):format(q(kept), q(a), q(kept), q(b)))
+    local status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s --config %s --steps 6'):format(q(a),
+      q(cfg)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('[rank 0] resume: --config ' .. cfg .. ' changes against the checkpoint: --lr 0.005 (was '
+      .. '0.01), --tp 1 (was 2)', 1, true), text)
+    assert.is_falsy(text:find('tensor parallel:', 1, true), text)
+    assert.is_truthy(text:find('derived to keep the checkpoint\'s 64 tokens a step', 1, true), text)
+    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s --tp 1 --lr 5e-3 --steps 6'):format(q(b)))
+    assert.are.equal(0, status, text)
+    S.same_metrics(b, a, 6, '--config against the same flags')
+    -- (the config's lr took: not the straight run's from step 4)
+    assert.are_not.equal(losses(dir .. '/tp-straight')[5], losses(a)[5])
+    local run = S.slurp(a .. '/run.json')
+    assert.is_truthy(run:find('"config":"' .. cfg .. '"', 1, true), run)
+  end)
+
+  it('a --tp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 4 checkpoint resumed at --ep 1 (4 ranks) shards over the same '
+    .. '4 ranks, --shard-size 2 of a TP slice, on the straight curve', function()
+    local mixtral = S.tiny_moe_flags(corpus_path, 1) .. ' --model.output_router_logits false'
+    local run = ('--nproc-per-node 4 --device cpu %s --batch-size 2 --steps 4 --save-every 2 --keep-checkpoints 0 '
+      .. '--tp 2 --ep 2 --fsdp HYBRID_SHARD --shard-size 4'):format(mixtral)
+    local a, b = dir .. '/hs-straight', dir .. '/hs-stopped'
+    local status, text = bin_train(('%s --out %s'):format(run, q(a)))
+    assert.are.equal(0, status, text)
+    status, text = bin_train(('%s --stop-at 2 --out %s'):format(run, q(b)))
+    assert.are.equal(0, status, text)
+    -- (before: --shard-size 4 taken as 4 of the 2 data-parallel ranks of a TP slice, exit 2)
+    status, text = bin_train(('--nproc-per-node 4 --device cpu --resume %s --ep 1'):format(q(b)))
+    assert.are.equal(0, status, text)
+    assert.is_truthy(text:find('[rank 0] resume: --shard-size 4 (whole ranks under the checkpoint\'s --tp 2 --ep 2) '
+      .. 'counts the data-parallel ranks of a tensor-parallel slice at --tp 2: --shard-size 2, shard groups of 4 ranks '
+      .. 'as before', 1, true), text)
+    assert.is_truthy(text:find('the checkpoint\'s layout --tp 2 --fsdp HYBRID_SHARD --shard-size 2', 1, true), text)
+    assert.is_falsy(text:find('expert parallel:', 1, true), text)
+    assert.is_falsy(text:find('derived', 1, true), text)
+    close_losses(losses(a), losses(b), 1, 4, 'a --tp 2 --ep 2 HYBRID_SHARD checkpoint resumed at --ep 1')
   end)
 
   it('on 3 ranks a --tp 2 checkpoint is a usage error naming its layout; the run folder stays as it was', function()

@@ -532,20 +532,22 @@ local function merge(dst, src)
   return dst
 end
 
+-- the options of a run config file (--config), checked
+local function load_config(path)
+  local chunk, err = loadfile(path)
+  if not chunk then usage('config: %s', err) end
+  local ok, v = pcall(chunk)
+  if not ok then usage('config: %s: %s', path, tostring(v)) end
+  if type(v) ~= 'table' then usage('config: %s does not return a table of options', path) end
+  return train.check_options(v, path)
+end
+
 -- train.resolve(model_spec, args | opts) -> M, resolved options
 function train.resolve(opts)
   opts = opts or {}
   local given = {}
   for k, v in pairs(opts) do given[k] = v end
-  local cfgfile = {}
-  if given.config then
-    local chunk, err = loadfile(given.config)
-    if not chunk then usage('config: %s', err) end
-    local ok, v = pcall(chunk)
-    if not ok then usage('config: %s: %s', given.config, tostring(v)) end
-    if type(v) ~= 'table' then usage('config: %s does not return a table of options', given.config) end
-    cfgfile = train.check_options(v, given.config)
-  end
+  local cfgfile = given.config and load_config(given.config) or {}
   local spec = given.model or cfgfile.model
   if spec == nil then usage('no model given (e.g. bin/train models/gpt2.lua)') end
   local M = train.load_model(spec)
@@ -1056,13 +1058,45 @@ function train.resume_layout(saved, given, world)
       if left[axis] or now(axis) ~= saved[axis] then kept[k] = nil else taken[k] = true end
     end
   end
+  -- HYBRID_SHARD's --shard-size counts whole ranks under --tp --ep without
+  -- --pp and the data-parallel ranks of a TP slice otherwise (the same
+  -- with --tp 1): a shard size taken into the other convention is
+  -- converted, the shard groups keeping their ranks (S ranks = S x T)
+  local notes = {}
+  if taken.shard_size and kept.shard_size > 0 and now('fsdp') == 'HYBRID_SHARD' then
+    local function whole(tp, pp, ep) return tp > 1 and ep > 1 and pp <= 1 end
+    local s_tp, s_pp, s_ep = saved.tp or 1, saved.pp or 1, saved.ep or 1
+    local tp, pp, ep = now('tp'), now('pp'), now('ep')
+    if whole(s_tp, s_pp, s_ep) ~= whole(tp, pp, ep) then
+      local S = kept.shard_size
+      local ranks = whole(s_tp, s_pp, s_ep) and S or S * s_tp
+      local was = ('--shard-size %d (%s under the checkpoint\'s %s)'):format(S,
+        whole(s_tp, s_pp, s_ep) and 'whole ranks' or 'data-parallel ranks of a tensor-parallel slice',
+        layout_flags(saved, { 'tp', 'pp', 'ep' }))
+      local flags_now = layout_flags({ tp = tp, pp = pp, ep = ep }, { 'tp', 'pp', 'ep' })
+      if flags_now == '' then flags_now = '--tp 1' end
+      if whole(tp, pp, ep) then
+        kept.shard_size = ranks
+        notes[#notes + 1] = ('resume: %s counts whole ranks at %s: --shard-size %d, shard groups of %d ranks as '
+          .. 'before'):format(was, flags_now, ranks, ranks)
+      elseif ranks % tp == 0 then
+        kept.shard_size = ranks / tp
+        notes[#notes + 1] = ('resume: %s counts the data-parallel ranks of a tensor-parallel slice at %s: '
+          .. '--shard-size %d, shard groups of %d ranks as before'):format(was, flags_now, ranks / tp, ranks)
+      else
+        kept.shard_size, taken.shard_size = nil, nil
+        notes[#notes + 1] = ('resume: %s, shard groups of %d ranks, is no whole number of %d-rank tensor-parallel '
+          .. 'groups at %s: the default shard size (give --shard-size to choose)'):format(was, ranks, tp, flags_now)
+      end
+    end
+  end
   local function keys_of(set)
     local r = {}
     for _, k in ipairs(layout_order) do if set[k] then r[#r + 1] = k end end
     return r
   end
   local left_keys = keys_of(left)
-  if #left_keys > 0 then return kept, layout_flags(left, left_keys), true end
+  if #left_keys > 0 then return kept, layout_flags(left, left_keys), true, notes end
   local flags = layout_flags(kept, keys_of(taken))
   -- the ranks it needs: pipelines of --pp stages, each stage's ranks a
   -- multiple of the TP x CP groups and of the expert groups
@@ -1085,7 +1119,95 @@ function train.resume_layout(saved, given, world)
       #others > 0 and (' with %s given'):format(table.concat(others, ' ')) or '', need, world, need, need,
       table.concat(ones, ' '))
   end
-  return kept, flags, false
+  return kept, flags, false, notes
+end
+
+-- train.resume_batch(checkpoint state, options kept (train.resume_layout's),
+-- options given now, world size) -> the batch size and tokens per step a
+-- resumed run takes and a line saying so, or nothing when it keeps its
+-- checkpoint's. A resume whose data-parallel ranks (world / (tp x pp x
+-- cp)) are not the checkpoint's keeps the checkpoint's tokens per step
+-- (the global batch), as torchtitan keeps global_batch_size: each rank's
+-- sequences a step, R = tokens / (seq_len x data-parallel ranks), run as
+-- micro-batches of the largest --batch-size up to the checkpoint's that
+-- divides R (with --pp-microbatches kept, a multiple of it); unless
+-- --batch-size, --seq-len or --tokens-per-step is given. R not whole is a
+-- usage error naming the numbers and the options to give.
+function train.resume_batch(st, kept, given, world)
+  local saved = st.options or {}
+  if given.batch_size ~= nil or given.seq_len ~= nil or given.tokens_per_step ~= nil then return end
+  local function now(k)
+    if given[k] ~= nil then return coerce(option_by_name[k][2], given[k], '--' .. k:gsub('_', '-'), 'options') end
+    if kept[k] ~= nil then return kept[k] end
+    return option_by_name[k][3]
+  end
+  local batch, seq, tps_opt = now('batch_size'), now('seq_len'), now('tokens_per_step')
+  -- the checkpoint's tokens a step (a one-process checkpoint does not
+  -- write them: its batch and accumulation say)
+  local tokens = st.tokens_per_step
+  if tokens == nil then
+    if saved.batch_size == nil or saved.seq_len == nil then return end
+    tokens = (saved.tokens_per_step or 0) > 0 and saved.tokens_per_step or saved.batch_size * saved.seq_len
+  end
+  local split = now('tp') * now('pp') * now('cp')
+  if world % split ~= 0 then return end   -- (the layout's own checks say what is wrong)
+  local dp = world / split
+  -- the tokens a step the kept options give, as the loop counts them
+  local micro = batch * seq * dp
+  local as_is
+  if tps_opt > 0 then as_is = tps_opt % micro == 0 and tps_opt or nil else as_is = micro end
+  if as_is == tokens then return end
+  local ranks = ('%d data-parallel rank%s'):format(dp, dp == 1 and '' or 's')
+  if tokens % (seq * dp) ~= 0 then
+    usage('--resume: the checkpoint\'s %d tokens a step (%g sequences of --seq-len %d) do not split over the %s of '
+      .. 'this layout (the world of %d over --tp x --pp x --cp = %d); give --batch-size (with --tokens-per-step for '
+      .. 'the tokens a step), or a layout whose data-parallel ranks divide %g', tokens, tokens / seq, seq, ranks, world,
+      split, tokens / seq)
+  end
+  local per_rank = tokens / (seq * dp)
+  local pm = now('pp') > 1 and now('pp_microbatches') or 0
+  local b = math.min(batch, per_rank)
+  while b > 0 and (per_rank % b ~= 0 or (pm > 0 and b % pm ~= 0)) do b = b - 1 end
+  if b == 0 then
+    usage('--resume: the checkpoint\'s %d tokens a step are %d sequences a step on each of the %s of this run, '
+      .. 'and no --batch-size up to its %d that divides them is a multiple of --pp-microbatches %d; give '
+      .. '--batch-size and --pp-microbatches (or --tokens-per-step)', tokens, per_rank, ranks, batch, pm)
+  end
+  local n = per_rank / b
+  local line = ('resume: --batch-size %d, %d micro-batch%s a step, on %s: derived to keep the checkpoint\'s %d '
+    .. 'tokens a step (it ran --batch-size %d; give --batch-size or --tokens-per-step to choose)'):format(b, n,
+    n == 1 and '' or 'es', ranks, tokens, batch)
+  return b, (n > 1 or tps_opt > 0) and tokens or 0, line
+end
+
+-- train.config_changes(config path, the checkpoint's options, the config
+-- file's, the command line's) -> the line a resume logs: the options the
+-- config file changes against the checkpoint (those the command line does
+-- not give in turn), as flags
+function train.config_changes(path, saved, cfg, cli)
+  local function shown(v) return type(v) == 'string' and v or tostring(v) end
+  local parts = {}
+  local keys = {}
+  for k in pairs(cfg) do if k ~= 'model_config' and cli[k] == nil then keys[#keys + 1] = k end end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    local v, was = cfg[k], saved[k]
+    if was == nil then was = option_by_name[k][3] end
+    if v ~= was and not not_resumed[k] then
+      parts[#parts + 1] = ('--%s %s (was %s)'):format(k:gsub('_', '-'), shown(v), was == nil and 'unset' or shown(was))
+    end
+  end
+  local fields, smc, cmc = {}, saved.model_config or {}, cli.model_config or {}
+  for f in pairs(cfg.model_config or {}) do if cmc[f] == nil then fields[#fields + 1] = f end end
+  table.sort(fields)
+  for _, f in ipairs(fields) do
+    local v, was = cfg.model_config[f], smc[f]
+    if v ~= was then
+      parts[#parts + 1] = ('--model.%s %s (was %s)'):format(f, shown(v), was == nil and 'unset' or shown(was))
+    end
+  end
+  if #parts == 0 then return ('resume: --config %s changes no option against the checkpoint'):format(path) end
+  return ('resume: --config %s changes against the checkpoint: %s'):format(path, table.concat(parts, ', '))
 end
 
 -- train.run(options) -> summary { steps, final_loss, first_loss, val_loss,
@@ -1098,9 +1220,16 @@ function train.run(opts)
   opts = opts or {}
   local warn = function(msg) io.stderr:write('bin/train: ', msg, '\n'); io.stderr:flush() end
   local M, o
-  if opts.resume and opts.model == nil and opts.config == nil then
-    -- `bin/train --resume DIR`: the checkpoint names the model
-    o = { resume = coerce('string', opts.resume, '--resume', 'options'), out = opts.out }
+  local cfg_model, cfg_out, cfg_device
+  if opts.resume and opts.model == nil and opts.config ~= nil then
+    local cfg = load_config(opts.config)
+    cfg_model, cfg_out, cfg_device = cfg.model, cfg.out, cfg.device
+  end
+  if opts.resume and opts.model == nil and (opts.config == nil or cfg_model == nil) then
+    -- `bin/train --resume DIR`: the checkpoint names the model (with a
+    -- --config that does not name one too; its --out is where to look)
+    o = { resume = coerce('string', opts.resume, '--resume', 'options'), out = opts.out or cfg_out,
+      device = opts.device or cfg_device }
   else
     M, o = train.resolve(opts)
   end
@@ -1143,24 +1272,32 @@ function train.run(opts)
       c, root = find_resume(o, warn)
     end
     local st = ckpt.load(c.path).state
+    -- the options, by increasing precedence: the checkpoint's, the config
+    -- file given now (--config), the command line; what the two given
+    -- layers name counts as given (a tp = 4 in the config file is a --tp 4)
+    local given, cfg = {}, opts.config and load_config(opts.config)
+    if cfg then merge(given, cfg) end
+    local cli = {}
+    for k, v in pairs(opts) do if k ~= 'config' then cli[k] = v end end
+    merge(given, cli)
     -- the checkpoint's options, its layout unless given now
-    local merged, layout, left = train.resume_layout(st.options or {}, opts, world)
-    -- at another world size the global batch stays the checkpoint's
-    -- (tokens per step), unless the batch is given now
-    if st.world_size and st.world_size ~= world and st.tokens_per_step and opts.tokens_per_step == nil
-       and opts.batch_size == nil and opts.seq_len == nil then
-      merged.tokens_per_step = st.tokens_per_step
-    end
-    for k, v in pairs(opts) do if k ~= 'config' then merged[k] = v end end
+    local merged, layout, left, notes = train.resume_layout(st.options or {}, given, world)
+    -- another data-parallel width: the global batch stays the checkpoint's
+    -- (tokens per step) unless the batch is given now
+    local bsz, tps, bline = train.resume_batch(st, merged, given, world)
+    if bsz then merged.batch_size, merged.tokens_per_step = bsz, tps; notes[#notes + 1] = bline end
+    if cfg then notes[#notes + 1] = train.config_changes(opts.config, st.options or {}, cfg, cli) end
+    merge(merged, given)
     -- the run goes on in the folder its checkpoint was found in (it may
-    -- have moved since), unless --out says otherwise
-    if not opts.out then merged.out = root end
+    -- have moved since), unless --out (or the config file) says otherwise
+    if given.out == nil then merged.out = root end
     merged.resume = nil
     if type(opts.model) == 'table' then merged.model = opts.model end
     M, o = train.resolve(merged)
     o.resume = opts.resume or 'latest'
+    o.config = opts.config   -- (in run.json and the options saved; never taken from a checkpoint)
     resume = { path = c.path, state = st, sharded = train.is_sharded_checkpoint(c.path), layout = layout,
-      layout_left = left }
+      layout_left = left, notes = notes }
   end
 
   -- a HYBRID_SHARD checkpoint resumed in one process (`bin/train --resume
@@ -2055,6 +2192,7 @@ function train.run(opts)
     elseif resume.layout ~= '' then
       log('resume: the checkpoint\'s layout %s (give --tp, --pp, --cp, --ep, --fsdp to change it)', resume.layout)
     end
+    for _, line in ipairs(resume.notes) do log('%s', line) end
   end
   if o.cuda_graphs then
     log('cuda graphs: the step captured after %d eager step%s (at step %d), then replayed', o.graph_warmup,
