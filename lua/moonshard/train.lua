@@ -83,7 +83,7 @@ train.options = {
   { 'max_bad_steps', 'int>0', 5, 'stop after this many steps in a row with a NaN/inf loss or grad norm (each is skipped)' },
   { 'save_every', 'int>=0', 0, 'steps between checkpoints in out/ckpt-<step>/ (0: only on SIGINT/SIGTERM and --stop-at)' },
   { 'keep_checkpoints', 'int>=0', 3, 'keep the newest K checkpoints (0: all)' },
-  { 'resume', 'string?', nil, 'continue from the newest complete checkpoint in out (bare --resume) or in DIR (a run folder or a ckpt-<step> folder), with its options and parallel layout (--tp, --pp, --cp, --ep, --fsdp and what refines them) unless given now; in one process without its --tp, --pp, --cp, --ep (docs/checkpoints.md)' },
+  { 'resume', 'string?', nil, 'continue from the newest complete checkpoint in out (bare --resume) or in DIR (a run folder or a ckpt-<step> folder), with its options and parallel layout (--tp, --pp, --cp, --ep, --fsdp and what refines them) unless given now (a --config file, then flags); other data-parallel ranks keep its tokens a step (the batch a rank derived); in one process without its --tp, --pp, --cp, --ep (docs/checkpoints.md)' },
   { 'stop_at', 'int>=0', 0, 'stop after this step with a checkpoint, as if interrupted (0: run to --steps)' },
   { 'inject_nan', 'string?', nil, 'test hook: comma-separated steps whose loss is made NaN' },
   { 'fsdp', 'string?', nil, 'shard the model with ms.fsdp.fully_shard: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or off (a bare --fsdp: FULL_SHARD); default: off in one process, NO_SHARD (plain data parallel) with several ranks' },
