@@ -12,7 +12,7 @@
 -- (tmpdir, shell_quote), bin/train runs, their text and their loss curves
 -- (fixed_corpus, bin_train, run_losses, close_losses), and the layout
 -- specs' runs against one process (references, follows, resumes_at,
--- pp_stop_and_resume, pp_fsdp_follows).
+-- hybrid_stop, one_process_ckpt_at, pp_stop_and_resume, pp_fsdp_follows).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local luassert = require 'luassert'   -- busted's assert (a spec's global)
@@ -505,6 +505,38 @@ function S.resumes_at(one, out, layouts, what, said)
     if said then luassert.is_truthy(text:find('resumed from', 1, true), text) end
     S.close_losses(one, S.run_losses(copy), 1, 4, what .. c[3])
   end
+end
+
+-- the hybrid-sharding specs' stopped run: `np` CPU ranks of bin/train
+-- (`args` the model and the HYBRID_SHARD layout), 4 steps of --batch-size
+-- 1, a checkpoint each step, stopped at step 2 in `out`; its ckpt-2 index
+-- says world `np` and HYBRID_SHARD -> rank -> the pieces that rank wrote
+function S.hybrid_stop(np, args, out)
+  local status, text = S.bin_train(('--nproc-per-node %d --device cpu %s --batch-size 1 --steps 4 --save-every 1 '
+    .. '--stop-at 2 --out %s'):format(np, args, S.shell_quote(out)))
+  luassert.are.equal(0, status, text)
+  local index = require('moonshard.fsdp_checkpoint').read_index(out .. '/ckpt-2')
+  luassert.are.equal(np, index.world_size)
+  luassert.are.equal('HYBRID_SHARD', index.strategy)
+  local n = {}
+  for _, list in pairs(index.pieces) do
+    for _, pc in ipairs(list) do n[pc.rank] = (n[pc.rank] or 0) + 1 end
+  end
+  return n
+end
+
+-- the one-process run dir/name's ckpt-2 (copied into dir/one_r) resumed on
+-- `np` CPU ranks with `layout` (and --batch-size 1): its log holds `line`
+-- and steps 3-4 are on the curve `one` of that run (what: the message)
+function S.one_process_ckpt_at(dir, name, np, layout, line, one, what)
+  local q = S.shell_quote
+  local r = dir .. '/one_r'
+  os.execute(('mkdir -p %s && cp -r %s/%s/ckpt-2 %s/'):format(q(r), q(dir), name, q(r)))
+  local status, text = S.bin_train(('--nproc-per-node %d --device cpu --resume %s %s --batch-size 1'):format(np, q(r),
+    layout))
+  luassert.are.equal(0, status, text)
+  luassert.is_truthy(text:find(line, 1, true), text)
+  S.close_losses(one, S.run_losses(r), 3, 4, what)
 end
 
 -- the two-chunk schedules' bin/train specs (train_pp_zbv,

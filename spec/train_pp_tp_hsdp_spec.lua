@@ -21,7 +21,7 @@ require 'moonshard'
 local S = require 'spec.support'
 local q = S.shell_quote
 local dir = S.tmpdir()
-local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
+local bin_train = S.bin_train
 
 local corpus = S.fixed_corpus(dir, 48000)
 local tiny, tiny_llama = S.tiny_flags(corpus, 3)
@@ -67,18 +67,9 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
     .. 'and at --tp 2; a one-process checkpoint resumes at the hybrid layout', function()
     local one = reference(llama[1], '', llama[2])
     local out = dir .. '/hck'
-    local status, text = bin_train(('--nproc-per-node 16 --device cpu %s --batch-size 1 --steps 4 --pp 2 --tp 2 '
-      .. '--fsdp HYBRID_SHARD --shard-size 2 --save-every 1 --stop-at 2 --out %s'):format(llama[1], q(out)))
-    assert.are.equal(0, status, text)
-    local index = require('moonshard.fsdp_checkpoint').read_index(out .. '/ckpt-2')
-    assert.are.equal(16, index.world_size)
-    assert.are.equal('HYBRID_SHARD', index.strategy)
+    local n = S.hybrid_stop(16, llama[1] .. ' --pp 2 --tp 2 --fsdp HYBRID_SHARD --shard-size 2', out)
     -- each piece once: the first replica's ranks hold every piece, the
     -- other replica's none
-    local n = {}
-    for _, list in pairs(index.pieces) do
-      for _, pc in ipairs(list) do n[pc.rank] = (n[pc.rank] or 0) + 1 end
-    end
     local writers = 0
     for r = 0, 15 do if (n[r] or 0) > 0 then writers = writers + 1 end end
     assert.are.equal(8, writers)
@@ -89,13 +80,9 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
       { '--nproc-per-node 2 --device cpu ', ' --pp 1 --tp 2 --fsdp off --batch-size 4', '--tp 2' } },
       'the hybrid checkpoint resumed at ', true)
     -- the one-process run's checkpoint, at the hybrid layout
-    local r = dir .. '/one_r'
-    os.execute(('mkdir -p %s && cp -r %s/l1/ckpt-2 %s/'):format(q(r), q(dir), q(r)))
-    status, text = bin_train(('--nproc-per-node 16 --device cpu --resume %s --pp 2 --tp 2 --fsdp HYBRID_SHARD '
-      .. '--shard-size 2 --batch-size 1'):format(q(r)))
-    assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('shard groups of 2, replicated over 2', 1, true), text)
-    close_losses(one, losses(r), 3, 4, 'a one-process checkpoint resumed at --pp 2 --tp 2 --fsdp HYBRID_SHARD')
+    S.one_process_ckpt_at(dir, 'l1', 16, '--pp 2 --tp 2 --fsdp HYBRID_SHARD --shard-size 2',
+      'shard groups of 2, replicated over 2', one,
+      'a one-process checkpoint resumed at --pp 2 --tp 2 --fsdp HYBRID_SHARD')
   end)
 
   it('with --ep (whole TP groups a expert group, inside the shard groups): mixtral and deepseek-v3 follow the '

@@ -19,7 +19,7 @@ require 'moonshard'
 local S = require 'spec.support'
 local q = S.shell_quote
 local dir = S.tmpdir()
-local bin_train, losses, close_losses = S.bin_train, S.run_losses, S.close_losses
+local bin_train = S.bin_train
 
 local corpus = S.fixed_corpus(dir, 48000)
 local tiny, tiny_llama = S.tiny_flags(corpus, 3)
@@ -66,18 +66,9 @@ describe('bin/train --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', function()
     .. '--tp 2; a one-process checkpoint resumes at the hybrid layout', function()
     local one = reference(gpt2[1], '', gpt2[2])
     local out = dir .. '/hck'
-    local status, text = bin_train(('--nproc-per-node 8 --device cpu %s --batch-size 1 --steps 4 --tp 2 '
-      .. '--fsdp HYBRID_SHARD --shard-size 2 --save-every 1 --stop-at 2 --out %s'):format(gpt2[1], q(out)))
-    assert.are.equal(0, status, text)
-    local index = require('moonshard.fsdp_checkpoint').read_index(out .. '/ckpt-2')
-    assert.are.equal(8, index.world_size)
-    assert.are.equal('HYBRID_SHARD', index.strategy)
+    local n = S.hybrid_stop(8, gpt2[1] .. ' --tp 2 --fsdp HYBRID_SHARD --shard-size 2', out)
     -- each piece once: the first replica's shard groups (ranks 0-3: j = 0,
     -- 1 of both slices) hold every piece, the other replica's none
-    local n = {}
-    for _, list in pairs(index.pieces) do
-      for _, pc in ipairs(list) do n[pc.rank] = (n[pc.rank] or 0) + 1 end
-    end
     for r = 0, 7 do assert.are.equal(r < 4, (n[r] or 0) > 0, 'rank ' .. r .. ' writes pieces') end
     S.resumes_at(one, out, {
       { '--nproc-per-node 8 --device cpu ', ' --tp 2', 'the same layout' },
@@ -86,13 +77,8 @@ describe('bin/train --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', function()
       { '--nproc-per-node 2 --device cpu ', ' --tp 2 --fsdp off --batch-size 4', '--tp 2' } },
       'the hybrid checkpoint resumed at ', true)
     -- the one-process run's checkpoint, at the hybrid layout
-    local r = dir .. '/one_r'
-    os.execute(('mkdir -p %s && cp -r %s/g1/ckpt-2 %s/'):format(q(r), q(dir), q(r)))
-    status, text = bin_train(('--nproc-per-node 8 --device cpu --resume %s --tp 2 --fsdp HYBRID_SHARD '
-      .. '--shard-size 2 --batch-size 1'):format(q(r)))
-    assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('shard groups of 2, replicated over 2', 1, true), text)
-    close_losses(one, losses(r), 3, 4, 'a one-process checkpoint resumed at --tp 2 --fsdp HYBRID_SHARD')
+    S.one_process_ckpt_at(dir, 'g1', 8, '--tp 2 --fsdp HYBRID_SHARD --shard-size 2',
+      'shard groups of 2, replicated over 2', one, 'a one-process checkpoint resumed at --tp 2 --fsdp HYBRID_SHARD')
   end)
 
   it('bad sizes exit 2 and name them', function()
