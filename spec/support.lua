@@ -12,7 +12,8 @@
 -- (tmpdir, shell_quote), bin/train runs, their text and their loss curves
 -- (fixed_corpus, bin_train, run_losses, close_losses), and the layout
 -- specs' runs against one process (references, follows, resumes_at,
--- hybrid_stop, one_process_ckpt_at, pp_stop_and_resume, pp_fsdp_follows).
+-- hybrid_stop, one_process_ckpt_at, pp_stop_and_resume, pp_fsdp_follows),
+-- a refused layout (exits_2).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local luassert = require 'luassert'   -- busted's assert (a spec's global)
@@ -537,6 +538,15 @@ function S.one_process_ckpt_at(dir, name, np, layout, line, one, what)
   luassert.are.equal(0, status, text)
   luassert.is_truthy(text:find(line, 1, true), text)
   S.close_losses(one, S.run_losses(r), 3, 4, what)
+end
+
+-- `np` CPU ranks of bin/train with `args` (the model and a layout it
+-- refuses) for 1 step into `out`: exit status 2, the log holding `msg`
+function S.exits_2(np, args, out, msg)
+  local status, text = S.bin_train(('--nproc-per-node %d --device cpu %s --steps 1 --out %s'):format(np, args,
+    S.shell_quote(out)))
+  luassert.are.equal(2, status, text)
+  luassert.is_truthy(text:find(msg, 1, true), text)
 end
 
 -- the two-chunk schedules' bin/train specs (train_pp_zbv,

@@ -116,12 +116,7 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
   end)
 
   it('bad sizes exit 2 and name them', function()
-    local function bad(np, args, msg)
-      local status, text = bin_train(('--nproc-per-node %d --device cpu %s --steps 1 --out %s/bad'):format(np, args,
-        q(dir)))
-      assert.are.equal(2, status, text)
-      assert.is_truthy(text:find(msg, 1, true), text)
-    end
+    local function bad(np, args, msg) S.exits_2(np, args, dir .. '/bad', msg) end
     bad(8, 'models/llama.lua ' .. tiny_llama .. ' --pp 2 --tp 2 --fsdp HYBRID_SHARD --shard-size 4',
       '--pp 2 --tp 2 --fsdp HYBRID_SHARD: --shard-size 4 does not divide the 2 data-parallel ranks of a stage\'s '
         .. 'tensor-parallel slice (the world of 8 over 2 stages x 2 TP ranks')

@@ -19,7 +19,6 @@ require 'moonshard'
 local S = require 'spec.support'
 local q = S.shell_quote
 local dir = S.tmpdir()
-local bin_train = S.bin_train
 
 local corpus = S.fixed_corpus(dir, 48000)
 local tiny, tiny_llama = S.tiny_flags(corpus, 3)
@@ -82,12 +81,7 @@ describe('bin/train --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', function()
   end)
 
   it('bad sizes exit 2 and name them', function()
-    local function bad(np, args, msg)
-      local status, text = bin_train(('--nproc-per-node %d --device cpu %s --steps 1 --out %s/bad'):format(np, args,
-        q(dir)))
-      assert.are.equal(2, status, text)
-      assert.is_truthy(text:find(msg, 1, true), text)
-    end
+    local function bad(np, args, msg) S.exits_2(np, args, dir .. '/bad', msg) end
     bad(8, llama[1] .. ' --tp 2 --fsdp HYBRID_SHARD --shard-size 3',
       '--tp 2 --fsdp HYBRID_SHARD: --shard-size 3 does not divide the 4 data-parallel ranks of a tensor-parallel slice '
         .. '(the world of 8 over 2 TP ranks; --shard-size counts those ranks: 1, or a divisor of 4)')
