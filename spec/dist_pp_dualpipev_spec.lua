@@ -86,13 +86,8 @@ describe('dualpipev pipelines #mpi', function()
       if e and work then early = early + 1 end
       return g, work
     end
-    pipe.trace = {}
-    local took, ran = P.step_counting_jobs(pipe, x, y)
-    -- every virtual stage but the first takes its weight gradients out
-    assert.are.equal(R == 0 and M or 2 * M, took)
-    assert.are.equal(took, ran)
-    local open, most = P.chunks_open(pipe.trace)
-    assert.are.equal(0, open)
+    -- (every virtual stage but the first takes its weight gradients out)
+    local most = P.split_w_step(pipe, x, y, M, R)
     assert.are.equal(2 * W + 1, most, ('chunks open on rank %d of %d'):format(R, W))
     -- the pairs whose backward's gradient comes from another rank: every
     -- one of them received early (chunk 2's on ranks > 0: rank 0's chunk 2

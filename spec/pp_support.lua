@@ -82,6 +82,21 @@ function P.holds_v(pipe, W, R, what)
   luassert.are.same({ starts[2 * W - R], starts[2 * W - R + 1] - 1 }, pipe.ranges[2], what)
 end
 
+-- pipe:step(x, y) (M micro-batches, traced) on rank R of a V (zbv,
+-- dualpipev): every virtual stage but the first takes its weight gradients
+-- out of each backward as a job (rank 0: M, for chunk 2 only; the others
+-- 2M), each of them run, every chunk closed at the end -> the most chunks
+-- open at once
+function P.split_w_step(pipe, x, y, M, R)
+  pipe.trace = {}
+  local took, ran = P.step_counting_jobs(pipe, x, y)
+  luassert.are.equal(R == 0 and M or 2 * M, took)
+  luassert.are.equal(took, ran)
+  local open, most = P.chunks_open(pipe.trace)
+  luassert.are.equal(0, open)
+  return most
+end
+
 -- pipe:step(x, y) counting the weight-gradient jobs the backwards take out
 -- (autograd.take_deferred wrapped, put back after) and those run -> took, ran
 function P.step_counting_jobs(pipe, x, y)
