@@ -4,7 +4,8 @@
 -- order each rank ran, every gradient, the V's placement), the count of
 -- the weight-gradient jobs and of the chunks open, and two whole runs
 -- against one process (AdamW steps with clipping and a one-process
--- checkpoint resumed; the stages under fully_shard).
+-- checkpoint resumed; the stages under fully_shard). dist_pp_aux_spec
+-- takes its gradient check (same_grads).
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
 local FS = require 'spec.fsdp_support'
