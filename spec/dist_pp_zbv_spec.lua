@@ -16,9 +16,8 @@
 -- micro-batch counts and chunk counts are errors that name them.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
+local P = require 'spec.pp_support'
 local dist = require 'moonshard.dist'
-local gpt2 = require 'models.gpt2'
-local llama = require 'models.llama'
 local hf = require 'models.hf'
 
 local under_mpi = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
@@ -36,39 +35,11 @@ describe('zbv and looped BFS pipelines #mpi', function()
   local pp = ms.pp
   local O = pp.order
 
-  -- 8 blocks: 2S virtual stages for S up to 4
-  local cases = {
-    { 'gpt2', gpt2, { vocab_size = 259, n_positions = 16, n_embd = 24, n_layer = 8, n_head = 4,
-      resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, bos_token_id = hf.null, eos_token_id = hf.null } },
-    { 'llama', llama, { vocab_size = 257, hidden_size = 24, intermediate_size = 40, num_hidden_layers = 8,
-      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 16 } },
-    { 'llama tied', llama, { vocab_size = 257, hidden_size = 24, intermediate_size = 40, num_hidden_layers = 8,
-      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 16, tie_word_embeddings = true } },
-    -- a head of 3.6 blocks' work: the default cut balances the ranks
-    -- (pp.rank_balanced), the last chunk the head alone
-    { 'llama big head', llama, { vocab_size = 1000, hidden_size = 24, intermediate_size = 40, num_hidden_layers = 8,
-      num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 16 }, rank_cut = true },
-  }
-  local function build(case, seed)
-    ms.manual_seed(seed or 7)
-    local cfg = {}
-    for k, v in pairs(case[3]) do cfg[k] = v end
-    return case[2].new(cfg):to('f64')
-  end
+  -- 8 blocks: 2S virtual stages for S up to 4; the big head's case checks
+  -- the ranks' cut (rank_cut)
+  local cases, build, params_of = P.cases, P.build, P.params_of
   local function tied_name(case, name)
     return (case[1] == 'gpt2' and name:match('wte')) or (case[1] == 'llama tied' and name:match('embed_tokens'))
-  end
-  local function params_of(m)
-    local r = {}
-    for name, p in m:named_parameters() do r[name] = p end
-    return r
-  end
-  -- the trace of run_order against pp_order's list
-  local function same_order(want, trace, what)
-    assert.are.equal(#want, #trace, what .. ': ops run')
-    for n, op in ipairs(want) do
-      assert.are.same(op, trace[n], ('%s: op %d'):format(what, n))
-    end
   end
 
   local runs = {
@@ -106,15 +77,8 @@ describe('zbv and looped BFS pipelines #mpi', function()
           local l1 = pipe:step(x, y)
           assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, what .. (': %.17g against %.17g'):format(l1:item(),
             l0:item()))
-          same_order(O.order(run[1], W, R, M, 2), pipe.trace, what)
-          local ref_p = params_of(ref)
-          local n = 0
-          for name, p in m:named_parameters() do
-            assert.is_not_nil(p.grad, what .. ': no gradient for ' .. name)
-            local e = FS.max_rel(p.grad, ref_p[name].grad)
-            assert.is_true(e <= 1e-10, ('%s: %s: %g'):format(what, name, e))
-            n = n + 1
-          end
+          P.same_order(O.order(run[1], W, R, M, 2), pipe.trace, what)
+          local n = P.same_grads(m, ref, what)
           assert.is_true(n > 0)
           -- every parameter on one rank; a tied one on two, but for the V,
           -- which holds the embedding and the head on rank 0
@@ -127,16 +91,9 @@ describe('zbv and looped BFS pipelines #mpi', function()
           end
           assert.are.equal(all + (run[1] == 'zbv' and 0 or tied), counts:item(), what)
           if run[1] == 'zbv' then
-            assert.are.equal(R == 0, pipe.first, what)
-            assert.are.equal(R == 0, pipe.last, what)
-            assert.are.equal(0, #pipe.tied, what)
-            assert.is_nil(pipe.tied_group, what)
             -- rank s holds virtual stages s and 2S - 1 - s
-            local L = pipe.layers
-            local starts = { 1 }
-            for k = 1, #L do starts[k + 1] = starts[k] + L[k] end
-            assert.are.same({ starts[R + 1], starts[R + 2] - 1 }, pipe.ranges[1], what)
-            assert.are.same({ starts[2 * W - R], starts[2 * W - R + 1] - 1 }, pipe.ranges[2], what)
+            P.holds_v(pipe, W, R, what)
+            assert.is_nil(pipe.tied_group, what)
           end
           pipe.trace = nil
           local e1 = pipe:evaluate(x, y)
@@ -154,35 +111,10 @@ describe('zbv and looped BFS pipelines #mpi', function()
     local x, y = FS.lcg_batch(71, M, 8)
     local m = build(case)
     local pipe = pp.pipeline(m, { schedule = 'zbv', microbatches = M })
-    -- (count the jobs run: wrap each job the backwards take)
-    local took, ran = 0, 0
-    local splits = pipe.splits_w
-    assert.is_true(splits(pipe))
-    local A = ms.autograd
-    local take = A.take_deferred
-    A.take_deferred = function()
-      local job = take()
-      if job then
-        took = took + 1
-        local run = job.run
-        job.run = function(j, ...) ran = ran + 1; return run(j, ...) end
-      end
-      return job
-    end
-    pipe.trace = {}
-    local ok, err = pcall(pipe.step, pipe, x, y)
-    A.take_deferred = take
-    assert(ok, err)
-    -- every virtual stage but the first takes its weight gradients out of
-    -- each backward: rank 0 for chunk 2 only
-    assert.are.equal(R == 0 and M or 2 * M, took)
-    assert.are.equal(took, ran)
-    local open, most = 0, 0
-    for _, op in ipairs(pipe.trace) do
-      if op[1] == 'F' then open = open + 1 elseif op[1] == 'W' then open = open - 1 end
-      most = math.max(most, open)
-    end
-    assert.are.equal(0, open)
+    assert.is_true(pipe:splits_w())
+    -- (every virtual stage but the first takes its weight gradients out of
+    -- each backward: rank 0 for chunk 2 only)
+    local most = P.split_w_step(pipe, x, y, M, R)
     assert.is_true(most <= 2 * W, ('%d chunks open on rank %d of %d'):format(most, R, W))
     pipe:free()
   end)
@@ -209,57 +141,8 @@ describe('zbv and looped BFS pipelines #mpi', function()
 
   it('zbv: AdamW steps with clipping train as the whole model; the whole model\'s state and a one-process checkpoint, resumed', function()
     if W == 1 then return end
-    for _, case in ipairs({ cases[1], cases[2] }) do
-      local ref = build(case)
-      local m = build(case)
-      local M = 2 * W
-      local pipe = pp.pipeline(m, { schedule = 'zbv', microbatches = M })
-      local hyper = { lr = 1e-2, weight_decay = 0.1, betas = { 0.9, 0.95 }, eps = 1e-8 }
-      local o0, o1 = ms.optim.AdamW(ref, hyper), ms.optim.AdamW(m, hyper)
-      for step = 1, 3 do
-        local x, y = FS.lcg_batch(80 + step, M, 8)
-        local l0 = ref(x, y)
-        l0:backward()
-        local n0 = ms.optim.clip_grad_norm(ref, 0.5)
-        o0:step(); o0:zero_grad()
-        local l1 = pipe:step(x, y)
-        local n1 = pp.clip_grad_norm_(m, 0.5)
-        o1:step(); o1:zero_grad()
-        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-11, ('%s step %d: %.17g against %.17g'):format(case[1], step,
-          l1:item(), l0:item()))
-        assert.is_true(FS.rel(n1, n0) <= 1e-10, ('%s step %d: norm %.17g against %.17g'):format(case[1], step, n1, n0))
-      end
-      local ref_p = params_of(ref)
-      for name, p in m:named_parameters() do assert.is_true(FS.max_rel(p, ref_p[name]) <= 1e-10, name) end
-      local sd = pp.full_state_dict(m)
-      for name, t in pairs(ref:state_dict()) do
-        assert.is_not_nil(sd[name], name)
-        assert.is_true(FS.max_rel(sd[name], t) <= 1e-10, name)
-      end
-      local msd, osd = pp.full_checkpoint(m, o1, hyper)
-      local ref_osd = o0:state_dict()
-      for key, t in pairs(ref_osd.tensors) do
-        assert.is_not_nil(osd.tensors[key], key)
-        assert.is_true(FS.max_rel(osd.tensors[key], t) <= 1e-10, key)
-      end
-      -- into a fresh zbv pipeline (another seed): the next step is the whole model's
-      local m2 = build(case, 99)
-      local pipe2 = pp.pipeline(m2, { schedule = 'zbv', microbatches = M })
-      pp.load_full_state_dict(m2, msd)
-      local o2 = ms.optim.AdamW(m2, { lr = 1 })
-      pp.load_full_optimizer_state(m2, o2, osd)
-      local x2, y2 = FS.lcg_batch(89, M, 8)
-      local l0 = ref(x2, y2)
-      l0:backward()
-      o0:step()
-      local l2 = pipe2:step(x2, y2)
-      o2:step()
-      assert.is_true(FS.rel(l2:item(), l0:item()) <= 1e-11, case[1] .. ': the resumed step')
-      for name, p in m2:named_parameters() do
-        assert.is_true(FS.max_rel(p, ref_p[name]) <= 1e-10, case[1] .. ': after the resumed step: ' .. name)
-      end
-      pipe:free(); pipe2:free()
-    end
+    -- (and the gathered optimizer state the whole model's AdamW's)
+    for _, case in ipairs({ cases[1], cases[2] }) do P.trains_and_resumes(case, 'zbv', W, true) end
   end)
 
   it('a Mixtral\'s load-balancing loss over every stage under zbv and looped_bfs: one process accumulating the same micro-batches (f64)', function()
@@ -289,12 +172,7 @@ describe('zbv and looped BFS pipelines #mpi', function()
       local pipe = pp.pipeline(m, { schedule = run[1], chunks = run.chunks, microbatches = M })
       local l1 = pipe:step(x, y)
       assert.is_true(FS.rel(l1:item(), l0) <= 1e-12, ('%s: %.17g against %.17g'):format(what, l1:item(), l0))
-      local ref_p = params_of(ref)
-      for name, p in m:named_parameters() do
-        assert.is_not_nil(p.grad, what .. ': no gradient for ' .. name)
-        local e = FS.max_rel(p.grad, ref_p[name].grad)
-        assert.is_true(e <= 1e-10, ('%s: %s: %g'):format(what, name, e))
-      end
+      P.same_grads(m, ref, what)
       local e1 = pipe:evaluate(x, y)
       local e0 = 0
       ms.no_grad(function()
@@ -347,39 +225,7 @@ describe('zbv and looped BFS pipelines #mpi', function()
   it('zbv and looped_bfs with each stage under fully_shard (2 stages x W / 2): the weight gradients in the backward, the whole model\'s loss, gradients and norm (f64)', function()
     if W ~= 2 and W ~= 4 then pending('2 or 4 ranks') return end
     for _, run in ipairs({ { 'zbv', 'FULL_SHARD' }, { 'zbv', 'SHARD_GRAD_OP' }, { 'looped_bfs', 'FULL_SHARD', chunks = 2 } }) do
-      for _, case in ipairs({ cases[1], cases[2] }) do
-        local what = ('%s, %s, %s'):format(case[1], run[1], run[2])
-        local D = W / 2
-        local x, y = FS.lcg_batch(95, 4 * D, 8)
-        local ref = build(case)
-        local l0 = ref(x, y)
-        l0:backward()
-        local n0 = ms.optim.clip_grad_norm(ref, math.huge)
-        local mesh = dist.mesh { replicate = D, shard = 2 }
-        local d = mesh.coord[1]
-        local m = build(case)
-        local pipe = pp.pipeline(m, { group = mesh.shard, schedule = run[1], chunks = run.chunks, microbatches = 4 })
-        ms.fsdp.fully_shard(m, { group = mesh.replicate, strategy = run[2],
-          policy = ms.fsdp.policy.by_class { case[1] == 'gpt2' and 'GPT2Block' or 'LlamaDecoderLayer' } })
-        assert.is_false(pipe:splits_w())
-        local l1 = pipe:step(x:narrow(1, d * 4 + 1, 4):contiguous(), y:narrow(1, d * 4 + 1, 4):contiguous())
-        dist.all_reduce(l1, 'avg', { group = mesh.replicate })
-        assert.is_true(FS.rel(l1:item(), l0:item()) <= 1e-12, ('%s: %.17g against %.17g'):format(what, l1:item(),
-          l0:item()))
-        for _, u in ipairs(ms.fsdp.units(m)) do assert.are.equal('sharded', u.status, what .. ' ' .. u.label) end
-        local ref_p = params_of(ref)
-        local n = 0
-        for name, g in pairs(FS.whole_grads(m)) do
-          local e = FS.max_rel(g:view(ref_p[name].shape), ref_p[name].grad)
-          assert.is_true(e <= 1e-10, ('%s: %s: %g'):format(what, name, e))
-          n = n + 1
-        end
-        assert.is_true(n > 0)
-        local n1 = pp.clip_grad_norm_(m, math.huge)
-        assert.is_true(FS.rel(n1, n0) <= 1e-11, ('%s: norm %.17g against %.17g'):format(what, n1, n0))
-        pipe:free()
-        mesh.shard:free(); mesh.replicate:free()
-      end
+      for _, case in ipairs({ cases[1], cases[2] }) do P.sharded_stages(case, run[1], run.chunks, run[2], W) end
     end
   end)
 

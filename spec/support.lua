@@ -10,7 +10,10 @@
 -- (collective_val, reduce_expect), JSON fixture files (json_cases), and
 -- temporary directories and shell quoting for specs that run commands
 -- (tmpdir, shell_quote), bin/train runs, their text and their loss curves
--- (fixed_corpus, bin_train, run_losses, close_losses).
+-- (fixed_corpus, bin_train, run_losses, close_losses), and the layout
+-- specs' runs against one process (references, follows, resumes_at,
+-- hybrid_stop, one_process_ckpt_at, pp_stop_and_resume, pp_fsdp_follows),
+-- a refused layout (exits_2).
 local ffi = require 'ffi'
 local json = require 'dkjson'
 local luassert = require 'luassert'   -- busted's assert (a spec's global)
@@ -465,6 +468,127 @@ function S.references(dir)
     refs[name] = S.run_losses(dir .. '/' .. name)
     return refs[name]
   end, refs
+end
+
+-- the hybrid-sharding specs' (train_tp_hsdp, train_pp_tp_hsdp) check of a
+-- run, from reference (S.references(dir)): follows(np, args, ref, name,
+-- what, lines) runs `np` CPU ranks of bin/train (`args` the model and
+-- layout, 4 steps) into dir/name against the one-process run ref = { model
+-- and args, its name }: its log holds each of `lines`, its loss curve and
+-- gradient norms within close_losses' bound, its final weights close_weights'
+function S.follows(dir, reference)
+  local q = S.shell_quote
+  return function(np, args, ref, name, what, lines)
+    local one = reference(ref[1], '', ref[2])
+    local status, text = S.bin_train(('--nproc-per-node %d --device cpu %s --steps 4 --out %s/%s'):format(np, args,
+      q(dir), name))
+    luassert.are.equal(0, status, text)
+    for _, l in ipairs(lines or {}) do luassert.is_truthy(text:find(l, 1, true), what .. ': ' .. l .. '\n' .. text) end
+    S.close_losses(one, S.run_losses(dir .. '/' .. name), 1, 4, what)
+    S.close_losses(S.run_grad_norms(dir .. '/' .. ref[2]), S.run_grad_norms(dir .. '/' .. name), 1, 4,
+      what .. ' (gradient norm)')
+    S.close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/' .. ref[2] .. '/model.safetensors', what)
+  end
+end
+
+-- the checkpoint dir `out`/ckpt-2 resumed in a copy of `out` for each of
+-- `layouts` ({ launch, flags, what }: '--nproc-per-node N --device cpu ' or
+-- '', the layout's flags, its name; the copy out .. #what): each exits 0
+-- (`said` where given: its log holds 'resumed from') with the losses `one`
+-- at steps 1-4; `what` the messages' prefix
+function S.resumes_at(one, out, layouts, what, said)
+  local q = S.shell_quote
+  for _, c in ipairs(layouts) do
+    local copy = out .. #c[3]
+    os.execute(('rm -rf %s && cp -r %s %s'):format(q(copy), q(out), q(copy)))
+    local status, text = S.bin_train(('%s--resume %s/ckpt-2 --out %s%s'):format(c[1], q(copy), q(copy), c[2]))
+    luassert.are.equal(0, status, text)
+    if said then luassert.is_truthy(text:find('resumed from', 1, true), text) end
+    S.close_losses(one, S.run_losses(copy), 1, 4, what .. c[3])
+  end
+end
+
+-- the hybrid-sharding specs' stopped run: `np` CPU ranks of bin/train
+-- (`args` the model and the HYBRID_SHARD layout), 4 steps of --batch-size
+-- 1, a checkpoint each step, stopped at step 2 in `out`; its ckpt-2 index
+-- says world `np` and HYBRID_SHARD -> rank -> the pieces that rank wrote
+function S.hybrid_stop(np, args, out)
+  local status, text = S.bin_train(('--nproc-per-node %d --device cpu %s --batch-size 1 --steps 4 --save-every 1 '
+    .. '--stop-at 2 --out %s'):format(np, args, S.shell_quote(out)))
+  luassert.are.equal(0, status, text)
+  local index = require('moonshard.fsdp_checkpoint').read_index(out .. '/ckpt-2')
+  luassert.are.equal(np, index.world_size)
+  luassert.are.equal('HYBRID_SHARD', index.strategy)
+  local n = {}
+  for _, list in pairs(index.pieces) do
+    for _, pc in ipairs(list) do n[pc.rank] = (n[pc.rank] or 0) + 1 end
+  end
+  return n
+end
+
+-- the one-process run dir/name's ckpt-2 (copied into dir/one_r) resumed on
+-- `np` CPU ranks with `layout` (and --batch-size 1): its log holds `line`
+-- and steps 3-4 are on the curve `one` of that run (what: the message)
+function S.one_process_ckpt_at(dir, name, np, layout, line, one, what)
+  local q = S.shell_quote
+  local r = dir .. '/one_r'
+  os.execute(('mkdir -p %s && cp -r %s/%s/ckpt-2 %s/'):format(q(r), q(dir), name, q(r)))
+  local status, text = S.bin_train(('--nproc-per-node %d --device cpu --resume %s %s --batch-size 1'):format(np, q(r),
+    layout))
+  luassert.are.equal(0, status, text)
+  luassert.is_truthy(text:find(line, 1, true), text)
+  S.close_losses(one, S.run_losses(r), 3, 4, what)
+end
+
+-- `np` CPU ranks of bin/train with `args` (the model and a layout it
+-- refuses) for 1 step into `out`: exit status 2, the log holding `msg`
+function S.exits_2(np, args, out, msg)
+  local status, text = S.bin_train(('--nproc-per-node %d --device cpu %s --steps 1 --out %s'):format(np, args,
+    S.shell_quote(out)))
+  luassert.are.equal(2, status, text)
+  luassert.is_truthy(text:find(msg, 1, true), text)
+end
+
+-- the two-chunk schedules' bin/train specs (train_pp_zbv,
+-- train_pp_dualpipev): `model` (its file and flags) at --pp 2
+-- --pp-schedule `schedule` on 2 CPU ranks, 4 steps of 4 sequences, stopped
+-- at step 2 (a checkpoint every 2) in `out`; inspect(out), where given,
+-- checks the stopped run; then out resumes at --pp 2 `schedule` and a copy
+-- (out .. 'a') in one process, each on the curve `one` of the run that
+-- never stopped
+function S.pp_stop_and_resume(model, schedule, out, one, inspect)
+  local q = S.shell_quote
+  local status, text = S.bin_train(('--nproc-per-node 2 --device cpu %s --batch-size 4 --steps 4 --pp 2 '
+    .. '--pp-schedule %s --save-every 2 --stop-at 2 --out %s'):format(model, schedule, q(out)))
+  luassert.are.equal(0, status, text)
+  if inspect then inspect(out) end
+  os.execute(('cp -r %s %sa'):format(q(out), q(out)))
+  status, text = S.bin_train(('--nproc-per-node 2 --device cpu --resume %s --pp 2 --pp-schedule %s'):format(q(out),
+    schedule))
+  luassert.are.equal(0, status, text)
+  S.close_losses(one, S.run_losses(out), 1, 4, ('a %s checkpoint resumed at --pp 2 %s'):format(schedule, schedule))
+  status, text = S.bin_train(('--resume %sa --batch-size 4'):format(q(out)))
+  luassert.are.equal(0, status, text)
+  S.close_losses(one, S.run_losses(out .. 'a'), 1, 4, ('a %s checkpoint resumed in one process'):format(schedule))
+end
+
+-- the two-chunk schedules' bin/train specs: the tiny Llama (`flags`) at
+-- --pp 2 --pp-schedule `schedule` --fsdp FULL_SHARD on 4 CPU ranks (2
+-- pipelines of 4 rows) in dir/name follows one process over their 8 rows
+-- (run in dir/l8): its log names the layout and holds each of `lines`
+function S.pp_fsdp_follows(dir, flags, schedule, name, lines)
+  local q = S.shell_quote
+  local status, text = S.bin_train(('models/llama.lua %s --batch-size 8 --steps 4 --out %s/l8'):format(flags, q(dir)))
+  luassert.are.equal(0, status, text)
+  local one = S.run_losses(dir .. '/l8')
+  local out = dir .. '/' .. name
+  status, text = S.bin_train(('--nproc-per-node 4 --device cpu models/llama.lua %s --batch-size 4 --steps 4 --pp 2 '
+    .. '--pp-schedule %s --fsdp FULL_SHARD --out %s'):format(flags, schedule, q(out)))
+  luassert.are.equal(0, status, text)
+  luassert.is_truthy(text:find('2 stages over 4 ranks, blocks {1, 1, 1, 1}, data parallel 2, ' .. schedule, 1, true),
+    text)
+  for _, l in ipairs(lines or {}) do luassert.is_truthy(text:find(l, 1, true), text) end
+  S.close_losses(one, S.run_losses(out), 1, 4, '--pp 2 ' .. schedule .. ' --fsdp FULL_SHARD')
 end
 
 -- a (B, T) batch of token ids in [0, V) and targets of the same shape,

@@ -48,33 +48,16 @@ describe('bin/train --pp 2 --pp-schedule dualpipev (CPU through mpirun)', functi
   it('a --pp 2 dualpipev checkpoint resumes at --pp 2 dualpipev and in one process with the losses of the run that never stopped',
     function()
     local one = reference('models/llama.lua', tiny_llama, 'l1')
-    local out = dir .. '/lz'
-    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/llama.lua %s --batch-size 4 --steps 4 '
-      .. '--pp 2 --pp-schedule dualpipev --save-every 2 --stop-at 2 --out %s'):format(tiny_llama, q(out)))
-    assert.are.equal(0, status, text)
-    assert.is_nil(losses(out)[3], 'stopped at step 2')
-    local index = require('moonshard.fsdp_checkpoint').read_index(out .. '/ckpt-2')
-    assert.is_true(#index.params > 10)
-    os.execute(('cp -r %s %sa'):format(q(out), q(out)))
-    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %s --pp 2 --pp-schedule dualpipev'):format(q(out)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(out), 1, 4, 'a dualpipev checkpoint resumed at --pp 2 dualpipev')
-    status, text = bin_train(('--resume %sa --batch-size 4'):format(q(out)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(out .. 'a'), 1, 4, 'a dualpipev checkpoint resumed in one process')
+    S.pp_stop_and_resume('models/llama.lua ' .. tiny_llama, 'dualpipev', dir .. '/lz', one, function(out)
+      assert.is_nil(losses(out)[3], 'stopped at step 2')
+      local index = require('moonshard.fsdp_checkpoint').read_index(out .. '/ckpt-2')
+      assert.is_true(#index.params > 10)
+    end)
   end)
 
   it('--pp 2 --pp-schedule dualpipev --fsdp FULL_SHARD on 4 ranks (2 pipelines of 4 rows) follows the one-process curve '
     .. 'of their 8 rows', function()
-    local status, text = bin_train(('models/llama.lua %s --batch-size 8 --steps 4 --out %s/l8'):format(tiny_llama, q(dir)))
-    assert.are.equal(0, status, text)
-    local one = losses(dir .. '/l8')
-    local out = dir .. '/ldf'
-    status, text = bin_train(('--nproc-per-node 4 --device cpu models/llama.lua %s --batch-size 4 --steps 4 --pp 2 '
-      .. '--pp-schedule dualpipev --fsdp FULL_SHARD --out %s'):format(tiny_llama, q(out)))
-    assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('2 stages over 4 ranks, blocks {1, 1, 1, 1}, data parallel 2, dualpipev', 1, true), text)
-    close_losses(one, losses(out), 1, 4, '--pp 2 dualpipev --fsdp FULL_SHARD')
+    S.pp_fsdp_follows(dir, tiny_llama, 'dualpipev', 'ldf')
   end)
 
   it('bad micro-batch and chunk counts exit 2 and say why', function()

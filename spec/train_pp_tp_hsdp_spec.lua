@@ -21,8 +21,7 @@ require 'moonshard'
 local S = require 'spec.support'
 local q = S.shell_quote
 local dir = S.tmpdir()
-local bin_train, losses, norms, close_losses = S.bin_train, S.run_losses, S.run_grad_norms, S.close_losses
-local close_weights = S.close_weights
+local bin_train = S.bin_train
 
 local corpus = S.fixed_corpus(dir, 48000)
 local tiny, tiny_llama = S.tiny_flags(corpus, 3)
@@ -33,18 +32,9 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
 
   -- the one-process runs: 4 steps of 4 sequences, checkpoints every 2
   local reference = S.references(dir)   -- (model, args, name) -> its losses
-  -- a run of `np` ranks (`args` the model and layout) against reference `ref`:
-  -- curve, gradient norm, final weights; `lines` are texts its log holds
-  local function follows(np, args, ref, name, what, lines)
-    local one = reference(ref[1], '', ref[2])
-    local status, text = bin_train(('--nproc-per-node %d --device cpu %s --steps 4 --out %s/%s'):format(np, args,
-      q(dir), name))
-    assert.are.equal(0, status, text)
-    for _, l in ipairs(lines or {}) do assert.is_truthy(text:find(l, 1, true), what .. ': ' .. l .. '\n' .. text) end
-    close_losses(one, losses(dir .. '/' .. name), 1, 4, what)
-    close_losses(norms(dir .. '/' .. ref[2]), norms(dir .. '/' .. name), 1, 4, what .. ' (gradient norm)')
-    close_weights(dir .. '/' .. name .. '/model.safetensors', dir .. '/' .. ref[2] .. '/model.safetensors', what)
-  end
+  -- follows(np, args, ref, name, what, lines): a run of `np` ranks against
+  -- reference `ref` (curve, gradient norm, final weights; S.follows)
+  local follows = S.follows(dir, reference)
   local gpt2, llama = { 'models/gpt2.lua ' .. tiny, 'g1' }, { 'models/llama.lua ' .. tiny_llama, 'l1' }
 
   it('8 ranks (--shard-size 2: one shard group a slice; 1: two replicas) and 16 ranks (two shard groups of 2, '
@@ -77,41 +67,22 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
     .. 'and at --tp 2; a one-process checkpoint resumes at the hybrid layout', function()
     local one = reference(llama[1], '', llama[2])
     local out = dir .. '/hck'
-    local status, text = bin_train(('--nproc-per-node 16 --device cpu %s --batch-size 1 --steps 4 --pp 2 --tp 2 '
-      .. '--fsdp HYBRID_SHARD --shard-size 2 --save-every 1 --stop-at 2 --out %s'):format(llama[1], q(out)))
-    assert.are.equal(0, status, text)
-    local index = require('moonshard.fsdp_checkpoint').read_index(out .. '/ckpt-2')
-    assert.are.equal(16, index.world_size)
-    assert.are.equal('HYBRID_SHARD', index.strategy)
+    local n = S.hybrid_stop(16, llama[1] .. ' --pp 2 --tp 2 --fsdp HYBRID_SHARD --shard-size 2', out)
     -- each piece once: the first replica's ranks hold every piece, the
     -- other replica's none
-    local n = {}
-    for _, list in pairs(index.pieces) do
-      for _, pc in ipairs(list) do n[pc.rank] = (n[pc.rank] or 0) + 1 end
-    end
     local writers = 0
     for r = 0, 15 do if (n[r] or 0) > 0 then writers = writers + 1 end end
     assert.are.equal(8, writers)
-    for _, c in ipairs({
+    S.resumes_at(one, out, {
       { '--nproc-per-node 16 --device cpu ', ' --pp 2 --tp 2', 'the same layout' },
       { '', ' --fsdp off', 'one process' },
       { '--nproc-per-node 8 --device cpu ', ' --pp 2 --tp 2 --fsdp FULL_SHARD', '--pp 2 --tp 2 --fsdp FULL_SHARD' },
-      { '--nproc-per-node 2 --device cpu ', ' --pp 1 --tp 2 --fsdp off --batch-size 4', '--tp 2' } }) do
-      local copy = out .. #c[3]
-      os.execute(('rm -rf %s && cp -r %s %s'):format(q(copy), q(out), q(copy)))
-      status, text = bin_train(('%s--resume %s/ckpt-2 --out %s%s'):format(c[1], q(copy), q(copy), c[2]))
-      assert.are.equal(0, status, text)
-      assert.is_truthy(text:find('resumed from', 1, true), text)
-      close_losses(one, losses(copy), 1, 4, 'the hybrid checkpoint resumed at ' .. c[3])
-    end
+      { '--nproc-per-node 2 --device cpu ', ' --pp 1 --tp 2 --fsdp off --batch-size 4', '--tp 2' } },
+      'the hybrid checkpoint resumed at ', true)
     -- the one-process run's checkpoint, at the hybrid layout
-    local r = dir .. '/one_r'
-    os.execute(('mkdir -p %s && cp -r %s/l1/ckpt-2 %s/'):format(q(r), q(dir), q(r)))
-    status, text = bin_train(('--nproc-per-node 16 --device cpu --resume %s --pp 2 --tp 2 --fsdp HYBRID_SHARD '
-      .. '--shard-size 2 --batch-size 1'):format(q(r)))
-    assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('shard groups of 2, replicated over 2', 1, true), text)
-    close_losses(one, losses(r), 3, 4, 'a one-process checkpoint resumed at --pp 2 --tp 2 --fsdp HYBRID_SHARD')
+    S.one_process_ckpt_at(dir, 'l1', 16, '--pp 2 --tp 2 --fsdp HYBRID_SHARD --shard-size 2',
+      'shard groups of 2, replicated over 2', one,
+      'a one-process checkpoint resumed at --pp 2 --tp 2 --fsdp HYBRID_SHARD')
   end)
 
   it('with --ep (whole TP groups a expert group, inside the shard groups): mixtral and deepseek-v3 follow the '
@@ -139,24 +110,13 @@ describe('bin/train --pp 2 --tp 2 --fsdp HYBRID_SHARD (CPU through mpirun)', fun
     local status, text = bin_train(('--nproc-per-node 16 --device cpu %s --batch-size 1 --steps 4 --pp 2 --tp 2 --ep 2 '
       .. '--fsdp HYBRID_SHARD --shard-size 2 --save-every 1 --stop-at 2 --out %s'):format(mixtral, q(out)))
     assert.are.equal(0, status, text)
-    for _, c in ipairs({ { '', ' --fsdp off', 'one process' },
+    S.resumes_at(one, out, { { '', ' --fsdp off', 'one process' },
       { '--nproc-per-node 4 --device cpu ', ' --pp 2 --tp 2 --ep 2 --fsdp SHARD_GRAD_OP --batch-size 4',
-        '--pp 2 --tp 2 --ep 2 --fsdp SHARD_GRAD_OP' } }) do
-      local copy = out .. #c[3]
-      os.execute(('rm -rf %s && cp -r %s %s'):format(q(copy), q(out), q(copy)))
-      status, text = bin_train(('%s--resume %s/ckpt-2 --out %s%s'):format(c[1], q(copy), q(copy), c[2]))
-      assert.are.equal(0, status, text)
-      close_losses(one, losses(copy), 1, 4, 'the --ep hybrid checkpoint resumed at ' .. c[3])
-    end
+        '--pp 2 --tp 2 --ep 2 --fsdp SHARD_GRAD_OP' } }, 'the --ep hybrid checkpoint resumed at ')
   end)
 
   it('bad sizes exit 2 and name them', function()
-    local function bad(np, args, msg)
-      local status, text = bin_train(('--nproc-per-node %d --device cpu %s --steps 1 --out %s/bad'):format(np, args,
-        q(dir)))
-      assert.are.equal(2, status, text)
-      assert.is_truthy(text:find(msg, 1, true), text)
-    end
+    local function bad(np, args, msg) S.exits_2(np, args, dir .. '/bad', msg) end
     bad(8, 'models/llama.lua ' .. tiny_llama .. ' --pp 2 --tp 2 --fsdp HYBRID_SHARD --shard-size 4',
       '--pp 2 --tp 2 --fsdp HYBRID_SHARD: --shard-size 4 does not divide the 2 data-parallel ranks of a stage\'s '
         .. 'tensor-parallel slice (the world of 8 over 2 stages x 2 TP ranks')

@@ -54,50 +54,32 @@ describe('bin/train --pp 2 --pp-schedule zbv | looped_bfs (CPU through mpirun)',
   it('a --pp 2 zbv checkpoint: the whole model\'s names, the tied embedding once from rank 0 (which holds the head '
     .. 'too); resumed in one process and at --pp 2 zbv with the losses of the run that never stopped', function()
     local one = reference('models/gpt2.lua', tiny, 'g1')
-    local out = dir .. '/gz'
-    local status, text = bin_train(('--nproc-per-node 2 --device cpu models/gpt2.lua %s --batch-size 4 --steps 4 --pp 2 '
-      .. '--pp-schedule zbv --save-every 2 --stop-at 2 --out %s'):format(tiny, q(out)))
-    assert.are.equal(0, status, text)
-    local index = require('moonshard.fsdp_checkpoint').read_index(out .. '/ckpt-2')
-    local holders = {}
-    for name, list in pairs(index.pieces) do
-      holders[name] = {}
-      for _, pc in ipairs(list) do holders[name][pc.rank] = true end
-    end
-    local whole = 0
-    for _ in require('models.gpt2').new('tiny', { n_layer = 4, n_embd = 32, n_head = 2 }):named_parameters() do
-      whole = whole + 1
-    end
-    assert.are.equal(whole, #index.params)
-    for _, e in ipairs(index.params) do assert.is_truthy(holders[e.name], e.name .. ' has pieces') end
-    -- rank 0: virtual stages 0 and 3 (blocks 0 and 3, the embedding, the final norm)
-    assert.are.same({ [0] = true }, holders['transformer.wte.weight'])
-    assert.are.same({ [0] = true }, holders['transformer.ln_f.weight'])
-    assert.are.same({ [0] = true }, holders['transformer.h.0.mlp.c_fc.weight'])
-    assert.are.same({ [0] = true }, holders['transformer.h.3.mlp.c_fc.weight'])
-    assert.are.same({ [1] = true }, holders['transformer.h.1.mlp.c_fc.weight'])
-    assert.are.same({ [1] = true }, holders['transformer.h.2.mlp.c_fc.weight'])
-    os.execute(('cp -r %s %sa'):format(q(out), q(out)))
-    status, text = bin_train(('--resume %s --batch-size 4'):format(q(out)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(out), 1, 4, 'a zbv checkpoint resumed in one process')
-    status, text = bin_train(('--nproc-per-node 2 --device cpu --resume %sa --pp 2 --pp-schedule zbv'):format(q(out)))
-    assert.are.equal(0, status, text)
-    close_losses(one, losses(out .. 'a'), 1, 4, 'a zbv checkpoint resumed at --pp 2 zbv')
+    S.pp_stop_and_resume('models/gpt2.lua ' .. tiny, 'zbv', dir .. '/gz', one, function(out)
+      local index = require('moonshard.fsdp_checkpoint').read_index(out .. '/ckpt-2')
+      local holders = {}
+      for name, list in pairs(index.pieces) do
+        holders[name] = {}
+        for _, pc in ipairs(list) do holders[name][pc.rank] = true end
+      end
+      local whole = 0
+      for _ in require('models.gpt2').new('tiny', { n_layer = 4, n_embd = 32, n_head = 2 }):named_parameters() do
+        whole = whole + 1
+      end
+      assert.are.equal(whole, #index.params)
+      for _, e in ipairs(index.params) do assert.is_truthy(holders[e.name], e.name .. ' has pieces') end
+      -- rank 0: virtual stages 0 and 3 (blocks 0 and 3, the embedding, the final norm)
+      assert.are.same({ [0] = true }, holders['transformer.wte.weight'])
+      assert.are.same({ [0] = true }, holders['transformer.ln_f.weight'])
+      assert.are.same({ [0] = true }, holders['transformer.h.0.mlp.c_fc.weight'])
+      assert.are.same({ [0] = true }, holders['transformer.h.3.mlp.c_fc.weight'])
+      assert.are.same({ [1] = true }, holders['transformer.h.1.mlp.c_fc.weight'])
+      assert.are.same({ [1] = true }, holders['transformer.h.2.mlp.c_fc.weight'])
+    end)
   end)
 
   it('--pp 2 --pp-schedule zbv --fsdp FULL_SHARD on 4 ranks (2 pipelines of 4 rows) follows the one-process curve of '
     .. 'their 8 rows', function()
-    local status, text = bin_train(('models/llama.lua %s --batch-size 8 --steps 4 --out %s/l8'):format(tiny_llama, q(dir)))
-    assert.are.equal(0, status, text)
-    local one = losses(dir .. '/l8')
-    local out = dir .. '/lzf'
-    status, text = bin_train(('--nproc-per-node 4 --device cpu models/llama.lua %s --batch-size 4 --steps 4 --pp 2 '
-      .. '--pp-schedule zbv --fsdp FULL_SHARD --out %s'):format(tiny_llama, q(out)))
-    assert.are.equal(0, status, text)
-    assert.is_truthy(text:find('2 stages over 4 ranks, blocks {1, 1, 1, 1}, data parallel 2, zbv', 1, true), text)
-    assert.is_truthy(text:find('fsdp: FULL_SHARD over 2 ranks', 1, true), text)
-    close_losses(one, losses(out), 1, 4, '--pp 2 zbv --fsdp FULL_SHARD')
+    S.pp_fsdp_follows(dir, tiny_llama, 'zbv', 'lzf', { 'fsdp: FULL_SHARD over 2 ranks' })
   end)
 
   it('--pp-layers 1,2,1,0: the cut given (the head\'s chunk the head alone) follows the one-process curve', function()
