@@ -84,4 +84,20 @@ function B.relerr(got, want)
   return math.sqrt(F.sum(F.mul(d, d)):item() / F.sum(F.mul(w, w)):item())
 end
 
+-- a model of B.tiny_models (its file `path`, config `cfg`) in training
+-- mode from seed 1, AdamW at lr 1e-4 over it, and one batch of 1 x T
+-- random token ids and targets -> model, opt, ids, targets
+function B.tiny_setup(path, cfg, T)
+  local ms = require 'moonshard'
+  local M = dofile(path)
+  ms.manual_seed(1)
+  local model = M.new(cfg)
+  model:train()
+  local opt = ms.optim.AdamW(model, { lr = 1e-4 })
+  local V = cfg.vocab_size
+  local ids = (ms.rand({ 1, T }, { seed = 1 }) * (V - 1)):long()
+  local tg = (ms.rand({ 1, T }, { seed = 2 }) * (V - 1)):long()
+  return model, opt, ids, tg
+end
+
 return B

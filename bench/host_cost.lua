@@ -50,14 +50,7 @@ local cases = B.tiny_models
 local alloc_rows = {}
 
 local function run(name, path, cfg)
-  local M = dofile(path)
-  ms.manual_seed(1)
-  local model = M.new(cfg)
-  model:train()
-  local opt = ms.optim.AdamW(model, { lr = 1e-4 })
-  local V = cfg.vocab_size
-  local ids = (ms.rand({ 1, opts.seq }, { seed = 1 }) * (V - 1)):long()
-  local tg = (ms.rand({ 1, opts.seq }, { seed = 2 }) * (V - 1)):long()
+  local model, opt, ids, tg = B.tiny_setup(path, cfg, opts.seq)
 
   -- one step -> the seconds of its three phases
   local function step()
