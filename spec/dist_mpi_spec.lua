@@ -218,6 +218,52 @@ describe('dist over MPI #mpi', function()
     assert_values(b, eb, 'async all_gather')
   end)
 
+  -- the Lua side of collectives under a CUDA graph capture (the capture
+  -- stubbed: ms.cuda.is_capturing says yes; the C side, which asks the
+  -- runtime, runs them as usual on the CPU): check_joined names the async
+  -- collectives issued in it and not waited for, and forgets them
+  it('check_joined names the async collectives a capture issued and did not wait for, then forgets them', function()
+    local cuda = require 'moonshard.cuda'
+    local real = cuda.is_capturing
+    local ok, err = pcall(function()
+      cuda.is_capturing = function() return true end
+      local a = ms.full({ 7 }, R, { dtype = 'f32' })
+      local b = ms.full({ 5 }, R, { dtype = 'f64' })
+      local wa = dist.all_reduce(a, 'sum', { async = true })
+      local wb = dist.broadcast(b, 0, { async = true })
+      local wc = dist.all_reduce(ms.zeros({ 1 }, { dtype = 'f32' }), 'sum', { async = true })
+      wa:wait()
+      dist.all_reduce(ms.zeros({ 3 }, { dtype = 'f32' }), 'sum')   -- (waited by the call itself)
+      wc:free()   -- (freed unwaited inside the capture: still open)
+      local ok2, e2 = pcall(dist.check_joined, 'the step')
+      assert.is_false(ok2)
+      local msg = tostring(e2)
+      for _, w in ipairs({ 'the step: 2 collectives issued in the CUDA graph capture and not waited for',
+        '(all_reduce, broadcast)', 'join' }) do
+        assert.is_truthy(msg:find(w, 1, true), msg)
+      end
+      dist.check_joined('again')   -- (forgotten)
+      wb:wait()
+      local wd = dist.all_reduce(ms.zeros({ 1 }, { dtype = 'f32' }), 'sum', { async = true })
+      cuda.is_capturing = real
+      wd:free()   -- (freed once the capture is over: forgotten)
+      dist.check_joined('after')
+      assert.are.equal(W * (W - 1) / 2, a:get(1))
+      -- join_captured: the open ones waited for (a capture abandoned)
+      cuda.is_capturing = function() return true end
+      local we = dist.all_reduce(ms.full({ 2 }, 1, { dtype = 'f32' }), 'sum', { async = true })
+      local wf = dist.all_reduce(ms.full({ 3 }, 1, { dtype = 'f64' }), 'max', { async = true })
+      wf:wait()
+      assert.are.equal(1, dist.join_captured())
+      assert.are.equal(0, dist.join_captured())
+      dist.check_joined('joined')
+      cuda.is_capturing = real
+      we:wait()   -- (a second wait is a no-op)
+    end)
+    cuda.is_capturing = real
+    assert(ok, err)
+  end)
+
   it('keeps the buffers of a work alive when the tensors are freed, and finishes it when the work is freed', function()
     local t = ms.full({ 100 }, R + 1, { dtype = 'f64' })
     local w = dist.all_reduce(t, 'sum', { async = true })

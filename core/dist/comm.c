@@ -2,6 +2,7 @@
  * the environment, the rendezvous, argument checks, groups and work
  * handles. The backends (mpi.c, nccl.cu) only move bytes. */
 #include "dist_internal.h"
+#include "../cuda.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -251,6 +252,20 @@ static int usable(ms_comm *c, const char *op) {
     return 0;
 }
 
+/* CUDA graph capture (docs/cuda-graphs.md): an NCCL collective issued
+ * while this thread captures is recorded into the graph (the communication
+ * stream forked from the capturing stream and joined back by the wait), so
+ * each replay runs it. What makes the host wait or poll, or runs once on the
+ * host, is refused while capturing, naming the op: the MPI backend (host
+ * calls), barrier (a host wait), is_done (a poll of an event only being
+ * recorded), creating a group or a copy registration (host exchanges). */
+static int refuse_captured(const char *op, const char *why) {
+    int dev = ms_cuda_capturing();
+    if (dev < 0) return 0;
+    return ms_errorf("%s during CUDA graph capture on cuda:%d: %s (the capture is aborted; docs/cuda-graphs.md)", op,
+                     dev, why);
+}
+
 /* a new group from parent: members (world ranks, ascending) and this rank's place */
 static int make_group(ms_comm **out, ms_comm *parent, int color, int key, int n, const int *members,
                       const char *name) {
@@ -258,6 +273,7 @@ static int make_group(ms_comm **out, ms_comm *parent, int color, int key, int n,
     void *impl = NULL;
     char what[160];
     snprintf(what, sizeof what, "split into %s", name);
+    if (refuse_captured("new_group", "creating a communicator exchanges with the peers on the host")) return -1;
     trace(parent, what);
     if (parent->be->split(parent, color, key, n, &impl)) return -1;
     if (color < 0) return 0;
@@ -617,10 +633,18 @@ static int start(ms_work **work, ms_comm *c, int kind, int op, ms_tensor *out, c
  * waits for it (work NULL) and frees it; on a failed start w is freed */
 static int launch(ms_work **work, ms_work *w, ms_tensor *out, const ms_tensor *in, int root) {
     ms_comm *c = w->comm;
+    char msg[1024];
+    if (c->be != ms_dist_nccl_backend &&
+        refuse_captured(w->desc, "the MPI backend runs on the host, once, not at each replay")) {
+        snprintf(msg, sizeof msg, "%s", ms_last_error());
+        ms_comm_free(c);
+        free(w);
+        return ms_errorf("%s", msg);
+    }
+    w->captured = ms_cuda_capturing() >= 0;
     trace(c, w->desc);
     int rc = c->be->start(w, out, in, root);
     if (w->kind == MS_COLL_P2P) w->aux = NULL;   /* (the batch lived on the caller's stack) */
-    char msg[1024];
     if (rc) {
         snprintf(msg, sizeof msg, "%s", ms_last_error());
         ms_comm_free(c);
@@ -706,6 +730,7 @@ int ms_comm_copy_register(ms_copy_buf **out, ms_comm *c, ms_tensor *t) {
     if (!out) return ms_errorf("%s: no output handle", name);
     *out = NULL;
     if (usable(c, name)) return -1;
+    if (refuse_captured(name, "registering exchanges the peers' handles on the host")) return -1;
     if (!c->be->copy_register)
         return ms_errorf("%s: copy-engine gathers need the NCCL backend (the group %s is %s)", name, c->name,
                          c->be->name);
@@ -741,8 +766,16 @@ void ms_copy_buf_free(ms_copy_buf *b) {
 
 int ms_comm_barrier(ms_comm *c) {
     if (usable(c, "barrier")) return -1;
+    if (refuse_captured("barrier", "the host waits for every member")) return -1;
     trace(c, "barrier");
     return c->be->barrier(c);
+}
+
+int ms_comm_watch(ms_comm *c, const char *desc) {
+    if (usable(c, "watch")) return -1;
+    if (!desc) desc = "work on the compute stream";
+    if (!c->be->watch) return 0;   /* (MPI: its waits are the host's, with their own deadline) */
+    return c->be->watch(c, desc);
 }
 
 int ms_work_wait(ms_work *w) {
@@ -754,6 +787,17 @@ int ms_work_wait(ms_work *w) {
         w->failed = 1;
         return ms_errorf("wait: %s: the group is broken: %s", w->desc, w->comm->broken_msg);
     }
+    /* a wait is a stream wait on NCCL: inside the capture that recorded the
+     * collective it joins the communication stream back; across the
+     * capture's border it has nothing to wait for */
+    int capturing = ms_cuda_capturing() >= 0;
+    if (w->captured && !capturing)
+        return ms_errorf("wait: %s was recorded into a CUDA graph capture that has ended: it runs at each replay; "
+                         "wait for it inside the capture (the communication stream must join back before the "
+                         "capture ends)", w->desc);
+    if (!w->captured && capturing)
+        return ms_errorf("wait: %s was issued before the CUDA graph capture on cuda:%d began: wait for it before "
+                         "the capture (a replay could not wait for it)", w->desc, ms_cuda_capturing());
     int rc = w->comm->be->wait(w, 0);
     if (rc) w->failed = 1;
     return rc;
@@ -764,6 +808,12 @@ int ms_work_is_done(ms_work *w) {
     if (w->failed) return ms_errorf("is_done: %s failed", w->desc);
     if (w->done) return 1;
     if (w->comm->destroyed) return ms_errorf("is_done: %s: dist was destroyed before it completed", w->desc);
+    if (refuse_captured("is_done", "the host would poll work that is only being recorded; wait() for it (a stream "
+                        "wait)"))
+        return -1;
+    if (w->captured)
+        return ms_errorf("is_done: %s was recorded into a CUDA graph: it runs at each replay, not once; there is "
+                         "nothing to poll", w->desc);
     int rc = w->comm->be->test(w);
     if (rc < 0) w->failed = 1;
     return rc;

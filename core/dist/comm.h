@@ -62,6 +62,17 @@
  * (or the timeout). ms_work_is_done never blocks. ms_work_free on an MPI
  * work that has not completed waits for it (its buffers must outlive it).
  *
+ * CUDA graphs. An NCCL collective issued while this thread captures a graph
+ * (ms_cuda_graph_begin) is recorded into it (NCCL >= 2.9): the `ready`
+ * event forks the communication stream into the capture, and the wait (a
+ * handle's, or the one of a call without a handle) joins it back, which
+ * must happen before the capture ends. Each replay then runs it. Refused
+ * during a capture, naming the op: the MPI backend, barrier, is_done, new
+ * groups and copy registrations (host waits and exchanges); a wait across
+ * the capture's border (a handle issued before it waited inside, or one
+ * recorded in it waited after). The watchdog does not see a recorded
+ * collective: ms_comm_watch after a replay watches the replay instead.
+ *
  * Failures. Every MPI wait and every NCCL collective has a deadline
  * (ms_dist_options.timeout_s, or per group with ms_comm_set_timeout). On
  * NCCL a watchdog thread polls ncclCommGetAsyncError and the end event of
@@ -166,6 +177,12 @@ int ms_comm_reduce_scatter(ms_work **work, ms_comm *c, ms_tensor *out, const ms_
 int ms_comm_all_reduce(ms_work **work, ms_comm *c, ms_tensor *t, int op);
 int ms_comm_broadcast(ms_work **work, ms_comm *c, ms_tensor *t, int root);
 int ms_comm_barrier(ms_comm *c);           /* host-blocking on both backends */
+/* NCCL: the work queued so far on the current stream of c's device (a CUDA
+ * graph's replay holding c's collectives, which the watchdog cannot see) is
+ * watched like a collective of c: not done within c's time-out, the
+ * communicator is aborted (the replay's kernels return) and c is broken;
+ * MPI: nothing to do. Refused during a capture. */
+int ms_comm_watch(ms_comm *c, const char *desc);
 
 /* Point-to-point, for pipeline parallelism: n sends and receives run as one
  * batch (NCCL: inside one ncclGroupStart/End, so a send to a peer and a

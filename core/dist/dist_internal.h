@@ -52,6 +52,7 @@ struct ms_work {
     int done;                  /* completed and finished (avg divided, storages released) */
     int failed;
     int in_place;              /* in is out's chunk (all_gather) or out in's (reduce_scatter) */
+    int captured;              /* issued while this thread captured a CUDA graph (recorded, run by each replay) */
     double t_start;            /* monotonic seconds */
     char desc[160];            /* "all_reduce sum of bf16 (1000) on world" */
     ms_storage *keep[2];       /* MPI: buffers kept alive until completion */
@@ -82,6 +83,9 @@ typedef struct ms_dist_backend {
     /* copy-engine gathers: 0 (*impl set), 1 not possible on some member, -1 error */
     int (*copy_register)(ms_comm *c, const ms_tensor *t, void **impl);
     void (*copy_free)(void *impl);
+    /* ms_comm_watch: the work queued so far on the current stream watched
+     * as a collective of c (its time-out); NULL: not for this backend */
+    int (*watch)(ms_comm *c, const char *desc);
 } ms_dist_backend;
 
 extern const ms_dist_backend *ms_dist_mpi_backend;   /* NULL: built without MPI */

@@ -445,7 +445,7 @@ static int mpi_barrier(ms_comm *c) {
 
 static const ms_dist_backend g_mpi = {
     "mpi", mpi_init_world, mpi_split, mpi_start, mpi_wait, mpi_test, mpi_work_free,
-    mpi_barrier, mpi_comm_free, mpi_finalize, NULL, NULL, NULL, NULL, NULL, NULL,
+    mpi_barrier, mpi_comm_free, mpi_finalize, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
 };
 
 __attribute__((constructor)) static void mpi_register(void) { ms_dist_mpi_backend = &g_mpi; }

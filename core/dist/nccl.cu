@@ -125,6 +125,7 @@ struct OpRec {
     cudaEvent_t end = nullptr;
     int device = -1;
     double t_enq = 0;
+    bool captured = false;   // recorded into a CUDA graph capture: run by its replays, not watched
     char desc[160];
     std::atomic<int> refs{1};
 };
@@ -594,7 +595,28 @@ static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root)
     ncclDataType_t t = sp ? ncclUint8 : nccl_type(out->dtype_id);
     void *po = sp ? nullptr : ms_tensor_data(out);
     const void *pi = sp ? nullptr : ms_tensor_data(in);
+    // under a CUDA graph capture of the compute stream the collective is
+    // recorded: `ready` forks the communication stream into the capture,
+    // the wait (nccl_wait, on the compute stream) joins it back. Its `end`
+    // is an event of the capture, which the watchdog must not query (the
+    // query fails on a captured event) and nothing polls.
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(compute, &cs));
+    const bool captured = cs == cudaStreamCaptureStatusActive;
+    if (captured) {
+        int v = 0;
+        ncclResult_t vr = ncclGetVersion(&v);
+        if (vr != ncclSuccess) return nccl_error(vr, "ncclGetVersion", nullptr, __LINE__);
+        if (v < NCCL_VERSION(2, 9, 0))
+            return ms_errorf("%s during CUDA graph capture: NCCL %d records collectives into graphs from 2.9 on", w->desc,
+                             v);
+        std::lock_guard<std::mutex> l(g_tl_mu);
+        if (g_tl_on)
+            return ms_errorf("%s during CUDA graph capture: the collective timeline is on (dist.timing): its timed "
+                             "events cannot be recorded into a graph", w->desc);
+    }
     OpRec *op = new OpRec;
+    op->captured = captured;
     snprintf(op->desc, sizeof op->desc, "%s", w->desc);
     {
         std::lock_guard<std::mutex> cl(nc->mu);
@@ -661,8 +683,10 @@ static int nccl_start(ms_work *w, ms_tensor *out, const ms_tensor *in, int root)
             return ms_errorf("%s: cudaEventRecord failed: %s", w->desc, cudaGetErrorString(ce));
         }
         op->t_enq = ms_dist_now();
-        op->refs = 2;   // the work and the watchdog
-        nc->inflight.push_back(op);
+        if (!captured) {
+            op->refs = 2;   // the work and the watchdog
+            nc->inflight.push_back(op);
+        }
     }
     // the allocator must not reuse these before `end`
     w->impl = op;
@@ -951,6 +975,40 @@ static void nccl_finalize(void) {
     if (g_watchdog.joinable()) g_watchdog.join();
 }
 
+// ms_comm_watch: an event recorded on the compute stream after a CUDA
+// graph's replay (whose captured collectives the watchdog cannot see: their
+// events belong to the graph) goes in flight like a collective's `end`, so
+// a replay that hangs on a peer past the group's time-out aborts the
+// communicator as an eager collective would, and the host waiting on the
+// compute stream wakes up
+static int nccl_watch(ms_comm *c, const char *desc) {
+    NcclComm *nc = (NcclComm *)c->impl;
+    if (ms_cuda_activate(nc->device)) return -1;
+    cudaStream_t compute = ms_cuda_stream_of(nc->device);
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(compute, &cs));
+    if (cs != cudaStreamCaptureStatusNone)
+        return ms_errorf("watch (%s) during CUDA graph capture: watch a replay, after it is launched", desc);
+    OpRec *op = new OpRec;
+    snprintf(op->desc, sizeof op->desc, "%s", desc);
+    op->device = nc->device;
+    std::lock_guard<std::mutex> cl(nc->mu);
+    nc->owner = c;
+    if (nc->aborted || !nc->comm) {
+        delete op;
+        return ms_errorf("watch (%s): the group is broken: %s", desc, c->broken_msg);
+    }
+    cudaError_t ce = event_get(nc->device, &op->end);
+    if (ce == cudaSuccess) ce = cudaEventRecord(op->end, compute);
+    if (ce != cudaSuccess) {
+        op_release(op);
+        return ms_errorf("watch (%s): cudaEventRecord failed: %s", desc, cudaGetErrorString(ce));
+    }
+    op->t_enq = ms_dist_now();
+    nc->inflight.push_back(op);   // (the watchdog's only reference)
+    return 0;
+}
+
 static void nccl_abort(ms_comm *c, const char *why) {
     NcclComm *nc = (NcclComm *)c->impl;
     if (!nc) return;
@@ -962,7 +1020,7 @@ static void nccl_abort(ms_comm *c, const char *why) {
 static const ms_dist_backend g_nccl = {
     "nccl", nccl_init_world, nccl_split, nccl_start, nccl_wait, nccl_test, nccl_work_free,
     nccl_barrier, nccl_comm_free, nccl_finalize, nccl_abort,
-    nccl_timing_set, nccl_timing_count, nccl_timing_entry, nccl_copy_register, nccl_copy_free,
+    nccl_timing_set, nccl_timing_count, nccl_timing_entry, nccl_copy_register, nccl_copy_free, nccl_watch,
 };
 
 }  // extern "C"

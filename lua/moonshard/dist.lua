@@ -119,9 +119,15 @@ local Work = {}
 Work.__index = Work
 dist.Work = Work
 
+-- the handles issued during this thread's CUDA graph capture and not yet
+-- waited for (dist.check_joined), with their op's name
+local open_captured = setmetatable({}, { __mode = 'k' })
+local function capturing() return require('moonshard.cuda').is_capturing() end
+
 function Work:wait()
   if not self.p then return true end
   check(C.ms_work_wait(self.p), 2)
+  open_captured[self] = nil
   return true
 end
 function Work:is_done()
@@ -131,6 +137,8 @@ function Work:is_done()
   return r == 1
 end
 function Work:free()
+  -- (freed during the capture unwaited, it stays open: dist.check_joined)
+  if not capturing() then open_captured[self] = nil end
   if self.p then C.ms_work_free(ffi.gc(self.p, nil)); self.p = nil end
   self.tensors = nil
 end
@@ -153,7 +161,9 @@ local function run(fname, opts, fn, tensors, ...)
   if opts.async then
     local box = work_box()
     if fn(box, p, ...) ~= 0 then error(cerr(), 3) end
-    return setmetatable({ p = ffi.gc(box[0], C.ms_work_free), tensors = tensors }, Work)
+    local w = setmetatable({ p = ffi.gc(box[0], C.ms_work_free), tensors = tensors }, Work)
+    if capturing() then open_captured[w] = fname end
+    return w
   end
   if fn(nil, p, ...) ~= 0 then error(cerr(), 3) end
   return nil
@@ -253,6 +263,62 @@ function dist.barrier(opts)
   local p = live(g, 'barrier')
   if trace then trace.note('barrier', g, {}) end
   check(C.ms_comm_barrier(p), 2)
+end
+
+-- CUDA graphs (docs/cuda-graphs.md). On NCCL a collective issued during a
+-- capture (ms.cuda.graph) is recorded into the graph and run by each
+-- replay; its wait (w:wait(), or the call's own without async) joins the
+-- communication stream back into the captured one, which must happen
+-- before the capture ends. Refused during a capture, naming the op: the
+-- MPI backend, barrier, w:is_done(), new groups, copy registrations, and a
+-- wait across the capture's border.
+--
+-- dist.check_joined(what): inside the capture, before it ends: an error
+-- naming the async collectives issued in it and not waited for (their
+-- stream not joined back: cudaStreamEndCapture would fail), what naming
+-- the caller, after waiting for them (so that the capture, aborted by the
+-- error, ends with every stream joined); forgets them either way.
+function dist.check_joined(what)
+  local names = {}
+  for w, fname in pairs(open_captured) do
+    names[#names + 1] = fname
+    if w.p then pcall(w.wait, w) end
+  end
+  for w in pairs(open_captured) do open_captured[w] = nil end
+  if #names > 0 then
+    table.sort(names)
+    error(('%s: %d collective%s issued in the CUDA graph capture and not waited for (%s): wait for each before the '
+      .. 'capture ends (the communication stream must join the captured one)'):format(what or 'dist.check_joined',
+      #names, #names == 1 and '' or 's', table.concat(names, ', ')), 2)
+  end
+end
+
+-- dist.join_captured() -> n: inside a capture about to be abandoned (an
+-- error after some collectives were recorded): waits for each async one
+-- issued in it and not yet waited for (a stream wait: the communication
+-- stream joined back, so the capture ends with no stream of it left
+-- capturing), n of them; they are forgotten.
+function dist.join_captured()
+  local n = 0
+  for w in pairs(open_captured) do
+    if w.p then w:wait(); n = n + 1 end
+    open_captured[w] = nil
+  end
+  return n
+end
+
+-- dist.watch(desc, opts): after a graph's replay that holds collectives
+-- of the group (opts.group, default the world), the work queued on the
+-- current stream is watched as one of its collectives: not done within
+-- the group's time-out, the communicator is aborted and the group broken,
+-- as a hung eager collective is (the watchdog cannot see the collectives
+-- inside a graph). A no-op on MPI; refused during a capture.
+function dist.watch(desc, opts)
+  opts = opts or {}
+  local g = opts.group or dist.world_group
+  if not g then error('watch: dist is not initialised (call ms.dist.init first)', 2) end
+  if desc ~= nil and type(desc) ~= 'string' then error(('watch: desc must be a string, got %s'):format(type(desc)), 2) end
+  check(C.ms_comm_watch(live(g, 'watch'), desc), 2)
 end
 
 -- Point-to-point (pipeline parallelism; core/dist/comm.h, ms_comm_p2p).
