@@ -213,6 +213,75 @@ describe('fsdp runtime: gradients #mpi', function()
     end)
   end
 
+  -- fsdp.grad_shards / set_grad_shards (bin/train --cuda-graphs with the
+  -- all-reduce in the graph: the reduced shards a replay wrote, handed back
+  -- to the units), and fsdp.zero_grad dropping a reduction left in flight
+  -- (a capture aborted inside fsdp.reduce_grads)
+  for _, strategy in ipairs(strategies) do
+    it(('%s: set_grad_shards hands kept gradient shards back; zero_grad drops a reduction left in flight'):format(
+      strategy), function()
+      local model = fsdp.fully_shard(load_model(), shard_opts(strategy))
+      local units = fsdp.units(model)
+      local function step()
+        for k = 1, 2 do
+          model:no_sync(function()
+            local x, y = micro(R, k)
+            local loss = model(x, y) / 2
+            loss:backward()
+          end)
+        end
+      end
+      local function same(want, what)
+        for i, u in ipairs(units) do
+          assert.is_nil(u.gbuf, what)
+          assert.are.equal(u.fp.shard.grad, u.fp.grad_shard, what)
+          assert.are.equal(0, (u.fp.shard.grad:to('f64') - want[i]):abs():max():item(), ('%s: unit %d'):format(what, i))
+        end
+      end
+      step()
+      fsdp.reduce_grads(model)
+      local want = {}
+      for i, u in ipairs(units) do want[i] = u.fp.shard.grad:to('f64') end
+      local kept = fsdp.grad_shards(model)
+      for i, u in ipairs(units) do assert.are.equal(u.fp.shard_numel, kept[i]:numel(), u.label) end
+      fsdp.zero_grad(model)
+      for _, u in ipairs(units) do assert.is_nil(u.fp.shard.grad) end
+      -- (a later backward's unsharded buffers are dropped by the hand-back)
+      step()
+      fsdp.set_grad_shards(model, kept)
+      same(want, 'handed back')
+      fsdp.set_grad_shards(model, kept)   -- (twice: the same)
+      same(want, 'handed back twice')
+      for _, t in ipairs(kept) do t:free() end
+      -- one unit's reduction issued, the step cut short before it finished
+      fsdp.zero_grad(model)
+      step()
+      units[1]:reduce_grads()
+      assert.are.equal(1, #units[1].st.pending)
+      fsdp.zero_grad(model)
+      assert.are.equal(0, #units[1].st.pending)
+      for _, u in ipairs(units) do
+        assert.is_nil(u.gbuf)
+        assert.is_nil(u.fp.shard.grad)
+      end
+      -- the next step as the first
+      step()
+      fsdp.reduce_grads(model)
+      same(want, 'after the dropped reduction')
+      -- lists that do not fit the units
+      local ok, err = pcall(fsdp.set_grad_shards, model, {})
+      assert.is_false(ok)
+      assert.is_truthy(tostring(err):find(('need a list of %d entries'):format(#units), 1, true), tostring(err))
+      local bad = {}
+      for i = 1, #units do bad[i] = false end
+      bad[1] = T.zeros({ 3 }, { dtype = 'f32' })
+      ok, err = pcall(fsdp.set_grad_shards, model, bad)
+      assert.is_false(ok)
+      assert.is_truthy(tostring(err):find('entry 1 has 3 elements', 1, true), tostring(err))
+      same(want, 'after a refused list')   -- (nothing changed)
+    end)
+  end
+
   -- clip_grad_norm: the reference runs each rank's rows as a forward of its own
   local clip_ref
   local function clip_reference()

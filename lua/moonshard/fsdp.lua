@@ -2137,6 +2137,50 @@ function fsdp.set_grad_buffers(model, list)
   end
 end
 
+-- fsdp.grad_shards(model) -> list (one entry a unit, fsdp.units' order):
+-- a handle of its own on each unit's gradient shard (shard.grad, f32: the
+-- reduced gradient the optimizer reads; false where a unit has none), and
+-- fsdp.set_grad_shards(model, list): each unit's gradient shard made a new
+-- handle on list's again, as if fsdp.reduce_grads had just written it (the
+-- unsharded buffers dropped). A CUDA graph that holds the reduction too
+-- (bin/train --cuda-graphs, data parallel with --graph-collectives on)
+-- writes the shards its capture made at each replay, unseen by Lua: the
+-- loop keeps them with grad_shards after the capture and hands them back
+-- after each replay. The caller frees list's handles.
+function fsdp.grad_shards(model)
+  local r = {}
+  for i, u in ipairs(state_of(model, 'fsdp.grad_shards').units) do
+    local g = u.fp.shard.grad
+    r[i] = g ~= nil and g:alias() or false
+  end
+  return r
+end
+
+function fsdp.set_grad_shards(model, list)
+  local st = state_of(model, 'fsdp.set_grad_shards')
+  if st.in_backward then error('fsdp.set_grad_shards: not inside a backward', 2) end
+  if type(list) ~= 'table' or #list ~= #st.units then
+    error(('fsdp.set_grad_shards: need a list of %d entries (fsdp.grad_shards), got %s'):format(#st.units,
+      type(list) == 'table' and #list .. ' entries' or type(list)), 2)
+  end
+  for i, u in ipairs(st.units) do
+    local b = list[i]
+    if b and b:numel() ~= u.fp.shard_numel then
+      error(('fsdp.set_grad_shards: entry %d has %d elements, unit %s\'s shard %d'):format(i, b:numel(), u.label,
+        u.fp.shard_numel), 2)
+    end
+  end
+  for i, u in ipairs(st.units) do
+    local b = list[i]
+    if u.gbuf then u:drop_gviews(); u.gbuf:free(); u.gbuf = nil end
+    u.sp_mode = nil
+    local cur = u.fp.shard.grad
+    if cur ~= nil then cur:free() end
+    u.fp.shard.grad = b and b:alias() or nil
+    u.fp.grad_shard = u.fp.shard.grad
+  end
+end
+
 -- fsdp.grad_pieces(unit) -> list of { k, view }: the unit's gradient
 -- shard (fp.shard.grad) cut at its parameters' bounds, each view the part
 -- of parameter k (unit.param_names[k], unit.views[k]) this rank holds
@@ -2224,9 +2268,22 @@ function fsdp.set_skip_comm(model, on)
   return prev
 end
 
--- drop every gradient: the sharded ones and the unsharded ones no_sync kept
+-- drop every gradient: the sharded ones, the unsharded ones no_sync kept,
+-- and the reductions a step cut short left in flight (an error between a
+-- unit's reduction and finish_reductions: a CUDA graph capture aborted
+-- inside fsdp.reduce_grads, say), their handles freed unwaited (a wait
+-- after an aborted capture has nothing to wait for; the allocator keeps
+-- their memory until the communication stream is done with it)
 function fsdp.zero_grad(model)
-  for _, u in ipairs(state_of(model, 'fsdp.zero_grad').units) do
+  local st = state_of(model, 'fsdp.zero_grad')
+  local pend = st.pending or {}
+  st.pending = {}
+  for _, p in ipairs(pend) do
+    if p.work then p.work:free() end
+    if p.src ~= p.out and p.src.storage ~= nil then p.src:free() end
+    if p.out.storage ~= nil then p.out:free() end
+  end
+  for _, u in ipairs(st.units) do
     u.fp.shard:zero_grad()
     u.fp.grad_shard = nil
     for _, v in ipairs(u.views) do v.grad = nil end
