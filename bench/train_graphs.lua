@@ -11,10 +11,14 @@
 -- --nproc-per-node N; the shapes are each rank's, so N times the tokens a
 -- step), --float8 (off, or a recipe: tensorwise, rowwise, ...).
 --
--- With --nproc N > 1 each row gets a third run, eager with
+-- With --nproc N > 1 each row gets two more runs: eager with
 -- --no-overlap-grad-reduce (every all-reduce after the backward, as the
 -- graphed step runs them): `after tok/s` splits what the graphs gain from
--- what the reduction's lost overlap costs. Under data parallel --autocast
+-- what the reduction's lost overlap costs; and --cuda-graphs
+-- --graph-collectives off (the all-reduce and clipping eager between the
+-- two graphs): `split tok/s` against `graph tok/s` (the all-reduce inside
+-- the first graph, the default) is what recording NCCL into the graph
+-- gains. Under data parallel --autocast
 -- does not apply: FSDP's mixed precision (bf16 parameters, f32 reduction)
 -- sets the compute dtype.
 --
@@ -64,7 +68,8 @@ local tmp = io.popen('mktemp -d'):read('*l')
 -- one bin/train run -> step -> metrics row, the output. The GEMM plans:
 -- tuned once per shape by a short run into one file, which both timed runs
 -- read (each would otherwise time its own, and may pick others: other bits)
--- (graphs: true, false, or 'after': eager with --no-overlap-grad-reduce)
+-- (graphs: true, false, 'after': eager with --no-overlap-grad-reduce, or
+-- 'split': --cuda-graphs --graph-collectives off)
 local function run(shape, graphs, out, steps)
   steps = steps or opts.steps
   local cmd = ('MS_GEMM_TUNE=1 MS_GEMM_TUNE_FILE=%s luajit bin/train %s models/llama.lua --preset tiny %s '
@@ -75,7 +80,8 @@ local function run(shape, graphs, out, steps)
     shape.flags, shape.batch, shape.seq,
     shape.batch * shape.seq * opts.accum * nproc, steps, nproc > 1 and 'auto' or opts.autocast, opts.float8,
     graphs == 'after' and '--no-overlap-grad-reduce'
-      or graphs and ('--cuda-graphs --graph-warmup %d'):format(warm) or '', q(out))
+      or graphs and ('--cuda-graphs --graph-warmup %d%s'):format(warm,
+        graphs == 'split' and ' --graph-collectives off' or '') or '', q(out))
   local p = io.popen(cmd)
   local text = p:read('*a')
   local ok = p:close()
@@ -105,28 +111,32 @@ print(('bin/train models/llama.lua --device cuda, %d steps (steady rate from ste
   nproc > 1 and ('%d processes data parallel (NO_SHARD, bf16/f32)'):format(nproc) or 'autocast ' .. opts.autocast,
   opts.float8, ms.cuda.get_device_name()))
 print(('%-7s %9s %12s %10s %12s %10s %8s %6s %9s%s'):format('model', 'tokens', 'eager tok/s', 'eager ms', 'graph tok/s',
-  'graph ms', 'speedup', 'same', 'replayed', nproc > 1 and (' %12s'):format('after tok/s') or ''))
+  'graph ms', 'speedup', 'same', 'replayed', nproc > 1 and (' %12s %12s'):format('after tok/s', 'split tok/s') or ''))
 for _, shape in ipairs(shapes) do
   if opts.only == 'both' or opts.only == shape.name then
     run(shape, false, tmp .. '/' .. shape.name .. '-tune', 2)
     local ea = run(shape, false, tmp .. '/' .. shape.name .. '-eager')
     local ga, text = run(shape, true, tmp .. '/' .. shape.name .. '-graphs')
     local aa = nproc > 1 and run(shape, 'after', tmp .. '/' .. shape.name .. '-after') or nil
+    local sa = nproc > 1 and run(shape, 'split', tmp .. '/' .. shape.name .. '-split') or nil
     local er, ems = rate(ea, shape)
     local gr, gms = rate(ga, shape)
     local same, replayed = true, 0
     for s = 1, opts.steps do
       if ea[s].loss ~= ga[s].loss or ea[s].grad_norm ~= ga[s].grad_norm then same = false end
       if aa and (aa[s].loss ~= ea[s].loss or aa[s].grad_norm ~= ea[s].grad_norm) then same = false end
+      if sa and (sa[s].loss ~= ea[s].loss or sa[s].grad_norm ~= ea[s].grad_norm) then same = false end
       if ga[s].replayed then replayed = replayed + 1 end
     end
     local refused = text:match('%-%-cuda%-graphs: ([^\n]*)')
     print(('%-7s %9d %12.0f %10.3f %12.0f %10.3f %7.2fx %6s %9d%s%s'):format(shape.name, shape.batch * shape.seq *
       opts.accum * nproc, er, ems, gr, gms, gr / er, same and 'yes' or 'NO', replayed,
-      aa and (' %12.0f'):format((rate(aa, shape))) or '', refused and ('   (' .. refused .. ')') or ''))
+      aa and (' %12.0f %12.0f'):format((rate(aa, shape)), (rate(sa, shape))) or '',
+      refused and ('   (' .. refused .. ')') or ''))
   end
 end
 os.execute('rm -rf ' .. q(tmp))
 print('(tok/s, ms: a step of the loop, host reads of the loss and norm included; same: the losses and gradient norms '
   .. 'of the runs equal bit for bit; replayed: steps run by the graphs' .. (nproc > 1 and '; after: eager with '
-  .. '--no-overlap-grad-reduce' or '') .. ')')
+  .. '--no-overlap-grad-reduce; split: --cuda-graphs --graph-collectives off, the all-reduce eager between the '
+  .. 'graphs' or '') .. ')')

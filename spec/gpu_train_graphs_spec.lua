@@ -218,14 +218,18 @@ return M
 end)
 
 -- several processes, plain data parallel (NO_SHARD units): graph A the
--- forward and backward of both micro-batches (no collective), the
--- all-reduce and clipping eager, graph B fsdp.AdamW's step. Against the
--- default eager run, whose all-reduces overlap the backward: the same
--- bits (losses, norms, validations, the sharded checkpoints, the final
--- weights), for the default bf16/f32 mixed precision, without it (f32
--- gradients written in place), and with a bf16 reduction (the gradient
--- shard made in new memory, copied where graph B reads it); an injected
--- NaN skipped on both ranks alike.
+-- forward and backward of both micro-batches, then the all-reduces and
+-- the clipping recorded into it (NCCL under capture, --graph-collectives
+-- on, the default), graph B fsdp.AdamW's step. Against the default eager
+-- run, whose all-reduces overlap the backward: the same bits (losses,
+-- norms, validations, the sharded checkpoints, the final weights), for the
+-- default bf16/f32 mixed precision, without it (f32 gradients written in
+-- place), and with a bf16 reduction (the gradient shard made in new
+-- memory, the graph's own); an injected NaN skipped on both ranks alike.
+-- The split (--graph-collectives off: the all-reduce and clipping eager
+-- between the graphs) gives the same bits, and so does the fallback to it
+-- when the capture with the all-reduce fails (here made to fail after its
+-- first all-reduce was recorded).
 -- Run on a host with two GPUs:
 --   bash tools/run_specs.sh --tags=gpu spec/gpu_train_graphs_spec.lua --filter='two GPUs'
 describe('bin/train --cuda-graphs data parallel on two GPUs #gpu #multi', function()
@@ -252,27 +256,49 @@ describe('bin/train --cuda-graphs data parallel on two GPUs #gpu #multi', functi
     return ra, rb
   end
 
+  -- the eager runs, each made once: flags -> the folder
+  local eager_done = {}
+  local function eager(model, extra, tag)
+    local a = dir .. '/' .. tag .. '-eager'
+    if not eager_done[a] then
+      local st, text = S.bin_train(flags(model, extra .. ' --out ' .. q(a)), env)
+      assert.are.equal(0, st, text)
+      assert.is_falsy(text:find('all-reduced after the backward', 1, true), text)   -- (the overlapped default)
+      eager_done[a] = true
+    end
+    return a
+  end
+  local function two_gpus()
+    if ms.cuda.device_count() >= 2 then return true end
+    pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
+    return false
+  end
+
   for _, c in ipairs({
     { 'llama', '', 'bf16/f32' },
     { 'gpt2', '--fsdp-mixed-precision none', 'f32' },
     { 'llama', '--fsdp-mixed-precision bf16/bf16 --inject-nan 5', 'bf16 reduction, NaN at 5', 5 },
+    { 'llama', '', 'bf16/f32, --graph-collectives off', nil, '--graph-collectives off' },
+    { 'llama', '--fsdp-mixed-precision bf16/bf16 --inject-nan 5', 'bf16 reduction, NaN at 5, --graph-collectives off',
+      5, '--graph-collectives off' },
   }) do
-    local model, extra, what, nan = c[1], c[2], c[3], c[4]
+    local model, extra, what, nan, gflags = c[1], c[2], c[3], c[4], c[5]
     it(('%s %s: the eager run\'s bits'):format(model, what), function()
-      if ms.cuda.device_count() < 2 then
-        pending('needs two GPUs (' .. ms.cuda.device_count() .. ' here)')
-        return
-      end
-      local tag = (model .. '-' .. what):gsub('[^%w]+', '_')
-      local a, b = dir .. '/' .. tag .. '-eager', dir .. '/' .. tag .. '-graphs'
-      local st, text = S.bin_train(flags(model, extra .. ' --out ' .. q(a)), env)
-      assert.are.equal(0, st, text)
-      assert.is_falsy(text:find('all-reduced after the backward', 1, true), text)   -- (the overlapped default)
-      st, text = S.bin_train(flags(model, extra .. ' --cuda-graphs --graph-warmup 2 --out ' .. q(b)), env)
+      if not two_gpus() then return end
+      local a = eager(model, extra, (model .. '-' .. extra):gsub('[^%w]+', '_'))
+      local b = dir .. '/' .. (model .. '-' .. what):gsub('[^%w]+', '_') .. '-graphs'
+      local st, text = S.bin_train(flags(model, extra .. ' --cuda-graphs --graph-warmup 2 ' .. (gflags or '')
+        .. ' --out ' .. q(b)), env)
       assert.are.equal(0, st, text)
       assert.is_truthy(text:find('gradients all-reduced after the backward', 1, true), text)
       assert.is_truthy(text:find('cuda graphs: step 3 captured', 1, true), text)
-      assert.is_truthy(text:find('the gradient all-reduce and clipping eager after it', 1, true), text)
+      if gflags then
+        assert.is_truthy(text:find('the gradient all-reduce and clipping eager after it', 1, true), text)
+      else
+        assert.is_truthy(text:find('forward, backward, the gradient all-reduce, clipping), replayed', 1, true), text)
+        assert.is_falsy(text:find('eager after it', 1, true), text)
+      end
+      assert.is_falsy(text:find('all-reduce could not be captured', 1, true), text)
       assert.is_truthy(text:find(('cuda graphs: %d steps replayed'):format(nan and 5 or 6), 1, true), text)
       assert.is_falsy(text:find('could not be captured', 1, true), text)
       local _, rb = same_runs(a, b, model .. ' ' .. what, nan)
@@ -282,4 +308,53 @@ describe('bin/train --cuda-graphs data parallel on two GPUs #gpu #multi', functi
       if nan then assert.is_true(rb[nan].skipped) end
     end)
   end
+
+  it('the capture with the all-reduce refused after its first all-reduce: one warning a rank, the split, the '
+    .. 'eager run\'s bits', function()
+    if not two_gpus() then return end
+    -- a Llama whose second unit's reduction waits for the device while a
+    -- capture goes on (fsdp.set_before_reduce, set at its first forward,
+    -- when FSDP holds it): the capture with the all-reduce is refused
+    -- after the first unit's all-reduce was recorded; the split's capture
+    -- runs no reduction, and the eager reductions do not wait
+    local file = dir .. '/syncing_llama.lua'
+    local f = assert(io.open(file, 'w'))
+    f:write([[
+local llama = require 'models.llama'
+local ms = require 'moonshard'
+local M = setmetatable({ name = 'llama' }, { __index = llama })
+function M.new(...)
+  local m = llama.new(...)
+  local set, seen = false, 0
+  m:register_forward_pre_hook(function()
+    seen = 0
+    if not set then
+      set = true
+      ms.fsdp.set_before_reduce(m, function()
+        seen = seen + 1
+        if seen == 2 and ms.cuda.is_capturing() then ms.cuda.synchronize() end
+      end)
+    end
+  end, true)
+  return m
+end
+return M
+]])
+    f:close()
+    local a = eager('llama', '', 'llama_')
+    local b = dir .. '/fallback-graphs'
+    local st, text = S.bin_train(flags('llama', '--cuda-graphs --graph-warmup 2 --out ' .. q(b)):gsub(
+      'models/llama%.lua', q(file)), env)
+    assert.are.equal(0, st, text)
+    -- (bin/train's warnings: every rank's)
+    assert.are.equal(2, count(text, '--cuda-graphs: the gradient all-reduce could not be captured with the step'),
+      text)
+    assert.is_truthy(text:find('synchronize', 1, true), text)
+    assert.is_falsy(text:find('the step could not be captured', 1, true), text)
+    assert.is_truthy(text:find('cuda graphs: step 3 captured', 1, true), text)
+    assert.is_truthy(text:find('the gradient all-reduce and clipping eager after it', 1, true), text)
+    assert.is_truthy(text:find('cuda graphs: 6 steps replayed', 1, true), text)
+    local _, rb = same_runs(a, b, 'fallback')
+    for s = 1, 8 do assert.are.equal(s >= 3 or nil, rb[s].replayed, 'step ' .. s .. ' replayed') end
+  end)
 end)

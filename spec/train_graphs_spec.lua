@@ -51,6 +51,85 @@ describe('bin/train --cuda-graphs (CPU side)', function()
     has(train.usage_text(), '--cuda-graphs', '--graph-warmup')
   end)
 
+  it('parses --graph-collectives on|off (on by default); anything else is a usage error naming it', function()
+    assert.are.equal('on', train.defaults().graph_collectives)
+    assert.are.equal('off', train.parse_args({ '--graph-collectives', 'off' }).graph_collectives)
+    assert.are.equal('on', train.parse_args({ '--graph-collectives=on' }).graph_collectives)
+    has(usage_of(function() train.check_options(train.parse_args({ '--graph-collectives', 'maybe' }), 'options') end),
+      'graph_collectives must be on or off', 'maybe')
+    train.check_options({ graph_collectives = 'off' }, 'options')
+    has(train.usage_text(), '--graph-collectives')
+    -- (taken with --cuda-graphs, one process or several data parallel)
+    train.check_cuda_graphs({ cuda_graphs = true, device = 'cuda', graph_collectives = 'off' }, 2)
+  end)
+
+  -- graph A's choice for a data-parallel step, with a stubbed capture: the
+  -- step with its all-reduce when it can be captured on every rank, else
+  -- one warning naming why and the step without it, else nothing
+  it('graph A: the all-reduce in the graph, or one warning and the split, agreed by every rank', function()
+    -- fails: the set of with_reduce values whose capture fails on this rank
+    local function run(coll, fails, others_ok)
+      local r = { captures = {}, warnings = {}, agreed = {}, discarded = {} }
+      local c = {
+        coll = coll, clipping = true,
+        capture = function(with_reduce)
+          r.captures[#r.captures + 1] = with_reduce
+          if fails[with_reduce] then return nil, ('refused %s'):format(tostring(with_reduce)) end
+          return { with_reduce = with_reduce }, { losses = { with_reduce } }
+        end,
+        warn = function(m) r.warnings[#r.warnings + 1] = m end,
+        discard = function(g) r.discarded[#r.discarded + 1] = g end,
+      }
+      if others_ok ~= nil then
+        c.agree = function(ok)
+          r.agreed[#r.agreed + 1] = ok
+          return ok and others_ok
+        end
+      end
+      r.g, r.out, r.coll = train.capture_graph_a(c)
+      return r
+    end
+    -- on, captured (one process; two, every rank): one capture, no warning
+    for _, world in ipairs({ 1, 2 }) do
+      local others = world > 1 or nil
+      local r = run(true, {}, others)
+      assert.are.same({ true }, r.captures)
+      assert.is_true(r.g.with_reduce)
+      assert.is_true(r.coll)
+      assert.are.same({ true }, r.out.losses)
+      assert.are.same({}, r.warnings)
+      assert.are.same(others and { true } or {}, r.agreed)
+    end
+    -- on, this rank's capture refused: the split, one warning naming why;
+    -- every rank is told
+    local r = run(true, { [true] = true }, true)
+    assert.are.same({ true, false }, r.captures)
+    assert.are.same({ false }, r.agreed)
+    assert.is_false(r.coll)
+    assert.is_false(r.g.with_reduce)
+    assert.are.equal(1, #r.warnings)
+    has(r.warnings[1], 'all-reduce could not be captured', 'without it', 'clipping eager', 'refused true')
+    assert.are.same({}, r.discarded)
+    -- on, captured here but not on another rank: this graph discarded, the split
+    r = run(true, {}, false)
+    assert.are.same({ true, false }, r.captures)
+    assert.are.equal(1, #r.discarded)
+    assert.is_true(r.discarded[1].with_reduce)
+    assert.is_false(r.coll)
+    has(r.warnings[1], 'another rank')
+    -- off: the split only, nobody asked, no warning
+    r = run(false, {}, true)
+    assert.are.same({ false }, r.captures)
+    assert.are.same({}, r.agreed)
+    assert.are.same({}, r.warnings)
+    assert.is_false(r.coll)
+    -- neither can be captured: nil and the split's reason (the caller trains eagerly)
+    r = run(true, { [true] = true, [false] = true })
+    assert.is_nil(r.g)
+    assert.are.equal('refused false', r.out)
+    assert.are.equal(1, #r.warnings)
+  end)
+
   it('refuses each option it cannot combine with, naming both', function()
     local base = { cuda_graphs = true, device = 'cuda', tp = 1, pp = 1, ep = 1, cp = 1, float8 = 'off',
       lora_dropout = 0, moe_bias_rate = 0 }

@@ -116,8 +116,9 @@ train.options = {
   { 'float8_tp_scales', 'string', 'shard', 'with --float8 and --tp: shard (each rank scales its own shards: no collective) or group (the amax of every sharded operand all-reduced over the TP group: the unsplit layer\'s scales, as torchao over DTensors; docs/float8.md)' },
   { 'activation_checkpointing', 'string', 'none', 'activation checkpointing of the model\'s blocks (the class --fsdp-policy auto finds): none, full (every block: its activations recomputed in backward), N (every N-th block), or op (every block, keeping its attention outputs and every other linear layer\'s: torchtitan\'s op-level selective mode, less recompute for more memory)' },
   { 'release_activations', 'bool', true, 'free the activations a training step\'s backward has consumed at once (ms.autograd.release_activations), not when the Lua collector runs; --no-release-activations for model code that keeps activations across backward' },
-  { 'cuda_graphs', 'bool', false, 'capture the training step (forward, backward, clipping: one CUDA graph; the AdamW step: another) after --graph-warmup eager steps and replay it every later step with one launch each (torch.compile mode="reduce-overhead", Megatron\'s --enable-cuda-graph): a host-bound step goes several times faster, with the bits of the eager one; --device cuda, one process or several data parallel (--fsdp off / NO_SHARD: the forward and backward captured, the gradient all-reduce and the clipping eager after it, as with --no-overlap-grad-reduce, the AdamW step captured); with --float8 too; not with --tp, --pp, --ep, --cp, a sharding --fsdp, dropout or MoE layers; a step that cannot be captured is reported once and the run goes on eagerly (docs/cuda-graphs.md, "In bin/train")' },
+  { 'cuda_graphs', 'bool', false, 'capture the training step (forward, backward, clipping: one CUDA graph; the AdamW step: another) after --graph-warmup eager steps and replay it every later step with one launch each (torch.compile mode="reduce-overhead", Megatron\'s --enable-cuda-graph): a host-bound step goes several times faster, with the bits of the eager one; --device cuda, one process or several data parallel (--fsdp off / NO_SHARD: the forward, the backward, the gradient all-reduce after it, as with --no-overlap-grad-reduce, and the clipping captured in the first graph, NCCL under capture, or with --graph-collectives off the all-reduce and clipping eager between the graphs; the AdamW step captured); with --float8 too; not with --tp, --pp, --ep, --cp, a sharding --fsdp, dropout or MoE layers; a step that cannot be captured is reported once and the run goes on eagerly (docs/cuda-graphs.md, "In bin/train")' },
   { 'overlap_grad_reduce', 'bool', true, 'with several processes data parallel (--fsdp off / NO_SHARD, no --tp, --pp, --ep, --cp): each unit\'s gradient all-reduce issued as its backward ends, overlapping the rest of the backward (DDP\'s buckets); --no-overlap-grad-reduce: every micro-batch\'s backward first, then all the all-reduces (Megatron\'s DDP without --overlap-grad-reduce): the same bits, less overlap; --cuda-graphs with several processes always reduces so (docs/train.md)' },
+  { 'graph_collectives', 'string', 'on', 'with --cuda-graphs and several processes data parallel: on records the gradient all-reduce and the clipping into the step\'s first graph (NCCL under capture: a step is one replay, the host read of the losses and norm, the optimizer\'s replay); off keeps them eager between the two graphs; when on and the all-reduce cannot be captured, that is reported once and the run takes off\'s split (the same bits either way; one process: nothing to choose; docs/cuda-graphs.md)' },
   { 'graph_warmup', 'int>0', 3, 'with --cuda-graphs: eager steps before the capture (GEMM plans tuned, gradients and the optimizer state made), counted from the run\'s first step (a resumed run warms up again)' },
 }
 local option_by_name = {}
@@ -427,6 +428,9 @@ function train.check_options(o, where)
     usage('%s: pp_layers must be blocks per virtual stage, comma-separated counts (2,5,5,4), got %s', where,
       describe(o.pp_layers))
   end
+  if o.graph_collectives ~= nil and o.graph_collectives ~= 'on' and o.graph_collectives ~= 'off' then
+    usage('%s: graph_collectives must be on or off, got %s', where, describe(o.graph_collectives))
+  end
   if o.float8_tp_scales ~= nil and o.float8_tp_scales ~= 'shard' and o.float8_tp_scales ~= 'group' then
     usage('%s: float8_tp_scales must be shard or group, got %s', where, describe(o.float8_tp_scales))
   end
@@ -450,10 +454,11 @@ end
 
 -- --cuda-graphs: what it cannot combine with, refused before anything is
 -- built (o: resolved options; world: the processes of the run). A capture
--- records one process's kernels with their host numbers frozen: a
--- collective inside a layer (NCCL inside a capture is not wired; plain
--- data parallel's all-reduce runs between the graphs, so several processes
--- of it are taken), a pipeline's host-driven schedule, FSDP's storage
+-- records one process's kernels with their host numbers frozen: the
+-- collectives inside the layers of --tp / --ep / --cp (plain data
+-- parallel's all-reduce after the backward is recorded with the step, or
+-- run between the graphs with --graph-collectives off, so several
+-- processes of it are taken), a pipeline's host-driven schedule, FSDP's storage
 -- released and made again each step (the sharding strategies), a random
 -- draw (dropout: every replay would draw the same mask) and a host read
 -- of the routing counts (MoE) do not fit in it. (The model's own dropout
@@ -468,8 +473,8 @@ function train.check_cuda_graphs(o, world)
     usage('--cuda-graphs needs --device cuda (got --device cpu: CUDA graphs record GPU kernels; run without '
       .. '--cuda-graphs, or --no-cuda-graphs on a resume)')
   end
-  -- (several processes: plain data parallel, the gradient all-reduce run
-  -- eagerly between the two graphs)
+  -- (several processes: plain data parallel, the gradient all-reduce
+  -- recorded after the backward, or run between the two graphs)
   for _, k in ipairs({ 'tp', 'pp', 'ep', 'cp' }) do
     if (o[k] or 1) > 1 then
       no('--%s %d: its collectives and schedule are host-driven between the kernels', k, o[k])
@@ -518,6 +523,44 @@ function train.check_cuda_graphs_model(o, model)
     usage('--cuda-graphs with a mixture-of-experts model (%d MoE layers): the routing reads its counts on the host',
       #moe)
   end
+end
+
+-- --cuda-graphs' graph A, data parallel (docs/cuda-graphs.md, "In
+-- bin/train"): c.capture(with_reduce) -> graph, results | nil, why: the
+-- step captured with its gradient all-reduce and clipping (true), or
+-- without them (false: they run eagerly between the graphs). With c.coll
+-- (--graph-collectives on) the first is tried; c.agree(ok) -> whether every
+-- rank's capture succeeded (nil: one process), asked whatever this rank's
+-- outcome, so that every rank takes the same path: a graph made here when
+-- another rank's failed is given to c.discard(graph). When the graph with
+-- the all-reduce is not made, c.warn(message) says so once, naming why,
+-- and the step is captured without it. Returns the graph, the results and
+-- whether the graph holds the all-reduce, or nil and why the capture
+-- without it failed as well (the caller then trains on eagerly).
+function train.capture_graph_a(c)
+  local g, out, coll = nil, nil, c.coll and true or false
+  if coll then
+    g, out = c.capture(true)
+    local why = not g and out or nil
+    if c.agree then
+      local all = c.agree(g ~= nil)
+      if g and not all then
+        c.discard(g)
+        g, why = nil, 'another rank\'s capture of it failed'
+      end
+    end
+    if not g then
+      coll = false
+      c.warn(('--cuda-graphs: the gradient all-reduce could not be captured with the step; capturing the step '
+        .. 'without it, the all-reduce and %s eager between the graphs (as --graph-collectives off): %s'):format(
+        c.clipping and 'clipping' or 'the norm', tostring(why)))
+    end
+  end
+  if not g then
+    g, out = c.capture(false)
+    if not g then return nil, out end
+  end
+  return g, out, coll
 end
 
 local function merge(dst, src)
@@ -1596,8 +1639,9 @@ function train.run(opts)
     end
   end
   -- plain data parallel's gradient all-reduce after the whole backward
-  -- (--no-overlap-grad-reduce; --cuda-graphs, whose graph of the backward
-  -- holds no collective), not as each unit's backward ends
+  -- (--no-overlap-grad-reduce; --cuda-graphs, which records the all-reduces
+  -- after the backward's kernels, or runs them between its graphs), not as
+  -- each unit's backward ends
   local plain_dp = strategy == 'NO_SHARD' and not pp_mesh and not tp_mesh and not ep_group and not cp_group
   if not o.overlap_grad_reduce and multi and not plain_dp then
     usage('--no-overlap-grad-reduce: for plain data parallel (several processes, --fsdp off or NO_SHARD, no --tp, '
@@ -2356,8 +2400,9 @@ function train.run(opts)
   -- and steps the optimizer: opt:step(), or its captured replay.
   -- grads_of is local_grads (the zeroing and the micro-batches) then
   -- reduced_grads (the layouts' reductions, the norm and clipping): with
-  -- several processes --cuda-graphs captures the first alone (no
-  -- collective in it: reduce_after) and runs the second eagerly.
+  -- several processes --cuda-graphs captures both (the all-reduces after
+  -- the backward: reduce_after), or with --graph-collectives off the first
+  -- alone, running the second eagerly.
   local function local_grads(step, batch)
     opt:zero_grad()
     local losses, mtp = {}, nil
@@ -2415,7 +2460,7 @@ function train.run(opts)
     end
     return { losses = losses, mtp = mtp }
   end
-  local function reduced_grads(out)
+  local function reduced_grads(out, keep_norm)
     local gnorm
     if pp_mesh then
       -- the pipelines' gradients averaged, then clipped over the stages
@@ -2443,7 +2488,9 @@ function train.run(opts)
     elseif strategy then
       -- (reduce_after: every unit's all-reduce now, its backwards done)
       if reduce_after then ms.fsdp.reduce_grads(model) end
-      gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge):item()
+      -- (keep_norm: a device tensor, read after the step: in a capture)
+      gnorm = ms.fsdp.clip_grad_norm(model, grad_clip or math.huge)
+      if not keep_norm then gnorm = gnorm:item() end
     else
       -- (the norm stays on the device: read after the step, or after its replay)
       gnorm = ms.optim.clip_grad_norm(params, grad_clip, { tensor = true })
@@ -2451,7 +2498,7 @@ function train.run(opts)
     out.gnorm = gnorm
     return out
   end
-  local function grads_of(step, batch) return reduced_grads(local_grads(step, batch)) end
+  local function grads_of(step, batch, keep_norm) return reduced_grads(local_grads(step, batch), keep_norm) end
   local function value(v) return type(v) == 'number' and v or v:item() end
 
   -- --cuda-graphs (docs/cuda-graphs.md, "In bin/train"). Every step's
@@ -2467,19 +2514,27 @@ function train.run(opts)
   -- captured one (an --inject-nan step, a batch of another shape) runs
   -- eagerly in between. A capture refused by an op is reported once and
   -- the run goes on eagerly.
-  -- Data parallel (several processes, NO_SHARD units; reduce_after): graph A
-  -- is local_grads alone, every backward under no_sync into the units'
-  -- unsharded gradient buffers (made by the capture, in its memory, written
-  -- by each replay); after the replay the loop hands the buffers back to
-  -- the units (fsdp.set_grad_buffers) and runs reduced_grads eagerly: the
-  -- all-reduces (NCCL, not capturable here), the norm and clipping. Graph B
+  -- Data parallel (several processes, NO_SHARD units; reduce_after): every
+  -- backward under no_sync into the units' unsharded gradient buffers, then
+  -- reduced_grads. With --graph-collectives on (G.coll) graph A is all of
+  -- grads_of: the all-reduces are recorded into it (NCCL under capture: the
+  -- communication stream forked from the captured one and joined back by
+  -- each wait), the norm stays a device tensor; the gradient shards it
+  -- makes in its memory are written by each replay, unseen by Lua, so the
+  -- loop keeps them (fsdp.grad_shards) and hands them back after each
+  -- replay (fsdp.set_grad_shards). When that capture fails on any rank
+  -- (every rank asks the others: all take the same path) it is reported
+  -- once and graph A is captured again as local_grads alone (off's split):
+  -- after its replay the loop hands the unsharded buffers back to the
+  -- units (fsdp.set_grad_buffers) and runs reduced_grads eagerly. Graph B
   -- is fsdp.AdamW's step; it reads each unit's gradient shard where the
   -- capture found it (the buffer itself with an f32 reduction; a reduction
   -- that makes new memory is copied there first).
   local graphs
   if o.cuda_graphs then
     local cuda = ms.cuda
-    local G = { at = start_step + o.graph_warmup, replays = 0, dp = strategy ~= nil }
+    local G = { at = start_step + o.graph_warmup, replays = 0, dp = strategy ~= nil,
+      coll = strategy ~= nil and o.graph_collectives ~= 'off' }
     graphs = G
     -- this step's micro-batches -> fits (the static tensors' shapes: copied
     -- into them), the host batches
@@ -2513,6 +2568,36 @@ function train.run(opts)
     end
     local function static_batch(k) return G.static[k].x, G.static[k].y end
     local function reason(err) return (tostring(err):gsub('^[^:\n]*%.lua:%d+: ', '')) end
+    -- G.capture(step, with_reduce) -> graph A and grads_of's results (of
+    -- local_grads alone for a data-parallel step without with_reduce), or
+    -- nil and why the capture failed (then discarded: the forward it put on
+    -- the tape cleared, the gradients and reductions it left dropped)
+    function G.capture(step, with_reduce)
+      local out
+      local ok, g = pcall(cuda.graph, function()
+        local done, err = pcall(function()
+          if G.dp and not with_reduce then out = local_grads(step, static_batch)
+          else out = grads_of(step, static_batch, true) end
+        end)
+        -- (every collective's stream joined back before the capture ends;
+        -- an error after some all-reduces were recorded: theirs joined
+        -- before the capture is discarded)
+        if not done then
+          if with_reduce then dist.join_captured() end
+          error(err, 0)
+        end
+        if with_reduce then dist.check_joined('--cuda-graphs') end
+        local list = {}   -- (the graph keeps what it returns; dp split: no norm yet)
+        if out.gnorm ~= nil then list[1] = out.gnorm end
+        for k = 1, accum do list[#list + 1] = out.losses[k] end
+        for _, l in ipairs(out.mtp or {}) do for k = 1, accum do list[#list + 1] = l[k] end end
+        return unpack(list)
+      end, { warmup = 0 })
+      if ok then return g, out end
+      ms.autograd.clear_tape()
+      if G.dp then opt:zero_grad() end
+      return nil, reason(g)
+    end
     -- grads(step) -> grads_of's results, whether they came from a replay
     function G.grads(step)
       local fits, hb = fetch()
@@ -2526,35 +2611,53 @@ function train.run(opts)
       end
       if G.off or step < G.at or inject[step] then return grads_of(step, static_batch), false end
       if not G.a then
-        local out
-        local ok, g = pcall(cuda.graph, function()
-          if G.dp then out = local_grads(step, static_batch) else out = grads_of(step, static_batch) end
-          local list = { out.gnorm }   -- (the graph keeps what it returns; dp: no norm yet)
-          if G.dp then list = {} end
-          for k = 1, accum do list[#list + 1] = out.losses[k] end
-          for _, l in ipairs(out.mtp or {}) do for k = 1, accum do list[#list + 1] = l[k] end end
-          return unpack(list)
-        end, { warmup = 0 })
-        if not ok then
-          -- (the capture is discarded and its memory given back; the
-          -- forward it recorded on the tape goes too)
-          ms.autograd.clear_tape()
+        local g, out, coll = train.capture_graph_a({
+          coll = G.coll,
+          capture = function(with_reduce) return G.capture(step, with_reduce) end,
+          -- (every rank's answer: the least, on the device, read once)
+          agree = multi and function(ok)
+            local flag = T.full({ 1 }, ok and 1 or 0, { dtype = 'f32', device = device })
+            dist.all_reduce(flag, 'min')
+            local all = flag:item() == 1
+            flag:free()
+            return all
+          end or nil,
+          discard = function(a) a:free(); opt:zero_grad() end,
+          warn = warn, clipping = grad_clip ~= nil,
+        })
+        if not g then
           G.off = true
-          warn(('--cuda-graphs: the step could not be captured, training on eagerly: %s'):format(reason(g)))
+          warn(('--cuda-graphs: the step could not be captured, training on eagerly: %s'):format(out))
           return grads_of(step, static_batch), false
         end
+        G.coll = coll
         G.a, G.out = g, out
         -- each parameter's gradient in the graph's memory: an eager step in
         -- between (an --inject-nan one) makes its own, a replay writes these
-        -- (dp: the units' unsharded gradient buffers)
-        if G.dp then G.gbuf = ms.fsdp.grad_buffers(model)
+        -- (dp: the units' gradient shards, or with the all-reduce outside
+        -- the graph their unsharded gradient buffers)
+        if G.coll then G.shards = ms.fsdp.grad_shards(model)
+        elseif G.dp then G.gbuf = ms.fsdp.grad_buffers(model)
         else
           G.grad = {}
           for i, p in ipairs(params) do G.grad[i] = p.grad or false end
         end
+        local what = grad_clip and 'clipping' or 'the norm'
         log('cuda graphs: step %d captured (%d micro-batch%s: forward, backward%s), replayed from now on', step,
-          accum, accum == 1 and '' or 'es', G.dp and ('; the gradient all-reduce and %s eager after it'):format(
-            grad_clip and 'clipping' or 'the norm') or (grad_clip and ', clipping' or ', the gradient norm'))
+          accum, accum == 1 and '' or 'es', G.coll and (', the gradient all-reduce, ' .. what)
+            or G.dp and ('; the gradient all-reduce and %s eager after it'):format(what)
+            or (grad_clip and ', clipping' or ', the gradient norm'))
+      end
+      if G.coll then
+        -- (the Lua side of the captured zeroing, then the shards the
+        -- replay wrote given back to the units; the replay watched as a
+        -- collective of the world: a peer that hangs aborts the group)
+        opt:zero_grad()
+        G.a:replay()
+        if multi then dist.watch('the replay of the step\'s graph (its gradient all-reduces)') end
+        ms.fsdp.set_grad_shards(model, G.shards)
+        G.replays = G.replays + 1
+        return G.out, true
       end
       if G.dp then
         -- (the Lua side of the captured zeroing: the last step's gradient
@@ -2616,10 +2719,10 @@ function train.run(opts)
     function G.free()
       if G.a then G.a:free() end
       if G.b then G.b:free() end
-      for _, list in ipairs({ G.gbuf or {}, G.home or {} }) do
+      for _, list in ipairs({ G.gbuf or {}, G.home or {}, G.shards or {} }) do
         for _, t in ipairs(list) do if t then t:free() end end
       end
-      G.a, G.b, G.off, G.gbuf, G.home = nil, nil, true, nil, nil
+      G.a, G.b, G.off, G.gbuf, G.home, G.shards = nil, nil, true, nil, nil, nil
     end
   end
 
