@@ -4,8 +4,10 @@
 -- op and dtype on sizes that do not divide evenly, sub-groups, the mesh,
 -- values each rank computes alone — plus what only the GPU path has: the
 -- communication stream waits for the compute stream (no host sync), the
--- allocator does not reuse a buffer a collective still reads, and a
--- collective that a peer never joins is aborted by the watchdog.
+-- allocator does not reuse a buffer a collective still reads, a
+-- collective that a peer never joins is aborted by the watchdog, and
+-- collectives recorded into a CUDA graph run at each replay (host waits
+-- and polls inside a capture refused by name).
 local ms = require 'moonshard'
 local dist = require 'moonshard.dist'
 local S = require 'spec.support'
@@ -212,6 +214,71 @@ describe('dist over NCCL #multi', function()
     end
     ms.cuda.synchronize()
     for k = 1, 4 do assert.is_true(works[k]:is_done()) end
+  end)
+
+  -- CUDA graphs (docs/cuda-graphs.md, docs/dist.md): a collective issued
+  -- in a capture is recorded (the communication stream forked and joined
+  -- back by its wait) and every replay runs it on what the static inputs
+  -- then hold; what would wait or poll on the host is refused by name, and
+  -- the world stays usable after each refusal
+  it('records collectives into a CUDA graph: each replay runs them; host waits and border-crossing waits refused',
+    function()
+    local function world_ok(what)   -- an eager collective after it: the communicator is fine
+      local e = ms.full({ 7 }, 1, { dtype = 'f32', device = 'cuda' })
+      dist.all_reduce(e, 'sum')
+      assert.are.equal(W, e:cpu():get(7), what)
+    end
+    local x = ms.full({ 1001 }, R + 1, { dtype = 'f32', device = 'cuda' })
+    local done_msg, after
+    local g = ms.cuda.graph(function()
+      local t = x * 2
+      local w = dist.all_reduce(t, 'sum', { async = true })
+      local ok, e = pcall(w.is_done, w)   -- (refused: a poll of recorded work)
+      done_msg = not ok and tostring(e) or 'is_done answered'
+      w:wait()
+      local m = t + 1
+      dist.all_reduce(m, 'max')           -- (joined by its own wait)
+      dist.check_joined('spec')
+      after = w
+      return t, m
+    end, { warmup = 1 })
+    assert.is_truthy(done_msg:find('is_done during CUDA graph capture', 1, true), done_msg)
+    local sum = W * (W + 1) / 2
+    for k = 1, 3 do
+      x:copy_(ms.full({ 1001 }, k * (R + 1), { dtype = 'f32', device = 'cuda' }))
+      local t, m = g:replay()
+      dist.watch('spec replay ' .. k)
+      local ht, hm = t:cpu(), m:cpu()
+      assert.are.equal(2 * k * sum, ht:get(1), 'replay ' .. k)
+      assert.are.equal(2 * k * sum, ht:get(1001), 'replay ' .. k)
+      assert.are.equal(2 * k * sum + 1, hm:get(500), 'replay ' .. k)
+    end
+    -- the captured handle after the capture: no poll, no wait
+    local ok, err = pcall(after.is_done, after)
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find('recorded into a CUDA graph', 1, true), tostring(err))
+    ok, err = pcall(after.wait, after)
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find('capture that has ended', 1, true), tostring(err))
+    g:free()
+    world_ok('after the replays')
+    -- refused inside a capture, each naming its op (the capture discarded)
+    local function refused(fn, word)
+      local ok2, e2 = pcall(ms.cuda.graph, fn, { warmup = 0 })
+      assert.is_false(ok2, word)
+      assert.is_truthy(tostring(e2):find(word, 1, true), word .. ' not in: ' .. tostring(e2))
+      world_ok(word)
+    end
+    refused(function() dist.barrier() end, 'barrier during CUDA graph capture')
+    refused(function() dist.watch('inside') end, 'watch (inside) during CUDA graph capture')
+    local pre = dist.all_reduce(ms.ones({ 3 }, { device = 'cuda' }), 'sum', { async = true })
+    refused(function() pre:wait() end, 'was issued before the CUDA graph capture')
+    pre:wait()   -- (eagerly: fine)
+    -- an async collective left unwaited: check_joined waits for it, then names it
+    refused(function()
+      dist.all_reduce(ms.ones({ 5 }, { device = 'cuda' }) * 1, 'sum', { async = true })
+      dist.check_joined('the step')
+    end, 'the step: 1 collective issued in the CUDA graph capture and not waited for (all_reduce)')
   end)
 
   it('times its collectives on the GPU when asked (dist.timing / dist.timeline)', function()
