@@ -267,6 +267,65 @@ describe('moonshard.train', function()
     os.execute('rm -rf ' .. q(dir))
   end)
 
+  it('reads a step\'s losses from the device at once (train.host_values): item()\'s values to the bit, one copy a '
+    .. 'dtype and device; with 4 micro-batches the logged loss is the mean of the 4 read apart, in order', function()
+    local M = T.methods
+    -- the unit: tensors of two dtypes, a number, a hole
+    local a, b, d = ms.tensor({ 1 / 3 }), ms.tensor({ 2 / 7 }):reshape({}), ms.tensor({ -5.25e-3 })
+    local h = ms.tensor({ 1 / 3 }):to('bf16')
+    local want = { a:item(), 5, nil, b:item(), h:item(), d:item() }
+    local item, totable, reads = M.item, M.totable, { item = 0, totable = 0 }
+    M.item = function(...) reads.item = reads.item + 1; return item(...) end
+    M.totable = function(...) reads.totable = reads.totable + 1; return totable(...) end
+    local ok, got = pcall(train.host_values, { a, 5, nil, b, h, d }, 6)
+    M.item, M.totable = item, totable
+    assert(ok, got)
+    for i = 1, 6 do assert.are.equal(want[i], got[i]) end
+    assert.is_nil(got[3])
+    assert.are_not.equal(want[1], want[5])   -- (the bf16 one rounded: read in its own group)
+    assert.are.same({ item = 1, totable = 1 }, reads)
+    -- the loop: the same run with each tensor read apart (item), the
+    -- micro-batches' values noted; the logged loss is their mean as the
+    -- loop computed it before (summed in order, then divided)
+    local dir = tmpdir()
+    local function run()
+      train.run{ model = 'models.gpt2', preset = 'tiny', steps = 3, seq_len = 16, batch_size = 2, tokens_per_step = 128,
+                 model_config = { n_layer = 1, n_embd = 32, n_head = 2 }, lr = 1e-2, warmup = 1,
+                 sample_tokens = 0, save = false, quiet = true, out = dir, seed = 7, eval_every = 0 }
+      return read_jsonl(dir .. '/metrics.jsonl')
+    end
+    local hv, calls = train.host_values, 0
+    train.host_values = function(list, n)
+      calls = calls + 1
+      return hv(list, n)
+    end
+    local ok1, la = pcall(run)
+    local apart = {}
+    train.host_values = function(list, n)
+      local r, v = {}, {}
+      for i = 1, n do
+        r[i] = T.is_tensor(list[i]) and list[i]:item() or list[i]
+        v[i] = r[i]
+      end
+      apart[#apart + 1] = v
+      return r
+    end
+    local ok2, lb = pcall(run)
+    train.host_values = hv
+    assert(ok1, la)
+    assert(ok2, lb)
+    assert.are.equal(3, calls)
+    assert.are.equal(3, #la)
+    for s = 1, 3 do
+      assert.are.equal(4, #apart[s])
+      local sum = 0
+      for k = 1, 4 do sum = sum + apart[s][k] end
+      assert.are.equal(sum / 4, la[s].loss)
+      assert.are.equal(lb[s].loss, la[s].loss)
+    end
+    os.execute('rm -rf ' .. q(dir))
+  end)
+
   it('--lr-schedule: cosine, linear, wsd (with decay_fraction and decay_shape) and constant at hand-picked steps', function()
     local base = { lr = 1, min_lr = 0.1, warmup = 2, steps = 10 }
     local function at(extra)

@@ -859,6 +859,47 @@ end
 
 local function finite(v) return v == v and v ~= math.huge and v ~= -math.huge end
 
+-- (list[g[1]], list[g[2]], ... of one dtype and device, in one copy)
+local function stacked_values(list, g)
+  local parts = {}
+  for j = 1, #g do parts[j] = list[g[j]]:reshape({ 1 }) end
+  local s = ms.cat(parts)
+  local r = s:totable()
+  s:free()
+  return r
+end
+
+-- The numbers of a step's one-element tensors (its micro-batches' losses,
+-- the multi-token prediction's) read together: the tensors of one dtype and
+-- device are stacked there and copied to the host at once, one
+-- synchronisation instead of one a tensor. The values are item()'s to the
+-- bit (cat copies, the host copy widens to f64 exactly). list[1..n] holds
+-- tensors, numbers or nothing; the result has numbers at the tensors'
+-- places, the numbers as they were.
+function train.host_values(list, n)
+  local out, groups, order = {}, {}, {}
+  for i = 1, n do
+    local v = list[i]
+    if T.is_tensor(v) then
+      local key = v.dtype_id .. ':' .. v.device_id
+      local g = groups[key]
+      if not g then g = {}; groups[key] = g; order[#order + 1] = g end
+      g[#g + 1] = i
+    else
+      out[i] = v
+    end
+  end
+  for _, g in ipairs(order) do
+    if #g == 1 then
+      out[g[1]] = list[g[1]]:item()
+    else
+      local vals = ms.no_grad(stacked_values, list, g)
+      for j = 1, #g do out[g[j]] = vals[j] end
+    end
+  end
+  return out
+end
+
 local function read_lines(path)
   local f = io.open(path, 'rb')
   if not f then return {} end
@@ -2732,12 +2773,19 @@ function train.run(opts)
     local out, replayed
     if graphs then out, replayed = graphs.grads(step)
     else out = grads_of(step, function() return to_device(train_loader:next()) end) end
+    -- (every loss of the step read at once, train.host_values; summed here
+    -- in the micro-batches' order, as each was read apart before)
+    local mtp_l = out.mtp or {}
+    local all = {}
+    for k = 1, accum do all[k] = out.losses[k] end
+    for d, l in ipairs(mtp_l) do for k = 1, accum do all[d * accum + k] = l[k] end end
+    local vals = train.host_values(all, (#mtp_l + 1) * accum)
     local lsum, mtp_sum = 0, nil
-    for k = 1, accum do lsum = lsum + value(out.losses[k]) end
-    for d, l in ipairs(out.mtp or {}) do
+    for k = 1, accum do lsum = lsum + vals[k] end
+    for d, l in ipairs(mtp_l) do
       mtp_sum = mtp_sum or {}
       mtp_sum[d] = 0
-      for k = 1, accum do if l[k] ~= nil then mtp_sum[d] = mtp_sum[d] + value(l[k]) end end
+      for k = 1, accum do if l[k] ~= nil then mtp_sum[d] = mtp_sum[d] + vals[d * accum + k] end end
     end
     local lv = lsum / accum
     local gnorm = value(out.gnorm)
