@@ -27,7 +27,9 @@
 -- its input's gradient in backward (Megatron's f) and its output in forward
 -- (g): two all-reduces of (B, T, C) a block each way. With
 -- sequence_parallel it is each rank's tokens instead (all-gather and
--- reduce-scatter in their place). opts.plan splits modules by name; a
+-- reduce-scatter in their place; the embedding's sums reduce-scattered to
+-- the rank's tokens, the loss's grad_x by the head's gather: sp.embed,
+-- sp.gather_for_loss). opts.plan splits modules by name; a
 -- model split here can then be given to fsdp.fully_shard over the other
 -- mesh axis (FSDP x TP).
 --
