@@ -607,6 +607,8 @@ static int check_args(const ms_flce_opts *o, const ms_tensor *x, const ms_tensor
     } else if (w->sizes[0] < 1) {
         return ms_errorf("%s: W %s has no classes", OP, ms_desc(w, a, sizeof a));
     }
+    if (o->grad_x_partial && !o->group)
+        return ms_errorf("%s: grad_x_partial needs the vocabulary-parallel mode (a group)", OP);
     if (tg->dtype_id != MS_I64 && tg->dtype_id != MS_I32)
         return ms_errorf("%s: targets must be i64 or i32 class ids, got %s", OP, ms_desc(tg, a, sizeof a));
     if (tg->ndim != 1 || tg->sizes[0] != x->sizes[0])
@@ -896,7 +898,7 @@ int ms_flce(const ms_flce_opts *opts, const ms_tensor *x, const ms_tensor *w, co
 #endif
         if (cpu_finish(&j, loss ? *loss : NULL, z_loss ? *z_loss : NULL, accuracy ? *accuracy : NULL))
         goto done;
-    if (j.comm && gx) { /* every rank's classes' part of grad_x */
+    if (j.comm && gx && !opts->grad_x_partial) { /* every rank's classes' part of grad_x */
         if (!ms_tensor_is_contiguous(gx)) {
             ms_errorf("%s: grad_x must be contiguous in the vocabulary-parallel mode", OP);
             goto done;

@@ -86,6 +86,10 @@ typedef struct ms_flce_opts {
     struct ms_comm *group;
     int64_t vocab_start;
     int64_t vocab_size;
+    int32_t grad_x_partial;   /* vocabulary-parallel: nonzero leaves grad_x
+                                 this rank's classes' part, not summed over
+                                 the group (the caller sums it: a sequence-
+                                 parallel gather's reduce-scatter); 0 */
 } ms_flce_opts;
 
 void ms_flce_opts_init(ms_flce_opts *o);
@@ -116,7 +120,8 @@ void ms_flce_vocab_shard(int64_t v, int rank, int size, int64_t *start, int64_t 
  * (max, sum, min) of a few values per token, so loss, z-loss and accuracy
  * are those of the full vocabulary, identical on every rank; grad_W and
  * grad_bias are this rank's rows; grad_x is all-reduced (summed) at the end,
- * complete on every rank. */
+ * complete on every rank (with o->grad_x_partial: this rank's classes' part
+ * of it, left for the caller to sum). */
 int ms_flce(const ms_flce_opts *o, const ms_tensor *x, const ms_tensor *w, const ms_tensor *targets,
             const ms_tensor *bias, const ms_tensor *ce_weight, const ms_tensor *grad_scale,
             ms_tensor **loss, ms_tensor **z_loss, ms_tensor **accuracy,

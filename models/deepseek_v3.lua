@@ -422,8 +422,9 @@ local function mtp_whole(self, ids, targets, h, w, loss_of, cpc, sp)
       lid, lt = cp.shard(sid, cpc), cp.shard(st, cpc)
       if lid ~= sid then sid:free() end
     end
-    local e = m.embed_tokens(lid)
-    if sp and h.ndim == 2 then e = sp.scatter(e) end   -- (this rank's rows, as h)
+    -- (this rank's rows, as h: the embedding's sums reduce-scattered, sp.embed)
+    local e
+    if sp and h.ndim == 2 then e = sp.embed(m.embed_tokens, lid) else e = m.embed_tokens(lid) end
     local layer = m.mtp_layers[k]
     local moe = rawget(layer, 'mlp')
     if moe ~= nil and getmetatable(moe) == nn.MoE then
@@ -485,12 +486,14 @@ local function mtp_tail(self, ids, targets, h)
   local w = self:head_weight()
   -- the loss of states hk (this rank's rows under sequence parallelism:
   -- gathered first) against targets t, mean or sum over the kept ones
+  -- (the gather's backward sums the loss's partial grad_x: sp.gather_for_loss)
   local function loss_of(hk, t, reduction)
-    if sp then hk = sp.gather(hk) end
+    local part = false
+    if sp then hk, part = sp.gather_for_loss(hk) end
     local o = nil
     if ht ~= nil or reduction ~= nil then
       o = { reduction = reduction }
-      if ht ~= nil then o.group, o.vocab_size = ht.group, ht.total end
+      if ht ~= nil then o.group, o.vocab_size, o.grad_x_partial = ht.group, ht.total, part end
     end
     return nn.functional.lm_loss(hk, w, t, o)
   end

@@ -126,8 +126,14 @@ function GPT2Model:init(cfg)
   self:register_module('ln_f', nn.LayerNorm(cfg.n_embd, { eps = cfg.layer_norm_epsilon }))
 end
 
--- input_ids (B, T) -> the residual stream after the embeddings (B, T, C)
-function GPT2Model:embed(input_ids)
+-- input_ids (B, T) -> the residual stream after the embeddings (B, T, C);
+-- with sp (moonshard.tp's sequence parallelism, its ends reduce-scattered)
+-- this rank's rows of it (n, C) when B·T divides over its group: wte's
+-- sums reduce-scattered to them (sp.embed), the position embeddings of
+-- those rows added (wpe's gradient then a part, summed over the group as
+-- the norms' are: tp_sp_partial_ends), dropout on the rows (the whole
+-- stream's mask, tp's Dropout); else the whole, as without it
+function GPT2Model:embed(input_ids, sp)
   local Tn = input_ids.shape[2]
   local cpc = rawget(self, '_cp')   -- moonshard.cp: this rank's tokens, at their positions
   local pe
@@ -142,16 +148,37 @@ function GPT2Model:embed(input_ids)
     pe = self.wpe(pos)
     pos:free()   -- (the embedding keeps its own handle for its backward)
   end
+  if sp then
+    local e = sp.embed(self.wte, input_ids)
+    if sp.active then
+      local B, C = input_ids.shape[1], e.shape[2]
+      local whole = pe:unsqueeze(1):expand({ B, Tn, C }):reshape({ B * Tn, C })
+      local x = e + whole:narrow(1, sp.rank * sp.n + 1, sp.n)
+      return self.drop(x)
+    end
+    return self.drop(e + pe)
+  end
   return self.drop(self.wte(input_ids) + pe)
 end
+-- (moonshard.tp: wpe runs on this rank's rows under sequence parallelism
+-- with its ends reduce-scattered, embed's sp)
+GPT2Model.tp_sp_partial_ends = { 'wpe' }
 
 -- input_ids (B, T) -> final hidden states (B, T, C)
-function GPT2Model:forward(input_ids)
-  local x = self:embed(input_ids)
+-- (input_ids, true): under moonshard.tp's sequence parallelism this rank's
+-- rows of them (n, C), for the head to gather (nn.LMHead: the loss's
+-- gradient then reduce-scattered, sp.gather_for_loss)
+function GPT2Model:forward(input_ids, rows)
   -- moonshard.tp's sequence parallelism: the blocks see this rank's tokens
-  -- of the residual stream, the whole of it again after ln_f
+  -- of the residual stream (the embeddings' rows, embed's sp), the whole
+  -- of it again after ln_f
   local sp = rawget(self, '_sp')
-  if sp then x = sp.scatter(x) end
+  local x
+  if sp and sp.ends_rs then x = self:embed(input_ids, sp)
+  else
+    x = self:embed(input_ids)
+    if sp then x = sp.scatter(x) end
+  end
   local n, deferred = #self.h, fusable_norm(self.ln_f)
   for i = 1, n do deferred = deferred and self.h[i]:deferrable() end
   local y
@@ -167,7 +194,7 @@ function GPT2Model:forward(input_ids)
     for i = 1, n do x = self.h[i](x) end
     y = self.ln_f(x)
   end
-  if sp then y = sp.gather(y) end
+  if sp and not rows then y = sp.gather(y) end
   return y
 end
 
@@ -204,7 +231,9 @@ function GPT2:max_positions() return self.config.n_positions end
 function GPT2:forward(input_ids, targets)
   local cfg = self.config
   local ids, B, Tn = hf.check_ids(input_ids, 'gpt2', 'input_ids', cfg.vocab_size, cfg.n_positions)
-  local h = self.transformer(ids)
+  -- (with targets, under sequence parallelism: this rank's rows, the head
+  -- gathers them)
+  local h = self.transformer(ids, targets ~= nil)
   if targets ~= nil then
     targets = hf.check_targets(targets, B, Tn, 'gpt2', cfg.vocab_size)
   end
@@ -221,6 +250,12 @@ function GPT2:pipeline_parts()
     first = { 'transformer.wte.', 'transformer.wpe.' },
     last = { 'transformer.ln_f.', 'transformer.wte.' },
     embed = function(ids) return tr:embed(ids) end,
+    -- (under moonshard.tp's sequence parallelism: this rank's rows, wte's
+    -- sums reduce-scattered to them; the whole when its ends are not)
+    embed_rows = function(ids, sp)
+      if sp.ends_rs then return tr:embed(ids, sp) end
+      return sp.scatter(tr:embed(ids))
+    end,
     head = function(x, targets) return rawget(self, '_head')(tr.ln_f(x), nil, targets) end,
     check = function(ids, targets)
       local _, B, Tn = hf.check_ids(ids, 'gpt2', 'input_ids', cfg.vocab_size, cfg.n_positions, 3)

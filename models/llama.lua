@@ -228,11 +228,12 @@ end
 -- norm, its last add possibly left pending (nil when not), for the LM head
 -- module that holds the norm (nn.LMHead: norm(x + pending))
 function LlamaModel:forward(input_ids, prenorm)
-  local x = self.embed_tokens(input_ids)
   -- moonshard.tp's sequence parallelism: the layers see this rank's tokens
-  -- of the residual stream, the whole of it again after the final norm
+  -- of the residual stream (the embedding's sums reduce-scattered to them,
+  -- sp.embed), the whole of it again after the final norm
   local sp = rawget(self, '_sp')
-  if sp then x = sp.scatter(x) end
+  local x
+  if sp then x = sp.embed(self.embed_tokens, input_ids) else x = self.embed_tokens(input_ids) end
   local n, deferred = #self.layers, fusable_norm(self.norm)
   for i = 1, n do deferred = deferred and self.layers[i]:deferrable() end
   local y
@@ -363,6 +364,9 @@ function Llama:pipeline_parts()
     first = { 'model.embed_tokens.' },
     last = { 'model.norm.', cfg.tie_word_embeddings and 'model.embed_tokens.' or 'lm_head.' },
     embed = function(ids) return m.embed_tokens(ids) end,
+    -- (under moonshard.tp's sequence parallelism: this rank's rows, the
+    -- embedding's sums reduce-scattered to them)
+    embed_rows = function(ids, sp) return sp.embed(m.embed_tokens, ids) end,
     head = function(x, targets) return rawget(self, '_head')(x, nil, targets) end,
     check = function(ids, targets)
       local _, B, Tn = hf.check_ids(ids, 'llama', 'input_ids', cfg.vocab_size, cfg.max_position_embeddings, 3)

@@ -6,8 +6,10 @@
 --   with sequence parallelism  forward an all-gather and a reduce-scatter
 --     for the attention (the latent attention gathers its latents, mb·T·
 --     (q_lora + kv_lora + dr)) and for the MLP / MoE, backward the mirror;
---     the first stage's embedding all-reduce and its split's gather in
---     backward, the head's gather on the last; the parts of the norms'
+--     the first stage's embedding a reduce-scatter of its partial sums
+--     (its gradient rows gathered in backward: Megatron-LM's), the head's
+--     gather on the last (its backward a reduce-scatter of the loss's
+--     partial grad_x); the parts of the norms'
 --     (and the latents') gradients summed once a step (a pipeline: not a
 --     micro-batch); the stages exchange each rank's own S / N;
 --   without  forward two all-reduces a block (and the embedding's),
@@ -15,9 +17,10 @@
 --     latents); the stages exchange S.
 -- The MoE's routing weights add one all-reduce of mb·T·k a layer in
 -- backward either way. The vocabulary-parallel loss's own collectives
--- (core/flce.c, noted by flce.lua) are: grad_x's all-reduce (S) and D's
--- (16 bytes) a micro-batch, and the rows' statistics a chunk (not
--- counted here: the chunks are the C core's choice). Then the
+-- (core/flce.c, noted by flce.lua) are: grad_x's all-reduce (S; not
+-- under sequence parallelism) and D's (16 bytes) a micro-batch, and the
+-- rows' statistics a chunk (not counted here: the chunks are the C core's
+-- choice). Then the
 -- same under fully_shard (FSDP x TP): the whole model on each rank, the
 -- parts summed once a unit a step (two micro-batches, the first under
 -- no_sync). Host reads (item, totable) are the same with and without.
@@ -117,14 +120,27 @@ describe('sequence parallelism\'s collectives, counted #mpi', function()
       if moe then add(t, 'all_reduce bwd', M, tok * mlp.top_k * ES) end   -- (the routing weights)
     end
     if first then
-      add(t, 'all_reduce fwd', M, S)                 -- (the vocabulary-parallel embedding's sum)
-      if sp then add(t, 'all_gather bwd', M, S) end  -- (its split's backward)
+      if sp then
+        -- (the vocabulary-parallel embedding's partial sums reduce-scattered
+        -- to this rank's rows, sp.embed; its backward the rows' gradients
+        -- gathered)
+        add(t, 'reduce_scatter fwd', M, S)
+        add(t, 'all_gather bwd', M, S)
+      else
+        add(t, 'all_reduce fwd', M, S)               -- (the embedding's sum)
+      end
     end
     if last then
-      if sp then add(t, 'all_gather fwd', M, S) end   -- (the head's input)
-      -- (the vocabulary-parallel loss: D and the weights' sum, grad_x)
+      -- (the vocabulary-parallel loss: D and the weights' sum; grad_x
+      -- all-reduced by the loss, or under sequence parallelism left partial
+      -- and reduce-scattered by the backward of the head's gather)
       add(t, 'all_reduce (flce: D, sum w) fwd', M, 16)
-      add(t, 'all_reduce (flce: grad_x) fwd', M, S)
+      if sp then
+        add(t, 'all_gather fwd', M, S)
+        add(t, 'reduce_scatter bwd', M, S)
+      else
+        add(t, 'all_reduce (flce: grad_x) fwd', M, S)
+      end
     end
   end
 

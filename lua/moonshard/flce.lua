@@ -36,7 +36,9 @@
 -- same x and targets): W (and bias, ce_weight) are this rank's rows, the
 -- classes [vocab_start, vocab_start + V) of vocab_size. The loss, z-loss and
 -- accuracy are those of the full vocabulary (per-token statistics are
--- all-reduced), grad_W has W's shape, grad_x is complete on every rank.
+-- all-reduced), grad_W has W's shape, grad_x is complete on every rank
+-- (opts.grad_x_partial = true: this rank's classes' part of it, for the
+-- caller to sum: a sequence-parallel gather's reduce-scatter, moonshard.tp).
 -- Without vocab_start, the split is the flat-parameter rule of
 -- flce.vocab_shard(vocab_size, rank, size) when vocab_size is given, else
 -- found by gathering every rank's row count (one more collective per call,
@@ -105,6 +107,15 @@ function M.options(opts)
   o.memory_budget = int_opt(opts, 'memory_budget', 0)
   if opts.accum_dtype ~= nil then o.accum_dtype = T.dtype_id(opts.accum_dtype, 3) end
   if opts.grad_dtype ~= nil then o.grad_dtype = T.dtype_id(opts.grad_dtype, 3) end
+  if opts.grad_x_partial ~= nil then
+    if type(opts.grad_x_partial) ~= 'boolean' then
+      raise(('%s: opts.grad_x_partial must be a boolean, got %s'):format(NAME, type(opts.grad_x_partial)))
+    end
+    if opts.grad_x_partial and opts.group == nil then
+      raise(('%s: opts.grad_x_partial needs the vocabulary-parallel mode (opts.group)'):format(NAME))
+    end
+    o.grad_x_partial = opts.grad_x_partial and 1 or 0
+  end
   return o, red
 end
 
@@ -275,7 +286,9 @@ local function trace_vp(o, x2, W, group, gx)
     local n = math.min(rows > 0 and rows or bt, bt - (c - 1) * rows)
     dist.trace_note('all_reduce (flce: row stats)', group, 7 * n * es)
   end
-  if gx then dist.trace_note('all_reduce (flce: grad_x)', group, bt * H * C.ms_dtype_size(x2.dtype_id)) end
+  if gx and o.grad_x_partial == 0 then
+    dist.trace_note('all_reduce (flce: grad_x)', group, bt * H * C.ms_dtype_size(x2.dtype_id))
+  end
 end
 
 function M.fused_linear_cross_entropy(x, W, targets, opts)

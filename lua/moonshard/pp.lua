@@ -546,10 +546,15 @@ local function stage_forward(self, rec, ids, targets, grad, early)
   local h = x
   if early then h = StageInput(x, self, rec, self:splits_w()) end
   if firstv then
-    h = parts.embed(rows(ids, i, mb))
-    -- (sequence parallelism: this TP rank's rows from here on; the head
-    -- gathers them after the final norm, nn.LMHead)
-    if sp then h = sp.scatter(h) end
+    -- (sequence parallelism: this TP rank's rows from here on, the
+    -- embedding's sums reduce-scattered to them when the model's parts
+    -- say how, parts.embed_rows; the head gathers them after the final
+    -- norm, nn.LMHead)
+    if sp and parts.embed_rows then h = parts.embed_rows(rows(ids, i, mb), sp)
+    else
+      h = parts.embed(rows(ids, i, mb))
+      if sp then h = sp.scatter(h) end
+    end
   end
   -- DeepSeek's sequence-wise balance loss (nn.moe.seq_aux_begin): each
   -- stage's MoE layers add their terms to the micro-batch's loss (the

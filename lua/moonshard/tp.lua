@@ -27,7 +27,9 @@
 -- its input's gradient in backward (Megatron's f) and its output in forward
 -- (g): two all-reduces of (B, T, C) a block each way. With
 -- sequence_parallel it is each rank's tokens instead (all-gather and
--- reduce-scatter in their place). opts.plan splits modules by name; a
+-- reduce-scatter in their place; the embedding's sums reduce-scattered to
+-- the rank's tokens, the loss's grad_x by the head's gather: sp.embed,
+-- sp.gather_for_loss). opts.plan splits modules by name; a
 -- model split here can then be given to fsdp.fully_shard over the other
 -- mesh axis (FSDP x TP).
 --
@@ -263,6 +265,11 @@ local SeqSplit = seq_function('tp_seq_split', own_rows, seq_all_gather)
 -- gradient, the same on every rank there (the vocabulary-parallel loss and
 -- the head's input copy sum it over the group)
 local SeqUnsplit = seq_function('tp_seq_unsplit', seq_all_gather, own_rows)
+-- this rank's rows -> the whole stream, for a loss whose gradient comes
+-- back partial on each rank (the vocabulary-parallel loss's grad_x, each
+-- rank's classes' part); backward: summed over the group, this rank's rows
+-- (as SeqGather's, with nothing run beside it)
+local SeqGatherSum = seq_function('tp_seq_gather_sum', seq_all_gather, reduced_rows)
 
 -- the sequence-parallel state of a model: on for a forward whose B·T
 -- divides over the group (set by scatter at the decoder's start); the
@@ -283,6 +290,40 @@ local function new_sp(group)
     sp.active = (B * Tn) % sp.size == 0 and sp.size > 1
     if sp.active then sp.B, sp.T, sp.n = B, Tn, B * Tn / sp.size end
     return sp.active
+  end
+  -- sp.embed(emb, ids) -> the token embedding of ids (B, T) as the
+  -- decoder's input: this rank's rows (n, C) when B·T divides, else the
+  -- whole (B, T, C) (sp.scatter's rule). A vocabulary-parallel embedding
+  -- (tp.parallelize's) hands its masked lookup's partial sums to one
+  -- reduce-scatter along the tokens (backward: the rows' gradients all-
+  -- gathered), Megatron-LM's; not an all-reduce of the whole stream and
+  -- then this rank's rows (sp.ends_rs false: that path, to compare). emb
+  -- must be the module whose output is the stream as it is (GPT-2 adds its
+  -- position embeddings after wte: not this). Exact: each token's row is
+  -- nonzero on the one rank that holds it, so any order sums it alike
+  function sp.embed(emb, ids)
+    local t = rawget(emb, '_tp')
+    if sp.ends_rs and t ~= nil and t.total ~= nil and ids.ndim == 2 and sp.expect(ids.shape[1], ids.shape[2]) then
+      t.rows_to = sp
+      local ok, y = pcall(emb, ids)
+      t.rows_to = nil
+      if not ok then error(y, 0) end
+      if y.ndim == 2 then return y end
+      return sp.scatter(y)
+    end
+    return sp.scatter(emb(ids))
+  end
+  -- sp.gather_for_loss(x) -> x, partial: the normed rows (n, C) gathered
+  -- to the whole (B, T, C) for the vocabulary-parallel loss, and whether
+  -- the loss must leave its grad_x as this rank's classes' part (flce's
+  -- opts.grad_x_partial): the gather's backward then reduce-scatters it
+  -- to this rank's rows, Megatron-LM's, where the loss would all-reduce
+  -- the whole and the gather keep this rank's rows (sp.ends_rs false).
+  -- A whole tensor as it is (partial false)
+  function sp.gather_for_loss(x)
+    if not sp.active or x.ndim ~= 2 then return x, false end
+    if not sp.ends_rs then return SeqUnsplit(x, sp), false end
+    return SeqGatherSum(x, sp), true
   end
   -- a shard back to the whole (B, T, C); a whole tensor as it is
   function sp.gather(x)
@@ -624,6 +665,12 @@ local function vocab_embedding_forward(self, ids)
     y = ops.mul(e, mask)
     li:free(); inside:free()
   end
+  -- (sp.embed: the decoder's input as this rank's rows, the partial sums
+  -- reduce-scattered along the tokens: half an all-reduce's bytes)
+  local sp = t.rows_to
+  if sp ~= nil and sp.active and ids.ndim == 2 and ids.shape[1] == sp.B and ids.shape[2] == sp.T then
+    return SeqReduceScatter(y, sp)
+  end
   return tp.reduce_from(y, t.group, true)
 end
 
@@ -690,6 +737,16 @@ function tp.parallelize(model, opts)
     end
     sp = new_sp(g)
     sp.overlap = overlap
+    -- (opts.reduce_scatter_ends, default true: the stream's two ends
+    -- reduce-scattered, sp.embed and sp.gather_for_loss; false, or
+    -- MS_TP_SP_ENDS_RS=0 when the model is parallelized, all-reduces there
+    -- and keeps this rank's rows, the layout before, to compare)
+    local ends = opts.reduce_scatter_ends
+    if ends ~= nil and type(ends) ~= 'boolean' then
+      error(('tp.parallelize: opts.reduce_scatter_ends must be a boolean, got %s'):format(type(ends)), 2)
+    end
+    if ends == nil then ends = os.getenv('MS_TP_SP_ENDS_RS') ~= '0' end
+    sp.ends_rs = ends
     info.sp = sp
   end
   local function entry(grp) return sp and sp.enter or enter(grp, overlap) end
@@ -1069,6 +1126,12 @@ function tp.parallelize(model, opts)
           -- (a module's own replicated layers that run on this rank's rows:
           -- its class's tp_sp_partial names them, DeepSeek-V3's MTP eh_proj)
           for _, cn in ipairs(cls and rawget(cls, 'tp_sp_partial') or {}) do
+            local c = m[cn]
+            partial(c.weight); partial(rawget(c, 'bias'))
+          end
+          -- (and those that do when the stream's ends are reduce-scattered,
+          -- sp.ends_rs: GPT-2's position embeddings)
+          for _, cn in ipairs(sp.ends_rs and cls and rawget(cls, 'tp_sp_partial_ends') or {}) do
             local c = m[cn]
             partial(c.weight); partial(rawget(c, 'bias'))
           end

@@ -1031,16 +1031,20 @@ function LMHead:forward(x, pending, targets)
     h = norm(x)
   end
   local tp = rawget(self, '_tp')
-  if tp ~= nil and tp.sp then h = tp.sp.gather(h) end   -- (sequence parallel: the whole stream)
   if targets ~= nil then
     local w = rawget(self, 'proj').weight
     if tp ~= nil then
       -- moonshard.tp: this rank's rows of the vocabulary; the fused loss is
-      -- the whole vocabulary's (its grad of h summed over the group)
-      return nn.functional.lm_loss(h, w, targets, { group = tp.group, vocab_size = tp.total })
+      -- the whole vocabulary's (its grad of h summed over the group: by the
+      -- loss, or under sequence parallelism by the gather's reduce-scatter,
+      -- the loss leaving it partial)
+      local part = false
+      if tp.sp then h, part = tp.sp.gather_for_loss(h) end
+      return nn.functional.lm_loss(h, w, targets, { group = tp.group, vocab_size = tp.total, grad_x_partial = part })
     end
     return nn.functional.lm_loss(h, w, targets)
   end
+  if tp ~= nil and tp.sp then h = tp.sp.gather(h) end   -- (sequence parallel: the whole stream)
   return self:logits(h)
 end
 -- head:logits(h) -> h @ proj.weightᵀ, (..., V): the projection without the
