@@ -264,7 +264,7 @@ end
 -- of up to four inputs shares its need list with every node of the same
 -- inputs needing gradients (read-only: only this section makes them).
 local shared_need = {}
-for nin = 0, 4 do   -- (0: a checkpoint of a function of no arguments)
+for nin = 1, 4 do
   shared_need[nin] = {}
   for mask = 0, 2 ^ nin - 1 do
     local l = {}
