@@ -5,7 +5,6 @@ local ms = require 'moonshard'
 local nn = require 'moonshard.nn'
 local A = ms.autograd
 local F = ms.raw
-local T = require 'moonshard.tensor'
 
 local function leaf(shape, s)
   return ms.randn(shape, { dtype = 'f64', seed = s or 1 }):requires_grad_()
@@ -118,37 +117,6 @@ describe('autograd tape', function()
     assert.are.equal('f64', y.dtype)
     y:sum():backward()
     assert.are.equal('f32', w.grad.dtype)
-  end)
-
-  it('a node records its inputs\' shapes, dtypes and devices; once consumed it holds no tensor handle', function()
-    local w = ms.randn({ 3 }):requires_grad_()      -- f32, a leaf
-    local x = leaf({ 4, 3 })                        -- f64, a leaf
-    local c = ms.randn({ 4, 3 }, { dtype = 'f64' }) -- needs no gradient
-    local h = x * 2                                 -- f64, not a leaf
-    local p = w * h
-    local y = ms.where(c:gt(0), p, c)
-    local node = p.grad_fn
-    assert.are.same({ true, true }, node.need)
-    assert.are.same({ 3 }, node.ishape[1])
-    assert.are.same({ 4, 3 }, node.ishape[2])
-    assert.are.equal(1, A.input_dtype(node, 1))     -- f32
-    assert.are.equal(0, A.input_dtype(node, 2))     -- f64
-    assert.are.equal(-1, A.input_device(node, 2))
-    local wn = y.grad_fn
-    assert.are.same({ false, true, false }, wn.need)
-    assert.is_nil(wn.ishape[1])
-    assert.is_nil(wn.ishape[3])
-    -- the handles a node reaches directly (its leaf inputs; the saved
-    -- tensors are in node.saved)
-    local function handles(n)
-      local k = 0
-      for _, v in pairs(n) do if T.is_tensor(v) then k = k + 1 end end
-      return k
-    end
-    assert.are.equal(1, handles(node))              -- w (h is known by its id)
-    y:sum():backward()
-    assert.are.equal(0, handles(node))
-    assert.are.same({ 3 }, node.ishape[1])          -- (the shapes stay)
   end)
 end)
 

@@ -156,7 +156,7 @@ local function snap(saved, into)
     if is_tensor(x) then
       local st = x.storage
       if st ~= nil then
-        into = into or tnew(6, 0)   -- (two tensors without growing)
+        into = into or {}
         local n = #into
         into[n + 1], into[n + 2], into[n + 3] = k, x, st.version
       end
@@ -226,10 +226,7 @@ local weak_v = { __mode = 'v' }
 
 local function mark_output(t, node)
   t.flags = bor(t.flags, RG)
-  local id = tonumber(t.id)
-  local m = meta[id]
-  -- (a new output's meta made with its field: one allocation, not two)
-  if m then m.grad_fn = node else meta[id] = { grad_fn = node } end
+  getmeta(t).grad_fn = node
   if A.release_activations then
     local o = node.outs
     if o == nil then o = setmetatable({}, weak_v); node.outs = o end
@@ -251,82 +248,35 @@ local function release_outputs(node, root)
   end
 end
 
--- A node is one table (its output's handle, meta table and the shapes
--- aside; the backward's tensors in saved). Fields: name, bwd, nin, need[i]
--- (whether input i needs its gradient), ishape[i] (its shape); oid (single
--- output id) or oids (list), saved (anything the backward reads), own
--- (tensors the node made and frees after its backward). For each input i
--- that needs its gradient, in the node's own array part: node[i] its shape
--- (ishape is the node itself: node.ishape[i]), node[nin + i] where the
--- gradient goes (a leaf input's handle, or a non-leaf input's id, a number;
--- nil once the node is consumed), node[2 * nin + i] its dtype id and
--- node[3 * nin + i] its device id (A.input_dtype, A.input_device). A node
--- of up to four inputs shares its need list with every node of the same
--- inputs needing gradients (read-only: only this section makes them).
-local shared_need = {}
-for nin = 1, 4 do
-  shared_need[nin] = {}
-  for mask = 0, 2 ^ nin - 1 do
-    local l = {}
-    for i = 1, nin do l[i] = band(mask, 2 ^ (i - 1)) ~= 0 end
-    shared_need[nin][mask + 1] = l
-  end
-end
+-- node fields: name, bwd, nin, need[i], leaf[i] (handle of a leaf input or
+-- false), iid[i] (id of a non-leaf input), ishape[i], idtype[i], idev[i];
+-- oid (single output id) or oids (list), saved (anything the backward reads),
+-- own (tensors the node made and frees after its backward).
 local function new_node_of(name, bwd, nin)
-  local node = tnew(4 * nin, 16)
-  node.name, node.bwd, node.nin = name, bwd, nin
-  node.ishape = node
-  return node
+  return { name = name, bwd = bwd, nin = nin, need = tnew(nin, 0), leaf = tnew(nin, 0), iid = tnew(nin, 0),
+    ishape = tnew(nin, 0), idtype = tnew(nin, 0), idev = tnew(nin, 0) }
 end
--- input i of node is x; returns whether it needs its gradient
+-- input i of node is x
 local function set_input(node, i, x)
-  if not needs(x) then return false end
-  local nin = node.nin
-  node[i] = shape_of(x)
-  local m = peekmeta(x)
-  if m and m.grad_fn then node[nin + i] = tonumber(x.id) else node[nin + i] = x end
-  node[2 * nin + i] = x.dtype_id
-  node[3 * nin + i] = x.device_id
-  return true
-end
--- the dtype and device ids of node's input i (one that needs its gradient)
-local function in_dtype(node, i) return node[2 * node.nin + i] end
-local function in_device(node, i) return node[3 * node.nin + i] end
-A.input_dtype, A.input_device = in_dtype, in_device
--- where node's input i's gradient goes (a leaf's handle, a non-leaf's id)
-local function src_of(node, i) return node[node.nin + i] end
--- the handle of node's input i when it is a leaf (nil: not a leaf, not
--- needed, or the node consumed)
-local function leaf_of(node, i)
-  local s = node.nin and node[node.nin + i]
-  if type(s) == 'cdata' then return s end
-  return nil
-end
--- node's inputs' handles and ids as a list, put back from one, dropped (a
--- consumed node holds no tensor handle)
-local function src_list(node)
-  local nin = node.nin
-  local l = tnew(nin, 0)
-  for i = 1, nin do l[i] = node[nin + i] end
-  return l
-end
-local function set_src(node, l)
-  local nin = node.nin
-  for i = 1, nin do node[nin + i] = l[i] end
-end
-local function drop_src(node)
-  local nin = node.nin or 0   -- (markers have no inputs)
-  for i = 1, nin do node[nin + i] = nil end
+  if needs(x) then
+    node.need[i] = true
+    local m = peekmeta(x)
+    if m and m.grad_fn then
+      node.leaf[i] = false
+      node.iid[i] = tonumber(x.id)
+    else
+      node.leaf[i] = x
+    end
+    node.ishape[i] = shape_of(x)
+    node.idtype[i] = x.dtype_id
+    node.idev[i] = x.device_id
+  else
+    node.need[i] = false
+  end
 end
 local function new_node(name, bwd, ins, nin)
   local node = new_node_of(name, bwd, nin)
-  local mask = 0
-  local need = nin > 4 and tnew(nin, 0) or nil
-  for i = 1, nin do
-    local n = set_input(node, i, ins[i])
-    if need then need[i] = n elseif n then mask = mask + 2 ^ (i - 1) end
-  end
-  node.need = need or shared_need[nin][mask + 1]
+  for i = 1, nin do set_input(node, i, ins[i]) end
   return node
 end
 
@@ -355,10 +305,9 @@ local function record1(name, out, bwd, saved, own, a, b, c)
   if out.dtype_id > 3 then return out end -- integer/bool outputs carry no grad
   local nin = c ~= nil and 3 or (b ~= nil and 2 or 1)
   local node = new_node_of(name, bwd, nin)
-  local mask = set_input(node, 1, a) and 1 or 0
-  if nin > 1 and set_input(node, 2, b) then mask = mask + 2 end
-  if nin > 2 and set_input(node, 3, c) then mask = mask + 4 end
-  node.need = shared_need[nin][mask + 1]
+  set_input(node, 1, a)
+  if nin > 1 then set_input(node, 2, b) end
+  if nin > 2 then set_input(node, 3, c) end
   return finish_out(node, out, saved, own)
 end
 A.record1 = record1
@@ -481,13 +430,13 @@ end
 -- gradient handed over) whose grad is there, contiguous, and of the input's
 -- shape, dtype and device; else nil (return the gradient as usual).
 function A.inplace_leaf_grad(node, i)
-  local leaf = leaf_of(node, i)
+  local leaf = node.leaf and node.leaf[i]
   if not leaf or not node.need[i] then return nil end
   local m = peekmeta(leaf)
   if not m or m.hooks or m.post_hooks then return nil end
   local g = m.grad
   if g == nil or g.storage == nil then return nil end
-  if g.dtype_id ~= in_dtype(node, i) or g.device_id ~= in_device(node, i) or not same_shape(g, node.ishape[i])
+  if g.dtype_id ~= node.idtype[i] or g.device_id ~= node.idev[i] or not same_shape(g, node.ishape[i])
       or not M.is_contiguous(g) then
     return nil
   end
@@ -522,7 +471,7 @@ end
 -- every gradient handed over); else nil. A backward function that writes
 -- there returns nil for that input.
 function A.grad_sink(node, i)
-  local leaf = leaf_of(node, i)
+  local leaf = node.leaf and node.leaf[i]
   if not leaf or not node.need[i] then return nil end
   local m = peekmeta(leaf)
   if not m or not m.sink or m.hooks or m.post_hooks then return nil end
@@ -649,14 +598,13 @@ local function walk(tape, grads, borrowed, root)
         :format(node.name, shape_str(shape_of(g)), i, shape_str(shape)), 0)
     end
     local conv = nil -- a converted copy made here (freed here unless kept)
-    local dt, dv = in_dtype(node, i), in_device(node, i)
-    if g.dtype_id ~= dt or g.device_id ~= dv then
-      conv = R.to(g, { dtype = dt, device = dv })
+    if g.dtype_id ~= node.idtype[i] or g.device_id ~= node.idev[i] then
+      conv = R.to(g, { dtype = node.idtype[i], device = node.idev[i] })
       g = conv
     end
     local gid = tonumber(g.id)
-    local leaf = src_of(node, i)
-    if type(leaf) == 'cdata' then
+    local leaf = node.leaf[i]
+    if leaf then
       local m = getmeta(leaf)
       local h = g
       if m.hooks then h = apply_tensor_hooks(m, g, borrowed, true) end
@@ -682,7 +630,7 @@ local function walk(tape, grads, borrowed, root)
       end
       if m.post_hooks then run_hooks(m.post_hooks, leaf) end
     else
-      local id = leaf   -- (a non-leaf's id)
+      local id = node.iid[i]
       local cur = grads[id]
       if cur == nil then
         if taken[gid] or borrowed[gid] then
@@ -706,9 +654,7 @@ local function walk(tape, grads, borrowed, root)
   -- one node's backward: its output gradients gathered, its inputs' delivered
   -- (gl: the output gradients' list, one table a nesting depth: a node's
   -- backward may run the deferred queue, and with it other nodes)
-  -- (rl: its backward's results, when they are at most four, also one
-  -- table a depth instead of one a node)
-  local gls, rls, depth = {}, {}, 0
+  local gls, depth = {}, 0
   run_node = function(node)
     depth = depth + 1
     local gl = gls[depth]
@@ -760,14 +706,7 @@ local function walk(tape, grads, borrowed, root)
         end
       end
       check_versions(node)
-      local r
-      if node.nin <= 4 then
-        r = rls[depth]
-        if r == nil then r = {}; rls[depth] = r end
-        r[1], r[2], r[3], r[4] = node.bwd(node, unpack(gl, 1, nout))
-      else
-        r = pack(node.bwd(node, unpack(gl, 1, nout)))
-      end
+      local r = pack(node.bwd(node, unpack(gl, 1, nout)))
       -- release what the node saved
       local own = node.own
       if own then for j = 1, #own do free(own[j]) end end
@@ -796,14 +735,13 @@ local function walk(tape, grads, borrowed, root)
         end
         gl[j] = nil
       end
-      if r == rls[depth] then r[1], r[2], r[3], r[4] = nil, nil, nil, nil end
     else
       local own = node.own
       if own then for j = 1, #own do free(own[j]) end end
       node.own, node.saved, node.vers = nil, nil, nil
     end
     node.done = true
-    drop_src(node)   -- a consumed node holds no tensor handle
+    node.leaf = nil   -- a consumed node holds no tensor handle
     if node.outs then release_outputs(node, root) end
     depth = depth - 1
   end
@@ -812,11 +750,10 @@ local function walk(tape, grads, borrowed, root)
   -- (or part of it) is still to come from the queue
   local q = { list = {}, pending = {}, npost = 0, running = false }
   function q.add(node, idx, fn, drop, arg)
-    -- (src: the node's leaf handles and ids, which the walk drops once it is done)
-    q.list[#q.list + 1] = { node = node, idx = idx, fn = fn, drop = drop, arg = arg, src = src_list(node) }
+    -- (leaf: the node's leaf handles, which the walk drops once it is done)
+    q.list[#q.list + 1] = { node = node, idx = idx, fn = fn, drop = drop, arg = arg, leaf = node.leaf }
     for _, i in ipairs(idx) do
-      local s = src_of(node, i)
-      if node.need[i] and type(s) == 'number' then q.pending[s] = true end
+      if node.need[i] and not node.leaf[i] then q.pending[node.iid[i]] = true end
     end
     defer_counts.deferred = defer_counts.deferred + 1
   end
@@ -833,8 +770,8 @@ local function walk(tape, grads, borrowed, root)
         e.drop = nil
         local r = pack(e.fn(e.arg))
         local nd = e.node
-        local was = src_list(nd)
-        set_src(nd, e.src)
+        local was = nd.leaf
+        nd.leaf = e.leaf
         for j, i in ipairs(e.idx) do
           local g = r[j]
           if g ~= nil and nd.need[i] then
@@ -843,7 +780,7 @@ local function walk(tape, grads, borrowed, root)
             if not taken[gid] and not borrowed[gid] then free(g) end
           end
         end
-        set_src(nd, was)
+        nd.leaf = was
       end
     end
   end
@@ -960,8 +897,7 @@ local function walk(tape, grads, borrowed, root)
           q.npost = q.npost + 1
           defer_counts.postponed = defer_counts.postponed + 1
           for i = 1, node.nin do
-            local s = src_of(node, i)
-            if node.need[i] and type(s) == 'number' then q.pending[s] = true end
+            if node.need[i] and not node.leaf[i] then q.pending[node.iid[i]] = true end
           end
         else
           q.flush()
@@ -1063,8 +999,7 @@ local function backward(t, grad)
     local n = tape[k]
     tape[k] = nil
     if n.own then for j = 1, #n.own do free(n.own[j]) end end
-    n.own, n.saved, n.vers, n.done = nil, nil, nil, true
-    drop_src(n)
+    n.own, n.saved, n.vers, n.done, n.leaf = nil, nil, nil, true, nil
     if n.outs then release_outputs(n, tonumber(t.id)) end
   end
   active = nil
@@ -1091,8 +1026,7 @@ function A.clear_tape()
     local n = tape[k]
     tape[k] = nil
     if n.own then for j = 1, #n.own do free(n.own[j]) end end
-    n.own, n.saved, n.vers, n.done = nil, nil, nil, true
-    drop_src(n)
+    n.own, n.saved, n.vers, n.done, n.leaf = nil, nil, nil, true, nil
     if n.outs then release_outputs(n) end
   end
 end
@@ -1882,7 +1816,7 @@ function W.clone(t)
   if enabled and needs(t) then record1('clone', out, bwd_ident, nil, nil, t) end
   return out
 end
-local function bwd_to(node, g) return R.to(g, { dtype = in_dtype(node, 1), device = in_device(node, 1) }) end
+local function bwd_to(node, g) return R.to(g, { dtype = node.idtype[1], device = node.idev[1] }) end
 function W.to(t, a, b)
   local out = R.to(t, a, b)
   if out ~= t and enabled and needs(t) then record1('to', out, bwd_to, nil, nil, t) end

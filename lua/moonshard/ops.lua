@@ -45,20 +45,16 @@ end
 -- moonshard.flce, moonshard.jsd)
 F.raise = raise
 
--- The box the C calls below write their tensor into: one for the module,
--- not one an op (set before each call, NULL for a new tensor, and read at
--- once after it; no C call here runs Lua)
-local box = box_t()
-
 -- cfn(box, ...) into a new tensor; errors point at the caller of the op
 local function run(cfn, ...)
-  box[0] = nil
+  local box = box_t()
   if cfn(box, ...) ~= 0 then raise(ffi.string(C.ms_last_error())) end
   return wrap(box[0])
 end
 
 -- cfn(box, ...) with the box pre-set to `out` (in place); returns out
 local function run_into(out, cfn, ...)
+  local box = box_t()
   box[0] = out
   if cfn(box, ...) ~= 0 then raise(ffi.string(C.ms_last_error())) end
   return out
@@ -79,7 +75,7 @@ end
 
 -- run() and check() for ops that take a dim
 local function run_dim(cd, d, cfn, ...)
-  box[0] = nil
+  local box = box_t()
   if cfn(box, ...) ~= 0 then raise(dim_error(cd, d)) end
   return wrap(box[0])
 end
@@ -146,6 +142,7 @@ end
 -- a op b into a new tensor (out == nil) or into out
 local function binary(name, id, a, b, out)
   local ta, tb = is_tensor(a), is_tensor(b)
+  local box = box_t()
   box[0] = out
   local rc
   if ta and tb then rc = C.ms_binary(box, id, a, b)

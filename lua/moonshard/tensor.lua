@@ -138,14 +138,9 @@ function T.is_tensor(x) return type(x) == 'cdata' and ffi.istype(tensor_ct, x) e
 function T.shape_str(s) return '(' .. table.concat(s, ', ') .. ')' end
 local is_tensor = T.is_tensor
 
--- (the box of T.op and T.op_into: one, not one a call; set before each
--- call, NULL for a new tensor, and read at once after it)
-local op_box = box_t()
-
 -- Calls cfn(box, ...) and returns the new tensor it put in the box.
 function T.op(cfn, ...)
-  local box = op_box
-  box[0] = nil
+  local box = box_t()
   if cfn(box, ...) ~= 0 then error(ffi.string(C.ms_last_error()), 2) end
   return wrap(box[0])
 end
@@ -153,7 +148,7 @@ local op = T.op
 
 -- Calls cfn(box, ...) with box pre-set to `out` (in-place / out= forms).
 function T.op_into(out, cfn, ...)
-  local box = op_box
+  local box = box_t()
   box[0] = out
   if cfn(box, ...) ~= 0 then error(ffi.string(C.ms_last_error()), 2) end
   return out

@@ -979,9 +979,8 @@ local function bwd_sdpa(node, g)
   if gf ~= g then free(gf) end
   local function back(t, i)
     if t == nil then return nil end
-    local dt = A.input_dtype(node, i)
-    if t.dtype_id ~= dt then
-      local c = R.to(t, { dtype = dt })
+    if t.dtype_id ~= node.idtype[i] then
+      local c = R.to(t, { dtype = node.idtype[i] })
       free(t)
       return c
     end
