@@ -16,8 +16,8 @@
 -- graphed step runs them): `after tok/s` splits what the graphs gain from
 -- what the reduction's lost overlap costs; and --cuda-graphs
 -- --graph-collectives off (the all-reduce and clipping eager between the
--- two graphs): `split tok/s` against `graph tok/s` (the all-reduce inside
--- the first graph, the default) is what recording NCCL into the graph
+-- two graphs, the default): `split tok/s` against `graph tok/s` (run with
+-- --graph-collectives on: the all-reduce inside the first graph) is what recording NCCL into the graph
 -- gains. Under data parallel --autocast
 -- does not apply: FSDP's mixed precision (bf16 parameters, f32 reduction)
 -- sets the compute dtype.
@@ -81,7 +81,8 @@ local function run(shape, graphs, out, steps)
     shape.batch * shape.seq * opts.accum * nproc, steps, nproc > 1 and 'auto' or opts.autocast, opts.float8,
     graphs == 'after' and '--no-overlap-grad-reduce'
       or graphs and ('--cuda-graphs --graph-warmup %d%s'):format(warm,
-        graphs == 'split' and ' --graph-collectives off' or '') or '', q(out))
+        graphs == 'split' and ' --graph-collectives off' or nproc > 1 and ' --graph-collectives on' or '') or '',
+    q(out))
   local p = io.popen(cmd)
   local text = p:read('*a')
   local ok = p:close()
@@ -138,5 +139,5 @@ end
 os.execute('rm -rf ' .. q(tmp))
 print('(tok/s, ms: a step of the loop, host reads of the loss and norm included; same: the losses and gradient norms '
   .. 'of the runs equal bit for bit; replayed: steps run by the graphs' .. (nproc > 1 and '; after: eager with '
-  .. '--no-overlap-grad-reduce; split: --cuda-graphs --graph-collectives off, the all-reduce eager between the '
+  .. '--no-overlap-grad-reduce; graph: with --graph-collectives on; split: --cuda-graphs --graph-collectives off, the all-reduce eager between the '
   .. 'graphs' or '') .. ')')

@@ -264,9 +264,9 @@ describe('sequence parallelism\'s ends reduce-scattered over NCCL #multi', funct
   end
   setup(function() dist.init { backend = 'nccl', timeout = 60 } end)
   teardown(function() dist.destroy() end)
-  local W = dist.world_size()
   for _, case in ipairs(cases) do
     it(case[1] .. ', f32: three AdamW steps as the old layout\'s; a step\'s collectives', function()
+      local W = dist.world_size()   -- (once setup has initialised dist)
       local new = tp.parallelize(build(case, 'cuda', 'f32'), { sequence_parallel = true })
       local old = tp.parallelize(build(case, 'cuda', 'f32'), { sequence_parallel = true, reduce_scatter_ends = false })
       local o1 = ms.optim.AdamW(new:parameters(), { lr = 1e-3 })

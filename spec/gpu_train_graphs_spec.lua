@@ -220,14 +220,14 @@ end)
 -- several processes, plain data parallel (NO_SHARD units): graph A the
 -- forward and backward of both micro-batches, then the all-reduces and
 -- the clipping recorded into it (NCCL under capture, --graph-collectives
--- on, the default), graph B fsdp.AdamW's step. Against the default eager
+-- on), graph B fsdp.AdamW's step. Against the default eager
 -- run, whose all-reduces overlap the backward: the same bits (losses,
 -- norms, validations, the sharded checkpoints, the final weights), for the
 -- default bf16/f32 mixed precision, without it (f32 gradients written in
 -- place), and with a bf16 reduction (the gradient shard made in new
 -- memory, the graph's own); an injected NaN skipped on both ranks alike.
--- The split (--graph-collectives off: the all-reduce and clipping eager
--- between the graphs) gives the same bits, and so does the fallback to it
+-- The split (--graph-collectives off, the default: the all-reduce and
+-- clipping eager between the graphs) gives the same bits, and so does the fallback to it
 -- when the capture with the all-reduce fails (here made to fail after its
 -- first all-reduce was recorded).
 -- Run on a host with two GPUs:
@@ -275,10 +275,10 @@ describe('bin/train --cuda-graphs data parallel on two GPUs #gpu #multi', functi
   end
 
   for _, c in ipairs({
-    { 'llama', '', 'bf16/f32' },
-    { 'gpt2', '--fsdp-mixed-precision none', 'f32' },
-    { 'llama', '--fsdp-mixed-precision bf16/bf16 --inject-nan 5', 'bf16 reduction, NaN at 5', 5 },
-    { 'llama', '', 'bf16/f32, --graph-collectives off', nil, '--graph-collectives off' },
+    { 'llama', '', 'bf16/f32', nil, '--graph-collectives on' },
+    { 'gpt2', '--fsdp-mixed-precision none', 'f32', nil, '--graph-collectives on' },
+    { 'llama', '--fsdp-mixed-precision bf16/bf16 --inject-nan 5', 'bf16 reduction, NaN at 5', 5, '--graph-collectives on' },
+    { 'llama', '', 'bf16/f32, --graph-collectives off (the default)' },
     { 'llama', '--fsdp-mixed-precision bf16/bf16 --inject-nan 5', 'bf16 reduction, NaN at 5, --graph-collectives off',
       5, '--graph-collectives off' },
   }) do
@@ -292,7 +292,7 @@ describe('bin/train --cuda-graphs data parallel on two GPUs #gpu #multi', functi
       assert.are.equal(0, st, text)
       assert.is_truthy(text:find('gradients all-reduced after the backward', 1, true), text)
       assert.is_truthy(text:find('cuda graphs: step 3 captured', 1, true), text)
-      if gflags then
+      if gflags ~= '--graph-collectives on' then
         assert.is_truthy(text:find('the gradient all-reduce and clipping eager after it', 1, true), text)
       else
         assert.is_truthy(text:find('forward, backward, the gradient all-reduce, clipping), replayed', 1, true), text)
@@ -343,7 +343,7 @@ return M
     f:close()
     local a = eager('llama', '', 'llama_')
     local b = dir .. '/fallback-graphs'
-    local st, text = S.bin_train(flags('llama', '--cuda-graphs --graph-warmup 2 --out ' .. q(b)):gsub(
+    local st, text = S.bin_train(flags('llama', '--cuda-graphs --graph-collectives on --graph-warmup 2 --out ' .. q(b)):gsub(
       'models/llama%.lua', q(file)), env)
     assert.are.equal(0, st, text)
     -- (bin/train's warnings: every rank's)

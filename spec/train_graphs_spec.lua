@@ -51,8 +51,8 @@ describe('bin/train --cuda-graphs (CPU side)', function()
     has(train.usage_text(), '--cuda-graphs', '--graph-warmup')
   end)
 
-  it('parses --graph-collectives on|off (on by default); anything else is a usage error naming it', function()
-    assert.are.equal('on', train.defaults().graph_collectives)
+  it('parses --graph-collectives on|off (off by default); anything else is a usage error naming it', function()
+    assert.are.equal('off', train.defaults().graph_collectives)
     assert.are.equal('off', train.parse_args({ '--graph-collectives', 'off' }).graph_collectives)
     assert.are.equal('on', train.parse_args({ '--graph-collectives=on' }).graph_collectives)
     has(usage_of(function() train.check_options(train.parse_args({ '--graph-collectives', 'maybe' }), 'options') end),
