@@ -26,6 +26,7 @@
 -- no_sync). Host reads (item, totable) are the same with and without.
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
+local SU = require 'spec.support'
 local dist = require 'moonshard.dist'
 local hf = require 'models.hf'
 
@@ -59,36 +60,7 @@ describe('sequence parallelism\'s collectives, counted #mpi', function()
 
   -- the trace's rows on `group` (a dist group) -> { [kind .. ' ' .. phase] = { calls =, bytes = } },
   -- and the host reads' count
-  local function tally(rows, group)
-    local key = table.concat(group:ranks(), ',')
-    local t, reads = {}, 0
-    for _, r in ipairs(rows) do
-      if r.kind:find('^host read') then reads = reads + r.calls
-      elseif r.ranks == key and not r.kind:find('row stats', 1, true) then
-        local k = r.kind .. ' ' .. r.phase
-        local e = t[k] or { calls = 0, bytes = 0 }
-        t[k] = e
-        e.calls, e.bytes = e.calls + r.calls, e.bytes + r.calls * r.bytes
-      end
-    end
-    return t, reads
-  end
-  local function add(t, k, calls, bytes)
-    if calls == 0 then return end
-    local e = t[k] or { calls = 0, bytes = 0 }
-    t[k] = e
-    e.calls, e.bytes = e.calls + calls, e.bytes + calls * bytes
-  end
-  local function same(want, got, what)
-    for k, e in pairs(want) do
-      local g = got[k] or { calls = 0, bytes = 0 }
-      assert.are.same(e, g, ('%s: %s: want %d calls of %d bytes, got %d of %d'):format(what, k, e.calls, e.bytes,
-        g.calls, g.bytes))
-    end
-    for k, g in pairs(got) do
-      assert.is_not_nil(want[k], ('%s: %s: %d calls (%d bytes) not in the formula'):format(what, k, g.calls, g.bytes))
-    end
-  end
+  local tally, add, same = SU.tally, SU.tally_add, SU.same_tally
 
   -- what one micro-batch of `tok` tokens costs the TP group in the blocks
   -- `blocks` (first / last: the embedding / the head run here), added to t

@@ -24,6 +24,7 @@
 --     carries wpe too, one call as before).
 local ms = require 'moonshard'
 local FS = require 'spec.fsdp_support'
+local SU = require 'spec.support'
 local dist = require 'moonshard.dist'
 local hf = require 'models.hf'
 
@@ -57,36 +58,8 @@ local function build(case, device, dtype)
   return m:to(dtype or 'f64')
 end
 -- the trace's rows on the world group -> { [kind .. ' ' .. phase] = { calls =, bytes = } }
-local function tally(rows)
-  local key = table.concat(dist.get_world_group():ranks(), ',')
-  local t = {}
-  for _, r in ipairs(rows) do
-    if r.ranks == key and not r.kind:find('^host read') and not r.kind:find('row stats', 1, true) then
-      local k = r.kind .. ' ' .. r.phase
-      local e = t[k] or { calls = 0, bytes = 0 }
-      t[k] = e
-      e.calls, e.bytes = e.calls + r.calls, e.bytes + r.calls * r.bytes
-    end
-  end
-  return t
-end
-local function add(t, k, calls, bytes)
-  local e = t[k] or { calls = 0, bytes = 0 }
-  t[k] = e
-  e.calls, e.bytes = e.calls + calls, e.bytes + calls * bytes
-  if e.calls == 0 and e.bytes == 0 then t[k] = nil end
-end
-local function same(want, got, what)
-  for k, e in pairs(want) do
-    local g = got[k] or { calls = 0, bytes = 0 }
-    assert.are.same(e, g, ('%s: %s: want %d calls, %d bytes in all; got %d, %d'):format(what, k, e.calls, e.bytes,
-      g.calls, g.bytes))
-  end
-  for k, g in pairs(got) do
-    assert.is_not_nil(want[k], ('%s: %s: %d calls (%d bytes) more than the old layout\'s'):format(what, k, g.calls,
-      g.bytes))
-  end
-end
+local function tally(rows) return (SU.tally(rows, dist.get_world_group())) end
+local add, same = SU.tally_add, SU.same_tally
 
 -- a step of the split model on (device, dtype of es bytes), sequence
 -- parallel, its ends reduce-scattered against all-reduced: the TP group's

@@ -606,6 +606,42 @@ function S.token_batch(B, Tn, V, seed)
   return T.tensor(x, { dtype = 'i64' }), T.tensor(y, { dtype = 'i64' })
 end
 
+-- A step's collectives counted (spec/dist_sp_counts_spec.lua,
+-- spec/dist_tp_sp_ends_spec.lua): S.tally(rows, group) -> { [kind .. ' '
+-- .. phase] = { calls =, bytes = } } of a trace's rows on `group` (the
+-- fused loss's row statistics left out), and the host reads' count;
+-- S.tally_add(t, k, calls, bytes) adds calls of bytes each to t[k] (calls
+-- may be negative: an entry that comes to nothing goes); S.same_tally(want,
+-- got, what) asserts the two tables equal, naming the first kind that is not
+function S.tally(rows, group)
+  local key = table.concat(group:ranks(), ',')
+  local t, reads = {}, 0
+  for _, r in ipairs(rows) do
+    if r.kind:find('^host read') then reads = reads + r.calls
+    elseif r.ranks == key and not r.kind:find('row stats', 1, true) then
+      S.tally_add(t, r.kind .. ' ' .. r.phase, r.calls, r.bytes)
+    end
+  end
+  return t, reads
+end
+function S.tally_add(t, k, calls, bytes)
+  if calls == 0 then return end
+  local e = t[k] or { calls = 0, bytes = 0 }
+  t[k] = e
+  e.calls, e.bytes = e.calls + calls, e.bytes + calls * bytes
+  if e.calls == 0 and e.bytes == 0 then t[k] = nil end
+end
+function S.same_tally(want, got, what)
+  for k, e in pairs(want) do
+    local g = got[k] or { calls = 0, bytes = 0 }
+    luassert.are.same(e, g, ('%s: %s: want %d calls, %d bytes in all; got %d, %d'):format(what, k, e.calls, e.bytes,
+      g.calls, g.bytes))
+  end
+  for k, g in pairs(got) do
+    luassert.is_not_nil(want[k], ('%s: %s: %d calls (%d bytes) not wanted'):format(what, k, g.calls, g.bytes))
+  end
+end
+
 -- the bytes of the file at path, or nil when it cannot be read
 function S.slurp(path)
   local f = io.open(path, 'rb')
