@@ -328,3 +328,108 @@ describe('tensor hooks', function()
     assert_close(seen[2], ms.full({ 2 }, 7, { dtype = 'f64' }))
   end)
 end)
+
+-- A.pending_grad: a linear's input gradient added into the sum its input's
+-- other readers gave (a GEMM with beta = 1) instead of returned and added
+describe('pending sums', function()
+  local nnf = ms.nn.functional
+  local P = ms.profile
+  -- loss and the leaves' gradients of fn(a, b), pending sums on or off,
+  -- and the adds the backward ran
+  local function run(fn, on)
+    local prev = A.set_pending_grad(on)
+    local a, b = leaf({ 3, 5, 4 }, 1), leaf({ 3, 5, 4 }, 2)
+    local loss = fn(a, b)
+    P.ops_rows(true)
+    local was = P.counting()
+    P.ops(true)
+    loss:backward()
+    P.ops(was)
+    local adds = 0
+    for _, r in ipairs(P.ops_rows(true)) do if r.op == 'add' then adds = adds + r.calls end end
+    A.set_pending_grad(prev)
+    return loss:item(), a.grad, b.grad, adds
+  end
+  local W1, W2, W3 = ms.randn({ 6, 4 }, { dtype = 'f64', seed = 3 }), ms.randn({ 2, 4 }, { dtype = 'f64', seed = 4 }),
+    ms.randn({ 2, 4 }, { dtype = 'f64', seed = 5 })
+  local c = ms.randn({ 3, 5, 4 }, { dtype = 'f64', seed = 6 })
+  local function same(fn, fewer)
+    local l0, ga0, gb0, adds0 = run(fn, false)
+    local l1, ga1, gb1, adds1 = run(fn, true)
+    assert.are.equal(l0, l1)
+    assert_close(ga1, ga0, 1e-14)
+    if gb0 then assert_close(gb1, gb0, 1e-14) end
+    return adds0 - adds1
+  end
+
+  it('three products of one input (q, k, v): their input gradient with no add', function()
+    local saved = 0
+    saved = same(function(a)
+      local x = a * 2
+      local q, k, v = nnf.linear(x, W1), nnf.linear(x, W2), nnf.linear(x, W3)
+      return (q * q):sum() + (k * 3):sum() + (v * v * v):sum()
+    end)
+    assert.are.equal(2, saved)
+  end)
+
+  it('a sum shared with another tensor is not written into', function()
+    -- z = x + r hands the same gradient to x and (a view) to r; r's
+    -- producer runs after the linear's backward, so r's view is alive
+    -- then: the linear must not add into x's gradient in place
+    local saved = same(function(a, b)
+      local x = a * 2
+      local r = b * 3
+      local y = nnf.linear(x, W1)
+      local z = x + r
+      return (z * c):sum() + (y * y):sum()
+    end)
+    assert.are.equal(0, saved)
+    -- and once r's producer has run first, x's sum is the walk's alone
+    saved = same(function(a, b)
+      local x = a * 2
+      local y = nnf.linear(x, W1)
+      local r = b * 3
+      local z = x + r
+      return (z * c):sum() + (y * y):sum()
+    end)
+    assert.are.equal(1, saved)
+  end)
+
+  it('a leaf input and a reader with hooks take the usual path', function()
+    local saved = same(function(a)
+      return (nnf.linear(a, W1) * 2):sum() + nnf.linear(a, W2):sum()
+    end)
+    assert.are.equal(0, saved)
+    local seen = 0
+    saved = same(function(a)
+      local x = a * 2
+      local y1 = nnf.linear(x, W1)
+      x:register_hook(function(g) seen = seen + 1 end)
+      return (y1 * y1):sum() + nnf.linear(x, W2):sum()
+    end)
+    assert.are.equal(2, seen)   -- (once a run: on and off)
+  end)
+
+  it('bf16: the sum rounded once, within bf16 bounds of the f64 sum', function()
+    local a = ms.randn({ 16, 32 }, { seed = 7 }):bf16()
+    local Ws = { ms.randn({ 24, 32 }, { seed = 8 }):bf16(), ms.randn({ 24, 32 }, { seed = 9 }):bf16() }
+    local function grad(on, dt)
+      local prev = A.set_pending_grad(on)
+      local x0 = a:to('f64'):to(dt):requires_grad_()   -- (a copy: a itself is bf16)
+      local x = x0 * 1
+      local s = nil
+      for i, W in ipairs(Ws) do
+        local y = nnf.linear(x, W:to(dt))
+        local t = (y * (i + 1)):sum()
+        s = s and (s + t) or t
+      end
+      s:backward()
+      A.set_pending_grad(prev)
+      return x0.grad:to('f64')
+    end
+    local ref = grad(false, 'f64')
+    local on, off = grad(true, 'bf16'), grad(false, 'bf16')
+    assert.is_true(close(on, ref, 1e-2))
+    assert.is_true(close(off, ref, 1e-2))
+  end)
+end)

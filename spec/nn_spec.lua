@@ -416,6 +416,87 @@ describe('nn modules', function()
     local want = F.matmul(F.mul(g, u), m.down_proj.weight, false, true)
     assert.is_true(maxdiff(m(x), want) < 1e-5)
   end)
+
+  it('swiglu_cat: silu(gu[..., :I]) * gu[..., I:] as one node, its gradient (f64 finite differences); errors', function()
+    local gu = ms.randn({ 2, 3, 10 }, { seed = 63 }):double():requires_grad_()
+    local y = nnf.swiglu_cat(gu)
+    assert.are.equal('swiglu_cat', A.tape[#A.tape].name)
+    assert.are.same({ 2, 3, 5 }, y.shape)
+    local g, u = gu:detach():narrow(3, 1, 5), gu:detach():narrow(3, 6, 5)
+    assert.is_true(maxdiff(y, F.mul(F.silu(g), u)) < 1e-14)
+    A.clear_tape()
+    local worst = A.gradcheck(function() return nnf.swiglu_cat(gu) end, { gu })
+    assert.is_true(worst < 1e-6, 'relative error ' .. worst)
+    -- a non-contiguous input (the transpose of a (10, 3) product) and a 1-D one
+    local t = ms.randn({ 10, 3 }, { seed = 64 }):double():requires_grad_()
+    worst = A.gradcheck(function() return nnf.swiglu_cat(t:t()) end, { t })
+    assert.is_true(worst < 1e-6, 'relative error ' .. worst)
+    local v = ms.randn({ 6 }, { seed = 65 }):double():requires_grad_()
+    worst = A.gradcheck(function() return nnf.swiglu_cat(v) end, { v })
+    assert.is_true(worst < 1e-6, 'relative error ' .. worst)
+    assert.matches('gu must end in an even dimension (2 I), got (2, 7)', errmsg(function()
+      nnf.swiglu_cat(ms.randn({ 2, 7 })) end), 1, true)
+    assert.matches('the gate weight (4, 3) f32 on cpu and the up weight (5, 3) f32 on cpu must be alike',
+      errmsg(function() nnf.swiglu_gate_up(ms.randn({ 2, 3 }), ms.randn({ 4, 3 }), ms.randn({ 5, 3 })) end), 1, true)
+  end)
+
+  it('GatedMLP: gate and up as one product (swiglu_gate_up) when both are plain; the same values', function()
+    local function run(m, x, on)
+      local prev = nn.set_fuse_gate_up(on)
+      for _, p in ipairs(m:parameters()) do p.grad = nil end
+      local xi = x:detach():requires_grad_()
+      A.clear_tape()
+      local y = m(xi)
+      local names = {}
+      for _, n in ipairs(A.tape) do names[#names + 1] = n.name end
+      ms.sum(y * y):backward()
+      nn.set_fuse_gate_up(prev)
+      local gs = { xi.grad }
+      for _, p in ipairs(m:parameters()) do gs[#gs + 1] = p.grad end
+      return y, gs, table.concat(names, ' ')
+    end
+    local m = nn.GatedMLP { dim = 6, hidden = 10 }:to('f64')
+    local x = ms.randn({ 2, 3, 6 }, { seed = 66 }):double()
+    local y0, g0, t0 = run(m, x, false)
+    local y1, g1, t1 = run(m, x, true)
+    assert.matches('swiglu_cat', t1, 1, true)
+    assert.is_nil(t0:find('swiglu_cat', 1, true))
+    assert.is_true(maxdiff(y0, y1) < 1e-13)
+    assert.are.equal(#g0, #g1)
+    for i = 1, #g0 do assert.is_true(maxdiff(g0[i], g1[i]) < 1e-13, 'gradient ' .. i) end
+    -- a hook on gate_proj: the modules one by one (the hook sees its call)
+    local calls = 0
+    local h = m.gate_proj:register_forward_hook(function() calls = calls + 1 end)
+    local _, g2, t2 = run(m, x, true)
+    assert.are.equal(1, calls)
+    assert.is_nil(t2:find('swiglu_cat', 1, true))
+    for i = 1, #g0 do assert.is_true(maxdiff(g0[i], g2[i]) < 1e-13, 'gradient ' .. i) end
+    h:remove()
+    -- bf16 under autocast: the f32 weights' gradients in f32, within bf16
+    -- bounds of the two products'
+    local m32 = nn.GatedMLP { dim = 16, hidden = 24 }
+    local x32 = ms.randn({ 4, 16 }, { seed = 67 })
+    local function auto(on)
+      local prev = nn.set_fuse_gate_up(on)
+      for _, p in ipairs(m32:parameters()) do p.grad = nil end
+      local y = nnf.autocast('bf16', m32, x32)
+      local yf = y:float()
+      ms.sum(yf * yf):backward()
+      nn.set_fuse_gate_up(prev)
+      local r = {}
+      for _, p in ipairs(m32:parameters()) do
+        assert.are.equal('f32', p.grad.dtype)
+        r[#r + 1] = p.grad
+      end
+      return r
+    end
+    local a0, a1 = auto(false), auto(true)
+    for i = 1, #a0 do
+      local d = F.sub(a0[i], a1[i])
+      local e = math.sqrt(F.sum(F.mul(d, d)):item() / F.sum(F.mul(a0[i], a0[i])):item())
+      assert.is_true(e < 2e-2, 'gradient ' .. i .. ': ' .. e)
+    end
+  end)
 end)
 
 describe('attention', function()

@@ -443,6 +443,38 @@ function A.inplace_leaf_grad(node, i)
   return g
 end
 
+-- The walk whose node's backward is running (run_node sets it around each
+-- backward function): what A.pending_grad reads
+local pend_state = nil
+
+-- The gradient input i of node (a non-leaf) has received so far from its
+-- other consumers, for a backward function to add its own into in place
+-- (nn.functional's linear: its input GEMM with beta = 1, where a tensor
+-- read by several products, Llama's q/k/v or gate/up, had its gradients
+-- summed by an add a reader) and return nil for that input: the walk's sum
+-- when the walk owns it alone (not borrowed, no other view of its storage),
+-- contiguous, of the input's shape, dtype and device; else nil (return the
+-- gradient as usual). MS_PENDING_GRAD=0 or A.set_pending_grad(false): nil.
+local pending_on = os.getenv('MS_PENDING_GRAD') ~= '0'
+function A.set_pending_grad(on)
+  local prev = pending_on
+  pending_on = on and true or false
+  return prev
+end
+function A.pending_grad(node, i)
+  local w = pend_state
+  if w == nil or not pending_on or node.leaf[i] ~= false or not node.need[i] then return nil end
+  local g = w.grads[node.iid[i]]
+  if g == nil then return nil end
+  local gid = tonumber(g.id)
+  if not w.taken[gid] or w.borrowed[gid] or g.storage == nil or g.storage.refcount ~= 1 then return nil end
+  if g.dtype_id ~= node.idtype[i] or g.device_id ~= node.idev[i] or not same_shape(g, node.ishape[i])
+      or not M.is_contiguous(g) then
+    return nil
+  end
+  return g
+end
+
 -- Gradient sinks: a wider buffer a leaf's gradient may be written into
 -- straight from the op that makes it (FSDP's f32 unsharded gradient of a
 -- bf16 parameter: the weight GEMM writes f32, with no bf16 gradient, no
@@ -590,6 +622,7 @@ function A.defer_counts() return { deferred = defer_counts.deferred, postponed =
 -- borrowed[id]). Leaves up to the caller: clearing the tape.
 local function walk(tape, grads, borrowed, root)
   local taken = {}
+  local wstate = { grads = grads, taken = taken, borrowed = borrowed }   -- (A.pending_grad)
   -- hand g to input i of node; g is owned by this walk unless borrowed
   local function deliver(node, i, g)
     local shape = node.ishape[i]
@@ -706,7 +739,10 @@ local function walk(tape, grads, borrowed, root)
         end
       end
       check_versions(node)
+      local outer = pend_state
+      pend_state = wstate
       local r = pack(node.bwd(node, unpack(gl, 1, nout)))
+      pend_state = outer
       -- release what the node saved
       local own = node.own
       if own then for j = 1, #own do free(own[j]) end end
@@ -1003,6 +1039,7 @@ local function backward(t, grad)
     if n.outs then release_outputs(n, tonumber(t.id)) end
   end
   active = nil
+  pend_state = nil   -- (left set by a backward function that raised)
   local ok2, err2 = true, nil
   if ok then
     ok2, err2 = pcall(backward_end)

@@ -241,9 +241,18 @@ local function bwd_affine(node, g)
   local g2 = rows(g)
   local dx
   if node.need[1] then
-    local d2 = F.matmul(g2, w, false, not wt) -- (N, in)
-    dx = R.reshape(d2, node.ishape[1])
-    if dx ~= d2 then free(d2) end
+    -- added into the gradient the input's other readers gave already, when
+    -- the walk hands it over (A.pending_grad): no add, no second tensor
+    local into = A.pending_grad(node, 1)
+    if into and into.dtype_id == g2.dtype_id and w.dtype_id == g2.dtype_id then
+      local i2 = rows(into)
+      F.gemm_(i2, g2, w, false, not wt, 1, 1)
+      if i2 ~= into then free(i2) end
+    else
+      local d2 = F.matmul(g2, w, false, not wt) -- (N, in)
+      dx = R.reshape(d2, node.ishape[1])
+      if dx ~= d2 then free(d2) end
+    end
   end
   -- the bias gradient from the norm backward when it made g (delivered in
   -- the bias's dtype by the autograd, as any gradient)
@@ -743,6 +752,71 @@ function nnf.swiglu(gate, up)
   return y
 end
 function nnf.relu(x) return W.relu(x) end
+
+-- swiglu_cat(gu (..., 2I)) = silu(gu[..., :I]) * gu[..., I:]: the SwiGLU of
+-- one product of gate and up laid side by side, one pass each way
+-- (ms_moe_swiglu / _backward: silu(gate) neither stored nor saved; the
+-- backward's d gate and d up in one pass into one (..., 2I) gradient, the
+-- gradient of that product)
+local function bwd_swiglu_cat(node, g)
+  local gu = node.saved[1]
+  local gu2 = rows(gu)
+  local gc = R.contiguous(g)
+  local g2 = rows(gc)
+  local d = T.empty(shape_of(gu), { dtype = gu.dtype_id, device = gu.device_id })
+  local d2 = rows(d)
+  T.check(T.C.ms_moe_swiglu_backward(d2, gu2, g2))
+  if d2 ~= d then free(d2) end
+  if g2 ~= gc then free(g2) end
+  if gc ~= g then free(gc) end
+  if gu2 ~= gu then free(gu2) end
+  return d
+end
+function nnf.swiglu_cat(gu)
+  need_tensor('swiglu_cat', gu, 'gu')
+  local s = shape_of(gu)
+  if gu.ndim < 1 or s[#s] % 2 ~= 0 then
+    error(('swiglu_cat: gu must end in an even dimension (2 I), got %s'):format(dims(gu)), 2)
+  end
+  local c = R.contiguous(gu)
+  local hs = {}
+  for i = 1, #s do hs[i] = s[i] end
+  hs[#hs] = s[#s] / 2
+  local h = T.empty(hs, { dtype = gu.dtype_id, device = gu.device_id })
+  local c2, h2 = rows(c), rows(h)
+  T.check(T.C.ms_moe_swiglu(h2, c2), 2)
+  if h2 ~= h then free(h2) end
+  if c2 ~= c then free(c2) end
+  if want(gu) then
+    record1('swiglu_cat', h, bwd_swiglu_cat, { c }, c ~= gu and { c } or nil, gu)
+  elseif c ~= gu then
+    free(c)
+  end
+  return h
+end
+
+-- swiglu_gate_up(x, w_gate, w_up) = swiglu(linear(x, w_gate), linear(x,
+-- w_up)) with one GEMM over the two weights side by side ((2I, H), their
+-- copy in the compute dtype: under autocast the casts write it) and
+-- swiglu_cat: one product and one GEMM for each gradient instead of two,
+-- one pass for the activation's gradient instead of three, the weights'
+-- gradients rows of one (2I, H) product. nn.GatedMLP's forward when its
+-- two layers are plain Linears without bias (nn.set_fuse_gate_up).
+function nnf.swiglu_gate_up(x, wg, wu)
+  need_tensor('swiglu_gate_up', x, 'the input')
+  need_tensor('swiglu_gate_up', wg, 'the gate weight')
+  need_tensor('swiglu_gate_up', wu, 'the up weight')
+  if wg.ndim ~= 2 or dims(wg) ~= dims(wu) or wg.dtype_id ~= wu.dtype_id or wg.device_id ~= wu.device_id then
+    error(('swiglu_gate_up: the gate weight %s %s on %s and the up weight %s %s on %s must be alike (I, H)')
+      :format(dims(wg), wg.dtype, wg.device, dims(wu), wu.dtype, wu.device), 2)
+  end
+  local a, b = amp.cast(wg, wu)
+  local w = W.cat({ a, b }, 1)
+  if a ~= wg then free(a) end   -- (the casts' outputs: only the cat read them)
+  if b ~= wu then free(b) end
+  return nnf.swiglu_cat(nnf.linear(x, w))
+end
+
 function nnf.tanh(x) return W.tanh(x) end
 function nnf.sigmoid(x) return W.sigmoid(x) end
 function nnf.softmax(x, dim) return W.softmax(x, dim or -1) end

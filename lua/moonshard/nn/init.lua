@@ -799,10 +799,29 @@ function GatedMLP:init(cfg)
   self:register_module('up_proj', Linear(cfg.dim, cfg.hidden, o))
   self:register_module('down_proj', Linear(cfg.hidden, cfg.dim, o))
 end
+-- (nn.set_fuse_gate_up(false) or MS_FUSE_GATE_UP=0: gate and up as two
+-- products, as before)
+local fuse_gate_up = os.getenv('MS_FUSE_GATE_UP') ~= '0'
+function nn.set_fuse_gate_up(on)
+  local prev = fuse_gate_up
+  fuse_gate_up = on and true or false
+  return prev
+end
 function GatedMLP:forward(x)
   local tp = rawget(self, '_tp')
   if tp ~= nil then x = tp.enter(x) end   -- (moonshard.tp)
-  return self.down_proj(nnf.swiglu(self.gate_proj(x), self.up_proj(x)))
+  local g, u = self.gate_proj, self.up_proj
+  -- one product of gate and up side by side (nnf.swiglu_gate_up) when
+  -- nothing watches the two layers and no sink waits for their weights'
+  -- gradients (FSDP's: the two products write there themselves); else the
+  -- modules one by one (exactly Linear: a subclass may have a forward of
+  -- its own)
+  if fuse_gate_up and getmetatable(g) == Linear and getmetatable(u) == Linear and g.bias == nil
+      and u.bias == nil and plain(g) and plain(u) and A.leaf_sink(g.weight) == nil
+      and A.leaf_sink(u.weight) == nil then
+    return self.down_proj(nnf.swiglu_gate_up(x, g.weight, u.weight))
+  end
+  return self.down_proj(nnf.swiglu(g(x), u(x)))
 end
 function GatedMLP:extra_repr() return ('dim=%d, hidden=%d'):format(self.dim, self.hidden) end
 
