@@ -1962,6 +1962,15 @@ function fsdp.releases_after_forward(t)
   return u.module ~= u.st.root
 end
 
+-- fsdp.manages(t) -> true when t is a view of a unit's unsharded buffer
+-- (a parameter FSDP gathers and whose gradient it collects): ops that
+-- would copy such weights side by side (nn.GatedMLP's gate and up) keep
+-- them apart, so that nothing holds a second copy of what resharding
+-- frees and the products write the unit's f32 gradient sinks
+function fsdp.manages(t)
+  return t.storage ~= nil and flat_units[storage_key(t)] ~= nil
+end
+
 -- the debug trace of the last step (forward and backward): a list of
 -- 'forward X', 'all_gather X', 'unshard X', 'reshard X', 'backward X',
 -- 'reduce_scatter X' / 'all_reduce X', 'limit X' (a prefetch the limit held

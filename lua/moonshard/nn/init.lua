@@ -812,13 +812,14 @@ function GatedMLP:forward(x)
   if tp ~= nil then x = tp.enter(x) end   -- (moonshard.tp)
   local g, u = self.gate_proj, self.up_proj
   -- one product of gate and up side by side (nnf.swiglu_gate_up) when
-  -- nothing watches the two layers and no sink waits for their weights'
-  -- gradients (FSDP's: the two products write there themselves); else the
-  -- modules one by one (exactly Linear: a subclass may have a forward of
-  -- its own)
+  -- nothing watches the two layers and FSDP does not hold their weights
+  -- (its gathered weights would be copied and kept for the backward, and
+  -- its gradient sinks take each product's f32 gradient); else the modules
+  -- one by one (exactly Linear: a subclass may have a forward of its own)
+  local fs = package.loaded['moonshard.fsdp']
   if fuse_gate_up and getmetatable(g) == Linear and getmetatable(u) == Linear and g.bias == nil
       and u.bias == nil and plain(g) and plain(u) and A.leaf_sink(g.weight) == nil
-      and A.leaf_sink(u.weight) == nil then
+      and A.leaf_sink(u.weight) == nil and not (fs and (fs.manages(g.weight) or fs.manages(u.weight))) then
     return self.down_proj(nnf.swiglu_gate_up(x, g.weight, u.weight))
   end
   return self.down_proj(nnf.swiglu(g(x), u(x)))
