@@ -1963,10 +1963,9 @@ function fsdp.releases_after_forward(t)
 end
 
 -- fsdp.manages(t) -> true when t is a view of a unit's unsharded buffer
--- (a parameter FSDP gathers and whose gradient it collects): ops that
--- would copy such weights side by side (nn.GatedMLP's gate and up) keep
--- them apart, so that nothing holds a second copy of what resharding
--- frees and the products write the unit's f32 gradient sinks
+-- (a parameter FSDP gathers and whose gradient it collects): nn.GatedMLP
+-- reads gate's and up's side by side there (no copy of what resharding
+-- frees) and writes their gradients into the unit's f32 sinks at once
 function fsdp.manages(t)
   return t.storage ~= nil and flat_units[storage_key(t)] ~= nil
 end

@@ -817,6 +817,115 @@ function nnf.swiglu_gate_up(x, wg, wu)
   return nnf.swiglu_cat(nnf.linear(x, w))
 end
 
+-- The (ra + rb, c) view of the storage a and b share when b's elements
+-- follow a's: two contiguous (r, c) tensors of one dtype (FSDP's gathered
+-- weights and their gradient regions, laid out in registration order and
+-- aligned to 16 elements: gate's and up's are side by side); else nil.
+local i64_2 = require('ffi').typeof('int64_t[2]')
+local function side_by_side(a, b)
+  if a.ndim ~= 2 or b.ndim ~= 2 or a.storage == nil or a.storage ~= b.storage or a.dtype_id ~= b.dtype_id then
+    return false
+  end
+  local c, ra = tonumber(a.sizes[1]), tonumber(a.sizes[0])
+  return tonumber(b.sizes[1]) == c and tonumber(a.strides[0]) == c and tonumber(a.strides[1]) == 1
+    and tonumber(b.strides[0]) == c and tonumber(b.strides[1]) == 1
+    and tonumber(b.offset) == tonumber(a.offset) + ra * c
+end
+nnf.side_by_side = side_by_side
+local function joined_rows(a, b)
+  if not side_by_side(a, b) then return nil end
+  local c = tonumber(a.sizes[1])
+  return T.op(T.C.ms_tensor_as_strided, a, 2, i64_2(tonumber(a.sizes[0]) + tonumber(b.sizes[0]), c),
+    i64_2(c, 1), a.offset)
+end
+nnf.joined_rows = joined_rows
+
+-- swiglu_gate_up over weights side by side in one storage (joined_rows:
+-- FSDP's): the product with their joint view, no copy; one node of inputs
+-- (x, w_gate, w_up), whose backward writes both weights' gradients with one
+-- GEMM into their sinks when those are side by side too (the unit's f32
+-- buffer), else returns them as rows of one product
+local function bwd_swiglu_gate_up(node, g)
+  local s = node.saved
+  local x2, w, gu2 = s[1], s[2], s[3]
+  local gc = R.contiguous(g)
+  local g2 = rows(gc)
+  local d13 = T.empty(shape_of(gu2), { dtype = gu2.dtype_id, device = gu2.device_id })
+  T.check(T.C.ms_moe_swiglu_backward(d13, gu2, g2))
+  if g2 ~= gc then free(g2) end
+  if gc ~= g then free(gc) end
+  local dx, dwg, dwu
+  if node.need[1] then
+    local into = A.pending_grad(node, 1)
+    if into and into.dtype_id == d13.dtype_id then
+      local i2 = rows(into)
+      F.gemm_(i2, d13, w, false, false, 1, 1)
+      if i2 ~= into then free(i2) end
+    else
+      local d2 = F.matmul(d13, w, false, false)
+      dx = R.reshape(d2, node.ishape[1])
+      if dx ~= d2 then free(d2) end
+    end
+  end
+  if node.need[2] or node.need[3] then
+    local sg, su = A.grad_sink(node, 2), A.grad_sink(node, 3)
+    local joint = nil
+    if sg and su and sg.written == su.written and sink_fits(sg, d13, x2)
+        and type(su.written[su.i]) ~= 'table' and not sg.written[sg.i] == not su.written[su.i] then
+      joint = joined_rows(sg.t, su.t)
+    end
+    local into = nil
+    if not joint and not sg and not su and node.need[2] and node.need[3] then
+      -- (their .grad side by side, the dtype of the product: FSDP's
+      -- gradients straight into its buffer, grad_direct) added into at once
+      local a, b = A.inplace_leaf_grad(node, 2), A.inplace_leaf_grad(node, 3)
+      if a and b and a.dtype_id == d13.dtype_id then into = joined_rows(a, b) end
+    end
+    if joint then
+      F.gemm_(joint, d13, x2, true, false, 1, sg.written[sg.i] and 1 or 0)
+      free(joint)
+      sg.written[sg.i], su.written[su.i] = true, true
+    elseif into then
+      F.gemm_(into, d13, x2, true, false, 1, 1)
+      free(into)
+    else
+      local dw = F.matmul(d13, x2, true, false)   -- (2I, H): gate's rows, then up's
+      local I = tonumber(dw.sizes[0]) / 2
+      if node.need[2] then dwg = R.narrow(dw, 1, 1, I) end
+      if node.need[3] then dwu = R.narrow(dw, 1, I + 1, I) end
+      free(dw)
+    end
+  end
+  free(d13)
+  return dx, dwg, dwu
+end
+function nnf.swiglu_gate_up_joined(x, wg, wu)
+  local w = joined_rows(wg, wu)
+  if w == nil or x.dtype_id ~= wg.dtype_id or x.device_id ~= wg.device_id then
+    error(('swiglu_gate_up_joined: the gate weight %s and the up weight %s must be side by side in one storage, '
+      .. 'and the input %s %s of their dtype %s and device'):format(dims(wg), dims(wu), dims(x), x.dtype, wg.dtype), 2)
+  end
+  local x2 = rows(x)
+  local gu2 = F.matmul(x2, w, false, true)   -- (N, 2I)
+  local I = tonumber(wg.sizes[0])
+  local h2 = T.empty({ tonumber(gu2.sizes[0]), I }, { dtype = gu2.dtype_id, device = gu2.device_id })
+  T.check(T.C.ms_moe_swiglu(h2, gu2), 2)
+  local h = unrows(h2, x, I)
+  if want(x, wg, wu) then
+    local keep_x = A.needs_grad(wg) or A.needs_grad(wu)
+    local keep_w = A.needs_grad(x)
+    local own = { gu2 }
+    if x2 ~= x then if keep_x then own[#own + 1] = x2 else free(x2) end end
+    if keep_w then own[#own + 1] = w else free(w) end
+    record1('swiglu_gate_up', h, bwd_swiglu_gate_up, { keep_x and x2 or nil, keep_w and w or nil, gu2 }, own,
+      x, wg, wu)
+  else
+    if x2 ~= x then free(x2) end
+    free(w); free(gu2)
+  end
+  return h
+end
+
 function nnf.tanh(x) return W.tanh(x) end
 function nnf.sigmoid(x) return W.sigmoid(x) end
 function nnf.softmax(x, dim) return W.softmax(x, dim or -1) end
@@ -1598,6 +1707,7 @@ end
 -- other matmul-like entry points are wrapped here, so they cast whatever
 -- their definitions above become. lm_loss stays looked up at call time.
 nnf.autocast, nnf.set_precision = amp.autocast, amp.set_precision
+nnf.amp_dtype = amp.dtype   -- (the autocast region's dtype id, or nil)
 do
   local sdpa = nnf.scaled_dot_product_attention
   function nnf.scaled_dot_product_attention(q, k, v, opts)

@@ -811,16 +811,27 @@ function GatedMLP:forward(x)
   local tp = rawget(self, '_tp')
   if tp ~= nil then x = tp.enter(x) end   -- (moonshard.tp)
   local g, u = self.gate_proj, self.up_proj
-  -- one product of gate and up side by side (nnf.swiglu_gate_up) when
-  -- nothing watches the two layers and FSDP does not hold their weights
-  -- (its gathered weights would be copied and kept for the backward, and
-  -- its gradient sinks take each product's f32 gradient); else the modules
-  -- one by one (exactly Linear: a subclass may have a forward of its own)
-  local fs = package.loaded['moonshard.fsdp']
+  -- one product of gate and up side by side when nothing watches the two
+  -- layers: their weights copied side by side (nnf.swiglu_gate_up), or,
+  -- FSDP's, read where they lie (below); else the modules one by one
+  -- (exactly Linear: a subclass may have a forward of its own)
   if fuse_gate_up and getmetatable(g) == Linear and getmetatable(u) == Linear and g.bias == nil
-      and u.bias == nil and plain(g) and plain(u) and A.leaf_sink(g.weight) == nil
-      and A.leaf_sink(u.weight) == nil and not (fs and (fs.manages(g.weight) or fs.manages(u.weight))) then
-    return self.down_proj(nnf.swiglu_gate_up(x, g.weight, u.weight))
+      and u.bias == nil and plain(g) and plain(u) then
+    local wg, wu = g.weight, u.weight
+    local fs = package.loaded['moonshard.fsdp']
+    if not (fs and (fs.manages(wg) or fs.manages(wu))) then
+      if A.leaf_sink(wg) == nil and A.leaf_sink(wu) == nil then
+        return self.down_proj(nnf.swiglu_gate_up(x, wg, wu))
+      end
+    elseif fs.manages(wg) and fs.manages(wu) and x.dtype_id == wg.dtype_id
+        and (nnf.amp_dtype() == nil or nnf.amp_dtype() == wg.dtype_id)
+        and not A.defers_readers(x) and not nnf.weight_grads_deferred()
+        and nnf.side_by_side(wg, wu) then
+      -- FSDP's gathered weights, side by side in the unit's buffer: their
+      -- joint view, no copy, and their gradients into the unit's f32 sinks
+      -- by one GEMM (nnf.swiglu_gate_up_joined)
+      return self.down_proj(nnf.swiglu_gate_up_joined(x, wg, wu))
+    end
   end
   return self.down_proj(nnf.swiglu(g(x), u(x)))
 end
