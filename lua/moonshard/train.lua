@@ -1382,6 +1382,13 @@ function train.run(opts)
     o.config = opts.config   -- (in run.json and the options saved; never taken from a checkpoint)
     resume = { path = c.path, state = st, sharded = train.is_sharded_checkpoint(c.path), layout = layout,
       layout_left = left, notes = notes }
+  elseif o.out and #ckpt.list(o.out) > 0 then
+    -- a fresh run in the folder of an earlier one would truncate its
+    -- metrics.jsonl, and its own checkpoints would sit among the earlier
+    -- run's (pruned at once when those have later steps; a --resume then
+    -- takes the earlier run's)
+    usage('--out %s holds checkpoints of an earlier run (%s): --resume to continue it, or another --out',
+      o.out, ckpt.name(ckpt.list(o.out)[1].step))
   end
 
   -- a HYBRID_SHARD checkpoint resumed in one process (`bin/train --resume
