@@ -111,6 +111,10 @@ describe('bin/train', function()
       { 'models/gpt2.lua --decay-shape exp', 'decay_shape must be linear, cosine or sqrt' },
       { 'models/gpt2.lua --activation-checkpointing half', 'activation_checkpointing must be none, full' },
       { 'models/gpt2.lua --init-from /nonexistent/dir --steps 1', '/nonexistent/dir/config.json' },
+      -- (byte-level --data took no --val-data: it was ignored, the run validated on --val-fraction's tail)
+      { 'models/gpt2.lua --data README.md --val-data val.bin --steps 1',
+        '--val-data val.bin: validation shards go with token shards in --data (a folder, a glob or a .bin file); '
+          .. 'README.md is byte-level text' },
     }
     for _, c in ipairs(cases) do
       local status, text = bin_train(c[1])

@@ -1767,6 +1767,10 @@ function train.run(opts)
     usage('--seq-len %d exceeds the model\'s %d positions (raise the model\'s positions with --model.<field>)', o.seq_len, max_pos)
   end
   local sharded = train.is_shard_data(o.data)
+  if o.val_data and not sharded then
+    usage('--val-data %s: validation shards go with token shards in --data (a folder, a glob or a .bin file); %s is '
+      .. 'byte-level text, whose validation split is --val-fraction', o.val_data, o.data or 'the default corpus')
+  end
   if not sharded and (cfg.vocab_size or 256) < 256 then
     usage('byte-level data needs a vocabulary of at least 256 tokens; the model has %d', cfg.vocab_size)
   end
