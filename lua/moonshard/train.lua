@@ -3130,6 +3130,12 @@ function train.main_file(path, args)
       return 0
     elseif kind == 'config' then
       _G.arg = env_arg
+      for _, a in ipairs(args) do
+        if a == '--help' or a == '-h' then   -- the options, and its model's presets when it names one
+          local okm, M = pcall(train.load_model, v.model)
+          print(train.usage_text(okm and M or nil)); return 0
+        end
+      end
       local o = train.parse_args(args)
       o.config = path
       train.run(o)
