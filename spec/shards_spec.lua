@@ -147,6 +147,17 @@ describe('bin/tokenize', function()
     rc, msg = tokenize(('--out %s %s'):format(q(dir .. '/none'), q(dir .. '/missing.txt')))
     assert.are.equal(1, rc)
     assert.truthy(msg:find('missing.txt', 1, true), msg)
+    -- empty input (byte-level: no tokens) is an error that leaves an earlier
+    -- run's shards in the folder (it removed them and wrote none, exit 0)
+    local out = dir .. '/empty_run'
+    assert.are.equal(0, (tokenize(('--out %s %s'):format(q(out), docs))))
+    local before = #shards.list(out .. '/train_*.bin')
+    write_all(dir .. '/empty.txt', '')
+    rc, msg = tokenize(('--out %s %s'):format(q(out), q(dir .. '/empty.txt')))
+    assert.are.equal(1, rc, msg)
+    assert.truthy(msg:find(dir .. '/empty.txt: no tokens (0 bytes); nothing written', 1, true), msg)
+    assert.are.equal(before, #shards.list(out .. '/train_*.bin'))
+    assert.are.equal(1, #shards.list(out .. '/val_*.bin'))
   end)
 end)
 
