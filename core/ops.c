@@ -359,7 +359,7 @@ static int check_overlap(const char *op, const ms_tensor *out, const ms_tensor *
 static int check_given_out(const char *op, int allocated, const ms_tensor *out, const ms_tensor *a,
                            const ms_tensor *b, const ms_tensor *c, int same_ok) {
     if (allocated) return 0;
-    return check_overlap(op, out, a, same_ok) || check_overlap(op, out, b, same_ok) ||
+    return check_no_self_overlap(op, out) || check_overlap(op, out, a, same_ok) || check_overlap(op, out, b, same_ok) ||
            check_overlap(op, out, c, same_ok);
 }
 

@@ -68,6 +68,20 @@ describe('fused attention', function()
     assert.is_false(ok)
     assert.matches('%(1, 3, 4, 8%)', err)
   end)
+
+  it('rejects an option it does not know, naming it (PyTorch\'s is_causal = false gave causal attention)', function()
+    local q, k, v = randn({ 1, 1, 3, 4 }), randn({ 1, 1, 3, 4 }), randn({ 1, 1, 3, 4 })
+    local ok, err = pcall(nnf.scaled_dot_product_attention, q, k, v, { is_causal = false })
+    assert.is_false(ok)
+    assert.matches("unknown option is_causal (options: causal, scale, mask, unfused; PyTorch's is_causal is causal here",
+      err, 1, true)
+    ok, err = pcall(nnf.scaled_dot_product_attention, q, k, v, { causal = false, dropout_p = 0.1 })
+    assert.is_false(ok)
+    assert.matches('unknown option dropout_p', err, 1, true)
+    -- the options it knows still work
+    local y = nnf.scaled_dot_product_attention(q, k, v, { causal = false, scale = 0.5, unfused = true })
+    assert.is_true(relerr(y, nnf.scaled_dot_product_attention(q, k, v, { causal = false, scale = 0.5 })) < 1e-12)
+  end)
 end)
 
 describe('qkv_attention (GPT-2 fused projection, one node)', function()

@@ -369,6 +369,17 @@ describe('safetensors', function()
       assert.is_false(exists(path .. '.tmp'))
     end)
 
+    it('save(path, m:state_dict()): the names list passed on as metadata is named, with the call that works', function()
+      local path = tmp('sd.safetensors')
+      local m = ms.nn.Linear(2, 3)
+      local ok, err = pcall(st.save, path, m:state_dict())
+      assert.is_false(ok)
+      assert.matches("a list of the tensors' names: state_dict()'s second result? save(path, (m:state_dict()))", err, 1,
+        true)
+      st.save(path, (m:state_dict()))
+      assert.are.same(m.weight:totable(), st.load(path).weight:totable())
+    end)
+
     it('rejects non-tensor values, non-string names, freed tensors and __metadata__ as a name', function()
       local path = tmp('bad.safetensors')
       local freed = ms.tensor({ 1, 2 })

@@ -147,6 +147,17 @@ describe('bin/tokenize', function()
     rc, msg = tokenize(('--out %s %s'):format(q(dir .. '/none'), q(dir .. '/missing.txt')))
     assert.are.equal(1, rc)
     assert.truthy(msg:find('missing.txt', 1, true), msg)
+    -- empty input (byte-level: no tokens) is an error that leaves an earlier
+    -- run's shards in the folder (it removed them and wrote none, exit 0)
+    local out = dir .. '/empty_run'
+    assert.are.equal(0, (tokenize(('--out %s %s'):format(q(out), docs))))
+    local before = #shards.list(out .. '/train_*.bin')
+    write_all(dir .. '/empty.txt', '')
+    rc, msg = tokenize(('--out %s %s'):format(q(out), q(dir .. '/empty.txt')))
+    assert.are.equal(1, rc, msg)
+    assert.truthy(msg:find(dir .. '/empty.txt: no tokens (0 bytes); nothing written', 1, true), msg)
+    assert.are.equal(before, #shards.list(out .. '/train_*.bin'))
+    assert.are.equal(1, #shards.list(out .. '/val_*.bin'))
   end)
 end)
 
@@ -347,6 +358,15 @@ describe('shards.Loader', function()
   it('refuses shards too small for one batch, with the numbers', function()
     assert.has_error(function() loader({ batch_size = 64, seq_len = 64 }) end,
       ('shards.Loader: no shard of %s holds a batch: the largest has 2500 tokens, a batch of world_size 1 x B 64 x T 64 needs 4096 + 1'):format(sdir))
+    -- a list of files (data.open's val shards: bin/train --data DIR) is
+    -- named by its files (it was 'no shard of table: 0x...')
+    local a, b = sdir .. '/shard_01.bin', sdir .. '/shard_03.bin'
+    assert.has_error(function() shards.Loader({ files = { a, b }, batch_size = 64, seq_len = 64 }) end,
+      ('shards.Loader: no shard of %s, %s holds a batch: the largest has 1000 tokens, a batch of world_size 1 x B 64 x '
+        .. 'T 64 needs 4096 + 1'):format(a, b))
+    local l = shards.Loader({ files = { a, b }, batch_size = 2, seq_len = 8 })
+    assert.are.equal(('%s, %s (2 shards)'):format(a, b), l.name)
+    l:free()
   end)
 
   it('data.open gives train and val loaders from a bin/tokenize folder', function()

@@ -111,6 +111,10 @@ describe('bin/train', function()
       { 'models/gpt2.lua --decay-shape exp', 'decay_shape must be linear, cosine or sqrt' },
       { 'models/gpt2.lua --activation-checkpointing half', 'activation_checkpointing must be none, full' },
       { 'models/gpt2.lua --init-from /nonexistent/dir --steps 1', '/nonexistent/dir/config.json' },
+      -- (byte-level --data took no --val-data: it was ignored, the run validated on --val-fraction's tail)
+      { 'models/gpt2.lua --data README.md --val-data val.bin --steps 1',
+        '--val-data val.bin: validation shards go with token shards in --data (a folder, a glob or a .bin file); '
+          .. 'README.md is byte-level text' },
     }
     for _, c in ipairs(cases) do
       local status, text = bin_train(c[1])
@@ -134,6 +138,20 @@ describe('bin/train', function()
     status, text = bin_train('--help')
     assert.are.equal(0, status, text)
     assert.is_truthy(text:find('usage: bin/train FILE', 1, true), text)
+    -- the launcher's --help with FILE, and a run config's --help (FILE was
+    -- ignored; the config said 'unknown option --help', exit 2)
+    for _, args in ipairs({ '--help models/llama.lua', '-h models/llama.lua' }) do
+      status, text = bin_train(args)
+      assert.are.equal(0, status, args .. ': ' .. text)
+      assert.is_truthy(text:find('llama presets: 1b, llama-1.25b, llama-1b, tiny', 1, true), args .. ': ' .. text)
+    end
+    for _, args in ipairs({ 'configs/tiny.lua --help', '--help configs/tiny.lua', '--config configs/tiny.lua --help' }) do
+      status, text = bin_train(args)
+      assert.are.equal(0, status, args .. ': ' .. text)
+      assert.is_truthy(text:find('--batch-size', 1, true), args .. ': ' .. text)
+    end
+    status, text = bin_train('configs/tiny.lua --help')
+    assert.is_truthy(text:find('gpt2 presets: gpt2, gpt2-124m, gpt2-350m, tiny', 1, true), text)
   end)
 
   it('runs a training script as it is, with its arguments', function()

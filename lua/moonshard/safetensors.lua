@@ -297,8 +297,13 @@ local function plan(path, tbl, metadata, what)
     end
     for k, v in pairs(metadata) do
       if type(k) ~= 'string' or type(v) ~= 'string' then
-        error(('safetensors: %s %s: metadata must map strings to strings, got %s %s -> %s %s'):format(
-          what, path, type(k), tostring(k), type(v), tostring(v)), 3)
+        -- save(path, m:state_dict()) passes state_dict's second result (its
+        -- names, a list) on as the metadata
+        local names_list = type(k) == 'number' and type(v) == 'string' and tbl[v] ~= nil
+        error(('safetensors: %s %s: metadata must map strings to strings, got %s %s -> %s %s%s'):format(
+          what, path, type(k), tostring(k), type(v), tostring(v), names_list and
+            ' (a list of the tensors\' names: state_dict()\'s second result? save(path, (m:state_dict())) '
+            .. 'passes the table alone)' or ''), 3)
       end
       meta_keys[#meta_keys + 1] = k
     end

@@ -241,14 +241,16 @@ function shards.Loader(opts)
     if ns > 0 then active[#active + 1] = i end
   end
   self.active = active -- files with at least one sample (1-based indices)
+  -- the files as given: a glob or folder, or a list (data.open's val shards)
+  local given = type(opts.files) == 'table' and table.concat(opts.files, ', ') or tostring(opts.files)
   if self.total == 0 then
     local biggest = 0
     for _, s in ipairs(self.shards) do biggest = math.max(biggest, s.n) end
     self:free()
     error(('shards.Loader: no shard of %s holds a batch: the largest has %d tokens, a batch of world_size %d x B %d x T %d needs %d + 1')
-      :format(tostring(opts.files), biggest, W, B, Tn, span), 2)
+      :format(given, biggest, W, B, Tn, span), 2)
   end
-  self.name = opts.name or (#files == 1 and files[1] or ('%s (%d shards)'):format(tostring(opts.files), #files))
+  self.name = opts.name or (#files == 1 and files[1] or ('%s (%d shards)'):format(given, #files))
   return self
 end
 

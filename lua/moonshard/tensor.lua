@@ -573,19 +573,21 @@ end
 function M.narrow(t, d, start, length)
   live(t, 'narrow')
   local n = tonumber(t.sizes[cdim(t, d)])
+  local given = start
   if start < 0 then start = n + start + 1 end
-  if start < 1 or length < 0 or start - 1 + length > n then  -- 1-based in the message too
+  if start < 1 or length < 0 or start - 1 + length > n then  -- 1-based in the message too, as given
     error(('narrow: start %d length %d out of range for dim %d of size %d (shape (%s))'):format(
-      start, length, d, n, table.concat(t.shape, ',')), 2)
+      given, length, d, n, table.concat(t.shape, ',')), 2)
   end
   return op(C.ms_tensor_narrow, t, cdim(t, d), start - 1, length)
 end
 function M.select(t, d, i)
   local cd = cdim(t, d)
   local n = tonumber(t.sizes[cd])
+  local given = i
   if i < 0 then i = n + i + 1 end
-  if i < 1 or i > n then
-    error(('select: index %d out of range for dim %d of size %d'):format(i, d, n), 2)
+  if i < 1 or i > n then  -- the index as given (1-based, or negative from the end)
+    error(('select: index %d out of range for dim %d of size %d'):format(given, d, n), 2)
   end
   local v = op(C.ms_tensor_narrow, t, cd, i - 1, 1)
   return op(C.ms_tensor_squeeze, v, cd)
@@ -598,7 +600,15 @@ end
 function M.permute(t, ...)
   local p = shape_args(...)
   local arr = int_arr(math.max(#p, 1))
-  for i = 1, #p do arr[i - 1] = cdim(t, p[i]) end
+  local seen = {}
+  for i = 1, #p do
+    arr[i - 1] = cdim(t, p[i])
+    -- (named here as given: the core's message counts dims from 0)
+    if seen[arr[i - 1]] then
+      error(('permute: dim %d repeated in (%s)'):format(p[i], table.concat(p, ',')), 2)
+    end
+    seen[arr[i - 1]] = true
+  end
   return op(C.ms_tensor_permute, t, #p, arr)
 end
 function M.expand(t, ...)

@@ -1382,6 +1382,13 @@ function train.run(opts)
     o.config = opts.config   -- (in run.json and the options saved; never taken from a checkpoint)
     resume = { path = c.path, state = st, sharded = train.is_sharded_checkpoint(c.path), layout = layout,
       layout_left = left, notes = notes }
+  elseif o.out and #ckpt.list(o.out) > 0 then
+    -- a fresh run in the folder of an earlier one would truncate its
+    -- metrics.jsonl, and its own checkpoints would sit among the earlier
+    -- run's (pruned at once when those have later steps; a --resume then
+    -- takes the earlier run's)
+    usage('--out %s holds checkpoints of an earlier run (%s): --resume to continue it, or another --out',
+      o.out, ckpt.name(ckpt.list(o.out)[1].step))
   end
 
   -- a HYBRID_SHARD checkpoint resumed in one process (`bin/train --resume
@@ -1760,6 +1767,10 @@ function train.run(opts)
     usage('--seq-len %d exceeds the model\'s %d positions (raise the model\'s positions with --model.<field>)', o.seq_len, max_pos)
   end
   local sharded = train.is_shard_data(o.data)
+  if o.val_data and not sharded then
+    usage('--val-data %s: validation shards go with token shards in --data (a folder, a glob or a .bin file); %s is '
+      .. 'byte-level text, whose validation split is --val-fraction', o.val_data, o.data or 'the default corpus')
+  end
   if not sharded and (cfg.vocab_size or 256) < 256 then
     usage('byte-level data needs a vocabulary of at least 256 tokens; the model has %d', cfg.vocab_size)
   end
@@ -3119,6 +3130,12 @@ function train.main_file(path, args)
       return 0
     elseif kind == 'config' then
       _G.arg = env_arg
+      for _, a in ipairs(args) do
+        if a == '--help' or a == '-h' then   -- the options, and its model's presets when it names one
+          local okm, M = pcall(train.load_model, v.model)
+          print(train.usage_text(okm and M or nil)); return 0
+        end
+      end
       local o = train.parse_args(args)
       o.config = path
       train.run(o)

@@ -1332,8 +1332,17 @@ local function sdpa_prep(t, r, cdt)
   if x ~= t and x ~= c then free(x) end
   return c
 end
+local sdpa_options = { causal = true, scale = true, mask = true, unfused = true }
 function nnf.scaled_dot_product_attention(q, k, v, opts)
   opts = opts or {}
+  -- an option it does not know would be ignored: PyTorch's is_causal = false
+  -- gave causal attention (causal is on unless causal = false)
+  for key in pairs(opts) do
+    if not sdpa_options[key] then
+      error(('scaled_dot_product_attention: unknown option %s (options: causal, scale, mask, unfused%s)'):format(
+        tostring(key), key == 'is_causal' and "; PyTorch's is_causal is causal here, true unless causal = false" or ''), 2)
+    end
+  end
   need_tensor('scaled_dot_product_attention', q, 'q')
   need_tensor('scaled_dot_product_attention', k, 'k')
   need_tensor('scaled_dot_product_attention', v, 'v')
