@@ -429,6 +429,14 @@ end
 -- is a leaf without tensor hooks or post-accumulate hooks (they see every
 -- gradient handed over) whose grad is there, contiguous, and of the input's
 -- shape, dtype and device; else nil (return the gradient as usual).
+-- (g when it is contiguous and of input i's shape, dtype and device)
+local function as_input(node, i, g)
+  if g.dtype_id ~= node.idtype[i] or g.device_id ~= node.idev[i] or not same_shape(g, node.ishape[i])
+      or not M.is_contiguous(g) then
+    return nil
+  end
+  return g
+end
 function A.inplace_leaf_grad(node, i)
   local leaf = node.leaf and node.leaf[i]
   if not leaf or not node.need[i] then return nil end
@@ -436,11 +444,7 @@ function A.inplace_leaf_grad(node, i)
   if not m or m.hooks or m.post_hooks then return nil end
   local g = m.grad
   if g == nil or g.storage == nil then return nil end
-  if g.dtype_id ~= node.idtype[i] or g.device_id ~= node.idev[i] or not same_shape(g, node.ishape[i])
-      or not M.is_contiguous(g) then
-    return nil
-  end
-  return g
+  return as_input(node, i, g)
 end
 
 -- The walk whose node's backward is running (run_node sets it around each
@@ -468,11 +472,7 @@ function A.pending_grad(node, i)
   if g == nil then return nil end
   local gid = tonumber(g.id)
   if not w.taken[gid] or w.borrowed[gid] or g.storage == nil or g.storage.refcount ~= 1 then return nil end
-  if g.dtype_id ~= node.idtype[i] or g.device_id ~= node.idev[i] or not same_shape(g, node.ishape[i])
-      or not M.is_contiguous(g) then
-    return nil
-  end
-  return g
+  return as_input(node, i, g)
 end
 
 -- Gradient sinks: a wider buffer a leaf's gradient may be written into
