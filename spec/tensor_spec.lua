@@ -637,4 +637,128 @@ describe('tensor', function()
       assert.are.equal(b0, ms.live_bytes())
     end)
   end)
+
+  -- T.meta (autograd's grad, grad_fn, ...) is keyed by the handle's id; a
+  -- handle is freed by C when collected, or by the Lua finalizer that drops
+  -- its entry once it has one (tensor.lua, T.new_meta). The tensors are
+  -- made in functions that return only ids, so no stack slot keeps them.
+  describe('metadata and collection', function()
+    local function entries()
+      local n = 0
+      for _ in pairs(T.meta) do n = n + 1 end
+      return n
+    end
+    local function settle()
+      for _ = 1, 3 do collectgarbage() end
+    end
+
+    it("a grad set on a tensor lives while the tensor does, and its entry goes with it", function()
+      settle()
+      local n0, b0 = entries(), ms.live_bytes()
+      local keep = {}
+      local function make()
+        local x = ms.tensor({ { 1, 2 }, { 3, 4 } })
+        x.grad = ms.tensor({ { 5, 6 }, { 7, 8 } })
+        keep.x = x
+        return tonumber(x.id)
+      end
+      local id = make()
+      settle()
+      assert.is_table(T.meta[id])
+      assert.are.same({ { 5, 6 }, { 7, 8 } }, keep.x.grad:totable())
+      assert.are.same({ { 1, 2 }, { 3, 4 } }, keep.x:totable())
+      keep.x = nil
+      settle()
+      assert.is_nil(T.meta[id])
+      assert.are.equal(n0, entries())
+      assert.are.equal(b0, ms.live_bytes())
+    end)
+
+    it('a recorded output keeps its grad_fn while referenced and loses its entry once collected', function()
+      settle()
+      local n0, s0, b0 = entries(), ms.live_storages(), ms.live_bytes()
+      local keep = {}
+      local function make()
+        local w = ms.tensor({ 1, 2, 3 }):requires_grad_()
+        local y = (w * 2):sum()
+        keep.w, keep.y = w, y
+        return tonumber(y.id), tonumber(w.id)
+      end
+      local yid = make()
+      settle()
+      assert.is_not_nil(T.meta[yid] and T.meta[yid].grad_fn)
+      assert.is_not_nil(keep.y.grad_fn)
+      keep.y:backward()
+      settle()
+      assert.are.same({ 2, 2, 2 }, keep.w.grad:totable())
+      keep.w, keep.y = nil, nil
+      settle()
+      assert.is_nil(T.meta[yid])
+      assert.are.equal(n0, entries())
+      assert.are.equal(s0, ms.live_storages())
+      assert.are.equal(b0, ms.live_bytes())
+    end)
+
+    it('dropped tensors with and without entries, views among them, return their memory when collected', function()
+      settle()
+      local n0, s0, b0 = entries(), ms.live_storages(), ms.live_bytes()
+      local ids = {}
+      local function make()
+        local keep = {}
+        for i = 1, 300 do
+          local x = ms.randn({ 8, 8 })
+          local v = x:t():narrow(1, 1, 4)
+          if i % 3 == 0 then v.grad = ms.zeros({ 4, 8 }) end
+          if i % 5 == 0 then   -- (backward consumes the tape, which holds what it recorded)
+            x:requires_grad_()
+            local y = (x * 3):sum()
+            y:backward()
+            keep[#keep + 1] = y
+          end
+          keep[#keep + 1] = v
+          ids[#ids + 1] = tonumber(v.id)
+        end
+        assert.is_true(ms.live_storages() >= s0 + 300)
+        return #keep
+      end
+      make()
+      settle()
+      for _, id in ipairs(ids) do assert.is_nil(T.meta[id]) end
+      assert.are.equal(n0, entries())
+      assert.are.equal(s0, ms.live_storages())
+      assert.are.equal(b0, ms.live_bytes())
+    end)
+
+    it('free() drops the entry at once; an entry made after it still goes with the tensor', function()
+      settle()
+      local n0 = entries()
+      local keep = {}
+      local function make()
+        local x = ms.zeros({ 2 })
+        x.grad = ms.ones({ 2 })
+        x:free()
+        keep.id = tonumber(x.id)
+        assert.is_nil(T.meta[keep.id])
+        x.grad = ms.ones({ 2 })
+        keep.x = x
+      end
+      make()
+      settle()
+      assert.is_table(T.meta[keep.id])
+      keep.x = nil
+      settle()
+      assert.is_nil(T.meta[keep.id])
+      assert.are.equal(n0, entries())
+    end)
+
+    it('refuses metadata on an ms_tensor* read from C, whose finalizer would free the handle twice', function()
+      local x = ms.zeros({ 2 })
+      local p = ffi.cast('ms_tensor *', x)
+      local e = errmsg(function() p.grad = ms.ones({ 2 }) end)
+      assert.matches('not an ms_tensor* read from C', e, 1, true)
+      assert.is_nil(T.meta[tonumber(x.id)])
+      x.grad = ms.ones({ 2 })
+      assert.are.same({ 1, 1 }, x.grad:totable())
+    end)
+  end)
 end)

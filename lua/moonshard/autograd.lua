@@ -109,10 +109,11 @@ local function needs(x)
 end
 A.needs_grad = needs
 
+local new_meta = T.new_meta
 local function getmeta(t)
   local id = tonumber(t.id)
   local m = meta[id]
-  if not m then m = {}; meta[id] = m end
+  if not m then m = new_meta(t, id) end
   return m
 end
 local function peekmeta(t) return meta[tonumber(t.id)] end

@@ -96,9 +96,38 @@ local i64_arr = ffi.typeof('int64_t[?]')
 local int_arr = ffi.typeof('int[?]')
 
 -- Lua-side metadata (autograd's grad, node, ...), keyed by the handle's id
--- and dropped when the handle is collected.
+-- (ids count up in C and are never reused) and dropped when the handle is
+-- collected or freed. Entries are made by T.new_meta only.
 T.meta = {}
 local meta = T.meta
+
+-- Finalizers. A handle has one owner, the cdata T.wrap returned: every
+-- tensor the Lua face hands out is one, and no code makes a second cdata
+-- of a handle but the ms_tensor* written into the boxes and arrays C calls
+-- take. The collector frees a handle that never got an entry in T.meta
+-- with ms_tensor_free itself, no Lua call (most handles: a step drops
+-- thousands, and the Lua finalizer, interpreted, cost about 200 ns more a
+-- handle; docs/perf-notes.md, thirty-eighth session). T.new_meta switches
+-- the handle to free_handle, which drops the entry with it, so no entry
+-- outlives its tensor.
+local tensor_free = C.ms_tensor_free
+local function free_handle(t)
+  meta[tonumber(t.id)] = nil
+  tensor_free(t)
+end
+local ptr_ct = ffi.typeof('ms_tensor *')
+
+-- a new metadata table for t, meta[id] (id = tonumber(t.id), which has
+-- none yet)
+function T.new_meta(t, id)
+  if ffi.istype(ptr_ct, t) then   -- (a borrowed pointer: its finalizer would free the handle twice)
+    error('tensor metadata (grad, grad_fn, hooks) needs a tensor of the Lua face, not an ms_tensor* read from C', 0)
+  end
+  local m = {}
+  meta[id] = m
+  ffi.gc(t, free_handle)
+  return m
+end
 
 -- Memory the GC cannot see: LuaJIT's collector counts a tensor handle as a
 -- few bytes, whatever its storage holds. So the allocator's own counters
@@ -108,10 +137,6 @@ local meta = T.meta
 -- a steady loop reaches a steady cache (no new cudaMalloc) after one cycle.
 local gc_min = 64 * 2 ^ 20
 local next_gc = gc_min
-local function free_handle(t)
-  meta[tonumber(t.id)] = nil
-  C.ms_tensor_free(t)
-end
 local function gc_nudge()
   local total = tonumber(C.ms_bytes_allocated_total())
   if total > next_gc then
@@ -128,7 +153,7 @@ function T.wrap(p)
   -- traces starting here abort in the caller, and once it blacklists this
   -- function every trace through an op aborts; docs/perf-notes.md, "Host
   -- cost per op")
-  local t = ffi.gc(p[0], free_handle)
+  local t = ffi.gc(p[0], tensor_free)
   return t
 end
 local wrap = T.wrap
