@@ -236,24 +236,29 @@ local function defer_weight_bias(node, x2, g2, wt, dbs, sink)
   A.defer(node, WB, deferred_weight_bias, dropped_weight_bias, d)
 end
 
+-- input 1's gradient g2 (N, out) times w (transposed when tw) in input
+-- 1's shape; or added into the gradient its other readers gave already,
+-- when the walk hands it over (A.pending_grad: no add, no second tensor),
+-- and nil
+local function input_grad(node, g2, w, tw)
+  local into = A.pending_grad(node, 1)
+  if into and into.dtype_id == g2.dtype_id and w.dtype_id == g2.dtype_id then
+    local i2 = rows(into)
+    F.gemm_(i2, g2, w, false, tw, 1, 1)
+    if i2 ~= into then free(i2) end
+    return nil
+  end
+  local d2 = F.matmul(g2, w, false, tw) -- (N, in)
+  local dx = R.reshape(d2, node.ishape[1])
+  if dx ~= d2 then free(d2) end
+  return dx
+end
+
 local function bwd_affine(node, g)
   local x2, w, wt = node.saved[1], node.saved[2], node.saved.wt
   local g2 = rows(g)
   local dx
-  if node.need[1] then
-    -- added into the gradient the input's other readers gave already, when
-    -- the walk hands it over (A.pending_grad): no add, no second tensor
-    local into = A.pending_grad(node, 1)
-    if into and into.dtype_id == g2.dtype_id and w.dtype_id == g2.dtype_id then
-      local i2 = rows(into)
-      F.gemm_(i2, g2, w, false, not wt, 1, 1)
-      if i2 ~= into then free(i2) end
-    else
-      local d2 = F.matmul(g2, w, false, not wt) -- (N, in)
-      dx = R.reshape(d2, node.ishape[1])
-      if dx ~= d2 then free(d2) end
-    end
-  end
+  if node.need[1] then dx = input_grad(node, g2, w, not wt) end
   -- the bias gradient from the norm backward when it made g (delivered in
   -- the bias's dtype by the autograd, as any gradient)
   local dbs = node.need[3] and take_pending_sum(node, g) or nil
@@ -758,18 +763,30 @@ function nnf.relu(x) return W.relu(x) end
 -- (ms_moe_swiglu / _backward: silu(gate) neither stored nor saved; the
 -- backward's d gate and d up in one pass into one (..., 2I) gradient, the
 -- gradient of that product)
+-- h2 (N, I) = the SwiGLU of gu2 (N, 2I), contiguous
+local function swiglu_rows(gu2)
+  local h2 = T.empty({ tonumber(gu2.sizes[0]), tonumber(gu2.sizes[1]) / 2 },
+    { dtype = gu2.dtype_id, device = gu2.device_id })
+  T.check(T.C.ms_moe_swiglu(h2, gu2), 3)
+  return h2
+end
+-- d13 (N, 2I) = the gradient of gu2 (N, 2I) from g (..., I), any layout
+local function swiglu_grad_rows(gu2, g)
+  local gc = R.contiguous(g)
+  local g2 = rows(gc)
+  local d13 = T.empty(shape_of(gu2), { dtype = gu2.dtype_id, device = gu2.device_id })
+  T.check(T.C.ms_moe_swiglu_backward(d13, gu2, g2))
+  if g2 ~= gc then free(g2) end
+  if gc ~= g then free(gc) end
+  return d13
+end
 local function bwd_swiglu_cat(node, g)
   local gu = node.saved[1]
   local gu2 = rows(gu)
-  local gc = R.contiguous(g)
-  local g2 = rows(gc)
-  local d = T.empty(shape_of(gu), { dtype = gu.dtype_id, device = gu.device_id })
-  local d2 = rows(d)
-  T.check(T.C.ms_moe_swiglu_backward(d2, gu2, g2))
-  if d2 ~= d then free(d2) end
-  if g2 ~= gc then free(g2) end
-  if gc ~= g then free(gc) end
+  local d2 = swiglu_grad_rows(gu2, g)
   if gu2 ~= gu then free(gu2) end
+  local d = R.reshape(d2, shape_of(gu))
+  if d ~= d2 then free(d2) end
   return d
 end
 function nnf.swiglu_cat(gu)
@@ -779,13 +796,8 @@ function nnf.swiglu_cat(gu)
     error(('swiglu_cat: gu must end in an even dimension (2 I), got %s'):format(dims(gu)), 2)
   end
   local c = R.contiguous(gu)
-  local hs = {}
-  for i = 1, #s do hs[i] = s[i] end
-  hs[#hs] = s[#s] / 2
-  local h = T.empty(hs, { dtype = gu.dtype_id, device = gu.device_id })
-  local c2, h2 = rows(c), rows(h)
-  T.check(T.C.ms_moe_swiglu(h2, c2), 2)
-  if h2 ~= h then free(h2) end
+  local c2 = rows(c)
+  local h = unrows(swiglu_rows(c2), c, s[#s] / 2)
   if c2 ~= c then free(c2) end
   if want(gu) then
     record1('swiglu_cat', h, bwd_swiglu_cat, { c }, c ~= gu and { c } or nil, gu)
@@ -848,25 +860,9 @@ nnf.joined_rows = joined_rows
 local function bwd_swiglu_gate_up(node, g)
   local s = node.saved
   local x2, w, gu2 = s[1], s[2], s[3]
-  local gc = R.contiguous(g)
-  local g2 = rows(gc)
-  local d13 = T.empty(shape_of(gu2), { dtype = gu2.dtype_id, device = gu2.device_id })
-  T.check(T.C.ms_moe_swiglu_backward(d13, gu2, g2))
-  if g2 ~= gc then free(g2) end
-  if gc ~= g then free(gc) end
+  local d13 = swiglu_grad_rows(gu2, g)
   local dx, dwg, dwu
-  if node.need[1] then
-    local into = A.pending_grad(node, 1)
-    if into and into.dtype_id == d13.dtype_id then
-      local i2 = rows(into)
-      F.gemm_(i2, d13, w, false, false, 1, 1)
-      if i2 ~= into then free(i2) end
-    else
-      local d2 = F.matmul(d13, w, false, false)
-      dx = R.reshape(d2, node.ishape[1])
-      if dx ~= d2 then free(d2) end
-    end
-  end
+  if node.need[1] then dx = input_grad(node, d13, w, false) end
   if node.need[2] or node.need[3] then
     local sg, su = A.grad_sink(node, 2), A.grad_sink(node, 3)
     local joint = nil
@@ -907,10 +903,7 @@ function nnf.swiglu_gate_up_joined(x, wg, wu)
   end
   local x2 = rows(x)
   local gu2 = F.matmul(x2, w, false, true)   -- (N, 2I)
-  local I = tonumber(wg.sizes[0])
-  local h2 = T.empty({ tonumber(gu2.sizes[0]), I }, { dtype = gu2.dtype_id, device = gu2.device_id })
-  T.check(T.C.ms_moe_swiglu(h2, gu2), 2)
-  local h = unrows(h2, x, I)
+  local h = unrows(swiglu_rows(gu2), x, tonumber(wg.sizes[0]))
   if want(x, wg, wu) then
     local keep_x = A.needs_grad(wg) or A.needs_grad(wu)
     local keep_w = A.needs_grad(x)
@@ -1716,7 +1709,6 @@ end
 -- other matmul-like entry points are wrapped here, so they cast whatever
 -- their definitions above become. lm_loss stays looked up at call time.
 nnf.autocast, nnf.set_precision = amp.autocast, amp.set_precision
-nnf.amp_dtype = amp.dtype   -- (the autocast region's dtype id, or nil)
 do
   local sdpa = nnf.scaled_dot_product_attention
   function nnf.scaled_dot_product_attention(q, k, v, opts)

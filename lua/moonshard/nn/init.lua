@@ -27,6 +27,7 @@
 -- each returns a handle with :remove().
 local T = require 'moonshard.tensor'
 local A = require 'moonshard.autograd'
+local amp = require 'moonshard.amp'
 local nnf = require 'moonshard.nn.functional'
 local ffi = require 'ffi'
 
@@ -824,7 +825,7 @@ function GatedMLP:forward(x)
         return self.down_proj(nnf.swiglu_gate_up(x, wg, wu))
       end
     elseif fs.manages(wg) and fs.manages(wu) and x.dtype_id == wg.dtype_id
-        and (nnf.amp_dtype() == nil or nnf.amp_dtype() == wg.dtype_id)
+        and (amp.dtype() == nil or amp.dtype() == wg.dtype_id)
         and not A.defers_readers(x) and not nnf.weight_grads_deferred()
         and nnf.side_by_side(wg, wu) then
       -- FSDP's gathered weights, side by side in the unit's buffer: their
